@@ -1,0 +1,1280 @@
+#!/usr/bin/env python3
+"""A loopback stand-in for ``python -m sglang.launch_server``, for dvfs's tests.
+
+Why it exists: SGLang needs a CUDA GPU, the test machines have none, and dvfs's
+engine code must still be exercised end to end.  This script parses the launch
+argv the way SGLang 0.5.9 / 0.5.23 would (rebuilt from the option tables in
+``tests/data/sglang-args/``) and then serves SGLang's HTTP protocol
+(``/health``, ``/generate`` streaming and not, ``/server_info``, ``/flush_cache``,
+``/metrics``) with fake tokens and configurable timing and faults.  Standard
+library only.
+
+Launch (in place of ``[python, -m, sglang.launch_server]``)::
+
+    SGLANG_STUB_CONFIG=/tmp/stub.json \\
+        python tests/fakes/sglang_stub.py --model-path M --port P [launch_server argv...]
+
+Exit codes: 2 = argparse rejected the argv (as SGLang would; message on stderr);
+1 = SGLang-like post-parse failure (``AssertionError``/``ValueError`` line on
+stderr: partial speculative triple, unknown algorithm, deprecated flag, port in
+use, non-loopback host); 3 = the stub's own config file is bad; 0 = stopped by
+SIGTERM/SIGINT or by ``max_lifetime_s``.  ``die_after_requests`` exits with 1.
+
+Config: env ``SGLANG_STUB_CONFIG`` names a JSON object; every key is optional and
+unknown keys are refused (exit 3) so that typos do not pass silently.
+
+- ``version`` ("0.5.23"): "0.5.9" or "0.5.23"; picks the option table, meta_info
+  names and version differences.
+- ``startup_s`` (0.2): seconds after the port opens during which ``/health``,
+  ``/health_generate`` and ``/generate`` answer 503.
+- ``listen_delay_s`` (0.0): seconds before the port is even bound (connection
+  refused meanwhile, like SGLang loading weights).
+- ``ttft_s`` (0.02): time from request arrival to the first token.
+- ``tpot_s`` (0.005): time per decode step after that.
+- ``accept_length`` (2.5): mean tokens per decode step when a speculative
+  algorithm is set; each step emits floor or ceil of it (seeded draw, so the mean
+  matches), clamped to [1, tokens one verify can yield].  Without speculation a
+  step always emits 1 token.
+- ``num_draft_tokens`` (null): overrides the resolved
+  ``speculative_num_draft_tokens`` (server_info and draft statistics), e.g. to
+  play a DFLASH checkpoint's block size.
+- ``seed`` (0): seeds every random choice; each /generate sub-request draws from
+  ``Random(f"{seed}:{request_number}:{index}")``.
+- ``natural_stop`` (false): when true, requests without ``ignore_eos`` stop at a
+  seeded random length in [max(1, min_new_tokens), max_new_tokens] with
+  ``finish_reason {"type": "stop", "matched": 2}`` (``length`` if the draw hits
+  max_new_tokens).  When false every request runs to max_new_tokens.
+- ``die_after_requests`` (null): N >= 1; when the N-th /generate request arrives
+  the process calls ``os._exit(1)`` after ``die_delay_s`` (0.0: at once, before
+  answering it; > 0: mid-stream of it and of anything else in flight).
+- ``die_delay_s`` (0.0): see above.
+- ``fail_after_requests`` (null): /generate requests number N, N+1, ... are
+  answered ``fail_status`` with ``{"error": {"message": ...}}`` (0 fails them
+  all).  Both fault counters number /generate requests from 1 as they arrive
+  once the server is ready; a body that is not a JSON object is not counted.
+- ``fail_status`` (500): the status used by ``fail_after_requests``.
+- ``malformed_chunk_at`` (null): k >= 0; in every streamed response the k-th data
+  chunk (0-based) is replaced by a ``data:`` line that is not JSON; the stream
+  then goes on normally.
+- ``stall_after_chunks`` (null): k >= 0; every streamed response stops after k
+  data chunks (``[DONE]`` not counted), keeps the connection open without sending anything for
+  ``stall_s`` seconds, then drops it without the terminating chunk.
+- ``stall_s`` (30.0): see above.
+- ``flush_busy_s`` (0.0): ``/flush_cache`` answers 400 while any /generate is in
+  flight and also for this many seconds after the server became ready.
+- ``max_lifetime_s`` (600.0): the process shuts itself down (exit 0) this many
+  seconds after it started, so that no orphan outlives a test run.
+
+Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
+and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
+every N decode steps), ``--stream-output`` (0.5.9) / ``--incremental-streaming-
+output`` (0.5.23) (delta chunks instead of cumulative ones), ``--weight-version``,
+``--served-model-name``, ``--disable-radix-cache`` (cached_tokens always 0).
+
+Timing and tokens: a sub-request (one prompt x one of ``n`` samples) emits its
+first token ``ttft_s`` after arrival and then one decode step every ``tpot_s``
+(the last step is cut so that the total is exactly the target length).  Text is
+fake words (" tok123"), output_ids ints; prompts count one BOS plus one token per
+whitespace word; cached_tokens is the longest prefix shared with a prompt seen
+since the last flush, minus the last token.  A stream sends one ``data:`` chunk
+per decode step, cumulative by default, ``"index"`` for list inputs, then
+``data: [DONE]``, over HTTP/1.1 chunked transfer (keep-alive).
+
+meta_info, every chunk: id, finish_reason (null until the last), prompt_tokens,
+completion_tokens, cached_tokens, weight_version, and num_retractions (0.5.23) /
+total_retractions (0.5.9); 0.5.23 with --enable-metrics adds request_received_ts,
+queue_time, first_token_latency.  Last chunk only: e2e_latency; 0.5.23 with
+--enable-metrics adds request_finished_ts, decode_throughput; with a speculative
+algorithm: spec_verify_ct (decode steps), and when it is > 0 spec_accept_length
+(completion_tokens / spec_verify_ct, so the prefill token counts), spec_accept_rate
+(accepted drafts / (verify x (num_draft_tokens - 1))), and accepted drafts,
+proposed drafts and the per-verify accepted-drafts histogram (length
+num_draft_tokens) as spec_num_correct_drafts / spec_num_proposed_drafts /
+spec_correct_drafts_histogram (0.5.23) or spec_accept_token_num /
+spec_draft_token_num / spec_accept_histogram (0.5.9).
+/server_info internal_states[0].avg_spec_accept_length is the mean tokens per
+decode step (prefill token excluded) since the last flush (0.5.23) or since start
+(0.5.9, whose flush does not reset it); 0.0 before any step.
+
+Errors as SGLang reports them: a malformed body or an unknown sampling key
+(0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
+too, but on a streaming request it arrives in-band as ``data: {"error": ...}``
+followed by ``data: [DONE]`` on a 200 stream.  Logs go to stderr, one line per
+HTTP request plus one per finished /generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+ARGS_DIR = Path(__file__).resolve().parent.parent / "data" / "sglang-args"
+VERSIONS = ("0.5.9", "0.5.23")
+DEFAULT_VERSION = "0.5.23"
+LOOPBACK_HOSTS = {"127.0.0.1": socket.AF_INET, "localhost": socket.AF_INET, "::1": socket.AF_INET6}
+EOS_TOKEN_ID = 2
+BOS_TOKEN_ID = 1
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+# Names SGLang gives in meta_info, per version (protocol file, "Responses").
+RETRACTION_KEY = {"0.5.23": "num_retractions", "0.5.9": "total_retractions"}
+SPEC_DRAFT_KEYS = {
+    "0.5.23": (
+        "spec_num_correct_drafts",
+        "spec_num_proposed_drafts",
+        "spec_correct_drafts_histogram",
+    ),
+    "0.5.9": ("spec_accept_token_num", "spec_draft_token_num", "spec_accept_histogram"),
+}
+# 0.5.23 takes a registry name; these are its built-ins.  NEXTN is an alias of EAGLE.
+ALGORITHMS_0523 = {"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"}
+
+# Keys SGLang's SamplingParams takes from callers; 0.5.23 refuses any other key.
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+        "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+        "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+        "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+        "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    }
+)  # fmt: skip
+
+# The option tables carry no types; these dests get SGLang's int/float conversion so
+# that a bad number fails like SGLang (exit 2) and server_info reports numbers.
+INT_DESTS = frozenset(
+    {
+        "port", "tp_size", "tensor_parallel_size", "pp_size", "pipeline_parallel_size",
+        "dp_size", "data_parallel_size", "ep_size", "expert_parallel_size",
+        "max_running_requests", "max_total_tokens", "max_prefill_tokens",
+        "chunked_prefill_size", "context_length", "cuda_graph_max_bs",
+        "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "cuda_graph_bs",
+        "cuda_graph_bs_decode", "cuda_graph_bs_prefill", "speculative_num_steps",
+        "speculative_eagle_topk", "speculative_num_draft_tokens",
+        "speculative_dflash_block_size", "speculative_dspark_block_size",
+        "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+        "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+        "speculative_ngram_branch_length", "speculative_ngram_capacity",
+        "speculative_ngram_max_trie_depth", "stream_interval", "random_seed", "base_gpu_id",
+        "gpu_id_step", "nnodes", "node_rank", "max_queued_requests",
+    }
+)  # fmt: skip
+FLOAT_DESTS = frozenset(
+    {
+        "mem_fraction_static", "speculative_accept_threshold_single",
+        "speculative_accept_threshold_acc", "schedule_conservativeness", "watchdog_timeout",
+    }
+)  # fmt: skip
+# 0.5.9 names some options by their long flag first; SGLang copies them to these fields.
+FIELD_ALIASES = {
+    "tensor_parallel_size": "tp_size",
+    "pipeline_parallel_size": "pp_size",
+    "data_parallel_size": "dp_size",
+    "expert_parallel_size": "ep_size",
+    "attention_context_parallel_size": "attn_cp_size",
+    "attention_data_parallel_size": "attn_dp_size",
+    "moe_data_parallel_size": "moe_dp_size",
+    "decode_context_parallel_size": "dcp_size",
+}
+# The few SGLang defaults dvfs may read back from /server_info (the tables carry none).
+KNOWN_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 30000,
+    "tp_size": 1,
+    "pp_size": 1,
+    "dp_size": 1,
+    "ep_size": 1,
+    "stream_interval": 1,
+    "weight_version": "default",
+    "speculative_ngram_max_bfs_breadth": 10,
+}
+
+
+def log(message: str) -> None:
+    """One line on stderr, flushed: dvfs keeps the server log and shows its tail."""
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] sglang_stub: {message}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- config
+
+
+class StubConfigError(Exception):
+    """The SGLANG_STUB_CONFIG file is unusable (exit 3, not an SGLang-like error)."""
+
+
+@dataclass
+class StubConfig:
+    """Behaviour knobs from SGLANG_STUB_CONFIG; see the module docstring."""
+
+    version: str = DEFAULT_VERSION
+    startup_s: float = 0.2
+    listen_delay_s: float = 0.0
+    ttft_s: float = 0.02
+    tpot_s: float = 0.005
+    accept_length: float = 2.5
+    num_draft_tokens: int | None = None
+    seed: int = 0
+    natural_stop: bool = False
+    die_after_requests: int | None = None
+    die_delay_s: float = 0.0
+    fail_after_requests: int | None = None
+    fail_status: int = 500
+    malformed_chunk_at: int | None = None
+    stall_after_chunks: int | None = None
+    stall_s: float = 30.0
+    flush_busy_s: float = 0.0
+    max_lifetime_s: float = 600.0
+
+
+_FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
+_FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
+_OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
+_OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks")
+
+
+def load_config(environ: Mapping[str, str]) -> StubConfig:
+    """Read and check the JSON config named by SGLANG_STUB_CONFIG (defaults if unset)."""
+    path = environ.get("SGLANG_STUB_CONFIG")
+    if not path:
+        return StubConfig()
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StubConfigError(f"cannot read SGLANG_STUB_CONFIG={path!r}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise StubConfigError("SGLANG_STUB_CONFIG must hold a JSON object")
+    unknown = sorted(set(raw) - {f.name for f in fields(StubConfig)})
+    if unknown:
+        raise StubConfigError(f"unknown config key(s): {', '.join(unknown)}")
+    cfg = StubConfig(**raw)
+    if cfg.version not in VERSIONS:
+        raise StubConfigError(f"version must be one of {VERSIONS}, got {cfg.version!r}")
+    for key in _FLOAT_KEYS:
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise StubConfigError(f"{key} must be a number >= 0, got {value!r}")
+    for key in (*_OPTIONAL_INT_KEYS, "seed", "fail_status"):
+        value = getattr(cfg, key)
+        if value is None and key in _OPTIONAL_INT_KEYS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StubConfigError(f"{key} must be an integer >= 0, got {value!r}")
+    if not isinstance(cfg.natural_stop, bool):
+        raise StubConfigError("natural_stop must be true or false")
+    if cfg.die_after_requests == 0:
+        raise StubConfigError("die_after_requests must be >= 1")
+    if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
+        raise StubConfigError("num_draft_tokens must be >= 1")
+    if not 400 <= cfg.fail_status <= 599:
+        raise StubConfigError(f"fail_status must be an HTTP error status, got {cfg.fail_status}")
+    return cfg
+
+
+# --------------------------------------------------------------------------- argv
+
+
+class LaunchError(Exception):
+    """An SGLang-like failure after parsing (exit 1); ``kind`` names the exception."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _RemovedFlag(argparse.Action):
+    """0.5.9's DeprecatedAction: using the flag aborts the launch with ValueError."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        raise LaunchError("ValueError", f"{option_string} is deprecated and no longer supported")
+
+
+class _DeprecatedStoreTrue(argparse.Action):
+    """0.5.23's DeprecatedStoreTrueAction: warns, then stores True."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", 0)
+        kwargs.setdefault("default", False)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        log(f"warning: '{option_string}' is deprecated and will be removed in a future release")
+        setattr(namespace, self.dest, True)
+
+
+class _DeprecatedStoreValue(argparse.Action):
+    """0.5.23's DeprecatedStoreConstAction (one value per the table): warns, stores it."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        log(f"warning: '{option_string}' is deprecated and will be removed in a future release")
+        setattr(namespace, self.dest, values)
+
+
+class _LoraPaths(argparse.Action):
+    """LoRAPathAction: ``name=path`` or ``path`` entries into a name -> path mapping."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        paths: dict[str, str] = {}
+        for entry in values or []:
+            name, sep, path = str(entry).partition("=")
+            paths[name] = path if sep else name
+        setattr(namespace, self.dest, paths)
+
+
+def _dest_of(flags: Sequence[str]) -> str:
+    """argparse's own dest: the first long flag, dashes to underscores."""
+    return flags[0].lstrip("-").replace("-", "_")
+
+
+def _option_kwargs(option: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Turn one table row into add_argument() flags and kwargs."""
+    flags = list(option["flags"])
+    action, nargs, choices = option["action"], option["nargs"], option["choices"]
+    dest = _dest_of(flags)
+    typ = int if dest in INT_DESTS else float if dest in FLOAT_DESTS else None
+    valued: dict[str, Any] = {"nargs": nargs, "choices": choices}
+    if typ is not None and choices is None:
+        valued["type"] = typ
+    simple = {
+        "_StoreTrueAction": {"action": "store_true"},
+        "_StoreFalseAction": {"action": "store_false"},
+        "_CountAction": {"action": "count"},
+        "_StoreAction": {"action": "store", **valued},
+        "_AppendAction": {"action": "append", **valued},
+        "DeprecatedAction": {"action": _RemovedFlag, "nargs": nargs},
+        "DeprecatedStoreTrueAction": {"action": _DeprecatedStoreTrue},
+        "DeprecatedStoreConstAction": {"action": _DeprecatedStoreValue, **valued},
+        "LoRAPathAction": {"action": _LoraPaths, "nargs": nargs},
+    }
+    if action == "BooleanOptionalAction":
+        positive = [f for f in flags if not f.startswith("--no-")]
+        return positive, {"action": argparse.BooleanOptionalAction}
+    if action not in simple:
+        raise StubConfigError(f"option table uses an action class the stub lacks: {action}")
+    return flags, simple[action]
+
+
+def build_parser(version: str) -> argparse.ArgumentParser:
+    """Rebuild SGLang's launch_server parser for ``version`` from its option table."""
+    table = json.loads((ARGS_DIR / f"{version}.json").read_text(encoding="utf-8"))
+    parser = argparse.ArgumentParser(prog="launch_server.py", allow_abbrev=True)
+    for option in table["options"]:
+        flags, kwargs = _option_kwargs(option)
+        parser.add_argument(*flags, **kwargs)
+    return parser
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """What the resolved speculative args mean for the fake decode loop."""
+
+    algorithm: str
+    num_steps: int | None
+    topk: int | None
+    num_draft_tokens: int
+    max_tokens_per_step: int
+    accept_length: float
+
+
+def _resolve_speculative(args: dict[str, Any], version: str, cfg: StubConfig) -> None:
+    """Apply SGLang's speculative defaults and checks (protocol file, "Launch")."""
+    algorithm = args.get("speculative_algorithm")
+    if algorithm is None:
+        return
+    algorithm = str(algorithm).upper() if version == "0.5.23" else str(algorithm)
+    if version == "0.5.23" and algorithm not in ALGORITHMS_0523:
+        raise LaunchError(
+            "ValueError", f"Unknown speculative algorithm: {args['speculative_algorithm']}"
+        )
+    if algorithm == "NEXTN":
+        algorithm = "EAGLE"
+    args["speculative_algorithm"] = algorithm
+    trio = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    if algorithm == "NGRAM":
+        if args.get("speculative_num_draft_tokens") is None:
+            args["speculative_num_draft_tokens"] = 12
+    elif algorithm == "DFLASH":
+        block = args.get("speculative_dflash_block_size") or args.get(
+            "speculative_num_draft_tokens"
+        )
+        block = block or 16
+        args.update(speculative_num_steps=1, speculative_eagle_topk=1)
+        args.update(speculative_num_draft_tokens=block, speculative_dflash_block_size=block)
+    else:
+        given = [name for name in trio if args.get(name) is not None]
+        if not given:
+            llama = "llama" in str(args.get("model_path") or "").lower()
+            steps, topk, drafts = (5, 4, 8) if llama else (3, 1, 4)
+            args.update(dict(zip(trio, (steps, topk, drafts), strict=True)))
+        elif len(given) < len(trio):
+            missing = ", ".join("--" + n.replace("_", "-") for n in trio if n not in given)
+            raise LaunchError(
+                "AssertionError",
+                f"--speculative-num-steps, --speculative-eagle-topk and "
+                f"--speculative-num-draft-tokens must be set all together or not at all; "
+                f"missing {missing}",
+            )
+        if args["speculative_eagle_topk"] == 1:
+            forced = args["speculative_num_steps"] + 1
+            if args["speculative_num_draft_tokens"] != forced:
+                log(f"warning: topk == 1 sets speculative_num_draft_tokens={forced}")
+            args["speculative_num_draft_tokens"] = forced
+    if cfg.num_draft_tokens is not None:
+        args["speculative_num_draft_tokens"] = cfg.num_draft_tokens
+        if algorithm == "DFLASH":
+            args["speculative_dflash_block_size"] = cfg.num_draft_tokens
+    if args.get("max_running_requests") is None:
+        args["max_running_requests"] = 48
+
+
+def resolve_server_args(ns: argparse.Namespace, version: str, cfg: StubConfig) -> dict[str, Any]:
+    """Parsed argv -> SGLang-like server args (field names, defaults, speculative rules)."""
+    args = dict(vars(ns))
+    for long_name, field_name in FIELD_ALIASES.items():
+        if long_name in args:
+            args[field_name] = args.pop(long_name)
+    for key, value in KNOWN_DEFAULTS.items():
+        if key in args and args[key] is None:
+            args[key] = value
+    for key in ("tokenizer_path", "served_model_name"):
+        if key in args and args[key] is None:
+            args[key] = args["model_path"]
+    _resolve_speculative(args, version, cfg)
+    return args
+
+
+def spec_settings(args: dict[str, Any], cfg: StubConfig) -> SpecSettings | None:
+    """How many tokens one verify pass may yield, and the configured mean."""
+    algorithm = args.get("speculative_algorithm")
+    if algorithm is None:
+        return None
+    drafts = int(args["speculative_num_draft_tokens"])
+    steps, topk = args.get("speculative_num_steps"), args.get("speculative_eagle_topk")
+    cap = drafts
+    if algorithm not in ("NGRAM", "DFLASH") and steps is not None:
+        cap = min(drafts, int(steps) + 1)
+    cap = max(cap, 1)
+    return SpecSettings(algorithm, steps, topk, drafts, cap, min(max(cfg.accept_length, 1.0), cap))
+
+
+def parse_launch_argv(
+    argv: Sequence[str], cfg: StubConfig
+) -> tuple[dict[str, Any], SpecSettings | None]:
+    """Parse argv like launch_server does; argparse exits 2, LaunchError means exit 1."""
+    parser = build_parser(cfg.version)
+    ns = parser.parse_args(list(argv))
+    if getattr(ns, "model_path", None) is None:
+        parser.error("the following arguments are required: --model-path/--model")
+    args = resolve_server_args(ns, cfg.version, cfg)
+    return args, spec_settings(args, cfg)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class RequestError(Exception):
+    """A /generate body SGLang would refuse: 400, or in-band when streaming."""
+
+    def __init__(self, message: str, *, in_band: bool = False) -> None:
+        super().__init__(message)
+        self.in_band = in_band
+
+
+class ServerStoppingError(Exception):
+    """The server is shutting down while a request is in flight."""
+
+
+@dataclass
+class SubRequest:
+    """One prompt x one sample of a /generate call, with its precomputed schedule."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    finish: dict[str, Any]
+    steps: list[int]  # tokens per emission; [0] is the prefill token
+    token_ids: list[int]
+    interval: int
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    verify_ct: int = 0
+    correct_drafts: int = 0
+    histogram: list[int] = field(default_factory=list)
+    first_token_mono: float | None = None
+    finished_mono: float | None = None
+    finished_wall: float | None = None
+    sent_ids: int = 0
+
+    @property
+    def done(self) -> bool:
+        """True once every scheduled emission was applied."""
+        return self.finished_mono is not None
+
+
+@dataclass
+class Plan:
+    """A parsed /generate call: its sub-requests and shared timing."""
+
+    number: int
+    stream: bool
+    is_list: bool
+    subs: list[SubRequest]
+    t0: float
+    received_wall: float
+
+
+def prompt_token_ids(text: str) -> list[int]:
+    """Fake tokenizer: BOS plus one stable id per whitespace-separated word."""
+    return [BOS_TOKEN_ID] + [1000 + zlib.crc32(word.encode()) % 30000 for word in text.split()]
+
+
+def token_text(token_id: int) -> str:
+    """Fake detokenizer: every token is one word."""
+    return f" tok{token_id}"
+
+
+def _number(params: dict[str, Any], key: str, default: float) -> float:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"{key} must be a number, got {value!r}", in_band=True)
+    return float(value)
+
+
+def check_sampling_params(params: Any, version: str) -> dict[str, Any]:
+    """SGLang's sampling-param checks; 0.5.23 also refuses unknown keys."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(params).__name__}")
+    unknown = sorted(set(params) - SAMPLING_KEYS)
+    if unknown and version == "0.5.23":
+        raise RequestError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+    temperature = _number(params, "temperature", 1.0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise RequestError(
+            f"temperature must be a non-negative finite number, got {temperature}.", in_band=True
+        )
+    top_p = _number(params, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}.", in_band=True)
+    min_p = _number(params, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p}.", in_band=True)
+    top_k = _number(params, "top_k", -1)
+    if top_k != -1 and top_k < 1:
+        raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.", in_band=True)
+    for key in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= _number(params, key, 0.0) <= 2.0:
+            raise RequestError(f"{key} must be in [-2, 2], got {params[key]}.", in_band=True)
+    if not 0.0 < _number(params, "repetition_penalty", 1.0) <= 2.0:
+        raise RequestError(
+            f"repetition_penalty must be in (0, 2], got {params['repetition_penalty']}.",
+            in_band=True,
+        )
+    for key in ("max_new_tokens", "min_new_tokens", "n", "stream_interval"):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RequestError(f"{key} must be an integer, got {value!r}", in_band=True)
+    max_new = 128 if params.get("max_new_tokens") is None else params["max_new_tokens"]
+    min_new = params.get("min_new_tokens") or 0
+    if max_new < 0:
+        raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.", in_band=True)
+    if not 0 <= min_new <= max_new:
+        raise RequestError(
+            f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.",
+            in_band=True,
+        )
+    if (params.get("n") or 1) < 1:
+        raise RequestError(f"n must be at least 1, got {params['n']}.", in_band=True)
+    return params
+
+
+def _prompts(req: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    """The prompts of a /generate body as token ids, and whether it was a batch."""
+    text, input_ids = req.get("text"), req.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("Exactly one of text or input_ids should be provided.")
+    if text is not None:
+        if isinstance(text, str):
+            return [prompt_token_ids(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [prompt_token_ids(t) for t in text], True
+        raise RequestError("text must be a string or a non-empty list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(i, int) for i in input_ids):
+        return [list(input_ids)], False
+    if (
+        isinstance(input_ids, list)
+        and input_ids
+        and all(isinstance(p, list) and p and all(isinstance(i, int) for i in p) for p in input_ids)
+    ):
+        return [list(p) for p in input_ids], True
+    raise RequestError("input_ids must be a non-empty list of ints or of lists of ints")
+
+
+# --------------------------------------------------------------------------- state
+
+
+class Stub:
+    """Shared state of one stub server: config, resolved args, counters, locks."""
+
+    def __init__(self, cfg: StubConfig, args: dict[str, Any], spec: SpecSettings | None) -> None:
+        self.cfg = cfg
+        self.version = cfg.version
+        self.args = args
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.ready_at = math.inf
+        self.model_name = str(args.get("served_model_name") or args["model_path"])
+        self.enable_metrics = bool(args.get("enable_metrics"))
+        self.incremental = bool(
+            args.get("incremental_streaming_output") or args.get("stream_output")
+        )
+        self.stream_interval = max(int(args.get("stream_interval") or 1), 1)
+        self.weight_version = str(args.get("weight_version") or "default")
+        self.radix_cache = not args.get("disable_radix_cache")
+        self.generate_count = 0
+        self.running_http = 0
+        self.running_subs = 0
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.verify_calls_total = 0
+        self.spec_steps_since_flush = 0
+        self.spec_tokens_since_flush = 0
+        self.recent_steps: deque[int] = deque(maxlen=40)
+        self.gen_window: deque[tuple[float, int]] = deque()
+        self.last_gen_throughput = 0.0
+        self.prefix_cache: deque[list[int]] = deque(maxlen=64)
+
+    # -- lifecycle
+
+    def is_ready(self) -> bool:
+        """True once startup_s has passed since the port opened."""
+        return time.monotonic() >= self.ready_at
+
+    def count_generate(self) -> int:
+        """Number this /generate arrival (from 1); fault injection keys off it."""
+        with self.lock:
+            self.generate_count += 1
+            return self.generate_count
+
+    def maybe_die(self, number: int) -> None:
+        """die_after_requests: exit abruptly, now or after die_delay_s."""
+        if self.cfg.die_after_requests is None or number < self.cfg.die_after_requests:
+            return
+        log(f"die_after_requests={self.cfg.die_after_requests} reached at #{number}: os._exit(1)")
+
+        def die() -> None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+        if self.cfg.die_delay_s <= 0:
+            die()
+        timer = threading.Timer(self.cfg.die_delay_s, die)
+        timer.daemon = True
+        timer.start()
+
+    def should_fail(self, number: int) -> bool:
+        """fail_after_requests: request ``number`` and later get fail_status."""
+        return self.cfg.fail_after_requests is not None and number >= self.cfg.fail_after_requests
+
+    def flush_refusal(self) -> str | None:
+        """Why /flush_cache must answer 400 now, or None."""
+        with self.lock:
+            if self.running_http:
+                return f"{self.running_http} request(s) running"
+        if time.monotonic() < self.ready_at + self.cfg.flush_busy_s:
+            return "flush_busy_s not over"
+        return None
+
+    def flush(self) -> None:
+        """Drop the prefix cache; 0.5.23 also resets the accept-length average."""
+        with self.lock:
+            self.prefix_cache.clear()
+            if self.version == "0.5.23":
+                self.spec_steps_since_flush = 0
+                self.spec_tokens_since_flush = 0
+
+    # -- planning
+
+    def plan(self, req: dict[str, Any], number: int) -> Plan:
+        """Check a /generate body and precompute every sub-request's schedule."""
+        t0, received_wall = time.monotonic(), time.time()
+        prompts, is_batch = _prompts(req)
+        raw_params = req.get("sampling_params")
+        if isinstance(raw_params, list):
+            if len(raw_params) != len(prompts):
+                raise RequestError("sampling_params list must match the number of prompts")
+            params_list = [check_sampling_params(p, self.version) for p in raw_params]
+        else:
+            params_list = [check_sampling_params(raw_params, self.version)] * len(prompts)
+        rid = req.get("rid")
+        samples = [int(p.get("n") or 1) for p in params_list]
+        is_list = is_batch or any(n > 1 for n in samples)
+        subs: list[SubRequest] = []
+        for i, (prompt, params, n) in enumerate(zip(prompts, params_list, samples, strict=True)):
+            for j in range(n):
+                index = len(subs)
+                if isinstance(rid, list) and is_batch:
+                    base = str(rid[i]) if i < len(rid) else uuid.uuid4().hex
+                    sub_rid = base if n == 1 else f"{base}_{j}"
+                elif isinstance(rid, str) and not is_list:
+                    sub_rid = rid
+                elif isinstance(rid, str):
+                    sub_rid = f"{rid}_{index}"
+                else:
+                    sub_rid = uuid.uuid4().hex
+                rng = random.Random(f"{self.cfg.seed}:{number}:{index}")
+                subs.append(self._schedule(index, sub_rid, prompt, params, rng))
+        return Plan(number, bool(req.get("stream")), is_list, subs, t0, received_wall)
+
+    def _schedule(
+        self, index: int, rid: str, prompt: list[int], params: dict[str, Any], rng: random.Random
+    ) -> SubRequest:
+        """Decide length, finish reason and tokens-per-step of one sub-request."""
+        max_new = 128 if params.get("max_new_tokens") is None else int(params["max_new_tokens"])
+        min_new = int(params.get("min_new_tokens") or 0)
+        target, finish = max_new, {"type": "length", "length": max_new}
+        if self.cfg.natural_stop and not params.get("ignore_eos") and max_new > 0:
+            target = rng.randint(max(1, min_new), max_new)
+            if target < max_new:
+                finish = {"type": "stop", "matched": EOS_TOKEN_ID}
+        steps = [1] if target > 0 else [0]
+        remaining = target - 1
+        while remaining > 0:
+            k = self._draw_step(rng)
+            steps.append(min(k, remaining))
+            remaining -= steps[-1]
+        interval = int(params.get("stream_interval") or self.stream_interval)
+        token_ids = [rng.randrange(100, 32000) for _ in range(target)]
+        histogram = [0] * (self.spec.num_draft_tokens if self.spec else 0)
+        return SubRequest(
+            index, rid, prompt, max_new, finish, steps, token_ids, max(interval, 1),
+            histogram=histogram,
+        )  # fmt: skip
+
+    def _draw_step(self, rng: random.Random) -> int:
+        """Tokens one decode step yields: 1, or floor/ceil of accept_length."""
+        if self.spec is None:
+            return 1
+        mean = self.spec.accept_length
+        low = math.floor(mean)
+        return min(low + (1 if rng.random() < mean - low else 0), self.spec.max_tokens_per_step)
+
+    def begin(self, plan: Plan) -> None:
+        """Account a request as running; look its prompts up in the prefix cache."""
+        with self.lock:
+            self.running_http += 1
+            self.running_subs += len(plan.subs)
+            self.requests_total += len(plan.subs)
+            for sub in plan.subs:
+                self.prompt_tokens_total += len(sub.prompt_ids)
+                if self.radix_cache:
+                    sub.cached_tokens = self._cached_prefix(sub.prompt_ids)
+                    self.prefix_cache.append(sub.prompt_ids)
+
+    def _cached_prefix(self, prompt: list[int]) -> int:
+        """Longest prefix shared with a cached prompt, leaving the last token to compute."""
+        best = 0
+        for cached in self.prefix_cache:
+            low, high = 0, min(len(cached), len(prompt))
+            while low < high:
+                mid = (low + high + 1) // 2
+                if cached[:mid] == prompt[:mid]:
+                    low = mid
+                else:
+                    high = mid - 1
+            best = max(best, low)
+        return max(0, min(best, len(prompt) - 1))
+
+    def end(self, plan: Plan) -> None:
+        """Account a request as no longer running."""
+        with self.lock:
+            self.running_http -= 1
+            self.running_subs -= len(plan.subs)
+
+    # -- running
+
+    def run(self, plan: Plan) -> Iterator[tuple[SubRequest, int]]:
+        """Apply emissions in time order, sleeping until each is due; yields (sub, step)."""
+        events = sorted(
+            (self.cfg.ttft_s + j * self.cfg.tpot_s, sub.index, j)
+            for sub in plan.subs
+            for j in range(len(sub.steps))
+        )
+        for offset, index, j in events:
+            delay = plan.t0 + offset - time.monotonic()
+            if self.stop.wait(max(delay, 0.0)):
+                raise ServerStoppingError
+            sub = plan.subs[index]
+            self._apply(sub, j)
+            yield sub, j
+
+    def _apply(self, sub: SubRequest, j: int) -> None:
+        """Emit step ``j`` of ``sub``: tokens, draft statistics, global counters."""
+        now = time.monotonic()
+        k = sub.steps[j]
+        start = len(sub.output_ids)
+        sub.output_ids.extend(sub.token_ids[start : start + k])
+        if j == 0:
+            sub.first_token_mono = now
+        if j == len(sub.steps) - 1:
+            sub.finished_mono, sub.finished_wall = now, time.time()
+        with self.lock:
+            self.generation_tokens_total += k
+            self.gen_window.append((now, k))
+            while self.gen_window and self.gen_window[0][0] < now - 1.0:
+                self.gen_window.popleft()
+            self.last_gen_throughput = float(sum(n for _, n in self.gen_window))
+            if self.spec is not None and j > 0:
+                sub.verify_ct += 1
+                sub.correct_drafts += k - 1
+                sub.histogram[min(k - 1, len(sub.histogram) - 1)] += 1
+                self.verify_calls_total += 1
+                self.spec_steps_since_flush += 1
+                self.spec_tokens_since_flush += k
+                self.recent_steps.append(k)
+
+    def chunk_due(self, sub: SubRequest, j: int) -> bool:
+        """Whether step ``j`` gets a streamed chunk (first, last, every stream_interval)."""
+        return j == 0 or sub.done or j % sub.interval == 0
+
+    # -- output
+
+    def body(self, plan: Plan, sub: SubRequest, *, streamed: bool) -> dict[str, Any]:
+        """One result object (a stream chunk or a final answer) for ``sub`` as of now."""
+        ids = sub.output_ids
+        if streamed and self.incremental:
+            ids = sub.output_ids[sub.sent_ids :]
+            sub.sent_ids = len(sub.output_ids)
+        out: dict[str, Any] = {
+            "text": "".join(token_text(t) for t in ids),
+            "output_ids": list(ids),
+            "meta_info": self.meta_info(plan, sub),
+        }
+        if streamed and plan.is_list:
+            out["index"] = sub.index
+        return out
+
+    def meta_info(self, plan: Plan, sub: SubRequest) -> dict[str, Any]:
+        """meta_info with the names of the emulated version (protocol file, "Responses")."""
+        meta: dict[str, Any] = {
+            "id": sub.rid,
+            "finish_reason": sub.finish if sub.done else None,
+            "prompt_tokens": len(sub.prompt_ids),
+            "completion_tokens": len(sub.output_ids),
+            "cached_tokens": sub.cached_tokens,
+            "weight_version": self.weight_version,
+            RETRACTION_KEY[self.version]: 0,
+        }
+        timed = self.enable_metrics and self.version == "0.5.23"
+        if timed:
+            meta["request_received_ts"] = plan.received_wall
+            meta["queue_time"] = 0.0
+            if sub.first_token_mono is not None:
+                meta["first_token_latency"] = sub.first_token_mono - plan.t0
+        if not sub.done:
+            return meta
+        assert sub.finished_mono is not None and sub.first_token_mono is not None
+        meta["e2e_latency"] = sub.finished_mono - plan.t0
+        if timed:
+            meta["request_finished_ts"] = sub.finished_wall
+            decode_s = sub.finished_mono - sub.first_token_mono
+            decoded = len(sub.output_ids) - 1
+            meta["decode_throughput"] = decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0
+        if self.spec is not None:
+            meta.update(self._spec_meta(sub))
+        return meta
+
+    def _spec_meta(self, sub: SubRequest) -> dict[str, Any]:
+        """Final-chunk speculative statistics of one request."""
+        assert self.spec is not None
+        correct_key, proposed_key, histogram_key = SPEC_DRAFT_KEYS[self.version]
+        meta: dict[str, Any] = {"spec_verify_ct": sub.verify_ct}
+        if sub.verify_ct > 0:
+            proposed = sub.verify_ct * (self.spec.num_draft_tokens - 1)
+            meta["spec_accept_length"] = len(sub.output_ids) / sub.verify_ct
+            meta["spec_accept_rate"] = sub.correct_drafts / proposed if proposed else 0.0
+            meta[correct_key] = sub.correct_drafts
+            meta[proposed_key] = proposed
+            meta[histogram_key] = list(sub.histogram)
+        return meta
+
+    def server_info(self) -> dict[str, Any]:
+        """/server_info: resolved args, version, internal_states."""
+        with self.lock:
+            state: dict[str, Any] = {"last_gen_throughput": self.last_gen_throughput}
+            if self.spec is not None:
+                steps = self.spec_steps_since_flush
+                state["avg_spec_accept_length"] = (
+                    self.spec_tokens_since_flush / steps if steps else 0.0
+                )
+        return {**self.args, "version": self.version, "internal_states": [state]}
+
+    def metrics(self) -> str:
+        """/metrics: a few Prometheus series with SGLang's names."""
+        label = self.model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        with self.lock:
+            series: list[tuple[str, str, str, float]] = [
+                ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+                 self.prompt_tokens_total),
+                ("sglang:generation_tokens_total", "counter", "Number of generated tokens.",
+                 self.generation_tokens_total),
+                ("sglang:num_requests_total", "counter", "Number of requests processed.",
+                 self.requests_total),
+                ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+                 self.running_subs),
+                ("sglang:gen_throughput", "gauge", "The generation throughput (token/s).",
+                 self.last_gen_throughput),
+            ]  # fmt: skip
+            if self.spec is not None:
+                recent = list(self.recent_steps)
+                series.append(
+                    (
+                        "sglang:spec_verify_calls_total",
+                        "counter",
+                        "Number of speculative verify passes.",
+                        self.verify_calls_total,
+                    )
+                )
+                series.append(("sglang:spec_accept_length", "gauge",
+                               "Average accept length over the last decode steps.",
+                               sum(recent) / len(recent) if recent else 0.0))  # fmt: skip
+        lines = []
+        for name, kind, help_text, value in series:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines.append(f'{name}{{model_name="{label}"}} {float(value)}')
+        return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class StubHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer carrying the Stub; one thread per connection."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily, stub: Stub) -> None:
+        self.address_family = family
+        self.stub = stub
+        super().__init__(address, StubHandler)
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    """SGLang's HTTP routes over HTTP/1.1 (keep-alive; chunked streaming)."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "sglang-stub"
+    disable_nagle_algorithm = True
+    timeout = 300
+    server: StubHTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Route http.server's per-request line to the stub log."""
+        log(f"{self.client_address[0]} {format % args}")
+
+    @property
+    def stub(self) -> Stub:
+        """The shared state of this server."""
+        return self.server.stub
+
+    # -- plumbing
+
+    def _read_body(self) -> bytes:
+        """Read the whole request body (Content-Length or chunked) to keep the connection sane."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(parts)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            raise RequestError("request body too large")
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _text(
+        self, status: int, text: str, content_type: str = "text/plain; charset=utf-8"
+    ) -> None:
+        self._send(status, text.encode(), content_type)
+
+    def _chunk(self, data: bytes) -> None:
+        """One HTTP/1.1 chunk, flushed at once (empty data ends the body)."""
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    # -- routing
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        """GET routes."""
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server naming
+        """POST routes."""
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            body = self._read_body()
+        except (ValueError, RequestError) as exc:
+            self.close_connection = True
+            self._json(400, {"error": {"message": f"bad request body: {exc}"}})
+            return
+        path = self.path.split("?", 1)[0]
+        routes = {
+            "/health": ({"GET"}, self._health),
+            "/health_generate": ({"GET"}, self._health_generate),
+            "/server_info": ({"GET"}, self._server_info),
+            "/flush_cache": ({"GET", "POST"}, self._flush_cache),
+            "/metrics": ({"GET"}, self._metrics),
+            "/generate": ({"POST"}, lambda: self._generate(body)),
+        }
+        if self.stub.version == "0.5.23":
+            routes["/get_server_info"] = routes["/server_info"]
+        if path == "/metrics" and not self.stub.enable_metrics:
+            routes.pop("/metrics")
+        route = routes.get(path)
+        if route is None:
+            self._json(404, {"detail": "Not Found"})
+        elif method not in route[0]:
+            self._json(405, {"detail": "Method Not Allowed"})
+        else:
+            try:
+                route[1]()
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+                log(f"client went away during {method} {path}")
+                self.close_connection = True
+
+    # -- endpoints
+
+    def _health(self) -> None:
+        self._send(200 if self.stub.is_ready() else 503, b"", "text/plain; charset=utf-8")
+
+    def _health_generate(self) -> None:
+        if not self.stub.is_ready():
+            self._send(503, b"", "text/plain; charset=utf-8")
+            return
+        time.sleep(self.stub.cfg.ttft_s)
+        self._send(200, b"", "text/plain; charset=utf-8")
+
+    def _server_info(self) -> None:
+        self._json(200, self.stub.server_info())
+
+    def _flush_cache(self) -> None:
+        reason = self.stub.flush_refusal()
+        if reason is not None:
+            self._text(400, f"Cache not flushed: {reason}. Retry when no request is running.\n")
+            return
+        self.stub.flush()
+        log("cache flushed")
+        self._text(200, "Cache flushed.\n")
+
+    def _metrics(self) -> None:
+        self._text(200, self.stub.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def _generate(self, raw: bytes) -> None:
+        stub = self.stub
+        if not stub.is_ready():
+            self._json(503, {"error": {"message": "The server is not ready yet."}})
+            return
+        try:
+            req = json.loads(raw or b"null")
+        except ValueError as exc:
+            self._json(400, {"error": {"message": f"invalid JSON body: {exc}"}})
+            return
+        if not isinstance(req, dict):
+            self._json(400, {"error": {"message": "the body must be a JSON object"}})
+            return
+        number = stub.count_generate()
+        stub.maybe_die(number)
+        if stub.should_fail(number):
+            log(f"generate #{number}: injected failure {stub.cfg.fail_status}")
+            message = f"sglang_stub: injected failure on /generate request {number}"
+            self._json(stub.cfg.fail_status, {"error": {"message": message}})
+            return
+        try:
+            plan = stub.plan(req, number)
+        except RequestError as exc:
+            if exc.in_band and req.get("stream"):
+                self._stream_error(str(exc))
+            else:
+                self._json(400, {"error": {"message": str(exc)}})
+            return
+        stub.begin(plan)
+        try:
+            if plan.stream:
+                self._stream(plan)
+            else:
+                self._blocking(plan)
+        except ServerStoppingError:
+            self.close_connection = True
+        finally:
+            stub.end(plan)
+        if all(sub.done for sub in plan.subs):
+            tokens = sum(len(sub.output_ids) for sub in plan.subs)
+            elapsed = time.monotonic() - plan.t0
+            log(f"generate #{plan.number}: {len(plan.subs)} seq, {tokens} tokens, "
+                f"stream={plan.stream}, {elapsed:.3f}s")  # fmt: skip
+
+    def _stream_headers(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def _stream_error(self, message: str) -> None:
+        """SGLang reports a request error inside a stream as a data line, then [DONE]."""
+        self._stream_headers()
+        self._chunk(b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n")
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _stream(self, plan: Plan) -> None:
+        stub, cfg = self.stub, self.stub.cfg
+        self._stream_headers()
+        sent = 0
+        for sub, j in stub.run(plan):
+            if not stub.chunk_due(sub, j):
+                continue
+            if cfg.stall_after_chunks is not None and sent >= cfg.stall_after_chunks:
+                self._stall(plan, sent)
+                return
+            if cfg.malformed_chunk_at == sent:
+                line = (
+                    b'data: {"text": "'
+                    + token_text(sub.output_ids[-1] if sub.output_ids else 0).encode()
+                )
+                self._chunk(line + b"\n\n")
+            else:
+                body = json.dumps(stub.body(plan, sub, streamed=True)).encode()
+                self._chunk(b"data: " + body + b"\n\n")
+            sent += 1
+        if cfg.stall_after_chunks is not None and sent >= cfg.stall_after_chunks:
+            self._stall(plan, sent)
+            return
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _stall(self, plan: Plan, sent: int) -> None:
+        """stall_after_chunks: go quiet for stall_s, then drop the connection unfinished."""
+        log(f"generate #{plan.number}: stalling after {sent} chunk(s) for {self.stub.cfg.stall_s}s")
+        self.stub.stop.wait(self.stub.cfg.stall_s)
+        self.close_connection = True
+
+    def _blocking(self, plan: Plan) -> None:
+        for _ in self.stub.run(plan):
+            pass
+        results = [self.stub.body(plan, sub, streamed=False) for sub in plan.subs]
+        self._json(200, results if plan.is_list else results[0])
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse like launch_server, serve on loopback until signalled or max_lifetime_s."""
+    started = time.monotonic()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg = load_config(os.environ)
+        args, spec = parse_launch_argv(argv, cfg)
+    except StubConfigError as exc:
+        print(f"sglang_stub: {exc}", file=sys.stderr)
+        return 3
+    except LaunchError as exc:
+        print(
+            f"Traceback (most recent call last):\n  (sglang_stub)\n{exc.kind}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    host = str(args.get("host") or "127.0.0.1")
+    if host not in LOOPBACK_HOSTS:
+        print(
+            f"ValueError: sglang_stub only listens on loopback; refusing --host {host}",
+            file=sys.stderr,
+        )
+        return 1
+    bind_host = "127.0.0.1" if host == "localhost" else host
+    if cfg.listen_delay_s:
+        time.sleep(cfg.listen_delay_s)
+    stub = Stub(cfg, args, spec)
+    try:
+        server = StubHTTPServer((bind_host, int(args["port"])), LOOPBACK_HOSTS[host], stub)
+    except OSError as exc:
+        print(f"OSError: cannot listen on {host}:{args['port']}: {exc}", file=sys.stderr)
+        return 1
+    port = server.server_address[1]
+    stub.ready_at = time.monotonic() + cfg.startup_s
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log(f"received {signal.Signals(signum).name}, shutting down")
+        stub.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log(f"emulating SGLang {cfg.version}; model_path={args['model_path']} "
+        f"speculative_algorithm={args.get('speculative_algorithm')}")  # fmt: skip
+    log(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
+    serving = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
+    serving.start()
+
+    def announce() -> None:
+        if not stub.stop.wait(cfg.startup_s):
+            log("The server is fired up and ready to roll!")
+
+    threading.Thread(target=announce, daemon=True).start()
+    lifetime_left = cfg.max_lifetime_s - (time.monotonic() - started)
+    if not stub.stop.wait(max(lifetime_left, 0.0)):
+        log(f"max_lifetime_s={cfg.max_lifetime_s} reached, shutting down")
+        stub.stop.set()
+    server.shutdown()
+    server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: in-flight handler threads must not delay or disturb the exit.
+    os._exit(exit_code)
