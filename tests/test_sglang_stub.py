@@ -1,0 +1,530 @@
+"""Tests of the SGLang stand-in in tests/fakes/sglang_stub.py.
+
+Why: dvfs's engine tests trust this stub to parse argv and speak HTTP the way
+SGLang 0.5.9 / 0.5.23 do; these tests pin that contract.  They start the stub
+as a subprocess on a free loopback port and talk to it with http.client only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+STUB_PATH = Path(__file__).parent / "fakes" / "sglang_stub.py"
+VERSIONS = ("0.5.9", "0.5.23")
+HTTP_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 10.0
+
+BASE_META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens"}
+BASE_META |= {"weight_version"}
+METRICS_META_0523 = {"request_received_ts", "first_token_latency", "queue_time"}
+FINAL_ONLY_META = {
+    "0.5.23": {"e2e_latency", "request_finished_ts", "decode_throughput"},
+    "0.5.9": {"e2e_latency"},
+}
+RUNNING_META = {
+    "0.5.23": BASE_META | {"num_retractions"} | METRICS_META_0523,
+    "0.5.9": BASE_META | {"total_retractions"},
+}
+SPEC_META = {
+    "0.5.23": {
+        "spec_verify_ct",
+        "spec_accept_length",
+        "spec_accept_rate",
+        "spec_num_correct_drafts",
+        "spec_num_proposed_drafts",
+        "spec_correct_drafts_histogram",
+    },
+    "0.5.9": {
+        "spec_verify_ct",
+        "spec_accept_length",
+        "spec_accept_rate",
+        "spec_accept_token_num",
+        "spec_draft_token_num",
+        "spec_accept_histogram",
+    },
+}
+DRAFT_NAMES = {
+    "0.5.23": (
+        "spec_num_correct_drafts",
+        "spec_num_proposed_drafts",
+        "spec_correct_drafts_histogram",
+    ),
+    "0.5.9": ("spec_accept_token_num", "spec_draft_token_num", "spec_accept_histogram"),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_stub_module() -> ModuleType:
+    """Import the stub by path (tests/ is not a package on sys.path)."""
+    spec = importlib.util.spec_from_file_location("sglang_stub_under_test", STUB_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def stub_module() -> ModuleType:
+    """The stub imported once for the in-process argv tests."""
+    return load_stub_module()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_config(directory: Path, **config: Any) -> Path:
+    """Write a SGLANG_STUB_CONFIG file; a short max_lifetime_s guards against orphans."""
+    config.setdefault("max_lifetime_s", 60)
+    path = directory / f"stub-config-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+def stub_env(config_path: Path) -> dict[str, str]:
+    """A minimal environment for the stub process."""
+    return {"SGLANG_STUB_CONFIG": str(config_path), "PATH": "/usr/bin:/bin"}
+
+
+def run_stub_to_exit(
+    tmp_path: Path, argv: list[str], **config: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run the stub expecting it to exit during argv checks (bounded)."""
+    config.setdefault("max_lifetime_s", 2)
+    return subprocess.run(
+        [sys.executable, str(STUB_PATH), *argv],
+        env=stub_env(write_config(tmp_path, **config)),
+        capture_output=True,
+        text=True,
+        timeout=15,
+        check=False,
+    )
+
+
+@dataclass
+class RunningStub:
+    """A stub subprocess and the means to talk to it."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    def log_tail(self) -> str:
+        """Last lines of the stub's log, for assertion messages."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+
+    def connect(self) -> http.client.HTTPConnection:
+        """A fresh connection with a bounded timeout."""
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=HTTP_TIMEOUT_S)
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
+        """One request on its own connection; returns (status, body)."""
+        conn = self.connect()
+        try:
+            payload = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            conn.request(method, path, body=payload, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """Like request(), decoding a JSON body."""
+        status, raw = self.request(method, path, body)
+        return status, json.loads(raw)
+
+    def open_stream(self, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, Any]:
+        """Start a streaming /generate; returns (connection, response)."""
+        conn = self.connect()
+        payload = json.dumps({**body, "stream": True}).encode()
+        conn.request(
+            "POST", "/generate", body=payload, headers={"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.status == 200, self.log_tail()
+        return conn, response
+
+    def stream(self, body: dict[str, Any]) -> list[str]:
+        """A whole streaming /generate, as the payloads of its data: lines."""
+        conn, response = self.open_stream(body)
+        try:
+            return read_events(response)
+        finally:
+            conn.close()
+
+
+def read_events(response: Any, limit: int | None = None) -> list[str]:
+    """Payloads of ``data:`` lines, until EOF or ``limit`` lines."""
+    events: list[str] = []
+    while limit is None or len(events) < limit:
+        line = response.readline()
+        if not line:
+            break
+        text = line.decode().rstrip("\r\n")
+        if text.startswith("data: "):
+            events.append(text[len("data: ") :])
+    return events
+
+
+def wait_for_health(stub: RunningStub, deadline_s: float = START_TIMEOUT_S) -> list[int]:
+    """Poll /health until 200; returns every status seen (connection refusals skipped)."""
+    seen: list[int] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if stub.proc.poll() is not None:
+            pytest.fail(f"stub exited with {stub.proc.returncode}:\n{stub.log_tail()}")
+        try:
+            status, _ = stub.request("GET", "/health")
+        except OSError:
+            time.sleep(0.01)
+            continue
+        seen.append(status)
+        if status == 200:
+            return seen
+        time.sleep(0.02)
+    pytest.fail(f"stub not healthy within {deadline_s}s:\n{stub.log_tail()}")
+
+
+Launcher = Callable[..., RunningStub]
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Launcher]:
+    """Start stubs (``launch(version, argv, wait=True, **config)``); all killed at teardown."""
+    started: list[RunningStub] = []
+
+    def start(
+        version: str, argv: tuple[str, ...] = (), *, wait: bool = True, **config: Any
+    ) -> RunningStub:
+        config.setdefault("startup_s", 0.05)
+        port = free_port()
+        log_path = tmp_path / f"stub-{port}.log"
+        argv_full = ["--model-path", "Qwen/Qwen2.5-7B-Instruct", "--port", str(port), *argv]
+        with log_path.open("wb") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, str(STUB_PATH), *argv_full],
+                env=stub_env(write_config(tmp_path, version=version, **config)),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        stub = RunningStub(proc, port, log_path)
+        started.append(stub)
+        if wait:
+            wait_for_health(stub)
+        return stub
+
+    yield start
+    for stub in started:
+        if stub.proc.poll() is None:
+            stub.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            stub.proc.wait(timeout=5)
+
+
+def generate_body(max_new_tokens: int, **params: Any) -> dict[str, Any]:
+    """A one-prompt /generate body."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0, **params}
+    return {"text": "The quick brown fox", "sampling_params": sampling}
+
+
+def final_meta(events: list[str]) -> dict[str, Any]:
+    """meta_info of the last JSON chunk of a stream that ended with [DONE]."""
+    assert events[-1] == "[DONE]", events[-3:]
+    return json.loads(events[-2])["meta_info"]
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_health_is_503_while_starting_then_200(launch: Launcher, version: str) -> None:
+    """dvfs waits on /health; the stub must say 503 first, like a loading SGLang."""
+    started = time.monotonic()
+    stub = launch(version, wait=False, startup_s=0.5)
+    seen = wait_for_health(stub)
+    assert seen[0] == 503 and seen[-1] == 200, seen
+    assert time.monotonic() - started >= 0.5
+    status, body = stub.json("POST", "/generate", generate_body(2))
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stream_is_cumulative_with_the_version_meta_names(launch: Launcher, version: str) -> None:
+    """Chunks are cumulative, finish_reason appears once, meta_info names follow the version."""
+    stub = launch(version, ("--enable-metrics",))
+    events = stub.stream(generate_body(8, ignore_eos=True))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and len(chunks) == 8
+    previous_text, previous_ids = "", []
+    for number, chunk in enumerate(chunks, start=1):
+        meta = chunk["meta_info"]
+        assert chunk["text"].startswith(previous_text) and len(chunk["text"]) > len(previous_text)
+        assert chunk["output_ids"][: len(previous_ids)] == previous_ids
+        assert meta["completion_tokens"] == len(chunk["output_ids"]) == number
+        assert "index" not in chunk
+        last = number == len(chunks)
+        expected = RUNNING_META[version] | (FINAL_ONLY_META[version] if last else set())
+        assert set(meta) == expected, (number, sorted(meta))
+        assert (meta["finish_reason"] is None) != last
+        previous_text, previous_ids = chunk["text"], chunk["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+    status, info = stub.json("GET", "/server_info")
+    assert status == 200 and info["version"] == version
+    assert info["model_path"] == "Qwen/Qwen2.5-7B-Instruct" and info["tp_size"] == 1
+    assert info["speculative_algorithm"] is None and info["enable_metrics"] is True
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+    assert stub.request("GET", "/get_server_info")[0] == (200 if version == "0.5.23" else 404)
+    status, metrics = stub.request("GET", "/metrics")
+    assert status == 200 and b"sglang:generation_tokens_total" in metrics
+    assert b"sglang:spec_verify_calls_total" not in metrics
+
+    # 0.5.23 refuses an unknown sampling key; 0.5.9 ignores it.
+    status, _ = stub.request("POST", "/generate", generate_body(2, not_a_param=1))
+    assert status == (400 if version == "0.5.23" else 200)
+    # A batch answers a list, one result per prompt, each exactly max_new_tokens long.
+    batch = {"text": ["a b", "c"], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    status, results = stub.json("POST", "/generate", batch)
+    assert status == 200 and [r["meta_info"]["completion_tokens"] for r in results] == [3, 3]
+    streamed = [json.loads(e) for e in stub.stream(batch)[:-1]]
+    assert {c["index"] for c in streamed} == {0, 1}
+
+    stub.proc.send_signal(signal.SIGTERM)
+    assert stub.proc.wait(timeout=5) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: str) -> None:
+    """With an algorithm: resolved defaults, exact length, per-version draft names, averages."""
+    stub = launch(version, ("--speculative-algorithm", "EAGLE"), accept_length=2.5, tpot_s=0.002)
+    events = stub.stream(generate_body(40, ignore_eos=True))
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks[:-1]:
+        assert not set(chunk["meta_info"]) & SPEC_META[version]
+    meta = final_meta(events)
+    assert SPEC_META[version] <= set(meta)
+    assert meta["completion_tokens"] == 40 and len(chunks[-1]["output_ids"]) == 40
+    assert len(chunks) < 40  # several tokens per decode step
+    correct_key, proposed_key, histogram_key = DRAFT_NAMES[version]
+    verify = meta["spec_verify_ct"]
+    assert meta["spec_accept_length"] == pytest.approx(40 / verify)
+    assert sum(meta[histogram_key]) == verify
+    assert meta[proposed_key] == verify * (4 - 1)
+    assert meta["spec_accept_rate"] == pytest.approx(meta[correct_key] / meta[proposed_key])
+
+    _, info = stub.json("GET", "/server_info")
+    steps_topk_drafts = (
+        info["speculative_num_steps"],
+        info["speculative_eagle_topk"],
+        info["speculative_num_draft_tokens"],
+    )
+    assert steps_topk_drafts == (3, 1, 4) and info["max_running_requests"] == 48
+    average = info["internal_states"][0]["avg_spec_accept_length"]
+    assert 2.0 <= average <= 3.0
+    assert stub.request("POST", "/flush_cache")[0] == 200
+    _, info = stub.json("GET", "/server_info")
+    after = info["internal_states"][0]["avg_spec_accept_length"]
+    assert after == (0.0 if version == "0.5.23" else average)
+
+
+# --------------------------------------------------------------------------- argv
+
+
+@pytest.mark.slow
+def test_cuda_graph_max_bs_is_ambiguous_on_0523(tmp_path: Path) -> None:
+    """0.5.23 only has --cuda-graph-max-bs-{decode,prefill}: argparse exits 2."""
+    argv = ["--model-path", "m", "--port", str(free_port()), "--cuda-graph-max-bs", "8"]
+    result = run_stub_to_exit(tmp_path, argv, version="0.5.23")
+    assert result.returncode == 2
+    assert "ambiguous option: --cuda-graph-max-bs" in result.stderr
+
+
+@pytest.mark.slow
+def test_cuda_graph_max_bs_is_accepted_on_059(launch: Launcher) -> None:
+    """0.5.9 has the flag; the stub serves and reports it."""
+    stub = launch("0.5.9", ("--cuda-graph-max-bs", "8"))
+    _, info = stub.json("GET", "/server_info")
+    assert info["cuda_graph_max_bs"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_partial_speculative_triple_exits_non_zero(tmp_path: Path, version: str) -> None:
+    """SGLang asserts on a partial (steps, topk, draft tokens) set."""
+    argv = ["--model-path", "m", "--speculative-algorithm", "EAGLE"]
+    argv += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+    result = run_stub_to_exit(tmp_path, argv, version=version)
+    assert result.returncode == 1
+    assert "AssertionError" in result.stderr
+
+
+@pytest.mark.slow
+def test_dflash_is_an_invalid_choice_on_059(tmp_path: Path) -> None:
+    """0.5.9's --speculative-algorithm choices lack DFLASH."""
+    argv = ["--model-path", "m", "--speculative-algorithm", "DFLASH"]
+    result = run_stub_to_exit(tmp_path, argv, version="0.5.9")
+    assert result.returncode == 2 and "invalid choice: 'DFLASH'" in result.stderr
+
+
+@pytest.mark.slow
+def test_non_loopback_host_is_refused(tmp_path: Path) -> None:
+    """The stub never listens beyond loopback."""
+    result = run_stub_to_exit(tmp_path, ["--model-path", "m", "--host", "0.0.0.0"])
+    assert result.returncode != 0 and "loopback" in result.stderr
+
+
+def _resolve(stub_module: ModuleType, version: str, *argv: str) -> dict[str, Any]:
+    cfg = stub_module.StubConfig(version=version)
+    args, _spec = stub_module.parse_launch_argv(["--model-path", "m", *argv], cfg)
+    return args
+
+
+def _triple(args: dict[str, Any]) -> tuple[Any, Any, Any]:
+    names = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    return tuple(args[name] for name in names)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_speculative_defaults_follow_sglang(stub_module: ModuleType, version: str) -> None:
+    """Auto (3,1,4) / (5,4,8) for Llama, topk=1 forcing, NGRAM 12, NEXTN -> EAGLE."""
+    plain = _resolve(stub_module, version, "--speculative-algorithm", "EAGLE3")
+    assert _triple(plain) == (3, 1, 4) and plain["max_running_requests"] == 48
+    cfg = stub_module.StubConfig(version=version)
+    llama, _ = stub_module.parse_launch_argv(
+        ["--model", "/models/Meta-LLaMA-3-8B", "--speculative-algorithm", "EAGLE"], cfg
+    )
+    assert _triple(llama) == (5, 4, 8)
+    forced = _resolve(
+        stub_module, version, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "4",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "9",
+        "--max-running-requests", "64",
+    )  # fmt: skip
+    assert _triple(forced) == (4, 1, 5) and forced["max_running_requests"] == 64
+    ngram = _resolve(stub_module, version, "--speculative-algorithm", "NGRAM")
+    assert ngram["speculative_num_draft_tokens"] == 12
+    assert ngram["speculative_ngram_max_bfs_breadth"] == 10
+    assert (
+        _resolve(stub_module, version, "--speculative-algorithm", "NEXTN")["speculative_algorithm"]
+        == "EAGLE"
+    )
+    none = _resolve(stub_module, version, "--tp", "2")
+    assert none["tp_size"] == 2 and none["max_running_requests"] is None
+
+
+def test_dflash_defaults_on_0523(stub_module: ModuleType) -> None:
+    """DFLASH forces one step, topk 1, and a 16-token block unless told otherwise."""
+    args = _resolve(stub_module, "0.5.23", "--speculative-algorithm", "DFLASH")
+    assert _triple(args) == (1, 1, 16)
+    sized = _resolve(
+        stub_module, "0.5.23", "--speculative-algorithm", "DFLASH",
+        "--speculative-dflash-block-size", "8",
+    )  # fmt: skip
+    assert _triple(sized) == (1, 1, 8)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.mark.slow
+def test_flush_cache_is_refused_while_a_request_runs(launch: Launcher) -> None:
+    """/flush_cache says 400 during a generate, 200 once it is gone; requests run concurrently."""
+    stub = launch("0.5.23", tpot_s=0.02)
+    conn, response = stub.open_stream(generate_body(200, ignore_eos=True))  # ~4 s
+    try:
+        assert read_events(response, limit=1)
+        assert stub.request("POST", "/flush_cache")[0] == 400
+        assert stub.request("GET", "/flush_cache")[0] == 400
+        started = time.monotonic()
+        status, body = stub.json("POST", "/generate", generate_body(3, ignore_eos=True))
+        assert status == 200 and body["meta_info"]["completion_tokens"] == 3
+        assert time.monotonic() - started < 1.5  # not queued behind the running stream
+    finally:
+        conn.close()  # the stub aborts the request at its next write
+    deadline = time.monotonic() + 3.0
+    while stub.request("POST", "/flush_cache")[0] != 200:
+        assert time.monotonic() < deadline, stub.log_tail()
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_die_after_requests_kills_the_process(launch: Launcher) -> None:
+    """The N-th /generate makes the process vanish (exit 1) without an answer."""
+    stub = launch("0.5.23", die_after_requests=2)
+    assert stub.request("POST", "/generate", generate_body(2))[0] == 200
+    with pytest.raises((http.client.HTTPException, OSError)):
+        stub.request("POST", "/generate", generate_body(2))
+    assert stub.proc.wait(timeout=5) == 1
+
+
+@pytest.mark.slow
+def test_fail_after_requests_answers_5xx(launch: Launcher) -> None:
+    """Requests N, N+1, ... get fail_status with an SGLang-style error body."""
+    stub = launch("0.5.9", fail_after_requests=2, fail_status=503)
+    assert stub.request("POST", "/generate", generate_body(2))[0] == 200
+    for _ in range(2):
+        status, body = stub.json("POST", "/generate", generate_body(2))
+        assert status == 503 and "message" in body["error"]
+    assert stub.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.slow
+def test_malformed_chunk_and_stall(launch: Launcher) -> None:
+    """A non-JSON data line at chunk k; a stream that goes quiet and drops unfinished."""
+    broken = launch("0.5.23", malformed_chunk_at=1)
+    events = broken.stream(generate_body(4, ignore_eos=True))
+    json.loads(events[0])
+    with pytest.raises(ValueError):
+        json.loads(events[1])
+    assert events[-1] == "[DONE]"
+
+    stalling = launch("0.5.23", stall_after_chunks=1, stall_s=0.5)
+    conn, response = stalling.open_stream(generate_body(4, ignore_eos=True))
+    started = time.monotonic()
+    try:
+        events = read_events(response)
+    except http.client.HTTPException:
+        events = ["<incomplete>"]
+    finally:
+        conn.close()
+    assert "[DONE]" not in events
+    assert 0.4 <= time.monotonic() - started < 3.0
+
+
+@pytest.mark.slow
+def test_natural_stop_ends_early_unless_ignore_eos(launch: Launcher) -> None:
+    """natural_stop: seeded early stops with matched EOS; ignore_eos still runs to the end."""
+    stub = launch("0.5.9", natural_stop=True, tpot_s=0.0005, seed=7)
+    reasons = []
+    for _ in range(4):
+        _, body = stub.json("POST", "/generate", generate_body(40))
+        meta = body["meta_info"]
+        assert 1 <= meta["completion_tokens"] <= 40
+        reasons.append(meta["finish_reason"])
+    assert {"type": "stop", "matched": 2} in reasons
+    _, body = stub.json("POST", "/generate", generate_body(40, ignore_eos=True))
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
