@@ -1,0 +1,32 @@
+"""dvfs: how much energy GPU clocks, power caps and speculative decoding really save.
+
+Heavy libraries (xarray, seaborn) load only when a function that needs them is called, so
+`dvfs --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def open_cube(path: str) -> xr.Dataset:
+    """Open a dvfs cube (netCDF) with the `ds.dvfs` accessor registered."""
+    from dvfs.cube import open_cube as _open
+
+    return _open(path)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "load_campaign":
+        from dvfs.campaign import load_campaign
+
+        return load_campaign
+    raise AttributeError(f"module 'dvfs' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "open_cube"]

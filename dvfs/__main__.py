@@ -1,0 +1,3 @@
+from dvfs.cli import main
+
+main()

@@ -1,0 +1,73 @@
+"""One error tree, so the CLI can turn every failure into a message that says what to do."""
+
+from __future__ import annotations
+
+
+class DvfsError(Exception):
+    """Base of every error dvfs raises on purpose; the message is meant for the user."""
+
+    exit_code = 1
+
+
+class CampaignError(DvfsError):
+    """A campaign file is malformed: the message names the key, the value and what is allowed."""
+
+    exit_code = 2
+
+
+class JournalError(DvfsError):
+    """The journal cannot be used (another campaign's, or corrupt beyond its last line)."""
+
+
+class CubeError(DvfsError):
+    """A cube is missing, of an unknown schema, or does not have the shape an analysis needs."""
+
+
+class GpuError(DvfsError):
+    """A GPU operation failed."""
+
+
+class GpuUnavailableError(GpuError):
+    """No driver or no such device: use the twin backend or install the NVIDIA driver."""
+
+
+class GpuPermissionError(GpuError):
+    """A setter needs root: run as root or through the systemd unit."""
+
+    exit_code = 4
+
+
+class GpuNotSupportedError(GpuError):
+    """The device does not support the call (MIG slices, old GPUs, unsupported clocks)."""
+
+
+class GpuValueError(GpuError):
+    """A value outside what the device accepts; the message gives the allowed range."""
+
+
+class GpuStateError(GpuError):
+    """The GPU holds changes dvfs made and has not restored, or another dvfs process owns it."""
+
+    exit_code = 3
+
+
+class EngineError(DvfsError):
+    """The serving engine failed to start, answer, or finish a workload."""
+
+
+class EngineCrashedError(EngineError):
+    """The server process died: the cell may be retried after a restart."""
+
+
+class CorpusError(DvfsError):
+    """A corpus cannot be loaded or sampled; the message names the file and line."""
+
+
+class AnalysisError(DvfsError):
+    """An analysis was asked something the cube cannot answer."""
+
+
+class CapsError(DvfsError):
+    """A caps file is malformed or unsafe."""
+
+    exit_code = 2
