@@ -1,0 +1,101 @@
+"""The `Gpu` protocol: the knobs and meters the runner needs, in NVML's units (MHz, mW, mJ).
+
+Both backends (real NVML and the twin) implement it and raise the same `GpuError`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+# Clock-event reason bits, as NVML reports them (nvml.h, nvmlClocksEventReason*).
+EVENT_GPU_IDLE = 0x1
+EVENT_APPLICATIONS_CLOCKS = 0x2
+EVENT_SW_POWER_CAP = 0x4
+EVENT_HW_SLOWDOWN = 0x8
+EVENT_SYNC_BOOST = 0x10
+EVENT_SW_THERMAL = 0x20
+EVENT_HW_THERMAL = 0x40
+EVENT_HW_POWER_BRAKE = 0x80
+EVENT_DISPLAY_CLOCKS = 0x100
+
+EVENT_NAMES = {
+    EVENT_GPU_IDLE: "GpuIdle",
+    EVENT_APPLICATIONS_CLOCKS: "ApplicationsClocksSetting",
+    EVENT_SW_POWER_CAP: "SwPowerCap",
+    EVENT_HW_SLOWDOWN: "HwSlowdown",
+    EVENT_SYNC_BOOST: "SyncBoost",
+    EVENT_SW_THERMAL: "SwThermalSlowdown",
+    EVENT_HW_THERMAL: "HwThermalSlowdown",
+    EVENT_HW_POWER_BRAKE: "HwPowerBrakeSlowdown",
+    EVENT_DISPLAY_CLOCKS: "DisplayClockSetting",
+}
+
+#: Reasons that mean the GPU was slowed by something other than the knob under test.
+EVENT_THROTTLE_MASK = EVENT_HW_SLOWDOWN | EVENT_SW_THERMAL | EVENT_HW_THERMAL | EVENT_HW_POWER_BRAKE
+
+
+def describe_events(mask: int) -> list[str]:
+    """Names of the reason bits set in `mask`."""
+    return [name for bit, name in EVENT_NAMES.items() if mask & bit]
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """Who a GPU is: enough to refuse mixing cubes from different hardware."""
+
+    index: int
+    uuid: str
+    name: str
+    driver_version: str
+    backend: str
+    memory_clock_mhz: int
+    max_sm_clock_mhz: int
+
+
+@dataclass(frozen=True)
+class PowerLimitRange:
+    """Power-limit constraints of a device (mW, as NVML reports them)."""
+
+    min_mw: int
+    max_mw: int
+    default_mw: int
+
+    def __post_init__(self) -> None:
+        if not self.min_mw <= self.default_mw <= self.max_mw:
+            raise ValueError(f"inconsistent power-limit range {self}")
+
+
+class Gpu(Protocol):
+    """One GPU's knobs and meters. Setters may raise `GpuPermissionError` / `GpuValueError`."""
+
+    @property
+    def identity(self) -> GpuIdentity: ...
+
+    def supported_sm_clocks_mhz(self) -> tuple[int, ...]: ...
+
+    def power_limit_range(self) -> PowerLimitRange: ...
+
+    def power_limit_mw(self) -> int:
+        """The enforced power limit."""
+        ...
+
+    def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None: ...
+
+    def reset_sm_clock(self) -> None: ...
+
+    def set_power_limit_mw(self, limit_mw: int) -> None: ...
+
+    def energy_mj(self) -> int:
+        """Monotone energy counter (mJ since driver load)."""
+        ...
+
+    def power_mw(self) -> int:
+        """Instantaneous board power."""
+        ...
+
+    def sm_clock_mhz(self) -> int: ...
+
+    def temperature_c(self) -> int: ...
+
+    def clock_event_reasons(self) -> int: ...

@@ -1,0 +1,85 @@
+"""The `Gpu` protocol over a simulated device: NVML's integer units and NVML's refusals."""
+
+from __future__ import annotations
+
+from dvfs.errors import GpuValueError
+from dvfs.gpu.base import GpuIdentity, PowerLimitRange
+from dvfs.twin.device import TwinDevice
+
+TWIN_DRIVER_VERSION = "twin"
+
+
+class TwinGpu:
+    """A twin device seen through the same interface as a real GPU."""
+
+    def __init__(self, device: TwinDevice) -> None:
+        self.device = device
+        profile = device.profile
+        self._identity = GpuIdentity(
+            index=device.index,
+            uuid=device.uuid,
+            name=f"{profile.nvml_name} (twin)",
+            driver_version=TWIN_DRIVER_VERSION,
+            backend="twin",
+            memory_clock_mhz=profile.memory_clock_mhz,
+            max_sm_clock_mhz=profile.max_sm_clock_mhz,
+        )
+
+    @property
+    def identity(self) -> GpuIdentity:
+        return self._identity
+
+    def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
+        return self.device.profile.supported_sm_clocks_mhz()
+
+    def power_limit_range(self) -> PowerLimitRange:
+        p = self.device.profile
+        return PowerLimitRange(
+            min_mw=round(p.power_limit_min_w * 1000),
+            max_mw=round(p.power_limit_max_w * 1000),
+            default_mw=round(p.power_limit_default_w * 1000),
+        )
+
+    def power_limit_mw(self) -> int:
+        return round(self.device.power_limit_w * 1000)
+
+    def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
+        supported = self.supported_sm_clocks_mhz()
+        lowest, highest = min(supported), max(supported)
+        if not (lowest <= min_mhz <= max_mhz <= highest):
+            raise GpuValueError(
+                f"GPU {self.device.index}: cannot lock SM clocks to {min_mhz}-{max_mhz} MHz; "
+                f"supported clocks span {lowest}-{highest} MHz"
+            )
+
+        def nearest(mhz: int) -> int:
+            return min(supported, key=lambda c: (abs(c - mhz), c))
+
+        self.device.locked_mhz = (nearest(min_mhz), nearest(max_mhz))
+
+    def reset_sm_clock(self) -> None:
+        self.device.locked_mhz = None
+
+    def set_power_limit_mw(self, limit_mw: int) -> None:
+        allowed = self.power_limit_range()
+        if not allowed.min_mw <= limit_mw <= allowed.max_mw:
+            raise GpuValueError(
+                f"GPU {self.device.index}: power limit {limit_mw / 1000:g} W is outside the "
+                f"allowed range {allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
+            )
+        self.device.power_limit_w = limit_mw / 1000
+
+    def energy_mj(self) -> int:
+        return int(self.device.energy_j() * 1000)
+
+    def power_mw(self) -> int:
+        return round(self.device.power_w() * 1000)
+
+    def sm_clock_mhz(self) -> int:
+        return self.device.sm_clock_mhz()
+
+    def temperature_c(self) -> int:
+        return round(self.device.temperature_c())
+
+    def clock_event_reasons(self) -> int:
+        return self.device.clock_event_reasons()

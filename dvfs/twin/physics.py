@@ -1,0 +1,178 @@
+"""The twin's physics: roofline step times and a voltage-frequency power model.
+
+Everything is vectorised over a sequence of forward passes so a whole measurement cell
+(hundreds of passes) costs a few numpy operations.
+
+step time  = host overhead + kernel cycles / f + soft-max(compute time, memory time) + comm
+compute    = FLOPs / (tensor peak at f x GEMM efficiency)
+memory     = bytes / achievable bandwidth at f (falls off below the bandwidth knee)
+power      = idle + busy x (SM power + tensor power x tensor util) x s(f) + memory power x bw util
+s(f)       = (f / f_max) x (V(f) / V_max)^2   (dynamic CMOS power)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dvfs.twin.profiles import GpuProfile
+
+#: Exponent of the soft maximum that blends compute and memory time: kernels overlap the two
+#: imperfectly near the ridge point, so the transition is smooth rather than a sharp corner.
+ROOFLINE_BLEND = 4.0
+
+#: Latency of one all-reduce over NVLink (s), INF.
+ALLREDUCE_LATENCY_S = 8e-6
+
+
+@dataclass(frozen=True)
+class Passes:
+    """A sequence of forward passes as seen by ONE GPU (tensor-parallel shares already applied)."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    layers: np.ndarray
+    comm_bytes: np.ndarray
+    comm_calls: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.flops)
+        for name in ("bytes", "layers", "comm_bytes", "comm_calls"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Passes.{name} has {len(getattr(self, name))} entries, not {n}")
+
+    @staticmethod
+    def concat(parts: list[Passes]) -> Passes:
+        return Passes(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in Passes.__dataclass_fields__)
+        )
+
+    def __len__(self) -> int:
+        return len(self.flops)
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """Durations and power of each pass at one SM clock."""
+
+    sm_clock_mhz: float
+    duration_s: np.ndarray
+    power_w: np.ndarray
+    tensor_util: np.ndarray
+    memory_util: np.ndarray
+
+    @property
+    def energy_j(self) -> float:
+        return float(np.dot(self.duration_s, self.power_w))
+
+    @property
+    def total_s(self) -> float:
+        return float(self.duration_s.sum())
+
+    @property
+    def mean_power_w(self) -> float:
+        total = self.total_s
+        return self.energy_j / total if total > 0 else 0.0
+
+
+def voltage_v(gpu: GpuProfile, sm_clock_mhz: float | np.ndarray) -> np.ndarray:
+    """Core voltage: flat floor up to the knee, then linear to V_max at the top clock."""
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    span = max(1.0, gpu.max_sm_clock_mhz - gpu.voltage_knee_mhz)
+    rise = np.clip((f - gpu.voltage_knee_mhz) / span, 0.0, 1.0)
+    return gpu.voltage_min_v + (gpu.voltage_max_v - gpu.voltage_min_v) * rise
+
+
+def dynamic_scale(gpu: GpuProfile, sm_clock_mhz: float | np.ndarray) -> np.ndarray:
+    """f V(f)^2 relative to the top clock: how switching power scales with the clock."""
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    v = voltage_v(gpu, f)
+    return (f / gpu.max_sm_clock_mhz) * (v / gpu.voltage_max_v) ** 2
+
+
+def bandwidth_bytes_s(gpu: GpuProfile, sm_clock_mhz: float | np.ndarray) -> np.ndarray:
+    """Achievable HBM bandwidth at an SM clock: saturates above the knee, falls below it.
+
+    A smooth minimum of the memory system's limit and an SM-issue limit proportional to f,
+    normalised so the top clock reaches the profile's achievable fraction of peak.
+    """
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    peak = gpu.hbm_bandwidth_gb_s * 1e9 * gpu.hbm_efficiency
+
+    def shape(x: np.ndarray | float) -> np.ndarray:
+        return (1.0 + (gpu.bandwidth_knee_mhz / np.maximum(x, 1.0)) ** 4) ** -0.25
+
+    return peak * shape(f) / shape(float(gpu.max_sm_clock_mhz))
+
+
+def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float) -> PassTiming:
+    """Duration and average power of each pass when the SMs run at `sm_clock_mhz`."""
+    f = float(sm_clock_mhz)
+    compute_s = passes.flops / gpu.peak_flops(f)
+    memory_s = passes.bytes / float(bandwidth_bytes_s(gpu, f))
+    p = ROOFLINE_BLEND
+    roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
+    kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
+    comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
+    busy_s = roofline_s + kernel_s + comm_s
+    duration_s = busy_s + gpu.host_overhead_s
+    tensor_util = compute_s / duration_s
+    memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
+    busy = busy_s / duration_s
+    scale = float(dynamic_scale(gpu, f))
+    power_w = (
+        gpu.idle_power_w
+        + busy * gpu.sm_active_power_w * scale
+        + tensor_util * gpu.tensor_power_w * scale
+        + memory_util * gpu.memory_power_w
+    )
+    return PassTiming(f, duration_s, power_w, tensor_util, memory_util)
+
+
+def idle_power_w(gpu: GpuProfile) -> float:
+    return gpu.idle_power_w
+
+
+def temperature_c(gpu: GpuProfile, power_w: float) -> float:
+    """Steady-state die temperature at a power draw (no thermal lag: history-free by design)."""
+    return gpu.ambient_c + gpu.thermal_c_per_w * power_w
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The clock a workload actually runs at, and whether the power limit pulled it down."""
+
+    sm_clock_mhz: int
+    power_capped: bool
+    timing: PassTiming
+
+
+def operating_point(
+    gpu: GpuProfile,
+    passes: Passes,
+    requested_mhz: int,
+    power_limit_w: float,
+) -> OperatingPoint:
+    """Highest supported clock <= `requested_mhz` whose average power fits the limit.
+
+    Real GPUs enforce the limit over short windows; the twin enforces it over the workload's
+    average, which is what the energy counter sees.
+    """
+    timing = time_passes(gpu, passes, requested_mhz)
+    if len(passes) == 0 or timing.mean_power_w <= power_limit_w:
+        return OperatingPoint(int(requested_mhz), False, timing)
+    clocks = [c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz]
+    clocks.sort()
+    lo, hi = 0, len(clocks) - 1
+    best = clocks[0]
+    best_timing = time_passes(gpu, passes, best)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = time_passes(gpu, passes, clocks[mid])
+        if candidate.mean_power_w <= power_limit_w:
+            best, best_timing = clocks[mid], candidate
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return OperatingPoint(int(best), True, best_timing)

@@ -1,0 +1,354 @@
+"""The twin's data: GPU specs, model shapes and acceptance priors, read from TOML with sources."""
+
+from __future__ import annotations
+
+import functools
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from importlib import resources
+from typing import Any
+
+from dvfs.errors import CampaignError
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """Datasheet and calibration figures of one GPU model (units in each name)."""
+
+    key: str
+    nvml_name: str
+    sm_count: int
+    flop_per_clk_per_sm: int
+    gemm_efficiency: float
+    hbm_bandwidth_gb_s: float
+    hbm_efficiency: float
+    bandwidth_knee_mhz: float
+    memory_clock_mhz: int
+    memory_gb: float
+    max_sm_clock_mhz: int
+    min_sm_clock_mhz: int
+    sm_clock_step_mhz: int
+    idle_sm_clock_mhz: int
+    idle_power_w: float
+    power_limit_min_w: float
+    power_limit_max_w: float
+    power_limit_default_w: float
+    voltage_min_v: float
+    voltage_max_v: float
+    voltage_knee_mhz: float
+    sm_active_power_w: float
+    tensor_power_w: float
+    memory_power_w: float
+    ambient_c: float
+    thermal_c_per_w: float
+    kernel_cycles_per_layer: float
+    host_overhead_s: float
+    nvlink_gb_s: float
+
+    def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
+        """Lockable SM clocks, descending like NVML's list."""
+        return tuple(
+            range(self.max_sm_clock_mhz, self.min_sm_clock_mhz - 1, -self.sm_clock_step_mhz)
+        )
+
+    def peak_flops(self, sm_clock_mhz: float) -> float:
+        """Dense BF16 tensor FLOP/s at an SM clock (achievable, GEMM efficiency applied)."""
+        return self.sm_count * self.flop_per_clk_per_sm * sm_clock_mhz * 1e6 * self.gemm_efficiency
+
+    def ridge_point(self, sm_clock_mhz: float) -> float:
+        """FLOP per byte where a pass's compute time equals its memory time (datasheet peaks)."""
+        peak = self.sm_count * self.flop_per_clk_per_sm * sm_clock_mhz * 1e6
+        return peak / (self.hbm_bandwidth_gb_s * 1e9)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Shape of a transformer, enough to count the FLOPs and bytes of a forward pass."""
+
+    key: str
+    hf_name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    role: str = "target"
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    sliding_window: int = 0
+    local_per_global: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    expert_intermediate: int = 0
+    dense_layers: int = 0
+    fc_inputs: int = 0
+    attention_inputs: int = 1
+    bytes_per_param: int = 2
+
+    # -- parameter counts -------------------------------------------------------------------
+    @property
+    def attention_params_per_layer(self) -> int:
+        q_out = self.heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        if self.attention == "mla":
+            rope = self.qk_rope_head_dim
+            q = self.hidden * self.heads * (self.head_dim + rope)
+            kv_down = self.hidden * (self.kv_lora_rank + rope)
+            kv_up = self.kv_lora_rank * self.heads * (self.head_dim + self.head_dim)
+            return q + kv_down + kv_up + q_out * self.hidden
+        inputs = self.hidden * self.attention_inputs
+        return inputs * (q_out + 2 * kv_out) + q_out * self.hidden
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def fc_params(self) -> int:
+        return self.fc_inputs * self.hidden * self.hidden
+
+    @property
+    def total_params(self) -> int:
+        """All parameters (embeddings counted once when tied)."""
+        attention = self.layers * self.attention_params_per_layer
+        if self.experts:
+            mlp = self.dense_layers * self.dense_mlp_params + self.moe_layers * (
+                (self.experts + self.shared_experts) * self.expert_params
+            )
+        else:
+            mlp = self.layers * self.dense_mlp_params
+        head = 0 if self.tied_embeddings else self.lm_head_params
+        return attention + mlp + self.embedding_params + head + self.fc_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Parameters each token multiplies through (FLOPs = 2 x this), experts as routed."""
+        attention = self.layers * self.attention_params_per_layer
+        if self.experts:
+            mlp = self.dense_layers * self.dense_mlp_params + self.moe_layers * (
+                (self.experts_per_token + self.shared_experts) * self.expert_params
+            )
+        else:
+            mlp = self.layers * self.dense_mlp_params
+        return attention + mlp + self.lm_head_params + self.fc_params
+
+    def weight_bytes_read(self, tokens: Any) -> Any:
+        """Weight bytes one forward pass over `tokens` tokens reads (embedding rows are negligible).
+
+        Dense weights are read once whatever the token count; a MoE layer reads only the
+        experts its tokens are routed to (expected count under uniform routing).
+        """
+        import numpy as np
+
+        base = self.layers * self.attention_params_per_layer + self.lm_head_params
+        base += self.fc_params
+        if not self.experts:
+            base += self.layers * self.dense_mlp_params
+            return np.full_like(np.asarray(tokens, dtype=float), base * self.bytes_per_param)
+        share = self.experts_per_token / self.experts
+        touched = self.experts * (1.0 - (1.0 - share) ** np.asarray(tokens, dtype=float))
+        per_layer = (touched + self.shared_experts) * self.expert_params
+        total = base + self.dense_layers * self.dense_mlp_params + self.moe_layers * per_layer
+        return total * self.bytes_per_param
+
+    # -- attention and KV cache ----------------------------------------------------------------
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.bytes_per_param
+        return 2 * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token adds across all layers."""
+        return self.layers * self.kv_bytes_per_token_per_layer
+
+    def kv_bytes_read(self, context_tokens: Any) -> Any:
+        """KV bytes one request's attention reads at a context length (windows respected)."""
+        import numpy as np
+
+        context = np.asarray(context_tokens, dtype=float)
+        per_layer = self.kv_bytes_per_token_per_layer
+        if self.attention == "sliding" and self.sliding_window:
+            local = self.layers * self.local_per_global // (self.local_per_global + 1)
+            global_layers = self.layers - local
+            windowed = np.minimum(context, self.sliding_window)
+            return (local * windowed + global_layers * context) * per_layer
+        return self.layers * context * per_layer
+
+    def attention_flops_per_token(self, context_tokens: Any) -> Any:
+        """Score and value FLOPs for one new token attending to `context_tokens` tokens."""
+        import numpy as np
+
+        context = np.asarray(context_tokens, dtype=float)
+        if self.attention == "mla":
+            width = 2 * (self.kv_lora_rank + self.qk_rope_head_dim) + 2 * self.kv_lora_rank
+            return self.layers * self.heads * width * context
+        if self.attention == "sliding" and self.sliding_window:
+            local = self.layers * self.local_per_global // (self.local_per_global + 1)
+            effective = local * np.minimum(context, self.sliding_window)
+            effective = effective + (self.layers - local) * context
+            return 4 * self.heads * self.head_dim * effective
+        return 4 * self.layers * self.heads * self.head_dim * context
+
+
+@dataclass(frozen=True)
+class AcceptancePrior:
+    """Measured mean accept length per corpus at a reference draft depth and tree width."""
+
+    family: str
+    source: str
+    ref_depth: int
+    ref_topk: int
+    tau_by_corpus: dict[str, float]
+    default_tau: float
+
+    def tau(self, corpus: str) -> float:
+        return self.tau_by_corpus.get(corpus, self.default_tau)
+
+
+def _read(name: str) -> dict[str, Any]:
+    text = resources.files("dvfs.twin").joinpath("data", name).read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def _build(cls: type, key: str, table: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in fields(cls)} - {"key"}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise CampaignError(f"{where}[{key}]: unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(key=key, **table)
+    except TypeError as exc:
+        raise CampaignError(f"{where}[{key}]: {exc}") from exc
+
+
+@functools.cache
+def gpu_profiles() -> dict[str, GpuProfile]:
+    return {k: _build(GpuProfile, k, v, "gpus.toml") for k, v in _read("gpus.toml").items()}
+
+
+@functools.cache
+def model_profiles() -> dict[str, ModelProfile]:
+    return {k: _build(ModelProfile, k, v, "models.toml") for k, v in _read("models.toml").items()}
+
+
+@functools.cache
+def acceptance_priors() -> dict[str, AcceptancePrior]:
+    priors = {}
+    for family, table in _read("acceptance.toml").items():
+        meta = {"source", "ref_depth", "ref_topk", "default"}
+        taus = {k: float(v) for k, v in table.items() if k not in meta}
+        priors[family] = AcceptancePrior(
+            family=family,
+            source=table["source"],
+            ref_depth=int(table["ref_depth"]),
+            ref_topk=int(table["ref_topk"]),
+            tau_by_corpus=taus,
+            default_tau=float(table["default"]),
+        )
+    return priors
+
+
+def gpu_profile(key: str) -> GpuProfile:
+    profiles = gpu_profiles()
+    if key not in profiles:
+        raise CampaignError(
+            f"unknown twin GPU profile {key!r}; known profiles: {', '.join(sorted(profiles))}"
+        )
+    return profiles[key]
+
+
+def model_profile(key: str) -> ModelProfile:
+    """A model by profile key or by its Hugging Face name (case-insensitive)."""
+    profiles = model_profiles()
+    if key in profiles:
+        return profiles[key]
+    lowered = key.lower()
+    for profile in profiles.values():
+        if profile.hf_name.lower() == lowered:
+            return profile
+    raise CampaignError(
+        f"the twin has no model profile {key!r}; known: {', '.join(sorted(profiles))} "
+        "(or their Hugging Face names)"
+    )
+
+
+def find_model_profile(key: str | None) -> ModelProfile | None:
+    """Like `model_profile` but None when unknown (drafters fall back to a generic shape)."""
+    if key is None:
+        return None
+    try:
+        return model_profile(key)
+    except CampaignError:
+        return None
+
+
+def accept_probability(tau: float, depth: int) -> float:
+    """Per-draft acceptance probability a of a chain of `depth` drafts with mean length tau.
+
+    A chain accepts draft j only if drafts 1..j were accepted, so
+    tau = 1 + a + a^2 + ... + a^depth = (1 - a^(depth+1)) / (1 - a).
+    """
+    if depth <= 0 or tau <= 1.0:
+        return 0.0
+    if tau >= depth + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value = depth + 1 if mid == 1.0 else (1 - mid ** (depth + 1)) / (1 - mid)
+        if value < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def expected_accept_length(alpha: float, depth: int) -> float:
+    """Mean tokens per verify (bonus included) of a chain with per-draft probability alpha."""
+    if depth <= 0:
+        return 1.0
+    if math.isclose(alpha, 1.0):
+        return float(depth + 1)
+    return (1 - alpha ** (depth + 1)) / (1 - alpha)
+
+
+def widen(alpha_ref: float, topk_ref: int, topk: int) -> float:
+    """Per-step acceptance for another tree width (INF: the miss rate scales as topk^-1/2)."""
+    miss_chain = (1 - alpha_ref) * math.sqrt(max(1, topk_ref))
+    miss = miss_chain / math.sqrt(max(1, topk))
+    return min(1.0, max(0.0, 1 - miss))
+
+
+def profile_for_gpu_name(name: str) -> GpuProfile:
+    """The twin profile matching an NVML device name (H100 SXM, H200), for twin engines on NVML."""
+    lowered = name.lower()
+    for profile in gpu_profiles().values():
+        if profile.nvml_name.lower() in lowered or lowered in profile.nvml_name.lower():
+            return profile
+    if "h200" in lowered:
+        return gpu_profile("h200-sxm")
+    return gpu_profile("h100-sxm")
