@@ -1,0 +1,107 @@
+"""Finding a corpus by name: built-ins from package data, user corpora from their campaign table."""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+from dvfs.corpora.model import Corpus, Message, Prompt, TokenCounter, estimate_tokens
+from dvfs.errors import CampaignError, CorpusError
+
+BUILTIN_CORPORA = ("code", "conversation", "english", "math", "romansh")
+
+BUILTIN_DESCRIPTIONS = {
+    "code": "programming tasks and code to continue (Python, Rust, JS/TS, SQL, Go, C, shell)",
+    "conversation": "chat-style user turns, many multi-turn",
+    "english": "English prose to continue, summarise or rewrite",
+    "math": "math word problems asking for step-by-step solutions",
+    "romansh": "prompts in Rumantsch Grischun (a low-resource language)",
+}
+
+
+def parse_messages(raw: Any, *, where: str) -> tuple[Message, ...]:
+    """Validate a chat-messages list: roles alternate and the last turn is the user's."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise CorpusError(f"{where}: empty prompt text")
+        return (Message("user", raw),)
+    if not isinstance(raw, list) or not raw:
+        raise CorpusError(
+            f"{where}: expected a string or a non-empty list of chat messages, "
+            f"got {type(raw).__name__}"
+        )
+    messages = []
+    for i, item in enumerate(raw):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("role"), str)
+            or not isinstance(item.get("content"), str)
+        ):
+            raise CorpusError(f"{where}: message {i} needs string fields 'role' and 'content'")
+        if item["role"] not in ("system", "user", "assistant"):
+            raise CorpusError(
+                f"{where}: message {i} has role {item['role']!r}; use system, user or assistant"
+            )
+        messages.append(Message(item["role"], item["content"]))
+    if messages[-1].role != "user":
+        raise CorpusError(f"{where}: the last message must be the user's (the model answers it)")
+    return tuple(messages)
+
+
+def _builtin_text(name: str) -> str:
+    return (
+        resources.files("dvfs.corpora")
+        .joinpath("data", f"{name}.jsonl")
+        .read_text(encoding="utf-8")
+    )
+
+
+@functools.cache
+def _builtin(name: str) -> Corpus:
+    prompts = []
+    for lineno, line in enumerate(_builtin_text(name).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"built-in corpus {name}, line {lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from exc
+        messages = parse_messages(record.get("messages"), where=where)
+        prompts.append(Prompt(record["id"], messages, estimate_tokens(messages)))
+    return Corpus(name, tuple(prompts), f"dvfs built-in corpus {name!r}")
+
+
+def validate_spec(name: str, spec: dict[str, Any], *, where: str) -> None:
+    """Check a `[corpus.NAME]` table at campaign load; raises `CampaignError`."""
+    from dvfs.corpora.loaders import check_spec
+
+    try:
+        check_spec(spec)
+    except CorpusError as exc:
+        raise CampaignError(f"{where}: [corpus.{name}]: {exc}") from exc
+
+
+def load_corpus(
+    name: str,
+    spec: dict[str, Any] | None = None,
+    *,
+    base_dir: str = ".",
+    count_tokens: TokenCounter = estimate_tokens,
+) -> Corpus:
+    """A built-in corpus by name, or a user corpus described by its campaign table."""
+    if spec is None:
+        if name not in BUILTIN_CORPORA:
+            raise CorpusError(
+                f"no built-in corpus {name!r}; built-ins are {', '.join(BUILTIN_CORPORA)}"
+            )
+        corpus = _builtin(name)
+        if count_tokens is estimate_tokens:
+            return corpus
+        prompts = tuple(Prompt(p.id, p.messages, count_tokens(p.messages)) for p in corpus.prompts)
+        return Corpus(name, prompts, corpus.source)
+    from dvfs.corpora.loaders import load_user_corpus
+
+    return load_user_corpus(name, spec, base_dir=base_dir, count_tokens=count_tokens)

@@ -1,0 +1,71 @@
+"""Choosing prompts for a cell: deterministic by seed, fitted to the campaign's input range."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+
+from dvfs.corpora.model import Corpus, Message, Prompt
+from dvfs.errors import CorpusError
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed derived from values, identical across processes and Python versions."""
+    blob = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little")
+
+
+def fit_to_range(prompt: Prompt, min_tokens: int, max_tokens: int) -> Prompt | None:
+    """The prompt trimmed to at most `max_tokens`, or None when shorter than `min_tokens`.
+
+    Trimming cuts the last message's text proportionally (earlier turns are context), and
+    keeps the prompt's token estimate consistent with the cut.
+    """
+    if prompt.input_tokens < min_tokens:
+        return None
+    if prompt.input_tokens <= max_tokens:
+        return prompt
+    last = prompt.messages[-1]
+    others = prompt.input_tokens - max(1, math.ceil(len(last.content) / 4))
+    budget_tokens = max_tokens - others
+    if budget_tokens < 1:
+        return None
+    keep_chars = max(
+        1, int(len(last.content) * budget_tokens / max(1, prompt.input_tokens - others))
+    )
+    trimmed = (*prompt.messages[:-1], Message(last.role, last.content[:keep_chars]))
+    return Prompt(prompt.id, trimmed, max_tokens)
+
+
+def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> list[Prompt]:
+    lo, hi = input_tokens
+    fitted = (fit_to_range(p, lo, hi) for p in corpus.prompts)
+    return [p for p in fitted if p is not None]
+
+
+def sample_prompts(
+    corpus: Corpus,
+    count: int,
+    *,
+    input_tokens: tuple[int, int],
+    seed: int,
+    key: tuple[object, ...] = (),
+) -> tuple[Prompt, ...]:
+    """`count` distinct prompts, the same for the same (seed, key) on every machine.
+
+    Raises when the corpus has fewer eligible prompts than asked: repeating a prompt inside a
+    batch would let prefix caching flatter the measurement.
+    """
+    pool = eligible_prompts(corpus, input_tokens)
+    if len(pool) < count:
+        lo, hi = input_tokens
+        raise CorpusError(
+            f"corpus {corpus.name!r} has {len(pool)} prompts within {lo}-{hi} input tokens "
+            f"but the workload needs {count}; widen workload.input_tokens, lower the batch, "
+            "or add prompts"
+        )
+    rng = np.random.default_rng(stable_seed(seed, corpus.name, *key))
+    picks = rng.choice(len(pool), size=count, replace=False)
+    return tuple(pool[i] for i in picks)

@@ -1,0 +1,86 @@
+"""Shared fixtures: small campaigns on the twin, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FAKES = REPO / "tests" / "fakes"
+
+SMALL_CAMPAIGN = """
+[campaign]
+name = "small"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1500, 1005]
+power_limit = [700, 300]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[workload]
+batch = [1, 8]
+corpora = ["code", "conversation"]
+input_tokens = [16, 2048]
+output_tokens = 64
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 2
+repeats = 2
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def small_campaign(tmp_path: Path) -> Path:
+    return write(tmp_path / "small.toml", SMALL_CAMPAIGN)
+
+
+def replace_block(text: str, old: str, new: str) -> str:
+    """Edit a campaign template, failing loudly if the edit does not apply."""
+    assert old in text, f"template does not contain {old!r}"
+    return text.replace(old, new, 1)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for running `python -m dvfs` in a subprocess from the repo."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable
