@@ -1,0 +1,108 @@
+"""The `Engine` protocol: start a server with a drafter, decode a workload, report token timings.
+
+Timestamps are integers on the runner's `Clock` (ns), so the meter can line token arrivals up
+with the energy counter's samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from dvfs.campaign import DrafterSpec
+from dvfs.corpora import Prompt
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one measurement round asks of the engine."""
+
+    batch: int
+    prompts: tuple[Prompt, ...]
+    corpus: str
+    max_new_tokens: int
+    temperature: float
+    ignore_eos: bool
+    mode: str = "fixed"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError("batch must be >= 1")
+        if len(self.prompts) < self.batch:
+            raise ValueError(f"{len(self.prompts)} prompts for a batch of {self.batch}")
+        if self.mode == "fixed" and len(self.prompts) != self.batch:
+            raise ValueError("fixed-batch mode sends exactly one prompt per slot")
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One request as the client saw it: when each chunk arrived and how many tokens it added."""
+
+    sent_ns: int
+    chunk_ns: np.ndarray
+    chunk_tokens: np.ndarray
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    spec_verify_ct: int | None = None
+    spec_accepted_drafts: int | None = None
+    spec_proposed_drafts: int | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.chunk_ns) != len(self.chunk_tokens):
+            raise ValueError("chunk_ns and chunk_tokens differ in length")
+        if self.error is None and int(np.sum(self.chunk_tokens)) != self.completion_tokens:
+            raise ValueError(
+                f"chunks carry {int(np.sum(self.chunk_tokens))} tokens, "
+                f"completion_tokens says {self.completion_tokens}"
+            )
+        if len(self.chunk_ns) > 1 and np.any(np.diff(self.chunk_ns) < 0):
+            raise ValueError("chunk timestamps go backwards")
+
+    @property
+    def first_token_ns(self) -> int | None:
+        return int(self.chunk_ns[0]) if len(self.chunk_ns) else None
+
+    @property
+    def finished_ns(self) -> int | None:
+        return int(self.chunk_ns[-1]) if len(self.chunk_ns) else None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The traces of one round, plus what the server says about acceptance."""
+
+    requests: tuple[RequestTrace, ...]
+    started_ns: int
+    ended_ns: int
+    server_accept_length: float | None = None
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a started (or attached) server reports about itself, kept as provenance."""
+
+    engine: str
+    version: str
+    drafter: str
+    args: dict[str, Any] = field(default_factory=dict)
+    log_path: str | None = None
+
+
+class Engine(Protocol):
+    """A serving engine that decodes fixed batches with a chosen drafter."""
+
+    @property
+    def name(self) -> str: ...
+
+    def start(self, drafter: DrafterSpec) -> ServerInfo:
+        """(Re)start serving with `drafter`; returns once the server answers requests."""
+        ...
+
+    def run(self, workload: Workload) -> RoundResult: ...
+
+    def stop(self) -> None: ...

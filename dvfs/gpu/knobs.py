@@ -1,0 +1,159 @@
+"""Applying knob settings to a server's GPUs, and always putting back what was there.
+
+A `KnobController` snapshots each GPU's settings before the first change, compares before
+writing, and restores the snapshot on exit (normal, exception or signal). Failures while
+restoring are gathered and reported together, so one stubborn GPU does not hide the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dvfs.errors import GpuError, GpuPermissionError
+from dvfs.gpu.base import Gpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """What dvfs may change on one GPU: an SM clock lock (None = unlocked) and the power limit."""
+
+    uuid: str
+    sm_clock_lock_mhz: tuple[int, int] | None
+    power_limit_mw: int
+
+
+class ChangeLog(Protocol):
+    """Where the controller records what it is about to change (a state file, for crash safety)."""
+
+    def record(self, original: GpuSettings) -> None: ...
+
+    def clear(self, uuid: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class KnobSetting:
+    """One point of the sweep: None leaves the GPU's stock value."""
+
+    sm_clock_mhz: int | None
+    power_limit_w: float | None
+
+
+class KnobController:
+    """Applies `KnobSetting`s to every GPU of a server; a context manager that restores."""
+
+    def __init__(
+        self,
+        gpus: Sequence[Gpu],
+        *,
+        actuation: bool = True,
+        change_log: ChangeLog | None = None,
+        prior_locks: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        self.gpus = list(gpus)
+        self.actuation = actuation
+        self.change_log = change_log
+        self._prior_locks = prior_locks or {}
+        self._snapshot: dict[str, GpuSettings] = {}
+        self._current: dict[str, GpuSettings] = {}
+
+    # -- snapshot and restore ---------------------------------------------------------------
+    def snapshot(self) -> dict[str, GpuSettings]:
+        """Read what each GPU holds now. NVML cannot read a clock lock back, so a lock is known
+        only from dvfs's own records (`prior_locks`, from an applied caps file)."""
+        snap = {}
+        for gpu in self.gpus:
+            uuid = gpu.identity.uuid
+            snap[uuid] = GpuSettings(uuid, self._prior_locks.get(uuid), gpu.power_limit_mw())
+        return snap
+
+    def __enter__(self) -> KnobController:
+        self._snapshot = self.snapshot()
+        self._current = dict(self._snapshot)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    @property
+    def original(self) -> dict[str, GpuSettings]:
+        return dict(self._snapshot)
+
+    def restore(self) -> None:
+        """Put every changed GPU back to its snapshot; raise one error listing all failures."""
+        failures: list[str] = []
+        needs_root = False
+        for gpu in self.gpus:
+            uuid = gpu.identity.uuid
+            original = self._snapshot.get(uuid)
+            current = self._current.get(uuid)
+            if original is None or current is None or current == original:
+                continue
+            try:
+                self._write(gpu, current, original)
+                self._current[uuid] = original
+                if self.change_log is not None:
+                    self.change_log.clear(uuid)
+                log.info("restored GPU %s to %s", gpu.identity.index, original)
+            except GpuError as exc:
+                needs_root |= isinstance(exc, GpuPermissionError)
+                failures.append(f"GPU {gpu.identity.index} ({uuid}): {exc}")
+        if failures:
+            hint = " Run as root, or `sudo dvfs gpu reset`." if needs_root else ""
+            raise GpuError(
+                "could not restore GPU settings: "
+                + "; ".join(failures)
+                + hint
+                + " `dvfs gpu reset` retries from the state file."
+            )
+
+    # -- applying -----------------------------------------------------------------------------
+    def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
+        """The settings a GPU should hold for a sweep point (stock = what it had before)."""
+        uuid = gpu.identity.uuid
+        original = self._snapshot[uuid]
+        lock = original.sm_clock_lock_mhz
+        if setting.sm_clock_mhz is not None:
+            lock = (setting.sm_clock_mhz, setting.sm_clock_mhz)
+        limit = original.power_limit_mw
+        if setting.power_limit_w is not None:
+            limit = round(setting.power_limit_w * 1000)
+        return GpuSettings(uuid, lock, limit)
+
+    def apply(self, setting: KnobSetting) -> bool:
+        """Bring every GPU to `setting`; returns whether anything was written."""
+        if not self._snapshot:
+            raise RuntimeError("KnobController.apply() outside its `with` block")
+        if not self.actuation:
+            if setting.sm_clock_mhz is not None or setting.power_limit_w is not None:
+                raise GpuError("observe-only mode: refusing to change GPU settings")
+            return False
+        changed = False
+        for gpu in self.gpus:
+            uuid = gpu.identity.uuid
+            want = self.target(gpu, setting)
+            have = self._current[uuid]
+            if want == have:
+                continue
+            if self.change_log is not None:
+                self.change_log.record(self._snapshot[uuid])
+            # Record intent before writing: a crash mid-write still leaves a restorable record.
+            self._current[uuid] = GpuSettings(uuid, (0, 0), -1)
+            self._write(gpu, have, want)
+            self._current[uuid] = want
+            changed = True
+        return changed
+
+    @staticmethod
+    def _write(gpu: Gpu, have: GpuSettings, want: GpuSettings) -> None:
+        if want.sm_clock_lock_mhz != have.sm_clock_lock_mhz:
+            if want.sm_clock_lock_mhz is None:
+                gpu.reset_sm_clock()
+            else:
+                gpu.lock_sm_clock(*want.sm_clock_lock_mhz)
+        if want.power_limit_mw != have.power_limit_mw:
+            gpu.set_power_limit_mw(want.power_limit_mw)

@@ -1,0 +1,378 @@
+"""Measuring a cell: energy over a steady-state window, latency statistics, quality checks.
+
+Energy comes from the GPUs' energy counters (mJ), sampled in the background together with
+power, SM clock, temperature and clock-event reasons; the window's energy is the counter
+interpolated at the window's edges. Latencies follow SGLang's own benchmark: TTFT is the first
+chunk's arrival, ITL spreads each chunk gap over the tokens it carries, TPOT is
+(last - first) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dvfs.clock import Clock, Ticker
+from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.gpu.base import EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK, Gpu
+
+QUANTILES = (0.5, 0.9, 0.99)
+#: A locked clock counts as reached when the observed mean is within this of the target.
+CLOCK_TOLERANCE_MHZ = 30
+#: Points kept per cell of the power/clock timeline stored in the cube.
+TIMELINE_POINTS = 32
+
+# Quality flags, stored as a bitmask in the cube (CF flag_masks / flag_meanings).
+Q_CLOCK_NOT_REACHED = 1 << 0
+Q_THROTTLED = 1 << 1
+Q_COUNTER_STALLED = 1 << 2
+Q_SHORT_WINDOW = 1 << 3
+Q_FEW_SAMPLES = 1 << 4
+Q_ACCEPT_MISMATCH = 1 << 5
+Q_POWER_CAPPED = 1 << 6
+Q_NO_WINDOW = 1 << 7
+
+QUALITY_FLAGS = {
+    Q_CLOCK_NOT_REACHED: "clock_not_reached",
+    Q_THROTTLED: "throttled",
+    Q_COUNTER_STALLED: "counter_stalled",
+    Q_SHORT_WINDOW: "short_window",
+    Q_FEW_SAMPLES: "few_samples",
+    Q_ACCEPT_MISMATCH: "accept_length_mismatch",
+    Q_POWER_CAPPED: "power_capped",
+    Q_NO_WINDOW: "no_steady_window",
+}
+#: Flags that make a cell invalid: never chosen by an analysis.
+INVALIDATING = Q_CLOCK_NOT_REACHED | Q_THROTTLED | Q_COUNTER_STALLED | Q_NO_WINDOW
+
+
+def describe_quality(mask: int) -> list[str]:
+    return [name for bit, name in QUALITY_FLAGS.items() if mask & bit]
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    """Readings of all GPUs at instants: energy and power summed, clock min, temperature max."""
+
+    t_ns: list[int] = field(default_factory=list)
+    energy_mj: list[int] = field(default_factory=list)
+    power_mw: list[int] = field(default_factory=list)
+    sm_clock_mhz: list[int] = field(default_factory=list)
+    temperature_c: list[int] = field(default_factory=list)
+    reasons: list[int] = field(default_factory=list)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.__dict__.items()}
+
+
+class Sampler:
+    """Samples every GPU of a server at a fixed period while a round runs (a context manager)."""
+
+    def __init__(self, gpus: Sequence[Gpu], clock: Clock, period_s: float) -> None:
+        self.gpus = list(gpus)
+        self.clock = clock
+        self.period_s = period_s
+        self.samples = Samples()
+        self._ticker: Ticker | None = None
+
+    def sample(self) -> None:
+        t = self.clock.now_ns()
+        s = self.samples
+        s.t_ns.append(t)
+        s.energy_mj.append(sum(g.energy_mj() for g in self.gpus))
+        s.power_mw.append(sum(g.power_mw() for g in self.gpus))
+        s.sm_clock_mhz.append(min(g.sm_clock_mhz() for g in self.gpus))
+        s.temperature_c.append(max(g.temperature_c() for g in self.gpus))
+        reasons = 0
+        for g in self.gpus:
+            reasons |= g.clock_event_reasons()
+        s.reasons.append(reasons)
+
+    def __enter__(self) -> Sampler:
+        self.sample()
+        self._ticker = self.clock.every(self.period_s, self.sample)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+        self.sample()
+
+
+def counter_at(samples: dict[str, np.ndarray], t_ns: float) -> float:
+    """The energy counter (mJ) at an instant, linearly interpolated between samples."""
+    return float(np.interp(t_ns, samples["t_ns"], samples["energy_mj"]))
+
+
+def measure_idle_power_w(gpus: Sequence[Gpu], clock: Clock, seconds: float) -> float:
+    """Mean board power of idle GPUs from the energy counter over `seconds`."""
+    if seconds <= 0:
+        return float(sum(g.power_mw() for g in gpus)) / 1000
+    e0, t0 = sum(g.energy_mj() for g in gpus), clock.now_ns()
+    clock.sleep(seconds)
+    e1, t1 = sum(g.energy_mj() for g in gpus), clock.now_ns()
+    return (e1 - e0) / ((t1 - t0) * 1e-9) / 1000
+
+
+# -- windows and latency --------------------------------------------------------------------
+
+
+def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
+    """The round's steady-state window, or None when it has none.
+
+    fixed: from the last request's first token to the first request's finish.
+    closed-loop: from when `batch` requests have their first token until concurrency drops
+    below batch (the first finish after the last request was sent), as the ML.ENERGY
+    benchmark defines steady state.
+    """
+    done = [r for r in result.requests if r.error is None and len(r.chunk_ns)]
+    if not done:
+        return None
+    firsts = np.array([r.first_token_ns for r in done])
+    finishes = np.array([r.finished_ns for r in done])
+    if mode == "closed-loop":
+        batch = result_batch(result)
+        start = int(np.sort(firsts)[min(batch, len(firsts)) - 1])
+        last_sent = max(r.sent_ns for r in done)
+        later = finishes[finishes > last_sent]
+        end = int(later.min()) if len(later) else int(finishes.max())
+    else:
+        start, end = int(firsts.max()), int(finishes.min())
+    return (start, end) if end > start else None
+
+
+def result_batch(result: RoundResult) -> int:
+    """Concurrency of a round: requests sent before the first one finished."""
+    first_finish = min((r.finished_ns for r in result.requests if len(r.chunk_ns)), default=0)
+    return max(1, sum(1 for r in result.requests if r.sent_ns < first_finish))
+
+
+def tokens_in_window(requests: Sequence[RequestTrace], start_ns: int, end_ns: int) -> int:
+    """Tokens whose chunk arrived in (start, end]."""
+    total = 0
+    for r in requests:
+        inside = (r.chunk_ns > start_ns) & (r.chunk_ns <= end_ns)
+        total += int(r.chunk_tokens[inside].sum())
+    return total
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Quantiles (QUANTILES) of TTFT, TPOT and ITL in milliseconds; NaN when undefined."""
+
+    ttft_ms: tuple[float, ...]
+    tpot_ms: tuple[float, ...]
+    itl_ms: tuple[float, ...]
+
+
+def _quantiles(values: np.ndarray) -> tuple[float, ...]:
+    if len(values) == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    return tuple(float(q) for q in np.quantile(values, QUANTILES))
+
+
+def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
+    ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
+    ttft = np.array([(r.first_token_ns - r.sent_ns) * 1e-6 for r in ok])
+    tpot = np.array(
+        [
+            (r.finished_ns - r.first_token_ns) * 1e-6 / (r.completion_tokens - 1)
+            for r in ok
+            if r.completion_tokens > 1
+        ]
+    )
+    itl_parts = []
+    for r in ok:
+        if len(r.chunk_ns) < 2:
+            continue
+        gaps = np.diff(r.chunk_ns) * 1e-6
+        tokens = r.chunk_tokens[1:]
+        keep = tokens > 0
+        itl_parts.append(np.repeat(gaps[keep] / tokens[keep], tokens[keep]))
+    itl = np.concatenate(itl_parts) if itl_parts else np.array([])
+    return LatencyStats(_quantiles(ttft), _quantiles(tpot), _quantiles(itl))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accept_length: float
+    accept_rate: float
+    server_accept_length: float
+
+
+def acceptance(results: Sequence[RoundResult]) -> Acceptance:
+    """Pooled over every request: tokens per verify pass, and accepted over proposed drafts."""
+    reqs = [r for res in results for r in res.requests if r.spec_verify_ct is not None]
+    server = [res.server_accept_length for res in results if res.server_accept_length is not None]
+    server_mean = float(np.mean(server)) if server else math.nan
+    if not reqs:
+        return Acceptance(math.nan, math.nan, server_mean)
+    verify = sum(r.spec_verify_ct or 0 for r in reqs)
+    proposed = sum(r.spec_proposed_drafts or 0 for r in reqs)
+    accepted = sum(r.spec_accepted_drafts or 0 for r in reqs)
+    length = sum(r.completion_tokens for r in reqs) / verify if verify else math.nan
+    rate = accepted / proposed if proposed else math.nan
+    return Acceptance(length, rate, server_mean)
+
+
+# -- the cell's measurement -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CellMeasurement:
+    """Everything measured for one cell; the journal stores it, the cube is built from it."""
+
+    energy_j: float
+    window_s: float
+    output_tokens: int
+    rounds: int
+    requests: int
+    latency: LatencyStats
+    accept: Acceptance
+    power_mean_w: float
+    power_max_w: float
+    sm_clock_mhz: float
+    temperature_max_c: float
+    event_reasons: int
+    quality: int
+    idle_power_w: float
+    timeline_t_s: tuple[float, ...] = ()
+    timeline_power_w: tuple[float, ...] = ()
+    timeline_sm_clock_mhz: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.energy_j < 0 or math.isnan(self.energy_j):
+            raise ValueError(f"energy must be a non-negative number, got {self.energy_j}")
+        if self.window_s < 0:
+            raise ValueError(f"window must be non-negative, got {self.window_s}")
+        if self.output_tokens < 0:
+            raise ValueError("token count must be non-negative")
+
+    @property
+    def valid(self) -> bool:
+        return not (self.quality & INVALIDATING)
+
+    @property
+    def energy_per_token_j(self) -> float:
+        return self.energy_j / self.output_tokens if self.output_tokens else math.nan
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.output_tokens / self.window_s if self.window_s > 0 else math.nan
+
+    @property
+    def energy_per_token_above_idle_j(self) -> float:
+        if not self.output_tokens:
+            return math.nan
+        return (self.energy_j - self.idle_power_w * self.window_s) / self.output_tokens
+
+
+@dataclass
+class WindowPart:
+    """One round's contribution to a cell: its window and the samples taken during it."""
+
+    result: RoundResult
+    window: tuple[int, int] | None
+    samples: dict[str, np.ndarray]
+
+
+def summarise(
+    parts: Sequence[WindowPart],
+    *,
+    requested_clock_mhz: int | None,
+    min_window_s: float,
+    sample_period_s: float,
+    idle_power_w: float,
+) -> CellMeasurement:
+    """Combine a cell's rounds into one measurement and run the quality checks."""
+    quality = 0
+    energy_mj = 0.0
+    window_ns = 0
+    tokens = 0
+    clock_weighted = 0.0
+    power_max = 0.0
+    temp_max = -math.inf
+    reasons = 0
+    timeline: list[tuple[float, float, float]] = []
+    offset_s = 0.0
+    in_window_samples = 0
+    for part in parts:
+        if part.window is None:
+            continue
+        start, end = part.window
+        s = part.samples
+        e = counter_at(s, end) - counter_at(s, start)
+        if e <= 0:
+            quality |= Q_COUNTER_STALLED
+        energy_mj += max(e, 0.0)
+        window_ns += end - start
+        tokens += tokens_in_window(part.result.requests, start, end)
+        inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
+        in_window_samples += int(inside.sum())
+        if inside.any():
+            clock_weighted += float(s["sm_clock_mhz"][inside].mean()) * (end - start)
+            power_max = max(power_max, float(s["power_mw"][inside].max()) / 1000)
+            temp_max = max(temp_max, float(s["temperature_c"][inside].max()))
+            for r in s["reasons"][inside]:
+                reasons |= int(r)
+            for t, p, c in zip(
+                s["t_ns"][inside], s["power_mw"][inside], s["sm_clock_mhz"][inside], strict=True
+            ):
+                timeline.append((offset_s + (t - start) * 1e-9, p / 1000, float(c)))
+        offset_s += (end - start) * 1e-9
+    window_s = window_ns * 1e-9
+    results = [p.result for p in parts]
+    all_requests = [r for res in results for r in res.requests]
+    accept = acceptance(results)
+    if window_ns == 0:
+        quality |= Q_NO_WINDOW
+    if 0 < window_s < min_window_s:
+        quality |= Q_SHORT_WINDOW
+    if window_ns and in_window_samples < 3:
+        quality |= Q_FEW_SAMPLES
+    sm_clock = clock_weighted / window_ns if window_ns and in_window_samples else math.nan
+    if (
+        requested_clock_mhz is not None
+        and not math.isnan(sm_clock)
+        and (sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ)
+    ):
+        quality |= Q_CLOCK_NOT_REACHED
+    if reasons & EVENT_THROTTLE_MASK:
+        quality |= Q_THROTTLED
+    if reasons & EVENT_SW_POWER_CAP:
+        quality |= Q_POWER_CAPPED
+    if (
+        not math.isnan(accept.server_accept_length)
+        and not math.isnan(accept.accept_length)
+        and (abs(accept.server_accept_length - accept.accept_length) > 0.05 * accept.accept_length)
+    ):
+        quality |= Q_ACCEPT_MISMATCH
+    if len(timeline) > TIMELINE_POINTS:
+        picks = np.linspace(0, len(timeline) - 1, TIMELINE_POINTS).round().astype(int)
+        timeline = [timeline[i] for i in picks]
+    energy_j = energy_mj / 1000
+    return CellMeasurement(
+        energy_j=energy_j,
+        window_s=window_s,
+        output_tokens=tokens,
+        rounds=len(parts),
+        requests=len(all_requests),
+        latency=latency_stats(all_requests),
+        accept=accept,
+        power_mean_w=energy_j / window_s if window_s > 0 else math.nan,
+        power_max_w=power_max if in_window_samples else math.nan,
+        sm_clock_mhz=sm_clock,
+        temperature_max_c=temp_max if in_window_samples else math.nan,
+        event_reasons=reasons,
+        quality=quality,
+        idle_power_w=idle_power_w,
+        timeline_t_s=tuple(round(t, 6) for t, _, _ in timeline),
+        timeline_power_w=tuple(round(p, 3) for _, p, _ in timeline),
+        timeline_sm_clock_mhz=tuple(c for _, _, c in timeline),
+    )

@@ -1,0 +1,113 @@
+"""Expanding a campaign into ordered cells.
+
+Order matters on real hardware: a drafter change restarts the server (minutes), a knob change
+needs a settle (seconds), a batch or corpus change costs nothing. So drafters are the outer
+loop, then repeats, then knob settings, then corpus and batch. Knob settings run in a
+serpentine (ascending, then descending on the next repeat) so slow drift, such as the card
+warming up, does not line up with the clock axis and masquerade as an effect.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from dvfs.campaign import Campaign
+from dvfs.gpu.knobs import KnobSetting
+
+#: Rough real-hardware costs used for the dry-run estimate (s).
+SERVER_START_S = 120.0
+ROUND_OVERHEAD_S = 0.5
+TOKEN_TIME_S = 0.012
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One measurement: a drafter and corpus at a batch size under one knob setting."""
+
+    drafter: str
+    repeat: int
+    sm_clock_mhz: int | None
+    power_limit_w: float | None
+    batch: int
+    corpus: str
+
+    @property
+    def setting(self) -> KnobSetting:
+        return KnobSetting(self.sm_clock_mhz, self.power_limit_w)
+
+    @property
+    def key(self) -> str:
+        """A stable text key (the journal's index)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_dict(data: dict) -> Cell:
+        return Cell(
+            drafter=data["drafter"],
+            repeat=int(data["repeat"]),
+            sm_clock_mhz=None if data["sm_clock_mhz"] is None else int(data["sm_clock_mhz"]),
+            power_limit_w=None if data["power_limit_w"] is None else float(data["power_limit_w"]),
+            batch=int(data["batch"]),
+            corpus=data["corpus"],
+        )
+
+
+def _sorted_settings(campaign: Campaign) -> list[KnobSetting]:
+    """Power limits descending (outer), clocks descending (inner): start from stock-like."""
+    clocks = sorted(campaign.knobs.sm_clocks_mhz or [None], key=lambda c: -(c or 0))
+    limits = sorted(campaign.knobs.power_limits_w or [None], key=lambda p: -(p or 0))
+    return [KnobSetting(c, p) for p in limits for c in clocks]
+
+
+def plan_cells(campaign: Campaign) -> list[Cell]:
+    """Every cell of the campaign, in measuring order."""
+    settings = _sorted_settings(campaign)
+    cells = []
+    for drafter in campaign.drafters:
+        for repeat in range(campaign.measurement.repeats):
+            ordered = settings if repeat % 2 == 0 else list(reversed(settings))
+            for setting in ordered:
+                for corpus in campaign.workload.corpus_names:
+                    for batch in campaign.workload.batch_sizes:
+                        cells.append(
+                            Cell(
+                                drafter.name,
+                                repeat,
+                                setting.sm_clock_mhz,
+                                setting.power_limit_w,
+                                batch,
+                                corpus,
+                            )
+                        )
+    return cells
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    cells: int
+    remaining: int
+    server_starts: int
+    knob_changes: int
+    estimated_s: float
+
+
+def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> PlanSummary:
+    """Counts and a rough real-hardware duration for the cells still to run."""
+    todo = [c for c in cells if c.key not in done]
+    starts = len({c.drafter for c in todo})
+    changes = 0
+    previous: tuple | None = None
+    for cell in todo:
+        here = (cell.sm_clock_mhz, cell.power_limit_w)
+        if here != previous:
+            changes += 1
+        previous = here
+    m = campaign.measurement
+    w = campaign.workload
+    round_s = ROUND_OVERHEAD_S + w.output_tokens * TOKEN_TIME_S
+    rounds = max(1, min(m.max_rounds, int(-(-m.min_window_s // round_s))))
+    warmup_s = ROUND_OVERHEAD_S + m.warmup_tokens * TOKEN_TIME_S if m.warmup_tokens else 0.0
+    per_cell = warmup_s + rounds * round_s
+    estimated = starts * SERVER_START_S + changes * campaign.knobs.settle_s + len(todo) * per_cell
+    return PlanSummary(len(cells), len(todo), starts, changes, estimated)

@@ -1,0 +1,348 @@
+"""The sweep runner: for each cell apply the knob, settle, warm up, measure, journal.
+
+Side effects live at the edges: the runner gets its GPUs, engine, clock, journal and knob
+controller as arguments and owns none of their lifetimes, so tests hand it twins and fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from dvfs import __version__
+from dvfs.campaign import Campaign
+from dvfs.clock import Clock
+from dvfs.corpora import Corpus, sample_prompts
+from dvfs.corpora.sampling import eligible_prompts, stable_seed
+from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
+from dvfs.errors import CorpusError, EngineCrashedError, EngineError
+from dvfs.gpu.base import Gpu
+from dvfs.gpu.knobs import KnobController
+from dvfs.journal import Journal, now_iso
+from dvfs.meter import (
+    CellMeasurement,
+    Sampler,
+    WindowPart,
+    measure_idle_power_w,
+    steady_window_ns,
+    summarise,
+)
+from dvfs.plan import Cell
+
+log = logging.getLogger(__name__)
+
+MEASUREMENT_METHOD = (
+    "energy: NVML total-energy counter (mJ) sampled every sample_period_s and interpolated at the "
+    "steady-state window's edges; window: fixed batch = last first token to first finish, "
+    "closed loop = batch requests running until the pool drains below batch; latency: TTFT = "
+    "first chunk, ITL = chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1)"
+)
+
+
+class Progress(Protocol):
+    """Where the runner reports progress (the CLI draws a rich progress bar)."""
+
+    def start(self, total: int, done: int) -> None: ...
+
+    def advance(self, cell: Cell, status: str) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+
+class NullProgress:
+    def start(self, total: int, done: int) -> None:
+        pass
+
+    def advance(self, cell: Cell, status: str) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        log.info(message)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    total: int
+    skipped: int
+    measured: int
+    failed: int
+
+
+def measurement_record(m: CellMeasurement) -> dict[str, Any]:
+    """A measurement as the journal stores it (flat, JSON-friendly)."""
+    return {
+        "energy_j": m.energy_j,
+        "window_s": m.window_s,
+        "output_tokens": m.output_tokens,
+        "rounds": m.rounds,
+        "requests": m.requests,
+        "energy_per_token_j": m.energy_per_token_j,
+        "energy_per_token_above_idle_j": m.energy_per_token_above_idle_j,
+        "throughput_tok_s": m.throughput_tok_s,
+        "ttft_ms": list(m.latency.ttft_ms),
+        "tpot_ms": list(m.latency.tpot_ms),
+        "itl_ms": list(m.latency.itl_ms),
+        "accept_length": m.accept.accept_length,
+        "accept_rate": m.accept.accept_rate,
+        "server_accept_length": m.accept.server_accept_length,
+        "power_mean_w": m.power_mean_w,
+        "power_max_w": m.power_max_w,
+        "sm_clock_mhz": m.sm_clock_mhz,
+        "temperature_max_c": m.temperature_max_c,
+        "event_reasons": m.event_reasons,
+        "quality": m.quality,
+        "valid": m.valid,
+        "idle_power_w": m.idle_power_w,
+        "timeline": {
+            "t_s": list(m.timeline_t_s),
+            "power_w": list(m.timeline_power_w),
+            "sm_clock_mhz": list(m.timeline_sm_clock_mhz),
+        },
+    }
+
+
+class Runner:
+    """Runs a campaign's cells against injected backends, journaling each one."""
+
+    def __init__(
+        self,
+        campaign: Campaign,
+        *,
+        gpus: Sequence[Gpu],
+        engine: Engine,
+        clock: Clock,
+        journal: Journal,
+        knobs: KnobController,
+        corpora: dict[str, Corpus],
+        progress: Progress | None = None,
+    ) -> None:
+        self.campaign = campaign
+        self.gpus = list(gpus)
+        self.engine = engine
+        self.clock = clock
+        self.journal = journal
+        self.knobs = knobs
+        self.corpora = corpora
+        self.progress = progress or NullProgress()
+        self.idle_power_w = float("nan")
+        self._drafter: str | None = None
+        self._setting: Any = None
+
+    # -- session ------------------------------------------------------------------------------
+    def _record_session(self) -> None:
+        m = self.campaign.measurement
+        self.idle_power_w = measure_idle_power_w(self.gpus, self.clock, m.idle_s)
+        ranges = [g.power_limit_range() for g in self.gpus]
+        original = self.knobs.original
+        self.journal.append(
+            {
+                "type": "session",
+                "started": now_iso(),
+                "dvfs_version": __version__,
+                "host": platform.node(),
+                "gpu_backend": self.campaign.gpu.backend,
+                "engine_backend": self.engine.name,
+                "actuation": self.knobs.actuation,
+                "clock": "virtual" if self.clock.virtual else "monotonic",
+                "gpus": [asdict(g.identity) for g in self.gpus],
+                "stock": {
+                    "sm_clock_mhz": max(g.identity.max_sm_clock_mhz for g in self.gpus),
+                    "power_limit_w": original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
+                },
+                "power_limit_range_w": [
+                    ranges[0].min_mw / 1000,
+                    ranges[0].max_mw / 1000,
+                    ranges[0].default_mw / 1000,
+                ],
+                "idle_power_w": self.idle_power_w,
+                "measurement_method": MEASUREMENT_METHOD,
+            }
+        )
+
+    def _start_server(self, drafter_name: str) -> None:
+        drafter = self.campaign.drafter(drafter_name)
+        self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
+        info: ServerInfo = self.engine.start(drafter)
+        self._drafter = drafter_name
+        self.journal.append(
+            {
+                "type": "server",
+                "started": now_iso(),
+                "drafter": drafter_name,
+                "engine": info.engine,
+                "version": info.version,
+                "args": info.args,
+                "log_path": info.log_path,
+            }
+        )
+
+    # -- one cell -----------------------------------------------------------------------------
+    def _prompts_for(self, cell: Cell, label: object) -> tuple:
+        w = self.campaign.workload
+        corpus = self.corpora[cell.corpus]
+        count = cell.batch
+        if w.mode == "closed-loop":
+            available = len(eligible_prompts(corpus, w.input_tokens))
+            count = w.pool_size or min(4 * cell.batch, available)
+            if count <= cell.batch:
+                raise CorpusError(
+                    f"corpus {cell.corpus!r} has {available} usable prompts; a closed-loop pool "
+                    f"for batch {cell.batch} needs more than {cell.batch}"
+                )
+        return sample_prompts(
+            corpus,
+            count,
+            input_tokens=w.input_tokens,
+            seed=self.campaign.measurement.seed,
+            key=(cell.batch, cell.repeat, label),
+        )
+
+    def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload:
+        w = self.campaign.workload
+        return Workload(
+            batch=cell.batch,
+            prompts=self._prompts_for(cell, label),
+            corpus=cell.corpus,
+            max_new_tokens=max_new_tokens,
+            temperature=w.temperature,
+            ignore_eos=w.ignore_eos,
+            mode=w.mode,
+            seed=stable_seed(
+                self.campaign.measurement.seed, cell.corpus, cell.batch, cell.repeat, label
+            ),
+        )
+
+    def measure(self, cell: Cell) -> tuple[CellMeasurement, dict[str, Any]]:
+        """Warm up, then measure rounds until the steady windows add up to min_window_s."""
+        m = self.campaign.measurement
+        warmup: dict[str, Any] = {}
+        if m.warmup_tokens:
+            t0 = self.clock.now_ns()
+            result = self.engine.run(self._workload(cell, "warmup", m.warmup_tokens))
+            warmup = {
+                "duration_s": (self.clock.now_ns() - t0) * 1e-9,
+                "tokens": sum(r.completion_tokens for r in result.requests),
+            }
+        parts: list[WindowPart] = []
+        total_ns = 0
+        for round_index in range(m.max_rounds):
+            workload = self._workload(cell, round_index, self.campaign.workload.output_tokens)
+            with Sampler(self.gpus, self.clock, m.sample_period_s) as sampler:
+                result: RoundResult = self.engine.run(workload)
+            errors = [r.error for r in result.requests if r.error]
+            if errors:
+                raise EngineError(f"{len(errors)} request(s) failed; first: {errors[0]}")
+            window = steady_window_ns(result, workload.mode)
+            parts.append(WindowPart(result, window, sampler.samples.arrays()))
+            if window is not None:
+                total_ns += window[1] - window[0]
+            if total_ns * 1e-9 >= m.min_window_s:
+                break
+        requested = cell.sm_clock_mhz if self.knobs.actuation else None
+        measurement = summarise(
+            parts,
+            requested_clock_mhz=requested,
+            min_window_s=m.min_window_s,
+            sample_period_s=m.sample_period_s,
+            idle_power_w=self.idle_power_w,
+        )
+        return measurement, warmup
+
+    def _run_cell(self, cell: Cell) -> dict[str, Any]:
+        """Measure with bounded retries; a crashed server is restarted before retrying."""
+        retries = self.campaign.measurement.retries
+        errors: list[str] = []
+        for attempt in range(1, retries + 2):
+            try:
+                measurement, warmup = self.measure(cell)
+                return {
+                    "type": "cell",
+                    "key": cell.key,
+                    "cell": asdict(cell),
+                    "status": "ok",
+                    "attempts": attempt,
+                    "finished": now_iso(),
+                    "measurement": measurement_record(measurement),
+                    "warmup": warmup,
+                    "errors": errors,
+                }
+            except EngineCrashedError as exc:
+                errors.append(f"attempt {attempt}: {exc}")
+                self.progress.note(f"server crashed during {cell_label(cell)}: {exc}; restarting")
+                if attempt <= retries:
+                    try:
+                        self._start_server(cell.drafter)
+                    except EngineError as restart_exc:
+                        errors.append(f"restart failed: {restart_exc}")
+                        self._drafter = None
+                        break
+            except EngineError as exc:
+                errors.append(f"attempt {attempt}: {exc}")
+                self.progress.note(f"{cell_label(cell)} failed: {exc}")
+        return {
+            "type": "cell",
+            "key": cell.key,
+            "cell": asdict(cell),
+            "status": "failed",
+            "attempts": len(errors),
+            "finished": now_iso(),
+            "error": errors[-1] if errors else "",
+            "errors": errors,
+        }
+
+    # -- the sweep ----------------------------------------------------------------------------
+    def run(self, cells: Sequence[Cell]) -> RunSummary:
+        done = self.journal.finished()
+        todo = [c for c in cells if c.key not in done]
+        self.progress.start(len(cells), len(cells) - len(todo))
+        if not todo:
+            return RunSummary(len(cells), len(cells), 0, 0)
+        self._record_session()
+        measured = failed = 0
+        start_failures: dict[str, str] = {}
+        for cell in todo:
+            if cell.drafter != self._drafter and cell.drafter not in start_failures:
+                try:
+                    self._start_server(cell.drafter)
+                except EngineError as exc:
+                    start_failures[cell.drafter] = f"server start failed: {exc}"
+                    self._drafter = None
+                    self.progress.note(f"drafter {cell.drafter!r}: {exc}")
+            if cell.drafter in start_failures:
+                # One failed start fails the drafter's cells for this run; a rerun retries them.
+                self.journal.append(
+                    {
+                        "type": "cell",
+                        "key": cell.key,
+                        "cell": asdict(cell),
+                        "status": "failed",
+                        "attempts": 0,
+                        "finished": now_iso(),
+                        "error": start_failures[cell.drafter],
+                        "errors": [start_failures[cell.drafter]],
+                    }
+                )
+                failed += 1
+                self.progress.advance(cell, "failed")
+                continue
+            if cell.setting != self._setting:
+                if self.knobs.apply(cell.setting):
+                    self.clock.sleep(self.campaign.knobs.settle_s)
+                self._setting = cell.setting
+            record = self._run_cell(cell)
+            self.journal.append(record)
+            if record["status"] == "ok":
+                measured += 1
+            else:
+                failed += 1
+            self.progress.advance(cell, record["status"])
+        return RunSummary(len(cells), len(cells) - len(todo), measured, failed)
+
+
+def cell_label(cell: Cell) -> str:
+    clock = f"{cell.sm_clock_mhz} MHz" if cell.sm_clock_mhz is not None else "stock clock"
+    limit = f"{cell.power_limit_w:g} W" if cell.power_limit_w is not None else "stock limit"
+    return f"{cell.drafter}/{cell.corpus}/b{cell.batch}/r{cell.repeat} @ {clock}, {limit}"

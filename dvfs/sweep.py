@@ -1,0 +1,166 @@
+"""Running a campaign end to end: build the backends it names, run the cells, write the cube.
+
+This is the one place that picks real or simulated backends; everything below receives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dvfs.campaign import Campaign
+from dvfs.clock import Clock, MonotonicClock, VirtualClock
+from dvfs.corpora import Corpus, load_corpus
+from dvfs.cube import CUBE_NAME, build_cube, write_cube
+from dvfs.engines.base import Engine
+from dvfs.errors import CampaignError, JournalError
+from dvfs.gpu.base import Gpu
+from dvfs.gpu.knobs import KnobController
+from dvfs.journal import JOURNAL_NAME, Journal
+from dvfs.plan import Cell, plan_cells
+from dvfs.runner import Progress, Runner, RunSummary
+
+
+@dataclass
+class Backends:
+    clock: Clock
+    gpus: list[Gpu]
+    engine: Engine
+
+
+def load_corpora(campaign: Campaign) -> dict[str, Corpus]:
+    corpora = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec) if ref.spec is not None else None
+        corpora[ref.name] = load_corpus(ref.name, spec, base_dir=campaign.base_dir)
+    return corpora
+
+
+@contextlib.contextmanager
+def open_backends(
+    campaign: Campaign,
+    *,
+    out_dir: Path,
+    nvml: ModuleType | None = None,
+) -> Iterator[Backends]:
+    """The GPUs, engine and clock a campaign names, opened and closed together."""
+    from dvfs.twin.profiles import gpu_profile, model_profile
+
+    with contextlib.ExitStack() as stack:
+        if campaign.gpu.backend == "twin":
+            from dvfs.gpu.twin import TwinGpu
+            from dvfs.twin.device import TwinDevice, TwinNode
+
+            clock: Clock = VirtualClock()
+            profile = gpu_profile(campaign.gpu.profile or "")
+            indices = []
+            for device in campaign.gpu.devices:
+                if not isinstance(device, int):
+                    raise CampaignError(f"the twin backend takes GPU indices, not {device!r}")
+                indices.append(device)
+            devices = [TwinDevice(profile, clock, i) for i in indices]
+            gpus: list[Gpu] = [TwinGpu(d) for d in devices]
+            node: Any = TwinNode(devices)
+        else:
+            from dvfs.gpu.nvml import open_nvml_gpus
+            from dvfs.twin.device import FreeRunningNode
+
+            clock = MonotonicClock()
+            gpus = list(stack.enter_context(open_nvml_gpus(campaign.gpu.devices, nvml=nvml)))
+            node = None
+            if campaign.engine.backend == "twin":
+                from dvfs.twin.profiles import profile_for_gpu_name
+
+                profile = (
+                    gpu_profile(campaign.gpu.profile)
+                    if campaign.gpu.profile
+                    else (profile_for_gpu_name(gpus[0].identity.name))
+                )
+                node = FreeRunningNode(profile, clock, len(gpus))
+        if campaign.engine.backend == "twin":
+            from dvfs.engines.twin import TwinEngine
+
+            model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+            engine: Engine = stack.enter_context(TwinEngine(node, model))
+        else:
+            from dvfs.engines.sglang import SglangEngine
+
+            engine = stack.enter_context(
+                SglangEngine.from_campaign(campaign, clock=clock, log_dir=out_dir / "logs")
+            )
+        yield Backends(clock, gpus, engine)
+
+
+def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
+    current = [g.identity.uuid for g in gpus]
+    for session in journal.of_type("session"):
+        before = [g["uuid"] for g in session["gpus"]]
+        if before != current:
+            raise JournalError(
+                f"{journal.path} was started on GPU(s) {', '.join(before)}, but this run has "
+                f"{', '.join(current)}; a cube holds one GPU set: use another --out directory"
+            )
+
+
+def fresh_start(out_dir: Path) -> Path | None:
+    """Move an existing journal and cube aside (journal.jsonl -> journal.jsonl.1, ...)."""
+    journal = out_dir / JOURNAL_NAME
+    if not journal.exists():
+        return None
+    n = 1
+    while (out_dir / f"{JOURNAL_NAME}.{n}").exists():
+        n += 1
+    target = out_dir / f"{JOURNAL_NAME}.{n}"
+    shutil.move(journal, target)
+    cube = out_dir / CUBE_NAME
+    if cube.exists():
+        shutil.move(cube, out_dir / f"{CUBE_NAME}.{n}")
+    return target
+
+
+@dataclass(frozen=True)
+class SweepOutcome:
+    summary: RunSummary
+    journal_path: Path
+    cube_path: Path | None
+
+
+def run_sweep(
+    campaign: Campaign,
+    out_dir: Path,
+    *,
+    progress: Progress | None = None,
+    backends: Backends | None = None,
+    nvml: ModuleType | None = None,
+    knob_factory: Any = None,
+) -> SweepOutcome:
+    """Run every unfinished cell of `campaign` into `out_dir`, then write the cube."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
+    corpora = load_corpora(campaign)
+    cells: list[Cell] = plan_cells(campaign)
+    with contextlib.ExitStack() as stack:
+        b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
+        _check_same_gpus(journal, b.gpus)
+        factory = knob_factory or (
+            lambda gpus: KnobController(gpus, actuation=campaign.gpu.actuation)
+        )
+        knobs = stack.enter_context(factory(b.gpus))
+        runner = Runner(
+            campaign,
+            gpus=b.gpus,
+            engine=b.engine,
+            clock=b.clock,
+            journal=journal,
+            knobs=knobs,
+            corpora=corpora,
+            progress=progress,
+        )
+        summary = runner.run(cells)
+    cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)
+    return SweepOutcome(summary, journal.path, cube_path)
