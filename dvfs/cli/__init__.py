@@ -1,0 +1,45 @@
+"""The `dvfs` command line. Command bodies are short: parse, build, call the library, render.
+
+Exit codes: 0 success; 1 error; 2 bad usage or an invalid campaign/caps file; 3 a GPU holds
+unrestored changes or is in use by another dvfs; 4 permission denied (needs root);
+130/143 interrupted by SIGINT/SIGTERM (GPU settings restored, rerun to resume).
+"""
+
+from __future__ import annotations
+
+import click
+
+from dvfs import __version__
+from dvfs.cli.common import LazyGroup
+
+COMMANDS = {
+    "sweep": (
+        "dvfs.cli.sweep",
+        "sweep",
+        "Run a campaign: sweep knobs x batch x drafter x corpus into a cube.",
+    ),
+    "cube": ("dvfs.cli.cube", "cube", "Build, inspect and merge cubes."),
+}
+
+
+@click.group(
+    cls=LazyGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]}
+)
+@click.version_option(__version__, prog_name="dvfs")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def cli(verbose: int) -> None:
+    """How much energy GPU clocks, power caps and speculative decoding really save.
+
+    Runs anywhere on the digital twin; on NVIDIA GPUs through NVML and SGLang.
+    Start with:  dvfs sweep sweeps/demo.toml --out out/demo
+    """
+    import logging
+
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s"
+    )
+
+
+def main() -> None:
+    cli(prog_name="dvfs")

@@ -1,0 +1,102 @@
+"""`dvfs cube`: rebuild a cube from its journal, and summarise a cube."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dvfs.cli.common import console, echo_json, handle_errors
+
+
+@click.group()
+def cube() -> None:
+    """Build, inspect and merge cubes."""
+
+
+@cube.command("build")
+@click.argument("sweep_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where to write the cube [default: SWEEP_DIR/cube.nc].",
+)
+@handle_errors
+def build(sweep_dir: Path, out_path: Path | None) -> None:
+    """Rebuild SWEEP_DIR's cube from its journal (safe to run while a sweep is going)."""
+    from dvfs.cube import CUBE_NAME, build_cube, write_cube
+    from dvfs.journal import JOURNAL_NAME
+
+    ds = build_cube(sweep_dir / JOURNAL_NAME)
+    path = write_cube(ds, out_path or sweep_dir / CUBE_NAME)
+    click.echo(f"cube: {path}")
+
+
+@cube.command("info")
+@click.argument("cube_path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def info(cube_path: Path, as_json: bool) -> None:
+    """Summarise a cube: dimensions, coverage, quality and provenance.
+
+    CUBE_PATH may be a cube file or a sweep folder holding cube.nc.
+    """
+    from dvfs.cube import CUBE_NAME, info_text, open_cube
+
+    if cube_path.is_dir():
+        cube_path = cube_path / CUBE_NAME
+    ds = open_cube(cube_path)
+    summary = info_text(ds)
+    if as_json:
+        echo_json(summary)
+        return
+    _render(summary, ds)
+
+
+def _render(summary: dict[str, Any], ds: Any) -> None:
+    import json
+
+    from rich.table import Table
+
+    from dvfs.meter import describe_quality
+
+    out = console()
+    out.print(
+        f"[bold]{summary['campaign']}[/bold] (cube schema {summary['schema']}, "
+        f"created {summary['created']})"
+    )
+    table = Table(show_header=False, box=None)
+    table.add_row("GPU", str(summary["gpu"]))
+    table.add_row("driver", str(summary["driver"]))
+    table.add_row("engine", str(summary["engine"]))
+    table.add_row("model", str(summary["model"]))
+    table.add_row("stock", str(summary["stock"]))
+    table.add_row("idle power", f"{summary['idle_power_w']:.1f} W")
+    for dim, size in summary["dims"].items():
+        values = summary["coords"][dim]
+        shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"
+        table.add_row(dim, f"{size}: {shown}")
+    lo, hi = summary["energy_per_token_j"]
+    table.add_row(
+        "cells",
+        f"{summary['cells']} = {summary['measured']} measured + "
+        f"{summary['failed']} failed + {summary['missing']} missing "
+        f"({summary['invalid']} measured but invalid)",
+    )
+    table.add_row("energy/token", f"{lo:.4g} - {hi:.4g} J")
+    out.print(table)
+    quality = ds["quality"].values
+    flags: dict[str, int] = {}
+    for value in quality[~(quality != quality)].astype(int).ravel():
+        for name in describe_quality(int(value)):
+            flags[name] = flags.get(name, 0) + 1
+    if flags:
+        out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in sorted(flags.items())))
+    failed = json.loads(ds.attrs.get("failed_cells", "[]"))
+    for item in failed[:5]:
+        out.print(f"[yellow]failed[/yellow] {item['cell']}: {item['error']}")
+    if len(failed) > 5:
+        out.print(f"... and {len(failed) - 5} more failed cells")

@@ -1,0 +1,459 @@
+"""The cube: every cell's metrics in one `xarray.Dataset`, saved as netCDF4.
+
+Schema history (`attrs["dvfs_schema"]`):
+  1 - dims sm_clock, power_limit, batch, drafter, corpus, repeat (+ quantile, sample, and gpu
+      when merged); CF `units` and `long_name` on every variable and coordinate.
+
+Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
+and read back as floats with NaN where missing (xarray's CF masking).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs import __version__
+from dvfs.errors import CubeError
+from dvfs.journal import now_iso, read_records
+from dvfs.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
+from dvfs.plan import Cell
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+CUBE_SCHEMA = 1
+CUBE_NAME = "cube.nc"
+KNOB_DIMS = ("sm_clock", "power_limit")
+CELL_DIMS = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")
+
+
+@dataclass(frozen=True)
+class VarSpec:
+    """A cube variable: where it comes from in a journal measurement, and its CF attributes."""
+
+    name: str
+    units: str
+    long_name: str
+    source: str
+    extra_dim: str | None = None
+    integer: bool = False
+
+
+VARIABLES = (
+    VarSpec(
+        "energy_per_token_j",
+        "J",
+        "energy per output token in the steady-state window",
+        "energy_per_token_j",
+    ),
+    VarSpec(
+        "energy_per_token_above_idle_j",
+        "J",
+        "energy per output token above the idle baseline",
+        "energy_per_token_above_idle_j",
+    ),
+    VarSpec("energy_j", "J", "GPU energy in the steady-state decode window", "energy_j"),
+    VarSpec(
+        "output_tokens",
+        "1",
+        "output tokens generated in the steady-state window",
+        "output_tokens",
+        integer=True,
+    ),
+    VarSpec("decode_time_s", "s", "length of the steady-state decode window", "window_s"),
+    VarSpec(
+        "throughput_tok_s",
+        "s-1",
+        "output tokens per second in the steady-state window",
+        "throughput_tok_s",
+    ),
+    VarSpec("ttft_ms", "ms", "time to first token", "ttft_ms", extra_dim="quantile"),
+    VarSpec(
+        "tpot_ms",
+        "ms",
+        "time per output token after the first, per request",
+        "tpot_ms",
+        extra_dim="quantile",
+    ),
+    VarSpec(
+        "itl_ms",
+        "ms",
+        "inter-token latency (chunk gap spread over its tokens)",
+        "itl_ms",
+        extra_dim="quantile",
+    ),
+    VarSpec(
+        "accept_length", "1", "mean tokens per verify pass (bonus token included)", "accept_length"
+    ),
+    VarSpec("accept_rate", "1", "accepted draft tokens over proposed draft tokens", "accept_rate"),
+    VarSpec(
+        "server_accept_length",
+        "1",
+        "accept length as the server reports it",
+        "server_accept_length",
+    ),
+    VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window", "power_mean_w"),
+    VarSpec("power_max_w", "W", "highest sampled GPU power in the window", "power_max_w"),
+    VarSpec("sm_clock_observed_mhz", "MHz", "mean sampled SM clock in the window", "sm_clock_mhz"),
+    VarSpec(
+        "temperature_max_c",
+        "degC",
+        "highest sampled GPU temperature in the window",
+        "temperature_max_c",
+    ),
+    VarSpec(
+        "clock_event_reasons",
+        "1",
+        "NVML clock-event reasons seen in the window (bitmask)",
+        "event_reasons",
+        integer=True,
+    ),
+    VarSpec("quality", "1", "measurement quality flags (bitmask)", "quality", integer=True),
+    VarSpec(
+        "valid",
+        "1",
+        "1 if the cell passed every quality check that invalidates",
+        "valid",
+        integer=True,
+    ),
+    VarSpec("rounds", "1", "measurement rounds taken to fill the window", "rounds", integer=True),
+    VarSpec("requests", "1", "requests measured", "requests", integer=True),
+)
+TIMELINE = (
+    VarSpec(
+        "timeline_t_s",
+        "s",
+        "time since the window start (rounds concatenated)",
+        "t_s",
+        extra_dim="sample",
+    ),
+    VarSpec("timeline_power_w", "W", "sampled GPU power", "power_w", extra_dim="sample"),
+    VarSpec("timeline_sm_clock_mhz", "MHz", "sampled SM clock", "sm_clock_mhz", extra_dim="sample"),
+)
+STATUS_MISSING, STATUS_OK, STATUS_FAILED = 0, 1, 2
+
+COORD_ATTRS = {
+    "sm_clock": (
+        "MHz",
+        "SM clock lock (the stock, unlocked setting is shown at the GPU's max SM clock)",
+    ),
+    "power_limit": (
+        "W",
+        "GPU power limit (the stock setting is shown at the limit found at start)",
+    ),
+    "batch": ("1", "concurrent requests (batch size)"),
+    "drafter": ("1", "speculative-decoding configuration"),
+    "corpus": ("1", "prompt corpus"),
+    "repeat": ("1", "repeat index"),
+    "quantile": ("1", "latency quantile"),
+    "sample": ("1", "timeline sample index"),
+    "gpu": ("1", "GPU UUID"),
+}
+
+
+def _num(value: Any) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    return float(value)
+
+
+@dataclass(frozen=True)
+class JournalView:
+    """What the cube needs from a journal: header, sessions, servers and latest cell records."""
+
+    header: dict[str, Any]
+    sessions: list[dict[str, Any]]
+    servers: list[dict[str, Any]]
+    cells: dict[str, dict[str, Any]]
+
+
+def read_journal(path: str | Path) -> JournalView:
+    path = Path(path)
+    if not path.exists():
+        raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
+    records = read_records(path)
+    if not records or records[0].get("type") != "header":
+        raise CubeError(f"{path} is not a dvfs journal")
+    cells: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r.get("type") == "cell":
+            cells[r["key"]] = r
+    return JournalView(
+        header=records[0],
+        sessions=[r for r in records if r.get("type") == "session"],
+        servers=[r for r in records if r.get("type") == "server"],
+        cells=cells,
+    )
+
+
+def _grid(view: JournalView) -> dict[str, list[Any]]:
+    campaign = view.header["campaign"]
+    if not view.sessions:
+        raise CubeError("the journal has no measurement session yet: nothing to put in a cube")
+    stock = view.sessions[0]["stock"]
+    clocks = campaign["knobs"]["sm_clocks_mhz"]
+    limits = campaign["knobs"]["power_limits_w"]
+    return {
+        "sm_clock": sorted(int(c) for c in clocks) if clocks else [int(stock["sm_clock_mhz"])],
+        "power_limit": sorted(float(p) for p in limits)
+        if limits
+        else [float(stock["power_limit_w"])],
+        "batch": [int(b) for b in campaign["workload"]["batch_sizes"]],
+        "drafter": [d["name"] for d in campaign["drafters"]],
+        "corpus": [c["name"] for c in campaign["workload"]["corpora"]],
+        "repeat": list(range(int(campaign["measurement"]["repeats"]))),
+    }
+
+
+def _check_sessions(view: JournalView) -> None:
+    uuids = {tuple(g["uuid"] for g in s["gpus"]) for s in view.sessions}
+    if len(uuids) > 1:
+        raise CubeError(
+            "the journal holds measurements from different GPUs "
+            f"({'; '.join(', '.join(u) for u in sorted(uuids))}); keep one journal per GPU set"
+        )
+
+
+def _provenance(view: JournalView) -> dict[str, Any]:
+    header, session = view.header, view.sessions[-1]
+    campaign = header["campaign"]
+    gpus = session["gpus"]
+    servers: dict[str, Any] = {}
+    for s in view.servers:
+        servers[s["drafter"]] = {"engine": s["engine"], "version": s["version"], "args": s["args"]}
+    versions = sorted({s["version"] for s in view.servers})
+    return {
+        "dvfs_schema": CUBE_SCHEMA,
+        "Conventions": "CF-1.10",
+        "title": f"dvfs sweep: {header['campaign_name']}",
+        "dvfs_version": __version__,
+        "journal_dvfs_version": header.get("dvfs_version", ""),
+        "campaign_name": header["campaign_name"],
+        "campaign_hash": header["campaign_hash"],
+        "campaign": json.dumps(campaign, sort_keys=True),
+        "campaign_source": header.get("campaign_source", ""),
+        "gpu_backend": session["gpu_backend"],
+        "gpu_name": gpus[0]["name"],
+        "gpu_uuids": ",".join(g["uuid"] for g in gpus),
+        "gpu_count": len(gpus),
+        "driver_version": gpus[0]["driver_version"],
+        "memory_clock_mhz": gpus[0]["memory_clock_mhz"],
+        "twin_profile": campaign["gpu"].get("profile") or "",
+        "engine_backend": session["engine_backend"],
+        "engine_version": ", ".join(versions),
+        "server_args": json.dumps(servers, sort_keys=True),
+        "model": campaign["engine"]["model"],
+        "twin_model": campaign["engine"].get("twin_model") or "",
+        "tp_size": campaign["engine"]["tp_size"],
+        "actuation": int(bool(session["actuation"])),
+        "clock": session["clock"],
+        "stock_sm_clock_mhz": session["stock"]["sm_clock_mhz"],
+        "stock_power_limit_w": session["stock"]["power_limit_w"],
+        "power_limit_range_w": list(session["power_limit_range_w"]),
+        "idle_power_w": float(np.nanmean([_num(s["idle_power_w"]) for s in view.sessions])),
+        "measurement_method": session["measurement_method"],
+        "sessions": len(view.sessions),
+        "created": now_iso(),
+        "history": f"{now_iso()} built by dvfs {__version__} from journal",
+    }
+
+
+def build_cube(journal_path: str | Path) -> xr.Dataset:
+    """Assemble the cube from a journal; cells not (yet) measured are NaN."""
+    import xarray as xr
+
+    view = read_journal(journal_path)
+    _check_sessions(view)
+    grid = _grid(view)
+    stock = view.sessions[0]["stock"]
+    shape = tuple(len(grid[d]) for d in CELL_DIMS)
+    index = {d: {v: i for i, v in enumerate(grid[d])} for d in CELL_DIMS}
+    data: dict[str, np.ndarray] = {}
+    for spec in VARIABLES:
+        extra = {"quantile": len(QUANTILES)}.get(spec.extra_dim or "")
+        data[spec.name] = np.full(shape + ((extra,) if extra else ()), np.nan)
+    for spec in TIMELINE:
+        data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
+    status = np.zeros(shape, dtype=np.int8)
+    for record in view.cells.values():
+        cell = Cell.from_dict(record["cell"])
+        clock = cell.sm_clock_mhz if cell.sm_clock_mhz is not None else int(stock["sm_clock_mhz"])
+        limit = (
+            cell.power_limit_w if cell.power_limit_w is not None else float(stock["power_limit_w"])
+        )
+        try:
+            at = (
+                index["sm_clock"][clock],
+                index["power_limit"][limit],
+                index["batch"][cell.batch],
+                index["drafter"][cell.drafter],
+                index["corpus"][cell.corpus],
+                index["repeat"][cell.repeat],
+            )
+        except KeyError:
+            continue  # a cell outside the grid cannot happen for a matching campaign hash
+        if record.get("status") != "ok":
+            status[at] = STATUS_FAILED
+            continue
+        status[at] = STATUS_OK
+        m = record["measurement"]
+        for spec in VARIABLES:
+            value = m.get(spec.source)
+            if spec.extra_dim == "quantile":
+                data[spec.name][at] = [_num(v) for v in value]
+            else:
+                data[spec.name][at] = _num(value)
+        timeline = m.get("timeline", {})
+        for spec in TIMELINE:
+            values = [_num(v) for v in timeline.get(spec.source, [])][:TIMELINE_POINTS]
+            data[spec.name][at][: len(values)] = values
+    coords: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
+    coords["quantile"] = list(QUANTILES)
+    coords["sample"] = list(range(TIMELINE_POINTS))
+    variables: dict[str, Any] = {}
+    for spec in (*VARIABLES, *TIMELINE):
+        dims = CELL_DIMS + ((spec.extra_dim,) if spec.extra_dim else ())
+        variables[spec.name] = (
+            dims,
+            data[spec.name],
+            {"units": spec.units, "long_name": spec.long_name},
+        )
+    variables["cell_status"] = (
+        CELL_DIMS,
+        status,
+        {
+            "units": "1",
+            "long_name": "cell status",
+            "flag_values": np.array([STATUS_MISSING, STATUS_OK, STATUS_FAILED], dtype=np.int8),
+            "flag_meanings": "missing measured failed",
+        },
+    )
+    ds = xr.Dataset(variables, coords=coords, attrs=_provenance(view))
+    for name, (units, long_name) in COORD_ATTRS.items():
+        if name in ds.coords:
+            ds[name].attrs.update(units=units, long_name=long_name)
+    ds["quality"].attrs.update(
+        flag_masks=np.array(list(QUALITY_FLAGS), dtype=np.int32),
+        flag_meanings=" ".join(QUALITY_FLAGS.values()),
+    )
+    ds["valid"].attrs.update(
+        flag_values=np.array([0, 1], dtype=np.int8), flag_meanings="invalid valid"
+    )
+    from dvfs.gpu.base import EVENT_NAMES
+
+    ds["clock_event_reasons"].attrs.update(
+        flag_masks=np.array(list(EVENT_NAMES), dtype=np.int32),
+        flag_meanings=" ".join(EVENT_NAMES.values()),
+    )
+    failed = [r for r in view.cells.values() if r.get("status") != "ok"]
+    ds.attrs["failed_cells"] = json.dumps(
+        [{"cell": r["cell"], "error": r.get("error", "")} for r in failed][:200]
+    )
+    return ds
+
+
+def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
+    enc: dict[str, dict[str, Any]] = {}
+    integer_names = {s.name for s in VARIABLES if s.integer}
+    for name in ds.data_vars:
+        if name in integer_names:
+            dtype = "int8" if name == "valid" else "int32"
+            enc[name] = {"dtype": dtype, "_FillValue": -1, "zlib": True, "complevel": 4}
+        elif name == "cell_status":
+            enc[name] = {"zlib": True, "complevel": 4}
+        else:
+            enc[name] = {"_FillValue": np.nan, "zlib": True, "complevel": 4}
+    return enc
+
+
+def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write atomically: a temp file in the same folder, renamed over the target."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        ds.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(ds))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def check_cube(ds: xr.Dataset, *, where: str = "cube") -> xr.Dataset:
+    """Refuse datasets that are not dvfs cubes of a schema this version reads."""
+    schema = ds.attrs.get("dvfs_schema")
+    if schema is None:
+        raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute)")
+    if int(schema) > CUBE_SCHEMA:
+        raise CubeError(
+            f"{where} has cube schema {schema}; this dvfs ({__version__}) reads up to "
+            f"{CUBE_SCHEMA}: upgrade dvfs"
+        )
+    missing = [d for d in CELL_DIMS if d not in ds.dims]
+    if missing:
+        raise CubeError(f"{where} lacks dimension(s) {', '.join(missing)}")
+    return ds
+
+
+def open_cube(path: str | Path) -> xr.Dataset:
+    """Load a cube into memory (the file is closed on return) and register `ds.dvfs`."""
+    import xarray as xr
+
+    import dvfs.accessor  # noqa: F401  (registers the accessor)
+
+    path = Path(path)
+    if not path.exists():
+        raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
+    try:
+        with xr.open_dataset(path, engine="netcdf4") as ds:
+            loaded = ds.load()
+    except (OSError, ValueError) as exc:
+        raise CubeError(f"cannot read {path} as netCDF: {exc}") from exc
+    return check_cube(loaded, where=str(path))
+
+
+def info_text(ds: xr.Dataset) -> dict[str, Any]:
+    """A summary for `dvfs cube info`: dimensions, coverage, provenance."""
+    status = ds["cell_status"].values
+    total = status.size
+    return {
+        "campaign": ds.attrs.get("campaign_name"),
+        "schema": int(ds.attrs.get("dvfs_schema", 0)),
+        "gpu": f"{ds.attrs.get('gpu_name')} x{ds.attrs.get('gpu_count')} "
+        f"({ds.attrs.get('gpu_backend')})",
+        "driver": ds.attrs.get("driver_version"),
+        "engine": f"{ds.attrs.get('engine_backend')} {ds.attrs.get('engine_version')}",
+        "model": ds.attrs.get("model"),
+        "dims": {d: int(ds.sizes[d]) for d in CELL_DIMS if d in ds.sizes},
+        "coords": {d: [str(v) for v in ds[d].values] for d in CELL_DIMS if d in ds.coords},
+        "cells": total,
+        "measured": int((status == STATUS_OK).sum()),
+        "failed": int((status == STATUS_FAILED).sum()),
+        "missing": int((status == STATUS_MISSING).sum()),
+        "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
+        "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
+        "stock": f"{ds.attrs.get('stock_sm_clock_mhz')} MHz (unlocked), "
+        f"{ds.attrs.get('stock_power_limit_w')} W",
+        "energy_per_token_j": [
+            float(np.nanmin(ds["energy_per_token_j"].values))
+            if (status == STATUS_OK).any()
+            else math.nan,
+            float(np.nanmax(ds["energy_per_token_j"].values))
+            if (status == STATUS_OK).any()
+            else math.nan,
+        ],
+        "variables": sorted(str(v) for v in ds.data_vars),
+        "created": ds.attrs.get("created"),
+    }

@@ -1,0 +1,269 @@
+"""The sweep pipeline end to end on the twin, through the CLI: campaign -> journal -> cube."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
+
+from dvfs.cli import cli
+from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build_cube, open_cube
+from dvfs.journal import read_records
+
+
+def sweep(args: list[str]) -> object:
+    result = CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+    return result
+
+
+def assert_cubes_equal(a, b, *, energy_rtol: float = 0.0) -> None:
+    """Same coords and values; energy may differ by the counter's 1 mJ quantisation."""
+    assert set(a.data_vars) == set(b.data_vars)
+    for dim in a.dims:
+        np.testing.assert_array_equal(a[dim].values, b[dim].values)
+    for name in a.data_vars:
+        rtol = energy_rtol if "energy" in name or "power_mean" in name else 1e-12
+        np.testing.assert_allclose(
+            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
+        )
+
+
+def test_sweep_writes_a_complete_cube(small_campaign: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = sweep([str(small_campaign), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    ds = open_cube(out / "cube.nc")
+    assert {d: ds.sizes[d] for d in CELL_DIMS} == {
+        "sm_clock": 3,
+        "power_limit": 2,
+        "batch": 2,
+        "drafter": 2,
+        "corpus": 2,
+        "repeat": 2,
+    }
+    assert (ds["cell_status"].values == STATUS_OK).all()
+    # Every variable and coordinate says its unit and what it is.
+    for name in [*ds.data_vars, *ds.coords]:
+        attrs = ds[name].attrs
+        assert attrs.get("units") is not None and attrs.get("long_name"), name
+    assert int(ds.attrs["dvfs_schema"]) == 1
+    assert ds.attrs["gpu_backend"] == "twin" and "H100" in ds.attrs["gpu_name"]
+    assert json.loads(ds.attrs["campaign"])["workload"]["output_tokens"] == 64
+    epj = ds["energy_per_token_j"]
+    assert (epj > 0).all()
+    # Batching amortises the weight reads: energy per token falls with batch.
+    assert (epj.sel(batch=8) < epj.sel(batch=1)).all()
+    # No speculation has no acceptance (NaN, not 1 or 0); EAGLE-3 accepts > 1 token per verify.
+    assert np.isnan(ds["accept_length"].sel(drafter="none")).all()
+    assert (ds["accept_length"].sel(drafter="eagle3") > 1.5).all()
+    # Locked clocks are read back in the cube.
+    observed = ds["sm_clock_observed_mhz"].sel(power_limit=700.0, batch=1, drafter="none")
+    np.testing.assert_allclose(observed.mean(["corpus", "repeat"]).values, [1005, 1500, 1980])
+    # Latency quantiles are ordered.
+    tpot = ds["tpot_ms"]
+    assert (tpot.sel(quantile=0.5) <= tpot.sel(quantile=0.99)).all()
+
+
+def test_resume_skips_finished_cells_and_cube_build_matches(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
+    first = open_cube(out / "cube.nc")
+    cells_before = sum(1 for r in read_records(out / "journal.jsonl") if r["type"] == "cell")
+    again = sweep([str(small_campaign), "--out", str(out)])
+    assert again.exit_code == 0
+    assert "0 cell(s) measured" in again.output
+    cells_after = sum(1 for r in read_records(out / "journal.jsonl") if r["type"] == "cell")
+    assert cells_after == cells_before == 96
+    rebuilt = CliRunner().invoke(cli, ["cube", "build", str(out), "--out", str(tmp_path / "re.nc")])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert_cubes_equal(first, open_cube(tmp_path / "re.nc"))
+
+
+def test_a_changed_campaign_refuses_the_old_journal(small_campaign: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
+    changed = write(
+        tmp_path / "changed.toml",
+        replace_block(SMALL_CAMPAIGN, "output_tokens = 64", "output_tokens = 32"),
+    )
+    result = CliRunner().invoke(cli, ["sweep", str(changed), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 1
+    assert "belongs to campaign" in result.output and "--fresh" in result.output
+    fresh = CliRunner().invoke(
+        cli, ["sweep", str(changed), "--out", str(out), "--no-progress", "--fresh"]
+    )
+    assert fresh.exit_code == 0, fresh.output
+    assert (out / "journal.jsonl.1").exists()
+
+
+def test_missing_and_failed_cells_are_nan(small_campaign: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
+    records = read_records(out / "journal.jsonl")
+    header_and_sessions = [r for r in records if r["type"] != "cell"]
+    cells = [r for r in records if r["type"] == "cell"]
+    kept, failed = cells[:10], dict(cells[10], status="failed", error="boom")
+    failed.pop("measurement")
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in [*header_and_sessions, *kept, failed]))
+    ds = build_cube(partial)
+    status = ds["cell_status"].values
+    assert (status == STATUS_OK).sum() == 10
+    assert (status == STATUS_FAILED).sum() == 1
+    assert (status == STATUS_MISSING).sum() == status.size - 11
+    measured = status == STATUS_OK
+    for name in ("energy_per_token_j", "output_tokens", "valid", "quality", "decode_time_s"):
+        values = ds[name].values
+        assert np.isnan(values[~measured]).all(), name
+        assert not np.isnan(values[measured]).any(), name
+    assert np.isnan(ds["ttft_ms"].values[~measured]).all()
+    # Round trip through netCDF keeps NaN for missing integer-valued cells.
+    from dvfs.cube import write_cube
+
+    reread = open_cube(write_cube(ds, tmp_path / "partial.nc"))
+    assert np.isnan(reread["output_tokens"].values[~measured]).all()
+    np.testing.assert_array_equal(
+        reread["output_tokens"].values[measured], ds["output_tokens"].values[measured]
+    )
+    assert "boom" in reread.attrs["failed_cells"]
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(small_campaign: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(small_campaign), "--out", str(out), "--dry-run", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["cells"] == 3 * 2 * 2 * 2 * 2 * 2
+    assert plan["server_starts"] == 2
+    # 6 settings per (drafter, repeat); the serpentine order reuses the setting at each turn:
+    # drafter 1: 6 + 5, drafter 2 starts where drafter 1 ended: 5 + 5.
+    assert plan["knob_changes"] == 21
+    assert plan["estimated_hours_on_hardware"] > 0
+    assert plan["servers"][1]["expected_accept_length"]["code"] > 1
+    assert not out.exists()
+
+
+def test_observe_only_keeps_stock_settings(small_campaign: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = sweep([str(small_campaign), "--out", str(out), "--observe-only"])
+    assert result.exit_code == 0, result.output
+    ds = open_cube(out / "cube.nc")
+    assert ds["sm_clock"].values.tolist() == [1980]
+    assert ds["power_limit"].values.tolist() == [700.0]
+    assert ds.attrs["actuation"] == 0
+
+
+def _count_cells(journal: Path) -> int:
+    if not journal.exists():
+        return 0
+    return journal.read_text().count('"type":"cell"')
+
+
+BIG = replace_block(
+    replace_block(
+        SMALL_CAMPAIGN,
+        "sm_clock = [1980, 1500, 1005]",
+        "sm_clock = { start = 1005, stop = 1980, step = 75 }",
+    ),
+    "repeats = 2",
+    "repeats = 3",
+)
+
+
+def _start(campaign: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_cells(
+    proc: subprocess.Popen, journal: Path, count: int, timeout_s: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _count_cells(journal) < count:
+        assert proc.poll() is None, f"sweep ended early: {proc.communicate()[0]}"
+        assert time.monotonic() < deadline, "sweep did not progress"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "big.toml", BIG)
+    killed = tmp_path / "killed"
+    proc = _start(campaign, killed)
+    try:
+        _wait_for_cells(proc, killed / "journal.jsonl", 40)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    interrupted_at = _count_cells(killed / "journal.jsonl")
+    total = 14 * 2 * 2 * 2 * 2 * 3
+    assert 40 <= interrupted_at < total, "the kill must land mid-sweep"
+    resumed = subprocess.run(
+        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(killed), "--no-progress"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{total - interrupted_at} cell(s) measured" in resumed.stderr
+    clean = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "dvfs",
+            "sweep",
+            str(campaign),
+            "--out",
+            str(tmp_path / "clean"),
+            "--no-progress",
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert clean.returncode == 0, clean.stderr
+    assert_cubes_equal(
+        open_cube(killed / "cube.nc"), open_cube(tmp_path / "clean" / "cube.nc"), energy_rtol=1e-4
+    )
+
+
+@pytest.mark.slow
+def test_sigint_stops_cleanly_with_a_partial_cube(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "big.toml", BIG)
+    out = tmp_path / "out"
+    proc = _start(campaign, out)
+    try:
+        _wait_for_cells(proc, out / "journal.jsonl", 20)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "GPU settings restored" in output and "resume" in output
+    ds = open_cube(out / "cube.nc")
+    done = int((ds["cell_status"].values == STATUS_OK).sum())
+    assert done == _count_cells(out / "journal.jsonl") >= 20
+    assert np.isnan(
+        ds["energy_per_token_j"].values[ds["cell_status"].values == STATUS_MISSING]
+    ).all()
