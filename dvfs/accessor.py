@@ -1,11 +1,20 @@
-"""`ds.dvfs`: a thin accessor that checks a cube's shape and delegates to the analyses."""
+"""`ds.dvfs`: a thin accessor that checks a cube's shape and delegates to the analyses.
+
+import dvfs
+ds = dvfs.open_cube("out/demo/cube.nc")
+ds.dvfs.headroom(slack=0.05)            # preserve each drafter's own latency within 5%
+ds.dvfs.headroom(mode="vs-baseline")    # trade speculation's latency win for energy
+ds.dvfs.headroom(slo="tpot_p90<=20ms")
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import xarray as xr
 
+from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slo
 from dvfs.cube import check_cube
 
 
@@ -19,7 +28,51 @@ class DvfsAccessor:
     @property
     def stock(self) -> dict[str, Any]:
         """The reference setting: the unlocked clock (max SM clock) at the stock power limit."""
-        return {
-            "sm_clock": int(self._ds.attrs["stock_sm_clock_mhz"]),
-            "power_limit": float(self._ds.attrs["stock_power_limit_w"]),
-        }
+        from dvfs.analysis.headroom import reference_setting
+
+        ref = reference_setting(self._ds)
+        return {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit, "is_stock": ref.is_stock}
+
+    def headroom(
+        self,
+        *,
+        mode: str = "preserve",
+        slo: str | None = None,
+        metric: str = "tpot",
+        quantile: str = "p50",
+        slack: float = 0.0,
+        baseline: str = "none",
+        knob: str = "both",
+        confidence: float = 0.95,
+    ) -> xr.Dataset:
+        """See `dvfs.analysis.headroom.headroom`."""
+        from dvfs.analysis.headroom import headroom
+
+        target = (
+            parse_slo(slo)
+            if slo
+            else Target(mode, metric, QUANTILE_NAMES[quantile], slack, None, baseline)
+        )
+        return headroom(self._ds, target=target, knob=knob, confidence=confidence)
+
+    def compare(
+        self, *, baseline: str = "none", metric: str = "tpot", quantile: str = "p50"
+    ) -> xr.Dataset:
+        """See `dvfs.analysis.compare.compare`."""
+        from dvfs.analysis.compare import compare
+
+        return compare(
+            self._ds, baseline=baseline, metric=metric, quantile=QUANTILE_NAMES[quantile]
+        )
+
+    def roofline(self, *, context_tokens: float | None = None) -> xr.Dataset:
+        """See `dvfs.analysis.roofline.roofline`."""
+        from dvfs.analysis.roofline import roofline
+
+        return roofline(self._ds, context_tokens=context_tokens)
+
+    def plot(self, out_dir: str | Path, *, fmt: str = "png") -> list[Path]:
+        """Write every figure into `out_dir`; returns the paths."""
+        from dvfs.plots import plot_all
+
+        return plot_all(self._ds, out_dir, fmt=fmt)

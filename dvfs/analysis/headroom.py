@@ -1,0 +1,323 @@
+"""Latency-preserving DVFS headroom: how far below stock the knobs can go, and what it saves.
+
+For every (batch, drafter, corpus[, gpu]) the search looks at each knob setting measured in
+the cube and calls it feasible when its latency meets the target with confidence:
+
+  x_r = latency(setting, r) / latency(reference, r)   for preserve / vs-baseline targets
+  x_r = latency(setting, r)                           for an SLO (ms)
+
+  feasible  <=>  mean(x) + t(conf, n-1) * sd(x) / sqrt(n)  <=  threshold
+
+a one-sided Student-t upper bound over the repeats, paired with the reference measured in the
+same repeat (repeats are interleaved, so pairing cancels drift). With one repeat no interval
+is possible and the point value is compared. Cells flagged invalid are never feasible.
+
+Two answers come out, both monotone in the target by construction (the feasible set only
+grows as the target loosens):
+  * headroom: the lowest feasible SM clock (and power limit) below stock;
+  * the chosen setting: the feasible one with the least energy per token, and its saving.
+Energies equal to 4 significant digits (0.01%, far below any power meter's accuracy) are ties,
+and ties go to the least intrusive setting (highest clock, then highest power limit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dvfs.analysis.targets import Target
+from dvfs.errors import AnalysisError
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+KNOBS = ("both", "sm_clock", "power_limit")
+GROUP_DIMS = ("batch", "drafter", "corpus")
+
+BOUND_DESCRIPTION = (
+    "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
+    "of the latency ratio to the reference"
+)
+
+
+def t_quantile(confidence: float, dof: int) -> float:
+    """One-sided Student-t quantile (scipy when installed, else a Cornish-Fisher expansion)."""
+    try:
+        from scipy import stats
+
+        return float(stats.t.ppf(confidence, dof))
+    except ImportError:  # pragma: no cover - scipy is a dependency of seaborn in practice
+        from statistics import NormalDist
+
+        z = NormalDist().inv_cdf(confidence)
+        g1 = (z**3 + z) / 4
+        g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+        return z + g1 / dof + g2 / dof**2
+
+
+def upper_bound(values: np.ndarray, confidence: float) -> float:
+    """Mean plus the one-sided t margin; the point value when only one is given."""
+    values = values[~np.isnan(values)]
+    n = len(values)
+    if n == 0:
+        return math.nan
+    mean = float(values.mean())
+    if n == 1:
+        return mean
+    sd = float(values.std(ddof=1))
+    return mean + t_quantile(confidence, n - 1) * sd / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The stock setting (or the closest the cube has: top clock, top power limit)."""
+
+    sm_clock: int
+    power_limit: float
+    is_stock: bool
+
+
+def reference_setting(cube: xr.Dataset) -> Reference:
+    clocks = [int(c) for c in cube["sm_clock"].values]
+    limits = [float(p) for p in cube["power_limit"].values]
+    stock_clock = int(cube.attrs.get("stock_sm_clock_mhz", max(clocks)))
+    stock_limit = float(cube.attrs.get("stock_power_limit_w", max(limits)))
+    if stock_clock in clocks and stock_limit in limits:
+        return Reference(stock_clock, stock_limit, True)
+    return Reference(max(clocks), max(limits), False)
+
+
+def _valid_mask(cube: xr.Dataset) -> xr.DataArray:
+    valid = cube["valid"].fillna(0) > 0
+    measured = cube["cell_status"] == 1 if "cell_status" in cube else valid
+    return valid & measured
+
+
+def headroom(
+    cube: xr.Dataset,
+    *,
+    target: Target,
+    knob: str = "both",
+    confidence: float = 0.95,
+) -> xr.Dataset:
+    """Headroom and the energy-optimal feasible setting for every (batch, drafter, corpus).
+
+    Returns a Dataset over (batch, drafter, corpus[, gpu]); see the module docstring.
+    """
+    import xarray as xr
+
+    if knob not in KNOBS:
+        raise AnalysisError(f"unknown knob {knob!r}; choose {', '.join(KNOBS)}")
+    if not 0.5 <= confidence < 1:
+        raise AnalysisError(f"confidence must be in [0.5, 1), got {confidence}")
+    if target.variable not in cube:
+        raise AnalysisError(f"the cube has no {target.variable} variable")
+    if target.mode == "vs-baseline" and target.baseline not in cube["drafter"].values:
+        raise AnalysisError(
+            f"baseline drafter {target.baseline!r} is not in the cube "
+            f"(drafters: {', '.join(map(str, cube['drafter'].values))}); pick one with --baseline"
+        )
+    ref = reference_setting(cube)
+    sub = cube
+    if knob == "sm_clock":
+        sub = cube.sel(power_limit=[ref.power_limit])
+    elif knob == "power_limit":
+        sub = cube.sel(sm_clock=[ref.sm_clock])
+    latency = sub[target.variable].sel(quantile=target.quantile)
+    energy = sub["energy_per_token_j"]
+    ok = _valid_mask(sub)
+    # Invalid repeats disqualify their setting: mark them NaN and require no invalid repeat.
+    measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
+    any_invalid = (measured & ~ok).any("repeat")
+    latency = latency.where(ok)
+    energy = energy.where(ok)
+    ref_latency = cube[target.variable].sel(
+        quantile=target.quantile, sm_clock=ref.sm_clock, power_limit=ref.power_limit
+    )
+    ref_latency = ref_latency.where(
+        _valid_mask(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
+    )
+    if target.mode == "vs-baseline":
+        ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)
+    if target.mode == "slo":
+        statistic = latency
+        threshold = float(target.limit_ms)  # type: ignore[arg-type]
+    else:
+        statistic = latency / ref_latency
+        threshold = 1.0 + target.slack
+    stock_energy = cube["energy_per_token_j"].sel(
+        sm_clock=ref.sm_clock, power_limit=ref.power_limit
+    )
+    stock_energy = stock_energy.where(
+        _valid_mask(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
+    )
+    baseline_drafter = target.baseline if target.baseline in cube["drafter"].values else None
+
+    extra_dims = [
+        d for d in statistic.dims if d not in (*GROUP_DIMS, "sm_clock", "power_limit", "repeat")
+    ]
+    order = [*extra_dims, *GROUP_DIMS, "sm_clock", "power_limit", "repeat"]
+    stat = statistic.transpose(*order).values
+    energy_v = energy.transpose(*order).values
+    latency_v = latency.transpose(*order).values
+    invalid_v = any_invalid.transpose(*order[:-1]).values
+    ref_lat_v = (
+        ref_latency.broadcast_like(stock_energy)
+        .transpose(*[d for d in order if d not in ("sm_clock", "power_limit")])
+        .values
+    )
+    stock_e = stock_energy.transpose(
+        *[d for d in order if d not in ("sm_clock", "power_limit")]
+    ).values
+    clocks = sub["sm_clock"].values.astype(int)
+    limits = sub["power_limit"].values.astype(float)
+    drafters = list(cube["drafter"].values)
+
+    group_shape = stat.shape[: len(extra_dims) + 3]
+    out = {
+        name: np.full(group_shape, np.nan)
+        for name in (
+            "chosen_sm_clock",
+            "chosen_power_limit",
+            "chosen_energy_per_token_j",
+            "stock_energy_per_token_j",
+            "saving",
+            "baseline_energy_per_token_j",
+            "saving_vs_baseline",
+            "chosen_latency_ms",
+            "reference_latency_ms",
+            "target_ms",
+            "latency_bound",
+            "lowest_feasible_sm_clock",
+            "lowest_feasible_power_limit",
+            "headroom_mhz",
+            "headroom_w",
+            "chosen_headroom_mhz",
+            "chosen_headroom_w",
+            "repeats",
+        )
+    }
+    feasible_any = np.zeros(group_shape, dtype=bool)
+    n_feasible = np.zeros(group_shape, dtype=int)
+    for idx in np.ndindex(group_shape):
+        stock_here = np.nanmean(stock_e[idx]) if not np.all(np.isnan(stock_e[idx])) else math.nan
+        out["stock_energy_per_token_j"][idx] = stock_here
+        reference_ms = (
+            np.nanmean(ref_lat_v[idx]) if not np.all(np.isnan(ref_lat_v[idx])) else math.nan
+        )
+        out["reference_latency_ms"][idx] = reference_ms
+        out["target_ms"][idx] = threshold if target.mode == "slo" else reference_ms * threshold
+        if baseline_drafter is not None:
+            b_idx = (*idx[: len(extra_dims) + 1], drafters.index(baseline_drafter), idx[-1])
+            base = stock_e[b_idx]
+            out["baseline_energy_per_token_j"][idx] = (
+                np.nanmean(base) if not np.all(np.isnan(base)) else math.nan
+            )
+        best: tuple | None = None
+        lowest_clock = math.inf
+        lowest_limit = math.inf
+        for ci, clock in enumerate(clocks):
+            for pi, limit in enumerate(limits):
+                if invalid_v[idx + (ci, pi)]:
+                    continue
+                x = stat[idx + (ci, pi)]
+                e = energy_v[idx + (ci, pi)]
+                paired = ~np.isnan(x) & ~np.isnan(e)
+                if not paired.any():
+                    continue
+                bound = upper_bound(x[paired], confidence)
+                if not bound <= threshold:
+                    continue
+                n_feasible[idx] += 1
+                lowest_clock = min(lowest_clock, clock)
+                lowest_limit = min(lowest_limit, limit)
+                mean_e = float(np.mean(e[paired]))
+                key = (float(f"{mean_e:.4g}"), -clock, -limit)
+                if best is None or key < best[0]:
+                    lat = float(np.nanmean(latency_v[idx + (ci, pi)][paired]))
+                    best = (key, clock, limit, mean_e, lat, bound, int(paired.sum()))
+        if best is None:
+            continue
+        feasible_any[idx] = True
+        _, clock, limit, mean_e, lat, bound, n = best
+        out["chosen_sm_clock"][idx] = clock
+        out["chosen_power_limit"][idx] = limit
+        out["chosen_energy_per_token_j"][idx] = mean_e
+        out["chosen_latency_ms"][idx] = lat
+        out["latency_bound"][idx] = bound
+        out["repeats"][idx] = n
+        out["saving"][idx] = 1 - mean_e / stock_here if stock_here > 0 else math.nan
+        base = out["baseline_energy_per_token_j"][idx]
+        out["saving_vs_baseline"][idx] = 1 - mean_e / base if base > 0 else math.nan
+        out["lowest_feasible_sm_clock"][idx] = lowest_clock
+        out["lowest_feasible_power_limit"][idx] = lowest_limit
+        out["headroom_mhz"][idx] = ref.sm_clock - lowest_clock
+        out["headroom_w"][idx] = ref.power_limit - lowest_limit
+        out["chosen_headroom_mhz"][idx] = ref.sm_clock - clock
+        out["chosen_headroom_w"][idx] = ref.power_limit - limit
+
+    coords = {d: cube[d].values for d in (*extra_dims, *GROUP_DIMS)}
+    dims = (*extra_dims, *GROUP_DIMS)
+    units = {
+        "chosen_sm_clock": ("MHz", "SM clock of the least-energy feasible setting"),
+        "chosen_power_limit": ("W", "power limit of the least-energy feasible setting"),
+        "chosen_energy_per_token_j": ("J", "energy per token at the chosen setting"),
+        "stock_energy_per_token_j": ("J", "energy per token at the reference (stock) setting"),
+        "saving": ("1", "energy saved per token at the chosen setting against stock"),
+        "baseline_energy_per_token_j": ("J", "baseline drafter's energy per token at stock"),
+        "saving_vs_baseline": ("1", "energy saved against the baseline drafter at stock"),
+        "chosen_latency_ms": ("ms", "latency at the chosen setting (mean over repeats)"),
+        "reference_latency_ms": ("ms", "reference latency the target is relative to"),
+        "target_ms": ("ms", "latency target"),
+        "latency_bound": ("1", "upper bound of the feasibility statistic at the chosen setting"),
+        "lowest_feasible_sm_clock": ("MHz", "lowest SM clock meeting the target"),
+        "lowest_feasible_power_limit": ("W", "lowest power limit meeting the target"),
+        "headroom_mhz": ("MHz", "SM-clock headroom: stock clock minus the lowest feasible clock"),
+        "headroom_w": ("W", "power headroom: stock limit minus the lowest feasible limit"),
+        "chosen_headroom_mhz": ("MHz", "stock clock minus the chosen clock"),
+        "chosen_headroom_w": ("W", "stock power limit minus the chosen limit"),
+        "repeats": ("1", "repeats behind the chosen setting's bound"),
+    }
+    data_vars = {
+        name: (dims, values, {"units": units[name][0], "long_name": units[name][1]})
+        for name, values in out.items()
+    }
+    data_vars["feasible"] = (
+        dims,
+        feasible_any,
+        {"units": "1", "long_name": "some setting meets the target"},
+    )
+    data_vars["feasible_settings"] = (
+        dims,
+        n_feasible,
+        {"units": "1", "long_name": "settings meeting the target"},
+    )
+    repeats = int(cube.sizes.get("repeat", 1))
+    result = xr.Dataset(data_vars, coords=coords)
+    result.attrs.update(
+        target=target.describe(),
+        target_mode=target.mode,
+        metric=target.metric,
+        quantile=target.quantile,
+        slack=target.slack,
+        threshold=threshold,
+        knob=knob,
+        confidence=confidence,
+        bound=(
+            BOUND_DESCRIPTION.format(conf=confidence, n=repeats)
+            if repeats > 1
+            else "one repeat: no interval was possible, the point value was compared"
+        ),
+        reference_sm_clock_mhz=ref.sm_clock,
+        reference_power_limit_w=ref.power_limit,
+        reference_is_stock=int(ref.is_stock),
+        baseline=target.baseline,
+    )
+    if target.mode == "slo":
+        result.attrs["bound"] = result.attrs["bound"].replace(
+            "latency ratio to the reference", "latency (ms)"
+        )
+    return result

@@ -1,0 +1,103 @@
+"""Where verification turns compute-bound: the verify pass's arithmetic intensity vs the ridge.
+
+With batch B and k verified tokens per request, a verify pass does ~2 P B k FLOPs for ~2 P bytes
+of weights (plus the KV cache it reads). Past the ridge point (FLOP per byte at which compute
+time equals memory time; it falls with the SM clock) the pass is compute-bound: lowering the
+clock then costs latency, and wasted drafts cost energy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dvfs.errors import AnalysisError
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int]:
+    """Tokens each request verifies per pass, from the servers' resolved arguments."""
+    servers = json.loads(cube.attrs.get("server_args", "{}") or "{}")
+    widths = {}
+    for drafter in cube["drafter"].values:
+        args = servers.get(str(drafter), {}).get("args", {})
+        algorithm = args.get("speculative_algorithm")
+        tokens = args.get("speculative_num_draft_tokens")
+        widths[str(drafter)] = int(tokens) if algorithm and tokens else 1
+    return widths
+
+
+def _mean_context(cube: xr.Dataset) -> float:
+    try:
+        workload = json.loads(cube.attrs["campaign"])["workload"]
+        lo, hi = workload["input_tokens"]
+        return (lo + hi) / 2 + workload["output_tokens"] / 2
+    except (KeyError, ValueError, TypeError):
+        return 1024.0
+
+
+def roofline(cube: xr.Dataset, *, context_tokens: float | None = None) -> xr.Dataset:
+    """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock."""
+    import xarray as xr
+
+    from dvfs.twin.profiles import find_model_profile, profile_for_gpu_name
+
+    model_name = cube.attrs.get("twin_model") or cube.attrs.get("model")
+    model = find_model_profile(str(model_name)) if model_name else None
+    if model is None:
+        raise AnalysisError(
+            f"the roofline needs the model's shape, and {model_name!r} has no twin profile; "
+            "set engine.twin_model in the campaign to one of the twin's model profiles"
+        )
+    gpu = profile_for_gpu_name(str(cube.attrs.get("gpu_name", "")))
+    tp = int(cube.attrs.get("tp_size", 1))
+    context = context_tokens if context_tokens is not None else _mean_context(cube)
+    widths = verify_tokens_per_request(cube)
+    batches = cube["batch"].values.astype(int)
+    drafters = [str(d) for d in cube["drafter"].values]
+    clocks = cube["sm_clock"].values.astype(float)
+    intensity = np.empty((len(batches), len(drafters)))
+    tokens = np.empty_like(intensity)
+    for i, batch in enumerate(batches):
+        for j, drafter in enumerate(drafters):
+            n = batch * widths[drafter]
+            flops = (
+                2.0 * model.active_matmul_params * n
+                + float(model.attention_flops_per_token(context)) * n
+            )
+            bytes_ = float(model.weight_bytes_read(n)) + batch * float(model.kv_bytes_read(context))
+            intensity[i, j] = (flops / tp) / (bytes_ / tp)
+            tokens[i, j] = n
+    ridge = np.array([gpu.ridge_point(c) for c in clocks])
+    result = xr.Dataset(
+        {
+            "verify_tokens": (
+                ("batch", "drafter"),
+                tokens,
+                {"units": "1", "long_name": "tokens in one verify pass (batch x k)"},
+            ),
+            "arithmetic_intensity": (
+                ("batch", "drafter"),
+                intensity,
+                {"units": "FLOP byte-1", "long_name": "verify-pass FLOPs per byte read"},
+            ),
+            "ridge_point": (
+                ("sm_clock",),
+                ridge,
+                {
+                    "units": "FLOP byte-1",
+                    "long_name": "FLOP per byte where compute time equals memory time",
+                },
+            ),
+        },
+        coords={"batch": batches, "drafter": drafters, "sm_clock": clocks.astype(int)},
+    )
+    result["compute_bound"] = (result["arithmetic_intensity"] > result["ridge_point"]).assign_attrs(
+        units="1", long_name="verify pass is past the ridge point at this clock"
+    )
+    result.attrs.update(model=model.key, gpu_profile=gpu.key, context_tokens=context, tp_size=tp)
+    return result

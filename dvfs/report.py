@@ -1,0 +1,344 @@
+"""Analyses as documents: stable JSON (for scripts and `dvfs cap plan`) and Markdown tables.
+
+JSON schemas are versioned by their "schema" key: "dvfs.headroom/1" and "dvfs.compare/1".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+HEADROOM_SCHEMA = "dvfs.headroom/1"
+COMPARE_SCHEMA = "dvfs.compare/1"
+
+
+def _f(value: Any) -> float | None:
+    """A finite float, or None (JSON null) for NaN."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) or math.isinf(v) else v
+
+
+def _i(value: Any) -> int | None:
+    v = _f(value)
+    return None if v is None else int(round(v))
+
+
+def _group_dims(ds: xr.Dataset) -> list[str]:
+    return [d for d in ("gpu", "batch", "drafter", "corpus") if d in ds.dims]
+
+
+def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
+    """The headroom result as a JSON-ready document (schema dvfs.headroom/1)."""
+    rows = []
+    dims = _group_dims(result)
+    for idx in np.ndindex(*(result.sizes[d] for d in dims)):
+        at = {d: result[d].values[i] for d, i in zip(dims, idx, strict=True)}
+        r = result.isel({d: i for d, i in zip(dims, idx, strict=True)})
+        row: dict[str, Any] = {d: (int(v) if d == "batch" else str(v)) for d, v in at.items()}
+        row.update(
+            feasible=bool(r["feasible"]),
+            feasible_settings=int(r["feasible_settings"]),
+            chosen={
+                "sm_clock_mhz": _i(r["chosen_sm_clock"]),
+                "power_limit_w": _f(r["chosen_power_limit"]),
+            },
+            lowest_feasible={
+                "sm_clock_mhz": _i(r["lowest_feasible_sm_clock"]),
+                "power_limit_w": _f(r["lowest_feasible_power_limit"]),
+            },
+            headroom_mhz=_i(r["headroom_mhz"]),
+            headroom_w=_f(r["headroom_w"]),
+            chosen_headroom_mhz=_i(r["chosen_headroom_mhz"]),
+            chosen_headroom_w=_f(r["chosen_headroom_w"]),
+            energy_per_token_j=_f(r["chosen_energy_per_token_j"]),
+            stock_energy_per_token_j=_f(r["stock_energy_per_token_j"]),
+            saving=_f(r["saving"]),
+            baseline_energy_per_token_j=_f(r["baseline_energy_per_token_j"]),
+            saving_vs_baseline=_f(r["saving_vs_baseline"]),
+            latency_ms=_f(r["chosen_latency_ms"]),
+            reference_latency_ms=_f(r["reference_latency_ms"]),
+            target_ms=_f(r["target_ms"]),
+            latency_bound=_f(r["latency_bound"]),
+            repeats=_i(r["repeats"]),
+        )
+        rows.append(row)
+    a = result.attrs
+    return {
+        "schema": HEADROOM_SCHEMA,
+        "campaign": cube.attrs.get("campaign_name"),
+        "campaign_hash": cube.attrs.get("campaign_hash"),
+        "gpu": {
+            "name": cube.attrs.get("gpu_name"),
+            "uuids": [u for u in str(cube.attrs.get("gpu_uuids", "")).split(",") if u],
+            "backend": cube.attrs.get("gpu_backend"),
+        },
+        "model": cube.attrs.get("model"),
+        "target": {
+            "mode": a["target_mode"],
+            "metric": a["metric"],
+            "quantile": a["quantile"],
+            "slack": a["slack"],
+            "threshold": a["threshold"],
+            "baseline": a["baseline"],
+            "description": a["target"],
+        },
+        "knob": a["knob"],
+        "confidence": a["confidence"],
+        "bound": a["bound"],
+        "reference": {
+            "sm_clock_mhz": int(a["reference_sm_clock_mhz"]),
+            "power_limit_w": float(a["reference_power_limit_w"]),
+            "is_stock": bool(a["reference_is_stock"]),
+        },
+        "rows": rows,
+    }
+
+
+def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def headroom_table_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Column names and text cells shared by the terminal and Markdown renderings."""
+    has_gpu = any("gpu" in r for r in doc["rows"])
+    header = [
+        *(["gpu"] if has_gpu else []),
+        "batch",
+        "drafter",
+        "corpus",
+        "chosen MHz/W",
+        "headroom MHz/W",
+        "J/tok stock",
+        "J/tok chosen",
+        "saving",
+        "latency ms",
+        "target ms",
+    ]
+    rows = []
+    for r in doc["rows"]:
+        lead = [r["gpu"][:12]] if has_gpu else []
+        if not r["feasible"]:
+            cells = [
+                "none feasible",
+                "-",
+                _fmt(r["stock_energy_per_token_j"], ".4g"),
+                "-",
+                "-",
+                "-",
+                _fmt(r["target_ms"], ".3g"),
+            ]
+        else:
+            chosen = f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}"
+            headroom = f"{r['headroom_mhz']}/{r['headroom_w']:g}"
+            saving = None if r["saving"] is None else r["saving"] * 100
+            cells = [
+                chosen,
+                headroom,
+                _fmt(r["stock_energy_per_token_j"], ".4g"),
+                _fmt(r["energy_per_token_j"], ".4g"),
+                _fmt(saving, ".1f") + "%",
+                _fmt(r["latency_ms"], ".3g"),
+                _fmt(r["target_ms"], ".3g"),
+            ]
+        rows.append([*lead, str(r["batch"]), r["drafter"], r["corpus"], *cells])
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def headroom_markdown(doc: dict[str, Any]) -> str:
+    header, rows = headroom_table_rows(doc)
+    ref = doc["reference"]
+    lines = [
+        f"## DVFS headroom: {doc['campaign']} ({doc['gpu']['name']})",
+        "",
+        f"- Target: {doc['target']['description']}",
+        f"- Knob: {doc['knob']}; reference {ref['sm_clock_mhz']} MHz / {ref['power_limit_w']:g} W"
+        + (
+            ""
+            if ref["is_stock"]
+            else " (the stock setting is not in the cube: top clock and limit)"
+        ),
+        f"- Feasibility: {doc['bound']}",
+        "- Headroom: stock minus the lowest feasible setting; chosen: the feasible setting with "
+        "the least energy per token (saving against the drafter's own stock energy)",
+        "",
+        markdown_table(header, rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
+    """Speculation analysis as JSON (schema dvfs.compare/1)."""
+    baseline = cmp.attrs["baseline"]
+    rows = []
+    for batch in cmp["batch"].values:
+        for drafter in cmp["drafter"].values:
+            if str(drafter) == baseline:
+                continue
+            for corpus in cmp["corpus"].values:
+                at = {"batch": batch, "drafter": drafter, "corpus": corpus}
+                rows.append(
+                    {
+                        "batch": int(batch),
+                        "drafter": str(drafter),
+                        "corpus": str(corpus),
+                        "energy_ratio_at_stock": _f(cmp["energy_ratio_at_stock"].sel(at)),
+                        "energy_ratio_equal_latency": _f(cmp["energy_ratio_equal_latency"].sel(at)),
+                        "energy_per_token_at_stock_j": _f(
+                            cmp["energy_per_token_at_stock_j"].sel(at)
+                        ),
+                    }
+                )
+    break_even = []
+    for drafter in cmp["drafter"].values:
+        if str(drafter) == baseline:
+            continue
+        for corpus in cmp["corpus"].values:
+            at = {"drafter": drafter, "corpus": corpus}
+            break_even.append(
+                {
+                    "drafter": str(drafter),
+                    "corpus": str(corpus),
+                    "equal_clock": _i(cmp["break_even_batch_equal_clock"].sel(at)),
+                    "equal_latency": _i(cmp["break_even_batch_equal_latency"].sel(at)),
+                }
+            )
+    acceptance = []
+    if "accept_length" in cmp:
+        for drafter in cmp["drafter"].values:
+            for corpus in cmp["corpus"].values:
+                value = _f(cmp["accept_length"].sel(drafter=drafter, corpus=corpus))
+                if value is not None:
+                    acceptance.append(
+                        {"drafter": str(drafter), "corpus": str(corpus), "accept_length": value}
+                    )
+    doc: dict[str, Any] = {
+        "schema": COMPARE_SCHEMA,
+        "campaign": cube.attrs.get("campaign_name"),
+        "gpu": cube.attrs.get("gpu_name"),
+        "baseline": baseline,
+        "latency": cmp.attrs["latency"],
+        "reference": {
+            "sm_clock_mhz": int(cmp.attrs["reference_sm_clock_mhz"]),
+            "power_limit_w": float(cmp.attrs["reference_power_limit_w"]),
+        },
+        "rows": rows,
+        "break_even_batch": break_even,
+        "acceptance": acceptance,
+    }
+    if roof is not None:
+        doc["roofline"] = {
+            "model": roof.attrs["model"],
+            "gpu_profile": roof.attrs["gpu_profile"],
+            "context_tokens": roof.attrs["context_tokens"],
+            "ridge_point": {
+                str(int(c)): _f(v)
+                for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
+            },
+            "verify": [
+                {
+                    "batch": int(b),
+                    "drafter": str(d),
+                    "verify_tokens": _i(roof["verify_tokens"].sel(batch=b, drafter=d)),
+                    "arithmetic_intensity": _f(
+                        roof["arithmetic_intensity"].sel(batch=b, drafter=d)
+                    ),
+                    "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
+                }
+                for b in roof["batch"].values
+                for d in roof["drafter"].values
+            ],
+        }
+    return doc
+
+
+def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
+    """The highest clock at which the verify pass is compute-bound (None: never, in this grid)."""
+    bound = roof["compute_bound"].sel(batch=batch, drafter=drafter)
+    clocks = roof["sm_clock"].values[bound.values]
+    return int(clocks.max()) if len(clocks) else None
+
+
+def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) triples for the terminal and Markdown renderings."""
+    base = doc["baseline"]
+    energy = (
+        f"Energy per token relative to {base!r} (below 1 saves energy)",
+        ["batch", "drafter", "corpus", "at stock clock", f"at equal latency ({doc['latency']})"],
+        [
+            [
+                str(r["batch"]),
+                r["drafter"],
+                r["corpus"],
+                _fmt(r["energy_ratio_at_stock"], ".2f"),
+                _fmt(r["energy_ratio_equal_latency"], ".2f", missing="too slow"),
+            ]
+            for r in doc["rows"]
+        ],
+    )
+    even = (
+        "Batch at which each drafter stops saving energy ('-': saves at every batch measured)",
+        ["drafter", "corpus", "equal clock", "equal latency"],
+        [
+            [r["drafter"], r["corpus"], _fmt(r["equal_clock"], "d"), _fmt(r["equal_latency"], "d")]
+            for r in doc["break_even_batch"]
+        ],
+    )
+    tables = [energy, even]
+    if doc["acceptance"]:
+        corpora = sorted({a["corpus"] for a in doc["acceptance"]})
+        drafters = list(dict.fromkeys(a["drafter"] for a in doc["acceptance"]))
+        lookup = {(a["drafter"], a["corpus"]): a["accept_length"] for a in doc["acceptance"]}
+        tables.append(
+            (
+                "Mean accept length (tokens per verify pass)",
+                ["drafter", *corpora],
+                [[d, *(_fmt(lookup.get((d, c)), ".2f") for c in corpora)] for d in drafters],
+            )
+        )
+    if "roofline" in doc:
+        roof = doc["roofline"]
+        tables.append(
+            (
+                f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "
+                f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
+                f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
+                ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
+                [
+                    [
+                        str(v["batch"]),
+                        v["drafter"],
+                        str(v["verify_tokens"]),
+                        _fmt(v["arithmetic_intensity"], ".0f"),
+                        "never"
+                        if v["compute_bound_below_mhz"] is None
+                        else f"{v['compute_bound_below_mhz']} MHz",
+                    ]
+                    for v in roof["verify"]
+                ],
+            )
+        )
+    return tables
+
+
+def compare_markdown(doc: dict[str, Any]) -> str:
+    parts = [
+        f"## Speculative decoding vs {doc['baseline']!r}: {doc['campaign']} ({doc['gpu']})",
+        "",
+    ]
+    for title, header, rows in compare_tables(doc):
+        parts += [f"### {title}", "", markdown_table(header, rows), ""]
+    return "\n".join(parts)

@@ -1,0 +1,79 @@
+"""Hand-built cubes for known-answer tests of the analyses (same schema as dvfs sweeps)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import xarray as xr
+
+from dvfs.cube import CELL_DIMS
+from dvfs.meter import QUANTILES
+
+
+def make_cube(
+    *,
+    clocks: list[int],
+    limits: list[float] | None = None,
+    batches: list[int] | None = None,
+    drafters: list[str] | None = None,
+    corpora: list[str] | None = None,
+    repeats: int = 1,
+    latency: Callable[..., float] | np.ndarray | None = None,
+    energy: Callable[..., float] | np.ndarray | None = None,
+    valid: Callable[..., bool] | None = None,
+    stock_clock: int | None = None,
+    stock_limit: float | None = None,
+) -> xr.Dataset:
+    """A cube whose TPOT/ITL/TTFT (all quantiles) and energy come from the given functions.
+
+    Functions take (sm_clock, power_limit, batch, drafter, corpus, repeat) and return a value;
+    NaN means a missing cell.
+    """
+    limits = limits or [700.0]
+    batches = batches or [1]
+    drafters = drafters or ["none"]
+    corpora = corpora or ["code"]
+    coords = {
+        "sm_clock": clocks,
+        "power_limit": limits,
+        "batch": batches,
+        "drafter": drafters,
+        "corpus": corpora,
+        "repeat": list(range(repeats)),
+    }
+    shape = tuple(len(coords[d]) for d in CELL_DIMS)
+
+    def fill(source) -> np.ndarray:
+        if isinstance(source, np.ndarray):
+            return source.reshape(shape).astype(float)
+        out = np.empty(shape)
+        for idx in np.ndindex(shape):
+            args = [coords[d][i] for d, i in zip(CELL_DIMS, idx, strict=True)]
+            out[idx] = source(*args)
+        return out
+
+    lat = fill(latency or (lambda *a: 10.0))
+    en = fill(energy or (lambda *a: 1.0))
+    ok = fill(valid or (lambda *a: True))
+    status = np.where(np.isnan(lat) | np.isnan(en), 0, 1).astype(np.int8)
+    ok = np.where(status == 1, ok, np.nan)
+    q = np.stack([lat] * len(QUANTILES), axis=-1)
+    ds = xr.Dataset(
+        {
+            "tpot_ms": ((*CELL_DIMS, "quantile"), q),
+            "itl_ms": ((*CELL_DIMS, "quantile"), q),
+            "ttft_ms": ((*CELL_DIMS, "quantile"), q * 10),
+            "energy_per_token_j": (CELL_DIMS, en),
+            "valid": (CELL_DIMS, ok),
+            "cell_status": (CELL_DIMS, status),
+            "accept_length": (CELL_DIMS, np.full(shape, np.nan)),
+        },
+        coords={**coords, "quantile": list(QUANTILES)},
+        attrs={
+            "dvfs_schema": 1,
+            "stock_sm_clock_mhz": stock_clock if stock_clock is not None else max(clocks),
+            "stock_power_limit_w": stock_limit if stock_limit is not None else max(limits),
+        },
+    )
+    return ds

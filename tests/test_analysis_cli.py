@@ -1,0 +1,122 @@
+"""`dvfs headroom`, `dvfs compare` and `dvfs plot` on a real (twin) sweep, through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dvfs.cli import cli
+
+
+def run(*args: str) -> object:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_headroom_json_document(small_sweep: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "headroom.json"
+    result = run("headroom", str(small_sweep), "--slack", "5%", "--json", "-o", str(saved))
+    doc = json.loads(result.output)
+    assert doc == json.loads(saved.read_text())
+    assert doc["schema"] == "dvfs.headroom/1"
+    assert doc["reference"] == {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True}
+    assert "Student-t upper bound over 2 paired repeat" in doc["bound"]
+    assert len(doc["rows"]) == 2 * 2 * 2  # batch x drafter x corpus
+    for row in doc["rows"]:
+        assert row["feasible"]
+        # Memory-bound decode on the twin keeps latency within 5% well below 1980 MHz.
+        assert row["chosen"]["sm_clock_mhz"] < 1980
+        assert row["headroom_mhz"] >= 1980 - row["chosen"]["sm_clock_mhz"] > 0
+        assert 0 < row["saving"] < 0.6
+        assert row["latency_ms"] <= row["target_ms"] * 1.0001
+
+
+def test_headroom_slo_and_filters(small_sweep: Path) -> None:
+    doc = json.loads(
+        run(
+            "headroom",
+            str(small_sweep),
+            "--slo",
+            "tpot_p90<=1ms",
+            "--json",
+            "--batch",
+            "8",
+            "--drafter",
+            "none",
+        ).output
+    )
+    assert [(r["batch"], r["drafter"]) for r in doc["rows"]] == [(8, "none"), (8, "none")]
+    assert not any(r["feasible"] for r in doc["rows"])  # nothing decodes in 1 ms per token
+    assert doc["target"]["mode"] == "slo" and doc["target"]["threshold"] == 1.0
+
+
+def test_headroom_table_and_markdown(small_sweep: Path) -> None:
+    table = run("headroom", str(small_sweep), "--vs-baseline").output
+    assert "DVFS headroom" in table and "eagle3" in table and "reference: 1980 MHz / 700 W" in table
+    markdown = run("headroom", str(small_sweep), "--markdown", "--corpus", "code").output
+    assert markdown.startswith("## DVFS headroom")
+    assert "| batch | drafter | corpus |" in markdown
+    assert markdown.count("| code |") == 4
+
+
+def test_headroom_usage_errors(small_sweep: Path) -> None:
+    both = CliRunner().invoke(
+        cli, ["headroom", str(small_sweep), "--vs-baseline", "--slo", "tpot_p50<=5ms"]
+    )
+    assert both.exit_code == 2 and "choose one of" in both.output
+    bad = CliRunner().invoke(cli, ["headroom", str(small_sweep), "--slo", "fast please"])
+    assert bad.exit_code == 1 and "cannot read SLO" in bad.output
+    missing = CliRunner().invoke(cli, ["headroom", str(small_sweep / "nope.nc")])
+    assert missing.exit_code == 1 and "no cube at" in missing.output
+
+
+def test_compare_json_and_markdown(small_sweep: Path) -> None:
+    doc = json.loads(run("compare", str(small_sweep), "--json").output)
+    assert doc["schema"] == "dvfs.compare/1" and doc["baseline"] == "none"
+    rows = {(r["batch"], r["corpus"]): r for r in doc["rows"]}
+    assert set(rows) == {(1, "code"), (8, "code"), (1, "conversation"), (8, "conversation")}
+    assert all(r["energy_ratio_at_stock"] < 1 for r in rows.values())  # EAGLE-3 saves at b<=8
+    accept = {
+        a["corpus"]: a["accept_length"] for a in doc["acceptance"] if a["drafter"] == "eagle3"
+    }
+    assert accept["code"] > accept["conversation"] > 1  # priors: code accepts more
+    assert doc["roofline"]["model"] == "llama-3.1-8b"
+    markdown = run("compare", str(small_sweep), "--markdown").output
+    assert "### Mean accept length" in markdown and "### Verify pass vs ridge point" in markdown
+
+
+def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "plots"
+    files = run("plot", str(small_sweep), "--out", str(out)).output.split()
+    names = sorted(Path(f).name for f in files)
+    assert names == sorted(
+        [
+            "energy_vs_clock_code.png",
+            "energy_vs_clock_conversation.png",
+            "pareto_code.png",
+            "pareto_conversation.png",
+            "acceptance.png",
+            "headroom.png",
+            "timelines.png",
+        ]
+    )
+    for f in files:
+        data = Path(f).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    svg = run("plot", str(small_sweep), "--out", str(tmp_path / "svg"), "--format", "svg").output
+    assert all(f.endswith(".svg") for f in svg.split())
+
+
+def test_python_api(small_sweep: Path) -> None:
+    import dvfs
+
+    ds = dvfs.open_cube(str(small_sweep / "cube.nc"))
+    assert ds.dvfs.stock == {"sm_clock": 1980, "power_limit": 700.0, "is_stock": True}
+    hr = ds.dvfs.headroom(slack=0.05)
+    assert bool(hr["feasible"].all())
+    assert "energy_ratio_equal_latency" in ds.dvfs.compare()
+    vs = ds.dvfs.headroom(mode="vs-baseline")
+    assert float(vs["chosen_sm_clock"].sel(batch=1, drafter="eagle3", corpus="code")) < 1980

@@ -1,0 +1,140 @@
+"""Known answers for the speculation comparison and the roofline annotation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from cubes import make_cube
+
+from dvfs.analysis.compare import compare
+from dvfs.analysis.roofline import roofline
+from dvfs.errors import AnalysisError
+from dvfs.twin.profiles import gpu_profile
+
+CLOCKS = [1000, 2000]
+BATCHES = [1, 8, 64]
+# Energy per token at (drafter, batch, clock). EAGLE-3 saves at small batch and loses at 64.
+ENERGY = {
+    ("none", 1, 2000): 1.0,
+    ("none", 8, 2000): 0.2,
+    ("none", 64, 2000): 0.04,
+    ("none", 1, 1000): 0.8,
+    ("none", 8, 1000): 0.16,
+    ("none", 64, 1000): 0.035,
+    ("eagle3", 1, 2000): 0.4,
+    ("eagle3", 8, 2000): 0.15,
+    ("eagle3", 64, 2000): 0.05,
+    ("eagle3", 1, 1000): 0.3,
+    ("eagle3", 8, 1000): 0.10,
+    ("eagle3", 64, 1000): 0.06,
+}
+# TPOT: none 10 ms at stock, 12 ms at 1000 MHz; EAGLE-3 4 / 6 ms at small batch, 9 / 15 at 64.
+LATENCY = {
+    ("none", 2000): 10.0,
+    ("none", 1000): 12.0,
+    ("eagle3", 2000): 4.0,
+    ("eagle3", 1000): 6.0,
+}
+
+
+def cube():
+    def latency(c, p, b, d, *_):
+        if d == "eagle3" and b == 64:
+            return {2000: 9.0, 1000: 15.0}[c]
+        return LATENCY[(d, c)]
+
+    return make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        latency=latency,
+        energy=lambda c, p, b, d, *_: ENERGY[(d, b, c)],
+    )
+
+
+def test_equal_clock_and_equal_latency_ratios() -> None:
+    result = compare(cube())
+    at = result.sel(drafter="eagle3", corpus="code")
+    np.testing.assert_allclose(at["energy_ratio_at_stock"].values, [0.4, 0.75, 1.25])
+    # Equal latency: EAGLE-3 may drop to 1000 MHz (6 ms <= none's 10 ms); none stays at stock.
+    np.testing.assert_allclose(
+        at["energy_ratio_equal_latency"].sel(batch=[1, 8]).values, [0.3 / 1.0, 0.10 / 0.2]
+    )
+    # At batch 64 EAGLE-3 is still faster at stock (9 ms) but only stock qualifies: 0.05 / 0.04.
+    assert float(at["energy_ratio_equal_latency"].sel(batch=64)) == pytest.approx(1.25)
+
+
+def test_break_even_batch() -> None:
+    result = compare(cube())
+    at = result.sel(drafter="eagle3", corpus="code")
+    assert int(at["break_even_batch_equal_clock"]) == 64
+    assert int(at["break_even_batch_equal_latency"]) == 64
+    never = compare(
+        make_cube(
+            clocks=CLOCKS,
+            batches=BATCHES,
+            drafters=["none", "eagle3"],
+            energy=lambda c, p, b, d, *_: 0.5 if d == "eagle3" else 1.0,
+        )
+    )
+    assert math.isnan(
+        float(never.sel(drafter="eagle3", corpus="code")["break_even_batch_equal_clock"])
+    )
+
+
+def test_compare_needs_the_baseline() -> None:
+    with pytest.raises(AnalysisError, match="baseline drafter 'none' is not in the cube"):
+        compare(make_cube(clocks=CLOCKS, drafters=["eagle3"]))
+
+
+def roofline_cube(width: int):
+    ds = make_cube(clocks=[705, 1005, 1500, 1980], batches=[1, 16, 64], drafters=["none", "eagle3"])
+    ds.attrs.update(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        gpu_name="NVIDIA H100 80GB HBM3",
+        tp_size=1,
+        server_args=json.dumps(
+            {
+                "none": {"args": {"speculative_algorithm": None}},
+                "eagle3": {
+                    "args": {
+                        "speculative_algorithm": "EAGLE3",
+                        "speculative_num_draft_tokens": width,
+                    }
+                },
+            }
+        ),
+        campaign=json.dumps({"workload": {"input_tokens": [64, 64], "output_tokens": 64}}),
+    )
+    return ds
+
+
+def test_roofline_marks_where_verification_turns_compute_bound() -> None:
+    roof = roofline(roofline_cube(8))
+    h100 = gpu_profile("h100-sxm")
+    np.testing.assert_allclose(
+        roof["ridge_point"].values, [h100.ridge_point(c) for c in (705, 1005, 1500, 1980)]
+    )
+    assert roof.attrs["context_tokens"] == 96
+    ai = roof["arithmetic_intensity"]
+    # Decode without speculation reads all weights for B tokens: intensity ~ B FLOP/byte.
+    assert float(ai.sel(batch=1, drafter="none")) == pytest.approx(1.0, rel=0.05)
+    assert float(ai.sel(batch=64, drafter="eagle3")) > float(ai.sel(batch=64, drafter="none"))
+    assert int(roof["verify_tokens"].sel(batch=64, drafter="eagle3")) == 512
+    bound = roof["compute_bound"]
+    assert not bound.sel(drafter="none").any()
+    # 512 verified tokens at batch 64 exceed the ridge at every clock; at batch 16 (128 tokens)
+    # only at low clocks, where the ridge point has fallen.
+    assert bound.sel(batch=64, drafter="eagle3").all()
+    low = bound.sel(batch=16, drafter="eagle3")
+    assert bool(low.sel(sm_clock=705)) and not bool(low.sel(sm_clock=1980))
+
+
+def test_roofline_needs_a_known_model() -> None:
+    ds = roofline_cube(8)
+    ds.attrs["model"] = "acme/unknown-model"
+    with pytest.raises(AnalysisError, match="twin_model"):
+        roofline(ds)
