@@ -1,0 +1,439 @@
+"""Production caps: from a headroom decision to per-GPU clock locks and power limits.
+
+A caps file (TOML) names GPUs by UUID (or, for a fleet, by model name) with an SM-clock cap
+and/or a power limit. `plan_caps` writes one from `dvfs headroom --json`; `apply_caps` puts it
+on the GPUs and records what it applied in the state directory, because NVML cannot read a
+clock lock back: the record is how `cap show` and a later sweep know a lock is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dvfs.errors import CapsError, GpuError, GpuPermissionError
+from dvfs.gpu.base import Gpu
+
+CAPS_SCHEMA = 1
+APPLIED_NAME = "caps-applied.json"
+
+
+@dataclass(frozen=True)
+class GpuCap:
+    """Caps for one GPU (uuid) or every GPU of a model (name); None leaves a knob at stock."""
+
+    uuid: str | None = None
+    name: str | None = None
+    sm_clock_max_mhz: int | None = None
+    sm_clock_min_mhz: int | None = None
+    power_limit_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.uuid is None) == (self.name is None):
+            raise CapsError("each cap names exactly one of uuid (one GPU) or name (a GPU model)")
+        if self.sm_clock_max_mhz is None and self.power_limit_w is None:
+            raise CapsError(
+                f"cap for {self.uuid or self.name} sets neither a clock nor a power limit"
+            )
+        if self.sm_clock_min_mhz is not None and self.sm_clock_max_mhz is None:
+            raise CapsError(
+                f"cap for {self.uuid or self.name}: sm_clock_min_mhz needs sm_clock_max_mhz"
+            )
+        if (
+            self.sm_clock_min_mhz is not None
+            and self.sm_clock_max_mhz is not None
+            and self.sm_clock_min_mhz > self.sm_clock_max_mhz
+        ):
+            raise CapsError(
+                f"cap for {self.uuid or self.name}: sm_clock_min_mhz is above sm_clock_max_mhz"
+            )
+
+
+@dataclass(frozen=True)
+class CapsFile:
+    caps: tuple[GpuCap, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def for_gpu(self, uuid: str, name: str) -> GpuCap | None:
+        """A GPU's own entry, else its model's entry."""
+        for cap in self.caps:
+            if cap.uuid == uuid:
+                return cap
+        for cap in self.caps:
+            if cap.name is not None and cap.name == name:
+                return cap
+        return None
+
+
+# -- reading and writing --------------------------------------------------------------------
+
+
+def _check_file_safety(path: Path) -> None:
+    """As root, a caps file anyone can write would let anyone set GPU caps: refuse it."""
+    if os.geteuid() != 0:
+        return
+    info = path.stat()
+    if info.st_mode & stat.S_IWOTH:
+        raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
+    if info.st_uid != 0:
+        raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
+
+
+def _int_or_none(table: dict[str, Any], key: str, where: str) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CapsError(f"{where}: {key} must be a positive integer (MHz), got {value!r}")
+    return value
+
+
+def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
+    allowed_top = {"dvfs_caps", "meta", "gpu", "model"}
+    unknown = sorted(set(data) - allowed_top)
+    if unknown:
+        raise CapsError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(sorted(allowed_top))}"
+        )
+    version = data.get("dvfs_caps", CAPS_SCHEMA)
+    if version != CAPS_SCHEMA:
+        raise CapsError(f"{where}: caps schema {version} is not {CAPS_SCHEMA}")
+    caps = []
+    for kind in ("gpu", "model"):
+        entries = data.get(kind, [])
+        if not isinstance(entries, list):
+            raise CapsError(f"{where}: [[{kind}]] must be an array of tables")
+        for i, entry in enumerate(entries):
+            here = f"{where}: [[{kind}]] #{i + 1}"
+            key = "uuid" if kind == "gpu" else "name"
+            allowed = {key, "sm_clock_max_mhz", "sm_clock_min_mhz", "power_limit_w", "comment"}
+            extra = sorted(set(entry) - allowed)
+            if extra:
+                raise CapsError(
+                    f"{here}: unknown key(s) {', '.join(extra)}; allowed: "
+                    f"{', '.join(sorted(allowed))}"
+                )
+            ident = entry.get(key)
+            if not isinstance(ident, str) or not ident:
+                raise CapsError(f"{here}: needs a {key} string")
+            if kind == "gpu" and not ident.startswith("GPU-"):
+                raise CapsError(
+                    f"{here}: {ident!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
+                )
+            power = entry.get("power_limit_w")
+            if power is not None and (
+                isinstance(power, bool) or not isinstance(power, int | float) or power <= 0
+            ):
+                raise CapsError(f"{here}: power_limit_w must be a positive number, got {power!r}")
+            try:
+                caps.append(
+                    GpuCap(
+                        uuid=ident if kind == "gpu" else None,
+                        name=ident if kind == "model" else None,
+                        sm_clock_max_mhz=_int_or_none(entry, "sm_clock_max_mhz", here),
+                        sm_clock_min_mhz=_int_or_none(entry, "sm_clock_min_mhz", here),
+                        power_limit_w=None if power is None else float(power),
+                    )
+                )
+            except CapsError as exc:
+                raise CapsError(f"{here}: {exc}") from exc
+    if not caps:
+        raise CapsError(f"{where}: no [[gpu]] or [[model]] entries")
+    uuids = [c.uuid for c in caps if c.uuid]
+    if len(set(uuids)) != len(uuids):
+        raise CapsError(f"{where}: a GPU UUID appears twice")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise CapsError(f"{where}: [meta] must be a table")
+    return CapsFile(tuple(caps), meta)
+
+
+def load_caps(path: str | Path) -> CapsFile:
+    path = Path(path)
+    if not path.exists():
+        raise CapsError(f"caps file {path} does not exist")
+    _check_file_safety(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_caps(data, where=str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))
+
+
+def dump_caps(caps: CapsFile) -> str:
+    lines = [
+        "# GPU caps written by `dvfs cap plan`; apply with `dvfs cap apply FILE`",
+        "# (or at boot through systemd/dvfs-caps.service).",
+        f"dvfs_caps = {CAPS_SCHEMA}",
+        "",
+        "[meta]",
+    ]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in caps.meta.items() if v is not None]
+    for cap in caps.caps:
+        lines += ["", "[[gpu]]" if cap.uuid else "[[model]]"]
+        lines.append(
+            f"uuid = {json.dumps(cap.uuid)}" if cap.uuid else f"name = {json.dumps(cap.name)}"
+        )
+        if cap.sm_clock_max_mhz is not None:
+            lines.append(f"sm_clock_max_mhz = {cap.sm_clock_max_mhz}")
+        if cap.sm_clock_min_mhz is not None:
+            lines.append(f"sm_clock_min_mhz = {cap.sm_clock_min_mhz}")
+        if cap.power_limit_w is not None:
+            lines.append(f"power_limit_w = {cap.power_limit_w:g}")
+    return "\n".join(lines) + "\n"
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+def plan_caps(
+    doc: dict[str, Any],
+    *,
+    batch: int,
+    drafter: str,
+    corpus: str,
+    uuids: Sequence[str] = (),
+    model_name: str | None = None,
+) -> CapsFile:
+    """Caps from a `dvfs.headroom/1` document and the operator's choice.
+
+    corpus may be "worst-case": for each knob the least aggressive choice among the corpora
+    (highest clock, highest power limit), which keeps every corpus within its target as long
+    as latency does not rise when a knob goes up. A knob left at stock is not capped.
+    """
+    if doc.get("schema") != "dvfs.headroom/1":
+        raise CapsError("the input is not `dvfs headroom --json` output (schema dvfs.headroom/1)")
+    rows = [r for r in doc["rows"] if r["batch"] == batch and r["drafter"] == drafter]
+    if not rows:
+        batches = sorted({r["batch"] for r in doc["rows"]})
+        drafters = sorted({r["drafter"] for r in doc["rows"]})
+        raise CapsError(
+            f"no headroom rows for batch {batch} and drafter {drafter!r}; the document "
+            f"has batches {batches} and drafters {drafters}"
+        )
+    if corpus != "worst-case":
+        rows = [r for r in rows if r["corpus"] == corpus]
+        if not rows:
+            raise CapsError(
+                f"no headroom rows for corpus {corpus!r}; use one of "
+                f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
+            )
+    per_gpu: dict[str | None, list[dict[str, Any]]] = {}
+    for r in rows:
+        per_gpu.setdefault(r.get("gpu"), []).append(r)
+    ref = doc["reference"]
+    caps = []
+    for gpu_uuid, group in per_gpu.items():
+        infeasible = [r["corpus"] for r in group if not r["feasible"]]
+        if infeasible:
+            raise CapsError(
+                f"no setting meets the target for corpus {', '.join(infeasible)} at batch {batch} "
+                f"with drafter {drafter!r}{f' on {gpu_uuid}' if gpu_uuid else ''}; loosen the "
+                "target (--slack) or choose another batch or drafter"
+            )
+        clock = max(r["chosen"]["sm_clock_mhz"] for r in group)
+        limit = max(r["chosen"]["power_limit_w"] for r in group)
+        clock_cap = None if clock >= ref["sm_clock_mhz"] else int(clock)
+        limit_cap = None if limit >= ref["power_limit_w"] else float(limit)
+        if clock_cap is None and limit_cap is None:
+            raise CapsError(
+                f"the chosen setting is stock ({ref['sm_clock_mhz']} MHz, "
+                f"{ref['power_limit_w']:g} W)"
+                f" for batch {batch}, drafter {drafter!r}, corpus {corpus}: nothing to cap"
+            )
+        targets = [gpu_uuid] if gpu_uuid else list(uuids) or list(doc["gpu"]["uuids"])
+        if model_name:
+            caps.append(
+                GpuCap(name=model_name, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap)
+            )
+        else:
+            if not targets:
+                raise CapsError("no GPU UUIDs: pass --gpu UUID (repeatable) or --model NAME")
+            caps += [
+                GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
+            ]
+    meta = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "campaign": doc.get("campaign"),
+        "measured_on": doc["gpu"].get("name"),
+        "target": doc["target"]["description"],
+        "batch": batch,
+        "drafter": drafter,
+        "corpus": corpus,
+    }
+    return CapsFile(tuple(caps), meta)
+
+
+# -- applying -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CapAction:
+    """What applying a caps file does to one GPU."""
+
+    index: int
+    uuid: str
+    lock_mhz: tuple[int, int] | None
+    power_limit_mw: int | None
+    current_power_limit_mw: int
+
+    def describe(self) -> str:
+        parts = []
+        if self.lock_mhz:
+            parts.append(f"lock SM clock to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
+        if self.power_limit_mw is not None:
+            change = (
+                "unchanged"
+                if self.power_limit_mw == self.current_power_limit_mw
+                else f"from {self.current_power_limit_mw / 1000:g} W"
+            )
+            parts.append(f"power limit {self.power_limit_mw / 1000:g} W ({change})")
+        return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
+
+
+class AppliedCaps:
+    """dvfs's record of the caps it applied (NVML cannot read a clock lock back)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / APPLIED_NAME
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        if not self.path.exists():
+            return {}
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise CapsError(f"{self.path} is unreadable ({exc}); remove it and re-apply") from exc
+
+    def locks(self) -> dict[str, tuple[int, int]]:
+        return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
+
+    def write(self, records: dict[str, dict[str, Any]]) -> None:
+        from dvfs.gpu.safety import _ensure_dir, _write_json_atomic
+
+        if not records:
+            if self.path.exists():
+                self.path.unlink()
+            return
+        _ensure_dir(self.path.parent)
+        _write_json_atomic(self.path, records)
+
+
+def plan_actions(caps: CapsFile, gpus: Sequence[Gpu], *, strict: bool = True) -> list[CapAction]:
+    """Validate caps against each GPU's supported clocks and power range, without writing."""
+    actions = []
+    matched: set[int] = set()
+    for gpu in gpus:
+        ident = gpu.identity
+        cap = caps.for_gpu(ident.uuid, ident.name)
+        if cap is None:
+            continue
+        matched.add(id(cap))
+        lock = None
+        if cap.sm_clock_max_mhz is not None:
+            supported = gpu.supported_sm_clocks_mhz()
+            low = cap.sm_clock_min_mhz if cap.sm_clock_min_mhz is not None else min(supported)
+            for mhz in (low, cap.sm_clock_max_mhz):
+                if mhz not in supported:
+                    nearest = sorted(supported, key=lambda c: abs(c - mhz))[:2]
+                    raise CapsError(
+                        f"GPU {ident.index}: {mhz} MHz is not a supported SM clock "
+                        f"(nearest {', '.join(map(str, sorted(nearest)))})"
+                    )
+            lock = (low, cap.sm_clock_max_mhz)
+        limit = None
+        if cap.power_limit_w is not None:
+            limit = round(cap.power_limit_w * 1000)
+            allowed = gpu.power_limit_range()
+            if not allowed.min_mw <= limit <= allowed.max_mw:
+                raise CapsError(
+                    f"GPU {ident.index}: power limit {cap.power_limit_w:g} W is outside "
+                    f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
+                )
+        actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
+    missing = [c.uuid for c in caps.caps if c.uuid and id(c) not in matched]
+    if missing and strict:
+        raise CapsError(
+            f"GPU(s) {', '.join(missing)} in the caps file are not on this machine "
+            "(`dvfs gpu list`); use --skip-missing to apply the rest"
+        )
+    return actions
+
+
+def _gather(failures: list[str], needs_root: bool, verb: str) -> None:
+    """One error for every GPU that failed; a permission problem sets the exit code."""
+    if failures:
+        cls = GpuPermissionError if needs_root else GpuError
+        raise cls(f"could not {verb} caps: " + "; ".join(failures))
+
+
+def apply_actions(
+    actions: Sequence[CapAction], gpus: Sequence[Gpu], record: AppliedCaps, source: str
+) -> None:
+    """Write the caps, recording each applied GPU; failures are gathered and reported together."""
+    by_uuid = {g.identity.uuid: g for g in gpus}
+    applied = record.read()
+    failures: list[str] = []
+    needs_root = False
+    for action in actions:
+        gpu = by_uuid[action.uuid]
+        try:
+            if action.lock_mhz is not None:
+                gpu.lock_sm_clock(*action.lock_mhz)
+            if action.power_limit_mw is not None and action.power_limit_mw != gpu.power_limit_mw():
+                gpu.set_power_limit_mw(action.power_limit_mw)
+            applied[action.uuid] = {
+                "lock_mhz": list(action.lock_mhz) if action.lock_mhz else None,
+                "power_limit_mw": action.power_limit_mw,
+                "source": source,
+                "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        except GpuError as exc:
+            needs_root |= isinstance(exc, GpuPermissionError)
+            failures.append(str(exc))
+    record.write(applied)
+    _gather(failures, needs_root, "apply")
+
+
+def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
+    """Unlock clocks and restore default power limits; returns what was done per GPU."""
+    applied = record.read()
+    failures: list[str] = []
+    done = []
+    needs_root = False
+    for gpu in gpus:
+        ident = gpu.identity
+        try:
+            gpu.reset_sm_clock()
+            default = gpu.power_limit_range().default_mw
+            if gpu.power_limit_mw() != default:
+                gpu.set_power_limit_mw(default)
+            applied.pop(ident.uuid, None)
+            done.append(
+                f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
+                f"{default / 1000:g} W (default)"
+            )
+        except GpuError as exc:
+            needs_root |= isinstance(exc, GpuPermissionError)
+            failures.append(str(exc))
+    record.write(applied)
+    _gather(failures, needs_root, "reset")
+    return done

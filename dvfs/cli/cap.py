@@ -1,0 +1,166 @@
+"""`dvfs cap`: production caps from a headroom decision, applied, shown and reset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.gpu import open_cli_gpus
+
+state_dir_option = click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs records applied caps "
+    "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
+)
+
+
+@click.group()
+def cap() -> None:
+    """Put latency-preserving caps on a fleet: plan, apply, show, reset."""
+
+
+@cap.command("plan")
+@click.argument("headroom_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--batch", type=int, required=True, help="The batch size production runs at.")
+@click.option("--drafter", required=True, help="The drafter production serves with.")
+@click.option(
+    "--corpus",
+    default="worst-case",
+    show_default=True,
+    help="The corpus production serves, or worst-case across all measured corpora.",
+)
+@click.option(
+    "--gpu", "uuids", multiple=True, help="GPU UUIDs to cap [default: the measured GPUs]."
+)
+@click.option("--model", "model_name", help="Cap every GPU with this NVML name instead (a fleet).")
+@click.option(
+    "-o",
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the caps file here [default: print it].",
+)
+@handle_errors
+def plan(
+    headroom_json: Path,
+    batch: int,
+    drafter: str,
+    corpus: str,
+    uuids: tuple[str, ...],
+    model_name: str | None,
+    out_path: Path | None,
+) -> None:
+    """Turn `dvfs headroom --json` output and your choice into a caps file."""
+    from dvfs.caps import dump_caps, plan_caps
+    from dvfs.errors import CapsError
+
+    try:
+        doc = json.loads(headroom_json.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CapsError(f"{headroom_json} is not JSON: {exc}") from exc
+    caps = plan_caps(
+        doc, batch=batch, drafter=drafter, corpus=corpus, uuids=uuids, model_name=model_name
+    )
+    text = dump_caps(caps)
+    if out_path is None:
+        click.echo(text, nl=False)
+        return
+    out_path.write_text(text, encoding="utf-8")
+    console(stderr=True).print(
+        f"wrote {out_path}; check it with `dvfs cap apply {out_path} --dry-run`"
+    )
+
+
+@cap.command("apply")
+@click.argument("caps_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Print what would change; change nothing.")
+@click.option("--skip-missing", is_flag=True, help="Apply to the GPUs present; skip the others.")
+@state_dir_option
+@handle_errors
+def apply(caps_file: Path, dry_run: bool, skip_missing: bool, state_dir: Path | None) -> None:
+    """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID (needs root)."""
+    from dvfs.caps import AppliedCaps, apply_actions, load_caps, plan_actions
+    from dvfs.gpu.safety import GpuLocks, default_state_dir
+
+    caps = load_caps(caps_file)
+    directory = state_dir or default_state_dir()
+    out = console()
+    with open_cli_gpus((), None) as gpus:
+        actions = plan_actions(caps, gpus, strict=not skip_missing)
+        if not actions:
+            out.print("No GPU on this machine matches the caps file.")
+            return
+        for action in actions:
+            click.echo(("dry run, nothing changed: " if dry_run else "") + action.describe())
+        if dry_run:
+            return
+        targets = [g for g in gpus if g.identity.uuid in {a.uuid for a in actions}]
+        with GpuLocks(directory).hold(targets):
+            apply_actions(actions, targets, AppliedCaps(directory), str(caps_file.resolve()))
+    out.print(f"applied caps to {len(actions)} GPU(s)")
+
+
+@cap.command("show")
+@click.option("--json", "as_json", is_flag=True)
+@state_dir_option
+@handle_errors
+def show(as_json: bool, state_dir: Path | None) -> None:
+    """What is enforced now: power limits (read from NVML), and clock locks dvfs applied."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.safety import default_state_dir
+
+    applied = AppliedCaps(state_dir or default_state_dir()).read()
+    rows = []
+    with open_cli_gpus((), None, allow_mig=True) as gpus:
+        for g in gpus:
+            ident = g.identity
+            record = applied.get(ident.uuid, {})
+            limits = g.power_limit_range()
+            rows.append(
+                {
+                    "index": ident.index,
+                    "uuid": ident.uuid,
+                    "name": ident.name,
+                    "enforced_power_limit_w": g.power_limit_mw() / 1000,
+                    "default_power_limit_w": limits.default_mw / 1000,
+                    "sm_clock_lock_mhz": record.get("lock_mhz"),
+                    "sm_clock_mhz": g.sm_clock_mhz(),
+                    "caps_source": record.get("source"),
+                    "applied": record.get("applied"),
+                }
+            )
+    if as_json:
+        echo_json(rows)
+        return
+    out = console()
+    for r in rows:
+        lock = (
+            f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz (dvfs record)"
+            if r["sm_clock_lock_mhz"]
+            else "no dvfs clock lock"
+        )
+        source = f", from {r['caps_source']} at {r['applied']}" if r["caps_source"] else ""
+        out.print(
+            f"GPU {r['index']} ({r['uuid']}): power limit {r['enforced_power_limit_w']:g} W "
+            f"(default {r['default_power_limit_w']:g} W), {lock}, SM clock now "
+            f"{r['sm_clock_mhz']} MHz{source}"
+        )
+
+
+@cap.command("reset")
+@click.argument("devices", nargs=-1)
+@state_dir_option
+@handle_errors
+def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
+    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none)."""
+    from dvfs.caps import AppliedCaps, reset_caps
+    from dvfs.gpu.safety import GpuLocks, default_state_dir
+
+    directory = state_dir or default_state_dir()
+    with open_cli_gpus(devices, None) as gpus, GpuLocks(directory).hold(gpus):
+        for line in reset_caps(gpus, AppliedCaps(directory)):
+            console().print(line)

@@ -1,0 +1,45 @@
+"""`dvfs doctor`: preflight a campaign without changing anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dvfs.cli.common import console, echo_json, handle_errors
+
+
+@click.command()
+@click.argument("campaign_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The sweep's output folder (for the disk check) [default: out/<name>].",
+)
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
+    """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
+    limits in range, unrestored state, engine, corpora, free disk. Exits 1 on any failure."""
+    import sys
+
+    from dvfs.campaign import load_campaign
+    from dvfs.doctor import FAIL, WARN, check_campaign
+
+    campaign = load_campaign(campaign_file)
+    checks = check_campaign(campaign, out_dir or Path("out") / campaign.name)
+    if as_json:
+        echo_json([c.__dict__ for c in checks])
+    else:
+        out = console()
+        marks = {
+            "ok": "[green]ok  [/green]",
+            WARN: "[yellow]warn[/yellow]",
+            FAIL: "[red]FAIL[/red]",
+        }
+        for c in checks:
+            out.print(f"{marks[c.status]} {c.name}: {c.detail}")
+    if any(c.status == FAIL for c in checks):
+        sys.exit(1)

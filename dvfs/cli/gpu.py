@@ -1,0 +1,256 @@
+"""`dvfs gpu`: list and inspect GPUs (read-only), and restore settings after a crash."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dvfs.cli.common import console, echo_json, handle_errors
+
+
+def parse_devices(devices: tuple[str, ...]) -> list[int | str]:
+    return [int(d) if d.isdigit() else d for d in devices]
+
+
+@contextlib.contextmanager
+def open_cli_gpus(
+    devices: tuple[str, ...],
+    twin: str | None,
+    *,
+    allow_mig: bool = False,
+    all_if_empty: bool = True,
+) -> Iterator[list[Any]]:
+    """GPUs named on the command line (all when none are named), real or twin."""
+    if twin:
+        from dvfs.clock import VirtualClock
+        from dvfs.gpu.twin import TwinGpu
+        from dvfs.twin.device import TwinDevice
+        from dvfs.twin.profiles import gpu_profile
+
+        profile = gpu_profile(twin)
+        clock = VirtualClock()
+        indices = [int(d) for d in parse_devices(devices)] if devices else [0]
+        yield [TwinGpu(TwinDevice(profile, clock, i)) for i in indices]
+        return
+    from dvfs.gpu.nvml import device_count, nvml_session, open_device
+
+    with nvml_session() as nvml:
+        wanted = (
+            parse_devices(devices)
+            if devices
+            else (list(range(device_count(nvml))) if all_if_empty else [])
+        )
+        yield [open_device(nvml, d, allow_mig=allow_mig) for d in wanted]
+
+
+twin_option = click.option(
+    "--twin",
+    metavar="PROFILE",
+    help="Show the digital twin's GPU (h100-sxm, h200-sxm) instead of NVML.",
+)
+
+
+@click.group()
+def gpu() -> None:
+    """List and inspect GPUs; restore settings a crashed run left behind."""
+
+
+@gpu.command("list")
+@twin_option
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def list_gpus(twin: str | None, as_json: bool) -> None:
+    """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    rows = []
+    with open_cli_gpus((), twin, allow_mig=True) as gpus:
+        for g in gpus:
+            ident = g.identity
+            mig = getattr(g, "mig_enabled", lambda: False)()
+            rows.append(
+                {
+                    "index": ident.index,
+                    "uuid": ident.uuid,
+                    "name": ident.name,
+                    "driver": ident.driver_version,
+                    "power_limit_w": g.power_limit_mw() / 1000,
+                    "sm_clock_mhz": g.sm_clock_mhz(),
+                    "mig": mig,
+                }
+            )
+    if as_json:
+        echo_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("index", "uuid", "name", "driver", "power limit", "SM clock", "MIG"):
+        table.add_column(col, no_wrap=col == "uuid", overflow="fold")
+    for r in rows:
+        table.add_row(
+            str(r["index"]),
+            r["uuid"],
+            r["name"],
+            r["driver"],
+            f"{r['power_limit_w']:g} W",
+            f"{r['sm_clock_mhz']} MHz",
+            "on (refused)" if r["mig"] else "off",
+        )
+    console().print(table)
+
+
+def _info_dict(g: Any) -> dict[str, Any]:
+    from dvfs.gpu.base import describe_events
+
+    if hasattr(g, "info"):
+        info = g.info()
+        limits = info.power_limits
+        return {
+            "index": info.identity.index,
+            "uuid": info.identity.uuid,
+            "name": info.identity.name,
+            "driver": info.identity.driver_version,
+            "architecture": info.architecture,
+            "memory_clock_mhz": info.identity.memory_clock_mhz,
+            "supported_sm_clocks_mhz": {
+                "max": max(info.supported_sm_clocks_mhz),
+                "min": min(info.supported_sm_clocks_mhz),
+                "count": len(info.supported_sm_clocks_mhz),
+                "values": list(info.supported_sm_clocks_mhz),
+            },
+            "power_limit_w": {
+                "min": limits.min_mw / 1000,
+                "max": limits.max_mw / 1000,
+                "default": limits.default_mw / 1000,
+                "current": info.power_limit_mw / 1000,
+                "enforced": info.enforced_power_limit_mw / 1000,
+            },
+            "persistence_mode": info.persistence_mode,
+            "energy_counter": info.energy_counter,
+            "sm_clock_mhz": info.sm_clock_mhz,
+            "power_w": None if info.power_mw is None else info.power_mw / 1000,
+            "temperature_c": info.temperature_c,
+            "event_reasons": describe_events(info.event_reasons or 0),
+            "mig": info.mig,
+            "memory_total_gib": None
+            if info.memory_total_bytes is None
+            else round(info.memory_total_bytes / 2**30, 1),
+        }
+    ident = g.identity
+    limits = g.power_limit_range()
+    clocks = g.supported_sm_clocks_mhz()
+    return {
+        "index": ident.index,
+        "uuid": ident.uuid,
+        "name": ident.name,
+        "driver": ident.driver_version,
+        "memory_clock_mhz": ident.memory_clock_mhz,
+        "supported_sm_clocks_mhz": {
+            "max": max(clocks),
+            "min": min(clocks),
+            "count": len(clocks),
+            "values": list(clocks),
+        },
+        "power_limit_w": {
+            "min": limits.min_mw / 1000,
+            "max": limits.max_mw / 1000,
+            "default": limits.default_mw / 1000,
+            "current": g.power_limit_mw() / 1000,
+            "enforced": g.power_limit_mw() / 1000,
+        },
+        "persistence_mode": None,
+        "energy_counter": True,
+        "sm_clock_mhz": g.sm_clock_mhz(),
+        "power_w": g.power_mw() / 1000,
+        "temperature_c": g.temperature_c(),
+        "event_reasons": describe_events(g.clock_event_reasons()),
+        "mig": False,
+    }
+
+
+@gpu.command("info")
+@click.argument("devices", nargs=-1)
+@twin_option
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
+    """Supported clocks, power-limit range, current and enforced settings, persistence,
+    energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none)."""
+    with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
+        infos = [_info_dict(g) for g in gpus]
+    if as_json:
+        echo_json(infos)
+        return
+    out = console()
+    for i in infos:
+        c, p = i["supported_sm_clocks_mhz"], i["power_limit_w"]
+        out.print(f"[bold]GPU {i['index']}[/bold] {i['name']} ({i['uuid']}), driver {i['driver']}")
+        out.print(
+            f"  SM clocks: {c['count']} supported, {c['min']}-{c['max']} MHz; "
+            f"now {i['sm_clock_mhz']} MHz;"
+            f" memory clock {i['memory_clock_mhz']} MHz"
+        )
+        out.print(
+            f"  power limit: {p['current']:g} W (enforced {p['enforced']:g} W, default "
+            f"{p['default']:g} W, allowed {p['min']:g}-{p['max']:g} W)"
+        )
+        persistence = {
+            None: "unknown",
+            True: "on",
+            False: "off (a power limit resets when the driver unloads)",
+        }[i["persistence_mode"]]
+        out.print(
+            f"  persistence mode: {persistence}; energy counter: "
+            f"{'yes' if i['energy_counter'] else 'no'}; MIG: {'on' if i['mig'] else 'off'}"
+        )
+        power = "-" if i["power_w"] is None else f"{i['power_w']:.1f} W"
+        out.print(
+            f"  now: {power}, {i['temperature_c']} C, event reasons: "
+            f"{', '.join(i['event_reasons']) or 'none'}"
+        )
+
+
+@gpu.command("reset")
+@click.argument("devices", nargs=-1)
+@click.option(
+    "--defaults",
+    is_flag=True,
+    help="With no state file, reset to driver defaults (unlock clocks, default power limit).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs keeps state files [default: /var/lib/dvfs as root, else "
+    "$XDG_STATE_HOME/dvfs].",
+)
+@handle_errors
+def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> None:
+    """Restore GPU settings recorded by a dvfs run that died (SIGKILL, power loss).
+
+    Without DEVICES, every GPU with a state file. Holds each GPU's lock while restoring, so
+    it refuses GPUs a running dvfs is using.
+    """
+    from dvfs.caps import AppliedCaps, reset_caps
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, restore_pending
+
+    directory = state_dir or default_state_dir()
+    store = StateStore(directory)
+    out = console()
+    with open_cli_gpus(devices, None, allow_mig=True) as gpus:
+        with_state = [g for g in gpus if store.pending(g.identity.uuid)]
+        if not with_state and not defaults:
+            out.print(
+                "No dvfs state files for these GPUs: nothing to restore "
+                "(use --defaults to reset to driver defaults anyway)."
+            )
+            return
+        with GpuLocks(directory).hold(gpus):
+            for line in restore_pending(with_state, store):
+                out.print(f"restored {line}")
+            if defaults:
+                others = [g for g in gpus if g not in with_state]
+                for line in reset_caps(others, AppliedCaps(directory)):
+                    out.print(f"reset {line}")

@@ -1,0 +1,200 @@
+"""Preflight checks for a campaign: will it run here, and will its numbers be trustworthy?
+
+Read-only: nothing here changes a GPU or starts a server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from dvfs.campaign import Campaign
+from dvfs.errors import DvfsError
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+MIN_FREE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+
+
+def _run(name: str, fn: Callable[[], tuple[str, str]]) -> Check:
+    try:
+        status, detail = fn()
+    except DvfsError as exc:
+        return Check(name, FAIL, str(exc))
+    return Check(name, status, detail)
+
+
+def check_campaign(
+    campaign: Campaign,
+    out_dir: Path,
+    *,
+    nvml: ModuleType | None = None,
+    state_dir: Path | None = None,
+) -> list[Check]:
+    checks = [
+        Check(
+            "campaign",
+            OK,
+            f"{campaign.name}: {len(campaign.drafters)} drafter(s), "
+            f"{len(campaign.workload.corpora)} corpora",
+        )
+    ]
+    checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
+    checks.append(_run("engine", lambda: _engine(campaign)))
+    checks.append(_run("corpora", lambda: _corpora(campaign)))
+    checks.append(_run("disk", lambda: _disk(out_dir)))
+    return checks
+
+
+def _gpu_checks(
+    campaign: Campaign, *, nvml: ModuleType | None, state_dir: Path | None
+) -> list[Check]:
+    if campaign.gpu.backend == "twin":
+        return [
+            Check(
+                "gpu",
+                OK,
+                f"digital twin ({campaign.gpu.profile}), devices {list(campaign.gpu.devices)}",
+            )
+        ]
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.nvml import load_pynvml, open_nvml_gpus
+    from dvfs.gpu.safety import StateStore, default_state_dir
+    from dvfs.sweep import check_knobs_against
+
+    checks: list[Check] = []
+    try:
+        module = nvml or load_pynvml()
+        with open_nvml_gpus(campaign.gpu.devices, nvml=module) as gpus:
+            first = gpus[0].identity
+            checks.append(
+                Check(
+                    "driver",
+                    OK,
+                    f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {first.name}",
+                )
+            )
+            for g in gpus:
+                ident = g.identity
+                persistence = g.persistence_mode()
+                checks.append(
+                    Check(
+                        f"persistence GPU {ident.index}",
+                        OK if persistence else WARN,
+                        "on"
+                        if persistence
+                        else "off or unknown: a power limit is lost when the "
+                        "driver unloads; enable it (nvidia-smi -pm 1 or nvidia-persistenced)",
+                    )
+                )
+                try:
+                    g.energy_mj()
+                    checks.append(Check(f"energy counter GPU {ident.index}", OK, "supported"))
+                except DvfsError as exc:
+                    checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
+
+            def knobs() -> tuple[str, str]:
+                check_knobs_against(campaign, gpus)
+                return OK, "every clock and power limit of the campaign is supported"
+
+            checks.append(_run("knobs", knobs))
+            directory = state_dir or default_state_dir()
+            pending = [p for g in gpus for p in StateStore(directory).pending(g.identity.uuid)]
+            checks.append(
+                Check(
+                    "state",
+                    FAIL if pending else OK,
+                    "; ".join(p.describe() for p in pending) + " - run `dvfs gpu reset`"
+                    if pending
+                    else f"no unrestored changes ({directory})",
+                )
+            )
+            locks = AppliedCaps(directory).locks()
+            capped = [g.identity.index for g in gpus if g.identity.uuid in locks]
+            if capped:
+                checks.append(
+                    Check(
+                        "caps",
+                        WARN,
+                        f"GPU(s) {capped} carry dvfs caps; the sweep "
+                        "restores them afterwards, but 'stock' then "
+                        "means the capped setting",
+                    )
+                )
+    except DvfsError as exc:
+        checks.append(Check("driver", FAIL, str(exc)))
+        return checks
+    if campaign.gpu.actuation:
+        root = os.geteuid() == 0
+        checks.append(
+            Check(
+                "permissions",
+                OK if root else FAIL,
+                "running as root"
+                if root
+                else "changing clocks and power limits needs root: run with sudo, or use "
+                '--observe-only / actuation = "off" to measure without changing',
+            )
+        )
+    else:
+        checks.append(Check("permissions", OK, "observe-only: no setter will be called"))
+    return checks
+
+
+def _engine(campaign: Campaign) -> tuple[str, str]:
+    if campaign.engine.backend == "twin":
+        return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
+    sg = campaign.engine.sglang
+    if sg.url:
+        from dvfs.engines.sglang_client import probe_server
+
+        return probe_server(sg.url)
+    if sg.server_command:
+        exe = sg.server_command[0]
+        found = shutil.which(exe) or Path(exe).exists()
+        return (
+            OK if found else FAIL,
+            f"server command {' '.join(sg.server_command)}" + ("" if found else ": not found"),
+        )
+    from importlib import metadata
+
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return FAIL, "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
+    return OK, f"sglang {version}"
+
+
+def _corpora(campaign: Campaign) -> tuple[str, str]:
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.sweep import load_corpora
+
+    corpora = load_corpora(campaign)
+    need = max(campaign.workload.batch_sizes)
+    short = []
+    for name, corpus in corpora.items():
+        usable = len(eligible_prompts(corpus, campaign.workload.input_tokens))
+        if usable < need:
+            short.append(f"{name} has {usable} usable prompts, batch {need} needs {need}")
+    if short:
+        return FAIL, "; ".join(short)
+    return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
+
+
+def _disk(out_dir: Path) -> tuple[str, str]:
+    probe = out_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    status = OK if free >= MIN_FREE_BYTES else WARN
+    return status, f"{free / 2**30:.1f} GiB free at {probe}"

@@ -1,0 +1,405 @@
+"""The `Gpu` protocol over NVML (nvidia-ml-py's `pynvml`), with every NVML error translated.
+
+Only current NVML calls: locked GPU clocks (not the deprecated applications clocks), the v1
+power-limit setter (pynvml's `_v2` wrapper ignores errors), the total-energy counter, and
+instant power through field values. The `pynvml` module arrives as an argument, so tests hand
+in a fake with NVML's semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
+
+from dvfs.errors import (
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+    GpuValueError,
+)
+from dvfs.gpu.base import GpuIdentity, PowerLimitRange
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NO_DRIVER_HINT = (
+    "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
+    'or run on the digital twin (gpu.backend = "twin")'
+)
+ROOT_HINT = "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service)"
+
+# NVML field id for instantaneous board power and its scope (nvml.h).
+FI_DEV_POWER_INSTANT = 186
+POWER_SCOPE_GPU = 0
+
+
+def load_pynvml() -> ModuleType:
+    """Import nvidia-ml-py's module, or explain how to get it."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise GpuUnavailableError(
+            "the nvml backend needs nvidia-ml-py: pip install nvidia-ml-py "
+            "(not the deprecated 'pynvml' package)"
+        ) from exc
+    return pynvml
+
+
+class NvmlErrors:
+    """Maps an `NVMLError` to dvfs's error tree through one table of NVML return codes."""
+
+    def __init__(self, nvml: ModuleType) -> None:
+        self.nvml = nvml
+        code = lambda name, default: getattr(nvml, name, default)  # noqa: E731
+        self.table: dict[int, type[GpuError]] = {
+            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12): GpuUnavailableError,
+            code("NVML_ERROR_DRIVER_NOT_LOADED", 9): GpuUnavailableError,
+            code("NVML_ERROR_NOT_FOUND", 6): GpuUnavailableError,
+            code("NVML_ERROR_GPU_IS_LOST", 15): GpuUnavailableError,
+            code("NVML_ERROR_NO_PERMISSION", 4): GpuPermissionError,
+            code("NVML_ERROR_NOT_SUPPORTED", 3): GpuNotSupportedError,
+            code("NVML_ERROR_FUNCTION_NOT_FOUND", 13): GpuNotSupportedError,
+            code("NVML_ERROR_INVALID_ARGUMENT", 2): GpuValueError,
+        }
+        self.function_not_found = code("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+        self.library_not_found = {
+            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+            code("NVML_ERROR_DRIVER_NOT_LOADED", 9),
+        }
+        self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
+
+    def is_nvml_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.nvml.NVMLError)
+
+    def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
+        value = getattr(exc, "value", None)
+        cls = self.table.get(value, GpuError)
+        if value in self.library_not_found:
+            return cls(f"{what}: {NO_DRIVER_HINT}")
+        if value == self.lost:
+            return cls(
+                f"{what}: the GPU has fallen off the bus (NVML: {exc}); it needs a reset "
+                "or a reboot before it can be used"
+            )
+        if cls is GpuPermissionError:
+            return cls(f"{what}: permission denied by the driver: {ROOT_HINT}")
+        detail = f"{what}: NVML says {exc}"
+        return cls(f"{detail}; {hint}" if hint else detail)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Everything `dvfs gpu info` shows about a device (read-only)."""
+
+    identity: GpuIdentity
+    architecture: int | None
+    supported_sm_clocks_mhz: tuple[int, ...]
+    supported_memory_clocks_mhz: tuple[int, ...]
+    power_limits: PowerLimitRange
+    power_limit_mw: int
+    enforced_power_limit_mw: int
+    persistence_mode: bool | None
+    energy_counter: bool
+    sm_clock_mhz: int
+    power_mw: int | None
+    temperature_c: int | None
+    event_reasons: int | None
+    mig: bool
+    memory_total_bytes: int | None
+
+
+class NvmlGpu:
+    """One GPU through NVML. NVML must be initialised (see `open_nvml_gpus`)."""
+
+    def __init__(self, nvml: ModuleType, handle: Any, index: int) -> None:
+        self.nvml = nvml
+        self.handle = handle
+        self.index = index
+        self.errors = NvmlErrors(nvml)
+        uuid = self._call(nvml.nvmlDeviceGetUUID, "read the GPU UUID")
+        name = self._call(nvml.nvmlDeviceGetName, "read the GPU name")
+        driver = self._call_plain(nvml.nvmlSystemGetDriverVersion, "read the driver version")
+        memory_clocks = self._memory_clocks()
+        self._sm_clocks = self._graphics_clocks(memory_clocks[0])
+        self._identity = GpuIdentity(
+            index=index,
+            uuid=_text(uuid),
+            name=_text(name),
+            driver_version=_text(driver),
+            backend="nvml",
+            memory_clock_mhz=memory_clocks[0],
+            max_sm_clock_mhz=max(self._sm_clocks),
+        )
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _call(self, fn: Callable[..., T], what: str, *args: Any, hint: str = "") -> T:
+        try:
+            return fn(self.handle, *args)
+        except Exception as exc:
+            if self.errors.is_nvml_error(exc):
+                raise self.errors.translate(exc, f"GPU {self.index}: cannot {what}", hint) from exc
+            raise
+
+    def _call_plain(self, fn: Callable[..., T], what: str) -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            if self.errors.is_nvml_error(exc):
+                raise self.errors.translate(exc, f"cannot {what}") from exc
+            raise
+
+    def _with_fallback(self, current: str, old: str, what: str, *args: Any) -> Any:
+        """Call `current`, or `old` on drivers that predate it (FunctionNotFound)."""
+        fn = getattr(self.nvml, current, None)
+        if fn is not None:
+            try:
+                return fn(self.handle, *args)
+            except Exception as exc:
+                if not self.errors.is_nvml_error(exc):
+                    raise
+                if getattr(exc, "value", None) != self.errors.function_not_found:
+                    raise self.errors.translate(exc, f"GPU {self.index}: cannot {what}") from exc
+        return self._call(getattr(self.nvml, old), what, *args)
+
+    def _memory_clocks(self) -> list[int]:
+        clocks = self._call(self.nvml.nvmlDeviceGetSupportedMemoryClocks, "list memory clocks")
+        return sorted((int(c) for c in clocks), reverse=True)
+
+    def _graphics_clocks(self, memory_mhz: int) -> tuple[int, ...]:
+        clocks = self._call(
+            self.nvml.nvmlDeviceGetSupportedGraphicsClocks, "list supported SM clocks", memory_mhz
+        )
+        return tuple(sorted((int(c) for c in clocks), reverse=True))
+
+    # -- Gpu protocol -------------------------------------------------------------------------
+    @property
+    def identity(self) -> GpuIdentity:
+        return self._identity
+
+    def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
+        return self._sm_clocks
+
+    def power_limit_range(self) -> PowerLimitRange:
+        lo, hi = self._call(
+            self.nvml.nvmlDeviceGetPowerManagementLimitConstraints, "read the power-limit range"
+        )
+        default = self._call(
+            self.nvml.nvmlDeviceGetPowerManagementDefaultLimit, "read the default power limit"
+        )
+        return PowerLimitRange(int(lo), int(hi), int(default))
+
+    def power_limit_mw(self) -> int:
+        return int(
+            self._call(self.nvml.nvmlDeviceGetEnforcedPowerLimit, "read the enforced power limit")
+        )
+
+    def configured_power_limit_mw(self) -> int:
+        return int(self._call(self.nvml.nvmlDeviceGetPowerManagementLimit, "read the power limit"))
+
+    def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
+        supported = self._sm_clocks
+        for mhz in (min_mhz, max_mhz):
+            if mhz not in supported:
+                nearest = sorted(supported, key=lambda c: abs(c - mhz))[:2]
+                raise GpuValueError(
+                    f"GPU {self.index}: {mhz} MHz is not a supported SM clock; nearest supported: "
+                    f"{', '.join(map(str, sorted(nearest)))} MHz "
+                    f"(range {min(supported)}-{max(supported)} MHz)"
+                )
+        if min_mhz > max_mhz:
+            raise GpuValueError(
+                f"GPU {self.index}: clock range {min_mhz}-{max_mhz} MHz is reversed"
+            )
+        self._call(
+            self.nvml.nvmlDeviceSetGpuLockedClocks, "lock SM clocks", int(min_mhz), int(max_mhz)
+        )
+
+    def reset_sm_clock(self) -> None:
+        self._call(self.nvml.nvmlDeviceResetGpuLockedClocks, "reset locked SM clocks")
+
+    def set_power_limit_mw(self, limit_mw: int) -> None:
+        allowed = self.power_limit_range()
+        if not allowed.min_mw <= limit_mw <= allowed.max_mw:
+            raise GpuValueError(
+                f"GPU {self.index}: power limit {limit_mw / 1000:g} W is outside the allowed range "
+                f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
+            )
+        # v1 on purpose: pynvml's _v2 wrapper discards NVML's return code.
+        self._call(
+            self.nvml.nvmlDeviceSetPowerManagementLimit,
+            "set the power limit",
+            int(limit_mw),
+            hint=f"allowed {allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W",
+        )
+
+    def energy_mj(self) -> int:
+        return int(
+            self._call(
+                self.nvml.nvmlDeviceGetTotalEnergyConsumption,
+                "read the energy counter",
+                hint="the energy counter needs a Volta or newer GPU",
+            )
+        )
+
+    def power_mw(self) -> int:
+        """Instant power (field 186); falls back to the averaged power reading."""
+        try:
+            values = self._call(
+                self.nvml.nvmlDeviceGetFieldValues,
+                "read instant power",
+                [(FI_DEV_POWER_INSTANT, POWER_SCOPE_GPU)],
+            )
+            entry = values[0]
+            if entry.nvmlReturn == 0:
+                return int(entry.value.uiVal)
+        except GpuNotSupportedError:
+            pass
+        return int(self._call(self.nvml.nvmlDeviceGetPowerUsage, "read power"))
+
+    def sm_clock_mhz(self) -> int:
+        return int(
+            self._call(
+                self.nvml.nvmlDeviceGetClockInfo, "read the SM clock", self.nvml.NVML_CLOCK_SM
+            )
+        )
+
+    def temperature_c(self) -> int:
+        return int(
+            self._with_fallback(
+                "nvmlDeviceGetTemperatureV",
+                "nvmlDeviceGetTemperature",
+                "read the temperature",
+                self.nvml.NVML_TEMPERATURE_GPU,
+            )
+        )
+
+    def clock_event_reasons(self) -> int:
+        return int(
+            self._with_fallback(
+                "nvmlDeviceGetCurrentClocksEventReasons",
+                "nvmlDeviceGetCurrentClocksThrottleReasons",
+                "read clock-event reasons",
+            )
+        )
+
+    # -- inspection ---------------------------------------------------------------------------
+    def mig_enabled(self) -> bool:
+        try:
+            current, _pending = self._call(self.nvml.nvmlDeviceGetMigMode, "read the MIG mode")
+        except GpuNotSupportedError:
+            return False
+        return int(current) == 1
+
+    def persistence_mode(self) -> bool | None:
+        try:
+            return bool(self._call(self.nvml.nvmlDeviceGetPersistenceMode, "read persistence mode"))
+        except GpuNotSupportedError:
+            return None
+
+    def info(self) -> DeviceInfo:
+        """A read-only snapshot for `dvfs gpu info`; unsupported readings become None."""
+
+        def maybe(fn: Callable[[], T]) -> T | None:
+            try:
+                return fn()
+            except GpuNotSupportedError:
+                return None
+
+        energy_ok = maybe(self.energy_mj) is not None
+        memory = maybe(lambda: self._call(self.nvml.nvmlDeviceGetMemoryInfo, "read memory"))
+        arch = maybe(
+            lambda: int(self._call(self.nvml.nvmlDeviceGetArchitecture, "read the architecture"))
+        )
+        return DeviceInfo(
+            identity=self.identity,
+            architecture=arch,
+            supported_sm_clocks_mhz=self._sm_clocks,
+            supported_memory_clocks_mhz=tuple(self._memory_clocks()),
+            power_limits=self.power_limit_range(),
+            power_limit_mw=self.configured_power_limit_mw(),
+            enforced_power_limit_mw=self.power_limit_mw(),
+            persistence_mode=self.persistence_mode(),
+            energy_counter=energy_ok,
+            sm_clock_mhz=self.sm_clock_mhz(),
+            power_mw=maybe(self.power_mw),
+            temperature_c=maybe(self.temperature_c),
+            event_reasons=maybe(self.clock_event_reasons),
+            mig=self.mig_enabled(),
+            memory_total_bytes=int(memory.total) if memory is not None else None,
+        )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@contextlib.contextmanager
+def nvml_session(nvml: ModuleType | None = None) -> Iterator[ModuleType]:
+    """NVML initialised for the block, shut down after (never in a destructor)."""
+    module = nvml or load_pynvml()
+    errors = NvmlErrors(module)
+    try:
+        module.nvmlInit()
+    except Exception as exc:
+        if errors.is_nvml_error(exc):
+            raise errors.translate(exc, "cannot initialise NVML") from exc
+        raise
+    try:
+        yield module
+    finally:
+        try:
+            module.nvmlShutdown()
+        except Exception as exc:  # a failed shutdown must not mask the real outcome
+            log.warning("nvmlShutdown failed: %s", exc)
+
+
+def device_count(nvml: ModuleType) -> int:
+    errors = NvmlErrors(nvml)
+    try:
+        return int(nvml.nvmlDeviceGetCount())
+    except Exception as exc:
+        if errors.is_nvml_error(exc):
+            raise errors.translate(exc, "cannot count GPUs") from exc
+        raise
+
+
+def open_device(nvml: ModuleType, device: int | str, *, allow_mig: bool = False) -> NvmlGpu:
+    """A GPU by index or UUID; MIG-enabled GPUs are refused (energy is not per slice)."""
+    errors = NvmlErrors(nvml)
+    try:
+        if isinstance(device, int):
+            handle = nvml.nvmlDeviceGetHandleByIndex(device)
+            index = device
+        else:
+            handle = nvml.nvmlDeviceGetHandleByUUID(device)
+            index = int(nvml.nvmlDeviceGetIndex(handle))
+    except Exception as exc:
+        if errors.is_nvml_error(exc):
+            count = device_count(nvml)
+            raise GpuUnavailableError(
+                f"no GPU {device!r}: this machine has {count} GPU(s) "
+                f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
+            ) from exc
+        raise
+    gpu = NvmlGpu(nvml, handle, index)
+    if not allow_mig and gpu.mig_enabled():
+        raise GpuNotSupportedError(
+            f"GPU {index} ({gpu.identity.uuid}) has MIG enabled: NVML measures energy and power "
+            "per GPU, not per MIG slice, so dvfs refuses it; disable MIG (nvidia-smi -mig 0) or "
+            "choose another GPU"
+        )
+    return gpu
+
+
+@contextlib.contextmanager
+def open_nvml_gpus(
+    devices: Sequence[int | str], *, nvml: ModuleType | None = None, allow_mig: bool = False
+) -> Iterator[list[NvmlGpu]]:
+    """The campaign's GPUs, NVML initialised around them."""
+    with nvml_session(nvml) as module:
+        yield [open_device(module, d, allow_mig=allow_mig) for d in devices]

@@ -1,0 +1,235 @@
+"""Crash safety for GPU settings: a state file per changed GPU, and a lock per GPU.
+
+Before dvfs changes a GPU it writes the GPU's original settings to `<state dir>/<uuid>.json`
+(fsynced); after restoring it deletes the file. A file that survives means a run died
+(SIGKILL, power loss) with the GPU changed: `dvfs sweep` then refuses the GPU and
+`dvfs gpu reset` puts the recorded settings back. A lock file per GPU, held with flock for
+the whole run, keeps two dvfs processes from fighting over one GPU.
+
+State lives in /var/lib/dvfs when running as root, else $XDG_STATE_HOME/dvfs
+(~/.local/state/dvfs); $DVFS_STATE_DIR overrides both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dvfs.errors import GpuStateError
+from dvfs.gpu.base import Gpu
+from dvfs.gpu.knobs import GpuSettings
+
+ROOT_STATE_DIR = Path("/var/lib/dvfs")
+
+
+def default_state_dir() -> Path:
+    override = os.environ.get("DVFS_STATE_DIR")
+    if override:
+        return Path(override)
+    if os.geteuid() == 0:
+        return ROOT_STATE_DIR
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "dvfs"
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o755)
+    return path
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any], mode: int = 0o644) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def settings_to_dict(s: GpuSettings) -> dict[str, Any]:
+    return {
+        "uuid": s.uuid,
+        "sm_clock_lock_mhz": list(s.sm_clock_lock_mhz) if s.sm_clock_lock_mhz else None,
+        "power_limit_mw": s.power_limit_mw,
+    }
+
+
+def settings_from_dict(d: dict[str, Any]) -> GpuSettings:
+    lock = d.get("sm_clock_lock_mhz")
+    return GpuSettings(d["uuid"], tuple(lock) if lock else None, int(d["power_limit_mw"]))
+
+
+@dataclass(frozen=True)
+class PendingRestore:
+    """A state file left behind: which GPU, what to restore, and who changed it."""
+
+    path: Path
+    original: GpuSettings
+    pid: int | None
+    host: str
+    since: str
+    command: str
+
+    def describe(self) -> str:
+        return (
+            f"GPU {self.original.uuid} was changed by dvfs {self.command!r} "
+            f"(pid {self.pid} on {self.host}, since {self.since}) and not restored"
+        )
+
+
+class StateStore:
+    """Per-GPU records of original settings (implements `dvfs.gpu.knobs.ChangeLog`)."""
+
+    def __init__(self, directory: Path | None = None, *, command: str = "sweep") -> None:
+        self.directory = directory or default_state_dir()
+        self.command = command
+
+    def path(self, uuid: str) -> Path:
+        return self.directory / f"{uuid}.json"
+
+    def record(self, original: GpuSettings) -> None:
+        """Write the original settings before the first change; never overwrite an original."""
+        path = self.path(original.uuid)
+        if path.exists():
+            return
+        _ensure_dir(self.directory)
+        _write_json_atomic(
+            path,
+            {
+                "original": settings_to_dict(original),
+                "pid": os.getpid(),
+                "host": platform.node(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": self.command,
+            },
+        )
+
+    def clear(self, uuid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(uuid).unlink()
+
+    def pending(self, uuid: str | None = None) -> list[PendingRestore]:
+        if not self.directory.exists():
+            return []
+        files = [self.path(uuid)] if uuid else sorted(self.directory.glob("GPU-*.json"))
+        found = []
+        for path in files:
+            if not path.exists():
+                continue
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                original = settings_from_dict(data["original"])
+            except (ValueError, KeyError) as exc:
+                raise GpuStateError(
+                    f"state file {path} is unreadable ({exc}); inspect and remove "
+                    "it by hand after checking the GPU's settings"
+                ) from exc
+            found.append(
+                PendingRestore(
+                    path,
+                    original,
+                    data.get("pid"),
+                    data.get("host", "?"),
+                    data.get("since", "?"),
+                    data.get("command", "?"),
+                )
+            )
+        return found
+
+    def refuse_if_pending(self, gpus: Sequence[Gpu]) -> None:
+        """Stop before touching GPUs that still hold an earlier run's changes."""
+        problems = [p for g in gpus for p in self.pending(g.identity.uuid)]
+        if problems:
+            raise GpuStateError(
+                "; ".join(p.describe() for p in problems)
+                + ". Run `dvfs gpu reset` (as root) to restore the recorded settings first."
+            )
+
+
+class GpuLocks:
+    """Exclusive flock per GPU for the life of the block; refuses a GPU another dvfs holds."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory or default_state_dir()
+
+    @contextlib.contextmanager
+    def hold(self, gpus: Sequence[Gpu]) -> Iterator[None]:
+        _ensure_dir(self.directory)
+        handles = []
+        try:
+            for gpu in gpus:
+                path = self.directory / f"{gpu.identity.uuid}.lock"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError as exc:
+                    owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+                    os.close(fd)
+                    raise GpuStateError(
+                        f"GPU {gpu.identity.index} ({gpu.identity.uuid}) is in use by another "
+                        f"dvfs process (pid {owner}); wait for it to finish or stop it"
+                    ) from exc
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                handles.append(fd)
+            yield
+        finally:
+            for fd in handles:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+
+
+def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
+    """Put back the settings recorded in state files for these GPUs; returns what was done.
+
+    Failures are gathered and raised together after every GPU was tried.
+    """
+    from dvfs.errors import GpuError, GpuPermissionError
+
+    done: list[str] = []
+    failures: list[str] = []
+    needs_root = False
+    for gpu in gpus:
+        for pending in store.pending(gpu.identity.uuid):
+            original = pending.original
+            try:
+                if original.sm_clock_lock_mhz:
+                    gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
+                else:
+                    gpu.reset_sm_clock()
+                if gpu.power_limit_mw() != original.power_limit_mw:
+                    gpu.set_power_limit_mw(original.power_limit_mw)
+                store.clear(gpu.identity.uuid)
+                lock = (
+                    f"clocks locked to {original.sm_clock_lock_mhz[0]}-"
+                    f"{original.sm_clock_lock_mhz[1]} MHz"
+                    if original.sm_clock_lock_mhz
+                    else "clocks unlocked"
+                )
+                done.append(
+                    f"GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, power "
+                    f"limit {original.power_limit_mw / 1000:g} W (as before {pending.command!r}"
+                    f" pid {pending.pid})"
+                )
+            except GpuError as exc:
+                needs_root |= isinstance(exc, GpuPermissionError)
+                failures.append(str(exc))
+    if failures:
+        cls = GpuPermissionError if needs_root else GpuError
+        raise cls("could not restore: " + "; ".join(failures))
+    return done

@@ -1,0 +1,69 @@
+"""Helpers for tests that run dvfs's real NVML backend against the fake `pynvml`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_DIR = REPO / "tests" / "fakes" / "nvml"
+
+NVML_CAMPAIGN = """
+[campaign]
+name = "nvml-small"
+
+[gpu]
+backend = "nvml"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1500]
+power_limit = [700, 400]
+settle_s = 0.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[workload]
+batch = [1]
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = {output_tokens}
+
+[measurement]
+warmup_tokens = 0
+min_window_s = 0.01
+max_rounds = 1
+repeats = {repeats}
+sample_period_s = 0.01
+idle_s = 0.05
+"""
+
+
+def load_fake() -> ModuleType:
+    """The fake pynvml, imported from its file under its own name (no clash with the real one)."""
+    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKE_DIR / "pynvml.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fake_pynvml"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """Environment for a subprocess whose `import pynvml` finds the fake."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE_DIR), str(REPO)])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["DVFS_FAKE_NVML_STATE"] = str(tmp / "fake-nvml.json")
+    env["DVFS_FAKE_NVML_DEVICES"] = "h100-sxm,h100-sxm"
+    env["DVFS_STATE_DIR"] = str(tmp / "dvfs-state")
+    env.update(extra)
+    return env

@@ -1,0 +1,224 @@
+"""Production caps: plan from headroom, apply to GPUs, show, reset; and the systemd unit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+
+from dvfs.caps import CapsFile, GpuCap, dump_caps, load_caps, parse_caps, plan_caps
+from dvfs.cli import cli
+from dvfs.errors import CapsError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    env = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    module = load_fake()
+    module.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
+def invoke(*args: str, code: int = 0) -> str:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == code, result.output
+    return result.output
+
+
+def doc(rows: list[dict], uuids: list[str] | None = None) -> dict:
+    return {
+        "schema": "dvfs.headroom/1",
+        "campaign": "t",
+        "gpu": {"name": "H100", "uuids": uuids or ["GPU-aaaa"]},
+        "target": {"description": "TPOT p50 <= stock + 5%"},
+        "reference": {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True},
+        "rows": rows,
+    }
+
+
+def row(corpus: str, clock: int, limit: float, feasible: bool = True) -> dict:
+    return {
+        "batch": 16,
+        "drafter": "eagle3",
+        "corpus": corpus,
+        "feasible": feasible,
+        "chosen": {"sm_clock_mhz": clock, "power_limit_w": limit},
+    }
+
+
+def test_plan_worst_case_takes_the_least_aggressive_knob_per_corpus() -> None:
+    caps = plan_caps(
+        doc([row("code", 1305, 400.0), row("math", 1455, 300.0)]),
+        batch=16,
+        drafter="eagle3",
+        corpus="worst-case",
+    )
+    [cap] = caps.caps
+    assert (cap.uuid, cap.sm_clock_max_mhz, cap.power_limit_w) == ("GPU-aaaa", 1455, 400.0)
+    one = plan_caps(
+        doc([row("code", 1305, 700.0), row("math", 1455, 300.0)]),
+        batch=16,
+        drafter="eagle3",
+        corpus="code",
+    )
+    assert (one.caps[0].sm_clock_max_mhz, one.caps[0].power_limit_w) == (1305, None)
+    fleet = plan_caps(
+        doc([row("code", 1305, 400.0)]),
+        batch=16,
+        drafter="eagle3",
+        corpus="code",
+        model_name="NVIDIA H100 80GB HBM3",
+    )
+    assert fleet.caps[0].name == "NVIDIA H100 80GB HBM3" and fleet.caps[0].uuid is None
+
+
+def test_plan_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(CapsError, match="no setting meets the target for corpus math"):
+        plan_caps(
+            doc([row("code", 1305, 400.0), row("math", 0, 0, feasible=False)]),
+            batch=16,
+            drafter="eagle3",
+            corpus="worst-case",
+        )
+    with pytest.raises(CapsError, match="nothing to cap"):
+        plan_caps(doc([row("code", 1980, 700.0)]), batch=16, drafter="eagle3", corpus="code")
+    with pytest.raises(CapsError, match="has batches \\[16\\]"):
+        plan_caps(doc([row("code", 1305, 400.0)]), batch=4, drafter="eagle3", corpus="code")
+    with pytest.raises(CapsError, match="schema dvfs.headroom/1"):
+        plan_caps({"rows": []}, batch=4, drafter="eagle3", corpus="code")
+
+
+def test_caps_file_round_trip_and_validation(tmp_path: Path) -> None:
+    caps = CapsFile(
+        (
+            GpuCap(uuid="GPU-1234", sm_clock_max_mhz=1410, power_limit_w=450.0),
+            GpuCap(name="NVIDIA H200", power_limit_w=500.0),
+        ),
+        {"batch": 16},
+    )
+    path = tmp_path / "caps.toml"
+    path.write_text(dump_caps(caps))
+    assert load_caps(path).caps == caps.caps
+    with pytest.raises(CapsError, match="unknown key\\(s\\) power_w"):
+        parse_caps({"gpu": [{"uuid": "GPU-1", "power_w": 300}]}, where="x")
+    with pytest.raises(CapsError, match="not a GPU UUID"):
+        parse_caps({"gpu": [{"uuid": "0", "power_limit_w": 300}]}, where="x")
+    with pytest.raises(CapsError, match="sets neither"):
+        parse_caps({"gpu": [{"uuid": "GPU-1"}]}, where="x")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the world-writable check applies to root only")
+def test_root_refuses_a_world_writable_caps_file(tmp_path: Path) -> None:
+    path = tmp_path / "caps.toml"
+    path.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))))
+    path.chmod(0o666)
+    with pytest.raises(CapsError, match="world-writable"):
+        load_caps(path)
+
+
+def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(
+        json.dumps(doc([row("code", 1305, 450.0), row("math", 1230, 400.0)], uuids=[uuid]))
+    )
+    caps = tmp_path / "caps.toml"
+    invoke("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
+    before = len(nvml.fake_calls())
+    dry = invoke("cap", "apply", str(caps), "--dry-run")
+    assert "dry run" in dry and "lock SM clock to 210-1305 MHz" in dry
+    assert "power limit 450 W (from 700 W)" in dry
+    assert len(nvml.fake_calls()) == before  # a dry run writes nothing
+    invoke("cap", "apply", str(caps))
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
+    assert nvml.fake_device_state(1)["locked_clocks"] is None  # only the named GPU
+    [shown, other] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["enforced_power_limit_w"] == 450 and shown["sm_clock_lock_mhz"] == [210, 1305]
+    assert shown["caps_source"] == str(caps.resolve()) and other["sm_clock_lock_mhz"] is None
+    invoke("cap", "reset")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
+
+
+def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(uuid="GPU-00000000-0000-0000-0000-000000000000", power_limit_w=400.0),)
+            )
+        )
+    )
+    missing = invoke("cap", "apply", str(caps), code=2)
+    assert "not on this machine" in missing and "--skip-missing" in missing
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1507),))))
+    assert "1507 MHz is not a supported SM clock" in invoke("cap", "apply", str(caps), code=2)
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=400.0),))))
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+    denied = invoke("cap", "apply", str(caps), code=4)
+    assert "permission denied" in denied and "systemd" in denied
+
+
+def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
+    """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
+    from dvfs.campaign import load_campaign
+    from dvfs.sweep import run_sweep
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1410, power_limit_w=500.0),)))
+    )
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "c.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
+    run_sweep(load_campaign(campaign), tmp_path / "out", nvml=nvml)
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed on this machine",
+)
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    unit = (REPO / "systemd" / "dvfs-caps.service").read_text()
+    for needed in (
+        "Type=oneshot",
+        "RemainAfterExit=yes",
+        "After=nvidia-persistenced.service",
+        "Wants=nvidia-persistenced.service",
+        "ExecStart=/usr/local/bin/dvfs cap apply",
+        "ExecStop=/usr/local/bin/dvfs cap reset",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+    ):
+        assert needed in unit
+    # verify checks that ExecStart's binary exists: point it at this environment's dvfs.
+    dvfs_bin = Path(sys.executable).parent / "dvfs"
+    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
+    copy = tmp_path / "dvfs-caps.service"
+    copy.write_text(unit.replace("/usr/local/bin/dvfs", str(dvfs_bin)))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr  # no warnings (unknown keys, bad values)

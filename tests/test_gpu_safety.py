@@ -1,0 +1,294 @@
+"""On real GPUs dvfs leaves every setting as it found it: after success, an exception, SIGTERM,
+and SIGKILL followed by `dvfs gpu reset`. Runs the real NVML backend against the fake pynvml,
+with the twin engine as the workload."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.clock import MonotonicClock
+from dvfs.engines.twin import TwinEngine
+from dvfs.gpu.nvml import open_nvml_gpus
+from dvfs.sweep import Backends, run_sweep
+from dvfs.twin.device import FreeRunningNode
+from dvfs.twin.profiles import gpu_profile, model_profile
+
+SETTERS = (
+    "nvmlDeviceSetGpuLockedClocks",
+    "nvmlDeviceResetGpuLockedClocks",
+    "nvmlDeviceSetPowerManagementLimit",
+    "nvmlDeviceSetPowerManagementLimit_v2",
+    "nvmlDeviceSetPersistenceMode",
+)
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    environment = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, environment[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    return environment
+
+
+@pytest.fixture
+def nvml(env):
+    module = load_fake()
+    module.fake_reset_state()
+    # Not the default: restoring must put back what was there, not the driver default.
+    module.fake_update_device(0, power_limit_mw=650_000)
+    return module
+
+
+def campaign_file(tmp_path: Path, output_tokens: int = 16, repeats: int = 1) -> Path:
+    path = tmp_path / "nvml.toml"
+    path.write_text(NVML_CAMPAIGN.format(output_tokens=output_tokens, repeats=repeats))
+    return path
+
+
+def assert_as_found(nvml, state_dir: Path) -> None:
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None
+    assert device["power_limit_mw"] == 650_000
+    assert not list(state_dir.glob("GPU-*.json")), "state file left behind"
+
+
+def setter_calls(nvml) -> list[dict]:
+    return [c for c in nvml.fake_calls() if c["fn"] in SETTERS]
+
+
+def test_sweep_restores_after_success(nvml, tmp_path: Path) -> None:
+    campaign = load_campaign(campaign_file(tmp_path))
+    outcome = run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")
+    assert outcome.summary.measured == 4
+    calls = setter_calls(nvml)
+    locks = [c["args"] for c in calls if c["fn"] == "nvmlDeviceSetGpuLockedClocks"]
+    assert [1980, 1980] in locks and [1500, 1500] in locks
+    assert all(c["ok"] for c in calls)
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+    import dvfs
+
+    ds = dvfs.open_cube(str(outcome.cube_path))
+    assert ds["sm_clock"].values.tolist() == [1500, 1980]
+    assert ds.attrs["gpu_backend"] == "nvml" and ds.attrs["gpu_name"] == "NVIDIA H100 80GB HBM3"
+
+
+class FailingEngine:
+    """The twin engine, failing on its n-th round (a bug in the middle of a sweep)."""
+
+    name = "twin"
+
+    def __init__(self, inner: TwinEngine, fail_on: int) -> None:
+        self.inner, self.fail_on, self.runs = inner, fail_on, 0
+
+    def start(self, drafter):
+        return self.inner.start(drafter)
+
+    def run(self, workload):
+        self.runs += 1
+        if self.runs == self.fail_on:
+            raise RuntimeError("boom in the middle of the sweep")
+        return self.inner.run(workload)
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+def test_sweep_restores_after_an_exception(nvml, tmp_path: Path) -> None:
+    campaign = load_campaign(campaign_file(tmp_path))
+    clock = MonotonicClock()
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        engine = FailingEngine(
+            TwinEngine(
+                FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+            ),
+            fail_on=3,
+        )
+        with pytest.raises(RuntimeError, match="boom"):
+            run_sweep(
+                campaign,
+                tmp_path / "out",
+                backends=Backends(clock, gpus, engine),
+                state_dir=tmp_path / "dvfs-state",
+            )
+    assert any(c["fn"] == "nvmlDeviceSetGpuLockedClocks" for c in setter_calls(nvml))
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_observe_only_never_calls_a_setter(nvml, tmp_path: Path, env, monkeypatch) -> None:
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")  # a user without root can observe
+    campaign = load_campaign(campaign_file(tmp_path))
+    from dvfs.cli.sweep import _observe_only
+
+    outcome = run_sweep(
+        _observe_only(campaign), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
+    )
+    assert outcome.summary.measured == 1
+    assert setter_calls(nvml) == []
+    import dvfs
+
+    ds = dvfs.open_cube(str(outcome.cube_path))
+    assert ds["sm_clock"].values.tolist() == [1980]  # stock: unlocked, max clock
+    assert ds["power_limit"].values.tolist() == [650.0]  # the limit observed, not assumed
+    assert ds.attrs["actuation"] == 0
+
+
+def test_campaign_clocks_are_checked_against_the_device(nvml, tmp_path: Path) -> None:
+    from dvfs.errors import CampaignError
+
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(
+            "sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]"
+        )
+    )
+    with pytest.raises(CampaignError, match="2100 MHz is not supported by GPU 0"):
+        run_sweep(
+            load_campaign(path), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
+        )
+    assert setter_calls(nvml) == []
+
+
+def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dvfs", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _start_sweep(campaign: Path, out: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_until_changed(nvml, proc: subprocess.Popen, journal: Path, timeout_s: float = 60) -> None:
+    """Until the sweep has locked a clock and journaled at least one cell."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        locked = nvml.fake_device_state(0)["locked_clocks"] is not None
+        cells = journal.exists() and '"type":"cell"' in journal.read_text()
+        if locked and cells:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the sweep never changed the GPU"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigterm_restores(nvml, tmp_path: Path, env) -> None:
+    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    out = tmp_path / "out"
+    proc = _start_sweep(campaign, out, env)
+    try:
+        _wait_until_changed(nvml, proc, out / "journal.jsonl")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    assert "GPU settings restored" in output
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+@pytest.mark.slow
+def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
+    campaign = campaign_file(tmp_path, output_tokens=150, repeats=2)
+    out = tmp_path / "out"
+    state_dir = tmp_path / "dvfs-state"
+    proc = _start_sweep(campaign, out, env)
+    try:
+        _wait_until_changed(nvml, proc, out / "journal.jsonl")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the GPU kept the change
+    [state_file] = state_dir.glob("GPU-*.json")
+    assert json.loads(state_file.read_text())["original"]["power_limit_mw"] == 650_000
+    refused = _dvfs("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert refused.returncode == 3, refused.stderr
+    assert "not restored" in refused.stderr and "dvfs gpu reset" in refused.stderr
+    reset = _dvfs("gpu", "reset", env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert "restored GPU 0" in reset.stdout
+    assert_as_found(nvml, state_dir)
+    resumed = _dvfs("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_as_found(nvml, state_dir)
+
+
+@pytest.mark.slow
+def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> None:
+    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    first = _start_sweep(campaign, tmp_path / "first", env)
+    try:
+        _wait_until_changed(nvml, first, tmp_path / "first" / "journal.jsonl")
+        second = _dvfs(
+            "sweep", str(campaign), "--out", str(tmp_path / "second"), "--no-progress", env=env
+        )
+        assert second.returncode == 3, second.stderr
+        assert "in use by another dvfs process" in second.stderr
+        assert f"pid {first.pid}" in second.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_gpu_commands_read_only(nvml, env, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # the CLI's `import pynvml` finds the fake
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["gpu", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.output)
+    assert [r["index"] for r in rows] == [0, 1] and rows[0]["power_limit_w"] == 650
+    info = runner.invoke(cli, ["gpu", "info", "0", "--json"])
+    assert info.exit_code == 0, info.output
+    [detail] = json.loads(info.output)
+    assert detail["power_limit_w"] == {
+        "min": 200,
+        "max": 700,
+        "default": 700,
+        "current": 650,
+        "enforced": 650,
+    }
+    assert detail["supported_sm_clocks_mhz"]["count"] == 119
+    assert detail["energy_counter"] and detail["persistence_mode"] is True
+    nothing = runner.invoke(cli, ["gpu", "reset"])
+    assert nothing.exit_code == 0 and "nothing to restore" in nothing.output
+    assert setter_calls(nvml) == []
+
+
+def test_no_driver_message(env, monkeypatch) -> None:
+    monkeypatch.setenv("DVFS_FAKE_NVML_MISSING", "1")
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "list"],
+        env={**env, "DVFS_FAKE_NVML_MISSING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "no NVIDIA driver was found" in result.stderr and "twin" in result.stderr
+    assert "Traceback" not in result.stderr

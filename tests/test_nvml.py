@@ -1,0 +1,106 @@
+"""The real NVML backend against a fake `pynvml` with NVML's semantics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from nvml_support import load_fake
+
+from dvfs.errors import (
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+    GpuValueError,
+)
+from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
+from dvfs.gpu.nvml import open_nvml_gpus
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h200-sxm")
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+def test_identity_clocks_and_limits(nvml) -> None:
+    with open_nvml_gpus([0, 1], nvml=nvml) as (h100, h200):
+        assert h100.identity.name == "NVIDIA H100 80GB HBM3"
+        assert h200.identity.memory_clock_mhz == 3201
+        clocks = h100.supported_sm_clocks_mhz()
+        assert clocks[0] == 1980 and clocks[-1] == 210 and all(c % 15 == 0 for c in clocks)
+        limits = h100.power_limit_range()
+        assert (limits.min_mw, limits.max_mw, limits.default_mw) == (200_000, 700_000, 700_000)
+        assert h100.identity.driver_version
+    with open_nvml_gpus([h200.identity.uuid], nvml=nvml) as (by_uuid,):
+        assert by_uuid.identity.index == 1
+
+
+def test_setters_and_readings(nvml) -> None:
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        gpu.lock_sm_clock(1500, 1500)
+        assert nvml.fake_device_state(0)["locked_clocks"] == [1500, 1500]
+        gpu.set_power_limit_mw(400_000)
+        assert gpu.power_limit_mw() == 400_000
+        gpu.reset_sm_clock()
+        assert nvml.fake_device_state(0)["locked_clocks"] is None
+        e0 = gpu.energy_mj()
+        assert gpu.energy_mj() >= e0
+        assert gpu.power_mw() >= 70_000
+        assert gpu.clock_event_reasons() & EVENT_GPU_IDLE
+        assert 20 < gpu.temperature_c() < 100
+        # A heavy load under a low limit: the driver lowers the clock and says why.
+        nvml.fake_set_load(0, 1.0)
+        gpu.set_power_limit_mw(200_000)
+        assert gpu.clock_event_reasons() & EVENT_SW_POWER_CAP
+        assert gpu.sm_clock_mhz() < 1980
+
+
+def test_clear_errors(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        with pytest.raises(GpuValueError, match="1507 MHz is not a supported SM clock.*1500, 1515"):
+            gpu.lock_sm_clock(1507, 1507)
+        with pytest.raises(GpuValueError, match="outside the allowed range 200-700 W"):
+            gpu.set_power_limit_mw(800_000)
+        monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+        with pytest.raises(GpuPermissionError, match="run as root"):
+            gpu.lock_sm_clock(1500, 1500)
+        with pytest.raises(GpuPermissionError, match="systemd"):
+            gpu.set_power_limit_mw(500_000)
+    with (
+        pytest.raises(GpuUnavailableError, match="this machine has 2 GPU"),
+        open_nvml_gpus([5], nvml=nvml),
+    ):
+        pass
+    monkeypatch.setenv("DVFS_FAKE_NVML_MISSING", "1")
+    with (
+        pytest.raises(GpuUnavailableError, match='install the NVIDIA driver.*gpu.backend = "twin"'),
+        open_nvml_gpus([0], nvml=nvml),
+    ):
+        pass
+
+
+def test_mig_is_refused(nvml) -> None:
+    nvml.fake_update_device(1, mig=True)
+    with (
+        pytest.raises(GpuNotSupportedError, match="MIG enabled.*not per MIG slice"),
+        open_nvml_gpus([1], nvml=nvml),
+    ):
+        pass
+
+
+def test_old_driver_fallbacks(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DVFS_FAKE_NVML_OLD_DRIVER", "1")
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        assert gpu.clock_event_reasons() & EVENT_GPU_IDLE
+        assert 20 < gpu.temperature_c() < 100
+
+
+def test_instant_power_falls_back_when_the_field_is_unsupported(nvml) -> None:
+    nvml.fake_update_device(0, field_errors={186: 3})
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        assert gpu.power_mw() >= 70_000
