@@ -130,6 +130,55 @@ class SweepOutcome:
     cube_path: Path | None
 
 
+def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
+    """Refuse clocks or power limits a real GPU does not support, before changing anything."""
+    for gpu in gpus:
+        supported = set(gpu.supported_sm_clocks_mhz())
+        for clock in campaign.knobs.sm_clocks_mhz or ():
+            if clock not in supported:
+                nearest = sorted(supported, key=lambda c: abs(c - clock))[:2]
+                raise CampaignError(
+                    f"knobs.sm_clock: {clock} MHz is not supported by GPU {gpu.identity.index} "
+                    f"({gpu.identity.name}); nearest supported: "
+                    f"{', '.join(map(str, sorted(nearest)))} MHz"
+                )
+        allowed = gpu.power_limit_range()
+        for limit in campaign.knobs.power_limits_w or ():
+            if not allowed.min_mw <= limit * 1000 <= allowed.max_mw:
+                raise CampaignError(
+                    f"knobs.power_limit: {limit:g} W is outside GPU {gpu.identity.index}'s range "
+                    f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
+                )
+
+
+@contextlib.contextmanager
+def guarded_knobs(
+    campaign: Campaign, gpus: list[Gpu], *, state_dir: Path | None = None
+) -> Iterator[KnobController]:
+    """A knob controller that restores on exit; on real GPUs also a per-GPU lock and a state
+    file recording the original settings, so a crash can be undone with `dvfs gpu reset`."""
+    if campaign.gpu.backend != "nvml":
+        with KnobController(gpus, actuation=campaign.gpu.actuation) as knobs:
+            yield knobs
+        return
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+
+    directory = state_dir or default_state_dir()
+    store = StateStore(directory, command="sweep")
+    with GpuLocks(directory).hold(gpus):
+        store.refuse_if_pending(gpus)
+        check_knobs_against(campaign, gpus)
+        controller = KnobController(
+            gpus,
+            actuation=campaign.gpu.actuation,
+            change_log=store if campaign.gpu.actuation else None,
+            prior_locks=AppliedCaps(directory).locks(),
+        )
+        with controller as knobs:
+            yield knobs
+
+
 def run_sweep(
     campaign: Campaign,
     out_dir: Path,
@@ -137,7 +186,7 @@ def run_sweep(
     progress: Progress | None = None,
     backends: Backends | None = None,
     nvml: ModuleType | None = None,
-    knob_factory: Any = None,
+    state_dir: Path | None = None,
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` into `out_dir`, then write the cube."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,10 +196,7 @@ def run_sweep(
     with contextlib.ExitStack() as stack:
         b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
         _check_same_gpus(journal, b.gpus)
-        factory = knob_factory or (
-            lambda gpus: KnobController(gpus, actuation=campaign.gpu.actuation)
-        )
-        knobs = stack.enter_context(factory(b.gpus))
+        knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
         runner = Runner(
             campaign,
             gpus=b.gpus,

@@ -84,3 +84,18 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def small_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished sweep of SMALL_CAMPAIGN (shared by read-only tests): returns its folder."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    base = tmp_path_factory.mktemp("small_sweep")
+    campaign = write(base / "small.toml", SMALL_CAMPAIGN)
+    out = base / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out

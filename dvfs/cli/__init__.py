@@ -13,12 +13,31 @@ from dvfs import __version__
 from dvfs.cli.common import LazyGroup
 
 COMMANDS = {
+    "demo": (
+        "dvfs.cli.demo",
+        "demo",
+        "The whole pipeline on the twin: sweep, headroom table, figures.",
+    ),
     "sweep": (
         "dvfs.cli.sweep",
         "sweep",
         "Run a campaign: sweep knobs x batch x drafter x corpus into a cube.",
     ),
     "cube": ("dvfs.cli.cube", "cube", "Build, inspect and merge cubes."),
+    "headroom": (
+        "dvfs.cli.analysis",
+        "headroom",
+        "Lowest clock / power cap keeping latency within a target, and its saving.",
+    ),
+    "compare": (
+        "dvfs.cli.analysis",
+        "compare",
+        "Speculation vs none: equal clock, equal latency, break-even batch, roofline.",
+    ),
+    "plot": ("dvfs.cli.analysis", "plot", "Draw the figures from a cube."),
+    "gpu": ("dvfs.cli.gpu", "gpu", "List and inspect GPUs; restore settings after a crash."),
+    "cap": ("dvfs.cli.cap", "cap", "Production caps: plan from headroom, apply, show, reset."),
+    "doctor": ("dvfs.cli.doctor", "doctor", "Preflight a campaign (read-only)."),
 }
 
 

@@ -74,9 +74,13 @@ def handle_errors(func: F) -> F:
 
 
 def console(stderr: bool = False) -> Any:
+    """A rich console; at least 120 columns wide when writing to a pipe or file."""
+    import shutil
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    width = max(120, shutil.get_terminal_size((120, 24)).columns)
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def echo_json(data: Any) -> None:

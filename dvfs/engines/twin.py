@@ -196,7 +196,8 @@ class TwinEngine:
     def start(self, drafter: DrafterSpec) -> ServerInfo:
         self._plan = plan_drafter(drafter, self.model)
         self._drafter = drafter
-        self.node.clock.sleep(self.startup_s)
+        if self.node.clock.virtual:  # loading weights costs virtual time only; never wait for real
+            self.node.clock.sleep(self.startup_s)
         args: dict[str, object] = {
             "model_path": self.model.hf_name or self.model.key,
             "tp_size": self.node.tp_size,

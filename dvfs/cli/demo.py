@@ -1,0 +1,64 @@
+"""`dvfs demo`: the whole pipeline on the embedded demo campaign (the twin), in about a minute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dvfs.cli.common import console, handle_errors
+
+
+@click.command()
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("out/demo"),
+    show_default=True,
+    help="Folder for the journal, cube and figures.",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@handle_errors
+def demo(out_dir: Path, no_progress: bool) -> None:
+    """Sweep the demo campaign on the digital twin (H100 SXM, Llama-3.1-8B, five drafters, five
+    corpora), then print the headroom table and write the figures to OUT/plots."""
+    from importlib import resources
+
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import Target
+    from dvfs.campaign import load_campaign
+    from dvfs.cli.analysis import _print_table
+    from dvfs.cli.sweep import run
+    from dvfs.cube import CUBE_NAME, open_cube
+    from dvfs.plots import plot_all
+    from dvfs.report import headroom_document, headroom_table_rows
+
+    with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
+        campaign = load_campaign(path)
+    run(campaign, out_dir, fresh=False, progress=not no_progress)
+    ds = open_cube(out_dir / CUBE_NAME)
+    out = console()
+    for title, target, corpus in (
+        (
+            "Latency-preserving headroom (each drafter's own TPOT p50 + 5%), corpus code",
+            Target("preserve", slack=0.05),
+            "code",
+        ),
+        (
+            "Trading speculation's latency win for energy (TPOT p50 <= no speculation at stock), "
+            "corpus conversation",
+            Target("vs-baseline"),
+            "conversation",
+        ),
+    ):
+        result = headroom(ds, target=target).sel(corpus=[corpus])
+        header, rows = headroom_table_rows(headroom_document(result, ds))
+        _print_table(title, header, rows)
+    with out.status("drawing figures"):
+        paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
+    out.print(
+        f"{len(paths)} figures in {out_dir / 'plots'}; next: "
+        f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
+    )
