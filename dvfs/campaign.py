@@ -84,6 +84,7 @@ class SglangConfig:
     host: str = "127.0.0.1"
     startup_timeout_s: float = 900.0
     request_timeout_s: float = 120.0
+    stall_timeout_s: float = 60.0
     env: tuple[tuple[str, str], ...] = ()
 
 
@@ -434,6 +435,7 @@ def _engine(table: _Table, gpu: GpuConfig) -> EngineConfig:
         host=sg.string("host", "127.0.0.1"),
         startup_timeout_s=sg.number("startup_timeout_s", 900.0, strictly_positive=True),
         request_timeout_s=sg.number("request_timeout_s", 120.0, strictly_positive=True),
+        stall_timeout_s=sg.number("stall_timeout_s", 60.0, strictly_positive=True),
         env=tuple(sorted(env.items())),
     )
     sg.finish()

@@ -106,8 +106,13 @@ def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def headroom_table_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Column names and text cells shared by the terminal and Markdown renderings."""
+def headroom_table_rows(
+    doc: dict[str, Any], *, omit: tuple[str, ...] = ()
+) -> tuple[list[str], list[list[str]]]:
+    """Column names and text cells shared by the terminal and Markdown renderings.
+
+    `omit` drops grouping columns (batch, drafter, corpus) a caller states elsewhere.
+    """
     has_gpu = any("gpu" in r for r in doc["rows"])
     header = [
         *(["gpu"] if has_gpu else []),
@@ -149,7 +154,8 @@ def headroom_table_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]
                 _fmt(r["target_ms"], ".3g"),
             ]
         rows.append([*lead, str(r["batch"]), r["drafter"], r["corpus"], *cells])
-    return header, rows
+    keep = [i for i, name in enumerate(header) if name not in omit]
+    return [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

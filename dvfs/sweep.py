@@ -56,7 +56,9 @@ def open_backends(
             from dvfs.gpu.twin import TwinGpu
             from dvfs.twin.device import TwinDevice, TwinNode
 
-            clock: Clock = VirtualClock()
+            # Simulated GPUs live in virtual time, unless a real server sets the pace.
+            virtual = campaign.engine.backend == "twin"
+            clock: Clock = VirtualClock() if virtual else MonotonicClock()
             profile = gpu_profile(campaign.gpu.profile or "")
             indices = []
             for device in campaign.gpu.devices:

@@ -54,7 +54,7 @@ def demo(out_dir: Path, no_progress: bool) -> None:
         ),
     ):
         result = headroom(ds, target=target).sel(corpus=[corpus])
-        header, rows = headroom_table_rows(headroom_document(result, ds))
+        header, rows = headroom_table_rows(headroom_document(result, ds), omit=("corpus",))
         _print_table(title, header, rows)
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))

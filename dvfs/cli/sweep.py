@@ -66,11 +66,24 @@ def _server_plans(campaign: Any) -> list[dict[str, Any]]:
     """Per drafter: the launch argv (SGLang) or the twin's resolved drafting plan."""
     plans = []
     if campaign.engine.backend == "sglang":
-        from dvfs.engines.sglang_args import launch_argv
+        from dvfs.engines.sglang_args import launch_argv, probe_help, server_command, server_env
 
+        help_text = (
+            None
+            if campaign.engine.sglang.version
+            else probe_help(server_command(campaign), env=server_env(campaign))
+        )
+        source = (
+            "engine.sglang.version"
+            if campaign.engine.sglang.version
+            else "launch_server --help"
+            if help_text
+            else "assumed SGLang >= 0.5.23 (launch_server --help could not run here; "
+            "set engine.sglang.version)"
+        )
         for drafter in campaign.drafters:
-            argv = launch_argv(campaign, drafter, port=30000)
-            plans.append({"drafter": drafter.name, "argv": argv})
+            argv = launch_argv(campaign, drafter, port=30000, help_text=help_text)
+            plans.append({"drafter": drafter.name, "argv": argv, "flags_from": source})
         return plans
     from dvfs.engines.twin import plan_drafter
     from dvfs.twin.profiles import model_profile
@@ -109,6 +122,11 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         f"{report['knob_changes']} knob change(s); roughly "
         f"{report['estimated_hours_on_hardware']} h on real hardware"
     )
+    if report["servers"] and "flags_from" in report["servers"][0]:
+        out.print(
+            f"launch flags from: {report['servers'][0]['flags_from']}; the port is chosen "
+            "when each server starts"
+        )
     for server in report["servers"]:
         if "argv" in server:
             out.print(

@@ -1,0 +1,295 @@
+"""The SGLang engine: a real server per drafter, fixed-batch or closed-loop decoding over HTTP.
+
+The server runs as its own process group (argv list, never a shell) with its log kept in the
+sweep folder. It is stopped, whole group, on exit, error and signal; and it is asked to die
+with dvfs (PR_SET_PDEATHSIG) so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a
+server already running at a URL and never starts or stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dvfs.campaign import Campaign, DrafterSpec
+from dvfs.clock import Clock
+from dvfs.corpora import Prompt
+from dvfs.engines.base import RoundResult, ServerInfo, Workload
+from dvfs.engines.sglang_args import (
+    launch_argv,
+    parse_version,
+    probe_help,
+    server_command,
+    server_env,
+)
+from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
+from dvfs.errors import EngineCrashedError, EngineError
+
+log = logging.getLogger(__name__)
+LOG_TAIL_LINES = 40
+STOP_GRACE_S = 20.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when dvfs dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ChatFormatter:
+    """Chat messages to the text `/generate` takes: the model's chat template when its tokenizer
+    is available locally (transformers installed), else plain 'role: content' turns."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._tokenizer: Any = None
+        self._tried = False
+
+    def _load(self) -> Any:
+        if not self._tried:
+            self._tried = True
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model, local_files_only=True)
+            except Exception as exc:  # no transformers, no local copy, no template: plain text
+                log.info("no chat template for %s (%s): sending plain text", self.model, exc)
+        return self._tokenizer
+
+    def __call__(self, prompt: Prompt) -> str:
+        tokenizer = self._load()
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            return str(
+                tokenizer.apply_chat_template(
+                    prompt.as_chat(), tokenize=False, add_generation_prompt=True
+                )
+            )
+        return prompt.text
+
+
+class SglangEngine:
+    """The `Engine` protocol over a real (or attached) SGLang server."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        campaign: Campaign,
+        *,
+        clock: Clock,
+        log_dir: Path,
+        formatter: ChatFormatter | None = None,
+    ) -> None:
+        self.campaign = campaign
+        self.config = campaign.engine.sglang
+        self.clock = clock
+        self.log_dir = log_dir
+        self.formatter = formatter or ChatFormatter(campaign.engine.model)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+        self._log_path: Path | None = None
+        self._client: SglangClient | None = None
+        self._help: str | None = None
+        self._help_probed = False
+        self._starts = 0
+        self._round = 0
+
+    @classmethod
+    def from_campaign(cls, campaign: Campaign, *, clock: Clock, log_dir: Path) -> SglangEngine:
+        return cls(campaign, clock=clock, log_dir=log_dir)
+
+    def __enter__(self) -> SglangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def _client_for(self, url: str) -> SglangClient:
+        return SglangClient(
+            url,
+            clock=self.clock,
+            request_timeout_s=self.config.request_timeout_s,
+            stall_timeout_s=self.config.stall_timeout_s,
+        )
+
+    def launch_help(self) -> str | None:
+        if not self._help_probed:
+            self._help_probed = True
+            self._help = probe_help(server_command(self.campaign), env=server_env(self.campaign))
+        return self._help
+
+    def start(self, drafter: DrafterSpec) -> ServerInfo:
+        self.stop()
+        if self.config.url:
+            return self._attach(drafter)
+        port = free_port(self.config.host)
+        argv = launch_argv(self.campaign, drafter, port=port, help_text=self.launch_help())
+        self._starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = self.log_dir / f"server-{drafter.name}-{self._starts}.log"
+        self._log_file = open(self._log_path, "ab")  # noqa: SIM115 (closed in stop())
+        self._log_file.write(("$ " + " ".join(argv) + "\n").encode())
+        self._log_file.flush()
+        env = server_env(self.campaign)
+        log.info("starting SGLang: %s", " ".join(argv))
+        try:
+            self._process = subprocess.Popen(
+                argv,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            self.stop()
+            raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
+        self._client = self._client_for(f"http://{self.config.host}:{port}")
+        try:
+            self._client.wait_healthy(self.config.startup_timeout_s, alive=self._alive)
+            info = self._client.server_info()
+        except EngineError as exc:
+            log_path = self._log_path
+            self.stop()
+            raise EngineError(
+                f"the {drafter.name!r} server failed to start: {exc}\n"
+                f"--- last lines of {log_path} ---\n{tail(log_path)}"
+            ) from exc
+        self._check_resolved(drafter, info)
+        return ServerInfo(
+            "sglang",
+            str(info.get("version", "?")),
+            drafter.name,
+            _resolved_args(info),
+            str(self._log_path),
+        )
+
+    def _attach(self, drafter: DrafterSpec) -> ServerInfo:
+        assert self.config.url is not None
+        self._client = self._client_for(self.config.url)
+        self._client.wait_healthy(self.config.startup_timeout_s)
+        info = self._client.server_info()
+        return ServerInfo(
+            "sglang", str(info.get("version", "?")), drafter.name, _resolved_args(info), None
+        )
+
+    def _check_resolved(self, drafter: DrafterSpec, info: dict[str, Any]) -> None:
+        """The server must run what was asked: the algorithm and room for the largest batch."""
+        args = _resolved_args(info)
+        algorithm = args.get("speculative_algorithm")
+        if (algorithm or None) != drafter.algorithm and not (
+            drafter.algorithm == "NEXTN" and algorithm == "EAGLE"
+        ):
+            raise EngineError(
+                f"the server runs speculative algorithm {algorithm!r}, "
+                f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks"
+            )
+        largest = max(self.campaign.workload.batch_sizes)
+        running = args.get("max_running_requests")
+        if running is not None and int(running) < largest:
+            raise EngineError(
+                f"the server caps running requests at {running}, below the largest batch {largest}"
+            )
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, a grace period, then SIGKILL."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        if process is not None:
+            # Children of a crashed server may linger in its group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        self._client = None
+
+    # -- workload ---------------------------------------------------------------------------
+    def run(self, workload: Workload) -> RoundResult:
+        if self._client is None:
+            raise EngineCrashedError("no server is running (it died or was never started)")
+        client = self._client
+        self._round += 1
+        texts = [self.formatter(p) for p in workload.prompts]
+        params = SamplingParams(workload.max_new_tokens, workload.temperature, workload.ignore_eos)
+        tag = f"dvfs-{os.getpid()}-{self._round}"
+        try:
+            client.flush_cache()
+            started = self.clock.now_ns()
+            if workload.mode == "closed-loop":
+                traces = client.run_closed_loop(texts, params, workload.batch, tag)
+            else:
+                traces = client.run_batch(texts, params, tag)
+            ended = self.clock.now_ns()
+            accept = client.accept_length()
+        except EngineConnectionError as exc:
+            if not self.config.url and not self._alive():
+                raise EngineCrashedError(self._crash_message(exc)) from exc
+            raise
+        if not self.config.url and not self._alive():
+            raise EngineCrashedError(self._crash_message(None))
+        return RoundResult(tuple(traces), started, ended, accept)
+
+    def _crash_message(self, exc: Exception | None) -> str:
+        code = None
+        if self._process is not None:
+            code = self._process.poll()
+        why = f" ({exc})" if exc else ""
+        log_path = self._log_path
+        return (
+            f"the SGLang server died (exit code {code}){why}\n"
+            f"--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+        )
+
+
+def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:
+    """The server's resolved arguments as /server_info lists them (JSON-safe)."""
+    skip = {"internal_states", "version"}
+    return {k: v for k, v in info.items() if k not in skip and _jsonable(v)}
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool | type(None) | list | dict)
+
+
+def server_version(info: dict[str, Any]) -> tuple[int, ...] | None:
+    return parse_version(str(info.get("version", "")))

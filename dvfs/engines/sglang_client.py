@@ -1,0 +1,271 @@
+"""Talking to an SGLang server over HTTP: health, server info, cache flush, streaming generate.
+
+Streaming chunks are cumulative (`meta_info.completion_tokens` is the running count), and with
+speculation one chunk can carry several tokens: each chunk's arrival time is kept with the
+number of new tokens it brought. Field names of both 0.5.9 and 0.5.23 are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dvfs.clock import Clock
+from dvfs.engines.base import RequestTrace
+from dvfs.errors import EngineError
+
+#: Speculative counters: (0.5.23 name, 0.5.9 name).
+ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
+PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
+
+
+class EngineConnectionError(EngineError):
+    """The connection to the server broke (refused, reset, closed mid-stream)."""
+
+
+def _first(meta: dict[str, Any], names: Sequence[str]) -> Any:
+    for name in names:
+        if meta.get(name) is not None:
+            return meta[name]
+    return None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float
+    ignore_eos: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+def _httpx() -> Any:
+    import httpx
+
+    return httpx
+
+
+class SglangClient:
+    """One server's HTTP API. Proxies from the environment are ignored (loopback stays local)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        clock: Clock,
+        request_timeout_s: float = 120.0,
+        stall_timeout_s: float = 60.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.clock = clock
+        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+
+    # -- simple endpoints ---------------------------------------------------------------------
+    def _get(self, path: str, timeout_s: float = 10.0) -> Any:
+        httpx = _httpx()
+        with httpx.Client(trust_env=False, timeout=timeout_s) as client:
+            return client.get(self.base_url + path)
+
+    def health_status(self) -> int | None:
+        """HTTP status of /health, or None while nothing listens."""
+        httpx = _httpx()
+        try:
+            return int(self._get("/health", timeout_s=5.0).status_code)
+        except httpx.HTTPError:
+            return None
+
+    def wait_healthy(
+        self, timeout_s: float, *, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.5
+    ) -> None:
+        """Until /health answers 200; raises when the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if not alive():
+                raise EngineError("the server process exited while starting")
+            last = self.health_status()
+            if last == 200:
+                return
+            time.sleep(poll_s)
+        state = "nothing listening" if last is None else f"/health answered {last}"
+        raise EngineError(
+            f"the server at {self.base_url} was not ready within {timeout_s:g} s ({state})"
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        """/server_info (0.5.23 also serves it as /get_server_info)."""
+        httpx = _httpx()
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                response = self._get(path)
+            except httpx.HTTPError as exc:
+                raise EngineConnectionError(f"cannot read {path}: {exc}") from exc
+            if response.status_code == 200:
+                try:
+                    return dict(response.json())
+                except ValueError as exc:
+                    raise EngineError(f"{path} did not answer JSON") from exc
+        raise EngineError(f"{self.base_url} serves neither /server_info nor /get_server_info")
+
+    def accept_length(self) -> float | None:
+        """The server's running mean accept length (since the last flush on 0.5.23)."""
+        states = self.server_info().get("internal_states") or []
+        values = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
+        values = [float(v) for v in values if v is not None]
+        return float(np.mean(values)) if values and any(values) else None
+
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """POST /flush_cache, retrying while the server answers 400 (requests still running)."""
+        httpx = _httpx()
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(trust_env=False, timeout=10.0) as client:
+            while True:
+                try:
+                    response = client.post(self.base_url + "/flush_cache")
+                except httpx.HTTPError as exc:
+                    raise EngineConnectionError(f"cannot flush the cache: {exc}") from exc
+                if response.status_code == 200:
+                    return
+                if response.status_code != 400 or time.monotonic() > deadline:
+                    raise EngineError(
+                        f"/flush_cache answered {response.status_code}: {response.text[:200]}"
+                    )
+                time.sleep(0.1)
+
+    # -- streaming generate ---------------------------------------------------------------------
+    async def _stream(
+        self, client: Any, text: str, params: SamplingParams, rid: str
+    ) -> RequestTrace:
+        httpx = _httpx()
+        body = {"text": text, "sampling_params": params.as_json(), "stream": True, "rid": rid}
+        chunk_ns: list[int] = []
+        chunk_tokens: list[int] = []
+        seen = 0
+        final: dict[str, Any] = {}
+        prompt_tokens = 0
+        sent_ns = self.clock.now_ns()
+        try:
+            async with client.stream("POST", self.base_url + "/generate", json=body) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread()).decode(errors="replace")[:300]
+                    raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    now = self.clock.now_ns()
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError as exc:
+                        raise EngineError(
+                            f"malformed stream chunk from the server: {payload[:120]!r}"
+                        ) from exc
+                    if not isinstance(chunk, dict):
+                        raise EngineError(f"unexpected stream chunk: {payload[:120]!r}")
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        message = err.get("message") if isinstance(err, dict) else err
+                        raise EngineError(f"the server reported an error: {message}")
+                    meta = chunk.get("meta_info") or {}
+                    count = meta.get("completion_tokens")
+                    if count is None:
+                        count = len(chunk.get("output_ids") or [])
+                    prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
+                    new = int(count) - seen
+                    if new > 0:
+                        chunk_ns.append(now)
+                        chunk_tokens.append(new)
+                        seen = int(count)
+                    if meta.get("finish_reason") is not None:
+                        final = meta
+        except httpx.TimeoutException as exc:
+            raise EngineError(
+                f"stream stalled: no data from the server for "
+                f"{self.stall_timeout_s:g} s (request {rid})"
+            ) from exc
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise EngineConnectionError(
+                f"connection to the server broke during request {rid}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not final:
+            raise EngineError(f"the stream of request {rid} ended without a final chunk")
+        finish = final.get("finish_reason")
+        verify = final.get("spec_verify_ct")
+        accepted = _first(final, ACCEPTED_DRAFTS)
+        proposed = _first(final, PROPOSED_DRAFTS)
+        return RequestTrace(
+            sent_ns=sent_ns,
+            chunk_ns=np.array(chunk_ns, dtype=np.int64),
+            chunk_tokens=np.array(chunk_tokens, dtype=np.int64),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=seen,
+            finish_reason=finish.get("type") if isinstance(finish, dict) else str(finish),
+            spec_verify_ct=None if verify is None else int(verify),
+            spec_accepted_drafts=None if accepted is None else int(accepted),
+            spec_proposed_drafts=None if proposed is None else int(proposed),
+        )
+
+    def _async_client(self, connections: int) -> Any:
+        httpx = _httpx()
+        timeout = httpx.Timeout(
+            connect=10.0, read=self.stall_timeout_s, write=10.0, pool=self.request_timeout_s
+        )
+        limits = httpx.Limits(
+            max_connections=connections + 4, max_keepalive_connections=connections + 4
+        )
+        return httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+
+    def run_batch(
+        self, texts: Sequence[str], params: SamplingParams, tag: str
+    ) -> list[RequestTrace]:
+        """All requests at once (a fixed batch): the server decodes them together."""
+
+        async def main() -> list[RequestTrace]:
+            async with self._async_client(len(texts)) as client:
+                tasks = [self._stream(client, t, params, f"{tag}-{i}") for i, t in enumerate(texts)]
+                return list(await asyncio.gather(*tasks))
+
+        return asyncio.run(main())
+
+    def run_closed_loop(
+        self, texts: Sequence[str], params: SamplingParams, concurrency: int, tag: str
+    ) -> list[RequestTrace]:
+        """Keep `concurrency` requests in flight until the pool is used up."""
+
+        async def main() -> list[RequestTrace]:
+            gate = asyncio.Semaphore(concurrency)
+            async with self._async_client(concurrency) as client:
+
+                async def one(i: int, text: str) -> RequestTrace:
+                    async with gate:
+                        return await self._stream(client, text, params, f"{tag}-{i}")
+
+                return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
+
+        return asyncio.run(main())
+
+
+def probe_server(url: str) -> tuple[str, str]:
+    """For `dvfs doctor`: is a server answering at `url`, and which SGLang is it?"""
+    from dvfs.clock import MonotonicClock
+
+    client = SglangClient(url, clock=MonotonicClock())
+    status = client.health_status()
+    if status != 200:
+        return "fail", f"no healthy server at {url} (/health: {status or 'no answer'})"
+    info = client.server_info()
+    return "ok", f"SGLang {info.get('version', '?')} at {url}, model {info.get('model_path', '?')}"

@@ -1,0 +1,112 @@
+"""Helpers for tests that run dvfs's real SGLang engine against the stub server on loopback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
+
+
+def load_stub() -> ModuleType:
+    """The stub module (for its argv parser), imported from its file."""
+    spec = importlib.util.spec_from_file_location("sglang_stub", STUB)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sglang_stub"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stub_campaign(
+    tmp: Path,
+    *,
+    version: str = "0.5.23",
+    stub: dict | None = None,
+    drafters: str | None = None,
+    batch: str = "[1, 4]",
+    knobs: str | None = None,
+    workload_extra: str = "",
+    measurement_extra: str = "",
+    sglang_extra: str = "",
+    output_tokens: int = 32,
+    warmup_tokens: int = 4,
+    stall_timeout_s: float = 10.0,
+) -> tuple[Path, str]:
+    """A campaign whose engine is the stub (launched by dvfs as its "server command").
+
+    Returns the campaign path and a marker unique to this campaign's server processes.
+    """
+    marker = f"stub-model-{uuid.uuid4().hex[:12]}"
+    config = tmp / "stub.json"
+    config.write_text(json.dumps({"version": version, "max_lifetime_s": 120, **(stub or {})}))
+    drafters = (
+        drafters
+        or """
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "draft/eagle3"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+"""
+    )
+    knobs = knobs or "sm_clock = [1980, 1500]\nsettle_s = 0.0"
+    text = f"""
+[campaign]
+name = "stub"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+
+[knobs]
+{knobs}
+
+[engine]
+backend = "sglang"
+model = "{marker}"
+
+[engine.sglang]
+server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}]
+startup_timeout_s = 30
+request_timeout_s = 30
+stall_timeout_s = {stall_timeout_s}
+env = {{ SGLANG_STUB_CONFIG = {json.dumps(str(config))} }}
+{sglang_extra}
+{drafters}
+
+[workload]
+batch = {batch}
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = {output_tokens}
+{workload_extra}
+
+[measurement]
+warmup_tokens = {warmup_tokens}
+min_window_s = 0.01
+max_rounds = 1
+sample_period_s = 0.01
+idle_s = 0.0
+retries = 1
+{measurement_extra}
+"""
+    path = tmp / "stub-campaign.toml"
+    path.write_text(text)
+    return path, marker
+
+
+def running(marker: str) -> list[str]:
+    """Command lines of live processes carrying `marker` (servers dvfs may have left behind)."""
+    result = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
+    return [line for line in result.stdout.splitlines() if "pgrep" not in line]

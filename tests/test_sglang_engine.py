@@ -1,0 +1,334 @@
+"""The real SGLang engine against the stub server (a separate process on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from sglang_support import STUB, load_stub, running, stub_campaign
+
+import dvfs
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.engines.sglang_args import (
+    NEW_CUDA_GRAPH_FLAG,
+    OLD_CUDA_GRAPH_FLAG,
+    cuda_graph_flag,
+    launch_argv,
+    probe_help,
+)
+from dvfs.errors import EngineError
+
+REPO = Path(__file__).resolve().parent.parent
+VERSIONS = ("0.5.9", "0.5.23")
+
+
+# -- launch argv ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_campaign_argv_parses_like_sglang(version: str) -> None:
+    """Every drafter's argv of the real-hardware campaign, through SGLang's own option table."""
+    stub = load_stub()
+    campaign = load_campaign(REPO / "sweeps" / "h100-llama8b.toml")
+    config = stub.StubConfig(version=version)
+    largest = max(campaign.workload.batch_sizes)
+    checked = 0
+    for drafter in campaign.drafters:
+        if version == "0.5.9" and drafter.algorithm == "DFLASH":
+            with pytest.raises(EngineError, match="need SGLang 0.5.23 or newer"):
+                launch_argv(campaign, drafter, port=31000, version=version)
+            continue
+        argv = launch_argv(campaign, drafter, port=31000, version=version)
+        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv)
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        args, spec = stub.parse_launch_argv(argv[3:], config)  # exits on any rejected flag
+        assert args["max_running_requests"] == largest  # not SGLang's silent 48
+        graph = "cuda_graph_max_bs" if version == "0.5.9" else "cuda_graph_max_bs_decode"
+        assert args[graph] == largest
+        assert args["enable_metrics"] is True
+        assert args["model_path"] == "meta-llama/Llama-3.1-8B-Instruct"
+        if drafter.algorithm is None:
+            assert spec is None
+        else:
+            assert args["speculative_algorithm"] == drafter.algorithm
+            assert args["speculative_num_draft_tokens"] == drafter.num_draft_tokens
+            if drafter.algorithm in ("EAGLE3", "STANDALONE"):
+                assert (args["speculative_num_steps"], args["speculative_eagle_topk"]) == (
+                    drafter.num_steps,
+                    drafter.eagle_topk,
+                )
+        checked += 1
+    assert checked == (4 if version == "0.5.9" else 5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_cuda_graph_flag_comes_from_launch_server_help(version: str, tmp_path: Path) -> None:
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({"version": version}))
+    import os
+
+    env = {**os.environ, "SGLANG_STUB_CONFIG": str(config)}
+    result = subprocess.run(
+        [sys.executable, str(STUB), "--help"], capture_output=True, text=True, timeout=60, env=env
+    )
+    help_text = result.stdout
+    expected = OLD_CUDA_GRAPH_FLAG if version == "0.5.9" else NEW_CUDA_GRAPH_FLAG
+    assert cuda_graph_flag(help_text, None) == expected
+    # The old flag on 0.5.23 is an ambiguous prefix: argparse refuses it (the reason we look).
+    stub = load_stub()
+    if version == "0.5.23":
+        with pytest.raises(SystemExit):
+            stub.parse_launch_argv(
+                ["--model-path", "m", OLD_CUDA_GRAPH_FLAG, "8"], stub.StubConfig(version=version)
+            )
+    assert probe_help(["/nonexistent/python"]) is None
+
+
+def test_dry_run_shows_each_drafter_argv() -> None:
+    result = CliRunner().invoke(
+        cli, ["sweep", str(REPO / "sweeps" / "h100-llama8b.toml"), "--dry-run", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    argvs = {s["drafter"]: s["argv"] for s in plan["servers"]}
+    assert set(argvs) == {"none", "eagle3", "standalone", "ngram", "dflash"}
+    assert "--speculative-algorithm" not in argvs["none"]
+    eagle = argvs["eagle3"]
+    assert eagle[eagle.index("--speculative-draft-model-path") + 1] == (
+        "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    )
+    assert "--speculative-num-steps" not in argvs["ngram"]
+    assert plan["servers"][0]["flags_from"]
+
+
+# -- sweeps against the stub --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> None:
+    stub = {"ttft_s": 0.03, "tpot_s": 0.006, "accept_length": 2.5, "seed": 1}
+    campaign, marker = stub_campaign(tmp_path, version=version, stub=stub, output_tokens=80)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    ds = dvfs.open_cube(str(out / "cube.nc"))
+    assert (ds["cell_status"] == 1).all()
+    tpot = ds["tpot_ms"].sel(quantile=0.5)
+    ttft = ds["ttft_ms"].sel(quantile=0.5)
+    # No speculation: one token per 6 ms step. EAGLE-3: 2.5 tokens per step, so 6 / 2.5 ms.
+    assert np.allclose(tpot.sel(drafter="none"), 6.0, rtol=0.25)
+    assert np.allclose(tpot.sel(drafter="eagle3"), 6.0 / 2.5, rtol=0.3)
+    assert np.all((ttft > 25) & (ttft < 80))
+    accept = ds["accept_length"]
+    assert np.isnan(accept.sel(drafter="none")).all()
+    # The stub emits 2 or 3 tokens per step at random (mean 2.5) over ~32 steps per request;
+    # completion / verify passes also counts the prefill token (+1/32).
+    assert np.allclose(accept.sel(drafter="eagle3"), 2.5, atol=0.25)
+    assert np.allclose(ds["server_accept_length"].sel(drafter="eagle3"), 2.5, atol=0.25)
+    assert np.allclose(ds["accept_rate"].sel(drafter="eagle3"), 1.5 / 3, atol=0.1)
+    servers = json.loads(ds.attrs["server_args"])
+    assert servers["eagle3"]["version"] == version
+    assert servers["eagle3"]["args"]["speculative_num_draft_tokens"] == 4
+    logs = sorted(p.name for p in (out / "logs").glob("*.log"))
+    assert logs == ["server-eagle3-2.log", "server-none-1.log"]
+    assert "Uvicorn running" in (out / "logs" / "server-none-1.log").read_text()
+    assert running(marker) == []  # every server was stopped
+
+
+def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], object]:
+    campaign, marker = stub_campaign(tmp_path, **kwargs)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert running(marker) == []
+    return [c for c in cells if c["type"] == "cell"], dvfs.open_cube(str(out / "cube.nc"))
+
+
+ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
+    # Each server survives one cell's two requests and dies on the next one.
+    cells, ds = _sweep_cells(
+        tmp_path,
+        stub={"die_after_requests": 3},
+        drafters=ONE_DRAFTER,
+        batch="[2]",
+        knobs="sm_clock = [1980, 1500, 1005]\nsettle_s = 0.0",
+        warmup_tokens=0,
+    )
+    assert all(c["status"] == "ok" for c in cells)
+    retried = [c for c in cells if c["attempts"] == 2]
+    assert retried, "some cell must have met a dead server"
+    assert any("died" in e for c in retried for e in c["errors"])
+    assert (ds["cell_status"] == 1).all()
+
+
+@pytest.mark.slow
+def test_a_server_that_keeps_dying_fails_its_cells_and_the_campaign_goes_on(tmp_path: Path) -> None:
+    cells, ds = _sweep_cells(
+        tmp_path, stub={"die_after_requests": 1}, drafters=ONE_DRAFTER, batch="[1]"
+    )
+    assert {c["status"] for c in cells} == {"failed"}
+    assert len(cells) == 2  # both clocks were attempted
+    assert all(c["attempts"] == 2 for c in cells)  # first try + one retry (retries = 1)
+    assert "died" in cells[0]["error"]
+    assert (ds["cell_status"] == 2).all() and np.isnan(ds["tpot_ms"]).all()
+    assert "died" in ds.attrs["failed_cells"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stub", "message"),
+    [
+        ({"fail_after_requests": 1, "fail_status": 503}, "HTTP 503"),
+        ({"malformed_chunk_at": 2}, "malformed stream chunk"),
+        ({"stall_after_chunks": 2, "stall_s": 2}, "stream stalled"),
+    ],
+)
+def test_protocol_faults_are_journaled_per_cell(stub: dict, message: str, tmp_path: Path) -> None:
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub=stub,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        stall_timeout_s=0.5,
+    )
+    assert cells and all(c["status"] == "failed" for c in cells)
+    assert message in cells[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
+    drafters = '\n[drafters.none]\nalgorithm = "none"\nextra_args = ["--no-such-flag"]\n'
+    cells, _ = _sweep_cells(
+        tmp_path, drafters=drafters, batch="[1]", knobs="sm_clock = [1980]\nsettle_s = 0.0"
+    )
+    assert cells[0]["status"] == "failed"
+    assert "failed to start" in cells[0]["error"]
+    assert "unrecognized arguments: --no-such-flag" in cells[0]["error"]
+
+
+@pytest.mark.slow
+def test_closed_loop_mode(tmp_path: Path) -> None:
+    cells, ds = _sweep_cells(
+        tmp_path,
+        stub={"natural_stop": True, "tpot_s": 0.004, "seed": 3},
+        drafters=ONE_DRAFTER,
+        batch="[2]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        workload_extra='mode = "closed-loop"\npool_size = 8',
+        output_tokens=48,
+    )
+    [cell] = cells
+    assert cell["status"] == "ok", cell
+    measurement = cell["measurement"]
+    assert measurement["requests"] == 8 and measurement["output_tokens"] > 0
+    assert measurement["tpot_ms"][0] == pytest.approx(4.0, rel=0.3)
+
+
+@pytest.mark.slow
+def test_attach_to_a_running_server(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, "tpot_s": 0.004}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(STUB),
+            "--model-path",
+            "attached-model",
+            "--port",
+            str(port),
+            "--speculative-algorithm",
+            "NGRAM",
+        ],
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        drafters = '\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+        campaign, _ = stub_campaign(
+            tmp_path,
+            drafters=drafters,
+            batch="[2]",
+            knobs="sm_clock = [1980]\nsettle_s = 0.0",
+            sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        )
+        out = tmp_path / "out"
+        result = CliRunner().invoke(
+            cli,
+            ["sweep", str(campaign), "--out", str(out), "--no-progress"],
+            catch_exceptions=False,
+        )
+        assert result.exit_code == 0, result.output
+        ds = dvfs.open_cube(str(out / "cube.nc"))
+        assert (ds["cell_status"] == 1).all()
+        assert json.loads(ds.attrs["server_args"])["ngram"]["args"]["speculative_algorithm"] == (
+            "NGRAM"
+        )
+        assert server.poll() is None  # an attached server is left running
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_no_orphan_server_when_dvfs_is_killed(tmp_path: Path) -> None:
+    from conftest import subprocess_env
+
+    campaign, marker = stub_campaign(
+        tmp_path, stub={"tpot_s": 0.05}, drafters=ONE_DRAFTER, batch="[1]", output_tokens=400
+    )
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not running(marker):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while running(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(marker) == [], "the server outlived a SIGKILLed dvfs"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for line in running(marker):
+            subprocess.run(["kill", "-9", line.split()[0]], check=False)
+
+
+def test_acceptance_is_nan_without_speculation_not_one_or_zero(tmp_path: Path) -> None:
+    from dvfs.meter import acceptance
+
+    assert math.isnan(acceptance([]).accept_length)
