@@ -262,6 +262,8 @@ def _provenance(view: JournalView) -> dict[str, Any]:
         "power_limit_range_w": list(session["power_limit_range_w"]),
         "idle_power_w": float(np.nanmean([_num(s["idle_power_w"]) for s in view.sessions])),
         "measurement_method": session["measurement_method"],
+        "token_count_method": session.get("token_count_method", ""),
+        "corpora": json.dumps(session.get("corpora", {}), sort_keys=True),
         "sessions": len(view.sessions),
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",

@@ -118,6 +118,7 @@ class Runner:
         knobs: KnobController,
         corpora: dict[str, Corpus],
         progress: Progress | None = None,
+        token_count_method: str = "estimate",
     ) -> None:
         self.campaign = campaign
         self.gpus = list(gpus)
@@ -127,6 +128,7 @@ class Runner:
         self.knobs = knobs
         self.corpora = corpora
         self.progress = progress or NullProgress()
+        self.token_count_method = token_count_method
         self.idle_power_w = float("nan")
         self._drafter: str | None = None
         self._setting: Any = None
@@ -159,6 +161,15 @@ class Runner:
                 ],
                 "idle_power_w": self.idle_power_w,
                 "measurement_method": MEASUREMENT_METHOD,
+                "token_count_method": self.token_count_method,
+                "corpora": {
+                    name: {
+                        "source": c.source,
+                        "content_hash": c.content_hash,
+                        "prompts": len(c.prompts),
+                    }
+                    for name, c in self.corpora.items()
+                },
             }
         )
 

@@ -16,6 +16,7 @@ from typing import Any
 from dvfs.campaign import Campaign
 from dvfs.clock import Clock, MonotonicClock, VirtualClock
 from dvfs.corpora import Corpus, load_corpus
+from dvfs.corpora.model import TokenCounter
 from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.engines.base import Engine
 from dvfs.errors import CampaignError, JournalError
@@ -33,12 +34,40 @@ class Backends:
     engine: Engine
 
 
-def load_corpora(campaign: Campaign) -> dict[str, Corpus]:
+def tokenizer_model(campaign: Campaign) -> str | None:
+    """The Hugging Face name whose tokenizer counts prompt tokens for this campaign."""
+    if campaign.engine.backend == "twin":
+        from dvfs.twin.profiles import find_model_profile
+
+        profile = find_model_profile(campaign.engine.twin_model or campaign.engine.model)
+        return profile.hf_name if profile is not None and profile.hf_name else None
+    return campaign.engine.model
+
+
+def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[str, Corpus]:
+    """Every corpus the campaign names, with token counts from the target's tokenizer if it is
+    available locally (else the documented estimate)."""
+    if count is None:
+        from dvfs.corpora.tokens import token_counter
+
+        count, _ = token_counter(tokenizer_model(campaign))
     corpora = {}
     for ref in campaign.workload.corpora:
         spec = dict(ref.spec) if ref.spec is not None else None
-        corpora[ref.name] = load_corpus(ref.name, spec, base_dir=campaign.base_dir)
+        corpora[ref.name] = load_corpus(
+            ref.name, spec, base_dir=campaign.base_dir, count_tokens=count
+        )
     return corpora
+
+
+def acceptance_aliases(campaign: Campaign) -> dict[str, str]:
+    """User corpora that tell the twin which built-in corpus they accept like."""
+    aliases = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec or ())
+        if "acceptance_like" in spec:
+            aliases[ref.name] = str(spec["acceptance_like"])
+    return aliases
 
 
 @contextlib.contextmanager
@@ -88,7 +117,9 @@ def open_backends(
             from dvfs.engines.twin import TwinEngine
 
             model = model_profile(campaign.engine.twin_model or campaign.engine.model)
-            engine: Engine = stack.enter_context(TwinEngine(node, model))
+            engine: Engine = stack.enter_context(
+                TwinEngine(node, model, acceptance_like=acceptance_aliases(campaign))
+            )
         else:
             from dvfs.engines.sglang import SglangEngine
 
@@ -192,8 +223,11 @@ def run_sweep(
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` into `out_dir`, then write the cube."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    from dvfs.corpora.tokens import token_counter
+
     journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
-    corpora = load_corpora(campaign)
+    count, count_method = token_counter(tokenizer_model(campaign))
+    corpora = load_corpora(campaign, count)
     cells: list[Cell] = plan_cells(campaign)
     with contextlib.ExitStack() as stack:
         b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
@@ -208,6 +242,7 @@ def run_sweep(
             knobs=knobs,
             corpora=corpora,
             progress=progress,
+            token_count_method=count_method,
         )
         summary = runner.run(cells)
     cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)

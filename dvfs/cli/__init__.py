@@ -38,6 +38,7 @@ COMMANDS = {
     "gpu": ("dvfs.cli.gpu", "gpu", "List and inspect GPUs; restore settings after a crash."),
     "cap": ("dvfs.cli.cap", "cap", "Production caps: plan from headroom, apply, show, reset."),
     "doctor": ("dvfs.cli.doctor", "doctor", "Preflight a campaign (read-only)."),
+    "corpus": ("dvfs.cli.corpus", "corpus", "The prompt corpora: built-in and your own."),
 }
 
 

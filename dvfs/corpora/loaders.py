@@ -1,19 +1,277 @@
-"""Loaders for the user's own corpora (JSON Lines, CSV, Parquet, Hugging Face, packages)."""
+"""Loaders for the user's own corpora: JSON Lines, CSV, Parquet, Hugging Face datasets, and data
+shipped inside an installed Python package.
+
+A `[corpus.NAME]` table names exactly one source (`path`, `dataset` or `package` +
+`resource`) and one of `field` (text: one user message) or `messages` (a chat: OpenAI-style
+role/content dicts, or ShareGPT-style from/value). Errors name the file and the line.
+"""
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
-from dvfs.corpora.model import Corpus, TokenCounter
+from dvfs.corpora.model import Corpus, Message, Prompt, TokenCounter
 from dvfs.errors import CorpusError
+
+FORMATS = ("jsonl", "csv", "parquet")
+SPEC_KEYS = {
+    "path",
+    "format",
+    "dataset",
+    "config",
+    "split",
+    "package",
+    "resource",
+    "field",
+    "messages",
+    "limit",
+    "acceptance_like",
+    "description",
+}
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 
 
 def check_spec(spec: dict[str, Any]) -> None:
-    if "path" not in spec:
-        raise CorpusError("needs a 'path'")
+    """Validate a `[corpus.NAME]` table's keys without reading any data."""
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise CorpusError(
+            f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(SPEC_KEYS))}"
+        )
+    sources = [k for k in ("path", "dataset", "package") if k in spec]
+    if len(sources) != 1:
+        raise CorpusError(
+            "name exactly one source: path (a file), dataset (Hugging Face) or "
+            "package (data in an installed package, with resource)"
+        )
+    if "package" in spec and "resource" not in spec:
+        raise CorpusError("package needs resource (the file's path inside the package)")
+    if ("field" in spec) == ("messages" in spec):
+        raise CorpusError("give exactly one of field (a text field) or messages (a chat field)")
+    for key in (
+        "path",
+        "dataset",
+        "config",
+        "split",
+        "package",
+        "resource",
+        "field",
+        "messages",
+        "acceptance_like",
+        "description",
+    ):
+        if key in spec and not isinstance(spec[key], str):
+            raise CorpusError(f"{key} must be a string")
+    if "format" in spec and spec["format"] not in FORMATS:
+        raise CorpusError(f"format {spec['format']!r} is not one of {', '.join(FORMATS)}")
+    limit = spec.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise CorpusError(f"limit must be a positive integer, got {limit!r}")
+    like = spec.get("acceptance_like")
+    if like is not None:
+        from dvfs.corpora.registry import BUILTIN_CORPORA
+
+        if like not in BUILTIN_CORPORA:
+            raise CorpusError(
+                f"acceptance_like must name a built-in corpus "
+                f"({', '.join(BUILTIN_CORPORA)}), got {like!r}"
+            )
+
+
+def _format_of(spec: dict[str, Any], name: str) -> str:
+    if "format" in spec:
+        return str(spec["format"])
+    suffix = Path(name).suffix.lower().lstrip(".")
+    guessed = {
+        "jsonl": "jsonl",
+        "ndjson": "jsonl",
+        "json": "jsonl",
+        "csv": "csv",
+        "parquet": "parquet",
+        "pq": "parquet",
+    }.get(suffix)
+    if guessed is None:
+        raise CorpusError(
+            f"{name}: cannot tell the format from the extension; set format to "
+            f"one of {', '.join(FORMATS)}"
+        )
+    return guessed
+
+
+def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
+    text = data.decode("utf-8", errors="strict")
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{where}, line {lineno}", json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}, line {lineno}: not valid JSON ({exc.msg})") from exc
+
+
+def _records_csv(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
+    reader = csv.DictReader(io.StringIO(data.decode("utf-8-sig")))
+    # Line numbers count the header as line 1, as an editor shows them.
+    for row in reader:
+        yield f"{where}, line {reader.line_num}", row
+
+
+def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise CorpusError(
+            f"{where}: reading Parquet needs pyarrow: pip install 'dvfs[parquet]'"
+        ) from exc
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise CorpusError(f"{where}: not a readable Parquet file ({exc})") from exc
+    for i, row in enumerate(table.to_pylist(), start=1):
+        yield f"{where}, row {i}", row
+
+
+READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
+
+
+def _chat(raw: Any, where: str) -> tuple[Message, ...]:
+    """Chat messages from OpenAI-style or ShareGPT-style turns, ending on the user's turn."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)  # CSV cells carry the chat as JSON text
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: the messages field is text, not a list of turns") from exc
+    if not isinstance(raw, list) or not raw:
+        raise CorpusError(
+            f"{where}: the messages field must be a non-empty list of turns, "
+            f"got {type(raw).__name__}"
+        )
+    messages = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise CorpusError(f"{where}: turn {i} is a {type(turn).__name__}, not a table")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise CorpusError(f"{where}: turn {i} needs role/content (or from/value) strings")
+        mapped = ROLE_ALIASES.get(role.lower())
+        if mapped is None:
+            raise CorpusError(f"{where}: turn {i} has unknown role {role!r}")
+        messages.append(Message(mapped, content))
+    while messages and messages[-1].role != "user":
+        messages.pop()  # the model answers the last user turn; later answers are dropped
+    if not messages:
+        raise CorpusError(f"{where}: the chat has no user turn")
+    return tuple(messages)
+
+
+def _prompt(
+    record: Any, spec: dict[str, Any], where: str, index: int, name: str, count_tokens: TokenCounter
+) -> Prompt:
+    if not isinstance(record, dict):
+        raise CorpusError(f"{where}: expected an object with fields, got {type(record).__name__}")
+    key = spec.get("field") or spec["messages"]
+    if key not in record:
+        available = ", ".join(sorted(map(str, record))[:10])
+        raise CorpusError(f"{where}: no field {key!r} (fields here: {available})")
+    value = record[key]
+    if "field" in spec:
+        if not isinstance(value, str):
+            raise CorpusError(f"{where}: field {key!r} holds a {type(value).__name__}, not text")
+        if not value.strip():
+            raise CorpusError(f"{where}: field {key!r} is empty")
+        messages: tuple[Message, ...] = (Message("user", value),)
+    else:
+        messages = _chat(value, where)
+    ident = record.get("id") or record.get("task_id") or f"{name}-{index:05d}"
+    return Prompt(str(ident), messages, count_tokens(messages))
+
+
+def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
+    """(bytes, where for messages, source description) of a file or package resource."""
+    if "path" in spec:
+        path = Path(spec["path"]).expanduser()
+        if not path.is_absolute():
+            path = Path(base_dir) / path
+        try:
+            return path.read_bytes(), str(path), f"file {path}"
+        except FileNotFoundError as exc:
+            raise CorpusError(f"corpus file {path} does not exist") from exc
+        except OSError as exc:
+            raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
+    package, resource = spec["package"], spec["resource"]
+    try:
+        data = resources.files(package).joinpath(resource).read_bytes()
+    except ModuleNotFoundError as exc:
+        raise CorpusError(f"package {package!r} is not installed in this environment") from exc
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        raise CorpusError(f"package {package!r} has no resource {resource!r}") from exc
+    return data, f"{package}:{resource}", f"package {package}, resource {resource}"
+
+
+def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise CorpusError(
+            f"corpus dataset {spec['dataset']!r} needs the Hugging Face datasets library: "
+            "pip install 'dvfs[datasets]' (or download it and use path = ...)"
+        ) from exc
+    split = spec.get("split", "train")
+    try:
+        data = datasets.load_dataset(spec["dataset"], spec.get("config"), split=split)
+    except Exception as exc:  # offline, unknown dataset, gated: one clear message
+        raise CorpusError(
+            f"cannot load Hugging Face dataset {spec['dataset']!r} (config {spec.get('config')}, "
+            f"split {split}): {exc}. Is the hub reachable? Offline, export it to a file "
+            "(ds.to_json('corpus.jsonl')) and use path = ..."
+        ) from exc
+    where = f"dataset {spec['dataset']} [{split}]"
+    return ((f"{where}, row {i}", row) for i, row in enumerate(data, start=1)), where
 
 
 def load_user_corpus(
     name: str, spec: dict[str, Any], *, base_dir: str, count_tokens: TokenCounter
 ) -> Corpus:
-    raise CorpusError(f"user corpus {name!r}: loaders are not built yet")
+    """Read a user corpus described by its campaign table."""
+    check_spec(spec)
+    if "dataset" in spec:
+        records, where = _hf_records(spec)
+        source = (
+            f"Hugging Face dataset {spec['dataset']}"
+            f"{'/' + spec['config'] if spec.get('config') else ''} split "
+            f"{spec.get('split', 'train')}"
+        )
+    else:
+        data, where, source = _read_source(spec, base_dir)
+        if not data.strip():
+            raise CorpusError(f"{where} is empty")
+        fmt = _format_of(spec, where)
+        records = READERS[fmt](data, where)
+        source += f" ({fmt}, sha256 {hashlib.sha256(data).hexdigest()[:16]})"
+    limit = spec.get("limit")
+    prompts = []
+    for index, (at, record) in enumerate(records):
+        if limit is not None and index >= limit:
+            break
+        prompts.append(_prompt(record, spec, at, index, name, count_tokens))
+    if not prompts:
+        raise CorpusError(f"{where} holds no records")
+    return Corpus(name, tuple(prompts), source)

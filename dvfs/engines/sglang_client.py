@@ -87,7 +87,7 @@ class SglangClient:
             return None
 
     def wait_healthy(
-        self, timeout_s: float, *, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.5
+        self, timeout_s: float, *, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.1
     ) -> None:
         """Until /health answers 200; raises when the process dies or time runs out."""
         deadline = time.monotonic() + timeout_s

@@ -185,9 +185,17 @@ class TwinEngine:
 
     name = "twin"
 
-    def __init__(self, node: Node, model: ModelProfile, *, startup_s: float = STARTUP_S) -> None:
+    def __init__(
+        self,
+        node: Node,
+        model: ModelProfile,
+        *,
+        startup_s: float = STARTUP_S,
+        acceptance_like: dict[str, str] | None = None,
+    ) -> None:
         self.node = node
         self.model = model
+        self.acceptance_like = acceptance_like or {}
         self.startup_s = startup_s
         self._drafter: DrafterSpec | None = None
         self._plan: DraftPlan | None = None
@@ -234,7 +242,8 @@ class TwinEngine:
         plan = self._plan
         if plan is None:
             return 0.0, 0
-        return plan.alpha(workload.corpus, workload.temperature), plan.depth
+        corpus = self.acceptance_like.get(workload.corpus, workload.corpus)
+        return plan.alpha(corpus, workload.temperature), plan.depth
 
     def _draws(
         self, rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int

@@ -1,0 +1,140 @@
+"""`dvfs corpus`: the built-in corpora and a campaign's own, with their prompts."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dvfs.cli.common import console, echo_json, handle_errors
+
+campaign_option = click.option(
+    "--campaign",
+    "campaign_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also list the user corpora this campaign defines (and count tokens its way).",
+)
+
+
+def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str, str]]:
+    from dvfs.corpora import BUILTIN_CORPORA, load_corpus
+    from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
+    from dvfs.corpora.tokens import ESTIMATE
+
+    if campaign_file is None:
+        corpora = {name: load_corpus(name) for name in BUILTIN_CORPORA}
+        return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS)
+    from dvfs.campaign import load_campaign
+    from dvfs.corpora.tokens import token_counter
+    from dvfs.sweep import load_corpora, tokenizer_model
+
+    campaign = load_campaign(campaign_file)
+    count, method = token_counter(tokenizer_model(campaign))
+    corpora = load_corpora(campaign, count)
+    descriptions = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec or ())
+        descriptions[ref.name] = str(
+            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
+        )
+    return corpora, method, descriptions
+
+
+def _stats(corpus: Any) -> dict[str, Any]:
+    tokens = [p.input_tokens for p in corpus.prompts]
+    turns = [len(p.messages) for p in corpus.prompts]
+    return {
+        "name": corpus.name,
+        "prompts": len(tokens),
+        "tokens_min": min(tokens),
+        "tokens_median": statistics.median(tokens),
+        "tokens_max": max(tokens),
+        "multi_turn": sum(t > 1 for t in turns),
+        "content_hash": corpus.content_hash,
+        "source": corpus.source,
+    }
+
+
+@click.group()
+def corpus() -> None:
+    """The prompt corpora: five built-in, and your own from a campaign file."""
+
+
+@corpus.command("list")
+@campaign_option
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
+    """Corpora with prompt counts and input-token statistics."""
+    corpora, method, descriptions = _corpora(campaign_file)
+    rows = [{**_stats(c), "description": descriptions.get(n, "")} for n, c in corpora.items()]
+    if as_json:
+        echo_json({"token_count_method": method, "corpora": rows})
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("corpus", "prompts", "multi-turn", "input tokens min/median/max", "description"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["name"],
+            str(r["prompts"]),
+            str(r["multi_turn"]),
+            f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}",
+            r["description"],
+        )
+    out = console()
+    out.print(table)
+    out.print(f"token counts: {method}")
+
+
+@corpus.command("show")
+@click.argument("name")
+@campaign_option
+@click.option("-n", "count", type=int, default=3, show_default=True, help="Prompts to print.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Which prompts (sampled).")
+@click.option("--json", "as_json", is_flag=True)
+@handle_errors
+def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: bool) -> None:
+    """Statistics and a few prompts of corpus NAME."""
+    from dvfs.corpora.sampling import stable_seed
+    from dvfs.errors import CorpusError
+
+    corpora, method, _ = _corpora(campaign_file)
+    if name not in corpora:
+        hint = "" if campaign_file else " (user corpora need --campaign FILE)"
+        raise CorpusError(f"no corpus {name!r}; known: {', '.join(corpora)}{hint}")
+    c = corpora[name]
+    import numpy as np
+
+    rng = np.random.default_rng(stable_seed(seed, name, "show"))
+    picks = sorted(rng.choice(len(c.prompts), size=min(count, len(c.prompts)), replace=False))
+    prompts = [c.prompts[i] for i in picks]
+    if as_json:
+        echo_json(
+            {
+                **_stats(c),
+                "token_count_method": method,
+                "sample": [
+                    {"id": p.id, "input_tokens": p.input_tokens, "messages": p.as_chat()}
+                    for p in prompts
+                ],
+            }
+        )
+        return
+    s = _stats(c)
+    out = console()
+    out.print(
+        f"[bold]{name}[/bold]: {s['prompts']} prompts ({s['multi_turn']} multi-turn), input "
+        f"tokens {s['tokens_min']}/{s['tokens_median']:g}/{s['tokens_max']} "
+        f"(min/median/max, {method}); hash {s['content_hash']}"
+    )
+    out.print(f"source: {s['source']}", markup=False)
+    for p in prompts:
+        out.print(f"\n[bold]{p.id}[/bold] ({p.input_tokens} tokens)")
+        for m in p.messages:
+            text = m.content if len(m.content) <= 600 else m.content[:600] + " [...]"
+            out.print(f"{m.role}: {text}", markup=False)

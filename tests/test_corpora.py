@@ -1,0 +1,303 @@
+"""Corpora: the built-ins, every loader, bad input, deterministic sampling, and a user corpus
+end to end on the twin."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import SMALL_CAMPAIGN, replace_block, write
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.corpora import BUILTIN_CORPORA, load_corpus, sample_prompts
+from dvfs.corpora.model import Message, Prompt, estimate_tokens
+from dvfs.corpora.sampling import fit_to_range
+from dvfs.errors import CampaignError, CorpusError
+
+CHATS = [
+    [{"role": "user", "content": "Plan a two-day trip to Lisbon."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me a fact."},
+    ],
+]
+
+
+def load(tmp_path: Path, name: str, spec: dict) -> object:
+    return load_corpus(name, spec, base_dir=str(tmp_path))
+
+
+def test_builtin_corpora() -> None:
+    for name in BUILTIN_CORPORA:
+        corpus = load_corpus(name)
+        assert len(corpus.prompts) >= 64, name
+        assert len({p.id for p in corpus.prompts}) == len(corpus.prompts)
+        for p in corpus.prompts:
+            assert p.messages[-1].role == "user" and p.messages[-1].content.strip()
+        lengths = sorted(p.input_tokens for p in corpus.prompts)
+        assert lengths[-1] > 4 * lengths[len(lengths) // 2] / 2  # varied lengths
+    conversation = load_corpus("conversation")
+    assert sum(len(p.messages) > 1 for p in conversation.prompts) >= 32
+    words = " ".join(p.messages[-1].content for p in load_corpus("romansh").prompts).lower().split()
+    assert words.count("the") / len(words) < 0.002  # not English
+    assert words.count("che") + words.count("da") > 50  # Romansh function words
+
+
+def test_jsonl_field_and_messages(tmp_path: Path) -> None:
+    write(
+        tmp_path / "p.jsonl",
+        "\n".join(json.dumps({"id": f"q{i}", "text": f"Question {i}?"}) for i in range(5)),
+    )
+    corpus = load(tmp_path, "mine", {"path": "p.jsonl", "field": "text"})
+    assert [p.id for p in corpus.prompts] == ["q0", "q1", "q2", "q3", "q4"]
+    assert corpus.prompts[0].messages == (Message("user", "Question 0?"),)
+    write(tmp_path / "c.jsonl", "\n".join(json.dumps({"conv": c}) for c in CHATS))
+    chats = load(tmp_path, "chats", {"path": "c.jsonl", "messages": "conv"})
+    assert [m.role for m in chats.prompts[1].messages] == ["system", "user", "assistant", "user"]
+    assert "sha256" in chats.source
+
+
+def test_sharegpt_turns_end_on_the_user(tmp_path: Path) -> None:
+    record = {
+        "conversations": [
+            {"from": "human", "value": "Write a haiku."},
+            {"from": "gpt", "value": "Leaves fall..."},
+            {"from": "human", "value": "Another one."},
+            {"from": "gpt", "value": "Snow melts..."},
+        ]
+    }
+    write(tmp_path / "s.jsonl", json.dumps(record))
+    corpus = load(tmp_path, "sharegpt", {"path": "s.jsonl", "messages": "conversations"})
+    assert [m.role for m in corpus.prompts[0].messages] == ["user", "assistant", "user"]
+    assert corpus.prompts[0].messages[-1].content == "Another one."
+
+
+def test_csv_with_text_and_chat_columns(tmp_path: Path) -> None:
+    import csv
+
+    with open(tmp_path / "p.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "chat"])
+        for c in CHATS:
+            writer.writerow([c[-1]["content"], json.dumps(c)])
+    text = load(tmp_path, "t", {"path": "p.csv", "field": "prompt"})
+    assert text.prompts[1].messages == (Message("user", "Tell me a fact."),)
+    chat = load(tmp_path, "c", {"path": "p.csv", "messages": "chat"})
+    assert len(chat.prompts[1].messages) == 4
+
+
+def test_parquet(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "question": [f"What is {i} + {i}?" for i in range(4)],
+            "messages": [json.dumps(CHATS[0])] * 4,
+        }
+    )
+    pq.write_table(table, tmp_path / "q.parquet")
+    corpus = load(tmp_path, "gsm", {"path": "q.parquet", "field": "question", "limit": 3})
+    assert [p.messages[0].content for p in corpus.prompts] == [
+        "What is 0 + 0?",
+        "What is 1 + 1?",
+        "What is 2 + 2?",
+    ]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(CorpusError, match="broken.parquet: not a readable Parquet file"):
+        load(tmp_path, "x", {"path": "broken.parquet", "field": "question"})
+
+
+def test_data_shipped_in_a_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "site" / "acme_prompts"
+    write(package / "__init__.py", "")
+    write(package / "data" / "prompts.jsonl", json.dumps({"text": "Summarise the report."}))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    corpus = load(
+        tmp_path,
+        "acme",
+        {"package": "acme_prompts", "resource": "data/prompts.jsonl", "field": "text"},
+    )
+    assert corpus.prompts[0].messages[0].content == "Summarise the report."
+    assert corpus.source.startswith("package acme_prompts")
+    with pytest.raises(CorpusError, match="package 'no_such_pkg' is not installed"):
+        load(tmp_path, "x", {"package": "no_such_pkg", "resource": "a.jsonl", "field": "text"})
+
+
+def test_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    spec = {"dataset": "openai/gsm8k", "config": "main", "split": "test", "field": "question"}
+    with pytest.raises(CorpusError, match=r"pip install 'dvfs\[datasets\]'"):
+        load(tmp_path, "gsm8k", spec)
+    calls = []
+
+    def load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return [{"question": "Tom has 3 apples..."}, {"question": "A train leaves..."}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    corpus = load(tmp_path, "gsm8k", spec)
+    assert calls == [("openai/gsm8k", "main", "test")] and len(corpus.prompts) == 2
+    assert corpus.source == "Hugging Face dataset openai/gsm8k/main split test"
+
+    def offline(name, config, split):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(CorpusError, match="hub reachable.*path = "):
+        load(tmp_path, "gsm8k", spec)
+
+
+@pytest.mark.parametrize(
+    ("content", "spec", "message"),
+    [
+        (
+            '{"text": "ok"}\n{"prompt": "no text field"}\n',
+            {"field": "text"},
+            r"p\.jsonl, line 2: no field 'text' \(fields here: prompt\)",
+        ),
+        (
+            '{"text": "ok"}\n{"text": 42}\n',
+            {"field": "text"},
+            r"p\.jsonl, line 2: field 'text' holds a int, not text",
+        ),
+        ('{"text": "ok"}\n{"text": "cut\n', {"field": "text"}, r"p\.jsonl, line 2: not valid JSON"),
+        ("\n\n", {"field": "text"}, r"p\.jsonl is empty"),
+        ('{"chat": "hello"}\n', {"messages": "chat"}, r"line 1: the messages field is text"),
+        (
+            '{"chat": [{"role": "assistant", "content": "hi"}]}\n',
+            {"messages": "chat"},
+            r"line 1: the chat has no user turn",
+        ),
+        ('["a", "b"]\n', {"field": "text"}, r"line 1: expected an object with fields, got list"),
+    ],
+)
+def test_bad_input_names_file_and_line(
+    tmp_path: Path, content: str, spec: dict, message: str
+) -> None:
+    write(tmp_path / "p.jsonl", content)
+    with pytest.raises(CorpusError, match=message):
+        load(tmp_path, "bad", {"path": "p.jsonl", **spec})
+
+
+def test_csv_missing_column_names_the_line(tmp_path: Path) -> None:
+    write(tmp_path / "p.csv", "title,body\nA,first\nB,second\n")
+    with pytest.raises(CorpusError, match=r"p\.csv, line 2: no field 'prompt'"):
+        load(tmp_path, "bad", {"path": "p.csv", "field": "prompt"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"path": "a.jsonl", "dataset": "x", "field": "t"}, "exactly one source"),
+        ({"path": "a.jsonl"}, "exactly one of field"),
+        ({"path": "a.jsonl", "field": "t", "colour": "red"}, "unknown key"),
+        ({"path": "a.jsonl", "field": "t", "acceptance_like": "poetry"}, "must name a built-in"),
+        ({"path": "a.jsonl", "field": "t", "format": "xml"}, "format 'xml'"),
+    ],
+)
+def test_campaign_validates_corpus_tables(tmp_path: Path, spec: dict, message: str) -> None:
+    table = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec.items())
+    text = (
+        replace_block(
+            SMALL_CAMPAIGN, 'corpora = ["code", "conversation"]', 'corpora = ["code", "mine"]'
+        )
+        + f"\n[corpus.mine]\n{table}\n"
+    )
+    with pytest.raises(CampaignError, match=rf"\[corpus\.mine\].*{message}"):
+        load_campaign(write(tmp_path / "c.toml", text))
+
+
+def test_sampling_is_deterministic_and_refuses_too_few() -> None:
+    corpus = load_corpus("math")
+    a = sample_prompts(corpus, 8, input_tokens=(16, 2048), seed=7, key=(8, 0, 0))
+    b = sample_prompts(corpus, 8, input_tokens=(16, 2048), seed=7, key=(8, 0, 0))
+    c = sample_prompts(corpus, 8, input_tokens=(16, 2048), seed=7, key=(8, 0, 1))
+    assert [p.id for p in a] == [p.id for p in b] != [p.id for p in c]
+    assert len({p.id for p in a}) == 8
+    with pytest.raises(
+        CorpusError, match="has .* prompts within 16-2048 input tokens but the workload needs 500"
+    ):
+        sample_prompts(corpus, 500, input_tokens=(16, 2048), seed=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text(min_size=1, max_size=3000).filter(str.strip),
+    lo=st.integers(1, 200),
+    span=st.integers(0, 800),
+)
+def test_fitting_to_the_input_range(text: str, lo: int, span: int) -> None:
+    hi = lo + span
+    messages = (Message("user", text),)
+    prompt = Prompt("p", messages, estimate_tokens(messages))
+    fitted = fit_to_range(prompt, lo, hi)
+    if prompt.input_tokens < lo:
+        assert fitted is None
+    elif fitted is not None:
+        assert lo <= fitted.input_tokens <= hi
+        assert fitted.messages[-1].content == text[: len(fitted.messages[-1].content)]
+
+
+def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
+    rows = [
+        {"task": f"Write a function that returns the {i}-th prime number, with tests."}
+        for i in range(12)
+    ]
+    write(tmp_path / "data" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(
+        SMALL_CAMPAIGN, 'corpora = ["code", "conversation"]', 'corpora = ["code", "tasks"]'
+    )
+    text += (
+        '\n[corpus.tasks]\npath = "data/tasks.jsonl"\nfield = "task"\n'
+        'acceptance_like = "code"\ndescription = "prime-number tasks"\n'
+    )
+    campaign = write(tmp_path / "user.toml", text)
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+    assert listed.exit_code == 0, listed.output
+    names = {c["name"]: c for c in json.loads(listed.output)["corpora"]}
+    assert names["tasks"]["prompts"] == 12 and names["tasks"]["description"] == "prime-number tasks"
+    shown = CliRunner().invoke(cli, ["corpus", "show", "tasks", "--campaign", str(campaign)])
+    assert shown.exit_code == 0 and "prime number" in shown.output
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    import dvfs
+
+    ds = dvfs.open_cube(str(out / "cube.nc"))
+    assert list(ds["corpus"].values) == ["code", "tasks"]
+    assert (ds["cell_status"] == 1).all()
+    provenance = json.loads(ds.attrs["corpora"])
+    assert provenance["tasks"]["prompts"] == 12 and len(provenance["tasks"]["content_hash"]) == 16
+    assert "tasks.jsonl" in provenance["tasks"]["source"]
+    assert (ds["accept_length"].sel(drafter="eagle3") > 1.5).all()
+
+
+def test_the_twin_takes_acceptance_from_the_named_builtin() -> None:
+    from dvfs.campaign import DrafterSpec
+    from dvfs.engines.base import Workload
+    from dvfs.engines.twin import TwinEngine, plan_drafter
+    from dvfs.twin.profiles import model_profile
+
+    engine = TwinEngine(
+        node=None, model=model_profile("llama-3.1-8b"), acceptance_like={"tasks": "romansh"}
+    )
+    engine._plan = plan_drafter(
+        DrafterSpec("e", "EAGLE3", "eagle3-llama-3.1-8b", 5, 4, 8), engine.model
+    )
+    prompt = load_corpus("code").prompts[0]
+
+    def alpha(corpus: str) -> float:
+        return engine._acceptance(Workload(1, (prompt,), corpus, 8, 0.0, True))[0]
+
+    assert alpha("tasks") == alpha("romansh") < alpha("code")
+    assert alpha("unknown-corpus") == alpha("something-else")  # the documented default
