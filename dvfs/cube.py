@@ -430,16 +430,25 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     """A summary for `dvfs cube info`: dimensions, coverage, provenance."""
     status = ds["cell_status"].values
     total = status.size
+    if "gpu" in ds.dims:
+        names = json.loads(ds.attrs.get("gpu_names", "[]"))
+        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
+    else:
+        gpu = (
+            f"{ds.attrs.get('gpu_name')} x{ds.attrs.get('gpu_count')} "
+            f"({ds.attrs.get('gpu_backend')})"
+        )
     return {
-        "campaign": ds.attrs.get("campaign_name"),
+        "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
-        "gpu": f"{ds.attrs.get('gpu_name')} x{ds.attrs.get('gpu_count')} "
-        f"({ds.attrs.get('gpu_backend')})",
+        "gpu": gpu,
         "driver": ds.attrs.get("driver_version"),
         "engine": f"{ds.attrs.get('engine_backend')} {ds.attrs.get('engine_version')}",
         "model": ds.attrs.get("model"),
-        "dims": {d: int(ds.sizes[d]) for d in CELL_DIMS if d in ds.sizes},
-        "coords": {d: [str(v) for v in ds[d].values] for d in CELL_DIMS if d in ds.coords},
+        "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
+        "coords": {
+            d: [str(v) for v in ds[d].values] for d in ("gpu", *CELL_DIMS) if d in ds.coords
+        },
         "cells": total,
         "measured": int((status == STATUS_OK).sum()),
         "failed": int((status == STATUS_FAILED).sum()),
@@ -459,3 +468,87 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
+    """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs).
+
+    Refused when a provenance key that must match differs (model, engine, method, schema...)
+    or when two cubes come from the same GPU. Grids may differ: missing cells are NaN.
+    """
+    import xarray as xr
+
+    from dvfs.provenance import CHECKED
+
+    if len(cubes) < 2:
+        raise CubeError("merging needs at least two cubes")
+    names = names or [f"cube {i + 1}" for i in range(len(cubes))]
+    first = cubes[0]
+    for name, ds in zip(names[1:], cubes[1:], strict=True):
+        if "gpu" in ds.dims:
+            raise CubeError(f"{name} is already a merged cube; merge the single-GPU cubes")
+        for key in CHECKED:
+            if str(ds.attrs.get(key)) != str(first.attrs.get(key)):
+                raise CubeError(
+                    f"cannot merge: {key} differs ({names[0]}: {first.attrs.get(key)!r}, "
+                    f"{name}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
+                )
+    labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
+    if len(set(labels)) != len(labels):
+        raise CubeError("two of the cubes come from the same GPU(s); merge different GPUs")
+    stripped = [ds.drop_attrs(deep=False) for ds in cubes]
+    merged = xr.concat(
+        stripped,
+        dim="gpu",
+        join="outer",
+        combine_attrs="drop",
+        data_vars="all",
+        coords="minimal",
+        compat="override",
+    )
+    merged = merged.assign_coords(gpu=labels)
+    for name in merged.data_vars:
+        merged[name].attrs = dict(first[name].attrs)
+    for name in merged.coords:
+        if name in first.coords:
+            merged[name].attrs = dict(first[name].attrs)
+    merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
+    attrs = {k: first.attrs[k] for k in (*CHECKED, "Conventions") if k in first.attrs}
+    attrs.update(
+        title="dvfs merged cube",
+        dvfs_version=__version__,
+        gpu_names=json.dumps([str(ds.attrs.get("gpu_name")) for ds in cubes]),
+        gpu_name=str(first.attrs.get("gpu_name")),
+        merged_from=json.dumps(
+            {
+                label: {
+                    k: str(ds.attrs.get(k))
+                    for k in (
+                        "campaign_name",
+                        "campaign_hash",
+                        "gpu_name",
+                        "driver_version",
+                        "engine_version",
+                        "created",
+                        "stock_sm_clock_mhz",
+                        "stock_power_limit_w",
+                    )
+                }
+                for label, ds in zip(labels, cubes, strict=True)
+            }
+        ),
+        stock_sm_clock_mhz=max(int(ds.attrs.get("stock_sm_clock_mhz", 0)) for ds in cubes),
+        stock_power_limit_w=max(float(ds.attrs.get("stock_power_limit_w", 0)) for ds in cubes),
+        campaign=first.attrs.get("campaign", "{}"),
+        **{
+            key: ", ".join(sorted({str(ds.attrs.get(key, "")) for ds in cubes}))
+            for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
+        },
+        server_args=first.attrs.get("server_args", "{}"),
+        history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
+        created=now_iso(),
+    )
+    merged.attrs = attrs
+    # Cells absent from one GPU's grid: cell_status 0 (missing), integer flags NaN.
+    merged["cell_status"] = merged["cell_status"].fillna(STATUS_MISSING).astype(np.int8)
+    return merged

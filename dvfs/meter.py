@@ -289,8 +289,14 @@ def summarise(
     min_window_s: float,
     sample_period_s: float,
     idle_power_w: float,
+    power_cap_is_knob: bool = False,
 ) -> CellMeasurement:
-    """Combine a cell's rounds into one measurement and run the quality checks."""
+    """Combine a cell's rounds into one measurement and run the quality checks.
+
+    A locked clock that is not reached makes the cell invalid, unless the cell itself lowered
+    the power limit and the GPU says the power cap held the clock down: then the power limit
+    is the knob that bound, and the cell stands for it.
+    """
     quality = 0
     energy_mj = 0.0
     window_ns = 0
@@ -337,10 +343,12 @@ def summarise(
     if window_ns and in_window_samples < 3:
         quality |= Q_FEW_SAMPLES
     sm_clock = clock_weighted / window_ns if window_ns and in_window_samples else math.nan
+    capped_by_knob = power_cap_is_knob and bool(reasons & EVENT_SW_POWER_CAP)
     if (
         requested_clock_mhz is not None
         and not math.isnan(sm_clock)
         and (sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ)
+        and not capped_by_knob
     ):
         quality |= Q_CLOCK_NOT_REACHED
     if reasons & EVENT_THROTTLE_MASK:

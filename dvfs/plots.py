@@ -304,6 +304,12 @@ def plot_all(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = target or Target("preserve", slack=0.05)
+    if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
+        paths: list[Path] = []
+        for gpu in cube["gpu"].values:
+            one = cube.sel(gpu=gpu, drop=True)
+            paths += plot_all(one, out / str(gpu)[:12], fmt=fmt, target=target)
+        return paths
     chosen = headroom(cube, target=target)
     paths: list[Path] = []
     paths += energy_vs_clock(cube, out, fmt)

@@ -5,6 +5,7 @@ JSON schemas are versioned by their "schema" key: "dvfs.headroom/1" and "dvfs.co
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -187,46 +188,58 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
 
 
 def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
-    """Speculation analysis as JSON (schema dvfs.compare/1)."""
+    """Speculation analysis as JSON (schema dvfs.compare/1); rows carry `gpu` for merged cubes."""
     baseline = cmp.attrs["baseline"]
+    gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
+
+    def point(gpu: str | None, **at: Any) -> dict[str, Any]:
+        return {**at, "gpu": gpu} if gpu is not None else at
+
+    def lead(gpu: str | None) -> dict[str, Any]:
+        return {"gpu": gpu} if gpu is not None else {}
+
     rows = []
-    for batch in cmp["batch"].values:
-        for drafter in cmp["drafter"].values:
-            if str(drafter) == baseline:
-                continue
-            for corpus in cmp["corpus"].values:
-                at = {"batch": batch, "drafter": drafter, "corpus": corpus}
-                rows.append(
-                    {
-                        "batch": int(batch),
-                        "drafter": str(drafter),
-                        "corpus": str(corpus),
-                        "energy_ratio_at_stock": _f(cmp["energy_ratio_at_stock"].sel(at)),
-                        "energy_ratio_equal_latency": _f(cmp["energy_ratio_equal_latency"].sel(at)),
-                        "energy_per_token_at_stock_j": _f(
-                            cmp["energy_per_token_at_stock_j"].sel(at)
-                        ),
-                    }
-                )
-    break_even = []
-    for drafter in cmp["drafter"].values:
+    for gpu, batch, drafter, corpus in itertools.product(
+        gpus, cmp["batch"].values, cmp["drafter"].values, cmp["corpus"].values
+    ):
         if str(drafter) == baseline:
             continue
-        for corpus in cmp["corpus"].values:
-            at = {"drafter": drafter, "corpus": corpus}
-            break_even.append(
-                {
-                    "drafter": str(drafter),
-                    "corpus": str(corpus),
-                    "equal_clock": _i(cmp["break_even_batch_equal_clock"].sel(at)),
-                    "equal_latency": _i(cmp["break_even_batch_equal_latency"].sel(at)),
-                }
-            )
+        at = point(gpu, batch=batch, drafter=drafter, corpus=corpus)
+        rows.append(
+            {
+                **lead(gpu),
+                "batch": int(batch),
+                "drafter": str(drafter),
+                "corpus": str(corpus),
+                "energy_ratio_at_stock": _f(cmp["energy_ratio_at_stock"].sel(at)),
+                "energy_ratio_equal_latency": _f(cmp["energy_ratio_equal_latency"].sel(at)),
+                "energy_per_token_at_stock_j": _f(cmp["energy_per_token_at_stock_j"].sel(at)),
+            }
+        )
+    break_even = []
+    for gpu, drafter, corpus in itertools.product(
+        gpus, cmp["drafter"].values, cmp["corpus"].values
+    ):
+        if str(drafter) == baseline:
+            continue
+        at = point(gpu, drafter=drafter, corpus=corpus)
+        break_even.append(
+            {
+                **lead(gpu),
+                "drafter": str(drafter),
+                "corpus": str(corpus),
+                "equal_clock": _i(cmp["break_even_batch_equal_clock"].sel(at)),
+                "equal_latency": _i(cmp["break_even_batch_equal_latency"].sel(at)),
+            }
+        )
     acceptance = []
     if "accept_length" in cmp:
+        accept = cmp["accept_length"]
+        if "gpu" in accept.dims:
+            accept = accept.mean("gpu")  # acceptance does not depend on the GPU
         for drafter in cmp["drafter"].values:
             for corpus in cmp["corpus"].values:
-                value = _f(cmp["accept_length"].sel(drafter=drafter, corpus=corpus))
+                value = _f(accept.sel(drafter=drafter, corpus=corpus))
                 if value is not None:
                     acceptance.append(
                         {"drafter": str(drafter), "corpus": str(corpus), "accept_length": value}

@@ -253,9 +253,12 @@ class Runner:
             if total_ns * 1e-9 >= m.min_window_s:
                 break
         requested = cell.sm_clock_mhz if self.knobs.actuation else None
+        stock_limit_mw = min(s.power_limit_mw for s in self.knobs.original.values())
+        power_knob = cell.power_limit_w is not None and cell.power_limit_w * 1000 < stock_limit_mw
         measurement = summarise(
             parts,
             requested_clock_mhz=requested,
+            power_cap_is_knob=power_knob,
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
             idle_power_w=self.idle_power_w,

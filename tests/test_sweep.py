@@ -267,3 +267,61 @@ def test_sigint_stops_cleanly_with_a_partial_cube(tmp_path: Path) -> None:
     assert np.isnan(
         ds["energy_per_token_j"].values[ds["cell_status"].values == STATUS_MISSING]
     ).all()
+
+
+def test_merge_cubes_from_two_gpus(tmp_path: Path) -> None:
+    h100 = write(tmp_path / "h100.toml", SMALL_CAMPAIGN)
+    h200 = write(
+        tmp_path / "h200.toml",
+        replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h200-sxm"'),
+    )
+    assert sweep([str(h100), "--out", str(tmp_path / "a")]).exit_code == 0
+    assert sweep([str(h200), "--out", str(tmp_path / "b")]).exit_code == 0
+    merged_path = tmp_path / "merged.nc"
+    result = CliRunner().invoke(
+        cli, ["cube", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(merged_path)]
+    )
+    assert result.exit_code == 0, result.output
+    merged = open_cube(merged_path)
+    assert merged.sizes["gpu"] == 2
+    a, b = open_cube(tmp_path / "a" / "cube.nc"), open_cube(tmp_path / "b" / "cube.nc")
+    np.testing.assert_array_equal(merged["tpot_ms"].isel(gpu=0).values, a["tpot_ms"].values)
+    np.testing.assert_array_equal(merged["tpot_ms"].isel(gpu=1).values, b["tpot_ms"].values)
+    # H200 reads the weights faster: lower latency at the same settings.
+    assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
+    doc = json.loads(CliRunner().invoke(cli, ["headroom", str(merged_path), "--json"]).output)
+    assert {r["gpu"] for r in doc["rows"]} == set(merged["gpu"].values)
+    # Refusals: the same GPU twice; a different model.
+    twice = CliRunner().invoke(
+        cli,
+        [
+            "cube",
+            "merge",
+            str(tmp_path / "a"),
+            str(tmp_path / "a"),
+            "--out",
+            str(tmp_path / "x.nc"),
+        ],
+    )
+    assert twice.exit_code == 1 and "same GPU" in twice.output
+    other = write(
+        tmp_path / "other.toml",
+        replace_block(
+            replace_block(SMALL_CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.2-1b"'),
+            'profile = "h100-sxm"',
+            'profile = "h200-sxm"',
+        ),
+    )
+    assert sweep([str(other), "--out", str(tmp_path / "c")]).exit_code == 0
+    mixed = CliRunner().invoke(
+        cli,
+        [
+            "cube",
+            "merge",
+            str(tmp_path / "a"),
+            str(tmp_path / "c"),
+            "--out",
+            str(tmp_path / "y.nc"),
+        ],
+    )
+    assert mixed.exit_code == 1 and "model differs" in mixed.output

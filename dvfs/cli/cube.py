@@ -100,3 +100,26 @@ def _render(summary: dict[str, Any], ds: Any) -> None:
         out.print(f"[yellow]failed[/yellow] {item['cell']}: {item['error']}")
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
+
+
+@cube.command("merge")
+@click.argument("cubes", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the merged cube.",
+)
+@handle_errors
+def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
+    """Merge cubes measured on different GPUs into one with a `gpu` dimension.
+
+    Refuses cubes of different models, engines, tensor-parallel sizes or measurement methods.
+    """
+    from dvfs.cube import CUBE_NAME, merge_cubes, open_cube, write_cube
+
+    paths = [p / CUBE_NAME if p.is_dir() else p for p in cubes]
+    merged = merge_cubes([open_cube(p) for p in paths], [str(p) for p in paths])
+    click.echo(f"cube: {write_cube(merged, out_path)} ({merged.sizes['gpu']} GPUs)")

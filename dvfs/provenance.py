@@ -1,0 +1,48 @@
+"""The registry of a cube's provenance attributes: type, unit, meaning, and whether cubes that
+differ in it may be merged (merging measurements of different models would mislead)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProvenanceKey:
+    name: str
+    kind: str
+    unit: str
+    meaning: str
+    must_match: bool = False
+
+
+REGISTRY = tuple(
+    ProvenanceKey(*row)
+    for row in (
+        ("dvfs_schema", "int", "", "cube schema version", True),
+        ("dvfs_version", "str", "", "dvfs version that wrote the cube"),
+        ("campaign_name", "str", "", "campaign name"),
+        ("campaign_hash", "str", "", "hash of the campaign's measured content"),
+        ("campaign", "json", "", "the validated campaign"),
+        ("gpu_backend", "str", "", "nvml or twin"),
+        ("gpu_name", "str", "", "NVML device name"),
+        ("gpu_uuids", "str", "", "comma-separated GPU UUIDs"),
+        ("gpu_count", "int", "", "GPUs the server spans"),
+        ("driver_version", "str", "", "NVIDIA driver version"),
+        ("memory_clock_mhz", "int", "MHz", "memory clock"),
+        ("twin_profile", "str", "", "twin GPU profile, if simulated"),
+        ("engine_backend", "str", "", "sglang or twin", True),
+        ("engine_version", "str", "", "engine version(s)"),
+        ("server_args", "json", "", "resolved server arguments per drafter"),
+        ("model", "str", "", "target model", True),
+        ("tp_size", "int", "", "tensor-parallel size", True),
+        ("actuation", "int", "", "1 if dvfs changed knobs, 0 if observe-only"),
+        ("clock", "str", "", "virtual or monotonic time"),
+        ("stock_sm_clock_mhz", "int", "MHz", "the stock (unlocked) clock's coordinate"),
+        ("stock_power_limit_w", "float", "W", "the stock power limit's coordinate"),
+        ("idle_power_w", "float", "W", "idle board power, all GPUs"),
+        ("measurement_method", "str", "", "how energy, windows and latency are measured", True),
+        ("token_count_method", "str", "", "how prompt tokens were counted"),
+        ("corpora", "json", "", "each corpus's source, content hash and size"),
+    )
+)
+CHECKED = tuple(k.name for k in REGISTRY if k.must_match)

@@ -1,0 +1,158 @@
+"""The meter's arithmetic on hand-made traces: windows, energy, latency, quality flags."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.gpu.base import EVENT_HW_THERMAL, EVENT_SW_POWER_CAP
+from dvfs.meter import (
+    INVALIDATING,
+    Q_CLOCK_NOT_REACHED,
+    Q_COUNTER_STALLED,
+    Q_POWER_CAPPED,
+    Q_SHORT_WINDOW,
+    Q_THROTTLED,
+    WindowPart,
+    counter_at,
+    latency_stats,
+    steady_window_ns,
+    summarise,
+    tokens_in_window,
+)
+
+MS = 1_000_000
+
+
+def trace(sent: int, chunks: list[tuple[int, int]], **spec) -> RequestTrace:
+    times = np.array([t for t, _ in chunks], dtype=np.int64)
+    tokens = np.array([n for _, n in chunks], dtype=np.int64)
+    return RequestTrace(sent, times, tokens, 10, int(tokens.sum()), "length", **spec)
+
+
+def test_latency_follows_sglang_bench_definitions() -> None:
+    # First chunk at 50 ms, then chunks of 1, 3 and 2 tokens every 30 ms.
+    r = trace(0, [(50 * MS, 1), (80 * MS, 1), (110 * MS, 3), (140 * MS, 2)])
+    stats = latency_stats([r])
+    assert stats.ttft_ms == (50.0, 50.0, 50.0)
+    assert stats.tpot_ms[0] == pytest.approx(90 / 6)  # (last - first) / (tokens - 1)
+    # ITL spreads each gap over its tokens: 30 (x1), 10 (x3), 15 (x2)
+    itl = sorted([30.0, 10, 10, 10, 15, 15])
+    assert stats.itl_ms[0] == pytest.approx(float(np.quantile(itl, 0.5)))
+    assert stats.itl_ms[2] == pytest.approx(float(np.quantile(itl, 0.99)))
+    assert all(math.isnan(v) for v in latency_stats([]).ttft_ms)
+
+
+def test_fixed_batch_window_runs_from_last_first_token_to_first_finish() -> None:
+    a = trace(0, [(10 * MS, 1), (20 * MS, 1), (30 * MS, 1), (40 * MS, 1)])
+    b = trace(0, [(15 * MS, 1), (25 * MS, 2), (35 * MS, 1)])
+    result = RoundResult((a, b), 0, 40 * MS)
+    assert steady_window_ns(result, "fixed") == (15 * MS, 35 * MS)
+    assert tokens_in_window([a, b], 15 * MS, 35 * MS) == 2 + 3  # (15, 35]: a's 20,30; b's 25,35
+
+
+def test_closed_loop_window_ends_when_concurrency_drops() -> None:
+    # Concurrency 2 from a pool of 3: the third request starts when the first finishes.
+    first = trace(0, [(10 * MS, 1), (50 * MS, 5)])
+    second = trace(0, [(12 * MS, 1), (90 * MS, 5)])
+    third = trace(50 * MS, [(60 * MS, 1), (120 * MS, 5)])
+    result = RoundResult((first, second, third), 0, 120 * MS)
+    # Two first tokens by 12 ms; the last request was sent at 50 ms; the first finish after
+    # that is at 90 ms.
+    assert steady_window_ns(result, "closed-loop") == (12 * MS, 90 * MS)
+
+
+def samples(times_ms, energy_mj, clock=1500, reasons=0) -> dict[str, np.ndarray]:
+    n = len(times_ms)
+    return {
+        "t_ns": np.array(times_ms, dtype=np.int64) * MS,
+        "energy_mj": np.array(energy_mj, dtype=float),
+        "power_mw": np.full(n, 300_000),
+        "sm_clock_mhz": np.full(n, clock),
+        "temperature_c": np.full(n, 60),
+        "reasons": np.full(n, reasons),
+    }
+
+
+def part(clock=1500, reasons=0, energy=(0, 100, 200, 300, 400)) -> WindowPart:
+    a = trace(0, [(0, 1)] + [(t * MS, 1) for t in range(10, 101, 10)])
+    b = trace(0, [(0, 1)] + [(t * MS, 1) for t in range(10, 101, 10)])
+    result = RoundResult((a, b), 0, 100 * MS)
+    return WindowPart(result, (0, 100 * MS), samples([0, 25, 50, 75, 100], energy, clock, reasons))
+
+
+def test_energy_is_the_interpolated_counter_over_the_window() -> None:
+    s = samples([0, 100], [1000, 2000])
+    assert counter_at(s, 25 * MS) == 1250
+    m = summarise(
+        [part()],
+        requested_clock_mhz=1500,
+        min_window_s=0.05,
+        sample_period_s=0.025,
+        idle_power_w=75,
+    )
+    assert m.energy_j == pytest.approx(0.4)
+    assert m.output_tokens == 20 and m.energy_per_token_j == pytest.approx(0.02)
+    assert m.power_mean_w == pytest.approx(4.0)
+    assert m.valid and m.quality == 0
+    assert m.energy_per_token_above_idle_j == pytest.approx((0.4 - 75 * 0.1) / 20)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "part_kwargs", "flag", "valid"),
+    [
+        ({"requested_clock_mhz": 1980}, {"clock": 1500}, Q_CLOCK_NOT_REACHED, False),
+        (
+            {"requested_clock_mhz": 1980, "power_cap_is_knob": True},
+            {"clock": 1500, "reasons": EVENT_SW_POWER_CAP},
+            Q_POWER_CAPPED,
+            True,
+        ),
+        (
+            {"requested_clock_mhz": 1980},
+            {"clock": 1500, "reasons": EVENT_SW_POWER_CAP},
+            Q_CLOCK_NOT_REACHED,
+            False,
+        ),  # the default limit capped it: the clock is unreachable
+        ({}, {"reasons": EVENT_HW_THERMAL}, Q_THROTTLED, False),
+        ({}, {"energy": (0, 0, 0, 0, 0)}, Q_COUNTER_STALLED, False),
+        ({"min_window_s": 5.0}, {}, Q_SHORT_WINDOW, True),
+    ],
+)
+def test_quality_flags(kwargs, part_kwargs, flag, valid) -> None:
+    args = {
+        "requested_clock_mhz": None,
+        "min_window_s": 0.05,
+        "sample_period_s": 0.025,
+        "idle_power_w": 75.0,
+        **kwargs,
+    }
+    m = summarise([part(**part_kwargs)], **args)
+    assert m.quality & flag
+    assert m.valid is valid
+    assert bool(m.quality & INVALIDATING) is not valid
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    gaps=st.lists(st.integers(1, 50), min_size=2, max_size=40),
+    tokens=st.lists(st.integers(1, 8), min_size=2, max_size=40),
+)
+def test_itl_and_tpot_agree_on_the_mean(gaps, tokens) -> None:
+    """Spreading each gap over its tokens keeps the total: mean ITL x tokens = decode time."""
+    n = min(len(gaps), len(tokens))
+    times = np.cumsum([5] + gaps[:n]) * MS
+    chunks = [(int(times[0]), 1)] + [
+        (int(t), k) for t, k in zip(times[1:], tokens[:n], strict=False)
+    ]
+    r = trace(0, chunks)
+    decode_ms = (r.finished_ns - r.first_token_ns) / MS
+    gaps_ms = np.diff(r.chunk_ns) / MS
+    per_token = np.repeat(gaps_ms / r.chunk_tokens[1:], r.chunk_tokens[1:])
+    assert per_token.sum() == pytest.approx(decode_ms)
+    assert latency_stats([r]).tpot_ms[0] == pytest.approx(decode_ms / (r.completion_tokens - 1))
