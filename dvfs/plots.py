@@ -205,11 +205,14 @@ def headroom_heatmap(chosen: xr.Dataset, out_dir: Path, fmt: str) -> Path:
         part = chosen.sel(corpus=corpus)
         saving = (part["saving"] * 100).transpose("drafter", "batch").to_pandas()
         clock = part["chosen_sm_clock"].transpose("drafter", "batch").to_pandas()
+        limit = part["chosen_power_limit"].transpose("drafter", "batch").to_pandas()
+        stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
         labels = saving.copy().astype(object)
         for i in range(saving.shape[0]):
             for j in range(saving.shape[1]):
-                s, c = saving.iat[i, j], clock.iat[i, j]
-                labels.iat[i, j] = "none\nfeasible" if np.isnan(s) else f"{s:.0f}%\n{c:.0f}"
+                s, c, p = saving.iat[i, j], clock.iat[i, j], limit.iat[i, j]
+                capped = f"\n{p:.0f} W" if not np.isnan(p) and p < stock_limit else ""
+                labels.iat[i, j] = "none\nfeasible" if np.isnan(s) else f"{s:.0f}%\n{c:.0f}{capped}"
         sns.heatmap(
             saving,
             annot=labels,
@@ -228,7 +231,8 @@ def headroom_heatmap(chosen: xr.Dataset, out_dir: Path, fmt: str) -> Path:
         ax.set_visible(False)
     fig.suptitle(
         f"Headroom: energy saved at the least-energy setting meeting "
-        f"{chosen.attrs.get('target', '')}\n(cell text: saving, chosen SM clock MHz)",
+        f"{chosen.attrs.get('target', '')}\n"
+        "(cell text: saving, chosen SM clock MHz, and the power limit when capped)",
         y=1.03,
     )
     fig.tight_layout()
