@@ -65,18 +65,7 @@ def check_spec(spec: dict[str, Any]) -> None:
         raise CorpusError("package needs resource (the file's path inside the package)")
     if ("field" in spec) == ("messages" in spec):
         raise CorpusError("give exactly one of field (a text field) or messages (a chat field)")
-    for key in (
-        "path",
-        "dataset",
-        "config",
-        "split",
-        "package",
-        "resource",
-        "field",
-        "messages",
-        "acceptance_like",
-        "description",
-    ):
+    for key in sorted(SPEC_KEYS - {"format", "limit"}):
         if key in spec and not isinstance(spec[key], str):
             raise CorpusError(f"{key} must be a string")
     if "format" in spec and spec["format"] not in FORMATS:
@@ -151,7 +140,7 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
 
 
-def _chat(raw: Any, where: str) -> tuple[Message, ...]:
+def chat_messages(raw: Any, where: str) -> tuple[Message, ...]:
     """Chat messages from OpenAI-style or ShareGPT-style turns, ending on the user's turn."""
     if isinstance(raw, str):
         try:
@@ -199,7 +188,7 @@ def _prompt(
             raise CorpusError(f"{where}: field {key!r} is empty")
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
-        messages = _chat(value, where)
+        messages = chat_messages(value, where)
     ident = record.get("id") or record.get("task_id") or f"{name}-{index:05d}"
     return Prompt(str(ident), messages, count_tokens(messages))
 

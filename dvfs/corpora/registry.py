@@ -7,7 +7,8 @@ import json
 from importlib import resources
 from typing import Any
 
-from dvfs.corpora.model import Corpus, Message, Prompt, TokenCounter, estimate_tokens
+from dvfs.corpora.loaders import chat_messages
+from dvfs.corpora.model import Corpus, Prompt, TokenCounter, estimate_tokens
 from dvfs.errors import CampaignError, CorpusError
 
 BUILTIN_CORPORA = ("code", "conversation", "english", "math", "romansh")
@@ -19,35 +20,6 @@ BUILTIN_DESCRIPTIONS = {
     "math": "math word problems asking for step-by-step solutions",
     "romansh": "prompts in Rumantsch Grischun (a low-resource language)",
 }
-
-
-def parse_messages(raw: Any, *, where: str) -> tuple[Message, ...]:
-    """Validate a chat-messages list: roles alternate and the last turn is the user's."""
-    if isinstance(raw, str):
-        if not raw.strip():
-            raise CorpusError(f"{where}: empty prompt text")
-        return (Message("user", raw),)
-    if not isinstance(raw, list) or not raw:
-        raise CorpusError(
-            f"{where}: expected a string or a non-empty list of chat messages, "
-            f"got {type(raw).__name__}"
-        )
-    messages = []
-    for i, item in enumerate(raw):
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("role"), str)
-            or not isinstance(item.get("content"), str)
-        ):
-            raise CorpusError(f"{where}: message {i} needs string fields 'role' and 'content'")
-        if item["role"] not in ("system", "user", "assistant"):
-            raise CorpusError(
-                f"{where}: message {i} has role {item['role']!r}; use system, user or assistant"
-            )
-        messages.append(Message(item["role"], item["content"]))
-    if messages[-1].role != "user":
-        raise CorpusError(f"{where}: the last message must be the user's (the model answers it)")
-    return tuple(messages)
 
 
 def _builtin_text(name: str) -> str:
@@ -69,7 +41,7 @@ def _builtin(name: str) -> Corpus:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from exc
-        messages = parse_messages(record.get("messages"), where=where)
+        messages = chat_messages(record.get("messages"), where)
         prompts.append(Prompt(record["id"], messages, estimate_tokens(messages)))
     return Corpus(name, tuple(prompts), f"dvfs built-in corpus {name!r}")
 

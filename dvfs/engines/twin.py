@@ -290,34 +290,26 @@ class TwinEngine:
         columns: list[
             tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
         ] = []
+
+        def draft_pass(draft: ModelProfile, tokens: np.ndarray) -> None:
+            columns.append(
+                (
+                    draft,
+                    tokens,
+                    draft.kv_bytes_read(mean_ctx) * active,
+                    draft.attention_flops_per_token(mean_ctx) * tokens,
+                    tokens,
+                )
+            )
+
         if plan is not None and plan.family == "ngram":
             columns.append((None, active, active, active, active))
         elif plan is not None and plan.draft_model is not None:
-            draft = plan.draft_model
             if plan.family == "dflash":
-                tokens = active * k
-                columns.append(
-                    (
-                        draft,
-                        tokens,
-                        draft.kv_bytes_read(mean_ctx) * active,
-                        draft.attention_flops_per_token(mean_ctx) * tokens,
-                        tokens,
-                    )
-                )
+                draft_pass(plan.draft_model, active * k)  # one pass drafts the whole block
             else:
                 for step in range(plan.num_steps):
-                    width = plan.topk if step > 0 else 1
-                    tokens = active * width
-                    columns.append(
-                        (
-                            draft,
-                            tokens,
-                            draft.kv_bytes_read(mean_ctx) * active,
-                            draft.attention_flops_per_token(mean_ctx) * tokens,
-                            tokens,
-                        )
-                    )
+                    draft_pass(plan.draft_model, active * (plan.topk if step > 0 else 1))
         verify_tokens = active * k
         verify_attn = self.model.attention_flops_per_token(mean_ctx) * verify_tokens
         columns.append((self.model, verify_tokens, ctx_kv_bytes, verify_attn, emitted))
