@@ -631,6 +631,12 @@ def _measurement(table: _Table) -> MeasurementConfig:
         retries=table.integer("retries", 2, minimum=0),
     )
     table.finish()
+    if m.sample_period_s * 5 > m.min_window_s:
+        raise table.fail(
+            "sample_period_s",
+            f"{m.sample_period_s:g} s is too coarse for min_window_s = {m.min_window_s:g} s: a "
+            "window needs several samples of the energy counter; use at most min_window_s / 5",
+        )
     return m
 
 

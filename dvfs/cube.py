@@ -97,7 +97,7 @@ VARIABLES = (
     VarSpec(
         "server_accept_length",
         "1",
-        "accept length as the server reports it",
+        "tokens per verify pass as the server reports it (prefill excluded; SGLang >= 0.5.23)",
         "server_accept_length",
     ),
     VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window", "power_mean_w"),

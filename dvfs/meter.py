@@ -34,6 +34,7 @@ Q_FEW_SAMPLES = 1 << 4
 Q_ACCEPT_MISMATCH = 1 << 5
 Q_POWER_CAPPED = 1 << 6
 Q_NO_WINDOW = 1 << 7
+Q_RETRACTED = 1 << 8
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -44,9 +45,10 @@ QUALITY_FLAGS = {
     Q_ACCEPT_MISMATCH: "accept_length_mismatch",
     Q_POWER_CAPPED: "power_capped",
     Q_NO_WINDOW: "no_steady_window",
+    Q_RETRACTED: "retracted",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
-INVALIDATING = Q_CLOCK_NOT_REACHED | Q_THROTTLED | Q_COUNTER_STALLED | Q_NO_WINDOW
+INVALIDATING = Q_CLOCK_NOT_REACHED | Q_THROTTLED | Q_COUNTER_STALLED | Q_NO_WINDOW | Q_FEW_SAMPLES
 
 
 def describe_quality(mask: int) -> list[str]:
@@ -201,9 +203,14 @@ def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
 
 @dataclass(frozen=True)
 class Acceptance:
+    """accept_length as SGLang defines it per request (completion tokens / verify passes, so the
+    prefill token counts); decode_accept_length leaves the prefill token out, as the server's
+    running average does, for the cross-check."""
+
     accept_length: float
     accept_rate: float
     server_accept_length: float
+    decode_accept_length: float = math.nan
 
 
 def acceptance(results: Sequence[RoundResult]) -> Acceptance:
@@ -216,9 +223,11 @@ def acceptance(results: Sequence[RoundResult]) -> Acceptance:
     verify = sum(r.spec_verify_ct or 0 for r in reqs)
     proposed = sum(r.spec_proposed_drafts or 0 for r in reqs)
     accepted = sum(r.spec_accepted_drafts or 0 for r in reqs)
-    length = sum(r.completion_tokens for r in reqs) / verify if verify else math.nan
+    completion = sum(r.completion_tokens for r in reqs)
+    length = completion / verify if verify else math.nan
+    decode = (completion - len(reqs)) / verify if verify else math.nan
     rate = accepted / proposed if proposed else math.nan
-    return Acceptance(length, rate, server_mean)
+    return Acceptance(length, rate, server_mean, decode)
 
 
 # -- the cell's measurement -----------------------------------------------------------------
@@ -289,13 +298,15 @@ def summarise(
     min_window_s: float,
     sample_period_s: float,
     idle_power_w: float,
-    power_cap_is_knob: bool = False,
 ) -> CellMeasurement:
     """Combine a cell's rounds into one measurement and run the quality checks.
 
-    A locked clock that is not reached makes the cell invalid, unless the cell itself lowered
-    the power limit and the GPU says the power cap held the clock down: then the power limit
-    is the knob that bound, and the cell stands for it.
+    The observed clock must match a locked clock within CLOCK_TOLERANCE_MHZ: above it, the
+    lock did not take; below it without SwPowerCap, something other than the knobs held it
+    down. Below it with SwPowerCap, the power limit bound (the cell's own or the stock one):
+    the cell is valid and flagged power_capped, since applying the same setting reproduces it.
+    Fewer than three samples inside the window make the energy an interpolation across
+    other phases: invalid.
     """
     quality = 0
     energy_mj = 0.0
@@ -343,24 +354,20 @@ def summarise(
     if window_ns and in_window_samples < 3:
         quality |= Q_FEW_SAMPLES
     sm_clock = clock_weighted / window_ns if window_ns and in_window_samples else math.nan
-    capped_by_knob = power_cap_is_knob and bool(reasons & EVENT_SW_POWER_CAP)
-    if (
-        requested_clock_mhz is not None
-        and not math.isnan(sm_clock)
-        and (sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ)
-        and not capped_by_knob
-    ):
-        quality |= Q_CLOCK_NOT_REACHED
+    if requested_clock_mhz is not None and not math.isnan(sm_clock):
+        above = sm_clock > requested_clock_mhz + CLOCK_TOLERANCE_MHZ
+        below = sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ
+        if above or (below and not reasons & EVENT_SW_POWER_CAP):
+            quality |= Q_CLOCK_NOT_REACHED
     if reasons & EVENT_THROTTLE_MASK:
         quality |= Q_THROTTLED
     if reasons & EVENT_SW_POWER_CAP:
         quality |= Q_POWER_CAPPED
-    if (
-        not math.isnan(accept.server_accept_length)
-        and not math.isnan(accept.accept_length)
-        and (abs(accept.server_accept_length - accept.accept_length) > 0.05 * accept.accept_length)
-    ):
+    server, ours = accept.server_accept_length, accept.decode_accept_length
+    if not math.isnan(server) and not math.isnan(ours) and abs(server - ours) > 0.05 * ours:
         quality |= Q_ACCEPT_MISMATCH
+    if any(r.retractions for r in all_requests):
+        quality |= Q_RETRACTED
     if len(timeline) > TIMELINE_POINTS:
         picks = np.linspace(0, len(timeline) - 1, TIMELINE_POINTS).round().astype(int)
         timeline = [timeline[i] for i in picks]

@@ -253,12 +253,9 @@ class Runner:
             if total_ns * 1e-9 >= m.min_window_s:
                 break
         requested = cell.sm_clock_mhz if self.knobs.actuation else None
-        stock_limit_mw = min(s.power_limit_mw for s in self.knobs.original.values())
-        power_knob = cell.power_limit_w is not None and cell.power_limit_w * 1000 < stock_limit_mw
         measurement = summarise(
             parts,
             requested_clock_mhz=requested,
-            power_cap_is_knob=power_knob,
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
             idle_power_w=self.idle_power_w,
@@ -269,7 +266,9 @@ class Runner:
         """Measure with bounded retries; a crashed server is restarted before retrying."""
         retries = self.campaign.measurement.retries
         errors: list[str] = []
+        attempts = 0
         for attempt in range(1, retries + 2):
+            attempts = attempt
             try:
                 measurement, warmup = self.measure(cell)
                 return {
@@ -285,13 +284,14 @@ class Runner:
                 }
             except EngineCrashedError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
-                self.progress.note(f"server crashed during {cell_label(cell)}: {exc}; restarting")
+                self.progress.note(f"server crashed during {cell_label(cell)}: {exc}")
+                # Whatever happens next, the dead server must not serve another cell.
+                self._drafter = None
                 if attempt <= retries:
                     try:
                         self._start_server(cell.drafter)
                     except EngineError as restart_exc:
                         errors.append(f"restart failed: {restart_exc}")
-                        self._drafter = None
                         break
             except EngineError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
@@ -301,7 +301,7 @@ class Runner:
             "key": cell.key,
             "cell": asdict(cell),
             "status": "failed",
-            "attempts": len(errors),
+            "attempts": attempts,
             "finished": now_iso(),
             "error": errors[-1] if errors else "",
             "errors": errors,

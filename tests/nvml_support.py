@@ -39,7 +39,7 @@ output_tokens = {output_tokens}
 
 [measurement]
 warmup_tokens = 0
-min_window_s = 0.01
+min_window_s = 0.05
 max_rounds = 1
 repeats = {repeats}
 sample_period_s = 0.01

@@ -94,7 +94,7 @@ output_tokens = {output_tokens}
 
 [measurement]
 warmup_tokens = {warmup_tokens}
-min_window_s = 0.01
+min_window_s = 0.05
 max_rounds = 1
 sample_period_s = 0.01
 idle_s = 0.0

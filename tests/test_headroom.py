@@ -218,3 +218,106 @@ def test_a_looser_target_never_gives_less_headroom_or_saving(lat, en, slack, ext
         # chosen energy can only grow within that resolution.
         assert b["chosen_energy_per_token_j"] <= a["chosen_energy_per_token_j"] * (1 + 1e-3)
         assert b["saving"] >= a["saving"] - 1e-3
+
+
+def test_missing_repeats_never_loosen_the_test() -> None:
+    ratios = {0: 0.99, 1: 1.00, 2: 0.995}
+
+    def latency(c, p, b, d, k, rep):
+        return 10.0 * (ratios[rep] if c == 1500 else 1.0) if c != 1000 else 20.0
+
+    full = simple(repeats=3, latency=latency)
+    assert row(headroom(full, target=Target("preserve")))["chosen_sm_clock"] == 2000
+    # The same cube with repeats 1 and 2 of 1500 MHz failed: one repeat left is not enough.
+    gone = simple(
+        repeats=3,
+        latency=lambda c, p, b, d, k, rep: (
+            math.nan if c == 1500 and rep > 0 else latency(c, p, b, d, k, rep)
+        ),
+    )
+    r = row(headroom(gone, target=Target("preserve")))
+    assert r["chosen_sm_clock"] == 2000 and r["feasible_settings"] == 1
+
+
+def test_vs_baseline_bound_is_unpaired_and_conservative() -> None:
+    from dvfs.analysis.headroom import t_quantile
+
+    base = {0: 10.0, 1: 10.2, 2: 9.8}
+    eagle = {
+        (2000, 0): 5.0,
+        (2000, 1): 5.1,
+        (2000, 2): 4.9,
+        (1500, 0): 8.8,
+        (1500, 1): 9.0,
+        (1500, 2): 8.9,
+    }
+
+    def latency(c, p, b, d, k, r):
+        return base[r] if d == "none" else eagle[(c, r)]
+
+    cube = make_cube(
+        clocks=[1500, 2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=latency,
+        energy=lambda c, *_: 0.5 if c == 1500 else 1.0,
+    )
+    result = headroom(cube, target=Target("vs-baseline"))
+    r = result.sel(batch=1, corpus="code", drafter="eagle3")
+    t = t_quantile(0.975, 2)
+    expected = (8.9 + t * 0.1 / 3**0.5) / (10.0 - t * 0.2 / 3**0.5)
+    assert int(r["chosen_sm_clock"]) == 1500
+    assert float(r["latency_bound"]) == pytest.approx(expected)
+    assert "unpaired" in result.attrs["bound"]
+    # A noisy baseline: every repeat's ratio is 0.9, but the means' bounds do not pair up.
+    noisy = {0: 10.0, 1: 12.0, 2: 8.0}
+    cube = make_cube(
+        clocks=[1500, 2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: noisy[r] * (1.0 if d == "none" else 0.9),
+        energy=lambda c, *_: 0.5 if c == 1500 else 1.0,
+    )
+    r = headroom(cube, target=Target("vs-baseline")).sel(batch=1, corpus="code", drafter="eagle3")
+    assert not bool(r["feasible"])
+
+
+def test_energy_ties_are_relative() -> None:
+    cube = simple(energy=lambda c, *_: {2000: 0.123451, 1500: 0.123449, 1000: 0.9}[c])
+    assert row(headroom(cube, target=Target("preserve", slack=0.10)))["chosen_sm_clock"] == 2000
+    cube = simple(energy=lambda c, *_: {2000: 0.12354, 1500: 0.12345, 1000: 0.9}[c])
+    assert row(headroom(cube, target=Target("preserve", slack=0.10)))["chosen_sm_clock"] == 1500
+
+
+def test_merged_cubes_use_each_gpus_own_stock() -> None:
+    import json
+
+    from dvfs.cube import merge_cubes
+
+    a = make_cube(
+        clocks=CLOCKS,
+        limits=[600.0, 700.0],
+        latency=lambda c, *_: TPOT[c],
+        energy=lambda c, *_: ENERGY[c],
+    )
+    b = make_cube(
+        clocks=CLOCKS,
+        limits=[600.0, 650.0],
+        latency=lambda c, *_: TPOT[c],
+        energy=lambda c, *_: ENERGY[c],
+    )
+    for ds, uuid in ((a, "GPU-a"), (b, "GPU-b")):
+        ds.attrs.update(
+            gpu_uuids=uuid,
+            model="m",
+            engine_backend="twin",
+            tp_size=1,
+            measurement_method="x",
+            gpu_name=uuid,
+        )
+    merged = merge_cubes([a, b])
+    assert json.loads(merged.attrs["merged_from"])["GPU-b"]["stock_power_limit_w"] == "650.0"
+    result = headroom(merged, target=Target("preserve", slack=0.10))
+    for gpu in ("GPU-a", "GPU-b"):
+        r = result.sel(gpu=gpu, batch=1, drafter="none", corpus="code")
+        assert bool(r["feasible"]) and int(r["chosen_sm_clock"]) == 1500

@@ -15,6 +15,7 @@ from dvfs.meter import (
     INVALIDATING,
     Q_CLOCK_NOT_REACHED,
     Q_COUNTER_STALLED,
+    Q_FEW_SAMPLES,
     Q_POWER_CAPPED,
     Q_SHORT_WINDOW,
     Q_THROTTLED,
@@ -107,22 +108,20 @@ def test_energy_is_the_interpolated_counter_over_the_window() -> None:
     ("kwargs", "part_kwargs", "flag", "valid"),
     [
         ({"requested_clock_mhz": 1980}, {"clock": 1500}, Q_CLOCK_NOT_REACHED, False),
+        # A power limit (the cell's own or the stock one) held the clock down: valid, flagged.
         (
-            {"requested_clock_mhz": 1980, "power_cap_is_knob": True},
+            {"requested_clock_mhz": 1980},
             {"clock": 1500, "reasons": EVENT_SW_POWER_CAP},
             Q_POWER_CAPPED,
             True,
         ),
-        (
-            {"requested_clock_mhz": 1980},
-            {"clock": 1500, "reasons": EVENT_SW_POWER_CAP},
-            Q_CLOCK_NOT_REACHED,
-            False,
-        ),  # the default limit capped it: the clock is unreachable
+        # Above the lock: the lock did not take.
+        ({"requested_clock_mhz": 1200}, {"clock": 1500}, Q_CLOCK_NOT_REACHED, False),
         ({}, {"reasons": EVENT_HW_THERMAL}, Q_THROTTLED, False),
         ({}, {"energy": (0, 0, 0, 0, 0)}, Q_COUNTER_STALLED, False),
         ({"min_window_s": 5.0}, {}, Q_SHORT_WINDOW, True),
     ],
+    ids=["below-lock", "power-capped", "above-lock", "thermal", "stalled", "short"],
 )
 def test_quality_flags(kwargs, part_kwargs, flag, valid) -> None:
     args = {
@@ -136,6 +135,19 @@ def test_quality_flags(kwargs, part_kwargs, flag, valid) -> None:
     assert m.quality & flag
     assert m.valid is valid
     assert bool(m.quality & INVALIDATING) is not valid
+
+
+def test_too_few_samples_in_the_window_invalidate() -> None:
+    sparse = part()
+    sparse.samples = samples([0, 100], [0, 400])  # nothing sampled inside the window
+    m = summarise(
+        [sparse],
+        requested_clock_mhz=None,
+        min_window_s=0.05,
+        sample_period_s=0.1,
+        idle_power_w=75.0,
+    )
+    assert m.quality & Q_FEW_SAMPLES and not m.valid
 
 
 @settings(max_examples=100, deadline=None)

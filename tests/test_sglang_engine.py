@@ -136,7 +136,12 @@ def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> 
     # The stub emits 2 or 3 tokens per step at random (mean 2.5) over ~32 steps per request;
     # completion / verify passes also counts the prefill token (+1/32).
     assert np.allclose(accept.sel(drafter="eagle3"), 2.5, atol=0.25)
-    assert np.allclose(ds["server_accept_length"].sel(drafter="eagle3"), 2.5, atol=0.25)
+    server = ds["server_accept_length"].sel(drafter="eagle3")
+    if version == "0.5.9":  # its flush does not reset the average: no cross-check possible
+        assert np.isnan(server).all()
+    else:
+        assert np.allclose(server, 2.5, atol=0.25)
+        assert not (ds["quality"].sel(drafter="eagle3").astype(int) & 32).any()  # no mismatch
     assert np.allclose(ds["accept_rate"].sel(drafter="eagle3"), 1.5 / 3, atol=0.1)
     servers = json.loads(ds.attrs["server_args"])
     assert servers["eagle3"]["version"] == version

@@ -33,6 +33,21 @@ def compare(
     """Energy of each drafter relative to `baseline`, per batch and corpus."""
     import xarray as xr
 
+    if "gpu" in cube.dims:  # merged cube: each GPU against its own stock setting
+        from dvfs.analysis.headroom import single_gpu
+
+        parts = [
+            compare(
+                single_gpu(cube, g),
+                baseline=baseline,
+                metric=metric,
+                quantile=quantile,
+                confidence=confidence,
+            )
+            for g in cube["gpu"].values
+        ]
+        merged = xr.concat(parts, dim="gpu", join="outer", combine_attrs="drop_conflicts")
+        return merged.assign_coords(gpu=cube["gpu"].values)
     drafters = [str(d) for d in cube["drafter"].values]
     if baseline not in drafters:
         raise AnalysisError(

@@ -3,21 +3,24 @@
 For every (batch, drafter, corpus[, gpu]) the search looks at each knob setting measured in
 the cube and calls it feasible when its latency meets the target with confidence:
 
-  x_r = latency(setting, r) / latency(reference, r)   for preserve / vs-baseline targets
-  x_r = latency(setting, r)                           for an SLO (ms)
+  preserve     x_r = latency(setting, r) / latency(stock, r), paired by repeat: the drafter's
+               own stock cell is measured in the same interleaved repeat, so drift cancels;
+               feasible <=> mean(x) + t(conf, n-1) sd(x) / sqrt(n) <= 1 + slack
+  slo          x_r = latency(setting, r) in ms; the same bound, <= the limit
+  vs-baseline  the baseline drafter ran on another server at another time, so nothing pairs:
+               (mean + t se of the setting) / (mean - t se of the baseline's stock), each at
+               the two-sided level of the confidence (a conservative ratio bound), <= 1 + slack
 
-  feasible  <=>  mean(x) + t(conf, n-1) * sd(x) / sqrt(n)  <=  threshold
+With repeats, a setting needs at least two usable repeats (fewer would make the test looser,
+not stricter); with one repeat no interval is possible and the point value is compared.
+Cells flagged invalid disqualify their setting.
 
-a one-sided Student-t upper bound over the repeats, paired with the reference measured in the
-same repeat (repeats are interleaved, so pairing cancels drift). With one repeat no interval
-is possible and the point value is compared. Cells flagged invalid are never feasible.
-
-Two answers come out, both monotone in the target by construction (the feasible set only
-grows as the target loosens):
+Two answers come out, both monotone in the target by construction (the statistics do not
+depend on the target, so the feasible set only grows as it loosens):
   * headroom: the lowest feasible SM clock (and power limit) below stock;
   * the chosen setting: the feasible one with the least energy per token, and its saving.
-Energies equal to 4 significant digits (0.01%, far below any power meter's accuracy) are ties,
-and ties go to the least intrusive setting (highest clock, then highest power limit).
+Energies within 0.01% of the least (far below any power meter's accuracy) are ties, broken
+towards the least intrusive setting (highest clock, then highest power limit).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 
 KNOBS = ("both", "sm_clock", "power_limit")
 GROUP_DIMS = ("batch", "drafter", "corpus")
+
+#: Energies within this relative distance of the least are ties (0.01%).
+ENERGY_TIE = 1e-4
 
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
@@ -120,63 +126,63 @@ def headroom(
             f"baseline drafter {target.baseline!r} is not in the cube "
             f"(drafters: {', '.join(map(str, cube['drafter'].values))}); pick one with --baseline"
         )
+    if "gpu" in cube.dims:  # merged cube: each GPU against its own stock setting
+        parts = [
+            headroom(single_gpu(cube, g), target=target, knob=knob, confidence=confidence)
+            for g in cube["gpu"].values
+        ]
+        merged = xr.concat(parts, dim="gpu", combine_attrs="drop_conflicts")
+        return merged.assign_coords(gpu=cube["gpu"].values).transpose("gpu", *GROUP_DIMS)
     ref = reference_setting(cube)
     sub = cube
     if knob == "sm_clock":
         sub = cube.sel(power_limit=[ref.power_limit])
     elif knob == "power_limit":
         sub = cube.sel(sm_clock=[ref.sm_clock])
-    latency = sub[target.variable].sel(quantile=target.quantile)
-    energy = sub["energy_per_token_j"]
+    at_ref = {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit}
     ok = _valid_mask(sub)
-    # Invalid repeats disqualify their setting: mark them NaN and require no invalid repeat.
     measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
-    any_invalid = (measured & ~ok).any("repeat")
-    latency = latency.where(ok)
-    energy = energy.where(ok)
-    ref_latency = cube[target.variable].sel(
-        quantile=target.quantile, sm_clock=ref.sm_clock, power_limit=ref.power_limit
-    )
-    ref_latency = ref_latency.where(
-        _valid_mask(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
-    )
+    any_invalid = (measured & ~ok).any("repeat")  # one invalid repeat disqualifies a setting
+    latency = sub[target.variable].sel(quantile=target.quantile).where(ok)
+    energy = sub["energy_per_token_j"].where(ok)
+    ref_ok = _valid_mask(cube).sel(at_ref)
+    ref_latency = cube[target.variable].sel(quantile=target.quantile, **at_ref).where(ref_ok)
     if target.mode == "vs-baseline":
         ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)
-    if target.mode == "slo":
-        statistic = latency
-        threshold = float(target.limit_ms)  # type: ignore[arg-type]
-    else:
-        statistic = latency / ref_latency
-        threshold = 1.0 + target.slack
-    stock_energy = cube["energy_per_token_j"].sel(
-        sm_clock=ref.sm_clock, power_limit=ref.power_limit
-    )
-    stock_energy = stock_energy.where(
-        _valid_mask(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
-    )
+    stock_energy = cube["energy_per_token_j"].sel(at_ref).where(ref_ok)
+    threshold = float(target.limit_ms) if target.mode == "slo" else 1.0 + target.slack  # type: ignore[arg-type]
+    repeats_in_cube = int(cube.sizes.get("repeat", 1))
+    min_repeats = min(2, repeats_in_cube)
     baseline_drafter = target.baseline if target.baseline in cube["drafter"].values else None
 
-    extra_dims = [
-        d for d in statistic.dims if d not in (*GROUP_DIMS, "sm_clock", "power_limit", "repeat")
-    ]
-    order = [*extra_dims, *GROUP_DIMS, "sm_clock", "power_limit", "repeat"]
-    stat = statistic.transpose(*order).values
+    order = [*GROUP_DIMS, "sm_clock", "power_limit", "repeat"]
+    group_order = [*GROUP_DIMS, "repeat"]
     energy_v = energy.transpose(*order).values
     latency_v = latency.transpose(*order).values
     invalid_v = any_invalid.transpose(*order[:-1]).values
-    ref_lat_v = (
-        ref_latency.broadcast_like(stock_energy)
-        .transpose(*[d for d in order if d not in ("sm_clock", "power_limit")])
-        .values
-    )
-    stock_e = stock_energy.transpose(
-        *[d for d in order if d not in ("sm_clock", "power_limit")]
-    ).values
+    ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
+    stock_e = stock_energy.transpose(*group_order).values
     clocks = sub["sm_clock"].values.astype(int)
     limits = sub["power_limit"].values.astype(float)
     drafters = list(cube["drafter"].values)
 
-    group_shape = stat.shape[: len(extra_dims) + 3]
+    def statistic_bound(lat: np.ndarray, ref_lat: np.ndarray) -> tuple[float, int]:
+        """The feasibility bound and the number of repeats behind it (NaN: not enough)."""
+        if target.mode == "vs-baseline":
+            mine, base = lat[~np.isnan(lat)], ref_lat[~np.isnan(ref_lat)]
+            if len(mine) < min_repeats or len(base) < min_repeats:
+                return math.nan, len(mine)
+            two_sided = (1 + confidence) / 2
+            top = upper_bound(mine, two_sided)
+            bottom = 2 * float(base.mean()) - upper_bound(base, two_sided)
+            return (top / bottom if bottom > 0 else math.inf), len(mine)
+        x = lat if target.mode == "slo" else lat / ref_lat
+        x = x[~np.isnan(x)]
+        if len(x) < min_repeats:
+            return math.nan, len(x)
+        return upper_bound(x, confidence), len(x)
+
+    group_shape = energy_v.shape[:3]
     out = {
         name: np.full(group_shape, np.nan)
         for name in (
@@ -203,46 +209,43 @@ def headroom(
     feasible_any = np.zeros(group_shape, dtype=bool)
     n_feasible = np.zeros(group_shape, dtype=int)
     for idx in np.ndindex(group_shape):
-        stock_here = np.nanmean(stock_e[idx]) if not np.all(np.isnan(stock_e[idx])) else math.nan
+        stock_here = _mean(stock_e[idx])
         out["stock_energy_per_token_j"][idx] = stock_here
-        reference_ms = (
-            np.nanmean(ref_lat_v[idx]) if not np.all(np.isnan(ref_lat_v[idx])) else math.nan
-        )
+        reference_ms = _mean(ref_lat_v[idx])
         out["reference_latency_ms"][idx] = reference_ms
         out["target_ms"][idx] = threshold if target.mode == "slo" else reference_ms * threshold
         if baseline_drafter is not None:
-            b_idx = (*idx[: len(extra_dims) + 1], drafters.index(baseline_drafter), idx[-1])
-            base = stock_e[b_idx]
-            out["baseline_energy_per_token_j"][idx] = (
-                np.nanmean(base) if not np.all(np.isnan(base)) else math.nan
-            )
-        best: tuple | None = None
-        lowest_clock = math.inf
-        lowest_limit = math.inf
+            b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
+            out["baseline_energy_per_token_j"][idx] = _mean(stock_e[b_idx])
+        feasible = []
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
                 if invalid_v[idx + (ci, pi)]:
                     continue
-                x = stat[idx + (ci, pi)]
                 e = energy_v[idx + (ci, pi)]
-                paired = ~np.isnan(x) & ~np.isnan(e)
-                if not paired.any():
-                    continue
-                bound = upper_bound(x[paired], confidence)
+                lat = latency_v[idx + (ci, pi)]
+                bound, n = statistic_bound(lat, ref_lat_v[idx])
                 if not bound <= threshold:
                     continue
-                n_feasible[idx] += 1
-                lowest_clock = min(lowest_clock, clock)
-                lowest_limit = min(lowest_limit, limit)
-                mean_e = float(np.mean(e[paired]))
-                key = (float(f"{mean_e:.4g}"), -clock, -limit)
-                if best is None or key < best[0]:
-                    lat = float(np.nanmean(latency_v[idx + (ci, pi)][paired]))
-                    best = (key, clock, limit, mean_e, lat, bound, int(paired.sum()))
-        if best is None:
+                feasible.append(
+                    (
+                        float(np.nanmean(e)),
+                        int(clock),
+                        float(limit),
+                        float(np.nanmean(lat)),
+                        bound,
+                        n,
+                    )
+                )
+        n_feasible[idx] = len(feasible)
+        if not feasible:
             continue
+        least = min(f[0] for f in feasible)
+        ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
+        mean_e, clock, limit, lat, bound, n = max(ties, key=lambda f: (f[1], f[2]))
+        lowest_clock = min(f[1] for f in feasible)
+        lowest_limit = min(f[2] for f in feasible)
         feasible_any[idx] = True
-        _, clock, limit, mean_e, lat, bound, n = best
         out["chosen_sm_clock"][idx] = clock
         out["chosen_power_limit"][idx] = limit
         out["chosen_energy_per_token_j"][idx] = mean_e
@@ -259,6 +262,7 @@ def headroom(
         out["chosen_headroom_mhz"][idx] = ref.sm_clock - clock
         out["chosen_headroom_w"][idx] = ref.power_limit - limit
 
+    extra_dims: list[str] = []
     coords = {d: cube[d].values for d in (*extra_dims, *GROUP_DIMS)}
     dims = (*extra_dims, *GROUP_DIMS)
     units = {
@@ -295,7 +299,7 @@ def headroom(
         n_feasible,
         {"units": "1", "long_name": "settings meeting the target"},
     )
-    repeats = int(cube.sizes.get("repeat", 1))
+    repeats = repeats_in_cube
     result = xr.Dataset(data_vars, coords=coords)
     result.attrs.update(
         target=target.describe(),
@@ -320,4 +324,27 @@ def headroom(
         result.attrs["bound"] = result.attrs["bound"].replace(
             "latency ratio to the reference", "latency (ms)"
         )
+    if target.mode == "vs-baseline" and repeats > 1:
+        result.attrs["bound"] = (
+            f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "
+            f"(Student-t bounds of each mean at {(1 + confidence) / 2:.1%}), unpaired: the "
+            "baseline ran on another server"
+        )
     return result
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.nanmean(values)) if not np.all(np.isnan(values)) else math.nan
+
+
+def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
+    """One GPU of a merged cube, with that GPU's own stock setting as its reference."""
+    import json
+
+    one = cube.sel(gpu=gpu, drop=True)
+    stock = json.loads(cube.attrs.get("merged_from", "{}")).get(str(gpu), {})
+    attrs = dict(cube.attrs)
+    for key in ("stock_sm_clock_mhz", "stock_power_limit_w"):
+        if stock.get(key) not in (None, "None"):
+            attrs[key] = float(stock[key])
+    return one.assign_attrs(attrs)

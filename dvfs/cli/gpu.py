@@ -159,7 +159,7 @@ def _info_dict(g: Any) -> dict[str, Any]:
             "max": limits.max_mw / 1000,
             "default": limits.default_mw / 1000,
             "current": g.power_limit_mw() / 1000,
-            "enforced": g.power_limit_mw() / 1000,
+            "enforced": g.enforced_power_limit_mw() / 1000,
         },
         "persistence_mode": None,
         "energy_counter": True,

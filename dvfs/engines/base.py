@@ -50,6 +50,7 @@ class RequestTrace:
     spec_verify_ct: int | None = None
     spec_accepted_drafts: int | None = None
     spec_proposed_drafts: int | None = None
+    retractions: int = 0
     error: str | None = None
 
     def __post_init__(self) -> None:

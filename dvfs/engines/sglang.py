@@ -34,6 +34,8 @@ from dvfs.errors import EngineCrashedError, EngineError
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 20.0
+#: After a broken connection, how long to wait for the server to exit before calling it a crash.
+CRASH_GRACE_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,6 +121,7 @@ class SglangEngine:
         self._help_probed = False
         self._starts = 0
         self._round = 0
+        self._version: tuple[int, ...] | None = None
 
     @classmethod
     def from_campaign(cls, campaign: Campaign, *, clock: Clock, log_dir: Path) -> SglangEngine:
@@ -184,6 +187,7 @@ class SglangEngine:
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
         self._check_resolved(drafter, info)
+        self._version = server_version(info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -197,6 +201,7 @@ class SglangEngine:
         self._client = self._client_for(self.config.url)
         self._client.wait_healthy(self.config.startup_timeout_s)
         info = self._client.server_info()
+        self._version = server_version(info)
         return ServerInfo(
             "sglang", str(info.get("version", "?")), drafter.name, _resolved_args(info), None
         )
@@ -221,6 +226,16 @@ class SglangEngine:
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    def _exited_within(self, seconds: float) -> bool:
+        """Whether the server process is gone, giving a dying one time to finish dying."""
+        if self._process is None:
+            return True
+        try:
+            self._process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, a grace period, then SIGKILL."""
@@ -260,9 +275,12 @@ class SglangEngine:
             else:
                 traces = client.run_batch(texts, params, tag)
             ended = self.clock.now_ns()
-            accept = client.accept_length()
+            # Before 0.5.23 a flush does not reset the server's running average: it would mix
+            # cells, so there is nothing to cross-check against.
+            fresh = self._version is not None and self._version >= (0, 5, 23)
+            accept = client.accept_length() if fresh else None
         except EngineConnectionError as exc:
-            if not self.config.url and not self._alive():
+            if not self.config.url and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
             raise
         if not self.config.url and not self._alive():

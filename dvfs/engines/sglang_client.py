@@ -204,6 +204,16 @@ class SglangClient:
         if not final:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
         finish = final.get("finish_reason")
+        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+        if kind == "abort":
+            message = finish.get("message", "") if isinstance(finish, dict) else ""
+            raise EngineError(f"the server aborted request {rid} after {seen} tokens {message}")
+        if params.ignore_eos and seen != params.max_new_tokens:
+            raise EngineError(
+                f"request {rid} finished after {seen} of {params.max_new_tokens} "
+                f"tokens (finish_reason {kind}) although ignore_eos was set"
+            )
+        retractions = _first(final, ("num_retractions", "total_retractions")) or 0
         verify = final.get("spec_verify_ct")
         accepted = _first(final, ACCEPTED_DRAFTS)
         proposed = _first(final, PROPOSED_DRAFTS)
@@ -213,10 +223,11 @@ class SglangClient:
             chunk_tokens=np.array(chunk_tokens, dtype=np.int64),
             prompt_tokens=prompt_tokens,
             completion_tokens=seen,
-            finish_reason=finish.get("type") if isinstance(finish, dict) else str(finish),
+            finish_reason=kind,
             spec_verify_ct=None if verify is None else int(verify),
             spec_accepted_drafts=None if accepted is None else int(accepted),
             spec_proposed_drafts=None if proposed is None else int(proposed),
+            retractions=int(retractions),
         )
 
     def _async_client(self, connections: int) -> Any:

@@ -544,8 +544,9 @@ def _wait_until(clock: Clock, end_ns: int) -> None:
 
 
 def _server_accept_length(requests: list[RequestTrace]) -> float | None:
-    """What SGLang's /server_info reports: completion tokens over verify passes, pooled."""
+    """What SGLang's /server_info reports: tokens per verify pass (the prefill token is no
+    verify pass's), pooled over the round."""
     verify = sum(r.spec_verify_ct or 0 for r in requests)
     if not any(r.spec_verify_ct is not None for r in requests) or verify == 0:
         return None
-    return sum(r.completion_tokens for r in requests) / verify
+    return (sum(r.completion_tokens for r in requests) - len(requests)) / verify

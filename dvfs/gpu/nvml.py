@@ -194,12 +194,12 @@ class NvmlGpu:
         return PowerLimitRange(int(lo), int(hi), int(default))
 
     def power_limit_mw(self) -> int:
+        return int(self._call(self.nvml.nvmlDeviceGetPowerManagementLimit, "read the power limit"))
+
+    def enforced_power_limit_mw(self) -> int:
         return int(
             self._call(self.nvml.nvmlDeviceGetEnforcedPowerLimit, "read the enforced power limit")
         )
-
-    def configured_power_limit_mw(self) -> int:
-        return int(self._call(self.nvml.nvmlDeviceGetPowerManagementLimit, "read the power limit"))
 
     def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
         supported = self._sm_clocks
@@ -321,8 +321,8 @@ class NvmlGpu:
             supported_sm_clocks_mhz=self._sm_clocks,
             supported_memory_clocks_mhz=tuple(self._memory_clocks()),
             power_limits=self.power_limit_range(),
-            power_limit_mw=self.configured_power_limit_mw(),
-            enforced_power_limit_mw=self.power_limit_mw(),
+            power_limit_mw=self.power_limit_mw(),
+            enforced_power_limit_mw=self.enforced_power_limit_mw(),
             persistence_mode=self.persistence_mode(),
             energy_counter=energy_ok,
             sm_clock_mhz=self.sm_clock_mhz(),

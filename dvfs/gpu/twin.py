@@ -43,6 +43,9 @@ class TwinGpu:
     def power_limit_mw(self) -> int:
         return round(self.device.power_limit_w * 1000)
 
+    def enforced_power_limit_mw(self) -> int:
+        return self.power_limit_mw()
+
     def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
         supported = self.supported_sm_clocks_mhz()
         lowest, highest = min(supported), max(supported)
