@@ -219,8 +219,14 @@ def plan_caps(
     (highest clock, highest power limit), which keeps every corpus within its target as long
     as latency does not rise when a knob goes up. A knob left at stock is not capped.
     """
-    if doc.get("schema") != "dvfs.headroom/1":
+    if not isinstance(doc, dict) or doc.get("schema") != "dvfs.headroom/1":
         raise CapsError("the input is not `dvfs headroom --json` output (schema dvfs.headroom/1)")
+    missing = [k for k in ("rows", "reference", "gpu", "target") if k not in doc]
+    if missing or not isinstance(doc.get("rows"), list):
+        raise CapsError(
+            f"the headroom document is incomplete (missing {', '.join(missing) or 'rows'}); "
+            "write it again with `dvfs headroom CUBE --json -o FILE`"
+        )
     rows = [r for r in doc["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     if not rows:
         batches = sorted({r["batch"] for r in doc["rows"]})
@@ -395,20 +401,25 @@ def apply_actions(
     needs_root = False
     for action in actions:
         gpu = by_uuid[action.uuid]
+        entry = {
+            "lock_mhz": None,
+            "power_limit_mw": None,
+            "source": source,
+            "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
         try:
             if action.lock_mhz is not None:
                 gpu.lock_sm_clock(*action.lock_mhz)
-            if action.power_limit_mw is not None and action.power_limit_mw != gpu.power_limit_mw():
-                gpu.set_power_limit_mw(action.power_limit_mw)
-            applied[action.uuid] = {
-                "lock_mhz": list(action.lock_mhz) if action.lock_mhz else None,
-                "power_limit_mw": action.power_limit_mw,
-                "source": source,
-                "applied": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
+                entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
+            if action.power_limit_mw is not None:
+                if action.power_limit_mw != gpu.power_limit_mw():
+                    gpu.set_power_limit_mw(action.power_limit_mw)
+                entry["power_limit_mw"] = action.power_limit_mw
         except GpuError as exc:
             needs_root |= isinstance(exc, GpuPermissionError)
             failures.append(str(exc))
+        if entry["lock_mhz"] is not None or entry["power_limit_mw"] is not None:
+            applied[action.uuid] = entry
     record.write(applied)
     _gather(failures, needs_root, "apply")
 

@@ -426,6 +426,18 @@ def open_cube(path: str | Path) -> xr.Dataset:
     return check_cube(loaded, where=str(path))
 
 
+def _stock_text(ds: xr.Dataset) -> str:
+    """The reference setting in words: unlocked only when the campaign left the clock stock."""
+    try:
+        clocks = json.loads(ds.attrs.get("campaign", "{}"))["knobs"]["sm_clocks_mhz"]
+    except (KeyError, ValueError, TypeError):
+        clocks = []
+    clock = ds.attrs.get("stock_sm_clock_mhz")
+    limit = ds.attrs.get("stock_power_limit_w")
+    how = "SM clock unlocked, shown at" if clocks is None else "top SM clock of the grid,"
+    return f"{how} {clock} MHz; power limit {limit} W as found at start"
+
+
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
     """A summary for `dvfs cube info`: dimensions, coverage, provenance."""
     status = ds["cell_status"].values
@@ -455,8 +467,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "missing": int((status == STATUS_MISSING).sum()),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
-        "stock": f"{ds.attrs.get('stock_sm_clock_mhz')} MHz (unlocked), "
-        f"{ds.attrs.get('stock_power_limit_w')} W",
+        "stock": _stock_text(ds),
         "energy_per_token_j": [
             float(np.nanmin(ds["energy_per_token_j"].values))
             if (status == STATUS_OK).any()

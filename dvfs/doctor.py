@@ -176,16 +176,10 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
 
 
 def _corpora(campaign: Campaign) -> tuple[str, str]:
-    from dvfs.corpora.sampling import eligible_prompts
-    from dvfs.sweep import load_corpora
+    from dvfs.sweep import corpus_shortfalls, load_corpora
 
     corpora = load_corpora(campaign)
-    need = max(campaign.workload.batch_sizes)
-    short = []
-    for name, corpus in corpora.items():
-        usable = len(eligible_prompts(corpus, campaign.workload.input_tokens))
-        if usable < need:
-            short.append(f"{name} has {usable} usable prompts, batch {need} needs {need}")
+    short = corpus_shortfalls(campaign, corpora)
     if short:
         return FAIL, "; ".join(short)
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())

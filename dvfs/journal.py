@@ -75,8 +75,9 @@ class Journal:
                 f"{path} belongs to campaign {header.get('campaign_name')!r} "
                 f"(hash {header.get('campaign_hash')}), not to this campaign "
                 f"(hash {campaign.hash}): "
-                "the campaign file changed since the journal was started. Use another --out "
-                "directory, or --fresh to move the old journal aside and start over."
+                "the campaign changed since the journal was started (its file, or an option "
+                "such as --observe-only). Use another --out directory, or --fresh to move the "
+                "old journal aside and start over."
             )
         return journal
 

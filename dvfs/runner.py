@@ -18,7 +18,7 @@ from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
 from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
-from dvfs.errors import CorpusError, EngineCrashedError, EngineError
+from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
 from dvfs.journal import Journal, now_iso
@@ -139,6 +139,17 @@ class Runner:
         self.idle_power_w = measure_idle_power_w(self.gpus, self.clock, m.idle_s)
         ranges = [g.power_limit_range() for g in self.gpus]
         original = self.knobs.original
+        stock = {
+            "sm_clock_mhz": max(g.identity.max_sm_clock_mhz for g in self.gpus),
+            "power_limit_w": original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
+        }
+        for earlier in self.journal.of_type("session"):
+            if earlier.get("stock") != stock:
+                raise JournalError(
+                    f"the GPU's stock settings changed since this journal was started "
+                    f"({earlier.get('stock')} then, {stock} now): the stock cells would no longer "
+                    "compare. Restore the earlier settings, or start a new --out folder"
+                )
         self.journal.append(
             {
                 "type": "session",
@@ -150,10 +161,7 @@ class Runner:
                 "actuation": self.knobs.actuation,
                 "clock": "virtual" if self.clock.virtual else "monotonic",
                 "gpus": [asdict(g.identity) for g in self.gpus],
-                "stock": {
-                    "sm_clock_mhz": max(g.identity.max_sm_clock_mhz for g in self.gpus),
-                    "power_limit_w": original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
-                },
+                "stock": stock,
                 "power_limit_range_w": [
                     ranges[0].min_mw / 1000,
                     ranges[0].max_mw / 1000,

@@ -19,7 +19,7 @@ from dvfs.corpora import Corpus, load_corpus
 from dvfs.corpora.model import TokenCounter
 from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.engines.base import Engine
-from dvfs.errors import CampaignError, JournalError
+from dvfs.errors import CampaignError, CorpusError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
 from dvfs.journal import JOURNAL_NAME, Journal
@@ -58,6 +58,38 @@ def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[
             ref.name, spec, base_dir=campaign.base_dir, count_tokens=count
         )
     return corpora
+
+
+def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[str]:
+    """Corpora without enough distinct prompts for the largest batch (or closed-loop pool)."""
+    from dvfs.corpora.sampling import eligible_prompts
+
+    w = campaign.workload
+    largest = max(w.batch_sizes)
+    lo, hi = w.input_tokens
+    problems = []
+    for name, corpus in corpora.items():
+        usable = len(eligible_prompts(corpus, w.input_tokens))
+        if w.mode == "closed-loop":
+            need = w.pool_size or largest + 1
+            what = f"a closed-loop pool for batch {largest}"
+        else:
+            need, what = largest, f"batch {largest}"
+        if usable < need:
+            problems.append(
+                f"corpus {name!r} has {usable} prompts within {lo}-{hi} input tokens; "
+                f"{what} needs {need}"
+            )
+    return problems
+
+
+def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
+    problems = corpus_shortfalls(campaign, corpora)
+    if problems:
+        raise CorpusError(
+            "; ".join(problems) + ". Lower the batch sizes, widen "
+            "workload.input_tokens, or add prompts"
+        )
 
 
 def acceptance_aliases(campaign: Campaign) -> dict[str, str]:
@@ -228,6 +260,7 @@ def run_sweep(
     journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
     count, count_method = token_counter(tokenizer_model(campaign))
     corpora = load_corpora(campaign, count)
+    check_corpora(campaign, corpora)  # before any GPU is touched or server started
     cells: list[Cell] = plan_cells(campaign)
     with contextlib.ExitStack() as stack:
         b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))

@@ -292,3 +292,39 @@ def test_no_driver_message(env, monkeypatch) -> None:
     assert result.returncode == 1
     assert "no NVIDIA driver was found" in result.stderr and "twin" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
+    nvml, tmp_path: Path, env, monkeypatch
+) -> None:
+    from dvfs.errors import GpuPermissionError
+
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+    campaign = load_campaign(campaign_file(tmp_path))
+    with pytest.raises(GpuPermissionError, match="run as root"):
+        run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")
+    assert_as_found(nvml, tmp_path / "dvfs-state")  # unchanged, and no state file left
+    refused = _dvfs(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--out",
+        str(tmp_path / "o2"),
+        "--no-progress",
+        env={**env, "DVFS_FAKE_NVML_ROOT": "0"},
+    )
+    assert refused.returncode == 4, refused.stderr  # the cause, not a stale-state refusal
+    assert "permission denied" in refused.stderr
+
+
+def test_termination_signals_wait_until_the_restore_is_done() -> None:
+    import os
+
+    from dvfs.gpu.knobs import _signals_held
+
+    order = []
+    with pytest.raises(KeyboardInterrupt):
+        with _signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            order.append("restored")
+    assert order == ["restored"]

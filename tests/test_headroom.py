@@ -174,7 +174,9 @@ def test_bad_requests_are_clear() -> None:
     with pytest.raises(AnalysisError, match="unknown knob"):
         headroom(simple(), target=Target(), knob="voltage")
     assert parse_slo("ttft_p99<=1s").limit_ms == 1000
-    assert parse_slack("5%") == parse_slack("0.05") == parse_slack("5") == pytest.approx(0.05)
+    assert parse_slack("5%") == parse_slack("0.05") == pytest.approx(0.05)
+    with pytest.raises(AnalysisError, match="ambiguous: write 5% or a fraction such as 0.05"):
+        parse_slack("5")
 
 
 latencies = st.floats(1.0, 100.0, allow_nan=False)

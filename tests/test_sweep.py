@@ -325,3 +325,10 @@ def test_merge_cubes_from_two_gpus(tmp_path: Path) -> None:
         ],
     )
     assert mixed.exit_code == 1 and "model differs" in mixed.output
+
+
+def test_the_twin_holds_the_power_limit_in_the_measured_window(small_sweep: Path) -> None:
+    ds = open_cube(small_sweep / "cube.nc")
+    for limit in ds["power_limit"].values:
+        power = ds["power_mean_w"].sel(power_limit=limit)
+        assert float(power.max()) <= limit * 1.01, f"window power above the {limit} W limit"

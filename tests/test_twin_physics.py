@@ -173,3 +173,21 @@ def test_model_shapes_match_published_sizes() -> None:
     lite = model_profile("deepseek-v2-lite")
     assert lite.total_params == pytest.approx(16e9, rel=0.05)  # 16B total
     assert lite.active_matmul_params == pytest.approx(2.4e9, rel=0.05)  # 2.4B active
+
+
+def test_each_phase_settles_at_its_own_clock_under_a_limit() -> None:
+    """A compute-heavy prefill is capped; the memory-bound decode after it is not."""
+    clock = VirtualClock()
+    device = TwinDevice(H100, clock)
+    gpu = TwinGpu(device)
+    gpu.set_power_limit_mw(400_000)
+    prefill = decode_passes(batch=8192, context=1)
+    decode = physics.Passes.concat([decode_passes(1)] * 200)
+    schedule = TwinNode([device]).execute(prefill, decode)
+    first, second = schedule.points
+    assert first.power_capped and first.sm_clock_mhz < 1980
+    assert not second.power_capped and second.sm_clock_mhz == 1980
+    clock.sleep(first.timing.total_s / 2)
+    assert gpu.clock_event_reasons() & EVENT_SW_POWER_CAP
+    clock.sleep(first.timing.total_s / 2 + second.timing.total_s / 2)
+    assert gpu.sm_clock_mhz() == 1980 and not gpu.clock_event_reasons() & EVENT_SW_POWER_CAP

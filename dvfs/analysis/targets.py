@@ -101,12 +101,20 @@ def parse_slo(text: str) -> Target:
 
 
 def parse_slack(text: str) -> float:
-    """`5%`, `5` (percent) or `0.05` -> 0.05."""
+    """`5%` or a fraction such as `0.05`; a bare number of 1 or more is refused as ambiguous."""
     raw = text.strip()
     try:
         if raw.endswith("%"):
-            return float(raw[:-1]) / 100
-        value = float(raw)
+            value = float(raw[:-1]) / 100
+        else:
+            value = float(raw)
+            if value >= 1:
+                raise AnalysisError(
+                    f"slack {text!r} is ambiguous: write {raw}% or a fraction "
+                    f"such as {value / 100:g}"
+                )
     except ValueError as exc:
         raise AnalysisError(f"cannot read slack {text!r}; write e.g. 5% or 0.05") from exc
-    return value / 100 if value >= 1 else value
+    if value < 0:
+        raise AnalysisError(f"slack must not be negative, got {text!r}")
+    return value

@@ -84,7 +84,7 @@ def plan(
 def apply(caps_file: Path, dry_run: bool, skip_missing: bool, state_dir: Path | None) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID (needs root)."""
     from dvfs.caps import AppliedCaps, apply_actions, load_caps, plan_actions
-    from dvfs.gpu.safety import GpuLocks, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
 
     caps = load_caps(caps_file)
     directory = state_dir or default_state_dir()
@@ -100,6 +100,7 @@ def apply(caps_file: Path, dry_run: bool, skip_missing: bool, state_dir: Path | 
             return
         targets = [g for g in gpus if g.identity.uuid in {a.uuid for a in actions}]
         with GpuLocks(directory).hold(targets):
+            StateStore(directory).refuse_if_pending(targets)
             apply_actions(actions, targets, AppliedCaps(directory), str(caps_file.resolve()))
     out.print(f"applied caps to {len(actions)} GPU(s)")
 

@@ -73,8 +73,9 @@ def _render(summary: dict[str, Any], ds: Any) -> None:
     table.add_row("driver", str(summary["driver"]))
     table.add_row("engine", str(summary["engine"]))
     table.add_row("model", str(summary["model"]))
-    table.add_row("stock", str(summary["stock"]))
-    table.add_row("idle power", f"{summary['idle_power_w']:.1f} W")
+    table.add_row("reference", str(summary["stock"]))
+    idle = summary["idle_power_w"]
+    table.add_row("idle power", "-" if idle != idle else f"{idle:.1f} W")
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]
         shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"

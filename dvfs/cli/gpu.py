@@ -33,7 +33,10 @@ def open_cli_gpus(
 
         profile = gpu_profile(twin)
         clock = VirtualClock()
-        indices = [int(d) for d in parse_devices(devices)] if devices else [0]
+        parsed = parse_devices(devices)
+        if any(not isinstance(d, int) for d in parsed):
+            raise click.UsageError("the twin's GPUs are named by index (0, 1, ...), not by UUID")
+        indices = [int(d) for d in parsed] if parsed else [0]
         yield [TwinGpu(TwinDevice(profile, clock, i)) for i in indices]
         return
     from dvfs.gpu.nvml import device_count, nvml_session, open_device
@@ -247,7 +250,8 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 "(use --defaults to reset to driver defaults anyway)."
             )
             return
-        with GpuLocks(directory).hold(gpus):
+        targets = gpus if defaults else with_state
+        with GpuLocks(directory).hold(targets):  # only the GPUs acted on
             for line in restore_pending(with_state, store):
                 out.print(f"restored {line}")
             if defaults:

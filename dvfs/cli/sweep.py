@@ -58,8 +58,19 @@ def dry_run_report(campaign: Any, out_dir: Path) -> dict[str, Any]:
         "knob_changes": summary.knob_changes,
         "estimated_hours_on_hardware": round(summary.estimated_s / 3600, 2),
         "servers": _server_plans(campaign),
+        "problems": _corpus_problems(campaign),
     }
     return report
+
+
+def _corpus_problems(campaign: Any) -> list[str]:
+    from dvfs.errors import CorpusError
+    from dvfs.sweep import corpus_shortfalls, load_corpora
+
+    try:
+        return corpus_shortfalls(campaign, load_corpora(campaign))
+    except CorpusError as exc:
+        return [str(exc)]
 
 
 def _server_plans(campaign: Any) -> list[dict[str, Any]]:
@@ -122,6 +133,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         f"{report['knob_changes']} knob change(s); roughly "
         f"{report['estimated_hours_on_hardware']} h on real hardware"
     )
+    for problem in report["problems"]:
+        out.print(f"[red]problem:[/red] {problem}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
         out.print(
             f"launch flags from: {report['servers'][0]['flags_from']}; the port is chosen "
@@ -190,8 +203,29 @@ def sweep(
             echo_json(report)
         else:
             _render_dry_run(report)
+        if report["problems"]:
+            raise SystemExit(2)
         return
     run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+
+
+def _restore_status(campaign: Any) -> str:
+    """Say "restored" only when no state file of this process is left behind."""
+    if campaign.gpu.backend != "nvml":
+        return "GPU settings restored."
+    import os
+
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore()
+    left = [p for p in store.pending() if p.pid == os.getpid()]
+    if not left:
+        return "GPU settings restored."
+    return (
+        "[red]GPU settings NOT fully restored[/red] for "
+        + ", ".join(p.original.uuid for p in left)
+        + f": run `dvfs gpu reset` (state in {store.directory})."
+    )
 
 
 def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> None:
@@ -218,7 +252,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> None:
                 err.print(f"partial cube written to {out_dir / CUBE_NAME}")
             except Exception as exc:  # the interruption matters more than the partial cube
                 err.print(f"(no partial cube: {exc})")
-        err.print("GPU settings restored. Run the same command again to resume.")
+        err.print(f"{_restore_status(campaign)} Run the same command again to resume.")
         raise
     s = outcome.summary
     err.print(

@@ -21,7 +21,7 @@ from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import RequestTrace, RoundResult, ServerInfo, Workload
 from dvfs.errors import EngineError
 from dvfs.twin import profiles
-from dvfs.twin.physics import OperatingPoint, Passes
+from dvfs.twin.physics import Passes, Schedule
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 
 #: SGLang's chunked-prefill budget (tokens per prefill pass) on large-memory GPUs.
@@ -54,7 +54,7 @@ class Node(Protocol):
     @property
     def profile(self) -> GpuProfile: ...
 
-    def execute(self, passes: Passes) -> OperatingPoint: ...
+    def execute(self, *phases: Passes) -> Schedule: ...
 
 
 @dataclass(frozen=True)
@@ -375,8 +375,12 @@ class TwinEngine:
             else 0
         )
 
-        passes = Passes.concat(builder.parts)
-        point = self.node.execute(passes)
+        # Three phases, each at its own operating point under a power limit: prefill, decode
+        # with the full batch (the steady window), and the drain as requests finish.
+        prefill = builder.parts[0]
+        decode = builder.parts[1] if n_iter else prefill.slice(0, 0)
+        split = int(np.sum(active == batch)) * width
+        point = self.node.execute(prefill, decode.slice(0, split), decode.slice(split))
         ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
         prefill_end = ends_ns[:n_prefill]
         first_ns = prefill_end[done_chunk]
@@ -461,15 +465,13 @@ class TwinEngine:
                 break
             if admitted:
                 lengths = np.array([pool[r].input_tokens for r in admitted], dtype=np.int64)
-                tokens = np.array([float(lengths.sum())])
-                attn = np.array(
-                    [float(np.sum(self.model.attention_flops_per_token(lengths / 2.0) * lengths))]
-                )
-                builder.add(self.model, tokens, np.zeros(1), attn, tokens)
-                prefill_pass = pass_index
-                pass_index += 1
+                sent_at = pass_index - 1
+                first = len(builder.parts)
+                self._prefill(builder, lengths)  # the same chunked prefill as fixed mode
+                pass_index += sum(len(p) for p in builder.parts[first:])
+                prefill_pass = pass_index - 1  # admitted requests get a token once it is done
                 for r in admitted:
-                    sent_pass[r] = prefill_pass - 1
+                    sent_pass[r] = sent_at
                     produced[r] = 1
                     chunks[r].append((prefill_pass, 1))
             decoding = [r for r in running if r not in admitted and produced[r] < targets[r]]
@@ -505,8 +507,8 @@ class TwinEngine:
                 r = slot_req[s]
                 if r != -1 and produced[r] >= targets[r]:
                     slot_req[s] = -1
-        passes = Passes.concat(builder.parts)
-        point = self.node.execute(passes)
+        # One phase: admissions and finishes interleave, so the limit holds on average.
+        point = self.node.execute(Passes.concat(builder.parts))
         ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
         requests = []
         spec = self._plan is not None

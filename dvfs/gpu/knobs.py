@@ -7,12 +7,16 @@ restoring are gathered and reported together, so one stubborn GPU does not hide 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from dvfs.errors import GpuError, GpuPermissionError
+from dvfs.errors import GpuError, GpuPermissionError, GpuValueError
 from dvfs.gpu.base import Gpu
 
 log = logging.getLogger(__name__)
@@ -84,32 +88,35 @@ class KnobController:
         return dict(self._snapshot)
 
     def restore(self) -> None:
-        """Put every changed GPU back to its snapshot; raise one error listing all failures."""
-        failures: list[str] = []
-        needs_root = False
-        for gpu in self.gpus:
-            uuid = gpu.identity.uuid
-            original = self._snapshot.get(uuid)
-            current = self._current.get(uuid)
-            if original is None or current is None or current == original:
-                continue
-            try:
-                self._write(gpu, current, original)
-                self._current[uuid] = original
-                if self.change_log is not None:
-                    self.change_log.clear(uuid)
-                log.info("restored GPU %s to %s", gpu.identity.index, original)
-            except GpuError as exc:
-                needs_root |= isinstance(exc, GpuPermissionError)
-                failures.append(f"GPU {gpu.identity.index} ({uuid}): {exc}")
-        if failures:
-            hint = " Run as root, or `sudo dvfs gpu reset`." if needs_root else ""
-            raise GpuError(
-                "could not restore GPU settings: "
-                + "; ".join(failures)
-                + hint
-                + " `dvfs gpu reset` retries from the state file."
-            )
+        """Put every changed GPU back to its snapshot; raise one error listing all failures.
+
+        Termination signals are held back while restoring (and delivered after), so a second
+        Ctrl-C cannot leave a GPU half restored.
+        """
+        with _signals_held():
+            failures: list[str] = []
+            needs_root = False
+            for gpu in self.gpus:
+                uuid = gpu.identity.uuid
+                original = self._snapshot.get(uuid)
+                current = self._current.get(uuid)
+                if original is None or current is None or current == original:
+                    continue
+                try:
+                    self._write(gpu, uuid, current, original)
+                    if self.change_log is not None:
+                        self.change_log.clear(uuid)
+                    log.info("restored GPU %s to %s", gpu.identity.index, original)
+                except GpuError as exc:
+                    needs_root |= isinstance(exc, GpuPermissionError)
+                    failures.append(f"GPU {gpu.identity.index} ({uuid}): {exc}")
+            if failures:
+                cls = GpuPermissionError if needs_root else GpuError
+                raise cls(
+                    "could not restore GPU settings: "
+                    + "; ".join(failures)
+                    + ". `dvfs gpu reset` retries from the state file."
+                )
 
     # -- applying -----------------------------------------------------------------------------
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
@@ -141,19 +148,73 @@ class KnobController:
                 continue
             if self.change_log is not None:
                 self.change_log.record(self._snapshot[uuid])
-            # Record intent before writing: a crash mid-write still leaves a restorable record.
-            self._current[uuid] = GpuSettings(uuid, (0, 0), -1)
-            self._write(gpu, have, want)
-            self._current[uuid] = want
+            try:
+                self._write(gpu, uuid, have, want)
+            except GpuError:
+                # A refused setter changed nothing: if the GPU is still as found, its state
+                # file would only block the next run.
+                if self._current[uuid] == self._snapshot[uuid] and self.change_log is not None:
+                    self.change_log.clear(uuid)
+                raise
             changed = True
         return changed
 
-    @staticmethod
-    def _write(gpu: Gpu, have: GpuSettings, want: GpuSettings) -> None:
-        if want.sm_clock_lock_mhz != have.sm_clock_lock_mhz:
-            if want.sm_clock_lock_mhz is None:
-                gpu.reset_sm_clock()
-            else:
-                gpu.lock_sm_clock(*want.sm_clock_lock_mhz)
-        if want.power_limit_mw != have.power_limit_mw:
-            gpu.set_power_limit_mw(want.power_limit_mw)
+    def _write(self, gpu: Gpu, uuid: str, have: GpuSettings, want: GpuSettings) -> None:
+        """Write knob by knob, tracking what the GPU holds after each step.
+
+        A knob is marked unknown while its setter runs, so a crash mid-write still restores it;
+        a setter NVML refused (no permission, invalid value) changed nothing and is rolled back.
+        """
+        current = have
+        if want.sm_clock_lock_mhz != current.sm_clock_lock_mhz:
+            self._current[uuid] = replace(current, sm_clock_lock_mhz=UNKNOWN_LOCK)
+            try:
+                if want.sm_clock_lock_mhz is None:
+                    gpu.reset_sm_clock()
+                else:
+                    gpu.lock_sm_clock(*want.sm_clock_lock_mhz)
+            except (GpuPermissionError, GpuValueError):
+                self._current[uuid] = current
+                raise
+            current = replace(current, sm_clock_lock_mhz=want.sm_clock_lock_mhz)
+            self._current[uuid] = current
+        if want.power_limit_mw != current.power_limit_mw:
+            self._current[uuid] = replace(current, power_limit_mw=UNKNOWN_POWER)
+            try:
+                gpu.set_power_limit_mw(want.power_limit_mw)
+            except (GpuPermissionError, GpuValueError):
+                self._current[uuid] = current
+                raise
+            current = replace(current, power_limit_mw=want.power_limit_mw)
+            self._current[uuid] = current
+
+
+#: Placeholders for a knob whose setter did not finish: differ from any real setting.
+UNKNOWN_LOCK = (0, 0)
+UNKNOWN_POWER = -1
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP for the block and deliver them after it.
+
+    Python handlers run in the main thread whichever thread the OS picks, so masking one
+    thread is not enough: the handlers are swapped for ones that only remember the signal.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def remember(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, remember) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            os.kill(os.getpid(), received[0])  # now handled as it would have been

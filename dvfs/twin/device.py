@@ -15,7 +15,7 @@ import numpy as np
 from dvfs.clock import Clock
 from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
 from dvfs.twin import physics
-from dvfs.twin.physics import OperatingPoint, Passes
+from dvfs.twin.physics import OperatingPoint, Passes, Schedule
 from dvfs.twin.profiles import GpuProfile
 
 
@@ -25,8 +25,8 @@ class _Trace:
     ends_ns: np.ndarray
     power_w: np.ndarray
     cum_energy_j: np.ndarray
-    sm_clock_mhz: int
-    reasons: int
+    sm_clock_mhz: np.ndarray
+    reasons: np.ndarray
 
     @property
     def end_ns(self) -> int:
@@ -52,6 +52,12 @@ class _Trace:
 
     def power_w_at(self, t_ns: int, idle_w: float) -> float:
         return float(self.power_w[self._segment(t_ns)]) if self.busy(t_ns) else idle_w
+
+    def clock_at(self, t_ns: int) -> int:
+        return int(self.sm_clock_mhz[self._segment(t_ns)])
+
+    def reasons_at(self, t_ns: int) -> int:
+        return int(self.reasons[self._segment(t_ns)])
 
 
 def twin_uuid(profile_key: str, index: int) -> str:
@@ -87,21 +93,20 @@ class TwinDevice:
         self._base_ns = t_ns
         self._trace = None
 
-    def start(self, point: OperatingPoint) -> None:
-        """Begin executing the passes timed in `point` at the clock's current instant."""
+    def start(self, schedule: Schedule) -> None:
+        """Begin executing the scheduled passes at the clock's current instant."""
         now = self.clock.now_ns()
         self._fold(now)
-        timing = point.timing
+        timing = schedule.timing
         ends = now + np.cumsum(np.round(timing.duration_s * 1e9)).astype(np.int64)
         seg_s = np.diff(np.concatenate([[now], ends])) * 1e-9
-        reasons = EVENT_SW_POWER_CAP if point.power_capped else 0
         self._trace = _Trace(
             start_ns=now,
             ends_ns=ends,
             power_w=timing.power_w,
             cum_energy_j=np.cumsum(timing.power_w * seg_s),
-            sm_clock_mhz=point.sm_clock_mhz,
-            reasons=reasons,
+            sm_clock_mhz=schedule.pass_clock_mhz,
+            reasons=np.where(schedule.pass_capped, EVENT_SW_POWER_CAP, 0),
         )
 
     # -- readings at an instant ----------------------------------------------------------------
@@ -126,7 +131,7 @@ class TwinDevice:
     def sm_clock_mhz(self) -> int:
         if self.busy():
             assert self._trace is not None
-            return self._trace.sm_clock_mhz
+            return self._trace.clock_at(self.clock.now_ns())
         if self.locked_mhz is not None:
             return self.locked_mhz[1]
         return self.profile.idle_sm_clock_mhz
@@ -134,7 +139,7 @@ class TwinDevice:
     def clock_event_reasons(self) -> int:
         if self.busy():
             assert self._trace is not None
-            return self._trace.reasons
+            return self._trace.reasons_at(self.clock.now_ns())
         return EVENT_GPU_IDLE
 
     def temperature_c(self) -> float:
@@ -163,12 +168,13 @@ class TwinNode:
         ]
         return min(points, key=lambda p: p.sm_clock_mhz)
 
-    def execute(self, passes: Passes) -> OperatingPoint:
-        """Start `passes` on every device now; the caller advances the clock."""
-        point = self.plan(passes)
+    def execute(self, *phases: Passes) -> Schedule:
+        """Start the phases on every device now, each at its own operating point; the caller
+        advances the clock."""
+        schedule = Schedule(tuple(self.plan(p) for p in phases if len(p)))
         for device in self.devices:
-            device.start(point)
-        return point
+            device.start(schedule)
+        return schedule
 
 
 class FreeRunningNode:
@@ -187,6 +193,12 @@ class FreeRunningNode:
     def tp_size(self) -> int:
         return self._tp_size
 
-    def execute(self, passes: Passes) -> OperatingPoint:
-        timing = physics.time_passes(self.profile, passes, self.profile.max_sm_clock_mhz)
-        return OperatingPoint(self.profile.max_sm_clock_mhz, False, timing)
+    def execute(self, *phases: Passes) -> Schedule:
+        top = self.profile.max_sm_clock_mhz
+        return Schedule(
+            tuple(
+                OperatingPoint(top, False, physics.time_passes(self.profile, p, top))
+                for p in phases
+                if len(p)
+            )
+        )

@@ -51,6 +51,9 @@ class Passes:
     def __len__(self) -> int:
         return len(self.flops)
 
+    def slice(self, start: int, stop: int | None = None) -> Passes:
+        return Passes(*(getattr(self, f)[start:stop] for f in Passes.__dataclass_fields__))
+
 
 @dataclass(frozen=True)
 class PassTiming:
@@ -176,3 +179,47 @@ def operating_point(
         else:
             hi = mid - 1
     return OperatingPoint(int(best), True, best_timing)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Phases of work (prefill, full-batch decode, drain), each at its own operating point.
+
+    GPUs enforce a power limit over short windows, so each phase settles at its own clock: a
+    compute-heavy prefill cannot borrow power from the decode tail, nor the other way round.
+    """
+
+    points: tuple[OperatingPoint, ...]
+
+    @property
+    def timing(self) -> PassTiming:
+        """All passes in order (sm_clock_mhz: the clock of the longest phase)."""
+        main = max(self.points, key=lambda p: p.timing.total_s)
+        parts = [p.timing for p in self.points]
+        return PassTiming(
+            main.sm_clock_mhz,
+            np.concatenate([t.duration_s for t in parts]),
+            np.concatenate([t.power_w for t in parts]),
+            np.concatenate([t.tensor_util for t in parts]),
+            np.concatenate([t.memory_util for t in parts]),
+        )
+
+    @property
+    def pass_clock_mhz(self) -> np.ndarray:
+        return np.concatenate(
+            [np.full(len(p.timing.duration_s), p.sm_clock_mhz) for p in self.points]
+        ).astype(np.int64)
+
+    @property
+    def pass_capped(self) -> np.ndarray:
+        return np.concatenate(
+            [np.full(len(p.timing.duration_s), p.power_capped) for p in self.points]
+        )
+
+    @property
+    def sm_clock_mhz(self) -> int:
+        return max(self.points, key=lambda p: p.timing.total_s).sm_clock_mhz
+
+    @property
+    def power_capped(self) -> bool:
+        return any(p.power_capped for p in self.points)
