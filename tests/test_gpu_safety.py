@@ -322,9 +322,8 @@ def test_termination_signals_wait_until_the_restore_is_done() -> None:
     from dvfs.gpu.knobs import _signals_held
 
     order = []
-    with pytest.raises(KeyboardInterrupt):
-        with _signals_held():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
-            order.append("restored")
+    with pytest.raises(KeyboardInterrupt), _signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        order.append("restored")
     assert order == ["restored"]
