@@ -38,6 +38,7 @@ def stub_campaign(
     output_tokens: int = 32,
     warmup_tokens: int = 4,
     stall_timeout_s: float = 10.0,
+    retries: int = 1,
 ) -> tuple[Path, str]:
     """A campaign whose engine is the stub (launched by dvfs as its "server command").
 
@@ -98,7 +99,7 @@ min_window_s = 0.05
 max_rounds = 1
 sample_period_s = 0.01
 idle_s = 0.0
-retries = 1
+retries = {retries}
 {measurement_extra}
 """
     path = tmp / "stub-campaign.toml"

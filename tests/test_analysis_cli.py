@@ -120,3 +120,31 @@ def test_python_api(small_sweep: Path) -> None:
     assert "energy_ratio_equal_latency" in ds.dvfs.compare()
     vs = ds.dvfs.headroom(mode="vs-baseline")
     assert float(vs["chosen_sm_clock"].sel(batch=1, drafter="eagle3", corpus="code")) < 1980
+
+
+def test_cap_plan_and_gpu_info_refuse_bad_input_without_a_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    for content in ("[]", '{"schema": "dvfs.headroom/1"}', "not json"):
+        bad.write_text(content)
+        result = CliRunner().invoke(
+            cli, ["cap", "plan", str(bad), "--batch", "1", "--drafter", "x"]
+        )
+        assert result.exit_code == 2, result.output
+        assert "headroom" in result.output and "Traceback" not in result.output
+    twin = CliRunner().invoke(cli, ["gpu", "info", "GPU-abc", "--twin", "h100-sxm"])
+    assert twin.exit_code == 2 and "by index" in twin.output
+
+
+def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None:
+    from conftest import SMALL_CAMPAIGN, replace_block, write
+
+    campaign = write(
+        tmp_path / "big.toml", replace_block(SMALL_CAMPAIGN, "batch = [1, 8]", "batch = [1, 128]")
+    )
+    dry = CliRunner().invoke(cli, ["sweep", str(campaign), "--dry-run"])
+    assert dry.exit_code == 2 and "batch 128 needs 128" in dry.output
+    run_ = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress"]
+    )
+    assert run_.exit_code == 1 and "batch 128 needs 128" in run_.output
+    assert not (tmp_path / "o" / "cube.nc").exists()

@@ -327,3 +327,27 @@ def test_termination_signals_wait_until_the_restore_is_done() -> None:
         time.sleep(0.05)
         order.append("restored")
     assert order == ["restored"]
+
+
+def test_a_resumed_sweep_refuses_changed_stock_settings(nvml, tmp_path: Path) -> None:
+    from dvfs.errors import JournalError
+
+    campaign = load_campaign(campaign_file(tmp_path))
+    clock = MonotonicClock()
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        engine = FailingEngine(
+            TwinEngine(
+                FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+            ),
+            fail_on=3,
+        )
+        with pytest.raises(RuntimeError):
+            run_sweep(
+                campaign,
+                tmp_path / "out",
+                backends=Backends(clock, gpus, engine),
+                state_dir=tmp_path / "dvfs-state",
+            )
+    nvml.fake_update_device(0, power_limit_mw=600_000)  # someone changed the stock limit
+    with pytest.raises(JournalError, match="stock settings changed"):
+        run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")

@@ -337,3 +337,19 @@ def test_acceptance_is_nan_without_speculation_not_one_or_zero(tmp_path: Path) -
     from dvfs.meter import acceptance
 
     assert math.isnan(acceptance([]).accept_length)
+
+
+@pytest.mark.slow
+def test_after_a_crash_without_retries_the_next_cell_gets_a_fresh_server(tmp_path: Path) -> None:
+    # retries = 0: the cell that meets the dying server fails; the next one must not.
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub={"die_after_requests": 3},
+        drafters=ONE_DRAFTER,
+        batch="[2]",
+        knobs="sm_clock = [1980, 1500, 1005]\nsettle_s = 0.0",
+        warmup_tokens=0,
+        retries=0,
+    )
+    assert [c["status"] for c in cells] == ["ok", "failed", "ok"]
+    assert len(list((tmp_path / "out" / "logs").glob("server-none-*.log"))) == 2

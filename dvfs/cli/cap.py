@@ -61,7 +61,10 @@ def plan(
     try:
         doc = json.loads(headroom_json.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise CapsError(f"{headroom_json} is not JSON: {exc}") from exc
+        raise CapsError(
+            f"{headroom_json} is not JSON ({exc}); write it with "
+            "`dvfs headroom CUBE --json -o FILE`"
+        ) from exc
     caps = plan_caps(
         doc, batch=batch, drafter=drafter, corpus=corpus, uuids=uuids, model_name=model_name
     )
