@@ -105,23 +105,24 @@ class FailingEngine:
         self.inner.stop()
 
 
-def test_sweep_restores_after_an_exception(nvml, tmp_path: Path) -> None:
+def sweep_failing_on(nvml, tmp_path: Path, fail_on: int) -> None:
+    """Sweep the small NVML campaign with an engine that raises on its `fail_on`-th round."""
     campaign = load_campaign(campaign_file(tmp_path))
     clock = MonotonicClock()
-    with open_nvml_gpus([0], nvml=nvml) as gpus:
-        engine = FailingEngine(
-            TwinEngine(
-                FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
-            ),
-            fail_on=3,
+    inner = TwinEngine(
+        FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+    )
+    with open_nvml_gpus([0], nvml=nvml) as gpus, pytest.raises(RuntimeError, match="boom"):
+        run_sweep(
+            campaign,
+            tmp_path / "out",
+            backends=Backends(clock, gpus, FailingEngine(inner, fail_on)),
+            state_dir=tmp_path / "dvfs-state",
         )
-        with pytest.raises(RuntimeError, match="boom"):
-            run_sweep(
-                campaign,
-                tmp_path / "out",
-                backends=Backends(clock, gpus, engine),
-                state_dir=tmp_path / "dvfs-state",
-            )
+
+
+def test_sweep_restores_after_an_exception(nvml, tmp_path: Path) -> None:
+    sweep_failing_on(nvml, tmp_path, fail_on=3)
     assert any(c["fn"] == "nvmlDeviceSetGpuLockedClocks" for c in setter_calls(nvml))
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
@@ -332,22 +333,8 @@ def test_termination_signals_wait_until_the_restore_is_done() -> None:
 def test_a_resumed_sweep_refuses_changed_stock_settings(nvml, tmp_path: Path) -> None:
     from dvfs.errors import JournalError
 
+    sweep_failing_on(nvml, tmp_path, fail_on=3)
     campaign = load_campaign(campaign_file(tmp_path))
-    clock = MonotonicClock()
-    with open_nvml_gpus([0], nvml=nvml) as gpus:
-        engine = FailingEngine(
-            TwinEngine(
-                FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
-            ),
-            fail_on=3,
-        )
-        with pytest.raises(RuntimeError):
-            run_sweep(
-                campaign,
-                tmp_path / "out",
-                backends=Backends(clock, gpus, engine),
-                state_dir=tmp_path / "dvfs-state",
-            )
     nvml.fake_update_device(0, power_limit_mw=600_000)  # someone changed the stock limit
     with pytest.raises(JournalError, match="stock settings changed"):
         run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")

@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -96,3 +97,13 @@ def _nan_to_none(data: Any) -> Any:
     if isinstance(data, list | tuple):
         return [_nan_to_none(v) for v in data]
     return data
+
+
+def campaign_argument(func: F) -> F:
+    return click.argument("campaign_file", type=click.Path(dir_okay=False, path_type=Path))(func)
+
+
+def out_dir_option(help_text: str) -> Callable[[F], F]:
+    return click.option(
+        "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help=help_text
+    )

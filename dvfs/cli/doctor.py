@@ -6,18 +6,18 @@ from pathlib import Path
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import (
+    campaign_argument,
+    console,
+    echo_json,
+    handle_errors,
+    out_dir_option,
+)
 
 
 @click.command()
-@click.argument("campaign_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="The sweep's output folder (for the disk check) [default: out/<name>].",
-)
+@campaign_argument
+@out_dir_option("The sweep's output folder (for the disk check) [default: out/<name>].")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
 def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:

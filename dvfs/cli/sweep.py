@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import (
+    campaign_argument,
+    console,
+    echo_json,
+    handle_errors,
+    out_dir_option,
+)
 
 
 def _observe_only(campaign: Any) -> Any:
@@ -157,14 +163,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
 
 
 @click.command()
-@click.argument("campaign_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "-o",
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Folder for the journal, cube and server logs [default: out/<campaign name>].",
-)
+@campaign_argument
+@out_dir_option("Folder for the journal, cube and server logs [default: out/<campaign name>].")
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (cells, server starts, time) and exit."
 )
