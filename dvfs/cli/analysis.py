@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 
 def cube_argument(func: Any) -> Any:
@@ -68,7 +68,7 @@ def filter_options(func: Any) -> Any:
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
 
-    console().print(f"[bold]{title}[/bold]")
+    console().print(f"[bold]{escape(title)}[/bold]")
     table = Table(show_lines=False)
     for name in header:
         table.add_column(name, overflow="fold")
@@ -227,7 +227,7 @@ def compare(
     try:
         roof = _select(roofline(ds), batch, drafter, ())
     except AnalysisError as exc:
-        console(stderr=True).print(f"[yellow]no roofline: {exc}[/yellow]")
+        console(stderr=True).print(f"[yellow]no roofline: {escape(str(exc))}[/yellow]")
         roof = None
     doc = compare_document(result, roof, ds)
     if as_json:

@@ -107,3 +107,10 @@ def out_dir_option(help_text: str) -> Callable[[F], F]:
     return click.option(
         "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help=help_text
     )
+
+
+def escape(text: str) -> str:
+    """Text shown through rich, with its square brackets kept literal (not read as markup)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 
 @click.group()
@@ -98,7 +98,7 @@ def _render(summary: dict[str, Any], ds: Any) -> None:
         out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in sorted(flags.items())))
     failed = json.loads(ds.attrs.get("failed_cells", "[]"))
     for item in failed[:5]:
-        out.print(f"[yellow]failed[/yellow] {item['cell']}: {item['error']}")
+        out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
 

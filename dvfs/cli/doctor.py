@@ -10,6 +10,7 @@ from dvfs.cli.common import (
     campaign_argument,
     console,
     echo_json,
+    escape,
     handle_errors,
     out_dir_option,
 )
@@ -40,6 +41,6 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
             FAIL: "[red]FAIL[/red]",
         }
         for c in checks:
-            out.print(f"{marks[c.status]} {c.name}: {c.detail}")
+            out.print(f"{marks[c.status]} {escape(c.name)}: {escape(c.detail)}")
     if any(c.status == FAIL for c in checks):
         sys.exit(1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 
 def parse_devices(devices: tuple[str, ...]) -> list[int | str]:
@@ -253,8 +253,8 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
         targets = gpus if defaults else with_state
         with GpuLocks(directory).hold(targets):  # only the GPUs acted on
             for line in restore_pending(with_state, store):
-                out.print(f"restored {line}")
+                out.print(f"restored {escape(line)}")
             if defaults:
                 others = [g for g in gpus if g not in with_state]
                 for line in reset_caps(others, AppliedCaps(directory)):
-                    out.print(f"reset {line}")
+                    out.print(f"reset {escape(line)}")

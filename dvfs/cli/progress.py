@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dvfs.cli.common import escape
 from dvfs.plan import Cell
 
 
@@ -61,4 +62,4 @@ class RichProgress:
         self._progress.update(self._task, advance=1, failed=self.failed, current=cell_label(cell))
 
     def note(self, message: str) -> None:
-        self.console.print(f"[dim]{message}[/dim]")
+        self.console.print(f"[dim]{escape(message)}[/dim]")

@@ -12,6 +12,7 @@ from dvfs.cli.common import (
     campaign_argument,
     console,
     echo_json,
+    escape,
     handle_errors,
     out_dir_option,
 )
@@ -140,7 +141,7 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         f"{report['estimated_hours_on_hardware']} h on real hardware"
     )
     for problem in report["problems"]:
-        out.print(f"[red]problem:[/red] {problem}", highlight=False)
+        out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
         out.print(
             f"launch flags from: {report['servers'][0]['flags_from']}; the port is chosen "
@@ -251,7 +252,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> None:
                 write_cube(build_cube(journal), out_dir / CUBE_NAME)
                 err.print(f"partial cube written to {out_dir / CUBE_NAME}")
             except Exception as exc:  # the interruption matters more than the partial cube
-                err.print(f"(no partial cube: {exc})")
+                err.print(f"(no partial cube: {escape(str(exc))})")
         err.print(f"{_restore_status(campaign)} Run the same command again to resume.")
         raise
     s = outcome.summary
