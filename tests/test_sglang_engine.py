@@ -167,17 +167,23 @@ def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], object]:
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
 
 
-@pytest.mark.slow
-def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
-    # Each server survives one cell's two requests and dies on the next one.
-    cells, ds = _sweep_cells(
+def _dying_server_sweep(tmp_path: Path, retries: int) -> tuple[list[dict], object]:
+    """Three cells of two requests each; every server dies on its third request."""
+    return _sweep_cells(
         tmp_path,
         stub={"die_after_requests": 3},
         drafters=ONE_DRAFTER,
         batch="[2]",
         knobs="sm_clock = [1980, 1500, 1005]\nsettle_s = 0.0",
         warmup_tokens=0,
+        retries=retries,
     )
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
+    # Each server survives one cell's two requests and dies on the next one.
+    cells, ds = _dying_server_sweep(tmp_path, retries=1)
     assert all(c["status"] == "ok" for c in cells)
     retried = [c for c in cells if c["attempts"] == 2]
     assert retried, "some cell must have met a dead server"
@@ -342,14 +348,6 @@ def test_acceptance_is_nan_without_speculation_not_one_or_zero(tmp_path: Path) -
 @pytest.mark.slow
 def test_after_a_crash_without_retries_the_next_cell_gets_a_fresh_server(tmp_path: Path) -> None:
     # retries = 0: the cell that meets the dying server fails; the next one must not.
-    cells, _ = _sweep_cells(
-        tmp_path,
-        stub={"die_after_requests": 3},
-        drafters=ONE_DRAFTER,
-        batch="[2]",
-        knobs="sm_clock = [1980, 1500, 1005]\nsettle_s = 0.0",
-        warmup_tokens=0,
-        retries=0,
-    )
+    cells, _ = _dying_server_sweep(tmp_path, retries=0)
     assert [c["status"] for c in cells] == ["ok", "failed", "ok"]
     assert len(list((tmp_path / "out" / "logs").glob("server-none-*.log"))) == 2
