@@ -175,7 +175,7 @@ def acceptance_heatmap(cube: xr.Dataset, out_dir: Path, fmt: str) -> Path | None
     from dvfs.analysis.headroom import _valid_mask
 
     accept = cube["accept_length"].where(_valid_mask(cube))
-    table = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")]).to_pandas()
+    table: Any = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")]).to_pandas()
     table = table.dropna(how="all")
     if table.empty:
         return None
@@ -315,7 +315,7 @@ def plot_all(
             paths += plot_all(one, out / str(gpu)[:12], fmt=fmt, target=target)
         return paths
     chosen = headroom(cube, target=target)
-    paths: list[Path] = []
+    paths = []
     paths += energy_vs_clock(cube, out, fmt)
     paths += pareto(cube, chosen, target, out, fmt)
     for extra in (

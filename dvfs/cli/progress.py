@@ -44,7 +44,7 @@ class RichProgress:
         self._progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._progress.__exit__(*exc)
 
     def start(self, total: int, done: int) -> None:

@@ -416,7 +416,7 @@ class TwinEngine:
                     spec_verify_ct=int(verify_counts[i]) if spec else None,
                     spec_accepted_drafts=accepted,
                     spec_proposed_drafts=int(verify_counts[i] * (self._plan.verify_tokens - 1))
-                    if spec
+                    if self._plan is not None
                     else None,
                 )
             )
@@ -529,7 +529,7 @@ class TwinEngine:
                     spec_verify_ct=int(verify_ct[r]) if spec else None,
                     spec_accepted_drafts=int(produced[r] - 1 - verify_ct[r]) if spec else None,
                     spec_proposed_drafts=int(verify_ct[r] * (self._plan.verify_tokens - 1))
-                    if spec
+                    if self._plan is not None
                     else None,
                 )
             )
