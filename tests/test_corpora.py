@@ -168,17 +168,17 @@ def test_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         (
             '{"text": "ok"}\n{"text": 42}\n',
             {"field": "text"},
-            r"p\.jsonl, line 2: field 'text' holds a int, not text",
+            r"p\.jsonl, line 2: field 'text' holds a number, not text",
         ),
         ('{"text": "ok"}\n{"text": "cut\n', {"field": "text"}, r"p\.jsonl, line 2: not valid JSON"),
         ("\n\n", {"field": "text"}, r"p\.jsonl is empty"),
-        ('{"chat": "hello"}\n', {"messages": "chat"}, r"line 1: the messages field is text"),
+        ('{"chat": "hello"}\n', {"messages": "chat"}, r"line 1: the messages field 'chat' is text"),
         (
             '{"chat": [{"role": "assistant", "content": "hi"}]}\n',
             {"messages": "chat"},
             r"line 1: the chat has no user turn",
         ),
-        ('["a", "b"]\n', {"field": "text"}, r"line 1: expected an object with fields, got list"),
+        ('["a", "b"]\n', {"field": "text"}, r"line 1: expected an object with fields, got a list"),
     ],
 )
 def test_bad_input_names_file_and_line(

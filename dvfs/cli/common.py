@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -36,6 +38,11 @@ class LazyGroup(click.Group):
             return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command line; a failure outside any command's own handler (an optional
+        dependency that does not import, say) is still one line, never a traceback."""
+        return guard(super().invoke, ctx)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List lazy commands with their one-line help without importing them."""
         rows = []
@@ -52,26 +59,215 @@ class LazyGroup(click.Group):
 
 
 def handle_errors(func: F) -> F:
-    """Turn library errors into clean messages and documented exit codes."""
+    """Turn every failure into one line on stderr and a documented exit code.
+
+    dvfs's own errors carry their message and code; interruptions exit 130/143; a file system
+    fault (`OSError`), undecodable text, exhausted memory or too-deep nesting becomes a plain
+    sentence naming the path; anything else is an internal error (one line, the traceback
+    with -vv). Click's usage errors pass through to click.
+    """
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from dvfs.errors import DvfsError
-        from dvfs.signals import Interrupted
-
-        try:
-            return func(*args, **kwargs)
-        except DvfsError as exc:
-            click.echo(f"Error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except Interrupted as exc:
-            click.echo(f"Interrupted ({exc}).", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("Interrupted.", err=True)
-            sys.exit(130)
+        return guard(func, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `func`, translating any exception as `handle_errors` documents."""
+    from dvfs.errors import DvfsError
+    from dvfs.signals import Interrupted
+
+    try:
+        return func(*args, **kwargs)
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except DvfsError as exc:
+        fail(str(exc), exc.exit_code)
+    except Interrupted as exc:
+        click.echo(one_line(f"Interrupted ({exc})."), err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except OSError as exc:
+        fail(describe_os_error(exc))
+    except UnicodeError as exc:
+        fail(describe_unicode_error(exc))
+    except MemoryError:
+        fail(
+            f"out of memory working on {_inputs_text()}: the input is too large for this "
+            "machine; use a smaller input or a machine with more memory"
+        )
+    except RecursionError as exc:
+        if not _path_params(files_only=True):
+            _internal_error(exc)
+        fail(f"{_inputs_text()} is nested too deeply to read (a damaged file?); check the file")
+    except ImportError as exc:
+        missing = exc.name or "a module"
+        fail(
+            f"cannot import {missing} ({exc}): install the package that provides it in this "
+            "environment, or reinstall dvfs"
+        )
+    except Exception as exc:
+        _internal_error(exc)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"Error: {one_line(message)}", err=True)
+    sys.exit(code)
+
+
+#: Characters str.splitlines() breaks on, besides the ordinary line ends.
+_BREAKS = {"\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"}
+MAX_MESSAGE_CHARS = 1000
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: line breaks joined, control characters escaped, bounded."""
+    parts = [part.strip() for part in text.replace("\r", "\n").split("\n")]
+    joined = " ".join(part for part in parts if part)
+    cleaned = "".join(
+        ch
+        if ch == "\t" or (ch >= " " and ch != "\x7f" and ch not in _BREAKS)
+        else ch.encode("unicode_escape").decode("ascii")
+        for ch in joined
+    )
+    if len(cleaned) > MAX_MESSAGE_CHARS:
+        cleaned = cleaned[: MAX_MESSAGE_CHARS - 3] + "..."
+    return cleaned
+
+
+# errno -> (verb, what happened in plain words, what to do)
+_OS_ERRORS: dict[int, tuple[str, str, str]] = {
+    errno.EROFS: ("write", "read-only file system", "choose another {opt}"),
+    errno.ENOSPC: ("write", "no space left on the device", "free space or choose another {opt}"),
+    errno.EDQUOT: ("write", "disk quota exceeded", "free space or choose another {opt}"),
+    errno.EFBIG: ("write", "file too large for the file system", "choose another {opt}"),
+    errno.EACCES: ("use", "permission denied", "check permissions or choose another {opt}"),
+    errno.EPERM: ("use", "operation not permitted", "check permissions or choose another {opt}"),
+    errno.ENOENT: ("open", "no such file or folder", "check the path (does its folder exist?)"),
+    errno.ENOTDIR: (
+        "use",
+        "a part of the path is a file, not a folder",
+        "choose a path inside a folder for {opt}",
+    ),
+    errno.EISDIR: ("use", "it is a folder, not a file", "give a file's path for {opt}"),
+    errno.EEXIST: ("create", "something is in the way", "remove it or choose another {opt}"),
+    errno.ENAMETOOLONG: ("use", "the name is too long", "use a shorter path"),
+    errno.ELOOP: ("use", "too many levels of symbolic links", "check the links in the path"),
+    errno.EMFILE: ("open", "too many open files", "raise the limit (ulimit -n) and rerun"),
+    errno.ENFILE: ("open", "too many open files in the system", "close some programs and rerun"),
+    errno.EIO: ("use", "input/output error", "check the disk or network file system"),
+    errno.EBUSY: ("use", "device or resource busy", "retry when it is free"),
+    errno.EPIPE: ("write", "the reader closed the pipe", "keep the reading end open"),
+    errno.ENXIO: ("open", "no such device", "check the path"),
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One sentence for a file system fault: the path, what happened in plain words, what to do.
+
+    When the error does not carry its path (a failed write to an open file), the command's
+    one output path stands in for it.
+    """
+    path = exc.filename if exc.filename not in (None, "") else None
+    param = _param_for(path) if path is not None else _single_output_param()
+    if path is None and param is not None:
+        path = param[1]
+    code = exc.errno if isinstance(exc.errno, int) else 0
+    reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
+    verb, words, advice = _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))
+    opt = param[0] if param is not None else "path"
+    advice = advice.format(opt=opt)
+    where = f" {os.fsdecode(path)}" if path is not None else ""
+    return f"cannot {verb}{where}: {words}" + (f"; {advice}" if advice else "")
+
+
+def describe_unicode_error(exc: UnicodeError) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        obj = exc.object
+        byte = f"byte 0x{obj[exc.start]:02x}" if exc.start < len(obj) else "a cut-off character"
+        line = bytes(obj[: exc.start]).count(b"\n") + 1
+        return (
+            f"{_inputs_text()} is not UTF-8 text ({byte} on line {line}): is it the right "
+            "file? Save text files as UTF-8"
+        )
+    if isinstance(exc, UnicodeEncodeError):
+        return (
+            f"cannot write {exc.object[exc.start : exc.end]!r} in the {exc.encoding} encoding: "
+            "set PYTHONIOENCODING=utf-8 (or a UTF-8 locale) and rerun"
+        )
+    return f"cannot handle text in {_inputs_text()}: {exc}"
+
+
+def _path_params(*, files_only: bool = False) -> list[tuple[str, Path, bool]]:
+    """(option or argument name, path, is an output) for each path given to the command;
+    with `files_only`, not the options that name folders."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return []
+    found = []
+    for param in ctx.command.params:
+        values = ctx.params.get(param.name or "")
+        for value in values if isinstance(values, tuple | list) else [values]:
+            if not isinstance(value, Path):
+                continue
+            if files_only and isinstance(param.type, click.Path) and not param.type.file_okay:
+                continue
+            if isinstance(param, click.Option):
+                name = max(param.opts, key=len)
+                output = name in ("--out", "--output")
+            else:
+                name = (param.name or "PATH").upper()
+                output = False
+            found.append((name, value, output))
+    return found
+
+
+def _param_for(path: Any) -> tuple[str, Path] | None:
+    """The command's path option that `path` is, lies under, or is a folder of."""
+    try:
+        failed = Path(os.fsdecode(path)).absolute()
+    except (TypeError, ValueError):
+        return None
+    for name, value, _ in _path_params():
+        given = value.absolute()
+        if failed == given or given in failed.parents or failed in given.parents:
+            return name, value
+    return None
+
+
+def _single_output_param() -> tuple[str, Path] | None:
+    outputs = [(name, value) for name, value, output in _path_params() if output]
+    return outputs[0] if len(outputs) == 1 else None
+
+
+def _inputs_text() -> str:
+    inputs = [str(value) for _, value, output in _path_params(files_only=True) if not output]
+    if len(inputs) == 1:
+        return inputs[0]
+    if inputs:
+        return "one of " + ", ".join(inputs)
+    return "an input file"
+
+
+def _internal_error(exc: BaseException) -> NoReturn:
+    ctx = click.get_current_context(silent=True)
+    verbose = 0
+    if ctx is not None:
+        verbose = int(ctx.find_root().params.get("verbose") or 0)
+    if verbose >= 2:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+        hint = "please report it with the traceback above"
+    else:
+        hint = "please report it; rerun with -vv for the traceback"
+    detail = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {detail[0]}" if detail else type(exc).__name__
+    fail(f"internal error: {text}; {hint}")
 
 
 def console(stderr: bool = False) -> Any:

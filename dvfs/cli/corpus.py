@@ -94,7 +94,14 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
 @corpus.command("show")
 @click.argument("name")
 @campaign_option
-@click.option("-n", "count", type=int, default=3, show_default=True, help="Prompts to print.")
+@click.option(
+    "-n",
+    "count",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Prompts to print.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Which prompts (sampled).")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors

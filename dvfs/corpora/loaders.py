@@ -12,6 +12,7 @@ import csv
 import hashlib
 import io
 import json
+import stat
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -21,6 +22,10 @@ from dvfs.corpora.model import Corpus, Message, Prompt, TokenCounter
 from dvfs.errors import CorpusError
 
 FORMATS = ("jsonl", "csv", "parquet")
+#: Corpus files above this size are refused before reading: sample them into a smaller file.
+MAX_CORPUS_BYTES = 1 << 30
+#: The longest CSV cell read (csv's default of 128 KiB is shorter than a long-context prompt).
+MAX_CSV_FIELD_CHARS = 64 << 20
 SPEC_KEYS = {
     "path",
     "format",
@@ -104,22 +109,72 @@ def _format_of(spec: dict[str, Any], name: str) -> str:
     return guessed
 
 
+def _text(data: bytes, where: str) -> str:
+    """The file's text, or a `CorpusError` naming the line that is binary or not UTF-8."""
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        line = data.count(b"\n", 0, nul) + 1
+        raise CorpusError(
+            f"{where}, line {line}: a binary file, not text (a NUL byte; UTF-16?): "
+            "give a UTF-8 text file, or set format if it is Parquet"
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise CorpusError(
+            f"{where}, line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x}): "
+            "save the file as UTF-8"
+        ) from exc
+
+
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
-    text = data.decode("utf-8", errors="strict")
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    text = _text(data, where)
+    # Only "\n" ends a line: JSON strings may hold U+2028 and other characters that
+    # str.splitlines() would break on.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
+        at = f"{where}, line {lineno}"
         try:
-            yield f"{where}, line {lineno}", json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CorpusError(f"{where}, line {lineno}: not valid JSON ({exc.msg})") from exc
+            raise CorpusError(f"{at}: not valid JSON ({exc.msg})") from exc
+        except RecursionError as exc:
+            raise CorpusError(f"{at}: JSON nested too deeply to read") from exc
+        except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+            raise CorpusError(f"{at}: not usable JSON ({exc})") from exc
+        yield at, record
 
 
 def _records_csv(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
-    reader = csv.DictReader(io.StringIO(data.decode("utf-8-sig")))
-    # Line numbers count the header as line 1, as an editor shows them.
-    for row in reader:
-        yield f"{where}, line {reader.line_num}", row
+    text = _text(data, where)
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    previous = csv.field_size_limit(MAX_CSV_FIELD_CHARS)
+    try:
+        # Line numbers count the header as line 1, as an editor shows them.
+        try:
+            header = reader.fieldnames or []
+            for row in reader:
+                at = f"{where}, line {reader.line_num}"
+                if None in row:
+                    raise CorpusError(
+                        f"{at}: {len(header) + len(row[None])} values, but the header names "
+                        f"{len(header)} columns"
+                    )
+                missing = [k for k, v in row.items() if v is None]
+                if missing:
+                    raise CorpusError(
+                        f"{at}: {len(header) - len(missing)} values, but the header names "
+                        f"{len(header)} columns (no value for {', '.join(missing[:3])})"
+                    )
+                yield at, row
+        except csv.Error as exc:
+            # The inner reader counts the line it failed on; DictReader only finished rows.
+            line = max(reader.reader.line_num, 1)
+            raise CorpusError(f"{where}, line {line}: not valid CSV ({exc})") from exc
+    finally:
+        csv.field_size_limit(previous)
 
 
 def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
@@ -132,7 +187,8 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     try:
         table = pq.read_table(io.BytesIO(data))
     except Exception as exc:  # pyarrow raises several types for a damaged file
-        raise CorpusError(f"{where}: not a readable Parquet file ({exc})") from exc
+        detail = " ".join(str(exc).split())
+        raise CorpusError(f"{where}: not a readable Parquet file ({detail})") from exc
     for i, row in enumerate(table.to_pylist(), start=1):
         yield f"{where}, row {i}", row
 
@@ -140,17 +196,19 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
 
 
-def chat_messages(raw: Any, where: str) -> tuple[Message, ...]:
+def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Message, ...]:
     """Chat messages from OpenAI-style or ShareGPT-style turns, ending on the user's turn."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)  # CSV cells carry the chat as JSON text
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{where}: the messages field is text, not a list of turns") from exc
+        except (ValueError, RecursionError) as exc:
+            raise CorpusError(
+                f"{where}: the messages field {field!r} is text, not a list of turns"
+            ) from exc
     if not isinstance(raw, list) or not raw:
         raise CorpusError(
-            f"{where}: the messages field must be a non-empty list of turns, "
-            f"got {type(raw).__name__}"
+            f"{where}: the messages field {field!r} must be a non-empty list of turns, "
+            f"got {_kind(raw)}"
         )
     messages = []
     for i, turn in enumerate(raw):
@@ -175,7 +233,7 @@ def _prompt(
     record: Any, spec: dict[str, Any], where: str, index: int, name: str, count_tokens: TokenCounter
 ) -> Prompt:
     if not isinstance(record, dict):
-        raise CorpusError(f"{where}: expected an object with fields, got {type(record).__name__}")
+        raise CorpusError(f"{where}: expected an object with fields, got {_kind(record)}")
     key = spec.get("field") or spec["messages"]
     if key not in record:
         available = ", ".join(sorted(map(str, record))[:10])
@@ -183,14 +241,28 @@ def _prompt(
     value = record[key]
     if "field" in spec:
         if not isinstance(value, str):
-            raise CorpusError(f"{where}: field {key!r} holds a {type(value).__name__}, not text")
+            raise CorpusError(f"{where}: field {key!r} holds {_kind(value)}, not text")
         if not value.strip():
             raise CorpusError(f"{where}: field {key!r} is empty")
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
-        messages = chat_messages(value, where)
+        messages = chat_messages(value, where, key)
     ident = record.get("id") or record.get("task_id") or f"{name}-{index:05d}"
     return Prompt(str(ident), messages, count_tokens(messages))
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind in words, as a user reading the file would name it."""
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "text",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), f"a {type(value).__name__}")
 
 
 def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
@@ -200,9 +272,25 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
         if not path.is_absolute():
             path = Path(base_dir) / path
         try:
+            info = path.stat()
+            if stat.S_ISDIR(info.st_mode):
+                raise CorpusError(
+                    f"corpus path {path} is a folder, not a file: name the file in it"
+                )
+            if not stat.S_ISREG(info.st_mode):
+                raise CorpusError(f"corpus path {path} is not a regular file: name a data file")
+            if info.st_size > MAX_CORPUS_BYTES:
+                raise CorpusError(
+                    f"corpus file {path} is {info.st_size / (1 << 30):.1f} GiB, above dvfs's "
+                    f"limit of {MAX_CORPUS_BYTES / (1 << 30):g} GiB: sample it into a smaller file"
+                )
             return path.read_bytes(), str(path), f"file {path}"
         except FileNotFoundError as exc:
             raise CorpusError(f"corpus file {path} does not exist") from exc
+        except MemoryError as exc:
+            raise CorpusError(
+                f"corpus file {path} does not fit in memory: sample it into a smaller file"
+            ) from exc
         except OSError as exc:
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
     package, resource = spec["package"], spec["resource"]
@@ -210,8 +298,12 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
         data = resources.files(package).joinpath(resource).read_bytes()
     except ModuleNotFoundError as exc:
         raise CorpusError(f"package {package!r} is not installed in this environment") from exc
-    except (FileNotFoundError, IsADirectoryError) as exc:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         raise CorpusError(f"package {package!r} has no resource {resource!r}") from exc
+    except OSError as exc:
+        raise CorpusError(
+            f"cannot read resource {resource!r} of package {package!r}: {exc.strerror}"
+        ) from exc
     return data, f"{package}:{resource}", f"package {package}, resource {resource}"
 
 

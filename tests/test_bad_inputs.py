@@ -1,0 +1,1144 @@
+"""Errors that never crash (issue 9): bad inputs of every kind, driven through the CLI.
+
+Every case must exit non-zero (with the documented code where there is one) and print ONE line
+on stderr that names what is wrong (a path, key or value) -- never a traceback, never exit 0.
+Click's own usage errors print "Usage: ... / Try ... / Error: ..."; their final Error line
+must be one line too.
+
+Damaged files are generated in tmp_path at test time (see tests/bad_inputs.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bad_inputs import (
+    DELETE,
+    TINY,
+    binary_bytes,
+    campaign,
+    failing_writes,
+    jsonl,
+    latin1,
+    prompts,
+    sparse_file,
+    torn_middle_line,
+    truncated,
+    user_corpus_campaign,
+)
+from click.testing import CliRunner
+
+from dvfs.cli import cli
+
+#: Marker for `Case.files`: make a directory at this path.
+DIR = object()
+
+
+class Writer:
+    """A file `Case.files` value that writes the file itself: fn(path, env)."""
+
+    def __init__(self, fn: Callable[[Path, dict[str, Path]], None]) -> None:
+        self.fn = fn
+
+
+Files = dict[str, Any]
+
+
+@dataclass
+class Case:
+    """One bad input: the argv (placeholders below), the files to create, what must be said.
+
+    Placeholders in argv, files and `says`: {tmp} (this test's folder), {sweep} (a finished tiny
+    sweep folder, shared, read-only), {cube}, {journal}, {headroom} (its headroom JSON).
+    A file's value is text, bytes, DIR, a Writer, or a function of those paths (a dict with the
+    same keys) returning text or bytes.
+    """
+
+    id: str
+    argv: list[str]
+    files: Files = field(default_factory=dict)
+    code: int | tuple[int, ...] | None = None  # the exit code, or the codes allowed
+    says: tuple[str, ...] = ()
+    fault: tuple[str, int] | None = None  # (folder under {tmp}, errno): writes there fail
+    chatty: bool = False  # a sweep may print progress lines on stderr before the error
+    nvml: bool = False  # run against the fake NVML (as root)
+    xfail: str | None = None
+
+
+def C(id: str, argv: list[str], **kw: Any) -> Case:  # noqa: N802  (reads like a table row)
+    extra = kw.pop("files_extra", {})
+    return (
+        Case(id, argv, **kw)
+        if not extra
+        else Case(id, argv, **{**kw, "files": {**kw.get("files", {}), **extra}})
+    )
+
+
+# -- campaigns -------------------------------------------------------------------------------
+
+DRY = ["--dry-run", "--out", "{tmp}/out"]
+
+
+def camp_case(
+    id: str, text: str | bytes | object, *says: str, code: int | None = 2, **kw: Any
+) -> Case:
+    return C(
+        f"campaign-{id}",
+        ["sweep", "{tmp}/c.toml", *DRY],
+        files={"c.toml": text},
+        code=code,
+        says=says,
+        **kw,
+    )
+
+
+def key_case(id: str, path: str, value: Any, *says: str, **kw: Any) -> Case:
+    """TINY with one key set to a bad value (DELETE removes it)."""
+    return camp_case(id, campaign((path, value)), *says, **kw)
+
+
+GOOD_TEXT = campaign()
+
+CAMPAIGN_FILE_CASES = [
+    C(
+        "campaign-missing-file",
+        ["sweep", "{tmp}/nope.toml", *DRY],
+        code=2,
+        says=("{tmp}/nope.toml",),
+    ),
+    C(
+        "campaign-is-a-directory",
+        ["sweep", "{tmp}/d.toml", *DRY],
+        files={"d.toml": DIR},
+        code=2,
+        says=("d.toml",),
+    ),
+    camp_case("binary-bytes", binary_bytes(), "c.toml"),
+    camp_case("non-utf8", latin1("# caf\u00e9\n") + GOOD_TEXT.encode(), "c.toml", "utf-8"),
+    camp_case("nul-byte", GOOD_TEXT.replace('"tiny"', '"ti\x00ny"'), "c.toml"),
+    camp_case("truncated-toml", truncated(GOOD_TEXT, 0.4) + b"[work", "c.toml"),
+    camp_case("truncated-mid-string", GOOD_TEXT[: GOOD_TEXT.index("llama") + 3], "c.toml"),
+    camp_case("empty-file", "", "c.toml"),
+    camp_case("only-whitespace", "\n\n   \n", "c.toml"),
+    camp_case("huge-comment-5mb", "#" * (5 << 20) + "\n", "c.toml"),
+    camp_case("json-not-toml", json.dumps(TINY), "c.toml", "toml"),
+    camp_case("utf16", GOOD_TEXT.encode("utf-16"), "c.toml"),
+    camp_case("duplicate-table", GOOD_TEXT + '\n[gpu]\nbackend = "twin"\n', "c.toml"),
+    camp_case("workload-not-a-table", campaign(("workload", 3)), "workload"),
+]
+
+CAMPAIGN_KEY_CASES = [
+    # [campaign]
+    key_case("name-not-string", "campaign.name", 5, "campaign.name"),
+    key_case("unknown-key-in-campaign", "campaign.nmae", "x", "nmae", "name"),
+    # [gpu]
+    key_case("gpu-backend-unknown", "gpu.backend", "cuda", "gpu.backend", "cuda"),
+    key_case("gpu-backend-int", "gpu.backend", 5, "gpu.backend"),
+    key_case("gpu-profile-unknown", "gpu.profile", "a100", "gpu.profile", "a100"),
+    key_case("gpu-profile-missing", "gpu.profile", DELETE, "gpu.profile"),
+    key_case("gpu-devices-string", "gpu.devices", "0", "gpu.devices"),
+    key_case("gpu-devices-empty", "gpu.devices", [], "gpu.devices"),
+    key_case("gpu-devices-negative", "gpu.devices", [-1], "gpu.devices", "-1"),
+    key_case("gpu-devices-twice", "gpu.devices", [0, 0], "gpu.devices", "twice"),
+    key_case("gpu-devices-bool", "gpu.devices", [True], "gpu.devices"),
+    key_case("gpu-actuation-bool", "gpu.actuation", True, "gpu.actuation"),
+    key_case("gpu-actuation-off-with-knobs", "gpu.actuation", "off", "stock"),
+    # [knobs]
+    key_case("sm-clock-word", "knobs.sm_clock", "max", "knobs.sm_clock", "max"),
+    key_case("sm-clock-empty-list", "knobs.sm_clock", [], "knobs.sm_clock"),
+    key_case("sm-clock-unsupported", "knobs.sm_clock", [1981], "knobs.sm_clock", "1981"),
+    key_case("sm-clock-zero", "knobs.sm_clock", [0], "knobs.sm_clock"),
+    key_case("sm-clock-float", "knobs.sm_clock", [1980.5], "knobs.sm_clock"),
+    key_case("sm-clock-absurd", "knobs.sm_clock", [99999], "knobs.sm_clock", "99999"),
+    key_case("sm-clock-twice", "knobs.sm_clock", [1980, 1980], "knobs.sm_clock", "twice"),
+    key_case(
+        "sm-clock-range-reversed",
+        "knobs.sm_clock",
+        {"start": 1980, "stop": 705, "step": 75},
+        "knobs.sm_clock",
+        "start",
+    ),
+    key_case(
+        "sm-clock-range-not-reached",
+        "knobs.sm_clock",
+        {"start": 705, "stop": 1000, "step": 100},
+        "knobs.sm_clock",
+        "1000",
+    ),
+    key_case(
+        "sm-clock-range-no-step",
+        "knobs.sm_clock",
+        {"start": 705, "stop": 1980},
+        "knobs.sm_clock",
+        "step",
+    ),
+    key_case(
+        "sm-clock-range-unknown-key",
+        "knobs.sm_clock",
+        {"start": 705, "stop": 1980, "stepp": 75},
+        "stepp",
+    ),
+    key_case(
+        "sm-clock-range-zero-step",
+        "knobs.sm_clock",
+        {"start": 705, "stop": 1980, "step": 0},
+        "step",
+    ),
+    key_case("power-limit-negative", "knobs.power_limit", [-5], "knobs.power_limit"),
+    key_case("power-limit-zero", "knobs.power_limit", [0], "knobs.power_limit"),
+    key_case("power-limit-absurd", "knobs.power_limit", [5000], "knobs.power_limit", "5000"),
+    key_case("power-limit-word", "knobs.power_limit", "max", "knobs.power_limit"),
+    key_case("power-limit-twice", "knobs.power_limit", [700, 700], "knobs.power_limit", "twice"),
+    key_case("power-limit-nan", "knobs.power_limit", [float("nan")], "knobs.power_limit"),
+    key_case("power-limit-inf", "knobs.power_limit", [float("inf")], "knobs.power_limit"),
+    key_case("settle-negative", "knobs.settle_s", -1, "knobs.settle_s"),
+    key_case("settle-string", "knobs.settle_s", "2s", "knobs.settle_s", "2s"),
+    key_case("settle-nan", "knobs.settle_s", float("nan"), "knobs.settle_s"),
+    key_case("settle-inf", "knobs.settle_s", float("inf"), "knobs.settle_s"),
+    key_case("knobs-misspelt-key", "knobs.sm_clocks", [1980], "sm_clocks", "sm_clock"),
+    # [engine]
+    key_case("engine-backend-unknown", "engine.backend", "vllm", "engine.backend", "vllm"),
+    key_case("engine-model-int", "engine.model", 7, "engine.model"),
+    key_case("engine-model-missing", "engine.model", DELETE, "engine.model"),
+    key_case("engine-model-unknown-to-twin", "engine.model", "gpt-5", "gpt-5"),
+    key_case("engine-tp-mismatch", "engine.tp_size", 2, "tp_size", "2"),
+    key_case("engine-tp-zero", "engine.tp_size", 0, "tp_size"),
+    key_case("engine-tp-string", "engine.tp_size", "1", "tp_size"),
+    key_case("engine-twin-model-unknown", "engine.twin_model", "llama-9", "twin_model"),
+    key_case("engine-sglang-url-ftp", "engine.sglang.url", "ftp://x", "engine.sglang.url"),
+    key_case(
+        "engine-sglang-timeout-zero", "engine.sglang.startup_timeout_s", 0, "startup_timeout_s"
+    ),
+    key_case("engine-sglang-env-int", "engine.sglang.env", {"A": 1}, "env"),
+    key_case("engine-sglang-unknown-key", "engine.sglang.urll", "http://x", "urll"),
+    key_case("engine-sglang-args-not-list", "engine.sglang.extra_args", "--x", "extra_args"),
+    # [drafters]
+    key_case(
+        "drafter-unknown-algorithm", "drafters.eagle3.algorithm", "MEDUSA", "algorithm", "MEDUSA"
+    ),
+    key_case("drafter-algorithm-int", "drafters.eagle3.algorithm", 5, "algorithm"),
+    key_case("drafter-partial-triple", "drafters.eagle3.eagle_topk", DELETE, "eagle_topk"),
+    key_case("drafter-steps-zero", "drafters.eagle3.num_steps", 0, "num_steps"),
+    key_case("drafter-topk1-mismatch", "drafters.eagle3.num_draft_tokens", 7, "num_draft_tokens"),
+    key_case("drafter-no-draft-model", "drafters.eagle3.draft_model", DELETE, "draft_model"),
+    key_case("drafter-none-with-steps", "drafters.none.num_steps", 3, "num_steps"),
+    key_case("drafter-block-size-on-eagle", "drafters.eagle3.block_size", 16, "block_size"),
+    key_case("drafter-dspark-on-twin", "drafters.eagle3.algorithm", "DSPARK", "DSPARK"),
+    key_case("drafter-bad-name", "drafters.bad name!", {"algorithm": "none"}, "bad name!"),
+    key_case("drafter-not-a-table", "drafters.x", 5, "drafters.x"),
+    key_case("drafter-misspelt-key", "drafters.eagle3.num_step", 3, "num_step", "num_steps"),
+    # [workload]
+    key_case("batch-empty", "workload.batch", [], "workload.batch"),
+    key_case("batch-zero", "workload.batch", [0], "workload.batch"),
+    key_case("batch-string", "workload.batch", "1", "workload.batch"),
+    key_case("batch-float", "workload.batch", [1.5], "workload.batch"),
+    key_case("batch-twice", "workload.batch", [1, 1], "workload.batch", "twice"),
+    key_case("batch-missing", "workload.batch", DELETE, "workload.batch"),
+    key_case("corpora-empty", "workload.corpora", [], "workload.corpora"),
+    key_case("corpora-unknown", "workload.corpora", ["klingon"], "klingon"),
+    key_case("corpora-misspelt", "workload.corpora", ["cod"], "cod", "code"),
+    key_case("corpora-string", "workload.corpora", "code", "workload.corpora"),
+    key_case("corpora-twice", "workload.corpora", ["code", "code"], "twice"),
+    key_case("input-tokens-zero", "workload.input_tokens", [0, 10], "input_tokens"),
+    key_case("input-tokens-reversed", "workload.input_tokens", [100, 5], "input_tokens"),
+    key_case("input-tokens-three", "workload.input_tokens", [1, 2, 3], "input_tokens"),
+    key_case("output-tokens-one", "workload.output_tokens", 1, "output_tokens"),
+    key_case("output-tokens-negative", "workload.output_tokens", -5, "output_tokens"),
+    key_case("output-tokens-float", "workload.output_tokens", 1.5, "output_tokens"),
+    key_case("mode-unknown", "workload.mode", "open", "workload.mode", "open"),
+    key_case("temperature-negative", "workload.temperature", -1, "temperature"),
+    key_case("temperature-string", "workload.temperature", "hot", "temperature"),
+    key_case("temperature-nan", "workload.temperature", float("nan"), "temperature"),
+    key_case("ignore-eos-false-fixed", "workload.ignore_eos", False, "ignore_eos"),
+    key_case("ignore-eos-string", "workload.ignore_eos", "yes", "ignore_eos"),
+    key_case("pool-size-zero", "workload.pool_size", 0, "pool_size"),
+    key_case("workload-misspelt-key", "workload.batches", [1], "batches", "batch"),
+    # [measurement]
+    key_case("warmup-negative", "measurement.warmup_tokens", -1, "warmup_tokens"),
+    key_case("min-window-zero", "measurement.min_window_s", 0, "min_window_s"),
+    key_case("min-window-nan", "measurement.min_window_s", float("nan"), "min_window_s"),
+    key_case("min-window-inf", "measurement.min_window_s", float("inf"), "min_window_s"),
+    key_case("max-rounds-zero", "measurement.max_rounds", 0, "max_rounds"),
+    key_case("repeats-zero", "measurement.repeats", 0, "repeats"),
+    key_case("seed-negative", "measurement.seed", -1, "seed"),
+    key_case("sample-period-too-coarse", "measurement.sample_period_s", 1.0, "sample_period_s"),
+    key_case("idle-negative", "measurement.idle_s", -1, "idle_s"),
+    key_case("retries-negative", "measurement.retries", -1, "retries"),
+    key_case("measurement-misspelt-key", "measurement.repeat", 2, "repeat"),
+    # sections
+    key_case("misspelt-section", "workloads", {"batch": [1]}, "workloads"),
+    key_case("unknown-top-level-key", "gpus", {"backend": "twin"}, "gpus", "gpu"),
+    key_case("engine-missing", "engine", DELETE, "engine"),
+    key_case("corpus-section-not-table", "corpus", 5, "corpus"),
+]
+
+# -- user corpora ----------------------------------------------------------------------------
+
+
+def corpus_case(
+    id: str,
+    filename: str,
+    content: Any,
+    *says: str,
+    spec: dict[str, Any] | None = None,
+    via: str = "show",
+    **kw: Any,
+) -> Case:
+    """A campaign naming user corpus `mine` read from `filename`, shown through the CLI."""
+    spec = spec or {"path": filename, "field": "text"}
+    files = {"c.toml": user_corpus_campaign(spec)}
+    if content is not None:
+        files[filename] = content
+    argv = {
+        "show": ["corpus", "show", "mine", "--campaign", "{tmp}/c.toml"],
+        "list": ["corpus", "list", "--campaign", "{tmp}/c.toml"],
+        "sweep": ["sweep", "{tmp}/c.toml", "--out", "{tmp}/out", "--no-progress"],
+    }[via]
+    return C(f"corpus-{id}", argv, files=files, code=kw.pop("code", 1), says=says, **kw)
+
+
+GOOD_JSONL = jsonl(prompts(4))
+GOOD_CSV = "id,text\n" + "".join(f"p{i},Prompt number {i} about the sky.\n" for i in range(4))
+
+
+def _parquet(rows: list[dict[str, Any]]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+def _huge_corpus(path: Path, env: dict[str, Path]) -> None:
+    from dvfs.corpora.loaders import MAX_CORPUS_BYTES
+
+    sparse_file(path, MAX_CORPUS_BYTES + 1)
+
+
+CORPUS_CASES = [
+    corpus_case("jsonl-binary", "mine.jsonl", binary_bytes(), "mine.jsonl", "binary"),
+    corpus_case(
+        "jsonl-non-utf8",
+        "mine.jsonl",
+        GOOD_JSONL.encode() + latin1('{"text": "caf\u00e9"}\n'),
+        "mine.jsonl",
+        "line 5",
+    ),
+    corpus_case(
+        "jsonl-truncated", "mine.jsonl", truncated(GOOD_JSONL, 0.9), "mine.jsonl", "line 4"
+    ),
+    corpus_case(
+        "jsonl-torn-middle",
+        "mine.jsonl",
+        torn_middle_line(GOOD_JSONL.encode()),
+        "mine.jsonl",
+        "line 3",
+    ),
+    corpus_case("jsonl-empty", "mine.jsonl", "", "mine.jsonl", "empty"),
+    corpus_case("jsonl-blank-lines", "mine.jsonl", "\n\n\n", "mine.jsonl"),
+    corpus_case(
+        "jsonl-json-array", "mine.jsonl", json.dumps(prompts(2), indent=1), "mine.jsonl", "line 1"
+    ),
+    corpus_case("jsonl-line-is-list", "mine.jsonl", "[1, 2]\n", "mine.jsonl", "line 1"),
+    corpus_case(
+        "jsonl-missing-field", "mine.jsonl", jsonl(prompts(2, field="prompt")), "mine.jsonl", "text"
+    ),
+    corpus_case("jsonl-field-number", "mine.jsonl", jsonl([{"text": 5}]), "mine.jsonl", "text"),
+    corpus_case("jsonl-field-null", "mine.jsonl", jsonl([{"text": None}]), "mine.jsonl", "text"),
+    corpus_case("jsonl-deep-nesting", "mine.jsonl", "[" * 100_000 + "\n", "mine.jsonl", "line 1"),
+    corpus_case("jsonl-huge", "mine.jsonl", Writer(_huge_corpus), "mine.jsonl"),
+    corpus_case("jsonl-missing-file", "mine.jsonl", None, "mine.jsonl"),
+    corpus_case("jsonl-is-directory", "mine.jsonl", DIR, "mine.jsonl"),
+    corpus_case(
+        "jsonl-unknown-role",
+        "mine.jsonl",
+        jsonl([{"chat": [{"role": "wizard", "content": "hi"}]}]),
+        "wizard",
+        spec={"path": "mine.jsonl", "messages": "chat"},
+    ),
+    corpus_case(
+        "jsonl-no-user-turn",
+        "mine.jsonl",
+        jsonl([{"chat": [{"role": "assistant", "content": "hi"}]}]),
+        "user",
+        spec={"path": "mine.jsonl", "messages": "chat"},
+    ),
+    corpus_case(
+        "jsonl-messages-not-list",
+        "mine.jsonl",
+        jsonl([{"chat": 3}]),
+        "chat",
+        spec={"path": "mine.jsonl", "messages": "chat"},
+    ),
+    corpus_case("csv-wrong-columns", "mine.csv", "id,prompt\n1,hello\n", "mine.csv", "text"),
+    corpus_case(
+        "csv-non-utf8", "mine.csv", latin1("id,text\n1,caf\u00e9 au lait\n"), "mine.csv", "line 2"
+    ),
+    corpus_case("csv-binary", "mine.csv", binary_bytes(), "mine.csv"),
+    corpus_case("csv-nul-byte", "mine.csv", "id,text\n1,he\x00llo\n", "mine.csv"),
+    corpus_case("csv-empty", "mine.csv", "", "mine.csv", "empty"),
+    corpus_case("csv-header-only", "mine.csv", "id,text\n", "mine.csv"),
+    corpus_case("csv-truncated-quote", "mine.csv", 'id,text\n1,"an unfinished quote\n', "mine.csv"),
+    corpus_case("csv-short-row", "mine.csv", "id,text\n1\n", "mine.csv", "line 2"),
+    corpus_case("csv-long-row", "mine.csv", "id,text\n1,a,b,c\n", "mine.csv", "line 2"),
+    corpus_case("csv-quote-in-field", "mine.csv", 'id,text\n1,"a"b\n', "mine.csv", "line 2"),
+    corpus_case(
+        "jsonl-huge-integer", "mine.jsonl", '{"text": ' + "1" * 5000 + "}\n", "mine.jsonl", "line 1"
+    ),
+    corpus_case("jsonl-utf16", "mine.jsonl", GOOD_JSONL.encode("utf-16"), "mine.jsonl", "utf-16"),
+    corpus_case(
+        "path-is-a-device",
+        "mine.jsonl",
+        None,
+        "/dev/zero",
+        spec={"path": "/dev/zero", "field": "text", "format": "jsonl"},
+    ),
+    corpus_case("parquet-not-parquet", "mine.parquet", "id,text\n1,hello\n", "mine.parquet"),
+    corpus_case(
+        "parquet-truncated",
+        "mine.parquet",
+        lambda tmp: truncated(_parquet(prompts(4)), 0.5),
+        "mine.parquet",
+    ),
+    corpus_case(
+        "parquet-wrong-column",
+        "mine.parquet",
+        lambda tmp: _parquet(prompts(2, field="q")),
+        "mine.parquet",
+        "text",
+    ),
+    corpus_case("parquet-empty", "mine.parquet", "", "mine.parquet", "empty"),
+    corpus_case("unknown-extension", "mine.txt", "hello\n", "mine.txt", "format"),
+    corpus_case("via-list-binary", "mine.jsonl", binary_bytes(), "mine.jsonl", via="list"),
+    corpus_case("via-list-missing", "mine.jsonl", None, "mine.jsonl", via="list"),
+    corpus_case(
+        "via-sweep-non-utf8",
+        "mine.jsonl",
+        latin1('{"text": "caf\u00e9"}\n'),
+        "mine.jsonl",
+        via="sweep",
+        chatty=True,
+    ),
+    corpus_case(
+        "via-sweep-truncated",
+        "mine.jsonl",
+        truncated(GOOD_JSONL, 0.9),
+        "mine.jsonl",
+        via="sweep",
+        chatty=True,
+    ),
+    # [corpus.NAME] tables that are wrong before any file is read: campaign errors (exit 2)
+    corpus_case(
+        "spec-no-source", "mine.jsonl", GOOD_JSONL, "corpus.mine", spec={"field": "text"}, code=2
+    ),
+    corpus_case(
+        "spec-unknown-key",
+        "mine.jsonl",
+        GOOD_JSONL,
+        "pth",
+        spec={"pth": "mine.jsonl", "field": "text"},
+        code=2,
+    ),
+    corpus_case(
+        "spec-bad-format",
+        "mine.jsonl",
+        GOOD_JSONL,
+        "xml",
+        spec={"path": "mine.jsonl", "field": "text", "format": "xml"},
+        code=2,
+    ),
+    corpus_case(
+        "spec-limit-zero",
+        "mine.jsonl",
+        GOOD_JSONL,
+        "limit",
+        spec={"path": "mine.jsonl", "field": "text", "limit": 0},
+        code=2,
+    ),
+    corpus_case(
+        "spec-field-and-messages",
+        "mine.jsonl",
+        GOOD_JSONL,
+        "field",
+        spec={"path": "mine.jsonl", "field": "text", "messages": "m"},
+        code=2,
+    ),
+    corpus_case(
+        "spec-acceptance-like-unknown",
+        "mine.jsonl",
+        GOOD_JSONL,
+        "klingon",
+        spec={"path": "mine.jsonl", "field": "text", "acceptance_like": "klingon"},
+        code=2,
+    ),
+    # `dvfs corpus show` itself
+    C("corpus-show-unknown-builtin", ["corpus", "show", "klingon"], code=1, says=("klingon",)),
+    C("corpus-show-negative-n", ["corpus", "show", "code", "-n", "-1"], code=2, says=("-1",)),
+    C("corpus-show-n-not-int", ["corpus", "show", "code", "-n", "many"], code=2, says=("many",)),
+    C(
+        "corpus-show-missing-campaign",
+        ["corpus", "show", "code", "--campaign", "{tmp}/no.toml"],
+        code=2,
+        says=("no.toml",),
+    ),
+]
+
+# -- caps files ------------------------------------------------------------------------------
+
+GOOD_CAPS = (
+    '[[model]]\nname = "NVIDIA H100 80GB HBM3"\nsm_clock_max_mhz = 1305\npower_limit_w = 450\n'
+)
+
+
+def caps_case(id: str, content: Any, *says: str, code: int | None = 2, **kw: Any) -> Case:
+    argv = ["cap", "apply", "{tmp}/caps.toml", "--dry-run", "--state-dir", "{tmp}/state"]
+    files = {} if content is None else {"caps.toml": content}
+    return C(f"caps-{id}", argv, files=files, code=code, says=says, **kw)
+
+
+CAPS_CASES = [
+    caps_case("missing-file", None, "caps.toml"),
+    caps_case("is-a-directory", DIR, "caps.toml"),
+    caps_case("binary", binary_bytes(), "caps.toml"),
+    caps_case("non-utf8", latin1("# r\u00e9seau\n") + GOOD_CAPS.encode(), "caps.toml"),
+    caps_case("truncated", truncated(GOOD_CAPS, 0.6), "caps.toml"),
+    caps_case("empty", "", "caps.toml"),
+    caps_case("json-not-toml", json.dumps({"gpu": [{"uuid": "GPU-1"}]}), "caps.toml"),
+    caps_case("wrong-schema", "dvfs_caps = 99\n" + GOOD_CAPS, "caps.toml", "99"),
+    caps_case("unknown-top-key", "gpus = 1\n" + GOOD_CAPS, "gpus"),
+    caps_case("unknown-entry-key", GOOD_CAPS + "power_limit = 5\n", "power_limit"),
+    caps_case("gpu-not-array", 'gpu = "GPU-1"\n', "gpu"),
+    caps_case("gpu-entry-not-table", "gpu = [1, 2]\n", "gpu"),
+    caps_case("uuid-not-uuid", '[[gpu]]\nuuid = "0"\npower_limit_w = 400\n', "uuid", "'0'"),
+    caps_case("no-knob", '[[model]]\nname = "NVIDIA H100 80GB HBM3"\n', "neither"),
+    caps_case("negative-watts", GOOD_CAPS.replace("450", "-450"), "power_limit_w", "-450"),
+    caps_case("zero-mhz", GOOD_CAPS.replace("1305", "0"), "sm_clock_max_mhz"),
+    caps_case("watts-string", GOOD_CAPS.replace("450", '"450W"'), "power_limit_w", "450W"),
+    caps_case("watts-nan", GOOD_CAPS.replace("450", "nan"), "power_limit_w", "nan"),
+    caps_case("watts-inf", GOOD_CAPS.replace("450", "inf"), "power_limit_w", "inf"),
+    caps_case("min-above-max", GOOD_CAPS + "sm_clock_min_mhz = 1900\n", "sm_clock_min_mhz"),
+    caps_case("absurd-watts", GOOD_CAPS.replace("450", "1000000"), "power limit", nvml=True),
+    caps_case("absurd-mhz", GOOD_CAPS.replace("1305", "99999"), "99999", nvml=True),
+    caps_case("tiny-watts", GOOD_CAPS.replace("450", "1"), "power limit", nvml=True),
+    C(
+        "caps-show-takes-no-file",
+        ["cap", "show", "{tmp}/caps.toml"],
+        files={"caps.toml": GOOD_CAPS},
+        code=2,
+        says=("caps.toml",),
+    ),
+]
+
+# -- headroom JSON for `cap plan` ------------------------------------------------------------
+
+
+def plan_case(
+    id: str, content: Any, *says: str, args: tuple[str, ...] = (), code: int | None = 2, **kw: Any
+) -> Case:
+    argv = ["cap", "plan", "{tmp}/h.json", "--batch", "1", "--drafter", "eagle3", *args]
+    files = {} if content is None else {"h.json": content}
+    return C(f"plan-{id}", argv, files=files, code=code, says=says, **kw)
+
+
+def _headroom_with(**changes: Any) -> Callable[[dict[str, Path]], str]:
+    def make(shared: dict[str, Path]) -> str:
+        doc = json.loads(shared["headroom"].read_text())
+        doc.update(changes)
+        return json.dumps(doc)
+
+    return make
+
+
+PLAN_CASES = [
+    plan_case("missing-file", None, "h.json"),
+    plan_case("is-a-directory", DIR, "h.json"),
+    plan_case("binary", binary_bytes(), "h.json"),
+    plan_case("non-utf8", latin1('{"schema": "caf\u00e9"}'), "h.json"),
+    plan_case("truncated-json", lambda s: truncated(s["headroom"].read_bytes(), 0.5), "h.json"),
+    plan_case("empty", "", "h.json"),
+    plan_case("json-list", "[1, 2]", "headroom"),
+    plan_case("wrong-schema", _headroom_with(schema="dvfs.compare/1"), "headroom"),
+    plan_case("rows-not-list", _headroom_with(rows=5), "rows"),
+    plan_case("a-cube-instead", lambda s: s["cube"].read_bytes(), "h.json"),
+    plan_case("unknown-batch", lambda s: s["headroom"].read_text(), "999", args=("--batch", "999")),
+    plan_case(
+        "unknown-drafter",
+        lambda s: s["headroom"].read_text(),
+        "medusa",
+        args=("--drafter", "medusa"),
+    ),
+    plan_case(
+        "unknown-corpus",
+        lambda s: s["headroom"].read_text(),
+        "klingon",
+        args=("--corpus", "klingon"),
+    ),
+    # (`cap plan` first warns that twin caps are simulated: chatty)
+    plan_case(
+        "out-in-missing-dir",
+        lambda s: s["headroom"].read_text(),
+        "{tmp}/no/such",
+        args=("-o", "{tmp}/no/such/caps.toml"),
+        code=1,
+        chatty=True,
+    ),
+    plan_case(
+        "out-under-a-file",
+        lambda s: s["headroom"].read_text(),
+        "{tmp}/file.txt",
+        args=("-o", "{tmp}/file.txt/caps.toml"),
+        code=1,
+        files_extra={"file.txt": "x"},
+        chatty=True,
+    ),
+    plan_case(
+        "out-full-disk",
+        lambda s: s["headroom"].read_text(),
+        "/dev/full",
+        args=("-o", "/dev/full"),
+        code=1,
+        chatty=True,
+    ),
+]
+
+# -- journals (`dvfs cube build DIR`) ---------------------------------------------------------
+
+
+def journal_case(id: str, content: Any, *says: str, code: int | None = 1, **kw: Any) -> Case:
+    files = {} if content is None else {"run/journal.jsonl": content}
+    return C(
+        f"journal-{id}", ["cube", "build", "{tmp}/run"], files=files, code=code, says=says, **kw
+    )
+
+
+def _journal_lines(shared: dict[str, Path]) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in shared["journal"].read_text().splitlines() if x.strip()]
+
+
+def _journal_edit(edit: Callable[[list[dict[str, Any]]], list[Any]]) -> Callable[..., str]:
+    def make(shared: dict[str, Path]) -> str:
+        return jsonl(edit(_journal_lines(shared)))
+
+    return make
+
+
+def _first_cell(records: list[dict[str, Any]]) -> int:
+    return next(i for i, r in enumerate(records) if r.get("type") == "cell")
+
+
+def _cell_field(key: str, value: Any) -> Callable[[list[dict[str, Any]]], list[Any]]:
+    def edit(records: list[dict[str, Any]]) -> list[Any]:
+        i = _first_cell(records)
+        records[i] = {**records[i], key: value}
+        return records
+
+    return edit
+
+
+JOURNAL_CASES = [
+    journal_case("missing-dir", None, "{tmp}/run"),
+    journal_case("no-journal", None, "journal.jsonl", files_extra={"run/notes.txt": "x"}),
+    journal_case("garbage-bytes", binary_bytes(), "journal.jsonl"),
+    journal_case(
+        "non-utf8",
+        lambda s: s["journal"].read_bytes().replace(b'"code"', b'"c\xe9de"'),
+        "journal.jsonl",
+    ),
+    journal_case(
+        "torn-middle-line",
+        lambda s: torn_middle_line(s["journal"].read_bytes()),
+        "journal.jsonl",
+        "line",
+    ),
+    journal_case("empty", "", "journal.jsonl"),
+    journal_case(
+        "header-only", lambda s: s["journal"].read_text().splitlines()[0] + "\n", "session"
+    ),
+    journal_case("no-header", _journal_edit(lambda r: r[1:]), "journal.jsonl"),
+    journal_case("lines-are-lists", "[1, 2]\n[3]\n", "journal.jsonl"),
+    journal_case(
+        "future-schema", _journal_edit(lambda r: [{**r[0], "journal_schema": 99}, *r[1:]]), "99"
+    ),
+    journal_case(
+        "header-campaign-garbled",
+        _journal_edit(lambda r: [{**r[0], "campaign": "x"}, *r[1:]]),
+        "journal.jsonl",
+    ),
+    journal_case("cell-not-a-table", _journal_edit(_cell_field("cell", "x")), "journal.jsonl"),
+    journal_case(
+        "cell-without-key",
+        _journal_edit(lambda r: [x for x in r if x.get("type") != "cell"] + [{"type": "cell"}]),
+        "journal.jsonl",
+    ),
+    journal_case(
+        "cell-measurement-garbled", _journal_edit(_cell_field("measurement", [1])), "journal.jsonl"
+    ),
+    journal_case("journal-is-directory", DIR, "journal.jsonl"),
+    journal_case("run-dir-is-a-file", None, "run", files_extra={"run": "x"}, code=2),
+    C(
+        "journal-other-campaigns-header",
+        ["sweep", "{tmp}/c.toml", "--out", "{tmp}/run", "--no-progress"],
+        files={
+            "c.toml": campaign(("workload.output_tokens", 8)),
+            "run/journal.jsonl": lambda s: s["journal"].read_text(),
+        },
+        code=1,
+        says=("journal.jsonl", "--fresh"),
+        chatty=True,
+    ),
+    C(
+        "journal-garbage-on-resume",
+        ["sweep", "{tmp}/c.toml", "--out", "{tmp}/run", "--no-progress"],
+        files={"c.toml": GOOD_TEXT, "run/journal.jsonl": binary_bytes() + b"\n" + binary_bytes()},
+        code=1,
+        says=("journal.jsonl",),
+        chatty=True,
+    ),
+]
+
+# -- cubes -----------------------------------------------------------------------------------
+
+
+def _not_dvfs_cube(path: Path, env: dict[str, Path]) -> None:
+    import numpy as np
+    import xarray as xr
+
+    xr.Dataset({"t": ("x", np.arange(3.0))}).to_netcdf(path, engine="netcdf4")
+
+
+def _cube_with(change: Callable[[Any], Any]) -> Writer:
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube, write_cube
+
+        write_cube(change(open_cube(env["cube"])), path)
+
+    return Writer(make)
+
+
+def _future_schema(ds: Any) -> Any:
+    ds = ds.copy()
+    ds.attrs["dvfs_schema"] = 99
+    return ds
+
+
+CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "missing": (None, ("cube.nc",)),
+    "text-file": ("this is not netCDF\n", ("cube.nc",)),
+    "empty": ("", ("cube.nc",)),
+    "truncated": (lambda s: truncated(s["cube"].read_bytes(), 0.5), ("cube.nc",)),
+    "binary": (binary_bytes(), ("cube.nc",)),
+    "not-a-dvfs-cube": (Writer(_not_dvfs_cube), ("cube.nc", "dvfs")),
+    "future-schema": (_cube_with(_future_schema), ("cube.nc", "99")),
+    "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
+}
+
+CUBE_COMMANDS = {
+    "info": ["cube", "info", "{tmp}/cube.nc"],
+    "headroom": ["headroom", "{tmp}/cube.nc"],
+    "compare": ["compare", "{tmp}/cube.nc"],
+    "plot": ["plot", "{tmp}/cube.nc", "--out", "{tmp}/plots"],
+    "merge": ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"],
+}
+
+CUBE_CASES = [
+    C(
+        f"cube-{cmd}-{kind}",
+        argv,
+        files={} if content is None else {"cube.nc": content},
+        code=1,
+        says=says,
+    )
+    for kind, (content, says) in CUBE_FILES.items()
+    for cmd, argv in CUBE_COMMANDS.items()
+    if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
+] + [
+    C(
+        "cube-info-empty-dir",
+        ["cube", "info", "{tmp}/run"],
+        files={"run/x.txt": "x"},
+        code=1,
+        says=("cube.nc",),
+    ),
+    C(
+        "cube-merge-itself",
+        ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
+        code=1,
+        says=("same GPU",),
+    ),
+]
+
+# -- command-line flags ----------------------------------------------------------------------
+
+H = ["headroom", "{cube}"]
+
+FLAG_CASES = [
+    C("slack-nan", [*H, "--slack", "nan"], says=("nan",)),
+    C("slack-inf", [*H, "--slack", "inf"], says=("inf",)),
+    C("slack-inf-percent", [*H, "--slack", "inf%"], says=("inf",)),
+    C("slack-negative", [*H, "--slack", "-5%"], says=("-5%",)),
+    C("slack-word", [*H, "--slack", "abc"], says=("abc",)),
+    C("slack-empty", [*H, "--slack", ""], says=("slack",)),
+    C("slack-double-percent", [*H, "--slack", "5%%"], says=("5%%",)),
+    C("slack-ambiguous", [*H, "--slack", "5"], says=("5",)),
+    C("slack-with-slo", [*H, "--slack", "5%", "--slo", "tpot_p90<=50ms"], says=("--slack",)),
+    C("json-with-markdown", [*H, "--json", "--markdown"], says=("--json", "--markdown")),
+    C(
+        "preserve-with-vs-baseline",
+        [*H, "--preserve", "--vs-baseline"],
+        code=2,
+        says=("--preserve",),
+    ),
+    C("slo-no-quantile", [*H, "--slo", "tpot<=50ms"], says=("tpot<=50ms",)),
+    C("slo-garbage", [*H, "--slo", "fast please"], says=("fast please",)),
+    C("slo-zero", [*H, "--slo", "tpot_p90<=0ms"], says=("slo",)),
+    C("slo-unknown-metric", [*H, "--slo", "e2e_p90<=50ms"], says=("e2e_p90",)),
+    C("slo-unknown-unit", [*H, "--slo", "tpot_p90<=50us"], says=("50us",)),
+    C("confidence-above-one", [*H, "--confidence", "1.5"], says=("confidence",)),
+    C("confidence-zero", [*H, "--confidence", "0"], says=("confidence",)),
+    C("confidence-nan", [*H, "--confidence", "nan"], says=("confidence",)),
+    C("confidence-word", [*H, "--confidence", "high"], code=2, says=("high",)),
+    C("baseline-unknown", [*H, "--baseline", "medusa"], says=("medusa",)),
+    C("metric-unknown", [*H, "--metric", "e2e"], code=2, says=("e2e",)),
+    C("quantile-unknown", [*H, "--quantile", "p95"], code=2, says=("p95",)),
+    C("knob-unknown", [*H, "--knob", "voltage"], code=2, says=("voltage",)),
+    C("drafter-filter-unknown", [*H, "--drafter", "medusa"], says=("medusa",)),
+    C("corpus-filter-unknown", [*H, "--corpus", "klingon"], says=("klingon",)),
+    C("batch-filter-unknown", [*H, "--batch", "999"], says=("999",)),
+    C("batch-filter-not-int", [*H, "--batch", "big"], code=2, says=("big",)),
+    C(
+        "headroom-out-missing-dir",
+        [*H, "-o", "{tmp}/no/such/h.json"],
+        code=1,
+        says=("{tmp}/no/such",),
+    ),
+    C(
+        "headroom-out-under-a-file",
+        [*H, "-o", "{tmp}/file.txt/h.json"],
+        code=1,
+        says=("{tmp}/file.txt",),
+        files={"file.txt": "x"},
+    ),
+    C("headroom-out-is-a-dir", [*H, "-o", "{tmp}"], code=2, says=("{tmp}",)),
+    C("headroom-out-full-disk", [*H, "-o", "/dev/full"], code=1, says=("/dev/full", "space")),
+    C("headroom-unknown-option", [*H, "--slak", "5%"], code=2, says=("--slak",)),
+    C("compare-baseline-unknown", ["compare", "{cube}", "--baseline", "medusa"], says=("medusa",)),
+    C("compare-drafter-unknown", ["compare", "{cube}", "--drafter", "medusa"], says=("medusa",)),
+    C(
+        "compare-json-with-markdown",
+        ["compare", "{cube}", "--json", "--markdown"],
+        says=("--json", "--markdown"),
+    ),
+    C(
+        "plot-format-unknown",
+        ["plot", "{cube}", "--out", "{tmp}/p", "--format", "gif"],
+        code=2,
+        says=("gif",),
+    ),
+    C("plot-slack-word", ["plot", "{cube}", "--out", "{tmp}/p", "--slack", "abc"], says=("abc",)),
+    C(
+        "plot-out-under-a-file",
+        ["plot", "{cube}", "--out", "{tmp}/file.txt/p"],
+        code=1,
+        says=("{tmp}/file.txt",),
+        files={"file.txt": "x"},
+    ),
+    C("cube-info-json-and-extra-arg", ["cube", "info", "{cube}", "extra"], code=2, says=("extra",)),
+    C("no-such-command", ["sweeep"], code=2, says=("sweeep",)),
+    C("sweep-no-campaign", ["sweep"], code=2, says=("CAMPAIGN_FILE",)),
+    C(
+        "sweep-out-under-a-file",
+        ["sweep", "{tmp}/c.toml", "--out", "{tmp}/file.txt/out", "--no-progress"],
+        files={"c.toml": GOOD_TEXT, "file.txt": "x"},
+        code=1,
+        says=("{tmp}/file.txt",),
+        chatty=True,
+    ),
+    C(
+        "sweep-out-is-a-file",
+        ["sweep", "{tmp}/c.toml", "--out", "{tmp}/file.txt"],
+        files={"c.toml": GOOD_TEXT, "file.txt": "x"},
+        code=2,
+        says=("file.txt",),
+    ),
+    C(
+        "sweep-out-dev-full",
+        ["sweep", "{tmp}/c.toml", "--out", "/dev/full"],
+        files={"c.toml": GOOD_TEXT},
+        code=(1, 2),
+        says=("/dev/full",),
+        chatty=True,
+    ),
+    C(
+        "cube-build-out-under-a-file",
+        ["cube", "build", "{sweep}", "-o", "{tmp}/file.txt/c.nc"],
+        files={"file.txt": "x"},
+        code=1,
+        says=("{tmp}/file.txt",),
+    ),
+    C("gpu-list-unknown-twin", ["gpu", "list", "--twin", "a100"], says=("a100",)),
+]
+
+# -- filesystem faults on outputs ------------------------------------------------------------
+
+FAULTS = {
+    "read-only": (errno.EROFS, 1, "read-only"),
+    "full-disk": (errno.ENOSPC, 1, "space"),
+    "no-permission": (errno.EACCES, 1, "permission"),
+}
+
+FAULT_CASES = [
+    C(
+        f"fault-{cmd}-{kind}",
+        argv,
+        files=files,
+        code=code,
+        says=("{tmp}/ro", words),
+        fault=("ro", err),
+        chatty=cmd in ("sweep", "cap-plan-o"),
+    )
+    for kind, (err, code, words) in FAULTS.items()
+    for cmd, argv, files in (
+        (
+            "sweep",
+            ["sweep", "{tmp}/c.toml", "--out", "{tmp}/ro/out", "--no-progress"],
+            {"c.toml": GOOD_TEXT},
+        ),
+        ("cube-build", ["cube", "build", "{sweep}", "-o", "{tmp}/ro/cube.nc"], {}),
+        ("headroom-o", [*H, "-o", "{tmp}/ro/h.json"], {}),
+        ("plot", ["plot", "{cube}", "--out", "{tmp}/ro/plots"], {}),
+        (
+            "cap-plan-o",
+            [
+                "cap",
+                "plan",
+                "{headroom}",
+                "--batch",
+                "1",
+                "--drafter",
+                "eagle3",
+                "-o",
+                "{tmp}/ro/caps.toml",
+            ],
+            {},
+        ),
+    )
+]
+
+ALL_CASES = [
+    *CAMPAIGN_FILE_CASES,
+    *CAMPAIGN_KEY_CASES,
+    *CORPUS_CASES,
+    *CAPS_CASES,
+    *PLAN_CASES,
+    *JOURNAL_CASES,
+    *CUBE_CASES,
+    *FLAG_CASES,
+    *FAULT_CASES,
+]
+
+# Cases still failing in code other engineers own: listed for the integrator (see the report).
+_CAMPAIGN_UTF8 = (
+    "owned by campaign (dvfs/campaign.py load_campaign): a file that is not UTF-8 exits 1 "
+    "through the generic UnicodeDecodeError handler, not 2 as an invalid campaign"
+)
+_CAPS_UTF8 = (
+    "owned by caps (dvfs/caps.py load_caps): a file that is not UTF-8 exits 1 through the "
+    "generic UnicodeDecodeError handler, not 2 as an invalid caps file"
+)
+XFAIL: dict[str, str] = {
+    "campaign-binary-bytes": _CAMPAIGN_UTF8,
+    "campaign-non-utf8": _CAMPAIGN_UTF8,
+    "campaign-utf16": _CAMPAIGN_UTF8,
+    "campaign-settle-nan": "owned by campaign (dvfs/campaign.py _Table.number): settle_s = nan "
+    "is accepted (exit 0)",
+    "campaign-settle-inf": "owned by campaign (dvfs/campaign.py _Table.number): settle_s = inf "
+    "is accepted (exit 0), a sweep would wait forever",
+    "campaign-temperature-nan": "owned by campaign (dvfs/campaign.py _Table.number): "
+    "temperature = nan is accepted (exit 0)",
+    "campaign-min-window-nan": "owned by campaign (dvfs/campaign.py _Table.number): "
+    "min_window_s = nan passes validation, then the dry run dies: internal error ValueError "
+    "cannot convert float NaN to integer",
+    "campaign-min-window-inf": "owned by campaign (dvfs/campaign.py _Table.number): "
+    "min_window_s = inf passes validation, then the dry run dies: internal error ValueError "
+    "cannot convert float NaN to integer",
+    "caps-binary": _CAPS_UTF8,
+    "caps-non-utf8": _CAPS_UTF8,
+    "caps-gpu-entry-not-table": "owned by caps (dvfs/caps.py parse_caps): gpu = [1, 2] (entries "
+    "not tables) dies: internal error TypeError 'int' object is not iterable (exit 1, not 2)",
+    "caps-watts-nan": "owned by caps (dvfs/caps.py parse_caps): power_limit_w = nan passes the "
+    "positive check (nan <= 0 is false); only NVML's absence stops it",
+    "caps-watts-inf": "owned by caps (dvfs/caps.py parse_caps): power_limit_w = inf is accepted "
+    "as a positive number; only NVML's absence stops it",
+    "journal-future-schema": "owned by cube/journal (dvfs/cube.py read_journal): a journal with "
+    "journal_schema 99 is built into a cube (exit 0) instead of refused",
+}
+
+
+def _params() -> list[Any]:
+    ids = [c.id for c in ALL_CASES]
+    assert len(ids) == len(set(ids)), "duplicate case ids"
+    out = []
+    for c in ALL_CASES:
+        reason = c.xfail or XFAIL.get(c.id)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        out.append(pytest.param(c, id=c.id, marks=marks))
+    return out
+
+
+# -- fixtures and the check ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One finished tiny sweep (4 cells, well under a second) and its headroom JSON."""
+    base = tmp_path_factory.mktemp("bad_inputs_shared")
+    (base / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    sweep_dir = base / "sweep"
+    runner = CliRunner()
+    result = runner.invoke(
+        cli, ["sweep", str(base / "tiny.toml"), "--out", str(sweep_dir), "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    headroom = base / "headroom.json"
+    # A loose target, so that the chosen settings are below stock and `cap plan` has caps to write.
+    result = runner.invoke(
+        cli, ["headroom", str(sweep_dir), "--slack", "50%", "--json", "-o", str(headroom)]
+    )
+    assert result.exit_code == 0, result.output
+    return {
+        "sweep": sweep_dir,
+        "cube": sweep_dir / "cube.nc",
+        "journal": sweep_dir / "journal.jsonl",
+        "headroom": headroom,
+    }
+
+
+@pytest.fixture
+def fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvml_support import fake_env, load_fake
+
+    env = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    module = load_fake()
+    module.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+
+
+def _fill(text: str, places: dict[str, str]) -> str:
+    for key, value in places.items():
+        text = text.replace("{" + key + "}", value)
+    return text
+
+
+def _materialise(files: Files, tmp: Path, shared: dict[str, Path]) -> None:
+    env = {"tmp": tmp, **shared}
+    for rel, content in files.items():
+        path = tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content is DIR:
+            path.mkdir(exist_ok=True)
+            continue
+        if isinstance(content, Writer):
+            content.fn(path, env)
+            continue
+        if callable(content):
+            content = content(env)
+        if isinstance(content, str):
+            path.write_text(content, encoding="utf-8")
+        else:
+            path.write_bytes(content)
+
+
+def check_one_clean_error(result: Any, case: Case, places: dict[str, str]) -> None:
+    """Non-zero exit, one error line on stderr naming the problem, no traceback."""
+    shown = f"exit {result.exit_code}\n--- stdout:\n{result.stdout}\n--- stderr:\n{result.stderr}"
+    assert "Traceback" not in result.output, shown
+    assert isinstance(result.exception, SystemExit), f"{result.exception!r}\n{shown}"
+    assert result.exit_code != 0, f"silently accepted\n{shown}"
+    if case.code is not None:
+        codes = case.code if isinstance(case.code, tuple) else (case.code,)
+        assert result.exit_code in codes, shown
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines, f"nothing on stderr\n{shown}"
+    if lines[0].startswith("Usage:"):  # click's usage error: Usage / Try / Error
+        assert lines[-1].startswith("Error:"), shown
+        assert all(x.startswith(("Usage:", "Try ")) for x in lines[:-1]), shown
+    elif not case.chatty:
+        assert len(lines) == 1, f"more than one line on stderr\n{shown}"
+    error = lines[-1]
+    assert len(error) > 15, shown
+    for needle in case.says:
+        assert _fill(needle, places).lower() in error.lower(), f"{needle!r} not named\n{shown}"
+
+
+@pytest.mark.parametrize("case", _params())
+def test_bad_input_is_one_clean_error(
+    case: Case, shared: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    places = {"tmp": str(tmp_path), **{k: str(v) for k, v in shared.items()}}
+    _materialise(case.files, tmp_path, shared)
+    if case.nvml:
+        request.getfixturevalue("fake_nvml")
+    argv = [_fill(a, places) for a in case.argv]
+    runner = CliRunner()
+    if case.fault:
+        folder, code = case.fault
+        with failing_writes(tmp_path / folder, code):
+            result = runner.invoke(cli, argv)
+    else:
+        result = runner.invoke(cli, argv)
+    check_one_clean_error(result, case, places)
+
+
+def test_the_matrix_is_big_enough() -> None:
+    assert len(ALL_CASES) >= 130
+
+
+# -- the generic error layer itself ----------------------------------------------------------
+
+
+def test_an_unexpected_exception_is_one_line_and_vv_shows_the_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dvfs.cli.corpus
+
+    def boom(corpus: Any) -> Any:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(dvfs.cli.corpus, "_stats", boom)
+    quiet = CliRunner().invoke(cli, ["corpus", "list"])
+    assert isinstance(quiet.exception, SystemExit) and quiet.exit_code == 1
+    assert "Traceback" not in quiet.output
+    [line] = quiet.stderr.splitlines()
+    assert line.startswith("Error: internal error: RuntimeError: boom;") and "-vv" in line
+    loud = CliRunner().invoke(cli, ["-vv", "corpus", "list"])
+    assert loud.exit_code == 1 and "Traceback" in loud.stderr and "second line" in loud.stderr
+    assert loud.stderr.splitlines()[-1].startswith("Error: internal error: RuntimeError: boom;")
+
+
+def test_a_command_that_cannot_import_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cli.lazy_commands, "corpus", ("dvfs.cli.no_such_module", "corpus", "x"))
+    result = CliRunner().invoke(cli, ["corpus", "list"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1
+    [line] = result.stderr.splitlines()
+    assert "cannot import dvfs.cli.no_such_module" in line
+
+
+def test_messages_are_one_printable_bounded_line() -> None:
+    from dvfs.cli.common import MAX_MESSAGE_CHARS, one_line
+
+    text = one_line("a\nb\r\nc\u2028d\x00e\x1bf\x85g " + "x" * 5000)
+    assert len(text.splitlines()) == 1 and len(text) == MAX_MESSAGE_CHARS
+    assert text.startswith("a b c\\u2028d\\x00e\\x1bf\\x85g x") and text.endswith("...")
