@@ -316,6 +316,7 @@ def test_merged_cubes_use_each_gpus_own_stock() -> None:
             tp_size=1,
             measurement_method="x",
             gpu_name=uuid,
+            campaign=json.dumps({"name": "merged", "workload": {"batch": [1]}}),
         )
     merged = merge_cubes([a, b])
     assert json.loads(merged.attrs["merged_from"])["GPU-b"]["stock_power_limit_w"] == "650.0"
@@ -323,3 +324,218 @@ def test_merged_cubes_use_each_gpus_own_stock() -> None:
     for gpu in ("GPU-a", "GPU-b"):
         r = result.sel(gpu=gpu, batch=1, drafter="none", corpus="code")
         assert bool(r["feasible"]) and int(r["chosen_sm_clock"]) == 1500
+
+
+# --- Student-t bounds (issue 9) ---------------------------------------------------------------
+
+# One-sided Student-t quantiles as printed in statistics tables (3 decimals).
+T_TABLE = [
+    (0.95, 1, 6.314),
+    (0.95, 2, 2.920),
+    (0.95, 3, 2.353),
+    (0.95, 4, 2.132),
+    (0.95, 10, 1.812),
+    (0.95, 30, 1.697),
+    (0.99, 1, 31.821),
+    (0.99, 2, 6.965),
+    (0.975, 2, 4.303),
+]
+
+
+@pytest.mark.parametrize(("confidence", "dof", "expected"), T_TABLE)
+def test_t_quantile_matches_the_tables(confidence, dof, expected) -> None:
+    from dvfs.analysis.headroom import t_quantile
+
+    assert t_quantile(confidence, dof) == pytest.approx(expected, abs=6e-4)
+
+
+def test_t_quantile_never_falls_back_to_an_approximation(monkeypatch) -> None:
+    """Without scipy the old code returned 4.59 for t(0.95, 1): a silently narrow interval."""
+    import sys
+
+    from dvfs.analysis.headroom import t_quantile
+
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    monkeypatch.setitem(sys.modules, "scipy.stats", None)
+    with pytest.raises(AnalysisError, match="scipy"):
+        t_quantile(0.95, 1)
+
+
+def test_t_quantile_refuses_what_has_no_quantile() -> None:
+    from dvfs.analysis.headroom import t_quantile
+
+    for confidence, dof in ((math.nan, 2), (1.0, 2), (0.0, 2), (0.95, 0)):
+        with pytest.raises(AnalysisError):
+            t_quantile(confidence, dof)
+
+
+def test_scipy_is_imported_only_when_a_bound_needs_it() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, dvfs.analysis.headroom; print('scipy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_two_repeats_use_the_exact_t_quantile() -> None:
+    # Ratios 1.00 and 1.04 at 1500 MHz: mean 1.02, sd 0.0283, t(0.95, 1) = 6.314 -> 1.146.
+    # With the old expansion (t = 4.59) the bound was 1.112 and a 12% slack let it through.
+    def latency(c, p, b, d, k, rep):
+        return 10.0 * ({0: 1.00, 1: 1.04}[rep] if c == 1500 else 1.0) if c != 1000 else 99.0
+
+    cube = simple(repeats=2, latency=latency)
+    r = row(headroom(cube, target=Target("preserve", slack=0.12)))
+    assert r["chosen_sm_clock"] == 2000
+    r = row(headroom(cube, target=Target("preserve", slack=0.15)))
+    assert r["chosen_sm_clock"] == 1500
+    assert r["latency_bound"] == pytest.approx(1.02 + 6.3138 * 0.04 / math.sqrt(2) / math.sqrt(2))
+
+
+finite_values = st.floats(1e-3, 1e3, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(finite_values, min_size=1, max_size=8),
+    confidence=st.floats(0.5, 0.999),
+)
+def test_the_upper_bound_is_never_below_the_mean(values, confidence) -> None:
+    from dvfs.analysis.headroom import upper_bound
+
+    bound = upper_bound(np.array(values), confidence)
+    assert bound >= math.fsum(values) / len(values)
+
+
+def small_cube(lat, en, repeats, clocks=(900, 1500, 1980), limits=(400.0, 700.0)):
+    clocks, limits = list(clocks), list(limits)
+    shape = (len(clocks), len(limits), repeats)
+    lat_a = np.resize(np.array(lat), shape)
+    en_a = np.resize(np.array(en), shape)
+    return make_cube(
+        clocks=clocks,
+        limits=limits,
+        repeats=repeats,
+        latency=lambda c, p, b, d, k, r: lat_a[clocks.index(c), limits.index(p), r],
+        energy=lambda c, p, b, d, k, r: en_a[clocks.index(c), limits.index(p), r],
+    )
+
+
+ANSWER = (
+    "feasible",
+    "feasible_settings",
+    "chosen_sm_clock",
+    "chosen_power_limit",
+    "lowest_feasible_sm_clock",
+    "lowest_feasible_power_limit",
+    "headroom_mhz",
+    "headroom_w",
+)
+
+
+def same_answer(a: dict, b: dict) -> None:
+    for key in ANSWER:
+        assert (math.isnan(a[key]) and math.isnan(b[key])) or a[key] == b[key], key
+    for key in ("chosen_energy_per_token_j", "saving"):
+        assert (math.isnan(a[key]) and math.isnan(b[key])) or a[key] == pytest.approx(b[key])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lat=st.lists(latencies, min_size=18, max_size=18),
+    en=st.lists(energies, min_size=18, max_size=18),
+    repeats=st.sampled_from([2, 3]),
+    permutation=st.permutations([0, 1, 2]),
+    slack=st.floats(0.0, 0.5),
+    mode=st.sampled_from(["preserve", "slo"]),
+)
+def test_the_order_of_repeats_does_not_matter(lat, en, repeats, permutation, slack, mode) -> None:
+    cube = small_cube(lat, en, repeats)
+    order = [i for i in permutation if i < repeats]
+    shuffled = cube.isel(repeat=order).assign_coords(repeat=list(range(repeats)))
+    target = Target("slo", limit_ms=10 + 100 * slack) if mode == "slo" else Target(slack=slack)
+    same_answer(row(headroom(cube, target=target)), row(headroom(shuffled, target=target)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lat=st.lists(latencies, min_size=12, max_size=12),
+    en=st.lists(energies, min_size=12, max_size=12),
+    repeats=st.sampled_from([1, 2]),
+    scale=st.floats(1e-3, 1e3),
+    slack=st.floats(0.0, 0.5),
+)
+def test_preserve_mode_does_not_depend_on_the_latency_unit(lat, en, repeats, scale, slack) -> None:
+    cube = small_cube(lat, en, repeats)
+    scaled = cube.copy(deep=True)
+    for name in ("tpot_ms", "itl_ms", "ttft_ms"):
+        scaled[name] = cube[name] * scale
+    target = Target("preserve", slack=slack)
+    same_answer(row(headroom(cube, target=target)), row(headroom(scaled, target=target)))
+
+
+def test_preserve_mode_keeps_a_setting_exactly_on_the_target_under_scaling() -> None:
+    # 12 / 10 is 1.2 = 1 + 20% in floating point; (12 x 0.1) / (10 x 0.1) is 1.2000000000000002.
+    cube = simple(latency=lambda c, *_: {2000: 10.0, 1500: 12.0, 1000: 99.0}[c])
+    scaled = cube.copy(deep=True)
+    scaled["tpot_ms"] = cube["tpot_ms"] * 0.1
+    for ds in (cube, scaled):
+        assert row(headroom(ds, target=Target(slack=0.2)))["chosen_sm_clock"] == 1500
+
+
+# --- SLO targets (issue 9) ------------------------------------------------------------------
+
+
+def test_a_strict_slo_excludes_a_cell_exactly_on_the_limit() -> None:
+    # TPOT at 1500 MHz is exactly 10.5 ms.
+    inclusive = row(headroom(simple(), target=parse_slo("tpot_p90<=10.5ms")))
+    assert inclusive["chosen_sm_clock"] == 1500 and inclusive["feasible_settings"] == 2
+    strict = headroom(simple(), target=parse_slo("tpot_p90<10.5ms"))
+    r = row(strict)
+    assert r["chosen_sm_clock"] == 2000 and r["feasible_settings"] == 1
+    assert strict.attrs["target"] == "TPOT p90 < 10.5 ms" and strict.attrs["strict"] == 1
+    assert row(headroom(simple(), target=parse_slo("tpot_p90<10.6ms")))["chosen_sm_clock"] == 1500
+
+
+def test_strictness_survives_loosening() -> None:
+    loose = parse_slo("tpot_p90<10ms").loosened(1.5)
+    assert loose.strict and loose.limit_ms == 15
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("tpot_p90<=", "no limit after <="),
+        ("foo<=5ms", "unknown latency 'foo'"),
+        ("tpot_p95<=5ms", "unknown latency 'tpot_p95'"),
+        ("tpot_p90<=-3ms", "positive, finite number, got -3"),
+        ("tpot_p90<=0ms", "positive, finite number, got 0"),
+        ("tpot_p90<=nanms", "positive, finite number, got nan"),
+        ("tpot_p90<=infs", "positive, finite number, got inf"),
+        ("tpot_p90<=5us", "unknown unit 'us'"),
+        ("tpot_p90<=5", "the limit has no unit"),
+        ("tpot_p90<=fastms", "cannot read the limit"),
+        ("tpot_p90>=5ms", "must be <= or <, not '>='"),
+        ("tpot_p90 5ms", "no <= or <"),
+        ("", "no latency named"),
+    ],
+)
+def test_malformed_slos_say_what_is_wrong_and_what_is_allowed(text, says) -> None:
+    with pytest.raises(AnalysisError) as caught:
+        parse_slo(text)
+    message = str(caught.value)
+    assert says in message and "\n" not in message
+    assert "metrics tpot, itl, ttft; quantiles p50, p90, p99" in message and "ms or s" in message
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN%", "inf", "-inf", "1e309%", "-5%", "-0.01", "x"])
+def test_slack_must_be_a_finite_non_negative_number(text) -> None:
+    with pytest.raises(AnalysisError, match="slack"):
+        parse_slack(text)
+
+
+def test_targets_refuse_non_finite_numbers() -> None:
+    with pytest.raises(AnalysisError, match="slack"):
+        Target(slack=math.nan)
+    with pytest.raises(AnalysisError, match="limit"):
+        Target("slo", limit_ms=math.inf)

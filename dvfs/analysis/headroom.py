@@ -6,7 +6,8 @@ the cube and calls it feasible when its latency meets the target with confidence
   preserve     x_r = latency(setting, r) / latency(stock, r), paired by repeat: the drafter's
                own stock cell is measured in the same interleaved repeat, so drift cancels;
                feasible <=> mean(x) + t(conf, n-1) sd(x) / sqrt(n) <= 1 + slack
-  slo          x_r = latency(setting, r) in ms; the same bound, <= the limit
+  slo          x_r = latency(setting, r) in ms; the same bound, <= the limit (< for a strict
+               limit such as tpot_p90<50ms: a bound exactly on it fails)
   vs-baseline  the baseline drafter ran on another server at another time, so nothing pairs:
                (mean + t se of the setting) / (mean - t se of the baseline's stock), each at
                the two-sided level of the confidence (a conservative ratio bound), <= 1 + slack
@@ -43,6 +44,9 @@ GROUP_DIMS = ("batch", "drafter", "corpus")
 #: Energies within this relative distance of the least are ties (0.01%).
 ENERGY_TIE = 1e-4
 
+#: Bounds within this relative distance of the threshold are on it (floating-point rounding).
+FEASIBLE_ROUNDING = 1e-9
+
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
@@ -50,31 +54,61 @@ BOUND_DESCRIPTION = (
 
 
 def t_quantile(confidence: float, dof: int) -> float:
-    """One-sided Student-t quantile (scipy when installed, else a Cornish-Fisher expansion)."""
+    """One-sided Student-t quantile: P(T <= t) = confidence with `dof` degrees of freedom.
+
+    scipy is imported here, not at module level, so `dvfs --help` stays fast. There is no
+    fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6 instead of
+    6.3 at one degree of freedom), and an interval that narrow would be a wrong answer.
+    """
+    if not (math.isfinite(confidence) and 0 < confidence < 1):
+        raise AnalysisError(f"confidence must be strictly between 0 and 1, got {confidence}")
+    if dof < 1:
+        raise AnalysisError(f"a Student-t bound needs at least 1 degree of freedom, got {dof}")
     try:
         from scipy import stats
+    except ImportError as exc:
+        raise AnalysisError(
+            "scipy is missing, and the confidence bounds need its Student-t quantiles: "
+            "reinstall dvfs (pip install -e .) or pip install scipy"
+        ) from exc
+    return float(stats.t.ppf(confidence, dof))
 
-        return float(stats.t.ppf(confidence, dof))
-    except ImportError:  # pragma: no cover - scipy is a dependency of seaborn in practice
-        from statistics import NormalDist
 
-        z = NormalDist().inv_cdf(confidence)
-        g1 = (z**3 + z) / 4
-        g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
-        return z + g1 / dof + g2 / dof**2
+def _finite_mean(values: np.ndarray) -> float:
+    """Mean of the non-NaN values (NaN if none), exactly rounded (math.fsum): the same for
+    any order of the values, so permuting repeats can never change an answer."""
+    kept = [float(v) for v in np.ravel(values) if not math.isnan(v)]
+    return math.fsum(kept) / len(kept) if kept else math.nan
 
 
 def upper_bound(values: np.ndarray, confidence: float) -> float:
-    """Mean plus the one-sided t margin; the point value when only one is given."""
+    """Mean plus the one-sided t margin; the point value when only one is given.
+
+    Sums are exactly rounded, so the bound does not depend on the order of the values.
+    """
+    values = np.asarray(values, dtype=float)
     values = values[~np.isnan(values)]
     n = len(values)
     if n == 0:
         return math.nan
-    mean = float(values.mean())
+    mean = math.fsum(values.tolist()) / n
     if n == 1:
         return mean
-    sd = float(values.std(ddof=1))
+    sd = math.sqrt(math.fsum(((values - mean) ** 2).tolist()) / (n - 1))
     return mean + t_quantile(confidence, n - 1) * sd / math.sqrt(n)
+
+
+def meets(bound: float, threshold: float, *, strict: bool = False) -> bool:
+    """Whether a bound meets the threshold (NaN never does).
+
+    Values within FEASIBLE_ROUNDING (relative) of the threshold count as on it, so a ratio
+    that is exactly the target in real numbers is not lost to floating-point rounding (for
+    instance when every latency is scaled by the same constant); a strict target excludes it.
+    """
+    if math.isnan(bound) or math.isnan(threshold):
+        return False
+    margin = FEASIBLE_ROUNDING * abs(threshold)
+    return bound < threshold - margin if strict else bound <= threshold + margin
 
 
 @dataclass(frozen=True)
@@ -146,7 +180,7 @@ def headroom(
     latency = sub[target.variable].sel(quantile=target.quantile).where(ok)
     energy = sub["energy_per_token_j"].where(ok)
     ref_ok = _valid_mask(cube).sel(at_ref)
-    ref_latency = cube[target.variable].sel(quantile=target.quantile, **at_ref).where(ref_ok)
+    ref_latency = cube[target.variable].sel({"quantile": target.quantile, **at_ref}).where(ref_ok)
     if target.mode == "vs-baseline":
         ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)
     stock_energy = cube["energy_per_token_j"].sel(at_ref).where(ref_ok)
@@ -174,7 +208,7 @@ def headroom(
                 return math.nan, len(mine)
             two_sided = (1 + confidence) / 2
             top = upper_bound(mine, two_sided)
-            bottom = 2 * float(base.mean()) - upper_bound(base, two_sided)
+            bottom = 2 * _finite_mean(base) - upper_bound(base, two_sided)
             return (top / bottom if bottom > 0 else math.inf), len(mine)
         x = lat if target.mode == "slo" else lat / ref_lat
         x = x[~np.isnan(x)]
@@ -209,14 +243,14 @@ def headroom(
     feasible_any = np.zeros(group_shape, dtype=bool)
     n_feasible = np.zeros(group_shape, dtype=int)
     for idx in np.ndindex(group_shape):
-        stock_here = _mean(stock_e[idx])
+        stock_here = _finite_mean(stock_e[idx])
         out["stock_energy_per_token_j"][idx] = stock_here
-        reference_ms = _mean(ref_lat_v[idx])
+        reference_ms = _finite_mean(ref_lat_v[idx])
         out["reference_latency_ms"][idx] = reference_ms
         out["target_ms"][idx] = threshold if target.mode == "slo" else reference_ms * threshold
         if baseline_drafter is not None:
             b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
-            out["baseline_energy_per_token_j"][idx] = _mean(stock_e[b_idx])
+            out["baseline_energy_per_token_j"][idx] = _finite_mean(stock_e[b_idx])
         feasible = []
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
@@ -225,14 +259,14 @@ def headroom(
                 e = energy_v[idx + (ci, pi)]
                 lat = latency_v[idx + (ci, pi)]
                 bound, n = statistic_bound(lat, ref_lat_v[idx])
-                if not bound <= threshold:
+                if not meets(bound, threshold, strict=target.strict):
                     continue
                 feasible.append(
                     (
-                        float(np.nanmean(e)),
+                        _finite_mean(e),
                         int(clock),
                         float(limit),
-                        float(np.nanmean(lat)),
+                        _finite_mean(lat),
                         bound,
                         n,
                     )
@@ -242,14 +276,14 @@ def headroom(
             continue
         least = min(f[0] for f in feasible)
         ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
-        mean_e, clock, limit, lat, bound, n = max(ties, key=lambda f: (f[1], f[2]))
+        mean_e, clock, limit, mean_lat, bound, n = max(ties, key=lambda f: (f[1], f[2]))
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         feasible_any[idx] = True
         out["chosen_sm_clock"][idx] = clock
         out["chosen_power_limit"][idx] = limit
         out["chosen_energy_per_token_j"][idx] = mean_e
-        out["chosen_latency_ms"][idx] = lat
+        out["chosen_latency_ms"][idx] = mean_lat
         out["latency_bound"][idx] = bound
         out["repeats"][idx] = n
         out["saving"][idx] = 1 - mean_e / stock_here if stock_here > 0 else math.nan
@@ -308,6 +342,7 @@ def headroom(
         quantile=target.quantile,
         slack=target.slack,
         threshold=threshold,
+        strict=int(target.strict),
         knob=knob,
         confidence=confidence,
         bound=(
@@ -331,10 +366,6 @@ def headroom(
             "baseline ran on another server"
         )
     return result
-
-
-def _mean(values: np.ndarray) -> float:
-    return float(np.nanmean(values)) if not np.all(np.isnan(values)) else math.nan
 
 
 def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
