@@ -88,6 +88,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "quantile": a["quantile"],
             "slack": a["slack"],
             "threshold": a["threshold"],
+            "strict": bool(a.get("strict", 0)),
             "baseline": a["baseline"],
             "description": a["target"],
         },
@@ -133,7 +134,8 @@ def headroom_table_rows(
         lead = [r["gpu"][:12]] if has_gpu else []
         if not r["feasible"]:
             cells = [
-                "none feasible",
+                # No target at all when the reference (stock) cell itself is missing.
+                "none feasible" if r["target_ms"] is not None else "no stock cell",
                 "-",
                 _fmt(r["stock_energy_per_token_j"], ".4g"),
                 "-",
@@ -230,6 +232,8 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
                 "corpus": str(corpus),
                 "equal_clock": _i(cmp["break_even_batch_equal_clock"].sel(at)),
                 "equal_latency": _i(cmp["break_even_batch_equal_latency"].sel(at)),
+                "equal_clock_summary": _text(cmp, "break_even_equal_clock", at),
+                "equal_latency_summary": _text(cmp, "break_even_equal_latency", at),
             }
         )
     acceptance = []
@@ -284,6 +288,14 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
     return doc
 
 
+def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
+    """A text variable's value at a point; "no data" where it is absent (merged cubes)."""
+    if name not in ds:
+        return "no data"
+    value = ds[name].sel(at).item()
+    return value if isinstance(value, str) else "no data"
+
+
 def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
     """The highest clock at which the verify pass is compute-bound (None: never, in this grid)."""
     bound = roof["compute_bound"].sel(batch=batch, drafter=drafter)
@@ -294,25 +306,51 @@ def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | No
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) triples for the terminal and Markdown renderings."""
     base = doc["baseline"]
+    # A merged cube's rows carry their GPU: keep it as a column, or rows would look repeated.
+    has_gpu = any("gpu" in r for r in doc["rows"] + doc["break_even_batch"])
+    gpu_col = ["gpu"] if has_gpu else []
+
+    def gpu(r: dict[str, Any]) -> list[str]:
+        return [str(r.get("gpu", ""))[:12]] if has_gpu else []
+
     energy = (
         f"Energy per token relative to {base!r} (below 1 saves energy)",
-        ["batch", "drafter", "corpus", "at stock clock", f"at equal latency ({doc['latency']})"],
+        [
+            *gpu_col,
+            "batch",
+            "drafter",
+            "corpus",
+            "at stock clock",
+            f"at equal latency ({doc['latency']})",
+        ],
         [
             [
+                *gpu(r),
                 str(r["batch"]),
                 r["drafter"],
                 r["corpus"],
                 _fmt(r["energy_ratio_at_stock"], ".2f"),
-                _fmt(r["energy_ratio_equal_latency"], ".2f", missing="too slow"),
+                _fmt(
+                    r["energy_ratio_equal_latency"],
+                    ".2f",
+                    # No ratio: too slow if the drafter was measured, else nothing to compare.
+                    missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
+                ),
             ]
             for r in doc["rows"]
         ],
     )
     even = (
-        "Batch at which each drafter stops saving energy ('-': saves at every batch measured)",
-        ["drafter", "corpus", "equal clock", "equal latency"],
+        f"Where each drafter saves energy against {base!r} (energy per token below its own)",
+        [*gpu_col, "drafter", "corpus", "equal clock", "equal latency"],
         [
-            [r["drafter"], r["corpus"], _fmt(r["equal_clock"], "d"), _fmt(r["equal_latency"], "d")]
+            [
+                *gpu(r),
+                r["drafter"],
+                r["corpus"],
+                r["equal_clock_summary"],
+                r["equal_latency_summary"],
+            ]
             for r in doc["break_even_batch"]
         ],
     )

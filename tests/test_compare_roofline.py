@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from cubes import make_cube
 
-from dvfs.analysis.compare import compare
+from dvfs.analysis.compare import (
+    LOSES,
+    NO_DATA,
+    NOT_WITHIN,
+    SAVES,
+    break_even_summary,
+    compare,
+)
 from dvfs.analysis.roofline import roofline
 from dvfs.errors import AnalysisError
 from dvfs.twin.profiles import gpu_profile
@@ -138,3 +145,110 @@ def test_roofline_needs_a_known_model() -> None:
     ds.attrs["model"] = "acme/unknown-model"
     with pytest.raises(AnalysisError, match="twin_model"):
         roofline(ds)
+
+
+# --- where a drafter saves (issue 9) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("states", "says"),
+    [
+        ([SAVES, SAVES, SAVES], "saves at every batch"),
+        ([LOSES, LOSES, LOSES], "never saves"),
+        ([NOT_WITHIN, NOT_WITHIN, NOT_WITHIN], "never within target"),
+        ([NO_DATA, NO_DATA, NO_DATA], "no data"),
+        ([SAVES, SAVES, LOSES], "saves up to batch 8"),
+        ([LOSES, SAVES, SAVES], "saves from batch 8"),
+        ([SAVES, LOSES, SAVES], "saves at batches 1, 64"),
+        ([SAVES, SAVES, NOT_WITHIN], "saves at batches 1, 8; not within target at batch 64"),
+        ([SAVES, LOSES, NOT_WITHIN], "saves up to batch 1; not within target at batch 64"),
+        (
+            [LOSES, NOT_WITHIN, NO_DATA],
+            "never saves; not within target at batch 8; no data at batch 64",
+        ),
+        ([NOT_WITHIN, NOT_WITHIN, NO_DATA], "never within target; no data at batch 64"),
+    ],
+)
+def test_break_even_summary_says_what_happened(states, says) -> None:
+    # Given out of order on purpose: the summary reads the batches in increasing order.
+    pairs = list(zip(BATCHES, states, strict=True))
+    assert break_even_summary(pairs[::-1]) == says
+
+
+def summaries(result):
+    at = result.sel(drafter="eagle3", corpus="code")
+    return str(at["break_even_equal_clock"].item()), str(at["break_even_equal_latency"].item())
+
+
+def spec_cube(energy, latency):
+    return make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        latency=lambda c, p, b, d, *_: latency(c, b, d),
+        energy=lambda c, p, b, d, *_: energy(c, b, d),
+    )
+
+
+def baseline_latency(c, b, d):
+    return 10.0 if c == 2000 else 12.0
+
+
+def test_a_drafter_that_never_meets_the_latency_target_is_not_said_to_save() -> None:
+    # EAGLE-3 saves energy at equal clock but is slower than none's stock TPOT at every clock.
+    cube = spec_cube(
+        energy=lambda c, b, d: 0.5 if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 20.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    result = compare(cube)
+    assert summaries(result) == ("saves at every batch", "never within target")
+    # The break-even batch alone is NaN for both: only the summary tells them apart.
+    at = result.sel(drafter="eagle3", corpus="code")
+    assert math.isnan(float(at["break_even_batch_equal_latency"]))
+
+
+def test_a_drafter_that_never_saves_says_so() -> None:
+    cube = spec_cube(
+        energy=lambda c, b, d: 2.0 if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 5.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    assert summaries(compare(cube)) == ("never saves", "never saves")
+
+
+def test_saves_from_and_up_to_a_batch() -> None:
+    up_to = compare(cube())
+    assert summaries(up_to) == ("saves up to batch 8", "saves up to batch 8")
+    # A drafter that only pays off once batching makes the baseline compute-heavy.
+    cube_from = spec_cube(
+        energy=lambda c, b, d: (1.5 if b == 1 else 0.5) if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 5.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    assert summaries(compare(cube_from)) == ("saves from batch 8", "saves from batch 8")
+    every = spec_cube(
+        energy=lambda c, b, d: 0.5 if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 5.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    assert summaries(compare(every)) == ("saves at every batch", "saves at every batch")
+
+
+def test_the_break_even_table_and_json_carry_the_summary() -> None:
+    from dvfs.report import compare_document, compare_tables
+
+    cube = spec_cube(
+        energy=lambda c, b, d: 0.5 if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 20.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    doc = compare_document(compare(cube), None, cube)
+    [entry] = doc["break_even_batch"]
+    assert entry["equal_latency"] is None
+    assert entry["equal_latency_summary"] == "never within target"
+    assert entry["equal_clock_summary"] == "saves at every batch"
+    [_, (title, header, rows)] = compare_tables(doc)
+    assert header == ["drafter", "corpus", "equal clock", "equal latency"]
+    assert rows == [["eagle3", "code", "saves at every batch", "never within target"]]
+    assert "saves at every batch measured" not in title
+
+
+def test_compare_needs_a_drafter_besides_the_baseline() -> None:
+    with pytest.raises(AnalysisError, match="no drafter besides the baseline 'none'"):
+        compare(make_cube(clocks=CLOCKS, drafters=["none"]))

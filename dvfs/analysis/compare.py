@@ -5,11 +5,15 @@ Every drafter's energy per token is compared with the baseline drafter's (no spe
   * at equal latency: each at its least-energy setting whose latency stays within the
     baseline's stock latency (the baseline itself may also move its clock to get there);
   * the break-even batch: the smallest measured batch at which the drafter no longer saves
-    energy at the stock setting (NaN: it saves at every batch measured).
+    energy (NaN: no batch where it was compared and stopped saving), with a one-line summary
+    of what happened at every batch: it saves at every batch, saves up to or from a batch,
+    never saves, or was never within the baseline's latency (or never measured) at all. NaN
+    alone cannot tell "saves everywhere" from "never got there", so read the summary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +24,50 @@ from dvfs.errors import AnalysisError
 
 if TYPE_CHECKING:
     import xarray as xr
+
+
+SAVES, LOSES, NOT_WITHIN, NO_DATA = "saves", "loses", "not within target", "no data"
+
+
+def _batches(values: Sequence[int]) -> str:
+    return ("batch " if len(values) == 1 else "batches ") + ", ".join(str(v) for v in values)
+
+
+def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
+    """What a drafter did across batches, in words: `states` pairs each batch with SAVES,
+    LOSES (energy per token at or above the baseline's), NOT_WITHIN (no setting met the
+    baseline's latency) or NO_DATA (nothing valid measured).
+
+    "saves at every batch", "saves up to batch 16", "saves from batch 32", "never saves",
+    "never within target", "no data", or the batches where it saves, followed by the batches
+    that could not be compared and why.
+    """
+    ordered = sorted(states)
+    of = {kind: [b for b, s in ordered if s == kind] for kind in (SAVES, LOSES, NOT_WITHIN)}
+    missing = [b for b, s in ordered if s == NO_DATA]
+    saves, loses, slow = of[SAVES], of[LOSES], of[NOT_WITHIN]
+    if not saves and not loses:
+        if not slow:
+            return NO_DATA
+        head, slow = "never within target", []
+    elif not saves:
+        head = "never saves"
+    elif not loses and not slow and not missing:
+        return "saves at every batch"
+    elif not loses:
+        head = f"saves at {_batches(saves)}"
+    elif max(saves) < min(loses):
+        head = f"saves up to batch {max(saves)}"
+    elif max(loses) < min(saves):
+        head = f"saves from batch {min(saves)}"
+    else:
+        head = f"saves at {_batches(saves)}"
+    parts = [head]
+    if slow:
+        parts.append(f"not within target at {_batches(slow)}")
+    if missing:
+        parts.append(f"no data at {_batches(missing)}")
+    return "; ".join(parts)
 
 
 def compare(
@@ -52,6 +100,11 @@ def compare(
     if baseline not in drafters:
         raise AnalysisError(
             f"baseline drafter {baseline!r} is not in the cube (drafters: {', '.join(drafters)})"
+        )
+    if drafters == [baseline]:
+        raise AnalysisError(
+            f"the cube has no drafter besides the baseline {baseline!r}: nothing to compare; "
+            "sweep a speculative drafter too, or pick another --baseline"
         )
     ref = reference_setting(cube)
     energy = cube["energy_per_token_j"].where(_valid_mask(cube)).mean("repeat")
@@ -91,6 +144,34 @@ def compare(
         dims = [d for d in ratio.transpose(..., "batch").dims if d != "batch"]
         return xr.DataArray(out, dims=dims, coords={d: ratio[d].values for d in dims})
 
+    def summary(ratio: xr.DataArray, not_within: xr.DataArray | None) -> xr.DataArray:
+        order = ("drafter", "corpus", "batch")
+        values = ratio.transpose(*order).values
+        slow = None if not_within is None else not_within.transpose(*order).values
+        batches = [int(b) for b in ratio["batch"].values]
+        out = np.empty(values.shape[:-1], dtype=object)
+        for idx in np.ndindex(out.shape):
+            states = []
+            for k, batch in enumerate(batches):
+                value = values[idx + (k,)]
+                if np.isfinite(value):
+                    state = SAVES if value < 1.0 else LOSES
+                else:
+                    state = NOT_WITHIN if slow is not None and slow[idx + (k,)] else NO_DATA
+                states.append((batch, state))
+            out[idx] = break_even_summary(states)
+        return xr.DataArray(out, dims=order[:-1], coords={d: ratio[d].values for d in order[:-1]})
+
+    # Equal latency is undefined either because no setting of the drafter met the baseline's
+    # stock latency (not within target) or because there was nothing valid to compare.
+    measured = _valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
+    not_within = (
+        ~drafter_best["feasible"].astype(bool)
+        & measured
+        & np.isfinite(drafter_best["reference_latency_ms"])
+        & np.isfinite(base_best_energy)
+    )
+
     accept = cube["accept_length"].where(_valid_mask(cube)) if "accept_length" in cube else None
     data = {
         "energy_ratio_at_stock": at_stock.assign_attrs(
@@ -99,11 +180,20 @@ def compare(
         "energy_ratio_equal_clock": ratio_clock,
         "energy_ratio_equal_latency": ratio_latency,
         "break_even_batch_equal_clock": break_even(at_stock).assign_attrs(
-            units="1", long_name="smallest batch where the drafter stops saving energy (stock)"
+            units="1",
+            long_name="smallest batch where the drafter stops saving energy (stock); NaN: none, "
+            "see break_even_equal_clock",
         ),
         "break_even_batch_equal_latency": break_even(ratio_latency).assign_attrs(
             units="1",
-            long_name="smallest batch where the drafter stops saving energy (equal latency)",
+            long_name="smallest batch where the drafter stops saving energy (equal latency); "
+            "NaN: none, see break_even_equal_latency",
+        ),
+        "break_even_equal_clock": summary(at_stock, None).assign_attrs(
+            long_name="where the drafter saves energy against the baseline, same setting"
+        ),
+        "break_even_equal_latency": summary(ratio_latency, not_within).assign_attrs(
+            long_name="where the drafter saves energy against the baseline, equal latency"
         ),
         "energy_per_token_at_stock_j": energy.sel(
             sm_clock=ref.sm_clock, power_limit=ref.power_limit, drop=True

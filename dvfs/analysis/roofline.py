@@ -49,8 +49,9 @@ def roofline(cube: xr.Dataset, *, context_tokens: float | None = None) -> xr.Dat
     model_name = cube.attrs.get("twin_model") or cube.attrs.get("model")
     model = find_model_profile(str(model_name)) if model_name else None
     if model is None:
+        named = f"{model_name!r} has no twin profile" if model_name else "the cube names no model"
         raise AnalysisError(
-            f"the roofline needs the model's shape, and {model_name!r} has no twin profile; "
+            f"the roofline needs the model's shape, and {named}; "
             "set engine.twin_model in the campaign to one of the twin's model profiles"
         )
     gpu = profile_for_gpu_name(str(cube.attrs.get("gpu_name", "")))
