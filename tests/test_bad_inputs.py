@@ -437,6 +437,27 @@ CORPUS_CASES = [
         via="sweep",
         chatty=True,
     ),
+    corpus_case(
+        "package-not-installed",
+        "x",
+        None,
+        "no_such_pkg",
+        spec={"package": "no_such_pkg", "resource": "p.jsonl", "field": "text"},
+    ),
+    corpus_case(
+        "package-resource-missing",
+        "x",
+        None,
+        "nope.jsonl",
+        spec={"package": "dvfs.corpora", "resource": "data/nope.jsonl", "field": "text"},
+    ),
+    corpus_case(
+        "package-resource-is-a-folder",
+        "x",
+        None,
+        "data",
+        spec={"package": "dvfs.corpora", "resource": "data", "field": "text", "format": "jsonl"},
+    ),
     # [corpus.NAME] tables that are wrong before any file is read: campaign errors (exit 2)
     corpus_case(
         "spec-no-source", "mine.jsonl", GOOD_JSONL, "corpus.mine", spec={"field": "text"}, code=2
@@ -530,6 +551,27 @@ CAPS_CASES = [
     caps_case("absurd-watts", GOOD_CAPS.replace("450", "1000000"), "power limit", nvml=True),
     caps_case("absurd-mhz", GOOD_CAPS.replace("1305", "99999"), "99999", nvml=True),
     caps_case("tiny-watts", GOOD_CAPS.replace("450", "1"), "power limit", nvml=True),
+    C(
+        "caps-show-garbled-record",
+        ["cap", "show", "--state-dir", "{tmp}/state"],
+        files={"state/caps-applied.json": binary_bytes()},
+        code=2,
+        says=("{tmp}/state",),
+    ),
+    C(
+        "caps-show-record-is-a-list",
+        ["cap", "show", "--state-dir", "{tmp}/state"],
+        files={"state/caps-applied.json": "[1, 2]"},
+        says=("{tmp}/state",),
+        nvml=True,
+    ),
+    C(
+        "caps-state-dir-is-a-file",
+        ["cap", "reset", "--state-dir", "{tmp}/file.txt"],
+        files={"file.txt": "x"},
+        code=2,
+        says=("file.txt",),
+    ),
     C(
         "caps-show-takes-no-file",
         ["cap", "show", "{tmp}/caps.toml"],
@@ -854,6 +896,29 @@ FLAG_CASES = [
     ),
     C("cube-info-json-and-extra-arg", ["cube", "info", "{cube}", "extra"], code=2, says=("extra",)),
     C("no-such-command", ["sweeep"], code=2, says=("sweeep",)),
+    C("doctor-missing-campaign", ["doctor", "{tmp}/nope.toml"], code=2, says=("nope.toml",)),
+    C(
+        "doctor-binary-campaign",
+        ["doctor", "{tmp}/c.toml"],
+        files={"c.toml": binary_bytes()},
+        code=2,
+        says=("c.toml",),
+    ),
+    C(
+        "doctor-bad-key",
+        ["doctor", "{tmp}/c.toml"],
+        files={"c.toml": campaign(("workload.batch", [0]))},
+        code=2,
+        says=("workload.batch",),
+    ),
+    C(
+        "cube-merge-out-under-a-file",
+        ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/file.txt/m.nc"],
+        files={"file.txt": "x"},
+        code=1,
+    ),
+    C("gpu-info-twin-uuid", ["gpu", "info", "--twin", "h100-sxm", "GPU-xyz"], says=("GPU-xyz",)),
+    C("verbose-unknown-option", ["-vv", "--bogus"], code=2, says=("--bogus",)),
     C("sweep-no-campaign", ["sweep"], code=2, says=("CAMPAIGN_FILE",)),
     C(
         "sweep-out-under-a-file",
@@ -971,6 +1036,12 @@ XFAIL: dict[str, str] = {
     "campaign-min-window-inf": "owned by campaign (dvfs/campaign.py _Table.number): "
     "min_window_s = inf passes validation, then the dry run dies: internal error ValueError "
     "cannot convert float NaN to integer",
+    "doctor-binary-campaign": _CAMPAIGN_UTF8,
+    "gpu-info-twin-uuid": "owned by gpu (dvfs/cli/gpu.py open_cli_gpus): the message does not "
+    "name the device given (GPU-xyz)",
+    "caps-show-record-is-a-list": "owned by caps (dvfs/caps.py AppliedCaps.read): a caps "
+    "record holding a JSON list dies: internal error AttributeError 'list' object has no "
+    "attribute 'get'",
     "caps-binary": _CAPS_UTF8,
     "caps-non-utf8": _CAPS_UTF8,
     "caps-gpu-entry-not-table": "owned by caps (dvfs/caps.py parse_caps): gpu = [1, 2] (entries "

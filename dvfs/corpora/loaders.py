@@ -139,11 +139,14 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CorpusError(f"{at}: not valid JSON ({exc.msg})") from exc
+            raise CorpusError(
+                f"{at}: not valid JSON ({exc.msg}); JSON Lines hold one complete object per line"
+            ) from exc
         except RecursionError as exc:
             raise CorpusError(f"{at}: JSON nested too deeply to read") from exc
         except ValueError as exc:  # e.g. an integer beyond Python's digit limit
-            raise CorpusError(f"{at}: not usable JSON ({exc})") from exc
+            reason = str(exc).split(";")[0]
+            raise CorpusError(f"{at}: not usable JSON ({reason})") from exc
         yield at, record
 
 
@@ -159,13 +162,13 @@ def _records_csv(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
                 at = f"{where}, line {reader.line_num}"
                 if None in row:
                     raise CorpusError(
-                        f"{at}: {len(header) + len(row[None])} values, but the header names "
+                        f"{at}: {len(header) + len(row[None])} value(s), but the header names "
                         f"{len(header)} columns"
                     )
                 missing = [k for k, v in row.items() if v is None]
                 if missing:
                     raise CorpusError(
-                        f"{at}: {len(header) - len(missing)} values, but the header names "
+                        f"{at}: {len(header) - len(missing)} value(s), but the header names "
                         f"{len(header)} columns (no value for {', '.join(missing[:3])})"
                     )
                 yield at, row
@@ -220,7 +223,10 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
             raise CorpusError(f"{where}: turn {i} needs role/content (or from/value) strings")
         mapped = ROLE_ALIASES.get(role.lower())
         if mapped is None:
-            raise CorpusError(f"{where}: turn {i} has unknown role {role!r}")
+            raise CorpusError(
+                f"{where}: turn {i} has unknown role {role!r}; roles are "
+                f"{', '.join(sorted(set(ROLE_ALIASES)))}"
+            )
         messages.append(Message(mapped, content))
     while messages and messages[-1].role != "user":
         messages.pop()  # the model answers the last user turn; later answers are dropped
@@ -281,8 +287,8 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
                 raise CorpusError(f"corpus path {path} is not a regular file: name a data file")
             if info.st_size > MAX_CORPUS_BYTES:
                 raise CorpusError(
-                    f"corpus file {path} is {info.st_size / (1 << 30):.1f} GiB, above dvfs's "
-                    f"limit of {MAX_CORPUS_BYTES / (1 << 30):g} GiB: sample it into a smaller file"
+                    f"corpus file {path} holds {info.st_size:,} bytes, above dvfs's limit of "
+                    f"{MAX_CORPUS_BYTES / (1 << 30):g} GiB: sample it into a smaller file"
                 )
             return path.read_bytes(), str(path), f"file {path}"
         except FileNotFoundError as exc:
