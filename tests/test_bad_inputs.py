@@ -1213,3 +1213,22 @@ def test_messages_are_one_printable_bounded_line() -> None:
     text = one_line("a\nb\r\nc\u2028d\x00e\x1bf\x85g " + "x" * 5000)
     assert len(text.splitlines()) == 1 and len(text) == MAX_MESSAGE_CHARS
     assert text.startswith("a b c\\u2028d\\x00e\\x1bf\\x85g x") and text.endswith("...")
+
+
+def test_a_closed_pipe_stops_quietly() -> None:
+    """`dvfs ... | head`: the reader goes away; no traceback, no error line, exit 1."""
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "dvfs", "corpus", "show", "code", "--json", "-n", "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before dvfs has imported anything, let alone written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err == "", err

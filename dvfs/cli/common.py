@@ -91,6 +91,11 @@ def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(130)
+    except BrokenPipeError as exc:
+        if _stdout_reader_gone():  # `dvfs ... | head`: stop quietly, as a SIGPIPE would
+            _silence_stdout()
+            sys.exit(1)  # as rich does for its own output
+        fail(describe_os_error(exc))
     except OSError as exc:
         fail(describe_os_error(exc))
     except UnicodeError as exc:
@@ -112,6 +117,28 @@ def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         )
     except Exception as exc:
         _internal_error(exc)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end was closed."""
+    import select
+
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else 1
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno() if sys.__stdout__ is not None else 1)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
