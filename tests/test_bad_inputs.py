@@ -1012,31 +1012,11 @@ ALL_CASES = [
 ]
 
 # Cases still failing in code other engineers own: listed for the integrator (see the report).
-_CAMPAIGN_UTF8 = (
-    "owned by campaign (dvfs/campaign.py load_campaign): a file that is not UTF-8 exits 1 "
-    "through the generic UnicodeDecodeError handler, not 2 as an invalid campaign"
-)
 _CAPS_UTF8 = (
     "owned by caps (dvfs/caps.py load_caps): a file that is not UTF-8 exits 1 through the "
     "generic UnicodeDecodeError handler, not 2 as an invalid caps file"
 )
 XFAIL: dict[str, str] = {
-    "campaign-binary-bytes": _CAMPAIGN_UTF8,
-    "campaign-non-utf8": _CAMPAIGN_UTF8,
-    "campaign-utf16": _CAMPAIGN_UTF8,
-    "campaign-settle-nan": "owned by campaign (dvfs/campaign.py _Table.number): settle_s = nan "
-    "is accepted (exit 0)",
-    "campaign-settle-inf": "owned by campaign (dvfs/campaign.py _Table.number): settle_s = inf "
-    "is accepted (exit 0), a sweep would wait forever",
-    "campaign-temperature-nan": "owned by campaign (dvfs/campaign.py _Table.number): "
-    "temperature = nan is accepted (exit 0)",
-    "campaign-min-window-nan": "owned by campaign (dvfs/campaign.py _Table.number): "
-    "min_window_s = nan passes validation, then the dry run dies: internal error ValueError "
-    "cannot convert float NaN to integer",
-    "campaign-min-window-inf": "owned by campaign (dvfs/campaign.py _Table.number): "
-    "min_window_s = inf passes validation, then the dry run dies: internal error ValueError "
-    "cannot convert float NaN to integer",
-    "doctor-binary-campaign": _CAMPAIGN_UTF8,
     "gpu-info-twin-uuid": "owned by gpu (dvfs/cli/gpu.py open_cli_gpus): the message does not "
     "name the device given (GPU-xyz)",
     "caps-show-record-is-a-list": "owned by caps (dvfs/caps.py AppliedCaps.read): a caps "
@@ -1050,8 +1030,6 @@ XFAIL: dict[str, str] = {
     "positive check (nan <= 0 is false); only NVML's absence stops it",
     "caps-watts-inf": "owned by caps (dvfs/caps.py parse_caps): power_limit_w = inf is accepted "
     "as a positive number; only NVML's absence stops it",
-    "journal-future-schema": "owned by cube/journal (dvfs/cube.py read_journal): a journal with "
-    "journal_schema 99 is built into a cube (exit 0) instead of refused",
 }
 
 
