@@ -1210,3 +1210,34 @@ def test_a_closed_pipe_stops_quietly() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert err == "", err
+
+
+@pytest.mark.parametrize(
+    ("exc", "says"),
+    [
+        (MemoryError(), "out of memory working on {campaign}"),
+        (RecursionError("maximum recursion depth exceeded"), "{campaign} is nested too deeply"),
+        (UnicodeDecodeError("utf-8", b"ab\ncd\xff", 5, 6, "invalid start byte"), "line 2"),
+        (OSError(errno.EIO, "Input/output error", "/x/y"), "cannot use /x/y: input/output error"),
+        (OSError(errno.EMFILE, "Too many open files"), "ulimit -n"),
+        (ImportError("no module named pyarrow", name="pyarrow"), "cannot import pyarrow"),
+        (UnicodeEncodeError("ascii", "caf\u00e9", 3, 4, "no"), "PYTHONIOENCODING=utf-8"),
+    ],
+    ids=["memory", "recursion", "unicode-decode", "eio", "emfile", "import", "unicode-encode"],
+)
+def test_generic_failures_are_one_line(
+    exc: BaseException, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dvfs.cli.corpus
+
+    def raise_it(campaign_file: Any) -> Any:
+        raise exc
+
+    monkeypatch.setattr(dvfs.cli.corpus, "_corpora", raise_it)
+    campaign_file = tmp_path / "c.toml"
+    campaign_file.write_text(campaign(), encoding="utf-8")
+    result = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign_file)])
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1
+    assert "Traceback" not in result.output
+    [line] = result.stderr.splitlines()
+    assert says.format(campaign=campaign_file) in line, line
