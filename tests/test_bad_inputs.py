@@ -67,18 +67,16 @@ class Case:
     code: int | tuple[int, ...] | None = None  # the exit code, or the codes allowed
     says: tuple[str, ...] = ()
     fault: tuple[str, int] | None = None  # (folder under {tmp}, errno): writes there fail
-    chatty: bool = False  # a sweep may print progress lines on stderr before the error
+    chatty: bool = False  # progress or warnings may come first; the error is the last line
     nvml: bool = False  # run against the fake NVML (as root)
     xfail: str | None = None
 
 
-def C(id: str, argv: list[str], **kw: Any) -> Case:  # noqa: N802  (reads like a table row)
-    extra = kw.pop("files_extra", {})
-    return (
-        Case(id, argv, **kw)
-        if not extra
-        else Case(id, argv, **{**kw, "files": {**kw.get("files", {}), **extra}})
-    )
+def C(id: str, argv: list[str], files_extra: Files | None = None, **kw: Any) -> Case:  # noqa: N802
+    """A case (reads like a table row); `files_extra` adds files to a helper's own."""
+    if files_extra:
+        kw["files"] = {**kw.get("files", {}), **files_extra}
+    return Case(id, argv, **kw)
 
 
 # -- campaigns -------------------------------------------------------------------------------
