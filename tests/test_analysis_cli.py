@@ -68,7 +68,7 @@ def test_headroom_usage_errors(small_sweep: Path) -> None:
     )
     assert both.exit_code == 2 and "choose one of" in both.output
     bad = CliRunner().invoke(cli, ["headroom", str(small_sweep), "--slo", "fast please"])
-    assert bad.exit_code == 1 and "cannot read SLO" in bad.output
+    assert bad.exit_code == 2 and "cannot read SLO" in bad.output
     missing = CliRunner().invoke(cli, ["headroom", str(small_sweep / "nope.nc")])
     assert missing.exit_code == 1 and "no cube at" in missing.output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,79 @@ import click
 from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user set an option (on the command line or through the environment)."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) in (
+        ParameterSource.COMMANDLINE,
+        ParameterSource.ENVIRONMENT,
+        ParameterSource.PROMPT,
+    )
+
+
+def _slack(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    """--slack as a fraction; NaN, infinities, negative and unreadable values are refused."""
+    from dvfs.analysis.targets import parse_slack
+    from dvfs.errors import AnalysisError
+
+    try:
+        return parse_slack(value)
+    except AnalysisError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+
+def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and 0.5 <= value < 1):
+        raise click.BadParameter(
+            f"{value} is not a confidence level; give a number from 0.5 up to, not including, "
+            "1 (e.g. 0.95)",
+            ctx=ctx,
+            param=param,
+        )
+    return value
+
+
+def _one_output_format(as_json: bool, markdown: bool) -> None:
+    if as_json and markdown:
+        raise click.UsageError("choose one of --json and --markdown")
+
+
 def cube_argument(func: Any) -> Any:
     return click.argument("cube_path", type=click.Path(path_type=Path))(func)
 
 
 def _open(cube_path: Path) -> Any:
+    """The cube, refused in one line when it holds no valid measurement to analyse."""
     from dvfs.cube import CUBE_NAME, open_cube
+    from dvfs.errors import CubeError
 
-    return open_cube(cube_path / CUBE_NAME if cube_path.is_dir() else cube_path)
+    ds = open_cube(cube_path / CUBE_NAME if cube_path.is_dir() else cube_path)
+    for name in ("energy_per_token_j", "valid"):
+        if name not in ds:
+            raise CubeError(
+                f"{cube_path} has no {name} variable, which every analysis needs: "
+                "rebuild it with `dvfs cube build`"
+            )
+    valid = ds["valid"].fillna(0) > 0
+    if "cell_status" in ds:
+        valid = valid & (ds["cell_status"] == 1)
+    if not bool(valid.any()):
+        raise CubeError(
+            f"{cube_path} has no valid measured cell (every cell is missing, failed or flagged "
+            "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
+            "rerun `dvfs sweep`"
+        )
+    return ds
+
+
+def _check_drafter(ds: Any, name: str, option: str) -> None:
+    drafters = [str(d) for d in ds["drafter"].values]
+    if name not in drafters:
+        raise click.BadParameter(
+            f"drafter {name!r} is not in the cube, which has {', '.join(drafters)}",
+            param_hint=f"'{option}'",
+        )
 
 
 def latency_options(func: Any) -> Any:
@@ -41,8 +107,8 @@ def latency_options(func: Any) -> Any:
 def _select(
     ds: Any, batch: tuple[int, ...], drafter: tuple[str, ...], corpus: tuple[str, ...]
 ) -> Any:
-    from dvfs.errors import AnalysisError
-
+    """The rows the --batch/--drafter/--corpus filters ask for; a value the cube lacks is a
+    usage error naming what the cube has (so a selection is never silently empty)."""
     sel: dict[str, list[Any]] = {}
     for dim, values in (
         ("batch", list(batch)),
@@ -53,8 +119,12 @@ def _select(
             known = [v.item() if hasattr(v, "item") else v for v in ds[dim].values]
             missing = [v for v in values if v not in known]
             if missing:
-                raise AnalysisError(f"{dim} {missing} not in the cube; it has {known}")
-            sel[dim] = values
+                raise click.BadParameter(
+                    f"{', '.join(map(str, missing))} not in the cube, which has "
+                    f"{', '.join(map(str, known))}",
+                    param_hint=f"'--{dim}'",
+                )
+            sel[dim] = list(dict.fromkeys(values))  # a repeated value is one row, not two
     return ds.sel(sel) if sel else ds
 
 
@@ -66,34 +136,71 @@ def filter_options(func: Any) -> Any:
 
 
 def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A rich table; into a pipe or file (not a terminal) it keeps its natural width, so no
+    column is folded, cropped or dropped whatever COLUMNS says."""
     from rich.table import Table
 
-    console().print(f"[bold]{escape(title)}[/bold]")
     table = Table(show_lines=False)
     for name in header:
         table.add_column(name, overflow="fold")
     for row in rows:
         table.add_row(*row)
-    console().print(table)
+    out = console()
+    if not out.is_terminal:
+        out.width = 1_000_000  # measure without a limit, then fit the console to the table
+        out.width = max(120, out.measure(table).maximum)
+    out.print(f"[bold]{escape(title)}[/bold]", soft_wrap=not out.is_terminal)
+    out.print(table)
+
+
+def _print_line(text: str, *, stderr: bool = False) -> None:
+    """A line of prose: wrapped on a terminal, left whole in a pipe."""
+    out = console(stderr=stderr)
+    out.print(text, soft_wrap=not out.is_terminal)
 
 
 def headroom_target(
+    ctx: click.Context,
     preserve: bool,
     vs_baseline: bool,
     slo: str | None,
     metric: str,
     quantile: str,
-    slack: str,
+    slack: float,
     baseline: str,
 ) -> Any:
-    from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slack, parse_slo
+    """The target the flags describe; flags that contradict each other are refused, never
+    silently dropped."""
+    from dataclasses import replace
+
+    from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slo
+    from dvfs.errors import AnalysisError
 
     if sum([preserve, vs_baseline, slo is not None]) > 1:
         raise click.UsageError("choose one of --preserve, --vs-baseline and --slo")
-    if slo is not None:
-        return parse_slo(slo)
-    mode = "vs-baseline" if vs_baseline else "preserve"
-    return Target(mode, metric, QUANTILE_NAMES[quantile], parse_slack(slack), None, baseline)
+    if slo is None:
+        mode = "vs-baseline" if vs_baseline else "preserve"
+        return Target(mode, metric, QUANTILE_NAMES[quantile], slack, None, baseline)
+    try:
+        target = parse_slo(slo)
+    except AnalysisError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--slo'") from exc
+    if _given(ctx, "slack"):
+        raise click.UsageError(
+            "--slack loosens --preserve and --vs-baseline targets; an --slo is its own limit: "
+            "drop --slack, or raise the SLO's limit"
+        )
+    if _given(ctx, "metric") and metric != target.metric:
+        raise click.UsageError(
+            f"--metric {metric} contradicts --slo {slo!r}, which is about {target.metric}: "
+            "drop --metric"
+        )
+    if _given(ctx, "quantile") and QUANTILE_NAMES[quantile] != target.quantile:
+        raise click.UsageError(
+            f"--quantile {quantile} contradicts --slo {slo!r}, which is about "
+            f"{target.quantile_name}: drop --quantile"
+        )
+    return replace(target, baseline=baseline)
 
 
 @click.command()
@@ -111,7 +218,11 @@ def headroom_target(
 )
 @latency_options
 @click.option(
-    "--slack", default="0%", show_default=True, help="Allowed latency increase (5% or 0.05)."
+    "--slack",
+    default="0%",
+    show_default=True,
+    callback=_slack,
+    help="Allowed latency increase (5% or 0.05); not with --slo.",
 )
 @click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
 @click.option(
@@ -124,6 +235,7 @@ def headroom_target(
 @click.option(
     "--confidence",
     type=float,
+    callback=_confidence,
     default=0.95,
     show_default=True,
     help="One-sided confidence of the latency bound (with repeats).",
@@ -137,15 +249,17 @@ def headroom_target(
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also write the JSON document here (input for `dvfs cap plan`).",
 )
+@click.pass_context
 @handle_errors
 def headroom(
+    ctx: click.Context,
     cube_path: Path,
     preserve: bool,
     vs_baseline: bool,
     slo: str | None,
     metric: str,
     quantile: str,
-    slack: str,
+    slack: float,
     baseline: str,
     knob: str,
     confidence: float,
@@ -167,13 +281,20 @@ def headroom(
     from dvfs.analysis.headroom import headroom as compute
     from dvfs.report import headroom_document, headroom_markdown, headroom_table_rows
 
-    target = headroom_target(preserve, vs_baseline, slo, metric, quantile, slack, baseline)
+    _one_output_format(as_json, markdown)
+    target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
     ds = _open(cube_path)
+    if vs_baseline or _given(ctx, "baseline"):
+        _check_drafter(ds, baseline, "--baseline")
+    _select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
     result = compute(ds, target=target, knob=knob, confidence=confidence)
     result = _select(result, batch, drafter, corpus)
     doc = headroom_document(result, ds)
     if output is not None:
-        output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        try:
+            output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise click.FileError(str(output), hint=exc.strerror or str(exc)) from exc
     if as_json:
         echo_json(doc)
     elif markdown:
@@ -182,14 +303,13 @@ def headroom(
         header, rows = headroom_table_rows(doc)
         ref = doc["reference"]
         _print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
-        out = console()
-        out.print(
+        _print_line(
             f"reference: {ref['sm_clock_mhz']} MHz / {ref['power_limit_w']:g} W"
             + ("" if ref["is_stock"] else " (not the stock setting: top of the grid)")
-            + f"; knob: {doc['knob']}; feasibility: {doc['bound']}"
+            + f"; knob: {doc['knob']}; feasibility: {escape(doc['bound'])}"
         )
         if output is not None:
-            out.print(f"wrote {output}")
+            _print_line(f"wrote {escape(str(output))}")
 
 
 @click.command()
@@ -219,7 +339,15 @@ def compare(
     from dvfs.errors import AnalysisError
     from dvfs.report import compare_document, compare_markdown, compare_tables
 
+    _one_output_format(as_json, markdown)
     ds = _open(cube_path)
+    _check_drafter(ds, baseline, "--baseline")
+    _select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
+    if drafter and set(drafter) <= {baseline}:
+        raise click.UsageError(
+            f"--drafter names only the baseline {baseline!r}: nothing to compare it with; "
+            "name a speculative drafter too, or drop --drafter"
+        )
     result = compute(ds, baseline=baseline, metric=metric, quantile=QUANTILE_NAMES[quantile])
     if drafter and baseline not in drafter:
         drafter = (*drafter, baseline)
@@ -227,7 +355,7 @@ def compare(
     try:
         roof = _select(roofline(ds), batch, drafter, ())
     except AnalysisError as exc:
-        console(stderr=True).print(f"[yellow]no roofline: {escape(str(exc))}[/yellow]")
+        _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None
     doc = compare_document(result, roof, ds)
     if as_json:
@@ -258,17 +386,20 @@ def compare(
     "--slack",
     default="5%",
     show_default=True,
+    callback=_slack,
     help="Latency slack for the headroom points marked on the figures.",
 )
 @handle_errors
-def plot(cube_path: Path, out_dir: Path, fmt: str, metric: str, quantile: str, slack: str) -> None:
+def plot(
+    cube_path: Path, out_dir: Path, fmt: str, metric: str, quantile: str, slack: float
+) -> None:
     """Draw the figures: energy vs clock, energy-latency Pareto fronts with the headroom
     points, acceptance and headroom heatmaps, power/clock timelines."""
-    from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slack
+    from dvfs.analysis.targets import QUANTILE_NAMES, Target
     from dvfs.plots import plot_all
 
     ds = _open(cube_path)
-    target = Target("preserve", metric, QUANTILE_NAMES[quantile], parse_slack(slack))
+    target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
     paths = plot_all(ds, out_dir, fmt=fmt, target=target)
     for path in paths:
         click.echo(str(path))
