@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,30 @@ NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK")
 #: Algorithms whose three draft numbers SGLang requires all-or-none.
 EAGLE_TRIPLE = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 MODES = ("fixed", "closed-loop")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: Names that become path components (campaign, drafter, corpus): no separators, no "..", no
+#: NUL or newline (`\\Z`, not `$`, which would accept a trailing newline).
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+#: Settings that change how a sweep runs, not what it measures: they stay out of the campaign
+#: hash, so a day-long sweep can resume with a longer timeout or another server command, and each
+#: journal session records the values it ran with. Anything not listed here is measured.
+OPERATIONAL: tuple[tuple[str, ...], ...] = (
+    ("measurement", "retries"),
+    ("engine", "sglang", "url"),
+    ("engine", "sglang", "server_command"),
+    ("engine", "sglang", "env"),
+    ("engine", "sglang", "host"),
+    ("engine", "sglang", "startup_timeout_s"),
+    ("engine", "sglang", "request_timeout_s"),
+    ("engine", "sglang", "stall_timeout_s"),
+)
+#: Top-level fields that describe a campaign without changing a number.
+UNMEASURED = ("name", "description", "source", "base_dir")
+#: Dataclass field names shown as the campaign file spells them.
+TOML_NAMES = {
+    "knobs.sm_clocks_mhz": "knobs.sm_clock",
+    "knobs.power_limits_w": "knobs.power_limit",
+    "workload.batch_sizes": "workload.batch",
+}
 
 
 @dataclass(frozen=True)
@@ -147,11 +171,22 @@ class Campaign:
     base_dir: str = field(default=".", compare=False)
 
     def semantic_dict(self) -> dict[str, Any]:
-        """Everything that changes what is measured (not the description or file location)."""
-        data = asdict(self)
-        for key in ("description", "source", "base_dir"):
-            data.pop(key)
-        return data
+        """Everything that changes what is measured: not the name, description, file location
+        or the operational settings (retries, timeouts, server command, environment, URL)."""
+        return measured_part(asdict(self))
+
+    def operational_dict(self) -> dict[str, Any]:
+        """The operational settings, by dotted key (a journal session records these)."""
+        data = _jsonable(asdict(self))
+        flat: dict[str, Any] = {}
+        for path in OPERATIONAL:
+            value: Any = data
+            for part in path:
+                value = value.get(part) if isinstance(value, dict) else None
+            if path[-1] == "env" and isinstance(value, list):
+                value = {str(k): v for k, v in value}
+            flat[".".join(path)] = value
+        return flat
 
     @property
     def hash(self) -> str:
@@ -163,6 +198,58 @@ class Campaign:
             if drafter.name == name:
                 return drafter
         raise KeyError(name)
+
+
+def _jsonable(data: Any) -> Any:
+    """As JSON would store it (tuples become lists), so stored and fresh dicts compare."""
+    return json.loads(json.dumps(data, default=str))
+
+
+def measured_part(data: dict[str, Any]) -> dict[str, Any]:
+    """A campaign dict (fresh, or stored in a journal or cube by any dvfs version) without the
+    fields that do not change a measurement."""
+    data = _jsonable(data)
+    for key in UNMEASURED:
+        data.pop(key, None)
+    for path in OPERATIONAL:
+        parent: Any = data
+        for part in path[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    return data
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, item in enumerate(value):
+            label = item.get("name", i)
+            _flatten(item, f"{prefix}[{label}]", out)
+    else:
+        out[prefix] = value
+
+
+def measured_differences(
+    before: dict[str, Any], after: dict[str, Any], *, ignore: tuple[str, ...] = ()
+) -> list[str]:
+    """The measured settings that differ between two campaign dicts, as "key: old -> new"
+    (keys spelt as in the campaign file; keys starting with an `ignore` prefix are skipped)."""
+    old: dict[str, Any] = {}
+    new: dict[str, Any] = {}
+    _flatten(measured_part(before), "", old)
+    _flatten(measured_part(after), "", new)
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if ignore and key.startswith(ignore):
+            continue
+        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if a != b:
+            shown = TOML_NAMES.get(key, key)
+            changes.append(f"{shown}: {_show(a)} -> {_show(b)}")
+    return changes
 
 
 # -- validation helpers ----------------------------------------------------------------------
@@ -183,7 +270,35 @@ class _Table:
         return f"{self.path}.{name}" if self.path else name
 
     def fail(self, name: str, message: str) -> CampaignError:
+        misspelt = self._misspelt()
+        if misspelt is not None:
+            # `backnd = "nvml"` left backend at its default, and this error follows from that:
+            # name the misspelling instead.
+            return misspelt
         return CampaignError(f"{self.where}: {self.key(name)}: {message}")
+
+    def _misspelt(self, wanted: str | None = None) -> CampaignError | None:
+        """An unread key that looks like a misspelling of a key that is absent (`wanted`, or one
+        already asked for), as a did-you-mean error; None if there is none."""
+        targets = [wanted] if wanted else sorted(self.used - set(self.data))
+        unread = [k for k in self.data if k not in self.used and isinstance(k, str)]
+        for target in targets:
+            hint = difflib.get_close_matches(target, unread, n=1, cutoff=0.75)
+            if hint:
+                kind = "table" if isinstance(self.data[hint[0]], dict) else "key"
+                shown = f"[{self.key(hint[0])}]" if kind == "table" else repr(self.key(hint[0]))
+                return CampaignError(
+                    f"{self.where}: unknown {kind} {shown} (did you mean {target!r}?)"
+                )
+        return None
+
+    def missing(self, name: str, what: str = "key") -> CampaignError:
+        """A required key or table is absent: suggest a misspelt one that is present."""
+        shown = f"[{self.key(name)}]" if what == "table" else self.key(name)
+        unread = [k for k in self.data if k not in self.used and isinstance(k, str)]
+        hint = difflib.get_close_matches(name, unread, n=1, cutoff=0.6)
+        suggestion = f" (found {self.key(hint[0])!r}: did you mean {name!r}?)" if hint else ""
+        return CampaignError(f"{self.where}: missing required {what} {shown}{suggestion}")
 
     def get(self, name: str, default: Any = None) -> Any:
         self.used.add(name)
@@ -193,17 +308,18 @@ class _Table:
         return name in self.data
 
     def require(self, name: str) -> Any:
-        self.used.add(name)
         if name not in self.data:
-            raise CampaignError(f"{self.where}: missing required key {self.key(name)}")
+            raise self.missing(name)
+        self.used.add(name)
         return self.data[name]
 
     def sub(self, name: str, required: bool = False) -> _Table:
-        self.used.add(name)
         if name not in self.data:
             if required:
-                raise CampaignError(f"{self.where}: missing required table [{self.key(name)}]")
+                raise self.missing(name, "table")
+            self.used.add(name)
             return _Table(self.where, self.key(name), {})
+        self.used.add(name)
         return _Table(self.where, self.key(name), self.data[name])
 
     def finish(self) -> None:
@@ -255,6 +371,8 @@ class _Table:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(name, f"expected a number, got {_show(value)}")
+        if not math.isfinite(value):  # TOML allows nan and inf; no setting means either
+            raise self.fail(name, f"expected a finite number, got {value}")
         if strictly_positive and value <= 0:
             raise self.fail(name, f"must be greater than 0, got {value}")
         if minimum is not None and value < minimum:
@@ -413,7 +531,7 @@ def _engine(table: _Table, gpu: GpuConfig) -> EngineConfig:
     backend = table.string("backend", "twin", choices=("twin", "sglang"))
     model = table.string("model")
     if model is None:
-        raise CampaignError(f"{table.where}: missing required key engine.model")
+        raise table.missing("model")
     tp_size = table.integer("tp_size", len(gpu.devices), minimum=1)
     if tp_size != len(gpu.devices):
         raise table.fail(
@@ -646,7 +764,20 @@ def parse_campaign(
     """Validate a parsed TOML document into a `Campaign`."""
     top = _Table(where, "", data)
     meta = top.sub("campaign")
-    name = meta.string("name", Path(where).stem)
+    name = meta.string("name")
+    if name is None:
+        name = Path(where).stem
+        if not NAME_RE.match(name):
+            raise CampaignError(
+                f"{where}: the file name {name!r} cannot name the campaign (it names the output "
+                "folder): set [campaign] name, using letters, digits, '_', '-' and '.'"
+            )
+    elif not NAME_RE.match(name):
+        raise meta.fail(
+            "name",
+            f"{name!r} cannot be used: the name becomes a folder (out/<name>), so it must start "
+            "with a letter or digit and use only letters, digits, '_', '-' and '.'",
+        )
     description = meta.string("description", "")
     meta.finish()
     gpu = _gpu(top.sub("gpu"))
@@ -704,6 +835,12 @@ def load_campaign(path: str | Path) -> Campaign:
         raise CampaignError(f"campaign file {path} does not exist") from exc
     except OSError as exc:
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise CampaignError(
+            f"{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} on line {line}): is "
+            "it the campaign file? Save it as UTF-8"
+        ) from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -5,7 +5,10 @@ Schema history (`attrs["dvfs_schema"]`):
       when merged); CF `units` and `long_name` on every variable and coordinate.
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
-and read back as floats with NaN where missing (xarray's CF masking).
+and read back as floats with NaN where missing (xarray's CF masking). On disk the string axes
+(drafter, corpus, gpu) follow CF's label convention: the dimension has no coordinate variable
+(those must be numeric) and a `<dim>_label` string variable names its entries; `open_cube`
+turns them back into indexed coordinates, so `ds.sel(drafter="eagle3")` works.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from dvfs import __version__
 from dvfs.errors import CubeError
-from dvfs.journal import now_iso, read_records
+from dvfs.journal import JOURNAL_NAME, check_schema, describe_os_error, now_iso, read_records
 from dvfs.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.plan import Cell
 
@@ -32,6 +35,23 @@ if TYPE_CHECKING:
 CUBE_SCHEMA = 1
 CUBE_NAME = "cube.nc"
 KNOB_DIMS = ("sm_clock", "power_limit")
+#: String-valued axes, written as CF label variables named `<dim>_label`.
+LABEL_DIMS = ("drafter", "corpus", "gpu")
+#: Variables every schema-1 cube has; a file without them is not a cube dvfs wrote.
+REQUIRED_VARIABLES = (
+    "cell_status",
+    "valid",
+    "quality",
+    "energy_per_token_j",
+    "energy_j",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "throughput_tok_s",
+    "power_mean_w",
+)
+#: Campaign settings that may differ between merged cubes: the GPU is what a merge varies.
+MERGE_MAY_DIFFER = ("gpu.backend", "gpu.profile", "gpu.devices")
 CELL_DIMS = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")
 
 
@@ -184,6 +204,7 @@ def read_journal(path: str | Path) -> JournalView:
     records = read_records(path)
     if not records or records[0].get("type") != "header":
         raise CubeError(f"{path} is not a dvfs journal")
+    check_schema(path, records[0])
     cells: dict[str, dict[str, Any]] = {}
     for r in records:
         if r.get("type") == "cell":
@@ -272,9 +293,20 @@ def _provenance(view: JournalView) -> dict[str, Any]:
 
 def build_cube(journal_path: str | Path) -> xr.Dataset:
     """Assemble the cube from a journal; cells not (yet) measured are NaN."""
+    view = read_journal(journal_path)
+    try:
+        return _build(view)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CubeError(
+            f"{journal_path}: a record lacks what a cube needs ({type(exc).__name__}: {exc}); "
+            "the journal was not written by this dvfs or was edited: rerun the sweep with "
+            "--fresh to start a new journal"
+        ) from exc
+
+
+def _build(view: JournalView) -> xr.Dataset:
     import xarray as xr
 
-    view = read_journal(journal_path)
     _check_sessions(view)
     grid = _grid(view)
     stock = view.sessions[0]["stock"]
@@ -365,9 +397,10 @@ def build_cube(journal_path: str | Path) -> xr.Dataset:
 
 
 def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
-    enc: dict[str, dict[str, Any]] = {}
+    # Coordinates and labels never hold missing values: CF forbids a _FillValue on them.
+    enc: dict[str, dict[str, Any]] = {str(name): {"_FillValue": None} for name in ds.coords}
     integer_names = {s.name for s in VARIABLES if s.integer}
-    for name in ds.data_vars:
+    for name in map(str, ds.data_vars):
         if name in integer_names:
             dtype = "int8" if name == "valid" else "int32"
             enc[name] = {"dtype": dtype, "_FillValue": -1, "zlib": True, "complevel": 4}
@@ -378,34 +411,106 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
     return enc
 
 
-def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, renamed over the target."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+def _labels_to_cf(ds: xr.Dataset) -> xr.Dataset:
+    """String axes as CF label variables (`drafter` -> `drafter_label(drafter)`)."""
+    for dim in LABEL_DIMS:
+        if dim in ds.coords and dim in ds.dims and ds[dim].dtype.kind in "OUS":
+            values = np.array([str(v) for v in ds[dim].values], dtype=object)
+            long_name = COORD_ATTRS[dim][1]
+            ds = ds.drop_vars(dim).assign_coords(
+                {f"{dim}_label": ((dim,), values, {"long_name": f"{long_name} (label)"})}
+            )
+    return ds
+
+
+def _labels_from_cf(ds: xr.Dataset) -> xr.Dataset:
+    """Label variables back into indexed coordinates (cubes written before labels have none)."""
+    for dim in LABEL_DIMS:
+        label = f"{dim}_label"
+        if label in ds.variables and ds[label].dims == (dim,):
+            values = [str(v) for v in ds[label].values]
+            ds = ds.drop_vars(label).assign_coords({dim: values})
+        if dim in ds.coords:
+            units, long_name = COORD_ATTRS[dim]
+            ds[dim].attrs.update(units=units, long_name=long_name)
+    return ds
+
+
+def _file_mode() -> int:
+    """0666 less the umask: a cube is as readable as the journal next to it."""
     try:
-        ds.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(ds))
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no way to read the umask without setting it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write atomically: a temp file in the same folder, renamed over the target, so a failed
+    write (full disk, read-only folder) leaves the previous cube and no partial file."""
+    path = Path(path)
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        os.close(fd)
+        on_disk = _labels_to_cf(ds)
+        on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    except OSError as exc:
+        # The temp file's name means nothing to the user; the cube's path says where.
+        raise CubeError(describe_os_error(exc, f"write the cube {path}", show_file=False)) from exc
+    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+        raise CubeError(f"cannot write the cube {path}: {_first_line(exc)}") from exc
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path
 
 
-def check_cube(ds: xr.Dataset, *, where: str = "cube") -> xr.Dataset:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _rebuild_hint(path: Path) -> str:
+    folder = path.parent
+    if (folder / JOURNAL_NAME).is_file():
+        return f"rebuild it from its journal with `dvfs cube build {folder}`"
+    return (
+        "rebuild it from its sweep's journal with `dvfs cube build SWEEP_DIR` "
+        "(a merged cube: merge again with `dvfs cube merge`)"
+    )
+
+
+def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dataset:
     """Refuse datasets that are not dvfs cubes of a schema this version reads."""
+    then = f": {hint}" if hint else ""
     schema = ds.attrs.get("dvfs_schema")
     if schema is None:
-        raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute)")
-    if int(schema) > CUBE_SCHEMA:
+        raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute){then}")
+    try:
+        version = int(schema)
+    except (TypeError, ValueError):
+        raise CubeError(f"{where} has a malformed dvfs_schema {schema!r}{then}") from None
+    if version > CUBE_SCHEMA:
         raise CubeError(
             f"{where} has cube schema {schema}; this dvfs ({__version__}) reads up to "
             f"{CUBE_SCHEMA}: upgrade dvfs"
         )
-    missing = [d for d in CELL_DIMS if d not in ds.dims]
+    missing = [d for d in CELL_DIMS if d not in ds.dims or d not in ds.coords]
     if missing:
-        raise CubeError(f"{where} lacks dimension(s) {', '.join(missing)}")
+        raise CubeError(f"{where} lacks dimension(s) {', '.join(missing)}{then}")
+    absent = [v for v in REQUIRED_VARIABLES if v not in ds.data_vars]
+    if absent:
+        raise CubeError(f"{where} lacks variable(s) {', '.join(absent)}{then}")
     return ds
 
 
@@ -420,10 +525,12 @@ def open_cube(path: str | Path) -> xr.Dataset:
         raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
     try:
         with xr.open_dataset(path, engine="netcdf4") as ds:
-            loaded = ds.load()
-    except (OSError, ValueError) as exc:
-        raise CubeError(f"cannot read {path} as netCDF: {exc}") from exc
-    return check_cube(loaded, where=str(path))
+            loaded = _labels_from_cf(ds.load())
+    except Exception as exc:  # an untrusted file: truncated, not netCDF, odd variables
+        raise CubeError(
+            f"{path} is not a readable netCDF cube ({_first_line(exc)}): {_rebuild_hint(path)}"
+        ) from exc
+    return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))
 
 
 def _stock_text(ds: xr.Dataset) -> str:
@@ -481,6 +588,36 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     }
 
 
+def _campaign_attr(ds: xr.Dataset, name: str) -> dict[str, Any]:
+    try:
+        campaign = json.loads(ds.attrs.get("campaign", ""))
+    except ValueError:
+        campaign = None
+    if not isinstance(campaign, dict) or not campaign:
+        raise CubeError(
+            f"cannot merge: {name} does not record its campaign, so its workload cannot be "
+            "checked; rebuild it with `dvfs cube build`"
+        )
+    return campaign
+
+
+def _check_same_workload(first: xr.Dataset, ds: xr.Dataset, first_name: str, name: str) -> None:
+    """Refuse cubes of different campaigns (output tokens, clock grid, batches, drafters...):
+    their union would be a half-empty cube whose arms measured different things."""
+    from dvfs.campaign import measured_differences
+
+    changes = measured_differences(
+        _campaign_attr(first, first_name), _campaign_attr(ds, name), ignore=MERGE_MAY_DIFFER
+    )
+    if changes:
+        more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+        raise CubeError(
+            f"cannot merge: the campaign differs ({first_name} -> {name}: "
+            f"{'; '.join(changes[:3])}{more}); only cubes of one campaign measured on "
+            "different GPUs merge"
+        )
+
+
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
     """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs).
 
@@ -495,15 +632,17 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         raise CubeError("merging needs at least two cubes")
     names = names or [f"cube {i + 1}" for i in range(len(cubes))]
     first = cubes[0]
-    for name, ds in zip(names[1:], cubes[1:], strict=True):
+    for label, ds in zip(names, cubes, strict=True):
         if "gpu" in ds.dims:
-            raise CubeError(f"{name} is already a merged cube; merge the single-GPU cubes")
+            raise CubeError(f"{label} is already a merged cube; merge the single-GPU cubes")
+    for label, ds in zip(names[1:], cubes[1:], strict=True):
         for key in CHECKED:
             if str(ds.attrs.get(key)) != str(first.attrs.get(key)):
                 raise CubeError(
                     f"cannot merge: {key} differs ({names[0]}: {first.attrs.get(key)!r}, "
-                    f"{name}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
+                    f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
+        _check_same_workload(first, ds, names[0], label)
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     if len(set(labels)) != len(labels):
         raise CubeError("two of the cubes come from the same GPU(s); merge different GPUs")

@@ -1,12 +1,15 @@
 """The journal: one JSON line per event, flushed and fsynced, so no finished cell is ever lost.
 
-Line 1 is a header naming the campaign (and its hash); later lines are `session` (who ran,
-on which GPUs), `server` (a started server's info) and `cell` records. A rerun reads the
-journal, skips finished cells and appends. A line cut short by a crash is dropped on open.
+Line 1 is a header naming the campaign (and the hash of what it measures); later lines are
+`session` (who ran, on which GPUs, with which operational settings: retries, timeouts, server
+command), `server` (a started server's info) and `cell` records. A rerun reads the journal,
+skips finished cells, retries failed ones and appends. A line cut short by a crash is dropped
+on open; any other bad line is an error naming the file and line.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs import __version__
-from dvfs.campaign import Campaign
+from dvfs.campaign import Campaign, measured_differences
 from dvfs.errors import JournalError
 
 JOURNAL_SCHEMA = 1
@@ -34,6 +37,46 @@ def _clean(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return _clean(value.item())
     return value
+
+
+def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> str:
+    """One line saying what failed on disk and what to do about it."""
+    where = f" ({exc.filename})" if exc.filename and show_file else ""
+    reason = exc.strerror or str(exc)
+    hints = {
+        errno.ENOSPC: "free some space on that filesystem and run the command again",
+        errno.EDQUOT: "free some space (disk quota) and run the command again",
+        errno.EACCES: "choose a folder you can write to with --out",
+        errno.EPERM: "choose a folder you can write to with --out",
+        errno.EROFS: "the filesystem is read-only: choose another folder with --out",
+        errno.ENOTDIR: "part of that path is a file, not a folder: choose another --out",
+        errno.EEXIST: "a file is in the way of that folder: choose another --out",
+        errno.ENAMETOOLONG: "use a shorter path",
+    }
+    hint = hints.get(exc.errno or 0)
+    return f"cannot {doing}{where}: {reason}" + (f"; {hint}" if hint else "")
+
+
+def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]:
+    """The measured settings in which `campaign` differs from the one a journal was started for
+    (empty: the journal may be resumed). Journals written before the hash left out operational
+    settings match through their stored campaign."""
+    if header.get("campaign_hash") == campaign.hash:
+        return []
+    stored = header.get("campaign")
+    if not isinstance(stored, dict) or not stored:
+        return ["the journal does not record its campaign"]
+    return measured_differences(stored, campaign.semantic_dict())
+
+
+def check_schema(path: Path, header: dict[str, Any]) -> None:
+    """Refuse a journal written by a newer dvfs (its records may mean something else)."""
+    schema = header.get("journal_schema", JOURNAL_SCHEMA)
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema > JOURNAL_SCHEMA:
+        raise JournalError(
+            f"{path} has journal schema {schema!r}; this dvfs ({__version__}) reads up to "
+            f"{JOURNAL_SCHEMA}: upgrade dvfs, or start over with `dvfs sweep --fresh`"
+        )
 
 
 def now_iso() -> str:
@@ -69,15 +112,27 @@ class Journal:
             return journal
         header = records[0]
         if header.get("type") != "header":
-            raise JournalError(f"{path} does not start with a dvfs journal header")
-        if header.get("campaign_hash") != campaign.hash:
+            raise JournalError(
+                f"{path} does not start with a dvfs journal header: move it aside, or start "
+                "over with `dvfs sweep --fresh`, which renames it"
+            )
+        check_schema(path, header)
+        changes = journal_differences(header, campaign)
+        if changes:
+            more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+            shown = "; ".join(changes[:3]) + more
+            observe = (
+                " (--observe-only sets gpu.actuation to false and the knobs to stock)"
+                if any(c.startswith(("gpu.actuation", "knobs.")) for c in changes)
+                else ""
+            )
             raise JournalError(
                 f"{path} belongs to campaign {header.get('campaign_name')!r} "
-                f"(hash {header.get('campaign_hash')}), not to this campaign "
-                f"(hash {campaign.hash}): "
-                "the campaign changed since the journal was started (its file, or an option "
-                "such as --observe-only). Use another --out directory, or --fresh to move the "
-                "old journal aside and start over."
+                f"(hash {header.get('campaign_hash')}) measured with other settings: {shown}"
+                f"{observe}. Cells measured under different settings cannot share a cube: use "
+                "--fresh to move the old journal aside and start over, or another --out folder "
+                "(retries, timeouts, the server command, its environment and URL may change "
+                "between runs)."
             )
         return journal
 
@@ -92,11 +147,15 @@ class Journal:
     def append(self, record: dict[str, Any]) -> None:
         """Write one record and make it durable before returning."""
         line = json.dumps(_clean(record), separators=(",", ":"), allow_nan=False)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            # A line half written stays the torn last line, which the next open drops.
+            raise JournalError(describe_os_error(exc, "write the journal")) from exc
         self._records.append(json.loads(line))
 
     def cells(self) -> dict[str, dict[str, Any]]:
@@ -117,11 +176,15 @@ class Journal:
 
 def read_records(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
     """Parse a journal. A torn last line (a crash mid-write) is dropped, and cut off the file
-    when `repair` is set so appends start on a fresh line; a bad line elsewhere is an error."""
+    when `repair` is set so appends start on a fresh line; a bad line elsewhere, or a file that
+    does not start with a record, is a `JournalError` naming the file and the line."""
     path = Path(path)
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise JournalError(describe_os_error(exc, "read the journal")) from exc
     lines = data.split(b"\n")
-    records = []
+    records: list[dict[str, Any]] = []
     good_bytes = 0
     for i, raw in enumerate(lines):
         if not raw.strip():
@@ -129,17 +192,53 @@ def read_records(path: str | Path, *, repair: bool = False) -> list[dict[str, An
             continue
         last = i >= len(lines) - 2 and not any(x.strip() for x in lines[i + 1 :])
         try:
-            records.append(json.loads(raw))
-        except json.JSONDecodeError as exc:
-            if last:
+            record = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # not UTF-8, or not JSON
+            if last and records:
                 if repair:
-                    with open(path, "r+b") as f:
-                        f.truncate(good_bytes)
+                    try:
+                        with open(path, "r+b") as f:
+                            f.truncate(good_bytes)
+                    except OSError as os_exc:
+                        raise JournalError(
+                            describe_os_error(os_exc, "cut the torn last line off the journal")
+                        ) from os_exc
                 break
-            raise JournalError(f"{path}, line {i + 1}: not valid JSON ({exc.msg})") from exc
+            why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
+            raise _bad_line(path, i + 1, why, first=not records) from exc
+        problem = _record_problem(record)
+        if problem:
+            raise _bad_line(path, i + 1, problem, first=not records)
+        records.append(record)
         if i == len(lines) - 1 and repair:
             # A complete record without its newline: finish the line so the next append is clean.
-            with open(path, "ab") as f:
-                f.write(b"\n")
+            try:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+            except OSError as exc:
+                raise JournalError(describe_os_error(exc, "repair the journal")) from exc
         good_bytes += len(raw) + 1
     return records
+
+
+def _record_problem(record: Any) -> str | None:
+    """Why a parsed line is not a journal record (None if it is one)."""
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+        return "not a journal record (a JSON object with a type)"
+    if record["type"] == "cell" and not (
+        isinstance(record.get("key"), str) and isinstance(record.get("cell"), dict)
+    ):
+        return "a cell record without its key"
+    return None
+
+
+def _bad_line(path: Path, line: int, why: str, *, first: bool) -> JournalError:
+    if first:
+        return JournalError(
+            f"{path} is not a dvfs journal (line {line}: {why}): move it aside, or start over "
+            "with `dvfs sweep --fresh`, which renames it"
+        )
+    return JournalError(
+        f"{path}, line {line}: {why}. The journal is damaged: start over with `dvfs sweep "
+        f"--fresh` (it moves the journal aside), or delete line {line} to keep the rest"
+    )

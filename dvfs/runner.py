@@ -69,6 +69,8 @@ class RunSummary:
     skipped: int
     measured: int
     failed: int
+    #: Labels of the cells that failed in this run (a rerun retries them).
+    failed_cells: tuple[str, ...] = ()
 
 
 def measurement_record(m: CellMeasurement) -> dict[str, Any]:
@@ -156,6 +158,9 @@ class Runner:
                 "started": now_iso(),
                 "dvfs_version": __version__,
                 "host": platform.node(),
+                # Retries, timeouts, server command, environment, URL: free to change between
+                # sessions (they are outside the campaign hash), so each session says its own.
+                "settings": self.campaign.operational_dict(),
                 "gpu_backend": self.campaign.gpu.backend,
                 "engine_backend": self.engine.name,
                 "actuation": self.knobs.actuation,
@@ -240,10 +245,10 @@ class Runner:
         warmup: dict[str, Any] = {}
         if m.warmup_tokens:
             t0 = self.clock.now_ns()
-            result = self.engine.run(self._workload(cell, "warmup", m.warmup_tokens))
+            warm = self.engine.run(self._workload(cell, "warmup", m.warmup_tokens))
             warmup = {
                 "duration_s": (self.clock.now_ns() - t0) * 1e-9,
-                "tokens": sum(r.completion_tokens for r in result.requests),
+                "tokens": sum(r.completion_tokens for r in warm.requests),
             }
         parts: list[WindowPart] = []
         total_ns = 0
@@ -323,7 +328,8 @@ class Runner:
         if not todo:
             return RunSummary(len(cells), len(cells), 0, 0)
         self._record_session()
-        measured = failed = 0
+        measured = 0
+        failed: list[str] = []
         start_failures: dict[str, str] = {}
         for cell in todo:
             if cell.drafter != self._drafter and cell.drafter not in start_failures:
@@ -347,7 +353,7 @@ class Runner:
                         "errors": [start_failures[cell.drafter]],
                     }
                 )
-                failed += 1
+                failed.append(cell_label(cell))
                 self.progress.advance(cell, "failed")
                 continue
             if cell.setting != self._setting:
@@ -359,9 +365,9 @@ class Runner:
             if record["status"] == "ok":
                 measured += 1
             else:
-                failed += 1
+                failed.append(cell_label(cell))
             self.progress.advance(cell, record["status"])
-        return RunSummary(len(cells), len(cells) - len(todo), measured, failed)
+        return RunSummary(len(cells), len(cells) - len(todo), measured, len(failed), tuple(failed))
 
 
 def cell_label(cell: Cell) -> str:

@@ -6,6 +6,7 @@ This is the one place that picks real or simulated backends; everything below re
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,12 +20,20 @@ from dvfs.corpora import Corpus, load_corpus
 from dvfs.corpora.model import TokenCounter
 from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.engines.base import Engine
-from dvfs.errors import CampaignError, CorpusError, JournalError
+from dvfs.errors import CampaignError, CorpusError, CubeError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
-from dvfs.journal import JOURNAL_NAME, Journal
+from dvfs.journal import JOURNAL_NAME, Journal, describe_os_error
 from dvfs.plan import Cell, plan_cells
 from dvfs.runner import Progress, Runner, RunSummary
+
+LOCK_NAME = "sweep.lock"
+
+
+class SweepBusyError(JournalError):
+    """Another sweep is writing to the same output folder."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -181,11 +190,49 @@ def fresh_start(out_dir: Path) -> Path | None:
     while (out_dir / f"{JOURNAL_NAME}.{n}").exists():
         n += 1
     target = out_dir / f"{JOURNAL_NAME}.{n}"
-    shutil.move(journal, target)
-    cube = out_dir / CUBE_NAME
-    if cube.exists():
-        shutil.move(cube, out_dir / f"{CUBE_NAME}.{n}")
+    try:
+        shutil.move(journal, target)
+        cube = out_dir / CUBE_NAME
+        if cube.exists():
+            shutil.move(cube, out_dir / f"{CUBE_NAME}.{n}")
+    except OSError as exc:
+        raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
     return target
+
+
+@contextlib.contextmanager
+def out_dir_lock(out_dir: Path) -> Iterator[None]:
+    """Hold OUT/sweep.lock (flock) for the sweep's life, so two sweeps never write one journal.
+
+    The kernel drops the lock when the process dies, however it dies, so there is never a stale
+    lock to clear; the file keeps the holder's pid for the refusal message.
+    """
+    import fcntl
+
+    lock = out_dir / LOCK_NAME
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise JournalError(describe_os_error(exc, f"use {out_dir} as the output folder")) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise SweepBusyError(
+                f"{out_dir} is in use by another dvfs sweep{who}: wait for it to finish, or "
+                "use another --out folder"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            raise JournalError(describe_os_error(exc, f"write {lock}")) from exc
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -193,6 +240,7 @@ class SweepOutcome:
     summary: RunSummary
     journal_path: Path
     cube_path: Path | None
+    moved_journal: Path | None = None
 
 
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
@@ -248,13 +296,34 @@ def run_sweep(
     campaign: Campaign,
     out_dir: Path,
     *,
+    fresh: bool = False,
     progress: Progress | None = None,
     backends: Backends | None = None,
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
 ) -> SweepOutcome:
-    """Run every unfinished cell of `campaign` into `out_dir`, then write the cube."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Run every unfinished cell of `campaign` into `out_dir` (failed cells are retried), then
+    write the cube. `fresh` moves an earlier journal aside first. Refuses an output folder
+    another sweep is using."""
+    with out_dir_lock(out_dir):
+        moved = fresh_start(out_dir) if fresh else None
+        if moved and progress is not None:
+            progress.note(f"moved the previous journal to {moved}")
+        outcome = _run_locked(
+            campaign, out_dir, progress=progress, backends=backends, nvml=nvml, state_dir=state_dir
+        )
+    return SweepOutcome(outcome.summary, outcome.journal_path, outcome.cube_path, moved)
+
+
+def _run_locked(
+    campaign: Campaign,
+    out_dir: Path,
+    *,
+    progress: Progress | None,
+    backends: Backends | None,
+    nvml: ModuleType | None,
+    state_dir: Path | None,
+) -> SweepOutcome:
     from dvfs.corpora.tokens import token_counter
 
     journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
@@ -278,5 +347,11 @@ def run_sweep(
             token_count_method=count_method,
         )
         summary = runner.run(cells)
-    cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)
+    try:
+        cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)
+    except CubeError as exc:
+        raise CubeError(
+            f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "
+            "writes the cube once that is fixed)"
+        ) from exc
     return SweepOutcome(summary, journal.path, cube_path)

@@ -149,3 +149,96 @@ def test_hash_ignores_description_but_not_the_grid(tmp_path: Path) -> None:
     )
     assert base.hash == described.hash
     assert base.hash != regridded.hash
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc", "/abs", "a/b", "..", ".hidden", "nul\\u0000byte", "trailing\\n", "back\\\\slash"],
+)
+def test_a_campaign_name_cannot_escape_the_output_folder(tmp_path: Path, name: str) -> None:
+    text = replace_block(SMALL_CAMPAIGN, 'name = "small"', f'name = "{name}"')
+    expect_error(tmp_path, text, "campaign.name", "becomes a folder")
+
+
+def test_a_file_name_that_cannot_name_the_campaign(tmp_path: Path) -> None:
+    text = replace_block(SMALL_CAMPAIGN, 'name = "small"\n', "")
+    assert load_campaign(write(tmp_path / "ok-name.toml", text)).name == "ok-name"
+    with pytest.raises(CampaignError, match=r"set \[campaign\] name"):
+        load_campaign(write(tmp_path / "my sweep.toml", text))
+
+
+def test_drafter_and_corpus_names_with_a_trailing_newline_are_refused(tmp_path: Path) -> None:
+    drafter = replace_block(SMALL_CAMPAIGN, "[drafters.none]", '[drafters."none\\n"]')
+    expect_error(tmp_path, drafter, "drafter name")
+    corpus = SMALL_CAMPAIGN + '\n[corpus."mine\\n"]\npath = "x.jsonl"\n'
+    expect_error(tmp_path, corpus, "corpus name")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "fragments"),
+    [
+        ("[workload]", "[workloads]", ("[workload]", "did you mean 'workload'")),
+        ("[engine]", "[engin]", ("[engine]", "did you mean 'engine'")),
+        ("batch = [1, 8]", "batches = [1, 8]", ("workload.batch", "did you mean 'batch'")),
+        ('model = "llama', 'modle = "llama', ("engine.model", "did you mean 'model'")),
+        ("[campaign]", "[campain]", ("'campain'", "did you mean 'campaign'")),
+        # The misspelling left a default in place that then fails: name the misspelling.
+        ('backend = "twin"\nprofile = "h100-sxm"', 'backnd = "twin"', ("gpu.backnd", "'backend'")),
+        ("[engine]\nbackend", "[engine]\nbacknd", ("engine.backnd", "did you mean 'backend'")),
+    ],
+)
+def test_misspelt_keys_get_a_did_you_mean(
+    tmp_path: Path, old: str, new: str, fragments: tuple[str, ...]
+) -> None:
+    expect_error(tmp_path, replace_block(SMALL_CAMPAIGN, old, new), *fragments)
+
+
+OPERATIONAL_EDITS = [
+    ("idle_s = 1.0", "idle_s = 1.0\nretries = 9"),
+    ('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\n[engine.sglang]\nrequest_timeout_s = 1e4'),
+    ('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\n[engine.sglang]\nenv = { A = "1" }'),
+    ('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\n[engine.sglang]\nurl = "http://h:1"'),
+    ('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\n[engine.sglang]\nstartup_timeout_s = 5'),
+    (
+        'model = "llama-3.1-8b"',
+        'model = "llama-3.1-8b"\n[engine.sglang]\nserver_command = ["python3", "-m", "x"]',
+    ),
+    ('name = "small"', 'name = "renamed"'),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), OPERATIONAL_EDITS)
+def test_operational_settings_stay_out_of_the_hash(tmp_path: Path, old: str, new: str) -> None:
+    base = load_text(tmp_path, SMALL_CAMPAIGN)
+    changed = load_text(tmp_path, replace_block(SMALL_CAMPAIGN, old, new))
+    assert changed.hash == base.hash
+    assert changed.operational_dict() != base.operational_dict() or old.startswith("name")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("output_tokens = 64", "output_tokens = 32"),
+        ("settle_s = 1.0", "settle_s = 3.0"),
+        ("idle_s = 1.0", "idle_s = 2.0"),
+        ('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\n[engine.sglang]\nextra_args = ["--x"]'),
+        ("devices = [0]", "devices = [1]"),
+        ('profile = "h100-sxm"', 'profile = "h200-sxm"'),
+    ],
+)
+def test_measured_settings_change_the_hash(tmp_path: Path, old: str, new: str) -> None:
+    base = load_text(tmp_path, SMALL_CAMPAIGN)
+    assert load_text(tmp_path, replace_block(SMALL_CAMPAIGN, old, new)).hash != base.hash
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_numbers_must_be_finite(tmp_path: Path, value: str) -> None:
+    text = replace_block(SMALL_CAMPAIGN, "settle_s = 1.0", f"settle_s = {value}")
+    expect_error(tmp_path, text, "knobs.settle_s", "finite")
+
+
+def test_a_campaign_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_bytes("# caf\u00e9\n".encode("latin-1") + SMALL_CAMPAIGN.encode())
+    with pytest.raises(CampaignError, match=r"c\.toml is not UTF-8 text \(byte 0xe9 on line 1\)"):
+        load_campaign(path)

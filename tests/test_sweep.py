@@ -29,6 +29,9 @@ def assert_cubes_equal(a, b, *, energy_rtol: float = 0.0) -> None:
     for dim in a.dims:
         np.testing.assert_array_equal(a[dim].values, b[dim].values)
     for name in a.data_vars:
+        if a[name].dtype.kind in "OUS":  # labels such as the attention backend
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
         rtol = energy_rtol if "energy" in name or "power_mean" in name else 1e-12
         np.testing.assert_allclose(
             a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
@@ -332,3 +335,36 @@ def test_the_twin_holds_the_power_limit_in_the_measured_window(small_sweep: Path
     for limit in ds["power_limit"].values:
         power = ds["power_mean_w"].sel(power_limit=limit)
         assert float(power.max()) <= limit * 1.01, f"window power above the {limit} W limit"
+
+
+def test_a_campaign_name_cannot_write_outside_out(tmp_path: Path, monkeypatch) -> None:
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    campaign = write(
+        work / "evil.toml", replace_block(SMALL_CAMPAIGN, 'name = "small"', 'name = "../../../x"')
+    )
+    for command in (["sweep", str(campaign), "--no-progress"], ["doctor", str(campaign)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        assert result.stderr.count("\n") == 1 and "campaign.name" in result.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "evil.toml"]
+
+
+def test_a_sweep_without_root_points_to_observe_only(tmp_path: Path) -> None:
+    from nvml_support import NVML_CAMPAIGN, fake_env
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    refused = subprocess.run(
+        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(tmp_path / "o")]
+        + ["--no-progress"],
+        env=fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 4, refused.stderr
+    assert "Traceback" not in refused.stderr
+    error = [line for line in refused.stderr.splitlines() if line.startswith("Error")]
+    assert len(error) == 1 and "root" in error[0] and "--observe-only" in error[0]

@@ -1,8 +1,10 @@
 """The `dvfs` command line. Command bodies are short: parse, build, call the library, render.
 
 Exit codes: 0 success; 1 error; 2 bad usage or an invalid campaign/caps file; 3 a GPU holds
-unrestored changes or is in use by another dvfs; 4 permission denied (needs root);
-130/143 interrupted by SIGINT/SIGTERM (GPU settings restored, rerun to resume).
+unrestored changes or is in use by another dvfs, or another sweep is writing to the same --out
+folder; 4 permission denied (needs root); 5 a sweep finished with failed cells (the cube is
+written; rerun to retry them); 130/143 interrupted by SIGINT/SIGTERM (GPU settings restored,
+rerun to resume).
 """
 
 from __future__ import annotations

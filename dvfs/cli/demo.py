@@ -37,7 +37,7 @@ def demo(out_dir: Path, no_progress: bool) -> None:
 
     with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
         campaign = load_campaign(path)
-    run(campaign, out_dir, fresh=False, progress=not no_progress)
+    outcome = run(campaign, out_dir, fresh=False, progress=not no_progress)
     ds = open_cube(out_dir / CUBE_NAME)
     out = console()
     for title, target, corpus in (
@@ -62,3 +62,5 @@ def demo(out_dir: Path, no_progress: bool) -> None:
         f"{len(paths)} figures in {out_dir / 'plots'}; next: "
         f"dvfs headroom {out_dir} --help, dvfs compare {out_dir}, dvfs cube info {out_dir}"
     )
+    if outcome.summary.failed:
+        raise SystemExit(5)

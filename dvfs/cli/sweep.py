@@ -27,15 +27,15 @@ def _observe_only(campaign: Any) -> Any:
 
 def dry_run_report(campaign: Any, out_dir: Path) -> dict[str, Any]:
     """What a sweep would do, without touching a GPU or starting a server."""
-    from dvfs.journal import JOURNAL_NAME, read_records
+    from dvfs.journal import JOURNAL_NAME, journal_differences, read_records
     from dvfs.plan import plan_cells, summarise_plan
 
     cells = plan_cells(campaign)
     done: set[str] = set()
     journal = out_dir / JOURNAL_NAME
-    if journal.exists():
+    if journal.is_file():
         records = read_records(journal)
-        if records and records[0].get("campaign_hash") == campaign.hash:
+        if records and not journal_differences(records[0], campaign):
             done = {
                 r["key"] for r in records if r.get("type") == "cell" and r.get("status") == "ok"
             }
@@ -207,7 +207,9 @@ def sweep(
         if report["problems"]:
             raise SystemExit(2)
         return
-    run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+    if outcome.summary.failed:
+        raise SystemExit(5)
 
 
 def _restore_status(campaign: Any) -> str:
@@ -229,22 +231,28 @@ def _restore_status(campaign: Any) -> str:
     )
 
 
-def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> None:
+def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> Any:
+    """Run the sweep and report; returns the `SweepOutcome` (the caller picks the exit code:
+    5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
     from dvfs.cube import CUBE_NAME, build_cube, write_cube
+    from dvfs.errors import GpuPermissionError
     from dvfs.journal import JOURNAL_NAME
     from dvfs.signals import Interrupted, signals_raise
-    from dvfs.sweep import fresh_start, run_sweep
+    from dvfs.sweep import run_sweep
 
     err = console(stderr=True)
-    if fresh:
-        moved = fresh_start(out_dir)
-        if moved:
-            err.print(f"moved the previous journal to {moved}")
     bar = RichProgress(f"{campaign.name}", enabled=progress)
     try:
         with signals_raise(), bar:
-            outcome = run_sweep(campaign, out_dir, progress=bar)
+            outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar)
+    except GpuPermissionError as exc:
+        if not campaign.gpu.actuation:
+            raise
+        raise GpuPermissionError(
+            f"{exc}. To measure without changing any GPU setting (no root needed), rerun with "
+            "--observe-only"
+        ) from exc
     except (KeyboardInterrupt, Interrupted):
         journal = out_dir / JOURNAL_NAME
         if journal.exists():
@@ -262,7 +270,11 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> None:
     )
     click.echo(f"cube: {outcome.cube_path}")
     if s.failed:
+        shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
         err.print(
-            "[yellow]Some cells failed: rerun the same command to retry them "
-            "(errors are in the journal and in `dvfs cube info`).[/yellow]"
+            f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): the cube is "
+            "written without them; rerun the same command to retry them (errors are in the "
+            "journal and in `dvfs cube info`).[/yellow]",
+            soft_wrap=True,
         )
+    return outcome

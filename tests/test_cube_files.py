@@ -1,0 +1,267 @@
+"""Cube files and output folders: unreadable cubes and disk faults are one line that says what
+to do; cubes are as readable as the journal, follow CF on disk, and merge only within a campaign."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import netCDF4
+import numpy as np
+import pytest
+import xarray as xr
+from click.testing import CliRunner, Result
+from conftest import SMALL_CAMPAIGN, replace_block, write
+from test_journal import TINY, assert_one_line_error
+
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, open_cube
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def sweep(campaign: Path, out: Path, *extra: str) -> Result:
+    return invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
+
+
+@pytest.fixture
+def swept(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    result = sweep(write(tmp_path / "tiny.toml", TINY), out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _commands(out: Path) -> list[tuple[str, ...]]:
+    """Every command that opens a cube."""
+    return [
+        ("cube", "info", str(out)),
+        ("headroom", str(out)),
+        ("compare", str(out)),
+        ("plot", str(out), "--out", str(out / "plots")),
+        ("cube", "merge", str(out), str(out), "--out", str(out / "merged.nc")),
+    ]
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def _not_netcdf(path: Path) -> None:
+    path.write_text("this is not a cube\n")
+
+
+def _foreign_netcdf(path: Path) -> None:
+    xr.Dataset({"t": ("x", np.arange(3.0))}).to_netcdf(path)
+
+
+def _dvfs_attr_without_variables(path: Path) -> None:
+    ds = xr.Dataset(
+        {"t": ("x", np.arange(3.0))},
+        coords={d: [1] for d in ("sm_clock", "power_limit", "batch", "repeat")}
+        | {"drafter": ["none"], "corpus": ["code"]},
+        attrs={"dvfs_schema": 1},
+    )
+    ds.to_netcdf(path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (_truncate, "not a readable netCDF cube"),
+        (_not_netcdf, "not a readable netCDF cube"),
+        (_foreign_netcdf, "is not a dvfs cube"),
+        (_dvfs_attr_without_variables, "lacks"),
+    ],
+)
+def test_a_damaged_cube_says_how_to_rebuild_it(swept: Path, damage, says: str) -> None:
+    cube = swept / "cube.nc"
+    damage(cube)
+    for command in _commands(swept):
+        result = invoke(*command)
+        assert_one_line_error(result, 1, str(cube), says, f"dvfs cube build {swept}")
+    # ... and the advice works.
+    assert invoke("cube", "build", str(swept)).exit_code == 0
+    assert invoke("cube", "info", str(swept)).exit_code == 0
+
+
+def test_a_cube_is_as_readable_as_the_journal(tmp_path: Path) -> None:
+    previous = os.umask(0o027)
+    try:
+        out = tmp_path / "out"
+        assert sweep(write(tmp_path / "tiny.toml", TINY), out).exit_code == 0
+    finally:
+        os.umask(previous)
+    cube_mode = stat.S_IMODE((out / "cube.nc").stat().st_mode)
+    journal_mode = stat.S_IMODE((out / "journal.jsonl").stat().st_mode)
+    assert cube_mode == journal_mode == 0o640
+
+
+def test_the_cube_follows_cf_on_disk_and_indexes_by_label(swept: Path) -> None:
+    with netCDF4.Dataset(swept / "cube.nc") as nc:
+        for name, var in nc.variables.items():
+            if name in nc.dimensions:  # a coordinate variable: numeric, never a fill value
+                assert "_FillValue" not in var.ncattrs(), name
+                assert np.dtype(var.dtype).kind in "iuf", name
+                assert var.getncattr("units") and var.getncattr("long_name"), name
+        assert "drafter" not in nc.variables and "corpus" not in nc.variables
+        for dim in ("drafter", "corpus"):
+            label = nc.variables[f"{dim}_label"]
+            assert label.dimensions == (dim,)
+            assert label.dtype is str
+            assert label.getncattr("long_name")
+            assert "_FillValue" not in label.ncattrs()
+        assert list(nc.variables["drafter_label"][:]) == ["none", "eagle3"]
+        assert "drafter_label" in nc.variables["energy_j"].getncattr("coordinates").split()
+    ds = open_cube(swept / "cube.nc")
+    assert ds["drafter"].values.tolist() == ["none", "eagle3"]
+    assert ds.sel(drafter="eagle3", corpus="code")["energy_j"].notnull().all()
+    assert "drafter_label" not in ds.variables
+
+
+def test_a_merged_cube_labels_its_gpus(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert sweep(write(tmp_path / "a.toml", TINY), a).exit_code == 0
+    h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
+    assert sweep(write(tmp_path / "b.toml", h200), b).exit_code == 0
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(a), str(b), "--out", str(merged))
+    assert result.exit_code == 0, result.output
+    with netCDF4.Dataset(merged) as nc:
+        assert "gpu" not in nc.variables
+        assert nc.variables["gpu_label"].dimensions == ("gpu",)
+        assert "_FillValue" not in nc.variables["power_limit"].ncattrs()
+    ds = open_cube(merged)
+    first = str(ds["gpu"].values[0])
+    assert ds.sel(gpu=first, drafter="none")["energy_j"].notnull().any()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named"),
+    [
+        ("output_tokens = 64", "output_tokens = 32", "workload.output_tokens: 64 -> 32"),
+        ("sm_clock = [1980, 1005]", "sm_clock = [1980, 1500]", "knobs.sm_clock"),
+        ("input_tokens = [16, 2048]", "input_tokens = [16, 512]", "workload.input_tokens"),
+        ("batch = [1, 8]", "batch = [1, 4]", "workload.batch"),
+        ("repeats = 2", "repeats = 1", "measurement.repeats: 2 -> 1"),
+    ],
+)
+def test_merge_refuses_cubes_of_different_workloads(
+    tmp_path: Path, old: str, new: str, named: str
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert sweep(write(tmp_path / "a.toml", TINY), a).exit_code == 0
+    other = replace_block(
+        replace_block(TINY, old, new), 'profile = "h100-sxm"', 'profile = "h200-sxm"'
+    )
+    assert sweep(write(tmp_path / "b.toml", other), b).exit_code == 0
+    result = invoke("cube", "merge", str(a), str(b), "--out", str(tmp_path / "m.nc"))
+    assert_one_line_error(result, 1, "cannot merge", named)
+    assert not (tmp_path / "m.nc").exists()
+
+
+# -- output-folder faults ---------------------------------------------------------------------
+
+
+def _no_temp_files(folder: Path) -> None:
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_full_disk_while_writing_the_cube(tmp_path: Path, monkeypatch) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+
+    def full(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        Path(path).write_bytes(b"\x89HDF half a file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", full)
+    result = sweep(campaign, out)
+    assert_one_line_error(
+        result,
+        1,
+        f"cannot write the cube {out / 'cube.nc'}: No space left on device",
+        "free some space",
+        f"dvfs cube build {out}",
+        notes=("starting twin server",),
+    )
+    _no_temp_files(out)
+    assert not (out / "cube.nc").exists()
+    monkeypatch.undo()
+    again = sweep(campaign, out)  # nothing left behind blocks the rerun; no cell is measured twice
+    assert again.exit_code == 0, again.output
+    assert "0 cell(s) measured" in again.output
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+def test_a_full_disk_while_writing_the_journal(tmp_path: Path, monkeypatch) -> None:
+    import dvfs.journal
+
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    calls = {"n": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(dvfs.journal.os, "fsync", fsync)
+    result = sweep(campaign, out)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert "cannot write the journal: No space left on device" in result.stderr
+    monkeypatch.undo()
+    # What a full disk may leave: half a line at the end.
+    with open(out / "journal.jsonl", "a") as f:
+        f.write('{"type":"cell","key":"{\\"batch')
+    again = sweep(campaign, out)
+    assert again.exit_code == 0, again.output
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+def test_out_under_a_regular_file(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    (tmp_path / "somefile").write_text("x")
+    result = sweep(campaign, tmp_path / "somefile" / "x")
+    assert_one_line_error(result, 1, "somefile", "not a folder", "--out")
+    # A missing parent is created.
+    assert sweep(campaign, tmp_path / "new" / "deeper" / "out").exit_code == 0
+
+
+def test_a_read_only_output_folder(tmp_path: Path, monkeypatch) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "ro" / "out"
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self == out:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    result = sweep(campaign, out)
+    assert_one_line_error(result, 1, str(out), "Read-only file system", "--out")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_folder_without_write_permission(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        result = sweep(campaign, out)
+        assert_one_line_error(result, 1, "Permission denied", "--out")
+    finally:
+        out.chmod(0o755)
+
+
+def test_the_small_campaign_template_is_unchanged() -> None:
+    assert "output_tokens = 64" in SMALL_CAMPAIGN  # the merge tests edit it

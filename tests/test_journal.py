@@ -1,0 +1,155 @@
+"""A damaged journal is one clear line naming the file, the line and what to do; never a
+traceback, and never silently rewritten."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import SMALL_CAMPAIGN, replace_block, write
+
+from dvfs.cli import cli
+from dvfs.journal import read_records
+
+#: One drafter, one corpus, one knob setting: 4 cells, a fraction of a second on the twin.
+TINY = replace_block(
+    replace_block(
+        replace_block(SMALL_CAMPAIGN, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]"),
+        "power_limit = [700, 300]",
+        "power_limit = [700]",
+    ),
+    'corpora = ["code", "conversation"]',
+    'corpora = ["code"]',
+)
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def assert_one_line_error(
+    result: Result, code: int, *fragments: str, notes: tuple[str, ...] = ()
+) -> str:
+    """Exit `code`, no traceback, exactly one line on stderr holding every fragment (besides
+    progress notes starting with one of `notes`, printed before the failure)."""
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert "Traceback" not in result.output
+    lines = [
+        line for line in result.stderr.strip().splitlines() if not line.startswith(notes or "\0")
+    ]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def swept(tmp_path: Path) -> tuple[Path, Path]:
+    """A finished sweep of TINY: (campaign file, output folder)."""
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    return campaign, out
+
+
+def _lines(journal: Path) -> list[bytes]:
+    return journal.read_bytes().split(b"\n")
+
+
+def _replace_line(journal: Path, index: int, raw: bytes) -> None:
+    lines = _lines(journal)
+    lines[index] = raw
+    journal.write_bytes(b"\n".join(lines))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(b"\xff\xfe\x00\x01garbage", id="not-utf8"),
+        pytest.param(b'{"type":"cell","key":"x","cel', id="torn"),
+        pytest.param(b"[1, 2, 3]", id="not-an-object"),
+        pytest.param(b'{"type":"cell","status":"ok"}', id="cell-without-key"),
+    ],
+)
+def test_a_bad_middle_line_names_the_line_and_the_way_out(
+    swept: tuple[Path, Path], bad: bytes
+) -> None:
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    _replace_line(journal, 4, bad)
+    before = journal.read_bytes()
+    for result in (
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress"),
+        invoke("sweep", str(campaign), "--out", str(out), "--dry-run"),
+        invoke("cube", "build", str(out)),
+    ):
+        line = assert_one_line_error(result, 1, str(journal), "line 5", "--fresh")
+        assert "delete line 5" in line
+    assert journal.read_bytes() == before, "a damaged journal must not be rewritten"
+    # --fresh moves it aside intact and starts over.
+    fresh = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh")
+    assert fresh.exit_code == 0, fresh.output
+    assert (out / "journal.jsonl.1").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(bytes(range(256)) * 4, id="binary"),
+        pytest.param(b"\x89HDF\r\n\x1a\n\x00\x00", id="hdf5-magic"),
+        pytest.param(b"just some notes, no newline", id="text-one-line"),
+        pytest.param(b'{"type":"cell","key":"k","cell":{}}\n', id="no-header"),
+    ],
+)
+def test_a_file_that_is_not_a_journal_is_refused_and_left_alone(
+    tmp_path: Path, content: bytes
+) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / "journal.jsonl"
+    journal.write_bytes(content)
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert_one_line_error(result, 1, str(journal), "--fresh")
+    # A one-line file used to pass for a torn last line and be truncated to nothing.
+    assert journal.read_bytes() == content
+
+
+def test_a_torn_last_line_is_still_dropped_and_the_sweep_resumes(swept: tuple[Path, Path]) -> None:
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    cells = [r for r in records if r["type"] == "cell"]
+    kept = [r for r in records if r["type"] != "cell"] + cells[:-1]
+    torn = json.dumps(cells[-1])[:40]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept) + torn)
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "1 cell(s) measured" in result.output
+    assert all(line.strip() for line in journal.read_text().splitlines())
+
+
+def test_another_campaigns_journal_is_still_refused(swept: tuple[Path, Path], tmp_path) -> None:
+    _, out = swept
+    other = write(tmp_path / "other.toml", replace_block(TINY, "batch = [1, 8]", "batch = [2]"))
+    result = invoke("sweep", str(other), "--out", str(out), "--no-progress")
+    assert_one_line_error(result, 1, "belongs to campaign", "workload.batch", "--fresh")
+
+
+def test_a_journal_from_a_newer_dvfs_is_refused(swept: tuple[Path, Path]) -> None:
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    records[0]["journal_schema"] = 99
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for result in (
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress"),
+        invoke("cube", "build", str(out)),
+    ):
+        assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")

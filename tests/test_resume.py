@@ -1,0 +1,175 @@
+"""Resuming a sweep: operational settings may change between sessions (each session records its
+own), measured settings may not; failed cells are retried; one sweep per output folder."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
+from test_journal import TINY, assert_one_line_error
+
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, open_cube
+from dvfs.errors import EngineError
+from dvfs.journal import read_records
+from dvfs.runner import Runner
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def sweep(campaign: Path, out: Path, *extra: str) -> Result:
+    return invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
+
+
+def _interrupt_after(journal: Path, cells: int) -> None:
+    """Cut the journal back to its first `cells` cell records, as if the sweep had been killed."""
+    kept, seen = [], 0
+    for record in read_records(journal):
+        if record["type"] == "cell":
+            seen += 1
+            if seen > cells:
+                continue
+        kept.append(record)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+OPERATIONAL = replace_block(
+    replace_block(SMALL_CAMPAIGN, "idle_s = 1.0\n", "idle_s = 1.0\nretries = 5\n"),
+    'model = "llama-3.1-8b"\n',
+    'model = "llama-3.1-8b"\n\n[engine.sglang]\nrequest_timeout_s = 600\n'
+    'stall_timeout_s = 300\nserver_command = ["/opt/sglang/bin/python", "-m", '
+    '"sglang.launch_server"]\nenv = { SGLANG_LOG_LEVEL = "debug" }\n',
+)
+
+
+def test_a_resume_may_change_operational_settings_and_journals_each_session(
+    tmp_path: Path,
+) -> None:
+    first = write(tmp_path / "small.toml", SMALL_CAMPAIGN)
+    out = tmp_path / "out"
+    assert sweep(first, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    _interrupt_after(journal, 40)
+    # Longer timeouts, more retries, another server command and environment: same measurement.
+    second = write(tmp_path / "small.toml", OPERATIONAL)
+    resumed = sweep(second, out)
+    assert resumed.exit_code == 0, resumed.output
+    assert "56 cell(s) measured" in resumed.output
+    sessions = [r for r in read_records(journal) if r["type"] == "session"]
+    assert len(sessions) == 2
+    before, after = (s["settings"] for s in sessions)
+    assert before["measurement.retries"] == 2 and after["measurement.retries"] == 5
+    assert before["engine.sglang.request_timeout_s"] == 120.0
+    assert after["engine.sglang.request_timeout_s"] == 600.0
+    assert after["engine.sglang.env"] == {"SGLANG_LOG_LEVEL": "debug"}
+    assert after["engine.sglang.server_command"][0] == "/opt/sglang/bin/python"
+    assert all(s["started"] and s["dvfs_version"] for s in sessions)
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named"),
+    [
+        ("output_tokens = 64", "output_tokens = 32", "workload.output_tokens: 64 -> 32"),
+        ("settle_s = 1.0", "settle_s = 5.0", "knobs.settle_s: 1.0 -> 5.0"),
+        ("sm_clock = [1980, 1005]", "sm_clock = [1980, 1500]", "knobs.sm_clock"),
+        ("num_steps = 3", "num_steps = 2", "drafters[eagle3].num_steps: 3 -> 2"),
+    ],
+)
+def test_a_resume_refuses_a_measured_change_and_names_it(
+    tmp_path: Path, old: str, new: str, named: str
+) -> None:
+    out = tmp_path / "out"
+    assert sweep(write(tmp_path / "small.toml", TINY), out).exit_code == 0
+    text = replace_block(TINY, old, new)
+    if "num_steps = 2" in new:
+        text = replace_block(text, "num_draft_tokens = 4", "num_draft_tokens = 3")
+    result = sweep(write(tmp_path / "changed.toml", text), out)
+    assert_one_line_error(result, 1, named, "--fresh", "--out")
+
+
+def test_failed_cells_exit_5_and_a_rerun_retries_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    measure = Runner.measure
+
+    def flaky(self: Runner, cell):  # type: ignore[no-untyped-def]
+        if cell.batch == 8 and cell.drafter == "eagle3":
+            raise EngineError("the server answered 500")
+        return measure(self, cell)
+
+    monkeypatch.setattr(Runner, "measure", flaky)
+    result = sweep(campaign, out)
+    assert result.exit_code == 5, result.output
+    assert "Traceback" not in result.output
+    assert "Finished with 4 failed cell(s)" in result.stderr
+    assert "eagle3/code/b8" in result.stderr and "rerun" in result.stderr
+    ds = open_cube(out / "cube.nc")  # the cube is still written
+    assert int((ds["cell_status"].values != STATUS_OK).sum()) == 4
+    monkeypatch.setattr(Runner, "measure", measure)
+    again = sweep(campaign, out)
+    assert again.exit_code == 0, again.output
+    assert "4 cell(s) measured" in again.output
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+def test_a_second_sweep_into_a_busy_folder_refuses(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / "sweep.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        result = sweep(campaign, out)
+        assert_one_line_error(result, 3, "in use by another dvfs sweep", "pid 4242", "--out")
+        assert not (out / "journal.jsonl").exists()
+        fresh = sweep(campaign, out, "--fresh")  # --fresh must not move a live journal either
+        assert fresh.exit_code == 3
+    assert sweep(campaign, out).exit_code == 0  # released
+
+
+@pytest.mark.slow
+def test_the_lock_names_the_running_sweep_and_dies_with_it(tmp_path: Path) -> None:
+    from test_sweep import BIG, _start, _wait_for_cells
+
+    campaign = write(tmp_path / "big.toml", BIG)
+    out = tmp_path / "out"
+    proc = _start(campaign, out)
+    try:
+        _wait_for_cells(proc, out / "journal.jsonl", 10)
+        second = subprocess.run(
+            [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 3, second.stderr
+        assert f"pid {proc.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # A killed sweep holds nothing: the next run resumes at once.
+    resumed = subprocess.run(
+        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
