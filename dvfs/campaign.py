@@ -110,6 +110,8 @@ class SglangConfig:
     request_timeout_s: float = 120.0
     stall_timeout_s: float = 60.0
     env: tuple[tuple[str, str], ...] = ()
+    #: Pinned for every drafter's server ("auto": SGLang picks, and dvfs checks they agree).
+    attention_backend: str = "fa3"
 
 
 @dataclass(frozen=True)
@@ -555,7 +557,10 @@ def _engine(table: _Table, gpu: GpuConfig) -> EngineConfig:
         request_timeout_s=sg.number("request_timeout_s", 120.0, strictly_positive=True),
         stall_timeout_s=sg.number("stall_timeout_s", 60.0, strictly_positive=True),
         env=tuple(sorted(env.items())),
+        attention_backend=_attention_backend(sg),
     )
+    _refuse_managed_flags(sg, "extra_args", sglang.extra_args, "drafters.<name>")
+    _check_visible_devices(sg, env, gpu)
     sg.finish()
     table.finish()
     if backend == "twin":
@@ -566,6 +571,52 @@ def _engine(table: _Table, gpu: GpuConfig) -> EngineConfig:
         except CampaignError as exc:
             raise table.fail("twin_model" if twin_model else "model", str(exc)) from exc
     return EngineConfig(backend, model, tp_size, twin_model, sglang)
+
+
+def _attention_backend(sg: _Table) -> str:
+    from dvfs.engines.sglang_args import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
+
+    value: str = sg.string("attention_backend", DEFAULT_ATTENTION_BACKEND)
+    if value != "auto" and value not in ATTENTION_BACKENDS:
+        raise sg.fail(
+            "attention_backend",
+            f'{value!r} is not an SGLang attention backend; choose "auto" (SGLang picks, dvfs '
+            f"checks every drafter gets the same) or one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+    return value
+
+
+def _refuse_managed_flags(table: _Table, key: str, args: tuple[str, ...], drafter: str) -> None:
+    """Flags dvfs sets itself must not come back through extra_args (argparse keeps the last)."""
+    from dvfs.engines.sglang_args import managed_flag
+
+    for token in args:
+        found = managed_flag(token, drafter)
+        if found is not None:
+            flag, use = found
+            written = "" if token.split("=", 1)[0] == flag else f" (as {token!r})"
+            raise table.fail(key, f"sets {flag}{written}, which dvfs sets itself; use {use}")
+
+
+def _check_visible_devices(sg: _Table, env: dict[str, Any], gpu: GpuConfig) -> None:
+    """dvfs pins the server to gpu.devices by UUID; an env naming other GPUs contradicts it."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    if not all(e.startswith(("GPU-", "MIG-")) for e in entries):
+        raise sg.fail(
+            "env",
+            f"CUDA_VISIBLE_DEVICES = {value!r}: CUDA and NVML may number GPUs differently, and "
+            "dvfs already pins the server to gpu.devices by UUID; remove CUDA_VISIBLE_DEVICES",
+        )
+    uuids = [d for d in gpu.devices if isinstance(d, str)]
+    if len(uuids) == len(gpu.devices) and entries != uuids:
+        raise sg.fail(
+            "env",
+            f"CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices {list(gpu.devices)}; "
+            "remove it (dvfs pins the server to gpu.devices by UUID)",
+        )
 
 
 def _drafter(table: _Table, name: str, engine: EngineConfig) -> DrafterSpec:
@@ -589,6 +640,12 @@ def _drafter(table: _Table, name: str, engine: EngineConfig) -> DrafterSpec:
     block = table.integer("block_size", minimum=2)
     extra = _argv_list(table, "extra_args")
     table.finish()
+    _refuse_managed_flags(table, "extra_args", extra, table.path)
+    if algorithm == "NGRAM" and draft_model is not None:
+        raise table.fail(
+            "draft_model",
+            "NGRAM drafts from the text seen so far and takes no draft model; remove draft_model",
+        )
     if algorithm is None:
         given = [
             k

@@ -117,7 +117,7 @@ VARIABLES = (
     VarSpec(
         "server_accept_length",
         "1",
-        "tokens per verify pass as the server reports it (prefill excluded; SGLang >= 0.5.23)",
+        "tokens per verify pass as the server reports it (prefill excluded)",
         "server_accept_length",
     ),
     VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window", "power_mean_w"),
@@ -362,6 +362,14 @@ def _build(view: JournalView) -> xr.Dataset:
             data[spec.name],
             {"units": spec.units, "long_name": spec.long_name},
         )
+    # The attention kernels each drafter's server resolved ("" where unknown, e.g. the twin):
+    # arms that differ here also compare kernels, not just drafters.
+    backends = {s["drafter"]: s.get("attention_backend") or "" for s in view.servers}
+    variables["attention_backend"] = (
+        ("drafter",),
+        np.array([backends.get(d, "") for d in grid["drafter"]], dtype=object),
+        {"units": "1", "long_name": "attention backend of the drafter's server"},
+    )
     variables["cell_status"] = (
         CELL_DIMS,
         status,
@@ -406,6 +414,8 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
             enc[name] = {"dtype": dtype, "_FillValue": -1, "zlib": True, "complevel": 4}
         elif name == "cell_status":
             enc[name] = {"zlib": True, "complevel": 4}
+        elif name == "attention_backend":
+            enc[name] = {}  # variable-length strings: no fill value, no compression
         else:
             enc[name] = {"_FillValue": np.nan, "zlib": True, "complevel": 4}
     return enc

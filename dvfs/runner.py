@@ -200,6 +200,7 @@ class Runner:
                 "version": info.version,
                 "args": info.args,
                 "log_path": info.log_path,
+                "attention_backend": info.attention_backend,
             }
         )
 

@@ -165,7 +165,9 @@ def open_backends(
             from dvfs.engines.sglang import SglangEngine
 
             engine = stack.enter_context(
-                SglangEngine.from_campaign(campaign, clock=clock, log_dir=out_dir / "logs")
+                SglangEngine.from_campaign(
+                    campaign, clock=clock, log_dir=out_dir / "logs", gpus=gpus
+                )
             )
         yield Backends(clock, gpus, engine)
 

@@ -38,7 +38,9 @@ def stub_campaign(
     output_tokens: int = 32,
     warmup_tokens: int = 4,
     stall_timeout_s: float = 10.0,
+    request_timeout_s: float = 30.0,
     retries: int = 1,
+    gpu: str = 'backend = "twin"\nprofile = "h100-sxm"',
 ) -> tuple[Path, str]:
     """A campaign whose engine is the stub (launched by dvfs as its "server command").
 
@@ -67,8 +69,7 @@ num_draft_tokens = 4
 name = "stub"
 
 [gpu]
-backend = "twin"
-profile = "h100-sxm"
+{gpu}
 
 [knobs]
 {knobs}
@@ -80,7 +81,7 @@ model = "{marker}"
 [engine.sglang]
 server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}]
 startup_timeout_s = 30
-request_timeout_s = 30
+request_timeout_s = {request_timeout_s}
 stall_timeout_s = {stall_timeout_s}
 env = {{ SGLANG_STUB_CONFIG = {json.dumps(str(config))} }}
 {sglang_extra}

@@ -349,7 +349,7 @@ def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: s
     assert stub.request("POST", "/flush_cache")[0] == 200
     _, info = stub.json("GET", "/server_info")
     after = info["internal_states"][0]["avg_spec_accept_length"]
-    assert after == (0.0 if version == "0.5.23" else average)
+    assert after == 0.0  # Scheduler.flush_cache resets the metrics in 0.5.9 and 0.5.23 alike
 
 
 # --------------------------------------------------------------------------- argv
@@ -459,13 +459,14 @@ def test_flush_cache_is_refused_while_a_request_runs(launch: Launcher) -> None:
         assert read_events(response, limit=1)
         assert stub.request("POST", "/flush_cache")[0] == 400
         assert stub.request("GET", "/flush_cache")[0] == 400
-        started = time.monotonic()
         status, body = stub.json("POST", "/generate", generate_body(3, ignore_eos=True))
         assert status == 200 and body["meta_info"]["completion_tokens"] == 3
-        assert time.monotonic() - started < 1.5  # not queued behind the running stream
+        # Not queued behind the running stream: that one is still going after this one ended.
+        [event] = read_events(response, limit=1)
+        assert json.loads(event)["meta_info"]["finish_reason"] is None
     finally:
         conn.close()  # the stub aborts the request at its next write
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 60.0  # a guard against hanging, not a latency bound
     while stub.request("POST", "/flush_cache")[0] != 200:
         assert time.monotonic() < deadline, stub.log_tail()
         time.sleep(0.02)
@@ -512,7 +513,7 @@ def test_malformed_chunk_and_stall(launch: Launcher) -> None:
     finally:
         conn.close()
     assert "[DONE]" not in events
-    assert 0.4 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.4  # quiet for stall_s (a lower bound only)
 
 
 @pytest.mark.slow

@@ -92,6 +92,9 @@ class ServerInfo:
     drafter: str
     args: dict[str, Any] = field(default_factory=dict)
     log_path: str | None = None
+    #: The attention kernels the server resolved ("fa3", or "prefill=X,decode=Y"); None: not
+    #: applicable (the twin) or not reported.
+    attention_backend: str | None = None
 
 
 class Engine(Protocol):

@@ -1,9 +1,12 @@
 """The SGLang engine: a real server per drafter, fixed-batch or closed-loop decoding over HTTP.
 
 The server runs as its own process group (argv list, never a shell) with its log kept in the
-sweep folder. It is stopped, whole group, on exit, error and signal; and it is asked to die
-with dvfs (PR_SET_PDEATHSIG) so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a
-server already running at a URL and never starts or stops it.
+sweep folder, on the metered GPUs only (CUDA_VISIBLE_DEVICES = their UUIDs). It is stopped,
+whole group, on exit, error, signal and a failed check of what it resolved; and it is asked to
+die with dvfs (PR_SET_PDEATHSIG, armed by the `_pdeathsig` launcher rather than a `preexec_fn`)
+so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a server already running at a URL and
+never starts or stops it. Every drafter's server must run the same attention kernels
+(`check_same_kernels`).
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +28,11 @@ from dvfs.clock import Clock
 from dvfs.corpora import Prompt
 from dvfs.engines.base import RoundResult, ServerInfo, Workload
 from dvfs.engines.sglang_args import (
+    Kernels,
+    check_same_kernels,
     launch_argv,
     parse_version,
+    predicted_attention_backend,
     probe_help,
     server_command,
     server_env,
@@ -44,16 +53,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when dvfs dies, even by SIGKILL (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+def dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` behind the `_pdeathsig` launcher, so the server gets SIGTERM when dvfs dies, even
+    by SIGKILL (Linux; elsewhere the argv is left as it is)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    launcher = Path(__file__).with_name("_pdeathsig.py")
+    return [sys.executable, "-I", str(launcher), str(os.getpid()), *argv]
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -107,6 +113,7 @@ class SglangEngine:
         clock: Clock,
         log_dir: Path,
         formatter: ChatFormatter | None = None,
+        gpu_uuids: Sequence[str] = (),
     ) -> None:
         self.campaign = campaign
         self.config = campaign.engine.sglang
@@ -122,10 +129,27 @@ class SglangEngine:
         self._starts = 0
         self._round = 0
         self._version: tuple[int, ...] | None = None
+        #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
+        self.gpu_uuids = tuple(gpu_uuids)
+        #: Each started drafter's resolved attention kernels, for `check_same_kernels`.
+        self.kernels: dict[str, Kernels] = {}
+        self.pinned_backend: str | None = (
+            None if self.config.attention_backend == "auto" else self.config.attention_backend
+        )
+        if self.pinned_backend is None and not self.config.url:
+            # Refuse before measuring anything when SGLang would already pick differently.
+            predicted = {
+                d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
+            }
+            check_same_kernels(predicted)
 
     @classmethod
-    def from_campaign(cls, campaign: Campaign, *, clock: Clock, log_dir: Path) -> SglangEngine:
-        return cls(campaign, clock=clock, log_dir=log_dir)
+    def from_campaign(
+        cls, campaign: Campaign, *, clock: Clock, log_dir: Path, gpus: Sequence[Any] = ()
+    ) -> SglangEngine:
+        """The engine for `campaign`; real (NVML) GPUs pin the server to their UUIDs."""
+        uuids = [g.identity.uuid for g in gpus] if campaign.gpu.backend == "nvml" else []
+        return cls(campaign, clock=clock, log_dir=log_dir, gpu_uuids=uuids)
 
     def __enter__(self) -> SglangEngine:
         return self
@@ -145,7 +169,9 @@ class SglangEngine:
     def launch_help(self) -> str | None:
         if not self._help_probed:
             self._help_probed = True
-            self._help = probe_help(server_command(self.campaign), env=server_env(self.campaign))
+            self._help = probe_help(
+                server_command(self.campaign), env=server_env(self.campaign, self.gpu_uuids)
+            )
         return self._help
 
     def start(self, drafter: DrafterSpec) -> ServerInfo:
@@ -160,17 +186,23 @@ class SglangEngine:
         self._log_file = open(self._log_path, "ab")  # noqa: SIM115 (closed in stop())
         self._log_file.write(("$ " + " ".join(argv) + "\n").encode())
         self._log_file.flush()
-        env = server_env(self.campaign)
+        try:
+            env = server_env(self.campaign, self.gpu_uuids)
+        except EngineError:
+            self.stop()
+            raise
         log.info("starting SGLang: %s", " ".join(argv))
+        if shutil.which(argv[0], path=env.get("PATH")) is None:
+            self.stop()
+            raise EngineError(f"cannot start the server: {argv[0]} not found")
         try:
             self._process = subprocess.Popen(
-                argv,
+                dying_with_parent(argv),
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             self.stop()
@@ -186,7 +218,11 @@ class SglangEngine:
                 f"the {drafter.name!r} server failed to start: {exc}\n"
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
-        self._check_resolved(drafter, info)
+        try:
+            kernels = self._check_resolved(drafter, info)
+        except EngineError:
+            self.stop()  # a server that does not run what was asked must not linger
+            raise
         self._version = server_version(info)
         return ServerInfo(
             "sglang",
@@ -194,6 +230,7 @@ class SglangEngine:
             drafter.name,
             _resolved_args(info),
             str(self._log_path),
+            attention_backend=kernels.label,
         )
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:
@@ -201,13 +238,28 @@ class SglangEngine:
         self._client = self._client_for(self.config.url)
         self._client.wait_healthy(self.config.startup_timeout_s)
         info = self._client.server_info()
+        kernels = self._check_kernels(drafter, _resolved_args(info))
         self._version = server_version(info)
         return ServerInfo(
-            "sglang", str(info.get("version", "?")), drafter.name, _resolved_args(info), None
+            "sglang",
+            str(info.get("version", "?")),
+            drafter.name,
+            _resolved_args(info),
+            None,
+            attention_backend=kernels.label,
         )
 
-    def _check_resolved(self, drafter: DrafterSpec, info: dict[str, Any]) -> None:
-        """The server must run what was asked: the algorithm and room for the largest batch."""
+    def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
+        """The drafter's attention kernels: the pinned ones, and the same as the other drafters'."""
+        kernels = Kernels.from_args(args)
+        others = {k: v for k, v in self.kernels.items() if k != drafter.name}
+        check_same_kernels({**others, drafter.name: kernels}, self.pinned_backend)
+        self.kernels[drafter.name] = kernels
+        return kernels
+
+    def _check_resolved(self, drafter: DrafterSpec, info: dict[str, Any]) -> Kernels:
+        """The server must run what was asked: the algorithm, room for the largest batch, and
+        the attention kernels every drafter shares."""
         args = _resolved_args(info)
         algorithm = args.get("speculative_algorithm")
         if (algorithm or None) != drafter.algorithm and not (
@@ -223,6 +275,7 @@ class SglangEngine:
             raise EngineError(
                 f"the server caps running requests at {running}, below the largest batch {largest}"
             )
+        return self._check_kernels(drafter, args)
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -275,10 +328,9 @@ class SglangEngine:
             else:
                 traces = client.run_batch(texts, params, tag)
             ended = self.clock.now_ns()
-            # Before 0.5.23 a flush does not reset the server's running average: it would mix
-            # cells, so there is nothing to cross-check against.
-            fresh = self._version is not None and self._version >= (0, 5, 23)
-            accept = client.accept_length() if fresh else None
+            # The flush above reset the server's running average (Scheduler.flush_cache calls
+            # reset_metrics in 0.5.9 and 0.5.23 alike), so it covers this round only.
+            accept = client.accept_length()
         except EngineConnectionError as exc:
             if not self.config.url and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc

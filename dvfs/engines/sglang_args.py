@@ -8,14 +8,23 @@
   ambiguous prefix that argparse rejects. Which one is read from `launch_server --help`,
   else from the version.
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
+- `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
+  itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
+  is above 1 (or is 1 with --page-size above 1), so "EAGLE vs none" would also compare kernels.
+- Flags dvfs sets itself may not come back through `extra_args` (argparse keeps the last value,
+  abbreviations included): `managed_flag` finds them so the campaign loader can refuse them.
+- The server sees only the metered GPUs: CUDA_VISIBLE_DEVICES holds their UUIDs (CUDA and NVML
+  may number GPUs differently; a UUID means the same GPU to both).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from dvfs.campaign import Campaign, DrafterSpec
 from dvfs.errors import EngineError
@@ -27,6 +36,61 @@ ALGORITHMS_BY_VERSION = {
     (0, 5, 9): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
     (0, 5, 23): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"),
 }
+
+
+#: Values of `--attention-backend` in SGLang 0.5.9 and 0.5.23 (their option tables' choices).
+ATTENTION_BACKENDS = (
+    "aiter", "ascend", "compressed", "cutedsl_mla", "cutlass_mla", "dsa", "dsv4",
+    "dual_chunk_flash_attn", "fa3", "fa4", "flashinfer", "flashmla", "flex_attention",
+    "hpc_ops", "intel_amx", "intel_xpu", "llada2_cfg_flashinfer", "minicpm_flashattn",
+    "minicpm_flashinfer", "nsa", "qsa", "tokenspeed_mla", "torch_native", "triton",
+    "trtllm_mha", "trtllm_mla", "wave",
+)  # fmt: skip
+#: engine.sglang.attention_backend's default: SGLang's own pick on Hopper for every drafter but
+#: EAGLE with topk > 1, and a kernel that serves every drafter (EAGLE trees included).
+DEFAULT_ATTENTION_BACKEND = "fa3"
+#: Flags dvfs sets in every launch argv (aliases included), and the campaign key that sets each.
+#: `{drafter}` is filled with the drafter's table.
+MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--model-path", "--model"), "engine.model"),
+    (("--host",), "engine.sglang.host"),
+    (("--port",), "engine.sglang.url to serve on a port of your choosing (dvfs picks a free one)"),
+    (("--tp-size", "--tensor-parallel-size"), "engine.tp_size"),
+    (("--base-gpu-id",), "gpu.devices (dvfs pins the server to them)"),
+    (("--attention-backend",), "engine.sglang.attention_backend"),
+    (("--prefill-attention-backend",), "engine.sglang.attention_backend"),
+    (("--decode-attention-backend",), "engine.sglang.attention_backend"),
+    (("--max-running-requests",), "workload.batch (dvfs sets it to the largest batch)"),
+    (("--cuda-graph-max-bs",), "workload.batch (dvfs sets it to the largest batch)"),
+    (("--cuda-graph-max-bs-decode",), "workload.batch (dvfs sets it to the largest batch)"),
+    (("--speculative-algorithm",), "{drafter}.algorithm"),
+    (("--speculative-draft-model-path", "--speculative-draft-model"), "{drafter}.draft_model"),
+    (("--speculative-num-steps",), "{drafter}.num_steps"),
+    (("--speculative-eagle-topk",), "{drafter}.eagle_topk"),
+    (("--speculative-num-draft-tokens",), "{drafter}.num_draft_tokens"),
+    (("--speculative-dflash-block-size",), "{drafter}.block_size"),
+)
+
+
+def managed_flag(token: str, drafter: str = "drafters.<name>") -> tuple[str, str] | None:
+    """(flag, campaign key) when argparse would read `token` as a flag dvfs sets itself.
+
+    Covers aliases, `--flag=value`, and abbreviations (SGLang's parser takes any unambiguous
+    prefix of a long flag, e.g. `--tp` for `--tp-size`). A prefix shared with a flag dvfs does not
+    manage is ambiguous, which SGLang refuses anyway.
+    """
+    if not token.startswith("--") or len(token) <= 2:
+        return None
+    name = token.split("=", 1)[0]
+    for flags, key in MANAGED_FLAGS:
+        for flag in flags:
+            if flag == name:
+                return flag, key.format(drafter=drafter)
+    for flags, key in MANAGED_FLAGS:
+        for flag in flags:
+            if flag.startswith(name):
+                return flag, key.format(drafter=drafter)
+    return None
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -44,11 +108,29 @@ def server_command(campaign: Campaign) -> list[str]:
     return command or [sys.executable, "-m", "sglang.launch_server"]
 
 
-def server_env(campaign: Campaign) -> dict[str, str]:
-    """The environment a server (and its --help probe) runs with: ours plus the campaign's."""
-    import os
+def server_env(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> dict[str, str]:
+    """The environment a server (and its --help probe) runs with: ours plus the campaign's, and
+    CUDA_VISIBLE_DEVICES set to the metered GPUs' UUIDs when they are known."""
+    env = {**os.environ, **dict(campaign.engine.sglang.env)}
+    if gpu_uuids:
+        check_visible_devices(dict(campaign.engine.sglang.env), gpu_uuids)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_uuids)
+        # Irrelevant to UUIDs, but keeps any index the server prints in NVML's (PCI) order.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return env
 
-    return {**os.environ, **dict(campaign.engine.sglang.env)}
+
+def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> None:
+    """Refuse a campaign env whose CUDA_VISIBLE_DEVICES names other GPUs than the metered ones."""
+    value = dict(env).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return
+    given = [v.strip() for v in value.split(",") if v.strip()]
+    if given != list(gpu_uuids):
+        raise EngineError(
+            f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
+            f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
+        )
 
 
 def probe_help(
@@ -154,8 +236,85 @@ def launch_argv(
         cuda_graph_flag(help_text, parsed),
         str(largest),
         "--enable-metrics",
+        *attention_args(campaign),
         *speculative_args(drafter),
         *sg.extra_args,
         *drafter.extra_args,
     ]
     return argv
+
+
+def attention_args(campaign: Campaign) -> list[str]:
+    """`--attention-backend X` for a pinned backend; nothing for "auto" (SGLang chooses)."""
+    backend = campaign.engine.sglang.attention_backend
+    return [] if backend == "auto" else ["--attention-backend", backend]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The target model's attention kernels as a server resolved them (None: not reported)."""
+
+    attention: str | None
+    prefill: str | None
+    decode: str | None
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, object]) -> Kernels:
+        """From /server_info's resolved args: the split backends fall back to the main one."""
+
+        def text(key: str) -> str | None:
+            value = args.get(key)
+            return str(value) if value not in (None, "") else None
+
+        attention = text("attention_backend")
+        prefill = text("prefill_attention_backend") or attention
+        decode = text("decode_attention_backend") or attention
+        return cls(attention, prefill, decode)
+
+    @property
+    def label(self) -> str:
+        """One name when prefill and decode agree, else both."""
+        if self.prefill == self.decode:
+            return str(self.decode)
+        return f"prefill={self.prefill},decode={self.decode}"
+
+
+def predicted_attention_backend(drafter: DrafterSpec) -> str:
+    """What SGLang 0.5.9 / 0.5.23 pick on Hopper for an MHA target when not told.
+
+    They decide before filling in speculative defaults, from the topk given on the command line:
+    fa3 unless --speculative-eagle-topk is above 1 (then flashinfer). n-gram and DFLASH runs get
+    their topk later, so they stay on fa3.
+    """
+    if drafter.algorithm in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE") and (
+        drafter.eagle_topk is not None and drafter.eagle_topk > 1
+    ):
+        return "flashinfer"
+    return "fa3"
+
+
+def check_same_kernels(kernels: Mapping[str, Kernels], pinned: str | None = None) -> None:
+    """The invariant: every drafter's server runs the same attention kernels (the pinned ones).
+
+    Otherwise "speculation vs none" would also compare attention implementations.
+    """
+    if pinned is not None:
+        for name, k in kernels.items():
+            if k.attention is None:
+                raise EngineError(
+                    f"the {name!r} server does not report its attention backend, so dvfs cannot "
+                    f"confirm it runs {pinned} as engine.sglang.attention_backend pins"
+                )
+            if {k.prefill, k.decode} != {pinned}:
+                raise EngineError(
+                    f"the {name!r} server runs attention backend {k.label}, not {pinned} as "
+                    "engine.sglang.attention_backend pins (SGLang replaced it; check the flags "
+                    "in extra_args, e.g. --kv-cache-dtype)"
+                )
+    labels = {name: k.label for name, k in kernels.items()}
+    if len(set(labels.values())) > 1:
+        described = ", ".join(f"{name}: {label}" for name, label in labels.items())
+        raise EngineError(
+            f"drafters would run different attention backends ({described}): speculation vs none "
+            'would also compare kernels; pin one with engine.sglang.attention_backend (e.g. "fa3")'
+        )

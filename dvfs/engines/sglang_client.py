@@ -3,6 +3,9 @@
 Streaming chunks are cumulative (`meta_info.completion_tokens` is the running count), and with
 speculation one chunk can carry several tokens: each chunk's arrival time is kept with the
 number of new tokens it brought. Field names of both 0.5.9 and 0.5.23 are read.
+
+Each request has a deadline, `request_timeout_s` from when it is sent to its last chunk
+(streaming included); `stall_timeout_s` bounds the silence between two chunks.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
 
 class EngineConnectionError(EngineError):
     """The connection to the server broke (refused, reset, closed mid-stream)."""
+
+
+class RequestDeadlineError(EngineError):
+    """A request did not finish within its deadline (`request_timeout_s`)."""
 
 
 def _first(meta: dict[str, Any], names: Sequence[str]) -> Any:
@@ -120,10 +127,10 @@ class SglangClient:
         raise EngineError(f"{self.base_url} serves neither /server_info nor /get_server_info")
 
     def accept_length(self) -> float | None:
-        """The server's running mean accept length (since the last flush on 0.5.23)."""
+        """The server's running mean accept length since the last flush (0.5.9 and 0.5.23)."""
         states = self.server_info().get("internal_states") or []
-        values = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
-        values = [float(v) for v in values if v is not None]
+        raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
+        values = [float(v) for v in raw if v is not None]
         return float(np.mean(values)) if values and any(values) else None
 
     def flush_cache(self, timeout_s: float = 60.0) -> None:
@@ -145,6 +152,20 @@ class SglangClient:
                 time.sleep(0.1)
 
     # -- streaming generate ---------------------------------------------------------------------
+    async def _request(
+        self, client: Any, text: str, params: SamplingParams, rid: str
+    ) -> RequestTrace:
+        """One streamed request under its total deadline."""
+        try:
+            return await asyncio.wait_for(
+                self._stream(client, text, params, rid), timeout=self.request_timeout_s
+            )
+        except TimeoutError as exc:
+            raise RequestDeadlineError(
+                f"request {rid} missed its deadline: not finished within "
+                f"request_timeout_s = {self.request_timeout_s:g} s"
+            ) from exc
+
     async def _stream(
         self, client: Any, text: str, params: SamplingParams, rid: str
     ) -> RequestTrace:
@@ -247,7 +268,9 @@ class SglangClient:
 
         async def main() -> list[RequestTrace]:
             async with self._async_client(len(texts)) as client:
-                tasks = [self._stream(client, t, params, f"{tag}-{i}") for i, t in enumerate(texts)]
+                tasks = [
+                    self._request(client, t, params, f"{tag}-{i}") for i, t in enumerate(texts)
+                ]
                 return list(await asyncio.gather(*tasks))
 
         return asyncio.run(main())
@@ -263,7 +286,7 @@ class SglangClient:
 
                 async def one(i: int, text: str) -> RequestTrace:
                     async with gate:
-                        return await self._stream(client, text, params, f"{tag}-{i}")
+                        return await self._request(client, text, params, f"{tag}-{i}")
 
                 return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
 

@@ -93,8 +93,20 @@ num_draft_tokens) as spec_num_correct_drafts / spec_num_proposed_drafts /
 spec_correct_drafts_histogram (0.5.23) or spec_accept_token_num /
 spec_draft_token_num / spec_accept_histogram (0.5.9).
 /server_info internal_states[0].avg_spec_accept_length is the mean tokens per
-decode step (prefill token excluded) since the last flush (0.5.23) or since start
-(0.5.9, whose flush does not reset it); 0.0 before any step.
+decode step (prefill token excluded) since the last flush (both versions:
+``Scheduler.flush_cache`` calls ``reset_metrics``); 0.0 before any step.
+
+Attention backend, as SGLang 0.5.9 / 0.5.23 resolve it for an MHA model on a Hopper
+GPU with CUDA >= 12.3 (the stub plays one): ``--prefill-attention-backend`` equal to
+``--decode-attention-backend`` becomes the main backend; unset, the main backend is
+fa3 when ``--speculative-eagle-topk`` was not given, or is 1 with ``--page-size`` 1
+(SGLang decides before it fills in speculative defaults, so n-gram, DFLASH and
+auto-parameter EAGLE stay on fa3), else flashinfer; fa3 with ``--kv-cache-dtype
+fp8_e5m2`` is replaced by triton.  /server_info reports attention_backend,
+prefill_attention_backend and decode_attention_backend (None: same as the main one).
+
+The log's first line names the GPUs the stub was given: CUDA_VISIBLE_DEVICES and
+CUDA_DEVICE_ORDER from its environment.
 
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
@@ -172,7 +184,7 @@ INT_DESTS = frozenset(
         "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
         "speculative_ngram_branch_length", "speculative_ngram_capacity",
         "speculative_ngram_max_trie_depth", "stream_interval", "random_seed", "base_gpu_id",
-        "gpu_id_step", "nnodes", "node_rank", "max_queued_requests",
+        "gpu_id_step", "nnodes", "node_rank", "max_queued_requests", "page_size",
     }
 )  # fmt: skip
 FLOAT_DESTS = frozenset(
@@ -443,6 +455,22 @@ def _resolve_speculative(args: dict[str, Any], version: str, cfg: StubConfig) ->
         args["max_running_requests"] = 48
 
 
+def _resolve_attention(args: dict[str, Any]) -> None:
+    """SGLang's attention-backend pick on Hopper for an MHA model (docstring, "Attention")."""
+    prefill, decode = args.get("prefill_attention_backend"), args.get("decode_attention_backend")
+    if prefill is not None and prefill == decode:
+        args["attention_backend"] = prefill
+    if args.get("attention_backend") is None:
+        topk, page = args.get("speculative_eagle_topk"), args.get("page_size")
+        no_spec_or_topk_one = topk is None or (topk == 1 and page in (None, 1))
+        args["attention_backend"] = "fa3" if no_spec_or_topk_one else "flashinfer"
+    if args["attention_backend"] == "fa3" and args.get("kv_cache_dtype") == "fp8_e5m2":
+        log("warning: FlashAttention3 only supports fp8_e4m3 if using FP8; using triton")
+        args["attention_backend"] = "triton"
+    if args.get("page_size") is None:
+        args["page_size"] = 1
+
+
 def resolve_server_args(ns: argparse.Namespace, version: str, cfg: StubConfig) -> dict[str, Any]:
     """Parsed argv -> SGLang-like server args (field names, defaults, speculative rules)."""
     args = dict(vars(ns))
@@ -455,6 +483,7 @@ def resolve_server_args(ns: argparse.Namespace, version: str, cfg: StubConfig) -
     for key in ("tokenizer_path", "served_model_name"):
         if key in args and args[key] is None:
             args[key] = args["model_path"]
+    _resolve_attention(args)  # before the speculative defaults, as SGLang does
     _resolve_speculative(args, version, cfg)
     return args
 
@@ -709,12 +738,11 @@ class Stub:
         return None
 
     def flush(self) -> None:
-        """Drop the prefix cache; 0.5.23 also resets the accept-length average."""
+        """Drop the prefix cache and reset the accept-length average (both versions)."""
         with self.lock:
             self.prefix_cache.clear()
-            if self.version == "0.5.23":
-                self.spec_steps_since_flush = 0
-                self.spec_tokens_since_flush = 0
+            self.spec_steps_since_flush = 0
+            self.spec_tokens_since_flush = 0
 
     # -- planning
 
@@ -1225,6 +1253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    log(
+        f"env CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')} "
+        f"CUDA_DEVICE_ORDER={os.environ.get('CUDA_DEVICE_ORDER', '<unset>')}"
+    )
     host = str(args.get("host") or "127.0.0.1")
     if host not in LOOPBACK_HOSTS:
         print(

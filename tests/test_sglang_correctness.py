@@ -1,0 +1,487 @@
+"""What keeps the arms of an SGLang comparison comparable: the same attention kernels for every
+drafter, the metered GPU and no other, managed flags that extra_args cannot override, requests
+with real deadlines, and a server that never outlives a failed check or a killed dvfs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from sglang_support import load_stub, running, stub_campaign
+
+import dvfs
+from dvfs.campaign import load_campaign, parse_campaign
+from dvfs.cli import cli
+from dvfs.clock import MonotonicClock
+from dvfs.engines.sglang import SglangEngine, dying_with_parent
+from dvfs.engines.sglang_args import (
+    MANAGED_FLAGS,
+    Kernels,
+    check_same_kernels,
+    launch_argv,
+    managed_flag,
+    predicted_attention_backend,
+    server_env,
+)
+from dvfs.errors import CampaignError, EngineError
+
+REPO = Path(__file__).resolve().parent.parent
+VERSIONS = ("0.5.9", "0.5.23")
+TABLES = REPO / "tests" / "data" / "sglang-args"
+ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
+
+
+@pytest.fixture(scope="module")
+def stub() -> ModuleType:
+    return load_stub()
+
+
+def _resolve(stub: ModuleType, version: str, *argv: str) -> dict[str, Any]:
+    args, _ = stub.parse_launch_argv(["--model-path", "m", *argv], stub.StubConfig(version=version))
+    return dict(args)
+
+
+def _campaign_text(engine_extra: str = "", drafters: str = ONE_DRAFTER, gpu: str = "") -> str:
+    return f"""
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+{gpu}
+
+[engine]
+backend = "sglang"
+model = "m"
+
+[engine.sglang]
+{engine_extra}
+{drafters}
+
+[workload]
+batch = [1]
+corpora = ["code"]
+"""
+
+
+def _load(tmp_path: Path, text: str) -> Any:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return load_campaign(path)
+
+
+# -- 1. attention backend --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stub_resolves_the_attention_backend_like_sglang_on_hopper(
+    stub: ModuleType, version: str
+) -> None:
+    """Left alone, SGLang picks fa3 except for EAGLE trees (topk > 1): flashinfer."""
+    eagle = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d")
+    triple = ("--speculative-num-steps", "5", "--speculative-num-draft-tokens", "8")
+    cases: list[tuple[tuple[str, ...], str]] = [
+        ((), "fa3"),
+        ((*eagle, *triple, "--speculative-eagle-topk", "4"), "flashinfer"),
+        ((*eagle, *triple, "--speculative-eagle-topk", "1"), "fa3"),
+        ((*eagle,), "fa3"),  # decided before SGLang fills in its own (topk > 1) defaults
+        (("--speculative-algorithm", "NGRAM"), "fa3"),  # its topk is set afterwards
+        (("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d"), "fa3"),
+        # topk 1 with pages > 1 leaves fa3 too; no speculation keeps it.
+        ((*eagle, *triple, "--speculative-eagle-topk", "1", "--page-size", "16"), "flashinfer"),
+        (("--page-size", "16"), "fa3"),
+        # A pinned backend is kept, also for EAGLE trees.
+        ((*eagle, *triple, "--speculative-eagle-topk", "4", "--attention-backend", "fa3"), "fa3"),
+        # fa3 cannot hold an fp8_e5m2 KV cache: SGLang swaps in triton.
+        (("--attention-backend", "fa3", "--kv-cache-dtype", "fp8_e5m2"), "triton"),
+    ]
+    if version == "0.5.23":
+        cases.append(
+            (("--speculative-algorithm", "DFLASH", "--speculative-draft-model", "d"), "fa3")
+        )
+    for argv, expected in cases:
+        args = _resolve(stub, version, *argv)
+        assert args["attention_backend"] == expected, argv
+        assert Kernels.from_args(args).label == expected
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_drafter_is_launched_and_resolved_on_the_pinned_backend(
+    stub: ModuleType, version: str
+) -> None:
+    campaign = load_campaign(REPO / "sweeps" / "h100-llama8b.toml")
+    assert campaign.engine.sglang.attention_backend == "fa3"  # the documented default
+    kernels = {}
+    for drafter in campaign.drafters:
+        if version == "0.5.9" and drafter.algorithm == "DFLASH":
+            continue
+        argv = launch_argv(campaign, drafter, port=31000, version=version)
+        assert argv[argv.index("--attention-backend") + 1] == "fa3"
+        args, _ = stub.parse_launch_argv(argv[3:], stub.StubConfig(version=version))
+        kernels[drafter.name] = Kernels.from_args(args)
+    check_same_kernels(kernels, "fa3")
+    # Left to SGLang, the EAGLE-3 tree (topk 4) would run flashinfer and the others fa3.
+    auto = dataclasses.replace(
+        campaign,
+        engine=dataclasses.replace(
+            campaign.engine,
+            sglang=dataclasses.replace(campaign.engine.sglang, attention_backend="auto"),
+        ),
+    )
+    unpinned = {}
+    for drafter in auto.drafters:
+        if version == "0.5.9" and drafter.algorithm == "DFLASH":
+            continue
+        argv = launch_argv(auto, drafter, port=31000, version=version)
+        assert "--attention-backend" not in argv
+        args, _ = stub.parse_launch_argv(argv[3:], stub.StubConfig(version=version))
+        unpinned[drafter.name] = Kernels.from_args(args)
+        assert unpinned[drafter.name].attention == predicted_attention_backend(drafter)
+    assert unpinned["eagle3"].label == "flashinfer" and unpinned["none"].label == "fa3"
+    with pytest.raises(EngineError, match="different attention backends"):
+        check_same_kernels(unpinned)
+    with pytest.raises(EngineError, match="different attention backends"):
+        SglangEngine(auto, clock=MonotonicClock(), log_dir=Path("/nonexistent"))
+
+
+def test_attention_backend_key_is_validated(tmp_path: Path) -> None:
+    assert _load(tmp_path, _campaign_text()).engine.sglang.attention_backend == "fa3"
+    text = _campaign_text('attention_backend = "auto"')
+    assert _load(tmp_path, text).engine.sglang.attention_backend == "auto"
+    with pytest.raises(CampaignError, match=r"engine\.sglang\.attention_backend.*'fa9'"):
+        _load(tmp_path, _campaign_text('attention_backend = "fa9"'))
+
+
+def test_check_same_kernels_names_the_difference() -> None:
+    fa3 = Kernels("fa3", "fa3", "fa3")
+    split = Kernels("fa3", "fa3", "flashinfer")
+    check_same_kernels({"none": fa3, "eagle": fa3}, "fa3")
+    with pytest.raises(EngineError, match=r"'eagle'.*prefill=fa3,decode=flashinfer, not fa3"):
+        check_same_kernels({"none": fa3, "eagle": split}, "fa3")
+    with pytest.raises(EngineError, match="does not report its attention backend"):
+        check_same_kernels({"none": Kernels(None, None, None)}, "fa3")
+    with pytest.raises(EngineError, match="none: fa3, eagle: prefill=fa3,decode=flashinfer"):
+        check_same_kernels({"none": fa3, "eagle": split})
+
+
+@pytest.mark.slow
+def test_a_server_that_swaps_the_pinned_backend_is_refused_and_stopped(tmp_path: Path) -> None:
+    """fa3 cannot serve an fp8_e5m2 KV cache: SGLang quietly runs triton; dvfs must refuse,
+    and stop that server at once (not at the next start or at exit)."""
+    drafters = (
+        '\n[drafters.none]\nalgorithm = "none"\nextra_args = ["--kv-cache-dtype", "fp8_e5m2"]\n'
+    )
+    path, marker = stub_campaign(tmp_path, drafters=drafters, batch="[1]")
+    campaign = load_campaign(path)
+    with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
+        with pytest.raises(EngineError, match="attention backend triton, not fa3"):
+            engine.start(campaign.drafters[0])
+        assert running(marker) == []  # stopped by the failed check itself
+
+
+@pytest.mark.slow
+def test_auto_backend_runs_when_drafters_agree_and_the_cube_records_it(tmp_path: Path) -> None:
+    path, marker = stub_campaign(
+        tmp_path,
+        sglang_extra='attention_backend = "auto"',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    ds = dvfs.open_cube(str(out / "cube.nc"))
+    assert list(ds["attention_backend"].values) == ["fa3", "fa3"]
+    assert ds["attention_backend"].attrs["long_name"]
+    servers = json.loads(ds.attrs["server_args"])
+    assert servers["eagle3"]["args"]["attention_backend"] == "fa3"
+    assert running(marker) == []
+
+
+@pytest.mark.slow
+def test_auto_backend_that_resolves_differently_fails_the_odd_drafter(tmp_path: Path) -> None:
+    """--page-size 16 moves topk-1 EAGLE to flashinfer while no speculation stays on fa3: a
+    difference the load-time prediction cannot see, caught when the second server starts."""
+    path, marker = stub_campaign(
+        tmp_path,
+        sglang_extra='attention_backend = "auto"\nextra_args = ["--page-size", "16"]',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    by_drafter = {c["cell"]["drafter"]: c for c in cells if c["type"] == "cell"}
+    # Whichever drafter started second is refused; the first one was measured.
+    assert sorted(c["status"] for c in by_drafter.values()) == ["failed", "ok"]
+    [failed] = [c for c in by_drafter.values() if c["status"] == "failed"]
+    assert "different attention backends" in failed["error"]
+    assert "none: fa3" in failed["error"] and "eagle3: flashinfer" in failed["error"]
+    assert running(marker) == []
+
+
+# -- 2. the server sees the metered GPU only ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_server_is_pinned_to_the_metered_gpu_by_uuid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nvml_support import load_fake
+
+    from dvfs.sweep import open_backends
+
+    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", "h100-sxm,h100-sxm,h100-sxm")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"',
+        gpu='backend = "nvml"\ndevices = [1]',
+    )
+    campaign = load_campaign(path)
+    with open_backends(campaign, out_dir=tmp_path / "out", nvml=nvml) as backends:
+        [gpu] = backends.gpus
+        assert gpu.identity.index == 1 and gpu.identity.uuid.startswith("GPU-")
+        info = backends.engine.start(campaign.drafters[0])
+        log_text = Path(str(info.log_path)).read_text()
+        backends.engine.stop()
+    assert f"CUDA_VISIBLE_DEVICES={gpu.identity.uuid} " in log_text
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in log_text
+    assert running(marker) == []
+
+
+def test_server_env_refuses_a_contradicting_cuda_visible_devices(tmp_path: Path) -> None:
+    campaign = _load(tmp_path, _campaign_text('env = { CUDA_VISIBLE_DEVICES = "GPU-aaa" }'))
+    assert server_env(campaign, ["GPU-aaa"])["CUDA_VISIBLE_DEVICES"] == "GPU-aaa"
+    with pytest.raises(EngineError, match=r"engine\.sglang\.env\.CUDA_VISIBLE_DEVICES"):
+        server_env(campaign, ["GPU-bbb"])
+    plain = _load(tmp_path, _campaign_text())
+    assert server_env(plain, ["GPU-b", "GPU-c"])["CUDA_VISIBLE_DEVICES"] == "GPU-b,GPU-c"
+
+
+@pytest.mark.parametrize(
+    ("env", "devices"),
+    [('"0"', "[0]"), ('"1,0"', "[0, 1]"), ('"GPU-bbb"', '["GPU-aaa"]')],
+)
+def test_campaign_env_contradicting_gpu_devices_is_refused(
+    tmp_path: Path, env: str, devices: str
+) -> None:
+    text = _campaign_text(f"env = {{ CUDA_VISIBLE_DEVICES = {env} }}").replace(
+        'backend = "twin"\nprofile', f'backend = "twin"\ndevices = {devices}\nprofile', 1
+    )
+    text = text.replace("[engine]", f"[engine]\ntp_size = {devices.count(',') + 1}", 1)
+    with pytest.raises(CampaignError, match=r"engine\.sglang\.env.*CUDA_VISIBLE_DEVICES"):
+        _load(tmp_path, text)
+
+
+# -- 4. managed flags cannot come back through extra_args ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "flag", "use"),
+    [
+        ('["--tp-size", "2"]', "--tp-size", "engine.tp_size"),
+        ('["--tp", "2"]', "--tp-size", "engine.tp_size"),
+        ('["--tp-size=2"]', "--tp-size", "engine.tp_size"),
+        ('["--tensor-parallel-size", "2"]', "--tensor-parallel-size", "engine.tp_size"),
+        ('["--model", "other"]', "--model", "engine.model"),
+        ('["--model-path=other"]', "--model-path", "engine.model"),
+        ('["--port", "1234"]', "--port", "engine.sglang.url"),
+        ('["--host", "0.0.0.0"]', "--host", "engine.sglang.host"),
+        ('["--attention-backend", "triton"]', "--attention-backend", "attention_backend"),
+        ('["--decode-attention-backend=triton"]', "--decode-attention-backend", "attention_b"),
+        ('["--speculative-algorithm", "EAGLE"]', "--speculative-algorithm", ".algorithm"),
+        ('["--speculative-eagle-topk", "4"]', "--speculative-eagle-topk", ".eagle_topk"),
+        ('["--max-running-requests", "1"]', "--max-running-requests", "workload.batch"),
+        ('["--base-gpu-id", "1"]', "--base-gpu-id", "gpu.devices"),
+    ],
+)
+def test_engine_extra_args_cannot_override_managed_flags(
+    tmp_path: Path, engine_args: str, flag: str, use: str
+) -> None:
+    with pytest.raises(CampaignError) as err:
+        _load(tmp_path, _campaign_text(f"extra_args = {engine_args}"))
+    message = str(err.value)
+    assert "engine.sglang.extra_args" in message and f"sets {flag}" in message
+    assert use in message.split("use ", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("drafter_args", "flag", "use"),
+    [
+        ('["--speculative-num-steps", "3"]', "--speculative-num-steps", "drafters.e.num_steps"),
+        ('["--speculative-eagle-topk=2"]', "--speculative-eagle-topk", "drafters.e.eagle_topk"),
+        ('["--speculative-draft-model", "x"]', "--speculative-draft-model", "drafters.e.draft_"),
+        ('["--speculative-num-draft", "9"]', "--speculative-num-draft-tokens", ".num_draft_tok"),
+        ('["--tp", "4"]', "--tp-size", "engine.tp_size"),
+    ],
+)
+def test_drafter_extra_args_cannot_override_managed_flags(
+    tmp_path: Path, drafter_args: str, flag: str, use: str
+) -> None:
+    drafters = f"""
+[drafters.e]
+algorithm = "EAGLE3"
+draft_model = "d"
+extra_args = {drafter_args}
+"""
+    with pytest.raises(CampaignError) as err:
+        _load(tmp_path, _campaign_text(drafters=drafters))
+    message = str(err.value)
+    assert "drafters.e.extra_args" in message and f"sets {flag}" in message
+    assert use in message.split("use ", 1)[1]
+
+
+def test_unmanaged_extra_args_pass() -> None:
+    for token in ("--mem-fraction-static", "--kv-cache-dtype", "--page-size", "--no-such-flag"):
+        assert managed_flag(token) is None
+    assert managed_flag("--speculative-ngram-max-bfs-breadth") is None
+    assert managed_flag("--speculative-draft-attention-backend") is None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_managed_flags_match_what_sglangs_parser_would_read(version: str) -> None:
+    """Against the real option table: every spelling argparse resolves to a managed option
+    (aliases and unambiguous abbreviations) is caught, and no other option is."""
+    table = json.loads((TABLES / f"{version}.json").read_text())
+    managed = {flag for flags, _ in MANAGED_FLAGS for flag in flags}
+    dest_of: dict[str, str] = {}
+    for option in table["options"]:
+        for flag in option["flags"]:
+            if flag.startswith("--"):
+                dest_of[flag] = option["flags"][0]
+    managed_dests = {dest_of[f] for f in managed if f in dest_of}
+    assert managed_dests, "the table lost every managed flag"
+    for flag in dest_of:
+        caught = managed_flag(flag) is not None
+        assert caught == (dest_of[flag] in managed_dests), flag
+    for flag, dest in dest_of.items():
+        if dest not in managed_dests:
+            continue
+        for cut in range(3, len(flag)):
+            prefix = flag[:cut]
+            matches = {dest_of[f] for f in dest_of if f.startswith(prefix)}
+            if prefix not in dest_of and matches == {dest}:  # argparse takes this abbreviation
+                assert managed_flag(prefix) is not None, prefix
+                assert managed_flag(prefix + "=1") is not None, prefix
+
+
+def test_ngram_takes_no_draft_model(tmp_path: Path) -> None:
+    drafters = '\n[drafters.ng]\nalgorithm = "NGRAM"\ndraft_model = "some/model"\n'
+    with pytest.raises(CampaignError, match=r"drafters\.ng\.draft_model.*NGRAM"):
+        _load(tmp_path, _campaign_text(drafters=drafters))
+
+
+# -- 5. process and request robustness ----------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_launcher_makes_the_server_die_with_its_parent(tmp_path: Path) -> None:
+    """A parent that is SIGKILLed takes the launched command with it; no preexec_fn involved."""
+    marker = f"pdeathsig-{time.monotonic_ns()}"
+    pid_file = tmp_path / "child.pid"
+    child = [sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"]
+    parent_code = (
+        "import subprocess, time\n"
+        "from dvfs.engines.sglang import dying_with_parent\n"
+        f"p = subprocess.Popen(dying_with_parent({child!r}), start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    try:
+        deadline = time.monotonic() + 60  # a guard against hanging, not a latency bound
+        while not (pid_file.exists() and pid_file.read_text()) or not running(marker):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait(timeout=30)
+        while running(marker):
+            assert time.monotonic() < deadline, "the child outlived its SIGKILLed parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for line in running(marker):
+            subprocess.run(["kill", "-9", line.split()[0]], check=False)
+
+
+def test_the_launcher_refuses_to_start_an_orphan(tmp_path: Path) -> None:
+    """If the parent named on the command line is not its parent any more, nothing starts."""
+    launcher = Path(dvfs.__file__).parent / "engines" / "_pdeathsig.py"
+    flag = tmp_path / "ran"
+    code = f"open({str(flag)!r}, 'w').close()"
+    result = subprocess.run(
+        [sys.executable, str(launcher), "1", sys.executable, "-c", code], timeout=60, check=False
+    )
+    if sys.platform.startswith("linux"):
+        assert result.returncode == 1 and not flag.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fixed", "closed-loop"])
+def test_a_slow_request_fails_at_its_deadline_as_a_cell_error(tmp_path: Path, mode: str) -> None:
+    """request_timeout_s bounds a whole streamed request, not just the wait for a connection:
+    chunks arrive every 0.4 s (never a stall), but 32 tokens take ~13 s > 1 s."""
+    workload = 'mode = "closed-loop"\npool_size = 2\nignore_eos = true' if mode != "fixed" else ""
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"tpot_s": 0.4, "natural_stop": False},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        request_timeout_s=1.0,
+        stall_timeout_s=10.0,
+        retries=0,
+        workload_extra=workload,
+    )
+    out = tmp_path / "out"
+    CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    [cell] = [c for c in cells if c["type"] == "cell"]
+    assert cell["status"] == "failed"
+    assert "missed its deadline" in cell["error"] and "request_timeout_s = 1 s" in cell["error"]
+    assert running(marker) == []
+
+
+def test_launcher_argv_keeps_the_server_argv_intact() -> None:
+    argv = ["/usr/bin/env", "true"]
+    wrapped = dying_with_parent(argv)
+    assert wrapped[-2:] == argv
+    if sys.platform.startswith("linux"):
+        assert wrapped[0] == sys.executable and wrapped[2].endswith("_pdeathsig.py")
+        assert wrapped[3] == str(os.getpid())
+
+
+def test_argparse_reads_managed_abbreviations_like_the_stub(stub: ModuleType) -> None:
+    """Sanity for the abbreviation rule: SGLang's parser does take `--tp` for --tp-size."""
+    for version in VERSIONS:
+        assert _resolve(stub, version, "--tp", "2")["tp_size"] == 2
+        with pytest.raises(SystemExit):
+            parser = stub.build_parser(version)
+            assert isinstance(parser, argparse.ArgumentParser)
+            parser.parse_args(["--model-path", "m", "--speculative-num", "3"])  # ambiguous
+
+
+def test_parse_campaign_keeps_the_backend_in_the_campaign() -> None:
+    data: dict[str, Any] = {
+        "gpu": {"backend": "twin", "profile": "h100-sxm"},
+        "engine": {"backend": "sglang", "model": "m", "sglang": {"attention_backend": "triton"}},
+        "workload": {"batch": [1], "corpora": ["code"]},
+    }
+    campaign = parse_campaign(data)
+    assert campaign.engine.sglang.attention_backend == "triton"
+    assert "triton" in json.dumps(campaign.semantic_dict())
