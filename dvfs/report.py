@@ -6,6 +6,7 @@ JSON schemas are versioned by their "schema" key: "dvfs.headroom/1" and "dvfs.co
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -95,13 +96,36 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         "knob": a["knob"],
         "confidence": a["confidence"],
         "bound": a["bound"],
-        "reference": {
-            "sm_clock_mhz": int(a["reference_sm_clock_mhz"]),
-            "power_limit_w": float(a["reference_power_limit_w"]),
-            "is_stock": bool(a["reference_is_stock"]),
-        },
+        "reference": _reference(a),
         "rows": rows,
     }
+
+
+def _reference(attrs: dict[Any, Any]) -> dict[str, Any]:
+    """The reference (stock) setting. A merged cube also has `per_gpu`, each GPU's own; where
+    they differ the single values are null, since no one setting is every GPU's stock."""
+    per_gpu = json.loads(attrs["reference_per_gpu"]) if "reference_per_gpu" in attrs else None
+    all_stock = all(v["is_stock"] for v in per_gpu.values()) if per_gpu else True
+    ref: dict[str, Any] = {
+        "sm_clock_mhz": _i(attrs.get("reference_sm_clock_mhz")),
+        "power_limit_w": _f(attrs.get("reference_power_limit_w")),
+        "is_stock": bool(attrs.get("reference_is_stock", all_stock)),
+    }
+    if per_gpu:
+        ref["per_gpu"] = per_gpu
+    return ref
+
+
+def reference_text(ref: dict[str, Any]) -> str:
+    """ "1980 MHz / 700 W", or each GPU's own where a merged cube's GPUs differ."""
+
+    def one(r: dict[str, Any]) -> str:
+        return f"{r['sm_clock_mhz']} MHz / {r['power_limit_w']:g} W"
+
+    if ref["sm_clock_mhz"] is not None and ref["power_limit_w"] is not None:
+        return one(ref)
+    per_gpu = ref.get("per_gpu") or {}
+    return "each GPU's own: " + ", ".join(f"{g[:12]} {one(r)}" for g, r in per_gpu.items())
 
 
 def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
@@ -174,7 +198,7 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
         f"## DVFS headroom: {doc['campaign']} ({doc['gpu']['name']})",
         "",
         f"- Target: {doc['target']['description']}",
-        f"- Knob: {doc['knob']}; reference {ref['sm_clock_mhz']} MHz / {ref['power_limit_w']:g} W"
+        f"- Knob: {doc['knob']}; reference {reference_text(ref)}"
         + (
             ""
             if ref["is_stock"]
@@ -254,10 +278,7 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
         "gpu": cube.attrs.get("gpu_name"),
         "baseline": baseline,
         "latency": cmp.attrs["latency"],
-        "reference": {
-            "sm_clock_mhz": int(cmp.attrs["reference_sm_clock_mhz"]),
-            "power_limit_w": float(cmp.attrs["reference_power_limit_w"]),
-        },
+        "reference": _reference(cmp.attrs),
         "rows": rows,
         "break_even_batch": break_even,
         "acceptance": acceptance,

@@ -284,3 +284,35 @@ def test_piped_tables_keep_every_column(small_sweep: Path, command) -> None:
             assert line in table
     else:
         assert f"at equal latency ({doc['latency']})" in table
+
+
+# --- merged cubes -------------------------------------------------------------------------
+
+
+def merged_cube(small_sweep: Path) -> Path:
+    """Two GPUs whose stock power limits differ (700 W and 300 W)."""
+    from dvfs.cube import merge_cubes, open_cube, write_cube
+
+    path = small_sweep.parent / "merged.nc"
+    if not path.exists():
+        a = open_cube(small_sweep / "cube.nc")
+        b = a.copy(deep=True)
+        b.attrs.update(gpu_uuids="GPU-second", stock_power_limit_w=300.0)
+        write_cube(merge_cubes([a, b]), path)
+    return path
+
+
+def test_merged_cubes_with_different_stock_settings_are_analysed(small_sweep: Path) -> None:
+    cube = merged_cube(small_sweep)
+    doc = json.loads(ok("headroom", str(cube), "--json"))
+    ref = doc["reference"]
+    assert ref["power_limit_w"] is None  # no single stock power limit
+    assert sorted(r["power_limit_w"] for r in ref["per_gpu"].values()) == [300.0, 700.0]
+    assert {r["gpu"] for r in doc["rows"]} == set(ref["per_gpu"])
+    table = ok("headroom", str(cube), "--batch", "1")
+    assert "each GPU's own" in table and "GPU-second" in table
+    assert "each GPU's own" in ok("headroom", str(cube), "--markdown")
+    compared = json.loads(ok("compare", str(cube), "--json"))
+    assert compared["reference"]["per_gpu"] == ref["per_gpu"]
+    assert {e["gpu"] for e in compared["break_even_batch"]} == set(ref["per_gpu"])
+    assert "GPU-second" in ok("compare", str(cube))

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.headroom import _valid_mask, headroom, reference_setting
+from dvfs.analysis.headroom import (
+    _valid_mask,
+    headroom,
+    reference_per_gpu,
+    reference_setting,
+)
 from dvfs.analysis.targets import Target
 from dvfs.errors import AnalysisError
 
@@ -95,6 +100,7 @@ def compare(
             for g in cube["gpu"].values
         ]
         merged = xr.concat(parts, dim="gpu", join="outer", combine_attrs="drop_conflicts")
+        merged.attrs["reference_per_gpu"] = reference_per_gpu(cube["gpu"].values, parts)
         return merged.assign_coords(gpu=cube["gpu"].values)
     drafters = [str(d) for d in cube["drafter"].values]
     if baseline not in drafters:
@@ -209,5 +215,6 @@ def compare(
         latency=f"{metric.upper()} p{int(quantile * 100)}",
         reference_sm_clock_mhz=ref.sm_clock,
         reference_power_limit_w=ref.power_limit,
+        reference_is_stock=int(ref.is_stock),
     )
     return result

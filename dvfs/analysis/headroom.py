@@ -27,6 +27,7 @@ towards the least intrusive setting (highest clock, then highest power limit).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,7 @@ def headroom(
             for g in cube["gpu"].values
         ]
         merged = xr.concat(parts, dim="gpu", combine_attrs="drop_conflicts")
+        merged.attrs["reference_per_gpu"] = reference_per_gpu(cube["gpu"].values, parts)
         return merged.assign_coords(gpu=cube["gpu"].values).transpose("gpu", *GROUP_DIMS)
     ref = reference_setting(cube)
     sub = cube
@@ -366,6 +368,23 @@ def headroom(
             "baseline ran on another server"
         )
     return result
+
+
+def reference_per_gpu(gpus: Iterable[object], parts: Iterable[xr.Dataset]) -> str:
+    """Each GPU's reference setting (JSON), for a merged result: where the GPUs' stock
+    settings differ, the single reference attributes are dropped by the merge."""
+    import json
+
+    return json.dumps(
+        {
+            str(gpu): {
+                "sm_clock_mhz": int(part.attrs["reference_sm_clock_mhz"]),
+                "power_limit_w": float(part.attrs["reference_power_limit_w"]),
+                "is_stock": bool(part.attrs.get("reference_is_stock", 1)),
+            }
+            for gpu, part in zip(gpus, parts, strict=True)
+        }
+    )
 
 
 def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:

@@ -279,7 +279,12 @@ def headroom(
     import json
 
     from dvfs.analysis.headroom import headroom as compute
-    from dvfs.report import headroom_document, headroom_markdown, headroom_table_rows
+    from dvfs.report import (
+        headroom_document,
+        headroom_markdown,
+        headroom_table_rows,
+        reference_text,
+    )
 
     _one_output_format(as_json, markdown)
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
@@ -304,7 +309,7 @@ def headroom(
         ref = doc["reference"]
         _print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
         _print_line(
-            f"reference: {ref['sm_clock_mhz']} MHz / {ref['power_limit_w']:g} W"
+            f"reference: {escape(reference_text(ref))}"
             + ("" if ref["is_stock"] else " (not the stock setting: top of the grid)")
             + f"; knob: {doc['knob']}; feasibility: {escape(doc['bound'])}"
         )
