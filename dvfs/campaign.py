@@ -279,13 +279,14 @@ class _Table:
             return misspelt
         return CampaignError(f"{self.where}: {self.key(name)}: {message}")
 
-    def _misspelt(self, wanted: str | None = None) -> CampaignError | None:
-        """An unread key that looks like a misspelling of a key that is absent (`wanted`, or one
-        already asked for), as a did-you-mean error; None if there is none."""
-        targets = [wanted] if wanted else sorted(self.used - set(self.data))
+    def _misspelt(self) -> CampaignError | None:
+        """An unread key that looks like a misspelling of a key already asked for but absent,
+        as a did-you-mean error; None if there is none."""
+        targets = sorted(self.used - set(self.data))
         unread = [k for k in self.data if k not in self.used and isinstance(k, str)]
         for target in targets:
-            hint = difflib.get_close_matches(target, unread, n=1, cutoff=0.75)
+            # High cutoff: real keys such as stall_timeout_s and startup_timeout_s are 0.81 alike.
+            hint = difflib.get_close_matches(target, unread, n=1, cutoff=0.85)
             if hint:
                 kind = "table" if isinstance(self.data[hint[0]], dict) else "key"
                 shown = f"[{self.key(hint[0])}]" if kind == "table" else repr(self.key(hint[0]))

@@ -37,19 +37,8 @@ CUBE_NAME = "cube.nc"
 KNOB_DIMS = ("sm_clock", "power_limit")
 #: String-valued axes, written as CF label variables named `<dim>_label`.
 LABEL_DIMS = ("drafter", "corpus", "gpu")
-#: Variables every schema-1 cube has; a file without them is not a cube dvfs wrote.
-REQUIRED_VARIABLES = (
-    "cell_status",
-    "valid",
-    "quality",
-    "energy_per_token_j",
-    "energy_j",
-    "ttft_ms",
-    "tpot_ms",
-    "itl_ms",
-    "throughput_tok_s",
-    "power_mean_w",
-)
+#: Variables every analysis reads; a dataset without them is not a usable cube.
+REQUIRED_VARIABLES = ("cell_status", "valid", "energy_per_token_j", "ttft_ms", "tpot_ms")
 #: Campaign settings that may differ between merged cubes: the GPU is what a merge varies.
 MERGE_MAY_DIFFER = ("gpu.backend", "gpu.profile", "gpu.devices")
 CELL_DIMS = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")

@@ -242,3 +242,13 @@ def test_a_campaign_file_that_is_not_utf8(tmp_path: Path) -> None:
     path.write_bytes("# caf\u00e9\n".encode("latin-1") + SMALL_CAMPAIGN.encode())
     with pytest.raises(CampaignError, match=r"c\.toml is not UTF-8 text \(byte 0xe9 on line 1\)"):
         load_campaign(path)
+
+
+def test_a_valid_sibling_key_is_not_taken_for_a_misspelling(tmp_path: Path) -> None:
+    text = replace_block(
+        SMALL_CAMPAIGN,
+        'model = "llama-3.1-8b"',
+        'model = "llama-3.1-8b"\n[engine.sglang]\nrequest_timeout_s = -1\nstall_timeout_s = 5',
+    )
+    message = expect_error(tmp_path, text, "engine.sglang.request_timeout_s", "greater than 0")
+    assert "did you mean" not in message
