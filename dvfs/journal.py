@@ -123,7 +123,7 @@ class Journal:
             shown = "; ".join(changes[:3]) + more
             observe = (
                 " (--observe-only sets gpu.actuation to false and the knobs to stock)"
-                if any(c.startswith(("gpu.actuation", "knobs.")) for c in changes)
+                if any(c.startswith("gpu.actuation") for c in changes)
                 else ""
             )
             raise JournalError(

@@ -94,7 +94,16 @@ def test_a_resume_refuses_a_measured_change_and_names_it(
     if "num_steps = 2" in new:
         text = replace_block(text, "num_draft_tokens = 4", "num_draft_tokens = 3")
     result = sweep(write(tmp_path / "changed.toml", text), out)
-    assert_one_line_error(result, 1, named, "--fresh", "--out")
+    line = assert_one_line_error(result, 1, named, "--fresh", "--out")
+    assert "--observe-only" not in line
+
+
+def test_observe_only_on_a_resume_is_named_as_the_change(tmp_path: Path) -> None:
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    assert sweep(campaign, out).exit_code == 0
+    result = sweep(campaign, out, "--observe-only")
+    assert_one_line_error(result, 1, "gpu.actuation: true -> false", "--observe-only", "--fresh")
 
 
 def test_failed_cells_exit_5_and_a_rerun_retries_them(
