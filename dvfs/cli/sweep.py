@@ -247,7 +247,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> Any:
         with signals_raise(), bar:
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar)
     except GpuPermissionError as exc:
-        if not campaign.gpu.actuation:
+        if not campaign.gpu.actuation or "--observe-only" in str(exc):
             raise
         raise GpuPermissionError(
             f"{exc}. To measure without changing any GPU setting (no root needed), rerun with "
