@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import SMALL_CAMPAIGN, replace_block, write
+from conftest import replace_block, write
 from test_journal import TINY, assert_one_line_error
 
 from dvfs.cli import cli
@@ -261,7 +261,3 @@ def test_a_folder_without_write_permission(tmp_path: Path) -> None:
         assert_one_line_error(result, 1, "Permission denied", "--out")
     finally:
         out.chmod(0o755)
-
-
-def test_the_small_campaign_template_is_unchanged() -> None:
-    assert "output_tokens = 64" in SMALL_CAMPAIGN  # the merge tests edit it
