@@ -10,13 +10,15 @@ chunk's arrival, ITL spreads each chunk gap over the tokens it carries, TPOT is
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dvfs.clock import Clock, Ticker
 from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.errors import GpuError
 from dvfs.gpu.base import EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK, Gpu
 
 QUANTILES = (0.5, 0.9, 0.99)
@@ -57,10 +59,17 @@ def describe_quality(mask: int) -> list[str]:
 
 # -- sampling -------------------------------------------------------------------------------
 
+#: How long `Sampler.__exit__` waits for a reading in progress on the sampler thread.
+SAMPLER_STOP_TIMEOUT_S = 5.0
+
 
 @dataclass
 class Samples:
-    """Readings of all GPUs at instants: energy and power summed, clock min, temperature max."""
+    """Readings of all GPUs at instants: energy and power summed, clock min, temperature max.
+
+    Each GPU's energy counter carries its own timestamp (`gpu_energy_t_ns`: the middle of the
+    call that read it), since a slow reading can land well after the sample's `t_ns`.
+    """
 
     t_ns: list[int] = field(default_factory=list)
     energy_mj: list[int] = field(default_factory=list)
@@ -68,61 +77,181 @@ class Samples:
     sm_clock_mhz: list[int] = field(default_factory=list)
     temperature_c: list[int] = field(default_factory=list)
     reasons: list[int] = field(default_factory=list)
+    gpu_energy_mj: list[tuple[int, ...]] = field(default_factory=list)
+    gpu_energy_t_ns: list[tuple[int, ...]] = field(default_factory=list)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in self.__dict__.items()}
 
 
-class Sampler:
-    """Samples every GPU of a server at a fixed period while a round runs (a context manager)."""
+class SamplerError(GpuError):
+    """The background sampler failed or did not stop; its readings are not used."""
 
-    def __init__(self, gpus: Sequence[Gpu], clock: Clock, period_s: float) -> None:
+
+class Sampler:
+    """Samples every GPU of a server at a fixed period while a round runs (a context manager).
+
+    On a real clock the readings come from the clock's background thread. On exit the sampler
+    closes its lists (a reading that finishes later is dropped, never appended while someone
+    reads them) and raises `SamplerError` if a reading is still in progress after
+    `stop_timeout_s`, or the error a reading raised.
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[Gpu],
+        clock: Clock,
+        period_s: float,
+        *,
+        stop_timeout_s: float = SAMPLER_STOP_TIMEOUT_S,
+    ) -> None:
         self.gpus = list(gpus)
         self.clock = clock
         self.period_s = period_s
+        self.stop_timeout_s = stop_timeout_s
         self.samples = Samples()
         self._ticker: Ticker | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._reading: str | None = None  # what the sampler is reading now, for the error
+        self._in_flight = 0
+        self._error: BaseException | None = None
+
+    def _read(self, what: str, index: int, fn: Callable[[], int]) -> int:
+        self._reading = f"{what} of GPU {index}"
+        return fn()
 
     def sample(self) -> None:
-        t = self.clock.now_ns()
-        s = self.samples
-        s.t_ns.append(t)
-        s.energy_mj.append(sum(g.energy_mj() for g in self.gpus))
-        s.power_mw.append(sum(g.power_mw() for g in self.gpus))
-        s.sm_clock_mhz.append(min(g.sm_clock_mhz() for g in self.gpus))
-        s.temperature_c.append(max(g.temperature_c() for g in self.gpus))
-        reasons = 0
-        for g in self.gpus:
-            reasons |= g.clock_event_reasons()
-        s.reasons.append(reasons)
+        """Read every GPU once and append the readings (unless the sampler was closed)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._in_flight += 1
+        try:
+            t = self.clock.now_ns()
+            energy, energy_t = [], []
+            for g in self.gpus:  # energy first, back to back, each with its own timestamp
+                before = self.clock.now_ns()
+                energy.append(self._read("the energy counter", g.identity.index, g.energy_mj))
+                energy_t.append((before + self.clock.now_ns()) // 2)
+            power = sum(self._read("power", g.identity.index, g.power_mw) for g in self.gpus)
+            clock = min(
+                self._read("the SM clock", g.identity.index, g.sm_clock_mhz) for g in self.gpus
+            )
+            temperature = max(
+                self._read("the temperature", g.identity.index, g.temperature_c) for g in self.gpus
+            )
+            reasons = 0
+            for g in self.gpus:
+                reasons |= self._read(
+                    "clock-event reasons", g.identity.index, g.clock_event_reasons
+                )
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._reading = None
+                self._cond.notify_all()
+        with self._cond:
+            if self._closed:
+                return
+            s = self.samples
+            s.t_ns.append(t)
+            s.energy_mj.append(sum(energy))
+            s.gpu_energy_mj.append(tuple(energy))
+            s.gpu_energy_t_ns.append(tuple(energy_t))
+            s.power_mw.append(power)
+            s.sm_clock_mhz.append(clock)
+            s.temperature_c.append(temperature)
+            s.reasons.append(reasons)
+
+    def _tick(self) -> None:
+        """The periodic callback: an error stops sampling and is raised on exit, not lost."""
+        try:
+            self.sample()
+        except BaseException as exc:
+            with self._cond:
+                self._error = self._error or exc
+                self._closed = True
 
     def __enter__(self) -> Sampler:
         self.sample()
-        self._ticker = self.clock.every(self.period_s, self.sample)
+        self._ticker = self.clock.every(self.period_s, self._tick)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._ticker is not None:
-            self._ticker.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if self._ticker is not None:
+                self._ticker.stop()
+        finally:
+            stuck = self._close()
+        if exc_type is not None:
+            return  # the block's own error matters more
+        if stuck is not None:
+            raise SamplerError(
+                f"the power sampler did not stop within {self.stop_timeout_s:g} s of being "
+                f"asked: reading {stuck} has not returned; the GPU or its driver is not "
+                "responding (see `nvidia-smi`), so this round's readings are discarded"
+            )
+        if self._error is not None:
+            if isinstance(self._error, GpuError):
+                raise self._error
+            raise SamplerError(f"the power sampler failed: {self._error}") from self._error
         self.sample()
+
+    def _close(self) -> str | None:
+        """Stop appending; wait for a reading in progress. Returns what is stuck, if anything."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight == 0, timeout=self.stop_timeout_s)
+            self._closed = True
+            if self._in_flight:
+                return self._reading or "a GPU"
+            self._closed = False  # the final reading on exit, in this thread
+            return None
+
+    def close(self) -> None:
+        """No more readings: later ones are dropped."""
+        with self._cond:
+            self._closed = True
 
 
 def counter_at(samples: dict[str, np.ndarray], t_ns: float) -> float:
-    """The energy counter (mJ) at an instant, linearly interpolated between samples."""
+    """The energy counter (mJ, summed over GPUs) at an instant, linearly interpolated between
+    each GPU's readings at the times they were taken."""
+    times = samples.get("gpu_energy_t_ns")
+    if times is not None and times.ndim == 2 and times.size:
+        values = samples["gpu_energy_mj"]
+        return float(sum(np.interp(t_ns, times[:, g], values[:, g]) for g in range(times.shape[1])))
     return float(np.interp(t_ns, samples["t_ns"], samples["energy_mj"]))
+
+
+def _energy_now(gpus: Sequence[Gpu], clock: Clock) -> tuple[int, int]:
+    """Summed energy counters (mJ) and the time they were read (the middle of the reads)."""
+    before = clock.now_ns()
+    energy = sum(g.energy_mj() for g in gpus)
+    return energy, (before + clock.now_ns()) // 2
 
 
 def measure_idle_power_w(gpus: Sequence[Gpu], clock: Clock, seconds: float) -> float:
     """Mean board power of idle GPUs from the energy counter over `seconds`."""
     if seconds <= 0:
         return float(sum(g.power_mw() for g in gpus)) / 1000
-    e0, t0 = sum(g.energy_mj() for g in gpus), clock.now_ns()
+    e0, t0 = _energy_now(gpus, clock)
     clock.sleep(seconds)
-    e1, t1 = sum(g.energy_mj() for g in gpus), clock.now_ns()
+    e1, t1 = _energy_now(gpus, clock)
     return (e1 - e0) / ((t1 - t0) * 1e-9) / 1000
 
 
 # -- windows and latency --------------------------------------------------------------------
+
+
+def _first_ns(r: RequestTrace) -> int:
+    """First chunk's arrival of a request known to have chunks."""
+    return int(r.chunk_ns[0])
+
+
+def _last_ns(r: RequestTrace) -> int:
+    """Last chunk's arrival of a request known to have chunks."""
+    return int(r.chunk_ns[-1])
 
 
 def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
@@ -136,8 +265,8 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     done = [r for r in result.requests if r.error is None and len(r.chunk_ns)]
     if not done:
         return None
-    firsts = np.array([r.first_token_ns for r in done])
-    finishes = np.array([r.finished_ns for r in done])
+    firsts = np.array([_first_ns(r) for r in done])
+    finishes = np.array([_last_ns(r) for r in done])
     if mode == "closed-loop":
         batch = result_batch(result)
         start = int(np.sort(firsts)[min(batch, len(firsts)) - 1])
@@ -151,7 +280,7 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
 
 def result_batch(result: RoundResult) -> int:
     """Concurrency of a round: requests sent before the first one finished."""
-    first_finish = min((r.finished_ns for r in result.requests if len(r.chunk_ns)), default=0)
+    first_finish = min((_last_ns(r) for r in result.requests if len(r.chunk_ns)), default=0)
     return max(1, sum(1 for r in result.requests if r.sent_ns < first_finish))
 
 
@@ -181,10 +310,10 @@ def _quantiles(values: np.ndarray) -> tuple[float, ...]:
 
 def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
-    ttft = np.array([(r.first_token_ns - r.sent_ns) * 1e-6 for r in ok])
+    ttft = np.array([(_first_ns(r) - r.sent_ns) * 1e-6 for r in ok])
     tpot = np.array(
         [
-            (r.finished_ns - r.first_token_ns) * 1e-6 / (r.completion_tokens - 1)
+            (_last_ns(r) - _first_ns(r)) * 1e-6 / (r.completion_tokens - 1)
             for r in ok
             if r.completion_tokens > 1
         ]

@@ -168,3 +168,145 @@ def test_itl_and_tpot_agree_on_the_mean(gaps, tokens) -> None:
     per_token = np.repeat(gaps_ms / r.chunk_tokens[1:], r.chunk_tokens[1:])
     assert per_token.sum() == pytest.approx(decode_ms)
     assert latency_stats([r]).tpot_ms[0] == pytest.approx(decode_ms / (r.completion_tokens - 1))
+
+
+# -- the background sampler -----------------------------------------------------------------
+
+
+class ManualClock:
+    """Time that moves only when told (a reading can take time); every() never fires."""
+
+    virtual = True
+
+    def __init__(self) -> None:
+        self.t_ns = 1_000 * MS
+
+    def now_ns(self) -> int:
+        return self.t_ns
+
+    def sleep(self, seconds: float) -> None:
+        self.t_ns += round(seconds * 1e9)
+
+    def every(self, period_s, callback):
+        class Idle:
+            def stop(self) -> None:
+                pass
+
+        return Idle()
+
+
+class ThreadClock(ManualClock):
+    """Real threads for every(); stop() only asks, like a ticker whose thread may be stuck."""
+
+    virtual = False
+
+    def every(self, period_s, callback):
+        import threading
+
+        stopped = threading.Event()
+
+        def loop() -> None:
+            while not stopped.is_set():
+                callback()
+                stopped.wait(period_s)
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+
+        class Ticker:
+            def stop(self) -> None:
+                stopped.set()
+                thread.join(0.01)
+
+        self.thread = thread
+        return Ticker()
+
+
+class StubGpu:
+    """A GPU whose energy counter is exactly 3 mJ per ms of the clock, read in the middle of a
+    call that takes `delay_ms`; `gate` blocks energy reads after the `block_after`-th."""
+
+    def __init__(self, clock, index=0, delay_ms=0, gate=None, block_after=None) -> None:
+        from dvfs.gpu.base import GpuIdentity
+
+        self.clock, self.delay_ms, self.gate, self.block_after = clock, delay_ms, gate, block_after
+        self.identity = GpuIdentity(index, f"GPU-{index}", "stub", "0", "stub", 2619, 1980)
+        self.calls = 0
+
+    def energy_mj(self) -> int:
+        self.calls += 1
+        if self.gate is not None and self.block_after is not None and self.calls > self.block_after:
+            self.gate.wait()
+        self.clock.t_ns += self.delay_ms * MS // 2  # the call takes delay_ms; the driver
+        value = 3 * self.clock.t_ns // MS  # reads the counter halfway through
+        self.clock.t_ns += self.delay_ms * MS // 2
+        return value
+
+    def power_mw(self) -> int:
+        return 300_000
+
+    def sm_clock_mhz(self) -> int:
+        return 1500
+
+    def temperature_c(self) -> int:
+        return 60
+
+    def clock_event_reasons(self) -> int:
+        return 0
+
+
+def test_energy_readings_carry_the_time_the_counter_was_read() -> None:
+    """A slow energy read (40 ms per GPU) lands long after the sampling loop's own timestamp:
+    interpolating at the loop's times would credit energy to the wrong instants."""
+    from dvfs.meter import Sampler
+
+    clock = ManualClock()
+    gpus = [StubGpu(clock, 0, delay_ms=40), StubGpu(clock, 1, delay_ms=40)]
+    sampler = Sampler(gpus, clock, period_s=0.1)
+    for _ in range(5):
+        sampler.sample()
+        clock.sleep(0.1)
+    s = sampler.samples.arrays()
+    assert s["gpu_energy_t_ns"].shape == (5, 2)
+    assert (s["gpu_energy_t_ns"][:, 0] > s["t_ns"]).all()  # read after the loop's timestamp
+    # Each counter is exactly 3 mJ/ms of its own read time, so interpolation must be exact.
+    for t_ms in (1_100, 1_210, 1_333):  # within every GPU's readings
+        assert counter_at(s, t_ms * MS) == pytest.approx(2 * 3 * t_ms, abs=1e-6)
+
+
+def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:
+    """A reading that hangs must end the round with a clear error, and nothing may be appended
+    to the sampler's lists after it gave up (someone else is reading them by then)."""
+    import threading
+
+    from dvfs.meter import Sampler, SamplerError
+
+    clock = ThreadClock()
+    gate = threading.Event()
+    gpu = StubGpu(clock, 0, gate=gate, block_after=3)
+    sampler = Sampler([gpu], clock, period_s=0.001, stop_timeout_s=0.05)
+    try:
+        with pytest.raises(SamplerError, match="did not stop.*energy counter of GPU 0"), sampler:
+            while gpu.calls <= 3:  # until the sampler thread is stuck in a reading
+                threading.Event().wait(0.001)
+        frozen = {k: list(v) for k, v in sampler.samples.__dict__.items()}
+    finally:
+        gate.set()
+    clock.thread.join()
+    assert {k: list(v) for k, v in sampler.samples.__dict__.items()} == frozen
+
+
+def test_a_failed_reading_is_raised_when_the_sampler_stops() -> None:
+    from dvfs.errors import GpuError
+    from dvfs.meter import Sampler
+
+    clock = ManualClock()
+    gpu = StubGpu(clock)
+    sampler = Sampler([gpu], clock, period_s=0.1)
+
+    def broken() -> int:
+        raise GpuError("GPU 0: cannot read power: NVML says Unknown Error")
+
+    with pytest.raises(GpuError, match="cannot read power"), sampler:
+        gpu.power_mw = broken  # type: ignore[method-assign]
+        sampler._tick()  # what the clock's thread would call
