@@ -4,11 +4,16 @@ A caps file (TOML) names GPUs by UUID (or, for a fleet, by model name) with an S
 and/or a power limit. `plan_caps` writes one from `dvfs headroom --json`; `apply_caps` puts it
 on the GPUs and records what it applied in the state directory, because NVML cannot read a
 clock lock back: the record is how `cap show` and a later sweep know a lock is in place.
+
+Caps planned from a digital-twin cube are marked simulated (`[meta] simulated = true`) and
+name the twin's GPU model, never its made-up UUID; `cap apply` refuses them unless asked
+explicitly (`allow_simulated`), and then matches them by model name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import tomllib
@@ -23,6 +28,14 @@ from dvfs.gpu.base import Gpu
 
 CAPS_SCHEMA = 1
 APPLIED_NAME = "caps-applied.json"
+#: How the twin's GPUs name themselves: the NVML model name with this suffix.
+TWIN_SUFFIX = " (twin)"
+
+
+class CapsPartlyAppliedError(CapsError):
+    """Caps were applied to the GPUs the file matches; entries for others matched nothing."""
+
+    exit_code = 5
 
 
 @dataclass(frozen=True)
@@ -61,15 +74,40 @@ class CapsFile:
     caps: tuple[GpuCap, ...]
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def for_gpu(self, uuid: str, name: str) -> GpuCap | None:
-        """A GPU's own entry, else its model's entry."""
+    @property
+    def simulated(self) -> bool:
+        """Planned from a digital twin's cube, not from measurements of real GPUs."""
+        return self.meta.get("simulated") is True or any(is_twin_name(c.name) for c in self.caps)
+
+    def for_gpu(self, uuid: str, name: str, *, twin_models: bool = False) -> GpuCap | None:
+        """A GPU's own entry, else its model's entry; with `twin_models` a twin's model name
+        ("NVIDIA H100 80GB HBM3 (twin)") also matches the real model."""
         for cap in self.caps:
             if cap.uuid == uuid:
                 return cap
         for cap in self.caps:
-            if cap.name is not None and cap.name == name:
+            if cap.name is None:
+                continue
+            if cap.name == name or (
+                twin_models and base_model_name(cap.name) == base_model_name(name)
+            ):
                 return cap
         return None
+
+    def expected(self) -> str:
+        """What the file names, for messages: its UUIDs and model names."""
+        parts = [c.uuid for c in self.caps if c.uuid]
+        parts += [f"model {c.name!r}" for c in self.caps if c.name]
+        return ", ".join(p for p in parts if p)
+
+
+def base_model_name(name: str) -> str:
+    """A GPU model's NVML name without the twin's suffix."""
+    return name.removesuffix(TWIN_SUFFIX)
+
+
+def is_twin_name(name: str | None) -> bool:
+    return bool(name) and str(name).endswith(TWIN_SUFFIX)
 
 
 # -- reading and writing --------------------------------------------------------------------
@@ -113,6 +151,8 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
             raise CapsError(f"{where}: [[{kind}]] must be an array of tables")
         for i, entry in enumerate(entries):
             here = f"{where}: [[{kind}]] #{i + 1}"
+            if not isinstance(entry, dict):
+                raise CapsError(f"{here}: must be a table ([[{kind}]] with keys), got {entry!r}")
             key = "uuid" if kind == "gpu" else "name"
             allowed = {key, "sm_clock_max_mhz", "sm_clock_min_mhz", "power_limit_w", "comment"}
             extra = sorted(set(entry) - allowed)
@@ -130,7 +170,10 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
                 )
             power = entry.get("power_limit_w")
             if power is not None and (
-                isinstance(power, bool) or not isinstance(power, int | float) or power <= 0
+                isinstance(power, bool)
+                or not isinstance(power, int | float)
+                or not math.isfinite(power)
+                or power <= 0
             ):
                 raise CapsError(f"{here}: power_limit_w must be a positive number, got {power!r}")
             try:
@@ -153,6 +196,8 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise CapsError(f"{where}: [meta] must be a table")
+    if not isinstance(meta.get("simulated", False), bool):
+        raise CapsError(f"{where}: [meta] simulated must be true or false")
     return CapsFile(tuple(caps), meta)
 
 
@@ -165,6 +210,8 @@ def load_caps(path: str | Path) -> CapsFile:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CapsError(f"{path}: not a caps file (not UTF-8 text: {exc.reason})") from exc
     return parse_caps(data, where=str(path))
 
 
@@ -182,6 +229,14 @@ def dump_caps(caps: CapsFile) -> str:
     lines = [
         "# GPU caps written by `dvfs cap plan`; apply with `dvfs cap apply FILE`",
         "# (or at boot through systemd/dvfs-caps.service).",
+    ]
+    if caps.simulated:
+        lines += [
+            f"# SIMULATED: planned from a digital-twin cube ({caps.meta.get('measured_on')}),",
+            "# not from measurements of real GPUs. `dvfs cap apply` refuses this file unless",
+            "# given --allow-simulated, and then matches GPUs by model name.",
+        ]
+    lines += [
         f"dvfs_caps = {CAPS_SCHEMA}",
         "",
         "[meta]",
@@ -245,6 +300,19 @@ def plan_caps(
     per_gpu: dict[str | None, list[dict[str, Any]]] = {}
     for r in rows:
         per_gpu.setdefault(r.get("gpu"), []).append(r)
+    measured_on = doc["gpu"].get("name")
+    simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
+    if simulated and not (uuids or model_name):
+        if len(per_gpu) > 1:
+            raise CapsError(
+                "simulated caps from a merged cube of several twin GPUs: plan each GPU's cube "
+                "on its own, or pass --model NAME"
+            )
+        # The twin's UUIDs are made up: name its GPU model instead.
+        model_name = str(measured_on or "unknown GPU") + (
+            "" if is_twin_name(measured_on) else TWIN_SUFFIX
+        )
+        per_gpu = {None: rows}
     ref = doc["reference"]
     caps = []
     for gpu_uuid, group in per_gpu.items():
@@ -278,8 +346,9 @@ def plan_caps(
             ]
     meta = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "simulated": True if simulated else None,
         "campaign": doc.get("campaign"),
-        "measured_on": doc["gpu"].get("name"),
+        "measured_on": measured_on,
         "target": doc["target"]["description"],
         "batch": batch,
         "drafter": drafter,
@@ -325,9 +394,15 @@ class AppliedCaps:
         if not self.path.exists():
             return {}
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
-        except ValueError as exc:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError included
             raise CapsError(f"{self.path} is unreadable ({exc}); remove it and re-apply") from exc
+        if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
+            raise CapsError(
+                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
+                "remove it and re-apply"
+            )
+        return data
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
@@ -343,13 +418,56 @@ class AppliedCaps:
         _write_json_atomic(self.path, records)
 
 
-def plan_actions(caps: CapsFile, gpus: Sequence[Gpu], *, strict: bool = True) -> list[CapAction]:
-    """Validate caps against each GPU's supported clocks and power range, without writing."""
+@dataclass(frozen=True)
+class CapsPlan:
+    """What applying a caps file on this host does, and which of its entries match nothing."""
+
+    actions: tuple[CapAction, ...]
+    unmatched: tuple[str, ...]
+    host: str
+
+    def unmatched_message(self, where: str) -> str:
+        return (
+            f"{where} has entries for {', '.join(self.unmatched)}, which match no GPU on this "
+            f"host (it has {self.host})"
+        )
+
+
+def describe_host(gpus: Sequence[Gpu]) -> str:
+    """The host's GPUs for messages: index, model name and UUID."""
+    if not gpus:
+        return "no GPUs"
+    return "; ".join(f"GPU {g.identity.index} {g.identity.name} ({g.identity.uuid})" for g in gpus)
+
+
+def plan_actions(
+    caps: CapsFile,
+    gpus: Sequence[Gpu],
+    *,
+    where: str = "the caps file",
+    allow_simulated: bool = False,
+) -> CapsPlan:
+    """Match caps to this host's GPUs and validate them against each GPU's supported clocks
+    and power range, without writing.
+
+    Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
+    GPU at all; entries that match nothing are listed in the plan for the caller to report.
+    """
+    host = describe_host(gpus)
+    if caps.simulated and not allow_simulated:
+        measured = caps.meta.get("measured_on") or "a digital twin"
+        models = sorted({base_model_name(c.name) for c in caps.caps if c.name})
+        target = f"GPUs of model {', '.join(models)}" if models else "the GPUs it names"
+        raise CapsError(
+            f"{where} holds simulated caps, planned from a digital-twin cube ({measured}), not "
+            f"from measurements of real GPUs: sweep the real GPUs and plan again, or pass "
+            f"--allow-simulated to apply them to {target} anyway"
+        )
     actions = []
     matched: set[int] = set()
     for gpu in gpus:
         ident = gpu.identity
-        cap = caps.for_gpu(ident.uuid, ident.name)
+        cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
             continue
         matched.add(id(cap))
@@ -375,13 +493,13 @@ def plan_actions(caps: CapsFile, gpus: Sequence[Gpu], *, strict: bool = True) ->
                     f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
                 )
         actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
-    missing = [c.uuid for c in caps.caps if c.uuid and id(c) not in matched]
-    if missing and strict:
+    if not actions:
         raise CapsError(
-            f"GPU(s) {', '.join(missing)} in the caps file are not on this machine "
-            "(`dvfs gpu list`); use --skip-missing to apply the rest"
+            f"{where} matches no GPU on this host, so nothing was capped: it names "
+            f"{caps.expected()}; this host has {host} (`dvfs gpu list`)"
         )
-    return actions
+    unmatched = tuple(c.uuid or f"model {c.name!r}" for c in caps.caps if id(c) not in matched)
+    return CapsPlan(tuple(actions), unmatched, host)
 
 
 def _gather(failures: list[str], needs_root: bool, verb: str) -> None:
@@ -394,33 +512,39 @@ def _gather(failures: list[str], needs_root: bool, verb: str) -> None:
 def apply_actions(
     actions: Sequence[CapAction], gpus: Sequence[Gpu], record: AppliedCaps, source: str
 ) -> None:
-    """Write the caps, recording each applied GPU; failures are gathered and reported together."""
+    """Write the caps, recording each applied GPU; failures are gathered and reported together.
+
+    The record is written even when a signal or a hung call ends the loop early, so `cap show`
+    and a later sweep know about every lock that was put in place.
+    """
     by_uuid = {g.identity.uuid: g for g in gpus}
     applied = record.read()
     failures: list[str] = []
     needs_root = False
-    for action in actions:
-        gpu = by_uuid[action.uuid]
-        entry = {
-            "lock_mhz": None,
-            "power_limit_mw": None,
-            "source": source,
-            "applied": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-        try:
-            if action.lock_mhz is not None:
-                gpu.lock_sm_clock(*action.lock_mhz)
-                entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
-            if action.power_limit_mw is not None:
-                if action.power_limit_mw != gpu.power_limit_mw():
-                    gpu.set_power_limit_mw(action.power_limit_mw)
-                entry["power_limit_mw"] = action.power_limit_mw
-        except GpuError as exc:
-            needs_root |= isinstance(exc, GpuPermissionError)
-            failures.append(str(exc))
-        if entry["lock_mhz"] is not None or entry["power_limit_mw"] is not None:
-            applied[action.uuid] = entry
-    record.write(applied)
+    try:
+        for action in actions:
+            gpu = by_uuid[action.uuid]
+            entry: dict[str, Any] = {
+                "lock_mhz": None,
+                "power_limit_mw": None,
+                "source": source,
+                "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+            try:
+                if action.lock_mhz is not None:
+                    gpu.lock_sm_clock(*action.lock_mhz)
+                    entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
+                    applied[action.uuid] = entry
+                if action.power_limit_mw is not None:
+                    if action.power_limit_mw != gpu.power_limit_mw():
+                        gpu.set_power_limit_mw(action.power_limit_mw)
+                    entry["power_limit_mw"] = action.power_limit_mw
+                    applied[action.uuid] = entry
+            except GpuError as exc:
+                needs_root |= isinstance(exc, GpuPermissionError)
+                failures.append(str(exc))
+    finally:
+        record.write(applied)
     _gather(failures, needs_root, "apply")
 
 
@@ -430,21 +554,23 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
     failures: list[str] = []
     done = []
     needs_root = False
-    for gpu in gpus:
-        ident = gpu.identity
-        try:
-            gpu.reset_sm_clock()
-            default = gpu.power_limit_range().default_mw
-            if gpu.power_limit_mw() != default:
-                gpu.set_power_limit_mw(default)
-            applied.pop(ident.uuid, None)
-            done.append(
-                f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
-                f"{default / 1000:g} W (default)"
-            )
-        except GpuError as exc:
-            needs_root |= isinstance(exc, GpuPermissionError)
-            failures.append(str(exc))
-    record.write(applied)
+    try:
+        for gpu in gpus:
+            ident = gpu.identity
+            try:
+                gpu.reset_sm_clock()
+                default = gpu.power_limit_range().default_mw
+                if gpu.power_limit_mw() != default:
+                    gpu.set_power_limit_mw(default)
+                applied.pop(ident.uuid, None)
+                done.append(
+                    f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
+                    f"{default / 1000:g} W (default)"
+                )
+            except GpuError as exc:
+                needs_root |= isinstance(exc, GpuPermissionError)
+                failures.append(str(exc))
+    finally:  # even when a signal ends the loop early
+        record.write(applied)
     _gather(failures, needs_root, "reset")
     return done

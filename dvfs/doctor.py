@@ -14,6 +14,7 @@ from types import ModuleType
 
 from dvfs.campaign import Campaign
 from dvfs.errors import DvfsError
+from dvfs.gpu.base import Gpu
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_FREE_BYTES = 1 << 30
@@ -104,7 +105,8 @@ def _gpu_checks(
                     checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
 
             def knobs() -> tuple[str, str]:
-                check_knobs_against(campaign, gpus)
+                as_gpus: list[Gpu] = list(gpus)
+                check_knobs_against(campaign, as_gpus)
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))

@@ -168,7 +168,7 @@ class Sampler:
         """The periodic callback: an error stops sampling and is raised on exit, not lost."""
         try:
             self.sample()
-        except BaseException as exc:
+        except Exception as exc:  # a signal's KeyboardInterrupt (virtual clock) propagates
             with self._cond:
                 self._error = self._error or exc
                 self._closed = True

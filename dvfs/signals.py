@@ -1,21 +1,36 @@
-"""Turning SIGTERM and SIGHUP into an exception, so `with` blocks restore the GPU on the way out.
+"""Termination signals during GPU-changing work: unwind to restore the GPU, never hang restoring.
 
-SIGINT already raises KeyboardInterrupt; the others would kill the process without unwinding.
+`signals_raise` makes SIGINT raise KeyboardInterrupt and SIGTERM/SIGHUP raise `Interrupted` for
+the block, whatever dispositions the process inherited: a shell starts background jobs with
+SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so without this
+`kill -INT` would do nothing. `restoring` holds signals back while settings are put back: the
+first is remembered and delivered after the restore, the next gives up on the restore
+(`RestoreAbandoned`, naming `dvfs gpu reset`), so a stuck restore cannot swallow signals forever.
+Both act in the main thread only (Python runs signal handlers there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: The signals dvfs turns into exceptions while it changes GPU settings.
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt, not an error)
     """A termination signal arrived; unwinding restores state before the process exits."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"received {signal.Signals(signum).name}")
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        super().__init__(message or f"received {signal.Signals(signum).name}")
         self.signum = signum
 
     @property
@@ -23,22 +38,93 @@ class Interrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt, not an
         return 128 + self.signum
 
 
+class RestoreAbandoned(Interrupted):
+    """A signal arrived again while settings were being restored, and dvfs stopped restoring."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(
+            signum,
+            f"received {signal.Signals(signum).name} again while restoring GPU settings, so "
+            "dvfs stopped restoring them; some may still be changed: run `dvfs gpu reset`",
+        )
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def raise_for(signum: int) -> None:
+    """The exception a handled signal becomes: KeyboardInterrupt for SIGINT, else Interrupted."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
 @contextlib.contextmanager
 def signals_raise(*signums: int) -> Iterator[None]:
-    """Within the block, the given signals raise `Interrupted` in the main thread."""
-    wanted = signums or (signal.SIGTERM, signal.SIGHUP)
-    previous = {}
+    """Within the block, the given signals (default: SIGINT, SIGTERM, SIGHUP) raise in the main
+    thread, whatever their inherited disposition (SIG_IGN included); the previous handlers come
+    back afterwards. Outside the main thread this does nothing."""
+    if not _on_main_thread():
+        yield
+        return
+    wanted = signums or HANDLED
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        # Ignore repeats while we unwind: a second SIGTERM must not abort the restore.
-        for s in wanted:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
+        raise_for(signum)
 
-    for s in wanted:
-        previous[s] = signal.signal(s, handler)
+    previous = {s: signal.signal(s, handler) for s in wanted}
     try:
         yield
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
+
+
+#: Signals received during a restore before it is abandoned (the first only waits).
+GIVE_UP_AFTER = 2
+
+
+@contextlib.contextmanager
+def restoring(
+    notify: Callable[[str], None] | None = None, *, give_up_after: int = GIVE_UP_AFTER
+) -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while settings are restored, and deliver them after.
+
+    The first signal only prints a notice; the `give_up_after`-th raises `RestoreAbandoned`
+    from wherever the restore is waiting (NVML calls wait interruptibly, see
+    `dvfs.gpu.deadline`). A held signal is delivered when the block ends normally, to the
+    handler that was installed before; when the block raises, its error wins.
+    """
+    if not _on_main_thread():
+        yield
+        return
+    say = notify or log.warning
+    received: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if len(received) >= give_up_after:
+            raise RestoreAbandoned(signum)
+        say(
+            f"received {signal.Signals(signum).name} while restoring GPU settings: finishing "
+            "the restore first; send it again to give up (then run `dvfs gpu reset`)"
+        )
+
+    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+    if received:
+        _deliver(received[0], previous[received[0]])
+
+
+def _deliver(signum: int, handler: Any) -> None:
+    """Handle `signum` now as `handler` (the one installed before the restore) would have."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)  # the default action: usually terminate
+    # SIG_IGN (or None: installed outside Python): ignored, as it would have been

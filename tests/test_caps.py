@@ -1,12 +1,11 @@
-"""Production caps: plan from headroom, apply to GPUs, show, reset; and the systemd unit."""
+"""Production caps: plan from headroom, apply to GPUs, show, reset."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -157,15 +156,12 @@ def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
 
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (GpuCap(uuid="GPU-00000000-0000-0000-0000-000000000000", power_limit_w=400.0),)
-            )
-        )
-    )
+    elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=elsewhere, power_limit_w=400.0),))))
     missing = invoke("cap", "apply", str(caps), code=2)
-    assert "not on this machine" in missing and "--skip-missing" in missing
+    assert "matches no GPU on this host" in missing and elsewhere in missing
+    assert "GPU 0 NVIDIA H100 80GB HBM3 (GPU-" in missing  # what the host has
+    assert nvml.fake_calls() == []
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1507),))))
     assert "1507 MHz is not a supported SM clock" in invoke("cap", "apply", str(caps), code=2)
@@ -173,6 +169,106 @@ def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
     denied = invoke("cap", "apply", str(caps), code=4)
     assert "permission denied" in denied and "systemd" in denied
+
+
+def test_a_caps_file_matching_no_gpu_fails_even_with_skip_missing(nvml, tmp_path: Path) -> None:
+    """The boot unit must not report success having capped nothing."""
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H200", power_limit_w=400.0),))))
+    for extra in ((), ("--skip-missing",), ("--dry-run",)):
+        out = invoke("cap", "apply", str(caps), *extra, code=2)
+        assert "matches no GPU on this host" in out and "model 'NVIDIA H200'" in out
+        assert "NVIDIA H100 80GB HBM3" in out
+    assert nvml.fake_calls() == []
+
+
+def test_a_partial_match_applies_what_matches_and_says_what_did_not(nvml, tmp_path: Path) -> None:
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    gone = "GPU-11111111-1111-1111-1111-111111111111"
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=uuid, power_limit_w=450.0),
+                    GpuCap(uuid=gone, power_limit_w=450.0),
+                )
+            )
+        )
+    )
+    dry = invoke("cap", "apply", str(caps), "--dry-run", code=5)
+    assert "dry run" in dry and gone in dry
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    out = invoke("cap", "apply", str(caps), code=5)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000  # applied what matched
+    assert gone in out and "match no GPU on this host" in out and "--skip-missing" in out
+    assert "applied caps to 1 GPU(s)" in out
+    invoke("cap", "reset")
+    accepted = invoke("cap", "apply", str(caps), "--skip-missing")
+    assert "note:" in accepted and gone in accepted
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+
+
+def twin_doc() -> dict:
+    """`dvfs headroom --json` of a cube swept on the twin (its UUIDs are made up)."""
+    d = doc([row("code", 1305, 450.0)], uuids=["GPU-7717a9f2-twin-0000-0000-000000000000"])
+    d["gpu"] = {
+        "name": "NVIDIA H100 80GB HBM3 (twin)",
+        "uuids": d["gpu"]["uuids"],
+        "backend": "twin",
+    }
+    return d
+
+
+def test_caps_planned_from_the_twin_are_marked_simulated() -> None:
+    caps = plan_caps(twin_doc(), batch=16, drafter="eagle3", corpus="code")
+    [cap] = caps.caps
+    assert cap.uuid is None and cap.name == "NVIDIA H100 80GB HBM3 (twin)"
+    assert caps.simulated and caps.meta["simulated"] is True
+    text = dump_caps(caps)
+    assert "# SIMULATED" in text and "simulated = true" in text
+    loaded = parse_caps(tomllib.loads(text), where="x")
+    assert loaded.simulated and loaded.caps == caps.caps
+    assert not plan_caps(
+        doc([row("code", 1305, 450.0)]), batch=16, drafter="eagle3", corpus="code"
+    ).simulated
+
+
+def test_simulated_caps_are_refused_on_real_gpus_unless_allowed(nvml, tmp_path: Path) -> None:
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(twin_doc()))
+    caps = tmp_path / "caps.toml"
+    planned = CliRunner().invoke(
+        cli,
+        ["cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps)],
+    )
+    assert planned.exit_code == 0, planned.output
+    assert "simulated" in planned.output and "NVIDIA H100 80GB HBM3 (twin)" in planned.output
+    assert "GPU-7717a9f2" not in caps.read_text()  # the twin's made-up UUID is not a target
+    refused = invoke("cap", "apply", str(caps), code=2)
+    assert "simulated caps" in refused and "--allow-simulated" in refused
+    assert nvml.fake_calls() == []
+    invoke("cap", "apply", str(caps), "--allow-simulated")
+    for index in (0, 1):  # both H100s, matched by model name
+        device = nvml.fake_device_state(index)
+        assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
+
+
+def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Path) -> None:
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+
+        def interrupted(limit_mw: int) -> None:
+            raise KeyboardInterrupt
+
+        gpu.set_power_limit_mw = interrupted  # type: ignore[method-assign]
+        action = CapAction(0, gpu.identity.uuid, (210, 1410), 400_000, 700_000)
+        with pytest.raises(KeyboardInterrupt):
+            apply_actions([action], [gpu], record, "caps.toml")
+    assert record.locks() == {gpu.identity.uuid: (210, 1410)}
 
 
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
@@ -193,32 +289,30 @@ def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
 
 
-@pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None,
-    reason="systemd-analyze is not installed on this machine",
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("gpu = [1, 2]\n", "must be a table"),
+        ('[[model]]\nname = "X"\npower_limit_w = nan\n', "power_limit_w must be a positive"),
+        ('[[model]]\nname = "X"\npower_limit_w = inf\n', "power_limit_w must be a positive"),
+        (b"\xff\xfe caps", "not UTF-8"),
+    ],
+    ids=["entry-not-table", "nan-watts", "inf-watts", "not-utf8"],
 )
-def test_systemd_unit_verifies(tmp_path: Path) -> None:
-    unit = (REPO / "systemd" / "dvfs-caps.service").read_text()
-    for needed in (
-        "Type=oneshot",
-        "RemainAfterExit=yes",
-        "After=nvidia-persistenced.service",
-        "Wants=nvidia-persistenced.service",
-        "ExecStart=/usr/local/bin/dvfs cap apply",
-        "ExecStop=/usr/local/bin/dvfs cap reset",
-        "NoNewPrivileges=yes",
-        "ProtectSystem=strict",
-        "ProtectHome=yes",
-        "PrivateTmp=yes",
-    ):
-        assert needed in unit
-    # verify checks that ExecStart's binary exists: point it at this environment's dvfs.
-    dvfs_bin = Path(sys.executable).parent / "dvfs"
-    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
-    copy = tmp_path / "dvfs-caps.service"
-    copy.write_text(unit.replace("/usr/local/bin/dvfs", str(dvfs_bin)))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip() == "", result.stderr  # no warnings (unknown keys, bad values)
+def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str) -> None:
+    path = tmp_path / "caps.toml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(CapsError, match=says):
+        load_caps(path)
+
+
+def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> None:
+    from dvfs.caps import AppliedCaps
+
+    record = AppliedCaps(tmp_path)
+    record.path.write_text("[1, 2]")
+    with pytest.raises(CapsError, match="not a dvfs caps record"):
+        record.read()

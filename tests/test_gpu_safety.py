@@ -5,6 +5,7 @@ with the twin engine as the workload."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -49,6 +50,34 @@ def nvml(env):
     # Not the default: restoring must put back what was there, not the driver default.
     module.fake_update_device(0, power_limit_mw=650_000)
     return module
+
+
+@pytest.fixture
+def dispositions():
+    """Put back the signal handlers a test changes."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture
+def hang(nvml, monkeypatch: pytest.MonkeyPatch):
+    """Make fake NVML calls hang (`hang("nvmlDeviceResetGpuLockedClocks")`); released after."""
+
+    def start(*calls: str) -> None:
+        monkeypatch.setenv("DVFS_FAKE_NVML_HANG", ",".join(f"{c}=inf" for c in calls))
+
+    yield start
+    monkeypatch.delenv("DVFS_FAKE_NVML_HANG", raising=False)
+    nvml.fake_release_hangs()
+
+
+def wait_for(condition, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
 
 
 def campaign_file(tmp_path: Path, output_tokens: int = 16, repeats: int = 1) -> Path:
@@ -315,15 +344,17 @@ def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
     )
     assert refused.returncode == 4, refused.stderr  # the cause, not a stale-state refusal
     assert "permission denied" in refused.stderr
+    assert "--observe-only" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_termination_signals_wait_until_the_restore_is_done() -> None:
+def test_termination_signals_wait_until_the_restore_is_done(dispositions) -> None:
     import os
 
-    from dvfs.gpu.knobs import _signals_held
+    from dvfs.signals import restoring, signals_raise
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job: set, not inherited
     order = []
-    with pytest.raises(KeyboardInterrupt), _signals_held():
+    with pytest.raises(KeyboardInterrupt), signals_raise(), restoring(lambda _: None):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         order.append("restored")
@@ -338,3 +369,176 @@ def test_a_resumed_sweep_refuses_changed_stock_settings(nvml, tmp_path: Path) ->
     nvml.fake_update_device(0, power_limit_mw=600_000)  # someone changed the stock limit
     with pytest.raises(JournalError, match="stock settings changed"):
         run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")
+
+
+# -- hung NVML calls and signals during a restore --------------------------------------------
+
+
+def test_a_hung_nvml_call_ends_at_its_deadline_naming_the_call_and_gpu(nvml, hang) -> None:
+    from dvfs.gpu.deadline import GpuTimeoutError
+
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=0.2) as (gpu,):
+        hang("nvmlDeviceSetGpuLockedClocks")
+        with pytest.raises(GpuTimeoutError) as caught:
+            gpu.lock_sm_clock(1500, 1500)
+        uuid = gpu.identity.uuid
+        assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 0.2 s" in (
+            str(caught.value)
+        )
+        # Until the stuck call returns, the GPU's next call fails at once, so it can never
+        # overtake the stuck setter.
+        with pytest.raises(GpuTimeoutError, match="was not attempted.*SetGpuLockedClocks"):
+            gpu.reset_sm_clock()
+        assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks") == []
+        os.environ.pop("DVFS_FAKE_NVML_HANG")
+        nvml.fake_release_hangs()
+        wait_for(lambda: nvml.fake_calls("nvmlDeviceSetGpuLockedClocks"), "the stuck call ends")
+        gpu.reset_sm_clock()  # the GPU answers again
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_a_restore_gives_up_at_the_deadline_and_keeps_the_state_file(
+    nvml, hang, tmp_path: Path
+) -> None:
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=0.2) as (gpu,):
+        with (
+            pytest.raises(GpuError) as caught,
+            KnobController([gpu], change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, 400))
+            hang("nvmlDeviceResetGpuLockedClocks")
+        message = str(caught.value)
+        assert "could not restore" in message and "dvfs gpu reset" in message
+        assert "nvmlDeviceResetGpuLockedClocks on GPU 0" in message
+        assert "did not return within 0.2 s" in message
+        assert store.pending(gpu.identity.uuid)  # for `dvfs gpu reset`
+
+
+def test_a_second_signal_abandons_a_stuck_restore(
+    nvml, hang, tmp_path: Path, dispositions, caplog
+) -> None:
+    """The restore holds one signal back, not forever: the next one gives up, and the state
+    file stays for `dvfs gpu reset`, which then puts the GPU back."""
+    import threading
+
+    from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.gpu.safety import StateStore, restore_pending
+    from dvfs.signals import RestoreAbandoned
+
+    store = StateStore(tmp_path / "dvfs-state")
+
+    def signal_twice() -> None:
+        wait_for(nvml.fake_hangs_started, "the restore is stuck in NVML")
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: "while restoring GPU settings" in caplog.text, "the first is noted")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=3600) as (gpu,):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # handled anyway, while knobs are held
+        sender = threading.Thread(target=signal_twice, daemon=True)
+        with (
+            pytest.raises(RestoreAbandoned) as caught,
+            KnobController([gpu], change_log=store) as knobs,
+        ):
+            knobs.apply(KnobSetting(1500, None))
+            hang("nvmlDeviceResetGpuLockedClocks")
+            sender.start()
+        sender.join()
+        assert caught.value.exit_code == 143 and "dvfs gpu reset" in str(caught.value)
+        assert store.pending(gpu.identity.uuid)
+        os.environ.pop("DVFS_FAKE_NVML_HANG")
+        nvml.fake_release_hangs()
+        wait_for(lambda: nvml.fake_calls("nvmlDeviceResetGpuLockedClocks"), "the stuck call ends")
+        restore_pending([gpu], store)
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_cap_apply_with_a_hung_driver_fails_in_one_line(nvml, env, tmp_path: Path) -> None:
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1410),))))
+    result = _dvfs(
+        "cap",
+        "apply",
+        str(caps),
+        env={
+            **env,
+            "DVFS_NVML_DEADLINE_S": "0.5",
+            "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetGpuLockedClocks=inf",
+        },
+    )
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 0.5 s" in line
+
+
+def _start_with_sigint_ignored(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """dvfs started the way a shell starts a background job: SIGINT ignored (set explicitly
+    here, so the test means the same however pytest itself was started)."""
+    launcher = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "sys.argv = ['dvfs', *sys.argv[1:]]; runpy.run_module('dvfs', run_name='__main__')"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", launcher, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_sigint_restores_even_when_inherited_ignored(nvml, tmp_path: Path, env) -> None:
+    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    out = tmp_path / "out"
+    proc = _start_with_sigint_ignored(
+        ["sweep", str(campaign), "--out", str(out), "--no-progress"], env
+    )
+    try:
+        _wait_until_changed(nvml, proc, out / "journal.jsonl")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "GPU settings restored" in output and "Traceback" not in output
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+@pytest.mark.slow
+def test_sigint_ends_cap_apply_stuck_in_the_driver(nvml, tmp_path: Path, env) -> None:
+    """A hung setter does not make dvfs deaf: the signal ends it (long before the deadline),
+    and the record keeps the lock that was applied before."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1410, power_limit_w=400.0),)))
+    )
+    hung_env = {
+        **env,
+        "DVFS_NVML_DEADLINE_S": "3600",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetPowerManagementLimit=inf",
+    }
+    proc = _start_with_sigint_ignored(["cap", "apply", str(caps)], hung_env)
+    try:
+        wait_for(nvml.fake_hangs_started, "cap apply is stuck in the driver")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output
+    record = json.loads((tmp_path / "dvfs-state" / "caps-applied.json").read_text())
+    assert record[uuid]["lock_mhz"] == [210, 1410]

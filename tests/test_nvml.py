@@ -104,3 +104,33 @@ def test_instant_power_falls_back_when_the_field_is_unsupported(nvml) -> None:
     nvml.fake_update_device(0, field_errors={186: 3})
     with open_nvml_gpus([0], nvml=nvml) as (gpu,):
         assert gpu.power_mw() >= 70_000
+
+
+def test_the_deadline_is_configurable(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dvfs.gpu.deadline import DEFAULT_DEADLINE_S
+
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        assert gpu.deadline_s == DEFAULT_DEADLINE_S
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "2.5")
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        assert gpu.deadline_s == 2.5
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "0")  # off: calls run directly
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        assert gpu.deadline_s is None and gpu.power_mw() > 0
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=1) as (gpu,):
+        assert gpu.deadline_s == 1
+    monkeypatch.setenv("DVFS_NVML_DEADLINE_S", "soon")
+    with (
+        pytest.raises(GpuValueError, match="DVFS_NVML_DEADLINE_S='soon' is not a number"),
+        open_nvml_gpus([0], nvml=nvml),
+    ):
+        pass
+
+
+def test_permission_errors_point_to_observe_only_and_the_unit(nvml, monkeypatch) -> None:
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+        with pytest.raises(GpuPermissionError) as caught:
+            gpu.lock_sm_clock(1500, 1500)
+    message = str(caught.value)
+    assert "run as root" in message and "--observe-only" in message and "systemd" in message

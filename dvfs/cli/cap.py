@@ -1,4 +1,9 @@
-"""`dvfs cap`: production caps from a headroom decision, applied, shown and reset."""
+"""`dvfs cap`: production caps from a headroom decision, applied, shown and reset.
+
+`cap apply` exits 0 when every entry of the caps file matched a GPU here (or with
+--skip-missing), 2 when the file matches no GPU on this host or holds simulated caps (nothing
+is changed), and 5 when it applied the caps that match but other entries match no GPU here.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import console, echo_json, escape, handle_errors
 from dvfs.cli.gpu import open_cli_gpus
 
 state_dir_option = click.option(
@@ -69,43 +74,83 @@ def plan(
         doc, batch=batch, drafter=drafter, corpus=corpus, uuids=uuids, model_name=model_name
     )
     text = dump_caps(caps)
+    err = console(stderr=True)
+    if caps.simulated:
+        err.print(
+            f"[yellow]These caps are simulated: planned from a digital-twin cube "
+            f"({escape(str(caps.meta.get('measured_on')))}), not from measurements of real "
+            "GPUs; `dvfs cap apply` refuses them unless given --allow-simulated.[/yellow]"
+        )
     if out_path is None:
         click.echo(text, nl=False)
         return
     out_path.write_text(text, encoding="utf-8")
-    console(stderr=True).print(
-        f"wrote {out_path}; check it with `dvfs cap apply {out_path} --dry-run`"
+    err.print(
+        f"wrote {escape(str(out_path))}; check it with "
+        f"`dvfs cap apply {escape(str(out_path))} --dry-run`"
     )
 
 
 @cap.command("apply")
 @click.argument("caps_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--dry-run", is_flag=True, help="Print what would change; change nothing.")
-@click.option("--skip-missing", is_flag=True, help="Apply to the GPUs present; skip the others.")
+@click.option(
+    "--skip-missing",
+    is_flag=True,
+    help="Entries that match no GPU here are expected (a fleet file): exit 0, not 5.",
+)
+@click.option(
+    "--allow-simulated",
+    is_flag=True,
+    help="Apply caps planned from a digital-twin cube, matched by GPU model name.",
+)
 @state_dir_option
 @handle_errors
-def apply(caps_file: Path, dry_run: bool, skip_missing: bool, state_dir: Path | None) -> None:
-    """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID (needs root)."""
-    from dvfs.caps import AppliedCaps, apply_actions, load_caps, plan_actions
+def apply(
+    caps_file: Path,
+    dry_run: bool,
+    skip_missing: bool,
+    allow_simulated: bool,
+    state_dir: Path | None,
+) -> None:
+    """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
+
+    Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
+    without --allow-simulated; 5 when it applied what matches but other entries match no GPU
+    here (0 with --skip-missing).
+    """
+    from dvfs.caps import (
+        AppliedCaps,
+        CapsPartlyAppliedError,
+        apply_actions,
+        load_caps,
+        plan_actions,
+    )
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+    from dvfs.signals import signals_raise
 
     caps = load_caps(caps_file)
     directory = state_dir or default_state_dir()
     out = console()
     with open_cli_gpus((), None) as gpus:
-        actions = plan_actions(caps, gpus, strict=not skip_missing)
-        if not actions:
-            out.print("No GPU on this machine matches the caps file.")
-            return
-        for action in actions:
+        plan = plan_actions(caps, gpus, where=str(caps_file), allow_simulated=allow_simulated)
+        for action in plan.actions:
             click.echo(("dry run, nothing changed: " if dry_run else "") + action.describe())
-        if dry_run:
-            return
-        targets = [g for g in gpus if g.identity.uuid in {a.uuid for a in actions}]
-        with GpuLocks(directory).hold(targets):
-            StateStore(directory).refuse_if_pending(targets)
-            apply_actions(actions, targets, AppliedCaps(directory), str(caps_file.resolve()))
-    out.print(f"applied caps to {len(actions)} GPU(s)")
+        if not dry_run:
+            targets = [g for g in gpus if g.identity.uuid in {a.uuid for a in plan.actions}]
+            with signals_raise(), GpuLocks(directory).hold(targets):
+                StateStore(directory).refuse_if_pending(targets)
+                apply_actions(
+                    plan.actions, targets, AppliedCaps(directory), str(caps_file.resolve())
+                )
+            out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+    if plan.unmatched:
+        message = plan.unmatched_message(str(caps_file))
+        if not skip_missing:
+            raise CapsPartlyAppliedError(
+                f"{message}; pass --skip-missing if that is expected (a fleet file)"
+            )
+        console(stderr=True).print(f"note: {escape(message)}")
 
 
 @cap.command("show")
@@ -164,8 +209,9 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none)."""
     from dvfs.caps import AppliedCaps, reset_caps
     from dvfs.gpu.safety import GpuLocks, default_state_dir
+    from dvfs.signals import signals_raise
 
     directory = state_dir or default_state_dir()
-    with open_cli_gpus(devices, None) as gpus, GpuLocks(directory).hold(gpus):
+    with open_cli_gpus(devices, None) as gpus, signals_raise(), GpuLocks(directory).hold(gpus):
         for line in reset_caps(gpus, AppliedCaps(directory)):
             console().print(line)

@@ -34,8 +34,11 @@ def open_cli_gpus(
         profile = gpu_profile(twin)
         clock = VirtualClock()
         parsed = parse_devices(devices)
-        if any(not isinstance(d, int) for d in parsed):
-            raise click.UsageError("the twin's GPUs are named by index (0, 1, ...), not by UUID")
+        named = [str(d) for d in parsed if not isinstance(d, int)]
+        if named:
+            raise click.UsageError(
+                f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
+            )
         indices = [int(d) for d in parsed] if parsed else [0]
         yield [TwinGpu(TwinDevice(profile, clock, i)) for i in indices]
         return
@@ -238,6 +241,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     """
     from dvfs.caps import AppliedCaps, reset_caps
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, restore_pending
+    from dvfs.signals import signals_raise
 
     directory = state_dir or default_state_dir()
     store = StateStore(directory)
@@ -251,7 +255,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             )
             return
         targets = gpus if defaults else with_state
-        with GpuLocks(directory).hold(targets):  # only the GPUs acted on
+        with signals_raise(), GpuLocks(directory).hold(targets):  # only the GPUs acted on
             for line in restore_pending(with_state, store):
                 out.print(f"restored {escape(line)}")
             if defaults:

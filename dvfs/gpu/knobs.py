@@ -3,21 +3,21 @@
 A `KnobController` snapshots each GPU's settings before the first change, compares before
 writing, and restores the snapshot on exit (normal, exception or signal). Failures while
 restoring are gathered and reported together, so one stubborn GPU does not hide the others.
+For its whole life SIGINT, SIGTERM and SIGHUP unwind the process (whatever dispositions it
+inherited), and during a restore they are held but not forever (`dvfs.signals`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dvfs.errors import GpuError, GpuPermissionError, GpuValueError
 from dvfs.gpu.base import Gpu
+from dvfs.signals import restoring, signals_raise
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class KnobController:
         self._prior_locks = prior_locks or {}
         self._snapshot: dict[str, GpuSettings] = {}
         self._current: dict[str, GpuSettings] = {}
+        self._signals = contextlib.ExitStack()
 
     # -- snapshot and restore ---------------------------------------------------------------
     def snapshot(self) -> dict[str, GpuSettings]:
@@ -76,12 +77,18 @@ class KnobController:
         return snap
 
     def __enter__(self) -> KnobController:
-        self._snapshot = self.snapshot()
+        self._signals.enter_context(signals_raise())
+        try:
+            self._snapshot = self.snapshot()
+        except BaseException:
+            self._signals.close()
+            raise
         self._current = dict(self._snapshot)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.restore()
+        with self._signals:
+            self.restore()
 
     @property
     def original(self) -> dict[str, GpuSettings]:
@@ -90,10 +97,12 @@ class KnobController:
     def restore(self) -> None:
         """Put every changed GPU back to its snapshot; raise one error listing all failures.
 
-        Termination signals are held back while restoring (and delivered after), so a second
-        Ctrl-C cannot leave a GPU half restored.
+        Termination signals are held back while restoring (and delivered after), so one more
+        Ctrl-C cannot leave a GPU half restored; the one after that gives up on the restore
+        (`RestoreAbandoned`), and a hung NVML call ends at its deadline, so a restore never
+        holds signals forever. What was not restored stays in the state file for `dvfs gpu reset`.
         """
-        with _signals_held():
+        with restoring():
             failures: list[str] = []
             needs_root = False
             for gpu in self.gpus:
@@ -192,29 +201,3 @@ class KnobController:
 #: Placeholders for a knob whose setter did not finish: differ from any real setting.
 UNKNOWN_LOCK = (0, 0)
 UNKNOWN_POWER = -1
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP for the block and deliver them after it.
-
-    Python handlers run in the main thread whichever thread the OS picks, so masking one
-    thread is not enough: the handlers are swapped for ones that only remember the signal.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-
-    def remember(signum: int, frame: object) -> None:
-        received.append(signum)
-
-    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, remember) for s in held}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if received:
-            os.kill(os.getpid(), received[0])  # now handled as it would have been

@@ -3,7 +3,8 @@
 Only current NVML calls: locked GPU clocks (not the deprecated applications clocks), the v1
 power-limit setter (pynvml's `_v2` wrapper ignores errors), the total-energy counter, and
 instant power through field values. The `pynvml` module arrives as an argument, so tests hand
-in a fake with NVML's semantics.
+in a fake with NVML's semantics. Every call has a deadline (`dvfs.gpu.deadline`): a hung driver
+call is reported as `GpuTimeoutError` naming the call and the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dvfs.errors import (
     GpuValueError,
 )
 from dvfs.gpu.base import GpuIdentity, PowerLimitRange
+from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,11 +33,31 @@ NO_DRIVER_HINT = (
     "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
     'or run on the digital twin (gpu.backend = "twin")'
 )
-ROOT_HINT = "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service)"
+ROOT_HINT = (
+    "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service); "
+    "to sweep without changing clocks or power limits, use `dvfs sweep --observe-only`"
+)
 
 # NVML field id for instantaneous board power and its scope (nvml.h).
 FI_DEV_POWER_INSTANT = 186
 POWER_SCOPE_GPU = 0
+
+
+def resolve_deadline_s(deadline_s: float | None) -> float | None:
+    """None: the default deadline ($DVFS_NVML_DEADLINE_S, else 10 s); 0: no deadline."""
+    if deadline_s is None:
+        return default_deadline_s()
+    return float(deadline_s) or None
+
+
+def _bounded(
+    worker: CallWorker, deadline_s: float | None, where: str, fn: Callable[..., T], *args: Any
+) -> T:
+    """`fn(*args)` through `worker` within the deadline; an overrun names the call and `where`."""
+    try:
+        return worker.call(fn, args, deadline_s)
+    except DeadlineExceeded as exc:
+        raise GpuTimeoutError(exc.describe(where)) from exc
 
 
 def load_pynvml() -> ModuleType:
@@ -55,7 +77,10 @@ class NvmlErrors:
 
     def __init__(self, nvml: ModuleType) -> None:
         self.nvml = nvml
-        code = lambda name, default: getattr(nvml, name, default)  # noqa: E731
+
+        def code(name: str, default: int) -> int:
+            return int(getattr(nvml, name, default))
+
         self.table: dict[int, type[GpuError]] = {
             code("NVML_ERROR_LIBRARY_NOT_FOUND", 12): GpuUnavailableError,
             code("NVML_ERROR_DRIVER_NOT_LOADED", 9): GpuUnavailableError,
@@ -78,7 +103,7 @@ class NvmlErrors:
 
     def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
         value = getattr(exc, "value", None)
-        cls = self.table.get(value, GpuError)
+        cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
         if value in self.library_not_found:
             return cls(f"{what}: {NO_DRIVER_HINT}")
         if value == self.lost:
@@ -116,11 +141,23 @@ class DeviceInfo:
 class NvmlGpu:
     """One GPU through NVML. NVML must be initialised (see `open_nvml_gpus`)."""
 
-    def __init__(self, nvml: ModuleType, handle: Any, index: int) -> None:
+    def __init__(
+        self,
+        nvml: ModuleType,
+        handle: Any,
+        index: int,
+        *,
+        deadline_s: float | None = None,
+        worker: CallWorker | None = None,
+    ) -> None:
         self.nvml = nvml
         self.handle = handle
         self.index = index
         self.errors = NvmlErrors(nvml)
+        #: Seconds each NVML call may take (None: unbounded); see `resolve_deadline_s`.
+        self.deadline_s = resolve_deadline_s(deadline_s)
+        self._worker = worker or CallWorker(f"gpu{index}")
+        self._where = f"GPU {index}"
         uuid = self._call(nvml.nvmlDeviceGetUUID, "read the GPU UUID")
         name = self._call(nvml.nvmlDeviceGetName, "read the GPU name")
         driver = self._call_plain(nvml.nvmlSystemGetDriverVersion, "read the driver version")
@@ -135,11 +172,15 @@ class NvmlGpu:
             memory_clock_mhz=memory_clocks[0],
             max_sm_clock_mhz=max(self._sm_clocks),
         )
+        self._where = f"GPU {index} ({self._identity.uuid})"
 
     # -- plumbing -----------------------------------------------------------------------------
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return _bounded(self._worker, self.deadline_s, self._where, fn, *args)
+
     def _call(self, fn: Callable[..., T], what: str, *args: Any, hint: str = "") -> T:
         try:
-            return fn(self.handle, *args)
+            return self._run(fn, self.handle, *args)
         except Exception as exc:
             if self.errors.is_nvml_error(exc):
                 raise self.errors.translate(exc, f"GPU {self.index}: cannot {what}", hint) from exc
@@ -147,7 +188,7 @@ class NvmlGpu:
 
     def _call_plain(self, fn: Callable[..., T], what: str) -> T:
         try:
-            return fn()
+            return self._run(fn)
         except Exception as exc:
             if self.errors.is_nvml_error(exc):
                 raise self.errors.translate(exc, f"cannot {what}") from exc
@@ -158,7 +199,7 @@ class NvmlGpu:
         fn = getattr(self.nvml, current, None)
         if fn is not None:
             try:
-                return fn(self.handle, *args)
+                return self._run(fn, self.handle, *args)
             except Exception as exc:
                 if not self.errors.is_nvml_error(exc):
                     raise
@@ -339,13 +380,18 @@ def _text(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def nvml_session(nvml: ModuleType | None = None) -> Iterator[ModuleType]:
+def nvml_session(
+    nvml: ModuleType | None = None, *, deadline_s: float | None = None
+) -> Iterator[ModuleType]:
     """NVML initialised for the block, shut down after (never in a destructor)."""
     module = nvml or load_pynvml()
     errors = NvmlErrors(module)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml")
     try:
-        module.nvmlInit()
+        _bounded(worker, limit, "this machine", module.nvmlInit)
     except Exception as exc:
+        worker.close()
         if errors.is_nvml_error(exc):
             raise errors.translate(exc, "cannot initialise NVML") from exc
         raise
@@ -353,40 +399,60 @@ def nvml_session(nvml: ModuleType | None = None) -> Iterator[ModuleType]:
         yield module
     finally:
         try:
-            module.nvmlShutdown()
+            _bounded(worker, limit, "this machine", module.nvmlShutdown)
         except Exception as exc:  # a failed shutdown must not mask the real outcome
             log.warning("nvmlShutdown failed: %s", exc)
+        worker.close()
 
 
-def device_count(nvml: ModuleType) -> int:
+def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
     errors = NvmlErrors(nvml)
+    worker = CallWorker("nvml")
     try:
-        return int(nvml.nvmlDeviceGetCount())
+        return int(
+            _bounded(
+                worker, resolve_deadline_s(deadline_s), "this machine", nvml.nvmlDeviceGetCount
+            )
+        )
     except Exception as exc:
         if errors.is_nvml_error(exc):
             raise errors.translate(exc, "cannot count GPUs") from exc
         raise
+    finally:
+        worker.close()
 
 
-def open_device(nvml: ModuleType, device: int | str, *, allow_mig: bool = False) -> NvmlGpu:
-    """A GPU by index or UUID; MIG-enabled GPUs are refused (energy is not per slice)."""
+def open_device(
+    nvml: ModuleType,
+    device: int | str,
+    *,
+    allow_mig: bool = False,
+    deadline_s: float | None = None,
+) -> NvmlGpu:
+    """A GPU by index or UUID; MIG-enabled GPUs are refused (energy is not per slice).
+
+    `deadline_s` bounds every NVML call on it (None: $DVFS_NVML_DEADLINE_S or 10 s; 0: none).
+    """
     errors = NvmlErrors(nvml)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker(f"gpu{device}")
+    where = f"GPU {device}"
     try:
         if isinstance(device, int):
-            handle = nvml.nvmlDeviceGetHandleByIndex(device)
+            handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, device)
             index = device
         else:
-            handle = nvml.nvmlDeviceGetHandleByUUID(device)
-            index = int(nvml.nvmlDeviceGetIndex(handle))
+            handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByUUID, device)
+            index = int(_bounded(worker, limit, where, nvml.nvmlDeviceGetIndex, handle))
     except Exception as exc:
         if errors.is_nvml_error(exc):
-            count = device_count(nvml)
+            count = device_count(nvml, deadline_s=deadline_s)
             raise GpuUnavailableError(
                 f"no GPU {device!r}: this machine has {count} GPU(s) "
                 f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
             ) from exc
         raise
-    gpu = NvmlGpu(nvml, handle, index)
+    gpu = NvmlGpu(nvml, handle, index, deadline_s=limit or 0, worker=worker)
     if not allow_mig and gpu.mig_enabled():
         raise GpuNotSupportedError(
             f"GPU {index} ({gpu.identity.uuid}) has MIG enabled: NVML measures energy and power "
@@ -398,8 +464,12 @@ def open_device(nvml: ModuleType, device: int | str, *, allow_mig: bool = False)
 
 @contextlib.contextmanager
 def open_nvml_gpus(
-    devices: Sequence[int | str], *, nvml: ModuleType | None = None, allow_mig: bool = False
+    devices: Sequence[int | str],
+    *,
+    nvml: ModuleType | None = None,
+    allow_mig: bool = False,
+    deadline_s: float | None = None,
 ) -> Iterator[list[NvmlGpu]]:
-    """The campaign's GPUs, NVML initialised around them."""
-    with nvml_session(nvml) as module:
-        yield [open_device(module, d, allow_mig=allow_mig) for d in devices]
+    """The campaign's GPUs, NVML initialised around them; `deadline_s` as for `open_device`."""
+    with nvml_session(nvml, deadline_s=deadline_s) as module:
+        yield [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]

@@ -22,6 +22,10 @@ Environment (read at every call):
 - ``DVFS_FAKE_NVML_INIT_ERROR=<code>``: ``nvmlInit`` raises ``NVMLError(code)``.
 - ``DVFS_FAKE_NVML_OLD_DRIVER=1``: ``nvmlDeviceGetCurrentClocksEventReasons`` and
   ``nvmlDeviceGetTemperatureV`` raise ``NVMLError_FunctionNotFound``.
+- ``DVFS_FAKE_NVML_HANG=fn[@index]=seconds,...``: those device calls hang (sleep) that long
+  before doing anything, like a driver call that does not return; ``inf`` hangs until
+  ``fake_release_hangs()`` (in the hanging process). Each hang that starts is appended to
+  ``<state>.hangs`` (see ``fake_hangs_started``), so a test knows the call is stuck.
 
 Energy counter: power is integrated over ``time.time()`` and persisted; the value
 returned only advances at the boundaries of a fixed 20 ms wall-clock grid
@@ -691,6 +695,32 @@ def _device(
     return dev, FAKE_PROFILES[dev["profile"]]
 
 
+_hang_release = threading.Event()
+
+
+def _hang_seconds(fn_name: str, index: int | None) -> float | None:
+    """How long ``DVFS_FAKE_NVML_HANG`` makes this call hang (None: not at all)."""
+    spec = os.environ.get("DVFS_FAKE_NVML_HANG", "")
+    for item in spec.split(","):
+        target, _, seconds = item.partition("=")
+        name, _, at = target.strip().partition("@")
+        if name != fn_name or (at and index is not None and int(at) != index):
+            continue
+        return float(seconds)
+    return None
+
+
+def _maybe_hang(fn_name: str, handle: Any) -> None:
+    """Hang like a stuck driver call when ``DVFS_FAKE_NVML_HANG`` names this call."""
+    index = handle._index if isinstance(handle, FakeNvmlDeviceHandle) else None
+    seconds = _hang_seconds(fn_name, index)
+    if seconds is None:
+        return
+    with open(_state_path() + ".hangs", "a") as log:
+        log.write(json.dumps({"fn": fn_name, "index": index, "pid": os.getpid()}) + "\n")
+    _hang_release.wait(None if math.isinf(seconds) else seconds)
+
+
 def _get(
     fn_name: str,
     handle: Any,
@@ -699,6 +729,7 @@ def _get(
     write: bool = False,
 ) -> Any:
     """Run a device query: init check, resolve handle, call ``getter(dev, prof)``."""
+    _maybe_hang(fn_name, handle)
     _check_init()
     with _transaction(write) as state:
         dev, prof = _device(state, handle, fn_name)
@@ -725,6 +756,7 @@ def _set(
     With ``swallow`` errors after the init check are logged but not raised.
     """
     index = handle._index if isinstance(handle, FakeNvmlDeviceHandle) else None
+    _maybe_hang(fn_name, handle)
     error: BaseException | None = None
     try:
         _check_init()
@@ -1215,6 +1247,8 @@ def fake_reset_state(devices: str | list[str] | None = None) -> None:
     state = _new_state(devices)
     with _state_lock() as path:
         _write_atomic(path, state)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".hangs")
 
 
 def fake_state() -> dict[str, Any]:
@@ -1274,6 +1308,22 @@ def fake_set_driver_version(version: str) -> None:
     """Change the reported driver version."""
     with _transaction(write=True) as state:
         state["driver_version"] = version
+
+
+def fake_hangs_started() -> list[dict[str, Any]]:
+    """Hangs that began (any process), oldest first: ``{"fn", "index", "pid"}``."""
+    try:
+        with open(_state_path() + ".hangs") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def fake_release_hangs() -> None:
+    """End every hang in progress in this process (unset ``DVFS_FAKE_NVML_HANG`` first, or
+    the next call hangs again)."""
+    _hang_release.set()
+    _hang_release.clear()
 
 
 def fake_init_count() -> int:
