@@ -1010,25 +1010,7 @@ ALL_CASES = [
 ]
 
 # Cases still failing in code other engineers own: listed for the integrator (see the report).
-_CAPS_UTF8 = (
-    "owned by caps (dvfs/caps.py load_caps): a file that is not UTF-8 exits 1 through the "
-    "generic UnicodeDecodeError handler, not 2 as an invalid caps file"
-)
-XFAIL: dict[str, str] = {
-    "gpu-info-twin-uuid": "owned by gpu (dvfs/cli/gpu.py open_cli_gpus): the message does not "
-    "name the device given (GPU-xyz)",
-    "caps-show-record-is-a-list": "owned by caps (dvfs/caps.py AppliedCaps.read): a caps "
-    "record holding a JSON list dies: internal error AttributeError 'list' object has no "
-    "attribute 'get'",
-    "caps-binary": _CAPS_UTF8,
-    "caps-non-utf8": _CAPS_UTF8,
-    "caps-gpu-entry-not-table": "owned by caps (dvfs/caps.py parse_caps): gpu = [1, 2] (entries "
-    "not tables) dies: internal error TypeError 'int' object is not iterable (exit 1, not 2)",
-    "caps-watts-nan": "owned by caps (dvfs/caps.py parse_caps): power_limit_w = nan passes the "
-    "positive check (nan <= 0 is false); only NVML's absence stops it",
-    "caps-watts-inf": "owned by caps (dvfs/caps.py parse_caps): power_limit_w = inf is accepted "
-    "as a positive number; only NVML's absence stops it",
-}
+XFAIL: dict[str, str] = {}
 
 
 def _params() -> list[Any]:
