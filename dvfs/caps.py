@@ -420,17 +420,25 @@ class AppliedCaps:
 
 @dataclass(frozen=True)
 class CapsPlan:
-    """What applying a caps file on this host does, and which of its entries match nothing."""
+    """What applying a caps file on this host does, and which of its entries match nothing.
+
+    A GPU UUID that is not here means the file was meant for another host or a GPU was
+    replaced (`unmatched`); a model that is not here is normal for a fleet file (`unused`).
+    """
 
     actions: tuple[CapAction, ...]
     unmatched: tuple[str, ...]
     host: str
+    unused: tuple[str, ...] = ()
 
     def unmatched_message(self, where: str) -> str:
         return (
-            f"{where} has entries for {', '.join(self.unmatched)}, which match no GPU on this "
-            f"host (it has {self.host})"
+            f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
+            f"(it has {self.host}); caps went to the GPUs that match"
         )
+
+    def unused_message(self, where: str) -> str:
+        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries were skipped"
 
 
 def describe_host(gpus: Sequence[Gpu]) -> str:
@@ -498,8 +506,9 @@ def plan_actions(
             f"{where} matches no GPU on this host, so nothing was capped: it names "
             f"{caps.expected()}; this host has {host} (`dvfs gpu list`)"
         )
-    unmatched = tuple(c.uuid or f"model {c.name!r}" for c in caps.caps if id(c) not in matched)
-    return CapsPlan(tuple(actions), unmatched, host)
+    unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
+    unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
+    return CapsPlan(tuple(actions), unmatched, host, unused)
 
 
 def _gather(failures: list[str], needs_root: bool, verb: str) -> None:

@@ -201,12 +201,28 @@ def test_a_partial_match_applies_what_matches_and_says_what_did_not(nvml, tmp_pa
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
     out = invoke("cap", "apply", str(caps), code=5)
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000  # applied what matched
-    assert gone in out and "match no GPU on this host" in out and "--skip-missing" in out
+    assert gone in out and "not on this host" in out and "--skip-missing" in out
     assert "applied caps to 1 GPU(s)" in out
     invoke("cap", "reset")
     accepted = invoke("cap", "apply", str(caps), "--skip-missing")
     assert "note:" in accepted and gone in accepted
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+
+
+def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None:
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450.0),
+                    GpuCap(name="NVIDIA H200", power_limit_w=500.0),
+                )
+            )
+        )
+    )
+    out = invoke("cap", "apply", str(caps))  # exit 0: a fleet file names every model
+    assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
 
 
 def twin_doc() -> dict:

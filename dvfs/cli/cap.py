@@ -1,8 +1,9 @@
 """`dvfs cap`: production caps from a headroom decision, applied, shown and reset.
 
-`cap apply` exits 0 when every entry of the caps file matched a GPU here (or with
---skip-missing), 2 when the file matches no GPU on this host or holds simulated caps (nothing
-is changed), and 5 when it applied the caps that match but other entries match no GPU here.
+`cap apply` exits 0 when it applied caps and every GPU UUID the file names is here (models a
+host lacks are normal in a fleet file: a note), 2 when the file matches no GPU on this host or
+holds simulated caps (nothing is changed), and 5 when it applied the caps that match but GPU
+UUIDs it names are not here (0 with --skip-missing).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def plan(
 @click.option(
     "--skip-missing",
     is_flag=True,
-    help="Entries that match no GPU here are expected (a fleet file): exit 0, not 5.",
+    help="GPU UUIDs in the file that are not here are expected: exit 0, not 5.",
 )
 @click.option(
     "--allow-simulated",
@@ -116,8 +117,8 @@ def apply(
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
 
     Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
-    without --allow-simulated; 5 when it applied what matches but other entries match no GPU
-    here (0 with --skip-missing).
+    without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
+    are not here (0 with --skip-missing). Models not on this host are only noted.
     """
     from dvfs.caps import (
         AppliedCaps,
@@ -144,12 +145,12 @@ def apply(
                     plan.actions, targets, AppliedCaps(directory), str(caps_file.resolve())
                 )
             out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+    if plan.unused:
+        console(stderr=True).print(f"note: {escape(plan.unused_message(str(caps_file)))}")
     if plan.unmatched:
         message = plan.unmatched_message(str(caps_file))
         if not skip_missing:
-            raise CapsPartlyAppliedError(
-                f"{message}; pass --skip-missing if that is expected (a fleet file)"
-            )
+            raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
 
 
