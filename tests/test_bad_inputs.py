@@ -56,7 +56,8 @@ class Case:
     """One bad input: the argv (placeholders below), the files to create, what must be said.
 
     Placeholders in argv, files and `says`: {tmp} (this test's folder), {sweep} (a finished tiny
-    sweep folder, shared, read-only), {cube}, {journal}, {headroom} (its headroom JSON).
+    sweep folder, shared, read-only), {cube}, {journal}, {headroom} (its headroom JSON), and
+    with `nvml` {uuid0} (the fake GPU 0's UUID; also in file names).
     A file's value is text, bytes, DIR, a Writer, or a function of those paths (a dict with the
     same keys) returning text or bytes.
     """
@@ -817,6 +818,104 @@ CUBE_CASES = [
     ),
 ]
 
+# -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
+
+_STATE = "state/{uuid0}.json"  # the fake NVML's GPU 0
+GPU_CASES = [
+    C(
+        f"gpu-state-file-{kind}",
+        ["gpu", "reset", "--state-dir", "{tmp}/state"],
+        files={_STATE: content},
+        nvml=True,
+        says=("{tmp}/state",),
+    )
+    for kind, content in (
+        ("binary", binary_bytes()),
+        ("non-utf8", latin1('{"original": "caf\u00e9"}')),
+        ("truncated", '{"original": {"sm_clock'),
+        ("a-list", "[1, 2]"),
+        ("original-not-a-table", '{"original": 5}'),
+        ("original-wrong-fields", '{"original": {"uuid": 5}}'),
+        ("empty", ""),
+    )
+] + [
+    C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",)),
+    C("gpu-reset-no-such-uuid", ["gpu", "reset", "GPU-nope"], nvml=True, says=("GPU-nope",)),
+    C("cap-reset-no-such-index", ["cap", "reset", "7"], nvml=True, says=("7",)),
+    C(
+        "cap-apply-gpu-not-here",
+        ["cap", "apply", "{tmp}/caps.toml", "--dry-run"],
+        files={
+            "caps.toml": '[[gpu]]\nuuid = "GPU-00000000-0000-0000-0000-000000000000"\n'
+            "power_limit_w = 400\n"
+        },
+        nvml=True,
+        code=2,
+        says=("GPU-00000000-0000-0000-0000-000000000000",),
+    ),
+    C(
+        "cap-apply-model-not-here",
+        ["cap", "apply", "{tmp}/caps.toml", "--dry-run"],
+        files={"caps.toml": '[[model]]\nname = "NVIDIA A100"\npower_limit_w = 400\n'},
+        nvml=True,
+        code=2,
+        says=("A100",),
+    ),
+    C(
+        "cap-plan-gpu-not-a-uuid",
+        ["cap", "plan", "{headroom}", "--batch", "1", "--drafter", "eagle3", "--gpu", "0"],
+        says=("'0'",),
+    ),
+    C(
+        "cap-plan-gpu-and-model",
+        [
+            "cap",
+            "plan",
+            "{headroom}",
+            "--batch",
+            "1",
+            "--drafter",
+            "eagle3",
+            "--gpu",
+            "GPU-1",
+            "--model",
+            "NVIDIA H100 80GB HBM3",
+        ],
+        says=("--model",),
+    ),
+]
+
+# -- more damaged cubes and journals ---------------------------------------------------------
+
+
+def _journal_off_grid(records: list[dict[str, Any]]) -> list[Any]:
+    i = _first_cell(records)
+    cell = dict(records[i]["cell"])
+    cell["sm_clock_mhz"] = 1005
+    records[i] = {**records[i], "cell": cell}
+    return records
+
+
+MORE_CASES = [
+    C(
+        f"cube-{cmd}-missing-variable",
+        [cmd, "{tmp}/cube.nc", *extra],
+        files={"cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))},
+        code=1,
+        says=("cube.nc",),
+    )
+    for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
+] + [
+    journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+    corpus_case(
+        "path-empty-string",
+        "x",
+        None,
+        "folder",
+        spec={"path": "", "field": "text", "format": "jsonl"},
+    ),
+]
+
 # -- command-line flags ----------------------------------------------------------------------
 
 H = ["headroom", "{cube}"]
@@ -1007,10 +1106,23 @@ ALL_CASES = [
     *CUBE_CASES,
     *FLAG_CASES,
     *FAULT_CASES,
+    *GPU_CASES,
+    *MORE_CASES,
 ]
 
 # Cases still failing in code other engineers own: listed for the integrator (see the report).
-XFAIL: dict[str, str] = {}
+XFAIL: dict[str, str] = {
+    "gpu-state-file-a-list": "owned by gpu (dvfs/gpu/safety.py StateStore.pending): a state "
+    "file holding a JSON list dies: internal error TypeError list indices must be integers",
+    "gpu-state-file-original-not-a-table": "owned by gpu (dvfs/gpu/safety.py StateStore.pending): "
+    "{\"original\": 5} dies: internal error AttributeError 'int' object has no attribute 'get'",
+    "cap-plan-gpu-not-a-uuid": "owned by caps (dvfs/caps.py plan_caps): --gpu 0 is accepted "
+    '(exit 0) and written as uuid = "0", which `cap apply` then refuses',
+    "cap-plan-gpu-and-model": "owned by caps (dvfs/caps.py plan_caps): --gpu with --model is "
+    "accepted (exit 0); one of them is silently ignored",
+    "journal-cell-off-grid": "owned by cube (dvfs/cube.py build_cube): a cell record at a clock "
+    "outside the campaign's grid is dropped silently (exit 0)",
+}
 
 
 def _params() -> list[Any]:
@@ -1117,9 +1229,11 @@ def test_bad_input_is_one_clean_error(
     case: Case, shared: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     places = {"tmp": str(tmp_path), **{k: str(v) for k, v in shared.items()}}
-    _materialise(case.files, tmp_path, shared)
     if case.nvml:
         request.getfixturevalue("fake_nvml")
+        listed = CliRunner().invoke(cli, ["gpu", "list", "--json"])
+        places["uuid0"] = json.loads(listed.stdout)[0]["uuid"]
+    _materialise({_fill(k, places): v for k, v in case.files.items()}, tmp_path, shared)
     argv = [_fill(a, places) for a in case.argv]
     runner = CliRunner()
     if case.fault:
