@@ -274,6 +274,13 @@ def plan_caps(
     (highest clock, highest power limit), which keeps every corpus within its target as long
     as latency does not rise when a knob goes up. A knob left at stock is not capped.
     """
+    if uuids and model_name:
+        raise CapsError("--gpu and --model exclude each other: cap GPUs by UUID or by model")
+    not_uuids = [u for u in uuids if not u.startswith("GPU-")]
+    if not_uuids:
+        raise CapsError(
+            f"--gpu {not_uuids[0]!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
+        )
     if not isinstance(doc, dict) or doc.get("schema") != "dvfs.headroom/1":
         raise CapsError("the input is not `dvfs headroom --json` output (schema dvfs.headroom/1)")
     missing = [k for k in ("rows", "reference", "gpu", "target") if k not in doc]

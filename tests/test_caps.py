@@ -332,3 +332,13 @@ def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> 
     record.path.write_text("[1, 2]")
     with pytest.raises(CapsError, match="not a dvfs caps record"):
         record.read()
+
+
+def test_plan_refuses_bad_gpu_choices() -> None:
+    d = doc([row("code", 1305, 450.0)])
+    with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):
+        plan_caps(d, batch=16, drafter="eagle3", corpus="code", uuids=["0"])
+    with pytest.raises(CapsError, match="--gpu and --model exclude each other"):
+        plan_caps(
+            d, batch=16, drafter="eagle3", corpus="code", uuids=["GPU-1"], model_name="NVIDIA H200"
+        )

@@ -542,3 +542,14 @@ def test_sigint_ends_cap_apply_stuck_in_the_driver(nvml, tmp_path: Path, env) ->
     assert "Traceback" not in output
     record = json.loads((tmp_path / "dvfs-state" / "caps-applied.json").read_text())
     assert record[uuid]["lock_mhz"] == [210, 1410]
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])
+def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -> None:
+    from dvfs.errors import GpuStateError
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path)
+    store.path("GPU-1").write_text(content)
+    with pytest.raises(GpuStateError, match="unreadable"):
+        store.pending("GPU-1")

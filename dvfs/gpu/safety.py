@@ -132,8 +132,10 @@ class StateStore:
                 continue
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
+                if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
+                    raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, TypeError) as exc:
                 raise GpuStateError(
                     f"state file {path} is unreadable ({exc}); inspect and remove "
                     "it by hand after checking the GPU's settings"
