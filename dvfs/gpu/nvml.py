@@ -436,7 +436,7 @@ def open_device(
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker(f"gpu{device}")
-    where = f"GPU {device}"
+    where = f"GPU {device}" if isinstance(device, int) else str(device)
     try:
         if isinstance(device, int):
             handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, device)
