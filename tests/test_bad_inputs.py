@@ -1112,14 +1112,6 @@ ALL_CASES = [
 
 # Cases still failing in code other engineers own: listed for the integrator (see the report).
 XFAIL: dict[str, str] = {
-    "gpu-state-file-a-list": "owned by gpu (dvfs/gpu/safety.py StateStore.pending): a state "
-    "file holding a JSON list dies: internal error TypeError list indices must be integers",
-    "gpu-state-file-original-not-a-table": "owned by gpu (dvfs/gpu/safety.py StateStore.pending): "
-    "{\"original\": 5} dies: internal error AttributeError 'int' object has no attribute 'get'",
-    "cap-plan-gpu-not-a-uuid": "owned by caps (dvfs/caps.py plan_caps): --gpu 0 is accepted "
-    '(exit 0) and written as uuid = "0", which `cap apply` then refuses',
-    "cap-plan-gpu-and-model": "owned by caps (dvfs/caps.py plan_caps): --gpu with --model is "
-    "accepted (exit 0); one of them is silently ignored",
     "journal-cell-off-grid": "owned by cube (dvfs/cube.py build_cube): a cell record at a clock "
     "outside the campaign's grid is dropped silently (exit 0)",
 }
