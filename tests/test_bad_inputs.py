@@ -896,6 +896,10 @@ def _journal_off_grid(records: list[dict[str, Any]]) -> list[Any]:
     return records
 
 
+def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
+    path.symlink_to(path.name)  # a link to itself: ELOOP on open
+
+
 MORE_CASES = [
     C(
         f"cube-{cmd}-missing-variable",
@@ -906,6 +910,16 @@ MORE_CASES = [
     )
     for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
 ] + [
+    camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+    corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
+    caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
+    C(
+        "cube-info-symlink-loop",
+        ["cube", "info", "{tmp}/cube.nc"],
+        files={"cube.nc": Writer(_symlink_loop)},
+        code=1,
+        says=("cube.nc",),
+    ),
     journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
     corpus_case(
         "path-empty-string",
