@@ -320,9 +320,9 @@ def plan_caps(
             "" if is_twin_name(measured_on) else TWIN_SUFFIX
         )
         per_gpu = {None: rows}
-    ref = doc["reference"]
     caps = []
     for gpu_uuid, group in per_gpu.items():
+        ref = _reference_for(doc["reference"], gpu_uuid)
         infeasible = [r["corpus"] for r in group if not r["feasible"]]
         if infeasible:
             raise CapsError(
@@ -362,6 +362,20 @@ def plan_caps(
         "corpus": corpus,
     }
     return CapsFile(tuple(caps), meta)
+
+
+def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str, Any]:
+    """The stock setting a group's chosen setting is compared with: in a merged document
+    whose GPUs' stock settings differ, each GPU's own (`reference.per_gpu`)."""
+    per_gpu = reference.get("per_gpu") or {}
+    if gpu_uuid is not None and gpu_uuid in per_gpu:
+        return dict(per_gpu[gpu_uuid])
+    if reference.get("sm_clock_mhz") is None or reference.get("power_limit_w") is None:
+        raise CapsError(
+            "the headroom document has no single stock setting (its GPUs differ) and this "
+            "group names no GPU; plan each GPU with --gpu UUID"
+        )
+    return reference
 
 
 # -- applying -------------------------------------------------------------------------------

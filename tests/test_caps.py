@@ -342,3 +342,42 @@ def test_plan_refuses_bad_gpu_choices() -> None:
         plan_caps(
             d, batch=16, drafter="eagle3", corpus="code", uuids=["GPU-1"], model_name="NVIDIA H200"
         )
+
+
+def test_plan_from_a_merged_cube_uses_each_gpus_own_stock() -> None:
+    """GPUs whose stock power limits differ: the document has no single reference, and each
+    GPU's chosen setting is compared with its own stock (a TypeError on the old code)."""
+    from cubes import make_cube
+
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import Target
+    from dvfs.cube import merge_cubes
+    from dvfs.report import headroom_document
+
+    tpot = {1000: 12.0, 1500: 10.5, 2000: 10.0}
+    energy = {1000: 0.8, 1500: 0.7, 2000: 1.0}
+    parts = []
+    for uuid, limits in (("GPU-a", [600.0, 700.0]), ("GPU-b", [600.0, 650.0])):
+        ds = make_cube(
+            clocks=[1000, 1500, 2000],
+            limits=limits,
+            latency=lambda c, *_: tpot[c],
+            energy=lambda c, *_: energy[c],
+        )
+        ds.attrs.update(
+            gpu_uuids=uuid,
+            model="m",
+            engine_backend="nvml",
+            tp_size=1,
+            measurement_method="x",
+            gpu_name="NVIDIA H100 80GB HBM3",
+            campaign=json.dumps({"name": "merged", "workload": {"batch": [1]}}),
+        )
+        parts.append(ds)
+    merged = merge_cubes(parts)
+    doc = headroom_document(headroom(merged, target=Target("preserve", slack=0.10)), merged)
+    assert doc["reference"]["power_limit_w"] is None  # no single stock setting
+    caps = plan_caps(doc, batch=1, drafter="none", corpus="code")
+    by_uuid = {c.uuid: c for c in caps.caps}
+    assert set(by_uuid) == {"GPU-a", "GPU-b"}
+    assert all(c.sm_clock_max_mhz == 1500 for c in by_uuid.values())
