@@ -556,6 +556,7 @@ CAPS_CASES = [
         files={"state/caps-applied.json": binary_bytes()},
         code=2,
         says=("{tmp}/state",),
+        nvml=True,
     ),
     C(
         "caps-show-record-is-a-list",
