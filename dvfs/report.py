@@ -19,13 +19,28 @@ HEADROOM_SCHEMA = "dvfs.headroom/1"
 COMPARE_SCHEMA = "dvfs.compare/1"
 
 
+def json_safe(value: Any) -> Any:
+    """`value` as strict JSON can hold it: NaN and infinities become null (a missing
+    measurement, not a number), tuples lists, numpy scalars Python numbers, keys strings.
+    The one NaN->null rule for every document, journal line and --json output."""
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return json_safe(value.item())
+    return value
+
+
 def _f(value: Any) -> float | None:
     """A finite float, or None (JSON null) for NaN."""
     try:
         v = float(value)
     except (TypeError, ValueError):
         return None
-    return None if math.isnan(v) or math.isinf(v) else v
+    return json_safe(v)
 
 
 def _i(value: Any) -> int | None:

@@ -309,17 +309,9 @@ def console(stderr: bool = False) -> Any:
 
 def echo_json(data: Any) -> None:
     """Print strict JSON (NaN and infinities become null)."""
-    click.echo(json.dumps(_nan_to_none(data), indent=2, default=str, allow_nan=False))
+    from dvfs.report import json_safe
 
-
-def _nan_to_none(data: Any) -> Any:
-    if isinstance(data, float) and (data != data or data in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(data, dict):
-        return {k: _nan_to_none(v) for k, v in data.items()}
-    if isinstance(data, list | tuple):
-        return [_nan_to_none(v) for v in data]
-    return data
+    click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
 
 
 def campaign_argument(func: F) -> F:
