@@ -17,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +25,9 @@ import numpy as np
 
 from dvfs import __version__
 from dvfs.errors import CubeError
-from dvfs.journal import JOURNAL_NAME, check_schema, describe_os_error, now_iso, read_records
+from dvfs.journal import JOURNAL_NAME, describe_os_error, read_records
 from dvfs.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
-from dvfs.plan import Cell
+from dvfs.records import CampaignFacts, JournalContents, check_version, decode_journal, now_iso
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -46,106 +46,70 @@ CELL_DIMS = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")
 
 @dataclass(frozen=True)
 class VarSpec:
-    """A cube variable: where it comes from in a journal measurement, and its CF attributes."""
+    """A cube variable and its CF attributes; its name is also the measured quantity's name in
+    the journal (`dvfs.records.MeasurementRecord`), so no variable needs a source key."""
 
     name: str
     units: str
     long_name: str
-    source: str
     extra_dim: str | None = None
     integer: bool = False
 
 
 VARIABLES = (
+    VarSpec("energy_per_token_j", "J", "energy per output token in the steady-state window"),
     VarSpec(
-        "energy_per_token_j",
-        "J",
-        "energy per output token in the steady-state window",
-        "energy_per_token_j",
+        "energy_per_token_above_idle_j", "J", "energy per output token above the idle baseline"
     ),
+    VarSpec("energy_j", "J", "GPU energy in the steady-state decode window"),
     VarSpec(
-        "energy_per_token_above_idle_j",
-        "J",
-        "energy per output token above the idle baseline",
-        "energy_per_token_above_idle_j",
+        "output_tokens", "1", "output tokens generated in the steady-state window", integer=True
     ),
-    VarSpec("energy_j", "J", "GPU energy in the steady-state decode window", "energy_j"),
+    VarSpec("decode_time_s", "s", "length of the steady-state decode window"),
+    VarSpec("throughput_tok_s", "s-1", "output tokens per second in the steady-state window"),
+    VarSpec("ttft_ms", "ms", "time to first token", extra_dim="quantile"),
     VarSpec(
-        "output_tokens",
-        "1",
-        "output tokens generated in the steady-state window",
-        "output_tokens",
-        integer=True,
-    ),
-    VarSpec("decode_time_s", "s", "length of the steady-state decode window", "window_s"),
-    VarSpec(
-        "throughput_tok_s",
-        "s-1",
-        "output tokens per second in the steady-state window",
-        "throughput_tok_s",
-    ),
-    VarSpec("ttft_ms", "ms", "time to first token", "ttft_ms", extra_dim="quantile"),
-    VarSpec(
-        "tpot_ms",
-        "ms",
-        "time per output token after the first, per request",
-        "tpot_ms",
-        extra_dim="quantile",
+        "tpot_ms", "ms", "time per output token after the first, per request", extra_dim="quantile"
     ),
     VarSpec(
         "itl_ms",
         "ms",
         "inter-token latency (chunk gap spread over its tokens)",
-        "itl_ms",
         extra_dim="quantile",
     ),
-    VarSpec(
-        "accept_length", "1", "mean tokens per verify pass (bonus token included)", "accept_length"
-    ),
-    VarSpec("accept_rate", "1", "accepted draft tokens over proposed draft tokens", "accept_rate"),
+    VarSpec("accept_length", "1", "mean tokens per verify pass (bonus token included)"),
+    VarSpec("accept_rate", "1", "accepted draft tokens over proposed draft tokens"),
     VarSpec(
         "server_accept_length",
         "1",
         "tokens per verify pass as the server reports it (prefill excluded)",
-        "server_accept_length",
     ),
-    VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window", "power_mean_w"),
-    VarSpec("power_max_w", "W", "highest sampled GPU power in the window", "power_max_w"),
-    VarSpec("sm_clock_observed_mhz", "MHz", "mean sampled SM clock in the window", "sm_clock_mhz"),
-    VarSpec(
-        "temperature_max_c",
-        "degC",
-        "highest sampled GPU temperature in the window",
-        "temperature_max_c",
-    ),
+    VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window"),
+    VarSpec("power_max_w", "W", "highest sampled GPU power in the window"),
+    VarSpec("sm_clock_observed_mhz", "MHz", "mean sampled SM clock in the window"),
+    VarSpec("temperature_max_c", "degC", "highest sampled GPU temperature in the window"),
     VarSpec(
         "clock_event_reasons",
         "1",
         "NVML clock-event reasons seen in the window (bitmask)",
-        "event_reasons",
         integer=True,
     ),
-    VarSpec("quality", "1", "measurement quality flags (bitmask)", "quality", integer=True),
+    VarSpec("quality", "1", "measurement quality flags (bitmask)", integer=True),
     VarSpec(
-        "valid",
-        "1",
-        "1 if the cell passed every quality check that invalidates",
-        "valid",
-        integer=True,
+        "valid", "1", "1 if the cell passed every quality check that invalidates", integer=True
     ),
-    VarSpec("rounds", "1", "measurement rounds taken to fill the window", "rounds", integer=True),
-    VarSpec("requests", "1", "requests measured", "requests", integer=True),
+    VarSpec("rounds", "1", "measurement rounds taken to fill the window", integer=True),
+    VarSpec("requests", "1", "requests measured", integer=True),
 )
 TIMELINE = (
     VarSpec(
         "timeline_t_s",
         "s",
         "time since the window start (rounds concatenated)",
-        "t_s",
         extra_dim="sample",
     ),
-    VarSpec("timeline_power_w", "W", "sampled GPU power", "power_w", extra_dim="sample"),
-    VarSpec("timeline_sm_clock_mhz", "MHz", "sampled SM clock", "sm_clock_mhz", extra_dim="sample"),
+    VarSpec("timeline_power_w", "W", "sampled GPU power", extra_dim="sample"),
+    VarSpec("timeline_sm_clock_mhz", "MHz", "sampled SM clock", extra_dim="sample"),
 )
 STATUS_MISSING, STATUS_OK, STATUS_FAILED = 0, 1, 2
 
@@ -176,57 +140,37 @@ def _num(value: Any) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
-class JournalView:
-    """What the cube needs from a journal: header, sessions, servers and latest cell records."""
-
-    header: dict[str, Any]
-    sessions: list[dict[str, Any]]
-    servers: list[dict[str, Any]]
-    cells: dict[str, dict[str, Any]]
-
-
-def read_journal(path: str | Path) -> JournalView:
+def read_journal(path: str | Path) -> list[dict[str, Any]]:
+    """A journal's records, refused early when it is missing, headless or from a newer dvfs."""
     path = Path(path)
     if not path.exists():
         raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
     records = read_records(path)
     if not records or records[0].get("type") != "header":
         raise CubeError(f"{path} is not a dvfs journal")
-    check_schema(path, records[0])
-    cells: dict[str, dict[str, Any]] = {}
-    for r in records:
-        if r.get("type") == "cell":
-            cells[r["key"]] = r
-    return JournalView(
-        header=records[0],
-        sessions=[r for r in records if r.get("type") == "session"],
-        servers=[r for r in records if r.get("type") == "server"],
-        cells=cells,
-    )
+    check_version(path, records[0].get("journal_schema", 1))
+    return records
 
 
-def _grid(view: JournalView) -> dict[str, list[Any]]:
-    campaign = view.header["campaign"]
-    if not view.sessions:
+def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]]:
+    """The cube's coordinates: the campaign's axes, a stock knob axis at the setting found."""
+    if not journal.sessions:
         raise CubeError("the journal has no measurement session yet: nothing to put in a cube")
-    stock = view.sessions[0]["stock"]
-    clocks = campaign["knobs"]["sm_clocks_mhz"]
-    limits = campaign["knobs"]["power_limits_w"]
+    stock = journal.sessions[0].stock
+    grid = facts.grid
+    clocks, limits = grid.sm_clocks_mhz, grid.power_limits_w
     return {
-        "sm_clock": sorted(int(c) for c in clocks) if clocks else [int(stock["sm_clock_mhz"])],
-        "power_limit": sorted(float(p) for p in limits)
-        if limits
-        else [float(stock["power_limit_w"])],
-        "batch": [int(b) for b in campaign["workload"]["batch_sizes"]],
-        "drafter": [d["name"] for d in campaign["drafters"]],
-        "corpus": [c["name"] for c in campaign["workload"]["corpora"]],
-        "repeat": list(range(int(campaign["measurement"]["repeats"]))),
+        "sm_clock": sorted(clocks) if clocks else [stock.sm_clock_mhz],
+        "power_limit": sorted(limits) if limits else [stock.power_limit_w],
+        "batch": list(grid.batch_sizes),
+        "drafter": list(grid.drafters),
+        "corpus": list(grid.corpora),
+        "repeat": list(range(grid.repeats)),
     }
 
 
-def _check_sessions(view: JournalView) -> None:
-    uuids = {tuple(g["uuid"] for g in s["gpus"]) for s in view.sessions}
+def _check_sessions(journal: JournalContents) -> None:
+    uuids = {s.gpu_uuids for s in journal.sessions}
     if len(uuids) > 1:
         raise CubeError(
             "the journal holds measurements from different GPUs "
@@ -234,47 +178,48 @@ def _check_sessions(view: JournalView) -> None:
         )
 
 
-def _provenance(view: JournalView) -> dict[str, Any]:
-    header, session = view.header, view.sessions[-1]
-    campaign = header["campaign"]
-    gpus = session["gpus"]
+def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
+    header, session = journal.header, journal.sessions[-1]
+    if header.campaign_name is None or header.campaign_hash is None:
+        raise KeyError("campaign_name" if header.campaign_name is None else "campaign_hash")
+    gpus = session.gpus
     servers: dict[str, Any] = {}
-    for s in view.servers:
-        servers[s["drafter"]] = {"engine": s["engine"], "version": s["version"], "args": s["args"]}
-    versions = sorted({s["version"] for s in view.servers})
+    for s in journal.servers:
+        servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": s.args}
+    versions = sorted({s.version for s in journal.servers})
     return {
         "dvfs_schema": CUBE_SCHEMA,
         "Conventions": "CF-1.10",
-        "title": f"dvfs sweep: {header['campaign_name']}",
+        "title": f"dvfs sweep: {header.campaign_name}",
         "dvfs_version": __version__,
-        "journal_dvfs_version": header.get("dvfs_version", ""),
-        "campaign_name": header["campaign_name"],
-        "campaign_hash": header["campaign_hash"],
-        "campaign": json.dumps(campaign, sort_keys=True),
-        "campaign_source": header.get("campaign_source", ""),
-        "gpu_backend": session["gpu_backend"],
+        "journal_dvfs_version": header.dvfs_version,
+        "campaign_name": header.campaign_name,
+        "campaign_hash": header.campaign_hash,
+        "campaign": json.dumps(header.campaign, sort_keys=True),
+        "campaign_source": header.campaign_source,
+        "gpu_backend": session.gpu_backend,
         "gpu_name": gpus[0]["name"],
-        "gpu_uuids": ",".join(g["uuid"] for g in gpus),
+        "gpu_uuids": ",".join(session.gpu_uuids),
         "gpu_count": len(gpus),
         "driver_version": gpus[0]["driver_version"],
         "memory_clock_mhz": gpus[0]["memory_clock_mhz"],
-        "twin_profile": campaign["gpu"].get("profile") or "",
-        "engine_backend": session["engine_backend"],
+        "twin_profile": facts.twin_profile,
+        "engine_backend": session.engine_backend,
         "engine_version": ", ".join(versions),
         "server_args": json.dumps(servers, sort_keys=True),
-        "model": campaign["engine"]["model"],
-        "twin_model": campaign["engine"].get("twin_model") or "",
-        "tp_size": campaign["engine"]["tp_size"],
-        "actuation": int(bool(session["actuation"])),
-        "clock": session["clock"],
-        "stock_sm_clock_mhz": session["stock"]["sm_clock_mhz"],
-        "stock_power_limit_w": session["stock"]["power_limit_w"],
-        "power_limit_range_w": list(session["power_limit_range_w"]),
-        "idle_power_w": float(np.nanmean([_num(s["idle_power_w"]) for s in view.sessions])),
-        "measurement_method": session["measurement_method"],
-        "token_count_method": session.get("token_count_method", ""),
-        "corpora": json.dumps(session.get("corpora", {}), sort_keys=True),
-        "sessions": len(view.sessions),
+        "model": facts.model,
+        "twin_model": facts.twin_model,
+        "tp_size": facts.tp_size,
+        "actuation": int(session.actuation),
+        "clock": session.clock,
+        "stock_sm_clock_mhz": session.stock.sm_clock_mhz,
+        "stock_power_limit_w": session.stock.power_limit_w,
+        "power_limit_range_w": list(session.power_limit_range_w),
+        "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
+        "measurement_method": session.measurement_method,
+        "token_count_method": session.token_count_method,
+        "corpora": json.dumps(session.corpora, sort_keys=True),
+        "sessions": len(journal.sessions),
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",
     }
@@ -282,9 +227,9 @@ def _provenance(view: JournalView) -> dict[str, Any]:
 
 def build_cube(journal_path: str | Path) -> xr.Dataset:
     """Assemble the cube from a journal; cells not (yet) measured are NaN."""
-    view = read_journal(journal_path)
+    records = read_journal(journal_path)
     try:
-        return _build(view)
+        return _build(decode_journal(records, journal_path))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise CubeError(
             f"{journal_path}: a record lacks what a cube needs ({type(exc).__name__}: {exc}); "
@@ -293,12 +238,13 @@ def build_cube(journal_path: str | Path) -> xr.Dataset:
         ) from exc
 
 
-def _build(view: JournalView) -> xr.Dataset:
+def _build(journal: JournalContents) -> xr.Dataset:
     import xarray as xr
 
-    _check_sessions(view)
-    grid = _grid(view)
-    stock = view.sessions[0]["stock"]
+    _check_sessions(journal)
+    facts = journal.header.facts()
+    grid = _grid(journal, facts)
+    stock = journal.sessions[0].stock
     shape = tuple(len(grid[d]) for d in CELL_DIMS)
     index = {d: {v: i for i, v in enumerate(grid[d])} for d in CELL_DIMS}
     data: dict[str, np.ndarray] = {}
@@ -308,12 +254,10 @@ def _build(view: JournalView) -> xr.Dataset:
     for spec in TIMELINE:
         data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
     status = np.zeros(shape, dtype=np.int8)
-    for record in view.cells.values():
-        cell = Cell.from_dict(record["cell"])
-        clock = cell.sm_clock_mhz if cell.sm_clock_mhz is not None else int(stock["sm_clock_mhz"])
-        limit = (
-            cell.power_limit_w if cell.power_limit_w is not None else float(stock["power_limit_w"])
-        )
+    for record in journal.cells.values():
+        cell = record.cell
+        clock = cell.sm_clock_mhz if cell.sm_clock_mhz is not None else stock.sm_clock_mhz
+        limit = cell.power_limit_w if cell.power_limit_w is not None else stock.power_limit_w
         try:
             at = (
                 index["sm_clock"][clock],
@@ -325,20 +269,19 @@ def _build(view: JournalView) -> xr.Dataset:
             )
         except KeyError:
             continue  # a cell outside the grid cannot happen for a matching campaign hash
-        if record.get("status") != "ok":
+        if not record.ok or record.measurement is None:
             status[at] = STATUS_FAILED
             continue
         status[at] = STATUS_OK
-        m = record["measurement"]
+        m = record.measurement
         for spec in VARIABLES:
-            value = m.get(spec.source)
+            value = getattr(m, spec.name)
             if spec.extra_dim == "quantile":
                 data[spec.name][at] = [_num(v) for v in value]
             else:
                 data[spec.name][at] = _num(value)
-        timeline = m.get("timeline", {})
         for spec in TIMELINE:
-            values = [_num(v) for v in timeline.get(spec.source, [])][:TIMELINE_POINTS]
+            values = [_num(v) for v in getattr(m, spec.name)][:TIMELINE_POINTS]
             data[spec.name][at][: len(values)] = values
     coords: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
     coords["quantile"] = list(QUANTILES)
@@ -353,7 +296,7 @@ def _build(view: JournalView) -> xr.Dataset:
         )
     # The attention kernels each drafter's server resolved ("" where unknown, e.g. the twin):
     # arms that differ here also compare kernels, not just drafters.
-    backends = {s["drafter"]: s.get("attention_backend") or "" for s in view.servers}
+    backends = {s.drafter: s.attention_backend or "" for s in journal.servers}
     variables["attention_backend"] = (
         ("drafter",),
         np.array([backends.get(d, "") for d in grid["drafter"]], dtype=object),
@@ -369,7 +312,7 @@ def _build(view: JournalView) -> xr.Dataset:
             "flag_meanings": "missing measured failed",
         },
     )
-    ds = xr.Dataset(variables, coords=coords, attrs=_provenance(view))
+    ds = xr.Dataset(variables, coords=coords, attrs=_provenance(journal, facts))
     for name, (units, long_name) in COORD_ATTRS.items():
         if name in ds.coords:
             ds[name].attrs.update(units=units, long_name=long_name)
@@ -386,9 +329,9 @@ def _build(view: JournalView) -> xr.Dataset:
         flag_masks=np.array(list(EVENT_NAMES), dtype=np.int32),
         flag_meanings=" ".join(EVENT_NAMES.values()),
     )
-    failed = [r for r in view.cells.values() if r.get("status") != "ok"]
+    failed = [r for r in journal.cells.values() if not r.ok]
     ds.attrs["failed_cells"] = json.dumps(
-        [{"cell": r["cell"], "error": r.get("error", "")} for r in failed][:200]
+        [{"cell": asdict(r.cell), "error": r.error} for r in failed][:200]
     )
     return ds
 
@@ -535,12 +478,13 @@ def open_cube(path: str | Path) -> xr.Dataset:
 def _stock_text(ds: xr.Dataset) -> str:
     """The reference setting in words: unlocked only when the campaign left the clock stock."""
     try:
-        clocks = json.loads(ds.attrs.get("campaign", "{}"))["knobs"]["sm_clocks_mhz"]
-    except (KeyError, ValueError, TypeError):
-        clocks = []
+        facts = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}")))
+        unlocked = facts.grid.sm_clocks_mhz is None
+    except (KeyError, ValueError, TypeError, AttributeError):
+        unlocked = False
     clock = ds.attrs.get("stock_sm_clock_mhz")
     limit = ds.attrs.get("stock_power_limit_w")
-    how = "SM clock unlocked, shown at" if clocks is None else "top SM clock of the grid,"
+    how = "SM clock unlocked, shown at" if unlocked else "top SM clock of the grid,"
     return f"{how} {clock} MHz; power limit {limit} W as found at start"
 
 

@@ -1,10 +1,9 @@
 """The journal: one JSON line per event, flushed and fsynced, so no finished cell is ever lost.
 
-Line 1 is a header naming the campaign (and the hash of what it measures); later lines are
-`session` (who ran, on which GPUs, with which operational settings: retries, timeouts, server
-command), `server` (a started server's info) and `cell` records. A rerun reads the journal,
-skips finished cells, retries failed ones and appends. A line cut short by a crash is dropped
-on open; any other bad line is an error naming the file and line.
+Line 1 is a header naming the campaign; later lines are `session`, `server` and `cell`
+records, whose format `dvfs.records` owns: this module only stores and reads lines. A rerun
+reads the journal, skips finished cells, retries failed ones and appends. A line cut short by
+a crash is dropped on open; any other bad line is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -14,15 +13,13 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dvfs import __version__
-from dvfs.campaign import Campaign, measured_differences
+from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
+from dvfs.records import Header, check_version
 
-JOURNAL_SCHEMA = 1
 JOURNAL_NAME = "journal.jsonl"
 
 
@@ -58,29 +55,9 @@ def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> st
 
 
 def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]:
-    """The measured settings in which `campaign` differs from the one a journal was started for
-    (empty: the journal may be resumed). Journals written before the hash left out operational
-    settings match through their stored campaign."""
-    if header.get("campaign_hash") == campaign.hash:
-        return []
-    stored = header.get("campaign")
-    if not isinstance(stored, dict) or not stored:
-        return ["the journal does not record its campaign"]
-    return measured_differences(stored, campaign.semantic_dict())
-
-
-def check_schema(path: Path, header: dict[str, Any]) -> None:
-    """Refuse a journal written by a newer dvfs (its records may mean something else)."""
-    schema = header.get("journal_schema", JOURNAL_SCHEMA)
-    if isinstance(schema, bool) or not isinstance(schema, int) or schema > JOURNAL_SCHEMA:
-        raise JournalError(
-            f"{path} has journal schema {schema!r}; this dvfs ({__version__}) reads up to "
-            f"{JOURNAL_SCHEMA}: upgrade dvfs, or start over with `dvfs sweep --fresh`"
-        )
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    """The measured settings in which `campaign` differs from the one a raw header was written
+    for (empty: the journal may be resumed)."""
+    return Header.from_json(header).differences(campaign)
 
 
 class Journal:
@@ -97,27 +74,16 @@ class Journal:
         records = read_records(path, repair=True) if path.exists() else []
         journal = cls(path, records)
         if not records:
-            journal.append(
-                {
-                    "type": "header",
-                    "journal_schema": JOURNAL_SCHEMA,
-                    "campaign_name": campaign.name,
-                    "campaign_hash": campaign.hash,
-                    "campaign": campaign.semantic_dict(),
-                    "campaign_source": campaign.source,
-                    "dvfs_version": __version__,
-                    "created": now_iso(),
-                }
-            )
+            journal.append(Header.for_campaign(campaign).to_json())
             return journal
-        header = records[0]
-        if header.get("type") != "header":
+        if records[0].get("type") != "header":
             raise JournalError(
                 f"{path} does not start with a dvfs journal header: move it aside, or start "
                 "over with `dvfs sweep --fresh`, which renames it"
             )
-        check_schema(path, header)
-        changes = journal_differences(header, campaign)
+        header = Header.from_json(records[0])
+        check_version(path, header.journal_schema)
+        changes = header.differences(campaign)
         if changes:
             more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
             shown = "; ".join(changes[:3]) + more
@@ -127,8 +93,8 @@ class Journal:
                 else ""
             )
             raise JournalError(
-                f"{path} belongs to campaign {header.get('campaign_name')!r} "
-                f"(hash {header.get('campaign_hash')}) measured with other settings: {shown}"
+                f"{path} belongs to campaign {header.campaign_name!r} "
+                f"(hash {header.campaign_hash}) measured with other settings: {shown}"
                 f"{observe}. Cells measured under different settings cannot share a cube: use "
                 "--fresh to move the old journal aside and start over, or another --out folder "
                 "(retries, timeouts, the server command, its environment and URL may change "

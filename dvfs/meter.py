@@ -367,7 +367,7 @@ class CellMeasurement:
     """Everything measured for one cell; the journal stores it, the cube is built from it."""
 
     energy_j: float
-    window_s: float
+    decode_time_s: float
     output_tokens: int
     rounds: int
     requests: int
@@ -375,9 +375,9 @@ class CellMeasurement:
     accept: Acceptance
     power_mean_w: float
     power_max_w: float
-    sm_clock_mhz: float
+    sm_clock_observed_mhz: float
     temperature_max_c: float
-    event_reasons: int
+    clock_event_reasons: int
     quality: int
     idle_power_w: float
     timeline_t_s: tuple[float, ...] = ()
@@ -387,8 +387,8 @@ class CellMeasurement:
     def __post_init__(self) -> None:
         if self.energy_j < 0 or math.isnan(self.energy_j):
             raise ValueError(f"energy must be a non-negative number, got {self.energy_j}")
-        if self.window_s < 0:
-            raise ValueError(f"window must be non-negative, got {self.window_s}")
+        if self.decode_time_s < 0:
+            raise ValueError(f"window must be non-negative, got {self.decode_time_s}")
         if self.output_tokens < 0:
             raise ValueError("token count must be non-negative")
 
@@ -402,13 +402,13 @@ class CellMeasurement:
 
     @property
     def throughput_tok_s(self) -> float:
-        return self.output_tokens / self.window_s if self.window_s > 0 else math.nan
+        return self.output_tokens / self.decode_time_s if self.decode_time_s > 0 else math.nan
 
     @property
     def energy_per_token_above_idle_j(self) -> float:
         if not self.output_tokens:
             return math.nan
-        return (self.energy_j - self.idle_power_w * self.window_s) / self.output_tokens
+        return (self.energy_j - self.idle_power_w * self.decode_time_s) / self.output_tokens
 
 
 @dataclass
@@ -503,7 +503,7 @@ def summarise(
     energy_j = energy_mj / 1000
     return CellMeasurement(
         energy_j=energy_j,
-        window_s=window_s,
+        decode_time_s=window_s,
         output_tokens=tokens,
         rounds=len(parts),
         requests=len(all_requests),
@@ -511,9 +511,9 @@ def summarise(
         accept=accept,
         power_mean_w=energy_j / window_s if window_s > 0 else math.nan,
         power_max_w=power_max if in_window_samples else math.nan,
-        sm_clock_mhz=sm_clock,
+        sm_clock_observed_mhz=sm_clock,
         temperature_max_c=temp_max if in_window_samples else math.nan,
-        event_reasons=reasons,
+        clock_event_reasons=reasons,
         quality=quality,
         idle_power_w=idle_power_w,
         timeline_t_s=tuple(round(t, 6) for t, _, _ in timeline),

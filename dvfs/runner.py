@@ -21,7 +21,7 @@ from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
 from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
-from dvfs.journal import Journal, now_iso
+from dvfs.journal import Journal
 from dvfs.meter import (
     CellMeasurement,
     Sampler,
@@ -31,6 +31,7 @@ from dvfs.meter import (
     summarise,
 )
 from dvfs.plan import Cell
+from dvfs.records import JOURNAL_SCHEMA, CellRecord, Server, Session, Stock, now_iso, recorded_stock
 
 log = logging.getLogger(__name__)
 
@@ -73,39 +74,6 @@ class RunSummary:
     failed_cells: tuple[str, ...] = ()
 
 
-def measurement_record(m: CellMeasurement) -> dict[str, Any]:
-    """A measurement as the journal stores it (flat, JSON-friendly)."""
-    return {
-        "energy_j": m.energy_j,
-        "window_s": m.window_s,
-        "output_tokens": m.output_tokens,
-        "rounds": m.rounds,
-        "requests": m.requests,
-        "energy_per_token_j": m.energy_per_token_j,
-        "energy_per_token_above_idle_j": m.energy_per_token_above_idle_j,
-        "throughput_tok_s": m.throughput_tok_s,
-        "ttft_ms": list(m.latency.ttft_ms),
-        "tpot_ms": list(m.latency.tpot_ms),
-        "itl_ms": list(m.latency.itl_ms),
-        "accept_length": m.accept.accept_length,
-        "accept_rate": m.accept.accept_rate,
-        "server_accept_length": m.accept.server_accept_length,
-        "power_mean_w": m.power_mean_w,
-        "power_max_w": m.power_max_w,
-        "sm_clock_mhz": m.sm_clock_mhz,
-        "temperature_max_c": m.temperature_max_c,
-        "event_reasons": m.event_reasons,
-        "quality": m.quality,
-        "valid": m.valid,
-        "idle_power_w": m.idle_power_w,
-        "timeline": {
-            "t_s": list(m.timeline_t_s),
-            "power_w": list(m.timeline_power_w),
-            "sm_clock_mhz": list(m.timeline_sm_clock_mhz),
-        },
-    }
-
-
 class Runner:
     """Runs a campaign's cells against injected backends, journaling each one."""
 
@@ -141,68 +109,67 @@ class Runner:
         self.idle_power_w = measure_idle_power_w(self.gpus, self.clock, m.idle_s)
         ranges = [g.power_limit_range() for g in self.gpus]
         original = self.knobs.original
-        stock = {
-            "sm_clock_mhz": max(g.identity.max_sm_clock_mhz for g in self.gpus),
-            "power_limit_w": original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
-        }
+        stock = Stock(
+            sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
+            power_limit_w=original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
+        )
         for earlier in self.journal.of_type("session"):
-            if earlier.get("stock") != stock:
+            then = recorded_stock(earlier)
+            if then != stock:
                 raise JournalError(
                     f"the GPU's stock settings changed since this journal was started "
-                    f"({earlier.get('stock')} then, {stock} now): the stock cells would no longer "
-                    "compare. Restore the earlier settings, or start a new --out folder"
+                    f"({asdict(then) if then else None} then, {asdict(stock)} now): the stock "
+                    "cells would no longer compare. Restore the earlier settings, or start a new "
+                    "--out folder"
                 )
-        self.journal.append(
-            {
-                "type": "session",
-                "started": now_iso(),
-                "dvfs_version": __version__,
-                "host": platform.node(),
-                # Retries, timeouts, server command, environment, URL: free to change between
-                # sessions (they are outside the campaign hash), so each session says its own.
-                "settings": self.campaign.operational_dict(),
-                "gpu_backend": self.campaign.gpu.backend,
-                "engine_backend": self.engine.name,
-                "actuation": self.knobs.actuation,
-                "clock": "virtual" if self.clock.virtual else "monotonic",
-                "gpus": [asdict(g.identity) for g in self.gpus],
-                "stock": stock,
-                "power_limit_range_w": [
-                    ranges[0].min_mw / 1000,
-                    ranges[0].max_mw / 1000,
-                    ranges[0].default_mw / 1000,
-                ],
-                "idle_power_w": self.idle_power_w,
-                "measurement_method": MEASUREMENT_METHOD,
-                "token_count_method": self.token_count_method,
-                "corpora": {
-                    name: {
-                        "source": c.source,
-                        "content_hash": c.content_hash,
-                        "prompts": len(c.prompts),
-                    }
-                    for name, c in self.corpora.items()
-                },
-            }
+        session = Session(
+            started=now_iso(),
+            dvfs_version=__version__,
+            host=platform.node(),
+            # Retries, timeouts, server command, environment, URL: free to change between
+            # sessions (they are outside the campaign hash), so each session says its own.
+            settings=self.campaign.operational_dict(),
+            gpu_backend=self.campaign.gpu.backend,
+            engine_backend=self.engine.name,
+            actuation=self.knobs.actuation,
+            clock="virtual" if self.clock.virtual else "monotonic",
+            gpus=tuple(asdict(g.identity) for g in self.gpus),
+            stock=stock,
+            power_limit_range_w=(
+                ranges[0].min_mw / 1000,
+                ranges[0].max_mw / 1000,
+                ranges[0].default_mw / 1000,
+            ),
+            idle_power_w=self.idle_power_w,
+            measurement_method=MEASUREMENT_METHOD,
+            token_count_method=self.token_count_method,
+            corpora={
+                name: {
+                    "source": c.source,
+                    "content_hash": c.content_hash,
+                    "prompts": len(c.prompts),
+                }
+                for name, c in self.corpora.items()
+            },
+            journal_schema=JOURNAL_SCHEMA,
         )
+        self.journal.append(session.to_json())
 
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
         self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
         info: ServerInfo = self.engine.start(drafter)
         self._drafter = drafter_name
-        self.journal.append(
-            {
-                "type": "server",
-                "started": now_iso(),
-                "drafter": drafter_name,
-                "engine": info.engine,
-                "version": info.version,
-                "args": info.args,
-                "log_path": info.log_path,
-                "attention_backend": info.attention_backend,
-            }
+        server = Server(
+            started=now_iso(),
+            drafter=drafter_name,
+            engine=info.engine,
+            version=info.version,
+            args=info.args,
+            log_path=info.log_path,
+            attention_backend=info.attention_backend,
         )
+        self.journal.append(server.to_json())
 
     # -- one cell -----------------------------------------------------------------------------
     def _prompts_for(self, cell: Cell, label: object) -> tuple:
@@ -276,7 +243,7 @@ class Runner:
         )
         return measurement, warmup
 
-    def _run_cell(self, cell: Cell) -> dict[str, Any]:
+    def _run_cell(self, cell: Cell) -> CellRecord:
         """Measure with bounded retries; a crashed server is restarted before retrying."""
         retries = self.campaign.measurement.retries
         errors: list[str] = []
@@ -285,17 +252,9 @@ class Runner:
             attempts = attempt
             try:
                 measurement, warmup = self.measure(cell)
-                return {
-                    "type": "cell",
-                    "key": cell.key,
-                    "cell": asdict(cell),
-                    "status": "ok",
-                    "attempts": attempt,
-                    "finished": now_iso(),
-                    "measurement": measurement_record(measurement),
-                    "warmup": warmup,
-                    "errors": errors,
-                }
+                return CellRecord.measured(
+                    cell, measurement, attempts=attempt, warmup=warmup, errors=errors
+                )
             except EngineCrashedError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
                 self.progress.note(f"server crashed during {cell_label(cell)}: {exc}")
@@ -310,16 +269,7 @@ class Runner:
             except EngineError as exc:
                 errors.append(f"attempt {attempt}: {exc}")
                 self.progress.note(f"{cell_label(cell)} failed: {exc}")
-        return {
-            "type": "cell",
-            "key": cell.key,
-            "cell": asdict(cell),
-            "status": "failed",
-            "attempts": attempts,
-            "finished": now_iso(),
-            "error": errors[-1] if errors else "",
-            "errors": errors,
-        }
+        return CellRecord.failed(cell, attempts=attempts, errors=errors)
 
     # -- the sweep ----------------------------------------------------------------------------
     def run(self, cells: Sequence[Cell]) -> RunSummary:
@@ -342,18 +292,8 @@ class Runner:
                     self.progress.note(f"drafter {cell.drafter!r}: {exc}")
             if cell.drafter in start_failures:
                 # One failed start fails the drafter's cells for this run; a rerun retries them.
-                self.journal.append(
-                    {
-                        "type": "cell",
-                        "key": cell.key,
-                        "cell": asdict(cell),
-                        "status": "failed",
-                        "attempts": 0,
-                        "finished": now_iso(),
-                        "error": start_failures[cell.drafter],
-                        "errors": [start_failures[cell.drafter]],
-                    }
-                )
+                failure = start_failures[cell.drafter]
+                self.journal.append(CellRecord.failed(cell, attempts=0, errors=[failure]).to_json())
                 failed.append(cell_label(cell))
                 self.progress.advance(cell, "failed")
                 continue
@@ -362,12 +302,12 @@ class Runner:
                     self.clock.sleep(self.campaign.knobs.settle_s)
                 self._setting = cell.setting
             record = self._run_cell(cell)
-            self.journal.append(record)
-            if record["status"] == "ok":
+            self.journal.append(record.to_json())
+            if record.ok:
                 measured += 1
             else:
                 failed.append(cell_label(cell))
-            self.progress.advance(cell, record["status"])
+            self.progress.advance(cell, record.status)
         return RunSummary(len(cells), len(cells) - len(todo), measured, len(failed), tuple(failed))
 
 
