@@ -1,0 +1,54 @@
+"""The cube: every cell's metrics in one `xarray.Dataset`, saved as netCDF4.
+
+`schema` names its dimensions and variables (and keeps the schema's history) and checks a
+dataset's shape; `build` assembles a cube from a journal, read through `dvfs.records`;
+`files` writes and opens netCDF; `merge` joins GPUs; `info` summarises for `dvfs cube info`.
+"""
+
+from __future__ import annotations
+
+from dvfs.cube.build import build_cube, read_journal
+from dvfs.cube.files import open_cube, write_cube
+from dvfs.cube.info import info_text
+from dvfs.cube.merge import merge_cubes
+from dvfs.cube.schema import (
+    CELL_DIMS,
+    COORD_ATTRS,
+    CUBE_NAME,
+    CUBE_SCHEMA,
+    KNOB_DIMS,
+    LABEL_DIMS,
+    MERGE_MAY_DIFFER,
+    REQUIRED_VARIABLES,
+    STATUS_FAILED,
+    STATUS_MISSING,
+    STATUS_OK,
+    TIMELINE,
+    VARIABLES,
+    VarSpec,
+    check_cube,
+)
+
+__all__ = [
+    "CELL_DIMS",
+    "COORD_ATTRS",
+    "CUBE_NAME",
+    "CUBE_SCHEMA",
+    "KNOB_DIMS",
+    "LABEL_DIMS",
+    "MERGE_MAY_DIFFER",
+    "REQUIRED_VARIABLES",
+    "STATUS_FAILED",
+    "STATUS_MISSING",
+    "STATUS_OK",
+    "TIMELINE",
+    "VARIABLES",
+    "VarSpec",
+    "build_cube",
+    "check_cube",
+    "info_text",
+    "merge_cubes",
+    "open_cube",
+    "read_journal",
+    "write_cube",
+]

@@ -1,0 +1,138 @@
+"""Cubes on disk, as netCDF4 written atomically.
+
+The string axes (drafter, corpus, gpu) follow CF's label convention: the dimension has no
+coordinate variable (those must be numeric) and a `<dim>_label` string variable names its
+entries; `open_cube` turns them back into indexed coordinates, so `ds.sel(drafter="eagle3")`
+works.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.cube.schema import COORD_ATTRS, LABEL_DIMS, VARIABLES, check_cube
+from dvfs.errors import CubeError
+from dvfs.journal import JOURNAL_NAME, describe_os_error
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
+    # Coordinates and labels never hold missing values: CF forbids a _FillValue on them.
+    enc: dict[str, dict[str, Any]] = {str(name): {"_FillValue": None} for name in ds.coords}
+    integer_names = {s.name for s in VARIABLES if s.integer}
+    for name in map(str, ds.data_vars):
+        if name in integer_names:
+            dtype = "int8" if name == "valid" else "int32"
+            enc[name] = {"dtype": dtype, "_FillValue": -1, "zlib": True, "complevel": 4}
+        elif name == "cell_status":
+            enc[name] = {"zlib": True, "complevel": 4}
+        elif name == "attention_backend":
+            enc[name] = {}  # variable-length strings: no fill value, no compression
+        else:
+            enc[name] = {"_FillValue": np.nan, "zlib": True, "complevel": 4}
+    return enc
+
+
+def _labels_to_cf(ds: xr.Dataset) -> xr.Dataset:
+    """String axes as CF label variables (`drafter` -> `drafter_label(drafter)`)."""
+    for dim in LABEL_DIMS:
+        if dim in ds.coords and dim in ds.dims and ds[dim].dtype.kind in "OUS":
+            values = np.array([str(v) for v in ds[dim].values], dtype=object)
+            long_name = COORD_ATTRS[dim][1]
+            ds = ds.drop_vars(dim).assign_coords(
+                {f"{dim}_label": ((dim,), values, {"long_name": f"{long_name} (label)"})}
+            )
+    return ds
+
+
+def _labels_from_cf(ds: xr.Dataset) -> xr.Dataset:
+    """Label variables back into indexed coordinates (cubes written before labels have none)."""
+    for dim in LABEL_DIMS:
+        label = f"{dim}_label"
+        if label in ds.variables and ds[label].dims == (dim,):
+            values = [str(v) for v in ds[label].values]
+            ds = ds.drop_vars(label).assign_coords({dim: values})
+        if dim in ds.coords:
+            units, long_name = COORD_ATTRS[dim]
+            ds[dim].attrs.update(units=units, long_name=long_name)
+    return ds
+
+
+def _file_mode() -> int:
+    """0666 less the umask: a cube is as readable as the journal next to it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no way to read the umask without setting it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write atomically: a temp file in the same folder, renamed over the target, so a failed
+    write (full disk, read-only folder) leaves the previous cube and no partial file."""
+    path = Path(path)
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        os.close(fd)
+        on_disk = _labels_to_cf(ds)
+        on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+        os.chmod(tmp, _file_mode())
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        # The temp file's name means nothing to the user; the cube's path says where.
+        raise CubeError(describe_os_error(exc, f"write the cube {path}", show_file=False)) from exc
+    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+        raise CubeError(f"cannot write the cube {path}: {_first_line(exc)}") from exc
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _rebuild_hint(path: Path) -> str:
+    folder = path.parent
+    if (folder / JOURNAL_NAME).is_file():
+        return f"rebuild it from its journal with `dvfs cube build {folder}`"
+    return (
+        "rebuild it from its sweep's journal with `dvfs cube build SWEEP_DIR` "
+        "(a merged cube: merge again with `dvfs cube merge`)"
+    )
+
+
+def open_cube(path: str | Path) -> xr.Dataset:
+    """Load a cube into memory (the file is closed on return) and register `ds.dvfs`."""
+    import xarray as xr
+
+    import dvfs.accessor  # noqa: F401  (registers the accessor)
+
+    path = Path(path)
+    if not path.exists():
+        raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
+    try:
+        with xr.open_dataset(path, engine="netcdf4") as ds:
+            loaded = _labels_from_cf(ds.load())
+    except Exception as exc:  # an untrusted file: truncated, not netCDF, odd variables
+        raise CubeError(
+            f"{path} is not a readable netCDF cube ({_first_line(exc)}): {_rebuild_hint(path)}"
+        ) from exc
+    return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))

@@ -1,0 +1,71 @@
+"""`dvfs cube info`: a cube's dimensions, coverage and provenance as plain data."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
+from dvfs.records import CampaignFacts
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def _stock_text(ds: xr.Dataset) -> str:
+    """The reference setting in words: unlocked only when the campaign left the clock stock."""
+    try:
+        facts = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}")))
+        unlocked = facts.grid.sm_clocks_mhz is None
+    except (KeyError, ValueError, TypeError, AttributeError):
+        unlocked = False
+    clock = ds.attrs.get("stock_sm_clock_mhz")
+    limit = ds.attrs.get("stock_power_limit_w")
+    how = "SM clock unlocked, shown at" if unlocked else "top SM clock of the grid,"
+    return f"{how} {clock} MHz; power limit {limit} W as found at start"
+
+
+def info_text(ds: xr.Dataset) -> dict[str, Any]:
+    """A summary for `dvfs cube info`: dimensions, coverage, provenance."""
+    status = ds["cell_status"].values
+    total = status.size
+    if "gpu" in ds.dims:
+        names = json.loads(ds.attrs.get("gpu_names", "[]"))
+        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
+    else:
+        gpu = (
+            f"{ds.attrs.get('gpu_name')} x{ds.attrs.get('gpu_count')} "
+            f"({ds.attrs.get('gpu_backend')})"
+        )
+    return {
+        "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
+        "schema": int(ds.attrs.get("dvfs_schema", 0)),
+        "gpu": gpu,
+        "driver": ds.attrs.get("driver_version"),
+        "engine": f"{ds.attrs.get('engine_backend')} {ds.attrs.get('engine_version')}",
+        "model": ds.attrs.get("model"),
+        "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
+        "coords": {
+            d: [str(v) for v in ds[d].values] for d in ("gpu", *CELL_DIMS) if d in ds.coords
+        },
+        "cells": total,
+        "measured": int((status == STATUS_OK).sum()),
+        "failed": int((status == STATUS_FAILED).sum()),
+        "missing": int((status == STATUS_MISSING).sum()),
+        "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
+        "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
+        "stock": _stock_text(ds),
+        "energy_per_token_j": [
+            float(np.nanmin(ds["energy_per_token_j"].values))
+            if (status == STATUS_OK).any()
+            else math.nan,
+            float(np.nanmax(ds["energy_per_token_j"].values))
+            if (status == STATUS_OK).any()
+            else math.nan,
+        ],
+        "variables": sorted(str(v) for v in ds.data_vars),
+        "created": ds.attrs.get("created"),
+    }

@@ -1,0 +1,144 @@
+"""The cube's schema: its dimensions, variables and CF attributes, and the check that a
+dataset has them (every reader goes through it).
+
+Schema history (`attrs["dvfs_schema"]`):
+  1 - dims sm_clock, power_limit, batch, drafter, corpus, repeat (+ quantile, sample, and gpu
+      when merged); CF `units` and `long_name` on every variable and coordinate.
+
+Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
+and read back as floats with NaN where missing (xarray's CF masking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dvfs import __version__
+from dvfs.errors import CubeError
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+CUBE_SCHEMA = 1
+CUBE_NAME = "cube.nc"
+KNOB_DIMS = ("sm_clock", "power_limit")
+#: String-valued axes, written as CF label variables named `<dim>_label`.
+LABEL_DIMS = ("drafter", "corpus", "gpu")
+#: Variables every analysis reads; a dataset without them is not a usable cube.
+REQUIRED_VARIABLES = ("cell_status", "valid", "energy_per_token_j", "ttft_ms", "tpot_ms")
+#: Campaign settings that may differ between merged cubes: the GPU is what a merge varies.
+MERGE_MAY_DIFFER = ("gpu.backend", "gpu.profile", "gpu.devices")
+CELL_DIMS = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")
+
+
+@dataclass(frozen=True)
+class VarSpec:
+    """A cube variable and its CF attributes; its name is also the measured quantity's name in
+    the journal (`dvfs.records.MeasurementRecord`), so no variable needs a source key."""
+
+    name: str
+    units: str
+    long_name: str
+    extra_dim: str | None = None
+    integer: bool = False
+
+
+VARIABLES = (
+    VarSpec("energy_per_token_j", "J", "energy per output token in the steady-state window"),
+    VarSpec(
+        "energy_per_token_above_idle_j", "J", "energy per output token above the idle baseline"
+    ),
+    VarSpec("energy_j", "J", "GPU energy in the steady-state decode window"),
+    VarSpec(
+        "output_tokens", "1", "output tokens generated in the steady-state window", integer=True
+    ),
+    VarSpec("decode_time_s", "s", "length of the steady-state decode window"),
+    VarSpec("throughput_tok_s", "s-1", "output tokens per second in the steady-state window"),
+    VarSpec("ttft_ms", "ms", "time to first token", extra_dim="quantile"),
+    VarSpec(
+        "tpot_ms", "ms", "time per output token after the first, per request", extra_dim="quantile"
+    ),
+    VarSpec(
+        "itl_ms",
+        "ms",
+        "inter-token latency (chunk gap spread over its tokens)",
+        extra_dim="quantile",
+    ),
+    VarSpec("accept_length", "1", "mean tokens per verify pass (bonus token included)"),
+    VarSpec("accept_rate", "1", "accepted draft tokens over proposed draft tokens"),
+    VarSpec(
+        "server_accept_length",
+        "1",
+        "tokens per verify pass as the server reports it (prefill excluded)",
+    ),
+    VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window"),
+    VarSpec("power_max_w", "W", "highest sampled GPU power in the window"),
+    VarSpec("sm_clock_observed_mhz", "MHz", "mean sampled SM clock in the window"),
+    VarSpec("temperature_max_c", "degC", "highest sampled GPU temperature in the window"),
+    VarSpec(
+        "clock_event_reasons",
+        "1",
+        "NVML clock-event reasons seen in the window (bitmask)",
+        integer=True,
+    ),
+    VarSpec("quality", "1", "measurement quality flags (bitmask)", integer=True),
+    VarSpec(
+        "valid", "1", "1 if the cell passed every quality check that invalidates", integer=True
+    ),
+    VarSpec("rounds", "1", "measurement rounds taken to fill the window", integer=True),
+    VarSpec("requests", "1", "requests measured", integer=True),
+)
+TIMELINE = (
+    VarSpec(
+        "timeline_t_s",
+        "s",
+        "time since the window start (rounds concatenated)",
+        extra_dim="sample",
+    ),
+    VarSpec("timeline_power_w", "W", "sampled GPU power", extra_dim="sample"),
+    VarSpec("timeline_sm_clock_mhz", "MHz", "sampled SM clock", extra_dim="sample"),
+)
+STATUS_MISSING, STATUS_OK, STATUS_FAILED = 0, 1, 2
+
+COORD_ATTRS = {
+    "sm_clock": (
+        "MHz",
+        "SM clock lock (the stock, unlocked setting is shown at the GPU's max SM clock)",
+    ),
+    "power_limit": (
+        "W",
+        "GPU power limit (the stock setting is shown at the limit found at start)",
+    ),
+    "batch": ("1", "concurrent requests (batch size)"),
+    "drafter": ("1", "speculative-decoding configuration"),
+    "corpus": ("1", "prompt corpus"),
+    "repeat": ("1", "repeat index"),
+    "quantile": ("1", "latency quantile"),
+    "sample": ("1", "timeline sample index"),
+    "gpu": ("1", "GPU UUID"),
+}
+
+
+def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dataset:
+    """Refuse datasets that are not dvfs cubes of a schema this version reads."""
+    then = f": {hint}" if hint else ""
+    schema = ds.attrs.get("dvfs_schema")
+    if schema is None:
+        raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute){then}")
+    try:
+        version = int(schema)
+    except (TypeError, ValueError):
+        raise CubeError(f"{where} has a malformed dvfs_schema {schema!r}{then}") from None
+    if version > CUBE_SCHEMA:
+        raise CubeError(
+            f"{where} has cube schema {schema}; this dvfs ({__version__}) reads up to "
+            f"{CUBE_SCHEMA}: upgrade dvfs"
+        )
+    missing = [d for d in CELL_DIMS if d not in ds.dims or d not in ds.coords]
+    if missing:
+        raise CubeError(f"{where} lacks dimension(s) {', '.join(missing)}{then}")
+    absent = [v for v in REQUIRED_VARIABLES if v not in ds.data_vars]
+    if absent:
+        raise CubeError(f"{where} lacks variable(s) {', '.join(absent)}{then}")
+    return ds
