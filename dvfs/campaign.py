@@ -494,27 +494,20 @@ def _knobs(table: _Table, gpu: GpuConfig) -> KnobConfig:
     settle_s = table.number("settle_s", 2.0, minimum=0.0)
     table.finish()
     if gpu.backend == "twin" and gpu.profile:
+        from dvfs.gpu.base import unsupported_clock
         from dvfs.twin.profiles import gpu_profile
 
         profile = gpu_profile(gpu.profile)
         supported = set(profile.supported_sm_clocks_mhz())
         for clock in clocks or ():
-            if clock not in supported:
-                nearest = sorted(supported, key=lambda c: abs(c - clock))[:2]
-                raise table.fail(
-                    "sm_clock",
-                    f"{clock} MHz is not a supported clock of {gpu.profile}: clocks run "
-                    f"{profile.min_sm_clock_mhz}-{profile.max_sm_clock_mhz} MHz in "
-                    f"{profile.sm_clock_step_mhz} MHz steps "
-                    f"(nearest: {', '.join(map(str, sorted(nearest)))})",
-                )
+            problem = unsupported_clock(clock, supported, of=f" of {gpu.profile}")
+            if problem:
+                raise table.fail("sm_clock", f"{problem}, in {profile.sm_clock_step_mhz} MHz steps")
+        allowed = profile.power_limit_range()
         for limit in limits or ():
-            if not profile.power_limit_min_w <= limit <= profile.power_limit_max_w:
-                raise table.fail(
-                    "power_limit",
-                    f"{limit:g} W is outside {gpu.profile}'s range "
-                    f"{profile.power_limit_min_w:g}-{profile.power_limit_max_w:g} W",
-                )
+            problem = allowed.outside(limit * 1000)
+            if problem:
+                raise table.fail("power_limit", f"{gpu.profile}: {problem}")
     if not gpu.actuation and (clocks or limits):
         raise table.fail(
             "sm_clock" if clocks else "power_limit",

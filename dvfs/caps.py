@@ -23,8 +23,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dvfs.errors import CapsError, GpuError, GpuPermissionError
-from dvfs.gpu.base import Gpu
+from dvfs.errors import CapsError, GpuError
+from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.knobs import GatheredFailures
 
 CAPS_SCHEMA = 1
 APPLIED_NAME = "caps-applied.json"
@@ -259,6 +260,16 @@ def dump_caps(caps: CapsFile) -> str:
 # -- planning -------------------------------------------------------------------------------
 
 
+def load_headroom(path: Path) -> Any:
+    """A `dvfs headroom --json` document from a file (`plan_caps` checks its shape)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CapsError(
+            f"{path} is not JSON ({exc}); write it with `dvfs headroom CUBE --json -o FILE`"
+        ) from exc
+
+
 def plan_caps(
     doc: dict[str, Any],
     *,
@@ -429,14 +440,14 @@ class AppliedCaps:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
 
     def write(self, records: dict[str, dict[str, Any]]) -> None:
-        from dvfs.gpu.safety import _ensure_dir, _write_json_atomic
+        from dvfs.gpu.safety import ensure_dir, write_json_atomic
 
         if not records:
             if self.path.exists():
                 self.path.unlink()
             return
-        _ensure_dir(self.path.parent)
-        _write_json_atomic(self.path, records)
+        ensure_dir(self.path.parent)
+        write_json_atomic(self.path, records)
 
 
 @dataclass(frozen=True)
@@ -505,22 +516,16 @@ def plan_actions(
             supported = gpu.supported_sm_clocks_mhz()
             low = cap.sm_clock_min_mhz if cap.sm_clock_min_mhz is not None else min(supported)
             for mhz in (low, cap.sm_clock_max_mhz):
-                if mhz not in supported:
-                    nearest = sorted(supported, key=lambda c: abs(c - mhz))[:2]
-                    raise CapsError(
-                        f"GPU {ident.index}: {mhz} MHz is not a supported SM clock "
-                        f"(nearest {', '.join(map(str, sorted(nearest)))})"
-                    )
+                problem = unsupported_clock(mhz, supported)
+                if problem:
+                    raise CapsError(f"GPU {ident.index}: {problem}")
             lock = (low, cap.sm_clock_max_mhz)
         limit = None
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
-            allowed = gpu.power_limit_range()
-            if not allowed.min_mw <= limit <= allowed.max_mw:
-                raise CapsError(
-                    f"GPU {ident.index}: power limit {cap.power_limit_w:g} W is outside "
-                    f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
-                )
+            problem = gpu.power_limit_range().outside(limit)
+            if problem:
+                raise CapsError(f"GPU {ident.index}: {problem}")
         actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
     if not actions:
         raise CapsError(
@@ -530,13 +535,6 @@ def plan_actions(
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
     return CapsPlan(tuple(actions), unmatched, host, unused)
-
-
-def _gather(failures: list[str], needs_root: bool, verb: str) -> None:
-    """One error for every GPU that failed; a permission problem sets the exit code."""
-    if failures:
-        cls = GpuPermissionError if needs_root else GpuError
-        raise cls(f"could not {verb} caps: " + "; ".join(failures))
 
 
 def apply_actions(
@@ -549,8 +547,7 @@ def apply_actions(
     """
     by_uuid = {g.identity.uuid: g for g in gpus}
     applied = record.read()
-    failures: list[str] = []
-    needs_root = False
+    failures = GatheredFailures()
     try:
         for action in actions:
             gpu = by_uuid[action.uuid]
@@ -571,19 +568,17 @@ def apply_actions(
                     entry["power_limit_mw"] = action.power_limit_mw
                     applied[action.uuid] = entry
             except GpuError as exc:
-                needs_root |= isinstance(exc, GpuPermissionError)
-                failures.append(str(exc))
+                failures.add(exc)
     finally:
         record.write(applied)
-    _gather(failures, needs_root, "apply")
+    failures.raise_if_any("could not apply caps: ")
 
 
 def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
     """Unlock clocks and restore default power limits; returns what was done per GPU."""
     applied = record.read()
-    failures: list[str] = []
+    failures = GatheredFailures()
     done = []
-    needs_root = False
     try:
         for gpu in gpus:
             ident = gpu.identity
@@ -598,9 +593,56 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                     f"{default / 1000:g} W (default)"
                 )
             except GpuError as exc:
-                needs_root |= isinstance(exc, GpuPermissionError)
-                failures.append(str(exc))
+                failures.add(exc)
     finally:  # even when a signal ends the loop early
         record.write(applied)
-    _gather(failures, needs_root, "reset")
+    failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: str) -> None:
+    """Apply a plan's actions under the same safety layer as a sweep: each GPU's lock held,
+    GPUs with unrestored changes refused, and signals unwinding rather than killing."""
+    from dvfs.gpu.safety import GpuLocks, StateStore
+    from dvfs.signals import signals_raise
+
+    wanted = {a.uuid for a in plan.actions}
+    targets = [g for g in gpus if g.identity.uuid in wanted]
+    with signals_raise(), GpuLocks(directory).hold(targets):
+        StateStore(directory).refuse_if_pending(targets)
+        apply_actions(plan.actions, targets, AppliedCaps(directory), source)
+
+
+def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
+    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs."""
+    from dvfs.gpu.safety import GpuLocks
+    from dvfs.signals import signals_raise
+
+    with signals_raise(), GpuLocks(directory).hold(gpus):
+        return reset_caps(gpus, AppliedCaps(directory))
+
+
+def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
+    """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
+    record (NVML cannot read a lock back)."""
+    applied = AppliedCaps(directory).read()
+    rows = []
+    for g in gpus:
+        ident = g.identity
+        record = applied.get(ident.uuid, {})
+        limits = g.power_limit_range()
+        rows.append(
+            {
+                "index": ident.index,
+                "uuid": ident.uuid,
+                "name": ident.name,
+                "enforced_power_limit_w": g.enforced_power_limit_mw() / 1000,
+                "configured_power_limit_w": g.power_limit_mw() / 1000,
+                "default_power_limit_w": limits.default_mw / 1000,
+                "sm_clock_lock_mhz": record.get("lock_mhz"),
+                "sm_clock_mhz": g.sm_clock_mhz(),
+                "caps_source": record.get("source"),
+                "applied": record.get("applied"),
+            }
+        )
+    return rows

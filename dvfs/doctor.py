@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from dvfs.backends import open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
 from dvfs.errors import DvfsError
-from dvfs.gpu.base import Gpu
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_FREE_BYTES = 1 << 30
@@ -60,7 +60,7 @@ def check_campaign(
 def _gpu_checks(
     campaign: Campaign, *, nvml: ModuleType | None, state_dir: Path | None
 ) -> list[Check]:
-    if campaign.gpu.backend == "twin":
+    if not real_gpus(campaign):
         return [
             Check(
                 "gpu",
@@ -69,14 +69,13 @@ def _gpu_checks(
             )
         ]
     from dvfs.caps import AppliedCaps
-    from dvfs.gpu.nvml import load_pynvml, open_nvml_gpus
+    from dvfs.clock import MonotonicClock
     from dvfs.gpu.safety import StateStore, default_state_dir
     from dvfs.sweep import check_knobs_against
 
     checks: list[Check] = []
     try:
-        module = nvml or load_pynvml()
-        with open_nvml_gpus(campaign.gpu.devices, nvml=module) as gpus:
+        with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
             first = gpus[0].identity
             checks.append(
                 Check(
@@ -105,8 +104,7 @@ def _gpu_checks(
                     checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
 
             def knobs() -> tuple[str, str]:
-                as_gpus: list[Gpu] = list(gpus)
-                check_knobs_against(campaign, as_gpus)
+                check_knobs_against(campaign, gpus)
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
@@ -154,7 +152,7 @@ def _gpu_checks(
 
 
 def _engine(campaign: Campaign) -> tuple[str, str]:
-    if campaign.engine.backend == "twin":
+    if simulated_engine(campaign):
         return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
     sg = campaign.engine.sglang
     if sg.url:

@@ -1,11 +1,13 @@
-"""Running a campaign end to end: build the backends it names, run the cells, write the cube.
+"""Running a campaign end to end: open its backends, run the cells, write the cube.
 
-This is the one place that picks real or simulated backends; everything below receives them.
+The backends come from `dvfs.backends` (the one place that picks real or simulated ones);
+`plan_dry_run` says what a sweep would do without opening any.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -14,14 +16,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dvfs.backends import (
+    Backends,
+    ServerPlan,
+    open_backends,
+    real_gpus,
+    server_plans,
+    tokenizer_model,
+)
 from dvfs.campaign import Campaign
-from dvfs.clock import Clock, MonotonicClock, VirtualClock
 from dvfs.corpora import Corpus, load_corpus
 from dvfs.corpora.model import TokenCounter
 from dvfs.cube import CUBE_NAME, build_cube, write_cube
-from dvfs.engines.base import Engine
-from dvfs.errors import CampaignError, CorpusError, CubeError, JournalError
-from dvfs.gpu.base import Gpu
+from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
+from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
 from dvfs.journal import JOURNAL_NAME, Journal, describe_os_error
 from dvfs.plan import Cell, plan_cells
@@ -34,23 +42,6 @@ class SweepBusyError(JournalError):
     """Another sweep is writing to the same output folder."""
 
     exit_code = 3
-
-
-@dataclass
-class Backends:
-    clock: Clock
-    gpus: list[Gpu]
-    engine: Engine
-
-
-def tokenizer_model(campaign: Campaign) -> str | None:
-    """The Hugging Face name whose tokenizer counts prompt tokens for this campaign."""
-    if campaign.engine.backend == "twin":
-        from dvfs.twin.profiles import find_model_profile
-
-        profile = find_model_profile(campaign.engine.twin_model or campaign.engine.model)
-        return profile.hf_name if profile is not None and profile.hf_name else None
-    return campaign.engine.model
 
 
 def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[str, Corpus]:
@@ -67,6 +58,28 @@ def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[
             ref.name, spec, base_dir=campaign.base_dir, count_tokens=count
         )
     return corpora
+
+
+def counted_corpora(campaign: Campaign) -> tuple[dict[str, Corpus], str]:
+    """Every corpus the campaign names, counted with its target's tokenizer, and how the
+    tokens were counted (the tokenizer, or the documented estimate)."""
+    from dvfs.corpora.tokens import token_counter
+
+    count, method = token_counter(tokenizer_model(campaign))
+    return load_corpora(campaign, count), method
+
+
+def corpus_descriptions(campaign: Campaign) -> dict[str, str]:
+    """Each campaign corpus's description: its own, else the built-in one of that name."""
+    from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
+
+    descriptions = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec or ())
+        descriptions[ref.name] = str(
+            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
+        )
+    return descriptions
 
 
 def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[str]:
@@ -99,77 +112,6 @@ def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
             "; ".join(problems) + ". Lower the batch sizes, widen "
             "workload.input_tokens, or add prompts"
         )
-
-
-def acceptance_aliases(campaign: Campaign) -> dict[str, str]:
-    """User corpora that tell the twin which built-in corpus they accept like."""
-    aliases = {}
-    for ref in campaign.workload.corpora:
-        spec = dict(ref.spec or ())
-        if "acceptance_like" in spec:
-            aliases[ref.name] = str(spec["acceptance_like"])
-    return aliases
-
-
-@contextlib.contextmanager
-def open_backends(
-    campaign: Campaign,
-    *,
-    out_dir: Path,
-    nvml: ModuleType | None = None,
-) -> Iterator[Backends]:
-    """The GPUs, engine and clock a campaign names, opened and closed together."""
-    from dvfs.twin.profiles import gpu_profile, model_profile
-
-    with contextlib.ExitStack() as stack:
-        if campaign.gpu.backend == "twin":
-            from dvfs.gpu.twin import TwinGpu
-            from dvfs.twin.device import TwinDevice, TwinNode
-
-            # Simulated GPUs live in virtual time, unless a real server sets the pace.
-            virtual = campaign.engine.backend == "twin"
-            clock: Clock = VirtualClock() if virtual else MonotonicClock()
-            profile = gpu_profile(campaign.gpu.profile or "")
-            indices = []
-            for device in campaign.gpu.devices:
-                if not isinstance(device, int):
-                    raise CampaignError(f"the twin backend takes GPU indices, not {device!r}")
-                indices.append(device)
-            devices = [TwinDevice(profile, clock, i) for i in indices]
-            gpus: list[Gpu] = [TwinGpu(d) for d in devices]
-            node: Any = TwinNode(devices)
-        else:
-            from dvfs.gpu.nvml import open_nvml_gpus
-            from dvfs.twin.device import FreeRunningNode
-
-            clock = MonotonicClock()
-            gpus = list(stack.enter_context(open_nvml_gpus(campaign.gpu.devices, nvml=nvml)))
-            node = None
-            if campaign.engine.backend == "twin":
-                from dvfs.twin.profiles import profile_for_gpu_name
-
-                profile = (
-                    gpu_profile(campaign.gpu.profile)
-                    if campaign.gpu.profile
-                    else (profile_for_gpu_name(gpus[0].identity.name))
-                )
-                node = FreeRunningNode(profile, clock, len(gpus))
-        if campaign.engine.backend == "twin":
-            from dvfs.engines.twin import TwinEngine
-
-            model = model_profile(campaign.engine.twin_model or campaign.engine.model)
-            engine: Engine = stack.enter_context(
-                TwinEngine(node, model, acceptance_like=acceptance_aliases(campaign))
-            )
-        else:
-            from dvfs.engines.sglang import SglangEngine
-
-            engine = stack.enter_context(
-                SglangEngine.from_campaign(
-                    campaign, clock=clock, log_dir=out_dir / "logs", gpus=gpus
-                )
-            )
-        yield Backends(clock, gpus, engine)
 
 
 def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
@@ -248,22 +190,18 @@ class SweepOutcome:
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
     """Refuse clocks or power limits a real GPU does not support, before changing anything."""
     for gpu in gpus:
+        ident = gpu.identity
         supported = set(gpu.supported_sm_clocks_mhz())
+        of = f" of GPU {ident.index} ({ident.name})"
         for clock in campaign.knobs.sm_clocks_mhz or ():
-            if clock not in supported:
-                nearest = sorted(supported, key=lambda c: abs(c - clock))[:2]
-                raise CampaignError(
-                    f"knobs.sm_clock: {clock} MHz is not supported by GPU {gpu.identity.index} "
-                    f"({gpu.identity.name}); nearest supported: "
-                    f"{', '.join(map(str, sorted(nearest)))} MHz"
-                )
+            problem = unsupported_clock(clock, supported, of=of)
+            if problem:
+                raise CampaignError(f"knobs.sm_clock: {problem}")
         allowed = gpu.power_limit_range()
         for limit in campaign.knobs.power_limits_w or ():
-            if not allowed.min_mw <= limit * 1000 <= allowed.max_mw:
-                raise CampaignError(
-                    f"knobs.power_limit: {limit:g} W is outside GPU {gpu.identity.index}'s range "
-                    f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
-                )
+            problem = allowed.outside(limit * 1000)
+            if problem:
+                raise CampaignError(f"knobs.power_limit: GPU {ident.index}: {problem}")
 
 
 @contextlib.contextmanager
@@ -272,7 +210,7 @@ def guarded_knobs(
 ) -> Iterator[KnobController]:
     """A knob controller that restores on exit; on real GPUs also a per-GPU lock and a state
     file recording the original settings, so a crash can be undone with `dvfs gpu reset`."""
-    if campaign.gpu.backend != "nvml":
+    if not real_gpus(campaign):
         with KnobController(gpus, actuation=campaign.gpu.actuation) as knobs:
             yield knobs
         return
@@ -307,14 +245,56 @@ def run_sweep(
     """Run every unfinished cell of `campaign` into `out_dir` (failed cells are retried), then
     write the cube. `fresh` moves an earlier journal aside first. Refuses an output folder
     another sweep is using."""
-    with out_dir_lock(out_dir):
-        moved = fresh_start(out_dir) if fresh else None
-        if moved and progress is not None:
-            progress.note(f"moved the previous journal to {moved}")
-        outcome = _run_locked(
-            campaign, out_dir, progress=progress, backends=backends, nvml=nvml, state_dir=state_dir
-        )
+    try:
+        with out_dir_lock(out_dir):
+            moved = fresh_start(out_dir) if fresh else None
+            if moved and progress is not None:
+                progress.note(f"moved the previous journal to {moved}")
+            outcome = _run_locked(
+                campaign,
+                out_dir,
+                progress=progress,
+                backends=backends,
+                nvml=nvml,
+                state_dir=state_dir,
+            )
+    except GpuPermissionError as exc:
+        if not campaign.gpu.actuation or "--observe-only" in str(exc):
+            raise
+        raise GpuPermissionError(
+            f"{exc}. To measure without changing any GPU setting (no root needed), rerun with "
+            "--observe-only"
+        ) from exc
     return SweepOutcome(outcome.summary, outcome.journal_path, outcome.cube_path, moved)
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """What an interrupted sweep left: a partial cube (or why not), and the GPUs whose
+    settings this process did not restore (their state files are in `state_dir`)."""
+
+    cube_path: Path | None
+    cube_error: str | None
+    unrestored: tuple[str, ...]
+    state_dir: Path | None
+
+
+def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
+    """Write the partial cube of an interrupted sweep and find what it left unrestored."""
+    cube_path = cube_error = None
+    journal = out_dir / JOURNAL_NAME
+    if journal.exists():
+        try:
+            cube_path = write_cube(build_cube(journal), out_dir / CUBE_NAME)
+        except Exception as exc:  # the interruption matters more than the partial cube
+            cube_error = str(exc)
+    if not real_gpus(campaign):
+        return Interruption(cube_path, cube_error, (), None)
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore()
+    left = tuple(p.original.uuid for p in store.pending() if p.pid == os.getpid())
+    return Interruption(cube_path, cube_error, left, store.directory)
 
 
 def _run_locked(
@@ -326,11 +306,8 @@ def _run_locked(
     nvml: ModuleType | None,
     state_dir: Path | None,
 ) -> SweepOutcome:
-    from dvfs.corpora.tokens import token_counter
-
     journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
-    count, count_method = token_counter(tokenizer_model(campaign))
-    corpora = load_corpora(campaign, count)
+    corpora, count_method = counted_corpora(campaign)
     check_corpora(campaign, corpora)  # before any GPU is touched or server started
     cells: list[Cell] = plan_cells(campaign)
     with contextlib.ExitStack() as stack:
@@ -357,3 +334,106 @@ def _run_locked(
             "writes the cube once that is fixed)"
         ) from exc
     return SweepOutcome(summary, journal.path, cube_path)
+
+
+def observe_only(campaign: Campaign) -> Campaign:
+    """The campaign with knobs at stock and actuation off (`dvfs sweep --observe-only`)."""
+    knobs = dataclasses.replace(campaign.knobs, sm_clocks_mhz=None, power_limits_w=None)
+    gpu = dataclasses.replace(campaign.gpu, actuation=False)
+    return dataclasses.replace(campaign, knobs=knobs, gpu=gpu)
+
+
+@dataclass(frozen=True)
+class DryRunPlan:
+    """What a sweep would do, found without touching a GPU or starting a server."""
+
+    campaign: str
+    hash: str
+    gpu_backend: str
+    gpu_profile: str | None
+    gpu_devices: tuple[int | str, ...]
+    actuation: bool
+    grid: dict[str, Any]
+    cells: int
+    already_done: int
+    server_starts: int
+    knob_changes: int
+    estimated_s: float
+    servers: tuple[ServerPlan, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def remaining(self) -> int:
+        return self.cells - self.already_done
+
+    def as_dict(self) -> dict[str, Any]:
+        """The document `dvfs sweep --dry-run --json` prints."""
+        return {
+            "campaign": self.campaign,
+            "hash": self.hash,
+            "gpu": {
+                "backend": self.gpu_backend,
+                "profile": self.gpu_profile,
+                "devices": list(self.gpu_devices),
+                "actuation": "on" if self.actuation else "off (observe-only)",
+            },
+            "grid": dict(self.grid),
+            "cells": self.cells,
+            "already_done": self.already_done,
+            "remaining": self.remaining,
+            "server_starts": self.server_starts,
+            "knob_changes": self.knob_changes,
+            "estimated_hours_on_hardware": round(self.estimated_s / 3600, 2),
+            "servers": [s.as_dict() for s in self.servers],
+            "problems": list(self.problems),
+        }
+
+
+def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
+    """Keys of the cells a rerun would skip: those measured ok in a journal of this campaign."""
+    from dvfs.journal import journal_differences, read_records
+
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return set()
+    records = read_records(journal)
+    if not records or journal_differences(records[0], campaign):
+        return set()
+    return {r["key"] for r in records if r.get("type") == "cell" and r.get("status") == "ok"}
+
+
+def plan_dry_run(campaign: Campaign, out_dir: Path) -> DryRunPlan:
+    """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, time, each
+    drafter's server, and the corpus problems that would stop it."""
+    from dvfs.plan import summarise_plan
+
+    summary = summarise_plan(campaign, plan_cells(campaign), finished_cells(campaign, out_dir))
+    knobs = campaign.knobs
+    servers = tuple(server_plans(campaign))
+    try:
+        problems = corpus_shortfalls(campaign, load_corpora(campaign))
+    except CorpusError as exc:
+        problems = [str(exc)]
+    return DryRunPlan(
+        campaign=campaign.name,
+        hash=campaign.hash,
+        gpu_backend=campaign.gpu.backend,
+        gpu_profile=campaign.gpu.profile,
+        gpu_devices=tuple(campaign.gpu.devices),
+        actuation=campaign.gpu.actuation,
+        grid={
+            "sm_clock_mhz": list(knobs.sm_clocks_mhz) if knobs.sm_clocks_mhz else "stock",
+            "power_limit_w": list(knobs.power_limits_w) if knobs.power_limits_w else "stock",
+            "batch": list(campaign.workload.batch_sizes),
+            "drafter": [d.name for d in campaign.drafters],
+            "corpus": list(campaign.workload.corpus_names),
+            "repeat": campaign.measurement.repeats,
+        },
+        cells=summary.cells,
+        already_done=summary.cells - summary.remaining,
+        server_starts=summary.server_starts,
+        knob_changes=summary.knob_changes,
+        estimated_s=summary.estimated_s,
+        servers=servers,
+        problems=tuple(problems),
+    )

@@ -159,10 +159,10 @@ def test_sweep_restores_after_an_exception(nvml, tmp_path: Path) -> None:
 def test_observe_only_never_calls_a_setter(nvml, tmp_path: Path, env, monkeypatch) -> None:
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")  # a user without root can observe
     campaign = load_campaign(campaign_file(tmp_path))
-    from dvfs.cli.sweep import _observe_only
+    from dvfs.sweep import observe_only
 
     outcome = run_sweep(
-        _observe_only(campaign), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
+        observe_only(campaign), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
     )
     assert outcome.summary.measured == 1
     assert setter_calls(nvml) == []
@@ -183,7 +183,7 @@ def test_campaign_clocks_are_checked_against_the_device(nvml, tmp_path: Path) ->
             "sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]"
         )
     )
-    with pytest.raises(CampaignError, match="2100 MHz is not supported by GPU 0"):
+    with pytest.raises(CampaignError, match="2100 MHz is not a supported SM clock of GPU 0"):
         run_sweep(
             load_campaign(path), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
         )

@@ -135,7 +135,7 @@ def filter_options(func: Any) -> Any:
     return func
 
 
-def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     """A rich table; into a pipe or file (not a terminal) it keeps its natural width, so no
     column is folded, cropped or dropped whatever COLUMNS says."""
     from rich.table import Table
@@ -307,7 +307,7 @@ def headroom(
     else:
         header, rows = headroom_table_rows(doc)
         ref = doc["reference"]
-        _print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
+        print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
         _print_line(
             f"reference: {escape(reference_text(ref))}"
             + ("" if ref["is_stock"] else " (not the stock setting: top of the grid)")
@@ -369,7 +369,7 @@ def compare(
         click.echo(compare_markdown(doc))
     else:
         for title, header, rows in compare_tables(doc):
-            _print_table(title, header, rows)
+            print_table(title, header, rows)
 
 
 @click.command()

@@ -8,13 +8,11 @@ UUIDs it names are not here (0 with --skip-missing).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from dvfs.cli.common import console, echo_json, escape, handle_errors
-from dvfs.cli.gpu import open_cli_gpus
 
 state_dir_option = click.option(
     "--state-dir",
@@ -61,18 +59,15 @@ def plan(
     out_path: Path | None,
 ) -> None:
     """Turn `dvfs headroom --json` output and your choice into a caps file."""
-    from dvfs.caps import dump_caps, plan_caps
-    from dvfs.errors import CapsError
+    from dvfs.caps import dump_caps, load_headroom, plan_caps
 
-    try:
-        doc = json.loads(headroom_json.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise CapsError(
-            f"{headroom_json} is not JSON ({exc}); write it with "
-            "`dvfs headroom CUBE --json -o FILE`"
-        ) from exc
     caps = plan_caps(
-        doc, batch=batch, drafter=drafter, corpus=corpus, uuids=uuids, model_name=model_name
+        load_headroom(headroom_json),
+        batch=batch,
+        drafter=drafter,
+        corpus=corpus,
+        uuids=uuids,
+        model_name=model_name,
     )
     text = dump_caps(caps)
     err = console(stderr=True)
@@ -120,30 +115,19 @@ def apply(
     without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
     are not here (0 with --skip-missing). Models not on this host are only noted.
     """
-    from dvfs.caps import (
-        AppliedCaps,
-        CapsPartlyAppliedError,
-        apply_actions,
-        load_caps,
-        plan_actions,
-    )
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
-    from dvfs.signals import signals_raise
+    from dvfs.backends import open_gpus
+    from dvfs.caps import CapsPartlyAppliedError, enforce_plan, load_caps, plan_actions
+    from dvfs.gpu.safety import default_state_dir
 
     caps = load_caps(caps_file)
     directory = state_dir or default_state_dir()
     out = console()
-    with open_cli_gpus((), None) as gpus:
+    with open_gpus(()) as gpus:
         plan = plan_actions(caps, gpus, where=str(caps_file), allow_simulated=allow_simulated)
         for action in plan.actions:
             click.echo(("dry run, nothing changed: " if dry_run else "") + action.describe())
         if not dry_run:
-            targets = [g for g in gpus if g.identity.uuid in {a.uuid for a in plan.actions}]
-            with signals_raise(), GpuLocks(directory).hold(targets):
-                StateStore(directory).refuse_if_pending(targets)
-                apply_actions(
-                    plan.actions, targets, AppliedCaps(directory), str(caps_file.resolve())
-                )
+            enforce_plan(plan, gpus, directory, str(caps_file.resolve()))
             out.print(f"applied caps to {len(plan.actions)} GPU(s)")
     if plan.unused:
         console(stderr=True).print(f"note: {escape(plan.unused_message(str(caps_file)))}")
@@ -160,30 +144,12 @@ def apply(
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied."""
-    from dvfs.caps import AppliedCaps
+    from dvfs.backends import open_gpus
+    from dvfs.caps import caps_status
     from dvfs.gpu.safety import default_state_dir
 
-    applied = AppliedCaps(state_dir or default_state_dir()).read()
-    rows = []
-    with open_cli_gpus((), None, allow_mig=True) as gpus:
-        for g in gpus:
-            ident = g.identity
-            record = applied.get(ident.uuid, {})
-            limits = g.power_limit_range()
-            rows.append(
-                {
-                    "index": ident.index,
-                    "uuid": ident.uuid,
-                    "name": ident.name,
-                    "enforced_power_limit_w": g.enforced_power_limit_mw() / 1000,
-                    "configured_power_limit_w": g.power_limit_mw() / 1000,
-                    "default_power_limit_w": limits.default_mw / 1000,
-                    "sm_clock_lock_mhz": record.get("lock_mhz"),
-                    "sm_clock_mhz": g.sm_clock_mhz(),
-                    "caps_source": record.get("source"),
-                    "applied": record.get("applied"),
-                }
-            )
+    with open_gpus((), allow_mig=True) as gpus:
+        rows = caps_status(gpus, state_dir or default_state_dir())
     if as_json:
         echo_json(rows)
         return
@@ -208,11 +174,11 @@ def show(as_json: bool, state_dir: Path | None) -> None:
 @handle_errors
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none)."""
-    from dvfs.caps import AppliedCaps, reset_caps
-    from dvfs.gpu.safety import GpuLocks, default_state_dir
-    from dvfs.signals import signals_raise
+    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.caps import reset_locked
+    from dvfs.gpu.safety import default_state_dir
 
-    directory = state_dir or default_state_dir()
-    with open_cli_gpus(devices, None) as gpus, signals_raise(), GpuLocks(directory).hold(gpus):
-        for line in reset_caps(gpus, AppliedCaps(directory)):
-            console().print(line)
+    with open_gpus(parse_devices(devices)) as gpus:
+        lines = reset_locked(gpus, state_dir or default_state_dir())
+    for line in lines:
+        console().print(line)

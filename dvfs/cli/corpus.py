@@ -27,19 +27,11 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
         corpora = {name: load_corpus(name) for name in BUILTIN_CORPORA}
         return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS)
     from dvfs.campaign import load_campaign
-    from dvfs.corpora.tokens import token_counter
-    from dvfs.sweep import load_corpora, tokenizer_model
+    from dvfs.sweep import corpus_descriptions, counted_corpora
 
     campaign = load_campaign(campaign_file)
-    count, method = token_counter(tokenizer_model(campaign))
-    corpora = load_corpora(campaign, count)
-    descriptions = {}
-    for ref in campaign.workload.corpora:
-        spec = dict(ref.spec or ())
-        descriptions[ref.name] = str(
-            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
-        )
-    return corpora, method, descriptions
+    corpora, method = counted_corpora(campaign)
+    return corpora, method, corpus_descriptions(campaign)
 
 
 def _stats(corpus: Any) -> dict[str, Any]:

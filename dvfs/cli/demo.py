@@ -29,7 +29,7 @@ def demo(out_dir: Path, no_progress: bool) -> None:
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.targets import Target
     from dvfs.campaign import load_campaign
-    from dvfs.cli.analysis import _print_table
+    from dvfs.cli.analysis import print_table
     from dvfs.cli.sweep import run
     from dvfs.cube import CUBE_NAME, open_cube
     from dvfs.plots import plot_all
@@ -55,7 +55,7 @@ def demo(out_dir: Path, no_progress: bool) -> None:
     ):
         result = headroom(ds, target=target).sel(corpus=[corpus])
         header, rows = headroom_table_rows(headroom_document(result, ds), omit=("corpus",))
-        _print_table(title, header, rows)
+        print_table(title, header, rows)
     with out.status("drawing figures"):
         paths = plot_all(ds, out_dir / "plots", target=Target("preserve", slack=0.05))
     out.print(

@@ -12,45 +12,25 @@ import click
 from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 
-def parse_devices(devices: tuple[str, ...]) -> list[int | str]:
-    return [int(d) if d.isdigit() else d for d in devices]
-
-
 @contextlib.contextmanager
 def open_cli_gpus(
     devices: tuple[str, ...],
     twin: str | None,
     *,
     allow_mig: bool = False,
-    all_if_empty: bool = True,
 ) -> Iterator[list[Any]]:
-    """GPUs named on the command line (all when none are named), real or twin."""
-    if twin:
-        from dvfs.clock import VirtualClock
-        from dvfs.gpu.twin import TwinGpu
-        from dvfs.twin.device import TwinDevice
-        from dvfs.twin.profiles import gpu_profile
+    """GPUs named on the command line (all when none are named), from `dvfs.backends`; a UUID
+    given to the twin is a usage error."""
+    from dvfs.backends import open_gpus, parse_devices
 
-        profile = gpu_profile(twin)
-        clock = VirtualClock()
-        parsed = parse_devices(devices)
-        named = [str(d) for d in parsed if not isinstance(d, int)]
-        if named:
-            raise click.UsageError(
-                f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
-            )
-        indices = [int(d) for d in parsed] if parsed else [0]
-        yield [TwinGpu(TwinDevice(profile, clock, i)) for i in indices]
-        return
-    from dvfs.gpu.nvml import device_count, nvml_session, open_device
-
-    with nvml_session() as nvml:
-        wanted = (
-            parse_devices(devices)
-            if devices
-            else (list(range(device_count(nvml))) if all_if_empty else [])
+    parsed = parse_devices(devices)
+    named = [str(d) for d in parsed if not isinstance(d, int)]
+    if twin and named:
+        raise click.UsageError(
+            f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
         )
-        yield [open_device(nvml, d, allow_mig=allow_mig) for d in wanted]
+    with open_gpus(parsed, twin=twin, allow_mig=allow_mig) as gpus:
+        yield gpus
 
 
 twin_option = click.option(
@@ -75,7 +55,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     with open_cli_gpus((), twin, allow_mig=True) as gpus:
         for g in gpus:
             ident = g.identity
-            mig = getattr(g, "mig_enabled", lambda: False)()
+            mig = g.mig_enabled()
             rows.append(
                 {
                     "index": ident.index,
@@ -109,71 +89,41 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
 
 
 def _info_dict(g: Any) -> dict[str, Any]:
+    """`gpu info --json`'s shape of a `DeviceInfo`, in watts."""
     from dvfs.gpu.base import describe_events
 
-    if hasattr(g, "info"):
-        info = g.info()
-        limits = info.power_limits
-        return {
-            "index": info.identity.index,
-            "uuid": info.identity.uuid,
-            "name": info.identity.name,
-            "driver": info.identity.driver_version,
-            "architecture": info.architecture,
-            "memory_clock_mhz": info.identity.memory_clock_mhz,
-            "supported_sm_clocks_mhz": {
-                "max": max(info.supported_sm_clocks_mhz),
-                "min": min(info.supported_sm_clocks_mhz),
-                "count": len(info.supported_sm_clocks_mhz),
-                "values": list(info.supported_sm_clocks_mhz),
-            },
-            "power_limit_w": {
-                "min": limits.min_mw / 1000,
-                "max": limits.max_mw / 1000,
-                "default": limits.default_mw / 1000,
-                "current": info.power_limit_mw / 1000,
-                "enforced": info.enforced_power_limit_mw / 1000,
-            },
-            "persistence_mode": info.persistence_mode,
-            "energy_counter": info.energy_counter,
-            "sm_clock_mhz": info.sm_clock_mhz,
-            "power_w": None if info.power_mw is None else info.power_mw / 1000,
-            "temperature_c": info.temperature_c,
-            "event_reasons": describe_events(info.event_reasons or 0),
-            "mig": info.mig,
-            "memory_total_gib": None
-            if info.memory_total_bytes is None
-            else round(info.memory_total_bytes / 2**30, 1),
-        }
-    ident = g.identity
-    limits = g.power_limit_range()
-    clocks = g.supported_sm_clocks_mhz()
+    info = g.info()
+    limits = info.power_limits
     return {
-        "index": ident.index,
-        "uuid": ident.uuid,
-        "name": ident.name,
-        "driver": ident.driver_version,
-        "memory_clock_mhz": ident.memory_clock_mhz,
+        "index": info.identity.index,
+        "uuid": info.identity.uuid,
+        "name": info.identity.name,
+        "driver": info.identity.driver_version,
+        "architecture": info.architecture,
+        "memory_clock_mhz": info.identity.memory_clock_mhz,
         "supported_sm_clocks_mhz": {
-            "max": max(clocks),
-            "min": min(clocks),
-            "count": len(clocks),
-            "values": list(clocks),
+            "max": max(info.supported_sm_clocks_mhz),
+            "min": min(info.supported_sm_clocks_mhz),
+            "count": len(info.supported_sm_clocks_mhz),
+            "values": list(info.supported_sm_clocks_mhz),
         },
         "power_limit_w": {
             "min": limits.min_mw / 1000,
             "max": limits.max_mw / 1000,
             "default": limits.default_mw / 1000,
-            "current": g.power_limit_mw() / 1000,
-            "enforced": g.enforced_power_limit_mw() / 1000,
+            "current": info.power_limit_mw / 1000,
+            "enforced": info.enforced_power_limit_mw / 1000,
         },
-        "persistence_mode": None,
-        "energy_counter": True,
-        "sm_clock_mhz": g.sm_clock_mhz(),
-        "power_w": g.power_mw() / 1000,
-        "temperature_c": g.temperature_c(),
-        "event_reasons": describe_events(g.clock_event_reasons()),
-        "mig": False,
+        "persistence_mode": info.persistence_mode,
+        "energy_counter": info.energy_counter,
+        "sm_clock_mhz": info.sm_clock_mhz,
+        "power_w": None if info.power_mw is None else info.power_mw / 1000,
+        "temperature_c": info.temperature_c,
+        "event_reasons": describe_events(info.event_reasons or 0),
+        "mig": info.mig,
+        "memory_total_gib": None
+        if info.memory_total_bytes is None
+        else round(info.memory_total_bytes / 2**30, 1),
     }
 
 
@@ -239,26 +189,18 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     Without DEVICES, every GPU with a state file. Holds each GPU's lock while restoring, so
     it refuses GPUs a running dvfs is using.
     """
-    from dvfs.caps import AppliedCaps, reset_caps
-    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir, restore_pending
-    from dvfs.signals import signals_raise
+    from dvfs.gpu.safety import default_state_dir, reset_gpus
 
-    directory = state_dir or default_state_dir()
-    store = StateStore(directory)
     out = console()
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
-        with_state = [g for g in gpus if store.pending(g.identity.uuid)]
-        if not with_state and not defaults:
-            out.print(
-                "No dvfs state files for these GPUs: nothing to restore "
-                "(use --defaults to reset to driver defaults anyway)."
-            )
-            return
-        targets = gpus if defaults else with_state
-        with signals_raise(), GpuLocks(directory).hold(targets):  # only the GPUs acted on
-            for line in restore_pending(with_state, store):
-                out.print(f"restored {escape(line)}")
-            if defaults:
-                others = [g for g in gpus if g not in with_state]
-                for line in reset_caps(others, AppliedCaps(directory)):
-                    out.print(f"reset {escape(line)}")
+        acted = reset_gpus(
+            gpus,
+            state_dir or default_state_dir(),
+            defaults=defaults,
+            note=lambda line: out.print(escape(line)),
+        )
+    if not acted:
+        out.print(
+            "No dvfs state files for these GPUs: nothing to restore "
+            "(use --defaults to reset to driver defaults anyway)."
+        )

@@ -244,6 +244,29 @@ def launch_argv(
     return argv
 
 
+#: The port a planned (not started) server is shown with; the real one is chosen at start.
+PLANNED_PORT = 30000
+
+
+def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
+    """Per drafter: its name, the argv its server would start with, and where the version-
+    dependent flags came from. Runs `launch_server --help` unless the campaign pins a version."""
+    pinned = campaign.engine.sglang.version
+    help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
+    source = (
+        "engine.sglang.version"
+        if pinned
+        else "launch_server --help"
+        if help_text
+        else "assumed SGLang >= 0.5.23 (launch_server --help could not run here; "
+        "set engine.sglang.version)"
+    )
+    return [
+        (d.name, launch_argv(campaign, d, port=PLANNED_PORT, help_text=help_text), source)
+        for d in campaign.drafters
+    ]
+
+
 def attention_args(campaign: Campaign) -> list[str]:
     """`--attention-backend X` for a pinned backend; nothing for "auto" (SGLang chooses)."""
     backend = campaign.engine.sglang.attention_backend

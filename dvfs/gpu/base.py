@@ -5,6 +5,7 @@ Both backends (real NVML and the twin) implement it and raise the same `GpuError
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,18 @@ class GpuIdentity:
     max_sm_clock_mhz: int
 
 
+def unsupported_clock(mhz: int, supported: Collection[int], *, of: str = "") -> str | None:
+    """Why `mhz` cannot be locked, or None when it can; the message names the two nearest
+    supported clocks, so fixing it is one edit. `of` names the GPU (" of GPU 0")."""
+    if mhz in supported:
+        return None
+    nearest = sorted(sorted(supported, key=lambda c: abs(c - mhz))[:2])
+    return (
+        f"{mhz} MHz is not a supported SM clock{of}; nearest supported: "
+        f"{', '.join(map(str, nearest))} MHz (range {min(supported)}-{max(supported)} MHz)"
+    )
+
+
 @dataclass(frozen=True)
 class PowerLimitRange:
     """Power-limit constraints of a device (mW, as NVML reports them)."""
@@ -64,6 +77,17 @@ class PowerLimitRange:
     def __post_init__(self) -> None:
         if not self.min_mw <= self.default_mw <= self.max_mw:
             raise ValueError(f"inconsistent power-limit range {self}")
+
+    def describe_w(self) -> str:
+        """The allowed range in watts, for messages ("200-700 W")."""
+        return f"{self.min_mw / 1000:g}-{self.max_mw / 1000:g} W"
+
+    def outside(self, limit_mw: float) -> str | None:
+        """Why `limit_mw` cannot be set, or None when it can: the one power-range rule that the
+        backends, campaign checks and caps all apply."""
+        if self.min_mw <= limit_mw <= self.max_mw:
+            return None
+        return f"power limit {limit_mw / 1000:g} W is outside the allowed range {self.describe_w()}"
 
 
 class Gpu(Protocol):
@@ -103,3 +127,36 @@ class Gpu(Protocol):
     def temperature_c(self) -> int: ...
 
     def clock_event_reasons(self) -> int: ...
+
+    def mig_enabled(self) -> bool:
+        """Whether MIG is on (dvfs refuses such GPUs: energy is per GPU, not per slice)."""
+        ...
+
+    def persistence_mode(self) -> bool | None:
+        """Persistence mode (a power limit survives a driver unload only with it); None: unknown."""
+        ...
+
+    def info(self) -> DeviceInfo:
+        """A read-only snapshot for `dvfs gpu info`; readings the GPU lacks are None."""
+        ...
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Everything `dvfs gpu info` shows about a device (read-only)."""
+
+    identity: GpuIdentity
+    architecture: int | None
+    supported_sm_clocks_mhz: tuple[int, ...]
+    supported_memory_clocks_mhz: tuple[int, ...]
+    power_limits: PowerLimitRange
+    power_limit_mw: int
+    enforced_power_limit_mw: int
+    persistence_mode: bool | None
+    energy_counter: bool
+    sm_clock_mhz: int
+    power_mw: int | None
+    temperature_c: int | None
+    event_reasons: int | None
+    mig: bool
+    memory_total_bytes: int | None

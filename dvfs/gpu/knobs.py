@@ -22,6 +22,26 @@ from dvfs.signals import restoring, signals_raise
 log = logging.getLogger(__name__)
 
 
+class GatheredFailures:
+    """GPU failures collected across GPUs and raised together once every GPU was tried, so one
+    stubborn GPU does not hide the others; any permission failure makes the whole a
+    `GpuPermissionError` (exit 4, one "needs root" hint)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.needs_root = False
+
+    def add(self, exc: GpuError, prefix: str = "") -> None:
+        self.needs_root |= isinstance(exc, GpuPermissionError)
+        self.messages.append(f"{prefix}{exc}")
+
+    def raise_if_any(self, head: str, tail: str = "") -> None:
+        """Raise `head` + every message + `tail` as one error, if anything failed."""
+        if self.messages:
+            cls = GpuPermissionError if self.needs_root else GpuError
+            raise cls(head + "; ".join(self.messages) + tail)
+
+
 @dataclass(frozen=True)
 class GpuSettings:
     """What dvfs may change on one GPU: an SM clock lock (None = unlocked) and the power limit."""
@@ -103,8 +123,7 @@ class KnobController:
         holds signals forever. What was not restored stays in the state file for `dvfs gpu reset`.
         """
         with restoring():
-            failures: list[str] = []
-            needs_root = False
+            failures = GatheredFailures()
             for gpu in self.gpus:
                 uuid = gpu.identity.uuid
                 original = self._snapshot.get(uuid)
@@ -117,15 +136,11 @@ class KnobController:
                         self.change_log.clear(uuid)
                     log.info("restored GPU %s to %s", gpu.identity.index, original)
                 except GpuError as exc:
-                    needs_root |= isinstance(exc, GpuPermissionError)
-                    failures.append(f"GPU {gpu.identity.index} ({uuid}): {exc}")
-            if failures:
-                cls = GpuPermissionError if needs_root else GpuError
-                raise cls(
-                    "could not restore GPU settings: "
-                    + "; ".join(failures)
-                    + ". `dvfs gpu reset` retries from the state file."
-                )
+                    failures.add(exc, f"GPU {gpu.identity.index} ({uuid}): ")
+            failures.raise_if_any(
+                "could not restore GPU settings: ",
+                ". `dvfs gpu reset` retries from the state file.",
+            )
 
     # -- applying -----------------------------------------------------------------------------
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:

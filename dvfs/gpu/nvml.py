@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -23,7 +22,7 @@ from dvfs.errors import (
     GpuUnavailableError,
     GpuValueError,
 )
-from dvfs.gpu.base import GpuIdentity, PowerLimitRange
+from dvfs.gpu.base import DeviceInfo, GpuIdentity, PowerLimitRange, unsupported_clock
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
 
 log = logging.getLogger(__name__)
@@ -101,6 +100,16 @@ class NvmlErrors:
     def is_nvml_error(self, exc: BaseException) -> bool:
         return isinstance(exc, self.nvml.NVMLError)
 
+    @contextlib.contextmanager
+    def translated(self, what: str, hint: str = "") -> Iterator[None]:
+        """NVML errors raised in the block become dvfs's (`raise ... from`); others pass."""
+        try:
+            yield
+        except Exception as exc:
+            if self.is_nvml_error(exc):
+                raise self.translate(exc, what, hint) from exc
+            raise
+
     def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
         value = getattr(exc, "value", None)
         cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
@@ -115,27 +124,6 @@ class NvmlErrors:
             return cls(f"{what}: permission denied by the driver: {ROOT_HINT}")
         detail = f"{what}: NVML says {exc}"
         return cls(f"{detail}; {hint}" if hint else detail)
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """Everything `dvfs gpu info` shows about a device (read-only)."""
-
-    identity: GpuIdentity
-    architecture: int | None
-    supported_sm_clocks_mhz: tuple[int, ...]
-    supported_memory_clocks_mhz: tuple[int, ...]
-    power_limits: PowerLimitRange
-    power_limit_mw: int
-    enforced_power_limit_mw: int
-    persistence_mode: bool | None
-    energy_counter: bool
-    sm_clock_mhz: int
-    power_mw: int | None
-    temperature_c: int | None
-    event_reasons: int | None
-    mig: bool
-    memory_total_bytes: int | None
 
 
 class NvmlGpu:
@@ -179,32 +167,22 @@ class NvmlGpu:
         return _bounded(self._worker, self.deadline_s, self._where, fn, *args)
 
     def _call(self, fn: Callable[..., T], what: str, *args: Any, hint: str = "") -> T:
-        try:
+        with self.errors.translated(f"GPU {self.index}: cannot {what}", hint):
             return self._run(fn, self.handle, *args)
-        except Exception as exc:
-            if self.errors.is_nvml_error(exc):
-                raise self.errors.translate(exc, f"GPU {self.index}: cannot {what}", hint) from exc
-            raise
 
     def _call_plain(self, fn: Callable[..., T], what: str) -> T:
-        try:
+        with self.errors.translated(f"cannot {what}"):
             return self._run(fn)
-        except Exception as exc:
-            if self.errors.is_nvml_error(exc):
-                raise self.errors.translate(exc, f"cannot {what}") from exc
-            raise
 
     def _with_fallback(self, current: str, old: str, what: str, *args: Any) -> Any:
         """Call `current`, or `old` on drivers that predate it (FunctionNotFound)."""
         fn = getattr(self.nvml, current, None)
         if fn is not None:
             try:
-                return self._run(fn, self.handle, *args)
-            except Exception as exc:
-                if not self.errors.is_nvml_error(exc):
+                return self._call(fn, what, *args)
+            except GpuNotSupportedError as exc:
+                if getattr(exc.__cause__, "value", None) != self.errors.function_not_found:
                     raise
-                if getattr(exc, "value", None) != self.errors.function_not_found:
-                    raise self.errors.translate(exc, f"GPU {self.index}: cannot {what}") from exc
         return self._call(getattr(self.nvml, old), what, *args)
 
     def _memory_clocks(self) -> list[int]:
@@ -243,15 +221,10 @@ class NvmlGpu:
         )
 
     def lock_sm_clock(self, min_mhz: int, max_mhz: int) -> None:
-        supported = self._sm_clocks
         for mhz in (min_mhz, max_mhz):
-            if mhz not in supported:
-                nearest = sorted(supported, key=lambda c: abs(c - mhz))[:2]
-                raise GpuValueError(
-                    f"GPU {self.index}: {mhz} MHz is not a supported SM clock; nearest supported: "
-                    f"{', '.join(map(str, sorted(nearest)))} MHz "
-                    f"(range {min(supported)}-{max(supported)} MHz)"
-                )
+            problem = unsupported_clock(mhz, self._sm_clocks)
+            if problem:
+                raise GpuValueError(f"GPU {self.index}: {problem}")
         if min_mhz > max_mhz:
             raise GpuValueError(
                 f"GPU {self.index}: clock range {min_mhz}-{max_mhz} MHz is reversed"
@@ -265,17 +238,15 @@ class NvmlGpu:
 
     def set_power_limit_mw(self, limit_mw: int) -> None:
         allowed = self.power_limit_range()
-        if not allowed.min_mw <= limit_mw <= allowed.max_mw:
-            raise GpuValueError(
-                f"GPU {self.index}: power limit {limit_mw / 1000:g} W is outside the allowed range "
-                f"{allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
-            )
+        problem = allowed.outside(limit_mw)
+        if problem:
+            raise GpuValueError(f"GPU {self.index}: {problem}")
         # v1 on purpose: pynvml's _v2 wrapper discards NVML's return code.
         self._call(
             self.nvml.nvmlDeviceSetPowerManagementLimit,
             "set the power limit",
             int(limit_mw),
-            hint=f"allowed {allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W",
+            hint=f"allowed {allowed.describe_w()}",
         )
 
     def energy_mj(self) -> int:
@@ -389,11 +360,10 @@ def nvml_session(
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker("nvml")
     try:
-        _bounded(worker, limit, "this machine", module.nvmlInit)
-    except Exception as exc:
+        with errors.translated("cannot initialise NVML"):
+            _bounded(worker, limit, "this machine", module.nvmlInit)
+    except BaseException:
         worker.close()
-        if errors.is_nvml_error(exc):
-            raise errors.translate(exc, "cannot initialise NVML") from exc
         raise
     try:
         yield module
@@ -409,15 +379,12 @@ def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
     errors = NvmlErrors(nvml)
     worker = CallWorker("nvml")
     try:
-        return int(
-            _bounded(
-                worker, resolve_deadline_s(deadline_s), "this machine", nvml.nvmlDeviceGetCount
+        with errors.translated("cannot count GPUs"):
+            return int(
+                _bounded(
+                    worker, resolve_deadline_s(deadline_s), "this machine", nvml.nvmlDeviceGetCount
+                )
             )
-        )
-    except Exception as exc:
-        if errors.is_nvml_error(exc):
-            raise errors.translate(exc, "cannot count GPUs") from exc
-        raise
     finally:
         worker.close()
 

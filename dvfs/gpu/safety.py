@@ -18,14 +18,14 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dvfs.errors import GpuStateError
 from dvfs.gpu.base import Gpu
-from dvfs.gpu.knobs import GpuSettings
+from dvfs.gpu.knobs import GatheredFailures, GpuSettings
 
 ROOT_STATE_DIR = Path("/var/lib/dvfs")
 
@@ -40,12 +40,14 @@ def default_state_dir() -> Path:
     return Path(base) / "dvfs"
 
 
-def _ensure_dir(path: Path) -> Path:
+def ensure_dir(path: Path) -> Path:
+    """The state directory, created readable by all (the systemd unit and users read it)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o755)
     return path
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any], mode: int = 0o644) -> None:
+def write_json_atomic(path: Path, data: dict[str, Any], mode: int = 0o644) -> None:
+    """Write `path` so that a crash leaves the old file or the new one, never half of either."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -106,8 +108,8 @@ class StateStore:
         path = self.path(original.uuid)
         if path.exists():
             return
-        _ensure_dir(self.directory)
-        _write_json_atomic(
+        ensure_dir(self.directory)
+        write_json_atomic(
             path,
             {
                 "original": settings_to_dict(original),
@@ -170,7 +172,7 @@ class GpuLocks:
 
     @contextlib.contextmanager
     def hold(self, gpus: Sequence[Gpu]) -> Iterator[None]:
-        _ensure_dir(self.directory)
+        ensure_dir(self.directory)
         handles = []
         try:
             for gpu in gpus:
@@ -201,11 +203,10 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
 
     Failures are gathered and raised together after every GPU was tried.
     """
-    from dvfs.errors import GpuError, GpuPermissionError
+    from dvfs.errors import GpuError
 
     done: list[str] = []
-    failures: list[str] = []
-    needs_root = False
+    failures = GatheredFailures()
     for gpu in gpus:
         for pending in store.pending(gpu.identity.uuid):
             original = pending.original
@@ -229,9 +230,30 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
                     f" pid {pending.pid})"
                 )
             except GpuError as exc:
-                needs_root |= isinstance(exc, GpuPermissionError)
-                failures.append(str(exc))
-    if failures:
-        cls = GpuPermissionError if needs_root else GpuError
-        raise cls("could not restore: " + "; ".join(failures))
+                failures.add(exc)
+    failures.raise_if_any("could not restore: ")
     return done
+
+
+def reset_gpus(
+    gpus: Sequence[Gpu], directory: Path, *, defaults: bool, note: Callable[[str], None]
+) -> bool:
+    """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
+    reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
+    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do."""
+    from dvfs.caps import AppliedCaps, reset_caps
+    from dvfs.signals import signals_raise
+
+    store = StateStore(directory)
+    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
+    if not with_state and not defaults:
+        return False
+    targets = list(gpus) if defaults else with_state
+    with signals_raise(), GpuLocks(directory).hold(targets):
+        for line in restore_pending(with_state, store):
+            note(f"restored {line}")
+        if defaults:
+            others = [g for g in gpus if g not in with_state]
+            for line in reset_caps(others, AppliedCaps(directory)):
+                note(f"reset {line}")
+    return True

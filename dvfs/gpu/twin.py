@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dvfs.errors import GpuValueError
-from dvfs.gpu.base import GpuIdentity, PowerLimitRange
+from dvfs.gpu.base import DeviceInfo, GpuIdentity, PowerLimitRange
 from dvfs.twin.device import TwinDevice
 
 TWIN_DRIVER_VERSION = "twin"
@@ -33,12 +33,7 @@ class TwinGpu:
         return self.device.profile.supported_sm_clocks_mhz()
 
     def power_limit_range(self) -> PowerLimitRange:
-        p = self.device.profile
-        return PowerLimitRange(
-            min_mw=round(p.power_limit_min_w * 1000),
-            max_mw=round(p.power_limit_max_w * 1000),
-            default_mw=round(p.power_limit_default_w * 1000),
-        )
+        return self.device.profile.power_limit_range()
 
     def power_limit_mw(self) -> int:
         return round(self.device.power_limit_w * 1000)
@@ -64,12 +59,9 @@ class TwinGpu:
         self.device.locked_mhz = None
 
     def set_power_limit_mw(self, limit_mw: int) -> None:
-        allowed = self.power_limit_range()
-        if not allowed.min_mw <= limit_mw <= allowed.max_mw:
-            raise GpuValueError(
-                f"GPU {self.device.index}: power limit {limit_mw / 1000:g} W is outside the "
-                f"allowed range {allowed.min_mw / 1000:g}-{allowed.max_mw / 1000:g} W"
-            )
+        problem = self.power_limit_range().outside(limit_mw)
+        if problem:
+            raise GpuValueError(f"GPU {self.device.index}: {problem}")
         self.device.power_limit_w = limit_mw / 1000
 
     def energy_mj(self) -> int:
@@ -86,3 +78,29 @@ class TwinGpu:
 
     def clock_event_reasons(self) -> int:
         return self.device.clock_event_reasons()
+
+    def mig_enabled(self) -> bool:
+        return False
+
+    def persistence_mode(self) -> bool | None:
+        return None
+
+    def info(self) -> DeviceInfo:
+        """What the twin knows; it has no architecture code or memory reading (None)."""
+        return DeviceInfo(
+            identity=self.identity,
+            architecture=None,
+            supported_sm_clocks_mhz=self.supported_sm_clocks_mhz(),
+            supported_memory_clocks_mhz=(self.identity.memory_clock_mhz,),
+            power_limits=self.power_limit_range(),
+            power_limit_mw=self.power_limit_mw(),
+            enforced_power_limit_mw=self.enforced_power_limit_mw(),
+            persistence_mode=self.persistence_mode(),
+            energy_counter=True,
+            sm_clock_mhz=self.sm_clock_mhz(),
+            power_mw=self.power_mw(),
+            temperature_c=self.temperature_c(),
+            event_reasons=self.clock_event_reasons(),
+            mig=self.mig_enabled(),
+            memory_total_bytes=None,
+        )

@@ -10,6 +10,7 @@ from importlib import resources
 from typing import Any
 
 from dvfs.errors import CampaignError
+from dvfs.gpu.base import PowerLimitRange
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,14 @@ class GpuProfile:
         """Lockable SM clocks, descending like NVML's list."""
         return tuple(
             range(self.max_sm_clock_mhz, self.min_sm_clock_mhz - 1, -self.sm_clock_step_mhz)
+        )
+
+    def power_limit_range(self) -> PowerLimitRange:
+        """The settable power limits in NVML's units, as the twin's GPU reports them."""
+        return PowerLimitRange(
+            min_mw=round(self.power_limit_min_w * 1000),
+            max_mw=round(self.power_limit_max_w * 1000),
+            default_mw=round(self.power_limit_default_w * 1000),
         )
 
     def peak_flops(self, sm_clock_mhz: float) -> float:

@@ -1,0 +1,250 @@
+"""The one place that picks backends: twin or NVML GPUs, virtual or real time, twin or SGLang.
+
+Everything else (the sweep, `dvfs gpu`, `dvfs cap`, `dvfs doctor`, the dry-run plan) asks this
+module for opened backends or for what a backend would do, and receives them as arguments.
+Heavy imports stay inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from dvfs.errors import CampaignError
+
+if TYPE_CHECKING:
+    from dvfs.campaign import Campaign
+    from dvfs.clock import Clock
+    from dvfs.engines.base import Engine
+    from dvfs.gpu.base import Gpu
+
+
+@dataclass
+class Backends:
+    """What a run needs from the outside world, opened together."""
+
+    clock: Clock
+    gpus: list[Gpu]
+    engine: Engine
+
+
+def parse_devices(devices: Sequence[str]) -> list[int | str]:
+    """Device names from a command line: digits are indices, anything else a UUID."""
+    return [int(d) if d.isdigit() else d for d in devices]
+
+
+def real_gpus(campaign: Campaign) -> bool:
+    """Whether the campaign changes real GPUs (state files, locks and root apply), not twins."""
+    return campaign.gpu.backend == "nvml"
+
+
+def simulated_engine(campaign: Campaign) -> bool:
+    """Whether the campaign's engine is the twin (no server, no tokenizer of its own)."""
+    return campaign.engine.backend == "twin"
+
+
+def virtual_time(campaign: Campaign) -> bool:
+    """Simulated GPUs under a simulated engine live in virtual time; a real server (or a real
+    GPU) sets the pace otherwise."""
+    return campaign.gpu.backend == "twin" and simulated_engine(campaign)
+
+
+def twin_gpus(profile_key: str, indices: Sequence[int], clock: Clock) -> list[Gpu]:
+    """Simulated GPUs of one profile sharing `clock`."""
+    from dvfs.gpu.twin import TwinGpu
+    from dvfs.twin.device import TwinDevice
+    from dvfs.twin.profiles import gpu_profile
+
+    profile = gpu_profile(profile_key)
+    return [TwinGpu(TwinDevice(profile, clock, i)) for i in indices]
+
+
+@contextlib.contextmanager
+def open_gpus(
+    devices: Sequence[int | str],
+    *,
+    twin: str | None = None,
+    allow_mig: bool = False,
+    nvml: ModuleType | None = None,
+) -> Iterator[list[Gpu]]:
+    """GPUs by index or UUID: twins of profile `twin` in virtual time (GPU 0 when none is
+    named), else real ones over NVML (every GPU when none is named)."""
+    if twin:
+        from dvfs.clock import VirtualClock
+
+        named = [d for d in devices if not isinstance(d, int)]
+        if named:
+            raise CampaignError(
+                f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
+            )
+        indices = [int(d) for d in devices] or [0]
+        yield twin_gpus(twin, indices, VirtualClock())
+        return
+    from dvfs.gpu.nvml import device_count, nvml_session, open_device
+
+    with nvml_session(nvml) as module:
+        wanted = list(devices)
+        if not wanted:
+            wanted = list(range(device_count(module)))
+        yield [open_device(module, d, allow_mig=allow_mig) for d in wanted]
+
+
+@contextlib.contextmanager
+def open_campaign_gpus(
+    campaign: Campaign, clock: Clock, *, nvml: ModuleType | None = None
+) -> Iterator[list[Gpu]]:
+    """The GPUs a campaign names: twins on `clock`, or real GPUs (MIG refused)."""
+    if campaign.gpu.backend == "twin":
+        indices = []
+        for device in campaign.gpu.devices:
+            if not isinstance(device, int):
+                raise CampaignError(f"the twin backend takes GPU indices, not {device!r}")
+            indices.append(device)
+        yield twin_gpus(campaign.gpu.profile or "", indices, clock)
+        return
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    with open_nvml_gpus(campaign.gpu.devices, nvml=nvml) as gpus:
+        yield list(gpus)
+
+
+def acceptance_aliases(campaign: Campaign) -> dict[str, str]:
+    """User corpora that tell the twin which built-in corpus they accept like."""
+    aliases = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec or ())
+        if "acceptance_like" in spec:
+            aliases[ref.name] = str(spec["acceptance_like"])
+    return aliases
+
+
+def _twin_node(campaign: Campaign, gpus: list[Gpu], clock: Clock) -> Any:
+    """What the twin engine runs on: the twin GPUs themselves, or a free-running model of
+    real GPUs (their own profile, unless the campaign names one)."""
+    from dvfs.gpu.twin import TwinGpu
+    from dvfs.twin.device import FreeRunningNode, TwinNode
+    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
+
+    if campaign.gpu.backend == "twin":
+        return TwinNode([g.device for g in gpus if isinstance(g, TwinGpu)])
+    profile = (
+        gpu_profile(campaign.gpu.profile)
+        if campaign.gpu.profile
+        else profile_for_gpu_name(gpus[0].identity.name)
+    )
+    return FreeRunningNode(profile, clock, len(gpus))
+
+
+@contextlib.contextmanager
+def open_backends(
+    campaign: Campaign,
+    *,
+    out_dir: Path,
+    nvml: ModuleType | None = None,
+) -> Iterator[Backends]:
+    """The GPUs, engine and clock a campaign names, opened and closed together."""
+    from dvfs.clock import MonotonicClock, VirtualClock
+
+    clock: Clock = VirtualClock() if virtual_time(campaign) else MonotonicClock()
+    with contextlib.ExitStack() as stack:
+        gpus = stack.enter_context(open_campaign_gpus(campaign, clock, nvml=nvml))
+        engine: Engine
+        if simulated_engine(campaign):
+            from dvfs.engines.twin import TwinEngine
+            from dvfs.twin.profiles import model_profile
+
+            model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+            engine = stack.enter_context(
+                TwinEngine(
+                    _twin_node(campaign, gpus, clock),
+                    model,
+                    acceptance_like=acceptance_aliases(campaign),
+                )
+            )
+        else:
+            from dvfs.engines.sglang import SglangEngine
+
+            engine = stack.enter_context(
+                SglangEngine.from_campaign(
+                    campaign, clock=clock, log_dir=out_dir / "logs", gpus=gpus
+                )
+            )
+        yield Backends(clock, gpus, engine)
+
+
+def tokenizer_model(campaign: Campaign) -> str | None:
+    """The Hugging Face name whose tokenizer counts prompt tokens for this campaign: the twin's
+    model profile names one; a real engine's model is its own name."""
+    if simulated_engine(campaign):
+        from dvfs.twin.profiles import find_model_profile
+
+        profile = find_model_profile(campaign.engine.twin_model or campaign.engine.model)
+        return profile.hf_name if profile is not None and profile.hf_name else None
+    return campaign.engine.model
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """What one drafter's server would be: SGLang's launch argv, or the twin's drafting plan."""
+
+    drafter: str
+    argv: tuple[str, ...] | None = None
+    flags_from: str | None = None
+    algorithm: str | None = None
+    num_steps: int | None = None
+    topk: int | None = None
+    verify_tokens: int | None = None
+    expected_accept_length: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape `dvfs sweep --dry-run --json` prints (only the fields that apply)."""
+        if self.argv is not None:
+            return {"drafter": self.drafter, "argv": list(self.argv), "flags_from": self.flags_from}
+        entry: dict[str, Any] = {"drafter": self.drafter, "algorithm": self.algorithm}
+        if self.verify_tokens is not None:
+            entry.update(
+                num_steps=self.num_steps,
+                topk=self.topk,
+                verify_tokens=self.verify_tokens,
+                expected_accept_length=dict(self.expected_accept_length),
+            )
+        return entry
+
+
+def server_plans(campaign: Campaign) -> list[ServerPlan]:
+    """Per drafter, what its server would be, without starting one."""
+    if not simulated_engine(campaign):
+        from dvfs.engines.sglang_args import planned_launches
+
+        return [
+            ServerPlan(name, argv=tuple(argv), flags_from=source)
+            for name, argv, source in planned_launches(campaign)
+        ]
+    from dvfs.engines.twin import plan_drafter
+    from dvfs.twin.profiles import model_profile
+
+    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    plans = []
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        if plan is None:
+            plans.append(ServerPlan(drafter.name, algorithm=drafter.algorithm or "none"))
+            continue
+        plans.append(
+            ServerPlan(
+                drafter.name,
+                algorithm=drafter.algorithm or "none",
+                num_steps=plan.num_steps,
+                topk=plan.topk,
+                verify_tokens=plan.verify_tokens,
+                expected_accept_length={
+                    c: round(plan.expected_accept_length(c, campaign.workload.temperature), 2)
+                    for c in campaign.workload.corpus_names
+                },
+            )
+        )
+    return plans
