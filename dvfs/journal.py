@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,21 +18,9 @@ from typing import Any
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
 from dvfs.records import Header, check_version
+from dvfs.report import json_safe
 
 JOURNAL_NAME = "journal.jsonl"
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: NaN/inf become null (strict JSON has no NaN), tuples become lists."""
-    if isinstance(value, float):
-        return None if math.isnan(value) or math.isinf(value) else value
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        return _clean(value.item())
-    return value
 
 
 def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> str:
@@ -112,7 +99,7 @@ class Journal:
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record and make it durable before returning."""
-        line = json.dumps(_clean(record), separators=(",", ":"), allow_nan=False)
+        line = json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

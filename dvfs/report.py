@@ -29,7 +29,7 @@ def json_safe(value: Any) -> Any:
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
-    if isinstance(value, np.generic):
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars and 0-d arrays
         return json_safe(value.item())
     return value
 
