@@ -1,0 +1,192 @@
+"""Cell records, and the vocabulary: `MeasurementRecord`'s fields name every measured
+quantity as the meter, the journal and the cube all spell it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from dvfs.plan import Cell
+from dvfs.records.version import now_iso, stored_float, stored_floats, stored_int
+
+if TYPE_CHECKING:
+    from dvfs.meter import CellMeasurement
+
+
+@dataclass(frozen=True)
+class MeasurementRecord:
+    """A cell's measurement as the journal stores it. The field names are the vocabulary: the
+    `CellMeasurement` fields (latency and acceptance flattened), the journal keys and the cube
+    variables share them. Integers are None where an older journal did not record them."""
+
+    energy_j: float
+    decode_time_s: float
+    output_tokens: int | None
+    rounds: int | None
+    requests: int | None
+    energy_per_token_j: float
+    energy_per_token_above_idle_j: float
+    throughput_tok_s: float
+    ttft_ms: tuple[float, ...]
+    tpot_ms: tuple[float, ...]
+    itl_ms: tuple[float, ...]
+    accept_length: float
+    accept_rate: float
+    server_accept_length: float
+    power_mean_w: float
+    power_max_w: float
+    sm_clock_observed_mhz: float
+    temperature_max_c: float
+    clock_event_reasons: int | None
+    quality: int | None
+    valid: bool | None
+    idle_power_w: float
+    timeline_t_s: tuple[float, ...] = ()
+    timeline_power_w: tuple[float, ...] = ()
+    timeline_sm_clock_mhz: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, m: CellMeasurement) -> MeasurementRecord:
+        """Read off the measurement by name: a field renamed on one side fails here, loudly."""
+        return cls(**{f.name: _quantity(m, f.name) for f in fields(cls)})
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, version: int) -> MeasurementRecord:
+        """Scalars and the timeline may be absent (NaN, empty); the latency quantiles may not."""
+        d = _upgrade(data, version)
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in _QUANTILE_KEYS:
+                kwargs[f.name] = stored_floats(d[f.name])
+            elif f.name in _TIMELINE_KEYS:
+                kwargs[f.name] = stored_floats(d.get(f.name) or ())
+            elif f.name == "valid":
+                kwargs[f.name] = None if d.get(f.name) is None else bool(d[f.name])
+            elif f.name in _INTEGER_KEYS:
+                kwargs[f.name] = stored_int(d.get(f.name))
+            else:
+                kwargs[f.name] = stored_float(d.get(f.name))
+        return cls(**kwargs)
+
+
+def _quantity(m: CellMeasurement, name: str) -> Any:
+    for part in (m, m.latency, m.accept):
+        if hasattr(part, name):
+            return getattr(part, name)
+    raise AttributeError(f"a CellMeasurement has no quantity {name!r}")
+
+
+#: Every measured quantity's name: journal key, `CellMeasurement` field and cube variable.
+QUANTITIES = tuple(f.name for f in fields(MeasurementRecord))
+_QUANTILE_KEYS = ("ttft_ms", "tpot_ms", "itl_ms")
+_TIMELINE_KEYS = ("timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz")
+_INTEGER_KEYS = ("output_tokens", "rounds", "requests", "clock_event_reasons", "quality")
+
+#: Version 1's measurement keys that now carry their quantity's name.
+_V1_RENAMED = {
+    "window_s": "decode_time_s",
+    "sm_clock_mhz": "sm_clock_observed_mhz",
+    "event_reasons": "clock_event_reasons",
+}
+#: Version 1 nested the timeline under "timeline" with these keys.
+_V1_TIMELINE = {
+    "t_s": "timeline_t_s",
+    "power_w": "timeline_power_w",
+    "sm_clock_mhz": "timeline_sm_clock_mhz",
+}
+
+
+def _upgrade(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """A stored measurement in the current version's keys: the one place old keys are known."""
+    if version >= 2:
+        return data
+    out = {_V1_RENAMED.get(k, k): v for k, v in data.items() if k != "timeline"}
+    timeline = data.get("timeline", {})
+    for old, new in _V1_TIMELINE.items():
+        out[new] = timeline.get(old, [])
+    return out
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """One attempt at a cell: measured ("ok", with its measurement and warm-up) or failed
+    (with its errors); a later record for the same key replaces an earlier one."""
+
+    cell: Cell
+    status: str
+    attempts: int
+    errors: tuple[str, ...] = ()
+    measurement: MeasurementRecord | None = None
+    warmup: dict[str, Any] = field(default_factory=dict)
+    finished: str = ""
+    key: str = ""
+
+    @classmethod
+    def measured(
+        cls,
+        cell: Cell,
+        m: CellMeasurement,
+        *,
+        attempts: int,
+        warmup: dict[str, Any],
+        errors: Sequence[str],
+    ) -> CellRecord:
+        return cls(cell, "ok", attempts, tuple(errors), MeasurementRecord.of(m), warmup, now_iso())
+
+    @classmethod
+    def failed(cls, cell: Cell, *, attempts: int, errors: Sequence[str]) -> CellRecord:
+        return cls(cell, "failed", attempts, tuple(errors), finished=now_iso())
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def error(self) -> str:
+        """The last error: the one a failed cell reports."""
+        return self.errors[-1] if self.errors else ""
+
+    def to_json(self) -> dict[str, Any]:
+        head = {
+            "type": "cell",
+            "key": self.key or self.cell.key,
+            "cell": asdict(self.cell),
+            "status": self.status,
+            "attempts": self.attempts,
+            "finished": self.finished,
+        }
+        if self.measurement is not None:
+            return {
+                **head,
+                "measurement": self.measurement.to_json(),
+                "warmup": self.warmup,
+                "errors": list(self.errors),
+            }
+        return {**head, "error": self.error, "errors": list(self.errors)}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], *, version: int) -> CellRecord:
+        """Only a measured cell's measurement is read: a failed one has none."""
+        status = record.get("status") or ""
+        measurement = (
+            MeasurementRecord.from_json(record["measurement"], version=version)
+            if status == "ok"
+            else None
+        )
+        errors = record.get("errors") or []
+        if not errors and record.get("error"):
+            errors = [record["error"]]
+        return cls(
+            cell=Cell.from_dict(record["cell"]),
+            status=status,
+            attempts=int(record.get("attempts") or 0),
+            errors=tuple(str(e) for e in errors),
+            measurement=measurement,
+            warmup=record.get("warmup") or {},
+            finished=record.get("finished") or "",
+            key=record["key"],
+        )

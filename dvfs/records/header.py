@@ -1,0 +1,124 @@
+"""The header record (line 1): the campaign a journal measures, and the facts a cube reads
+from the campaign it stores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dvfs import __version__
+from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, now_iso
+
+if TYPE_CHECKING:
+    from dvfs.campaign import Campaign
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A campaign's axes; a knob axis of None (or empty) is the stock setting."""
+
+    sm_clocks_mhz: tuple[int, ...] | None
+    power_limits_w: tuple[float, ...] | None
+    batch_sizes: tuple[int, ...]
+    drafters: tuple[str, ...]
+    corpora: tuple[str, ...]
+    repeats: int
+
+
+@dataclass(frozen=True)
+class CampaignFacts:
+    """What a cube needs from a stored campaign (`Campaign.semantic_dict`, in a journal header
+    or a cube's attributes): the only reader of that dict's layout."""
+
+    grid: Grid
+    model: str
+    twin_model: str
+    tp_size: int
+    twin_profile: str
+
+    @classmethod
+    def from_json(cls, campaign: dict[str, Any]) -> CampaignFacts:
+        knobs, workload = campaign["knobs"], campaign["workload"]
+        clocks, limits = knobs["sm_clocks_mhz"], knobs["power_limits_w"]
+        grid = Grid(
+            sm_clocks_mhz=None if clocks is None else tuple(int(c) for c in clocks),
+            power_limits_w=None if limits is None else tuple(float(p) for p in limits),
+            batch_sizes=tuple(int(b) for b in workload["batch_sizes"]),
+            drafters=tuple(d["name"] for d in campaign["drafters"]),
+            corpora=tuple(c["name"] for c in workload["corpora"]),
+            repeats=int(campaign["measurement"]["repeats"]),
+        )
+        engine = campaign["engine"]
+        return cls(
+            grid=grid,
+            model=engine["model"],
+            twin_model=engine.get("twin_model") or "",
+            tp_size=int(engine["tp_size"]),
+            twin_profile=campaign["gpu"].get("profile") or "",
+        )
+
+
+@dataclass(frozen=True)
+class Header:
+    """Line 1: the campaign a journal measures. Read leniently, so a damaged header is refused
+    with a message rather than a traceback; `facts()` is where a bad campaign shows."""
+
+    campaign_name: str | None
+    campaign_hash: str | None
+    campaign: dict[str, Any]
+    campaign_source: str = ""
+    dvfs_version: str = ""
+    created: str = ""
+    journal_schema: object = OLDEST_SCHEMA
+
+    @classmethod
+    def for_campaign(cls, campaign: Campaign) -> Header:
+        return cls(
+            campaign_name=campaign.name,
+            campaign_hash=campaign.hash,
+            campaign=campaign.semantic_dict(),
+            campaign_source=campaign.source,
+            dvfs_version=__version__,
+            created=now_iso(),
+            journal_schema=JOURNAL_SCHEMA,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "header",
+            "journal_schema": self.journal_schema,
+            "campaign_name": self.campaign_name,
+            "campaign_hash": self.campaign_hash,
+            "campaign": self.campaign,
+            "campaign_source": self.campaign_source,
+            "dvfs_version": self.dvfs_version,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Header:
+        stored = record.get("campaign")
+        return cls(
+            campaign_name=record.get("campaign_name"),
+            campaign_hash=record.get("campaign_hash"),
+            campaign=stored if isinstance(stored, dict) else {},
+            campaign_source=record.get("campaign_source") or "",
+            dvfs_version=record.get("dvfs_version") or "",
+            created=record.get("created") or "",
+            journal_schema=record.get("journal_schema", OLDEST_SCHEMA),
+        )
+
+    def facts(self) -> CampaignFacts:
+        return CampaignFacts.from_json(self.campaign)
+
+    def differences(self, campaign: Campaign) -> list[str]:
+        """The measured settings in which `campaign` differs from this journal's (empty: it may
+        be resumed). Headers written before the hash left out operational settings match
+        through their stored campaign."""
+        from dvfs.campaign import measured_differences
+
+        if self.campaign_hash == campaign.hash:
+            return []
+        if not self.campaign:
+            return ["the journal does not record its campaign"]
+        return measured_differences(self.campaign, campaign.semantic_dict())

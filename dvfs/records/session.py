@@ -1,0 +1,140 @@
+"""Session and server records: who ran on which GPUs with which settings, and which server
+served each drafter."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dvfs.records.version import JOURNAL_SCHEMA, stored_float
+
+
+@dataclass(frozen=True)
+class Stock:
+    """The GPU's settings as found: where the cube shows a cell the campaign left stock."""
+
+    sm_clock_mhz: int
+    power_limit_w: float
+
+    @classmethod
+    def from_json(cls, data: Any) -> Stock | None:
+        """None for anything that is not a stock record (a damaged line)."""
+        try:
+            return cls(int(data["sm_clock_mhz"]), float(data["power_limit_w"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class Session:
+    """One run of `dvfs sweep`: who ran, on which GPUs, with which operational settings
+    (retries, timeouts, server command: free to change between sessions)."""
+
+    gpus: tuple[dict[str, Any], ...]  # `GpuIdentity` as a dict: the gpu module owns its shape
+    stock: Stock
+    gpu_backend: str
+    engine_backend: str
+    actuation: bool
+    clock: str
+    power_limit_range_w: tuple[float, float, float]  # min, max, default
+    idle_power_w: float
+    measurement_method: str
+    token_count_method: str = ""
+    corpora: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    host: str = ""
+    started: str = ""
+    dvfs_version: str = ""
+    journal_schema: int = JOURNAL_SCHEMA
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "session",
+            "journal_schema": self.journal_schema,
+            "started": self.started,
+            "dvfs_version": self.dvfs_version,
+            "host": self.host,
+            "settings": self.settings,
+            "gpu_backend": self.gpu_backend,
+            "engine_backend": self.engine_backend,
+            "actuation": self.actuation,
+            "clock": self.clock,
+            "gpus": list(self.gpus),
+            "stock": asdict(self.stock),
+            "power_limit_range_w": list(self.power_limit_range_w),
+            "idle_power_w": self.idle_power_w,
+            "measurement_method": self.measurement_method,
+            "token_count_method": self.token_count_method,
+            "corpora": self.corpora,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any], *, version: int) -> Session:
+        stock = Stock.from_json(record["stock"])
+        if stock is None:
+            raise ValueError(f"a session's stock settings are unreadable: {record['stock']!r}")
+        low, high, default = (float(w) for w in record["power_limit_range_w"])
+        return cls(
+            gpus=tuple(dict(g) for g in record["gpus"]),
+            stock=stock,
+            gpu_backend=record["gpu_backend"],
+            engine_backend=record["engine_backend"],
+            actuation=bool(record["actuation"]),
+            clock=record["clock"],
+            power_limit_range_w=(low, high, default),
+            idle_power_w=stored_float(record["idle_power_w"]),
+            measurement_method=record["measurement_method"],
+            token_count_method=record.get("token_count_method") or "",
+            corpora=record.get("corpora") or {},
+            settings=record.get("settings") or {},
+            host=record.get("host") or "",
+            started=record.get("started") or "",
+            dvfs_version=record.get("dvfs_version") or "",
+            journal_schema=version,
+        )
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        return tuple(g["uuid"] for g in self.gpus)
+
+
+def recorded_stock(record: dict[str, Any]) -> Stock | None:
+    """The stock settings a raw session record names, None if it names none."""
+    return Stock.from_json(record.get("stock"))
+
+
+@dataclass(frozen=True)
+class Server:
+    """A started server: which engine and version served a drafter, and with what."""
+
+    drafter: str
+    engine: str
+    version: str
+    args: Any
+    attention_backend: str | None = None  # None: the server did not say (e.g. the twin)
+    log_path: str | None = None
+    started: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "server",
+            "started": self.started,
+            "drafter": self.drafter,
+            "engine": self.engine,
+            "version": self.version,
+            "args": self.args,
+            "log_path": self.log_path,
+            "attention_backend": self.attention_backend,
+        }
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Server:
+        return cls(
+            drafter=record["drafter"],
+            engine=record["engine"],
+            version=record["version"],
+            args=record["args"],
+            attention_backend=record.get("attention_backend"),
+            log_path=record.get("log_path"),
+            started=record.get("started") or "",
+        )

@@ -1,0 +1,51 @@
+"""The journal's record version, and what every record module shares.
+
+Versions (`journal_schema`, on the header and on each session; the records after a session
+follow that session's version, so a journal resumed by a newer dvfs may mix versions):
+  1 - measurement keys window_s, sm_clock_mhz and event_reasons, and a nested timeline
+      {t_s, power_w, sm_clock_mhz}.
+  2 - measurement keys are the quantities' names: decode_time_s, sm_clock_observed_mhz,
+      clock_event_reasons, timeline_t_s, timeline_power_w, timeline_sm_clock_mhz (version 1's
+      keys are read in `dvfs.records.cell`, and nowhere else).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dvfs import __version__
+from dvfs.errors import JournalError
+
+JOURNAL_SCHEMA = 2
+#: The version of a header that names none (journals older than the field).
+OLDEST_SCHEMA = 1
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def check_version(where: str | Path, version: object) -> int:
+    """The record version, refused when a newer dvfs wrote it (its records may mean else)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version > JOURNAL_SCHEMA:
+        raise JournalError(
+            f"{where} has journal schema {version!r}; this dvfs ({__version__}) reads up to "
+            f"{JOURNAL_SCHEMA}: upgrade dvfs, or start over with `dvfs sweep --fresh`"
+        )
+    return version
+
+
+def stored_float(value: Any) -> float:
+    """A stored number; null (how strict JSON keeps NaN) and absence read as NaN."""
+    return math.nan if value is None else float(value)
+
+
+def stored_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def stored_floats(values: Any) -> tuple[float, ...]:
+    return tuple(stored_float(v) for v in values)
