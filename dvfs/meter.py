@@ -364,7 +364,8 @@ def acceptance(results: Sequence[RoundResult]) -> Acceptance:
 
 @dataclass(frozen=True)
 class CellMeasurement:
-    """Everything measured for one cell; the journal stores it, the cube is built from it."""
+    """Everything measured for one cell; the journal stores it, the cube is built from it. The
+    field names are the journal keys and cube variables (`dvfs.records.QUANTITIES`)."""
 
     energy_j: float
     decode_time_s: float
