@@ -168,10 +168,10 @@ def open_backends(
         else:
             from dvfs.engines.sglang import SglangEngine
 
+            # Real GPUs pin the server to their UUIDs; twins have none a server could see.
+            uuids = [g.identity.uuid for g in gpus] if real_gpus(campaign) else []
             engine = stack.enter_context(
-                SglangEngine.from_campaign(
-                    campaign, clock=clock, log_dir=out_dir / "logs", gpus=gpus
-                )
+                SglangEngine(campaign, clock=clock, log_dir=out_dir / "logs", gpu_uuids=uuids)
             )
         yield Backends(clock, gpus, engine)
 

@@ -143,14 +143,6 @@ class SglangEngine:
             }
             check_same_kernels(predicted)
 
-    @classmethod
-    def from_campaign(
-        cls, campaign: Campaign, *, clock: Clock, log_dir: Path, gpus: Sequence[Any] = ()
-    ) -> SglangEngine:
-        """The engine for `campaign`; real (NVML) GPUs pin the server to their UUIDs."""
-        uuids = [g.identity.uuid for g in gpus] if campaign.gpu.backend == "nvml" else []
-        return cls(campaign, clock=clock, log_dir=log_dir, gpu_uuids=uuids)
-
     def __enter__(self) -> SglangEngine:
         return self
 
