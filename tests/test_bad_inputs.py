@@ -1126,11 +1126,7 @@ ALL_CASES = [
 ]
 
 # Cases still failing in code other engineers own: listed for the integrator (see the report).
-XFAIL: dict[str, str] = {
-    "journal-cell-off-grid": "owned by cube (dvfs/cube/build.py _build): a cell record at a "
-    "clock outside the campaign's grid is skipped by `except KeyError: continue` and the cube is "
-    "built without it (exit 0, nothing said)",
-}
+XFAIL: dict[str, str] = {}
 
 
 def _params() -> list[Any]:

@@ -135,7 +135,7 @@ def build_cube(journal_path: str | Path) -> xr.Dataset:
     """Assemble the cube from a journal; cells not (yet) measured are NaN."""
     records = read_journal(journal_path)
     try:
-        return _build(decode_journal(records, journal_path))
+        return _build(decode_journal(records, journal_path), str(journal_path))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise CubeError(
             f"{journal_path}: a record lacks what a cube needs ({type(exc).__name__}: {exc}); "
@@ -144,7 +144,7 @@ def build_cube(journal_path: str | Path) -> xr.Dataset:
         ) from exc
 
 
-def _build(journal: JournalContents) -> xr.Dataset:
+def _build(journal: JournalContents, where: str) -> xr.Dataset:
     import xarray as xr
 
     _check_sessions(journal)
@@ -173,8 +173,13 @@ def _build(journal: JournalContents) -> xr.Dataset:
                 index["corpus"][cell.corpus],
                 index["repeat"][cell.repeat],
             )
-        except KeyError:
-            continue  # a cell outside the grid cannot happen for a matching campaign hash
+        except KeyError as exc:
+            # The grid is part of the campaign's hash, so only an edited journal gets here.
+            raise CubeError(
+                f"{where}: cell {record.key!r} has {exc.args[0]!r}, which is not in the "
+                "campaign's grid; the journal was edited: delete that line, or rerun the "
+                "sweep with --fresh"
+            ) from None
         if not record.ok or record.measurement is None:
             status[at] = STATUS_FAILED
             continue
