@@ -125,12 +125,12 @@ def _check_file_safety(path: Path) -> None:
         raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
 
 
-def _int_or_none(table: dict[str, Any], key: str, where: str) -> int | None:
+def _int_or_none(table: dict[str, Any], key: str) -> int | None:
     value = table.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CapsError(f"{where}: {key} must be a positive integer (MHz), got {value!r}")
+        raise CapsError(f"{key} must be a positive integer (MHz), got {value!r}")
     return value
 
 
@@ -182,8 +182,8 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
                     GpuCap(
                         uuid=ident if kind == "gpu" else None,
                         name=ident if kind == "model" else None,
-                        sm_clock_max_mhz=_int_or_none(entry, "sm_clock_max_mhz", here),
-                        sm_clock_min_mhz=_int_or_none(entry, "sm_clock_min_mhz", here),
+                        sm_clock_max_mhz=_int_or_none(entry, "sm_clock_max_mhz"),
+                        sm_clock_min_mhz=_int_or_none(entry, "sm_clock_min_mhz"),
                         power_limit_w=None if power is None else float(power),
                     )
                 )

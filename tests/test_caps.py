@@ -381,3 +381,11 @@ def test_plan_from_a_merged_cube_uses_each_gpus_own_stock() -> None:
     by_uuid = {c.uuid: c for c in caps.caps}
     assert set(by_uuid) == {"GPU-a", "GPU-b"}
     assert all(c.sm_clock_max_mhz == 1500 for c in by_uuid.values())
+
+
+def test_an_entry_error_names_its_place_once() -> None:
+    with pytest.raises(CapsError) as err:
+        parse_caps(
+            {"model": [{"name": "NVIDIA H100 80GB HBM3", "sm_clock_max_mhz": 0}]}, where="c.toml"
+        )
+    assert str(err.value).count("c.toml: [[model]] #1") == 1
