@@ -16,12 +16,13 @@ import pytest
 from click.testing import CliRunner
 from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
 
+from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.clock import MonotonicClock
 from dvfs.engines.twin import TwinEngine
 from dvfs.gpu.nvml import open_nvml_gpus
-from dvfs.sweep import Backends, run_sweep
+from dvfs.sweep import run_sweep
 from dvfs.twin.device import FreeRunningNode
 from dvfs.twin.profiles import gpu_profile, model_profile
 
