@@ -17,7 +17,7 @@ import math
 import os
 import stat
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -646,3 +646,27 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def reset_gpus(
+    gpus: Sequence[Gpu], directory: Path, *, defaults: bool, note: Callable[[str], None]
+) -> bool:
+    """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
+    reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
+    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do."""
+    from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
+    from dvfs.signals import signals_raise
+
+    store = StateStore(directory)
+    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
+    if not with_state and not defaults:
+        return False
+    targets = list(gpus) if defaults else with_state
+    with signals_raise(), GpuLocks(directory).hold(targets):
+        for line in restore_pending(with_state, store):
+            note(f"restored {line}")
+        if defaults:
+            others = [g for g in gpus if g not in with_state]
+            for line in reset_caps(others, AppliedCaps(directory)):
+                note(f"reset {line}")
+    return True

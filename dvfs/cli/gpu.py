@@ -189,7 +189,8 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     Without DEVICES, every GPU with a state file. Holds each GPU's lock while restoring, so
     it refuses GPUs a running dvfs is using.
     """
-    from dvfs.gpu.safety import default_state_dir, reset_gpus
+    from dvfs.caps import reset_gpus
+    from dvfs.gpu.safety import default_state_dir
 
     out = console()
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:

@@ -18,7 +18,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,27 +233,3 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
                 failures.add(exc)
     failures.raise_if_any("could not restore: ")
     return done
-
-
-def reset_gpus(
-    gpus: Sequence[Gpu], directory: Path, *, defaults: bool, note: Callable[[str], None]
-) -> bool:
-    """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
-    reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
-    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do."""
-    from dvfs.caps import AppliedCaps, reset_caps
-    from dvfs.signals import signals_raise
-
-    store = StateStore(directory)
-    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
-    if not with_state and not defaults:
-        return False
-    targets = list(gpus) if defaults else with_state
-    with signals_raise(), GpuLocks(directory).hold(targets):
-        for line in restore_pending(with_state, store):
-            note(f"restored {line}")
-        if defaults:
-            others = [g for g in gpus if g not in with_state]
-            for line in reset_caps(others, AppliedCaps(directory)):
-                note(f"reset {line}")
-    return True
