@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -16,9 +16,10 @@ if TYPE_CHECKING:
 
 def open_cube(path: str) -> xr.Dataset:
     """Open a dvfs cube (netCDF) with the `ds.dvfs` accessor registered."""
-    from dvfs.cube import open_cube as _open
+    import dvfs.accessor  # noqa: F401  (registers `ds.dvfs` on import)
+    from dvfs.cube import open_cube as open_checked
 
-    return _open(path)
+    return open_checked(path)
 
 
 def __getattr__(name: str) -> Any:

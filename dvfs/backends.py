@@ -224,7 +224,7 @@ def server_plans(campaign: Campaign) -> list[ServerPlan]:
             ServerPlan(name, argv=tuple(argv), flags_from=source)
             for name, argv, source in planned_launches(campaign)
         ]
-    from dvfs.engines.twin import plan_drafter
+    from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.profiles import model_profile
 
     model = model_profile(campaign.engine.twin_model or campaign.engine.model)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import headroom, reference_setting
+from dvfs.analysis.headroom import headroom, reference_setting, valid_mask
 from dvfs.analysis.targets import Target
 
 if TYPE_CHECKING:
@@ -38,9 +38,7 @@ def _save(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
 
 
 def _frame(cube: xr.Dataset, names: list[str], **sel: Any) -> pd.DataFrame:
-    from dvfs.analysis.headroom import _valid_mask
-
-    ds = cube[names].where(_valid_mask(cube)).sel(**sel).mean("repeat")
+    ds = cube[names].where(valid_mask(cube)).sel(**sel).mean("repeat")
     return ds.to_dataframe().reset_index()
 
 
@@ -172,9 +170,7 @@ def acceptance_heatmap(cube: xr.Dataset, out_dir: Path, fmt: str) -> Path | None
     plt, sns = _setup()
     if "accept_length" not in cube:
         return None
-    from dvfs.analysis.headroom import _valid_mask
-
-    accept = cube["accept_length"].where(_valid_mask(cube))
+    accept = cube["accept_length"].where(valid_mask(cube))
     table: Any = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")]).to_pandas()
     table = table.dropna(how="all")
     if table.empty:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from dvfs import __version__
 from dvfs.campaign import Campaign
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
@@ -32,6 +31,7 @@ from dvfs.meter import (
 )
 from dvfs.plan import Cell
 from dvfs.records import JOURNAL_SCHEMA, CellRecord, Server, Session, Stock, now_iso, recorded_stock
+from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
 

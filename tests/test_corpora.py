@@ -285,7 +285,8 @@ def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
 def test_the_twin_takes_acceptance_from_the_named_builtin() -> None:
     from dvfs.campaign import DrafterSpec
     from dvfs.engines.base import Workload
-    from dvfs.engines.twin import TwinEngine, plan_drafter
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.profiles import model_profile
 
     engine = TwinEngine(

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.clock import VirtualClock
-from dvfs.engines.twin import _PassBuilder
 from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
 from dvfs.gpu.twin import TwinGpu
 from dvfs.twin import physics
 from dvfs.twin.device import TwinDevice, TwinNode
+from dvfs.twin.passes import PassBuilder
 from dvfs.twin.profiles import (
     accept_probability,
     expected_accept_length,
@@ -28,7 +28,7 @@ CLOCKS = list(H100.supported_sm_clocks_mhz())
 
 def decode_passes(batch: int, context: int = 600, width: int = 1, tp: int = 1) -> physics.Passes:
     """One decode (or verify) forward pass of Llama-3.1-8B over `batch` x `width` tokens."""
-    builder = _PassBuilder(tp)
+    builder = PassBuilder(tp)
     tokens = np.array([float(batch * width)])
     kv = LLAMA8B.kv_bytes_read(np.array([float(context)])) * batch
     attn = LLAMA8B.attention_flops_per_token(np.array([float(context)])) * tokens

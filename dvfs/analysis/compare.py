@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import (
-    _valid_mask,
     headroom,
     reference_per_gpu,
     reference_setting,
+    valid_mask,
 )
 from dvfs.analysis.targets import Target
 from dvfs.errors import AnalysisError
@@ -113,7 +113,7 @@ def compare(
             "sweep a speculative drafter too, or pick another --baseline"
         )
     ref = reference_setting(cube)
-    energy = cube["energy_per_token_j"].where(_valid_mask(cube)).mean("repeat")
+    energy = cube["energy_per_token_j"].where(valid_mask(cube)).mean("repeat")
     base_energy = energy.sel(drafter=baseline, drop=True)
     ratio_clock = energy / base_energy
     ratio_clock.attrs = {
@@ -170,7 +170,7 @@ def compare(
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
     # stock latency (not within target) or because there was nothing valid to compare.
-    measured = _valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
+    measured = valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
     not_within = (
         ~drafter_best["feasible"].astype(bool)
         & measured
@@ -178,7 +178,7 @@ def compare(
         & np.isfinite(base_best_energy)
     )
 
-    accept = cube["accept_length"].where(_valid_mask(cube)) if "accept_length" in cube else None
+    accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
     data = {
         "energy_ratio_at_stock": at_stock.assign_attrs(
             units="1", long_name="energy per token over the baseline's, both at the stock setting"

@@ -131,7 +131,8 @@ def reference_setting(cube: xr.Dataset) -> Reference:
     return Reference(max(clocks), max(limits), False)
 
 
-def _valid_mask(cube: xr.Dataset) -> xr.DataArray:
+def valid_mask(cube: xr.Dataset) -> xr.DataArray:
+    """Cells an analysis may choose: measured, and no invalidating quality flag."""
     valid = cube["valid"].fillna(0) > 0
     measured = cube["cell_status"] == 1 if "cell_status" in cube else valid
     return valid & measured
@@ -176,12 +177,12 @@ def headroom(
     elif knob == "power_limit":
         sub = cube.sel(sm_clock=[ref.sm_clock])
     at_ref = {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit}
-    ok = _valid_mask(sub)
+    ok = valid_mask(sub)
     measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
     any_invalid = (measured & ~ok).any("repeat")  # one invalid repeat disqualifies a setting
     latency = sub[target.variable].sel(quantile=target.quantile).where(ok)
     energy = sub["energy_per_token_j"].where(ok)
-    ref_ok = _valid_mask(cube).sel(at_ref)
+    ref_ok = valid_mask(cube).sel(at_ref)
     ref_latency = cube[target.variable].sel({"quantile": target.quantile, **at_ref}).where(ref_ok)
     if target.mode == "vs-baseline":
         ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)

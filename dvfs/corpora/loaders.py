@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dvfs.corpora.model import Corpus, Message, Prompt, TokenCounter
+from dvfs.corpora.model import BUILTIN_CORPORA, Corpus, Message, Prompt, TokenCounter
 from dvfs.errors import CorpusError
 
 FORMATS = ("jsonl", "csv", "parquet")
@@ -79,14 +79,11 @@ def check_spec(spec: dict[str, Any]) -> None:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise CorpusError(f"limit must be a positive integer, got {limit!r}")
     like = spec.get("acceptance_like")
-    if like is not None:
-        from dvfs.corpora.registry import BUILTIN_CORPORA
-
-        if like not in BUILTIN_CORPORA:
-            raise CorpusError(
-                f"acceptance_like must name a built-in corpus "
-                f"({', '.join(BUILTIN_CORPORA)}), got {like!r}"
-            )
+    if like is not None and like not in BUILTIN_CORPORA:
+        raise CorpusError(
+            f"acceptance_like must name a built-in corpus "
+            f"({', '.join(BUILTIN_CORPORA)}), got {like!r}"
+        )
 
 
 def _format_of(spec: dict[str, Any], name: str) -> str:

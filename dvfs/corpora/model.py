@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+#: The corpora shipped with dvfs (package data); the vocabulary both loaders and registry use.
+BUILTIN_CORPORA = ("code", "conversation", "english", "math", "romansh")
 #: Characters per token for the estimate: ~4 for English under Llama-3's 128k vocabulary.
 CHARS_PER_TOKEN = 4.0
 #: Tokens a chat template adds per message (role header and end-of-turn markers), estimated.

@@ -7,11 +7,9 @@ import json
 from importlib import resources
 from typing import Any
 
-from dvfs.corpora.loaders import chat_messages
-from dvfs.corpora.model import Corpus, Prompt, TokenCounter, estimate_tokens
+from dvfs.corpora.loaders import chat_messages, check_spec, load_user_corpus
+from dvfs.corpora.model import BUILTIN_CORPORA, Corpus, Prompt, TokenCounter, estimate_tokens
 from dvfs.errors import CampaignError, CorpusError
-
-BUILTIN_CORPORA = ("code", "conversation", "english", "math", "romansh")
 
 BUILTIN_DESCRIPTIONS = {
     "code": "programming tasks and code to continue (Python, Rust, JS/TS, SQL, Go, C, shell)",
@@ -48,8 +46,6 @@ def _builtin(name: str) -> Corpus:
 
 def validate_spec(name: str, spec: dict[str, Any], *, where: str) -> None:
     """Check a `[corpus.NAME]` table at campaign load; raises `CampaignError`."""
-    from dvfs.corpora.loaders import check_spec
-
     try:
         check_spec(spec)
     except CorpusError as exc:
@@ -74,6 +70,4 @@ def load_corpus(
             return corpus
         prompts = tuple(Prompt(p.id, p.messages, count_tokens(p.messages)) for p in corpus.prompts)
         return Corpus(name, prompts, corpus.source)
-    from dvfs.corpora.loaders import load_user_corpus
-
     return load_user_corpus(name, spec, base_dir=base_dir, count_tokens=count_tokens)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs import __version__
 from dvfs.cube.schema import (
     CELL_DIMS,
     COORD_ATTRS,
@@ -33,6 +32,7 @@ from dvfs.records import (
     decode_journal,
     now_iso,
 )
+from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr

@@ -120,10 +120,12 @@ def _rebuild_hint(path: Path) -> str:
 
 
 def open_cube(path: str | Path) -> xr.Dataset:
-    """Load a cube into memory (the file is closed on return) and register `ds.dvfs`."""
-    import xarray as xr
+    """Load a cube into memory (the file is closed on return) and check its shape.
 
-    import dvfs.accessor  # noqa: F401  (registers the accessor)
+    The `ds.dvfs` accessor is the analyses' layer, above the cube: `dvfs.open_cube` (or
+    `import dvfs.accessor`) registers it.
+    """
+    import xarray as xr
 
     path = Path(path)
     if not path.exists():

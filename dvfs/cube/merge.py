@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs import __version__
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, STATUS_MISSING
 from dvfs.errors import CubeError
 from dvfs.records import now_iso
+from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr

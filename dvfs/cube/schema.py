@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dvfs import __version__
 from dvfs.errors import CubeError
+from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dvfs.campaign import DrafterSpec
+from dvfs.campaign.model import DrafterSpec
 from dvfs.corpora import Prompt
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dvfs.campaign import Campaign, DrafterSpec
+from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora import Prompt
 from dvfs.engines.base import RoundResult, ServerInfo, Workload

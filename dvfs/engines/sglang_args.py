@@ -26,7 +26,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dvfs.campaign import Campaign, DrafterSpec
+from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.errors import EngineError
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"

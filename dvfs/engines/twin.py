@@ -3,43 +3,30 @@
 Each decode iteration drafts (EAGLE head, standalone model, DFLASH block, or an n-gram lookup
 on the host), verifies `num_draft_tokens` tokens per running request in one target forward
 pass, and emits the accepted tokens plus a bonus token. The passes are timed and powered by
-`dvfs.twin.physics` on the node's GPUs, whose virtual clock advances by the work done.
+`dvfs.twin.physics` on the node's GPUs (draft plans from `dvfs.twin.drafting`, pass
+counting from `dvfs.twin.passes`), whose virtual clock advances by the work done.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from dvfs import __version__
-from dvfs.campaign import DrafterSpec
+from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import RequestTrace, RoundResult, ServerInfo, Workload
 from dvfs.errors import EngineError
-from dvfs.twin import profiles
+from dvfs.twin.drafting import DraftPlan, plan_drafter
+from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
 from dvfs.twin.physics import Passes, Schedule
 from dvfs.twin.profiles import GpuProfile, ModelProfile
+from dvfs.version import __version__
 
-#: SGLang's chunked-prefill budget (tokens per prefill pass) on large-memory GPUs.
-PREFILL_CHUNK_TOKENS = 8192
 #: Virtual seconds a (re)start takes: loading weights and capturing CUDA graphs.
 STARTUP_S = 60.0
-#: How much sampling at temperature T raises the draft miss rate: EAGLE-3's tau falls from
-#: 6.13 (T=0) to 4.24 (T=1) on MT-bench (A1), a 2.7x higher miss rate at depth 7 (INF).
-TEMPERATURE_MISS_GAIN = 1.7
-
-FAMILY = {
-    "EAGLE3": "eagle3",
-    "EAGLE": "eagle",
-    "NEXTN": "eagle",
-    "STANDALONE": "standalone",
-    "NGRAM": "ngram",
-    "DFLASH": "dflash",
-}
 
 
 class Node(Protocol):
@@ -55,129 +42,6 @@ class Node(Protocol):
     def profile(self) -> GpuProfile: ...
 
     def execute(self, *phases: Passes) -> Schedule: ...
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """A drafter resolved to what the twin needs: cost model and acceptance depth."""
-
-    algorithm: str
-    family: str
-    num_steps: int
-    topk: int
-    verify_tokens: int
-    depth: int
-    draft_model: ModelProfile | None
-
-    def alpha(self, corpus: str, temperature: float) -> float:
-        prior = profiles.acceptance_priors()[self.family]
-        alpha_ref = profiles.accept_probability(prior.tau(corpus), prior.ref_depth)
-        alpha = profiles.widen(alpha_ref, prior.ref_topk, self.topk)
-        miss = (1.0 - alpha) * (1.0 + TEMPERATURE_MISS_GAIN * min(max(temperature, 0.0), 1.0))
-        return max(0.0, 1.0 - miss)
-
-    def expected_accept_length(self, corpus: str, temperature: float) -> float:
-        return profiles.expected_accept_length(self.alpha(corpus, temperature), self.depth)
-
-
-def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:
-    """A one-layer draft head shaped like one target layer (EAGLE without a known profile)."""
-    return ModelProfile(
-        key=f"{target.key}-head",
-        hf_name="",
-        layers=1,
-        hidden=target.hidden,
-        intermediate=target.intermediate,
-        heads=target.heads,
-        kv_heads=target.kv_heads,
-        head_dim=target.head_dim,
-        vocab=vocab,
-        tied_embeddings=False,
-        role="eagle-head",
-        fc_inputs=3,
-        attention_inputs=2,
-    )
-
-
-def plan_drafter(drafter: DrafterSpec, target: ModelProfile) -> DraftPlan | None:
-    """Resolve a drafter like SGLang does (defaults for unset numbers) into a `DraftPlan`."""
-    if drafter.algorithm is None:
-        return None
-    algorithm = drafter.algorithm
-    if algorithm not in FAMILY:
-        raise EngineError(f"the twin has no model of speculative algorithm {algorithm}")
-    family = FAMILY[algorithm]
-    steps, topk, tokens = drafter.num_steps, drafter.eagle_topk, drafter.num_draft_tokens
-    if algorithm == "DFLASH":
-        block = tokens or 16
-        return DraftPlan(
-            algorithm,
-            family,
-            1,
-            1,
-            block,
-            block - 1,
-            profiles.find_model_profile(drafter.draft_model)
-            or profiles.model_profile("dflash-llama-3.1-8b-b16"),
-        )
-    if algorithm == "NGRAM":
-        tokens = tokens or 12
-        return DraftPlan(algorithm, family, 0, 1, tokens, tokens - 1, None)
-    if steps is None:
-        steps, topk, tokens = (5, 4, 8) if "llama" in target.key.lower() else (3, 1, 4)
-    assert topk is not None and tokens is not None
-    if topk == 1:
-        tokens = steps + 1
-    known = profiles.find_model_profile(drafter.draft_model)
-    if algorithm == "STANDALONE":
-        if known is None:
-            raise EngineError(
-                f"the twin needs the shape of standalone draft model {drafter.draft_model!r}; "
-                f"use a twin model profile ({', '.join(sorted(profiles.model_profiles()))})"
-            )
-        draft = known
-    elif known is not None:
-        draft = known
-    else:
-        draft = _generic_head(target, 32000 if algorithm == "EAGLE3" else target.vocab)
-    return DraftPlan(algorithm, family, steps, topk, tokens, min(steps, tokens - 1), draft)
-
-
-class _PassBuilder:
-    """Counts FLOPs, bytes and communication of forward passes for one GPU of a TP group."""
-
-    def __init__(self, tp_size: int) -> None:
-        self.tp = tp_size
-        self.parts: list[Passes] = []
-
-    def add(
-        self,
-        model: ModelProfile,
-        tokens: np.ndarray,
-        kv_read_bytes: np.ndarray,
-        attn_flops: np.ndarray,
-        kv_write_tokens: np.ndarray,
-    ) -> None:
-        tokens = np.asarray(tokens, dtype=float)
-        flops = 2.0 * model.active_matmul_params * tokens + attn_flops
-        weights = model.weight_bytes_read(tokens)
-        bytes_ = weights + kv_read_bytes + kv_write_tokens * model.kv_bytes_per_token
-        if self.tp > 1:
-            comm = 2 * model.layers * tokens * model.hidden * 2 * 2 * (self.tp - 1) / self.tp
-            calls = np.full_like(tokens, 2 * model.layers)
-        else:
-            comm = np.zeros_like(tokens)
-            calls = np.zeros_like(tokens)
-        self.parts.append(
-            Passes(
-                flops / self.tp, bytes_ / self.tp, np.full_like(tokens, model.layers), comm, calls
-            )
-        )
-
-    def add_host(self, count: int) -> None:
-        """Host-only steps (n-gram lookup): pure per-pass overhead, no GPU work."""
-        zeros = np.zeros(count)
-        self.parts.append(Passes(zeros, zeros, zeros, zeros, zeros))
 
 
 class TwinEngine:
@@ -257,92 +121,6 @@ class TwinEngine:
         accepted = np.floor(np.log1p(-u) / math.log(alpha)).astype(np.int64)
         return 1 + np.minimum(accepted, depth)
 
-    def _prefill(self, builder: _PassBuilder, lengths: np.ndarray) -> np.ndarray:
-        """Add chunked-prefill passes; returns the chunk index that completes each request."""
-        ends = np.cumsum(lengths)
-        total = int(ends[-1])
-        n_chunks = max(1, math.ceil(total / PREFILL_CHUNK_TOKENS))
-        chunk_tokens = np.full(n_chunks, float(PREFILL_CHUNK_TOKENS))
-        chunk_tokens[-1] = total - PREFILL_CHUNK_TOKENS * (n_chunks - 1)
-        # Causal attention inside each prompt: sum over positions ~ L^2 / 2 per request.
-        attn_per_request = self.model.attention_flops_per_token(lengths / 2.0) * lengths
-        done_chunk = (ends - 1) // PREFILL_CHUNK_TOKENS
-        attn = np.bincount(done_chunk, weights=attn_per_request, minlength=n_chunks)
-        builder.add(self.model, chunk_tokens, np.zeros(n_chunks), attn, chunk_tokens)
-        return done_chunk
-
-    def _decode_passes(
-        self,
-        builder: _PassBuilder,
-        active: np.ndarray,
-        ctx_sum: np.ndarray,
-        ctx_kv_bytes: np.ndarray,
-        mean_ctx: np.ndarray,
-        emitted: np.ndarray,
-    ) -> int:
-        """Add draft, verify and draft-extend passes per iteration; returns passes per iteration.
-
-        Passes are laid out iteration-major, the verify pass last but for the extend pass.
-        """
-        plan = self._plan
-        n_iter = len(active)
-        k = plan.verify_tokens if plan else 1
-        columns: list[
-            tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-        ] = []
-
-        def draft_pass(draft: ModelProfile, tokens: np.ndarray) -> None:
-            columns.append(
-                (
-                    draft,
-                    tokens,
-                    draft.kv_bytes_read(mean_ctx) * active,
-                    draft.attention_flops_per_token(mean_ctx) * tokens,
-                    tokens,
-                )
-            )
-
-        if plan is not None and plan.family == "ngram":
-            columns.append((None, active, active, active, active))
-        elif plan is not None and plan.draft_model is not None:
-            if plan.family == "dflash":
-                draft_pass(plan.draft_model, active * k)  # one pass drafts the whole block
-            else:
-                for step in range(plan.num_steps):
-                    draft_pass(plan.draft_model, active * (plan.topk if step > 0 else 1))
-        verify_tokens = active * k
-        verify_attn = self.model.attention_flops_per_token(mean_ctx) * verify_tokens
-        columns.append((self.model, verify_tokens, ctx_kv_bytes, verify_attn, emitted))
-        if plan is not None and plan.draft_model is not None and plan.family != "dflash":
-            draft = plan.draft_model
-            columns.append(
-                (
-                    draft,
-                    np.maximum(emitted, 1),
-                    draft.kv_bytes_read(mean_ctx) * active,
-                    draft.attention_flops_per_token(mean_ctx) * emitted,
-                    emitted,
-                )
-            )
-        # Interleave columns so pass j of iteration n sits at n * width + j.
-        width = len(columns)
-        start = len(builder.parts)
-        for model, tokens, kv, attn, writes in columns:
-            if model is None:
-                builder.add_host(n_iter)
-            else:
-                builder.add(model, tokens, kv, attn, writes)
-        block = builder.parts[start:]
-        del builder.parts[start:]
-        interleaved = Passes(
-            *(
-                np.stack([getattr(p, f) for p in block], axis=1).reshape(-1)
-                for f in Passes.__dataclass_fields__
-            )
-        )
-        builder.parts.append(interleaved)
-        return width
-
     def _run_fixed(self, workload: Workload) -> RoundResult:
         clock = self.node.clock
         t0 = clock.now_ns()
@@ -352,8 +130,8 @@ class TwinEngine:
         remaining = workload.max_new_tokens - 1  # the first token comes from prefill
         alpha, depth = self._acceptance(workload)
 
-        builder = _PassBuilder(self.node.tp_size)
-        done_chunk = self._prefill(builder, lengths)
+        builder = PassBuilder(self.node.tp_size)
+        done_chunk = prefill_passes(builder, self.model, lengths)
         n_prefill = len(builder.parts[0])
 
         draws = self._draws(rng, (batch, max(1, remaining)), alpha, depth)
@@ -370,7 +148,9 @@ class TwinEngine:
         mean_ctx = ctx_sum / np.maximum(active, 1.0)
         iter_emitted = emitted.sum(axis=0).astype(float)
         width = (
-            self._decode_passes(builder, active, ctx_sum, ctx_kv, mean_ctx, iter_emitted)
+            decode_passes(
+                builder, self.model, self._plan, active, ctx_sum, ctx_kv, mean_ctx, iter_emitted
+            )
             if n_iter
             else 0
         )
@@ -384,13 +164,7 @@ class TwinEngine:
         ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
         prefill_end = ends_ns[:n_prefill]
         first_ns = prefill_end[done_chunk]
-        verify_col = (
-            width - 1
-            if not (
-                self._plan and self._plan.draft_model is not None and self._plan.family != "dflash"
-            )
-            else width - 2
-        )
+        verify_col = verify_column(self._plan, width)
         iter_ns = (
             ends_ns[n_prefill + np.arange(n_iter) * width + verify_col]
             if n_iter
@@ -449,7 +223,7 @@ class TwinEngine:
         verify_ct = np.zeros(len(pool), dtype=np.int64)
         sent_pass = np.full(len(pool), -1)
         chunks: list[list[tuple[int, int]]] = [[] for _ in pool]  # (pass index, tokens)
-        builder = _PassBuilder(self.node.tp_size)
+        builder = PassBuilder(self.node.tp_size)
         pass_index = 0
         verify_positions: list[int] = []
         while True:
@@ -467,7 +241,7 @@ class TwinEngine:
                 lengths = np.array([pool[r].input_tokens for r in admitted], dtype=np.int64)
                 sent_at = pass_index - 1
                 first = len(builder.parts)
-                self._prefill(builder, lengths)  # the same chunked prefill as fixed mode
+                prefill_passes(builder, self.model, lengths)  # the same chunking as fixed mode
                 pass_index += sum(len(p) for p in builder.parts[first:])
                 prefill_pass = pass_index - 1  # admitted requests get a token once it is done
                 for r in admitted:
@@ -484,18 +258,17 @@ class TwinEngine:
                 active = np.array([float(len(idx))])
                 ctx_sum = np.array([float(context.sum())])
                 ctx_kv = np.array([float(np.sum(self.model.kv_bytes_read(context)))])
-                width = self._decode_passes(
-                    builder, active, ctx_sum, ctx_kv, ctx_sum / active, np.array([float(got.sum())])
+                width = decode_passes(
+                    builder,
+                    self.model,
+                    self._plan,
+                    active,
+                    ctx_sum,
+                    ctx_kv,
+                    ctx_sum / active,
+                    np.array([float(got.sum())]),
                 )
-                verify_col = (
-                    width - 1
-                    if not (
-                        self._plan
-                        and self._plan.draft_model is not None
-                        and self._plan.family != "dflash"
-                    )
-                    else width - 2
-                )
+                verify_col = verify_column(self._plan, width)
                 verify_pass = pass_index + verify_col
                 verify_positions.append(verify_pass)
                 pass_index += width

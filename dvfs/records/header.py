@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dvfs import __version__
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, now_iso
+from dvfs.version import __version__
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign

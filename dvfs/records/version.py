@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dvfs import __version__
 from dvfs.errors import JournalError
+from dvfs.version import __version__
 
 JOURNAL_SCHEMA = 2
 #: The version of a header that names none (journals older than the field).

@@ -1,0 +1,254 @@
+"""A campaign as frozen configuration: what to sweep, and the hash of what it measures.
+
+A leaf of the package: the engines, the twin and the journal import these types from here,
+while loading and validating a campaign file (`dvfs.campaign.validate`) may call into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SPECULATIVE_ALGORITHMS = (
+    "EAGLE",
+    "EAGLE3",
+    "NEXTN",
+    "STANDALONE",
+    "NGRAM",
+    "DFLASH",
+    "DSPARK",
+    "UNO",
+)
+#: Algorithms that draft with a separate model and need `draft_model`.
+NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK")
+#: Algorithms whose three draft numbers SGLang requires all-or-none.
+EAGLE_TRIPLE = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+MODES = ("fixed", "closed-loop")
+#: Names that become path components (campaign, drafter, corpus): no separators, no "..", no
+#: NUL or newline (`\\Z`, not `$`, which would accept a trailing newline).
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+#: Settings that change how a sweep runs, not what it measures: they stay out of the campaign
+#: hash, so a day-long sweep can resume with a longer timeout or another server command, and each
+#: journal session records the values it ran with. Anything not listed here is measured.
+OPERATIONAL: tuple[tuple[str, ...], ...] = (
+    ("measurement", "retries"),
+    ("engine", "sglang", "url"),
+    ("engine", "sglang", "server_command"),
+    ("engine", "sglang", "env"),
+    ("engine", "sglang", "host"),
+    ("engine", "sglang", "startup_timeout_s"),
+    ("engine", "sglang", "request_timeout_s"),
+    ("engine", "sglang", "stall_timeout_s"),
+)
+#: Top-level fields that describe a campaign without changing a number.
+UNMEASURED = ("name", "description", "source", "base_dir")
+#: Dataclass field names shown as the campaign file spells them.
+TOML_NAMES = {
+    "knobs.sm_clocks_mhz": "knobs.sm_clock",
+    "knobs.power_limits_w": "knobs.power_limit",
+    "workload.batch_sizes": "workload.batch",
+}
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    backend: str
+    profile: str | None
+    devices: tuple[int | str, ...]
+    actuation: bool
+
+
+@dataclass(frozen=True)
+class KnobConfig:
+    """SM clocks (MHz) and power limits (W) to sweep; None means leave the stock setting."""
+
+    sm_clocks_mhz: tuple[int, ...] | None
+    power_limits_w: tuple[float, ...] | None
+    settle_s: float
+
+    @property
+    def settings(self) -> list[tuple[int | None, float | None]]:
+        clocks: list[int | None] = list(self.sm_clocks_mhz) if self.sm_clocks_mhz else [None]
+        limits: list[float | None] = list(self.power_limits_w) if self.power_limits_w else [None]
+        return [(c, p) for p in limits for c in clocks]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One speculative-decoding configuration, in SGLang's terms (algorithm None = no drafter)."""
+
+    name: str
+    algorithm: str | None = None
+    draft_model: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def speculative(self) -> bool:
+        return self.algorithm is not None
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    url: str | None = None
+    server_command: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    version: str | None = None
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 120.0
+    stall_timeout_s: float = 60.0
+    env: tuple[tuple[str, str], ...] = ()
+    #: Pinned for every drafter's server ("auto": SGLang picks, and dvfs checks they agree).
+    attention_backend: str = "fa3"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str
+    model: str
+    tp_size: int
+    twin_model: str | None
+    sglang: SglangConfig
+
+
+@dataclass(frozen=True)
+class CorpusRef:
+    """A corpus named in the workload; `spec` holds a user corpus's table (None for built-ins)."""
+
+    name: str
+    spec: tuple[tuple[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    batch_sizes: tuple[int, ...]
+    corpora: tuple[CorpusRef, ...]
+    input_tokens: tuple[int, int]
+    output_tokens: int
+    mode: str
+    temperature: float
+    ignore_eos: bool
+    pool_size: int | None
+
+    @property
+    def corpus_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.corpora)
+
+
+@dataclass(frozen=True)
+class MeasurementConfig:
+    warmup_tokens: int = 32
+    min_window_s: float = 1.0
+    max_rounds: int = 8
+    repeats: int = 1
+    seed: int = 0
+    sample_period_s: float = 0.02
+    idle_s: float = 5.0
+    retries: int = 2
+
+
+@dataclass(frozen=True)
+class Campaign:
+    name: str
+    description: str
+    gpu: GpuConfig
+    knobs: KnobConfig
+    engine: EngineConfig
+    drafters: tuple[DrafterSpec, ...]
+    workload: WorkloadConfig
+    measurement: MeasurementConfig
+    source: str = field(default="", compare=False)
+    base_dir: str = field(default=".", compare=False)
+
+    def semantic_dict(self) -> dict[str, Any]:
+        """Everything that changes what is measured: not the name, description, file location
+        or the operational settings (retries, timeouts, server command, environment, URL)."""
+        return measured_part(asdict(self))
+
+    def operational_dict(self) -> dict[str, Any]:
+        """The operational settings, by dotted key (a journal session records these)."""
+        data = _jsonable(asdict(self))
+        flat: dict[str, Any] = {}
+        for path in OPERATIONAL:
+            value: Any = data
+            for part in path:
+                value = value.get(part) if isinstance(value, dict) else None
+            if path[-1] == "env" and isinstance(value, list):
+                value = {str(k): v for k, v in value}
+            flat[".".join(path)] = value
+        return flat
+
+    @property
+    def hash(self) -> str:
+        blob = json.dumps(self.semantic_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def drafter(self, name: str) -> DrafterSpec:
+        for drafter in self.drafters:
+            if drafter.name == name:
+                return drafter
+        raise KeyError(name)
+
+
+def _jsonable(data: Any) -> Any:
+    """As JSON would store it (tuples become lists), so stored and fresh dicts compare."""
+    return json.loads(json.dumps(data, default=str))
+
+
+def measured_part(data: dict[str, Any]) -> dict[str, Any]:
+    """A campaign dict (fresh, or stored in a journal or cube by any dvfs version) without the
+    fields that do not change a measurement."""
+    data = _jsonable(data)
+    for key in UNMEASURED:
+        data.pop(key, None)
+    for path in OPERATIONAL:
+        parent: Any = data
+        for part in path[:-1]:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    return data
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, item in enumerate(value):
+            label = item.get("name", i)
+            _flatten(item, f"{prefix}[{label}]", out)
+    else:
+        out[prefix] = value
+
+
+def measured_differences(
+    before: dict[str, Any], after: dict[str, Any], *, ignore: tuple[str, ...] = ()
+) -> list[str]:
+    """The measured settings that differ between two campaign dicts, as "key: old -> new"
+    (keys spelt as in the campaign file; keys starting with an `ignore` prefix are skipped)."""
+    old: dict[str, Any] = {}
+    new: dict[str, Any] = {}
+    _flatten(measured_part(before), "", old)
+    _flatten(measured_part(after), "", new)
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if ignore and key.startswith(ignore):
+            continue
+        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if a != b:
+            shown = TOML_NAMES.get(key, key)
+            changes.append(f"{shown}: {show(a)} -> {show(b)}")
+    return changes
+
+
+def show(value: Any) -> str:
+    """A value as an error message quotes it: JSON, cut at 60 characters."""
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

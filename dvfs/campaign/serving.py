@@ -1,0 +1,216 @@
+"""The [engine] and [drafters.*] tables: which server runs, and how it speculates.
+
+Checks here follow SGLang's flag rules (`dvfs.engines.sglang_args`) and, for the twin, ask the
+twin's draft planner (`dvfs.twin.drafting`) whether it can model a drafter, so a campaign is
+refused at load rather than mid-sweep.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dvfs.campaign.model import (
+    EAGLE_TRIPLE,
+    NAME_RE,
+    NEEDS_DRAFT_MODEL,
+    SPECULATIVE_ALGORITHMS,
+    DrafterSpec,
+    EngineConfig,
+    GpuConfig,
+    SglangConfig,
+)
+from dvfs.campaign.table import Table, argv_list
+from dvfs.errors import CampaignError
+
+
+def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
+    """The [engine] table (with [engine.sglang]), checked against the GPUs it runs on."""
+    backend = table.string("backend", "twin", choices=("twin", "sglang"))
+    model = table.string("model")
+    if model is None:
+        raise table.missing("model")
+    tp_size = table.integer("tp_size", len(gpu.devices), minimum=1)
+    if tp_size != len(gpu.devices):
+        raise table.fail(
+            "tp_size", f"{tp_size} does not match the {len(gpu.devices)} GPU(s) in gpu.devices"
+        )
+    twin_model = table.string("twin_model")
+    sg = table.sub("sglang")
+    url = sg.string("url")
+    if url is not None and not re.match(r"^https?://", url):
+        raise sg.fail("url", f"expected an http:// or https:// URL, got {url!r}")
+    env = sg.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise sg.fail("env", "expected a table of string environment variables")
+    sglang = SglangConfig(
+        url=url,
+        server_command=argv_list(sg, "server_command"),
+        extra_args=argv_list(sg, "extra_args"),
+        version=sg.string("version"),
+        host=sg.string("host", "127.0.0.1"),
+        startup_timeout_s=sg.number("startup_timeout_s", 900.0, strictly_positive=True),
+        request_timeout_s=sg.number("request_timeout_s", 120.0, strictly_positive=True),
+        stall_timeout_s=sg.number("stall_timeout_s", 60.0, strictly_positive=True),
+        env=tuple(sorted(env.items())),
+        attention_backend=_attention_backend(sg),
+    )
+    refuse_managed_flags(sg, "extra_args", sglang.extra_args, "drafters.<name>")
+    _check_visible_devices(sg, env, gpu)
+    sg.finish()
+    table.finish()
+    if backend == "twin":
+        from dvfs.twin.profiles import model_profile
+
+        try:
+            model_profile(twin_model or model)
+        except CampaignError as exc:
+            raise table.fail("twin_model" if twin_model else "model", str(exc)) from exc
+    return EngineConfig(backend, model, tp_size, twin_model, sglang)
+
+
+def _attention_backend(sg: Table) -> str:
+    from dvfs.engines.sglang_args import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
+
+    value: str = sg.string("attention_backend", DEFAULT_ATTENTION_BACKEND)
+    if value != "auto" and value not in ATTENTION_BACKENDS:
+        raise sg.fail(
+            "attention_backend",
+            f'{value!r} is not an SGLang attention backend; choose "auto" (SGLang picks, dvfs '
+            f"checks every drafter gets the same) or one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+    return value
+
+
+def refuse_managed_flags(table: Table, key: str, args: tuple[str, ...], drafter: str) -> None:
+    """Flags dvfs sets itself must not come back through extra_args (argparse keeps the last)."""
+    from dvfs.engines.sglang_args import managed_flag
+
+    for token in args:
+        found = managed_flag(token, drafter)
+        if found is not None:
+            flag, use = found
+            written = "" if token.split("=", 1)[0] == flag else f" (as {token!r})"
+            raise table.fail(key, f"sets {flag}{written}, which dvfs sets itself; use {use}")
+
+
+def _check_visible_devices(sg: Table, env: dict[str, Any], gpu: GpuConfig) -> None:
+    """dvfs pins the server to gpu.devices by UUID; an env naming other GPUs contradicts it."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return
+    entries = [v.strip() for v in value.split(",") if v.strip()]
+    if not all(e.startswith(("GPU-", "MIG-")) for e in entries):
+        raise sg.fail(
+            "env",
+            f"CUDA_VISIBLE_DEVICES = {value!r}: CUDA and NVML may number GPUs differently, and "
+            "dvfs already pins the server to gpu.devices by UUID; remove CUDA_VISIBLE_DEVICES",
+        )
+    uuids = [d for d in gpu.devices if isinstance(d, str)]
+    if len(uuids) == len(gpu.devices) and entries != uuids:
+        raise sg.fail(
+            "env",
+            f"CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices {list(gpu.devices)}; "
+            "remove it (dvfs pins the server to gpu.devices by UUID)",
+        )
+
+
+def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
+    """One [drafters.NAME] table, by SGLang's rules for its algorithm."""
+    if not NAME_RE.match(name):
+        raise CampaignError(
+            f"{table.where}: drafter name {name!r} must start with a letter or digit and use only "
+            "letters, digits, '_', '-' and '.'"
+        )
+    raw = table.string("algorithm", "none")
+    algorithm = None if raw.lower() == "none" else raw.upper()
+    if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+        raise table.fail(
+            "algorithm",
+            f"{raw!r} is not a speculative algorithm SGLang knows; choose none or one of "
+            f"{', '.join(SPECULATIVE_ALGORITHMS)}",
+        )
+    draft_model = table.string("draft_model")
+    steps = table.integer("num_steps", minimum=1)
+    topk = table.integer("eagle_topk", minimum=1)
+    draft_tokens = table.integer("num_draft_tokens", minimum=1)
+    block = table.integer("block_size", minimum=2)
+    extra = argv_list(table, "extra_args")
+    table.finish()
+    refuse_managed_flags(table, "extra_args", extra, table.path)
+    if algorithm == "NGRAM" and draft_model is not None:
+        raise table.fail(
+            "draft_model",
+            "NGRAM drafts from the text seen so far and takes no draft model; remove draft_model",
+        )
+    if algorithm is None:
+        given = [
+            k
+            for k, v in (
+                ("draft_model", draft_model),
+                ("num_steps", steps),
+                ("eagle_topk", topk),
+                ("num_draft_tokens", draft_tokens),
+                ("block_size", block),
+            )
+            if v is not None
+        ]
+        if given:
+            raise table.fail(
+                given[0], "is set but algorithm is none; set an algorithm or remove it"
+            )
+        return DrafterSpec(name=name, extra_args=extra)
+    if algorithm in NEEDS_DRAFT_MODEL and draft_model is None:
+        raise table.fail(
+            "draft_model", f"{algorithm} needs a draft model (a path or Hugging Face name)"
+        )
+    if algorithm == "DFLASH":
+        if steps not in (None, 1) or topk not in (None, 1):
+            raise table.fail(
+                "num_steps",
+                "DFLASH drafts one block per step: num_steps and eagle_topk are fixed at 1",
+            )
+        if block is not None and draft_tokens is not None and block != draft_tokens:
+            raise table.fail("block_size", "block_size and num_draft_tokens are aliases; give one")
+        size = block or draft_tokens
+        return DrafterSpec(name, algorithm, draft_model, 1, 1, size, extra)
+    if block is not None:
+        raise table.fail("block_size", "only block drafters (DFLASH) take a block size")
+    if algorithm in EAGLE_TRIPLE:
+        triple = {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": draft_tokens}
+        given = [k for k, v in triple.items() if v is not None]
+        if 0 < len(given) < 3:
+            missing = [k for k in triple if k not in given]
+            raise table.fail(
+                missing[0],
+                f"SGLang needs num_steps, eagle_topk and num_draft_tokens all set or none "
+                f"(it asserts on a partial set); missing {', '.join(missing)}",
+            )
+        if topk == 1 and steps is not None and draft_tokens != steps + 1:
+            raise table.fail(
+                "num_draft_tokens",
+                "with eagle_topk = 1 SGLang forces num_draft_tokens = num_steps + 1 = "
+                f"{steps + 1}, "
+                f"not {draft_tokens}",
+            )
+    if engine.backend == "twin" and algorithm in ("DSPARK", "UNO"):
+        raise table.fail(
+            "algorithm",
+            f'the twin has no model of {algorithm}; use it with engine.backend = "sglang"',
+        )
+    spec = DrafterSpec(name, algorithm, draft_model, steps, topk, draft_tokens, extra)
+    if engine.backend == "twin":
+        _check_twin_drafter(table, spec, engine)
+    return spec
+
+
+def _check_twin_drafter(table: Table, spec: DrafterSpec, engine: EngineConfig) -> None:
+    """The twin must know the shape of a standalone draft model: refuse at load, not mid-sweep."""
+    from dvfs.errors import EngineError
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.profiles import model_profile
+
+    try:
+        plan_drafter(spec, model_profile(engine.twin_model or engine.model))
+    except EngineError as exc:
+        raise table.fail("draft_model", str(exc)) from exc

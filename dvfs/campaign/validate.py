@@ -1,0 +1,328 @@
+"""Loading a campaign file: every table validated, one `CampaignError` for the first mistake.
+
+The error names the file, the key, the value and what is allowed, before anything touches a
+GPU. The [gpu], [knobs], [workload] and [measurement] tables are checked here; [engine] and
+[drafters.*] in `dvfs.campaign.serving`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from dvfs.campaign.model import (
+    MODES,
+    NAME_RE,
+    Campaign,
+    CorpusRef,
+    DrafterSpec,
+    GpuConfig,
+    KnobConfig,
+    MeasurementConfig,
+    WorkloadConfig,
+    show,
+)
+from dvfs.campaign.serving import parse_drafter, parse_engine
+from dvfs.campaign.table import Table
+from dvfs.errors import CampaignError
+
+TOP_LEVEL = ("campaign", "gpu", "knobs", "engine", "drafters", "workload", "measurement", "corpus")
+
+
+def _gpu(table: Table) -> GpuConfig:
+    backend = table.string("backend", "twin", choices=("twin", "nvml"))
+    profile = table.string("profile")
+    if backend == "twin":
+        from dvfs.twin.profiles import gpu_profiles
+
+        profiles = tuple(sorted(gpu_profiles()))
+        if profile is None:
+            raise table.fail(
+                "profile", f"the twin needs a GPU profile; choose one of {', '.join(profiles)}"
+            )
+        if profile not in profiles:
+            raise table.fail(
+                "profile", f"unknown twin profile {profile!r}; choose one of {', '.join(profiles)}"
+            )
+    devices = table.get("devices", [0])
+    if not isinstance(devices, list) or not devices:
+        raise table.fail(
+            "devices", f"expected a non-empty list of GPU indices or UUIDs, got {show(devices)}"
+        )
+    for device in devices:
+        ok_index = isinstance(device, int) and not isinstance(device, bool) and device >= 0
+        ok_uuid = isinstance(device, str) and device.startswith(("GPU-", "MIG-"))
+        if not (ok_index or ok_uuid):
+            raise table.fail(
+                "devices",
+                f"{show(device)} is neither a GPU index (0, 1, ...) nor a UUID (GPU-...)",
+            )
+    if len(set(devices)) != len(devices):
+        raise table.fail("devices", "lists a GPU twice")
+    actuation = table.string("actuation", "on", choices=("on", "off"))
+    table.finish()
+    return GpuConfig(backend, profile, tuple(devices), actuation == "on")
+
+
+def _clock_list(table: Table, value: Any) -> tuple[int, ...] | None:
+    if value == "stock":
+        return None
+    if isinstance(value, dict):
+        rng = Table(table.where, table.key("sm_clock"), value)
+        start = rng.integer("start", minimum=1)
+        stop = rng.integer("stop", minimum=1)
+        step = rng.integer("step", minimum=1)
+        rng.finish()
+        if start is None or stop is None or step is None:
+            raise table.fail("sm_clock", "a range needs start, stop and step (MHz)")
+        if start > stop:
+            raise table.fail("sm_clock", f"start {start} is above stop {stop}")
+        values = list(range(start, stop + 1, step))
+        if values[-1] != stop:
+            raise table.fail(
+                "sm_clock", f"stop {stop} is not reached from {start} in steps of {step}"
+            )
+        return tuple(values)
+    if isinstance(value, list) and value:
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            raise table.fail("sm_clock", f"expected positive integers (MHz), got {show(value)}")
+        if len(set(value)) != len(value):
+            raise table.fail("sm_clock", "lists a clock twice")
+        return tuple(value)
+    raise table.fail(
+        "sm_clock",
+        f'expected "stock", a list of MHz values, or {{start, stop, step}}; got {show(value)}',
+    )
+
+
+def _knobs(table: Table, gpu: GpuConfig) -> KnobConfig:
+    clocks = _clock_list(table, table.get("sm_clock", "stock"))
+    limits_raw = table.get("power_limit", "stock")
+    limits: tuple[float, ...] | None
+    if limits_raw == "stock":
+        limits = None
+    elif (
+        isinstance(limits_raw, list)
+        and limits_raw
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in limits_raw
+        )
+    ):
+        if len(set(limits_raw)) != len(limits_raw):
+            raise table.fail("power_limit", "lists a power limit twice")
+        limits = tuple(float(v) for v in limits_raw)
+    else:
+        raise table.fail(
+            "power_limit", f'expected "stock" or a list of watts, got {show(limits_raw)}'
+        )
+    settle_s = table.number("settle_s", 2.0, minimum=0.0)
+    table.finish()
+    if gpu.backend == "twin" and gpu.profile:
+        from dvfs.gpu.base import unsupported_clock
+        from dvfs.twin.profiles import gpu_profile
+
+        profile = gpu_profile(gpu.profile)
+        supported = set(profile.supported_sm_clocks_mhz())
+        for clock in clocks or ():
+            problem = unsupported_clock(clock, supported, of=f" of {gpu.profile}")
+            if problem:
+                raise table.fail("sm_clock", f"{problem}, in {profile.sm_clock_step_mhz} MHz steps")
+        allowed = profile.power_limit_range()
+        for limit in limits or ():
+            problem = allowed.outside(limit * 1000)
+            if problem:
+                raise table.fail("power_limit", f"{gpu.profile}: {problem}")
+    if not gpu.actuation and (clocks or limits):
+        raise table.fail(
+            "sm_clock" if clocks else "power_limit",
+            'gpu.actuation is "off" (observe-only): knobs must be "stock"',
+        )
+    return KnobConfig(clocks, limits, settle_s)
+
+
+def _token_range(table: Table, name: str, default: Any) -> tuple[int, int]:
+    value = table.get(name, default)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return (value, value)
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        and value[0] <= value[1]
+    ):
+        return (value[0], value[1])
+    raise table.fail(name, f"expected a positive integer or [min, max], got {show(value)}")
+
+
+def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
+    batches = table.require("batch")
+    if (
+        not isinstance(batches, list)
+        or not batches
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in batches)
+    ):
+        raise table.fail("batch", f"expected a list of positive integers, got {show(batches)}")
+    if len(set(batches)) != len(batches):
+        raise table.fail("batch", "lists a batch size twice")
+    corpus_names = table.strings("corpora")
+    if not corpus_names:
+        raise table.fail("corpora", "name at least one corpus")
+    if len(set(corpus_names)) != len(corpus_names):
+        raise table.fail("corpora", "lists a corpus twice")
+    from dvfs.corpora import BUILTIN_CORPORA
+
+    refs = []
+    for name in corpus_names:
+        if name in user_corpora:
+            spec = user_corpora[name]
+            refs.append(CorpusRef(name, tuple(sorted(spec.items()))))
+        elif name in BUILTIN_CORPORA:
+            refs.append(CorpusRef(name))
+        else:
+            choices = sorted(set(BUILTIN_CORPORA) | set(user_corpora))
+            hint = difflib.get_close_matches(name, choices, n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise table.fail(
+                "corpora",
+                f"unknown corpus {name!r}{suggestion}; built-in corpora are "
+                f"{', '.join(BUILTIN_CORPORA)}, or define your own in a [corpus.{name}] table",
+            )
+    input_tokens = _token_range(table, "input_tokens", [16, 4096])
+    output_tokens = table.integer("output_tokens", 256, minimum=2)
+    mode = table.string("mode", "fixed", choices=MODES)
+    temperature = table.number("temperature", 0.0, minimum=0.0)
+    ignore_eos = table.boolean("ignore_eos", mode == "fixed")
+    pool_size = table.integer("pool_size", minimum=1)
+    table.finish()
+    if mode == "fixed" and not ignore_eos:
+        raise table.fail(
+            "ignore_eos",
+            "fixed-batch mode needs ignore_eos = true so every request decodes output_tokens",
+        )
+    if pool_size is not None and pool_size < max(batches):
+        raise table.fail(
+            "pool_size", f"{pool_size} is smaller than the largest batch ({max(batches)})"
+        )
+    return WorkloadConfig(
+        tuple(batches),
+        tuple(refs),
+        input_tokens,
+        output_tokens,
+        mode,
+        temperature,
+        ignore_eos,
+        pool_size,
+    )
+
+
+def _measurement(table: Table) -> MeasurementConfig:
+    m = MeasurementConfig(
+        warmup_tokens=table.integer("warmup_tokens", 32, minimum=0),
+        min_window_s=table.number("min_window_s", 1.0, strictly_positive=True),
+        max_rounds=table.integer("max_rounds", 8, minimum=1),
+        repeats=table.integer("repeats", 1, minimum=1),
+        seed=table.integer("seed", 0, minimum=0),
+        sample_period_s=table.number("sample_period_s", 0.02, strictly_positive=True),
+        idle_s=table.number("idle_s", 5.0, minimum=0.0),
+        retries=table.integer("retries", 2, minimum=0),
+    )
+    table.finish()
+    if m.sample_period_s * 5 > m.min_window_s:
+        raise table.fail(
+            "sample_period_s",
+            f"{m.sample_period_s:g} s is too coarse for min_window_s = {m.min_window_s:g} s: a "
+            "window needs several samples of the energy counter; use at most min_window_s / 5",
+        )
+    return m
+
+
+def parse_campaign(
+    data: dict[str, Any], *, where: str = "campaign", source: str = "", base_dir: str = "."
+) -> Campaign:
+    """Validate a parsed TOML document into a `Campaign`."""
+    top = Table(where, "", data)
+    meta = top.sub("campaign")
+    name = meta.string("name")
+    if name is None:
+        name = Path(where).stem
+        if not NAME_RE.match(name):
+            raise CampaignError(
+                f"{where}: the file name {name!r} cannot name the campaign (it names the output "
+                "folder): set [campaign] name, using letters, digits, '_', '-' and '.'"
+            )
+    elif not NAME_RE.match(name):
+        raise meta.fail(
+            "name",
+            f"{name!r} cannot be used: the name becomes a folder (out/<name>), so it must start "
+            "with a letter or digit and use only letters, digits, '_', '-' and '.'",
+        )
+    description = meta.string("description", "")
+    meta.finish()
+    gpu = _gpu(top.sub("gpu"))
+    knobs = _knobs(top.sub("knobs"), gpu)
+    engine = parse_engine(top.sub("engine", required=True), gpu)
+    drafter_tables = top.sub("drafters")
+    drafters = []
+    for drafter_name in drafter_tables.data:
+        drafter_tables.used.add(drafter_name)
+        drafters.append(parse_drafter(drafter_tables.sub(drafter_name), drafter_name, engine))
+    if not drafters:
+        drafters = [DrafterSpec("none")]
+    user_corpora_table = top.sub("corpus")
+    user_corpora: dict[str, Any] = {}
+    for corpus_name, spec in user_corpora_table.data.items():
+        user_corpora_table.used.add(corpus_name)
+        if not isinstance(spec, dict):
+            raise CampaignError(f"{where}: [corpus.{corpus_name}] must be a table")
+        if not NAME_RE.match(corpus_name):
+            raise CampaignError(
+                f"{where}: corpus name {corpus_name!r} must use letters, digits, '_', '-', '.'"
+            )
+        from dvfs.corpora import validate_spec
+
+        validate_spec(corpus_name, spec, where=where)
+        user_corpora[corpus_name] = spec
+    workload = _workload(top.sub("workload", required=True), user_corpora)
+    measurement = _measurement(top.sub("measurement"))
+    top.finish()
+    if engine.backend == "sglang" and engine.sglang.url is not None and len(drafters) > 1:
+        raise CampaignError(
+            f"{where}: engine.sglang.url attaches to one running server, so the campaign can have "
+            f"only one drafter (it is read from the server); found {len(drafters)}"
+        )
+    return Campaign(
+        name=name,
+        description=description,
+        gpu=gpu,
+        knobs=knobs,
+        engine=engine,
+        drafters=tuple(drafters),
+        workload=workload,
+        measurement=measurement,
+        source=source,
+        base_dir=base_dir,
+    )
+
+
+def load_campaign(path: str | Path) -> Campaign:
+    """Read and validate a campaign file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise CampaignError(f"campaign file {path} does not exist") from exc
+    except OSError as exc:
+        raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise CampaignError(
+            f"{path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} on line {line}): is "
+            "it the campaign file? Save it as UTF-8"
+        ) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise CampaignError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_campaign(data, where=str(path), source=text, base_dir=str(path.parent.resolve()))

@@ -1,0 +1,114 @@
+"""Draft planning: a drafter's SGLang settings resolved to what the twin's physics needs.
+
+`plan_drafter` is pure (a drafter and a target model in, a plan out), so the campaign loader can
+ask it whether the twin can model a drafter without starting an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.errors import EngineError
+from dvfs.twin import profiles
+from dvfs.twin.profiles import ModelProfile
+
+#: How much sampling at temperature T raises the draft miss rate: EAGLE-3's tau falls from
+#: 6.13 (T=0) to 4.24 (T=1) on MT-bench (A1), a 2.7x higher miss rate at depth 7 (INF).
+TEMPERATURE_MISS_GAIN = 1.7
+
+FAMILY = {
+    "EAGLE3": "eagle3",
+    "EAGLE": "eagle",
+    "NEXTN": "eagle",
+    "STANDALONE": "standalone",
+    "NGRAM": "ngram",
+    "DFLASH": "dflash",
+}
+
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A drafter resolved to what the twin needs: cost model and acceptance depth."""
+
+    algorithm: str
+    family: str
+    num_steps: int
+    topk: int
+    verify_tokens: int
+    depth: int
+    draft_model: ModelProfile | None
+
+    def alpha(self, corpus: str, temperature: float) -> float:
+        prior = profiles.acceptance_priors()[self.family]
+        alpha_ref = profiles.accept_probability(prior.tau(corpus), prior.ref_depth)
+        alpha = profiles.widen(alpha_ref, prior.ref_topk, self.topk)
+        miss = (1.0 - alpha) * (1.0 + TEMPERATURE_MISS_GAIN * min(max(temperature, 0.0), 1.0))
+        return max(0.0, 1.0 - miss)
+
+    def expected_accept_length(self, corpus: str, temperature: float) -> float:
+        return profiles.expected_accept_length(self.alpha(corpus, temperature), self.depth)
+
+
+def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:
+    """A one-layer draft head shaped like one target layer (EAGLE without a known profile)."""
+    return ModelProfile(
+        key=f"{target.key}-head",
+        hf_name="",
+        layers=1,
+        hidden=target.hidden,
+        intermediate=target.intermediate,
+        heads=target.heads,
+        kv_heads=target.kv_heads,
+        head_dim=target.head_dim,
+        vocab=vocab,
+        tied_embeddings=False,
+        role="eagle-head",
+        fc_inputs=3,
+        attention_inputs=2,
+    )
+
+
+def plan_drafter(drafter: DrafterSpec, target: ModelProfile) -> DraftPlan | None:
+    """Resolve a drafter like SGLang does (defaults for unset numbers) into a `DraftPlan`."""
+    if drafter.algorithm is None:
+        return None
+    algorithm = drafter.algorithm
+    if algorithm not in FAMILY:
+        raise EngineError(f"the twin has no model of speculative algorithm {algorithm}")
+    family = FAMILY[algorithm]
+    steps, topk, tokens = drafter.num_steps, drafter.eagle_topk, drafter.num_draft_tokens
+    if algorithm == "DFLASH":
+        block = tokens or 16
+        return DraftPlan(
+            algorithm,
+            family,
+            1,
+            1,
+            block,
+            block - 1,
+            profiles.find_model_profile(drafter.draft_model)
+            or profiles.model_profile("dflash-llama-3.1-8b-b16"),
+        )
+    if algorithm == "NGRAM":
+        tokens = tokens or 12
+        return DraftPlan(algorithm, family, 0, 1, tokens, tokens - 1, None)
+    if steps is None:
+        steps, topk, tokens = (5, 4, 8) if "llama" in target.key.lower() else (3, 1, 4)
+    assert topk is not None and tokens is not None
+    if topk == 1:
+        tokens = steps + 1
+    known = profiles.find_model_profile(drafter.draft_model)
+    if algorithm == "STANDALONE":
+        if known is None:
+            raise EngineError(
+                f"the twin needs the shape of standalone draft model {drafter.draft_model!r}; "
+                f"use a twin model profile ({', '.join(sorted(profiles.model_profiles()))})"
+            )
+        draft = known
+    elif known is not None:
+        draft = known
+    else:
+        draft = _generic_head(target, 32000 if algorithm == "EAGLE3" else target.vocab)
+    return DraftPlan(algorithm, family, steps, topk, tokens, min(steps, tokens - 1), draft)

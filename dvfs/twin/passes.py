@@ -1,0 +1,149 @@
+"""Counting the work of the twin's forward passes: FLOPs, bytes and communication per pass.
+
+A round's prefill chunks and decode iterations (draft, verify and draft-extend passes) become
+`Passes`, which `dvfs.twin.physics` times and powers at a clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dvfs.twin.drafting import DraftPlan
+from dvfs.twin.physics import Passes
+from dvfs.twin.profiles import ModelProfile
+
+#: SGLang's chunked-prefill budget (tokens per prefill pass) on large-memory GPUs.
+PREFILL_CHUNK_TOKENS = 8192
+
+
+class PassBuilder:
+    """Counts FLOPs, bytes and communication of forward passes for one GPU of a TP group."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp = tp_size
+        self.parts: list[Passes] = []
+
+    def add(
+        self,
+        model: ModelProfile,
+        tokens: np.ndarray,
+        kv_read_bytes: np.ndarray,
+        attn_flops: np.ndarray,
+        kv_write_tokens: np.ndarray,
+    ) -> None:
+        tokens = np.asarray(tokens, dtype=float)
+        flops = 2.0 * model.active_matmul_params * tokens + attn_flops
+        weights = model.weight_bytes_read(tokens)
+        bytes_ = weights + kv_read_bytes + kv_write_tokens * model.kv_bytes_per_token
+        if self.tp > 1:
+            comm = 2 * model.layers * tokens * model.hidden * 2 * 2 * (self.tp - 1) / self.tp
+            calls = np.full_like(tokens, 2 * model.layers)
+        else:
+            comm = np.zeros_like(tokens)
+            calls = np.zeros_like(tokens)
+        self.parts.append(
+            Passes(
+                flops / self.tp, bytes_ / self.tp, np.full_like(tokens, model.layers), comm, calls
+            )
+        )
+
+    def add_host(self, count: int) -> None:
+        """Host-only steps (n-gram lookup): pure per-pass overhead, no GPU work."""
+        zeros = np.zeros(count)
+        self.parts.append(Passes(zeros, zeros, zeros, zeros, zeros))
+
+
+def prefill_passes(builder: PassBuilder, model: ModelProfile, lengths: np.ndarray) -> np.ndarray:
+    """Add chunked-prefill passes; returns the chunk index that completes each request."""
+    ends = np.cumsum(lengths)
+    total = int(ends[-1])
+    n_chunks = max(1, math.ceil(total / PREFILL_CHUNK_TOKENS))
+    chunk_tokens = np.full(n_chunks, float(PREFILL_CHUNK_TOKENS))
+    chunk_tokens[-1] = total - PREFILL_CHUNK_TOKENS * (n_chunks - 1)
+    # Causal attention inside each prompt: sum over positions ~ L^2 / 2 per request.
+    attn_per_request = model.attention_flops_per_token(lengths / 2.0) * lengths
+    done_chunk = (ends - 1) // PREFILL_CHUNK_TOKENS
+    attn = np.bincount(done_chunk, weights=attn_per_request, minlength=n_chunks)
+    builder.add(model, chunk_tokens, np.zeros(n_chunks), attn, chunk_tokens)
+    return done_chunk
+
+
+def decode_passes(
+    builder: PassBuilder,
+    model: ModelProfile,
+    plan: DraftPlan | None,
+    active: np.ndarray,
+    ctx_sum: np.ndarray,
+    ctx_kv_bytes: np.ndarray,
+    mean_ctx: np.ndarray,
+    emitted: np.ndarray,
+) -> int:
+    """Add draft, verify and draft-extend passes per iteration; returns passes per iteration.
+
+    Passes are laid out iteration-major, the verify pass last but for the extend pass.
+    """
+    n_iter = len(active)
+    k = plan.verify_tokens if plan else 1
+    columns: list[
+        tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    ] = []
+
+    def draft_pass(draft: ModelProfile, tokens: np.ndarray) -> None:
+        columns.append(
+            (
+                draft,
+                tokens,
+                draft.kv_bytes_read(mean_ctx) * active,
+                draft.attention_flops_per_token(mean_ctx) * tokens,
+                tokens,
+            )
+        )
+
+    if plan is not None and plan.family == "ngram":
+        columns.append((None, active, active, active, active))
+    elif plan is not None and plan.draft_model is not None:
+        if plan.family == "dflash":
+            draft_pass(plan.draft_model, active * k)  # one pass drafts the whole block
+        else:
+            for step in range(plan.num_steps):
+                draft_pass(plan.draft_model, active * (plan.topk if step > 0 else 1))
+    verify_tokens = active * k
+    verify_attn = model.attention_flops_per_token(mean_ctx) * verify_tokens
+    columns.append((model, verify_tokens, ctx_kv_bytes, verify_attn, emitted))
+    if plan is not None and plan.draft_model is not None and plan.family != "dflash":
+        draft = plan.draft_model
+        columns.append(
+            (
+                draft,
+                np.maximum(emitted, 1),
+                draft.kv_bytes_read(mean_ctx) * active,
+                draft.attention_flops_per_token(mean_ctx) * emitted,
+                emitted,
+            )
+        )
+    # Interleave columns so pass j of iteration n sits at n * width + j.
+    width = len(columns)
+    start = len(builder.parts)
+    for pass_model, tokens, kv, attn, writes in columns:
+        if pass_model is None:
+            builder.add_host(n_iter)
+        else:
+            builder.add(pass_model, tokens, kv, attn, writes)
+    block = builder.parts[start:]
+    del builder.parts[start:]
+    interleaved = Passes(
+        *(
+            np.stack([getattr(p, f) for p in block], axis=1).reshape(-1)
+            for f in Passes.__dataclass_fields__
+        )
+    )
+    builder.parts.append(interleaved)
+    return width
+
+
+def verify_column(plan: DraftPlan | None, width: int) -> int:
+    """Which of an iteration's `width` passes is the verify pass (a draft-extend may follow)."""
+    extends = plan is not None and plan.draft_model is not None and plan.family != "dflash"
+    return width - 2 if extends else width - 1
