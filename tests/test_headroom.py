@@ -242,7 +242,7 @@ def test_missing_repeats_never_loosen_the_test() -> None:
 
 
 def test_vs_baseline_bound_is_unpaired_and_conservative() -> None:
-    from dvfs.analysis.headroom import t_quantile
+    from dvfs.analysis.bounds import t_quantile
 
     base = {0: 10.0, 1: 10.2, 2: 9.8}
     eagle = {
@@ -344,7 +344,7 @@ T_TABLE = [
 
 @pytest.mark.parametrize(("confidence", "dof", "expected"), T_TABLE)
 def test_t_quantile_matches_the_tables(confidence, dof, expected) -> None:
-    from dvfs.analysis.headroom import t_quantile
+    from dvfs.analysis.bounds import t_quantile
 
     assert t_quantile(confidence, dof) == pytest.approx(expected, abs=6e-4)
 
@@ -353,7 +353,7 @@ def test_t_quantile_never_falls_back_to_an_approximation(monkeypatch) -> None:
     """Without scipy the old code returned 4.59 for t(0.95, 1): a silently narrow interval."""
     import sys
 
-    from dvfs.analysis.headroom import t_quantile
+    from dvfs.analysis.bounds import t_quantile
 
     monkeypatch.setitem(sys.modules, "scipy", None)
     monkeypatch.setitem(sys.modules, "scipy.stats", None)
@@ -362,7 +362,7 @@ def test_t_quantile_never_falls_back_to_an_approximation(monkeypatch) -> None:
 
 
 def test_t_quantile_refuses_what_has_no_quantile() -> None:
-    from dvfs.analysis.headroom import t_quantile
+    from dvfs.analysis.bounds import t_quantile
 
     for confidence, dof in ((math.nan, 2), (1.0, 2), (0.0, 2), (0.95, 0)):
         with pytest.raises(AnalysisError):
@@ -401,7 +401,7 @@ finite_values = st.floats(1e-3, 1e3, allow_nan=False, allow_infinity=False)
     confidence=st.floats(0.5, 0.999),
 )
 def test_the_upper_bound_is_never_below_the_mean(values, confidence) -> None:
-    from dvfs.analysis.headroom import upper_bound
+    from dvfs.analysis.bounds import upper_bound
 
     bound = upper_bound(np.array(values), confidence)
     assert bound >= math.fsum(values) / len(values)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dvfs.analysis.bounds import finite_mean, meets, upper_bound
 from dvfs.analysis.targets import Target
 from dvfs.errors import AnalysisError
 
@@ -45,71 +46,10 @@ GROUP_DIMS = ("batch", "drafter", "corpus")
 #: Energies within this relative distance of the least are ties (0.01%).
 ENERGY_TIE = 1e-4
 
-#: Bounds within this relative distance of the threshold are on it (floating-point rounding).
-FEASIBLE_ROUNDING = 1e-9
-
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
 )
-
-
-def t_quantile(confidence: float, dof: int) -> float:
-    """One-sided Student-t quantile: P(T <= t) = confidence with `dof` degrees of freedom.
-
-    scipy is imported here, not at module level, so `dvfs --help` stays fast. There is no
-    fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6 instead of
-    6.3 at one degree of freedom), and an interval that narrow would be a wrong answer.
-    """
-    if not (math.isfinite(confidence) and 0 < confidence < 1):
-        raise AnalysisError(f"confidence must be strictly between 0 and 1, got {confidence}")
-    if dof < 1:
-        raise AnalysisError(f"a Student-t bound needs at least 1 degree of freedom, got {dof}")
-    try:
-        from scipy import stats
-    except ImportError as exc:
-        raise AnalysisError(
-            "scipy is missing, and the confidence bounds need its Student-t quantiles: "
-            "reinstall dvfs (pip install -e .) or pip install scipy"
-        ) from exc
-    return float(stats.t.ppf(confidence, dof))
-
-
-def _finite_mean(values: np.ndarray) -> float:
-    """Mean of the non-NaN values (NaN if none), exactly rounded (math.fsum): the same for
-    any order of the values, so permuting repeats can never change an answer."""
-    kept = [float(v) for v in np.ravel(values) if not math.isnan(v)]
-    return math.fsum(kept) / len(kept) if kept else math.nan
-
-
-def upper_bound(values: np.ndarray, confidence: float) -> float:
-    """Mean plus the one-sided t margin; the point value when only one is given.
-
-    Sums are exactly rounded, so the bound does not depend on the order of the values.
-    """
-    values = np.asarray(values, dtype=float)
-    values = values[~np.isnan(values)]
-    n = len(values)
-    if n == 0:
-        return math.nan
-    mean = math.fsum(values.tolist()) / n
-    if n == 1:
-        return mean
-    sd = math.sqrt(math.fsum(((values - mean) ** 2).tolist()) / (n - 1))
-    return mean + t_quantile(confidence, n - 1) * sd / math.sqrt(n)
-
-
-def meets(bound: float, threshold: float, *, strict: bool = False) -> bool:
-    """Whether a bound meets the threshold (NaN never does).
-
-    Values within FEASIBLE_ROUNDING (relative) of the threshold count as on it, so a ratio
-    that is exactly the target in real numbers is not lost to floating-point rounding (for
-    instance when every latency is scaled by the same constant); a strict target excludes it.
-    """
-    if math.isnan(bound) or math.isnan(threshold):
-        return False
-    margin = FEASIBLE_ROUNDING * abs(threshold)
-    return bound < threshold - margin if strict else bound <= threshold + margin
 
 
 @dataclass(frozen=True)
@@ -211,7 +151,7 @@ def headroom(
                 return math.nan, len(mine)
             two_sided = (1 + confidence) / 2
             top = upper_bound(mine, two_sided)
-            bottom = 2 * _finite_mean(base) - upper_bound(base, two_sided)
+            bottom = 2 * finite_mean(base) - upper_bound(base, two_sided)
             return (top / bottom if bottom > 0 else math.inf), len(mine)
         x = lat if target.mode == "slo" else lat / ref_lat
         x = x[~np.isnan(x)]
@@ -246,14 +186,14 @@ def headroom(
     feasible_any = np.zeros(group_shape, dtype=bool)
     n_feasible = np.zeros(group_shape, dtype=int)
     for idx in np.ndindex(group_shape):
-        stock_here = _finite_mean(stock_e[idx])
+        stock_here = finite_mean(stock_e[idx])
         out["stock_energy_per_token_j"][idx] = stock_here
-        reference_ms = _finite_mean(ref_lat_v[idx])
+        reference_ms = finite_mean(ref_lat_v[idx])
         out["reference_latency_ms"][idx] = reference_ms
         out["target_ms"][idx] = threshold if target.mode == "slo" else reference_ms * threshold
         if baseline_drafter is not None:
             b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
-            out["baseline_energy_per_token_j"][idx] = _finite_mean(stock_e[b_idx])
+            out["baseline_energy_per_token_j"][idx] = finite_mean(stock_e[b_idx])
         feasible = []
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
@@ -266,10 +206,10 @@ def headroom(
                     continue
                 feasible.append(
                     (
-                        _finite_mean(e),
+                        finite_mean(e),
                         int(clock),
                         float(limit),
-                        _finite_mean(lat),
+                        finite_mean(lat),
                         bound,
                         n,
                     )

@@ -27,7 +27,6 @@ FAMILY = {
 }
 
 
-
 @dataclass(frozen=True)
 class DraftPlan:
     """A drafter resolved to what the twin needs: cost model and acceptance depth."""

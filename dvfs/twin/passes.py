@@ -86,9 +86,7 @@ def decode_passes(
     """
     n_iter = len(active)
     k = plan.verify_tokens if plan else 1
-    columns: list[
-        tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-    ] = []
+    columns: list[tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
 
     def draft_pass(draft: ModelProfile, tokens: np.ndarray) -> None:
         columns.append(
