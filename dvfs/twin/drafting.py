@@ -1,14 +1,16 @@
 """Draft planning: a drafter's SGLang settings resolved to what the twin's physics needs.
 
 `plan_drafter` is pure (a drafter and a target model in, a plan out), so the campaign loader can
-ask it whether the twin can model a drafter without starting an engine.
+ask it whether the twin can model a drafter without starting an engine. It reads a drafter
+through the `DrafterSettings` protocol (which `dvfs.campaign.DrafterSpec` satisfies), so the
+twin's physics does not import the configuration that sits above it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from dvfs.campaign.model import DrafterSpec
 from dvfs.errors import EngineError
 from dvfs.twin import profiles
 from dvfs.twin.profiles import ModelProfile
@@ -25,6 +27,25 @@ FAMILY = {
     "NGRAM": "ngram",
     "DFLASH": "dflash",
 }
+
+
+class DrafterSettings(Protocol):
+    """A drafter's SGLang speculative settings (None: unset, SGLang's default applies)."""
+
+    @property
+    def algorithm(self) -> str | None: ...
+
+    @property
+    def draft_model(self) -> str | None: ...
+
+    @property
+    def num_steps(self) -> int | None: ...
+
+    @property
+    def eagle_topk(self) -> int | None: ...
+
+    @property
+    def num_draft_tokens(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -69,7 +90,7 @@ def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:
     )
 
 
-def plan_drafter(drafter: DrafterSpec, target: ModelProfile) -> DraftPlan | None:
+def plan_drafter(drafter: DrafterSettings, target: ModelProfile) -> DraftPlan | None:
     """Resolve a drafter like SGLang does (defaults for unset numbers) into a `DraftPlan`."""
     if drafter.algorithm is None:
         return None
