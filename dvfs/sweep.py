@@ -31,9 +31,9 @@ from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
-from dvfs.journal import JOURNAL_NAME, Journal, describe_os_error
-from dvfs.plan import Cell, plan_cells
-from dvfs.runner import Progress, Runner, RunSummary
+from dvfs.measure.journal import JOURNAL_NAME, Journal, describe_os_error
+from dvfs.measure.plan import Cell, plan_cells
+from dvfs.measure.runner import Progress, Runner, RunSummary
 
 LOCK_NAME = "sweep.lock"
 
@@ -391,7 +391,7 @@ class DryRunPlan:
 
 def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     """Keys of the cells a rerun would skip: those measured ok in a journal of this campaign."""
-    from dvfs.journal import journal_differences, read_records
+    from dvfs.measure.journal import journal_differences, read_records
 
     journal = out_dir / JOURNAL_NAME
     if not journal.is_file():
@@ -405,7 +405,7 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
 def plan_dry_run(campaign: Campaign, out_dir: Path) -> DryRunPlan:
     """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, time, each
     drafter's server, and the corpus problems that would stop it."""
-    from dvfs.plan import summarise_plan
+    from dvfs.measure.plan import summarise_plan
 
     summary = summarise_plan(campaign, plan_cells(campaign), finished_cells(campaign, out_dir))
     knobs = campaign.knobs

@@ -8,7 +8,7 @@ import numpy as np
 import xarray as xr
 
 from dvfs.cube import CELL_DIMS
-from dvfs.meter import QUANTILES
+from dvfs.measure.meter import QUANTILES
 
 
 def make_cube(

@@ -199,7 +199,7 @@ def test_a_full_disk_while_writing_the_cube(tmp_path: Path, monkeypatch) -> None
 
 
 def test_a_full_disk_while_writing_the_journal(tmp_path: Path, monkeypatch) -> None:
-    import dvfs.journal
+    import dvfs.measure.journal
 
     campaign = write(tmp_path / "tiny.toml", TINY)
     out = tmp_path / "out"
@@ -212,7 +212,7 @@ def test_a_full_disk_while_writing_the_journal(tmp_path: Path, monkeypatch) -> N
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    monkeypatch.setattr(dvfs.journal.os, "fsync", fsync)
+    monkeypatch.setattr(dvfs.measure.journal.os, "fsync", fsync)
     result = sweep(campaign, out)
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output

@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 from conftest import SMALL_CAMPAIGN, replace_block, write
 
 from dvfs.cli import cli
-from dvfs.journal import read_records
+from dvfs.measure.journal import read_records
 
 #: One drafter, one corpus, one knob setting: 4 cells, a fraction of a second on the twin.
 TINY = replace_block(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.gpu.base import EVENT_HW_THERMAL, EVENT_SW_POWER_CAP
-from dvfs.meter import (
+from dvfs.measure.meter import (
     INVALIDATING,
     Q_CLOCK_NOT_REACHED,
     Q_COUNTER_STALLED,
@@ -258,7 +258,7 @@ class StubGpu:
 def test_energy_readings_carry_the_time_the_counter_was_read() -> None:
     """A slow energy read (40 ms per GPU) lands long after the sampling loop's own timestamp:
     interpolating at the loop's times would credit energy to the wrong instants."""
-    from dvfs.sampler import Sampler
+    from dvfs.measure.sampler import Sampler
 
     clock = ManualClock()
     gpus = [StubGpu(clock, 0, delay_ms=40), StubGpu(clock, 1, delay_ms=40)]
@@ -279,7 +279,7 @@ def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:
     to the sampler's lists after it gave up (someone else is reading them by then)."""
     import threading
 
-    from dvfs.sampler import Sampler, SamplerError
+    from dvfs.measure.sampler import Sampler, SamplerError
 
     clock = ThreadClock()
     gate = threading.Event()
@@ -298,7 +298,7 @@ def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:
 
 def test_a_failed_reading_is_raised_when_the_sampler_stops() -> None:
     from dvfs.errors import GpuError
-    from dvfs.sampler import Sampler
+    from dvfs.measure.sampler import Sampler
 
     clock = ManualClock()
     gpu = StubGpu(clock)

@@ -19,9 +19,9 @@ from test_sweep import assert_cubes_equal
 from dvfs.cli import cli
 from dvfs.cube import TIMELINE, VARIABLES, build_cube, open_cube
 from dvfs.errors import CubeError, JournalError
-from dvfs.journal import Journal, read_records
-from dvfs.meter import Acceptance, CellMeasurement, LatencyStats
-from dvfs.plan import Cell
+from dvfs.measure.journal import Journal, read_records
+from dvfs.measure.meter import Acceptance, CellMeasurement, LatencyStats
+from dvfs.measure.plan import Cell
 from dvfs.records import (
     JOURNAL_SCHEMA,
     QUANTITIES,

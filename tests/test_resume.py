@@ -18,8 +18,8 @@ from test_journal import TINY, assert_one_line_error
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
 from dvfs.errors import EngineError
-from dvfs.journal import read_records
-from dvfs.runner import Runner
+from dvfs.measure.journal import read_records
+from dvfs.measure.runner import Runner
 
 
 def invoke(*args: str) -> Result:

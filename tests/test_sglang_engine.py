@@ -344,7 +344,7 @@ def test_no_orphan_server_when_dvfs_is_killed(tmp_path: Path) -> None:
 
 
 def test_acceptance_is_nan_without_speculation_not_one_or_zero(tmp_path: Path) -> None:
-    from dvfs.meter import acceptance
+    from dvfs.measure.meter import acceptance
 
     assert math.isnan(acceptance([]).accept_length)
 

@@ -15,7 +15,7 @@ from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, writ
 
 from dvfs.cli import cli
 from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build_cube, open_cube
-from dvfs.journal import read_records
+from dvfs.measure.journal import read_records
 
 
 def sweep(args: list[str]) -> object:

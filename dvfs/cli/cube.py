@@ -28,7 +28,7 @@ def cube() -> None:
 def build(sweep_dir: Path, out_path: Path | None) -> None:
     """Rebuild SWEEP_DIR's cube from its journal (safe to run while a sweep is going)."""
     from dvfs.cube import CUBE_NAME, build_cube, write_cube
-    from dvfs.journal import JOURNAL_NAME
+    from dvfs.measure.journal import JOURNAL_NAME
 
     ds = build_cube(sweep_dir / JOURNAL_NAME)
     path = write_cube(ds, out_path or sweep_dir / CUBE_NAME)
@@ -61,7 +61,7 @@ def _render(summary: dict[str, Any], ds: Any) -> None:
 
     from rich.table import Table
 
-    from dvfs.meter import describe_quality
+    from dvfs.measure.meter import describe_quality
 
     out = console()
     out.print(

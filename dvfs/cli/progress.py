@@ -1,11 +1,11 @@
-"""A rich progress bar for the runner (implements `dvfs.runner.Progress`)."""
+"""A rich progress bar for the runner (implements `dvfs.measure.runner.Progress`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from dvfs.cli.common import escape
-from dvfs.plan import Cell
+from dvfs.measure.plan import Cell
 
 
 class RichProgress:
@@ -57,7 +57,7 @@ class RichProgress:
     def advance(self, cell: Cell, status: str) -> None:
         if status != "ok":
             self.failed += 1
-        from dvfs.runner import cell_label
+        from dvfs.measure.runner import cell_label
 
         self._progress.update(self._task, advance=1, failed=self.failed, current=cell_label(cell))
 

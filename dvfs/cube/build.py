@@ -22,8 +22,8 @@ from dvfs.cube.schema import (
     VARIABLES,
 )
 from dvfs.errors import CubeError
-from dvfs.journal import read_records
-from dvfs.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
+from dvfs.measure.journal import read_records
+from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
     CampaignFacts,
     Header,

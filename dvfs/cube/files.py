@@ -17,7 +17,7 @@ import numpy as np
 
 from dvfs.cube.schema import COORD_ATTRS, LABEL_DIMS, VARIABLES, check_cube
 from dvfs.errors import CubeError
-from dvfs.journal import JOURNAL_NAME, describe_os_error
+from dvfs.measure.journal import JOURNAL_NAME, describe_os_error
 
 if TYPE_CHECKING:
     import xarray as xr

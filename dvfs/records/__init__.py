@@ -1,5 +1,5 @@
 """The journal's record format in one place: the runner writes through it, the cube reads
-through it, and `dvfs.journal` only stores the lines.
+through it, and `dvfs.measure.journal` only stores the lines.
 
 A measured quantity has one name: the `CellMeasurement` field, the journal key and, where the
 cube holds it, the cube variable are all spelt as the fields of `MeasurementRecord` (listed in

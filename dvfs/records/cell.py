@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from dvfs.plan import Cell
+from dvfs.measure.plan import Cell
 from dvfs.records.version import now_iso, stored_float, stored_floats, stored_int
 
 if TYPE_CHECKING:
-    from dvfs.meter import CellMeasurement
+    from dvfs.measure.meter import CellMeasurement
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Sampling the GPUs while a round runs: energy counters, power, SM clock, temperature, events.
 
 The side-effecting half of measuring a cell (a background reader on the clock's ticker, and the
-idle-power reading); `dvfs.meter` turns what it collects into a cell's numbers.
+idle-power reading); `dvfs.measure.meter` turns what it collects into a cell's numbers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measuring a cell: energy over a steady-state window, latency statistics, quality checks.
 
-Pure arithmetic on what `dvfs.sampler` read (energy counters in mJ, power, SM clock,
+Pure arithmetic on what `dvfs.measure.sampler` read (energy counters in mJ, power, SM clock,
 temperature and clock-event reasons) and on the engine's token timestamps: the window's energy
 is the counter interpolated at the window's edges. Latencies follow SGLang's own benchmark:
 TTFT is the first chunk's arrival, ITL spreads each chunk gap over the tokens it carries, TPOT

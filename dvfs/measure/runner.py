@@ -20,11 +20,11 @@ from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
 from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController
-from dvfs.journal import Journal
-from dvfs.meter import CellMeasurement, WindowPart, steady_window_ns, summarise
-from dvfs.plan import Cell
+from dvfs.measure.journal import Journal
+from dvfs.measure.meter import CellMeasurement, WindowPart, steady_window_ns, summarise
+from dvfs.measure.plan import Cell
+from dvfs.measure.sampler import Sampler, measure_idle_power_w
 from dvfs.records import JOURNAL_SCHEMA, CellRecord, Server, Session, Stock, now_iso, recorded_stock
-from dvfs.sampler import Sampler, measure_idle_power_w
 from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
