@@ -176,7 +176,7 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
 
 
 def _corpora(campaign: Campaign) -> tuple[str, str]:
-    from dvfs.sweep import corpus_shortfalls, load_corpora
+    from dvfs.corpora.prepare import corpus_shortfalls, load_corpora
 
     corpora = load_corpora(campaign)
     short = corpus_shortfalls(campaign, corpora)

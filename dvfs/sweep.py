@@ -1,7 +1,9 @@
 """Running a campaign end to end: open its backends, run the cells, write the cube.
 
-The backends come from `dvfs.backends` (the one place that picks real or simulated ones);
-`plan_dry_run` says what a sweep would do without opening any.
+The backends come from `dvfs.backends` (the one place that picks real or simulated ones),
+the corpora from `dvfs.corpora.prepare`, the cells and their measurement from `dvfs.measure`;
+this module only puts them in order. `plan_dry_run` says what a sweep would do without
+opening any backend.
 """
 
 from __future__ import annotations
@@ -22,11 +24,9 @@ from dvfs.backends import (
     open_backends,
     real_gpus,
     server_plans,
-    tokenizer_model,
 )
 from dvfs.campaign import Campaign
-from dvfs.corpora import Corpus, load_corpus
-from dvfs.corpora.model import TokenCounter
+from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
 from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
 from dvfs.gpu.base import Gpu, unsupported_clock
@@ -42,76 +42,6 @@ class SweepBusyError(JournalError):
     """Another sweep is writing to the same output folder."""
 
     exit_code = 3
-
-
-def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[str, Corpus]:
-    """Every corpus the campaign names, with token counts from the target's tokenizer if it is
-    available locally (else the documented estimate)."""
-    if count is None:
-        from dvfs.corpora.tokens import token_counter
-
-        count, _ = token_counter(tokenizer_model(campaign))
-    corpora = {}
-    for ref in campaign.workload.corpora:
-        spec = dict(ref.spec) if ref.spec is not None else None
-        corpora[ref.name] = load_corpus(
-            ref.name, spec, base_dir=campaign.base_dir, count_tokens=count
-        )
-    return corpora
-
-
-def counted_corpora(campaign: Campaign) -> tuple[dict[str, Corpus], str]:
-    """Every corpus the campaign names, counted with its target's tokenizer, and how the
-    tokens were counted (the tokenizer, or the documented estimate)."""
-    from dvfs.corpora.tokens import token_counter
-
-    count, method = token_counter(tokenizer_model(campaign))
-    return load_corpora(campaign, count), method
-
-
-def corpus_descriptions(campaign: Campaign) -> dict[str, str]:
-    """Each campaign corpus's description: its own, else the built-in one of that name."""
-    from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
-
-    descriptions = {}
-    for ref in campaign.workload.corpora:
-        spec = dict(ref.spec or ())
-        descriptions[ref.name] = str(
-            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
-        )
-    return descriptions
-
-
-def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[str]:
-    """Corpora without enough distinct prompts for the largest batch (or closed-loop pool)."""
-    from dvfs.corpora.sampling import eligible_prompts
-
-    w = campaign.workload
-    largest = max(w.batch_sizes)
-    lo, hi = w.input_tokens
-    problems = []
-    for name, corpus in corpora.items():
-        usable = len(eligible_prompts(corpus, w.input_tokens))
-        if w.mode == "closed-loop":
-            need = w.pool_size or largest + 1
-            what = f"a closed-loop pool for batch {largest}"
-        else:
-            need, what = largest, f"batch {largest}"
-        if usable < need:
-            problems.append(
-                f"corpus {name!r} has {usable} prompts within {lo}-{hi} input tokens; "
-                f"{what} needs {need}"
-            )
-    return problems
-
-
-def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
-    problems = corpus_shortfalls(campaign, corpora)
-    if problems:
-        raise CorpusError(
-            "; ".join(problems) + ". Lower the batch sizes, widen "
-            "workload.input_tokens, or add prompts"
-        )
 
 
 def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:

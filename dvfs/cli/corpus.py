@@ -27,7 +27,7 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
         corpora = {name: load_corpus(name) for name in BUILTIN_CORPORA}
         return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS)
     from dvfs.campaign import load_campaign
-    from dvfs.sweep import corpus_descriptions, counted_corpora
+    from dvfs.corpora.prepare import corpus_descriptions, counted_corpora
 
     campaign = load_campaign(campaign_file)
     corpora, method = counted_corpora(campaign)

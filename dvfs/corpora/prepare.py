@@ -1,0 +1,85 @@
+"""A campaign's corpora made ready to measure: loaded, token-counted with the target's
+tokenizer, and checked for enough prompts before a sweep touches a GPU.
+
+Apart from `dvfs.sweep` so the doctor and `dvfs corpus` can ask the same questions without
+loading the sweep's orchestration.
+"""
+
+from __future__ import annotations
+
+from dvfs.backends import tokenizer_model
+from dvfs.campaign import Campaign
+from dvfs.corpora.model import Corpus, TokenCounter
+from dvfs.corpora.registry import load_corpus
+from dvfs.errors import CorpusError
+
+
+def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[str, Corpus]:
+    """Every corpus the campaign names, with token counts from the target's tokenizer if it is
+    available locally (else the documented estimate)."""
+    if count is None:
+        from dvfs.corpora.tokens import token_counter
+
+        count, _ = token_counter(tokenizer_model(campaign))
+    corpora = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec) if ref.spec is not None else None
+        corpora[ref.name] = load_corpus(
+            ref.name, spec, base_dir=campaign.base_dir, count_tokens=count
+        )
+    return corpora
+
+
+def counted_corpora(campaign: Campaign) -> tuple[dict[str, Corpus], str]:
+    """Every corpus the campaign names, counted with its target's tokenizer, and how the
+    tokens were counted (the tokenizer, or the documented estimate)."""
+    from dvfs.corpora.tokens import token_counter
+
+    count, method = token_counter(tokenizer_model(campaign))
+    return load_corpora(campaign, count), method
+
+
+def corpus_descriptions(campaign: Campaign) -> dict[str, str]:
+    """Each campaign corpus's description: its own, else the built-in one of that name."""
+    from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
+
+    descriptions = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec or ())
+        descriptions[ref.name] = str(
+            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
+        )
+    return descriptions
+
+
+def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[str]:
+    """Corpora without enough distinct prompts for the largest batch (or closed-loop pool)."""
+    from dvfs.corpora.sampling import eligible_prompts
+
+    w = campaign.workload
+    largest = max(w.batch_sizes)
+    lo, hi = w.input_tokens
+    problems = []
+    for name, corpus in corpora.items():
+        usable = len(eligible_prompts(corpus, w.input_tokens))
+        if w.mode == "closed-loop":
+            need = w.pool_size or largest + 1
+            what = f"a closed-loop pool for batch {largest}"
+        else:
+            need, what = largest, f"batch {largest}"
+        if usable < need:
+            problems.append(
+                f"corpus {name!r} has {usable} prompts within {lo}-{hi} input tokens; "
+                f"{what} needs {need}"
+            )
+    return problems
+
+
+def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
+    """Refuse a campaign whose corpora cannot fill its largest batch (a `CorpusError`)."""
+    problems = corpus_shortfalls(campaign, corpora)
+    if problems:
+        raise CorpusError(
+            "; ".join(problems) + ". Lower the batch sizes, widen "
+            "workload.input_tokens, or add prompts"
+        )
