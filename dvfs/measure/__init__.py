@@ -3,6 +3,8 @@ cell's knobs and decodes while `sampler` reads power and energy in the backgroun
 turns the samples and rounds into a cell's statistics, and `journal` appends each cell as a
 JSON line (in the `dvfs.records` format) so a sweep can resume.
 
-Nothing is re-exported here: `dvfs.records` imports `plan` and `meter`, and the journal
-imports `dvfs.records`, so the package stays a plain folder to keep that chain acyclic.
+Nothing is re-exported here: a caller imports the one module it needs, so the CLI's progress
+bar can name a `Cell` without loading the runner's engines and GPUs, and `dvfs.records`
+(which names `plan`'s cells and `meter`'s measurements) sits below `journal` with no loop
+through this package.
 """
