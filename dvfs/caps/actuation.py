@@ -1,0 +1,311 @@
+"""Putting caps on GPUs: plan against this host, apply, reset, and record what was applied.
+
+NVML cannot read a clock lock back, so what `apply_actions` locks is recorded in the state
+directory (`AppliedCaps`): the record is how `cap show` and a later sweep know a lock is in
+place. Applying and resetting run under the sweep's safety layer (`dvfs.gpu.safety`: per-GPU
+locks, state files, signals unwinding), which is why this lives apart from the file format.
+Simulated caps are refused unless asked explicitly (`allow_simulated`), and then matched by
+model name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dvfs.caps.files import CapsFile, base_model_name
+from dvfs.errors import CapsError, GpuError
+from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.knobs import GatheredFailures
+
+APPLIED_NAME = "caps-applied.json"
+
+
+class CapsPartlyAppliedError(CapsError):
+    """Caps were applied to the GPUs the file matches; entries for others matched nothing."""
+
+    exit_code = 5
+
+
+@dataclass(frozen=True)
+class CapAction:
+    """What applying a caps file does to one GPU."""
+
+    index: int
+    uuid: str
+    lock_mhz: tuple[int, int] | None
+    power_limit_mw: int | None
+    current_power_limit_mw: int
+
+    def describe(self) -> str:
+        parts = []
+        if self.lock_mhz:
+            parts.append(f"lock SM clock to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
+        if self.power_limit_mw is not None:
+            change = (
+                "unchanged"
+                if self.power_limit_mw == self.current_power_limit_mw
+                else f"from {self.current_power_limit_mw / 1000:g} W"
+            )
+            parts.append(f"power limit {self.power_limit_mw / 1000:g} W ({change})")
+        return f"GPU {self.index} ({self.uuid}): " + ", ".join(parts)
+
+
+class AppliedCaps:
+    """dvfs's record of the caps it applied (NVML cannot read a clock lock back)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / APPLIED_NAME
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise CapsError(f"{self.path} is unreadable ({exc}); remove it and re-apply") from exc
+        if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
+            raise CapsError(
+                f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
+                "remove it and re-apply"
+            )
+        return data
+
+    def locks(self) -> dict[str, tuple[int, int]]:
+        return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
+
+    def write(self, records: dict[str, dict[str, Any]]) -> None:
+        from dvfs.gpu.safety import ensure_dir, write_json_atomic
+
+        if not records:
+            if self.path.exists():
+                self.path.unlink()
+            return
+        ensure_dir(self.path.parent)
+        write_json_atomic(self.path, records)
+
+
+@dataclass(frozen=True)
+class CapsPlan:
+    """What applying a caps file on this host does, and which of its entries match nothing.
+
+    A GPU UUID that is not here means the file was meant for another host or a GPU was
+    replaced (`unmatched`); a model that is not here is normal for a fleet file (`unused`).
+    """
+
+    actions: tuple[CapAction, ...]
+    unmatched: tuple[str, ...]
+    host: str
+    unused: tuple[str, ...] = ()
+
+    def unmatched_message(self, where: str) -> str:
+        return (
+            f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
+            f"(it has {self.host}); caps went to the GPUs that match"
+        )
+
+    def unused_message(self, where: str) -> str:
+        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries were skipped"
+
+
+def describe_host(gpus: Sequence[Gpu]) -> str:
+    """The host's GPUs for messages: index, model name and UUID."""
+    if not gpus:
+        return "no GPUs"
+    return "; ".join(f"GPU {g.identity.index} {g.identity.name} ({g.identity.uuid})" for g in gpus)
+
+
+def plan_actions(
+    caps: CapsFile,
+    gpus: Sequence[Gpu],
+    *,
+    where: str = "the caps file",
+    allow_simulated: bool = False,
+) -> CapsPlan:
+    """Match caps to this host's GPUs and validate them against each GPU's supported clocks
+    and power range, without writing.
+
+    Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
+    GPU at all; entries that match nothing are listed in the plan for the caller to report.
+    """
+    host = describe_host(gpus)
+    if caps.simulated and not allow_simulated:
+        measured = caps.meta.get("measured_on") or "a digital twin"
+        models = sorted({base_model_name(c.name) for c in caps.caps if c.name})
+        target = f"GPUs of model {', '.join(models)}" if models else "the GPUs it names"
+        raise CapsError(
+            f"{where} holds simulated caps, planned from a digital-twin cube ({measured}), not "
+            f"from measurements of real GPUs: sweep the real GPUs and plan again, or pass "
+            f"--allow-simulated to apply them to {target} anyway"
+        )
+    actions = []
+    matched: set[int] = set()
+    for gpu in gpus:
+        ident = gpu.identity
+        cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
+        if cap is None:
+            continue
+        matched.add(id(cap))
+        lock = None
+        if cap.sm_clock_max_mhz is not None:
+            supported = gpu.supported_sm_clocks_mhz()
+            low = cap.sm_clock_min_mhz if cap.sm_clock_min_mhz is not None else min(supported)
+            for mhz in (low, cap.sm_clock_max_mhz):
+                problem = unsupported_clock(mhz, supported)
+                if problem:
+                    raise CapsError(f"GPU {ident.index}: {problem}")
+            lock = (low, cap.sm_clock_max_mhz)
+        limit = None
+        if cap.power_limit_w is not None:
+            limit = round(cap.power_limit_w * 1000)
+            problem = gpu.power_limit_range().outside(limit)
+            if problem:
+                raise CapsError(f"GPU {ident.index}: {problem}")
+        actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
+    if not actions:
+        raise CapsError(
+            f"{where} matches no GPU on this host, so nothing was capped: it names "
+            f"{caps.expected()}; this host has {host} (`dvfs gpu list`)"
+        )
+    unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
+    unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
+    return CapsPlan(tuple(actions), unmatched, host, unused)
+
+
+def apply_actions(
+    actions: Sequence[CapAction], gpus: Sequence[Gpu], record: AppliedCaps, source: str
+) -> None:
+    """Write the caps, recording each applied GPU; failures are gathered and reported together.
+
+    The record is written even when a signal or a hung call ends the loop early, so `cap show`
+    and a later sweep know about every lock that was put in place.
+    """
+    by_uuid = {g.identity.uuid: g for g in gpus}
+    applied = record.read()
+    failures = GatheredFailures()
+    try:
+        for action in actions:
+            gpu = by_uuid[action.uuid]
+            entry: dict[str, Any] = {
+                "lock_mhz": None,
+                "power_limit_mw": None,
+                "source": source,
+                "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+            try:
+                if action.lock_mhz is not None:
+                    gpu.lock_sm_clock(*action.lock_mhz)
+                    entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
+                    applied[action.uuid] = entry
+                if action.power_limit_mw is not None:
+                    if action.power_limit_mw != gpu.power_limit_mw():
+                        gpu.set_power_limit_mw(action.power_limit_mw)
+                    entry["power_limit_mw"] = action.power_limit_mw
+                    applied[action.uuid] = entry
+            except GpuError as exc:
+                failures.add(exc)
+    finally:
+        record.write(applied)
+    failures.raise_if_any("could not apply caps: ")
+
+
+def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
+    """Unlock clocks and restore default power limits; returns what was done per GPU."""
+    applied = record.read()
+    failures = GatheredFailures()
+    done = []
+    try:
+        for gpu in gpus:
+            ident = gpu.identity
+            try:
+                gpu.reset_sm_clock()
+                default = gpu.power_limit_range().default_mw
+                if gpu.power_limit_mw() != default:
+                    gpu.set_power_limit_mw(default)
+                applied.pop(ident.uuid, None)
+                done.append(
+                    f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
+                    f"{default / 1000:g} W (default)"
+                )
+            except GpuError as exc:
+                failures.add(exc)
+    finally:  # even when a signal ends the loop early
+        record.write(applied)
+    failures.raise_if_any("could not reset caps: ")
+    return done
+
+
+def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: str) -> None:
+    """Apply a plan's actions under the same safety layer as a sweep: each GPU's lock held,
+    GPUs with unrestored changes refused, and signals unwinding rather than killing."""
+    from dvfs.gpu.safety import GpuLocks, StateStore
+    from dvfs.signals import signals_raise
+
+    wanted = {a.uuid for a in plan.actions}
+    targets = [g for g in gpus if g.identity.uuid in wanted]
+    with signals_raise(), GpuLocks(directory).hold(targets):
+        StateStore(directory).refuse_if_pending(targets)
+        apply_actions(plan.actions, targets, AppliedCaps(directory), source)
+
+
+def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
+    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs."""
+    from dvfs.gpu.safety import GpuLocks
+    from dvfs.signals import signals_raise
+
+    with signals_raise(), GpuLocks(directory).hold(gpus):
+        return reset_caps(gpus, AppliedCaps(directory))
+
+
+def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
+    """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
+    record (NVML cannot read a lock back)."""
+    applied = AppliedCaps(directory).read()
+    rows = []
+    for g in gpus:
+        ident = g.identity
+        record = applied.get(ident.uuid, {})
+        limits = g.power_limit_range()
+        rows.append(
+            {
+                "index": ident.index,
+                "uuid": ident.uuid,
+                "name": ident.name,
+                "enforced_power_limit_w": g.enforced_power_limit_mw() / 1000,
+                "configured_power_limit_w": g.power_limit_mw() / 1000,
+                "default_power_limit_w": limits.default_mw / 1000,
+                "sm_clock_lock_mhz": record.get("lock_mhz"),
+                "sm_clock_mhz": g.sm_clock_mhz(),
+                "caps_source": record.get("source"),
+                "applied": record.get("applied"),
+            }
+        )
+    return rows
+
+
+def reset_gpus(
+    gpus: Sequence[Gpu], directory: Path, *, defaults: bool, note: Callable[[str], None]
+) -> bool:
+    """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
+    reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
+    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do."""
+    from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
+    from dvfs.signals import signals_raise
+
+    store = StateStore(directory)
+    with_state = [g for g in gpus if store.pending(g.identity.uuid)]
+    if not with_state and not defaults:
+        return False
+    targets = list(gpus) if defaults else with_state
+    with signals_raise(), GpuLocks(directory).hold(targets):
+        for line in restore_pending(with_state, store):
+            note(f"restored {line}")
+        if defaults:
+            others = [g for g in gpus if g not in with_state]
+            for line in reset_caps(others, AppliedCaps(directory)):
+                note(f"reset {line}")
+    return True

@@ -1,0 +1,240 @@
+"""The caps file: what `dvfs cap plan` writes and `dvfs cap apply` reads (TOML).
+
+A caps file names GPUs by UUID (or, for a fleet, by model name) with an SM-clock cap and/or a
+power limit. Caps planned from a digital-twin cube are marked simulated (`[meta] simulated =
+true`) and name the twin's GPU model, never its made-up UUID. This module only parses, checks
+and writes the format; planning (`dvfs.caps.planning`) and actuation (`dvfs.caps.actuation`)
+build on it, so a reader of the format needs neither headroom documents nor GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dvfs.errors import CapsError
+
+CAPS_SCHEMA = 1
+#: How the twin's GPUs name themselves: the NVML model name with this suffix.
+TWIN_SUFFIX = " (twin)"
+
+
+@dataclass(frozen=True)
+class GpuCap:
+    """Caps for one GPU (uuid) or every GPU of a model (name); None leaves a knob at stock."""
+
+    uuid: str | None = None
+    name: str | None = None
+    sm_clock_max_mhz: int | None = None
+    sm_clock_min_mhz: int | None = None
+    power_limit_w: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.uuid is None) == (self.name is None):
+            raise CapsError("each cap names exactly one of uuid (one GPU) or name (a GPU model)")
+        if self.sm_clock_max_mhz is None and self.power_limit_w is None:
+            raise CapsError(
+                f"cap for {self.uuid or self.name} sets neither a clock nor a power limit"
+            )
+        if self.sm_clock_min_mhz is not None and self.sm_clock_max_mhz is None:
+            raise CapsError(
+                f"cap for {self.uuid or self.name}: sm_clock_min_mhz needs sm_clock_max_mhz"
+            )
+        if (
+            self.sm_clock_min_mhz is not None
+            and self.sm_clock_max_mhz is not None
+            and self.sm_clock_min_mhz > self.sm_clock_max_mhz
+        ):
+            raise CapsError(
+                f"cap for {self.uuid or self.name}: sm_clock_min_mhz is above sm_clock_max_mhz"
+            )
+
+
+@dataclass(frozen=True)
+class CapsFile:
+    caps: tuple[GpuCap, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def simulated(self) -> bool:
+        """Planned from a digital twin's cube, not from measurements of real GPUs."""
+        return self.meta.get("simulated") is True or any(is_twin_name(c.name) for c in self.caps)
+
+    def for_gpu(self, uuid: str, name: str, *, twin_models: bool = False) -> GpuCap | None:
+        """A GPU's own entry, else its model's entry; with `twin_models` a twin's model name
+        ("NVIDIA H100 80GB HBM3 (twin)") also matches the real model."""
+        for cap in self.caps:
+            if cap.uuid == uuid:
+                return cap
+        for cap in self.caps:
+            if cap.name is None:
+                continue
+            if cap.name == name or (
+                twin_models and base_model_name(cap.name) == base_model_name(name)
+            ):
+                return cap
+        return None
+
+    def expected(self) -> str:
+        """What the file names, for messages: its UUIDs and model names."""
+        parts = [c.uuid for c in self.caps if c.uuid]
+        parts += [f"model {c.name!r}" for c in self.caps if c.name]
+        return ", ".join(p for p in parts if p)
+
+
+def base_model_name(name: str) -> str:
+    """A GPU model's NVML name without the twin's suffix."""
+    return name.removesuffix(TWIN_SUFFIX)
+
+
+def is_twin_name(name: str | None) -> bool:
+    return bool(name) and str(name).endswith(TWIN_SUFFIX)
+
+
+def _check_file_safety(path: Path) -> None:
+    """As root, a caps file anyone can write would let anyone set GPU caps: refuse it."""
+    if os.geteuid() != 0:
+        return
+    info = path.stat()
+    if info.st_mode & stat.S_IWOTH:
+        raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
+    if info.st_uid != 0:
+        raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
+
+
+def _int_or_none(table: dict[str, Any], key: str) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CapsError(f"{key} must be a positive integer (MHz), got {value!r}")
+    return value
+
+
+def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
+    allowed_top = {"dvfs_caps", "meta", "gpu", "model"}
+    unknown = sorted(set(data) - allowed_top)
+    if unknown:
+        raise CapsError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: "
+            f"{', '.join(sorted(allowed_top))}"
+        )
+    version = data.get("dvfs_caps", CAPS_SCHEMA)
+    if version != CAPS_SCHEMA:
+        raise CapsError(f"{where}: caps schema {version} is not {CAPS_SCHEMA}")
+    caps = []
+    for kind in ("gpu", "model"):
+        entries = data.get(kind, [])
+        if not isinstance(entries, list):
+            raise CapsError(f"{where}: [[{kind}]] must be an array of tables")
+        for i, entry in enumerate(entries):
+            here = f"{where}: [[{kind}]] #{i + 1}"
+            if not isinstance(entry, dict):
+                raise CapsError(f"{here}: must be a table ([[{kind}]] with keys), got {entry!r}")
+            key = "uuid" if kind == "gpu" else "name"
+            allowed = {key, "sm_clock_max_mhz", "sm_clock_min_mhz", "power_limit_w", "comment"}
+            extra = sorted(set(entry) - allowed)
+            if extra:
+                raise CapsError(
+                    f"{here}: unknown key(s) {', '.join(extra)}; allowed: "
+                    f"{', '.join(sorted(allowed))}"
+                )
+            ident = entry.get(key)
+            if not isinstance(ident, str) or not ident:
+                raise CapsError(f"{here}: needs a {key} string")
+            if kind == "gpu" and not ident.startswith("GPU-"):
+                raise CapsError(
+                    f"{here}: {ident!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
+                )
+            power = entry.get("power_limit_w")
+            if power is not None and (
+                isinstance(power, bool)
+                or not isinstance(power, int | float)
+                or not math.isfinite(power)
+                or power <= 0
+            ):
+                raise CapsError(f"{here}: power_limit_w must be a positive number, got {power!r}")
+            try:
+                caps.append(
+                    GpuCap(
+                        uuid=ident if kind == "gpu" else None,
+                        name=ident if kind == "model" else None,
+                        sm_clock_max_mhz=_int_or_none(entry, "sm_clock_max_mhz"),
+                        sm_clock_min_mhz=_int_or_none(entry, "sm_clock_min_mhz"),
+                        power_limit_w=None if power is None else float(power),
+                    )
+                )
+            except CapsError as exc:
+                raise CapsError(f"{here}: {exc}") from exc
+    if not caps:
+        raise CapsError(f"{where}: no [[gpu]] or [[model]] entries")
+    uuids = [c.uuid for c in caps if c.uuid]
+    if len(set(uuids)) != len(uuids):
+        raise CapsError(f"{where}: a GPU UUID appears twice")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise CapsError(f"{where}: [meta] must be a table")
+    if not isinstance(meta.get("simulated", False), bool):
+        raise CapsError(f"{where}: [meta] simulated must be true or false")
+    return CapsFile(tuple(caps), meta)
+
+
+def load_caps(path: str | Path) -> CapsFile:
+    path = Path(path)
+    if not path.exists():
+        raise CapsError(f"caps file {path} does not exist")
+    _check_file_safety(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CapsError(f"{path}: not a caps file (not UTF-8 text: {exc.reason})") from exc
+    return parse_caps(data, where=str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))
+
+
+def dump_caps(caps: CapsFile) -> str:
+    lines = [
+        "# GPU caps written by `dvfs cap plan`; apply with `dvfs cap apply FILE`",
+        "# (or at boot through systemd/dvfs-caps.service).",
+    ]
+    if caps.simulated:
+        lines += [
+            f"# SIMULATED: planned from a digital-twin cube ({caps.meta.get('measured_on')}),",
+            "# not from measurements of real GPUs. `dvfs cap apply` refuses this file unless",
+            "# given --allow-simulated, and then matches GPUs by model name.",
+        ]
+    lines += [
+        f"dvfs_caps = {CAPS_SCHEMA}",
+        "",
+        "[meta]",
+    ]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in caps.meta.items() if v is not None]
+    for cap in caps.caps:
+        lines += ["", "[[gpu]]" if cap.uuid else "[[model]]"]
+        lines.append(
+            f"uuid = {json.dumps(cap.uuid)}" if cap.uuid else f"name = {json.dumps(cap.name)}"
+        )
+        if cap.sm_clock_max_mhz is not None:
+            lines.append(f"sm_clock_max_mhz = {cap.sm_clock_max_mhz}")
+        if cap.sm_clock_min_mhz is not None:
+            lines.append(f"sm_clock_min_mhz = {cap.sm_clock_min_mhz}")
+        if cap.power_limit_w is not None:
+            lines.append(f"power_limit_w = {cap.power_limit_w:g}")
+    return "\n".join(lines) + "\n"
