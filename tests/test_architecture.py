@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, no private names borrowed across modules.
+"""The package's shape: no import cycles, no private names borrowed across modules, and the
+configuration layer below the engines, GPUs and CLI that consume it.
 
 Read from the source with `ast` (nothing is imported), so the test also sees imports inside
 functions: a lazy import that closes a loop still couples the two modules both ways. The CLI's
@@ -192,6 +193,48 @@ def test_no_import_cycles() -> None:
 def test_no_private_names_across_modules() -> None:
     _, private = _graph()
     assert not private, "private names used outside their module:\n" + "\n".join(private)
+
+
+#: What the campaign (configuration) may not import: it describes a sweep, and the engines, GPU
+#: backends and CLI that carry one out depend on it, never the reverse. `dvfs.gpu.base` is
+#: allowed: it is pure data and helpers (the `Gpu` protocol, event-reason bits,
+#: `unsupported_clock`) that a grid is checked against, and imports nothing from dvfs.
+LAYERS_BELOW: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "dvfs.campaign": (("dvfs.engines", "dvfs.gpu", "dvfs.cli"), ("dvfs.gpu.base",)),
+}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for layer, (forbidden, allowed) in LAYERS_BELOW.items():
+        for module in sorted(m for m in graph if _within(m, layer)):
+            for target in sorted(graph[module]):
+                if any(_within(target, a) for a in allowed):
+                    continue
+                if any(_within(target, f) for f in forbidden):
+                    found.append(f"{module} imports {target}")
+    return found
+
+
+def test_configuration_imports_no_engine_gpu_backend_or_cli() -> None:
+    graph, _ = _graph()
+    violations = _layer_violations(graph)
+    assert not violations, "configuration reaching up:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_finds_a_violation() -> None:
+    graph = {
+        "dvfs.campaign.x": {"dvfs.engines.sglang_args", "dvfs.gpu.base", "dvfs.gpu.nvml"},
+        "dvfs.campaigns": {"dvfs.engines"},  # a sibling whose name shares the prefix
+    }
+    assert _layer_violations(graph) == [
+        "dvfs.campaign.x imports dvfs.engines.sglang_args",
+        "dvfs.campaign.x imports dvfs.gpu.nvml",
+    ]
 
 
 def test_cycle_finder_finds_a_loop() -> None:

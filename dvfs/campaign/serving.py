@@ -1,6 +1,6 @@
 """The [engine] and [drafters.*] tables: which server runs, and how it speculates.
 
-Checks here follow SGLang's flag rules (`dvfs.engines.sglang_args`) and, for the twin, ask the
+Checks here follow SGLang's flag rules (`dvfs.campaign.sglang_flags`) and, for the twin, ask the
 twin's draft planner (`dvfs.twin.drafting`) whether it can model a drafter, so a campaign is
 refused at load rather than mid-sweep.
 """
@@ -20,6 +20,7 @@ from dvfs.campaign.model import (
     GpuConfig,
     SglangConfig,
 )
+from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND, managed_flag
 from dvfs.campaign.table import Table, argv_list
 from dvfs.errors import CampaignError
 
@@ -70,8 +71,6 @@ def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
 
 
 def _attention_backend(sg: Table) -> str:
-    from dvfs.engines.sglang_args import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND
-
     value: str = sg.string("attention_backend", DEFAULT_ATTENTION_BACKEND)
     if value != "auto" and value not in ATTENTION_BACKENDS:
         raise sg.fail(
@@ -84,8 +83,6 @@ def _attention_backend(sg: Table) -> str:
 
 def refuse_managed_flags(table: Table, key: str, args: tuple[str, ...], drafter: str) -> None:
     """Flags dvfs sets itself must not come back through extra_args (argparse keeps the last)."""
-    from dvfs.engines.sglang_args import managed_flag
-
     for token in args:
         found = managed_flag(token, drafter)
         if found is not None:

@@ -12,7 +12,8 @@
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
   is above 1 (or is 1 with --page-size above 1), so "EAGLE vs none" would also compare kernels.
 - Flags dvfs sets itself may not come back through `extra_args` (argparse keeps the last value,
-  abbreviations included): `managed_flag` finds them so the campaign loader can refuse them.
+  abbreviations included): `managed_flag` (in `dvfs.campaign.sglang_flags`, re-exported here)
+  finds them so the campaign loader can refuse them.
 - The server sees only the metered GPUs: CUDA_VISIBLE_DEVICES holds their UUIDs (CUDA and NVML
   may number GPUs differently; a UUID means the same GPU to both).
 """
@@ -27,6 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dvfs.campaign.model import Campaign, DrafterSpec
+from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
+from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTENTION_BACKEND
+from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
+from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import EngineError
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
@@ -36,61 +41,6 @@ ALGORITHMS_BY_VERSION = {
     (0, 5, 9): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
     (0, 5, 23): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"),
 }
-
-
-#: Values of `--attention-backend` in SGLang 0.5.9 and 0.5.23 (their option tables' choices).
-ATTENTION_BACKENDS = (
-    "aiter", "ascend", "compressed", "cutedsl_mla", "cutlass_mla", "dsa", "dsv4",
-    "dual_chunk_flash_attn", "fa3", "fa4", "flashinfer", "flashmla", "flex_attention",
-    "hpc_ops", "intel_amx", "intel_xpu", "llada2_cfg_flashinfer", "minicpm_flashattn",
-    "minicpm_flashinfer", "nsa", "qsa", "tokenspeed_mla", "torch_native", "triton",
-    "trtllm_mha", "trtllm_mla", "wave",
-)  # fmt: skip
-#: engine.sglang.attention_backend's default: SGLang's own pick on Hopper for every drafter but
-#: EAGLE with topk > 1, and a kernel that serves every drafter (EAGLE trees included).
-DEFAULT_ATTENTION_BACKEND = "fa3"
-#: Flags dvfs sets in every launch argv (aliases included), and the campaign key that sets each.
-#: `{drafter}` is filled with the drafter's table.
-MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--model-path", "--model"), "engine.model"),
-    (("--host",), "engine.sglang.host"),
-    (("--port",), "engine.sglang.url to serve on a port of your choosing (dvfs picks a free one)"),
-    (("--tp-size", "--tensor-parallel-size"), "engine.tp_size"),
-    (("--base-gpu-id",), "gpu.devices (dvfs pins the server to them)"),
-    (("--attention-backend",), "engine.sglang.attention_backend"),
-    (("--prefill-attention-backend",), "engine.sglang.attention_backend"),
-    (("--decode-attention-backend",), "engine.sglang.attention_backend"),
-    (("--max-running-requests",), "workload.batch (dvfs sets it to the largest batch)"),
-    (("--cuda-graph-max-bs",), "workload.batch (dvfs sets it to the largest batch)"),
-    (("--cuda-graph-max-bs-decode",), "workload.batch (dvfs sets it to the largest batch)"),
-    (("--speculative-algorithm",), "{drafter}.algorithm"),
-    (("--speculative-draft-model-path", "--speculative-draft-model"), "{drafter}.draft_model"),
-    (("--speculative-num-steps",), "{drafter}.num_steps"),
-    (("--speculative-eagle-topk",), "{drafter}.eagle_topk"),
-    (("--speculative-num-draft-tokens",), "{drafter}.num_draft_tokens"),
-    (("--speculative-dflash-block-size",), "{drafter}.block_size"),
-)
-
-
-def managed_flag(token: str, drafter: str = "drafters.<name>") -> tuple[str, str] | None:
-    """(flag, campaign key) when argparse would read `token` as a flag dvfs sets itself.
-
-    Covers aliases, `--flag=value`, and abbreviations (SGLang's parser takes any unambiguous
-    prefix of a long flag, e.g. `--tp` for `--tp-size`). A prefix shared with a flag dvfs does not
-    manage is ambiguous, which SGLang refuses anyway.
-    """
-    if not token.startswith("--") or len(token) <= 2:
-        return None
-    name = token.split("=", 1)[0]
-    for flags, key in MANAGED_FLAGS:
-        for flag in flags:
-            if flag == name:
-                return flag, key.format(drafter=drafter)
-    for flags, key in MANAGED_FLAGS:
-        for flag in flags:
-            if flag.startswith(name):
-                return flag, key.format(drafter=drafter)
-    return None
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
