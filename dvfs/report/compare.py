@@ -1,0 +1,228 @@
+"""`dvfs compare` as a document (schema dvfs.compare/1), its tables and its Markdown."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from dvfs.report.common import (
+    as_float,
+    as_int,
+    fmt,
+    markdown_table,
+    reference_setting,
+)
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+COMPARE_SCHEMA = "dvfs.compare/1"
+
+
+def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
+    """Speculation analysis as JSON (schema dvfs.compare/1); rows carry `gpu` for merged cubes."""
+    baseline = cmp.attrs["baseline"]
+    gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
+
+    def point(gpu: str | None, **at: Any) -> dict[str, Any]:
+        return {**at, "gpu": gpu} if gpu is not None else at
+
+    def lead(gpu: str | None) -> dict[str, Any]:
+        return {"gpu": gpu} if gpu is not None else {}
+
+    rows = []
+    for gpu, batch, drafter, corpus in itertools.product(
+        gpus, cmp["batch"].values, cmp["drafter"].values, cmp["corpus"].values
+    ):
+        if str(drafter) == baseline:
+            continue
+        at = point(gpu, batch=batch, drafter=drafter, corpus=corpus)
+        rows.append(
+            {
+                **lead(gpu),
+                "batch": int(batch),
+                "drafter": str(drafter),
+                "corpus": str(corpus),
+                "energy_ratio_at_stock": as_float(cmp["energy_ratio_at_stock"].sel(at)),
+                "energy_ratio_equal_latency": as_float(cmp["energy_ratio_equal_latency"].sel(at)),
+                "energy_per_token_at_stock_j": as_float(cmp["energy_per_token_at_stock_j"].sel(at)),
+            }
+        )
+    break_even = []
+    for gpu, drafter, corpus in itertools.product(
+        gpus, cmp["drafter"].values, cmp["corpus"].values
+    ):
+        if str(drafter) == baseline:
+            continue
+        at = point(gpu, drafter=drafter, corpus=corpus)
+        break_even.append(
+            {
+                **lead(gpu),
+                "drafter": str(drafter),
+                "corpus": str(corpus),
+                "equal_clock": as_int(cmp["break_even_batch_equal_clock"].sel(at)),
+                "equal_latency": as_int(cmp["break_even_batch_equal_latency"].sel(at)),
+                "equal_clock_summary": _text(cmp, "break_even_equal_clock", at),
+                "equal_latency_summary": _text(cmp, "break_even_equal_latency", at),
+            }
+        )
+    acceptance = []
+    if "accept_length" in cmp:
+        accept = cmp["accept_length"]
+        if "gpu" in accept.dims:
+            accept = accept.mean("gpu")  # acceptance does not depend on the GPU
+        for drafter in cmp["drafter"].values:
+            for corpus in cmp["corpus"].values:
+                value = as_float(accept.sel(drafter=drafter, corpus=corpus))
+                if value is not None:
+                    acceptance.append(
+                        {"drafter": str(drafter), "corpus": str(corpus), "accept_length": value}
+                    )
+    doc: dict[str, Any] = {
+        "schema": COMPARE_SCHEMA,
+        "campaign": cube.attrs.get("campaign_name"),
+        "gpu": cube.attrs.get("gpu_name"),
+        "baseline": baseline,
+        "latency": cmp.attrs["latency"],
+        "reference": reference_setting(cmp.attrs),
+        "rows": rows,
+        "break_even_batch": break_even,
+        "acceptance": acceptance,
+    }
+    if roof is not None:
+        doc["roofline"] = {
+            "model": roof.attrs["model"],
+            "gpu_profile": roof.attrs["gpu_profile"],
+            "context_tokens": roof.attrs["context_tokens"],
+            "ridge_point": {
+                str(int(c)): as_float(v)
+                for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
+            },
+            "verify": [
+                {
+                    "batch": int(b),
+                    "drafter": str(d),
+                    "verify_tokens": as_int(roof["verify_tokens"].sel(batch=b, drafter=d)),
+                    "arithmetic_intensity": as_float(
+                        roof["arithmetic_intensity"].sel(batch=b, drafter=d)
+                    ),
+                    "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
+                }
+                for b in roof["batch"].values
+                for d in roof["drafter"].values
+            ],
+        }
+    return doc
+
+
+def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
+    """A text variable's value at a point; "no data" where it is absent (merged cubes)."""
+    if name not in ds:
+        return "no data"
+    value = ds[name].sel(at).item()
+    return value if isinstance(value, str) else "no data"
+
+
+def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
+    """The highest clock at which the verify pass is compute-bound (None: never, in this grid)."""
+    bound = roof["compute_bound"].sel(batch=batch, drafter=drafter)
+    clocks = roof["sm_clock"].values[bound.values]
+    return int(clocks.max()) if len(clocks) else None
+
+
+def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) triples for the terminal and Markdown renderings."""
+    base = doc["baseline"]
+    # A merged cube's rows carry their GPU: keep it as a column, or rows would look repeated.
+    has_gpu = any("gpu" in r for r in doc["rows"] + doc["break_even_batch"])
+    gpu_col = ["gpu"] if has_gpu else []
+
+    def gpu(r: dict[str, Any]) -> list[str]:
+        return [str(r.get("gpu", ""))[:12]] if has_gpu else []
+
+    energy = (
+        f"Energy per token relative to {base!r} (below 1 saves energy)",
+        [
+            *gpu_col,
+            "batch",
+            "drafter",
+            "corpus",
+            "at stock clock",
+            f"at equal latency ({doc['latency']})",
+        ],
+        [
+            [
+                *gpu(r),
+                str(r["batch"]),
+                r["drafter"],
+                r["corpus"],
+                fmt(r["energy_ratio_at_stock"], ".2f"),
+                fmt(
+                    r["energy_ratio_equal_latency"],
+                    ".2f",
+                    # No ratio: too slow if the drafter was measured, else nothing to compare.
+                    missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
+                ),
+            ]
+            for r in doc["rows"]
+        ],
+    )
+    even = (
+        f"Where each drafter saves energy against {base!r} (energy per token below its own)",
+        [*gpu_col, "drafter", "corpus", "equal clock", "equal latency"],
+        [
+            [
+                *gpu(r),
+                r["drafter"],
+                r["corpus"],
+                r["equal_clock_summary"],
+                r["equal_latency_summary"],
+            ]
+            for r in doc["break_even_batch"]
+        ],
+    )
+    tables = [energy, even]
+    if doc["acceptance"]:
+        corpora = sorted({a["corpus"] for a in doc["acceptance"]})
+        drafters = list(dict.fromkeys(a["drafter"] for a in doc["acceptance"]))
+        lookup = {(a["drafter"], a["corpus"]): a["accept_length"] for a in doc["acceptance"]}
+        tables.append(
+            (
+                "Mean accept length (tokens per verify pass)",
+                ["drafter", *corpora],
+                [[d, *(fmt(lookup.get((d, c)), ".2f") for c in corpora)] for d in drafters],
+            )
+        )
+    if "roofline" in doc:
+        roof = doc["roofline"]
+        tables.append(
+            (
+                f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "
+                f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
+                f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
+                ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
+                [
+                    [
+                        str(v["batch"]),
+                        v["drafter"],
+                        str(v["verify_tokens"]),
+                        fmt(v["arithmetic_intensity"], ".0f"),
+                        "never"
+                        if v["compute_bound_below_mhz"] is None
+                        else f"{v['compute_bound_below_mhz']} MHz",
+                    ]
+                    for v in roof["verify"]
+                ],
+            )
+        )
+    return tables
+
+
+def compare_markdown(doc: dict[str, Any]) -> str:
+    parts = [
+        f"## Speculative decoding vs {doc['baseline']!r}: {doc['campaign']} ({doc['gpu']})",
+        "",
+    ]
+    for title, header, rows in compare_tables(doc):
+        parts += [f"### {title}", "", markdown_table(header, rows), ""]
+    return "\n".join(parts)
