@@ -4,7 +4,11 @@ Only current NVML calls: locked GPU clocks (not the deprecated applications cloc
 power-limit setter (pynvml's `_v2` wrapper ignores errors), the total-energy counter, and
 instant power through field values. The `pynvml` module arrives as an argument, so tests hand
 in a fake with NVML's semantics. Every call has a deadline (`dvfs.gpu.deadline`): a hung driver
-call is reported as `GpuTimeoutError` naming the call and the GPU.
+call is reported as `GpuTimeoutError` naming the call and the GPU; NVML's return codes map to
+dvfs's errors through one table (`dvfs.gpu.nvml_errors`).
+
+The one adapter to the NVML API, kept whole near 400 lines: every method of `NvmlGpu` is a
+call, a deadline and a translation, so splitting it further would scatter one job.
 """
 
 from __future__ import annotations
@@ -15,27 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-from dvfs.errors import (
-    GpuError,
-    GpuNotSupportedError,
-    GpuPermissionError,
-    GpuUnavailableError,
-    GpuValueError,
-)
+from dvfs.errors import GpuNotSupportedError, GpuUnavailableError, GpuValueError
 from dvfs.gpu.base import DeviceInfo, GpuIdentity, PowerLimitRange, unsupported_clock
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
+from dvfs.gpu.nvml_errors import NvmlErrors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-NO_DRIVER_HINT = (
-    "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
-    'or run on the digital twin (gpu.backend = "twin")'
-)
-ROOT_HINT = (
-    "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service); "
-    "to sweep without changing clocks or power limits, use `dvfs sweep --observe-only`"
-)
 
 # NVML field id for instantaneous board power and its scope (nvml.h).
 FI_DEV_POWER_INSTANT = 186
@@ -69,61 +59,6 @@ def load_pynvml() -> ModuleType:
             "(not the deprecated 'pynvml' package)"
         ) from exc
     return pynvml
-
-
-class NvmlErrors:
-    """Maps an `NVMLError` to dvfs's error tree through one table of NVML return codes."""
-
-    def __init__(self, nvml: ModuleType) -> None:
-        self.nvml = nvml
-
-        def code(name: str, default: int) -> int:
-            return int(getattr(nvml, name, default))
-
-        self.table: dict[int, type[GpuError]] = {
-            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12): GpuUnavailableError,
-            code("NVML_ERROR_DRIVER_NOT_LOADED", 9): GpuUnavailableError,
-            code("NVML_ERROR_NOT_FOUND", 6): GpuUnavailableError,
-            code("NVML_ERROR_GPU_IS_LOST", 15): GpuUnavailableError,
-            code("NVML_ERROR_NO_PERMISSION", 4): GpuPermissionError,
-            code("NVML_ERROR_NOT_SUPPORTED", 3): GpuNotSupportedError,
-            code("NVML_ERROR_FUNCTION_NOT_FOUND", 13): GpuNotSupportedError,
-            code("NVML_ERROR_INVALID_ARGUMENT", 2): GpuValueError,
-        }
-        self.function_not_found = code("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
-        self.library_not_found = {
-            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
-            code("NVML_ERROR_DRIVER_NOT_LOADED", 9),
-        }
-        self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
-
-    def is_nvml_error(self, exc: BaseException) -> bool:
-        return isinstance(exc, self.nvml.NVMLError)
-
-    @contextlib.contextmanager
-    def translated(self, what: str, hint: str = "") -> Iterator[None]:
-        """NVML errors raised in the block become dvfs's (`raise ... from`); others pass."""
-        try:
-            yield
-        except Exception as exc:
-            if self.is_nvml_error(exc):
-                raise self.translate(exc, what, hint) from exc
-            raise
-
-    def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
-        value = getattr(exc, "value", None)
-        cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
-        if value in self.library_not_found:
-            return cls(f"{what}: {NO_DRIVER_HINT}")
-        if value == self.lost:
-            return cls(
-                f"{what}: the GPU has fallen off the bus (NVML: {exc}); it needs a reset "
-                "or a reboot before it can be used"
-            )
-        if cls is GpuPermissionError:
-            return cls(f"{what}: permission denied by the driver: {ROOT_HINT}")
-        detail = f"{what}: NVML says {exc}"
-        return cls(f"{detail}; {hint}" if hint else detail)
 
 
 class NvmlGpu:

@@ -1,0 +1,85 @@
+"""NVML's return codes mapped to dvfs's error tree, through one table, with the hints a user needs.
+
+Apart from `dvfs.gpu.nvml` so the mapping is read (and tested) in one place, whatever NVML call
+raised: a missing driver, a lost GPU and a permission refusal each get a message that says what
+to do next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from dvfs.errors import (
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+    GpuValueError,
+)
+
+NO_DRIVER_HINT = (
+    "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
+    'or run on the digital twin (gpu.backend = "twin")'
+)
+ROOT_HINT = (
+    "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service); "
+    "to sweep without changing clocks or power limits, use `dvfs sweep --observe-only`"
+)
+
+
+class NvmlErrors:
+    """Maps an `NVMLError` to dvfs's error tree through one table of NVML return codes."""
+
+    def __init__(self, nvml: ModuleType) -> None:
+        self.nvml = nvml
+
+        def code(name: str, default: int) -> int:
+            return int(getattr(nvml, name, default))
+
+        self.table: dict[int, type[GpuError]] = {
+            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12): GpuUnavailableError,
+            code("NVML_ERROR_DRIVER_NOT_LOADED", 9): GpuUnavailableError,
+            code("NVML_ERROR_NOT_FOUND", 6): GpuUnavailableError,
+            code("NVML_ERROR_GPU_IS_LOST", 15): GpuUnavailableError,
+            code("NVML_ERROR_NO_PERMISSION", 4): GpuPermissionError,
+            code("NVML_ERROR_NOT_SUPPORTED", 3): GpuNotSupportedError,
+            code("NVML_ERROR_FUNCTION_NOT_FOUND", 13): GpuNotSupportedError,
+            code("NVML_ERROR_INVALID_ARGUMENT", 2): GpuValueError,
+        }
+        self.function_not_found = code("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+        self.library_not_found = {
+            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+            code("NVML_ERROR_DRIVER_NOT_LOADED", 9),
+        }
+        self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
+
+    def is_nvml_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.nvml.NVMLError)
+
+    @contextlib.contextmanager
+    def translated(self, what: str, hint: str = "") -> Iterator[None]:
+        """NVML errors raised in the block become dvfs's (`raise ... from`); others pass."""
+        try:
+            yield
+        except Exception as exc:
+            if self.is_nvml_error(exc):
+                raise self.translate(exc, what, hint) from exc
+            raise
+
+    def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
+        value = getattr(exc, "value", None)
+        cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
+        if value in self.library_not_found:
+            return cls(f"{what}: {NO_DRIVER_HINT}")
+        if value == self.lost:
+            return cls(
+                f"{what}: the GPU has fallen off the bus (NVML: {exc}); it needs a reset "
+                "or a reboot before it can be used"
+            )
+        if cls is GpuPermissionError:
+            return cls(f"{what}: permission denied by the driver: {ROOT_HINT}")
+        detail = f"{what}: NVML says {exc}"
+        return cls(f"{detail}; {hint}" if hint else detail)
