@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,6 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
     return corpora, method, corpus_descriptions(campaign)
 
 
-def _stats(corpus: Any) -> dict[str, Any]:
-    tokens = [p.input_tokens for p in corpus.prompts]
-    turns = [len(p.messages) for p in corpus.prompts]
-    return {
-        "name": corpus.name,
-        "prompts": len(tokens),
-        "tokens_min": min(tokens),
-        "tokens_median": statistics.median(tokens),
-        "tokens_max": max(tokens),
-        "multi_turn": sum(t > 1 for t in turns),
-        "content_hash": corpus.content_hash,
-        "source": corpus.source,
-    }
-
-
 @click.group()
 def corpus() -> None:
     """The prompt corpora: five built-in, and your own from a campaign file."""
@@ -60,8 +44,10 @@ def corpus() -> None:
 @handle_errors
 def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     """Corpora with prompt counts and input-token statistics."""
+    from dvfs.corpora.sampling import corpus_stats
+
     corpora, method, descriptions = _corpora(campaign_file)
-    rows = [{**_stats(c), "description": descriptions.get(n, "")} for n, c in corpora.items()]
+    rows = [{**corpus_stats(c), "description": descriptions.get(n, "")} for n, c in corpora.items()]
     if as_json:
         echo_json({"token_count_method": method, "corpora": rows})
         return
@@ -99,7 +85,7 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
 @handle_errors
 def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: bool) -> None:
     """Statistics and a few prompts of corpus NAME."""
-    from dvfs.corpora.sampling import stable_seed
+    from dvfs.corpora.sampling import corpus_stats, preview_prompts
     from dvfs.errors import CorpusError
 
     corpora, method, _ = _corpora(campaign_file)
@@ -107,15 +93,12 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
         hint = "" if campaign_file else " (user corpora need --campaign FILE)"
         raise CorpusError(f"no corpus {name!r}; known: {', '.join(corpora)}{hint}")
     c = corpora[name]
-    import numpy as np
-
-    rng = np.random.default_rng(stable_seed(seed, name, "show"))
-    picks = sorted(rng.choice(len(c.prompts), size=min(count, len(c.prompts)), replace=False))
-    prompts = [c.prompts[i] for i in picks]
+    prompts = preview_prompts(c, count, seed=seed)
+    s = corpus_stats(c)
     if as_json:
         echo_json(
             {
-                **_stats(c),
+                **s,
                 "token_count_method": method,
                 "sample": [
                     {"id": p.id, "input_tokens": p.input_tokens, "messages": p.as_chat()}
@@ -124,7 +107,6 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
             }
         )
         return
-    s = _stats(c)
     out = console()
     out.print(
         f"[bold]{name}[/bold]: {s['prompts']} prompts ({s['multi_turn']} multi-turn), input "

@@ -1,9 +1,12 @@
-"""Choosing prompts for a cell: deterministic by seed, fitted to the campaign's input range."""
+"""Choosing prompts: for a cell (deterministic by seed, fitted to the campaign's input range),
+and for `dvfs corpus show` (a seeded preview, with the corpus's statistics)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import statistics
+from typing import Any
 
 import numpy as np
 
@@ -69,3 +72,28 @@ def sample_prompts(
     rng = np.random.default_rng(stable_seed(seed, corpus.name, *key))
     picks = rng.choice(len(pool), size=count, replace=False)
     return tuple(pool[i] for i in picks)
+
+
+def preview_prompts(corpus: Corpus, count: int, *, seed: int) -> tuple[Prompt, ...]:
+    """Up to `count` distinct prompts for `dvfs corpus show`, in corpus order, the same for the
+    same seed on every machine; unlike `sample_prompts`, no length range and never short."""
+    rng = np.random.default_rng(stable_seed(seed, corpus.name, "show"))
+    picks = sorted(
+        rng.choice(len(corpus.prompts), size=min(count, len(corpus.prompts)), replace=False)
+    )
+    return tuple(corpus.prompts[i] for i in picks)
+
+
+def corpus_stats(corpus: Corpus) -> dict[str, Any]:
+    """Prompt count, input-token spread and provenance, as `dvfs corpus list/show` report them."""
+    tokens = [p.input_tokens for p in corpus.prompts]
+    return {
+        "name": corpus.name,
+        "prompts": len(tokens),
+        "tokens_min": min(tokens),
+        "tokens_median": statistics.median(tokens),
+        "tokens_max": max(tokens),
+        "multi_turn": sum(len(p.messages) > 1 for p in corpus.prompts),
+        "content_hash": corpus.content_hash,
+        "source": corpus.source,
+    }
