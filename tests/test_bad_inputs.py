@@ -1259,12 +1259,12 @@ def test_the_matrix_is_big_enough() -> None:
 def test_an_unexpected_exception_is_one_line_and_vv_shows_the_traceback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dvfs.cli.corpus
+    import dvfs.corpora.sampling
 
     def boom(corpus: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(dvfs.cli.corpus, "_stats", boom)
+    monkeypatch.setattr(dvfs.corpora.sampling, "corpus_stats", boom)
     quiet = CliRunner().invoke(cli, ["corpus", "list"])
     assert isinstance(quiet.exception, SystemExit) and quiet.exit_code == 1
     assert "Traceback" not in quiet.output

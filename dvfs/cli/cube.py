@@ -53,15 +53,11 @@ def info(cube_path: Path, as_json: bool) -> None:
     if as_json:
         echo_json(summary)
         return
-    _render(summary, ds)
+    _render(summary)
 
 
-def _render(summary: dict[str, Any], ds: Any) -> None:
-    import json
-
+def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
-
-    from dvfs.measure.meter import describe_quality
 
     out = console()
     out.print(
@@ -89,14 +85,10 @@ def _render(summary: dict[str, Any], ds: Any) -> None:
     )
     table.add_row("energy/token", f"{lo:.4g} - {hi:.4g} J")
     out.print(table)
-    quality = ds["quality"].values
-    flags: dict[str, int] = {}
-    for value in quality[~(quality != quality)].astype(int).ravel():
-        for name in describe_quality(int(value)):
-            flags[name] = flags.get(name, 0) + 1
+    flags = summary["quality_flags"]
     if flags:
-        out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in sorted(flags.items())))
-    failed = json.loads(ds.attrs.get("failed_cells", "[]"))
+        out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in flags.items()))
+    failed = summary["failed_cells"]
     for item in failed[:5]:
         out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")
     if len(failed) > 5:

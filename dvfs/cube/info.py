@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
+from dvfs.measure.meter import describe_quality
 from dvfs.records import CampaignFacts
 
 if TYPE_CHECKING:
@@ -28,8 +29,20 @@ def _stock_text(ds: xr.Dataset) -> str:
     return f"{how} {clock} MHz; power limit {limit} W as found at start"
 
 
+def quality_counts(ds: xr.Dataset) -> dict[str, int]:
+    """How many measured cells raised each quality flag, by flag name (sorted)."""
+    if "quality" not in ds:
+        return {}
+    quality = ds["quality"].values
+    flags: dict[str, int] = {}
+    for value in quality[quality == quality].astype(int).ravel():  # NaN: not measured
+        for name in describe_quality(int(value)):
+            flags[name] = flags.get(name, 0) + 1
+    return dict(sorted(flags.items()))
+
+
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
-    """A summary for `dvfs cube info`: dimensions, coverage, provenance."""
+    """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance."""
     status = ds["cell_status"].values
     total = status.size
     if "gpu" in ds.dims:
@@ -66,6 +79,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
             if (status == STATUS_OK).any()
             else math.nan,
         ],
+        "quality_flags": quality_counts(ds),
+        "failed_cells": json.loads(ds.attrs.get("failed_cells", "[]")),
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
