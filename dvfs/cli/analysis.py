@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,37 +55,15 @@ def cube_argument(func: Any) -> Any:
     return click.argument("cube_path", type=click.Path(path_type=Path))(func)
 
 
-def _open(cube_path: Path) -> Any:
-    """The cube, refused in one line when it holds no valid measurement to analyse."""
-    from dvfs.cube import CUBE_NAME, open_cube
-    from dvfs.errors import CubeError
+@contextlib.contextmanager
+def _filters_checked() -> Iterator[None]:
+    """A filter or --baseline value the cube lacks is that option's bad value (exit 2)."""
+    from dvfs.analysis.selection import SelectionError
 
-    ds = open_cube(cube_path / CUBE_NAME if cube_path.is_dir() else cube_path)
-    for name in ("energy_per_token_j", "valid"):
-        if name not in ds:
-            raise CubeError(
-                f"{cube_path} has no {name} variable, which every analysis needs: "
-                "rebuild it with `dvfs cube build`"
-            )
-    valid = ds["valid"].fillna(0) > 0
-    if "cell_status" in ds:
-        valid = valid & (ds["cell_status"] == 1)
-    if not bool(valid.any()):
-        raise CubeError(
-            f"{cube_path} has no valid measured cell (every cell is missing, failed or flagged "
-            "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
-            "rerun `dvfs sweep`"
-        )
-    return ds
-
-
-def _check_drafter(ds: Any, name: str, option: str) -> None:
-    drafters = [str(d) for d in ds["drafter"].values]
-    if name not in drafters:
-        raise click.BadParameter(
-            f"drafter {name!r} is not in the cube, which has {', '.join(drafters)}",
-            param_hint=f"'{option}'",
-        )
+    try:
+        yield
+    except SelectionError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from exc
 
 
 def latency_options(func: Any) -> Any:
@@ -102,30 +82,6 @@ def latency_options(func: Any) -> Any:
         help="Latency quantile.",
     )(func)
     return func
-
-
-def _select(
-    ds: Any, batch: tuple[int, ...], drafter: tuple[str, ...], corpus: tuple[str, ...]
-) -> Any:
-    """The rows the --batch/--drafter/--corpus filters ask for; a value the cube lacks is a
-    usage error naming what the cube has (so a selection is never silently empty)."""
-    sel: dict[str, list[Any]] = {}
-    for dim, values in (
-        ("batch", list(batch)),
-        ("drafter", list(drafter)),
-        ("corpus", list(corpus)),
-    ):
-        if values:
-            known = [v.item() if hasattr(v, "item") else v for v in ds[dim].values]
-            missing = [v for v in values if v not in known]
-            if missing:
-                raise click.BadParameter(
-                    f"{', '.join(map(str, missing))} not in the cube, which has "
-                    f"{', '.join(map(str, known))}",
-                    param_hint=f"'--{dim}'",
-                )
-            sel[dim] = list(dict.fromkeys(values))  # a repeated value is one row, not two
-    return ds.sel(sel) if sel else ds
 
 
 def filter_options(func: Any) -> Any:
@@ -279,6 +235,8 @@ def headroom(
     import json
 
     from dvfs.analysis.headroom import headroom as compute
+    from dvfs.analysis.selection import check_drafter, select
+    from dvfs.cube import open_analysable
     from dvfs.report import (
         headroom_document,
         headroom_markdown,
@@ -288,12 +246,14 @@ def headroom(
 
     _one_output_format(as_json, markdown)
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
-    ds = _open(cube_path)
-    if vs_baseline or _given(ctx, "baseline"):
-        _check_drafter(ds, baseline, "--baseline")
-    _select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
-    result = compute(ds, target=target, knob=knob, confidence=confidence)
-    result = _select(result, batch, drafter, corpus)
+    ds = open_analysable(cube_path)
+    with _filters_checked():
+        if vs_baseline or _given(ctx, "baseline"):
+            check_drafter(ds, baseline, "--baseline")
+        select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
+    result = select(
+        compute(ds, target=target, knob=knob, confidence=confidence), batch, drafter, corpus
+    )
     doc = headroom_document(result, ds)
     if output is not None:
         try:
@@ -340,14 +300,17 @@ def compare(
     where each drafter stops saving, acceptance, and where verification turns compute-bound."""
     from dvfs.analysis.compare import compare as compute
     from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.selection import check_drafter, select
     from dvfs.analysis.targets import QUANTILE_NAMES
+    from dvfs.cube import open_analysable
     from dvfs.errors import AnalysisError
     from dvfs.report import compare_document, compare_markdown, compare_tables
 
     _one_output_format(as_json, markdown)
-    ds = _open(cube_path)
-    _check_drafter(ds, baseline, "--baseline")
-    _select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
+    ds = open_analysable(cube_path)
+    with _filters_checked():
+        check_drafter(ds, baseline, "--baseline")
+        select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
     if drafter and set(drafter) <= {baseline}:
         raise click.UsageError(
             f"--drafter names only the baseline {baseline!r}: nothing to compare it with; "
@@ -356,9 +319,9 @@ def compare(
     result = compute(ds, baseline=baseline, metric=metric, quantile=QUANTILE_NAMES[quantile])
     if drafter and baseline not in drafter:
         drafter = (*drafter, baseline)
-    result = _select(result, batch, drafter, corpus)
+    result = select(result, batch, drafter, corpus)
     try:
-        roof = _select(roofline(ds), batch, drafter, ())
+        roof = select(roofline(ds), batch, drafter)
     except AnalysisError as exc:
         _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None
@@ -401,9 +364,10 @@ def plot(
     """Draw the figures: energy vs clock, energy-latency Pareto fronts with the headroom
     points, acceptance and headroom heatmaps, power/clock timelines."""
     from dvfs.analysis.targets import QUANTILE_NAMES, Target
+    from dvfs.cube import open_analysable
     from dvfs.plots import plot_all
 
-    ds = _open(cube_path)
+    ds = open_analysable(cube_path)
     target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
     paths = plot_all(ds, out_dir, fmt=fmt, target=target)
     for path in paths:

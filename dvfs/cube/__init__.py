@@ -2,13 +2,14 @@
 
 `schema` names its dimensions and variables (and keeps the schema's history) and checks a
 dataset's shape; `build` assembles a cube from a journal, read through `dvfs.records`;
-`files` writes and opens netCDF; `merge` joins GPUs; `info` summarises for `dvfs cube info`.
+`files` writes and opens netCDF (`open_analysable`: a cube with something to analyse);
+`merge` joins GPUs; `info` summarises for `dvfs cube info`.
 """
 
 from __future__ import annotations
 
 from dvfs.cube.build import build_cube, read_journal
-from dvfs.cube.files import open_cube, write_cube
+from dvfs.cube.files import open_analysable, open_cube, write_cube
 from dvfs.cube.info import info_text
 from dvfs.cube.merge import merge_cubes
 from dvfs.cube.schema import (
@@ -48,6 +49,7 @@ __all__ = [
     "check_cube",
     "info_text",
     "merge_cubes",
+    "open_analysable",
     "open_cube",
     "read_journal",
     "write_cube",

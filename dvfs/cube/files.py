@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.cube.schema import COORD_ATTRS, LABEL_DIMS, VARIABLES, check_cube
+from dvfs.cube.schema import COORD_ATTRS, CUBE_NAME, LABEL_DIMS, VARIABLES, check_cube
 from dvfs.errors import CubeError
 from dvfs.measure.journal import JOURNAL_NAME, describe_os_error
 
@@ -138,3 +138,26 @@ def open_cube(path: str | Path) -> xr.Dataset:
             f"{path} is not a readable netCDF cube ({_first_line(exc)}): {_rebuild_hint(path)}"
         ) from exc
     return check_cube(loaded, where=str(path), hint=_rebuild_hint(path))
+
+
+def open_analysable(path: str | Path) -> xr.Dataset:
+    """The cube at `path` (a cube file or a sweep folder holding cube.nc), refused in one line
+    when it holds no valid measured cell: an analysis would otherwise answer from nothing."""
+    path = Path(path)
+    ds = open_cube(path / CUBE_NAME if path.is_dir() else path)
+    for name in ("energy_per_token_j", "valid"):
+        if name not in ds:
+            raise CubeError(
+                f"{path} has no {name} variable, which every analysis needs: "
+                "rebuild it with `dvfs cube build`"
+            )
+    valid = ds["valid"].fillna(0) > 0
+    if "cell_status" in ds:
+        valid = valid & (ds["cell_status"] == 1)
+    if not bool(valid.any()):
+        raise CubeError(
+            f"{path} has no valid measured cell (every cell is missing, failed or flagged "
+            "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
+            "rerun `dvfs sweep`"
+        )
+    return ds
