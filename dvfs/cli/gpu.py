@@ -51,22 +51,10 @@ def gpu() -> None:
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
-    rows = []
+    from dvfs.gpu.describe import gpu_summary
+
     with open_cli_gpus((), twin, allow_mig=True) as gpus:
-        for g in gpus:
-            ident = g.identity
-            mig = g.mig_enabled()
-            rows.append(
-                {
-                    "index": ident.index,
-                    "uuid": ident.uuid,
-                    "name": ident.name,
-                    "driver": ident.driver_version,
-                    "power_limit_w": g.power_limit_mw() / 1000,
-                    "sm_clock_mhz": g.sm_clock_mhz(),
-                    "mig": mig,
-                }
-            )
+        rows = [gpu_summary(g) for g in gpus]
     if as_json:
         echo_json(rows)
         return
@@ -88,45 +76,6 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     console().print(table)
 
 
-def _info_dict(g: Any) -> dict[str, Any]:
-    """`gpu info --json`'s shape of a `DeviceInfo`, in watts."""
-    from dvfs.gpu.base import describe_events
-
-    info = g.info()
-    limits = info.power_limits
-    return {
-        "index": info.identity.index,
-        "uuid": info.identity.uuid,
-        "name": info.identity.name,
-        "driver": info.identity.driver_version,
-        "architecture": info.architecture,
-        "memory_clock_mhz": info.identity.memory_clock_mhz,
-        "supported_sm_clocks_mhz": {
-            "max": max(info.supported_sm_clocks_mhz),
-            "min": min(info.supported_sm_clocks_mhz),
-            "count": len(info.supported_sm_clocks_mhz),
-            "values": list(info.supported_sm_clocks_mhz),
-        },
-        "power_limit_w": {
-            "min": limits.min_mw / 1000,
-            "max": limits.max_mw / 1000,
-            "default": limits.default_mw / 1000,
-            "current": info.power_limit_mw / 1000,
-            "enforced": info.enforced_power_limit_mw / 1000,
-        },
-        "persistence_mode": info.persistence_mode,
-        "energy_counter": info.energy_counter,
-        "sm_clock_mhz": info.sm_clock_mhz,
-        "power_w": None if info.power_mw is None else info.power_mw / 1000,
-        "temperature_c": info.temperature_c,
-        "event_reasons": describe_events(info.event_reasons or 0),
-        "mig": info.mig,
-        "memory_total_gib": None
-        if info.memory_total_bytes is None
-        else round(info.memory_total_bytes / 2**30, 1),
-    }
-
-
 @gpu.command("info")
 @click.argument("devices", nargs=-1)
 @twin_option
@@ -135,8 +84,10 @@ def _info_dict(g: Any) -> dict[str, Any]:
 def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
     energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none)."""
+    from dvfs.gpu.describe import gpu_details
+
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
-        infos = [_info_dict(g) for g in gpus]
+        infos = [gpu_details(g) for g in gpus]
     if as_json:
         echo_json(infos)
         return
