@@ -41,6 +41,18 @@ COMMANDS = {
     "cap": ("dvfs.cli.cap", "cap", "Production caps: plan from headroom, apply, show, reset."),
     "doctor": ("dvfs.cli.doctor", "doctor", "Preflight a campaign (read-only)."),
     "corpus": ("dvfs.cli.corpus", "corpus", "The prompt corpora: built-in and your own."),
+    "report": ("dvfs.cli.report", "report", "A self-contained HTML or Markdown report of a cube."),
+    "govern": (
+        "dvfs.cli.govern",
+        "govern",
+        "Load-following caps for a running SGLang server, from a per-batch plan.",
+    ),
+    "monitor": (
+        "dvfs.cli.govern",
+        "monitor",
+        "Export live power, clocks and energy per token in Prometheus format.",
+    ),
+    "twin": ("dvfs.cli.twin", "twin", "The digital twin: fit it to measurements, predict."),
 }
 
 
