@@ -31,7 +31,7 @@ from dvfs.cube import CUBE_NAME, build_cube, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
-from dvfs.measure.journal import JOURNAL_NAME, Journal, describe_os_error
+from dvfs.measure.journal import JOURNAL_NAME, Journal, SyncPolicy, describe_os_error
 from dvfs.measure.plan import Cell, plan_cells
 from dvfs.measure.runner import Progress, Runner, RunSummary
 
@@ -46,7 +46,7 @@ class SweepBusyError(JournalError):
 
 def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
     current = [g.identity.uuid for g in gpus]
-    for session in journal.of_type("session"):
+    for session in journal.sessions:
         before = [g["uuid"] for g in session["gpus"]]
         if before != current:
             raise JournalError(
@@ -236,26 +236,29 @@ def _run_locked(
     nvml: ModuleType | None,
     state_dir: Path | None,
 ) -> SweepOutcome:
-    journal = Journal.open(out_dir / JOURNAL_NAME, campaign)
-    corpora, count_method = counted_corpora(campaign)
-    check_corpora(campaign, corpora)  # before any GPU is touched or server started
-    cells: list[Cell] = plan_cells(campaign)
-    with contextlib.ExitStack() as stack:
-        b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
-        _check_same_gpus(journal, b.gpus)
-        knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
-        runner = Runner(
-            campaign,
-            gpus=b.gpus,
-            engine=b.engine,
-            clock=b.clock,
-            journal=journal,
-            knobs=knobs,
-            corpora=corpora,
-            progress=progress,
-            token_count_method=count_method,
-        )
-        summary = runner.run(cells)
+    # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
+    # the knobs are restored and the backends closed.
+    with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
+        corpora, count_method = counted_corpora(campaign)
+        check_corpora(campaign, corpora)  # before any GPU is touched or server started
+        cells: list[Cell] = plan_cells(campaign)
+        with contextlib.ExitStack() as stack:
+            b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
+            journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
+            _check_same_gpus(journal, b.gpus)
+            knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
+            runner = Runner(
+                campaign,
+                gpus=b.gpus,
+                engine=b.engine,
+                clock=b.clock,
+                journal=journal,
+                knobs=knobs,
+                corpora=corpora,
+                progress=progress,
+                token_count_method=count_method,
+            )
+            summary = runner.run(cells)
     try:
         cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)
     except CubeError as exc:
@@ -321,15 +324,17 @@ class DryRunPlan:
 
 def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     """Keys of the cells a rerun would skip: those measured ok in a journal of this campaign."""
-    from dvfs.measure.journal import journal_differences, read_records
+    from dvfs.measure.journal import iter_records, journal_differences
 
     journal = out_dir / JOURNAL_NAME
     if not journal.is_file():
         return set()
-    records = read_records(journal)
-    if not records or journal_differences(records[0], campaign):
+    opened = Journal(journal, iter_records(journal))  # every line read, and checked, first
+    try:
+        header = opened.header
+    except JournalError:  # empty, or no header: nothing a rerun would skip
         return set()
-    return {r["key"] for r in records if r.get("type") == "cell" and r.get("status") == "ok"}
+    return set() if journal_differences(header, campaign) else opened.finished()
 
 
 def plan_dry_run(campaign: Campaign, out_dir: Path) -> DryRunPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,15 +22,17 @@ from dvfs.cube.schema import (
     TIMELINE,
     VARIABLES,
 )
-from dvfs.errors import CubeError
-from dvfs.measure.journal import read_records
+from dvfs.errors import CubeError, JournalError
+from dvfs.measure.journal import iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
     CampaignFacts,
+    CellRecord,
     Header,
     JournalContents,
+    Server,
+    Session,
     check_version,
-    decode_journal,
     now_iso,
 )
 from dvfs.version import __version__
@@ -47,7 +50,8 @@ def _num(value: Any) -> float:
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
-    """A journal's records, refused early when it is missing, headless or from a newer dvfs."""
+    """A journal's records in a list (the cube itself is built streaming), refused early when
+    it is missing, headless or from a newer dvfs."""
     path = Path(path)
     if not path.exists():
         raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
@@ -132,38 +136,96 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
 
 
 def build_cube(journal_path: str | Path) -> xr.Dataset:
-    """Assemble the cube from a journal; cells not (yet) measured are NaN."""
-    records = read_journal(journal_path)
+    """Assemble the cube from a journal, read line by line into the grid's arrays (memory is
+    the cube's, not the journal's); cells not (yet) measured are NaN."""
+    path = Path(journal_path)
+    if not path.exists():
+        raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
+    records = iter_records(path)
     try:
-        return _build(decode_journal(records, journal_path), str(journal_path))
+        first = next(records, None)
+        if first is None or first.get("type") != "header":
+            raise CubeError(f"{path} is not a dvfs journal")
+        check_version(path, Header.from_json(first).journal_schema)
+        filler = _Filler(Header.from_json(first), str(journal_path))
+        for record in records:
+            filler.add(record)
+        return filler.dataset()
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        _drain(records)
         raise CubeError(
             f"{journal_path}: a record lacks what a cube needs ({type(exc).__name__}: {exc}); "
             "the journal was not written by this dvfs or was edited: rerun the sweep with "
             "--fresh to start a new journal"
         ) from exc
+    except (CubeError, JournalError):
+        _drain(records)
+        raise
 
 
-def _build(journal: JournalContents, where: str) -> xr.Dataset:
-    import xarray as xr
+def _drain(records: Iterator[dict[str, Any]]) -> None:
+    """Read the rest: a damaged line further on is the error to report, as it was when the
+    journal was read whole before any record was decoded."""
+    for _ in records:
+        pass
 
-    _check_sessions(journal)
-    facts = journal.header.facts()
-    grid = _grid(journal, facts)
-    stock = journal.sessions[0].stock
-    shape = tuple(len(grid[d]) for d in CELL_DIMS)
-    index = {d: {v: i for i, v in enumerate(grid[d])} for d in CELL_DIMS}
-    data: dict[str, np.ndarray] = {}
-    for spec in VARIABLES:
-        extra = {"quantile": len(QUANTILES)}.get(spec.extra_dim or "")
-        data[spec.name] = np.full(shape + ((extra,) if extra else ()), np.nan)
-    for spec in TIMELINE:
-        data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
-    status = np.zeros(shape, dtype=np.int8)
-    for record in journal.cells.values():
+
+class _Filler:
+    """The cube's arrays, filled one journal record at a time. A later record for a cell
+    replaces an earlier one (a retry after a failure); cells before the first session (only in
+    an edited journal) wait until the grid is known."""
+
+    def __init__(self, header: Header, where: str) -> None:
+        self.header = header
+        self.where = where
+        self.version = self.first_version = check_version(where, header.journal_schema)
+        self.sessions: list[Session] = []
+        self.servers: list[Server] = []
+        self.waiting: list[CellRecord] = []
+        self.failed: dict[str, CellRecord] = {}
+        self.grid: dict[str, list[Any]] | None = None
+        self.index: dict[str, dict[Any, int]] = {}
+        self.data: dict[str, np.ndarray] = {}
+        self.status = np.zeros((), dtype=np.int8)
+
+    def contents(self) -> JournalContents:
+        return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
+
+    def add(self, record: dict[str, Any]) -> None:
+        kind = record.get("type")
+        if kind == "session":
+            self.version = check_version(
+                self.where, record.get("journal_schema", self.first_version)
+            )
+            self.sessions.append(Session.from_json(record, version=self.version))
+        elif kind == "server":
+            self.servers.append(Server.from_json(record))
+        elif kind == "cell":
+            cell = CellRecord.from_json(record, version=self.version)
+            if self.sessions:
+                self._place(cell)
+            else:
+                self.waiting.append(cell)
+
+    def _allocate(self) -> None:
+        self.grid = _grid(self.contents(), self.header.facts())
+        shape = tuple(len(self.grid[d]) for d in CELL_DIMS)
+        self.index = {d: {v: i for i, v in enumerate(self.grid[d])} for d in CELL_DIMS}
+        for spec in VARIABLES:
+            extra = {"quantile": len(QUANTILES)}.get(spec.extra_dim or "")
+            self.data[spec.name] = np.full(shape + ((extra,) if extra else ()), np.nan)
+        for spec in TIMELINE:
+            self.data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
+        self.status = np.zeros(shape, dtype=np.int8)
+
+    def _place(self, record: CellRecord) -> None:
+        if self.grid is None:
+            self._allocate()
+        stock = self.sessions[0].stock
         cell = record.cell
         clock = cell.sm_clock_mhz if cell.sm_clock_mhz is not None else stock.sm_clock_mhz
         limit = cell.power_limit_w if cell.power_limit_w is not None else stock.power_limit_w
+        index = self.index
         try:
             at = (
                 index["sm_clock"][clock],
@@ -176,24 +238,52 @@ def _build(journal: JournalContents, where: str) -> xr.Dataset:
         except KeyError as exc:
             # The grid is part of the campaign's hash, so only an edited journal gets here.
             raise CubeError(
-                f"{where}: cell {record.key!r} has {exc.args[0]!r}, which is not in the "
+                f"{self.where}: cell {record.key!r} has {exc.args[0]!r}, which is not in the "
                 "campaign's grid; the journal was edited: delete that line, or rerun the "
                 "sweep with --fresh"
             ) from None
+        for values in self.data.values():
+            values[at] = np.nan  # an earlier record of this cell, replaced
         if not record.ok or record.measurement is None:
-            status[at] = STATUS_FAILED
-            continue
-        status[at] = STATUS_OK
+            self.status[at] = STATUS_FAILED
+            self.failed[record.key] = record
+            return
+        self.failed.pop(record.key, None)
+        self.status[at] = STATUS_OK
         m = record.measurement
         for spec in VARIABLES:
             value = getattr(m, spec.name)
             if spec.extra_dim == "quantile":
-                data[spec.name][at] = [_num(v) for v in value]
+                self.data[spec.name][at] = [_num(v) for v in value]
             else:
-                data[spec.name][at] = _num(value)
+                self.data[spec.name][at] = _num(value)
         for spec in TIMELINE:
-            values = [_num(v) for v in getattr(m, spec.name)][:TIMELINE_POINTS]
-            data[spec.name][at][: len(values)] = values
+            points = [_num(v) for v in getattr(m, spec.name)][:TIMELINE_POINTS]
+            self.data[spec.name][at][: len(points)] = points
+
+    def dataset(self) -> xr.Dataset:
+        journal = self.contents()
+        _check_sessions(journal)
+        facts = self.header.facts()
+        if self.grid is None:
+            self._allocate()  # no cell yet (or none since the first session)
+        for record in self.waiting:
+            self._place(record)
+        self.waiting.clear()
+        assert self.grid is not None
+        return _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
+
+
+def _dataset(
+    journal: JournalContents,
+    facts: CampaignFacts,
+    grid: dict[str, list[Any]],
+    data: dict[str, np.ndarray],
+    status: np.ndarray,
+    failed_cells: dict[str, CellRecord],
+) -> xr.Dataset:
+    import xarray as xr
+
     coords: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
     coords["quantile"] = list(QUANTILES)
     coords["sample"] = list(range(TIMELINE_POINTS))
@@ -240,7 +330,7 @@ def _build(journal: JournalContents, where: str) -> xr.Dataset:
         flag_masks=np.array(list(EVENT_NAMES), dtype=np.int32),
         flag_meanings=" ".join(EVENT_NAMES.values()),
     )
-    failed = [r for r in journal.cells.values() if not r.ok]
+    failed = list(failed_cells.values())
     ds.attrs["failed_cells"] = json.dumps(
         [{"cell": asdict(r.cell), "error": r.error} for r in failed][:200]
     )

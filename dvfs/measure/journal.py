@@ -1,17 +1,27 @@
-"""The journal: one JSON line per event, flushed and fsynced, so no finished cell is ever lost.
+"""The journal: one JSON line per event, written through to the OS at once, so no finished
+cell is ever lost when the process dies.
 
 Line 1 is a header naming the campaign; later lines are `session`, `server` and `cell`
 records, whose format `dvfs.records` owns: this module only stores and reads lines. A rerun
 reads the journal, skips finished cells, retries failed ones and appends. A line cut short by
 a crash is dropped on open; any other bad line is an error naming the file and line.
+
+Each record is handed to the kernel before `append` returns (a killed process loses nothing);
+when it reaches the disk (fsync, what a power loss needs) is the `SyncPolicy`: every record on
+real hardware, where a cell takes seconds, and in groups on the twin, where cells take
+milliseconds and one fsync each cost a sixth of the sweep. Reading streams line by line, and
+an open journal keeps only what a resume needs (the finished cells' keys and the sessions).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +31,8 @@ from dvfs.records import Header, check_version
 from dvfs.report import json_safe
 
 JOURNAL_NAME = "journal.jsonl"
+
+log = logging.getLogger(__name__)
 
 
 def describe_os_error(exc: OSError, doing: str, *, show_file: bool = True) -> str:
@@ -47,28 +59,98 @@ def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]
     return Header.from_json(header).differences(campaign)
 
 
-class Journal:
-    """Append-only, crash-safe record of a campaign's progress."""
+#: Longest a record may wait for its fsync on the twin (seconds of wall time), as long as
+#: the sweep goes on; closing the journal (normal end, error, signal) always syncs.
+GROUP_SYNC_S = 1.0
 
-    def __init__(self, path: Path, records: list[dict[str, Any]]) -> None:
-        self.path = path
-        self._records = records
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """When the journal's writes are forced to disk. `group_s` 0: after every record (real
+    hardware); above 0: cells at the first written `group_s` or more after the last sync, any
+    other record at once, and on close (the twin, in virtual time)."""
+
+    group_s: float = 0.0
 
     @classmethod
-    def open(cls, path: str | Path, campaign: Campaign) -> Journal:
+    def for_clock(cls, virtual: bool) -> SyncPolicy:
+        return cls(GROUP_SYNC_S) if virtual else cls()
+
+    @property
+    def grouped(self) -> bool:
+        return self.group_s > 0
+
+    def due(self, *, cell: bool, waited_s: float) -> bool:
+        """Whether to sync after writing a record, `waited_s` after the last sync. Only cells
+        are grouped: the header, sessions and servers are a handful per run."""
+        return not self.grouped or not cell or waited_s >= self.group_s
+
+    def describe(self) -> str:
+        """How the session record states it."""
+        if not self.grouped:
+            return "fsync after every record"
+        return f"fsync at most every {self.group_s:g} s of wall time and on exit"
+
+
+class Journal:
+    """Append-only, crash-safe record of a campaign's progress.
+
+    Holds the finished cells' keys and the session records, never the cells' records; close it
+    (or use it as a context manager) so the last group reaches the disk."""
+
+    def __init__(
+        self,
+        path: Path,
+        records: Iterable[dict[str, Any]] = (),
+        *,
+        sync: SyncPolicy | None = None,
+        fsync: Callable[[int], None] | None = None,
+        monotonic: Callable[[], float] | None = None,
+    ) -> None:
+        self.path = path
+        self.sync_policy = sync or SyncPolicy()
+        self._fsync = fsync  # None: os.fsync, looked up when called
+        self._monotonic = monotonic or (lambda: time.monotonic())  # looked up when called
+        self._fd: int | None = None
+        self._dirty = False
+        self._synced_at = self._monotonic()
+        self._first: dict[str, Any] | None = None  # the header, in a sound journal
+        self._sessions: list[dict[str, Any]] = []
+        self._ok: set[str] = set()
+        for record in records:
+            self._note(record)
+
+    def _note(self, record: dict[str, Any]) -> None:
+        """Keep what a resume needs from one record."""
+        kind = record.get("type")
+        if self._first is None:
+            self._first = record
+        if kind == "session":
+            self._sessions.append(record)
+        elif kind == "cell":
+            if record.get("status") == "ok":
+                self._ok.add(record["key"])
+            else:  # a later record replaces an earlier one
+                self._ok.discard(record["key"])
+
+    @classmethod
+    def open(
+        cls, path: str | Path, campaign: Campaign, *, sync: SyncPolicy | None = None
+    ) -> Journal:
         """Open (creating if needed) the journal for `campaign`; refuse another campaign's."""
         path = Path(path)
-        records = read_records(path, repair=True) if path.exists() else []
-        journal = cls(path, records)
-        if not records:
+        records = iter_records(path, repair=True) if path.exists() else iter(())
+        journal = cls(path, records, sync=sync)
+        first = journal._first
+        if first is None:
             journal.append(Header.for_campaign(campaign).to_json())
             return journal
-        if records[0].get("type") != "header":
+        if first.get("type") != "header":
             raise JournalError(
                 f"{path} does not start with a dvfs journal header: move it aside, or start "
                 "over with `dvfs sweep --fresh`, which renames it"
             )
-        header = Header.from_json(records[0])
+        header = Header.from_json(first)
         check_version(path, header.journal_schema)
         changes = header.differences(campaign)
         if changes:
@@ -90,88 +172,140 @@ class Journal:
         return journal
 
     @property
-    def records(self) -> list[dict[str, Any]]:
-        return list(self._records)
+    def header(self) -> dict[str, Any]:
+        if self._first is None or self._first.get("type") != "header":
+            raise JournalError(f"{self.path} does not start with a dvfs journal header")
+        return self._first
 
     @property
-    def header(self) -> dict[str, Any]:
-        return self._records[0]
-
-    def append(self, record: dict[str, Any]) -> None:
-        """Write one record and make it durable before returning."""
-        line = json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            # A line half written stays the torn last line, which the next open drops.
-            raise JournalError(describe_os_error(exc, "write the journal")) from exc
-        self._records.append(json.loads(line))
-
-    def cells(self) -> dict[str, dict[str, Any]]:
-        """The latest cell record per cell key (a retry replaces an earlier failure)."""
-        latest: dict[str, dict[str, Any]] = {}
-        for record in self._records:
-            if record.get("type") == "cell":
-                latest[record["key"]] = record
-        return latest
+    def sessions(self) -> tuple[dict[str, Any], ...]:
+        """The session records, oldest first (one per run of `dvfs sweep` that measured)."""
+        return tuple(self._sessions)
 
     def finished(self) -> set[str]:
         """Keys of cells measured successfully: a rerun skips these."""
-        return {k for k, r in self.cells().items() if r.get("status") == "ok"}
+        return set(self._ok)
 
-    def of_type(self, kind: str) -> Iterator[dict[str, Any]]:
-        return (r for r in self._records if r.get("type") == kind)
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record through to the OS (a killed process keeps it), and to disk as the
+        sync policy says."""
+        line = json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False)
+        data = (line + "\n").encode("utf-8")
+        try:
+            if self._fd is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            self._dirty = True
+            if self.sync_policy.due(
+                cell=record.get("type") == "cell", waited_s=self._monotonic() - self._synced_at
+            ):
+                self.sync()
+        except OSError as exc:
+            # A line half written stays the torn last line, which the next open drops.
+            raise JournalError(describe_os_error(exc, "write the journal")) from exc
+        self._note(json.loads(line))
+
+    def sync(self) -> None:
+        """Force what was written to disk (nothing to do when nothing was)."""
+        if self._fd is not None and self._dirty:
+            try:
+                (self._fsync or os.fsync)(self._fd)
+            except OSError as exc:
+                raise JournalError(describe_os_error(exc, "write the journal")) from exc
+            self._dirty = False
+        self._synced_at = self._monotonic()
+
+    def close(self) -> None:
+        """Sync the last group and let the file go; appending again reopens it."""
+        if self._fd is None:
+            return
+        try:
+            self.sync()
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the error or signal on its way out is the one to report
+            self.close()
+        except JournalError as error:
+            log.warning("%s", error)
 
 
 def read_records(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
-    """Parse a journal. A torn last line (a crash mid-write) is dropped, and cut off the file
-    when `repair` is set so appends start on a fresh line; a bad line elsewhere, or a file that
-    does not start with a record, is a `JournalError` naming the file and the line."""
+    """Every record of a journal in a list (for small journals and tests; see `iter_records`)."""
+    return list(iter_records(path, repair=repair))
+
+
+def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str, Any]]:
+    """Parse a journal line by line. A torn last line (a crash mid-write) is dropped, and cut
+    off the file when `repair` is set so appends start on a fresh line; a bad line elsewhere,
+    or a file that does not start with a record, is a `JournalError` naming the file and the
+    line. The repairs happen when the iteration reaches the end."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")  # noqa: SIM115  (closed by the with below, across the yields)
     except OSError as exc:
         raise JournalError(describe_os_error(exc, "read the journal")) from exc
-    lines = data.split(b"\n")
-    records: list[dict[str, Any]] = []
-    good_bytes = 0
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            good_bytes += len(raw) + (1 if i < len(lines) - 1 else 0)
-            continue
-        last = i >= len(lines) - 2 and not any(x.strip() for x in lines[i + 1 :])
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:  # not UTF-8, or not JSON
-            if last and records:
-                if repair:
-                    try:
-                        with open(path, "r+b") as f:
-                            f.truncate(good_bytes)
-                    except OSError as os_exc:
-                        raise JournalError(
-                            describe_os_error(os_exc, "cut the torn last line off the journal")
-                        ) from os_exc
-                break
-            why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
-            raise _bad_line(path, i + 1, why, first=not records) from exc
-        problem = _record_problem(record)
-        if problem:
-            raise _bad_line(path, i + 1, problem, first=not records)
-        records.append(record)
-        if i == len(lines) - 1 and repair:
-            # A complete record without its newline: finish the line so the next append is clean.
+    with f:
+        good_bytes = 0  # where the line being read starts
+        count = 0
+        number = 0
+        while True:
             try:
-                with open(path, "ab") as f:
-                    f.write(b"\n")
+                raw = f.readline()
             except OSError as exc:
-                raise JournalError(describe_os_error(exc, "repair the journal")) from exc
-        good_bytes += len(raw) + 1
-    return records
+                raise JournalError(describe_os_error(exc, "read the journal")) from exc
+            if not raw:
+                return
+            number += 1
+            if not raw.strip():
+                good_bytes += len(raw)
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except ValueError as exc:  # not UTF-8, or not JSON
+                rest = f.readline()
+                last = not rest.endswith(b"\n") and not rest.strip()
+                if last and count:
+                    if repair:
+                        _truncate(path, good_bytes)
+                    return
+                why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
+                raise _bad_line(path, number, why, first=not count) from exc
+            problem = _record_problem(record)
+            if problem:
+                raise _bad_line(path, number, problem, first=not count)
+            count += 1
+            if repair and not raw.endswith(b"\n"):
+                # A complete record without its newline: finish the line so the next append is
+                # clean.
+                try:
+                    with open(path, "ab") as out:
+                        out.write(b"\n")
+                except OSError as exc:
+                    raise JournalError(describe_os_error(exc, "repair the journal")) from exc
+            good_bytes += len(raw)
+            yield record
+
+
+def _truncate(path: Path, size: int) -> None:
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+    except OSError as exc:
+        raise JournalError(
+            describe_os_error(exc, "cut the torn last line off the journal")
+        ) from exc
 
 
 def _record_problem(record: Any) -> str | None:

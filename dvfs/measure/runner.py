@@ -107,7 +107,7 @@ class Runner:
             sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
             power_limit_w=original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
         )
-        for earlier in self.journal.of_type("session"):
+        for earlier in self.journal.sessions:
             then = recorded_stock(earlier)
             if then != stock:
                 raise JournalError(
@@ -146,6 +146,7 @@ class Runner:
                 for name, c in self.corpora.items()
             },
             journal_schema=JOURNAL_SCHEMA,
+            journal_sync=self.journal.sync_policy.describe(),
         )
         self.journal.append(session.to_json())
 

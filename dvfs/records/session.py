@@ -46,6 +46,9 @@ class Session:
     started: str = ""
     dvfs_version: str = ""
     journal_schema: int = JOURNAL_SCHEMA
+    #: When the journal forced its records to disk (`SyncPolicy.describe`); "" before dvfs
+    #: recorded it (every record was synced then).
+    journal_sync: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class Session:
             "measurement_method": self.measurement_method,
             "token_count_method": self.token_count_method,
             "corpora": self.corpora,
+            "journal_sync": self.journal_sync,
         }
 
     @classmethod
@@ -91,6 +95,7 @@ class Session:
             started=record.get("started") or "",
             dvfs_version=record.get("dvfs_version") or "",
             journal_schema=version,
+            journal_sync=record.get("journal_sync") or "",
         )
 
     @property

@@ -1,0 +1,163 @@
+"""The journal's durability policy: every record reaches the OS at once (a killed process
+loses nothing), and the disk once per cell on real hardware, in groups on the twin, and always
+when the journal closes (normal end, error, signal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import PYTHON, subprocess_env, write
+from test_journal import TINY
+
+import dvfs.measure.journal as journal_module
+from dvfs.campaign import load_campaign
+from dvfs.measure.journal import GROUP_SYNC_S, Journal, SyncPolicy, read_records
+from dvfs.measure.plan import Cell
+from dvfs.measure.runner import NullProgress
+from dvfs.sweep import run_sweep
+
+
+class FakeTime:
+    """A wall clock the test moves: each cell takes `step` seconds."""
+
+    def __init__(self, step: float) -> None:
+        self.now = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FsyncLog:
+    """Stands in for os.fsync: records the file's size at each call (what reached the disk)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, fd: int) -> None:
+        self.sizes.append(os.fstat(fd).st_size)
+
+
+def _cell(i: int) -> dict[str, Any]:
+    return {"type": "cell", "key": f"k{i}", "cell": {}, "status": "ok"}
+
+
+def _journal(path: Path, policy: SyncPolicy, time: FakeTime, fsync: FsyncLog) -> Journal:
+    return Journal(path, sync=policy, fsync=fsync, monotonic=time)
+
+
+def _append_cells(journal: Journal, time: FakeTime, n: int) -> None:
+    journal.append({"type": "header"})
+    for i in range(n):
+        time.now += time.step
+        journal.append(_cell(i))
+
+
+def test_the_twin_syncs_in_groups_and_on_close(tmp_path: Path) -> None:
+    time, fsync = FakeTime(step=0.01), FsyncLog()
+    journal = _journal(tmp_path / "j.jsonl", SyncPolicy.for_clock(virtual=True), time, fsync)
+    _append_cells(journal, time, 1000)  # 10 s of cells, 10 ms each
+    during = len(fsync.sizes)
+    # The header at once, then about one per group_s: not one per cell.
+    assert 2 <= during <= 10 / GROUP_SYNC_S + 2
+    # Between syncs every record was already readable: written through to the OS.
+    assert len(read_records(journal.path)) == 1001
+    journal.close()
+    assert len(fsync.sizes) == during + 1, "closing syncs the last group"
+    assert fsync.sizes[-1] == journal.path.stat().st_size
+    journal.close()  # closing twice is harmless and syncs nothing more
+    assert len(fsync.sizes) == during + 1
+
+
+def test_real_hardware_syncs_every_record(tmp_path: Path) -> None:
+    time, fsync = FakeTime(step=0.01), FsyncLog()
+    journal = _journal(tmp_path / "j.jsonl", SyncPolicy.for_clock(virtual=False), time, fsync)
+    _append_cells(journal, time, 50)
+    assert len(fsync.sizes) == 51  # the header and each cell
+    sizes = [len(line) + 1 for line in journal.path.read_bytes().splitlines()]
+    assert fsync.sizes == [sum(sizes[: i + 1]) for i in range(51)], "each after its record"
+    journal.close()
+    assert len(fsync.sizes) == 51, "nothing left to sync on close"
+
+
+def test_a_slow_twin_cell_still_syncs_per_record(tmp_path: Path) -> None:
+    """The group is bounded in time: cells slower than group_s sync one by one."""
+    time, fsync = FakeTime(step=2 * GROUP_SYNC_S), FsyncLog()
+    journal = _journal(tmp_path / "j.jsonl", SyncPolicy.for_clock(virtual=True), time, fsync)
+    _append_cells(journal, time, 5)
+    assert len(fsync.sizes) == 6  # the header and each cell
+    journal.close()
+
+
+@pytest.mark.parametrize("policy", [SyncPolicy(), SyncPolicy(group_s=1e9)], ids=str)
+def test_sigkill_loses_no_written_record(tmp_path: Path, policy: SyncPolicy) -> None:
+    """A process killed right after appending, never having synced its group, kept them all."""
+    path = tmp_path / "j.jsonl"
+    script = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from dvfs.measure.journal import Journal, SyncPolicy\n"
+        f"j = Journal(Path({str(path)!r}), sync=SyncPolicy(group_s={policy.group_s!r}))\n"
+        "j.append({'type': 'header'})\n"
+        "for i in range(200):\n"
+        "    j.append({'type': 'cell', 'key': f'k{i}', 'cell': {}, 'status': 'ok'})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([PYTHON, "-c", script], env=subprocess_env(), timeout=60)
+    assert done.returncode == -9
+    records = read_records(path)
+    assert [r["key"] for r in records[1:]] == [f"k{i}" for i in range(200)]
+
+
+def test_a_twin_sweep_syncs_in_groups_states_it_and_syncs_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsync = FsyncLog()
+    monkeypatch.setattr(os, "fsync", fsync)
+    # Wall time stands still: no group falls due, whatever the machine's speed.
+    monkeypatch.setattr(journal_module, "time", SimpleNamespace(monotonic=lambda: 0.0))
+    campaign = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    out = tmp_path / "out"
+    outcome = run_sweep(campaign, out)
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == outcome.summary.measured == 16
+    # The header, the session and the two servers at once; the 16 cells in one group.
+    assert len(records) == 20 and len(fsync.sizes) == 5
+    assert fsync.sizes[-1] == journal.stat().st_size, "the end of the sweep reached the disk"
+    (session,) = [r for r in records if r["type"] == "session"]
+    assert session["journal_sync"] == SyncPolicy.for_clock(virtual=True).describe()
+
+
+class InterruptAt(NullProgress):
+    """Ctrl-C after the n-th cell, as the CLI's signal handler raises it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def advance(self, cell: Cell, status: str) -> None:
+        self.n -= 1
+        if self.n == 0:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_sweep_syncs_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsync = FsyncLog()
+    monkeypatch.setattr(os, "fsync", fsync)
+    campaign = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(campaign, out, progress=InterruptAt(2))
+    journal = out / "journal.jsonl"
+    lines = journal.read_bytes().splitlines()
+    assert sum(json.loads(line)["type"] == "cell" for line in lines) == 2
+    assert fsync.sizes[-1] == journal.stat().st_size, "the signal path synced the last group"
