@@ -1,9 +1,195 @@
-"""`dvfs report` (being built)."""
+"""`dvfs report`: one file a team can mail around (HTML with figures inside, or Markdown)."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import tempfile
+from pathlib import Path
 
 import click
 
+from dvfs.cli.analysis import (
+    cube_argument,
+    filter_options,
+    headroom_target,
+    latency_options,
+)
+from dvfs.cli.common import handle_errors
+
+MARKDOWN_SUFFIXES = (".md", ".markdown")
+
+
+def _slack(ctx: click.Context, param: click.Parameter, value: str) -> float:
+    from dvfs.analysis.targets import parse_slack
+    from dvfs.errors import AnalysisError
+
+    try:
+        return parse_slack(value)
+    except AnalysisError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+
+def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not (math.isfinite(value) and 0.5 <= value < 1):
+        raise click.BadParameter(
+            f"{value} is not a confidence level; give a number from 0.5 up to, not including, "
+            "1 (e.g. 0.95)",
+            ctx=ctx,
+            param=param,
+        )
+    return value
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output path that cannot be written before the minutes of work, not after."""
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    folder = path.parent
+    if not folder.is_dir():
+        code = errno.ENOTDIR if folder.exists() else errno.ENOENT
+        raise OSError(code, os.strerror(code), str(path))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """A temp file beside `path`, renamed over it: a failed write leaves no half report. A
+    failure names `path`, never the temp file."""
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
+    """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes)."""
+    from dvfs.plots import plot_all
+
+    with tempfile.TemporaryDirectory(prefix="dvfs-report-") as tmp:
+        paths = plot_all(cube, tmp, fmt="png", target=target)  # type: ignore[arg-type]
+        return [(p.relative_to(tmp).as_posix(), p.read_bytes()) for p in paths]
+
 
 @click.command()
-def report() -> None:
-    """Not built yet."""
-    raise click.ClickException("dvfs report is not built yet")
+@cube_argument
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The report file (report.html, or report.md with its figures in report_figures/).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["html", "md"]),
+    help="html (one self-contained file) or md  [default: md for a .md output, else html]",
+)
+@click.option(
+    "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
+)
+@click.option(
+    "--vs-baseline",
+    is_flag=True,
+    help="Target: the baseline drafter's stock latency (trade speculation's win for energy).",
+)
+@click.option(
+    "--slo", metavar="EXPR", help="Target: an absolute SLO such as tpot_p90<=50ms or ttft_p99<=1s."
+)
+@latency_options
+@click.option(
+    "--slack",
+    default="0%",
+    show_default=True,
+    callback=_slack,
+    help="Allowed latency increase (5% or 0.05); not with --slo.",
+)
+@click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
+@click.option(
+    "--knob",
+    type=click.Choice(["both", "sm_clock", "power_limit"]),
+    default="both",
+    show_default=True,
+    help="Which knobs may move.",
+)
+@click.option(
+    "--confidence",
+    type=float,
+    callback=_confidence,
+    default=0.95,
+    show_default=True,
+    help="One-sided confidence of the latency bound (with repeats).",
+)
+@filter_options
+@click.pass_context
+@handle_errors
+def report(
+    ctx: click.Context,
+    cube_path: Path,
+    output: Path,
+    fmt: str | None,
+    preserve: bool,
+    vs_baseline: bool,
+    slo: str | None,
+    metric: str,
+    quantile: str,
+    slack: float,
+    baseline: str,
+    knob: str,
+    confidence: float,
+    batch: tuple[int, ...],
+    drafter: tuple[str, ...],
+    corpus: tuple[str, ...],
+) -> None:
+    """A report of a cube to share: what was measured, the headroom for a target with its
+    confidence, speculation against none, the findings with their figures, and the caps it
+    recommends. The target options are `dvfs headroom`'s. CUBE_PATH is a cube file or a
+    sweep folder."""
+    from datetime import UTC, datetime
+
+    from dvfs.analysis.selection import SelectionError, check_drafter, select
+    from dvfs.cube import open_analysable
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.html import render_html
+    from dvfs.report.markdown import render_markdown
+    from dvfs.version import __version__
+
+    fmt = fmt or ("md" if output.suffix.lower() in MARKDOWN_SUFFIXES else "html")
+    target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
+    check_output(output)
+    ds = open_analysable(cube_path)
+    try:
+        if (
+            vs_baseline
+            or ctx.get_parameter_source("baseline") != click.core.ParameterSource.DEFAULT
+        ):
+            check_drafter(ds, baseline, "--baseline")
+        known = {str(d) for d in ds["drafter"].values}
+        keep = (*drafter, *([baseline] if baseline in known else [])) if drafter else ()
+        shown = select(ds, batch, keep, corpus)
+    except SelectionError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from exc
+    options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
+    generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
+    document = build_document(ds, options, _figures(shown, target), generated=generated)
+    if fmt == "html":
+        write_atomically(output, render_html(document).encode("utf-8"))
+    else:
+        folder = f"{output.stem}_figures"
+        text, files = render_markdown(document, folder)
+        for name, data in files.items():
+            (output.parent / name).parent.mkdir(exist_ok=True)
+            write_atomically(output.parent / name, data)
+        write_atomically(output, text.encode("utf-8"))
+    click.echo(f"wrote {output}")

@@ -1,0 +1,265 @@
+"""`dvfs report`: a cube, a target and the figures' bytes in, a `Document` out (pure).
+
+The numbers come from the analyses the other commands print (`headroom`, `compare`, `cap
+plan`), through their documents, so the report never disagrees with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dvfs.analysis.targets import Target
+from dvfs.report.facts import measured_section
+from dvfs.report.findings import findings_section
+from dvfs.report.model import Code, Document, Figure, Paragraph, Section, Table
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+#: Image types a figure may be, by file extension.
+MIME_TYPES = {"png": "image/png", "svg": "image/svg+xml"}
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """What `dvfs headroom` would be asked: the target, the knobs, the confidence, filters."""
+
+    target: Target
+    knob: str = "both"
+    confidence: float = 0.95
+    batch: tuple[int, ...] = ()
+    drafter: tuple[str, ...] = ()
+    corpus: tuple[str, ...] = ()
+
+
+def build_document(
+    cube: xr.Dataset,
+    options: ReportOptions,
+    figures: Sequence[tuple[str, bytes]],
+    *,
+    generated: str,
+) -> Document:
+    """The whole report. `figures` are (name relative to the figure folder, file bytes) as
+    `dvfs.plots.plot_all` wrote them; `generated` is when (and by what) it was made."""
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.selection import select
+    from dvfs.report.headroom import headroom_document
+
+    result = headroom(cube, target=options.target, knob=options.knob, confidence=options.confidence)
+    result = select(result, options.batch, options.drafter, options.corpus)
+    room = headroom_document(result, cube)
+    comparison, compare_notes = _comparison(cube, options)
+    sections = (
+        measured_section(cube),
+        _headroom_section(room, options),
+        _compare_section(comparison, compare_notes),
+        findings_section(room, comparison, [_figure(n, d) for n, d in figures]),
+        _caps_section(room, options),
+    )
+    gpu = room["gpu"]["name"] or "unknown GPU"
+    return Document(
+        title=f"DVFS report: {room['campaign'] or 'campaign'} on {gpu}",
+        subtitle=f"{room['model'] or 'unknown model'}; target {room['target']['description']}; "
+        f"generated {generated}",
+        sections=sections,
+    )
+
+
+def _figure(name: str, data: bytes) -> Figure:
+    from dvfs.errors import AnalysisError
+
+    ext = name.rsplit(".", 1)[-1].lower()
+    if ext not in MIME_TYPES:
+        raise AnalysisError(f"figure {name} is not PNG or SVG: a report cannot embed it")
+    return Figure(name=name, caption=figure_caption(name), data=data, mime=MIME_TYPES[ext])
+
+
+_CAPTIONS = {
+    "energy_vs_clock": "Energy per token against the SM clock",
+    "pareto": "Energy against latency at every setting: Pareto fronts and the chosen settings",
+    "headroom": "Energy saved at the chosen setting, per batch, drafter and corpus",
+    "acceptance": "Mean accept length per drafter and corpus",
+    "timelines": "Power and SM clock over a cell, at stock and at the chosen setting",
+}
+
+
+def figure_caption(name: str) -> str:
+    """A caption from the figure's file name: `gpu/pareto_code.png` -> "GPU gpu: ...,
+    corpus code"."""
+    *folders, file = name.split("/")
+    stem = file.rsplit(".", 1)[0]
+    lead = f"GPU {folders[-1]}: " if folders else ""
+    for prefix, text in _CAPTIONS.items():
+        if stem == prefix:
+            return lead + text
+        if stem.startswith(prefix + "_"):
+            return f"{lead}{text}, corpus {stem[len(prefix) + 1 :]}"
+    return lead + stem.replace("_", " ")
+
+
+def _comparison(
+    cube: xr.Dataset, options: ReportOptions
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The `dvfs compare` document against the target's baseline, or why there is none."""
+    from dvfs.analysis.compare import compare
+    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.selection import select
+    from dvfs.errors import AnalysisError
+    from dvfs.report.compare import compare_document
+
+    baseline = options.target.baseline
+    drafters = [str(d) for d in cube["drafter"].values]
+    if options.drafter:
+        drafters = [d for d in drafters if d in options.drafter or d == baseline]
+    if baseline not in drafters:
+        return None, [
+            f"The cube has no {baseline!r} drafter to compare speculation with "
+            f"(drafters: {', '.join(drafters)}); choose one with --baseline."
+        ]
+    if len(drafters) < 2:
+        return None, [f"Only the {baseline!r} drafter was measured: nothing to compare."]
+    t = options.target
+    result = compare(cube, baseline=baseline, metric=t.metric, quantile=t.quantile)
+    result = select(result, options.batch, drafters, options.corpus)
+    notes = []
+    try:
+        roof = select(roofline(cube), options.batch, drafters)
+    except AnalysisError as exc:
+        roof = None
+        notes.append(f"No roofline: {exc}")
+    return compare_document(result, roof, cube), notes
+
+
+def confidence_statement(room: dict[str, Any]) -> Paragraph:
+    """What "meets the target" promises, in words."""
+    repeats = max((r["repeats"] or 0 for r in room["rows"]), default=0)
+    if repeats < 2:
+        return Paragraph(
+            f"Confidence: none. {room['bound'].capitalize()}: a setting listed as meeting the "
+            "target may miss it on a rerun. Measure with repeats >= 2 for a confidence bound.",
+            tone="warning",
+        )
+    return Paragraph(
+        f"Confidence: a setting is listed only when the {room['bound']} meets the target, so "
+        f"each listed setting meets it with {room['confidence']:.0%} confidence (one-sided); "
+        "a setting with an invalid repeat is never chosen.",
+        tone="note",
+    )
+
+
+def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
+    from dvfs.report.common import reference_text
+    from dvfs.report.headroom import headroom_table_rows
+
+    header, rows = headroom_table_rows(room)
+    ref = room["reference"]
+    stock = "" if ref["is_stock"] else " (the stock setting is not in the cube: top of the grid)"
+    return Section(
+        "Headroom",
+        "headroom",
+        (
+            Paragraph(
+                f"Target: {room['target']['description']}. Knob: {room['knob']}. Reference "
+                f"(stock): {reference_text(ref)}{stock}. Headroom is stock minus the lowest "
+                "setting that meets the target; the chosen setting is the one that meets it "
+                "with the least energy per token, and the saving is against the drafter's own "
+                "stock energy."
+            ),
+            confidence_statement(room),
+            Table(
+                f"DVFS headroom: {room['target']['description']}",
+                tuple(header),
+                tuple(tuple(r) for r in rows),
+            ),
+        ),
+    )
+
+
+def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Section:
+    from dvfs.report.compare import compare_tables
+
+    blocks: list[Any] = [Paragraph(n, tone="note") for n in notes]
+    if comparison is not None:
+        blocks.insert(
+            0,
+            Paragraph(
+                f"Each drafter's energy per token relative to {comparison['baseline']!r}: at "
+                "equal clock (both at stock) and at equal latency (each at its least-energy "
+                f"setting within the baseline's stock {comparison['latency']}). Below 1 saves."
+            ),
+        )
+        blocks += [
+            Table(title, tuple(header), tuple(tuple(r) for r in rows))
+            for title, header, rows in compare_tables(comparison)
+        ]
+    return Section("Speculation vs no speculation", "speculation-vs-no-speculation", tuple(blocks))
+
+
+def target_flags(options: ReportOptions) -> str:
+    """The `dvfs headroom` options that ask the same question as this report."""
+    t = options.target
+    if t.mode == "slo":
+        op = "<" if t.strict else "<="
+        flags = [f"--slo '{t.metric}_{t.quantile_name}{op}{t.limit_ms:g}ms'"]
+    else:
+        flags = [
+            "--vs-baseline" if t.mode == "vs-baseline" else "--preserve",
+            f"--metric {t.metric} --quantile {t.quantile_name} --slack {t.slack * 100:g}%",
+        ]
+    if t.baseline != "none" or t.mode == "vs-baseline":
+        flags.append(f"--baseline {t.baseline}")
+    if options.knob != "both":
+        flags.append(f"--knob {options.knob}")
+    if options.confidence != 0.95:
+        flags.append(f"--confidence {options.confidence:g}")
+    return " ".join(flags)
+
+
+def _caps_section(room: dict[str, Any], options: ReportOptions) -> Section:
+    """`dvfs cap plan` for every (batch, drafter), safe on every corpus (worst case)."""
+    from dvfs.caps.planning import plan_caps
+    from dvfs.errors import CapsError
+
+    rows: list[tuple[str, ...]] = []
+    pairs = dict.fromkeys((r["batch"], r["drafter"]) for r in room["rows"])
+    for batch, drafter in pairs:
+        group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
+        infeasible = sorted({r["corpus"] for r in group if not r["feasible"]})
+        if infeasible:
+            why = f"no cap: nothing meets the target on {', '.join(infeasible)}"
+            rows.append((str(batch), drafter, "-", "stock", "stock", why))
+            continue
+        try:
+            caps = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case").caps
+        except CapsError as exc:
+            why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
+            rows.append((str(batch), drafter, "-", "stock", "stock", why))
+            continue
+        for cap in caps:
+            clock = "stock" if cap.sm_clock_max_mhz is None else f"{cap.sm_clock_max_mhz} MHz"
+            limit = "stock" if cap.power_limit_w is None else f"{cap.power_limit_w:g} W"
+            who = cap.uuid[:16] if cap.uuid else f"every {cap.name}"
+            rows.append((str(batch), drafter, who, clock, limit, "cap"))
+    command = (
+        f"dvfs headroom CUBE {target_flags(options)} --json -o headroom.json\n"
+        "dvfs cap plan headroom.json --batch B --drafter D -o caps.toml"
+    )
+    return Section(
+        "Recommended caps",
+        "recommended-caps",
+        (
+            Paragraph(
+                "For the batch and drafter production serves with: the SM clock cap and power "
+                "limit that keep every measured corpus within the target (the least aggressive "
+                "of each corpus's chosen setting). A knob at stock is left alone."
+            ),
+            Table(
+                "Caps per batch and drafter (worst case over the corpora)",
+                ("batch", "drafter", "GPU", "SM clock max", "power limit", "decision"),
+                tuple(rows),
+            ),
+            Code("To write the caps file for one row (batch B, drafter D)", command),
+        ),
+    )

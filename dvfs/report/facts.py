@@ -1,0 +1,154 @@
+"""The report's first section: what was measured, how, when, and how clean the data is.
+
+Built from `dvfs cube info`'s summary and the cube's provenance attributes; an attribute the
+cube lacks (an older or merged cube) reads "not recorded", never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from dvfs.report.model import Code, Facts, Paragraph, Section, Table
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+MISSING = "not recorded"
+#: Failed cells listed by name; more are counted.
+MAX_FAILED_LISTED = 20
+
+
+def _json_attr(attrs: dict[Any, Any], name: str) -> Any:
+    try:
+        return json.loads(str(attrs[name]))
+    except (KeyError, ValueError):
+        return None
+
+
+def _text(value: Any) -> str:
+    return MISSING if value is None or str(value) in ("", "None", "nan") else str(value)
+
+
+def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
+    values = info["coords"].get(dim, [])
+    shown = [v.removesuffix(".0") for v in values]
+    return ", ".join(shown) + unit if shown else MISSING
+
+
+def measured_section(cube: xr.Dataset) -> Section:
+    """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
+    from dvfs.cube.info import info_text
+
+    info = info_text(cube)
+    a = cube.attrs
+    tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
+    memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
+    idle = info["idle_power_w"]
+    pairs = [
+        ("Campaign", f"{_text(info['campaign'])} (hash {_text(a.get('campaign_hash'))})"),
+        ("GPU", info["gpu"]),
+        ("GPU UUIDs", _text(a.get("gpu_uuids")).replace(",", ", ")),
+        ("Driver", _text(info["driver"]) + memory),
+        ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
+        ("Model", _text(info["model"]) + tp),
+        ("SM clocks", _values(info, "sm_clock", " MHz")),
+        ("Power limits", _values(info, "power_limit", " W")),
+        ("Batch sizes", _values(info, "batch")),
+        ("Drafters", _values(info, "drafter")),
+        ("Corpora", _values(info, "corpus")),
+        ("Repeats", str(info["dims"].get("repeat", 1))),
+        ("Reference (stock)", info["stock"]),
+        ("Idle power", MISSING if idle != idle else f"{idle:g} W"),
+        ("Cube built", f"{_text(info['created'])} from {_text(a.get('sessions'))} session(s)"),
+        ("History", _text(a.get("history"))),
+        ("dvfs version", _text(a.get("dvfs_version"))),
+        ("Measurement method", _text(a.get("measurement_method"))),
+        ("Token counts", _text(a.get("token_count_method"))),
+    ]
+    blocks: list[Any] = [Facts(tuple(pairs))]
+    blocks += _server_args(a)
+    blocks += _corpora(a)
+    blocks += _quality(info)
+    if a.get("campaign_source"):
+        blocks.append(Code("Campaign file", str(a["campaign_source"]).strip("\n"), folded=True))
+    return Section("What was measured", "what-was-measured", tuple(blocks))
+
+
+def _server_args(attrs: dict[Any, Any]) -> list[Table]:
+    """The engine's resolved arguments per drafter (what each server really ran with)."""
+    resolved = _json_attr(attrs, "server_args")
+    if not isinstance(resolved, dict) or not resolved:
+        return []
+    rows = []
+    for drafter, entry in resolved.items():
+        entry = entry if isinstance(entry, dict) else {}
+        given = entry.get("args")
+        args: dict[str, Any] = given if isinstance(given, dict) else {}
+        text = "; ".join(f"{k}={json.dumps(v)}" for k, v in sorted(args.items()))
+        engine = f"{_text(entry.get('engine'))} {_text(entry.get('version'))}"
+        rows.append((str(drafter), engine, text or MISSING))
+    return [Table("Resolved server arguments", ("drafter", "engine", "arguments"), tuple(rows))]
+
+
+def _corpora(attrs: dict[Any, Any]) -> list[Table]:
+    corpora = _json_attr(attrs, "corpora")
+    if not isinstance(corpora, dict) or not corpora:
+        return []
+    rows = tuple(
+        (
+            str(name),
+            _text(c.get("prompts")),
+            _text(c.get("source")),
+            _text(c.get("content_hash")),
+        )
+        for name, c in corpora.items()
+        if isinstance(c, dict)
+    )
+    return [Table("Corpora", ("corpus", "prompts", "source", "content hash"), rows)]
+
+
+def _quality(info: dict[str, Any]) -> list[Any]:
+    """Counts of measured, failed, missing and invalid cells; flags; the failed cells."""
+    blocks: list[Any] = [
+        Facts(
+            (
+                ("Cells", str(info["cells"])),
+                ("Measured", str(info["measured"])),
+                ("Failed", str(info["failed"])),
+                ("Missing", str(info["missing"])),
+                ("Invalid (flagged)", str(info["invalid"])),
+            )
+        )
+    ]
+    bad = info["failed"] + info["missing"] + info["invalid"]
+    if bad:
+        blocks.insert(
+            0,
+            Paragraph(
+                f"Data quality: {bad} of {info['cells']} cells are failed, missing or flagged "
+                "invalid; the analyses never choose a setting with such a cell.",
+                tone="warning",
+            ),
+        )
+    else:
+        blocks.insert(0, Paragraph("Data quality: every cell was measured and valid."))
+    flags = info["quality_flags"]
+    if flags:
+        blocks.append(
+            Table(
+                "Quality flags raised (cells)",
+                ("flag", "cells"),
+                tuple((name, str(count)) for name, count in flags.items()),
+            )
+        )
+    failed = info["failed_cells"]
+    if failed:
+        rows = tuple(
+            (json.dumps(cell, sort_keys=True) if not isinstance(cell, str) else cell,)
+            for cell in failed[:MAX_FAILED_LISTED]
+        )
+        more = len(failed) - MAX_FAILED_LISTED
+        title = "Failed cells" + (f" (first {MAX_FAILED_LISTED}; {more} more)" if more > 0 else "")
+        blocks.append(Table(title, ("cell",), rows))
+    return blocks

@@ -1,0 +1,152 @@
+"""The findings: a few sentences read off the headroom and compare documents, each with the
+figures that show it (matched by the figure's file name; any figure left over is still shown)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dvfs.report.model import Figure, Finding, Paragraph, Section
+
+#: Which finding shows which figures, by the start of the figure's file name.
+FIGURES_OF = {
+    "headroom": ("headroom", "pareto", "timelines"),
+    "energy": ("energy_vs_clock",),
+    "speculation": ("acceptance",),
+}
+#: Rows named in a sentence; more are counted.
+MAX_NAMED = 6
+
+
+def _stem(figure: Figure) -> str:
+    return figure.name.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+
+
+def _takes(prefixes: tuple[str, ...], figure: Figure) -> bool:
+    stem = _stem(figure)
+    return any(stem == p or stem.startswith(p + "_") for p in prefixes)
+
+
+def _where(row: dict[str, Any]) -> str:
+    gpu = f"GPU {row['gpu'][:12]}, " if row.get("gpu") else ""
+    return f"{gpu}batch {row['batch']}, drafter {row['drafter']}, corpus {row['corpus']}"
+
+
+def _setting(clock: Any, limit: Any) -> str:
+    return f"{clock} MHz / {limit:g} W"
+
+
+def _named(items: list[str]) -> str:
+    more = len(items) - MAX_NAMED
+    return "; ".join(items[:MAX_NAMED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
+    rows = room["rows"]
+    saving = [r for r in rows if r["feasible"] and (r["saving"] or 0) > 0]
+    infeasible = [r for r in rows if not r["feasible"]]
+    details = []
+    if saving:
+        best = max(saving, key=lambda r: r["saving"])
+        ref = room["reference"].get("per_gpu", {}).get(best.get("gpu")) or room["reference"]
+        details.append(
+            f"Largest saving: {best['saving']:.1%} of the energy per token at {_where(best)}: "
+            f"{_setting(best['chosen']['sm_clock_mhz'], best['chosen']['power_limit_w'])} "
+            f"instead of {_setting(ref['sm_clock_mhz'], ref['power_limit_w'])} "
+            f"({best['stock_energy_per_token_j']:.4g} -> {best['energy_per_token_j']:.4g} J "
+            f"per token; latency {best['latency_ms']:.3g} ms against a "
+            f"{best['target_ms']:.3g} ms target)."
+        )
+    if infeasible:
+        details.append(
+            "No measured setting meets the target (within the confidence bound) at: "
+            + _named([_where(r) for r in infeasible])
+            + "."
+        )
+    headline = (
+        f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below stock "
+        f"while meeting {room['target']['description']}."
+    )
+    return Finding(headline, tuple(details), figures)
+
+
+def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
+    rows = [r for r in room["rows"] if r["stock_energy_per_token_j"] is not None]
+    if not rows:
+        return Finding("No stock cell was measured: no stock energy to report.", (), figures)
+    low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
+    high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
+    return Finding(
+        f"At stock, energy per token ranges from {low['stock_energy_per_token_j']:.4g} J "
+        f"({_where(low)}) to {high['stock_energy_per_token_j']:.4g} J ({_where(high)}).",
+        _batch_trend(rows),
+        figures,
+    )
+
+
+def _batch_trend(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Whether stock energy per token falls from the smallest to the largest batch."""
+    groups: dict[tuple[Any, ...], dict[int, float]] = {}
+    for r in rows:
+        key = (r.get("gpu"), r["drafter"], r["corpus"])
+        groups.setdefault(key, {})[r["batch"]] = r["stock_energy_per_token_j"]
+    pairs = [g for g in groups.values() if len(g) > 1]
+    if not pairs:
+        return ()
+    lo, hi = min(min(g) for g in pairs), max(max(g) for g in pairs)
+    falls = sum(1 for g in pairs if g[max(g)] < g[min(g)])
+    return (
+        f"From the smallest to the largest batch measured, stock energy per token falls for "
+        f"{falls} of {len(pairs)} (drafter, corpus) pairs (batches {lo} to {hi}).",
+    )
+
+
+def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
+    base = comparison["baseline"]
+    details = [
+        f"{_gpu(r)}{r['drafter']} on {r['corpus']}: at equal clock "
+        f"{r['equal_clock_summary']}; at equal latency {r['equal_latency_summary']}."
+        for r in comparison["break_even_batch"]
+    ]
+    for a in comparison["acceptance"]:
+        details.append(
+            f"{a['drafter']} on {a['corpus']}: {a['accept_length']:.2f} tokens accepted per "
+            "verify pass."
+        )
+    ratios = [r for r in comparison["rows"] if r["energy_ratio_equal_latency"] is not None]
+    if ratios:
+        best = min(ratios, key=lambda r: r["energy_ratio_equal_latency"])
+        headline = (
+            "At equal latency, speculation's best case is "
+            f"{best['energy_ratio_equal_latency']:.2f}x the energy per token of {base!r} "
+            f"({_where(best)})."
+        )
+    else:
+        headline = f"No drafter meets {base!r}'s stock latency at any measured setting."
+    return Finding(headline, tuple(details), figures)
+
+
+def _gpu(row: dict[str, Any]) -> str:
+    return f"GPU {row['gpu'][:12]}: " if row.get("gpu") else ""
+
+
+def findings_section(
+    room: dict[str, Any], comparison: dict[str, Any] | None, figures: Sequence[Figure]
+) -> Section:
+    """The findings in reading order; figures no finding claims come last."""
+
+    def claim(key: str) -> tuple[Figure, ...]:
+        return tuple(f for f in figures if _takes(FIGURES_OF[key], f))
+
+    findings = [headroom_finding(room, claim("headroom")), energy_finding(room, claim("energy"))]
+    claimed = {*FIGURES_OF["headroom"], *FIGURES_OF["energy"]}
+    if comparison is not None:
+        findings.append(speculation_finding(comparison, claim("speculation")))
+        claimed |= set(FIGURES_OF["speculation"])
+    rest = tuple(f for f in figures if not _takes(tuple(claimed), f))
+    blocks: list[Any] = list(findings)
+    if rest:
+        blocks.append(Finding("More figures.", (), rest))
+    if not figures:
+        blocks.append(Paragraph("No figures were drawn for this cube.", tone="note"))
+    return Section("Findings", "findings", tuple(blocks))
