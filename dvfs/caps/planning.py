@@ -1,6 +1,7 @@
 """Planning caps: a `dvfs headroom --json` document and the operator's choice in, a caps file out.
 
 Pure: no GPU and no state directory, so `dvfs cap plan` runs anywhere a headroom document is.
+`plan_caps` gives one static setting; `plan_per_batch` one per batch size, for `dvfs govern`.
 """
 
 from __future__ import annotations
@@ -9,10 +10,15 @@ import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import TWIN_SUFFIX, CapsFile, GpuCap, is_twin_name
 from dvfs.errors import CapsError
+
+if TYPE_CHECKING:
+    # Imported where used: dvfs.govern.plan reads dvfs.caps.files, so a module-level import
+    # would make importing dvfs.govern.plan first run into this half-initialised package.
+    from dvfs.govern.plan import BatchPlan, BatchStep
 
 
 def load_headroom(path: Path) -> Any:
@@ -23,6 +29,18 @@ def load_headroom(path: Path) -> Any:
         raise CapsError(
             f"{path} is not JSON ({exc}); write it with `dvfs headroom CUBE --json -o FILE`"
         ) from exc
+
+
+def check_document(doc: Any) -> None:
+    """Refuse anything but a complete `dvfs headroom --json` document."""
+    if not isinstance(doc, dict) or doc.get("schema") != "dvfs.headroom/1":
+        raise CapsError("the input is not `dvfs headroom --json` output (schema dvfs.headroom/1)")
+    missing = [k for k in ("rows", "reference", "gpu", "target") if k not in doc]
+    if missing or not isinstance(doc.get("rows"), list):
+        raise CapsError(
+            f"the headroom document is incomplete (missing {', '.join(missing) or 'rows'}); "
+            "write it again with `dvfs headroom CUBE --json -o FILE`"
+        )
 
 
 def plan_caps(
@@ -47,14 +65,7 @@ def plan_caps(
         raise CapsError(
             f"--gpu {not_uuids[0]!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
         )
-    if not isinstance(doc, dict) or doc.get("schema") != "dvfs.headroom/1":
-        raise CapsError("the input is not `dvfs headroom --json` output (schema dvfs.headroom/1)")
-    missing = [k for k in ("rows", "reference", "gpu", "target") if k not in doc]
-    if missing or not isinstance(doc.get("rows"), list):
-        raise CapsError(
-            f"the headroom document is incomplete (missing {', '.join(missing) or 'rows'}); "
-            "write it again with `dvfs headroom CUBE --json -o FILE`"
-        )
+    check_document(doc)
     rows = [r for r in doc["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     if not rows:
         batches = sorted({r["batch"] for r in doc["rows"]})
@@ -142,3 +153,87 @@ def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str,
             "group names no GPU; plan each GPU with --gpu UUID"
         )
     return reference
+
+
+def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> BatchPlan:
+    """A per-batch plan (for `dvfs govern`) from a `dvfs.headroom/1` document: for each batch
+    the document has, the chosen setting of `drafter`, least aggressive across the corpora
+    (`corpus` "worst-case") and across the GPUs of a merged document.
+
+    A batch with no feasible setting, or whose chosen setting is stock, is planned at stock: the
+    governor then leaves the GPU alone at that load.
+    """
+    from dvfs.govern.plan import BatchPlan
+
+    check_document(doc)
+    drafters = sorted({str(r["drafter"]) for r in doc["rows"]})
+    if drafter is None:
+        if len(drafters) != 1:
+            raise CapsError(
+                f"the headroom document has drafters {drafters}: pass --drafter NAME (the one "
+                "the server runs)"
+            )
+        drafter = drafters[0]
+    rows = [r for r in doc["rows"] if r["drafter"] == drafter]
+    if not rows:
+        raise CapsError(f"no headroom rows for drafter {drafter!r}; the document has {drafters}")
+    if corpus != "worst-case":
+        rows = [r for r in rows if r["corpus"] == corpus]
+        if not rows:
+            raise CapsError(
+                f"no headroom rows for corpus {corpus!r}; use one of "
+                f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
+            )
+    steps = []
+    for batch in sorted({int(r["batch"]) for r in rows}):
+        group = [r for r in rows if int(r["batch"]) == batch]
+        steps.append(_batch_step(doc, batch, group))
+    measured_on = str(doc["gpu"].get("name") or "unknown GPU")
+    simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
+    if simulated and not is_twin_name(measured_on):
+        measured_on += TWIN_SUFFIX
+    meta = {
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "simulated": True if simulated else None,
+        "campaign": doc.get("campaign"),
+        "measured_on": measured_on,
+        "target": doc["target"].get("description"),
+        "drafter": drafter,
+        "corpus": corpus,
+        "knob": doc.get("knob"),
+    }
+    try:
+        return BatchPlan(tuple(steps), measured_on, drafter, meta)
+    except CapsError as exc:
+        raise CapsError(f"{exc} (drafter {drafter!r}, corpus {corpus})") from exc
+
+
+def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) -> BatchStep:
+    """One batch's step: stock when any corpus (or GPU) has no feasible setting; else per knob
+    the highest chosen value, a knob at or above its reference left at stock."""
+    from dvfs.govern.plan import BatchStep, Setting
+
+    if not all(r["feasible"] for r in group):
+        return BatchStep(batch, Setting())
+    clock_cap: int | None = None
+    limit_cap: float | None = None
+    clock_stock = limit_stock = False
+    for r in group:
+        ref = _reference_for(doc["reference"], r.get("gpu"))
+        clock, limit = r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]
+        if clock is None or clock >= ref["sm_clock_mhz"]:
+            clock_stock = True
+        else:
+            clock_cap = max(clock_cap or 0, int(clock))
+        if limit is None or limit >= ref["power_limit_w"]:
+            limit_stock = True
+        else:
+            limit_cap = max(limit_cap or 0.0, float(limit))
+    # The planned energies are meaningful for one corpus on one GPU only.
+    single = group[0] if len(group) == 1 else {}
+    return BatchStep(
+        batch,
+        Setting(None if clock_stock else clock_cap, None if limit_stock else limit_cap),
+        single.get("energy_per_token_j"),
+        single.get("stock_energy_per_token_j"),
+    )

@@ -9,6 +9,7 @@ UUIDs it names are not here (0 with --skip-missing).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -29,8 +30,16 @@ def cap() -> None:
 
 @cap.command("plan")
 @click.argument("headroom_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--batch", type=int, required=True, help="The batch size production runs at.")
-@click.option("--drafter", required=True, help="The drafter production serves with.")
+@click.option("--batch", type=int, help="The batch size production runs at (static caps).")
+@click.option(
+    "--per-batch",
+    is_flag=True,
+    help="Write a per-batch plan for `dvfs govern` (one setting per batch size) instead.",
+)
+@click.option(
+    "--drafter",
+    help="The drafter production serves with [--per-batch: the document's only drafter].",
+)
 @click.option(
     "--corpus",
     default="worst-case",
@@ -51,16 +60,31 @@ def cap() -> None:
 @handle_errors
 def plan(
     headroom_json: Path,
-    batch: int,
-    drafter: str,
+    batch: int | None,
+    per_batch: bool,
+    drafter: str | None,
     corpus: str,
     uuids: tuple[str, ...],
     model_name: str | None,
     out_path: Path | None,
 ) -> None:
-    """Turn `dvfs headroom --json` output and your choice into a caps file."""
+    """Turn `dvfs headroom --json` output and your choice into a caps file.
+
+    With --per-batch, a plan for `dvfs govern` instead: for each batch size the document has,
+    the setting that kept latency within its target at the least energy.
+    """
     from dvfs.caps import dump_caps, load_headroom, plan_caps
 
+    if per_batch:
+        if batch is not None or uuids or model_name:
+            raise click.UsageError(
+                "--per-batch plans every batch size for the measured GPU model: it takes no "
+                "--batch, --gpu or --model"
+            )
+        _plan_per_batch(load_headroom(headroom_json), drafter, corpus, out_path)
+        return
+    if batch is None or drafter is None:
+        raise click.UsageError("static caps need --batch and --drafter (or use --per-batch)")
     caps = plan_caps(
         load_headroom(headroom_json),
         batch=batch,
@@ -84,6 +108,33 @@ def plan(
     err.print(
         f"wrote {escape(str(out_path))}; check it with "
         f"`dvfs cap apply {escape(str(out_path))} --dry-run`"
+    )
+
+
+def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path | None) -> None:
+    from dvfs.caps.planning import plan_per_batch
+    from dvfs.govern.plan import dump_plan, load_plan
+
+    plan = plan_per_batch(doc, drafter=drafter, corpus=corpus)
+    text = dump_plan(plan)
+    err = console(stderr=True)
+    if plan.simulated:
+        err.print(
+            f"[yellow]This plan is simulated: planned from a digital-twin cube "
+            f"({escape(plan.measured_on)}), not from measurements of real GPUs; `dvfs govern` "
+            "refuses it unless given --allow-simulated.[/yellow]"
+        )
+    for step in plan.steps:
+        err.print(f"batch <= {step.batch}: {escape(step.setting.describe())}")
+    err.print(f"batch > {plan.steps[-1].batch}: stock (not measured)")
+    if out_path is None:
+        click.echo(text, nl=False)
+        return
+    out_path.write_text(text, encoding="utf-8")
+    load_plan(out_path)  # what was written reads back as the same plan
+    err.print(
+        f"wrote {escape(str(out_path))}; try it with `dvfs govern --plan "
+        f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run`"
     )
 
 

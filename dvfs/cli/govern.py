@@ -1,15 +1,256 @@
-"""`dvfs govern` and `dvfs monitor` (being built)."""
+"""`dvfs govern` (load-following caps for a running SGLang server) and `dvfs monitor` (live
+power, clocks and energy per token, read-only), both exporting Prometheus text on a port.
+
+`govern` exits 0 after --max-intervals, 2 for a bad plan or one this host's GPUs cannot follow,
+3 when a GPU holds unrestored changes or another dvfs uses it, 4 without permission, and
+130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU restored first.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import click
 
+from dvfs.cli.common import handle_errors
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+
+
+class Duration(click.ParamType):
+    """A time span: 500ms, 1s, 1.5 (seconds), 2m."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        match = _DURATION.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a duration such as 500ms, 1s or 2m", param, ctx)
+        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
+        return float(match.group(1)) * scale
+
+
+def note(message: str) -> None:
+    """Every change and every server outage, one timestamped line on stderr (the journal)."""
+    click.echo(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} dvfs: {message}", err=True)
+
+
+gpu_option = click.option(
+    "--gpu",
+    "devices",
+    multiple=True,
+    help="GPU index or UUID the server runs on (repeatable) [default: every GPU].",
+)
+url_option = click.option(
+    "--url",
+    default="http://127.0.0.1:30000",
+    show_default=True,
+    help="The SGLang server (started with --enable-metrics); its /metrics is read.",
+)
+interval_option = click.option(
+    "--interval",
+    type=Duration(),
+    default="1s",
+    show_default=True,
+    help="How often to read the server and the GPUs.",
+)
+listen_option = click.option(
+    "--listen",
+    default="127.0.0.1:9435",
+    show_default=True,
+    help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
+)
+max_intervals_option = click.option(
+    "--max-intervals",
+    type=click.IntRange(min=1),
+    help="Stop after this many intervals (restoring the GPUs) [default: run until stopped].",
+)
+
+
+@contextmanager
+def _exporting(listen: str, live: Any) -> Iterator[None]:
+    from dvfs.govern.exporter import parse_listen, start_exporter
+
+    address = parse_listen(listen)
+    if address is None:
+        yield
+        return
+    exporter = start_exporter(live, *address)
+    note(f"serving metrics on {exporter.url}")
+    try:
+        yield
+    finally:
+        exporter.close()
+
+
+def _timeout(interval: float) -> float:
+    return min(5.0, max(0.5, interval))
+
 
 @click.command()
-def govern() -> None:
-    """Not built yet."""
-    raise click.ClickException("dvfs govern is not built yet")
+@click.option(
+    "--plan",
+    "plan_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The per-batch plan from `dvfs cap plan HEADROOM_JSON --per-batch`.",
+)
+@url_option
+@gpu_option
+@interval_option
+@click.option(
+    "--dwell",
+    type=Duration(),
+    default="10s",
+    show_default=True,
+    help="Least time between two changes of setting.",
+)
+@click.option(
+    "--hysteresis",
+    type=float,
+    default=0.25,
+    show_default=True,
+    help="Step down only once the batch is this fraction (at least 1 request) below a step.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would change; change nothing.")
+@click.option(
+    "--allow-simulated",
+    is_flag=True,
+    help="Follow a plan made from a digital-twin cube (matched by GPU model name).",
+)
+@listen_option
+@max_intervals_option
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs keeps state files and locks "
+    "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
+)
+@handle_errors
+def govern(
+    plan_path: Path,
+    url: str,
+    devices: tuple[str, ...],
+    interval: float,
+    dwell: float,
+    hysteresis: float,
+    dry_run: bool,
+    allow_simulated: bool,
+    listen: str,
+    max_intervals: int | None,
+    state_dir: Path | None,
+) -> None:
+    """Follow the server's load with the plan's per-batch settings (needs root unless --dry-run).
+
+    Every INTERVAL reads the running requests from the server's /metrics, picks the plan's step
+    for that batch (stepping down only past the hysteresis, never changing faster than the
+    dwell; stock when the server does not answer) and applies it under the same safety layer
+    as `dvfs cap apply`. Stopping restores every GPU.
+    """
+    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.govern.exporter import LiveMetrics
+    from dvfs.govern.loop import Ticker, check_plan_against
+    from dvfs.govern.loop import govern as run_governor
+    from dvfs.govern.metrics import scrape
+    from dvfs.govern.plan import load_plan
+    from dvfs.govern.policy import PolicyParams
+    from dvfs.gpu.safety import default_state_dir
+
+    if interval <= 0:
+        raise click.BadParameter("must be more than 0", param_hint="--interval")
+    plan = load_plan(plan_path)
+    params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
+    live = LiveMetrics()
+    with open_gpus(parse_devices(devices)) as gpus:
+        check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
+        names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
+        note(
+            f"governing {names} from {plan_path} ({len(plan.steps)} steps, drafter "
+            f"{plan.drafter}), reading {url} every {interval:g}s"
+            + (", dry run: nothing will change" if dry_run else "")
+        )
+        with _exporting(listen, live):
+            changes = run_governor(
+                plan,
+                gpus,
+                lambda: scrape(url, _timeout(interval)),
+                params,
+                Ticker(interval, max_intervals),
+                live=live,
+                note=note,
+                dry_run=dry_run,
+                state_dir=None if dry_run else state_dir or default_state_dir(),
+            )
+    note(f"stopped after {changes} change(s)" + ("" if dry_run else "; GPU settings restored"))
 
 
 @click.command()
-def monitor() -> None:
-    """Not built yet."""
-    raise click.ClickException("dvfs monitor is not built yet")
+@click.option(
+    "--url",
+    help="An SGLang server (with --enable-metrics) whose generated tokens give energy per token "
+    "[default: GPU metrics only].",
+)
+@gpu_option
+@interval_option
+@listen_option
+@max_intervals_option
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Read twice, one interval apart, print the metrics page and exit (serves nothing).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs records applied caps (clock locks are read from there).",
+)
+@handle_errors
+def monitor(
+    url: str | None,
+    devices: tuple[str, ...],
+    interval: float,
+    listen: str,
+    max_intervals: int | None,
+    once: bool,
+    state_dir: Path | None,
+) -> None:
+    """Export live power, energy, SM clock, power limit and energy per token (read-only).
+
+    Changes nothing and takes no GPU lock, so it runs beside a sweep or `dvfs cap apply`. Clock
+    locks shown are those dvfs recorded (`dvfs cap apply`); NVML cannot read a lock back.
+    """
+    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.caps.actuation import AppliedCaps
+    from dvfs.govern.exporter import LiveMetrics, render
+    from dvfs.govern.loop import Ticker
+    from dvfs.govern.loop import monitor as run_monitor
+    from dvfs.govern.metrics import scrape
+    from dvfs.gpu.safety import default_state_dir
+
+    if interval <= 0:
+        raise click.BadParameter("must be more than 0", param_hint="--interval")
+    record = AppliedCaps(state_dir or default_state_dir())
+
+    def locks() -> dict[str, int | None]:
+        return {uuid: lock[1] for uuid, lock in record.locks().items()}
+
+    scraper = None if url is None else (lambda: scrape(url, _timeout(interval)))
+    live = LiveMetrics()
+    with open_gpus(parse_devices(devices), allow_mig=True) as gpus:
+        if once:
+            run_monitor(gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks)
+            click.echo(render(live), nl=False)
+            return
+        with _exporting(listen, live):
+            run_monitor(
+                gpus, scraper, Ticker(interval, max_intervals), live=live, note=note, locks=locks
+            )

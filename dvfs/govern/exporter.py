@@ -1,0 +1,230 @@
+"""Live metrics in the Prometheus text format, served on a loopback port by default.
+
+The loop that reads the GPUs and the server publishes a `Snapshot` each interval; the HTTP
+thread only renders the latest one, so a scrape never touches NVML or the server and never
+waits on them. Units are Prometheus' base units (watts, joules, hertz). Series, each labelled
+by `gpu` (index) and `uuid`:
+
+  dvfs_gpu_power_watts, dvfs_gpu_energy_joules_total (NVML's counter since driver load),
+  dvfs_gpu_sm_clock_hertz, dvfs_gpu_power_limit_watts (enforced), dvfs_gpu_sm_clock_lock_max_hertz
+  (0 when dvfs holds no lock), dvfs_gpu_energy_per_token_joules (this GPU's energy over the
+  server's generated tokens in the last interval; NaN with no token)
+
+and for the server: dvfs_server_up, dvfs_server_running_requests,
+dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
+dvfs_server_energy_per_token_joules (all its GPUs); for the governor: dvfs_govern_changes_total
+and dvfs_govern_plan_batch (the step in force; 0 above the plan, at stock).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dvfs.errors import DvfsError
+from dvfs.govern.metrics import GpuReading
+
+DEFAULT_LISTEN = "127.0.0.1:9435"
+
+
+class ExporterError(DvfsError):
+    """The metrics port cannot be opened."""
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    reading: GpuReading
+    energy_per_token_j: float = math.nan
+    lock_max_mhz: int | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    gpus: tuple[GpuRow, ...] = ()
+    server_up: bool | None = None  # None: no server is watched
+    running: int | None = None
+    generated_tokens: float | None = None
+    accept_length: float | None = None
+    energy_per_token_j: float = math.nan
+    governed: bool = False
+    changes: int = 0
+    plan_batch: int = 0
+
+
+@dataclass
+class LiveMetrics:
+    """The latest snapshot, shared between the loop (writer) and the HTTP thread (reader)."""
+
+    _snapshot: Snapshot = field(default_factory=Snapshot)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def latest(self) -> Snapshot:
+        with self._lock:
+            return self._snapshot
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+class LiveCollector:
+    """A prometheus_client collector rendering the latest snapshot."""
+
+    def __init__(self, live: LiveMetrics) -> None:
+        self.live = live
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self.live.latest()
+        labels = ["gpu", "uuid"]
+
+        def gpu_gauge(name: str, doc: str, value: Any) -> Any:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for row in snap.gpus:
+                family.add_metric([str(row.reading.index), row.reading.uuid], value(row))
+            return family
+
+        yield gpu_gauge("dvfs_gpu_power_watts", "Board power.", lambda r: _nan(r.reading.power_w))
+        energy = CounterMetricFamily(
+            "dvfs_gpu_energy_joules", "NVML energy counter (since driver load).", labels=labels
+        )
+        for row in snap.gpus:
+            ident = [str(row.reading.index), row.reading.uuid]
+            energy.add_metric(ident, _nan(row.reading.energy_j))
+        yield energy
+        yield gpu_gauge(
+            "dvfs_gpu_sm_clock_hertz",
+            "SM clock.",
+            lambda r: math.nan if r.reading.sm_clock_mhz is None else r.reading.sm_clock_mhz * 1e6,
+        )
+        yield gpu_gauge(
+            "dvfs_gpu_power_limit_watts",
+            "Enforced power limit.",
+            lambda r: _nan(r.reading.power_limit_w),
+        )
+        yield gpu_gauge(
+            "dvfs_gpu_sm_clock_lock_max_hertz",
+            "Upper end of the SM clock lock dvfs applied (0: none).",
+            lambda r: 0.0 if r.lock_max_mhz is None else r.lock_max_mhz * 1e6,
+        )
+        yield gpu_gauge(
+            "dvfs_gpu_energy_per_token_joules",
+            "This GPU's energy per token the server generated, over the last interval.",
+            lambda r: r.energy_per_token_j,
+        )
+        if snap.server_up is not None:
+            yield from self._server(snap)
+        if snap.governed:
+            yield CounterMetricFamily(
+                "dvfs_govern_changes", "Settings the governor changed.", value=snap.changes
+            )
+            yield GaugeMetricFamily(
+                "dvfs_govern_plan_batch",
+                "Batch of the plan step in force (0: above the plan, stock).",
+                value=snap.plan_batch,
+            )
+
+    @staticmethod
+    def _server(snap: Snapshot) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "dvfs_server_up",
+            "Whether the server's /metrics answered.",
+            value=int(bool(snap.server_up)),
+        )
+        yield GaugeMetricFamily(
+            "dvfs_server_running_requests",
+            "Running requests (the batch) the server reports.",
+            value=_nan(snap.running),
+        )
+        if snap.generated_tokens is not None:
+            yield CounterMetricFamily(
+                "dvfs_server_generated_tokens",
+                "Generated tokens the server reports.",
+                value=snap.generated_tokens,
+            )
+        if snap.accept_length is not None:
+            yield GaugeMetricFamily(
+                "dvfs_server_spec_accept_length",
+                "Speculative accept length the server reports.",
+                value=snap.accept_length,
+            )
+        yield GaugeMetricFamily(
+            "dvfs_server_energy_per_token_joules",
+            "Energy of all governed GPUs per generated token, over the last interval.",
+            value=snap.energy_per_token_j,
+        )
+
+
+def registry_for(live: LiveMetrics) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveCollector(live))
+    return registry
+
+
+def render(live: LiveMetrics) -> str:
+    """The exposition text of the latest snapshot (what a scrape of the port returns)."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry_for(live)).decode("utf-8")
+
+
+def parse_listen(value: str) -> tuple[str, int] | None:
+    """HOST:PORT (or "off") from the command line; ExporterError says what is wrong."""
+    if value.strip().lower() == "off":
+        return None
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ExporterError(
+            f"--listen must be HOST:PORT (e.g. {DEFAULT_LISTEN}) or off, got {value!r}"
+        )
+    return host, int(port)
+
+
+@dataclass
+class Exporter:
+    """A running metrics endpoint; `close` stops it."""
+
+    server: Any
+    thread: threading.Thread
+    host: str
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_exporter(live: LiveMetrics, host: str, port: int) -> Exporter:
+    """Serve `live` on host:port (port 0: any free port) in a background thread."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry_for(live))
+    except OSError as exc:
+        raise ExporterError(
+            f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another "
+            "--listen HOST:PORT, or --listen off"
+        ) from exc
+    return Exporter(server, thread, host)

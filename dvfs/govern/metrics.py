@@ -1,0 +1,155 @@
+"""Reading the live numbers: the SGLang server's Prometheus page and the GPUs' meters, joined.
+
+Parsing and the energy-per-token join are pure (text or readings in, numbers out); `scrape`
+and `read_gpu` are the two edges that talk to the outside. SGLang's names (its metrics
+collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge, one series per scheduler,
+e.g. per data-parallel rank: summed), `sglang:generation_tokens_total` (counter, summed) and,
+with a speculative algorithm, `sglang:spec_accept_length` (gauge, averaged over series).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dvfs.errors import DvfsError, GpuError
+from dvfs.gpu.base import Gpu
+
+RUNNING = "sglang:num_running_reqs"
+GENERATED = "sglang:generation_tokens_total"
+ACCEPT_LENGTH = "sglang:spec_accept_length"
+
+
+class ScrapeError(DvfsError):
+    """The server's /metrics could not be read or lacks what the governor needs."""
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """What one read of the server's /metrics says."""
+
+    running: int
+    generated_tokens: float | None
+    accept_length: float | None
+
+
+def parse_server_metrics(text: str) -> ServerSample:
+    """The running batch, generated-token counter and accept length from a Prometheus page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, list[float]] = {RUNNING: [], GENERATED: [], ACCEPT_LENGTH: []}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in sums and math.isfinite(sample.value):
+                    sums[sample.name].append(sample.value)
+    except ValueError as exc:
+        raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc
+    if not sums[RUNNING]:
+        raise ScrapeError(
+            f"the server's /metrics has no {RUNNING}: is it SGLang, started with --enable-metrics?"
+        )
+    accept = sums[ACCEPT_LENGTH]
+    return ServerSample(
+        running=max(0, round(sum(sums[RUNNING]))),
+        generated_tokens=sum(sums[GENERATED]) if sums[GENERATED] else None,
+        accept_length=sum(accept) / len(accept) if accept else None,
+    )
+
+
+def metrics_url(url: str) -> str:
+    """The /metrics address of a server given by its base URL (or by /metrics itself)."""
+    base = url.rstrip("/")
+    return base if base.endswith("/metrics") else base + "/metrics"
+
+
+def scrape(url: str, timeout_s: float) -> ServerSample:
+    """Read and parse the server's /metrics; every failure is one ScrapeError line."""
+    import httpx
+
+    address = metrics_url(url)
+    try:
+        response = httpx.get(address, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise ScrapeError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
+    if response.status_code == 404:
+        raise ScrapeError(f"{address} answered 404: start SGLang with --enable-metrics")
+    if response.status_code != 200:
+        raise ScrapeError(f"{address} answered HTTP {response.status_code}")
+    try:
+        return parse_server_metrics(response.text)
+    except ScrapeError as exc:
+        raise ScrapeError(f"{address}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU's meters at one moment (None: the GPU does not report it)."""
+
+    index: int
+    uuid: str
+    power_w: float | None
+    energy_j: float | None
+    sm_clock_mhz: int | None
+    power_limit_w: float | None
+
+
+def read_gpu(gpu: Gpu) -> GpuReading:
+    """Read a GPU's meters; a meter the GPU refuses is None rather than an error."""
+
+    def safe(read: object) -> float | None:
+        try:
+            return float(read())  # type: ignore[operator]
+        except GpuError:
+            return None
+
+    energy = safe(gpu.energy_mj)
+    power = safe(gpu.power_mw)
+    clock = safe(gpu.sm_clock_mhz)
+    limit = safe(gpu.enforced_power_limit_mw)
+    ident = gpu.identity
+    return GpuReading(
+        ident.index,
+        ident.uuid,
+        None if power is None else power / 1000,
+        None if energy is None else energy / 1000,
+        None if clock is None else int(clock),
+        None if limit is None else limit / 1000,
+    )
+
+
+def energy_per_token(
+    energy_before_j: float | None,
+    energy_after_j: float | None,
+    tokens_before: float | None,
+    tokens_after: float | None,
+) -> float:
+    """Joules per generated token over an interval: energy delta / token delta.
+
+    NaN when it cannot be known: a missing reading, no token generated, or a counter that went
+    backwards (the server or the driver restarted).
+    """
+    if None in (energy_before_j, energy_after_j, tokens_before, tokens_after):
+        return math.nan
+    assert energy_before_j is not None and energy_after_j is not None
+    assert tokens_before is not None and tokens_after is not None
+    tokens = tokens_after - tokens_before
+    energy = energy_after_j - energy_before_j
+    if tokens <= 0 or energy < 0:
+        return math.nan
+    return energy / tokens
+
+
+def server_energy_per_token(
+    before: Sequence[GpuReading],
+    after: Sequence[GpuReading],
+    tokens_before: float | None,
+    tokens_after: float | None,
+) -> float:
+    """Joules per token for the whole server: the summed energy of its GPUs over the tokens."""
+    if len(before) != len(after) or any(r.energy_j is None for r in (*before, *after)):
+        return math.nan
+    total_before = sum(r.energy_j for r in before if r.energy_j is not None)
+    total_after = sum(r.energy_j for r in after if r.energy_j is not None)
+    return energy_per_token(total_before, total_after, tokens_before, tokens_after)

@@ -1,0 +1,259 @@
+"""The per-batch plan: what `dvfs cap plan --per-batch` writes and `dvfs govern` follows (TOML).
+
+A plan lists, for the batch sizes a campaign measured, the setting (an SM-clock cap and/or a
+power limit; either may be stock) that kept latency within the target at the least energy for
+one drafter. It is versioned (`dvfs_batch_plan = 1`) and checked whole when read, so a governor
+never starts on a plan it would misread. This module only parses, checks and writes the format;
+the planning is `dvfs.caps.planning.plan_per_batch`, the following is `dvfs.govern.policy`.
+
+How a running batch maps to a step: the first planned batch at or above it (a batch between
+two measured ones gets the setting measured for the larger); above the largest planned batch
+nothing was measured, so the GPU runs at stock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dvfs.caps.files import base_model_name, is_twin_name
+from dvfs.errors import CapsError
+
+BATCH_PLAN_SCHEMA = 1
+SCHEMA_KEY = "dvfs_batch_plan"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One GPU setting: cap the SM clock at `sm_clock_mhz` and set `power_limit_w`; None leaves
+    that knob at stock."""
+
+    sm_clock_mhz: int | None = None
+    power_limit_w: float | None = None
+
+    @property
+    def is_stock(self) -> bool:
+        return self.sm_clock_mhz is None and self.power_limit_w is None
+
+    def describe(self) -> str:
+        clock = (
+            "SM clock stock"
+            if self.sm_clock_mhz is None
+            else f"SM clock <= {self.sm_clock_mhz} MHz"
+        )
+        limit = (
+            "power limit stock"
+            if self.power_limit_w is None
+            else f"power limit {self.power_limit_w:g} W"
+        )
+        return f"{clock}, {limit}"
+
+
+STOCK = Setting()
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """The setting planned for running batches up to `batch` (and above the previous step)."""
+
+    batch: int
+    setting: Setting
+    energy_per_token_j: float | None = None
+    stock_energy_per_token_j: float | None = None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    steps: tuple[BatchStep, ...]
+    measured_on: str
+    drafter: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise CapsError("a per-batch plan needs at least one [[batch]] step")
+        batches = [s.batch for s in self.steps]
+        if any(b < 1 for b in batches):
+            raise CapsError("per-batch plan: batch sizes must be at least 1")
+        if batches != sorted(set(batches)):
+            raise CapsError(f"per-batch plan: batch sizes must increase strictly, got {batches}")
+        if all(s.setting.is_stock for s in self.steps):
+            raise CapsError("per-batch plan: every step is stock, so there is nothing to govern")
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        return tuple(s.batch for s in self.steps)
+
+    @property
+    def simulated(self) -> bool:
+        """Planned from a digital twin's cube, not from measurements of real GPUs."""
+        return self.meta.get("simulated") is True or is_twin_name(self.measured_on)
+
+    def bucket(self, batch: int | None) -> int:
+        """The step index for a running batch: the first planned batch at or above it;
+        len(steps) (stock) above the largest or when the batch is unknown."""
+        if batch is None:
+            return len(self.steps)
+        return bisect.bisect_left(self.batches, batch)
+
+    def setting(self, bucket: int) -> Setting:
+        """A bucket's setting; the bucket past the last step is stock."""
+        return self.steps[bucket].setting if bucket < len(self.steps) else STOCK
+
+    def bucket_label(self, bucket: int) -> str:
+        if bucket < len(self.steps):
+            return f"plan batch {self.steps[bucket].batch}"
+        return f"above plan batch {self.steps[-1].batch} (stock)"
+
+    def matches_model(self, name: str, *, twin_models: bool) -> bool:
+        """Whether a GPU of NVML model `name` is the model the plan was measured on."""
+        if name == self.measured_on:
+            return True
+        return twin_models and base_model_name(name) == base_model_name(self.measured_on)
+
+
+def _positive_int(value: Any, where: str, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CapsError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, where: str, key: str) -> float | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise CapsError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+STEP_KEYS = {
+    "batch",
+    "sm_clock_mhz",
+    "power_limit_w",
+    "energy_per_token_j",
+    "stock_energy_per_token_j",
+    "comment",
+}
+
+
+def parse_plan(data: dict[str, Any], *, where: str) -> BatchPlan:
+    """A plan from its TOML tables; every problem is one CapsError naming the key."""
+    if SCHEMA_KEY not in data:
+        hint = " (that is a caps file: `dvfs cap apply` reads it)" if "dvfs_caps" in data else ""
+        raise CapsError(
+            f"{where} is not a per-batch plan (no {SCHEMA_KEY} = {BATCH_PLAN_SCHEMA}){hint}; "
+            "write one with `dvfs cap plan HEADROOM_JSON --per-batch`"
+        )
+    version = data[SCHEMA_KEY]
+    if version != BATCH_PLAN_SCHEMA:
+        raise CapsError(
+            f"{where}: per-batch plan schema {version!r} is not {BATCH_PLAN_SCHEMA}; "
+            "write it again with this dvfs's `dvfs cap plan --per-batch`"
+        )
+    unknown = sorted(set(data) - {SCHEMA_KEY, "meta", "batch"})
+    if unknown:
+        raise CapsError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {SCHEMA_KEY}, meta, batch"
+        )
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise CapsError(f"{where}: [meta] must be a table")
+    for key in ("measured_on", "drafter"):
+        if not isinstance(meta.get(key), str) or not meta[key]:
+            raise CapsError(f"{where}: [meta] needs {key} (a string)")
+    if not isinstance(meta.get("simulated", False), bool):
+        raise CapsError(f"{where}: [meta] simulated must be true or false")
+    entries = data.get("batch", [])
+    if not isinstance(entries, list) or not entries:
+        raise CapsError(f"{where}: needs [[batch]] steps (batch = N, sm_clock_mhz, power_limit_w)")
+    steps = []
+    for i, entry in enumerate(entries):
+        here = f"{where}: [[batch]] #{i + 1}"
+        if not isinstance(entry, dict):
+            raise CapsError(f"{here}: must be a table, got {entry!r}")
+        extra = sorted(set(entry) - STEP_KEYS)
+        if extra:
+            raise CapsError(
+                f"{here}: unknown key(s) {', '.join(extra)}; allowed: "
+                f"{', '.join(sorted(STEP_KEYS))}"
+            )
+        batch = _positive_int(entry.get("batch"), here, "batch")
+        if batch is None:
+            raise CapsError(f"{here}: needs batch = N")
+        steps.append(
+            BatchStep(
+                batch,
+                Setting(
+                    _positive_int(entry.get("sm_clock_mhz"), here, "sm_clock_mhz"),
+                    _positive_float(entry.get("power_limit_w"), here, "power_limit_w"),
+                ),
+                _positive_float(entry.get("energy_per_token_j"), here, "energy_per_token_j"),
+                _positive_float(
+                    entry.get("stock_energy_per_token_j"), here, "stock_energy_per_token_j"
+                ),
+            )
+        )
+    try:
+        return BatchPlan(tuple(steps), meta["measured_on"], meta["drafter"], dict(meta))
+    except CapsError as exc:
+        raise CapsError(f"{where}: {exc}") from exc
+
+
+def load_plan(path: str | Path) -> BatchPlan:
+    path = Path(path)
+    if not path.is_file():
+        raise CapsError(f"per-batch plan {path} does not exist (or is not a file)")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise CapsError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CapsError(f"{path}: not a per-batch plan (not UTF-8 text: {exc.reason})") from exc
+    return parse_plan(data, where=str(path))
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def dump_plan(plan: BatchPlan) -> str:
+    lines = [
+        "# Per-batch GPU settings written by `dvfs cap plan --per-batch`; follow them with",
+        "# `dvfs govern --plan FILE --url http://127.0.0.1:30000` (systemd/dvfs-govern.service).",
+        "# A running batch gets the step of the first batch at or above it; above the last",
+        "# step the GPU runs at stock. A missing sm_clock_mhz / power_limit_w means stock.",
+    ]
+    if plan.simulated:
+        lines += [
+            f"# SIMULATED: planned from a digital-twin cube ({plan.measured_on}), not from",
+            "# measurements of real GPUs; `dvfs govern` refuses it without --allow-simulated.",
+        ]
+    lines += [f"{SCHEMA_KEY} = {BATCH_PLAN_SCHEMA}", "", "[meta]"]
+    lines += [f"{k} = {_toml(v)}" for k, v in plan.meta.items() if v is not None]
+    for step in plan.steps:
+        lines += ["", "[[batch]]", f"batch = {step.batch}"]
+        if step.setting.sm_clock_mhz is not None:
+            lines.append(f"sm_clock_mhz = {step.setting.sm_clock_mhz}")
+        if step.setting.power_limit_w is not None:
+            lines.append(f"power_limit_w = {step.setting.power_limit_w:g}")
+        if step.energy_per_token_j is not None:
+            lines.append(f"energy_per_token_j = {step.energy_per_token_j:.6g}")
+        if step.stock_energy_per_token_j is not None:
+            lines.append(f"stock_energy_per_token_j = {step.stock_energy_per_token_j:.6g}")
+    return "\n".join(lines) + "\n"
