@@ -251,8 +251,8 @@ def _measurement() -> CellMeasurement:
 def test_a_cell_record_round_trips_through_the_journal(tmp_path: Path) -> None:
     cell = Cell.from_dict(CELL_1980)
     record = CellRecord.measured(cell, _measurement(), attempts=1, warmup={}, errors=[])
-    journal = Journal(tmp_path / "journal.jsonl", [])
-    journal.append(record.to_json())  # NaN stored as null, tuples as lists
+    with Journal(tmp_path / "journal.jsonl") as journal:
+        journal.append(record.to_json())  # NaN stored as null, tuples as lists
     (line,) = read_records(journal.path)
     assert line["key"] == cell.key and set(line["measurement"]) == set(QUANTITIES)
     back = CellRecord.from_json(line, version=JOURNAL_SCHEMA)
