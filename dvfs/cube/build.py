@@ -1,5 +1,6 @@
-"""A cube from a journal: the records, decoded by `dvfs.records`, laid out on the campaign's
-grid; cells not (yet) measured are NaN."""
+"""A cube from a journal: the records, decoded by `dvfs.records` one line at a time and laid
+out on the campaign's grid as they come (memory is the grid's arrays, whatever the journal's
+length); cells not (yet) measured are NaN."""
 
 from __future__ import annotations
 
