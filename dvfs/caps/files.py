@@ -209,6 +209,13 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
+def exact(value: float) -> str:
+    """A number as TOML, short when that is exact (400, 412.5), else in full: a caps file
+    must read back as the limit planned."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
 def dump_caps(caps: CapsFile) -> str:
     lines = [
         "# GPU caps written by `dvfs cap plan`; apply with `dvfs cap apply FILE`",
@@ -236,5 +243,5 @@ def dump_caps(caps: CapsFile) -> str:
         if cap.sm_clock_min_mhz is not None:
             lines.append(f"sm_clock_min_mhz = {cap.sm_clock_min_mhz}")
         if cap.power_limit_w is not None:
-            lines.append(f"power_limit_w = {cap.power_limit_w:g}")
+            lines.append(f"power_limit_w = {exact(cap.power_limit_w)}")
     return "\n".join(lines) + "\n"

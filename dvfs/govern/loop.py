@@ -204,8 +204,10 @@ def govern(
         context: contextlib.AbstractContextManager[KnobController | None] = signals_raise()
     else:
         context = guarded(gpus, state_dir)
+    start: float | None = None
     with context as knobs:
         for now in ticker:
+            start = now if start is None else start
             sample = watch.server()
             if sample is not None and not warned:
                 warning = _speculation_note(plan, sample)
@@ -218,7 +220,10 @@ def govern(
                 bucket = decision.state.bucket
                 setting = plan.setting(bucket)
                 seen = "unknown (server unreadable)" if batch is None else str(batch)
-                line = f"running batch {seen} -> {plan.bucket_label(bucket)}: {setting.describe()}"
+                line = (
+                    f"running batch {seen} -> {plan.bucket_label(bucket)}: {setting.describe()} "
+                    f"(at {now - start:.3f} s)"
+                )
                 if knobs is None:
                     note(f"dry run, nothing changed: would set {line}")
                 else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dvfs.caps.files import base_model_name, is_twin_name
+from dvfs.caps.files import base_model_name, exact, is_twin_name
 from dvfs.errors import CapsError
 
 BATCH_PLAN_SCHEMA = 1
@@ -151,10 +151,13 @@ STEP_KEYS = {
 def parse_plan(data: dict[str, Any], *, where: str) -> BatchPlan:
     """A plan from its TOML tables; every problem is one CapsError naming the key."""
     if SCHEMA_KEY not in data:
-        hint = " (that is a caps file: `dvfs cap apply` reads it)" if "dvfs_caps" in data else ""
+        what = (
+            "a caps file (for `dvfs cap apply`), not a per-batch plan"
+            if "dvfs_caps" in data
+            else f"not a per-batch plan (no {SCHEMA_KEY} = {BATCH_PLAN_SCHEMA})"
+        )
         raise CapsError(
-            f"{where} is not a per-batch plan (no {SCHEMA_KEY} = {BATCH_PLAN_SCHEMA}){hint}; "
-            "write one with `dvfs cap plan HEADROOM_JSON --per-batch`"
+            f"{where} is {what}; write one with `dvfs cap plan HEADROOM_JSON --per-batch`"
         )
     version = data[SCHEMA_KEY]
     if version != BATCH_PLAN_SCHEMA:
@@ -251,7 +254,7 @@ def dump_plan(plan: BatchPlan) -> str:
         if step.setting.sm_clock_mhz is not None:
             lines.append(f"sm_clock_mhz = {step.setting.sm_clock_mhz}")
         if step.setting.power_limit_w is not None:
-            lines.append(f"power_limit_w = {step.setting.power_limit_w:g}")
+            lines.append(f"power_limit_w = {exact(step.setting.power_limit_w)}")
         if step.energy_per_token_j is not None:
             lines.append(f"energy_per_token_j = {step.energy_per_token_j:.6g}")
         if step.stock_energy_per_token_j is not None:

@@ -1,0 +1,212 @@
+"""`dvfs cap plan --per-batch`: a per-batch plan from a headroom document, and its file format."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dvfs.caps.planning import plan_per_batch
+from dvfs.cli import cli
+from dvfs.errors import CapsError
+from dvfs.govern.plan import (
+    BatchPlan,
+    BatchStep,
+    Setting,
+    dump_plan,
+    load_plan,
+    parse_plan,
+)
+
+REF = {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True}
+
+
+def row(batch: int, corpus: str, clock: int, limit: float, **extra: object) -> dict:
+    return {
+        "batch": batch,
+        "drafter": extra.pop("drafter", "eagle3"),
+        "corpus": corpus,
+        "feasible": extra.pop("feasible", True),
+        "chosen": {"sm_clock_mhz": clock, "power_limit_w": limit},
+        "energy_per_token_j": 0.5,
+        "stock_energy_per_token_j": 0.6,
+        **extra,
+    }
+
+
+def doc(rows: list[dict], **gpu: object) -> dict:
+    return {
+        "schema": "dvfs.headroom/1",
+        "campaign": "t",
+        "gpu": {"name": "NVIDIA H100 80GB HBM3", "uuids": ["GPU-aaaa"], **gpu},
+        "target": {"description": "TPOT p50 <= stock + 5%"},
+        "knob": "both",
+        "reference": REF,
+        "rows": rows,
+    }
+
+
+def test_each_batch_gets_its_least_aggressive_setting_across_corpora() -> None:
+    plan = plan_per_batch(
+        doc(
+            [
+                row(1, "code", 1005, 300.0),
+                row(1, "math", 1200, 250.0),
+                row(8, "code", 1500, 700.0),  # limit at stock: not capped
+                row(8, "math", 1305, 500.0),
+                row(32, "code", 1980, 700.0),  # stock chosen
+                row(32, "math", 1980, 700.0),
+            ]
+        ),
+        drafter=None,
+        corpus="worst-case",
+    )
+    assert plan.batches == (1, 8, 32)
+    assert [s.setting for s in plan.steps] == [
+        Setting(1200, 300.0),
+        Setting(1500, None),
+        Setting(None, None),
+    ]
+    assert plan.drafter == "eagle3" and not plan.simulated
+    # One corpus: its own setting and energies.
+    code = plan_per_batch(doc([row(1, "code", 1005, 300.0)]), drafter="eagle3", corpus="code")
+    assert code.steps == (BatchStep(1, Setting(1005, 300.0), 0.5, 0.6),)
+
+
+def test_an_infeasible_batch_is_planned_at_stock() -> None:
+    plan = plan_per_batch(
+        doc([row(1, "code", 1005, 300.0), row(64, "code", 900, 200.0, feasible=False)]),
+        drafter="eagle3",
+        corpus="code",
+    )
+    assert plan.steps[1].setting.is_stock and plan.steps[0].setting == Setting(1005, 300.0)
+
+
+def test_the_drafter_is_chosen_or_must_be_named() -> None:
+    rows = [row(1, "code", 1005, 300.0), row(1, "code", 1200, 300.0, drafter="none")]
+    with pytest.raises(CapsError, match=r"drafters \['eagle3', 'none'\]: pass --drafter"):
+        plan_per_batch(doc(rows), drafter=None, corpus="worst-case")
+    assert plan_per_batch(doc(rows), drafter="none", corpus="worst-case").steps[0].setting == (
+        Setting(1200, 300.0)
+    )
+    with pytest.raises(CapsError, match="no headroom rows for drafter 'dflash'"):
+        plan_per_batch(doc(rows), drafter="dflash", corpus="worst-case")
+    with pytest.raises(CapsError, match="nothing to govern"):
+        plan_per_batch(doc([row(1, "code", 1980, 700.0)]), drafter=None, corpus="worst-case")
+    with pytest.raises(CapsError, match="not `dvfs headroom --json` output"):
+        plan_per_batch({"schema": "x"}, drafter=None, corpus="worst-case")
+
+
+def test_a_twin_plan_is_simulated_and_names_the_twin_model() -> None:
+    plan = plan_per_batch(
+        doc([row(1, "code", 1005, 300.0)], backend="twin"), drafter=None, corpus="code"
+    )
+    assert plan.simulated and plan.measured_on == "NVIDIA H100 80GB HBM3 (twin)"
+    text = dump_plan(plan)
+    assert "# SIMULATED" in text
+    assert parse_plan(tomllib.loads(text), where="x").simulated
+
+
+settings = st.builds(
+    Setting,
+    st.none() | st.integers(210, 1980),
+    st.none() | st.integers(100, 700).map(float) | st.floats(100, 700, allow_nan=False),
+)
+
+
+@given(
+    st.dictionaries(st.integers(1, 512), settings, min_size=1, max_size=8).filter(
+        lambda d: not all(s.is_stock for s in d.values())
+    ),
+    st.sampled_from(["none", "eagle3"]),
+)
+def test_a_plan_reads_back_as_written(steps: dict[int, Setting], drafter: str) -> None:
+    plan = BatchPlan(
+        tuple(BatchStep(b, s) for b, s in sorted(steps.items())),
+        "NVIDIA H100 80GB HBM3",
+        drafter,
+        {"measured_on": "NVIDIA H100 80GB HBM3", "drafter": drafter},
+    )
+    back = parse_plan(tomllib.loads(dump_plan(plan)), where="x")
+    assert back.steps == plan.steps and back.drafter == drafter
+    assert back.measured_on == plan.measured_on
+
+
+GOOD = """dvfs_batch_plan = 1
+[meta]
+measured_on = "NVIDIA H100 80GB HBM3"
+drafter = "none"
+[[batch]]
+batch = 1
+sm_clock_mhz = 1200
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("dvfs_caps = 1\n", "is a caps file .for `dvfs cap apply`., not a per-batch plan"),
+        ("x = 1\n", "is not a per-batch plan"),
+        (GOOD.replace("= 1\n[meta]", "= 2\n[meta]"), "schema 2 is not 1"),
+        (GOOD + "power = 3\n", "unknown key.s. power"),
+        (GOOD.replace('drafter = "none"\n', ""), "needs drafter"),
+        (GOOD + "[[batch]]\nbatch = 1\n", "must increase strictly"),
+        (GOOD + "[[batch]]\nbatch = 0\n", "batch must be a positive integer"),
+        (GOOD.replace("1200", "true"), "sm_clock_mhz must be a positive integer"),
+        (GOOD + "power_limit_w = -5\n", "power_limit_w must be a positive number"),
+        (GOOD.replace("sm_clock_mhz = 1200\n", ""), "every step is stock"),
+        ("dvfs_batch_plan = 1\n[meta]\nmeasured_on = 'x'\ndrafter = 'none'\n", "needs .*batch"),
+        ("dvfs_batch_plan = [", "not valid TOML"),
+    ],
+)
+def test_a_bad_plan_file_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    with pytest.raises(CapsError, match=message) as info:
+        load_plan(path)
+    assert "\n" not in str(info.value)
+
+
+def test_cap_plan_per_batch_writes_a_plan_that_reads_back(tmp_path: Path) -> None:
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0), row(8, "code", 1500, 700)])))
+    out = tmp_path / "plan.toml"
+    result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "batch <= 8: SM clock <= 1500 MHz, power limit stock" in result.output
+    plan = load_plan(out)
+    assert plan.batches == (1, 8) and plan.meta["target"] == "TPOT p50 <= stock + 5%"
+    bad = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "--batch", "8"])
+    assert bad.exit_code == 2 and "takes no --batch" in bad.output
+    static = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--drafter", "eagle3"])
+    assert static.exit_code == 2 and "need --batch and --drafter" in static.output
+    missing = CliRunner().invoke(
+        cli, ["cap", "plan", str(headroom), "--per-batch", "--drafter", "dflash"]
+    )
+    assert missing.exit_code == 2 and "Traceback" not in missing.output
+    assert missing.output.startswith("Error: no headroom rows for drafter 'dflash'")
+
+
+def test_a_swept_cube_gives_a_plan_per_measured_batch(small_sweep: Path, tmp_path: Path) -> None:
+    saved = tmp_path / "headroom.json"
+    result = CliRunner().invoke(
+        cli, ["headroom", str(small_sweep), "--slack", "20%", "--json", "-o", str(saved)]
+    )
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "plan.toml"
+    result = CliRunner().invoke(
+        cli, ["cap", "plan", str(saved), "--per-batch", "--drafter", "none", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    assert plan.batches == (1, 8) and plan.simulated and plan.drafter == "none"
+    document = json.loads(saved.read_text())
+    for step in plan.steps:
+        rows = [r for r in document["rows"] if r["batch"] == step.batch and r["drafter"] == "none"]
+        if step.setting.sm_clock_mhz is not None:
+            assert step.setting.sm_clock_mhz == max(r["chosen"]["sm_clock_mhz"] for r in rows)

@@ -1,0 +1,315 @@
+"""The governor's parts without subprocesses: the policy (property-tested), the /metrics parse,
+the energy-per-token join, the exporter's text, and the loop on the fake NVML in virtual time."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from nvml_support import fake_env, load_fake
+from prometheus_client.parser import text_string_to_metric_families
+
+from dvfs.errors import CapsError, GpuStateError
+from dvfs.gpu.base import GpuIdentity
+from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
+from dvfs.govern.loop import Ticker, Watch, check_plan_against, govern
+from dvfs.govern.metrics import (
+    ScrapeError,
+    ServerSample,
+    energy_per_token,
+    parse_server_metrics,
+)
+from dvfs.govern.plan import BatchPlan, BatchStep, Setting
+from dvfs.govern.policy import PolicyParams, PolicyState, decide, margin
+
+PLAN = BatchPlan(
+    (
+        BatchStep(1, Setting(1200, 400.0)),
+        BatchStep(4, Setting(1500, None)),
+        BatchStep(16, Setting(1800, None)),
+        BatchStep(64, Setting(None, 600.0)),
+    ),
+    "NVIDIA H100 80GB HBM3",
+    "none",
+    {"measured_on": "NVIDIA H100 80GB HBM3", "drafter": "none"},
+)
+batches = st.none() | st.integers(0, 100)
+params = st.builds(PolicyParams, st.floats(0, 30), st.floats(0, 1))
+
+
+def run_policy(
+    seq: list[tuple[float, int | None]], p: PolicyParams, state: PolicyState | None = None
+) -> tuple[PolicyState, list[float]]:
+    """Feed (time step, batch) pairs, from the time of the last change on; returns the last
+    state and the times of changes."""
+    state = state or PolicyState()
+    now, changes = state.changed_at or 0.0, []
+    for dt, batch in seq:
+        now += dt
+        decision = decide(PLAN, state, batch, now, p)
+        if decision.changed:
+            changes.append(now)
+        state = decision.state
+    return state, changes
+
+
+@given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=60), params)
+def test_changes_never_come_closer_than_the_dwell(seq, p) -> None:
+    _, changes = run_policy(seq, p)
+    assert all(b - a >= p.dwell_s for a, b in zip(changes, changes[1:], strict=False))
+
+
+@given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=30), batches, params)
+def test_a_steady_load_changes_the_setting_at_most_once_and_is_served(prefix, batch, p) -> None:
+    state, _ = run_policy(prefix, p)
+    tail = [(p.dwell_s + 0.001, batch)] * 8
+    final, changes = run_policy(tail, p, state)
+    assert len(changes) <= 1
+    assert final.bucket is not None and final.bucket >= PLAN.bucket(batch)
+
+
+@given(
+    st.lists(st.tuples(st.floats(0, 20), st.booleans()), max_size=60), st.integers(0, 80), params
+)
+def test_a_load_hovering_within_the_hysteresis_changes_at_most_twice(seq, low, p) -> None:
+    high = low + margin(low, p.hysteresis)
+    _, changes = run_policy([(dt, high if up else low) for dt, up in seq], p)
+    assert len(changes) <= 2
+
+
+@given(st.lists(batches, max_size=40), params)
+def test_once_the_dwell_has_passed_the_load_is_never_underserved(seq, p) -> None:
+    state = PolicyState()
+    for i, batch in enumerate(seq):
+        state = decide(PLAN, state, batch, (i + 1) * (p.dwell_s + 1), p).state
+        assert state.bucket is not None and state.bucket >= PLAN.bucket(batch)
+
+
+def test_the_steps_and_the_band_on_a_known_sequence() -> None:
+    p = PolicyParams(dwell_s=0, hysteresis=0.25)
+    assert [PLAN.bucket(b) for b in (0, 1, 2, 4, 5, 16, 64, 65, None)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        4,
+        4,
+    ]
+    state, seen = PolicyState(), []
+    for batch in (3, 5, 4, 3, 2, 1, 0, 70, None, 60):
+        state = decide(PLAN, state, batch, 0.0, p).state
+        seen.append(state.bucket)
+    # 5 -> step 16; 4 stays (4 + 1 still needs step 16); 3 + 1 fits step 4: down; 2 and 1
+    # stay in step 4 (1 + 1 > 1); 0 + 1 fits step 1; 70 and unknown: stock; 60 + 15 > 64 stays.
+    assert seen == [1, 2, 2, 1, 1, 1, 0, 4, 4, 4]
+    assert PLAN.setting(4).is_stock and PLAN.bucket_label(4).endswith("(stock)")
+    with pytest.raises(CapsError, match="--dwell"):
+        PolicyParams(dwell_s=-1)
+
+
+SGLANG_PAGE = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m",dp="0"} 5.0
+sglang:num_running_reqs{model_name="m",dp="1"} 7.0
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="m",dp="0"} 1000.0
+sglang:generation_tokens_total{model_name="m",dp="1"} 500.0
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{model_name="m",dp="0"} 2.0
+sglang:spec_accept_length{model_name="m",dp="1"} 3.0
+"""
+
+
+def test_the_server_page_is_summed_over_schedulers() -> None:
+    assert parse_server_metrics(SGLANG_PAGE) == ServerSample(12, 1500.0, 2.5)
+    no_spec = "\n".join(SGLANG_PAGE.splitlines()[:8]) + "\n"
+    assert parse_server_metrics(no_spec).accept_length is None
+    with pytest.raises(ScrapeError, match="--enable-metrics"):
+        parse_server_metrics("# TYPE x gauge\nx 1\n")
+    with pytest.raises(ScrapeError, match="not Prometheus text"):
+        parse_server_metrics("sglang:num_running_reqs{ 1 2 3\n")
+
+
+finite = st.floats(0, 1e9, allow_nan=False)
+
+
+@given(finite, finite, finite, finite)
+def test_energy_per_token_is_energy_delta_over_token_delta(e0, e1, t0, t1) -> None:
+    value = energy_per_token(e0, e1, t0, t1)
+    if t1 > t0 and e1 >= e0:
+        assert value == pytest.approx((e1 - e0) / (t1 - t0))
+    else:
+        assert math.isnan(value)
+    assert math.isnan(energy_per_token(None, e1, t0, t1))
+
+
+@dataclass
+class MeterGpu:
+    """A GPU with scripted meters (the reading side of the Gpu protocol)."""
+
+    index: int
+    energy: int = 0
+    power: int = 300_000
+
+    @property
+    def identity(self) -> GpuIdentity:
+        return GpuIdentity(self.index, f"GPU-{self.index:04d}", "X", "1", "nvml", 2619, 1980)
+
+    def energy_mj(self) -> int:
+        return self.energy
+
+    def power_mw(self) -> int:
+        return self.power
+
+    def sm_clock_mhz(self) -> int:
+        return 1500
+
+    def enforced_power_limit_mw(self) -> int:
+        return 700_000
+
+
+def series(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() -> None:
+    gpus = [MeterGpu(0, 1_000_000), MeterGpu(1, 5_000_000)]
+    samples = iter([ServerSample(3, 100.0, None), ServerSample(4, 150.0, None)])
+    watch = Watch(gpus, lambda: next(samples), note=print)  # type: ignore[arg-type]
+    live = LiveMetrics()
+    live.publish(watch.snapshot(watch.server(), {}))
+    gpus[0].energy += 40_000  # 40 J over 50 tokens
+    gpus[1].energy += 10_000  # 10 J
+    live.publish(watch.snapshot(watch.server(), {"GPU-0000": 1500}))
+    got = series(render(live))
+    g0 = (("gpu", "0"), ("uuid", "GPU-0000"))
+    g1 = (("gpu", "1"), ("uuid", "GPU-0001"))
+    assert got[("dvfs_gpu_energy_per_token_joules", g0)] == pytest.approx(40 / 50)
+    assert got[("dvfs_gpu_energy_per_token_joules", g1)] == pytest.approx(10 / 50)
+    assert got[("dvfs_server_energy_per_token_joules", ())] == pytest.approx(50 / 50)
+    assert got[("dvfs_gpu_energy_joules_total", g0)] == pytest.approx(1040.0)
+    assert got[("dvfs_gpu_power_watts", g1)] == 300.0
+    assert got[("dvfs_gpu_sm_clock_hertz", g0)] == 1.5e9
+    assert got[("dvfs_gpu_power_limit_watts", g0)] == 700.0
+    assert got[("dvfs_gpu_sm_clock_lock_max_hertz", g0)] == 1.5e9
+    assert got[("dvfs_gpu_sm_clock_lock_max_hertz", g1)] == 0.0
+    assert got[("dvfs_server_running_requests", ())] == 4
+    assert got[("dvfs_server_generated_tokens_total", ())] == 150
+
+
+def test_the_exporter_serves_the_text_on_loopback() -> None:
+    live = LiveMetrics()
+    live.publish(Watch([MeterGpu(0)], None, note=print).snapshot(None, {}))  # type: ignore[list-item]
+    exporter = start_exporter(live, "127.0.0.1", 0)
+    try:
+        text = httpx.get(exporter.url, timeout=10).text
+    finally:
+        exporter.close()
+    assert ("dvfs_gpu_power_watts", (("gpu", "0"), ("uuid", "GPU-0000"))) in series(text)
+    assert parse_listen("off") is None and parse_listen("[::1]:0") == ("::1", 0)
+    with pytest.raises(Exception, match="HOST:PORT"):
+        parse_listen("9435")
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    env = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    module = load_fake()
+    module.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
+class VirtualTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> None:
+    from dvfs.backends import open_gpus
+
+    load = [0, 0, 3, 3, 3, 3, 10, 10, 10, 2, 2, 2, 2, 0, 0, 0, 70, 1, 1, 1, 1]
+    script = iter(load)
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        check_plan_against(PLAN, gpus, where="p", allow_simulated=False)
+        changes = govern(
+            PLAN,
+            gpus,
+            lambda: ServerSample(next(script), None, None),
+            PolicyParams(dwell_s=2.0, hysteresis=0.25),
+            Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            state_dir=tmp_path / "state",
+        )
+        locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
+        # t=0: 0 -> 1200 MHz, 400 W; t=2: 3 -> 1500 (stock limit); t=6: 10 -> 1800; t=9: 2
+        # (+1 fits step 4) -> 1500; t=13: 0 -> 1200, 400 W; t=16: 70 -> stock; 1 (+1 fits
+        # step 4) at t=17 is within the dwell of t=16, so the step down waits until t=18.
+        assert locks == [[210, 1200], [210, 1500], [210, 1800], [210, 1500], [210, 1200]] + [
+            [210, 1500]
+        ]
+        limits = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")]
+        assert limits == [[400_000], [700_000], [400_000], [700_000]]
+        assert changes == 7 and all("set running batch" in line for line in lines)
+        at = [float(line.split("(at ")[1].split(" s)")[0]) for line in lines]
+        assert at == [0, 2, 6, 9, 13, 16, 18]
+        assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")  # restored at the end
+        state = nvml.fake_device_state(0)
+        assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
+        assert not list((tmp_path / "state").glob("GPU-*.json"))  # state file cleared
+
+
+def test_the_loop_refuses_a_gpu_with_unrestored_changes(nvml, tmp_path: Path) -> None:
+    from dvfs.backends import open_gpus
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    with open_gpus([0]) as gpus:
+        StateStore(tmp_path / "state").record(GpuSettings(gpus[0].identity.uuid, None, 700_000))
+        with pytest.raises(GpuStateError, match="dvfs gpu reset"):
+            govern(
+                PLAN,
+                gpus,
+                lambda: ServerSample(0, None, None),
+                PolicyParams(),
+                Ticker(1.0, 1, clock=VirtualTime().clock, sleep=VirtualTime().sleep),
+                live=LiveMetrics(),
+                note=print,
+                state_dir=tmp_path / "state",
+            )
+        with pytest.raises(CapsError, match="measured on NVIDIA H200"):
+            other = BatchPlan(PLAN.steps, "NVIDIA H200", "none")
+            check_plan_against(other, gpus, where="p", allow_simulated=False)
+        with pytest.raises(CapsError, match="simulated"):
+            twin = BatchPlan(PLAN.steps, "NVIDIA H100 80GB HBM3 (twin)", "none")
+            check_plan_against(twin, gpus, where="p", allow_simulated=False)
+        check_plan_against(twin, gpus, where="p", allow_simulated=True)
+        with pytest.raises(CapsError, match="1234 MHz is not a supported SM clock of GPU 0"):
+            odd = BatchPlan((BatchStep(1, Setting(1234, None)),), PLAN.measured_on, "none")
+            check_plan_against(odd, gpus, where="p", allow_simulated=False)
+    assert not nvml.fake_calls()
