@@ -16,7 +16,6 @@ from nvml_support import fake_env, load_fake
 from prometheus_client.parser import text_string_to_metric_families
 
 from dvfs.errors import CapsError, GpuStateError
-from dvfs.gpu.base import GpuIdentity
 from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
 from dvfs.govern.loop import Ticker, Watch, check_plan_against, govern
 from dvfs.govern.metrics import (
@@ -27,6 +26,7 @@ from dvfs.govern.metrics import (
 )
 from dvfs.govern.plan import BatchPlan, BatchStep, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide, margin
+from dvfs.gpu.base import GpuIdentity
 
 PLAN = BatchPlan(
     (
