@@ -40,8 +40,38 @@ def _mean_context(cube: xr.Dataset) -> float:
         return 1024.0
 
 
-def roofline(cube: xr.Dataset, *, context_tokens: float | None = None) -> xr.Dataset:
-    """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock."""
+def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
+    """A measured roofline's ridge point at each of `clocks` (MHz).
+
+    Linear between the measured clocks; outside them the nearest measurement scaled with the
+    clock (peak FLOP/s scales with f, bandwidth hardly does above the knee), so a cube clock
+    below the lowest measured one is not given a ridge that stops falling.
+    """
+    known = measured["sm_clock_mhz"].values.astype(float)
+    ridge = measured["ridge_point"].values.astype(float)
+    ok = np.isfinite(known) & np.isfinite(ridge)
+    if not ok.any():
+        raise AnalysisError(
+            "the roofline file records no SM clock (measured without a GPU?): its ridge cannot "
+            "be placed on the cube's clocks"
+        )
+    order = np.argsort(known[ok])
+    f, r = known[ok][order], ridge[ok][order]
+    clocks = np.asarray(clocks, dtype=float)
+    inside = np.interp(clocks, f, r)
+    below = r[0] * clocks / f[0]
+    above = r[-1] * clocks / f[-1]
+    return np.where(clocks < f[0], below, np.where(clocks > f[-1], above, inside))
+
+
+def roofline(
+    cube: xr.Dataset,
+    *,
+    context_tokens: float | None = None,
+    measured: xr.Dataset | None = None,
+) -> xr.Dataset:
+    """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock;
+    `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the datasheet ridge."""
     import xarray as xr
 
     from dvfs.twin.profiles import find_model_profile, profile_for_gpu_name
@@ -73,7 +103,13 @@ def roofline(cube: xr.Dataset, *, context_tokens: float | None = None) -> xr.Dat
             bytes_ = float(model.weight_bytes_read(n)) + batch * float(model.kv_bytes_read(context))
             intensity[i, j] = (flops / tp) / (bytes_ / tp)
             tokens[i, j] = n
-    ridge = np.array([gpu.ridge_point(c) for c in clocks])
+    if measured is None:
+        ridge = np.array([gpu.ridge_point(c) for c in clocks])
+        source = f"datasheet ({gpu.key})"
+    else:
+        ridge = measured_ridge(measured, clocks)
+        name = measured.attrs.get("gpu_name") or measured.attrs.get("device_name", "?")
+        source = f"measured ({name})"
     result = xr.Dataset(
         {
             "verify_tokens": (
@@ -100,5 +136,7 @@ def roofline(cube: xr.Dataset, *, context_tokens: float | None = None) -> xr.Dat
     result["compute_bound"] = (result["arithmetic_intensity"] > result["ridge_point"]).assign_attrs(
         units="1", long_name="verify pass is past the ridge point at this clock"
     )
-    result.attrs.update(model=model.key, gpu_profile=gpu.key, context_tokens=context, tp_size=tp)
+    result.attrs.update(
+        model=model.key, gpu_profile=gpu.key, context_tokens=context, tp_size=tp, ridge=source
+    )
     return result

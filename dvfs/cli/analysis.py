@@ -283,6 +283,12 @@ def headroom(
 @latency_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/1).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
+@click.option(
+    "--roofline",
+    "roofline_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A `dvfs gpu roofline` file: use its measured ridge point instead of the datasheet's.",
+)
 @filter_options
 @handle_errors
 def compare(
@@ -295,6 +301,7 @@ def compare(
     batch: tuple[int, ...],
     drafter: tuple[str, ...],
     corpus: tuple[str, ...],
+    roofline_path: Path | None,
 ) -> None:
     """Speculation against no speculation: energy at equal clock and equal latency, the batch
     where each drafter stops saving, acceptance, and where verification turns compute-bound."""
@@ -307,6 +314,11 @@ def compare(
     from dvfs.report import compare_document, compare_markdown, compare_tables
 
     _one_output_format(as_json, markdown)
+    measured = None
+    if roofline_path is not None:
+        from dvfs.roofline.store import read as read_roofline
+
+        measured = read_roofline(roofline_path)
     ds = open_analysable(cube_path)
     with _filters_checked():
         check_drafter(ds, baseline, "--baseline")
@@ -321,7 +333,7 @@ def compare(
         drafter = (*drafter, baseline)
     result = select(result, batch, drafter, corpus)
     try:
-        roof = select(roofline(ds), batch, drafter)
+        roof = select(roofline(ds, measured=measured), batch, drafter)
     except AnalysisError as exc:
         _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None

@@ -156,3 +156,213 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             "No dvfs state files for these GPUs: nothing to restore "
             "(use --defaults to reset to driver defaults anyway)."
         )
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    """`1980,1500,1200` as integers; one clear line for anything else."""
+    if not value:
+        return ()
+    try:
+        numbers = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if any(n <= 0 for n in numbers):
+        raise click.BadParameter(f"{value!r}: every value must be positive")
+    return numbers
+
+
+#: Default sizes per device: a GPU gets the model's real widths and GiB-sized arrays; the CPU
+#: path (CI, laptops) the same kernels scaled down so it finishes in seconds.
+CUDA_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CPU_TOKENS = (1, 4, 16, 64, 256)
+CPU_SCALE = 8
+
+
+@gpu.command("roofline")
+@click.option(
+    "--device",
+    default="cuda",
+    show_default=True,
+    help="torch device that runs the kernels: cuda, cuda:N, or cpu (tiny sizes, no energy).",
+)
+@click.option(
+    "--gpu",
+    "gpu_index",
+    metavar="INDEX|UUID",
+    help="NVML GPU whose clocks are stepped and whose energy counter is read [default: the "
+    "CUDA device's own GPU; none with --device cpu].",
+)
+@click.option(
+    "--clocks", callback=_int_list, help="SM clocks to lock after stock, e.g. 1980,1500,1200."
+)
+@click.option(
+    "--observe-only",
+    is_flag=True,
+    help="Stock setting only; never change a GPU setting (no root needed).",
+)
+@click.option(
+    "--model",
+    default="llama-3.1-8b",
+    show_default=True,
+    help="Twin model profile whose hidden and MLP widths shape the GEMMs.",
+)
+@click.option("--hidden", type=click.IntRange(min=1), help="Override the model's hidden size.")
+@click.option("--intermediate", type=click.IntRange(min=1), help="Override the MLP width.")
+@click.option("--tokens", callback=_int_list, help="GEMM token counts M [default: 1 to 8192].")
+@click.option(
+    "--bandwidth-mib",
+    type=click.FloatRange(min=0.001),
+    help="Size of each triad/copy array [default: 1024 on a GPU, 64 on the CPU].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    help="[default: bfloat16 on a GPU, float32 on the CPU]",
+)
+@click.option(
+    "--min-time",
+    type=click.FloatRange(min=0.0),
+    default=0.1,
+    show_default=True,
+    help="Seconds each kernel is timed for.",
+)
+@click.option(
+    "--energy-window",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds of energy counter per kernel (many counter updates).",
+)
+@click.option(
+    "--settle",
+    type=click.FloatRange(min=0.0),
+    default=0.5,
+    show_default=True,
+    help="Seconds to wait after changing the clock.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the netCDF roofline file (input of `dvfs twin fit`, `dvfs compare --roofline`).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.roofline/1).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
+)
+@handle_errors
+def roofline(
+    device: str,
+    gpu_index: str | None,
+    clocks: tuple[int, ...],
+    observe_only: bool,
+    model: str,
+    hidden: int | None,
+    intermediate: int | None,
+    tokens: tuple[int, ...],
+    bandwidth_mib: float | None,
+    dtype: str | None,
+    min_time: float,
+    energy_window: float,
+    settle: float,
+    out_path: Path | None,
+    as_json: bool,
+    state_dir: Path | None,
+) -> None:
+    """Measure this GPU's roofline with torch: GEMMs over token counts M at the model's widths,
+    a bandwidth triad and copy, the decode GEMV; at stock and at each of --clocks (locked and
+    restored like a sweep). Prints peak FLOP/s, bandwidth, the ridge point, power and J per
+    FLOP and per byte per clock, and GEMM efficiency by M."""
+    from dvfs.roofline import store
+    from dvfs.roofline.kernels import BenchSpec, element_bytes
+    from dvfs.roofline.run import RooflineRequest, run_roofline
+    from dvfs.twin.profiles import model_profile
+
+    on_cpu = device == "cpu"
+    if not (on_cpu or device == "cuda" or device.startswith("cuda:")):
+        raise click.BadParameter(f"{device!r}: use cuda, cuda:N or cpu", param_hint="--device")
+    shape = model_profile(model)
+    scale = CPU_SCALE if on_cpu else 1
+    dtype = dtype or ("float32" if on_cpu else "bfloat16")
+    mib = bandwidth_mib if bandwidth_mib is not None else (64.0 if on_cpu else 1024.0)
+    spec = BenchSpec(
+        device=device,
+        dtype=dtype,
+        hidden=hidden or max(1, shape.hidden // scale),
+        intermediate=intermediate or max(1, shape.intermediate // scale),
+        tokens=tokens or (CPU_TOKENS if on_cpu else CUDA_TOKENS),
+        bandwidth_elements=max(1, int(mib * 2**20) // element_bytes(dtype)),
+        min_time_s=min_time,
+    )
+    target: int | str | None = None
+    if gpu_index is not None:
+        target = int(gpu_index) if gpu_index.isdigit() else gpu_index
+    elif not on_cpu:
+        target = _cuda_gpu(spec)
+    request = RooflineRequest(spec, clocks, target, observe_only, energy_window, settle, state_dir)
+    err = console(stderr=True)
+    try:
+        result = run_roofline(request, note=lambda line: err.print(escape(line)))
+    except BaseException as exc:
+        _after_roofline(exc, request, err)
+        raise
+    ds = store.build_dataset(result)
+    ds.attrs["model"] = shape.key
+    if out_path is not None:
+        store.write(ds, out_path)
+    doc = store.document(ds)
+    if as_json:
+        echo_json(doc)
+    else:
+        _render_roofline(doc)
+    if out_path is not None:
+        err.print(f"wrote {escape(str(out_path))}")
+
+
+def _cuda_gpu(spec: Any) -> int | str | None:
+    """The NVML UUID of the CUDA device, so knobs and energy follow the GPU that computes."""
+    from dvfs.roofline.kernels import check_device, cuda_uuid, import_torch
+
+    torch = import_torch()
+    check_device(spec, torch)
+    return cuda_uuid(spec, torch) or (int(spec.device.partition(":")[2] or 0))
+
+
+def _after_roofline(exc: BaseException, request: Any, err: Any) -> None:
+    """After an interruption: say whether this process left a GPU changed."""
+    from dvfs.signals import Interrupted
+
+    if not isinstance(exc, KeyboardInterrupt | Interrupted) or request.gpu is None:
+        return
+    import os
+
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(request.state_dir) if request.state_dir else StateStore()
+    left = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
+    if left:
+        err.print(
+            f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
+            f"`dvfs gpu reset` (state in {store.directory})."
+        )
+    else:
+        err.print("GPU settings restored.")
+
+
+def _render_roofline(doc: dict[str, Any]) -> None:
+    from dvfs.cli.analysis import print_table
+    from dvfs.roofline.store import efficiency_rows, summary_rows
+
+    out = console()
+    out.print(
+        f"[bold]Roofline[/bold] of {escape(str(doc.get('gpu_name') or doc['device_name']))} "
+        f"(kernels on {escape(doc['device'])}, {doc['dtype']}, hidden {doc['hidden']}, "
+        f"intermediate {doc['intermediate']})"
+    )
+    print_table("Per setting", *summary_rows(doc))
+    print_table("GEMM efficiency by token count M (first setting)", *efficiency_rows(doc))
+    for line in doc["notes"]:
+        out.print(f"[yellow]note:[/yellow] {escape(line)}")

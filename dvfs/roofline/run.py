@@ -1,0 +1,234 @@
+"""Running the roofline at stock and at each locked SM clock, through the sweep's safety layer.
+
+The knobs go through the same `KnobController` a sweep uses (snapshot, restore on exit and on
+SIGINT/SIGTERM/SIGHUP), and on real GPUs under the same per-GPU lock and state file
+(`dvfs.gpu.safety`), so a killed run is undone by `dvfs gpu reset`. Power comes from the NVML
+energy counter over a window that starts and ends on counter updates while the kernel keeps
+the GPU busy, so the counter's update period does not bias it. The GPU that takes the knobs
+and the torch device that runs the kernels are chosen apart: `--device cpu --gpu 0` steps a
+(fake) GPU's clocks around CPU kernels, which is how the safety path is tested without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dvfs.errors import CampaignError, GpuError
+from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.roofline.kernels import (
+    BenchSpec,
+    Kernel,
+    check_device,
+    device_name,
+    import_torch,
+    plan_kernels,
+    prepare,
+    time_per_call,
+)
+
+#: Longest wait for the energy counter to tick (its update period is tens of ms).
+TICK_TIMEOUT_S = 0.5
+
+STOCK = "stock"
+
+
+@dataclass(frozen=True)
+class RooflineRequest:
+    """One `dvfs gpu roofline` run."""
+
+    spec: BenchSpec
+    clocks_mhz: tuple[int, ...] = ()
+    gpu: int | str | None = None
+    observe_only: bool = False
+    energy_window_s: float = 1.0
+    settle_s: float = 0.5
+    state_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    kernel: Kernel
+    seconds: float
+    power_w: float
+
+
+@dataclass(frozen=True)
+class Point:
+    """The kernels measured at one setting (stock or a locked SM clock)."""
+
+    setting: str
+    locked: bool
+    sm_clock_mhz: float
+    power_limit_w: float
+    results: tuple[KernelResult, ...]
+
+
+@dataclass(frozen=True)
+class RooflineRun:
+    points: tuple[Point, ...]
+    attrs: dict[str, Any]
+    notes: tuple[str, ...]
+
+
+def energy_window(
+    gpu: Gpu,
+    launch: Callable[[], None],
+    sync: Callable[[], None],
+    window_s: float,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
+    """(joules, seconds) between two energy-counter updates at least `window_s` apart, with
+    `launch` keeping the GPU busy throughout."""
+
+    def next_tick() -> tuple[int, float]:
+        first = gpu.energy_mj()
+        deadline = clock() + TICK_TIMEOUT_S
+        while True:
+            launch()
+            reading, now = gpu.energy_mj(), clock()
+            if reading != first or now > deadline:
+                return reading, now
+
+    e0, t0 = next_tick()
+    while clock() - t0 < window_s:
+        launch()
+    e1, t1 = next_tick()
+    sync()
+    return (e1 - e0) / 1000.0, t1 - t0
+
+
+def check_clocks(gpu: Gpu, clocks: Sequence[int]) -> None:
+    """Refuse clocks the GPU cannot lock, before anything is changed."""
+    supported = set(gpu.supported_sm_clocks_mhz())
+    for mhz in clocks:
+        problem = unsupported_clock(mhz, supported, of=f" of GPU {gpu.identity.index}")
+        if problem:
+            raise CampaignError(f"--clocks: {problem}")
+
+
+@contextlib.contextmanager
+def guarded(gpu: Gpu, request: RooflineRequest) -> Iterator[KnobController]:
+    """The sweep's guard for one GPU: its lock, refusal of unrestored state, a state file
+    before the first change, and a controller that restores on exit."""
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+
+    directory = request.state_dir or default_state_dir()
+    store = StateStore(directory, command="gpu roofline")
+    with GpuLocks(directory).hold([gpu]):
+        store.refuse_if_pending([gpu])
+        check_clocks(gpu, request.clocks_mhz)
+        actuation = not request.observe_only
+        controller = KnobController(
+            [gpu],
+            actuation=actuation,
+            change_log=store if actuation else None,
+            prior_locks=AppliedCaps(directory).locks(),
+        )
+        with controller as knobs:
+            yield knobs
+
+
+def _measure(
+    prepared: Sequence[Any],
+    request: RooflineRequest,
+    torch: Any,
+    gpu: Gpu | None,
+    note: Callable[[str], None],
+) -> tuple[list[KernelResult], float]:
+    """Every kernel at the current setting; the SM clock seen while they ran (NaN unknown)."""
+    results, clocks = [], []
+    energy = gpu is not None and request.spec.on_cuda
+    for p in prepared:
+        seconds = time_per_call(p, request.spec, torch)
+        power = math.nan
+        if energy and gpu is not None:
+            joules, elapsed = energy_window(gpu, p.launch, p.sync, request.energy_window_s)
+            power = joules / elapsed if elapsed > 0 else math.nan
+        if gpu is not None:
+            clocks.append(gpu.sm_clock_mhz())
+        results.append(KernelResult(p.kernel, seconds, power))
+        note(f"  {p.kernel.name}: {seconds * 1e6:.1f} us per call")
+    return results, (max(clocks) if clocks else math.nan)
+
+
+def run_roofline(
+    request: RooflineRequest,
+    *,
+    nvml: ModuleType | None = None,
+    note: Callable[[str], None] = lambda _: None,
+) -> RooflineRun:
+    """Measure every kernel at stock, then at each clock of the request (restored after)."""
+    torch = import_torch()
+    spec = request.spec
+    check_device(spec, torch)
+    if request.clocks_mhz and request.gpu is None:
+        raise CampaignError("--clocks needs a GPU to lock (--gpu INDEX)")
+    if request.clocks_mhz and request.observe_only:
+        raise CampaignError("--observe-only runs at the stock setting only: drop --clocks")
+    notes = []
+    if request.gpu is None or not spec.on_cuda:
+        notes.append(
+            "energy: not measured (NaN): the kernels ran on the CPU, which no NVML energy "
+            "counter sees"
+            if not spec.on_cuda
+            else "energy: not measured (NaN): no NVML GPU to read"
+        )
+    if request.observe_only:
+        notes.append("observe-only: no GPU setting was changed; measured at the stock setting")
+    prepared = [prepare(k, spec, torch) for k in plan_kernels(spec)]
+    attrs: dict[str, Any] = {
+        "device": spec.device,
+        "device_name": device_name(spec, torch),
+        "dtype": spec.dtype,
+        "hidden": spec.hidden,
+        "intermediate": spec.intermediate,
+        "torch_version": str(torch.__version__),
+        "observe_only": int(request.observe_only),
+        "energy_window_s": request.energy_window_s,
+    }
+    points = []
+    if request.gpu is None:
+        results, _ = _measure(prepared, request, torch, None, note)
+        points.append(Point(STOCK, False, math.nan, math.nan, tuple(results)))
+        return RooflineRun(tuple(points), attrs, tuple(notes))
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    with open_nvml_gpus([request.gpu], nvml=nvml) as (gpu,):
+        ident = gpu.identity
+        attrs.update(gpu_name=ident.name, gpu_uuid=ident.uuid, gpu_index=ident.index)
+        attrs.update(driver=ident.driver_version)
+        with guarded(gpu, request) as knobs:
+            if spec.on_cuda:
+                try:
+                    idle_j, idle_s = energy_window(
+                        gpu, lambda: time.sleep(0.002), lambda: None, request.energy_window_s
+                    )
+                    attrs["idle_power_w"] = idle_j / idle_s
+                except GpuError as exc:
+                    raise GpuError(f"the energy counter cannot be read: {exc}") from exc
+            for mhz in (None, *request.clocks_mhz):
+                knobs.apply(KnobSetting(mhz, None))
+                setting = STOCK if mhz is None else str(mhz)
+                note(f"setting {setting}")
+                time.sleep(request.settle_s)
+                results, seen = _measure(prepared, request, torch, gpu, note)
+                points.append(
+                    Point(
+                        setting,
+                        mhz is not None,
+                        float(mhz) if mhz is not None else float(seen),
+                        gpu.power_limit_mw() / 1000.0,
+                        tuple(results),
+                    )
+                )
+    return RooflineRun(tuple(points), attrs, tuple(notes))

@@ -1,0 +1,247 @@
+"""The roofline file: a small netCDF (schema dvfs.roofline/1), and its JSON and table views.
+
+Dimensions `setting` ("stock", then each locked clock in MHz) and `kernel`. Per setting the
+file holds the achieved peak FLOP/s (best GEMM), the bandwidth (best of triad and copy), their
+ratio the ridge point, and joules per FLOP and per byte; per kernel and setting the time, rates,
+power and each GEMM's efficiency relative to that peak (its M-dependence is what the twin needs).
+Everything here is a pure function of the measurements except `write` and `read`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.errors import DvfsError
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from dvfs.roofline.run import RooflineRun
+
+SCHEMA = "dvfs.roofline/1"
+
+
+class RooflineFileError(DvfsError):
+    """A roofline file is missing, unreadable or of another schema."""
+
+
+def build_dataset(run: RooflineRun) -> xr.Dataset:
+    """The measurements as a Dataset, with the per-setting roofline derived from them."""
+    import xarray as xr
+
+    kernels = [r.kernel for r in run.points[0].results]
+    seconds = np.array([[r.seconds for r in p.results] for p in run.points], dtype=float)
+    power = np.array([[r.power_w for r in p.results] for p in run.points], dtype=float)
+    flops = np.array([k.flops for k in kernels])
+    bytes_ = np.array([k.bytes for k in kernels])
+    dims = ("setting", "kernel")
+    ds = xr.Dataset(
+        {
+            "seconds": (dims, seconds, {"units": "s", "long_name": "time per call"}),
+            "power_w": (dims, power, {"units": "W", "long_name": "board power while running"}),
+            "flops": ("kernel", flops, {"units": "FLOP", "long_name": "FLOPs per call"}),
+            "bytes": ("kernel", bytes_, {"units": "byte", "long_name": "minimum bytes per call"}),
+            "sm_clock_mhz": (
+                "setting",
+                np.array([p.sm_clock_mhz for p in run.points], dtype=float),
+                {"units": "MHz", "long_name": "locked SM clock (stock: highest observed)"},
+            ),
+            "locked": ("setting", np.array([int(p.locked) for p in run.points], dtype=np.int8)),
+            "power_limit_w": (
+                "setting",
+                np.array([p.power_limit_w for p in run.points], dtype=float),
+                {"units": "W"},
+            ),
+        },
+        coords={
+            "setting": [p.setting for p in run.points],
+            "kernel": [k.name for k in kernels],
+            "kind": ("kernel", [k.kind for k in kernels]),
+            "m": ("kernel", np.array([k.m for k in kernels], dtype=np.int64)),
+            "n": ("kernel", np.array([k.n for k in kernels], dtype=np.int64)),
+            "k": ("kernel", np.array([k.k for k in kernels], dtype=np.int64)),
+        },
+        attrs={"schema": SCHEMA, **run.attrs, "notes": "\n".join(run.notes)},
+    )
+    return derive(ds)
+
+
+def derive(ds: xr.Dataset) -> xr.Dataset:
+    """Rates, energy, GEMM efficiency and the roofline per setting from seconds and power."""
+    out = ds.copy()
+    out["flop_s"] = (ds["flops"] / ds["seconds"]).assign_attrs(units="FLOP s-1")
+    out["bytes_s"] = (ds["bytes"] / ds["seconds"]).assign_attrs(units="byte s-1")
+    out["energy_j"] = (ds["power_w"] * ds["seconds"]).assign_attrs(
+        units="J", long_name="energy per call"
+    )
+    gemm = ds["kind"] == "gemm"
+    peak_kernel = out["flop_s"].where(gemm).fillna(-1.0).argmax("kernel")
+    bw_kernel = out["bytes_s"].where(ds["kind"] == "bandwidth").fillna(-1.0).argmax("kernel")
+    out["peak_flop_s"] = (
+        out["flop_s"].isel(kernel=peak_kernel).drop_vars(["kernel", "kind", "m", "n", "k"])
+    )
+    out["peak_flop_s"].attrs = {"units": "FLOP s-1", "long_name": "best GEMM's FLOP/s"}
+    out["bandwidth_bytes_s"] = (
+        out["bytes_s"].isel(kernel=bw_kernel).drop_vars(["kernel", "kind", "m", "n", "k"])
+    )
+    out["bandwidth_bytes_s"].attrs = {"units": "byte s-1", "long_name": "best of triad and copy"}
+    out["ridge_point"] = (out["peak_flop_s"] / out["bandwidth_bytes_s"]).assign_attrs(
+        units="FLOP byte-1", long_name="measured ridge point: peak FLOP/s over bandwidth"
+    )
+    out["gemm_efficiency"] = (
+        (out["flop_s"] / out["peak_flop_s"])
+        .where(gemm)
+        .assign_attrs(units="1", long_name="GEMM FLOP/s relative to the best GEMM at this setting")
+    )
+    energy = out["energy_j"]
+    out["j_per_flop"] = (
+        (energy.isel(kernel=peak_kernel) / ds["flops"].isel(kernel=peak_kernel))
+        .drop_vars(["kernel", "kind", "m", "n", "k"])
+        .assign_attrs(units="J FLOP-1")
+    )
+    out["j_per_byte"] = (
+        (energy.isel(kernel=bw_kernel) / ds["bytes"].isel(kernel=bw_kernel))
+        .drop_vars(["kernel", "kind", "m", "n", "k"])
+        .assign_attrs(units="J byte-1")
+    )
+    return out
+
+
+def write(ds: xr.Dataset, path: Path) -> Path:
+    """The netCDF file (measured variables only: the rest is derived again on reading)."""
+    keep = ["seconds", "power_w", "flops", "bytes", "sm_clock_mhz", "locked", "power_limit_w"]
+    ds[keep].to_netcdf(path)
+    return path
+
+
+def read(path: Path) -> xr.Dataset:
+    """A roofline file, derived variables recomputed; one clear line when it is not one."""
+    import xarray as xr
+
+    if not path.is_file():
+        raise RooflineFileError(f"no roofline file at {path} (write one with `dvfs gpu roofline`)")
+    try:
+        with xr.open_dataset(path) as opened:
+            ds = opened.load()
+    except (OSError, ValueError) as exc:
+        raise RooflineFileError(f"{path} is not a readable netCDF file ({exc})") from exc
+    if ds.attrs.get("schema") != SCHEMA:
+        raise RooflineFileError(
+            f"{path} is not a dvfs roofline file (schema {ds.attrs.get('schema')!r}, "
+            f"expected {SCHEMA!r})"
+        )
+    return derive(ds)
+
+
+def is_roofline_file(path: Path) -> bool:
+    """Whether `path` holds a roofline (not a cube), read from its schema attribute."""
+    import xarray as xr
+
+    try:
+        with xr.open_dataset(path) as ds:
+            return bool(ds.attrs.get("schema") == SCHEMA)
+    except (OSError, ValueError):
+        return False
+
+
+def _number(value: Any) -> float | None:
+    x = float(value)
+    return None if math.isnan(x) else x
+
+
+def document(ds: xr.Dataset) -> dict[str, Any]:
+    """The JSON view (NaN as null): attributes, notes, and per setting its roofline and kernels."""
+    attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in ds.attrs.items()}
+    notes = [n for n in str(attrs.pop("notes", "")).split("\n") if n]
+    settings = []
+    for setting in ds["setting"].values:
+        at = ds.sel(setting=setting)
+        settings.append(
+            {
+                "setting": str(setting),
+                "sm_clock_mhz": _number(at["sm_clock_mhz"]),
+                "locked": bool(at["locked"]),
+                "power_limit_w": _number(at["power_limit_w"]),
+                "peak_flop_s": _number(at["peak_flop_s"]),
+                "bandwidth_bytes_s": _number(at["bandwidth_bytes_s"]),
+                "ridge_point": _number(at["ridge_point"]),
+                "j_per_flop": _number(at["j_per_flop"]),
+                "j_per_byte": _number(at["j_per_byte"]),
+                "kernels": [
+                    {
+                        "kernel": str(kernel),
+                        "kind": str(at["kind"].sel(kernel=kernel).values),
+                        "m": int(at["m"].sel(kernel=kernel)),
+                        "n": int(at["n"].sel(kernel=kernel)),
+                        "k": int(at["k"].sel(kernel=kernel)),
+                        "seconds": _number(at["seconds"].sel(kernel=kernel)),
+                        "flop_s": _number(at["flop_s"].sel(kernel=kernel)),
+                        "bytes_s": _number(at["bytes_s"].sel(kernel=kernel)),
+                        "gemm_efficiency": _number(at["gemm_efficiency"].sel(kernel=kernel)),
+                        "power_w": _number(at["power_w"].sel(kernel=kernel)),
+                        "energy_j": _number(at["energy_j"].sel(kernel=kernel)),
+                    }
+                    for kernel in ds["kernel"].values
+                ],
+            }
+        )
+    return {"schema": SCHEMA, **attrs, "notes": notes, "settings": settings}
+
+
+def _si(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per setting: clock, peak FLOP/s, bandwidth, ridge, power and J per FLOP/byte."""
+    header = ["setting", "SM clock", "peak", "bandwidth", "ridge", "pJ/FLOP", "pJ/byte"]
+    rows = []
+    for s in doc["settings"]:
+        clock = s["sm_clock_mhz"]
+        rows.append(
+            [
+                s["setting"],
+                "n/a" if clock is None else f"{clock:.0f} MHz",
+                _si(s["peak_flop_s"], "FLOP/s"),
+                _si(s["bandwidth_bytes_s"], "B/s"),
+                "n/a" if s["ridge_point"] is None else f"{s['ridge_point']:.1f} FLOP/B",
+                "NaN" if s["j_per_flop"] is None else f"{s['j_per_flop'] * 1e12:.3g}",
+                "NaN" if s["j_per_byte"] is None else f"{s['j_per_byte'] * 1e12:.3g}",
+            ]
+        )
+    return header, rows
+
+
+def efficiency_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """GEMM efficiency by token count M at the first setting, one column per GEMM shape."""
+    kernels = [k for k in doc["settings"][0]["kernels"] if k["kind"] == "gemm"]
+    shapes = sorted({k["kernel"].split("-")[1] for k in kernels})
+    tokens = sorted({k["m"] for k in kernels})
+    header = ["M", *(f"{s} eff." for s in shapes), *(f"{s} FLOP/s" for s in shapes)]
+    by = {(k["kernel"].split("-")[1], k["m"]): k for k in kernels}
+    rows = []
+    for m in tokens:
+        eff = [by[(s, m)]["gemm_efficiency"] for s in shapes]
+        rate = [by[(s, m)]["flop_s"] for s in shapes]
+        rows.append(
+            [
+                str(m),
+                *("n/a" if e is None else f"{e:.3f}" for e in eff),
+                *(_si(r, "") for r in rate),
+            ]
+        )
+    return header, rows
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2)

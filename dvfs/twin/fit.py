@@ -1,0 +1,244 @@
+"""Calibrating the twin's GPU from measurements: today from a roofline file (`dvfs gpu roofline`).
+
+From the roofline the fit sets what the twin's physics uses for one GPU:
+- `gemm_efficiency`: peak GEMM FLOP/s over the datasheet peak, least squares over the clocks
+  (the twin's compute time scales as 1/f); the M-dependent efficiency is kept beside it;
+- `hbm_efficiency` and `bandwidth_knee_mhz`: the bandwidth curve of `physics.bandwidth_bytes_s`
+  over the clocks (the knee by a 1-D search, the efficiency in closed form; with one clock the
+  base profile's knee is kept);
+- `idle_power_w`, `sm_active_power_w`, `tensor_power_w`, `memory_power_w`: non-negative least
+  squares of each kernel's power against the physics' power model, when energy was measured.
+So the fitted twin's achievable ridge point (`achievable_ridge_point`) is the measured one.
+A cube fit (issue 13) will add a second input kind: `fit_input_kind` says which a file is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.errors import CampaignError, DvfsError
+from dvfs.twin import physics
+from dvfs.twin.profiles import GpuProfile
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+PROFILE_SCHEMA = "dvfs.twin-profile/1"
+
+
+class FitError(DvfsError):
+    """The measurements cannot calibrate the twin (nothing measured, no clock, ...)."""
+
+
+def datasheet_flops(gpu: GpuProfile, sm_clock_mhz: Any) -> Any:
+    """Dense tensor FLOP/s at a clock with no efficiency applied."""
+    return gpu.sm_count * gpu.flop_per_clk_per_sm * np.asarray(sm_clock_mhz, dtype=float) * 1e6
+
+
+def achievable_ridge_point(gpu: GpuProfile, sm_clock_mhz: float) -> float:
+    """The ridge the twin's physics runs into: its achievable FLOP/s over its achievable
+    bandwidth at this clock (efficiencies and bandwidth knee applied), the quantity a measured
+    roofline reports."""
+    f = float(sm_clock_mhz)
+    return float(gpu.peak_flops(f) / physics.bandwidth_bytes_s(gpu, f))
+
+
+@dataclass(frozen=True)
+class RooflineFit:
+    """A fitted profile, how well it reproduces the file, and what was kept from the base."""
+
+    profile: GpuProfile
+    base: str
+    source: str
+    fitted: tuple[str, ...]
+    residuals: dict[str, float]
+    gemm_tokens: tuple[int, ...]
+    gemm_efficiency_by_tokens: dict[str, tuple[float, ...]]
+    notes: tuple[str, ...]
+
+
+def _clocks(ds: xr.Dataset, base: GpuProfile, notes: list[str]) -> np.ndarray:
+    clocks = ds["sm_clock_mhz"].values.astype(float)
+    if np.isnan(clocks).any():
+        notes.append(
+            f"no SM clock recorded (a run without a GPU): taken as {base.key}'s top clock "
+            f"{base.max_sm_clock_mhz} MHz"
+        )
+        clocks = np.where(np.isnan(clocks), float(base.max_sm_clock_mhz), clocks)
+    return clocks
+
+
+def _bandwidth(
+    base: GpuProfile, clocks: np.ndarray, measured: np.ndarray
+) -> tuple[float, float, float]:
+    """(hbm_efficiency, knee, relative RMS) minimising the relative error of the physics'
+    bandwidth curve; the knee is searched only when there are several clocks."""
+
+    def solve(knee: float) -> tuple[float, float]:
+        unit = dataclasses.replace(base, hbm_efficiency=1.0, bandwidth_knee_mhz=knee)
+        g = np.asarray(physics.bandwidth_bytes_s(unit, clocks)) / measured
+        eff = float(np.sum(g) / np.sum(g * g))
+        return eff, float(np.sqrt(np.mean((eff * g - 1.0) ** 2)))
+
+    if len(np.unique(clocks)) < 2:
+        eff, rms = solve(base.bandwidth_knee_mhz)
+        return eff, base.bandwidth_knee_mhz, rms
+    knees = np.arange(50.0, float(base.max_sm_clock_mhz) + 1.0, 5.0)
+    scored = [(solve(k)[1], k) for k in knees]
+    _, knee = min(scored)
+    eff, rms = solve(float(knee))
+    return eff, float(knee), rms
+
+
+def _power(
+    ds: xr.Dataset, base: GpuProfile, clocks: np.ndarray, gemm_eff: float
+) -> tuple[dict[str, float], float] | None:
+    """Power coefficients by non-negative least squares, or None without energy."""
+    from scipy.optimize import nnls
+
+    power = ds["power_w"].values
+    idle = float(ds.attrs.get("idle_power_w", math.nan))
+    if not np.isfinite(power).any() or not math.isfinite(idle):
+        return None
+    scale = np.asarray(physics.dynamic_scale(base, clocks))[:, None] * np.ones_like(power)
+    peak = datasheet_flops(base, clocks)[:, None] * gemm_eff
+    tensor_util = np.minimum(ds["flop_s"].values / peak, 1.0)
+    memory_util = ds["bytes_s"].values / (base.hbm_bandwidth_gb_s * 1e9)
+    ok = np.isfinite(power)
+    a = np.column_stack([scale[ok], (tensor_util * scale)[ok], memory_util[ok]])
+    coef, _ = nnls(a, power[ok] - idle)
+    rms = float(np.sqrt(np.mean((a @ coef - (power[ok] - idle)) ** 2)))
+    names = ("sm_active_power_w", "tensor_power_w", "memory_power_w")
+    return {"idle_power_w": idle, **dict(zip(names, map(float, coef), strict=True))}, rms
+
+
+def fit_roofline(
+    ds: xr.Dataset, base: GpuProfile, *, key: str | None = None, source: str = ""
+) -> RooflineFit:
+    """Fit `base`'s compute, memory and power figures to a roofline dataset (`store.read`)."""
+    notes: list[str] = []
+    clocks = _clocks(ds, base, notes)
+    peak = ds["peak_flop_s"].values.astype(float)
+    bandwidth = ds["bandwidth_bytes_s"].values.astype(float)
+    if not (np.isfinite(peak).all() and np.isfinite(bandwidth).all()) or (peak <= 0).any():
+        raise FitError(f"{source or 'the roofline'} has no positive FLOP/s or bandwidth to fit")
+    d = datasheet_flops(base, clocks)
+    gemm_eff = float(np.sum(peak * d) / np.sum(d * d))
+    hbm_eff, knee, bw_rms = _bandwidth(base, clocks, bandwidth)
+    changes: dict[str, Any] = {
+        "gemm_efficiency": gemm_eff,
+        "hbm_efficiency": hbm_eff,
+        "bandwidth_knee_mhz": knee,
+    }
+    residuals = {
+        "peak_flop_s_rel_rms": float(np.sqrt(np.mean((gemm_eff * d / peak - 1.0) ** 2))),
+        "bandwidth_rel_rms": bw_rms,
+    }
+    if len(np.unique(clocks)) < 2:
+        notes.append(f"one clock measured: bandwidth knee kept from {base.key} ({knee:g} MHz)")
+    power = _power(ds, base, clocks, gemm_eff)
+    if power is None:
+        notes.append(f"no energy in the roofline: power coefficients kept from {base.key}")
+    else:
+        changes.update(power[0])
+        residuals["power_rms_w"] = power[1]
+    for name in ("gemm_efficiency", "hbm_efficiency"):
+        if changes[name] > 1.0:
+            notes.append(f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base?")
+    profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
+    ridge = np.array([achievable_ridge_point(profile, f) for f in clocks])
+    measured_ridge = ds["ridge_point"].values.astype(float)
+    residuals["ridge_rel_max"] = float(np.max(np.abs(ridge / measured_ridge - 1.0)))
+    tokens, by_shape = _gemm_curve(ds, base, clocks)
+    return RooflineFit(
+        profile, base.key, source, tuple(changes), residuals, tokens, by_shape, tuple(notes)
+    )
+
+
+def _gemm_curve(
+    ds: xr.Dataset, base: GpuProfile, clocks: np.ndarray
+) -> tuple[tuple[int, ...], dict[str, tuple[float, ...]]]:
+    """GEMM efficiency against the datasheet by token count M, per shape, at the top clock."""
+    top = int(np.argmax(clocks))
+    at = ds.isel(setting=top)
+    gemm = at["kind"].values == "gemm"
+    names = [str(n) for n in at["kernel"].values[gemm]]
+    shapes = sorted({n.split("-")[1] for n in names})
+    tokens = tuple(sorted({int(m) for m in at["m"].values[gemm]}))
+    peak = float(datasheet_flops(base, clocks[top]))
+    rate = dict(zip(names, at["flop_s"].values[gemm], strict=True))
+    curve = {
+        s: tuple(float(rate.get(f"gemm-{s}-m{m}", math.nan)) / peak for m in tokens) for s in shapes
+    }
+    return tokens, curve
+
+
+# -- the profile file ------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # nan and inf are TOML too
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def profile_toml(fit: RooflineFit) -> str:
+    """The fitted profile as TOML: `[gpu.<key>]` holds exactly the twin's GPU fields (as in
+    dvfs/twin/data/gpus.toml), `[fit]` the provenance, residuals and the M-dependence."""
+    lines = [
+        f"# Twin GPU profile fitted by `dvfs twin fit` from {fit.source or 'a roofline'}",
+        f"# (base profile {fit.base}). Fitted: {', '.join(fit.fitted)}; the rest is the base's.",
+        "",
+        "[fit]",
+        f"schema = {_toml_value(PROFILE_SCHEMA)}",
+        f"source = {_toml_value(fit.source)}",
+        f"base = {_toml_value(fit.base)}",
+        f"fitted = {_toml_value(list(fit.fitted))}",
+        f"notes = {_toml_value(list(fit.notes))}",
+        "",
+        "[fit.residuals]",
+        *(f"{k} = {_toml_value(v)}" for k, v in fit.residuals.items()),
+        "",
+        "[fit.gemm_efficiency_by_tokens]  # FLOP/s over the datasheet peak, at the top clock",
+        f"tokens = {_toml_value(list(fit.gemm_tokens))}",
+        *(f"{s} = {_toml_value(list(v))}" for s, v in fit.gemm_efficiency_by_tokens.items()),
+        "",
+        f'[gpu."{fit.profile.key}"]',
+    ]
+    for f in fields(GpuProfile):
+        if f.name != "key":
+            lines.append(f"{f.name} = {_toml_value(getattr(fit.profile, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def load_profile(path: Path) -> GpuProfile:
+    """The GPU profile of a file `profile_toml` wrote (one `[gpu.<key>]` table)."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CampaignError(f"{path} is not a readable TOML profile ({exc})") from exc
+    tables = data.get("gpu")
+    if not isinstance(tables, dict) or len(tables) != 1:
+        raise CampaignError(f"{path} holds no single [gpu.<name>] table (a `dvfs twin fit` file)")
+    [(key, table)] = tables.items()
+    known = {f.name for f in fields(GpuProfile)} - {"key"}
+    if not isinstance(table, dict) or set(table) != known:
+        missing = sorted(known - set(table)) if isinstance(table, dict) else []
+        extra = sorted(set(table) - known) if isinstance(table, dict) else []
+        raise CampaignError(f"{path} [gpu.{key}]: missing {missing}, unknown {extra}")
+    return GpuProfile(key=key, **table)
