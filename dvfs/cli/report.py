@@ -43,15 +43,16 @@ def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> flo
 
 
 def check_output(path: Path) -> None:
-    """Refuse an output path that cannot be written before the minutes of work, not after."""
+    """Refuse an output path that cannot be written before the work, not after: a probe file
+    is created and removed beside it (permissions alone miss read-only file systems)."""
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    folder = path.parent
-    if not folder.is_dir():
-        code = errno.ENOTDIR if folder.exists() else errno.ENOENT
-        raise OSError(code, os.strerror(code), str(path))
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -1,0 +1,346 @@
+"""`dvfs report`: the HTML page in a real headless Chromium (renders, every image loads, no
+console error, no request leaves data:/file:), the Markdown twin, escaping, and one-line
+errors. One small twin sweep (the session's) and one browser launch for the module."""
+
+from __future__ import annotations
+
+import errno
+import math
+import re
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dvfs.analysis.targets import Target
+from dvfs.cli import cli
+from dvfs.report.document import ReportOptions, build_document, figure_caption
+from dvfs.report.html import render_html
+from dvfs.report.markdown import md_escape, render_markdown
+from dvfs.report.model import Code, Document, Facts, Figure, Finding, Paragraph, Section, Table
+from tests.bad_inputs import failing_writes
+from tests.cubes import make_cube
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+#: The smallest valid PNG (1x1), for pages built by hand.
+PIXEL = bytes.fromhex(
+    "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+    "0000000d49444154789c6360f8cfc0f01f0005000201e2a8b4a50000000049454e44ae426082"
+)
+SECTIONS = [
+    "What was measured",
+    "Headroom",
+    "Speculation vs no speculation",
+    "Findings",
+    "Recommended caps",
+]
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.fixture(scope="module")
+def html_report(small_sweep: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report") / "report.html"
+    result = run("report", str(small_sweep), "-o", str(out), "--slack", "5%")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"wrote {out}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.skip(
+            f"headless Chromium is not installed at {CHROMIUM}: apt-get install -y chromium"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def open_in(browser: Any, page_file: Path, screenshot: Path | None = None) -> dict[str, Any]:
+    """Load a page offline: what it showed, its images, its console errors, and every request
+    that would have left data:/file: (aborted, never sent)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    remote: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    def route(r: Any) -> None:
+        if r.request.url.startswith(("data:", "file:")):
+            r.continue_()
+        else:
+            remote.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.goto(page_file.as_uri(), wait_until="load")
+    seen = {
+        "title": page.title(),
+        "images": page.eval_on_selector_all(
+            "img", "els => els.map(e => [e.complete, e.naturalWidth, e.src.slice(0, 22)])"
+        ),
+        "headroom_rows": page.locator("#headroom table tbody tr").count(),
+        "headings": page.eval_on_selector_all("h2", "els => els.map(e => e.textContent)"),
+        "errors": errors,
+        "remote": remote,
+    }
+    if screenshot is not None:
+        page.screenshot(path=str(screenshot), full_page=True)
+    page.close()
+    return seen
+
+
+def test_the_report_opens_in_headless_chromium(
+    browser: Any, html_report: Path, tmp_path: Path
+) -> None:
+    shot = tmp_path / "report.png"
+    seen = open_in(browser, html_report, shot)
+    assert seen["title"] == "DVFS report: small on NVIDIA H100 80GB HBM3 (twin)"
+    assert seen["headings"] == SECTIONS
+    assert seen["headroom_rows"] == 8  # 2 batches x 2 drafters x 2 corpora
+    assert len(seen["images"]) >= 5
+    for complete, width, src in seen["images"]:
+        assert complete and width > 0 and src.startswith("data:image/png;base64")
+    assert seen["errors"] == []
+    assert seen["remote"] == []
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 50_000
+
+
+def test_the_browser_check_catches_a_remote_or_broken_image(browser: Any, tmp_path: Path) -> None:
+    """The checks above can fail: a page that fetches over the network, or whose image is
+    broken, is caught."""
+    page_file = tmp_path / "bad.html"
+    page_file.write_text(
+        '<!DOCTYPE html><title>t</title><img src="http://example.invalid/a.png">'
+        '<img src="data:image/png;base64,AAAA">',
+        encoding="utf-8",
+    )
+    seen = open_in(browser, page_file)
+    assert seen["remote"] == ["http://example.invalid/a.png"]
+    assert [width for _, width, _ in seen["images"]] == [0, 0]
+
+
+class _Audit(HTMLParser):
+    """Every tag and every URL-valued attribute of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.urls: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.urls += [v or "" for k, v in attrs if k in ("src", "href", "action", "srcset")]
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def audit(page: str) -> _Audit:
+    parser = _Audit()
+    parser.feed(page)
+    return parser
+
+
+def test_the_html_is_one_self_contained_file(html_report: Path) -> None:
+    page = html_report.read_text(encoding="utf-8")
+    found = audit(page)
+    assert "script" not in found.tags and "iframe" not in found.tags
+    assert all(u.startswith(("data:", "#")) for u in found.urls), found.urls
+    assert "default-src 'none'; img-src data:" in page  # the browser may fetch nothing else
+    assert not re.search(r"url\(|@import", page.split("<body>")[0])
+    # What was measured: engine, resolved arguments, corpora and data quality are stated.
+    text = " ".join(found.text)
+    for fact in ("dvfs-twin 0.1.0", "speculative_num_steps=3", "content hash", "Invalid"):
+        assert fact in text
+    assert "with 95% confidence" in text
+
+
+def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) -> None:
+    markdown_it = pytest.importorskip("markdown_it")
+    out = tmp_path / "team report.md"  # the .md suffix picks the format; a space in the name
+    result = run("report", str(small_sweep), "-o", str(out), "--slo", "tpot_p50<=1ms")
+    assert result.exit_code == 0, result.output
+    text = out.read_text(encoding="utf-8")
+    tokens = markdown_it.MarkdownIt("commonmark").enable("table").parse(text)
+    headings = [
+        tokens[i + 1].content
+        for i, t in enumerate(tokens)
+        if t.type == "heading_open" and t.tag == "h2"
+    ]
+    assert headings == SECTIONS
+    assert sum(t.type == "table_open" for t in tokens) >= 5
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(images) >= 5
+    for link in images:
+        assert link.startswith("team%20report_figures/")
+        assert (tmp_path / link.replace("%20", " ")).read_bytes().startswith(b"\x89PNG")
+    # An SLO no setting meets: every group infeasible, no cap recommended, said in words.
+    assert "0 of 8" in text and "none feasible" in text
+    assert "no cap: nothing meets the target" in text and "| cap |" not in text
+
+
+def hostile_document() -> Document:
+    bad = "<script>alert(1)</script> *x* _y_ a|b [l](http://e.x) &lt; `c` # h"
+    return Document(
+        title=bad,
+        subtitle=bad,
+        sections=(
+            Section(
+                bad,
+                "s",
+                (
+                    Paragraph(bad, tone="warning"),
+                    Facts(((bad, bad),)),
+                    Table(bad, (bad, "n"), ((bad, "1.5"),)),
+                    Code(bad, bad + "\n```\nmore"),
+                    Finding(bad, (bad,), (Figure("x/" + bad + ".png", bad, PIXEL, "image/png"),)),
+                ),
+            ),
+        ),
+    )
+
+
+def test_html_escapes_every_text() -> None:
+    page = render_html(hostile_document())
+    found = audit(page)
+    assert "script" not in found.tags
+    assert all(u.startswith(("data:", "#")) for u in found.urls)
+    assert page.count("&lt;script&gt;") >= 9
+    assert "<script>" not in page
+
+
+def test_markdown_escapes_every_text() -> None:
+    markdown_it = pytest.importorskip("markdown_it")
+    text, files = render_markdown(hostile_document(), "figs")
+    html = markdown_it.MarkdownIt("commonmark").enable("table").render(text)
+    assert "<script>" not in html and 'href="http' not in html
+    assert "<em>x</em>" not in html and "<em>y</em>" not in html
+    assert html.count("<code>") == 1  # the fenced block, not the backticks in the text
+    assert html.count("<em>") == 1  # the figure's caption, set in italics on purpose
+    assert html.count("<td>") == 2  # the | inside the cell did not split it
+    assert "```\nmore" in text and "````" in text  # the fence outlasts the backticks inside
+    assert len(files) == 1
+    assert all(re.fullmatch(r"figs/01_[A-Za-z0-9_.-]+\.png", name) for name in files), files
+
+
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"))))
+def test_md_escape_round_trips_through_a_markdown_parser(text: str) -> None:
+    """Whatever the text, a CommonMark parser reads back exactly that text (spaces folded)."""
+    markdown_it = pytest.importorskip("markdown_it")
+    tokens = markdown_it.MarkdownIt("commonmark").parseInline("x " + md_escape(text))
+    children = tokens[0].children or []
+    assert all(t.type in ("text", "softbreak") for t in children), children
+    assert "".join(t.content for t in children) == "x " + " ".join(text.split())
+
+
+def test_figure_captions_come_from_file_names() -> None:
+    assert figure_caption("pareto_code.png").endswith(", corpus code")
+    assert figure_caption("GPU-abc/headroom.png").startswith("GPU GPU-abc: Energy saved")
+    assert figure_caption("new_kind.svg") == "new kind"
+
+
+def test_document_from_a_hand_built_cube_says_what_it_cannot_know() -> None:
+    """One repeat: no confidence claimed; no provenance: "not recorded"; stock chosen: no cap."""
+    cube = make_cube(
+        clocks=[1000, 2000],
+        drafters=["none"],
+        latency=lambda c, *a: 10.0 * 2000 / c,
+        energy=lambda c, *a: c / 1000,
+    )
+    doc = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
+    measured, headroom, speculation, findings, caps = doc.sections
+    facts = dict(measured.blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["Driver"] == "not recorded" and facts["Engine"] == "not recorded"
+    confidence = headroom.blocks[1]
+    assert isinstance(confidence, Paragraph) and confidence.text.startswith("Confidence: none")
+    assert "nothing to compare" in speculation.blocks[0].text  # type: ignore[union-attr]
+    assert "No figures" in findings.blocks[-1].text  # type: ignore[union-attr]
+    table = caps.blocks[1]
+    assert isinstance(table, Table) and table.rows[0][-1] == "stock: nothing to cap"
+
+
+def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
+    """Corpus a tolerates 1000 MHz, corpus b only 1500: the cap is 1500 MHz."""
+
+    def latency(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> float:
+        floor = 1000 if corpus == "a" else 1500
+        return 10.0 if clock >= floor else 20.0
+
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        corpora=["a", "b"],
+        repeats=2,
+        latency=latency,
+        energy=lambda c, *a: c / 1000 + 0.01 * a[-1],
+    )
+    cube.attrs["gpu_uuids"] = "GPU-1234"
+    doc = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
+    caps = doc.sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    assert caps.rows == (("1", "none", "GPU-1234", "1500 MHz", "stock", "cap"),)
+    confidence = doc.sections[1].blocks[1]
+    assert "95% confidence" in confidence.text  # type: ignore[union-attr]
+    assert not math.isnan(float(doc.sections[1].blocks[2].rows[0][5]))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "expected"),
+    [
+        (["NOCUBE", "-o", "{tmp}/r.html"], 1, "no cube at"),
+        (["{tmp}/bad.nc", "-o", "{tmp}/r.html"], 1, "is not a readable netCDF cube"),
+        (["{cube}", "-o", "{tmp}/missing/r.html"], 1, "no such file or folder"),
+        (["{cube}", "-o", "{tmp}/bad.nc/r.html"], 1, "a part of the path is a file"),
+        (["{cube}", "-o", "{tmp}"], 2, "is a directory"),
+        (["{cube}", "-o", "{tmp}/r.html", "--drafter", "nope"], 2, "'--drafter'"),
+        (["{cube}", "-o", "{tmp}/r.html", "--vs-baseline", "--baseline", "x"], 2, "'--baseline'"),
+        (["{cube}", "-o", "{tmp}/r.html", "--slo", "tpot<=5"], 2, "cannot read SLO"),
+        (["{cube}", "-o", "{tmp}/r.html", "--slo", "tpot_p50<=5ms", "--preserve"], 2, "one of"),
+        (["{cube}", "-o", "{tmp}/r.html", "--slack", "nan"], 2, "finite"),
+        (["{cube}", "-o", "{tmp}/r.html", "--confidence", "1"], 2, "not a confidence"),
+    ],
+)
+def test_user_errors_are_one_line(
+    small_sweep: Path, tmp_path: Path, args: list[str], code: int, expected: str
+) -> None:
+    (tmp_path / "bad.nc").write_bytes(b"not netcdf")
+    argv = [a.format(tmp=tmp_path, cube=small_sweep) for a in args]
+    result = run("report", *argv)
+    assert result.exit_code == code, result.output
+    assert expected in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with failing_writes(folder, errno.EROFS):
+        result = run("report", str(small_sweep), "-o", str(folder / "r.html"))
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"Error: cannot write {folder / 'r.html'}: read-only file system; choose another --output"
+    )
+    assert list(folder.iterdir()) == []
