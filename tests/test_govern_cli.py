@@ -1,0 +1,301 @@
+"""`dvfs govern` and `dvfs monitor` end to end: subprocesses against the stub SGLang server on
+loopback and the fake NVML. Every wait has a generous deadline for a stuck run (never a speed
+requirement) and every process is bounded (--max-intervals, the stub's max_lifetime_s)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from nvml_support import fake_env, load_fake
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
+STUCK_S = 60.0  # a run that takes this long is stuck, not slow
+
+PLAN = """dvfs_batch_plan = 1
+[meta]
+measured_on = "NVIDIA H100 80GB HBM3"
+drafter = "none"
+[[batch]]
+batch = 1
+sm_clock_mhz = 1200
+power_limit_w = 400
+[[batch]]
+batch = 4
+sm_clock_mhz = 1500
+"""
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(check: Callable[[], bool], what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + STUCK_S
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    tail = log.read_text(errors="replace")[-3000:] if log else ""
+    pytest.fail(f"{what}: not within {STUCK_S:g}s\n{tail}")
+
+
+@pytest.fixture
+def stub(tmp_path: Path) -> Iterator[str]:
+    """A stub SGLang server with --enable-metrics on an ephemeral loopback port: its URL."""
+    config = tmp_path / "stub.json"
+    config.write_text(
+        json.dumps({"startup_s": 0.05, "ttft_s": 0.01, "tpot_s": 0.05, "max_lifetime_s": 300})
+    )
+    log = tmp_path / "stub.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(STUB), "--model-path", "m", "--port", "0", "--enable-metrics"],
+            env={"SGLANG_STUB_CONFIG": str(config), "PATH": os.environ.get("PATH", "")},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    found: list[str] = []
+
+    def listening() -> bool:
+        found[:] = re.findall(r"http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        return bool(found)
+
+    try:
+        wait_for(listening, "the stub to listen", log)
+        url = f"http://127.0.0.1:{found[0]}"
+        wait_for(lambda: _ok(url + "/health"), "the stub to be ready", log)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def held_batch(url: str, size: int) -> Iterator[None]:
+    """`size` running requests on the stub for the life of the block (a long stream, then
+    dropped: the stub stops counting it at its next decode step)."""
+    port = int(url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {
+        "text": [f"prompt {i}" for i in range(size)],
+        "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True},
+        "stream": True,
+    }
+    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    try:
+        yield
+    finally:
+        if conn.sock is not None:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+
+
+def running(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "sglang:num_running_reqs"
+    )
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return fake_env(tmp_path)
+
+
+@pytest.fixture
+def nvml(env: dict[str, str], monkeypatch: pytest.MonkeyPatch):
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+def start_governor(
+    tmp_path: Path, env: dict[str, str], url: str, *extra: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    log = tmp_path / f"govern-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan), "--url", url]
+            + ["--gpu", "0", "--interval", "0.1", "--listen", "127.0.0.1:0", *extra],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, log
+
+
+def lines(log: Path, marker: str) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if marker in line]
+
+
+def test_the_governor_follows_the_load_and_sigterm_restores(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    proc, log = start_governor(tmp_path, env, stub, "--dwell", "0.5", "--max-intervals", "3000")
+    try:
+        wait_for(lambda: len(lines(log, "set running batch")) >= 1, "the idle setting", log)
+        assert "plan batch 1: SM clock <= 1200 MHz, power limit 400 W" in lines(log, "set ")[0]
+        with held_batch(stub, 3):
+            wait_for(lambda: running(stub) == 3, "3 running requests on the stub")
+            wait_for(lambda: len(lines(log, "set running batch")) >= 2, "the load step", log)
+            assert "running batch 3 -> plan batch 4: SM clock <= 1500 MHz" in lines(log, "set ")[1]
+            exported = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
+            text = httpx.get(exported, timeout=10).text
+        samples = {
+            (s.name, s.labels.get("gpu")): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+        assert samples[("dvfs_gpu_sm_clock_lock_max_hertz", "0")] == 1.5e9
+        assert samples[("dvfs_server_running_requests", None)] == 3
+        assert ("dvfs_gpu_energy_per_token_joules", "0") in samples
+        wait_for(lambda: len(lines(log, "set running batch")) >= 3, "the step down", log)
+        assert "running batch 0 -> plan batch 1" in lines(log, "set ")[2]
+        assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = nvml.fake_device_state(0)
+    assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    at = [float(x) for x in re.findall(r"\(at ([0-9.]+) s\)", log.read_text())]
+    assert all(b - a >= 0.5 for a, b in zip(at, at[1:], strict=False)), at
+    locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
+    assert locks[:3] == [[210, 1200], [210, 1500], [210, 1200]]
+    assert not any(c["index"] == 1 for c in nvml.fake_calls())  # GPU 1 is not governed
+
+
+def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    proc, log = start_governor(tmp_path, env, stub, "--max-intervals", "3000")
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        proc.kill()
+        proc.wait(timeout=STUCK_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
+    assert list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    again = subprocess.run(
+        [sys.executable, "-m", "dvfs", "govern", "--plan", str(tmp_path / "plan.toml")]
+        + ["--url", stub, "--gpu", "0", "--listen", "off", "--max-intervals", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert again.returncode == 3 and "dvfs gpu reset" in again.stderr
+    reset = subprocess.run(
+        [sys.executable, "-m", "dvfs", "gpu", "reset"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert reset.returncode == 0, reset.stderr
+    state = nvml.fake_device_state(0)
+    assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+
+
+def test_dry_run_prints_and_calls_no_setter(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    proc, log = start_governor(tmp_path, env, stub, "--dry-run", "--max-intervals", "3")
+    assert proc.wait(timeout=STUCK_S) == 0, log.read_text()
+    assert "dry run, nothing changed: would set running batch 0 -> plan batch 1" in log.read_text()
+    assert nvml.fake_calls() == []
+    assert not Path(env["DVFS_STATE_DIR"]).exists() or not list(
+        Path(env["DVFS_STATE_DIR"]).glob("GPU-*")
+    )
+
+
+def test_a_plan_for_another_gpu_model_or_a_twin_is_refused(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    plan = tmp_path / "plan.toml"
+    for text, message in [
+        (PLAN.replace("H100 80GB HBM3", "H200"), "measured on NVIDIA H200, but GPU 0 is a"),
+        (PLAN.replace("HBM3", "HBM3 (twin)"), "is simulated"),
+        (PLAN.replace("1500", "1501"), "1501 MHz is not a supported SM clock of GPU 0"),
+        ("dvfs_caps = 1\n", "is a caps file"),
+    ]:
+        plan.write_text(text)
+        result = subprocess.run(
+            [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan), "--gpu", "0"]
+            + ["--listen", "off", "--max-intervals", "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=STUCK_S,
+        )
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert nvml.fake_calls() == []
+
+
+def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, stub: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", "monitor", "--url", stub, "--interval", "0.2", "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 0, result.stderr
+    samples = [s for f in text_string_to_metric_families(result.stdout) for s in f.samples]
+    names = {(s.name, s.labels.get("gpu")) for s in samples}
+    for gpu in ("0", "1"):
+        for name in (
+            "dvfs_gpu_power_watts",
+            "dvfs_gpu_energy_joules_total",
+            "dvfs_gpu_sm_clock_hertz",
+            "dvfs_gpu_power_limit_watts",
+            "dvfs_gpu_sm_clock_lock_max_hertz",
+            "dvfs_gpu_energy_per_token_joules",
+        ):
+            assert (name, gpu) in names
+    assert ("dvfs_server_up", None) in names and nvml.fake_calls() == []
+    down = subprocess.run(
+        [sys.executable, "-m", "dvfs", "monitor", "--url", "http://127.0.0.1:9", "--once"]
+        + ["--interval", "0.1", "--gpu", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert down.returncode == 0 and "dvfs_server_up 0.0" in down.stdout
+    assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
