@@ -1,0 +1,71 @@
+"""Figures from a cube, drawn with plain matplotlib on an Agg canvas: files in, nothing shown.
+
+Each `draw_*` function returns a `matplotlib.figure.Figure` (tests inspect it); `plot_all`
+draws every figure and saves it. Energy is in J per token, as in `dvfs headroom`'s table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dvfs.analysis.headroom import headroom
+from dvfs.analysis.targets import Target
+from dvfs.plots.curves import draw_energy_vs_clock, draw_pareto
+from dvfs.plots.data import pareto_front
+from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
+from dvfs.plots.style import save
+from dvfs.plots.timelines import draw_timelines
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.figure import Figure
+
+FORMATS = ("png", "pdf", "svg")
+
+__all__ = [
+    "FORMATS",
+    "draw_acceptance",
+    "draw_energy_vs_clock",
+    "draw_headroom",
+    "draw_pareto",
+    "draw_timelines",
+    "pareto_front",
+    "plot_all",
+    "figures",
+]
+
+
+def figures(cube: xr.Dataset, target: Target) -> list[tuple[str, Figure]]:
+    """Every figure for a single-GPU cube, with its file name (no extension)."""
+    chosen = headroom(cube, target=target)
+    corpora = [str(c) for c in cube["corpus"].values]
+    named: list[tuple[str, Figure | None]] = [
+        *((f"energy_vs_clock_{c}", draw_energy_vs_clock(cube, c)) for c in corpora),
+        *((f"pareto_{c}", draw_pareto(cube, chosen, target, c)) for c in corpora),
+        ("acceptance", draw_acceptance(cube)),
+        ("headroom", draw_headroom(chosen)),
+        ("timelines", draw_timelines(cube, chosen)),
+    ]
+    return [(name, fig) for name, fig in named if fig is not None]
+
+
+def plot_all(
+    cube: xr.Dataset, out_dir: str | Path, *, fmt: str = "png", target: Target | None = None
+) -> list[Path]:
+    """Every figure dvfs draws for a cube; returns the files written (a folder per GPU for a
+    merged cube)."""
+    if fmt not in FORMATS:
+        from dvfs.errors import AnalysisError
+
+        raise AnalysisError(f"unknown figure format {fmt!r}; choose {', '.join(FORMATS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = target or Target("preserve", slack=0.05)
+    if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
+        paths: list[Path] = []
+        for gpu in cube["gpu"].values:
+            one = cube.sel(gpu=gpu, drop=True)
+            paths += plot_all(one, out / str(gpu)[:12], fmt=fmt, target=target)
+        return paths
+    return [save(fig, out, name, fmt) for name, fig in figures(cube, target)]

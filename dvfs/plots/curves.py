@@ -1,0 +1,172 @@
+"""Energy per token against SM clock, and energy against latency (Pareto fronts): a figure per
+corpus, a panel per batch size, a colour per drafter, a line style and marker per power limit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dvfs.analysis.headroom import reference_setting
+from dvfs.plots.data import cell_means, pareto_front
+from dvfs.plots.style import (
+    CHOSEN_STYLE,
+    ENERGY_LABEL,
+    STOCK_STYLE,
+    Margins,
+    Panels,
+    chosen_handle,
+    color_handles,
+    drafter_colors,
+    grid_shape,
+    limit_handles,
+    limit_styles,
+    panel_figure,
+    place_legend,
+    stock_handle,
+    stock_label,
+    styled,
+    suptitle,
+    text_width_in,
+)
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from dvfs.analysis.targets import Target
+
+PANEL_W_IN = 3.7
+PANEL_H_IN = 3.0
+DIMS = ("batch", "drafter", "power_limit", "sm_clock")
+
+
+def _panels(batches: int, legend_labels: list[str], title_lines: int) -> Panels:
+    """A panel per batch; the legend goes in the free slot, else in a column sized for it."""
+    rows, cols = grid_shape(batches)
+    side = 0.0
+    if batches == rows * cols:
+        side = max(text_width_in(label, 9) for label in legend_labels) + 0.7
+    top = 0.45 + 0.25 * title_lines
+    return panel_figure(batches, PANEL_W_IN, PANEL_H_IN, Margins(top=top, side=side))
+
+
+def _tidy(ax: Axes, xlabel: str) -> None:
+    """At most ~6 ticks an axis: enough to read values, fewer texts to lay out and draw."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
+    ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ENERGY_LABEL)
+
+
+@styled
+def draw_energy_vs_clock(cube: xr.Dataset, corpus: str) -> Figure:
+    """Energy per token (J) against the SM clock lock: one line per drafter and power limit,
+    the stock setting ringed."""
+    ref = reference_setting(cube)
+    clocks = np.asarray(cube["sm_clock"].values, dtype=float)
+    batches = [int(b) for b in cube["batch"].values]
+    drafters = [str(d) for d in cube["drafter"].values]
+    limits = [float(p) for p in cube["power_limit"].values]
+    colors = drafter_colors(drafters)
+    styles = limit_styles(limits, ref.power_limit)
+    energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
+    p_stock, c_stock = limits.index(ref.power_limit), int(np.flatnonzero(clocks == ref.sm_clock)[0])
+    handles = [
+        *color_handles(colors),
+        *limit_handles(styles),
+        stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
+    ]
+
+    panels = _panels(len(batches), [h.get_label() for h in handles], 1)
+    for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
+        for d, drafter in enumerate(drafters):
+            for p, limit in enumerate(limits):
+                if np.all(np.isnan(energy[b, d, p])):
+                    continue
+                style = styles[limit]
+                ax.plot(
+                    clocks,
+                    energy[b, d, p],
+                    color=colors[drafter],
+                    linestyle=style.linestyle,
+                    marker=style.marker,
+                    markersize=3.5,
+                    linewidth=1.3,
+                )
+        stock_y = energy[b, :, p_stock, c_stock]
+        ax.scatter(np.full(len(drafters), ref.sm_clock), stock_y, gid="stock", **STOCK_STYLE)
+        ax.set_title(f"batch {batch}")
+        _tidy(ax, "SM clock lock (MHz)")
+    place_legend(panels, handles)
+    gpu = cube.attrs.get("gpu_name", "")
+    suptitle(
+        panels.fig,
+        f"Energy per token vs SM clock - corpus {corpus}" + (f" ({gpu})" if gpu else ""),
+    )
+    return panels.fig
+
+
+@styled
+def draw_pareto(cube: xr.Dataset, chosen: xr.Dataset, target: Target, corpus: str) -> Figure:
+    """Energy against latency for every clock and power limit; the Pareto front per drafter,
+    the stock setting ringed, the headroom choice starred."""
+    ref = reference_setting(cube)
+    batches = [int(b) for b in cube["batch"].values]
+    drafters = [str(d) for d in cube["drafter"].values]
+    limits = [float(p) for p in cube["power_limit"].values]
+    clocks = [int(c) for c in cube["sm_clock"].values]
+    colors = drafter_colors(drafters)
+    styles = limit_styles(limits, ref.power_limit)
+    energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
+    latency = cell_means(cube, target.variable, DIMS, corpus=corpus, quantile=target.quantile)
+    p_stock, c_stock = limits.index(ref.power_limit), clocks.index(ref.sm_clock)
+    picks = chosen.sel(corpus=corpus).transpose("batch", "drafter")
+    feasible = picks["feasible"].values
+    chosen_lat = np.where(feasible, picks["chosen_latency_ms"].values, np.nan)
+    chosen_energy = np.where(feasible, picks["chosen_energy_per_token_j"].values, np.nan)
+    drafter_rgb = [colors[d] for d in drafters]
+    handles = [
+        *color_handles(colors),
+        *limit_handles(styles, lines=False),
+        stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
+        chosen_handle("chosen: least energy meeting the target"),
+    ]
+
+    panels = _panels(len(batches), [h.get_label() for h in handles], 2)
+    for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
+        colour = [c for c in drafter_rgb for _ in clocks]
+        for p in sorted(range(len(limits)), key=lambda i: limits[i] == ref.power_limit):
+            capped = limits[p] != ref.power_limit  # caps drawn first and hollow: where a cap
+            ax.scatter(  # does not bind, the stock-limit point covers it
+                latency[b, :, p].ravel(),
+                energy[b, :, p].ravel(),
+                s=20,
+                marker=styles[limits[p]].marker,
+                facecolors="none" if capped else colour,
+                edgecolors=colour,
+                linewidths=0.9 if capped else 0,
+                alpha=0.9 if capped else 0.6,
+            )
+        for d, drafter in enumerate(drafters):
+            fx, fy = pareto_front(latency[b, d], energy[b, d])
+            ax.plot(fx, fy, color=colors[drafter], lw=1.4)
+        ax.scatter(
+            latency[b, :, p_stock, c_stock],
+            energy[b, :, p_stock, c_stock],
+            gid="stock",
+            **STOCK_STYLE,
+        )
+        ax.scatter(chosen_lat[b], chosen_energy[b], color=drafter_rgb, gid="chosen", **CHOSEN_STYLE)
+        ax.set_title(f"batch {batch}")
+        _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
+    place_legend(panels, handles)
+    suptitle(
+        panels.fig,
+        f"Energy vs latency, every clock and power limit - corpus {corpus}\n"
+        f"lines: Pareto fronts; target: {target.describe()}",
+    )
+    return panels.fig

@@ -1,0 +1,34 @@
+"""The numbers the figures draw, as plain arrays: valid cells averaged over repeats, and the
+energy-latency Pareto front. Pure functions; no matplotlib here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.analysis.headroom import valid_mask
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+
+def cell_means(cube: xr.Dataset, name: str, dims: tuple[str, ...], **sel: Any) -> np.ndarray:
+    """`name` over valid cells, averaged over repeats, as an array with axes in `dims` order."""
+    values = cube[name].where(valid_mask(cube)).sel(**sel).mean("repeat")
+    return np.asarray(values.transpose(*dims).values, dtype=float)
+
+
+def pareto_front(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The points no other point beats on both x and y (both lower is better), sorted by x.
+
+    NaN points are ignored. A point ties into the front when it equals the best y so far.
+    """
+    x = np.asarray(x, dtype=float).ravel()
+    y = np.asarray(y, dtype=float).ravel()
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    order = np.lexsort((y, x))
+    x, y = x[order], y[order]
+    on_front = y <= np.minimum.accumulate(y) if y.size else np.zeros(0, dtype=bool)
+    return x[on_front], y[on_front]

@@ -1,0 +1,186 @@
+"""Heatmaps: the headroom (energy saved at the chosen setting) per corpus, and the mean accept
+length per drafter and corpus. Every panel of a figure shares one colour norm and one colourbar,
+so a colour means the same value everywhere in it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.analysis.headroom import valid_mask
+from dvfs.plots.style import (
+    Margins,
+    Panels,
+    grid_shape,
+    panel_figure,
+    shared_norm,
+    styled,
+    suptitle,
+    text_width_in,
+)
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.axes import Axes
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+MISSING_COLOR = "#d9d9d9"
+CAP_OUTLINE: dict[str, Any] = {"fill": False, "edgecolor": "black", "linestyle": "--", "lw": 1.3}
+
+
+def _cmap(name: str) -> Any:
+    import matplotlib
+
+    return matplotlib.colormaps[name].with_extremes(bad=MISSING_COLOR)
+
+
+def _label_cells(
+    ax: Axes,
+    values: np.ndarray,
+    labels: list[list[str]],
+    colours: tuple[Any, Normalize],
+    size: float,
+) -> None:
+    """Cell text, white on dark cells and black on light ones."""
+    cmap, norm = colours
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            v = values[i, j]
+            r, g, b, _ = cmap(norm(v)) if np.isfinite(v) else (1.0, 1.0, 1.0, 1.0)
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5
+            ax.text(
+                j,
+                i,
+                labels[i][j],
+                ha="center",
+                va="center",
+                fontsize=size,
+                color="white" if dark else "black",
+            )
+
+
+def _heat_axes(ax: Axes, cols: list[str], rows: list[str] | None, xlabel: str) -> None:
+    """Category ticks, no grid; row labels only where given (the first panel of a row)."""
+    ax.grid(False)
+    ax.set_xticks(range(len(cols)), cols)
+    if rows is None:
+        ax.set_yticks([])
+    else:
+        ax.set_yticks(range(len(rows)), rows)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.set_xlabel(xlabel)
+
+
+def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) -> None:
+    """One colourbar for the whole figure and the key, in the free slot or the side column."""
+    fig = panels.fig
+    if panels.spare is not None:
+        cax = panels.spare.inset_axes((0.0, 0.82, 0.9, 0.08))
+        fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
+        panels.spare.legend(
+            handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.55), frameon=False
+        )
+        return
+    w, h = fig.get_figwidth(), fig.get_figheight()
+    x = panels.side_x + 0.2 / w
+    cax = fig.add_axes((x, 0.45, 0.2 / w, 0.45 - 0.5 / h))
+    fig.colorbar(image, cax=cax, label=label)
+    fig.legend(handles=key, loc="upper left", bbox_to_anchor=(x - 0.1 / w, 0.4), frameon=False)
+
+
+@styled
+def draw_headroom(chosen: xr.Dataset) -> Figure:
+    """Energy saved (%) at the least-energy setting meeting the target: a panel per corpus,
+    cells drafter x batch; capped power limits outlined and named in the cell."""
+    from matplotlib.patches import Patch, Rectangle
+
+    corpora = [str(c) for c in chosen["corpus"].values]
+    drafters = [str(d) for d in chosen["drafter"].values]
+    batches = [str(int(b)) for b in chosen["batch"].values]
+    order = ("corpus", "drafter", "batch")
+    saving = chosen["saving"].transpose(*order).values * 100.0
+    clock = chosen["chosen_sm_clock"].transpose(*order).values
+    limit = chosen["chosen_power_limit"].transpose(*order).values
+    stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
+    capped = np.isfinite(limit) & (limit < stock_limit)
+    norm = shared_norm([saving])
+    cmap = _cmap("Greens")
+    key = [
+        Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE),
+        Patch(facecolor=MISSING_COLOR, label="no setting meets the target"),
+    ]
+
+    rows, cols = grid_shape(len(corpora))
+    label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
+    side = 0.0 if len(corpora) < rows * cols else 3.2
+    margins = Margins(left=label_w, top=0.95, wspace=0.3, hspace=0.85, side=side)
+    panels = panel_figure(len(corpora), 0.8 * len(batches), 0.52 * len(drafters), margins)
+    images = []
+    for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
+        images.append(
+            ax.imshow(np.ma.masked_invalid(saving[k]), cmap=cmap, norm=norm, aspect="auto")
+        )
+        labels = [
+            [
+                "none\nfeasible"
+                if not np.isfinite(saving[k, i, j])
+                else f"{saving[k, i, j]:.0f}%\n{clock[k, i, j]:.0f} MHz"
+                + (f"\n{limit[k, i, j]:.0f} W" if capped[k, i, j] else "")
+                for j in range(len(batches))
+            ]
+            for i in range(len(drafters))
+        ]
+        _label_cells(ax, saving[k], labels, (cmap, norm), 7.5)
+        for i, j in zip(*np.nonzero(capped[k]), strict=True):
+            ax.add_patch(Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, gid="cap", **CAP_OUTLINE))
+        _heat_axes(ax, batches, drafters if k % cols == 0 else None, "batch")
+        if k % cols == 0:
+            ax.set_ylabel("drafter")
+        ax.set_title(f"corpus {corpus}")
+    _colorbar_and_key(panels, images[0], "energy saved vs stock (%)", key)
+    suptitle(
+        panels.fig,
+        f"Headroom: energy saved at the least-energy setting meeting "
+        f"{chosen.attrs.get('target', 'the target')}\n"
+        "cell: saving, SM clock lock, and the power limit when capped",
+    )
+    return panels.fig
+
+
+@styled
+def draw_acceptance(cube: xr.Dataset) -> Figure | None:
+    """Mean accept length (tokens per verify pass) per drafter and corpus; None without one."""
+    from matplotlib.colors import Normalize
+
+    if "accept_length" not in cube:
+        return None
+    accept = cube["accept_length"].where(valid_mask(cube))
+    table = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")])
+    values = table.transpose("drafter", "corpus").values
+    keep = ~np.all(np.isnan(values), axis=1)
+    if not keep.any():
+        return None
+    values = values[keep]
+    drafters = [str(d) for d, k in zip(cube["drafter"].values, keep, strict=True) if k]
+    corpora = [str(c) for c in cube["corpus"].values]
+    norm = Normalize(1.0, max(float(np.nanmax(values)), 1.5))  # 1 = only the bonus token
+    cmap = _cmap("viridis")
+    label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
+    margins = Margins(left=label_w, top=0.5, side=1.2)
+    panels = panel_figure(1, 1.15 * len(corpora), 0.55 * len(drafters), margins)
+    ax = panels.axes[0]
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    labels = [[f"{v:.2f}" if np.isfinite(v) else "-" for v in row] for row in values]
+    _label_cells(ax, values, labels, (cmap, norm), 10)
+    _heat_axes(ax, corpora, drafters, "corpus")
+    ax.set_ylabel("drafter")
+    w = panels.fig.get_figwidth()
+    box = ax.get_position()
+    cax = panels.fig.add_axes((panels.side_x + 0.2 / w, box.y0, 0.2 / w, box.height))
+    panels.fig.colorbar(image, cax=cax, label="tokens per verify pass")
+    suptitle(panels.fig, "Mean accept length (bonus token included)")
+    return panels.fig

@@ -1,0 +1,285 @@
+"""The shared look of dvfs figures: an Agg canvas, fonts sized for reading, one colour per
+drafter in every figure, one line style and marker per power limit, and the stock marker.
+
+Figures are built on `matplotlib.figure.Figure` with an Agg canvas, never through pyplot: no
+global backend switch, no figure registry to close, nothing shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.legend import Legend
+
+DPI = 150
+ENERGY_LABEL = "energy per token (J)"  # the unit of `dvfs headroom`'s J/tok columns
+
+# Sizes in points at DPI 150: a 10 pt label is ~21 px, legible on a laptop screen and on paper.
+RC: dict[str, Any] = {
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "legend.fontsize": 9,
+    "figure.titlesize": 12,
+    "axes.grid": True,
+    "axes.axisbelow": True,
+    "grid.color": "#dddddd",
+    "grid.linewidth": 0.6,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "lines.linewidth": 1.5,
+    "figure.dpi": DPI,
+    "savefig.dpi": DPI,
+}
+
+# Okabe-Ito: distinguishable with the common colour-vision deficiencies.
+COLORS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+LIMIT_LINESTYLES = ("--", ":", "-.")
+LIMIT_MARKERS = ("^", "s", "v", "P")
+
+STOCK_STYLE: dict[str, Any] = {
+    "marker": "D",
+    "s": 90,
+    "facecolors": "none",
+    "edgecolors": "black",
+    "linewidths": 1.4,
+    "zorder": 6,
+}
+CHOSEN_STYLE: dict[str, Any] = {
+    "marker": "*",
+    "s": 190,
+    "edgecolors": "black",
+    "linewidths": 0.7,
+    "zorder": 7,
+}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def styled(draw: Callable[P, R]) -> Callable[P, R]:
+    """Create a figure's artists under RC (artists read rcParams when they are made)."""
+
+    @wraps(draw)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        import matplotlib
+
+        with matplotlib.rc_context(RC):  # type: ignore[arg-type]
+            return draw(*args, **kwargs)
+
+    return wrapper
+
+
+def text_width_in(text: str, size_pt: float) -> float:
+    """A generous estimate of a text's width (DejaVu Sans averages ~0.6 em per character)."""
+    return len(text) * 0.62 * size_pt / 72.0
+
+
+@dataclass(frozen=True)
+class Margins:
+    """Space around and between panels, in inches (fonts are fixed, so inches are exact)."""
+
+    left: float = 0.85
+    right: float = 0.25
+    top: float = 0.75
+    bottom: float = 0.6
+    wspace: float = 0.95
+    hspace: float = 0.75
+    side: float = 0.0  # a column right of the panels (an outside legend or colourbar)
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A figure laid out once by hand: its data panels, the first free grid slot (for a legend
+    or a colourbar) and where the side column starts (figure fraction)."""
+
+    fig: Figure
+    axes: list[Axes]
+    spare: Axes | None
+    side_x: float
+
+
+def panel_figure(
+    panels: int,
+    panel_w_in: float,
+    panel_h_in: float,
+    margins: Margins | None = None,
+    max_cols: int = 3,
+) -> Panels:
+    """`panels` axes on a grid with fixed margins on an Agg canvas.
+
+    No layout engine runs at save time: laying out text costs as much as drawing it, and the
+    margins, sized for the fonts, keep labels clear of each other.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    m = margins or Margins()
+    rows, cols = grid_shape(panels, max_cols)
+    width = m.left + cols * panel_w_in + (cols - 1) * m.wspace + m.right + m.side
+    height = m.top + rows * panel_h_in + (rows - 1) * m.hspace + m.bottom
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    slots = []
+    for r in range(rows):
+        for c in range(cols):
+            x0 = m.left + c * (panel_w_in + m.wspace)
+            y0 = height - m.top - (r + 1) * panel_h_in - r * m.hspace
+            rect = (x0 / width, y0 / height, panel_w_in / width, panel_h_in / height)
+            slots.append(fig.add_axes(rect))
+    for ax in slots[panels:]:
+        ax.set_axis_off()
+    spare = slots[panels] if panels < len(slots) else None
+    side_x = (width - m.side) / width
+    return Panels(fig, slots[:panels], spare, side_x)
+
+
+def suptitle(fig: Figure, text: str) -> None:
+    """A title 0.1 in below the top edge (Figure.suptitle's default sits by figure fraction)."""
+    fig.suptitle(text, y=1.0 - 0.1 / fig.get_figheight(), va="top")
+
+
+def grid_shape(panels: int, max_cols: int = 3) -> tuple[int, int]:
+    cols = max(1, min(max_cols, panels))
+    return int(np.ceil(panels / cols)), cols
+
+
+def place_legend(panels: Panels, handles: Sequence[Any]) -> Legend:
+    """A legend where it covers no data: in the free grid slot, else in the side column."""
+    if panels.spare is not None:
+        return panels.spare.legend(
+            handles=handles, loc="upper left", bbox_to_anchor=(-0.05, 1.0), frameon=False
+        )
+    return panels.fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(panels.side_x, 1.0 - 0.75 / panels.fig.get_figheight()),
+        frameon=False,
+    )
+
+
+def save(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+    path = out_dir / f"{name}.{fmt}"
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
+    """One colour per drafter, the same in every figure (cube order)."""
+    return {d: COLORS[i % len(COLORS)] for i, d in enumerate(drafters)}
+
+
+@dataclass(frozen=True)
+class LimitStyle:
+    """How a power limit is drawn: the stock limit solid with circles, caps dashed/dotted
+    with other markers, so a capped point never passes for a clock setting."""
+
+    limit_w: float
+    linestyle: str
+    marker: str
+    label: str
+
+
+def limit_styles(limits: Iterable[float], stock_limit_w: float) -> dict[float, LimitStyle]:
+    styles: dict[float, LimitStyle] = {}
+    caps = 0
+    for limit in sorted({float(v) for v in limits}, reverse=True):
+        if limit == stock_limit_w:
+            styles[limit] = LimitStyle(limit, "-", "o", f"{limit:g} W power limit (stock)")
+        else:
+            styles[limit] = LimitStyle(
+                limit,
+                LIMIT_LINESTYLES[caps % len(LIMIT_LINESTYLES)],
+                LIMIT_MARKERS[caps % len(LIMIT_MARKERS)],
+                f"{limit:g} W power limit (cap)",
+            )
+            caps += 1
+    return styles
+
+
+def shared_norm(arrays: Iterable[np.ndarray], *, include_zero: bool = True) -> Normalize:
+    """One colour norm for every panel of a figure, so a colour means one value throughout."""
+    from matplotlib.colors import Normalize
+
+    finite = [a[np.isfinite(a)] for a in (np.asarray(x, dtype=float) for x in arrays)]
+    values = np.concatenate(finite) if finite else np.array([])
+    if values.size == 0:
+        return Normalize(0.0, 1.0)
+    lo, hi = float(values.min()), float(values.max())
+    if include_zero:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if hi <= lo:
+        hi = lo + 1.0
+    return Normalize(lo, hi)
+
+
+def stock_handle(label: str) -> Any:
+    from matplotlib.lines import Line2D
+
+    return Line2D(
+        [],
+        [],
+        lw=0,
+        marker=STOCK_STYLE["marker"],
+        markersize=8,
+        markerfacecolor="none",
+        markeredgecolor="black",
+        markeredgewidth=1.4,
+        label=label,
+    )
+
+
+def chosen_handle(label: str) -> Any:
+    from matplotlib.lines import Line2D
+
+    return Line2D(
+        [],
+        [],
+        lw=0,
+        marker="*",
+        markersize=13,
+        color="#888888",
+        markeredgecolor="black",
+        label=label,
+    )
+
+
+def color_handles(colors: dict[str, str], marker: str | None = None) -> list[Any]:
+    from matplotlib.lines import Line2D
+
+    return [Line2D([], [], color=c, lw=2.5, marker=marker, label=d) for d, c in colors.items()]
+
+
+def limit_handles(styles: dict[float, LimitStyle], *, lines: bool = True) -> list[Any]:
+    from matplotlib.lines import Line2D
+
+    return [
+        Line2D(
+            [],
+            [],
+            color="#555555",
+            linestyle=s.linestyle if lines else "none",  # type: ignore[arg-type]
+            marker=s.marker,
+            markerfacecolor="#555555" if lines or s.linestyle == "-" else "none",
+            ms=5,
+            label=s.label,
+        )
+        for s in styles.values()
+    ]
+
+
+def stock_label(sm_clock: int, power_limit_w: float, is_stock: bool) -> str:
+    what = "stock" if is_stock else "reference (top clock and limit)"
+    return f"{what}: {sm_clock} MHz, {power_limit_w:g} W"

@@ -1,0 +1,99 @@
+"""Power and SM clock through the measurement window, stock against the chosen setting, for the
+first two drafters at the smallest and largest batch of the first corpus."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.analysis.headroom import reference_setting
+from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.figure import Figure
+
+SETTING_LINESTYLES = {"stock": "-", "chosen": "--"}
+
+
+@styled
+def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
+    """None when the cube holds no sampled timeline."""
+    if "timeline_power_w" not in cube or np.all(np.isnan(cube["timeline_power_w"].values)):
+        return None
+    ref = reference_setting(cube)
+    all_drafters = [str(d) for d in cube["drafter"].values]
+    colors = drafter_colors(all_drafters)
+    drafters = all_drafters[:2]
+    batches = sorted({int(cube["batch"].values[0]), int(cube["batch"].values[-1])})
+    corpus = str(cube["corpus"].values[0])
+    stock_word = "stock" if ref.is_stock else "reference"
+
+    cols = len(batches)
+    margins = Margins(left=0.9, top=0.55, bottom=1.5, wspace=0.9, hspace=0.25)
+    panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols)
+    fig = panels.fig
+    capped = False
+    for col, batch in enumerate(batches):
+        power_ax, clock_ax = panels.axes[col], panels.axes[cols + col]
+        clock_ax.sharex(power_ax)
+        power_ax.tick_params(labelbottom=False)
+        for drafter in drafters:
+            pick = chosen.sel(batch=batch, drafter=drafter, corpus=corpus)
+            settings = [("stock", ref.sm_clock, ref.power_limit)]
+            if bool(pick["feasible"]):
+                settings.append(
+                    ("chosen", int(pick["chosen_sm_clock"]), float(pick["chosen_power_limit"]))
+                )
+            for kind, clock, limit in settings:
+                cell = cube.sel(
+                    batch=batch,
+                    drafter=drafter,
+                    corpus=corpus,
+                    sm_clock=clock,
+                    power_limit=limit,
+                    repeat=cube["repeat"].values[0],
+                )
+                t = cell["timeline_t_s"].values
+                keep = ~np.isnan(t)
+                word = stock_word if kind == "stock" else "chosen"
+                style: dict[str, Any] = {
+                    "color": colors[drafter],
+                    "linestyle": SETTING_LINESTYLES[kind],
+                }
+                label = f"{drafter}, {word}: {clock} MHz clock lock, {limit:g} W power limit"
+                power_ax.plot(
+                    t[keep],
+                    cell["timeline_power_w"].values[keep],
+                    drawstyle="steps-post",
+                    label=label if col == 0 else None,
+                    **style,
+                )
+                clock_ax.plot(
+                    t[keep],
+                    cell["timeline_sm_clock_mhz"].values[keep],
+                    drawstyle="steps-post",
+                    **style,
+                )
+                if kind == "chosen" and limit < ref.power_limit:
+                    power_ax.axhline(limit, color=colors[drafter], linestyle=":", lw=1.2)
+                    capped = True
+        power_ax.set_title(f"batch {batch}, corpus {corpus}")
+        power_ax.set_ylabel("GPU power (W)")
+        clock_ax.set_ylabel("SM clock (MHz)")
+        clock_ax.set_xlabel("time in steady-state window (s)")
+    handles, _ = panels.axes[0].get_legend_handles_labels()
+    if capped:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="#555555", linestyle=":", label="capped power limit"))
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 0.05 / fig.get_figheight()),
+        ncols=2,
+        frameon=False,
+    )
+    suptitle(fig, "Power and SM clock through the measurement window: stock vs chosen setting")
+    return fig
