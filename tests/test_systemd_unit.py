@@ -89,3 +89,91 @@ def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "", result.stderr  # no warnings (unknown keys, bad values)
+
+
+# --------------------------------------------------------------------------- dvfs-govern.service
+
+GOVERN = UNIT.parent / "dvfs-govern.service"
+
+
+def govern_directives(section: str) -> list[tuple[str, str]]:
+    """(key, value) pairs of one section of the governor's unit."""
+    pairs, current = [], None
+    for raw in GOVERN.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        if current == section:
+            pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def govern_values(key: str, section: str = "Service") -> list[str]:
+    return [v for k, v in govern_directives(section) if k == key]
+
+
+def test_the_governor_unit_restores_on_stop_and_after_a_crash() -> None:
+    [start] = govern_values("ExecStart")
+    assert start.startswith("/usr/local/bin/dvfs govern --plan /etc/dvfs/govern-plan.toml")
+    assert "--dry-run" not in start and "--listen 127.0.0.1:" in start
+    # SIGTERM makes dvfs restore and exit 143: a clean stop; after SIGKILL or a crash the state
+    # files remain and ExecStopPost puts them back.
+    assert govern_values("KillSignal") == ["SIGTERM"]
+    assert govern_values("SuccessExitStatus") == ["143"]
+    assert govern_values("ExecStopPost") == ["/usr/local/bin/dvfs gpu reset"]
+    assert govern_values("Restart") == ["on-failure"]
+    assert set(govern_values("RestartPreventExitStatus")[0].split()) == {"2", "3", "4"}
+    assert ("ConditionPathExists", "/etc/dvfs/govern-plan.toml") in govern_directives("Unit")
+    assert "dvfs-caps.service" in " ".join(govern_values("After", "Unit"))
+
+
+def test_the_governor_unit_reaches_loopback_and_the_gpus_only() -> None:
+    service = dict(govern_directives("Service"))
+    assert "PrivateNetwork" not in service  # it would hide the server's loopback port
+    assert govern_values("IPAddressAllow") == ["localhost"]
+    assert govern_values("IPAddressDeny") == ["any"]
+    assert set(govern_values("RestrictAddressFamilies")[0].split()) == {
+        "AF_UNIX",
+        "AF_INET",
+        "AF_INET6",
+    }
+    # The GPU side is the caps unit's, line for line.
+    for key in (
+        "CapabilityBoundingSet",
+        "DevicePolicy",
+        "DeviceAllow",
+        "ProtectClock",
+        "ProtectHome",
+        "ProtectSystem",
+        "SystemCallFilter",
+        "Environment",
+        "StateDirectory",
+    ):
+        caps_side = values(key)
+        if key == "Environment":
+            caps_side = [v for v in caps_side if not v.startswith("PYTHONUNBUFFERED")]
+            governed = [v for v in govern_values(key) if not v.startswith("PYTHONUNBUFFERED")]
+        else:
+            governed = govern_values(key)
+        assert governed == caps_side, key
+    assert "must not live under /home" in GOVERN.read_text()
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed on this machine",
+)
+def test_systemd_analyze_verifies_the_governor_unit(tmp_path: Path) -> None:
+    dvfs_bin = Path(sys.executable).parent / "dvfs"
+    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
+    copy = tmp_path / "dvfs-govern.service"
+    copy.write_text(GOVERN.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr
