@@ -299,3 +299,31 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     )
     assert down.returncode == 0 and "dvfs_server_up 0.0" in down.stdout
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
+
+
+def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str], nvml) -> None:
+    """ExecStart of systemd/dvfs-govern.service, pointed at a test plan, a free port and a dry
+    run: every option it passes exists and parses."""
+    unit = (REPO / "systemd" / "dvfs-govern.service").read_text()
+    [start] = [
+        line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
+    ]
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    argv = (
+        start.replace("/usr/local/bin/dvfs", "")
+        .replace("/etc/dvfs/govern-plan.toml", str(plan))
+        .replace("127.0.0.1:9435", "127.0.0.1:0")
+        .replace("http://127.0.0.1:30000", "http://127.0.0.1:9")
+        .split()
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "dvfs", *argv, "--dry-run", "--max-intervals", "1", "--gpu", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STUCK_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "would set running batch unknown (server unreadable)" in result.stderr
+    assert nvml.fake_calls() == []
