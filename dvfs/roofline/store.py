@@ -74,8 +74,9 @@ def build_dataset(run: RooflineRun) -> xr.Dataset:
 def derive(ds: xr.Dataset) -> xr.Dataset:
     """Rates, energy, GEMM efficiency and the roofline per setting from seconds and power."""
     out = ds.copy()
-    out["flop_s"] = (ds["flops"] / ds["seconds"]).assign_attrs(units="FLOP s-1")
-    out["bytes_s"] = (ds["bytes"] / ds["seconds"]).assign_attrs(units="byte s-1")
+    dims = ("setting", "kernel")
+    out["flop_s"] = (ds["flops"] / ds["seconds"]).transpose(*dims).assign_attrs(units="FLOP s-1")
+    out["bytes_s"] = (ds["bytes"] / ds["seconds"]).transpose(*dims).assign_attrs(units="byte s-1")
     out["energy_j"] = (ds["power_w"] * ds["seconds"]).assign_attrs(
         units="J", long_name="energy per call"
     )

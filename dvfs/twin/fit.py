@@ -102,14 +102,15 @@ def _power(
     """Power coefficients by non-negative least squares, or None without energy."""
     from scipy.optimize import nnls
 
-    power = ds["power_w"].values
+    dims = ("setting", "kernel")
+    power = ds["power_w"].transpose(*dims).values
     idle = float(ds.attrs.get("idle_power_w", math.nan))
     if not np.isfinite(power).any() or not math.isfinite(idle):
         return None
     scale = np.asarray(physics.dynamic_scale(base, clocks))[:, None] * np.ones_like(power)
     peak = datasheet_flops(base, clocks)[:, None] * gemm_eff
-    tensor_util = np.minimum(ds["flop_s"].values / peak, 1.0)
-    memory_util = ds["bytes_s"].values / (base.hbm_bandwidth_gb_s * 1e9)
+    tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
+    memory_util = ds["bytes_s"].transpose(*dims).values / (base.hbm_bandwidth_gb_s * 1e9)
     ok = np.isfinite(power)
     a = np.column_stack([scale[ok], (tensor_util * scale)[ok], memory_util[ok]])
     coef, _ = nnls(a, power[ok] - idle)

@@ -1,0 +1,189 @@
+"""`dvfs twin fit` from a roofline file: a roofline the twin's own physics "measured" with known
+figures is fitted back to them, and the fitted twin's ridge point is the measured one; `dvfs
+compare --roofline` places the measured ridge on the cube's clocks. No torch needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from cubes import make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.cli import cli
+from dvfs.roofline import store
+from dvfs.roofline.kernels import BenchSpec, plan_kernels
+from dvfs.roofline.run import KernelResult, Point, RooflineRun
+from dvfs.twin import physics
+from dvfs.twin.fit import achievable_ridge_point, fit_roofline, load_profile, profile_toml
+from dvfs.twin.physics import Passes
+from dvfs.twin.profiles import GpuProfile, gpu_profile
+
+H100 = gpu_profile("h100-sxm")
+CLOCKS = (1980, 1590, 1200, 900, 600)
+FITTED = (
+    "gemm_efficiency",
+    "hbm_efficiency",
+    "bandwidth_knee_mhz",
+    "idle_power_w",
+    "sm_active_power_w",
+    "tensor_power_w",
+    "memory_power_w",
+)
+
+
+def true_profile(**changes: float) -> GpuProfile:
+    """H100 with other figures, and no per-pass overheads (a microbenchmark has none)."""
+    defaults = {
+        "gemm_efficiency": 0.72,
+        "hbm_efficiency": 0.81,
+        "bandwidth_knee_mhz": 1000.0,
+        "idle_power_w": 70.0,
+        "sm_active_power_w": 80.0,
+        "tensor_power_w": 500.0,
+        "memory_power_w": 120.0,
+    }
+    return dataclasses.replace(
+        H100,
+        key="true",
+        kernel_cycles_per_layer=0.0,
+        host_overhead_s=0.0,
+        **{**defaults, **changes},
+    )
+
+
+def twin_roofline(profile: GpuProfile, clocks=CLOCKS, energy: bool = True):
+    """The roofline file the twin's physics would produce: each kernel's time and power."""
+    spec = BenchSpec(
+        device="cuda",
+        dtype="bfloat16",
+        hidden=4096,
+        intermediate=14336,
+        tokens=(1, 16, 256, 4096, 16384),
+        bandwidth_elements=2**29,
+    )
+    points = []
+    for i, f in enumerate(clocks):
+        results = []
+        for kernel in plan_kernels(spec):
+            one = np.ones(1)
+            passes = Passes(kernel.flops * one, kernel.bytes * one, 0 * one, 0 * one, 0 * one)
+            timing = physics.time_passes(profile, passes, f)
+            power = float(timing.power_w[0]) if energy else float("nan")
+            results.append(KernelResult(kernel, float(timing.duration_s[0]), power))
+        points.append(Point("stock" if i == 0 else str(f), i > 0, float(f), 700.0, tuple(results)))
+    attrs = {"device": "cuda", "device_name": profile.nvml_name, "dtype": "bfloat16"}
+    attrs.update(gpu_name=profile.nvml_name, hidden=4096, intermediate=14336)
+    if energy:
+        attrs["idle_power_w"] = profile.idle_power_w
+    return store.build_dataset(RooflineRun(tuple(points), attrs, ()))
+
+
+def test_fit_recovers_the_twins_figures_and_ridge() -> None:
+    truth = true_profile()
+    ds = twin_roofline(truth)
+    fit = fit_roofline(ds, H100)
+    assert fit.fitted == FITTED
+    for name in FITTED:
+        assert getattr(fit.profile, name) == pytest.approx(getattr(truth, name), rel=0.01), name
+    for f, measured in zip(CLOCKS, ds["ridge_point"].values, strict=True):
+        assert achievable_ridge_point(fit.profile, f) == pytest.approx(measured, rel=0.005)
+    assert fit.residuals["ridge_rel_max"] < 0.005
+    # The ridge falls with the clock below the knee less than the FLOP/s do.
+    assert ds["ridge_point"].values[0] > ds["ridge_point"].values[-1]
+
+
+def test_gemm_efficiency_by_tokens_rises_with_m() -> None:
+    fit = fit_roofline(twin_roofline(true_profile()), H100)
+    assert fit.gemm_tokens == (1, 16, 256, 4096, 16384)
+    for curve in fit.gemm_efficiency_by_tokens.values():
+        assert all(a < b for a, b in zip(curve[:3], curve[1:4], strict=True))
+        assert curve[-1] == pytest.approx(0.72, rel=0.01)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    gemm=st.floats(0.4, 0.95),
+    hbm=st.floats(0.5, 0.95),
+    knee=st.integers(120, 280).map(lambda k: 5.0 * k),
+    sm=st.floats(20, 150),
+    tensor=st.floats(100, 600),
+    memory=st.floats(30, 200),
+)
+def test_fit_recovers_any_figures(gemm, hbm, knee, sm, tensor, memory) -> None:
+    truth = true_profile(
+        gemm_efficiency=gemm,
+        hbm_efficiency=hbm,
+        bandwidth_knee_mhz=knee,
+        sm_active_power_w=sm,
+        tensor_power_w=tensor,
+        memory_power_w=memory,
+    )
+    fit = fit_roofline(twin_roofline(truth), H100)
+    for name in FITTED:
+        assert getattr(fit.profile, name) == pytest.approx(getattr(truth, name), rel=0.03), name
+
+
+def test_without_energy_or_clocks_the_base_is_kept_and_said() -> None:
+    ds = twin_roofline(true_profile(), clocks=(1980,), energy=False)
+    fit = fit_roofline(ds, H100)
+    assert fit.fitted == ("gemm_efficiency", "hbm_efficiency", "bandwidth_knee_mhz")
+    assert fit.profile.tensor_power_w == H100.tensor_power_w
+    assert fit.profile.bandwidth_knee_mhz == H100.bandwidth_knee_mhz
+    assert any("no energy" in n for n in fit.notes) and any("one clock" in n for n in fit.notes)
+    assert achievable_ridge_point(fit.profile, 1980) == pytest.approx(
+        float(ds["ridge_point"].values[0]), rel=1e-9
+    )
+
+
+def test_profile_file_round_trips(tmp_path: Path) -> None:
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(fit))
+    assert load_profile(path) == fit.profile
+    path.write_text(profile_toml(fit).replace("sm_count = 132\n", ""))
+    from dvfs.errors import CampaignError
+
+    with pytest.raises(CampaignError, match="missing \\['sm_count'\\]"):
+        load_profile(path)
+
+
+def test_cli_fit_writes_a_loadable_profile(tmp_path: Path) -> None:
+    source = store.write(twin_roofline(true_profile()), tmp_path / "roofline.nc")
+    out = tmp_path / "fitted.toml"
+    result = CliRunner().invoke(cli, ["twin", "fit", str(source), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "h100-sxm-fit fitted from" in result.output and "ridge_rel_max" in result.output
+    assert load_profile(out).gemm_efficiency == pytest.approx(0.72, rel=0.01)
+
+
+def test_cli_fit_of_a_cube_says_it_is_not_built_yet(tmp_path: Path) -> None:
+    cube = tmp_path / "cube.nc"
+    make_cube(clocks=[1980, 1500]).to_netcdf(cube)
+    result = CliRunner().invoke(cli, ["twin", "fit", str(cube), "-o", str(tmp_path / "p.toml")])
+    assert result.exit_code == 2
+    assert "sweep cube is not built yet" in result.output
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_compare_uses_a_measured_ridge_file(small_sweep: Path, tmp_path: Path) -> None:
+    from dvfs.analysis.roofline import measured_ridge
+
+    ds = twin_roofline(true_profile())
+    source = store.write(ds, tmp_path / "roofline.nc")
+    result = CliRunner().invoke(
+        cli, ["compare", str(small_sweep), "--roofline", str(source), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    ridge = json.loads(result.stdout)["roofline"]["ridge_point"]
+    clocks = np.array(sorted(int(c) for c in ridge), dtype=float)
+    expected = measured_ridge(ds, clocks)
+    np.testing.assert_allclose([ridge[str(int(c))] for c in clocks], expected)
+    plain = CliRunner().invoke(cli, ["compare", str(small_sweep), "--json"])
+    datasheet = json.loads(plain.stdout)["roofline"]["ridge_point"]
+    assert datasheet != ridge
