@@ -327,3 +327,27 @@ def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str]
     assert result.returncode == 0, result.stderr
     assert "would set running batch unknown (server unreadable)" in result.stderr
     assert nvml.fake_calls() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--plan", "nope.toml"], 2, "per-batch plan nope.toml does not exist"),
+        (["--plan", "p.toml", "--interval", "0"], 2, "--interval: must be more than 0"),
+        (["--plan", "p.toml", "--interval", "1x"], 2, "is not a duration such as 500ms"),
+        (["--plan", "p.toml", "--listen", "9435"], 2, "must be HOST:PORT"),
+        (["--plan", "p.toml", "--hysteresis", "-1"], 2, "--hysteresis must be between 0 and 10"),
+    ],
+)
+def test_bad_govern_options_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str
+) -> None:
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.toml").write_text(PLAN)
+    result = CliRunner().invoke(cli, ["govern", *args, "--dry-run", "--max-intervals", "1"])
+    assert result.exit_code == code, result.output
+    assert message in result.output and "Traceback" not in result.output

@@ -76,11 +76,20 @@ max_intervals_option = click.option(
 )
 
 
-@contextmanager
-def _exporting(listen: str, live: Any) -> Iterator[None]:
-    from dvfs.govern.exporter import parse_listen, start_exporter
+def _listen_address(listen: str) -> tuple[str, int] | None:
+    """--listen checked before any GPU is opened: a usage error, exit 2."""
+    from dvfs.govern.exporter import ExporterError, parse_listen
 
-    address = parse_listen(listen)
+    try:
+        return parse_listen(listen)
+    except ExporterError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--listen "), param_hint="--listen") from exc
+
+
+@contextmanager
+def _exporting(address: tuple[str, int] | None, live: Any) -> Iterator[None]:
+    from dvfs.govern.exporter import start_exporter
+
     if address is None:
         yield
         return
@@ -167,6 +176,7 @@ def govern(
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
+    address = _listen_address(listen)
     plan = load_plan(plan_path)
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
@@ -174,11 +184,11 @@ def govern(
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
-            f"governing {names} from {plan_path} ({len(plan.steps)} steps, drafter "
+            f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
             f"{plan.drafter}), reading {url} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )
-        with _exporting(listen, live):
+        with _exporting(address, live):
             changes = run_governor(
                 plan,
                 gpus,
@@ -238,6 +248,7 @@ def monitor(
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
+    address = None if once else _listen_address(listen)
     record = AppliedCaps(state_dir or default_state_dir())
 
     def locks() -> dict[str, int | None]:
@@ -250,7 +261,7 @@ def monitor(
             run_monitor(gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks)
             click.echo(render(live), nl=False)
             return
-        with _exporting(listen, live):
+        with _exporting(address, live):
             run_monitor(
                 gpus, scraper, Ticker(interval, max_intervals), live=live, note=note, locks=locks
             )
