@@ -336,6 +336,8 @@ def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str]
         (["--plan", "p.toml", "--interval", "0"], 2, "--interval: must be more than 0"),
         (["--plan", "p.toml", "--interval", "1x"], 2, "is not a duration such as 500ms"),
         (["--plan", "p.toml", "--listen", "9435"], 2, "must be HOST:PORT"),
+        (["--plan", "p.toml", "--url", "http://127.0.0.1:port"], 2, "is not a URL"),
+        (["--plan", "p.toml", "--url", "localhost:30000"], 2, "is not an http(s)://HOST:PORT"),
         (["--plan", "p.toml", "--hysteresis", "-1"], 2, "--hysteresis must be between 0 and 10"),
     ],
 )

@@ -66,14 +66,19 @@ interval_option = click.option(
 listen_option = click.option(
     "--listen",
     default="127.0.0.1:9435",
+    metavar="HOST:PORT",
     show_default=True,
     help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
 )
-max_intervals_option = click.option(
-    "--max-intervals",
-    type=click.IntRange(min=1),
-    help="Stop after this many intervals (restoring the GPUs) [default: run until stopped].",
-)
+
+
+def max_intervals_option(what: str) -> Any:
+    return click.option(
+        "--max-intervals",
+        type=click.IntRange(min=1),
+        metavar="N",
+        help=f"Stop after N intervals{what} [default: run until stopped].",
+    )
 
 
 def _listen_address(listen: str) -> tuple[str, int] | None:
@@ -84,6 +89,14 @@ def _listen_address(listen: str) -> tuple[str, int] | None:
         return parse_listen(listen)
     except ExporterError as exc:
         raise click.BadParameter(str(exc).removeprefix("--listen "), param_hint="--listen") from exc
+
+
+def _check_url(url: str) -> None:
+    from dvfs.govern.metrics import check_url
+
+    problem = check_url(url)
+    if problem:
+        raise click.BadParameter(problem, param_hint="--url")
 
 
 @contextmanager
@@ -137,7 +150,7 @@ def _timeout(interval: float) -> float:
     help="Follow a plan made from a digital-twin cube (matched by GPU model name).",
 )
 @listen_option
-@max_intervals_option
+@max_intervals_option(", restoring the GPUs")
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -177,6 +190,7 @@ def govern(
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
     address = _listen_address(listen)
+    _check_url(url)
     plan = load_plan(plan_path)
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
@@ -212,7 +226,7 @@ def govern(
 @gpu_option
 @interval_option
 @listen_option
-@max_intervals_option
+@max_intervals_option("")
 @click.option(
     "--once",
     is_flag=True,
@@ -249,6 +263,8 @@ def monitor(
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
     address = None if once else _listen_address(listen)
+    if url is not None:
+        _check_url(url)
     record = AppliedCaps(state_dir or default_state_dir())
 
     def locks() -> dict[str, int | None]:

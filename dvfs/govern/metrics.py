@@ -64,6 +64,19 @@ def metrics_url(url: str) -> str:
     return base if base.endswith("/metrics") else base + "/metrics"
 
 
+def check_url(url: str) -> str:
+    """Why `url` cannot be a server's address, or "" when it can (http or https, a host)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"{url!r} is not an http(s)://HOST:PORT address"
+    return ""
+
+
 def scrape(url: str, timeout_s: float) -> ServerSample:
     """Read and parse the server's /metrics; every failure is one ScrapeError line."""
     import httpx
