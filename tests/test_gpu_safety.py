@@ -87,6 +87,12 @@ def campaign_file(tmp_path: Path, output_tokens: int = 16, repeats: int = 1) -> 
     return path
 
 
+def long_campaign(tmp_path: Path) -> Path:
+    """Short cells (the first is journaled soon), so many that the sweep is still running when
+    a test signals it."""
+    return campaign_file(tmp_path, output_tokens=16, repeats=60)
+
+
 def assert_as_found(nvml, state_dir: Path) -> None:
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] is None
@@ -146,7 +152,7 @@ def sweep_failing_on(nvml, tmp_path: Path, fail_on: int) -> None:
         run_sweep(
             campaign,
             tmp_path / "out",
-            backends=Backends(clock, gpus, FailingEngine(inner, fail_on)),
+            backends=Backends(clock, list(gpus), FailingEngine(inner, fail_on)),
             state_dir=tmp_path / "dvfs-state",
         )
 
@@ -226,7 +232,7 @@ def _wait_until_changed(nvml, proc: subprocess.Popen, journal: Path, timeout_s: 
 
 @pytest.mark.slow
 def test_sigterm_restores(nvml, tmp_path: Path, env) -> None:
-    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    campaign = long_campaign(tmp_path)
     out = tmp_path / "out"
     proc = _start_sweep(campaign, out, env)
     try:
@@ -243,10 +249,17 @@ def test_sigterm_restores(nvml, tmp_path: Path, env) -> None:
 
 @pytest.mark.slow
 def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
-    campaign = campaign_file(tmp_path, output_tokens=150, repeats=2)
+    campaign = campaign_file(tmp_path, output_tokens=16, repeats=1)
     out = tmp_path / "out"
     state_dir = tmp_path / "dvfs-state"
-    proc = _start_sweep(campaign, out, env)
+    # The killed sweep's own restore hangs in the driver, so however soon it ends its cells the
+    # kill finds the GPU changed (a short campaign: the resume below measures what is left).
+    stuck_restore = {
+        **env,
+        "DVFS_NVML_DEADLINE_S": "0",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceResetGpuLockedClocks=inf",
+    }
+    proc = _start_sweep(campaign, out, stuck_restore)
     try:
         _wait_until_changed(nvml, proc, out / "journal.jsonl")
         proc.send_signal(signal.SIGKILL)
@@ -271,7 +284,7 @@ def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
 
 @pytest.mark.slow
 def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> None:
-    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    campaign = long_campaign(tmp_path)
     first = _start_sweep(campaign, tmp_path / "first", env)
     try:
         _wait_until_changed(nvml, first, tmp_path / "first" / "journal.jsonl")
@@ -482,13 +495,13 @@ def test_cap_apply_with_a_hung_driver_fails_in_one_line(nvml, env, tmp_path: Pat
         str(caps),
         env={
             **env,
-            "DVFS_NVML_DEADLINE_S": "2",
+            "DVFS_NVML_DEADLINE_S": "1",
             "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetGpuLockedClocks=inf",
         },
     )
     assert result.returncode == 1, result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 2 s" in line
+    assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 1 s" in line
 
 
 def _start_with_sigint_ignored(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -509,7 +522,7 @@ def _start_with_sigint_ignored(args: list[str], env: dict[str, str]) -> subproce
 
 @pytest.mark.slow
 def test_sigint_restores_even_when_inherited_ignored(nvml, tmp_path: Path, env) -> None:
-    campaign = campaign_file(tmp_path, output_tokens=400, repeats=3)
+    campaign = long_campaign(tmp_path)
     out = tmp_path / "out"
     proc = _start_with_sigint_ignored(
         ["sweep", str(campaign), "--out", str(out), "--no-progress"], env

@@ -113,7 +113,7 @@ def test_failed_cells_exit_5_and_a_rerun_retries_them(
     out = tmp_path / "out"
     measure = Runner.measure
 
-    def flaky(self: Runner, cell):  # type: ignore[no-untyped-def]
+    def flaky(self: Runner, cell):  # noqa: ANN001
         if cell.batch == 8 and cell.drafter == "eagle3":
             raise EngineError("the server answered 500")
         return measure(self, cell)
@@ -158,6 +158,8 @@ def test_the_lock_names_the_running_sweep_and_dies_with_it(tmp_path: Path) -> No
     proc = _start(campaign, out)
     try:
         _wait_for_cells(proc, out / "journal.jsonl", 10)
+        # Stopped, it still holds the lock, and cannot finish while the second sweep starts.
+        os.kill(proc.pid, signal.SIGSTOP)
         second = subprocess.run(
             [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
             env=subprocess_env(),

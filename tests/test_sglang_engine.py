@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xarray as xr
 from click.testing import CliRunner
 from sglang_support import STUB, load_stub, running, stub_campaign
 
@@ -117,7 +118,14 @@ def test_dry_run_shows_each_drafter_argv() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> None:
     stub = {"ttft_s": 0.03, "tpot_s": 0.006, "accept_length": 2.5, "seed": 1}
-    campaign, marker = stub_campaign(tmp_path, version=version, stub=stub, output_tokens=80)
+    # One clock: the stub's timing does not depend on it, and every cell streams in real time.
+    campaign, marker = stub_campaign(
+        tmp_path,
+        version=version,
+        stub=stub,
+        output_tokens=80,
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
     out = tmp_path / "out"
     result = CliRunner().invoke(
         cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
@@ -153,7 +161,7 @@ def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> 
     assert running(marker) == []  # every server was stopped
 
 
-def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], object]:
+def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset]:
     campaign, marker = stub_campaign(tmp_path, **kwargs)
     out = tmp_path / "out"
     result = CliRunner().invoke(
@@ -171,7 +179,7 @@ def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], object]:
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
 
 
-def _dying_server_sweep(tmp_path: Path, retries: int) -> tuple[list[dict], object]:
+def _dying_server_sweep(tmp_path: Path, retries: int) -> tuple[list[dict], xr.Dataset]:
     """Three cells of two requests each; every server dies on its third request."""
     return _sweep_cells(
         tmp_path,

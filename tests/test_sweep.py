@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
 
 from dvfs.cli import cli
@@ -18,7 +19,7 @@ from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build
 from dvfs.measure.journal import read_records
 
 
-def sweep(args: list[str]) -> object:
+def sweep(args: list[str]) -> Result:
     result = CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
     return result
 
@@ -38,11 +39,14 @@ def assert_cubes_equal(a, b, *, energy_rtol: float = 0.0) -> None:
         )
 
 
-def test_sweep_writes_a_complete_cube(small_campaign: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    result = sweep([str(small_campaign), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    ds = open_cube(out / "cube.nc")
+def copy_of(sweep_out: Path, tmp_path: Path) -> Path:
+    """A private copy of the session's finished sweep, for a test that adds to it."""
+    return Path(shutil.copytree(sweep_out, tmp_path / "out"))
+
+
+def test_sweep_writes_a_complete_cube(small_sweep: Path) -> None:
+    # small_sweep is `dvfs sweep SMALL_CAMPAIGN` (exit 0), run once per session.
+    ds = open_cube(small_sweep / "cube.nc")
     assert {d: ds.sizes[d] for d in CELL_DIMS} == {
         "sm_clock": 3,
         "power_limit": 2,
@@ -75,10 +79,9 @@ def test_sweep_writes_a_complete_cube(small_campaign: Path, tmp_path: Path) -> N
 
 
 def test_resume_skips_finished_cells_and_cube_build_matches(
-    small_campaign: Path, tmp_path: Path
+    small_campaign: Path, small_sweep: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
+    out = copy_of(small_sweep, tmp_path)
     first = open_cube(out / "cube.nc")
     cells_before = sum(1 for r in read_records(out / "journal.jsonl") if r["type"] == "cell")
     again = sweep([str(small_campaign), "--out", str(out)])
@@ -91,9 +94,8 @@ def test_resume_skips_finished_cells_and_cube_build_matches(
     assert_cubes_equal(first, open_cube(tmp_path / "re.nc"))
 
 
-def test_a_changed_campaign_refuses_the_old_journal(small_campaign: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
+def test_a_changed_campaign_refuses_the_old_journal(small_sweep: Path, tmp_path: Path) -> None:
+    out = copy_of(small_sweep, tmp_path)
     changed = write(
         tmp_path / "changed.toml",
         replace_block(SMALL_CAMPAIGN, "output_tokens = 64", "output_tokens = 32"),
@@ -108,10 +110,8 @@ def test_a_changed_campaign_refuses_the_old_journal(small_campaign: Path, tmp_pa
     assert (out / "journal.jsonl.1").exists()
 
 
-def test_missing_and_failed_cells_are_nan(small_campaign: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    assert sweep([str(small_campaign), "--out", str(out)]).exit_code == 0
-    records = read_records(out / "journal.jsonl")
+def test_missing_and_failed_cells_are_nan(small_sweep: Path, tmp_path: Path) -> None:
+    records = read_records(small_sweep / "journal.jsonl")
     header_and_sessions = [r for r in records if r["type"] != "cell"]
     cells = [r for r in records if r["type"] == "cell"]
     kept, failed = cells[:10], dict(cells[10], status="failed", error="boom")
@@ -184,6 +184,13 @@ BIG = replace_block(
 )
 
 
+def _default_dispositions() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a foreground shell gives them, whatever
+    this test process inherited (a background job ignores SIGINT)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start(campaign: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
@@ -191,6 +198,7 @@ def _start(campaign: Path, out: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_dispositions,
     )
 
 
@@ -272,13 +280,12 @@ def test_sigint_stops_cleanly_with_a_partial_cube(tmp_path: Path) -> None:
     ).all()
 
 
-def test_merge_cubes_from_two_gpus(tmp_path: Path) -> None:
-    h100 = write(tmp_path / "h100.toml", SMALL_CAMPAIGN)
+def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
     h200 = write(
         tmp_path / "h200.toml",
         replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h200-sxm"'),
     )
-    assert sweep([str(h100), "--out", str(tmp_path / "a")]).exit_code == 0
+    copy_of(small_sweep, tmp_path).rename(tmp_path / "a")  # the H100 sweep
     assert sweep([str(h200), "--out", str(tmp_path / "b")]).exit_code == 0
     merged_path = tmp_path / "merged.nc"
     result = CliRunner().invoke(
