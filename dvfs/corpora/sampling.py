@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+import weakref
 from typing import Any
 
 import numpy as np
@@ -42,10 +43,27 @@ def fit_to_range(prompt: Prompt, min_tokens: int, max_tokens: int) -> Prompt | N
     return Prompt(prompt.id, trimmed, max_tokens)
 
 
-def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> list[Prompt]:
+#: Eligible prompts per (corpus object, range): a corpus is immutable, and a sweep samples
+#: from the same few corpora thousands of times.
+_ELIGIBLE: dict[tuple[int, int, int], tuple[weakref.ref[Corpus], tuple[Prompt, ...]]] = {}
+
+
+def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> tuple[Prompt, ...]:
+    """The corpus's prompts fitted to the range, in corpus order (computed once per corpus)."""
     lo, hi = input_tokens
+    key = (id(corpus), lo, hi)
+    cached = _ELIGIBLE.get(key)
+    if cached is not None and cached[0]() is corpus:
+        return cached[1]
     fitted = (fit_to_range(p, lo, hi) for p in corpus.prompts)
-    return [p for p in fitted if p is not None]
+    pool = tuple(p for p in fitted if p is not None)
+
+    def forget(ref: weakref.ref[Corpus]) -> None:
+        if _ELIGIBLE.get(key, (None,))[0] is ref:
+            del _ELIGIBLE[key]
+
+    _ELIGIBLE[key] = (weakref.ref(corpus, forget), pool)
+    return pool
 
 
 def sample_prompts(

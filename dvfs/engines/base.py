@@ -64,6 +64,38 @@ class RequestTrace:
         if len(self.chunk_ns) > 1 and np.any(np.diff(self.chunk_ns) < 0):
             raise ValueError("chunk timestamps go backwards")
 
+    @classmethod
+    def trusted(
+        cls,
+        sent_ns: int,
+        chunk_ns: np.ndarray,
+        chunk_tokens: np.ndarray,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reason: str | None = None,
+        spec_verify_ct: int | None = None,
+        spec_accepted_drafts: int | None = None,
+        spec_proposed_drafts: int | None = None,
+    ) -> RequestTrace:
+        """A trace whose round was checked as a whole (`check_chunks`), skipping the per-trace
+        checks: the twin builds hundreds of thousands of traces, and checking each one alone
+        cost more than simulating its round."""
+        trace = object.__new__(cls)
+        trace.__dict__.update(
+            sent_ns=sent_ns,
+            chunk_ns=chunk_ns,
+            chunk_tokens=chunk_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            finish_reason=finish_reason,
+            spec_verify_ct=spec_verify_ct,
+            spec_accepted_drafts=spec_accepted_drafts,
+            spec_proposed_drafts=spec_proposed_drafts,
+            retractions=0,
+            error=None,
+        )
+        return trace
+
     @property
     def first_token_ns(self) -> int | None:
         return int(self.chunk_ns[0]) if len(self.chunk_ns) else None
@@ -71,6 +103,21 @@ class RequestTrace:
     @property
     def finished_ns(self) -> int | None:
         return int(self.chunk_ns[-1]) if len(self.chunk_ns) else None
+
+
+def check_chunks(
+    chunk_ns: np.ndarray, chunk_tokens: np.ndarray, counts: np.ndarray, completion: np.ndarray
+) -> None:
+    """`RequestTrace`'s checks for a whole round at once: row i holds request i's chunks in
+    its first `counts[i]` columns, which must not go backwards in time and must carry
+    `completion[i]` tokens."""
+    if chunk_ns.shape != chunk_tokens.shape or len(counts) != len(chunk_ns):
+        raise ValueError("chunk_ns, chunk_tokens and counts differ in shape")
+    used = np.arange(chunk_ns.shape[1]) < counts[:, None]
+    if np.any(np.where(used, chunk_tokens, 0).sum(axis=1) != completion):
+        raise ValueError("chunks carry a different token count than completion_tokens says")
+    if np.any((np.diff(chunk_ns, axis=1) < 0) & used[:, 1:]):
+        raise ValueError("chunk timestamps go backwards")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
-from dvfs.engines.base import RequestTrace, RoundResult, ServerInfo, Workload
+from dvfs.engines.base import RequestTrace, RoundResult, ServerInfo, Workload, check_chunks
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
@@ -63,11 +63,13 @@ class TwinEngine:
         self.startup_s = startup_s
         self._drafter: DrafterSpec | None = None
         self._plan: DraftPlan | None = None
+        self._alphas: dict[tuple[str, float], float] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
         self._plan = plan_drafter(drafter, self.model)
         self._drafter = drafter
+        self._alphas = {}
         if self.node.clock.virtual:  # loading weights costs virtual time only; never wait for real
             self.node.clock.sleep(self.startup_s)
         args: dict[str, object] = {
@@ -87,6 +89,7 @@ class TwinEngine:
     def stop(self) -> None:
         self._drafter = None
         self._plan = None
+        self._alphas = {}
 
     def __enter__(self) -> TwinEngine:
         return self
@@ -107,7 +110,10 @@ class TwinEngine:
         if plan is None:
             return 0.0, 0
         corpus = self.acceptance_like.get(workload.corpus, workload.corpus)
-        return plan.alpha(corpus, workload.temperature), plan.depth
+        key = (corpus, workload.temperature)
+        if key not in self._alphas:  # the same few per server, asked every round
+            self._alphas[key] = plan.alpha(corpus, workload.temperature)
+        return self._alphas[key], plan.depth
 
     def _draws(
         self, rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int
@@ -170,33 +176,30 @@ class TwinEngine:
             if n_iter
             else np.array([], dtype=np.int64)
         )
-        # Decode begins when the last prefill chunk is done: shift iterations accordingly.
-        requests = []
+        # Request i's chunks: its prefill token, then one per verify while it is active (a
+        # prefix of the iterations); row views of one array, checked once for the round.
         verify_counts = is_active.sum(axis=1)
-        for i in range(batch):
-            mask = emitted[i] > 0
-            chunk_ns = np.concatenate([[first_ns[i]], iter_ns[mask]]).astype(np.int64)
-            chunk_tokens = np.concatenate([[1], emitted[i][mask]]).astype(np.int64)
-            spec = self._plan is not None
-            accepted = int(emitted[i].sum() - verify_counts[i]) if spec else None
-            requests.append(
-                RequestTrace(
-                    sent_ns=t0,
-                    chunk_ns=chunk_ns,
-                    chunk_tokens=chunk_tokens,
-                    prompt_tokens=int(lengths[i]),
-                    completion_tokens=int(chunk_tokens.sum()),
-                    finish_reason="length",
-                    spec_verify_ct=int(verify_counts[i]) if spec else None,
-                    spec_accepted_drafts=accepted,
-                    spec_proposed_drafts=int(verify_counts[i] * (self._plan.verify_tokens - 1))
-                    if self._plan is not None
-                    else None,
-                )
-            )
+        counts = verify_counts + 1
+        chunk_ns = np.empty((batch, n_iter + 1), dtype=np.int64)
+        chunk_ns[:, 0] = first_ns
+        chunk_ns[:, 1:] = iter_ns
+        chunk_tokens = np.empty((batch, n_iter + 1), dtype=np.int64)
+        chunk_tokens[:, 0] = 1
+        chunk_tokens[:, 1:] = emitted
+        completion = chunk_tokens.sum(axis=1)
+        check_chunks(chunk_ns, chunk_tokens, counts, completion)
+        chunk_ns.flags.writeable = False
+        chunk_tokens.flags.writeable = False
+        requests = _traces(t0, chunk_ns, chunk_tokens, counts, lengths, completion, self._plan)
+        verifies = int(verify_counts.sum())
+        accept_length = (
+            (int(completion.sum()) - batch) / verifies
+            if self._plan is not None and verifies
+            else None
+        )
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        return RoundResult(tuple(requests), t0, end_ns, _server_accept_length(requests))
+        return RoundResult(tuple(requests), t0, end_ns, accept_length)
 
     def _run_closed_loop(self, workload: Workload) -> RoundResult:
         """Concurrency held at `batch` from the prompt pool, natural output lengths.
@@ -309,6 +312,35 @@ class TwinEngine:
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
         return RoundResult(tuple(requests), t0, end_ns, _server_accept_length(requests))
+
+
+def _traces(
+    t0: int,
+    chunk_ns: np.ndarray,
+    chunk_tokens: np.ndarray,
+    counts: np.ndarray,
+    lengths: np.ndarray,
+    completion: np.ndarray,
+    plan: DraftPlan | None,
+) -> list[RequestTrace]:
+    """The fixed-batch round's traces, all run to length, from its checked chunk arrays."""
+    n = counts.tolist()
+    prompt = lengths.tolist()
+    done = completion.tolist()
+    if plan is None:
+        return [
+            RequestTrace.trusted(t0, chunk_ns[i, :k], chunk_tokens[i, :k], p, c, "length")
+            for i, (k, p, c) in enumerate(zip(n, prompt, done, strict=True))
+        ]
+    verify = (counts - 1).tolist()
+    accepted = (completion - counts).tolist()  # tokens past the prefill's, less one per verify
+    proposed = ((counts - 1) * (plan.verify_tokens - 1)).tolist()
+    return [
+        RequestTrace.trusted(t0, chunk_ns[i, :k], chunk_tokens[i, :k], p, c, "length", v, a, d)
+        for i, (k, p, c, v, a, d) in enumerate(
+            zip(n, prompt, done, verify, accepted, proposed, strict=True)
+        )
+    ]
 
 
 def _wait_until(clock: Clock, end_ns: int) -> None:

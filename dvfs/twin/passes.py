@@ -18,6 +18,29 @@ from dvfs.twin.profiles import ModelProfile
 PREFILL_CHUNK_TOKENS = 8192
 
 
+def count_passes(
+    model: ModelProfile,
+    tp: int,
+    tokens: np.ndarray,
+    kv_read_bytes: np.ndarray,
+    attn_flops: np.ndarray,
+    kv_write_tokens: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """FLOPs, bytes, layers, communication bytes and calls of passes over `tokens` tokens, for
+    one GPU of a TP group; element-wise, so a whole (iterations x passes) block at once."""
+    tokens = np.asarray(tokens, dtype=float)
+    flops = 2.0 * model.active_matmul_params * tokens + attn_flops
+    weights = model.weight_bytes_read(tokens)
+    bytes_ = weights + kv_read_bytes + kv_write_tokens * model.kv_bytes_per_token
+    if tp > 1:
+        comm = 2 * model.layers * tokens * model.hidden * 2 * 2 * (tp - 1) / tp
+        calls = np.full_like(tokens, 2 * model.layers)
+    else:
+        comm = np.zeros_like(tokens)
+        calls = np.zeros_like(tokens)
+    return flops / tp, bytes_ / tp, np.full_like(tokens, model.layers), comm, calls
+
+
 class PassBuilder:
     """Counts FLOPs, bytes and communication of forward passes for one GPU of a TP group."""
 
@@ -33,19 +56,9 @@ class PassBuilder:
         attn_flops: np.ndarray,
         kv_write_tokens: np.ndarray,
     ) -> None:
-        tokens = np.asarray(tokens, dtype=float)
-        flops = 2.0 * model.active_matmul_params * tokens + attn_flops
-        weights = model.weight_bytes_read(tokens)
-        bytes_ = weights + kv_read_bytes + kv_write_tokens * model.kv_bytes_per_token
-        if self.tp > 1:
-            comm = 2 * model.layers * tokens * model.hidden * 2 * 2 * (self.tp - 1) / self.tp
-            calls = np.full_like(tokens, 2 * model.layers)
-        else:
-            comm = np.zeros_like(tokens)
-            calls = np.zeros_like(tokens)
         self.parts.append(
             Passes(
-                flops / self.tp, bytes_ / self.tp, np.full_like(tokens, model.layers), comm, calls
+                *count_passes(model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens)
             )
         )
 
@@ -86,59 +99,47 @@ def decode_passes(
     """
     n_iter = len(active)
     k = plan.verify_tokens if plan else 1
-    columns: list[tuple[ModelProfile | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def draft_pass(draft: ModelProfile, tokens: np.ndarray) -> None:
-        columns.append(
-            (
-                draft,
-                tokens,
-                draft.kv_bytes_read(mean_ctx) * active,
-                draft.attention_flops_per_token(mean_ctx) * tokens,
-                tokens,
-            )
-        )
-
-    if plan is not None and plan.family == "ngram":
-        columns.append((None, active, active, active, active))
-    elif plan is not None and plan.draft_model is not None:
-        if plan.family == "dflash":
-            draft_pass(plan.draft_model, active * k)  # one pass drafts the whole block
-        else:
-            for step in range(plan.num_steps):
-                draft_pass(plan.draft_model, active * (plan.topk if step > 0 else 1))
     verify_tokens = active * k
     verify_attn = model.attention_flops_per_token(mean_ctx) * verify_tokens
-    columns.append((model, verify_tokens, ctx_kv_bytes, verify_attn, emitted))
-    if plan is not None and plan.draft_model is not None and plan.family != "dflash":
+    verify = count_passes(model, builder.tp, verify_tokens, ctx_kv_bytes, verify_attn, emitted)
+    # Columns of an (iterations x passes) block per field: drafts, verify, draft-extend.
+    blocks: list[tuple[np.ndarray, ...]] = []
+    tail: tuple[np.ndarray, ...] = ()
+    if plan is not None and plan.family == "ngram":
+        zeros = np.zeros((n_iter, 1))
+        blocks.append((zeros,) * 5)
+    elif plan is not None and plan.draft_model is not None:
         draft = plan.draft_model
-        columns.append(
-            (
-                draft,
-                np.maximum(emitted, 1),
-                draft.kv_bytes_read(mean_ctx) * active,
-                draft.attention_flops_per_token(mean_ctx) * emitted,
-                emitted,
-            )
-        )
-    # Interleave columns so pass j of iteration n sits at n * width + j.
-    width = len(columns)
-    start = len(builder.parts)
-    for pass_model, tokens, kv, attn, writes in columns:
-        if pass_model is None:
-            builder.add_host(n_iter)
+        if plan.family == "dflash":
+            tokens = [active * k]  # one pass drafts the whole block
+            attn_tokens = tokens
+            writes = tokens
         else:
-            builder.add(pass_model, tokens, kv, attn, writes)
-    block = builder.parts[start:]
-    del builder.parts[start:]
-    interleaved = Passes(
-        *(
-            np.stack([getattr(p, f) for p in block], axis=1).reshape(-1)
-            for f in Passes.__dataclass_fields__
+            tokens = [active * (plan.topk if step > 0 else 1) for step in range(plan.num_steps)]
+            tokens.append(np.maximum(emitted, 1))  # the draft-extend pass
+            attn_tokens = [*tokens[:-1], emitted]
+            writes = [*tokens[:-1], emitted]
+        per_token = draft.attention_flops_per_token(mean_ctx)
+        drafts = count_passes(
+            draft,
+            builder.tp,
+            np.stack(tokens, axis=1),
+            (draft.kv_bytes_read(mean_ctx) * active)[:, None],
+            np.stack([per_token * t for t in attn_tokens], axis=1),
+            np.stack(writes, axis=1),
         )
-    )
-    builder.parts.append(interleaved)
-    return width
+        if plan.family == "dflash":
+            blocks.append(tuple(drafts))
+        else:
+            blocks.append(tuple(field[:, :-1] for field in drafts))
+            tail = tuple(field[:, -1:] for field in drafts)
+    blocks.append(tuple(field[:, None] for field in verify))
+    if tail:
+        blocks.append(tail)
+    # Pass j of iteration n sits at n * width + j.
+    fields = [np.concatenate(column, axis=1) for column in zip(*blocks, strict=True)]
+    builder.parts.append(Passes(*(field.reshape(-1) for field in fields)))
+    return fields[0].shape[1]
 
 
 def verify_column(plan: DraftPlan | None, width: int) -> int:

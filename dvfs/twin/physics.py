@@ -12,6 +12,8 @@ s(f)       = (f / f_max) x (V(f) / V_max)^2   (dynamic CMOS power)
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,11 +111,21 @@ def bandwidth_bytes_s(gpu: GpuProfile, sm_clock_mhz: float | np.ndarray) -> np.n
     return peak * shape(f) / shape(float(gpu.max_sm_clock_mhz))
 
 
+@functools.lru_cache(maxsize=4096)
+def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
+    """Bandwidth and dynamic-power scale at a clock: a few clocks recur in every timing."""
+    return (
+        float(bandwidth_bytes_s(gpu, sm_clock_mhz)),
+        float(dynamic_scale(gpu, sm_clock_mhz)),
+    )
+
+
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz`."""
     f = float(sm_clock_mhz)
+    bandwidth, scale = _clock_factors(gpu, f)
     compute_s = passes.flops / gpu.peak_flops(f)
-    memory_s = passes.bytes / float(bandwidth_bytes_s(gpu, f))
+    memory_s = passes.bytes / bandwidth
     p = ROOFLINE_BLEND
     roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
     kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
@@ -123,7 +135,6 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float) -> PassTim
     tensor_util = compute_s / duration_s
     memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
     busy = busy_s / duration_s
-    scale = float(dynamic_scale(gpu, f))
     power_w = (
         gpu.idle_power_w
         + busy * gpu.sm_active_power_w * scale
@@ -151,34 +162,91 @@ class OperatingPoint:
     timing: PassTiming
 
 
+def mean_power_w(gpu: GpuProfile, passes: Passes, sm_clocks_mhz: np.ndarray) -> np.ndarray:
+    """Average power of `passes` at each of several clocks at once (as `time_passes` would
+    give, to rounding): only the roofline needs a (clocks x passes) array, the rest sums."""
+    f = np.asarray(sm_clocks_mhz, dtype=float)
+    p = ROOFLINE_BLEND
+    peak_flops = np.array([gpu.peak_flops(c) for c in f.tolist()])
+    compute_s = passes.flops / peak_flops[:, None]
+    memory_s = passes.bytes / bandwidth_bytes_s(gpu, f)[:, None]
+    roofline_s = ((compute_s**p + memory_s**p) ** (1.0 / p)).sum(axis=1)
+    kernel_s = float(passes.layers.sum()) * gpu.kernel_cycles_per_layer / (f * 1e6)
+    comm_s = float(
+        (
+            passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
+        ).sum()
+    )
+    busy_s = roofline_s + kernel_s + comm_s
+    total_s = busy_s + len(passes) * gpu.host_overhead_s
+    scale = dynamic_scale(gpu, f)
+    # Energy of pass i is duration_i x power_i; the utilisations' durations cancel.
+    energy_j = (
+        gpu.idle_power_w * total_s
+        + busy_s * gpu.sm_active_power_w * scale
+        + compute_s.sum(axis=1) * gpu.tensor_power_w * scale
+        + float(passes.bytes.sum()) / (gpu.hbm_bandwidth_gb_s * 1e9) * gpu.memory_power_w
+    )
+    return np.where(total_s > 0, energy_j / np.where(total_s > 0, total_s, 1.0), 0.0)
+
+
+#: Elements of the (clocks x passes) array one step of the power-cap search may evaluate.
+SEARCH_BUDGET = 8192
+
+
 def operating_point(
     gpu: GpuProfile,
     passes: Passes,
     requested_mhz: int,
     power_limit_w: float,
 ) -> OperatingPoint:
-    """Highest supported clock <= `requested_mhz` whose average power fits the limit.
+    """Highest supported clock <= `requested_mhz` whose average power fits the limit (the
+    lowest supported clock when none does).
 
     Real GPUs enforce the limit over short windows; the twin enforces it over the workload's
-    average, which is what the energy counter sees.
+    average, which is what the energy counter sees. Average power rises with the clock, so
+    the search evaluates as many candidate clocks at once as the budget allows, then
+    confirms the answer with `time_passes` (and the next clock up on a near tie).
     """
     timing = time_passes(gpu, passes, requested_mhz)
     if len(passes) == 0 or timing.mean_power_w <= power_limit_w:
         return OperatingPoint(int(requested_mhz), False, timing)
-    clocks = [c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz]
-    clocks.sort()
-    lo, hi = 0, len(clocks) - 1
-    best = clocks[0]
-    best_timing = time_passes(gpu, passes, best)
+    clocks = np.array(sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz))
+    if len(clocks) == 0:
+        raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
+    per_step = max(2, SEARCH_BUDGET // len(passes))
+    lo, hi, best = 0, len(clocks) - 1, -1  # clocks below lo fit; clocks above hi do not
+    above_w = math.inf  # the batched power at clock hi + 1
     while lo <= hi:
-        mid = (lo + hi) // 2
-        candidate = time_passes(gpu, passes, clocks[mid])
-        if candidate.mean_power_w <= power_limit_w:
-            best, best_timing = clocks[mid], candidate
-            lo = mid + 1
+        if hi - lo + 1 <= per_step:
+            probe = np.arange(lo, hi + 1)
         else:
-            hi = mid - 1
-    return OperatingPoint(int(best), True, best_timing)
+            probe = np.unique(np.linspace(lo, hi, per_step + 2)[1:-1].round().astype(int))
+        powers = mean_power_w(gpu, passes, clocks[probe])
+        fits = powers <= power_limit_w
+        n_fit = int(np.argmin(fits)) if not fits.all() else len(fits)
+        if n_fit:
+            best = int(probe[n_fit - 1])
+            lo = best + 1
+        if n_fit < len(probe):
+            hi = int(probe[n_fit]) - 1
+            above_w = float(powers[n_fit])
+    # The batched powers agree with `time_passes` to rounding: settle a near tie exactly.
+    timings: dict[int, PassTiming] = {int(requested_mhz): timing}
+
+    def exact(i: int) -> PassTiming:
+        clock = int(clocks[i])
+        if clock not in timings:
+            timings[clock] = time_passes(gpu, passes, clock)
+        return timings[clock]
+
+    near_tie = above_w <= power_limit_w * (1.0 + 1e-9)
+    while near_tie and best + 1 < len(clocks) and exact(best + 1).mean_power_w <= power_limit_w:
+        best += 1
+    while best >= 0 and exact(best).mean_power_w > power_limit_w:
+        best -= 1
+    best = max(best, 0)
+    return OperatingPoint(int(clocks[best]), True, exact(best))
 
 
 @dataclass(frozen=True)
