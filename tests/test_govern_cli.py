@@ -55,6 +55,12 @@ def wait_for(check: Callable[[], bool], what: str, log: Path | None = None) -> N
 @pytest.fixture
 def stub(tmp_path: Path) -> Iterator[str]:
     """A stub SGLang server with --enable-metrics on an ephemeral loopback port: its URL."""
+    with launch_stub(tmp_path) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launch_stub(tmp_path: Path, *argv: str) -> Iterator[str]:
     config = tmp_path / "stub.json"
     config.write_text(
         json.dumps({"startup_s": 0.05, "ttft_s": 0.01, "tpot_s": 0.05, "max_lifetime_s": 300})
@@ -62,7 +68,8 @@ def stub(tmp_path: Path) -> Iterator[str]:
     log = tmp_path / "stub.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(STUB), "--model-path", "m", "--port", "0", "--enable-metrics"],
+            [sys.executable, str(STUB), "--model-path", "m", "--port", "0", "--enable-metrics"]
+            + list(argv),
             env={"SGLANG_STUB_CONFIG": str(config), "PATH": os.environ.get("PATH", "")},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -353,3 +360,20 @@ def test_bad_govern_options_are_one_line(
     result = CliRunner().invoke(cli, ["govern", *args, "--dry-run", "--max-intervals", "1"])
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:
+    from dvfs.govern.metrics import scrape
+
+    with launch_stub(tmp_path, "--speculative-algorithm", "EAGLE") as url:
+        idle = scrape(url, 10)
+        assert idle.running == 0 and idle.generated_tokens == 0
+        with held_batch(url, 5):
+            wait_for(lambda: scrape(url, 10).running == 5, "5 running requests")
+            wait_for(lambda: (scrape(url, 10).generated_tokens or 0) > 20, "tokens generated")
+        wait_for(lambda: scrape(url, 10).running == 0, "the dropped stream to end")
+        busy = scrape(url, 10)
+        assert busy.accept_length is not None and busy.accept_length > 1  # EAGLE: several/step
+    (tmp_path / "plain").mkdir()
+    with launch_stub(tmp_path / "plain") as plain:
+        assert scrape(plain, 10).accept_length is None  # no drafter, no accept length
