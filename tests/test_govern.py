@@ -25,7 +25,7 @@ from dvfs.govern.metrics import (
     parse_server_metrics,
 )
 from dvfs.govern.plan import BatchPlan, BatchStep, Setting
-from dvfs.govern.policy import PolicyParams, PolicyState, decide, margin
+from dvfs.govern.policy import PolicyParams, PolicyState, decide, follow, margin
 from dvfs.gpu.base import GpuIdentity
 
 PLAN = BatchPlan(
@@ -89,6 +89,16 @@ def test_once_the_dwell_has_passed_the_load_is_never_underserved(seq, p) -> None
     for i, batch in enumerate(seq):
         state = decide(PLAN, state, batch, (i + 1) * (p.dwell_s + 1), p).state
         assert state.bucket is not None and state.bucket >= PLAN.bucket(batch)
+
+
+@given(st.lists(st.tuples(st.floats(0, 20), batches), min_size=1, max_size=40), params)
+def test_follow_replays_the_same_rule(seq, p) -> None:
+    times = [sum(dt for dt, _ in seq[: i + 1]) for i in range(len(seq))]
+    state, expected = PolicyState(), []
+    for now, (_, batch) in zip(times, seq, strict=True):
+        state = decide(PLAN, state, batch, now, p).state
+        expected.append(state.bucket)
+    assert follow(PLAN, zip(times, [b for _, b in seq], strict=True), p) == expected
 
 
 def test_the_steps_and_the_band_on_a_known_sequence() -> None:

@@ -15,6 +15,7 @@ once, and a batch alternating within the hysteresis band changes it at most twic
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dvfs.errors import CapsError
@@ -70,3 +71,17 @@ def decide(
     if state.changed_at is not None and now - state.changed_at < params.dwell_s:
         return Decision(state, False, wanted)
     return Decision(PolicyState(wanted, now), True, wanted)
+
+
+def follow(
+    plan: BatchPlan, trace: Iterable[tuple[float, int | None]], params: PolicyParams
+) -> list[int]:
+    """The step in force after each (time, batch) observation of a trace, from a fresh start:
+    what the governor would do to a recorded or synthetic load (a replay or a benchmark runs
+    this very rule)."""
+    state, steps = PolicyState(), []
+    for now, batch in trace:
+        state = decide(plan, state, batch, now, params).state
+        assert state.bucket is not None  # the first observation always sets a step
+        steps.append(state.bucket)
+    return steps
