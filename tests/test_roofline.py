@@ -212,10 +212,11 @@ def test_energy_window_spans_counter_updates(nvml) -> None:
     from dvfs.roofline.run import energy_window
 
     with open_nvml_gpus([0], nvml=nvml) as (gpu,):
-        joules, seconds = energy_window(gpu, lambda: time.sleep(0.002), lambda: None, 0.2)
-    assert seconds >= 0.2
-    # The fake's idle board draws 75 W; its counter moves on a 20 ms grid.
-    assert joules / seconds == pytest.approx(75.0, rel=0.1)
+        window = energy_window(gpu, lambda: time.sleep(0.002), lambda: None, 0.2, sync_every=5)
+    assert window.seconds >= 0.2
+    # The fake's idle board draws 75 W at 345 MHz; its counter moves on a 20 ms grid.
+    assert window.power_w == pytest.approx(75.0, rel=0.1)
+    assert window.sm_clock_mhz == 345
 
 
 def _start(env: dict[str, str], tmp_path: Path) -> subprocess.Popen:

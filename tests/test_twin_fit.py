@@ -57,8 +57,11 @@ def true_profile(**changes: float) -> GpuProfile:
     )
 
 
-def twin_roofline(profile: GpuProfile, clocks=CLOCKS, energy: bool = True):
-    """The roofline file the twin's physics would produce: each kernel's time and power."""
+def twin_roofline(
+    profile: GpuProfile, clocks=CLOCKS, energy: bool = True, gemm_cap_mhz: float = 1e9
+):
+    """The roofline file the twin's physics would produce: each kernel's time, power and clock
+    (GEMMs held to `gemm_cap_mhz`, as a power limit holds big GEMMs below their lock)."""
     spec = BenchSpec(
         device="cuda",
         dtype="bfloat16",
@@ -73,9 +76,10 @@ def twin_roofline(profile: GpuProfile, clocks=CLOCKS, energy: bool = True):
         for kernel in plan_kernels(spec):
             one = np.ones(1)
             passes = Passes(kernel.flops * one, kernel.bytes * one, 0 * one, 0 * one, 0 * one)
-            timing = physics.time_passes(profile, passes, f)
+            ran = min(f, gemm_cap_mhz) if kernel.kind == "gemm" else f
+            timing = physics.time_passes(profile, passes, ran)
             power = float(timing.power_w[0]) if energy else float("nan")
-            results.append(KernelResult(kernel, float(timing.duration_s[0]), power))
+            results.append(KernelResult(kernel, float(timing.duration_s[0]), power, ran))
         points.append(Point("stock" if i == 0 else str(f), i > 0, float(f), 700.0, tuple(results)))
     attrs = {"device": "cuda", "device_name": profile.nvml_name, "dtype": "bfloat16"}
     attrs.update(gpu_name=profile.nvml_name, hidden=4096, intermediate=14336)
@@ -96,6 +100,15 @@ def test_fit_recovers_the_twins_figures_and_ridge() -> None:
     assert fit.residuals["ridge_rel_max"] < 0.005
     # The ridge falls with the clock below the knee less than the FLOP/s do.
     assert ds["ridge_point"].values[0] > ds["ridge_point"].values[-1]
+
+
+def test_a_power_capped_gemm_is_fitted_at_the_clock_it_ran_at() -> None:
+    truth = true_profile()
+    fit = fit_roofline(twin_roofline(truth, gemm_cap_mhz=1500), H100)
+    assert fit.profile.gemm_efficiency == pytest.approx(0.72, rel=0.01)
+    assert fit.profile.tensor_power_w == pytest.approx(500, rel=0.01)
+    assert any("ran below its lock at 2 setting(s)" in n for n in fit.notes)
+    assert fit.gemm_efficiency_by_tokens["up"][-1] == pytest.approx(0.72, rel=0.01)
 
 
 def test_gemm_efficiency_by_tokens_rises_with_m() -> None:

@@ -55,9 +55,13 @@ class RooflineRequest:
 
 @dataclass(frozen=True)
 class KernelResult:
+    """One kernel at one setting; the SM clock seen while it ran (a power cap can pull it
+    below the lock), NaN where no GPU was read."""
+
     kernel: Kernel
     seconds: float
     power_w: float
+    sm_clock_mhz: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -78,32 +82,60 @@ class RooflineRun:
     notes: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Window:
+    """What the energy counter saw over one window: joules, seconds, and the SM clock."""
+
+    joules: float
+    seconds: float
+    sm_clock_mhz: float
+
+    @property
+    def power_w(self) -> float:
+        return self.joules / self.seconds if self.seconds > 0 else math.nan
+
+
 def energy_window(
     gpu: Gpu,
     launch: Callable[[], None],
     sync: Callable[[], None],
     window_s: float,
     *,
+    sync_every: int = 0,
     clock: Callable[[], float] = time.perf_counter,
-) -> tuple[float, float]:
-    """(joules, seconds) between two energy-counter updates at least `window_s` apart, with
-    `launch` keeping the GPU busy throughout."""
+) -> Window:
+    """The energy between two counter updates at least `window_s` apart, while `launch` keeps
+    the GPU busy throughout; `sync_every` launches the queue is drained, so the host never runs
+    seconds ahead of the GPU. The SM clock is read mid-window, under load."""
+    launches = 0
+
+    def step() -> None:
+        nonlocal launches
+        launch()
+        launches += 1
+        if sync_every and launches % sync_every == 0:
+            sync()
 
     def next_tick() -> tuple[int, float]:
         first = gpu.energy_mj()
         deadline = clock() + TICK_TIMEOUT_S
         while True:
-            launch()
+            step()
             reading, now = gpu.energy_mj(), clock()
             if reading != first or now > deadline:
                 return reading, now
 
     e0, t0 = next_tick()
+    sm_clock = math.nan
     while clock() - t0 < window_s:
-        launch()
+        step()
+        if math.isnan(sm_clock) and clock() - t0 >= window_s / 2:
+            sm_clock = float(gpu.sm_clock_mhz())
     e1, t1 = next_tick()
     sync()
-    return (e1 - e0) / 1000.0, t1 - t0
+    if math.isnan(sm_clock):
+        sm_clock = float(gpu.sm_clock_mhz())
+    return Window((e1 - e0) / 1000.0, t1 - t0, sm_clock)
 
 
 def check_clocks(gpu: Gpu, clocks: Sequence[int]) -> None:
@@ -146,19 +178,23 @@ def _measure(
     note: Callable[[str], None],
 ) -> tuple[list[KernelResult], float]:
     """Every kernel at the current setting; the SM clock seen while they ran (NaN unknown)."""
-    results, clocks = [], []
-    energy = gpu is not None and request.spec.on_cuda
+    results = []
     for p in prepared:
         seconds = time_per_call(p, request.spec, torch)
-        power = math.nan
-        if energy and gpu is not None:
-            joules, elapsed = energy_window(gpu, p.launch, p.sync, request.energy_window_s)
-            power = joules / elapsed if elapsed > 0 else math.nan
-        if gpu is not None:
-            clocks.append(gpu.sm_clock_mhz())
-        results.append(KernelResult(p.kernel, seconds, power))
-        note(f"  {p.kernel.name}: {seconds * 1e6:.1f} us per call")
-    return results, (max(clocks) if clocks else math.nan)
+        power = sm_clock = math.nan
+        if gpu is not None and request.spec.on_cuda:
+            # Drain the queue every ~50 ms of work: the window then ends with the work.
+            every = max(1, int(0.05 / max(seconds * p.calls_per_launch, 1e-9)))
+            window = energy_window(gpu, p.launch, p.sync, request.energy_window_s, sync_every=every)
+            power, sm_clock = window.power_w, window.sm_clock_mhz
+        elif gpu is not None:
+            sm_clock = float(gpu.sm_clock_mhz())
+        results.append(KernelResult(p.kernel, seconds, power, sm_clock))
+        watts = "" if math.isnan(power) else f", {power:.0f} W"
+        clock = "" if math.isnan(sm_clock) else f" at {sm_clock:.0f} MHz"
+        note(f"  {p.kernel.name}: {seconds * 1e6:.1f} us per call{watts}{clock}")
+    seen = [r.sm_clock_mhz for r in results if not math.isnan(r.sm_clock_mhz)]
+    return results, (max(seen) if seen else math.nan)
 
 
 def run_roofline(
@@ -210,10 +246,10 @@ def run_roofline(
         with guarded(gpu, request) as knobs:
             if spec.on_cuda:
                 try:
-                    idle_j, idle_s = energy_window(
+                    idle = energy_window(
                         gpu, lambda: time.sleep(0.002), lambda: None, request.energy_window_s
                     )
-                    attrs["idle_power_w"] = idle_j / idle_s
+                    attrs["idle_power_w"] = idle.power_w
                 except GpuError as exc:
                     raise GpuError(f"the energy counter cannot be read: {exc}") from exc
             for mhz in (None, *request.clocks_mhz):

@@ -37,6 +37,7 @@ def build_dataset(run: RooflineRun) -> xr.Dataset:
     kernels = [r.kernel for r in run.points[0].results]
     seconds = np.array([[r.seconds for r in p.results] for p in run.points], dtype=float)
     power = np.array([[r.power_w for r in p.results] for p in run.points], dtype=float)
+    seen = np.array([[r.sm_clock_mhz for r in p.results] for p in run.points], dtype=float)
     flops = np.array([k.flops for k in kernels])
     bytes_ = np.array([k.bytes for k in kernels])
     dims = ("setting", "kernel")
@@ -44,6 +45,11 @@ def build_dataset(run: RooflineRun) -> xr.Dataset:
         {
             "seconds": (dims, seconds, {"units": "s", "long_name": "time per call"}),
             "power_w": (dims, power, {"units": "W", "long_name": "board power while running"}),
+            "observed_sm_clock_mhz": (
+                dims,
+                seen,
+                {"units": "MHz", "long_name": "SM clock read while the kernel ran"},
+            ),
             "flops": ("kernel", flops, {"units": "FLOP", "long_name": "FLOPs per call"}),
             "bytes": ("kernel", bytes_, {"units": "byte", "long_name": "minimum bytes per call"}),
             "sm_clock_mhz": (
@@ -115,7 +121,8 @@ def derive(ds: xr.Dataset) -> xr.Dataset:
 
 def write(ds: xr.Dataset, path: Path) -> Path:
     """The netCDF file (measured variables only: the rest is derived again on reading)."""
-    keep = ["seconds", "power_w", "flops", "bytes", "sm_clock_mhz", "locked", "power_limit_w"]
+    keep = ["seconds", "power_w", "observed_sm_clock_mhz", "flops", "bytes", "sm_clock_mhz"]
+    keep += ["locked", "power_limit_w"]
     ds[keep].to_netcdf(path)
     return path
 
@@ -185,6 +192,7 @@ def document(ds: xr.Dataset) -> dict[str, Any]:
                         "bytes_s": _number(at["bytes_s"].sel(kernel=kernel)),
                         "gemm_efficiency": _number(at["gemm_efficiency"].sel(kernel=kernel)),
                         "power_w": _number(at["power_w"].sel(kernel=kernel)),
+                        "sm_clock_mhz": _number(at["observed_sm_clock_mhz"].sel(kernel=kernel)),
                         "energy_j": _number(at["energy_j"].sel(kernel=kernel)),
                     }
                     for kernel in ds["kernel"].values

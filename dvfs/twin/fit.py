@@ -74,6 +74,16 @@ def _clocks(ds: xr.Dataset, base: GpuProfile, notes: list[str]) -> np.ndarray:
     return clocks
 
 
+def _seen_clocks(ds: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
+    """Per (setting, kernel), the SM clock read while the kernel ran, else the setting's:
+    a power cap pulls a big GEMM below its lock, and its FLOP/s follow the clock it ran at."""
+    grid = np.broadcast_to(clocks[:, None], (len(clocks), ds.sizes["kernel"]))
+    if "observed_sm_clock_mhz" not in ds:
+        return grid
+    seen = ds["observed_sm_clock_mhz"].transpose("setting", "kernel").values.astype(float)
+    return np.where(np.isfinite(seen), seen, grid)
+
+
 def _bandwidth(
     base: GpuProfile, clocks: np.ndarray, measured: np.ndarray
 ) -> tuple[float, float, float]:
@@ -97,7 +107,7 @@ def _bandwidth(
 
 
 def _power(
-    ds: xr.Dataset, base: GpuProfile, clocks: np.ndarray, gemm_eff: float
+    ds: xr.Dataset, base: GpuProfile, seen: np.ndarray, gemm_eff: float
 ) -> tuple[dict[str, float], float] | None:
     """Power coefficients by non-negative least squares, or None without energy."""
     from scipy.optimize import nnls
@@ -107,8 +117,8 @@ def _power(
     idle = float(ds.attrs.get("idle_power_w", math.nan))
     if not np.isfinite(power).any() or not math.isfinite(idle):
         return None
-    scale = np.asarray(physics.dynamic_scale(base, clocks))[:, None] * np.ones_like(power)
-    peak = datasheet_flops(base, clocks)[:, None] * gemm_eff
+    scale = np.asarray(physics.dynamic_scale(base, seen))
+    peak = datasheet_flops(base, seen) * gemm_eff
     tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
     memory_util = ds["bytes_s"].transpose(*dims).values / (base.hbm_bandwidth_gb_s * 1e9)
     ok = np.isfinite(power)
@@ -129,7 +139,16 @@ def fit_roofline(
     bandwidth = ds["bandwidth_bytes_s"].values.astype(float)
     if not (np.isfinite(peak).all() and np.isfinite(bandwidth).all()) or (peak <= 0).any():
         raise FitError(f"{source or 'the roofline'} has no positive FLOP/s or bandwidth to fit")
-    d = datasheet_flops(base, clocks)
+    seen = _seen_clocks(ds, clocks)
+    best = ds["flop_s"].where(ds["kind"] == "gemm").fillna(-1.0).argmax("kernel").values
+    compute_clocks = seen[np.arange(len(clocks)), best]
+    capped = compute_clocks < clocks - 1
+    if capped.any():
+        notes.append(
+            f"the best GEMM ran below its lock at {int(capped.sum())} setting(s) (power "
+            "limit): its FLOP/s are fitted at the clock it ran at"
+        )
+    d = datasheet_flops(base, compute_clocks)
     gemm_eff = float(np.sum(peak * d) / np.sum(d * d))
     hbm_eff, knee, bw_rms = _bandwidth(base, clocks, bandwidth)
     changes: dict[str, Any] = {
@@ -143,7 +162,7 @@ def fit_roofline(
     }
     if len(np.unique(clocks)) < 2:
         notes.append(f"one clock measured: bandwidth knee kept from {base.key} ({knee:g} MHz)")
-    power = _power(ds, base, clocks, gemm_eff)
+    power = _power(ds, base, seen, gemm_eff)
     if power is None:
         notes.append(f"no energy in the roofline: power coefficients kept from {base.key}")
     else:
@@ -156,27 +175,26 @@ def fit_roofline(
     ridge = np.array([achievable_ridge_point(profile, f) for f in clocks])
     measured_ridge = ds["ridge_point"].values.astype(float)
     residuals["ridge_rel_max"] = float(np.max(np.abs(ridge / measured_ridge - 1.0)))
-    tokens, by_shape = _gemm_curve(ds, base, clocks)
+    tokens, by_shape = _gemm_curve(ds, base, clocks, seen)
     return RooflineFit(
         profile, base.key, source, tuple(changes), residuals, tokens, by_shape, tuple(notes)
     )
 
 
 def _gemm_curve(
-    ds: xr.Dataset, base: GpuProfile, clocks: np.ndarray
+    ds: xr.Dataset, base: GpuProfile, clocks: np.ndarray, seen: np.ndarray
 ) -> tuple[tuple[int, ...], dict[str, tuple[float, ...]]]:
-    """GEMM efficiency against the datasheet by token count M, per shape, at the top clock."""
+    """GEMM efficiency against the datasheet (at the clock each GEMM ran at) by token count M,
+    per shape, at the top setting."""
     top = int(np.argmax(clocks))
     at = ds.isel(setting=top)
     gemm = at["kind"].values == "gemm"
     names = [str(n) for n in at["kernel"].values[gemm]]
     shapes = sorted({n.split("-")[1] for n in names})
     tokens = tuple(sorted({int(m) for m in at["m"].values[gemm]}))
-    peak = float(datasheet_flops(base, clocks[top]))
-    rate = dict(zip(names, at["flop_s"].values[gemm], strict=True))
-    curve = {
-        s: tuple(float(rate.get(f"gemm-{s}-m{m}", math.nan)) / peak for m in tokens) for s in shapes
-    }
+    peaks = datasheet_flops(base, seen[top][gemm])
+    rate = dict(zip(names, at["flop_s"].values[gemm] / peaks, strict=True))
+    curve = {s: tuple(float(rate.get(f"gemm-{s}-m{m}", math.nan)) for m in tokens) for s in shapes}
     return tokens, curve
 
 
