@@ -89,7 +89,10 @@ class SyncPolicy:
         """How the session record states it."""
         if not self.grouped:
             return "fsync after every record"
-        return f"fsync at most every {self.group_s:g} s of wall time and on exit"
+        return (
+            f"cells fsynced in groups, at the first cell {self.group_s:g} s of wall time or "
+            "more after the last fsync; other records and the journal's close at once"
+        )
 
 
 class Journal:
@@ -206,7 +209,8 @@ class Journal:
         except OSError as exc:
             # A line half written stays the torn last line, which the next open drops.
             raise JournalError(describe_os_error(exc, "write the journal")) from exc
-        self._note(json.loads(line))
+        # A cell is noted by its key and status; the rare others as stored (JSON types).
+        self._note(record if record.get("type") == "cell" else json.loads(line))
 
     def sync(self) -> None:
         """Force what was written to disk (nothing to do when nothing was)."""
