@@ -56,15 +56,29 @@ def build_document(
         _headroom_section(room, options),
         _compare_section(comparison, compare_notes),
         findings_section(room, comparison, [_figure(n, d) for n, d in figures]),
-        _caps_section(room, options),
+        _caps_section(room, options, gpu_names(cube)),
     )
-    gpu = room["gpu"]["name"] or "unknown GPU"
+    gpu = ", ".join(gpu_names(cube).values()) or room["gpu"]["name"] or "unknown GPU"
     return Document(
         title=f"DVFS report: {room['campaign'] or 'campaign'} on {gpu}",
         subtitle=f"{room['model'] or 'unknown model'}; target {room['target']['description']}; "
         f"generated {generated}",
         sections=sections,
     )
+
+
+def gpu_names(cube: xr.Dataset) -> dict[str, str]:
+    """A merged cube's GPUs, label (UUID) -> model name; {} for a one-GPU cube."""
+    import json
+
+    if "gpu" not in cube.dims:
+        return {}
+    labels = [str(g) for g in cube["gpu"].values]
+    try:
+        names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names", "[]")))]
+    except ValueError:
+        names = []
+    return dict(zip(labels, names if len(names) == len(labels) else labels, strict=True))
 
 
 def _figure(name: str, data: bytes) -> Figure:
@@ -217,31 +231,54 @@ def target_flags(options: ReportOptions) -> str:
     return " ".join(flags)
 
 
-def _caps_section(room: dict[str, Any], options: ReportOptions) -> Section:
-    """`dvfs cap plan` for every (batch, drafter), safe on every corpus (worst case)."""
+def per_gpu_documents(room: dict[str, Any], names: dict[str, str]) -> list[dict[str, Any]]:
+    """A merged headroom document as one document per GPU, each with its own name and stock
+    setting: what `dvfs cap plan` would be given for that GPU's own cube."""
+    if not names:
+        return [room]
+    per_gpu = room["reference"].get("per_gpu") or {}
+    return [
+        {
+            **room,
+            "gpu": {**room["gpu"], "name": name, "uuids": [label]},
+            "reference": per_gpu.get(label, room["reference"]),
+            "rows": [r for r in room["rows"] if r.get("gpu") == label],
+        }
+        for label, name in names.items()
+    ]
+
+
+def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str, ...]]:
     from dvfs.caps.planning import plan_caps
     from dvfs.errors import CapsError
 
+    group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
+    lead = (str(batch), drafter)
+    label = room["gpu"]["uuids"][0][:16] if len(room["gpu"]["uuids"]) == 1 else "-"
+    infeasible = sorted({r["corpus"] for r in group if not r["feasible"]})
+    if infeasible:
+        why = f"no cap: nothing meets the target on {', '.join(infeasible)}"
+        return [(*lead, label, "stock", "stock", why)]
+    try:
+        caps = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case").caps
+    except CapsError as exc:
+        why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
+        return [(*lead, label, "stock", "stock", why)]
+    rows = []
+    for cap in caps:
+        clock = "stock" if cap.sm_clock_max_mhz is None else f"{cap.sm_clock_max_mhz} MHz"
+        limit = "stock" if cap.power_limit_w is None else f"{cap.power_limit_w:g} W"
+        who = cap.uuid[:16] if cap.uuid else f"every {cap.name}"
+        rows.append((*lead, who, clock, limit, "cap"))
+    return rows
+
+
+def _caps_section(room: dict[str, Any], options: ReportOptions, names: dict[str, str]) -> Section:
+    """`dvfs cap plan` for every (batch, drafter) and GPU, safe on every corpus (worst case)."""
     rows: list[tuple[str, ...]] = []
-    pairs = dict.fromkeys((r["batch"], r["drafter"]) for r in room["rows"])
-    for batch, drafter in pairs:
-        group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
-        infeasible = sorted({r["corpus"] for r in group if not r["feasible"]})
-        if infeasible:
-            why = f"no cap: nothing meets the target on {', '.join(infeasible)}"
-            rows.append((str(batch), drafter, "-", "stock", "stock", why))
-            continue
-        try:
-            caps = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case").caps
-        except CapsError as exc:
-            why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
-            rows.append((str(batch), drafter, "-", "stock", "stock", why))
-            continue
-        for cap in caps:
-            clock = "stock" if cap.sm_clock_max_mhz is None else f"{cap.sm_clock_max_mhz} MHz"
-            limit = "stock" if cap.power_limit_w is None else f"{cap.power_limit_w:g} W"
-            who = cap.uuid[:16] if cap.uuid else f"every {cap.name}"
-            rows.append((str(batch), drafter, who, clock, limit, "cap"))
+    for one in per_gpu_documents(room, names):
+        for batch, drafter in dict.fromkeys((r["batch"], r["drafter"]) for r in one["rows"]):
+            rows += _cap_rows(one, batch, drafter)
     command = (
         f"dvfs headroom CUBE {target_flags(options)} --json -o headroom.json\n"
         "dvfs cap plan headroom.json --batch B --drafter D -o caps.toml"

@@ -45,6 +45,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
     idle = info["idle_power_w"]
+    sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_text(a.get('campaign_hash'))})"),
         ("GPU", info["gpu"]),
@@ -60,13 +61,14 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Repeats", str(info["dims"].get("repeat", 1))),
         ("Reference (stock)", info["stock"]),
         ("Idle power", MISSING if idle != idle else f"{idle:g} W"),
-        ("Cube built", f"{_text(info['created'])} from {_text(a.get('sessions'))} session(s)"),
+        ("Cube built", _text(info["created"]) + sessions),
         ("History", _text(a.get("history"))),
         ("dvfs version", _text(a.get("dvfs_version"))),
         ("Measurement method", _text(a.get("measurement_method"))),
         ("Token counts", _text(a.get("token_count_method"))),
     ]
     blocks: list[Any] = [Facts(tuple(pairs))]
+    blocks += _merged_from(a)
     blocks += _server_args(a)
     blocks += _corpora(a)
     blocks += _quality(info)
@@ -89,6 +91,21 @@ def _server_args(attrs: dict[Any, Any]) -> list[Table]:
         engine = f"{_text(entry.get('engine'))} {_text(entry.get('version'))}"
         rows.append((str(drafter), engine, text or MISSING))
     return [Table("Resolved server arguments", ("drafter", "engine", "arguments"), tuple(rows))]
+
+
+def _merged_from(attrs: dict[Any, Any]) -> list[Table]:
+    """A merged cube's sources: each GPU's campaign, driver, engine and date."""
+    sources = _json_attr(attrs, "merged_from")
+    if not isinstance(sources, dict) or not sources:
+        return []
+    keys = ("gpu_name", "campaign_name", "campaign_hash", "driver_version", "engine_version")
+    rows = tuple(
+        (str(label), *(_text(s.get(k)) for k in keys), _text(s.get("created")))
+        for label, s in sources.items()
+        if isinstance(s, dict)
+    )
+    header = ("GPU", "model", "campaign", "hash", "driver", "engine", "measured")
+    return [Table("Merged from", header, rows)]
 
 
 def _corpora(attrs: dict[Any, Any]) -> list[Table]:

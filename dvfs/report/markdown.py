@@ -26,14 +26,14 @@ _SPECIAL = re.compile(r"([\\`*_{}\[\]<>|~])")
 #: An `&` that would start an entity reference (`&lt;`): written as `&amp;` to stay literal.
 _ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 #: What starts a heading, list, rule or setext underline at the start of a line.
-_LINE_START = re.compile(r"^([#+=-]|\d+(?=[.)]))")
+_LINE_START = re.compile(r"^(#{1,6}(?=\s|$)|[-+](?=\s|$)|[-=]+\s*$|\d{1,9}(?=[.)](?:\s|$)))")
 
 
 def md_escape(text: str) -> str:
     """Inline text on one line with Markdown's markup characters made literal."""
     flat = _ENTITY.sub("&amp;", " ".join(text.split()))
     escaped = _SPECIAL.sub(r"\\\1", flat)
-    return _LINE_START.sub(lambda m: m[0] + "\\" if m[0][0].isdigit() else "\\" + m[0], escaped)
+    return _LINE_START.sub(lambda m: m[0] + "\\" if m[0][0].isdigit() else "\\" + m[0], escaped, 1)
 
 
 def _table(table: Table) -> list[str]:
