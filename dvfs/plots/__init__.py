@@ -6,12 +6,13 @@ draws every figure and saves it. Energy is in J per token, as in `dvfs headroom`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target
-from dvfs.plots.curves import draw_energy_vs_clock, draw_pareto
+from dvfs.plots.curves import corpus_panels, draw_energy_vs_clock, draw_pareto
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
 from dvfs.plots.style import save
@@ -25,6 +26,7 @@ FORMATS = ("png", "pdf", "svg")
 
 __all__ = [
     "FORMATS",
+    "corpus_panels",
     "draw_acceptance",
     "draw_energy_vs_clock",
     "draw_headroom",
@@ -36,18 +38,27 @@ __all__ = [
 ]
 
 
-def figures(cube: xr.Dataset, target: Target) -> list[tuple[str, Figure]]:
-    """Every figure for a single-GPU cube, with its file name (no extension)."""
+def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
+    """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
+
+    The per-corpus figures of a kind are one Figure drawn again for each corpus: save (or
+    inspect) each figure before asking for the next.
+    """
     chosen = headroom(cube, target=target)
     corpora = [str(c) for c in cube["corpus"].values]
-    named: list[tuple[str, Figure | None]] = [
-        *((f"energy_vs_clock_{c}", draw_energy_vs_clock(cube, c)) for c in corpora),
-        *((f"pareto_{c}", draw_pareto(cube, chosen, target, c)) for c in corpora),
+    curves = corpus_panels(cube, title_lines=1)
+    for corpus in corpora:
+        yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
+    fronts = corpus_panels(cube, title_lines=2)
+    for corpus in corpora:
+        yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
+    for name, fig in (
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
         ("timelines", draw_timelines(cube, chosen)),
-    ]
-    return [(name, fig) for name, fig in named if fig is not None]
+    ):
+        if fig is not None:
+            yield name, fig
 
 
 def plot_all(

@@ -16,6 +16,7 @@ from dvfs.plots.style import (
     Margins,
     Panels,
     chosen_handle,
+    clear_panels,
     color_handles,
     drafter_colors,
     grid_shape,
@@ -42,12 +43,23 @@ PANEL_H_IN = 3.0
 DIMS = ("batch", "drafter", "power_limit", "sm_clock")
 
 
-def _panels(batches: int, legend_labels: list[str], title_lines: int) -> Panels:
-    """A panel per batch; the legend goes in the free slot, else in a column sized for it."""
+CHOSEN_LABEL = "chosen: least energy meeting the target"
+
+
+@styled
+def corpus_panels(cube: xr.Dataset, title_lines: int) -> Panels:
+    """Empty panels for the per-corpus figures of `cube`, a panel per batch: pass them to
+    every corpus's draw call (making axes costs more than drawing into them). The legend goes
+    in the free grid slot, else in a side column sized for its longest label."""
+    ref = reference_setting(cube)
+    batches = int(cube.sizes["batch"])
+    labels = [str(d) for d in cube["drafter"].values]
+    labels += [s.label for s in limit_styles(cube["power_limit"].values, ref.power_limit).values()]
+    labels += [stock_label(ref.sm_clock, ref.power_limit, ref.is_stock), CHOSEN_LABEL]
     rows, cols = grid_shape(batches)
     side = 0.0
     if batches == rows * cols:
-        side = max(text_width_in(label, 9) for label in legend_labels) + 0.7
+        side = max(text_width_in(label, 9) for label in labels) + 0.7
     top = 0.45 + 0.25 * title_lines
     return panel_figure(batches, PANEL_W_IN, PANEL_H_IN, Margins(top=top, side=side))
 
@@ -58,14 +70,16 @@ def _tidy(ax: Axes, xlabel: str) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
     ax.yaxis.set_major_locator(MaxNLocator(6, steps=[1, 2, 2.5, 5, 10]))
+    ax.relim()  # a reused panel still holds the previous corpus's data limits
+    ax.autoscale_view()
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ENERGY_LABEL)
 
 
 @styled
-def draw_energy_vs_clock(cube: xr.Dataset, corpus: str) -> Figure:
+def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = None) -> Figure:
     """Energy per token (J) against the SM clock lock: one line per drafter and power limit,
-    the stock setting ringed."""
+    the stock setting ringed. `panels` (from corpus_panels) are emptied and drawn into."""
     ref = reference_setting(cube)
     clocks = np.asarray(cube["sm_clock"].values, dtype=float)
     batches = [int(b) for b in cube["batch"].values]
@@ -81,7 +95,7 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str) -> Figure:
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
     ]
 
-    panels = _panels(len(batches), [h.get_label() for h in handles], 1)
+    panels = clear_panels(panels) if panels else corpus_panels(cube, 1)
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         for d, drafter in enumerate(drafters):
             for p, limit in enumerate(limits):
@@ -111,9 +125,16 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str) -> Figure:
 
 
 @styled
-def draw_pareto(cube: xr.Dataset, chosen: xr.Dataset, target: Target, corpus: str) -> Figure:
+def draw_pareto(
+    cube: xr.Dataset,
+    chosen: xr.Dataset,
+    target: Target,
+    corpus: str,
+    panels: Panels | None = None,
+) -> Figure:
     """Energy against latency for every clock and power limit; the Pareto front per drafter,
-    the stock setting ringed, the headroom choice starred."""
+    the stock setting ringed, the headroom choice starred. `panels` as in
+    draw_energy_vs_clock."""
     ref = reference_setting(cube)
     batches = [int(b) for b in cube["batch"].values]
     drafters = [str(d) for d in cube["drafter"].values]
@@ -133,10 +154,10 @@ def draw_pareto(cube: xr.Dataset, chosen: xr.Dataset, target: Target, corpus: st
         *color_handles(colors),
         *limit_handles(styles, lines=False),
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
-        chosen_handle("chosen: least energy meeting the target"),
+        chosen_handle(CHOSEN_LABEL),
     ]
 
-    panels = _panels(len(batches), [h.get_label() for h in handles], 2)
+    panels = clear_panels(panels) if panels else corpus_panels(cube, 2)
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         colour = [c for c in drafter_rgb for _ in clocks]
         for p in sorted(range(len(limits)), key=lambda i: limits[i] == ref.power_limit):

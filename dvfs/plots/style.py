@@ -146,6 +146,17 @@ def panel_figure(
     return Panels(fig, slots[:panels], spare, side_x)
 
 
+def clear_panels(panels: Panels) -> Panels:
+    """The same panels emptied of data and legends, ready to draw the next corpus into."""
+    for ax in panels.axes:
+        for artist in [*ax.lines, *ax.collections, *ax.patches, *ax.texts, *ax.images]:
+            artist.remove()
+    if panels.spare is not None and (legend := panels.spare.get_legend()) is not None:
+        legend.remove()
+    panels.fig.legends.clear()
+    return panels
+
+
 def suptitle(fig: Figure, text: str) -> None:
     """A title 0.1 in below the top edge (Figure.suptitle's default sits by figure fraction)."""
     fig.suptitle(text, y=1.0 - 0.1 / fig.get_figheight(), va="top")
@@ -171,8 +182,10 @@ def place_legend(panels: Panels, handles: Sequence[Any]) -> Legend:
 
 
 def save(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+    """Write `fig`; PNGs at zlib level 3 (a third faster than the default 6, ~10% larger)."""
     path = out_dir / f"{name}.{fmt}"
-    fig.savefig(path, dpi=DPI)
+    extra: dict[str, Any] = {"pil_kwargs": {"compress_level": 3}} if fmt == "png" else {}
+    fig.savefig(path, dpi=DPI, **extra)
     return path
 
 
