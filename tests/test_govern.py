@@ -263,7 +263,7 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
 
     load = [0, 0, 3, 3, 3, 3, 10, 10, 10, 2, 2, 2, 2, 0, 0, 0, 70, 1, 1, 1, 1]
     script = iter(load)
-    time, lines = VirtualTime(), []
+    time, lines, live = VirtualTime(), [], LiveMetrics()
     with open_gpus([0]) as gpus:
         check_plan_against(PLAN, gpus, where="p", allow_simulated=False)
         changes = govern(
@@ -272,7 +272,7 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
             lambda: ServerSample(next(script), None, None),
             PolicyParams(dwell_s=2.0, hysteresis=0.25),
             Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
+            live=live,
             note=lines.append,
             state_dir=tmp_path / "state",
         )
@@ -288,6 +288,9 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
         assert changes == 7 and all("set running batch" in line for line in lines)
         at = [float(line.split("(at ")[1].split(" s)")[0]) for line in lines]
         assert at == [0, 2, 6, 9, 13, 16, 18]
+        last = live.latest()  # what the exporter shows after the last interval
+        assert (last.governed, last.changes, last.plan_batch) == (True, 7, 4)
+        assert last.gpus[0].lock_max_mhz == 1500 and last.server_up and last.running == 1
         assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")  # restored at the end
         state = nvml.fake_device_state(0)
         assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000

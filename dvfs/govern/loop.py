@@ -27,7 +27,7 @@ from dvfs.govern.metrics import (
     read_gpu,
     server_energy_per_token,
 )
-from dvfs.govern.plan import BatchPlan, Setting
+from dvfs.govern.plan import BatchPlan
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import GpuSettings, KnobController, KnobSetting
@@ -106,9 +106,8 @@ class Watch:
         self.last_error = None
         return sample
 
-    def snapshot(
-        self, sample: ServerSample | None, locks: dict[str, int | None], **governor: object
-    ) -> Snapshot:
+    def snapshot(self, sample: ServerSample | None, locks: dict[str, int | None]) -> Snapshot:
+        """This interval's numbers; energy per token over the interval since the last call."""
         readings = tuple(read_gpu(g) for g in self.gpus)
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
@@ -132,7 +131,6 @@ class Watch:
             generated_tokens=tokens,
             accept_length=None if sample is None else sample.accept_length,
             energy_per_token_j=server_ept,
-            **governor,  # type: ignore[arg-type]
         )
 
 
@@ -231,25 +229,29 @@ def govern(
                     note(f"set {line}")
                 changes += 1
             state = decision.state
+            snapshot = watch.snapshot(sample, _locks(gpus, plan, state, knobs))
             live.publish(
-                watch.snapshot(
-                    sample,
-                    _locks(gpus, plan, state, dry_run=knobs is None),
-                    governed=True,
-                    changes=changes,
-                    plan_batch=_plan_batch(plan, state),
+                replace(
+                    snapshot, governed=True, changes=changes, plan_batch=_plan_batch(plan, state)
                 )
             )
     return changes
 
 
 def _locks(
-    gpus: Sequence[Gpu], plan: BatchPlan, state: PolicyState, *, dry_run: bool
+    gpus: Sequence[Gpu], plan: BatchPlan, state: PolicyState, knobs: KnobController | None
 ) -> dict[str, int | None]:
-    if dry_run or state.bucket is None:
+    """The top of each GPU's clock lock as the controller applied it (a lock from `dvfs cap
+    apply` included: a step at stock clock keeps it); none in a dry run."""
+    if knobs is None or state.bucket is None:
         return {}
-    setting: Setting = plan.setting(state.bucket)
-    return {g.identity.uuid: setting.sm_clock_mhz for g in gpus}
+    setting = plan.setting(state.bucket)
+    wanted = KnobSetting(setting.sm_clock_mhz, setting.power_limit_w)
+    locks: dict[str, int | None] = {}
+    for gpu in gpus:
+        lock = knobs.target(gpu, wanted).sm_clock_lock_mhz
+        locks[gpu.identity.uuid] = None if lock is None else lock[1]
+    return locks
 
 
 def _plan_batch(plan: BatchPlan, state: PolicyState) -> int:
