@@ -207,6 +207,13 @@ def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.C
     )
 
 
+def _default_dispositions() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a foreground shell gives them, whatever
+    this test process inherited."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start_sweep(campaign: Path, out: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
@@ -214,6 +221,7 @@ def _start_sweep(campaign: Path, out: Path, env: dict[str, str]) -> subprocess.P
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_dispositions,
     )
 
 
