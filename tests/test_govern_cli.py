@@ -377,3 +377,16 @@ def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path
     (tmp_path / "plain").mkdir()
     with launch_stub(tmp_path / "plain") as plain:
         assert scrape(plain, 10).accept_length is None  # no drafter, no accept length
+
+
+def test_without_permission_the_governor_exits_4_and_leaves_nothing(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    proc, log = start_governor(
+        tmp_path, {**env, "DVFS_FAKE_NVML_ROOT": "0"}, stub, "--max-intervals", "50"
+    )
+    assert proc.wait(timeout=STUCK_S) == 4, log.read_text()
+    errors = lines(log, "Error:")
+    assert len(errors) == 1 and "permission" in errors[0].lower(), log.read_text()
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
