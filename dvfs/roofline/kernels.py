@@ -113,12 +113,14 @@ def plan_kernels(spec: BenchSpec) -> list[Kernel]:
 @dataclass
 class Prepared:
     """A kernel ready to run: `launch()` issues `calls_per_launch` calls (one graph replay on
-    CUDA); `sync()` waits for them."""
+    CUDA); `sync()` waits for them. `operation` keeps the tensors a captured graph reads and
+    writes alive: freed, their memory would be reused under the graph."""
 
     kernel: Kernel
     launch: Callable[[], None]
     sync: Callable[[], None]
     calls_per_launch: int
+    operation: Callable[[], None] | None = None
 
 
 def _operation(kernel: Kernel, spec: BenchSpec, torch: Any) -> Callable[[], None]:
@@ -150,7 +152,7 @@ def prepare(kernel: Kernel, spec: BenchSpec, torch: Any) -> Prepared:
     for _ in range(spec.warmup):
         op()
     if not spec.on_cuda:
-        return Prepared(kernel, op, lambda: None, 1)
+        return Prepared(kernel, op, lambda: None, 1, op)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -172,7 +174,7 @@ def prepare(kernel: Kernel, spec: BenchSpec, torch: Any) -> Prepared:
             op()
     graph.replay()
     torch.cuda.synchronize()
-    return Prepared(kernel, graph.replay, torch.cuda.synchronize, calls)
+    return Prepared(kernel, graph.replay, torch.cuda.synchronize, calls, op)
 
 
 def time_per_call(prepared: Prepared, spec: BenchSpec, torch: Any) -> float:
@@ -208,7 +210,10 @@ def device_name(spec: BenchSpec, torch: Any) -> str:
         return str(torch.cuda.get_device_name(torch.device(spec.device)))
     import platform
 
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return (
+        f"CPU ({platform.processor() or platform.machine()}, {threads} thread{'s' * (threads > 1)})"
+    )
 
 
 def check_device(spec: BenchSpec, torch: Any) -> None:

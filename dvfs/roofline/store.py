@@ -105,6 +105,13 @@ def derive(ds: xr.Dataset) -> xr.Dataset:
         .where(gemm)
         .assign_attrs(units="1", long_name="GEMM FLOP/s relative to the best GEMM at this setting")
     )
+    for name, kernel in (("peak_power_w", peak_kernel), ("bandwidth_power_w", bw_kernel)):
+        out[name] = (
+            ds["power_w"]
+            .isel(kernel=kernel)
+            .drop_vars(["kernel", "kind", "m", "n", "k"])
+            .assign_attrs(units="W", long_name="power while the best kernel ran")
+        )
     energy = out["energy_j"]
     out["j_per_flop"] = (
         (energy.isel(kernel=peak_kernel) / ds["flops"].isel(kernel=peak_kernel))
@@ -178,6 +185,8 @@ def document(ds: xr.Dataset) -> dict[str, Any]:
                 "peak_flop_s": _number(at["peak_flop_s"]),
                 "bandwidth_bytes_s": _number(at["bandwidth_bytes_s"]),
                 "ridge_point": _number(at["ridge_point"]),
+                "peak_power_w": _number(at["peak_power_w"]),
+                "bandwidth_power_w": _number(at["bandwidth_power_w"]),
                 "j_per_flop": _number(at["j_per_flop"]),
                 "j_per_byte": _number(at["j_per_byte"]),
                 "kernels": [
@@ -213,7 +222,8 @@ def _si(value: float | None, unit: str) -> str:
 
 def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """One row per setting: clock, peak FLOP/s, bandwidth, ridge, power and J per FLOP/byte."""
-    header = ["setting", "SM clock", "peak", "bandwidth", "ridge", "pJ/FLOP", "pJ/byte"]
+    header = ["setting", "SM clock", "peak", "bandwidth", "ridge", "GEMM W", "bandwidth W"]
+    header += ["pJ/FLOP", "pJ/byte"]
     rows = []
     for s in doc["settings"]:
         clock = s["sm_clock_mhz"]
@@ -224,6 +234,8 @@ def summary_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _si(s["peak_flop_s"], "FLOP/s"),
                 _si(s["bandwidth_bytes_s"], "B/s"),
                 "n/a" if s["ridge_point"] is None else f"{s['ridge_point']:.1f} FLOP/B",
+                "NaN" if s["peak_power_w"] is None else f"{s['peak_power_w']:.0f}",
+                "NaN" if s["bandwidth_power_w"] is None else f"{s['bandwidth_power_w']:.0f}",
                 "NaN" if s["j_per_flop"] is None else f"{s['j_per_flop'] * 1e12:.3g}",
                 "NaN" if s["j_per_byte"] is None else f"{s['j_per_byte'] * 1e12:.3g}",
             ]
