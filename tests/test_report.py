@@ -311,6 +311,40 @@ def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     assert not math.isnan(float(doc.sections[1].blocks[2].rows[0][5]))  # type: ignore[union-attr]
 
 
+def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
+    """Latency holds down to 1500 MHz on both GPUs; the H100's stock is 2000 MHz (cap it at
+    1500), the H200's is 1500 MHz (nothing to cap). Twin GPUs are capped by model name."""
+    from dvfs.cube import merge_cubes
+
+    cubes = []
+    for i, (name, stock) in enumerate([("NVIDIA H100 (twin)", 2000), ("NVIDIA H200 (twin)", 1500)]):
+        cube = make_cube(
+            clocks=[1000, 1500, 2000],
+            repeats=2,
+            latency=lambda c, *a: 10.0 if c >= 1500 else 20.0,
+            energy=lambda c, *a: c / 1000 + 0.01 * a[-1],
+            stock_clock=stock,
+        )
+        cube.attrs.update(
+            gpu_name=name, gpu_uuids=f"GPU-{i}", gpu_backend="twin", campaign='{"name": "x"}'
+        )
+        cubes.append(cube)
+    doc = build_document(merge_cubes(cubes), ReportOptions(Target("preserve")), [], generated="")
+    assert doc.title.endswith("on NVIDIA H100 (twin), NVIDIA H200 (twin)")
+    caps = doc.sections[-1].blocks[1]
+    assert isinstance(caps, Table)
+    assert caps.rows == (
+        ("1", "none", "every NVIDIA H100 (twin)", "1500 MHz", "stock", "cap"),
+        ("1", "none", "GPU-1", "stock", "stock", "stock: nothing to cap"),
+    )
+    merged_from = doc.sections[0].blocks[1]
+    assert isinstance(merged_from, Table) and merged_from.title == "Merged from"
+    assert [r[:2] for r in merged_from.rows] == [
+        ("GPU-0", "NVIDIA H100 (twin)"),
+        ("GPU-1", "NVIDIA H200 (twin)"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("args", "code", "expected"),
     [

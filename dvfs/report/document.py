@@ -264,7 +264,7 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
     except CapsError as exc:
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
         return [(*lead, label, "stock", "stock", why)]
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for cap in caps:
         clock = "stock" if cap.sm_clock_max_mhz is None else f"{cap.sm_clock_max_mhz} MHz"
         limit = "stock" if cap.power_limit_w is None else f"{cap.power_limit_w:g} W"
