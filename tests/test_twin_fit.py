@@ -180,8 +180,12 @@ def test_cli_fit_of_a_cube_says_it_is_not_built_yet(tmp_path: Path) -> None:
     make_cube(clocks=[1980, 1500]).to_netcdf(cube)
     result = CliRunner().invoke(cli, ["twin", "fit", str(cube), "-o", str(tmp_path / "p.toml")])
     assert result.exit_code == 2
-    assert "sweep cube is not built yet" in result.output
+    assert "is a sweep cube; fitting the twin to a cube is not built yet" in result.output
     assert not (tmp_path / "p.toml").exists()
+    garbage = tmp_path / "garbage.nc"
+    garbage.write_text("not netCDF")
+    result = CliRunner().invoke(cli, ["twin", "fit", str(garbage), "-o", str(tmp_path / "p.toml")])
+    assert result.exit_code == 2 and "neither a roofline file" in result.output
 
 
 def test_compare_uses_a_measured_ridge_file(small_sweep: Path, tmp_path: Path) -> None:

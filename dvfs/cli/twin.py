@@ -40,16 +40,19 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None) -> Non
     memory efficiencies (with GEMM efficiency by token count), the bandwidth knee and the power
     coefficients; writes a profile TOML and prints how well it reproduces the measurements."""
     from dvfs.roofline import store
-    from dvfs.twin.fit import fit_roofline, profile_toml
+    from dvfs.twin.fit import fit_input_kind, fit_roofline, profile_toml
     from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
 
-    if not store.is_roofline_file(source):
-        if source.is_dir() or source.suffix == ".nc":
-            raise click.UsageError(
-                f"{source} is not a roofline file; fitting the twin to a sweep cube is not built "
-                "yet (issue 13): give a file from `dvfs gpu roofline -o FILE`"
-            )
-        raise click.UsageError(f"{source} is not a roofline file (`dvfs gpu roofline -o FILE`)")
+    kind = fit_input_kind(source)
+    if kind == "cube":
+        raise click.UsageError(
+            f"{source} is a sweep cube; fitting the twin to a cube is not built yet (issue 13): "
+            "give a roofline file from `dvfs gpu roofline -o FILE`"
+        )
+    if kind is None:
+        raise click.UsageError(
+            f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube"
+        )
     ds = store.read(source)
     if base is not None:
         profile = gpu_profile(base)

@@ -153,17 +153,6 @@ def read(path: Path) -> xr.Dataset:
     return derive(ds)
 
 
-def is_roofline_file(path: Path) -> bool:
-    """Whether `path` holds a roofline (not a cube), read from its schema attribute."""
-    import xarray as xr
-
-    try:
-        with xr.open_dataset(path) as ds:
-            return bool(ds.attrs.get("schema") == SCHEMA)
-    except (OSError, ValueError):
-        return False
-
-
 def _number(value: Any) -> float | None:
     x = float(value)
     return None if math.isnan(x) else x

@@ -36,6 +36,25 @@ class FitError(DvfsError):
     """The measurements cannot calibrate the twin (nothing measured, no clock, ...)."""
 
 
+def fit_input_kind(path: Path) -> str | None:
+    """What `dvfs twin fit` was given: "roofline", "cube" (a cube file or a sweep folder), or
+    None for neither, read from the file's schema attribute."""
+    import xarray as xr
+
+    from dvfs.roofline.store import SCHEMA
+
+    if path.is_dir():
+        return "cube" if (path / "cube.nc").is_file() else None
+    try:
+        with xr.open_dataset(path) as ds:
+            attrs = dict(ds.attrs)
+    except (OSError, ValueError):
+        return None
+    if attrs.get("schema") == SCHEMA:
+        return "roofline"
+    return "cube" if "dvfs_schema" in attrs else None
+
+
 def datasheet_flops(gpu: GpuProfile, sm_clock_mhz: Any) -> Any:
     """Dense tensor FLOP/s at a clock with no efficiency applied."""
     return gpu.sm_count * gpu.flop_per_clk_per_sm * np.asarray(sm_clock_mhz, dtype=float) * 1e6
