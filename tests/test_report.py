@@ -174,7 +174,7 @@ def test_the_html_is_one_self_contained_file(html_report: Path) -> None:
     text = " ".join(found.text)
     for fact in ("dvfs-twin 0.1.0", "speculative_num_steps=3", "content hash", "Invalid"):
         assert fact in text
-    assert "with 95% confidence" in text
+    assert "Confidence: 95%, one-sided." in text
 
 
 def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) -> None:
@@ -307,7 +307,7 @@ def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     assert isinstance(caps, Table)
     assert caps.rows == (("1", "none", "GPU-1234", "1500 MHz", "stock", "cap"),)
     confidence = doc.sections[1].blocks[1]
-    assert "95% confidence" in confidence.text  # type: ignore[union-attr]
+    assert "Confidence: 95%, one-sided" in confidence.text  # type: ignore[union-attr]
     assert not math.isnan(float(doc.sections[1].blocks[2].rows[0][5]))  # type: ignore[union-attr]
 
 

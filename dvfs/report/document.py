@@ -156,9 +156,10 @@ def confidence_statement(room: dict[str, Any]) -> Paragraph:
             tone="warning",
         )
     return Paragraph(
-        f"Confidence: a setting is listed only when the {room['bound']} meets the target, so "
-        f"each listed setting meets it with {room['confidence']:.0%} confidence (one-sided); "
-        "a setting with an invalid repeat is never chosen.",
+        f"Confidence: {room['confidence']:.0%}, one-sided. A setting is listed as meeting the "
+        "target only when the upper confidence bound of its latency does, so each listed "
+        f"setting meets the target with at least that confidence. Bound: {room['bound']}. A "
+        "setting with an invalid repeat is never chosen.",
         tone="note",
     )
 
