@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target
-from dvfs.plots.curves import corpus_panels, draw_energy_vs_clock, draw_pareto
+from dvfs.plots.curves import (
+    corpus_panels,
+    draw_energy_vs_clock,
+    draw_pareto,
+    energy_title,
+    longest_corpus,
+    pareto_title,
+)
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
 from dvfs.plots.style import save
@@ -46,10 +53,11 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     """
     chosen = headroom(cube, target=target)
     corpora = [str(c) for c in cube["corpus"].values]
-    curves = corpus_panels(cube, title_lines=1)
+    widest = longest_corpus(cube)
+    curves = corpus_panels(cube, energy_title(cube, widest))
     for corpus in corpora:
         yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
-    fronts = corpus_panels(cube, title_lines=2)
+    fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
     for name, fig in (

@@ -46,11 +46,29 @@ DIMS = ("batch", "drafter", "power_limit", "sm_clock")
 CHOSEN_LABEL = "chosen: least energy meeting the target"
 
 
+def energy_title(cube: xr.Dataset, corpus: str) -> str:
+    gpu = cube.attrs.get("gpu_name", "")
+    return f"Energy per token vs SM clock - corpus {corpus}" + (f" ({gpu})" if gpu else "")
+
+
+def pareto_title(target: Target, corpus: str) -> str:
+    return (
+        f"Energy vs latency, every clock and power limit - corpus {corpus}\n"
+        f"lines: Pareto fronts; target: {target.describe()}"
+    )
+
+
+def longest_corpus(cube: xr.Dataset) -> str:
+    """The corpus whose title is widest: per-corpus panels are sized for it."""
+    return max((str(c) for c in cube["corpus"].values), key=len)
+
+
 @styled
-def corpus_panels(cube: xr.Dataset, title_lines: int) -> Panels:
+def corpus_panels(cube: xr.Dataset, title: str) -> Panels:
     """Empty panels for the per-corpus figures of `cube`, a panel per batch: pass them to
     every corpus's draw call (making axes costs more than drawing into them). The legend goes
-    in the free grid slot, else in a side column sized for its longest label."""
+    in the free grid slot, else in a side column sized for its longest label; the figure is
+    as wide as `title` (that of the longest corpus name)."""
     ref = reference_setting(cube)
     batches = int(cube.sizes["batch"])
     labels = [str(d) for d in cube["drafter"].values]
@@ -60,8 +78,9 @@ def corpus_panels(cube: xr.Dataset, title_lines: int) -> Panels:
     side = 0.0
     if batches == rows * cols:
         side = max(text_width_in(label, 9) for label in labels) + 0.7
-    top = 0.45 + 0.25 * title_lines
-    return panel_figure(batches, PANEL_W_IN, PANEL_H_IN, Margins(top=top, side=side))
+    top = 0.45 + 0.25 * (title.count("\n") + 1)
+    margins = Margins(top=top, side=side)
+    return panel_figure(batches, PANEL_W_IN, PANEL_H_IN, margins, title=title)
 
 
 def _tidy(ax: Axes, xlabel: str) -> None:
@@ -95,7 +114,9 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
     ]
 
-    panels = clear_panels(panels) if panels else corpus_panels(cube, 1)
+    if panels is None:
+        panels = corpus_panels(cube, energy_title(cube, longest_corpus(cube)))
+    clear_panels(panels)
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         for d, drafter in enumerate(drafters):
             for p, limit in enumerate(limits):
@@ -116,11 +137,7 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
         ax.set_title(f"batch {batch}")
         _tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
-    gpu = cube.attrs.get("gpu_name", "")
-    suptitle(
-        panels.fig,
-        f"Energy per token vs SM clock - corpus {corpus}" + (f" ({gpu})" if gpu else ""),
-    )
+    suptitle(panels.fig, energy_title(cube, corpus))
     return panels.fig
 
 
@@ -157,7 +174,9 @@ def draw_pareto(
         chosen_handle(CHOSEN_LABEL),
     ]
 
-    panels = clear_panels(panels) if panels else corpus_panels(cube, 2)
+    if panels is None:
+        panels = corpus_panels(cube, pareto_title(target, longest_corpus(cube)))
+    clear_panels(panels)
     for b, (ax, batch) in enumerate(zip(panels.axes, batches, strict=True)):
         colour = [c for c in drafter_rgb for _ in clocks]
         for p in sorted(range(len(limits)), key=lambda i: limits[i] == ref.power_limit):
@@ -185,9 +204,5 @@ def draw_pareto(
         ax.set_title(f"batch {batch}")
         _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)
-    suptitle(
-        panels.fig,
-        f"Energy vs latency, every clock and power limit - corpus {corpus}\n"
-        f"lines: Pareto fronts; target: {target.describe()}",
-    )
+    suptitle(panels.fig, pareto_title(target, corpus))
     return panels.fig

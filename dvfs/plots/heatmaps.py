@@ -76,20 +76,20 @@ def _heat_axes(ax: Axes, cols: list[str], rows: list[str] | None, xlabel: str) -
 
 
 def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) -> None:
-    """One colourbar for the whole figure and the key, in the free slot or the side column."""
+    """One colourbar for the whole figure, and the key below it: in the free grid slot, else
+    in the side column."""
     fig = panels.fig
-    if panels.spare is not None:
-        cax = panels.spare.inset_axes((0.0, 0.82, 0.9, 0.08))
-        fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
-        panels.spare.legend(
-            handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.55), frameon=False
+    box = panels.spare
+    if box is None:
+        first = panels.axes[0].get_position()
+        w = fig.get_figwidth()
+        box = fig.add_axes(
+            (panels.side_x + 0.15 / w, first.y0, 1 - panels.side_x - 0.3 / w, first.height)
         )
-        return
-    w, h = fig.get_figwidth(), fig.get_figheight()
-    x = panels.side_x + 0.2 / w
-    cax = fig.add_axes((x, 0.45, 0.2 / w, 0.45 - 0.5 / h))
-    fig.colorbar(image, cax=cax, label=label)
-    fig.legend(handles=key, loc="upper left", bbox_to_anchor=(x - 0.1 / w, 0.4), frameon=False)
+        box.set_axis_off()
+    cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
+    fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
+    box.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.45), frameon=False)
 
 
 @styled
@@ -117,8 +117,14 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
     side = 0.0 if len(corpora) < rows * cols else 3.2
-    margins = Margins(left=label_w, top=0.95, wspace=0.3, hspace=0.85, side=side)
-    panels = panel_figure(len(corpora), 0.8 * len(batches), 0.52 * len(drafters), margins)
+    title = (
+        "Headroom: energy saved at the least-energy setting meeting\n"
+        f"{chosen.attrs.get('target', 'the target')}\n"
+        "cell: saving, SM clock lock, and the power limit when capped"
+    )
+    margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
+    panel_h = max(0.52 * len(drafters), 1.6)  # room for the colourbar and key in the free slot
+    panels = panel_figure(len(corpora), 0.8 * len(batches), panel_h, margins, title=title)
     images = []
     for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
         images.append(
@@ -142,12 +148,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
     _colorbar_and_key(panels, images[0], "energy saved vs stock (%)", key)
-    suptitle(
-        panels.fig,
-        f"Headroom: energy saved at the least-energy setting meeting "
-        f"{chosen.attrs.get('target', 'the target')}\n"
-        "cell: saving, SM clock lock, and the power limit when capped",
-    )
+    suptitle(panels.fig, title)
     return panels.fig
 
 
@@ -171,7 +172,8 @@ def draw_acceptance(cube: xr.Dataset) -> Figure | None:
     cmap = _cmap("viridis")
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
     margins = Margins(left=label_w, top=0.5, side=1.2)
-    panels = panel_figure(1, 1.15 * len(corpora), 0.55 * len(drafters), margins)
+    title = "Mean accept length (bonus token included)"
+    panels = panel_figure(1, 1.15 * len(corpora), 0.55 * len(drafters), margins, title=title)
     ax = panels.axes[0]
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
     labels = [[f"{v:.2f}" if np.isfinite(v) else "-" for v in row] for row in values]
@@ -182,5 +184,5 @@ def draw_acceptance(cube: xr.Dataset) -> Figure | None:
     box = ax.get_position()
     cax = panels.fig.add_axes((panels.side_x + 0.2 / w, box.y0, 0.2 / w, box.height))
     panels.fig.colorbar(image, cax=cax, label="tokens per verify pass")
-    suptitle(panels.fig, "Mean accept length (bonus token included)")
+    suptitle(panels.fig, title)
     return panels.fig

@@ -8,7 +8,7 @@ global backend switch, no figure registry to close, nothing shown.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -117,8 +117,10 @@ def panel_figure(
     panel_h_in: float,
     margins: Margins | None = None,
     max_cols: int = 3,
+    title: str = "",
 ) -> Panels:
-    """`panels` axes on a grid with fixed margins on an Agg canvas.
+    """`panels` axes on a grid with fixed margins on an Agg canvas, at least as wide as the
+    `title` (its lines at the suptitle's size) so that it is never cut.
 
     No layout engine runs at save time: laying out text costs as much as drawing it, and the
     margins, sized for the fonts, keep labels clear of each other.
@@ -129,6 +131,10 @@ def panel_figure(
     m = margins or Margins()
     rows, cols = grid_shape(panels, max_cols)
     width = m.left + cols * panel_w_in + (cols - 1) * m.wspace + m.right + m.side
+    title_w = max(text_width_in(line, RC["figure.titlesize"]) for line in title.split("\n"))
+    if title_w + 0.4 > width:  # widen on the right: the panels keep their size and place
+        m = replace(m, right=m.right + title_w + 0.4 - width)
+        width = title_w + 0.4
     height = m.top + rows * panel_h_in + (rows - 1) * m.hspace + m.bottom
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)

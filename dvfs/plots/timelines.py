@@ -32,7 +32,8 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
 
     cols = len(batches)
     margins = Margins(left=0.9, top=0.55, bottom=1.5, wspace=0.9, hspace=0.25)
-    panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols)
+    title = "Power and SM clock through the measurement window: stock vs chosen setting"
+    panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols, title=title)
     fig = panels.fig
     capped = False
     for col, batch in enumerate(batches):
@@ -95,5 +96,5 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
         ncols=2,
         frameon=False,
     )
-    suptitle(fig, "Power and SM clock through the measurement window: stock vs chosen setting")
+    suptitle(fig, title)
     return fig
