@@ -123,32 +123,44 @@ class Prepared:
     operation: Callable[[], None] | None = None
 
 
-def _operation(kernel: Kernel, spec: BenchSpec, torch: Any) -> Callable[[], None]:
-    """The kernel's call, on tensors allocated once (results written in place: graph-safe)."""
+def _operation(
+    kernel: Kernel, spec: BenchSpec, torch: Any, weights: dict[tuple[int, int], Any]
+) -> Callable[[], None]:
+    """The kernel's call, on tensors allocated once (results written in place: graph-safe).
+    GEMMs and GEMVs of one shape share their weight (`weights`), as a model's layers do not
+    but one layer's passes at every batch size do."""
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator(device=spec.device).manual_seed(0)
 
     def rand(*shape: int) -> Any:
         return torch.randn(*shape, generator=gen, device=spec.device, dtype=dtype)
 
+    if kernel.kind in ("gemm", "gemv"):
+        key = (kernel.k, kernel.n)
+        if key not in weights:
+            weights[key] = rand(kernel.k, kernel.n)
+        w = weights[key]
     if kernel.kind == "gemm":
-        a, b = rand(kernel.m, kernel.k), rand(kernel.k, kernel.n)
+        a = rand(kernel.m, kernel.k)
         c = torch.empty(kernel.m, kernel.n, device=spec.device, dtype=dtype)
-        return lambda: torch.matmul(a, b, out=c)
+        return lambda: torch.matmul(a, w, out=c)
     if kernel.kind == "gemv":
-        w, x = rand(kernel.n, kernel.k), rand(kernel.k)
+        wt, x = w.t(), rand(kernel.k)  # y = W^T x reads the same (k x n) weight
         y = torch.empty(kernel.n, device=spec.device, dtype=dtype)
-        return lambda: torch.mv(w, x, out=y)
-    x, y = rand(kernel.n), rand(kernel.n)
+        return lambda: torch.mv(wt, x, out=y)
+    x = rand(kernel.n)
     z = torch.empty(kernel.n, device=spec.device, dtype=dtype)
     if kernel.name == "triad":
+        y = rand(kernel.n)
         return lambda: torch.add(x, y, alpha=0.5, out=z)
     return lambda: z.copy_(x)
 
 
-def prepare(kernel: Kernel, spec: BenchSpec, torch: Any) -> Prepared:
+def prepare(
+    kernel: Kernel, spec: BenchSpec, torch: Any, weights: dict[tuple[int, int], Any] | None = None
+) -> Prepared:
     """Allocate, warm up, and on CUDA capture enough calls in one graph to last ~2 ms."""
-    op = _operation(kernel, spec, torch)
+    op = _operation(kernel, spec, torch, {} if weights is None else weights)
     for _ in range(spec.warmup):
         op()
     if not spec.on_cuda:

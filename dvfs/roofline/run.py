@@ -221,7 +221,8 @@ def run_roofline(
         )
     if request.observe_only:
         notes.append("observe-only: no GPU setting was changed; measured at the stock setting")
-    prepared = [prepare(k, spec, torch) for k in plan_kernels(spec)]
+    weights: dict[tuple[int, int], Any] = {}
+    prepared = [prepare(k, spec, torch, weights) for k in plan_kernels(spec)]
     attrs: dict[str, Any] = {
         "device": spec.device,
         "device_name": device_name(spec, torch),
