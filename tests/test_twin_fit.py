@@ -204,3 +204,28 @@ def test_compare_uses_a_measured_ridge_file(small_sweep: Path, tmp_path: Path) -
     plain = CliRunner().invoke(cli, ["compare", str(small_sweep), "--json"])
     datasheet = json.loads(plain.stdout)["roofline"]["ridge_point"]
     assert datasheet != ridge
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    points=st.dictionaries(
+        st.integers(42, 132).map(lambda k: 15 * k), st.floats(1.0, 1000.0), min_size=1, max_size=6
+    ),
+    probe=st.floats(100.0, 2500.0),
+)
+def test_measured_ridge_passes_through_its_points_and_between_them(points, probe) -> None:
+    import xarray as xr
+
+    from dvfs.analysis.roofline import measured_ridge
+
+    clocks = np.array(list(points), dtype=float)
+    ridges = np.array(list(points.values()))
+    ds = xr.Dataset({"sm_clock_mhz": ("setting", clocks), "ridge_point": ("setting", ridges)})
+    np.testing.assert_allclose(measured_ridge(ds, clocks), ridges)
+    [value] = measured_ridge(ds, np.array([probe]))
+    lo, hi = clocks.min(), clocks.max()
+    if lo <= probe <= hi:
+        assert ridges.min() - 1e-9 <= value <= ridges.max() + 1e-9
+    else:  # scaled with the clock from the nearest measured point
+        edge = lo if probe < lo else hi
+        assert value == pytest.approx(points[int(edge)] * probe / edge)
