@@ -310,3 +310,127 @@ def test_a_failed_reading_is_raised_when_the_sampler_stops() -> None:
     with pytest.raises(GpuError, match="cannot read power"), sampler:
         gpu.power_mw = broken  # type: ignore[method-assign]
         sampler._tick()  # what the clock's thread would call
+
+
+# -- the vectorised statistics against the per-request code they replaced ---------------------
+
+
+def reference_latency_stats(requests: list[RequestTrace]) -> tuple[tuple[float, ...], ...]:
+    """latency_stats as written before it was vectorised: one request at a time."""
+
+    def quantiles(values: np.ndarray) -> tuple[float, ...]:
+        if len(values) == 0:
+            return (math.nan,) * 3
+        return tuple(float(q) for q in np.quantile(values, (0.5, 0.9, 0.99)))
+
+    ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
+    ttft = np.array([(int(r.chunk_ns[0]) - r.sent_ns) * 1e-6 for r in ok])
+    tpot = np.array(
+        [
+            (int(r.chunk_ns[-1]) - int(r.chunk_ns[0])) * 1e-6 / (r.completion_tokens - 1)
+            for r in ok
+            if r.completion_tokens > 1
+        ]
+    )
+    parts = []
+    for r in ok:
+        if len(r.chunk_ns) < 2:
+            continue
+        gaps = np.diff(r.chunk_ns) * 1e-6
+        tokens = r.chunk_tokens[1:]
+        keep = tokens > 0
+        parts.append(np.repeat(gaps[keep] / tokens[keep], tokens[keep]))
+    itl = np.concatenate(parts) if parts else np.array([])
+    return quantiles(ttft), quantiles(tpot), quantiles(itl)
+
+
+def same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b, strict=True))
+
+
+request_strategy = st.builds(
+    lambda sent, gaps, tokens, error: trace(
+        sent,
+        [(sent + int(t), k) for t, k in zip(np.cumsum(gaps) * 997, tokens, strict=False)],
+        error=error,
+    ),
+    st.integers(0, 10**9),
+    st.lists(st.integers(0, 10**6), min_size=0, max_size=30),
+    st.lists(st.integers(0, 9), min_size=30, max_size=30),
+    st.sampled_from([None, None, None, "boom"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(requests=st.lists(request_strategy, max_size=12))
+def test_latency_stats_equal_the_per_request_reference(requests) -> None:
+    stats = latency_stats(requests)
+    ttft, tpot, itl = reference_latency_stats(requests)
+    assert same(stats.ttft_ms, ttft) and same(stats.tpot_ms, tpot) and same(stats.itl_ms, itl)
+
+
+def reference_timeline(parts: list[WindowPart]) -> tuple[tuple[float, ...], ...]:
+    """summarise's timeline and reasons as computed before, one sample at a time."""
+    timeline = []
+    offset_s = 0.0
+    reasons = 0
+    for p in parts:
+        assert p.window is not None
+        start, end = p.window
+        s = p.samples
+        inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
+        for r in s["reasons"][inside]:
+            reasons |= int(r)
+        for t, pw, c in zip(
+            s["t_ns"][inside], s["power_mw"][inside], s["sm_clock_mhz"][inside], strict=True
+        ):
+            timeline.append((offset_s + (t - start) * 1e-9, pw / 1000, float(c)))
+        offset_s += (end - start) * 1e-9
+    if len(timeline) > 32:
+        picks = np.linspace(0, len(timeline) - 1, 32).round().astype(int)
+        timeline = [timeline[i] for i in picks]
+    return (
+        tuple(round(t, 6) for t, _, _ in timeline),
+        tuple(round(p, 3) for _, p, _ in timeline),
+        tuple(c for _, _, c in timeline),
+        (float(reasons),),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.integers(1, 10**9),  # window start
+            st.integers(1, 10**9),  # window length
+            st.lists(st.integers(0, 2 * 10**9), min_size=2, max_size=60),  # sample times
+            st.integers(0, 10**6),  # power seed
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_timeline_equals_the_per_sample_reference(rounds) -> None:
+    parts = []
+    for start, length, times, seed in rounds:
+        rng = np.random.default_rng(seed)
+        t = np.array(sorted(times), dtype=np.int64)
+        n = len(t)
+        s = {
+            "t_ns": t,
+            "energy_mj": np.arange(n, dtype=float) * 1000,
+            "power_mw": rng.integers(50_000, 700_000, n),
+            "sm_clock_mhz": rng.integers(200, 1980, n),
+            "temperature_c": rng.integers(30, 90, n),
+            "reasons": rng.choice([0, 1, 4, 8, 0x20], n),
+        }
+        a = trace(0, [(start, 1), (start + length, 1)])
+        parts.append(WindowPart(RoundResult((a,), 0, start + length), (start, start + length), s))
+    m = summarise(
+        parts, requested_clock_mhz=None, min_window_s=0.0, sample_period_s=0.1, idle_power_w=0.0
+    )
+    ref = reference_timeline(parts)
+    assert m.timeline_t_s == ref[0]
+    assert m.timeline_power_w == ref[1]
+    assert m.timeline_sm_clock_mhz == ref[2]
+    assert m.clock_event_reasons == ref[3][0]

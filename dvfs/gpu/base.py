@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 # Clock-event reason bits, as NVML reports them (nvml.h, nvmlClocksEventReason*).
 EVENT_GPU_IDLE = 0x1
@@ -138,6 +140,28 @@ class Gpu(Protocol):
 
     def info(self) -> DeviceInfo:
         """A read-only snapshot for `dvfs gpu info`; readings the GPU lacks are None."""
+        ...
+
+
+@dataclass(frozen=True)
+class BulkReadings:
+    """One GPU's readings at many instants, in NVML's units (int64 arrays, one per instant)."""
+
+    energy_mj: np.ndarray
+    power_mw: np.ndarray
+    sm_clock_mhz: np.ndarray
+    temperature_c: np.ndarray
+    reasons: np.ndarray
+
+
+@runtime_checkable
+class BulkReadable(Protocol):
+    """A GPU that can answer its readings for an array of instants at once (the twin, whose
+    readings are a function of virtual time): the sampler reads a round in one call instead
+    of five calls per tick. Real GPUs cannot, and are read one tick at a time."""
+
+    def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
+        """Readings at each instant (int64 ns), as the scalar getters would return them then."""
         ...
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from dvfs.errors import GpuValueError
-from dvfs.gpu.base import DeviceInfo, GpuIdentity, PowerLimitRange
+from dvfs.gpu.base import BulkReadings, DeviceInfo, GpuIdentity, PowerLimitRange
 from dvfs.twin.device import TwinDevice
 
 TWIN_DRIVER_VERSION = "twin"
@@ -63,6 +65,18 @@ class TwinGpu:
         if problem:
             raise GpuValueError(f"GPU {self.device.index}: {problem}")
         self.device.power_limit_w = limit_mw / 1000
+
+    def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
+        """NVML's integers at each instant: energy truncated to mJ, power rounded to mW,
+        temperature rounded to degrees (half to even, as `round` does)."""
+        r = self.device.readings_at(t_ns)
+        return BulkReadings(
+            energy_mj=np.trunc(r.energy_j * 1000).astype(np.int64),
+            power_mw=np.round(r.power_w * 1000).astype(np.int64),
+            sm_clock_mhz=r.sm_clock_mhz.astype(np.int64),
+            temperature_c=np.round(r.temperature_c).astype(np.int64),
+            reasons=r.reasons.astype(np.int64),
+        )
 
     def energy_mj(self) -> int:
         return int(self.device.energy_j() * 1000)

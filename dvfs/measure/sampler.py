@@ -6,15 +6,18 @@ idle-power reading); `dvfs.measure.meter` turns what it collects into a cell's n
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
-from dvfs.clock import Clock, Ticker
+from dvfs.clock import BatchClock, Clock, Ticker
 from dvfs.errors import GpuError
-from dvfs.gpu.base import Gpu
+from dvfs.gpu.base import BulkReadable, BulkReadings, Gpu
 
 #: How long `Sampler.__exit__` waits for a reading in progress on the sampler thread.
 SAMPLER_STOP_TIMEOUT_S = 5.0
@@ -40,6 +43,30 @@ class Samples:
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in self.__dict__.items()}
 
+    def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
+        """Append readings at several instants (arrays per GPU), combined as `sample` does."""
+        times = t_ns.tolist()
+        energy = list(zip(*(g.energy_mj.tolist() for g in gpus), strict=True))
+        self.t_ns.extend(times)
+        self.energy_mj.extend(map(sum, energy))
+        self.gpu_energy_mj.extend(energy)
+        # virtual time stands still while a GPU is read: each counter is read at the instant
+        self.gpu_energy_t_ns.extend((t,) * len(gpus) for t in times)
+        self.power_mw.extend(map(sum, zip(*(g.power_mw.tolist() for g in gpus), strict=True)))
+        clocks = zip(*(g.sm_clock_mhz.tolist() for g in gpus), strict=True)
+        self.sm_clock_mhz.extend(map(min, clocks))
+        temperatures = zip(*(g.temperature_c.tolist() for g in gpus), strict=True)
+        self.temperature_c.extend(map(max, temperatures))
+        reasons = zip(*(g.reasons.tolist() for g in gpus), strict=True)
+        self.reasons.extend(functools.reduce(operator.or_, r) for r in reasons)
+
+
+@functools.cache
+def _reads_in_bulk(clock: type, gpus: tuple[type, ...]) -> bool:
+    """Whether a clock hands out batches of ticks and every GPU answers for many instants
+    (checked once per combination of types: a protocol check is slow, a round is short)."""
+    return issubclass(clock, BatchClock) and all(issubclass(g, BulkReadable) for g in gpus)
+
 
 class SamplerError(GpuError):
     """The background sampler failed or did not stop; its readings are not used."""
@@ -48,10 +75,14 @@ class SamplerError(GpuError):
 class Sampler:
     """Samples every GPU of a server at a fixed period while a round runs (a context manager).
 
-    On a real clock the readings come from the clock's background thread. On exit the sampler
-    closes its lists (a reading that finishes later is dropped, never appended while someone
-    reads them) and raises `SamplerError` if a reading is still in progress after
-    `stop_timeout_s`, or the error a reading raised.
+    On a real clock the readings come from the clock's background thread. On a virtual clock
+    whose GPUs can all answer for many instants at once (`BulkReadable`, the twin), the ticks
+    due so far are read in one call per GPU whenever time advances past them: the same
+    instants and values, since nothing changes a GPU between ticks but the caller's own
+    calls, which happen outside the clock's advance. On exit the sampler closes its lists (a
+    reading that finishes later is dropped, never appended while someone reads them) and raises
+    `SamplerError` if a reading is still in progress after `stop_timeout_s`, or the error a
+    reading raised.
     """
 
     def __init__(
@@ -73,6 +104,9 @@ class Sampler:
         self._reading: str | None = None  # what the sampler is reading now, for the error
         self._in_flight = 0
         self._error: BaseException | None = None
+        self._bulk: list[BulkReadable] | None = None
+        if clock.virtual and _reads_in_bulk(type(clock), tuple(type(g) for g in self.gpus)):
+            self._bulk = [cast(BulkReadable, g) for g in self.gpus]
 
     def _read(self, what: str, index: int, fn: Callable[[], int]) -> int:
         self._reading = f"{what} of GPU {index}"
@@ -80,6 +114,9 @@ class Sampler:
 
     def sample(self) -> None:
         """Read every GPU once and append the readings (unless the sampler was closed)."""
+        if self._bulk is not None:
+            self._sample_at(np.array([self.clock.now_ns()], dtype=np.int64))
+            return
         with self._cond:
             if self._closed:
                 return
@@ -121,18 +158,53 @@ class Sampler:
             s.temperature_c.append(temperature)
             s.reasons.append(reasons)
 
+    def _sample_at(self, t_ns: np.ndarray) -> None:
+        """Read every GPU at the instants `t_ns` in one call each and append the readings."""
+        assert self._bulk is not None
+        with self._cond:
+            if self._closed:
+                return
+            self._in_flight += 1
+        try:
+            readings = []
+            for g, gpu in zip(self._bulk, self.gpus, strict=True):
+                self._reading = f"the readings of GPU {gpu.identity.index}"
+                readings.append(g.readings_at(t_ns))
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._reading = None
+                self._cond.notify_all()
+        with self._cond:
+            if not self._closed:
+                self.samples.extend(t_ns, readings)
+
     def _tick(self) -> None:
         """The periodic callback: an error stops sampling and is raised on exit, not lost."""
         try:
             self.sample()
         except Exception as exc:  # a signal's KeyboardInterrupt (virtual clock) propagates
-            with self._cond:
-                self._error = self._error or exc
-                self._closed = True
+            self._fail(exc)
+
+    def _tick_batch(self, t_ns: np.ndarray) -> None:
+        """The batch callback on virtual time (`_tick` for several due instants at once)."""
+        try:
+            self._sample_at(t_ns)
+        except Exception as exc:  # a signal's KeyboardInterrupt propagates, as in `_tick`
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        with self._cond:
+            self._error = self._error or exc
+            self._closed = True
 
     def __enter__(self) -> Sampler:
         self.sample()
-        self._ticker = self.clock.every(self.period_s, self._tick)
+        if self._bulk is not None:
+            assert isinstance(self.clock, BatchClock)
+            self._ticker = self.clock.every_batch(self.period_s, self._tick_batch)
+        else:
+            self._ticker = self.clock.every(self.period_s, self._tick)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -1,8 +1,9 @@
 """A simulated GPU: knob state, and an energy counter that integrates the power of the work it ran.
 
 Work arrives as a `Passes` sequence starting "now" on the virtual clock; the device answers
-readings (energy, power, clock, temperature, event reasons) for any later instant by looking
-up where that instant falls in the sequence, the way a sampler thread sees a real GPU.
+readings (energy, power, clock, temperature, event reasons) for later instants by looking up
+where they fall in the sequence, the way a sampler thread sees a real GPU. `readings_at` answers
+a whole array of instants at once, so a sampler on virtual time reads a round in one call.
 """
 
 from __future__ import annotations
@@ -19,45 +20,65 @@ from dvfs.twin.physics import OperatingPoint, Passes, Schedule
 from dvfs.twin.profiles import GpuProfile
 
 
-@dataclass
+@dataclass(frozen=True)
+class DeviceReadings:
+    """What a device reports at an array of instants, in SI units (one element per instant);
+    `dvfs.gpu.twin` turns them into NVML's integers."""
+
+    energy_j: np.ndarray
+    power_w: np.ndarray
+    sm_clock_mhz: np.ndarray
+    temperature_c: np.ndarray
+    reasons: np.ndarray
+
+
+@dataclass(frozen=True)
 class _Trace:
+    """The passes a device is running (at least one): where each starts and ends, the energy
+    spent before it, its power, clock and event reasons."""
+
     start_ns: int
     ends_ns: np.ndarray
+    seg_start_ns: np.ndarray
+    energy_before_j: np.ndarray
     power_w: np.ndarray
-    cum_energy_j: np.ndarray
     sm_clock_mhz: np.ndarray
     reasons: np.ndarray
 
+    @classmethod
+    def of(cls, start_ns: int, schedule: Schedule) -> _Trace:
+        timing = schedule.timing
+        ends = start_ns + np.cumsum(np.round(timing.duration_s * 1e9)).astype(np.int64)
+        starts = np.concatenate([[start_ns], ends[:-1]]).astype(np.int64)
+        cum = np.cumsum(timing.power_w * ((ends - starts) * 1e-9))
+        return cls(
+            start_ns=start_ns,
+            ends_ns=ends,
+            seg_start_ns=starts,
+            energy_before_j=np.concatenate([[0.0], cum]),  # the last one: the whole trace
+            power_w=timing.power_w,
+            sm_clock_mhz=schedule.pass_clock_mhz,
+            reasons=np.where(schedule.pass_capped, EVENT_SW_POWER_CAP, 0),
+        )
+
     @property
     def end_ns(self) -> int:
-        return int(self.ends_ns[-1]) if len(self.ends_ns) else self.start_ns
+        return int(self.ends_ns[-1])
 
-    def _segment(self, t_ns: int) -> int:
-        return int(np.searchsorted(self.ends_ns, t_ns, side="right"))
+    def busy(self, t_ns: np.ndarray) -> np.ndarray:
+        return (self.start_ns <= t_ns) & (t_ns < self.end_ns)
 
-    def energy_j(self, t_ns: int, idle_w: float) -> float:
-        """Energy from trace start to `t_ns` (idle power after the work ends)."""
-        if t_ns <= self.start_ns:
-            return 0.0
-        if t_ns >= self.end_ns:
-            tail = self.cum_energy_j[-1] if len(self.cum_energy_j) else 0.0
-            return float(tail + idle_w * (t_ns - self.end_ns) * 1e-9)
-        i = self._segment(t_ns)
-        seg_start = self.start_ns if i == 0 else int(self.ends_ns[i - 1])
-        before = 0.0 if i == 0 else float(self.cum_energy_j[i - 1])
-        return before + float(self.power_w[i]) * (t_ns - seg_start) * 1e-9
-
-    def busy(self, t_ns: int) -> bool:
-        return self.start_ns <= t_ns < self.end_ns
-
-    def power_w_at(self, t_ns: int, idle_w: float) -> float:
-        return float(self.power_w[self._segment(t_ns)]) if self.busy(t_ns) else idle_w
-
-    def clock_at(self, t_ns: int) -> int:
-        return int(self.sm_clock_mhz[self._segment(t_ns)])
-
-    def reasons_at(self, t_ns: int) -> int:
-        return int(self.reasons[self._segment(t_ns)])
+    def locate(self, t_ns: np.ndarray, idle_w: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per instant: whether the device is busy, its pass (clipped to the last one when it is
+        not) and the energy since the trace started (idle power after the work ends)."""
+        n = len(self.ends_ns)
+        found = np.searchsorted(self.ends_ns, t_ns, side="right")
+        busy = (t_ns >= self.start_ns) & (found < n)
+        i = np.minimum(found, n - 1)
+        inside = self.energy_before_j[i] + self.power_w[i] * (t_ns - self.seg_start_ns[i]) * 1e-9
+        after = self.energy_before_j[n] + idle_w * (t_ns - self.end_ns) * 1e-9
+        energy = np.where(busy, inside, np.where(t_ns <= self.start_ns, 0.0, after))
+        return busy, i, energy
 
 
 def twin_uuid(profile_key: str, index: int) -> str:
@@ -97,53 +118,61 @@ class TwinDevice:
         """Begin executing the scheduled passes at the clock's current instant."""
         now = self.clock.now_ns()
         self._fold(now)
-        timing = schedule.timing
-        ends = now + np.cumsum(np.round(timing.duration_s * 1e9)).astype(np.int64)
-        seg_s = np.diff(np.concatenate([[now], ends])) * 1e-9
-        self._trace = _Trace(
-            start_ns=now,
-            ends_ns=ends,
-            power_w=timing.power_w,
-            cum_energy_j=np.cumsum(timing.power_w * seg_s),
-            sm_clock_mhz=schedule.pass_clock_mhz,
-            reasons=np.where(schedule.pass_capped, EVENT_SW_POWER_CAP, 0),
+        if len(schedule.timing.duration_s):
+            self._trace = _Trace.of(now, schedule)
+
+    # -- readings --------------------------------------------------------------------------
+    def readings_at(self, t_ns: np.ndarray) -> DeviceReadings:
+        """Every reading at each instant of `t_ns` (int64 ns, not before the last `start`): the
+        one place that maps time to what the device reports, for single reads and bulk ones."""
+        t_ns = np.asarray(t_ns, dtype=np.int64)
+        idle_w = self.profile.idle_power_w
+        idle_clock = self.profile.idle_sm_clock_mhz
+        if self.locked_mhz is not None:
+            idle_clock = self.locked_mhz[1]
+        trace = self._trace
+        if trace is None:
+            since_j = idle_w * np.maximum(0, t_ns - self._base_ns) * 1e-9
+            power = np.full(t_ns.shape, idle_w)
+            clock = np.full(t_ns.shape, idle_clock, dtype=np.int64)
+            reasons = np.full(t_ns.shape, EVENT_GPU_IDLE, dtype=np.int64)
+        else:
+            busy, i, since_j = trace.locate(t_ns, idle_w)
+            power = np.where(busy, trace.power_w[i], idle_w)
+            clock = np.where(busy, trace.sm_clock_mhz[i], idle_clock)
+            reasons = np.where(busy, trace.reasons[i], EVENT_GPU_IDLE)
+        return DeviceReadings(
+            energy_j=self._base_energy_j + since_j,
+            power_w=power,
+            sm_clock_mhz=clock,
+            # elementwise arithmetic: an array of powers gives an array of temperatures
+            temperature_c=physics.temperature_c(self.profile, power),  # type: ignore[arg-type]
+            reasons=reasons,
         )
 
-    # -- readings at an instant ----------------------------------------------------------------
+    def _now(self) -> DeviceReadings:
+        return self.readings_at(np.array([self.clock.now_ns()], dtype=np.int64))
+
     def energy_j_at(self, t_ns: int) -> float:
-        idle = self.profile.idle_power_w
-        if self._trace is None:
-            return self._base_energy_j + idle * max(0, t_ns - self._base_ns) * 1e-9
-        return self._base_energy_j + self._trace.energy_j(t_ns, idle)
+        return float(self.readings_at(np.array([t_ns], dtype=np.int64)).energy_j[0])
 
     def energy_j(self) -> float:
         return self.energy_j_at(self.clock.now_ns())
 
     def power_w(self) -> float:
-        idle = self.profile.idle_power_w
-        if self._trace is None:
-            return idle
-        return self._trace.power_w_at(self.clock.now_ns(), idle)
+        return float(self._now().power_w[0])
 
     def busy(self) -> bool:
-        return self._trace is not None and self._trace.busy(self.clock.now_ns())
+        return self._trace is not None and bool(self._trace.busy(np.array(self.clock.now_ns())))
 
     def sm_clock_mhz(self) -> int:
-        if self.busy():
-            assert self._trace is not None
-            return self._trace.clock_at(self.clock.now_ns())
-        if self.locked_mhz is not None:
-            return self.locked_mhz[1]
-        return self.profile.idle_sm_clock_mhz
+        return int(self._now().sm_clock_mhz[0])
 
     def clock_event_reasons(self) -> int:
-        if self.busy():
-            assert self._trace is not None
-            return self._trace.reasons_at(self.clock.now_ns())
-        return EVENT_GPU_IDLE
+        return int(self._now().reasons[0])
 
     def temperature_c(self) -> float:
-        return physics.temperature_c(self.profile, self.power_w())
+        return float(self._now().temperature_c[0])
 
 
 class TwinNode:

@@ -1,0 +1,218 @@
+"""Reading the twin in bulk on virtual time gives exactly what reading it tick by tick gave."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.clock import Ticker, VirtualClock
+from dvfs.errors import GpuError
+from dvfs.gpu.base import EVENT_GPU_IDLE, BulkReadings
+from dvfs.gpu.twin import TwinGpu
+from dvfs.measure.sampler import Sampler
+from dvfs.signals import signals_raise
+from dvfs.twin import physics
+from dvfs.twin.device import TwinDevice, TwinNode
+from tests.test_twin_physics import H100, decode_passes
+
+MS = 1_000_000
+
+
+class TickClock:
+    """A virtual clock without batches: the sampler falls back to one reading per tick."""
+
+    virtual = True
+
+    def __init__(self) -> None:
+        self.inner = VirtualClock()
+
+    def now_ns(self) -> int:
+        return self.inner.now_ns()
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+    def every(self, period_s: float, callback: Callable[[], None]) -> Ticker:
+        return self.inner.every(period_s, callback)
+
+
+def old_energy_j(device: TwinDevice, t_ns: int) -> float:
+    """The device's energy counter as computed before bulk readings, one instant at a time."""
+    trace = device._trace
+    idle = device.profile.idle_power_w
+    if trace is None:
+        return device._base_energy_j + idle * max(0, t_ns - device._base_ns) * 1e-9
+    ends = trace.ends_ns
+    cum = np.cumsum(trace.power_w * ((ends - trace.seg_start_ns) * 1e-9))
+    end = int(ends[-1])
+    if t_ns <= trace.start_ns:
+        since = 0.0
+    elif t_ns >= end:
+        since = float(cum[-1] + idle * (t_ns - end) * 1e-9)
+    else:
+        i = int(np.searchsorted(ends, t_ns, side="right"))
+        seg_start = trace.start_ns if i == 0 else int(ends[i - 1])
+        before = 0.0 if i == 0 else float(cum[i - 1])
+        since = before + float(trace.power_w[i]) * (t_ns - seg_start) * 1e-9
+    return device._base_energy_j + since
+
+
+def workload(batches: list[int]) -> physics.Passes:
+    return physics.Passes.concat([decode_passes(b) for b in batches])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(st.sampled_from([1, 8, 64, 512, 4096]), min_size=1, max_size=30),
+    offsets=st.lists(st.integers(-2 * MS, 400 * MS), min_size=1, max_size=40),
+    locked=st.booleans(),
+    limit_w=st.sampled_from([300, 700]),
+)
+def test_bulk_readings_are_the_scalar_readings(batches, offsets, locked, limit_w) -> None:
+    clock = VirtualClock(5 * MS)
+    device = TwinDevice(H100, clock)
+    gpu = TwinGpu(device)
+    gpu.set_power_limit_mw(limit_w * 1000)
+    if locked:
+        gpu.lock_sm_clock(1410, 1410)
+    clock.sleep(0.01)
+    node = TwinNode([device])
+    node.execute(workload(batches))
+    start = clock.now_ns()
+    instants = np.array(sorted({start + max(o, 0) for o in offsets}), dtype=np.int64)
+    bulk = gpu.readings_at(instants)
+    assert bulk.energy_mj.dtype == np.int64
+    for k, t in enumerate(instants.tolist()):
+        assert int(old_energy_j(device, t) * 1000) == bulk.energy_mj[k]
+        clock.advance_to(t)
+        assert gpu.energy_mj() == bulk.energy_mj[k]
+        assert gpu.power_mw() == bulk.power_mw[k]
+        assert gpu.sm_clock_mhz() == bulk.sm_clock_mhz[k]
+        assert gpu.temperature_c() == bulk.temperature_c[k]
+        assert gpu.clock_event_reasons() == bulk.reasons[k]
+
+
+def test_an_idle_device_reads_idle() -> None:
+    clock = VirtualClock()
+    gpu = TwinGpu(TwinDevice(H100, clock))
+    r = gpu.readings_at(np.array([0, 10 * MS]))
+    assert r.power_mw.tolist() == [round(H100.idle_power_w * 1000)] * 2
+    assert r.reasons.tolist() == [EVENT_GPU_IDLE] * 2
+    assert r.energy_mj[1] == int(H100.idle_power_w * 0.01 * 1000)
+
+
+def run_rounds(clock, devices: int, mutate_at_ms: int | None = None) -> dict[str, np.ndarray]:
+    """Two sampled rounds (knobs changed between them), the same script on either clock."""
+    inner = clock.inner if isinstance(clock, TickClock) else clock
+    devs = [TwinDevice(H100, inner, i) for i in range(devices)]
+    gpus = [TwinGpu(d) for d in devs]
+    node = TwinNode(devs)
+    if mutate_at_ms is not None:  # another timer changes the work mid-round
+        fired: list[int] = []
+
+        def restart() -> None:
+            if not fired:
+                fired.append(1)
+                node.execute(workload([4096] * 40))
+
+        inner.every(mutate_at_ms / 1000, restart)
+    arrays = []
+    for knob, batches in ((None, [64] * 300 + [512] * 200), (1200, [1, 8, 4096] * 150)):
+        if knob is not None:
+            for g in gpus:
+                g.lock_sm_clock(knob, knob)
+            gpus[-1].set_power_limit_mw(300_000)
+        with Sampler(gpus, clock, period_s=0.0031) as sampler:
+            point = node.execute(workload(batches))
+            clock.sleep(point.timing.total_s + 0.0137)
+        arrays.append(sampler.samples.arrays())
+        clock.sleep(0.05)
+    return {k: np.concatenate([a[k] for a in arrays]) for k in arrays[0]}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("mutate_at_ms", [None, 31])
+def test_bulk_sampling_equals_tick_by_tick(devices: int, mutate_at_ms: int | None) -> None:
+    tick = run_rounds(TickClock(), devices, mutate_at_ms)
+    bulk = run_rounds(VirtualClock(), devices, mutate_at_ms)
+    assert set(tick) == set(bulk)
+    assert len(tick["t_ns"]) > 50
+    for key in tick:
+        assert tick[key].shape == bulk[key].shape, key
+        assert (tick[key] == bulk[key]).all(), key
+    assert bulk["gpu_energy_mj"].shape[1] == devices
+
+
+def test_batches_keep_their_order_with_other_timers() -> None:
+    def trace(batch: bool) -> list[tuple[str, int]]:
+        clock = VirtualClock()
+        seen: list[tuple[str, int]] = []
+        if batch:
+            clock.every_batch(0.003, lambda ts: seen.extend(("a", t) for t in ts.tolist()))
+        else:
+            clock.every(0.003, lambda: seen.append(("a", clock.now_ns())))
+        clock.every(0.007, lambda: seen.append(("b", clock.now_ns())))
+        clock.every(0.021, lambda: seen.append(("c", clock.now_ns())))
+        for step in (0.001, 0.05, 0.0, 0.013, 0.1):
+            clock.sleep(step)
+        return seen
+
+    assert trace(True) == trace(False)
+
+
+class FlakyGpu(TwinGpu):
+    """A twin GPU whose bulk read fails once `fail` is set."""
+
+    fail: BaseException | None = None
+
+    def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
+        if self.fail is not None:
+            raise self.fail
+        return super().readings_at(t_ns)
+
+
+def test_a_failed_bulk_reading_is_raised_when_the_sampler_stops() -> None:
+    clock = VirtualClock()
+    gpu = FlakyGpu(TwinDevice(H100, clock))
+    with pytest.raises(GpuError, match="cannot read"), Sampler([gpu], clock, 0.01) as sampler:
+        assert sampler._bulk is not None
+        gpu.fail = GpuError("GPU 0: cannot read power")
+        clock.sleep(0.05)
+
+
+def test_keyboard_interrupt_propagates_out_of_a_bulk_reading() -> None:
+    clock = VirtualClock()
+    gpu = FlakyGpu(TwinDevice(H100, clock))
+    with pytest.raises(KeyboardInterrupt), Sampler([gpu], clock, 0.01):
+        gpu.fail = KeyboardInterrupt()
+        clock.sleep(0.05)
+
+
+def test_sigint_during_a_bulk_round_interrupts_it() -> None:
+    saved = signal.getsignal(signal.SIGINT)
+    clock = VirtualClock()
+    gpu = FlakyGpu(TwinDevice(H100, clock))
+    calls = []
+
+    class Signalling(FlakyGpu):
+        def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
+            calls.append(len(t_ns))
+            if len(calls) == 2:  # the first batch of ticks
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().readings_at(t_ns)
+
+    gpu = Signalling(TwinDevice(H100, clock))
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with pytest.raises(KeyboardInterrupt), signals_raise(), Sampler([gpu], clock, 0.01):
+            clock.sleep(0.05)
+            pytest.fail("SIGINT did not interrupt the round")
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    assert calls[1] > 1  # it arrived during a batch
