@@ -229,3 +229,20 @@ def test_measured_ridge_passes_through_its_points_and_between_them(points, probe
     else:  # scaled with the clock from the nearest measured point
         edge = lo if probe < lo else hi
         assert value == pytest.approx(points[int(edge)] * probe / edge)
+
+
+def test_compare_warns_about_another_gpu_and_refuses_a_clockless_file(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    h200 = store.write(twin_roofline(gpu_profile("h200-sxm")), tmp_path / "h200.nc")
+    result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(h200)])
+    assert result.exit_code == 0
+    assert "measured on NVIDIA H200, the cube on NVIDIA H100" in result.stderr
+    same = store.write(twin_roofline(true_profile()), tmp_path / "h100.nc")
+    result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(same)])
+    assert result.exit_code == 0 and "measured on" not in result.stderr
+    clockless = twin_roofline(true_profile(), clocks=(1980,))
+    clockless["sm_clock_mhz"][:] = np.nan
+    path = store.write(clockless, tmp_path / "cpu.nc")
+    result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(path)])
+    assert result.exit_code == 1 and "records no SM clock" in result.stderr

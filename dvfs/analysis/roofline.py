@@ -40,13 +40,7 @@ def _mean_context(cube: xr.Dataset) -> float:
         return 1024.0
 
 
-def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
-    """A measured roofline's ridge point at each of `clocks` (MHz).
-
-    Linear between the measured clocks; outside them the nearest measurement scaled with the
-    clock (peak FLOP/s scales with f, bandwidth hardly does above the knee), so a cube clock
-    below the lowest measured one is not given a ridge that stops falling.
-    """
+def _measured_points(measured: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     known = measured["sm_clock_mhz"].values.astype(float)
     ridge = measured["ridge_point"].values.astype(float)
     ok = np.isfinite(known) & np.isfinite(ridge)
@@ -55,6 +49,26 @@ def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
             "the roofline file records no SM clock (measured without a GPU?): its ridge cannot "
             "be placed on the cube's clocks"
         )
+    return known, ridge, ok
+
+
+def check_measured(measured: xr.Dataset, cube: xr.Dataset) -> str | None:
+    """Refuse a roofline with no clock; a warning when it was measured on another GPU model."""
+    _measured_points(measured)
+    theirs, ours = measured.attrs.get("gpu_name"), cube.attrs.get("gpu_name")
+    if theirs and ours and str(theirs).removesuffix(" (twin)") != str(ours).removesuffix(" (twin)"):
+        return f"the roofline was measured on {theirs}, the cube on {ours}"
+    return None
+
+
+def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
+    """A measured roofline's ridge point at each of `clocks` (MHz).
+
+    Linear between the measured clocks; outside them the nearest measurement scaled with the
+    clock (peak FLOP/s scales with f, bandwidth hardly does above the knee), so a cube clock
+    below the lowest measured one is not given a ridge that stops falling.
+    """
+    known, ridge, ok = _measured_points(measured)
     order = np.argsort(known[ok])
     f, r = known[ok][order], ridge[ok][order]
     clocks = np.asarray(clocks, dtype=float)

@@ -320,6 +320,12 @@ def compare(
 
         measured = read_roofline(roofline_path)
     ds = open_analysable(cube_path)
+    if measured is not None:
+        from dvfs.analysis.roofline import check_measured
+
+        warning = check_measured(measured, ds)
+        if warning:
+            _print_line(f"[yellow]{escape(warning)}[/yellow]", stderr=True)
     with _filters_checked():
         check_drafter(ds, baseline, "--baseline")
         select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
