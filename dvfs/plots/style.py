@@ -145,6 +145,8 @@ def panel_figure(
             y0 = height - m.top - (r + 1) * panel_h_in - r * m.hspace
             rect = (x0 / width, y0 / height, panel_w_in / width, panel_h_in / height)
             slots.append(fig.add_axes(rect))
+    for ax in slots[:panels]:
+        ax.set_gid("panel")  # data panels, as against free slots, colourbars and keys
     for ax in slots[panels:]:
         ax.set_axis_off()
     spare = slots[panels] if panels < len(slots) else None

@@ -1,0 +1,299 @@
+"""The figures read correctly: every file written, one colour norm per figure, the stock point
+marked, energy in J per token (the tables' unit), power limits told apart from clocks, legends
+and labels clear of the data and inside the canvas. Small hand-built cubes keep this fast."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from cubes import make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from matplotlib.figure import Figure
+from matplotlib.legend import Legend
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
+
+from dvfs.analysis.headroom import headroom
+from dvfs.analysis.targets import Target
+from dvfs.plots import (
+    corpus_panels,
+    draw_acceptance,
+    draw_energy_vs_clock,
+    draw_headroom,
+    draw_pareto,
+    draw_timelines,
+    energy_title,
+    figures,
+    pareto_front,
+    plot_all,
+)
+from dvfs.plots.style import shared_norm
+
+CLOCKS = [1005, 1500, 1980]
+LIMITS = [700.0, 300.0]
+TARGET = Target("preserve", slack=0.4)
+
+
+def _binding(clock: int, limit: float) -> int:
+    """The twin-like effect of a cap: above 1500 MHz a 300 W limit holds the clock at 1500."""
+    return min(clock, 1500) if limit < 700 else clock
+
+
+def _energy(clock, limit, batch, drafter, corpus, repeat) -> float:
+    c = _binding(clock, limit) / 1980
+    speculation = 0.6 if drafter == "eagle3" else 1.0
+    power = 3 if corpus == "math" else 2  # savings differ by corpus, not only the scale
+    return speculation * (0.5 + c**power) / batch
+
+
+def _latency(clock, limit, batch, drafter, corpus, repeat) -> float:
+    speculation = 0.5 if drafter == "eagle3" else 1.0
+    return 5.0 * speculation * 1980 / _binding(clock, limit) + 0.01 * batch
+
+
+def small_cube(batches: list[int], corpora: tuple[str, ...] = ("code", "math")) -> xr.Dataset:
+    """A make_cube cube with what the figures also read: accept lengths and timelines."""
+    cube = make_cube(
+        clocks=CLOCKS,
+        limits=LIMITS,
+        batches=batches,
+        drafters=["none", "eagle3"],
+        corpora=list(corpora),
+        latency=_latency,
+        energy=_energy,
+    )
+    cube.attrs["gpu_name"] = "test GPU"
+    accept = np.where(cube["drafter"] == "eagle3", 3.0, np.nan)
+    cube["accept_length"] = cube["accept_length"].copy(
+        data=np.broadcast_to(accept.reshape(1, 1, 1, -1, 1, 1), cube["accept_length"].shape).copy()
+    )
+    samples = 8
+    dims = (*cube["energy_per_token_j"].dims, "sample")
+    shape = (*cube["energy_per_token_j"].shape, samples)
+    t = np.broadcast_to(np.arange(samples) * 0.05, shape)
+    clock = np.broadcast_to(cube["sm_clock"].values.reshape(-1, 1, 1, 1, 1, 1, 1), shape)
+    cube["timeline_t_s"] = (dims, t.copy())
+    cube["timeline_power_w"] = (dims, (100 + clock / 10).astype(float))
+    cube["timeline_sm_clock_mhz"] = (dims, clock.astype(float))
+    return cube
+
+
+@pytest.fixture(scope="module")
+def cube() -> xr.Dataset:
+    return small_cube([1, 8, 32, 64])  # four panels: two free grid slots
+
+
+@pytest.fixture(scope="module")
+def full_grid_cube() -> xr.Dataset:
+    return small_cube([1, 8, 64], corpora=("code", "math", "a-much-longer-corpus-name"))
+
+
+def test_every_figure_file_is_written(cube: xr.Dataset, tmp_path: Path) -> None:
+    paths = plot_all(cube, tmp_path / "png", target=TARGET)
+    assert sorted(p.name for p in paths) == sorted(
+        [
+            "energy_vs_clock_code.png",
+            "energy_vs_clock_math.png",
+            "pareto_code.png",
+            "pareto_math.png",
+            "acceptance.png",
+            "headroom.png",
+            "timelines.png",
+        ]
+    )
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_svg_figures_and_a_folder_per_gpu_of_a_merged_cube(tmp_path: Path) -> None:
+    tiny = small_cube([1], corpora=("code",))
+    svgs = plot_all(tiny, tmp_path / "svg", fmt="svg", target=TARGET)
+    assert len(svgs) == 5 and all(p.suffix == ".svg" and p.stat().st_size for p in svgs)
+    merged = xr.concat([tiny, tiny], dim=xr.DataArray(["GPU-aaaa", "GPU-bbbb"], dims="gpu"))
+    paths = plot_all(merged, tmp_path / "merged", target=TARGET)
+    assert {p.parent.name for p in paths} == {"GPU-aaaa", "GPU-bbbb"}
+    assert len(paths) == 10
+
+
+def test_heatmap_panels_share_one_norm_and_one_colorbar(cube: xr.Dataset) -> None:
+    chosen = headroom(cube, target=TARGET)
+    fig = draw_headroom(chosen)
+    images = [im for ax in fig.axes for im in ax.images]
+    assert len(images) == 2  # a panel per corpus
+    assert len({(im.norm.vmin, im.norm.vmax) for im in images}) == 1
+    assert all(im.norm is images[0].norm for im in images)
+    savings = chosen["saving"].values * 100
+    assert images[0].norm.vmin <= np.nanmin(savings)
+    assert images[0].norm.vmax == pytest.approx(np.nanmax(savings))
+    assert sum(im.colorbar is not None for im in images) == 1
+    # the corpora differ, so a norm per panel would have differed
+    per_corpus = [np.nanmax(savings[..., k]) for k in range(2)]
+    assert per_corpus[0] != pytest.approx(per_corpus[1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.floats(-1e3, 1e3) | st.just(float("nan")), min_size=1, max_size=6),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_shared_norm_covers_every_panel(panels: list[list[float]]) -> None:
+    arrays = [np.array(p) for p in panels]
+    norm = shared_norm(arrays)
+    assert norm.vmin is not None and norm.vmax is not None and norm.vmin < norm.vmax
+    for a in arrays:
+        finite = a[np.isfinite(a)]
+        assert np.all(finite >= norm.vmin) and np.all(finite <= norm.vmax)
+
+
+def _stock_offsets(fig: Figure) -> list[np.ndarray]:
+    return [
+        np.asarray(c.get_offsets())
+        for ax in fig.axes
+        for c in ax.collections
+        if c.get_gid() == "stock"
+    ]
+
+
+def test_stock_point_marked_at_the_stock_setting(cube: xr.Dataset) -> None:
+    fig = draw_energy_vs_clock(cube, "code")
+    offsets = _stock_offsets(fig)
+    assert len(offsets) == cube.sizes["batch"]
+    stock = cube["energy_per_token_j"].sel(sm_clock=1980, power_limit=700.0, corpus="code")
+    for b, points in enumerate(offsets):
+        assert np.allclose(points[:, 0], 1980)
+        expected = stock.isel(batch=b).mean("repeat").transpose("drafter").values
+        assert np.allclose(points[:, 1], expected)
+    chosen = headroom(cube, target=TARGET)
+    pareto = draw_pareto(cube, chosen, TARGET, "code")
+    assert len(_stock_offsets(pareto)) == cube.sizes["batch"]
+    stars = [c for ax in pareto.axes for c in ax.collections if c.get_gid() == "chosen"]
+    assert len(stars) == cube.sizes["batch"]
+
+
+def _data_axes(fig: Figure) -> list:
+    """The panels that hold data (not colourbars, keys or free grid slots)."""
+    return [ax for ax in fig.axes if ax.get_gid() == "panel"]
+
+
+def test_energy_is_in_joules_per_token_as_in_the_tables(cube: xr.Dataset) -> None:
+    fig = draw_energy_vs_clock(cube, "code")
+    for ax in _data_axes(fig):
+        assert ax.get_ylabel() == "energy per token (J)"
+    ys = np.concatenate([line.get_ydata() for line in _data_axes(fig)[0].lines])
+    at_batch_1 = cube["energy_per_token_j"].sel(batch=1, corpus="code").values
+    assert np.nanmax(ys) == pytest.approx(np.nanmax(at_batch_1))  # J, not mJ
+    chosen = headroom(cube, target=TARGET)
+    for ax in _data_axes(draw_pareto(cube, chosen, TARGET, "code")):
+        assert ax.get_ylabel() == "energy per token (J)"
+
+
+def test_power_limits_are_drawn_apart_from_clocks(cube: xr.Dataset) -> None:
+    fig = draw_energy_vs_clock(cube, "code")
+    lines = _data_axes(fig)[0].lines
+    assert len(lines) == 4  # 2 drafters x 2 power limits, each a line over the clocks
+    styles = {(line.get_linestyle(), line.get_marker()) for line in lines}
+    assert len(styles) == 2  # one (line style, marker) per power limit
+    labels = [t.get_text() for t in _legends(fig)[0].get_texts()]
+    assert "700 W power limit (stock)" in labels and "300 W power limit (cap)" in labels
+
+
+def test_reused_panels_draw_the_same_figure_as_fresh_ones(cube: xr.Dataset) -> None:
+    panels = corpus_panels(cube, energy_title(cube, "code"))
+    draw_energy_vs_clock(cube, "code", panels)
+    reused = draw_energy_vs_clock(cube, "math", panels)
+    fresh = draw_energy_vs_clock(cube, "math")
+    for a, b in zip(_data_axes(reused), _data_axes(fresh), strict=True):
+        assert len(a.lines) == len(b.lines) and len(a.collections) == len(b.collections)
+        assert np.allclose(a.get_ylim(), b.get_ylim())
+    assert len(_legends(reused)) == 1
+
+
+def _legends(fig: Figure) -> list[Legend]:
+    in_axes = [ax.get_legend() for ax in fig.axes]
+    return [*fig.legends, *(legend for legend in in_axes if legend is not None)]
+
+
+def _every_figure(cube: xr.Dataset) -> Iterator[tuple[str, Figure]]:
+    for name, fig in figures(cube, TARGET):
+        fig.canvas.draw()
+        yield name, fig
+
+
+@pytest.mark.parametrize("which", ["cube", "full_grid_cube"])
+def test_legends_cover_no_data_and_nothing_leaves_the_canvas(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    cube = request.getfixturevalue(which)
+    seen = 0
+    for name, fig in _every_figure(cube):
+        renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+        canvas = fig.bbox.padded(1)
+        panels = _data_axes(fig)
+        boxes = [ax.get_window_extent(renderer) for ax in panels]
+        for legend in _legends(fig):
+            box = legend.get_window_extent(renderer)
+            assert not any(box.overlaps(panel) for panel in boxes), name
+            assert _inside(box, canvas), f"{name}: legend leaves the canvas"
+            seen += 1
+        inches = fig.get_tightbbox(renderer)  # every drawn artist, in inches
+        assert _inside(inches, Bbox.from_bounds(-0.01, -0.01, *(fig.get_size_inches() + 0.02))), (
+            f"{name}: something leaves the canvas"
+        )
+        tight = [ax.get_tightbbox(renderer) for ax in panels]
+        for i, a in enumerate(tight):
+            for b in tight[i + 1 :]:
+                assert not a.overlaps(b), f"{name}: labels of two panels overlap"
+    assert seen >= 4
+
+
+def _inside(box: Bbox, canvas: Bbox) -> bool:
+    return bool(
+        box.x0 >= canvas.x0 and box.y0 >= canvas.y0 and box.x1 <= canvas.x1 and box.y1 <= canvas.y1
+    )
+
+
+def test_figures_are_sized_to_be_read(cube: xr.Dataset, tmp_path: Path) -> None:
+    for name, fig in figures(cube, TARGET):
+        assert fig.dpi >= 150, name
+        sizes = [float(t.get_fontsize()) for t in fig.findobj(Text)]
+        assert min(sizes) >= 7.5, name
+    chosen = headroom(cube, target=TARGET)
+    assert draw_timelines(cube, chosen) is not None
+    assert draw_acceptance(cube) is not None
+
+
+def test_no_accept_length_or_timeline_means_no_such_figure(cube: xr.Dataset) -> None:
+    bare = cube.drop_vars(["accept_length", "timeline_t_s", "timeline_power_w"])
+    names = [name for name, _ in figures(bare, TARGET)]
+    assert "acceptance" not in names and "timelines" not in names
+    assert "headroom" in names
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 20), st.integers(0, 20)) | st.just((-1, -1)),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_pareto_front_holds_exactly_the_undominated_points(points: list[tuple[int, int]]) -> None:
+    x = np.array([float("nan") if p[0] < 0 else p[0] for p in points])
+    y = np.array([float("nan") if p[1] < 0 else p[1] for p in points])
+    fx, fy = pareto_front(x, y)
+    finite = [(a, b) for a, b in zip(x, y, strict=True) if np.isfinite(a)]
+    assert np.all(np.diff(fx) >= 0) and np.all(np.diff(fy) <= 0)
+    for a, b in zip(fx, fy, strict=True):  # nothing beats a front point on both
+        assert not any(p < a and q < b for p, q in finite)
+        assert not any((p <= a and q <= b) and (p, q) != (a, b) and q < b for p, q in finite)
+    for p, q in finite:  # every point is matched or beaten by a front point
+        assert any(a <= p and b <= q for a, b in zip(fx, fy, strict=True))
