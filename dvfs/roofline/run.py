@@ -221,11 +221,8 @@ def run_roofline(
         )
     if request.observe_only:
         notes.append("observe-only: no GPU setting was changed; measured at the stock setting")
-    weights: dict[tuple[int, int], Any] = {}
-    prepared = [prepare(k, spec, torch, weights) for k in plan_kernels(spec)]
     attrs: dict[str, Any] = {
         "device": spec.device,
-        "device_name": device_name(spec, torch),
         "dtype": spec.dtype,
         "hidden": spec.hidden,
         "intermediate": spec.intermediate,
@@ -234,38 +231,39 @@ def run_roofline(
         "energy_window_s": request.energy_window_s,
     }
     points = []
-    if request.gpu is None:
-        results, _ = _measure(prepared, request, torch, None, note)
-        points.append(Point(STOCK, False, math.nan, math.nan, tuple(results)))
-        return RooflineRun(tuple(points), attrs, tuple(notes))
-    from dvfs.gpu.nvml import open_nvml_gpus
+    with contextlib.ExitStack() as stack:
+        gpu: Gpu | None = None
+        knobs: KnobController | None = None
+        if request.gpu is not None:  # refuse a busy GPU or a bad clock before any warm-up
+            from dvfs.gpu.nvml import open_nvml_gpus
 
-    with open_nvml_gpus([request.gpu], nvml=nvml) as (gpu,):
-        ident = gpu.identity
-        attrs.update(gpu_name=ident.name, gpu_uuid=ident.uuid, gpu_index=ident.index)
-        attrs.update(driver=ident.driver_version)
-        with guarded(gpu, request) as knobs:
-            if spec.on_cuda:
-                try:
-                    idle = energy_window(
-                        gpu, lambda: time.sleep(0.002), lambda: None, request.energy_window_s
-                    )
-                    attrs["idle_power_w"] = idle.power_w
-                except GpuError as exc:
-                    raise GpuError(f"the energy counter cannot be read: {exc}") from exc
-            for mhz in (None, *request.clocks_mhz):
+            (gpu,) = stack.enter_context(open_nvml_gpus([request.gpu], nvml=nvml))
+            ident = gpu.identity
+            attrs.update(gpu_name=ident.name, gpu_uuid=ident.uuid, gpu_index=ident.index)
+            attrs.update(driver=ident.driver_version)
+            knobs = stack.enter_context(guarded(gpu, request))
+        weights: dict[tuple[int, int], Any] = {}
+        prepared = [prepare(k, spec, torch, weights) for k in plan_kernels(spec)]
+        attrs["device_name"] = device_name(spec, torch)
+        if gpu is not None and spec.on_cuda:
+            attrs["idle_power_w"] = _idle_power_w(gpu, request.energy_window_s)
+        for mhz in (None, *request.clocks_mhz):
+            if knobs is not None:
                 knobs.apply(KnobSetting(mhz, None))
-                setting = STOCK if mhz is None else str(mhz)
-                note(f"setting {setting}")
+            setting = STOCK if mhz is None else str(mhz)
+            note(f"setting {setting}")
+            if gpu is not None:
                 time.sleep(request.settle_s)
-                results, seen = _measure(prepared, request, torch, gpu, note)
-                points.append(
-                    Point(
-                        setting,
-                        mhz is not None,
-                        float(mhz) if mhz is not None else float(seen),
-                        gpu.power_limit_mw() / 1000.0,
-                        tuple(results),
-                    )
-                )
+            results, seen = _measure(prepared, request, torch, gpu, note)
+            limit = math.nan if gpu is None else gpu.power_limit_mw() / 1000.0
+            clock = float(mhz) if mhz is not None else float(seen)
+            points.append(Point(setting, mhz is not None, clock, limit, tuple(results)))
     return RooflineRun(tuple(points), attrs, tuple(notes))
+
+
+def _idle_power_w(gpu: Gpu, window_s: float) -> float:
+    """Board power with nothing running, the twin's idle figure."""
+    try:
+        return energy_window(gpu, lambda: time.sleep(0.002), lambda: None, window_s).power_w
+    except GpuError as exc:
+        raise GpuError(f"the energy counter cannot be read: {exc}") from exc
