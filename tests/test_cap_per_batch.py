@@ -178,7 +178,7 @@ def test_cap_plan_per_batch_writes_a_plan_that_reads_back(tmp_path: Path) -> Non
     out = tmp_path / "plan.toml"
     result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "batch <= 8: SM clock <= 1500 MHz, power limit stock" in result.output
+    assert "batch 8: SM clock <= 1500 MHz, power limit stock" in result.output
     plan = load_plan(out)
     assert plan.batches == (1, 8) and plan.meta["target"] == "TPOT p50 <= stock + 5%"
     bad = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "--batch", "8"])

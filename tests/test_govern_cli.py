@@ -174,7 +174,10 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
         with held_batch(stub, 3):
             wait_for(lambda: running(stub) == 3, "3 running requests on the stub")
             wait_for(lambda: len(lines(log, "set running batch")) >= 2, "the load step", log)
-            assert "running batch 3 -> plan batch 4: SM clock <= 1500 MHz" in lines(log, "set ")[1]
+            assert (
+                "running batch 3 -> between plan batches 1 and 4 to plan batch 4: SM clock <= "
+                "1500 MHz, power limit stock" in lines(log, "set ")[1]
+            )
             exported = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
             text = httpx.get(exported, timeout=10).text
         samples = {

@@ -125,8 +125,11 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
             "refuses it unless given --allow-simulated.[/yellow]"
         )
     for step in plan.steps:
-        err.print(f"batch <= {step.batch}: {escape(step.setting.describe())}")
-    err.print(f"batch > {plan.steps[-1].batch}: stock (not measured)")
+        err.print(f"batch {step.batch}: {escape(step.setting.describe())}")
+    err.print(
+        f"between two planned batches: the less aggressive of the two; above "
+        f"{plan.steps[-1].batch}: stock (not measured)"
+    )
     if out_path is None:
         click.echo(text, nl=False)
         return

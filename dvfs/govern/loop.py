@@ -214,12 +214,12 @@ def govern(
                 warned = True
             batch = None if sample is None else sample.running
             decision = decide(plan, state, batch, now, params)
-            if decision.changed and decision.state.bucket is not None:
-                bucket = decision.state.bucket
-                setting = plan.setting(bucket)
+            if decision.changed and decision.state.band is not None:
+                band = decision.state.band
+                setting = plan.band_setting(band)
                 seen = "unknown (server unreadable)" if batch is None else str(batch)
                 line = (
-                    f"running batch {seen} -> {plan.bucket_label(bucket)}: {setting.describe()} "
+                    f"running batch {seen} -> {plan.band_label(band)}: {setting.describe()} "
                     f"(at {now - start:.3f} s)"
                 )
                 if knobs is None:
@@ -243,9 +243,9 @@ def _locks(
 ) -> dict[str, int | None]:
     """The top of each GPU's clock lock as the controller applied it (a lock from `dvfs cap
     apply` included: a step at stock clock keeps it); none in a dry run."""
-    if knobs is None or state.bucket is None:
+    if knobs is None or state.band is None:
         return {}
-    setting = plan.setting(state.bucket)
+    setting = plan.band_setting(state.band)
     wanted = KnobSetting(setting.sm_clock_mhz, setting.power_limit_w)
     locks: dict[str, int | None] = {}
     for gpu in gpus:
@@ -255,9 +255,7 @@ def _locks(
 
 
 def _plan_batch(plan: BatchPlan, state: PolicyState) -> int:
-    if state.bucket is None or state.bucket >= len(plan.steps):
-        return 0
-    return plan.steps[state.bucket].batch
+    return 0 if state.band is None else plan.bucket_batch(state.band[1])
 
 
 def monitor(

@@ -6,9 +6,12 @@ one drafter. It is versioned (`dvfs_batch_plan = 1`) and checked whole when read
 never starts on a plan it would misread. This module only parses, checks and writes the format;
 the planning is `dvfs.caps.planning.plan_per_batch`, the following is `dvfs.govern.policy`.
 
-How a running batch maps to a step: the first planned batch at or above it (a batch between
-two measured ones gets the setting measured for the larger); above the largest planned batch
-nothing was measured, so the GPU runs at stock.
+How a running batch maps to a setting ("buckets", ordered by batch): a planned batch gets its
+own step, a batch below the smallest planned one gets the smallest one's; a batch between two
+planned ones gets, knob by knob, the less aggressive of the two neighbours (the higher clock,
+the higher limit, stock if either is stock), which covers it whenever the clock it needs rises
+or falls monotonically between them; above the largest planned batch nothing was measured, so
+the GPU runs at stock.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ class Setting:
     @property
     def is_stock(self) -> bool:
         return self.sm_clock_mhz is None and self.power_limit_w is None
+
+    def join(self, other: Setting) -> Setting:
+        """The less aggressive of two settings, knob by knob (None, stock, beats any cap)."""
+
+        def high(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else max(a, b)
+
+        clock = high(self.sm_clock_mhz, other.sm_clock_mhz)
+        return Setting(
+            None if clock is None else int(clock), high(self.power_limit_w, other.power_limit_w)
+        )
 
     def describe(self) -> str:
         clock = (
@@ -94,21 +108,55 @@ class BatchPlan:
         """Planned from a digital twin's cube, not from measurements of real GPUs."""
         return self.meta.get("simulated") is True or is_twin_name(self.measured_on)
 
+    @property
+    def stock_bucket(self) -> int:
+        """The last bucket: above the plan, or the batch unknown."""
+        return 2 * len(self.steps) - 1
+
     def bucket(self, batch: int | None) -> int:
-        """The step index for a running batch: the first planned batch at or above it;
-        len(steps) (stock) above the largest or when the batch is unknown."""
+        """A running batch's bucket, monotone in the batch: 2i for planned batch i (and 0 for
+        anything below the first), 2i - 1 between planned batches i - 1 and i, and
+        `stock_bucket` above the last or when the batch is unknown."""
+        batches = self.batches
         if batch is None:
-            return len(self.steps)
-        return bisect.bisect_left(self.batches, batch)
+            return self.stock_bucket
+        if batch <= batches[0]:
+            return 0
+        i = bisect.bisect_left(batches, batch)
+        if i == len(batches):
+            return self.stock_bucket
+        return 2 * i if batches[i] == batch else 2 * i - 1
 
     def setting(self, bucket: int) -> Setting:
-        """A bucket's setting; the bucket past the last step is stock."""
-        return self.steps[bucket].setting if bucket < len(self.steps) else STOCK
+        """A bucket's setting (see the module docstring)."""
+        if bucket >= self.stock_bucket:
+            return STOCK
+        if bucket % 2 == 0:
+            return self.steps[bucket // 2].setting
+        return self.steps[bucket // 2].setting.join(self.steps[bucket // 2 + 1].setting)
+
+    def band_setting(self, band: tuple[int, int]) -> Setting:
+        """The least aggressive setting over buckets band[0]..band[1] (the governor's band)."""
+        setting = self.setting(band[0])
+        for bucket in range(band[0] + 1, band[1] + 1):
+            setting = setting.join(self.setting(bucket))
+        return setting
+
+    def band_label(self, band: tuple[int, int]) -> str:
+        low, high = (self.bucket_label(b) for b in band)
+        return low if band[0] == band[1] else f"{low} to {high}"
+
+    def bucket_batch(self, bucket: int) -> int:
+        """The planned batch a bucket reaches up to (0: above the plan, stock)."""
+        return 0 if bucket >= self.stock_bucket else self.steps[(bucket + 1) // 2].batch
 
     def bucket_label(self, bucket: int) -> str:
-        if bucket < len(self.steps):
-            return f"plan batch {self.steps[bucket].batch}"
-        return f"above plan batch {self.steps[-1].batch} (stock)"
+        if bucket >= self.stock_bucket:
+            return f"above plan batch {self.steps[-1].batch} (stock)"
+        if bucket % 2 == 0:
+            return f"plan batch {self.steps[bucket // 2].batch}"
+        low, high = self.steps[bucket // 2].batch, self.steps[bucket // 2 + 1].batch
+        return f"between plan batches {low} and {high}"
 
     def matches_model(self, name: str, *, twin_models: bool) -> bool:
         """Whether a GPU of NVML model `name` is the model the plan was measured on."""
@@ -239,8 +287,8 @@ def dump_plan(plan: BatchPlan) -> str:
     lines = [
         "# Per-batch GPU settings written by `dvfs cap plan --per-batch`; follow them with",
         "# `dvfs govern --plan FILE --url http://127.0.0.1:30000` (systemd/dvfs-govern.service).",
-        "# A running batch gets the step of the first batch at or above it; above the last",
-        "# step the GPU runs at stock. A missing sm_clock_mhz / power_limit_w means stock.",
+        "# A planned batch gets its step; a batch between two gets the less aggressive of the",
+        "# two; above the last the GPU runs at stock. No sm_clock_mhz / power_limit_w: stock.",
     ]
     if plan.simulated:
         lines += [

@@ -1,15 +1,18 @@
-"""The governor's rule: which plan step a running batch gets, and when it may change (pure).
+"""The governor's rule: which setting a running batch gets, and when it may change (pure).
 
-Steps are ordered by batch, so the rule works on step indices ("buckets", see
-`BatchPlan.bucket`). Going up follows the load at once: a batch above the current step's gets
-its own step. Going down needs the batch to have fallen by a margin (`hysteresis` of the batch,
-at least one request) below the current step: a batch hovering at a step boundary therefore
-sits in the band between the two thresholds and changes nothing. On top, no two changes come
-closer than `dwell_s`, whatever the load does. An unknown batch (the server does not answer)
-counts as above the plan: stock, the setting that never costs latency.
+The rule works on the plan's buckets (ordered by batch, see `BatchPlan.bucket`). When a batch is
+seen outside the band in force, the governor takes a new band around it: the buckets of every
+batch within `hysteresis` of it (a fraction of the batch, at least one request) either way, and
+applies the least aggressive setting over that band (`BatchPlan.band_setting`). While the batch
+stays inside the band nothing changes, so a load hovering at a step boundary does not flap; and
+since the band always holds the current batch's bucket, the setting in force always covers what
+the current batch needs, whichever way the needed clock runs with the batch. On top, no two
+changes come closer than `dwell_s`, whatever the load does. An unknown batch (the server does not
+answer) counts as above the plan: stock, the setting that never costs latency.
 
-Together these make the governor unable to oscillate: under a constant batch it changes at most
-once, and a batch alternating within the hysteresis band changes it at most twice.
+So the governor cannot oscillate: under a constant batch it changes at most once, and a batch
+alternating between two values within each other's hysteresis changes it at most twice (once
+when the two straddle the top of the plan: the band of a planned batch stops there).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 from dvfs.errors import CapsError
 from dvfs.govern.plan import BatchPlan
+
+Band = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,9 @@ class PolicyParams:
 
 @dataclass(frozen=True)
 class PolicyState:
-    """The step in force (None before the first decision) and when it was chosen."""
+    """The band of buckets in force (None before the first decision) and when it was chosen."""
 
-    bucket: int | None = None
+    band: Band | None = None
     changed_at: float | None = None
 
 
@@ -46,28 +51,39 @@ class PolicyState:
 class Decision:
     state: PolicyState
     changed: bool
-    #: The step the load asks for; differs from state.bucket while the dwell holds it back.
-    wanted: int
+    #: The band the load asks for; differs from state.band while the dwell holds it back.
+    wanted: Band | None
 
 
 def margin(batch: int, hysteresis: float) -> int:
-    """How far a batch must fall below a step before the governor steps down."""
+    """How far around a batch its band reaches (at least one request)."""
     return max(1, math.ceil(hysteresis * batch))
+
+
+def band_for(plan: BatchPlan, batch: int | None, hysteresis: float) -> Band:
+    """The buckets of every batch within the margin of `batch` (stock alone when unknown).
+
+    A batch the plan covers gets a band that stops at the plan's last step: reaching past it
+    would put a planned load at stock only because a larger one was not measured.
+    """
+    if batch is None:
+        return (plan.stock_bucket, plan.stock_bucket)
+    m = margin(batch, hysteresis)
+    low = plan.bucket(max(0, batch - m))
+    if plan.bucket(batch) == plan.stock_bucket:
+        return (low, plan.stock_bucket)
+    return (low, min(plan.bucket(batch + m), plan.stock_bucket - 1))
 
 
 def decide(
     plan: BatchPlan, state: PolicyState, batch: int | None, now: float, params: PolicyParams
 ) -> Decision:
-    """The step for `batch` observed at `now` (seconds, monotone), given the current state."""
-    up = plan.bucket(batch)
-    current = state.bucket
-    if current is None or up > current:
-        wanted = up
-    else:
-        down = plan.bucket(None if batch is None else batch + margin(batch, params.hysteresis))
-        wanted = down if down < current else current
-    if wanted == current:
-        return Decision(state, False, wanted)
+    """The band for `batch` observed at `now` (seconds, monotone), given the current state."""
+    seen = plan.bucket(batch)
+    band = state.band
+    if band is not None and band[0] <= seen <= band[1]:
+        return Decision(state, False, band)
+    wanted = band_for(plan, batch, params.hysteresis)
     if state.changed_at is not None and now - state.changed_at < params.dwell_s:
         return Decision(state, False, wanted)
     return Decision(PolicyState(wanted, now), True, wanted)
@@ -75,13 +91,14 @@ def decide(
 
 def follow(
     plan: BatchPlan, trace: Iterable[tuple[float, int | None]], params: PolicyParams
-) -> list[int]:
-    """The step in force after each (time, batch) observation of a trace, from a fresh start:
+) -> list[Band]:
+    """The band in force after each (time, batch) observation of a trace, from a fresh start:
     what the governor would do to a recorded or synthetic load (a replay or a benchmark runs
     this very rule)."""
-    state, steps = PolicyState(), []
+    state, bands = PolicyState(), []
     for now, batch in trace:
         state = decide(plan, state, batch, now, params).state
-        assert state.bucket is not None  # the first observation always sets a step
-        steps.append(state.bucket)
-    return steps
+        if state.band is None:  # cannot happen: the first observation always sets a band
+            raise AssertionError("no band after a decision")
+        bands.append(state.band)
+    return bands
