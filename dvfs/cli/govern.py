@@ -141,7 +141,8 @@ def _timeout(interval: float) -> float:
     type=float,
     default=0.25,
     show_default=True,
-    help="Step down only once the batch is this fraction (at least 1 request) below a step.",
+    help="Band around the running batch, this fraction of it (at least 1 request) either way: "
+    "its least aggressive setting applies, and nothing changes while the batch stays inside.",
 )
 @click.option("--dry-run", is_flag=True, help="Print what would change; change nothing.")
 @click.option(
@@ -173,10 +174,10 @@ def govern(
 ) -> None:
     """Follow the server's load with the plan's per-batch settings (needs root unless --dry-run).
 
-    Every INTERVAL reads the running requests from the server's /metrics, picks the plan's step
-    for that batch (stepping down only past the hysteresis, never changing faster than the
-    dwell; stock when the server does not answer) and applies it under the same safety layer
-    as `dvfs cap apply`. Stopping restores every GPU.
+    Every INTERVAL reads the running requests from the server's /metrics; when the batch leaves
+    the band in force, takes a new band around it (--hysteresis) and applies the plan's least
+    aggressive setting over it, never changing faster than --dwell (stock when the server does
+    not answer), under the same safety layer as `dvfs cap apply`. Stopping restores every GPU.
     """
     from dvfs.backends import open_gpus, parse_devices
     from dvfs.govern.exporter import LiveMetrics
