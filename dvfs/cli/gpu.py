@@ -304,6 +304,12 @@ def roofline(
         target = _cuda_gpu(spec)
     request = RooflineRequest(spec, clocks, target, observe_only, energy_window, settle, state_dir)
     err = console(stderr=True)
+    kernels = 2 * len(spec.tokens) + 4
+    per_kernel = min_time + (energy_window + 0.2 if target is not None and not on_cpu else 0)
+    settings = 1 + len(clocks)
+    total_s = kernels * settings * per_kernel
+    length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
+    err.print(f"{kernels} kernels x {settings} setting(s): about {length} of measurement")
     try:
         result = run_roofline(request, note=lambda line: err.print(escape(line)))
     except BaseException as exc:
