@@ -7,6 +7,7 @@ import hashlib
 import math
 import statistics
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,27 +44,43 @@ def fit_to_range(prompt: Prompt, min_tokens: int, max_tokens: int) -> Prompt | N
     return Prompt(prompt.id, trimmed, max_tokens)
 
 
-#: Eligible prompts per (corpus object, range): a corpus is immutable, and a sweep samples
-#: from the same few corpora thousands of times.
-_ELIGIBLE: dict[tuple[int, int, int], tuple[weakref.ref[Corpus], tuple[Prompt, ...]]] = {}
+@dataclass
+class _Fitted:
+    """A corpus's prompts fitted to one range, and the samples drawn from them so far."""
+
+    corpus: weakref.ref[Corpus]
+    pool: tuple[Prompt, ...]
+    samples: dict[tuple[int, int], tuple[Prompt, ...]] = field(default_factory=dict)
+
+
+#: Per (corpus object, range): a corpus is immutable, and a sweep samples the same few corpora
+#: thousands of times, mostly with seeds it used at another knob setting.
+_FITTED: dict[tuple[int, int, int], _Fitted] = {}
+#: Samples remembered per corpus and range (bounded, so memory stays flat).
+SAMPLE_CACHE_SIZE = 4096
+
+
+def _fitted(corpus: Corpus, input_tokens: tuple[int, int]) -> _Fitted:
+    lo, hi = input_tokens
+    key = (id(corpus), lo, hi)
+    cached = _FITTED.get(key)
+    if cached is not None and cached.corpus() is corpus:
+        return cached
+    fitted = (fit_to_range(p, lo, hi) for p in corpus.prompts)
+
+    def forget(ref: weakref.ref[Corpus]) -> None:
+        entry = _FITTED.get(key)
+        if entry is not None and entry.corpus is ref:
+            del _FITTED[key]
+
+    entry = _Fitted(weakref.ref(corpus, forget), tuple(p for p in fitted if p is not None))
+    _FITTED[key] = entry
+    return entry
 
 
 def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> tuple[Prompt, ...]:
     """The corpus's prompts fitted to the range, in corpus order (computed once per corpus)."""
-    lo, hi = input_tokens
-    key = (id(corpus), lo, hi)
-    cached = _ELIGIBLE.get(key)
-    if cached is not None and cached[0]() is corpus:
-        return cached[1]
-    fitted = (fit_to_range(p, lo, hi) for p in corpus.prompts)
-    pool = tuple(p for p in fitted if p is not None)
-
-    def forget(ref: weakref.ref[Corpus]) -> None:
-        if _ELIGIBLE.get(key, (None,))[0] is ref:
-            del _ELIGIBLE[key]
-
-    _ELIGIBLE[key] = (weakref.ref(corpus, forget), pool)
-    return pool
+    return _fitted(corpus, input_tokens).pool
 
 
 def sample_prompts(
@@ -79,7 +96,8 @@ def sample_prompts(
     Raises when the corpus has fewer eligible prompts than asked: repeating a prompt inside a
     batch would let prefix caching flatter the measurement.
     """
-    pool = eligible_prompts(corpus, input_tokens)
+    entry = _fitted(corpus, input_tokens)
+    pool = entry.pool
     if len(pool) < count:
         lo, hi = input_tokens
         raise CorpusError(
@@ -87,9 +105,16 @@ def sample_prompts(
             f"but the workload needs {count}; widen workload.input_tokens, lower the batch, "
             "or add prompts"
         )
-    rng = np.random.default_rng(stable_seed(seed, corpus.name, *key))
-    picks = rng.choice(len(pool), size=count, replace=False)
-    return tuple(pool[i] for i in picks)
+    stream = stable_seed(seed, corpus.name, *key)
+    sample = entry.samples.get((count, stream))
+    if sample is None:
+        rng = np.random.default_rng(stream)
+        picks = rng.choice(len(pool), size=count, replace=False)
+        sample = tuple(pool[i] for i in picks)
+        if len(entry.samples) >= SAMPLE_CACHE_SIZE:
+            entry.samples.clear()
+        entry.samples[(count, stream)] = sample
+    return sample
 
 
 def preview_prompts(corpus: Corpus, count: int, *, seed: int) -> tuple[Prompt, ...]:

@@ -10,6 +10,8 @@ counting from `dvfs.twin.passes`), whose virtual clock advances by the work done
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +29,9 @@ from dvfs.version import __version__
 
 #: Virtual seconds a (re)start takes: loading weights and capturing CUDA graphs.
 STARTUP_S = 60.0
+#: Fixed-batch rounds remembered per server: a sweep repeats each (prompts, seed) round at
+#: every knob setting, and only the timing differs (bounded, so memory stays flat).
+ROUND_CACHE_SIZE = 256
 
 
 class Node(Protocol):
@@ -64,12 +69,14 @@ class TwinEngine:
         self._drafter: DrafterSpec | None = None
         self._plan: DraftPlan | None = None
         self._alphas: dict[tuple[str, float], float] = {}
+        self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
         self._plan = plan_drafter(drafter, self.model)
         self._drafter = drafter
         self._alphas = {}
+        self._rounds = OrderedDict()
         if self.node.clock.virtual:  # loading weights costs virtual time only; never wait for real
             self.node.clock.sleep(self.startup_s)
         args: dict[str, object] = {
@@ -90,6 +97,7 @@ class TwinEngine:
         self._drafter = None
         self._plan = None
         self._alphas = {}
+        self._rounds = OrderedDict()
 
     def __enter__(self) -> TwinEngine:
         return self
@@ -115,91 +123,43 @@ class TwinEngine:
             self._alphas[key] = plan.alpha(corpus, workload.temperature)
         return self._alphas[key], plan.depth
 
-    def _draws(
-        self, rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int
-    ) -> np.ndarray:
-        """Tokens each verify emits: 1 + accepted drafts, a truncated geometric draw."""
-        if depth == 0 or alpha <= 0.0:
-            return np.ones(shape, dtype=np.int64)
-        if alpha >= 1.0:
-            return np.full(shape, depth + 1, dtype=np.int64)
-        u = rng.random(shape)
-        accepted = np.floor(np.log1p(-u) / math.log(alpha)).astype(np.int64)
-        return 1 + np.minimum(accepted, depth)
+    def _fixed_round(self, workload: Workload) -> _FixedRound:
+        """The round's tokens and passes, from the cache when only the knobs changed."""
+        lengths = np.array([p.input_tokens for p in workload.prompts], dtype=np.int64)
+        alpha, depth = self._acceptance(workload)
+        key = (workload.seed, lengths.tobytes(), workload.max_new_tokens, alpha, depth)
+        cached = self._rounds.get(key)
+        if cached is not None:
+            self._rounds.move_to_end(key)
+            return cached
+        planned = _plan_fixed(
+            self.model, self._plan, self.node.tp_size, workload, lengths, alpha, depth
+        )
+        self._rounds[key] = planned
+        if len(self._rounds) > ROUND_CACHE_SIZE:
+            self._rounds.popitem(last=False)
+        return planned
 
     def _run_fixed(self, workload: Workload) -> RoundResult:
         clock = self.node.clock
         t0 = clock.now_ns()
-        rng = np.random.default_rng(stable_seed("twin", workload.seed))
-        batch = workload.batch
-        lengths = np.array([p.input_tokens for p in workload.prompts], dtype=np.int64)
-        remaining = workload.max_new_tokens - 1  # the first token comes from prefill
-        alpha, depth = self._acceptance(workload)
-
-        builder = PassBuilder(self.node.tp_size)
-        done_chunk = prefill_passes(builder, self.model, lengths)
-        n_prefill = len(builder.parts[0])
-
-        draws = self._draws(rng, (batch, max(1, remaining)), alpha, depth)
-        cum = np.minimum(np.cumsum(draws, axis=1), remaining)
-        n_iter = int(np.max(np.argmax(cum >= remaining, axis=1))) + 1 if remaining > 0 else 0
-        cum = cum[:, :n_iter]
-        before = np.concatenate([np.zeros((batch, 1), dtype=np.int64), cum[:, :-1]], axis=1)
-        emitted = cum - before
-        is_active = before < remaining
-        active = is_active.sum(axis=0).astype(float)
-        context = lengths[:, None] + 1 + before
-        ctx_sum = np.where(is_active, context, 0).sum(axis=0).astype(float)
-        ctx_kv = np.where(is_active, self.model.kv_bytes_read(context), 0.0).sum(axis=0)
-        mean_ctx = ctx_sum / np.maximum(active, 1.0)
-        iter_emitted = emitted.sum(axis=0).astype(float)
-        width = (
-            decode_passes(
-                builder, self.model, self._plan, active, ctx_sum, ctx_kv, mean_ctx, iter_emitted
-            )
-            if n_iter
-            else 0
-        )
-
-        # Three phases, each at its own operating point under a power limit: prefill, decode
-        # with the full batch (the steady window), and the drain as requests finish.
-        prefill = builder.parts[0]
-        decode = builder.parts[1] if n_iter else prefill.slice(0, 0)
-        split = int(np.sum(active == batch)) * width
-        point = self.node.execute(prefill, decode.slice(0, split), decode.slice(split))
+        planned = self._fixed_round(workload)
+        n_prefill, n_iter, width = planned.n_prefill, planned.n_iter, planned.width
+        point = self.node.execute(*planned.phases)
         ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
-        prefill_end = ends_ns[:n_prefill]
-        first_ns = prefill_end[done_chunk]
-        verify_col = verify_column(self._plan, width)
-        iter_ns = (
-            ends_ns[n_prefill + np.arange(n_iter) * width + verify_col]
-            if n_iter
-            else np.array([], dtype=np.int64)
-        )
+        first_ns = ends_ns[:n_prefill][planned.done_chunk]
+        iter_ns = ends_ns[n_prefill + np.arange(n_iter) * width + verify_column(self._plan, width)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
         # prefix of the iterations); row views of one array, checked once for the round.
-        verify_counts = is_active.sum(axis=1)
-        counts = verify_counts + 1
-        chunk_ns = np.empty((batch, n_iter + 1), dtype=np.int64)
+        chunk_ns = np.empty((workload.batch, n_iter + 1), dtype=np.int64)
         chunk_ns[:, 0] = first_ns
         chunk_ns[:, 1:] = iter_ns
-        chunk_tokens = np.empty((batch, n_iter + 1), dtype=np.int64)
-        chunk_tokens[:, 0] = 1
-        chunk_tokens[:, 1:] = emitted
-        completion = chunk_tokens.sum(axis=1)
-        check_chunks(chunk_ns, chunk_tokens, counts, completion)
+        check_chunks(chunk_ns, planned.chunk_tokens, planned.counts, planned.completion)
         chunk_ns.flags.writeable = False
-        chunk_tokens.flags.writeable = False
-        requests = _traces(t0, chunk_ns, chunk_tokens, counts, lengths, completion, self._plan)
-        verifies = int(verify_counts.sum())
-        accept_length = (
-            (int(completion.sum()) - batch) / verifies
-            if self._plan is not None and verifies
-            else None
-        )
+        requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        return RoundResult(tuple(requests), t0, end_ns, accept_length)
+        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length)
 
     def _run_closed_loop(self, workload: Workload) -> RoundResult:
         """Concurrency held at `batch` from the prompt pool, natural output lengths.
@@ -254,9 +214,9 @@ class TwinEngine:
             decoding = [r for r in running if r not in admitted and produced[r] < targets[r]]
             if decoding:
                 idx = np.array(decoding)
-                draws = self._draws(rng, (len(idx),), alpha, depth)
+                drawn = draws(rng, (len(idx),), alpha, depth)
                 left = targets[idx] - produced[idx]
-                got = np.minimum(draws, left)
+                got = np.minimum(drawn, left)
                 context = np.array([pool[r].input_tokens for r in idx]) + produced[idx]
                 active = np.array([float(len(idx))])
                 ctx_sum = np.array([float(context.sum())])
@@ -314,29 +274,116 @@ class TwinEngine:
         return RoundResult(tuple(requests), t0, end_ns, _server_accept_length(requests))
 
 
-def _traces(
-    t0: int,
-    chunk_ns: np.ndarray,
-    chunk_tokens: np.ndarray,
-    counts: np.ndarray,
-    lengths: np.ndarray,
-    completion: np.ndarray,
+@dataclass(frozen=True)
+class _FixedRound:
+    """What a fixed-batch round does whatever the clock: its passes in three phases (prefill,
+    decode with the full batch, the drain) and each request's chunk tokens (read-only)."""
+
+    phases: tuple[Passes, Passes, Passes]
+    n_prefill: int
+    n_iter: int
+    width: int
+    done_chunk: np.ndarray
+    chunk_tokens: np.ndarray
+    counts: np.ndarray
+    completion: np.ndarray
+    lengths: np.ndarray
+    accept_length: float | None
+
+
+def draws(rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int) -> np.ndarray:
+    """Tokens each verify emits: 1 + accepted drafts, a truncated geometric draw."""
+    if depth == 0 or alpha <= 0.0:
+        return np.ones(shape, dtype=np.int64)
+    if alpha >= 1.0:
+        return np.full(shape, depth + 1, dtype=np.int64)
+    u = rng.random(shape)
+    accepted = np.floor(np.log1p(-u) / math.log(alpha)).astype(np.int64)
+    return 1 + np.minimum(accepted, depth)
+
+
+def _plan_fixed(
+    model: ModelProfile,
     plan: DraftPlan | None,
+    tp_size: int,
+    workload: Workload,
+    lengths: np.ndarray,
+    alpha: float,
+    depth: int,
+) -> _FixedRound:
+    """Draw the round's accepted tokens (requests x iterations at once) and count its passes."""
+    rng = np.random.default_rng(stable_seed("twin", workload.seed))
+    batch = workload.batch
+    remaining = workload.max_new_tokens - 1  # the first token comes from prefill
+    builder = PassBuilder(tp_size)
+    done_chunk = prefill_passes(builder, model, lengths)
+    n_prefill = len(builder.parts[0])
+
+    cum = np.minimum(
+        np.cumsum(draws(rng, (batch, max(1, remaining)), alpha, depth), axis=1), remaining
+    )
+    n_iter = int(np.max(np.argmax(cum >= remaining, axis=1))) + 1 if remaining > 0 else 0
+    cum = cum[:, :n_iter]
+    before = np.concatenate([np.zeros((batch, 1), dtype=np.int64), cum[:, :-1]], axis=1)
+    emitted = cum - before
+    is_active = before < remaining
+    active = is_active.sum(axis=0).astype(float)
+    context = lengths[:, None] + 1 + before
+    ctx_sum = np.where(is_active, context, 0).sum(axis=0).astype(float)
+    ctx_kv = np.where(is_active, model.kv_bytes_read(context), 0.0).sum(axis=0)
+    mean_ctx = ctx_sum / np.maximum(active, 1.0)
+    iter_emitted = emitted.sum(axis=0).astype(float)
+    width = (
+        decode_passes(builder, model, plan, active, ctx_sum, ctx_kv, mean_ctx, iter_emitted)
+        if n_iter
+        else 0
+    )
+    # Each phase runs at its own operating point under a power limit.
+    prefill = builder.parts[0]
+    decode = builder.parts[1] if n_iter else prefill.slice(0, 0)
+    split = int(np.sum(active == batch)) * width
+
+    verify_counts = is_active.sum(axis=1)
+    chunk_tokens = np.empty((batch, n_iter + 1), dtype=np.int64)
+    chunk_tokens[:, 0] = 1
+    chunk_tokens[:, 1:] = emitted
+    chunk_tokens.flags.writeable = False
+    completion = chunk_tokens.sum(axis=1)
+    verifies = int(verify_counts.sum())
+    return _FixedRound(
+        phases=(prefill, decode.slice(0, split), decode.slice(split)),
+        n_prefill=n_prefill,
+        n_iter=n_iter,
+        width=width,
+        done_chunk=done_chunk,
+        chunk_tokens=chunk_tokens,
+        counts=verify_counts + 1,
+        completion=completion,
+        lengths=lengths,
+        accept_length=(int(completion.sum()) - batch) / verifies
+        if plan is not None and verifies
+        else None,
+    )
+
+
+def _traces(
+    t0: int, chunk_ns: np.ndarray, planned: _FixedRound, plan: DraftPlan | None
 ) -> list[RequestTrace]:
     """The fixed-batch round's traces, all run to length, from its checked chunk arrays."""
-    n = counts.tolist()
-    prompt = lengths.tolist()
-    done = completion.tolist()
+    tokens = planned.chunk_tokens
+    n = planned.counts.tolist()
+    prompt = planned.lengths.tolist()
+    done = planned.completion.tolist()
     if plan is None:
         return [
-            RequestTrace.trusted(t0, chunk_ns[i, :k], chunk_tokens[i, :k], p, c, "length")
+            RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, "length")
             for i, (k, p, c) in enumerate(zip(n, prompt, done, strict=True))
         ]
-    verify = (counts - 1).tolist()
-    accepted = (completion - counts).tolist()  # tokens past the prefill's, less one per verify
-    proposed = ((counts - 1) * (plan.verify_tokens - 1)).tolist()
+    verify = (planned.counts - 1).tolist()
+    accepted = (planned.completion - planned.counts).tolist()  # less the prefill's, 1 a verify
+    proposed = ((planned.counts - 1) * (plan.verify_tokens - 1)).tolist()
     return [
-        RequestTrace.trusted(t0, chunk_ns[i, :k], chunk_tokens[i, :k], p, c, "length", v, a, d)
+        RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, "length", v, a, d)
         for i, (k, p, c, v, a, d) in enumerate(
             zip(n, prompt, done, verify, accepted, proposed, strict=True)
         )

@@ -1,0 +1,403 @@
+"""The twin's whole-array round against straightforward references kept here: the pass
+counts column by column, the power-cap search by bisection, the traces request by request,
+and the step-by-step simulator. Equal means bit-equal: the twin is deterministic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.clock import VirtualClock
+from dvfs.corpora import load_corpus, sample_prompts
+from dvfs.corpora.sampling import stable_seed
+from dvfs.engines.base import RequestTrace, RoundResult, Workload, check_chunks
+from dvfs.engines.twin import TwinEngine, draws
+from dvfs.twin import physics
+from dvfs.twin.device import TwinDevice, TwinNode
+from dvfs.twin.drafting import DraftPlan, plan_drafter
+from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
+from dvfs.twin.physics import OperatingPoint, Passes, PassTiming
+from dvfs.twin.profiles import GpuProfile, gpu_profile, model_profile
+
+H100 = gpu_profile("h100-sxm")
+LLAMA8B = model_profile("llama-3.1-8b")
+DRAFTERS = {
+    "none": DrafterSpec("none"),
+    "eagle3": DrafterSpec("eagle3", "EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 5, 4, 8),
+    "standalone": DrafterSpec(
+        "standalone", "STANDALONE", "meta-llama/Llama-3.2-1B-Instruct", 4, 1, 5
+    ),
+    "ngram": DrafterSpec("ngram", "NGRAM", num_draft_tokens=12),
+    "dflash": DrafterSpec(
+        "dflash", "DFLASH", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", num_draft_tokens=16
+    ),
+}
+PLANS = {name: plan_drafter(spec, LLAMA8B) for name, spec in DRAFTERS.items()}
+
+
+# -- references ---------------------------------------------------------------------------------
+def reference_decode(
+    tp: int,
+    plan: DraftPlan | None,
+    active: np.ndarray,
+    ctx_sum: np.ndarray,
+    ctx_kv: np.ndarray,
+    mean_ctx: np.ndarray,
+    emitted: np.ndarray,
+) -> tuple[Passes, int]:
+    """Decode passes one column (draft step, verify, extend) at a time, then interleaved."""
+    builder = PassBuilder(tp)
+    k = plan.verify_tokens if plan else 1
+    if plan is not None and plan.family == "ngram":
+        builder.add_host(len(active))
+    elif plan is not None and plan.draft_model is not None:
+        draft = plan.draft_model
+        kv = draft.kv_bytes_read(mean_ctx) * active
+        per_token = draft.attention_flops_per_token(mean_ctx)
+        if plan.family == "dflash":
+            builder.add(draft, active * k, kv, per_token * active * k, active * k)
+        else:
+            for step in range(plan.num_steps):
+                tokens = active * (plan.topk if step > 0 else 1)
+                builder.add(draft, tokens, kv, per_token * tokens, tokens)
+    verify = active * k
+    builder.add(
+        LLAMA8B, verify, ctx_kv, LLAMA8B.attention_flops_per_token(mean_ctx) * verify, emitted
+    )
+    if plan is not None and plan.draft_model is not None and plan.family != "dflash":
+        draft = plan.draft_model
+        builder.add(
+            draft,
+            np.maximum(emitted, 1),
+            draft.kv_bytes_read(mean_ctx) * active,
+            draft.attention_flops_per_token(mean_ctx) * emitted,
+            emitted,
+        )
+    parts = builder.parts
+    names = [f.name for f in fields(Passes)]
+    interleaved = Passes(
+        *(np.stack([getattr(p, n) for p in parts], axis=1).reshape(-1) for n in names)
+    )
+    return interleaved, len(parts)
+
+
+def bisect_operating_point(
+    gpu: GpuProfile, passes: Passes, requested: int, limit_w: float
+) -> OperatingPoint:
+    """The power-cap search one `time_passes` call at a time."""
+    timing = physics.time_passes(gpu, passes, requested)
+    if len(passes) == 0 or timing.mean_power_w <= limit_w:
+        return OperatingPoint(int(requested), False, timing)
+    clocks = sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested)
+    lo, hi = 0, len(clocks) - 1
+    best, best_timing = clocks[0], physics.time_passes(gpu, passes, clocks[0])
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = physics.time_passes(gpu, passes, clocks[mid])
+        if candidate.mean_power_w <= limit_w:
+            best, best_timing = clocks[mid], candidate
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return OperatingPoint(int(best), True, best_timing)
+
+
+def reference_round(
+    devices: list[TwinDevice], plan: DraftPlan | None, workload: Workload, t0: int, alpha: float
+) -> RoundResult:
+    """A fixed-batch round request by request, each trace checked by its own constructor."""
+    depth = plan.depth if plan else 0
+    rng = np.random.default_rng(stable_seed("twin", workload.seed))
+    batch = workload.batch
+    lengths = np.array([p.input_tokens for p in workload.prompts], dtype=np.int64)
+    remaining = workload.max_new_tokens - 1
+    builder = PassBuilder(len(devices))
+    done_chunk = prefill_passes(builder, LLAMA8B, lengths)
+    prefill = builder.parts[0]
+    drawn = draws(rng, (batch, max(1, remaining)), alpha, depth)
+    emitted_rows = []
+    for i in range(batch):  # token by token: each request runs until it has `remaining`
+        row, total = [], 0
+        for d in drawn[i]:
+            if total >= remaining:
+                break
+            row.append(min(int(d), remaining - total))
+            total += row[-1]
+        emitted_rows.append(row)
+    n_iter = max(len(r) for r in emitted_rows) if remaining > 0 else 0
+    emitted = np.zeros((batch, n_iter), dtype=np.int64)
+    for i, row in enumerate(emitted_rows):
+        emitted[i, : len(row)] = row
+    before = np.cumsum(emitted, axis=1) - emitted
+    is_active = before < remaining
+    active = is_active.sum(axis=0).astype(float)
+    context = lengths[:, None] + 1 + before
+    ctx_sum = np.where(is_active, context, 0).sum(axis=0).astype(float)
+    ctx_kv = np.where(is_active, LLAMA8B.kv_bytes_read(context), 0.0).sum(axis=0)
+    mean_ctx = ctx_sum / np.maximum(active, 1.0)
+    decode, width = reference_decode(
+        len(devices), plan, active, ctx_sum, ctx_kv, mean_ctx, emitted.sum(axis=0).astype(float)
+    )
+    if not n_iter:
+        decode, width = prefill.slice(0, 0), 0
+    split = int(np.sum(active == batch)) * width
+    timings: list[PassTiming] = []
+    for phase in (prefill, decode.slice(0, split), decode.slice(split)):
+        if len(phase):
+            points = [
+                bisect_operating_point(d.profile, phase, d.requested_clock_mhz(), d.power_limit_w)
+                for d in devices
+            ]
+            timings.append(min(points, key=lambda p: p.sm_clock_mhz).timing)
+    durations = np.concatenate([t.duration_s for t in timings])
+    ends_ns = t0 + np.cumsum(np.round(durations * 1e9)).astype(np.int64)
+    first_ns = ends_ns[: len(prefill)][done_chunk]
+    iter_ns = ends_ns[len(prefill) + np.arange(n_iter) * width + verify_column(plan, width)]
+    requests = []
+    for i in range(batch):
+        mask = emitted[i] > 0
+        chunk_ns = np.concatenate([[first_ns[i]], iter_ns[mask]]).astype(np.int64)
+        chunk_tokens = np.concatenate([[1], emitted[i][mask]]).astype(np.int64)
+        verifies = int(mask.sum())
+        requests.append(
+            RequestTrace(
+                sent_ns=t0,
+                chunk_ns=chunk_ns,
+                chunk_tokens=chunk_tokens,
+                prompt_tokens=int(lengths[i]),
+                completion_tokens=int(chunk_tokens.sum()),
+                finish_reason="length",
+                spec_verify_ct=verifies if plan else None,
+                spec_accepted_drafts=int(emitted[i].sum()) - verifies if plan else None,
+                spec_proposed_drafts=verifies * (plan.verify_tokens - 1) if plan else None,
+            )
+        )
+    verify_total = sum(r.spec_verify_ct or 0 for r in requests)
+    accept = (
+        (sum(r.completion_tokens for r in requests) - batch) / verify_total
+        if plan and verify_total
+        else None
+    )
+    return RoundResult(tuple(requests), t0, int(ends_ns[-1]), accept)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def node(tp: int, clock_mhz: int | None, limit_w: float) -> list[TwinDevice]:
+    clock = VirtualClock()
+    devices = [TwinDevice(H100, clock, i) for i in range(tp)]
+    for d in devices:
+        d.locked_mhz = None if clock_mhz is None else (clock_mhz, clock_mhz)
+        d.power_limit_w = limit_w
+    return devices
+
+
+def assert_same_round(got: RoundResult, want: RoundResult) -> None:
+    assert (got.started_ns, got.ended_ns) == (want.started_ns, want.ended_ns)
+    assert got.server_accept_length == want.server_accept_length
+    assert len(got.requests) == len(want.requests)
+    for g, w in zip(got.requests, want.requests, strict=True):
+        for f in fields(RequestTrace):
+            a, b = getattr(g, f.name), getattr(w, f.name)
+            if isinstance(b, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+            else:
+                assert a == b and type(a) is type(b), f.name
+
+
+def workload(batch: int, corpus: str, tokens: int, seed: int) -> Workload:
+    prompts = sample_prompts(load_corpus(corpus), batch, input_tokens=(16, 2048), seed=seed)
+    return Workload(batch, prompts, corpus, tokens, 0.0, True, "fixed", seed=seed)
+
+
+# -- pass counting ------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    drafter=st.sampled_from(sorted(DRAFTERS)),
+    tp=st.sampled_from([1, 2, 4]),
+    n_iter=st.integers(1, 40),
+    batch=st.integers(1, 64),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_decode_passes_equal_a_column_by_column_count(drafter, tp, n_iter, batch, seed) -> None:
+    rng = np.random.default_rng(seed)
+    active = np.sort(rng.integers(1, batch + 1, n_iter))[::-1].astype(float)
+    mean_ctx = rng.uniform(16, 4096, n_iter)
+    ctx_sum = mean_ctx * active
+    ctx_kv = LLAMA8B.kv_bytes_read(mean_ctx) * active
+    emitted = active * rng.integers(1, 8, n_iter)
+    plan = PLANS[drafter]
+    builder = PassBuilder(tp)
+    width = decode_passes(builder, LLAMA8B, plan, active, ctx_sum, ctx_kv, mean_ctx, emitted)
+    want, want_width = reference_decode(tp, plan, active, ctx_sum, ctx_kv, mean_ctx, emitted)
+    assert width == want_width
+    for f in fields(Passes):
+        assert np.array_equal(getattr(builder.parts[0], f.name), getattr(want, f.name)), f.name
+
+
+# -- power-cap search ---------------------------------------------------------------------------
+def some_passes(n: int, batch: int, context: float) -> Passes:
+    builder = PassBuilder(1)
+    tokens = np.full(n, float(batch)) * np.linspace(1.0, 3.0, n)
+    ctx = np.full(n, context) + np.arange(n)
+    builder.add(
+        LLAMA8B,
+        tokens,
+        LLAMA8B.kv_bytes_read(ctx) * batch,
+        LLAMA8B.attention_flops_per_token(ctx) * tokens,
+        tokens,
+    )
+    return builder.parts[0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    batch=st.integers(1, 512),
+    context=st.floats(16, 8192),
+    requested=st.sampled_from(list(H100.supported_sm_clocks_mhz())),
+    limit_w=st.floats(60.0, 800.0),
+)
+def test_batched_power_cap_search_equals_bisection(n, batch, context, requested, limit_w) -> None:
+    passes = some_passes(n, batch, context)
+    got = physics.operating_point(H100, passes, requested, limit_w)
+    want = bisect_operating_point(H100, passes, requested, limit_w)
+    assert (got.sm_clock_mhz, got.power_capped) == (want.sm_clock_mhz, want.power_capped)
+    assert np.array_equal(got.timing.duration_s, want.timing.duration_s)
+    assert np.array_equal(got.timing.power_w, want.timing.power_w)
+
+
+def test_a_limit_exactly_at_a_clocks_power_keeps_that_clock() -> None:
+    """Ties are where batched sums and `time_passes` could disagree by rounding."""
+    passes = some_passes(700, 64, 1500.0)
+    for clock in (705, 1200, 1650):
+        limit = physics.time_passes(H100, passes, clock).mean_power_w
+        got = physics.operating_point(H100, passes, 1980, limit)
+        assert got.sm_clock_mhz == bisect_operating_point(H100, passes, 1980, limit).sm_clock_mhz
+        assert got.sm_clock_mhz >= clock
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 500), batch=st.integers(1, 256), context=st.floats(16, 8192))
+def test_mean_power_over_clocks_agrees_with_time_passes(n, batch, context) -> None:
+    passes = some_passes(n, batch, context)
+    clocks = np.array(H100.supported_sm_clocks_mhz())
+    batched = physics.mean_power_w(H100, passes, clocks)
+    one_by_one = [physics.time_passes(H100, passes, int(c)).mean_power_w for c in clocks]
+    np.testing.assert_allclose(batched, one_by_one, rtol=1e-12)
+    assert np.all(np.diff(batched[::-1]) > 0)  # power rises with the clock: the search's premise
+
+
+# -- whole rounds ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+@pytest.mark.parametrize(
+    ("tp", "clock_mhz", "limit_w", "batch", "tokens"),
+    [
+        (1, None, 700.0, 16, 256),
+        (1, 1530, 250.0, 64, 256),
+        (2, 1980, 300.0, 4, 33),
+        (1, 900, 700.0, 1, 1),
+    ],
+)
+def test_a_round_equals_the_request_by_request_reference(
+    drafter, tp, clock_mhz, limit_w, batch, tokens
+) -> None:
+    devices = node(tp, clock_mhz, limit_w)
+    engine = TwinEngine(TwinNode(devices), LLAMA8B)
+    engine.start(DRAFTERS[drafter])
+    for corpus, seed in (("code", 3), ("romansh", 11)):
+        w = workload(batch, corpus, tokens, seed)
+        t0 = devices[0].clock.now_ns()
+        plan = PLANS[drafter]
+        alpha = plan.alpha(corpus, 0.0) if plan else 0.0
+        want = reference_round(devices, plan, w, t0, alpha)
+        assert_same_round(engine.run(w), want)
+
+
+def test_a_round_without_drafts_equals_the_step_by_step_simulator() -> None:
+    """The closed-loop simulator given exactly `batch` prompts, all run to length, steps
+    through the same passes one iteration at a time (in one phase: so no binding limit)."""
+    for batch in (1, 7, 32):
+        w = workload(batch, "math", 120, batch)
+        fixed, stepped = (TwinEngine(TwinNode(node(1, None, 1e6)), LLAMA8B) for _ in range(2))
+        for e in (fixed, stepped):
+            e.start(DRAFTERS["none"])
+        assert_same_round(fixed.run(w), stepped.run(replace(w, mode="closed-loop")))
+
+
+def test_a_remembered_round_is_the_round_a_fresh_engine_runs() -> None:
+    """Rounds that differ only in knobs reuse the planned tokens and passes; the result must be
+    what an engine that never saw the workload computes."""
+    w = workload(16, "english", 200, 5)
+    devices = node(1, 1980, 700.0)
+    engine = TwinEngine(TwinNode(devices), LLAMA8B)
+    engine.start(DRAFTERS["eagle3"])
+    runs = []
+    for clock_mhz, limit_w in ((1980, 700.0), (1200, 700.0), (1980, 260.0), (1980, 700.0)):
+        devices[0].locked_mhz, devices[0].power_limit_w = (clock_mhz, clock_mhz), limit_w
+        got = engine.run(w)
+        fresh_devices = node(1, clock_mhz, limit_w)
+        fresh_devices[0].clock.sleep((got.started_ns - fresh_devices[0].clock.now_ns()) * 1e-9)
+        fresh = TwinEngine(TwinNode(fresh_devices), LLAMA8B, startup_s=0.0)
+        fresh.start(DRAFTERS["eagle3"])
+        assert_same_round(got, fresh.run(w))
+        runs.append(got)
+    assert runs[0].ended_ns - runs[0].started_ns < runs[1].ended_ns - runs[1].started_ns
+    # The same prompts and seed at another temperature accept fewer drafts: not the same round.
+    warm = engine.run(replace(w, temperature=0.7))
+    fresh = TwinEngine(TwinNode(node(1, 1980, 700.0)), LLAMA8B)
+    fresh.start(DRAFTERS["eagle3"])
+    cold = fresh.run(replace(w, temperature=0.7))
+    assert warm.server_accept_length is not None and runs[-1].server_accept_length is not None
+    assert warm.server_accept_length == cold.server_accept_length
+    assert warm.server_accept_length < runs[-1].server_accept_length
+
+
+def test_traces_are_read_only_views() -> None:
+    engine = TwinEngine(TwinNode(node(1, None, 700.0)), LLAMA8B)
+    engine.start(DRAFTERS["ngram"])
+    trace = engine.run(workload(4, "code", 64, 1)).requests[0]
+    with pytest.raises(ValueError):
+        trace.chunk_ns[0] = 0
+    with pytest.raises(ValueError):
+        trace.chunk_tokens[0] = 5
+
+
+# -- checks once per round ----------------------------------------------------------------------
+def test_check_chunks_refuses_what_the_trace_constructor_refuses() -> None:
+    ns = np.array([[10, 20, 30], [10, 15, 0]], dtype=np.int64)
+    tokens = np.array([[1, 2, 3], [1, 4, 0]], dtype=np.int64)
+    counts, completion = np.array([3, 2]), np.array([6, 5])
+    check_chunks(ns, tokens, counts, completion)  # the unused tail may hold anything in time
+    with pytest.raises(ValueError, match="backwards"):
+        check_chunks(ns, tokens, np.array([3, 3]), np.array([6, 5]))
+    with pytest.raises(ValueError, match="token count"):
+        check_chunks(ns, tokens, counts, np.array([6, 4]))
+    with pytest.raises(ValueError, match="shape"):
+        check_chunks(ns, tokens[:, :2], counts, completion)
+    with pytest.raises(ValueError):
+        RequestTrace(0, ns[1], tokens[1], 5, 5)
+
+
+def test_a_trusted_trace_is_a_checked_trace() -> None:
+    args = (5, np.array([7, 9]), np.array([1, 3]), 12, 4, "length", 1, 2, 7)
+    trusted, checked = RequestTrace.trusted(*args), RequestTrace(*args)
+    for f in fields(RequestTrace):
+        a, b = getattr(trusted, f.name), getattr(checked, f.name)
+        assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b
+    assert (trusted.first_token_ns, trusted.finished_ns) == (7, 9)
+
+
+def test_the_draws_are_truncated_geometric() -> None:
+    rng = np.random.default_rng(0)
+    drawn = draws(rng, (20000,), 0.6, 4)
+    assert drawn.min() == 1 and drawn.max() == 5
+    expected = sum(0.6**k for k in range(5))  # 1 + sum of P(accepted >= k), k = 1..4
+    assert math.isclose(drawn.mean(), expected, rel_tol=0.02)
+    assert np.array_equal(draws(rng, (3,), 0.0, 4), [1, 1, 1])
+    assert np.array_equal(draws(rng, (3,), 1.0, 4), [5, 5, 5])
