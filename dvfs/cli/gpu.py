@@ -277,10 +277,11 @@ def roofline(
     restored like a sweep). Prints peak FLOP/s, bandwidth, the ridge point, power and J per
     FLOP and per byte per clock, and GEMM efficiency by M."""
     from dvfs.roofline import store
-    from dvfs.roofline.kernels import BenchSpec, element_bytes
+    from dvfs.roofline.kernels import BenchSpec, element_bytes, import_torch
     from dvfs.roofline.run import RooflineRequest, run_roofline
     from dvfs.twin.profiles import model_profile
 
+    import_torch()  # without it, the one line that says how to install it, and nothing else
     on_cpu = device == "cpu"
     if not (on_cpu or device == "cuda" or device.startswith("cuda:")):
         raise click.BadParameter(f"{device!r}: use cuda, cuda:N or cpu", param_hint="--device")
