@@ -137,7 +137,8 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     load_plan(out_path)  # what was written reads back as the same plan
     err.print(
         f"wrote {escape(str(out_path))}; try it with `dvfs govern --plan "
-        f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run`"
+        f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run"
+        + (" --allow-simulated`" if plan.simulated else "`")
     )
 
 
