@@ -13,7 +13,8 @@ by `gpu` (index) and `uuid`:
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
 dvfs_server_energy_per_token_joules (all its GPUs); for the governor: dvfs_govern_changes_total
-and dvfs_govern_plan_batch (the step in force; 0 above the plan, at stock).
+and dvfs_govern_plan_batch (the largest planned batch the band in force reaches; 0 when it
+reaches above the plan, at stock).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class LiveCollector:
             )
             yield GaugeMetricFamily(
                 "dvfs_govern_plan_batch",
-                "Batch of the plan step in force (0: above the plan, stock).",
+                "Largest planned batch the band in force reaches (0: above the plan, stock).",
                 value=snap.plan_batch,
             )
 
