@@ -219,6 +219,21 @@ def test_energy_window_spans_counter_updates(nvml) -> None:
     assert window.sm_clock_mhz == 345
 
 
+def test_a_counter_that_never_moves_gives_nan_not_zero() -> None:
+    from dvfs.roofline.run import energy_window
+
+    class Stuck:
+        def energy_mj(self) -> int:
+            return 1000
+
+        def sm_clock_mhz(self) -> int:
+            return 1980
+
+    now = iter(range(1000))
+    window = energy_window(Stuck(), lambda: None, lambda: None, 3, clock=lambda: next(now))
+    assert math.isnan(window.power_w) and window.sm_clock_mhz == 1980
+
+
 def _start(env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
     clocks = ",".join(str(c) for c in range(1500, 900, -15))  # long enough to be interrupted
     return subprocess.Popen(

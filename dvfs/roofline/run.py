@@ -135,7 +135,8 @@ def energy_window(
     sync()
     if math.isnan(sm_clock):
         sm_clock = float(gpu.sm_clock_mhz())
-    return Window((e1 - e0) / 1000.0, t1 - t0, sm_clock)
+    joules = (e1 - e0) / 1000.0 if e1 != e0 else math.nan  # a counter that never moved
+    return Window(joules, t1 - t0, sm_clock)
 
 
 def check_clocks(gpu: Gpu, clocks: Sequence[int]) -> None:
