@@ -31,12 +31,12 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     stock_word = "stock" if ref.is_stock else "reference"
 
     cols = len(batches)
-    margins = Margins(left=0.9, top=0.55, bottom=1.5, wspace=0.9, hspace=0.25)
+    margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
     title = "Power and SM clock through the measurement window: stock vs chosen setting"
     panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols, title=title)
     fig = panels.fig
-    capped = False
     for col, batch in enumerate(batches):
+        capped = False
         power_ax, clock_ax = panels.axes[col], panels.axes[cols + col]
         clock_ax.sharex(power_ax)
         power_ax.tick_params(labelbottom=False)
@@ -68,7 +68,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                     t[keep],
                     cell["timeline_power_w"].values[keep],
                     drawstyle="steps-post",
-                    label=label if col == 0 else None,
+                    label=label,
                     **style,
                 )
                 clock_ax.plot(
@@ -84,17 +84,16 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
         power_ax.set_ylabel("GPU power (W)")
         clock_ax.set_ylabel("SM clock (MHz)")
         clock_ax.set_xlabel("time in steady-state window (s)")
-    handles, _ = panels.axes[0].get_legend_handles_labels()
-    if capped:
-        from matplotlib.lines import Line2D
+        handles, _ = power_ax.get_legend_handles_labels()
+        if capped:
+            from matplotlib.lines import Line2D
 
-        handles.append(Line2D([], [], color="#555555", linestyle=":", label="capped power limit"))
-    fig.legend(
-        handles=handles,
-        loc="lower center",
-        bbox_to_anchor=(0.5, 0.05 / fig.get_figheight()),
-        ncols=2,
-        frameon=False,
-    )
+            handles.append(
+                Line2D([], [], color="#555555", linestyle=":", label="capped power limit")
+            )
+        # under its own column: the chosen settings differ from batch to batch
+        clock_ax.legend(
+            handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False
+        )
     suptitle(fig, title)
     return fig
