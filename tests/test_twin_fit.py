@@ -107,7 +107,7 @@ def test_a_power_capped_gemm_is_fitted_at_the_clock_it_ran_at() -> None:
     fit = fit_roofline(twin_roofline(truth, gemm_cap_mhz=1500), H100)
     assert fit.profile.gemm_efficiency == pytest.approx(0.72, rel=0.01)
     assert fit.profile.tensor_power_w == pytest.approx(500, rel=0.01)
-    assert any("ran below its lock at 2 setting(s)" in n for n in fit.notes)
+    assert any("ran below the setting's clock at 2 setting(s)" in n for n in fit.notes)
     assert fit.gemm_efficiency_by_tokens["up"][-1] == pytest.approx(0.72, rel=0.01)
 
 
@@ -246,3 +246,22 @@ def test_compare_warns_about_another_gpu_and_refuses_a_clockless_file(
     path = store.write(clockless, tmp_path / "cpu.nc")
     result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(path)])
     assert result.exit_code == 1 and "records no SM clock" in result.stderr
+
+
+def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: Path) -> None:
+    path = tmp_path / "twin.nc"
+    args = ["gpu", "roofline", "--twin", "h200-sxm", "--clocks", "1500,1005,600"]
+    result = CliRunner().invoke(cli, [*args, "--tokens", "1,256,4096", "-o", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [s["setting"] for s in doc["settings"]] == ["stock", "1500", "1005", "600"]
+    assert all(s["j_per_flop"] > 0 and s["j_per_byte"] > 0 for s in doc["settings"])
+    assert any("simulated by the digital twin" in n for n in doc["notes"])
+    out = tmp_path / "fitted.toml"
+    fitted = CliRunner().invoke(cli, ["twin", "fit", str(path), "-o", str(out)])
+    assert fitted.exit_code == 0, fitted.output
+    profile, h200 = load_profile(out), gpu_profile("h200-sxm")
+    for name in FITTED:
+        assert getattr(profile, name) == pytest.approx(getattr(h200, name), rel=0.01), name
+    bad = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--clocks", "1501"])
+    assert bad.exit_code == 2 and "1501 MHz is not a supported SM clock of the twin" in bad.output

@@ -253,6 +253,11 @@ CPU_SCALE = 8
     type=click.Path(file_okay=False, path_type=Path),
     help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
 )
+@click.option(
+    "--twin",
+    metavar="PROFILE",
+    help="Simulate the roofline on the digital twin's GPU (h100-sxm, h200-sxm): no torch.",
+)
 @handle_errors
 def roofline(
     device: str,
@@ -271,17 +276,21 @@ def roofline(
     out_path: Path | None,
     as_json: bool,
     state_dir: Path | None,
+    twin: str | None,
 ) -> None:
     """Measure this GPU's roofline with torch: GEMMs over token counts M at the model's widths,
     a bandwidth triad and copy, the decode GEMV; at stock and at each of --clocks (locked and
     restored like a sweep). Prints peak FLOP/s, bandwidth, the ridge point, power and J per
     FLOP and per byte per clock, and GEMM efficiency by M."""
+    from dvfs.gpu.base import unsupported_clock
     from dvfs.roofline import store
     from dvfs.roofline.kernels import BenchSpec, element_bytes, import_torch
     from dvfs.roofline.run import RooflineRequest, run_roofline
+    from dvfs.signals import Interrupted
     from dvfs.twin.profiles import model_profile
 
-    import_torch()  # without it, the one line that says how to install it, and nothing else
+    if twin is None:
+        import_torch()  # without it, the one line that says how to install it, and nothing else
     on_cpu = device == "cpu"
     if not (on_cpu or device == "cuda" or device.startswith("cuda:")):
         raise click.BadParameter(f"{device!r}: use cuda, cuda:N or cpu", param_hint="--device")
@@ -298,24 +307,41 @@ def roofline(
         bandwidth_elements=max(1, int(mib * 2**20) // element_bytes(dtype)),
         min_time_s=min_time,
     )
-    target: int | str | None = None
-    if gpu_index is not None:
-        target = int(gpu_index) if gpu_index.isdigit() else gpu_index
-    elif not on_cpu:
-        target = _cuda_gpu(spec)
-    request = RooflineRequest(spec, clocks, target, observe_only, energy_window, settle, state_dir)
     err = console(stderr=True)
-    kernels = 2 * len(spec.tokens) + 4
-    per_kernel = min_time + (energy_window + 0.2 if target is not None and not on_cpu else 0)
-    settings = 1 + len(clocks)
-    total_s = kernels * settings * per_kernel
-    length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
-    err.print(f"{kernels} kernels x {settings} setting(s): about {length} of measurement")
-    try:
-        result = run_roofline(request, note=lambda line: err.print(escape(line)))
-    except BaseException as exc:
-        _after_roofline(exc, request, err)
-        raise
+    if twin is not None:
+        from dvfs.roofline.twin import simulate
+        from dvfs.twin.profiles import gpu_profile
+
+        profile = gpu_profile(twin)
+        for mhz in clocks:
+            problem = unsupported_clock(mhz, profile.supported_sm_clocks_mhz(), of=" of the twin")
+            if problem:
+                raise click.BadParameter(problem, param_hint="--clocks")
+        result = simulate(profile, spec, () if observe_only else clocks)
+    else:
+        target: int | str | None = None
+        if gpu_index is not None:
+            target = int(gpu_index) if gpu_index.isdigit() else gpu_index
+        elif not on_cpu:
+            target = _cuda_gpu(spec)
+        request = RooflineRequest(
+            spec, clocks, target, observe_only, energy_window, settle, state_dir
+        )
+        total_s = request.estimated_s()
+        length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
+        err.print(f"about {length} of measurement")
+        try:
+            result = run_roofline(request, note=lambda line: err.print(escape(line)))
+        except (KeyboardInterrupt, Interrupted):
+            if target is not None:
+                left, where = request.unrestored()
+                err.print(
+                    f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
+                    f"`dvfs gpu reset` (state in {where})."
+                    if left
+                    else "GPU settings restored."
+                )
+            raise
     ds = store.build_dataset(result)
     ds.attrs["model"] = shape.key
     if out_path is not None:
@@ -336,27 +362,6 @@ def _cuda_gpu(spec: Any) -> int | str | None:
     torch = import_torch()
     check_device(spec, torch)
     return cuda_uuid(spec, torch) or (int(spec.device.partition(":")[2] or 0))
-
-
-def _after_roofline(exc: BaseException, request: Any, err: Any) -> None:
-    """After an interruption: say whether this process left a GPU changed."""
-    from dvfs.signals import Interrupted
-
-    if not isinstance(exc, KeyboardInterrupt | Interrupted) or request.gpu is None:
-        return
-    import os
-
-    from dvfs.gpu.safety import StateStore
-
-    store = StateStore(request.state_dir) if request.state_dir else StateStore()
-    left = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
-    if left:
-        err.print(
-            f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
-            f"`dvfs gpu reset` (state in {store.directory})."
-        )
-    else:
-        err.print("GPU settings restored.")
 
 
 def _render_roofline(doc: dict[str, Any]) -> None:

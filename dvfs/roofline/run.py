@@ -52,6 +52,24 @@ class RooflineRequest:
     settle_s: float = 0.5
     state_dir: Path | None = None
 
+    def estimated_s(self) -> float:
+        """Roughly how long the measurement takes: each kernel's timing, plus its energy
+        window (and the counter's ticks) where energy is read, at every setting."""
+        kernels = len(plan_kernels(self.spec))
+        energy = self.gpu is not None and self.spec.on_cuda
+        per_kernel = self.spec.min_time_s + (self.energy_window_s + 0.2 if energy else 0.0)
+        return kernels * (1 + len(self.clocks_mhz)) * per_kernel
+
+    def unrestored(self) -> tuple[list[str], Path]:
+        """GPUs this process changed and did not restore (their state files), and where."""
+        import os
+
+        from dvfs.gpu.safety import StateStore
+
+        store = StateStore(self.state_dir) if self.state_dir else StateStore()
+        mine = [p.original.uuid for p in store.pending() if p.pid == os.getpid()]
+        return mine, store.directory
+
 
 @dataclass(frozen=True)
 class KernelResult:

@@ -164,8 +164,8 @@ def fit_roofline(
     capped = compute_clocks < clocks - 1
     if capped.any():
         notes.append(
-            f"the best GEMM ran below its lock at {int(capped.sum())} setting(s) (power "
-            "limit): its FLOP/s are fitted at the clock it ran at"
+            f"the best GEMM ran below the setting's clock at {int(capped.sum())} setting(s) "
+            "(power limit): its FLOP/s are fitted at the clock it ran at"
         )
     d = datasheet_flops(base, compute_clocks)
     gemm_eff = float(np.sum(peak * d) / np.sum(d * d))
@@ -191,7 +191,13 @@ def fit_roofline(
         if changes[name] > 1.0:
             notes.append(f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base?")
     profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
-    ridge = np.array([achievable_ridge_point(profile, f) for f in clocks])
+    # Where a power cap held the best GEMM below its lock, its FLOP/s are the capped clock's.
+    ridge = np.array(
+        [
+            achievable_ridge_point(profile, f) * fc / f
+            for f, fc in zip(clocks, compute_clocks, strict=True)
+        ]
+    )
     measured_ridge = ds["ridge_point"].values.astype(float)
     residuals["ridge_rel_max"] = float(np.max(np.abs(ridge / measured_ridge - 1.0)))
     tokens, by_shape = _gemm_curve(ds, base, clocks, seen)
