@@ -317,7 +317,9 @@ def roofline(
             problem = unsupported_clock(mhz, profile.supported_sm_clocks_mhz(), of=" of the twin")
             if problem:
                 raise click.BadParameter(problem, param_hint="--clocks")
-        result = simulate(profile, spec, () if observe_only else clocks)
+        if observe_only and clocks:
+            raise click.UsageError("--observe-only runs at the stock setting only: drop --clocks")
+        result = simulate(profile, spec, clocks)
     else:
         target: int | str | None = None
         if gpu_index is not None:
