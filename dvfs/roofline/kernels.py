@@ -90,7 +90,7 @@ def plan_kernels(spec: BenchSpec) -> list[Kernel]:
     shapes = {"up": (spec.intermediate, spec.hidden), "down": (spec.hidden, spec.intermediate)}
     kernels = []
     for label, (n, k) in shapes.items():
-        for m in spec.tokens:
+        for m in sorted(set(spec.tokens)):
             kernels.append(
                 Kernel(
                     f"gemm-{label}-m{m}",
