@@ -22,7 +22,7 @@ from dvfs.twin import physics
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
-from dvfs.twin.physics import OperatingPoint, Passes, PassTiming
+from dvfs.twin.physics import OperatingPoint, Passes, PassTiming, Schedule
 from dvfs.twin.profiles import GpuProfile, gpu_profile, model_profile
 
 H100 = gpu_profile("h100-sxm")
@@ -382,6 +382,25 @@ def test_check_chunks_refuses_what_the_trace_constructor_refuses() -> None:
         check_chunks(ns, tokens[:, :2], counts, completion)
     with pytest.raises(ValueError):
         RequestTrace(0, ns[1], tokens[1], 5, 5)
+
+
+class BackwardsNode(TwinNode):
+    """A node whose last pass ends a second before it starts: a bug the round check catches."""
+
+    def execute(self, *phases: Passes) -> Schedule:
+        schedule = super().execute(*phases)
+        last = schedule.points[-1]
+        durations = last.timing.duration_s.copy()
+        durations[-1] = -1.0
+        broken = replace(last, timing=replace(last.timing, duration_s=durations))
+        return Schedule((*schedule.points[:-1], broken))
+
+
+def test_a_round_whose_chunks_go_backwards_is_refused() -> None:
+    engine = TwinEngine(BackwardsNode(node(1, None, 700.0)), LLAMA8B)
+    engine.start(DRAFTERS["none"])
+    with pytest.raises(ValueError, match="backwards"):
+        engine.run(workload(4, "code", 32, 2))
 
 
 def test_a_trusted_trace_is_a_checked_trace() -> None:

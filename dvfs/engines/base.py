@@ -111,11 +111,28 @@ def check_chunks(
     """`RequestTrace`'s checks for a whole round at once: row i holds request i's chunks in
     its first `counts[i]` columns, which must not go backwards in time and must carry
     `completion[i]` tokens."""
-    if chunk_ns.shape != chunk_tokens.shape or len(counts) != len(chunk_ns):
-        raise ValueError("chunk_ns, chunk_tokens and counts differ in shape")
-    used = np.arange(chunk_ns.shape[1]) < counts[:, None]
+    if chunk_ns.shape != chunk_tokens.shape:
+        raise ValueError("chunk_ns and chunk_tokens differ in shape")
+    check_chunk_tokens(chunk_tokens, counts, completion)
+    check_chunk_times(chunk_ns, counts)
+
+
+def check_chunk_tokens(
+    chunk_tokens: np.ndarray, counts: np.ndarray, completion: np.ndarray
+) -> None:
+    """The token half of `check_chunks` (a producer may check it once for many rounds)."""
+    if len(counts) != len(chunk_tokens) or len(completion) != len(chunk_tokens):
+        raise ValueError("chunk_tokens, counts and completion differ in shape")
+    used = np.arange(chunk_tokens.shape[1]) < counts[:, None]
     if np.any(np.where(used, chunk_tokens, 0).sum(axis=1) != completion):
         raise ValueError("chunks carry a different token count than completion_tokens says")
+
+
+def check_chunk_times(chunk_ns: np.ndarray, counts: np.ndarray) -> None:
+    """The time half of `check_chunks`."""
+    if len(counts) != len(chunk_ns):
+        raise ValueError("chunk_ns and counts differ in shape")
+    used = np.arange(chunk_ns.shape[1]) < counts[:, None]
     if np.any((np.diff(chunk_ns, axis=1) < 0) & used[:, 1:]):
         raise ValueError("chunk timestamps go backwards")
 

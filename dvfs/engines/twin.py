@@ -19,7 +19,14 @@ import numpy as np
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
-from dvfs.engines.base import RequestTrace, RoundResult, ServerInfo, Workload, check_chunks
+from dvfs.engines.base import (
+    RequestTrace,
+    RoundResult,
+    ServerInfo,
+    Workload,
+    check_chunk_times,
+    check_chunk_tokens,
+)
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
@@ -154,7 +161,10 @@ class TwinEngine:
         chunk_ns = np.empty((workload.batch, n_iter + 1), dtype=np.int64)
         chunk_ns[:, 0] = first_ns
         chunk_ns[:, 1:] = iter_ns
-        check_chunks(chunk_ns, planned.chunk_tokens, planned.counts, planned.completion)
+        # Every row is its own first chunk then a prefix of the same iterations: the row
+        # with the latest first chunk and every iteration stands for them all.
+        worst = np.concatenate([[first_ns.max()], iter_ns])
+        check_chunk_times(worst[None, :], np.array([len(worst)]))
         chunk_ns.flags.writeable = False
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
@@ -349,6 +359,7 @@ def _plan_fixed(
     chunk_tokens[:, 1:] = emitted
     chunk_tokens.flags.writeable = False
     completion = chunk_tokens.sum(axis=1)
+    check_chunk_tokens(chunk_tokens, verify_counts + 1, completion)
     verifies = int(verify_counts.sum())
     return _FixedRound(
         phases=(prefill, decode.slice(0, split), decode.slice(split)),

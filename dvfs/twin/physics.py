@@ -259,9 +259,10 @@ class Schedule:
 
     points: tuple[OperatingPoint, ...]
 
-    @property
+    @functools.cached_property
     def timing(self) -> PassTiming:
-        """All passes in order (sm_clock_mhz: the clock of the longest phase)."""
+        """All passes in order (sm_clock_mhz: the clock of the longest phase); computed once,
+        as the engine and every device of the node read it."""
         main = max(self.points, key=lambda p: p.timing.total_s)
         parts = [p.timing for p in self.points]
         return PassTiming(
