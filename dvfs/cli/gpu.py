@@ -159,11 +159,11 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
-    """`1980,1500,1200` as integers; one clear line for anything else."""
+    """`1980,1500,1200` as integers, each once; one clear line for anything else."""
     if not value:
         return ()
     try:
-        numbers = tuple(int(v) for v in value.split(",") if v.strip())
+        numbers = tuple(dict.fromkeys(int(v) for v in value.split(",") if v.strip()))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if any(n <= 0 for n in numbers):
