@@ -207,6 +207,14 @@ def test_observe_only_calls_no_setter(nvml, monkeypatch: pytest.MonkeyPatch) -> 
     assert refused.exit_code == 2 and "stock setting only" in refused.output
 
 
+def test_without_root_the_message_names_observe_only(nvml, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+    result = CliRunner().invoke(cli, ["gpu", "roofline", *TINY, "--gpu", "0", "--clocks", "1500"])
+    assert result.exit_code == 4, result.output
+    assert "permission denied" in result.output and "roofline --observe-only" in result.output
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
 def test_energy_window_spans_counter_updates(nvml) -> None:
     from dvfs.gpu.nvml import open_nvml_gpus
     from dvfs.roofline.run import energy_window

@@ -282,6 +282,7 @@ def roofline(
     a bandwidth triad and copy, the decode GEMV; at stock and at each of --clocks (locked and
     restored like a sweep). Prints peak FLOP/s, bandwidth, the ridge point, power and J per
     FLOP and per byte per clock, and GEMM efficiency by M."""
+    from dvfs.errors import GpuPermissionError
     from dvfs.gpu.base import unsupported_clock
     from dvfs.roofline import store
     from dvfs.roofline.kernels import BenchSpec, element_bytes, import_torch
@@ -334,6 +335,11 @@ def roofline(
         err.print(f"about {length} of measurement")
         try:
             result = run_roofline(request, note=lambda line: err.print(escape(line)))
+        except GpuPermissionError as exc:
+            raise GpuPermissionError(
+                f"{exc}. `dvfs gpu roofline --observe-only` measures at the stock setting "
+                "without root"
+            ) from exc
         except (KeyboardInterrupt, Interrupted):
             if target is not None:
                 left, where = request.unrestored()
