@@ -73,9 +73,9 @@ class TwinGpu:
         return BulkReadings(
             energy_mj=np.trunc(r.energy_j * 1000).astype(np.int64),
             power_mw=np.round(r.power_w * 1000).astype(np.int64),
-            sm_clock_mhz=r.sm_clock_mhz.astype(np.int64),
+            sm_clock_mhz=r.sm_clock_mhz.astype(np.int64, copy=False),
             temperature_c=np.round(r.temperature_c).astype(np.int64),
-            reasons=r.reasons.astype(np.int64),
+            reasons=r.reasons.astype(np.int64, copy=False),
         )
 
     def energy_mj(self) -> int:
