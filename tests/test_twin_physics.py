@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
 from dvfs.gpu.twin import TwinGpu
 from dvfs.twin import physics
 from dvfs.twin.device import TwinDevice, TwinNode
+from dvfs.twin.drafting import draws
 from dvfs.twin.passes import PassBuilder
 from dvfs.twin.profiles import (
     accept_probability,
@@ -191,3 +194,13 @@ def test_each_phase_settles_at_its_own_clock_under_a_limit() -> None:
     assert gpu.clock_event_reasons() & EVENT_SW_POWER_CAP
     clock.sleep(first.timing.total_s / 2 + second.timing.total_s / 2)
     assert gpu.sm_clock_mhz() == 1980 and not gpu.clock_event_reasons() & EVENT_SW_POWER_CAP
+
+
+def test_the_draws_are_truncated_geometric() -> None:
+    rng = np.random.default_rng(0)
+    drawn = draws(rng, (20000,), 0.6, 4)
+    assert drawn.min() == 1 and drawn.max() == 5
+    expected = sum(0.6**k for k in range(5))  # 1 + sum of P(accepted >= k), k = 1..4
+    assert math.isclose(drawn.mean(), expected, rel_tol=0.02)
+    assert np.array_equal(draws(rng, (3,), 0.0, 4), [1, 1, 1])
+    assert np.array_equal(draws(rng, (3,), 1.0, 4), [5, 5, 5])

@@ -4,7 +4,6 @@ and the step-by-step simulator. Equal means bit-equal: the twin is deterministic
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields, replace
 
 import numpy as np
@@ -17,10 +16,10 @@ from dvfs.clock import VirtualClock
 from dvfs.corpora import load_corpus, sample_prompts
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import RequestTrace, RoundResult, Workload, check_chunks
-from dvfs.engines.twin import TwinEngine, draws
+from dvfs.engines.twin import TwinEngine
 from dvfs.twin import physics
 from dvfs.twin.device import TwinDevice, TwinNode
-from dvfs.twin.drafting import DraftPlan, plan_drafter
+from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
 from dvfs.twin.physics import OperatingPoint, Passes, PassTiming, Schedule
 from dvfs.twin.profiles import GpuProfile, gpu_profile, model_profile
@@ -410,13 +409,3 @@ def test_a_trusted_trace_is_a_checked_trace() -> None:
         a, b = getattr(trusted, f.name), getattr(checked, f.name)
         assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b
     assert (trusted.first_token_ns, trusted.finished_ns) == (7, 9)
-
-
-def test_the_draws_are_truncated_geometric() -> None:
-    rng = np.random.default_rng(0)
-    drawn = draws(rng, (20000,), 0.6, 4)
-    assert drawn.min() == 1 and drawn.max() == 5
-    expected = sum(0.6**k for k in range(5))  # 1 + sum of P(accepted >= k), k = 1..4
-    assert math.isclose(drawn.mean(), expected, rel_tol=0.02)
-    assert np.array_equal(draws(rng, (3,), 0.0, 4), [1, 1, 1])
-    assert np.array_equal(draws(rng, (3,), 1.0, 4), [5, 5, 5])

@@ -9,7 +9,6 @@ counting from `dvfs.twin.passes`), whose virtual clock advances by the work done
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,7 +27,7 @@ from dvfs.engines.base import (
     check_chunk_tokens,
 )
 from dvfs.errors import EngineError
-from dvfs.twin.drafting import DraftPlan, plan_drafter
+from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
 from dvfs.twin.physics import Passes, Schedule
 from dvfs.twin.profiles import GpuProfile, ModelProfile
@@ -299,17 +298,6 @@ class _FixedRound:
     completion: np.ndarray
     lengths: np.ndarray
     accept_length: float | None
-
-
-def draws(rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int) -> np.ndarray:
-    """Tokens each verify emits: 1 + accepted drafts, a truncated geometric draw."""
-    if depth == 0 or alpha <= 0.0:
-        return np.ones(shape, dtype=np.int64)
-    if alpha >= 1.0:
-        return np.full(shape, depth + 1, dtype=np.int64)
-    u = rng.random(shape)
-    accepted = np.floor(np.log1p(-u) / math.log(alpha)).astype(np.int64)
-    return 1 + np.minimum(accepted, depth)
 
 
 def _plan_fixed(

@@ -8,8 +8,11 @@ twin's physics does not import the configuration that sits above it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from dvfs.errors import EngineError
 from dvfs.twin import profiles
@@ -132,3 +135,14 @@ def plan_drafter(drafter: DrafterSettings, target: ModelProfile) -> DraftPlan | 
     else:
         draft = _generic_head(target, 32000 if algorithm == "EAGLE3" else target.vocab)
     return DraftPlan(algorithm, family, steps, topk, tokens, min(steps, tokens - 1), draft)
+
+
+def draws(rng: np.random.Generator, shape: tuple[int, ...], alpha: float, depth: int) -> np.ndarray:
+    """Tokens each verify emits: 1 + accepted drafts, a truncated geometric draw."""
+    if depth == 0 or alpha <= 0.0:
+        return np.ones(shape, dtype=np.int64)
+    if alpha >= 1.0:
+        return np.full(shape, depth + 1, dtype=np.int64)
+    u = rng.random(shape)
+    accepted = np.floor(np.log1p(-u) / math.log(alpha)).astype(np.int64)
+    return 1 + np.minimum(accepted, depth)
