@@ -1,7 +1,7 @@
 """dvfs: how much energy GPU clocks, power caps and speculative decoding really save.
 
-Heavy libraries (xarray, seaborn) load only when a function that needs them is called, so
-`dvfs --help` stays fast.
+Heavy libraries (xarray, matplotlib, seaborn) load only when a function that needs them is
+called, so `dvfs --help` stays fast.
 """
 
 from __future__ import annotations

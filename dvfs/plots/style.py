@@ -1,5 +1,6 @@
-"""The shared look of dvfs figures: an Agg canvas, fonts sized for reading, one colour per
-drafter in every figure, one line style and marker per power limit, and the stock marker.
+"""The shared look of dvfs figures: seaborn's white-grid theme and colour-blind palette, fonts
+sized for reading, one colour per drafter in every figure, one line style and marker per power
+limit, and the stock marker.
 
 Figures are built on `matplotlib.figure.Figure` with an Agg canvas, never through pyplot: no
 global backend switch, no figure registry to close, nothing shown.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import wraps
+from functools import cache, wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -44,8 +45,8 @@ RC: dict[str, Any] = {
     "savefig.dpi": DPI,
 }
 
-# Okabe-Ito: distinguishable with the common colour-vision deficiencies.
-COLORS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+# seaborn's "colorblind" palette: distinguishable with the common colour-vision deficiencies.
+PALETTE = "colorblind"
 LIMIT_LINESTYLES = ("--", ":", "-.")
 LIMIT_MARKERS = ("^", "s", "v", "P")
 
@@ -65,6 +66,22 @@ CHOSEN_STYLE: dict[str, Any] = {
     "zorder": 7,
 }
 
+@cache
+def theme() -> dict[str, Any]:
+    """seaborn's white-grid style under dvfs's sizes (seaborn loads with the first figure)."""
+    import seaborn
+
+    return {**seaborn.axes_style("whitegrid"), **RC}
+
+
+@cache
+def palette() -> tuple[str, ...]:
+    """The drafters' colours, in order."""
+    import seaborn
+
+    return tuple(seaborn.color_palette(PALETTE).as_hex())
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -76,7 +93,7 @@ def styled(draw: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         import matplotlib
 
-        with matplotlib.rc_context(RC):  # type: ignore[arg-type]
+        with matplotlib.rc_context(theme()):  # type: ignore[arg-type]
             return draw(*args, **kwargs)
 
     return wrapper
@@ -199,7 +216,8 @@ def save(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
 
 def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
     """One colour per drafter, the same in every figure (cube order)."""
-    return {d: COLORS[i % len(COLORS)] for i, d in enumerate(drafters)}
+    colors = palette()
+    return {d: colors[i % len(colors)] for i, d in enumerate(drafters)}
 
 
 @dataclass(frozen=True)
