@@ -96,6 +96,8 @@ class Runner:
         self.idle_power_w = float("nan")
         self._drafter: str | None = None
         self._setting: Any = None
+        self._session_open = False
+        self._start_failures: dict[str, str] = {}
 
     # -- session ------------------------------------------------------------------------------
     def _record_session(self) -> None:
@@ -267,42 +269,55 @@ class Runner:
         return CellRecord.failed(cell, attempts=attempts, errors=errors)
 
     # -- the sweep ----------------------------------------------------------------------------
+    def open_session(self) -> None:
+        """Measure the idle baseline and journal the session record (once per runner)."""
+        if not self._session_open:
+            self._record_session()
+            self._session_open = True
+
+    def run_cell(self, cell: Cell) -> CellRecord:
+        """Run one cell and journal its record: the session opened, the drafter's server
+        started and the knob applied first, as needed. A drafter whose server failed to start
+        fails its cells without another try until `run` starts over."""
+        self.open_session()
+        if cell.drafter != self._drafter and cell.drafter not in self._start_failures:
+            try:
+                self._start_server(cell.drafter)
+            except EngineError as exc:
+                self._start_failures[cell.drafter] = f"server start failed: {exc}"
+                self._drafter = None
+                self.progress.note(f"drafter {cell.drafter!r}: {exc}")
+        if cell.drafter in self._start_failures:
+            # One failed start fails the drafter's cells for this run; a rerun retries them.
+            failure = self._start_failures[cell.drafter]
+            record = CellRecord.failed(cell, attempts=0, errors=[failure])
+            self.journal.append(record.to_json())
+            self.progress.advance(cell, "failed")
+            return record
+        if cell.setting != self._setting:
+            if self.knobs.apply(cell.setting):
+                self.clock.sleep(self.campaign.knobs.settle_s)
+            self._setting = cell.setting
+        record = self._run_cell(cell)
+        self.journal.append(record.to_json())
+        self.progress.advance(cell, record.status)
+        return record
+
     def run(self, cells: Sequence[Cell]) -> RunSummary:
         done = self.journal.finished()
         todo = [c for c in cells if c.key not in done]
         self.progress.start(len(cells), len(cells) - len(todo))
         if not todo:
             return RunSummary(len(cells), len(cells), 0, 0)
-        self._record_session()
+        self._start_failures = {}
         measured = 0
         failed: list[str] = []
-        start_failures: dict[str, str] = {}
         for cell in todo:
-            if cell.drafter != self._drafter and cell.drafter not in start_failures:
-                try:
-                    self._start_server(cell.drafter)
-                except EngineError as exc:
-                    start_failures[cell.drafter] = f"server start failed: {exc}"
-                    self._drafter = None
-                    self.progress.note(f"drafter {cell.drafter!r}: {exc}")
-            if cell.drafter in start_failures:
-                # One failed start fails the drafter's cells for this run; a rerun retries them.
-                failure = start_failures[cell.drafter]
-                self.journal.append(CellRecord.failed(cell, attempts=0, errors=[failure]).to_json())
-                failed.append(cell_label(cell))
-                self.progress.advance(cell, "failed")
-                continue
-            if cell.setting != self._setting:
-                if self.knobs.apply(cell.setting):
-                    self.clock.sleep(self.campaign.knobs.settle_s)
-                self._setting = cell.setting
-            record = self._run_cell(cell)
-            self.journal.append(record.to_json())
+            record = self.run_cell(cell)
             if record.ok:
                 measured += 1
             else:
                 failed.append(cell_label(cell))
-            self.progress.advance(cell, record.status)
         return RunSummary(len(cells), len(cells) - len(todo), measured, len(failed), tuple(failed))
 
 
