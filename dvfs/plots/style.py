@@ -66,6 +66,7 @@ CHOSEN_STYLE: dict[str, Any] = {
     "zorder": 7,
 }
 
+
 @cache
 def theme() -> dict[str, Any]:
     """seaborn's white-grid style under dvfs's sizes (seaborn loads with the first figure)."""
