@@ -15,8 +15,9 @@ from typing import Protocol
 import numpy as np
 
 from dvfs.errors import EngineError
-from dvfs.twin import profiles
+from dvfs.twin import profiles, textprior
 from dvfs.twin.profiles import ModelProfile
+from dvfs.twin.textprior import TextProfile
 
 #: How much sampling at temperature T raises the draft miss rate: EAGLE-3's tau falls from
 #: 6.13 (T=0) to 4.24 (T=1) on MT-bench (A1), a 2.7x higher miss rate at depth 7 (INF).
@@ -63,15 +64,38 @@ class DraftPlan:
     depth: int
     draft_model: ModelProfile | None
 
-    def alpha(self, corpus: str, temperature: float) -> float:
+    def alpha(self, text: TextProfile | str, temperature: float) -> float:
+        """Per-draft acceptance on a text: its class's prior for a trained drafter, its
+        repetition for an n-gram drafter; then this plan's tree width and the temperature.
+        A name stands for that built-in corpus's text."""
+        if isinstance(text, str):
+            text = _builtin_text(text)
         prior = profiles.acceptance_priors()[self.family]
-        alpha_ref = profiles.accept_probability(prior.tau(corpus), prior.ref_depth)
+        if prior.alpha_intercept is not None and prior.alpha_per_sqrt_repetition is not None:
+            alpha_ref = textprior.ngram_alpha(
+                text.ngram_repetition, prior.alpha_intercept, prior.alpha_per_sqrt_repetition
+            )
+        else:
+            alpha_ref = profiles.accept_probability(
+                prior.tau(text.acceptance_class), prior.ref_depth
+            )
         alpha = profiles.widen(alpha_ref, prior.ref_topk, self.topk)
         miss = (1.0 - alpha) * (1.0 + TEMPERATURE_MISS_GAIN * min(max(temperature, 0.0), 1.0))
         return max(0.0, 1.0 - miss)
 
-    def expected_accept_length(self, corpus: str, temperature: float) -> float:
-        return profiles.expected_accept_length(self.alpha(corpus, temperature), self.depth)
+    def expected_accept_length(self, text: TextProfile | str, temperature: float) -> float:
+        return profiles.expected_accept_length(self.alpha(text, temperature), self.depth)
+
+
+def _builtin_text(name: str) -> TextProfile:
+    from dvfs.corpora.model import BUILTIN_CORPORA
+
+    if name not in BUILTIN_CORPORA:
+        raise EngineError(
+            f"the twin needs the text of corpus {name!r} to draw its acceptance "
+            f"(or a built-in corpus's name: {', '.join(BUILTIN_CORPORA)})"
+        )
+    return textprior.builtin_profile(name)
 
 
 def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:

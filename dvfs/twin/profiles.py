@@ -225,17 +225,24 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class AcceptancePrior:
-    """Measured mean accept length per corpus at a reference draft depth and tree width."""
+    """Measured mean accept length per acceptance class at a reference depth and tree width.
+
+    The classes are those `dvfs.twin.textprior` reads from a corpus's text. A drafter that copies
+    n-grams from its context (`alpha_intercept` set) takes its per-draft probability from the
+    text's repetition instead; its taus are then the calibration's targets.
+    """
 
     family: str
     source: str
     ref_depth: int
     ref_topk: int
-    tau_by_corpus: dict[str, float]
-    default_tau: float
+    tau_by_class: dict[str, float]
+    alpha_intercept: float | None = None
+    alpha_per_sqrt_repetition: float | None = None
+    calibrated_on: tuple[str, ...] = ()
 
-    def tau(self, corpus: str) -> float:
-        return self.tau_by_corpus.get(corpus, self.default_tau)
+    def tau(self, acceptance_class: str) -> float:
+        return self.tau_by_class[acceptance_class]
 
 
 def _read(name: str) -> dict[str, Any]:
@@ -264,19 +271,37 @@ def model_profiles() -> dict[str, ModelProfile]:
     return {k: _build(ModelProfile, k, v, "models.toml") for k, v in _read("models.toml").items()}
 
 
+ACCEPTANCE_META = {
+    "source",
+    "ref_depth",
+    "ref_topk",
+    "alpha_intercept",
+    "alpha_per_sqrt_repetition",
+    "calibrated_on",
+}
+
+
 @functools.cache
 def acceptance_priors() -> dict[str, AcceptancePrior]:
+    from dvfs.twin.textprior import CLASSES
+
     priors = {}
     for family, table in _read("acceptance.toml").items():
-        meta = {"source", "ref_depth", "ref_topk", "default"}
-        taus = {k: float(v) for k, v in table.items() if k not in meta}
+        taus = {k: float(v) for k, v in table.items() if k not in ACCEPTANCE_META}
+        if set(taus) != set(CLASSES):
+            raise CampaignError(
+                f"acceptance.toml[{family}]: classes {sorted(taus)}, expected {list(CLASSES)}"
+            )
+        intercept, slope = table.get("alpha_intercept"), table.get("alpha_per_sqrt_repetition")
         priors[family] = AcceptancePrior(
             family=family,
             source=table["source"],
             ref_depth=int(table["ref_depth"]),
             ref_topk=int(table["ref_topk"]),
-            tau_by_corpus=taus,
-            default_tau=float(table["default"]),
+            tau_by_class=taus,
+            alpha_intercept=None if intercept is None else float(intercept),
+            alpha_per_sqrt_repetition=None if slope is None else float(slope),
+            calibrated_on=tuple(table.get("calibrated_on", ())),
         )
     return priors
 
