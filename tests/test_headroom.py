@@ -183,10 +183,20 @@ latencies = st.floats(1.0, 100.0, allow_nan=False)
 energies = st.floats(0.01, 5.0, allow_nan=False)
 
 
-@settings(max_examples=150, deadline=None)
+#: Independent examples in one cube, one per batch size: a headroom search costs about the
+#: same for one row as for a few (xarray's overhead), so each drawn cube checks ROWS rows.
+ROWS = 3
+
+
+def rows(result) -> list[dict]:
+    points = [result.sel(batch=b, drafter="none", corpus="code") for b in range(1, ROWS + 1)]
+    return [{k: float(point[k]) for k in point.data_vars} for point in points]
+
+
+@settings(max_examples=50, deadline=None)
 @given(
-    lat=st.lists(latencies, min_size=12, max_size=12),
-    en=st.lists(energies, min_size=12, max_size=12),
+    lat=st.lists(latencies, min_size=12 * ROWS, max_size=12 * ROWS),
+    en=st.lists(energies, min_size=12 * ROWS, max_size=12 * ROWS),
     slack=st.floats(0.0, 0.5),
     extra=st.floats(0.0, 0.5),
     repeats=st.sampled_from([1, 2]),
@@ -194,32 +204,35 @@ energies = st.floats(0.01, 5.0, allow_nan=False)
 )
 def test_a_looser_target_never_gives_less_headroom_or_saving(lat, en, slack, extra, repeats, mode):
     clocks, limits = [900, 1200, 1500, 1980], [400.0, 550.0, 700.0]
-    n = len(clocks) * len(limits)
-    lat_a = np.array((lat * repeats)[: n * repeats]).reshape(len(clocks), len(limits), repeats)
-    en_a = np.array((en * repeats)[: n * repeats]).reshape(len(clocks), len(limits), repeats)
+    shape = (ROWS, len(clocks), len(limits), repeats)
+    # Each row draws its own 12 values; repeats beyond the first reuse them in another order.
+    lat_a = np.tile(np.array(lat).reshape(ROWS, 12), (1, repeats)).reshape(shape)
+    en_a = np.tile(np.array(en).reshape(ROWS, 12), (1, repeats)).reshape(shape)
     cube = make_cube(
         clocks=clocks,
         limits=limits,
+        batches=list(range(1, ROWS + 1)),
         repeats=repeats,
-        latency=lambda c, p, b, d, k, r: lat_a[clocks.index(c), limits.index(p), r],
-        energy=lambda c, p, b, d, k, r: en_a[clocks.index(c), limits.index(p), r],
+        latency=lambda c, p, b, d, k, r: lat_a[b - 1, clocks.index(c), limits.index(p), r],
+        energy=lambda c, p, b, d, k, r: en_a[b - 1, clocks.index(c), limits.index(p), r],
     )
     if mode == "slo":
         tight = Target("slo", limit_ms=10 + 100 * slack)
     else:
         tight = Target("preserve", slack=slack)
     loose = tight.loosened(1 + extra)
-    a = row(headroom(cube, target=tight))
-    b = row(headroom(cube, target=loose))
-    assert b["feasible_settings"] >= a["feasible_settings"]
-    if a["feasible"]:
-        assert b["feasible"]
-        assert b["headroom_mhz"] >= a["headroom_mhz"]
-        assert b["headroom_w"] >= a["headroom_w"]
-        # Energies equal to 4 significant digits are ties (broken towards stock), so the
-        # chosen energy can only grow within that resolution.
-        assert b["chosen_energy_per_token_j"] <= a["chosen_energy_per_token_j"] * (1 + 1e-3)
-        assert b["saving"] >= a["saving"] - 1e-3
+    for a, b in zip(
+        rows(headroom(cube, target=tight)), rows(headroom(cube, target=loose)), strict=True
+    ):
+        assert b["feasible_settings"] >= a["feasible_settings"]
+        if a["feasible"]:
+            assert b["feasible"]
+            assert b["headroom_mhz"] >= a["headroom_mhz"]
+            assert b["headroom_w"] >= a["headroom_w"]
+            # Energies equal to 4 significant digits are ties (broken towards stock), so the
+            # chosen energy can only grow within that resolution.
+            assert b["chosen_energy_per_token_j"] <= a["chosen_energy_per_token_j"] * (1 + 1e-3)
+            assert b["saving"] >= a["saving"] - 1e-3
 
 
 def test_missing_repeats_never_loosen_the_test() -> None:
@@ -408,16 +421,18 @@ def test_the_upper_bound_is_never_below_the_mean(values, confidence) -> None:
 
 
 def small_cube(lat, en, repeats, clocks=(900, 1500, 1980), limits=(400.0, 700.0)):
+    """ROWS independent rows (batch sizes 1..ROWS), filled from `lat` and `en` in order."""
     clocks, limits = list(clocks), list(limits)
-    shape = (len(clocks), len(limits), repeats)
+    shape = (ROWS, len(clocks), len(limits), repeats)
     lat_a = np.resize(np.array(lat), shape)
     en_a = np.resize(np.array(en), shape)
     return make_cube(
         clocks=clocks,
         limits=limits,
+        batches=list(range(1, ROWS + 1)),
         repeats=repeats,
-        latency=lambda c, p, b, d, k, r: lat_a[clocks.index(c), limits.index(p), r],
-        energy=lambda c, p, b, d, k, r: en_a[clocks.index(c), limits.index(p), r],
+        latency=lambda c, p, b, d, k, r: lat_a[b - 1, clocks.index(c), limits.index(p), r],
+        energy=lambda c, p, b, d, k, r: en_a[b - 1, clocks.index(c), limits.index(p), r],
     )
 
 
@@ -433,6 +448,11 @@ ANSWER = (
 )
 
 
+def same_answers(first, second) -> None:
+    for a, b in zip(rows(first), rows(second), strict=True):
+        same_answer(a, b)
+
+
 def same_answer(a: dict, b: dict) -> None:
     for key in ANSWER:
         assert (math.isnan(a[key]) and math.isnan(b[key])) or a[key] == b[key], key
@@ -440,10 +460,10 @@ def same_answer(a: dict, b: dict) -> None:
         assert (math.isnan(a[key]) and math.isnan(b[key])) or a[key] == pytest.approx(b[key])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
-    lat=st.lists(latencies, min_size=18, max_size=18),
-    en=st.lists(energies, min_size=18, max_size=18),
+    lat=st.lists(latencies, min_size=18 * ROWS, max_size=18 * ROWS),
+    en=st.lists(energies, min_size=18 * ROWS, max_size=18 * ROWS),
     repeats=st.sampled_from([2, 3]),
     permutation=st.permutations([0, 1, 2]),
     slack=st.floats(0.0, 0.5),
@@ -454,13 +474,13 @@ def test_the_order_of_repeats_does_not_matter(lat, en, repeats, permutation, sla
     order = [i for i in permutation if i < repeats]
     shuffled = cube.isel(repeat=order).assign_coords(repeat=list(range(repeats)))
     target = Target("slo", limit_ms=10 + 100 * slack) if mode == "slo" else Target(slack=slack)
-    same_answer(row(headroom(cube, target=target)), row(headroom(shuffled, target=target)))
+    same_answers(headroom(cube, target=target), headroom(shuffled, target=target))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
-    lat=st.lists(latencies, min_size=12, max_size=12),
-    en=st.lists(energies, min_size=12, max_size=12),
+    lat=st.lists(latencies, min_size=12 * ROWS, max_size=12 * ROWS),
+    en=st.lists(energies, min_size=12 * ROWS, max_size=12 * ROWS),
     repeats=st.sampled_from([1, 2]),
     scale=st.floats(1e-3, 1e3),
     slack=st.floats(0.0, 0.5),
@@ -471,7 +491,7 @@ def test_preserve_mode_does_not_depend_on_the_latency_unit(lat, en, repeats, sca
     for name in ("tpot_ms", "itl_ms", "ttft_ms"):
         scaled[name] = cube[name] * scale
     target = Target("preserve", slack=slack)
-    same_answer(row(headroom(cube, target=target)), row(headroom(scaled, target=target)))
+    same_answers(headroom(cube, target=target), headroom(scaled, target=target))
 
 
 def test_preserve_mode_keeps_a_setting_exactly_on_the_target_under_scaling() -> None:
