@@ -27,8 +27,10 @@ from dvfs.backends import (
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
-from dvfs.cube import CUBE_NAME, build_cube, write_cube
+from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
+from dvfs.fleet.shard import Shard
+from dvfs.fleet.shard_journal import recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import JOURNAL_NAME, Journal, SyncPolicy, describe_os_error
@@ -171,10 +173,11 @@ def run_sweep(
     backends: Backends | None = None,
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
+    shard: Shard | None = None,
 ) -> SweepOutcome:
-    """Run every unfinished cell of `campaign` into `out_dir` (failed cells are retried), then
-    write the cube. `fresh` moves an earlier journal aside first. Refuses an output folder
-    another sweep is using."""
+    """Run every unfinished cell of `campaign` (or of its `shard`) into `out_dir` (failed cells
+    are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
+    output folder another sweep is using, or one holding another shard."""
     try:
         with out_dir_lock(out_dir):
             moved = fresh_start(out_dir) if fresh else None
@@ -187,6 +190,7 @@ def run_sweep(
                 backends=backends,
                 nvml=nvml,
                 state_dir=state_dir,
+                shard=shard,
             )
     except GpuPermissionError as exc:
         if not campaign.gpu.actuation or "--observe-only" in str(exc):
@@ -215,7 +219,7 @@ def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
     journal = out_dir / JOURNAL_NAME
     if journal.exists():
         try:
-            cube_path = write_cube(build_cube(journal), out_dir / CUBE_NAME)
+            cube_path = write_cube(shard_cube(journal), out_dir / CUBE_NAME)
         except Exception as exc:  # the interruption matters more than the partial cube
             cube_error = str(exc)
     if not real_gpus(campaign):
@@ -235,13 +239,17 @@ def _run_locked(
     backends: Backends | None,
     nvml: ModuleType | None,
     state_dir: Path | None,
+    shard: Shard | None = None,
 ) -> SweepOutcome:
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
         corpora, count_method = counted_corpora(campaign)
         check_corpora(campaign, corpora)  # before any GPU is touched or server started
+        claim_shard(journal, shard)
         cells: list[Cell] = plan_cells(campaign)
+        if shard is not None:
+            cells = shard.select(cells)
         with contextlib.ExitStack() as stack:
             b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
@@ -260,13 +268,33 @@ def _run_locked(
             )
             summary = runner.run(cells)
     try:
-        cube_path = write_cube(build_cube(journal.path), out_dir / CUBE_NAME)
+        cube_path = write_cube(shard_cube(journal.path), out_dir / CUBE_NAME)
     except CubeError as exc:
         raise CubeError(
             f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "
             "writes the cube once that is fixed)"
         ) from exc
     return SweepOutcome(summary, journal.path, cube_path)
+
+
+def _shard_text(shard: Shard | None) -> str:
+    return f"shard {shard.label}" if shard else "the whole campaign (no --shard)"
+
+
+def claim_shard(journal: Journal, shard: Shard | None) -> None:
+    """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
+    campaign), so two slices never mix in one folder."""
+    recorded = recorded_shard(journal.path)
+    if recorded == shard:
+        return
+    if recorded is None and not journal.sessions and not journal.finished():
+        if shard is not None:
+            journal.append(shard.to_json())
+        return
+    raise JournalError(
+        f"{journal.path.parent} holds {_shard_text(recorded)} of this campaign, but this run is "
+        f"{_shard_text(shard)}: give each shard its own --out folder"
+    )
 
 
 def observe_only(campaign: Campaign) -> Campaign:
@@ -294,6 +322,7 @@ class DryRunPlan:
     estimated_s: float
     servers: tuple[ServerPlan, ...]
     problems: tuple[str, ...]
+    shard: str | None = None
 
     @property
     def remaining(self) -> int:
@@ -319,6 +348,7 @@ class DryRunPlan:
             "estimated_hours_on_hardware": round(self.estimated_s / 3600, 2),
             "servers": [s.as_dict() for s in self.servers],
             "problems": list(self.problems),
+            **({"shard": self.shard} if self.shard else {}),
         }
 
 
@@ -337,12 +367,15 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     return set() if journal_differences(header, campaign) else opened.finished()
 
 
-def plan_dry_run(campaign: Campaign, out_dir: Path) -> DryRunPlan:
+def plan_dry_run(campaign: Campaign, out_dir: Path, *, shard: Shard | None = None) -> DryRunPlan:
     """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, time, each
     drafter's server, and the corpus problems that would stop it."""
     from dvfs.measure.plan import summarise_plan
 
-    summary = summarise_plan(campaign, plan_cells(campaign), finished_cells(campaign, out_dir))
+    cells = plan_cells(campaign)
+    if shard is not None:
+        cells = shard.select(cells)
+    summary = summarise_plan(campaign, cells, finished_cells(campaign, out_dir))
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
@@ -371,4 +404,5 @@ def plan_dry_run(campaign: Campaign, out_dir: Path) -> DryRunPlan:
         estimated_s=summary.estimated_s,
         servers=servers,
         problems=tuple(problems),
+        shard=shard.label if shard else None,
     )

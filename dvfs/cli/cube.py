@@ -107,12 +107,34 @@ def _render(summary: dict[str, Any]) -> None:
 )
 @handle_errors
 def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
-    """Merge cubes measured on different GPUs into one with a `gpu` dimension.
+    """Merge cubes measured on different GPUs into one with a `gpu` dimension, or the shards
+    of one run (`dvfs sweep --shard I/N`) into its whole cube.
 
-    Refuses cubes of different models, engines, tensor-parallel sizes or measurement methods.
+    CUBES are cube files, sweep folders, or shard journals (journal.jsonl). Refuses cubes of
+    different models, engines, tensor-parallel sizes or measurement methods; shards of
+    different campaigns, counts or GPU models, a shard given twice or missing, and cells
+    measured twice.
     """
-    from dvfs.cube import CUBE_NAME, merge_cubes, open_cube, write_cube
+    from dvfs.cube import merge_cubes, write_cube
 
-    paths = [p / CUBE_NAME if p.is_dir() else p for p in cubes]
-    merged = merge_cubes([open_cube(p) for p in paths], [str(p) for p in paths])
-    click.echo(f"cube: {write_cube(merged, out_path)} ({merged.sizes['gpu']} GPUs)")
+    loaded = [_load_for_merge(p) for p in cubes]
+    merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
+    if "gpu" in merged.dims:
+        click.echo(f"cube: {write_cube(merged, out_path)} ({merged.sizes['gpu']} GPUs)")
+        return
+    click.echo(f"cube: {write_cube(merged, out_path)} ({len(cubes)} shards)")
+
+
+def _load_for_merge(path: Path) -> tuple[Any, str]:
+    """A cube to merge: a shard's from its journal (the journal names the shard), else the
+    cube file (a folder's cube.nc)."""
+    from dvfs.cube import CUBE_NAME, open_cube
+    from dvfs.fleet.shard_journal import recorded_shard, shard_cube
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    journal = path / JOURNAL_NAME if path.is_dir() else path
+    is_journal = journal.suffix == ".jsonl" and journal.is_file()
+    if is_journal and (not path.is_dir() or recorded_shard(journal) is not None):
+        return shard_cube(journal), str(journal)
+    cube_path = path / CUBE_NAME if path.is_dir() else path
+    return open_cube(cube_path), str(cube_path)

@@ -34,6 +34,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         f"{report['knob_changes']} knob change(s); roughly "
         f"{report['estimated_hours_on_hardware']} h on real hardware"
     )
+    if report.get("shard"):
+        out.print(f"shard {report['shard']}: only this slice's cells are counted")
     for problem in report["problems"]:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
@@ -71,6 +73,15 @@ def _render_dry_run(report: dict[str, Any]) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (with --dry-run).")
 @click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+@click.option(
+    "--shard",
+    "shard_spec",
+    metavar="I/N",
+    callback=lambda _ctx, _param, value: _parse_shard(value),
+    help="Run only slice I of N (0-based; a Slurm job array: --shard $SLURM_ARRAY_TASK_ID/N), "
+    "into its own folder [default: out/<campaign name>/shard-I-of-N]; `dvfs cube merge` "
+    "joins the shards.",
+)
 @handle_errors
 def sweep(
     campaign_file: Path,
@@ -80,6 +91,7 @@ def sweep(
     observe_only: bool,
     as_json: bool,
     no_progress: bool,
+    shard_spec: Any,
 ) -> None:
     """Run CAMPAIGN_FILE: every (knob, batch, drafter, corpus, repeat) cell into a cube.
 
@@ -93,9 +105,13 @@ def sweep(
     campaign = load_campaign(campaign_file)
     if observe_only:
         campaign = observing(campaign)
-    out_dir = out_dir or Path("out") / campaign.name
+    shard = shard_spec
+    default_out = Path("out") / campaign.name
+    if shard is not None:
+        default_out = default_out / f"shard-{shard.index}-of-{shard.count}"
+    out_dir = out_dir or default_out
     if dry_run:
-        report = plan_dry_run(campaign, out_dir).as_dict()
+        report = plan_dry_run(campaign, out_dir, shard=shard).as_dict()
         if as_json:
             echo_json(report)
         else:
@@ -103,12 +119,23 @@ def sweep(
         if report["problems"]:
             raise SystemExit(2)
         return
-    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress)
+    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)
 
 
-def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> Any:
+def _parse_shard(value: str | None) -> Any:
+    if value is None:
+        return None
+    from dvfs.fleet.shard import Shard
+
+    try:
+        return Shard.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any = None) -> Any:
     """Run the sweep and report; returns the `SweepOutcome` (the caller picks the exit code:
     5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
@@ -119,7 +146,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool) -> Any:
     bar = RichProgress(f"{campaign.name}", enabled=progress)
     try:
         with signals_raise(), bar:
-            outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar)
+            outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
     except (KeyboardInterrupt, Interrupted):
         left = after_interruption(campaign, out_dir)
         if left.cube_path is not None:

@@ -1,4 +1,5 @@
-"""Merging cubes of one campaign measured on different GPUs along a new `gpu` dimension."""
+"""Merging cubes: of one campaign measured on different GPUs, along a new `gpu` dimension;
+or the shards of one campaign's run (`dvfs sweep --shard i/n`) back into the whole."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def _check_same_workload(first: xr.Dataset, ds: xr.Dataset, first_name: str, nam
 
 
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
-    """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs).
+    """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs); or, when
+    every cube is a shard (`attrs["shard"]`), the shards of one run as its whole cube
+    (`combine_shards`).
 
     Refused when a provenance key that must match differs (model, engine, method, schema...)
     or when two cubes come from the same GPU. Grids may differ: missing cells are NaN.
@@ -56,9 +59,20 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
 
     from dvfs.provenance import CHECKED
 
+    names = names or [f"cube {i + 1}" for i in range(len(cubes))]
+    sharded = [label for label, ds in zip(names, cubes, strict=True) if "shard" in ds.attrs]
+    if sharded and len(sharded) < len(cubes):
+        whole = next(
+            label for label, ds in zip(names, cubes, strict=True) if "shard" not in ds.attrs
+        )
+        raise CubeError(
+            f"cannot merge: {sharded[0]} is a shard but {whole} is not; merge a run's shards "
+            "on their own first, then merge the whole cubes of different GPUs"
+        )
+    if sharded:
+        return combine_shards(cubes, names)
     if len(cubes) < 2:
         raise CubeError("merging needs at least two cubes")
-    names = names or [f"cube {i + 1}" for i in range(len(cubes))]
     first = cubes[0]
     for label, ds in zip(names, cubes, strict=True):
         if "gpu" in ds.dims:
@@ -130,3 +144,150 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     # Cells absent from one GPU's grid: cell_status 0 (missing), integer flags NaN.
     merged["cell_status"] = merged["cell_status"].fillna(STATUS_MISSING).astype(np.int8)
     return merged
+
+
+def _parse_shard(ds: xr.Dataset, name: str) -> tuple[int, int]:
+    from dvfs.fleet.shard import Shard
+
+    try:
+        shard = Shard.parse(str(ds.attrs["shard"]))
+    except ValueError as exc:
+        raise CubeError(f"cannot merge: {name} has a damaged shard attribute ({exc})") from None
+    return shard.index, shard.count
+
+
+def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
+    """One clear line for the first reason these cubes are not the shards of one run."""
+    from dvfs.campaign import measured_differences
+
+    first, first_name = cubes[0], names[0]
+    shards = [_parse_shard(ds, name) for ds, name in zip(cubes, names, strict=True)]
+    for ds, name, (index, count) in zip(cubes, names, shards, strict=True):
+        if ds.attrs.get("campaign_hash") != first.attrs.get("campaign_hash"):
+            changes = measured_differences(
+                _campaign_attr(first, first_name), _campaign_attr(ds, name)
+            )
+            why = "; ".join(changes[:3]) or "their hashes differ"
+            raise CubeError(
+                f"cannot merge shards of different campaigns ({first_name} -> {name}: {why}); "
+                "every shard must run the same campaign file"
+            )
+        if count != shards[0][1]:
+            raise CubeError(
+                f"cannot merge: {first_name} is shard {shards[0][0]}/{shards[0][1]} but {name} "
+                f"is shard {index}/{count}; the shards of one run share their count"
+            )
+        if str(ds.attrs.get("gpu_name")) != str(first.attrs.get("gpu_name")):
+            raise CubeError(
+                f"cannot merge: the shards ran on different GPU models ({first_name}: "
+                f"{first.attrs.get('gpu_name')}, {name}: {ds.attrs.get('gpu_name')}); run every "
+                "shard on one model, or the whole campaign once per model and merge those cubes"
+            )
+        for dim in first.dims:
+            if dim in ds.dims and not np.array_equal(first[dim].values, ds[dim].values):
+                raise CubeError(
+                    f"cannot merge: the {dim} axis differs between {first_name} and {name} "
+                    "(a stock setting found on another GPU?); shards must share the grid"
+                )
+    seen: dict[int, str] = {}
+    for name, (index, count) in zip(names, shards, strict=True):
+        if index in seen:
+            raise CubeError(
+                f"cannot merge: shard {index}/{count} is given twice ({seen[index]}, {name})"
+            )
+        seen[index] = name
+    count = shards[0][1]
+    missing = [f"{i}/{count}" for i in range(count) if i not in seen]
+    if missing:
+        raise CubeError(
+            f"cannot merge: shard(s) {', '.join(missing)} missing; merge all {count} shards of "
+            "the run (a shard still running can be merged once it has finished)"
+        )
+
+
+def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
+    """The shards of one run (`dvfs sweep --shard i/n`, every i of one n) as the whole cube.
+
+    Refused, naming the reason, when they measure different campaigns (hash), have different
+    counts, repeat or miss a shard, ran on different GPU models, or when a cell was measured
+    (or failed) in two of them.
+    """
+    names = names or [f"shard cube {i + 1}" for i in range(len(cubes))]
+    _check_shards(cubes, names)
+    first = cubes[0]
+    combined = first.copy(deep=True)
+    status = combined["cell_status"].values
+    owner = np.full(status.shape, -1)
+    owner[status != STATUS_MISSING] = 0
+    cell_vars = [
+        n for n in combined.data_vars if set(combined["cell_status"].dims) <= set(combined[n].dims)
+    ]
+    for k, ds in enumerate(cubes[1:], start=1):
+        here = ds["cell_status"].values != STATUS_MISSING
+        both = here & (owner >= 0)
+        if both.any():
+            at = tuple(int(i[0]) for i in np.nonzero(both))
+            cell = {
+                d: combined[d].values[i].item()
+                for d, i in zip(ds["cell_status"].dims, at, strict=True)
+            }
+            raise CubeError(
+                f"cannot merge: cell {cell} is in both {names[int(owner[at])]} and {names[k]}; "
+                "shards of one run never overlap (was one run with another count?)"
+            )
+        owner[here] = k
+        for name in cell_vars:
+            mask = ds["cell_status"] != STATUS_MISSING
+            combined[name] = combined[name].where(~mask, ds[name])
+        if "attention_backend" in ds:
+            mine = combined["attention_backend"].values.astype(object)
+            theirs = ds["attention_backend"].values.astype(object)
+            combined["attention_backend"] = (
+                combined["attention_backend"].dims,
+                np.where(mine == "", theirs, mine).astype(str),
+                dict(first["attention_backend"].attrs),
+            )
+    for name in cell_vars:
+        combined[name].attrs = dict(first[name].attrs)
+        combined[name].encoding = dict(first[name].encoding)
+    combined["cell_status"] = combined["cell_status"].astype(np.int8)
+    combined.attrs = _combined_attrs(cubes, names)
+    return combined
+
+
+def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]:
+    first = cubes[0]
+    attrs = {k: v for k, v in first.attrs.items() if k != "shard"}
+
+    def joined(key: str) -> str:
+        values: list[str] = []
+        for ds in cubes:
+            for part in str(ds.attrs.get(key, "")).split(","):
+                part = part.strip()
+                if part and part not in values:
+                    values.append(part)
+        return ",".join(values)
+
+    servers: dict[str, Any] = {}
+    failed: list[Any] = []
+    for ds in cubes:
+        servers.update(json.loads(str(ds.attrs.get("server_args", "{}")) or "{}"))
+        failed.extend(json.loads(str(ds.attrs.get("failed_cells", "[]")) or "[]"))
+    uuids = joined("gpu_uuids")
+    attrs.update(
+        gpu_uuids=uuids,
+        engine_version=", ".join(sorted({str(ds.attrs.get("engine_version")) for ds in cubes})),
+        server_args=json.dumps(servers, sort_keys=True),
+        idle_power_w=float(
+            np.nanmean([float(ds.attrs.get("idle_power_w", np.nan)) for ds in cubes])
+        ),
+        sessions=sum(int(ds.attrs.get("sessions", 0)) for ds in cubes),
+        combined_from=json.dumps(
+            {name: str(ds.attrs.get("shard")) for name, ds in zip(names, cubes, strict=True)}
+        ),
+        history=f"{now_iso()} {len(cubes)} shards combined by dvfs {__version__}",
+        created=now_iso(),
+    )
+    if "failed_cells" in first.attrs:
+        attrs["failed_cells"] = json.dumps(failed)
+    return attrs

@@ -1,0 +1,258 @@
+"""`dvfs sweep --shard i/n` and `dvfs cube merge` of the shards: the whole campaign, sliced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block, write
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, open_cube, write_cube
+from dvfs.fleet.shard import Shard, server_starts
+from dvfs.measure.journal import read_records
+from dvfs.measure.plan import Cell, plan_cells
+
+#: A reduced demo campaign: three drafters, so cuts fall inside and between drafters.
+CAMPAIGN = """
+[campaign]
+name = "shardy"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1410, 1005]
+power_limit = [700, 350]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 8
+
+[workload]
+batch = [1, 8]
+corpora = ["code", "conversation"]
+input_tokens = [16, 2048]
+output_tokens = 48
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 2
+repeats = 2
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def assert_same_cells(a, b) -> None:
+    """Same grid and values; energy may differ by the counter's 1 mJ quantisation (the
+    counter's absolute value depends on what ran before on that GPU)."""
+    assert set(a.data_vars) == set(b.data_vars)
+    for dim in a.dims:
+        np.testing.assert_array_equal(a[dim].values, b[dim].values)
+    for name in a.data_vars:
+        if a[name].dtype.kind in "OUS":
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
+        rtol = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
+        np.testing.assert_allclose(
+            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The campaign whole, and as three shards, each in its own folder."""
+    root = tmp_path_factory.mktemp("shards")
+    campaign = write(root / "shardy.toml", CAMPAIGN)
+    assert (
+        invoke("sweep", str(campaign), "--out", str(root / "whole"), "--no-progress").exit_code == 0
+    )
+    for i in range(3):
+        out = root / f"s{i}"
+        result = invoke(
+            "sweep", str(campaign), "--shard", f"{i}/3", "--out", str(out), "--no-progress"
+        )
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
+    whole = open_cube(runs / "whole" / "cube.nc")
+    shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
+    # Each shard measured its slice only, and the slices cover the grid once.
+    measured = [int((s["cell_status"].values == STATUS_OK).sum()) for s in shards]
+    assert sum(measured) == whole["cell_status"].size and min(measured) > 0
+    assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
+    # Shard folders (their journals) in any order, through the CLI.
+    merged = runs / "merged.nc"
+    result = invoke(
+        "cube", "merge", str(runs / "s2"), str(runs / "s0"), str(runs / "s1"), "-o", str(merged)
+    )
+    assert result.exit_code == 0, result.output
+    combined = open_cube(merged)
+    assert "shard" not in combined.attrs and "gpu" not in combined.dims
+    assert (combined["cell_status"].values == STATUS_OK).all()
+    assert_same_cells(combined, whole)
+    assert combined.attrs["campaign_hash"] == whole.attrs["campaign_hash"]
+    assert combined.attrs["sessions"] == 3
+    # The shards' cube files merge the same way as their journals.
+    again = runs / "again.nc"
+    cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]
+    assert invoke("cube", "merge", *cube_files, "-o", str(again)).exit_code == 0
+    assert_same_cells(open_cube(again), combined)
+
+
+def test_each_shard_starts_few_servers_and_records_its_slice(runs: Path) -> None:
+    campaign = load_campaign(runs / "shardy.toml")
+    cells = plan_cells(campaign)
+    started = 0
+    for i in range(3):
+        records = read_records(runs / f"s{i}" / "journal.jsonl")
+        assert records[1] == {"type": "shard", "index": i, "count": 3}
+        servers = [r for r in records if r["type"] == "server"]
+        assert len(servers) == server_starts(Shard(i, 3).select(cells))
+        started += len(servers)
+    assert started <= len(campaign.drafters) + 3 - 1
+
+
+def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path) -> None:
+    def merge(*paths: Path) -> Result:
+        return invoke("cube", "merge", *map(str, paths), "-o", str(tmp_path / "x.nc"))
+
+    s0, s1, s2 = (runs / f"s{i}" for i in range(3))
+    missing = merge(s0, s2)
+    assert missing.exit_code == 1 and "shard(s) 1/3 missing" in missing.output
+    twice = merge(s0, s0, s1, s2)
+    assert twice.exit_code == 1 and "shard 0/3 is given twice" in twice.output
+    mixed = merge(s0, runs / "whole")
+    assert mixed.exit_code == 1 and "is a shard but" in mixed.output
+    # A shard of an edited campaign: the reason names the setting that changed.
+    edited = write(
+        tmp_path / "edited.toml",
+        replace_block(CAMPAIGN, "output_tokens = 48", "output_tokens = 40"),
+    )
+    other = tmp_path / "other"
+    assert (
+        invoke(
+            "sweep", str(edited), "--shard", "1/3", "--out", str(other), "--no-progress"
+        ).exit_code
+        == 0
+    )
+    different = merge(s0, other, s2)
+    assert different.exit_code == 1
+    assert (
+        "different campaigns" in different.output
+        and "workload.output_tokens: 48 -> 40" in different.output
+    )
+    # Shards of another count.
+    recount = tmp_path / "recount"
+    assert (
+        invoke(
+            "sweep",
+            str(runs / "shardy.toml"),
+            "--shard",
+            "1/2",
+            "--out",
+            str(recount),
+            "--no-progress",
+        ).exit_code
+        == 0
+    )
+    counts = merge(s0, recount)
+    assert counts.exit_code == 1 and "share their count" in counts.output
+    # Overlapping cells: the whole cube passed off as shard 1/2 next to shard 0/2.
+    fake = open_cube(runs / "whole" / "cube.nc").copy()
+    fake.attrs["shard"] = "0/2"
+    write_cube(fake, tmp_path / "fake.nc")
+    overlap = merge(tmp_path / "fake.nc", recount)
+    assert overlap.exit_code == 1 and "is in both" in overlap.output
+    for result in (missing, twice, mixed, different, counts, overlap):
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
+    campaign = str(runs / "shardy.toml")
+    other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(runs / "s0"), "--no-progress")
+    assert other.exit_code == 1
+    assert "holds shard 0/3 of this campaign, but this run is shard 2/3" in other.output
+    whole = invoke("sweep", campaign, "--out", str(runs / "s0"), "--no-progress")
+    assert whole.exit_code == 1 and "no --shard" in whole.output
+    sharded = invoke(
+        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
+    )
+    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
+    # Rerunning a finished shard skips its cells.
+    again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
+    assert again.exit_code == 0 and "0 cell(s) measured" in again.output
+
+
+def test_shard_dry_run_counts_the_slice_and_bad_specs_are_usage_errors(runs: Path) -> None:
+    campaign = str(runs / "shardy.toml")
+    whole = json.loads(
+        invoke("sweep", campaign, "--dry-run", "--json", "--out", str(runs / "nowhere")).output
+    )
+    parts = [
+        json.loads(
+            invoke(
+                "sweep",
+                campaign,
+                "--dry-run",
+                "--json",
+                "--shard",
+                f"{i}/3",
+                "--out",
+                str(runs / "nowhere"),
+            ).output
+        )
+        for i in range(3)
+    ]
+    assert sum(p["cells"] for p in parts) == whole["cells"]
+    assert [p["shard"] for p in parts] == ["0/3", "1/3", "2/3"] and "shard" not in whole
+    for bad in ("3/3", "1/0", "x", "-1/2", "1/2/3"):
+        result = CliRunner().invoke(cli, ["sweep", campaign, "--shard", bad, "--dry-run"])
+        assert result.exit_code == 2, (bad, result.output)
+        assert "--shard" in result.output
+
+
+def _cells(drafters: int, per: int) -> list[Cell]:
+    return [Cell(f"d{d}", 0, None, None, b, "code") for d in range(drafters) for b in range(per)]
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(1, 12))
+def test_shards_partition_the_cells_in_order_and_balanced(drafters: int, per: int, n: int) -> None:
+    cells = _cells(drafters, per)
+    slices = [Shard(i, n).select(cells) for i in range(n)]
+    assert [c for s in slices for c in s] == cells  # every cell once, in measuring order
+    assert max(map(len, slices)) - min(map(len, slices)) <= 1
+    # Contiguous slices: each cut adds at most one server start to the whole campaign's.
+    assert sum(server_starts(s) for s in slices) <= drafters + n - 1
+    assert all(Shard.parse(f" {i} / {n} ") == Shard(i, n) for i in range(n))
