@@ -8,7 +8,7 @@ Heavy imports stay inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -19,8 +19,10 @@ from dvfs.errors import CampaignError
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
     from dvfs.clock import Clock
+    from dvfs.corpora.model import Corpus
     from dvfs.engines.base import Engine
     from dvfs.gpu.base import Gpu
+    from dvfs.twin.textprior import TextProfile
 
 
 @dataclass
@@ -120,6 +122,35 @@ def acceptance_aliases(campaign: Campaign) -> dict[str, str]:
         if "acceptance_like" in spec:
             aliases[ref.name] = str(spec["acceptance_like"])
     return aliases
+
+
+def corpus_texts(
+    campaign: Campaign, corpora: Mapping[str, Corpus] | None = None
+) -> dict[str, TextProfile]:
+    """What the twin reads from each corpus's text (genre, language, n-gram repetition), with
+    the trained drafters' class set by `acceptance_like` where the campaign gives one.
+
+    Reads the corpora unless given them; those that cannot be read are left out (the sweep
+    and the dry run report them)."""
+    from dvfs.corpora.registry import load_corpus
+    from dvfs.errors import CorpusError
+    from dvfs.twin.textprior import profile_corpus
+
+    aliases = acceptance_aliases(campaign)
+    texts = {}
+    for ref in campaign.workload.corpora:
+        spec = dict(ref.spec) if ref.spec is not None else None
+        try:
+            corpus = (
+                corpora[ref.name]
+                if corpora is not None and ref.name in corpora
+                else load_corpus(ref.name, spec, base_dir=campaign.base_dir)
+            )
+        except CorpusError:
+            continue
+        text = profile_corpus(corpus)
+        texts[ref.name] = text.overridden(aliases[ref.name]) if ref.name in aliases else text
+    return texts
 
 
 def _twin_node(campaign: Campaign, gpus: list[Gpu], clock: Clock) -> Any:
@@ -228,6 +259,7 @@ def server_plans(campaign: Campaign) -> list[ServerPlan]:
     from dvfs.twin.profiles import model_profile
 
     model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    texts = corpus_texts(campaign)
     plans = []
     for drafter in campaign.drafters:
         plan = plan_drafter(drafter, model)
@@ -242,8 +274,8 @@ def server_plans(campaign: Campaign) -> list[ServerPlan]:
                 topk=plan.topk,
                 verify_tokens=plan.verify_tokens,
                 expected_accept_length={
-                    c: round(plan.expected_accept_length(c, campaign.workload.temperature), 2)
-                    for c in campaign.workload.corpus_names
+                    c: round(plan.expected_accept_length(text, campaign.workload.temperature), 2)
+                    for c, text in texts.items()
                 },
             )
         )
