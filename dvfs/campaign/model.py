@@ -27,6 +27,9 @@ NEEDS_DRAFT_MODEL = ("EAGLE", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK")
 #: Algorithms whose three draft numbers SGLang requires all-or-none.
 EAGLE_TRIPLE = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 MODES = ("fixed", "closed-loop")
+#: How a cell's knob levels are measured: one level per cell (settle, warm up, measure), or
+#: several levels stepped inside one long decode (`dvfs.measure.inflight`).
+MEASUREMENT_MODES = ("per-level", "in-flight")
 #: Names that become path components (campaign, drafter, corpus): no separators, no "..", no
 #: NUL or newline (`\\Z`, not `$`, which would accept a trailing newline).
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
@@ -57,8 +60,17 @@ TOML_NAMES = {
 class GpuConfig:
     backend: str
     profile: str | None
+    #: Every GPU, in order (the groups' GPUs, flattened, when there are groups).
     devices: tuple[int | str, ...]
     actuation: bool
+    #: `devices = [[0, 1], [2, 3]]` in the file: one worker (a server) per group; () for a
+    #: flat list, which is one server on all the devices.
+    groups: tuple[tuple[int | str, ...], ...] = ()
+
+    @property
+    def server_size(self) -> int:
+        """GPUs one server spans: a group's, else all the devices."""
+        return len(self.groups[0]) if self.groups else len(self.devices)
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,24 @@ class MeasurementConfig:
     sample_period_s: float = 0.02
     idle_s: float = 5.0
     retries: int = 2
+    #: Target relative half-width of the Student-t interval on energy per token and on the
+    #: latency metric (rounds within a cell, repeats across the campaign).
+    precision: float = 0.01
+    #: Confidence of that interval.
+    confidence: float = 0.95
+    #: Upper bound on repeats when a cell's interval across repeats misses the target
+    #: (`repeats` is the minimum; equal to it: no adaptive repeats).
+    max_repeats: int = 1
+    #: "per-level" (one knob level per cell) or "in-flight" (levels stepped in one decode).
+    mode: str = "per-level"
+    #: "measured" (the settle time measured at session start) or seconds.
+    settle: str | float = "measured"
+    #: Thermal stabilisation: load until the temperature's slope falls below this, at most
+    #: thermal_max_s.
+    thermal_slope_c_per_min: float = 1.0
+    thermal_max_s: float = 120.0
+    #: Idle baseline at each knob setting (else once per session, at the stock setting).
+    idle_per_setting: bool = True
 
 
 @dataclass(frozen=True)
@@ -207,6 +237,9 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
     data = _jsonable(data)
     for key in UNMEASURED:
         data.pop(key, None)
+    gpu = data.get("gpu")
+    if isinstance(gpu, dict) and not gpu.get("groups"):
+        gpu.pop("groups", None)  # campaigns without groups keep the hash they had before
     for path in OPERATIONAL:
         parent: Any = data
         for part in path[:-1]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.campaign.model import (
+    MEASUREMENT_MODES,
     MODES,
     NAME_RE,
     Campaign,
@@ -51,6 +52,9 @@ def _gpu(table: Table) -> GpuConfig:
         raise table.fail(
             "devices", f"expected a non-empty list of GPU indices or UUIDs, got {show(devices)}"
         )
+    groups = _device_groups(table, devices)
+    if groups:
+        devices = [d for group in groups for d in group]
     for device in devices:
         ok_index = isinstance(device, int) and not isinstance(device, bool) and device >= 0
         ok_uuid = isinstance(device, str) and device.startswith(("GPU-", "MIG-"))
@@ -63,7 +67,28 @@ def _gpu(table: Table) -> GpuConfig:
         raise table.fail("devices", "lists a GPU twice")
     actuation = table.string("actuation", "on", choices=("on", "off"))
     table.finish()
-    return GpuConfig(backend, profile, tuple(devices), actuation == "on")
+    return GpuConfig(backend, profile, tuple(devices), actuation == "on", groups)
+
+
+def _device_groups(table: Table, devices: list[Any]) -> tuple[tuple[Any, ...], ...]:
+    """`devices = [[0, 1], [2, 3]]`: one worker per group (a tensor-parallel server each),
+    all groups the same size; () for a flat list (one server on all of them)."""
+    if not any(isinstance(d, list) for d in devices):
+        return ()
+    if not all(isinstance(d, list) and d for d in devices):
+        raise table.fail(
+            "devices",
+            "mixes GPUs and groups; give a list of GPUs, or a list of non-empty groups "
+            "(lists of GPUs: one tensor-parallel server each)",
+        )
+    sizes = {len(group) for group in devices}
+    if len(sizes) > 1:
+        raise table.fail(
+            "devices",
+            f"groups of different sizes {sorted(sizes)}; every group is one server "
+            "of engine.tp_size GPUs",
+        )
+    return tuple(tuple(group) for group in devices)
 
 
 def _clock_list(table: Table, value: Any) -> tuple[int, ...] | None:
@@ -227,8 +252,15 @@ def _measurement(table: Table) -> MeasurementConfig:
         sample_period_s=table.number("sample_period_s", 0.02, strictly_positive=True),
         idle_s=table.number("idle_s", 5.0, minimum=0.0),
         retries=table.integer("retries", 2, minimum=0),
+        **_protocol(table),
     )
     table.finish()
+    if m.max_repeats < m.repeats:
+        raise table.fail(
+            "max_repeats",
+            f"{m.max_repeats} is below repeats = {m.repeats}: repeats is the minimum, "
+            "max_repeats the most a cell may take; use at least repeats",
+        )
     if m.sample_period_s * 5 > m.min_window_s:
         raise table.fail(
             "sample_period_s",
@@ -236,6 +268,46 @@ def _measurement(table: Table) -> MeasurementConfig:
             "window needs several samples of the energy counter; use at most min_window_s / 5",
         )
     return m
+
+
+def _protocol(table: Table) -> dict[str, Any]:
+    """The [measurement] keys of the adaptive protocol: precision and its confidence, adaptive
+    repeats, in-flight stepping, settle, thermal stabilisation and idle baselines."""
+    precision = table.number("precision", 0.01, strictly_positive=True)
+    if precision >= 1:
+        raise table.fail(
+            "precision",
+            f"{precision:g} is a relative half-width: use a fraction below 1 (0.01 = ±1%)",
+        )
+    confidence = table.number("confidence", 0.95, strictly_positive=True)
+    if confidence >= 1:
+        raise table.fail(
+            "confidence", f"must be a fraction between 0 and 1 (e.g. 0.95), got {confidence:g}"
+        )
+    repeats = table.get("repeats", 1)
+    max_repeats = table.integer("max_repeats", repeats if isinstance(repeats, int) else 1)
+    if max_repeats is not None and max_repeats < 1:
+        raise table.fail("max_repeats", f"must be at least 1, got {max_repeats}")
+    settle: Any = table.get("settle", "measured")
+    if isinstance(settle, str):
+        if settle != "measured":
+            raise table.fail(
+                "settle", f'{settle!r} is not allowed; use "measured" or a number of seconds'
+            )
+    else:
+        settle = table.number("settle", minimum=0.0)
+    return {
+        "precision": precision,
+        "confidence": confidence,
+        "max_repeats": max_repeats,
+        "mode": table.string("mode", "per-level", choices=MEASUREMENT_MODES),
+        "settle": settle,
+        "thermal_slope_c_per_min": table.number(
+            "thermal_slope_c_per_min", 1.0, strictly_positive=True
+        ),
+        "thermal_max_s": table.number("thermal_max_s", 120.0, minimum=0.0),
+        "idle_per_setting": table.boolean("idle_per_setting", True),
+    }
 
 
 def parse_campaign(
