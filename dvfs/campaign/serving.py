@@ -31,10 +31,11 @@ def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
     model = table.string("model")
     if model is None:
         raise table.missing("model")
-    tp_size = table.integer("tp_size", len(gpu.devices), minimum=1)
-    if tp_size != len(gpu.devices):
+    tp_size = table.integer("tp_size", gpu.server_size, minimum=1)
+    if tp_size != gpu.server_size:
+        where = "each group of gpu.devices" if gpu.groups else "gpu.devices"
         raise table.fail(
-            "tp_size", f"{tp_size} does not match the {len(gpu.devices)} GPU(s) in gpu.devices"
+            "tp_size", f"{tp_size} does not match the {gpu.server_size} GPU(s) in {where}"
         )
     twin_model = table.string("twin_model")
     sg = table.sub("sglang")
