@@ -152,7 +152,7 @@ class TwinEngine:
         planned = self._fixed_round(workload)
         n_prefill, n_iter, width = planned.n_prefill, planned.n_iter, planned.width
         point = self.node.execute(*planned.phases)
-        ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
+        ends_ns = t0 + point.ends_ns
         first_ns = ends_ns[:n_prefill][planned.done_chunk]
         iter_ns = ends_ns[n_prefill + np.arange(n_iter) * width + verify_column(self._plan, width)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
@@ -254,7 +254,7 @@ class TwinEngine:
                     slot_req[s] = -1
         # One phase: admissions and finishes interleave, so the limit holds on average.
         point = self.node.execute(Passes.concat(builder.parts))
-        ends_ns = t0 + np.cumsum(np.round(point.timing.duration_s * 1e9)).astype(np.int64)
+        ends_ns = t0 + point.ends_ns
         requests = []
         spec = self._plan is not None
         for r, prompt in enumerate(pool):

@@ -48,7 +48,7 @@ class _Trace:
     @classmethod
     def of(cls, start_ns: int, schedule: Schedule) -> _Trace:
         timing = schedule.timing
-        ends = start_ns + np.cumsum(np.round(timing.duration_s * 1e9)).astype(np.int64)
+        ends = start_ns + schedule.ends_ns
         starts = np.concatenate([[start_ns], ends[:-1]]).astype(np.int64)
         cum = np.cumsum(timing.power_w * ((ends - starts) * 1e-9))
         return cls(
@@ -131,13 +131,12 @@ class TwinDevice:
         if self.locked_mhz is not None:
             idle_clock = self.locked_mhz[1]
         trace = self._trace
+        busy, i, since_j = self._locate(t_ns)
         if trace is None:
-            since_j = idle_w * np.maximum(0, t_ns - self._base_ns) * 1e-9
             power = np.full(t_ns.shape, idle_w)
             clock = np.full(t_ns.shape, idle_clock, dtype=np.int64)
             reasons = np.full(t_ns.shape, EVENT_GPU_IDLE, dtype=np.int64)
         else:
-            busy, i, since_j = trace.locate(t_ns, idle_w)
             power = np.where(busy, trace.power_w[i], idle_w)
             clock = np.where(busy, trace.sm_clock_mhz[i], idle_clock)
             reasons = np.where(busy, trace.reasons[i], EVENT_GPU_IDLE)
@@ -150,11 +149,22 @@ class TwinDevice:
             reasons=reasons,
         )
 
+    def _locate(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_Trace.locate` for the running trace (busy never, pass 0, idle energy without one):
+        the energy since the last `start` at each instant."""
+        idle_w = self.profile.idle_power_w
+        if self._trace is None:
+            since_j = idle_w * np.maximum(0, t_ns - self._base_ns) * 1e-9
+            return np.zeros(t_ns.shape, dtype=bool), np.zeros(t_ns.shape, dtype=np.intp), since_j
+        return self._trace.locate(t_ns, idle_w)
+
     def _now(self) -> DeviceReadings:
         return self.readings_at(np.array([self.clock.now_ns()], dtype=np.int64))
 
     def energy_j_at(self, t_ns: int) -> float:
-        return float(self.readings_at(np.array([t_ns], dtype=np.int64)).energy_j[0])
+        """The energy counter alone (what `readings_at` reports as energy_j)."""
+        _, _, since_j = self._locate(np.array([t_ns], dtype=np.int64))
+        return float(self._base_energy_j + since_j[0])
 
     def energy_j(self) -> float:
         return self.energy_j_at(self.clock.now_ns())

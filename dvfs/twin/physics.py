@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,9 +29,13 @@ ROOFLINE_BLEND = 4.0
 ALLREDUCE_LATENCY_S = 8e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Passes:
-    """A sequence of forward passes as seen by ONE GPU (tensor-parallel shares already applied)."""
+    """A sequence of forward passes as seen by ONE GPU (tensor-parallel shares already applied).
+
+    Compared and hashed by identity (arrays have no single truth value), so that what was
+    learnt about one sequence (`operating_point`'s capped clocks) can be remembered with it.
+    """
 
     flops: np.ndarray
     bytes: np.ndarray
@@ -193,6 +198,13 @@ def mean_power_w(gpu: GpuProfile, passes: Passes, sm_clocks_mhz: np.ndarray) -> 
 #: Elements of the (clocks x passes) array one step of the power-cap search may evaluate.
 SEARCH_BUDGET = 8192
 
+#: Per pass sequence, per (GPU, power limit): the highest requested clock searched so far and
+#: the clock the search settled on. A sweep plans a round once and runs it at every clock
+#: under the same limit; the answer for any lower request above that clock is the same.
+_CAPPED: weakref.WeakKeyDictionary[Passes, dict[tuple[GpuProfile, float], tuple[int, int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 def operating_point(
     gpu: GpuProfile,
@@ -206,8 +218,13 @@ def operating_point(
     Real GPUs enforce the limit over short windows; the twin enforces it over the workload's
     average, which is what the energy counter sees. Average power rises with the clock, so
     the search evaluates as many candidate clocks at once as the budget allows, then
-    confirms the answer with `time_passes` (and the next clock up on a near tie).
+    confirms the answer with `time_passes` (and the next clock up on a near tie). A search
+    is remembered per pass sequence: the highest clock that fits at or below a request R is
+    also the one for any request between it and R (and such a request does not fit).
     """
+    known = _CAPPED.get(passes, {}).get((gpu, power_limit_w))
+    if known is not None and known[1] < requested_mhz <= known[0]:
+        return OperatingPoint(known[1], True, time_passes(gpu, passes, known[1]))
     timing = time_passes(gpu, passes, requested_mhz)
     if len(passes) == 0 or timing.mean_power_w <= power_limit_w:
         return OperatingPoint(int(requested_mhz), False, timing)
@@ -246,6 +263,7 @@ def operating_point(
     while best >= 0 and exact(best).mean_power_w > power_limit_w:
         best -= 1
     best = max(best, 0)
+    _CAPPED.setdefault(passes, {})[(gpu, power_limit_w)] = (int(requested_mhz), int(clocks[best]))
     return OperatingPoint(int(clocks[best]), True, exact(best))
 
 
@@ -272,6 +290,14 @@ class Schedule:
             np.concatenate([t.tensor_util for t in parts]),
             np.concatenate([t.memory_util for t in parts]),
         )
+
+    @functools.cached_property
+    def ends_ns(self) -> np.ndarray:
+        """When each pass ends, in whole ns after the schedule starts (read-only; computed
+        once, as the engine and every device of the node read it)."""
+        ends = np.cumsum(np.round(self.timing.duration_s * 1e9)).astype(np.int64)
+        ends.flags.writeable = False
+        return ends
 
     @property
     def pass_clock_mhz(self) -> np.ndarray:
