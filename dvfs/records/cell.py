@@ -4,7 +4,7 @@ quantity as the meter, the journal and the cube all spell it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dvfs.measure.plan import Cell
@@ -154,7 +154,7 @@ class CellRecord:
         head = {
             "type": "cell",
             "key": self.key or self.cell.key,
-            "cell": asdict(self.cell),
+            "cell": {f.name: getattr(self.cell, f.name) for f in fields(self.cell)},
             "status": self.status,
             "attempts": self.attempts,
             "finished": self.finished,

@@ -11,16 +11,25 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
+#: Types JSON holds as they are (checked first: a journal line is mostly these).
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
 def json_safe(value: Any) -> Any:
     """`value` as strict JSON can hold it: NaN and infinities become null (a missing
     measurement, not a number), tuples lists, numpy scalars Python numbers, keys strings.
     The one NaN->null rule for every document, journal line and --json output."""
+    if type(value) in _PLAIN:
+        return value
     if isinstance(value, float):
-        return None if math.isnan(value) or math.isinf(value) else value
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
+        # a measurement's quantiles and timeline are lists of floats: those without a call each
+        return [
+            (v if math.isfinite(v) else None) if type(v) is float else json_safe(v) for v in value
+        ]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars and 0-d arrays
         return json_safe(value.item())
     return value
