@@ -45,23 +45,36 @@ def corpus() -> None:
 def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     """Corpora with prompt counts and input-token statistics."""
     from dvfs.corpora.sampling import corpus_stats
+    from dvfs.twin.textprior import profile_corpus
 
     corpora, method, descriptions = _corpora(campaign_file)
-    rows = [{**corpus_stats(c), "description": descriptions.get(n, "")} for n, c in corpora.items()]
+    rows = []
+    for n, c in corpora.items():
+        text = profile_corpus(c)  # what the twin's acceptance reads from the text
+        reads_as = {
+            "genre": text.genre,
+            "language": text.language,
+            "acceptance_class": text.acceptance_class,
+            "ngram_repetition": round(text.ngram_repetition, 4),
+        }
+        rows.append({**corpus_stats(c), "description": descriptions.get(n, ""), "text": reads_as})
     if as_json:
         echo_json({"token_count_method": method, "corpora": rows})
         return
     from rich.table import Table
 
     table = Table()
-    for col in ("corpus", "prompts", "multi-turn", "input tokens min/median/max", "description"):
+    columns = ("corpus", "prompts", "multi-turn", "input tokens min/median/max", "reads as")
+    for col in (*columns, "description"):
         table.add_column(col)
     for r in rows:
+        text = r["text"]
         table.add_row(
             r["name"],
             str(r["prompts"]),
             str(r["multi_turn"]),
             f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}",
+            f"{text['genre']}, {text['language']}",
             r["description"],
         )
     out = console()
