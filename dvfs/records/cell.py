@@ -124,6 +124,9 @@ class CellRecord:
     warmup: dict[str, Any] = field(default_factory=dict)
     finished: str = ""
     key: str = ""
+    #: In-flight provenance (`dvfs.measure.inflight`): the group, its segments, what is
+    #: shared across its levels; empty for a cell measured on its own.
+    inflight: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def measured(
@@ -165,6 +168,7 @@ class CellRecord:
                 "measurement": self.measurement.to_json(),
                 "warmup": self.warmup,
                 "errors": list(self.errors),
+                **({"inflight": self.inflight} if self.inflight else {}),
             }
         return {**head, "error": self.error, "errors": list(self.errors)}
 
@@ -189,4 +193,5 @@ class CellRecord:
             warmup=record.get("warmup") or {},
             finished=record.get("finished") or "",
             key=record["key"],
+            inflight=record.get("inflight") or {},
         )
