@@ -1,0 +1,469 @@
+"""In-flight stepping: several knob levels measured inside one long decode.
+
+`measurement.mode = "in-flight"` measures the cells that differ only in their knob setting
+(same drafter, repeat, batch and corpus: one group of `inflight_groups`) in one fixed-batch
+decode instead of one decode each. The batch keeps decoding while the knob steps every segment;
+each segment's first `settle_s` is discarded, the rest is that level's window: energy from the
+GPUs' counters over it, tokens from the chunks that arrived in it, ITL and TPOT from those
+chunks. TTFT (the prefill) and acceptance (the drafts do not depend on the knob) are the
+round's, shared by every level of the group, and the record says so.
+
+Levels are ordered so slow drift cancels: the KV cache grows through the decode and the GPU
+warms, so a level measured late would otherwise look different from one measured early.
+`segment_order` lays the segments out so that every level's mean position is the same (a
+pure function): "abba" visits the levels forward then backward within each decode (A B C C B
+A); "serpentine" visits each level once per decode, forward on even rounds and backward on odd
+ones (rounds come in pairs). Equal segment durations make a drift linear in time add the same
+amount to every level's mean, so the differences between levels are unbiased.
+
+The seam with the runner (`dvfs.measure.runner`, which dispatches here):
+
+    records = run_inflight(runner, cells, settle_s=settle_s)
+
+- `runner`: the `Runner` (what `InflightHost` names). It has opened the session and started
+  the cells' drafter's server; `run_inflight` applies the knobs itself through
+  `runner.knobs` (the safety layer records every change) and leaves the GPUs at the last level
+  applied, so the runner must forget its current setting (`runner._setting = None`).
+- `cells`: one group of `inflight_groups(plan_cells(campaign))`, one cell per knob level.
+- `settle_s`: seconds discarded at the start of every segment: the measured settle
+  (`dvfs.measure.settle`) where the runner has one, else None for `[knobs] settle_s`.
+- Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
+  appends each and reports progress). Each carries `inflight` provenance: the group id, the
+  ordering scheme, its segments (round, position, start and measured seconds, tokens), that
+  TTFT and acceptance are shared, and the group's GPU time (`gpu_time_s`).
+
+Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
+at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.errors import CampaignError, EngineCrashedError, EngineError
+from dvfs.measure.meter import (
+    Q_ACCEPT_MISMATCH,
+    CellMeasurement,
+    LatencyStats,
+    WindowPart,
+    acceptance,
+    latency_stats,
+    steady_window_ns,
+    summarise,
+)
+from dvfs.measure.plan import Cell
+
+if TYPE_CHECKING:
+    from dvfs.campaign import Campaign
+    from dvfs.clock import Clock
+    from dvfs.engines.base import Engine, Workload
+    from dvfs.gpu.base import Gpu
+    from dvfs.gpu.knobs import KnobController
+    from dvfs.records import CellRecord
+
+SCHEMES = ("abba", "serpentine")
+#: Decode-rate head room when sizing the round's tokens (speculation's acceptance varies).
+TOKEN_MARGIN = 1.25
+#: Shortest measured part of a segment, in sample periods (the meter needs readings inside).
+MIN_SEGMENT_SAMPLES = 5
+
+
+# -- ordering (pure) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stretch of one decode at one knob level: `round` (which decode), `position`
+    (its index within that decode) and `level` (an index into the group's settings)."""
+
+    round: int
+    position: int
+    level: int
+
+
+def segments_per_round(levels: int, scheme: str) -> int:
+    _check_scheme(scheme)
+    return 2 * levels if scheme == "abba" else levels
+
+
+def rounds_step(scheme: str) -> int:
+    """Rounds are taken in steps of this many (a serpentine cancels drift over a pair)."""
+    _check_scheme(scheme)
+    return 1 if scheme == "abba" else 2
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown in-flight order {scheme!r}: choose one of {', '.join(SCHEMES)}")
+
+
+def level_order(settings: Sequence[Any], scheme: str = "abba", round_index: int = 0) -> list[Any]:
+    """The settings in the order one decode visits them (round `round_index`)."""
+    _check_scheme(scheme)
+    forward = list(settings)
+    if scheme == "abba":
+        return forward + forward[::-1]
+    return forward if round_index % 2 == 0 else forward[::-1]
+
+
+def segment_order(levels: int, scheme: str = "abba", rounds: int = 1) -> tuple[Segment, ...]:
+    """Every segment of `rounds` decodes over `levels` levels, in measuring order. Each level's
+    mean global position (round * segments_per_round + position) is the same, for any
+    number of rounds with "abba" and any even number with "serpentine"."""
+    if levels < 1:
+        raise ValueError("in-flight stepping needs at least one level")
+    out = []
+    for r in range(rounds):
+        for position, level in enumerate(level_order(range(levels), scheme, r)):
+            out.append(Segment(r, position, level))
+    return tuple(out)
+
+
+def mean_positions(segments: Sequence[Segment], per_round: int) -> dict[int, float]:
+    """Each level's mean global position (what must be equal for drift to cancel)."""
+    sums: dict[int, list[int]] = {}
+    for s in segments:
+        sums.setdefault(s.level, []).append(s.round * per_round + s.position)
+    return {level: sum(p) / len(p) for level, p in sorted(sums.items())}
+
+
+# -- grouping (pure) ---------------------------------------------------------------------------
+
+
+def group_key(cell: Cell) -> tuple[str, int, int, str]:
+    return (cell.drafter, cell.repeat, cell.batch, cell.corpus)
+
+
+def inflight_groups(cells: Sequence[Cell]) -> list[tuple[Cell, ...]]:
+    """The plan's cells grouped for in-flight stepping: those sharing (drafter, repeat, batch,
+    corpus), one per knob level, in the order each group's first cell appears (so drafters stay
+    outermost and a server starts once per drafter); within a group, in plan order."""
+    groups: dict[tuple[str, int, int, str], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(group_key(cell), []).append(cell)
+    return [tuple(g) for g in groups.values()]
+
+
+def group_id(cells: Sequence[Cell]) -> str:
+    drafter, repeat, batch, corpus = group_key(cells[0])
+    return f"{drafter}/{corpus}/b{batch}/r{repeat}"
+
+
+# -- one segment's traces (pure) ---------------------------------------------------------------
+
+
+def segment_requests(
+    requests: Sequence[RequestTrace], start_ns: int, end_ns: int
+) -> tuple[RequestTrace, ...]:
+    """Each request cut to the chunks that arrived in (start, end], led by the chunk before
+    (carrying 1 token, outside the window) so the first gap and TPOT span the segment. TTFT of
+    these traces means nothing: the caller takes the whole round's."""
+    out = []
+    for r in requests:
+        if r.error is not None or not len(r.chunk_ns):
+            continue
+        lo = int(np.searchsorted(r.chunk_ns, start_ns, side="right"))
+        hi = int(np.searchsorted(r.chunk_ns, end_ns, side="right"))
+        if hi <= lo:
+            continue
+        anchor = max(lo - 1, 0)
+        ns = r.chunk_ns[anchor:hi]
+        tokens = np.array(r.chunk_tokens[anchor:hi], dtype=np.int64)
+        if anchor < lo:
+            tokens[0] = 1
+        out.append(
+            RequestTrace(
+                sent_ns=r.sent_ns,
+                chunk_ns=ns,
+                chunk_tokens=tokens,
+                prompt_tokens=r.prompt_tokens,
+                completion_tokens=int(tokens.sum()),
+                finish_reason=r.finish_reason,
+                retractions=r.retractions,
+            )
+        )
+    return tuple(out)
+
+
+# -- running a group ---------------------------------------------------------------------------
+
+
+class InflightHost(Protocol):
+    """What `run_inflight` uses of the runner."""
+
+    campaign: Campaign
+    gpus: list[Gpu]
+    engine: Engine
+    clock: Clock
+    knobs: KnobController
+    idle_power_w: float
+
+    def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload: ...
+
+
+@dataclass
+class _Measured:
+    """One segment measured: which, its window and tokens, and where its samples are."""
+
+    segment: Segment
+    start_ns: int
+    end_ns: int
+    window: tuple[int, int] | None
+    part: WindowPart
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def decode_rate_tok_s(result: RoundResult) -> float:
+    """The fastest request's decode rate in a round (tokens after the first, per second)."""
+    rates = [
+        (r.completion_tokens - 1) / ((r.chunk_ns[-1] - r.chunk_ns[0]) * 1e-9)
+        for r in result.requests
+        if r.error is None and len(r.chunk_ns) > 1 and r.chunk_ns[-1] > r.chunk_ns[0]
+    ]
+    return max(rates) if rates else math.nan
+
+
+def rate_bound(rate: float, reference_mhz: float, level_mhz: float) -> float:
+    """An upper bound on a level's decode rate from one measured at `reference_mhz`: a lower
+    clock is never faster, a higher one at most proportionally faster."""
+    return rate * max(1.0, level_mhz / reference_mhz)
+
+
+def tokens_needed(rates_tok_s: Sequence[float], segment_s: float) -> int:
+    """Output tokens per request so the decode outlasts every segment (one per rate), with
+    head room and one more segment at the fastest rate."""
+    total = sum(rates_tok_s) * segment_s + max(rates_tok_s) * segment_s
+    return math.ceil(total * TOKEN_MARGIN) + 1
+
+
+def relative_halfwidth(values: Sequence[float], confidence: float) -> float:
+    """Student-t half-width of the mean of `values`, relative to the mean (inf below two)."""
+    from dvfs.analysis.bounds import t_quantile
+
+    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
+    if len(v) < 2 or v.mean() == 0:
+        return math.inf
+    half = t_quantile(confidence, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
+    return float(half / abs(v.mean()))
+
+
+def _setting_mhz(cell: Cell, gpus: Sequence[Gpu]) -> float:
+    if cell.sm_clock_mhz is not None:
+        return float(cell.sm_clock_mhz)
+    return float(max(g.identity.max_sm_clock_mhz for g in gpus))
+
+
+def run_inflight(
+    runner: InflightHost, cells: Sequence[Cell], *, settle_s: float | None = None
+) -> list[CellRecord]:
+    """Measure a group's knob levels inside shared decodes; one record per cell (see the
+    module's docstring for the seam). Engine errors are retried `measurement.retries` times,
+    then every cell of the group fails with them."""
+    from dvfs.records import CellRecord
+
+    errors: list[str] = []
+    retries = runner.campaign.measurement.retries
+    for attempt in range(1, retries + 2):
+        try:
+            return _measure_group(runner, cells, settle_s, attempt, errors)
+        except EngineCrashedError as exc:
+            errors.append(f"attempt {attempt}: {exc}")
+            break  # a dead server serves nothing more: the runner restarts it for the next group
+        except EngineError as exc:
+            errors.append(f"attempt {attempt}: {exc}")
+    return [CellRecord.failed(c, attempts=len(errors), errors=errors) for c in cells]
+
+
+def _measure_group(
+    runner: InflightHost,
+    cells: Sequence[Cell],
+    settle_s: float | None,
+    attempt: int,
+    errors: Sequence[str],
+) -> list[CellRecord]:
+    from dvfs.engines.base import KnobStep, KnobTimeline  # type: ignore[attr-defined]
+    from dvfs.measure.sampler import Sampler
+    from dvfs.records import CellRecord
+
+    campaign = runner.campaign
+    m = campaign.measurement
+    if campaign.workload.mode != "fixed":
+        raise CampaignError("in-flight stepping needs workload.mode = 'fixed'")
+    if len({c.setting for c in cells}) != len(cells) or len({group_key(c) for c in cells}) != 1:
+        raise ValueError(
+            "an in-flight group is one cell per knob setting of one (drafter, "
+            "repeat, batch, corpus)"
+        )
+    scheme = str(getattr(m, "inflight_order", "abba"))
+    precision = float(getattr(m, "precision", 0.0) or 0.0)
+    confidence = float(getattr(m, "confidence", 0.95))
+    settle = campaign.knobs.settle_s if settle_s is None else settle_s
+    per_level = segments_per_round(len(cells), scheme) // len(cells)
+    measure_s = max(m.min_window_s / per_level, MIN_SEGMENT_SAMPLES * m.sample_period_s)
+    segment_s = settle + measure_s
+    clock, knobs = runner.clock, runner.knobs
+    gpu_time = dict.fromkeys(("settle", "warmup", "prefill", "window", "drain"), 0.0)
+
+    # The first level, then a warm-up decode there that also sizes the rounds.
+    first = level_order(cells, scheme, 0)[0]
+    knobs.apply(first.setting)
+    t0 = clock.now_ns()
+    warm = runner.engine.run(runner._workload(first, "inflight-warmup", max(m.warmup_tokens, 16)))
+    gpu_time["warmup"] = (clock.now_ns() - t0) * 1e-9
+    rate = decode_rate_tok_s(warm)
+    if not math.isfinite(rate):
+        raise EngineError("the in-flight warm-up decoded no tokens to size the rounds by")
+    reference = _setting_mhz(first, runner.gpus)
+
+    measured: list[_Measured] = []
+    results: list[RoundResult] = []
+    step = rounds_step(scheme)
+    max_rounds = max(step, m.max_rounds - m.max_rounds % step)
+    rounds = 0
+    while rounds < max_rounds:
+        for _ in range(step):
+            order = level_order(cells, scheme, rounds)
+            rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
+            workload = runner._workload(
+                first, ("inflight", rounds), tokens_needed(rates, segment_s)
+            )
+            steps = tuple(
+                KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
+                for k, c in enumerate(order)
+            )
+            with Sampler(runner.gpus, clock, m.sample_period_s) as sampler:
+                result = runner.engine.run(workload, KnobTimeline(steps))  # type: ignore[call-arg]
+            failed = [r.error for r in result.requests if r.error]
+            if failed:
+                raise EngineError(f"{len(failed)} request(s) failed; first: {failed[0]}")
+            samples = sampler.samples.arrays()
+            window = steady_window_ns(result, "fixed")
+            if window is None or not result.knob_ns:  # type: ignore[attr-defined]
+                raise EngineError("the in-flight decode had no steady window to step the knob in")
+            results.append(result)
+            starts = list(result.knob_ns)  # type: ignore[attr-defined]
+            ends = starts[1:] + [starts[-1] + _ns(segment_s)] if starts else []
+            gpu_time["prefill"] += (starts[0] - result.started_ns) * 1e-9
+            gpu_time["drain"] += max(0, result.ended_ns - ends[-1]) * 1e-9
+            for position, (cell, a, b) in enumerate(zip(order, starts, ends, strict=False)):
+                lo = max(a + _ns(settle), window[0])
+                hi = min(b, window[1])
+                gpu_time["settle"] += (min(lo, b) - a) * 1e-9
+                span = (lo, hi) if hi > lo else None
+                if span is not None:
+                    gpu_time["window"] += (hi - lo) * 1e-9
+                seg_result = RoundResult(
+                    segment_requests(result.requests, lo, hi) if span else (),
+                    result.started_ns,
+                    result.ended_ns,
+                )
+                measured.append(
+                    _Measured(
+                        Segment(rounds, position, cells.index(cell)),
+                        a,
+                        b,
+                        span,
+                        WindowPart(seg_result, span, samples),
+                    )
+                )
+            rounds += 1
+        if precision <= 0 or _precise(runner, cells, measured, precision, confidence):
+            break
+
+    shared = latency_stats([r for res in results for r in res.requests])
+    accept = acceptance(results)
+    mismatch = _accept_mismatch(accept.server_accept_length, accept.decode_accept_length)
+    gid = group_id(cells)
+    group_time = {k: round(v, 6) for k, v in gpu_time.items()}
+    records = []
+    for index, cell in enumerate(cells):
+        mine = [s for s in measured if s.segment.level == index]
+        cm = _summarise(runner, cell, [s.part for s in mine])
+        cm = replace(
+            cm,
+            latency=LatencyStats(shared.ttft_ms, cm.latency.tpot_ms, cm.latency.itl_ms),
+            accept=accept,
+            quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0),
+        )
+        values = [_summarise(runner, cell, [s.part]).energy_per_token_j for s in mine]
+        provenance = {
+            "group": gid,
+            "scheme": scheme,
+            "levels": len(cells),
+            "level": index,
+            "rounds": rounds,
+            "settle_s": settle,
+            "segment_s": segment_s,
+            "shared": ["ttft_ms", "accept_length", "accept_rate", "server_accept_length"],
+            "energy_per_token_rel_halfwidth": _finite_or_none(
+                relative_halfwidth(values, confidence)
+            ),
+            "segments": [
+                {
+                    "round": s.segment.round,
+                    "position": s.segment.position,
+                    "start_s": round((s.start_ns - results[s.segment.round].started_ns) * 1e-9, 6),
+                    "measured_s": round((s.window[1] - s.window[0]) * 1e-9, 6) if s.window else 0.0,
+                    "energy_per_token_j": _finite_or_none(v),
+                }
+                for s, v in zip(mine, values, strict=True)
+            ],
+            "gpu_time_s": group_time,
+        }
+        record = CellRecord.measured(cell, cm, attempts=attempt, warmup={}, errors=errors)
+        records.append(replace(record, inflight=provenance))
+    return records
+
+
+def _applier(apply: Callable[[Any], bool], setting: Any) -> Callable[[], None]:
+    def step() -> None:
+        apply(setting)
+
+    return step
+
+
+def _summarise(runner: InflightHost, cell: Cell, parts: Sequence[WindowPart]) -> CellMeasurement:
+    m = runner.campaign.measurement
+    return summarise(
+        parts,
+        requested_clock_mhz=cell.sm_clock_mhz if runner.knobs.actuation else None,
+        min_window_s=m.min_window_s,
+        sample_period_s=m.sample_period_s,
+        idle_power_w=runner.idle_power_w,
+    )
+
+
+def _precise(
+    runner: InflightHost,
+    cells: Sequence[Cell],
+    measured: Sequence[_Measured],
+    precision: float,
+    confidence: float,
+) -> bool:
+    """Whether every level's energy per token has reached the relative half-width target."""
+    for index, cell in enumerate(cells):
+        values = [
+            _summarise(runner, cell, [s.part]).energy_per_token_j
+            for s in measured
+            if s.segment.level == index
+        ]
+        if relative_halfwidth(values, confidence) > precision:
+            return False
+    return True
+
+
+def _accept_mismatch(server: float, ours: float) -> bool:
+    return not math.isnan(server) and not math.isnan(ours) and abs(server - ours) > 0.05 * ours
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
