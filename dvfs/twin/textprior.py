@@ -6,8 +6,9 @@ on how often the text repeats itself. The twin reads both from the prompts, not 
 corpus's name, so a corpus called "romansh" that holds English accepts like English.
 
 Everything here is pure and cheap: a corpus is profiled once (memoised by its content), from
-features a reader could check by hand. The thresholds sit between the built-in corpora's
-measured features (listed by each constant) with a margin of at least 2x on each side.
+features a reader could check by hand. Each threshold sits near the geometric midpoint between
+the built-in corpora's measured features on either side (listed by each constant), a factor of
+at least 1.8 from each.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Protocol
 #: either way, so the share of repeated n-grams comes out alike (INF).
 TOKEN = re.compile(r"\w+|[^\w\s]")
 WORD = re.compile(r"[^\W\d_]+")
-#: The n-gram drafter's match length: SGLang's n-gram speculator and prompt lookup decoding
-#: match the last few tokens (3 by default in PLD's reference implementation).
+#: The n-gram drafter's match length: prompt lookup decoding's reference implementation
+#: matches up to the last 3 tokens (max_ngram_size = 3); SGLang's n-gram drafter is alike.
 NGRAM = 3
 
 
@@ -50,18 +51,18 @@ CODE_SYMBOLS = frozenset("{}[]();=<>_`|\\")
 
 #: A language's function words must make up this share of the words (built-ins: English text
 #: 0.18-0.37 English words, Romansh text 0.35 Romansh words; the other list at most 0.035).
-LANGUAGE_MIN_SHARE = 0.10
+LANGUAGE_MIN_SHARE = 0.08
 #: ... and outnumber the other list's by this factor.
 LANGUAGE_RATIO = 2.0
 #: Code: lines indented by 2+ spaces or a tab (code 0.63, every other built-in 0.00) ...
 CODE_MIN_INDENTED = 0.20
 #: ... or code symbols among the non-space characters (code 0.098, others 0.001-0.013).
 CODE_MIN_SYMBOLS = 0.035
-#: Math: digits among the non-space characters (math 0.034, others 0.005-0.012).
-MATH_MIN_DIGITS = 0.02
+#: Math: digits among the non-space characters (math 0.034; others 0.005-0.010, code 0.012).
+MATH_MIN_DIGITS = 0.018
 #: Conversation: first- and second-person words among the words (conversation 0.059, English
 #: prose 0.017) ...
-CONVERSATION_MIN_PERSONAL = 0.035
+CONVERSATION_MIN_PERSONAL = 0.032
 #: ... or prompts with earlier turns (conversation 0.55, English prose 0.00).
 CONVERSATION_MIN_MULTI_TURN = 0.25
 
