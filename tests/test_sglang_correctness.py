@@ -435,15 +435,15 @@ def test_the_launcher_refuses_to_start_an_orphan(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["fixed", "closed-loop"])
 def test_a_slow_request_fails_at_its_deadline_as_a_cell_error(tmp_path: Path, mode: str) -> None:
     """request_timeout_s bounds a whole streamed request, not just the wait for a connection:
-    chunks arrive every 0.4 s (never a stall), but 32 tokens take ~13 s > 1 s."""
+    chunks arrive every 0.2 s (never a stall), but 32 tokens take ~6 s > 0.5 s."""
     workload = 'mode = "closed-loop"\npool_size = 2\nignore_eos = true' if mode != "fixed" else ""
     path, marker = stub_campaign(
         tmp_path,
-        stub={"tpot_s": 0.4, "natural_stop": False},
+        stub={"tpot_s": 0.2, "natural_stop": False},
         drafters=ONE_DRAFTER,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        request_timeout_s=1.0,
+        request_timeout_s=0.5,
         stall_timeout_s=10.0,
         retries=0,
         workload_extra=workload,
@@ -453,7 +453,7 @@ def test_a_slow_request_fails_at_its_deadline_as_a_cell_error(tmp_path: Path, mo
     cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     [cell] = [c for c in cells if c["type"] == "cell"]
     assert cell["status"] == "failed"
-    assert "missed its deadline" in cell["error"] and "request_timeout_s = 1 s" in cell["error"]
+    assert "missed its deadline" in cell["error"] and "request_timeout_s = 0.5 s" in cell["error"]
     assert running(marker) == []
 
 
