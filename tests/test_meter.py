@@ -289,11 +289,11 @@ def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:
         with pytest.raises(SamplerError, match="did not stop.*energy counter of GPU 0"), sampler:
             while gpu.calls <= 3:  # until the sampler thread is stuck in a reading
                 threading.Event().wait(0.001)
-        frozen = {k: list(v) for k, v in sampler.samples.__dict__.items()}
+        frozen = {k: v.tolist() for k, v in sampler.samples.arrays().items()}
     finally:
         gate.set()
     clock.thread.join()
-    assert {k: list(v) for k, v in sampler.samples.__dict__.items()} == frozen
+    assert {k: v.tolist() for k, v in sampler.samples.arrays().items()} == frozen
 
 
 def test_a_failed_reading_is_raised_when_the_sampler_stops() -> None:

@@ -7,7 +7,6 @@ idle-power reading); `dvfs.measure.meter` turns what it collects into a cell's n
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,42 +22,86 @@ from dvfs.gpu.base import BulkReadable, BulkReadings, Gpu
 SAMPLER_STOP_TIMEOUT_S = 5.0
 
 
+#: What `Samples.arrays` returns, one array per name (gpu_energy_*: one column per GPU).
+SAMPLE_FIELDS = (
+    "t_ns",
+    "energy_mj",
+    "power_mw",
+    "sm_clock_mhz",
+    "temperature_c",
+    "reasons",
+    "gpu_energy_mj",
+    "gpu_energy_t_ns",
+)
+
+
 @dataclass
 class Samples:
     """Readings of all GPUs at instants: energy and power summed, clock min, temperature max.
 
     Each GPU's energy counter carries its own timestamp (`gpu_energy_t_ns`: the middle of the
-    call that read it), since a slow reading can land well after the sample's `t_ns`.
+    call that read it), since a slow reading can land well after the sample's `t_ns`. Kept as
+    chunks of int64 arrays (one per reading call, of one or many instants), joined by `arrays`.
     """
 
-    t_ns: list[int] = field(default_factory=list)
-    energy_mj: list[int] = field(default_factory=list)
-    power_mw: list[int] = field(default_factory=list)
-    sm_clock_mhz: list[int] = field(default_factory=list)
-    temperature_c: list[int] = field(default_factory=list)
-    reasons: list[int] = field(default_factory=list)
-    gpu_energy_mj: list[tuple[int, ...]] = field(default_factory=list)
-    gpu_energy_t_ns: list[tuple[int, ...]] = field(default_factory=list)
+    chunks: dict[str, list[np.ndarray]] = field(
+        default_factory=lambda: {name: [] for name in SAMPLE_FIELDS}
+    )
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.chunks["t_ns"])
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in self.__dict__.items()}
+        return {
+            name: np.concatenate(parts) if parts else np.array([], dtype=np.int64)
+            for name, parts in self.chunks.items()
+        }
+
+    def _add(self, **columns: np.ndarray) -> None:
+        for name, values in columns.items():
+            self.chunks[name].append(values)
+
+    def append(
+        self,
+        t_ns: int,
+        energy_mj: Sequence[int],
+        energy_t_ns: Sequence[int],
+        power_mw: int,
+        sm_clock_mhz: int,
+        temperature_c: int,
+        reasons: int,
+    ) -> None:
+        """One sample, read GPU by GPU (per-GPU energy counters and their read times)."""
+
+        def one(value: int) -> np.ndarray:
+            return np.array([value], dtype=np.int64)
+
+        self._add(
+            t_ns=one(t_ns),
+            energy_mj=one(sum(energy_mj)),
+            power_mw=one(power_mw),
+            sm_clock_mhz=one(sm_clock_mhz),
+            temperature_c=one(temperature_c),
+            reasons=one(reasons),
+            gpu_energy_mj=np.array([energy_mj], dtype=np.int64),
+            gpu_energy_t_ns=np.array([energy_t_ns], dtype=np.int64),
+        )
 
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
-        """Append readings at several instants (arrays per GPU), combined as `sample` does."""
-        times = t_ns.tolist()
-        energy = list(zip(*(g.energy_mj.tolist() for g in gpus), strict=True))
-        self.t_ns.extend(times)
-        self.energy_mj.extend(map(sum, energy))
-        self.gpu_energy_mj.extend(energy)
-        # virtual time stands still while a GPU is read: each counter is read at the instant
-        self.gpu_energy_t_ns.extend((t,) * len(gpus) for t in times)
-        self.power_mw.extend(map(sum, zip(*(g.power_mw.tolist() for g in gpus), strict=True)))
-        clocks = zip(*(g.sm_clock_mhz.tolist() for g in gpus), strict=True)
-        self.sm_clock_mhz.extend(map(min, clocks))
-        temperatures = zip(*(g.temperature_c.tolist() for g in gpus), strict=True)
-        self.temperature_c.extend(map(max, temperatures))
-        reasons = zip(*(g.reasons.tolist() for g in gpus), strict=True)
-        self.reasons.extend(functools.reduce(operator.or_, r) for r in reasons)
+        """Append readings at several instants (arrays per GPU), combined as `append` does."""
+        t_ns = np.asarray(t_ns, dtype=np.int64)
+        energy = np.stack([g.energy_mj for g in gpus], axis=1)
+        self._add(
+            t_ns=t_ns,
+            energy_mj=energy.sum(axis=1),
+            power_mw=functools.reduce(np.add, (g.power_mw for g in gpus)),
+            sm_clock_mhz=functools.reduce(np.minimum, (g.sm_clock_mhz for g in gpus)),
+            temperature_c=functools.reduce(np.maximum, (g.temperature_c for g in gpus)),
+            reasons=functools.reduce(np.bitwise_or, (g.reasons for g in gpus)),
+            gpu_energy_mj=energy,
+            # virtual time stands still while a GPU is read: each counter is read at the instant
+            gpu_energy_t_ns=np.repeat(t_ns[:, None], len(gpus), axis=1),
+        )
 
 
 @functools.cache
@@ -148,15 +191,7 @@ class Sampler:
         with self._cond:
             if self._closed:
                 return
-            s = self.samples
-            s.t_ns.append(t)
-            s.energy_mj.append(sum(energy))
-            s.gpu_energy_mj.append(tuple(energy))
-            s.gpu_energy_t_ns.append(tuple(energy_t))
-            s.power_mw.append(power)
-            s.sm_clock_mhz.append(clock)
-            s.temperature_c.append(temperature)
-            s.reasons.append(reasons)
+            self.samples.append(t, energy, energy_t, power, clock, temperature, reasons)
 
     def _sample_at(self, t_ns: np.ndarray) -> None:
         """Read every GPU at the instants `t_ns` in one call each and append the readings."""
