@@ -399,12 +399,12 @@ def test_a_resumed_sweep_refuses_changed_stock_settings(nvml, tmp_path: Path) ->
 def test_a_hung_nvml_call_ends_at_its_deadline_naming_the_call_and_gpu(nvml, hang) -> None:
     from dvfs.gpu.deadline import GpuTimeoutError
 
-    with open_nvml_gpus([0], nvml=nvml, deadline_s=1.0) as (gpu,):
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=0.4) as (gpu,):
         hang("nvmlDeviceSetGpuLockedClocks")
         with pytest.raises(GpuTimeoutError) as caught:
             gpu.lock_sm_clock(1500, 1500)
         uuid = gpu.identity.uuid
-        assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 1 s" in (
+        assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 0.4 s" in (
             str(caught.value)
         )
         # Until the stuck call returns, the GPU's next call fails at once, so it can never
@@ -438,7 +438,7 @@ def test_a_restore_gives_up_at_the_deadline_and_keeps_the_state_file(
     from dvfs.gpu.safety import StateStore
 
     store = StateStore(tmp_path / "dvfs-state")
-    with open_nvml_gpus([0], nvml=nvml, deadline_s=1.0) as (gpu,):
+    with open_nvml_gpus([0], nvml=nvml, deadline_s=0.4) as (gpu,):
         with (
             pytest.raises(GpuError) as caught,
             KnobController([gpu], change_log=store) as knobs,
@@ -448,7 +448,7 @@ def test_a_restore_gives_up_at_the_deadline_and_keeps_the_state_file(
         message = str(caught.value)
         assert "could not restore" in message and "dvfs gpu reset" in message
         assert "nvmlDeviceResetGpuLockedClocks on GPU 0" in message
-        assert "did not return within 1 s" in message
+        assert "did not return within 0.4 s" in message
         assert store.pending(gpu.identity.uuid)  # for `dvfs gpu reset`
 
 
@@ -503,13 +503,13 @@ def test_cap_apply_with_a_hung_driver_fails_in_one_line(nvml, env, tmp_path: Pat
         str(caps),
         env={
             **env,
-            "DVFS_NVML_DEADLINE_S": "1",
+            "DVFS_NVML_DEADLINE_S": "0.4",
             "DVFS_FAKE_NVML_HANG": "nvmlDeviceSetGpuLockedClocks=inf",
         },
     )
     assert result.returncode == 1, result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 1 s" in line
+    assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 0.4 s" in line
 
 
 def _start_with_sigint_ignored(args: list[str], env: dict[str, str]) -> subprocess.Popen:
