@@ -1,0 +1,264 @@
+"""The energy counter's steps, and windows that begin and end on them.
+
+NVML's total-energy counter does not move continuously: it advances in steps, about every
+100 ms on recent data-centre GPUs (20-100 ms, NVML-CONTRACT.md). A value read between two
+steps is the energy up to the last step, so interpolating readings at a window's edges is off
+by up to one step's energy at each edge. Here a window's energy is taken between two counter
+UPDATES instead: each update's value is the exact energy at its instant, so the difference of
+two updates has no step error, and the tokens are counted over the same interval.
+
+A sampler sees an update as a change of value between two readings: the instant lies in that
+bracket. When the updates are regular (they are, to within a bracket, on the GPUs measured),
+a least-squares grid through the brackets' middles pins each instant well inside its bracket;
+otherwise the middle is used. Pure arithmetic: no GPU, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Fewest distinct updates a detection needs to call a period.
+MIN_UPDATES_FOR_PERIOD = 4
+
+
+@dataclass(frozen=True)
+class Updates:
+    """A counter's distinct updates seen by a sampler: each one's estimated instant (ns), the
+    bracket it lies in (the readings before and at the change) and the value it took (mJ)."""
+
+    t_ns: np.ndarray
+    lo_ns: np.ndarray
+    hi_ns: np.ndarray
+    value_mj: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.t_ns)
+
+    @property
+    def uncertainty_ns(self) -> float:
+        """The largest half-bracket: how far an estimated instant can be from the true one."""
+        return float(np.max(self.hi_ns - self.lo_ns) / 2) if len(self) else math.nan
+
+
+def updates(t_ns: np.ndarray, value_mj: np.ndarray, period_s: float | None = None) -> Updates:
+    """The distinct updates in one counter's readings (`t_ns` ascending). The first reading
+    starts the record: a change before it is not seen. With `period_s` (the detected update
+    period) the instants are fitted to a regular grid when the brackets allow one."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    v = np.asarray(value_mj, dtype=np.float64)
+    if len(t) < 2:
+        empty = np.array([], dtype=np.int64)
+        return Updates(empty.astype(float), empty, empty, empty.astype(float))
+    changed = np.flatnonzero(v[1:] != v[:-1]) + 1
+    lo, hi = t[changed - 1], t[changed]
+    return Updates(_instants(lo, hi, period_s), lo, hi, v[changed])
+
+
+def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> np.ndarray:
+    """Each update's instant: on a least-squares grid through the brackets' middles when that
+    grid passes through every bracket (a regular counter), else the middles."""
+    mid = (lo + hi) / 2.0
+    if period_s is None or not period_s > 0 or len(mid) < 3:
+        return mid
+    period_ns = period_s * 1e9
+    steps = np.round((mid - mid[0]) / period_ns)
+    if len(np.unique(steps)) != len(steps):
+        return mid  # two updates in one period: not the regular counter assumed
+    slope, intercept = np.polyfit(steps, mid - mid[0], 1)
+    fitted = mid[0] + intercept + slope * steps
+    half = (hi - lo) / 2.0
+    if np.all(np.abs(fitted - mid) <= half + 1.0):
+        return np.clip(fitted, lo, hi)
+    return mid
+
+
+def update_period_s(t_ns: np.ndarray, value_mj: np.ndarray) -> float | None:
+    """A counter's update period: the median gap between its distinct updates (estimated from
+    the brackets' middles). None with fewer than MIN_UPDATES_FOR_PERIOD updates. A counter that
+    changes at every reading gives about the reading period: it updates at least that often."""
+    seen = updates(t_ns, value_mj)
+    if len(seen) < MIN_UPDATES_FOR_PERIOD:
+        return None
+    gaps = np.diff(seen.t_ns)
+    return float(np.median(gaps)) * 1e-9
+
+
+def counter_update_period(samples: dict[str, np.ndarray]) -> list[float | None]:
+    """Each GPU's counter update period (s) from a sampler's readings (`Samples.arrays()`),
+    None for a GPU whose counter moved too rarely to tell."""
+    times, values = gpu_counters(samples)
+    return [update_period_s(times[:, g], values[:, g]) for g in range(times.shape[1])]
+
+
+def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-GPU counter readings and their instants, (readings, GPUs) each; the summed counter
+    as one GPU when the per-GPU columns are absent."""
+    times = samples.get("gpu_energy_t_ns")
+    if times is not None and times.ndim == 2 and times.size:
+        return times.astype(np.int64), samples["gpu_energy_mj"].astype(np.float64)
+    t = np.asarray(samples["t_ns"], dtype=np.int64).reshape(-1, 1)
+    return t, np.asarray(samples["energy_mj"], dtype=np.float64).reshape(-1, 1)
+
+
+# -- tokens on the same interval --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenCurve:
+    """Cumulative output tokens against time, rising linearly through each decode step (a
+    chunk's tokens are produced over the step that ends with its arrival, as the step's energy
+    is spent over it), so tokens and energy are counted over exactly the same interval."""
+
+    t_ns: np.ndarray
+    cumulative: np.ndarray
+
+    @classmethod
+    def of(cls, chunk_ns: Sequence[np.ndarray], chunk_tokens: Sequence[np.ndarray]) -> TokenCurve:
+        if not chunk_ns:
+            return cls(np.array([0.0]), np.array([0.0]))
+        ns = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunk_ns])
+        tokens = np.concatenate([np.asarray(c, dtype=np.float64) for c in chunk_tokens])
+        if not len(ns):
+            return cls(np.array([0.0]), np.array([0.0]))
+        instants, inverse = np.unique(ns, return_inverse=True)
+        per_instant = np.bincount(inverse, weights=tokens)
+        return cls(instants.astype(np.float64), np.cumsum(per_instant))
+
+    def at(self, t_ns: float | np.ndarray) -> np.ndarray:
+        return np.interp(t_ns, self.t_ns, self.cumulative)
+
+    def between(self, start_ns: float, end_ns: float) -> float:
+        a, b = self.at(np.array([start_ns, end_ns], dtype=np.float64))
+        return float(b - a)
+
+
+# -- a window on the updates ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CounterWindow:
+    """One GPU's energy over one round's window, taken between counter updates.
+
+    `start_ns`/`end_ns` are the first and last update instants inside the steady window;
+    `updates` the distinct updates inside it (the intervals between them number one fewer);
+    `energy_mj` the counter's difference between them (NaN with fewer than two updates)."""
+
+    start_ns: float
+    end_ns: float
+    updates: int
+    energy_mj: float
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) * 1e-9 if self.updates >= 2 else 0.0
+
+
+def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
+    """The window's energy between the first update at or after `start_ns` and the last at or
+    before `end_ns`."""
+    inside = np.flatnonzero((seen.t_ns >= start_ns) & (seen.t_ns <= end_ns))
+    if len(inside) < 2:
+        return CounterWindow(float(start_ns), float(end_ns), len(inside), math.nan)
+    a, b = inside[0], inside[-1]
+    return CounterWindow(
+        float(seen.t_ns[a]),
+        float(seen.t_ns[b]),
+        len(inside),
+        float(seen.value_mj[b] - seen.value_mj[a]),
+    )
+
+
+def required_updates(precision: float, period_s: float | None, uncertainty_s: float) -> int:
+    """Distinct updates a cell's windows must span so that the uncertainty of their edge
+    instants (`uncertainty_s` at each end) stays within `precision` of the spanned time:
+    2·u / ((n - 1)·period) <= precision. At least 3 (two intervals), whatever the period."""
+    if period_s is None or not period_s > 0 or not precision > 0:
+        return 3
+    intervals = math.ceil(2 * max(uncertainty_s, 0.0) / (precision * period_s) - 1e-9)
+    return max(3, intervals + 1)
+
+
+# -- the interval on a cell's rounds or repeats -----------------------------------------------
+
+
+def t_two_sided(confidence: float, dof: int) -> float:
+    """The two-sided Student-t quantile: P(|T| <= t) = confidence with `dof` degrees of
+    freedom (scipy, imported here so `dvfs --help` stays fast)."""
+    from scipy import stats
+
+    return float(stats.t.ppf((1 + confidence) / 2, dof))
+
+
+def relative_half_width(values: Sequence[float], confidence: float) -> float:
+    """Half-width of the Student-t interval on the mean of `values`, relative to the mean; NaN
+    with fewer than two finite values or a zero mean. Identical values give 0."""
+    v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
+    n = len(v)
+    if n < 2:
+        return math.nan
+    mean = math.fsum(v.tolist()) / n
+    if mean == 0:
+        return math.nan
+    sd = math.sqrt(math.fsum(((v - mean) ** 2).tolist()) / (n - 1))
+    return abs(t_two_sided(confidence, n - 1) * sd / math.sqrt(n) / mean)
+
+
+# -- one round's energy and tokens ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundEnergy:
+    """One round's energy and tokens over the same interval: between counter updates where
+    every GPU's counter updated at least twice inside the steady window (`on_updates`), else
+    the counters interpolated at the window's edges (the counter too slow for the window).
+
+    With several GPUs each counter has its own updates: `energy_mj` is each GPU's energy per
+    token over its own interval times the tokens over the first GPU's (`tokens`,
+    `seconds`), so energy / tokens is exact for every GPU."""
+
+    energy_mj: float
+    tokens: float
+    seconds: float
+    updates: int
+    on_updates: bool
+
+    @property
+    def energy_per_token_j(self) -> float:
+        return self.energy_mj / 1000 / self.tokens if self.tokens > 0 else math.nan
+
+
+def interpolated_mj(samples: dict[str, np.ndarray], t_ns: float) -> float:
+    """The summed counters (mJ) at an instant, each interpolated between its readings."""
+    times, values = gpu_counters(samples)
+    return float(sum(np.interp(t_ns, times[:, g], values[:, g]) for g in range(times.shape[1])))
+
+
+def round_energy(
+    samples: dict[str, np.ndarray],
+    curve: TokenCurve,
+    window: tuple[int, int],
+    periods_s: Sequence[float | None] = (),
+) -> RoundEnergy:
+    """A round's energy between counter updates inside `window` (see `RoundEnergy`);
+    `periods_s` are the GPUs' detected update periods (None or absent: not fitted)."""
+    start, end = window
+    times, values = gpu_counters(samples)
+    windows = []
+    for g in range(times.shape[1]):
+        period = periods_s[g] if g < len(periods_s) else None
+        windows.append(counter_window(updates(times[:, g], values[:, g], period), start, end))
+    counted = min(w.updates for w in windows)
+    if counted < 2:
+        energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
+        return RoundEnergy(energy, curve.between(start, end), (end - start) * 1e-9, counted, False)
+    ref = windows[0]
+    tokens = curve.between(ref.start_ns, ref.end_ns)
+    energy = 0.0
+    for w in windows:
+        own = curve.between(w.start_ns, w.end_ns)
+        energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
+    return RoundEnergy(energy, tokens, ref.seconds, counted, True)
