@@ -210,7 +210,20 @@ class TwinNode:
     def execute(self, *phases: Passes) -> Schedule:
         """Start the phases on every device now, each at its own operating point; the caller
         advances the clock."""
-        schedule = Schedule(tuple(self.plan(p) for p in phases if len(p)))
+        work = tuple(p for p in phases if len(p))
+        if not work:
+            schedule = Schedule(())
+        else:
+            per_device = [
+                physics.operating_points(d.profile, work, d.requested_clock_mhz(), d.power_limit_w)
+                for d in self.devices
+            ]  # as `plan` would give phase by phase: the slowest device's point per phase
+            schedule = Schedule(
+                tuple(
+                    min(points, key=lambda p: p.sm_clock_mhz)
+                    for points in zip(*per_device, strict=True)
+                )
+            )
         for device in self.devices:
             device.start(schedule)
         return schedule

@@ -72,6 +72,15 @@ class PassTiming:
     tensor_util: np.ndarray
     memory_util: np.ndarray
 
+    def slice(self, start: int, stop: int) -> PassTiming:
+        return PassTiming(
+            self.sm_clock_mhz,
+            self.duration_s[start:stop],
+            self.power_w[start:stop],
+            self.tensor_util[start:stop],
+            self.memory_util[start:stop],
+        )
+
     @property
     def energy_j(self) -> float:
         return float(np.dot(self.duration_s, self.power_w))
@@ -265,6 +274,28 @@ def operating_point(
     best = max(best, 0)
     _CAPPED.setdefault(passes, {})[(gpu, power_limit_w)] = (int(requested_mhz), int(clocks[best]))
     return OperatingPoint(int(clocks[best]), True, exact(best))
+
+
+def operating_points(
+    gpu: GpuProfile,
+    phases: tuple[Passes, ...],
+    requested_mhz: int,
+    power_limit_w: float,
+) -> list[OperatingPoint]:
+    """`operating_point` of each phase. Every phase is timed at the requested clock in one
+    array (one `time_passes` for the lot, elementwise the same numbers), and only those over
+    the limit are searched."""
+    whole = time_passes(gpu, Passes.concat(list(phases)), requested_mhz)
+    points = []
+    start = 0
+    for phase in phases:
+        timing = whole.slice(start, start + len(phase))
+        start += len(phase)
+        if timing.mean_power_w <= power_limit_w:
+            points.append(OperatingPoint(int(requested_mhz), False, timing))
+        else:
+            points.append(operating_point(gpu, phase, requested_mhz, power_limit_w))
+    return points
 
 
 @dataclass(frozen=True)
