@@ -46,6 +46,15 @@ class GpuProfile:
     kernel_cycles_per_layer: float
     host_overhead_s: float
     nvlink_gb_s: float
+    # NVML's measurement traps (`dvfs.twin.traps`): each 0 turns its trap off.
+    energy_counter_period_s: float = 0.0
+    power_sampled_s: float = 0.0
+    power_average_s: float = 0.0
+    thermal_time_constant_s: float = 0.0
+    leakage_w_per_c: float = 0.0
+    idle_clock_power_w: float = 0.0
+    settle_time_s: float = 0.0
+    settle_overshoot: float = 0.0
 
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
         """Lockable SM clocks, descending like NVML's list."""

@@ -1,0 +1,162 @@
+"""The twin's die temperature and the leakage power it drives: a first-order thermal model.
+
+    C dT/dt = P(t) - (T - T_amb) / R        (R: thermal resistance, tau = R C: time constant)
+    P(t)    = P_dyn(t) + k (T - T_ref)       (leakage, linear in T)
+
+`P_dyn` is what the power model gives (piecewise constant: one value per pass, or idle), `T_ref`
+the temperature at which the profile's powers were calibrated (the idle steady state, where the
+idle power was read). Leakage current grows roughly exponentially with temperature (De Vogeleer et
+al., arXiv 1404.3381, measured 20-85 C); over a data-centre GPU's 30-85 C it is taken linear in
+T, which keeps the model linear in T: substituting P gives the same first-order ODE with an
+effective time constant tau' = tau / (1 - R k) and steady state
+T_ss = (T_amb + R (P_dyn - k T_ref)) / (1 - R k). So for piecewise-constant P_dyn the temperature
+and the leakage are exact (no fixed-point iteration): on a segment of constant P_dyn starting at
+T0, T(s) = T_ss + (T0 - T_ss) exp(-s / tau'), and its energy has a closed form.
+
+`tau = 0` is the history-free model (T jumps to its steady state); `k = 0` has no leakage: both
+off give the old `ambient + R P` temperature and unchanged power.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Largest decay exponent (sum of d / tau') evaluated in one block of the recurrence: e^500 is
+#: far inside float64's range, so the scaled sums below never overflow.
+_BLOCK_EXPONENT = 500.0
+
+
+@dataclass(frozen=True)
+class Thermal:
+    """One GPU's thermal constants (units in each name)."""
+
+    ambient_c: float
+    c_per_w: float
+    time_constant_s: float
+    leakage_w_per_c: float
+    reference_c: float
+
+    def __post_init__(self) -> None:
+        if self.c_per_w < 0 or self.time_constant_s < 0 or self.leakage_w_per_c < 0:
+            raise ValueError(f"thermal constants must be >= 0: {self}")
+        if self.c_per_w * self.leakage_w_per_c >= 1.0:
+            raise ValueError(
+                f"thermal runaway: R x dP_leak/dT = {self.c_per_w * self.leakage_w_per_c:g} >= 1"
+            )
+
+    @property
+    def gain(self) -> float:
+        """1 / (1 - R k): how much leakage amplifies a temperature rise."""
+        return 1.0 / (1.0 - self.c_per_w * self.leakage_w_per_c)
+
+    @property
+    def tau_s(self) -> float:
+        """Effective time constant with the leakage feedback (0: no thermal lag)."""
+        return self.time_constant_s * self.gain
+
+    def steady_c(self, dynamic_w: np.ndarray | float) -> np.ndarray:
+        """Temperature a constant `dynamic_w` settles at, leakage included."""
+        k = self.leakage_w_per_c
+        return (self.ambient_c + self.c_per_w * (np.asarray(dynamic_w) - k * self.reference_c)) * (
+            self.gain
+        )
+
+    def power_w(
+        self, dynamic_w: np.ndarray | float, temperature_c: np.ndarray | float
+    ) -> np.ndarray:
+        """True power: the dynamic power model's plus the leakage's change since `reference_c`."""
+        return np.asarray(dynamic_w) + self.leakage_w_per_c * (
+            np.asarray(temperature_c) - self.reference_c
+        )
+
+
+def start_temperatures(
+    th: Thermal, t0_c: float, dynamic_w: np.ndarray, duration_s: np.ndarray
+) -> np.ndarray:
+    """Temperature at the start of each segment and at the end of the last (n + 1 values).
+
+    The exact solution of the linear recurrence T[i+1] = S[i] + (T[i] - S[i]) a[i],
+    a[i] = exp(-d[i] / tau'), with L[i] = sum(d[:i]) / tau' and within a block starting at c:
+    T[i] = exp(-(L[i] - L[c])) (T[c] + sum_{c<=j<i} S[j] exp(L[j] - L[c]) expm1(d[j] / tau')).
+    Blocks keep L[i] - L[c] below `_BLOCK_EXPONENT`, so nothing overflows or underflows to a
+    wrong answer; a schedule of tens of seconds against a tau' of tens of seconds is one block.
+    """
+    dynamic_w = np.asarray(dynamic_w, dtype=float)
+    duration_s = np.asarray(duration_s, dtype=float)
+    steady = th.steady_c(dynamic_w)
+    n = len(dynamic_w)
+    out = np.empty(n + 1)
+    tau = th.tau_s
+    if tau <= 0.0:  # no lag: each segment is at its steady state from its first instant
+        out[0] = t0_c
+        out[1:] = steady
+        return out
+    x = duration_s / tau
+    cum = np.concatenate([[0.0], np.cumsum(x)])  # L[i], i = 0..n
+    out[0] = t0_c
+    start, temp = 0, float(t0_c)
+    while start < n:
+        # The block: segments start..stop-1, with L[stop] - L[start] <= the bound (at least one).
+        stop = int(np.searchsorted(cum, cum[start] + _BLOCK_EXPONENT, side="right")) - 1
+        stop = min(max(stop, start + 1), n)
+        rel = cum[start : stop + 1] - cum[start]
+        if rel[-1] > _BLOCK_EXPONENT:  # one segment alone decays past the bound: it settles
+            out[start + 1 : stop + 1] = steady[start:stop]
+        else:
+            terms = steady[start:stop] * np.exp(rel[:-1]) * np.expm1(x[start:stop])
+            out[start + 1 : stop + 1] = np.exp(-rel[1:]) * (temp + np.cumsum(terms))
+        temp = float(out[stop])
+        start = stop
+    return out
+
+
+def segment_energy_j(
+    th: Thermal,
+    t_start_c: np.ndarray | float,
+    dynamic_w: np.ndarray | float,
+    offset_s: np.ndarray | float,
+) -> np.ndarray:
+    """True energy from a segment's start to `offset_s` into it (elementwise):
+    (P_dyn + k (T_ss - T_ref)) s + k (T0 - T_ss) tau' (1 - exp(-s / tau'))."""
+    dynamic_w = np.asarray(dynamic_w, dtype=float)
+    offset_s = np.asarray(offset_s, dtype=float)
+    k = th.leakage_w_per_c
+    if k == 0.0:
+        return dynamic_w * offset_s
+    steady = th.steady_c(dynamic_w)
+    settled = (dynamic_w + k * (steady - th.reference_c)) * offset_s
+    tau = th.tau_s
+    if tau <= 0.0:
+        return settled
+    return settled + k * (np.asarray(t_start_c) - steady) * tau * -np.expm1(-offset_s / tau)
+
+
+def segment_temperature_c(
+    th: Thermal,
+    t_start_c: np.ndarray | float,
+    dynamic_w: np.ndarray | float,
+    offset_s: np.ndarray | float,
+) -> np.ndarray:
+    """Temperature `offset_s` into a segment that started at `t_start_c` (elementwise)."""
+    steady = th.steady_c(dynamic_w)
+    tau = th.tau_s
+    if tau <= 0.0:
+        return np.broadcast_to(steady, np.broadcast(steady, np.asarray(offset_s)).shape).copy()
+    return steady + (np.asarray(t_start_c) - steady) * np.exp(-np.asarray(offset_s) / tau)
+
+
+def relaxation(th: Thermal, t_start_c: float, dynamic_w: float) -> tuple[float, float]:
+    """A constant-`dynamic_w` stretch from `t_start_c` as true power a + b exp(-s / tau'):
+    (a, b). The energy counter sums its sampled windows in closed form from these."""
+    steady = float(th.steady_c(dynamic_w))
+    a = dynamic_w + th.leakage_w_per_c * (steady - th.reference_c)
+    b = th.leakage_w_per_c * (t_start_c - steady) if th.tau_s > 0 else 0.0
+    return float(a), float(b)
+
+
+def settle_time_s(th: Thermal, fraction: float = 0.02) -> float:
+    """How long a step takes to come within `fraction` of its final temperature."""
+    return th.tau_s * math.log(1.0 / fraction) if th.tau_s > 0 else 0.0

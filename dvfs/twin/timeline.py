@@ -1,0 +1,257 @@
+"""What one simulated GPU does from an instant on, and what it reports then: the one place that
+maps instants to readings, vectorised over any number of instants.
+
+A `Timeline` starts at `fold_ns` (a device's last `start` or knob change) in a known state (die
+temperature, true energy, the energy counter's recent values), runs its work (passes of
+piecewise-constant dynamic power) and then idles. From that it answers, per instant:
+
+- the truth: die temperature (`dvfs.twin.thermal`), true power (dynamic + leakage), true
+  energy (its exact integral);
+- what NVML reports: the stepped, part-time energy counter and the 1-second average
+  (`dvfs.twin.counter`), the instant power (the true power), the observed SM clock (which
+  shows a knob change settling, `dvfs.twin.traps.settle_progress`), the event reasons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from dvfs.gpu.base import EVENT_GPU_IDLE
+from dvfs.twin import thermal as th
+from dvfs.twin.counter import Sensor, SteppedCounter, Tail
+from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.traps import settle_progress
+
+
+@dataclass(frozen=True)
+class Work:
+    """Passes a device runs back to back: start and end (ns), dynamic power (the power model's,
+    before leakage), clock and event reasons of each."""
+
+    starts_ns: np.ndarray
+    ends_ns: np.ndarray
+    dynamic_w: np.ndarray
+    sm_clock_mhz: np.ndarray
+    reasons: np.ndarray
+
+    def after(self, t_ns: int) -> Work | None:
+        """What is left at `t_ns` (the pass under way cut to start there), None when done."""
+        i = int(np.searchsorted(self.ends_ns, t_ns, side="right"))
+        if i >= len(self.ends_ns):
+            return None
+        starts = self.starts_ns[i:].copy()
+        starts[0] = max(int(starts[0]), t_ns)
+        return Work(
+            starts, self.ends_ns[i:], self.dynamic_w[i:], self.sm_clock_mhz[i:], self.reasons[i:]
+        )
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A knob change: when, and what the SM clock read then (the reading moves from there)."""
+
+    at_ns: int
+    from_mhz: float
+
+
+@dataclass(frozen=True)
+class Readings:
+    """Per instant, in SI units: what NVML reports and the truth behind it."""
+
+    energy_j: np.ndarray
+    power_w: np.ndarray
+    power_average_w: np.ndarray
+    sm_clock_mhz: np.ndarray
+    temperature_c: np.ndarray
+    reasons: np.ndarray
+    true_energy_j: np.ndarray
+
+
+def thermal_of(profile: GpuProfile) -> th.Thermal:
+    """The profile's thermal constants; leakage is reckoned from the idle steady state, the
+    temperature at which the profile's idle power was read."""
+    return th.Thermal(
+        ambient_c=profile.ambient_c,
+        c_per_w=profile.thermal_c_per_w,
+        time_constant_s=profile.thermal_time_constant_s,
+        leakage_w_per_c=profile.leakage_w_per_c,
+        reference_c=profile.ambient_c + profile.thermal_c_per_w * profile.idle_power_w,
+    )
+
+
+def sensor_of(profile: GpuProfile, uuid: str) -> Sensor | None:
+    """The energy counter's timing on one device (None: the counter is exact); its phase is
+    fixed per device, from its UUID, as two real GPUs' counters do not update together."""
+    period_ns = round(profile.energy_counter_period_s * 1e9)
+    if period_ns <= 0:
+        return None
+    sampled_ns = round(profile.power_sampled_s * 1e9) or period_ns
+    phase = int(hashlib.sha256(f"{uuid}/energy-counter".encode()).hexdigest()[:12], 16) % period_ns
+    average_n = max(1, round(profile.power_average_s * 1e9 / period_ns))
+    return Sensor(period_ns, min(sampled_ns, period_ns), phase, average_n)
+
+
+class Timeline:
+    """One device from `fold_ns` on: its `work` (None: idle), then idle at `idle_w` (dynamic,
+    before leakage) showing `idle_clock_mhz`.
+
+    `temperature_c`, `true_energy_j` and `counter_start` (the counter's recent values and the
+    energy its sensor sampled before `fold_ns`, from `SteppedCounter.history_at`) carry the
+    state over from the timeline before; None for all three: a device at rest since long ago
+    (idle steady temperature, counter in step with the truth).
+    """
+
+    def __init__(
+        self,
+        profile: GpuProfile,
+        thermal: th.Thermal,
+        sensor: Sensor | None,
+        fold_ns: int,
+        temperature_c: float | None,
+        true_energy_j: float | None,
+        counter_start: tuple[np.ndarray, float] | None,
+        work: Work | None,
+        idle_w: float,
+        idle_clock_mhz: int,
+        transition: Transition | None,
+    ) -> None:
+        self.profile = profile
+        self.thermal = thermal
+        self.sensor = sensor
+        self.fold_ns = fold_ns
+        if temperature_c is None:
+            temperature_c = float(thermal.steady_c(idle_w))
+        self.work = work
+        self.idle_w = idle_w
+        self.idle_clock_mhz = idle_clock_mhz
+        self.transition = transition
+        if work is not None:
+            duration_s = (work.ends_ns - work.starts_ns) * 1e-9
+            self.pass_temp_c = th.start_temperatures(
+                thermal, temperature_c, work.dynamic_w, duration_s
+            )
+            per_pass = th.segment_energy_j(
+                thermal, self.pass_temp_c[:-1], work.dynamic_w, duration_s
+            )
+            self.energy_before_j = np.concatenate([[0.0], np.cumsum(per_pass)])
+            self.end_ns = int(work.ends_ns[-1])
+            end_temp, end_energy = float(self.pass_temp_c[-1]), float(self.energy_before_j[-1])
+        else:
+            self.end_ns = fold_ns
+            end_temp, end_energy = temperature_c, 0.0
+        self.end_temp_c = end_temp
+        self.end_energy_j = end_energy
+        a, b = th.relaxation(thermal, end_temp, idle_w)
+        self.tail = Tail(self.end_ns, a, b, thermal.tau_s)
+        self.base_energy_j = self.rest_energy_j() if true_energy_j is None else true_energy_j
+        self.counter: SteppedCounter | None = None
+        if sensor is not None:
+            history, carry = counter_start if counter_start is not None else self._at_rest()
+            self.counter = SteppedCounter(
+                sensor, fold_ns, history, carry, self.energy_since_fold_j, self.tail
+            )
+
+    def _at_rest(self) -> tuple[np.ndarray, float]:
+        """A counter that has seen this state's idle power for `average_n` updates (its value 0
+        `average_n` updates back), and the energy its sensor has sampled so far."""
+        s = self.sensor
+        assert s is not None
+        power_w = float(self.thermal.power_w(self.idle_w, self.end_temp_c))
+        last = int(s.index(np.array(self.fold_ns)))
+        ks = np.arange(last - s.average_n, last + 1, dtype=np.int64)
+        history = power_w * s.period_ns * 1e-9 * (ks - ks[0])
+        window_ns = int(s.instant_ns(np.array(last + 1))) - s.sampled_ns
+        carry = power_w * max(0, self.fold_ns - window_ns) * 1e-9
+        return history, carry
+
+    def rest_energy_j(self) -> float:
+        """True energy at `fold_ns` of a device that starts at rest: what its counter held
+        `average_n` updates back plus the energy since (the counter's zero is the driver's)."""
+        if self.sensor is None:
+            return 0.0
+        s = self.sensor
+        power_w = float(self.thermal.power_w(self.idle_w, self.end_temp_c))
+        last = int(s.index(np.array(self.fold_ns)))
+        first_ns = int(s.instant_ns(np.array(last - s.average_n)))
+        return power_w * (self.fold_ns - first_ns) * 1e-9
+
+    # -- the truth -------------------------------------------------------------------------
+    def _locate(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per instant: whether a pass runs, and which (clipped to the last when none does)."""
+        work = self.work
+        if work is None:
+            return np.zeros(t_ns.shape, dtype=bool), np.zeros(t_ns.shape, dtype=np.int64)
+        n = len(work.ends_ns)
+        found = np.searchsorted(work.ends_ns, t_ns, side="right")
+        busy = (t_ns >= work.starts_ns[0]) & (found < n)
+        return busy, np.minimum(found, n - 1)
+
+    def _truth(
+        self, t_ns: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """busy, pass index, temperature (C), true power (W), true energy since `fold_ns` (J)."""
+        t_ns = np.maximum(t_ns, self.fold_ns)
+        busy, i = self._locate(t_ns)
+        idle_s = np.maximum(t_ns - self.end_ns, 0) * 1e-9
+        temp = th.segment_temperature_c(self.thermal, self.end_temp_c, self.idle_w, idle_s)
+        energy = self.end_energy_j + th.segment_energy_j(
+            self.thermal, self.end_temp_c, self.idle_w, idle_s
+        )
+        dynamic = np.full(t_ns.shape, self.idle_w)
+        work = self.work
+        if work is not None and busy.any():
+            j = i[busy]
+            offset_s = (t_ns[busy] - work.starts_ns[j]) * 1e-9
+            start_c = self.pass_temp_c[j]
+            temp[busy] = th.segment_temperature_c(
+                self.thermal, start_c, work.dynamic_w[j], offset_s
+            )
+            energy[busy] = self.energy_before_j[j] + th.segment_energy_j(
+                self.thermal, start_c, work.dynamic_w[j], offset_s
+            )
+            dynamic[busy] = work.dynamic_w[j]
+        power = self.thermal.power_w(dynamic, temp)
+        return busy, i, temp, power, energy
+
+    def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
+        return self._truth(np.asarray(t_ns, dtype=np.int64))[4]
+
+    def state_at(self, t_ns: int) -> tuple[float, float]:
+        """Temperature (C) and true energy (J, absolute) at one instant."""
+        _, _, temp, _, energy = self._truth(np.array([t_ns], dtype=np.int64))
+        return float(temp[0]), self.base_energy_j + float(energy[0])
+
+    # -- what NVML reports ---------------------------------------------------------------------
+    def readings(self, t_ns: np.ndarray) -> Readings:
+        t_ns = np.asarray(t_ns, dtype=np.int64)
+        busy, i, temp, power, since_j = self._truth(t_ns)
+        work = self.work
+        if work is not None:
+            clock = np.where(busy, work.sm_clock_mhz[i], self.idle_clock_mhz)
+            reasons = np.where(busy, work.reasons[i], EVENT_GPU_IDLE)
+        else:
+            clock = np.full(t_ns.shape, self.idle_clock_mhz, dtype=np.int64)
+            reasons = np.full(t_ns.shape, EVENT_GPU_IDLE, dtype=np.int64)
+        change = self.transition
+        if change is not None:
+            elapsed_s = (t_ns - change.at_ns) * 1e-9
+            moving = elapsed_s < self.profile.settle_time_s
+            if moving.any():
+                left = 1.0 - settle_progress(self.profile, elapsed_s[moving])
+                target = clock[moving]
+                clock = clock.astype(np.int64, copy=True)
+                clock[moving] = np.round(target + (change.from_mhz - target) * left)
+        true_j = self.base_energy_j + since_j
+        if self.counter is None:
+            energy, average = true_j, power
+        else:
+            energy = self.counter.at(np.maximum(t_ns, self.fold_ns))
+            average = (
+                self.counter.average_w(np.maximum(t_ns, self.fold_ns))
+                if self.profile.power_average_s > 0
+                else power
+            )
+        return Readings(energy, power, average, clock, temp, reasons, true_j)
