@@ -181,6 +181,8 @@ class KnobController:
                     self.change_log.clear(uuid)
                 raise
             changed = True
+            if self._current[uuid] == self._snapshot[uuid] and self.change_log is not None:
+                self.change_log.clear(uuid)  # back as found: nothing left for a crash to undo
         return changed
 
     def _write(self, gpu: Gpu, uuid: str, have: GpuSettings, want: GpuSettings) -> None:
