@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from dvfs.engines.base import RequestTrace
 from dvfs.measure.inflight import (
     inflight_groups,
+    level_estimates,
     level_order,
     mean_positions,
     rounds_step,
@@ -120,3 +121,37 @@ def test_a_segment_keeps_exactly_its_tokens(
         assert inside[1:].all()  # only the leading anchor may lie before the segment
         if not inside[0]:
             assert r.chunk_tokens[0] == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    truth=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=6),
+    slope=st.floats(-0.01, 0.01),
+    offsets=st.lists(st.floats(-0.05, 0.05), min_size=4, max_size=4),
+    scheme=schemes,
+    pairs=st.integers(1, 2),
+)
+def test_level_estimates_see_through_drift_and_round_offsets(
+    truth: list[float], slope: float, offsets: list[float], scheme: str, pairs: int
+) -> None:
+    """Levels plus a drift along each decode plus an offset per round: the fit returns the
+    levels, and with no noise left the intervals are (numerically) empty."""
+    rounds = pairs * rounds_step(scheme)
+    segments = segment_order(len(truth), scheme, rounds)
+    values = [truth[s.level] + slope * s.position + offsets[s.round] for s in segments]
+    value, half = level_estimates(values, segments, len(truth), 0.95)
+    # each level's value is relative to the first round's offset (the fit's reference)
+    assert np.allclose(value, np.array(truth) + offsets[0], rtol=0, atol=1e-9)
+    finite = np.isfinite(half)
+    assert np.all(half[finite] < 1e-6)
+
+
+def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
+    segments = segment_order(3, "abba", 2)
+    rng = np.random.default_rng(0)
+    values = [1.0 + 0.1 * s.level + rng.normal(0, 0.01) for s in segments]
+    _, half = level_estimates(values, segments, 3, 0.95)
+    assert np.all((half > 0) & np.isfinite(half))
+    # one level in one abba round: two segments, a level and a drift: nothing left over
+    _, none_left = level_estimates([1.0, 1.1], segment_order(1, "abba", 1), 1, 0.95)
+    assert np.isinf(none_left).all()

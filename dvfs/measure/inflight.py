@@ -26,7 +26,8 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   applied, so the runner must forget its current setting (`runner._setting = None`).
 - `cells`: one group of `inflight_groups(plan_cells(campaign))`, one cell per knob level.
 - `settle_s`: seconds discarded at the start of every segment: the measured settle
-  (`dvfs.measure.settle`) where the runner has one, else None for `[knobs] settle_s`.
+  (`dvfs.measure.settle`) where the runner has one, else None for `[measurement] settle`
+  when it is a number, else `[knobs] settle_s`.
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
   ordering scheme, its segments (round, position, start and measured seconds, tokens), that
@@ -68,8 +69,14 @@ if TYPE_CHECKING:
     from dvfs.records import CellRecord
 
 SCHEMES = ("abba", "serpentine")
-#: Decode-rate head room when sizing the round's tokens (speculation's acceptance varies).
-TOKEN_MARGIN = 1.25
+#: Head room on the round's tokens: sized from the warm-up's rate bound for the first round,
+#: from each level's measured rate after it (speculation's acceptance varies round to round).
+FIRST_ROUND_MARGIN = 1.15
+LATER_ROUND_MARGIN = 1.05
+#: Each segment's measured part is this much longer than its share of `min_window_s`: a step
+#: lands on the first forward pass (or chunk) after its instant, so a segment can come out a
+#: pass shorter than planned.
+SEGMENT_HEADROOM = 1.02
 #: Shortest measured part of a segment, in sample periods (the meter needs readings inside).
 MIN_SEGMENT_SAMPLES = 5
 
@@ -216,6 +223,9 @@ class _Measured:
     end_ns: int
     window: tuple[int, int] | None
     part: WindowPart
+    #: Energy per token over this segment alone (J), and its decode rate per request (tok/s).
+    energy_per_token_j: float
+    rate_tok_s: float
 
 
 def _ns(seconds: float) -> int:
@@ -238,22 +248,57 @@ def rate_bound(rate: float, reference_mhz: float, level_mhz: float) -> float:
     return rate * max(1.0, level_mhz / reference_mhz)
 
 
-def tokens_needed(rates_tok_s: Sequence[float], segment_s: float) -> int:
-    """Output tokens per request so the decode outlasts every segment (one per rate), with
-    head room and one more segment at the fastest rate."""
-    total = sum(rates_tok_s) * segment_s + max(rates_tok_s) * segment_s
-    return math.ceil(total * TOKEN_MARGIN) + 1
+def tokens_needed(rates_tok_s: Sequence[float], segment_s: float, margin: float) -> int:
+    """Output tokens per request so the decode outlasts its segments (one rate per segment,
+    tokens per second per request), with head room; the first token comes from the prefill."""
+    return math.ceil(sum(rates_tok_s) * segment_s * margin) + 1
 
 
-def relative_halfwidth(values: Sequence[float], confidence: float) -> float:
-    """Student-t half-width of the mean of `values`, relative to the mean (inf below two)."""
+def level_estimates(
+    values: Sequence[float], segments: Sequence[Segment], levels: int, confidence: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each level's value and the relative half-width of its interval, from one value per
+    segment, fitted as level + drift * position + round offset (least squares).
+
+    The drift (linear in the position within a decode: the KV cache grows) and each round's
+    offset (its prompts, the card's temperature) are estimated beside the levels, so neither
+    widens the intervals; with the orders of `segment_order` the level's value is the plain
+    mean of its segments (its mean position is everyone's). Half-widths are Student-t on the
+    residuals (inf while there are no degrees of freedom left); non-finite values are left
+    out."""
     from dvfs.analysis.bounds import t_quantile
 
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=float)
-    if len(v) < 2 or v.mean() == 0:
-        return math.inf
-    half = t_quantile(confidence, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
-    return float(half / abs(v.mean()))
+    y = np.asarray(values, dtype=float)
+    keep = np.isfinite(y)
+    rounds = sorted({s.round for s in segments})
+    x = np.zeros((len(segments), levels + 1 + len(rounds) - 1))
+    for i, seg in enumerate(segments):
+        x[i, seg.level] = 1.0
+        x[i, levels] = seg.position
+        if seg.round != rounds[0]:
+            x[i, levels + rounds.index(seg.round)] = 1.0
+    x, y = x[keep], y[keep]
+    nan = np.full(levels, np.nan)
+    if len(y) == 0:
+        return nan, np.full(levels, np.inf)
+    used = np.flatnonzero(x.any(axis=0))
+    x = x[:, used]
+    beta, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+    value = nan.copy()
+    for j, col in enumerate(used):
+        if col < levels:
+            value[col] = beta[j]
+    dof = len(y) - rank
+    half = np.full(levels, np.inf)
+    if dof > 0 and rank == x.shape[1]:
+        residual = y - x @ beta
+        s2 = float(residual @ residual) / dof
+        cov = s2 * np.linalg.inv(x.T @ x)
+        t = t_quantile(confidence, dof)
+        for j, col in enumerate(used):
+            if col < levels and value[col] != 0:
+                half[col] = t * math.sqrt(max(cov[j, j], 0.0)) / abs(value[col])
+    return value, half
 
 
 def _setting_mhz(cell: Cell, gpus: Sequence[Gpu]) -> float:
@@ -304,11 +349,14 @@ def _measure_group(
             "repeat, batch, corpus)"
         )
     scheme = str(getattr(m, "inflight_order", "abba"))
-    precision = float(getattr(m, "precision", 0.0) or 0.0)
-    confidence = float(getattr(m, "confidence", 0.95))
-    settle = campaign.knobs.settle_s if settle_s is None else settle_s
+    precision, confidence = m.precision, m.confidence
+    settle = settle_s
+    if settle is None:  # a number in [measurement] settle, else the [knobs] one
+        settle = m.settle if isinstance(m.settle, int | float) else campaign.knobs.settle_s
     per_level = segments_per_round(len(cells), scheme) // len(cells)
-    measure_s = max(m.min_window_s / per_level, MIN_SEGMENT_SAMPLES * m.sample_period_s)
+    measure_s = max(
+        SEGMENT_HEADROOM * m.min_window_s / per_level, MIN_SEGMENT_SAMPLES * m.sample_period_s
+    )
     segment_s = settle + measure_s
     clock, knobs = runner.clock, runner.knobs
     gpu_time = dict.fromkeys(("settle", "warmup", "prefill", "window", "drain"), 0.0)
@@ -332,10 +380,18 @@ def _measure_group(
     while rounds < max_rounds:
         for _ in range(step):
             order = level_order(cells, scheme, rounds)
-            rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
-            workload = runner._workload(
-                first, ("inflight", rounds), tokens_needed(rates, segment_s)
-            )
+            if measured:  # each level's rate as measured so far
+                seen = {
+                    i: [s.rate_tok_s for s in measured if s.segment.level == i]
+                    for i in range(len(cells))
+                }
+                rates = [float(np.nanmean(seen[cells.index(c)] or [rate])) for c in order]
+                margin = LATER_ROUND_MARGIN
+            else:
+                rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
+                margin = FIRST_ROUND_MARGIN
+            tokens = tokens_needed(rates, segment_s, margin)
+            workload = runner._workload(first, ("inflight", rounds), tokens)
             steps = tuple(
                 KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
                 for k, c in enumerate(order)
@@ -361,10 +417,15 @@ def _measure_group(
                 span = (lo, hi) if hi > lo else None
                 if span is not None:
                     gpu_time["window"] += (hi - lo) * 1e-9
-                seg_result = RoundResult(
-                    segment_requests(result.requests, lo, hi) if span else (),
-                    result.started_ns,
-                    result.ended_ns,
+                cut = segment_requests(result.requests, lo, hi) if span else ()
+                part = WindowPart(
+                    RoundResult(cut, result.started_ns, result.ended_ns), span, samples
+                )
+                alone = _summarise(runner, cell, [part])
+                rate_here = (
+                    alone.output_tokens / (cell.batch * alone.decode_time_s)
+                    if alone.decode_time_s > 0
+                    else math.nan
                 )
                 measured.append(
                     _Measured(
@@ -372,11 +433,19 @@ def _measure_group(
                         a,
                         b,
                         span,
-                        WindowPart(seg_result, span, samples),
+                        part,
+                        alone.energy_per_token_j,
+                        rate_here,
                     )
                 )
             rounds += 1
-        if precision <= 0 or _precise(runner, cells, measured, precision, confidence):
+        _, half = level_estimates(
+            [s.energy_per_token_j for s in measured],
+            [s.segment for s in measured],
+            len(cells),
+            confidence,
+        )
+        if precision <= 0 or bool(np.all(half <= precision)):
             break
 
     shared = latency_stats([r for res in results for r in res.requests])
@@ -384,6 +453,12 @@ def _measure_group(
     mismatch = _accept_mismatch(accept.server_accept_length, accept.decode_accept_length)
     gid = group_id(cells)
     group_time = {k: round(v, 6) for k, v in gpu_time.items()}
+    _, halves = level_estimates(
+        [s.energy_per_token_j for s in measured],
+        [s.segment for s in measured],
+        len(cells),
+        confidence,
+    )
     records = []
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
@@ -394,7 +469,6 @@ def _measure_group(
             accept=accept,
             quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0),
         )
-        values = [_summarise(runner, cell, [s.part]).energy_per_token_j for s in mine]
         provenance = {
             "group": gid,
             "scheme": scheme,
@@ -404,18 +478,17 @@ def _measure_group(
             "settle_s": settle,
             "segment_s": segment_s,
             "shared": ["ttft_ms", "accept_length", "accept_rate", "server_accept_length"],
-            "energy_per_token_rel_halfwidth": _finite_or_none(
-                relative_halfwidth(values, confidence)
-            ),
+            "confidence": confidence,
+            "energy_per_token_rel_halfwidth": _finite_or_none(float(halves[index])),
             "segments": [
                 {
                     "round": s.segment.round,
                     "position": s.segment.position,
                     "start_s": round((s.start_ns - results[s.segment.round].started_ns) * 1e-9, 6),
                     "measured_s": round((s.window[1] - s.window[0]) * 1e-9, 6) if s.window else 0.0,
-                    "energy_per_token_j": _finite_or_none(v),
+                    "energy_per_token_j": _finite_or_none(s.energy_per_token_j),
                 }
-                for s, v in zip(mine, values, strict=True)
+                for s in mine
             ],
             "gpu_time_s": group_time,
         }
@@ -440,25 +513,6 @@ def _summarise(runner: InflightHost, cell: Cell, parts: Sequence[WindowPart]) ->
         sample_period_s=m.sample_period_s,
         idle_power_w=runner.idle_power_w,
     )
-
-
-def _precise(
-    runner: InflightHost,
-    cells: Sequence[Cell],
-    measured: Sequence[_Measured],
-    precision: float,
-    confidence: float,
-) -> bool:
-    """Whether every level's energy per token has reached the relative half-width target."""
-    for index, cell in enumerate(cells):
-        values = [
-            _summarise(runner, cell, [s.part]).energy_per_token_j
-            for s in measured
-            if s.segment.level == index
-        ]
-        if relative_halfwidth(values, confidence) > precision:
-            return False
-    return True
 
 
 def _accept_mismatch(server: float, ours: float) -> bool:
