@@ -386,3 +386,307 @@ def _render_roofline(doc: dict[str, Any]) -> None:
     print_table("GEMM efficiency by token count M (first setting)", *efficiency_rows(doc))
     for line in doc["notes"]:
         out.print(f"[yellow]note:[/yellow] {escape(line)}")
+
+
+@gpu.command("settle")
+@click.option(
+    "--gpu",
+    "devices",
+    metavar="INDEX|UUID",
+    multiple=True,
+    help="GPU to measure (repeat for several, measured together) [default: 0].",
+)
+@click.option(
+    "--clocks",
+    callback=_int_list,
+    help="SM clocks to lock in turn, from stock and back, e.g. 1980,1200 [default: the "
+    "highest supported clock and the one nearest half of it].",
+)
+@click.option(
+    "--power-limits",
+    callback=_int_list,
+    help="Power limits (W) to set in turn, from stock and back, e.g. 700,300 (the twin "
+    "measures them under a load; real GPUs idle show only the clock).",
+)
+@click.option(
+    "--observe-only",
+    is_flag=True,
+    help="Refused: a settle time is measured by changing a knob.",
+)
+@click.option(
+    "--sample-period",
+    type=click.FloatRange(min=0.001),
+    default=0.005,
+    show_default=True,
+    help="Seconds between readings of the clock (and power).",
+)
+@click.option(
+    "--hold",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    help="Seconds a reading must stay within tolerance to count as settled.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Longest wait for one change to settle.",
+)
+@click.option(
+    "--margin",
+    type=click.FloatRange(min=0.0),
+    default=0.5,
+    show_default=True,
+    help="Safety margin on the settle to use (0.5: 50%% longer than measured).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.settle/1).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
+)
+@click.option(
+    "--twin",
+    metavar="PROFILE",
+    help="Measure the digital twin's GPU (h100-sxm, h200-sxm) in virtual time instead of NVML.",
+)
+@handle_errors
+def settle(
+    devices: tuple[str, ...],
+    clocks: tuple[int, ...],
+    power_limits: tuple[int, ...],
+    observe_only: bool,
+    sample_period: float,
+    hold: float,
+    timeout: float,
+    margin: float,
+    as_json: bool,
+    state_dir: Path | None,
+    twin: str | None,
+) -> None:
+    """Measure how long a clock lock or power-limit change takes to show in the observed SM
+    clock (and, under a load, the power) on this GPU, and the settle a sweep should wait.
+
+    Steps through stock, each of --clocks and back to stock, then each of --power-limits and
+    back, timing every change. Changes GPU settings (root needed) under the sweep's safety
+    layer: the GPU's lock, a state file, and a restore on exit and on SIGINT/SIGTERM/SIGHUP."""
+    from dvfs.errors import GpuPermissionError
+    from dvfs.signals import Interrupted
+
+    if observe_only:
+        raise click.UsageError(
+            "--observe-only cannot measure a settle time: it is measured by changing a knob "
+            "(run as root without --observe-only)"
+        )
+    if hold >= timeout:
+        raise click.BadParameter(
+            f"--hold ({hold:g} s) must be shorter than --timeout ({timeout:g} s)",
+            param_hint="--hold",
+        )
+    err = console(stderr=True)
+    with open_cli_gpus(devices or ("0",), twin) as gpus:
+        plan = _settle_plan(gpus, clocks, power_limits, twin)
+        try:
+            results = _run_settle(gpus, plan, twin, state_dir, sample_period, hold, timeout, margin)
+        except GpuPermissionError as exc:
+            raise GpuPermissionError(
+                f"{exc}. `dvfs gpu settle` changes a knob to time it, so it needs root"
+            ) from exc
+        except (KeyboardInterrupt, Interrupted):
+            if twin is None:
+                left, where = _unrestored(state_dir)
+                err.print(
+                    f"[red]GPU settings NOT fully restored[/red] for {', '.join(left)}: run "
+                    f"`dvfs gpu reset` (state in {where})."
+                    if left
+                    else "GPU settings restored."
+                )
+            raise
+        doc = _settle_document(gpus, results, twin, margin)
+    if as_json:
+        echo_json(doc)
+        return
+    _render_settle(doc)
+
+
+def _settle_plan(
+    gpus: list[Any], clocks: tuple[int, ...], power_limits: tuple[int, ...], twin: str | None
+) -> list[Any]:
+    """The settings to step through, each checked against every GPU before anything changes:
+    stock, the clocks, stock, the power limits, stock."""
+    from dvfs.gpu.base import unsupported_clock
+    from dvfs.gpu.knobs import KnobSetting
+
+    if not clocks and not power_limits:
+        supported = sorted(gpus[0].supported_sm_clocks_mhz())
+        top = supported[-1]
+        half = min(supported, key=lambda c: abs(c - top / 2))
+        clocks = (top, half)
+    of = " of the twin" if twin else ""
+    for gpu in gpus:
+        supported = gpu.supported_sm_clocks_mhz()
+        for mhz in clocks:
+            problem = unsupported_clock(mhz, supported, of=of or f" of GPU {gpu.identity.index}")
+            if problem:
+                raise click.BadParameter(problem, param_hint="--clocks")
+        for watts in power_limits:
+            problem = gpu.power_limit_range().outside(watts * 1000)
+            if problem:
+                raise click.BadParameter(problem, param_hint="--power-limits")
+    stock = KnobSetting(None, None)
+    plan = [stock]
+    if clocks:
+        plan += [KnobSetting(c, None) for c in clocks] + [stock]
+    if power_limits:
+        plan += [KnobSetting(None, float(w)) for w in power_limits] + [stock]
+    return plan
+
+
+@contextlib.contextmanager
+def _settle_guard(gpus: list[Any], twin: str | None, state_dir: Path | None) -> Iterator[Any]:
+    """A `KnobController` over the GPUs: on real ones under their locks, with a state file
+    and a refusal of unrestored state, as a sweep has; the twin's restore needs neither."""
+    from dvfs.gpu.knobs import KnobController
+
+    if twin:
+        with KnobController(gpus) as knobs:
+            yield knobs
+        return
+    from dvfs.caps import AppliedCaps
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
+
+    directory = state_dir or default_state_dir()
+    store = StateStore(directory, command="gpu settle")
+    with GpuLocks(directory).hold(gpus):
+        store.refuse_if_pending(gpus)
+        controller = KnobController(
+            gpus, change_log=store, prior_locks=AppliedCaps(directory).locks()
+        )
+        with controller as knobs:
+            yield knobs
+
+
+def _unrestored(state_dir: Path | None) -> tuple[list[str], Path]:
+    """GPUs this process changed and did not restore (their state files), and where."""
+    import os
+
+    from dvfs.gpu.safety import StateStore, default_state_dir
+
+    store = StateStore(state_dir or default_state_dir())
+    return [p.original.uuid for p in store.pending() if p.pid == os.getpid()], store.directory
+
+
+def _twin_load(gpus: list[Any]) -> Any:
+    """A steady compute load on twin GPUs: bursts of large GEMM passes (about 50 ms each at
+    the top clock), each started at the knobs then in force."""
+    import numpy as np
+
+    from dvfs.twin.device import TwinNode
+    from dvfs.twin.physics import Passes
+
+    node = TwinNode([g.device for g in gpus])
+    one = np.ones(100)
+    gemm = Passes(2.0 * 4096 * 4096 * 14336 * one, 3.0e8 * one, 0 * one, 0 * one, 0 * one)
+
+    def load() -> None:
+        schedule = node.execute(gemm)
+        node.clock.sleep(int(schedule.ends_ns[-1]) / 1e9)
+
+    return load
+
+
+def _run_settle(
+    gpus: list[Any],
+    plan: list[Any],
+    twin: str | None,
+    state_dir: Path | None,
+    sample_period: float,
+    hold: float,
+    timeout: float,
+    margin: float,
+) -> list[Any]:
+    """Each change of the plan, timed (real GPUs idle; the twin under a load for power)."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.measure.settle import measure_settle
+
+    clock = gpus[0].device.clock if twin else MonotonicClock()
+    results = []
+    with _settle_guard(gpus, twin, state_dir) as knobs:
+        for before, after in zip(plan, plan[1:], strict=False):
+            if all(knobs.target(g, before) == knobs.target(g, after) for g in gpus):
+                continue  # e.g. a power limit the GPU already holds: nothing to time
+            power = before.power_limit_w is not None or after.power_limit_w is not None
+            results.append(
+                measure_settle(
+                    gpus,
+                    knobs,
+                    clock,
+                    before=before,
+                    after=after,
+                    sample_period_s=sample_period,
+                    timeout_s=timeout,
+                    hold_s=hold,
+                    load=_twin_load(gpus) if twin and power else None,
+                    margin=margin,
+                )
+            )
+    return results
+
+
+def _settle_document(
+    gpus: list[Any], results: list[Any], twin: str | None, margin: float
+) -> dict[str, Any]:
+    observed = [r for r in results if r.observed]
+    return {
+        "schema": "dvfs.settle/1",
+        "gpus": [
+            {"index": g.identity.index, "uuid": g.identity.uuid, "name": g.identity.name}
+            for g in gpus
+        ],
+        "twin_profile": twin,
+        "margin": margin,
+        "changes": [r.as_dict() for r in results],
+        "settle_s": max((r.settle_s for r in observed), default=None),
+        "all_observed": len(observed) == len(results),
+        "gpu_time_s": sum(r.gpu_time_s for r in results),
+    }
+
+
+def _render_settle(doc: dict[str, Any]) -> None:
+    from dvfs.cli.analysis import print_table
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f} ms"
+
+    def number(value: float | None, unit: str) -> str:
+        return "-" if value is None else f"{value:.0f} {unit}"
+
+    names = ", ".join(f"GPU {g['index']} {g['name']}" for g in doc["gpus"])
+    rows = [
+        [
+            f"{c['before']} -> {c['after']}",
+            f"{number(c['clock_before_mhz'], 'MHz')} -> {number(c['clock_after_mhz'], 'MHz')}",
+            seconds(c["clock_s"]),
+            seconds(c["power_s"]),
+            seconds(c["settle_s"]),
+            "yes" if c["observed"] else "no",
+        ]
+        for c in doc["changes"]
+    ]
+    header = ["change", "SM clock", "clock settle", "power settle", "settle to use", "observed"]
+    print_table(f"Settle time of {names}", header, rows)
+    out = console()
+    if all(c["power_s"] is None for c in doc["changes"]):
+        out.print("Measured idle: the clock only (under a load, a sweep's runner times power too).")
+    for c in doc["changes"]:
+        if c["note"]:
+            out.print(f"[yellow]note:[/yellow] {c['before']} -> {c['after']}: {escape(c['note'])}")
+    if doc["settle_s"] is None:
+        out.print("No change settled within the timeout: keep a fixed settle.")
+    else:
+        out.print(
+            f"Settle to use: {doc['settle_s']:.3f} s (the longest change, +{doc['margin']:.0%} "
+            f"and one sample); {doc['gpu_time_s']:.1f} s of GPU time."
+        )
