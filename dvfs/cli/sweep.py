@@ -82,6 +82,13 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "into its own folder [default: out/<campaign name>/shard-I-of-N]; `dvfs cube merge` "
     "joins the shards.",
 )
+@click.option(
+    "--gpus",
+    "gpus_spec",
+    metavar="LIST",
+    help="Run one worker per GPU (or per engine.tp_size GPUs) in parallel: indices, ranges or "
+    "UUIDs, e.g. 0-7 or 0,2,4-5 [default: gpu.devices; groups there run in parallel too].",
+)
 @handle_errors
 def sweep(
     campaign_file: Path,
@@ -92,6 +99,7 @@ def sweep(
     as_json: bool,
     no_progress: bool,
     shard_spec: Any,
+    gpus_spec: str | None,
 ) -> None:
     """Run CAMPAIGN_FILE: every (knob, batch, drafter, corpus, repeat) cell into a cube.
 
@@ -119,7 +127,19 @@ def sweep(
         if report["problems"]:
             raise SystemExit(2)
         return
-    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
+    from dvfs.fleet.devices import parse_gpus, worker_groups
+
+    groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
+    if len(groups) > 1:
+        outcome = run_fleet(
+            campaign, out_dir, groups, fresh=fresh, progress=not no_progress, shard=shard
+        )
+    else:
+        if gpus_spec:
+            from dvfs.fleet.devices import for_group
+
+            campaign = for_group(campaign, groups[0])
+        outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)
 
@@ -177,3 +197,69 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
             soft_wrap=True,
         )
     return outcome
+
+
+def run_fleet(
+    campaign: Any, out_dir: Path, groups: Any, *, fresh: bool, progress: bool, shard: Any = None
+) -> Any:
+    """Run the sweep on one worker per GPU group and report each worker; returns the
+    `FleetOutcome`."""
+    from dvfs.cli.fleet_progress import RichFleetProgress
+    from dvfs.fleet.driver import run_fleet as drive
+    from dvfs.fleet.local import LocalExecutor
+    from dvfs.signals import Interrupted, signals_raise
+    from dvfs.sweep import after_interruption
+
+    err = console(stderr=True)
+    bar = RichFleetProgress(f"{campaign.name} on {len(groups)} workers", enabled=progress)
+    try:
+        with signals_raise(), bar:
+            outcome = drive(
+                campaign,
+                out_dir,
+                groups,
+                LocalExecutor(out_dir),
+                fresh=fresh,
+                progress=bar,
+                shard=shard,
+            )
+    except (KeyboardInterrupt, Interrupted):
+        left = after_interruption(campaign, out_dir)
+        if left.cube_path is not None:
+            err.print(f"partial cube written to {left.cube_path}")
+        status = (
+            "[red]GPU settings NOT fully restored[/red] for "
+            + ", ".join(left.unrestored)
+            + f": run `dvfs gpu reset` (state in {left.state_dir})."
+            if left.unrestored
+            else "GPU settings restored."
+        )
+        err.print(f"{status} Run the same command again to resume.")
+        raise
+    report_fleet(outcome)
+    return outcome
+
+
+def report_fleet(outcome: Any) -> None:
+    """Per worker: cells and GPU time; then the whole, as `run` reports a sweep."""
+    err = console(stderr=True)
+    for w in outcome.workers:
+        lost = f" [red]lost: {escape(w.lost)}[/red]" if w.lost else ""
+        err.print(
+            f"{w.label}{' on ' + w.host if w.host else ''}: {w.done} cell(s), {w.failed} "
+            f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
+        )
+    s = outcome.summary
+    err.print(
+        f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done; "
+        f"makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; journal "
+        f"{outcome.journal_path}"
+    )
+    click.echo(f"cube: {outcome.cube_path}")
+    if s.failed:
+        shown = ", ".join(s.failed_cells[:3]) + (" ..." if len(s.failed_cells) > 3 else "")
+        err.print(
+            f"[yellow]Finished with {s.failed} failed cell(s) ({escape(shown)}): rerun the same "
+            "command to retry them.[/yellow]",
+            soft_wrap=True,
+        )

@@ -1,0 +1,193 @@
+"""The local executor: one worker thread per GPU group of this machine.
+
+Each thread opens its worker (its GPUs, knobs, server, clock), then pulls cells from the
+driver's queue until none is left; everything it finishes travels to the driver's thread
+through one event queue, and only the driver's thread writes the journal. A worker that fails
+is lost: its cell goes back to the queue. On Ctrl-C or SIGTERM (raised on the driver's thread)
+the workers stop after their current cell, restore their GPUs on their way out, and the driver
+journals what they finished before the interruption goes on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dvfs.campaign import Campaign
+from dvfs.fleet.devices import Group
+from dvfs.fleet.driver import Driver
+from dvfs.fleet.worker import Worker
+
+#: Seconds the driver waits on its event queue before looking again (signals land between).
+POLL_S = 0.2
+
+
+class VirtualPacer:
+    """On the twin, the workers' GPU time is virtual and their threads share one interpreter:
+    left alone, whichever thread the CPU favours would take the most cells. The pacer lets a
+    worker take its next cell only at its turn in GPU time (a conservative discrete-event
+    schedule): no other worker is free earlier, and none busy started before it could be
+    free. Cells then go where real GPUs would have taken them, whatever this machine does."""
+
+    def __init__(self, labels: Sequence[str]) -> None:
+        self._cv = threading.Condition()
+        self._rank = {label: i for i, label in enumerate(labels)}
+        self._free: dict[str, float] = dict.fromkeys(labels, 0.0)
+        self._busy: dict[str, float] = {}
+
+    def turn(self, label: str, stop: threading.Event) -> None:
+        """Wait until `label` (free since its GPU time) is next; mark it busy."""
+        with self._cv:
+            while not stop.is_set() and not self._next(label):
+                self._cv.wait(POLL_S)
+            self._busy[label] = self._free.pop(label)
+
+    def _next(self, label: str) -> bool:
+        mine = (self._free[label], self._rank[label])
+        if any((t, self._rank[v]) < mine for v, t in self._free.items() if v != label):
+            return False
+        return all(since >= mine[0] for since in self._busy.values())
+
+    def free(self, label: str, gpu_time_s: float) -> None:
+        with self._cv:
+            self._busy.pop(label, None)
+            self._free[label] = gpu_time_s
+            self._cv.notify_all()
+
+    def leave(self, label: str) -> None:
+        with self._cv:
+            self._busy.pop(label, None)
+            self._free.pop(label, None)
+            self._cv.notify_all()
+
+
+class LocalExecutor:
+    """Threads of this process, one per GPU group (an `Executor`)."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        state_dir: Path | None = None,
+        nvml: ModuleType | None = None,
+    ) -> None:
+        self.out_dir = out_dir
+        self.state_dir = state_dir
+        self.nvml = nvml
+
+    def __call__(self, driver: Driver, groups: Sequence[Group]) -> None:
+        campaign: Campaign = driver.campaign
+        events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        go = threading.Event()
+        stop = threading.Event()
+        workers = [
+            Worker(
+                campaign,
+                group,
+                out_dir=self.out_dir,
+                sessions=driver.journal.sessions,
+                corpora=driver.corpora,
+                state_dir=self.state_dir,
+                nvml=self.nvml,
+            )
+            for group in groups
+        ]
+
+        from dvfs.backends import virtual_time
+
+        pacer = VirtualPacer([w.label for w in workers]) if virtual_time(campaign) else None
+
+        def body(worker: Worker) -> None:
+            cell = None
+            try:
+                events.put(("session", worker.label, worker.open()))
+                go.wait()
+                while not stop.is_set():
+                    if pacer is not None:
+                        pacer.turn(worker.label, stop)
+                    cell = driver.queue.take(worker.label, worker.drafter)
+                    if cell is None:
+                        break
+                    events.put(("start", worker.label, cell))
+                    shipment = worker.run(cell)
+                    cell = None
+                    events.put(("shipment", worker.label, shipment))
+                    if pacer is not None:
+                        pacer.free(worker.label, shipment.gpu_time_s)
+            except BaseException as exc:  # noqa: BLE001  (reported on the driver's thread)
+                events.put(("error", worker.label, exc, cell))
+            finally:
+                if pacer is not None:
+                    pacer.leave(worker.label)
+                try:
+                    worker.close()
+                except BaseException as exc:  # noqa: BLE001
+                    events.put(("error", worker.label, exc, None))
+                events.put(("exit", worker.label))
+
+        threads = [
+            threading.Thread(target=body, args=(w,), name=f"dvfs-{w.label}", daemon=True)
+            for w in workers
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            self._drive(driver, events, go, [w.label for w in workers])
+        except BaseException:
+            stop.set()
+            go.set()
+            # Journal what the workers finish on their way out, then let the error go on.
+            self._drain(driver, events, threads)
+            raise
+
+    def _drive(
+        self,
+        driver: Driver,
+        events: queue.Queue[tuple[Any, ...]],
+        go: threading.Event,
+        labels: list[str],
+    ) -> None:
+        sessions: dict[str, dict[str, Any]] = {}
+        alive = len(labels)
+        first_error: BaseException | None = None
+        while alive:
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            kind, label = event[0], event[1]
+            if kind == "session":
+                sessions[label] = event[2]
+                if len(sessions) == len(labels):  # in the groups' order, whoever opened first
+                    driver.open_session([sessions[w] for w in labels])
+                    go.set()
+            elif kind == "start":
+                driver.started(label, event[2])
+            elif kind == "shipment":
+                driver.shipped(label, event[2])
+            elif kind == "error":
+                error = event[2]
+                first_error = first_error or error
+                if not go.is_set():  # a worker that cannot open stops the whole run
+                    raise error
+                driver.lost(label, event[3], f"{type(error).__name__}: {error}")
+            elif kind == "exit":
+                alive -= 1
+        if not driver.finished and first_error is not None:
+            raise first_error
+
+    @staticmethod
+    def _drain(
+        driver: Driver, events: queue.Queue[tuple[Any, ...]], threads: list[threading.Thread]
+    ) -> None:
+        while any(t.is_alive() for t in threads) or not events.empty():
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if event[0] == "shipment":
+                driver.shipped(event[1], event[2])

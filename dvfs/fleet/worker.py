@@ -1,0 +1,168 @@
+"""One worker: a GPU group's backends, knobs and server, running the cells it is handed.
+
+The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
+path restores them), its own engine (SGLang pinned to the group's UUIDs, on a loopback port it
+picks) and clock, and drives a `Runner` whose journal ships records instead of writing them:
+every record a cell produces (a server start, the cell) goes back to the driver, which keeps
+the one journal. The same class runs in a thread of the driver and inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from dvfs.campaign import Campaign
+from dvfs.corpora import Corpus
+from dvfs.fleet.devices import Group, for_group, group_label
+from dvfs.measure.journal import Journal
+from dvfs.measure.plan import Cell
+
+
+class ShippingJournal(Journal):
+    """A journal that keeps records for the driver instead of writing them: the runner's
+    view of the driver's journal (its earlier sessions), plus an outbox."""
+
+    def __init__(self, path: Path, sessions: Sequence[dict[str, Any]] = ()) -> None:
+        super().__init__(path, sessions)
+        self.outbox: list[dict[str, Any]] = []
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.outbox.append(record)
+
+    def drain(self) -> list[dict[str, Any]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+
+class _Notes:
+    """The runner's progress inside a worker: notes go back with the cell; the driver draws."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def start(self, total: int, done: int) -> None:
+        pass
+
+    def advance(self, cell: Cell, status: str) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        self.messages.append(message)
+
+
+@dataclass
+class Shipment:
+    """What a worker sends back for one cell: its records in order (a server record before
+    the cell when the cell started one), notes, and the worker's GPU time so far."""
+
+    cell: Cell
+    records: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    gpu_time_s: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return str(self.records[-1].get("status", "failed")) if self.records else "failed"
+
+
+class Worker:
+    """Runs cells on one GPU group. `open` measures the idle baseline and returns the session
+    record; `run` one cell; `close` restores the GPUs and stops the server."""
+
+    def __init__(
+        self,
+        campaign: Campaign,
+        group: Group,
+        *,
+        out_dir: Path,
+        sessions: Sequence[dict[str, Any]] = (),
+        corpora: tuple[dict[str, Corpus], str] | None = None,
+        state_dir: Path | None = None,
+        nvml: ModuleType | None = None,
+    ) -> None:
+        self.campaign = for_group(campaign, group)
+        self.group = tuple(group)
+        self.label = group_label(self.group)
+        self.out_dir = out_dir
+        self.sessions = tuple(sessions)
+        self.corpora = corpora
+        self.state_dir = state_dir
+        self.nvml = nvml
+        self.host = platform.node()
+        self._stack = contextlib.ExitStack()
+        self._notes = _Notes()
+        self._runner: Any = None
+        self._journal: ShippingJournal | None = None
+        self._clock: Any = None
+        self._t0_ns = 0
+        self._drafter: str | None = None
+
+    def open(self) -> dict[str, Any]:
+        """Open the group's backends and knobs, measure idle power; the session record (its
+        GPUs, stock settings, idle power) for the driver."""
+        from dvfs.backends import open_backends
+        from dvfs.corpora.prepare import counted_corpora
+        from dvfs.measure.journal import JOURNAL_NAME
+        from dvfs.measure.runner import Runner
+        from dvfs.sweep import guarded_knobs
+
+        try:
+            corpora, method = self.corpora or counted_corpora(self.campaign)
+            logs = self.out_dir / "workers" / self.label
+            b = self._stack.enter_context(
+                open_backends(self.campaign, out_dir=logs, nvml=self.nvml)
+            )
+            knobs = self._stack.enter_context(
+                guarded_knobs(self.campaign, b.gpus, state_dir=self.state_dir)
+            )
+            self._journal = ShippingJournal(self.out_dir / JOURNAL_NAME, self.sessions)
+            self._clock = b.clock
+            self._t0_ns = b.clock.now_ns()
+            self._runner = Runner(
+                self.campaign,
+                gpus=b.gpus,
+                engine=b.engine,
+                clock=b.clock,
+                journal=self._journal,
+                knobs=knobs,
+                corpora=corpora,
+                progress=self._notes,
+                token_count_method=method,
+            )
+            self._runner.open_session()
+        except BaseException:
+            self.close()
+            raise
+        session = self._journal.drain()[0]
+        session["worker"] = self.label
+        return session
+
+    def gpu_time_s(self) -> float:
+        """Seconds of the group's time (virtual on the twin) since `open`."""
+        return 0.0 if self._clock is None else (self._clock.now_ns() - self._t0_ns) * 1e-9
+
+    def run(self, cell: Cell) -> Shipment:
+        """Measure one cell (starting the drafter's server when it changes)."""
+        assert self._runner is not None and self._journal is not None, "open() first"
+        self._runner.run_cell(cell)
+        self._drafter = cell.drafter
+        notes, self._notes.messages = self._notes.messages, []
+        records = self._journal.drain()
+        for record in records:
+            record["worker"] = self.label
+        return Shipment(cell, records, notes, self.gpu_time_s())
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter whose server is up (None before the first cell)."""
+        return self._drafter
+
+    def close(self) -> None:
+        """Stop the server and restore the group's GPUs (idempotent)."""
+        self._stack.close()

@@ -1,0 +1,286 @@
+"""One node, many GPUs: `dvfs sweep --gpus` and `gpu.devices` groups on the twin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block, write
+
+from dvfs.backends import open_backends
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, open_cube
+from dvfs.fleet.devices import for_group, parse_gpus
+from dvfs.fleet.worker import ShippingJournal, Worker
+from dvfs.gpu.knobs import KnobController
+from dvfs.measure.journal import read_records
+from dvfs.measure.plan import plan_cells
+from dvfs.measure.runner import Runner
+
+#: A reduced demo campaign: three drafters, so four workers must share or switch servers.
+CAMPAIGN = """
+[campaign]
+name = "multi"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1410, 1005]
+power_limit = [700, 350]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 8
+
+[workload]
+batch = [1, 8]
+corpora = ["code", "conversation"]
+input_tokens = [16, 2048]
+output_tokens = 48
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 2
+repeats = 1
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+def assert_same_cells(a, b) -> None:
+    """Same grid and values; energy may differ by the counter's 1 mJ quantisation (the
+    counter's absolute value depends on what ran before on that GPU)."""
+    assert set(a.data_vars) == set(b.data_vars)
+    for dim in a.dims:
+        np.testing.assert_array_equal(a[dim].values, b[dim].values)
+    for name in a.data_vars:
+        if a[name].dtype.kind in "OUS":
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
+        rtol = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
+        np.testing.assert_allclose(
+            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The campaign on one GPU (the plain sweep) and on four twin GPUs."""
+    root = tmp_path_factory.mktemp("multi")
+    campaign = write(root / "multi.toml", CAMPAIGN)
+    assert sweep(str(campaign), "--out", str(root / "one")).exit_code == 0
+    four = sweep(str(campaign), "--gpus", "0-3", "--out", str(root / "four"))
+    assert four.exit_code == 0, four.output
+    (root / "four.txt").write_text(four.output)
+    return root
+
+
+def test_four_gpus_equal_one_cell_for_cell(runs: Path) -> None:
+    one, four = open_cube(runs / "one" / "cube.nc"), open_cube(runs / "four" / "cube.nc")
+    assert (four["cell_status"].values == STATUS_OK).all()
+    assert_same_cells(four, one)
+    assert len(four.attrs["gpu_uuids"].split(",")) == 4
+
+
+def test_the_drivers_journal_holds_every_worker(runs: Path) -> None:
+    records = read_records(runs / "four" / "journal.jsonl")
+    sessions = [r for r in records if r["type"] == "session"]
+    assert len(sessions) == 1
+    assert [w["worker"] for w in sessions[0]["workers"]] == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    assert len(sessions[0]["gpus"]) == 4
+    cells = [r for r in records if r["type"] == "cell"]
+    by_worker: dict[str, int] = {}
+    for record in cells:
+        by_worker[record["worker"]] = by_worker.get(record["worker"], 0) + 1
+    # Every worker measured, each cell once; a worker keeps its server: few starts in all.
+    assert set(by_worker) == {"gpu0", "gpu1", "gpu2", "gpu3"}
+    assert len({r["key"] for r in cells}) == len(cells) == 72
+    servers = [r for r in records if r["type"] == "server"]
+    assert len(servers) < len(cells) / 3
+    # Progress reported every worker.
+    out = (runs / "four.txt").read_text()
+    for label in by_worker:
+        assert f"{label} on " in out and "makespan" in out
+
+
+def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
+    """A driver killed mid-campaign: its journal keeps what it had; the rerun finishes."""
+    campaign = str(runs / "multi.toml")
+    out = tmp_path / "resumed"
+    out.mkdir()
+    lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][14]
+    (out / "journal.jsonl").write_text("".join(lines[:cut]))
+    again = sweep(campaign, "--gpus", "0-3", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "58 cell(s) measured" in again.output and "14 already done" in again.output
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+    # Another GPU set would mix GPUs in one journal: refused in one line.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "journal.jsonl").write_text("".join(lines[:cut]))
+    mixed = sweep(campaign, "--gpus", "4-7", "--out", str(other))
+    assert mixed.exit_code == 1
+    assert mixed.output.strip().splitlines()[-1].startswith("Error: ")
+    assert "a journal holds one GPU set" in mixed.output.strip().splitlines()[-1]
+
+
+def test_a_lost_worker_loses_no_cell(runs: Path, tmp_path: Path, monkeypatch) -> None:
+    calls = {"n": 0}
+    run = Worker.run
+
+    def failing(self: Worker, cell):  # gpu2 dies on its third cell
+        if self.label == "gpu2":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", failing)
+    out = tmp_path / "lost"
+    result = sweep(str(runs / "multi.toml"), "--gpus", "0-3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert (
+        "gpu2" in result.output and "lost: RuntimeError: the GPU fell off the bus" in result.output
+    )
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 72 and sum(r["worker"] == "gpu2" for r in cells) == 2
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+
+
+def test_tensor_parallel_groups(runs: Path, tmp_path: Path) -> None:
+    """Groups of two (tp_size 2) in the campaign run in parallel and equal one group alone."""
+    tp = replace_block(CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    grouped = write(
+        tmp_path / "grouped.toml", replace_block(tp, "devices = [0]", "devices = [[0, 1], [2, 3]]")
+    )
+    single = write(tmp_path / "single.toml", replace_block(tp, "devices = [0]", "devices = [0, 1]"))
+    assert sweep(str(grouped), "--out", str(tmp_path / "g")).exit_code == 0
+    assert sweep(str(single), "--out", str(tmp_path / "s")).exit_code == 0
+    g, s = open_cube(tmp_path / "g" / "cube.nc"), open_cube(tmp_path / "s" / "cube.nc")
+    assert_same_cells(g, s)
+    assert g.attrs["tp_size"] == 2
+    session = next(
+        r for r in read_records(tmp_path / "g" / "journal.jsonl") if r["type"] == "session"
+    )
+    assert [len(w["gpus"]) for w in session["workers"]] == [2, 2]
+    # --gpus cuts into groups of tp_size.
+    cut = sweep(str(single), "--gpus", "0-3", "--out", str(tmp_path / "c"))
+    assert cut.exit_code == 0, cut.output
+    assert_same_cells(open_cube(tmp_path / "c" / "cube.nc"), s)
+
+
+def test_a_groups_energy_is_the_sum_of_its_gpus(tmp_path: Path) -> None:
+    """The same cell metered on both GPUs of a tensor-parallel group and on one of them: the
+    group's energy and power are twice one GPU's (the twin's GPUs run in lock-step)."""
+    tp = replace_block(CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    campaign = load_campaign(
+        write(tmp_path / "tp.toml", replace_block(tp, "devices = [0]", "devices = [0, 1]"))
+    )
+    cell = next(c for c in plan_cells(campaign) if c.batch == 8 and c.drafter == "eagle3")
+    from dvfs.corpora.prepare import counted_corpora
+
+    corpora, method = counted_corpora(campaign)
+
+    def metered(which: slice) -> dict:
+        with (
+            open_backends(campaign, out_dir=tmp_path) as b,
+            KnobController(b.gpus, actuation=True) as knobs,
+        ):
+            journal = ShippingJournal(tmp_path / "j.jsonl")
+            runner = Runner(
+                campaign,
+                gpus=b.gpus[which],
+                engine=b.engine,
+                clock=b.clock,
+                journal=journal,
+                knobs=knobs,
+                corpora=corpora,
+                token_count_method=method,
+            )
+            record = runner.run_cell(cell)
+            assert record.ok
+            return journal.drain()[-1]["measurement"]
+
+    both, first = metered(slice(0, 2)), metered(slice(0, 1))
+    assert both["energy_j"] == pytest.approx(2 * first["energy_j"], rel=1e-4)
+    assert both["power_mean_w"] == pytest.approx(2 * first["power_mean_w"], rel=1e-4)
+    assert both["decode_time_s"] == first["decode_time_s"]
+
+
+def test_gpu_lists() -> None:
+    assert parse_gpus("0-3,6") == [0, 1, 2, 3, 6]
+    assert parse_gpus("GPU-a1,GPU-b2") == ["GPU-a1", "GPU-b2"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("3-1", "runs backwards"),
+        ("0,0", "names a GPU twice"),
+        ("0,,1", "an empty entry"),
+        ("zero", "neither a GPU index"),
+        ("0-2", "do not split into servers of engine.tp_size = 2"),
+    ],
+)
+def test_bad_gpu_lists_are_one_line(spec: str, why: str, tmp_path: Path) -> None:
+    tp = replace_block(CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    campaign = write(tmp_path / "c.toml", replace_block(tp, "devices = [0]", "devices = [0, 1]"))
+    result = sweep(str(campaign), "--gpus", spec, "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2, result.output
+    assert why in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("devices", "why"),
+    [
+        ("[[0, 1], [2]]", "groups of different sizes"),
+        ("[[0, 1], 2]", "mixes GPUs and groups"),
+        ("[[0, 1], [1, 2]]", "lists a GPU twice"),
+    ],
+)
+def test_bad_groups_are_refused(devices: str, why: str, tmp_path: Path) -> None:
+    campaign = write(
+        tmp_path / "c.toml", replace_block(CAMPAIGN, "devices = [0]", f"devices = {devices}")
+    )
+    result = sweep(str(campaign), "--dry-run")
+    assert result.exit_code == 2 and why in result.output, result.output
+
+
+def test_the_workers_campaign_is_its_group(tmp_path: Path) -> None:
+    campaign = load_campaign(
+        write(tmp_path / "c.toml", replace_block(CAMPAIGN, "devices = [0]", "devices = [[0], [1]]"))
+    )
+    assert campaign.gpu.devices == (0, 1) and campaign.gpu.groups == ((0,), (1,))
+    mine = for_group(campaign, (1,))
+    assert mine.gpu.devices == (1,) and mine.gpu.groups == ()
+    # A campaign without groups hashes as before groups existed.
+    plain = load_campaign(write(tmp_path / "p.toml", CAMPAIGN))
+    assert "groups" not in json.dumps(plain.semantic_dict())
