@@ -243,8 +243,9 @@ class _Filler:
                 "campaign's grid; the journal was edited: delete that line, or rerun the "
                 "sweep with --fresh"
             ) from None
-        for values in self.data.values():
-            values[at] = np.nan  # an earlier record of this cell, replaced
+        if self.status[at] != STATUS_MISSING:  # an earlier record of this cell, replaced
+            for values in self.data.values():
+                values[at] = np.nan
         if not record.ok or record.measurement is None:
             self.status[at] = STATUS_FAILED
             self.failed[record.key] = record
