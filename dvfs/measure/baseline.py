@@ -1,0 +1,222 @@
+"""Baselines a measurement stands on: idle power at the current setting, and a GPU warmed to a
+steady temperature.
+
+`idle_baseline` measures static power at whatever knob setting the GPUs hold (the caller
+applies it, with the server loaded and idle), over a window that spans enough DISTINCT updates
+of each GPU's energy counter: the counter steps (every ~100 ms on H100), so a window counted
+in samples can hide how few updates it really saw. The window runs from one observed update to
+another, so the counter's step does not bias it.
+
+`stabilise` runs a caller's load over and over until the temperature's least-squares slope over
+a sliding window falls below a threshold (leakage rises with temperature, so energy depends on
+the starting temperature), bounded in time.
+
+Both work through the `Gpu` and `Clock` protocols (virtual time on the twin) and return the GPU
+time they took, so a runner can account it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dvfs.clock import Clock
+from dvfs.gpu.base import Gpu
+from dvfs.measure.counter import CounterWindow, counter_window, updates
+from dvfs.measure.settle import Probe
+
+
+@dataclass(frozen=True)
+class IdleBaseline:
+    """Static power of the GPUs (summed, W) at the setting they held.
+
+    `seconds`: the shortest GPU's window, from one observed counter update to a later one;
+    `counter_updates`: the fewest distinct counter updates in any GPU's window (its ends
+    included: the intervals between them number one fewer); `enough`: whether
+    every window reached `min_s` and `min_updates`. `source` is "energy counter", or "power
+    readings" (the mean of the instant power) when a counter updated less than twice.
+    `gpu_time_s`: how long the measurement held the GPUs.
+    """
+
+    power_w: float
+    seconds: float
+    counter_updates: int
+    enough: bool
+    gpu_time_s: float
+    source: str = "energy counter"
+    note: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def counter_windows(
+    t_ns: np.ndarray, energy_mj: np.ndarray, period_s: float | None = None
+) -> list[CounterWindow]:
+    """Per GPU (columns of `energy_mj`): the window from its first distinct counter update
+    to its last (`dvfs.measure.counter`: each update placed in the bracket of the readings
+    around it, on the counter's grid when `period_s` is known)."""
+    if len(t_ns) == 0:
+        return [CounterWindow(0.0, 0.0, 0, math.nan) for _ in range(energy_mj.shape[1])]
+    return [
+        counter_window(updates(t_ns, energy_mj[:, g], period_s), int(t_ns[0]), int(t_ns[-1]))
+        for g in range(energy_mj.shape[1])
+    ]
+
+
+def idle_baseline(
+    gpus: Sequence[Gpu],
+    clock: Clock,
+    *,
+    min_s: float = 1.0,
+    sample_period_s: float = 0.01,
+    counter_period_s: float | None = None,
+    min_updates: int = 10,
+    max_s: float = 10.0,
+) -> IdleBaseline:
+    """Idle power at the current setting, from the energy counters.
+
+    Samples every `sample_period_s` (well below the counter's update period, so an update is
+    seen within one sample of when it happened) until each GPU's window between observed
+    updates spans at least `min_s`, `min_updates` updates and, when the counter's update period
+    is known (`counter_period_s`), `min_updates` periods; at most `max_s`. Each update's
+    instant is known to half a sample period (better when `counter_period_s` lets them be
+    fitted to the counter's grid), so the power is within about `sample_period_s` / `seconds`
+    (relative) of the truth: 0.5% for 10 ms samples over 2 s.
+    """
+    if min_s <= 0 or sample_period_s <= 0 or max_s <= 0 or min_updates < 1:
+        raise ValueError("min_s, sample_period_s, max_s and min_updates must be positive")
+    span_s = max(min_s, min_updates * counter_period_s if counter_period_s else 0.0)
+    start_ns = clock.now_ns()
+    deadline_ns = start_ns + round(max_s * 1e9)
+    step_s = max(sample_period_s, min(span_s / 4, 0.25))
+    with Probe(gpus, clock, sample_period_s, ("energy_mj", "power_mw")) as probe:
+        while True:
+            left_s = (deadline_ns - clock.now_ns()) / 1e9
+            clock.sleep(max(sample_period_s, min(step_s, left_s)))
+            probe.check()
+            t, values = probe.arrays()
+            windows = counter_windows(t, values["energy_mj"], counter_period_s)
+            enough = all(w.seconds >= span_s and w.updates >= min_updates for w in windows)
+            if enough or clock.now_ns() >= deadline_ns:
+                break
+    gpu_time_s = (clock.now_ns() - start_ns) / 1e9
+    seconds = min(w.seconds for w in windows)
+    fewest = min(w.updates for w in windows)
+    if fewest < 2:
+        mean_w = float(values["power_mw"].sum(axis=1).mean()) / 1000.0
+        return IdleBaseline(
+            power_w=mean_w,
+            seconds=(int(t[-1]) - int(t[0])) / 1e9,
+            counter_updates=fewest,
+            enough=False,
+            gpu_time_s=gpu_time_s,
+            source="power readings",
+            note=f"an energy counter updated less than twice in {max_s:g} s: the mean of the "
+            "instant power readings instead",
+        )
+    note = ""
+    if not enough:
+        note = (
+            f"only {fewest} counter updates over {seconds:.2f} s within {max_s:g} s "
+            f"(wanted {min_updates} over {span_s:g} s)"
+        )
+    return IdleBaseline(
+        power_w=sum(w.energy_mj / 1000.0 / w.seconds for w in windows),
+        seconds=seconds,
+        counter_updates=fewest,
+        enough=enough,
+        gpu_time_s=gpu_time_s,
+        note=note,
+    )
+
+
+@dataclass(frozen=True)
+class Stabilised:
+    """Thermal stabilisation: the hottest GPU's temperature at the start and the end (°C),
+    the seconds it took (all GPU time), whether the slope fell below the threshold, the last
+    slope fitted (°C/min; None before a full window) and how many times the load ran."""
+
+    start_c: float
+    end_c: float
+    seconds: float
+    reached: bool
+    slope_c_per_min: float | None
+    loads: int
+
+    @property
+    def gpu_time_s(self) -> float:
+        return self.seconds
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def temperature_slope_c_per_min(t_ns: np.ndarray, temperature_c: np.ndarray) -> float | None:
+    """Least-squares slope of temperature over time, in °C per minute (None: too few points)."""
+    if len(t_ns) < 2:
+        return None
+    t = (np.asarray(t_ns, dtype=np.int64) - int(t_ns[0])) / 60e9
+    if float(np.ptp(t)) == 0.0:
+        return None
+    y = np.asarray(temperature_c, dtype=float)
+    dt = t - t.mean()
+    return float((dt * (y - y.mean())).sum() / (dt * dt).sum())
+
+
+def stabilise(
+    gpus: Sequence[Gpu],
+    clock: Clock,
+    *,
+    run_load: Callable[[], None],
+    slope_c_per_min: float = 1.0,
+    max_s: float = 120.0,
+    window_s: float = 60.0,
+    sample_period_s: float = 0.5,
+) -> Stabilised:
+    """Run `run_load` until the hottest GPU's temperature slope, fitted over the last
+    `window_s`, is within ±`slope_c_per_min`, or `max_s` has passed.
+
+    The slope is checked after each call of `run_load`, so a call should last a few seconds at
+    most; the last call may run past `max_s`. Temperatures are whole degrees: over a window
+    of T seconds one step reads as a slope of up to 90/T °C/min, so the window should be long
+    enough (60 s: 1.5 °C/min at worst for a step in the middle) for the threshold.
+    """
+    if slope_c_per_min <= 0 or max_s <= 0 or window_s <= 0 or sample_period_s <= 0:
+        raise ValueError("slope_c_per_min, max_s, window_s and sample_period_s must be positive")
+    start_ns = clock.now_ns()
+    window_ns = round(window_s * 1e9)
+    deadline_ns = start_ns + round(max_s * 1e9)
+    loads = 0
+    slope: float | None = None
+    reached = False
+    with Probe(gpus, clock, sample_period_s, ("temperature_c",)) as probe:
+        while True:
+            before_ns = clock.now_ns()
+            run_load()
+            loads += 1
+            now_ns = clock.now_ns()
+            if now_ns == before_ns and clock.virtual:
+                raise ValueError("run_load returned without advancing the clock")
+            probe.check()
+            if now_ns - start_ns >= window_ns:
+                t, values = probe.arrays(now_ns - window_ns)
+                slope = temperature_slope_c_per_min(t, values["temperature_c"].max(axis=1))
+                if slope is not None and abs(slope) < slope_c_per_min:
+                    reached = True
+                    break
+            if now_ns >= deadline_ns:
+                break
+        t, values = probe.arrays()
+    hottest = values["temperature_c"].max(axis=1)
+    return Stabilised(
+        start_c=float(hottest[0]),
+        end_c=float(hottest[-1]),
+        seconds=(clock.now_ns() - start_ns) / 1e9,
+        reached=reached,
+        slope_c_per_min=slope,
+        loads=loads,
+    )
