@@ -276,6 +276,13 @@ def operating_point(
     return OperatingPoint(int(clocks[best]), True, exact(best))
 
 
+@functools.lru_cache(maxsize=256)
+def _joined(phases: tuple[Passes, ...]) -> Passes:
+    """Phases end to end, remembered by identity: a sweep runs each planned round (the same
+    `Passes` objects) at every knob setting."""
+    return Passes.concat(list(phases))
+
+
 def operating_points(
     gpu: GpuProfile,
     phases: tuple[Passes, ...],
@@ -285,7 +292,7 @@ def operating_points(
     """`operating_point` of each phase. Every phase is timed at the requested clock in one
     array (one `time_passes` for the lot, elementwise the same numbers), and only those over
     the limit are searched."""
-    whole = time_passes(gpu, Passes.concat(list(phases)), requested_mhz)
+    whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     points = []
     start = 0
     for phase in phases:
