@@ -58,7 +58,9 @@ class _Trace:
             energy_before_j=np.concatenate([[0.0], cum]),  # the last one: the whole trace
             power_w=timing.power_w,
             sm_clock_mhz=schedule.pass_clock_mhz,
-            reasons=np.where(schedule.pass_capped, EVENT_SW_POWER_CAP, 0),
+            reasons=schedule.per_pass(
+                [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
+            ),
         )
 
     @property
@@ -215,15 +217,17 @@ class TwinNode:
             schedule = Schedule(())
         else:
             per_device = [
-                physics.operating_points(d.profile, work, d.requested_clock_mhz(), d.power_limit_w)
+                physics.schedule(d.profile, work, d.requested_clock_mhz(), d.power_limit_w)
                 for d in self.devices
-            ]  # as `plan` would give phase by phase: the slowest device's point per phase
-            schedule = Schedule(
-                tuple(
-                    min(points, key=lambda p: p.sm_clock_mhz)
-                    for points in zip(*per_device, strict=True)
+            ]
+            schedule = per_device[0]
+            if len(per_device) > 1:  # as `plan` gives phase by phase: the slowest device's point
+                schedule = Schedule(
+                    tuple(
+                        min(points, key=lambda p: p.sm_clock_mhz)
+                        for points in zip(*(s.points for s in per_device), strict=True)
+                    )
                 )
-            )
         for device in self.devices:
             device.start(schedule)
         return schedule

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -283,15 +283,15 @@ def _joined(phases: tuple[Passes, ...]) -> Passes:
     return Passes.concat(list(phases))
 
 
-def operating_points(
+def schedule(
     gpu: GpuProfile,
     phases: tuple[Passes, ...],
     requested_mhz: int,
     power_limit_w: float,
-) -> list[OperatingPoint]:
-    """`operating_point` of each phase. Every phase is timed at the requested clock in one
-    array (one `time_passes` for the lot, elementwise the same numbers), and only those over
-    the limit are searched."""
+) -> Schedule:
+    """The phases, each at its `operating_point`. Every phase is timed at the requested clock
+    in one array (one `time_passes` for the lot, elementwise the same numbers), and only those
+    over the limit are searched; when none is, that array is the schedule's timing."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     points = []
     start = 0
@@ -302,7 +302,12 @@ def operating_points(
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w))
-    return points
+    if any(p.power_capped for p in points):
+        return Schedule(tuple(points))
+    joined = PassTiming(
+        int(requested_mhz), whole.duration_s, whole.power_w, whole.tensor_util, whole.memory_util
+    )
+    return Schedule(tuple(points), joined)
 
 
 @dataclass(frozen=True)
@@ -314,11 +319,15 @@ class Schedule:
     """
 
     points: tuple[OperatingPoint, ...]
+    #: The timing of all passes when it was computed as one (see `timing`).
+    joined: PassTiming | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def timing(self) -> PassTiming:
         """All passes in order (sm_clock_mhz: the clock of the longest phase); computed once,
         as the engine and every device of the node read it."""
+        if self.joined is not None:
+            return self.joined
         main = max(self.points, key=lambda p: p.timing.total_s)
         parts = [p.timing for p in self.points]
         return PassTiming(
@@ -337,17 +346,18 @@ class Schedule:
         ends.flags.writeable = False
         return ends
 
+    def per_pass(self, values: list[int] | list[bool], dtype: type) -> np.ndarray:
+        """One value per phase, repeated over the phase's passes."""
+        lengths = [len(p.timing.duration_s) for p in self.points]
+        return np.repeat(np.array(values, dtype=dtype), lengths)
+
     @property
     def pass_clock_mhz(self) -> np.ndarray:
-        return np.concatenate(
-            [np.full(len(p.timing.duration_s), p.sm_clock_mhz) for p in self.points]
-        ).astype(np.int64)
+        return self.per_pass([p.sm_clock_mhz for p in self.points], np.int64)
 
     @property
     def pass_capped(self) -> np.ndarray:
-        return np.concatenate(
-            [np.full(len(p.timing.duration_s), p.power_capped) for p in self.points]
-        )
+        return self.per_pass([p.power_capped for p in self.points], bool)
 
     @property
     def sm_clock_mhz(self) -> int:
