@@ -310,8 +310,10 @@ def test_without_root_one_line_and_exit_4(nvml, monkeypatch, tmp_path: Path) -> 
 def test_bad_settings_are_refused_before_any_change(nvml) -> None:
     for args, message in [
         (["--clocks", "1501"], "1501 MHz is not a supported SM clock"),
-        (["--power-limits", "900"], "outside the allowed range"),
+        (["--power-limits", "900", "--load", "--load-device", "cpu"], "outside the allowed"),
         (["--hold", "6", "--timeout", "5"], "must be shorter"),
+        (["--power-limits", "300"], "only under a load: add --load"),
+        (["--load", "--load-device", "tpu"], "use cuda or cpu"),
     ]:
         result = CliRunner().invoke(cli, ["gpu", "settle", *args])
         assert result.exit_code == 2 and message in result.output, result.output
@@ -320,7 +322,7 @@ def test_bad_settings_are_refused_before_any_change(nvml) -> None:
 
 def test_twin_power_limits_are_timed_under_a_load() -> None:
     result = CliRunner().invoke(
-        cli, ["gpu", "settle", "--twin", "h100-sxm", "--power-limits", "300", "--json"]
+        cli, ["gpu", "settle", "--twin", "h100-sxm", "--power-limits", "300", "--load", "--json"]
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -328,6 +330,31 @@ def test_twin_power_limits_are_timed_under_a_load() -> None:
     assert (first["before"], first["after"], back["after"]) == ("stock", "300 W", "stock")
     assert first["power_s"] is not None and first["power_after_w"] < first["power_before_w"]
     assert doc["gpus"][0]["name"].endswith("(twin)")
+
+
+def test_cli_under_a_torch_load_times_power_and_restores(nvml, tmp_path: Path) -> None:
+    """The real-GPU load's path, with its GEMMs on the CPU beside the fake NVML GPU."""
+    pytest.importorskip("torch")
+    result = CliRunner().invoke(
+        cli,
+        ["gpu", "settle", "--power-limits", "300", "--load", "--load-device", "cpu", *QUICK]
+        + ["--json"],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [c["after"] for c in doc["changes"]] == ["300 W", "stock"]
+    assert all(c["power_s"] is not None for c in doc["changes"])
+    limits = [c["args"] for c in setter_calls(nvml) if "PowerManagement" in c["fn"]]
+    assert limits == [[300_000], [650_000]]
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_a_load_without_a_cuda_device_changes_nothing(nvml) -> None:
+    pytest.importorskip("torch")
+    result = CliRunner().invoke(cli, ["gpu", "settle", "--load", *QUICK])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert setter_calls(nvml) == []
 
 
 def _default_dispositions() -> None:

@@ -1,4 +1,5 @@
-"""`dvfs gpu`: list and inspect GPUs (read-only), and restore settings after a crash."""
+"""`dvfs gpu`: list and inspect GPUs (read-only), restore settings after a crash, measure a
+roofline and how long a knob change takes to settle."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ twin_option = click.option(
 
 @click.group()
 def gpu() -> None:
-    """List and inspect GPUs; restore settings a crashed run left behind."""
+    """List and inspect GPUs; restore settings a crashed run left behind; measure a roofline
+    and the settle time of a knob change."""
 
 
 @gpu.command("list")
@@ -405,8 +407,20 @@ def _render_roofline(doc: dict[str, Any]) -> None:
 @click.option(
     "--power-limits",
     callback=_int_list,
-    help="Power limits (W) to set in turn, from stock and back, e.g. 700,300 (the twin "
-    "measures them under a load; real GPUs idle show only the clock).",
+    help="Power limits (W) to set in turn, from stock and back, e.g. 700,300 (needs --load).",
+)
+@click.option(
+    "--load",
+    "with_load",
+    is_flag=True,
+    help="Keep the GPU busy with large GEMMs while timing (torch on the GPU's own CUDA device; "
+    "simulated on the twin), so power is timed too [default: idle, the clock only].",
+)
+@click.option(
+    "--load-device",
+    default="cuda",
+    show_default=True,
+    help="torch device of --load: cuda (each GPU's own) or cpu (small GEMMs: tests the path).",
 )
 @click.option(
     "--observe-only",
@@ -439,7 +453,7 @@ def _render_roofline(doc: dict[str, Any]) -> None:
     type=click.FloatRange(min=0.0),
     default=0.5,
     show_default=True,
-    help="Safety margin on the settle to use (0.5: 50%% longer than measured).",
+    help="Safety margin on the settle to use (0.5: half as long again as measured).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.settle/1).")
 @click.option(
@@ -457,6 +471,8 @@ def settle(
     devices: tuple[str, ...],
     clocks: tuple[int, ...],
     power_limits: tuple[int, ...],
+    with_load: bool,
+    load_device: str,
     observe_only: bool,
     sample_period: float,
     hold: float,
@@ -480,6 +496,12 @@ def settle(
             "--observe-only cannot measure a settle time: it is measured by changing a knob "
             "(run as root without --observe-only)"
         )
+    if power_limits and not with_load:
+        raise click.UsageError(
+            "a power limit shows in the clock and power only under a load: add --load"
+        )
+    if load_device not in ("cuda", "cpu"):
+        raise click.BadParameter(f"{load_device!r}: use cuda or cpu", param_hint="--load-device")
     if hold >= timeout:
         raise click.BadParameter(
             f"--hold ({hold:g} s) must be shorter than --timeout ({timeout:g} s)",
@@ -488,8 +510,11 @@ def settle(
     err = console(stderr=True)
     with open_cli_gpus(devices or ("0",), twin) as gpus:
         plan = _settle_plan(gpus, clocks, power_limits, twin)
+        load = _settle_load(gpus, twin, load_device) if with_load else None
         try:
-            results = _run_settle(gpus, plan, twin, state_dir, sample_period, hold, timeout, margin)
+            results = _run_settle(
+                gpus, plan, twin, state_dir, load, sample_period, hold, timeout, margin
+            )
         except GpuPermissionError as exc:
             raise GpuPermissionError(
                 f"{exc}. `dvfs gpu settle` changes a knob to time it, so it needs root"
@@ -578,23 +603,14 @@ def _unrestored(state_dir: Path | None) -> tuple[list[str], Path]:
     return [p.original.uuid for p in store.pending() if p.pid == os.getpid()], store.directory
 
 
-def _twin_load(gpus: list[Any]) -> Any:
-    """A steady compute load on twin GPUs: bursts of large GEMM passes (about 50 ms each at
-    the top clock), each started at the knobs then in force."""
-    import numpy as np
+def _settle_load(gpus: list[Any], twin: str | None, device: str) -> Any:
+    """The --load: simulated GEMMs on the twin, torch GEMMs on real GPUs (prepared before any
+    knob changes, so a missing torch or CUDA device changes nothing)."""
+    from dvfs.measure.loads import torch_gemm_load, twin_gemm_load
 
-    from dvfs.twin.device import TwinNode
-    from dvfs.twin.physics import Passes
-
-    node = TwinNode([g.device for g in gpus])
-    one = np.ones(100)
-    gemm = Passes(2.0 * 4096 * 4096 * 14336 * one, 3.0e8 * one, 0 * one, 0 * one, 0 * one)
-
-    def load() -> None:
-        schedule = node.execute(gemm)
-        node.clock.sleep(int(schedule.ends_ns[-1]) / 1e9)
-
-    return load
+    if twin:
+        return twin_gemm_load(gpus)
+    return torch_gemm_load(gpus, device)
 
 
 def _run_settle(
@@ -602,12 +618,13 @@ def _run_settle(
     plan: list[Any],
     twin: str | None,
     state_dir: Path | None,
+    load: Any,
     sample_period: float,
     hold: float,
     timeout: float,
     margin: float,
 ) -> list[Any]:
-    """Each change of the plan, timed (real GPUs idle; the twin under a load for power)."""
+    """Each change of the plan, timed (under `load` when given, else idle)."""
     from dvfs.clock import MonotonicClock
     from dvfs.measure.settle import measure_settle
 
@@ -617,7 +634,6 @@ def _run_settle(
         for before, after in zip(plan, plan[1:], strict=False):
             if all(knobs.target(g, before) == knobs.target(g, after) for g in gpus):
                 continue  # e.g. a power limit the GPU already holds: nothing to time
-            power = before.power_limit_w is not None or after.power_limit_w is not None
             results.append(
                 measure_settle(
                     gpus,
@@ -628,7 +644,7 @@ def _run_settle(
                     sample_period_s=sample_period,
                     timeout_s=timeout,
                     hold_s=hold,
-                    load=_twin_load(gpus) if twin and power else None,
+                    load=load,
                     margin=margin,
                 )
             )
@@ -679,7 +695,7 @@ def _render_settle(doc: dict[str, Any]) -> None:
     print_table(f"Settle time of {names}", header, rows)
     out = console()
     if all(c["power_s"] is None for c in doc["changes"]):
-        out.print("Measured idle: the clock only (under a load, a sweep's runner times power too).")
+        out.print("Measured idle: the clock only (--load times power too).")
     for c in doc["changes"]:
         if c["note"]:
             out.print(f"[yellow]note:[/yellow] {c['before']} -> {c['after']}: {escape(c['note'])}")
