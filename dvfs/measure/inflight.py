@@ -223,8 +223,10 @@ class _Measured:
     end_ns: int
     window: tuple[int, int] | None
     part: WindowPart
-    #: Energy per token over this segment alone (J), and its decode rate per request (tok/s).
+    #: Over this segment alone: energy per token (J), median TPOT (ms), decode rate per
+    #: request (tok/s).
     energy_per_token_j: float
+    tpot_ms: float
     rate_tok_s: float
 
 
@@ -246,6 +248,25 @@ def rate_bound(rate: float, reference_mhz: float, level_mhz: float) -> float:
     """An upper bound on a level's decode rate from one measured at `reference_mhz`: a lower
     clock is never faster, a higher one at most proportionally faster."""
     return rate * max(1.0, level_mhz / reference_mhz)
+
+
+def measured_seconds(
+    levels: int, scheme: str, min_window_s: float, sample_period_s: float
+) -> float:
+    """The measured part of each segment (after its settle): a level's segments in one round
+    add up to `min_window_s`, with SEGMENT_HEADROOM, and hold MIN_SEGMENT_SAMPLES samples."""
+    per_level = segments_per_round(levels, scheme) // levels
+    return max(SEGMENT_HEADROOM * min_window_s / per_level, MIN_SEGMENT_SAMPLES * sample_period_s)
+
+
+def round_seconds(
+    levels: int, scheme: str, settle_s: float, min_window_s: float, sample_period_s: float
+) -> float:
+    """One in-flight decode's stepped part (every segment, settles included), for a dry-run
+    estimate: add the prefill, the drain (a few percent, `LATER_ROUND_MARGIN`) and a warm-up
+    per group."""
+    segment_s = settle_s + measured_seconds(levels, scheme, min_window_s, sample_period_s)
+    return segments_per_round(levels, scheme) * segment_s
 
 
 def tokens_needed(rates_tok_s: Sequence[float], segment_s: float, margin: float) -> int:
@@ -353,11 +374,7 @@ def _measure_group(
     settle = settle_s
     if settle is None:  # a number in [measurement] settle, else the [knobs] one
         settle = m.settle if isinstance(m.settle, int | float) else campaign.knobs.settle_s
-    per_level = segments_per_round(len(cells), scheme) // len(cells)
-    measure_s = max(
-        SEGMENT_HEADROOM * m.min_window_s / per_level, MIN_SEGMENT_SAMPLES * m.sample_period_s
-    )
-    segment_s = settle + measure_s
+    segment_s = settle + measured_seconds(len(cells), scheme, m.min_window_s, m.sample_period_s)
     clock, knobs = runner.clock, runner.knobs
     gpu_time = dict.fromkeys(("settle", "warmup", "prefill", "window", "drain"), 0.0)
 
@@ -435,17 +452,13 @@ def _measure_group(
                         span,
                         part,
                         alone.energy_per_token_j,
+                        alone.latency.tpot_ms[0],
                         rate_here,
                     )
                 )
             rounds += 1
-        _, half = level_estimates(
-            [s.energy_per_token_j for s in measured],
-            [s.segment for s in measured],
-            len(cells),
-            confidence,
-        )
-        if precision <= 0 or bool(np.all(half <= precision)):
+        half = _halfwidths(measured, len(cells), confidence)
+        if precision <= 0 or all(bool(np.all(h <= precision)) for h in half):
             break
 
     shared = latency_stats([r for res in results for r in res.requests])
@@ -453,12 +466,7 @@ def _measure_group(
     mismatch = _accept_mismatch(accept.server_accept_length, accept.decode_accept_length)
     gid = group_id(cells)
     group_time = {k: round(v, 6) for k, v in gpu_time.items()}
-    _, halves = level_estimates(
-        [s.energy_per_token_j for s in measured],
-        [s.segment for s in measured],
-        len(cells),
-        confidence,
-    )
+    energy_half, tpot_half = _halfwidths(measured, len(cells), confidence)
     records = []
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
@@ -479,7 +487,8 @@ def _measure_group(
             "segment_s": segment_s,
             "shared": ["ttft_ms", "accept_length", "accept_rate", "server_accept_length"],
             "confidence": confidence,
-            "energy_per_token_rel_halfwidth": _finite_or_none(float(halves[index])),
+            "energy_per_token_rel_halfwidth": _finite_or_none(float(energy_half[index])),
+            "tpot_rel_halfwidth": _finite_or_none(float(tpot_half[index])),
             "segments": [
                 {
                     "round": s.segment.round,
@@ -495,6 +504,18 @@ def _measure_group(
         record = CellRecord.measured(cell, cm, attempts=attempt, warmup={}, errors=errors)
         records.append(replace(record, inflight=provenance))
     return records
+
+
+def _halfwidths(
+    measured: Sequence[_Measured], levels: int, confidence: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each level's relative half-width on energy per token and on median TPOT."""
+    segments = [s.segment for s in measured]
+    _, energy = level_estimates(
+        [s.energy_per_token_j for s in measured], segments, levels, confidence
+    )
+    _, tpot = level_estimates([s.tpot_ms for s in measured], segments, levels, confidence)
+    return energy, tpot
 
 
 def _applier(apply: Callable[[Any], bool], setting: Any) -> Callable[[], None]:
