@@ -89,6 +89,20 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     help="Run one worker per GPU (or per engine.tp_size GPUs) in parallel: indices, ranges or "
     "UUIDs, e.g. 0-7 or 0,2,4-5 [default: gpu.devices; groups there run in parallel too].",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where the workers run: threads of this process, or Ray actors (one per GPU group, "
+    "on any node; `pip install 'dvfs[ray]'`).",
+)
+@click.option(
+    "--address",
+    metavar="auto|HOST:PORT",
+    help="The Ray cluster to join (with --executor ray) [default: start one on this machine, "
+    "on 127.0.0.1, and stop it at the end].",
+)
 @handle_errors
 def sweep(
     campaign_file: Path,
@@ -100,6 +114,8 @@ def sweep(
     no_progress: bool,
     shard_spec: Any,
     gpus_spec: str | None,
+    executor: str,
+    address: str | None,
 ) -> None:
     """Run CAMPAIGN_FILE: every (knob, batch, drafter, corpus, repeat) cell into a cube.
 
@@ -129,10 +145,19 @@ def sweep(
         return
     from dvfs.fleet.devices import parse_gpus, worker_groups
 
+    if address and executor != "ray":
+        raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
     groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
-    if len(groups) > 1:
+    if len(groups) > 1 or executor == "ray":
         outcome = run_fleet(
-            campaign, out_dir, groups, fresh=fresh, progress=not no_progress, shard=shard
+            campaign,
+            out_dir,
+            groups,
+            fresh=fresh,
+            progress=not no_progress,
+            shard=shard,
+            executor=executor,
+            address=address,
         )
     else:
         if gpus_spec:
@@ -200,7 +225,15 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
 
 
 def run_fleet(
-    campaign: Any, out_dir: Path, groups: Any, *, fresh: bool, progress: bool, shard: Any = None
+    campaign: Any,
+    out_dir: Path,
+    groups: Any,
+    *,
+    fresh: bool,
+    progress: bool,
+    shard: Any = None,
+    executor: str = "local",
+    address: str | None = None,
 ) -> Any:
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
@@ -211,14 +244,22 @@ def run_fleet(
     from dvfs.sweep import after_interruption
 
     err = console(stderr=True)
-    bar = RichFleetProgress(f"{campaign.name} on {len(groups)} workers", enabled=progress)
+    run_on: Any = LocalExecutor(out_dir)
+    where = f"{len(groups)} workers"
+    if executor == "ray":
+        from dvfs.fleet.ray_executor import RayExecutor, import_ray
+
+        import_ray(local=not address)  # one line now if Ray is missing, before anything opens
+        run_on = RayExecutor(out_dir, address=address)
+        where = "Ray"
+    bar = RichFleetProgress(f"{campaign.name} on {where}", enabled=progress)
     try:
         with signals_raise(), bar:
             outcome = drive(
                 campaign,
                 out_dir,
                 groups,
-                LocalExecutor(out_dir),
+                run_on,
                 fresh=fresh,
                 progress=bar,
                 shard=shard,

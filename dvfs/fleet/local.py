@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +46,14 @@ class VirtualPacer:
             while not stop.is_set() and not self._next(label):
                 self._cv.wait(POLL_S)
             self._busy[label] = self._free.pop(label)
+
+    def claim(self, label: str) -> bool:
+        """Mark `label` busy if it is its turn now (for a single-threaded driver)."""
+        with self._cv:
+            if label not in self._free or not self._next(label):
+                return False
+            self._busy[label] = self._free.pop(label)
+            return True
 
     def _next(self, label: str) -> bool:
         mine = (self._free[label], self._rank[label])
@@ -103,6 +112,7 @@ class LocalExecutor:
 
         def body(worker: Worker) -> None:
             cell = None
+            gpu_time = 0.0
             try:
                 events.put(("session", worker.label, worker.open()))
                 go.wait()
@@ -111,13 +121,21 @@ class LocalExecutor:
                         pacer.turn(worker.label, stop)
                     cell = driver.queue.take(worker.label, worker.drafter)
                     if cell is None:
-                        break
+                        if driver.finished:
+                            break
+                        # Cells are still out on other workers: one that is lost returns its
+                        # cell to the queue for whoever is free.
+                        if pacer is not None:
+                            pacer.free(worker.label, gpu_time)
+                        time.sleep(POLL_S)
+                        continue
                     events.put(("start", worker.label, cell))
                     shipment = worker.run(cell)
                     cell = None
                     events.put(("shipment", worker.label, shipment))
+                    gpu_time = shipment.gpu_time_s
                     if pacer is not None:
-                        pacer.free(worker.label, shipment.gpu_time_s)
+                        pacer.free(worker.label, gpu_time)
             except BaseException as exc:  # noqa: BLE001  (reported on the driver's thread)
                 events.put(("error", worker.label, exc, cell))
             finally:

@@ -85,10 +85,11 @@ class Worker:
         corpora: tuple[dict[str, Corpus], str] | None = None,
         state_dir: Path | None = None,
         nvml: ModuleType | None = None,
+        label: str | None = None,
     ) -> None:
         self.campaign = for_group(campaign, group)
         self.group = tuple(group)
-        self.label = group_label(self.group)
+        self.label = label or group_label(self.group)
         self.out_dir = out_dir
         self.sessions = tuple(sessions)
         self.corpora = corpora

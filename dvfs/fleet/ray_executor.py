@@ -1,0 +1,250 @@
+"""The Ray executor: one long-lived actor per GPU group, on any node of a Ray cluster.
+
+Ray is an optional extra (`dvfs[ray]`), imported only here and only when used. Each actor
+holds a `Worker` (its GPUs' knobs, locks and state files, its server, its clock): placed with
+`num_gpus` on real GPUs (the actor reads which GPUs Ray gave it), or with a custom resource
+(`twin_gpu`) for twin GPUs. The driver hands each actor one cell at a time from its queue, so a
+faster GPU takes more cells; each finished cell comes back and is journalled at once. An actor
+that dies loses only its cell in flight, which goes back to the queue; its GPUs are restored
+by its own exit path (a worker that raised closes itself), or, when its process was killed,
+are named for `dvfs gpu reset` on that node. On the twin the driver hands cells out in
+GPU-time order, as the local executor does.
+
+Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1,
+and stops it at the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
+apply unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dvfs.backends import real_gpus, virtual_time
+from dvfs.errors import CampaignError, DvfsError
+from dvfs.fleet.devices import Group, group_label
+from dvfs.fleet.driver import Driver
+from dvfs.fleet.local import POLL_S, VirtualPacer
+
+#: The custom resource that stands for one twin GPU on a Ray node.
+TWIN_RESOURCE = "twin_gpu"
+#: Ray's namespace for dvfs's actors (a test or an operator finds them there).
+NAMESPACE = "dvfs"
+#: Seconds an actor may take to open its GPUs and server before the run gives up.
+OPEN_TIMEOUT_S = 1800.0
+
+
+class RayMissingError(DvfsError):
+    exit_code = 2
+
+
+#: Ray's switch for a single-machine instance: its node address is then 127.0.0.1 and its
+#: servers listen on loopback only (read when Ray is imported, and by the processes it starts).
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def import_ray(*, local: bool = False) -> Any:
+    """Ray, or one line saying how to get it. `local`: Ray is about to be started on this
+    machine only, so it is told to stay on loopback."""
+    if local:
+        os.environ[LOCAL_ONLY_ENV] = "0"
+    try:
+        import ray
+    except ImportError:
+        raise RayMissingError(
+            "--executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' "
+            "(on every node of the cluster)"
+        ) from None
+    if local:
+        import ray._private.ray_constants as constants
+
+        constants.ENABLE_RAY_CLUSTER = False  # imported before: the switch was already read
+    return ray
+
+
+class WorkerActor:
+    """The actor's body (Ray wraps it with `ray.remote` when the executor runs)."""
+
+    def __init__(self, campaign: Any, group: Group | None, options: dict[str, Any]) -> None:
+        self.campaign = campaign
+        self.group = group
+        self.options = options
+        self.worker: Any = None
+
+    def open(self) -> dict[str, Any]:
+        from dvfs.fleet.worker import Worker
+
+        group = self.group
+        if group is None:  # real GPUs: the ones Ray placed this actor on (NVML order)
+            import ray
+
+            group = tuple(int(i) for i in ray.get_gpu_ids())
+        label = f"{platform.node()}/{group_label(group)}"
+        self.worker = Worker(
+            self.campaign,
+            group,
+            out_dir=Path(self.options["out_dir"]),
+            sessions=self.options["sessions"],
+            corpora=self.options["corpora"],
+            label=label,
+        )
+        return self.worker.open()
+
+    def run(self, cell: Any) -> Any:
+        try:
+            return self.worker.run(cell)
+        except BaseException:
+            self.worker.close()  # restore the GPUs before the driver writes this worker off
+            raise
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+class RayExecutor:
+    """Ray actors, one per GPU group (an `Executor`)."""
+
+    def __init__(self, out_dir: Path, *, address: str | None = None) -> None:
+        self.out_dir = out_dir
+        self.address = address
+
+    def __call__(self, driver: Driver, groups: Sequence[Group]) -> None:
+        ray = import_ray(local=not self.address)
+        campaign = driver.campaign
+        twin = not real_gpus(campaign)
+        started = False
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                ray.init(
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    resources={TWIN_RESOURCE: sum(len(g) for g in groups)} if twin else None,
+                )
+            started = True
+        try:
+            self._run(ray, driver, groups, twin)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _placements(self, ray: Any, campaign: Any, groups: Sequence[Group], twin: bool) -> list:
+        size = campaign.engine.tp_size
+        if twin:
+            have = ray.cluster_resources().get(TWIN_RESOURCE, 0)
+            need = sum(len(g) for g in groups)
+            if have < need:
+                raise CampaignError(
+                    f"the Ray cluster offers {have:g} {TWIN_RESOURCE} but the campaign's "
+                    f"{len(groups)} twin worker(s) need {need}: start the nodes with "
+                    f"--resources '{{\"{TWIN_RESOURCE}\": N}}'"
+                )
+            return [(g, {"resources": {TWIN_RESOURCE: len(g)}, "num_cpus": 0}) for g in groups]
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if gpus < size:
+            raise CampaignError(
+                f"the Ray cluster offers {gpus} GPU(s); one server needs engine.tp_size = {size}"
+            )
+        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(gpus // size)]
+
+    def _run(self, ray: Any, driver: Driver, groups: Sequence[Group], twin: bool) -> None:
+        campaign = driver.campaign
+        options = {
+            "out_dir": str(self.out_dir),
+            "sessions": list(driver.journal.sessions),
+            "corpora": driver.corpora,
+        }
+        actor_class = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
+        actors = []
+        for i, (group, placement) in enumerate(self._placements(ray, campaign, groups, twin)):
+            name = f"dvfs-{group_label(group) if group else i}"
+            actors.append(
+                actor_class.options(name=name, lifetime=None, **placement).remote(
+                    campaign, group, options
+                )
+            )
+        alive: dict[str, Any] = {}
+        try:
+            sessions = ray.get([a.open.remote() for a in actors], timeout=OPEN_TIMEOUT_S)
+            order = sorted(range(len(actors)), key=lambda i: str(sessions[i]["worker"]))
+            sessions = [sessions[i] for i in order]
+            alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
+            driver.open_session(sessions)
+            self._drive(ray, driver, alive, virtual_time(campaign))
+        finally:
+            for actor in alive.values():
+                with contextlib.suppress(Exception):  # a dead actor has nothing left to close
+                    ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
+            for actor in actors:
+                ray.kill(actor)
+
+    def _drive(self, ray: Any, driver: Driver, alive: dict[str, Any], virtual: bool) -> None:
+        pacer = VirtualPacer(list(alive)) if virtual else None
+        drafters: dict[str, str | None] = dict.fromkeys(alive)
+        pending: dict[Any, tuple[str, Any]] = {}
+        idle = list(alive)
+        exhausted: list[str] = []  # found the queue empty; back if a lost cell returns
+        times: dict[str, float] = dict.fromkeys(alive, 0.0)
+
+        def feed() -> None:
+            for label in list(idle):
+                if pacer is not None and not pacer.claim(label):
+                    continue
+                cell = driver.queue.take(label, drafters[label])
+                if cell is None:
+                    idle.remove(label)
+                    exhausted.append(label)
+                    if pacer is not None:
+                        pacer.leave(label)
+                    continue
+                idle.remove(label)
+                driver.started(label, cell)
+                pending[alive[label].run.remote(cell)] = (label, cell)
+
+        feed()
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+            for ref in ready:
+                label, cell = pending.pop(ref)
+                try:
+                    shipment = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001  (the actor died or its worker raised)
+                    self._lost(driver, label, cell, exc)
+                    alive.pop(label, None)
+                    if pacer is not None:
+                        pacer.leave(label)
+                    for back in exhausted:  # its cell is in the queue again
+                        idle.append(back)
+                        if pacer is not None:
+                            pacer.free(back, times[back])
+                    exhausted.clear()
+                    continue
+                driver.shipped(label, shipment)
+                drafters[label] = shipment.cell.drafter
+                times[label] = shipment.gpu_time_s
+                if pacer is not None:
+                    pacer.free(label, shipment.gpu_time_s)
+                idle.append(label)
+            feed()
+        if not driver.finished and alive:
+            raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
+
+    def _lost(self, driver: Driver, label: str, cell: Any, exc: BaseException) -> None:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        died = type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+        record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
+        if died and real_gpus(driver.campaign):
+            host = label.split("/", 1)[0]
+            record["reset"] = f"run `dvfs gpu reset` on {host}"
+            driver.note(
+                f"worker {label} died without restoring its GPUs: run `dvfs gpu reset` on {host}"
+            )
+        driver.journal.append(record)
+        driver.lost(label, cell, why[:200])

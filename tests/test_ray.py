@@ -1,0 +1,183 @@
+"""`dvfs sweep --executor ray` on a Ray cluster of this machine (loopback), twin GPUs as a
+custom resource: the same cube as one GPU, and a killed actor loses no finished cell."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block, write
+
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, open_cube
+from dvfs.measure.journal import read_records
+
+pytestmark = pytest.mark.slow
+
+#: A reduced demo campaign (three drafters) on the twin.
+CAMPAIGN = """
+[campaign]
+name = "rayed"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1410, 1005]
+power_limit = [700, 350]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 8
+
+[workload]
+batch = [1, 8]
+corpora = ["code", "conversation"]
+input_tokens = [16, 2048]
+output_tokens = 48
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 2
+repeats = 1
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+def assert_same_cells(a, b) -> None:
+    """Same grid and values; energy may differ by the counter's 1 mJ quantisation."""
+    assert set(a.data_vars) == set(b.data_vars)
+    for dim in a.dims:
+        np.testing.assert_array_equal(a[dim].values, b[dim].values)
+    for name in a.data_vars:
+        if a[name].dtype.kind in "OUS":
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
+        rtol = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
+        np.testing.assert_allclose(
+            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    """One Ray instance for the module, on loopback, with four twin GPUs."""
+    ray = pytest.importorskip("ray")
+    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+    import_ray(local=True)
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=2,
+        resources={TWIN_RESOURCE: 4},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_ray_gives_the_cube_of_one_gpu(cluster: object, tmp_path: Path) -> None:
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    result = sweep(
+        str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(tmp_path / "ray")
+    )
+    assert result.exit_code == 0, result.output
+    cube = open_cube(tmp_path / "ray" / "cube.nc")
+    assert (cube["cell_status"].values == STATUS_OK).all()
+    assert_same_cells(cube, open_cube(tmp_path / "one" / "cube.nc"))
+    records = read_records(tmp_path / "ray" / "journal.jsonl")
+    workers = {r["worker"] for r in records if r["type"] == "cell"}
+    assert len(workers) == 4 and all(
+        w.endswith(("/gpu0", "/gpu1", "/gpu2", "/gpu3")) for w in workers
+    )
+    assert sum(r["type"] == "session" for r in records) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_actor_loses_no_finished_cell(cluster, tmp_path: Path) -> None:
+    bigger = replace_block(
+        CAMPAIGN, "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1710, 1410, 1200, 1005, 810]"
+    )
+    campaign = write(tmp_path / "rayed.toml", bigger)
+    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    out = tmp_path / "ray"
+    killed: dict[str, object] = {}
+
+    def kill_one_worker() -> None:
+        """Once 20 cells are journalled, kill the actor of twin GPU 1."""
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            journal = out / "journal.jsonl"
+            if journal.exists() and journal.read_text().count('"type":"cell"') >= 20:
+                actor = cluster.get_actor("dvfs-gpu1", namespace="dvfs")
+                killed["before"] = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+                cluster.kill(actor, no_restart=True)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_one_worker, daemon=True)
+    killer.start()
+    result = sweep(str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(out))
+    killer.join(timeout=30)
+    assert result.exit_code == 0, result.output
+    assert "before" in killed, "the campaign ended before the kill"
+    assert "lost" in result.output and "gpu1" in result.output
+    records = read_records(out / "journal.jsonl")
+    cells = [r for r in records if r["type"] == "cell"]
+    keys = [r["key"] for r in cells]
+    # Every cell journalled before the kill is still there, once; none is missing.
+    assert set(killed["before"]) <= set(keys)
+    assert len(keys) == len(set(keys)) == 144 and all(r["status"] == "ok" for r in cells)
+    lost = [r for r in records if r["type"] == "worker_lost"]
+    assert [r["worker"].split("/")[-1] for r in lost] == ["gpu1"]
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc"))
+
+
+def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "ray", None)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "Error: --executor ray needs Ray, which is not installed: pip install 'dvfs[ray]' "
+        "(on every node of the cluster)"
+    ]
+    address = CliRunner().invoke(cli, ["sweep", str(campaign), "--address", "auto"])
+    assert address.exit_code == 2 and "--executor ray" in address.output
+    assert not (tmp_path / "o").exists()
