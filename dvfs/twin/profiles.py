@@ -315,13 +315,37 @@ def acceptance_priors() -> dict[str, AcceptancePrior]:
     return priors
 
 
+@functools.cache
 def gpu_profile(key: str) -> GpuProfile:
+    """A GPU profile by key; `KEY:TRAPS` picks which of NVML's measurement traps it simulates
+    (all by default): `h100-sxm:none` (none), `h100-sxm:energy_steps,leakage` (only those),
+    `h100-sxm:-settle,-leakage` (all but those). Trap names: `dvfs.twin.traps.TRAPS`."""
+    base, _, spec = key.partition(":")
     profiles = gpu_profiles()
-    if key not in profiles:
+    if base not in profiles:
         raise CampaignError(
-            f"unknown twin GPU profile {key!r}; known profiles: {', '.join(sorted(profiles))}"
+            f"unknown twin GPU profile {base!r}; known profiles: {', '.join(sorted(profiles))}"
         )
-    return profiles[key]
+    return _with_traps(profiles[base], spec) if spec else profiles[base]
+
+
+def _with_traps(profile: GpuProfile, spec: str) -> GpuProfile:
+    from dvfs.twin import traps
+
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    names = [s.removeprefix("-") for s in items]
+    unknown = sorted(set(names) - set(traps.TRAPS) - {"none"})
+    mixed = len({s.startswith("-") for s in items}) > 1
+    if not items or unknown or mixed or ("none" in names and len(items) > 1):
+        raise CampaignError(
+            f"twin GPU profile {profile.key}:{spec}: after the colon name the traps to keep "
+            f"(or 'none'), or those to drop as -NAME; traps: {', '.join(traps.TRAPS)}"
+        )
+    if names == ["none"]:
+        return traps.without(profile)
+    if items[0].startswith("-"):
+        return traps.without(profile, *names)
+    return traps.only(profile, *names)
 
 
 def model_profile(key: str) -> ModelProfile:
