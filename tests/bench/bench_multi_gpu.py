@@ -1,0 +1,90 @@
+"""Issue 12's benchmark: the demo campaign on 1 and on 4 twin GPUs, side by side in one run.
+
+Reports, for each, the campaign's makespan in GPU time (virtual seconds on the twin: what an
+operator pays for; the ideal for 4 GPUs is a quarter of one GPU's), the GPU time summed over
+the workers, server starts, and the wall time on this machine; then whether the two cubes
+agree cell for cell within the twin's determinism. Not part of the suite:
+`python tests/bench/bench_multi_gpu.py [--campaign FILE] [--gpus N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dvfs.campaign import load_campaign
+from dvfs.cube import open_cube
+from dvfs.fleet.driver import FleetOutcome, run_fleet
+from dvfs.fleet.local import LocalExecutor
+from dvfs.measure.journal import read_records
+
+DEMO = Path(__file__).resolve().parents[2] / "dvfs" / "campaigns" / "demo.toml"
+
+
+def run(campaign_file: Path, gpus: int, out: Path) -> tuple[FleetOutcome, float, int]:
+    campaign = load_campaign(campaign_file)
+    groups = [(i,) for i in range(gpus)]
+    t0 = time.monotonic()
+    outcome = run_fleet(campaign, out, groups, LocalExecutor(out))
+    wall = time.monotonic() - t0
+    starts = sum(r["type"] == "server" for r in read_records(outcome.journal_path))
+    return outcome, wall, starts
+
+
+def same_cells(a_path: Path, b_path: Path) -> str:
+    a, b = open_cube(a_path), open_cube(b_path)
+    worst = 0.0
+    for name in a.data_vars:
+        x, y = a[name].values, b[name].values
+        if x.dtype.kind in "OUS":
+            if not np.array_equal(x, y):
+                return f"no: {name} differs"
+            continue
+        if not np.array_equal(np.isnan(x), np.isnan(y)):
+            return f"no: {name} is NaN in different cells"
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.abs(x - y) / np.maximum(np.abs(y), 1e-300)
+        worst_here = float(np.nanmax(rel)) if rel.size and not np.isnan(rel).all() else 0.0
+        limit = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
+        if worst_here > limit:
+            return f"no: {name} differs by {worst_here:.2e}"
+        worst = max(worst, worst_here)
+    return f"yes (largest relative difference {worst:.1e}, the energy counter's 1 mJ)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--campaign", type=Path, default=DEMO)
+    parser.add_argument("--gpus", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for n in (1, args.gpus):
+            outcome, wall, starts = run(args.campaign, n, Path(tmp) / f"g{n}")
+            rows.append((n, outcome, wall, starts))
+        (_, one, one_wall, _), (n, many, many_wall, _) = rows
+        print(f"campaign {args.campaign.name}: {one.summary.total} cells")
+        print(
+            f"{'GPUs':>4} {'makespan (GPU h)':>17} {'GPU h, all':>11} {'servers':>8} {'wall s':>8}"
+        )
+        for gpus, outcome, wall, starts in rows:
+            total = sum(w.gpu_time_s for w in outcome.workers)
+            print(
+                f"{gpus:>4} {outcome.makespan_gpu_s / 3600:>17.3f} {total / 3600:>11.3f} "
+                f"{starts:>8} {wall:>8.1f}"
+            )
+        speedup = one.makespan_gpu_s / many.makespan_gpu_s
+        print(
+            f"makespan speed-up on {n} GPUs: {speedup:.2f}x (ideal {n}x, "
+            f"{100 * speedup / n:.0f}% efficient); wall time on this machine "
+            f"{one_wall:.1f} s -> {many_wall:.1f} s ({one_wall / many_wall:.2f}x)"
+        )
+        print("cubes equal cell for cell:", same_cells(one.cube_path, many.cube_path))  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()
