@@ -36,17 +36,21 @@ def _gpu(table: Table) -> GpuConfig:
     backend = table.string("backend", "twin", choices=("twin", "nvml"))
     profile = table.string("profile")
     if backend == "twin":
-        from dvfs.twin.profiles import gpu_profiles
+        from dvfs.twin.profiles import gpu_profile, gpu_profiles
 
         profiles = tuple(sorted(gpu_profiles()))
         if profile is None:
             raise table.fail(
                 "profile", f"the twin needs a GPU profile; choose one of {', '.join(profiles)}"
             )
-        if profile not in profiles:
+        if profile.partition(":")[0] not in profiles:
             raise table.fail(
                 "profile", f"unknown twin profile {profile!r}; choose one of {', '.join(profiles)}"
             )
+        try:  # KEY:TRAPS, which of NVML's traps the twin simulates
+            gpu_profile(profile)
+        except CampaignError as exc:
+            raise table.fail("profile", str(exc)) from exc
     devices = table.get("devices", [0])
     if not isinstance(devices, list) or not devices:
         raise table.fail(
