@@ -36,6 +36,11 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     )
     if report.get("shard"):
         out.print(f"shard {report['shard']}: only this slice's cells are counted")
+    if report.get("workers"):
+        out.print(
+            f"{report['workers']} workers in parallel: roughly "
+            f"{report['estimated_makespan_hours']} h from start to end"
+        )
     for problem in report["problems"]:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
@@ -134,8 +139,18 @@ def sweep(
     if shard is not None:
         default_out = default_out / f"shard-{shard.index}-of-{shard.count}"
     out_dir = out_dir or default_out
+    from dvfs.fleet.devices import parse_gpus, worker_groups
+
+    if address and executor != "ray":
+        raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
     if dry_run:
+        groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
         report = plan_dry_run(campaign, out_dir, shard=shard).as_dict()
+        if len(groups) > 1:
+            report["workers"] = len(groups)
+            report["estimated_makespan_hours"] = round(
+                report["estimated_hours_on_hardware"] / len(groups), 2
+            )
         if as_json:
             echo_json(report)
         else:
@@ -143,10 +158,6 @@ def sweep(
         if report["problems"]:
             raise SystemExit(2)
         return
-    from dvfs.fleet.devices import parse_gpus, worker_groups
-
-    if address and executor != "ray":
-        raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
     groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
     if len(groups) > 1 or executor == "ray":
         outcome = run_fleet(
