@@ -153,3 +153,35 @@ def test_a_journal_from_a_newer_dvfs_is_refused(swept: tuple[Path, Path]) -> Non
         invoke("cube", "build", str(out)),
     ):
         assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
+
+
+def test_a_record_with_missing_numbers_is_written_as_strict_json(tmp_path: Path) -> None:
+    """NaN and infinities become null wherever they sit (scalars, quantile lists, nested
+    dicts, numpy scalars); everything else is written as given."""
+    import math
+
+    import numpy as np
+
+    from dvfs.measure.journal import Journal
+
+    journal = Journal(tmp_path / "j.jsonl")
+    record = {
+        "type": "cell",
+        "key": "k",
+        "cell": {"batch": np.int64(4)},
+        "status": "failed",
+        "values": [1.5, math.nan, np.float64(2.0), np.float32("nan"), True, None, "x"],
+        "nested": {"inf": -math.inf, "pair": (0.25, math.inf), 3: [np.float64("nan")]},
+    }
+    journal.append(record)
+    journal.close()
+    line = (tmp_path / "j.jsonl").read_text().strip()
+    assert json.loads(line) == {
+        "type": "cell",
+        "key": "k",
+        "cell": {"batch": 4},
+        "status": "failed",
+        "values": [1.5, None, 2.0, None, True, None, "x"],
+        "nested": {"inf": None, "pair": [0.25, None], "3": [None]},
+    }
+    assert "NaN" not in line and "Infinity" not in line
