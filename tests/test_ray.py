@@ -181,3 +181,14 @@ def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     address = CliRunner().invoke(cli, ["sweep", str(campaign), "--address", "auto"])
     assert address.exit_code == 2 and "--executor ray" in address.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(120)
+def test_too_few_twin_gpus_on_the_cluster_is_one_line(cluster: object, tmp_path: Path) -> None:
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    result = sweep(
+        str(campaign), "--gpus", "0-5", "--executor", "ray", "--out", str(tmp_path / "o")
+    )
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: the Ray cluster offers 4 twin_gpu") and "need 6" in last

@@ -172,7 +172,13 @@ class RayExecutor:
             )
         alive: dict[str, Any] = {}
         try:
-            sessions = ray.get([a.open.remote() for a in actors], timeout=OPEN_TIMEOUT_S)
+            try:
+                sessions = ray.get([a.open.remote() for a in actors], timeout=OPEN_TIMEOUT_S)
+            except Exception as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, DvfsError):  # one line and its exit code, as locally
+                    raise cause from None
+                raise
             order = sorted(range(len(actors)), key=lambda i: str(sessions[i]["worker"]))
             sessions = [sessions[i] for i in order]
             alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
@@ -237,7 +243,12 @@ class RayExecutor:
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
 
     def _lost(self, driver: Driver, label: str, cell: Any, exc: BaseException) -> None:
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):  # the worker raised: say what, not Ray's wrapper
+            why = f"{type(cause).__name__}: {cause}"
+        else:
+            text = str(exc).strip()
+            why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         died = type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
         record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
         if died and real_gpus(driver.campaign):
