@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from dvfs.measure.counter import (
     TokenCurve,
     counter_window,
+    length_uncertainty,
     relative_half_width,
-    required_updates,
     round_energy,
     update_period_s,
     updates,
@@ -168,8 +168,8 @@ def test_window_arithmetic_properties(
 ):
     """Between updates the counter's difference is the energy of the interval between the
     update instants; an estimated instant lies in its bracket; energy per token is off by no
-    more than the instants' uncertainty over the spanned time (plus a step's token rounding
-    of the counter's mJ)."""
+    more than the length's stated uncertainty over the spanned time (plus the counter's mJ
+    truncation)."""
     duration = start_ms + length_ms + 200
     t, v = stepping_readings(
         power_w=power_w,
@@ -192,23 +192,26 @@ def test_window_arithmetic_properties(
     truth = power_w * step_ms * 1e-3 / batch
     if r.on_updates:
         span_ms = r.seconds * 1000
-        bound = (2 * sample_ms / 2 + 2) / span_ms + 2 / (power_w * span_ms)
+        assert r.uncertainty_s * 1000 <= sample_ms  # never worse than a bracket
+        bound = r.uncertainty_s * 1000 / span_ms + 2 / (power_w * span_ms) + 1e-9
         assert abs(r.energy_per_token_j / truth - 1) <= bound
+        assert length_uncertainty([r]) == pytest.approx(r.uncertainty_s / r.seconds)
 
 
 # -- how many updates, and the interval --------------------------------------------------------
 
 
-@given(
-    precision=st.floats(0.001, 0.5),
-    period=st.floats(0.005, 0.5),
-    uncertainty=st.floats(0.0, 0.05),
-)
-def test_required_updates_bound_the_edge_error(precision, period, uncertainty):
-    n = required_updates(precision, period, uncertainty)
-    assert n >= 3
-    assert 2 * uncertainty / ((n - 1) * period) <= precision * (1 + 1e-9)
-    assert required_updates(precision / 2, period, uncertainty) >= n
+def test_an_irregular_counter_is_uncertain_by_its_edge_brackets():
+    t = np.arange(0, 2000, 10, dtype=np.int64) * MS
+    instants = np.array([50, 130, 260, 330, 480, 530, 700, 760, 950, 990, 1200]) * MS
+    v = np.searchsorted(instants, t, side="right").astype(float) * 100
+    w = counter_window(updates(t, v, period_s=0.1), 100 * MS, 1000 * MS)
+    assert w.updates == 9  # 130 ... 990
+    assert w.uncertainty_s == pytest.approx(0.010)  # half of each edge's 10 ms bracket
+
+
+def test_no_window_on_the_updates_has_no_bounded_length():
+    assert length_uncertainty([]) == math.inf
 
 
 def test_relative_half_width():

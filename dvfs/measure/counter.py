@@ -34,6 +34,10 @@ class Updates:
     lo_ns: np.ndarray
     hi_ns: np.ndarray
     value_mj: np.ndarray
+    #: Whether the instants lie on a fitted regular grid (else the brackets' middles).
+    regular: bool = False
+    #: A counter that moves at every reading: each value is the energy at its reading.
+    continuous: bool = False
 
     def __len__(self) -> int:
         return len(self.t_ns)
@@ -47,7 +51,9 @@ class Updates:
 def updates(t_ns: np.ndarray, value_mj: np.ndarray, period_s: float | None = None) -> Updates:
     """The distinct updates in one counter's readings (`t_ns` ascending). The first reading
     starts the record: a change before it is not seen. With `period_s` (the detected update
-    period) the instants are fitted to a regular grid when the brackets allow one."""
+    period) the instants are fitted to a regular grid when the brackets allow one; a period of
+    0 means a continuous counter (it changed at every reading of the fast probe at session
+    start), whose value at a reading is the energy at that instant."""
     t = np.asarray(t_ns, dtype=np.int64)
     v = np.asarray(value_mj, dtype=np.float64)
     if len(t) < 2:
@@ -55,25 +61,28 @@ def updates(t_ns: np.ndarray, value_mj: np.ndarray, period_s: float | None = Non
         return Updates(empty.astype(float), empty, empty, empty.astype(float))
     changed = np.flatnonzero(v[1:] != v[:-1]) + 1
     lo, hi = t[changed - 1], t[changed]
-    return Updates(_instants(lo, hi, period_s), lo, hi, v[changed])
+    if period_s == 0:
+        return Updates(hi.astype(np.float64), lo, hi, v[changed], True, True)
+    instants, regular = _instants(lo, hi, period_s)
+    return Updates(instants, lo, hi, v[changed], regular)
 
 
-def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> np.ndarray:
+def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[np.ndarray, bool]:
     """Each update's instant: on a least-squares grid through the brackets' middles when that
-    grid passes through every bracket (a regular counter), else the middles."""
+    grid passes through every bracket (a regular counter: True), else the middles."""
     mid = (lo + hi) / 2.0
     if period_s is None or not period_s > 0 or len(mid) < 3:
-        return mid
+        return mid, False
     period_ns = period_s * 1e9
     steps = np.round((mid - mid[0]) / period_ns)
     if len(np.unique(steps)) != len(steps):
-        return mid  # two updates in one period: not the regular counter assumed
+        return mid, False  # two updates in one period: not the regular counter assumed
     slope, intercept = np.polyfit(steps, mid - mid[0], 1)
     fitted = mid[0] + intercept + slope * steps
     half = (hi - lo) / 2.0
     if np.all(np.abs(fitted - mid) <= half + 1.0):
-        return np.clip(fitted, lo, hi)
-    return mid
+        return np.clip(fitted, lo, hi), True
+    return mid, False
 
 
 def update_period_s(t_ns: np.ndarray, value_mj: np.ndarray) -> float | None:
@@ -92,6 +101,19 @@ def counter_update_period(samples: dict[str, np.ndarray]) -> list[float | None]:
     None for a GPU whose counter moved too rarely to tell."""
     times, values = gpu_counters(samples)
     return [update_period_s(times[:, g], values[:, g]) for g in range(times.shape[1])]
+
+
+def sampling_period_s(sample_period_s: float, counter_period_s: float | None) -> float:
+    """The sampler's period during a round: at most `sample_period_s`, and off any whole
+    fraction of the counter's update period, so successive updates fall at different phases of
+    the sampling (a period that divides the counter's sees every update at the same place in
+    its bracket, and the grid fit learns nothing; virtual time has no jitter to break that)."""
+    if not counter_period_s or counter_period_s < sample_period_s:
+        return sample_period_s
+    ratio = counter_period_s / sample_period_s
+    if abs(ratio - round(ratio)) >= 0.2:
+        return sample_period_s
+    return counter_period_s / (round(ratio) + 0.382)
 
 
 def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -151,6 +173,10 @@ class CounterWindow:
     end_ns: float
     updates: int
     energy_mj: float
+    #: How far the interval's length may be off (s): the edge instants' uncertainty, the
+    #: brackets' halves at both ends, or on a regular grid one bracket over the periods the
+    #: round's updates span (the grid's slope is fitted through all of them).
+    uncertainty_s: float = math.nan
 
     @property
     def seconds(self) -> float:
@@ -164,22 +190,30 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
     if len(inside) < 2:
         return CounterWindow(float(start_ns), float(end_ns), len(inside), math.nan)
     a, b = inside[0], inside[-1]
+    bracket = (seen.hi_ns - seen.lo_ns) * 1e-9
+    if seen.continuous:
+        uncertainty = 0.0
+    elif seen.regular:
+        uncertainty = float(bracket.max()) / (len(seen) - 1)
+    else:
+        uncertainty = float(bracket[a] + bracket[b]) / 2
     return CounterWindow(
         float(seen.t_ns[a]),
         float(seen.t_ns[b]),
         len(inside),
         float(seen.value_mj[b] - seen.value_mj[a]),
+        uncertainty,
     )
 
 
-def required_updates(precision: float, period_s: float | None, uncertainty_s: float) -> int:
-    """Distinct updates a cell's windows must span so that the uncertainty of their edge
-    instants (`uncertainty_s` at each end) stays within `precision` of the spanned time:
-    2·u / ((n - 1)·period) <= precision. At least 3 (two intervals), whatever the period."""
-    if period_s is None or not period_s > 0 or not precision > 0:
-        return 3
-    intervals = math.ceil(2 * max(uncertainty_s, 0.0) / (precision * period_s) - 1e-9)
-    return max(3, intervals + 1)
+def length_uncertainty(rounds: Sequence[RoundEnergy]) -> float:
+    """The relative uncertainty of a cell's windows' length, which its energy per token
+    carries (the energy between updates is exact): the rounds' length uncertainties over their
+    total length, inf without a window on the updates."""
+    span = math.fsum(r.seconds for r in rounds)
+    if not span > 0:
+        return math.inf
+    return math.fsum(r.uncertainty_s for r in rounds) / span
 
 
 # -- the interval on a cell's rounds or repeats -----------------------------------------------
@@ -225,6 +259,9 @@ class RoundEnergy:
     seconds: float
     updates: int
     on_updates: bool
+    #: How far `seconds` may be off (`CounterWindow.uncertainty_s`; on interpolation, one update
+    #: period's worth of step at each edge).
+    uncertainty_s: float = 0.0
 
     @property
     def energy_per_token_j(self) -> float:
@@ -254,11 +291,16 @@ def round_energy(
     counted = min(w.updates for w in windows)
     if counted < 2:
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
-        return RoundEnergy(energy, curve.between(start, end), (end - start) * 1e-9, counted, False)
+        known = [p for p in periods_s if p]
+        step = max(known) if known else (end - start) * 1e-9
+        return RoundEnergy(
+            energy, curve.between(start, end), (end - start) * 1e-9, counted, False, 2 * step
+        )
     ref = windows[0]
     tokens = curve.between(ref.start_ns, ref.end_ns)
     energy = 0.0
     for w in windows:
         own = curve.between(w.start_ns, w.end_ns)
         energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
-    return RoundEnergy(energy, tokens, ref.seconds, counted, True)
+    uncertainty = max(w.uncertainty_s for w in windows)
+    return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty)
