@@ -222,3 +222,66 @@ def test_relative_half_width():
     assert relative_half_width([1.0, 1.1, 0.9, 1.05], 0.99) > a
     # t(0.975, 3) = 3.182; sd of (1, 1.1, 0.9, 1.05) = 0.0854; mean 1.0125
     assert a == pytest.approx(3.1824 * 0.085391 / 2 / 1.0125, rel=1e-3)
+
+
+# -- the campaign keys -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "fragments"),
+    [
+        ("precision = 0", ("measurement.precision", "greater than 0")),
+        ("precision = 1.5", ("measurement.precision", "1.5", "below 1")),
+        ("confidence = 1.0", ("measurement.confidence", "between 0 and 1")),
+        ("max_repeats = 1", ("measurement.max_repeats", "below repeats = 2")),
+        ('mode = "sideways"', ("measurement.mode", "'sideways'", "per-level, in-flight")),
+        ('settle = "soon"', ("measurement.settle", "'soon'", '"measured"')),
+        ("settle = -1", ("measurement.settle", "at least 0")),
+        ("thermal_slope_c_per_min = 0", ("measurement.thermal_slope_c_per_min", "greater than 0")),
+        ("idle_per_setting = 1", ("measurement.idle_per_setting", "true or false")),
+    ],
+)
+def test_protocol_keys_are_validated(tmp_path: Path, line: str, fragments: tuple[str, ...]) -> None:
+    from conftest import SMALL_CAMPAIGN, replace_block
+
+    from dvfs.campaign import load_campaign
+    from dvfs.errors import CampaignError
+
+    text = replace_block(SMALL_CAMPAIGN, "idle_s = 1.0", f"idle_s = 1.0\n{line}")
+    path = tmp_path / "c.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(CampaignError) as info:
+        load_campaign(path)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_protocol_keys_default_and_enter_the_hash(tmp_path: Path) -> None:
+    from conftest import SMALL_CAMPAIGN, replace_block
+
+    from dvfs.campaign import load_campaign
+
+    def load(extra: str) -> Any:
+        path = tmp_path / f"c{abs(hash(extra))}.toml"
+        text = replace_block(SMALL_CAMPAIGN, "idle_s = 1.0", f"idle_s = 1.0\n{extra}")
+        path.write_text(text, encoding="utf-8")
+        return load_campaign(path)
+
+    base = load("")
+    m = base.measurement
+    assert (m.precision, m.confidence, m.mode, m.settle) == (0.01, 0.95, "per-level", "measured")
+    assert m.max_repeats == m.repeats == 2  # no adaptive repeats unless asked
+    assert (m.thermal_slope_c_per_min, m.thermal_max_s, m.idle_per_setting) == (1.0, 120.0, True)
+    assert load("settle = 0.5").measurement.settle == 0.5
+    for extra in (
+        "precision = 0.02",
+        "confidence = 0.9",
+        "max_repeats = 4",
+        'mode = "in-flight"',
+        "settle = 3",
+        "thermal_slope_c_per_min = 2.0",
+        "thermal_max_s = 0",
+        "idle_per_setting = false",
+    ):
+        assert load(extra).hash != base.hash, extra
+    assert load("precision = 0.01").hash == base.hash  # the default, spelt out
