@@ -8,9 +8,12 @@ truth: constant power, steady tokens), and end to end on the twin.
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import SMALL_CAMPAIGN, replace_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -242,8 +245,6 @@ def test_relative_half_width():
     ],
 )
 def test_protocol_keys_are_validated(tmp_path: Path, line: str, fragments: tuple[str, ...]) -> None:
-    from conftest import SMALL_CAMPAIGN, replace_block
-
     from dvfs.campaign import load_campaign
     from dvfs.errors import CampaignError
 
@@ -257,8 +258,6 @@ def test_protocol_keys_are_validated(tmp_path: Path, line: str, fragments: tuple
 
 
 def test_protocol_keys_default_and_enter_the_hash(tmp_path: Path) -> None:
-    from conftest import SMALL_CAMPAIGN, replace_block
-
     from dvfs.campaign import load_campaign
 
     def load(extra: str) -> Any:
