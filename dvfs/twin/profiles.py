@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import tomllib
@@ -78,6 +79,48 @@ class GpuProfile:
         """FLOP per byte where a pass's compute time equals its memory time (datasheet peaks)."""
         peak = self.sm_count * self.flop_per_clk_per_sm * sm_clock_mhz * 1e6
         return peak / (self.hbm_bandwidth_gb_s * 1e9)
+
+
+#: Each trap's fields and the value that turns it off.
+TRAPS: dict[str, dict[str, float]] = {
+    "energy_steps": {"energy_counter_period_s": 0.0},
+    "part_time_power": {"power_sampled_s": 0.0},
+    "power_average": {"power_average_s": 0.0},
+    "thermal_lag": {"thermal_time_constant_s": 0.0},
+    "leakage": {"leakage_w_per_c": 0.0},
+    "idle_clock_power": {"idle_clock_power_w": 0.0},
+    "settle": {"settle_time_s": 0.0, "settle_overshoot": 0.0},
+}
+
+
+def _check(names: tuple[str, ...]) -> None:
+    unknown = sorted(set(names) - set(TRAPS))
+    if unknown:
+        raise ValueError(f"unknown trap(s) {', '.join(unknown)}; known: {', '.join(TRAPS)}")
+
+
+def without(profile: GpuProfile, *names: str) -> GpuProfile:
+    """`profile` with the named traps off (every trap when none is named)."""
+    _check(names)
+    off: dict[str, float] = {}
+    for name in names or tuple(TRAPS):
+        off.update(TRAPS[name])
+    return dataclasses.replace(profile, **off)  # type: ignore[arg-type]
+
+
+def only(profile: GpuProfile, *names: str) -> GpuProfile:
+    """`profile` with every trap off but the named ones."""
+    _check(names)
+    return without(profile, *(n for n in TRAPS if n not in names))
+
+
+def active(profile: GpuProfile) -> tuple[str, ...]:
+    """The traps `profile` simulates."""
+    return tuple(
+        name
+        for name, switched in TRAPS.items()
+        if any(getattr(profile, f) != v for f, v in switched.items())
+    )
 
 
 @dataclass(frozen=True)
@@ -330,22 +373,20 @@ def gpu_profile(key: str) -> GpuProfile:
 
 
 def _with_traps(profile: GpuProfile, spec: str) -> GpuProfile:
-    from dvfs.twin import traps
-
     items = [s.strip() for s in spec.split(",") if s.strip()]
     names = [s.removeprefix("-") for s in items]
-    unknown = sorted(set(names) - set(traps.TRAPS) - {"none"})
+    unknown = sorted(set(names) - set(TRAPS) - {"none"})
     mixed = len({s.startswith("-") for s in items}) > 1
     if not items or unknown or mixed or ("none" in names and len(items) > 1):
         raise CampaignError(
             f"twin GPU profile {profile.key}:{spec}: after the colon name the traps to keep "
-            f"(or 'none'), or those to drop as -NAME; traps: {', '.join(traps.TRAPS)}"
+            f"(or 'none'), or those to drop as -NAME; traps: {', '.join(TRAPS)}"
         )
     if names == ["none"]:
-        return traps.without(profile)
+        return without(profile)
     if items[0].startswith("-"):
-        return traps.without(profile, *names)
-    return traps.only(profile, *names)
+        return without(profile, *names)
+    return only(profile, *names)
 
 
 def model_profile(key: str) -> ModelProfile:

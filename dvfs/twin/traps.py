@@ -19,53 +19,14 @@ just the named ones.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
-from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.physics import dynamic_scale
+from dvfs.twin.profiles import TRAPS, GpuProfile, active, only, without
 
-#: Each trap's fields and the value that turns it off.
-TRAPS: dict[str, dict[str, float]] = {
-    "energy_steps": {"energy_counter_period_s": 0.0},
-    "part_time_power": {"power_sampled_s": 0.0},
-    "power_average": {"power_average_s": 0.0},
-    "thermal_lag": {"thermal_time_constant_s": 0.0},
-    "leakage": {"leakage_w_per_c": 0.0},
-    "idle_clock_power": {"idle_clock_power_w": 0.0},
-    "settle": {"settle_time_s": 0.0, "settle_overshoot": 0.0},
-}
-
-
-def _check(names: tuple[str, ...]) -> None:
-    unknown = sorted(set(names) - set(TRAPS))
-    if unknown:
-        raise ValueError(f"unknown trap(s) {', '.join(unknown)}; known: {', '.join(TRAPS)}")
-
-
-def without(profile: GpuProfile, *names: str) -> GpuProfile:
-    """`profile` with the named traps off (every trap when none is named)."""
-    _check(names)
-    off: dict[str, float] = {}
-    for name in names or tuple(TRAPS):
-        off.update(TRAPS[name])
-    return dataclasses.replace(profile, **off)  # type: ignore[arg-type]
-
-
-def only(profile: GpuProfile, *names: str) -> GpuProfile:
-    """`profile` with every trap off but the named ones."""
-    _check(names)
-    return without(profile, *(n for n in TRAPS if n not in names))
-
-
-def active(profile: GpuProfile) -> tuple[str, ...]:
-    """The traps `profile` simulates."""
-    return tuple(
-        name
-        for name, fields in TRAPS.items()
-        if any(getattr(profile, f) != v for f, v in fields.items())
-    )
+__all__ = ["TRAPS", "active", "idle_power_w", "only", "settle_progress", "without"]
 
 
 def idle_power_w(profile: GpuProfile, idle_clock_mhz: float) -> float:
@@ -77,8 +38,6 @@ def idle_power_w(profile: GpuProfile, idle_clock_mhz: float) -> float:
     """
     if not profile.idle_clock_power_w or idle_clock_mhz == profile.idle_sm_clock_mhz:
         return profile.idle_power_w
-    from dvfs.twin.physics import dynamic_scale
-
     base = float(dynamic_scale(profile, profile.idle_sm_clock_mhz))
     scale = float(dynamic_scale(profile, idle_clock_mhz))
     return profile.idle_power_w + profile.idle_clock_power_w * (scale - base) / (1.0 - base)
