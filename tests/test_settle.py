@@ -132,6 +132,40 @@ def test_measured_clock_settle_is_the_scripted_one_within_a_sample(settle_s: flo
     assert result.gpu_time_s >= result.clock_s + 0.5  # held for the hold time after it
 
 
+class TwinResponseGpu(ScriptedGpu):
+    """The twin's own settle model (`dvfs.twin.traps.settle_progress`: a second-order step
+    response, within ~2% at the profile's settle time, exact from then) read as whole MHz."""
+
+    def __init__(self, clock: VirtualClock, profile) -> None:
+        super().__init__(clock, settle_s=profile.settle_time_s)
+        self.profile = profile
+
+    def sm_clock_mhz(self) -> int:
+        from dvfs.twin.traps import settle_progress
+
+        elapsed = (self.clock.now_ns() - self._changed_ns) / 1e9
+        left = 1.0 - float(settle_progress(self.profile, np.array([elapsed]))[0])
+        return round(self._to + (self._from - self._to) * left)
+
+
+@pytest.mark.parametrize(("before", "after"), [(1980, 990), (990, 1980), (345, 1500)])
+def test_the_twin_settle_model_is_measured_within_a_sample(before: int, after: int) -> None:
+    from dvfs.twin.profiles import gpu_profile
+
+    profile = gpu_profile("h100-sxm")
+    assert profile.settle_time_s > 0 and profile.settle_overshoot > 0
+    clock = VirtualClock()
+    gpus = [TwinResponseGpu(clock, profile)]
+    period = 0.005
+    start = STOCK if before == 345 else KnobSetting(before, None)
+    with KnobController(gpus) as knobs:
+        result = measure_settle(
+            gpus, knobs, clock, before=start, after=KnobSetting(after, None), sample_period_s=period
+        )
+    assert result.observed, result.note
+    assert profile.settle_time_s <= result.clock_s <= profile.settle_time_s + period + 1e-9
+
+
 def test_the_slowest_gpu_sets_the_settle() -> None:
     clock = VirtualClock()
     gpus = [ScriptedGpu(clock, settle_s=0.05), ScriptedGpu(clock, settle_s=0.3, index=1)]
