@@ -87,7 +87,9 @@ def _held_when_the_journal_is_read(work: Callable[[], object], reader: ModuleTyp
         snapshot = tracemalloc.take_snapshot().filter_traces(COUNTED)
         seen["held"] = sum(stat.size for stat in snapshot.statistics("filename"))
 
-    gc.collect()
+    # Whatever lived before is neither traced nor worth the collector's time (a whole test
+    # session's heap, under xdist): only what `work` allocates is collected and counted.
+    gc.freeze()
     tracemalloc.start()
     try:
         with pytest.MonkeyPatch.context() as patch:
@@ -95,6 +97,7 @@ def _held_when_the_journal_is_read(work: Callable[[], object], reader: ModuleTyp
             work()
     finally:
         tracemalloc.stop()
+        gc.unfreeze()
     assert "held" in seen, "the journal was not read to its end through iter_records"
     return seen["held"]
 
