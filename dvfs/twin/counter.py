@@ -115,24 +115,25 @@ class SteppedCounter:
         ks = np.arange(self.last + 1, self.tail_first, dtype=np.int64)
         u = sensor.instant_ns(ks)
         lo = np.maximum(u - s.sampled_ns, fold_ns)
-        sampled = true_energy_j(u) - true_energy_j(lo)
+        both = true_energy_j(np.concatenate([u, lo]))  # one pass over the timeline
+        sampled = both[: len(u)] - both[len(u) :]
         if len(sampled):
             sampled[0] += carry_j
-        self.explicit = self.history[-1] + s.scale * np.cumsum(sampled)
-        self._before_tail = float(self.explicit[-1]) if len(self.explicit) else self.history[-1]
+        explicit = self.history[-1] + s.scale * np.cumsum(sampled)
+        #: The counter at updates first .. tail_first - 1, in one array.
+        self.known = np.concatenate([self.history, explicit])
+        self._before_tail = float(self.known[-1])
 
     def at_updates(self, k: np.ndarray) -> np.ndarray:
         """The counter (J) just after update k, for k >= `first` (elementwise)."""
         k = np.asarray(k, dtype=np.int64)
-        if np.any(k < self.first):
+        i = k - self.first
+        if i.size and i.min() < 0:
             raise ValueError("the counter's history does not reach that far back")
-        out = np.empty(k.shape)
-        old = k <= self.last
-        out[old] = self.history[k[old] - self.first]
-        mid = (k > self.last) & (k < self.tail_first)
-        out[mid] = self.explicit[k[mid] - self.last - 1]
-        late = k >= self.tail_first
-        if np.any(late):
+        n = len(self.known)
+        out = self.known[np.minimum(i, n - 1)]
+        late = i >= n
+        if late.any():
             out[late] = self._before_tail + self._tail_sum(k[late] - self.tail_first + 1)
         return out
 
@@ -163,10 +164,23 @@ class SteppedCounter:
         span_s = n * self.sensor.period_ns * 1e-9
         return (self.at_updates(k) - self.at_updates(k - n)) / span_s
 
-    def history_at(self, t_ns: int) -> tuple[np.ndarray, float]:
+    def carry_from_ns(self, t_ns: int) -> int | None:
+        """Where the sensor's window of the first update after `t_ns` opened, when before
+        `t_ns` (clipped to this counter's fold); None when it opens later. A counter folded at
+        `t_ns` needs the true energy between that instant and `t_ns`."""
+        s = self.sensor
+        k = int(s.index(np.array(t_ns)))
+        window_ns = int(s.instant_ns(np.array(k + 1))) - s.sampled_ns
+        if window_ns >= t_ns:
+            return None
+        return max(window_ns, self.fold_ns)
+
+    def history_at(self, t_ns: int, sampled_j: float) -> tuple[np.ndarray, float]:
         """What a counter folded at `t_ns` (>= `fold_ns`) starts from: the values of its last
         `average_n` + 1 updates, and the energy its sensor sampled before `t_ns` in the window
-        of the next update."""
+        of the next update (`sampled_j`: the true energy from `carry_from_ns(t_ns)` to `t_ns`,
+        0 when that is None; this counter's own carry is added when the window opened before
+        its fold)."""
         s = self.sensor
         k = int(s.index(np.array(t_ns)))
         history = self.at_updates(np.arange(k - s.average_n, k + 1, dtype=np.int64))
@@ -174,8 +188,5 @@ class SteppedCounter:
         if window_ns >= t_ns:
             return history, 0.0
         if window_ns >= self.fold_ns:
-            span = self.true_energy_j(np.array([window_ns, t_ns], dtype=np.int64))
-            return history, float(span[1] - span[0])
-        # The window opened before this counter's fold too: it keeps that carry.
-        span = self.true_energy_j(np.array([self.fold_ns, t_ns], dtype=np.int64))
-        return history, self.carry_j + float(span[1] - span[0])
+            return history, sampled_j
+        return history, self.carry_j + sampled_j

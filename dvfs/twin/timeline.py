@@ -147,6 +147,7 @@ class Timeline:
         a, b = th.relaxation(thermal, end_temp, idle_w)
         self.tail = Tail(self.end_ns, a, b, thermal.tau_s)
         self.base_energy_j = self.rest_energy_j() if true_energy_j is None else true_energy_j
+        self._state: tuple[int, tuple[float, float]] | None = None
         self.counter: SteppedCounter | None = None
         if sensor is not None:
             history, carry = counter_start if counter_start is not None else self._at_rest()
@@ -221,8 +222,25 @@ class Timeline:
 
     def state_at(self, t_ns: int) -> tuple[float, float]:
         """Temperature (C) and true energy (J, absolute) at one instant."""
+        if self._state is not None and self._state[0] == t_ns:
+            return self._state[1]
         _, _, temp, _, energy = self._truth(np.array([t_ns], dtype=np.int64))
-        return float(temp[0]), self.base_energy_j + float(energy[0])
+        state = float(temp[0]), self.base_energy_j + float(energy[0])
+        self._state = (t_ns, state)
+        return state
+
+    def fold_state(self, t_ns: int) -> tuple[float, float, tuple[np.ndarray, float] | None]:
+        """What a timeline that follows this one from `t_ns` starts from: temperature, true
+        energy (absolute) and the energy counter's recent values (one pass over the truth)."""
+        counter = self.counter
+        opened = counter.carry_from_ns(t_ns) if counter is not None else None
+        instants = np.array([t_ns] if opened is None else [t_ns, opened], dtype=np.int64)
+        _, _, temp, _, energy = self._truth(instants)
+        state = float(temp[0]), self.base_energy_j + float(energy[0])
+        if counter is None:
+            return *state, None
+        sampled = 0.0 if opened is None else float(energy[0] - energy[1])
+        return *state, counter.history_at(t_ns, sampled)
 
     # -- what NVML reports ---------------------------------------------------------------------
     def readings(self, t_ns: np.ndarray) -> Readings:
