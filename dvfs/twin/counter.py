@@ -159,10 +159,15 @@ class SteppedCounter:
 
     def average_w(self, t_ns: np.ndarray) -> np.ndarray:
         """The averaged power reading: the counter's rise over the last `average_n` updates."""
+        return self.read(t_ns)[1]
+
+    def read(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The counter (J) and the averaged power (W) at each instant, in one lookup."""
         n = self.sensor.average_n
         k = self.sensor.index(t_ns)
-        span_s = n * self.sensor.period_ns * 1e-9
-        return (self.at_updates(k) - self.at_updates(k - n)) / span_s
+        both = self.at_updates(np.concatenate([k, k - n]))
+        now, back = both[: len(k)], both[len(k) :]
+        return now, (now - back) / (n * self.sensor.period_ns * 1e-9)
 
     def carry_from_ns(self, t_ns: int) -> int | None:
         """Where the sensor's window of the first update after `t_ns` opened, when before

@@ -97,6 +97,10 @@ def start_temperatures(
     x = duration_s / tau
     cum = np.concatenate([[0.0], np.cumsum(x)])  # L[i], i = 0..n
     out[0] = t0_c
+    if cum[-1] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
+        terms = steady * np.exp(cum[:-1]) * np.expm1(x)
+        out[1:] = np.exp(-cum[1:]) * (t0_c + np.cumsum(terms))
+        return out
     start, temp = 0, float(t0_c)
     while start < n:
         # The block: segments start..stop-1, with L[stop] - L[start] <= the bound (at least one).

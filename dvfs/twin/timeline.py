@@ -128,20 +128,31 @@ class Timeline:
         self.idle_w = idle_w
         self.idle_clock_mhz = idle_clock_mhz
         self.transition = transition
+        k = thermal.leakage_w_per_c
         if work is not None:
             duration_s = (work.ends_ns - work.starts_ns) * 1e-9
-            self.pass_temp_c = th.start_temperatures(
-                thermal, temperature_c, work.dynamic_w, duration_s
-            )
-            per_pass = th.segment_energy_j(
-                thermal, self.pass_temp_c[:-1], work.dynamic_w, duration_s
-            )
-            self.energy_before_j = np.concatenate([[0.0], np.cumsum(per_pass)])
+            pass_temp_c = th.start_temperatures(thermal, temperature_c, work.dynamic_w, duration_s)
+            per_pass = th.segment_energy_j(thermal, pass_temp_c[:-1], work.dynamic_w, duration_s)
+            energy_before = np.concatenate([[0.0], np.cumsum(per_pass)])
             self.end_ns = int(work.ends_ns[-1])
-            end_temp, end_energy = float(self.pass_temp_c[-1]), float(self.energy_before_j[-1])
+            end_temp, end_energy = float(pass_temp_c[-1]), float(energy_before[-1])
+            dynamic = np.append(work.dynamic_w, idle_w)
+            seg_start = np.append(work.starts_ns, self.end_ns)
+            self._seg_ends_ns = work.ends_ns
         else:
             self.end_ns = fold_ns
             end_temp, end_energy = temperature_c, 0.0
+            pass_temp_c, energy_before = np.array([end_temp]), np.array([0.0])
+            dynamic, seg_start = np.array([idle_w]), np.array([fold_ns], dtype=np.int64)
+            self._seg_ends_ns = np.empty(0, dtype=np.int64)
+        # Per segment (each pass, then the idle tail): T(s) = S + (T0 - S) e^(-s/tau'),
+        # power = A + k (T - S), energy since its start = A s + k (T0 - S) tau' (1 - e^(-s/tau')).
+        steady = thermal.steady_c(dynamic)
+        self._seg_start_ns = seg_start
+        self._seg_steady_c = steady
+        self._seg_settled_w = dynamic + k * (steady - thermal.reference_c)
+        self._seg_offset_c = pass_temp_c - steady  # T0 - S
+        self._seg_energy_j = energy_before
         self.end_temp_c = end_temp
         self.end_energy_j = end_energy
         a, b = th.relaxation(thermal, end_temp, idle_w)
@@ -180,42 +191,30 @@ class Timeline:
         return power_w * (self.fold_ns - first_ns) * 1e-9
 
     # -- the truth -------------------------------------------------------------------------
-    def _locate(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per instant: whether a pass runs, and which (clipped to the last when none does)."""
-        work = self.work
-        if work is None:
-            return np.zeros(t_ns.shape, dtype=bool), np.zeros(t_ns.shape, dtype=np.int64)
-        n = len(work.ends_ns)
-        found = np.searchsorted(work.ends_ns, t_ns, side="right")
-        busy = (t_ns >= work.starts_ns[0]) & (found < n)
-        return busy, np.minimum(found, n - 1)
-
     def _truth(
         self, t_ns: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """busy, pass index, temperature (C), true power (W), true energy since `fold_ns` (J)."""
+        """busy, segment index (the idle tail is the last), temperature (C), true power (W),
+        true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped)."""
         t_ns = np.maximum(t_ns, self.fold_ns)
-        busy, i = self._locate(t_ns)
-        idle_s = np.maximum(t_ns - self.end_ns, 0) * 1e-9
-        temp = th.segment_temperature_c(self.thermal, self.end_temp_c, self.idle_w, idle_s)
-        energy = self.end_energy_j + th.segment_energy_j(
-            self.thermal, self.end_temp_c, self.idle_w, idle_s
-        )
-        dynamic = np.full(t_ns.shape, self.idle_w)
-        work = self.work
-        if work is not None and busy.any():
-            j = i[busy]
-            offset_s = (t_ns[busy] - work.starts_ns[j]) * 1e-9
-            start_c = self.pass_temp_c[j]
-            temp[busy] = th.segment_temperature_c(
-                self.thermal, start_c, work.dynamic_w[j], offset_s
-            )
-            energy[busy] = self.energy_before_j[j] + th.segment_energy_j(
-                self.thermal, start_c, work.dynamic_w[j], offset_s
-            )
-            dynamic[busy] = work.dynamic_w[j]
-        power = self.thermal.power_w(dynamic, temp)
-        return busy, i, temp, power, energy
+        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
+        busy = j < len(self._seg_ends_ns)
+        offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
+        settled_w = self._seg_settled_w[j]
+        energy = self._seg_energy_j[j] + settled_w * offset_s
+        tau = self.thermal.tau_s
+        if tau > 0:
+            lag_c = self._seg_offset_c[j] * np.exp(-offset_s / tau)  # T - S
+            temp = self._seg_steady_c[j] + lag_c
+            k = self.thermal.leakage_w_per_c
+            if k:
+                energy += k * tau * (self._seg_offset_c[j] - lag_c)
+                power = settled_w + k * lag_c
+            else:
+                power = settled_w
+        else:
+            temp, power = self._seg_steady_c[j], settled_w
+        return busy, j, temp, power, energy
 
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
         return self._truth(np.asarray(t_ns, dtype=np.int64))[4]
@@ -248,6 +247,7 @@ class Timeline:
         busy, i, temp, power, since_j = self._truth(t_ns)
         work = self.work
         if work is not None:
+            i = np.minimum(i, len(work.ends_ns) - 1)
             clock = np.where(busy, work.sm_clock_mhz[i], self.idle_clock_mhz)
             reasons = np.where(busy, work.reasons[i], EVENT_GPU_IDLE)
         else:
@@ -266,10 +266,7 @@ class Timeline:
         if self.counter is None:
             energy, average = true_j, power
         else:
-            energy = self.counter.at(np.maximum(t_ns, self.fold_ns))
-            average = (
-                self.counter.average_w(np.maximum(t_ns, self.fold_ns))
-                if self.profile.power_average_s > 0
-                else power
-            )
+            energy, average = self.counter.read(np.maximum(t_ns, self.fold_ns))
+            if self.profile.power_average_s <= 0:
+                average = power
         return Readings(energy, power, average, clock, temp, reasons, true_j)

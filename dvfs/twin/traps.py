@@ -19,6 +19,7 @@ just the named ones.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -29,6 +30,7 @@ from dvfs.twin.profiles import TRAPS, GpuProfile, active, only, without
 __all__ = ["TRAPS", "active", "idle_power_w", "only", "settle_progress", "without"]
 
 
+@functools.lru_cache(maxsize=1024)
 def idle_power_w(profile: GpuProfile, idle_clock_mhz: float) -> float:
     """Idle power (before leakage's temperature term) with the SMs idling at `idle_clock_mhz`.
 
