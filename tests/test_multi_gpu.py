@@ -248,6 +248,8 @@ def test_gpu_lists() -> None:
         ("0,,1", "an empty entry"),
         ("zero", "neither a GPU index"),
         ("0-2", "do not split into servers of engine.tp_size = 2"),
+        ("0,h200-sxm:0", "one GPU model per group"),
+        ("nope:0-1", "unknown twin profile 'nope'"),
     ],
 )
 def test_bad_gpu_lists_are_one_line(spec: str, why: str, tmp_path: Path) -> None:
@@ -284,3 +286,39 @@ def test_the_workers_campaign_is_its_group(tmp_path: Path) -> None:
     # A campaign without groups hashes as before groups existed.
     plain = load_campaign(write(tmp_path / "p.toml", CAMPAIGN))
     assert "groups" not in json.dumps(plain.semantic_dict())
+
+
+def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: Path) -> None:
+    """Two twin H100s and two twin H200s: the campaign runs once per model, each model's
+    workers share its cells, and the cube merges the two along `gpu`."""
+    out = tmp_path / "mixed"
+    result = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    assert [j.parent.name for j in journals] == [
+        "gpu-nvidia-h100-80gb-hbm3-twin",
+        "gpu-nvidia-h200-twin",
+    ]
+    for journal in journals:
+        cells = [r for r in read_records(journal) if r["type"] == "cell"]
+        assert len(cells) == 72 and len({r["worker"] for r in cells}) == 2
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
+    h100 = merged.isel(gpu=0).drop_vars("gpu")
+    one = open_cube(runs / "one" / "cube.nc")
+    np.testing.assert_array_equal(h100["tpot_ms"].values, one["tpot_ms"].values)
+    # The H200 reads weights faster: lower latency at every setting.
+    assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
+    # The journals alone resume: nothing left to run.
+    again = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    assert again.exit_code == 0 and "144 already done" in again.output
+    # A folder of one model's run refuses a fleet that mixes models.
+    refused = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(runs / "four"))
+    assert refused.exit_code == 0  # nothing to run: every cell is in four/'s journal
+    half = tmp_path / "half"
+    half.mkdir()
+    lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
+    (half / "journal.jsonl").write_text("".join(lines[:12]))
+    mixed = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
+    assert mixed.exit_code == 1
+    assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]

@@ -1,5 +1,8 @@
 """Which GPUs each worker owns: `--gpus 0-7` (indices, ranges, UUIDs) or the campaign's
-`gpu.devices` groups, cut into groups of `engine.tp_size` (one server each)."""
+`gpu.devices` groups, cut into groups of `engine.tp_size` (one server each).
+
+On the twin, `--gpus h200-sxm:0-3` names twin GPUs of another profile than the campaign's
+(`PROFILE:INDEX`), so a fleet mixing GPU models can be tried without hardware."""
 
 from __future__ import annotations
 
@@ -19,20 +22,25 @@ def parse_gpus(spec: str) -> list[int | str]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             raise CampaignError(f"--gpus {spec!r}: an empty entry; write e.g. 0-7 or 0,2,5")
+        profile = ""
+        if ":" in part and not part.startswith(("GPU-", "MIG-")):
+            profile, part = (x.strip() for x in part.split(":", 1))
+        indices: list[int] = []
         if part.startswith(("GPU-", "MIG-")):
             devices.append(part)
         elif part.isdigit():
-            devices.append(int(part))
+            indices.append(int(part))
         elif part.count("-") == 1 and all(x.strip().isdigit() for x in part.split("-")):
             lo, hi = (int(x) for x in part.split("-"))
             if hi < lo:
                 raise CampaignError(f"--gpus {spec!r}: the range {part} runs backwards")
-            devices.extend(range(lo, hi + 1))
+            indices.extend(range(lo, hi + 1))
         else:
             raise CampaignError(
                 f"--gpus {spec!r}: {part!r} is neither a GPU index, a range (0-7) nor a UUID "
                 "(GPU-...)"
             )
+        devices.extend(f"{profile}:{i}" if profile else i for i in indices)
     if len(set(devices)) != len(devices):
         raise CampaignError(f"--gpus {spec!r} names a GPU twice")
     return devices
@@ -52,18 +60,55 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
             f"engine.tp_size = {size}"
         )
     if campaign.gpu.backend == "twin":
-        named = [d for d in gpus if not isinstance(d, int)]
-        if named:
-            raise CampaignError(f"the twin's GPUs are named by index (0, 1, ...), not {named[0]}")
-    return [tuple(gpus[i : i + size]) for i in range(0, len(gpus), size)]
+        from dvfs.twin.profiles import gpu_profiles
+
+        for device in gpus:
+            if isinstance(device, int):
+                continue
+            profile = device.split(":", 1)[0] if ":" in device else None
+            if profile is None:
+                raise CampaignError(
+                    f"the twin's GPUs are named by index (0, 1, ...) or PROFILE:INDEX, not {device}"
+                )
+            if profile not in gpu_profiles():
+                raise CampaignError(
+                    f"--gpus: unknown twin profile {profile!r}; choose one of "
+                    f"{', '.join(sorted(gpu_profiles()))}"
+                )
+    elif any(isinstance(d, str) and ":" in d for d in gpus):
+        raise CampaignError(
+            "--gpus PROFILE:INDEX names twin GPUs; real GPUs are named by index or UUID"
+        )
+    groups = [tuple(gpus[i : i + size]) for i in range(0, len(gpus), size)]
+    for group in groups:
+        _profile_of(group)
+    return groups
+
+
+def _profile_of(group: Group) -> str | None:
+    """The twin profile a group names (`PROFILE:INDEX`), None for plain indices."""
+    profiles = {d.split(":", 1)[0] if isinstance(d, str) and ":" in d else None for d in group}
+    if len(profiles) > 1:
+        raise CampaignError(
+            f"--gpus groups {', '.join(map(str, group))} into one server: one GPU model per group"
+        )
+    return profiles.pop()
 
 
 def for_group(campaign: Campaign, group: Group) -> Campaign:
     """The campaign as one worker runs it: its own group's GPUs, one server on them."""
-    gpu = dataclasses.replace(campaign.gpu, devices=tuple(group), groups=())
+    profile = _profile_of(group)
+    if profile is None:
+        gpu = dataclasses.replace(campaign.gpu, devices=tuple(group), groups=())
+    else:
+        indices = tuple(int(str(d).split(":", 1)[1]) for d in group)
+        gpu = dataclasses.replace(campaign.gpu, devices=indices, groups=(), profile=profile)
     return dataclasses.replace(campaign, gpu=gpu)
 
 
 def group_label(group: Group) -> str:
     """How progress and the journal name a worker: `gpu0`, `gpu2+3`, or a short UUID."""
+    profile = _profile_of(group)
+    if profile is not None:
+        return f"{profile}-gpu" + "+".join(str(d).split(":", 1)[1] for d in group)
     return "gpu" + "+".join(str(d) if isinstance(d, int) else d[4:12] for d in group)

@@ -1,16 +1,20 @@
-"""The driver of a campaign on many GPU groups: one journal, written as the cells arrive.
+"""The driver of a campaign on many GPU groups: its journals, written as the cells arrive.
 
-The driver opens the output folder's lock and journal, plans the cells (a shard's, when
-sharded) and puts the unfinished ones in a `CellQueue`. An executor (`local.py`: threads of
-this process; `ray_executor.py`: Ray actors) opens one `Worker` per GPU group and calls back
-here: `open_session` with every worker's session (journalled as one session over all their
-GPUs), `shipped` for each finished cell (its records journalled at once, so the driver's
-journal alone resumes the campaign), `lost` when a worker dies (its cell goes back to the
-queue). Then the cube is written as after any sweep.
+`run_fleet` holds the output folder's lock and plans the cells (a shard's, when sharded). An
+executor (`local.py`: threads of this process; `ray_executor.py`: Ray actors) opens one
+`Worker` per GPU group and calls back here. `Fleet.open` takes every worker's session: the
+workers of one GPU model share a `Driver`, that is a journal, one session over all their GPUs
+and a `CellQueue` of the unfinished cells. One model journals in the folder itself; a fleet
+mixing models measures the campaign once per model, each in `gpu-<model>/`, and the cube
+merges them along a `gpu` dimension. Each finished cell is journalled as it arrives
+(`shipped`), so the journals alone resume the campaign; a lost worker's cell goes back to its
+queue (`lost`). Only the driver's thread writes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +62,7 @@ class FleetProgress(Progress, Protocol):
 @dataclass(frozen=True)
 class FleetOutcome:
     summary: RunSummary
+    #: The folder of the journal(s): `journal.jsonl`, or `gpu-<model>/journal.jsonl` each.
     journal_path: Path
     cube_path: Path | None
     moved_journal: Path | None
@@ -71,17 +76,10 @@ class FleetOutcome:
 
 
 def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' sessions as the journal's one session: every GPU, the mean idle power of
-    a group, and each worker's own part. Refuses workers whose GPUs differ in model or stock
-    settings: their cells would not compare within one cube."""
+    """The sessions of one model's workers as its journal's one session: every GPU, the mean
+    idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
+    stock settings: their cells would not compare within one cube."""
     first = sessions[0]
-    names = sorted({g["name"] for s in sessions for g in s["gpus"]})
-    if len(names) > 1:
-        raise CampaignError(
-            f"the workers' GPUs are of different models ({', '.join(names)}): run the campaign "
-            "once per model (its own --out each) and `dvfs cube merge` the cubes into one with "
-            "a gpu dimension"
-        )
     for s in sessions[1:]:
         if s["stock"] != first["stock"]:
             raise JournalError(
@@ -155,6 +153,16 @@ class Driver:
                     f"run has {', '.join(current)}; a journal holds one GPU set: resume with the "
                     "same GPUs, or use another --out folder and `dvfs cube merge` the cubes"
                 )
+        from dvfs.records import recorded_stock
+
+        for earlier in self.journal.sessions:
+            if recorded_stock(earlier) != recorded_stock(combined):
+                raise JournalError(
+                    f"the GPUs' stock settings changed since {self.journal.path} was started "
+                    f"({earlier['stock']} then, {combined['stock']} now): the stock cells "
+                    "would no longer compare. Restore the earlier settings, or start a new "
+                    "--out folder"
+                )
         self.journal.append(combined)
         for s in sessions:
             label = str(s.get("worker"))
@@ -227,8 +235,160 @@ class Driver:
         )
 
 
-#: An executor runs the driver's queue on its workers: (driver, groups) -> None.
-Executor = Callable[["Driver", Sequence[Group]], None]
+def model_folder(name: str) -> str:
+    """The folder of one GPU model's journal in a fleet mixing models: `gpu-<model>`."""
+    return "gpu-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
+
+
+class Fleet:
+    """What the executors call: the workers' sessions open one `Driver` per GPU model (its
+    journal, queue and session), and each worker's calls go to its model's driver."""
+
+    def __init__(
+        self,
+        campaign: Campaign,
+        out_dir: Path,
+        cells: Sequence[Cell],
+        journals: contextlib.ExitStack,
+        *,
+        shard: Shard | None = None,
+        progress: Progress | None = None,
+        corpora: tuple[dict[str, Any], str] | None = None,
+    ) -> None:
+        from dvfs.measure.runner import NullProgress
+
+        self.campaign = campaign
+        self.out_dir = out_dir
+        self.cells = list(cells)
+        self.journals = journals
+        self.shard = shard
+        self.progress: Progress = progress or NullProgress()
+        #: The corpora, loaded and counted once (local workers share them).
+        self.corpora = corpora
+        self.drivers: dict[str, Driver] = {}  # GPU model -> its driver
+        self._lanes: dict[str, Driver] = {}  # worker -> its model's driver
+
+    def open(self, sessions: Sequence[dict[str, Any]]) -> None:
+        """Every worker's session, in the workers' order: one journal per GPU model."""
+        from dvfs.backends import virtual_time
+        from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
+        from dvfs.sweep import claim_shard
+
+        by_model: dict[str, list[dict[str, Any]]] = {}
+        for session in sessions:
+            names = {g["name"] for g in session["gpus"]}
+            if len(names) > 1:
+                raise CampaignError(
+                    f"worker {session.get('worker')} spans GPUs of different models "
+                    f"({', '.join(sorted(names))}); a tensor-parallel group is one model"
+                )
+            by_model.setdefault(names.pop(), []).append(session)
+        mixed = len(by_model) > 1 or any(self.out_dir.glob("gpu-*/" + JOURNAL_NAME))
+        if mixed and _has_sessions(self.out_dir / JOURNAL_NAME):
+            raise JournalError(
+                f"{self.out_dir} holds a run on one GPU model, but this run's GPUs are "
+                f"{', '.join(sorted(by_model))}: use another --out folder for a fleet that "
+                "mixes models"
+            )
+        for model in sorted(by_model):
+            folder = self.out_dir / model_folder(model) if mixed else self.out_dir
+            journal = self.journals.enter_context(
+                Journal.open(folder / JOURNAL_NAME, self.campaign)
+            )
+            claim_shard(journal, self.shard)
+            journal.sync_policy = SyncPolicy.for_clock(virtual_time(self.campaign))
+            driver = Driver(self.campaign, journal, self.cells, self.progress, self.corpora)
+            driver.open_session(by_model[model])
+            self.drivers[model] = driver
+            for session in by_model[model]:
+                self._lanes[str(session["worker"])] = driver
+        if mixed:
+            self.note(
+                f"GPU models {', '.join(sorted(by_model))}: the campaign runs once on each, "
+                f"journalled in {self.out_dir}/gpu-*/"
+            )
+        total = sum(d.total for d in self.drivers.values())
+        todo = sum(len(d.todo) for d in self.drivers.values())
+        self.progress.start(total, total - todo)
+
+    def take(self, worker: str, drafter: str | None) -> Cell | None:
+        return self._lanes[worker].queue.take(worker, drafter)
+
+    def has_cells(self, worker: str) -> bool:
+        """Whether `worker`'s model still has cells waiting in its queue."""
+        return len(self._lanes[worker].queue) > 0
+
+    def lanes(self) -> dict[str, object]:
+        """Each worker's GPU model (its queue)."""
+        return {w: id(d) for w, d in self._lanes.items()}
+
+    def started(self, worker: str, cell: Cell) -> None:
+        self._lanes[worker].started(worker, cell)
+
+    def shipped(self, worker: str, shipment: Shipment) -> None:
+        self._lanes[worker].shipped(worker, shipment)
+
+    def lost(
+        self, worker: str, cell: Cell | None, why: str, record: dict[str, Any] | None = None
+    ) -> None:
+        driver = self._lanes.get(worker)
+        if driver is None:  # lost before its session was in: nothing of it to undo
+            self.note(f"worker {worker} lost ({why})")
+            return
+        if record is not None:
+            driver.journal.append(record)
+        driver.lost(worker, cell, why)
+
+    def note(self, message: str) -> None:
+        self.progress.note(message)
+
+    @property
+    def finished(self) -> bool:
+        return all(d.finished for d in self.drivers.values())
+
+    def check_finished(self) -> None:
+        for driver in self.drivers.values():
+            driver.check_finished()
+
+    @property
+    def stats(self) -> list[WorkerStats]:
+        return [w for d in self.drivers.values() for w in d.stats.values()]
+
+    def summary(self) -> RunSummary:
+        parts = [d.summary() for d in self.drivers.values()]
+        return RunSummary(
+            sum(p.total for p in parts),
+            sum(p.skipped for p in parts),
+            sum(p.measured for p in parts),
+            sum(p.failed for p in parts),
+            tuple(c for p in parts for c in p.failed_cells),
+        )
+
+
+def _has_sessions(journal: Path) -> bool:
+    from dvfs.measure.journal import iter_records
+
+    return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
+
+
+def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | None:
+    """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
+    is nothing to run), else None."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    paths = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or [out_dir / JOURNAL_NAME]
+    keys = {c.key for c in cells}
+    for path in paths:
+        if not path.is_file():
+            return None
+        ok = Journal(path, iter_records(path)).finished()
+        if not keys <= ok:
+            return None
+    return paths
+
+
+#: An executor runs the fleet's queues on its workers: (fleet, groups) -> None.
+Executor = Callable[["Fleet", Sequence[Group]], None]
 
 
 def run_fleet(
@@ -242,14 +402,11 @@ def run_fleet(
     shard: Shard | None = None,
 ) -> FleetOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
-    group, through `executor`, into one journal in `out_dir`; then write the cube."""
-    from dvfs.backends import virtual_time
+    group, through `executor`, into the journals in `out_dir`; then write the cube (one per
+    GPU model, merged along `gpu` when the fleet mixes models)."""
     from dvfs.corpora.prepare import check_corpora, counted_corpora
-    from dvfs.cube import CUBE_NAME, write_cube
-    from dvfs.fleet.shard_journal import shard_cube
-    from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
     from dvfs.measure.plan import plan_cells
-    from dvfs.sweep import claim_shard, fresh_start, out_dir_lock
+    from dvfs.sweep import fresh_start, out_dir_lock
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
@@ -259,31 +416,63 @@ def run_fleet(
         moved = fresh_start(out_dir) if fresh else None
         if moved is not None and progress is not None:
             progress.note(f"moved the previous journal to {moved}")
-        with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
-            corpora = counted_corpora(campaign)
-            check_corpora(campaign, corpora[0])  # before any GPU is touched
-            claim_shard(journal, shard)
-            journal.sync_policy = SyncPolicy.for_clock(virtual_time(campaign))
-            cells = plan_cells(campaign)
-            if shard is not None:
-                cells = shard.select(cells)
-            driver = Driver(campaign, journal, cells, progress, corpora)
-            driver.progress.start(driver.total, driver.total - len(driver.todo))
-            if driver.todo:
-                executor(driver, groups)
-                driver.check_finished()
+        corpora = counted_corpora(campaign)
+        check_corpora(campaign, corpora[0])  # before any GPU is touched
+        cells = plan_cells(campaign)
+        if shard is not None:
+            cells = shard.select(cells)
+        fleet: Fleet | None = None
+        done = _journals_done(out_dir, cells)
+        with contextlib.ExitStack() as journals:
+            if done is None:
+                fleet = Fleet(
+                    campaign,
+                    out_dir,
+                    cells,
+                    journals,
+                    shard=shard,
+                    progress=progress,
+                    corpora=corpora,
+                )
+                executor(fleet, groups)
+                fleet.check_finished()
+                done = [d.journal.path for d in fleet.drivers.values()]
+        cube_path = _write_cubes(out_dir, done)
+    if fleet is None:
+        total = len(cells) * len(done)
+        summary, stats = RunSummary(total, total, 0, 0), []
+    else:
+        summary, stats = fleet.summary(), fleet.stats
+    journal_path = done[0] if len(done) == 1 else out_dir
+    return FleetOutcome(
+        summary, journal_path, cube_path, moved, tuple(stats), time.monotonic() - wall0
+    )
+
+
+def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
+    """Each journal's cube beside it; a fleet of several models also the merged one."""
+    from dvfs.cube import CUBE_NAME, merge_cubes, write_cube
+    from dvfs.fleet.shard_journal import shard_cube
+
+    cubes = []
+    for journal in journals:
         try:
-            cube_path = write_cube(shard_cube(journal.path), out_dir / CUBE_NAME)
+            ds = shard_cube(journal)
         except CubeError as exc:
             raise CubeError(
-                f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "
-                "writes the cube once that is fixed)"
+                f"{exc} (every measured cell is in {journal}: `dvfs cube build "
+                f"{journal.parent}` writes the cube once that is fixed)"
             ) from exc
-    return FleetOutcome(
-        driver.summary(),
-        journal.path,
-        cube_path,
-        moved,
-        tuple(driver.stats.values()),
-        time.monotonic() - wall0,
-    )
+        path = write_cube(ds, journal.parent / CUBE_NAME)
+        cubes.append((ds, path))
+    if len(cubes) == 1 and cubes[0][1].parent == out_dir:
+        return cubes[0][1]
+    if len(cubes) == 1:
+        return write_cube(cubes[0][0], out_dir / CUBE_NAME)
+    shard = cubes[0][0].attrs.get("shard")
+    for ds, _ in cubes:
+        ds.attrs.pop("shard", None)
+    merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
+    if shard is not None:
+        merged.attrs["shard"] = shard
+    return write_cube(merged, out_dir / CUBE_NAME)

@@ -20,7 +20,7 @@ from typing import Any
 
 from dvfs.campaign import Campaign
 from dvfs.fleet.devices import Group
-from dvfs.fleet.driver import Driver
+from dvfs.fleet.driver import Fleet
 from dvfs.fleet.worker import Worker
 
 #: Seconds the driver waits on its event queue before looking again (signals land between).
@@ -34,9 +34,11 @@ class VirtualPacer:
     schedule): no other worker is free earlier, and none busy started before it could be
     free. Cells then go where real GPUs would have taken them, whatever this machine does."""
 
-    def __init__(self, labels: Sequence[str]) -> None:
+    def __init__(self, labels: Sequence[str], lanes: dict[str, object] | None = None) -> None:
         self._cv = threading.Condition()
         self._rank = {label: i for i, label in enumerate(labels)}
+        #: Workers of different lanes (GPU models: queues of their own) never wait on each other.
+        self._lane = lanes or {}
         self._free: dict[str, float] = dict.fromkeys(labels, 0.0)
         self._busy: dict[str, float] = {}
 
@@ -57,9 +59,11 @@ class VirtualPacer:
 
     def _next(self, label: str) -> bool:
         mine = (self._free[label], self._rank[label])
-        if any((t, self._rank[v]) < mine for v, t in self._free.items() if v != label):
-            return False
-        return all(since >= mine[0] for since in self._busy.values())
+        lane = self._lane.get(label)
+        for v, t in self._free.items():
+            if v != label and self._lane.get(v) == lane and (t, self._rank[v]) < mine:
+                return False
+        return all(since >= mine[0] for v, since in self._busy.items() if self._lane.get(v) == lane)
 
     def free(self, label: str, gpu_time_s: float) -> None:
         with self._cv:
@@ -88,8 +92,8 @@ class LocalExecutor:
         self.state_dir = state_dir
         self.nvml = nvml
 
-    def __call__(self, driver: Driver, groups: Sequence[Group]) -> None:
-        campaign: Campaign = driver.campaign
+    def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
+        campaign: Campaign = fleet.campaign
         events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         go = threading.Event()
         stop = threading.Event()
@@ -98,8 +102,7 @@ class LocalExecutor:
                 campaign,
                 group,
                 out_dir=self.out_dir,
-                sessions=driver.journal.sessions,
-                corpora=driver.corpora,
+                corpora=fleet.corpora,
                 state_dir=self.state_dir,
                 nvml=self.nvml,
             )
@@ -108,7 +111,7 @@ class LocalExecutor:
 
         from dvfs.backends import virtual_time
 
-        pacer = VirtualPacer([w.label for w in workers]) if virtual_time(campaign) else None
+        paced: dict[str, VirtualPacer] = {}  # "pacer", set once the fleet is open (twin only)
 
         def body(worker: Worker) -> None:
             cell = None
@@ -116,18 +119,24 @@ class LocalExecutor:
             try:
                 events.put(("session", worker.label, worker.open()))
                 go.wait()
+                pacer = paced.get("pacer")
                 while not stop.is_set():
                     if pacer is not None:
                         pacer.turn(worker.label, stop)
-                    cell = driver.queue.take(worker.label, worker.drafter)
+                    cell = fleet.take(worker.label, worker.drafter)
                     if cell is None:
-                        if driver.finished:
+                        # Out of cells; wait while others still hold some: a lost worker's
+                        # cell comes back to the queue for whoever is free.
+                        if pacer is not None:
+                            pacer.leave(worker.label)
+                        while not (
+                            fleet.finished or stop.is_set() or fleet.has_cells(worker.label)
+                        ):
+                            time.sleep(POLL_S)
+                        if fleet.finished or stop.is_set():
                             break
-                        # Cells are still out on other workers: one that is lost returns its
-                        # cell to the queue for whoever is free.
                         if pacer is not None:
                             pacer.free(worker.label, gpu_time)
-                        time.sleep(POLL_S)
                         continue
                     events.put(("start", worker.label, cell))
                     shipment = worker.run(cell)
@@ -154,20 +163,23 @@ class LocalExecutor:
         for thread in threads:
             thread.start()
         try:
-            self._drive(driver, events, go, [w.label for w in workers])
+            labels = [w.label for w in workers]
+            pacing = virtual_time(campaign)
+            self._drive(fleet, events, go, labels, paced if pacing else None)
         except BaseException:
             stop.set()
             go.set()
             # Journal what the workers finish on their way out, then let the error go on.
-            self._drain(driver, events, threads)
+            self._drain(fleet, events, threads)
             raise
 
     def _drive(
         self,
-        driver: Driver,
+        fleet: Fleet,
         events: queue.Queue[tuple[Any, ...]],
         go: threading.Event,
         labels: list[str],
+        paced: dict[str, VirtualPacer] | None,
     ) -> None:
         sessions: dict[str, dict[str, Any]] = {}
         alive = len(labels)
@@ -181,26 +193,28 @@ class LocalExecutor:
             if kind == "session":
                 sessions[label] = event[2]
                 if len(sessions) == len(labels):  # in the groups' order, whoever opened first
-                    driver.open_session([sessions[w] for w in labels])
+                    fleet.open([sessions[w] for w in labels])
+                    if paced is not None:
+                        paced["pacer"] = VirtualPacer(labels, fleet.lanes())
                     go.set()
             elif kind == "start":
-                driver.started(label, event[2])
+                fleet.started(label, event[2])
             elif kind == "shipment":
-                driver.shipped(label, event[2])
+                fleet.shipped(label, event[2])
             elif kind == "error":
                 error = event[2]
                 first_error = first_error or error
                 if not go.is_set():  # a worker that cannot open stops the whole run
                     raise error
-                driver.lost(label, event[3], f"{type(error).__name__}: {error}")
+                fleet.lost(label, event[3], f"{type(error).__name__}: {error}")
             elif kind == "exit":
                 alive -= 1
-        if not driver.finished and first_error is not None:
+        if not fleet.finished and first_error is not None:
             raise first_error
 
     @staticmethod
     def _drain(
-        driver: Driver, events: queue.Queue[tuple[Any, ...]], threads: list[threading.Thread]
+        fleet: Fleet, events: queue.Queue[tuple[Any, ...]], threads: list[threading.Thread]
     ) -> None:
         while any(t.is_alive() for t in threads) or not events.empty():
             try:
@@ -208,4 +222,4 @@ class LocalExecutor:
             except queue.Empty:
                 continue
             if event[0] == "shipment":
-                driver.shipped(event[1], event[2])
+                fleet.shipped(event[1], event[2])

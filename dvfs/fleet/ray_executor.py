@@ -27,7 +27,7 @@ from typing import Any
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label
-from dvfs.fleet.driver import Driver
+from dvfs.fleet.driver import Fleet
 from dvfs.fleet.local import POLL_S, VirtualPacer
 
 #: The custom resource that stands for one twin GPU on a Ray node.
@@ -113,9 +113,9 @@ class RayExecutor:
         self.out_dir = out_dir
         self.address = address
 
-    def __call__(self, driver: Driver, groups: Sequence[Group]) -> None:
+    def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         ray = import_ray(local=not self.address)
-        campaign = driver.campaign
+        campaign = fleet.campaign
         twin = not real_gpus(campaign)
         started = False
         if not ray.is_initialized():
@@ -130,7 +130,7 @@ class RayExecutor:
                 )
             started = True
         try:
-            self._run(ray, driver, groups, twin)
+            self._run(ray, fleet, groups, twin)
         finally:
             if started:
                 ray.shutdown()
@@ -154,12 +154,12 @@ class RayExecutor:
             )
         return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(gpus // size)]
 
-    def _run(self, ray: Any, driver: Driver, groups: Sequence[Group], twin: bool) -> None:
-        campaign = driver.campaign
-        options = {
+    def _run(self, ray: Any, fleet: Fleet, groups: Sequence[Group], twin: bool) -> None:
+        campaign = fleet.campaign
+        options: dict[str, Any] = {
             "out_dir": str(self.out_dir),
-            "sessions": list(driver.journal.sessions),
-            "corpora": driver.corpora,
+            "sessions": [],
+            "corpora": fleet.corpora,
         }
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
         actors = []
@@ -182,8 +182,8 @@ class RayExecutor:
             order = sorted(range(len(actors)), key=lambda i: str(sessions[i]["worker"]))
             sessions = [sessions[i] for i in order]
             alive = {str(s["worker"]): actors[i] for s, i in zip(sessions, order, strict=True)}
-            driver.open_session(sessions)
-            self._drive(ray, driver, alive, virtual_time(campaign))
+            fleet.open(sessions)
+            self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
             for actor in alive.values():
                 with contextlib.suppress(Exception):  # a dead actor has nothing left to close
@@ -191,8 +191,8 @@ class RayExecutor:
             for actor in actors:
                 ray.kill(actor)
 
-    def _drive(self, ray: Any, driver: Driver, alive: dict[str, Any], virtual: bool) -> None:
-        pacer = VirtualPacer(list(alive)) if virtual else None
+    def _drive(self, ray: Any, fleet: Fleet, alive: dict[str, Any], virtual: bool) -> None:
+        pacer = VirtualPacer(list(alive), fleet.lanes()) if virtual else None
         drafters: dict[str, str | None] = dict.fromkeys(alive)
         pending: dict[Any, tuple[str, Any]] = {}
         idle = list(alive)
@@ -203,7 +203,7 @@ class RayExecutor:
             for label in list(idle):
                 if pacer is not None and not pacer.claim(label):
                     continue
-                cell = driver.queue.take(label, drafters[label])
+                cell = fleet.take(label, drafters[label])
                 if cell is None:
                     idle.remove(label)
                     exhausted.append(label)
@@ -211,7 +211,7 @@ class RayExecutor:
                         pacer.leave(label)
                     continue
                 idle.remove(label)
-                driver.started(label, cell)
+                fleet.started(label, cell)
                 pending[alive[label].run.remote(cell)] = (label, cell)
 
         feed()
@@ -222,7 +222,7 @@ class RayExecutor:
                 try:
                     shipment = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001  (the actor died or its worker raised)
-                    self._lost(driver, label, cell, exc)
+                    self._lost(fleet, label, cell, exc)
                     alive.pop(label, None)
                     if pacer is not None:
                         pacer.leave(label)
@@ -232,17 +232,17 @@ class RayExecutor:
                             pacer.free(back, times[back])
                     exhausted.clear()
                     continue
-                driver.shipped(label, shipment)
+                fleet.shipped(label, shipment)
                 drafters[label] = shipment.cell.drafter
                 times[label] = shipment.gpu_time_s
                 if pacer is not None:
                     pacer.free(label, shipment.gpu_time_s)
                 idle.append(label)
             feed()
-        if not driver.finished and alive:
+        if not fleet.finished and alive:
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
 
-    def _lost(self, driver: Driver, label: str, cell: Any, exc: BaseException) -> None:
+    def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):  # the worker raised: say what, not Ray's wrapper
             why = f"{type(cause).__name__}: {cause}"
@@ -251,11 +251,10 @@ class RayExecutor:
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         died = type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
         record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
-        if died and real_gpus(driver.campaign):
+        if died and real_gpus(fleet.campaign):
             host = label.split("/", 1)[0]
             record["reset"] = f"run `dvfs gpu reset` on {host}"
-            driver.note(
+            fleet.note(
                 f"worker {label} died without restoring its GPUs: run `dvfs gpu reset` on {host}"
             )
-        driver.journal.append(record)
-        driver.lost(label, cell, why[:200])
+        fleet.lost(label, cell, why[:200], record)
