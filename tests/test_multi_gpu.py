@@ -142,6 +142,15 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     assert again.exit_code == 0, again.output
     assert "58 cell(s) measured" in again.output and "14 already done" in again.output
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+    # Other settings, or another shard, are refused before any worker opens its GPUs.
+    edited = write(
+        tmp_path / "edited.toml",
+        replace_block(CAMPAIGN, "output_tokens = 48", "output_tokens = 40"),
+    )
+    changed = sweep(str(edited), "--gpus", "0-3", "--out", str(out))
+    assert changed.exit_code == 1 and "workload.output_tokens: 48 -> 40" in changed.output
+    sharded = sweep(campaign, "--gpus", "0-3", "--shard", "0/2", "--out", str(out))
+    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
     # Another GPU set would mix GPUs in one journal: refused in one line.
     other = tmp_path / "other"
     other.mkdir()

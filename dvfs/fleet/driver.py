@@ -371,6 +371,30 @@ def _has_sessions(journal: Path) -> bool:
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
 
 
+def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
+    """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
+    settings, or of another shard."""
+    from dvfs.fleet.shard_journal import recorded_shard
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    for path in [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]:
+        if not path.is_file():
+            continue
+        first = next(iter_records(path), None)
+        if first is None:
+            continue
+        with Journal.open(path, campaign):  # its own refusal: other settings, not a journal
+            pass
+        recorded = recorded_shard(path)
+        if recorded != shard and _has_sessions(path):
+            mine = f"shard {shard.label}" if shard else "the whole campaign (no --shard)"
+            theirs = f"shard {recorded.label}" if recorded else "the whole campaign (no --shard)"
+            raise JournalError(
+                f"{path.parent} holds {theirs} of this campaign, but this run is {mine}: give "
+                "each shard its own --out folder"
+            )
+
+
 def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
     is nothing to run), else None."""
@@ -421,6 +445,7 @@ def run_fleet(
         cells = plan_cells(campaign)
         if shard is not None:
             cells = shard.select(cells)
+        _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
         done = _journals_done(out_dir, cells)
         with contextlib.ExitStack() as journals:
