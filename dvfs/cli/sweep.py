@@ -92,7 +92,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "gpus_spec",
     metavar="LIST",
     help="Run one worker per GPU (or per engine.tp_size GPUs) in parallel: indices, ranges or "
-    "UUIDs, e.g. 0-7 or 0,2,4-5 [default: gpu.devices; groups there run in parallel too].",
+    "UUIDs, e.g. 0-7 or 0,2,4-5; on the twin PROFILE:INDEX adds GPUs of another model "
+    "(h200-sxm:0-3) [default: gpu.devices; groups there run in parallel too].",
 )
 @click.option(
     "--executor",
@@ -143,6 +144,10 @@ def sweep(
 
     if address and executor != "ray":
         raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
+    if gpus_spec and executor == "ray" and campaign.gpu.backend == "nvml":
+        raise click.UsageError(
+            "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
+        )
     if dry_run:
         groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
         report = plan_dry_run(campaign, out_dir, shard=shard).as_dict()
