@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import PYTHON, replace_block, subprocess_env, write
 
 from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
@@ -331,3 +334,49 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     mixed = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
     assert mixed.exit_code == 1
     assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_worker_and_the_rerun_finishes(runs: Path, tmp_path: Path) -> None:
+    """SIGINT mid-campaign: the workers stop after their cell and restore their GPUs, the
+    driver journals what they finished, exit 130; the same command then finishes the rest."""
+    bigger = replace_block(
+        CAMPAIGN,
+        "sm_clock = [1980, 1410, 1005]",
+        "sm_clock = { start = 705, stop = 1980, step = 75 }",
+    )
+    campaign = write(tmp_path / "big.toml", bigger)
+    out = tmp_path / "out"
+    argv = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--gpus", "0-3", "--out", str(out)]
+    proc = subprocess.Popen(
+        [*argv, "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    journal = out / "journal.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < 30:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the sweep did not progress"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    total = 18 * 2 * 2 * 3 * 2
+    assert proc.returncode == 130, output
+    assert "GPU settings restored" in output
+    done = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert 30 <= len(done) < total, "the interruption must land mid-campaign"
+    again = subprocess.run(
+        argv + ["--no-progress"], env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"{len(done)} already done" in again.stderr
+    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(keys) == len(set(keys)) == total
