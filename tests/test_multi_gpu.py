@@ -380,3 +380,19 @@ def test_ctrl_c_stops_every_worker_and_the_rerun_finishes(runs: Path, tmp_path: 
     assert f"{len(done)} already done" in again.stderr
     keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
     assert len(keys) == len(set(keys)) == total
+
+
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ('mode = "in-flight"', "measurement.mode = in-flight runs on one GPU group only"),
+        ("max_repeats = 3", "measurement.max_repeats = 3 adds repeats while running"),
+    ],
+)
+def test_what_workers_cannot_do_yet_is_refused(setting: str, why: str, tmp_path: Path) -> None:
+    text = replace_block(CAMPAIGN, "idle_s = 1.0", f"idle_s = 1.0\n{setting}")
+    campaign = write(tmp_path / "c.toml", text)
+    result = sweep(str(campaign), "--gpus", "0-1", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and why in lines[0]

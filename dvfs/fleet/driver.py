@@ -371,6 +371,24 @@ def _has_sessions(journal: Path) -> bool:
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
 
 
+def refuse_unsupported(campaign: Campaign) -> None:
+    """What many workers cannot do yet: cells measured together (in-flight mode) and repeats
+    added while running (max_repeats above repeats) need one runner to see all of a cell's
+    levels or repeats."""
+    m = campaign.measurement
+    if m.mode == "in-flight":
+        raise CampaignError(
+            "measurement.mode = in-flight runs on one GPU group only for now: leave out --gpus "
+            "and --executor ray (or use --shard), or use mode = per-level"
+        )
+    if m.max_repeats > m.repeats:
+        raise CampaignError(
+            f"measurement.max_repeats = {m.max_repeats} adds repeats while running, which one "
+            "GPU group does for now: leave out --gpus and --executor ray, or set max_repeats = "
+            f"repeats ({m.repeats})"
+        )
+
+
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
@@ -435,6 +453,7 @@ def run_fleet(
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
         raise CampaignError("a GPU appears in two worker groups")
+    refuse_unsupported(campaign)
     wall0 = time.monotonic()
     with out_dir_lock(out_dir):
         moved = fresh_start(out_dir) if fresh else None
