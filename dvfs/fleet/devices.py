@@ -7,6 +7,7 @@ On the twin, `--gpus h200-sxm:0-3` names twin GPUs of another profile than the c
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from dvfs.campaign import Campaign
@@ -24,7 +25,7 @@ def parse_gpus(spec: str) -> list[int | str]:
             raise CampaignError(f"--gpus {spec!r}: an empty entry; write e.g. 0-7 or 0,2,5")
         profile = ""
         if ":" in part and not part.startswith(("GPU-", "MIG-")):
-            profile, part = (x.strip() for x in part.split(":", 1))
+            profile, part = (x.strip() for x in part.rsplit(":", 1))
         indices: list[int] = []
         if part.startswith(("GPU-", "MIG-")):
             devices.append(part)
@@ -60,21 +61,25 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
             f"engine.tp_size = {size}"
         )
     if campaign.gpu.backend == "twin":
-        from dvfs.twin.profiles import gpu_profiles
+        from dvfs.twin.profiles import gpu_profile, gpu_profiles
 
         for device in gpus:
             if isinstance(device, int):
                 continue
-            profile = device.split(":", 1)[0] if ":" in device else None
+            profile = device.rsplit(":", 1)[0] if ":" in device else None
             if profile is None:
                 raise CampaignError(
                     f"the twin's GPUs are named by index (0, 1, ...) or PROFILE:INDEX, not {device}"
                 )
-            if profile not in gpu_profiles():
+            if profile.partition(":")[0] not in gpu_profiles():
                 raise CampaignError(
                     f"--gpus: unknown twin profile {profile!r}; choose one of "
                     f"{', '.join(sorted(gpu_profiles()))}"
                 )
+            try:
+                gpu_profile(profile)
+            except ValueError as exc:
+                raise CampaignError(f"--gpus: twin profile {profile!r}: {exc}") from None
     elif any(isinstance(d, str) and ":" in d for d in gpus):
         raise CampaignError(
             "--gpus PROFILE:INDEX names twin GPUs; real GPUs are named by index or UUID"
@@ -87,7 +92,7 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
 
 def _profile_of(group: Group) -> str | None:
     """The twin profile a group names (`PROFILE:INDEX`), None for plain indices."""
-    profiles = {d.split(":", 1)[0] if isinstance(d, str) and ":" in d else None for d in group}
+    profiles = {d.rsplit(":", 1)[0] if isinstance(d, str) and ":" in d else None for d in group}
     if len(profiles) > 1:
         raise CampaignError(
             f"--gpus groups {', '.join(map(str, group))} into one server: one GPU model per group"
@@ -101,7 +106,7 @@ def for_group(campaign: Campaign, group: Group) -> Campaign:
     if profile is None:
         gpu = dataclasses.replace(campaign.gpu, devices=tuple(group), groups=())
     else:
-        indices = tuple(int(str(d).split(":", 1)[1]) for d in group)
+        indices = tuple(int(str(d).rsplit(":", 1)[1]) for d in group)
         gpu = dataclasses.replace(campaign.gpu, devices=indices, groups=(), profile=profile)
     return dataclasses.replace(campaign, gpu=gpu)
 
@@ -110,5 +115,6 @@ def group_label(group: Group) -> str:
     """How progress and the journal name a worker: `gpu0`, `gpu2+3`, or a short UUID."""
     profile = _profile_of(group)
     if profile is not None:
-        return f"{profile}-gpu" + "+".join(str(d).split(":", 1)[1] for d in group)
+        name = re.sub(r"[^A-Za-z0-9_.+-]", "_", profile)
+        return f"{name}-gpu" + "+".join(str(d).rsplit(":", 1)[1] for d in group)
     return "gpu" + "+".join(str(d) if isinstance(d, int) else d[4:12] for d in group)
