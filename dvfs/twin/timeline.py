@@ -15,6 +15,7 @@ piecewise-constant dynamic power) and then idles. From that it answers, per inst
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,27 +220,41 @@ class Timeline:
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
         return self._truth(np.asarray(t_ns, dtype=np.int64))[4]
 
+    def _point(self, t_ns: int) -> tuple[float, float]:
+        """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature
+        (C) and true energy since `fold_ns` (J)."""
+        t_ns = max(t_ns, self.fold_ns)
+        j = int(np.searchsorted(self._seg_ends_ns, t_ns, side="right"))
+        offset_s = (t_ns - int(self._seg_start_ns[j])) * 1e-9
+        energy = float(self._seg_energy_j[j]) + float(self._seg_settled_w[j]) * offset_s
+        temp = float(self._seg_steady_c[j])
+        tau = self.thermal.tau_s
+        if tau > 0:
+            start_lag = float(self._seg_offset_c[j])
+            lag = start_lag * math.exp(-offset_s / tau)
+            temp += lag
+            energy += self.thermal.leakage_w_per_c * tau * (start_lag - lag)
+        return temp, energy
+
     def state_at(self, t_ns: int) -> tuple[float, float]:
         """Temperature (C) and true energy (J, absolute) at one instant."""
         if self._state is not None and self._state[0] == t_ns:
             return self._state[1]
-        _, _, temp, _, energy = self._truth(np.array([t_ns], dtype=np.int64))
-        state = float(temp[0]), self.base_energy_j + float(energy[0])
+        temp, energy = self._point(t_ns)
+        state = temp, self.base_energy_j + energy
         self._state = (t_ns, state)
         return state
 
     def fold_state(self, t_ns: int) -> tuple[float, float, tuple[np.ndarray, float] | None]:
         """What a timeline that follows this one from `t_ns` starts from: temperature, true
-        energy (absolute) and the energy counter's recent values (one pass over the truth)."""
+        energy (absolute) and the energy counter's recent values."""
+        temp, energy = self.state_at(t_ns)
         counter = self.counter
-        opened = counter.carry_from_ns(t_ns) if counter is not None else None
-        instants = np.array([t_ns] if opened is None else [t_ns, opened], dtype=np.int64)
-        _, _, temp, _, energy = self._truth(instants)
-        state = float(temp[0]), self.base_energy_j + float(energy[0])
         if counter is None:
-            return *state, None
-        sampled = 0.0 if opened is None else float(energy[0] - energy[1])
-        return *state, counter.history_at(t_ns, sampled)
+            return temp, energy, None
+        opened = counter.carry_from_ns(t_ns)
+        sampled = 0.0 if opened is None else energy - self.base_energy_j - self._point(opened)[1]
+        return temp, energy, counter.history_at(t_ns, sampled)
 
     # -- what NVML reports ---------------------------------------------------------------------
     def readings(self, t_ns: np.ndarray) -> Readings:
