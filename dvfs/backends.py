@@ -193,7 +193,7 @@ def open_backends(
                 TwinEngine(
                     _twin_node(campaign, gpus, clock),
                     model,
-                    acceptance_like=acceptance_aliases(campaign),
+                    texts=corpus_texts(campaign),
                 )
             )
         else:

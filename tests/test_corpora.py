@@ -282,23 +282,25 @@ def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
     assert (ds["accept_length"].sel(drafter="eagle3") > 1.5).all()
 
 
-def test_the_twin_takes_acceptance_from_the_named_builtin() -> None:
+def test_the_twin_takes_acceptance_from_the_text_it_is_given() -> None:
+    """Acceptance follows the corpus's text profile (the sweep's, with acceptance_like applied);
+    an engine given none reads the round's own prompts, whatever the corpus is called."""
     from dvfs.campaign import DrafterSpec
     from dvfs.engines.base import Workload
     from dvfs.engines.twin import TwinEngine
     from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.profiles import model_profile
+    from dvfs.twin.textprior import builtin_profile, profile_prompts
 
-    engine = TwinEngine(
-        node=None, model=model_profile("llama-3.1-8b"), acceptance_like={"tasks": "romansh"}
-    )
-    engine._plan = plan_drafter(
-        DrafterSpec("e", "EAGLE3", "eagle3-llama-3.1-8b", 5, 4, 8), engine.model
-    )
+    romansh = builtin_profile("romansh")
+    engine = TwinEngine(node=None, model=model_profile("llama-3.1-8b"), texts={"tasks": romansh})
+    plan = plan_drafter(DrafterSpec("e", "EAGLE3", "eagle3-llama-3.1-8b", 5, 4, 8), engine.model)
+    assert plan is not None
+    engine._plan = plan
     prompt = load_corpus("code").prompts[0]
 
     def alpha(corpus: str) -> float:
         return engine._acceptance(Workload(1, (prompt,), corpus, 8, 0.0, True))[0]
 
-    assert alpha("tasks") == alpha("romansh") < alpha("code")
-    assert alpha("unknown-corpus") == alpha("something-else")  # the documented default
+    assert alpha("tasks") == plan.alpha(romansh, 0.0) < alpha("romansh")
+    assert alpha("romansh") == alpha("anything") == plan.alpha(profile_prompts((prompt,)), 0.0)

@@ -23,6 +23,7 @@ from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
 from dvfs.twin.physics import OperatingPoint, Passes, PassTiming, Schedule
 from dvfs.twin.profiles import GpuProfile, gpu_profile, model_profile
+from dvfs.twin.textprior import profile_prompts
 
 H100 = gpu_profile("h100-sxm")
 LLAMA8B = model_profile("llama-3.1-8b")
@@ -313,7 +314,7 @@ def test_a_round_equals_the_request_by_request_reference(
         w = workload(batch, corpus, tokens, seed)
         t0 = devices[0].clock.now_ns()
         plan = PLANS[drafter]
-        alpha = plan.alpha(corpus, 0.0) if plan else 0.0
+        alpha = plan.alpha(profile_prompts(w.prompts), 0.0) if plan else 0.0
         want = reference_round(devices, plan, w, t0, alpha)
         assert_same_round(engine.run(w), want)
 

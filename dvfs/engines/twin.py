@@ -10,6 +10,7 @@ counting from `dvfs.twin.passes`), whose virtual clock advances by the work done
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +32,7 @@ from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
 from dvfs.twin.physics import Passes, Schedule
 from dvfs.twin.profiles import GpuProfile, ModelProfile
+from dvfs.twin.textprior import TextProfile, profile_prompts
 from dvfs.version import __version__
 
 #: Virtual seconds a (re)start takes: loading weights and capturing CUDA graphs.
@@ -66,15 +68,15 @@ class TwinEngine:
         model: ModelProfile,
         *,
         startup_s: float = STARTUP_S,
-        acceptance_like: dict[str, str] | None = None,
+        texts: Mapping[str, TextProfile] | None = None,
     ) -> None:
         self.node = node
         self.model = model
-        self.acceptance_like = acceptance_like or {}
+        self.texts = dict(texts or {})
         self.startup_s = startup_s
         self._drafter: DrafterSpec | None = None
         self._plan: DraftPlan | None = None
-        self._alphas: dict[tuple[str, float], float] = {}
+        self._alphas: dict[tuple[TextProfile, float], float] = {}
         self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -123,10 +125,12 @@ class TwinEngine:
         plan = self._plan
         if plan is None:
             return 0.0, 0
-        corpus = self.acceptance_like.get(workload.corpus, workload.corpus)
-        key = (corpus, workload.temperature)
+        # What the corpus's text says (profiled once per corpus by the sweep); given none, the
+        # round's own prompts are read.
+        text = self.texts.get(workload.corpus) or profile_prompts(workload.prompts)
+        key = (text, workload.temperature)
         if key not in self._alphas:  # the same few per server, asked every round
-            self._alphas[key] = plan.alpha(corpus, workload.temperature)
+            self._alphas[key] = plan.alpha(text, workload.temperature)
         return self._alphas[key], plan.depth
 
     def _fixed_round(self, workload: Workload) -> _FixedRound:
