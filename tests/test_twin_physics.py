@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dvfs.clock import VirtualClock
 from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
 from dvfs.gpu.twin import TwinGpu
-from dvfs.twin import physics
+from dvfs.twin import physics, traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.drafting import draws
 from dvfs.twin.passes import PassBuilder
@@ -24,6 +24,9 @@ from dvfs.twin.profiles import (
 )
 
 H100 = gpu_profile("h100-sxm")
+#: The same GPU without NVML's traps: an exact energy counter, history-free temperature, knobs
+#: that take effect at once (tests/test_twin_traps.py covers the traps).
+EXACT_H100 = traps.without(H100)
 H200 = gpu_profile("h200-sxm")
 LLAMA8B = model_profile("llama-3.1-8b")
 CLOCKS = list(H100.supported_sm_clocks_mhz())
@@ -95,7 +98,7 @@ def test_ridge_point_matches_the_datasheet() -> None:
 
 def test_energy_counter_integrates_power() -> None:
     clock = VirtualClock()
-    device = TwinDevice(H100, clock)
+    device = TwinDevice(EXACT_H100, clock)
     gpu = TwinGpu(device)
     passes = physics.Passes.concat([decode_passes(b) for b in (1, 16, 64, 2048, 3)])
     start_mj = gpu.energy_mj()
@@ -140,6 +143,7 @@ def test_a_power_limit_below_the_draw_lowers_the_clock_and_sets_swpowercap() -> 
     free = TwinNode([device]).plan(heavy)
     assert free.timing.mean_power_w > 300 and free.sm_clock_mhz == 1980 and not free.power_capped
     gpu.set_power_limit_mw(300_000)
+    clock.sleep(H100.settle_time_s)  # the new limit has taken effect
     point = TwinNode([device]).execute(heavy)
     assert point.power_capped
     assert point.sm_clock_mhz < 1980
@@ -184,6 +188,7 @@ def test_each_phase_settles_at_its_own_clock_under_a_limit() -> None:
     device = TwinDevice(H100, clock)
     gpu = TwinGpu(device)
     gpu.set_power_limit_mw(400_000)
+    clock.sleep(H100.settle_time_s)  # the new limit has taken effect
     prefill = decode_passes(batch=8192, context=1)
     decode = physics.Passes.concat([decode_passes(1)] * 200)
     schedule = TwinNode([device]).execute(prefill, decode)

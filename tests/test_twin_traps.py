@@ -13,11 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dvfs.clock import VirtualClock
+from dvfs.gpu.twin import TwinGpu
+from dvfs.twin import physics, traps
 from dvfs.twin import thermal as th
-from dvfs.twin import traps
 from dvfs.twin.counter import Sensor
+from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.profiles import gpu_profile
 from dvfs.twin.timeline import Timeline, Work, sensor_of, thermal_of
+from tests.test_twin_physics import decode_passes
 
 H100 = gpu_profile("h100-sxm")
 H200 = gpu_profile("h200-sxm")
@@ -238,3 +242,241 @@ def test_the_shipped_profiles_simulate_every_trap_and_each_switches_off() -> Non
         assert traps.active(traps.without(profile)) == ()
     with pytest.raises(ValueError, match="unknown trap"):
         traps.without(H100, "gremlins")
+
+
+# -- through the device and its Gpu, as the sampler and the meter see them ----------------------
+def device(profile=H100, index: int = 0) -> tuple[VirtualClock, TwinDevice, TwinGpu]:
+    clock = VirtualClock(10**12)
+    d = TwinDevice(profile, clock, index)
+    return clock, d, TwinGpu(d)
+
+
+def load(batch: int, n: int) -> physics.Passes:
+    return physics.Passes.concat([decode_passes(batch)] * n)
+
+
+def test_idle_power_rises_with_the_locked_clock() -> None:
+    powers = {}
+    for locked in (None, 1005, 1500, 1980):
+        clock, d, gpu = device()
+        if locked is not None:
+            gpu.lock_sm_clock(locked, locked)
+        clock.sleep(1.0)
+        powers[locked] = gpu.power_mw()
+        assert gpu.sm_clock_mhz() == (locked or H100.idle_sm_clock_mhz)
+    assert powers[None] == round(H100.idle_power_w * 1000)
+    assert powers[None] < powers[1005] < powers[1500] < powers[1980]
+    assert powers[1980] == pytest.approx(
+        (H100.idle_power_w + H100.idle_clock_power_w) * 1000, rel=1e-3
+    )
+    clock, d, gpu = device(traps.without(H100, "idle_clock_power"))
+    gpu.lock_sm_clock(1980, 1980)
+    clock.sleep(1.0)
+    assert gpu.power_mw() == round(H100.idle_power_w * 1000)
+
+
+def test_a_clock_change_shows_after_the_settle_time_and_work_before_it_runs_at_the_old_clock() -> (
+    None
+):
+    clock, d, gpu = device()
+    gpu.lock_sm_clock(1980, 1980)
+    clock.sleep(1.0)
+    changed_ns = clock.now_ns()
+    gpu.lock_sm_clock(1005, 1005)
+    settle_ns = round(H100.settle_time_s * 1e9)
+    t = changed_ns + np.linspace(0, settle_ns + 50 * MS, 200).astype(np.int64)
+    seen = gpu.readings_at(t).sm_clock_mhz
+    assert seen[0] == 1980  # the reading moves from the old clock
+    assert seen.min() < 1005  # overshoots the new one
+    assert np.all(seen[t >= changed_ns + settle_ns] == 1005)
+    assert np.any(seen[t < changed_ns + settle_ns] != 1005)
+    # Work started now runs at the old clock until the change has settled, then the new.
+    schedule = TwinNode([d]).execute(load(8, 400))
+    clocks = schedule.pass_clock_mhz
+    assert clocks[0] == 1980 and clocks[-1] == 1005
+    switch = int(np.argmax(clocks == 1005))
+    assert schedule.ends_ns[switch - 1] >= settle_ns - schedule.ends_ns[0]
+    assert (
+        schedule.ends_ns[switch - 1] - round(schedule.timing.duration_s[switch - 1] * 1e9)
+        < settle_ns
+    )
+    # Without the trap, the clock shows and the work runs at once.
+    clock, d, gpu = device(traps.without(H100, "settle"))
+    gpu.lock_sm_clock(1980, 1980)
+    gpu.lock_sm_clock(1005, 1005)
+    assert gpu.sm_clock_mhz() == 1005
+    assert set(TwinNode([d]).execute(load(8, 400)).pass_clock_mhz.tolist()) == {1005}
+
+
+def test_a_power_limit_takes_effect_after_the_settle_time() -> None:
+    heavy = physics.Passes.concat([decode_passes(4096)] * 40)
+    clock, d, gpu = device()
+    gpu.set_power_limit_mw(300_000)
+    early = TwinNode([d]).execute(heavy)
+    assert not early.pass_capped[0] and early.pass_capped[-1]
+    clock.sleep(early.timing.total_s + H100.settle_time_s)
+    late = TwinNode([d]).execute(heavy)
+    assert late.pass_capped.all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    script=st.lists(
+        st.tuples(
+            st.sampled_from(["work", "lock", "limit", "reset", "sleep"]),
+            st.integers(1, 400),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    sampled=st.booleans(),
+)
+def test_the_counter_stays_in_step_with_the_truth_across_work_and_knob_changes(
+    script, sampled
+) -> None:
+    """Whatever the device does, its counter never decreases; seeing all the time, it holds
+    the true energy of its last update exactly; seeing part of it, never far from it."""
+    profile = H100 if sampled else traps.without(H100, "part_time_power")
+    clock, d, gpu = device(profile)
+    sensor = sensor_of(profile, d.uuid)
+    assert sensor is not None
+    probes: list[int] = []
+    read: list[int] = []  # the counter as read live, across every fold
+    fold_ns = clock.now_ns()  # the truth is kept from the last start or knob change on
+    for action, n in script:
+        if action != "sleep":
+            fold_ns = clock.now_ns()
+        if action == "work":
+            TwinNode([d]).execute(load(1 + n % 64, n))
+        elif action == "lock":
+            gpu.lock_sm_clock(210 + 15 * (n % 119), 210 + 15 * (n % 119))
+        elif action == "limit":
+            gpu.set_power_limit_mw(200_000 + 1000 * n)
+        elif action == "reset":
+            gpu.reset_sm_clock()
+        start = clock.now_ns()
+        read.append(gpu.energy_mj())
+        clock.sleep(n * 1e-3)
+        read.append(gpu.energy_mj())
+        probes.extend(np.linspace(start, clock.now_ns(), 7).astype(np.int64).tolist())
+    assert all(b >= a for a, b in zip(read, read[1:], strict=False))
+    t = np.array(probes, dtype=np.int64)
+    t = t[t >= fold_ns]  # readings before the last fold are not kept
+    r = d.readings_at(t)
+    assert np.all(np.diff(r.energy_j) >= 0)
+    updates = sensor.instant_ns(sensor.index(t))
+    t, r = t[updates >= fold_ns], d.readings_at(t[updates >= fold_ns])
+    updates = updates[updates >= fold_ns]
+    truth = np.array([d.true_energy_j_at(int(u)) for u in updates])
+    if not sampled:
+        np.testing.assert_allclose(r.energy_j, truth, rtol=1e-9)
+    else:  # mis-counted by at most the power's spread over the run (< 700 W) x 0.1 s a step
+        steps = (updates - 10**12) / sensor.period_ns + 1
+        assert np.all(np.abs(r.energy_j - truth) <= 700 * 0.1 * steps)
+    energies = [gpu.energy_mj() for _ in range(2)]
+    assert energies[0] == energies[1]
+
+
+def test_leakage_makes_the_same_work_cost_more_on_a_hot_device() -> None:
+    work = load(64, 3000)
+    cold_clock, cold, _ = device()
+    hot_clock, hot, _ = device()
+    TwinNode([hot]).execute(physics.Passes.concat([decode_passes(4096)] * 2000))  # heat it
+    hot_clock.sleep(60.0)
+    assert hot.temperature_c() > cold.temperature_c() + 10
+    costs = []
+    for clock, d in ((cold_clock, cold), (hot_clock, hot)):
+        before = d.true_energy_j()
+        schedule = TwinNode([d]).execute(work)
+        clock.sleep(schedule.timing.total_s)
+        costs.append(d.true_energy_j() - before)
+    assert costs[1] > costs[0] * 1.01
+    flat = traps.without(H100, "leakage")
+    costs = []
+    for warm in (False, True):
+        clock, d, _ = device(flat)
+        if warm:
+            TwinNode([d]).execute(physics.Passes.concat([decode_passes(4096)] * 2000))
+            clock.sleep(60.0)
+        before = d.true_energy_j()
+        schedule = TwinNode([d]).execute(work)
+        clock.sleep(schedule.timing.total_s)
+        costs.append(d.true_energy_j() - before)
+    assert costs[0] == pytest.approx(costs[1], rel=1e-12)
+
+
+@pytest.mark.parametrize("trap", list(traps.TRAPS))
+def test_each_trap_off_gives_the_exact_behaviour_it_replaces(trap) -> None:
+    """With one trap off (the others on), the reading it distorted is exact again."""
+    profile = traps.without(H100, trap)
+    clock, d, gpu = device(profile)
+    gpu.lock_sm_clock(1500, 1500)
+    schedule = TwinNode([d]).execute(
+        physics.Passes.concat([decode_passes(4096)] * 300 + [decode_passes(1)] * 3000)
+    )
+    start = clock.now_ns()
+    t = start + np.linspace(0, schedule.ends_ns[-1] + 2_000 * MS, 500).astype(np.int64)
+    r = d.readings_at(t)
+    truth = np.array([d.true_energy_j_at(int(x)) for x in t])
+    if trap == "energy_steps":
+        np.testing.assert_allclose(r.energy_j, truth, rtol=1e-12)
+    elif trap == "part_time_power":
+        sensor = sensor_of(profile, d.uuid)
+        assert sensor is not None
+        u = sensor.instant_ns(sensor.index(t))
+        keep = u >= start
+        at_u = np.array([d.true_energy_j_at(int(x)) for x in u[keep]])
+        np.testing.assert_allclose(r.energy_j[keep], at_u, rtol=1e-12)
+    elif trap == "power_average":
+        np.testing.assert_array_equal(r.power_average_w, r.power_w)
+    elif trap == "thermal_lag":
+        model = thermal_of(profile)
+        dynamic = r.power_w - model.leakage_w_per_c * (r.temperature_c - model.reference_c)
+        np.testing.assert_allclose(r.temperature_c, model.steady_c(dynamic), rtol=1e-9)
+    elif trap == "leakage":
+        busy = t < start + schedule.ends_ns[-1]
+        i = np.searchsorted(start + schedule.ends_ns, t[busy], side="right")
+        np.testing.assert_allclose(r.power_w[busy], schedule.timing.power_w[i], rtol=1e-12)
+    elif trap == "idle_clock_power":
+        idle = t > start + schedule.ends_ns[-1]
+        model = thermal_of(profile)
+        np.testing.assert_allclose(
+            r.power_w[idle],
+            model.power_w(H100.idle_power_w, r.temperature_c[idle]),
+            rtol=1e-12,
+        )
+    else:
+        assert schedule.pass_clock_mhz.tolist() == [1500] * len(schedule.pass_clock_mhz)
+        assert r.sm_clock_mhz[0] == 1500
+
+
+def test_every_trap_off_is_the_exact_twin() -> None:
+    profile = traps.without(H100)
+    clock, d, gpu = device(profile)
+    gpu.set_power_limit_mw(400_000)
+    schedule = TwinNode([d]).execute(
+        physics.Passes.concat([decode_passes(4096)] * 100 + [decode_passes(8)] * 500)
+    )
+    start, start_j = clock.now_ns(), d.energy_j()
+    ends = start + schedule.ends_ns
+    t = start + np.linspace(0, schedule.ends_ns[-1] + 500 * MS, 300).astype(np.int64)
+    r = d.readings_at(t)
+    power = schedule.timing.power_w
+    cum = np.concatenate(
+        [[0.0], np.cumsum(power * np.diff(np.concatenate([[start], ends])) * 1e-9)]
+    )
+    i = np.searchsorted(ends, t, side="right")
+    busy = i < len(ends)
+    seg = np.concatenate([[start], ends[:-1]])
+    want_power = np.where(busy, power[np.minimum(i, len(power) - 1)], H100.idle_power_w)
+    want_j = np.where(
+        busy,
+        cum[np.minimum(i, len(power) - 1)]
+        + want_power * (t - seg[np.minimum(i, len(power) - 1)]) * 1e-9,
+        cum[-1] + H100.idle_power_w * (t - ends[-1]) * 1e-9,
+    )
+    np.testing.assert_allclose(r.power_w, want_power, rtol=1e-12)
+    np.testing.assert_allclose(r.energy_j - start_j, want_j, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(r.temperature_c, H100.ambient_c + H100.thermal_c_per_w * want_power)
+    np.testing.assert_array_equal(r.power_average_w, r.power_w)
+    np.testing.assert_array_equal(r.energy_j, r.true_energy_j)

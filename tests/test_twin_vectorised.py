@@ -17,7 +17,7 @@ from dvfs.corpora import load_corpus, sample_prompts
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import RequestTrace, RoundResult, Workload, check_chunks
 from dvfs.engines.twin import TwinEngine
-from dvfs.twin import physics
+from dvfs.twin import physics, traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
@@ -190,7 +190,9 @@ def reference_round(
 # -- helpers ------------------------------------------------------------------------------------
 def node(tp: int, clock_mhz: int | None, limit_w: float) -> list[TwinDevice]:
     clock = VirtualClock()
-    devices = [TwinDevice(H100, clock, i) for i in range(tp)]
+    # Trap-free: a knob change shows at once and leakage does not move the cap, so a device
+    # that just changed knobs and a fresh one run the same round.
+    devices = [TwinDevice(traps.without(H100), clock, i) for i in range(tp)]
     for d in devices:
         d.locked_mhz = None if clock_mhz is None else (clock_mhz, clock_mhz)
         d.power_limit_w = limit_w

@@ -82,7 +82,13 @@ class TwinGpu:
         return int(self.device.energy_j() * 1000)
 
     def power_mw(self) -> int:
+        """Instant power (NVML's instant field, which `NvmlGpu.power_mw` reads)."""
         return round(self.device.power_w() * 1000)
+
+    def power_average_mw(self) -> int:
+        """The averaged power (`nvmlDeviceGetPowerUsage`: the last second's on Ampere and
+        newer), as NVML reports it; the twin's part-time sensor feeds it."""
+        return round(self.device.power_average_w() * 1000)
 
     def sm_clock_mhz(self) -> int:
         return self.device.sm_clock_mhz()

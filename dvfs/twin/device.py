@@ -1,86 +1,34 @@
-"""A simulated GPU: knob state, and an energy counter that integrates the power of the work it ran.
+"""A simulated GPU: knob state, the work it runs, and what it reports about it.
 
 Work arrives as a `Passes` sequence starting "now" on the virtual clock; the device answers
-readings (energy, power, clock, temperature, event reasons) for later instants by looking up
-where they fall in the sequence, the way a sampler thread sees a real GPU. `readings_at` answers
-a whole array of instants at once, so a sampler on virtual time reads a round in one call.
+readings (energy counter, power, clock, temperature, event reasons) for later instants from its
+`Timeline` (`dvfs.twin.timeline`), the way a sampler thread sees a real GPU, NVML's traps
+included (`dvfs.twin.traps`); `readings_at` answers a whole array of instants at once, so a
+sampler on virtual time reads a round in one call. The truth behind the readings (true energy
+and power) is kept beside them for tests (`true_energy_j_at`); dvfs's measurement never reads it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import numpy as np
 
 from dvfs.clock import Clock
-from dvfs.gpu.base import EVENT_GPU_IDLE, EVENT_SW_POWER_CAP
-from dvfs.twin import physics
+from dvfs.gpu.base import EVENT_SW_POWER_CAP
+from dvfs.twin import physics, traps
 from dvfs.twin.physics import OperatingPoint, Passes, Schedule
 from dvfs.twin.profiles import GpuProfile
+from dvfs.twin.timeline import Readings, Timeline, Transition, Work, sensor_of, thermal_of
+
+#: A hot die's extra leakage is taken off the power limit the cap search sees in steps of
+#: this many watts (the GPU's own limiter counts leakage; steps keep the searches reusable).
+LEAKAGE_LIMIT_STEP_W = 5.0
 
 
-@dataclass(frozen=True)
-class DeviceReadings:
-    """What a device reports at an array of instants, in SI units (one element per instant);
-    `dvfs.gpu.twin` turns them into NVML's integers."""
-
-    energy_j: np.ndarray
-    power_w: np.ndarray
-    sm_clock_mhz: np.ndarray
-    temperature_c: np.ndarray
-    reasons: np.ndarray
-
-
-@dataclass(frozen=True)
-class _Trace:
-    """The passes a device is running (at least one): where each starts and ends, the energy
-    spent before it, its power, clock and event reasons."""
-
-    start_ns: int
-    ends_ns: np.ndarray
-    seg_start_ns: np.ndarray
-    energy_before_j: np.ndarray
-    power_w: np.ndarray
-    sm_clock_mhz: np.ndarray
-    reasons: np.ndarray
-
-    @classmethod
-    def of(cls, start_ns: int, schedule: Schedule) -> _Trace:
-        timing = schedule.timing
-        ends = start_ns + schedule.ends_ns
-        starts = np.concatenate([[start_ns], ends[:-1]]).astype(np.int64)
-        cum = np.cumsum(timing.power_w * ((ends - starts) * 1e-9))
-        return cls(
-            start_ns=start_ns,
-            ends_ns=ends,
-            seg_start_ns=starts,
-            energy_before_j=np.concatenate([[0.0], cum]),  # the last one: the whole trace
-            power_w=timing.power_w,
-            sm_clock_mhz=schedule.pass_clock_mhz,
-            reasons=schedule.per_pass(
-                [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
-            ),
-        )
-
-    @property
-    def end_ns(self) -> int:
-        return int(self.ends_ns[-1])
-
-    def busy(self, t_ns: np.ndarray) -> np.ndarray:
-        return (self.start_ns <= t_ns) & (t_ns < self.end_ns)
-
-    def locate(self, t_ns: np.ndarray, idle_w: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per instant: whether the device is busy, its pass (clipped to the last one when it is
-        not) and the energy since the trace started (idle power after the work ends)."""
-        n = len(self.ends_ns)
-        found = np.searchsorted(self.ends_ns, t_ns, side="right")
-        busy = (t_ns >= self.start_ns) & (found < n)
-        i = np.minimum(found, n - 1)
-        inside = self.energy_before_j[i] + self.power_w[i] * (t_ns - self.seg_start_ns[i]) * 1e-9
-        after = self.energy_before_j[n] + idle_w * (t_ns - self.end_ns) * 1e-9
-        energy = np.where(busy, inside, np.where(t_ns <= self.start_ns, 0.0, after))
-        return busy, i, energy
+#: What a device reports at an array of instants, in SI units (one element per instant), and
+#: the truth behind it; `dvfs.gpu.twin` turns the reports into NVML's integers.
+DeviceReadings = Readings
 
 
 def twin_uuid(profile_key: str, index: int) -> str:
@@ -90,92 +38,171 @@ def twin_uuid(profile_key: str, index: int) -> str:
 
 
 class TwinDevice:
-    """One simulated GPU on a shared virtual clock."""
+    """One simulated GPU on a shared virtual clock.
+
+    Setting `locked_mhz` or `power_limit_w` is a knob change: the observed clock moves to the
+    new setting over the profile's settle time, and work started before it has settled runs at
+    the previous operating point (`TwinNode.execute`).
+    """
 
     def __init__(self, profile: GpuProfile, clock: Clock, index: int = 0) -> None:
         self.profile = profile
         self.clock = clock
         self.index = index
         self.uuid = twin_uuid(profile.key, index)
-        self.locked_mhz: tuple[int, int] | None = None
-        self.power_limit_w: float = profile.power_limit_default_w
-        self._base_energy_j = 0.0
-        self._base_ns = clock.now_ns()
-        self._trace: _Trace | None = None
+        self._locked_mhz: tuple[int, int] | None = None
+        self._power_limit_w: float = profile.power_limit_default_w
+        self._thermal = thermal_of(profile)
+        self._sensor = sensor_of(profile, self.uuid)
+        self._transition: Transition | None = None
+        self._previous: tuple[int, float] = (self.requested_clock_mhz(), self._power_limit_w)
+        now = clock.now_ns()
+        self._timeline = self._follow(now, None, None, None, None)
 
     # -- knobs ---------------------------------------------------------------------------------
+    @property
+    def locked_mhz(self) -> tuple[int, int] | None:
+        return self._locked_mhz
+
+    @locked_mhz.setter
+    def locked_mhz(self, value: tuple[int, int] | None) -> None:
+        if value != self._locked_mhz:
+            self._change_knobs(value, self._power_limit_w)
+
+    @property
+    def power_limit_w(self) -> float:
+        return self._power_limit_w
+
+    @power_limit_w.setter
+    def power_limit_w(self, value: float) -> None:
+        if value != self._power_limit_w:
+            self._change_knobs(self._locked_mhz, value)
+
     def requested_clock_mhz(self) -> int:
         """The clock the device would run at under load, before the power limit."""
-        if self.locked_mhz is None:
+        if self._locked_mhz is None:
             return self.profile.max_sm_clock_mhz
-        return self.locked_mhz[1]
+        return self._locked_mhz[1]
+
+    def idle_clock_mhz(self) -> int:
+        """The SM clock an idle device shows: the locked clock, else the idle clock."""
+        if self._locked_mhz is None:
+            return self.profile.idle_sm_clock_mhz
+        return self._locked_mhz[1]
+
+    def settled_ns(self) -> int:
+        """When the last knob change has settled (work from then on runs at the new setting)."""
+        if self._transition is None:
+            return self.clock.now_ns()
+        return self._transition.at_ns + round(self.profile.settle_time_s * 1e9)
+
+    def previous_knobs(self) -> tuple[int, float]:
+        """Requested clock and power limit before the last knob change (what work runs at
+        until it settles)."""
+        return self._previous
+
+    def effective_power_limit_w(self, limit_w: float | None = None) -> float:
+        """The limit left for the power model's draw: leakage above the reference temperature
+        (the die now) counts against it, in steps of `LEAKAGE_LIMIT_STEP_W`."""
+        limit = self._power_limit_w if limit_w is None else limit_w
+        k = self._thermal.leakage_w_per_c
+        if k == 0.0:
+            return limit
+        temp, _ = self._timeline.state_at(self.clock.now_ns())
+        extra = k * (temp - self._thermal.reference_c)
+        return limit - LEAKAGE_LIMIT_STEP_W * round(extra / LEAKAGE_LIMIT_STEP_W)
+
+    def _change_knobs(self, locked: tuple[int, int] | None, limit_w: float) -> None:
+        now = self.clock.now_ns()
+        before = self.readings_at(np.array([now], dtype=np.int64))
+        self._previous = (self.requested_clock_mhz(), self._power_limit_w)
+        self._locked_mhz, self._power_limit_w = locked, limit_w
+        if self.profile.settle_time_s > 0:
+            self._transition = Transition(now, float(before.sm_clock_mhz[0]))
+        work = self._timeline.work.after(now) if self._timeline.work is not None else None
+        self._timeline = self._follow(now, work, *self._carry(now))
 
     # -- work ----------------------------------------------------------------------------------
-    def _fold(self, t_ns: int) -> None:
-        self._base_energy_j = self.energy_j_at(t_ns)
-        self._base_ns = t_ns
-        self._trace = None
+    def _carry(self, t_ns: int) -> tuple[float, float, tuple[np.ndarray, float] | None]:
+        """The state a timeline folded at `t_ns` starts from: temperature, true energy and the
+        energy counter's recent values."""
+        return self._timeline.fold_state(t_ns)
+
+    def _follow(
+        self,
+        t_ns: int,
+        work: Work | None,
+        temperature_c: float | None,
+        true_energy_j: float | None,
+        counter_start: tuple[np.ndarray, float] | None,
+    ) -> Timeline:
+        transition = self._transition
+        if transition is not None and t_ns >= self.settled_ns():
+            transition = self._transition = None
+        idle_clock = self.idle_clock_mhz()
+        return Timeline(
+            self.profile,
+            self._thermal,
+            self._sensor,
+            t_ns,
+            temperature_c,
+            true_energy_j,
+            counter_start,
+            work,
+            traps.idle_power_w(self.profile, idle_clock),
+            idle_clock,
+            transition,
+        )
 
     def start(self, schedule: Schedule) -> None:
-        """Begin executing the scheduled passes at the clock's current instant."""
+        """Begin executing the scheduled passes at the clock's current instant (work still
+        running is dropped, as before)."""
         now = self.clock.now_ns()
-        self._fold(now)
+        work = None
         if len(schedule.timing.duration_s):
-            self._trace = _Trace.of(now, schedule)
+            ends = now + schedule.ends_ns
+            starts = np.concatenate([[now], ends[:-1]]).astype(np.int64)
+            reasons = schedule.per_pass(
+                [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
+            )
+            work = Work(starts, ends, schedule.timing.power_w, schedule.pass_clock_mhz, reasons)
+        self._timeline = self._follow(now, work, *self._carry(now))
 
     # -- readings --------------------------------------------------------------------------
     def readings_at(self, t_ns: np.ndarray) -> DeviceReadings:
-        """Every reading at each instant of `t_ns` (int64 ns, not before the last `start`): the
-        one place that maps time to what the device reports, for single reads and bulk ones."""
-        t_ns = np.asarray(t_ns, dtype=np.int64)
-        idle_w = self.profile.idle_power_w
-        idle_clock = self.profile.idle_sm_clock_mhz
-        if self.locked_mhz is not None:
-            idle_clock = self.locked_mhz[1]
-        trace = self._trace
-        busy, i, since_j = self._locate(t_ns)
-        if trace is None:
-            power = np.full(t_ns.shape, idle_w)
-            clock = np.full(t_ns.shape, idle_clock, dtype=np.int64)
-            reasons = np.full(t_ns.shape, EVENT_GPU_IDLE, dtype=np.int64)
-        else:
-            power = np.where(busy, trace.power_w[i], idle_w)
-            clock = np.where(busy, trace.sm_clock_mhz[i], idle_clock)
-            reasons = np.where(busy, trace.reasons[i], EVENT_GPU_IDLE)
-        return DeviceReadings(
-            energy_j=self._base_energy_j + since_j,
-            power_w=power,
-            sm_clock_mhz=clock,
-            # elementwise arithmetic: an array of powers gives an array of temperatures
-            temperature_c=physics.temperature_c(self.profile, power),  # type: ignore[arg-type]
-            reasons=reasons,
-        )
-
-    def _locate(self, t_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_Trace.locate` for the running trace (busy never, pass 0, idle energy without one):
-        the energy since the last `start` at each instant."""
-        idle_w = self.profile.idle_power_w
-        if self._trace is None:
-            since_j = idle_w * np.maximum(0, t_ns - self._base_ns) * 1e-9
-            return np.zeros(t_ns.shape, dtype=bool), np.zeros(t_ns.shape, dtype=np.intp), since_j
-        return self._trace.locate(t_ns, idle_w)
+        """Every reading at each instant of `t_ns` (int64 ns, not before the last `start` or
+        knob change): the one place that maps time to what the device reports, for single
+        reads and bulk ones."""
+        return self._timeline.readings(np.asarray(t_ns, dtype=np.int64))
 
     def _now(self) -> DeviceReadings:
         return self.readings_at(np.array([self.clock.now_ns()], dtype=np.int64))
 
     def energy_j_at(self, t_ns: int) -> float:
-        """The energy counter alone (what `readings_at` reports as energy_j)."""
-        _, _, since_j = self._locate(np.array([t_ns], dtype=np.int64))
-        return float(self._base_energy_j + since_j[0])
+        """What the energy counter reads at `t_ns` (J)."""
+        return float(self.readings_at(np.array([t_ns], dtype=np.int64)).energy_j[0])
 
     def energy_j(self) -> float:
         return self.energy_j_at(self.clock.now_ns())
 
+    def true_energy_j_at(self, t_ns: int) -> float:
+        """Ground truth for tests: the exact integral of the true power up to `t_ns` (J), on
+        the counter's scale (since the simulated driver loaded). Never read by measurement."""
+        return self._timeline.state_at(t_ns)[1]
+
+    def true_energy_j(self) -> float:
+        return self.true_energy_j_at(self.clock.now_ns())
+
     def power_w(self) -> float:
+        """The instant power (NVML's instant field): the true power now."""
         return float(self._now().power_w[0])
 
+    def power_average_w(self) -> float:
+        """The averaged power reading (`nvmlDeviceGetPowerUsage`: the last second's)."""
+        return float(self._now().power_average_w[0])
+
     def busy(self) -> bool:
-        return self._trace is not None and bool(self._trace.busy(np.array(self.clock.now_ns())))
+        return self._timeline.work is not None and self.clock.now_ns() < self._timeline.end_ns
 
     def sm_clock_mhz(self) -> int:
         return int(self._now().sm_clock_mhz[0])
@@ -201,23 +228,34 @@ class TwinNode:
     def tp_size(self) -> int:
         return len(self.devices)
 
-    def plan(self, passes: Passes) -> OperatingPoint:
-        """The operating point the node would reach on `passes` (nothing is started)."""
-        points = [
-            physics.operating_point(d.profile, passes, d.requested_clock_mhz(), d.power_limit_w)
-            for d in self.devices
-        ]
+    def plan(self, passes: Passes, *, previous: bool = False) -> OperatingPoint:
+        """The operating point the node would reach on `passes` (nothing is started); with
+        `previous`, at the knobs before the last change (work that starts before it settles)."""
+        points = []
+        for d in self.devices:
+            requested, limit = d.previous_knobs() if previous else (d.requested_clock_mhz(), None)
+            points.append(
+                physics.operating_point(
+                    d.profile, passes, requested, d.effective_power_limit_w(limit)
+                )
+            )
         return min(points, key=lambda p: p.sm_clock_mhz)
 
     def execute(self, *phases: Passes) -> Schedule:
         """Start the phases on every device now, each at its own operating point; the caller
-        advances the clock."""
+        advances the clock. Passes that start before a knob change has settled run at the
+        previous knobs' operating point (a phase straddling the instant is split in two)."""
         work = tuple(p for p in phases if len(p))
+        settled_ns = max(d.settled_ns() for d in self.devices)
         if not work:
             schedule = Schedule(())
+        elif settled_ns > self.clock.now_ns():
+            schedule = Schedule(self._settling(work, settled_ns - self.clock.now_ns()))
         else:
             per_device = [
-                physics.schedule(d.profile, work, d.requested_clock_mhz(), d.power_limit_w)
+                physics.schedule(
+                    d.profile, work, d.requested_clock_mhz(), d.effective_power_limit_w()
+                )
                 for d in self.devices
             ]
             schedule = per_device[0]
@@ -231,6 +269,28 @@ class TwinNode:
         for device in self.devices:
             device.start(schedule)
         return schedule
+
+    def _settling(self, phases: tuple[Passes, ...], left_ns: int) -> tuple[OperatingPoint, ...]:
+        """Operating points of phases that start `left_ns` before the knobs settle."""
+        points: list[OperatingPoint] = []
+        elapsed_ns = 0
+        for phase in phases:
+            if elapsed_ns >= left_ns:
+                points.append(self.plan(phase))
+                continue
+            old = self.plan(phase, previous=True)
+            ends = elapsed_ns + np.cumsum(np.round(old.timing.duration_s * 1e9))
+            starts = np.concatenate([[elapsed_ns], ends[:-1]])
+            cut = int(np.searchsorted(starts, left_ns, side="left"))  # passes starting before
+            if cut >= len(phase):
+                points.append(old)
+                elapsed_ns = int(ends[-1])
+                continue
+            head = self.plan(phase.slice(0, cut), previous=True)
+            rest = self.plan(phase.slice(cut))
+            points.extend([head, rest])
+            elapsed_ns += round(head.timing.total_s * 1e9) + round(rest.timing.total_s * 1e9)
+        return tuple(points)
 
 
 class FreeRunningNode:
