@@ -30,7 +30,7 @@ DELETE = object()
 #: The smallest useful twin campaign: 2 clocks x 1 limit x batch 1 x 2 drafters x 1 corpus.
 TINY: dict[str, Any] = {
     "campaign": {"name": "tiny"},
-    "gpu": {"backend": "twin", "profile": "h100-sxm", "devices": [0]},
+    "gpu": {"backend": "twin", "profile": "h100-sxm:none", "devices": [0]},  # exact twin
     "knobs": {"sm_clock": [1980, 1500], "power_limit": [700], "settle_s": 0.0},
     "engine": {"backend": "twin", "model": "llama-3.1-8b"},
     "drafters": {

@@ -27,7 +27,7 @@ name = "rayed"
 
 [gpu]
 backend = "twin"
-profile = "h100-sxm"
+profile = "h100-sxm:none"  # the exact twin: each GPU's cells reproduce exactly
 devices = [0]
 
 [knobs]
@@ -79,8 +79,14 @@ def assert_same_cells(a, b) -> None:
     for dim in a.dims:
         np.testing.assert_array_equal(a[dim].values, b[dim].values)
     for name in a.data_vars:
+        if str(name).startswith("gpu_time_"):
+            continue  # each worker pays its own server starts and settles
         if a[name].dtype.kind in "OUS":
             np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
+        if str(name).endswith("_rel_ci"):
+            # two rounds' t (12.7) times the difference of their energies: absolute
+            np.testing.assert_allclose(a[name].values, b[name].values, atol=5e-3, equal_nan=True)
             continue
         rtol = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
         np.testing.assert_allclose(

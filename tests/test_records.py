@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write
+from conftest import replace_block, write
 from test_journal import TINY
 from test_sweep import assert_cubes_equal
 
@@ -296,7 +296,9 @@ def _as_version_1(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_a_sweep_resumes_an_old_format_journal(tmp_path: Path) -> None:
-    campaign = write(tmp_path / "tiny.toml", TINY)
+    # The exact twin: the resumed cell must equal the uninterrupted run's (no thermal history).
+    exact = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+    campaign = write(tmp_path / "tiny.toml", exact)
     clean, old = tmp_path / "clean", tmp_path / "old"
     sweep = ["sweep", str(campaign), "--no-progress", "--out"]
     assert CliRunner().invoke(cli, [*sweep, str(clean)]).exit_code == 0
@@ -312,4 +314,10 @@ def test_a_sweep_resumes_an_old_format_journal(tmp_path: Path) -> None:
     resumed = CliRunner().invoke(cli, [*sweep, str(old)])
     assert resumed.exit_code == 0, resumed.output
     assert "1 cell(s) measured" in resumed.output
-    assert_cubes_equal(open_cube(old / "cube.nc"), open_cube(clean / "cube.nc"), energy_rtol=1e-4)
+    # the resumed cell pays its own overheads (a server start, its knob's settle)
+    assert_cubes_equal(
+        open_cube(old / "cube.nc"),
+        open_cube(clean / "cube.nc"),
+        energy_rtol=1e-4,
+        ignore=("gpu_time_",),
+    )
