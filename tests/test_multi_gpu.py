@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import PYTHON, replace_block, subprocess_env, write
 
 from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
@@ -148,6 +151,15 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     assert again.exit_code == 0, again.output
     assert "58 cell(s) measured" in again.output and "14 already done" in again.output
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+    # Other settings, or another shard, are refused before any worker opens its GPUs.
+    edited = write(
+        tmp_path / "edited.toml",
+        replace_block(CAMPAIGN, "output_tokens = 48", "output_tokens = 40"),
+    )
+    changed = sweep(str(edited), "--gpus", "0-3", "--out", str(out))
+    assert changed.exit_code == 1 and "workload.output_tokens: 48 -> 40" in changed.output
+    sharded = sweep(campaign, "--gpus", "0-3", "--shard", "0/2", "--out", str(out))
+    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
     # Another GPU set would mix GPUs in one journal: refused in one line.
     other = tmp_path / "other"
     other.mkdir()
@@ -254,6 +266,8 @@ def test_gpu_lists() -> None:
         ("0,,1", "an empty entry"),
         ("zero", "neither a GPU index"),
         ("0-2", "do not split into servers of engine.tp_size = 2"),
+        ("0,h200-sxm:0", "one GPU model per group"),
+        ("nope:0-1", "unknown twin profile 'nope'"),
     ],
 )
 def test_bad_gpu_lists_are_one_line(spec: str, why: str, tmp_path: Path) -> None:
@@ -290,3 +304,101 @@ def test_the_workers_campaign_is_its_group(tmp_path: Path) -> None:
     # A campaign without groups hashes as before groups existed.
     plain = load_campaign(write(tmp_path / "p.toml", CAMPAIGN))
     assert "groups" not in json.dumps(plain.semantic_dict())
+
+
+def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: Path) -> None:
+    """Two twin H100s and two twin H200s: the campaign runs once per model, each model's
+    workers share its cells, and the cube merges the two along `gpu`."""
+    out = tmp_path / "mixed"
+    result = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    assert [j.parent.name for j in journals] == [
+        "gpu-nvidia-h100-80gb-hbm3-twin",
+        "gpu-nvidia-h200-twin",
+    ]
+    for journal in journals:
+        cells = [r for r in read_records(journal) if r["type"] == "cell"]
+        assert len(cells) == 72 and len({r["worker"] for r in cells}) == 2
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
+    h100 = merged.isel(gpu=0).drop_vars("gpu")
+    one = open_cube(runs / "one" / "cube.nc")
+    np.testing.assert_array_equal(h100["tpot_ms"].values, one["tpot_ms"].values)
+    # The H200 reads weights faster: lower latency at every setting.
+    assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
+    # The journals alone resume: nothing left to run.
+    again = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    assert again.exit_code == 0 and "144 already done" in again.output
+    # A folder of one model's run refuses a fleet that mixes models.
+    refused = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(runs / "four"))
+    assert refused.exit_code == 0  # nothing to run: every cell is in four/'s journal
+    half = tmp_path / "half"
+    half.mkdir()
+    lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
+    (half / "journal.jsonl").write_text("".join(lines[:12]))
+    mixed = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
+    assert mixed.exit_code == 1
+    assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_worker_and_the_rerun_finishes(runs: Path, tmp_path: Path) -> None:
+    """SIGINT mid-campaign: the workers stop after their cell and restore their GPUs, the
+    driver journals what they finished, exit 130; the same command then finishes the rest."""
+    bigger = replace_block(
+        CAMPAIGN,
+        "sm_clock = [1980, 1410, 1005]",
+        "sm_clock = { start = 705, stop = 1980, step = 75 }",
+    )
+    campaign = write(tmp_path / "big.toml", bigger)
+    out = tmp_path / "out"
+    argv = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--gpus", "0-3", "--out", str(out)]
+    proc = subprocess.Popen(
+        [*argv, "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    journal = out / "journal.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < 30:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the sweep did not progress"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    total = 18 * 2 * 2 * 3 * 2
+    assert proc.returncode == 130, output
+    assert "GPU settings restored" in output
+    done = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert 30 <= len(done) < total, "the interruption must land mid-campaign"
+    again = subprocess.run(
+        argv + ["--no-progress"], env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"{len(done)} already done" in again.stderr
+    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(keys) == len(set(keys)) == total
+
+
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ('mode = "in-flight"', "measurement.mode = in-flight runs on one GPU group only"),
+        ("max_repeats = 3", "measurement.max_repeats = 3 adds repeats while running"),
+    ],
+)
+def test_what_workers_cannot_do_yet_is_refused(setting: str, why: str, tmp_path: Path) -> None:
+    text = replace_block(CAMPAIGN, "idle_s = 1.0", f"idle_s = 1.0\n{setting}")
+    campaign = write(tmp_path / "c.toml", text)
+    result = sweep(str(campaign), "--gpus", "0-1", "--out", str(tmp_path / "o"))
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and why in lines[0]
