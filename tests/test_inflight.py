@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sglang_support import running, stub_campaign
 
-from dvfs.engines.base import RequestTrace
+from dvfs.backends import open_backends
+from dvfs.campaign import load_campaign
+from dvfs.clock import MonotonicClock
+from dvfs.corpora import sample_prompts
+from dvfs.corpora.prepare import load_corpora
+from dvfs.engines.base import KnobStep, KnobTimeline, RequestTrace, Workload
+from dvfs.engines.sglang import SglangEngine
+from dvfs.errors import GpuError
+from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.inflight import (
     inflight_groups,
     level_estimates,
@@ -19,8 +32,11 @@ from dvfs.measure.inflight import (
     segment_requests,
     segments_per_round,
 )
-from dvfs.measure.meter import tokens_in_window
-from dvfs.measure.plan import Cell
+from dvfs.measure.journal import Journal
+from dvfs.measure.meter import steady_window_ns, tokens_in_window
+from dvfs.measure.plan import Cell, plan_cells
+from dvfs.measure.runner import Runner
+from dvfs.measure.sampler import Sampler
 
 schemes = st.sampled_from(["abba", "serpentine"])
 
@@ -155,3 +171,159 @@ def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
     # one level in one abba round: two segments, a level and a drift: nothing left over
     _, none_left = level_estimates([1.0, 1.1], segment_order(1, "abba", 1), 1, 0.95)
     assert np.isinf(none_left).all()
+
+
+# -- on the twin: the engine steps the knob inside a decode ------------------------------------
+
+INFLIGHT_CAMPAIGN = """
+[campaign]
+name = "inflight"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1500, 1005]
+settle_s = 0.5
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[workload]
+batch = [8]
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = 256
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 1.0
+max_rounds = 6
+sample_period_s = 0.02
+idle_s = 0.5
+mode = "in-flight"
+settle = 0.5
+"""
+
+
+@contextlib.contextmanager
+def twin_runner(tmp_path: Path, text: str = INFLIGHT_CAMPAIGN) -> Iterator[Runner]:
+    """A runner on the twin, its session open and its one drafter's server started."""
+    path = tmp_path / "campaign.toml"
+    path.write_text(text)
+    campaign = load_campaign(path)
+    with (
+        open_backends(campaign, out_dir=tmp_path) as b,
+        KnobController(b.gpus) as knobs,
+        Journal(tmp_path / "journal.jsonl") as journal,
+    ):
+        runner = Runner(
+            campaign,
+            gpus=b.gpus,
+            engine=b.engine,
+            clock=b.clock,
+            journal=journal,
+            knobs=knobs,
+            corpora=load_corpora(campaign),
+        )
+        runner.open_session()
+        b.engine.start(campaign.drafters[0])
+        yield runner
+
+
+def test_twin_steps_the_knob_at_pass_boundaries_through_the_controller(tmp_path: Path) -> None:
+    with twin_runner(tmp_path) as runner:
+        device = runner.gpus[0].device  # type: ignore[attr-defined]
+        cell = plan_cells(runner.campaign)[0]
+        seen: list[tuple[int, int]] = []
+
+        def to(mhz: int) -> Callable[[], None]:
+            def step() -> None:
+                runner.knobs.apply(KnobSetting(mhz, None))
+                seen.append((runner.clock.now_ns(), mhz))
+
+            return step
+
+        steps = (KnobStep(0.0, to(1980)), KnobStep(0.6, to(1005)), KnobStep(1.2, to(1500)))
+        with Sampler(runner.gpus, runner.clock, 0.01) as sampler:
+            result = runner.engine.run(runner._workload(cell, "t", 400), KnobTimeline(steps))
+        window = steady_window_ns(result, "fixed")
+        assert window is not None
+        assert [t for t, _ in seen] == list(result.knob_ns)
+        decode = window[0]  # every request's first token: the decode's start
+        for (t, _), step in zip(seen, steps, strict=True):
+            assert t >= decode + round(step.at_s * 1e9)
+        assert device.locked_mhz == (1500, 1500)  # the controller's last write
+        # Once a change has settled, the passes up to the next step run at the clock it set.
+        samples = sampler.samples.arrays()
+        t, clock = samples["t_ns"], samples["sm_clock_mhz"]
+        settle_ns = round(device.profile.settle_time_s * 1e9)
+        bounds = [t for t, _ in seen] + [window[1]]
+        for (start, mhz), end in zip(seen, bounds[1:], strict=True):
+            # (a pass in flight when it settles still ends at the old clock)
+            inside = (t > start + settle_ns + 50_000_000) & (t < end)
+            assert inside.sum() >= 5 and set(clock[inside].tolist()) == {mhz}
+        # A step due after the decode ends does not run.
+        late = KnobTimeline((KnobStep(0.0, to(1980)), KnobStep(3600.0, to(1005))))
+        again = runner.engine.run(runner._workload(cell, "u", 50), late)
+        assert len(again.knob_ns) == 1
+
+
+# -- SGLang: a stepping thread beside the streaming requests (the stub server, loopback) ------
+
+
+def test_sglang_steps_the_knob_on_a_thread_while_the_batch_streams(tmp_path: Path) -> None:
+    stub = {"ttft_s": 0.02, "tpot_s": 0.004, "seed": 3}
+    path, marker = stub_campaign(
+        tmp_path, stub=stub, batch="[4]", drafters='[drafters.none]\nalgorithm = "none"\n'
+    )
+    campaign = load_campaign(path)
+    clock = MonotonicClock()
+    corpus = load_corpora(campaign)["code"]
+    prompts = sample_prompts(corpus, 4, input_tokens=campaign.workload.input_tokens, seed=0)
+    workload = Workload(4, prompts, "code", 120, 0.0, True)
+    ran: list[tuple[int, str]] = []
+
+    def mark(name: str) -> Callable[[], None]:
+        return lambda: ran.append((clock.now_ns(), name))
+
+    timeline = KnobTimeline(
+        (KnobStep(0.0, mark("a")), KnobStep(0.1, mark("b")), KnobStep(0.2, mark("c")))
+    )
+    late = KnobTimeline((KnobStep(0.0, mark("d")), KnobStep(600.0, mark("never"))))
+    with SglangEngine(campaign, clock=clock, log_dir=tmp_path / "logs") as engine:
+        engine.start(campaign.drafters[0])
+        result = engine.run(workload, timeline)
+        after = len(ran)
+        again = engine.run(workload, late)
+    assert running(marker) == []
+    assert [name for _, name in ran] == ["a", "b", "c", "d"]
+    # each instant is taken once the step's change returned
+    assert len(result.knob_ns) == after == 3
+    assert all(t <= k for (t, _), k in zip(ran, result.knob_ns, strict=False))
+    decode = max(int(r.chunk_ns[0]) for r in result.requests)  # every request's first token
+    for t, step in zip(result.knob_ns, timeline.steps, strict=True):
+        assert t >= decode + round(step.at_s * 1e9)  # never early (late is the OS's business)
+    assert len(again.knob_ns) == 1  # the step due after the decode never ran
+
+
+def test_a_step_that_fails_on_the_thread_fails_the_round(tmp_path: Path) -> None:
+    path, _ = stub_campaign(tmp_path, batch="[2]", drafters='[drafters.none]\nalgorithm = "none"\n')
+    campaign = load_campaign(path)
+    corpus = load_corpora(campaign)["code"]
+    prompts = sample_prompts(corpus, 2, input_tokens=campaign.workload.input_tokens, seed=0)
+
+    def refuse() -> None:
+        raise GpuError("GPU 0: the lock was refused")
+
+    timeline = KnobTimeline((KnobStep(0.0, refuse),))
+    with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
+        engine.start(campaign.drafters[0])
+        with pytest.raises(GpuError, match="lock was refused"):
+            engine.run(Workload(2, prompts, "code", 40, 0.0, True), timeline)

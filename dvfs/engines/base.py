@@ -2,10 +2,21 @@
 
 Timestamps are integers on the runner's `Clock` (ns), so the meter can line token arrivals up
 with the energy counter's samples.
+
+In-flight stepping (`dvfs.measure.inflight`) changes the knob while a fixed batch decodes:
+`Engine.run(workload, timeline)` takes a `KnobTimeline`, steps timed from the decode's start
+(the instant every request of the batch has its first token). The engine runs each step's
+callback in order, at its instant or as soon after as it can (the twin at the next forward
+pass boundary, in virtual time; SGLang on a stepping thread beside the streaming requests),
+never before, and reports when each ran in `RoundResult.knob_ns` (the instant its callback
+returned); steps due after the decode ended do not run. The callbacks apply knobs through the
+sweep's `KnobController`, so the safety layer records and restores every change. Without a
+timeline nothing changes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,6 +149,28 @@ def check_chunk_times(chunk_ns: np.ndarray, counts: np.ndarray) -> None:
 
 
 @dataclass(frozen=True)
+class KnobStep:
+    """One knob change inside a round: `apply` runs `at_s` seconds after the decode starts."""
+
+    at_s: float
+    apply: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class KnobTimeline:
+    """Knob changes to make while a fixed batch decodes, in time order (see the module)."""
+
+    steps: tuple[KnobStep, ...]
+
+    def __post_init__(self) -> None:
+        at = [s.at_s for s in self.steps]
+        if any(not a >= 0 for a in at):
+            raise ValueError("knob steps must come at or after the decode's start")
+        if any(b < a for a, b in zip(at, at[1:], strict=False)):
+            raise ValueError("knob steps must be in time order")
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """The traces of one round, plus what the server says about acceptance."""
 
@@ -145,6 +178,8 @@ class RoundResult:
     started_ns: int
     ended_ns: int
     server_accept_length: float | None = None
+    #: When each step of the round's `KnobTimeline` ran (ns), in order; empty without one.
+    knob_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +206,8 @@ class Engine(Protocol):
         """(Re)start serving with `drafter`; returns once the server answers requests."""
         ...
 
-    def run(self, workload: Workload) -> RoundResult: ...
+    def run(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
+        """Decode `workload`; with a `timeline` (fixed batches), step the knobs as it says."""
+        ...
 
     def stop(self) -> None: ...

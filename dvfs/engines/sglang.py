@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora import Prompt
-from dvfs.engines.base import RoundResult, ServerInfo, Workload
+from dvfs.engines.base import KnobTimeline, RoundResult, ServerInfo, Workload
 from dvfs.engines.sglang_args import (
     Kernels,
     check_same_kernels,
@@ -304,9 +305,11 @@ class SglangEngine:
         self._client = None
 
     # -- workload ---------------------------------------------------------------------------
-    def run(self, workload: Workload) -> RoundResult:
+    def run(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
         if self._client is None:
             raise EngineCrashedError("no server is running (it died or was never started)")
+        if timeline is not None and timeline.steps and workload.mode == "closed-loop":
+            raise EngineError("knob steps inside a round need a fixed batch")
         client = self._client
         self._round += 1
         texts = [self.formatter(p) for p in workload.prompts]
@@ -315,10 +318,15 @@ class SglangEngine:
         try:
             client.flush_cache()
             started = self.clock.now_ns()
-            if workload.mode == "closed-loop":
-                traces = client.run_closed_loop(texts, params, workload.batch, tag)
-            else:
-                traces = client.run_batch(texts, params, tag)
+            stepper = _Stepper(timeline, self.clock) if timeline and timeline.steps else None
+            try:
+                if workload.mode == "closed-loop":
+                    traces = client.run_closed_loop(texts, params, workload.batch, tag)
+                else:
+                    started_cb = stepper.decode_started if stepper else None
+                    traces = client.run_batch(texts, params, tag, started_cb)
+            finally:
+                knob_ns = stepper.finish() if stepper else ()
             ended = self.clock.now_ns()
             # The flush above reset the server's running average (Scheduler.flush_cache calls
             # reset_metrics in 0.5.9 and 0.5.23 alike), so it covers this round only.
@@ -329,7 +337,7 @@ class SglangEngine:
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None))
-        return RoundResult(tuple(traces), started, ended, accept)
+        return RoundResult(tuple(traces), started, ended, accept, knob_ns)
 
     def _crash_message(self, exc: Exception | None) -> str:
         code = None
@@ -341,6 +349,55 @@ class SglangEngine:
             f"the SGLang server died (exit code {code}){why}\n"
             f"--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
         )
+
+
+class _Stepper:
+    """A `KnobTimeline` run on its own thread while the requests stream: it waits for the
+    decode's start (`decode_started`, called from the client's event loop), then runs each
+    step at its instant on the clock. `finish` stops it (steps not yet due never run), and
+    raises what a step raised (a knob that failed to apply) in the caller's thread."""
+
+    def __init__(self, timeline: KnobTimeline, clock: Clock) -> None:
+        self.timeline = timeline
+        self.clock = clock
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._start_ns = 0
+        self.ran: list[int] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="dvfs-knob-steps", daemon=True)
+        self._thread.start()
+
+    def decode_started(self, t_ns: int) -> None:
+        self._start_ns = t_ns
+        self._started.set()
+
+    def _loop(self) -> None:
+        while not self._started.wait(0.05):
+            if self._stop.is_set():
+                return
+        for step in self.timeline.steps:
+            due = self._start_ns + round(step.at_s * 1e9)
+            while (left := due - self.clock.now_ns()) > 0:
+                if self._stop.wait(left * 1e-9):
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                step.apply()
+            except BaseException as exc:  # raised by finish() in the caller's thread
+                self.error = exc
+                return
+            self.ran.append(self.clock.now_ns())
+
+    def finish(self) -> tuple[int, ...]:
+        self._stop.set()
+        self._thread.join(timeout=STOP_GRACE_S)
+        if self._thread.is_alive():
+            raise EngineError("the knob-stepping thread did not stop (a knob change hung)")
+        if self.error is not None:
+            raise self.error
+        return tuple(self.ran)
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

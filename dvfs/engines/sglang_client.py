@@ -153,12 +153,17 @@ class SglangClient:
 
     # -- streaming generate ---------------------------------------------------------------------
     async def _request(
-        self, client: Any, text: str, params: SamplingParams, rid: str
+        self,
+        client: Any,
+        text: str,
+        params: SamplingParams,
+        rid: str,
+        on_first: Callable[[int], None] | None = None,
     ) -> RequestTrace:
         """One streamed request under its total deadline."""
         try:
             return await asyncio.wait_for(
-                self._stream(client, text, params, rid), timeout=self.request_timeout_s
+                self._stream(client, text, params, rid, on_first), timeout=self.request_timeout_s
             )
         except TimeoutError as exc:
             raise RequestDeadlineError(
@@ -167,7 +172,12 @@ class SglangClient:
             ) from exc
 
     async def _stream(
-        self, client: Any, text: str, params: SamplingParams, rid: str
+        self,
+        client: Any,
+        text: str,
+        params: SamplingParams,
+        rid: str,
+        on_first: Callable[[int], None] | None = None,
     ) -> RequestTrace:
         httpx = _httpx()
         body = {"text": text, "sampling_params": params.as_json(), "stream": True, "rid": rid}
@@ -208,6 +218,8 @@ class SglangClient:
                     prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
                     new = int(count) - seen
                     if new > 0:
+                        if not chunk_ns and on_first is not None:
+                            on_first(now)
                         chunk_ns.append(now)
                         chunk_tokens.append(new)
                         seen = int(count)
@@ -262,14 +274,27 @@ class SglangClient:
         return httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
 
     def run_batch(
-        self, texts: Sequence[str], params: SamplingParams, tag: str
+        self,
+        texts: Sequence[str],
+        params: SamplingParams,
+        tag: str,
+        on_started: Callable[[int], None] | None = None,
     ) -> list[RequestTrace]:
-        """All requests at once (a fixed batch): the server decodes them together."""
+        """All requests at once (a fixed batch): the server decodes them together.
+        `on_started(t_ns)` is called once every request has its first token (the decode's
+        start), from the event loop: it must return at once."""
+        waiting = [len(texts)]
+
+        def first(t_ns: int) -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0 and on_started is not None:
+                on_started(t_ns)
 
         async def main() -> list[RequestTrace]:
             async with self._async_client(len(texts)) as client:
                 tasks = [
-                    self._request(client, t, params, f"{tag}-{i}") for i, t in enumerate(texts)
+                    self._request(client, t, params, f"{tag}-{i}", first)
+                    for i, t in enumerate(texts)
                 ]
                 return list(await asyncio.gather(*tasks))
 

@@ -20,6 +20,7 @@ from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import (
+    KnobTimeline,
     RequestTrace,
     RoundResult,
     ServerInfo,
@@ -114,12 +115,14 @@ class TwinEngine:
         self.stop()
 
     # -- workload ---------------------------------------------------------------------------
-    def run(self, workload: Workload) -> RoundResult:
+    def run(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
         if self._drafter is None:
             raise EngineError("the twin engine was asked to run before start()")
         if workload.mode == "closed-loop":
+            if timeline is not None and timeline.steps:
+                raise EngineError("knob steps inside a round need a fixed batch")
             return self._run_closed_loop(workload)
-        return self._run_fixed(workload)
+        return self._run_fixed(workload, timeline)
 
     def _acceptance(self, workload: Workload) -> tuple[float, int]:
         plan = self._plan
@@ -150,13 +153,12 @@ class TwinEngine:
             self._rounds.popitem(last=False)
         return planned
 
-    def _run_fixed(self, workload: Workload) -> RoundResult:
+    def _run_fixed(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
         clock = self.node.clock
         t0 = clock.now_ns()
         planned = self._fixed_round(workload)
         n_prefill, n_iter, width = planned.n_prefill, planned.n_iter, planned.width
-        point = self.node.execute(*planned.phases)
-        ends_ns = t0 + point.ends_ns
+        ends_ns, knob_ns = self._execute(planned.phases, timeline)
         first_ns = ends_ns[:n_prefill][planned.done_chunk]
         iter_ns = ends_ns[n_prefill + np.arange(n_iter) * width + verify_column(self._plan, width)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
@@ -172,7 +174,62 @@ class TwinEngine:
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length)
+        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length, knob_ns)
+
+    def _execute(
+        self, phases: tuple[Passes, ...], timeline: KnobTimeline | None
+    ) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Run a round's phases (the prefill first) from now: when each pass ends (ns on the
+        clock) and when each of the timeline's steps ran.
+
+        Without steps every phase starts at once, each at its own operating point. With
+        steps the decode starts when the prefill ends; each step runs at the first pass
+        boundary at or after its instant, and the passes up to there form a sub-phase at the
+        operating point the node had when it began (the knob then in force): the decode
+        splits into sub-phases at the steps, in virtual time. Steps due after the work ends
+        do not run."""
+        clock = self.node.clock
+        t0 = clock.now_ns()
+        if timeline is None or not timeline.steps:
+            return t0 + self.node.execute(*phases).ends_ns, ()
+        pieces: list[np.ndarray] = []
+
+        def run(passes: Passes) -> None:
+            start = clock.now_ns()
+            pieces.append(start + self.node.execute(passes).ends_ns)
+            _wait_until(clock, int(pieces[-1][-1]))
+
+        prefill, *decode = phases
+        if len(prefill):
+            run(prefill)
+        decode_ns = clock.now_ns()
+        queue = [p for p in decode if len(p)]
+        ran: list[int] = []
+        for step in timeline.steps:
+            due = decode_ns + round(step.at_s * 1e9)
+            while queue and clock.now_ns() < due:
+                head = queue[0]
+                k = self._passes_until(head, due - clock.now_ns())
+                run(head.slice(0, k))
+                queue[0] = head.slice(k)
+                if not len(queue[0]):
+                    queue.pop(0)
+            if clock.now_ns() < due:
+                break  # the work ended before this step
+            step.apply()
+            ran.append(clock.now_ns())
+        if queue:
+            pieces.append(clock.now_ns() + self.node.execute(*queue).ends_ns)
+        return np.concatenate(pieces), tuple(ran)
+
+    def _passes_until(self, passes: Passes, within_ns: int) -> int:
+        """How many of `passes`, started now, run until the first pass end at least
+        `within_ns` away (all of them when they end sooner), at the node's operating point
+        now (planned only: nothing starts)."""
+        plan = getattr(self.node, "plan", None)
+        point = plan(passes) if plan is not None else self.node.execute(passes).points[0]
+        ends = np.cumsum(np.round(point.timing.duration_s * 1e9))
+        return min(len(passes), int(np.searchsorted(ends, within_ns, side="left")) + 1)
 
     def _run_closed_loop(self, workload: Workload) -> RoundResult:
         """Concurrency held at `batch` from the prompt pool, natural output lengths.

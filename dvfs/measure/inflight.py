@@ -356,7 +356,7 @@ def _measure_group(
     attempt: int,
     errors: Sequence[str],
 ) -> list[CellRecord]:
-    from dvfs.engines.base import KnobStep, KnobTimeline  # type: ignore[attr-defined]
+    from dvfs.engines.base import KnobStep, KnobTimeline
     from dvfs.measure.sampler import Sampler
     from dvfs.records import CellRecord
 
@@ -414,16 +414,16 @@ def _measure_group(
                 for k, c in enumerate(order)
             )
             with Sampler(runner.gpus, clock, m.sample_period_s) as sampler:
-                result = runner.engine.run(workload, KnobTimeline(steps))  # type: ignore[call-arg]
+                result = runner.engine.run(workload, KnobTimeline(steps))
             failed = [r.error for r in result.requests if r.error]
             if failed:
                 raise EngineError(f"{len(failed)} request(s) failed; first: {failed[0]}")
             samples = sampler.samples.arrays()
             window = steady_window_ns(result, "fixed")
-            if window is None or not result.knob_ns:  # type: ignore[attr-defined]
+            if window is None or not result.knob_ns:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
             results.append(result)
-            starts = list(result.knob_ns)  # type: ignore[attr-defined]
+            starts = list(result.knob_ns)
             ends = starts[1:] + [starts[-1] + _ns(segment_s)] if starts else []
             gpu_time["prefill"] += (starts[0] - result.started_ns) * 1e-9
             gpu_time["drain"] += max(0, result.ended_ns - ends[-1]) * 1e-9
