@@ -228,6 +228,9 @@ class _Measured:
     energy_per_token_j: float
     tpot_ms: float
     rate_tok_s: float
+    #: Tokens each request had decoded by the middle of the measured span (its context is
+    #: its prompt plus these): where along the decode this segment sat.
+    decoded_tokens: float
 
 
 def _ns(seconds: float) -> int:
@@ -273,6 +276,16 @@ def tokens_needed(rates_tok_s: Sequence[float], segment_s: float, margin: float)
     """Output tokens per request so the decode outlasts its segments (one rate per segment,
     tokens per second per request), with head room; the first token comes from the prefill."""
     return math.ceil(sum(rates_tok_s) * segment_s * margin) + 1
+
+
+def decoded_by(requests: Sequence[RequestTrace], t_ns: int) -> float:
+    """Mean tokens per request that had arrived by `t_ns`."""
+    counts = [
+        float(r.chunk_tokens[: int(np.searchsorted(r.chunk_ns, t_ns, side="right"))].sum())
+        for r in requests
+        if r.error is None
+    ]
+    return float(np.mean(counts)) if counts else math.nan
 
 
 def level_estimates(
@@ -454,6 +467,7 @@ def _measure_group(
                         alone.energy_per_token_j,
                         alone.latency.tpot_ms[0],
                         rate_here,
+                        decoded_by(result.requests, (lo + hi) // 2) if span else math.nan,
                     )
                 )
             rounds += 1
@@ -489,6 +503,11 @@ def _measure_group(
             "confidence": confidence,
             "energy_per_token_rel_halfwidth": _finite_or_none(float(energy_half[index])),
             "tpot_rel_halfwidth": _finite_or_none(float(tpot_half[index])),
+            # where along the decode the level was measured: a per-level cell of
+            # output_tokens sits at about output_tokens / 2
+            "mean_decoded_tokens": _finite_or_none(
+                float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
+            ),
             "segments": [
                 {
                     "round": s.segment.round,
@@ -496,6 +515,7 @@ def _measure_group(
                     "start_s": round((s.start_ns - results[s.segment.round].started_ns) * 1e-9, 6),
                     "measured_s": round((s.window[1] - s.window[0]) * 1e-9, 6) if s.window else 0.0,
                     "energy_per_token_j": _finite_or_none(s.energy_per_token_j),
+                    "decoded_tokens": _finite_or_none(s.decoded_tokens),
                 }
                 for s in mine
             ],
