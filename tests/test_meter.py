@@ -15,6 +15,7 @@ from dvfs.measure.meter import (
     INVALIDATING,
     Q_CLOCK_NOT_REACHED,
     Q_COUNTER_STALLED,
+    Q_FEW_COUNTER_UPDATES,
     Q_FEW_SAMPLES,
     Q_POWER_CAPPED,
     Q_SHORT_WINDOW,
@@ -87,7 +88,7 @@ def part(clock=1500, reasons=0, energy=(0, 100, 200, 300, 400)) -> WindowPart:
     return WindowPart(result, (0, 100 * MS), samples([0, 25, 50, 75, 100], energy, clock, reasons))
 
 
-def test_energy_is_the_interpolated_counter_over_the_window() -> None:
+def test_energy_is_taken_between_counter_updates_inside_the_window() -> None:
     s = samples([0, 100], [1000, 2000])
     assert counter_at(s, 25 * MS) == 1250
     m = summarise(
@@ -96,12 +97,19 @@ def test_energy_is_the_interpolated_counter_over_the_window() -> None:
         min_window_s=0.05,
         sample_period_s=0.025,
         idle_power_w=75,
+        precision=0.5,  # the edges' 25 ms brackets make the 75 ms uncertain by a third
     )
-    assert m.energy_j == pytest.approx(0.4)
-    assert m.output_tokens == 20 and m.energy_per_token_j == pytest.approx(0.02)
+    # Updates seen at 25, 50, 75 and 100 ms, each somewhere in the 25 ms before: at 12.5, 37.5,
+    # 62.5 and 87.5 ms (the brackets' middles). Energy from the first to the last inside the
+    # window (100 -> 400 mJ over 75 ms), tokens over the same 75 ms (2 every 10 ms).
+    assert m.energy_j == pytest.approx(0.3)
+    assert m.decode_time_s == pytest.approx(0.075)
+    assert m.window_tokens == pytest.approx(15) and m.output_tokens == 15
+    assert m.energy_per_token_j == pytest.approx(0.02)
     assert m.power_mean_w == pytest.approx(4.0)
     assert m.valid and m.quality == 0
-    assert m.energy_per_token_above_idle_j == pytest.approx((0.4 - 75 * 0.1) / 20)
+    assert m.counter_updates == 4
+    assert m.energy_per_token_above_idle_j == pytest.approx((0.3 - 75 * 0.075) / 15)
 
 
 @pytest.mark.parametrize(
@@ -120,8 +128,10 @@ def test_energy_is_the_interpolated_counter_over_the_window() -> None:
         ({}, {"reasons": EVENT_HW_THERMAL}, Q_THROTTLED, False),
         ({}, {"energy": (0, 0, 0, 0, 0)}, Q_COUNTER_STALLED, False),
         ({"min_window_s": 5.0}, {}, Q_SHORT_WINDOW, True),
+        # 75 ms between updates seen 25 ms apart: not known to 1%
+        ({"precision": 0.01}, {}, Q_FEW_COUNTER_UPDATES, False),
     ],
-    ids=["below-lock", "power-capped", "above-lock", "thermal", "stalled", "short"],
+    ids=["below-lock", "power-capped", "above-lock", "thermal", "stalled", "short", "few-updates"],
 )
 def test_quality_flags(kwargs, part_kwargs, flag, valid) -> None:
     args = {
@@ -129,6 +139,7 @@ def test_quality_flags(kwargs, part_kwargs, flag, valid) -> None:
         "min_window_s": 0.05,
         "sample_period_s": 0.025,
         "idle_power_w": 75.0,
+        "precision": 0.5,
         **kwargs,
     }
     m = summarise([part(**part_kwargs)], **args)

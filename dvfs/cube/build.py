@@ -17,6 +17,7 @@ from dvfs.cube.schema import (
     CELL_DIMS,
     COORD_ATTRS,
     CUBE_SCHEMA,
+    GPU_TIME,
     STATUS_FAILED,
     STATUS_MISSING,
     STATUS_OK,
@@ -27,6 +28,7 @@ from dvfs.errors import CubeError, JournalError
 from dvfs.measure.journal import iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
+    GPU_TIME_KEYS,
     CampaignFacts,
     CellRecord,
     Header,
@@ -127,6 +129,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "stock_power_limit_w": session.stock.power_limit_w,
         "power_limit_range_w": list(session.power_limit_range_w),
         "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
+        "counter_update_period_s": _counter_periods(journal),
         "measurement_method": session.measurement_method,
         "token_count_method": session.token_count_method,
         "corpora": json.dumps(session.corpora, sort_keys=True),
@@ -134,6 +137,18 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",
     }
+
+
+def _counter_periods(journal: JournalContents) -> list[float]:
+    """Each GPU's energy-counter update period (s) as the latest session that detected one saw
+    it (NaN where none did)."""
+    count = len(journal.sessions[-1].gpus)
+    for session in reversed(journal.sessions):
+        if session.counter_update_period_s:
+            periods = list(session.counter_update_period_s)[:count]
+            periods += [None] * (count - len(periods))
+            return [math.nan if p is None else float(p) for p in periods]
+    return [math.nan] * count
 
 
 def build_cube(journal_path: str | Path) -> xr.Dataset:
@@ -217,6 +232,8 @@ class _Filler:
             self.data[spec.name] = np.full(shape + ((extra,) if extra else ()), np.nan)
         for spec in TIMELINE:
             self.data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
+        for spec in GPU_TIME:
+            self.data[spec.name] = np.full(shape, np.nan)
         self.status = np.zeros(shape, dtype=np.int8)
 
     def _place(self, record: CellRecord) -> None:
@@ -246,6 +263,11 @@ class _Filler:
         if self.status[at] != STATUS_MISSING:  # an earlier record of this cell, replaced
             for values in self.data.values():
                 values[at] = np.nan
+        if record.gpu_time_s:  # spent whether or not the cell was measured
+            seconds = [_num(record.gpu_time_s.get(key, 0.0)) for key in GPU_TIME_KEYS]
+            for key, value in zip(GPU_TIME_KEYS, seconds, strict=True):
+                self.data[f"gpu_time_{key}_s"][at] = value
+            self.data["gpu_time_total_s"][at] = math.fsum(seconds)
         if not record.ok or record.measurement is None:
             self.status[at] = STATUS_FAILED
             self.failed[record.key] = record
@@ -290,7 +312,7 @@ def _dataset(
     coords["quantile"] = list(QUANTILES)
     coords["sample"] = list(range(TIMELINE_POINTS))
     variables: dict[str, Any] = {}
-    for spec in (*VARIABLES, *TIMELINE):
+    for spec in (*VARIABLES, *TIMELINE, *GPU_TIME):
         dims = CELL_DIMS + ((spec.extra_dim,) if spec.extra_dim else ())
         variables[spec.name] = (
             dims,

@@ -3,7 +3,9 @@ dataset has them (every reader goes through it).
 
 Schema history (`attrs["dvfs_schema"]`):
   1 - dims sm_clock, power_limit, batch, drafter, corpus, repeat (+ quantile, sample, and gpu
-      when merged); CF `units` and `long_name` on every variable and coordinate.
+      when merged); CF `units` and `long_name` on every variable and coordinate. Later
+      variables (the intervals, counter_updates, temperature_start_c, gpu_time_*_s) and the
+      counter_update_period_s attribute are additions a reader may find absent.
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).
@@ -88,6 +90,48 @@ VARIABLES = (
     ),
     VarSpec("rounds", "1", "measurement rounds taken to fill the window", integer=True),
     VarSpec("requests", "1", "requests measured", integer=True),
+    VarSpec(
+        "energy_per_token_rel_ci",
+        "1",
+        "relative half-width of the Student-t interval on energy per token over the rounds",
+    ),
+    VarSpec(
+        "latency_rel_ci",
+        "1",
+        "relative half-width of the Student-t interval on median TPOT over the rounds",
+    ),
+    VarSpec(
+        "counter_updates",
+        "1",
+        "distinct energy-counter updates inside the windows (fewest over the GPUs)",
+        integer=True,
+    ),
+    VarSpec("temperature_start_c", "degC", "hottest GPU's temperature as the cell began"),
+    VarSpec(
+        "window_tokens",
+        "1",
+        "output tokens between the windows' counter updates (a step's tokens spread over it)",
+    ),
+)
+#: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry
+#: named gpu_time_<key>_s, plus their total.
+GPU_TIME_MEANINGS = {
+    "settle": "waiting for the knob change before the cell to take effect",
+    "warmup": "the warm-up round",
+    "prefill": "each round's start before its steady window (prefill, ramp-up)",
+    "window": "the steady-state windows measured",
+    "drain": "each round's end after its steady window",
+    "idle_baseline": "the idle baseline at the cell's setting",
+    "server_start": "starting the server before the cell",
+    "stabilise": "thermal stabilisation before the cell",
+    "retry": "failed attempts",
+}
+GPU_TIME = (
+    *(
+        VarSpec(f"gpu_time_{key}_s", "s", f"GPU time: {meaning}")
+        for key, meaning in GPU_TIME_MEANINGS.items()
+    ),
+    VarSpec("gpu_time_total_s", "s", "GPU time the cell took, overheads before it included"),
 )
 TIMELINE = (
     VarSpec(

@@ -248,7 +248,8 @@ def relative_half_width(values: Sequence[float], confidence: float) -> float:
 class RoundEnergy:
     """One round's energy and tokens over the same interval: between counter updates where
     every GPU's counter updated at least twice inside the steady window (`on_updates`), else
-    the counters interpolated at the window's edges (the counter too slow for the window).
+    the counters interpolated at the window's edges (a continuous counter, exact at every
+    reading; or one too slow for the window, uncertain by a period at each edge).
 
     With several GPUs each counter has its own updates: `energy_mj` is each GPU's energy per
     token over its own interval times the tokens over the first GPU's (`tokens`,
@@ -289,6 +290,11 @@ def round_energy(
         period = periods_s[g] if g < len(periods_s) else None
         windows.append(counter_window(updates(times[:, g], values[:, g], period), start, end))
     counted = min(w.updates for w in windows)
+    if len(periods_s) >= len(windows) and all(p == 0 for p in periods_s[: len(windows)]):
+        # continuous counters: exact at every reading, so the window's own edges (chunk
+        # arrivals, the tokens between them exact) interpolate between readings a sample apart
+        energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
+        return RoundEnergy(energy, curve.between(start, end), (end - start) * 1e-9, counted, False)
     if counted < 2:
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
         known = [p for p in periods_s if p]

@@ -1,8 +1,10 @@
 """Measuring a cell: energy over a steady-state window, latency statistics, quality checks.
 
 Pure arithmetic on what `dvfs.measure.sampler` read (energy counters in mJ, power, SM clock,
-temperature and clock-event reasons) and on the engine's token timestamps: the window's energy
-is the counter interpolated at the window's edges. Latencies follow SGLang's own benchmark:
+temperature and clock-event reasons) and on the engine's token timestamps: a round's energy is
+taken between the energy counter's first and last update inside its steady window, and its
+tokens over the same interval (`dvfs.measure.counter`); the counter is interpolated at the
+window's edges only when it updated less than twice in it. Latencies follow SGLang's own benchmark:
 TTFT is the first chunk's arrival, ITL spreads each chunk gap over the tokens it carries, TPOT
 is (last - first) / (tokens - 1).
 """
@@ -17,6 +19,13 @@ import numpy as np
 
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.gpu.base import EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK
+from dvfs.measure.counter import (
+    RoundEnergy,
+    TokenCurve,
+    length_uncertainty,
+    relative_half_width,
+    round_energy,
+)
 
 QUANTILES = (0.5, 0.9, 0.99)
 #: A locked clock counts as reached when the observed mean is within this of the target.
@@ -34,6 +43,7 @@ Q_ACCEPT_MISMATCH = 1 << 5
 Q_POWER_CAPPED = 1 << 6
 Q_NO_WINDOW = 1 << 7
 Q_RETRACTED = 1 << 8
+Q_FEW_COUNTER_UPDATES = 1 << 9
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -45,9 +55,17 @@ QUALITY_FLAGS = {
     Q_POWER_CAPPED: "power_capped",
     Q_NO_WINDOW: "no_steady_window",
     Q_RETRACTED: "retracted",
+    Q_FEW_COUNTER_UPDATES: "few_counter_updates",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
-INVALIDATING = Q_CLOCK_NOT_REACHED | Q_THROTTLED | Q_COUNTER_STALLED | Q_NO_WINDOW | Q_FEW_SAMPLES
+INVALIDATING = (
+    Q_CLOCK_NOT_REACHED
+    | Q_THROTTLED
+    | Q_COUNTER_STALLED
+    | Q_NO_WINDOW
+    | Q_FEW_SAMPLES
+    | Q_FEW_COUNTER_UPDATES
+)
 
 
 def describe_quality(mask: int) -> list[str]:
@@ -233,6 +251,14 @@ class CellMeasurement:
     timeline_t_s: tuple[float, ...] = ()
     timeline_power_w: tuple[float, ...] = ()
     timeline_sm_clock_mhz: tuple[float, ...] = ()
+    #: Student-t interval over the rounds, relative half-width (see `MeasurementRecord`).
+    energy_per_token_rel_ci: float = math.nan
+    latency_rel_ci: float = math.nan
+    counter_updates: int = 0
+    temperature_start_c: float = math.nan
+    #: Tokens over the windows' intervals between counter updates, a decode step's tokens
+    #: spread over the step (a fraction); `output_tokens` rounds it. NaN: use output_tokens.
+    window_tokens: float = math.nan
 
     def __post_init__(self) -> None:
         if self.energy_j < 0 or math.isnan(self.energy_j):
@@ -247,18 +273,23 @@ class CellMeasurement:
         return not (self.quality & INVALIDATING)
 
     @property
+    def tokens(self) -> float:
+        """The window's tokens as energy per token divides by them."""
+        return self.output_tokens if math.isnan(self.window_tokens) else self.window_tokens
+
+    @property
     def energy_per_token_j(self) -> float:
-        return self.energy_j / self.output_tokens if self.output_tokens else math.nan
+        return self.energy_j / self.tokens if self.tokens > 0 else math.nan
 
     @property
     def throughput_tok_s(self) -> float:
-        return self.output_tokens / self.decode_time_s if self.decode_time_s > 0 else math.nan
+        return self.tokens / self.decode_time_s if self.decode_time_s > 0 else math.nan
 
     @property
     def energy_per_token_above_idle_j(self) -> float:
-        if not self.output_tokens:
+        if not self.tokens > 0:
             return math.nan
-        return (self.energy_j - self.idle_power_w * self.decode_time_s) / self.output_tokens
+        return (self.energy_j - self.idle_power_w * self.decode_time_s) / self.tokens
 
 
 def _thin_timeline(
@@ -278,11 +309,23 @@ def _thin_timeline(
 
 @dataclass
 class WindowPart:
-    """One round's contribution to a cell: its window and the samples taken during it."""
+    """One round's contribution to a cell: its window and the samples taken during it, and
+    its energy on the counter's updates when the runner already took it."""
 
     result: RoundResult
     window: tuple[int, int] | None
     samples: dict[str, np.ndarray]
+    energy: RoundEnergy | None = None
+
+    def round_energy(self, periods_s: Sequence[float | None] = ()) -> RoundEnergy | None:
+        """The round's energy and tokens between counter updates (None without a window)."""
+        if self.window is None:
+            return None
+        if self.energy is None:
+            done = [r for r in self.result.requests if len(r.chunk_ns)]
+            curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
+            self.energy = round_energy(self.samples, curve, self.window, periods_s)
+        return self.energy
 
 
 def summarise(
@@ -292,8 +335,18 @@ def summarise(
     min_window_s: float,
     sample_period_s: float,
     idle_power_w: float,
+    counter_periods_s: Sequence[float | None] = (),
+    precision: float = 0.01,
+    confidence: float = 0.95,
 ) -> CellMeasurement:
     """Combine a cell's rounds into one measurement and run the quality checks.
+
+    Each round's energy and tokens are taken between counter updates (`WindowPart.round_energy`,
+    with the GPUs' detected update periods); the cell's are their sums, and the rounds' energy
+    per token and median TPOT give the Student-t intervals (at `confidence`). Windows whose
+    length between updates is less certain than `precision` (`counter.length_uncertainty`:
+    too few updates, or a counter slower than the window) leave the energy less precise than
+    asked: few_counter_updates, invalid.
 
     The observed clock must match a locked clock within CLOCK_TOLERANCE_MHZ: above it, the
     lock did not take; below it without SwPowerCap, something other than the knobs held it
@@ -305,7 +358,12 @@ def summarise(
     quality = 0
     energy_mj = 0.0
     window_ns = 0
-    tokens = 0
+    tokens = 0.0
+    spanned_s = 0.0
+    intervals = 0
+    per_token: list[float] = []
+    latency: list[float] = []
+    energies: list[RoundEnergy] = []
     clock_weighted = 0.0
     power_max = 0.0
     temp_max = -math.inf
@@ -318,12 +376,18 @@ def summarise(
             continue
         start, end = part.window
         s = part.samples
-        e = counter_at(s, end) - counter_at(s, start)
-        if e <= 0:
+        e = part.round_energy(counter_periods_s)
+        assert e is not None
+        if not e.energy_mj > 0:
             quality |= Q_COUNTER_STALLED
-        energy_mj += max(e, 0.0)
+        energy_mj += max(e.energy_mj, 0.0)
         window_ns += end - start
-        tokens += tokens_in_window(part.result.requests, start, end)
+        spanned_s += e.seconds
+        tokens += e.tokens
+        intervals += max(0, e.updates - 1)
+        energies.append(e)
+        per_token.append(e.energy_per_token_j)
+        latency.append(latency_stats(part.result.requests).tpot_ms[0])
         inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
         in_window_samples += int(inside.sum())
         if inside.any():
@@ -349,6 +413,8 @@ def summarise(
         quality |= Q_SHORT_WINDOW
     if window_ns and in_window_samples < 3:
         quality |= Q_FEW_SAMPLES
+    if window_ns and length_uncertainty(energies) > precision:
+        quality |= Q_FEW_COUNTER_UPDATES
     sm_clock = clock_weighted / window_ns if window_ns and in_window_samples else math.nan
     if requested_clock_mhz is not None and not math.isnan(sm_clock):
         above = sm_clock > requested_clock_mhz + CLOCK_TOLERANCE_MHZ
@@ -366,15 +432,16 @@ def summarise(
         quality |= Q_RETRACTED
     line_t, line_power, line_clock = _thin_timeline(timeline)
     energy_j = energy_mj / 1000
+    temperatures = [p.samples["temperature_c"] for p in parts if len(p.samples["temperature_c"])]
     return CellMeasurement(
         energy_j=energy_j,
-        decode_time_s=window_s,
-        output_tokens=tokens,
+        decode_time_s=spanned_s,
+        output_tokens=round(tokens),
         rounds=len(parts),
         requests=len(all_requests),
         latency=latency_stats(all_requests),
         accept=accept,
-        power_mean_w=energy_j / window_s if window_s > 0 else math.nan,
+        power_mean_w=energy_j / spanned_s if spanned_s > 0 else math.nan,
         power_max_w=power_max if in_window_samples else math.nan,
         sm_clock_observed_mhz=sm_clock,
         temperature_max_c=temp_max if in_window_samples else math.nan,
@@ -384,4 +451,9 @@ def summarise(
         timeline_t_s=tuple(np.round(line_t, 6).tolist()),
         timeline_power_w=tuple(np.round(line_power, 3).tolist()),
         timeline_sm_clock_mhz=tuple(line_clock.tolist()),
+        energy_per_token_rel_ci=relative_half_width(per_token, confidence),
+        latency_rel_ci=relative_half_width(latency, confidence),
+        counter_updates=intervals + sum(1 for p in parts if p.energy and p.energy.updates),
+        temperature_start_c=float(temperatures[0][0]) if temperatures else math.nan,
+        window_tokens=tokens,
     )

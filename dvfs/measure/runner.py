@@ -7,9 +7,10 @@ controller as arguments and owns none of their lifetimes, so tests hand it twins
 from __future__ import annotations
 
 import logging
+import math
 import platform
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
@@ -19,22 +20,53 @@ from dvfs.corpora.sampling import eligible_prompts, stable_seed
 from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
 from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
 from dvfs.gpu.base import Gpu
-from dvfs.gpu.knobs import KnobController
-from dvfs.measure.journal import Journal
-from dvfs.measure.meter import CellMeasurement, WindowPart, steady_window_ns, summarise
+from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.measure.counter import (
+    RoundEnergy,
+    TokenCurve,
+    counter_update_period,
+    length_uncertainty,
+    relative_half_width,
+    round_energy,
+    sampling_period_s,
+)
+from dvfs.measure.journal import Journal, iter_records
+from dvfs.measure.meter import (
+    CellMeasurement,
+    WindowPart,
+    latency_stats,
+    steady_window_ns,
+    summarise,
+)
 from dvfs.measure.plan import Cell
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
-from dvfs.records import JOURNAL_SCHEMA, CellRecord, Server, Session, Stock, now_iso, recorded_stock
+from dvfs.records import (
+    GPU_TIME_KEYS,
+    JOURNAL_SCHEMA,
+    CellRecord,
+    Server,
+    Session,
+    Stock,
+    now_iso,
+    recorded_stock,
+)
 from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
 
 MEASUREMENT_METHOD = (
-    "energy: NVML total-energy counter (mJ) sampled every sample_period_s and interpolated at the "
-    "steady-state window's edges; window: fixed batch = last first token to first finish, "
-    "closed loop = batch requests running until the pool drains below batch; latency: TTFT = "
-    "first chunk, ITL = chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1)"
+    "energy: NVML total-energy counter (mJ) sampled every sample_period_s, taken between its "
+    "first and last update inside the steady-state window (instants fitted to the update period "
+    "detected at session start), tokens counted over the same interval (linear within a decode "
+    "step); the counter interpolated at the window's edges when it updated less than twice; "
+    "rounds until the Student-t interval on energy per token and median TPOT reaches the "
+    "precision; window: fixed batch = last first token to first finish, closed loop = batch "
+    "requests running until the pool drains below batch; latency: TTFT = first chunk, ITL = "
+    "chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1)"
 )
+#: How fast and how long the energy counter is read at session start to find its update period.
+COUNTER_PROBE_PERIOD_S = 0.002
+COUNTER_PROBE_S = 1.0
 
 
 class Progress(Protocol):
@@ -68,6 +100,28 @@ class RunSummary:
     failed_cells: tuple[str, ...] = ()
 
 
+class GpuTime:
+    """Where a cell's GPU time went, in seconds per `GPU_TIME_KEYS` entry, read off the runner's
+    clock (virtual on the twin, monotonic on hardware) at each boundary. Overheads paid before
+    a cell (its server start, knob settle, idle baseline, stabilisation) are charged to it."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(GPU_TIME_KEYS, 0.0)
+
+    def add(self, key: str, seconds: float) -> None:
+        self.seconds[key] += max(0.0, seconds)
+
+    def merge(self, other: GpuTime) -> None:
+        for key, value in other.seconds.items():
+            self.seconds[key] += value
+
+    def total(self) -> float:
+        return math.fsum(self.seconds.values())
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in self.seconds.items()}
+
+
 class Runner:
     """Runs a campaign's cells against injected backends, journaling each one."""
 
@@ -94,15 +148,85 @@ class Runner:
         self.progress = progress or NullProgress()
         self.token_count_method = token_count_method
         self.idle_power_w = float("nan")
+        #: The idle power at the knob setting in force (per-setting baselines), else the
+        #: session's.
+        self.setting_idle_power_w = float("nan")
+        #: Each GPU's energy-counter update period (s), detected at session start.
+        self.counter_periods_s: list[float | None] = []
+        #: What to wait after a knob change: measured at session start, or the campaign's.
+        self.settle_s = campaign.knobs.settle_s
         self._drafter: str | None = None
         self._setting: Any = None
         self._session_open = False
         self._start_failures: dict[str, str] = {}
+        self._pending = GpuTime()  # overheads waiting to be charged to the next cell
+        self._stabilise_due = True
+        self._idle_by_setting: dict[KnobSetting, float] = {}
+        self._attempt_time = GpuTime()
 
     # -- session ------------------------------------------------------------------------------
+    def _elapsed_s(self, since_ns: int) -> float:
+        return (self.clock.now_ns() - since_ns) * 1e-9
+
+    def _detect_counter_periods(self) -> tuple[list[float | None], float]:
+        """Read the energy counters fast for a moment (the GPUs idle) and take each one's update
+        period; returns the periods and the seconds it took."""
+        t0 = self.clock.now_ns()
+        with Sampler(self.gpus, self.clock, COUNTER_PROBE_PERIOD_S) as sampler:
+            self.clock.sleep(COUNTER_PROBE_S)
+        return counter_update_period(sampler.samples.arrays()), self._elapsed_s(t0)
+
+    def _measured_settle(self) -> dict[str, Any]:
+        """The settle time measured on these GPUs (`dvfs.measure.settle`) for the campaign's
+        widest knob change, when `measurement.settle = "measured"` and there are knobs to
+        change; else the fixed settle. Returns what the session records."""
+        m = self.campaign.measurement
+        if not isinstance(m.settle, str):
+            self.settle_s = float(m.settle)
+            return {"settle_s": self.settle_s, "source": "measurement.settle"}
+        settings = [KnobSetting(c, p) for c, p in self.campaign.knobs.settings]
+        if not self.knobs.actuation or settings == [KnobSetting(None, None)]:
+            return {"settle_s": self.settle_s, "source": "knobs.settle_s (no knob to change)"}
+        from dvfs.measure.settle import measure_settle
+
+        high = max(settings, key=_setting_order)
+        low = min(settings, key=_setting_order)
+        before, after = (KnobSetting(None, None), high) if high == low else (high, low)
+        timed = measure_settle(
+            self.gpus,
+            self.knobs,
+            self.clock,
+            before=before,
+            after=after,
+            timeout_s=max(self.campaign.knobs.settle_s, 10.0),
+        )
+        self._setting = None  # the GPUs are at `after` now
+        if timed.observed:
+            self.settle_s = timed.settle_s
+        return {
+            **timed.as_dict(),
+            "settle_s": self.settle_s,
+            "source": "measured" if timed.observed else "knobs.settle_s (not observed)",
+        }
+
     def _record_session(self) -> None:
         m = self.campaign.measurement
+        t0 = self.clock.now_ns()
+        self.counter_periods_s, counter_s = self._detect_counter_periods()
+        t1 = self.clock.now_ns()
         self.idle_power_w = measure_idle_power_w(self.gpus, self.clock, m.idle_s)
+        self.setting_idle_power_w = self.idle_power_w
+        idle_s = self._elapsed_s(t1)
+        t2 = self.clock.now_ns()
+        settle = self._measured_settle()
+        settle_gpu_s = self._elapsed_s(t2)
+        overhead = {
+            "start_s": round(t0 * 1e-9, 9),
+            "counter_detect": round(counter_s, 6),
+            "idle_baseline": round(idle_s, 6),
+            "settle_measure": round(settle_gpu_s, 6),
+            "total": round(self._elapsed_s(t0), 6),
+        }
         ranges = [g.power_limit_range() for g in self.gpus]
         original = self.knobs.original
         stock = Stock(
@@ -118,9 +242,6 @@ class Runner:
                     "cells would no longer compare. Restore the earlier settings, or start a new "
                     "--out folder"
                 )
-        from dvfs.backends import corpus_texts
-
-        texts = corpus_texts(self.campaign, self.corpora)
         session = Session(
             started=now_iso(),
             dvfs_version=__version__,
@@ -147,21 +268,27 @@ class Runner:
                     "source": c.source,
                     "content_hash": c.content_hash,
                     "prompts": len(c.prompts),
-                    # What the twin's acceptance reads from the text.
-                    "text": texts[name].provenance() if name in texts else None,
                 }
                 for name, c in self.corpora.items()
             },
             journal_schema=JOURNAL_SCHEMA,
             journal_sync=self.journal.sync_policy.describe(),
+            counter_update_period_s=tuple(self.counter_periods_s),
+            settle=settle,
+            gpu_time_s=overhead,
         )
         self.journal.append(session.to_json())
 
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
         self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
-        info: ServerInfo = self.engine.start(drafter)
+        t0 = self.clock.now_ns()
+        try:
+            info: ServerInfo = self.engine.start(drafter)
+        finally:
+            self._pending.add("server_start", self._elapsed_s(t0))
         self._drafter = drafter_name
+        self._stabilise_due = True  # the GPU cooled while the server started
         server = Server(
             started=now_iso(),
             drafter=drafter_name,
@@ -209,31 +336,70 @@ class Runner:
             ),
         )
 
+    @property
+    def fit_periods_s(self) -> list[float | None]:
+        """The counters' update periods as the window arithmetic takes them: 0 for a counter
+        that moved at every read of the fast probe (continuous: read values are exact)."""
+        return [
+            0.0 if p is not None and p <= 1.5 * COUNTER_PROBE_PERIOD_S else p
+            for p in self.counter_periods_s
+        ]
+
+    @property
+    def round_sample_period_s(self) -> float:
+        """The sampler's period in a round: `sample_period_s`, nudged off the counters'
+        update period (`counter.sampling_period_s`)."""
+        stepping = [p for p in self.fit_periods_s if p]
+        period = self.campaign.measurement.sample_period_s
+        return sampling_period_s(period, max(stepping)) if stepping else period
+
     def measure(self, cell: Cell) -> tuple[CellMeasurement, dict[str, Any]]:
-        """Warm up, then measure rounds until the steady windows add up to min_window_s."""
+        """Warm up, then measure rounds until the cell's interval on energy per token and on
+        median TPOT reaches the precision (with at least min_window_s of steady windows whose
+        length between counter updates is known to the precision), at most max_rounds."""
         m = self.campaign.measurement
+        time = self._attempt_time  # where this attempt's GPU time goes
         warmup: dict[str, Any] = {}
         if m.warmup_tokens:
             t0 = self.clock.now_ns()
             warm = self.engine.run(self._workload(cell, "warmup", m.warmup_tokens))
             warmup = {
-                "duration_s": (self.clock.now_ns() - t0) * 1e-9,
+                "duration_s": self._elapsed_s(t0),
                 "tokens": sum(r.completion_tokens for r in warm.requests),
             }
+            time.add("warmup", warmup["duration_s"])
         parts: list[WindowPart] = []
-        total_ns = 0
+        window_s = 0.0
+        energies: list[RoundEnergy] = []
+        per_token: list[float] = []
+        latency: list[float] = []
         for round_index in range(m.max_rounds):
             workload = self._workload(cell, round_index, self.campaign.workload.output_tokens)
-            with Sampler(self.gpus, self.clock, m.sample_period_s) as sampler:
+            started = self.clock.now_ns()
+            with Sampler(self.gpus, self.clock, self.round_sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
+            ended = self.clock.now_ns()
             errors = [r.error for r in result.requests if r.error]
             if errors:
                 raise EngineError(f"{len(errors)} request(s) failed; first: {errors[0]}")
             window = steady_window_ns(result, workload.mode)
-            parts.append(WindowPart(result, window, sampler.samples.arrays()))
+            samples = sampler.samples.arrays()
+            energy = None
             if window is not None:
-                total_ns += window[1] - window[0]
-            if total_ns * 1e-9 >= m.min_window_s:
+                done = [r for r in result.requests if len(r.chunk_ns)]
+                curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
+                energy = round_energy(samples, curve, window, self.fit_periods_s)
+                time.add("prefill", (window[0] - started) * 1e-9)
+                time.add("window", (window[1] - window[0]) * 1e-9)
+                time.add("drain", (ended - window[1]) * 1e-9)
+                window_s += (window[1] - window[0]) * 1e-9
+                energies.append(energy)
+                per_token.append(energy.energy_per_token_j)
+                latency.append(latency_stats(result.requests).tpot_ms[0])
+            else:
+                time.add("prefill", (ended - started) * 1e-9)
+            parts.append(WindowPart(result, window, samples, energy))
+            if self._precise(window_s, energies, per_token, latency):
                 break
         requested = cell.sm_clock_mhz if self.knobs.actuation else None
         measurement = summarise(
@@ -241,23 +407,58 @@ class Runner:
             requested_clock_mhz=requested,
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
-            idle_power_w=self.idle_power_w,
+            idle_power_w=self.setting_idle_power_w,
+            counter_periods_s=self.fit_periods_s,
+            precision=m.precision,
+            confidence=m.confidence,
         )
         return measurement, warmup
 
-    def _run_cell(self, cell: Cell) -> CellRecord:
-        """Measure with bounded retries; a crashed server is restarted before retrying."""
+    def _precise(
+        self,
+        window_s: float,
+        energies: Sequence[RoundEnergy],
+        per_token: Sequence[float],
+        latency: Sequence[float],
+    ) -> bool:
+        """Whether a cell has measured enough: its steady windows reach min_window_s and their
+        length between counter updates is known to the precision, and the interval on energy
+        per token and on median TPOT over its rounds is within the precision (which takes two
+        rounds)."""
+        m = self.campaign.measurement
+        if window_s < m.min_window_s or length_uncertainty(energies) > m.precision:
+            return False
+        if m.max_rounds == 1:
+            return True
+        energy_ci = relative_half_width(per_token, m.confidence)
+        latency_ci = relative_half_width(latency, m.confidence)
+        return energy_ci <= m.precision and (
+            latency_ci <= m.precision or all(math.isnan(v) for v in latency)
+        )
+
+    def _run_cell(self, cell: Cell, time: GpuTime) -> CellRecord:
+        """Measure with bounded retries; a crashed server is restarted before retrying. The
+        GPU time of a failed attempt is charged as "retry"."""
         retries = self.campaign.measurement.retries
         errors: list[str] = []
         attempts = 0
         for attempt in range(1, retries + 2):
             attempts = attempt
+            self._attempt_time = attempt_time = GpuTime()
+            t0 = self.clock.now_ns()
             try:
                 measurement, warmup = self.measure(cell)
+                time.merge(attempt_time)
                 return CellRecord.measured(
-                    cell, measurement, attempts=attempt, warmup=warmup, errors=errors
+                    cell,
+                    measurement,
+                    attempts=attempt,
+                    warmup=warmup,
+                    errors=errors,
+                    gpu_time_s=time.as_dict(),
                 )
             except EngineCrashedError as exc:
+                time.add("retry", self._elapsed_s(t0))
                 errors.append(f"attempt {attempt}: {exc}")
                 self.progress.note(f"server crashed during {cell_label(cell)}: {exc}")
                 # Whatever happens next, the dead server must not serve another cell.
@@ -268,14 +469,69 @@ class Runner:
                     except EngineError as restart_exc:
                         errors.append(f"restart failed: {restart_exc}")
                         break
+                    finally:
+                        time.merge(self._take_pending())
             except EngineError as exc:
+                time.add("retry", self._elapsed_s(t0))
                 errors.append(f"attempt {attempt}: {exc}")
                 self.progress.note(f"{cell_label(cell)} failed: {exc}")
-        return CellRecord.failed(cell, attempts=attempts, errors=errors)
+        return replace(
+            CellRecord.failed(cell, attempts=attempts, errors=errors), gpu_time_s=time.as_dict()
+        )
+
+    def _take_pending(self) -> GpuTime:
+        pending, self._pending = self._pending, GpuTime()
+        return pending
+
+    def _apply_setting(self, setting: KnobSetting) -> None:
+        """Apply a knob setting; settle for the measured time; take the idle baseline at it
+        when the campaign asks for one per setting."""
+        m = self.campaign.measurement
+        if self.knobs.apply(setting):
+            self.clock.sleep(self.settle_s)
+            self._pending.add("settle", self.settle_s)
+        self._setting = setting
+        if not (m.idle_per_setting and self.knobs.actuation) or setting == KnobSetting(None, None):
+            self.setting_idle_power_w = self.idle_power_w
+            return
+        if setting not in self._idle_by_setting:  # once per session and setting
+            from dvfs.measure.baseline import idle_baseline
+
+            known = [p for p in self.counter_periods_s if p]
+            base = idle_baseline(
+                self.gpus,
+                self.clock,
+                min_s=max(m.idle_s / 5, 0.5),
+                sample_period_s=min(m.sample_period_s, 0.01),
+                counter_period_s=max(known) if known else None,
+            )
+            self._pending.add("idle_baseline", base.gpu_time_s)
+            self._idle_by_setting[setting] = base.power_w
+        self.setting_idle_power_w = self._idle_by_setting[setting]
+
+    def _stabilise(self, cell: Cell) -> None:
+        """Thermal stabilisation after a server start: run the cell's warm-up load until the
+        temperature's slope falls below the threshold (bounded)."""
+        m = self.campaign.measurement
+        self._stabilise_due = False
+        if m.thermal_max_s <= 0:
+            return
+        from dvfs.measure.baseline import stabilise
+
+        load = self._workload(cell, "stabilise", max(m.warmup_tokens, 64))
+        done = stabilise(
+            self.gpus,
+            self.clock,
+            run_load=lambda: _discard(self.engine.run(load)),
+            slope_c_per_min=m.thermal_slope_c_per_min,
+            max_s=m.thermal_max_s,
+        )
+        self._pending.add("stabilise", done.gpu_time_s)
 
     # -- the sweep ----------------------------------------------------------------------------
     def open_session(self) -> None:
-        """Measure the idle baseline and journal the session record (once per runner)."""
+        """Detect the counters' update period, measure the idle baseline and the settle time,
+        and journal the session record (once per runner)."""
         if not self._session_open:
             self._record_session()
             self._session_open = True
@@ -295,35 +551,171 @@ class Runner:
         if cell.drafter in self._start_failures:
             # One failed start fails the drafter's cells for this run; a rerun retries them.
             failure = self._start_failures[cell.drafter]
-            record = CellRecord.failed(cell, attempts=0, errors=[failure])
+            record = replace(
+                CellRecord.failed(cell, attempts=0, errors=[failure]),
+                gpu_time_s=self._take_pending().as_dict(),
+            )
             self.journal.append(record.to_json())
             self.progress.advance(cell, "failed")
             return record
         if cell.setting != self._setting:
-            if self.knobs.apply(cell.setting):
-                self.clock.sleep(self.campaign.knobs.settle_s)
-            self._setting = cell.setting
-        record = self._run_cell(cell)
+            self._apply_setting(cell.setting)
+        if self._stabilise_due:
+            self._stabilise(cell)
+        record = self._run_cell(cell, self._take_pending())
         self.journal.append(record.to_json())
         self.progress.advance(cell, record.status)
         return record
 
     def run(self, cells: Sequence[Cell]) -> RunSummary:
+        """Run the cells not yet journaled, then the extra repeats of those whose interval
+        across repeats misses the precision (up to max_repeats)."""
         done = self.journal.finished()
         todo = [c for c in cells if c.key not in done]
         self.progress.start(len(cells), len(cells) - len(todo))
-        if not todo:
-            return RunSummary(len(cells), len(cells), 0, 0)
         self._start_failures = {}
         measured = 0
         failed: list[str] = []
-        for cell in todo:
-            record = self.run_cell(cell)
-            if record.ok:
-                measured += 1
-            else:
-                failed.append(cell_label(cell))
-        return RunSummary(len(cells), len(cells) - len(todo), measured, len(failed), tuple(failed))
+        total, skipped = len(cells), len(cells) - len(todo)
+        while True:
+            for record in self._run_cells(todo):
+                if record.ok:
+                    measured += 1
+                else:
+                    failed.append(cell_label(record.cell))
+            todo = [c for c in self.extra_repeats(cells) if c.key not in self.journal.finished()]
+            if not todo:
+                break
+            target = self.campaign.measurement.precision
+            self.progress.note(f"{len(todo)} cell(s) need another repeat to reach ±{target:.1%}")
+            total += len(todo)
+        return RunSummary(total, skipped, measured, len(failed), tuple(failed))
+
+    def _run_cells(self, cells: Sequence[Cell]) -> Iterator[CellRecord]:
+        """Each cell's record, per level (`run_cell`), or stepped in flight by group."""
+        if self.campaign.measurement.mode != "in-flight":
+            for cell in cells:
+                yield self.run_cell(cell)
+            return
+        from dvfs.measure.inflight import inflight_groups
+
+        for group in inflight_groups(cells):
+            yield from self.run_inflight_group(group)
+
+    def run_inflight_group(self, group: Sequence[Cell]) -> list[CellRecord]:
+        """Measure one group's knob levels inside shared decodes (`dvfs.measure.inflight`) and
+        journal a record per cell; the group's GPU time is shared equally among its cells, the
+        overheads before it charged to its first."""
+        from dvfs.measure.inflight import run_inflight
+
+        first = group[0]
+        self.open_session()
+        if first.drafter != self._drafter and first.drafter not in self._start_failures:
+            try:
+                self._start_server(first.drafter)
+            except EngineError as exc:
+                self._start_failures[first.drafter] = f"server start failed: {exc}"
+                self._drafter = None
+                self.progress.note(f"drafter {first.drafter!r}: {exc}")
+        if first.drafter in self._start_failures:
+            records = [
+                CellRecord.failed(c, attempts=0, errors=[self._start_failures[first.drafter]])
+                for c in group
+            ]
+        else:
+            if self._stabilise_due:
+                self._stabilise(first)
+            t0 = self.clock.now_ns()
+            try:
+                records = run_inflight(self, group, settle_s=self.settle_s)
+            finally:
+                self._setting = None  # the GPUs are at the group's last level
+            spent = self._elapsed_s(t0)
+            shared: dict[str, float] = {}
+            for record in records:
+                shared = record.inflight.get("gpu_time_s") or shared
+            accounted = math.fsum(shared.values()) if shared else 0.0
+            split = GpuTime()
+            for key, value in shared.items():
+                if key in split.seconds:
+                    split.add(key, value / len(group))
+            split.add("retry", max(0.0, spent - accounted) / len(group))
+            timed = []
+            for index, record in enumerate(records):
+                time = GpuTime()
+                time.merge(split)
+                if index == 0:
+                    time.merge(self._take_pending())
+                timed.append(replace(record, gpu_time_s=time.as_dict()))
+            records = timed
+        for record in records:
+            self.journal.append(record.to_json())
+            self.progress.advance(record.cell, record.status)
+        return records
+
+    def extra_repeats(self, cells: Sequence[Cell]) -> list[Cell]:
+        """The next repeat of each cell (all but the repeat alike) whose measured repeats'
+        interval on energy per token or median TPOT misses the precision, while it has fewer
+        than max_repeats; none when max_repeats is repeats. In the planned order, reversed on
+        odd repeats (the plan's serpentine)."""
+        m = self.campaign.measurement
+        if m.max_repeats <= m.repeats:
+            return []
+        groups: dict[tuple, list[tuple[float, float]]] = {}
+        taken: dict[tuple, int] = {}
+        for record in self._journaled_cells():
+            key = _group(record.cell)
+            taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
+            if record.ok and record.measurement is not None and record.measurement.valid:
+                groups.setdefault(key, []).append(
+                    (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
+                )
+        extra: list[Cell] = []
+        seen: set[tuple] = set()
+        for cell in cells:
+            key = _group(cell)
+            if key in seen or cell.repeat != 0:
+                continue
+            seen.add(key)
+            n = taken.get(key, 0)
+            if n < m.repeats or n >= m.max_repeats:
+                continue
+            values = groups.get(key, [])
+            energy = relative_half_width([v[0] for v in values], m.confidence)
+            latency = relative_half_width([v[1] for v in values], m.confidence)
+            if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
+                extra.append(replace(cell, repeat=n))
+        if extra and extra[0].repeat % 2:
+            extra.reverse()
+        return extra
+
+    def _journaled_cells(self) -> Iterator[CellRecord]:
+        """The journal's cell records, in the version their session wrote them (read back
+        from the file: the journal keeps only keys)."""
+        self.journal.sync()
+        version = JOURNAL_SCHEMA
+        for record in iter_records(self.journal.path):
+            if record.get("type") == "session":
+                version = int(record.get("journal_schema", JOURNAL_SCHEMA))
+            elif record.get("type") == "cell":
+                yield CellRecord.from_json(record, version=version)
+
+
+def _group(cell: Cell) -> tuple:
+    """A cell without its repeat: what the repeats of one measurement share."""
+    return (cell.drafter, cell.sm_clock_mhz, cell.power_limit_w, cell.batch, cell.corpus)
+
+
+def _setting_order(setting: KnobSetting) -> tuple[float, float]:
+    """Higher clocks and limits first (stock counts as the highest)."""
+    return (
+        math.inf if setting.power_limit_w is None else setting.power_limit_w,
+        math.inf if setting.sm_clock_mhz is None else setting.sm_clock_mhz,
+    )
+
+
+def _discard(_: object) -> None:
+    return None
 
 
 def cell_label(cell: Cell) -> str:

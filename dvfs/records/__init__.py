@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dvfs.records.cell import QUANTITIES, CellRecord, MeasurementRecord
+from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, MeasurementRecord
 from dvfs.records.header import CampaignFacts, Grid, Header
 from dvfs.records.session import Server, Session, Stock, recorded_stock
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
 __all__ = [
+    "GPU_TIME_KEYS",
     "JOURNAL_SCHEMA",
     "OLDEST_SCHEMA",
     "QUANTITIES",

@@ -42,6 +42,18 @@ class MeasurementRecord:
     quality: int | None
     valid: bool | None
     idle_power_w: float
+    #: Relative half-width of the Student-t interval (at measurement.confidence) over the
+    #: cell's rounds on energy per token and on median TPOT; NaN with one round.
+    energy_per_token_rel_ci: float = float("nan")
+    latency_rel_ci: float = float("nan")
+    #: Distinct energy-counter updates inside the cell's windows (the fewest over its GPUs,
+    #: summed over rounds); None before version 3.
+    counter_updates: int | None = None
+    #: The hottest GPU's temperature at the start of the cell's first round.
+    temperature_start_c: float = float("nan")
+    #: The tokens energy per token divides by: over the windows' intervals between counter
+    #: updates, each decode step's tokens spread over the step (a fraction).
+    window_tokens: float = float("nan")
     timeline_t_s: tuple[float, ...] = ()
     timeline_power_w: tuple[float, ...] = ()
     timeline_sm_clock_mhz: tuple[float, ...] = ()
@@ -84,7 +96,28 @@ def _quantity(m: CellMeasurement, name: str) -> Any:
 QUANTITIES = tuple(f.name for f in fields(MeasurementRecord))
 _QUANTILE_KEYS = ("ttft_ms", "tpot_ms", "itl_ms")
 _TIMELINE_KEYS = ("timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz")
-_INTEGER_KEYS = ("output_tokens", "rounds", "requests", "clock_event_reasons", "quality")
+_INTEGER_KEYS = (
+    "output_tokens",
+    "rounds",
+    "requests",
+    "clock_event_reasons",
+    "quality",
+    "counter_updates",
+)
+#: Where a cell's GPU time went (seconds, `CellRecord.gpu_time_s`): its knob settle, warm-up,
+#: the prefill before and the drain after each steady window, the windows, the idle baseline
+#: at its setting, the server start and the thermal stabilisation before it, failed attempts.
+GPU_TIME_KEYS = (
+    "settle",
+    "warmup",
+    "prefill",
+    "window",
+    "drain",
+    "idle_baseline",
+    "server_start",
+    "stabilise",
+    "retry",
+)
 
 #: Version 1's measurement keys that now carry their quantity's name.
 _V1_RENAMED = {
@@ -127,6 +160,8 @@ class CellRecord:
     #: In-flight provenance (`dvfs.measure.inflight`): the group, its segments, what is
     #: shared across its levels; empty for a cell measured on its own.
     inflight: dict[str, Any] = field(default_factory=dict)
+    #: Seconds of GPU time per `GPU_TIME_KEYS` entry; empty before version 3.
+    gpu_time_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def measured(
@@ -137,12 +172,36 @@ class CellRecord:
         attempts: int,
         warmup: dict[str, Any],
         errors: Sequence[str],
+        gpu_time_s: dict[str, float] | None = None,
     ) -> CellRecord:
-        return cls(cell, "ok", attempts, tuple(errors), MeasurementRecord.of(m), warmup, now_iso())
+        return cls(
+            cell,
+            "ok",
+            attempts,
+            tuple(errors),
+            MeasurementRecord.of(m),
+            warmup,
+            now_iso(),
+            gpu_time_s=dict(gpu_time_s or {}),
+        )
 
     @classmethod
-    def failed(cls, cell: Cell, *, attempts: int, errors: Sequence[str]) -> CellRecord:
-        return cls(cell, "failed", attempts, tuple(errors), finished=now_iso())
+    def failed(
+        cls,
+        cell: Cell,
+        *,
+        attempts: int,
+        errors: Sequence[str],
+        gpu_time_s: dict[str, float] | None = None,
+    ) -> CellRecord:
+        return cls(
+            cell,
+            "failed",
+            attempts,
+            tuple(errors),
+            finished=now_iso(),
+            gpu_time_s=dict(gpu_time_s or {}),
+        )
 
     @property
     def ok(self) -> bool:
@@ -161,6 +220,7 @@ class CellRecord:
             "status": self.status,
             "attempts": self.attempts,
             "finished": self.finished,
+            **({"gpu_time_s": self.gpu_time_s} if self.gpu_time_s else {}),
         }
         if self.measurement is not None:
             return {
@@ -194,4 +254,5 @@ class CellRecord:
             finished=record.get("finished") or "",
             key=record["key"],
             inflight=record.get("inflight") or {},
+            gpu_time_s={str(k): float(v) for k, v in (record.get("gpu_time_s") or {}).items()},
         )

@@ -46,7 +46,11 @@ class CampaignFacts:
             batch_sizes=tuple(int(b) for b in workload["batch_sizes"]),
             drafters=tuple(d["name"] for d in campaign["drafters"]),
             corpora=tuple(c["name"] for c in workload["corpora"]),
-            repeats=int(campaign["measurement"]["repeats"]),
+            # the repeat axis holds the adaptive repeats too (max_repeats, from version 3)
+            repeats=max(
+                int(campaign["measurement"]["repeats"]),
+                int(campaign["measurement"].get("max_repeats") or 0),
+            ),
         )
         engine = campaign["engine"]
         return cls(

@@ -49,6 +49,13 @@ class Session:
     #: When the journal forced its records to disk (`SyncPolicy.describe`); "" before dvfs
     #: recorded it (every record was synced then).
     journal_sync: str = ""
+    #: Each GPU's energy-counter update period (s) detected at session start (None: not seen
+    #: to move often enough); empty before version 3.
+    counter_update_period_s: tuple[float | None, ...] = ()
+    #: The settle time the session waited after each knob change and where it came from.
+    settle: dict[str, Any] = field(default_factory=dict)
+    #: The session's own GPU time: counter detection, idle baseline, settle measurement.
+    gpu_time_s: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +77,9 @@ class Session:
             "token_count_method": self.token_count_method,
             "corpora": self.corpora,
             "journal_sync": self.journal_sync,
+            "counter_update_period_s": list(self.counter_update_period_s),
+            "settle": self.settle,
+            "gpu_time_s": self.gpu_time_s,
         }
 
     @classmethod
@@ -96,6 +106,11 @@ class Session:
             dvfs_version=record.get("dvfs_version") or "",
             journal_schema=version,
             journal_sync=record.get("journal_sync") or "",
+            counter_update_period_s=tuple(
+                None if p is None else float(p) for p in record.get("counter_update_period_s") or ()
+            ),
+            settle=record.get("settle") or {},
+            gpu_time_s=record.get("gpu_time_s") or {},
         )
 
     @property

@@ -7,6 +7,11 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
   2 - measurement keys are the quantities' names: decode_time_s, sm_clock_observed_mhz,
       clock_event_reasons, timeline_t_s, timeline_power_w, timeline_sm_clock_mhz (version 1's
       keys are read in `dvfs.records.cell`, and nowhere else).
+  3 - the adaptive protocol: measurement keys energy_per_token_rel_ci, latency_rel_ci,
+      counter_updates and temperature_start_c; a cell's gpu_time_s (seconds per
+      `GPU_TIME_KEYS` entry); a session's counter_update_period_s (per GPU), settle (the
+      settle time used, measured or set) and gpu_time_s (its own overheads). Older records lack
+      them: NaN, None or empty when read.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 from dvfs.errors import JournalError
 from dvfs.version import __version__
 
-JOURNAL_SCHEMA = 2
+JOURNAL_SCHEMA = 3
 #: The version of a header that names none (journals older than the field).
 OLDEST_SCHEMA = 1
 
