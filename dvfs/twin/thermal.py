@@ -74,7 +74,11 @@ class Thermal:
 
 
 def start_temperatures(
-    th: Thermal, t0_c: float, dynamic_w: np.ndarray, duration_s: np.ndarray
+    th: Thermal,
+    t0_c: float,
+    dynamic_w: np.ndarray,
+    duration_s: np.ndarray,
+    steady_c: np.ndarray | None = None,
 ) -> np.ndarray:
     """Temperature at the start of each segment and at the end of the last (n + 1 values).
 
@@ -86,7 +90,7 @@ def start_temperatures(
     """
     dynamic_w = np.asarray(dynamic_w, dtype=float)
     duration_s = np.asarray(duration_s, dtype=float)
-    steady = th.steady_c(dynamic_w)
+    steady = th.steady_c(dynamic_w) if steady_c is None else steady_c
     n = len(dynamic_w)
     out = np.empty(n + 1)
     tau = th.tau_s
@@ -122,6 +126,7 @@ def segment_energy_j(
     t_start_c: np.ndarray | float,
     dynamic_w: np.ndarray | float,
     offset_s: np.ndarray | float,
+    steady_c: np.ndarray | None = None,
 ) -> np.ndarray:
     """True energy from a segment's start to `offset_s` into it (elementwise):
     (P_dyn + k (T_ss - T_ref)) s + k (T0 - T_ss) tau' (1 - exp(-s / tau'))."""
@@ -130,7 +135,7 @@ def segment_energy_j(
     k = th.leakage_w_per_c
     if k == 0.0:
         return dynamic_w * offset_s
-    steady = th.steady_c(dynamic_w)
+    steady = th.steady_c(dynamic_w) if steady_c is None else steady_c
     settled = (dynamic_w + k * (steady - th.reference_c)) * offset_s
     tau = th.tau_s
     if tau <= 0.0:

@@ -132,12 +132,18 @@ class Timeline:
         k = thermal.leakage_w_per_c
         if work is not None:
             duration_s = (work.ends_ns - work.starts_ns) * 1e-9
-            pass_temp_c = th.start_temperatures(thermal, temperature_c, work.dynamic_w, duration_s)
-            per_pass = th.segment_energy_j(thermal, pass_temp_c[:-1], work.dynamic_w, duration_s)
+            dynamic = np.append(work.dynamic_w, idle_w)
+            steady = thermal.steady_c(dynamic)
+            pass_steady = steady[:-1]
+            pass_temp_c = th.start_temperatures(
+                thermal, temperature_c, work.dynamic_w, duration_s, pass_steady
+            )
+            per_pass = th.segment_energy_j(
+                thermal, pass_temp_c[:-1], work.dynamic_w, duration_s, pass_steady
+            )
             energy_before = np.concatenate([[0.0], np.cumsum(per_pass)])
             self.end_ns = int(work.ends_ns[-1])
             end_temp, end_energy = float(pass_temp_c[-1]), float(energy_before[-1])
-            dynamic = np.append(work.dynamic_w, idle_w)
             seg_start = np.append(work.starts_ns, self.end_ns)
             self._seg_ends_ns = work.ends_ns
         else:
@@ -145,10 +151,10 @@ class Timeline:
             end_temp, end_energy = temperature_c, 0.0
             pass_temp_c, energy_before = np.array([end_temp]), np.array([0.0])
             dynamic, seg_start = np.array([idle_w]), np.array([fold_ns], dtype=np.int64)
+            steady = thermal.steady_c(dynamic)
             self._seg_ends_ns = np.empty(0, dtype=np.int64)
         # Per segment (each pass, then the idle tail): T(s) = S + (T0 - S) e^(-s/tau'),
         # power = A + k (T - S), energy since its start = A s + k (T0 - S) tau' (1 - e^(-s/tau')).
-        steady = thermal.steady_c(dynamic)
         self._seg_start_ns = seg_start
         self._seg_steady_c = steady
         self._seg_settled_w = dynamic + k * (steady - thermal.reference_c)
