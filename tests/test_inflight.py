@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -28,12 +29,13 @@ from dvfs.measure.inflight import (
     level_order,
     mean_positions,
     rounds_step,
+    run_inflight,
     segment_order,
     segment_requests,
     segments_per_round,
 )
 from dvfs.measure.journal import Journal
-from dvfs.measure.meter import steady_window_ns, tokens_in_window
+from dvfs.measure.meter import describe_quality, steady_window_ns, tokens_in_window
 from dvfs.measure.plan import Cell, plan_cells
 from dvfs.measure.runner import Runner
 from dvfs.measure.sampler import Sampler
@@ -181,7 +183,7 @@ name = "inflight"
 
 [gpu]
 backend = "twin"
-profile = "h100-sxm"
+profile = "h100-sxm:-leakage"
 devices = [0]
 
 [knobs]
@@ -208,7 +210,6 @@ max_rounds = 6
 sample_period_s = 0.02
 idle_s = 0.5
 mode = "in-flight"
-settle = 0.5
 """
 
 
@@ -273,6 +274,46 @@ def test_twin_steps_the_knob_at_pass_boundaries_through_the_controller(tmp_path:
         late = KnobTimeline((KnobStep(0.0, to(1980)), KnobStep(3600.0, to(1005))))
         again = runner.engine.run(runner._workload(cell, "u", 50), late)
         assert len(again.knob_ns) == 1
+
+
+def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
+    """The same levels measured both ways on the twin, at the default precision and the
+    same context (per-level cells decode as far as the stepped decode had on average): each
+    level's energy per token agrees within the two intervals. Every NVML trap is on but
+    leakage: the two measurements run a minute apart on a die that warms between them, and
+    leakage would compare the temperatures (about 1% here), not the methods."""
+    with twin_runner(tmp_path) as runner:
+        assert runner.settle_s >= runner.gpus[0].device.profile.settle_time_s  # type: ignore[attr-defined]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        assert len(group) == 3
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+        assert [r.cell for r in records] == list(group)
+        decoded = records[0].inflight["mean_decoded_tokens"]
+        campaign = runner.campaign
+        runner.campaign = replace(
+            campaign, workload=replace(campaign.workload, output_tokens=round(2 * decoded))
+        )
+        runner._setting = None
+        precision = campaign.measurement.precision
+        for record in records:
+            m = record.measurement
+            assert record.ok and m is not None, record.errors
+            assert m.valid, describe_quality(m.quality or 0)
+            assert m.sm_clock_observed_mhz == pytest.approx(record.cell.sm_clock_mhz, abs=30)
+            assert record.inflight["mean_decoded_tokens"] == pytest.approx(decoded, rel=0.05)
+            assert m.energy_per_token_rel_ci <= precision
+            runner._apply_setting(record.cell.setting)
+            alone, _ = runner.measure(record.cell)
+            assert alone.valid
+            tolerance = m.energy_per_token_rel_ci + alone.energy_per_token_rel_ci
+            assert m.energy_per_token_j == pytest.approx(alone.energy_per_token_j, rel=tolerance)
+        # the record says where each level's numbers came from
+        first = records[0].inflight
+        assert first["group"] == "none/code/b8/r0"
+        assert "ttft_ms" in first["shared"]
+        assert {s["position"] for s in first["segments"]} == {0, 5}
+        assert len({r.measurement.ttft_ms for r in records if r.measurement}) == 1
+        assert len({r.measurement.tpot_ms for r in records if r.measurement}) == 3
 
 
 # -- SGLang: a stepping thread beside the streaming requests (the stub server, loopback) ------

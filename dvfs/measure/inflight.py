@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from dvfs.clock import Clock
     from dvfs.engines.base import Engine, Workload
     from dvfs.gpu.base import Gpu
-    from dvfs.gpu.knobs import KnobController
+    from dvfs.gpu.knobs import KnobController, KnobSetting
     from dvfs.records import CellRecord
 
 SCHEMES = ("abba", "serpentine")
@@ -210,8 +210,18 @@ class InflightHost(Protocol):
     clock: Clock
     knobs: KnobController
     idle_power_w: float
+    #: The idle power at the setting last applied through `_apply_setting`.
+    setting_idle_power_w: float
+
+    @property
+    def fit_periods_s(self) -> list[float | None]: ...
+
+    @property
+    def round_sample_period_s(self) -> float: ...
 
     def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload: ...
+
+    def _apply_setting(self, setting: KnobSetting) -> None: ...
 
 
 @dataclass
@@ -335,6 +345,35 @@ def level_estimates(
     return value, half
 
 
+def level_halfwidths(
+    values: Sequence[float],
+    segments: Sequence[Segment],
+    levels: int,
+    scheme: str,
+    confidence: float,
+) -> np.ndarray:
+    """Each level's relative half-width as an absolute value: Student-t over the level's
+    means in each block of rounds whose order cancels a drift by itself (a round with "abba",
+    a pair with "serpentine"). Each block decodes its own prompts, so this holds the prompts'
+    variation, which `level_estimates` (the levels against each other) leaves out; inf below
+    two blocks."""
+    from dvfs.analysis.bounds import t_quantile
+
+    step = rounds_step(scheme)
+    blocks: dict[tuple[int, int], list[float]] = {}
+    for v, seg in zip(values, segments, strict=True):
+        if math.isfinite(v):
+            blocks.setdefault((seg.level, seg.round // step), []).append(v)
+    half = np.full(levels, np.inf)
+    for level in range(levels):
+        means = np.array([np.mean(v) for (lv, _), v in sorted(blocks.items()) if lv == level])
+        if len(means) >= 2 and means.mean() != 0:
+            sd = float(means.std(ddof=1))
+            t = t_quantile(confidence, len(means) - 1)
+            half[level] = t * sd / math.sqrt(len(means)) / abs(float(means.mean()))
+    return half
+
+
 def _setting_mhz(cell: Cell, gpus: Sequence[Gpu]) -> float:
     if cell.sm_clock_mhz is not None:
         return float(cell.sm_clock_mhz)
@@ -391,9 +430,14 @@ def _measure_group(
     clock, knobs = runner.clock, runner.knobs
     gpu_time = dict.fromkeys(("settle", "warmup", "prefill", "window", "drain"), 0.0)
 
-    # The first level, then a warm-up decode there that also sizes the rounds.
+    # Each level's idle baseline (the runner takes one per setting and session, when the
+    # campaign asks for it), then the first level and a warm-up decode there that also sizes
+    # the rounds.
     first = level_order(cells, scheme, 0)[0]
-    knobs.apply(first.setting)
+    idle: dict[int, float] = {}
+    for index, cell in sorted(enumerate(cells), key=lambda ic: ic[1] == first):
+        runner._apply_setting(cell.setting)
+        idle[index] = runner.setting_idle_power_w
     t0 = clock.now_ns()
     warm = runner.engine.run(runner._workload(first, "inflight-warmup", max(m.warmup_tokens, 16)))
     gpu_time["warmup"] = (clock.now_ns() - t0) * 1e-9
@@ -426,7 +470,7 @@ def _measure_group(
                 KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
                 for k, c in enumerate(order)
             )
-            with Sampler(runner.gpus, clock, m.sample_period_s) as sampler:
+            with Sampler(runner.gpus, clock, runner.round_sample_period_s) as sampler:
                 result = runner.engine.run(workload, KnobTimeline(steps))
             failed = [r.error for r in result.requests if r.error]
             if failed:
@@ -471,7 +515,7 @@ def _measure_group(
                     )
                 )
             rounds += 1
-        half = _halfwidths(measured, len(cells), confidence)
+        half = _halfwidths(measured, len(cells), scheme, confidence)
         if precision <= 0 or all(bool(np.all(h <= precision)) for h in half):
             break
 
@@ -480,16 +524,23 @@ def _measure_group(
     mismatch = _accept_mismatch(accept.server_accept_length, accept.decode_accept_length)
     gid = group_id(cells)
     group_time = {k: round(v, 6) for k, v in gpu_time.items()}
-    energy_half, tpot_half = _halfwidths(measured, len(cells), confidence)
+    energy_half, tpot_half = _halfwidths(measured, len(cells), scheme, confidence)
+    segments = [s.segment for s in measured]
+    _, energy_between = level_estimates(
+        [s.energy_per_token_j for s in measured], segments, len(cells), confidence
+    )
     records = []
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
-        cm = _summarise(runner, cell, [s.part for s in mine])
+        cm = _summarise(runner, cell, [s.part for s in mine], idle[index])
         cm = replace(
             cm,
             latency=LatencyStats(shared.ttft_ms, cm.latency.tpot_ms, cm.latency.itl_ms),
             accept=accept,
             quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0),
+            # over the decodes, each one's drift cancelled by the order
+            energy_per_token_rel_ci=float(energy_half[index]),
+            latency_rel_ci=float(tpot_half[index]),
         )
         provenance = {
             "group": gid,
@@ -501,8 +552,9 @@ def _measure_group(
             "segment_s": segment_s,
             "shared": ["ttft_ms", "accept_length", "accept_rate", "server_accept_length"],
             "confidence": confidence,
-            "energy_per_token_rel_halfwidth": _finite_or_none(float(energy_half[index])),
-            "tpot_rel_halfwidth": _finite_or_none(float(tpot_half[index])),
+            # the levels against each other (drift and each round's prompts fitted out): how
+            # well their differences are known, tighter than the absolute interval
+            "energy_per_token_rel_ci_between_levels": _finite_or_none(float(energy_between[index])),
             # where along the decode the level was measured: a per-level cell of
             # output_tokens sits at about output_tokens / 2
             "mean_decoded_tokens": _finite_or_none(
@@ -527,14 +579,14 @@ def _measure_group(
 
 
 def _halfwidths(
-    measured: Sequence[_Measured], levels: int, confidence: float
+    measured: Sequence[_Measured], levels: int, scheme: str, confidence: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each level's relative half-width on energy per token and on median TPOT."""
     segments = [s.segment for s in measured]
-    _, energy = level_estimates(
-        [s.energy_per_token_j for s in measured], segments, levels, confidence
+    energy = level_halfwidths(
+        [s.energy_per_token_j for s in measured], segments, levels, scheme, confidence
     )
-    _, tpot = level_estimates([s.tpot_ms for s in measured], segments, levels, confidence)
+    tpot = level_halfwidths([s.tpot_ms for s in measured], segments, levels, scheme, confidence)
     return energy, tpot
 
 
@@ -545,14 +597,19 @@ def _applier(apply: Callable[[Any], bool], setting: Any) -> Callable[[], None]:
     return step
 
 
-def _summarise(runner: InflightHost, cell: Cell, parts: Sequence[WindowPart]) -> CellMeasurement:
+def _summarise(
+    runner: InflightHost, cell: Cell, parts: Sequence[WindowPart], idle_power_w: float = math.nan
+) -> CellMeasurement:
     m = runner.campaign.measurement
     return summarise(
         parts,
         requested_clock_mhz=cell.sm_clock_mhz if runner.knobs.actuation else None,
         min_window_s=m.min_window_s,
         sample_period_s=m.sample_period_s,
-        idle_power_w=runner.idle_power_w,
+        idle_power_w=idle_power_w,
+        counter_periods_s=runner.fit_periods_s,
+        precision=m.precision,
+        confidence=m.confidence,
     )
 
 
