@@ -227,3 +227,56 @@ def test_slope_of_a_line_is_its_slope(slope: float, offset: float, n: int) -> No
     t_ns = np.arange(n, dtype=np.int64) * 500_000_000 + 7
     temperature = offset + slope * (t_ns - t_ns[0]) / 60e9
     assert temperature_slope_c_per_min(t_ns, temperature) == pytest.approx(slope, abs=1e-9)
+
+
+# -- on the twin, with NVML's traps on --------------------------------------------------------
+
+
+def _twin(profile: str = "h100-sxm", indices=(0,)):
+    from dvfs.backends import twin_gpus
+
+    clock = VirtualClock()
+    return clock, twin_gpus(profile, list(indices), clock)
+
+
+def test_twin_idle_baseline_rises_with_the_clock_and_matches_the_truth() -> None:
+    """The twin's counter steps every 100 ms and its idle power follows the locked clock: the
+    baseline at each setting is within 0.5% of the twin's true mean power over its window,
+    and counts updates (about 10 a second), not samples (100 a second)."""
+    clock, gpus = _twin()
+    device = gpus[0].device
+    period = device.profile.energy_counter_period_s
+    assert period == pytest.approx(0.1)
+    found = {}
+    with KnobController(gpus) as knobs:
+        for mhz in (990, 1500, 1980):
+            knobs.apply(KnobSetting(mhz, None))
+            clock.sleep(1.0)  # past the settle
+            t0 = clock.now_ns()
+            result = idle_baseline(
+                gpus, clock, min_s=2.0, sample_period_s=0.01, counter_period_s=period
+            )
+            t1 = clock.now_ns()
+            truth_w = (device.true_energy_j_at(t1) - device.true_energy_j_at(t0)) / (
+                (t1 - t0) / 1e9
+            )
+            assert result.enough and result.power_w == pytest.approx(truth_w, rel=5e-3)
+            assert result.counter_updates == pytest.approx(result.seconds / period + 1, abs=1)
+            found[mhz] = result.power_w
+    assert found[990] < found[1500] < found[1980]
+
+
+def test_twin_stabilise_under_a_load() -> None:
+    """A GEMM load heats the twin's die (time constant 20 s): stabilised once the slope
+    falls, not within a minute."""
+    from dvfs.measure.loads import twin_gemm_load
+
+    clock, gpus = _twin()
+    load = twin_gemm_load(gpus, passes=2000)  # about a second a call
+    short = stabilise(gpus, clock, run_load=load, slope_c_per_min=1.0, max_s=60)
+    assert not short.reached and short.end_c > short.start_c + 5
+    clock, gpus = _twin()
+    load = twin_gemm_load(gpus, passes=2000)
+    long = stabilise(gpus, clock, run_load=load, slope_c_per_min=1.0, max_s=600)
+    assert long.reached and 60 < long.seconds < 600
+    assert long.end_c > short.end_c and abs(long.slope_c_per_min) < 1.0

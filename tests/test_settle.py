@@ -166,6 +166,36 @@ def test_the_twin_settle_model_is_measured_within_a_sample(before: int, after: i
     assert profile.settle_time_s <= result.clock_s <= profile.settle_time_s + period + 1e-9
 
 
+@pytest.mark.parametrize("key", ["h100-sxm", "h200-sxm", "h100-sxm:-settle"])
+def test_on_the_twin_the_measured_settle_is_its_simulated_one(key: str) -> None:
+    """The twin with NVML's traps on: a lock shows over its profile's settle time (0 with the
+    settle trap off), measured within one sample, idle and under a GEMM load."""
+    from dvfs.backends import twin_gpus
+    from dvfs.measure.loads import twin_gemm_load
+
+    period = 0.005
+    for load in (False, True):
+        clock = VirtualClock()
+        gpus = twin_gpus(key, [0, 1], clock)
+        simulated = gpus[0].device.profile.settle_time_s
+        with KnobController(gpus) as knobs:
+            result = measure_settle(
+                gpus,
+                knobs,
+                clock,
+                before=KnobSetting(1980, None),
+                after=KnobSetting(1200, None),
+                sample_period_s=period,
+                load=twin_gemm_load(gpus) if load else None,
+            )
+        assert result.observed, result.note
+        assert simulated <= result.clock_s <= simulated + period + 1e-9, (load, result)
+        if load:
+            assert simulated <= result.power_s <= simulated + period + 1e-9
+            assert result.power_after_w < result.power_before_w
+        assert result.clock_after_mhz == 1200
+
+
 def test_the_slowest_gpu_sets_the_settle() -> None:
     clock = VirtualClock()
     gpus = [ScriptedGpu(clock, settle_s=0.05), ScriptedGpu(clock, settle_s=0.3, index=1)]
@@ -363,6 +393,9 @@ def test_twin_power_limits_are_timed_under_a_load() -> None:
     first, back = doc["changes"]
     assert (first["before"], first["after"], back["after"]) == ("stock", "300 W", "stock")
     assert first["power_s"] is not None and first["power_after_w"] < first["power_before_w"]
+    # the twin's 0.3 s settle, seen within a sample
+    assert all(0.3 <= c["clock_s"] <= 0.305 for c in doc["changes"])
+    assert doc["settle_s"] == pytest.approx(max(c["clock_s"] for c in doc["changes"]) * 1.5 + 0.005)
     assert doc["gpus"][0]["name"].endswith("(twin)")
 
 
