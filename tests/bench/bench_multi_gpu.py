@@ -3,13 +3,17 @@
 Reports, for each, the campaign's makespan in GPU time (virtual seconds on the twin: what an
 operator pays for; the ideal for 4 GPUs is a quarter of one GPU's), the GPU time summed over
 the workers, server starts, and the wall time on this machine; then whether the two cubes
-agree cell for cell within the twin's determinism. Not part of the suite:
-`python tests/bench/bench_multi_gpu.py [--campaign FILE] [--gpus N]`.
+agree cell for cell within the twin's determinism. The demo's twin simulates NVML's traps
+(thermal lag, the energy counter's own update instants), so a cell depends on its GPU's
+history and the cubes differ; `--profile h100-sxm:none` (the exact twin) shows they agree.
+Not part of the suite:
+`python tests/bench/bench_multi_gpu.py [--campaign FILE] [--gpus N] [--profile KEY]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +29,14 @@ from dvfs.measure.journal import read_records
 DEMO = Path(__file__).resolve().parents[2] / "dvfs" / "campaigns" / "demo.toml"
 
 
-def run(campaign_file: Path, gpus: int, out: Path) -> tuple[FleetOutcome, float, int]:
+def run(
+    campaign_file: Path, gpus: int, out: Path, profile: str | None
+) -> tuple[FleetOutcome, float, int]:
     campaign = load_campaign(campaign_file)
+    if profile:
+        campaign = dataclasses.replace(
+            campaign, gpu=dataclasses.replace(campaign.gpu, profile=profile)
+        )
     groups = [(i,) for i in range(gpus)]
     t0 = time.monotonic()
     outcome = run_fleet(campaign, out, groups, LocalExecutor(out))
@@ -46,6 +56,13 @@ def same_cells(a_path: Path, b_path: Path) -> str:
             continue
         if not np.array_equal(np.isnan(x), np.isnan(y)):
             return f"no: {name} is NaN in different cells"
+        if str(name).startswith("gpu_time_"):
+            continue  # each worker pays its own server starts and settles
+        if str(name).endswith("_rel_ci"):
+            # a t quantile (12.7 for two rounds) times a difference of energies: absolute
+            if np.nanmax(np.abs(x - y), initial=0.0) > 5e-3:
+                return f"no: {name} differs by more than 5e-3"
+            continue
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.abs(x - y) / np.maximum(np.abs(y), 1e-300)
         worst_here = float(np.nanmax(rel)) if rel.size and not np.isnan(rel).all() else 0.0
@@ -60,14 +77,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--campaign", type=Path, default=DEMO)
     parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--profile", help="another twin profile (h100-sxm:none: no traps)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for n in (1, args.gpus):
-            outcome, wall, starts = run(args.campaign, n, Path(tmp) / f"g{n}")
+            outcome, wall, starts = run(args.campaign, n, Path(tmp) / f"g{n}", args.profile)
             rows.append((n, outcome, wall, starts))
         (_, one, one_wall, _), (n, many, many_wall, _) = rows
-        print(f"campaign {args.campaign.name}: {one.summary.total} cells")
+        print(
+            f"campaign {args.campaign.name}"
+            + (f" on {args.profile}" if args.profile else "")
+            + f": {one.summary.total} cells"
+        )
         print(
             f"{'GPUs':>4} {'makespan (GPU h)':>17} {'GPU h, all':>11} {'servers':>8} {'wall s':>8}"
         )
