@@ -21,7 +21,6 @@ from nvml_support import fake_env, load_fake
 
 from dvfs.cli import cli
 from dvfs.clock import VirtualClock
-from dvfs.errors import CampaignError
 from dvfs.gpu.base import GpuIdentity, PowerLimitRange
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.settle import measure_settle, settle_point
@@ -244,12 +243,18 @@ def test_a_change_that_never_settles_times_out_with_a_note() -> None:
     assert 2.0 <= result.gpu_time_s <= 2.0 + 0.6 + 0.5  # the hold before, the timeout after
 
 
-def test_nothing_to_change_is_refused_and_restore_follows() -> None:
+def test_changes_that_cannot_show_are_not_timed_and_restore_follows() -> None:
     clock = VirtualClock()
     gpus = [ScriptedGpu(clock, settle_s=0.1)]
     with KnobController(gpus) as knobs:
-        with pytest.raises(CampaignError, match="nothing changes"):
-            measure_settle(gpus, knobs, clock, before=STOCK, after=KnobSetting(None, 700.0))
+        same = measure_settle(gpus, knobs, clock, before=STOCK, after=KnobSetting(None, 700.0))
+        idle_limit = measure_settle(
+            gpus, knobs, clock, before=STOCK, after=KnobSetting(None, 300.0)
+        )
+        assert gpus[0].writes == []  # neither applied anything
+        for result, why in ((same, "nothing changes"), (idle_limit, "under a load")):
+            assert not result.observed and why in result.note
+            assert result.settle_s == 10.0 and result.gpu_time_s == 0.0
         measure_settle(gpus, knobs, clock, before=STOCK, after=KnobSetting(1200, None))
     assert gpus[0].lock is None and gpus[0].writes[-1] == ("reset", None)
 

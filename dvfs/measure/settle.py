@@ -24,7 +24,6 @@ from typing import cast
 import numpy as np
 
 from dvfs.clock import BatchClock, Clock, Ticker
-from dvfs.errors import CampaignError
 from dvfs.gpu.base import BulkReadable, Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 
@@ -344,7 +343,11 @@ def measure_settle(
     whatever the load and the power limit make it. Without a load, a clock lock that differs
     from the clock seen before must move the clock to count as shown. Tolerances: the clock
     within `clock_tolerance_mhz` (one 15 MHz step on H100); power within `power_tolerance`
-    of its steady value, or `power_tolerance_w` if that is larger.
+    of its steady value, or `power_tolerance_w` if that is larger. Time a wide change (the top
+    clock to about half of it): the tolerance is then a small part of the step.
+
+    Not `observed` (with a note, `settle_s` = `timeout_s`, nothing applied): a change that
+    changes nothing, or only a power limit without a load (idle, it shows nowhere).
     """
     if sample_period_s <= 0 or timeout_s <= 0 or hold_s <= 0:
         raise ValueError("sample_period_s, timeout_s and hold_s must be positive")
@@ -353,11 +356,19 @@ def measure_settle(
     tol = _Tolerance(hold_s, clock_tolerance_mhz, power_tolerance, power_tolerance_w)
     fields = ("sm_clock_mhz", "power_mw") if load is not None else ("sm_clock_mhz",)
     start_ns = clock.now_ns()
-    if all(knobs.target(g, before) == knobs.target(g, after) for g in knobs.gpus):
-        raise CampaignError(
-            f"{describe_setting(after)} is what the GPU holds at {describe_setting(before)}: "
-            "nothing changes, so there is no settle time to measure"
-        )
+    targets = [(knobs.target(g, before), knobs.target(g, after)) for g in knobs.gpus]
+    if all(a == b for a, b in targets):
+        return _unobserved(
+            before, after, start_ns, clock, None, sample_period_s, timeout_s,
+            f"{describe_setting(after)} is what the GPUs hold at {describe_setting(before)}: "
+            "nothing changes, so there is no settle time to measure",
+        )  # fmt: skip
+    if load is None and all(a.sm_clock_lock_mhz == b.sm_clock_lock_mhz for a, b in targets):
+        return _unobserved(
+            before, after, start_ns, clock, None, sample_period_s, timeout_s,
+            "only the power limit changes, which an idle GPU does not show: time it under a "
+            "load",
+        )  # fmt: skip
     knobs.apply(before)
     with Probe(gpus, clock, sample_period_s, fields) as probe:
         pre, _ = _wait(probe, clock, start_ns, timeout_s, tol, load=load)
@@ -424,12 +435,13 @@ def _unobserved(
     after: KnobSetting,
     start_ns: int,
     clock: Clock,
-    probe: Probe,
+    probe: Probe | None,
     sample_period_s: float,
     timeout_s: float,
     note: str,
 ) -> SettleTime:
-    t, _ = probe.arrays(start_ns)
+    """A change that could not be timed (nothing measured when `probe` is None)."""
+    t = probe.arrays(start_ns)[0] if probe is not None else ()
     return SettleTime(
         before=before,
         after=after,
