@@ -116,6 +116,8 @@ def test_four_gpus_equal_one_cell_for_cell(runs: Path) -> None:
     assert (four["cell_status"].values == STATUS_OK).all()
     assert_same_cells(four, one)
     assert len(four.attrs["gpu_uuids"].split(",")) == 4
+    # Per-GPU session facts line up with the four GPUs (each worker detected its own).
+    assert len(np.atleast_1d(four.attrs["counter_update_period_s"])) == 4
 
 
 def test_the_drivers_journal_holds_every_worker(runs: Path) -> None:

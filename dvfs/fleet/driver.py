@@ -99,11 +99,22 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worker": s.get("worker"),
                 "host": s.get("host", ""),
                 "gpus": [g["uuid"] for g in s["gpus"]],
-                "idle_power_w": s["idle_power_w"],
+                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s") if k in s},
             }
             for s in sessions
         ],
     )
+    if "counter_update_period_s" in first:  # per GPU: in the order of `gpus`
+        combined["counter_update_period_s"] = [
+            p
+            for s in sessions
+            for p in (s.get("counter_update_period_s") or [None] * len(s["gpus"]))
+        ]
+    if isinstance(first.get("gpu_time_s"), dict):  # the GPU time all the workers spent
+        keys = dict.fromkeys(k for s in sessions for k in (s.get("gpu_time_s") or {}))
+        combined["gpu_time_s"] = {
+            k: sum(float((s.get("gpu_time_s") or {}).get(k, 0.0)) for s in sessions) for k in keys
+        }
     return combined
 
 
