@@ -460,3 +460,15 @@ def test_sigterm_restores(nvml, env, tmp_path: Path) -> None:
     assert proc.returncode == 143, output
     assert "GPU settings restored" in output and "Traceback" not in output
     assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
+def test_cli_a_change_that_does_not_settle_sets_the_timeout() -> None:
+    """On the twin, a timeout shorter than its 0.3 s settle plus the hold leaves the changes
+    unobserved, and the timeout is the settle to use."""
+    result = CliRunner().invoke(
+        cli,
+        ["gpu", "settle", "--twin", "h100-sxm", "--clocks", "1200", "--hold", "0.2"]
+        + ["--timeout", "0.4"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "Not every change settled" in result.output and "0.4 s" in result.output

@@ -664,7 +664,8 @@ def _settle_document(
         "twin_profile": twin,
         "margin": margin,
         "changes": [r.as_dict() for r in results],
-        "settle_s": max((r.settle_s for r in observed), default=None),
+        # a change not observed counts as its timeout: the settle to use stays safe
+        "settle_s": max((r.settle_s for r in results), default=None),
         "all_observed": len(observed) == len(results),
         "gpu_time_s": sum(r.gpu_time_s for r in results),
     }
@@ -700,7 +701,12 @@ def _render_settle(doc: dict[str, Any]) -> None:
         if c["note"]:
             out.print(f"[yellow]note:[/yellow] {c['before']} -> {c['after']}: {escape(c['note'])}")
     if doc["settle_s"] is None:
-        out.print("No change settled within the timeout: keep a fixed settle.")
+        out.print("Nothing to time: every change left the GPU as it was.")
+    elif not doc["all_observed"]:
+        out.print(
+            f"[yellow]Not every change settled within the timeout[/yellow]: settle for "
+            f"{doc['settle_s']:g} s (the timeout), or measure again with a longer --timeout."
+        )
     else:
         out.print(
             f"Settle to use: {doc['settle_s']:.3f} s (the longest change, +{doc['margin']:.0%} "
