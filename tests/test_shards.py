@@ -130,6 +130,26 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert_same_cells(combined, whole)
     assert combined.attrs["campaign_hash"] == whole.attrs["campaign_hash"]
     assert combined.attrs["sessions"] == 3
+    # Shards run on other GPUs (a job array: --gpus per task) merge the same.
+    for i in range(3):
+        moved = invoke(
+            "sweep",
+            str(runs / "shardy.toml"),
+            "--shard",
+            f"{i}/3",
+            "--gpus",
+            str(i + 1),
+            "--out",
+            str(runs / f"g{i}"),
+            "--no-progress",
+        )
+        assert moved.exit_code == 0, moved.output
+    elsewhere = runs / "elsewhere.nc"
+    on_gpus = [str(runs / f"g{i}") for i in range(3)]
+    assert invoke("cube", "merge", *on_gpus, "-o", str(elsewhere)).exit_code == 0
+    spread = open_cube(elsewhere)
+    assert_same_cells(spread, whole)
+    assert len(spread.attrs["gpu_uuids"].split(",")) == 3
     # The shards' cube files merge the same way as their journals.
     again = runs / "again.nc"
     cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]

@@ -146,6 +146,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     return merged
 
 
+#: What the shards of one run may differ in: which GPUs each ran on (`--gpus` in a job array).
+SHARD_MAY_DIFFER = ("gpu.devices", "gpu.groups")
+
+
 def _parse_shard(ds: xr.Dataset, name: str) -> tuple[int, int]:
     from dvfs.fleet.shard import Shard
 
@@ -163,11 +167,11 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
     first, first_name = cubes[0], names[0]
     shards = [_parse_shard(ds, name) for ds, name in zip(cubes, names, strict=True)]
     for ds, name, (index, count) in zip(cubes, names, shards, strict=True):
-        if ds.attrs.get("campaign_hash") != first.attrs.get("campaign_hash"):
-            changes = measured_differences(
-                _campaign_attr(first, first_name), _campaign_attr(ds, name)
-            )
-            why = "; ".join(changes[:3]) or "their hashes differ"
+        changes = measured_differences(
+            _campaign_attr(first, first_name), _campaign_attr(ds, name), ignore=SHARD_MAY_DIFFER
+        )
+        if changes:
+            why = "; ".join(changes[:3])
             raise CubeError(
                 f"cannot merge shards of different campaigns ({first_name} -> {name}: {why}); "
                 "every shard must run the same campaign file"
@@ -290,4 +294,12 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     )
     if "failed_cells" in first.attrs:
         attrs["failed_cells"] = json.dumps(failed)
+    if "counter_update_period_s" in first.attrs:  # per GPU, in the order of gpu_uuids
+        period: dict[str, float] = {}
+        for ds in cubes:
+            names = [u for u in str(ds.attrs.get("gpu_uuids", "")).split(",") if u]
+            values = np.atleast_1d(ds.attrs.get("counter_update_period_s", [])).tolist()
+            for uuid, value in zip(names, values, strict=False):
+                period.setdefault(uuid, float(value))
+        attrs["counter_update_period_s"] = [period.get(u, np.nan) for u in uuids.split(",")]
     return attrs
