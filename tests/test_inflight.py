@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
 from sglang_support import running, stub_campaign
 
-from dvfs.backends import open_backends
+from dvfs.backends import Backends, open_backends
 from dvfs.campaign import load_campaign
 from dvfs.clock import MonotonicClock
 from dvfs.corpora import sample_prompts
 from dvfs.corpora.prepare import load_corpora
 from dvfs.engines.base import KnobStep, KnobTimeline, RequestTrace, Workload
 from dvfs.engines.sglang import SglangEngine
+from dvfs.engines.twin import TwinEngine
 from dvfs.errors import GpuError
 from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.inflight import (
     inflight_groups,
     level_estimates,
@@ -39,6 +44,9 @@ from dvfs.measure.meter import describe_quality, steady_window_ns, tokens_in_win
 from dvfs.measure.plan import Cell, plan_cells
 from dvfs.measure.runner import Runner
 from dvfs.measure.sampler import Sampler
+from dvfs.sweep import run_sweep
+from dvfs.twin.device import FreeRunningNode
+from dvfs.twin.profiles import gpu_profile, model_profile
 
 schemes = st.sampled_from(["abba", "serpentine"])
 
@@ -314,6 +322,102 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
         assert {s["position"] for s in first["segments"]} == {0, 5}
         assert len({r.measurement.ttft_ms for r in records if r.measurement}) == 1
         assert len({r.measurement.tpot_ms for r in records if r.measurement}) == 3
+
+
+# -- the safety layer: real NVML (the fake pynvml), the twin engine as the load ---------------
+
+INFLIGHT_NVML = NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(
+    "[measurement]\n",
+    '[measurement]\nmode = "in-flight"\nsettle = 0.0\nthermal_max_s = 0.5\n'
+    "idle_per_setting = false\n",
+)
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    environment = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, environment[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    module = load_fake()
+    module.fake_reset_state()
+    module.fake_update_device(0, power_limit_mw=650_000)  # not the default: put back what was
+    return module
+
+
+def _as_found(nvml: Any, state_dir: Path) -> None:
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None
+    assert device["power_limit_mw"] == 650_000
+    assert not list(state_dir.glob("GPU-*.json")), "state file left behind"
+
+
+class StepThenFail:
+    """The twin engine, raising in the middle of its first stepped decode, after the knob
+    changed inside it."""
+
+    name = "twin"
+
+    def __init__(self, inner: TwinEngine) -> None:
+        self.inner = inner
+        self.changed_inside = False
+
+    def start(self, drafter: Any) -> Any:
+        return self.inner.start(drafter)
+
+    def run(self, workload: Any, timeline: KnobTimeline | None = None) -> Any:
+        if timeline is None or len(timeline.steps) < 2:
+            return self.inner.run(workload, timeline)
+
+        def boom() -> None:
+            timeline.steps[1].apply()
+            self.changed_inside = True
+            raise RuntimeError("boom inside the stepped decode")
+
+        steps = (timeline.steps[0], KnobStep(timeline.steps[1].at_s, boom))
+        return self.inner.run(workload, KnobTimeline(steps))
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+def test_the_safety_layer_restores_after_an_inflight_sweep(nvml: Any, tmp_path: Path) -> None:
+    path = tmp_path / "nvml.toml"
+    path.write_text(INFLIGHT_NVML)
+    campaign = load_campaign(path)
+    state = tmp_path / "dvfs-state"
+    outcome = run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=state)
+    assert outcome.summary.measured == 4
+    calls = [c for c in nvml.fake_calls() if c["fn"].startswith("nvmlDeviceSet")]
+    locks = [c["args"] for c in calls if c["fn"] == "nvmlDeviceSetGpuLockedClocks"]
+    assert [1980, 1980] in locks and [1500, 1500] in locks
+    assert all(c["ok"] for c in calls)
+    _as_found(nvml, state)
+    records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
+    cells = [r for r in records if r.get("type") == "cell"]
+    assert len(cells) == 4 and all(r["inflight"]["group"] == "none/code/b1/r0" for r in cells)
+
+
+def test_the_safety_layer_restores_after_a_failure_inside_a_stepped_decode(
+    nvml: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "nvml.toml"
+    path.write_text(INFLIGHT_NVML)
+    campaign = load_campaign(path)
+    clock = MonotonicClock()
+    engine = StepThenFail(
+        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b"))
+    )
+    state = tmp_path / "dvfs-state"
+    with open_nvml_gpus([0], nvml=nvml) as gpus, pytest.raises(RuntimeError, match="boom"):
+        run_sweep(
+            campaign,
+            tmp_path / "out",
+            backends=Backends(clock, list(gpus), engine),  # type: ignore[arg-type]
+            state_dir=state,
+        )
+    assert engine.changed_inside
+    _as_found(nvml, state)
 
 
 # -- SGLang: a stepping thread beside the streaming requests (the stub server, loopback) ------
