@@ -105,6 +105,10 @@ max_rounds = 1
 sample_period_s = 0.01
 idle_s = 0.0
 retries = {retries}
+# real time: the protocol's minute-long steps off (tests/test_protocol.py covers them)
+thermal_max_s = 0
+settle = 0
+idle_per_setting = false
 {measurement_extra}
 """
     path = tmp / "stub-campaign.toml"

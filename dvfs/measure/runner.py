@@ -66,7 +66,7 @@ MEASUREMENT_METHOD = (
 )
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
-COUNTER_PROBE_S = 1.0
+COUNTER_PROBE_S = 0.5
 
 
 class Progress(Protocol):
