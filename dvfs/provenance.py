@@ -40,6 +40,12 @@ REGISTRY = tuple(
         ("stock_sm_clock_mhz", "int", "MHz", "the stock (unlocked) clock's coordinate"),
         ("stock_power_limit_w", "float", "W", "the stock power limit's coordinate"),
         ("idle_power_w", "float", "W", "idle board power, all GPUs"),
+        (
+            "counter_update_period_s",
+            "float",
+            "s",
+            "each GPU's energy-counter update period, detected at session start",
+        ),
         ("measurement_method", "str", "", "how energy, windows and latency are measured", True),
         ("token_count_method", "str", "", "how prompt tokens were counted"),
         ("corpora", "json", "", "each corpus's source, content hash and size"),
