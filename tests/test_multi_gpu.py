@@ -404,3 +404,74 @@ def test_what_workers_cannot_do_yet_is_refused(setting: str, why: str, tmp_path:
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and why in lines[0]
+
+
+@pytest.fixture
+def fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The fake pynvml with two GPUs (as root), its state in tmp_path."""
+    from nvml_support import fake_env, load_fake
+
+    environment = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, environment[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+
+    def load(devices: str = "h100-sxm,h100-sxm"):
+        monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
+        module = load_fake()
+        module.fake_reset_state()
+        for i in range(2):  # not the default: restoring must put back what was there
+            module.fake_update_device(i, power_limit_mw=650_000)
+        return module
+
+    return load
+
+
+def test_real_gpus_each_worker_restores_its_own(fake_nvml, tmp_path: Path) -> None:
+    """Two NVML GPUs (the fake), one worker each: each locks and restores its own GPU, and no
+    state file is left; the one journal holds both."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import run_fleet
+    from dvfs.fleet.local import LocalExecutor
+
+    nvml = fake_nvml()
+    campaign = load_campaign(
+        write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    )
+    state = tmp_path / "dvfs-state"
+    out = tmp_path / "out"
+    outcome = run_fleet(campaign, out, [(0,), (1,)], LocalExecutor(out, state_dir=state, nvml=nvml))
+    assert outcome.summary.measured == 8 and {w.label for w in outcome.workers} == {"gpu0", "gpu1"}
+    locks = nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+    assert {c["index"] for c in locks} == {0, 1}  # each worker applied its own GPU's knobs
+    for i in range(2):
+        device = nvml.fake_device_state(i)
+        assert device["locked_clocks"] is None and device["power_limit_mw"] == 650_000
+    assert not list(state.glob("GPU-*.json")), "a state file was left behind"
+    session = next(r for r in read_records(out / "journal.jsonl") if r["type"] == "session")
+    assert len(session["gpus"]) == 2 and session["gpu_backend"] == "nvml"
+    assert open_cube(outcome.cube_path)["cell_status"].values.all()
+
+
+def test_real_gpus_of_two_models_give_a_gpu_dimension(fake_nvml, tmp_path: Path) -> None:
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.fleet.driver import run_fleet
+    from dvfs.fleet.local import LocalExecutor
+
+    nvml = fake_nvml("h100-sxm,h200-sxm")
+    campaign = load_campaign(
+        write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    )
+    out = tmp_path / "out"
+    executor = LocalExecutor(out, state_dir=tmp_path / "dvfs-state", nvml=nvml)
+    outcome = run_fleet(campaign, out, [(0,), (1,)], executor)
+    assert outcome.summary.measured == 8  # the campaign once per model
+    assert sorted(p.parent.name for p in out.glob("gpu-*/journal.jsonl")) == [
+        "gpu-nvidia-h100-80gb-hbm3",
+        "gpu-nvidia-h200",
+    ]
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
+    assert json.loads(merged.attrs["gpu_names"]) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
