@@ -625,16 +625,20 @@ class Runner:
         else:
             if self._stabilise_due:
                 self._stabilise(first)
+            before = self._take_pending()
             t0 = self.clock.now_ns()
             try:
                 records = run_inflight(self, group, settle_s=self.settle_s)
             finally:
                 self._setting = None  # the GPUs are at the group's last level
             spent = self._elapsed_s(t0)
+            inside = self._take_pending()  # the levels' settles and idle baselines
+            before.merge(inside)
             shared: dict[str, float] = {}
             for record in records:
                 shared = record.inflight.get("gpu_time_s") or shared
             accounted = math.fsum(shared.values()) if shared else 0.0
+            accounted += math.fsum(inside.seconds.values())
             split = GpuTime()
             for key, value in shared.items():
                 if key in split.seconds:
@@ -645,7 +649,7 @@ class Runner:
                 time = GpuTime()
                 time.merge(split)
                 if index == 0:
-                    time.merge(self._take_pending())
+                    time.merge(before)
                 timed.append(replace(record, gpu_time_s=time.as_dict()))
             records = timed
         for record in records:
