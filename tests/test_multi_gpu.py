@@ -126,6 +126,7 @@ def test_the_drivers_journal_holds_every_worker(runs: Path) -> None:
     assert len(sessions) == 1
     assert [w["worker"] for w in sessions[0]["workers"]] == ["gpu0", "gpu1", "gpu2", "gpu3"]
     assert len(sessions[0]["gpus"]) == 4
+    assert "groups" in sessions[0]["journal_sync"]  # the driver's journal, grouped on the twin
     cells = [r for r in records if r["type"] == "cell"]
     by_worker: dict[str, int] = {}
     for record in cells:

@@ -155,6 +155,7 @@ class Driver:
     def open_session(self, sessions: Sequence[dict[str, Any]]) -> None:
         """Journal one session over every worker's GPUs (same GPUs as earlier sessions)."""
         combined = combine_sessions(sessions)
+        combined["journal_sync"] = self.journal.sync_policy.describe()  # the driver's, not theirs
         current = [g["uuid"] for g in combined["gpus"]]
         for earlier in self.journal.sessions:
             before = [g["uuid"] for g in earlier["gpus"]]
