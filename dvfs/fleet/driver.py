@@ -163,7 +163,8 @@ class Driver:
                 raise JournalError(
                     f"{self.journal.path} was started on GPU(s) {', '.join(before)}, but this "
                     f"run has {', '.join(current)}; a journal holds one GPU set: resume with the "
-                    "same GPUs, or use another --out folder and `dvfs cube merge` the cubes"
+                    "same GPUs (the same --gpus, or the same Ray workers), or start over with "
+                    "--fresh"
                 )
         from dvfs.records import recorded_stock
 
