@@ -242,6 +242,9 @@ class Runner:
                     "cells would no longer compare. Restore the earlier settings, or start a new "
                     "--out folder"
                 )
+        from dvfs.backends import corpus_texts
+
+        texts = corpus_texts(self.campaign, self.corpora)
         session = Session(
             started=now_iso(),
             dvfs_version=__version__,
@@ -268,6 +271,8 @@ class Runner:
                     "source": c.source,
                     "content_hash": c.content_hash,
                     "prompts": len(c.prompts),
+                    # What the twin's acceptance reads from the text.
+                    "text": texts[name].provenance() if name in texts else None,
                 }
                 for name, c in self.corpora.items()
             },
