@@ -38,6 +38,7 @@ from dvfs.measure.inflight import (
     segment_order,
     segment_requests,
     segments_per_round,
+    settle_before,
 )
 from dvfs.measure.journal import Journal
 from dvfs.measure.meter import describe_quality, steady_window_ns, tokens_in_window
@@ -88,6 +89,33 @@ def test_a_linear_drift_cancels_exactly(
     means = [sum(v, Fraction(0)) / len(v) for _, v in sorted(seen.items())]
     bias = means[0] - truth[0]
     assert all(m - v == bias for m, v in zip(means, truth, strict=True))
+
+
+@settings(max_examples=200)
+@given(
+    levels=st.integers(1, 7),
+    settle=st.fractions(0, 1),
+    slope=st.fractions(-10, 10),
+)
+def test_the_middle_pair_skips_its_settle_and_the_drift_still_cancels(
+    levels: int, settle: Fraction, slope: Fraction
+) -> None:
+    """abba's middle pair measures from one settle after its start to its end; every other
+    level from a settle after each of its two starts. A drift linear in time, averaged over
+    each level's measured time, is the same for every level."""
+    order = level_order(range(levels), "abba")
+    seg = Fraction(1) + settle  # each segment: a settle, then one unit measured
+    spans: dict[int, list[tuple[Fraction, Fraction]]] = {}
+    for k, level in enumerate(order):
+        start = k * seg + (settle if settle_before(order, k, 1.0) else 0)
+        spans.setdefault(level, []).append((start, (k + 1) * seg))
+    drift = []
+    for _, pieces in sorted(spans.items()):
+        length = sum((b - a for a, b in pieces), Fraction(0))
+        # the mean of slope * t over the pieces, weighted by their lengths
+        integral = sum((slope * (b * b - a * a) / 2 for a, b in pieces), Fraction(0))
+        drift.append(integral / length)
+    assert len(set(drift)) == 1
 
 
 def test_an_odd_serpentine_does_not_cancel() -> None:

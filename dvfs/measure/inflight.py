@@ -288,6 +288,17 @@ def tokens_needed(rates_tok_s: Sequence[float], segment_s: float, margin: float)
     return math.ceil(sum(rates_tok_s) * segment_s * margin) + 1
 
 
+def settle_before(order: Sequence[Any], position: int, settle_s: float) -> float:
+    """What a segment discards at its start: the settle, except after a segment at the same
+    level (abba's middle pair: nothing changed). The pair then spans from one settle after its
+    start to its end, whose middle is every other level's mean middle (each level's two
+    segments sit symmetrically about the decode's middle, each measured from a settle after
+    its start), so a linear drift still cancels."""
+    if position > 0 and order[position] == order[position - 1]:
+        return 0.0
+    return settle_s
+
+
 def decoded_by(requests: Sequence[RequestTrace], t_ns: int) -> float:
     """Mean tokens per request that had arrived by `t_ns`."""
     counts = [
@@ -485,7 +496,7 @@ def _measure_group(
             gpu_time["prefill"] += (starts[0] - result.started_ns) * 1e-9
             gpu_time["drain"] += max(0, result.ended_ns - ends[-1]) * 1e-9
             for position, (cell, a, b) in enumerate(zip(order, starts, ends, strict=False)):
-                lo = max(a + _ns(settle), window[0])
+                lo = max(a + _ns(settle_before(order, position, settle)), window[0])
                 hi = min(b, window[1])
                 gpu_time["settle"] += (min(lo, b) - a) * 1e-9
                 span = (lo, hi) if hi > lo else None
