@@ -12,9 +12,25 @@ Levels are ordered so slow drift cancels: the KV cache grows through the decode 
 warms, so a level measured late would otherwise look different from one measured early.
 `segment_order` lays the segments out so that every level's mean position is the same (a
 pure function): "abba" visits the levels forward then backward within each decode (A B C C B
-A); "serpentine" visits each level once per decode, forward on even rounds and backward on odd
-ones (rounds come in pairs). Equal segment durations make a drift linear in time add the same
-amount to every level's mean, so the differences between levels are unbiased.
+A; the middle pair changes nothing, so its second segment discards no settle); "serpentine"
+visits each level once per decode, forward on even rounds and backward on odd ones (rounds
+come in pairs). Equal segments make a drift linear in time add the same amount to every
+level, so the differences between levels are unbiased.
+
+Decodes are added until every level's energy per token and median TPOT reach
+`measurement.precision` (at most `max_rounds`): the interval is Student-t over the decodes
+(each one drift-cancelled by its order, each with its own prompts), so it holds the prompts'
+variation like a per-level cell's interval over rounds. How well the levels are known against
+each other (drift and each decode's prompts fitted out, `level_estimates`) is kept as
+provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
+rate, with a few percent to spare.
+
+Limits: fixed batches only. The decode is as long as its segments need, so a level is
+measured at a longer context than a per-level cell of `output_tokens` (each record says how
+far the decode had got, `mean_decoded_tokens`; a per-level cell sits near output_tokens / 2):
+where attention's KV reads weigh (large batches, long prompts) the absolute energy per token
+is higher than the per-level cell's, while the differences between levels stay unbiased. A
+nonlinear drift cancels only in part.
 
 The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 
@@ -30,8 +46,10 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   when it is a number, else `[knobs] settle_s`.
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
-  ordering scheme, its segments (round, position, start and measured seconds, tokens), that
-  TTFT and acceptance are shared, and the group's GPU time (`gpu_time_s`).
+  ordering scheme, its segments (round, position, start and measured seconds, energy per
+  token, tokens decoded), what its levels share (TTFT, acceptance), the between-level
+  interval, and the group's GPU time (`gpu_time_s`: settle, warmup, prefill, window, drain;
+  the levels' idle baselines and their settles go through `runner._apply_setting`).
 
 Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
 at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
