@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.measure.counter import (
+    RoundEnergy,
     TokenCurve,
     counter_window,
     length_uncertainty,
@@ -213,8 +214,11 @@ def test_an_irregular_counter_is_uncertain_by_its_edge_brackets():
     assert w.uncertainty_s == pytest.approx(0.010)  # half of each edge's 10 ms bracket
 
 
-def test_no_window_on_the_updates_has_no_bounded_length():
+def test_rounds_length_uncertainties_add_in_quadrature():
     assert length_uncertainty([]) == math.inf
+    one = RoundEnergy(1000.0, 100.0, 1.0, 11, True, 0.004)
+    assert length_uncertainty([one]) == pytest.approx(0.004)
+    assert length_uncertainty([one] * 4) == pytest.approx(0.002)  # 4 ms x 2 over 4 s
 
 
 def test_relative_half_width():

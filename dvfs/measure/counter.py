@@ -210,11 +210,12 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
 def length_uncertainty(rounds: Sequence[RoundEnergy]) -> float:
     """The relative uncertainty of a cell's windows' length, which its energy per token
     carries (the energy between updates is exact): the rounds' length uncertainties over their
-    total length, inf without a window on the updates."""
+    total length, inf without a window on the updates. The rounds' edges fall at independent
+    phases of the counter, so their uncertainties add in quadrature."""
     span = math.fsum(r.seconds for r in rounds)
     if not span > 0:
         return math.inf
-    return math.fsum(r.uncertainty_s for r in rounds) / span
+    return math.sqrt(math.fsum(r.uncertainty_s**2 for r in rounds)) / span
 
 
 # -- the interval on a cell's rounds or repeats -----------------------------------------------
