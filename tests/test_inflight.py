@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from dvfs.errors import GpuError
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.inflight import (
+    context_slope,
     inflight_groups,
     level_estimates,
     level_order,
@@ -200,6 +201,30 @@ def test_level_estimates_see_through_drift_and_round_offsets(
     assert np.all(half[finite] < 1e-6)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    truth=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=5),
+    slope=st.floats(-1e-3, 1e-3),
+    offsets=st.lists(st.floats(0.9, 1.1), min_size=3, max_size=3),
+    per_segment=st.floats(20, 200),
+)
+def test_context_slope_recovers_a_relative_drift_along_the_decode(
+    truth: list[float], slope: float, offsets: list[float], per_segment: float
+) -> None:
+    segments = segment_order(len(truth), "abba", 3)
+    decoded = [per_segment * (s.position + 0.5) for s in segments]
+    values = [
+        truth[s.level] * offsets[s.round] * math.exp(slope * d)
+        for s, d in zip(segments, decoded, strict=True)
+    ]
+    assert context_slope(values, decoded, segments, len(truth)) == pytest.approx(
+        slope, rel=1e-6, abs=1e-12
+    )
+    # nothing to tell the drift by: no slope
+    flat = [per_segment] * len(segments)
+    assert context_slope(values, flat, segments, len(truth)) == 0.0
+
+
 def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
     segments = segment_order(3, "abba", 2)
     rng = np.random.default_rng(0)
@@ -313,11 +338,12 @@ def test_twin_steps_the_knob_at_pass_boundaries_through_the_controller(tmp_path:
 
 
 def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
-    """The same levels measured both ways on the twin, at the default precision and the
-    same context (per-level cells decode as far as the stepped decode had on average): each
-    level's energy per token agrees within the two intervals. Every NVML trap is on but
-    leakage: the two measurements run a minute apart on a die that warms between them, and
-    leakage would compare the temperatures (about 1% here), not the methods."""
+    """The same levels measured both ways on the twin, at the default precision: each
+    level's energy per token agrees within the two intervals, the stepped decode's longer
+    context carried back to the per-level cells' (the drift fitted across its segments).
+    Every NVML trap is on but leakage: the two measurements run a minute apart on a die that
+    warms between them, and leakage would compare the temperatures (about 1% here), not the
+    methods."""
     with twin_runner(tmp_path) as runner:
         assert runner.settle_s >= runner.gpus[0].device.profile.settle_time_s  # type: ignore[attr-defined]
         group = inflight_groups(plan_cells(runner.campaign))[0]
@@ -325,12 +351,9 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
         records = run_inflight(runner, group, settle_s=runner.settle_s)
         assert [r.cell for r in records] == list(group)
         decoded = records[0].inflight["mean_decoded_tokens"]
-        campaign = runner.campaign
-        runner.campaign = replace(
-            campaign, workload=replace(campaign.workload, output_tokens=round(2 * decoded))
-        )
+        assert decoded > runner.campaign.workload.output_tokens  # a longer decode
         runner._setting = None
-        precision = campaign.measurement.precision
+        precision = runner.campaign.measurement.precision
         for record in records:
             m = record.measurement
             assert record.ok and m is not None, record.errors
@@ -338,6 +361,9 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
             assert m.sm_clock_observed_mhz == pytest.approx(record.cell.sm_clock_mhz, abs=30)
             assert record.inflight["mean_decoded_tokens"] == pytest.approx(decoded, rel=0.05)
             assert m.energy_per_token_rel_ci <= precision
+            context = record.inflight["context"]
+            assert context["target_decoded_tokens"] == 128
+            assert context["energy_factor"] < 1  # a longer context costs more per token
             runner._apply_setting(record.cell.setting)
             alone, _ = runner.measure(record.cell)
             assert alone.valid

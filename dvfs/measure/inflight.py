@@ -25,12 +25,15 @@ each other (drift and each decode's prompts fitted out, `level_estimates`) is ke
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
 rate, with a few percent to spare.
 
-Limits: fixed batches only. The decode is as long as its segments need, so a level is
-measured at a longer context than a per-level cell of `output_tokens` (each record says how
-far the decode had got, `mean_decoded_tokens`; a per-level cell sits near output_tokens / 2):
-where attention's KV reads weigh (large batches, long prompts) the absolute energy per token
-is higher than the per-level cell's, while the differences between levels stay unbiased. A
-nonlinear drift cancels only in part.
+The decode is as long as its segments need, so it reaches a longer context than a per-level
+cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
+energy per token and TPOT grow with it. Each level is carried to a per-level cell's context
+(half of `output_tokens` decoded) along a relative drift fitted across the group's segments
+(`context_slope`: log value = level + slope * tokens decoded + an offset per decode); the
+record keeps the measured value, the slope and the factor (`inflight.context`).
+
+Limits: fixed batches only; a nonlinear drift cancels only in part, and the context factor
+assumes one relative slope for every level (its uncertainty is not in the interval).
 
 The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 
@@ -317,6 +320,38 @@ def settle_before(order: Sequence[Any], position: int, settle_s: float) -> float
     return settle_s
 
 
+def context_slope(
+    values: Sequence[float], decoded: Sequence[float], segments: Sequence[Segment], levels: int
+) -> float:
+    """How a quantity grows with the tokens decoded (relative, per token), common to the
+    levels: log(value) fitted as level + slope * decoded + an offset per round (least
+    squares); 0 when the segments cannot tell (no finite values, or no spread in decoded)."""
+    y = np.log(np.asarray(values, dtype=float))
+    d = np.asarray(decoded, dtype=float)
+    keep = np.isfinite(y) & np.isfinite(d)
+    if keep.sum() < levels + 2:
+        return 0.0
+    rounds = sorted({s.round for s in segments})
+    x = np.zeros((len(segments), levels + 1 + len(rounds) - 1))
+    for i, seg in enumerate(segments):
+        x[i, seg.level] = 1.0
+        x[i, levels] = d[i] if math.isfinite(d[i]) else 0.0
+        if seg.round != rounds[0]:
+            x[i, levels + rounds.index(seg.round)] = 1.0
+    x, y = x[keep], y[keep]
+    used = np.flatnonzero(x.any(axis=0))
+    if levels not in used:
+        return 0.0
+    beta, _, rank, _ = np.linalg.lstsq(x[:, used], y, rcond=None)
+    if rank < len(used):
+        return 0.0
+    return float(beta[list(used).index(levels)])
+
+
+def _factor(slope: float, tokens: float) -> float:
+    return math.exp(slope * tokens) if math.isfinite(tokens) else 1.0
+
+
 def decoded_by(requests: Sequence[RequestTrace], t_ns: int) -> float:
     """Mean tokens per request that had arrived by `t_ns`."""
     counts = [
@@ -558,13 +593,30 @@ def _measure_group(
     _, energy_between = level_estimates(
         [s.energy_per_token_j for s in measured], segments, len(cells), confidence
     )
+    # Each level at the context a per-level cell of output_tokens is measured at (its window's
+    # middle: half the tokens decoded), along the drift fitted across the group's segments.
+    target = campaign.workload.output_tokens / 2
+    decoded = [s.decoded_tokens for s in measured]
+    energy_slope = context_slope(
+        [s.energy_per_token_j for s in measured], decoded, segments, len(cells)
+    )
+    tpot_slope = context_slope([s.tpot_ms for s in measured], decoded, segments, len(cells))
     records = []
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
         cm = _summarise(runner, cell, [s.part for s in mine], idle[index])
+        at = float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
+        energy_factor = _factor(energy_slope, target - at)
+        tpot_factor = _factor(tpot_slope, target - at)
+        measured_j = cm.energy_per_token_j
         cm = replace(
             cm,
-            latency=LatencyStats(shared.ttft_ms, cm.latency.tpot_ms, cm.latency.itl_ms),
+            energy_j=cm.energy_j * energy_factor,
+            latency=LatencyStats(
+                shared.ttft_ms,
+                tuple(v * tpot_factor for v in cm.latency.tpot_ms),
+                tuple(v * tpot_factor for v in cm.latency.itl_ms),
+            ),
             accept=accept,
             quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0),
             # over the decodes, each one's drift cancelled by the order
@@ -584,11 +636,17 @@ def _measure_group(
             # the levels against each other (drift and each round's prompts fitted out): how
             # well their differences are known, tighter than the absolute interval
             "energy_per_token_rel_ci_between_levels": _finite_or_none(float(energy_between[index])),
-            # where along the decode the level was measured: a per-level cell of
-            # output_tokens sits at about output_tokens / 2
-            "mean_decoded_tokens": _finite_or_none(
-                float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
-            ),
+            # where along the decode the level was measured, and how its energy per token
+            # and TPOT were carried to a per-level cell's context (output_tokens / 2)
+            "mean_decoded_tokens": _finite_or_none(at),
+            "context": {
+                "target_decoded_tokens": target,
+                "energy_per_token_measured_j": _finite_or_none(measured_j),
+                "energy_per_token_slope_per_1k_tokens": _finite_or_none(1000 * energy_slope),
+                "tpot_slope_per_1k_tokens": _finite_or_none(1000 * tpot_slope),
+                "energy_factor": energy_factor,
+                "tpot_factor": tpot_factor,
+            },
             "segments": [
                 {
                     "round": s.segment.round,
