@@ -345,7 +345,7 @@ def context_slope(
     beta, _, rank, _ = np.linalg.lstsq(x[:, used], y, rcond=None)
     if rank < len(used):
         return 0.0
-    return float(beta[list(used).index(levels)])
+    return float(beta[used.tolist().index(levels)])
 
 
 def _factor(slope: float, tokens: float) -> float:
