@@ -23,6 +23,8 @@ import numpy as np
 
 #: Fewest distinct updates a detection needs to call a period.
 MIN_UPDATES_FOR_PERIOD = 4
+#: Fewest readings per counter update a round's sampler takes (`sampling_period_s`).
+MIN_SAMPLES_PER_UPDATE = 4
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,18 @@ def counter_update_period(samples: dict[str, np.ndarray]) -> list[float | None]:
 
 
 def sampling_period_s(sample_period_s: float, counter_period_s: float | None) -> float:
-    """The sampler's period during a round: at most `sample_period_s`, and off any whole
-    fraction of the counter's update period, so successive updates fall at different phases of
-    the sampling (a period that divides the counter's sees every update at the same place in
-    its bracket, and the grid fit learns nothing; virtual time has no jitter to break that)."""
+    """The sampler's period during a round: at most `sample_period_s`, at least
+    MIN_SAMPLES_PER_UPDATE readings per counter update (the brackets bound the window's
+    length), and off any whole fraction of the counter's update period, so successive updates
+    fall at different phases of the sampling (a period that divides the counter's sees every
+    update at the same place in its bracket, and the grid fit learns nothing; virtual time has
+    no jitter to break that)."""
     if not counter_period_s or counter_period_s < sample_period_s:
         return sample_period_s
     ratio = counter_period_s / sample_period_s
-    if abs(ratio - round(ratio)) >= 0.2:
+    if ratio >= MIN_SAMPLES_PER_UPDATE and abs(ratio - round(ratio)) >= 0.2:
         return sample_period_s
-    return counter_period_s / (round(ratio) + 0.382)
+    return counter_period_s / (max(round(ratio), MIN_SAMPLES_PER_UPDATE) + 0.382)
 
 
 def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -174,9 +178,9 @@ class CounterWindow:
     end_ns: float
     updates: int
     energy_mj: float
-    #: How far the interval's length may be off (s): the edge instants' uncertainty, the
-    #: brackets' halves at both ends, or on a regular grid one bracket over the periods the
-    #: round's updates span (the grid's slope is fitted through all of them).
+    #: How far the interval's length may be off (s): the brackets' halves at both ends (a bound),
+    #: or on a regular grid a standard uncertainty: one bracket over the periods the round's
+    #: updates span, or the middles' scatter about the grid times sqrt(12 / updates).
     uncertainty_s: float = math.nan
 
     @property
@@ -195,7 +199,12 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
     if seen.continuous:
         uncertainty = 0.0
     elif seen.regular:
-        uncertainty = float(bracket.max()) / (len(seen) - 1)
+        # the grid's slope through all N updates: one bracket over the periods it spans, or
+        # the middles' scatter about the grid carried into the length (sqrt(12 / N) of it)
+        middles = (seen.lo_ns + seen.hi_ns) / 2.0
+        scatter = float(np.sqrt(np.mean((middles - seen.t_ns) ** 2))) * 1e-9
+        n = len(seen)
+        uncertainty = max(float(bracket.max()) / (n - 1), scatter * math.sqrt(12 / n))
     else:
         uncertainty = float(bracket[a] + bracket[b]) / 2
     return CounterWindow(
