@@ -593,3 +593,19 @@ def test_repeats_continue_until_the_interval_across_them_reaches_the_precision(
             for n in range(1, taken + 1)
         ]
         assert not any(precise[:-1]) and (precise[-1] or taken == 4)
+
+
+def test_above_idle_energy_uses_the_idle_power_at_the_cells_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With idle_per_setting (the default) each cell subtracts the idle power measured at its
+    own knob setting: a GPU idling at a locked 1980 MHz draws more than at 1200 MHz."""
+    _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
+    idle: dict[int, set[float]] = {}
+    for record in _records(tmp_path / "out" / "journal.jsonl"):
+        m = record["measurement"]
+        idle.setdefault(record["cell"]["sm_clock_mhz"], set()).add(m["idle_power_w"])
+        above = (m["energy_j"] - m["idle_power_w"] * m["decode_time_s"]) / m["window_tokens"]
+        assert m["energy_per_token_above_idle_j"] == pytest.approx(above)
+    assert all(len(v) == 1 for v in idle.values())  # one baseline per setting and session
+    assert min(idle[1980]) > min(idle[1200])
