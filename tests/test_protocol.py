@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SMALL_CAMPAIGN, replace_block
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dvfs.measure.counter import (
@@ -43,11 +43,11 @@ def stepping_readings(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Readings every `sample_ms` of a counter that updates at phase + k * period to the
     true energy (mJ) of a constant power since t = 0."""
-    t = np.arange(start_ms, start_ms + duration_ms, sample_ms) * MS
-    t = t.astype(np.int64)
-    k = np.floor((t / MS - phase_ms) / period_ms)
-    last_update_ms = phase_ms + k * period_ms
-    value = np.floor(np.maximum(last_update_ms, 0.0) * power_w)  # mJ, truncated as NVML's
+    # integer nanoseconds, as a sampler stamps its readings
+    step, period, phase = round(sample_ms * MS), round(period_ms * MS), round(phase_ms * MS)
+    t = round(start_ms * MS) + step * np.arange(int(duration_ms * MS) // step, dtype=np.int64)
+    last_update_ns = phase + (t - phase) // period * period
+    value = np.floor(np.maximum(last_update_ns, 0) / MS * power_w)  # mJ, truncated as NVML's
     return t, value
 
 
@@ -167,6 +167,16 @@ def test_two_gpus_each_on_their_own_updates():
     batch=st.integers(1, 64),
     start_ms=st.floats(100, 400),
     length_ms=st.floats(800, 3000),
+)
+@example(
+    power_w=50.0,
+    period_ms=20.0,
+    phase_frac=0.0,  # updates on reading instants: each seen at its own instant
+    sample_ms=2.0,
+    step_ms=5.0,
+    batch=1,
+    start_ms=100.0,
+    length_ms=800.0,
 )
 def test_window_arithmetic_properties(
     power_w, period_ms, phase_frac, sample_ms, step_ms, batch, start_ms, length_ms
@@ -565,6 +575,12 @@ def test_every_second_of_gpu_time_is_accounted(
     assert spent == pytest.approx(ends[-1] * 1e-9 - session["gpu_time_s"]["start_s"], rel=1e-6)
     total = float(cube["gpu_time_total_s"].sum())
     assert total == pytest.approx(math.fsum(math.fsum(c["gpu_time_s"].values()) for c in cells))
+    # each server start's stabilisation is in the next cell's record, its start temperature too
+    stabilised = [c for c in cells if c["gpu_time_s"]["stabilise"] > 0]
+    assert len(stabilised) == 2  # one server per drafter
+    for c in stabilised:
+        thermal = c["warmup"]["stabilised"]
+        assert math.isfinite(thermal["start_c"]) and thermal["seconds"] > 0
     # past the server starts and their stabilisation, most of the time is in windows
     fixed = float(cube["gpu_time_server_start_s"].sum() + cube["gpu_time_stabilise_s"].sum())
     assert float(cube["gpu_time_window_s"].sum()) > 0.6 * (total - fixed)

@@ -163,6 +163,9 @@ class Runner:
         self._stabilise_due = True
         self._idle_by_setting: dict[KnobSetting, float] = {}
         self._attempt_time = GpuTime()
+        #: The last thermal stabilisation (start and end temperature, seconds, reached), for
+        #: the next cell's record.
+        self._stabilised: dict[str, Any] | None = None
 
     # -- session ------------------------------------------------------------------------------
     def _elapsed_s(self, since_ns: int) -> float:
@@ -532,6 +535,7 @@ class Runner:
             max_s=m.thermal_max_s,
         )
         self._pending.add("stabilise", done.gpu_time_s)
+        self._stabilised = done.as_dict()
 
     # -- the sweep ----------------------------------------------------------------------------
     def open_session(self) -> None:
@@ -568,6 +572,9 @@ class Runner:
         if self._stabilise_due:
             self._stabilise(cell)
         record = self._run_cell(cell, self._take_pending())
+        if self._stabilised is not None and record.ok:
+            record = replace(record, warmup={**record.warmup, "stabilised": self._stabilised})
+            self._stabilised = None
         self.journal.append(record.to_json())
         self.progress.advance(cell, record.status)
         return record
