@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
+from fleet_support import fleet_campaign
 
 from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
@@ -24,53 +25,7 @@ from dvfs.measure.journal import read_records
 from dvfs.measure.plan import plan_cells
 from dvfs.measure.runner import Runner
 
-#: A reduced demo campaign: three drafters, so four workers must share or switch servers.
-CAMPAIGN = """
-[campaign]
-name = "multi"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm:none"  # the exact twin: each GPU's cells reproduce exactly
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1410, 1005]
-power_limit = [700, 350]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[drafters.ngram]
-algorithm = "NGRAM"
-num_draft_tokens = 8
-
-[workload]
-batch = [1, 8]
-corpora = ["code", "conversation"]
-input_tokens = [16, 2048]
-output_tokens = 48
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 1
-sample_period_s = 0.02
-idle_s = 1.0
-"""
+CAMPAIGN = fleet_campaign("multi")
 
 
 def sweep(*args: str) -> Result:

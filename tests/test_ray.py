@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
+from fleet_support import fleet_campaign
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -20,53 +21,7 @@ from dvfs.measure.journal import read_records
 
 pytestmark = pytest.mark.slow
 
-#: A reduced demo campaign (three drafters) on the twin.
-CAMPAIGN = """
-[campaign]
-name = "rayed"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm:none"  # the exact twin: each GPU's cells reproduce exactly
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1410, 1005]
-power_limit = [700, 350]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[drafters.ngram]
-algorithm = "NGRAM"
-num_draft_tokens = 8
-
-[workload]
-batch = [1, 8]
-corpora = ["code", "conversation"]
-input_tokens = [16, 2048]
-output_tokens = 48
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 1
-sample_period_s = 0.02
-idle_s = 1.0
-"""
+CAMPAIGN = fleet_campaign("rayed")
 
 
 def sweep(*args: str) -> Result:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
+from fleet_support import fleet_campaign
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,53 +20,7 @@ from dvfs.fleet.shard import Shard, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
 
-#: A reduced demo campaign: three drafters, so cuts fall inside and between drafters.
-CAMPAIGN = """
-[campaign]
-name = "shardy"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm:none"  # the exact twin: each GPU's cells reproduce exactly
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1410, 1005]
-power_limit = [700, 350]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[drafters.ngram]
-algorithm = "NGRAM"
-num_draft_tokens = 8
-
-[workload]
-batch = [1, 8]
-corpora = ["code", "conversation"]
-input_tokens = [16, 2048]
-output_tokens = 48
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 2
-sample_period_s = 0.02
-idle_s = 1.0
-"""
+CAMPAIGN = fleet_campaign("shardy", repeats=2)
 
 
 def invoke(*args: str) -> Result:
