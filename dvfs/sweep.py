@@ -3,7 +3,8 @@
 The backends come from `dvfs.backends` (the one place that picks real or simulated ones),
 the corpora from `dvfs.corpora.prepare`, the cells and their measurement from `dvfs.measure`;
 this module only puts them in order. `plan_dry_run` says what a sweep would do without
-opening any backend.
+touching a GPU; on a twin campaign it also sweeps the twin into a temporary folder for the GPU
+time the sweep will spend.
 """
 
 from __future__ import annotations
@@ -323,6 +324,9 @@ class DryRunPlan:
     servers: tuple[ServerPlan, ...]
     problems: tuple[str, ...]
     shard: str | None = None
+    #: On a twin campaign, the GPU time (virtual seconds) the twin spends on the planned cells,
+    #: found by sweeping them into a temporary folder; None on real hardware.
+    twin_gpu_s: float | None = None
 
     @property
     def remaining(self) -> int:
@@ -349,6 +353,7 @@ class DryRunPlan:
             "servers": [s.as_dict() for s in self.servers],
             "problems": list(self.problems),
             **({"shard": self.shard} if self.shard else {}),
+            **({"twin_gpu_s": round(self.twin_gpu_s, 3)} if self.twin_gpu_s is not None else {}),
         }
 
 
@@ -369,7 +374,9 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
 
 def plan_dry_run(campaign: Campaign, out_dir: Path, *, shard: Shard | None = None) -> DryRunPlan:
     """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, time, each
-    drafter's server, and the corpus problems that would stop it."""
+    drafter's server, the corpus problems that would stop it, and on a twin campaign the GPU
+    time the twin spends on the cells (all of them, or the shard's; none when there are
+    problems)."""
     from dvfs.measure.plan import summarise_plan
 
     cells = plan_cells(campaign)
@@ -405,4 +412,34 @@ def plan_dry_run(campaign: Campaign, out_dir: Path, *, shard: Shard | None = Non
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,
+        twin_gpu_s=None if problems or real_gpus(campaign) else twin_gpu_s(campaign, shard=shard),
     )
+
+
+def spent_gpu_s(out_dir: Path) -> float:
+    """The GPU time a sweep into `out_dir` spent: its cells' `gpu_time_total_s` plus each
+    session's overhead (counter detection, idle baseline, settle measurement), which the
+    journal keeps on the session record."""
+    from dvfs.cube import open_cube
+    from dvfs.measure.journal import iter_records
+
+    with open_cube(out_dir / CUBE_NAME) as ds:
+        cells = float(ds["gpu_time_total_s"].fillna(0.0).sum())
+    sessions = sum(
+        float((r.get("gpu_time_s") or {}).get("total", 0.0))
+        for r in iter_records(out_dir / JOURNAL_NAME)
+        if r.get("type") == "session"
+    )
+    return cells + sessions
+
+
+def twin_gpu_s(campaign: Campaign, *, shard: Shard | None = None) -> float | None:
+    """The GPU time the twin spends on the campaign (or shard): every cell swept into a
+    temporary folder in virtual time. None unless both the GPU and the engine are the twin."""
+    import tempfile
+
+    if campaign.gpu.backend != "twin" or campaign.engine.backend != "twin":
+        return None
+    with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
+        run_sweep(campaign, Path(tmp), shard=shard)
+        return spent_gpu_s(Path(tmp))

@@ -34,6 +34,11 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         f"{report['knob_changes']} knob change(s); roughly "
         f"{report['estimated_hours_on_hardware']} h on real hardware"
     )
+    if report.get("twin_gpu_s") is not None:
+        out.print(
+            f"the twin spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on "
+            f"all {report['cells']} cells (swept into a temporary folder)"
+        )
     if report.get("shard"):
         out.print(f"shard {report['shard']}: only this slice's cells are counted")
     if report.get("workers"):
