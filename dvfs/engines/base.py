@@ -38,6 +38,9 @@ class Workload:
     ignore_eos: bool
     mode: str = "fixed"
     seed: int = 0
+    #: End the round where its steady window ends (`ROUND_END` below): the requests still
+    #: running then are aborted, so no GPU time goes to draining a batch nobody measures.
+    end_at_window: bool = False
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -46,6 +49,16 @@ class Workload:
             raise ValueError(f"{len(self.prompts)} prompts for a batch of {self.batch}")
         if self.mode == "fixed" and len(self.prompts) != self.batch:
             raise ValueError("fixed-batch mode sends exactly one prompt per slot")
+
+
+#: How a round ends with `Workload.end_at_window`, as the cube's `round_end` says: a fixed
+#: batch when its first request finishes (the steady window's end: the batch is no longer
+#: full), a closed loop when concurrency drops below the batch after the pool's last request
+#: was sent. The requests still running are aborted (finish_reason "abort") and keep the
+#: tokens they received; latency and acceptance statistics use those tokens.
+ROUND_END = "window"
+#: The finish reason of a request the client aborted at the window's end.
+ABORTED = "abort"
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,11 @@ class RequestTrace:
             error=None,
         )
         return trace
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the round's end aborted this request before it finished."""
+        return self.finish_reason == ABORTED
 
     @property
     def first_token_ns(self) -> int | None:

@@ -20,6 +20,7 @@ from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import (
+    ABORTED,
     KnobTimeline,
     RequestTrace,
     RoundResult,
@@ -140,7 +141,14 @@ class TwinEngine:
         """The round's tokens and passes, from the cache when only the knobs changed."""
         lengths = np.array([p.input_tokens for p in workload.prompts], dtype=np.int64)
         alpha, depth = self._acceptance(workload)
-        key = (workload.seed, lengths.tobytes(), workload.max_new_tokens, alpha, depth)
+        key = (
+            workload.seed,
+            lengths.tobytes(),
+            workload.max_new_tokens,
+            alpha,
+            depth,
+            workload.end_at_window,
+        )
         cached = self._rounds.get(key)
         if cached is not None:
             self._rounds.move_to_end(key)
@@ -148,6 +156,8 @@ class TwinEngine:
         planned = _plan_fixed(
             self.model, self._plan, self.node.tp_size, workload, lengths, alpha, depth
         )
+        if workload.end_at_window:
+            planned = _ended_at_window(planned, self._plan)
         self._rounds[key] = planned
         if len(self._rounds) > ROUND_CACHE_SIZE:
             self._rounds.popitem(last=False)
@@ -309,10 +319,16 @@ class TwinEngine:
                     produced[r] += g
                     verify_ct[r] += 1
                     chunks[r].append((verify_pass, int(g)))
+            freed = False
             for s in range(batch):
                 r = slot_req[s]
                 if r != -1 and produced[r] >= targets[r]:
                     slot_req[s] = -1
+                    freed = True
+            if workload.end_at_window and freed and next_req >= len(pool):
+                # Concurrency drops below batch after the last send: the steady window ends
+                # here, and the requests still running are aborted (`base.ROUND_END`).
+                break
         # One phase: admissions and finishes interleave, so the limit holds on average.
         point = self.node.execute(Passes.concat(builder.parts))
         ends_ns = t0 + point.ends_ns
@@ -323,7 +339,10 @@ class TwinEngine:
                 continue
             chunk_ns = np.array([ends_ns[p] for p, _ in chunks[r]], dtype=np.int64)
             chunk_tokens = np.array([n for _, n in chunks[r]], dtype=np.int64)
-            finished = "length" if produced[r] >= workload.max_new_tokens else "stop"
+            if produced[r] < targets[r]:
+                finished = ABORTED
+            else:
+                finished = "length" if produced[r] >= workload.max_new_tokens else "stop"
             requests.append(
                 RequestTrace(
                     sent_ns=t0 if sent_pass[r] < 0 else int(ends_ns[sent_pass[r]]),
@@ -359,6 +378,8 @@ class _FixedRound:
     completion: np.ndarray
     lengths: np.ndarray
     accept_length: float | None
+    #: Which requests the round's end aborted (`_ended_at_window`); None: none.
+    aborted: np.ndarray | None = None
 
 
 def _plan_fixed(
@@ -426,26 +447,65 @@ def _plan_fixed(
     )
 
 
+def _ended_at_window(planned: _FixedRound, plan: DraftPlan | None) -> _FixedRound:
+    """The round cut where its steady window ends (`base.ROUND_END`): after the last decode
+    iteration with the whole batch running, whose verify emits the first finisher's last
+    token. The drain's passes do not run; the requests that had not finished are aborted with
+    the tokens they received by then. A round whose requests all finish together (no
+    speculation) is unchanged."""
+    prefill, full, drain = planned.phases
+    if not len(drain) or not planned.width:
+        return planned
+    n_full = len(full) // planned.width
+    keep = n_full + 1  # the prefill token's chunk, then one per full-batch iteration
+    tokens = planned.chunk_tokens[:, :keep]
+    batch = len(planned.counts)
+    counts = np.minimum(planned.counts, keep)
+    completion = tokens.sum(axis=1)
+    verifies = int((counts - 1).sum())
+    return _FixedRound(
+        phases=(prefill, full, drain.slice(0, 0)),
+        n_prefill=planned.n_prefill,
+        n_iter=n_full,
+        width=planned.width,
+        done_chunk=planned.done_chunk,
+        chunk_tokens=tokens,
+        counts=counts,
+        completion=completion,
+        lengths=planned.lengths,
+        accept_length=(int(completion.sum()) - batch) / verifies
+        if plan is not None and verifies
+        else None,
+        aborted=planned.counts > keep,
+    )
+
+
 def _traces(
     t0: int, chunk_ns: np.ndarray, planned: _FixedRound, plan: DraftPlan | None
 ) -> list[RequestTrace]:
-    """The fixed-batch round's traces, all run to length, from its checked chunk arrays."""
+    """The fixed-batch round's traces, run to length or aborted at the window's end, from
+    its checked chunk arrays."""
     tokens = planned.chunk_tokens
     n = planned.counts.tolist()
     prompt = planned.lengths.tolist()
     done = planned.completion.tolist()
+    ends = (
+        ["length"] * len(n)
+        if planned.aborted is None
+        else [ABORTED if a else "length" for a in planned.aborted.tolist()]
+    )
     if plan is None:
         return [
-            RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, "length")
-            for i, (k, p, c) in enumerate(zip(n, prompt, done, strict=True))
+            RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, f)
+            for i, (k, p, c, f) in enumerate(zip(n, prompt, done, ends, strict=True))
         ]
     verify = (planned.counts - 1).tolist()
     accepted = (planned.completion - planned.counts).tolist()  # less the prefill's, 1 a verify
     proposed = ((planned.counts - 1) * (plan.verify_tokens - 1)).tolist()
     return [
-        RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, "length", v, a, d)
-        for i, (k, p, c, v, a, d) in enumerate(
-            zip(n, prompt, done, verify, accepted, proposed, strict=True)
+        RequestTrace.trusted(t0, chunk_ns[i, :k], tokens[i, :k], p, c, f, v, a, d)
+        for i, (k, p, c, f, v, a, d) in enumerate(
+            zip(n, prompt, done, ends, verify, accepted, proposed, strict=True)
         )
     ]
 

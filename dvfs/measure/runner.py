@@ -17,7 +17,7 @@ from dvfs.campaign import Campaign
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
-from dvfs.engines.base import Engine, RoundResult, ServerInfo, Workload
+from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload
 from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
@@ -61,8 +61,11 @@ MEASUREMENT_METHOD = (
     "step); the counter interpolated at the window's edges when it updated less than twice; "
     "rounds until the Student-t interval on energy per token and median TPOT reaches the "
     "precision; window: fixed batch = last first token to first finish, closed loop = batch "
-    "requests running until the pool drains below batch; latency: TTFT = first chunk, ITL = "
-    "chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1)"
+    f"requests running until the pool drains below batch; round_end = {ROUND_END}: a round ends "
+    "where its window ends, the requests still running aborted with the tokens they received; "
+    "warm-up once per server start and (batch, input length) shape; latency: TTFT = first "
+    "chunk, ITL = chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1) over the "
+    "tokens received"
 )
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
@@ -166,6 +169,8 @@ class Runner:
         #: The last thermal stabilisation (start and end temperature, seconds, reached), for
         #: the next cell's record.
         self._stabilised: dict[str, Any] | None = None
+        #: The (batch, input length) shapes the running server has warmed up for.
+        self._warmed: set[tuple[int, int]] = set()
 
     # -- session ------------------------------------------------------------------------------
     def _elapsed_s(self, since_ns: int) -> float:
@@ -297,6 +302,7 @@ class Runner:
             self._pending.add("server_start", self._elapsed_s(t0))
         self._drafter = drafter_name
         self._stabilise_due = True  # the GPU cooled while the server started
+        self._warmed = set()  # a new server has compiled and captured nothing yet
         server = Server(
             started=now_iso(),
             drafter=drafter_name,
@@ -329,7 +335,9 @@ class Runner:
             key=(cell.batch, cell.repeat, label),
         )
 
-    def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload:
+    def _workload(
+        self, cell: Cell, label: object, max_new_tokens: int, *, end_at_window: bool = False
+    ) -> Workload:
         w = self.campaign.workload
         return Workload(
             batch=cell.batch,
@@ -342,7 +350,33 @@ class Runner:
             seed=stable_seed(
                 self.campaign.measurement.seed, cell.corpus, cell.batch, cell.repeat, label
             ),
+            end_at_window=end_at_window,
         )
+
+    def _warm_up(self, cell: Cell, time: GpuTime) -> dict[str, Any]:
+        """Warm the server up for the cell's shape (its batch and input length,
+        `warmup_shape`) once per server start: a knob change needs none, since nothing the
+        server compiles or captures depends on the clock. Returns what the cell records:
+        whether it warmed up, the shape, and the warm-up's seconds and tokens when it did."""
+        m = self.campaign.measurement
+        if not m.warmup_tokens:
+            return {"warmed_up": False}
+        # The first round's prompts, cut short: the warm-up has the shape the rounds have.
+        load = self._workload(cell, 0, m.warmup_tokens, end_at_window=True)
+        shape = warmup_shape(load)
+        if shape in self._warmed:
+            return {"warmed_up": False, "shape": list(shape)}
+        t0 = self.clock.now_ns()
+        warm = self.engine.run(load)
+        self._warmed.add(shape)
+        seconds = self._elapsed_s(t0)
+        time.add("warmup", seconds)
+        return {
+            "warmed_up": True,
+            "shape": list(shape),
+            "duration_s": seconds,
+            "tokens": sum(r.completion_tokens for r in warm.requests),
+        }
 
     @property
     def fit_periods_s(self) -> list[float | None]:
@@ -367,22 +401,16 @@ class Runner:
         length between counter updates is known to the precision), at most max_rounds."""
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
-        warmup: dict[str, Any] = {}
-        if m.warmup_tokens:
-            t0 = self.clock.now_ns()
-            warm = self.engine.run(self._workload(cell, "warmup", m.warmup_tokens))
-            warmup = {
-                "duration_s": self._elapsed_s(t0),
-                "tokens": sum(r.completion_tokens for r in warm.requests),
-            }
-            time.add("warmup", warmup["duration_s"])
+        warmup = {**self._warm_up(cell, time), "round_end": ROUND_END}
         parts: list[WindowPart] = []
         window_s = 0.0
         energies: list[RoundEnergy] = []
         per_token: list[float] = []
         latency: list[float] = []
         for round_index in range(m.max_rounds):
-            workload = self._workload(cell, round_index, self.campaign.workload.output_tokens)
+            workload = self._workload(
+                cell, round_index, self.campaign.workload.output_tokens, end_at_window=True
+            )
             started = self.clock.now_ns()
             with Sampler(self.gpus, self.clock, self.round_sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
@@ -526,7 +554,8 @@ class Runner:
             return
         from dvfs.measure.baseline import stabilise
 
-        load = self._workload(cell, "stabilise", max(m.warmup_tokens, 64))
+        # The first round's prompts: the load the cell then measures, at its shape.
+        load = self._workload(cell, 0, max(m.warmup_tokens, 64), end_at_window=True)
         done = stabilise(
             self.gpus,
             self.clock,
@@ -536,6 +565,8 @@ class Runner:
         )
         self._pending.add("stabilise", done.gpu_time_s)
         self._stabilised = done.as_dict()
+        if done.loads:  # the stabilising load warmed the server up for its shape
+            self._warmed.add(warmup_shape(load))
 
     # -- the sweep ----------------------------------------------------------------------------
     def open_session(self) -> None:
@@ -732,6 +763,14 @@ def _setting_order(setting: KnobSetting) -> tuple[float, float]:
 
 def _discard(_: object) -> None:
     return None
+
+
+def warmup_shape(workload: Workload) -> tuple[int, int]:
+    """What a warm-up is for: the batch, and the longest prompt rounded up to a power of two
+    (the buckets a server compiles and captures for; longer prompts take more prefill
+    chunks)."""
+    longest = max((p.input_tokens for p in workload.prompts), default=1)
+    return workload.batch, 1 << max(0, int(longest) - 1).bit_length()
 
 
 def cell_label(cell: Cell) -> str:
