@@ -321,10 +321,14 @@ class SglangEngine:
             stepper = _Stepper(timeline, self.clock) if timeline and timeline.steps else None
             try:
                 if workload.mode == "closed-loop":
-                    traces = client.run_closed_loop(texts, params, workload.batch, tag)
+                    traces = client.run_closed_loop(
+                        texts, params, workload.batch, tag, end_at_window=workload.end_at_window
+                    )
                 else:
                     started_cb = stepper.decode_started if stepper else None
-                    traces = client.run_batch(texts, params, tag, started_cb)
+                    traces = client.run_batch(
+                        texts, params, tag, started_cb, end_at_window=workload.end_at_window
+                    )
             finally:
                 knob_ns = stepper.finish() if stepper else ()
             ended = self.clock.now_ns()

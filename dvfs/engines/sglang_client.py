@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from dvfs.clock import Clock
-from dvfs.engines.base import RequestTrace
+from dvfs.engines.base import ABORTED, RequestTrace
 from dvfs.errors import EngineError
 
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
@@ -34,6 +34,33 @@ class EngineConnectionError(EngineError):
 
 class RequestDeadlineError(EngineError):
     """A request did not finish within its deadline (`request_timeout_s`)."""
+
+
+class _RoundEnd:
+    """Ends a round where its steady window ends (`dvfs.engines.base.ROUND_END`): a fixed
+    batch at its first request's finish, a closed loop at the first finish once the pool's
+    last request was sent. The requests still running are aborted the way SGLang supports:
+    POST /abort_request {"rid": ...} (the scheduler drops the request at its next step and
+    the stream ends with finish_reason "abort"); where the server refuses that, the client
+    disconnects the stream at its next chunk, which SGLang's http_server turns into an abort
+    of its own."""
+
+    def __init__(self, total: int, *, closed_loop: bool) -> None:
+        self.total = total
+        self.closed_loop = closed_loop
+        self.sent = 0
+        self.running: set[str] = set()
+        self.aborted: set[str] = set()
+        self.disconnect: set[str] = set()
+        self.ended = False
+
+    def started(self, rid: str) -> None:
+        self.sent += 1
+        self.running.add(rid)
+
+    def due(self) -> bool:
+        """Whether a natural finish now ends the round."""
+        return not self.ended and (not self.closed_loop or self.sent >= self.total)
 
 
 def _first(meta: dict[str, Any], names: Sequence[str]) -> Any:
@@ -159,11 +186,13 @@ class SglangClient:
         params: SamplingParams,
         rid: str,
         on_first: Callable[[int], None] | None = None,
+        end: _RoundEnd | None = None,
     ) -> RequestTrace:
         """One streamed request under its total deadline."""
         try:
             return await asyncio.wait_for(
-                self._stream(client, text, params, rid, on_first), timeout=self.request_timeout_s
+                self._stream(client, text, params, rid, on_first, end),
+                timeout=self.request_timeout_s,
             )
         except TimeoutError as exc:
             raise RequestDeadlineError(
@@ -178,6 +207,7 @@ class SglangClient:
         params: SamplingParams,
         rid: str,
         on_first: Callable[[int], None] | None = None,
+        end: _RoundEnd | None = None,
     ) -> RequestTrace:
         httpx = _httpx()
         body = {"text": text, "sampling_params": params.as_json(), "stream": True, "rid": rid}
@@ -187,12 +217,16 @@ class SglangClient:
         final: dict[str, Any] = {}
         prompt_tokens = 0
         sent_ns = self.clock.now_ns()
+        if end is not None:
+            end.started(rid)
         try:
             async with client.stream("POST", self.base_url + "/generate", json=body) as response:
                 if response.status_code != 200:
                     detail = (await response.aread()).decode(errors="replace")[:300]
                     raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
                 async for line in response.aiter_lines():
+                    if end is not None and rid in end.disconnect:
+                        break  # leaving the block closes the connection: the server aborts
                     if not line.startswith("data:"):
                         continue
                     now = self.clock.now_ns()
@@ -225,6 +259,10 @@ class SglangClient:
                         seen = int(count)
                     if meta.get("finish_reason") is not None:
                         final = meta
+                        if end is not None and _kind(meta) != "abort":
+                            end.running.discard(rid)
+                            if end.due():
+                                await self._end_round(client, end)
         except httpx.TimeoutException as exc:
             raise EngineError(
                 f"stream stalled: no data from the server for "
@@ -234,14 +272,17 @@ class SglangClient:
             raise EngineConnectionError(
                 f"connection to the server broke during request {rid}: {type(exc).__name__}: {exc}"
             ) from exc
-        if not final:
+        ours = end is not None and rid in end.aborted
+        if not final and not ours:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
-        finish = final.get("finish_reason")
-        kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-        if kind == "abort":
+        kind = _kind(final) if final else "abort"
+        if kind == "abort" and not ours:
+            finish = final.get("finish_reason")
             message = finish.get("message", "") if isinstance(finish, dict) else ""
             raise EngineError(f"the server aborted request {rid} after {seen} tokens {message}")
-        if params.ignore_eos and seen != params.max_new_tokens:
+        if kind == "abort":
+            kind = ABORTED  # aborted at the window's end: it keeps the tokens it received
+        elif params.ignore_eos and seen != params.max_new_tokens:
             raise EngineError(
                 f"request {rid} finished after {seen} of {params.max_new_tokens} "
                 f"tokens (finish_reason {kind}) although ignore_eos was set"
@@ -263,6 +304,23 @@ class SglangClient:
             retractions=int(retractions),
         )
 
+    async def _end_round(self, client: Any, end: _RoundEnd) -> None:
+        """Abort the round's requests still running (`_RoundEnd`)."""
+        httpx = _httpx()
+        end.ended = True
+        rids = sorted(end.running)
+        end.aborted.update(rids)
+        for rid in rids:
+            try:
+                response = await client.post(
+                    self.base_url + "/abort_request", json={"rid": rid}, timeout=10.0
+                )
+                refused = response.status_code != 200
+            except httpx.HTTPError:
+                refused = True
+            if refused:
+                end.disconnect.add(rid)
+
     def _async_client(self, connections: int) -> Any:
         httpx = _httpx()
         timeout = httpx.Timeout(
@@ -279,11 +337,15 @@ class SglangClient:
         params: SamplingParams,
         tag: str,
         on_started: Callable[[int], None] | None = None,
+        *,
+        end_at_window: bool = False,
     ) -> list[RequestTrace]:
         """All requests at once (a fixed batch): the server decodes them together.
         `on_started(t_ns)` is called once every request has its first token (the decode's
-        start), from the event loop: it must return at once."""
+        start), from the event loop: it must return at once. With `end_at_window` the first
+        request to finish ends the round: the others are aborted (`_RoundEnd`)."""
         waiting = [len(texts)]
+        end = _RoundEnd(len(texts), closed_loop=False) if end_at_window else None
 
         def first(t_ns: int) -> None:
             waiting[0] -= 1
@@ -293,7 +355,7 @@ class SglangClient:
         async def main() -> list[RequestTrace]:
             async with self._async_client(len(texts)) as client:
                 tasks = [
-                    self._request(client, t, params, f"{tag}-{i}", first)
+                    self._request(client, t, params, f"{tag}-{i}", first, end)
                     for i, t in enumerate(texts)
                 ]
                 return list(await asyncio.gather(*tasks))
@@ -301,9 +363,18 @@ class SglangClient:
         return asyncio.run(main())
 
     def run_closed_loop(
-        self, texts: Sequence[str], params: SamplingParams, concurrency: int, tag: str
+        self,
+        texts: Sequence[str],
+        params: SamplingParams,
+        concurrency: int,
+        tag: str,
+        *,
+        end_at_window: bool = False,
     ) -> list[RequestTrace]:
-        """Keep `concurrency` requests in flight until the pool is used up."""
+        """Keep `concurrency` requests in flight until the pool is used up; with
+        `end_at_window`, until the first finish once the last request was sent, the others
+        then aborted (`_RoundEnd`)."""
+        end = _RoundEnd(len(texts), closed_loop=True) if end_at_window else None
 
         async def main() -> list[RequestTrace]:
             gate = asyncio.Semaphore(concurrency)
@@ -311,11 +382,17 @@ class SglangClient:
 
                 async def one(i: int, text: str) -> RequestTrace:
                     async with gate:
-                        return await self._request(client, text, params, f"{tag}-{i}")
+                        return await self._request(client, text, params, f"{tag}-{i}", None, end)
 
                 return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
 
         return asyncio.run(main())
+
+
+def _kind(meta: dict[str, Any]) -> str:
+    """A final chunk's finish reason: "length", "stop", "abort"."""
+    finish = meta.get("finish_reason")
+    return str(finish.get("type")) if isinstance(finish, dict) else str(finish)
 
 
 def probe_server(url: str) -> tuple[str, str]:

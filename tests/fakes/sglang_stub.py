@@ -71,6 +71,16 @@ every N decode steps), ``--stream-output`` (0.5.9) / ``--incremental-streaming-
 output`` (0.5.23) (delta chunks instead of cumulative ones), ``--weight-version``,
 ``--served-model-name``, ``--disable-radix-cache`` (cached_tokens always 0).
 
+Aborts, as SGLang's http_server and scheduler handle them: ``POST /abort_request``
+with ``{"rid": R}`` (or ``{"abort_all": true}``) answers 200 whether or not R is
+running; a running request with that rid stops at its next decode step and its
+stream ends with a final chunk whose finish_reason is ``{"type": "abort",
+"message": ...}``, carrying the tokens it had (and, with speculation, its draft
+statistics so far), then ``data: [DONE]``.  A streaming client that disconnects
+stops its request at the next chunk the stub fails to write (SGLang aborts it too).
+Each abort and each disconnect is logged (``abort_request rid=R``, ``generate #N:
+aborted ...``, ``client went away during POST /generate``).
+
 Timing and tokens: a sub-request (one prompt x one of ``n`` samples) emits its
 first token ``ttft_s`` after arrival and then one decode step every ``tpot_s``
 (the last step is cut so that the total is exactly the target length).  Text is
@@ -694,6 +704,9 @@ class Stub:
         self.gen_window: deque[tuple[float, int]] = deque()
         self.last_gen_throughput = 0.0
         self.prefix_cache: deque[list[int]] = deque(maxlen=64)
+        self.abort_rids: set[str] = set()
+        self.abort_all_at = -math.inf  # requests running at this instant are aborted
+        self.aborted_total = 0
 
     # -- lifecycle
 
@@ -842,21 +855,51 @@ class Stub:
             self.running_http -= 1
             self.running_subs -= len(plan.subs)
 
+    # -- aborts
+
+    def request_abort(self, rid: str | None, abort_all: bool) -> None:
+        """POST /abort_request: mark a rid (or everything running) to stop at its next step."""
+        with self.lock:
+            if abort_all:
+                self.abort_all_at = time.monotonic()
+            elif rid:
+                self.abort_rids.add(rid)
+
+    def _abort_due(self, plan: Plan, sub: SubRequest) -> bool:
+        with self.lock:
+            return sub.rid in self.abort_rids or plan.t0 <= self.abort_all_at
+
+    def _abort(self, sub: SubRequest) -> None:
+        """Finish ``sub`` as aborted with what it has emitted."""
+        sub.finish = {"type": "abort", "message": f"request {sub.rid} aborted by /abort_request"}
+        sub.finished_mono, sub.finished_wall = time.monotonic(), time.time()
+        with self.lock:
+            self.abort_rids.discard(sub.rid)
+            self.aborted_total += 1
+        log(f"aborted rid={sub.rid} after {len(sub.output_ids)} tokens")
+
     # -- running
 
     def run(self, plan: Plan) -> Iterator[tuple[SubRequest, int]]:
-        """Apply emissions in time order, sleeping until each is due; yields (sub, step)."""
+        """Apply emissions in time order, sleeping until each is due; yields (sub, step).
+        A sub-request marked for abort stops at its next step instead (yielded once more,
+        done, with the step it did not take)."""
         events = sorted(
             (self.cfg.ttft_s + j * self.cfg.tpot_s, sub.index, j)
             for sub in plan.subs
             for j in range(len(sub.steps))
         )
         for offset, index, j in events:
+            sub = plan.subs[index]
+            if sub.done:
+                continue
             delay = plan.t0 + offset - time.monotonic()
             if self.stop.wait(max(delay, 0.0)):
                 raise ServerStoppingError
-            sub = plan.subs[index]
-            self._apply(sub, j)
+            if self._abort_due(plan, sub):
+                self._abort(sub)
+            else:
+                self._apply(sub, j)
             yield sub, j
 
     def _apply(self, sub: SubRequest, j: int) -> None:
@@ -924,9 +967,9 @@ class Stub:
                 meta["first_token_latency"] = sub.first_token_mono - plan.t0
         if not sub.done:
             return meta
-        assert sub.finished_mono is not None and sub.first_token_mono is not None
+        assert sub.finished_mono is not None
         meta["e2e_latency"] = sub.finished_mono - plan.t0
-        if timed:
+        if timed and sub.first_token_mono is not None:
             meta["request_finished_ts"] = sub.finished_wall
             decode_s = sub.finished_mono - sub.first_token_mono
             decoded = len(sub.output_ids) - 1
@@ -1093,6 +1136,7 @@ class StubHandler(BaseHTTPRequestHandler):
             "/flush_cache": ({"GET", "POST"}, self._flush_cache),
             "/metrics": ({"GET"}, self._metrics),
             "/generate": ({"POST"}, lambda: self._generate(body)),
+            "/abort_request": ({"POST"}, lambda: self._abort_request(body)),
         }
         if self.stub.version == "0.5.23":
             routes["/get_server_info"] = routes["/server_info"]
@@ -1133,6 +1177,22 @@ class StubHandler(BaseHTTPRequestHandler):
         self.stub.flush()
         log("cache flushed")
         self._text(200, "Cache flushed.\n")
+
+    def _abort_request(self, raw: bytes) -> None:
+        """SGLang's AbortReq body: {"rid": str} or {"abort_all": true}; 200 either way."""
+        try:
+            req = json.loads(raw or b"null")
+        except ValueError as exc:
+            self._json(400, {"error": {"message": f"invalid JSON body: {exc}"}})
+            return
+        if not isinstance(req, dict):
+            self._json(400, {"error": {"message": "the body must be a JSON object"}})
+            return
+        rid = req.get("rid")
+        abort_all = bool(req.get("abort_all"))
+        log(f"abort_request rid={rid} abort_all={abort_all}")
+        self.stub.request_abort(None if rid is None else str(rid), abort_all)
+        self._send(200, b"", "text/plain; charset=utf-8")
 
     def _metrics(self) -> None:
         self._text(200, self.stub.metrics(), "text/plain; version=0.0.4; charset=utf-8")
