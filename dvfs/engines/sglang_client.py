@@ -52,6 +52,7 @@ class _RoundEnd:
         self.running: set[str] = set()
         self.aborted: set[str] = set()
         self.disconnect: set[str] = set()
+        self.responses: dict[str, Any] = {}
         self.ended = False
 
     def started(self, rid: str) -> None:
@@ -105,6 +106,8 @@ class SglangClient:
         self.clock = clock
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        #: Whether the server serves POST /abort_request (None: not asked yet).
+        self.abort_route: bool | None = None
 
     # -- simple endpoints ---------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 10.0) -> Any:
@@ -224,6 +227,8 @@ class SglangClient:
                 if response.status_code != 200:
                     detail = (await response.aread()).decode(errors="replace")[:300]
                     raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
+                if end is not None:
+                    end.responses[rid] = response
                 async for line in response.aiter_lines():
                     if end is not None and rid in end.disconnect:
                         break  # leaving the block closes the connection: the server aborts
@@ -269,9 +274,11 @@ class SglangClient:
                 f"{self.stall_timeout_s:g} s (request {rid})"
             ) from exc
         except (httpx.TransportError, httpx.StreamError) as exc:
-            raise EngineConnectionError(
-                f"connection to the server broke during request {rid}: {type(exc).__name__}: {exc}"
-            ) from exc
+            if end is None or rid not in end.disconnect:  # not the client's own disconnect
+                raise EngineConnectionError(
+                    f"connection to the server broke during request {rid}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
         ours = end is not None and rid in end.aborted
         if not final and not ours:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
@@ -305,21 +312,34 @@ class SglangClient:
         )
 
     async def _end_round(self, client: Any, end: _RoundEnd) -> None:
-        """Abort the round's requests still running (`_RoundEnd`)."""
-        httpx = _httpx()
+        """Abort the round's requests still running (`_RoundEnd`), all at once."""
         end.ended = True
         rids = sorted(end.running)
         end.aborted.update(rids)
-        for rid in rids:
-            try:
-                response = await client.post(
-                    self.base_url + "/abort_request", json={"rid": rid}, timeout=10.0
-                )
-                refused = response.status_code != 200
-            except httpx.HTTPError:
-                refused = True
-            if refused:
+        if self.abort_route is False:  # the server refused before: disconnect at once
+            refused = [True] * len(rids)
+        else:
+            refused = await asyncio.gather(*(self._abort(client, rid) for rid in rids))
+        for rid, no in zip(rids, refused, strict=True):
+            response = end.responses.get(rid)
+            if no and response is not None:
                 end.disconnect.add(rid)
+                await response.aclose()  # closes the connection now: the server aborts
+
+    async def _abort(self, client: Any, rid: str) -> bool:
+        """POST /abort_request for one request; whether the server refused it."""
+        httpx = _httpx()
+        try:
+            response = await client.post(
+                self.base_url + "/abort_request", json={"rid": rid}, timeout=10.0
+            )
+        except httpx.HTTPError:
+            return True
+        if response.status_code in (404, 405):
+            self.abort_route = False  # an SGLang without the route: disconnect from now on
+        elif response.status_code == 200:
+            self.abort_route = True
+        return response.status_code != 200
 
     def _async_client(self, connections: int) -> Any:
         httpx = _httpx()

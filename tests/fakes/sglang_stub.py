@@ -64,6 +64,7 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   flight and also for this many seconds after the server became ready.
 - ``max_lifetime_s`` (600.0): the process shuts itself down (exit 0) this many
   seconds after it started, so that no orphan outlives a test run.
+- ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
 
 Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
 and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
@@ -78,8 +79,8 @@ stream ends with a final chunk whose finish_reason is ``{"type": "abort",
 "message": ...}``, carrying the tokens it had (and, with speculation, its draft
 statistics so far), then ``data: [DONE]``.  A streaming client that disconnects
 stops its request at the next chunk the stub fails to write (SGLang aborts it too).
-Each abort and each disconnect is logged (``abort_request rid=R``, ``generate #N:
-aborted ...``, ``client went away during POST /generate``).
+Each abort and each disconnect is logged (``abort_request rid=R ...``, ``aborted
+rid=R after K tokens``, ``client went away during POST /generate``).
 
 Timing and tokens: a sub-request (one prompt x one of ``n`` samples) emits its
 first token ``ttft_s`` after arrival and then one decode step every ``tpot_s``
@@ -263,6 +264,7 @@ class StubConfig:
     stall_s: float = 30.0
     flush_busy_s: float = 0.0
     max_lifetime_s: float = 600.0
+    abort_route: bool = True
 
 
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
@@ -298,8 +300,9 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise StubConfigError(f"{key} must be an integer >= 0, got {value!r}")
-    if not isinstance(cfg.natural_stop, bool):
-        raise StubConfigError("natural_stop must be true or false")
+    for key in ("natural_stop", "abort_route"):
+        if not isinstance(getattr(cfg, key), bool):
+            raise StubConfigError(f"{key} must be true or false")
     if cfg.die_after_requests == 0:
         raise StubConfigError("die_after_requests must be >= 1")
     if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
@@ -1142,6 +1145,8 @@ class StubHandler(BaseHTTPRequestHandler):
             routes["/get_server_info"] = routes["/server_info"]
         if path == "/metrics" and not self.stub.enable_metrics:
             routes.pop("/metrics")
+        if not self.stub.cfg.abort_route:
+            routes.pop("/abort_request")
         route = routes.get(path)
         if route is None:
             self._json(404, {"detail": "Not Found"})

@@ -1,0 +1,228 @@
+"""Rounds that end where their steady window ends, and warm-ups once per server and shape.
+
+A fixed batch's steady window ends when its first request finishes; a closed loop's when
+concurrency drops below the batch after the pool's last request was sent. The rounds stop
+there: on the twin the drain is never simulated (its virtual time stops), on SGLang the client
+aborts the requests still running (POST /abort_request, or a disconnect), as the stub sees.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from sglang_support import stub_campaign
+from test_protocol import GROUND_TRUTH_CAMPAIGN, _records, _sweep_with_truth
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.cli import cli
+from dvfs.clock import VirtualClock
+from dvfs.engines.base import ABORTED, ROUND_END, RoundResult, Workload
+from dvfs.engines.twin import TwinEngine
+from dvfs.measure.meter import latency_stats, steady_window_ns
+
+SPECULATIVE = DrafterSpec(
+    name="eagle3",
+    algorithm="EAGLE3",
+    draft_model="eagle3-llama-3.1-8b",
+    num_steps=3,
+    eagle_topk=1,
+    num_draft_tokens=4,
+)
+
+
+def _twin_engine() -> TwinEngine:
+    from dvfs.twin.device import FreeRunningNode
+    from dvfs.twin.profiles import gpu_profile, model_profile
+
+    node = FreeRunningNode(gpu_profile("h100-sxm"), VirtualClock())
+    return TwinEngine(node, model_profile("llama-3.1-8b"), startup_s=0.0)
+
+
+def _workload(batch: int, *, mode: str = "fixed", end: bool, pool: int = 0) -> Workload:
+    from dvfs.corpora import load_corpus, sample_prompts
+
+    prompts = sample_prompts(
+        load_corpus("code"), pool or batch, input_tokens=(16, 2048), seed=0, key=(batch,)
+    )
+    return Workload(
+        batch=batch,
+        prompts=prompts,
+        corpus="code",
+        max_new_tokens=128,
+        temperature=0.0,
+        ignore_eos=mode == "fixed",
+        mode=mode,
+        seed=7,
+        end_at_window=end,
+    )
+
+
+def _run(workload: Workload) -> RoundResult:
+    engine = _twin_engine()
+    engine.start(SPECULATIVE)
+    return engine.run(workload)
+
+
+# -- the twin engine ---------------------------------------------------------------------------
+
+
+def test_a_fixed_round_stops_at_its_first_finish_and_keeps_the_window_as_it_was() -> None:
+    """Speculation makes requests finish at different iterations. Ended at the window, the
+    round stops at the first finish: the finisher ran to length, the rest are aborted with
+    the tokens they had; the steady window, and every chunk up to its end, are those of the
+    round run to completion."""
+    full = _run(_workload(8, end=False))
+    ended = _run(_workload(8, end=True))
+    window = steady_window_ns(full, "fixed")
+    assert window is not None and steady_window_ns(ended, "fixed") == window
+    reasons = [r.finish_reason for r in ended.requests]
+    assert "length" in reasons and ABORTED in reasons
+    assert all(r.finish_reason == "length" for r in full.requests)
+    assert ended.ended_ns - ended.started_ns < full.ended_ns - full.started_ns
+    assert max(int(r.chunk_ns[-1]) for r in ended.requests) == window[1]
+    for whole, cut in zip(full.requests, ended.requests, strict=True):
+        kept = whole.chunk_ns <= window[1]
+        assert np.array_equal(cut.chunk_ns, whole.chunk_ns[kept])
+        assert np.array_equal(cut.chunk_tokens, whole.chunk_tokens[kept])
+        assert cut.completion_tokens == int(cut.chunk_tokens.sum())
+        assert cut.aborted is (cut.completion_tokens < 128)
+        # draft statistics count what the request did before the round ended
+        assert cut.spec_verify_ct == len(cut.chunk_ns) - 1
+    # the server's accept length is the round's own (the cross-check stays consistent)
+    verify = sum(r.spec_verify_ct or 0 for r in ended.requests)
+    tokens = sum(r.completion_tokens for r in ended.requests)
+    assert ended.server_accept_length == pytest.approx((tokens - 8) / verify)
+    # latency from the tokens received: TPOT of an aborted request is over its own tokens
+    stats = latency_stats(ended.requests)
+    assert all(math.isfinite(q) for q in stats.tpot_ms)
+
+
+def test_a_round_without_speculation_is_unchanged() -> None:
+    engine = _twin_engine()
+    engine.start(DrafterSpec(name="none", algorithm=None))
+    ended = engine.run(_workload(4, end=True))
+    assert all(r.finish_reason == "length" and r.completion_tokens == 128 for r in ended.requests)
+
+
+def test_a_closed_loop_stops_when_concurrency_drops_after_the_last_send() -> None:
+    full = _run(_workload(4, mode="closed-loop", end=False, pool=12))
+    ended = _run(_workload(4, mode="closed-loop", end=True, pool=12))
+    assert len(ended.requests) == 12  # every prompt of the pool was sent
+    window = steady_window_ns(full, "closed-loop")
+    assert window is not None and steady_window_ns(ended, "closed-loop") == window
+    aborted = [r for r in ended.requests if r.aborted]
+    assert aborted and len(aborted) < 4  # the finisher's slot is the one that dropped
+    # nothing was decoded past the first finish after the last send
+    assert max(int(r.chunk_ns[-1]) for r in ended.requests) == window[1]
+    assert ended.ended_ns < full.ended_ns
+    for r, whole in zip(ended.requests, full.requests, strict=True):  # the pool's order
+        if not r.aborted:
+            assert np.array_equal(r.chunk_ns, whole.chunk_ns)
+            continue
+        assert r.completion_tokens < whole.completion_tokens
+        assert np.array_equal(r.chunk_ns, whole.chunk_ns[: len(r.chunk_ns)])
+
+
+# -- a sweep on the twin ----------------------------------------------------------------------
+
+
+def test_a_twin_sweep_ends_rounds_at_the_window_within_one_percent_of_the_truth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the CLI: no GPU time drains after a window, energy per token stays within 1%
+    of the twin's exact energy where the interval reached 1% (within the interval elsewhere),
+    the journal and the cube say that rounds end at the window, and each server warms up
+    once per (batch, input length) shape, not at each knob setting."""
+    import dvfs.engines.twin as twin_module
+
+    seen: list[tuple[str, int, list[str | None]]] = []
+    run = twin_module.TwinEngine.run
+
+    def spy(self: Any, workload: Workload, timeline: Any = None) -> RoundResult:
+        result = run(self, workload, timeline)
+        drafter = self._drafter.name if self._drafter else "?"
+        seen.append((drafter, workload.batch, [r.finish_reason for r in result.requests]))
+        return result
+
+    monkeypatch.setattr(twin_module.TwinEngine, "run", spy)
+    cube, truth = _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
+    records = _records(tmp_path / "out" / "journal.jsonl")
+    assert len(records) == 8
+    for record in records:
+        m, spent = record["measurement"], record["gpu_time_s"]
+        assert record["status"] == "ok" and m["valid"], record
+        assert record["warmup"]["round_end"] == ROUND_END
+        # the rest of the last iteration at most: a few passes, never a drain
+        assert spent["drain"] < 0.01 * spent["window"], record["cell"]
+        rounds = truth[record["key"]]
+        exact = sum(r[0] for r in rounds) / sum(r[1] for r in rounds)
+        error = abs(m["energy_per_token_j"] / exact - 1)
+        assert error < max(0.01, m["energy_per_token_rel_ci"]), (record["cell"], error)
+    assert any(ABORTED in reasons for drafter, batch, reasons in seen if batch == 16)
+    assert not any(ABORTED in reasons for drafter, _, reasons in seen if drafter == "none")
+    assert f"round_end = {ROUND_END}" in cube.attrs["measurement_method"]
+    # warm-ups: once per server and shape; the second clock's cells need none
+    warmed = [
+        (r["cell"]["drafter"], *r["warmup"]["shape"]) for r in records if r["warmup"]["warmed_up"]
+    ]
+    assert len(warmed) == len(set(warmed))
+    for r in records:
+        w = r["warmup"]
+        assert (r["gpu_time_s"]["warmup"] > 0) is w["warmed_up"]
+        if r["cell"]["sm_clock_mhz"] == 1200:  # the second setting: shapes already warm
+            assert not w["warmed_up"] and r["gpu_time_s"]["warmup"] == 0
+    # every shape a cell measured was warmed on its server, by a warm-up or the stabilising load
+    shapes = {(r["cell"]["drafter"], *r["warmup"]["shape"]) for r in records}
+    stabilised = {r["cell"]["drafter"] for r in records if "stabilised" in r["warmup"]}
+    assert stabilised == {"none", "eagle3"}
+    assert set(warmed) <= shapes and len(shapes - set(warmed)) <= len(stabilised)
+
+
+# -- SGLang (the stub) ------------------------------------------------------------------------
+
+
+def _server_logs(out: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((out / "logs").glob("server-*.log")))
+
+
+@pytest.mark.parametrize("abort_route", [True, False])
+def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
+    tmp_path: Path, abort_route: bool
+) -> None:
+    """Through the CLI on the stub: speculative requests finish at different steps; at the
+    first finish the others are aborted by POST /abort_request (or, where the server has no
+    such route, by disconnecting), the server logs each one, and the cells measure."""
+    path, _ = stub_campaign(
+        tmp_path,
+        stub={"tpot_s": 0.02, "abort_route": abort_route},
+        batch="[4]",
+        output_tokens=48,
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    logs = _server_logs(out)
+    records = _records(out / "journal.jsonl")
+    assert {r["cell"]["drafter"] for r in records} == {"none", "eagle3"}
+    for r in records:
+        assert r["status"] == "ok", r
+        assert r["warmup"]["round_end"] == ROUND_END
+    if abort_route:
+        # the stub stopped each aborted request at its next step, and said so
+        assert logs.count("abort_request rid=") >= 1
+        assert logs.count("aborted rid=") >= 1
+        assert "client went away" not in logs
+    else:
+        assert "abort_request rid=" not in logs
+        assert "client went away during POST /generate" in logs
+    # the speculative server's requests finish steps apart: it saw aborts in every round
+    spec_log = (out / "logs" / "server-eagle3-2.log").read_text()
+    rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == "eagle3")
+    seen = "aborted rid=" if abort_route else "client went away"
+    assert spec_log.count(seen) >= rounds
