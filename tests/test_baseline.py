@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 from dvfs.clock import VirtualClock
 from dvfs.gpu.base import GpuIdentity, PowerLimitRange
 from dvfs.gpu.knobs import KnobController, KnobSetting
-from dvfs.measure.baseline import idle_baseline, stabilise, temperature_slope_c_per_min
+from dvfs.measure.baseline import (
+    idle_baseline,
+    slope_window_s,
+    stabilise,
+    temperature_slope_c_per_min,
+)
 
 
 class IdleGpu:
@@ -213,6 +218,30 @@ def test_the_hottest_gpu_decides() -> None:
     ]
     result = stabilise(gpus, clock, run_load=_load(clock), max_s=900)
     assert result.reached and result.seconds >= 150 and result.end_c >= 87
+
+
+@pytest.mark.parametrize(
+    ("slope", "resolution", "window"), [(1.0, 1.0, 60.0), (2.0, 1.0, 30.0), (1.0, 0.1, 10.0)]
+)
+def test_a_stable_gpu_is_judged_over_the_window_its_sensor_needs(
+    slope: float, resolution: float, window: float
+) -> None:
+    """A GPU already at a steady temperature passes as soon as the window the sensor's
+    resolution needs for the threshold is full: 60 s for whole degrees at 1 °C/min, half that
+    at 2 °C/min, the 10 s floor for a sensor reading tenths; never sooner."""
+    assert slope_window_s(slope, resolution) == window
+    clock = VirtualClock()
+    gpu = IdleGpu(clock, temperature=lambda t: 55.0)
+    result = stabilise(
+        [gpu], clock, run_load=_load(clock), slope_c_per_min=slope, resolution_c=resolution
+    )
+    assert result.reached and window <= result.seconds < window + 2
+    assert result.start_c == result.end_c == 55 and result.slope_c_per_min == 0
+    # a GPU still heating below the sensor's step over a shorter window is not passed early
+    clock = VirtualClock()
+    warming = IdleGpu(clock, temperature=lambda t: 55.0 + 1.9 * slope * t / 60)
+    late = stabilise([warming], clock, run_load=_load(clock), slope_c_per_min=slope, max_s=300)
+    assert not late.reached
 
 
 def test_a_load_that_takes_no_time_is_refused() -> None:

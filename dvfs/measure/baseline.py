@@ -167,6 +167,22 @@ def temperature_slope_c_per_min(t_ns: np.ndarray, temperature_c: np.ndarray) -> 
     return float((dt * (y - y.mean())).sum() / (dt * dt).sum())
 
 
+#: The shortest window a temperature slope is judged over (s), however fine the sensor.
+MIN_SLOPE_WINDOW_S = 10.0
+
+
+def slope_window_s(slope_c_per_min: float, resolution_c: float = 1.0) -> float:
+    """How long the temperature must be watched to tell its slope from the threshold: a
+    reading that does not move for T seconds bounds the slope only by resolution / T, so
+    T = 60 x resolution / threshold (60 s for NVML's whole degrees at 1 °C/min, 30 s at
+    2 °C/min, 6 s for a sensor reading tenths), at least MIN_SLOPE_WINDOW_S. A flat
+    temperature passes as soon as the window is full; no shorter window can tell a GPU that
+    is stable from one still heating below the sensor's step."""
+    if slope_c_per_min <= 0 or resolution_c <= 0:
+        raise ValueError("slope_c_per_min and resolution_c must be positive")
+    return max(MIN_SLOPE_WINDOW_S, 60.0 * resolution_c / slope_c_per_min)
+
+
 def stabilise(
     gpus: Sequence[Gpu],
     clock: Clock,
@@ -174,17 +190,20 @@ def stabilise(
     run_load: Callable[[], None],
     slope_c_per_min: float = 1.0,
     max_s: float = 120.0,
-    window_s: float = 60.0,
+    window_s: float | None = None,
     sample_period_s: float = 0.5,
+    resolution_c: float = 1.0,
 ) -> Stabilised:
     """Run `run_load` until the hottest GPU's temperature slope, fitted over the last
     `window_s`, is within ±`slope_c_per_min`, or `max_s` has passed.
 
     The slope is checked after each call of `run_load`, so a call should last a few seconds at
-    most; the last call may run past `max_s`. Temperatures are whole degrees: over a window
-    of T seconds one step reads as a slope of up to 90/T °C/min, so the window should be long
-    enough (60 s: 1.5 °C/min at worst for a step in the middle) for the threshold.
+    most; the last call may run past `max_s`. The window defaults to what the sensor's
+    resolution needs for the threshold (`slope_window_s`: 60 s for whole degrees at
+    1 °C/min; one step in its middle reads as 1.5 °C/min at worst).
     """
+    if window_s is None:
+        window_s = slope_window_s(slope_c_per_min, resolution_c)
     if slope_c_per_min <= 0 or max_s <= 0 or window_s <= 0 or sample_period_s <= 0:
         raise ValueError("slope_c_per_min, max_s, window_s and sample_period_s must be positive")
     start_ns = clock.now_ns()
