@@ -196,23 +196,30 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
 ) -> None:
     """Through the CLI on the stub: speculative requests finish at different steps; at the
     first finish the others are aborted by POST /abort_request (or, where the server has no
-    such route, by disconnecting), the server logs each one, and the cells measure."""
+    such route, by disconnecting), the server logs each one, and the cells measure. Each
+    server warms up once for the batch, not again at the second clock."""
     path, _ = stub_campaign(
         tmp_path,
         stub={"tpot_s": 0.02, "abort_route": abort_route},
         batch="[4]",
-        output_tokens=48,
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        output_tokens=96,
+        knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
     out = tmp_path / "out"
     result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     logs = _server_logs(out)
     records = _records(out / "journal.jsonl")
-    assert {r["cell"]["drafter"] for r in records} == {"none", "eagle3"}
+    assert {r["cell"]["drafter"] for r in records} == {"none", "eagle3"} and len(records) == 4
     for r in records:
         assert r["status"] == "ok", r
         assert r["warmup"]["round_end"] == ROUND_END
+        assert r["warmup"]["warmed_up"] is (r["cell"]["sm_clock_mhz"] == 1980)
+    for drafter, name in (("none", "server-none-1.log"), ("eagle3", "server-eagle3-2.log")):
+        # four requests a round, and one warm-up round per server
+        rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == drafter)
+        sent = (out / "logs" / name).read_text().count('"POST /generate HTTP/1.1" 200')
+        assert sent == 4 * (rounds + 1)
     if abort_route:
         # the stub stopped each aborted request at its next step, and said so
         assert logs.count("abort_request rid=") >= 1
@@ -226,3 +233,27 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
     rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == "eagle3")
     seen = "aborted rid=" if abort_route else "client went away"
     assert spec_log.count(seen) >= rounds
+
+
+def test_sglang_closed_loop_ends_when_concurrency_drops_after_the_last_send(
+    tmp_path: Path,
+) -> None:
+    """Closed loop on the stub (natural lengths): the pool is sent in full, and at the first
+    finish after the last send the requests still running are aborted."""
+    path, _ = stub_campaign(
+        tmp_path,
+        stub={"tpot_s": 0.01, "natural_stop": True},
+        drafters='[drafters.none]\nalgorithm = "none"\n',
+        batch="[3]",
+        output_tokens=48,
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        workload_extra='mode = "closed-loop"\npool_size = 9\nignore_eos = false',
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    (record,) = _records(out / "journal.jsonl")
+    assert record["status"] == "ok" and record["measurement"]["requests"] == 9
+    log = (out / "logs" / "server-none-1.log").read_text()
+    # the measured round: nine requests sent, the last ones cut at the window's end
+    assert log.count("abort_request rid=") >= 1 and log.count("aborted rid=") >= 1
