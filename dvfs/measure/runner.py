@@ -396,9 +396,11 @@ class Runner:
         return sampling_period_s(period, max(stepping)) if stepping else period
 
     def measure(self, cell: Cell) -> tuple[CellMeasurement, dict[str, Any]]:
-        """Warm up, then measure rounds until the cell's interval on energy per token and on
-        median TPOT reaches the precision (with at least min_window_s of steady windows whose
-        length between counter updates is known to the precision), at most max_rounds."""
+        """Warm up (once per server and shape, `_warm_up`), then measure rounds until the
+        cell's interval on energy per token and on median TPOT reaches the precision (with at
+        least min_window_s of steady windows whose length between counter updates is known to
+        the precision), at most max_rounds. Each round ends where its steady window ends
+        (`Workload.end_at_window`): the requests still running then are aborted."""
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
         warmup = {**self._warm_up(cell, time), "round_end": ROUND_END}
