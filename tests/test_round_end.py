@@ -257,3 +257,34 @@ def test_sglang_closed_loop_ends_when_concurrency_drops_after_the_last_send(
     log = (out / "logs" / "server-none-1.log").read_text()
     # the measured round: nine requests sent, the last ones cut at the window's end
     assert log.count("abort_request rid=") >= 1 and log.count("aborted rid=") >= 1
+
+
+def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that answers /abort_request but keeps streaming: after ABORT_GRACE_S the
+    client disconnects the stream, and the cell still measures."""
+    import dvfs.engines.sglang_client as client_module
+
+    monkeypatch.setattr(client_module, "ABORT_GRACE_S", 0.0)
+    path, _ = stub_campaign(
+        tmp_path,
+        # seed 0: of the measured round's four requests, the last finishes two steps after
+        # the first (the stub's draws are seeded)
+        stub={"tpot_s": 0.03, "abort_ignored": True, "seed": 0},
+        drafters=(
+            '[drafters.eagle3]\nalgorithm = "EAGLE3"\ndraft_model = "draft/eagle3"\n'
+            "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n"
+        ),
+        batch="[4]",
+        output_tokens=96,
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    (record,) = _records(out / "journal.jsonl")
+    assert record["status"] == "ok"
+    log = (out / "logs" / "server-eagle3-1.log").read_text()
+    assert "abort_request rid=" in log and "aborted rid=" not in log
+    assert "client went away during POST /generate" in log

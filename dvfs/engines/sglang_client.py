@@ -11,6 +11,7 @@ Each request has a deadline, `request_timeout_s` from when it is sent to its las
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,9 @@ from dvfs.clock import Clock
 from dvfs.engines.base import ABORTED, RequestTrace
 from dvfs.errors import EngineError
 
+#: How long an aborted request's stream may go on before the client disconnects it (s): SGLang
+#: drops an aborted request at its next scheduler step, so its final chunk comes at once.
+ABORT_GRACE_S = 5.0
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
 ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
 PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
@@ -53,11 +57,26 @@ class _RoundEnd:
         self.aborted: set[str] = set()
         self.disconnect: set[str] = set()
         self.responses: dict[str, Any] = {}
+        self.closed: set[str] = set()  # streams that ended, one way or another
         self.ended = False
+        self.task: asyncio.Task[None] | None = None
+        self.all_closed = asyncio.Event()
 
     def started(self, rid: str) -> None:
         self.sent += 1
         self.running.add(rid)
+
+    def close(self, rid: str) -> None:
+        """A stream ended (finished, aborted or disconnected)."""
+        self.closed.add(rid)
+        if self.ended and self.aborted <= self.closed:
+            self.all_closed.set()
+
+    async def settled(self) -> None:
+        """Wait for the round end's aborts to be answered (its grace ends once every aborted
+        stream has ended)."""
+        if self.task is not None:
+            await self.task
 
     def due(self) -> bool:
         """Whether a natural finish now ends the round."""
@@ -267,18 +286,22 @@ class SglangClient:
                         if end is not None and _kind(meta) != "abort":
                             end.running.discard(rid)
                             if end.due():
-                                await self._end_round(client, end)
+                                end.task = asyncio.create_task(self._end_round(client, end))
         except httpx.TimeoutException as exc:
-            raise EngineError(
-                f"stream stalled: no data from the server for "
-                f"{self.stall_timeout_s:g} s (request {rid})"
-            ) from exc
+            if end is None or rid not in end.aborted:  # an aborted request may stop talking
+                raise EngineError(
+                    f"stream stalled: no data from the server for "
+                    f"{self.stall_timeout_s:g} s (request {rid})"
+                ) from exc
         except (httpx.TransportError, httpx.StreamError) as exc:
             if end is None or rid not in end.disconnect:  # not the client's own disconnect
                 raise EngineConnectionError(
                     f"connection to the server broke during request {rid}: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
+        finally:
+            if end is not None:
+                end.close(rid)
         ours = end is not None and rid in end.aborted
         if not final and not ours:
             raise EngineError(f"the stream of request {rid} ended without a final chunk")
@@ -316,15 +339,31 @@ class SglangClient:
         end.ended = True
         rids = sorted(end.running)
         end.aborted.update(rids)
+        if end.aborted <= end.closed:
+            end.all_closed.set()
         if self.abort_route is False:  # the server refused before: disconnect at once
             refused = [True] * len(rids)
         else:
             refused = await asyncio.gather(*(self._abort(client, rid) for rid in rids))
         for rid, no in zip(rids, refused, strict=True):
-            response = end.responses.get(rid)
-            if no and response is not None:
-                end.disconnect.add(rid)
-                await response.aclose()  # closes the connection now: the server aborts
+            if no:
+                await self._disconnect(end, rid)
+        if not all(refused):
+            try:
+                await asyncio.wait_for(end.all_closed.wait(), ABORT_GRACE_S)
+            except TimeoutError:
+                for rid in rids:  # a stream the server did not end after its abort
+                    if rid not in end.closed:
+                        await self._disconnect(end, rid)
+
+    @staticmethod
+    async def _disconnect(end: _RoundEnd, rid: str) -> None:
+        """Close a request's connection now (SGLang's http_server then aborts it)."""
+        response = end.responses.get(rid)
+        end.disconnect.add(rid)
+        if response is not None and rid not in end.closed:
+            with contextlib.suppress(_httpx().HTTPError):
+                await response.aclose()
 
     async def _abort(self, client: Any, rid: str) -> bool:
         """POST /abort_request for one request; whether the server refused it."""
@@ -378,7 +417,10 @@ class SglangClient:
                     self._request(client, t, params, f"{tag}-{i}", first, end)
                     for i, t in enumerate(texts)
                 ]
-                return list(await asyncio.gather(*tasks))
+                traces = list(await asyncio.gather(*tasks))
+                if end is not None:
+                    await end.settled()
+                return traces
 
         return asyncio.run(main())
 
@@ -404,7 +446,10 @@ class SglangClient:
                     async with gate:
                         return await self._request(client, text, params, f"{tag}-{i}", None, end)
 
-                return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
+                traces = list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
+                if end is not None:
+                    await end.settled()
+                return traces
 
         return asyncio.run(main())
 

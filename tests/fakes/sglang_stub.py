@@ -65,6 +65,7 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
 - ``max_lifetime_s`` (600.0): the process shuts itself down (exit 0) this many
   seconds after it started, so that no orphan outlives a test run.
 - ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
+- ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
 
 Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
 and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
@@ -133,6 +134,7 @@ import json
 import math
 import os
 import random
+import select
 import signal
 import socket
 import sys
@@ -265,6 +267,7 @@ class StubConfig:
     flush_busy_s: float = 0.0
     max_lifetime_s: float = 600.0
     abort_route: bool = True
+    abort_ignored: bool = False
 
 
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
@@ -300,7 +303,7 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise StubConfigError(f"{key} must be an integer >= 0, got {value!r}")
-    for key in ("natural_stop", "abort_route"):
+    for key in ("natural_stop", "abort_route", "abort_ignored"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
     if cfg.die_after_requests == 0:
@@ -1196,7 +1199,8 @@ class StubHandler(BaseHTTPRequestHandler):
         rid = req.get("rid")
         abort_all = bool(req.get("abort_all"))
         log(f"abort_request rid={rid} abort_all={abort_all}")
-        self.stub.request_abort(None if rid is None else str(rid), abort_all)
+        if not self.stub.cfg.abort_ignored:
+            self.stub.request_abort(None if rid is None else str(rid), abort_all)
         self._send(200, b"", "text/plain; charset=utf-8")
 
     def _metrics(self) -> None:
@@ -1265,6 +1269,8 @@ class StubHandler(BaseHTTPRequestHandler):
         self._stream_headers()
         sent = 0
         for sub, j in stub.run(plan):
+            if self._client_gone():  # uvicorn sees the disconnect; SGLang aborts the request
+                raise ConnectionAbortedError("the client closed the stream")
             if not stub.chunk_due(sub, j):
                 continue
             if cfg.stall_after_chunks is not None and sent >= cfg.stall_after_chunks:
@@ -1285,6 +1291,14 @@ class StubHandler(BaseHTTPRequestHandler):
             return
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end of the connection (readable, and at EOF)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def _stall(self, plan: Plan, sent: int) -> None:
         """stall_after_chunks: go quiet for stall_s, then drop the connection unfinished."""
