@@ -4,12 +4,14 @@ the cube, and the order the in-flight decodes actually use."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from click.testing import CliRunner
 from test_inflight import INFLIGHT_CAMPAIGN
 
 from dvfs.campaign import load_campaign
+from dvfs.campaign.model import measured_differences, measured_part
 from dvfs.cli import cli
 from dvfs.cube import open_cube
 from dvfs.measure.journal import read_records
@@ -42,6 +44,13 @@ def test_the_order_is_in_the_hash_of_an_inflight_campaign_only(tmp_path: Path) -
     assert default.measurement.inflight_order == "abba"
     assert serpentine.measurement.inflight_order == "serpentine"
     assert default.hash == abba.hash != serpentine.hash
+    # "abba" hashes (and compares with journals) as campaigns did before the key existed
+    before = asdict(default)
+    del before["measurement"]["inflight_order"]
+    assert measured_part(before) == default.semantic_dict()
+    assert measured_differences(before, asdict(serpentine)) == [
+        "measurement.inflight_order: '(unset)' -> 'serpentine'"
+    ]
     per_level = INFLIGHT_CAMPAIGN.replace('mode = "in-flight"\n', "")
     plain = load_campaign(_campaign(tmp_path, per_level, "d.toml"))
     ordered = load_campaign(

@@ -247,9 +247,13 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(gpu, dict) and not gpu.get("groups"):
         gpu.pop("groups", None)  # campaigns without groups keep the hash they had before
     measurement = data.get("measurement")
-    if isinstance(measurement, dict) and measurement.get("mode", "per-level") != "in-flight":
-        # the in-flight order changes nothing a per-level campaign measures (and campaigns
-        # from before it existed keep their hash)
+    if isinstance(measurement, dict) and (
+        measurement.get("mode", "per-level") != "in-flight"
+        or measurement.get("inflight_order") == INFLIGHT_ORDERS[0]
+    ):
+        # The in-flight order changes nothing a per-level campaign measures, and "abba" is what
+        # in-flight campaigns used before the key existed: both keep the hash (and the journals)
+        # they had; "serpentine" changes it.
         measurement.pop("inflight_order", None)
     for path in OPERATIONAL:
         parent: Any = data
