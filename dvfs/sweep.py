@@ -3,8 +3,9 @@
 The backends come from `dvfs.backends` (the one place that picks real or simulated ones),
 the corpora from `dvfs.corpora.prepare`, the cells and their measurement from `dvfs.measure`;
 this module only puts them in order. `plan_dry_run` says what a sweep would do without
-touching a GPU; on a twin campaign it also sweeps the twin into a temporary folder for the GPU
-time the sweep will spend.
+touching a GPU, and estimates its GPU time by sweeping the campaign's twin stand-in (the same
+campaign on the twin of its GPU and model) into a temporary folder: exact for a twin campaign,
+and beside it what the naive protocol would spend.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -320,20 +322,30 @@ class DryRunPlan:
     already_done: int
     server_starts: int
     knob_changes: int
+    #: The closed-form duration of the cells still to run (`dvfs.measure.plan`): rough (it
+    #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
+    #: gives no estimate.
     estimated_s: float
     servers: tuple[ServerPlan, ...]
     problems: tuple[str, ...]
     shard: str | None = None
-    #: On a twin campaign, the GPU time (virtual seconds) the twin spends on the planned cells,
-    #: found by sweeping them into a temporary folder; None on real hardware.
-    twin_gpu_s: float | None = None
+    #: GPU time on the twin stand-in of the campaign's GPU and model, found by sweeping its
+    #: planned cells (all of them, or the shard's) into a temporary folder; None when not
+    #: estimated (--no-estimate, or corpus problems).
+    estimate: TwinEstimate | None = None
 
     @property
     def remaining(self) -> int:
         return self.cells - self.already_done
 
+    @property
+    def twin_gpu_s(self) -> float | None:
+        return self.estimate.dvfs_gpu_s if self.estimate else None
+
     def as_dict(self) -> dict[str, Any]:
         """The document `dvfs sweep --dry-run --json` prints."""
+        e = self.estimate
+        hours = (e.dvfs_gpu_s if e else self.estimated_s) / 3600
         return {
             "campaign": self.campaign,
             "hash": self.hash,
@@ -349,12 +361,32 @@ class DryRunPlan:
             "remaining": self.remaining,
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
-            "estimated_hours_on_hardware": round(self.estimated_s / 3600, 2),
+            "estimated_hours_on_hardware": round(hours, 2),
+            "estimate": _estimate_dict(e, self.estimated_s),
             "servers": [s.as_dict() for s in self.servers],
             "problems": list(self.problems),
             **({"shard": self.shard} if self.shard else {}),
-            **({"twin_gpu_s": round(self.twin_gpu_s, 3)} if self.twin_gpu_s is not None else {}),
+            **({"twin_gpu_s": round(e.dvfs_gpu_s, 3)} if e is not None else {}),
         }
+
+
+def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, Any]:
+    if e is None:
+        return {"from": "closed form", "gpu_hours": round(closed_form_s / 3600, 2)}
+    return {
+        "from": "twin",
+        "profile": e.profile,
+        "profile_from": e.source,
+        "cells_measured": e.cells,
+        "gpu_hours": round(e.dvfs_gpu_s / 3600, 3),
+        "window_share": round(e.window_s / e.dvfs_gpu_s, 4) if e.dvfs_gpu_s else None,
+        "naive_gpu_hours": round(e.naive_gpu_s / 3600, 3),
+        "naive_protocol": (
+            f"per cell {NAIVE_REPEATS} times: a server start, knobs.settle_s, warm-up, "
+            f"prefill and one {NAIVE_WINDOW_S:g} s window"
+        ),
+        "dvfs_over_naive": round(e.dvfs_gpu_s / e.naive_gpu_s, 4) if e.naive_gpu_s else None,
+    }
 
 
 def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
@@ -372,13 +404,25 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     return set() if journal_differences(header, campaign) else opened.finished()
 
 
-def plan_dry_run(campaign: Campaign, out_dir: Path, *, shard: Shard | None = None) -> DryRunPlan:
-    """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, time, each
-    drafter's server, the corpus problems that would stop it, and on a twin campaign the GPU
-    time the twin spends on the cells (all of them, or the shard's; none when there are
-    problems)."""
+def plan_dry_run(
+    campaign: Campaign,
+    out_dir: Path,
+    *,
+    shard: Shard | None = None,
+    estimate: bool = True,
+    twin: str | None = None,
+    progress: Progress | None = None,
+) -> DryRunPlan:
+    """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, each
+    drafter's server, the corpus problems that would stop it, and (with `estimate`) the GPU
+    time of the cells (all of them, or the shard's) on the campaign's twin stand-in, under
+    dvfs's protocol and the naive one (`twin_estimate`; not when there are problems). A
+    hardware campaign whose GPU matches no twin profile (and no `twin`) is refused in one
+    line."""
     from dvfs.measure.plan import summarise_plan
 
+    if estimate:
+        twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = plan_cells(campaign)
     if shard is not None:
         cells = shard.select(cells)
@@ -412,7 +456,11 @@ def plan_dry_run(campaign: Campaign, out_dir: Path, *, shard: Shard | None = Non
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,
-        twin_gpu_s=None if problems or real_gpus(campaign) else twin_gpu_s(campaign, shard=shard),
+        estimate=(
+            twin_estimate(campaign, shard=shard, twin=twin, progress=progress)
+            if estimate and not problems
+            else None
+        ),
     )
 
 
@@ -436,10 +484,130 @@ def spent_gpu_s(out_dir: Path) -> float:
 def twin_gpu_s(campaign: Campaign, *, shard: Shard | None = None) -> float | None:
     """The GPU time the twin spends on the campaign (or shard): every cell swept into a
     temporary folder in virtual time. None unless both the GPU and the engine are the twin."""
-    import tempfile
-
     if campaign.gpu.backend != "twin" or campaign.engine.backend != "twin":
         return None
+    return twin_estimate(campaign, shard=shard).dvfs_gpu_s
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.split(r"[^a-z0-9]+", text.lower()) if w}
+
+
+def stand_in_profile(campaign: Campaign, twin: str | None = None) -> tuple[str, str]:
+    """The twin GPU profile that stands in for the campaign's GPU: `twin` when given, else the
+    campaign's `gpu.profile`, else the one profile whose key's words (h100, sxm) all appear in
+    the campaign's name or description; and where it came from. One clear line when none (or
+    several) match."""
+    from dvfs.twin.profiles import gpu_profile, gpu_profiles
+
+    known = ", ".join(sorted(gpu_profiles()))
+    chosen = twin or campaign.gpu.profile
+    if chosen:
+        gpu_profile(chosen)  # an unknown profile (or trap list) is one line
+        return chosen, "--twin" if twin else "gpu.profile"
+    said = _words(f"{campaign.name} {campaign.description}")
+    matches = [key for key in sorted(gpu_profiles()) if _words(key) <= said]
+    if len(matches) != 1:
+        what = f"several twin GPUs ({', '.join(matches)})" if matches else "no twin GPU"
+        raise CampaignError(
+            f"campaign {campaign.name!r} names {what} in its name or description, so no twin "
+            f"stands in for its GPU to estimate its GPU time: name one with --twin PROFILE "
+            f"({known}), or pass --no-estimate"
+        )
+    return matches[0], "named in the campaign's name or description"
+
+
+def twin_stand_in(campaign: Campaign, twin: str | None = None) -> tuple[Campaign, str, str]:
+    """The campaign with its GPU and engine backends switched to the twin (the profile from
+    `stand_in_profile`, the model from the engine's `twin_model` or `model`), that profile and
+    where it came from. A twin campaign is its own stand-in (unless `twin` names another
+    profile)."""
+    if campaign.gpu.backend == "twin" and campaign.engine.backend == "twin" and twin is None:
+        return campaign, campaign.gpu.profile or "", "the campaign's own"
+    profile, source = stand_in_profile(campaign, twin)
+    from dvfs.twin.profiles import model_profile
+
+    model_profile(campaign.engine.twin_model or campaign.engine.model)  # one line if unknown
+    devices = campaign.gpu.devices
+    twin_devices: tuple[int | str, ...] = (
+        devices if all(isinstance(d, int) for d in devices) else tuple(range(len(devices)))
+    )
+    groups = campaign.gpu.groups
+    if groups:
+        size = len(groups[0])
+        groups = tuple(twin_devices[i : i + size] for i in range(0, len(twin_devices), size))
+    gpu = dataclasses.replace(
+        campaign.gpu, backend="twin", profile=profile, devices=twin_devices, groups=groups
+    )
+    engine = dataclasses.replace(campaign.engine, backend="twin")
+    return dataclasses.replace(campaign, gpu=gpu, engine=engine), profile, source
+
+
+#: The naive protocol the dry run and `tests/bench/bench_protocol.py` compare against: every
+#: cell starts its server, waits a fixed settle (`knobs.settle_s`), warms up, prefills and
+#: measures one fixed 5 s window, and is repeated a fixed 3 times.
+NAIVE_WINDOW_S = 5.0
+NAIVE_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class TwinEstimate:
+    """GPU time on the twin stand-in: what dvfs's protocol spends (swept), what the naive
+    protocol would (derived per cell from the sweep, `naive_gpu_s`), and the window share."""
+
+    profile: str
+    #: Where the profile came from: "--twin", "gpu.profile", the campaign's text, its own.
+    source: str
+    dvfs_gpu_s: float
+    window_s: float
+    naive_gpu_s: float
+    cells: int
+
+
+def naive_gpu_s(ds: Any, campaign: Campaign) -> float:
+    """The naive protocol's GPU time on the cells of a swept cube, from what the twin measured
+    in each: per cell, `NAIVE_REPEATS` times one server start (the twin's, as
+    `gpu_time_server_start_s` records it), the campaign's fixed `knobs.settle_s`, a warm-up of
+    `warmup_tokens` at the cell's time per token (batch / throughput), the median time to first
+    token and a fixed `NAIVE_WINDOW_S` window. Each of the campaign's `repeats` measured
+    repeats of a cell carries its share of the naive cell (so a shard counts its slice);
+    repeats added by adaptive precision, and cells the twin did not measure, count nothing."""
+    import numpy as np
+
+    start = float(np.nanmax(ds["gpu_time_server_start_s"].values, initial=0.0))
+    if start <= 0:
+        from dvfs.engines.twin import STARTUP_S
+
+        start = STARTUP_S
+    repeats = campaign.measurement.repeats
+    ds = ds.isel(repeat=ds["repeat"].values < repeats)
+    per_token = ds["batch"] / ds["throughput_tok_s"]
+    ttft = ds["ttft_ms"].sel(quantile=0.5, method="nearest") / 1000
+    warm = campaign.measurement.warmup_tokens * per_token
+    once = (start + campaign.knobs.settle_s + warm + ttft + NAIVE_WINDOW_S).values
+    return float(NAIVE_REPEATS / repeats * np.nansum(once[np.isfinite(once)]))
+
+
+def twin_estimate(
+    campaign: Campaign,
+    *,
+    shard: Shard | None = None,
+    twin: str | None = None,
+    progress: Progress | None = None,
+) -> TwinEstimate:
+    """Sweep the campaign's twin stand-in (`twin_stand_in`) into a temporary folder, in
+    virtual time, and read off the GPU time it spends and the naive protocol's."""
+    import tempfile
+
+    from dvfs.cube import open_cube
+
+    stand_in, profile, source = twin_stand_in(campaign, twin)
     with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
-        run_sweep(campaign, Path(tmp), shard=shard)
-        return spent_gpu_s(Path(tmp))
+        out = Path(tmp)
+        run_sweep(stand_in, out, shard=shard, progress=progress)
+        spent = spent_gpu_s(out)
+        with open_cube(out / CUBE_NAME) as ds:
+            window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
+            naive = naive_gpu_s(ds, stand_in)
+            cells = int(ds["gpu_time_total_s"].notnull().sum())
+    return TwinEstimate(profile, source, spent, window, naive, cells)

@@ -1,16 +1,19 @@
-"""`dvfs sweep --dry-run` on a twin campaign: the GPU time it prints is what the sweep spends."""
+"""`dvfs sweep --dry-run`: the GPU time it prints is what the twin then spends (exactly on a twin
+campaign; on a hardware campaign, from its twin stand-in), beside the naive protocol's."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
-from conftest import REPO, SMALL_CAMPAIGN, write
+from conftest import SMALL_CAMPAIGN, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.cube import open_cube
 from dvfs.measure.journal import read_records
+from dvfs.sweep import NAIVE_REPEATS, NAIVE_WINDOW_S
 
 
 def spent_s(out: Path) -> float:
@@ -43,9 +46,77 @@ def test_dry_run_prints_the_gpu_time_the_twin_then_spends(tmp_path: Path) -> Non
     assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
 
 
-def test_dry_run_on_real_hardware_has_no_twin_figure() -> None:
-    result = CliRunner().invoke(
-        cli, ["sweep", str(REPO / "sweeps" / "h100-llama8b.toml"), "--dry-run", "--json"]
-    )
+#: SMALL_CAMPAIGN as it would be written for real hardware: NVML and SGLang, the GPU named
+#: only in the description.
+HARDWARE = replace_block(
+    replace_block(
+        replace_block(
+            SMALL_CAMPAIGN,
+            'name = "small"\n',
+            'name = "small"\ndescription = "One H100 SXM, Llama-3.1-8B, two drafters"\n',
+        ),
+        'backend = "twin"\nprofile = "h100-sxm"\n',
+        'backend = "nvml"\n',
+    ),
+    '[engine]\nbackend = "twin"\n',
+    '[engine]\nbackend = "sglang"\n',
+)
+
+
+def dry_json(campaign: Path, *args: str) -> dict:
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--dry-run", "--json", *args])
     assert result.exit_code == 0, result.output
-    assert "twin_gpu_s" not in json.loads(result.output)
+    return json.loads(result.output)
+
+
+def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(tmp_path: Path) -> None:
+    hardware = write(tmp_path / "hw.toml", HARDWARE)
+    plan = dry_json(hardware, "--out", str(tmp_path / "nowhere"))
+    estimate = plan["estimate"]
+    assert estimate["from"] == "twin" and estimate["profile"] == "h100-sxm"
+    assert "description" in estimate["profile_from"]
+    predicted = plan["twin_gpu_s"]
+    assert plan["estimated_hours_on_hardware"] == round(predicted / 3600, 2)
+    text = CliRunner().invoke(cli, ["sweep", str(hardware), "--dry-run"])
+    assert text.exit_code == 0, text.output
+    assert "twin stand-in h100-sxm" in text.output and "closed form" not in text.output
+
+    # The campaign as its twin: the same file with the backends switched by hand.
+    twin = write(tmp_path / "twin.toml", SMALL_CAMPAIGN.replace('name = "small"', 'name = "hw"'))
+    out = tmp_path / "out"
+    run = CliRunner().invoke(cli, ["sweep", str(twin), "--out", str(out), "--no-progress"])
+    assert run.exit_code == 0, run.output
+    actual = spent_s(out)
+    assert abs(predicted - actual) <= 0.10 * actual, (predicted, actual)
+
+
+def test_the_naive_protocol_costs_at_least_its_fixed_parts(tmp_path: Path) -> None:
+    """Naive: per cell, 3 times a server start (60 s on the twin), the fixed settle and a 5 s
+    window, plus warm-up and prefill; dvfs's protocol starts a server once per drafter."""
+    campaign = write(tmp_path / "small.toml", SMALL_CAMPAIGN)
+    estimate = dry_json(campaign, "--out", str(tmp_path / "nowhere"))["estimate"]
+    cells = 3 * 2 * 2 * 2 * 2  # clocks x limits x drafters x batches x corpora (repeats apart)
+    fixed = NAIVE_REPEATS * cells * (60.0 + 1.0 + NAIVE_WINDOW_S)
+    naive = estimate["naive_gpu_hours"] * 3600
+    assert fixed <= naive <= fixed * 1.2
+    assert estimate["dvfs_over_naive"] == pytest.approx(estimate["gpu_hours"] * 3600 / naive, 1e-2)
+    assert 0 < estimate["window_share"] < 1
+
+
+def test_twin_names_the_stand_in_and_an_unmatched_gpu_is_one_line(tmp_path: Path) -> None:
+    anonymous = write(tmp_path / "anon.toml", HARDWARE.replace("One H100 SXM", "One unnamed GPU"))
+    result = CliRunner().invoke(cli, ["sweep", str(anonymous), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--twin PROFILE" in lines[0] and "h200-sxm" in lines[0]
+    assert "Traceback" not in result.output
+
+    plan = dry_json(anonymous, "--twin", "h200-sxm", "--out", str(tmp_path / "nowhere"))
+    assert (plan["estimate"]["profile"], plan["estimate"]["profile_from"]) == ("h200-sxm", "--twin")
+
+    closed = dry_json(anonymous, "--no-estimate")
+    assert closed["estimate"]["from"] == "closed form" and "twin_gpu_s" not in closed
+    assert closed["estimated_hours_on_hardware"] == closed["estimate"]["gpu_hours"] > 0
+
+    bad = CliRunner().invoke(cli, ["sweep", str(anonymous), "--twin", "h100-sxm"])
+    assert bad.exit_code == 2 and "--dry-run" in bad.output

@@ -96,7 +96,14 @@ def test_cuda_graph_flag_comes_from_launch_server_help(version: str, tmp_path: P
 
 def test_dry_run_shows_each_drafter_argv() -> None:
     result = CliRunner().invoke(
-        cli, ["sweep", str(REPO / "sweeps" / "h100-llama8b.toml"), "--dry-run", "--json"]
+        cli,
+        [
+            "sweep",
+            str(REPO / "sweeps" / "h100-llama8b.toml"),
+            "--dry-run",
+            "--json",
+            "--no-estimate",
+        ],
     )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)

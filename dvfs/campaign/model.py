@@ -30,6 +30,10 @@ MODES = ("fixed", "closed-loop")
 #: How a cell's knob levels are measured: one level per cell (settle, warm up, measure), or
 #: several levels stepped inside one long decode (`dvfs.measure.inflight`).
 MEASUREMENT_MODES = ("per-level", "in-flight")
+#: The order in which one in-flight decode visits its knob levels (`dvfs.measure.inflight`):
+#: "abba" (forward then backward in every decode) or "serpentine" (forward, then backward in
+#: the next decode).
+INFLIGHT_ORDERS = ("abba", "serpentine")
 #: Names that become path components (campaign, drafter, corpus): no separators, no "..", no
 #: NUL or newline (`\\Z`, not `$`, which would accept a trailing newline).
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
@@ -173,6 +177,8 @@ class MeasurementConfig:
     max_repeats: int = 1
     #: "per-level" (one knob level per cell) or "in-flight" (levels stepped in one decode).
     mode: str = "per-level"
+    #: In-flight mode only: the order of the levels in a decode, one of `INFLIGHT_ORDERS`.
+    inflight_order: str = "abba"
     #: "measured" (the settle time measured at session start) or seconds.
     settle: str | float = "measured"
     #: Thermal stabilisation: load until the temperature's slope falls below this, at most
@@ -240,6 +246,15 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
     gpu = data.get("gpu")
     if isinstance(gpu, dict) and not gpu.get("groups"):
         gpu.pop("groups", None)  # campaigns without groups keep the hash they had before
+    measurement = data.get("measurement")
+    if isinstance(measurement, dict) and (
+        measurement.get("mode", "per-level") != "in-flight"
+        or measurement.get("inflight_order") == INFLIGHT_ORDERS[0]
+    ):
+        # The in-flight order changes nothing a per-level campaign measures, and "abba" is what
+        # in-flight campaigns used before the key existed: both keep the hash (and the journals)
+        # they had; "serpentine" changes it.
+        measurement.pop("inflight_order", None)
     for path in OPERATIONAL:
         parent: Any = data
         for part in path[:-1]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.campaign.model import (
+    INFLIGHT_ORDERS,
     MEASUREMENT_MODES,
     MODES,
     NAME_RE,
@@ -305,6 +306,7 @@ def _protocol(table: Table) -> dict[str, Any]:
         "confidence": confidence,
         "max_repeats": max_repeats,
         "mode": table.string("mode", "per-level", choices=MEASUREMENT_MODES),
+        "inflight_order": table.string("inflight_order", "abba", choices=INFLIGHT_ORDERS),
         "settle": settle,
         "thermal_slope_c_per_min": table.number(
             "thermal_slope_c_per_min", 1.0, strictly_positive=True

@@ -28,16 +28,36 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         text = value if isinstance(value, str | int) else ", ".join(map(str, value))
         grid.add_row(f"  {key}", str(text))
     out.print(grid)
-    out.print(
+    counts = (
         f"[bold]{report['cells']}[/bold] cells ({report['already_done']} already done, "
         f"{report['remaining']} to run), {report['server_starts']} server start(s), "
-        f"{report['knob_changes']} knob change(s); roughly "
-        f"{report['estimated_hours_on_hardware']} h on real hardware"
+        f"{report['knob_changes']} knob change(s)"
     )
-    if report.get("twin_gpu_s") is not None:
+    estimate = report["estimate"]
+    if estimate["from"] != "twin":
+        out.print(f"{counts}; roughly {estimate['gpu_hours']} h on real hardware (closed form)")
+    else:
+        out.print(counts)
+        on = (
+            "the twin"
+            if report["gpu"]["backend"] == "twin"
+            and report["gpu"]["profile"] == estimate["profile"]
+            else f"the twin stand-in {estimate['profile']} ({estimate['profile_from']}; this "
+            "campaign with its GPU and engine switched to the twin)"
+        )
+        ratio = estimate["dvfs_over_naive"]
+        share = estimate["window_share"]
         out.print(
-            f"the twin spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on "
-            f"all {report['cells']} cells (swept into a temporary folder)"
+            f"{on} spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on all "
+            f"{report['cells']} cells (swept into a temporary folder), "
+            + (f"{share:.0%} of it inside measurement windows" if share is not None else ""),
+            highlight=False,
+        )
+        out.print(
+            f"the naive protocol ({estimate['naive_protocol']}) would spend "
+            f"{estimate['naive_gpu_hours']:.2f} GPU-hours"
+            + (f": dvfs needs {ratio:.3f} of it" if ratio is not None else ""),
+            highlight=False,
         )
     if report.get("shard"):
         out.print(f"shard {report['shard']}: only this slice's cells are counted")
@@ -74,6 +94,20 @@ def _render_dry_run(report: dict[str, Any]) -> None:
 @out_dir_option("Folder for the journal, cube and server logs [default: out/<campaign name>].")
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (cells, server starts, time) and exit."
+)
+@click.option(
+    "--no-estimate",
+    is_flag=True,
+    help="With --dry-run: skip the GPU-time estimate (sweeping the twin stand-in takes "
+    "minutes on a large grid); print the closed-form figure instead.",
+)
+@click.option(
+    "--twin",
+    "twin_profile",
+    metavar="PROFILE",
+    help="With --dry-run: the twin GPU profile that stands in for the campaign's GPU in the "
+    "estimate [default: gpu.profile, else the profile named in the campaign's name or "
+    "description, e.g. h100-sxm].",
 )
 @click.option("--fresh", is_flag=True, help="Move an existing journal aside and start over.")
 @click.option(
@@ -119,6 +153,8 @@ def sweep(
     campaign_file: Path,
     out_dir: Path | None,
     dry_run: bool,
+    no_estimate: bool,
+    twin_profile: str | None,
     fresh: bool,
     observe_only: bool,
     as_json: bool,
@@ -153,9 +189,26 @@ def sweep(
         raise click.UsageError(
             "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
         )
+    if (no_estimate or twin_profile) and not dry_run:
+        raise click.UsageError("--no-estimate and --twin go with --dry-run")
     if dry_run:
+        import sys
+
+        from dvfs.cli.progress import RichProgress
+
         groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
-        report = plan_dry_run(campaign, out_dir, shard=shard).as_dict()
+        show = not no_progress and not no_estimate and sys.stderr.isatty()
+        bar = RichProgress("estimating on the twin", enabled=show)
+        with bar:
+            plan = plan_dry_run(
+                campaign,
+                out_dir,
+                shard=shard,
+                estimate=not no_estimate,
+                twin=twin_profile,
+                progress=bar if show else None,
+            )
+        report = plan.as_dict()
         if len(groups) > 1:
             report["workers"] = len(groups)
             report["estimated_makespan_hours"] = round(

@@ -11,11 +11,12 @@ round's, shared by every level of the group, and the record says so.
 Levels are ordered so slow drift cancels: the KV cache grows through the decode and the GPU
 warms, so a level measured late would otherwise look different from one measured early.
 `segment_order` lays the segments out so that every level's mean position is the same (a
-pure function): "abba" visits the levels forward then backward within each decode (A B C C B
-A; the middle pair changes nothing, so its second segment discards no settle); "serpentine"
-visits each level once per decode, forward on even rounds and backward on odd ones (rounds
-come in pairs). Equal segments make a drift linear in time add the same amount to every
-level, so the differences between levels are unbiased.
+pure function), in the campaign's `measurement.inflight_order`: "abba" visits the levels
+forward then backward within each decode (A B C C B A; the middle pair changes nothing, so
+its second segment discards no settle); "serpentine" visits each level once per decode,
+forward on even rounds and backward on odd ones (rounds come in pairs). Equal segments make
+a drift linear in time add the same amount to every level, so the differences between levels
+are unbiased.
 
 Decodes are added until every level's energy per token and median TPOT reach
 `measurement.precision` (at most `max_rounds`): the interval is Student-t over the decodes
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from dvfs.campaign.model import INFLIGHT_ORDERS
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.errors import CampaignError, EngineCrashedError, EngineError
 from dvfs.measure.meter import (
@@ -89,7 +91,7 @@ if TYPE_CHECKING:
     from dvfs.gpu.knobs import KnobController, KnobSetting
     from dvfs.records import CellRecord
 
-SCHEMES = ("abba", "serpentine")
+SCHEMES = INFLIGHT_ORDERS  # measurement.inflight_order
 #: Head room on the round's tokens: sized from the warm-up's rate bound for the first round,
 #: from each level's measured rate after it (speculation's acceptance varies round to round).
 FIRST_ROUND_MARGIN = 1.15
@@ -485,7 +487,7 @@ def _measure_group(
             "an in-flight group is one cell per knob setting of one (drafter, "
             "repeat, batch, corpus)"
         )
-    scheme = str(getattr(m, "inflight_order", "abba"))
+    scheme = m.inflight_order  # validated against SCHEMES when the campaign loaded
     precision, confidence = m.precision, m.confidence
     settle = settle_s
     if settle is None:  # a number in [measurement] settle, else the [knobs] one

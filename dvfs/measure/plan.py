@@ -15,7 +15,11 @@ from dataclasses import asdict, dataclass
 from dvfs.campaign import Campaign
 from dvfs.gpu.knobs import KnobSetting
 
-#: Rough real-hardware costs used for the dry-run estimate (s).
+#: Rough real-hardware costs for the closed-form duration (s), which `dvfs sweep --dry-run
+#: --no-estimate` prints. It assumes the rounds that fill `min_window_s` and leaves out prefill,
+#: drain, idle baselines, stabilisation and the rounds adaptive precision adds, so it reads
+#: low (28.2 h for sweeps/h100-llama8b.toml, where its twin stand-in spends 38.1 h); without
+#: --no-estimate the dry run sweeps the twin instead (`dvfs.sweep.twin_estimate`).
 SERVER_START_S = 120.0
 ROUND_OVERHEAD_S = 0.5
 TOKEN_TIME_S = 0.012
@@ -93,7 +97,8 @@ class PlanSummary:
 
 
 def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> PlanSummary:
-    """Counts and a rough real-hardware duration for the cells still to run."""
+    """Counts and a closed-form, rough (low) real-hardware duration for the cells still to
+    run."""
     todo = [c for c in cells if c.key not in done]
     starts = len({c.drafter for c in todo})
     changes = 0
