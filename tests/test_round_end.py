@@ -8,6 +8,7 @@ aborts the requests still running (POST /abort_request, or a disconnect), as the
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,67 @@ def test_a_twin_sweep_ends_rounds_at_the_window_within_one_percent_of_the_truth(
     stabilised = {r["cell"]["drafter"] for r in records if "stabilised" in r["warmup"]}
     assert stabilised == {"none", "eagle3"}
     assert set(warmed) <= shapes and len(shapes - set(warmed)) <= len(stabilised)
+
+
+def test_rounds_run_to_completion_and_warm_up_per_cell_when_the_campaign_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """measurement.round_end = "complete" and warmup_every = "cell" (the protocol of a server
+    started per cell, as the naive bench runs it): no request is aborted, speculative cells
+    drain after their window, every cell warms up, the energy is still the truth's, and the
+    keys change the campaign's hash while their defaults keep it."""
+    import tomllib
+
+    import dvfs.engines.twin as twin_module
+    from dvfs.campaign import parse_campaign
+
+    def parse_campaign_text(text: str) -> Any:
+        return parse_campaign(tomllib.loads(text))
+
+    aborted: list[bool] = []
+    run = twin_module.TwinEngine.run
+
+    def spy(self: Any, workload: Workload, timeline: Any = None) -> RoundResult:
+        result = run(self, workload, timeline)
+        aborted.append(any(r.finish_reason == ABORTED for r in result.requests))
+        return result
+
+    monkeypatch.setattr(twin_module.TwinEngine, "run", spy)
+    text = GROUND_TRUTH_CAMPAIGN + '[measurement]\nround_end = "complete"\nwarmup_every = "cell"\n'
+    cube, truth = _sweep_with_truth(tmp_path, monkeypatch, text)
+    records = _records(tmp_path / "out" / "journal.jsonl")
+    assert len(records) == 8 and aborted and not any(aborted)
+    drained = 0
+    for record in records:
+        m, spent = record["measurement"], record["gpu_time_s"]
+        assert record["status"] == "ok" and m["valid"], record
+        assert record["warmup"]["round_end"] == "complete"
+        assert record["warmup"]["warmed_up"] and spent["warmup"] > 0
+        drained += record["cell"]["drafter"] == "eagle3" and spent["drain"] > 0
+        rounds = truth[record["key"]]
+        exact = sum(r[0] for r in rounds) / sum(r[1] for r in rounds)
+        error = abs(m["energy_per_token_j"] / exact - 1)
+        assert error < max(0.01, m["energy_per_token_rel_ci"]), (record["cell"], error)
+    assert drained >= 1  # a speculative batch's requests finish apart: the drain is run
+    assert json.loads(cube.attrs["campaign"])["measurement"]["round_end"] == "complete"
+    assert "round_end = complete" in cube.attrs["measurement_method"]
+    assert "warm-up before every cell" in cube.attrs["measurement_method"]
+    defaults = (
+        GROUND_TRUTH_CAMPAIGN + '[measurement]\nround_end = "window"\nwarmup_every = "shape"\n'
+    )
+    plain = parse_campaign_text(GROUND_TRUTH_CAMPAIGN)
+    assert parse_campaign_text(defaults).hash == plain.hash
+    assert parse_campaign_text(text).hash != plain.hash
+
+
+def test_a_bad_round_end_is_one_line(tmp_path: Path) -> None:
+    bad = GROUND_TRUTH_CAMPAIGN + '[measurement]\nround_end = "early"\n'
+    path = tmp_path / "bad.toml"
+    path.write_text(bad)
+    result = CliRunner().invoke(cli, ["sweep", str(path), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "round_end" in result.output and "complete" in result.output
+    assert "Traceback" not in result.output
 
 
 # -- SGLang (the stub) ------------------------------------------------------------------------

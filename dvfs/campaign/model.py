@@ -34,6 +34,12 @@ MEASUREMENT_MODES = ("per-level", "in-flight")
 #: "abba" (forward then backward in every decode) or "serpentine" (forward, then backward in
 #: the next decode).
 INFLIGHT_ORDERS = ("abba", "serpentine")
+#: Where a round ends: at its steady window (the requests still running aborted) or when
+#: every request has finished (the drain measured too, as protocols without aborts do).
+ROUND_ENDS = ("window", "complete")
+#: How often the server warms up: once per server start and (batch, input length) shape, or
+#: before every cell (as a protocol that restarts the server per cell must).
+WARMUP_EVERY = ("shape", "cell")
 #: Names that become path components (campaign, drafter, corpus): no separators, no "..", no
 #: NUL or newline (`\\Z`, not `$`, which would accept a trailing newline).
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
@@ -179,6 +185,10 @@ class MeasurementConfig:
     mode: str = "per-level"
     #: In-flight mode only: the order of the levels in a decode, one of `INFLIGHT_ORDERS`.
     inflight_order: str = "abba"
+    #: Where each round ends, one of `ROUND_ENDS`.
+    round_end: str = "window"
+    #: How often the server warms up, one of `WARMUP_EVERY`.
+    warmup_every: str = "shape"
     #: "measured" (the settle time measured at session start) or seconds.
     settle: str | float = "measured"
     #: Thermal stabilisation: load until the temperature's slope falls below this, at most
@@ -255,6 +265,13 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
         # in-flight campaigns used before the key existed: both keep the hash (and the journals)
         # they had; "serpentine" changes it.
         measurement.pop("inflight_order", None)
+    if isinstance(measurement, dict):
+        # At their defaults the round end and warm-up keys keep the hash campaigns had before
+        # they existed; another value changes what is measured, so it changes the hash.
+        if measurement.get("round_end") == ROUND_ENDS[0]:
+            measurement.pop("round_end", None)
+        if measurement.get("warmup_every") == WARMUP_EVERY[0]:
+            measurement.pop("warmup_every", None)
     for path in OPERATIONAL:
         parent: Any = data
         for part in path[:-1]:

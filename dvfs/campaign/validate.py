@@ -17,6 +17,8 @@ from dvfs.campaign.model import (
     MEASUREMENT_MODES,
     MODES,
     NAME_RE,
+    ROUND_ENDS,
+    WARMUP_EVERY,
     Campaign,
     CorpusRef,
     DrafterSpec,
@@ -307,6 +309,8 @@ def _protocol(table: Table) -> dict[str, Any]:
         "max_repeats": max_repeats,
         "mode": table.string("mode", "per-level", choices=MEASUREMENT_MODES),
         "inflight_order": table.string("inflight_order", "abba", choices=INFLIGHT_ORDERS),
+        "round_end": table.string("round_end", ROUND_ENDS[0], choices=ROUND_ENDS),
+        "warmup_every": table.string("warmup_every", WARMUP_EVERY[0], choices=WARMUP_EVERY),
         "settle": settle,
         "thermal_slope_c_per_min": table.number(
             "thermal_slope_c_per_min", 1.0, strictly_positive=True

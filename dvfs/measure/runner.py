@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-from dvfs.campaign import Campaign
+from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
@@ -54,19 +54,34 @@ from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
 
-MEASUREMENT_METHOD = (
-    "energy: NVML total-energy counter (mJ) sampled every sample_period_s, taken between its "
-    "first and last update inside the steady-state window (instants fitted to the update period "
-    "detected at session start), tokens counted over the same interval (linear within a decode "
-    "step); the counter interpolated at the window's edges when it updated less than twice; "
-    "rounds until the Student-t interval on energy per token and median TPOT reaches the "
-    "precision; window: fixed batch = last first token to first finish, closed loop = batch "
-    f"requests running until the pool drains below batch; round_end = {ROUND_END}: a round ends "
-    "where its window ends, the requests still running aborted with the tokens they received; "
-    "warm-up once per server start and (batch, input length) shape; latency: TTFT = first "
-    "chunk, ITL = chunk gap / tokens in chunk, TPOT = (last - first) / (tokens - 1) over the "
-    "tokens received"
-)
+
+def measurement_method(m: MeasurementConfig) -> str:
+    """How this campaign measures, in words, for the session record and the cube's
+    `measurement_method` attribute (the round end and warm-up it was run with included)."""
+    round_end = (
+        "round_end = window: a round ends where its window ends, the requests still running "
+        "aborted with the tokens they received"
+        if m.round_end == ROUND_END
+        else "round_end = complete: every request runs to its end"
+    )
+    warmup = (
+        "warm-up once per server start and (batch, input length) shape"
+        if m.warmup_every == "shape"
+        else "warm-up before every cell"
+    )
+    return (
+        "energy: NVML total-energy counter (mJ) sampled every sample_period_s, taken between "
+        "its first and last update inside the steady-state window (instants fitted to the "
+        "update period detected at session start), tokens counted over the same interval "
+        "(linear within a decode step); the counter interpolated at the window's edges when it "
+        "updated less than twice; rounds until the Student-t interval on energy per token and "
+        "median TPOT reaches the precision; window: fixed batch = last first token to first "
+        "finish, closed loop = batch requests running until the pool drains below batch; "
+        f"{round_end}; {warmup}; latency: TTFT = first chunk, ITL = chunk gap / tokens in "
+        "chunk, TPOT = (last - first) / (tokens - 1) over the tokens received"
+    )
+
+
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
@@ -272,7 +287,7 @@ class Runner:
                 ranges[0].default_mw / 1000,
             ),
             idle_power_w=self.idle_power_w,
-            measurement_method=MEASUREMENT_METHOD,
+            measurement_method=measurement_method(self.campaign.measurement),
             token_count_method=self.token_count_method,
             corpora={
                 name: {
@@ -362,9 +377,9 @@ class Runner:
         if not m.warmup_tokens:
             return {"warmed_up": False}
         # The first round's prompts, cut short: the warm-up has the shape the rounds have.
-        load = self._workload(cell, 0, m.warmup_tokens, end_at_window=True)
+        load = self._workload(cell, 0, m.warmup_tokens, end_at_window=m.round_end == ROUND_END)
         shape = warmup_shape(load)
-        if shape in self._warmed:
+        if shape in self._warmed and m.warmup_every == "shape":
             return {"warmed_up": False, "shape": list(shape)}
         t0 = self.clock.now_ns()
         warm = self.engine.run(load)
@@ -403,7 +418,8 @@ class Runner:
         (`Workload.end_at_window`): the requests still running then are aborted."""
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
-        warmup = {**self._warm_up(cell, time), "round_end": ROUND_END}
+        warmup = {**self._warm_up(cell, time), "round_end": m.round_end}
+        end_at_window = m.round_end == ROUND_END
         parts: list[WindowPart] = []
         window_s = 0.0
         energies: list[RoundEnergy] = []
@@ -411,7 +427,10 @@ class Runner:
         latency: list[float] = []
         for round_index in range(m.max_rounds):
             workload = self._workload(
-                cell, round_index, self.campaign.workload.output_tokens, end_at_window=True
+                cell,
+                round_index,
+                self.campaign.workload.output_tokens,
+                end_at_window=end_at_window,
             )
             started = self.clock.now_ns()
             with Sampler(self.gpus, self.clock, self.round_sample_period_s) as sampler:
@@ -557,7 +576,9 @@ class Runner:
         from dvfs.measure.baseline import stabilise
 
         # The first round's prompts: the load the cell then measures, at its shape.
-        load = self._workload(cell, 0, max(m.warmup_tokens, 64), end_at_window=True)
+        load = self._workload(
+            cell, 0, max(m.warmup_tokens, 64), end_at_window=m.round_end == ROUND_END
+        )
         done = stabilise(
             self.gpus,
             self.clock,

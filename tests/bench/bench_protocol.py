@@ -79,6 +79,8 @@ def naive_settings(cap: int) -> dict[str, Any]:
         "settle": NAIVE_SETTLE_S,
         "idle_per_setting": False,
         "thermal_max_s": 0.0,
+        "round_end": "complete",  # no aborts: every request runs to its end, the drain too
+        "warmup_every": "cell",  # a server started per cell warms up per cell
     }
 
 
