@@ -79,8 +79,19 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The sessions of one model's workers as its journal's one session: every GPU, the mean
     idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
     stock settings: their cells would not compare within one cube."""
+    from dvfs.records import incomparable
+
     first = sessions[0]
     for s in sessions[1:]:
+        changes = incomparable(first, s)
+        if changes:
+            raise JournalError(
+                f"worker {s.get('worker')} on {s.get('host') or 'this node'} differs from worker "
+                f"{first.get('worker')} on {first.get('host') or 'this node'} in what makes "
+                f"cells compare ({'; '.join(changes)}): their cells cannot share one journal; "
+                "leave one of them out (--gpus, or the Ray cluster's nodes), or run them into "
+                "separate --out folders and `dvfs cube merge` the cubes"
+            )
         if s["stock"] != first["stock"]:
             raise JournalError(
                 f"worker {s.get('worker')}'s GPUs start from other stock settings "
@@ -99,7 +110,7 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worker": s.get("worker"),
                 "host": s.get("host", ""),
                 "gpus": [g["uuid"] for g in s["gpus"]],
-                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s") if k in s},
+                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s", "ports") if k in s},
             }
             for s in sessions
         ],
@@ -153,21 +164,23 @@ class Driver:
         self.progress.note(message)
 
     def open_session(self, sessions: Sequence[dict[str, Any]]) -> None:
-        """Journal one session over every worker's GPUs (same GPUs as earlier sessions)."""
+        """Journal one session over every worker's GPUs. The journal's earlier sessions may
+        have run on other GPUs (more, fewer, other nodes: a rerun after a node loss), but of
+        the same model, driver and settings (`incomparable`): their finished cells stand."""
+        from dvfs.records import incomparable, recorded_stock
+
         combined = combine_sessions(sessions)
         combined["journal_sync"] = self.journal.sync_policy.describe()  # the driver's, not theirs
         current = [g["uuid"] for g in combined["gpus"]]
         for earlier in self.journal.sessions:
-            before = [g["uuid"] for g in earlier["gpus"]]
-            if before != current:
+            changes = incomparable(earlier, combined)
+            if changes:
                 raise JournalError(
-                    f"{self.journal.path} was started on GPU(s) {', '.join(before)}, but this "
-                    f"run has {', '.join(current)}; a journal holds one GPU set: resume with the "
-                    "same GPUs (the same --gpus, or the same Ray workers), or start over with "
-                    "--fresh"
+                    f"{self.journal.path} was measured on other GPUs than this run's, which "
+                    f"differ in what makes cells compare ({'; '.join(changes)}): run these "
+                    "GPUs into another --out folder (`dvfs cube merge` joins the cubes along "
+                    "`gpu`), or start over with --fresh"
                 )
-        from dvfs.records import recorded_stock
-
         for earlier in self.journal.sessions:
             if recorded_stock(earlier) != recorded_stock(combined):
                 raise JournalError(
@@ -175,6 +188,14 @@ class Driver:
                     f"({earlier['stock']} then, {combined['stock']} now): the stock cells "
                     "would no longer compare. Restore the earlier settings, or start a new "
                     "--out folder"
+                )
+        if self.journal.sessions:
+            before = [g["uuid"] for g in self.journal.sessions[-1]["gpus"]]
+            if before != current:
+                self.note(
+                    f"resuming {len(before)}-GPU run on {len(current)} GPU(s) of the same model "
+                    f"and driver ({', '.join(current)}): its {self.total - len(self.todo)} "
+                    "finished cell(s) stand, the rest run here"
                 )
         self.journal.append(combined)
         for s in sessions:
@@ -494,6 +515,13 @@ def run_fleet(
                 executor(fleet, groups)
                 fleet.check_finished()
                 done = [d.journal.path for d in fleet.drivers.values()]
+                # A fleet of several models rerun on some of them (a node lost): the others'
+                # journals keep their cells, and their cubes still join the merged one.
+                done += [
+                    path
+                    for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
+                    if path not in done and _has_sessions(path)
+                ]
         cube_path = _write_cubes(out_dir, done)
     if fleet is None:
         total = len(cells) * len(done)

@@ -103,6 +103,7 @@ class Worker:
         self._clock: Any = None
         self._t0_ns = 0
         self._drafter: str | None = None
+        self._uuids: list[str] = []
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
@@ -142,6 +143,7 @@ class Worker:
             raise
         session = self._journal.drain()[0]
         session["worker"] = self.label
+        self._uuids = [str(g["uuid"]) for g in session["gpus"]]
         return session
 
     def gpu_time_s(self) -> float:
@@ -157,6 +159,7 @@ class Worker:
         records = self._journal.drain()
         for record in records:
             record["worker"] = self.label
+            record["gpus"] = list(self._uuids)  # the cube's `measured_on`
         return Shipment(cell, records, notes, self.gpu_time_s())
 
     @property
