@@ -405,6 +405,20 @@ def _has_sessions(journal: Path) -> bool:
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
 
 
+def fleet_journal(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a fleet's journal(s): a run resuming it on one GPU group (the
+    GPUs left after a node loss) goes on as a fleet of one, so that it reads the same journal."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    if any(out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+        return True
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return False
+    records = (r for r in iter_records(journal) if r.get("type") == "session")
+    return "workers" in next(records, {})
+
+
 def refuse_unsupported(campaign: Campaign) -> None:
     """What many workers cannot do yet: cells measured together (in-flight mode) and repeats
     added while running (max_repeats above repeats) need one runner to see all of a cell's
