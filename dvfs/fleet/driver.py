@@ -305,9 +305,18 @@ class Fleet:
     def open(self, sessions: Sequence[dict[str, Any]]) -> None:
         """Every worker's session, in the workers' order: one journal per GPU model."""
         from dvfs.backends import virtual_time
+        from dvfs.engines.sglang_args import ServerPorts, check_distinct_ports
         from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
         from dvfs.sweep import claim_shard
 
+        # Before any server starts: no two of one node's servers may share a port.
+        check_distinct_ports(
+            [
+                (str(s.get("worker")), str(s.get("host", "")), ServerPorts.from_json(s["ports"]))
+                for s in sessions
+                if s.get("ports")
+            ]
+        )
         by_model: dict[str, list[dict[str, Any]]] = {}
         for session in sessions:
             names = {g["name"] for g in session["gpus"]}

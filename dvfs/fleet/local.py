@@ -105,8 +105,10 @@ class LocalExecutor:
                 corpora=fleet.corpora,
                 state_dir=self.state_dir,
                 nvml=self.nvml,
+                slot=slot,
+                workers=len(groups),
             )
-            for group in groups
+            for slot, group in enumerate(groups)
         ]
 
         from dvfs.backends import virtual_time

@@ -91,6 +91,8 @@ class WorkerActor:
             sessions=self.options["sessions"],
             corpora=self.options["corpora"],
             label=label,
+            slot=int(self.options.get("slot", 0)),
+            workers=int(self.options.get("workers", 1)),
         )
         return self.worker.open()
 
@@ -163,11 +165,15 @@ class RayExecutor:
         }
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
         actors = []
-        for i, (group, placement) in enumerate(self._placements(ray, campaign, groups, twin)):
+        placements = self._placements(ray, campaign, groups, twin)
+        options["workers"] = len(placements)
+        for i, (group, placement) in enumerate(placements):
             name = f"dvfs-{group_label(group) if group else i}"
             actors.append(
                 actor_class.options(name=name, lifetime=None, **placement).remote(
-                    campaign, group, options
+                    campaign,
+                    group,
+                    {**options, "slot": i},  # its servers' block of ports
                 )
             )
         alive: dict[str, Any] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,18 @@ class Shipment:
         return str(self.records[-1].get("status", "failed")) if self.records else "failed"
 
 
+def _taken(host: str, ports: Sequence[int]) -> str | None:
+    """The first of `ports` another program holds on `host` ("port N: why"), or None."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                return f"port {port}: {exc.strerror}"
+    return None
+
+
 class Worker:
     """Runs cells on one GPU group. `open` measures the idle baseline and returns the session
     record; `run` one cell; `close` restores the GPUs and stops the server."""
@@ -86,6 +99,8 @@ class Worker:
         state_dir: Path | None = None,
         nvml: ModuleType | None = None,
         label: str | None = None,
+        slot: int = 0,
+        workers: int = 1,
     ) -> None:
         self.campaign = for_group(campaign, group)
         self.group = tuple(group)
@@ -104,6 +119,10 @@ class Worker:
         self._t0_ns = 0
         self._drafter: str | None = None
         self._uuids: list[str] = []
+        #: The worker's number in its fleet of `workers`: the block of ports its servers use.
+        self.slot = slot
+        self.workers = workers
+        self._ports: Any = None  # `ServerPorts` when the engine starts servers of its own
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
@@ -123,6 +142,7 @@ class Worker:
             knobs = self._stack.enter_context(
                 guarded_knobs(self.campaign, b.gpus, state_dir=self.state_dir)
             )
+            self._plan_ports(b.engine)
             self._journal = ShippingJournal(self.out_dir / JOURNAL_NAME, self.sessions)
             self._clock = b.clock
             self._t0_ns = b.clock.now_ns()
@@ -144,7 +164,33 @@ class Worker:
         session = self._journal.drain()[0]
         session["worker"] = self.label
         self._uuids = [str(g["uuid"]) for g in session["gpus"]]
+        if self._ports is not None:
+            session["ports"] = self._ports.to_json()
         return session
+
+    def _plan_ports(self, engine: Any) -> None:
+        """Give an engine that starts its own servers (SGLang, not attached to a URL) the first
+        of this worker's blocks of ports that no other program holds."""
+        from dvfs.engines.sglang_args import ServerPorts
+        from dvfs.errors import EngineError
+
+        if not hasattr(engine, "ports") or self.campaign.engine.sglang.url:
+            return
+        host = self.campaign.engine.sglang.host
+        taken: list[str] = []
+        for ports in ServerPorts.candidates(self.slot, self.workers):
+            busy = _taken(host, ports.used)
+            if busy is None:
+                break
+            taken.append(busy)
+        else:
+            raise EngineError(
+                f"worker {self.label}: no free block of SGLang ports on {host} "
+                f"({'; '.join(taken[:2])}{' ...' if len(taken) > 2 else ''}): stop what "
+                "listens there (another dvfs sweep on this node?), then rerun"
+            )
+        engine.ports = ports
+        self._ports = ports
 
     def gpu_time_s(self) -> float:
         """Seconds of the group's time (virtual on the twin) since `open`."""
@@ -160,6 +206,10 @@ class Worker:
         for record in records:
             record["worker"] = self.label
             record["gpus"] = list(self._uuids)  # the cube's `measured_on`
+            if record.get("type") == "server" and self._ports is not None:
+                from dvfs.engines.sglang_args import check_ports_resolved
+
+                check_ports_resolved(str(record["drafter"]), record.get("args") or {}, self._ports)
         return Shipment(cell, records, notes, self.gpu_time_s())
 
     @property

@@ -1,0 +1,138 @@
+"""Servers started together on one node never share a port (issue 12): each fleet worker's
+SGLang server gets its own block (--port, --nccl-port, and the ports SGLang derives from
+--port), checked before any server starts and against what each server reports."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block
+from sglang_support import load_stub, running, stub_campaign
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.engines.sglang_args import (
+    FIRST_PORT,
+    PORT_BLOCK,
+    PORT_SLOTS,
+    ZMQ_PORT_OFFSET,
+    ServerPorts,
+    check_distinct_ports,
+    launch_argv,
+)
+from dvfs.errors import EngineError
+from dvfs.measure.journal import read_records
+
+VERSIONS = ("0.5.9", "0.5.23")
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_eight_servers_argv_parse_and_their_ports_are_distinct(
+    version: str, tmp_path: Path
+) -> None:
+    """Eight workers' argv, parsed by the version's own option table: each server listens on
+    its block; no port of one block (its --port, --nccl-port, SGLang's ZMQ ports) is
+    another's, and every block stays below the kernel's ephemeral range."""
+    stub = load_stub()
+    path, _ = stub_campaign(tmp_path, version=version)
+    campaign = load_campaign(path)
+    blocks = [ServerPorts.for_slot(slot) for slot in range(8)]
+    for ports, drafter in zip(blocks, itertools.cycle(campaign.drafters), strict=False):
+        argv = launch_argv(campaign, drafter, port=1, version=version, ports=ports)
+        args, _ = stub.parse_launch_argv(argv[2:], stub.StubConfig(version=version))
+        assert int(args["port"]) == ports.http and int(args["nccl_port"]) == ports.nccl
+    used = [set(b.used) for b in blocks]
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(used, 2))
+    assert all(b.http + ZMQ_PORT_OFFSET in b.used for b in blocks)
+    assert max(max(u) for u in used) < 32768 and min(min(u) for u in used) >= FIRST_PORT
+    check_distinct_ports([(f"gpu{i}", "node", b) for i, b in enumerate(blocks)])
+    # Port flags of the campaign's own would move a server out of its block: refused.
+    bad = replace_block(
+        path.read_text(), 'algorithm = "none"', 'algorithm = "none"\nextra_args = ["--nccl-p", "9"]'
+    )
+    path.write_text(bad)
+    none = next(d for d in load_campaign(path).drafters if d.name == "none")
+    with pytest.raises(EngineError, match="--nccl-p in the extra_args of drafter 'none'"):
+        launch_argv(load_campaign(path), none, port=1, version=version, ports=blocks[0])
+
+
+def test_blocks_of_one_node_are_checked_distinct() -> None:
+    """Slots wrap past the range; two workers of one node on one block are refused, on two
+    nodes they are not (each node has its own ports)."""
+    again = ServerPorts.for_slot(PORT_SLOTS)
+    assert again == ServerPorts.for_slot(0)
+    check_distinct_ports([("a/gpu0", "a", again), ("b/gpu0", "b", ServerPorts.for_slot(0))])
+    with pytest.raises(EngineError, match=r"workers gpu0 and gpu48 on a would share port 20000"):
+        check_distinct_ports([("gpu0", "a", ServerPorts.for_slot(0)), ("gpu48", "a", again)])
+    # The blocks a worker may fall back on never meet another worker's of the same fleet.
+    tried = [{b.http for b in ServerPorts.candidates(s, 8)} for s in range(8)]
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(tried, 2))
+    assert ServerPorts.candidates(3, 8)[1].http == FIRST_PORT + 11 * PORT_BLOCK
+
+
+@pytest.mark.timeout(300)
+def test_eight_workers_on_one_node_use_distinct_ports(tmp_path: Path) -> None:
+    """Eight twin GPUs, each worker its own SGLang (the stub) on loopback: every server is on
+    its worker's block, and no two blocks share a port; none is left running."""
+    path, marker = stub_campaign(tmp_path, measurement_extra="repeats = 2")
+    out = tmp_path / "out"
+    result = sweep(str(path), "--gpus", "0-7", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    records = read_records(out / "journal.jsonl")
+    session = next(r for r in records if r["type"] == "session")
+    plans = {w["worker"]: ServerPorts.from_json(w["ports"]) for w in session["workers"]}
+    assert len(plans) == 8
+    for a, b in itertools.combinations(plans.values(), 2):
+        assert set(a.used).isdisjoint(b.used)
+    servers = [r for r in records if r["type"] == "server"]
+    assert len({s["worker"] for s in servers}) >= 2, "servers must run side by side"
+    for server in servers:
+        ports = plans[server["worker"]]
+        assert int(server["args"]["port"]) == ports.http
+        assert int(server["args"]["nccl_port"]) == ports.nccl
+    assert not running(marker), "a server was left running"
+
+
+def test_a_port_held_by_another_program_moves_the_worker(tmp_path: Path) -> None:
+    """Worker 0's first block is taken (another program listens on its --port): it takes its
+    next block, which no other worker of the fleet tries."""
+    path, marker = stub_campaign(tmp_path)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        try:
+            holder.bind(("127.0.0.1", FIRST_PORT))
+        except OSError:
+            pytest.skip(f"port {FIRST_PORT} is in use here")
+        holder.listen()
+        result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    session = next(
+        r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "session"
+    )
+    ports = {w["worker"]: w["ports"]["http"] for w in session["workers"]}
+    assert ports == {"gpu0": FIRST_PORT + 2 * PORT_BLOCK, "gpu1": FIRST_PORT + PORT_BLOCK}
+    assert not running(marker)
+
+
+def test_a_fleet_whose_servers_would_share_a_port_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should two workers of one node get one block (forced here), the run stops before any
+    server starts, in one line."""
+    path, marker = stub_campaign(tmp_path)
+    one = ServerPorts.for_slot(5)
+    monkeypatch.setattr(ServerPorts, "candidates", classmethod(lambda cls, slot, workers: [one]))
+    result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert "workers gpu0 and gpu1 on" in lines[0] and f"share port {one.http}" in lines[0]
+    assert not (tmp_path / "out" / "journal.jsonl").exists(), "refused before any journal"
+    assert not running(marker)
