@@ -14,6 +14,8 @@ queue (`lost`). Only the driver's thread writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -147,8 +149,12 @@ class Driver:
         #: The corpora, loaded and counted once (local workers share them).
         self.corpora = corpora
         done = journal.finished()
+        self.cells = list(cells)
         self.todo = [c for c in cells if c.key not in done]
         self.total = len(cells)
+        if not self.todo:  # the planned repeats are in: those the precision still asks for
+            self.todo = self._more_repeats(done)
+            self.total += len(self.todo)
         self.queue = CellQueue(self.todo)
         self.progress: Progress = progress or NullProgress()
         self.stats: dict[str, WorkerStats] = {}
@@ -221,6 +227,8 @@ class Driver:
             stats.busy_wall_s += time.monotonic() - stats._since
         stats.current = ""
         cell = shipment.cell
+        if self._outstanding == {cell.key}:  # the last: the precision may ask for repeats
+            self._add(self._more_repeats(self.journal.finished()))
         self._outstanding.discard(cell.key)
         if shipment.status == "ok":
             self.measured += 1
@@ -229,6 +237,28 @@ class Driver:
             self.failed.append(cell_label(cell))
         self.progress.advance(cell, shipment.status)
         self._show(stats)
+
+    def _more_repeats(self, done: set[str]) -> list[Cell]:
+        """The next repeats the journal's cells ask for (`extra_repeats`), none measured yet."""
+        if self.campaign.measurement.max_repeats <= self.campaign.measurement.repeats:
+            return []
+        self.journal.sync()
+        more = extra_repeats(self.campaign, self.journal.path, self.cells)
+        return [c for c in more if c.key not in done]
+
+    def _add(self, cells: Sequence[Cell]) -> None:
+        """More cells for the workers (before the last outstanding one is counted done, so no
+        worker sees the campaign finished in between)."""
+        if not cells:
+            return
+        self.note(
+            f"{len(cells)} cell(s) need another repeat to reach "
+            f"±{self.campaign.measurement.precision:.1%}"
+        )
+        self.total += len(cells)
+        self.todo.extend(cells)
+        self._outstanding.update(c.key for c in cells)
+        self.queue.give_back(cells)
 
     def lost(self, worker: str, cell: Cell | None, why: str) -> None:
         """A worker died: its unfinished cell goes back to the queue for the others."""
@@ -428,21 +458,65 @@ def fleet_journal(out_dir: Path) -> bool:
     return "workers" in next(records, {})
 
 
+def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> list[Cell]:
+    """The next repeat of each planned cell (all but its repeat alike) whose journalled
+    repeats' interval on energy per token or median TPOT misses `measurement.precision`,
+    while it has fewer than `max_repeats`: the rule a single runner follows
+    (`Runner.extra_repeats`), decided here by the driver from its journal, in the planned
+    order (reversed on odd repeats, the plan's serpentine)."""
+    from dvfs.measure.counter import relative_half_width
+    from dvfs.measure.journal import iter_records
+    from dvfs.records import JOURNAL_SCHEMA, CellRecord
+
+    m = campaign.measurement
+    if m.max_repeats <= m.repeats or not journal.is_file():
+        return []
+
+    def group(cell: Cell) -> tuple[Any, ...]:
+        return (cell.drafter, cell.sm_clock_mhz, cell.power_limit_w, cell.batch, cell.corpus)
+
+    values: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
+    taken: dict[tuple[Any, ...], int] = {}
+    version = JOURNAL_SCHEMA
+    for raw in iter_records(journal):
+        if raw.get("type") == "session":
+            version = int(raw.get("journal_schema", JOURNAL_SCHEMA))
+        if raw.get("type") != "cell":
+            continue
+        record = CellRecord.from_json(raw, version=version)
+        key = group(record.cell)
+        taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
+        if record.ok and record.measurement is not None and record.measurement.valid:
+            values.setdefault(key, []).append(
+                (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
+            )
+    extra: list[Cell] = []
+    seen: set[tuple[Any, ...]] = set()
+    for cell in cells:
+        key = group(cell)
+        if key in seen or cell.repeat != 0:
+            continue
+        seen.add(key)
+        n = taken.get(key, 0)
+        if n < m.repeats or n >= m.max_repeats:
+            continue
+        energy = relative_half_width([v[0] for v in values.get(key, [])], m.confidence)
+        latency = relative_half_width([v[1] for v in values.get(key, [])], m.confidence)
+        if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
+            extra.append(dataclasses.replace(cell, repeat=n))
+    if extra and extra[0].repeat % 2:
+        extra.reverse()
+    return extra
+
+
 def refuse_unsupported(campaign: Campaign) -> None:
-    """What many workers cannot do yet: cells measured together (in-flight mode) and repeats
-    added while running (max_repeats above repeats) need one runner to see all of a cell's
-    levels or repeats."""
+    """What many workers cannot do yet: cells measured together (in-flight mode) need one
+    runner to see all of a group's levels."""
     m = campaign.measurement
     if m.mode == "in-flight":
         raise CampaignError(
             "measurement.mode = in-flight runs on one GPU group only for now: leave out --gpus "
             "and --executor ray (or use --shard), or use mode = per-level"
-        )
-    if m.max_repeats > m.repeats:
-        raise CampaignError(
-            f"measurement.max_repeats = {m.max_repeats} adds repeats while running, which one "
-            "GPU group does for now: leave out --gpus and --executor ray, or set max_repeats = "
-            f"repeats ({m.repeats})"
         )
 
 
@@ -470,7 +544,9 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
             )
 
 
-def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | None:
+def _journals_done(
+    out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
+) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
     is nothing to run), else None."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
@@ -482,6 +558,8 @@ def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | Non
             return None
         ok = Journal(path, iter_records(path)).finished()
         if not keys <= ok:
+            return None
+        if any(c.key not in ok for c in extra_repeats(campaign, path, cells)):
             return None
     return paths
 
@@ -523,7 +601,7 @@ def run_fleet(
             cells = shard.select(cells)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
-        done = _journals_done(out_dir, cells)
+        done = _journals_done(out_dir, campaign, cells)
         with contextlib.ExitStack() as journals:
             if done is None:
                 fleet = Fleet(

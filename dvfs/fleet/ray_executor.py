@@ -244,6 +244,11 @@ class RayExecutor:
                 if pacer is not None:
                     pacer.free(label, shipment.gpu_time_s)
                 idle.append(label)
+                for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
+                    exhausted.remove(back)
+                    idle.append(back)
+                    if pacer is not None:
+                        pacer.free(back, times[back])
             feed()
         if not fleet.finished and alive:
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
