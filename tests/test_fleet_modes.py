@@ -1,5 +1,6 @@
 """Fleets in the measurement modes one runner has (issue 12): adaptive repeats (the driver
-decides further repeats from its journal) give the single GPU's cube cell for cell."""
+decides further repeats from its journal) and in-flight mode (a group of knob levels is one
+unit of work, given to one worker) give the single GPU's cube cell for cell."""
 
 from __future__ import annotations
 
@@ -8,21 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
-from fleet_support import fleet_campaign
-from test_fleet_rerun import assert_same_cells
+from conftest import write
+from fleet_rerun_support import ADAPTIVE, INFLIGHT, assert_same_cells
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_MISSING, open_cube
+from dvfs.fleet.worker import Worker
 from dvfs.measure.journal import read_records
-
-#: Two planned repeats, up to four while the repeats' interval misses a tight precision: on
-#: the twin most groups of this grid need the third and fourth.
-ADAPTIVE = replace_block(
-    fleet_campaign("adaptive", repeats=2),
-    "idle_s = 1.0",
-    "idle_s = 1.0\nmax_repeats = 4\nprecision = 0.002",
-)
 
 
 def sweep(*args: str) -> Result:
@@ -77,3 +70,58 @@ def test_a_fleet_resumes_inside_the_extra_repeats(adaptive: Path, tmp_path: Path
     # Nothing left: the rerun runs no cell.
     again = sweep(str(adaptive / "adaptive.toml"), "--gpus", "0-1", "--out", str(out))
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
+
+
+@pytest.fixture(scope="module")
+def inflight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("inflight")
+    campaign = write(root / "inflight.toml", INFLIGHT)
+    one = sweep(str(campaign), "--out", str(root / "one"))
+    assert one.exit_code == 0, one.output
+    return root
+
+
+def groups_by_worker(journal: Path) -> dict[str, set[str]]:
+    """Each in-flight group (by its id) and the workers whose records carry it."""
+    seen: dict[str, set[str]] = {}
+    for record in read_records(journal):
+        if record["type"] == "cell":
+            seen.setdefault(record["inflight"]["group"], set()).add(record.get("worker", ""))
+    return seen
+
+
+def test_in_flight_groups_on_four_gpus_equal_one(inflight: Path) -> None:
+    """A group is one unit of work: all its levels on one worker, inside its decodes."""
+    out = inflight / "four"
+    result = sweep(str(inflight / "inflight.toml"), "--gpus", "0-3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(inflight / "one" / "cube.nc"))
+    groups = groups_by_worker(out / "journal.jsonl")
+    assert len(groups) == 12 and all(len(w) == 1 for w in groups.values())
+    assert len(set().union(*groups.values())) == 4, "every worker stepped groups"
+
+
+def test_a_lost_worker_gives_back_its_whole_group(
+    inflight: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+    run_unit = Worker.run_unit
+
+    def failing(self: Worker, unit):  # gpu1 dies on its second group, mid-group
+        if self.label == "gpu1":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("the GPU fell off the bus")
+        return run_unit(self, unit)
+
+    monkeypatch.setattr(Worker, "run_unit", failing)
+    out = tmp_path / "lost"
+    result = sweep(str(inflight / "inflight.toml"), "--gpus", "0-3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "gpu1" in result.output and "lost: RuntimeError" in result.output
+    groups = groups_by_worker(out / "journal.jsonl")
+    assert len(groups) == 12 and all(len(w) == 1 for w in groups.values())
+    assert sum(w == {"gpu1"} for w in groups.values()) == 1
+    keys = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(keys) == len(set(keys)) == 72
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(inflight / "one" / "cube.nc"))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
+from fleet_rerun_support import assert_same_cells
 from fleet_support import fleet_campaign
 
 from dvfs.cli import cli
@@ -33,27 +34,6 @@ TOTAL = 9 * 2 * 2 * 3 * 2
 
 def sweep(*args: str) -> Result:
     return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
-
-
-def assert_same_cells(a, b) -> None:
-    """Same grid and values (energy within the counter's 1 mJ quantisation); each worker pays
-    its own server starts, so GPU time is left out."""
-    assert set(a.data_vars) == set(b.data_vars)
-    for dim in a.dims:
-        np.testing.assert_array_equal(a[dim].values, b[dim].values)
-    for name in a.data_vars:
-        if str(name).startswith("gpu_time_"):
-            continue
-        if a[name].dtype.kind in "OUS":
-            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-            continue
-        if str(name).endswith("_rel_ci"):
-            np.testing.assert_allclose(a[name].values, b[name].values, atol=5e-3, equal_nan=True)
-            continue
-        rtol = 1e-4 if "energy" in name or "power_mean" in name else 1e-12
-        np.testing.assert_allclose(
-            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
-        )
 
 
 def cell_keys(journal: Path) -> list[str]:

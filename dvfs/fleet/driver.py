@@ -7,8 +7,14 @@ workers of one GPU model share a `Driver`, that is a journal, one session over a
 and a `CellQueue` of the unfinished cells. One model journals in the folder itself; a fleet
 mixing models measures the campaign once per model, each in `gpu-<model>/`, and the cube
 merges them along a `gpu` dimension. Each finished cell is journalled as it arrives
-(`shipped`), so the journals alone resume the campaign; a lost worker's cell goes back to its
-queue (`lost`). Only the driver's thread writes.
+(`shipped`), so the journals alone resume the campaign, on these GPUs or on any others of the
+same model and driver (`dvfs.records.incomparable`: fewer after a node loss); a lost worker's
+cell goes back to its queue (`lost`). Only the driver's thread writes.
+
+A worker is handed units of work: one cell, or in in-flight mode one group of knob levels
+measured inside shared decodes. With `max_repeats` above `repeats` the driver decides the
+further repeats from its journal once the planned cells are in (`extra_repeats`), as one
+runner does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,23 @@ from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
 from dvfs.measure.runner import Progress, RunSummary, cell_label
+
+#: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
+#: levels, measured inside shared decodes).
+Unit = tuple[Cell, ...]
+
+
+def as_unit(unit: Unit | Cell) -> Unit:
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def unit_label(unit: Unit | Cell) -> str:
+    """A unit as progress names it: its cell, or its group and how many levels it steps."""
+    cells = as_unit(unit)
+    if len(cells) == 1:
+        return cell_label(cells[0])
+    c = cells[0]
+    return f"{c.drafter}/{c.corpus}/b{c.batch}/r{c.repeat} in flight, {len(cells)} levels"
 
 
 @dataclass
@@ -155,7 +178,10 @@ class Driver:
         if not self.todo:  # the planned repeats are in: those the precision still asks for
             self.todo = self._more_repeats(done)
             self.total += len(self.todo)
-        self.queue = CellQueue(self.todo)
+        #: Each unit of work by its first cell's key: a cell, or an in-flight group's cells
+        #: (measured together, so handed to one worker whole).
+        self.units: dict[str, Unit] = {}
+        self.queue = CellQueue(self._register(self.todo))
         self.progress: Progress = progress or NullProgress()
         self.stats: dict[str, WorkerStats] = {}
         self.measured = 0
@@ -208,34 +234,58 @@ class Driver:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))
 
-    def started(self, worker: str, cell: Cell) -> None:
+    def _register(self, cells: Sequence[Cell]) -> list[Cell]:
+        """Cut `cells` into units of work (in-flight groups, as one runner cuts them, or single
+        cells) and keep them; each unit's first cell, which the queue hands out."""
+        if self.campaign.measurement.mode == "in-flight":
+            from dvfs.measure.inflight import inflight_groups
+
+            units = inflight_groups(cells)
+        else:
+            units = [(cell,) for cell in cells]
+        self.units.update((unit[0].key, unit) for unit in units)
+        return [unit[0] for unit in units]
+
+    def unit(self, lead: Cell) -> Unit:
+        """The unit of work a cell from the queue stands for."""
+        return self.units.get(lead.key, (lead,))
+
+    def started(self, worker: str, unit: Unit | Cell) -> None:
         stats = self.stats.setdefault(worker, WorkerStats(worker))
-        stats.current = cell_label(cell)
+        stats.current = unit_label(unit)
         stats._since = time.monotonic()
         self._show(stats)
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
-        """Journal a finished cell's records at once, then count it."""
+        """Journal a finished unit's records at once, then count its cells."""
         for record in shipment.records:
             self.journal.append(record)
         for message in shipment.notes:
             self.note(f"{worker}: {message}")
         stats = self.stats.setdefault(worker, WorkerStats(worker))
-        stats.done += 1
+        cells = shipment.all_cells
+        stats.done += len(cells)
         stats.gpu_time_s = shipment.gpu_time_s
         if stats._since:
             stats.busy_wall_s += time.monotonic() - stats._since
         stats.current = ""
-        cell = shipment.cell
-        if self._outstanding == {cell.key}:  # the last: the precision may ask for repeats
+        keys = {cell.key for cell in cells}
+        if self._outstanding and self._outstanding <= keys:  # the last: more repeats?
             self._add(self._more_repeats(self.journal.finished()))
-        self._outstanding.discard(cell.key)
-        if shipment.status == "ok":
-            self.measured += 1
-        else:
-            stats.failed += 1
-            self.failed.append(cell_label(cell))
-        self.progress.advance(cell, shipment.status)
+        statuses = {
+            str(r.get("key")): str(r.get("status", "failed"))
+            for r in shipment.records
+            if r.get("type") == "cell"
+        }
+        for cell in cells:
+            self._outstanding.discard(cell.key)
+            status = statuses.get(cell.key, "failed")
+            if status == "ok":
+                self.measured += 1
+            else:
+                stats.failed += 1
+                self.failed.append(cell_label(cell))
+            self.progress.advance(cell, status)
         self._show(stats)
 
     def _more_repeats(self, done: set[str]) -> list[Cell]:
@@ -258,15 +308,16 @@ class Driver:
         self.total += len(cells)
         self.todo.extend(cells)
         self._outstanding.update(c.key for c in cells)
-        self.queue.give_back(cells)
+        self.queue.give_back(self._register(cells))
 
-    def lost(self, worker: str, cell: Cell | None, why: str) -> None:
-        """A worker died: its unfinished cell goes back to the queue for the others."""
+    def lost(self, worker: str, unit: Unit | Cell | None, why: str) -> None:
+        """A worker died: its unfinished unit goes back to the queue for the others."""
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         stats.lost = why
         stats.current = ""
-        if cell is not None and cell.key in self._outstanding:
-            self.queue.give_back([cell])
+        cells = as_unit(unit) if unit is not None else ()
+        if any(cell.key in self._outstanding for cell in cells):
+            self.queue.give_back([cells[0]])
         self.queue.leave(worker)
         self.note(f"worker {worker} lost ({why}); its unfinished cell goes to the others")
         self._show(stats)
@@ -384,8 +435,12 @@ class Fleet:
         todo = sum(len(d.todo) for d in self.drivers.values())
         self.progress.start(total, total - todo)
 
-    def take(self, worker: str, drafter: str | None) -> Cell | None:
-        return self._lanes[worker].queue.take(worker, drafter)
+    def take(self, worker: str, drafter: str | None) -> Unit | None:
+        """`worker`'s next unit of work (one cell, or an in-flight group), None when none is
+        left in its model's queue."""
+        driver = self._lanes[worker]
+        lead = driver.queue.take(worker, drafter)
+        return None if lead is None else driver.unit(lead)
 
     def has_cells(self, worker: str) -> bool:
         """Whether `worker`'s model still has cells waiting in its queue."""
@@ -395,14 +450,18 @@ class Fleet:
         """Each worker's GPU model (its queue)."""
         return {w: id(d) for w, d in self._lanes.items()}
 
-    def started(self, worker: str, cell: Cell) -> None:
-        self._lanes[worker].started(worker, cell)
+    def started(self, worker: str, unit: Unit | Cell) -> None:
+        self._lanes[worker].started(worker, unit)
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
         self._lanes[worker].shipped(worker, shipment)
 
     def lost(
-        self, worker: str, cell: Cell | None, why: str, record: dict[str, Any] | None = None
+        self,
+        worker: str,
+        cell: Unit | Cell | None,
+        why: str,
+        record: dict[str, Any] | None = None,
     ) -> None:
         driver = self._lanes.get(worker)
         if driver is None:  # lost before its session was in: nothing of it to undo
@@ -509,17 +568,6 @@ def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> l
     return extra
 
 
-def refuse_unsupported(campaign: Campaign) -> None:
-    """What many workers cannot do yet: cells measured together (in-flight mode) need one
-    runner to see all of a group's levels."""
-    m = campaign.measurement
-    if m.mode == "in-flight":
-        raise CampaignError(
-            "measurement.mode = in-flight runs on one GPU group only for now: leave out --gpus "
-            "and --executor ray (or use --shard), or use mode = per-level"
-        )
-
-
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
@@ -588,7 +636,6 @@ def run_fleet(
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
         raise CampaignError("a GPU appears in two worker groups")
-    refuse_unsupported(campaign)
     wall0 = time.monotonic()
     with out_dir_lock(out_dir):
         moved = fresh_start(out_dir) if fresh else None

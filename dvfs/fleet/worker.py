@@ -66,6 +66,12 @@ class Shipment:
     records: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     gpu_time_s: float = 0.0
+    #: Every cell of the unit it measured (an in-flight group); empty: just `cell`.
+    cells: tuple[Cell, ...] = ()
+
+    @property
+    def all_cells(self) -> tuple[Cell, ...]:
+        return self.cells or (self.cell,)
 
     @property
     def status(self) -> str:
@@ -196,11 +202,26 @@ class Worker:
         """Seconds of the group's time (virtual on the twin) since `open`."""
         return 0.0 if self._clock is None else (self._clock.now_ns() - self._t0_ns) * 1e-9
 
+    def run_unit(self, unit: Sequence[Cell]) -> Shipment:
+        """Measure a unit of work: an in-flight group's levels inside shared decodes (as one
+        runner steps them), else its one cell."""
+        if self.campaign.measurement.mode != "in-flight":
+            return self.run(unit[0])
+        assert self._runner is not None, "open() first"
+        self._runner.run_inflight_group(tuple(unit))
+        self._drafter = unit[0].drafter
+        return self._ship(unit[0], tuple(unit))
+
     def run(self, cell: Cell) -> Shipment:
         """Measure one cell (starting the drafter's server when it changes)."""
-        assert self._runner is not None and self._journal is not None, "open() first"
+        assert self._runner is not None, "open() first"
         self._runner.run_cell(cell)
         self._drafter = cell.drafter
+        return self._ship(cell)
+
+    def _ship(self, cell: Cell, cells: tuple[Cell, ...] = ()) -> Shipment:
+        """What the runner journalled since the last shipment, stamped with this worker."""
+        assert self._journal is not None
         notes, self._notes.messages = self._notes.messages, []
         records = self._journal.drain()
         for record in records:
@@ -210,7 +231,7 @@ class Worker:
                 from dvfs.engines.sglang_args import check_ports_resolved
 
                 check_ports_resolved(str(record["drafter"]), record.get("args") or {}, self._ports)
-        return Shipment(cell, records, notes, self.gpu_time_s())
+        return Shipment(cell, records, notes, self.gpu_time_s(), cells)
 
     @property
     def drafter(self) -> str | None:
