@@ -15,6 +15,7 @@ from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
 from fleet_rerun_support import assert_same_cells
 from fleet_support import fleet_campaign
+from sglang_support import running, stub_campaign
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, build_cube, open_cube
@@ -221,3 +222,39 @@ def test_a_merged_cube_keeps_which_gpu_measured_each_cell(tmp_path: Path) -> Non
         session = next(r for r in read_records(journal) if r["type"] == "session")
         names = set(merged["measured_on"].isel(gpu=i).values.ravel())
         assert names == {session["gpus"][0]["uuid"]}
+
+
+@pytest.mark.timeout(300)
+def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
+    """The campaign started on SGLang 0.5.23 (the stub); rerun where the servers report 0.5.9:
+    the workers are retired at their first server, nothing of theirs is journalled, and the
+    run stops in one line; the cube of a journal mixing them is refused too."""
+    path, marker = stub_campaign(tmp_path)
+    full = tmp_path / "full"
+    first = sweep(str(path), "--gpus", "0-1", "--out", str(full))
+    assert first.exit_code == 0, first.output
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][3]
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": "0.5.9"}))
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert (
+        line.startswith("Error: the server of drafter ")
+        and "engine version: 0.5.23 -> 0.5.9" in line
+    )
+    assert "--fresh" in line
+    kept = [r for r in read_records(half / "journal.jsonl") if r["type"] in ("cell", "server")]
+    before = [json.loads(x) for x in lines[:cut] if '"type":"cell"' in x or '"type":"server"' in x]
+    assert kept == before, "nothing measured on the other engine was journalled"
+    assert not running(marker)
+    # A journal that mixes them anyway (edited) gives no cube.
+    server = next(r for r in before if r["type"] == "server")
+    with (half / "journal.jsonl").open("a") as f:
+        f.write(json.dumps({**server, "version": "0.5.9"}) + "\n")
+    with pytest.raises(CubeError, match=r"different engines \(engine version: 0\.5\.23 -> 0\.5\.9"):
+        build_cube(half / "journal.jsonl")

@@ -39,6 +39,7 @@ from dvfs.records import (
     incomparable,
     mixed_within,
     now_iso,
+    server_changes,
 )
 from dvfs.version import __version__
 
@@ -108,6 +109,16 @@ def _check_sessions(journal: JournalContents) -> None:
                 "the journal holds measurements from GPUs that do not compare "
                 f"({'; '.join(changes)}); keep one journal per GPU model and driver: rerun "
                 "the other GPUs into their own --out folder and `dvfs cube merge` the cubes"
+            )
+    first_server: dict[str, Server] = {}
+    for server in journal.servers:
+        earlier = first_server.setdefault(server.drafter, server)
+        changes = server_changes(earlier.to_json(), server.to_json())
+        if changes:
+            raise CubeError(
+                f"the journal's cells of drafter {server.drafter!r} were served by different "
+                f"engines ({'; '.join(changes)}): they would compare software, not settings; "
+                "rerun with --fresh (or into another --out folder) on one engine version"
             )
 
 

@@ -187,6 +187,18 @@ class Driver:
         self.measured = 0
         self.failed: list[str] = []
         self._outstanding = {c.key for c in self.todo}
+        #: Each drafter's first server in the journal: every later one must match it
+        #: (`SERVER_INVARIANTS`), else the worker is retired and its unit is not journalled.
+        self.servers: dict[str, dict[str, Any]] = {}
+        if journal.path.is_file():
+            from dvfs.measure.journal import iter_records
+
+            for record in iter_records(journal.path):
+                if record.get("type") == "server":
+                    self.servers.setdefault(str(record.get("drafter")), record)
+        self.retired: set[str] = set()
+        #: Why the run cannot finish here (a server that does not compare), for the one line.
+        self.refused: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -256,8 +268,40 @@ class Driver:
         stats._since = time.monotonic()
         self._show(stats)
 
+    def _refuse_servers(self, worker: str, shipment: Shipment) -> bool:
+        """Whether the unit's server differs from the journal's for its drafter (another
+        engine version or attention kernel); if so the worker is retired, nothing of the unit
+        is journalled and the unit goes back to the queue."""
+        from dvfs.records import server_changes
+
+        if worker in self.retired:  # a unit it took before the driver retired it
+            cells = shipment.all_cells
+            if any(cell.key in self._outstanding for cell in cells):
+                self.queue.give_back([cells[0]])
+            return True
+        for record in shipment.records:
+            if record.get("type") != "server":
+                continue
+            drafter = str(record.get("drafter"))
+            earlier = self.servers.setdefault(drafter, record)
+            changes = server_changes(earlier, record)
+            if changes:
+                why = (
+                    f"the server of drafter {drafter!r} on {worker} differs from the one that "
+                    f"measured its cells in {self.journal.path} ({'; '.join(changes)}): its "
+                    "cells would compare software, not settings; run the earlier engine, or "
+                    "start over with --fresh"
+                )
+                self.refused = self.refused or why
+                self.retired.add(worker)
+                self.lost(worker, shipment.all_cells, why)
+                return True
+        return False
+
     def shipped(self, worker: str, shipment: Shipment) -> None:
         """Journal a finished unit's records at once, then count its cells."""
+        if self._refuse_servers(worker, shipment):
+            return
         for record in shipment.records:
             self.journal.append(record)
         for message in shipment.notes:
@@ -333,6 +377,8 @@ class Driver:
         """After the executor returns: cells left over mean every worker was lost."""
         if self.finished:
             return
+        if self.refused is not None:
+            raise JournalError(self.refused)
         lost = [f"{s.label}: {s.lost}" for s in self.stats.values() if s.lost]
         raise JournalError(
             f"every worker was lost with {len(self._outstanding)} cell(s) left"
@@ -439,12 +485,21 @@ class Fleet:
         """`worker`'s next unit of work (one cell, or an in-flight group), None when none is
         left in its model's queue."""
         driver = self._lanes[worker]
+        if worker in driver.retired:
+            return None
         lead = driver.queue.take(worker, drafter)
         return None if lead is None else driver.unit(lead)
 
     def has_cells(self, worker: str) -> bool:
-        """Whether `worker`'s model still has cells waiting in its queue."""
-        return len(self._lanes[worker].queue) > 0
+        """Whether `worker`'s model still has cells waiting in its queue for it."""
+        driver = self._lanes[worker]
+        return worker not in driver.retired and len(driver.queue) > 0
+
+    def done_for(self, worker: str) -> bool:
+        """Whether `worker` has nothing more to do: the campaign is finished, or the driver
+        retired it (its server does not compare with the journal's)."""
+        driver = self._lanes.get(worker)
+        return self.finished or (driver is not None and worker in driver.retired)
 
     def lanes(self) -> dict[str, object]:
         """Each worker's GPU model (its queue)."""

@@ -134,10 +134,12 @@ class LocalExecutor:
                         if pacer is not None:
                             pacer.leave(worker.label)
                         while not (
-                            fleet.finished or stop.is_set() or fleet.has_cells(worker.label)
+                            fleet.done_for(worker.label)
+                            or stop.is_set()
+                            or fleet.has_cells(worker.label)
                         ):
                             time.sleep(POLL_S)
-                        if fleet.finished or stop.is_set():
+                        if fleet.done_for(worker.label) or stop.is_set():
                             break
                         if pacer is not None:
                             pacer.free(worker.label, gpu_time)

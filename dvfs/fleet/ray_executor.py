@@ -251,6 +251,7 @@ class RayExecutor:
                         pacer.free(back, times[back])
             feed()
         if not fleet.finished and alive:
+            fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:

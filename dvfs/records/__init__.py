@@ -18,6 +18,7 @@ from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, Measurement
 from dvfs.records.header import CampaignFacts, Grid, Header
 from dvfs.records.session import (
     GPU_INVARIANTS,
+    SERVER_INVARIANTS,
     SESSION_INVARIANTS,
     Server,
     Session,
@@ -25,6 +26,7 @@ from dvfs.records.session import (
     incomparable,
     mixed_within,
     recorded_stock,
+    server_changes,
 )
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
@@ -34,6 +36,7 @@ __all__ = [
     "JOURNAL_SCHEMA",
     "OLDEST_SCHEMA",
     "QUANTITIES",
+    "SERVER_INVARIANTS",
     "SESSION_INVARIANTS",
     "CampaignFacts",
     "CellRecord",
@@ -50,6 +53,7 @@ __all__ = [
     "mixed_within",
     "now_iso",
     "recorded_stock",
+    "server_changes",
 ]
 
 

@@ -155,6 +155,25 @@ SESSION_INVARIANTS: dict[str, str] = {
 }
 
 
+#: What every server of one drafter shares across a journal (the server record's key, and how
+#: messages name it): another engine version or attention kernel would make its arms compare
+#: software, not the GPU's settings.
+SERVER_INVARIANTS: dict[str, str] = {
+    "engine": "engine",
+    "version": "engine version",
+    "attention_backend": "attention kernels",
+}
+
+
+def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two server records of one drafter ("engine version: A -> B")."""
+    return [
+        f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
+        for key, label in SERVER_INVARIANTS.items()
+        if (before.get(key) or None) != (now.get(key) or None)
+    ]
+
+
 def _same(value: Any) -> Any:
     return [_same(v) for v in value] if isinstance(value, list | tuple) else value
 
