@@ -1,10 +1,12 @@
-"""One worker: a GPU group's backends, knobs and server, running the cells it is handed.
+"""One worker: a GPU group's backends, knobs and server, running the units it is handed (a
+cell, or an in-flight group of knob levels).
 
 The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
-path restores them), its own engine (SGLang pinned to the group's UUIDs, on a loopback port it
-picks) and clock, and drives a `Runner` whose journal ships records instead of writing them:
-every record a cell produces (a server start, the cell) goes back to the driver, which keeps
-the one journal. The same class runs in a thread of the driver and inside a Ray actor.
+path restores them), its own engine (SGLang pinned to the group's UUIDs, on its own block of
+loopback ports: `ServerPorts`, its slot in the fleet) and clock, and drives a `Runner` whose
+journal ships records instead of writing them: every record a unit produces (a server start,
+its cells, each stamped with the worker and its GPUs' UUIDs) goes back to the driver, which
+keeps the one journal. The same class runs in a thread of the driver and inside a Ray actor.
 """
 
 from __future__ import annotations
