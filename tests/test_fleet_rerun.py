@@ -83,6 +83,7 @@ def test_a_rerun_on_fewer_gpus_finishes_the_campaign(tmp_path: Path) -> None:
     )
     assert last.returncode == 0, last.stderr
     assert f"{len(second)} already done" in last.stderr
+    assert "resuming a 2-GPU run on 1 GPU(s) of the same model and driver" in last.stderr
     keys = cell_keys(journal)
     assert len(keys) == len(set(keys)) == TOTAL, "a finished cell was measured again"
     again = sweep(str(campaign), "--gpus", "0-1", "--out", str(out))

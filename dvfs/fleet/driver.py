@@ -237,9 +237,9 @@ class Driver:
             before = [g["uuid"] for g in self.journal.sessions[-1]["gpus"]]
             if before != current:
                 self.note(
-                    f"resuming {len(before)}-GPU run on {len(current)} GPU(s) of the same model "
-                    f"and driver ({', '.join(current)}): its {self.total - len(self.todo)} "
-                    "finished cell(s) stand, the rest run here"
+                    f"resuming a {len(before)}-GPU run on {len(current)} GPU(s) of the same "
+                    f"model and driver: its {self.total - len(self.todo)} finished cell(s) "
+                    "stand, the rest run here"
                 )
         self.journal.append(combined)
         for s in sessions:
