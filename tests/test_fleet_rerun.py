@@ -259,3 +259,29 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         f.write(json.dumps({**server, "version": "0.5.9"}) + "\n")
     with pytest.raises(CubeError, match=r"different engines \(engine version: 0\.5\.23 -> 0\.5\.9"):
         build_cube(half / "journal.jsonl")
+
+
+def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(tmp_path: Path) -> None:
+    """Two models' journals, the H100s' cut short; a rerun on H100s only (the H200 node lost)
+    finishes their journal and the merged cube still holds the H200s' cells."""
+    campaign = write(tmp_path / "c.toml", fleet_campaign("mixed"))
+    out = tmp_path / "mixed"
+    full = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert full.exit_code == 0, full.output
+    h100 = next(out.glob("gpu-nvidia-h100*/journal.jsonl"))
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    lines = h100.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][30]
+    h100.write_text("".join(lines[:cut]))
+    lines = h200.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][50]
+    h200.write_text("".join(lines[:cut]))
+    again = sweep(str(campaign), "--gpus", "2-3", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "42 cell(s) measured" in again.output
+    assert "gpu-nvidia-h200-twin: 22 cell(s) left for GPUs of that model" in again.output
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
+    cells = [d for d in merged["cell_status"].dims if d != "gpu"]
+    ok = (merged["cell_status"] == STATUS_OK).sum(cells)
+    assert ok.values.tolist() == [72, 50]

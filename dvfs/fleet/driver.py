@@ -685,6 +685,7 @@ def run_fleet(
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models)."""
     from dvfs.corpora.prepare import check_corpora, counted_corpora
+    from dvfs.measure.journal import iter_records
     from dvfs.measure.plan import plan_cells
     from dvfs.sweep import fresh_start, out_dir_lock
 
@@ -720,11 +721,20 @@ def run_fleet(
                 done = [d.journal.path for d in fleet.drivers.values()]
                 # A fleet of several models rerun on some of them (a node lost): the others'
                 # journals keep their cells, and their cubes still join the merged one.
-                done += [
+                others = [
                     path
                     for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
                     if path not in done and _has_sessions(path)
                 ]
+                for path in others:
+                    finished = Journal(path, iter_records(path)).finished()
+                    left = sum(c.key not in finished for c in cells)
+                    if left and progress is not None:
+                        progress.note(
+                            f"{path.parent.name}: {left} cell(s) left for GPUs of that model "
+                            "(none in this run); rerun with them to finish"
+                        )
+                done += others
         cube_path = _write_cubes(out_dir, done)
     if fleet is None:
         total = len(cells) * len(done)
