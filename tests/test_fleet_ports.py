@@ -4,8 +4,10 @@ SGLang server gets its own block (--port, --nccl-port, and the ports SGLang deri
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from dvfs.engines.sglang_args import (
     launch_argv,
 )
 from dvfs.errors import EngineError
+from dvfs.fleet.ports import LOCK_DIR_ENV, claimed_ports
 from dvfs.measure.journal import read_records
 
 VERSIONS = ("0.5.9", "0.5.23")
@@ -72,10 +75,18 @@ def test_blocks_of_one_node_are_checked_distinct() -> None:
     check_distinct_ports([("a/gpu0", "a", again), ("b/gpu0", "b", ServerPorts.for_slot(0))])
     with pytest.raises(EngineError, match=r"workers gpu0 and gpu48 on a would share port 20000"):
         check_distinct_ports([("gpu0", "a", ServerPorts.for_slot(0)), ("gpu48", "a", again)])
-    # The blocks a worker may fall back on never meet another worker's of the same fleet.
-    tried = [{b.http for b in ServerPorts.candidates(s, 8)} for s in range(8)]
-    assert all(a.isdisjoint(b) for a, b in itertools.combinations(tried, 2))
-    assert ServerPorts.candidates(3, 8)[1].http == FIRST_PORT + 11 * PORT_BLOCK
+
+
+def test_a_claimed_block_is_held_until_released(tmp_path: Path) -> None:
+    """Claims on one node (threads here, processes alike) never get the same block; a block
+    is free again once its holder lets go; a slot past the range wraps round."""
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(claimed_ports("127.0.0.1", 3, folder=tmp_path))
+        second = stack.enter_context(claimed_ports("127.0.0.1", 3, folder=tmp_path))
+        assert (first, second) == (ServerPorts.for_slot(3), ServerPorts.for_slot(4))
+    with claimed_ports("127.0.0.1", 3 + PORT_SLOTS, folder=tmp_path) as again:
+        assert again == first
+    assert ServerPorts.for_slot(4).http == FIRST_PORT + 4 * PORT_BLOCK
 
 
 @pytest.mark.timeout(300)
@@ -101,24 +112,32 @@ def test_eight_workers_on_one_node_use_distinct_ports(tmp_path: Path) -> None:
     assert not running(marker), "a server was left running"
 
 
-def test_a_port_held_by_another_program_moves_the_worker(tmp_path: Path) -> None:
-    """Worker 0's first block is taken (another program listens on its --port): it takes its
-    next block, which no other worker of the fleet tries."""
+def test_ports_held_elsewhere_move_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block 0 is another program's (it listens on its --port), block 1 another dvfs
+    worker's (it holds its lock): the two workers take the next blocks, one each."""
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
     path, marker = stub_campaign(tmp_path)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder,
+        claimed_ports("127.0.0.1", 1, folder=tmp_path / "locks") as other,
+    ):
         try:
             holder.bind(("127.0.0.1", FIRST_PORT))
         except OSError:
             pytest.skip(f"port {FIRST_PORT} is in use here")
         holder.listen()
+        assert other == ServerPorts.for_slot(1)
         result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     session = next(
         r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "session"
     )
-    ports = {w["worker"]: w["ports"]["http"] for w in session["workers"]}
-    assert ports == {"gpu0": FIRST_PORT + 2 * PORT_BLOCK, "gpu1": FIRST_PORT + PORT_BLOCK}
+    ports = sorted(w["ports"]["http"] for w in session["workers"])
+    assert ports == [FIRST_PORT + 2 * PORT_BLOCK, FIRST_PORT + 3 * PORT_BLOCK]
     assert not running(marker)
+    assert sorted(p.name for p in (tmp_path / "locks").iterdir())[:1] == [f"{FIRST_PORT}.lock"]
 
 
 def test_a_fleet_whose_servers_would_share_a_port_is_refused(
@@ -128,7 +147,12 @@ def test_a_fleet_whose_servers_would_share_a_port_is_refused(
     server starts, in one line."""
     path, marker = stub_campaign(tmp_path)
     one = ServerPorts.for_slot(5)
-    monkeypatch.setattr(ServerPorts, "candidates", classmethod(lambda cls, slot, workers: [one]))
+
+    @contextlib.contextmanager
+    def same_block(host: str, slot: int, **_: object) -> Iterator[ServerPorts]:
+        yield one  # a node whose workers got one block (what the claims prevent)
+
+    monkeypatch.setattr("dvfs.fleet.ports.claimed_ports", same_block)
     result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()

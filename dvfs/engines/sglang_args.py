@@ -57,8 +57,9 @@ ZMQ_PORT_SPAN = 16
 #: The first block's --port: below Linux's default ephemeral range (32768-60999), where the
 #: kernel hands ports to any client socket between our check and SGLang's bind.
 FIRST_PORT = 20000
-#: Blocks below the ephemeral range; a fleet's workers beyond that reuse them in turn (workers
-#: that share a node must not: `check_distinct_ports` says so before any server starts).
+#: Blocks below the ephemeral range, shared by every dvfs worker of a node
+#: (`dvfs.fleet.ports` claims them; `check_distinct_ports` checks a fleet's before any server
+#: starts).
 PORT_SLOTS = (32768 - FIRST_PORT) // PORT_BLOCK
 #: Flags that would move a server's ports out of its block (argparse prefixes included).
 PORT_FLAGS = ("--nccl-port", "--dist-init-addr", "--nccl-init-addr")
@@ -77,15 +78,6 @@ class ServerPorts:
         """The block of a node's `slot`-th worker (slots past `PORT_SLOTS` wrap around)."""
         base = FIRST_PORT + (slot % PORT_SLOTS) * PORT_BLOCK
         return cls(base, base + 1)
-
-    @classmethod
-    def candidates(cls, slot: int, workers: int) -> list[ServerPorts]:
-        """Blocks worker `slot` of `workers` may take, in order: its own, then every
-        `workers`-th after it (so the fleet's workers never try the same block), for when
-        another program (another sweep on the node) holds one."""
-        stride = max(workers, 1)
-        slot %= PORT_SLOTS
-        return [cls.for_slot(s) for s in range(slot, PORT_SLOTS, stride)] or [cls.for_slot(slot)]
 
     @property
     def used(self) -> tuple[int, ...]:
@@ -110,8 +102,8 @@ def check_distinct_ports(plans: Sequence[tuple[str, str, ServerPorts]]) -> None:
             if other != worker:
                 raise EngineError(
                     f"the servers of workers {other} and {worker} on {host or 'this node'} "
-                    f"would share port {port}: a node runs at most {PORT_SLOTS} SGLang "
-                    "servers of one fleet; give it fewer GPU groups"
+                    f"would share port {port}: each server needs its own block of ports "
+                    f"(at most {PORT_SLOTS} on a node); give the node fewer GPU groups"
                 )
 
 

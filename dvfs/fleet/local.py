@@ -107,7 +107,6 @@ class LocalExecutor:
                 state_dir=self.state_dir,
                 nvml=self.nvml,
                 slot=slot,
-                workers=len(groups),
             )
             for slot, group in enumerate(groups)
         ]

@@ -92,7 +92,6 @@ class WorkerActor:
             corpora=self.options["corpora"],
             label=label,
             slot=int(self.options.get("slot", 0)),
-            workers=int(self.options.get("workers", 1)),
         )
         return self.worker.open()
 
@@ -165,9 +164,7 @@ class RayExecutor:
         }
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(WorkerActor)
         actors = []
-        placements = self._placements(ray, campaign, groups, twin)
-        options["workers"] = len(placements)
-        for i, (group, placement) in enumerate(placements):
+        for i, (group, placement) in enumerate(self._placements(ray, campaign, groups, twin)):
             name = f"dvfs-{group_label(group) if group else i}"
             actors.append(
                 actor_class.options(name=name, lifetime=None, **placement).remote(

@@ -3,7 +3,7 @@ cell, or an in-flight group of knob levels).
 
 The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
 path restores them), its own engine (SGLang pinned to the group's UUIDs, on its own block of
-loopback ports: `ServerPorts`, its slot in the fleet) and clock, and drives a `Runner` whose
+loopback ports: `dvfs.fleet.ports`) and clock, and drives a `Runner` whose
 journal ships records instead of writing them: every record a unit produces (a server start,
 its cells, each stamped with the worker and its GPUs' UUIDs) goes back to the driver, which
 keeps the one journal. The same class runs in a thread of the driver and inside a Ray actor.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,18 +79,6 @@ class Shipment:
         return str(self.records[-1].get("status", "failed")) if self.records else "failed"
 
 
-def _taken(host: str, ports: Sequence[int]) -> str | None:
-    """The first of `ports` another program holds on `host` ("port N: why"), or None."""
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                return f"port {port}: {exc.strerror}"
-    return None
-
-
 class Worker:
     """Runs cells on one GPU group. `open` measures the idle baseline and returns the session
     record; `run` one cell; `close` restores the GPUs and stops the server."""
@@ -108,7 +95,6 @@ class Worker:
         nvml: ModuleType | None = None,
         label: str | None = None,
         slot: int = 0,
-        workers: int = 1,
     ) -> None:
         self.campaign = for_group(campaign, group)
         self.group = tuple(group)
@@ -127,9 +113,8 @@ class Worker:
         self._t0_ns = 0
         self._drafter: str | None = None
         self._uuids: list[str] = []
-        #: The worker's number in its fleet of `workers`: the block of ports its servers use.
+        #: The worker's number in its fleet: where its search for a block of ports starts.
         self.slot = slot
-        self.workers = workers
         self._ports: Any = None  # `ServerPorts` when the engine starts servers of its own
 
     def open(self) -> dict[str, Any]:
@@ -144,13 +129,15 @@ class Worker:
         try:
             corpora, method = self.corpora or counted_corpora(self.campaign)
             logs = self.out_dir / "workers" / self.label
+            self._claim_ports()  # before the engine: released after its server has stopped
             b = self._stack.enter_context(
                 open_backends(self.campaign, out_dir=logs, nvml=self.nvml)
             )
             knobs = self._stack.enter_context(
                 guarded_knobs(self.campaign, b.gpus, state_dir=self.state_dir)
             )
-            self._plan_ports(b.engine)
+            if self._ports is not None and hasattr(b.engine, "ports"):
+                b.engine.ports = self._ports
             self._journal = ShippingJournal(self.out_dir / JOURNAL_NAME, self.sessions)
             self._clock = b.clock
             self._t0_ns = b.clock.now_ns()
@@ -176,29 +163,16 @@ class Worker:
             session["ports"] = self._ports.to_json()
         return session
 
-    def _plan_ports(self, engine: Any) -> None:
-        """Give an engine that starts its own servers (SGLang, not attached to a URL) the first
-        of this worker's blocks of ports that no other program holds."""
-        from dvfs.engines.sglang_args import ServerPorts
-        from dvfs.errors import EngineError
+    def _claim_ports(self) -> None:
+        """For an engine that starts its own servers (SGLang, not attached to a URL): a block
+        of ports no other worker on this node holds (`dvfs.fleet.ports`), for the worker's
+        life; its slot in the fleet is where the search starts."""
+        from dvfs.fleet.ports import claimed_ports
 
-        if not hasattr(engine, "ports") or self.campaign.engine.sglang.url:
+        sglang = self.campaign.engine.sglang
+        if self.campaign.engine.backend != "sglang" or sglang.url:
             return
-        host = self.campaign.engine.sglang.host
-        taken: list[str] = []
-        for ports in ServerPorts.candidates(self.slot, self.workers):
-            busy = _taken(host, ports.used)
-            if busy is None:
-                break
-            taken.append(busy)
-        else:
-            raise EngineError(
-                f"worker {self.label}: no free block of SGLang ports on {host} "
-                f"({'; '.join(taken[:2])}{' ...' if len(taken) > 2 else ''}): stop what "
-                "listens there (another dvfs sweep on this node?), then rerun"
-            )
-        engine.ports = ports
-        self._ports = ports
+        self._ports = self._stack.enter_context(claimed_ports(sglang.host, self.slot))
 
     def gpu_time_s(self) -> float:
         """Seconds of the group's time (virtual on the twin) since `open`."""
