@@ -50,13 +50,19 @@ class SweepBusyError(JournalError):
 
 
 def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
-    current = [g.identity.uuid for g in gpus]
+    """A resume may run on other GPUs of the model (fewer, after a node loss), not on GPUs
+    whose cells would not compare (`dvfs.records.incomparable`)."""
+    from dataclasses import asdict
+
+    from dvfs.records import incomparable
+
+    now = {"gpus": [asdict(g.identity) for g in gpus]}
     for session in journal.sessions:
-        before = [g["uuid"] for g in session["gpus"]]
-        if before != current:
+        changes = incomparable(session, now)
+        if changes:
             raise JournalError(
-                f"{journal.path} was started on GPU(s) {', '.join(before)}, but this run has "
-                f"{', '.join(current)}; a cube holds one GPU set: use another --out directory"
+                f"{journal.path} was measured on GPUs that differ from this run's in what makes "
+                f"cells compare ({'; '.join(changes)}): use another --out directory"
             )
 
 

@@ -36,12 +36,24 @@ from dvfs.records import (
     Server,
     Session,
     check_version,
+    incomparable,
+    mixed_within,
     now_iso,
+    server_changes,
 )
 from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr
+
+
+#: The auxiliary coordinate naming, per cell, the GPU(s) that measured it: a campaign resumed on
+#: other GPUs of the model (after a node loss) holds cells of several GPU sets.
+MEASURED_ON = "measured_on"
+MEASURED_ON_ATTRS = {
+    "units": "1",
+    "long_name": "UUIDs of the GPU(s) that measured the cell (comma-separated; empty: none)",
+}
 
 
 def _num(value: Any) -> float:
@@ -83,19 +95,47 @@ def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]
 
 
 def _check_sessions(journal: JournalContents) -> None:
-    uuids = {s.gpu_uuids for s in journal.sessions}
-    if len(uuids) > 1:
-        raise CubeError(
-            "the journal holds measurements from different GPUs "
-            f"({'; '.join(', '.join(u) for u in sorted(uuids))}); keep one journal per GPU set"
-        )
+    """A journal may hold runs on different GPUs of one model (a rerun on the GPUs left after
+    a node loss, or on fewer of them); cells of GPUs that differ in an invariant
+    (`GPU_INVARIANTS`, `SESSION_INVARIANTS`) would not compare and are refused."""
+    if not journal.sessions:
+        return
+    first = journal.sessions[0].to_json()
+    for session in journal.sessions:
+        record = session.to_json()
+        changes = incomparable(first, record) or mixed_within(record)
+        if changes:
+            raise CubeError(
+                "the journal holds measurements from GPUs that do not compare "
+                f"({'; '.join(changes)}); keep one journal per GPU model and driver: rerun "
+                "the other GPUs into their own --out folder and `dvfs cube merge` the cubes"
+            )
+    first_server: dict[str, Server] = {}
+    for server in journal.servers:
+        earlier = first_server.setdefault(server.drafter, server)
+        changes = server_changes(earlier.to_json(), server.to_json())
+        if changes:
+            raise CubeError(
+                f"the journal's cells of drafter {server.drafter!r} were served by different "
+                f"engines ({'; '.join(changes)}): they would compare software, not settings; "
+                "rerun with --fresh (or into another --out folder) on one engine version"
+            )
+
+
+def _all_gpus(journal: JournalContents) -> list[dict[str, Any]]:
+    """Every GPU that measured in the journal, once each, in the order they first ran."""
+    seen: dict[str, dict[str, Any]] = {}
+    for session in journal.sessions:
+        for gpu in session.gpus:
+            seen.setdefault(str(gpu["uuid"]), gpu)
+    return list(seen.values())
 
 
 def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
     header, session = journal.header, journal.sessions[-1]
     if header.campaign_name is None or header.campaign_hash is None:
         raise KeyError("campaign_name" if header.campaign_name is None else "campaign_hash")
-    gpus = session.gpus
+    gpus = _all_gpus(journal)  # every session's: a rerun may run on other GPUs of the model
     servers: dict[str, Any] = {}
     for s in journal.servers:
         servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": s.args}
@@ -112,7 +152,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "campaign_source": header.campaign_source,
         "gpu_backend": session.gpu_backend,
         "gpu_name": gpus[0]["name"],
-        "gpu_uuids": ",".join(session.gpu_uuids),
+        "gpu_uuids": ",".join(str(g["uuid"]) for g in gpus),
         "gpu_count": len(gpus),
         "driver_version": gpus[0]["driver_version"],
         "memory_clock_mhz": gpus[0]["memory_clock_mhz"],
@@ -140,15 +180,15 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
 
 
 def _counter_periods(journal: JournalContents) -> list[float]:
-    """Each GPU's energy-counter update period (s) as the latest session that detected one saw
-    it (NaN where none did)."""
-    count = len(journal.sessions[-1].gpus)
+    """Each GPU's energy-counter update period (s), in the order of `_all_gpus`, as the latest
+    session that detected one on it saw it (NaN where none did)."""
+    period: dict[str, float] = {}
     for session in reversed(journal.sessions):
-        if session.counter_update_period_s:
-            periods = list(session.counter_update_period_s)[:count]
-            periods += [None] * (count - len(periods))
-            return [math.nan if p is None else float(p) for p in periods]
-    return [math.nan] * count
+        values = list(session.counter_update_period_s)
+        for gpu, value in zip(session.gpus, values, strict=False):
+            if value is not None:
+                period.setdefault(str(gpu["uuid"]), float(value))
+    return [period.get(str(g["uuid"]), math.nan) for g in _all_gpus(journal)]
 
 
 def build_cube(journal_path: str | Path) -> xr.Dataset:
@@ -203,6 +243,8 @@ class _Filler:
         self.index: dict[str, dict[Any, int]] = {}
         self.data: dict[str, np.ndarray] = {}
         self.status = np.zeros((), dtype=np.int8)
+        #: Which GPU(s) measured each cell: UUIDs joined by ",", "" where none did.
+        self.measured_on = np.zeros((), dtype=object)
 
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
@@ -219,9 +261,19 @@ class _Filler:
         elif kind == "cell":
             cell = CellRecord.from_json(record, version=self.version)
             if self.sessions:
-                self._place(cell)
+                self._place(cell, self._gpus_of(cell))
             else:
                 self.waiting.append(cell)
+
+    def _gpus_of(self, record: CellRecord) -> str:
+        """The GPUs that measured a cell: its own record's, else its worker's in the session
+        it was measured in (the latest), else that session's."""
+        if record.gpus:
+            return ",".join(record.gpus)
+        if not self.sessions:
+            return ""
+        session = self.sessions[-1]
+        return ",".join(session.gpus_of(record.worker) if record.worker else session.gpu_uuids)
 
     def _allocate(self) -> None:
         self.grid = _grid(self.contents(), self.header.facts())
@@ -235,8 +287,9 @@ class _Filler:
         for spec in GPU_TIME:
             self.data[spec.name] = np.full(shape, np.nan)
         self.status = np.zeros(shape, dtype=np.int8)
+        self.measured_on = np.full(shape, "", dtype=object)
 
-    def _place(self, record: CellRecord) -> None:
+    def _place(self, record: CellRecord, gpus: str = "") -> None:
         if self.grid is None:
             self._allocate()
         stock = self.sessions[0].stock
@@ -263,6 +316,7 @@ class _Filler:
         if self.status[at] != STATUS_MISSING:  # an earlier record of this cell, replaced
             for values in self.data.values():
                 values[at] = np.nan
+        self.measured_on[at] = gpus
         if record.gpu_time_s:  # spent whether or not the cell was measured
             seconds = [_num(record.gpu_time_s.get(key, 0.0)) for key in GPU_TIME_KEYS]
             for key, value in zip(GPU_TIME_KEYS, seconds, strict=True):
@@ -292,10 +346,13 @@ class _Filler:
         if self.grid is None:
             self._allocate()  # no cell yet (or none since the first session)
         for record in self.waiting:
-            self._place(record)
+            self._place(record, self._gpus_of(record))
         self.waiting.clear()
         assert self.grid is not None
-        return _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
+        ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
+        return ds.assign_coords(
+            {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))}
+        )
 
 
 def _dataset(

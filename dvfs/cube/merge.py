@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, STATUS_MISSING
 from dvfs.errors import CubeError
 from dvfs.records import now_iso
@@ -88,7 +89,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     if len(set(labels)) != len(labels):
         raise CubeError("two of the cubes come from the same GPU(s); merge different GPUs")
-    stripped = [ds.drop_attrs(deep=False) for ds in cubes]
+    # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
+    stripped = [_measured_on_as_variable(ds.drop_attrs(deep=False)) for ds in cubes]
     merged = xr.concat(
         stripped,
         dim="gpu",
@@ -143,7 +145,16 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     merged.attrs = attrs
     # Cells absent from one GPU's grid: cell_status 0 (missing), integer flags NaN.
     merged["cell_status"] = merged["cell_status"].fillna(STATUS_MISSING).astype(np.int8)
+    if MEASURED_ON in merged.data_vars:
+        on = merged[MEASURED_ON]
+        merged[MEASURED_ON] = on.where(on.notnull(), "").astype(object)
+        merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
+        merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _measured_on_as_variable(ds: xr.Dataset) -> xr.Dataset:
+    return ds.reset_coords(MEASURED_ON) if MEASURED_ON in ds.coords else ds
 
 
 #: What the shards of one run may differ in: which GPUs each ran on (`--gpus` in a job array).
@@ -240,6 +251,11 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
                 "shards of one run never overlap (was one run with another count?)"
             )
         owner[here] = k
+        if MEASURED_ON in combined.coords and MEASURED_ON in ds.coords:
+            on = np.where(here, ds[MEASURED_ON].values, combined[MEASURED_ON].values)
+            combined = combined.assign_coords(
+                {MEASURED_ON: (ds[MEASURED_ON].dims, on.astype(object), dict(MEASURED_ON_ATTRS))}
+            )
         for name in cell_vars:
             mask = ds["cell_status"] != STATUS_MISSING
             combined[name] = combined[name].where(~mask, ds[name])

@@ -30,6 +30,7 @@ from dvfs.corpora import Prompt
 from dvfs.engines.base import KnobTimeline, RoundResult, ServerInfo, Workload
 from dvfs.engines.sglang_args import (
     Kernels,
+    ServerPorts,
     check_same_kernels,
     launch_argv,
     parse_version,
@@ -132,6 +133,9 @@ class SglangEngine:
         self._version: tuple[int, ...] | None = None
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
+        #: The ports its servers use (`ServerPorts`), set by a fleet's worker so that servers
+        #: on one node never share one; None: a free --port, SGLang picks the rest.
+        self.ports: ServerPorts | None = None
         #: Each started drafter's resolved attention kernels, for `check_same_kernels`.
         self.kernels: dict[str, Kernels] = {}
         self.pinned_backend: str | None = (
@@ -171,8 +175,10 @@ class SglangEngine:
         self.stop()
         if self.config.url:
             return self._attach(drafter)
-        port = free_port(self.config.host)
-        argv = launch_argv(self.campaign, drafter, port=port, help_text=self.launch_help())
+        port = self.ports.http if self.ports else free_port(self.config.host)
+        argv = launch_argv(
+            self.campaign, drafter, port=port, help_text=self.launch_help(), ports=self.ports
+        )
         self._starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / f"server-{drafter.name}-{self._starts}.log"

@@ -16,6 +16,10 @@
   finds them so the campaign loader can refuse them.
 - The server sees only the metered GPUs: CUDA_VISIBLE_DEVICES holds their UUIDs (CUDA and NVML
   may number GPUs differently; a UUID means the same GPU to both).
+- Servers started together on one node (a fleet's workers) each get a block of ports
+  (`ServerPorts`): --port, and --nccl-port, which SGLang would otherwise pick at random 100 to
+  1000 above --port (so two servers could collide); SGLang's ZMQ ports at --port + 233 and up
+  (with DP attention) fall inside the block too. Both flags are in the 0.5.9 and 0.5.23 tables.
 """
 
 from __future__ import annotations
@@ -41,6 +45,87 @@ ALGORITHMS_BY_VERSION = {
     (0, 5, 9): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
     (0, 5, 23): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK", "UNO"),
 }
+
+
+#: Ports per server, from its --port up: its --nccl-port and SGLang's derived ports fit inside.
+PORT_BLOCK = 256
+#: Where SGLang 0.5.9 / 0.5.23 put their ZMQ ports with DP attention (`ZMQ_TCP_PORT_DELTA` in
+#: its server_args.py), and how many it may take from there (dist-init, tokenizer, detokenizer,
+#: RPC, metrics, and one scheduler input per DP rank).
+ZMQ_PORT_OFFSET = 233
+ZMQ_PORT_SPAN = 16
+#: The first block's --port: below Linux's default ephemeral range (32768-60999), where the
+#: kernel hands ports to any client socket between our check and SGLang's bind.
+FIRST_PORT = 20000
+#: Blocks below the ephemeral range, shared by every dvfs worker of a node
+#: (`dvfs.fleet.ports` claims them; `check_distinct_ports` checks a fleet's before any server
+#: starts).
+PORT_SLOTS = (32768 - FIRST_PORT) // PORT_BLOCK
+#: Flags that would move a server's ports out of its block (argparse prefixes included).
+PORT_FLAGS = ("--nccl-port", "--dist-init-addr", "--nccl-init-addr")
+
+
+@dataclass(frozen=True)
+class ServerPorts:
+    """The ports one server opens: its HTTP --port and --nccl-port (torch.distributed's store),
+    both set on its command line, and the ports SGLang derives from --port."""
+
+    http: int
+    nccl: int
+
+    @classmethod
+    def for_slot(cls, slot: int) -> ServerPorts:
+        """The block of a node's `slot`-th worker (slots past `PORT_SLOTS` wrap around)."""
+        base = FIRST_PORT + (slot % PORT_SLOTS) * PORT_BLOCK
+        return cls(base, base + 1)
+
+    @property
+    def used(self) -> tuple[int, ...]:
+        """Every port the server may open on its node."""
+        zmq = self.http + ZMQ_PORT_OFFSET
+        return (self.http, self.nccl, *range(zmq, zmq + ZMQ_PORT_SPAN))
+
+    def to_json(self) -> dict[str, int]:
+        return {"http": self.http, "nccl": self.nccl}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> ServerPorts:
+        return cls(int(str(data["http"])), int(str(data["nccl"])))
+
+
+def check_distinct_ports(plans: Sequence[tuple[str, str, ServerPorts]]) -> None:
+    """Refuse (worker, host, ports) plans where two servers of one node would share a port."""
+    owner: dict[tuple[str, int], str] = {}
+    for worker, host, ports in plans:
+        for port in ports.used:
+            other = owner.setdefault((host, port), worker)
+            if other != worker:
+                raise EngineError(
+                    f"the servers of workers {other} and {worker} on {host or 'this node'} "
+                    f"would share port {port}: each server needs its own block of ports "
+                    f"(at most {PORT_SLOTS} on a node); give the node fewer GPU groups"
+                )
+
+
+def check_ports_resolved(drafter: str, args: Mapping[str, object], ports: ServerPorts) -> None:
+    """The server must listen where it was told (its /server_info args): a port outside its
+    block could be another server's."""
+    for key, planned in (("port", ports.http), ("nccl_port", ports.nccl)):
+        value = args.get(key)
+        if value is not None and str(value) != str(planned):
+            raise EngineError(
+                f"the {drafter!r} server reports {key} {value}, not {planned} as dvfs set it: "
+                "servers on one node could then share a port; remove port flags from "
+                "engine.sglang.extra_args"
+            )
+
+
+def _port_flag(token: str) -> str | None:
+    """The port flag argparse would read `token` as (an abbreviation included), or None."""
+    name = token.split("=", 1)[0]
+    if len(name) <= len("--nccl-"):
+        return None
+    return next((flag for flag in PORT_FLAGS if flag.startswith(name)), None)
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -165,9 +250,23 @@ def launch_argv(
     port: int,
     help_text: str | None = None,
     version: str | None = None,
+    ports: ServerPorts | None = None,
 ) -> list[str]:
-    """The full argv (a list: never a shell string) for one drafter's server."""
+    """The full argv (a list: never a shell string) for one drafter's server; with `ports`,
+    on that block (its --port replaces `port`, and --nccl-port is set)."""
     sg = campaign.engine.sglang
+    pinned: list[str] = []
+    if ports is not None:
+        port = ports.http
+        pinned = ["--nccl-port", str(ports.nccl)]
+        for token in (*sg.extra_args, *drafter.extra_args):
+            flag = _port_flag(token)
+            if flag is not None:
+                raise EngineError(
+                    f"{token} in the extra_args of drafter {drafter.name!r} or engine.sglang: "
+                    f"dvfs sets {flag.split('=')[0]} itself when servers share a node (each "
+                    "its own ports); remove it"
+                )
     parsed = parse_version(version or sg.version)
     _check_algorithm(drafter, parsed)
     largest = max(campaign.workload.batch_sizes)
@@ -179,6 +278,7 @@ def launch_argv(
         sg.host,
         "--port",
         str(port),
+        *pinned,
         "--tp-size",
         str(campaign.engine.tp_size),
         "--max-running-requests",

@@ -7,13 +7,21 @@ workers of one GPU model share a `Driver`, that is a journal, one session over a
 and a `CellQueue` of the unfinished cells. One model journals in the folder itself; a fleet
 mixing models measures the campaign once per model, each in `gpu-<model>/`, and the cube
 merges them along a `gpu` dimension. Each finished cell is journalled as it arrives
-(`shipped`), so the journals alone resume the campaign; a lost worker's cell goes back to its
-queue (`lost`). Only the driver's thread writes.
+(`shipped`), so the journals alone resume the campaign, on these GPUs or on any others of the
+same model and driver (`dvfs.records.incomparable`: fewer after a node loss); a lost worker's
+cell goes back to its queue (`lost`). Only the driver's thread writes.
+
+A worker is handed units of work: one cell, or in in-flight mode one group of knob levels
+measured inside shared decodes. With `max_repeats` above `repeats` the driver decides the
+further repeats from its journal once the planned cells are in (`extra_repeats`), as one
+runner does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +38,23 @@ from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
 from dvfs.measure.runner import Progress, RunSummary, cell_label
+
+#: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
+#: levels, measured inside shared decodes).
+Unit = tuple[Cell, ...]
+
+
+def as_unit(unit: Unit | Cell) -> Unit:
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def unit_label(unit: Unit | Cell) -> str:
+    """A unit as progress names it: its cell, or its group and how many levels it steps."""
+    cells = as_unit(unit)
+    if len(cells) == 1:
+        return cell_label(cells[0])
+    c = cells[0]
+    return f"{c.drafter}/{c.corpus}/b{c.batch}/r{c.repeat} in flight, {len(cells)} levels"
 
 
 @dataclass
@@ -79,8 +104,19 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The sessions of one model's workers as its journal's one session: every GPU, the mean
     idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
     stock settings: their cells would not compare within one cube."""
+    from dvfs.records import incomparable
+
     first = sessions[0]
     for s in sessions[1:]:
+        changes = incomparable(first, s)
+        if changes:
+            raise JournalError(
+                f"worker {s.get('worker')} on {s.get('host') or 'this node'} differs from worker "
+                f"{first.get('worker')} on {first.get('host') or 'this node'} in what makes "
+                f"cells compare ({'; '.join(changes)}): their cells cannot share one journal; "
+                "leave one of them out (--gpus, or the Ray cluster's nodes), or run them into "
+                "separate --out folders and `dvfs cube merge` the cubes"
+            )
         if s["stock"] != first["stock"]:
             raise JournalError(
                 f"worker {s.get('worker')}'s GPUs start from other stock settings "
@@ -99,7 +135,7 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worker": s.get("worker"),
                 "host": s.get("host", ""),
                 "gpus": [g["uuid"] for g in s["gpus"]],
-                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s") if k in s},
+                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s", "ports") if k in s},
             }
             for s in sessions
         ],
@@ -136,14 +172,33 @@ class Driver:
         #: The corpora, loaded and counted once (local workers share them).
         self.corpora = corpora
         done = journal.finished()
+        self.cells = list(cells)
         self.todo = [c for c in cells if c.key not in done]
         self.total = len(cells)
-        self.queue = CellQueue(self.todo)
+        if not self.todo:  # the planned repeats are in: those the precision still asks for
+            self.todo = self._more_repeats(done)
+            self.total += len(self.todo)
+        #: Each unit of work by its first cell's key: a cell, or an in-flight group's cells
+        #: (measured together, so handed to one worker whole).
+        self.units: dict[str, Unit] = {}
+        self.queue = CellQueue(self._register(self.todo))
         self.progress: Progress = progress or NullProgress()
         self.stats: dict[str, WorkerStats] = {}
         self.measured = 0
         self.failed: list[str] = []
         self._outstanding = {c.key for c in self.todo}
+        #: Each drafter's first server in the journal: every later one must match it
+        #: (`SERVER_INVARIANTS`), else the worker is retired and its unit is not journalled.
+        self.servers: dict[str, dict[str, Any]] = {}
+        if journal.path.is_file():
+            from dvfs.measure.journal import iter_records
+
+            for record in iter_records(journal.path):
+                if record.get("type") == "server":
+                    self.servers.setdefault(str(record.get("drafter")), record)
+        self.retired: set[str] = set()
+        #: Why the run cannot finish here (a server that does not compare), for the one line.
+        self.refused: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -153,21 +208,23 @@ class Driver:
         self.progress.note(message)
 
     def open_session(self, sessions: Sequence[dict[str, Any]]) -> None:
-        """Journal one session over every worker's GPUs (same GPUs as earlier sessions)."""
+        """Journal one session over every worker's GPUs. The journal's earlier sessions may
+        have run on other GPUs (more, fewer, other nodes: a rerun after a node loss), but of
+        the same model, driver and settings (`incomparable`): their finished cells stand."""
+        from dvfs.records import incomparable, recorded_stock
+
         combined = combine_sessions(sessions)
         combined["journal_sync"] = self.journal.sync_policy.describe()  # the driver's, not theirs
         current = [g["uuid"] for g in combined["gpus"]]
         for earlier in self.journal.sessions:
-            before = [g["uuid"] for g in earlier["gpus"]]
-            if before != current:
+            changes = incomparable(earlier, combined)
+            if changes:
                 raise JournalError(
-                    f"{self.journal.path} was started on GPU(s) {', '.join(before)}, but this "
-                    f"run has {', '.join(current)}; a journal holds one GPU set: resume with the "
-                    "same GPUs (the same --gpus, or the same Ray workers), or start over with "
-                    "--fresh"
+                    f"{self.journal.path} was measured on other GPUs than this run's, which "
+                    f"differ in what makes cells compare ({'; '.join(changes)}): run these "
+                    "GPUs into another --out folder (`dvfs cube merge` joins the cubes along "
+                    "`gpu`), or start over with --fresh"
                 )
-        from dvfs.records import recorded_stock
-
         for earlier in self.journal.sessions:
             if recorded_stock(earlier) != recorded_stock(combined):
                 raise JournalError(
@@ -176,46 +233,135 @@ class Driver:
                     "would no longer compare. Restore the earlier settings, or start a new "
                     "--out folder"
                 )
+        if self.journal.sessions:
+            before = [g["uuid"] for g in self.journal.sessions[-1]["gpus"]]
+            if before != current:
+                self.note(
+                    f"resuming a {len(before)}-GPU run on {len(current)} GPU(s) of the same "
+                    f"model and driver: its {self.total - len(self.todo)} finished cell(s) "
+                    "stand, the rest run here"
+                )
         self.journal.append(combined)
         for s in sessions:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))
 
-    def started(self, worker: str, cell: Cell) -> None:
+    def _register(self, cells: Sequence[Cell]) -> list[Cell]:
+        """Cut `cells` into units of work (in-flight groups, as one runner cuts them, or single
+        cells) and keep them; each unit's first cell, which the queue hands out."""
+        if self.campaign.measurement.mode == "in-flight":
+            from dvfs.measure.inflight import inflight_groups
+
+            units = inflight_groups(cells)
+        else:
+            units = [(cell,) for cell in cells]
+        self.units.update((unit[0].key, unit) for unit in units)
+        return [unit[0] for unit in units]
+
+    def unit(self, lead: Cell) -> Unit:
+        """The unit of work a cell from the queue stands for."""
+        return self.units.get(lead.key, (lead,))
+
+    def started(self, worker: str, unit: Unit | Cell) -> None:
         stats = self.stats.setdefault(worker, WorkerStats(worker))
-        stats.current = cell_label(cell)
+        stats.current = unit_label(unit)
         stats._since = time.monotonic()
         self._show(stats)
 
+    def _refuse_servers(self, worker: str, shipment: Shipment) -> bool:
+        """Whether the unit's server differs from the journal's for its drafter (another
+        engine version or attention kernel); if so the worker is retired, nothing of the unit
+        is journalled and the unit goes back to the queue."""
+        from dvfs.records import server_changes
+
+        if worker in self.retired:  # a unit it took before the driver retired it
+            cells = shipment.all_cells
+            if any(cell.key in self._outstanding for cell in cells):
+                self.queue.give_back([cells[0]])
+            return True
+        for record in shipment.records:
+            if record.get("type") != "server":
+                continue
+            drafter = str(record.get("drafter"))
+            earlier = self.servers.setdefault(drafter, record)
+            changes = server_changes(earlier, record)
+            if changes:
+                why = (
+                    f"the server of drafter {drafter!r} on {worker} differs from the one that "
+                    f"measured its cells in {self.journal.path} ({'; '.join(changes)}): its "
+                    "cells would compare software, not settings; run the earlier engine, or "
+                    "start over with --fresh"
+                )
+                self.refused = self.refused or why
+                self.retired.add(worker)
+                self.lost(worker, shipment.all_cells, why)
+                return True
+        return False
+
     def shipped(self, worker: str, shipment: Shipment) -> None:
-        """Journal a finished cell's records at once, then count it."""
+        """Journal a finished unit's records at once, then count its cells."""
+        if self._refuse_servers(worker, shipment):
+            return
         for record in shipment.records:
             self.journal.append(record)
         for message in shipment.notes:
             self.note(f"{worker}: {message}")
         stats = self.stats.setdefault(worker, WorkerStats(worker))
-        stats.done += 1
+        cells = shipment.all_cells
+        stats.done += len(cells)
         stats.gpu_time_s = shipment.gpu_time_s
         if stats._since:
             stats.busy_wall_s += time.monotonic() - stats._since
         stats.current = ""
-        cell = shipment.cell
-        self._outstanding.discard(cell.key)
-        if shipment.status == "ok":
-            self.measured += 1
-        else:
-            stats.failed += 1
-            self.failed.append(cell_label(cell))
-        self.progress.advance(cell, shipment.status)
+        keys = {cell.key for cell in cells}
+        if self._outstanding and self._outstanding <= keys:  # the last: more repeats?
+            self._add(self._more_repeats(self.journal.finished()))
+        statuses = {
+            str(r.get("key")): str(r.get("status", "failed"))
+            for r in shipment.records
+            if r.get("type") == "cell"
+        }
+        for cell in cells:
+            self._outstanding.discard(cell.key)
+            status = statuses.get(cell.key, "failed")
+            if status == "ok":
+                self.measured += 1
+            else:
+                stats.failed += 1
+                self.failed.append(cell_label(cell))
+            self.progress.advance(cell, status)
         self._show(stats)
 
-    def lost(self, worker: str, cell: Cell | None, why: str) -> None:
-        """A worker died: its unfinished cell goes back to the queue for the others."""
+    def _more_repeats(self, done: set[str]) -> list[Cell]:
+        """The next repeats the journal's cells ask for (`extra_repeats`), none measured yet."""
+        if self.campaign.measurement.max_repeats <= self.campaign.measurement.repeats:
+            return []
+        self.journal.sync()
+        more = extra_repeats(self.campaign, self.journal.path, self.cells)
+        return [c for c in more if c.key not in done]
+
+    def _add(self, cells: Sequence[Cell]) -> None:
+        """More cells for the workers (before the last outstanding one is counted done, so no
+        worker sees the campaign finished in between)."""
+        if not cells:
+            return
+        self.note(
+            f"{len(cells)} cell(s) need another repeat to reach "
+            f"±{self.campaign.measurement.precision:.1%}"
+        )
+        self.total += len(cells)
+        self.todo.extend(cells)
+        self._outstanding.update(c.key for c in cells)
+        self.queue.give_back(self._register(cells))
+
+    def lost(self, worker: str, unit: Unit | Cell | None, why: str) -> None:
+        """A worker died: its unfinished unit goes back to the queue for the others."""
         stats = self.stats.setdefault(worker, WorkerStats(worker))
         stats.lost = why
         stats.current = ""
-        if cell is not None and cell.key in self._outstanding:
-            self.queue.give_back([cell])
+        cells = as_unit(unit) if unit is not None else ()
+        if any(cell.key in self._outstanding for cell in cells):
+            self.queue.give_back([cells[0]])
         self.queue.leave(worker)
         self.note(f"worker {worker} lost ({why}); its unfinished cell goes to the others")
         self._show(stats)
@@ -231,6 +377,8 @@ class Driver:
         """After the executor returns: cells left over mean every worker was lost."""
         if self.finished:
             return
+        if self.refused is not None:
+            raise JournalError(self.refused)
         lost = [f"{s.label}: {s.lost}" for s in self.stats.values() if s.lost]
         raise JournalError(
             f"every worker was lost with {len(self._outstanding)} cell(s) left"
@@ -284,9 +432,18 @@ class Fleet:
     def open(self, sessions: Sequence[dict[str, Any]]) -> None:
         """Every worker's session, in the workers' order: one journal per GPU model."""
         from dvfs.backends import virtual_time
+        from dvfs.engines.sglang_args import ServerPorts, check_distinct_ports
         from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
         from dvfs.sweep import claim_shard
 
+        # Before any server starts: no two of one node's servers may share a port.
+        check_distinct_ports(
+            [
+                (str(s.get("worker")), str(s.get("host", "")), ServerPorts.from_json(s["ports"]))
+                for s in sessions
+                if s.get("ports")
+            ]
+        )
         by_model: dict[str, list[dict[str, Any]]] = {}
         for session in sessions:
             names = {g["name"] for g in session["gpus"]}
@@ -324,25 +481,42 @@ class Fleet:
         todo = sum(len(d.todo) for d in self.drivers.values())
         self.progress.start(total, total - todo)
 
-    def take(self, worker: str, drafter: str | None) -> Cell | None:
-        return self._lanes[worker].queue.take(worker, drafter)
+    def take(self, worker: str, drafter: str | None) -> Unit | None:
+        """`worker`'s next unit of work (one cell, or an in-flight group), None when none is
+        left in its model's queue."""
+        driver = self._lanes[worker]
+        if worker in driver.retired:
+            return None
+        lead = driver.queue.take(worker, drafter)
+        return None if lead is None else driver.unit(lead)
 
     def has_cells(self, worker: str) -> bool:
-        """Whether `worker`'s model still has cells waiting in its queue."""
-        return len(self._lanes[worker].queue) > 0
+        """Whether `worker`'s model still has cells waiting in its queue for it."""
+        driver = self._lanes[worker]
+        return worker not in driver.retired and len(driver.queue) > 0
+
+    def done_for(self, worker: str) -> bool:
+        """Whether `worker` has nothing more to do: the campaign is finished, or the driver
+        retired it (its server does not compare with the journal's)."""
+        driver = self._lanes.get(worker)
+        return self.finished or (driver is not None and worker in driver.retired)
 
     def lanes(self) -> dict[str, object]:
         """Each worker's GPU model (its queue)."""
         return {w: id(d) for w, d in self._lanes.items()}
 
-    def started(self, worker: str, cell: Cell) -> None:
-        self._lanes[worker].started(worker, cell)
+    def started(self, worker: str, unit: Unit | Cell) -> None:
+        self._lanes[worker].started(worker, unit)
 
     def shipped(self, worker: str, shipment: Shipment) -> None:
         self._lanes[worker].shipped(worker, shipment)
 
     def lost(
-        self, worker: str, cell: Cell | None, why: str, record: dict[str, Any] | None = None
+        self,
+        worker: str,
+        cell: Unit | Cell | None,
+        why: str,
+        record: dict[str, Any] | None = None,
     ) -> None:
         driver = self._lanes.get(worker)
         if driver is None:  # lost before its session was in: nothing of it to undo
@@ -384,22 +558,69 @@ def _has_sessions(journal: Path) -> bool:
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
 
 
-def refuse_unsupported(campaign: Campaign) -> None:
-    """What many workers cannot do yet: cells measured together (in-flight mode) and repeats
-    added while running (max_repeats above repeats) need one runner to see all of a cell's
-    levels or repeats."""
+def fleet_journal(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a fleet's journal(s): a run resuming it on one GPU group (the
+    GPUs left after a node loss) goes on as a fleet of one, so that it reads the same journal."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    if any(out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+        return True
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return False
+    records = (r for r in iter_records(journal) if r.get("type") == "session")
+    return "workers" in next(records, {})
+
+
+def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> list[Cell]:
+    """The next repeat of each planned cell (all but its repeat alike) whose journalled
+    repeats' interval on energy per token or median TPOT misses `measurement.precision`,
+    while it has fewer than `max_repeats`: the rule a single runner follows
+    (`Runner.extra_repeats`), decided here by the driver from its journal, in the planned
+    order (reversed on odd repeats, the plan's serpentine)."""
+    from dvfs.measure.counter import relative_half_width
+    from dvfs.measure.journal import iter_records
+    from dvfs.records import JOURNAL_SCHEMA, CellRecord
+
     m = campaign.measurement
-    if m.mode == "in-flight":
-        raise CampaignError(
-            "measurement.mode = in-flight runs on one GPU group only for now: leave out --gpus "
-            "and --executor ray (or use --shard), or use mode = per-level"
-        )
-    if m.max_repeats > m.repeats:
-        raise CampaignError(
-            f"measurement.max_repeats = {m.max_repeats} adds repeats while running, which one "
-            "GPU group does for now: leave out --gpus and --executor ray, or set max_repeats = "
-            f"repeats ({m.repeats})"
-        )
+    if m.max_repeats <= m.repeats or not journal.is_file():
+        return []
+
+    def group(cell: Cell) -> tuple[Any, ...]:
+        return (cell.drafter, cell.sm_clock_mhz, cell.power_limit_w, cell.batch, cell.corpus)
+
+    values: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
+    taken: dict[tuple[Any, ...], int] = {}
+    version = JOURNAL_SCHEMA
+    for raw in iter_records(journal):
+        if raw.get("type") == "session":
+            version = int(raw.get("journal_schema", JOURNAL_SCHEMA))
+        if raw.get("type") != "cell":
+            continue
+        record = CellRecord.from_json(raw, version=version)
+        key = group(record.cell)
+        taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
+        if record.ok and record.measurement is not None and record.measurement.valid:
+            values.setdefault(key, []).append(
+                (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
+            )
+    extra: list[Cell] = []
+    seen: set[tuple[Any, ...]] = set()
+    for cell in cells:
+        key = group(cell)
+        if key in seen or cell.repeat != 0:
+            continue
+        seen.add(key)
+        n = taken.get(key, 0)
+        if n < m.repeats or n >= m.max_repeats:
+            continue
+        energy = relative_half_width([v[0] for v in values.get(key, [])], m.confidence)
+        latency = relative_half_width([v[1] for v in values.get(key, [])], m.confidence)
+        if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
+            extra.append(dataclasses.replace(cell, repeat=n))
+    if extra and extra[0].repeat % 2:
+        extra.reverse()
+    return extra
 
 
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
@@ -426,7 +647,9 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
             )
 
 
-def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | None:
+def _journals_done(
+    out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
+) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
     is nothing to run), else None."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
@@ -438,6 +661,8 @@ def _journals_done(out_dir: Path, cells: Sequence[Cell]) -> Sequence[Path] | Non
             return None
         ok = Journal(path, iter_records(path)).finished()
         if not keys <= ok:
+            return None
+        if any(c.key not in ok for c in extra_repeats(campaign, path, cells)):
             return None
     return paths
 
@@ -460,13 +685,13 @@ def run_fleet(
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models)."""
     from dvfs.corpora.prepare import check_corpora, counted_corpora
+    from dvfs.measure.journal import iter_records
     from dvfs.measure.plan import plan_cells
     from dvfs.sweep import fresh_start, out_dir_lock
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
         raise CampaignError("a GPU appears in two worker groups")
-    refuse_unsupported(campaign)
     wall0 = time.monotonic()
     with out_dir_lock(out_dir):
         moved = fresh_start(out_dir) if fresh else None
@@ -479,7 +704,7 @@ def run_fleet(
             cells = shard.select(cells)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
-        done = _journals_done(out_dir, cells)
+        done = _journals_done(out_dir, campaign, cells)
         with contextlib.ExitStack() as journals:
             if done is None:
                 fleet = Fleet(
@@ -494,6 +719,22 @@ def run_fleet(
                 executor(fleet, groups)
                 fleet.check_finished()
                 done = [d.journal.path for d in fleet.drivers.values()]
+                # A fleet of several models rerun on some of them (a node lost): the others'
+                # journals keep their cells, and their cubes still join the merged one.
+                others = [
+                    path
+                    for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
+                    if path not in done and _has_sessions(path)
+                ]
+                for path in others:
+                    finished = Journal(path, iter_records(path)).finished()
+                    left = sum(c.key not in finished for c in cells)
+                    if left and progress is not None:
+                        progress.note(
+                            f"{path.parent.name}: {left} cell(s) left for GPUs of that model "
+                            "(none in this run); rerun with them to finish"
+                        )
+                done += others
         cube_path = _write_cubes(out_dir, done)
     if fleet is None:
         total = len(cells) * len(done)

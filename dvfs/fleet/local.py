@@ -1,11 +1,12 @@
 """The local executor: one worker thread per GPU group of this machine.
 
-Each thread opens its worker (its GPUs, knobs, server, clock), then pulls cells from the
-driver's queue until none is left; everything it finishes travels to the driver's thread
-through one event queue, and only the driver's thread writes the journal. A worker that fails
-is lost: its cell goes back to the queue. On Ctrl-C or SIGTERM (raised on the driver's thread)
-the workers stop after their current cell, restore their GPUs on their way out, and the driver
-journals what they finished before the interruption goes on.
+Each thread opens its worker (its GPUs, knobs, server, clock), then pulls units of work (a
+cell, or an in-flight group) from the driver's queue until none is left; everything it
+finishes travels to the driver's thread through one event queue, and only the driver's thread
+writes the journal. A worker that fails is lost: its unit goes back to the queue. On Ctrl-C or
+SIGTERM (raised on the driver's thread) the workers stop after their current unit, restore
+their GPUs on their way out, and the driver journals what they finished before the
+interruption goes on.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class LocalExecutor:
                 corpora=fleet.corpora,
                 state_dir=self.state_dir,
                 nvml=self.nvml,
+                slot=slot,
             )
-            for group in groups
+            for slot, group in enumerate(groups)
         ]
 
         from dvfs.backends import virtual_time
@@ -114,7 +116,8 @@ class LocalExecutor:
         paced: dict[str, VirtualPacer] = {}  # "pacer", set once the fleet is open (twin only)
 
         def body(worker: Worker) -> None:
-            cell = None
+            unit = None  # the cells in hand: one, or an in-flight group
+            pacer: VirtualPacer | None = None
             gpu_time = 0.0
             try:
                 events.put(("session", worker.label, worker.open()))
@@ -123,30 +126,32 @@ class LocalExecutor:
                 while not stop.is_set():
                     if pacer is not None:
                         pacer.turn(worker.label, stop)
-                    cell = fleet.take(worker.label, worker.drafter)
-                    if cell is None:
+                    unit = fleet.take(worker.label, worker.drafter)
+                    if unit is None:
                         # Out of cells; wait while others still hold some: a lost worker's
                         # cell comes back to the queue for whoever is free.
                         if pacer is not None:
                             pacer.leave(worker.label)
                         while not (
-                            fleet.finished or stop.is_set() or fleet.has_cells(worker.label)
+                            fleet.done_for(worker.label)
+                            or stop.is_set()
+                            or fleet.has_cells(worker.label)
                         ):
                             time.sleep(POLL_S)
-                        if fleet.finished or stop.is_set():
+                        if fleet.done_for(worker.label) or stop.is_set():
                             break
                         if pacer is not None:
                             pacer.free(worker.label, gpu_time)
                         continue
-                    events.put(("start", worker.label, cell))
-                    shipment = worker.run(cell)
-                    cell = None
+                    events.put(("start", worker.label, unit))
+                    shipment = worker.run_unit(unit)
+                    unit = None
                     events.put(("shipment", worker.label, shipment))
                     gpu_time = shipment.gpu_time_s
                     if pacer is not None:
                         pacer.free(worker.label, gpu_time)
             except BaseException as exc:  # noqa: BLE001  (reported on the driver's thread)
-                events.put(("error", worker.label, exc, cell))
+                events.put(("error", worker.label, exc, unit))
             finally:
                 if pacer is not None:
                     pacer.leave(worker.label)

@@ -3,12 +3,12 @@
 Ray is an optional extra (`dvfs[ray]`), imported only here and only when used. Each actor
 holds a `Worker` (its GPUs' knobs, locks and state files, its server, its clock): placed with
 `num_gpus` on real GPUs (the actor reads which GPUs Ray gave it), or with a custom resource
-(`twin_gpu`) for twin GPUs. The driver hands each actor one cell at a time from its queue, so a
-faster GPU takes more cells; each finished cell comes back and is journalled at once. An actor
-that dies loses only its cell in flight, which goes back to the queue; its GPUs are restored
-by its own exit path (a worker that raised closes itself), or, when its process was killed,
-are named for `dvfs gpu reset` on that node. On the twin the driver hands cells out in
-GPU-time order, as the local executor does.
+(`twin_gpu`) for twin GPUs. The driver hands each actor one unit at a time from its queue (a
+cell, or an in-flight group), so a faster GPU takes more cells; each finished unit comes back
+and is journalled at once. An actor that dies loses only its unit in flight, which goes back
+to the queue; its GPUs are restored by its own exit path (a worker that raised closes itself),
+or, when its process was killed, are named for `dvfs gpu reset` on that node. On the twin the
+driver hands units out in GPU-time order, as the local executor does.
 
 Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1,
 and stops it at the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
@@ -91,12 +91,13 @@ class WorkerActor:
             sessions=self.options["sessions"],
             corpora=self.options["corpora"],
             label=label,
+            slot=int(self.options.get("slot", 0)),
         )
         return self.worker.open()
 
-    def run(self, cell: Any) -> Any:
+    def run(self, unit: Any) -> Any:
         try:
-            return self.worker.run(cell)
+            return self.worker.run_unit(unit)
         except BaseException:
             self.worker.close()  # restore the GPUs before the driver writes this worker off
             raise
@@ -167,7 +168,9 @@ class RayExecutor:
             name = f"dvfs-{group_label(group) if group else i}"
             actors.append(
                 actor_class.options(name=name, lifetime=None, **placement).remote(
-                    campaign, group, options
+                    campaign,
+                    group,
+                    {**options, "slot": i},  # its servers' block of ports
                 )
             )
         alive: dict[str, Any] = {}
@@ -203,26 +206,26 @@ class RayExecutor:
             for label in list(idle):
                 if pacer is not None and not pacer.claim(label):
                     continue
-                cell = fleet.take(label, drafters[label])
-                if cell is None:
+                unit = fleet.take(label, drafters[label])
+                if unit is None:
                     idle.remove(label)
                     exhausted.append(label)
                     if pacer is not None:
                         pacer.leave(label)
                     continue
                 idle.remove(label)
-                fleet.started(label, cell)
-                pending[alive[label].run.remote(cell)] = (label, cell)
+                fleet.started(label, unit)
+                pending[alive[label].run.remote(unit)] = (label, unit)
 
         feed()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                label, cell = pending.pop(ref)
+                label, unit = pending.pop(ref)
                 try:
                     shipment = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001  (the actor died or its worker raised)
-                    self._lost(fleet, label, cell, exc)
+                    self._lost(fleet, label, unit, exc)
                     alive.pop(label, None)
                     if pacer is not None:
                         pacer.leave(label)
@@ -238,8 +241,14 @@ class RayExecutor:
                 if pacer is not None:
                     pacer.free(label, shipment.gpu_time_s)
                 idle.append(label)
+                for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
+                    exhausted.remove(back)
+                    idle.append(back)
+                    if pacer is not None:
+                        pacer.free(back, times[back])
             feed()
         if not fleet.finished and alive:
+            fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:

@@ -1,10 +1,12 @@
-"""One worker: a GPU group's backends, knobs and server, running the cells it is handed.
+"""One worker: a GPU group's backends, knobs and server, running the units it is handed (a
+cell, or an in-flight group of knob levels).
 
 The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
-path restores them), its own engine (SGLang pinned to the group's UUIDs, on a loopback port it
-picks) and clock, and drives a `Runner` whose journal ships records instead of writing them:
-every record a cell produces (a server start, the cell) goes back to the driver, which keeps
-the one journal. The same class runs in a thread of the driver and inside a Ray actor.
+path restores them), its own engine (SGLang pinned to the group's UUIDs, on its own block of
+loopback ports: `dvfs.fleet.ports`) and clock, and drives a `Runner` whose
+journal ships records instead of writing them: every record a unit produces (a server start,
+its cells, each stamped with the worker and its GPUs' UUIDs) goes back to the driver, which
+keeps the one journal. The same class runs in a thread of the driver and inside a Ray actor.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class Shipment:
     records: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     gpu_time_s: float = 0.0
+    #: Every cell of the unit it measured (an in-flight group); empty: just `cell`.
+    cells: tuple[Cell, ...] = ()
+
+    @property
+    def all_cells(self) -> tuple[Cell, ...]:
+        return self.cells or (self.cell,)
 
     @property
     def status(self) -> str:
@@ -86,6 +94,7 @@ class Worker:
         state_dir: Path | None = None,
         nvml: ModuleType | None = None,
         label: str | None = None,
+        slot: int = 0,
     ) -> None:
         self.campaign = for_group(campaign, group)
         self.group = tuple(group)
@@ -103,6 +112,10 @@ class Worker:
         self._clock: Any = None
         self._t0_ns = 0
         self._drafter: str | None = None
+        self._uuids: list[str] = []
+        #: The worker's number in its fleet: where its search for a block of ports starts.
+        self.slot = slot
+        self._ports: Any = None  # `ServerPorts` when the engine starts servers of its own
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
@@ -116,12 +129,15 @@ class Worker:
         try:
             corpora, method = self.corpora or counted_corpora(self.campaign)
             logs = self.out_dir / "workers" / self.label
+            self._claim_ports()  # before the engine: released after its server has stopped
             b = self._stack.enter_context(
                 open_backends(self.campaign, out_dir=logs, nvml=self.nvml)
             )
             knobs = self._stack.enter_context(
                 guarded_knobs(self.campaign, b.gpus, state_dir=self.state_dir)
             )
+            if self._ports is not None and hasattr(b.engine, "ports"):
+                b.engine.ports = self._ports
             self._journal = ShippingJournal(self.out_dir / JOURNAL_NAME, self.sessions)
             self._clock = b.clock
             self._t0_ns = b.clock.now_ns()
@@ -142,22 +158,56 @@ class Worker:
             raise
         session = self._journal.drain()[0]
         session["worker"] = self.label
+        self._uuids = [str(g["uuid"]) for g in session["gpus"]]
+        if self._ports is not None:
+            session["ports"] = self._ports.to_json()
         return session
+
+    def _claim_ports(self) -> None:
+        """For an engine that starts its own servers (SGLang, not attached to a URL): a block
+        of ports no other worker on this node holds (`dvfs.fleet.ports`), for the worker's
+        life; its slot in the fleet is where the search starts."""
+        from dvfs.fleet.ports import claimed_ports
+
+        sglang = self.campaign.engine.sglang
+        if self.campaign.engine.backend != "sglang" or sglang.url:
+            return
+        self._ports = self._stack.enter_context(claimed_ports(sglang.host, self.slot))
 
     def gpu_time_s(self) -> float:
         """Seconds of the group's time (virtual on the twin) since `open`."""
         return 0.0 if self._clock is None else (self._clock.now_ns() - self._t0_ns) * 1e-9
 
+    def run_unit(self, unit: Sequence[Cell]) -> Shipment:
+        """Measure a unit of work: an in-flight group's levels inside shared decodes (as one
+        runner steps them), else its one cell."""
+        if self.campaign.measurement.mode != "in-flight":
+            return self.run(unit[0])
+        assert self._runner is not None, "open() first"
+        self._runner.run_inflight_group(tuple(unit))
+        self._drafter = unit[0].drafter
+        return self._ship(unit[0], tuple(unit))
+
     def run(self, cell: Cell) -> Shipment:
         """Measure one cell (starting the drafter's server when it changes)."""
-        assert self._runner is not None and self._journal is not None, "open() first"
+        assert self._runner is not None, "open() first"
         self._runner.run_cell(cell)
         self._drafter = cell.drafter
+        return self._ship(cell)
+
+    def _ship(self, cell: Cell, cells: tuple[Cell, ...] = ()) -> Shipment:
+        """What the runner journalled since the last shipment, stamped with this worker."""
+        assert self._journal is not None
         notes, self._notes.messages = self._notes.messages, []
         records = self._journal.drain()
         for record in records:
             record["worker"] = self.label
-        return Shipment(cell, records, notes, self.gpu_time_s())
+            record["gpus"] = list(self._uuids)  # the cube's `measured_on`
+            if record.get("type") == "server" and self._ports is not None:
+                from dvfs.engines.sglang_args import check_ports_resolved
+
+                check_ports_resolved(str(record["drafter"]), record.get("args") or {}, self._ports)
+        return Shipment(cell, records, notes, self.gpu_time_s(), cells)
 
     @property
     def drafter(self) -> str | None:

@@ -16,14 +16,28 @@ from typing import Any
 
 from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, MeasurementRecord
 from dvfs.records.header import CampaignFacts, Grid, Header
-from dvfs.records.session import Server, Session, Stock, recorded_stock
+from dvfs.records.session import (
+    GPU_INVARIANTS,
+    SERVER_INVARIANTS,
+    SESSION_INVARIANTS,
+    Server,
+    Session,
+    Stock,
+    incomparable,
+    mixed_within,
+    recorded_stock,
+    server_changes,
+)
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
 __all__ = [
+    "GPU_INVARIANTS",
     "GPU_TIME_KEYS",
     "JOURNAL_SCHEMA",
     "OLDEST_SCHEMA",
     "QUANTITIES",
+    "SERVER_INVARIANTS",
+    "SESSION_INVARIANTS",
     "CampaignFacts",
     "CellRecord",
     "Grid",
@@ -35,8 +49,11 @@ __all__ = [
     "Stock",
     "check_version",
     "decode_journal",
+    "incomparable",
+    "mixed_within",
     "now_iso",
     "recorded_stock",
+    "server_changes",
 ]
 
 

@@ -162,6 +162,10 @@ class CellRecord:
     inflight: dict[str, Any] = field(default_factory=dict)
     #: Seconds of GPU time per `GPU_TIME_KEYS` entry; empty before version 3.
     gpu_time_s: dict[str, float] = field(default_factory=dict)
+    #: The fleet worker that ran the cell ("" for a sweep on one GPU group).
+    worker: str = ""
+    #: The UUIDs of the GPUs that measured the cell (empty: its session's GPUs).
+    gpus: tuple[str, ...] = ()
 
     @classmethod
     def measured(
@@ -221,6 +225,8 @@ class CellRecord:
             "attempts": self.attempts,
             "finished": self.finished,
             **({"gpu_time_s": self.gpu_time_s} if self.gpu_time_s else {}),
+            **({"worker": self.worker} if self.worker else {}),
+            **({"gpus": list(self.gpus)} if self.gpus else {}),
         }
         if self.measurement is not None:
             return {
@@ -255,4 +261,6 @@ class CellRecord:
             key=record["key"],
             inflight=record.get("inflight") or {},
             gpu_time_s={str(k): float(v) for k, v in (record.get("gpu_time_s") or {}).items()},
+            worker=str(record.get("worker") or ""),
+            gpus=tuple(str(u) for u in record.get("gpus") or ()),
         )

@@ -3,6 +3,7 @@ served each drafter."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,6 +57,9 @@ class Session:
     settle: dict[str, Any] = field(default_factory=dict)
     #: The session's own GPU time: counter detection, idle baseline, settle measurement.
     gpu_time_s: dict[str, float] = field(default_factory=dict)
+    #: A fleet's session: each worker's part (`worker` label, `host`, `gpus` UUIDs, ...);
+    #: empty for one GPU group.
+    workers: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +84,7 @@ class Session:
             "counter_update_period_s": list(self.counter_update_period_s),
             "settle": self.settle,
             "gpu_time_s": self.gpu_time_s,
+            **({"workers": [dict(w) for w in self.workers]} if self.workers else {}),
         }
 
     @classmethod
@@ -111,11 +116,96 @@ class Session:
             ),
             settle=record.get("settle") or {},
             gpu_time_s=record.get("gpu_time_s") or {},
+            workers=tuple(dict(w) for w in record.get("workers") or ()),
         )
 
     @property
     def gpu_uuids(self) -> tuple[str, ...]:
         return tuple(g["uuid"] for g in self.gpus)
+
+    def gpus_of(self, worker: str) -> tuple[str, ...]:
+        """The UUIDs of the GPUs a worker of this session measured on; all the session's GPUs
+        when it names no such worker (one GPU group)."""
+        for part in self.workers:
+            if str(part.get("worker")) == worker:
+                return tuple(str(u) for u in part.get("gpus") or ())
+        return self.gpu_uuids
+
+
+#: What every GPU of one journal shares, whichever run and GPU set measured each cell (the
+#: identity key, and how messages name it). Cells of GPUs that agree on these compare arm for
+#: arm, so any GPUs of that model may finish a campaign others started (after a node loss, on
+#: fewer GPUs); a GPU that differs in one belongs in a journal of its own.
+GPU_INVARIANTS: dict[str, str] = {
+    "name": "GPU model",
+    "driver_version": "driver version",
+    "memory_clock_mhz": "memory clock (MHz)",
+    "max_sm_clock_mhz": "top SM clock (MHz)",
+    "backend": "GPU backend",
+}
+#: What every session of one journal shares besides its GPUs' identity (the stock settings are
+#: checked apart, with their own advice).
+SESSION_INVARIANTS: dict[str, str] = {
+    "gpu_backend": "GPU backend",
+    "engine_backend": "engine",
+    "actuation": "knob actuation",
+    "clock": "clock",
+    "power_limit_range_w": "power-limit range (W)",
+    "measurement_method": "measurement method",
+}
+
+
+#: What every server of one drafter shares across a journal (the server record's key, and how
+#: messages name it): another engine version or attention kernel would make its arms compare
+#: software, not the GPU's settings.
+SERVER_INVARIANTS: dict[str, str] = {
+    "engine": "engine",
+    "version": "engine version",
+    "attention_backend": "attention kernels",
+}
+
+
+def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two server records of one drafter ("engine version: A -> B")."""
+    return [
+        f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
+        for key, label in SERVER_INVARIANTS.items()
+        if (before.get(key) or None) != (now.get(key) or None)
+    ]
+
+
+def _same(value: Any) -> Any:
+    return [_same(v) for v in value] if isinstance(value, list | tuple) else value
+
+
+def _gpu_values(session: Mapping[str, Any], key: str) -> list[str]:
+    return sorted({str(g.get(key)) for g in session.get("gpus") or ()})
+
+
+def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What keeps the cells of two session records (raw, as journalled) from comparing, one
+    entry per invariant ("GPU model: A -> B"); empty when any of their GPUs may finish what
+    the other started. A key one of them lacks (an older journal) is not compared."""
+    changes = []
+    for key, label in SESSION_INVARIANTS.items():
+        a, b = before.get(key), now.get(key)
+        if a is not None and b is not None and _same(a) != _same(b):
+            changes.append(f"{label}: {a} -> {b}")
+    for key, label in GPU_INVARIANTS.items():
+        a, b = _gpu_values(before, key), _gpu_values(now, key)
+        if a != ["None"] and b != ["None"] and a != b:
+            changes.append(f"{label}: {', '.join(a)} -> {', '.join(b)}")
+    return changes
+
+
+def mixed_within(session: Mapping[str, Any]) -> list[str]:
+    """The GPU invariants on which one session's own GPUs disagree ("driver version: 550.54,
+    560.28"): a fleet's workers of one model on nodes that differ."""
+    return [
+        f"{label}: {', '.join(values)}"
+        for key, label in GPU_INVARIANTS.items()
+        if len(values := _gpu_values(session, key)) > 1
+    ]
 
 
 def recorded_stock(record: dict[str, Any]) -> Stock | None:

@@ -12,6 +12,10 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       `GPU_TIME_KEYS` entry); a session's counter_update_period_s (per GPU), settle (the
       settle time used, measured or set) and gpu_time_s (its own overheads). Older records lack
       them: NaN, None or empty when read.
+      Optional keys added within 3 (absent: older dvfs, or one GPU group): a cell's `worker`
+      and `gpus` (the UUIDs of the GPUs that measured it), a fleet session's `workers` (each
+      worker's GPUs, host and server ports). A journal may hold sessions on different GPUs of
+      one model (`dvfs.records.session.incomparable` names what they must share).
 """
 
 from __future__ import annotations

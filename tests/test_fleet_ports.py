@@ -1,0 +1,162 @@
+"""Servers started together on one node never share a port (issue 12): each fleet worker's
+SGLang server gets its own block (--port, --nccl-port, and the ports SGLang derives from
+--port), checked before any server starts and against what each server reports."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block
+from sglang_support import load_stub, running, stub_campaign
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.engines.sglang_args import (
+    FIRST_PORT,
+    PORT_BLOCK,
+    PORT_SLOTS,
+    ZMQ_PORT_OFFSET,
+    ServerPorts,
+    check_distinct_ports,
+    launch_argv,
+)
+from dvfs.errors import EngineError
+from dvfs.fleet.ports import LOCK_DIR_ENV, claimed_ports
+from dvfs.measure.journal import read_records
+
+VERSIONS = ("0.5.9", "0.5.23")
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_eight_servers_argv_parse_and_their_ports_are_distinct(
+    version: str, tmp_path: Path
+) -> None:
+    """Eight workers' argv, parsed by the version's own option table: each server listens on
+    its block; no port of one block (its --port, --nccl-port, SGLang's ZMQ ports) is
+    another's, and every block stays below the kernel's ephemeral range."""
+    stub = load_stub()
+    path, _ = stub_campaign(tmp_path, version=version)
+    campaign = load_campaign(path)
+    blocks = [ServerPorts.for_slot(slot) for slot in range(8)]
+    for ports, drafter in zip(blocks, itertools.cycle(campaign.drafters), strict=False):
+        argv = launch_argv(campaign, drafter, port=1, version=version, ports=ports)
+        args, _ = stub.parse_launch_argv(argv[2:], stub.StubConfig(version=version))
+        assert int(args["port"]) == ports.http and int(args["nccl_port"]) == ports.nccl
+    used = [set(b.used) for b in blocks]
+    assert all(a.isdisjoint(b) for a, b in itertools.combinations(used, 2))
+    assert all(b.http + ZMQ_PORT_OFFSET in b.used for b in blocks)
+    assert max(max(u) for u in used) < 32768 and min(min(u) for u in used) >= FIRST_PORT
+    check_distinct_ports([(f"gpu{i}", "node", b) for i, b in enumerate(blocks)])
+    # Port flags of the campaign's own would move a server out of its block: refused.
+    bad = replace_block(
+        path.read_text(), 'algorithm = "none"', 'algorithm = "none"\nextra_args = ["--nccl-p", "9"]'
+    )
+    path.write_text(bad)
+    none = next(d for d in load_campaign(path).drafters if d.name == "none")
+    with pytest.raises(EngineError, match="--nccl-p in the extra_args of drafter 'none'"):
+        launch_argv(load_campaign(path), none, port=1, version=version, ports=blocks[0])
+
+
+def test_blocks_of_one_node_are_checked_distinct() -> None:
+    """Slots wrap past the range; two workers of one node on one block are refused, on two
+    nodes they are not (each node has its own ports)."""
+    again = ServerPorts.for_slot(PORT_SLOTS)
+    assert again == ServerPorts.for_slot(0)
+    check_distinct_ports([("a/gpu0", "a", again), ("b/gpu0", "b", ServerPorts.for_slot(0))])
+    with pytest.raises(EngineError, match=r"workers gpu0 and gpu48 on a would share port 20000"):
+        check_distinct_ports([("gpu0", "a", ServerPorts.for_slot(0)), ("gpu48", "a", again)])
+
+
+def test_a_claimed_block_is_held_until_released(tmp_path: Path) -> None:
+    """Claims on one node (threads here, processes alike) never get the same block; a block
+    is free again once its holder lets go; a slot past the range wraps round."""
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(claimed_ports("127.0.0.1", 3, folder=tmp_path))
+        second = stack.enter_context(claimed_ports("127.0.0.1", 3, folder=tmp_path))
+        assert (first, second) == (ServerPorts.for_slot(3), ServerPorts.for_slot(4))
+    with claimed_ports("127.0.0.1", 3 + PORT_SLOTS, folder=tmp_path) as again:
+        assert again == first
+    assert ServerPorts.for_slot(4).http == FIRST_PORT + 4 * PORT_BLOCK
+
+
+@pytest.mark.timeout(300)
+def test_eight_workers_on_one_node_use_distinct_ports(tmp_path: Path) -> None:
+    """Eight twin GPUs, each worker its own SGLang (the stub) on loopback: every server is on
+    its worker's block, and no two blocks share a port; none is left running."""
+    path, marker = stub_campaign(tmp_path, measurement_extra="repeats = 2")
+    out = tmp_path / "out"
+    result = sweep(str(path), "--gpus", "0-7", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    records = read_records(out / "journal.jsonl")
+    session = next(r for r in records if r["type"] == "session")
+    plans = {w["worker"]: ServerPorts.from_json(w["ports"]) for w in session["workers"]}
+    assert len(plans) == 8
+    for a, b in itertools.combinations(plans.values(), 2):
+        assert set(a.used).isdisjoint(b.used)
+    servers = [r for r in records if r["type"] == "server"]
+    assert len({s["worker"] for s in servers}) >= 2, "servers must run side by side"
+    for server in servers:
+        ports = plans[server["worker"]]
+        assert int(server["args"]["port"]) == ports.http
+        assert int(server["args"]["nccl_port"]) == ports.nccl
+    assert not running(marker), "a server was left running"
+
+
+def test_ports_held_elsewhere_move_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block 0 is another program's (it listens on its --port), block 1 another dvfs
+    worker's (it holds its lock): the two workers take the next blocks, one each."""
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    path, marker = stub_campaign(tmp_path)
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder,
+        claimed_ports("127.0.0.1", 1, folder=tmp_path / "locks") as other,
+    ):
+        try:
+            holder.bind(("127.0.0.1", FIRST_PORT))
+        except OSError:
+            pytest.skip(f"port {FIRST_PORT} is in use here")
+        holder.listen()
+        assert other == ServerPorts.for_slot(1)
+        result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    session = next(
+        r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "session"
+    )
+    ports = sorted(w["ports"]["http"] for w in session["workers"])
+    assert ports == [FIRST_PORT + 2 * PORT_BLOCK, FIRST_PORT + 3 * PORT_BLOCK]
+    assert not running(marker)
+    assert sorted(p.name for p in (tmp_path / "locks").iterdir())[:1] == [f"{FIRST_PORT}.lock"]
+
+
+def test_a_fleet_whose_servers_would_share_a_port_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should two workers of one node get one block (forced here), the run stops before any
+    server starts, in one line."""
+    path, marker = stub_campaign(tmp_path)
+    one = ServerPorts.for_slot(5)
+
+    @contextlib.contextmanager
+    def same_block(host: str, slot: int, **_: object) -> Iterator[ServerPorts]:
+        yield one  # a node whose workers got one block (what the claims prevent)
+
+    monkeypatch.setattr("dvfs.fleet.ports.claimed_ports", same_block)
+    result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert "workers gpu0 and gpu1 on" in lines[0] and f"share port {one.http}" in lines[0]
+    assert not (tmp_path / "out" / "journal.jsonl").exists(), "refused before any journal"
+    assert not running(marker)

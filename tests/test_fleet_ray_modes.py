@@ -1,0 +1,86 @@
+"""The Ray executor (a loopback cluster with twin GPUs) in what issue 12 left open: a rerun
+on fewer actors finishes a campaign others started, adaptive repeats and in-flight groups
+give the single GPU's cube."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import write
+from fleet_rerun_support import ADAPTIVE, INFLIGHT, assert_same_cells
+from fleet_support import fleet_campaign
+
+from dvfs.cli import cli
+from dvfs.cube import open_cube
+from dvfs.measure.journal import read_records
+
+pytestmark = pytest.mark.slow
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[object]:
+    """One Ray instance for the module, on loopback, with four twin GPUs."""
+    ray = pytest.importorskip("ray")
+    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+    import_ray(local=True)
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=2,
+        resources={TWIN_RESOURCE: 4},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_fewer_ray_actors_finish_what_four_gpus_started(cluster: object, tmp_path: Path) -> None:
+    campaign = write(tmp_path / "c.toml", fleet_campaign("fewer"))
+    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    four = sweep(str(campaign), "--gpus", "0-3", "--out", str(tmp_path / "four"))
+    assert four.exit_code == 0, four.output
+    lines = (tmp_path / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][30]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_text("".join(lines[:cut]))
+    result = sweep(str(campaign), "--gpus", "2-3", "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "42 cell(s) measured" in result.output and "30 already done" in result.output
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc"))
+    sessions = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    assert [len(s["gpus"]) for s in sessions] == [4, 2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", [ADAPTIVE, INFLIGHT], ids=["adaptive-repeats", "in-flight"])
+def test_ray_modes_give_the_cube_of_one_gpu(cluster: object, text: str, tmp_path: Path) -> None:
+    campaign = write(tmp_path / "c.toml", text)
+    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    result = sweep(
+        str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(tmp_path / "ray")
+    )
+    assert result.exit_code == 0, result.output
+    assert_same_cells(
+        open_cube(tmp_path / "ray" / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc")
+    )
+    one = [
+        r["key"] for r in read_records(tmp_path / "one" / "journal.jsonl") if r["type"] == "cell"
+    ]
+    ray = [
+        r["key"] for r in read_records(tmp_path / "ray" / "journal.jsonl") if r["type"] == "cell"
+    ]
+    assert sorted(ray) == sorted(one)

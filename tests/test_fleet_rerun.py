@@ -1,0 +1,287 @@
+"""A campaign finished on other GPUs than it started on (issue 12): after a node loss the
+driver's journal alone resumes it on the GPUs left, of the same model and driver; GPUs that
+differ in what makes cells compare are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from conftest import PYTHON, replace_block, subprocess_env, write
+from fleet_rerun_support import assert_same_cells
+from fleet_support import fleet_campaign
+from sglang_support import running, stub_campaign
+
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, build_cube, open_cube
+from dvfs.errors import CubeError, JournalError
+from dvfs.fleet.driver import combine_sessions
+from dvfs.measure.journal import iter_records, read_records
+from dvfs.records import GPU_INVARIANTS, SESSION_INVARIANTS, incomparable
+
+#: Nine clocks (216 cells): long enough on four twin GPUs for a kill to land mid-campaign.
+CAMPAIGN = replace_block(
+    fleet_campaign("rerun"),
+    "sm_clock = [1980, 1410, 1005]",
+    "sm_clock = { start = 705, stop = 1905, step = 150 }",
+)
+TOTAL = 9 * 2 * 2 * 3 * 2
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+def cell_keys(journal: Path) -> list[str]:
+    return [r["key"] for r in iter_records(journal) if r.get("type") == "cell"]
+
+
+def killed_at(argv: list[str], journal: Path, cells: int) -> list[str]:
+    """Run `argv` and SIGKILL it (a node lost: no exit path runs) once `journal` holds at
+    least `cells` cells; the keys it had finished."""
+    proc = subprocess.Popen(
+        argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < cells:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the sweep did not progress"
+            time.sleep(0.01)
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = cell_keys(journal)
+    assert cells <= len(done) < TOTAL, "the kill must land mid-campaign"
+    return done
+
+
+@pytest.mark.timeout(400)
+def test_a_rerun_on_fewer_gpus_finishes_the_campaign(tmp_path: Path) -> None:
+    """`--gpus 0-3` killed mid-campaign, then `--gpus 0-1` killed too, then one GPU: the
+    journal finishes, no finished cell is measured again, and the cube equals the campaign
+    run on one GPU cell for cell; each cell names the GPU that measured it."""
+    campaign = write(tmp_path / "rerun.toml", CAMPAIGN)
+    one = sweep(str(campaign), "--out", str(tmp_path / "one"))
+    assert one.exit_code == 0, one.output
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    argv = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--no-progress", "--out", str(out)]
+    first = killed_at([*argv, "--gpus", "0-3"], journal, 30)
+    second = killed_at([*argv, "--gpus", "0-1"], journal, len(first) + 40)
+    assert second[: len(first)] == first
+    # The rest on one GPU (the plain sweep path), then the whole on 0-1 again: nothing to do.
+    last = subprocess.run(
+        [*argv, "--gpus", "3"], env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert last.returncode == 0, last.stderr
+    assert f"{len(second)} already done" in last.stderr
+    assert "resuming a 2-GPU run on 1 GPU(s) of the same model and driver" in last.stderr
+    keys = cell_keys(journal)
+    assert len(keys) == len(set(keys)) == TOTAL, "a finished cell was measured again"
+    again = sweep(str(campaign), "--gpus", "0-1", "--out", str(out))
+    assert again.exit_code == 0 and f"{TOTAL} already done" in again.output, again.output
+
+    cube, reference = open_cube(out / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc")
+    assert (cube["cell_status"].values == STATUS_OK).all()
+    assert_same_cells(cube, reference)
+    # Three runs, three GPU sets, one journal: each session names its GPUs, each cell its own.
+    sessions = [r for r in read_records(journal) if r["type"] == "session"]
+    assert [len(s["gpus"]) for s in sessions] == [4, 2, 1]
+    uuids = [[g["uuid"] for g in s["gpus"]] for s in sessions]
+    assert uuids[1] == uuids[0][:2] and uuids[2] == uuids[0][3:]
+    on = cube["measured_on"].values.ravel()
+    assert set(on) == set(uuids[0]), "every GPU that measured is named, and only those"
+    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    for record in cells:
+        c = record["cell"]
+        at = cube["measured_on"].sel(
+            sm_clock=c["sm_clock_mhz"],
+            power_limit=c["power_limit_w"],
+            batch=c["batch"],
+            drafter=c["drafter"],
+            corpus=c["corpus"],
+            repeat=c["repeat"],
+        )
+        assert str(at.values) == ",".join(record.get("gpus") or uuids[2])
+    assert cube.attrs["gpu_uuids"].split(",") == uuids[0]
+    assert len(np.atleast_1d(cube.attrs["counter_update_period_s"])) == 4
+    assert (
+        reference["measured_on"].values.ravel().tolist()
+        == [
+            ",".join(g["uuid"] for g in read_records(tmp_path / "one" / "journal.jsonl")[1]["gpus"])
+        ]
+        * TOTAL
+    )
+
+
+def test_another_gpu_model_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A journal started on twin H100s refuses twin H200s (local pool), and says what to do."""
+    text = fleet_campaign("model")
+    campaign = write(tmp_path / "c.toml", text)
+    full = tmp_path / "full"
+    assert sweep(str(campaign), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    half = tmp_path / "half"
+    half.mkdir()
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][20]
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    refused = sweep(str(campaign), "--gpus", "h200-sxm:0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert line.startswith("Error: ") and len(refused.output.strip().splitlines()) == 1
+    assert "GPU model: NVIDIA H100 80GB HBM3 (twin) -> NVIDIA H200 (twin)" in line
+    assert "another --out folder" in line and "--fresh" in line
+    # Nothing was journalled by the refused run: the journal is as it was.
+    assert (half / "journal.jsonl").read_text() == "".join(lines[:cut])
+    # One GPU of the other model (a fleet of one: the journal is a fleet's) is refused too.
+    plain = sweep(str(campaign), "--gpus", "h200-sxm:0", "--out", str(half))
+    assert plain.exit_code == 1 and "GPU model:" in plain.output.strip().splitlines()[-1]
+
+
+def _session(name: str = "NVIDIA H100", driver: str = "550.54", worker: str = "gpu0") -> dict:
+    return {
+        "type": "session",
+        "worker": worker,
+        "host": "node-a",
+        "gpu_backend": "nvml",
+        "engine_backend": "sglang",
+        "actuation": True,
+        "clock": "monotonic",
+        "power_limit_range_w": [200.0, 700.0, 700.0],
+        "measurement_method": "m",
+        "stock": {"sm_clock_mhz": 1980, "power_limit_w": 700.0},
+        "idle_power_w": 70.0,
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": f"GPU-{worker}",
+                "name": name,
+                "driver_version": driver,
+                "backend": "nvml",
+                "memory_clock_mhz": 2619,
+                "max_sm_clock_mhz": 1980,
+            }
+        ],
+    }
+
+
+def test_the_invariants_are_named_and_each_one_refuses() -> None:
+    """Each named invariant, changed alone, keeps two sessions apart; other GPUs of the model
+    (another UUID, index, host) do not."""
+    base = _session()
+    other_gpu = json.loads(json.dumps(_session(worker="gpu5")))
+    other_gpu["host"] = "node-b"
+    assert incomparable(base, other_gpu) == []
+    for key, label in GPU_INVARIANTS.items():
+        changed = json.loads(json.dumps(base))
+        changed["gpus"][0][key] = "something else"
+        assert [c.split(":")[0] for c in incomparable(base, changed)] == [label]
+    for key, label in SESSION_INVARIANTS.items():
+        changed = json.loads(json.dumps(base))
+        changed[key] = [1.0, 2.0, 3.0] if key == "power_limit_range_w" else "something else"
+        assert [c.split(":")[0] for c in incomparable(base, changed)] == [label]
+    # A fleet's workers on nodes with different drivers cannot share one journal.
+    with pytest.raises(JournalError, match=r"driver version: 550\.54 -> 560\.28.*leave one"):
+        combine_sessions([base, _session(driver="560.28", worker="gpu1")])
+    assert len(combine_sessions([base, other_gpu])["workers"]) == 2
+
+
+def test_the_cube_refuses_a_journal_mixing_models(tmp_path: Path) -> None:
+    """An edited journal whose second session is another model: the cube says why."""
+    campaign = write(tmp_path / "c.toml", fleet_campaign("edited"))
+    assert sweep(str(campaign), "--gpus", "0-1", "--out", str(tmp_path / "o")).exit_code == 0
+    journal = tmp_path / "o" / "journal.jsonl"
+    records = read_records(journal)
+    session = next(r for r in records if r["type"] == "session")
+    other = json.loads(json.dumps(session))
+    for gpu in other["gpus"]:
+        gpu["name"] = "NVIDIA H200"
+    with journal.open("a") as f:
+        f.write(json.dumps(other) + "\n")
+    with pytest.raises(CubeError, match=r"GPU model: .*H100.* -> NVIDIA H200.*own --out folder"):
+        build_cube(journal)
+
+
+def test_a_merged_cube_keeps_which_gpu_measured_each_cell(tmp_path: Path) -> None:
+    """A fleet of two models: the merged cube's measured_on runs along `gpu`, each model's
+    cells named by its own GPUs."""
+    campaign = write(tmp_path / "c.toml", fleet_campaign("mixed"))
+    out = tmp_path / "mixed"
+    result = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    merged = open_cube(out / "cube.nc")
+    assert merged["measured_on"].dims[0] == "gpu"
+    for i, journal in enumerate(sorted(out.glob("gpu-*/journal.jsonl"))):
+        session = next(r for r in read_records(journal) if r["type"] == "session")
+        names = set(merged["measured_on"].isel(gpu=i).values.ravel())
+        assert names == {session["gpus"][0]["uuid"]}
+
+
+@pytest.mark.timeout(300)
+def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
+    """The campaign started on SGLang 0.5.23 (the stub); rerun where the servers report 0.5.9:
+    the workers are retired at their first server, nothing of theirs is journalled, and the
+    run stops in one line; the cube of a journal mixing them is refused too."""
+    path, marker = stub_campaign(tmp_path)
+    full = tmp_path / "full"
+    first = sweep(str(path), "--gpus", "0-1", "--out", str(full))
+    assert first.exit_code == 0, first.output
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][3]
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "journal.jsonl").write_text("".join(lines[:cut]))
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": "0.5.9"}))
+    refused = sweep(str(path), "--gpus", "0-1", "--out", str(half))
+    assert refused.exit_code == 1, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert (
+        line.startswith("Error: the server of drafter ")
+        and "engine version: 0.5.23 -> 0.5.9" in line
+    )
+    assert "--fresh" in line
+    kept = [r for r in read_records(half / "journal.jsonl") if r["type"] in ("cell", "server")]
+    before = [json.loads(x) for x in lines[:cut] if '"type":"cell"' in x or '"type":"server"' in x]
+    assert kept == before, "nothing measured on the other engine was journalled"
+    assert not running(marker)
+    # A journal that mixes them anyway (edited) gives no cube.
+    server = next(r for r in before if r["type"] == "server")
+    with (half / "journal.jsonl").open("a") as f:
+        f.write(json.dumps({**server, "version": "0.5.9"}) + "\n")
+    with pytest.raises(CubeError, match=r"different engines \(engine version: 0\.5\.23 -> 0\.5\.9"):
+        build_cube(half / "journal.jsonl")
+
+
+def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(tmp_path: Path) -> None:
+    """Two models' journals, the H100s' cut short; a rerun on H100s only (the H200 node lost)
+    finishes their journal and the merged cube still holds the H200s' cells."""
+    campaign = write(tmp_path / "c.toml", fleet_campaign("mixed"))
+    out = tmp_path / "mixed"
+    full = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert full.exit_code == 0, full.output
+    h100 = next(out.glob("gpu-nvidia-h100*/journal.jsonl"))
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    lines = h100.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][30]
+    h100.write_text("".join(lines[:cut]))
+    lines = h200.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][50]
+    h200.write_text("".join(lines[:cut]))
+    again = sweep(str(campaign), "--gpus", "2-3", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "42 cell(s) measured" in again.output
+    assert "gpu-nvidia-h200-twin: 22 cell(s) left for GPUs of that model" in again.output
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == 2
+    cells = [d for d in merged["cell_status"].dims if d != "gpu"]
+    ok = (merged["cell_status"] == STATUS_OK).sum(cells)
+    assert ok.values.tolist() == [72, 50]
