@@ -15,6 +15,7 @@ otherwise the middle is used. Pure arithmetic: no GPU, no clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -230,9 +231,11 @@ def length_uncertainty(rounds: Sequence[RoundEnergy]) -> float:
 # -- the interval on a cell's rounds or repeats -----------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def t_two_sided(confidence: float, dof: int) -> float:
     """The two-sided Student-t quantile: P(|T| <= t) = confidence with `dof` degrees of
-    freedom (scipy, imported here so `dvfs --help` stays fast)."""
+    freedom (scipy, imported here so `dvfs --help` stays fast). Remembered: a sweep asks for
+    the same few (confidence, dof) pairs tens of thousands of times."""
     from scipy import stats
 
     return float(stats.t.ppf((1 + confidence) / 2, dof))
@@ -241,14 +244,16 @@ def t_two_sided(confidence: float, dof: int) -> float:
 def relative_half_width(values: Sequence[float], confidence: float) -> float:
     """Half-width of the Student-t interval on the mean of `values`, relative to the mean; NaN
     with fewer than two finite values or a zero mean. Identical values give 0."""
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
+    # Plain floats: a cell has a handful of rounds, where numpy's per-call cost dominates
+    # (the arithmetic is numpy's own: float64, each square a product).
+    v = [x for x in map(float, values) if math.isfinite(x)]
     n = len(v)
     if n < 2:
         return math.nan
-    mean = math.fsum(v.tolist()) / n
+    mean = math.fsum(v) / n
     if mean == 0:
         return math.nan
-    sd = math.sqrt(math.fsum(((v - mean) ** 2).tolist()) / (n - 1))
+    sd = math.sqrt(math.fsum((x - mean) * (x - mean) for x in v) / (n - 1))
     return abs(t_two_sided(confidence, n - 1) * sd / math.sqrt(n) / mean)
 
 
