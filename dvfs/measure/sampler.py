@@ -90,6 +90,20 @@ class Samples:
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
         """Append readings at several instants (arrays per GPU), combined as `append` does."""
         t_ns = np.asarray(t_ns, dtype=np.int64)
+        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are
+            (g,) = gpus
+            total = g.energy_mj
+            self._add(
+                t_ns=t_ns,
+                energy_mj=total if total.dtype == np.int64 else total[:, None].sum(axis=1),
+                power_mw=g.power_mw,
+                sm_clock_mhz=g.sm_clock_mhz,
+                temperature_c=g.temperature_c,
+                reasons=g.reasons,
+                gpu_energy_mj=g.energy_mj[:, None],
+                gpu_energy_t_ns=t_ns[:, None],
+            )
+            return
         energy = np.stack([g.energy_mj for g in gpus], axis=1)
         self._add(
             t_ns=t_ns,
