@@ -151,6 +151,9 @@ def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
 # -- tokens on the same interval --------------------------------------------------------------
 
 
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
 class TokenCurve:
     """Cumulative output tokens against time, rising linearly through each decode step (a
     chunk's tokens are produced over the step that ends with its arrival, as the step's energy
@@ -197,16 +200,15 @@ class TokenCurve:
         ns, tokens = self._ns, self._tokens
         if not len(ns):
             return 0.0
-        upto = ns <= x
-        before = ns[upto]
-        if not len(before):  # before the first instant: the curve's first value
+        upto = ns <= x  # masked reductions: no copies of a round's thousands of chunks
+        low = ns.max(where=upto, initial=_INT64_MIN)
+        if low == _INT64_MIN:  # before the first instant: the curve's first value
             return float(tokens[ns == ns.min()].sum())
-        low, low_tokens = before.max(), tokens[upto].sum()
-        after = ns[~upto]
-        if not len(after):  # at or after the last instant: every token
+        low_tokens = tokens.sum(where=upto)
+        high = ns.min(where=~upto, initial=_INT64_MAX)
+        if high == _INT64_MAX:  # at or after the last instant: every token
             return float(low_tokens)
-        high = after.min()
-        high_tokens = low_tokens + tokens[ns == high].sum()
+        high_tokens = low_tokens + tokens.sum(where=ns == high)
         pair = np.array([low, high], dtype=np.float64)
         return float(np.interp(x, pair, np.array([low_tokens, high_tokens])))
 
