@@ -294,17 +294,22 @@ class Acceptance:
 
 def acceptance(results: Sequence[RoundResult]) -> Acceptance:
     """Pooled over every request: tokens per verify pass, and accepted over proposed drafts."""
-    reqs = [r for res in results for r in res.requests if r.spec_verify_ct is not None]
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
     server_mean = float(np.mean(server)) if server else math.nan
-    if not reqs:
+    n = verify = proposed = accepted = completion = 0  # one pass over a cell's requests
+    for res in results:
+        for r in res.requests:
+            if r.spec_verify_ct is None:
+                continue
+            n += 1
+            verify += r.spec_verify_ct
+            proposed += r.spec_proposed_drafts or 0
+            accepted += r.spec_accepted_drafts or 0
+            completion += r.completion_tokens
+    if not n:
         return Acceptance(math.nan, math.nan, server_mean)
-    verify = sum(r.spec_verify_ct or 0 for r in reqs)
-    proposed = sum(r.spec_proposed_drafts or 0 for r in reqs)
-    accepted = sum(r.spec_accepted_drafts or 0 for r in reqs)
-    completion = sum(r.completion_tokens for r in reqs)
     length = completion / verify if verify else math.nan
-    decode = (completion - len(reqs)) / verify if verify else math.nan
+    decode = (completion - n) / verify if verify else math.nan
     rate = accepted / proposed if proposed else math.nan
     return Acceptance(length, rate, server_mean, decode)
 
