@@ -273,10 +273,14 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     # A gap belongs to the chunk it ends, unless that chunk is a request's first.
     later = np.ones(len(ns), dtype=bool)
     later[starts] = False
-    gaps = (np.diff(ns) * 1e-6)[later[1:]]
+    gaps = np.diff(ns)[later[1:]] * 1e-6
     gap_tokens = tokens[1:][later[1:]]
-    keep = gap_tokens > 0
-    itl = np.repeat(gaps[keep] / gap_tokens[keep], gap_tokens[keep])
+    # Each gap spread over its tokens; the usual shapes skip work that changes nothing: no
+    # empty chunks (nothing to drop), one token a chunk (x / 1 == x, nothing to repeat).
+    if not (gap_tokens > 0).all():
+        keep = gap_tokens > 0
+        gaps, gap_tokens = gaps[keep], gap_tokens[keep]
+    itl = gaps if (gap_tokens == 1).all() else np.repeat(gaps / gap_tokens, gap_tokens)
     return LatencyStats(_quantiles(ttft), _quantiles(tpot), _quantiles(itl))
 
 
