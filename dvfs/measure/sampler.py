@@ -10,7 +10,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -125,6 +125,15 @@ def _reads_in_bulk(clock: type, gpus: tuple[type, ...]) -> bool:
     return issubclass(clock, BatchClock) and all(issubclass(g, BulkReadable) for g in gpus)
 
 
+@functools.cache
+def _defers(gpus: tuple[type, ...]) -> bool:
+    """Whether every GPU can name the state its readings come from and read a past state
+    (`reading_state`, `readings_of`: the twin), so ticks can be read later, together."""
+    return all(
+        getattr(g, "reading_state", None) is not None and hasattr(g, "readings_of") for g in gpus
+    )
+
+
 class SamplerError(GpuError):
     """The background sampler failed or did not stop; its readings are not used."""
 
@@ -136,7 +145,11 @@ class Sampler:
     whose GPUs can all answer for many instants at once (`BulkReadable`, the twin), the ticks
     due so far are read in one call per GPU whenever time advances past them: the same
     instants and values, since nothing changes a GPU between ticks but the caller's own
-    calls, which happen outside the clock's advance. On exit the sampler closes its lists (a
+    calls, which happen outside the clock's advance. A GPU that also names the state its
+    readings come from (`reading_state`, `readings_of`: the twin's timeline, replaced on every
+    start and knob change) has its ticks noted with that state and read when the sampler next
+    reads at once (on exit: one call a round), from the state each was due in: the same
+    values. On exit the sampler closes its lists (a
     reading that finishes later is dropped, never appended while someone reads them) and raises
     `SamplerError` if a reading is still in progress after `stop_timeout_s`, or the error a
     reading raised.
@@ -162,8 +175,13 @@ class Sampler:
         self._in_flight = 0
         self._error: BaseException | None = None
         self._bulk: list[BulkReadable] | None = None
-        if clock.virtual and _reads_in_bulk(type(clock), tuple(type(g) for g in self.gpus)):
+        #: Ticks noted but not read yet, each with the state of every GPU when it was due.
+        self._pending: list[tuple[np.ndarray, tuple[object, ...]]] | None = None
+        types = tuple(type(g) for g in self.gpus)
+        if clock.virtual and _reads_in_bulk(type(clock), types):
             self._bulk = [cast(BulkReadable, g) for g in self.gpus]
+            if _defers(types):
+                self._pending = []
 
     def _read(self, what: str, index: int, fn: Callable[[], int]) -> int:
         self._reading = f"{what} of GPU {index}"
@@ -207,9 +225,56 @@ class Sampler:
                 return
             self.samples.append(t, energy, energy_t, power, clock, temperature, reasons)
 
+    def _note(self, t_ns: np.ndarray) -> None:
+        """Keep instants to read later, with the state each GPU is in now (deferring GPUs)."""
+        assert self._pending is not None
+        states = tuple(cast(Any, g).reading_state() for g in self.gpus)
+        with self._cond:
+            if not self._closed:
+                self._pending.append((t_ns, states))
+
+    def _read_pending(self) -> None:
+        """Read the noted instants, one call per GPU for each run of them due in one state,
+        and append the readings in order."""
+        assert self._pending is not None
+        with self._cond:
+            pending, self._pending = self._pending, []
+            if not pending or self._closed:
+                return
+            self._in_flight += 1
+        try:
+            parts = []
+            start = 0
+            for end in range(1, len(pending) + 1):
+                if end < len(pending) and all(
+                    a is b for a, b in zip(pending[end][1], pending[start][1], strict=True)
+                ):
+                    continue
+                t_ns = np.concatenate([t for t, _ in pending[start:end]])
+                readings = []
+                for gpu, state in zip(self.gpus, pending[start][1], strict=True):
+                    self._reading = f"the readings of GPU {gpu.identity.index}"
+                    readings.append(cast(Any, gpu).readings_of(state, t_ns))
+                parts.append((t_ns, readings))
+                start = end
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._reading = None
+                self._cond.notify_all()
+        with self._cond:
+            if not self._closed:
+                for t_ns, readings in parts:
+                    self.samples.extend(t_ns, readings)
+
     def _sample_at(self, t_ns: np.ndarray) -> None:
-        """Read every GPU at the instants `t_ns` in one call each and append the readings."""
+        """Read every GPU at the instants `t_ns` in one call each and append the readings
+        (with the noted ticks before them, deferring GPUs)."""
         assert self._bulk is not None
+        if self._pending is not None:
+            self._note(t_ns)
+            self._read_pending()
+            return
         with self._cond:
             if self._closed:
                 return
@@ -238,7 +303,10 @@ class Sampler:
     def _tick_batch(self, t_ns: np.ndarray) -> None:
         """The batch callback on virtual time (`_tick` for several due instants at once)."""
         try:
-            self._sample_at(t_ns)
+            if self._pending is not None:
+                self._note(t_ns)  # read with the next reading at once, from this state
+            else:
+                self._sample_at(t_ns)
         except Exception as exc:  # a signal's KeyboardInterrupt propagates, as in `_tick`
             self._fail(exc)
 
@@ -270,6 +338,13 @@ class Sampler:
                 f"asked: reading {stuck} has not returned; the GPU or its driver is not "
                 "responding (see `nvidia-smi`), so this round's readings are discarded"
             )
+        if self._error is None and self._pending is not None:
+            try:  # the round's noted ticks and the final reading, read together
+                self.sample()
+            except Exception as exc:  # a signal's KeyboardInterrupt propagates
+                self._fail(exc)
+            else:
+                return
         if self._error is not None:
             if isinstance(self._error, GpuError):
                 raise self._error
@@ -287,7 +362,12 @@ class Sampler:
             return None
 
     def close(self) -> None:
-        """No more readings: later ones are dropped."""
+        """No more readings: later ones are dropped (ticks already due are read first)."""
+        if self._pending:
+            try:
+                self._read_pending()
+            except Exception as exc:  # kept, as a tick's error would be
+                self._fail(exc)
         with self._cond:
             self._closed = True
 
