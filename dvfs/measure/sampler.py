@@ -243,20 +243,20 @@ class Sampler:
                 return
             self._in_flight += 1
         try:
+            runs: list[list[tuple[np.ndarray, tuple[object, ...]]]] = [[pending[0]]]
+            for entry in pending[1:]:  # states compare by identity (a tuple's == does)
+                if entry[1] == runs[-1][0][1]:
+                    runs[-1].append(entry)
+                else:
+                    runs.append([entry])
             parts = []
-            start = 0
-            for end in range(1, len(pending) + 1):
-                if end < len(pending) and all(
-                    a is b for a, b in zip(pending[end][1], pending[start][1], strict=True)
-                ):
-                    continue
-                t_ns = np.concatenate([t for t, _ in pending[start:end]])
+            for run in runs:
+                t_ns = run[0][0] if len(run) == 1 else np.concatenate([t for t, _ in run])
                 readings = []
-                for gpu, state in zip(self.gpus, pending[start][1], strict=True):
-                    self._reading = f"the readings of GPU {gpu.identity.index}"
+                for gpu, state in zip(self.gpus, run[0][1], strict=True):
+                    self._reading = "the readings of GPU " + str(gpu.identity.index)
                     readings.append(cast(Any, gpu).readings_of(state, t_ns))
                 parts.append((t_ns, readings))
-                start = end
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -317,9 +317,8 @@ class Sampler:
 
     def __enter__(self) -> Sampler:
         self.sample()
-        if self._bulk is not None:
-            assert isinstance(self.clock, BatchClock)
-            self._ticker = self.clock.every_batch(self.period_s, self._tick_batch)
+        if self._bulk is not None:  # a BatchClock (`_reads_in_bulk`)
+            self._ticker = cast(BatchClock, self.clock).every_batch(self.period_s, self._tick_batch)
         else:
             self._ticker = self.clock.every(self.period_s, self._tick)
         return self
