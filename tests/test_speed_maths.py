@@ -229,3 +229,45 @@ def test_two_updates_in_one_period_are_not_a_regular_grid() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__])
+
+
+# -- text features: characters counted once per distinct character -----------------------------
+
+
+def per_character(texts: list[str]) -> tuple[float, float, float, str]:
+    """The character shares as measured before, one character at a time."""
+    from collections import Counter
+
+    from dvfs.twin.textprior import CODE_SYMBOLS, _script
+
+    scripts: Counter[str] = Counter()
+    chars = digits = symbols = 0
+    for text in texts:
+        for ch in text:
+            if ch.isspace():
+                continue
+            chars += 1
+            if ch.isdigit():
+                digits += 1
+            elif ch in CODE_SYMBOLS:
+                symbols += 1
+            elif ch.isalpha():
+                scripts[_script(ch)] += 1
+    letters = sum(scripts.values())
+    return (
+        scripts["LATIN"] / letters if letters else 0.0,
+        symbols / chars if chars else 0.0,
+        digits / chars if chars else 0.0,
+        scripts.most_common(1)[0][0].lower() if scripts else "none",
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="ab Zé1{}();=\n\tΩλПж日本", max_size=40), min_size=1, max_size=5))
+def test_text_features_count_characters_as_one_by_one(texts) -> None:
+    from dvfs.twin.textprior import measure
+
+    f = measure([[t] for t in texts])
+    assert (f.latin_letters, f.code_symbols, f.digits, f.script) == per_character(
+        ["\n\n".join([t]) for t in texts]
+    )

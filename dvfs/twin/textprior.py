@@ -186,16 +186,16 @@ def measure(prompts: Iterable[Sequence[str]]) -> TextFeatures:
         h, t = repetition_counts(tokens(text))
         hits, tries = hits + h, tries + t
         words.update(w.lower() for w in WORD.findall(text))
-        for ch in text:
+        for ch, count in Counter(text).items():  # each distinct character once
             if ch.isspace():
                 continue
-            chars += 1
+            chars += count
             if ch.isdigit():
-                digits += 1
+                digits += count
             elif ch in CODE_SYMBOLS:
-                symbols += 1
+                symbols += count
             elif ch.isalpha():
-                scripts[_script(ch)] += 1
+                scripts[_script(ch)] += count
         for line in text.split("\n"):
             if line.strip():
                 lines += 1
