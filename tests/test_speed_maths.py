@@ -258,7 +258,7 @@ def per_character(texts: list[str]) -> tuple[float, float, float, str]:
         scripts["LATIN"] / letters if letters else 0.0,
         symbols / chars if chars else 0.0,
         digits / chars if chars else 0.0,
-        scripts.most_common(1)[0][0].lower() if scripts else "none",
+        min(scripts.items(), key=lambda kv: (-kv[1], kv[0]))[0].lower() if scripts else "none",
     )
 
 

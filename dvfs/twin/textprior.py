@@ -211,7 +211,10 @@ def measure(prompts: Iterable[Sequence[str]]) -> TextFeatures:
         english_words=share(sum(words[w] for w in ENGLISH_WORDS), total_words),
         romansh_words=share(sum(words[w] for w in ROMANSH_WORDS), total_words),
         latin_letters=share(scripts["LATIN"], letters),
-        script=scripts.most_common(1)[0][0].lower() if scripts else "none",
+        # the commonest script, a tie to the first name (not to the prompts' order)
+        script=min(scripts.items(), key=lambda kv: (-kv[1], kv[0]))[0].lower()
+        if scripts
+        else "none",
         indented_lines=share(indented, lines),
         code_symbols=share(symbols, chars),
         digits=share(digits, chars),
