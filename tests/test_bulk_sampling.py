@@ -196,25 +196,66 @@ def test_keyboard_interrupt_propagates_out_of_a_bulk_reading() -> None:
         clock.sleep(0.05)
 
 
-def test_sigint_during_a_bulk_round_interrupts_it() -> None:
+class Signalling(FlakyGpu):
+    """Raises SIGINT in its second bulk read (the first after the sampler's entry)."""
+
+    calls: list[int]
+
+    def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
+        self.calls.append(len(t_ns))
+        if len(self.calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().readings_at(t_ns)
+
+
+class SignallingAtOnce(Signalling):
+    """The same, reading each batch of ticks as it falls due (no state to defer with)."""
+
+    reading_state = None  # type: ignore[assignment]
+
+
+def sigint_in_a_round(gpu: Signalling, clock: VirtualClock, *, during_sleep: bool) -> None:
     saved = signal.getsignal(signal.SIGINT)
-    clock = VirtualClock()
-    gpu = FlakyGpu(TwinDevice(H100, clock))
-    calls = []
-
-    class Signalling(FlakyGpu):
-        def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
-            calls.append(len(t_ns))
-            if len(calls) == 2:  # the first batch of ticks
-                os.kill(os.getpid(), signal.SIGINT)
-            return super().readings_at(t_ns)
-
-    gpu = Signalling(TwinDevice(H100, clock))
+    gpu.calls = []
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         with pytest.raises(KeyboardInterrupt), signals_raise(), Sampler([gpu], clock, 0.01):
             clock.sleep(0.05)
-            pytest.fail("SIGINT did not interrupt the round")
+            if during_sleep:
+                pytest.fail("SIGINT did not interrupt the round")
     finally:
         signal.signal(signal.SIGINT, saved)
-    assert calls[1] > 1  # it arrived during a batch
+    assert gpu.calls[1] > 1  # it arrived during a read of several ticks
+
+
+def test_sigint_during_a_bulk_round_interrupts_it() -> None:
+    clock = VirtualClock()
+    sigint_in_a_round(SignallingAtOnce(TwinDevice(H100, clock)), clock, during_sleep=True)
+
+
+def test_sigint_during_the_deferred_read_of_a_rounds_ticks_interrupts_it() -> None:
+    # the twin's ticks are noted with its state and read together as the round ends
+    clock = VirtualClock()
+    sigint_in_a_round(Signalling(TwinDevice(H100, clock)), clock, during_sleep=False)
+
+
+def test_deferred_ticks_are_read_from_the_state_they_were_due_in() -> None:
+    def script(clock: TickClock | VirtualClock) -> tuple[dict[str, np.ndarray], int]:
+        inner = clock.inner if isinstance(clock, TickClock) else clock
+        device = TwinDevice(H100, inner)
+        gpu = TwinGpu(device)
+        node = TwinNode([device])
+        with Sampler([gpu], clock, 0.01) as sampler:
+            node.execute(workload([64] * 200))
+            clock.sleep(0.037)
+            noted = len(sampler._pending or [])
+            gpu.lock_sm_clock(1200, 1200)  # a new state mid-round, after three ticks were due
+            node.execute(workload([512] * 100))
+            clock.sleep(0.041)
+        return sampler.samples.arrays(), noted
+
+    (tick, _), (bulk, noted) = script(TickClock()), script(VirtualClock())
+    assert noted == 1  # the twin's ticks were noted, not read, when the state changed
+    assert len(tick["t_ns"]) == 2 + 7
+    for key in tick:
+        assert np.array_equal(tick[key], bulk[key]), key

@@ -15,6 +15,7 @@ otherwise the middle is used. Pure arithmetic: no GPU, no clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,15 +78,31 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
         return mid, False
     period_ns = period_s * 1e9
     steps = np.round((mid - mid[0]) / period_ns)
-    if len(np.unique(steps)) != len(steps):
+    rise = np.diff(steps)
+    # as np.unique would tell, without its sort when the steps ascend (they do)
+    repeated = not (rise > 0).all() and ((rise >= 0).all() or len(np.unique(steps)) != len(steps))
+    if repeated:
         return mid, False  # two updates in one period: not the regular counter assumed
-    slope, intercept = np.polyfit(steps, mid - mid[0], 1)
+    slope, intercept = _line_fit(steps, mid - mid[0])
     fitted = mid[0] + intercept + slope * steps
     half = (hi - lo) / 2.0
     # a line fitted through tens of brackets can miss one by microseconds: 1% of a period
     if np.all(np.abs(fitted - mid) <= half + 0.01 * period_ns):
         return np.clip(fitted, lo, hi), True
     return mid, False
+
+
+def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """`np.polyfit(x, y, 1)`'s slope and intercept by polyfit's own steps (its Vandermonde
+    matrix, column scaling and `lstsq`), without its argument handling: the same numbers,
+    called once a round. x and y are float64 of one length, at least 2 distinct x."""
+    lhs = np.empty((len(x), 2))
+    lhs[:, 0] = x
+    lhs[:, 1] = 1.0
+    scale = np.sqrt((lhs * lhs).sum(axis=0))
+    lhs /= scale
+    coef = np.linalg.lstsq(lhs, y, len(x) * np.finfo(np.float64).eps)[0] / scale
+    return float(coef[0]), float(coef[1])
 
 
 def update_period_s(t_ns: np.ndarray, value_mj: np.ndarray) -> float | None:
@@ -134,29 +151,77 @@ def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
 # -- tokens on the same interval --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
 class TokenCurve:
     """Cumulative output tokens against time, rising linearly through each decode step (a
     chunk's tokens are produced over the step that ends with its arrival, as the step's energy
-    is spent over it), so tokens and energy are counted over exactly the same interval."""
+    is spent over it), so tokens and energy are counted over exactly the same interval.
 
-    t_ns: np.ndarray
-    cumulative: np.ndarray
+    The curve runs through its distinct chunk instants (`t_ns`, `cumulative`: the tokens up to
+    and at each), flat before the first and after the last. A window reads it at a handful of
+    instants, so `at` finds each one's two neighbouring instants from the chunks themselves
+    (no sort of a round's thousands of chunks); the numbers are `np.interp`'s on the whole
+    curve, to the last bit (token counts are whole numbers, summed exactly in any order)."""
+
+    def __init__(self, ns: np.ndarray, tokens: np.ndarray) -> None:
+        self._ns = np.asarray(ns, dtype=np.int64)
+        self._tokens = np.asarray(tokens, dtype=np.float64)
+        self._seen: dict[float, float] = {}
 
     @classmethod
     def of(cls, chunk_ns: Sequence[np.ndarray], chunk_tokens: Sequence[np.ndarray]) -> TokenCurve:
         if not chunk_ns:
-            return cls(np.array([0.0]), np.array([0.0]))
-        ns = np.concatenate([np.asarray(c, dtype=np.int64) for c in chunk_ns])
-        tokens = np.concatenate([np.asarray(c, dtype=np.float64) for c in chunk_tokens])
+            return cls(np.array([], dtype=np.int64), np.array([]))
+        ns = np.concatenate(chunk_ns, dtype=np.int64, casting="unsafe")
+        tokens = np.concatenate(chunk_tokens, dtype=np.float64, casting="unsafe")
+        return cls(ns, tokens)
+
+    @functools.cached_property
+    def _whole(self) -> tuple[np.ndarray, np.ndarray]:
+        if not len(self._ns):
+            return np.array([0.0]), np.array([0.0])
+        instants, inverse = np.unique(self._ns, return_inverse=True)
+        per_instant = np.bincount(inverse, weights=self._tokens)
+        return instants.astype(np.float64), np.cumsum(per_instant)
+
+    @property
+    def t_ns(self) -> np.ndarray:
+        """The distinct chunk instants, ascending ([0] without chunks)."""
+        return self._whole[0]
+
+    @property
+    def cumulative(self) -> np.ndarray:
+        """Tokens up to and at each of `t_ns`."""
+        return self._whole[1]
+
+    def _at(self, x: float) -> float:
+        ns, tokens = self._ns, self._tokens
         if not len(ns):
-            return cls(np.array([0.0]), np.array([0.0]))
-        instants, inverse = np.unique(ns, return_inverse=True)
-        per_instant = np.bincount(inverse, weights=tokens)
-        return cls(instants.astype(np.float64), np.cumsum(per_instant))
+            return 0.0
+        upto = ns <= x  # masked reductions: no copies of a round's thousands of chunks
+        low = ns.max(where=upto, initial=_INT64_MIN)
+        if low == _INT64_MIN:  # before the first instant: the curve's first value
+            return float(tokens[ns == ns.min()].sum())
+        low_tokens = tokens.sum(where=upto)
+        high = ns.min(where=~upto, initial=_INT64_MAX)
+        if high == _INT64_MAX:  # at or after the last instant: every token
+            return float(low_tokens)
+        high_tokens = low_tokens + tokens.sum(where=ns == high)
+        pair = np.array([low, high], dtype=np.float64)
+        return float(np.interp(x, pair, np.array([low_tokens, high_tokens])))
 
     def at(self, t_ns: float | np.ndarray) -> np.ndarray:
-        return np.interp(t_ns, self.t_ns, self.cumulative)
+        x = np.asarray(t_ns, dtype=np.float64)
+        out = np.empty(x.shape)
+        flat = out.reshape(-1)
+        for i, value in enumerate(x.reshape(-1).tolist()):
+            known = self._seen.get(value)
+            if known is None:
+                known = self._seen[value] = self._at(value)
+            flat[i] = known
+        return out if out.ndim else out[()]
 
     def between(self, start_ns: float, end_ns: float) -> float:
         a, b = self.at(np.array([start_ns, end_ns], dtype=np.float64))
@@ -230,9 +295,17 @@ def length_uncertainty(rounds: Sequence[RoundEnergy]) -> float:
 # -- the interval on a cell's rounds or repeats -----------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def t_two_sided(confidence: float, dof: int) -> float:
     """The two-sided Student-t quantile: P(|T| <= t) = confidence with `dof` degrees of
-    freedom (scipy, imported here so `dvfs --help` stays fast)."""
+    freedom (scipy, imported here so `dvfs --help` stays fast). Remembered: a sweep asks for
+    the same few (confidence, dof) pairs tens of thousands of times, and the usual ones are
+    in `dvfs.measure.tquantiles`, scipy's own numbers, so a sweep does not import scipy."""
+    from dvfs.measure.tquantiles import T_TWO_SIDED
+
+    known = T_TWO_SIDED.get((confidence, dof))
+    if known is not None:
+        return known
     from scipy import stats
 
     return float(stats.t.ppf((1 + confidence) / 2, dof))
@@ -241,14 +314,16 @@ def t_two_sided(confidence: float, dof: int) -> float:
 def relative_half_width(values: Sequence[float], confidence: float) -> float:
     """Half-width of the Student-t interval on the mean of `values`, relative to the mean; NaN
     with fewer than two finite values or a zero mean. Identical values give 0."""
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
+    # Plain floats: a cell has a handful of rounds, where numpy's per-call cost dominates
+    # (the arithmetic is numpy's own: float64, each square a product).
+    v = [x for x in map(float, values) if math.isfinite(x)]
     n = len(v)
     if n < 2:
         return math.nan
-    mean = math.fsum(v.tolist()) / n
+    mean = math.fsum(v) / n
     if mean == 0:
         return math.nan
-    sd = math.sqrt(math.fsum(((v - mean) ** 2).tolist()) / (n - 1))
+    sd = math.sqrt(math.fsum((x - mean) * (x - mean) for x in v) / (n - 1))
     return abs(t_two_sided(confidence, n - 1) * sd / math.sqrt(n) / mean)
 
 

@@ -143,35 +143,118 @@ class LatencyStats:
     itl_ms: tuple[float, ...]
 
 
-_Q = np.array(QUANTILES)
-
-
 def _quantiles(values: np.ndarray) -> tuple[float, ...]:
     """`np.quantile(values, QUANTILES)` (Hyndman & Fan's method 7, numpy's "linear") written out
     with numpy's own arithmetic, so the numbers are the same to the last bit: np.quantile's
-    argument handling costs more than the sort on a cell's few thousand latencies."""
+    argument handling costs more than the work on a cell's few thousand latencies. Only the
+    order statistics the quantiles read are put in place (`np.partition`), and the three
+    interpolations are done on plain floats (float64, as numpy's)."""
     n = len(values)
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
-    ordered = np.sort(np.asarray(values, dtype=float))
-    if math.isnan(ordered[-1]):
+    values = np.asarray(values, dtype=float)
+    picks = []  # per quantile: the lower and upper order statistic and the weight
+    for q in QUANTILES:
+        position = (n - 1) * q  # numpy's virtual index for "linear"
+        below = math.floor(position)
+        if position >= n - 1:
+            below = above = n - 1
+            weight = position + 1  # numpy's arithmetic on index -1: only >= 0.5 matters
+        else:
+            above = below + 1
+            weight = position - below
+        picks.append((below, above, weight))
+    if math.isnan(values.max()):  # NaN is the largest value in a sort: every quantile is NaN
         return tuple(math.nan for _ in QUANTILES)
-    position = (n - 1) * _Q  # numpy's virtual index for "linear"
-    below = np.floor(position)
-    above = below + 1
-    last = position >= n - 1
-    below[last] = above[last] = -1
-    weight = position - below
-    lo, hi = ordered[below.astype(np.intp)], ordered[above.astype(np.intp)]
-    step = hi - lo
-    result = np.where(weight >= 0.5, hi - step * (1 - weight), lo + step * weight)
-    return tuple(result.tolist())
+    ordered = np.partition(values, sorted({i for b, a, _ in picks for i in (b, a)}))
+    out = []
+    for below, above, weight in picks:
+        lo, hi = float(ordered[below]), float(ordered[above])
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
+class _RoundLatency(LatencyStats):
+    """`LatencyStats` whose TTFT and ITL are computed when first read: a sweep reads a round's
+    median TPOT as it measures and its other statistics hardly ever (the cell's come from all
+    its rounds at once), and the ITL of a round is most of the work. Equal to, hashed, copied
+    and pickled as the plain `LatencyStats` of the same numbers."""
+
+    def __init__(self, ok: list[RequestTrace]) -> None:  # pylint: disable=super-init-not-called
+        object.__setattr__(self, "_ok", ok)
+        object.__setattr__(self, "tpot_ms", _quantiles(_tpot_ms(ok)))
+
+    def __getattr__(self, name: str) -> tuple[float, ...]:
+        if name not in ("ttft_ms", "itl_ms"):
+            raise AttributeError(name)
+        full = _latency_of(self.__dict__["_ok"])
+        object.__setattr__(self, "ttft_ms", full.ttft_ms)
+        object.__setattr__(self, "itl_ms", full.itl_ms)
+        return getattr(full, name)
+
+    def plain(self) -> LatencyStats:
+        return LatencyStats(self.ttft_ms, self.tpot_ms, self.itl_ms)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LatencyStats):
+            return (self.ttft_ms, self.tpot_ms, self.itl_ms) == (
+                other.ttft_ms,
+                other.tpot_ms,
+                other.itl_ms,
+            )
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.plain())
+
+    def __repr__(self) -> str:
+        return repr(self.plain())
+
+    def __reduce__(self) -> tuple[type, tuple[tuple[float, ...], ...]]:
+        return LatencyStats, (self.ttft_ms, self.tpot_ms, self.itl_ms)
+
+
+#: The last few rounds' latency statistics, by the identity of their (immutable) tuple of
+#: traces: the runner asks for a round's as it measures, and `summarise` again at the end.
+_LATENCY_MEMO: list[tuple[tuple[RequestTrace, ...], LatencyStats]] = []
+_LATENCY_MEMO_SIZE = 16
 
 
 def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     """TTFT, TPOT and ITL quantiles over the requests that finished without error, computed on
-    their chunks concatenated once (a cell has thousands of chunks)."""
-    ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
+    their chunks concatenated once (a cell has thousands of chunks). A round's (a tuple of
+    traces, as `RoundResult` holds) is remembered for the next few calls, and its TTFT and ITL
+    are computed when first read (`_RoundLatency`)."""
+    if not isinstance(requests, tuple):
+        return _latency_of(_finished(requests))
+    for seen, stats in _LATENCY_MEMO:
+        if seen is requests:
+            return stats
+    ok = _finished(requests)
+    stats = _RoundLatency(ok) if ok else _latency_of(ok)
+    _LATENCY_MEMO.append((requests, stats))
+    if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
+        del _LATENCY_MEMO[0]
+    return stats
+
+
+def _finished(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
+    return [r for r in requests if r.error is None and len(r.chunk_ns)]
+
+
+def _tpot_ms(ok: list[RequestTrace]) -> np.ndarray:
+    """TPOT (ms) of each finished request with more than one token, in order."""
+    n = len(ok)
+    first = np.fromiter((r.chunk_ns[0] for r in ok), dtype=np.int64, count=n)
+    last = np.fromiter((r.chunk_ns[-1] for r in ok), dtype=np.int64, count=n)
+    completion = np.fromiter((r.completion_tokens for r in ok), dtype=np.int64, count=n)
+    multi = completion > 1
+    return (last[multi] - first[multi]) * 1e-6 / (completion[multi] - 1)
+
+
+def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
+    """`latency_stats` of requests that finished (with chunks)."""
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
@@ -190,10 +273,14 @@ def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     # A gap belongs to the chunk it ends, unless that chunk is a request's first.
     later = np.ones(len(ns), dtype=bool)
     later[starts] = False
-    gaps = (np.diff(ns) * 1e-6)[later[1:]]
+    gaps = np.diff(ns)[later[1:]] * 1e-6
     gap_tokens = tokens[1:][later[1:]]
-    keep = gap_tokens > 0
-    itl = np.repeat(gaps[keep] / gap_tokens[keep], gap_tokens[keep])
+    # Each gap spread over its tokens; the usual shapes skip work that changes nothing: no
+    # empty chunks (nothing to drop), one token a chunk (x / 1 == x, nothing to repeat).
+    if not (gap_tokens > 0).all():
+        keep = gap_tokens > 0
+        gaps, gap_tokens = gaps[keep], gap_tokens[keep]
+    itl = gaps if (gap_tokens == 1).all() else np.repeat(gaps / gap_tokens, gap_tokens)
     return LatencyStats(_quantiles(ttft), _quantiles(tpot), _quantiles(itl))
 
 
@@ -211,17 +298,22 @@ class Acceptance:
 
 def acceptance(results: Sequence[RoundResult]) -> Acceptance:
     """Pooled over every request: tokens per verify pass, and accepted over proposed drafts."""
-    reqs = [r for res in results for r in res.requests if r.spec_verify_ct is not None]
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
     server_mean = float(np.mean(server)) if server else math.nan
-    if not reqs:
+    n = verify = proposed = accepted = completion = 0  # one pass over a cell's requests
+    for res in results:
+        for r in res.requests:
+            if r.spec_verify_ct is None:
+                continue
+            n += 1
+            verify += r.spec_verify_ct
+            proposed += r.spec_proposed_drafts or 0
+            accepted += r.spec_accepted_drafts or 0
+            completion += r.completion_tokens
+    if not n:
         return Acceptance(math.nan, math.nan, server_mean)
-    verify = sum(r.spec_verify_ct or 0 for r in reqs)
-    proposed = sum(r.spec_proposed_drafts or 0 for r in reqs)
-    accepted = sum(r.spec_accepted_drafts or 0 for r in reqs)
-    completion = sum(r.completion_tokens for r in reqs)
     length = completion / verify if verify else math.nan
-    decode = (completion - len(reqs)) / verify if verify else math.nan
+    decode = (completion - n) / verify if verify else math.nan
     rate = accepted / proposed if proposed else math.nan
     return Acceptance(length, rate, server_mean, decode)
 

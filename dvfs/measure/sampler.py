@@ -10,7 +10,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -90,6 +90,20 @@ class Samples:
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
         """Append readings at several instants (arrays per GPU), combined as `append` does."""
         t_ns = np.asarray(t_ns, dtype=np.int64)
+        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are
+            (g,) = gpus
+            total = g.energy_mj
+            self._add(
+                t_ns=t_ns,
+                energy_mj=total if total.dtype == np.int64 else total[:, None].sum(axis=1),
+                power_mw=g.power_mw,
+                sm_clock_mhz=g.sm_clock_mhz,
+                temperature_c=g.temperature_c,
+                reasons=g.reasons,
+                gpu_energy_mj=g.energy_mj[:, None],
+                gpu_energy_t_ns=t_ns[:, None],
+            )
+            return
         energy = np.stack([g.energy_mj for g in gpus], axis=1)
         self._add(
             t_ns=t_ns,
@@ -111,6 +125,15 @@ def _reads_in_bulk(clock: type, gpus: tuple[type, ...]) -> bool:
     return issubclass(clock, BatchClock) and all(issubclass(g, BulkReadable) for g in gpus)
 
 
+@functools.cache
+def _defers(gpus: tuple[type, ...]) -> bool:
+    """Whether every GPU can name the state its readings come from and read a past state
+    (`reading_state`, `readings_of`: the twin), so ticks can be read later, together."""
+    return all(
+        getattr(g, "reading_state", None) is not None and hasattr(g, "readings_of") for g in gpus
+    )
+
+
 class SamplerError(GpuError):
     """The background sampler failed or did not stop; its readings are not used."""
 
@@ -122,7 +145,11 @@ class Sampler:
     whose GPUs can all answer for many instants at once (`BulkReadable`, the twin), the ticks
     due so far are read in one call per GPU whenever time advances past them: the same
     instants and values, since nothing changes a GPU between ticks but the caller's own
-    calls, which happen outside the clock's advance. On exit the sampler closes its lists (a
+    calls, which happen outside the clock's advance. A GPU that also names the state its
+    readings come from (`reading_state`, `readings_of`: the twin's timeline, replaced on every
+    start and knob change) has its ticks noted with that state and read when the sampler next
+    reads at once (on exit: one call a round), from the state each was due in: the same
+    values. On exit the sampler closes its lists (a
     reading that finishes later is dropped, never appended while someone reads them) and raises
     `SamplerError` if a reading is still in progress after `stop_timeout_s`, or the error a
     reading raised.
@@ -148,8 +175,13 @@ class Sampler:
         self._in_flight = 0
         self._error: BaseException | None = None
         self._bulk: list[BulkReadable] | None = None
-        if clock.virtual and _reads_in_bulk(type(clock), tuple(type(g) for g in self.gpus)):
+        #: Ticks noted but not read yet, each with the state of every GPU when it was due.
+        self._pending: list[tuple[np.ndarray, tuple[object, ...]]] | None = None
+        types = tuple(type(g) for g in self.gpus)
+        if clock.virtual and _reads_in_bulk(type(clock), types):
             self._bulk = [cast(BulkReadable, g) for g in self.gpus]
+            if _defers(types):
+                self._pending = []
 
     def _read(self, what: str, index: int, fn: Callable[[], int]) -> int:
         self._reading = f"{what} of GPU {index}"
@@ -193,9 +225,56 @@ class Sampler:
                 return
             self.samples.append(t, energy, energy_t, power, clock, temperature, reasons)
 
+    def _note(self, t_ns: np.ndarray) -> None:
+        """Keep instants to read later, with the state each GPU is in now (deferring GPUs)."""
+        assert self._pending is not None
+        states = tuple(cast(Any, g).reading_state() for g in self.gpus)
+        with self._cond:
+            if not self._closed:
+                self._pending.append((t_ns, states))
+
+    def _read_pending(self) -> None:
+        """Read the noted instants, one call per GPU for each run of them due in one state,
+        and append the readings in order."""
+        assert self._pending is not None
+        with self._cond:
+            pending, self._pending = self._pending, []
+            if not pending or self._closed:
+                return
+            self._in_flight += 1
+        try:
+            runs: list[list[tuple[np.ndarray, tuple[object, ...]]]] = [[pending[0]]]
+            for entry in pending[1:]:  # states compare by identity (a tuple's == does)
+                if entry[1] == runs[-1][0][1]:
+                    runs[-1].append(entry)
+                else:
+                    runs.append([entry])
+            parts = []
+            for run in runs:
+                t_ns = run[0][0] if len(run) == 1 else np.concatenate([t for t, _ in run])
+                readings = []
+                for gpu, state in zip(self.gpus, run[0][1], strict=True):
+                    self._reading = "the readings of GPU " + str(gpu.identity.index)
+                    readings.append(cast(Any, gpu).readings_of(state, t_ns))
+                parts.append((t_ns, readings))
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._reading = None
+                self._cond.notify_all()
+        with self._cond:
+            if not self._closed:
+                for t_ns, readings in parts:
+                    self.samples.extend(t_ns, readings)
+
     def _sample_at(self, t_ns: np.ndarray) -> None:
-        """Read every GPU at the instants `t_ns` in one call each and append the readings."""
+        """Read every GPU at the instants `t_ns` in one call each and append the readings
+        (with the noted ticks before them, deferring GPUs)."""
         assert self._bulk is not None
+        if self._pending is not None:
+            self._note(t_ns)
+            self._read_pending()
+            return
         with self._cond:
             if self._closed:
                 return
@@ -224,7 +303,10 @@ class Sampler:
     def _tick_batch(self, t_ns: np.ndarray) -> None:
         """The batch callback on virtual time (`_tick` for several due instants at once)."""
         try:
-            self._sample_at(t_ns)
+            if self._pending is not None:
+                self._note(t_ns)  # read with the next reading at once, from this state
+            else:
+                self._sample_at(t_ns)
         except Exception as exc:  # a signal's KeyboardInterrupt propagates, as in `_tick`
             self._fail(exc)
 
@@ -235,9 +317,8 @@ class Sampler:
 
     def __enter__(self) -> Sampler:
         self.sample()
-        if self._bulk is not None:
-            assert isinstance(self.clock, BatchClock)
-            self._ticker = self.clock.every_batch(self.period_s, self._tick_batch)
+        if self._bulk is not None:  # a BatchClock (`_reads_in_bulk`)
+            self._ticker = cast(BatchClock, self.clock).every_batch(self.period_s, self._tick_batch)
         else:
             self._ticker = self.clock.every(self.period_s, self._tick)
         return self
@@ -256,6 +337,13 @@ class Sampler:
                 f"asked: reading {stuck} has not returned; the GPU or its driver is not "
                 "responding (see `nvidia-smi`), so this round's readings are discarded"
             )
+        if self._error is None and self._pending is not None:
+            try:  # the round's noted ticks and the final reading, read together
+                self.sample()
+            except Exception as exc:  # a signal's KeyboardInterrupt propagates
+                self._fail(exc)
+            else:
+                return
         if self._error is not None:
             if isinstance(self._error, GpuError):
                 raise self._error
@@ -273,7 +361,12 @@ class Sampler:
             return None
 
     def close(self) -> None:
-        """No more readings: later ones are dropped."""
+        """No more readings: later ones are dropped (ticks already due are read first)."""
+        if self._pending:
+            try:
+                self._read_pending()
+            except Exception as exc:  # kept, as a tick's error would be
+                self._fail(exc)
         with self._cond:
             self._closed = True
 

@@ -56,6 +56,14 @@ class Sensor:
     def instant_ns(self, k: np.ndarray) -> np.ndarray:
         return self.phase_ns + np.asarray(k, dtype=np.int64) * self.period_ns
 
+    def index_of(self, t_ns: int) -> int:
+        """`index` at one instant, in integer arithmetic (the same number, without numpy)."""
+        return (int(t_ns) - self.phase_ns) // self.period_ns
+
+    def instant_of(self, k: int) -> int:
+        """`instant_ns` of one update."""
+        return self.phase_ns + int(k) * self.period_ns
+
 
 @dataclass(frozen=True)
 class Tail:
@@ -99,7 +107,7 @@ class SteppedCounter:
     ) -> None:
         self.sensor = sensor
         self.fold_ns = fold_ns
-        self.last = int(sensor.index(np.array(fold_ns)))
+        self.last = sensor.index_of(fold_ns)
         self.first = self.last - len(history) + 1
         self.history = np.asarray(history, dtype=float)
         self.carry_j = carry_j
@@ -145,7 +153,7 @@ class SteppedCounter:
         out = tail.a_w * period_s * n
         if tail.b_w and tail.tau_s > 0:
             tau = tail.tau_s
-            u0 = (int(s.instant_ns(np.array(self.tail_first))) - tail.start_ns) * 1e-9
+            u0 = (s.instant_of(self.tail_first) - tail.start_ns) * 1e-9
             w = s.sampled_ns * 1e-9
             first = tail.b_w * tau * math.exp(-u0 / tau) * math.expm1(w / tau)
             # sum_{i<n} q^i with q = exp(-period / tau), stable for q near 1
@@ -174,8 +182,8 @@ class SteppedCounter:
         `t_ns` (clipped to this counter's fold); None when it opens later. A counter folded at
         `t_ns` needs the true energy between that instant and `t_ns`."""
         s = self.sensor
-        k = int(s.index(np.array(t_ns)))
-        window_ns = int(s.instant_ns(np.array(k + 1))) - s.sampled_ns
+        k = s.index_of(t_ns)
+        window_ns = s.instant_of(k + 1) - s.sampled_ns
         if window_ns >= t_ns:
             return None
         return max(window_ns, self.fold_ns)
@@ -187,9 +195,9 @@ class SteppedCounter:
         0 when that is None; this counter's own carry is added when the window opened before
         its fold)."""
         s = self.sensor
-        k = int(s.index(np.array(t_ns)))
+        k = s.index_of(t_ns)
         history = self.at_updates(np.arange(k - s.average_n, k + 1, dtype=np.int64))
-        window_ns = int(s.instant_ns(np.array(k + 1))) - s.sampled_ns
+        window_ns = s.instant_of(k + 1) - s.sampled_ns
         if window_ns >= t_ns:
             return history, 0.0
         if window_ns >= self.fold_ns:

@@ -169,6 +169,12 @@ class TwinDevice:
         self._timeline = self._follow(now, work, *self._carry(now))
 
     # -- readings --------------------------------------------------------------------------
+    @property
+    def timeline(self) -> Timeline:
+        """What the device does from its last `start` or knob change on (replaced, never
+        changed, by the next one): readings at an instant depend on it alone."""
+        return self._timeline
+
     def readings_at(self, t_ns: np.ndarray) -> DeviceReadings:
         """Every reading at each instant of `t_ns` (int64 ns, not before the last `start` or
         knob change): the one place that maps time to what the device reports, for single

@@ -220,9 +220,11 @@ def operating_point(
     passes: Passes,
     requested_mhz: int,
     power_limit_w: float,
+    timing: PassTiming | None = None,
 ) -> OperatingPoint:
     """Highest supported clock <= `requested_mhz` whose average power fits the limit (the
-    lowest supported clock when none does).
+    lowest supported clock when none does); `timing`: the passes' at `requested_mhz` when the
+    caller has it (`time_passes` is elementwise: a slice of a longer timing is the same).
 
     Real GPUs enforce the limit over short windows; the twin enforces it over the workload's
     average, which is what the energy counter sees. Average power rises with the clock, so
@@ -234,7 +236,8 @@ def operating_point(
     known = _CAPPED.get(passes, {}).get((gpu, power_limit_w))
     if known is not None and known[1] < requested_mhz <= known[0]:
         return OperatingPoint(known[1], True, time_passes(gpu, passes, known[1]))
-    timing = time_passes(gpu, passes, requested_mhz)
+    if timing is None:
+        timing = time_passes(gpu, passes, requested_mhz)
     if len(passes) == 0 or timing.mean_power_w <= power_limit_w:
         return OperatingPoint(int(requested_mhz), False, timing)
     clocks = np.array(sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz))
@@ -301,7 +304,7 @@ def schedule(
         if timing.mean_power_w <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
-            points.append(operating_point(gpu, phase, requested_mhz, power_limit_w))
+            points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
     if any(p.power_capped for p in points):
         return Schedule(tuple(points))
     joined = PassTiming(

@@ -186,16 +186,16 @@ def measure(prompts: Iterable[Sequence[str]]) -> TextFeatures:
         h, t = repetition_counts(tokens(text))
         hits, tries = hits + h, tries + t
         words.update(w.lower() for w in WORD.findall(text))
-        for ch in text:
+        for ch, count in Counter(text).items():  # each distinct character once
             if ch.isspace():
                 continue
-            chars += 1
+            chars += count
             if ch.isdigit():
-                digits += 1
+                digits += count
             elif ch in CODE_SYMBOLS:
-                symbols += 1
+                symbols += count
             elif ch.isalpha():
-                scripts[_script(ch)] += 1
+                scripts[_script(ch)] += count
         for line in text.split("\n"):
             if line.strip():
                 lines += 1
@@ -211,7 +211,10 @@ def measure(prompts: Iterable[Sequence[str]]) -> TextFeatures:
         english_words=share(sum(words[w] for w in ENGLISH_WORDS), total_words),
         romansh_words=share(sum(words[w] for w in ROMANSH_WORDS), total_words),
         latin_letters=share(scripts["LATIN"], letters),
-        script=scripts.most_common(1)[0][0].lower() if scripts else "none",
+        # the commonest script, a tie to the first name (not to the prompts' order)
+        script=min(scripts.items(), key=lambda kv: (-kv[1], kv[0]))[0].lower()
+        if scripts
+        else "none",
         indented_lines=share(indented, lines),
         code_symbols=share(symbols, chars),
         digits=share(digits, chars),

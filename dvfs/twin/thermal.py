@@ -19,6 +19,7 @@ off give the old `ambient + R P` temperature and unchanged power.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,12 +48,12 @@ class Thermal:
                 f"thermal runaway: R x dP_leak/dT = {self.c_per_w * self.leakage_w_per_c:g} >= 1"
             )
 
-    @property
+    @functools.cached_property
     def gain(self) -> float:
         """1 / (1 - R k): how much leakage amplifies a temperature rise."""
         return 1.0 / (1.0 - self.c_per_w * self.leakage_w_per_c)
 
-    @property
+    @functools.cached_property
     def tau_s(self) -> float:
         """Effective time constant with the leakage feedback (0: no thermal lag)."""
         return self.time_constant_s * self.gain

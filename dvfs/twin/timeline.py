@@ -179,10 +179,10 @@ class Timeline:
         s = self.sensor
         assert s is not None
         power_w = float(self.thermal.power_w(self.idle_w, self.end_temp_c))
-        last = int(s.index(np.array(self.fold_ns)))
+        last = s.index_of(self.fold_ns)
         ks = np.arange(last - s.average_n, last + 1, dtype=np.int64)
         history = power_w * s.period_ns * 1e-9 * (ks - ks[0])
-        window_ns = int(s.instant_ns(np.array(last + 1))) - s.sampled_ns
+        window_ns = s.instant_of(last + 1) - s.sampled_ns
         carry = power_w * max(0, self.fold_ns - window_ns) * 1e-9
         return history, carry
 
@@ -193,8 +193,8 @@ class Timeline:
             return 0.0
         s = self.sensor
         power_w = float(self.thermal.power_w(self.idle_w, self.end_temp_c))
-        last = int(s.index(np.array(self.fold_ns)))
-        first_ns = int(s.instant_ns(np.array(last - s.average_n)))
+        last = s.index_of(self.fold_ns)
+        first_ns = s.instant_of(last - s.average_n)
         return power_w * (self.fold_ns - first_ns) * 1e-9
 
     # -- the truth -------------------------------------------------------------------------

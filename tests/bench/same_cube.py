@@ -1,0 +1,72 @@
+"""Whether two cubes are the same: every data variable and coordinate, exactly or within a
+relative tolerance, NaN equal to NaN. `python tests/bench/same_cube.py A.nc B.nc [--rtol R]`;
+exit 0 when they are, 1 with the differences listed when not.
+
+Used to check that an optimisation leaves the twin's cube as it was (issue 15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+
+def _differ(name: str, x: np.ndarray, y: np.ndarray, rtol: float) -> str | None:
+    """What differs between two arrays (None: the same within rtol, NaN == NaN)."""
+    if x.shape != y.shape:
+        return f"{name}: shape {x.shape} vs {y.shape}"
+    if x.dtype.kind not in "fiub" or y.dtype.kind not in "fiub":
+        same = np.array_equal(x.astype(str), y.astype(str))
+        return None if same else f"{name}: labels differ"
+    x, y = x.astype(float), y.astype(float)
+    if not np.array_equal(np.isnan(x), np.isnan(y)):
+        return f"{name}: NaN in different places ({int((np.isnan(x) != np.isnan(y)).sum())})"
+    both = ~np.isnan(x)
+    diff = np.abs(x[both] - y[both])
+    if not diff.size or not diff.max() > 0:
+        return None
+    scale = np.maximum(np.abs(x[both]), np.abs(y[both]))
+    rel = diff / np.where(scale > 0, scale, 1.0)
+    if rel.max() <= rtol:
+        return None
+    return (
+        f"{name}: {int((rel > rtol).sum())} of {diff.size} values differ, "
+        f"max abs {diff.max():.3g}, max rel {rel.max():.3g}"
+    )
+
+
+def compare(a_path: Path, b_path: Path, rtol: float = 1e-9) -> tuple[bool, list[str], int]:
+    """(same, the differences, how many variables and coordinates were compared)."""
+    with xr.open_dataset(a_path) as a, xr.open_dataset(b_path) as b:
+        lines: list[str] = []
+        names_a = set(map(str, a.data_vars)) | set(map(str, a.coords))
+        names_b = set(map(str, b.data_vars)) | set(map(str, b.coords))
+        for name in sorted(names_a ^ names_b):
+            lines.append(f"{name}: only in {'the second' if name in names_b else 'the first'}")
+        common = sorted(names_a & names_b)
+        for name in common:
+            problem = _differ(name, a[name].values, b[name].values, rtol)
+            if problem:
+                lines.append(problem)
+        return not lines, lines, len(common)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--rtol", type=float, default=1e-9)
+    opts = parser.parse_args()
+    same, lines, n = compare(opts.a, opts.b, opts.rtol)
+    print(f"{'same' if same else 'DIFFERENT'}: {n} variables and coordinates (rtol {opts.rtol:g})")
+    for line in lines:
+        print(f"  {line}")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
