@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
-from test_journal import TINY, assert_one_line_error
+from conftest import PYTHON, SMALL_CAMPAIGN, TINY, copy_sweep, replace_block, subprocess_env, write
+from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -86,10 +86,9 @@ def test_a_resume_may_change_operational_settings_and_journals_each_session(
     ],
 )
 def test_a_resume_refuses_a_measured_change_and_names_it(
-    tmp_path: Path, old: str, new: str, named: str
+    tiny_sweep: Path, tmp_path: Path, old: str, new: str, named: str
 ) -> None:
-    out = tmp_path / "out"
-    assert sweep(write(tmp_path / "small.toml", TINY), out).exit_code == 0
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
     text = replace_block(TINY, old, new)
     if "num_steps = 2" in new:
         text = replace_block(text, "num_draft_tokens = 4", "num_draft_tokens = 3")
@@ -98,10 +97,9 @@ def test_a_resume_refuses_a_measured_change_and_names_it(
     assert "--observe-only" not in line
 
 
-def test_observe_only_on_a_resume_is_named_as_the_change(tmp_path: Path) -> None:
+def test_observe_only_on_a_resume_is_named_as_the_change(tiny_sweep: Path, tmp_path: Path) -> None:
     campaign = write(tmp_path / "tiny.toml", TINY)
-    out = tmp_path / "out"
-    assert sweep(campaign, out).exit_code == 0
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
     result = sweep(campaign, out, "--observe-only")
     assert_one_line_error(result, 1, "gpu.actuation: true -> false", "--observe-only", "--fresh")
 
