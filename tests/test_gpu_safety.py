@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
 from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
@@ -207,22 +207,6 @@ def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.C
     )
 
 
-def _dvfs_here(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`dvfs ARGS` run as `_dvfs` runs it, in this process: ENV set for the call and `import
-    pynvml` finding the fake (no interpreter start). Only for calls that no hang can block."""
-    saved = sys.modules.get("pynvml")
-    sys.modules["pynvml"] = load_fake()
-    try:
-        result = CliRunner().invoke(cli, list(args), env=env)
-    finally:
-        if saved is None:
-            sys.modules.pop("pynvml", None)
-        else:
-            sys.modules["pynvml"] = saved
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
-
-
 def _default_dispositions() -> None:
     """In the child before exec: SIGINT and SIGTERM as a foreground shell gives them, whatever
     this test process inherited."""
@@ -294,14 +278,14 @@ def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
     assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the GPU kept the change
     [state_file] = state_dir.glob("GPU-*.json")
     assert json.loads(state_file.read_text())["original"]["power_limit_mw"] == 650_000
-    refused = _dvfs_here("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    refused = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
     assert refused.returncode == 3, refused.stderr
     assert "not restored" in refused.stderr and "dvfs gpu reset" in refused.stderr
-    reset = _dvfs_here("gpu", "reset", env=env)
+    reset = dvfs_in_process("gpu", "reset", env=env)
     assert reset.returncode == 0, reset.stderr
     assert "restored GPU 0" in reset.stdout
     assert_as_found(nvml, state_dir)
-    resumed = _dvfs_here("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    resumed = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_as_found(nvml, state_dir)
 
@@ -312,7 +296,7 @@ def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> No
     first = _start_sweep(campaign, tmp_path / "first", env)
     try:
         _wait_until_changed(nvml, first, tmp_path / "first" / "journal.jsonl")
-        second = _dvfs_here(
+        second = dvfs_in_process(
             "sweep", str(campaign), "--out", str(tmp_path / "second"), "--no-progress", env=env
         )
         assert second.returncode == 3, second.stderr
@@ -372,7 +356,7 @@ def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
     with pytest.raises(GpuPermissionError, match="run as root"):
         run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")
     assert_as_found(nvml, tmp_path / "dvfs-state")  # unchanged, and no state file left
-    refused = _dvfs_here(
+    refused = dvfs_in_process(
         "sweep",
         str(campaign_file(tmp_path)),
         "--out",
