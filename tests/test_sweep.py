@@ -361,16 +361,12 @@ def test_a_campaign_name_cannot_write_outside_out(tmp_path: Path, monkeypatch) -
 
 
 def test_a_sweep_without_root_points_to_observe_only(tmp_path: Path) -> None:
-    from nvml_support import NVML_CAMPAIGN, fake_env
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env
 
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
-    refused = subprocess.run(
-        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(tmp_path / "o")]
-        + ["--no-progress"],
+    refused = dvfs_in_process(
+        *("sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress"),
         env=fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="0"),
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert refused.returncode == 4, refused.stderr
     assert "Traceback" not in refused.stderr
