@@ -154,6 +154,7 @@ def test_a_lost_worker_loses_no_cell(runs: Path, tmp_path: Path, monkeypatch) ->
 def test_tensor_parallel_groups(runs: Path, tmp_path: Path) -> None:
     """Groups of two (tp_size 2) in the campaign run in parallel and equal one group alone."""
     tp = replace_block(CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    tp = replace_block(tp, "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1005]")  # 48 cells
     grouped = write(
         tmp_path / "grouped.toml", replace_block(tp, "devices = [0]", "devices = [[0, 1], [2, 3]]")
     )
