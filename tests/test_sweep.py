@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
+from conftest import PYTHON, SMALL_CAMPAIGN, TINY, replace_block, subprocess_env, write
 
 from dvfs.cli import cli
 from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build_cube, open_cube
@@ -315,10 +315,11 @@ def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
         ],
     )
     assert twice.exit_code == 1 and "same GPU" in twice.output
+    # Another model is refused before the grids are compared: a small grid (TINY) will do.
     other = write(
         tmp_path / "other.toml",
         replace_block(
-            replace_block(SMALL_CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.2-1b"'),
+            replace_block(TINY, 'model = "llama-3.1-8b"', 'model = "llama-3.2-1b"'),
             'profile = "h100-sxm"',
             'profile = "h200-sxm"',
         ),
