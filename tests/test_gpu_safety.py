@@ -239,23 +239,6 @@ def _wait_until_changed(nvml, proc: subprocess.Popen, journal: Path, timeout_s: 
 
 
 @pytest.mark.slow
-def test_sigterm_restores(nvml, tmp_path: Path, env) -> None:
-    campaign = long_campaign(tmp_path)
-    out = tmp_path / "out"
-    proc = _start_sweep(campaign, out, env)
-    try:
-        _wait_until_changed(nvml, proc, out / "journal.jsonl")
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, output
-    assert "GPU settings restored" in output
-    assert_as_found(nvml, tmp_path / "dvfs-state")
-
-
-@pytest.mark.slow
 def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
     campaign = campaign_file(tmp_path, output_tokens=16, repeats=1)
     out = tmp_path / "out"
@@ -291,7 +274,11 @@ def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> None:
+def test_a_second_sweep_on_the_same_gpu_refuses_and_sigterm_restores(
+    nvml, tmp_path: Path, env
+) -> None:
+    """While a sweep holds the GPU a second one is refused, naming it; SIGTERM then ends the
+    first (exit 143) with every setting as it found it."""
     campaign = long_campaign(tmp_path)
     first = _start_sweep(campaign, tmp_path / "first", env)
     try:
@@ -302,9 +289,14 @@ def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> No
         assert second.returncode == 3, second.stderr
         assert "in use by another dvfs process" in second.stderr
         assert f"pid {first.pid}" in second.stderr
-    finally:
+        assert first.poll() is None, "the first sweep must still be running for the signal"
         first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=30)
+        output, _ = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143, output
+    assert "GPU settings restored" in output
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
