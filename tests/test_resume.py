@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -144,25 +142,4 @@ def test_a_second_sweep_into_a_busy_folder_refuses(tmp_path: Path) -> None:
     assert sweep(campaign, out).exit_code == 0  # released
 
 
-@pytest.mark.slow
-def test_the_lock_names_the_running_sweep_and_dies_with_it(tmp_path: Path) -> None:
-    from test_sweep import BIG, _start, _wait_for_cells
-
-    campaign = write(tmp_path / "big.toml", BIG)
-    out = tmp_path / "out"
-    proc = _start(campaign, out)
-    try:
-        _wait_for_cells(proc, out / "journal.jsonl", 10)
-        # Stopped, it still holds the lock, and cannot finish while the second sweep starts.
-        os.kill(proc.pid, signal.SIGSTOP)
-        # In this process: the lock is the other process's whichever process asks.
-        second = sweep(campaign, out)
-        assert_one_line_error(second, 3, f"pid {proc.pid}")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    # A killed sweep holds nothing: the next run resumes at once.
-    resumed = sweep(campaign, out)
-    assert resumed.exit_code == 0, resumed.output
+# The lock of a running sweep (named, and dying with it): test_sweep.py's SIGKILL test.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -231,11 +232,20 @@ def _wait_for_cells(
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Also: the lock names the running sweep (a second sweep into its folder is refused) and
+    dies with it (the rerun after the kill starts at once)."""
+    from test_journal import assert_one_line_error
+
     campaign = write(tmp_path / "big.toml", BIG)
     killed = tmp_path / "killed"
     proc = _start(campaign, killed)
     try:
         _wait_for_cells(proc, killed / "journal.jsonl", 40)
+        # Stopped, it still holds the lock and cannot finish while the second sweep starts
+        # (in this process: the lock is the other process's whichever process asks).
+        os.kill(proc.pid, signal.SIGSTOP)
+        second = sweep([str(campaign), "--out", str(killed)])
+        assert_one_line_error(second, 3, "in use by another dvfs sweep", f"pid {proc.pid}")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
