@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def replace_block(text: str, old: str, new: str) -> str:
 SMALL_EXACT = replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
 
 
+#: SMALL_CAMPAIGN cut to 16 cells (two clocks, one power limit, one corpus): the campaign of the
+#: journal, resume and cube-file tests, which need a finished sweep but not its size.
+TINY = replace_block(
+    replace_block(
+        replace_block(SMALL_CAMPAIGN, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]"),
+        "power_limit = [700, 300]",
+        "power_limit = [700]",
+    ),
+    'corpora = ["code", "conversation"]',
+    'corpora = ["code"]',
+)
+
+
+def copy_sweep(out: Path, dest: Path) -> Path:
+    """A private copy of a session's finished sweep folder, for a test that changes it."""
+    return Path(shutil.copytree(out, dest))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for running `python -m dvfs` in a subprocess from the repo."""
     env = dict(os.environ)
@@ -102,6 +121,22 @@ def small_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     base = tmp_path_factory.mktemp("small_sweep")
     campaign = write(base / "small.toml", SMALL_EXACT)
+    out = base / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished sweep of TINY, run once per session (per xdist worker): returns its folder.
+    Read-only; a test that adds to it or damages it works on `copy_sweep` of it."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    base = tmp_path_factory.mktemp("tiny_sweep")
+    campaign = write(base / "tiny.toml", TINY)
     out = base / "out"
     result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output

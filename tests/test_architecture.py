@@ -10,6 +10,7 @@ needs no exception.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = "dvfs"
@@ -115,7 +116,9 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
+@functools.cache
 def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    """The package's import graph and borrowed private names, read once per test process."""
     graph: dict[str, set[str]] = {}
     private: list[str] = []
     for module in MODULES:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import SMALL_CAMPAIGN, replace_block, write
+from conftest import SMALL_CAMPAIGN, TINY, replace_block, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -254,9 +254,7 @@ def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
         for i in range(12)
     ]
     write(tmp_path / "data" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
-    text = replace_block(
-        SMALL_CAMPAIGN, 'corpora = ["code", "conversation"]', 'corpora = ["code", "tasks"]'
-    )
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "tasks"]')  # 32 cells
     text += (
         '\n[corpus.tasks]\npath = "data/tasks.jsonl"\nfield = "task"\n'
         'acceptance_like = "code"\ndescription = "prime-number tasks"\n'

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
-from test_journal import TINY, assert_one_line_error
+from conftest import TINY, copy_sweep, replace_block, write
+from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -29,11 +29,9 @@ def sweep(campaign: Path, out: Path, *extra: str) -> Result:
 
 
 @pytest.fixture
-def swept(tmp_path: Path) -> Path:
-    out = tmp_path / "out"
-    result = sweep(write(tmp_path / "tiny.toml", TINY), out)
-    assert result.exit_code == 0, result.output
-    return out
+def swept(tiny_sweep: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the session's TINY sweep."""
+    return copy_sweep(tiny_sweep, tmp_path / "out")
 
 
 def _commands(out: Path) -> list[tuple[str, ...]]:
@@ -123,9 +121,8 @@ def test_the_cube_follows_cf_on_disk_and_indexes_by_label(swept: Path) -> None:
     assert "drafter_label" not in ds.variables
 
 
-def test_a_merged_cube_labels_its_gpus(tmp_path: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert sweep(write(tmp_path / "a.toml", TINY), a).exit_code == 0
+def test_a_merged_cube_labels_its_gpus(tiny_sweep: Path, tmp_path: Path) -> None:
+    a, b = tiny_sweep, tmp_path / "b"
     h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
     assert sweep(write(tmp_path / "b.toml", h200), b).exit_code == 0
     merged = tmp_path / "m.nc"
@@ -151,10 +148,9 @@ def test_a_merged_cube_labels_its_gpus(tmp_path: Path) -> None:
     ],
 )
 def test_merge_refuses_cubes_of_different_workloads(
-    tmp_path: Path, old: str, new: str, named: str
+    tiny_sweep: Path, tmp_path: Path, old: str, new: str, named: str
 ) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    assert sweep(write(tmp_path / "a.toml", TINY), a).exit_code == 0
+    a, b = tiny_sweep, tmp_path / "b"
     other = replace_block(
         replace_block(TINY, old, new), 'profile = "h100-sxm"', 'profile = "h200-sxm"'
     )

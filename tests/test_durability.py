@@ -12,8 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import PYTHON, subprocess_env, write
-from test_journal import TINY
+from conftest import PYTHON, TINY, subprocess_env, write
 
 import dvfs.measure.journal as journal_module
 from dvfs.campaign import load_campaign

@@ -1,6 +1,7 @@
-"""`dvfs govern` and `dvfs monitor` end to end: subprocesses against the stub SGLang server on
-loopback and the fake NVML. Every wait has a generous deadline for a stuck run (never a speed
-requirement) and every process is bounded (--max-intervals, the stub's max_lifetime_s)."""
+"""`dvfs govern` and `dvfs monitor` end to end against the stub SGLang server on loopback and
+the fake NVML: subprocesses, or this process where no signal or hang must reach the command.
+Every wait has a generous deadline for a stuck run (never a speed requirement) and every process
+is bounded (--max-intervals, the stub's max_lifetime_s)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nvml_support import fake_env, load_fake
+from nvml_support import dvfs_in_process, fake_env, load_fake
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,22 +220,14 @@ def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
             proc.kill()
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
     assert list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
-    again = subprocess.run(
-        [sys.executable, "-m", "dvfs", "govern", "--plan", str(tmp_path / "plan.toml")]
-        + ["--url", stub, "--gpu", "0", "--listen", "off", "--max-intervals", "1"],
+    # After the kill, in this process: no signal or hang needs to reach these two.
+    again = dvfs_in_process(
+        *("govern", "--plan", str(tmp_path / "plan.toml"), "--url", stub, "--gpu", "0"),
+        *("--listen", "off", "--max-intervals", "1"),
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
     )
     assert again.returncode == 3 and "dvfs gpu reset" in again.stderr
-    reset = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "reset"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
+    reset = dvfs_in_process("gpu", "reset", env=env)
     assert reset.returncode == 0, reset.stderr
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
@@ -264,13 +257,10 @@ def test_a_plan_for_another_gpu_model_or_a_twin_is_refused(
         ("dvfs_caps = 1\n", "is a caps file"),
     ]:
         plan.write_text(text)
-        result = subprocess.run(
-            [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan), "--gpu", "0"]
-            + ["--listen", "off", "--max-intervals", "1"],
+        result = dvfs_in_process(
+            *("govern", "--plan", str(plan), "--gpu", "0", "--listen", "off"),
+            *("--max-intervals", "1"),
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=STUCK_S,
         )
         assert result.returncode == 2, result.stderr
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -278,13 +268,7 @@ def test_a_plan_for_another_gpu_model_or_a_twin_is_refused(
 
 
 def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, stub: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", "monitor", "--url", stub, "--interval", "0.2", "--once"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
+    result = dvfs_in_process("monitor", "--url", stub, "--interval", "0.2", "--once", env=env)
     assert result.returncode == 0, result.stderr
     samples = [s for f in text_string_to_metric_families(result.stdout) for s in f.samples]
     names = {(s.name, s.labels.get("gpu")) for s in samples}
@@ -299,13 +283,9 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
         ):
             assert (name, gpu) in names
     assert ("dvfs_server_up", None) in names and nvml.fake_calls() == []
-    down = subprocess.run(
-        [sys.executable, "-m", "dvfs", "monitor", "--url", "http://127.0.0.1:9", "--once"]
-        + ["--interval", "0.1", "--gpu", "0"],
+    down = dvfs_in_process(
+        *("monitor", "--url", "http://127.0.0.1:9", "--once", "--interval", "0.1", "--gpu", "0"),
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
     )
     assert down.returncode == 0 and "dvfs_server_up 0.0" in down.stdout
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
@@ -327,13 +307,7 @@ def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str]
         .replace("http://127.0.0.1:30000", "http://127.0.0.1:9")
         .split()
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", *argv, "--dry-run", "--max-intervals", "1", "--gpu", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=STUCK_S,
-    )
+    result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "1", "--gpu", "0", env=env)
     assert result.returncode == 0, result.stderr
     assert "would set running batch unknown (server unreadable)" in result.stderr
     assert nvml.fake_calls() == []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
 from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
@@ -239,23 +239,6 @@ def _wait_until_changed(nvml, proc: subprocess.Popen, journal: Path, timeout_s: 
 
 
 @pytest.mark.slow
-def test_sigterm_restores(nvml, tmp_path: Path, env) -> None:
-    campaign = long_campaign(tmp_path)
-    out = tmp_path / "out"
-    proc = _start_sweep(campaign, out, env)
-    try:
-        _wait_until_changed(nvml, proc, out / "journal.jsonl")
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, output
-    assert "GPU settings restored" in output
-    assert_as_found(nvml, tmp_path / "dvfs-state")
-
-
-@pytest.mark.slow
 def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
     campaign = campaign_file(tmp_path, output_tokens=16, repeats=1)
     out = tmp_path / "out"
@@ -278,33 +261,42 @@ def test_sigkill_then_gpu_reset_restores(nvml, tmp_path: Path, env) -> None:
     assert nvml.fake_device_state(0)["locked_clocks"] is not None  # the GPU kept the change
     [state_file] = state_dir.glob("GPU-*.json")
     assert json.loads(state_file.read_text())["original"]["power_limit_mw"] == 650_000
-    refused = _dvfs("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    refused = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
     assert refused.returncode == 3, refused.stderr
     assert "not restored" in refused.stderr and "dvfs gpu reset" in refused.stderr
-    reset = _dvfs("gpu", "reset", env=env)
+    reset = dvfs_in_process("gpu", "reset", env=env)
     assert reset.returncode == 0, reset.stderr
     assert "restored GPU 0" in reset.stdout
     assert_as_found(nvml, state_dir)
-    resumed = _dvfs("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    resumed = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_as_found(nvml, state_dir)
 
 
 @pytest.mark.slow
-def test_a_second_sweep_on_the_same_gpu_refuses(nvml, tmp_path: Path, env) -> None:
+def test_a_second_sweep_on_the_same_gpu_refuses_and_sigterm_restores(
+    nvml, tmp_path: Path, env
+) -> None:
+    """While a sweep holds the GPU a second one is refused, naming it; SIGTERM then ends the
+    first (exit 143) with every setting as it found it."""
     campaign = long_campaign(tmp_path)
     first = _start_sweep(campaign, tmp_path / "first", env)
     try:
         _wait_until_changed(nvml, first, tmp_path / "first" / "journal.jsonl")
-        second = _dvfs(
+        second = dvfs_in_process(
             "sweep", str(campaign), "--out", str(tmp_path / "second"), "--no-progress", env=env
         )
         assert second.returncode == 3, second.stderr
         assert "in use by another dvfs process" in second.stderr
         assert f"pid {first.pid}" in second.stderr
-    finally:
+        assert first.poll() is None, "the first sweep must still be running for the signal"
         first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=30)
+        output, _ = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143, output
+    assert "GPU settings restored" in output
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
@@ -356,7 +348,7 @@ def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
     with pytest.raises(GpuPermissionError, match="run as root"):
         run_sweep(campaign, tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state")
     assert_as_found(nvml, tmp_path / "dvfs-state")  # unchanged, and no state file left
-    refused = _dvfs(
+    refused = dvfs_in_process(
         "sweep",
         str(campaign_file(tmp_path)),
         "--out",

@@ -193,7 +193,7 @@ def rows(result) -> list[dict]:
     return [{k: float(point[k]) for k in point.data_vars} for point in points]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)  # x ROWS rows, two headroom searches each
 @given(
     lat=st.lists(latencies, min_size=12 * ROWS, max_size=12 * ROWS),
     en=st.lists(energies, min_size=12 * ROWS, max_size=12 * ROWS),
@@ -408,7 +408,7 @@ def test_two_repeats_use_the_exact_t_quantile() -> None:
 finite_values = st.floats(1e-3, 1e3, allow_nan=False, allow_infinity=False)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     values=st.lists(finite_values, min_size=1, max_size=8),
     confidence=st.floats(0.5, 0.999),

@@ -8,21 +8,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import SMALL_CAMPAIGN, replace_block, write
+from conftest import TINY, copy_sweep, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.measure.journal import read_records
-
-#: One drafter, one corpus, one knob setting: 4 cells, a fraction of a second on the twin.
-TINY = replace_block(
-    replace_block(
-        replace_block(SMALL_CAMPAIGN, "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]"),
-        "power_limit = [700, 300]",
-        "power_limit = [700]",
-    ),
-    'corpora = ["code", "conversation"]',
-    'corpora = ["code"]',
-)
 
 
 def invoke(*args: str) -> Result:
@@ -49,13 +38,9 @@ def assert_one_line_error(
 
 
 @pytest.fixture
-def swept(tmp_path: Path) -> tuple[Path, Path]:
-    """A finished sweep of TINY: (campaign file, output folder)."""
-    campaign = write(tmp_path / "tiny.toml", TINY)
-    out = tmp_path / "out"
-    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
-    assert result.exit_code == 0, result.output
-    return campaign, out
+def swept(tiny_sweep: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A finished sweep of TINY, this test's own copy of the session's: (campaign, folder)."""
+    return write(tmp_path / "tiny.toml", TINY), copy_sweep(tiny_sweep, tmp_path / "out")
 
 
 def _lines(journal: Path) -> list[bytes]:

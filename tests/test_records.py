@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import replace_block, write
-from test_journal import TINY
+from conftest import TINY, replace_block, write
 from test_sweep import assert_cubes_equal
 
 from dvfs.cli import cli

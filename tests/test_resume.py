@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
-from test_journal import TINY, assert_one_line_error
+from conftest import TINY, copy_sweep, replace_block, write
+from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -43,7 +40,7 @@ def _interrupt_after(journal: Path, cells: int) -> None:
 
 
 OPERATIONAL = replace_block(
-    replace_block(SMALL_CAMPAIGN, "idle_s = 1.0\n", "idle_s = 1.0\nretries = 5\n"),
+    replace_block(TINY, "idle_s = 1.0\n", "idle_s = 1.0\nretries = 5\n"),
     'model = "llama-3.1-8b"\n',
     'model = "llama-3.1-8b"\n\n[engine.sglang]\nrequest_timeout_s = 600\n'
     'stall_timeout_s = 300\nserver_command = ["/opt/sglang/bin/python", "-m", '
@@ -52,18 +49,16 @@ OPERATIONAL = replace_block(
 
 
 def test_a_resume_may_change_operational_settings_and_journals_each_session(
-    tmp_path: Path,
+    tiny_sweep: Path, tmp_path: Path
 ) -> None:
-    first = write(tmp_path / "small.toml", SMALL_CAMPAIGN)
-    out = tmp_path / "out"
-    assert sweep(first, out).exit_code == 0
+    out = copy_sweep(tiny_sweep, tmp_path / "out")  # a sweep of TINY
     journal = out / "journal.jsonl"
-    _interrupt_after(journal, 40)
+    _interrupt_after(journal, 6)
     # Longer timeouts, more retries, another server command and environment: same measurement.
-    second = write(tmp_path / "small.toml", OPERATIONAL)
+    second = write(tmp_path / "tiny.toml", OPERATIONAL)
     resumed = sweep(second, out)
     assert resumed.exit_code == 0, resumed.output
-    assert "56 cell(s) measured" in resumed.output
+    assert "10 cell(s) measured" in resumed.output
     sessions = [r for r in read_records(journal) if r["type"] == "session"]
     assert len(sessions) == 2
     before, after = (s["settings"] for s in sessions)
@@ -86,10 +81,9 @@ def test_a_resume_may_change_operational_settings_and_journals_each_session(
     ],
 )
 def test_a_resume_refuses_a_measured_change_and_names_it(
-    tmp_path: Path, old: str, new: str, named: str
+    tiny_sweep: Path, tmp_path: Path, old: str, new: str, named: str
 ) -> None:
-    out = tmp_path / "out"
-    assert sweep(write(tmp_path / "small.toml", TINY), out).exit_code == 0
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
     text = replace_block(TINY, old, new)
     if "num_steps = 2" in new:
         text = replace_block(text, "num_draft_tokens = 4", "num_draft_tokens = 3")
@@ -98,10 +92,9 @@ def test_a_resume_refuses_a_measured_change_and_names_it(
     assert "--observe-only" not in line
 
 
-def test_observe_only_on_a_resume_is_named_as_the_change(tmp_path: Path) -> None:
+def test_observe_only_on_a_resume_is_named_as_the_change(tiny_sweep: Path, tmp_path: Path) -> None:
     campaign = write(tmp_path / "tiny.toml", TINY)
-    out = tmp_path / "out"
-    assert sweep(campaign, out).exit_code == 0
+    out = copy_sweep(tiny_sweep, tmp_path / "out")
     result = sweep(campaign, out, "--observe-only")
     assert_one_line_error(result, 1, "gpu.actuation: true -> false", "--observe-only", "--fresh")
 
@@ -149,38 +142,4 @@ def test_a_second_sweep_into_a_busy_folder_refuses(tmp_path: Path) -> None:
     assert sweep(campaign, out).exit_code == 0  # released
 
 
-@pytest.mark.slow
-def test_the_lock_names_the_running_sweep_and_dies_with_it(tmp_path: Path) -> None:
-    from test_sweep import BIG, _start, _wait_for_cells
-
-    campaign = write(tmp_path / "big.toml", BIG)
-    out = tmp_path / "out"
-    proc = _start(campaign, out)
-    try:
-        _wait_for_cells(proc, out / "journal.jsonl", 10)
-        # Stopped, it still holds the lock, and cannot finish while the second sweep starts.
-        os.kill(proc.pid, signal.SIGSTOP)
-        second = subprocess.run(
-            [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert second.returncode == 3, second.stderr
-        assert f"pid {proc.pid}" in second.stderr
-        assert "Traceback" not in second.stderr
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    # A killed sweep holds nothing: the next run resumes at once.
-    resumed = subprocess.run(
-        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+# The lock of a running sweep (named, and dying with it): test_sweep.py's SIGKILL test.

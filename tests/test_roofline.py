@@ -1,6 +1,7 @@
 """`dvfs gpu roofline` on the CPU path (a CPU build of torch), and its clock stepping through
 the sweep's safety layer against the fake NVML: restored on exit, on SIGTERM, and after SIGKILL
-by `dvfs gpu reset`; observe-only calls no setter. torch is imported once, by the module."""
+by `dvfs gpu reset`; observe-only calls no setter. torch is imported once per test process,
+by the first of these tests it runs (not at collection: a worker running none never imports it)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from nvml_support import fake_env, load_fake
 
 from dvfs.cli import cli
 
-pytest.importorskip("torch")
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch() -> None:
+    pytest.importorskip("torch")
+
 
 #: Tiny sizes: the whole CPU roofline takes well under a second of kernel time.
 TINY = [
@@ -262,10 +267,12 @@ def _wait_until_locked(nvml, proc: subprocess.Popen, timeout_s: float = 60) -> N
         time.sleep(0.02)
 
 
-def _dvfs(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dvfs", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+def _dvfs(*args: str) -> subprocess.CompletedProcess:
+    """`dvfs ARGS` after the kill, in this process (the `nvml` fixture's fake, the `env`
+    fixture's environment): no second interpreter, no second import of torch."""
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.mark.slow
@@ -299,9 +306,9 @@ def test_sigkill_then_gpu_reset_restores(nvml, env, tmp_path: Path) -> None:
     recorded = json.loads(state_file.read_text())
     assert recorded["original"]["power_limit_mw"] == 650_000
     assert recorded["command"] == "gpu roofline"
-    refused = _dvfs("gpu", "roofline", *TINY, "--gpu", "0", "--clocks", "1500", env=env)
+    refused = _dvfs("gpu", "roofline", *TINY, "--gpu", "0", "--clocks", "1500")
     assert refused.returncode == 3 and "dvfs gpu reset" in refused.stderr, refused.stderr
-    reset = _dvfs("gpu", "reset", env=env)
+    reset = _dvfs("gpu", "reset")
     assert reset.returncode == 0 and "restored GPU 0" in reset.stdout, reset.stderr
     assert_as_found(nvml, state_dir)
 

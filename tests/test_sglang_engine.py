@@ -125,11 +125,13 @@ def test_dry_run_shows_each_drafter_argv() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> None:
     stub = {"ttft_s": 0.02, "tpot_s": 0.003, "accept_length": 2.5, "seed": 1}
-    # One clock: the stub's timing does not depend on it, and every cell streams in real time.
+    # One clock and one batch (four requests, for the averages): the stub's timing depends on
+    # neither, and every cell streams in real time. Batch 1 runs in the fault tests below.
     campaign, marker = stub_campaign(
         tmp_path,
         version=version,
         stub=stub,
+        batch="[4]",
         output_tokens=80,
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )

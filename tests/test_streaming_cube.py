@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import write
-from test_journal import TINY
+from conftest import TINY, write
 
 import dvfs
 import dvfs.cube.build

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, SMALL_CAMPAIGN, replace_block, subprocess_env, write
+from conftest import PYTHON, SMALL_CAMPAIGN, TINY, replace_block, subprocess_env, write
 
 from dvfs.cli import cli
 from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build_cube, open_cube
@@ -24,9 +25,7 @@ def sweep(args: list[str]) -> Result:
     return result
 
 
-def assert_cubes_equal(
-    a, b, *, energy_rtol: float = 0.0, ignore: tuple[str, ...] = ()
-) -> None:
+def assert_cubes_equal(a, b, *, energy_rtol: float = 0.0, ignore: tuple[str, ...] = ()) -> None:
     """Same coords and values; energy may differ by the counter's 1 mJ quantisation (an
     interval's relative half-width, from the difference of close energies, by fifty times that,
     absolute); variables starting with an `ignore` prefix are not compared."""
@@ -185,12 +184,13 @@ def _count_cells(journal: Path) -> int:
     return journal.read_text().count('"type":"cell"')
 
 
+#: 288 cells (six clocks, three repeats): enough that a kill after 40 lands mid-sweep.
 BIG = replace_block(
     replace_block(
         replace_block(
             SMALL_CAMPAIGN,
             "sm_clock = [1980, 1500, 1005]",
-            "sm_clock = { start = 1005, stop = 1980, step = 75 }",
+            "sm_clock = { start = 1005, stop = 1980, step = 195 }",
         ),
         "repeats = 2",
         "repeats = 3",
@@ -232,45 +232,34 @@ def _wait_for_cells(
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Also: the lock names the running sweep (a second sweep into its folder is refused) and
+    dies with it (the rerun after the kill starts at once)."""
+    from test_journal import assert_one_line_error
+
     campaign = write(tmp_path / "big.toml", BIG)
     killed = tmp_path / "killed"
     proc = _start(campaign, killed)
     try:
         _wait_for_cells(proc, killed / "journal.jsonl", 40)
+        # Stopped, it still holds the lock and cannot finish while the second sweep starts
+        # (in this process: the lock is the other process's whichever process asks).
+        os.kill(proc.pid, signal.SIGSTOP)
+        second = sweep([str(campaign), "--out", str(killed)])
+        assert_one_line_error(second, 3, "in use by another dvfs sweep", f"pid {proc.pid}")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
     interrupted_at = _count_cells(killed / "journal.jsonl")
-    total = 14 * 2 * 2 * 2 * 2 * 3
+    total = 6 * 2 * 2 * 2 * 2 * 3
     assert 40 <= interrupted_at < total, "the kill must land mid-sweep"
-    resumed = subprocess.run(
-        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(killed), "--no-progress"],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    # The rerun and the reference run need no signal: in this process (no interpreter start).
+    resumed = sweep([str(campaign), "--out", str(killed)])
+    assert resumed.exit_code == 0, resumed.output
     assert f"{total - interrupted_at} cell(s) measured" in resumed.stderr
-    clean = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "dvfs",
-            "sweep",
-            str(campaign),
-            "--out",
-            str(tmp_path / "clean"),
-            "--no-progress",
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert clean.returncode == 0, clean.stderr
+    clean = sweep([str(campaign), "--out", str(tmp_path / "clean")])
+    assert clean.exit_code == 0, clean.output
     # the first cell after the resume pays its own overheads (a server start, its settle)
     assert_cubes_equal(
         open_cube(killed / "cube.nc"),
@@ -336,10 +325,11 @@ def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
         ],
     )
     assert twice.exit_code == 1 and "same GPU" in twice.output
+    # Another model is refused before the grids are compared: a small grid (TINY) will do.
     other = write(
         tmp_path / "other.toml",
         replace_block(
-            replace_block(SMALL_CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.2-1b"'),
+            replace_block(TINY, 'model = "llama-3.1-8b"', 'model = "llama-3.2-1b"'),
             'profile = "h100-sxm"',
             'profile = "h200-sxm"',
         ),
@@ -382,16 +372,12 @@ def test_a_campaign_name_cannot_write_outside_out(tmp_path: Path, monkeypatch) -
 
 
 def test_a_sweep_without_root_points_to_observe_only(tmp_path: Path) -> None:
-    from nvml_support import NVML_CAMPAIGN, fake_env
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env
 
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
-    refused = subprocess.run(
-        [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(tmp_path / "o")]
-        + ["--no-progress"],
+    refused = dvfs_in_process(
+        *("sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress"),
         env=fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="0"),
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert refused.returncode == 4, refused.stderr
     assert "Traceback" not in refused.stderr
