@@ -427,10 +427,14 @@ def test_energy_per_token_is_within_one_percent_of_the_twins_ground_truth(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every trap on (a 100 ms stepping counter, part-time power, thermal lag, leakage,
-    settle), default protocol: a cell whose interval reached the 1% target is within 1% of the
-    twin's exact energy per token over its windows; one that stopped at max_rounds short of
-    it (bursty speculative decoding, which the part-time sensor mis-counts update by update)
-    is within the interval it reports."""
+    settle), default protocol (precision 0.01, max_rounds 32): every cell, speculative ones
+    included, is within 1% of the twin's exact energy per token over its windows. Bursty
+    speculative decoding, which the part-time sensor mis-counts update by update, needs the
+    default's rounds for that (at 8 rounds a batch-1 EAGLE-3 cell was 1.1% off); a cell short
+    of the interval target stopped at max_rounds and is within the interval it reports."""
+    from dvfs.campaign.model import MeasurementConfig
+
+    default_rounds = MeasurementConfig.max_rounds
     cube, truth = _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
     records = _records(tmp_path / "out" / "journal.jsonl")
     assert len(records) == 8
@@ -439,14 +443,14 @@ def test_energy_per_token_is_within_one_percent_of_the_twins_ground_truth(
         m = record["measurement"]
         assert record["status"] == "ok" and m["valid"], record
         rounds = truth[record["key"]]
-        assert len(rounds) == m["rounds"] <= 8
+        assert len(rounds) == m["rounds"] <= default_rounds
         exact = sum(r[0] for r in rounds) / sum(r[1] for r in rounds)
         error = abs(m["energy_per_token_j"] / exact - 1)
+        assert error < 0.01, (record["cell"], error)
         if m["energy_per_token_rel_ci"] <= 0.01:
             precise += 1
-            assert error < 0.01, (record["cell"], error)
         else:
-            assert m["rounds"] == 8, record["cell"]  # short of the target only at the bound
+            assert m["rounds"] == default_rounds, record["cell"]  # short only at the bound
             assert error <= m["energy_per_token_rel_ci"], (record["cell"], error)
     assert precise >= 4  # every cell without speculation
     # the session recorded each GPU's counter period; the cube carries it

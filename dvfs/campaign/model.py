@@ -167,7 +167,7 @@ class WorkloadConfig:
 class MeasurementConfig:
     warmup_tokens: int = 32
     min_window_s: float = 1.0
-    max_rounds: int = 8
+    max_rounds: int = 32
     repeats: int = 1
     seed: int = 0
     sample_period_s: float = 0.02

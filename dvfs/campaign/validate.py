@@ -253,7 +253,7 @@ def _measurement(table: Table) -> MeasurementConfig:
     m = MeasurementConfig(
         warmup_tokens=table.integer("warmup_tokens", 32, minimum=0),
         min_window_s=table.number("min_window_s", 1.0, strictly_positive=True),
-        max_rounds=table.integer("max_rounds", 8, minimum=1),
+        max_rounds=table.integer("max_rounds", 32, minimum=1),
         repeats=table.integer("repeats", 1, minimum=1),
         seed=table.integer("seed", 0, minimum=0),
         sample_period_s=table.number("sample_period_s", 0.02, strictly_positive=True),
