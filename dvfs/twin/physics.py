@@ -13,8 +13,6 @@ s(f)       = (f / f_max) x (V(f) / V_max)^2   (dynamic CMOS power)
 from __future__ import annotations
 
 import functools
-import math
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +59,10 @@ class Passes:
     def slice(self, start: int, stop: int | None = None) -> Passes:
         return Passes(*(getattr(self, f)[start:stop] for f in Passes.__dataclass_fields__))
 
+    def take(self, indices: np.ndarray) -> Passes:
+        """The passes at `indices`, in that order."""
+        return Passes(*(getattr(self, f)[indices] for f in Passes.__dataclass_fields__))
+
 
 @dataclass(frozen=True)
 class PassTiming:
@@ -71,6 +73,9 @@ class PassTiming:
     power_w: np.ndarray
     tensor_util: np.ndarray
     memory_util: np.ndarray
+    #: Each pass's clock where they differ (the power limit throttled some passes); None:
+    #: every pass ran at `sm_clock_mhz`.
+    clocks_mhz: np.ndarray | None = None
 
     def slice(self, start: int, stop: int) -> PassTiming:
         return PassTiming(
@@ -79,7 +84,15 @@ class PassTiming:
             self.power_w[start:stop],
             self.tensor_util[start:stop],
             self.memory_util[start:stop],
+            None if self.clocks_mhz is None else self.clocks_mhz[start:stop],
         )
+
+    @property
+    def pass_clocks_mhz(self) -> np.ndarray:
+        """The clock of each pass."""
+        if self.clocks_mhz is not None:
+            return self.clocks_mhz
+        return np.full(len(self.duration_s), self.sm_clock_mhz)
 
     @property
     def energy_j(self) -> float:
@@ -134,11 +147,21 @@ def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
     )
 
 
-def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float) -> PassTiming:
-    """Duration and average power of each pass when the SMs run at `sm_clock_mhz`."""
-    f = float(sm_clock_mhz)
-    bandwidth, scale = _clock_factors(gpu, f)
-    compute_s = passes.flops / gpu.peak_flops(f)
+def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
+    """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
+    for all passes, or one per pass)."""
+    clocks: np.ndarray | None = None
+    f: float | np.ndarray
+    bandwidth: float | np.ndarray
+    scale: float | np.ndarray
+    if np.ndim(sm_clock_mhz) == 0:
+        f = float(sm_clock_mhz)
+        bandwidth, scale = _clock_factors(gpu, f)
+    else:
+        clocks = np.asarray(sm_clock_mhz, dtype=float)
+        f = clocks
+        bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
+    compute_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
     memory_s = passes.bytes / bandwidth
     p = ROOFLINE_BLEND
     roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
@@ -155,7 +178,20 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float) -> PassTim
         + tensor_util * gpu.tensor_power_w * scale
         + memory_util * gpu.memory_power_w
     )
-    return PassTiming(f, duration_s, power_w, tensor_util, memory_util)
+    if clocks is None:
+        return PassTiming(float(f), duration_s, power_w, tensor_util, memory_util)
+    return PassTiming(
+        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
+    )
+
+
+def _main_clock(clocks: np.ndarray, duration_s: np.ndarray) -> float:
+    """The clock passes spend the most time at (the highest on a tie)."""
+    if len(clocks) == 0:
+        return 0.0
+    values, where = np.unique(clocks, return_inverse=True)
+    time_at = np.bincount(where, weights=duration_s, minlength=len(values))
+    return float(values[len(values) - 1 - int(np.argmax(time_at[::-1]))])
 
 
 def idle_power_w(gpu: GpuProfile) -> float:
@@ -176,45 +212,6 @@ class OperatingPoint:
     timing: PassTiming
 
 
-def mean_power_w(gpu: GpuProfile, passes: Passes, sm_clocks_mhz: np.ndarray) -> np.ndarray:
-    """Average power of `passes` at each of several clocks at once (as `time_passes` would
-    give, to rounding): only the roofline needs a (clocks x passes) array, the rest sums."""
-    f = np.asarray(sm_clocks_mhz, dtype=float)
-    p = ROOFLINE_BLEND
-    peak_flops = np.array([gpu.peak_flops(c) for c in f.tolist()])
-    compute_s = passes.flops / peak_flops[:, None]
-    memory_s = passes.bytes / bandwidth_bytes_s(gpu, f)[:, None]
-    roofline_s = ((compute_s**p + memory_s**p) ** (1.0 / p)).sum(axis=1)
-    kernel_s = float(passes.layers.sum()) * gpu.kernel_cycles_per_layer / (f * 1e6)
-    comm_s = float(
-        (
-            passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
-        ).sum()
-    )
-    busy_s = roofline_s + kernel_s + comm_s
-    total_s = busy_s + len(passes) * gpu.host_overhead_s
-    scale = dynamic_scale(gpu, f)
-    # Energy of pass i is duration_i x power_i; the utilisations' durations cancel.
-    energy_j = (
-        gpu.idle_power_w * total_s
-        + busy_s * gpu.sm_active_power_w * scale
-        + compute_s.sum(axis=1) * gpu.tensor_power_w * scale
-        + float(passes.bytes.sum()) / (gpu.hbm_bandwidth_gb_s * 1e9) * gpu.memory_power_w
-    )
-    return np.where(total_s > 0, energy_j / np.where(total_s > 0, total_s, 1.0), 0.0)
-
-
-#: Elements of the (clocks x passes) array one step of the power-cap search may evaluate.
-SEARCH_BUDGET = 8192
-
-#: Per pass sequence, per (GPU, power limit): the highest requested clock searched so far and
-#: the clock the search settled on. A sweep plans a round once and runs it at every clock
-#: under the same limit; the answer for any lower request above that clock is the same.
-_CAPPED: weakref.WeakKeyDictionary[Passes, dict[tuple[GpuProfile, float], tuple[int, int]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def operating_point(
     gpu: GpuProfile,
     passes: Passes,
@@ -222,61 +219,40 @@ def operating_point(
     power_limit_w: float,
     timing: PassTiming | None = None,
 ) -> OperatingPoint:
-    """Highest supported clock <= `requested_mhz` whose average power fits the limit (the
-    lowest supported clock when none does); `timing`: the passes' at `requested_mhz` when the
-    caller has it (`time_passes` is elementwise: a slice of a longer timing is the same).
+    """Each pass at the highest supported clock <= `requested_mhz` at which its own power fits
+    the limit (the lowest supported clock when none does); `timing`: the passes' at
+    `requested_mhz` when the caller has it (`time_passes` is elementwise: a slice of a longer
+    timing is the same).
 
-    Real GPUs enforce the limit over short windows; the twin enforces it over the workload's
-    average, which is what the energy counter sees. Average power rises with the clock, so
-    the search evaluates as many candidate clocks at once as the budget allows, then
-    confirms the answer with `time_passes` (and the next clock up on a near tie). A search
-    is remembered per pass sequence: the highest clock that fits at or below a request R is
-    also the one for any request between it and R (and such a request does not fit).
+    A GPU's power controller acts within milliseconds, about one forward pass, so the limit
+    holds for every pass, not only on average: a hot verify pass is throttled while the cheap
+    draft passes around it keep the requested clock. A pass's power rises with the clock, so
+    every pass over the limit is bisected over the supported clocks at once (one
+    `time_passes` per halving). `sm_clock_mhz`: the clock the passes spend the most time at.
     """
-    known = _CAPPED.get(passes, {}).get((gpu, power_limit_w))
-    if known is not None and known[1] < requested_mhz <= known[0]:
-        return OperatingPoint(known[1], True, time_passes(gpu, passes, known[1]))
     if timing is None:
         timing = time_passes(gpu, passes, requested_mhz)
-    if len(passes) == 0 or timing.mean_power_w <= power_limit_w:
+    over = np.flatnonzero(timing.power_w > power_limit_w)
+    if len(over) == 0:
         return OperatingPoint(int(requested_mhz), False, timing)
     clocks = np.array(sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz))
     if len(clocks) == 0:
         raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
-    per_step = max(2, SEARCH_BUDGET // len(passes))
-    lo, hi, best = 0, len(clocks) - 1, -1  # clocks below lo fit; clocks above hi do not
-    above_w = math.inf  # the batched power at clock hi + 1
-    while lo <= hi:
-        if hi - lo + 1 <= per_step:
-            probe = np.arange(lo, hi + 1)
-        else:
-            probe = np.unique(np.linspace(lo, hi, per_step + 2)[1:-1].round().astype(int))
-        powers = mean_power_w(gpu, passes, clocks[probe])
-        fits = powers <= power_limit_w
-        n_fit = int(np.argmin(fits)) if not fits.all() else len(fits)
-        if n_fit:
-            best = int(probe[n_fit - 1])
-            lo = best + 1
-        if n_fit < len(probe):
-            hi = int(probe[n_fit]) - 1
-            above_w = float(powers[n_fit])
-    # The batched powers agree with `time_passes` to rounding: settle a near tie exactly.
-    timings: dict[int, PassTiming] = {int(requested_mhz): timing}
-
-    def exact(i: int) -> PassTiming:
-        clock = int(clocks[i])
-        if clock not in timings:
-            timings[clock] = time_passes(gpu, passes, clock)
-        return timings[clock]
-
-    near_tie = above_w <= power_limit_w * (1.0 + 1e-9)
-    while near_tie and best + 1 < len(clocks) and exact(best + 1).mean_power_w <= power_limit_w:
-        best += 1
-    while best >= 0 and exact(best).mean_power_w > power_limit_w:
-        best -= 1
-    best = max(best, 0)
-    _CAPPED.setdefault(passes, {})[(gpu, power_limit_w)] = (int(requested_mhz), int(clocks[best]))
-    return OperatingPoint(int(clocks[best]), True, exact(best))
+    hot = passes.take(over)
+    lo = np.zeros(len(over), dtype=np.int64)  # clocks below lo fit
+    hi = np.full(len(over), len(clocks) - 1, dtype=np.int64)  # clocks above hi do not
+    best = np.zeros(len(over), dtype=np.int64)
+    while np.any(lo <= hi):
+        searching = lo <= hi
+        mid = np.where(searching, (lo + hi) // 2, best)
+        fits = time_passes(gpu, hot, clocks[mid].astype(float)).power_w <= power_limit_w
+        best = np.where(searching & fits, mid, best)
+        lo = np.where(searching & fits, mid + 1, lo)
+        hi = np.where(searching & ~fits, mid - 1, hi)
+    pass_clocks = np.full(len(passes), float(requested_mhz))
+    pass_clocks[over] = clocks[best]
+    capped = time_passes(gpu, passes, pass_clocks)
+    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
 
 
 @functools.lru_cache(maxsize=256)
@@ -294,14 +270,15 @@ def schedule(
 ) -> Schedule:
     """The phases, each at its `operating_point`. Every phase is timed at the requested clock
     in one array (one `time_passes` for the lot, elementwise the same numbers), and only those
-    over the limit are searched; when none is, that array is the schedule's timing."""
+    with a pass over the limit are searched; when none has, that array is the schedule's
+    timing."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     points = []
     start = 0
     for phase in phases:
         timing = whole.slice(start, start + len(phase))
         start += len(phase)
-        if timing.mean_power_w <= power_limit_w:
+        if len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
@@ -317,8 +294,8 @@ def schedule(
 class Schedule:
     """Phases of work (prefill, full-batch decode, drain), each at its own operating point.
 
-    GPUs enforce a power limit over short windows, so each phase settles at its own clock: a
-    compute-heavy prefill cannot borrow power from the decode tail, nor the other way round.
+    GPUs enforce a power limit over short windows, so no pass borrows power from another
+    (`operating_point`): a compute-heavy prefill runs slower than the decode tail after it.
     """
 
     points: tuple[OperatingPoint, ...]
@@ -339,6 +316,7 @@ class Schedule:
             np.concatenate([t.power_w for t in parts]),
             np.concatenate([t.tensor_util for t in parts]),
             np.concatenate([t.memory_util for t in parts]),
+            np.concatenate([t.pass_clocks_mhz for t in parts]),
         )
 
     @functools.cached_property
@@ -356,10 +334,13 @@ class Schedule:
 
     @property
     def pass_clock_mhz(self) -> np.ndarray:
-        return self.per_pass([p.sm_clock_mhz for p in self.points], np.int64)
+        if not self.points:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([p.timing.pass_clocks_mhz for p in self.points]).astype(np.int64)
 
     @property
     def pass_capped(self) -> np.ndarray:
+        """Whether each pass belongs to a phase the power limit throttled."""
         return self.per_pass([p.power_capped for p in self.points], bool)
 
     @property
