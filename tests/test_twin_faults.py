@@ -3,6 +3,10 @@ twin before its fix."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
+
 from dvfs.campaign.model import DrafterSpec
 from dvfs.clock import VirtualClock
 from dvfs.corpora import load_corpus, sample_prompts
@@ -10,6 +14,8 @@ from dvfs.engines.base import Workload
 from dvfs.engines.twin import TwinEngine
 from dvfs.twin import traps
 from dvfs.twin.device import TwinDevice, TwinNode
+from dvfs.twin.drafting import plan_drafter
+from dvfs.twin.passes import PassBuilder, decode_passes
 from dvfs.twin.profiles import gpu_profile, model_profile
 
 H100 = gpu_profile("h100-sxm")
@@ -38,3 +44,26 @@ def test_every_pass_holds_the_power_limit_not_only_each_phase_average() -> None:
     assert work.dynamic_w.max() <= limit_w * (1 + 1e-12)
     throttled = work.sm_clock_mhz < H100.max_sm_clock_mhz
     assert throttled.any() and not throttled.all()  # the limit binds, on some passes only
+
+
+def test_eagle1_without_a_profile_has_its_own_head_not_eagle3s() -> None:
+    """EAGLE-1 (arXiv 2401.15077): an fc from 2 x hidden (feature and embedding), one decoder
+    layer over hidden, the target's LM head. A draft step at batch 1 reads those weights."""
+    eagle1 = DrafterSpec("eagle", "EAGLE", "some/unknown-eagle-head", 3, 1, 4)
+    plan = plan_drafter(eagle1, LLAMA8B)
+    assert plan is not None and plan.draft_model is not None
+    h, t = LLAMA8B.hidden, LLAMA8B
+    q, kv = t.heads * t.head_dim, t.kv_heads * t.head_dim
+    params = 2 * h * h + h * (q + 2 * kv) + q * h + 3 * h * t.intermediate + t.vocab * h
+    builder = PassBuilder(1)
+    one = np.ones(1)
+    width = decode_passes(
+        builder, LLAMA8B, plan, one, one * 500, t.kv_bytes_read(500) * one, one * 500, one * 2
+    )
+    draft_bytes = builder.parts[0].bytes[0]  # the first draft step of the iteration
+    kv_bytes = plan.draft_model.kv_bytes_read(500.0) + plan.draft_model.kv_bytes_per_token
+    assert width == plan.num_steps + 2
+    assert draft_bytes == params * 2 + kv_bytes
+    eagle3 = plan_drafter(replace(eagle1, algorithm="EAGLE3"), LLAMA8B)
+    assert eagle3 is not None and eagle3.draft_model is not None
+    assert eagle3.draft_model.weight_bytes_read(1.0) != plan.draft_model.weight_bytes_read(1.0)

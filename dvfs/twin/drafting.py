@@ -98,10 +98,43 @@ def _builtin_text(name: str) -> TextProfile:
     return textprior.builtin_profile(name)
 
 
-def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:
-    """A one-layer draft head shaped like one target layer (EAGLE without a known profile)."""
+@dataclass(frozen=True)
+class HeadShape:
+    """How a trained draft head without a profile of its own is built around its target's
+    layer shape: the fc's input width and the attention's input width (in hidden sizes), and
+    its vocabulary (None: the target's LM head)."""
+
+    fc_inputs: int
+    attention_inputs: int
+    vocab: int | None
+
+
+#: Draft-head shapes by algorithm.
+#: EAGLE (EAGLE-1; Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature
+#: Uncertainty", ICML 2024, arXiv 2401.15077, section 4.1 and Figure 6; SafeAILab/EAGLE
+#: `eagle/model/cnets.py`, `fc = Linear(2 x hidden, hidden)`): the target's last hidden state
+#: and the next token's embedding, concatenated (2 x hidden), go through an fc to hidden and
+#: ONE decoder layer whose attention takes hidden; the target's own LM head maps it to the
+#: target's vocabulary. NEXTN (DeepSeek-V3's multi-token prediction module, arXiv 2412.19437
+#: section 2.2: a 2 x hidden projection of the normed hidden state and embedding, one
+#: transformer block, the shared output head) has the same shape.
+#: EAGLE-3 (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+#: via Training-Time Test", arXiv 2503.01840, section 3; TWIN-REFERENCE D1, D2): low, mid and
+#: high features fused by an fc from 3 x hidden, the decoder layer's q/k/v take 2 x hidden
+#: (embedding and fused feature), and its own LM head to a 32000-token draft vocabulary.
+HEAD_SHAPES = {
+    "EAGLE": HeadShape(fc_inputs=2, attention_inputs=1, vocab=None),
+    "NEXTN": HeadShape(fc_inputs=2, attention_inputs=1, vocab=None),
+    "EAGLE3": HeadShape(fc_inputs=3, attention_inputs=2, vocab=32000),
+}
+
+
+def _generic_head(target: ModelProfile, algorithm: str) -> ModelProfile:
+    """A one-layer draft head shaped like one target layer, built as `algorithm`'s heads are
+    (`HEAD_SHAPES`): for a drafter without a profile of its own."""
+    shape = HEAD_SHAPES[algorithm]
     return ModelProfile(
-        key=f"{target.key}-head",
+        key=f"{target.key}-{algorithm.lower()}-head",
         hf_name="",
         layers=1,
         hidden=target.hidden,
@@ -109,11 +142,11 @@ def _generic_head(target: ModelProfile, vocab: int) -> ModelProfile:
         heads=target.heads,
         kv_heads=target.kv_heads,
         head_dim=target.head_dim,
-        vocab=vocab,
+        vocab=target.vocab if shape.vocab is None else shape.vocab,
         tied_embeddings=False,
         role="eagle-head",
-        fc_inputs=3,
-        attention_inputs=2,
+        fc_inputs=shape.fc_inputs,
+        attention_inputs=shape.attention_inputs,
     )
 
 
@@ -157,7 +190,7 @@ def plan_drafter(drafter: DrafterSettings, target: ModelProfile) -> DraftPlan | 
     elif known is not None:
         draft = known
     else:
-        draft = _generic_head(target, 32000 if algorithm == "EAGLE3" else target.vocab)
+        draft = _generic_head(target, algorithm)
     return DraftPlan(algorithm, family, steps, topk, tokens, min(steps, tokens - 1), draft)
 
 
