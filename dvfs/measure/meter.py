@@ -446,6 +446,9 @@ def summarise(
     the cell is valid and flagged power_capped, since applying the same setting reproduces it.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
+
+    The highest power is the largest power sample inside the windows, or a round's mean power
+    from the energy counter where that is larger: so the cell's mean power never exceeds it.
     """
     quality = 0
     energy_mj = 0.0
@@ -478,6 +481,11 @@ def summarise(
         tokens += e.tokens
         intervals += max(0, e.updates - 1)
         energies.append(e)
+        if e.seconds > 0 and e.energy_mj > 0:
+            # The sampled instants can miss a round's hottest passes; the counter sees them
+            # all, so the highest power is at least the hottest round's mean (and the cell's
+            # mean, an average of its rounds', never exceeds it).
+            power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
         per_token.append(e.energy_per_token_j)
         latency.append(latency_stats(part.result.requests).tpot_ms[0])
         inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
