@@ -132,3 +132,28 @@ def test_no_cell_s_mean_power_exceeds_its_max(tmp_path: Path) -> None:
         # the counter counts whole mJ: the mean is that certain over the cell's time
         resolution_w = 1e-3 / r["decode_time_s"]
         assert r["power_mean_w"] <= r["power_max_w"] + resolution_w, r
+
+
+def test_draft_steps_slow_down_with_the_clock_like_the_target_s_kernels() -> None:
+    """At batch 1 a draft step, like a target decode step, is weight reads plus clock-scaled
+    kernels; only the scheduler's step is fixed host time, and it is paid once per
+    iteration. So lowering the clock slows a draft step about as much as the verify pass,
+    and speculation gains no DVFS headroom over plain decoding from its drafts."""
+    slow, top = 1005, H100.max_sm_clock_mhz
+
+    def decode_s(drafter: DrafterSpec, clock: int) -> np.ndarray:
+        work = run_round(drafter, 1, 700.0, clock).timeline.work
+        assert work is not None
+        return (work.ends_ns - work.starts_ns)[-120:] * 1e-9  # decode passes, past prefill
+
+    spec = {c: decode_s(EAGLE3, c) for c in (slow, top)}
+    plain = {c: decode_s(DrafterSpec("none"), c) for c in (slow, top)}
+    width = 7  # 5 draft steps, the verify pass, the draft-extend
+    iters = {c: spec[c][len(spec[c]) % width :].reshape(-1, width) for c in spec}
+    verify = iters[slow][:, 5].sum() / iters[top][:, 5].sum()
+    drafts = iters[slow][:, 1:5].sum() / iters[top][:, 1:5].sum()
+    assert verify > 1.05  # the clock-bound part of a decode step is real
+    assert drafts >= verify - 0.02
+    plain_ratio = plain[slow].sum() / plain[top].sum()
+    spec_ratio = iters[slow].sum() / iters[top].sum()
+    assert spec_ratio >= plain_ratio - 0.005

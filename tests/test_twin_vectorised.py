@@ -20,7 +20,13 @@ from dvfs.engines.twin import TwinEngine
 from dvfs.twin import physics, traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
-from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
+from dvfs.twin.passes import (
+    DRAFT_LAUNCH_SHARE,
+    PassBuilder,
+    decode_passes,
+    prefill_passes,
+    verify_column,
+)
 from dvfs.twin.physics import OperatingPoint, Passes, PassTiming, Schedule
 from dvfs.twin.profiles import GpuProfile, gpu_profile, model_profile
 from dvfs.twin.textprior import profile_prompts
@@ -60,12 +66,15 @@ def reference_decode(
         draft = plan.draft_model
         kv = draft.kv_bytes_read(mean_ctx) * active
         per_token = draft.attention_flops_per_token(mean_ctx)
+        launch = DRAFT_LAUNCH_SHARE
         if plan.family == "dflash":
-            builder.add(draft, active * k, kv, per_token * active * k, active * k)
+            builder.add(draft, active * k, kv, per_token * active * k, active * k, launch)
         else:
             for step in range(plan.num_steps):
                 tokens = active * (plan.topk if step > 0 else 1)
-                builder.add(draft, tokens, kv, per_token * tokens, tokens)
+                builder.add(
+                    draft, tokens, kv, per_token * tokens, tokens, launch if step == 0 else 0
+                )
     verify = active * k
     builder.add(
         LLAMA8B, verify, ctx_kv, LLAMA8B.attention_flops_per_token(mean_ctx) * verify, emitted
@@ -78,6 +87,7 @@ def reference_decode(
             draft.kv_bytes_read(mean_ctx) * active,
             draft.attention_flops_per_token(mean_ctx) * emitted,
             emitted,
+            DRAFT_LAUNCH_SHARE,
         )
     parts = builder.parts
     names = [f.name for f in fields(Passes)]

@@ -17,6 +17,20 @@ from dvfs.twin.profiles import ModelProfile
 #: SGLang's chunked-prefill budget (tokens per prefill pass) on large-memory GPUs.
 PREFILL_CHUNK_TOKENS = 8192
 
+#: Kernels of a forward pass outside its layers (embedding, final norm, LM head, logits
+#: processing, sampling or top-k, a drafter's tree bookkeeping), in layers' worth of kernels:
+#: ~6 small kernels against the ~12 of a layer (`kernel_cycles_per_layer`) (INF). Their
+#: cycles scale with the clock like the layers' do; they weigh on a one-layer draft head.
+PASS_KERNEL_LAYERS = 0.5
+
+#: A drafter's passes run inside the scheduler's decode step: SGLang replays the draft steps
+#: as one CUDA graph and the draft-extend as another (`EAGLEDraftCudaGraphRunner`,
+#: `EAGLEDraftExtendCudaGraphRunner`), so the step's scheduling is paid once, by the verify
+#: pass, and each graph only adds its replay's launch: this share of `host_overhead_s` (INF:
+#: a graph launch is tens of microseconds of host time against ~0.3 ms for a scheduler step).
+#: The draft kernels' own time is GPU time, clock-scaled cycles and memory traffic.
+DRAFT_LAUNCH_SHARE = 0.1
+
 
 def count_passes(
     model: ModelProfile,
@@ -38,7 +52,8 @@ def count_passes(
     else:
         comm = np.zeros_like(tokens)
         calls = np.zeros_like(tokens)
-    return flops / tp, bytes_ / tp, np.full_like(tokens, model.layers), comm, calls
+    layers = np.full_like(tokens, model.layers + PASS_KERNEL_LAYERS)
+    return flops / tp, bytes_ / tp, layers, comm, calls
 
 
 class PassBuilder:
@@ -55,12 +70,10 @@ class PassBuilder:
         kv_read_bytes: np.ndarray,
         attn_flops: np.ndarray,
         kv_write_tokens: np.ndarray,
+        launches: float = 1.0,
     ) -> None:
-        self.parts.append(
-            Passes(
-                *count_passes(model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens)
-            )
-        )
+        counts = count_passes(model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens)
+        self.parts.append(Passes(*counts, np.full(len(counts[0]), launches)))
 
     def add_host(self, count: int) -> None:
         """Host-only steps (n-gram lookup): pure per-pass overhead, no GPU work."""
@@ -138,8 +151,16 @@ def decode_passes(
         blocks.append(tail)
     # Pass j of iteration n sits at n * width + j.
     fields = [np.concatenate(column, axis=1) for column in zip(*blocks, strict=True)]
-    builder.parts.append(Passes(*(field.reshape(-1) for field in fields)))
-    return fields[0].shape[1]
+    width = fields[0].shape[1]
+    launches = np.ones((n_iter, width))
+    if plan is not None and plan.draft_model is not None:
+        # the draft steps: one graph, launched once; the draft-extend: another
+        launches[:, : verify_column(plan, width)] = 0.0
+        launches[:, 0] = DRAFT_LAUNCH_SHARE
+        launches[:, verify_column(plan, width) + 1 :] = DRAFT_LAUNCH_SHARE
+    flops, bytes_, layers, comm, calls = (field.reshape(-1) for field in fields)
+    builder.parts.append(Passes(flops, bytes_, layers, comm, calls, launches.reshape(-1)))
+    return width
 
 
 def verify_column(plan: DraftPlan | None, width: int) -> int:

@@ -3,7 +3,7 @@
 Everything is vectorised over a sequence of forward passes so a whole measurement cell
 (hundreds of passes) costs a few numpy operations.
 
-step time  = host overhead + kernel cycles / f + soft-max(compute time, memory time) + comm
+step time  = host overhead x launches + kernel cycles / f + soft-max(compute, memory) + comm
 compute    = FLOPs / (tensor peak at f x GEMM efficiency)
 memory     = bytes / achievable bandwidth at f (falls off below the bandwidth knee)
 power      = idle + busy x (SM power + tensor power x tensor util) x s(f) + memory power x bw util
@@ -40,10 +40,16 @@ class Passes:
     layers: np.ndarray
     comm_bytes: np.ndarray
     comm_calls: np.ndarray
+    #: Host overheads each pass pays (`GpuProfile.host_overhead_s`: the scheduler's step and
+    #: a CUDA-graph replay): 1 for a pass the scheduler launches, less for a draft pass that
+    #: runs inside the scheduler's decode step; None: 1 for every pass.
+    launches: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = len(self.flops)
-        for name in ("bytes", "layers", "comm_bytes", "comm_calls"):
+        if self.launches is None:
+            object.__setattr__(self, "launches", np.ones(n))
+        for name in ("bytes", "layers", "comm_bytes", "comm_calls", "launches"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Passes.{name} has {len(getattr(self, name))} entries, not {n}")
 
@@ -168,7 +174,7 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
     kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
     comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
     busy_s = roofline_s + kernel_s + comm_s
-    duration_s = busy_s + gpu.host_overhead_s
+    duration_s = busy_s + gpu.host_overhead_s * passes.launches
     tensor_util = compute_s / duration_s
     memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
     busy = busy_s / duration_s
