@@ -29,6 +29,7 @@ ENERGY_LABEL = "energy per token (J)"  # the unit of `dvfs headroom`'s J/tok col
 RC: dict[str, Any] = {
     "font.size": 10,
     "axes.titlesize": 11,
+    "axes.titley": 1.0,  # fixed: no search of the axes for decorations above, every draw
     "axes.labelsize": 10,
     "xtick.labelsize": 9,
     "ytick.labelsize": 9,
