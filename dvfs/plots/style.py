@@ -71,7 +71,7 @@ CHOSEN_STYLE: dict[str, Any] = {
 #: seaborn 0.13's "whitegrid" axes style, written out: importing seaborn (and the scipy.stats
 #: it loads) took about a third of `dvfs plot`'s CPU for these few settings. Its "image.cmap"
 #: ("rocket", a colour map seaborn registers on import) is left out: every dvfs image names
-#: its colour map. tests/test_plot_style.py checks both against seaborn.
+#: its colour map. tests/test_speed_shortcuts.py checks both against seaborn.
 WHITEGRID: dict[str, Any] = {
     "axes.axisbelow": True,
     "axes.edgecolor": ".8",
