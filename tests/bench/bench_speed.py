@@ -134,7 +134,9 @@ def verdict(good: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-old-4x", action="store_true", help="no 4x campaign on the old code")
-    parser.add_argument("--rtol", type=float, default=1e-9, help="cube equality tolerance")
+    parser.add_argument(
+        "--rtol", type=float, default=0.0, help="cube equality tolerance (0: bit-equal)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     opts = parser.parse_args()
 
