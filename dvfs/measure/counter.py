@@ -19,6 +19,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,8 +102,23 @@ def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     lhs[:, 1] = 1.0
     scale = np.sqrt((lhs * lhs).sum(axis=0))
     lhs /= scale
-    coef = np.linalg.lstsq(lhs, y, len(x) * np.finfo(np.float64).eps)[0] / scale
+    rcond = len(x) * _EPS
+    if _LSTSQ is not None:  # lstsq's own LAPACK call, without its wrapper's checks
+        solved = _LSTSQ(lhs, y[:, None], rcond, signature="ddd->ddid")[0][:, 0]
+        if np.isfinite(solved).all():
+            coef = solved / scale
+            return float(coef[0]), float(coef[1])
+    coef = np.linalg.lstsq(lhs, y, rcond)[0] / scale  # raises what LAPACK could not solve
     return float(coef[0]), float(coef[1])
+
+
+_EPS = float(np.finfo(np.float64).eps)
+try:  # the gufunc `np.linalg.lstsq` calls (numpy 2); its public wrapper is the fallback
+    from numpy.linalg import _umath_linalg
+
+    _LSTSQ: Any = _umath_linalg.lstsq
+except (ImportError, AttributeError):  # pragma: no cover - another numpy's layout
+    _LSTSQ = None
 
 
 def update_period_s(t_ns: np.ndarray, value_mj: np.ndarray) -> float | None:

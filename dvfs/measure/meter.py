@@ -217,7 +217,8 @@ class _RoundLatency(LatencyStats):
 
 #: The last few rounds' latency statistics, by the identity of their (immutable) tuple of
 #: traces: the runner asks for a round's as it measures, and `summarise` again at the end.
-_LATENCY_MEMO: list[tuple[tuple[RequestTrace, ...], LatencyStats]] = []
+#: Keyed by id() and holding the tuple itself, so an id is not reused while it is here.
+_LATENCY_MEMO: dict[int, tuple[tuple[RequestTrace, ...], LatencyStats]] = {}
 _LATENCY_MEMO_SIZE = 16
 
 
@@ -228,14 +229,14 @@ def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     are computed when first read (`_RoundLatency`)."""
     if not isinstance(requests, tuple):
         return _latency_of(_finished(requests))
-    for seen, stats in _LATENCY_MEMO:
-        if seen is requests:
-            return stats
+    seen = _LATENCY_MEMO.get(id(requests))
+    if seen is not None and seen[0] is requests:
+        return seen[1]
     ok = _finished(requests)
     stats = _RoundLatency(ok) if ok else _latency_of(ok)
-    _LATENCY_MEMO.append((requests, stats))
+    _LATENCY_MEMO[id(requests)] = (requests, stats)
     if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
-        del _LATENCY_MEMO[0]
+        del _LATENCY_MEMO[next(iter(_LATENCY_MEMO))]  # the oldest (dicts keep insertion order)
     return stats
 
 

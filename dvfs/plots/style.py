@@ -29,6 +29,7 @@ ENERGY_LABEL = "energy per token (J)"  # the unit of `dvfs headroom`'s J/tok col
 RC: dict[str, Any] = {
     "font.size": 10,
     "axes.titlesize": 11,
+    "axes.titley": 1.0,  # fixed: no search of the axes for decorations above, every draw
     "axes.labelsize": 10,
     "xtick.labelsize": 9,
     "ytick.labelsize": 9,
@@ -67,20 +68,70 @@ CHOSEN_STYLE: dict[str, Any] = {
 }
 
 
+#: seaborn 0.13's "whitegrid" axes style, written out: importing seaborn (and the scipy.stats
+#: it loads) took about a third of `dvfs plot`'s CPU for these few settings. Its "image.cmap"
+#: ("rocket", a colour map seaborn registers on import) is left out: every dvfs image names
+#: its colour map. tests/test_speed_shortcuts.py checks both against seaborn.
+WHITEGRID: dict[str, Any] = {
+    "axes.axisbelow": True,
+    "axes.edgecolor": ".8",
+    "axes.facecolor": "white",
+    "axes.grid": True,
+    "axes.labelcolor": ".15",
+    "axes.spines.bottom": True,
+    "axes.spines.left": True,
+    "axes.spines.right": True,
+    "axes.spines.top": True,
+    "figure.facecolor": "white",
+    "font.family": ["sans-serif"],
+    "font.sans-serif": [
+        "Arial",
+        "DejaVu Sans",
+        "Liberation Sans",
+        "Bitstream Vera Sans",
+        "sans-serif",
+    ],
+    "grid.color": ".8",
+    "grid.linestyle": "-",
+    "lines.solid_capstyle": "round",
+    "patch.edgecolor": "w",
+    "patch.force_edgecolor": True,
+    "text.color": ".15",
+    "xtick.bottom": False,
+    "xtick.color": ".15",
+    "xtick.direction": "out",
+    "xtick.top": False,
+    "ytick.color": ".15",
+    "ytick.direction": "out",
+    "ytick.left": False,
+    "ytick.right": False,
+}
+
+#: seaborn's "colorblind" palette (PALETTE) as hex, in its order.
+COLORBLIND: tuple[str, ...] = (
+    "#0173b2",
+    "#de8f05",
+    "#029e73",
+    "#d55e00",
+    "#cc78bc",
+    "#ca9161",
+    "#fbafe4",
+    "#949494",
+    "#ece133",
+    "#56b4e9",
+)
+
+
 @cache
 def theme() -> dict[str, Any]:
-    """seaborn's white-grid style under dvfs's sizes (seaborn loads with the first figure)."""
-    import seaborn
-
-    return {**seaborn.axes_style("whitegrid"), **RC}
+    """seaborn's white-grid style (WHITEGRID) under dvfs's sizes."""
+    return {**WHITEGRID, **RC}
 
 
 @cache
 def palette() -> tuple[str, ...]:
     """The drafters' colours, in order."""
-    import seaborn
-
-    return tuple(seaborn.color_palette(PALETTE).as_hex())
+    return COLORBLIND
 
 
 P = ParamSpec("P")
