@@ -75,7 +75,11 @@ VARIABLES = (
         "tokens per verify pass as the server reports it (prefill excluded)",
     ),
     VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window"),
-    VarSpec("power_max_w", "W", "highest sampled GPU power in the window"),
+    VarSpec(
+        "power_max_w",
+        "W",
+        "highest power in the window: a sample, or a round's counter mean where larger",
+    ),
     VarSpec("sm_clock_observed_mhz", "MHz", "mean sampled SM clock in the window"),
     VarSpec("temperature_max_c", "degC", "highest sampled GPU temperature in the window"),
     VarSpec(
