@@ -3,9 +3,10 @@ working tree, measured side by side in one run on this machine.
 
 Reports the demo sweep's CPU time (user+sys of the child), `dvfs plot` on the demo cube, the
 peak RSS of a 4x demo campaign against the demo's, and whether the new cube equals the
-reference's within the twin's determinism. The reference is commit c5b38b5 (also built outside
-the tree): main just before the speed work merged, with today's twin physics and measurement
-protocol, so its demo cube is the one a sweep by the working tree must give. The cube differs
+reference's within the twin's determinism. The reference is commit 6e05897 (also built outside
+the tree): today's twin physics and measurement protocol (the physics fixes of issue 13
+included) before the last round of speed work, so its demo cube is the one a sweep by the
+working tree must give. The cube differs
 from 42bc906's by design, since issues 11 and 13 changed the twin's physics and the protocol
 after it, so 42bc906 is measured for time and memory only; the reference's sweep CPU is shown
 too.
@@ -31,10 +32,10 @@ from same_cube import compare  # noqa: E402  (beside this file)
 
 REPO = Path(__file__).resolve().parents[2]
 BEFORE = "42bc906"
-#: The cube's reference: main just before the speed work merged (after the physics and
-#: protocol changes of issues 11 and 13, with rounds ending at the window); a sweep by the
+#: The cube's reference: today's physics and protocol (issues 11 and 13: rounds ending at the
+#: window, the power limit per pass) before the last round of speed work; a sweep by the
 #: working tree must give the same cube.
-REFERENCE = "c5b38b5"
+REFERENCE = "6e05897"
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
 TARGET_PLOT_S = 5.0
