@@ -20,11 +20,9 @@ runner does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -573,54 +571,25 @@ def fleet_journal(out_dir: Path) -> bool:
 
 
 def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> list[Cell]:
-    """The next repeat of each planned cell (all but its repeat alike) whose journalled
-    repeats' interval on energy per token or median TPOT misses `measurement.precision`,
-    while it has fewer than `max_repeats`: the rule a single runner follows
-    (`Runner.extra_repeats`), decided here by the driver from its journal, in the planned
-    order (reversed on odd repeats, the plan's serpentine)."""
-    from dvfs.measure.counter import relative_half_width
+    """The repeats a single runner would add (`dvfs.measure.runner.next_repeats`), decided
+    here by the driver from its journal's cell records."""
     from dvfs.measure.journal import iter_records
+    from dvfs.measure.runner import next_repeats
     from dvfs.records import JOURNAL_SCHEMA, CellRecord
 
     m = campaign.measurement
     if m.max_repeats <= m.repeats or not journal.is_file():
         return []
 
-    def group(cell: Cell) -> tuple[Any, ...]:
-        return (cell.drafter, cell.sm_clock_mhz, cell.power_limit_w, cell.batch, cell.corpus)
+    def records() -> Iterator[CellRecord]:
+        version = JOURNAL_SCHEMA
+        for raw in iter_records(journal):
+            if raw.get("type") == "session":
+                version = int(raw.get("journal_schema", JOURNAL_SCHEMA))
+            if raw.get("type") == "cell":
+                yield CellRecord.from_json(raw, version=version)
 
-    values: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
-    taken: dict[tuple[Any, ...], int] = {}
-    version = JOURNAL_SCHEMA
-    for raw in iter_records(journal):
-        if raw.get("type") == "session":
-            version = int(raw.get("journal_schema", JOURNAL_SCHEMA))
-        if raw.get("type") != "cell":
-            continue
-        record = CellRecord.from_json(raw, version=version)
-        key = group(record.cell)
-        taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
-        if record.ok and record.measurement is not None and record.measurement.valid:
-            values.setdefault(key, []).append(
-                (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
-            )
-    extra: list[Cell] = []
-    seen: set[tuple[Any, ...]] = set()
-    for cell in cells:
-        key = group(cell)
-        if key in seen or cell.repeat != 0:
-            continue
-        seen.add(key)
-        n = taken.get(key, 0)
-        if n < m.repeats or n >= m.max_repeats:
-            continue
-        energy = relative_half_width([v[0] for v in values.get(key, [])], m.confidence)
-        latency = relative_half_width([v[1] for v in values.get(key, [])], m.confidence)
-        if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
-            extra.append(dataclasses.replace(cell, repeat=n))
-    if extra and extra[0].repeat % 2:
-        extra.reverse()
-    return extra
+    return next_repeats(m, records(), cells)
 
 
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:

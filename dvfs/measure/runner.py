@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
@@ -724,40 +724,11 @@ class Runner:
         return records
 
     def extra_repeats(self, cells: Sequence[Cell]) -> list[Cell]:
-        """The next repeat of each cell (all but the repeat alike) whose measured repeats'
-        interval on energy per token or median TPOT misses the precision, while it has fewer
-        than max_repeats; none when max_repeats is repeats. In the planned order, reversed on
-        odd repeats (the plan's serpentine)."""
+        """The repeats `next_repeats` asks for, from this runner's journal."""
         m = self.campaign.measurement
         if m.max_repeats <= m.repeats:
             return []
-        groups: dict[tuple, list[tuple[float, float]]] = {}
-        taken: dict[tuple, int] = {}
-        for record in self._journaled_cells():
-            key = _group(record.cell)
-            taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
-            if record.ok and record.measurement is not None and record.measurement.valid:
-                groups.setdefault(key, []).append(
-                    (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
-                )
-        extra: list[Cell] = []
-        seen: set[tuple] = set()
-        for cell in cells:
-            key = _group(cell)
-            if key in seen or cell.repeat != 0:
-                continue
-            seen.add(key)
-            n = taken.get(key, 0)
-            if n < m.repeats or n >= m.max_repeats:
-                continue
-            values = groups.get(key, [])
-            energy = relative_half_width([v[0] for v in values], m.confidence)
-            latency = relative_half_width([v[1] for v in values], m.confidence)
-            if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
-                extra.append(replace(cell, repeat=n))
-        if extra and extra[0].repeat % 2:
-            extra.reverse()
-        return extra
+        return next_repeats(m, self._journaled_cells(), cells)
 
     def _journaled_cells(self) -> Iterator[CellRecord]:
         """The journal's cell records, in the version their session wrote them (read back
@@ -769,6 +740,45 @@ class Runner:
                 version = int(record.get("journal_schema", JOURNAL_SCHEMA))
             elif record.get("type") == "cell":
                 yield CellRecord.from_json(record, version=version)
+
+
+def next_repeats(
+    m: MeasurementConfig, records: Iterable[CellRecord], cells: Sequence[Cell]
+) -> list[Cell]:
+    """The next repeat of each planned cell (all but the repeat alike) whose measured repeats'
+    interval on energy per token or median TPOT misses the precision, while it has fewer than
+    max_repeats; none when max_repeats is repeats. In the planned order, reversed on odd
+    repeats (the plan's serpentine). The one rule a single runner and a fleet's driver follow,
+    each reading its own journal's cell records."""
+    if m.max_repeats <= m.repeats:
+        return []
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    taken: dict[tuple, int] = {}
+    for record in records:
+        key = _group(record.cell)
+        taken[key] = max(taken.get(key, 0), record.cell.repeat + 1)
+        if record.ok and record.measurement is not None and record.measurement.valid:
+            groups.setdefault(key, []).append(
+                (record.measurement.energy_per_token_j, record.measurement.tpot_ms[0])
+            )
+    extra: list[Cell] = []
+    seen: set[tuple] = set()
+    for cell in cells:
+        key = _group(cell)
+        if key in seen or cell.repeat != 0:
+            continue
+        seen.add(key)
+        n = taken.get(key, 0)
+        if n < m.repeats or n >= m.max_repeats:
+            continue
+        values = groups.get(key, [])
+        energy = relative_half_width([v[0] for v in values], m.confidence)
+        latency = relative_half_width([v[1] for v in values], m.confidence)
+        if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
+            extra.append(replace(cell, repeat=n))
+    if extra and extra[0].repeat % 2:
+        extra.reverse()
+    return extra
 
 
 def _group(cell: Cell) -> tuple:
