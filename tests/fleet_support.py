@@ -55,3 +55,33 @@ idle_s = 1.0
 def fleet_campaign(name: str, repeats: int = 1) -> str:
     """The campaign's TOML text under NAME with REPEATS interleaved repeats."""
     return _FLEET_CAMPAIGN.format(name=name, repeats=repeats)
+
+
+def assert_same_cells(a, b, *, above_idle_rtol: float = 1e-4) -> None:
+    """Two cubes of one campaign hold the same grid and values. Energy (and the power read off
+    the energy counter) may differ by the counter's 1 mJ quantisation, since the counter's
+    absolute value depends on what ran before on that GPU; above-idle energy subtracts about
+    half of it, doubling the relative step (`above_idle_rtol`). GPU time is left out: each
+    worker or shard pays its own server starts and settles."""
+    import numpy as np
+
+    assert set(a.data_vars) == set(b.data_vars)
+    for dim in a.dims:
+        np.testing.assert_array_equal(a[dim].values, b[dim].values)
+    for name in a.data_vars:
+        if str(name).startswith("gpu_time_"):
+            continue
+        if a[name].dtype.kind in "OUS":
+            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+            continue
+        if str(name).endswith("_rel_ci"):
+            # two rounds' t (12.7) times the difference of their energies: absolute
+            np.testing.assert_allclose(a[name].values, b[name].values, atol=5e-3, equal_nan=True)
+            continue
+        counted = "energy" in name or "power_mean" in name or "power_max" in name  # (summarise)
+        rtol = 1e-4 if counted else 1e-12
+        if "above_idle" in name:
+            rtol = above_idle_rtol
+        np.testing.assert_allclose(
+            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
+        )

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import write
-from fleet_rerun_support import ADAPTIVE, INFLIGHT, assert_same_cells
+from fleet_rerun_support import ADAPTIVE, INFLIGHT
+from fleet_support import assert_same_cells
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_MISSING, open_cube

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 from conftest import write
-from fleet_rerun_support import ADAPTIVE, INFLIGHT, assert_same_cells
-from fleet_support import fleet_campaign
+from fleet_rerun_support import ADAPTIVE, INFLIGHT
+from fleet_support import assert_same_cells, fleet_campaign
 
 from dvfs.cli import cli
 from dvfs.cube import open_cube

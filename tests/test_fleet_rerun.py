@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
-from fleet_rerun_support import assert_same_cells
-from fleet_support import fleet_campaign
+from fleet_support import assert_same_cells, fleet_campaign
 from sglang_support import running, stub_campaign
 
 from dvfs.cli import cli

@@ -9,11 +9,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
-from fleet_support import fleet_campaign
+from fleet_support import assert_same_cells, fleet_campaign
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -26,28 +25,6 @@ CAMPAIGN = fleet_campaign("rayed")
 
 def sweep(*args: str) -> Result:
     return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
-
-
-def assert_same_cells(a, b) -> None:
-    """Same grid and values; energy may differ by the counter's 1 mJ quantisation."""
-    assert set(a.data_vars) == set(b.data_vars)
-    for dim in a.dims:
-        np.testing.assert_array_equal(a[dim].values, b[dim].values)
-    for name in a.data_vars:
-        if str(name).startswith("gpu_time_"):
-            continue  # each worker pays its own server starts and settles
-        if a[name].dtype.kind in "OUS":
-            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-            continue
-        if str(name).endswith("_rel_ci"):
-            # two rounds' t (12.7) times the difference of their energies: absolute
-            np.testing.assert_allclose(a[name].values, b[name].values, atol=5e-3, equal_nan=True)
-            continue
-        counted = "energy" in name or "power_mean" in name or "power_max" in name  # (summarise)
-        rtol = 1e-4 if counted else 1e-12
-        np.testing.assert_allclose(
-            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
-        )
 
 
 @pytest.fixture(scope="module")

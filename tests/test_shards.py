@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
-from fleet_support import fleet_campaign
+from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,29 +28,6 @@ CAMPAIGN = replace_block(
 
 def invoke(*args: str) -> Result:
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def assert_same_cells(a, b) -> None:
-    """Same grid and values; energy may differ by the counter's 1 mJ quantisation (the
-    counter's absolute value depends on what ran before on that GPU)."""
-    assert set(a.data_vars) == set(b.data_vars)
-    for dim in a.dims:
-        np.testing.assert_array_equal(a[dim].values, b[dim].values)
-    for name in a.data_vars:
-        if str(name).startswith("gpu_time_"):
-            continue  # each shard pays its own server starts and settles
-        if a[name].dtype.kind in "OUS":
-            np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
-            continue
-        if str(name).endswith("_rel_ci"):
-            # two rounds' t (12.7) times the difference of their energies: absolute
-            np.testing.assert_allclose(a[name].values, b[name].values, atol=5e-3, equal_nan=True)
-            continue
-        counted = "energy" in name or "power_mean" in name or "power_max" in name  # (summarise)
-        rtol = 1e-4 if counted else 1e-12
-        np.testing.assert_allclose(
-            a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
-        )
 
 
 @pytest.fixture(scope="module")
