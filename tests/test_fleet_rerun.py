@@ -47,10 +47,10 @@ def killed_at(argv: list[str], journal: Path, cells: int) -> list[str]:
         argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 120
+        # No deadline of its own: the sweep either writes cells or ends (asserted below);
+        # a hang is ended by the test's pytest timeout, whatever the machine's load.
         while not journal.exists() or journal.read_text().count('"type":"cell"') < cells:
             assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
-            assert time.monotonic() < deadline, "the sweep did not progress"
             time.sleep(0.01)
         proc.kill()
         proc.communicate(timeout=60)
