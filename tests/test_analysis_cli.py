@@ -101,6 +101,7 @@ def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
             "acceptance.png",
             "headroom.png",
             "timelines.png",
+            "energy_vs_batch.png",
         ]
     )
     for f in files:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target
+from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
     corpus_panels,
     draw_energy_vs_clock,
@@ -35,6 +36,7 @@ __all__ = [
     "FORMATS",
     "corpus_panels",
     "draw_acceptance",
+    "draw_energy_vs_batch",
     "draw_energy_vs_clock",
     "draw_headroom",
     "draw_pareto",
@@ -64,6 +66,7 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
         ("timelines", draw_timelines(cube, chosen)),
+        ("energy_vs_batch", draw_energy_vs_batch(cube)),
     ):
         if fig is not None:
             yield name, fig

@@ -96,6 +96,7 @@ _CAPTIONS = {
     "headroom": "Energy saved at the chosen setting, per batch, drafter and corpus",
     "acceptance": "Mean accept length per drafter and corpus",
     "timelines": "Power and SM clock over a cell, at stock and at the chosen setting",
+    "energy_vs_batch": "Energy per token against batch size at the stock setting, per drafter",
 }
 
 

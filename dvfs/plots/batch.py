@@ -1,0 +1,94 @@
+"""Energy per token against batch size at the stock setting: a panel per corpus, a line per
+drafter. Two findings read off it at a glance: batching lowers the energy of a token, and
+speculation's saving over no speculation shrinks as the batch grows (down to a loss where a
+drafter's verify pass is past the ridge point)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dvfs.analysis.headroom import reference_setting
+from dvfs.plots.data import cell_means
+from dvfs.plots.style import (
+    ENERGY_LABEL,
+    Margins,
+    color_handles,
+    drafter_colors,
+    grid_shape,
+    panel_figure,
+    place_legend,
+    styled,
+    suptitle,
+    text_width_in,
+)
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.figure import Figure
+
+PANEL_W_IN = 3.4
+PANEL_H_IN = 2.9
+DIMS = ("corpus", "drafter", "batch")
+BASELINE = "none"
+
+
+def batch_title(cube: xr.Dataset) -> str:
+    ref = reference_setting(cube)
+    gpu = cube.attrs.get("gpu_name", "")
+    where = f"{ref.sm_clock} MHz, {ref.power_limit:g} W" + (f", {gpu}" if gpu else "")
+    return f"Energy per token vs batch, at the stock setting ({where})"
+
+
+def stock_energy(cube: xr.Dataset) -> np.ndarray:
+    """Energy per token (J) at the stock setting, axes (corpus, drafter, batch)."""
+    ref = reference_setting(cube)
+    return cell_means(
+        cube, "energy_per_token_j", DIMS, sm_clock=ref.sm_clock, power_limit=ref.power_limit
+    )
+
+
+@styled
+def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
+    """Energy per token (J, log scale) against batch (log scale), one line per drafter; None
+    when the cube holds a single batch size."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    batches = [int(b) for b in cube["batch"].values]
+    if len(batches) < 2:
+        return None
+    corpora = [str(c) for c in cube["corpus"].values]
+    drafters = [str(d) for d in cube["drafter"].values]
+    colors = drafter_colors(drafters)
+    energy = stock_energy(cube)
+    title = batch_title(cube)
+    rows, cols = grid_shape(len(corpora))
+    side = 0.0
+    if len(corpora) == rows * cols:  # no free grid slot: the legend goes in a side column
+        side = max(text_width_in(label, 9) for label in drafters) + 0.7
+    panels = panel_figure(len(corpora), PANEL_W_IN, PANEL_H_IN, Margins(side=side), title=title)
+    for c, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
+        for d, drafter in enumerate(drafters):
+            if np.all(np.isnan(energy[c, d])):
+                continue
+            ax.plot(
+                batches,
+                energy[c, d],
+                color=colors[drafter],
+                marker="o",
+                markersize=3.5,
+                linewidth=1.6 if drafter == BASELINE else 1.2,
+                linestyle="-" if drafter == BASELINE else "--",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(FixedLocator(batches))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(b) for b in batches])
+        ax.set_title(f"corpus {corpus}")
+        ax.set_xlabel("batch (requests decoded together)")
+        ax.set_ylabel(ENERGY_LABEL)
+    place_legend(panels, color_handles(colors, marker="o"))
+    suptitle(panels.fig, title)
+    return panels.fig
