@@ -77,12 +77,17 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
 
 
 def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> GpuProfile:
+    from dvfs.errors import CampaignError
     from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
 
     if base is not None:
         return gpu_profile(base)
     if attrs.get("twin_profile"):
-        return gpu_profile(str(attrs["twin_profile"]))
+        try:
+            return gpu_profile(str(attrs["twin_profile"]))
+        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
+            if not attrs.get("gpu_name"):
+                raise
     if attrs.get("gpu_name"):
         return profile_for_gpu_name(str(attrs["gpu_name"]))
     raise click.UsageError(

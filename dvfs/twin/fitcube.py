@@ -63,6 +63,8 @@ UNDETERMINED_REL = 0.5
 #: The relative step of the finite differences: the power limit's clock search is discrete,
 #: so the steps must be larger than the jitter it adds.
 DIFF_STEP = 1e-3
+#: At most this many first fits on the cells judged to have run at their lock.
+STAGE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -133,11 +135,19 @@ def fit_cube_cells(
     # jumps as the figures move, which stalls the search far from the optimum. So the figures
     # are first fitted on the cells that ran at their lock (by the sampled clock where the
     # cube has it, and by the base's prediction), then refined on every cell from there.
-    free = _unthrottled(cells, base)
+    # Which cells ran at their lock is judged again with each first fit's figures, until it
+    # stays the same (a few rounds at most).
     x, evaluations = x0, 0
-    if int(free.sum()) > len(params) and not free.all():
+    free = _unthrottled(cells, base)
+    for _ in range(STAGE_ROUNDS):
+        if int(free.sum()) <= len(params) or free.all():
+            break
         first = _solve(cells.subset(free), base, params, unit, x0, x, bounds, source)
-        x, evaluations = first.x, int(first.nfev)
+        x, evaluations = first.x, evaluations + int(first.nfev)
+        again = _unthrottled(cells, _with(base, params, x * unit))
+        if np.array_equal(again, free):
+            break
+        free = again
     solution = _solve(cells, base, params, unit, x0, x, bounds, source)
     evaluations += int(solution.nfev)
     values = solution.x * unit
