@@ -165,6 +165,10 @@ def cube_cells(
     from dvfs.corpora.sampling import sample_prompts
     from dvfs.twin.profiles import model_profile
 
+    if "gpu" in ds.dims:
+        raise PredictError(
+            f"{where} is a merged cube of {ds.sizes['gpu']} GPUs: fit each GPU's own cube"
+        )
     missing = [v for v in NEEDED if v not in ds.data_vars]
     if missing:
         raise PredictError(f"{where} lacks variable(s) {', '.join(missing)} the fit needs")
