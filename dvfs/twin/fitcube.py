@@ -3,12 +3,17 @@
 The free figures of a `GpuProfile` (`CUBE_FIT_PARAMETERS`: each with the bounds the search
 keeps it in) are fitted by bounded least squares (`scipy.optimize.least_squares`) so that the
 twin's own physics, predicting each measured cell deterministically (`dvfs.twin.predict`),
-reproduces the cube's energy per token, median TPOT and mean power. Residuals are relative
-(each cell's prediction over its measurement, less one), so a 60 W cell and a 600 W cell weigh
-alike. A weak pull towards the base profile (`PRIOR_WEIGHT` per relative unit) keeps the
-figures a cube cannot tell apart (tensor power in memory-bound decode, say) at the base's
-values instead of letting them drift; the fit says which ones those were
-(`CubeFit.undetermined`).
+reproduces the cube's energy per token, time per token and mean power (`predict.OBSERVABLES`).
+Residuals are relative (each cell's prediction over its measurement, less one), so a 60 W cell
+and a 600 W cell weigh alike. A weak pull towards the base profile (`PRIOR_WEIGHT` per
+relative unit) keeps the figures a cube cannot tell apart (tensor power when every cell is
+memory-bound decode, say) at the base's values instead of letting them drift; the fit says
+which ones those were (`CubeFit.undetermined`).
+
+Figures that lengthen every pass alike trade against each other (host overhead against kernel
+cycles and HBM efficiency): a cube tells them apart only through cells that differ in clock,
+batch and context, and a residual model error of 0.1% moves them by ~10% (tested on a twin
+cube: tests/test_twin_fit_cube.py). The standard errors are statistical only.
 
 A new GpuProfile figure is fitted by appending one `FitParameter` line.
 """
