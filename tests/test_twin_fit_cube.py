@@ -237,6 +237,17 @@ def test_bad_inputs_are_one_line(made: dict[str, Path], tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert "lacks variable(s) decode_time_s the fit needs" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+    # a closed-loop cube (its campaign says so): its windows are not a fixed batch's
+    source = ds.attrs["campaign_source"].replace(
+        "output_tokens = 256", 'output_tokens = 256\nmode = "closed-loop"'
+    )
+    ds.assign_attrs(campaign_source=source).to_netcdf(tmp_path / "closed.nc")
+    result = invoke("twin", "fit", str(tmp_path / "closed.nc"), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert (
+        "measured in closed-loop mode; the cube fit predicts fixed-batch cells only"
+        in result.output
+    )
     # an output that cannot be written is refused before the fit runs (a file system fault:
     # exit 1, as for every command's output)
     (tmp_path / "ro").mkdir()
