@@ -23,17 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dvfs.twin.fit import FitError
 from dvfs.twin.predict import OBSERVABLES, CubeCells, predict
 from dvfs.twin.profiles import GpuProfile
-
-if TYPE_CHECKING:
-    import xarray as xr
 
 
 @dataclass(frozen=True)
@@ -261,18 +257,3 @@ def _summary(gpu: GpuProfile, cells: CubeCells) -> tuple[dict[str, float], dict[
         stats[f"{name}_rel_worst"] = float(rel[at])
         worst[name] = cells.labels[int(np.flatnonzero(ok)[at])]
     return stats, worst
-
-
-def fit_cube(
-    ds: xr.Dataset,
-    path: Path,
-    base: GpuProfile,
-    *,
-    key: str | None = None,
-    max_cells: int | None = None,
-) -> CubeFit:
-    """Fit `base`'s free figures to the cube `ds` read from `path`."""
-    from dvfs.twin.predict import cube_cells
-
-    cells = cube_cells(ds, path, max_cells=max_cells)
-    return fit_cube_cells(cells, base, key=key, source=str(path))
