@@ -175,12 +175,18 @@ def test_cli_fit_writes_a_loadable_profile(tmp_path: Path) -> None:
     assert load_profile(out).gemm_efficiency == pytest.approx(0.72, rel=0.01)
 
 
-def test_cli_fit_of_a_cube_says_it_is_not_built_yet(tmp_path: Path) -> None:
+def test_cli_fit_of_a_cube_without_its_campaign_is_one_line(tmp_path: Path) -> None:
+    """A cube is fitted cell by cell from the campaign it records (tests/test_twin_fit_cube.py):
+    a hand-built cube has none, and says so in one line; a file that is neither kind is refused."""
     cube = tmp_path / "cube.nc"
-    make_cube(clocks=[1980, 1500]).to_netcdf(cube)
+    make_cube(clocks=[1980, 1500]).assign(
+        decode_time_s=lambda d: d["energy_per_token_j"],
+        output_tokens=lambda d: d["energy_per_token_j"],
+        power_mean_w=lambda d: d["energy_per_token_j"],
+    ).to_netcdf(cube)
     result = CliRunner().invoke(cli, ["twin", "fit", str(cube), "-o", str(tmp_path / "p.toml")])
-    assert result.exit_code == 2
-    assert "is a sweep cube; fitting the twin to a cube is not built yet" in result.output
+    assert result.exit_code == 2, result.output
+    assert "records no campaign" in result.output and len(result.output.splitlines()) == 1
     assert not (tmp_path / "p.toml").exists()
     garbage = tmp_path / "garbage.nc"
     garbage.write_text("not netCDF")

@@ -1,21 +1,32 @@
-"""`dvfs twin`: calibrate the digital twin from measurements.
+"""`dvfs twin`: calibrate the digital twin from measurements, and predict a campaign with it.
 
-`dvfs twin fit` takes a roofline file today; a sweep cube is recognised and refused in one line
-until the cube fit (issue 13) is built, so the command's shape does not change when it comes.
+`dvfs twin fit` takes a roofline file (`dvfs gpu roofline -o FILE`) or a sweep cube (a cube
+file or a sweep folder); both write a profile TOML. `dvfs twin predict` sweeps a campaign on
+the twin with such a profile, in virtual time, through the ordinary sweep pipeline.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from dvfs.cli.common import console, escape, handle_errors
 
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from dvfs.twin.profiles import GpuProfile
+
+#: Cells the cube fit uses at most (a random subsample beyond, said in the notes): a demo cube
+#: fits in seconds; every cell of a large cube would cost minutes and tell little more.
+MAX_FIT_CELLS = 2000
+
 
 @click.group()
 def twin() -> None:
-    """The digital twin: fit it to measurements."""
+    """The digital twin: fit it to measurements, predict a campaign with it."""
 
 
 @twin.command("fit")
@@ -30,39 +41,67 @@ def twin() -> None:
 )
 @click.option(
     "--base",
-    help="Twin GPU profile whose other figures are kept [default: the one matching the "
-    "measured GPU's name].",
+    help="Twin GPU profile whose other figures are kept and the fit starts from [default: a "
+    "twin cube's own profile, else the one matching the measured GPU's name].",
 )
 @click.option("--name", help="Key of the fitted profile [default: <base>-fit].")
+@click.option(
+    "--max-cells",
+    type=click.IntRange(min=10),
+    default=MAX_FIT_CELLS,
+    show_default=True,
+    help="Cube fit: at most this many valid cells (a random subsample beyond).",
+)
 @handle_errors
-def fit(source: Path, out_path: Path, base: str | None, name: str | None) -> None:
-    """Fit the twin's GPU to ROOFLINE_OR_CUBE: from a `dvfs gpu roofline` file, the compute and
-    memory efficiencies (with GEMM efficiency by token count), the bandwidth knee and the power
-    coefficients; writes a profile TOML and prints how well it reproduces the measurements."""
-    from dvfs.roofline import store
-    from dvfs.twin.fit import fit_input_kind, fit_roofline, profile_toml
-    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
+def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_cells: int) -> None:
+    """Fit the twin's GPU to ROOFLINE_OR_CUBE and write a profile TOML with the fit's residuals.
+
+    From a `dvfs gpu roofline` file: the compute and memory efficiencies (with GEMM efficiency
+    by token count), the bandwidth knee and the power coefficients. From a sweep cube (file or
+    sweep folder): the figures in `dvfs.twin.fitcube.CUBE_FIT_PARAMETERS` by least squares on
+    each cell's energy per token, time per token and mean power, as the twin's own physics
+    predicts them (fixed-batch cubes)."""
+    from dvfs.cli.report import check_output
+    from dvfs.twin.fit import fit_input_kind
 
     kind = fit_input_kind(source)
-    if kind == "cube":
-        raise click.UsageError(
-            f"{source} is a sweep cube; fitting the twin to a cube is not built yet (issue 13): "
-            "give a roofline file from `dvfs gpu roofline -o FILE`"
-        )
     if kind is None:
         raise click.UsageError(
             f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube"
         )
-    ds = store.read(source)
-    if base is not None:
-        profile = gpu_profile(base)
-    elif ds.attrs.get("gpu_name"):
-        profile = profile_for_gpu_name(str(ds.attrs["gpu_name"]))
+    check_output(out_path)  # before the work, not after
+    if kind == "cube":
+        _fit_cube(source, out_path, base, name, max_cells)
     else:
-        raise click.UsageError(
-            f"{source} names no GPU (measured with --device cpu?): choose the twin profile to "
-            "fit with --base (h100-sxm, h200-sxm)"
-        )
+        _fit_roofline(source, out_path, base, name)
+
+
+def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> GpuProfile:
+    from dvfs.errors import CampaignError
+    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
+
+    if base is not None:
+        return gpu_profile(base)
+    if attrs.get("twin_profile"):
+        try:
+            return gpu_profile(str(attrs["twin_profile"]))
+        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
+            if not attrs.get("gpu_name"):
+                raise
+    if attrs.get("gpu_name"):
+        return profile_for_gpu_name(str(attrs["gpu_name"]))
+    raise click.UsageError(
+        f"{source} names no GPU (measured with --device cpu?): choose the twin profile to "
+        "fit with --base (h100-sxm, h200-sxm)"
+    )
+
+
+def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | None) -> None:
+    from dvfs.roofline import store
+    from dvfs.twin.fit import fit_roofline, profile_toml
+
+    ds = store.read(source)
+    profile = _base_profile({"gpu_name": ds.attrs.get("gpu_name")}, source, base)
     result = fit_roofline(ds, profile, key=name, source=str(source))
     out_path.write_text(profile_toml(result), encoding="utf-8")
     out = console()
@@ -83,3 +122,90 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None) -> Non
     for note in result.notes:
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
     out.print(f"wrote {escape(str(out_path))}")
+
+
+def _open(source: Path) -> tuple[xr.Dataset, Path]:
+    from dvfs.cube import open_cube
+    from dvfs.cube.schema import CUBE_NAME
+
+    path = source / CUBE_NAME if source.is_dir() else source
+    return open_cube(path), path
+
+
+def _fit_cube(
+    source: Path, out_path: Path, base: str | None, name: str | None, max_cells: int
+) -> None:
+    from dvfs.twin.fit import profile_toml
+    from dvfs.twin.fitcube import fit_cube_cells
+    from dvfs.twin.predict import OBSERVABLES, cube_cells
+
+    ds, path = _open(source)
+    cells = cube_cells(ds, path, max_cells=max_cells)
+    profile = _base_profile(dict(ds.attrs), source, base)
+    result = fit_cube_cells(cells, profile, key=name, source=str(source))
+    out_path.write_text(profile_toml(result), encoding="utf-8")
+    out = console()
+    r = result.residuals
+    out.print(
+        f"[bold]{escape(result.profile.key)}[/bold] fitted from {escape(str(source))} (base "
+        f"{profile.key}): {r['cells']:.0f} cells, {r['solver_steps']:.0f} solver steps"
+    )
+    for field in result.fitted:
+        value = float(getattr(result.profile, field))
+        out.print(
+            f"  {field} {value:.4g} (was {result.base_values[field]:.4g}, "
+            f"\u00b1{result.std_errors[field]:.2g})"
+        )
+    for obs in OBSERVABLES:
+        if f"{obs}_rel_rms" in r:
+            out.print(
+                f"  {obs}: rms error {r[f'{obs}_rel_rms']:.2%}, worst "
+                f"{r[f'{obs}_rel_worst']:+.2%} at {escape(result.worst_cells[obs])}"
+            )
+    for note in result.notes:
+        out.print(f"[yellow]note:[/yellow] {escape(note)}")
+    out.print(f"wrote {escape(str(out_path))}")
+
+
+@twin.command("predict")
+@click.argument(
+    "campaign_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="CAMPAIGN",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="Profile TOML from `dvfs twin fit`.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Sweep folder to write (journal and cube.nc).",
+)
+@click.option("--fresh", is_flag=True, help="Move an earlier journal in the folder aside first.")
+@click.option("--no-progress", is_flag=True, help="No progress bar (for logs and CI).")
+@handle_errors
+def predict(
+    campaign_path: Path, profile_path: Path, out_dir: Path, fresh: bool, no_progress: bool
+) -> None:
+    """Predict CAMPAIGN's cube on the twin with a fitted GPU profile: the campaign is swept on
+    the twin (its GPU and engine switched to the twin, the profile's GPU, virtual time) into
+    OUT/cube.nc, as `dvfs sweep` would."""
+    from dvfs.campaign import load_campaign
+    from dvfs.cli.sweep import run
+    from dvfs.sweep import twin_stand_in
+    from dvfs.twin.fit import load_profile, registered_profile
+
+    campaign = load_campaign(campaign_path)
+    profile = load_profile(profile_path)
+    with registered_profile(profile) as key:
+        stand_in, _, _ = twin_stand_in(campaign, key)
+        outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
+    if outcome.summary.failed:
+        raise SystemExit(5)

@@ -9,13 +9,17 @@ From the roofline the fit sets what the twin's physics uses for one GPU:
 - `idle_power_w`, `sm_active_power_w`, `tensor_power_w`, `memory_power_w`: non-negative least
   squares of each kernel's power against the physics' power model, when energy was measured.
 So the fitted twin's achievable ridge point (`achievable_ridge_point`) is the measured one.
-A cube fit (issue 13) will add a second input kind: `fit_input_kind` says which a file is.
+A sweep cube is the other input kind (`dvfs.twin.fitcube`); `fit_input_kind` says which a file
+is. Both write the same profile file (`profile_toml`, read back by `load_profile`), which
+`registered_profile` lets a campaign run on (`dvfs twin predict`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +38,8 @@ PROFILE_SCHEMA = "dvfs.twin-profile/1"
 
 class FitError(DvfsError):
     """The measurements cannot calibrate the twin (nothing measured, no clock, ...)."""
+
+    exit_code = 2
 
 
 def fit_input_kind(path: Path) -> str | None:
@@ -239,11 +245,13 @@ def _toml_value(value: Any) -> str:
     return f'"{text}"'
 
 
-def profile_toml(fit: RooflineFit) -> str:
-    """The fitted profile as TOML: `[gpu.<key>]` holds exactly the twin's GPU fields (as in
-    dvfs/twin/data/gpus.toml), `[fit]` the provenance, residuals and the M-dependence."""
+def profile_toml(fit: Any) -> str:
+    """The fitted profile (a `RooflineFit` or a `fitcube.CubeFit`) as TOML: `[gpu.<key>]` holds
+    exactly the twin's GPU fields (as in dvfs/twin/data/gpus.toml), `[fit]` the provenance and
+    residuals, with the M-dependence of a roofline fit or, for a cube fit, each figure's base
+    value and standard error and each observable's worst cell."""
     lines = [
-        f"# Twin GPU profile fitted by `dvfs twin fit` from {fit.source or 'a roofline'}",
+        f"# Twin GPU profile fitted by `dvfs twin fit` from {fit.source or 'measurements'}",
         f"# (base profile {fit.base}). Fitted: {', '.join(fit.fitted)}; the rest is the base's.",
         "",
         "[fit]",
@@ -252,16 +260,37 @@ def profile_toml(fit: RooflineFit) -> str:
         f"base = {_toml_value(fit.base)}",
         f"fitted = {_toml_value(list(fit.fitted))}",
         f"notes = {_toml_value(list(fit.notes))}",
+        *(
+            [f"undetermined = {_toml_value(list(fit.undetermined))}"]
+            if hasattr(fit, "undetermined")
+            else []
+        ),
         "",
         "[fit.residuals]",
         *(f"{k} = {_toml_value(v)}" for k, v in fit.residuals.items()),
         "",
-        "[fit.gemm_efficiency_by_tokens]  # FLOP/s over the datasheet peak, at the top clock",
-        f"tokens = {_toml_value(list(fit.gemm_tokens))}",
-        *(f"{s} = {_toml_value(list(v))}" for s, v in fit.gemm_efficiency_by_tokens.items()),
-        "",
-        f'[gpu."{fit.profile.key}"]',
     ]
+    worst = getattr(fit, "worst_cells", None)
+    if worst is not None:  # a cube fit
+        lines += [
+            "[fit.worst_cells]  # per observable, the cell with the largest relative error",
+            *(f"{k} = {_toml_value(v)}" for k, v in worst.items()),
+            "",
+            "[fit.base_values]  # each fitted figure before the fit",
+            *(f"{k} = {_toml_value(v)}" for k, v in fit.base_values.items()),
+            "",
+            "[fit.std_errors]  # from the fit's Jacobian, scaled by its residuals",
+            *(f"{k} = {_toml_value(v)}" for k, v in fit.std_errors.items()),
+            "",
+        ]
+    if fit.gemm_tokens:
+        lines += [
+            "[fit.gemm_efficiency_by_tokens]  # FLOP/s over the datasheet peak, at the top clock",
+            f"tokens = {_toml_value(list(fit.gemm_tokens))}",
+            *(f"{s} = {_toml_value(list(v))}" for s, v in fit.gemm_efficiency_by_tokens.items()),
+            "",
+        ]
+    lines.append(f'[gpu."{fit.profile.key}"]')
     for f in fields(GpuProfile):
         if f.name != "key":
             lines.append(f"{f.name} = {_toml_value(getattr(fit.profile, f.name))}")
@@ -286,3 +315,27 @@ def load_profile(path: Path) -> GpuProfile:
         extra = sorted(set(table) - known) if isinstance(table, dict) else []
         raise CampaignError(f"{path} [gpu.{key}]: missing {missing}, unknown {extra}")
     return GpuProfile(key=key, **table)
+
+
+@contextlib.contextmanager
+def registered_profile(profile: GpuProfile) -> Iterator[str]:
+    """Let `profiles.gpu_profile(profile.key)` (and so a campaign's `gpu.profile`, with a trap
+    list after a colon too) find a profile read from a file, until the block ends; yields
+    its key. A key the twin ships is refused unless the profile is that one."""
+    from dvfs.twin import profiles
+
+    known = profiles.gpu_profiles()
+    shipped = known.get(profile.key)
+    if shipped is not None and shipped != profile:
+        raise CampaignError(
+            f"profile {profile.key!r} has the name of a profile the twin ships but other figures: "
+            "give it another name (`dvfs twin fit --name`)"
+        )
+    known[profile.key] = profile
+    profiles.gpu_profile.cache_clear()
+    try:
+        yield profile.key
+    finally:
+        if shipped is None:
+            known.pop(profile.key, None)
+        profiles.gpu_profile.cache_clear()

@@ -1,0 +1,333 @@
+"""What the twin's physics predicts for each cell of a sweep cube, deterministically.
+
+`dvfs twin fit CUBE` (`dvfs.twin.fitcube`) compares these predictions with the measured cells.
+The model is the twin's own, not a second one: each cell's steady-state window (a fixed batch,
+from the last first token to the first finish) becomes the decode passes the twin engine
+builds (`dvfs.twin.passes.decode_passes`, with `dvfs.twin.drafting.plan_drafter`'s draft plan),
+with the expected acceptance in place of random draws, and they are timed and powered by
+`dvfs.twin.physics.operating_point` at the cell's SM clock and power limit. No noise, no NVML
+traps, no settling: what a measurement would read with perfect instruments.
+
+The passes do not depend on the GPU's figures, so they are counted once per cube
+(`CubeCells`) and only timed for each profile the fit tries (`predict`): one operating point
+per knob setting over every cell measured there.
+
+Tokens per verify pass come from the cube where it recorded them (`server_accept_length`, the
+mean over the cell's knob settings: acceptance is a property of the text and the drafter, not
+of the GPU), else from the twin's expected acceptance on the corpus's text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dvfs.errors import CampaignError, CorpusError, DvfsError
+from dvfs.twin import physics
+from dvfs.twin.drafting import DraftPlan, plan_drafter
+from dvfs.twin.passes import PassBuilder, decode_passes
+from dvfs.twin.physics import Passes
+from dvfs.twin.profiles import GpuProfile, ModelProfile
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from dvfs.campaign import Campaign
+
+#: The observables predicted per cell, all over the steady-state windows: energy per output
+#: token, time per output token of one request (the window's length over its tokens per
+#: request: `decode_time_s` x batch / `output_tokens`, not a median, so acceptance's spread
+#: between requests does not bias it), and mean power.
+OBSERVABLES = ("energy_per_token_j", "time_per_token_ms", "power_mean_w")
+#: The cube variables the fit reads.
+NEEDED = ("valid", "energy_per_token_j", "decode_time_s", "output_tokens", "power_mean_w")
+
+
+class PredictError(DvfsError):
+    """The cube cannot be predicted cell by cell (closed-loop, unknown model, no campaign)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class CubeCells:
+    """The cells of a cube the twin predicts, with their passes counted once.
+
+    Cells are flat arrays (one entry per cell). A group is a (batch, drafter, corpus, repeat)
+    whose passes every knob setting shares; `passes` holds every group's window passes end to
+    end, `pass_group` the group of each pass."""
+
+    labels: tuple[str, ...]
+    sm_clock_mhz: np.ndarray
+    power_limit_w: np.ndarray
+    group: np.ndarray
+    passes: Passes
+    pass_group: np.ndarray
+    #: Per group: output tokens in the window, and per request (the batch's mean).
+    group_tokens: np.ndarray
+    group_request_tokens: np.ndarray
+    #: The measured value of each observable per cell (NaN where not measured).
+    measured: dict[str, np.ndarray]
+    #: The mean SM clock sampled in each cell's window (NaN where not recorded).
+    observed_clock_mhz: np.ndarray
+    notes: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, keep: np.ndarray) -> CubeCells:
+        """The cells where `keep` is true (their groups' passes are kept whole)."""
+        return dataclasses.replace(
+            self,
+            labels=tuple(label for label, k in zip(self.labels, keep, strict=True) if k),
+            sm_clock_mhz=self.sm_clock_mhz[keep],
+            power_limit_w=self.power_limit_w[keep],
+            group=self.group[keep],
+            measured={name: values[keep] for name, values in self.measured.items()},
+            observed_clock_mhz=self.observed_clock_mhz[keep],
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Each observable per cell (`OBSERVABLES`), and whether the power limit throttled it."""
+
+    values: dict[str, np.ndarray]
+    capped: np.ndarray
+
+
+def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
+    """The campaign a cube was swept from (its `campaign_source` attribute)."""
+    import tomllib
+
+    from dvfs.campaign import parse_campaign
+
+    source = str(ds.attrs.get("campaign_source") or "")
+    if not source.strip():
+        raise PredictError(f"{where} records no campaign (no campaign_source attribute)")
+    try:
+        data = tomllib.loads(source)
+        base = where.parent if where.is_file() else where
+        return parse_campaign(data, where=f"{where}'s campaign", source=source, base_dir=str(base))
+    except (ValueError, CampaignError) as exc:
+        raise PredictError(f"{where}'s campaign cannot be read again: {exc}") from exc
+
+
+def window_passes(
+    model: ModelProfile,
+    plan: DraftPlan | None,
+    tp_size: int,
+    lengths: np.ndarray,
+    output_tokens: int,
+    tokens_per_verify: float,
+) -> tuple[Passes, float]:
+    """The decode passes of a fixed batch's steady window with `tokens_per_verify` tokens per
+    request per iteration (no draws: every request advances alike), and the output tokens in
+    the window. Built as the twin engine's `_plan_fixed` builds its full-batch decode."""
+    batch = len(lengths)
+    remaining = output_tokens - 1  # the first token comes from the prefill
+    length = max(1.0, float(tokens_per_verify))
+    n_iter = max(1, math.floor(remaining / length))
+    before = length * np.arange(n_iter, dtype=float)  # tokens each request had before
+    context = lengths[:, None].astype(float) + 1.0 + before[None, :]
+    active = np.full(n_iter, float(batch))
+    ctx_sum = context.sum(axis=0)
+    ctx_kv = np.asarray(model.kv_bytes_read(context), dtype=float).sum(axis=0)
+    emitted = np.full(n_iter, batch * length)
+    builder = PassBuilder(tp_size)
+    decode_passes(builder, model, plan, active, ctx_sum, ctx_kv, ctx_sum / batch, emitted)
+    return builder.parts[-1], float(n_iter * batch * length)
+
+
+def _measured(ds: xr.Dataset) -> dict[str, xr.DataArray]:
+    """Each observable per cell as the cube records it."""
+    per_request = ds["output_tokens"] / ds["batch"]
+    return {
+        "energy_per_token_j": ds["energy_per_token_j"],
+        "time_per_token_ms": ds["decode_time_s"] / per_request.where(per_request > 0) * 1e3,
+        "power_mean_w": ds["power_mean_w"],
+    }
+
+
+def cube_cells(
+    ds: xr.Dataset, where: Path, *, max_cells: int | None = None, seed: int = 0
+) -> CubeCells:
+    """The valid cells of a fixed-batch cube and their window passes. With `max_cells`, a
+    subsample of that many cells (chosen at random with `seed`, every group kept where it can
+    be), said in `notes`."""
+    from dvfs.backends import corpus_texts
+    from dvfs.corpora.prepare import load_corpora
+    from dvfs.corpora.sampling import sample_prompts
+    from dvfs.twin.profiles import model_profile
+
+    if "gpu" in ds.dims:
+        raise PredictError(
+            f"{where} is a merged cube of {ds.sizes['gpu']} GPUs: fit each GPU's own cube"
+        )
+    missing = [v for v in NEEDED if v not in ds.data_vars]
+    if missing:
+        raise PredictError(f"{where} lacks variable(s) {', '.join(missing)} the fit needs")
+    campaign = campaign_of(ds, where)
+    w = campaign.workload
+    if w.mode != "fixed":
+        raise PredictError(
+            f"{where} was measured in {w.mode} mode; the cube fit predicts fixed-batch cells only"
+        )
+    try:
+        model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    except CampaignError as exc:
+        raise PredictError(f"{where}: {exc}") from exc
+    try:
+        corpora = load_corpora(campaign)
+    except CorpusError as exc:
+        raise PredictError(
+            f"{where}: the prompts of its cells cannot be read again: {exc}"
+        ) from exc
+    texts = corpus_texts(campaign, corpora)
+    drafters = {d.name: d for d in campaign.drafters}
+    measured = _measured(ds)
+    dims = ("sm_clock", "power_limit", "batch", "drafter", "corpus", "repeat")
+    ok = (ds["valid"] == 1).transpose(*dims).values
+    if "cell_status" in ds:
+        from dvfs.cube.schema import STATUS_OK
+
+        ok &= (ds["cell_status"] == STATUS_OK).transpose(*dims).values
+    ok &= np.isfinite(measured["energy_per_token_j"].transpose(*dims).values)
+    index = np.argwhere(ok)
+    notes: list[str] = []
+    if max_cells is not None and len(index) > max_cells:
+        pick = np.sort(np.random.default_rng(seed).choice(len(index), max_cells, replace=False))
+        notes.append(f"fitted on {max_cells} of {len(index)} valid cells, chosen at random")
+        index = index[pick]
+    if len(index) == 0:
+        raise PredictError(f"{where} has no valid measured cell to fit")
+    accept = ds.get("server_accept_length")
+    coords = {d: ds[d].values for d in dims}
+    labels = [str(v) for v in ds["drafter"].values]
+    corpora_names = [str(v) for v in ds["corpus"].values]
+    groups: dict[tuple[int, int, int, int], int] = {}
+    parts: list[Passes] = []
+    pass_group: list[np.ndarray] = []
+    tokens: list[float] = []
+    request_tokens: list[float] = []
+    plans: dict[str, DraftPlan | None] = {}
+    cell_group = np.empty(len(index), dtype=np.int64)
+    for i, (_, _, b, d, c, r) in enumerate(index):
+        key = (int(b), int(d), int(c), int(r))
+        if key not in groups:
+            drafter_name, corpus = labels[d], corpora_names[c]
+            if drafter_name not in drafters:
+                raise PredictError(f"{where}: drafter {drafter_name!r} is not in its campaign")
+            if drafter_name not in plans:
+                plans[drafter_name] = plan_drafter(drafters[drafter_name], model)
+            plan = plans[drafter_name]
+            batch = int(coords["batch"][b])
+            length = 1.0
+            if plan is not None:
+                seen = (
+                    float(accept.isel(batch=b, drafter=d, corpus=c, repeat=r).mean(skipna=True))
+                    if accept is not None
+                    else math.nan
+                )
+                text = texts.get(corpus)
+                if math.isfinite(seen):
+                    length = seen
+                elif text is not None:
+                    length = plan.expected_accept_length(text, w.temperature)
+                else:
+                    length = plan.expected_accept_length(corpus, w.temperature)
+            prompts = sample_prompts(
+                corpora[corpus],
+                batch,
+                input_tokens=w.input_tokens,
+                seed=campaign.measurement.seed,
+                key=(batch, int(coords["repeat"][r]), 0),
+            )
+            lengths = np.array([p.input_tokens for p in prompts], dtype=np.int64)
+            passes, n_tokens = window_passes(
+                model,
+                plan,
+                campaign.engine.tp_size,
+                lengths,
+                w.output_tokens,
+                length,
+            )
+            groups[key] = len(parts)
+            parts.append(passes)
+            pass_group.append(np.full(len(passes), groups[key]))
+            tokens.append(n_tokens)
+            request_tokens.append(n_tokens / batch)
+        cell_group[i] = groups[key]
+    names = [
+        " ".join(f"{d}={_label(ds, d, int(j))}" for d, j in zip(dims, row, strict=True))
+        for row in index
+    ]
+
+    def flat(values: xr.DataArray) -> np.ndarray:
+        grid = values.transpose(*dims).values.astype(float)
+        return grid[tuple(index.T)]
+
+    return CubeCells(
+        labels=tuple(names),
+        sm_clock_mhz=coords["sm_clock"][index[:, 0]].astype(float),
+        power_limit_w=coords["power_limit"][index[:, 1]].astype(float),
+        group=cell_group,
+        passes=Passes.concat(parts),
+        pass_group=np.concatenate(pass_group),
+        group_tokens=np.array(tokens),
+        group_request_tokens=np.array(request_tokens),
+        measured={name: flat(values) for name, values in measured.items()},
+        observed_clock_mhz=(
+            flat(ds["sm_clock_observed_mhz"])
+            if "sm_clock_observed_mhz" in ds
+            else np.full(len(index), np.nan)
+        ),
+        notes=tuple(notes),
+    )
+
+
+def _label(ds: xr.Dataset, dim: str, i: int) -> Any:
+    value = ds[dim].values[i]
+    if isinstance(value, np.generic):
+        value = value.item()
+    return f"{value:g}" if isinstance(value, float) else value
+
+
+def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
+    """Each cell's observables on `gpu`: one `physics.operating_point` per knob setting over
+    the passes of every group measured there (the limit holds pass by pass, as the twin's)."""
+    n_groups = len(cells.group_tokens)
+    energy = np.zeros(len(cells))
+    seconds = np.zeros(len(cells))
+    capped = np.zeros(len(cells), dtype=bool)
+    settings = np.unique(np.stack([cells.sm_clock_mhz, cells.power_limit_w], axis=1), axis=0)
+    for clock, limit in settings:
+        at = np.flatnonzero((cells.sm_clock_mhz == clock) & (cells.power_limit_w == limit))
+        wanted = np.zeros(n_groups, dtype=bool)
+        wanted[cells.group[at]] = True
+        take = np.flatnonzero(wanted[cells.pass_group])
+        point = physics.operating_point(gpu, cells.passes.take(take), int(clock), float(limit))
+        t = point.timing
+        g = cells.pass_group[take]
+        e_group = np.bincount(g, weights=t.duration_s * t.power_w, minlength=n_groups)
+        s_group = np.bincount(g, weights=t.duration_s, minlength=n_groups)
+        energy[at] = e_group[cells.group[at]]
+        seconds[at] = s_group[cells.group[at]]
+        if point.power_capped:
+            hot = np.bincount(
+                g, weights=(t.pass_clocks_mhz < clock).astype(float), minlength=n_groups
+            )
+            capped[at] = hot[cells.group[at]] > 0
+    tokens = cells.group_tokens[cells.group]
+    per_request = cells.group_request_tokens[cells.group]
+    values = {
+        "energy_per_token_j": energy / tokens,
+        "time_per_token_ms": seconds / per_request * 1e3,
+        "power_mean_w": energy / np.maximum(seconds, 1e-30),
+    }
+    return Prediction(values, capped)

@@ -1,0 +1,294 @@
+"""`dvfs twin fit CUBE` and `dvfs twin predict`: a cube the twin made with known figures (an
+exact H100 with a few figures changed, swept by `twin predict` from a profile file) is fitted
+back to them, the fitted profile predicts the cube again, and bad inputs are one line each.
+No torch needed; the sweeps run in virtual time (about a second each)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from bad_inputs import failing_writes
+from click.testing import CliRunner
+from conftest import write
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from dvfs.cli import cli
+from dvfs.cube import open_cube
+from dvfs.errors import CampaignError
+from dvfs.twin.fit import load_profile, profile_toml, registered_profile
+from dvfs.twin.fitcube import CUBE_FIT_PARAMETERS, CubeFit, fit_cube_cells
+from dvfs.twin.predict import OBSERVABLES, cube_cells, predict
+from dvfs.twin.profiles import GpuProfile, gpu_profile
+
+EXACT_H100 = gpu_profile("h100-sxm:none")
+
+#: Four clocks (two below the bandwidth knee's reach), a limit that throttles the big batches,
+#: batches from 1 to 64 with and without EAGLE-3: enough variety to tell the figures apart.
+#: 256 output tokens keep the window long against the counter's edges.
+FIT_CAMPAIGN = """
+[campaign]
+name = "fitcube"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm:none"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1410, 1005, 600]
+power_limit = [700, 250]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[workload]
+batch = [1, 16, 64]
+corpora = ["code"]
+input_tokens = [16, 1024]
+output_tokens = 256
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 1
+repeats = 1
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+#: The figures the cube was made with: the exact H100 with its power, bandwidth and host figures
+#: moved by 20-60%.
+TRUTH = dataclasses.replace(
+    EXACT_H100,
+    key="truth-h100",
+    idle_power_w=60.0,
+    sm_active_power_w=120.0,
+    memory_power_w=150.0,
+    hbm_efficiency=0.78,
+    host_overhead_s=0.0004,
+)
+#: Figures the cube determines to 2%; host overhead and kernel cycles trade against each other
+#: (both lengthen every pass, one clock-scaled), so they are held to 15%.
+TIGHT = 0.02
+LOOSE = {"host_overhead_s": 0.15, "kernel_cycles_per_layer": 0.15}
+
+
+def profile_file(path: Path, profile: GpuProfile) -> Path:
+    """A profile file as `twin fit` writes one, for a hand-made profile."""
+    made = CubeFit(profile, "h100-sxm", "hand-made", (), {}, {}, {}, {}, (), ())
+    return write(path, profile_toml(made))
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The truth's cube (swept by `twin predict`), its fit and the fitted profile's cube."""
+    base = tmp_path_factory.mktemp("fitcube")
+    campaign = write(base / "fitcube.toml", FIT_CAMPAIGN)
+    truth = profile_file(base / "truth.toml", TRUTH)
+    result = invoke(
+        "twin",
+        "predict",
+        str(campaign),
+        "--profile",
+        str(truth),
+        "-o",
+        str(base / "truth"),
+        "--no-progress",
+    )
+    assert result.exit_code == 0, result.output
+    fitted = base / "fitted.toml"
+    fit = invoke("twin", "fit", str(base / "truth"), "-o", str(fitted), "--base", "h100-sxm:none")
+    assert fit.exit_code == 0, fit.output
+    again = invoke(
+        "twin",
+        "predict",
+        str(campaign),
+        "--profile",
+        str(fitted),
+        "-o",
+        str(base / "again"),
+        "--no-progress",
+    )
+    assert again.exit_code == 0, again.output
+    (base / "fit.out").write_text(fit.output)
+    return {
+        "base": base,
+        "campaign": campaign,
+        "truth": base / "truth",
+        "fitted": fitted,
+        "again": base / "again",
+        "fit_output": base / "fit.out",
+    }
+
+
+def test_fit_recovers_the_figures_the_cube_was_made_with(made: dict[str, Path]) -> None:
+    fitted = load_profile(made["fitted"])
+    assert fitted.key == "h100-sxm-fit"
+    for p in CUBE_FIT_PARAMETERS:
+        want = getattr(TRUTH, p.name)
+        assert getattr(fitted, p.name) == pytest.approx(want, rel=LOOSE.get(p.name, TIGHT)), p.name
+    # the figures the fit does not touch are the base's
+    assert fitted.sm_count == EXACT_H100.sm_count
+    assert fitted.voltage_knee_mhz == EXACT_H100.voltage_knee_mhz
+
+
+def test_the_profile_file_holds_the_residuals(made: dict[str, Path]) -> None:
+    doc = tomllib.loads(made["fitted"].read_text())
+    fit = doc["fit"]
+    assert fit["base"] == "h100-sxm" and fit["fitted"] == [p.name for p in CUBE_FIT_PARAMETERS]
+    assert fit["residuals"]["cells"] == 48
+    for name in OBSERVABLES:
+        assert 0 <= fit["residuals"][f"{name}_rel_rms"] < 0.005, name
+        assert abs(fit["residuals"][f"{name}_rel_worst"]) < 0.01, name
+        assert fit["worst_cells"][name].startswith("sm_clock=")
+    assert fit["base_values"]["idle_power_w"] == EXACT_H100.idle_power_w
+    assert set(fit["std_errors"]) == set(fit["base_values"])
+    assert fit["undetermined"] == []
+    shown = made["fit_output"].read_text()
+    assert "h100-sxm-fit fitted from" in shown and "48 cells" in shown
+    assert "idle_power_w 60" in shown and "energy_per_token_j: rms error" in shown
+
+
+def test_predict_with_the_fitted_profile_reproduces_the_cube(made: dict[str, Path]) -> None:
+    truth, again = open_cube(made["truth"] / "cube.nc"), open_cube(made["again"] / "cube.nc")
+    assert again.attrs["twin_profile"] == "h100-sxm-fit"
+    rel = again["energy_per_token_j"] / truth["energy_per_token_j"] - 1
+    assert int(rel.count()) == 48
+    assert float(abs(rel).max()) < 0.01
+    # ... where the base profile misses by far more: the fit did the work
+    cells = cube_cells(truth, made["truth"] / "cube.nc")
+    base = predict(EXACT_H100, cells).values["energy_per_token_j"]
+    assert np.max(np.abs(base / cells.measured["energy_per_token_j"] - 1)) > 0.1
+    # the fitted profile was only lent to the sweep
+    with pytest.raises(CampaignError, match="unknown twin GPU profile 'h100-sxm-fit'"):
+        gpu_profile("h100-sxm-fit")
+
+
+@pytest.fixture(scope="module")
+def cells(made: dict[str, Path]):  # type: ignore[no-untyped-def]
+    path = made["truth"] / "cube.nc"
+    return cube_cells(open_cube(path), path)
+
+
+@settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.generate))
+@given(
+    scale=st.lists(st.floats(0.7, 1.3), min_size=7, max_size=7),
+    gemm=st.floats(0.5, 0.95),
+    hbm=st.floats(0.6, 0.95),
+)
+def test_cells_the_physics_predicted_fit_back_exactly(cells, scale, gemm, hbm) -> None:  # type: ignore[no-untyped-def]
+    """With measurements the predictor itself made (no model error) and no sampled clock,
+    every figure is found, the throttled cells included. (Generated examples only: each fit
+    takes seconds, so hypothesis does not shrink a failure.)"""
+    names = [
+        p.name for p in CUBE_FIT_PARAMETERS if p.name not in ("gemm_efficiency", "hbm_efficiency")
+    ]
+    truth = dataclasses.replace(
+        EXACT_H100,
+        gemm_efficiency=gemm,
+        hbm_efficiency=hbm,
+        **{n: float(getattr(EXACT_H100, n)) * s for n, s in zip(names, scale, strict=True)},
+    )
+    exact = dataclasses.replace(
+        cells,
+        measured=predict(truth, cells).values,
+        observed_clock_mhz=np.full(len(cells), np.nan),
+    )
+    fit = fit_cube_cells(exact, EXACT_H100)
+    for p in CUBE_FIT_PARAMETERS:
+        assert getattr(fit.profile, p.name) == pytest.approx(getattr(truth, p.name), rel=1e-4), (
+            p.name
+        )
+    assert all(fit.residuals[f"{o}_rel_rms"] < 1e-6 for o in OBSERVABLES)
+
+
+def test_bad_inputs_are_one_line(made: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "p.toml"
+    text = write(tmp_path / "notes.txt", "not a cube")
+    result = invoke("twin", "fit", str(text), "-o", str(out))
+    assert result.exit_code == 2 and "neither a roofline file" in result.output
+    # a cube without a variable the fit reads
+    ds = xr.open_dataset(made["truth"] / "cube.nc").load()
+    ds.drop_vars("decode_time_s").to_netcdf(tmp_path / "bare.nc")
+    result = invoke("twin", "fit", str(tmp_path / "bare.nc"), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert "lacks variable(s) decode_time_s the fit needs" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+    # a closed-loop cube (its campaign says so): its windows are not a fixed batch's
+    source = ds.attrs["campaign_source"].replace(
+        "output_tokens = 256", 'output_tokens = 256\nmode = "closed-loop"'
+    )
+    ds.assign_attrs(campaign_source=source).to_netcdf(tmp_path / "closed.nc")
+    result = invoke("twin", "fit", str(tmp_path / "closed.nc"), "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert (
+        "measured in closed-loop mode; the cube fit predicts fixed-batch cells only"
+        in result.output
+    )
+    # an output that cannot be written is refused before the fit runs (a file system fault:
+    # exit 1, as for every command's output)
+    (tmp_path / "ro").mkdir()
+    for code, words in ((errno.EROFS, "read-only"), (errno.EACCES, "permission denied")):
+        with failing_writes(tmp_path / "ro", code):
+            result = invoke(
+                "twin", "fit", str(made["truth"]), "-o", str(tmp_path / "ro" / "p.toml")
+            )
+        assert result.exit_code == 1, result.output
+        assert words in result.output and str(tmp_path / "ro") in result.output
+        assert len(result.output.strip().splitlines()) == 1
+    # predict: a file that is not a profile; a profile that borrows a shipped name
+    campaign = str(made["campaign"])
+    result = invoke("twin", "predict", campaign, "--profile", str(text), "-o", str(tmp_path / "x"))
+    assert result.exit_code == 2 and "is not a readable TOML profile" in result.output
+    shadow = profile_file(tmp_path / "shadow.toml", dataclasses.replace(TRUTH, key="h100-sxm"))
+    result = invoke(
+        "twin", "predict", campaign, "--profile", str(shadow), "-o", str(tmp_path / "x")
+    )
+    assert result.exit_code == 2 and "give it another name" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_large_cube_is_fitted_on_a_subsample_and_says_so(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "p.toml"
+    result = invoke(
+        "twin", "fit", str(made["truth"]), "-o", str(out), "--max-cells", "30", "--name", "sub"
+    )
+    assert result.exit_code == 0, result.output
+    assert "fitted on 30 of 48 valid cells, chosen at random" in result.output
+    assert load_profile(out).key == "sub"
+    assert tomllib.loads(out.read_text())["fit"]["residuals"]["cells"] == 30
+
+
+def test_registered_profile_refuses_nothing_it_should_not() -> None:
+    """A shipped profile lends itself unchanged; a new one is found by key, traps and all."""
+    with registered_profile(gpu_profile("h100-sxm")) as key:
+        assert key == "h100-sxm"
+    with registered_profile(TRUTH) as key:
+        assert gpu_profile(key) == TRUTH
+        assert gpu_profile(f"{key}:none") == TRUTH  # TRUTH's traps are off already
+    assert gpu_profile("h100-sxm") != TRUTH
