@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     import xarray as xr
     from matplotlib.figure import Figure
 
+#: Each part's colour, as an index into the palette: prefill green, drafting orange,
+#: verification blue, overhead grey.
+PART_COLORS = (2, 1, 0, 7)
 PART_LABELS = {
     "prefill": "prefill",
     "draft": "drafting",
@@ -46,7 +49,7 @@ def draw_energy_split(cube: xr.Dataset) -> Figure | None:
         return None
     drafters = [str(d) for d in split["drafter"].values]
     batches = [int(b) for b in split["batch"].values]
-    colors = dict(zip(SPLIT_PARTS, palette()[2:] + palette()[:2], strict=False))
+    colors = dict(zip(SPLIT_PARTS, (palette()[i] for i in PART_COLORS), strict=True))
     panel_w = max(2.4, 0.55 * len(drafters) + 0.6)
     label_h = max(text_width_in(d, 9) for d in drafters) * 0.87 + 0.25  # labels at 60 degrees
     margins = Margins(left=0.9, top=0.8, bottom=0.35 + label_h, hspace=0.55 + label_h, side=2.9)
@@ -58,7 +61,8 @@ def draw_energy_split(cube: xr.Dataset) -> Figure | None:
             float(ref["reference_power_limit_w"]),
             bool(ref["reference_is_stock"]),
         )
-        + "; mean over corpora and repeats; hatched: estimated"
+        + "; mean over corpora and repeats"
+        + ("; hatched: estimated" if bool((split["split_method"] == ESTIMATED).any()) else "")
     )
     panels = panel_figure(len(batches), panel_w, 2.6, margins, max_cols=3, title=title)
     x = np.arange(len(drafters))
