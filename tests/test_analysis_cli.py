@@ -100,6 +100,7 @@ def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
             "pareto_conversation.png",
             "acceptance.png",
             "headroom.png",
+            "energy_split.png",
             "timelines.png",
             "energy_vs_batch.png",
         ]

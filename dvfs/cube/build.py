@@ -18,12 +18,15 @@ from dvfs.cube.schema import (
     COORD_ATTRS,
     CUBE_SCHEMA,
     GPU_TIME,
+    SPLIT,
+    SPLIT_METHOD_VAR,
     STATUS_FAILED,
     STATUS_MISSING,
     STATUS_OK,
     TIMELINE,
     VARIABLES,
 )
+from dvfs.engines.base import SPLIT_PARTS
 from dvfs.errors import CubeError, JournalError
 from dvfs.measure.journal import iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
@@ -41,6 +44,7 @@ from dvfs.records import (
     now_iso,
     server_changes,
 )
+from dvfs.records.cell import SPLIT_METHODS
 from dvfs.version import __version__
 
 if TYPE_CHECKING:
@@ -243,6 +247,8 @@ class _Filler:
         self.index: dict[str, dict[Any, int]] = {}
         self.data: dict[str, np.ndarray] = {}
         self.status = np.zeros((), dtype=np.int8)
+        #: How each cell's energy split was obtained (`SPLIT_METHODS` index; 0: none).
+        self.split_method = np.zeros((), dtype=np.int8)
         #: Which GPU(s) measured each cell: UUIDs joined by ",", "" where none did.
         self.measured_on = np.zeros((), dtype=object)
 
@@ -284,9 +290,10 @@ class _Filler:
             self.data[spec.name] = np.full(shape + ((extra,) if extra else ()), np.nan)
         for spec in TIMELINE:
             self.data[spec.name] = np.full(shape + (TIMELINE_POINTS,), np.nan)
-        for spec in GPU_TIME:
+        for spec in (*GPU_TIME, *SPLIT):
             self.data[spec.name] = np.full(shape, np.nan)
         self.status = np.zeros(shape, dtype=np.int8)
+        self.split_method = np.zeros(shape, dtype=np.int8)
         self.measured_on = np.full(shape, "", dtype=object)
 
     def _place(self, record: CellRecord, gpus: str = "") -> None:
@@ -316,6 +323,7 @@ class _Filler:
         if self.status[at] != STATUS_MISSING:  # an earlier record of this cell, replaced
             for values in self.data.values():
                 values[at] = np.nan
+            self.split_method[at] = 0
         self.measured_on[at] = gpus
         if record.gpu_time_s:  # spent whether or not the cell was measured
             seconds = [_num(record.gpu_time_s.get(key, 0.0)) for key in GPU_TIME_KEYS]
@@ -338,6 +346,12 @@ class _Filler:
         for spec in TIMELINE:
             points = [_num(v) for v in getattr(m, spec.name)][:TIMELINE_POINTS]
             self.data[spec.name][at][: len(points)] = points
+        split = record.energy_split
+        if split is not None:
+            for i, part in enumerate(SPLIT_PARTS):
+                self.data[f"energy_{part}_j"][at] = split.energy_j[i]
+                self.data[f"time_{part}_s"][at] = split.time_s[i]
+            self.split_method[at] = SPLIT_METHODS.index(split.method)
 
     def dataset(self) -> xr.Dataset:
         journal = self.contents()
@@ -350,9 +364,20 @@ class _Filler:
         self.waiting.clear()
         assert self.grid is not None
         ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
+        ds[SPLIT_METHOD_VAR] = (CELL_DIMS, self.split_method, split_method_attrs())
         return ds.assign_coords(
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))}
         )
+
+
+def split_method_attrs() -> dict[str, Any]:
+    """The CF attributes of `energy_split_method` (`SPLIT_METHODS` as flag values)."""
+    return {
+        "units": "1",
+        "long_name": "how the cell's energy split was obtained",
+        "flag_values": np.arange(len(SPLIT_METHODS), dtype=np.int8),
+        "flag_meanings": " ".join(SPLIT_METHODS),
+    }
 
 
 def _dataset(
@@ -369,7 +394,7 @@ def _dataset(
     coords["quantile"] = list(QUANTILES)
     coords["sample"] = list(range(TIMELINE_POINTS))
     variables: dict[str, Any] = {}
-    for spec in (*VARIABLES, *TIMELINE, *GPU_TIME):
+    for spec in (*VARIABLES, *TIMELINE, *GPU_TIME, *SPLIT):
         dims = CELL_DIMS + ((spec.extra_dim,) if spec.extra_dim else ())
         variables[spec.name] = (
             dims,

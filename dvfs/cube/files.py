@@ -31,7 +31,7 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
         if name in integer_names:
             dtype = "int8" if name == "valid" else "int32"
             enc[name] = {"dtype": dtype, "_FillValue": -1, "zlib": True, "complevel": 4}
-        elif name == "cell_status":
+        elif name in ("cell_status", "energy_split_method"):  # flags, never missing
             enc[name] = {"zlib": True, "complevel": 4}
         elif name == "attention_backend":
             enc[name] = {}  # variable-length strings: no fill value, no compression

@@ -6,6 +6,9 @@ Schema history (`attrs["dvfs_schema"]`):
       when merged); CF `units` and `long_name` on every variable and coordinate. Later
       variables (the intervals, counter_updates, temperature_start_c, gpu_time_*_s) and the
       counter_update_period_s attribute are additions a reader may find absent.
+      The energy split (energy_<part>_j, time_<part>_s for prefill, draft, verify and
+      overhead, and energy_split_method) is such an addition; NaN (method 0) where a cell's
+      record carries none.
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).
@@ -137,6 +140,27 @@ GPU_TIME = (
     ),
     VarSpec("gpu_time_total_s", "s", "GPU time the cell took, overheads before it included"),
 )
+#: Where each cell's measured energy and time went (`dvfs.records.cell.EnergySplit`), one
+#: variable per part (`dvfs.engines.base.SPLIT_PARTS`), named energy_<part>_j and
+#: time_<part>_s: over the same windows as energy_j and decode_time_s, to which they add up.
+SPLIT_MEANINGS = {
+    "prefill": "prefill passes",
+    "draft": "the drafter's passes (draft steps, draft-extend, n-gram's host lookup)",
+    "verify": "the target's decode passes (the verify pass; every decode step without a drafter)",
+    "overhead": "host overhead and idle time the passes leave (scheduling, launches, gaps)",
+}
+#: `energy_split_method`'s codes: index into `dvfs.records.cell.SPLIT_METHODS`.
+SPLIT = (
+    *(
+        VarSpec(f"energy_{part}_j", "J", f"energy in the windows spent on {meaning}")
+        for part, meaning in SPLIT_MEANINGS.items()
+    ),
+    *(
+        VarSpec(f"time_{part}_s", "s", f"time in the windows spent on {meaning}")
+        for part, meaning in SPLIT_MEANINGS.items()
+    ),
+)
+SPLIT_METHOD_VAR = "energy_split_method"
 TIMELINE = (
     VarSpec(
         "timeline_t_s",

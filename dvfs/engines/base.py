@@ -188,6 +188,51 @@ class KnobTimeline:
             raise ValueError("knob steps must be in time order")
 
 
+#: Where a round's GPU time and energy go, in this order: the prefill passes, the drafter's
+#: passes (draft steps, the draft-extend pass, n-gram's host lookup), the target's decode passes
+#: (the verify pass under speculation, every decode step without), and the host overhead and
+#: idle time the passes leave (scheduling and launches, gaps between passes).
+SPLIT_PARTS = ("prefill", "draft", "verify", "overhead")
+ROLE_PREFILL, ROLE_DRAFT, ROLE_VERIFY = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PassLedger:
+    """A round's forward passes as an engine that simulates them knows them (the twin): when
+    each ended (ns on the runner's clock), how long it ran and at what mean power (one GPU's),
+    its role (`ROLE_*`) and the host overhead inside it (s, at idle power). A real server
+    reports none: its `RoundResult.ledger` is None."""
+
+    ends_ns: np.ndarray
+    duration_s: np.ndarray
+    power_w: np.ndarray
+    role: np.ndarray
+    host_s: np.ndarray
+    idle_power_w: float
+
+    def split(self, start_ns: int, end_ns: int) -> tuple[np.ndarray, np.ndarray]:
+        """Energy (J, one GPU's) and time (s) over [start_ns, end_ns], one entry per
+        `SPLIT_PARTS` entry: each pass's overlap with the interval (power is constant inside
+        a pass) goes to its role, less its host overhead, which goes to "overhead" with the
+        time no pass covers, both at idle power. The times add up to the interval's length."""
+        ends = self.ends_ns
+        dur_ns = np.round(self.duration_s * 1e9)
+        overlap_ns = np.clip(
+            np.minimum(ends, end_ns) - np.maximum(ends - dur_ns, start_ns), 0, None
+        ).astype(float)
+        share = overlap_ns / np.maximum(dur_ns, 1.0)
+        host_s = self.host_s * share
+        busy_s = overlap_ns * 1e-9 - host_s
+        busy_j = self.duration_s * self.power_w * share - host_s * self.idle_power_w
+        parts = len(SPLIT_PARTS)
+        energy = np.bincount(self.role, weights=busy_j, minlength=parts)
+        time = np.bincount(self.role, weights=busy_s, minlength=parts)
+        gap_s = max(0.0, (end_ns - start_ns) * 1e-9 - float(overlap_ns.sum()) * 1e-9)
+        time[-1] = float(host_s.sum()) + gap_s
+        energy[-1] = time[-1] * self.idle_power_w
+        return energy, time
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """The traces of one round, plus what the server says about acceptance."""
@@ -198,6 +243,9 @@ class RoundResult:
     server_accept_length: float | None = None
     #: When each step of the round's `KnobTimeline` ran (ns), in order; empty without one.
     knob_ns: tuple[int, ...] = ()
+    #: The round's passes by role, from an engine that knows them (the twin); None: no exact
+    #: split (a real server).
+    ledger: PassLedger | None = None
 
 
 @dataclass(frozen=True)

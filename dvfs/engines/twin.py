@@ -22,7 +22,11 @@ from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import (
     ABORTED,
+    ROLE_DRAFT,
+    ROLE_PREFILL,
+    ROLE_VERIFY,
     KnobTimeline,
+    PassLedger,
     RequestTrace,
     RoundResult,
     ServerInfo,
@@ -33,7 +37,7 @@ from dvfs.engines.base import (
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
-from dvfs.twin.physics import Passes, Schedule
+from dvfs.twin.physics import Passes, PassTiming, Schedule
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 from dvfs.twin.textprior import TextProfile, profile_prompts
 from dvfs.version import __version__
@@ -184,7 +188,7 @@ class TwinEngine:
         t0 = clock.now_ns()
         planned = self._fixed_round(workload)
         n_prefill, n_iter, width = planned.n_prefill, planned.n_iter, planned.width
-        ends_ns, knob_ns = self._execute(planned.phases, timeline)
+        ends_ns, knob_ns, timing = self._execute(planned.phases, timeline)
         first_ns = ends_ns[:n_prefill][planned.done_chunk]
         iter_ns = ends_ns[n_prefill + np.arange(n_iter) * width + verify_column(self._plan, width)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
@@ -200,13 +204,29 @@ class TwinEngine:
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length, knob_ns)
+        role, host = _fixed_roles(planned, self._plan)
+        ledger = self._ledger(ends_ns, timing, role, host)
+        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length, knob_ns, ledger)
+
+    def _ledger(
+        self, ends_ns: np.ndarray, timing: PassTiming, role: np.ndarray, host: np.ndarray
+    ) -> PassLedger:
+        """The round's passes by role (`PassLedger`); `host`: each pass's host launches."""
+        profile = self.node.profile
+        return PassLedger(
+            ends_ns,
+            timing.duration_s,
+            timing.power_w,
+            role,
+            host * profile.host_overhead_s,
+            profile.idle_power_w,
+        )
 
     def _execute(
         self, phases: tuple[Passes, ...], timeline: KnobTimeline | None
-    ) -> tuple[np.ndarray, tuple[int, ...]]:
+    ) -> tuple[np.ndarray, tuple[int, ...], PassTiming]:
         """Run a round's phases (the prefill first) from now: when each pass ends (ns on the
-        clock) and when each of the timeline's steps ran.
+        clock), when each of the timeline's steps ran, and each pass's duration and power.
 
         Without steps every phase starts at once, each at its own operating point. With
         steps the decode starts when the prefill ends; each step runs at the first pass
@@ -217,12 +237,16 @@ class TwinEngine:
         clock = self.node.clock
         t0 = clock.now_ns()
         if timeline is None or not timeline.steps:
-            return t0 + self.node.execute(*phases).ends_ns, ()
+            done = self.node.execute(*phases)
+            return t0 + done.ends_ns, (), done.timing
         pieces: list[np.ndarray] = []
+        timings: list[PassTiming] = []
 
         def run(passes: Passes) -> None:
             start = clock.now_ns()
-            pieces.append(start + self.node.execute(passes).ends_ns)
+            done = self.node.execute(passes)
+            pieces.append(start + done.ends_ns)
+            timings.append(done.timing)
             _wait_until(clock, int(pieces[-1][-1]))
 
         prefill, *decode = phases
@@ -245,8 +269,17 @@ class TwinEngine:
             step.apply()
             ran.append(clock.now_ns())
         if queue:
-            pieces.append(clock.now_ns() + self.node.execute(*queue).ends_ns)
-        return np.concatenate(pieces), tuple(ran)
+            done = self.node.execute(*queue)
+            pieces.append(clock.now_ns() + done.ends_ns)
+            timings.append(done.timing)
+        timing = PassTiming(
+            0.0,
+            np.concatenate([t.duration_s for t in timings]),
+            np.concatenate([t.power_w for t in timings]),
+            np.concatenate([t.tensor_util for t in timings]),
+            np.concatenate([t.memory_util for t in timings]),
+        )
+        return np.concatenate(pieces), tuple(ran), timing
 
     def _passes_until(self, passes: Passes, within_ns: int) -> int:
         """How many of `passes`, started now, run until the first pass end at least
@@ -283,6 +316,7 @@ class TwinEngine:
         sent_pass = np.full(len(pool), -1)
         chunks: list[list[tuple[int, int]]] = [[] for _ in pool]  # (pass index, tokens)
         builder = PassBuilder(self.node.tp_size)
+        roles: list[np.ndarray] = []  # each builder part's passes' roles
         pass_index = 0
         verify_positions: list[int] = []
         while True:
@@ -302,6 +336,7 @@ class TwinEngine:
                 first = len(builder.parts)
                 prefill_passes(builder, self.model, lengths)  # the same chunking as fixed mode
                 pass_index += sum(len(p) for p in builder.parts[first:])
+                roles.extend(np.full(len(p), ROLE_PREFILL) for p in builder.parts[first:])
                 prefill_pass = pass_index - 1  # admitted requests get a token once it is done
                 for r in admitted:
                     sent_pass[r] = sent_at
@@ -328,6 +363,7 @@ class TwinEngine:
                     np.array([float(got.sum())]),
                 )
                 verify_col = verify_column(self._plan, width)
+                roles.append(_iteration_roles(self._plan, width))
                 verify_pass = pass_index + verify_col
                 verify_positions.append(verify_pass)
                 pass_index += width
@@ -346,7 +382,8 @@ class TwinEngine:
                 # here, and the requests still running are aborted (`base.ROUND_END`).
                 break
         # One phase: admissions and finishes interleave, so the limit holds on average.
-        point = self.node.execute(Passes.concat(builder.parts))
+        passes = Passes.concat(builder.parts)
+        point = self.node.execute(passes)
         ends_ns = t0 + point.ends_ns
         requests = []
         spec = self._plan is not None
@@ -376,7 +413,11 @@ class TwinEngine:
             )
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        return RoundResult(tuple(requests), t0, end_ns, _server_accept_length(requests))
+        role = np.concatenate(roles) if roles else np.zeros(0, dtype=np.int64)
+        ledger = self._ledger(ends_ns, point.timing, role, _host_launches(passes))
+        return RoundResult(
+            tuple(requests), t0, end_ns, _server_accept_length(requests), ledger=ledger
+        )
 
 
 @dataclass(frozen=True)
@@ -565,6 +606,39 @@ def _trace_fields(
     # equality and repr are unchanged)
     planned.__dict__["_trace_fields"] = (plan, fields)
     return fields
+
+
+def _iteration_roles(plan: DraftPlan | None, width: int) -> np.ndarray:
+    """The roles of one decode iteration's `width` passes: the verify pass (the decode pass
+    without speculation) and, around it, the drafter's (draft steps or n-gram's host lookup
+    before, the draft-extend after)."""
+    role = np.full(width, ROLE_DRAFT)
+    role[verify_column(plan, width)] = ROLE_VERIFY
+    return role
+
+
+def _host_launches(passes: Passes) -> np.ndarray:
+    """Each pass's host launches that are overhead: none for a host-only pass (n-gram's
+    lookup, which is drafting)."""
+    return np.where(passes.layers > 0, passes.launches, 0.0)
+
+
+def _fixed_roles(planned: _FixedRound, plan: DraftPlan | None) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed-batch round's passes' roles and host launches (`_host_launches`), made once
+    per planned round and kept with it (as `_trace_fields` is)."""
+    known = planned.__dict__.get("_roles")
+    if known is not None and known[0] is plan:
+        return known[1]
+    n_decode = sum(len(p) for p in planned.phases[1:])
+    decode = (
+        np.tile(_iteration_roles(plan, planned.width), n_decode // planned.width)
+        if planned.width
+        else np.zeros(0, dtype=np.int64)
+    )
+    role = np.concatenate([np.full(planned.n_prefill, ROLE_PREFILL), decode])
+    host = np.concatenate([_host_launches(p) for p in planned.phases])
+    planned.__dict__["_roles"] = (plan, (role, host))
+    return role, host
 
 
 def _wait_until(clock: Clock, end_ns: int) -> None:

@@ -50,6 +50,7 @@ from dvfs.records import (
     now_iso,
     recorded_stock,
 )
+from dvfs.records.cell import EnergySplit
 from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class Runner:
         self._stabilised: dict[str, Any] | None = None
         #: The (batch, input length) shapes the running server has warmed up for.
         self._warmed: set[tuple[int, int]] = set()
+        #: Where the last `measure`'s energy went, when its engine knows (the twin).
+        self.last_split: EnergySplit | None = None
 
     # -- session ------------------------------------------------------------------------------
     def _elapsed_s(self, since_ns: int) -> float:
@@ -469,6 +472,7 @@ class Runner:
             precision=m.precision,
             confidence=m.confidence,
         )
+        self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
         return measurement, warmup
 
     def _precise(
@@ -513,6 +517,7 @@ class Runner:
                     warmup=warmup,
                     errors=errors,
                     gpu_time_s=time.as_dict(),
+                    energy_split=self.last_split,
                 )
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))

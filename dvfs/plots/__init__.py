@@ -23,6 +23,7 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
+from dvfs.plots.split import draw_energy_split
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -36,6 +37,7 @@ __all__ = [
     "FORMATS",
     "corpus_panels",
     "draw_acceptance",
+    "draw_energy_split",
     "draw_energy_vs_batch",
     "draw_energy_vs_clock",
     "draw_headroom",
@@ -65,6 +67,7 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     for name, fig in (
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
+        ("energy_split", draw_energy_split(cube)),
         ("timelines", draw_timelines(cube, chosen)),
         ("energy_vs_batch", draw_energy_vs_batch(cube)),
     ):

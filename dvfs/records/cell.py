@@ -3,14 +3,18 @@ quantity as the meter, the journal and the cube all spell it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from dvfs.engines.base import SPLIT_PARTS
 from dvfs.measure.plan import Cell
 from dvfs.records.version import now_iso, stored_float, stored_floats, stored_int
 
 if TYPE_CHECKING:
+    from dvfs.engines.base import PassLedger
+    from dvfs.measure.counter import RoundEnergy
     from dvfs.measure.meter import CellMeasurement
 
 
@@ -144,6 +148,79 @@ def _upgrade(data: dict[str, Any], version: int) -> dict[str, Any]:
     return out
 
 
+#: How a cell's energy split was obtained, as the cube's `energy_split_method` codes it: none
+#: (a real server: `dvfs.analysis.split` estimates one from the cube), exact (the twin knows
+#: its passes), estimated (`dvfs.analysis.split`).
+SPLIT_METHODS = ("none", "exact", "estimated")
+
+
+@dataclass(frozen=True)
+class EnergySplit:
+    """Where a cell's measured energy and time went, one entry per `SPLIT_PARTS` entry
+    (prefill, draft, verify, overhead): over the same intervals as the cell's `energy_j` and
+    `decode_time_s` (each round's steady window between energy-counter updates), to whose
+    values the parts add up."""
+
+    energy_j: tuple[float, ...]
+    time_s: tuple[float, ...]
+    method: str = "exact"
+
+    def __post_init__(self) -> None:
+        if len(self.energy_j) != len(SPLIT_PARTS) or len(self.time_s) != len(SPLIT_PARTS):
+            raise ValueError(f"an energy split has one value per part of {SPLIT_PARTS}")
+        if self.method not in SPLIT_METHODS:
+            raise ValueError(f"unknown energy split method {self.method!r}")
+
+    @classmethod
+    def exact(
+        cls, rounds: Iterable[tuple[PassLedger | None, tuple[int, int] | None, RoundEnergy | None]]
+    ) -> EnergySplit | None:
+        """The split of a cell's rounds (ledger, steady window, measured energy), each
+        round's measured energy and counted seconds shared out as its engine's passes share
+        the steady window (`PassLedger.split`: exact on the twin, up to the counter's
+        edges inside the window); None when a measured round has no ledger (a real server)
+        or no round was measured."""
+        energy = [0.0] * len(SPLIT_PARTS)
+        time = [0.0] * len(SPLIT_PARTS)
+        measured = False
+        for ledger, window, counted in rounds:
+            if window is None or counted is None:
+                continue
+            if ledger is None:
+                return None
+            measured = True
+            share_j, share_s = ledger.split(*window)
+            total_j, total_s = float(share_j.sum()), float(share_s.sum())
+            joules = max(counted.energy_mj, 0.0) / 1000
+            for i in range(len(SPLIT_PARTS)):
+                energy[i] += joules * float(share_j[i]) / total_j if total_j > 0 else 0.0
+                time[i] += counted.seconds * float(share_s[i]) / total_s if total_s > 0 else 0.0
+        return cls(tuple(energy), tuple(time)) if measured else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "energy_j": dict(zip(SPLIT_PARTS, self.energy_j, strict=True)),
+            "time_s": dict(zip(SPLIT_PARTS, self.time_s, strict=True)),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> EnergySplit | None:
+        """None for a record without one (older journals, real servers)."""
+        if not data:
+            return None
+        energy, time = data.get("energy_j") or {}, data.get("time_s") or {}
+        return cls(
+            tuple(stored_float(energy.get(p)) for p in SPLIT_PARTS),
+            tuple(stored_float(time.get(p)) for p in SPLIT_PARTS),
+            str(data.get("method") or "exact"),
+        )
+
+    @property
+    def energy_total_j(self) -> float:
+        return math.fsum(self.energy_j)
+
+
 @dataclass(frozen=True)
 class CellRecord:
     """One attempt at a cell: measured ("ok", with its measurement and warm-up) or failed
@@ -166,6 +243,9 @@ class CellRecord:
     worker: str = ""
     #: The UUIDs of the GPUs that measured the cell (empty: its session's GPUs).
     gpus: tuple[str, ...] = ()
+    #: Where the measured energy and time went (`EnergySplit`); None: not known (a real
+    #: server, in-flight stepping, a record older than the split).
+    energy_split: EnergySplit | None = None
 
     @classmethod
     def measured(
@@ -177,6 +257,7 @@ class CellRecord:
         warmup: dict[str, Any],
         errors: Sequence[str],
         gpu_time_s: dict[str, float] | None = None,
+        energy_split: EnergySplit | None = None,
     ) -> CellRecord:
         return cls(
             cell,
@@ -187,6 +268,7 @@ class CellRecord:
             warmup,
             now_iso(),
             gpu_time_s=dict(gpu_time_s or {}),
+            energy_split=energy_split,
         )
 
     @classmethod
@@ -232,6 +314,7 @@ class CellRecord:
             return {
                 **head,
                 "measurement": self.measurement.to_json(),
+                **({"energy_split": self.energy_split.to_json()} if self.energy_split else {}),
                 "warmup": self.warmup,
                 "errors": list(self.errors),
                 **({"inflight": self.inflight} if self.inflight else {}),
@@ -263,4 +346,7 @@ class CellRecord:
             gpu_time_s={str(k): float(v) for k, v in (record.get("gpu_time_s") or {}).items()},
             worker=str(record.get("worker") or ""),
             gpus=tuple(str(u) for u in record.get("gpus") or ()),
+            energy_split=EnergySplit.from_json(record.get("energy_split"))
+            if measurement is not None
+            else None,
         )

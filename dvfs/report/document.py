@@ -97,6 +97,7 @@ _CAPTIONS = {
     "acceptance": "Mean accept length per drafter and corpus",
     "timelines": "Power and SM clock over a cell, at stock and at the chosen setting",
     "energy_vs_batch": "Energy per token against batch size at the stock setting, per drafter",
+    "energy_split": "Where the energy goes: prefill, drafting, verification and overhead per token",
 }
 
 

@@ -12,7 +12,7 @@ from dvfs.report.model import Figure, Finding, Paragraph, Section
 FIGURES_OF = {
     "headroom": ("headroom", "pareto", "timelines"),
     "energy": ("energy_vs_clock",),
-    "speculation": ("acceptance", "energy_vs_batch"),
+    "speculation": ("acceptance", "energy_vs_batch", "energy_split"),
 }
 #: Rows named in a sentence; more are counted.
 MAX_NAMED = 6

@@ -1,0 +1,87 @@
+"""Where the energy goes: each drafter's energy per token stacked by part (prefill, drafting,
+verification, overhead), one panel per batch, at the cube's reference setting."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dvfs.analysis.split import ESTIMATED, where_energy_goes
+from dvfs.engines.base import SPLIT_PARTS
+from dvfs.plots.style import (
+    ENERGY_LABEL,
+    Margins,
+    palette,
+    panel_figure,
+    place_legend,
+    stock_label,
+    styled,
+    suptitle,
+    text_width_in,
+)
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.figure import Figure
+
+#: Each part's colour, as an index into the palette: prefill green, drafting orange,
+#: verification blue, overhead grey.
+PART_COLORS = (2, 1, 0, 7)
+PART_LABELS = {
+    "prefill": "prefill",
+    "draft": "drafting",
+    "verify": "verification (decode without a drafter)",
+    "overhead": "host overhead and idle",
+}
+
+
+@styled
+def draw_energy_split(cube: xr.Dataset) -> Figure | None:
+    """None when no cell carries a split, exact or estimated (a cube built before the split,
+    or a real GPU's cube without a family of drafter settings to estimate from)."""
+    from matplotlib.patches import Patch
+
+    if "energy_split_method" not in cube:
+        return None
+    split = where_energy_goes(cube)
+    if not bool((split["split_method"] > 0).any()):
+        return None
+    drafters = [str(d) for d in split["drafter"].values]
+    batches = [int(b) for b in split["batch"].values]
+    colors = dict(zip(SPLIT_PARTS, (palette()[i] for i in PART_COLORS), strict=True))
+    panel_w = max(2.4, 0.55 * len(drafters) + 0.6)
+    label_h = max(text_width_in(d, 9) for d in drafters) * 0.87 + 0.25  # labels at 60 degrees
+    margins = Margins(left=0.9, top=0.8, bottom=0.35 + label_h, hspace=0.55 + label_h, side=2.9)
+    ref = split.attrs
+    title = (
+        "Where the energy goes: energy per token by part\n"
+        + stock_label(
+            int(ref["reference_sm_clock_mhz"]),
+            float(ref["reference_power_limit_w"]),
+            bool(ref["reference_is_stock"]),
+        )
+        + "; mean over corpora and repeats"
+        + ("; hatched: estimated" if bool((split["split_method"] == ESTIMATED).any()) else "")
+    )
+    panels = panel_figure(len(batches), panel_w, 2.6, margins, max_cols=3, title=title)
+    x = np.arange(len(drafters))
+    for ax, batch in zip(panels.axes, batches, strict=False):
+        one = split.sel(batch=batch)
+        bottom = np.zeros(len(drafters))
+        estimated = one["split_method"].values == ESTIMATED
+        for part in SPLIT_PARTS:
+            values = np.nan_to_num(one[f"energy_per_token_{part}_j"].values, nan=0.0)
+            bars = ax.bar(x, values, 0.7, bottom=bottom, color=colors[part], linewidth=0)
+            for bar, est in zip(bars, estimated, strict=True):
+                if est:
+                    bar.set_hatch("//")
+            bottom += values
+        ax.set_title(f"batch {batch}")
+        ax.set_xticks(x, drafters, rotation=60, ha="right")
+        ax.set_ylabel(ENERGY_LABEL)
+        ax.set_xlim(-0.6, len(drafters) - 0.4)
+    handles = [Patch(color=colors[p], label=PART_LABELS[p]) for p in SPLIT_PARTS]
+    place_legend(panels, handles)
+    suptitle(panels.fig, title)
+    return panels.fig
