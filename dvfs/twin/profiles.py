@@ -47,6 +47,20 @@ class GpuProfile:
     kernel_cycles_per_layer: float
     host_overhead_s: float
     nvlink_gb_s: float
+    # The speculative iteration's costs beyond one forward pass (`dvfs.twin.physics`); each
+    # default leaves its term out. GEMM tiles: rows per output tile (tile quantisation in the
+    # token count M) and output-column tiles per row of tiles (wave quantisation over the SMs).
+    gemm_tile_tokens: int = 0
+    gemm_n_tiles: int = 0
+    #: Bandwidth a verify pass's custom-mask attention reaches on the KV cache, relative to
+    #: plain decode attention.
+    verify_attention_efficiency: float = 1.0
+    #: Host time of a speculative step (its verify pass), whole and per request and per
+    #: verified token (scheduling, sampling, tree and KV-slot bookkeeping), not overlapped
+    #: with the GPU.
+    spec_host_per_step_s: float = 0.0
+    spec_host_per_request_s: float = 0.0
+    spec_host_per_token_s: float = 0.0
     # NVML's measurement traps (`dvfs.twin.traps`): each 0 turns its trap off.
     energy_counter_period_s: float = 0.0
     power_sampled_s: float = 0.0
