@@ -373,6 +373,13 @@ def acceptance_priors() -> dict[str, AcceptancePrior]:
 
 
 @functools.cache
+def published_tables() -> dict[str, dict[str, Any]]:
+    """Published speculative-decoding speedups against batch size (`data/published.toml`):
+    the twin's calibration and held-out targets, each table with its source and settings."""
+    return _read("published.toml")
+
+
+@functools.cache
 def gpu_profile(key: str) -> GpuProfile:
     """A GPU profile by key; `KEY:TRAPS` picks which of NVML's measurement traps it simulates
     (all by default): `h100-sxm:none` (none), `h100-sxm:energy_steps,leakage` (only those),
