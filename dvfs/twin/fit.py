@@ -137,11 +137,7 @@ def _power(
     if not np.isfinite(power).any() or not math.isfinite(idle):
         return None
     scale = np.asarray(physics.dynamic_scale(base, seen))
-    # The physics' tensor utilisation: a GEMM's tensor cores also compute the padding of its
-    # last tile and idle through its last wave (`physics.gemm_efficiency` at its M).
-    rows = np.where(ds["kind"].values == "gemm", ds["m"].values.astype(float), 0.0)
-    share = physics.gemm_efficiency(dataclasses.replace(base, gemm_efficiency=gemm_eff), rows)
-    peak = datasheet_flops(base, seen) * share[None, :]
+    peak = datasheet_flops(base, seen) * gemm_eff
     tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
     memory_util = ds["bytes_s"].transpose(*dims).values / (base.hbm_bandwidth_gb_s * 1e9)
     ok = np.isfinite(power)

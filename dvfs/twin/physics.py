@@ -233,7 +233,11 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
         + gpu.spec_host_per_token_s * passes.spec_tokens
     )
     duration_s = busy_s + host_s
-    tensor_util = compute_s / duration_s
+    # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
+    # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
+    # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
+    useful_s = compute_s * gemm_efficiency(gpu, passes.tokens) / gpu.gemm_efficiency
+    tensor_util = useful_s / duration_s
     memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
     busy = busy_s / duration_s
     power_w = (
