@@ -216,7 +216,10 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
         bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
-    compute_s = compute_time_s(gpu, passes.flops, passes.tokens, f)
+    # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
+    # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
+    useful_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
+    compute_s = useful_s * (gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens))
     # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at a
     # fraction of the bandwidth plain decode attention reaches: its bytes take longer.
     slow = passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0)
@@ -236,7 +239,6 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
     # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
-    useful_s = compute_s * gemm_efficiency(gpu, passes.tokens) / gpu.gemm_efficiency
     tensor_util = useful_s / duration_s
     memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
     busy = busy_s / duration_s
