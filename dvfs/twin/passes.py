@@ -39,10 +39,10 @@ def count_passes(
     kv_read_bytes: np.ndarray,
     attn_flops: np.ndarray,
     kv_write_tokens: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """FLOPs, bytes, layers, communication bytes and calls of passes over `tokens` tokens, for
-    one GPU of a TP group, and the tokens (each GEMM's M: TP splits the weights, not the
-    tokens); element-wise, so a whole (iterations x passes) block at once."""
+    one GPU of a TP group; element-wise, so a whole (iterations x passes) block at once. (The
+    passes' GEMMs have M = `tokens` on every GPU: TP splits the weights, not the tokens.)"""
     tokens = np.asarray(tokens, dtype=float)
     flops = 2.0 * model.active_matmul_params * tokens + attn_flops
     weights = model.weight_bytes_read(tokens)
@@ -54,7 +54,7 @@ def count_passes(
         comm = np.zeros_like(tokens)
         calls = np.zeros_like(tokens)
     layers = np.full_like(tokens, model.layers + PASS_KERNEL_LAYERS)
-    return flops / tp, bytes_ / tp, layers, comm, calls, tokens
+    return flops / tp, bytes_ / tp, layers, comm, calls
 
 
 class PassBuilder:
@@ -73,10 +73,11 @@ class PassBuilder:
         kv_write_tokens: np.ndarray,
         launches: float = 1.0,
     ) -> None:
-        flops, bytes_, layers, comm, calls, m = count_passes(
+        flops, bytes_, layers, comm, calls = count_passes(
             model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens
         )
         launched = np.full(len(flops), launches)
+        m = np.asarray(tokens, dtype=float)
         self.parts.append(Passes(flops, bytes_, layers, comm, calls, launched, m))
 
     def add_host(self, count: int) -> None:
@@ -130,6 +131,7 @@ def decode_passes(
     # bytes, requests and tokens of the host's speculative bookkeeping.
     verify_fields = (
         *verify,
+        verify_tokens,
         ctx_kv_bytes / builder.tp if speculative else zeros,
         active if speculative else zeros,
         verify_tokens if speculative else zeros,
@@ -159,7 +161,7 @@ def decode_passes(
             np.stack(writes, axis=1),
         )
         none = np.zeros((n_iter, len(tokens)))
-        drafts = (*counted, none, none, none)
+        drafts = (*counted, np.stack(tokens, axis=1), none, none, none)
         if plan.family == "dflash":
             blocks.append(tuple(drafts))
         else:

@@ -4,7 +4,7 @@ Everything is vectorised over a sequence of forward passes so a whole measuremen
 (hundreds of passes) costs a few numpy operations.
 
 step time  = host time + kernel cycles / f + soft-max(compute, memory) + comm
-host time  = host overhead x launches + a speculative step's per-request and per-token bookkeeping
+host time  = host overhead x launches + a speculative step's bookkeeping (per step, request, token)
 compute    = FLOPs / (tensor peak at f x GEMM efficiency at the pass's token count)
 memory     = bytes / achievable bandwidth at f (falls off below the bandwidth knee), a verify
              pass's KV-cache reads at the custom-mask attention's lower efficiency
