@@ -8,7 +8,7 @@ operating point the power limit allows: what a served batch kept full by a queue
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.analysis.roofline import roofline
+from dvfs.errors import CampaignError
 from dvfs.twin import physics, traps
 from dvfs.twin.drafting import plan_drafter
 from dvfs.twin.fit import achievable_ridge_point
@@ -229,3 +230,10 @@ def test_the_roofline_analysis_and_the_twins_physics_put_the_ridge_in_the_same_p
                 )[0]
                 memory_s = bytes_ / float(physics.bandwidth_bytes_s(profile, clock))
                 assert compute_s == pytest.approx(memory_s, rel=1e-9)
+
+
+def test_a_profile_with_an_impossible_speculative_term_is_refused_in_one_line() -> None:
+    with pytest.raises(CampaignError, match="verify_attention_efficiency must be in"):
+        replace(H100, verify_attention_efficiency=0.0)
+    with pytest.raises(CampaignError, match="spec_host_per_step_s must be >= 0"):
+        replace(H100, spec_host_per_step_s=-1e-3)

@@ -71,6 +71,26 @@ class GpuProfile:
     settle_time_s: float = 0.0
     settle_overshoot: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.verify_attention_efficiency <= 1.0:
+            raise CampaignError(
+                f"GPU profile {self.key}: verify_attention_efficiency must be in (0, 1], "
+                f"not {self.verify_attention_efficiency}"
+            )
+        negative = [
+            name
+            for name in (
+                "gemm_tile_tokens",
+                "gemm_n_tiles",
+                "spec_host_per_step_s",
+                "spec_host_per_request_s",
+                "spec_host_per_token_s",
+            )
+            if getattr(self, name) < 0
+        ]
+        if negative:
+            raise CampaignError(f"GPU profile {self.key}: {', '.join(negative)} must be >= 0")
+
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
         """Lockable SM clocks, descending like NVML's list."""
         return tuple(
