@@ -342,4 +342,4 @@ def test_compare_uses_the_measured_ridge(small_sweep: Path, tmp_path: Path) -> N
     roof = roofline(cube, measured=measured)
     np.testing.assert_allclose(roof["ridge_point"].values, 42.0 * clocks / clocks.max())
     assert roof.attrs["ridge"] == "measured (NVIDIA H100 80GB HBM3)"
-    assert roofline(cube).attrs["ridge"].startswith("datasheet")
+    assert roofline(cube).attrs["ridge"].startswith("twin physics")

@@ -155,5 +155,10 @@ def test_draft_steps_slow_down_with_the_clock_like_the_target_s_kernels() -> Non
     assert verify > 1.05  # the clock-bound part of a decode step is real
     assert drafts >= verify - 0.02
     plain_ratio = plain[slow].sum() / plain[top].sum()
-    spec_ratio = iters[slow].sum() / iters[top].sum()
+    # The speculative step's own host bookkeeping is CPU time, fixed by design (not a draft
+    # head's cycles): leave it out, and the rest slows with the clock like plain decoding.
+    host_s = len(iters[top]) * (
+        H100.spec_host_per_step_s + H100.spec_host_per_request_s + H100.spec_host_per_token_s * 8
+    )
+    spec_ratio = (iters[slow].sum() - host_s) / (iters[top].sum() - host_s)
     assert spec_ratio >= plain_ratio - 0.005

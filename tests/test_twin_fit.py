@@ -75,7 +75,8 @@ def twin_roofline(
         results = []
         for kernel in plan_kernels(spec):
             one = np.ones(1)
-            passes = Passes(kernel.flops * one, kernel.bytes * one, 0 * one, 0 * one, 0 * one)
+            m = kernel.m * one if kernel.kind == "gemm" else 0 * one  # GEMM efficiency at M
+            passes = Passes(kernel.flops * one, kernel.bytes * one, *(0 * one,) * 3, tokens=m)
             ran = min(f, gemm_cap_mhz) if kernel.kind == "gemm" else f
             timing = physics.time_passes(profile, passes, ran)
             power = float(timing.power_w[0]) if energy else float("nan")

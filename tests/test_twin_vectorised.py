@@ -76,9 +76,15 @@ def reference_decode(
                     draft, tokens, kv, per_token * tokens, tokens, launch if step == 0 else 0
                 )
     verify = active * k
+    # A verify pass writes the KV of every token it verifies; a speculative one also reads
+    # its KV through the custom-mask attention and carries the host's per-request bookkeeping.
     builder.add(
-        LLAMA8B, verify, ctx_kv, LLAMA8B.attention_flops_per_token(mean_ctx) * verify, emitted
+        LLAMA8B, verify, ctx_kv, LLAMA8B.attention_flops_per_token(mean_ctx) * verify, verify
     )
+    if plan is not None and k > 1:
+        builder.parts[-1] = replace(
+            builder.parts[-1], verify_kv_bytes=ctx_kv / tp, spec_requests=active, spec_tokens=verify
+        )
     if plan is not None and plan.draft_model is not None and plan.family != "dflash":
         draft = plan.draft_model
         builder.add(

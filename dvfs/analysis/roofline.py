@@ -4,6 +4,11 @@ With batch B and k verified tokens per request, a verify pass does ~2 P B k FLOP
 of weights (plus the KV cache it reads). Past the ridge point (FLOP per byte at which compute
 time equals memory time; it falls with the SM clock) the pass is compute-bound: lowering the
 clock then costs latency, and wasted drafts cost energy.
+
+The ridge is the twin's: achievable FLOP/s (GEMM efficiency at the pass's token count,
+`dvfs.twin.physics.gemm_efficiency`) over achievable bandwidth, at the same context length the
+twin's workload runs at, so the analysis and the twin's physics agree on where a pass turns
+compute-bound.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ def roofline(
     `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the datasheet ridge."""
     import xarray as xr
 
+    from dvfs.twin.fit import achievable_ridge_point
+    from dvfs.twin.physics import gemm_efficiency
     from dvfs.twin.profiles import find_model_profile, profile_for_gpu_name
 
     model_name = cube.attrs.get("twin_model") or cube.attrs.get("model")
@@ -118,8 +125,8 @@ def roofline(
             intensity[i, j] = (flops / tp) / (bytes_ / tp)
             tokens[i, j] = n
     if measured is None:
-        ridge = np.array([gpu.ridge_point(c) for c in clocks])
-        source = f"datasheet ({gpu.key})"
+        ridge = np.array([achievable_ridge_point(gpu, c) for c in clocks])
+        source = f"twin physics ({gpu.key})"
     else:
         ridge = measured_ridge(measured, clocks)
         name = measured.attrs.get("gpu_name") or measured.attrs.get("device_name", "?")
@@ -147,9 +154,18 @@ def roofline(
         },
         coords={"batch": batches, "drafter": drafters, "sm_clock": clocks.astype(int)},
     )
-    result["compute_bound"] = (result["arithmetic_intensity"] > result["ridge_point"]).assign_attrs(
-        units="1", long_name="verify pass is past the ridge point at this clock"
+    # A pass of fewer tokens than fill its GEMMs' tiles and waves reaches less of the peak
+    # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share.
+    share = gemm_efficiency(gpu, tokens) / gpu.gemm_efficiency
+    result["verify_ridge_point"] = (
+        result["ridge_point"] * xr.DataArray(share, dims=("batch", "drafter"))
+    ).assign_attrs(
+        units="FLOP byte-1",
+        long_name="ridge point at the verify pass's token count (GEMM tile and wave quantisation)",
     )
+    result["compute_bound"] = (
+        result["arithmetic_intensity"] > result["verify_ridge_point"]
+    ).assign_attrs(units="1", long_name="verify pass is past the ridge point at this clock")
     result.attrs.update(
         model=model.key, gpu_profile=gpu.key, context_tokens=context, tp_size=tp, ridge=source
     )

@@ -38,7 +38,11 @@ def simulate(
         results = []
         for kernel in plan_kernels(spec):
             one = np.ones(1)
-            passes = Passes(kernel.flops * one, kernel.bytes * one, 0 * one, 0 * one, 0 * one)
+            # A GEMM's M is its token count: the twin's GEMM efficiency by tokens applies.
+            m = kernel.m * one if kernel.kind == "gemm" else 0 * one
+            passes = Passes(
+                kernel.flops * one, kernel.bytes * one, 0 * one, 0 * one, 0 * one, tokens=m
+            )
             point = physics.operating_point(gpu, passes, requested, limit)
             timing = point.timing
             results.append(

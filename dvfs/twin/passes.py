@@ -41,7 +41,8 @@ def count_passes(
     kv_write_tokens: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """FLOPs, bytes, layers, communication bytes and calls of passes over `tokens` tokens, for
-    one GPU of a TP group; element-wise, so a whole (iterations x passes) block at once."""
+    one GPU of a TP group; element-wise, so a whole (iterations x passes) block at once. (The
+    passes' GEMMs have M = `tokens` on every GPU: TP splits the weights, not the tokens.)"""
     tokens = np.asarray(tokens, dtype=float)
     flops = 2.0 * model.active_matmul_params * tokens + attn_flops
     weights = model.weight_bytes_read(tokens)
@@ -72,8 +73,12 @@ class PassBuilder:
         kv_write_tokens: np.ndarray,
         launches: float = 1.0,
     ) -> None:
-        counts = count_passes(model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens)
-        self.parts.append(Passes(*counts, np.full(len(counts[0]), launches)))
+        flops, bytes_, layers, comm, calls = count_passes(
+            model, self.tp, tokens, kv_read_bytes, attn_flops, kv_write_tokens
+        )
+        launched = np.full(len(flops), launches)
+        m = np.asarray(tokens, dtype=float)
+        self.parts.append(Passes(flops, bytes_, layers, comm, calls, launched, m))
 
     def add_host(self, count: int) -> None:
         """Host-only steps (n-gram lookup): pure per-pass overhead, no GPU work."""
@@ -114,13 +119,27 @@ def decode_passes(
     k = plan.verify_tokens if plan else 1
     verify_tokens = active * k
     verify_attn = model.attention_flops_per_token(mean_ctx) * verify_tokens
-    verify = count_passes(model, builder.tp, verify_tokens, ctx_kv_bytes, verify_attn, emitted)
+    # A verify pass writes the KV of every token it verifies (drafts included; SGLang frees
+    # the rejected slots afterwards), not only of the accepted ones.
+    verify = count_passes(
+        model, builder.tp, verify_tokens, ctx_kv_bytes, verify_attn, verify_tokens
+    )
+    zeros = np.zeros(n_iter)
+    speculative = plan is not None and k > 1
     # Columns of an (iterations x passes) block per field: drafts, verify, draft-extend.
+    # Fields: FLOPs, bytes, layers, comm bytes, comm calls, tokens, verify-attention KV
+    # bytes, requests and tokens of the host's speculative bookkeeping.
+    verify_fields = (
+        *verify,
+        verify_tokens,
+        ctx_kv_bytes / builder.tp if speculative else zeros,
+        active if speculative else zeros,
+        verify_tokens if speculative else zeros,
+    )
     blocks: list[tuple[np.ndarray, ...]] = []
     tail: tuple[np.ndarray, ...] = ()
     if plan is not None and plan.family == "ngram":
-        zeros = np.zeros((n_iter, 1))
-        blocks.append((zeros,) * 5)
+        blocks.append((np.zeros((n_iter, 1)),) * len(verify_fields))
     elif plan is not None and plan.draft_model is not None:
         draft = plan.draft_model
         if plan.family == "dflash":
@@ -133,7 +152,7 @@ def decode_passes(
             attn_tokens = [*tokens[:-1], emitted]
             writes = [*tokens[:-1], emitted]
         per_token = draft.attention_flops_per_token(mean_ctx)
-        drafts = count_passes(
+        counted = count_passes(
             draft,
             builder.tp,
             np.stack(tokens, axis=1),
@@ -141,12 +160,14 @@ def decode_passes(
             np.stack([per_token * t for t in attn_tokens], axis=1),
             np.stack(writes, axis=1),
         )
+        none = np.zeros((n_iter, len(tokens)))
+        drafts = (*counted, np.stack(tokens, axis=1), none, none, none)
         if plan.family == "dflash":
             blocks.append(tuple(drafts))
         else:
             blocks.append(tuple(field[:, :-1] for field in drafts))
             tail = tuple(field[:, -1:] for field in drafts)
-    blocks.append(tuple(field[:, None] for field in verify))
+    blocks.append(tuple(field[:, None] for field in verify_fields))
     if tail:
         blocks.append(tail)
     # Pass j of iteration n sits at n * width + j.
@@ -158,8 +179,23 @@ def decode_passes(
         launches[:, : verify_column(plan, width)] = 0.0
         launches[:, 0] = DRAFT_LAUNCH_SHARE
         launches[:, verify_column(plan, width) + 1 :] = DRAFT_LAUNCH_SHARE
-    flops, bytes_, layers, comm, calls = (field.reshape(-1) for field in fields)
-    builder.parts.append(Passes(flops, bytes_, layers, comm, calls, launches.reshape(-1)))
+    flops, bytes_, layers, comm, calls, m, verify_kv, requests, spec_tokens = (
+        field.reshape(-1) for field in fields
+    )
+    builder.parts.append(
+        Passes(
+            flops,
+            bytes_,
+            layers,
+            comm,
+            calls,
+            launches.reshape(-1),
+            m,
+            verify_kv,
+            requests,
+            spec_tokens,
+        )
+    )
     return width
 
 

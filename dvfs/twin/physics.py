@@ -3,9 +3,11 @@
 Everything is vectorised over a sequence of forward passes so a whole measurement cell
 (hundreds of passes) costs a few numpy operations.
 
-step time  = host overhead x launches + kernel cycles / f + soft-max(compute, memory) + comm
-compute    = FLOPs / (tensor peak at f x GEMM efficiency)
-memory     = bytes / achievable bandwidth at f (falls off below the bandwidth knee)
+step time  = host time + kernel cycles / f + soft-max(compute, memory) + comm
+host time  = host overhead x launches + a speculative step's bookkeeping (per step, request, token)
+compute    = FLOPs / (tensor peak at f x GEMM efficiency at the pass's token count)
+memory     = bytes / achievable bandwidth at f (falls off below the bandwidth knee), a verify
+             pass's KV-cache reads at the custom-mask attention's lower efficiency
 power      = idle + busy x (SM power + tensor power x tensor util) x s(f) + memory power x bw util
 s(f)       = (f / f_max) x (V(f) / V_max)^2   (dynamic CMOS power)
 """
@@ -44,12 +46,26 @@ class Passes:
     #: a CUDA-graph replay): 1 for a pass the scheduler launches, less for a draft pass that
     #: runs inside the scheduler's decode step; None: 1 for every pass.
     launches: np.ndarray = None  # type: ignore[assignment]
+    #: Tokens each pass multiplies through its weights (the GEMMs' M, `gemm_efficiency`);
+    #: 0 (or None): unknown, the profile's large-M efficiency applies.
+    tokens: np.ndarray = None  # type: ignore[assignment]
+    #: KV-cache bytes (of `bytes`) a verify pass's custom-mask attention reads, at
+    #: `GpuProfile.verify_attention_efficiency` of the bandwidth; None: none.
+    verify_kv_bytes: np.ndarray = None  # type: ignore[assignment]
+    #: Requests, and their tokens, whose speculative step (scheduling, sampling, tree and
+    #: KV-slot bookkeeping) the host does on this pass, outside any overlap with the GPU
+    #: (`GpuProfile.spec_host_per_request_s`, `spec_host_per_token_s`); None: none.
+    spec_requests: np.ndarray = None  # type: ignore[assignment]
+    spec_tokens: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         n = len(self.flops)
         if self.launches is None:
             object.__setattr__(self, "launches", np.ones(n))
-        for name in ("bytes", "layers", "comm_bytes", "comm_calls", "launches"):
+        for name in ("tokens", "verify_kv_bytes", "spec_requests", "spec_tokens"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(n))
+        for name in Passes.__dataclass_fields__:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Passes.{name} has {len(getattr(self, name))} entries, not {n}")
 
@@ -144,6 +160,39 @@ def bandwidth_bytes_s(gpu: GpuProfile, sm_clock_mhz: float | np.ndarray) -> np.n
     return peak * shape(f) / shape(float(gpu.max_sm_clock_mhz))
 
 
+def gemm_efficiency(gpu: GpuProfile, tokens: float | np.ndarray) -> np.ndarray:
+    """Tensor FLOP/s a pass's GEMMs reach over the datasheet peak, at `tokens` rows (M).
+
+    The profile's `gemm_efficiency` is the large-M figure (MAMF). A GEMM is cut into output
+    tiles of `gemm_tile_tokens` rows, each computed whole: M tokens pay for ceil(M / tile)
+    tiles' rows (tile quantisation). The tiles (`gemm_n_tiles` across the output columns per
+    row of tiles) run in waves over the SMs, and the last wave leaves SMs idle (wave
+    quantisation). Both are 1 for a profile that sets 0; M <= 0 means unknown: the large-M
+    figure. The twin's pass timing and the roofline analysis both call this, so their ridge
+    points agree.
+    """
+    m = np.asarray(tokens, dtype=float)
+    eff = np.full(m.shape, float(gpu.gemm_efficiency))
+    known = m > 0
+    if not np.any(known) or gpu.gemm_tile_tokens <= 0:
+        return eff
+    tile = float(gpu.gemm_tile_tokens)
+    row_tiles = np.ceil(np.where(known, m, tile) / tile)
+    quantised = np.where(known, m, tile) / (row_tiles * tile)
+    if gpu.gemm_n_tiles > 0:
+        waves = row_tiles * gpu.gemm_n_tiles / gpu.sm_count
+        quantised = quantised * waves / np.ceil(waves)
+    return np.where(known, eff * quantised, eff)
+
+
+def compute_time_s(
+    gpu: GpuProfile, flops: np.ndarray, tokens: np.ndarray, sm_clock_mhz: float | np.ndarray
+) -> np.ndarray:
+    """Tensor time of `flops` at the GEMM efficiency of `tokens` rows, at a clock."""
+    peak = gpu.sm_count * gpu.flop_per_clk_per_sm * np.asarray(sm_clock_mhz, dtype=float) * 1e6
+    return np.asarray(flops, dtype=float) / (peak * gemm_efficiency(gpu, tokens))
+
+
 @functools.lru_cache(maxsize=4096)
 def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
     """Bandwidth and dynamic-power scale at a clock: a few clocks recur in every timing."""
@@ -167,15 +216,30 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
         bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
-    compute_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
-    memory_s = passes.bytes / bandwidth
+    # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
+    # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
+    useful_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
+    compute_s = useful_s * (gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens))
+    # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at a
+    # fraction of the bandwidth plain decode attention reaches: its bytes take longer.
+    slow = passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0)
+    memory_s = (passes.bytes + slow) / bandwidth
     p = ROOFLINE_BLEND
     roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
     kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
     comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
     busy_s = roofline_s + kernel_s + comm_s
-    duration_s = busy_s + gpu.host_overhead_s * passes.launches
-    tensor_util = compute_s / duration_s
+    host_s = (
+        gpu.host_overhead_s * passes.launches
+        + gpu.spec_host_per_step_s * (passes.spec_requests > 0)
+        + gpu.spec_host_per_request_s * passes.spec_requests
+        + gpu.spec_host_per_token_s * passes.spec_tokens
+    )
+    duration_s = busy_s + host_s
+    # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
+    # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
+    # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
+    tensor_util = useful_s / duration_s
     memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
     busy = busy_s / duration_s
     power_w = (

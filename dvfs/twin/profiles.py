@@ -47,6 +47,20 @@ class GpuProfile:
     kernel_cycles_per_layer: float
     host_overhead_s: float
     nvlink_gb_s: float
+    # The speculative iteration's costs beyond one forward pass (`dvfs.twin.physics`); each
+    # default leaves its term out. GEMM tiles: rows per output tile (tile quantisation in the
+    # token count M) and output-column tiles per row of tiles (wave quantisation over the SMs).
+    gemm_tile_tokens: int = 0
+    gemm_n_tiles: int = 0
+    #: Bandwidth a verify pass's custom-mask attention reaches on the KV cache, relative to
+    #: plain decode attention.
+    verify_attention_efficiency: float = 1.0
+    #: Host time of a speculative step (its verify pass), whole and per request and per
+    #: verified token (scheduling, sampling, tree and KV-slot bookkeeping), not overlapped
+    #: with the GPU.
+    spec_host_per_step_s: float = 0.0
+    spec_host_per_request_s: float = 0.0
+    spec_host_per_token_s: float = 0.0
     # NVML's measurement traps (`dvfs.twin.traps`): each 0 turns its trap off.
     energy_counter_period_s: float = 0.0
     power_sampled_s: float = 0.0
@@ -56,6 +70,26 @@ class GpuProfile:
     idle_clock_power_w: float = 0.0
     settle_time_s: float = 0.0
     settle_overshoot: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.verify_attention_efficiency <= 1.0:
+            raise CampaignError(
+                f"GPU profile {self.key}: verify_attention_efficiency must be in (0, 1], "
+                f"not {self.verify_attention_efficiency}"
+            )
+        negative = [
+            name
+            for name in (
+                "gemm_tile_tokens",
+                "gemm_n_tiles",
+                "spec_host_per_step_s",
+                "spec_host_per_request_s",
+                "spec_host_per_token_s",
+            )
+            if getattr(self, name) < 0
+        ]
+        if negative:
+            raise CampaignError(f"GPU profile {self.key}: {', '.join(negative)} must be >= 0")
 
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
         """Lockable SM clocks, descending like NVML's list."""
@@ -356,6 +390,13 @@ def acceptance_priors() -> dict[str, AcceptancePrior]:
             calibrated_on=tuple(table.get("calibrated_on", ())),
         )
     return priors
+
+
+@functools.cache
+def published_tables() -> dict[str, dict[str, Any]]:
+    """Published speculative-decoding speedups against batch size (`data/published.toml`):
+    the twin's calibration and held-out targets, each table with its source and settings."""
+    return _read("published.toml")
 
 
 @functools.cache

@@ -1,0 +1,239 @@
+"""The speculative iteration's real costs (issue 13): the twin's speedup and energy per token
+against batch size, next to the published SGLang table (dvfs/twin/data/published.toml).
+
+Each number comes from one steady decode iteration of the twin's own passes (`decode_passes`,
+every request running, acceptance at its expectation), timed and powered by its physics at the
+operating point the power limit allows: what a served batch kept full by a queue settles to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+from cubes import make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.analysis.roofline import roofline
+from dvfs.errors import CampaignError
+from dvfs.twin import physics, traps
+from dvfs.twin.drafting import plan_drafter
+from dvfs.twin.fit import achievable_ridge_point
+from dvfs.twin.passes import PassBuilder, decode_passes, verify_column
+from dvfs.twin.profiles import gpu_profile, model_profile, published_tables
+
+H100 = traps.without(gpu_profile("h100-sxm"))
+LLAMA8B = model_profile("llama-3.1-8b")
+TABLE = published_tables()["eagle3-paper-table3"]
+#: MT-bench: prompts of ~100 tokens, answers of a few hundred: a 512-token context (INF).
+CONTEXT = 512.0
+CLOCKS = list(H100.supported_sm_clocks_mhz())
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A drafter's SGLang settings (`dvfs.twin.drafting.DrafterSettings`)."""
+
+    algorithm: str | None = None
+    draft_model: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+
+
+NONE = Drafter()
+#: The published table's chain: 3 draft steps, top-1, 4 verified tokens per request.
+CHAIN = {"num_steps": TABLE["num_steps"], "eagle_topk": TABLE["eagle_topk"]}
+EAGLE3_CHAIN = Drafter("EAGLE3", None, **CHAIN, num_draft_tokens=TABLE["num_draft_tokens"])
+EAGLE_CHAIN = Drafter("EAGLE", None, **CHAIN, num_draft_tokens=TABLE["num_draft_tokens"])
+EAGLE3_TREE = Drafter("EAGLE3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", 5, 4, 8)
+DFLASH = Drafter("DFLASH", None, None, None, 16)
+
+
+def iteration(
+    drafter: Drafter,
+    batch: int,
+    *,
+    text: str = "conversation",
+    clock_mhz: int = 1980,
+    limit_w: float = 700.0,
+) -> tuple[float, float, float]:
+    """(seconds, joules, tokens) of one steady decode iteration at `batch`."""
+    plan = plan_drafter(drafter, LLAMA8B)
+    tau = plan.expected_accept_length(text, 0.0) if plan else 1.0
+    active = np.array([float(batch)])
+    context = np.array([CONTEXT])
+    builder = PassBuilder(1)
+    decode_passes(
+        builder,
+        LLAMA8B,
+        plan,
+        active,
+        active * CONTEXT,
+        LLAMA8B.kv_bytes_read(context) * active,
+        context,
+        active * tau,
+    )
+    timing = physics.operating_point(H100, builder.parts[0], clock_mhz, limit_w).timing
+    return timing.total_s, timing.energy_j, batch * tau
+
+
+def speedup(drafter: Drafter, batch: int) -> float:
+    seconds, _, tokens = iteration(drafter, batch)
+    base_s, _, base_tokens = iteration(NONE, batch)
+    return (tokens / seconds) / (base_tokens / base_s)
+
+
+def joules_per_token(drafter: Drafter, batch: int, text: str = "conversation") -> float:
+    _, joules, tokens = iteration(drafter, batch, text=text)
+    return joules / tokens
+
+
+def published(algorithm: str) -> dict[int, float]:
+    return dict(zip(TABLE["batch"], TABLE["speedup"][algorithm], strict=True))
+
+
+def test_the_tables_name_their_source_settings_and_roles() -> None:
+    assert "arXiv 2503.01840" in TABLE["source"] and TABLE["gpu"] == "h100-sxm"
+    assert TABLE["role"] == {"EAGLE3": "calibration", "EAGLE": "held-out"}
+    assert plan_drafter(EAGLE3_CHAIN, LLAMA8B).verify_tokens == 4  # chain of 3 + bonus
+
+
+def test_eagle3_speedup_falls_with_batch_like_the_calibration_table() -> None:
+    """Published (SGLang, H100, Llama-3.1-8B, chain of 3): 1.81x at batch 2, ~1.3-1.4x from
+    batch 24 on. Before issue 13 the twin stayed flat near 1.95x."""
+    table = published("EAGLE3")
+    twin = {b: speedup(EAGLE3_CHAIN, b) for b in table}
+    log_error = np.array([np.log(twin[b] / table[b]) for b in table])
+    assert np.sqrt(np.mean(log_error**2)) < 0.10  # the fit's residual: 0.09
+    assert np.abs(log_error).max() < 0.15
+    assert twin[64] < twin[2] - 0.35  # published: -0.43
+    values = [twin[b] for b in sorted(twin)]
+    assert all(later <= earlier + 1e-9 for earlier, later in zip(values, values[1:], strict=False))
+
+
+def test_eagle1_held_out_loses_its_gain_in_the_published_range() -> None:
+    """The table's EAGLE row, never fitted: the EAGLE-1 head (full-vocabulary LM head, its
+    own acceptance prior). Published: 1.40x at batch 2, no gain from batch 24 on.
+
+    Tolerance 0.45 absolute: the twin draws EAGLE-1's chain acceptance from its tree prior
+    (tau 1.6 for a chain of 3, `profiles.widen`), lower than SGLang's chains reach, so its
+    gain at small batch is ~0.4 short; the trend and where the gain vanishes match."""
+    table = published("EAGLE")
+    twin = {b: speedup(EAGLE_CHAIN, b) for b in table}
+    for b in table:
+        assert abs(twin[b] - table[b]) <= 0.45, b
+        assert twin[b] < speedup(EAGLE3_CHAIN, b)  # below EAGLE-3 at every batch, as published
+    assert all(twin[b] <= 1.0 for b in table if b >= 24)  # published: <= 0.99 from batch 24
+    assert twin[64] < twin[2]
+
+
+def test_speculations_saving_shrinks_as_batch_grows() -> None:
+    batches = (1, 4, 16, 64)
+    ratio = [joules_per_token(EAGLE3_TREE, b) / joules_per_token(NONE, b) for b in batches]
+    assert ratio[0] < 0.5  # a large saving at batch 1
+    assert all(later > earlier for earlier, later in zip(ratio, ratio[1:], strict=False))
+
+
+def test_at_batch_64_dflash_verifies_past_the_ridge_and_costs_more_energy_per_token() -> None:
+    plan = plan_drafter(DFLASH, LLAMA8B)
+    assert plan is not None
+    builder = PassBuilder(1)
+    active, context = np.array([64.0]), np.array([CONTEXT])
+    kv = LLAMA8B.kv_bytes_read(context) * active
+    decode_passes(builder, LLAMA8B, plan, active, active * CONTEXT, kv, context, active * 4)
+    passes = builder.parts[0]
+    verify = verify_column(plan, len(passes))
+    tokens = passes.tokens[verify]
+    assert tokens == 64 * 16
+    intensity = passes.flops[verify] / passes.bytes[verify]
+    share = physics.gemm_efficiency(H100, tokens) / H100.gemm_efficiency
+    ridge = achievable_ridge_point(H100, H100.max_sm_clock_mhz) * share
+    assert intensity > ridge
+    assert joules_per_token(DFLASH, 64) > joules_per_token(NONE, 64)
+
+
+def test_a_low_acceptance_drafter_raises_energy_per_token() -> None:
+    """The same head on text it drafts badly (another language) spends more per token, and at
+    a large batch more than not speculating at all."""
+    for batch in (1, 16, 64):
+        assert joules_per_token(EAGLE3_TREE, batch, "romansh") > joules_per_token(
+            EAGLE3_TREE, batch, "english"
+        )
+    assert joules_per_token(EAGLE3_TREE, 64, "romansh") > joules_per_token(NONE, 64)
+
+
+def test_larger_batches_lower_energy_per_token_without_speculation() -> None:
+    per_token = [joules_per_token(NONE, b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert all(later < earlier for earlier, later in zip(per_token, per_token[1:], strict=False))
+
+
+def lowest_clock_within(drafter: Drafter, batch: int, slack: float = 0.05) -> int:
+    """The lowest clock whose iteration is at most `slack` slower than at the top clock."""
+    top_s = iteration(drafter, batch)[0]
+    return min(
+        c for c in CLOCKS if iteration(drafter, batch, clock_mhz=c)[0] <= top_s * (1 + slack)
+    )
+
+
+def test_speculation_at_large_batch_leaves_little_latency_preserving_headroom() -> None:
+    """Decode without speculation at batch 1 can drop to ~1350 MHz for 5% latency; a
+    speculative batch of 64 verifies near the ridge and must stay near the top clock."""
+    plain = lowest_clock_within(NONE, 1)
+    for drafter in (EAGLE3_TREE, DFLASH):
+        assert lowest_clock_within(drafter, 64) >= plain + 300
+        assert lowest_clock_within(drafter, 64) > lowest_clock_within(drafter, 1) + 300
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(1, 20000), clock=st.sampled_from(CLOCKS))
+def test_gemm_time_never_falls_as_tokens_grow_and_efficiency_stays_below_the_large_m_figure(
+    tokens, clock
+) -> None:
+    eff = physics.gemm_efficiency(H100, np.array([tokens, tokens + 1]))
+    assert np.all(eff <= H100.gemm_efficiency + 1e-12) and np.all(eff > 0)
+    flops = 2.0 * LLAMA8B.active_matmul_params * np.array([tokens, tokens + 1])
+    t = physics.compute_time_s(H100, flops, np.array([tokens, tokens + 1]), clock)
+    assert t[1] >= t[0] * (1 - 1e-12)  # equal within one tile
+    # a full wave of whole tiles reaches the large-M figure
+    whole = H100.gemm_tile_tokens * H100.sm_count
+    assert physics.gemm_efficiency(H100, whole) == pytest.approx(H100.gemm_efficiency)
+
+
+def test_the_roofline_analysis_and_the_twins_physics_put_the_ridge_in_the_same_place() -> None:
+    """At the analysis's verify ridge, a pass of that many tokens takes as long to compute as
+    to read its bytes in the twin's physics (same efficiencies, same context length)."""
+    cube = make_cube(clocks=[705, 1200, 1980], batches=[1, 16, 64], drafters=["none", "eagle3"])
+    cube.attrs.update(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        gpu_name="NVIDIA H100 80GB HBM3",
+        tp_size=1,
+        server_args='{"eagle3": {"args": {"speculative_algorithm": "EAGLE3", '
+        '"speculative_num_draft_tokens": 8}}}',
+        campaign='{"workload": {"input_tokens": [256, 768], "output_tokens": 512}}',
+    )
+    roof = roofline(cube)
+    profile = gpu_profile("h100-sxm")
+    assert roof.attrs["context_tokens"] == CONTEXT + 256  # the twin's mean context
+    for batch in (1, 16, 64):
+        for drafter in ("none", "eagle3"):
+            tokens = float(roof["verify_tokens"].sel(batch=batch, drafter=drafter))
+            for clock in (705, 1200, 1980):
+                ridge = float(
+                    roof["verify_ridge_point"].sel(batch=batch, drafter=drafter, sm_clock=clock)
+                )
+                bytes_ = 1e9
+                compute_s = physics.compute_time_s(
+                    profile, np.array([ridge * bytes_]), np.array([tokens]), clock
+                )[0]
+                memory_s = bytes_ / float(physics.bandwidth_bytes_s(profile, clock))
+                assert compute_s == pytest.approx(memory_s, rel=1e-9)
+
+
+def test_a_profile_with_an_impossible_speculative_term_is_refused_in_one_line() -> None:
+    with pytest.raises(CampaignError, match="verify_attention_efficiency must be in"):
+        replace(H100, verify_attention_efficiency=0.0)
+    with pytest.raises(CampaignError, match="spec_host_per_step_s must be >= 0"):
+        replace(H100, spec_host_per_step_s=-1e-3)
