@@ -52,6 +52,12 @@ CUBE_FIT_PARAMETERS: tuple[FitParameter, ...] = (
     FitParameter("bandwidth_knee_mhz", 100.0, 2500.0),
     FitParameter("gemm_efficiency", 0.05, 1.0),
     FitParameter("hbm_efficiency", 0.05, 1.0),
+    # the speculative iteration's terms (physics.time_passes): told apart by the cube's
+    # drafters, batches and draft-token counts
+    FitParameter("verify_attention_efficiency", 0.05, 1.0),
+    FitParameter("spec_host_per_step_s", 0.0, 0.01),
+    FitParameter("spec_host_per_request_s", 0.0, 0.001),
+    FitParameter("spec_host_per_token_s", 0.0, 0.001),
 )
 
 #: Weight of the pull of each fitted figure towards its base value, per relative unit, against
