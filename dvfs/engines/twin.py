@@ -37,7 +37,7 @@ from dvfs.engines.base import (
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
-from dvfs.twin.physics import Passes, PassTiming, Schedule
+from dvfs.twin.physics import Passes, PassTiming, Schedule, host_time_s
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 from dvfs.twin.textprior import TextProfile, profile_prompts
 from dvfs.version import __version__
@@ -204,22 +204,18 @@ class TwinEngine:
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
-        role, host = _fixed_roles(planned, self._plan)
-        ledger = self._ledger(ends_ns, timing, role, host)
+        role, host_s = _fixed_roles(planned, self._plan, self.node.profile)
+        ledger = self._ledger(ends_ns, timing, role, host_s)
         return RoundResult(tuple(requests), t0, end_ns, planned.accept_length, knob_ns, ledger)
 
     def _ledger(
-        self, ends_ns: np.ndarray, timing: PassTiming, role: np.ndarray, host: np.ndarray
+        self, ends_ns: np.ndarray, timing: PassTiming, role: np.ndarray, host_s: np.ndarray
     ) -> PassLedger:
-        """The round's passes by role (`PassLedger`); `host`: each pass's host launches."""
+        """The round's passes by role (`PassLedger`); `host_s`: each pass's host time that is
+        overhead (`_overhead_host_s`)."""
         profile = self.node.profile
         return PassLedger(
-            ends_ns,
-            timing.duration_s,
-            timing.power_w,
-            role,
-            host * profile.host_overhead_s,
-            profile.idle_power_w,
+            ends_ns, timing.duration_s, timing.power_w, role, host_s, profile.idle_power_w
         )
 
     def _execute(
@@ -414,7 +410,9 @@ class TwinEngine:
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
         role = np.concatenate(roles) if roles else np.zeros(0, dtype=np.int64)
-        ledger = self._ledger(ends_ns, point.timing, role, _host_launches(passes))
+        ledger = self._ledger(
+            ends_ns, point.timing, role, _overhead_host_s(self.node.profile, passes)
+        )
         return RoundResult(
             tuple(requests), t0, end_ns, _server_accept_length(requests), ledger=ledger
         )
@@ -617,18 +615,21 @@ def _iteration_roles(plan: DraftPlan | None, width: int) -> np.ndarray:
     return role
 
 
-def _host_launches(passes: Passes) -> np.ndarray:
-    """Each pass's host launches that are overhead: none for a host-only pass (n-gram's
-    lookup, which is drafting)."""
-    return np.where(passes.layers > 0, passes.launches, 0.0)
+def _overhead_host_s(profile: GpuProfile, passes: Passes) -> np.ndarray:
+    """Each pass's host time that is overhead (`physics.host_time_s`: launches and a
+    speculative step's bookkeeping): none for a host-only pass (n-gram's lookup, which is
+    drafting)."""
+    return np.where(passes.layers > 0, host_time_s(profile, passes), 0.0)
 
 
-def _fixed_roles(planned: _FixedRound, plan: DraftPlan | None) -> tuple[np.ndarray, np.ndarray]:
-    """The fixed-batch round's passes' roles and host launches (`_host_launches`), made once
-    per planned round and kept with it (as `_trace_fields` is)."""
+def _fixed_roles(
+    planned: _FixedRound, plan: DraftPlan | None, profile: GpuProfile
+) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed-batch round's passes' roles and overhead host time (`_overhead_host_s`),
+    made once per planned round and kept with it (as `_trace_fields` is)."""
     known = planned.__dict__.get("_roles")
-    if known is not None and known[0] is plan:
-        return known[1]
+    if known is not None and known[0] is plan and known[1] is profile:
+        return known[2]
     n_decode = sum(len(p) for p in planned.phases[1:])
     decode = (
         np.tile(_iteration_roles(plan, planned.width), n_decode // planned.width)
@@ -636,8 +637,8 @@ def _fixed_roles(planned: _FixedRound, plan: DraftPlan | None) -> tuple[np.ndarr
         else np.zeros(0, dtype=np.int64)
     )
     role = np.concatenate([np.full(planned.n_prefill, ROLE_PREFILL), decode])
-    host = np.concatenate([_host_launches(p) for p in planned.phases])
-    planned.__dict__["_roles"] = (plan, (role, host))
+    host = np.concatenate([_overhead_host_s(profile, p) for p in planned.phases])
+    planned.__dict__["_roles"] = (plan, profile, (role, host))
     return role, host
 
 

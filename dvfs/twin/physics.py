@@ -202,6 +202,17 @@ def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
     )
 
 
+def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
+    """Each pass's host time, not overlapped with the GPU: its launches' scheduling, and a
+    speculative step's bookkeeping (per step, per request and per verified token)."""
+    return (
+        gpu.host_overhead_s * passes.launches
+        + gpu.spec_host_per_step_s * (passes.spec_requests > 0)
+        + gpu.spec_host_per_request_s * passes.spec_requests
+        + gpu.spec_host_per_token_s * passes.spec_tokens
+    )
+
+
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
     for all passes, or one per pass)."""
@@ -229,13 +240,7 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
     kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
     comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
     busy_s = roofline_s + kernel_s + comm_s
-    host_s = (
-        gpu.host_overhead_s * passes.launches
-        + gpu.spec_host_per_step_s * (passes.spec_requests > 0)
-        + gpu.spec_host_per_request_s * passes.spec_requests
-        + gpu.spec_host_per_token_s * passes.spec_tokens
-    )
-    duration_s = busy_s + host_s
+    duration_s = busy_s + host_time_s(gpu, passes)
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
     # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
