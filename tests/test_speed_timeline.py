@@ -3,15 +3,20 @@ here as it stood at 3c9bcb7): equal to the last bit, whatever the thermal consta
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.clock import VirtualClock
+from dvfs.gpu.base import EVENT_SW_POWER_CAP
 from dvfs.twin import thermal as th
-from dvfs.twin.device import TwinDevice
+from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.physics import OperatingPoint, Schedule, time_passes
 from dvfs.twin.profiles import gpu_profile
+from dvfs.twin.timeline import Work
 from tests.test_speed_search import passes_of
 
 H100 = gpu_profile("h100-sxm")
@@ -79,3 +84,38 @@ def test_the_counters_energy_reads_are_the_truths(clock_mhz, n, batch, offsets_s
     timeline = device.timeline
     t_ns = timeline.fold_ns + np.round(np.array(offsets_s) * 1e9).astype(np.int64)
     assert np.array_equal(timeline.energy_since_fold_j(t_ns), timeline._truth(t_ns)[4])
+
+
+def replaced_work(schedule: Schedule, now: int) -> Work:
+    """`TwinDevice.start`'s work at 3c9bcb7."""
+    ends = now + schedule.ends_ns
+    starts = np.concatenate([[now], ends[:-1]]).astype(np.int64)
+    reasons = schedule.per_pass(
+        [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
+    )
+    return Work(starts, ends, schedule.timing.power_w, schedule.pass_clock_mhz, reasons)
+
+
+@pytest.mark.parametrize("limit_w", [700.0, 300.0])
+@pytest.mark.parametrize("clock_mhz", [705, 1500, 1980])
+def test_a_started_rounds_work_is_the_replaced_arrays(clock_mhz, limit_w) -> None:
+    """Start times, clocks and event reasons per pass, for a schedule timed as one array (no
+    pass capped), one with capped phases, and one split by a knob change still settling."""
+    clock = VirtualClock()
+    device = TwinDevice(H100, clock, 0)
+    node = TwinNode([device])
+    clock.sleep(3.0)
+    phases = (passes_of(1, 2048, 16.0), passes_of(300, 64, 1500.0), passes_of(40, 8, 3000.0))
+    for settling in (False, True):
+        if settling:
+            device.locked_mhz = (705, 705)
+        device.locked_mhz, device.power_limit_w = (clock_mhz, clock_mhz), limit_w
+        if not settling:
+            clock.sleep(5.0)
+        now = clock.now_ns()
+        schedule = node.execute(*phases)
+        got, want = device.timeline.work, replaced_work(schedule, now)
+        for f in fields(Work):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+        clock.sleep(float(schedule.timing.total_s) + 1.0)

@@ -172,7 +172,11 @@ class TwinDevice:
                 )
             else:
                 reasons = np.zeros(n, dtype=np.int64)
-            work = Work(starts, ends, schedule.timing.power_w, schedule.pass_clock_mhz, reasons)
+            if schedule.joined is not None:  # every pass at the one requested clock
+                clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
+            else:
+                clocks = schedule.pass_clock_mhz
+            work = Work(starts, ends, schedule.timing.power_w, clocks, reasons)
         self._timeline = self._follow(now, work, *self._carry(now))
 
     # -- readings --------------------------------------------------------------------------
