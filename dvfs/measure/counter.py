@@ -283,8 +283,9 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
         # the grid's slope through all N updates: one bracket over the periods it spans, or
         # the middles' scatter about the grid carried into the length (sqrt(12 / N) of it)
         middles = (seen.lo_ns + seen.hi_ns) / 2.0
-        scatter = float(np.sqrt(np.mean((middles - seen.t_ns) ** 2))) * 1e-9
         n = len(seen)
+        # np.mean's own steps (its pairwise sum, then / n), without its argument handling
+        scatter = float(np.sqrt(np.add.reduce((middles - seen.t_ns) ** 2) / n)) * 1e-9
         uncertainty = max(float(bracket.max()) / (n - 1), scatter * math.sqrt(12 / n))
     else:
         uncertainty = float(bracket[a] + bracket[b]) / 2

@@ -11,6 +11,7 @@ is (last - first) / (tokens - 1).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,16 +107,16 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     done = [r for r in result.requests if r.error is None and len(r.chunk_ns)]
     if not done:
         return None
+    if mode != "closed-loop":  # integers: plain max and min are numpy's, without the arrays
+        start, end = max(map(_first_ns, done)), min(map(_last_ns, done))
+        return (start, end) if end > start else None
     firsts = np.array([_first_ns(r) for r in done])
     finishes = np.array([_last_ns(r) for r in done])
-    if mode == "closed-loop":
-        batch = result_batch(result)
-        start = int(np.sort(firsts)[min(batch, len(firsts)) - 1])
-        last_sent = max(r.sent_ns for r in done)
-        later = finishes[finishes > last_sent]
-        end = int(later.min()) if len(later) else int(finishes.max())
-    else:
-        start, end = int(firsts.max()), int(finishes.min())
+    batch = result_batch(result)
+    start = int(np.sort(firsts)[min(batch, len(firsts)) - 1])
+    last_sent = max(r.sent_ns for r in done)
+    later = finishes[finishes > last_sent]
+    end = int(later.min()) if len(later) else int(finishes.max())
     return (start, end) if end > start else None
 
 
@@ -153,7 +154,24 @@ def _quantiles(values: np.ndarray) -> tuple[float, ...]:
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     values = np.asarray(values, dtype=float)
-    picks = []  # per quantile: the lower and upper order statistic and the weight
+    picks, kth = _picks(n)
+    if math.isnan(values.max()):  # NaN is the largest value in a sort: every quantile is NaN
+        return tuple(math.nan for _ in QUANTILES)
+    ordered = np.partition(values, kth)
+    out = []
+    for below, above, weight in picks:
+        lo, hi = float(ordered[below]), float(ordered[above])
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _picks(n: int) -> tuple[tuple[tuple[int, int, float], ...], tuple[int, ...]]:
+    """For `n` values: per quantile the lower and upper order statistic and the weight, and
+    the order statistics to put in place (a sweep's rounds have a few sizes, asked again and
+    again)."""
+    picks = []
     for q in QUANTILES:
         position = (n - 1) * q  # numpy's virtual index for "linear"
         below = math.floor(position)
@@ -164,15 +182,7 @@ def _quantiles(values: np.ndarray) -> tuple[float, ...]:
             above = below + 1
             weight = position - below
         picks.append((below, above, weight))
-    if math.isnan(values.max()):  # NaN is the largest value in a sort: every quantile is NaN
-        return tuple(math.nan for _ in QUANTILES)
-    ordered = np.partition(values, sorted({i for b, a, _ in picks for i in (b, a)}))
-    out = []
-    for below, above, weight in picks:
-        lo, hi = float(ordered[below]), float(ordered[above])
-        step = hi - lo
-        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
-    return tuple(out)
+    return tuple(picks), tuple(sorted({i for b, a, _ in picks for i in (b, a)}))
 
 
 class _RoundLatency(LatencyStats):

@@ -120,8 +120,10 @@ class SteppedCounter:
             self.last + 1,
             -((s.phase_ns - s.sampled_ns - tail.start_ns) // s.period_ns),  # ceil division
         )
-        ks = np.arange(self.last + 1, self.tail_first, dtype=np.int64)
-        u = sensor.instant_ns(ks)
+        # `instant_ns` of updates last + 1 .. tail_first - 1, in integer steps of a period
+        u = np.arange(
+            s.instant_of(self.last + 1), s.instant_of(self.tail_first), s.period_ns, dtype=np.int64
+        )
         lo = np.maximum(u - s.sampled_ns, fold_ns)
         both = true_energy_j(np.concatenate([u, lo]))  # one pass over the timeline
         sampled = both[: len(u)] - both[len(u) :]

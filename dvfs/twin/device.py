@@ -159,13 +159,24 @@ class TwinDevice:
         running is dropped, as before)."""
         now = self.clock.now_ns()
         work = None
-        if len(schedule.timing.duration_s):
+        n = len(schedule.timing.duration_s)
+        if n:
             ends = now + schedule.ends_ns
-            starts = np.concatenate([[now], ends[:-1]]).astype(np.int64)
-            reasons = schedule.per_pass(
-                [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
-            )
-            work = Work(starts, ends, schedule.timing.power_w, schedule.pass_clock_mhz, reasons)
+            starts = np.empty(n, dtype=np.int64)
+            starts[0] = now
+            starts[1:] = ends[:-1]
+            if schedule.power_capped:
+                reasons = schedule.per_pass(
+                    [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points],
+                    np.int64,
+                )
+            else:
+                reasons = np.zeros(n, dtype=np.int64)
+            if schedule.joined is not None:  # every pass at the one requested clock
+                clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
+            else:
+                clocks = schedule.pass_clock_mhz
+            work = Work(starts, ends, schedule.timing.power_w, clocks, reasons)
         self._timeline = self._follow(now, work, *self._carry(now))
 
     # -- readings --------------------------------------------------------------------------

@@ -302,32 +302,77 @@ def operating_point(
     A GPU's power controller acts within milliseconds, about one forward pass, so the limit
     holds for every pass, not only on average: a hot verify pass is throttled while the cheap
     draft passes around it keep the requested clock. A pass's power rises with the clock, so
-    every pass over the limit is bisected over the supported clocks at once (one
-    `time_passes` per halving). `sm_clock_mhz`: the clock the passes spend the most time at.
+    every pass over the limit is bisected over the supported clocks at once (`_capped_clocks`).
+    `sm_clock_mhz`: the clock the passes spend the most time at.
     """
     if timing is None:
         timing = time_passes(gpu, passes, requested_mhz)
     over = np.flatnonzero(timing.power_w > power_limit_w)
     if len(over) == 0:
         return OperatingPoint(int(requested_mhz), False, timing)
-    clocks = np.array(sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz))
+    clocks = _clocks_up_to(gpu, int(requested_mhz))
     if len(clocks) == 0:
         raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
-    hot = passes.take(over)
-    lo = np.zeros(len(over), dtype=np.int64)  # clocks below lo fit
-    hi = np.full(len(over), len(clocks) - 1, dtype=np.int64)  # clocks above hi do not
-    best = np.zeros(len(over), dtype=np.int64)
+    pass_clocks = np.full(len(passes), float(requested_mhz))
+    pass_clocks[over] = _capped_clocks(gpu, passes.take(over), clocks, power_limit_w)
+    capped = time_passes(gpu, passes, pass_clocks)
+    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+
+
+#: The most (pass, clock) pairs `_capped_clocks` times in one table; past it, it times the hot
+#: passes once per halving instead (a table costs more than the halvings it saves).
+CAP_TABLE_MAX = 4096
+
+
+@functools.lru_cache(maxsize=256)
+def _clocks_up_to(gpu: GpuProfile, requested_mhz: int) -> np.ndarray:
+    """The supported clocks at or below `requested_mhz`, ascending, as floats (read-only)."""
+    clocks = np.array(
+        sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz), dtype=np.int64
+    ).astype(float)
+    clocks.flags.writeable = False
+    return clocks
+
+
+def _capped_clocks(
+    gpu: GpuProfile, hot: Passes, clocks: np.ndarray, power_limit_w: float
+) -> np.ndarray:
+    """Each hot pass's clock: the bisection over `clocks` (ascending) of the highest one whose
+    power fits the limit, all passes halved together (`clocks[0]` when none fits).
+
+    A pass's power at a clock is `time_passes`'s, elementwise the same whatever else is timed
+    with it; with few enough (pass, clock) pairs every pair is timed in one call and the
+    halvings read that table, otherwise each halving times the passes at their midpoints. The
+    halvings, and so the clocks found, are the same either way."""
+    n, m = len(hot), len(clocks)
+    rows = np.arange(n)
+    if n * m <= CAP_TABLE_MAX:
+        table = time_passes(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n)).power_w
+        fit_table = (table <= power_limit_w).reshape(m, n)
+        fitting = fit_table.sum(axis=0)
+        if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
+            # Every pass fits up to a clock and not above (the usual shape): there the
+            # halvings end, at the highest fitting clock (or at clocks[0] when none fits).
+            return clocks[np.maximum(fitting - 1, 0)]
+
+        def fits(mid: np.ndarray) -> np.ndarray:
+            return fit_table[mid, rows]
+    else:
+
+        def fits(mid: np.ndarray) -> np.ndarray:
+            return time_passes(gpu, hot, clocks[mid]).power_w <= power_limit_w
+
+    lo = np.zeros(n, dtype=np.int64)  # clocks below lo fit
+    hi = np.full(n, m - 1, dtype=np.int64)  # clocks above hi do not
+    best = np.zeros(n, dtype=np.int64)
     while np.any(lo <= hi):
         searching = lo <= hi
         mid = np.where(searching, (lo + hi) // 2, best)
-        fits = time_passes(gpu, hot, clocks[mid].astype(float)).power_w <= power_limit_w
-        best = np.where(searching & fits, mid, best)
-        lo = np.where(searching & fits, mid + 1, lo)
-        hi = np.where(searching & ~fits, mid - 1, hi)
-    pass_clocks = np.full(len(passes), float(requested_mhz))
-    pass_clocks[over] = clocks[best]
-    capped = time_passes(gpu, passes, pass_clocks)
-    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+        ok = fits(mid)
+        best = np.where(searching & ok, mid, best)
+        lo = np.where(searching & ok, mid + 1, lo)
+        hi = np.where(searching & ~ok, mid - 1, hi)
+    return clocks[best]
 
 
 @functools.lru_cache(maxsize=256)
@@ -346,7 +391,21 @@ def schedule(
     """The phases, each at its `operating_point`. Every phase is timed at the requested clock
     in one array (one `time_passes` for the lot, elementwise the same numbers), and only those
     with a pass over the limit are searched; when none has, that array is the schedule's
-    timing."""
+    timing.
+
+    Remembered for the last few (phases, clock, limit): a Schedule is immutable, and a cell's
+    thermal stabilisation runs the same planned round at the same knobs again and again."""
+    return _remembered_schedule(gpu, phases, requested_mhz, power_limit_w)
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered_schedule(
+    gpu: GpuProfile,
+    phases: tuple[Passes, ...],
+    requested_mhz: int,
+    power_limit_w: float,
+) -> Schedule:
+    """`schedule`, computed."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     points = []
     start = 0

@@ -122,6 +122,40 @@ def start_temperatures(
     return out
 
 
+def work_segments(
+    th: Thermal, t0_c: float, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Passes of `dynamic_w` lasting `duration_s` each from `t0_c`, then idle at `idle_w`: per
+    segment (each pass, then the idle tail) its steady temperature, settled power (dynamic
+    plus the leakage at the steady temperature), start temperature and the true energy before
+    it. The numbers `steady_c`, `start_temperatures` and `segment_energy_j` give, with the
+    terms they share computed once."""
+    dynamic_w = np.asarray(dynamic_w, dtype=float)
+    duration_s = np.asarray(duration_s, dtype=float)
+    n = len(dynamic_w)
+    dynamic = np.empty(n + 1)
+    dynamic[:n] = dynamic_w
+    dynamic[n] = idle_w
+    steady = th.steady_c(dynamic)
+    k = th.leakage_w_per_c
+    settled = dynamic + k * (steady - th.reference_c)
+    pass_steady = steady[:n]
+    start_c = start_temperatures(th, t0_c, dynamic_w, duration_s, pass_steady)
+    tau = th.tau_s
+    if k == 0.0:
+        per_pass = dynamic_w * duration_s
+    elif tau <= 0.0:
+        per_pass = settled[:n] * duration_s
+    else:
+        per_pass = settled[:n] * duration_s + k * (start_c[:n] - pass_steady) * tau * -np.expm1(
+            -duration_s / tau
+        )
+    energy_before = np.empty(n + 1)
+    energy_before[0] = 0.0
+    np.cumsum(per_pass, out=energy_before[1:])
+    return steady, settled, start_c, energy_before
+
+
 def segment_energy_j(
     th: Thermal,
     t_start_c: np.ndarray | float,

@@ -132,19 +132,15 @@ class Timeline:
         k = thermal.leakage_w_per_c
         if work is not None:
             duration_s = (work.ends_ns - work.starts_ns) * 1e-9
-            dynamic = np.append(work.dynamic_w, idle_w)
-            steady = thermal.steady_c(dynamic)
-            pass_steady = steady[:-1]
-            pass_temp_c = th.start_temperatures(
-                thermal, temperature_c, work.dynamic_w, duration_s, pass_steady
+            steady, settled, pass_temp_c, energy_before = th.work_segments(
+                thermal, temperature_c, work.dynamic_w, duration_s, idle_w
             )
-            per_pass = th.segment_energy_j(
-                thermal, pass_temp_c[:-1], work.dynamic_w, duration_s, pass_steady
-            )
-            energy_before = np.concatenate([[0.0], np.cumsum(per_pass)])
             self.end_ns = int(work.ends_ns[-1])
             end_temp, end_energy = float(pass_temp_c[-1]), float(energy_before[-1])
-            seg_start = np.append(work.starts_ns, self.end_ns)
+            n = len(work.starts_ns)
+            seg_start = np.empty(n + 1, dtype=np.int64)
+            seg_start[:n] = work.starts_ns
+            seg_start[n] = self.end_ns
             self._seg_ends_ns = work.ends_ns
         else:
             self.end_ns = fold_ns
@@ -152,12 +148,13 @@ class Timeline:
             pass_temp_c, energy_before = np.array([end_temp]), np.array([0.0])
             dynamic, seg_start = np.array([idle_w]), np.array([fold_ns], dtype=np.int64)
             steady = thermal.steady_c(dynamic)
+            settled = dynamic + k * (steady - thermal.reference_c)
             self._seg_ends_ns = np.empty(0, dtype=np.int64)
         # Per segment (each pass, then the idle tail): T(s) = S + (T0 - S) e^(-s/tau'),
         # power = A + k (T - S), energy since its start = A s + k (T0 - S) tau' (1 - e^(-s/tau')).
         self._seg_start_ns = seg_start
         self._seg_steady_c = steady
-        self._seg_settled_w = dynamic + k * (steady - thermal.reference_c)
+        self._seg_settled_w = settled
         self._seg_offset_c = pass_temp_c - steady  # T0 - S
         self._seg_energy_j = energy_before
         self.end_temp_c = end_temp
@@ -224,7 +221,18 @@ class Timeline:
         return busy, j, temp, power, energy
 
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
-        return self._truth(np.asarray(t_ns, dtype=np.int64))[4]
+        """`_truth`'s true energy alone (the counter's updates read nothing else): the same
+        arithmetic, without the temperature and power."""
+        t_ns = np.maximum(np.asarray(t_ns, dtype=np.int64), self.fold_ns)
+        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
+        offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
+        energy = self._seg_energy_j[j] + self._seg_settled_w[j] * offset_s
+        tau = self.thermal.tau_s
+        k = self.thermal.leakage_w_per_c
+        if tau > 0 and k:
+            start_lag = self._seg_offset_c[j]
+            energy += k * tau * (start_lag - start_lag * np.exp(-offset_s / tau))
+        return energy
 
     def _point(self, t_ns: int) -> tuple[float, float]:
         """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature

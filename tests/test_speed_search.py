@@ -1,0 +1,152 @@
+"""The power-cap search and the remembered schedule against the code they replaced (kept here as
+it stood at 3c9bcb7): each capped clock found, and every timing, equal to the last bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.twin import physics
+from dvfs.twin.passes import PassBuilder
+from dvfs.twin.physics import OperatingPoint, Passes, PassTiming
+from dvfs.twin.profiles import gpu_profile, gpu_profiles, model_profile
+
+LLAMA8B = model_profile("llama-3.1-8b")
+GPUS = sorted(gpu_profiles())
+
+
+def replaced_operating_point(
+    gpu, passes: Passes, requested_mhz: int, power_limit_w: float, timing: PassTiming | None = None
+) -> OperatingPoint:
+    """`physics.operating_point` at 3c9bcb7: one `time_passes` of the hot passes per halving."""
+    if timing is None:
+        timing = physics.time_passes(gpu, passes, requested_mhz)
+    over = np.flatnonzero(timing.power_w > power_limit_w)
+    if len(over) == 0:
+        return OperatingPoint(int(requested_mhz), False, timing)
+    clocks = np.array(sorted(c for c in gpu.supported_sm_clocks_mhz() if c <= requested_mhz))
+    if len(clocks) == 0:
+        raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
+    hot = passes.take(over)
+    lo = np.zeros(len(over), dtype=np.int64)
+    hi = np.full(len(over), len(clocks) - 1, dtype=np.int64)
+    best = np.zeros(len(over), dtype=np.int64)
+    while np.any(lo <= hi):
+        searching = lo <= hi
+        mid = np.where(searching, (lo + hi) // 2, best)
+        fits = physics.time_passes(gpu, hot, clocks[mid].astype(float)).power_w <= power_limit_w
+        best = np.where(searching & fits, mid, best)
+        lo = np.where(searching & fits, mid + 1, lo)
+        hi = np.where(searching & ~fits, mid - 1, hi)
+    pass_clocks = np.full(len(passes), float(requested_mhz))
+    pass_clocks[over] = clocks[best]
+    capped = physics.time_passes(gpu, passes, pass_clocks)
+    return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+
+
+def passes_of(n: int, batch: int, context: float, tp: int = 1) -> Passes:
+    """A prefill-like or decode-like run of `n` passes whose work grows along it."""
+    builder = PassBuilder(tp)
+    tokens = np.full(n, float(batch)) * np.linspace(1.0, 3.0, n)
+    ctx = np.full(n, context) + np.arange(n)
+    builder.add(
+        LLAMA8B,
+        tokens,
+        LLAMA8B.kv_bytes_read(ctx) * batch,
+        LLAMA8B.attention_flops_per_token(ctx) * tokens,
+        tokens,
+    )
+    return builder.parts[0]
+
+
+def assert_same_point(got: OperatingPoint, want: OperatingPoint) -> None:
+    assert (got.sm_clock_mhz, got.power_capped) == (want.sm_clock_mhz, want.power_capped)
+    for name in ("duration_s", "power_w", "tensor_util", "memory_util", "pass_clocks_mhz"):
+        assert np.array_equal(getattr(got.timing, name), getattr(want.timing, name)), name
+    assert got.timing.sm_clock_mhz == want.timing.sm_clock_mhz
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    gpu_key=st.sampled_from(GPUS),
+    n=st.integers(1, 200),
+    batch=st.integers(1, 512),
+    context=st.floats(16, 8192),
+    tp=st.sampled_from([1, 2, 8]),
+    requested_share=st.floats(0.0, 1.0),
+    limit_w=st.floats(40.0, 1000.0),
+    table_max=st.sampled_from([0, 64, physics.CAP_TABLE_MAX, 10**9]),
+)
+def test_the_cap_search_finds_what_the_replaced_bisection_found(
+    gpu_key, n, batch, context, tp, requested_share, limit_w, table_max
+) -> None:
+    """Through the table (every pass at every clock, one timing) or the halvings alone, with
+    or without the shortcut for passes whose fit ends at one clock: the same clocks."""
+    gpu = gpu_profile(gpu_key)
+    clocks = sorted(gpu.supported_sm_clocks_mhz())
+    requested = clocks[round(requested_share * (len(clocks) - 1))]
+    passes = passes_of(n, batch, context, tp)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(physics, "CAP_TABLE_MAX", table_max)
+        got = physics.operating_point(gpu, passes, requested, limit_w)
+    assert_same_point(got, replaced_operating_point(gpu, passes, requested, limit_w))
+
+
+def test_a_pass_whose_fit_is_not_one_run_of_clocks_is_bisected_as_before(monkeypatch) -> None:
+    """Were a pass's power not to rise with the clock, the table is read by the same halvings
+    (the shortcut only takes passes that fit up to one clock and not above)."""
+    gpu = gpu_profile("h100-sxm")
+    passes = passes_of(3, 64, 1500.0)
+    real = physics.time_passes
+
+    def bumpy(g, p, clocks):  # every third clock index draws 1 kW more
+        timing = real(g, p, clocks)
+        if np.ndim(clocks):
+            extra = (np.asarray(clocks) // g.sm_clock_step_mhz % 3 == 0) * 1000.0
+            return PassTiming(
+                timing.sm_clock_mhz,
+                timing.duration_s,
+                timing.power_w + extra,
+                timing.tensor_util,
+                timing.memory_util,
+                timing.clocks_mhz,
+            )
+        return timing
+
+    monkeypatch.setattr(physics, "time_passes", bumpy)
+    limit = float(real(gpu, passes, 1500).power_w.max())
+    for table_max in (0, 10**9):
+        monkeypatch.setattr(physics, "CAP_TABLE_MAX", table_max)
+        got = physics.operating_point(gpu, passes, 1980, limit)
+        assert_same_point(got, replaced_operating_point(gpu, passes, 1980, limit))
+
+
+def test_no_clock_at_or_below_the_request_is_refused_as_before() -> None:
+    gpu = gpu_profile("h100-sxm")
+    passes = passes_of(4, 64, 1500.0)
+    with pytest.raises(ValueError, match="no supported SM clock"):
+        physics.operating_point(gpu, passes, min(gpu.supported_sm_clocks_mhz()) - 1, 1.0)
+
+
+@pytest.mark.parametrize("limit_w", [700.0, 400.0, 150.0])
+def test_a_remembered_schedule_is_the_schedule_computed_afresh(limit_w) -> None:
+    gpu = gpu_profile("h100-sxm")
+    phases = (passes_of(1, 2048, 16.0), passes_of(300, 64, 1500.0), passes_of(40, 8, 3000.0))
+    first = physics.schedule(gpu, phases, 1980, limit_w)
+    again = physics.schedule(gpu, phases, 1980, limit_w)
+    assert again is first  # remembered
+    fresh = physics._remembered_schedule.__wrapped__(gpu, phases, 1980, limit_w)
+    assert len(first.points) == len(fresh.points)
+    for got, want in zip(first.points, fresh.points, strict=True):
+        assert_same_point(got, want)
+    for got, want in zip(
+        first.points,
+        (replaced_operating_point(gpu, p, 1980, limit_w) for p in phases),
+        strict=True,
+    ):
+        assert_same_point(got, want)
+    assert np.array_equal(first.ends_ns, fresh.ends_ns)
+    other = physics.schedule(gpu, phases, 1980, limit_w - 5.0)
+    assert other is not first
