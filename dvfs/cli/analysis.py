@@ -287,7 +287,7 @@ def headroom(
     "--roofline",
     "roofline_path",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="A `dvfs gpu roofline` file: use its measured ridge point instead of the datasheet's.",
+    help="A `dvfs gpu roofline` file: use its measured ridge point instead of the twin's.",
 )
 @filter_options
 @handle_errors

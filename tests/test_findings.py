@@ -1,0 +1,185 @@
+"""The README's findings on the twin, as properties of one twin sweep with the shipped H100
+profile (NVML's traps on), read through the CLI's JSON like a user would: if the physics stops
+showing one of them, this fails and the README's "Findings on the twin" is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import write
+
+from dvfs.cli import cli
+from dvfs.cube.files import open_cube
+
+#: The demo's model, drafters and measurement on fewer clocks, one power limit, three batches
+#: and four corpora (360 cells): enough for every finding, a few seconds of CPU.
+FINDINGS_CAMPAIGN = """
+[campaign]
+name = "findings"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1830, 1680, 1530, 1380, 1230]
+power_limit = [700]
+settle_s = 2.0
+
+[engine]
+backend = "twin"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+num_steps = 5
+eagle_topk = 4
+num_draft_tokens = 8
+
+[drafters.standalone]
+algorithm = "STANDALONE"
+draft_model = "meta-llama/Llama-3.2-1B-Instruct"
+num_steps = 4
+eagle_topk = 1
+num_draft_tokens = 5
+
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 12
+
+[drafters.dflash]
+algorithm = "DFLASH"
+draft_model = "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+block_size = 16
+
+[workload]
+batch = [1, 16, 64]
+corpora = ["code", "conversation", "english", "romansh"]
+input_tokens = [16, 2048]
+output_tokens = 256
+mode = "fixed"
+temperature = 0.0
+
+[measurement]
+warmup_tokens = 16
+min_window_s = 1.0
+max_rounds = 8
+precision = 0.05
+repeats = 1
+seed = 0
+sample_period_s = 0.05
+idle_s = 5.0
+"""
+
+SPECULATIVE = ("eagle3", "standalone", "ngram", "dflash")
+TRAINED = ("eagle3", "standalone", "dflash")
+BATCHES = (1, 16, 64)
+
+
+def _cli(*args: str) -> str:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
+    base = tmp_path_factory.mktemp("findings")
+    out = base / "out"
+    _cli("sweep", str(write(base / "findings.toml", FINDINGS_CAMPAIGN)), "--out", str(out),
+         "--no-progress")  # fmt: skip
+    compare = json.loads(_cli("compare", str(out), "--json"))
+    headroom = json.loads(_cli("headroom", str(out), "--slack", "5%", "--json"))
+    return {"cube": open_cube(out / "cube.nc"), "compare": compare, "headroom": headroom}
+
+
+def _ratio(doc: dict, drafter: str, batch: int, corpus: str) -> float:  # type: ignore[type-arg]
+    (row,) = [
+        r
+        for r in doc["rows"]
+        if (r["drafter"], r["batch"], r["corpus"]) == (drafter, batch, corpus)
+    ]
+    return float(row["energy_ratio_at_stock"])
+
+
+def test_verification_not_drafting_takes_most_of_speculations_energy(findings) -> None:  # type: ignore[no-untyped-def]
+    stock = findings["cube"].sel(sm_clock=1980, power_limit=700.0, repeat=0)
+    for drafter in SPECULATIVE:
+        cells = stock.sel(drafter=drafter)
+        assert (cells["energy_split_method"] == 1).all()  # the twin's exact split
+        draft, verify = cells["energy_draft_j"].values, cells["energy_verify_j"].values
+        assert np.all(verify > draft), drafter
+
+
+def test_batching_lowers_the_energy_of_a_token_without_speculation(findings) -> None:  # type: ignore[no-untyped-def]
+    none = findings["cube"]["energy_per_token_j"].sel(
+        sm_clock=1980, power_limit=700.0, drafter="none", repeat=0
+    )
+    for corpus in none["corpus"].values:
+        energy = none.sel(corpus=corpus).sel(batch=list(BATCHES)).values
+        assert np.all(np.diff(energy) < 0), corpus
+
+
+def test_speculations_saving_shrinks_as_the_batch_grows(findings) -> None:  # type: ignore[no-untyped-def]
+    doc = findings["compare"]
+    for drafter in ("eagle3", "dflash"):
+        for corpus in ("code", "conversation", "english"):
+            ratios = [_ratio(doc, drafter, b, corpus) for b in BATCHES]
+            assert ratios[0] < ratios[1] < ratios[2], (drafter, corpus, ratios)
+            assert ratios[0] < 0.5  # a large saving at batch 1
+
+
+def test_the_block_drafter_at_batch_64_is_past_the_ridge_and_costs_more(findings) -> None:  # type: ignore[no-untyped-def]
+    doc = findings["compare"]
+    (verify,) = [
+        v for v in doc["roofline"]["verify"] if (v["drafter"], v["batch"]) == ("dflash", 64)
+    ]
+    assert verify["compute_bound_below_mhz"] == 1980  # past the ridge at every clock
+    assert verify["arithmetic_intensity"] > max(doc["roofline"]["ridge_point"].values())
+    for corpus in ("code", "conversation", "english"):
+        assert _ratio(doc, "dflash", 64, corpus) > 1.0, corpus
+
+
+def test_a_drafter_accepted_less_spends_more_per_token(findings) -> None:  # type: ignore[no-untyped-def]
+    doc = findings["compare"]
+    accept = {(a["drafter"], a["corpus"]): a["accept_length"] for a in doc["acceptance"]}
+    for batch in BATCHES:
+        assert accept["eagle3", "romansh"] < accept["eagle3", "code"]
+        assert _ratio(doc, "eagle3", batch, "romansh") > _ratio(doc, "eagle3", batch, "code")
+    # n-gram, accepted least of the drafters on code, costs more than none at batch 64
+    assert accept["ngram", "code"] == min(accept[d, "code"] for d in SPECULATIVE)
+    assert _ratio(doc, "ngram", 64, "code") > 1.0
+
+
+def test_acceptance_follows_the_text(findings) -> None:  # type: ignore[no-untyped-def]
+    accept = {
+        (a["drafter"], a["corpus"]): a["accept_length"] for a in findings["compare"]["acceptance"]
+    }
+    for drafter in SPECULATIVE:
+        assert accept[drafter, "conversation"] < accept[drafter, "code"], drafter
+    for drafter in TRAINED:
+        assert accept[drafter, "romansh"] < accept[drafter, "english"], drafter
+
+
+def test_little_dvfs_headroom_with_speculation_at_large_batch(findings) -> None:  # type: ignore[no-untyped-def]
+    rows = {
+        (r["drafter"], r["batch"], r["corpus"]): r
+        for r in findings["headroom"]["rows"]
+        if r["feasible"]
+    }
+    for corpus in ("code", "conversation"):
+        none = rows["none", 64, corpus]["headroom_mhz"]
+        assert none >= 300, corpus  # memory-bound decode: the clock can drop
+        for drafter in ("eagle3", "dflash"):
+            spec = rows[drafter, 64, corpus]
+            assert spec["headroom_mhz"] <= none / 2, (drafter, corpus)
+            assert spec["headroom_mhz"] < rows[drafter, 1, corpus]["headroom_mhz"]
+            assert spec["saving"] < rows["none", 64, corpus]["saving"] / 2
