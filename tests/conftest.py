@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,31 @@ def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """One Ray instance per session (per xdist worker), on loopback, with four twin GPUs: the
+    `ray` module. Starting Ray costs seconds of CPU, so the Ray tests share it; they are marked
+    `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` runs them on one worker. A test
+    that kills an actor leaves the cluster usable (each sweep starts its own actors)."""
+    ray = pytest.importorskip("ray")
+    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+    import_ray(local=True)
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=2,
+        resources={TWIN_RESOURCE: 4},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 # In CI (.ci/run sets DVFS_REQUIRE_OPTIONAL=1) the optional paths' tools are installed, so a test
