@@ -614,7 +614,11 @@ def test_repeats_continue_until_the_interval_across_them_reaches_the_precision(
 ) -> None:
     """repeats is the minimum, max_repeats the bound: a cell whose repeats' interval misses
     the target gets another (a rerun adds none once they are all done)."""
-    tight = GROUND_TRUTH_CAMPAIGN + "\n[measurement]\nprecision = 0.00001\nmax_repeats = 3\n"
+    # Out of reach across repeats and within each (its rounds capped: they are not the point).
+    tight = (
+        GROUND_TRUTH_CAMPAIGN
+        + "\n[measurement]\nprecision = 0.00001\nmax_repeats = 3\nmax_rounds = 3\n"
+    )
     cube, _ = _sweep_with_truth(tmp_path / "tight", monkeypatch, tight)
     assert cube.sizes["repeat"] == 3
     assert int((cube["cell_status"] == 1).sum()) == 8 * 3  # out of reach: every cell to the bound
