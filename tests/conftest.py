@@ -1,4 +1,17 @@
-"""Shared fixtures: small campaigns on the twin, and a CLI runner."""
+"""Shared fixtures: small campaigns on the twin, and a CLI runner.
+
+The suite's time goes to end-to-end runs, so a test that only reads a finished run should take
+a session's instead of sweeping its own. Session fixtures (built once per xdist worker, on
+first use; read-only: a test that changes one works on `copy_sweep` of it):
+
+- `small_sweep`: SMALL_EXACT (SMALL_CAMPAIGN on the exact twin) swept; its output folder.
+- `tiny_sweep`: TINY swept; its output folder.
+- `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
+  `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
+
+Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
+about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
+"""
 
 from __future__ import annotations
 
