@@ -1,10 +1,24 @@
-"""Shared fixtures: small campaigns on the twin, and a CLI runner."""
+"""Shared fixtures: small campaigns on the twin, and a CLI runner.
+
+The suite's time goes to end-to-end runs, so a test that only reads a finished run should take
+a session's instead of sweeping its own. Session fixtures (built once per xdist worker, on
+first use; read-only: a test that changes one works on `copy_sweep` of it):
+
+- `small_sweep`: SMALL_EXACT (SMALL_CAMPAIGN on the exact twin) swept; its output folder.
+- `tiny_sweep`: TINY swept; its output folder.
+- `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
+  `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
+
+Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
+about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,6 +155,31 @@ def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """One Ray instance per session (per xdist worker), on loopback, with four twin GPUs: the
+    `ray` module. Starting Ray costs seconds of CPU, so the Ray tests share it; they are marked
+    `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` runs them on one worker. A test
+    that kills an actor leaves the cluster usable (each sweep starts its own actors)."""
+    ray = pytest.importorskip("ray")
+    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+    import_ray(local=True)
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=2,
+        resources={TWIN_RESOURCE: 4},
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+    )
+    try:
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        yield ray
+    finally:
+        ray.shutdown()
 
 
 # In CI (.ci/run sets DVFS_REQUIRE_OPTIONAL=1) the optional paths' tools are installed, so a test

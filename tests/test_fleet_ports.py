@@ -93,7 +93,10 @@ def test_a_claimed_block_is_held_until_released(tmp_path: Path) -> None:
 def test_eight_workers_on_one_node_use_distinct_ports(tmp_path: Path) -> None:
     """Eight twin GPUs, each worker its own SGLang (the stub) on loopback: every server is on
     its worker's block, and no two blocks share a port; none is left running."""
-    path, marker = stub_campaign(tmp_path, measurement_extra="repeats = 2")
+    # One drafter, eight cells: a server per worker, none restarted for a drafter change.
+    path, marker = stub_campaign(
+        tmp_path, drafters='[drafters.none]\nalgorithm = "none"\n', measurement_extra="repeats = 2"
+    )
     out = tmp_path / "out"
     result = sweep(str(path), "--gpus", "0-7", "--out", str(out))
     assert result.exit_code == 0, result.output

@@ -4,8 +4,6 @@ give the single GPU's cube."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,36 +16,17 @@ from dvfs.cli import cli
 from dvfs.cube import open_cube
 from dvfs.measure.journal import read_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 
 def sweep(*args: str) -> Result:
     return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[object]:
-    """One Ray instance for the module, on loopback, with four twin GPUs."""
-    ray = pytest.importorskip("ray")
-    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
-
-    import_ray(local=True)
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=2,
-        resources={TWIN_RESOURCE: 4},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.timeout(300)
-def test_fewer_ray_actors_finish_what_four_gpus_started(cluster: object, tmp_path: Path) -> None:
+def test_fewer_ray_actors_finish_what_four_gpus_started(
+    ray_cluster: object, tmp_path: Path
+) -> None:
     campaign = write(tmp_path / "c.toml", fleet_campaign("fewer"))
     assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
     four = sweep(str(campaign), "--gpus", "0-3", "--out", str(tmp_path / "four"))
@@ -67,11 +46,12 @@ def test_fewer_ray_actors_finish_what_four_gpus_started(cluster: object, tmp_pat
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("text", [ADAPTIVE, INFLIGHT], ids=["adaptive-repeats", "in-flight"])
-def test_ray_modes_give_the_cube_of_one_gpu(cluster: object, text: str, tmp_path: Path) -> None:
+def test_ray_modes_give_the_cube_of_one_gpu(ray_cluster: object, text: str, tmp_path: Path) -> None:
     campaign = write(tmp_path / "c.toml", text)
     assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    # Two actors: enough to spread the units of work (each actor is a process to start).
     result = sweep(
-        str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(tmp_path / "ray")
+        str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path / "ray")
     )
     assert result.exit_code == 0, result.output
     assert_same_cells(

@@ -8,6 +8,7 @@ truth: constant power, steady tokens), and end to end on the twin.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -423,8 +424,49 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [r for r in read_records(path) if r.get("type") == "cell"]
 
 
+@dataclass
+class TruthRun:
+    """GROUND_TRUTH_CAMPAIGN swept once (default protocol, every trap on): its folder, cube,
+    the twin's truth per round, the virtual clocks made and each cell's end on them."""
+
+    path: Path
+    cube: Any
+    truth: dict[str, list[tuple[float, float, float, float]]]
+    clocks: list[Any]
+    ends: list[int]
+
+
+@pytest.fixture(scope="module")
+def truth_run(tmp_path_factory: pytest.TempPathFactory) -> TruthRun:
+    """The default-protocol sweep the read-only protocol tests share (it is the module's
+    most expensive campaign): run once, with spies that only observe."""
+    import dvfs.measure.runner as runner_module
+    from dvfs.clock import VirtualClock
+
+    clocks: list[VirtualClock] = []
+    ends: list[int] = []
+    init = VirtualClock.__init__
+    run_cell = runner_module.Runner.run_cell
+
+    def remember(self: VirtualClock, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        clocks.append(self)
+
+    def timed(self: Any, cell: Any) -> Any:
+        record = run_cell(self, cell)
+        ends.append(self.clock.now_ns())
+        return record
+
+    path = tmp_path_factory.mktemp("truth")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(VirtualClock, "__init__", remember)
+        monkeypatch.setattr(runner_module.Runner, "run_cell", timed)
+        cube, truth = _sweep_with_truth(path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
+    return TruthRun(path, cube, truth, clocks, ends)
+
+
 def test_energy_per_token_is_within_one_percent_of_the_twins_ground_truth(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    truth_run: TruthRun,
 ) -> None:
     """Every trap on (a 100 ms stepping counter, part-time power, thermal lag, leakage,
     settle), default protocol (precision 0.01, max_rounds 32): every cell, speculative ones
@@ -435,8 +477,8 @@ def test_energy_per_token_is_within_one_percent_of_the_twins_ground_truth(
     from dvfs.campaign.model import MeasurementConfig
 
     default_rounds = MeasurementConfig.max_rounds
-    cube, truth = _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
-    records = _records(tmp_path / "out" / "journal.jsonl")
+    cube, truth = truth_run.cube, truth_run.truth
+    records = _records(truth_run.path / "out" / "journal.jsonl")
     assert len(records) == 8
     precise = 0
     for record in records:
@@ -541,33 +583,10 @@ def test_windows_too_short_for_the_counter_are_flagged(
     assert np.all(cube["valid"].values[few] == 0)
 
 
-def test_every_second_of_gpu_time_is_accounted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_every_second_of_gpu_time_is_accounted(truth_run: TruthRun) -> None:
     """The cells' gpu_time_* and the sessions' own overheads add up to the twin's virtual
     time from the session's start to the last cell's end."""
-    from dvfs.clock import VirtualClock
-
-    clocks: list[VirtualClock] = []
-    init = VirtualClock.__init__
-
-    def remember(self: VirtualClock, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        clocks.append(self)
-
-    monkeypatch.setattr(VirtualClock, "__init__", remember)
-    ends: list[int] = []
-    import dvfs.measure.runner as runner_module
-
-    run_cell = runner_module.Runner.run_cell
-
-    def timed(self: Any, cell: Any) -> Any:
-        record = run_cell(self, cell)
-        ends.append(self.clock.now_ns())
-        return record
-
-    monkeypatch.setattr(runner_module.Runner, "run_cell", timed)
-    cube, _ = _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
+    cube, clocks, ends, tmp_path = truth_run.cube, truth_run.clocks, truth_run.ends, truth_run.path
     from dvfs.measure.journal import read_records
 
     records = read_records(tmp_path / "out" / "journal.jsonl")
@@ -595,7 +614,11 @@ def test_repeats_continue_until_the_interval_across_them_reaches_the_precision(
 ) -> None:
     """repeats is the minimum, max_repeats the bound: a cell whose repeats' interval misses
     the target gets another (a rerun adds none once they are all done)."""
-    tight = GROUND_TRUTH_CAMPAIGN + "\n[measurement]\nprecision = 0.00001\nmax_repeats = 3\n"
+    # Out of reach across repeats and within each (its rounds capped: they are not the point).
+    tight = (
+        GROUND_TRUTH_CAMPAIGN
+        + "\n[measurement]\nprecision = 0.00001\nmax_repeats = 3\nmax_rounds = 3\n"
+    )
     cube, _ = _sweep_with_truth(tmp_path / "tight", monkeypatch, tight)
     assert cube.sizes["repeat"] == 3
     assert int((cube["cell_status"] == 1).sum()) == 8 * 3  # out of reach: every cell to the bound
@@ -616,13 +639,12 @@ def test_repeats_continue_until_the_interval_across_them_reaches_the_precision(
 
 
 def test_above_idle_energy_uses_the_idle_power_at_the_cells_setting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    truth_run: TruthRun,
 ) -> None:
     """With idle_per_setting (the default) each cell subtracts the idle power measured at its
     own knob setting: a GPU idling at a locked 1980 MHz draws more than at 1200 MHz."""
-    _sweep_with_truth(tmp_path, monkeypatch, GROUND_TRUTH_CAMPAIGN)
     idle: dict[int, set[float]] = {}
-    for record in _records(tmp_path / "out" / "journal.jsonl"):
+    for record in _records(truth_run.path / "out" / "journal.jsonl"):
         m = record["measurement"]
         idle.setdefault(record["cell"]["sm_clock_mhz"], set()).add(m["idle_power_w"])
         above = (m["energy_j"] - m["idle_power_w"] * m["decode_time_s"]) / m["window_tokens"]

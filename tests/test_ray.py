@@ -3,10 +3,8 @@ custom resource: the same cube as one GPU, and a killed actor loses no finished 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
 from dvfs.measure.journal import read_records
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 CAMPAIGN = fleet_campaign("rayed")
 
@@ -27,30 +25,8 @@ def sweep(*args: str) -> Result:
     return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[object]:
-    """One Ray instance for the module, on loopback, with four twin GPUs."""
-    ray = pytest.importorskip("ray")
-    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
-
-    import_ray(local=True)
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=2,
-        resources={TWIN_RESOURCE: 4},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-    )
-    try:
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.timeout(300)
-def test_ray_gives_the_cube_of_one_gpu(cluster: object, tmp_path: Path) -> None:
+def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, tmp_path: Path) -> None:
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
     assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
     # Two actors: as many as show the cells spread and merged (each one a process to start).
@@ -68,7 +44,7 @@ def test_ray_gives_the_cube_of_one_gpu(cluster: object, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_actor_loses_no_finished_cell(cluster, tmp_path: Path) -> None:
+def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> None:
     bigger = replace_block(
         CAMPAIGN, "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1710, 1410, 1200, 1005, 810]"
     )
@@ -83,9 +59,9 @@ def test_a_killed_actor_loses_no_finished_cell(cluster, tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             journal = out / "journal.jsonl"
             if journal.exists() and journal.read_text().count('"type":"cell"') >= 20:
-                actor = cluster.get_actor("dvfs-gpu1", namespace="dvfs")
+                actor = ray_cluster.get_actor("dvfs-gpu1", namespace="dvfs")
                 killed["before"] = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
-                cluster.kill(actor, no_restart=True)
+                ray_cluster.kill(actor, no_restart=True)
                 return
             time.sleep(0.05)
 
@@ -122,7 +98,7 @@ def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_too_few_twin_gpus_on_the_cluster_is_one_line(cluster: object, tmp_path: Path) -> None:
+def test_too_few_twin_gpus_on_the_cluster_is_one_line(ray_cluster: object, tmp_path: Path) -> None:
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
     result = sweep(
         str(campaign), "--gpus", "0-5", "--executor", "ray", "--out", str(tmp_path / "o")

@@ -332,8 +332,9 @@ def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
     path, _ = stub_campaign(
         tmp_path,
         # seed 0: of the measured round's four requests, the last finishes two steps after
-        # the first (the stub's draws are seeded)
-        stub={"tpot_s": 0.03, "abort_ignored": True, "seed": 0},
+        # the first (the stub's draws are seeded); steps of 0.1 s leave the abort and the
+        # disconnect 0.2 s to land in, on a loaded machine too (at 0.03 s it failed there)
+        stub={"tpot_s": 0.1, "abort_ignored": True, "seed": 0},
         drafters=(
             '[drafters.eagle3]\nalgorithm = "EAGLE3"\ndraft_model = "draft/eagle3"\n'
             "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n"

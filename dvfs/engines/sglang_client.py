@@ -127,11 +127,23 @@ class SglangClient:
         self.stall_timeout_s = stall_timeout_s
         #: Whether the server serves POST /abort_request (None: not asked yet).
         self.abort_route: bool | None = None
+        self._tls: Any = None
+
+    def _verify(self) -> Any:
+        """The TLS context every client of this server shares: httpx would load the CA bundle
+        afresh for each (tens of ms of CPU, for each health poll), though loopback is plain."""
+        if self._tls is None:
+            import ssl
+
+            import certifi
+
+            self._tls = ssl.create_default_context(cafile=certifi.where())
+        return self._tls
 
     # -- simple endpoints ---------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 10.0) -> Any:
         httpx = _httpx()
-        with httpx.Client(trust_env=False, timeout=timeout_s) as client:
+        with httpx.Client(trust_env=False, verify=self._verify(), timeout=timeout_s) as client:
             return client.get(self.base_url + path)
 
     def health_status(self) -> int | None:
@@ -186,7 +198,7 @@ class SglangClient:
         """POST /flush_cache, retrying while the server answers 400 (requests still running)."""
         httpx = _httpx()
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(trust_env=False, timeout=10.0) as client:
+        with httpx.Client(trust_env=False, verify=self._verify(), timeout=10.0) as client:
             while True:
                 try:
                     response = client.post(self.base_url + "/flush_cache")
@@ -388,7 +400,9 @@ class SglangClient:
         limits = httpx.Limits(
             max_connections=connections + 4, max_keepalive_connections=connections + 4
         )
-        return httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits)
+        return httpx.AsyncClient(
+            trust_env=False, verify=self._verify(), timeout=timeout, limits=limits
+        )
 
     def run_batch(
         self,
