@@ -34,9 +34,9 @@ from same_cube import compare  # noqa: E402  (beside this file)
 REPO = Path(__file__).resolve().parents[2]
 BEFORE = "42bc906"
 #: The cube's reference: today's physics and protocol (issues 11 and 13: rounds ending at the
-#: window, the power limit per pass) before the last round of speed work; a sweep by the
-#: working tree must give the same cube.
-REFERENCE = "6e05897"
+#: window, the power limit per pass, the speculative iteration's costs, the energy split)
+#: before the last round of speed work; a sweep by the working tree must give the same cube.
+REFERENCE = "2c79446"
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
 TARGET_PLOT_S = 5.0
