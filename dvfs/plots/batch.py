@@ -53,7 +53,7 @@ def stock_energy(cube: xr.Dataset) -> np.ndarray:
 def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
     """Energy per token (J, log scale) against batch (log scale), one line per drafter; None
     when the cube holds a single batch size."""
-    from matplotlib.ticker import FixedLocator, NullLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
     batches = [int(b) for b in cube["batch"].values]
     if len(batches) < 2:
@@ -83,6 +83,11 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
             )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists
+        # to lay out and draw
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
         ax.xaxis.set_major_locator(FixedLocator(batches))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels([str(b) for b in batches])

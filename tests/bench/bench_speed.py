@@ -3,9 +3,9 @@ working tree, measured side by side in one run on this machine.
 
 Reports the demo sweep's CPU time (user+sys of the child), `dvfs plot` on the demo cube, the
 peak RSS of a 4x demo campaign against the demo's, and whether the new cube equals the
-reference's within the twin's determinism. The reference is commit 6e05897 (also built outside
-the tree): today's twin physics and measurement protocol (the physics fixes of issue 13
-included) before the last round of speed work, so its demo cube is the one a sweep by the
+reference's within the twin's determinism. The reference is commit 2c79446 (also built outside
+the tree): today's twin physics and measurement protocol (issue 13's physics included) before
+the last round of speed work, so its demo cube is the one a sweep by the
 working tree must give. The cube differs
 from 42bc906's by design, since issues 11 and 13 changed the twin's physics and the protocol
 after it, so 42bc906 is measured for time and memory only; the reference's sweep CPU is shown
