@@ -5,79 +5,37 @@ showing one of them, this fails and the README's "Findings on the twin" is wrong
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write
+from conftest import replace_block, write
 
 from dvfs.cli import cli
 from dvfs.cube.files import open_cube
 
-#: The demo's model, drafters and measurement on fewer clocks, one power limit, three batches
-#: and four corpora (360 cells): enough for every finding, a few seconds of CPU.
-FINDINGS_CAMPAIGN = """
-[campaign]
-name = "findings"
+DEMO = (Path(__file__).resolve().parents[1] / "dvfs" / "campaigns" / "demo.toml").read_text()
 
-[gpu]
-backend = "twin"
-profile = "h100-sxm"
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1830, 1680, 1530, 1380, 1230]
-power_limit = [700]
-settle_s = 2.0
-
-[engine]
-backend = "twin"
-model = "meta-llama/Llama-3.1-8B-Instruct"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-num_steps = 5
-eagle_topk = 4
-num_draft_tokens = 8
-
-[drafters.standalone]
-algorithm = "STANDALONE"
-draft_model = "meta-llama/Llama-3.2-1B-Instruct"
-num_steps = 4
-eagle_topk = 1
-num_draft_tokens = 5
-
-[drafters.ngram]
-algorithm = "NGRAM"
-num_draft_tokens = 12
-
-[drafters.dflash]
-algorithm = "DFLASH"
-draft_model = "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
-block_size = 16
-
-[workload]
-batch = [1, 16, 64]
-corpora = ["code", "conversation", "english", "romansh"]
-input_tokens = [16, 2048]
-output_tokens = 256
-mode = "fixed"
-temperature = 0.0
-
-[measurement]
-warmup_tokens = 16
-min_window_s = 1.0
-max_rounds = 8
-precision = 0.05
-repeats = 1
-seed = 0
-sample_period_s = 0.05
-idle_s = 5.0
-"""
+#: The demo campaign (its model, drafters and measurement) on fewer clocks, one power limit,
+#: three batches and four corpora (360 cells): enough for every finding, a few seconds of CPU.
+FINDINGS_CAMPAIGN = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(
+                DEMO,
+                "sm_clock = { start = 705, stop = 1980, step = 75 }",
+                "sm_clock = [1980, 1830, 1680, 1530, 1380, 1230]",
+            ),
+            "power_limit = [700, 400]",
+            "power_limit = [700]",
+        ),
+        "batch = [1, 4, 16, 32, 64]",
+        "batch = [1, 16, 64]",
+    ),
+    'corpora = ["code", "conversation", "english", "math", "romansh"]',
+    'corpora = ["code", "conversation", "english", "romansh"]',
+)
 
 SPECULATIVE = ("eagle3", "standalone", "ngram", "dflash")
 TRAINED = ("eagle3", "standalone", "dflash")

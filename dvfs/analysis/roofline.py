@@ -90,7 +90,8 @@ def roofline(
     measured: xr.Dataset | None = None,
 ) -> xr.Dataset:
     """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock;
-    `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable ridge."""
+    `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable
+    ridge."""
     import xarray as xr
 
     from dvfs.twin.fit import achievable_ridge_point
