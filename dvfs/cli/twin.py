@@ -67,7 +67,9 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
     kind = fit_input_kind(source)
     if kind is None:
         raise click.UsageError(
-            f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube"
+            f"{source} is neither a roofline file (`dvfs gpu roofline -o FILE`) nor a cube "
+            "(or it is damaged: a truncated cube is rebuilt from its journal with `dvfs cube "
+            "build DIR`)"
         )
     check_output(out_path)  # before the work, not after
     if kind == "cube":
