@@ -182,6 +182,24 @@ def ray_cluster() -> Iterator[object]:
         ray.shutdown()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Let the suite's workers and subprocesses keep compiled bytecode. Where the environment
+    sets PYTHONDONTWRITEBYTECODE, every xdist worker and every `python -m dvfs` a test starts
+    would compile dvfs (and rewrite the test modules' asserts) from source again: seconds of
+    CPU per worker. Only the test session's children are affected; the caches are the usual
+    gitignored `__pycache__` folders."""
+    del config
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: two workers per core this process may run on. Many end-to-end tests wait on a
+    subprocess, a stub server's real-time stream or Ray, and a spare worker runs another test
+    meanwhile."""
+    del config
+    return 2 * len(os.sched_getaffinity(0))
+
+
 # In CI (.ci/run sets DVFS_REQUIRE_OPTIONAL=1) the optional paths' tools are installed, so a test
 # that skips for want of Chromium, torch or Ray means the set-up broke: fail it instead.
 _OPTIONAL = ("chromium", "torch", "ray")
