@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from dvfs.cli import cli
 from dvfs.cube import open_cube
 from dvfs.errors import CampaignError
+from dvfs.twin import physics
 from dvfs.twin.fit import load_profile, profile_toml, registered_profile
 from dvfs.twin.fitcube import CUBE_FIT_PARAMETERS, CubeFit, fit_cube_cells
 from dvfs.twin.predict import OBSERVABLES, cube_cells, predict
@@ -219,7 +220,51 @@ def cells(made: dict[str, Path]):  # type: ignore[no-untyped-def]
 N_SCALED = len(CUBE_FIT_PARAMETERS) - 2
 
 
-@settings(max_examples=5, deadline=None, phases=(Phase.explicit, Phase.generate))
+def scaled_h100(scale: list[float], gemm: float, hbm: float) -> GpuProfile:
+    """The exact H100 with every fitted figure but the efficiencies scaled, and those set."""
+    names = [
+        p.name for p in CUBE_FIT_PARAMETERS if p.name not in ("gemm_efficiency", "hbm_efficiency")
+    ]
+    return dataclasses.replace(
+        EXACT_H100,
+        gemm_efficiency=gemm,
+        hbm_efficiency=hbm,
+        **{n: float(getattr(EXACT_H100, n)) * s for n, s in zip(names, scale, strict=True)},
+    )
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    scale=st.lists(st.floats(0.7, 1.3), min_size=N_SCALED, max_size=N_SCALED),
+    limits=st.tuples(st.floats(100.0, 400.0), st.floats(200.0, 700.0)),
+)
+def test_each_cell_is_the_twins_operating_point_at_its_setting(cells, scale, limits) -> None:  # type: ignore[no-untyped-def]
+    """`predict` times each clock once and searches only the passes over the limit: each cell
+    is still what `physics.operating_point` makes of its own group's passes at its clock and
+    limit, throttled or not (the cube's two limits redrawn, so more or fewer passes throttle)."""
+    gpu = scaled_h100(scale, 0.7, 0.8)
+    lower = cells.power_limit_w < cells.power_limit_w.max()
+    redrawn = dataclasses.replace(cells, power_limit_w=np.where(lower, *limits))
+    got = predict(gpu, redrawn)
+    for i in range(len(redrawn)):
+        group = np.flatnonzero(redrawn.pass_group == redrawn.group[i])
+        clock = int(redrawn.sm_clock_mhz[i])
+        point = physics.operating_point(
+            gpu, redrawn.passes.take(group), clock, float(redrawn.power_limit_w[i])
+        )
+        t = point.timing
+        energy_j, seconds = float(t.duration_s @ t.power_w), float(t.duration_s.sum())
+        tokens = redrawn.group_tokens[redrawn.group[i]]
+        per_request = redrawn.group_request_tokens[redrawn.group[i]]
+        assert got.values["energy_per_token_j"][i] == pytest.approx(energy_j / tokens, rel=1e-12)
+        assert got.values["time_per_token_ms"][i] == pytest.approx(
+            seconds / per_request * 1e3, rel=1e-12
+        )
+        assert got.values["power_mean_w"][i] == pytest.approx(energy_j / seconds, rel=1e-12)
+        assert bool(got.capped[i]) == bool(np.any(t.pass_clocks_mhz < clock))
+
+
+@settings(max_examples=2, deadline=None, phases=(Phase.explicit, Phase.generate))
 @given(
     scale=st.lists(st.floats(0.7, 1.3), min_size=N_SCALED, max_size=N_SCALED),
     gemm=st.floats(0.5, 0.95),
@@ -227,17 +272,10 @@ N_SCALED = len(CUBE_FIT_PARAMETERS) - 2
 )
 def test_cells_the_physics_predicted_fit_back_exactly(cells, scale, gemm, hbm) -> None:  # type: ignore[no-untyped-def]
     """With measurements the predictor itself made (no model error) and no sampled clock,
-    every figure is found, the throttled cells included. (Generated examples only: each fit
-    takes seconds, so hypothesis does not shrink a failure.)"""
-    names = [
-        p.name for p in CUBE_FIT_PARAMETERS if p.name not in ("gemm_efficiency", "hbm_efficiency")
-    ]
-    truth = dataclasses.replace(
-        EXACT_H100,
-        gemm_efficiency=gemm,
-        hbm_efficiency=hbm,
-        **{n: float(getattr(EXACT_H100, n)) * s for n, s in zip(names, scale, strict=True)},
-    )
+    every figure is found, the throttled cells included. (Two generated examples, the first
+    every figure at its range's low end: a fit takes about a second, so hypothesis neither
+    draws more nor shrinks a failure.)"""
+    truth = scaled_h100(scale, gemm, hbm)
     exact = dataclasses.replace(
         cells,
         measured=predict(truth, cells).values,

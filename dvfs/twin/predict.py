@@ -20,6 +20,7 @@ of the GPU), else from the twin's expected acceptance on the corpus's text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,19 @@ class PredictError(DvfsError):
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A knob setting of the cells, with what no GPU figure changes: the cells measured there,
+    the passes of their groups (indices into `CubeCells.passes`, ascending) and their groups."""
+
+    clock_mhz: int
+    limit_w: float
+    cells: np.ndarray
+    take: np.ndarray | None  # None: every pass
+    passes: Passes
+    pass_group: np.ndarray
+
+
+@dataclass(frozen=True)
 class CubeCells:
     """The cells of a cube the twin predicts, with their passes counted once.
 
@@ -79,6 +93,31 @@ class CubeCells:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    @functools.cached_property
+    def settings(self) -> tuple[Setting, ...]:
+        """The knob settings of the cells, worked out once (a fit predicts the same cells
+        hundreds of times)."""
+        n_groups = len(self.group_tokens)
+        found = []
+        pairs = np.unique(np.stack([self.sm_clock_mhz, self.power_limit_w], axis=1), axis=0)
+        for clock, limit in pairs:
+            at = np.flatnonzero((self.sm_clock_mhz == clock) & (self.power_limit_w == limit))
+            wanted = np.zeros(n_groups, dtype=bool)
+            wanted[self.group[at]] = True
+            take = np.flatnonzero(wanted[self.pass_group])
+            every = len(take) == len(self.passes)
+            found.append(
+                Setting(
+                    int(clock),
+                    float(limit),
+                    at,
+                    None if every else take,
+                    self.passes if every else self.passes.take(take),
+                    self.pass_group if every else self.pass_group[take],
+                )
+            )
+        return tuple(found)
 
     def subset(self, keep: np.ndarray) -> CubeCells:
         """The cells where `keep` is true (their groups' passes are kept whole)."""
@@ -300,29 +339,42 @@ def _label(ds: xr.Dataset, dim: str, i: int) -> Any:
 
 def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
     """Each cell's observables on `gpu`: one `physics.operating_point` per knob setting over
-    the passes of every group measured there (the limit holds pass by pass, as the twin's)."""
+    the passes of every group measured there (the limit holds pass by pass, as the twin's).
+
+    The passes are timed once per clock (`physics.time_passes` is elementwise: a setting's
+    passes read their share), so two power limits at one clock cost one timing and the search
+    of the passes over the lower limit."""
     n_groups = len(cells.group_tokens)
     energy = np.zeros(len(cells))
     seconds = np.zeros(len(cells))
     capped = np.zeros(len(cells), dtype=bool)
-    settings = np.unique(np.stack([cells.sm_clock_mhz, cells.power_limit_w], axis=1), axis=0)
-    for clock, limit in settings:
-        at = np.flatnonzero((cells.sm_clock_mhz == clock) & (cells.power_limit_w == limit))
-        wanted = np.zeros(n_groups, dtype=bool)
-        wanted[cells.group[at]] = True
-        take = np.flatnonzero(wanted[cells.pass_group])
-        point = physics.operating_point(gpu, cells.passes.take(take), int(clock), float(limit))
-        t = point.timing
-        g = cells.pass_group[take]
-        e_group = np.bincount(g, weights=t.duration_s * t.power_w, minlength=n_groups)
-        s_group = np.bincount(g, weights=t.duration_s, minlength=n_groups)
-        energy[at] = e_group[cells.group[at]]
-        seconds[at] = s_group[cells.group[at]]
-        if point.power_capped:
-            hot = np.bincount(
-                g, weights=(t.pass_clocks_mhz < clock).astype(float), minlength=n_groups
+    at_clock: dict[int, physics.PassTiming] = {}
+    for s in cells.settings:
+        whole = at_clock.get(s.clock_mhz)
+        if whole is None:
+            whole = at_clock[s.clock_mhz] = physics.time_passes(gpu, cells.passes, s.clock_mhz)
+        timing = whole if s.take is None else _take(whole, s.take)
+        duration_s, power_w = timing.duration_s, timing.power_w
+        over = np.flatnonzero(power_w > s.limit_w)
+        groups = cells.group[s.cells]
+        if len(over):
+            # Only the passes over the limit are searched and timed again: the others keep
+            # the requested clock, as `operating_point` keeps them.
+            hot = physics.operating_point(
+                gpu, s.passes.take(over), s.clock_mhz, s.limit_w, _take(timing, over)
+            ).timing
+            duration_s, power_w = duration_s.copy(), power_w.copy()
+            duration_s[over], power_w[over] = hot.duration_s, hot.power_w
+            slowed = np.bincount(
+                s.pass_group[over],
+                weights=(hot.pass_clocks_mhz < s.clock_mhz).astype(float),
+                minlength=n_groups,
             )
-            capped[at] = hot[cells.group[at]] > 0
+            capped[s.cells] = slowed[groups] > 0
+        e_group = np.bincount(s.pass_group, weights=duration_s * power_w, minlength=n_groups)
+        s_group = np.bincount(s.pass_group, weights=duration_s, minlength=n_groups)
+        energy[s.cells] = e_group[groups]
+        seconds[s.cells] = s_group[groups]
     tokens = cells.group_tokens[cells.group]
     per_request = cells.group_request_tokens[cells.group]
     values = {
@@ -331,3 +383,14 @@ def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
         "power_mean_w": energy / np.maximum(seconds, 1e-30),
     }
     return Prediction(values, capped)
+
+
+def _take(timing: physics.PassTiming, take: np.ndarray) -> physics.PassTiming:
+    """The timing of the passes at `take` (of a timing at one clock)."""
+    return physics.PassTiming(
+        timing.sm_clock_mhz,
+        timing.duration_s[take],
+        timing.power_w[take],
+        timing.tensor_util[take],
+        timing.memory_util[take],
+    )
