@@ -76,11 +76,10 @@ def test_a_rerun_on_fewer_gpus_finishes_the_campaign(tmp_path: Path) -> None:
     first = killed_at([*argv, "--gpus", "0-3"], journal, 30)
     second = killed_at([*argv, "--gpus", "0-1"], journal, len(first) + 40)
     assert second[: len(first)] == first
-    # The rest on one GPU (the plain sweep path), then the whole on 0-1 again: nothing to do.
-    last = subprocess.run(
-        [*argv, "--gpus", "3"], env=subprocess_env(), capture_output=True, text=True, timeout=240
-    )
-    assert last.returncode == 0, last.stderr
+    # The rest on one GPU (the plain sweep path; in this process: no kill to come), then the
+    # whole on 0-1 again: nothing to do.
+    last = sweep(str(campaign), "--gpus", "3", "--out", str(out))
+    assert last.exit_code == 0, last.output
     assert f"{len(second)} already done" in last.stderr
     assert "resuming a 2-GPU run on 1 GPU(s) of the same model and driver" in last.stderr
     keys = cell_keys(journal)
