@@ -6,9 +6,10 @@ first use; read-only: a test that changes one works on `copy_sweep` of it):
 
 - `small_sweep`: SMALL_EXACT (SMALL_CAMPAIGN on the exact twin) swept; its output folder.
 - `tiny_sweep`: TINY swept; its output folder.
-- `swept`: `swept(TEXT, NAME, *ARGS)` sweeps the campaign TEXT with ARGS into a folder NAME, once
-  per session, and returns that folder; runs of one TEXT share a parent holding the campaign as
-  `campaign.toml` and each run's printed output as `NAME.txt` (the fleet tests' references).
+- `shared_run`: `shared_run(TEXT, NAME, *ARGS)` sweeps the campaign TEXT with ARGS into a
+  folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
+  holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
+  reference runs several files compare with).
 - `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
   `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
 
@@ -161,9 +162,9 @@ def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def swept(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`swept(TEXT, NAME, *ARGS)`: the folder NAME of `dvfs sweep` of the campaign TEXT with
-    ARGS, run once per session (per xdist worker) and shared by every test that asks for the
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`shared_run(TEXT, NAME, *ARGS)`: the folder NAME of `dvfs sweep` of the campaign TEXT
+    with ARGS, run once per session (per xdist worker) and shared by every test that asks for the
     same run. Read-only; a test that changes one works on `copy_sweep` of it."""
     from click.testing import CliRunner
 

@@ -34,7 +34,7 @@ SMALLER = replace_block(
 )
 
 
-def test_dry_run_prints_the_gpu_time_the_twin_then_spends(swept, tmp_path: Path) -> None:
+def test_dry_run_prints_the_gpu_time_the_twin_then_spends(shared_run, tmp_path: Path) -> None:
     campaign = write(tmp_path / "small.toml", SMALLER)  # every trap on
     out = tmp_path / "out"
     dry = CliRunner().invoke(
@@ -49,7 +49,7 @@ def test_dry_run_prints_the_gpu_time_the_twin_then_spends(swept, tmp_path: Path)
     assert f"the twin spends {predicted / 3600:.2f} GPU-hours" in text.output
 
     # The campaign swept for real (once, shared with the hardware test below).
-    actual = spent_s(swept(SMALLER, "run"))
+    actual = spent_s(shared_run(SMALLER, "run"))
     assert actual > 0
     assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
 
@@ -78,7 +78,7 @@ def dry_json(campaign: Path, *args: str) -> dict:
 
 
 def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(
-    swept, tmp_path: Path
+    shared_run, tmp_path: Path
 ) -> None:
     hardware = write(tmp_path / "hw.toml", HARDWARE)
     plan = dry_json(hardware, "--out", str(tmp_path / "nowhere"))
@@ -93,7 +93,7 @@ def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(
 
     # The campaign as its twin (SMALLER: the same file with the backends switched by hand),
     # swept for real once and shared with the test above.
-    actual = spent_s(swept(SMALLER, "run"))
+    actual = spent_s(shared_run(SMALLER, "run"))
     assert abs(predicted - actual) <= 0.10 * actual, (predicted, actual)
 
 

@@ -27,10 +27,10 @@ def repeats_of(journal: Path) -> list[int]:
 
 
 @pytest.fixture
-def adaptive(swept) -> Path:
+def adaptive(shared_run) -> Path:
     """The adaptive campaign on one GPU, the reference (`one`, beside `campaign.toml`; shared
     with tests/test_fleet_ray_modes.py): read-only."""
-    return swept(ADAPTIVE, "one").parent
+    return shared_run(ADAPTIVE, "one").parent
 
 
 def test_adaptive_repeats_on_four_gpus_equal_one(adaptive: Path, tmp_path: Path) -> None:
@@ -70,9 +70,9 @@ def test_a_fleet_resumes_inside_the_extra_repeats(adaptive: Path, tmp_path: Path
 
 
 @pytest.fixture
-def inflight(swept) -> Path:
+def inflight(shared_run) -> Path:
     """The in-flight campaign on one GPU, as `adaptive`."""
-    return swept(INFLIGHT, "one").parent
+    return shared_run(INFLIGHT, "one").parent
 
 
 def groups_by_worker(journal: Path) -> dict[str, set[str]]:

@@ -24,9 +24,9 @@ def sweep(*args: str) -> Result:
 
 @pytest.mark.timeout(300)
 def test_fewer_ray_actors_finish_what_four_gpus_started(
-    ray_cluster: object, swept, tmp_path: Path
+    ray_cluster: object, shared_run, tmp_path: Path
 ) -> None:
-    one, four = swept(FLEET, "one"), swept(FLEET, "four", "--gpus", "0-3")  # shared runs
+    one, four = shared_run(FLEET, "one"), shared_run(FLEET, "four", "--gpus", "0-3")  # shared runs
     campaign = one.parent / "campaign.toml"
     lines = (four / "journal.jsonl").read_text().splitlines(keepends=True)
     cut = [i for i, line in enumerate(lines) if '"type":"cell"' in line][30]
@@ -44,9 +44,9 @@ def test_fewer_ray_actors_finish_what_four_gpus_started(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("text", [ADAPTIVE, INFLIGHT], ids=["adaptive-repeats", "in-flight"])
 def test_ray_modes_give_the_cube_of_one_gpu(
-    ray_cluster: object, swept, text: str, tmp_path: Path
+    ray_cluster: object, shared_run, text: str, tmp_path: Path
 ) -> None:
-    one = swept(text, "one")  # shared with tests/test_fleet_modes.py
+    one = shared_run(text, "one")  # shared with tests/test_fleet_modes.py
     campaign = one.parent / "campaign.toml"
     # Two actors: enough to spread the units of work (each actor is a process to start).
     result = sweep(

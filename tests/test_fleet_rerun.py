@@ -208,10 +208,10 @@ def test_the_cube_refuses_a_journal_mixing_models(tmp_path: Path) -> None:
         build_cube(journal)
 
 
-def test_a_merged_cube_keeps_which_gpu_measured_each_cell(swept) -> None:
+def test_a_merged_cube_keeps_which_gpu_measured_each_cell(shared_run) -> None:
     """A fleet of two models: the merged cube's measured_on runs along `gpu`, each model's
     cells named by its own GPUs."""
-    out = swept(FLEET, "mixed", "--gpus", "0,h200-sxm:0")
+    out = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")
     merged = open_cube(out / "cube.nc")
     assert merged["measured_on"].dims[0] == "gpu"
     for i, journal in enumerate(sorted(out.glob("gpu-*/journal.jsonl"))):
@@ -256,10 +256,10 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         build_cube(half / "journal.jsonl")
 
 
-def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(swept, tmp_path: Path) -> None:
+def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: Path) -> None:
     """Two models' journals, the H100s' cut short; a rerun on H100s only (the H200 node lost)
     finishes their journal and the merged cube still holds the H200s' cells."""
-    full = swept(FLEET, "mixed", "--gpus", "0,h200-sxm:0")  # shared with the test above
+    full = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")  # shared with the test above
     campaign = full.parent / "campaign.toml"
     out = copy_sweep(full, tmp_path / "mixed")
     h100 = next(out.glob("gpu-nvidia-h100*/journal.jsonl"))

@@ -40,11 +40,11 @@ def assert_same_cells(a, b) -> None:
 
 
 @pytest.fixture
-def runs(swept) -> Path:
+def runs(shared_run) -> Path:
     """The campaign on one GPU (the plain sweep, `one`) and on four twin GPUs (`four`), shared
     with the other fleet tests: read-only."""
-    swept(CAMPAIGN, "one")
-    return swept(CAMPAIGN, "four", "--gpus", "0-3").parent
+    shared_run(CAMPAIGN, "one")
+    return shared_run(CAMPAIGN, "four", "--gpus", "0-3").parent
 
 
 def test_four_gpus_equal_one_cell_for_cell(runs: Path) -> None:

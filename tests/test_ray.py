@@ -26,8 +26,8 @@ def sweep(*args: str) -> Result:
 
 
 @pytest.mark.timeout(300)
-def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, swept, tmp_path: Path) -> None:
-    one = swept(CAMPAIGN, "one")  # shared with the other fleet tests
+def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, shared_run, tmp_path: Path) -> None:
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
     campaign = one.parent / "campaign.toml"
     # Two actors: as many as show the cells spread and merged (each one a process to start).
     result = sweep(
