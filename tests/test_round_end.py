@@ -262,11 +262,13 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
     server warms up once for the batch, not again at the second clock."""
     path, _ = stub_campaign(
         tmp_path,
-        # 0.02-s steps on the speculative server, whose aborts must land between finishes;
-        # the plain server's requests all finish together, so its steps need no margin
-        stub={"tpot_s": 0.02, "plain_tpot_s": 0.002, "abort_route": abort_route},
+        # seed 235: in each measured round of the speculative server, the four 32-token
+        # requests' last finishes three steps after the first (the stub's draws are seeded), so
+        # 0.02-s steps leave an abort 0.06 s to land in; the plain server's requests all finish
+        # together, so its steps need no margin
+        stub={"tpot_s": 0.02, "plain_tpot_s": 0.002, "abort_route": abort_route, "seed": 235},
         batch="[4]",
-        output_tokens=96,
+        output_tokens=32,
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
     out = tmp_path / "out"
