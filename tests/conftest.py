@@ -6,6 +6,10 @@ first use; read-only: a test that changes one works on `copy_sweep` of it):
 
 - `small_sweep`: SMALL_EXACT (SMALL_CAMPAIGN on the exact twin) swept; its output folder.
 - `tiny_sweep`: TINY swept; its output folder.
+- `shared_run`: `shared_run(TEXT, NAME, *ARGS)` sweeps the campaign TEXT with ARGS into a
+  folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
+  holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
+  reference runs several files compare with).
 - `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
   `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -155,6 +159,41 @@ def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     return out
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`shared_run(TEXT, NAME, *ARGS)`: the folder NAME of `dvfs sweep` of the campaign TEXT
+    with ARGS, run once per session (per xdist worker) and shared by every test that asks for the
+    same run. Read-only; a test that changes one works on `copy_sweep` of it."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    roots: dict[str, Path] = {}
+    done: dict[tuple[str, str, tuple[str, ...]], Path] = {}
+
+    def run(text: str, name: str, *args: str) -> Path:
+        key = (text, name, args)
+        if key in done:
+            return done[key]
+        if text not in roots:
+            roots[text] = tmp_path_factory.mktemp("swept")
+            write(roots[text] / "campaign.toml", text)
+        root = roots[text]
+        assert not (root / name).exists(), f"{name} is another run of this campaign"
+        result = CliRunner().invoke(
+            cli,
+            ["sweep", str(root / "campaign.toml"), *args, "--out", str(root / name)]
+            + ["--no-progress"],
+            catch_exceptions=False,
+        )
+        assert result.exit_code == 0, result.output
+        (root / f"{name}.txt").write_text(result.output)
+        done[key] = root / name
+        return done[key]
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,10 @@ def fleet_campaign(name: str, repeats: int = 1) -> str:
     return _FLEET_CAMPAIGN.format(name=name, repeats=repeats)
 
 
+#: The fleet campaign as the tests that share its runs (the `swept` fixture) name it.
+FLEET = fleet_campaign("fleet")
+
+
 def assert_same_cells(a, b, *, above_idle_rtol: float = 1e-4) -> None:
     """Two cubes of one campaign hold the same grid and values. Energy (and the power read off
     the energy counter) may differ by the counter's 1 mJ quantisation, since the counter's

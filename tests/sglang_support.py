@@ -48,8 +48,8 @@ def stub_campaign(
     """
     marker = f"stub-model-{uuid.uuid4().hex[:12]}"
     config = tmp / "stub.json"
-    # Quick steps unless a test times them: every stub campaign streams in real time.
-    fast = {"ttft_s": 0.01, "tpot_s": 0.002}
+    # Quick steps and starts unless a test times them: every stub campaign runs in real time.
+    fast = {"startup_s": 0.02, "ttft_s": 0.01, "tpot_s": 0.002}
     config.write_text(
         json.dumps({"version": version, "max_lifetime_s": 120, **fast, **(stub or {})})
     )

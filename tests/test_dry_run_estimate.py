@@ -34,7 +34,7 @@ SMALLER = replace_block(
 )
 
 
-def test_dry_run_prints_the_gpu_time_the_twin_then_spends(tmp_path: Path) -> None:
+def test_dry_run_prints_the_gpu_time_the_twin_then_spends(shared_run, tmp_path: Path) -> None:
     campaign = write(tmp_path / "small.toml", SMALLER)  # every trap on
     out = tmp_path / "out"
     dry = CliRunner().invoke(
@@ -48,9 +48,8 @@ def test_dry_run_prints_the_gpu_time_the_twin_then_spends(tmp_path: Path) -> Non
     assert text.exit_code == 0, text.output
     assert f"the twin spends {predicted / 3600:.2f} GPU-hours" in text.output
 
-    run = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out)])
-    assert run.exit_code == 0, run.output
-    actual = spent_s(out)
+    # The campaign swept for real (once, shared with the hardware test below).
+    actual = spent_s(shared_run(SMALLER, "run"))
     assert actual > 0
     assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
 
@@ -78,7 +77,9 @@ def dry_json(campaign: Path, *args: str) -> dict:
     return json.loads(result.output)
 
 
-def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(tmp_path: Path) -> None:
+def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(
+    shared_run, tmp_path: Path
+) -> None:
     hardware = write(tmp_path / "hw.toml", HARDWARE)
     plan = dry_json(hardware, "--out", str(tmp_path / "nowhere"))
     estimate = plan["estimate"]
@@ -90,12 +91,9 @@ def test_a_hardware_dry_run_estimates_what_its_twin_stand_in_then_spends(tmp_pat
     assert text.exit_code == 0, text.output
     assert "twin stand-in h100-sxm" in text.output and "closed form" not in text.output
 
-    # The campaign as its twin: the same file with the backends switched by hand.
-    twin = write(tmp_path / "twin.toml", SMALLER.replace('name = "small"', 'name = "hw"'))
-    out = tmp_path / "out"
-    run = CliRunner().invoke(cli, ["sweep", str(twin), "--out", str(out), "--no-progress"])
-    assert run.exit_code == 0, run.output
-    actual = spent_s(out)
+    # The campaign as its twin (SMALLER: the same file with the backends switched by hand),
+    # swept for real once and shared with the test above.
+    actual = spent_s(shared_run(SMALLER, "run"))
     assert abs(predicted - actual) <= 0.10 * actual, (predicted, actual)
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import write
 from fleet_rerun_support import ADAPTIVE, INFLIGHT
 from fleet_support import assert_same_cells
 
@@ -27,19 +26,16 @@ def repeats_of(journal: Path) -> list[int]:
     return [r["cell"]["repeat"] for r in read_records(journal) if r["type"] == "cell"]
 
 
-@pytest.fixture(scope="module")
-def adaptive(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The adaptive campaign on one GPU: the reference."""
-    root = tmp_path_factory.mktemp("adaptive")
-    campaign = write(root / "adaptive.toml", ADAPTIVE)
-    one = sweep(str(campaign), "--out", str(root / "one"))
-    assert one.exit_code == 0, one.output
-    return root
+@pytest.fixture
+def adaptive(shared_run) -> Path:
+    """The adaptive campaign on one GPU, the reference (`one`, beside `campaign.toml`; shared
+    with tests/test_fleet_ray_modes.py): read-only."""
+    return shared_run(ADAPTIVE, "one").parent
 
 
-def test_adaptive_repeats_on_four_gpus_equal_one(adaptive: Path) -> None:
-    out = adaptive / "four"
-    result = sweep(str(adaptive / "adaptive.toml"), "--gpus", "0-3", "--out", str(out))
+def test_adaptive_repeats_on_four_gpus_equal_one(adaptive: Path, tmp_path: Path) -> None:
+    out = tmp_path / "four"
+    result = sweep(str(adaptive / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
     assert result.exit_code == 0, result.output
     one = repeats_of(adaptive / "one" / "journal.jsonl")
     four = repeats_of(out / "journal.jsonl")
@@ -63,23 +59,20 @@ def test_a_fleet_resumes_inside_the_extra_repeats(adaptive: Path, tmp_path: Path
     out = tmp_path / "out"
     out.mkdir()
     (out / "journal.jsonl").write_text("".join(lines[:cut]))
-    result = sweep(str(adaptive / "adaptive.toml"), "--gpus", "0-1", "--out", str(out))
+    result = sweep(str(adaptive / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
     assert result.exit_code == 0, result.output
     keys = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(keys) == len(set(keys)) == len(cells)
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(adaptive / "one" / "cube.nc"))
     # Nothing left: the rerun runs no cell.
-    again = sweep(str(adaptive / "adaptive.toml"), "--gpus", "0-1", "--out", str(out))
+    again = sweep(str(adaptive / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
 
 
-@pytest.fixture(scope="module")
-def inflight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("inflight")
-    campaign = write(root / "inflight.toml", INFLIGHT)
-    one = sweep(str(campaign), "--out", str(root / "one"))
-    assert one.exit_code == 0, one.output
-    return root
+@pytest.fixture
+def inflight(shared_run) -> Path:
+    """The in-flight campaign on one GPU, as `adaptive`."""
+    return shared_run(INFLIGHT, "one").parent
 
 
 def groups_by_worker(journal: Path) -> dict[str, set[str]]:
@@ -91,10 +84,10 @@ def groups_by_worker(journal: Path) -> dict[str, set[str]]:
     return seen
 
 
-def test_in_flight_groups_on_four_gpus_equal_one(inflight: Path) -> None:
+def test_in_flight_groups_on_four_gpus_equal_one(inflight: Path, tmp_path: Path) -> None:
     """A group is one unit of work: all its levels on one worker, inside its decodes."""
-    out = inflight / "four"
-    result = sweep(str(inflight / "inflight.toml"), "--gpus", "0-3", "--out", str(out))
+    out = tmp_path / "four"
+    result = sweep(str(inflight / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(inflight / "one" / "cube.nc"))
     groups = groups_by_worker(out / "journal.jsonl")
@@ -117,7 +110,7 @@ def test_a_lost_worker_gives_back_its_whole_group(
 
     monkeypatch.setattr(Worker, "run_unit", failing)
     out = tmp_path / "lost"
-    result = sweep(str(inflight / "inflight.toml"), "--gpus", "0-3", "--out", str(out))
+    result = sweep(str(inflight / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "gpu1" in result.output and "lost: RuntimeError" in result.output
     groups = groups_by_worker(out / "journal.jsonl")

@@ -121,7 +121,10 @@ def test_ports_held_elsewhere_move_the_workers(
     """Block 0 is another program's (it listens on its --port), block 1 another dvfs
     worker's (it holds its lock): the two workers take the next blocks, one each."""
     monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
-    path, marker = stub_campaign(tmp_path)
+    # One drafter, one batch: a cell per clock, a server per worker.
+    path, marker = stub_campaign(
+        tmp_path, drafters='[drafters.none]\nalgorithm = "none"\n', batch="[1]"
+    )
     with (
         socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder,
         claimed_ports("127.0.0.1", 1, folder=tmp_path / "locks") as other,

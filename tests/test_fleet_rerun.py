@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, replace_block, subprocess_env, write
-from fleet_support import assert_same_cells, fleet_campaign
+from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
+from fleet_support import FLEET, assert_same_cells, fleet_campaign
 from sglang_support import running, stub_campaign
 
 from dvfs.cli import cli
@@ -76,11 +76,10 @@ def test_a_rerun_on_fewer_gpus_finishes_the_campaign(tmp_path: Path) -> None:
     first = killed_at([*argv, "--gpus", "0-3"], journal, 30)
     second = killed_at([*argv, "--gpus", "0-1"], journal, len(first) + 40)
     assert second[: len(first)] == first
-    # The rest on one GPU (the plain sweep path), then the whole on 0-1 again: nothing to do.
-    last = subprocess.run(
-        [*argv, "--gpus", "3"], env=subprocess_env(), capture_output=True, text=True, timeout=240
-    )
-    assert last.returncode == 0, last.stderr
+    # The rest on one GPU (the plain sweep path; in this process: no kill to come), then the
+    # whole on 0-1 again: nothing to do.
+    last = sweep(str(campaign), "--gpus", "3", "--out", str(out))
+    assert last.exit_code == 0, last.output
     assert f"{len(second)} already done" in last.stderr
     assert "resuming a 2-GPU run on 1 GPU(s) of the same model and driver" in last.stderr
     keys = cell_keys(journal)
@@ -209,13 +208,10 @@ def test_the_cube_refuses_a_journal_mixing_models(tmp_path: Path) -> None:
         build_cube(journal)
 
 
-def test_a_merged_cube_keeps_which_gpu_measured_each_cell(tmp_path: Path) -> None:
+def test_a_merged_cube_keeps_which_gpu_measured_each_cell(shared_run) -> None:
     """A fleet of two models: the merged cube's measured_on runs along `gpu`, each model's
     cells named by its own GPUs."""
-    campaign = write(tmp_path / "c.toml", fleet_campaign("mixed"))
-    out = tmp_path / "mixed"
-    result = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
-    assert result.exit_code == 0, result.output
+    out = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")
     merged = open_cube(out / "cube.nc")
     assert merged["measured_on"].dims[0] == "gpu"
     for i, journal in enumerate(sorted(out.glob("gpu-*/journal.jsonl"))):
@@ -260,13 +256,12 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         build_cube(half / "journal.jsonl")
 
 
-def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(tmp_path: Path) -> None:
+def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: Path) -> None:
     """Two models' journals, the H100s' cut short; a rerun on H100s only (the H200 node lost)
     finishes their journal and the merged cube still holds the H200s' cells."""
-    campaign = write(tmp_path / "c.toml", fleet_campaign("mixed"))
-    out = tmp_path / "mixed"
-    full = sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out))
-    assert full.exit_code == 0, full.output
+    full = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")  # shared with the test above
+    campaign = full.parent / "campaign.toml"
+    out = copy_sweep(full, tmp_path / "mixed")
     h100 = next(out.glob("gpu-nvidia-h100*/journal.jsonl"))
     h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
     lines = h100.read_text().splitlines(keepends=True)

@@ -237,9 +237,16 @@ def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
 def test_dry_run_prints_and_calls_no_setter(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
-    proc, log = start_governor(tmp_path, env, stub, "--dry-run", "--max-intervals", "3")
-    assert proc.wait(timeout=STUCK_S) == 0, log.read_text()
-    assert "dry run, nothing changed: would set running batch 0 -> plan batch 1" in log.read_text()
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    result = dvfs_in_process(
+        *("govern", "--plan", str(plan), "--url", stub, "--gpu", "0", "--interval", "0.1"),
+        *("--listen", "127.0.0.1:0", "--dry-run", "--max-intervals", "3"),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout + result.stderr
+    assert "dry run, nothing changed: would set running batch 0 -> plan batch 1" in printed
     assert nvml.fake_calls() == []
     assert not Path(env["DVFS_STATE_DIR"]).exists() or not list(
         Path(env["DVFS_STATE_DIR"]).glob("GPU-*")
@@ -359,11 +366,16 @@ def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path
 def test_without_permission_the_governor_exits_4_and_leaves_nothing(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:
-    proc, log = start_governor(
-        tmp_path, {**env, "DVFS_FAKE_NVML_ROOT": "0"}, stub, "--max-intervals", "50"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    result = dvfs_in_process(
+        *("govern", "--plan", str(plan), "--url", stub, "--gpu", "0", "--interval", "0.1"),
+        *("--listen", "127.0.0.1:0", "--max-intervals", "50"),
+        env={**env, "DVFS_FAKE_NVML_ROOT": "0"},
     )
-    assert proc.wait(timeout=STUCK_S) == 4, log.read_text()
-    errors = lines(log, "Error:")
-    assert len(errors) == 1 and "permission" in errors[0].lower(), log.read_text()
+    assert result.returncode == 4, result.stderr
+    printed = result.stdout + result.stderr
+    errors = [line for line in printed.splitlines() if "Error:" in line]
+    assert len(errors) == 1 and "permission" in errors[0].lower(), printed
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
     assert nvml.fake_device_state(0)["locked_clocks"] is None

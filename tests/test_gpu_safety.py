@@ -326,13 +326,7 @@ def test_gpu_commands_read_only(nvml, env, monkeypatch) -> None:
 
 def test_no_driver_message(env, monkeypatch) -> None:
     monkeypatch.setenv("DVFS_FAKE_NVML_MISSING", "1")
-    result = subprocess.run(
-        [sys.executable, "-m", "dvfs", "gpu", "list"],
-        env={**env, "DVFS_FAKE_NVML_MISSING": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = dvfs_in_process("gpu", "list", env={**env, "DVFS_FAKE_NVML_MISSING": "1"})
     assert result.returncode == 1
     assert "no NVIDIA driver was found" in result.stderr and "twin" in result.stderr
     assert "Traceback" not in result.stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, replace_block, subprocess_env, write
+from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
+from fleet_support import FLEET
 from fleet_support import assert_same_cells as _assert_same_cells
-from fleet_support import fleet_campaign
 
 from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
@@ -26,7 +26,7 @@ from dvfs.measure.journal import read_records
 from dvfs.measure.plan import plan_cells
 from dvfs.measure.runner import Runner
 
-CAMPAIGN = fleet_campaign("multi")
+CAMPAIGN = FLEET
 
 
 def sweep(*args: str) -> Result:
@@ -39,16 +39,12 @@ def assert_same_cells(a, b) -> None:
     _assert_same_cells(a, b, above_idle_rtol=3e-4)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The campaign on one GPU (the plain sweep) and on four twin GPUs."""
-    root = tmp_path_factory.mktemp("multi")
-    campaign = write(root / "multi.toml", CAMPAIGN)
-    assert sweep(str(campaign), "--out", str(root / "one")).exit_code == 0
-    four = sweep(str(campaign), "--gpus", "0-3", "--out", str(root / "four"))
-    assert four.exit_code == 0, four.output
-    (root / "four.txt").write_text(four.output)
-    return root
+@pytest.fixture
+def runs(shared_run) -> Path:
+    """The campaign on one GPU (the plain sweep, `one`) and on four twin GPUs (`four`), shared
+    with the other fleet tests: read-only."""
+    shared_run(CAMPAIGN, "one")
+    return shared_run(CAMPAIGN, "four", "--gpus", "0-3").parent
 
 
 def test_four_gpus_equal_one_cell_for_cell(runs: Path) -> None:
@@ -84,7 +80,7 @@ def test_the_drivers_journal_holds_every_worker(runs: Path) -> None:
 
 def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     """A driver killed mid-campaign: its journal keeps what it had; the rerun finishes."""
-    campaign = str(runs / "multi.toml")
+    campaign = str(runs / "campaign.toml")
     out = tmp_path / "resumed"
     out.mkdir()
     lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
@@ -119,7 +115,7 @@ def test_a_lost_worker_loses_no_cell(runs: Path, tmp_path: Path, monkeypatch) ->
 
     monkeypatch.setattr(Worker, "run", failing)
     out = tmp_path / "lost"
-    result = sweep(str(runs / "multi.toml"), "--gpus", "0-3", "--out", str(out))
+    result = sweep(str(runs / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert (
         "gpu2" in result.output and "lost: RuntimeError: the GPU fell off the bus" in result.output
@@ -247,7 +243,7 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     """Two twin H100s and two twin H200s: the campaign runs once per model, each model's
     workers share its cells, and the cube merges the two along `gpu`."""
     out = tmp_path / "mixed"
-    result = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    result = sweep(str(runs / "campaign.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
     assert result.exit_code == 0, result.output
     journals = sorted(out.glob("gpu-*/journal.jsonl"))
     assert [j.parent.name for j in journals] == [
@@ -265,16 +261,17 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     # The H200 reads weights faster: lower latency at every setting.
     assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
     # The journals alone resume: nothing left to run.
-    again = sweep(str(runs / "multi.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
+    again = sweep(str(runs / "campaign.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
     assert again.exit_code == 0 and "144 already done" in again.output
     # A folder of one model's run refuses a fleet that mixes models.
-    refused = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(runs / "four"))
+    four = copy_sweep(runs / "four", tmp_path / "four")  # the shared run stays as it was
+    refused = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(four))
     assert refused.exit_code == 0  # nothing to run: every cell is in four/'s journal
     half = tmp_path / "half"
     half.mkdir()
     lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
     (half / "journal.jsonl").write_text("".join(lines[:12]))
-    mixed = sweep(str(runs / "multi.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
+    mixed = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
     assert mixed.exit_code == 1
     assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
-from fleet_support import assert_same_cells, fleet_campaign
+from fleet_support import FLEET, assert_same_cells
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -18,7 +18,7 @@ from dvfs.measure.journal import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
-CAMPAIGN = fleet_campaign("rayed")
+CAMPAIGN = FLEET
 
 
 def sweep(*args: str) -> Result:
@@ -26,9 +26,9 @@ def sweep(*args: str) -> Result:
 
 
 @pytest.mark.timeout(300)
-def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, tmp_path: Path) -> None:
-    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
-    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, shared_run, tmp_path: Path) -> None:
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    campaign = one.parent / "campaign.toml"
     # Two actors: as many as show the cells spread and merged (each one a process to start).
     result = sweep(
         str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(tmp_path / "ray")
@@ -36,7 +36,7 @@ def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     cube = open_cube(tmp_path / "ray" / "cube.nc")
     assert (cube["cell_status"].values == STATUS_OK).all()
-    assert_same_cells(cube, open_cube(tmp_path / "one" / "cube.nc"))
+    assert_same_cells(cube, open_cube(one / "cube.nc"))
     records = read_records(tmp_path / "ray" / "journal.jsonl")
     workers = {r["worker"] for r in records if r["type"] == "cell"}
     assert len(workers) == 2 and all(w.endswith(("/gpu0", "/gpu1")) for w in workers)

@@ -262,9 +262,13 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
     server warms up once for the batch, not again at the second clock."""
     path, _ = stub_campaign(
         tmp_path,
-        stub={"tpot_s": 0.02, "abort_route": abort_route},
+        # seed 235: in each measured round of the speculative server, the four 32-token
+        # requests' last finishes three steps after the first (the stub's draws are seeded), so
+        # 0.02-s steps leave an abort 0.06 s to land in; the plain server's requests all finish
+        # together, so its steps need no margin
+        stub={"tpot_s": 0.02, "plain_tpot_s": 0.002, "abort_route": abort_route, "seed": 235},
         batch="[4]",
-        output_tokens=96,
+        output_tokens=32,
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
     )
     out = tmp_path / "out"
@@ -331,16 +335,16 @@ def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
     monkeypatch.setattr(client_module, "ABORT_GRACE_S", 0.0)
     path, _ = stub_campaign(
         tmp_path,
-        # seed 0: of the measured round's four requests, the last finishes two steps after
-        # the first (the stub's draws are seeded); steps of 0.1 s leave the abort and the
-        # disconnect 0.2 s to land in, on a loaded machine too (at 0.03 s it failed there)
-        stub={"tpot_s": 0.1, "abort_ignored": True, "seed": 0},
+        # seed 118: of the measured round's four 32-token requests, the last finishes four
+        # steps after the first (the stub's draws are seeded); steps of 0.05 s leave the abort
+        # and the disconnect 0.2 s to land in, on a loaded machine too (0.06 s failed there)
+        stub={"tpot_s": 0.05, "abort_ignored": True, "seed": 118},
         drafters=(
             '[drafters.eagle3]\nalgorithm = "EAGLE3"\ndraft_model = "draft/eagle3"\n'
             "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n"
         ),
         batch="[4]",
-        output_tokens=96,
+        output_tokens=32,
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )
     out = tmp_path / "out"

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import TINY, write
 
 import dvfs
 import dvfs.cube.build
@@ -23,19 +22,17 @@ import dvfs.measure.journal
 from dvfs.campaign import load_campaign
 from dvfs.cube import STATUS_FAILED, STATUS_OK, build_cube
 from dvfs.measure.journal import Journal, read_records
-from dvfs.sweep import run_sweep
 
 #: Attributes that say when a cube was built, not what it holds.
 WHEN = ("created", "history")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, list[dict[str, Any]]]:
-    """A finished sweep of TINY: (campaign, its journal's records)."""
-    base = tmp_path_factory.mktemp("tiny")
-    campaign = load_campaign(write(base / "tiny.toml", TINY))
-    run_sweep(campaign, base / "out")
-    return campaign, read_records(base / "out" / "journal.jsonl")
+def tiny(tiny_sweep: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """A finished sweep of TINY (the session's `tiny_sweep`): (campaign, its journal's
+    records)."""
+    campaign = load_campaign(tiny_sweep.parent / "tiny.toml")
+    return campaign, read_records(tiny_sweep / "journal.jsonl")
 
 
 def _jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +23,9 @@ from dvfs.fleet.devices import Group
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.worker import Worker
 
-#: Seconds the driver waits on its event queue before looking again (signals land between).
+#: Seconds the driver waits on its event queue before looking again (signals land between);
+#: also the longest a worker out of cells waits before looking at the queue again, though the
+#: driver wakes it at once when what it waits for may have changed.
 POLL_S = 0.2
 
 
@@ -98,6 +99,9 @@ class LocalExecutor:
         events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         go = threading.Event()
         stop = threading.Event()
+        #: Notified by the driver's thread whenever the queue or the campaign's state may have
+        #: changed, for the workers that wait out of cells.
+        news = threading.Condition()
         workers = [
             Worker(
                 campaign,
@@ -132,12 +136,13 @@ class LocalExecutor:
                         # cell comes back to the queue for whoever is free.
                         if pacer is not None:
                             pacer.leave(worker.label)
-                        while not (
-                            fleet.done_for(worker.label)
-                            or stop.is_set()
-                            or fleet.has_cells(worker.label)
-                        ):
-                            time.sleep(POLL_S)
+                        with news:
+                            while not (
+                                fleet.done_for(worker.label)
+                                or stop.is_set()
+                                or fleet.has_cells(worker.label)
+                            ):
+                                news.wait(POLL_S)
                         if fleet.done_for(worker.label) or stop.is_set():
                             break
                         if pacer is not None:
@@ -170,10 +175,12 @@ class LocalExecutor:
         try:
             labels = [w.label for w in workers]
             pacing = virtual_time(campaign)
-            self._drive(fleet, events, go, labels, paced if pacing else None)
+            self._drive(fleet, events, go, labels, paced if pacing else None, news)
         except BaseException:
             stop.set()
             go.set()
+            with news:
+                news.notify_all()
             # Journal what the workers finish on their way out, then let the error go on.
             self._drain(fleet, events, threads)
             raise
@@ -185,6 +192,7 @@ class LocalExecutor:
         go: threading.Event,
         labels: list[str],
         paced: dict[str, VirtualPacer] | None,
+        news: threading.Condition,
     ) -> None:
         sessions: dict[str, dict[str, Any]] = {}
         alive = len(labels)
@@ -214,6 +222,8 @@ class LocalExecutor:
                 fleet.lost(label, event[3], f"{type(error).__name__}: {error}")
             elif kind == "exit":
                 alive -= 1
+            with news:  # a worker waiting out of cells looks again
+                news.notify_all()
         if not fleet.finished and first_error is not None:
             raise first_error
 

@@ -31,6 +31,8 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   refused meanwhile, like SGLang loading weights).
 - ``ttft_s`` (0.02): time from request arrival to the first token.
 - ``tpot_s`` (0.005): time per decode step after that.
+- ``plain_tpot_s`` (null): ``tpot_s`` of a server launched without a speculative
+  algorithm, where a test times only its speculative servers' steps.
 - ``accept_length`` (2.5): mean tokens per decode step when a speculative
   algorithm is set; each step emits floor or ceil of it (seeded draw, so the mean
   matches), clamped to [1, tokens one verify can yield].  Without speculation a
@@ -253,6 +255,7 @@ class StubConfig:
     listen_delay_s: float = 0.0
     ttft_s: float = 0.02
     tpot_s: float = 0.005
+    plain_tpot_s: float | None = None
     accept_length: float = 2.5
     num_draft_tokens: int | None = None
     seed: int = 0
@@ -297,6 +300,12 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
         value = getattr(cfg, key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise StubConfigError(f"{key} must be a number >= 0, got {value!r}")
+    if cfg.plain_tpot_s is not None and (
+        isinstance(cfg.plain_tpot_s, bool)
+        or not isinstance(cfg.plain_tpot_s, int | float)
+        or cfg.plain_tpot_s < 0
+    ):
+        raise StubConfigError(f"plain_tpot_s must be a number >= 0, got {cfg.plain_tpot_s!r}")
     for key in (*_OPTIONAL_INT_KEYS, "seed", "fail_status"):
         value = getattr(cfg, key)
         if value is None and key in _OPTIONAL_INT_KEYS:
@@ -890,8 +899,11 @@ class Stub:
         """Apply emissions in time order, sleeping until each is due; yields (sub, step).
         A sub-request marked for abort stops at its next step instead (yielded once more,
         done, with the step it did not take)."""
+        tpot = self.cfg.tpot_s
+        if self.spec is None and self.cfg.plain_tpot_s is not None:
+            tpot = self.cfg.plain_tpot_s
         events = sorted(
-            (self.cfg.ttft_s + j * self.cfg.tpot_s, sub.index, j)
+            (self.cfg.ttft_s + j * tpot, sub.index, j)
             for sub in plan.subs
             for j in range(len(sub.steps))
         )
