@@ -157,16 +157,20 @@ class SglangClient:
     def wait_healthy(
         self, timeout_s: float, *, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.1
     ) -> None:
-        """Until /health answers 200; raises when the process dies or time runs out."""
+        """Until /health answers 200; raises when the process dies or time runs out. Polls
+        every 10 ms at first, doubling to `poll_s`: a quick server is seen at once, a slow
+        one (a real model loads for tens of seconds) costs a request every `poll_s`."""
         deadline = time.monotonic() + timeout_s
         last = None
+        wait_s = min(0.01, poll_s)
         while time.monotonic() < deadline:
             if not alive():
                 raise EngineError("the server process exited while starting")
             last = self.health_status()
             if last == 200:
                 return
-            time.sleep(poll_s)
+            time.sleep(wait_s)
+            wait_s = min(2 * wait_s, poll_s)
         state = "nothing listening" if last is None else f"/health answered {last}"
         raise EngineError(
             f"the server at {self.base_url} was not ready within {timeout_s:g} s ({state})"
