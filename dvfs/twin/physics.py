@@ -82,8 +82,13 @@ class Passes:
         return Passes(*(getattr(self, f)[start:stop] for f in Passes.__dataclass_fields__))
 
     def take(self, indices: np.ndarray) -> Passes:
-        """The passes at `indices`, in that order."""
-        return Passes(*(getattr(self, f)[indices] for f in Passes.__dataclass_fields__))
+        """The passes at `indices`, in that order (with the clock-free terms `time_passes`
+        already derived from these passes, taken alike: they are elementwise)."""
+        taken = Passes(*(getattr(self, f)[indices] for f in Passes.__dataclass_fields__))
+        known = self.__dict__.get(_CONSTANTS)
+        if known is not None:
+            taken.__dict__[_CONSTANTS] = (known[0], known[1].take(indices))
+        return taken
 
 
 @dataclass(frozen=True)
@@ -213,46 +218,105 @@ def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
     )
 
 
+@dataclass(frozen=True)
+class _PassTerms:
+    """What `time_passes` derives from a pass sequence whatever the clock, elementwise."""
+
+    #: gemm_efficiency (large M) / gemm_efficiency at the passes' tokens: the tile and wave
+    #: quantisation's stretch of the compute time
+    stretch: np.ndarray
+    #: the bytes, a verify pass's KV-cache reads counted at the custom-mask kernel's cost
+    memory_bytes: np.ndarray
+    #: layers x kernel cycles per layer
+    kernel_cycles: np.ndarray
+    comm_s: np.ndarray
+    host_s: np.ndarray
+
+    def take(self, indices: np.ndarray) -> _PassTerms:
+        return _PassTerms(
+            self.stretch[indices],
+            self.memory_bytes[indices],
+            self.kernel_cycles[indices],
+            self.comm_s[indices],
+            self.host_s[indices],
+        )
+
+
+#: Where `_pass_terms` keeps a sequence's terms: beside the frozen `Passes`'s fields, as
+#: functools.cached_property stores (its equality, repr and fields are unchanged).
+_CONSTANTS = "_time_passes_terms"
+
+
+def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
+    """The clock-free terms of `time_passes` for `passes` on `gpu`, worked out once per pass
+    sequence: a sweep times the same planned round at every clock. Each is the expression
+    `time_passes` evaluated inline before, so the numbers are the same to the bit."""
+    known = passes.__dict__.get(_CONSTANTS)
+    if known is not None and known[0] is gpu:
+        return known[1]
+    terms = _PassTerms(
+        stretch=gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens),
+        # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at
+        # a fraction of the bandwidth plain decode attention reaches: its bytes take longer.
+        memory_bytes=passes.bytes
+        + passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0),
+        kernel_cycles=passes.layers * gpu.kernel_cycles_per_layer,
+        comm_s=passes.comm_bytes / (gpu.nvlink_gb_s * 1e9)
+        + passes.comm_calls * ALLREDUCE_LATENCY_S,
+        host_s=host_time_s(gpu, passes),
+    )
+    passes.__dict__[_CONSTANTS] = (gpu, terms)
+    return terms
+
+
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
-    for all passes, or one per pass)."""
+    for all passes, or one per pass).
+
+    The clock-free terms come from `_pass_terms`; the rest is computed in place where an
+    intermediate is not needed again, in the same order of operations (the same bits)."""
     clocks: np.ndarray | None = None
     f: float | np.ndarray
     bandwidth: float | np.ndarray
     scale: float | np.ndarray
-    if np.ndim(sm_clock_mhz) == 0:
+    if isinstance(sm_clock_mhz, int | float) or np.ndim(sm_clock_mhz) == 0:
         f = float(sm_clock_mhz)
         bandwidth, scale = _clock_factors(gpu, f)
     else:
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
         bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
+    terms = _pass_terms(gpu, passes)
     # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
     # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
     useful_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
-    compute_s = useful_s * (gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens))
-    # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at a
-    # fraction of the bandwidth plain decode attention reaches: its bytes take longer.
-    slow = passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0)
-    memory_s = (passes.bytes + slow) / bandwidth
+    compute_s = useful_s * terms.stretch
+    memory_s = terms.memory_bytes / bandwidth
     p = ROOFLINE_BLEND
-    roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
-    kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
-    comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
-    busy_s = roofline_s + kernel_s + comm_s
-    duration_s = busy_s + host_time_s(gpu, passes)
+    # roofline = (compute^p + memory^p)^(1/p), then + kernel + comm: the busy time
+    busy_s = np.power(compute_s, p, out=compute_s)
+    busy_s += np.power(memory_s, p, out=memory_s)
+    np.power(busy_s, 1.0 / p, out=busy_s)
+    busy_s += terms.kernel_cycles / (f * 1e6)
+    busy_s += terms.comm_s
+    duration_s = busy_s + terms.host_s
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
     # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
-    tensor_util = useful_s / duration_s
-    memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
-    busy = busy_s / duration_s
-    power_w = (
-        gpu.idle_power_w
-        + busy * gpu.sm_active_power_w * scale
-        + tensor_util * gpu.tensor_power_w * scale
-        + memory_util * gpu.memory_power_w
-    )
+    tensor_util = np.divide(useful_s, duration_s, out=useful_s)
+    memory_util = passes.bytes / duration_s
+    memory_util /= gpu.hbm_bandwidth_gb_s * 1e9
+    # power = idle + busy x SM power x s + tensor util x tensor power x s + memory util x
+    # memory power, summed left to right
+    power_w = np.divide(busy_s, duration_s, out=busy_s)
+    power_w *= gpu.sm_active_power_w
+    power_w *= scale
+    power_w += gpu.idle_power_w
+    tensor_w = tensor_util * gpu.tensor_power_w
+    tensor_w *= scale
+    power_w += tensor_w
+    memory_w = np.multiply(memory_util, gpu.memory_power_w, out=tensor_w)
+    power_w += memory_w
     if clocks is None:
         return PassTiming(float(f), duration_s, power_w, tensor_util, memory_util)
     return PassTiming(
