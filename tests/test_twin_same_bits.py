@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.campaign.model import DrafterSpec
-from dvfs.twin import physics
+from dvfs.twin import physics, thermal
 from dvfs.twin.drafting import plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes
 from dvfs.twin.profiles import gpu_profile, model_profile
+from dvfs.twin.timeline import thermal_of
 
 H100 = gpu_profile("h100-sxm")
 H200 = gpu_profile("h200-sxm")
@@ -149,3 +150,47 @@ def test_a_power_capped_round_is_the_bisection_of_the_plain_formula() -> None:
         one = passes.take(np.array([i]))
         fits = [c for c in CLOCKS if reference_time_passes(H100, one, c).power_w[0] <= limit]
         assert clocks[i] == (max(fits) if fits else CLOCKS[0])
+
+
+def reference_work_segments(th, t0_c, dynamic_w, duration_s, idle_w):
+    """`thermal.work_segments` and `start_temperatures` (one block) as plain expressions."""
+    n = len(dynamic_w)
+    dynamic = np.concatenate([dynamic_w, [idle_w]])
+    steady = th.steady_c(dynamic)
+    k = th.leakage_w_per_c
+    settled = dynamic + k * (steady - th.reference_c)
+    tau = th.tau_s
+    x = duration_s / tau
+    cum = np.concatenate([[0.0], np.cumsum(x)])
+    terms = steady[:n] * np.exp(cum[:-1]) * np.expm1(x)
+    start_c = np.concatenate([[t0_c], np.exp(-cum[1:]) * (t0_c + np.cumsum(terms))])
+    per_pass = settled[:n] * duration_s + k * (start_c[:n] - steady[:n]) * tau * -np.expm1(
+        -duration_s / tau
+    )
+    return steady, settled, start_c, np.concatenate([[0.0], np.cumsum(per_pass)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 400),
+    seed=st.integers(0, 2**16),
+    t0_c=st.floats(20.0, 90.0),
+    profile=st.sampled_from([H100, H200]),
+)
+def test_thermal_segments_are_the_plain_formula_to_the_bit(n, seed, t0_c, profile) -> None:
+    th = thermal_of(profile)
+    assert th.tau_s > 0 and th.leakage_w_per_c > 0  # the branch a sweep takes
+    rng = np.random.default_rng(seed)
+    dynamic_w = rng.uniform(80.0, 700.0, size=n)
+    duration_s = rng.integers(1_000, 80_000_000, size=n) * 1e-9
+    idle_w = float(rng.uniform(60.0, 120.0))
+    got = thermal.work_segments(th, t0_c, dynamic_w, duration_s, idle_w)
+    want = reference_work_segments(th, t0_c, dynamic_w, duration_s, idle_w)
+    for g, w in zip(got, want, strict=True):
+        assert g.tobytes() == w.tobytes()
+    alone = thermal.start_temperatures(th, t0_c, dynamic_w, duration_s)
+    assert alone.tobytes() == want[2].tobytes()
+    a, b = thermal.relaxation(th, t0_c, idle_w)
+    steady = float(th.steady_c(idle_w))
+    assert a == float(idle_w + th.leakage_w_per_c * (steady - th.reference_c))
+    assert b == float(th.leakage_w_per_c * (t0_c - steady))

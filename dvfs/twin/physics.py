@@ -271,7 +271,25 @@ def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
 
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
-    for all passes, or one per pass).
+    for all passes, or one per pass)."""
+    f, clocks, duration_s, power_w, tensor_util, memory_util = _timed(gpu, passes, sm_clock_mhz)
+    if clocks is None:
+        return PassTiming(f, duration_s, power_w, tensor_util, memory_util)
+    return PassTiming(
+        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
+    )
+
+
+def _pass_power_w(gpu: GpuProfile, passes: Passes, clocks: np.ndarray) -> np.ndarray:
+    """`time_passes(gpu, passes, clocks).power_w` alone (the cap search reads nothing else)."""
+    return _timed(gpu, passes, clocks)[3]
+
+
+def _timed(
+    gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray
+) -> tuple[float, np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`time_passes`'s numbers: the clock (one for all passes, else 0.0), the per-pass clocks
+    (None for one clock), duration, power, tensor and memory utilisation.
 
     The clock-free terms come from `_pass_terms`; the rest is computed in place where an
     intermediate is not needed again, in the same order of operations (the same bits)."""
@@ -317,10 +335,13 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
     power_w += tensor_w
     memory_w = np.multiply(memory_util, gpu.memory_power_w, out=tensor_w)
     power_w += memory_w
-    if clocks is None:
-        return PassTiming(float(f), duration_s, power_w, tensor_util, memory_util)
-    return PassTiming(
-        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
+    return (
+        (0.0 if clocks is not None else float(f)),
+        clocks,
+        duration_s,
+        power_w,
+        tensor_util,
+        memory_util,
     )
 
 
@@ -411,7 +432,7 @@ def _capped_clocks(
     n, m = len(hot), len(clocks)
     rows = np.arange(n)
     if n * m <= CAP_TABLE_MAX:
-        table = time_passes(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n)).power_w
+        table = _pass_power_w(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n))
         fit_table = (table <= power_limit_w).reshape(m, n)
         fitting = fit_table.sum(axis=0)
         if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
@@ -424,7 +445,7 @@ def _capped_clocks(
     else:
 
         def fits(mid: np.ndarray) -> np.ndarray:
-            return time_passes(gpu, hot, clocks[mid]).power_w <= power_limit_w
+            return _pass_power_w(gpu, hot, clocks[mid]) <= power_limit_w
 
     lo = np.zeros(n, dtype=np.int64)  # clocks below lo fit
     hi = np.full(n, m - 1, dtype=np.int64)  # clocks above hi do not
@@ -471,12 +492,14 @@ def _remembered_schedule(
 ) -> Schedule:
     """`schedule`, computed."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
+    # every pass fits the limit (the usual case): no phase needs looking at alone
+    fits = len(whole.power_w) == 0 or whole.power_w.max() <= power_limit_w
     points = []
     start = 0
     for phase in phases:
         timing = whole.slice(start, start + len(phase))
         start += len(phase)
-        if len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
+        if fits or len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
