@@ -544,7 +544,9 @@ class Schedule:
     def ends_ns(self) -> np.ndarray:
         """When each pass ends, in whole ns after the schedule starts (read-only; computed
         once, as the engine and every device of the node read it)."""
-        ends = np.cumsum(np.round(self.timing.duration_s * 1e9)).astype(np.int64)
+        ends = self.timing.duration_s * 1e9
+        np.round(ends, out=ends)
+        ends = np.cumsum(ends, out=ends).astype(np.int64)
         ends.flags.writeable = False
         return ends
 
