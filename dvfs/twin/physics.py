@@ -280,11 +280,6 @@ def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarra
     )
 
 
-def _pass_power_w(gpu: GpuProfile, passes: Passes, clocks: np.ndarray) -> np.ndarray:
-    """`time_passes(gpu, passes, clocks).power_w` alone (the cap search reads nothing else)."""
-    return _timed(gpu, passes, clocks)[3]
-
-
 def _timed(
     gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray
 ) -> tuple[float, np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -432,7 +427,7 @@ def _capped_clocks(
     n, m = len(hot), len(clocks)
     rows = np.arange(n)
     if n * m <= CAP_TABLE_MAX:
-        table = _pass_power_w(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n))
+        table = time_passes(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n)).power_w
         fit_table = (table <= power_limit_w).reshape(m, n)
         fitting = fit_table.sum(axis=0)
         if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
@@ -445,7 +440,7 @@ def _capped_clocks(
     else:
 
         def fits(mid: np.ndarray) -> np.ndarray:
-            return _pass_power_w(gpu, hot, clocks[mid]) <= power_limit_w
+            return time_passes(gpu, hot, clocks[mid]).power_w <= power_limit_w
 
     lo = np.zeros(n, dtype=np.int64)  # clocks below lo fit
     hi = np.full(n, m - 1, dtype=np.int64)  # clocks above hi do not
