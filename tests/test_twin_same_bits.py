@@ -194,3 +194,25 @@ def test_thermal_segments_are_the_plain_formula_to_the_bit(n, seed, t0_c, profil
     steady = float(th.steady_c(idle_w))
     assert a == float(idle_w + th.leakage_w_per_c * (steady - th.reference_c))
     assert b == float(th.leakage_w_per_c * (t0_c - steady))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    seed=st.integers(0, 2**16),
+    profile=st.sampled_from([H100, H200]),
+    off_table=st.booleans(),
+)
+def test_clock_factors_looked_up_per_pass_are_the_array_arithmetic(
+    n, seed, profile, off_table
+) -> None:
+    """Bandwidth and dynamic-power scale per pass, from the per-GPU table of supported clocks,
+    are what the array arithmetic gives on the passes' own clocks (any length, any order);
+    a clock off the table is computed."""
+    rng = np.random.default_rng(seed)
+    clocks = rng.choice(np.array(profile.supported_sm_clocks_mhz(), dtype=float), size=n)
+    if off_table:
+        clocks[rng.integers(n)] += 0.5
+    bandwidth, scale = physics._clocks_factors(profile, clocks)
+    assert bandwidth.tobytes() == physics.bandwidth_bytes_s(profile, clocks).tobytes()
+    assert scale.tobytes() == physics.dynamic_scale(profile, clocks).tobytes()

@@ -207,6 +207,30 @@ def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _clock_table(gpu: GpuProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The supported clocks, ascending, and the bandwidth and dynamic-power scale at each, as
+    `bandwidth_bytes_s` and `dynamic_scale` give them for an array of clocks (read-only)."""
+    clocks = np.array(sorted(gpu.supported_sm_clocks_mhz()), dtype=float)
+    table = clocks, bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks)
+    for column in table:
+        column.flags.writeable = False
+    return table
+
+
+def _clocks_factors(gpu: GpuProfile, clocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`bandwidth_bytes_s` and `dynamic_scale` at each of `clocks`: looked up in
+    `_clock_table` when every clock is a supported one (the power limit's search only tries
+    those), which is elementwise the same array arithmetic without its powers per pass."""
+    known, bandwidth, scale = _clock_table(gpu)
+    if len(known):
+        at = np.searchsorted(known, clocks)
+        np.minimum(at, len(known) - 1, out=at)
+        if np.array_equal(known[at], clocks):
+            return bandwidth[at], scale[at]
+    return bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks)
+
+
 def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
     """Each pass's host time, not overlapped with the GPU: its launches' scheduling, and a
     speculative step's bookkeeping (per step, per request and per verified token)."""
@@ -298,7 +322,7 @@ def _timed(
     else:
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
-        bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
+        bandwidth, scale = _clocks_factors(gpu, clocks)
     terms = _pass_terms(gpu, passes)
     # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
     # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
