@@ -214,7 +214,7 @@ class TwinEngine:
         # with the latest first chunk and every iteration stands for them all
         # (`check_chunk_times` on that one row, in two steps).
         first_max = first_ns.max()
-        if (n_iter and first_max > iter_ns[0]) or np.any(iter_ns[1:] < iter_ns[:-1]):
+        if (n_iter and first_max > iter_ns[0]) or (iter_ns[1:] < iter_ns[:-1]).any():
             check_chunk_times(
                 np.concatenate([[first_max], iter_ns])[None, :], np.array([n_iter + 1])
             )

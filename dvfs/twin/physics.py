@@ -224,7 +224,7 @@ def _clocks_factors(gpu: GpuProfile, clocks: np.ndarray) -> tuple[np.ndarray, np
     those), which is elementwise the same array arithmetic without its powers per pass."""
     known, bandwidth, scale = _clock_table(gpu)
     if len(known):
-        at = np.searchsorted(known, clocks)
+        at = known.searchsorted(clocks)
         np.minimum(at, len(known) - 1, out=at)
         if np.array_equal(known[at], clocks):
             return bandwidth[at], scale[at]
@@ -564,8 +564,8 @@ class Schedule:
         """When each pass ends, in whole ns after the schedule starts (read-only; computed
         once, as the engine and every device of the node read it)."""
         ends = self.timing.duration_s * 1e9
-        np.round(ends, out=ends)
-        ends = np.cumsum(ends, out=ends).astype(np.int64)
+        ends.round(out=ends)
+        ends = ends.cumsum(out=ends).astype(np.int64)
         ends.flags.writeable = False
         return ends
 

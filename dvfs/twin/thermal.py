@@ -109,14 +109,14 @@ def _start_temperatures(
         return out
     cum = np.empty(n + 1)  # L[i], i = 0..n
     cum[0] = 0.0
-    np.cumsum(x, out=cum[1:])
+    x.cumsum(out=cum[1:])
     out[0] = t0_c
     if cum[-1] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
         # steady e^L[i] expm1(x[i]), summed, plus T0, times e^-L[i+1]: in place, in that order
         terms = np.exp(cum[:-1])
         np.multiply(steady, terms, out=terms)
         terms *= np.expm1(x)
-        np.cumsum(terms, out=terms)
+        terms.cumsum(out=terms)
         terms += t0_c
         decay = np.negative(cum[1:])
         np.exp(decay, out=decay)
@@ -177,7 +177,7 @@ def work_segments(
         per_pass += lag
     energy_before = np.empty(n + 1)
     energy_before[0] = 0.0
-    np.cumsum(per_pass, out=energy_before[1:])
+    per_pass.cumsum(out=energy_before[1:])
     return steady, settled, start_c, energy_before
 
 

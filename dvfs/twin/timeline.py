@@ -40,7 +40,7 @@ class Work:
 
     def after(self, t_ns: int) -> Work | None:
         """What is left at `t_ns` (the pass under way cut to start there), None when done."""
-        i = int(np.searchsorted(self.ends_ns, t_ns, side="right"))
+        i = int(self.ends_ns.searchsorted(t_ns, side="right"))
         if i >= len(self.ends_ns):
             return None
         starts = self.starts_ns[i:].copy()
@@ -201,7 +201,7 @@ class Timeline:
         """busy, segment index (the idle tail is the last), temperature (C), true power (W),
         true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped)."""
         t_ns = np.maximum(t_ns, self.fold_ns)
-        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         busy = j < len(self._seg_ends_ns)
         offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
         settled_w = self._seg_settled_w[j]
@@ -225,7 +225,7 @@ class Timeline:
         """`_truth`'s true energy alone (the counter's updates read nothing else): the same
         arithmetic, without the temperature and power."""
         t_ns = np.maximum(np.asarray(t_ns, dtype=np.int64), self.fold_ns)
-        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         offset_s = t_ns - self._seg_start_ns[j]
         offset_s = np.multiply(offset_s, 1e-9)
         # energy before the segment + settled power x offset, then + k tau' (T0 - S) (1 -
@@ -250,7 +250,7 @@ class Timeline:
         """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature
         (C) and true energy since `fold_ns` (J)."""
         t_ns = max(t_ns, self.fold_ns)
-        j = int(np.searchsorted(self._seg_ends_ns, t_ns, side="right"))
+        j = int(self._seg_ends_ns.searchsorted(t_ns, side="right"))
         offset_s = (t_ns - int(self._seg_start_ns[j])) * 1e-9
         energy = float(self._seg_energy_j[j]) + float(self._seg_settled_w[j]) * offset_s
         temp = float(self._seg_steady_c[j])
