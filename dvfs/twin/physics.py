@@ -34,7 +34,8 @@ class Passes:
     """A sequence of forward passes as seen by ONE GPU (tensor-parallel shares already applied).
 
     Compared and hashed by identity (arrays have no single truth value), so that what was
-    learnt about one sequence (`operating_point`'s capped clocks) can be remembered with it.
+    learnt about one sequence (`operating_point`'s capped clocks, `time_passes`'s clock-free
+    terms) can be remembered with it: its arrays are not to be changed once it is made.
     """
 
     flops: np.ndarray
