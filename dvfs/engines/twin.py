@@ -86,6 +86,8 @@ class TwinEngine:
         self._drafter: DrafterSpec | None = None
         self._plan: DraftPlan | None = None
         self._alphas: dict[tuple[TextProfile, float], float] = {}
+        #: `_alphas` by corpus name, for a text found in `texts` (the text kept to check it)
+        self._corpus_alphas: dict[tuple[str, float], tuple[TextProfile, float]] = {}
         self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
         self._gc_thresholds: tuple[int, ...] | None = None
 
@@ -94,6 +96,7 @@ class TwinEngine:
         self._plan = plan_drafter(drafter, self.model)
         self._drafter = drafter
         self._alphas = {}
+        self._corpus_alphas = {}
         self._rounds = OrderedDict()
         if self.node.clock.virtual:  # loading weights costs virtual time only; never wait for real
             self.node.clock.sleep(self.startup_s)
@@ -115,6 +118,7 @@ class TwinEngine:
         self._drafter = None
         self._plan = None
         self._alphas = {}
+        self._corpus_alphas = {}
         self._rounds = OrderedDict()
 
     def __enter__(self) -> TwinEngine:
@@ -151,11 +155,21 @@ class TwinEngine:
             return 0.0, 0
         # What the corpus's text says (profiled once per corpus by the sweep); given none, the
         # round's own prompts are read.
-        text = self.texts.get(workload.corpus) or profile_prompts(workload.prompts)
+        text = self.texts.get(workload.corpus)
+        by_name = (workload.corpus, workload.temperature)
+        if text:  # found by the corpus's name (a string hashes at once, a profile field by field)
+            known = self._corpus_alphas.get(by_name)
+            if known is not None and known[0] is text:
+                return known[1], plan.depth
+        else:
+            text = profile_prompts(workload.prompts)
         key = (text, workload.temperature)
-        if key not in self._alphas:  # the same few per server, asked every round
-            self._alphas[key] = plan.alpha(text, workload.temperature)
-        return self._alphas[key], plan.depth
+        alpha = self._alphas.get(key)
+        if alpha is None:  # the same few per server, asked every round
+            alpha = self._alphas[key] = plan.alpha(text, workload.temperature)
+        if text is self.texts.get(workload.corpus):
+            self._corpus_alphas[by_name] = (text, alpha)
+        return alpha, plan.depth
 
     def _fixed_round(self, workload: Workload) -> _FixedRound:
         """The round's tokens and passes, from the cache when only the knobs changed."""
@@ -187,19 +201,23 @@ class TwinEngine:
         clock = self.node.clock
         t0 = clock.now_ns()
         planned = self._fixed_round(workload)
-        n_prefill, n_iter, width = planned.n_prefill, planned.n_iter, planned.width
+        n_prefill, n_iter = planned.n_prefill, planned.n_iter
         ends_ns, knob_ns, timing = self._execute(planned.phases, timeline)
         first_ns = ends_ns[:n_prefill][planned.done_chunk]
-        iter_ns = ends_ns[n_prefill + np.arange(n_iter) * width + verify_column(self._plan, width)]
+        iter_ns = ends_ns[_verify_passes(planned, self._plan)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
         # prefix of the iterations); row views of one array, checked once for the round.
         chunk_ns = np.empty((workload.batch, n_iter + 1), dtype=np.int64)
         chunk_ns[:, 0] = first_ns
         chunk_ns[:, 1:] = iter_ns
         # Every row is its own first chunk then a prefix of the same iterations: the row
-        # with the latest first chunk and every iteration stands for them all.
-        worst = np.concatenate([[first_ns.max()], iter_ns])
-        check_chunk_times(worst[None, :], np.array([len(worst)]))
+        # with the latest first chunk and every iteration stands for them all
+        # (`check_chunk_times` on that one row, in two steps).
+        first_max = first_ns.max()
+        if (n_iter and first_max > iter_ns[0]) or (iter_ns[1:] < iter_ns[:-1]).any():
+            check_chunk_times(
+                np.concatenate([[first_max], iter_ns])[None, :], np.array([n_iter + 1])
+            )
         chunk_ns.flags.writeable = False
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
@@ -543,14 +561,18 @@ def _traces(
     fields (`_trace_fields`, made once for all the rounds that reuse the plan) with this
     round's send time and chunk times."""
     new = object.__new__
-    traces = []
-    for i, (k, fields) in enumerate(_trace_fields(planned, plan)):
+    traces: list[RequestTrace] = []
+    append = traces.append
+    width = chunk_ns.shape[1]
+    # row i's first k chunks: the row's view itself when it uses every column (a round cut at
+    # its window, or one whose requests all finish together), else a shorter view of it
+    for (k, fields), row in zip(_trace_fields(planned, plan), chunk_ns, strict=True):
         trace = new(RequestTrace)
         state = trace.__dict__
         state.update(fields)
         state["sent_ns"] = t0
-        state["chunk_ns"] = chunk_ns[i, :k]
-        traces.append(trace)
+        state["chunk_ns"] = row if k == width else row[:k]
+        append(trace)
     return traces
 
 
@@ -604,6 +626,19 @@ def _trace_fields(
     # equality and repr are unchanged)
     planned.__dict__["_trace_fields"] = (plan, fields)
     return fields
+
+
+def _verify_passes(planned: _FixedRound, plan: DraftPlan | None) -> np.ndarray:
+    """The index of each decode iteration's verify pass among the round's passes, made once
+    per planned round and kept with it (as `_trace_fields` is)."""
+    known = planned.__dict__.get("_verify_passes")
+    if known is not None and known[0] is plan:
+        return known[1]
+    width = planned.width
+    index = planned.n_prefill + np.arange(planned.n_iter) * width + verify_column(plan, width)
+    index.flags.writeable = False
+    planned.__dict__["_verify_passes"] = (plan, index)
+    return index
 
 
 def _iteration_roles(plan: DraftPlan | None, width: int) -> np.ndarray:

@@ -124,23 +124,35 @@ class SteppedCounter:
         u = np.arange(
             s.instant_of(self.last + 1), s.instant_of(self.tail_first), s.period_ns, dtype=np.int64
         )
-        lo = np.maximum(u - s.sampled_ns, fold_ns)
-        both = true_energy_j(np.concatenate([u, lo]))  # one pass over the timeline
-        sampled = both[: len(u)] - both[len(u) :]
-        if len(sampled):
+        m, h = len(u), len(self.history)
+        # the window ends, then their starts (not before the fold): one pass over the timeline
+        ends_starts = np.empty(2 * m, dtype=np.int64)
+        ends_starts[:m] = u
+        np.subtract(u, s.sampled_ns, out=ends_starts[m:])
+        np.maximum(ends_starts[m:], fold_ns, out=ends_starts[m:])
+        both = true_energy_j(ends_starts)
+        sampled = both[:m] - both[m:]
+        if m:
             sampled[0] += carry_j
-        explicit = self.history[-1] + s.scale * np.cumsum(sampled)
-        #: The counter at updates first .. tail_first - 1, in one array.
-        self.known = np.concatenate([self.history, explicit])
+        #: The counter at updates first .. tail_first - 1, in one array: the history, then
+        #: its last value + scale x the running sum of what the sensor sampled.
+        self.known = np.empty(h + m)
+        self.known[:h] = self.history
+        explicit = sampled.cumsum(out=self.known[h:])
+        explicit *= s.scale
+        explicit += self.history[-1]
         self._before_tail = float(self.known[-1])
 
     def at_updates(self, k: np.ndarray) -> np.ndarray:
         """The counter (J) just after update k, for k >= `first` (elementwise)."""
         k = np.asarray(k, dtype=np.int64)
         i = k - self.first
-        if i.size and i.min() < 0:
-            raise ValueError("the counter's history does not reach that far back")
         n = len(self.known)
+        if i.size:
+            if i.min() < 0:
+                raise ValueError("the counter's history does not reach that far back")
+            if i.max() < n:  # none in the closed-form tail
+                return self.known[i]
         out = self.known[np.minimum(i, n - 1)]
         late = i >= n
         if late.any():

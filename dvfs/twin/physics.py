@@ -34,7 +34,8 @@ class Passes:
     """A sequence of forward passes as seen by ONE GPU (tensor-parallel shares already applied).
 
     Compared and hashed by identity (arrays have no single truth value), so that what was
-    learnt about one sequence (`operating_point`'s capped clocks) can be remembered with it.
+    learnt about one sequence (`operating_point`'s capped clocks, `time_passes`'s clock-free
+    terms) can be remembered with it: its arrays are not to be changed once it is made.
     """
 
     flops: np.ndarray
@@ -82,8 +83,13 @@ class Passes:
         return Passes(*(getattr(self, f)[start:stop] for f in Passes.__dataclass_fields__))
 
     def take(self, indices: np.ndarray) -> Passes:
-        """The passes at `indices`, in that order."""
-        return Passes(*(getattr(self, f)[indices] for f in Passes.__dataclass_fields__))
+        """The passes at `indices`, in that order (with the clock-free terms `time_passes`
+        already derived from these passes, taken alike: they are elementwise)."""
+        taken = Passes(*(getattr(self, f)[indices] for f in Passes.__dataclass_fields__))
+        known = self.__dict__.get(_CONSTANTS)
+        if known is not None:
+            taken.__dict__[_CONSTANTS] = (known[0], known[1].take(indices))
+        return taken
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,30 @@ def _clock_factors(gpu: GpuProfile, sm_clock_mhz: float) -> tuple[float, float]:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _clock_table(gpu: GpuProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The supported clocks, ascending, and the bandwidth and dynamic-power scale at each, as
+    `bandwidth_bytes_s` and `dynamic_scale` give them for an array of clocks (read-only)."""
+    clocks = np.array(sorted(gpu.supported_sm_clocks_mhz()), dtype=float)
+    table = clocks, bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks)
+    for column in table:
+        column.flags.writeable = False
+    return table
+
+
+def _clocks_factors(gpu: GpuProfile, clocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`bandwidth_bytes_s` and `dynamic_scale` at each of `clocks`: looked up in
+    `_clock_table` when every clock is a supported one (the power limit's search only tries
+    those), which is elementwise the same array arithmetic without its powers per pass."""
+    known, bandwidth, scale = _clock_table(gpu)
+    if len(known):
+        at = known.searchsorted(clocks)
+        np.minimum(at, len(known) - 1, out=at)
+        if np.array_equal(known[at], clocks):
+            return bandwidth[at], scale[at]
+    return bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks)
+
+
 def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
     """Each pass's host time, not overlapped with the GPU: its launches' scheduling, and a
     speculative step's bookkeeping (per step, per request and per verified token)."""
@@ -213,50 +243,125 @@ def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
     )
 
 
+@dataclass(frozen=True)
+class _PassTerms:
+    """What `time_passes` derives from a pass sequence whatever the clock, elementwise."""
+
+    #: gemm_efficiency (large M) / gemm_efficiency at the passes' tokens: the tile and wave
+    #: quantisation's stretch of the compute time
+    stretch: np.ndarray
+    #: the bytes, a verify pass's KV-cache reads counted at the custom-mask kernel's cost
+    memory_bytes: np.ndarray
+    #: layers x kernel cycles per layer
+    kernel_cycles: np.ndarray
+    comm_s: np.ndarray
+    host_s: np.ndarray
+
+    def take(self, indices: np.ndarray) -> _PassTerms:
+        return _PassTerms(
+            self.stretch[indices],
+            self.memory_bytes[indices],
+            self.kernel_cycles[indices],
+            self.comm_s[indices],
+            self.host_s[indices],
+        )
+
+
+#: Where `_pass_terms` keeps a sequence's terms: beside the frozen `Passes`'s fields, as
+#: functools.cached_property stores (its equality, repr and fields are unchanged).
+_CONSTANTS = "_time_passes_terms"
+
+
+def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
+    """The clock-free terms of `time_passes` for `passes` on `gpu`, worked out once per pass
+    sequence: a sweep times the same planned round at every clock. Each is the expression
+    `time_passes` evaluated inline before, so the numbers are the same to the bit."""
+    known = passes.__dict__.get(_CONSTANTS)
+    if known is not None and known[0] is gpu:
+        return known[1]
+    terms = _PassTerms(
+        stretch=gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens),
+        # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at
+        # a fraction of the bandwidth plain decode attention reaches: its bytes take longer.
+        memory_bytes=passes.bytes
+        + passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0),
+        kernel_cycles=passes.layers * gpu.kernel_cycles_per_layer,
+        comm_s=passes.comm_bytes / (gpu.nvlink_gb_s * 1e9)
+        + passes.comm_calls * ALLREDUCE_LATENCY_S,
+        host_s=host_time_s(gpu, passes),
+    )
+    passes.__dict__[_CONSTANTS] = (gpu, terms)
+    return terms
+
+
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
     for all passes, or one per pass)."""
+    f, clocks, duration_s, power_w, tensor_util, memory_util = _timed(gpu, passes, sm_clock_mhz)
+    if clocks is None:
+        return PassTiming(f, duration_s, power_w, tensor_util, memory_util)
+    return PassTiming(
+        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
+    )
+
+
+def _timed(
+    gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray
+) -> tuple[float, np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`time_passes`'s numbers: the clock (one for all passes, else 0.0), the per-pass clocks
+    (None for one clock), duration, power, tensor and memory utilisation.
+
+    The clock-free terms come from `_pass_terms`; the rest is computed in place where an
+    intermediate is not needed again, in the same order of operations (the same bits)."""
     clocks: np.ndarray | None = None
     f: float | np.ndarray
     bandwidth: float | np.ndarray
     scale: float | np.ndarray
-    if np.ndim(sm_clock_mhz) == 0:
+    if isinstance(sm_clock_mhz, int | float) or np.ndim(sm_clock_mhz) == 0:
         f = float(sm_clock_mhz)
         bandwidth, scale = _clock_factors(gpu, f)
     else:
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
-        bandwidth, scale = bandwidth_bytes_s(gpu, f), dynamic_scale(gpu, f)
+        bandwidth, scale = _clocks_factors(gpu, clocks)
+    terms = _pass_terms(gpu, passes)
     # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
     # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
     useful_s = passes.flops / gpu.peak_flops(f)  # type: ignore[arg-type]
-    compute_s = useful_s * (gpu.gemm_efficiency / gemm_efficiency(gpu, passes.tokens))
-    # A verify pass's attention reads the KV cache through a custom-mask (tree) kernel at a
-    # fraction of the bandwidth plain decode attention reaches: its bytes take longer.
-    slow = passes.verify_kv_bytes * (1.0 / gpu.verify_attention_efficiency - 1.0)
-    memory_s = (passes.bytes + slow) / bandwidth
+    compute_s = useful_s * terms.stretch
+    memory_s = terms.memory_bytes / bandwidth
     p = ROOFLINE_BLEND
-    roofline_s = (compute_s**p + memory_s**p) ** (1.0 / p)
-    kernel_s = passes.layers * gpu.kernel_cycles_per_layer / (f * 1e6)
-    comm_s = passes.comm_bytes / (gpu.nvlink_gb_s * 1e9) + passes.comm_calls * ALLREDUCE_LATENCY_S
-    busy_s = roofline_s + kernel_s + comm_s
-    duration_s = busy_s + host_time_s(gpu, passes)
+    # roofline = (compute^p + memory^p)^(1/p), then + kernel + comm: the busy time
+    busy_s = np.power(compute_s, p, out=compute_s)
+    busy_s += np.power(memory_s, p, out=memory_s)
+    np.power(busy_s, 1.0 / p, out=busy_s)
+    busy_s += terms.kernel_cycles / (f * 1e6)
+    busy_s += terms.comm_s
+    duration_s = busy_s + terms.host_s
     # Tensor power follows the useful FLOPs: the padding of a GEMM's last tile multiplies
     # zeros, which switch little (the same matmul draws less power on zeros, G11), and the
     # SMs a last wave leaves idle draw none; so utilisation is at the large-M efficiency.
-    tensor_util = useful_s / duration_s
-    memory_util = (passes.bytes / duration_s) / (gpu.hbm_bandwidth_gb_s * 1e9)
-    busy = busy_s / duration_s
-    power_w = (
-        gpu.idle_power_w
-        + busy * gpu.sm_active_power_w * scale
-        + tensor_util * gpu.tensor_power_w * scale
-        + memory_util * gpu.memory_power_w
-    )
-    if clocks is None:
-        return PassTiming(float(f), duration_s, power_w, tensor_util, memory_util)
-    return PassTiming(
-        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
+    tensor_util = np.divide(useful_s, duration_s, out=useful_s)
+    memory_util = passes.bytes / duration_s
+    memory_util /= gpu.hbm_bandwidth_gb_s * 1e9
+    # power = idle + busy x SM power x s + tensor util x tensor power x s + memory util x
+    # memory power, summed left to right
+    power_w = np.divide(busy_s, duration_s, out=busy_s)
+    power_w *= gpu.sm_active_power_w
+    power_w *= scale
+    power_w += gpu.idle_power_w
+    tensor_w = tensor_util * gpu.tensor_power_w
+    tensor_w *= scale
+    power_w += tensor_w
+    memory_w = np.multiply(memory_util, gpu.memory_power_w, out=tensor_w)
+    power_w += memory_w
+    return (
+        (0.0 if clocks is not None else float(f)),
+        clocks,
+        duration_s,
+        power_w,
+        tensor_util,
+        memory_util,
     )
 
 
@@ -407,12 +512,14 @@ def _remembered_schedule(
 ) -> Schedule:
     """`schedule`, computed."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
+    # every pass fits the limit (the usual case): no phase needs looking at alone
+    fits = len(whole.power_w) == 0 or whole.power_w.max() <= power_limit_w
     points = []
     start = 0
     for phase in phases:
         timing = whole.slice(start, start + len(phase))
         start += len(phase)
-        if len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
+        if fits or len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
@@ -457,7 +564,9 @@ class Schedule:
     def ends_ns(self) -> np.ndarray:
         """When each pass ends, in whole ns after the schedule starts (read-only; computed
         once, as the engine and every device of the node read it)."""
-        ends = np.cumsum(np.round(self.timing.duration_s * 1e9)).astype(np.int64)
+        ends = self.timing.duration_s * 1e9
+        ends.round(out=ends)
+        ends = ends.cumsum(out=ends).astype(np.int64)
         ends.flags.writeable = False
         return ends
 

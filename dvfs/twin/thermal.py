@@ -92,19 +92,35 @@ def start_temperatures(
     dynamic_w = np.asarray(dynamic_w, dtype=float)
     duration_s = np.asarray(duration_s, dtype=float)
     steady = th.steady_c(dynamic_w) if steady_c is None else steady_c
-    n = len(dynamic_w)
-    out = np.empty(n + 1)
     tau = th.tau_s
-    if tau <= 0.0:  # no lag: each segment is at its steady state from its first instant
+    return _start_temperatures(th, t0_c, steady, duration_s / tau if tau > 0.0 else None)
+
+
+def _start_temperatures(
+    th: Thermal, t0_c: float, steady: np.ndarray, x: np.ndarray | None
+) -> np.ndarray:
+    """`start_temperatures` given the segments' steady temperatures and their durations over
+    tau' (`x`; None when tau' is 0)."""
+    n = len(steady)
+    out = np.empty(n + 1)
+    if x is None:  # no lag: each segment is at its steady state from its first instant
         out[0] = t0_c
         out[1:] = steady
         return out
-    x = duration_s / tau
-    cum = np.concatenate([[0.0], np.cumsum(x)])  # L[i], i = 0..n
+    cum = np.empty(n + 1)  # L[i], i = 0..n
+    cum[0] = 0.0
+    x.cumsum(out=cum[1:])
     out[0] = t0_c
     if cum[-1] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
-        terms = steady * np.exp(cum[:-1]) * np.expm1(x)
-        out[1:] = np.exp(-cum[1:]) * (t0_c + np.cumsum(terms))
+        # steady e^L[i] expm1(x[i]), summed, plus T0, times e^-L[i+1]: in place, in that order
+        terms = np.exp(cum[:-1])
+        np.multiply(steady, terms, out=terms)
+        terms *= np.expm1(x)
+        terms.cumsum(out=terms)
+        terms += t0_c
+        decay = np.negative(cum[1:])
+        np.exp(decay, out=decay)
+        np.multiply(decay, terms, out=out[1:])
         return out
     start, temp = 0, float(t0_c)
     while start < n:
@@ -140,19 +156,28 @@ def work_segments(
     k = th.leakage_w_per_c
     settled = dynamic + k * (steady - th.reference_c)
     pass_steady = steady[:n]
-    start_c = start_temperatures(th, t0_c, dynamic_w, duration_s, pass_steady)
     tau = th.tau_s
+    x = duration_s / tau if tau > 0.0 else None
+    start_c = _start_temperatures(th, t0_c, pass_steady, x)
     if k == 0.0:
         per_pass = dynamic_w * duration_s
-    elif tau <= 0.0:
+    elif x is None:
         per_pass = settled[:n] * duration_s
     else:
-        per_pass = settled[:n] * duration_s + k * (start_c[:n] - pass_steady) * tau * -np.expm1(
-            -duration_s / tau
-        )
+        # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in place in that order
+        # (-d / tau' is -x to the bit: division rounds the same either sign)
+        lag = start_c[:n] - pass_steady
+        lag *= k
+        lag *= tau
+        decay = np.negative(x)
+        np.expm1(decay, out=decay)
+        np.negative(decay, out=decay)
+        lag *= decay
+        per_pass = settled[:n] * duration_s
+        per_pass += lag
     energy_before = np.empty(n + 1)
     energy_before[0] = 0.0
-    np.cumsum(per_pass, out=energy_before[1:])
+    per_pass.cumsum(out=energy_before[1:])
     return steady, settled, start_c, energy_before
 
 
@@ -195,7 +220,9 @@ def segment_temperature_c(
 def relaxation(th: Thermal, t_start_c: float, dynamic_w: float) -> tuple[float, float]:
     """A constant-`dynamic_w` stretch from `t_start_c` as true power a + b exp(-s / tau'):
     (a, b). The energy counter sums its sampled windows in closed form from these."""
-    steady = float(th.steady_c(dynamic_w))
+    k = th.leakage_w_per_c
+    # `steady_c` in float arithmetic (the same operations: the same number)
+    steady = (th.ambient_c + th.c_per_w * (float(dynamic_w) - k * th.reference_c)) * th.gain
     a = dynamic_w + th.leakage_w_per_c * (steady - th.reference_c)
     b = th.leakage_w_per_c * (t_start_c - steady) if th.tau_s > 0 else 0.0
     return float(a), float(b)

@@ -40,7 +40,7 @@ class Work:
 
     def after(self, t_ns: int) -> Work | None:
         """What is left at `t_ns` (the pass under way cut to start there), None when done."""
-        i = int(np.searchsorted(self.ends_ns, t_ns, side="right"))
+        i = int(self.ends_ns.searchsorted(t_ns, side="right"))
         if i >= len(self.ends_ns):
             return None
         starts = self.starts_ns[i:].copy()
@@ -201,18 +201,19 @@ class Timeline:
         """busy, segment index (the idle tail is the last), temperature (C), true power (W),
         true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped)."""
         t_ns = np.maximum(t_ns, self.fold_ns)
-        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         busy = j < len(self._seg_ends_ns)
         offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
         settled_w = self._seg_settled_w[j]
         energy = self._seg_energy_j[j] + settled_w * offset_s
         tau = self.thermal.tau_s
         if tau > 0:
-            lag_c = self._seg_offset_c[j] * np.exp(-offset_s / tau)  # T - S
+            start_lag = self._seg_offset_c[j]  # T0 - S
+            lag_c = start_lag * np.exp(-offset_s / tau)  # T - S
             temp = self._seg_steady_c[j] + lag_c
             k = self.thermal.leakage_w_per_c
             if k:
-                energy += k * tau * (self._seg_offset_c[j] - lag_c)
+                energy += k * tau * (start_lag - lag_c)
                 power = settled_w + k * lag_c
             else:
                 power = settled_w
@@ -224,21 +225,32 @@ class Timeline:
         """`_truth`'s true energy alone (the counter's updates read nothing else): the same
         arithmetic, without the temperature and power."""
         t_ns = np.maximum(np.asarray(t_ns, dtype=np.int64), self.fold_ns)
-        j = np.searchsorted(self._seg_ends_ns, t_ns, side="right")
-        offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
-        energy = self._seg_energy_j[j] + self._seg_settled_w[j] * offset_s
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
+        offset_s = t_ns - self._seg_start_ns[j]
+        offset_s = np.multiply(offset_s, 1e-9)
+        # energy before the segment + settled power x offset, then + k tau' (T0 - S) (1 -
+        # e^(-offset / tau')), each step in place in the order of the formula
+        energy = self._seg_settled_w[j]
+        energy *= offset_s
+        energy += self._seg_energy_j[j]
         tau = self.thermal.tau_s
         k = self.thermal.leakage_w_per_c
         if tau > 0 and k:
             start_lag = self._seg_offset_c[j]
-            energy += k * tau * (start_lag - start_lag * np.exp(-offset_s / tau))
+            decay = np.negative(offset_s, out=offset_s)
+            decay /= tau
+            np.exp(decay, out=decay)
+            decay *= start_lag
+            np.subtract(start_lag, decay, out=decay)
+            decay *= k * tau
+            energy += decay
         return energy
 
     def _point(self, t_ns: int) -> tuple[float, float]:
         """`_truth` at one instant in scalar arithmetic (a fold reads one or two): temperature
         (C) and true energy since `fold_ns` (J)."""
         t_ns = max(t_ns, self.fold_ns)
-        j = int(np.searchsorted(self._seg_ends_ns, t_ns, side="right"))
+        j = int(self._seg_ends_ns.searchsorted(t_ns, side="right"))
         offset_s = (t_ns - int(self._seg_start_ns[j])) * 1e-9
         energy = float(self._seg_energy_j[j]) + float(self._seg_settled_w[j]) * offset_s
         temp = float(self._seg_steady_c[j])
