@@ -217,8 +217,9 @@ class PassLedger:
         time no pass covers, both at idle power. The times add up to the interval's length."""
         ends = self.ends_ns
         dur_ns = np.round(self.duration_s * 1e9)
-        overlap_ns = np.clip(
-            np.minimum(ends, end_ns) - np.maximum(ends - dur_ns, start_ns), 0, None
+        # np.clip(x, 0, None) is np.maximum(x, 0) (NaN kept), without clip's argument handling
+        overlap_ns = np.maximum(
+            np.minimum(ends, end_ns) - np.maximum(ends - dur_ns, start_ns), 0
         ).astype(float)
         share = overlap_ns / np.maximum(dur_ns, 1.0)
         host_s = self.host_s * share

@@ -84,26 +84,18 @@ class TwinGpu:
                 return readings
         out = _nvml_units(self.device.readings_at(t_ns))
         if t_ns.ndim == 1 and len(t_ns):
-            tail = BulkReadings(
-                *(
-                    values[-1:].copy()
-                    for values in (
-                        out.energy_mj,
-                        out.power_mw,
-                        out.sm_clock_mhz,
-                        out.temperature_c,
-                        out.reasons,
-                    )
+            # the last reading's five integers copied into one read-only block, a row each
+            block = np.stack(
+                (
+                    out.energy_mj[-1:],
+                    out.power_mw[-1:],
+                    out.sm_clock_mhz[-1:],
+                    out.temperature_c[-1:],
+                    out.reasons[-1:],
                 )
             )
-            for values in (
-                tail.energy_mj,
-                tail.power_mw,
-                tail.sm_clock_mhz,
-                tail.temperature_c,
-                tail.reasons,
-            ):
-                values.flags.writeable = False
+            block.flags.writeable = False
+            tail = BulkReadings(*block)
             self._last = ((timeline, int(t_ns[-1])), tail)
             if len(t_ns) == 1:
                 return tail

@@ -192,9 +192,13 @@ class EnergySplit:
             share_j, share_s = ledger.split(*window)
             total_j, total_s = float(share_j.sum()), float(share_s.sum())
             joules = max(counted.energy_mj, 0.0) / 1000
-            for i in range(len(SPLIT_PARTS)):
-                energy[i] += joules * float(share_j[i]) / total_j if total_j > 0 else 0.0
-                time[i] += counted.seconds * float(share_s[i]) / total_s if total_s > 0 else 0.0
+            seconds = counted.seconds
+            # plain floats, part by part (numpy's float64 arithmetic, without its scalars)
+            for i, (part_j, part_s) in enumerate(
+                zip(share_j.tolist(), share_s.tolist(), strict=True)
+            ):
+                energy[i] += joules * part_j / total_j if total_j > 0 else 0.0
+                time[i] += seconds * part_s / total_s if total_s > 0 else 0.0
         return cls(tuple(energy), tuple(time)) if measured else None
 
     def to_json(self) -> dict[str, Any]:
