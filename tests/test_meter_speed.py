@@ -9,11 +9,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dvfs.cube import build
 from dvfs.engines.base import SPLIT_PARTS, PassLedger, RequestTrace
+from dvfs.gpu import twin as twin_gpu
+from dvfs.gpu.base import BulkReadings
 from dvfs.measure import meter
 from dvfs.measure.counter import RoundEnergy
 from dvfs.measure.meter import QUANTILES, LatencyStats, latency_stats
 from dvfs.records.cell import EnergySplit
+from dvfs.records.version import stored_floats
+from dvfs.twin.timeline import Readings
 
 
 def bits(x: float) -> bytes:
@@ -249,3 +254,70 @@ def test_energy_split_equals_the_code_it_replaced(rounds) -> None:
     assert split is not None
     energy, time = old_exact(cases)
     assert same(split.energy_j, energy) and same(split.time_s, time)
+
+
+# -- the twin's NVML units, the cube's numbers, stored floats -----------------------------------
+
+
+def old_nvml_units(r: Readings) -> BulkReadings:
+    return BulkReadings(
+        energy_mj=np.trunc(r.energy_j * 1000).astype(np.int64),
+        power_mw=np.round(r.power_w * 1000).astype(np.int64),
+        sm_clock_mhz=r.sm_clock_mhz.astype(np.int64, copy=False),
+        temperature_c=np.round(r.temperature_c).astype(np.int64),
+        reasons=r.reasons.astype(np.int64, copy=False),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0, 1e7),
+            st.one_of(st.floats(0, 1000), st.sampled_from([0.0005, 0.0015, 0.0025, 699.9995])),
+            st.one_of(st.floats(0, 120), st.sampled_from([20.5, 21.5, 44.5])),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_nvml_units_equal_the_code_they_replaced(rows) -> None:
+    energy, power, temperature = (np.array(column) for column in zip(*rows, strict=True))
+    n = len(rows)
+    r = Readings(
+        energy_j=energy,
+        power_w=power,
+        power_average_w=power,
+        sm_clock_mhz=np.full(n, 1980, dtype=np.int64),
+        temperature_c=temperature,
+        reasons=np.zeros(n, dtype=np.int64),
+        true_energy_j=energy,
+    )
+    new, old = twin_gpu._nvml_units(r), old_nvml_units(r)
+    for name in ("energy_mj", "power_mw", "sm_clock_mhz", "temperature_c", "reasons"):
+        a, b = getattr(new, name), getattr(old, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+values = st.lists(
+    st.one_of(st.none(), st.floats(allow_nan=True), st.integers(-(10**6), 10**6), st.booleans()),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values)
+def test_stored_and_cube_numbers_equal_a_call_each(items) -> None:
+    def old_stored(v: object) -> float:
+        return math.nan if v is None else float(v)  # type: ignore[arg-type]
+
+    assert same(stored_floats(items), tuple(old_stored(v) for v in items))
+    assert same(build._nums(items), [build._num(v) for v in items])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(meter.TIMELINE_POINTS + 1, 5000))
+def test_timeline_picks_are_linspaces(n) -> None:
+    want = np.linspace(0, n - 1, meter.TIMELINE_POINTS).round().astype(int)
+    got = meter._timeline_picks(n)
+    assert got.dtype == want.dtype and np.array_equal(got, want) and not got.flags.writeable
