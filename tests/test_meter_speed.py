@@ -4,6 +4,7 @@ last bit on random inputs (old formula vs new), so the twin's cube does not move
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import numpy as np
 from hypothesis import given, settings
@@ -16,8 +17,9 @@ from dvfs.gpu.base import BulkReadings
 from dvfs.measure import meter
 from dvfs.measure.counter import RoundEnergy
 from dvfs.measure.meter import QUANTILES, LatencyStats, latency_stats
-from dvfs.records.cell import EnergySplit
-from dvfs.records.version import stored_floats
+from dvfs.records import cell as cell_records
+from dvfs.records.cell import EnergySplit, MeasurementRecord
+from dvfs.records.version import JOURNAL_SCHEMA, stored_float, stored_floats, stored_int
 from dvfs.twin.timeline import Readings
 
 
@@ -321,3 +323,43 @@ def test_timeline_picks_are_linspaces(n) -> None:
     want = np.linspace(0, n - 1, meter.TIMELINE_POINTS).round().astype(int)
     got = meter._timeline_picks(n)
     assert got.dtype == want.dtype and np.array_equal(got, want) and not got.flags.writeable
+
+
+def old_measurement_from_json(data: dict, version: int) -> MeasurementRecord:
+    d = cell_records._upgrade(data, version)
+    kwargs: dict = {}
+    for f in fields(MeasurementRecord):
+        if f.name in cell_records._QUANTILE_KEYS:
+            kwargs[f.name] = stored_floats(d[f.name])
+        elif f.name in cell_records._TIMELINE_KEYS:
+            kwargs[f.name] = stored_floats(d.get(f.name) or ())
+        elif f.name == "valid":
+            kwargs[f.name] = None if d.get(f.name) is None else bool(d[f.name])
+        elif f.name in cell_records._INTEGER_KEYS:
+            kwargs[f.name] = stored_int(d.get(f.name))
+        else:
+            kwargs[f.name] = stored_float(d.get(f.name))
+    return MeasurementRecord(**kwargs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_stored_measurement_reads_as_before(data) -> None:
+    number = st.one_of(st.none(), st.floats(-1e9, 1e9), st.integers(0, 10**6))
+    stored: dict = {}
+    for f in fields(MeasurementRecord):
+        if f.name in cell_records._QUANTILE_KEYS:
+            stored[f.name] = data.draw(st.lists(number, min_size=3, max_size=3))
+        elif f.name in cell_records._TIMELINE_KEYS:
+            if data.draw(st.booleans()):
+                stored[f.name] = data.draw(st.lists(number, max_size=32))
+        elif f.name in cell_records._INTEGER_KEYS:
+            stored[f.name] = data.draw(st.one_of(st.none(), st.integers(0, 10**6)))
+        elif f.name == "valid":
+            stored[f.name] = data.draw(st.one_of(st.none(), st.booleans()))
+        elif data.draw(st.booleans()):
+            stored[f.name] = data.draw(number)
+    version = JOURNAL_SCHEMA
+    new = MeasurementRecord.from_json(dict(stored), version=version)
+    old = old_measurement_from_json(dict(stored), version)
+    assert repr(new) == repr(old)

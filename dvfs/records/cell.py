@@ -3,6 +3,7 @@ quantity as the meter, the journal and the cube all spell it."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -75,18 +76,40 @@ class MeasurementRecord:
         """Scalars and the timeline may be absent (NaN, empty); the latency quantiles may not."""
         d = _upgrade(data, version)
         kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name in _QUANTILE_KEYS:
-                kwargs[f.name] = stored_floats(d[f.name])
-            elif f.name in _TIMELINE_KEYS:
-                kwargs[f.name] = stored_floats(d.get(f.name) or ())
-            elif f.name == "valid":
-                kwargs[f.name] = None if d.get(f.name) is None else bool(d[f.name])
-            elif f.name in _INTEGER_KEYS:
-                kwargs[f.name] = stored_int(d.get(f.name))
+        for name, kind in _reading_plan(cls):
+            if kind == _QUANTILE:
+                kwargs[name] = stored_floats(d[name])
+            elif kind == _TIMELINE:
+                kwargs[name] = stored_floats(d.get(name) or ())
+            elif kind == _VALID:
+                kwargs[name] = None if d.get(name) is None else bool(d[name])
+            elif kind == _INTEGER:
+                kwargs[name] = stored_int(d.get(name))
             else:
-                kwargs[f.name] = stored_float(d.get(f.name))
+                kwargs[name] = stored_float(d.get(name))
         return cls(**kwargs)
+
+
+_QUANTILE, _TIMELINE, _VALID, _INTEGER, _FLOAT = range(5)
+
+
+@functools.cache
+def _reading_plan(cls: type) -> tuple[tuple[str, int], ...]:
+    """How `MeasurementRecord.from_json` reads each field (worked out once, not per record)."""
+    plan = []
+    for f in fields(cls):
+        if f.name in _QUANTILE_KEYS:
+            kind = _QUANTILE
+        elif f.name in _TIMELINE_KEYS:
+            kind = _TIMELINE
+        elif f.name == "valid":
+            kind = _VALID
+        elif f.name in _INTEGER_KEYS:
+            kind = _INTEGER
+        else:
+            kind = _FLOAT
+        plan.append((f.name, kind))
+    return tuple(plan)
 
 
 def _quantity(m: CellMeasurement, name: str) -> Any:
