@@ -3,7 +3,6 @@ quantity as the meter, the journal and the cube all spell it."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -93,9 +92,14 @@ class MeasurementRecord:
 _QUANTILE, _TIMELINE, _VALID, _INTEGER, _FLOAT = range(5)
 
 
-@functools.cache
+_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+
+
 def _reading_plan(cls: type) -> tuple[tuple[str, int], ...]:
     """How `MeasurementRecord.from_json` reads each field (worked out once, not per record)."""
+    known = _PLANS.get(cls)
+    if known is not None:
+        return known
     plan = []
     for f in fields(cls):
         if f.name in _QUANTILE_KEYS:
@@ -109,7 +113,8 @@ def _reading_plan(cls: type) -> tuple[tuple[str, int], ...]:
         else:
             kind = _FLOAT
         plan.append((f.name, kind))
-    return tuple(plan)
+    known = _PLANS[cls] = tuple(plan)
+    return known
 
 
 def _quantity(m: CellMeasurement, name: str) -> Any:
