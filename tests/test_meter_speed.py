@@ -135,6 +135,15 @@ def test_quantiles_of_plain_floats_and_of_nan_free_arrays_are_np_quantiles(value
     assert same(meter._ordered_quantiles(np.array(values, dtype=float)), want)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 40), st.integers(0, 2**32 - 1))
+def test_order_statistics_of_many_equal_latencies_are_np_quantiles(n, distinct, seed) -> None:
+    # a cell's latencies: a few distinct gaps, repeated by every request of every round
+    gaps = np.random.default_rng(seed).integers(1, 10**7, distinct) * 1e-6
+    values = np.random.default_rng(seed + 1).choice(gaps, n)
+    assert same(meter._ordered_quantiles(values), old_quantiles(values))
+
+
 def trace(sent: int, gaps: list[int], tokens: list[int], scale: int) -> RequestTrace:
     ns = sent + np.cumsum(np.array(gaps, dtype=np.int64) * scale)
     tok = np.array(tokens[: len(ns)], dtype=np.int64)
