@@ -142,6 +142,9 @@ def test_order_statistics_of_many_equal_latencies_are_np_quantiles(n, distinct, 
     gaps = np.random.default_rng(seed).integers(1, 10**7, distinct) * 1e-6
     values = np.random.default_rng(seed + 1).choice(gaps, n)
     assert same(meter._ordered_quantiles(values), old_quantiles(values))
+    _, kth = meter._picks(n)  # the path for many values, whatever n
+    ordered = np.partition(values, kth)
+    assert meter._order_statistics(values, kth) == {k: float(ordered[k]) for k in kth}
 
 
 def trace(sent: int, gaps: list[int], tokens: list[int], scale: int) -> RequestTrace:

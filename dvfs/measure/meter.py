@@ -208,13 +208,22 @@ def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
     if n == 0:
         return tuple(math.nan for _ in QUANTILES)
     picks, kth = _picks(n)
-    at = _order_statistics(values, kth)
+    if n < _PARTITION_AT_ONCE_BELOW:  # a round's or a cell's few per-request values
+        ordered = np.partition(values, kth)
+        at = {k: float(ordered[k]) for k in kth}
+    else:
+        at = _order_statistics(values, kth)
     out = []
     for below, above, weight in picks:
         lo, hi = at[below], at[above]
         step = hi - lo
         out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
     return tuple(out)
+
+
+#: Below this many values one `np.partition` with every position is quicker than
+#: `_order_statistics` (measured on a demo sweep's latencies, numpy 2.4).
+_PARTITION_AT_ONCE_BELOW = 6000
 
 
 def _order_statistics(values: np.ndarray, kth: tuple[int, ...]) -> dict[int, float]:
