@@ -68,6 +68,16 @@ def _num(value: Any) -> float:
     return float(value)
 
 
+#: Each measured variable's name and whether it holds the latency quantiles, as `_place`
+#: walks them (once per cell).
+_PLACED = tuple((spec.name, spec.extra_dim == "quantile") for spec in VARIABLES)
+
+
+def _nums(values: Any) -> list[float]:
+    """`_num` of each; floats (what a stored record holds) as they are, without a call each."""
+    return [v if type(v) is float else _num(v) for v in values]
+
+
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
     """A journal's records in a list (the cube itself is built streaming), refused early when
     it is missing, headless or from a newer dvfs."""
@@ -337,14 +347,12 @@ class _Filler:
         self.failed.pop(record.key, None)
         self.status[at] = STATUS_OK
         m = record.measurement
-        for spec in VARIABLES:
-            value = getattr(m, spec.name)
-            if spec.extra_dim == "quantile":
-                self.data[spec.name][at] = [_num(v) for v in value]
-            else:
-                self.data[spec.name][at] = _num(value)
+        data = self.data
+        for name, quantiles in _PLACED:
+            value = getattr(m, name)
+            data[name][at] = _nums(value) if quantiles else _num(value)
         for spec in TIMELINE:
-            points = [_num(v) for v in getattr(m, spec.name)][:TIMELINE_POINTS]
+            points = _nums(getattr(m, spec.name)[:TIMELINE_POINTS])
             self.data[spec.name][at][: len(points)] = points
         split = record.energy_split
         if split is not None:

@@ -216,10 +216,11 @@ class PassLedger:
         a pass) goes to its role, less its host overhead, which goes to "overhead" with the
         time no pass covers, both at idle power. The times add up to the interval's length."""
         ends = self.ends_ns
-        dur_ns = np.round(self.duration_s * 1e9)
-        overlap_ns = np.clip(
-            np.minimum(ends, end_ns) - np.maximum(ends - dur_ns, start_ns), 0, None
-        ).astype(float)
+        dur_ns = np.rint(self.duration_s * 1e9)  # np.round's own step with no decimals
+        # np.clip(x, 0, None) is np.maximum(x, 0) (NaN kept), without clip's argument handling
+        overlap_ns = np.maximum(
+            np.minimum(ends, end_ns) - np.maximum(ends - dur_ns, start_ns), 0
+        ).astype(float, copy=False)
         share = overlap_ns / np.maximum(dur_ns, 1.0)
         host_s = self.host_s * share
         busy_s = overlap_ns * 1e-9 - host_s

@@ -84,26 +84,18 @@ class TwinGpu:
                 return readings
         out = _nvml_units(self.device.readings_at(t_ns))
         if t_ns.ndim == 1 and len(t_ns):
-            tail = BulkReadings(
-                *(
-                    values[-1:].copy()
-                    for values in (
-                        out.energy_mj,
-                        out.power_mw,
-                        out.sm_clock_mhz,
-                        out.temperature_c,
-                        out.reasons,
-                    )
+            # the last reading's five integers copied into one read-only block, a row each
+            block = np.stack(
+                (
+                    out.energy_mj[-1:],
+                    out.power_mw[-1:],
+                    out.sm_clock_mhz[-1:],
+                    out.temperature_c[-1:],
+                    out.reasons[-1:],
                 )
             )
-            for values in (
-                tail.energy_mj,
-                tail.power_mw,
-                tail.sm_clock_mhz,
-                tail.temperature_c,
-                tail.reasons,
-            ):
-                values.flags.writeable = False
+            block.flags.writeable = False
+            tail = BulkReadings(*block)
             self._last = ((timeline, int(t_ns[-1])), tail)
             if len(t_ns) == 1:
                 return tail
@@ -172,10 +164,11 @@ class TwinGpu:
 
 def _nvml_units(r: Readings) -> BulkReadings:
     """A device's readings in NVML's integers (see `TwinGpu.readings_at`)."""
+    # np.round with no decimals is rint (half to even), called as the ufunc it is
     return BulkReadings(
         energy_mj=np.trunc(r.energy_j * 1000).astype(np.int64),
-        power_mw=np.round(r.power_w * 1000).astype(np.int64),
+        power_mw=np.rint(r.power_w * 1000).astype(np.int64),
         sm_clock_mhz=r.sm_clock_mhz.astype(np.int64, copy=False),
-        temperature_c=np.round(r.temperature_c).astype(np.int64),
+        temperature_c=np.rint(r.temperature_c).astype(np.int64),
         reasons=r.reasons.astype(np.int64, copy=False),
     )

@@ -63,7 +63,7 @@ def updates(t_ns: np.ndarray, value_mj: np.ndarray, period_s: float | None = Non
     if len(t) < 2:
         empty = np.array([], dtype=np.int64)
         return Updates(empty.astype(float), empty, empty, empty.astype(float))
-    changed = np.flatnonzero(v[1:] != v[:-1]) + 1
+    changed = (v[1:] != v[:-1]).nonzero()[0] + 1  # np.flatnonzero's own step
     lo, hi = t[changed - 1], t[changed]
     if period_s == 0:
         return Updates(hi.astype(np.float64), lo, hi, v[changed], True, True)
@@ -78,18 +78,21 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
     if period_s is None or not period_s > 0 or len(mid) < 3:
         return mid, False
     period_ns = period_s * 1e9
-    steps = np.round((mid - mid[0]) / period_ns)
-    rise = np.diff(steps)
+    since = mid - mid[0]
+    # np.round with no decimals is rint (half to even); np.diff is the shifted difference
+    steps = np.rint(since / period_ns)
+    rise = steps[1:] - steps[:-1]
     # as np.unique would tell, without its sort when the steps ascend (they do)
     repeated = not (rise > 0).all() and ((rise >= 0).all() or len(np.unique(steps)) != len(steps))
     if repeated:
         return mid, False  # two updates in one period: not the regular counter assumed
-    slope, intercept = _line_fit(steps, mid - mid[0])
+    slope, intercept = _line_fit(steps, since)
     fitted = mid[0] + intercept + slope * steps
     half = (hi - lo) / 2.0
     # a line fitted through tens of brackets can miss one by microseconds: 1% of a period
-    if np.all(np.abs(fitted - mid) <= half + 0.01 * period_ns):
-        return np.clip(fitted, lo, hi), True
+    if (np.abs(fitted - mid) <= half + 0.01 * period_ns).all():
+        # np.clip(fitted, lo, hi) by its own definition, min(max(x, lo), hi)
+        return np.minimum(np.maximum(fitted, lo), hi), True
     return mid, False
 
 
@@ -159,7 +162,10 @@ def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
     as one GPU when the per-GPU columns are absent."""
     times = samples.get("gpu_energy_t_ns")
     if times is not None and times.ndim == 2 and times.size:
-        return times.astype(np.int64), samples["gpu_energy_mj"].astype(np.float64)
+        # no copies where the sampler's arrays have the types already (nothing writes to them)
+        return times.astype(np.int64, copy=False), samples["gpu_energy_mj"].astype(
+            np.float64, copy=False
+        )
     t = np.asarray(samples["t_ns"], dtype=np.int64).reshape(-1, 1)
     return t, np.asarray(samples["energy_mj"], dtype=np.float64).reshape(-1, 1)
 
@@ -168,6 +174,15 @@ def gpu_counters(samples: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray
 
 
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+_MAX, _MIN, _SUM = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+try:  # what `np.interp` calls for real values, without its argument handling (numpy 2)
+    from numpy._core.multiarray import interp as _compiled_interp
+
+    _INTERP: Any = _compiled_interp
+except ImportError:  # pragma: no cover - another numpy's layout
+
+    def _INTERP(x: float, xp: np.ndarray, fp: np.ndarray, left: None, right: None) -> Any:  # noqa: N802
+        return np.interp(x, xp, fp, left, right)
 
 
 class TokenCurve:
@@ -217,16 +232,17 @@ class TokenCurve:
         if not len(ns):
             return 0.0
         upto = ns <= x  # masked reductions: no copies of a round's thousands of chunks
-        low = ns.max(where=upto, initial=_INT64_MIN)
+        # (the ufuncs' own reductions, as ndarray.max/min/sum call them)
+        low = _MAX(ns, where=upto, initial=_INT64_MIN)
         if low == _INT64_MIN:  # before the first instant: the curve's first value
             return float(tokens[ns == ns.min()].sum())
-        low_tokens = tokens.sum(where=upto)
-        high = ns.min(where=~upto, initial=_INT64_MAX)
+        low_tokens = _SUM(tokens, where=upto)
+        high = _MIN(ns, where=~upto, initial=_INT64_MAX)
         if high == _INT64_MAX:  # at or after the last instant: every token
             return float(low_tokens)
-        high_tokens = low_tokens + tokens.sum(where=ns == high)
+        high_tokens = low_tokens + _SUM(tokens, where=ns == high)
         pair = np.array([low, high], dtype=np.float64)
-        return float(np.interp(x, pair, np.array([low_tokens, high_tokens])))
+        return float(_INTERP(x, pair, np.array([low_tokens, high_tokens]), None, None))
 
     def at(self, t_ns: float | np.ndarray) -> np.ndarray:
         x = np.asarray(t_ns, dtype=np.float64)
@@ -239,9 +255,15 @@ class TokenCurve:
             flat[i] = known
         return out if out.ndim else out[()]
 
+    def _known(self, x: float) -> float:
+        known = self._seen.get(x)
+        if known is None:
+            known = self._seen[x] = self._at(x)
+        return known
+
     def between(self, start_ns: float, end_ns: float) -> float:
-        a, b = self.at(np.array([start_ns, end_ns], dtype=np.float64))
-        return float(b - a)
+        """`at(end) - at(start)`: float64 values, one float64 difference."""
+        return self._known(float(end_ns)) - self._known(float(start_ns))
 
 
 # -- a window on the updates ------------------------------------------------------------------
@@ -272,7 +294,7 @@ class CounterWindow:
 def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
     """The window's energy between the first update at or after `start_ns` and the last at or
     before `end_ns`."""
-    inside = np.flatnonzero((seen.t_ns >= start_ns) & (seen.t_ns <= end_ns))
+    inside = ((seen.t_ns >= start_ns) & (seen.t_ns <= end_ns)).nonzero()[0]  # np.flatnonzero
     if len(inside) < 2:
         return CounterWindow(float(start_ns), float(end_ns), len(inside), math.nan)
     a, b = inside[0], inside[-1]
@@ -286,7 +308,7 @@ def counter_window(seen: Updates, start_ns: int, end_ns: int) -> CounterWindow:
         n = len(seen)
         # np.mean's own steps (its pairwise sum, then / n), without its argument handling
         scatter = float(np.sqrt(np.add.reduce((middles - seen.t_ns) ** 2) / n)) * 1e-9
-        uncertainty = max(float(bracket.max()) / (n - 1), scatter * math.sqrt(12 / n))
+        uncertainty = max(float(_MAX(bracket)) / (n - 1), scatter * math.sqrt(12 / n))
     else:
         uncertainty = float(bracket[a] + bracket[b]) / 2
     return CounterWindow(

@@ -185,6 +185,65 @@ def _picks(n: int) -> tuple[tuple[tuple[int, int, float], ...], tuple[int, ...]]
     return tuple(picks), tuple(sorted({i for b, a, _ in picks for i in (b, a)}))
 
 
+def _quantiles_of_list(values: list[float]) -> tuple[float, ...]:
+    """`_quantiles` of plain floats with no NaN (latencies from integer nanoseconds): the
+    same interpolations on the same order statistics, the list sorted in place (a round's or
+    a cell's few per-request values, where numpy's per-call cost dominates)."""
+    n = len(values)
+    if n == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    values.sort()
+    out = []
+    for below, above, weight in _picks(n)[0]:
+        lo, hi = values[below], values[above]
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
+def _ordered_quantiles(values: np.ndarray) -> tuple[float, ...]:
+    """`_quantiles` of a float64 array known to hold no NaN (gaps between integer
+    nanoseconds), without the NaN check's pass over it, on `_order_statistics`."""
+    n = len(values)
+    if n == 0:
+        return tuple(math.nan for _ in QUANTILES)
+    picks, kth = _picks(n)
+    if n < _PARTITION_AT_ONCE_BELOW:  # a round's or a cell's few per-request values
+        ordered = np.partition(values, kth)
+        at = {k: float(ordered[k]) for k in kth}
+    else:
+        at = _order_statistics(values, kth)
+    out = []
+    for below, above, weight in picks:
+        lo, hi = at[below], at[above]
+        step = hi - lo
+        out.append(hi - step * (1 - weight) if weight >= 0.5 else lo + step * weight)
+    return tuple(out)
+
+
+#: Below this many values one `np.partition` with every position is quicker than
+#: `_order_statistics` (measured on a demo sweep's latencies, numpy 2.4).
+_PARTITION_AT_ONCE_BELOW = 6000
+
+
+def _order_statistics(values: np.ndarray, kth: tuple[int, ...]) -> dict[int, float]:
+    """The values at the ascending positions `kth` of `values` sorted (no NaN), found one
+    after another, each among what lies right of the last: a partition for a position, the
+    least of the rest for the one just after it. `np.partition(values, kth)` in one call
+    gives the same values but costs several times more on a cell's latencies, which repeat a
+    few thousand distinct gaps tens of thousands of times."""
+    found = {}
+    rest, start = values, 0  # rest: the values at sorted positions start and after
+    for k in kth:
+        if k == start:
+            found[k] = float(rest.min())
+            continue
+        rest = np.partition(rest, k - start)
+        found[k] = float(rest[k - start])
+        rest, start = rest[k - start + 1 :], k + 1
+    return found
+
+
 class _RoundLatency(LatencyStats):
     """`LatencyStats` whose TTFT and ITL are computed when first read: a sweep reads a round's
     median TPOT as it measures and its other statistics hardly ever (the cell's come from all
@@ -193,7 +252,7 @@ class _RoundLatency(LatencyStats):
 
     def __init__(self, ok: list[RequestTrace]) -> None:  # pylint: disable=super-init-not-called
         object.__setattr__(self, "_ok", ok)
-        object.__setattr__(self, "tpot_ms", _quantiles(_tpot_ms(ok)))
+        object.__setattr__(self, "tpot_ms", _quantiles_of_list(_tpot_list(ok)))
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         if name not in ("ttft_ms", "itl_ms"):
@@ -254,25 +313,29 @@ def _finished(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
     return [r for r in requests if r.error is None and len(r.chunk_ns)]
 
 
-def _tpot_ms(ok: list[RequestTrace]) -> np.ndarray:
-    """TPOT (ms) of each finished request with more than one token, in order."""
-    n = len(ok)
-    first = np.fromiter((r.chunk_ns[0] for r in ok), dtype=np.int64, count=n)
-    last = np.fromiter((r.chunk_ns[-1] for r in ok), dtype=np.int64, count=n)
-    completion = np.fromiter((r.completion_tokens for r in ok), dtype=np.int64, count=n)
-    multi = completion > 1
-    return (last[multi] - first[multi]) * 1e-6 / (completion[multi] - 1)
+def _tpot_list(ok: list[RequestTrace]) -> list[float]:
+    """TPOT (ms) of each finished request with more than one token, in order, as plain floats:
+    numpy's float64 arithmetic on the same integers (an int64 difference times 1e-6, over
+    the tokens less one), value by value."""
+    out = []
+    for r in ok:
+        completion = int(r.completion_tokens)
+        if completion > 1:
+            ns = r.chunk_ns
+            out.append((int(ns[-1]) - int(ns[0])) * 1e-6 / (completion - 1))
+    return out
 
 
 def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
-    """`latency_stats` of requests that finished (with chunks)."""
+    """`latency_stats` of requests that finished (with chunks). Every latency is a difference
+    of integer nanoseconds, never NaN: the quantiles skip `_quantiles`' check for one."""
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    n = len(ok)
-    counts = np.fromiter((len(r.chunk_ns) for r in ok), dtype=np.int64, count=n)
-    sent = np.fromiter((r.sent_ns for r in ok), dtype=np.int64, count=n)
-    completion = np.fromiter((r.completion_tokens for r in ok), dtype=np.int64, count=n)
+    # lists then arrays: a generator for np.fromiter costs more per request than a list
+    counts = np.array([len(r.chunk_ns) for r in ok], dtype=np.int64)
+    sent = np.array([r.sent_ns for r in ok], dtype=np.int64)
+    completion = np.array([r.completion_tokens for r in ok], dtype=np.int64)
     ns = np.concatenate([r.chunk_ns for r in ok]).astype(np.int64, copy=False)
     tokens = np.concatenate([r.chunk_tokens for r in ok])
     ends = np.cumsum(counts)
@@ -285,14 +348,15 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     later = np.ones(len(ns), dtype=bool)
     later[starts] = False
     gaps = np.diff(ns)[later[1:]] * 1e-6
-    gap_tokens = tokens[1:][later[1:]]
-    # Each gap spread over its tokens; the usual shapes skip work that changes nothing: no
-    # empty chunks (nothing to drop), one token a chunk (x / 1 == x, nothing to repeat).
-    if not (gap_tokens > 0).all():
-        keep = gap_tokens > 0
-        gaps, gap_tokens = gaps[keep], gap_tokens[keep]
-    itl = gaps if (gap_tokens == 1).all() else np.repeat(gaps / gap_tokens, gap_tokens)
-    return LatencyStats(_quantiles(ttft), _quantiles(tpot), _quantiles(itl))
+    if (tokens == 1).all():  # one token a chunk (x / 1 == x): the gaps as they are
+        itl = gaps
+    else:  # each gap spread over its tokens, empty chunks dropped
+        gap_tokens = tokens[1:][later[1:]]
+        if not (gap_tokens > 0).all():
+            keep = gap_tokens > 0
+            gaps, gap_tokens = gaps[keep], gap_tokens[keep]
+        itl = gaps if (gap_tokens == 1).all() else np.repeat(gaps / gap_tokens, gap_tokens)
+    return LatencyStats(_ordered_quantiles(ttft), _ordered_quantiles(tpot), _ordered_quantiles(itl))
 
 
 @dataclass(frozen=True)
@@ -405,9 +469,18 @@ def _thin_timeline(
         return empty, empty, empty
     t, power, clock = (np.concatenate(column) for column in zip(*pieces, strict=True))
     if len(t) > TIMELINE_POINTS:
-        picks = np.linspace(0, len(t) - 1, TIMELINE_POINTS).round().astype(int)
+        picks = _timeline_picks(len(t))
         t, power, clock = t[picks], power[picks], clock[picks]
     return t, power, clock
+
+
+@functools.lru_cache(maxsize=256)
+def _timeline_picks(n: int) -> np.ndarray:
+    """TIMELINE_POINTS evenly spaced indices into `n` samples (a cell's sample counts repeat:
+    worked out once each; read-only)."""
+    picks = np.linspace(0, n - 1, TIMELINE_POINTS).round().astype(int)
+    picks.flags.writeable = False
+    return picks
 
 
 @dataclass
@@ -429,6 +502,23 @@ class WindowPart:
             curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
             self.energy = round_energy(self.samples, curve, self.window, periods_s)
         return self.energy
+
+
+def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray, int]:
+    """The samples taken in [start, end] and how many: a slice when their instants ascend (a
+    sampler's do), else a mask (the same samples, in the same order, either way)."""
+    if len(t_ns) < 2 or bool((t_ns[1:] >= t_ns[:-1]).all()):
+        first = int(np.searchsorted(t_ns, start, side="left"))
+        last = int(np.searchsorted(t_ns, end, side="right"))
+        return slice(first, max(first, last)), max(0, last - first)
+    inside = (t_ns >= start) & (t_ns <= end)
+    return inside, int(inside.sum())
+
+
+def _mean(values: np.ndarray) -> float:
+    """`float(values.mean())` by its own steps (a float64 sum over the count), without its
+    argument handling."""
+    return float(np.add.reduce(values, dtype=np.float64)) / len(values)
 
 
 def summarise(
@@ -499,18 +589,20 @@ def summarise(
             power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
         per_token.append(e.energy_per_token_j)
         latency.append(latency_stats(part.result.requests).tpot_ms[0])
-        inside = (s["t_ns"] >= start) & (s["t_ns"] <= end)
-        in_window_samples += int(inside.sum())
-        if inside.any():
-            clock_weighted += float(s["sm_clock_mhz"][inside].mean()) * (end - start)
-            power_max = max(power_max, float(s["power_mw"][inside].max()) / 1000)
+        inside, count = _inside(s["t_ns"], start, end)
+        in_window_samples += count
+        if count:
+            clock = s["sm_clock_mhz"][inside]
+            power = s["power_mw"][inside]
+            clock_weighted += _mean(clock) * (end - start)
+            power_max = max(power_max, float(power.max()) / 1000)
             temp_max = max(temp_max, float(s["temperature_c"][inside].max()))
             reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
             timeline.append(
                 (
                     offset_s + (s["t_ns"][inside] - start) * 1e-9,
-                    s["power_mw"][inside] / 1000,
-                    s["sm_clock_mhz"][inside].astype(float),
+                    power / 1000,
+                    clock.astype(float),
                 )
             )
         offset_s += (end - start) * 1e-9

@@ -424,6 +424,9 @@ class Runner:
         warmup = {**self._warm_up(cell, time), "round_end": m.round_end}
         end_at_window = m.round_end == ROUND_END
         parts: list[WindowPart] = []
+        # the counters' periods do not change while a cell is measured: asked once a cell
+        fit_periods_s = self.fit_periods_s
+        sample_period_s = self.round_sample_period_s
         window_s = 0.0
         energies: list[RoundEnergy] = []
         per_token: list[float] = []
@@ -436,7 +439,7 @@ class Runner:
                 end_at_window=end_at_window,
             )
             started = self.clock.now_ns()
-            with Sampler(self.gpus, self.clock, self.round_sample_period_s) as sampler:
+            with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
             ended = self.clock.now_ns()
             errors = [r.error for r in result.requests if r.error]
@@ -448,7 +451,7 @@ class Runner:
             if window is not None:
                 done = [r for r in result.requests if len(r.chunk_ns)]
                 curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
-                energy = round_energy(samples, curve, window, self.fit_periods_s)
+                energy = round_energy(samples, curve, window, fit_periods_s)
                 time.add("prefill", (window[0] - started) * 1e-9)
                 time.add("window", (window[1] - window[0]) * 1e-9)
                 time.add("drain", (ended - window[1]) * 1e-9)
@@ -468,7 +471,7 @@ class Runner:
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
             idle_power_w=self.setting_idle_power_w,
-            counter_periods_s=self.fit_periods_s,
+            counter_periods_s=fit_periods_s,
             precision=m.precision,
             confidence=m.confidence,
         )

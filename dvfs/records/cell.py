@@ -75,18 +75,46 @@ class MeasurementRecord:
         """Scalars and the timeline may be absent (NaN, empty); the latency quantiles may not."""
         d = _upgrade(data, version)
         kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name in _QUANTILE_KEYS:
-                kwargs[f.name] = stored_floats(d[f.name])
-            elif f.name in _TIMELINE_KEYS:
-                kwargs[f.name] = stored_floats(d.get(f.name) or ())
-            elif f.name == "valid":
-                kwargs[f.name] = None if d.get(f.name) is None else bool(d[f.name])
-            elif f.name in _INTEGER_KEYS:
-                kwargs[f.name] = stored_int(d.get(f.name))
+        for name, kind in _reading_plan(cls):
+            if kind == _QUANTILE:
+                kwargs[name] = stored_floats(d[name])
+            elif kind == _TIMELINE:
+                kwargs[name] = stored_floats(d.get(name) or ())
+            elif kind == _VALID:
+                kwargs[name] = None if d.get(name) is None else bool(d[name])
+            elif kind == _INTEGER:
+                kwargs[name] = stored_int(d.get(name))
             else:
-                kwargs[f.name] = stored_float(d.get(f.name))
+                kwargs[name] = stored_float(d.get(name))
         return cls(**kwargs)
+
+
+_QUANTILE, _TIMELINE, _VALID, _INTEGER, _FLOAT = range(5)
+
+
+_PLANS: dict[type, tuple[tuple[str, int], ...]] = {}
+
+
+def _reading_plan(cls: type) -> tuple[tuple[str, int], ...]:
+    """How `MeasurementRecord.from_json` reads each field (worked out once, not per record)."""
+    known = _PLANS.get(cls)
+    if known is not None:
+        return known
+    plan = []
+    for f in fields(cls):
+        if f.name in _QUANTILE_KEYS:
+            kind = _QUANTILE
+        elif f.name in _TIMELINE_KEYS:
+            kind = _TIMELINE
+        elif f.name == "valid":
+            kind = _VALID
+        elif f.name in _INTEGER_KEYS:
+            kind = _INTEGER
+        else:
+            kind = _FLOAT
+        plan.append((f.name, kind))
+    known = _PLANS[cls] = tuple(plan)
+    return known
 
 
 def _quantity(m: CellMeasurement, name: str) -> Any:
@@ -192,9 +220,13 @@ class EnergySplit:
             share_j, share_s = ledger.split(*window)
             total_j, total_s = float(share_j.sum()), float(share_s.sum())
             joules = max(counted.energy_mj, 0.0) / 1000
-            for i in range(len(SPLIT_PARTS)):
-                energy[i] += joules * float(share_j[i]) / total_j if total_j > 0 else 0.0
-                time[i] += counted.seconds * float(share_s[i]) / total_s if total_s > 0 else 0.0
+            seconds = counted.seconds
+            # plain floats, part by part (numpy's float64 arithmetic, without its scalars)
+            for i, (part_j, part_s) in enumerate(
+                zip(share_j.tolist(), share_s.tolist(), strict=True)
+            ):
+                energy[i] += joules * part_j / total_j if total_j > 0 else 0.0
+                time[i] += seconds * part_s / total_s if total_s > 0 else 0.0
         return cls(tuple(energy), tuple(time)) if measured else None
 
     def to_json(self) -> dict[str, Any]:

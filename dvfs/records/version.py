@@ -57,4 +57,5 @@ def stored_int(value: Any) -> int | None:
 
 
 def stored_floats(values: Any) -> tuple[float, ...]:
-    return tuple(stored_float(v) for v in values)
+    """`stored_float` of each (a cell's quantiles and timelines: one list, no call each)."""
+    return tuple([math.nan if v is None else float(v) for v in values])
