@@ -248,9 +248,11 @@ def test_a_counter_that_never_moves_gives_nan_not_zero() -> None:
 
 
 def _start(env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
-    clocks = ",".join(str(c) for c in range(1500, 900, -15))  # long enough to be interrupted
+    # TINY's short kernels (the stock setting, run before the first lock, costs little) over
+    # 87 clocks: some 14 s of kernels after the first lock, long enough to be interrupted.
+    clocks = ",".join(str(c) for c in range(1500, 209, -15))
     return subprocess.Popen(
-        [sys.executable, "-m", "dvfs", "gpu", "roofline", *TINY, "--min-time", "0.1"]
+        [sys.executable, "-m", "dvfs", "gpu", "roofline", *TINY]
         + ["--gpu", "0", "--clocks", clocks, "-o", str(tmp_path / "r.nc")],
         env=env,
         stdout=subprocess.PIPE,
