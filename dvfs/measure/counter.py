@@ -96,7 +96,27 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
     return mid, False
 
 
+#: Fits already made, by their inputs' bytes: a sweep's rounds repeat the same update
+#: offsets (the counter's grid from the first update) most of the time, and a fit is a
+#: function of its inputs' bits. The oldest is dropped past the size.
+_FITS: dict[tuple[str, bytes, str, bytes], tuple[float, float]] = {}
+_FITS_SIZE = 4096
+
+
 def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """`_fit_line`, remembered for the last `_FITS_SIZE` distinct inputs."""
+    key = (x.dtype.str, x.tobytes(), y.dtype.str, y.tobytes())
+    known = _FITS.get(key)
+    if known is not None:
+        return known
+    fit = _fit_line(x, y)
+    if len(_FITS) >= _FITS_SIZE:
+        del _FITS[next(iter(_FITS))]  # the oldest (dicts keep insertion order)
+    _FITS[key] = fit
+    return fit
+
+
+def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """`np.polyfit(x, y, 1)`'s slope and intercept by polyfit's own steps (its Vandermonde
     matrix, column scaling and `lstsq`), without its argument handling: the same numbers,
     called once a round. x and y are float64 of one length, at least 2 distinct x."""
