@@ -67,30 +67,3 @@ def test_memory_is_bounded() -> None:
     for i in range(counter._GRIDS_SIZE + 50):
         counter._grid(since + i * np.arange(5), 1e8)
     assert len(counter._GRIDS) <= counter._GRIDS_SIZE
-
-
-# -- a round's token curve: joined then cast, as a cast while joining gives ----------------------
-
-DTYPES = [np.int64, np.int32, np.uint8, np.uint64, np.float64, np.float32, np.bool_]
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.lists(st.integers(0, 2**40), min_size=0, max_size=6),
-            st.sampled_from(DTYPES),
-            st.sampled_from(DTYPES),
-        ),
-        min_size=1,
-        max_size=5,
-    )
-)
-def test_token_curve_arrays_are_the_cast_while_joining(rows) -> None:
-    chunk_ns = [np.array(v, dtype=np.int64).astype(a) for v, a, _ in rows]
-    chunk_tokens = [(np.array(v, dtype=np.int64) % 7).astype(b) for v, _, b in rows]
-    curve = counter.TokenCurve.of(chunk_ns, chunk_tokens)
-    want_ns = np.concatenate(chunk_ns, dtype=np.int64, casting="unsafe")
-    want_tokens = np.concatenate(chunk_tokens, dtype=np.float64, casting="unsafe")
-    assert same_bits(curve._ns, want_ns)
-    assert same_bits(curve._tokens, want_tokens)

@@ -237,17 +237,8 @@ class TokenCurve:
     def of(cls, chunk_ns: Sequence[np.ndarray], chunk_tokens: Sequence[np.ndarray]) -> TokenCurve:
         if not chunk_ns:
             return cls(np.array([], dtype=np.int64), np.array([]))
-        # joined as they are, then cast (quicker than a cast while joining): integers of at
-        # most 64 bits join exactly as int64, and every element is cast to float64 on its own
-        # either way; other kinds take the cast while joining
-        ns = np.concatenate(chunk_ns)
-        if ns.dtype != np.int64:
-            ns = np.concatenate(chunk_ns, dtype=np.int64, casting="unsafe")
-        tokens = np.concatenate(chunk_tokens)
-        if tokens.dtype.kind in "iu" or tokens.dtype == np.float64:
-            tokens = tokens.astype(np.float64, copy=False)
-        else:
-            tokens = np.concatenate(chunk_tokens, dtype=np.float64, casting="unsafe")
+        ns = np.concatenate(chunk_ns, dtype=np.int64, casting="unsafe")
+        tokens = np.concatenate(chunk_tokens, dtype=np.float64, casting="unsafe")
         return cls(ns, tokens)
 
     @functools.cached_property
@@ -278,11 +269,10 @@ class TokenCurve:
         if low == _INT64_MIN:  # before the first instant: the curve's first value
             return float(tokens[ns == ns.min()].sum())
         low_tokens = _SUM(tokens, where=upto)
-        above = np.logical_not(upto, out=upto)  # the mask's own buffer, reused twice
-        high = _MIN(ns, where=above, initial=_INT64_MAX)
+        high = _MIN(ns, where=~upto, initial=_INT64_MAX)
         if high == _INT64_MAX:  # at or after the last instant: every token
             return float(low_tokens)
-        high_tokens = low_tokens + _SUM(tokens, where=np.equal(ns, high, out=above))
+        high_tokens = low_tokens + _SUM(tokens, where=ns == high)
         pair = np.array([low, high], dtype=np.float64)
         return float(_INTERP(x, pair, np.array([low_tokens, high_tokens]), None, None))
 
