@@ -78,15 +78,10 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
     if period_s is None or not period_s > 0 or len(mid) < 3:
         return mid, False
     period_ns = period_s * 1e9
-    since = mid - mid[0]
-    # np.round with no decimals is rint (half to even); np.diff is the shifted difference
-    steps = np.rint(since / period_ns)
-    rise = steps[1:] - steps[:-1]
-    # as np.unique would tell, without its sort when the steps ascend (they do)
-    repeated = not (rise > 0).all() and ((rise >= 0).all() or len(np.unique(steps)) != len(steps))
-    if repeated:
+    grid = _grid(mid - mid[0], period_ns)
+    if grid is None:
         return mid, False  # two updates in one period: not the regular counter assumed
-    slope, intercept = _line_fit(steps, since)
+    steps, slope, intercept = grid
     fitted = mid[0] + intercept + slope * steps
     half = (hi - lo) / 2.0
     # a line fitted through tens of brackets can miss one by microseconds: 1% of a period
@@ -94,6 +89,43 @@ def _instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None) -> tuple[n
         # np.clip(fitted, lo, hi) by its own definition, min(max(x, lo), hi)
         return np.minimum(np.maximum(fitted, lo), hi), True
     return mid, False
+
+
+#: Grids already fitted, by the update middles' offsets from the first (their bytes) and the
+#: period: a sweep's rounds repeat the same offsets most of the time (five in six on the demo
+#: sweep), and a grid is a function of those bits. The oldest is dropped past the size.
+_GRIDS: dict[tuple[str, bytes, float], tuple[np.ndarray, float, float] | None] = {}
+_GRIDS_SIZE = 4096
+
+
+def _grid(since: np.ndarray, period_ns: float) -> tuple[np.ndarray, float, float] | None:
+    """`_fit_grid`, remembered for the last `_GRIDS_SIZE` distinct inputs (float64 offsets)."""
+    key = (since.dtype.str, since.tobytes(), period_ns)
+    try:
+        return _GRIDS[key]
+    except KeyError:
+        pass
+    grid = _fit_grid(since, period_ns)
+    if len(_GRIDS) >= _GRIDS_SIZE:
+        del _GRIDS[next(iter(_GRIDS))]  # the oldest (dicts keep insertion order)
+    _GRIDS[key] = grid
+    return grid
+
+
+def _fit_grid(since: np.ndarray, period_ns: float) -> tuple[np.ndarray, float, float] | None:
+    """Each update's step on the period's grid (its offset from the first over the period,
+    rounded) and the least-squares line through (step, offset): None when two updates share
+    a step (not the regular counter assumed). The steps are read-only (shared)."""
+    # np.round with no decimals is rint (half to even); np.diff is the shifted difference
+    steps = np.rint(since / period_ns)
+    rise = steps[1:] - steps[:-1]
+    # as np.unique would tell, without its sort when the steps ascend (they do)
+    repeated = not (rise > 0).all() and ((rise >= 0).all() or len(np.unique(steps)) != len(steps))
+    if repeated:
+        return None
+    slope, intercept = _line_fit(steps, since)
+    steps.flags.writeable = False
+    return steps, slope, intercept
 
 
 def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

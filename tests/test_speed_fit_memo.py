@@ -1,0 +1,69 @@
+"""The counter's remembered grids: an update grid found again is the grid fitted anew, to the
+bit, whatever the updates' absolute instants, and the memory stays bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.measure import counter
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def fresh_instants(lo: np.ndarray, hi: np.ndarray, period_s: float) -> tuple[np.ndarray, bool]:
+    counter._GRIDS.clear()
+    return counter._instants(lo, hi, period_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 3), min_size=3, max_size=40),
+    st.lists(st.integers(0, 30_000_000), min_size=40, max_size=40),
+    st.integers(0, 40_000_000),
+    st.integers(0, 10**12),
+    st.integers(-(10**9), 10**9),
+    st.sampled_from([0.1, 0.05, 0.1003]),
+)
+def test_remembered_grid_gives_the_instants_computed_anew(
+    periods, offsets, width, start_ns, shift_ns, period_s
+) -> None:
+    base = start_ns + np.cumsum(np.array(periods) * 100_000_000) + np.array(offsets[: len(periods)])
+    lo = base.astype(np.int64)
+    hi = lo + width + 1
+    for a, b in ((lo, hi), (lo + shift_ns, hi + shift_ns)):  # same offsets, other instants
+        expected_t, expected_regular = fresh_instants(a, b, period_s)
+        counter._instants(a, b, period_s)  # remembered now
+        again_t, again_regular = counter._instants(a.copy(), b.copy(), period_s)
+        assert again_regular == expected_regular
+        assert same_bits(again_t, expected_t)
+    counter._instants(lo, hi, period_s)
+    shifted_t, shifted_regular = counter._instants(lo + shift_ns, hi + shift_ns, period_s)
+    expected_t, expected_regular = fresh_instants(lo + shift_ns, hi + shift_ns, period_s)
+    assert shifted_regular == expected_regular
+    assert same_bits(shifted_t, expected_t)
+
+
+def test_grid_is_the_fit_and_its_steps_are_read_only() -> None:
+    since = np.array([0.0, 1e8 + 3, 2e8 - 7, 4e8 + 1])
+    grid = counter._grid(since, 1e8)
+    assert grid is not None
+    steps, slope, intercept = grid
+    fresh = counter._fit_grid(since, 1e8)
+    assert fresh is not None
+    assert same_bits(steps, fresh[0]) and (slope, intercept) == fresh[1:]
+    assert not steps.flags.writeable
+    assert counter._grid(since.copy(), 1e8) is grid
+    assert counter._grid(since, 2e8) is not grid  # the period is part of the key
+    # two updates in one period: no grid, remembered as such
+    assert counter._grid(np.array([0.0, 1e8, 1.1e8, 3e8]), 1e8) is None
+
+
+def test_memory_is_bounded() -> None:
+    since = np.arange(5, dtype=float) * 1e8
+    for i in range(counter._GRIDS_SIZE + 50):
+        counter._grid(since + i * np.arange(5), 1e8)
+    assert len(counter._GRIDS) <= counter._GRIDS_SIZE
