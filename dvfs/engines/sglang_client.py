@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -110,6 +111,17 @@ def _httpx() -> Any:
     return httpx
 
 
+@functools.cache
+def _tls_context() -> Any:
+    """One TLS context for the process: httpx would load the CA bundle afresh for each client
+    (~25 ms of CPU, for each health poll and each server started), though loopback is plain."""
+    import ssl
+
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
+
+
 class SglangClient:
     """One server's HTTP API. Proxies from the environment are ignored (loopback stays local)."""
 
@@ -130,14 +142,9 @@ class SglangClient:
         self._tls: Any = None
 
     def _verify(self) -> Any:
-        """The TLS context every client of this server shares: httpx would load the CA bundle
-        afresh for each (tens of ms of CPU, for each health poll), though loopback is plain."""
+        """The TLS context every client shares (`_tls_context`)."""
         if self._tls is None:
-            import ssl
-
-            import certifi
-
-            self._tls = ssl.create_default_context(cafile=certifi.where())
+            self._tls = _tls_context()
         return self._tls
 
     # -- simple endpoints ---------------------------------------------------------------------
