@@ -10,8 +10,8 @@ first use; read-only: a test that changes one works on `copy_sweep` of it):
   folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
   holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
   reference runs several files compare with).
-- `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
-  `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
+- `ray_cluster`: one loopback Ray instance with four twin GPUs, shared by the tests that use
+  it, which run first and in a row (so on one xdist worker), and stopped after the last.
 
 Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
 about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -196,29 +196,67 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return run
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
-    """One Ray instance per session (per xdist worker), on loopback, with four twin GPUs: the
-    `ray` module. Starting Ray costs seconds of CPU, so the Ray tests share it; they are marked
-    `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` runs them on one worker. A test
-    that kills an actor leaves the cluster usable (each sweep starts its own actors)."""
-    ray = pytest.importorskip("ray")
-    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+class _RayInstance:
+    """The loopback Ray instance the `ray_cluster` tests share: started on first use, stopped
+    after the last of a run of consecutive tests that use it (an idle Ray burns CPU in its
+    daemons for as long as it runs: about 0.04 CPU-s a second, besides ~4 CPU-s to start)."""
 
-    import_ray(local=True)
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=2,
-        resources={TWIN_RESOURCE: 4},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-    )
-    try:
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        yield ray
-    finally:
-        ray.shutdown()
+    def __init__(self) -> None:
+        self.ray: object | None = None
+
+    def start(self) -> object:
+        if self.ray is None:
+            ray = pytest.importorskip("ray")
+            from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+            import_ray(local=True)
+            ray.init(
+                namespace=NAMESPACE,
+                num_cpus=2,
+                resources={TWIN_RESOURCE: 4},
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+            )
+            self.ray = ray
+            assert ray.util.get_node_ip_address() == "127.0.0.1"
+        return self.ray
+
+    def stop(self) -> None:
+        ray, self.ray = self.ray, None
+        if ray is not None:
+            ray.shutdown()  # type: ignore[attr-defined]
+
+
+_RAY = _RayInstance()
+
+
+@pytest.fixture
+def ray_cluster() -> object:
+    """One Ray instance on loopback with four twin GPUs: the `ray` module. Starting Ray costs
+    seconds of CPU, so consecutive tests share it: `pytest_collection_modifyitems` puts every
+    test that asks for it first (one xdist worker then runs them in a row, at the start of
+    its share, where work stealing takes nothing), and the instance stops after the last
+    (`pytest_runtest_teardown`). A test that kills an actor leaves it usable (each sweep starts
+    its own actors)."""
+    return _RAY.start()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use `ray_cluster` first, in their order; the rest as collected. Every
+    xdist worker sorts the same collection the same way, as xdist requires."""
+    uses = ["ray_cluster" in getattr(item, "fixturenames", ()) for item in items]
+    items[:] = [i for i, u in zip(items, uses, strict=True) if u] + [
+        i for i, u in zip(items, uses, strict=True) if not u
+    ]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """Stop Ray once the next test (None: this worker has no more) does not use it."""
+    yield
+    if nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ()):
+        _RAY.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:
