@@ -1,8 +1,9 @@
 """Shared fixtures: small campaigns on the twin, and a CLI runner.
 
 The suite's time goes to end-to-end runs, so a test that only reads a finished run should take
-a session's instead of sweeping its own. Session fixtures (built once per xdist worker, on
-first use; read-only: a test that changes one works on `copy_sweep` of it):
+a session's instead of sweeping its own. Session fixtures (built once per test session, on
+first use, by whichever xdist worker asks first, and shared by all workers; read-only: a test
+that changes one works on `copy_sweep` of it):
 
 - `small_sweep`: SMALL_EXACT (SMALL_CAMPAIGN on the exact twin) swept; its output folder.
 - `tiny_sweep`: TINY swept; its output folder.
@@ -10,8 +11,8 @@ first use; read-only: a test that changes one works on `copy_sweep` of it):
   folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
   holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
   reference runs several files compare with).
-- `ray_cluster`: one loopback Ray instance with four twin GPUs (mark the module
-  `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` keeps Ray on one worker).
+- `ray_cluster`: one loopback Ray instance with four twin GPUs, shared by the tests that use
+  it, which run first and in a row (so on one xdist worker), and stopped after the last.
 
 Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
 about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
@@ -19,10 +20,13 @@ about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,95 +134,162 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
-@pytest.fixture(scope="session")
-def small_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished sweep of SMALL_CAMPAIGN (shared by read-only tests): returns its folder."""
+def _session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this test session shares: pytest's base temporary folder
+    of the session (under xdist, the parent of each worker's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _made_once(folder: Path, make: Callable[[], None]) -> None:
+    """Run `make` (which fills `folder`) once per test session, whichever xdist worker asks
+    first; the others wait for it (a lock file beside `folder`) and find it made. A worker that
+    died half-way leaves no done mark: the next one starts the folder again."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    done = folder.parent / f"{folder.name}.done"
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return
+        if folder.exists():
+            shutil.rmtree(folder)
+        make()
+        done.touch()
+
+
+def _swept(campaign: Path, out: Path, *args: str) -> str:
+    """`dvfs sweep CAMPAIGN ARGS --out OUT` in this process; its printed output."""
     from click.testing import CliRunner
 
     from dvfs.cli import cli
 
-    base = tmp_path_factory.mktemp("small_sweep")
-    campaign = write(base / "small.toml", SMALL_EXACT)
-    out = base / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        ["sweep", str(campaign), *args, "--out", str(out), "--no-progress"],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
-    return out
+    return result.output
+
+
+def _sweep_into(base: Path, file_name: str, text: str) -> None:
+    """The campaign TEXT written as BASE/FILE_NAME and swept into BASE/out."""
+    _swept(write(base / file_name, text), base / "out")
+
+
+@pytest.fixture(scope="session")
+def small_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished sweep of SMALL_EXACT, run once per session (the xdist workers share it):
+    returns its folder. Read-only; a test that changes it works on `copy_sweep` of it."""
+    base = _session_dir(tmp_path_factory) / "small_sweep"
+    _made_once(base, lambda: _sweep_into(base, "small.toml", SMALL_EXACT))
+    return base / "out"
 
 
 @pytest.fixture(scope="session")
 def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished sweep of TINY, run once per session (per xdist worker): returns its folder.
-    Read-only; a test that adds to it or damages it works on `copy_sweep` of it."""
-    from click.testing import CliRunner
-
-    from dvfs.cli import cli
-
-    base = tmp_path_factory.mktemp("tiny_sweep")
-    campaign = write(base / "tiny.toml", TINY)
-    out = base / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
-    assert result.exit_code == 0, result.output
-    return out
+    """A finished sweep of TINY, run once per session (the xdist workers share it): returns its
+    folder. Read-only; a test that adds to it or damages it works on `copy_sweep` of it."""
+    base = _session_dir(tmp_path_factory) / "tiny_sweep"
+    _made_once(base, lambda: _sweep_into(base, "tiny.toml", TINY))
+    return base / "out"
 
 
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`shared_run(TEXT, NAME, *ARGS)`: the folder NAME of `dvfs sweep` of the campaign TEXT
-    with ARGS, run once per session (per xdist worker) and shared by every test that asks for the
-    same run. Read-only; a test that changes one works on `copy_sweep` of it."""
-    from click.testing import CliRunner
-
-    from dvfs.cli import cli
-
-    roots: dict[str, Path] = {}
+    with ARGS, run once per session (the xdist workers share it) for every test that asks for
+    the same run. Read-only; a test that changes one works on `copy_sweep` of it."""
     done: dict[tuple[str, str, tuple[str, ...]], Path] = {}
 
     def run(text: str, name: str, *args: str) -> Path:
         key = (text, name, args)
         if key in done:
             return done[key]
-        if text not in roots:
-            roots[text] = tmp_path_factory.mktemp("swept")
-            write(roots[text] / "campaign.toml", text)
-        root = roots[text]
-        assert not (root / name).exists(), f"{name} is another run of this campaign"
-        result = CliRunner().invoke(
-            cli,
-            ["sweep", str(root / "campaign.toml"), *args, "--out", str(root / name)]
-            + ["--no-progress"],
-            catch_exceptions=False,
+        root = (
+            _session_dir(tmp_path_factory)
+            / f"swept-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         )
-        assert result.exit_code == 0, result.output
-        (root / f"{name}.txt").write_text(result.output)
+
+        def campaign() -> None:
+            write(root / "campaign.toml", text)
+
+        def sweep() -> None:
+            output = _swept(root / "campaign.toml", root / name, *args)
+            (root / f"{name}.txt").write_text(output)
+            (root / f"{name}.args").write_text(json.dumps(args))
+
+        _made_once(root, campaign)
+        _made_once(root / name, sweep)
+        ran = tuple(json.loads((root / f"{name}.args").read_text()))
+        assert ran == args, f"{name} is another run of this campaign"
         done[key] = root / name
         return done[key]
 
     return run
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
-    """One Ray instance per session (per xdist worker), on loopback, with four twin GPUs: the
-    `ray` module. Starting Ray costs seconds of CPU, so the Ray tests share it; they are marked
-    `pytest.mark.xdist_group("ray")` so that `--dist loadgroup` runs them on one worker. A test
-    that kills an actor leaves the cluster usable (each sweep starts its own actors)."""
-    ray = pytest.importorskip("ray")
-    from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+class _RayInstance:
+    """The loopback Ray instance the `ray_cluster` tests share: started on first use, stopped
+    after the last of a run of consecutive tests that use it (an idle Ray burns CPU in its
+    daemons for as long as it runs: about 0.04 CPU-s a second, besides ~4 CPU-s to start)."""
 
-    import_ray(local=True)
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=2,
-        resources={TWIN_RESOURCE: 4},
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
-    )
-    try:
-        assert ray.util.get_node_ip_address() == "127.0.0.1"
-        yield ray
-    finally:
-        ray.shutdown()
+    def __init__(self) -> None:
+        self.ray: object | None = None
+
+    def start(self) -> object:
+        if self.ray is None:
+            ray = pytest.importorskip("ray")
+            from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
+
+            import_ray(local=True)
+            ray.init(
+                namespace=NAMESPACE,
+                num_cpus=2,
+                resources={TWIN_RESOURCE: 4},
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+            )
+            self.ray = ray
+            assert ray.util.get_node_ip_address() == "127.0.0.1"
+        return self.ray
+
+    def stop(self) -> None:
+        ray, self.ray = self.ray, None
+        if ray is not None:
+            ray.shutdown()  # type: ignore[attr-defined]
+
+
+_RAY = _RayInstance()
+
+
+@pytest.fixture
+def ray_cluster() -> object:
+    """One Ray instance on loopback with four twin GPUs: the `ray` module. Starting Ray costs
+    seconds of CPU, so consecutive tests share it: `pytest_collection_modifyitems` puts every
+    test that asks for it first (one xdist worker then runs them in a row, at the start of
+    its share, where work stealing takes nothing), and the instance stops after the last
+    (`pytest_runtest_teardown`). A test that kills an actor leaves it usable (each sweep starts
+    its own actors)."""
+    return _RAY.start()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use `ray_cluster` first, in their order; the rest as collected. Every
+    xdist worker sorts the same collection the same way, as xdist requires."""
+    uses = ["ray_cluster" in getattr(item, "fixturenames", ()) for item in items]
+    items[:] = [i for i, u in zip(items, uses, strict=True) if u] + [
+        i for i, u in zip(items, uses, strict=True) if not u
+    ]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """Stop Ray once the next test (None: this worker has no more) does not use it."""
+    yield
+    if nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ()):
+        _RAY.stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:

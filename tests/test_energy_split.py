@@ -251,29 +251,33 @@ def test_a_round_without_a_ledger_has_no_exact_split() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    durations=st.lists(st.integers(1_000, 5_000_000), min_size=1, max_size=12),
-    gaps=st.lists(st.integers(0, 1_000_000), min_size=12, max_size=12),
-    roles=st.lists(st.integers(0, 2), min_size=12, max_size=12),
-    powers=st.lists(st.floats(80.0, 700.0), min_size=12, max_size=12),
+    # per pass: (duration, gap before it, role, power), drawn together
+    passes=st.lists(
+        st.tuples(
+            st.integers(1_000, 5_000_000),
+            st.integers(0, 1_000_000),
+            st.integers(0, 2),
+            st.floats(80.0, 700.0),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
     host_share=st.floats(0.0, 1.0),
     edges=st.tuples(st.floats(-0.2, 1.2), st.floats(-0.2, 1.2)),
 )
 def test_a_ledger_splits_any_interval_into_parts_that_add_up(
-    durations: list[int],
-    gaps: list[int],
-    roles: list[int],
-    powers: list[float],
+    passes: list[tuple[int, int, int, float]],
     host_share: float,
     edges: tuple[float, float],
 ) -> None:
-    n = len(durations)
+    durations, gaps, roles, powers = zip(*passes, strict=True)
     dur_ns = np.array(durations, dtype=np.int64)
-    starts = np.cumsum(np.array(gaps[:n]) + np.concatenate([[0], dur_ns[:-1]]))
+    starts = np.cumsum(np.array(gaps) + np.concatenate([[0], dur_ns[:-1]]))
     ends = starts + dur_ns
     idle_w = 70.0
-    power = np.array(powers[:n])
+    power = np.array(powers)
     ledger = PassLedger(
-        ends, dur_ns * 1e-9, power, np.array(roles[:n]), host_share * dur_ns * 1e-9, idle_w
+        ends, dur_ns * 1e-9, power, np.array(roles), host_share * dur_ns * 1e-9, idle_w
     )
     span = int(ends[-1])
     a, b = sorted(int(e * span) for e in edges)

@@ -360,14 +360,19 @@ def same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 
 request_strategy = st.builds(
-    lambda sent, gaps, tokens, error: trace(
+    lambda sent, chunks, error: trace(
         sent,
-        [(sent + int(t), k) for t, k in zip(np.cumsum(gaps) * 997, tokens, strict=False)],
+        [
+            (sent + int(t), k)
+            for t, k in zip(
+                np.cumsum([g for g, _ in chunks]) * 997, [k for _, k in chunks], strict=True
+            )
+        ],
         error=error,
     ),
     st.integers(0, 10**9),
-    st.lists(st.integers(0, 10**6), min_size=0, max_size=30),
-    st.lists(st.integers(0, 9), min_size=30, max_size=30),
+    # (gap, tokens) per chunk, drawn together: no tokens drawn for chunks that are not there
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 9)), min_size=0, max_size=30),
     st.sampled_from([None, None, None, "boom"]),
 )
 

@@ -153,15 +153,22 @@ def trace(sent: int, gaps: list[int], tokens: list[int], scale: int) -> RequestT
     return RequestTrace(sent, ns, tok, 10, int(tok.sum()))
 
 
+#: A request's 1-30 chunks as (gap, tokens): each chunk's tokens drawn with it (drawing 30 and
+#: cutting them to the chunks there are cost hypothesis most of the test's time).
+CHUNKS = st.one_of(
+    # speculation, empty chunks
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 6)), min_size=1, max_size=30),
+    # one token a chunk
+    st.lists(st.integers(0, 10**6), min_size=1, max_size=30).map(lambda gs: [(g, 1) for g in gs]),
+)
+
 traces = st.lists(
     st.builds(
-        trace,
-        st.integers(0, 10**12),
-        st.lists(st.integers(0, 10**6), min_size=1, max_size=30),
-        st.one_of(
-            st.lists(st.integers(0, 6), min_size=30, max_size=30),  # speculation, empty chunks
-            st.just([1] * 30),  # one token a chunk
+        lambda sent, chunks, scale: trace(
+            sent, [g for g, _ in chunks], [k for _, k in chunks], scale
         ),
+        st.integers(0, 10**12),
+        CHUNKS,
         st.sampled_from([1, 997, 1_000_003]),
     ),
     max_size=10,
@@ -225,18 +232,29 @@ def test_window_samples_equal_the_masked_ones(instants, start, length, ascending
 # -- the energy split: maximum for clip, plain floats for numpy scalars -------------------------
 
 
+#: 1-12 passes, each (duration, gap before it, power, role): one strategy built once (lists of
+#: a drawn length would build four new strategies per ledger).
+PASSES = st.lists(
+    st.tuples(
+        st.floats(0, 0.05), st.integers(0, 20_000_000), st.floats(50, 700), st.integers(0, 2)
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
 @st.composite
 def ledgers(draw: st.DrawFn) -> PassLedger:
-    n = draw(st.integers(1, 12))
-    durations = draw(st.lists(st.floats(0, 0.05), min_size=n, max_size=n))
-    gaps = draw(st.lists(st.integers(0, 20_000_000), min_size=n, max_size=n))
-    ends = np.cumsum(np.array(gaps, dtype=np.int64) + np.round(np.array(durations) * 1e9))
+    durations, gaps, powers, roles = (
+        np.array(column) for column in zip(*draw(PASSES), strict=True)
+    )
+    ends = np.cumsum(gaps.astype(np.int64) + np.round(durations * 1e9))
     return PassLedger(
         ends_ns=ends.astype(np.int64),
-        duration_s=np.array(durations),
-        power_w=np.array(draw(st.lists(st.floats(50, 700), min_size=n, max_size=n))),
-        role=np.array(draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))),
-        host_s=np.array(durations) * draw(st.floats(0, 0.5)),
+        duration_s=durations,
+        power_w=powers,
+        role=roles,
+        host_s=durations * draw(st.floats(0, 0.5)),
         idle_power_w=draw(st.floats(30, 120)),
     )
 
@@ -354,23 +372,30 @@ def old_measurement_from_json(data: dict, version: int) -> MeasurementRecord:
     return MeasurementRecord(**kwargs)
 
 
+#: A stored measurement's values, as strategies built once (not once per example).
+NUMBER = st.one_of(st.none(), st.floats(-1e9, 1e9), st.integers(0, 10**6))
+QUANTILE_TRIPLE = st.lists(NUMBER, min_size=3, max_size=3)
+TIMELINE = st.lists(NUMBER, max_size=32)
+MAYBE_INT = st.one_of(st.none(), st.integers(0, 10**6))
+MAYBE_BOOL = st.one_of(st.none(), st.booleans())
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_a_stored_measurement_reads_as_before(data) -> None:
-    number = st.one_of(st.none(), st.floats(-1e9, 1e9), st.integers(0, 10**6))
     stored: dict = {}
     for f in fields(MeasurementRecord):
         if f.name in cell_records._QUANTILE_KEYS:
-            stored[f.name] = data.draw(st.lists(number, min_size=3, max_size=3))
+            stored[f.name] = data.draw(QUANTILE_TRIPLE)
         elif f.name in cell_records._TIMELINE_KEYS:
             if data.draw(st.booleans()):
-                stored[f.name] = data.draw(st.lists(number, max_size=32))
+                stored[f.name] = data.draw(TIMELINE)
         elif f.name in cell_records._INTEGER_KEYS:
-            stored[f.name] = data.draw(st.one_of(st.none(), st.integers(0, 10**6)))
+            stored[f.name] = data.draw(MAYBE_INT)
         elif f.name == "valid":
-            stored[f.name] = data.draw(st.one_of(st.none(), st.booleans()))
+            stored[f.name] = data.draw(MAYBE_BOOL)
         elif data.draw(st.booleans()):
-            stored[f.name] = data.draw(number)
+            stored[f.name] = data.draw(NUMBER)
     version = JOURNAL_SCHEMA
     new = MeasurementRecord.from_json(dict(stored), version=version)
     old = old_measurement_from_json(dict(stored), version)

@@ -277,11 +277,13 @@ def test_settle_point_finds_the_first_sample_of_the_last_steady_run(
     period_ns = 5_000_000
     n = settle + after
     t = np.arange(1, n + 1, dtype=np.int64) * period_ns
-    inside = data.draw(st.lists(st.floats(-0.45, 0.45), min_size=n, max_size=n))
-    outside = data.draw(st.lists(st.floats(2.0, 40.0), min_size=n, max_size=n))
-    signs = data.draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=n, max_size=n))
-    x = 1000.0 + tol * np.asarray(inside)
-    x[:settle] = 1000.0 + tol * np.asarray(outside[:settle]) * np.asarray(signs[:settle])
+    # each sample drawn once: outside the band (with a sign) before `settle`, inside after
+    outside = data.draw(st.lists(st.floats(2.0, 40.0), min_size=settle, max_size=settle))
+    signs = data.draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=settle, max_size=settle))
+    inside = data.draw(st.lists(st.floats(-0.45, 0.45), min_size=after, max_size=after))
+    x = np.empty(n)
+    x[:settle] = 1000.0 + tol * np.asarray(outside) * np.asarray(signs)
+    x[settle:] = 1000.0 + tol * np.asarray(inside)
     hold_s = after * period_ns / 1e9 / 2
     found = settle_point(t, x, since_ns=0, hold_s=hold_s, abs_tolerance=tol)
     assert found is not None

@@ -21,17 +21,18 @@ def fresh_instants(lo: np.ndarray, hi: np.ndarray, period_s: float) -> tuple[np.
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.integers(1, 3), min_size=3, max_size=40),
-    st.lists(st.integers(0, 30_000_000), min_size=40, max_size=40),
+    # per update: (counter periods since the last, offset), drawn together
+    st.lists(st.tuples(st.integers(1, 3), st.integers(0, 30_000_000)), min_size=3, max_size=40),
     st.integers(0, 40_000_000),
     st.integers(0, 10**12),
     st.integers(-(10**9), 10**9),
     st.sampled_from([0.1, 0.05, 0.1003]),
 )
 def test_remembered_grid_gives_the_instants_computed_anew(
-    periods, offsets, width, start_ns, shift_ns, period_s
+    updates, width, start_ns, shift_ns, period_s
 ) -> None:
-    base = start_ns + np.cumsum(np.array(periods) * 100_000_000) + np.array(offsets[: len(periods)])
+    periods, offsets = (np.array(column) for column in zip(*updates, strict=True))
+    base = start_ns + np.cumsum(periods * 100_000_000) + offsets
     lo = base.astype(np.int64)
     hi = lo + width + 1
     for a, b in ((lo, hi), (lo + shift_ns, hi + shift_ns)):  # same offsets, other instants

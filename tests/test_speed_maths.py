@@ -98,15 +98,17 @@ def chunked(sent: int, gaps: list[int], tokens: list[int]) -> RequestTrace:
     return RequestTrace(sent, ns, tok, 10, int(tok.sum()))
 
 
-requests = st.lists(
-    st.builds(
-        chunked,
-        st.integers(0, 10**9),
-        st.lists(st.integers(0, 10**6), min_size=1, max_size=20),
-        st.lists(st.integers(0, 5), min_size=20, max_size=20),
-    ),
-    max_size=8,
-)
+@st.composite
+def a_request(draw: st.DrawFn) -> RequestTrace:
+    """1-20 chunks, each with its tokens (drawn for the chunks there are, not cut off)."""
+    sent = draw(st.integers(0, 10**9))
+    chunks = draw(
+        st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 5)), min_size=1, max_size=20)
+    )
+    return chunked(sent, [gap for gap, _ in chunks], [tokens for _, tokens in chunks])
+
+
+requests = st.lists(a_request(), max_size=8)
 
 
 @settings(max_examples=150, deadline=None)
@@ -202,17 +204,21 @@ def old_instants(lo: np.ndarray, hi: np.ndarray, period_s: float | None):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.integers(1, 3), min_size=1, max_size=40),
-    st.lists(st.integers(1, 30_000_000), min_size=40, max_size=40),
-    st.lists(st.integers(0, 40_000_000), min_size=40, max_size=40),
+    # per update: (counter periods since the last, offset, bracket width), drawn together
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 30_000_000), st.integers(0, 40_000_000)),
+        min_size=1,
+        max_size=40,
+    ),
     st.sampled_from([None, 0.1, 0.05]),
     st.booleans(),
 )
-def test_update_instants_equal_the_polyfit_code(periods, offsets, widths, period_s, shuffle):
+def test_update_instants_equal_the_polyfit_code(updates, period_s, shuffle):
     # updates about `periods` counter periods apart, each seen in a bracket of `widths`
-    base = np.cumsum(np.array(periods) * 100_000_000) + np.array(offsets[: len(periods)])
+    periods, offsets, widths = (np.array(column) for column in zip(*updates, strict=True))
+    base = np.cumsum(periods * 100_000_000) + offsets
     lo = base.astype(np.int64)
-    hi = lo + np.array(widths[: len(periods)], dtype=np.int64) + 1
+    hi = lo + widths.astype(np.int64) + 1
     if shuffle:  # out of order: the unique check's own path
         lo, hi = lo[::-1].copy(), hi[::-1].copy()
     new_t, new_regular = counter._instants(lo, hi, period_s)

@@ -16,9 +16,11 @@ from dvfs.measure.meter import steady_window_ns
 from dvfs.twin.counter import Sensor, SteppedCounter, Tail
 
 
-def trace(sent: int, gaps: list[int], tokens: list[int], error: str | None) -> RequestTrace:
-    ns = sent + np.cumsum(np.array(gaps, dtype=np.int64) * 997)
-    tok = np.array(tokens[: len(ns)], dtype=np.int64)
+def trace(sent: int, chunks: list[tuple[int, int]], error: str | None) -> RequestTrace:
+    """A request of `chunks` (gap, tokens): each chunk's tokens drawn with it."""
+    gaps = np.array([gap for gap, _ in chunks], dtype=np.int64)
+    ns = sent + np.cumsum(gaps * 997)
+    tok = np.array([tokens for _, tokens in chunks], dtype=np.int64)
     return RequestTrace(sent, ns, tok, 10, int(tok.sum()), error=error)
 
 
@@ -26,8 +28,7 @@ traces = st.lists(
     st.builds(
         trace,
         st.integers(0, 10**9),
-        st.lists(st.integers(0, 10**6), min_size=0, max_size=12),
-        st.lists(st.integers(1, 4), min_size=12, max_size=12),
+        st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 4)), min_size=0, max_size=12),
         st.sampled_from([None, None, None, "boom"]),
     ),
     max_size=10,

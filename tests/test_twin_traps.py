@@ -68,16 +68,18 @@ def euler(model: th.Thermal, t0_c: float, dynamic_w, duration_s, steps: int = 20
 
 @settings(max_examples=25, deadline=None)
 @given(
-    powers=st.lists(st.floats(50.0, 700.0), min_size=1, max_size=6),
-    durations=st.lists(st.floats(0.01, 30.0), min_size=6, max_size=6),
+    # per segment: (power, duration), drawn together
+    segments=st.lists(
+        st.tuples(st.floats(50.0, 700.0), st.floats(0.01, 30.0)), min_size=1, max_size=6
+    ),
     t0_c=st.floats(25.0, 85.0),
     leak=st.floats(0.0, 2.0),
 )
 def test_the_temperature_is_the_exact_solution_of_the_first_order_model(
-    powers, durations, t0_c, leak
+    segments, t0_c, leak
 ) -> None:
     model = dataclasses.replace(thermal_of(H100), leakage_w_per_c=leak)
-    durations = durations[: len(powers)]
+    powers, durations = ([s[i] for s in segments] for i in (0, 1))
     temps = th.start_temperatures(model, t0_c, np.array(powers), np.array(durations))
     energy = th.segment_energy_j(model, temps[:-1], np.array(powers), np.array(durations)).sum()
     ref_temps, ref_energy = euler(model, t0_c, powers, durations)
@@ -144,12 +146,15 @@ def test_a_runaway_thermal_model_is_refused() -> None:
 # -- the energy counter -----------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(
-    powers=st.lists(st.floats(80.0, 700.0), min_size=1, max_size=40),
-    durations_ms=st.lists(st.integers(1, 400), min_size=40, max_size=40),
+    # per pass: (power, duration in ms), drawn together
+    passes=st.lists(
+        st.tuples(st.floats(80.0, 700.0), st.integers(1, 400)), min_size=1, max_size=40
+    ),
     probes=st.lists(st.integers(0, 20_000), min_size=2, max_size=60),
 )
-def test_the_counter_steps_at_its_period_and_never_decreases(powers, durations_ms, probes) -> None:
-    line = timeline(H100, powers, np.array(durations_ms[: len(powers)]) * MS)
+def test_the_counter_steps_at_its_period_and_never_decreases(passes, probes) -> None:
+    powers = [power for power, _ in passes]
+    line = timeline(H100, powers, np.array([ms for _, ms in passes]) * MS)
     sensor = line.sensor
     assert sensor is not None and sensor.period_ns == 100 * MS
     t = FOLD_NS + np.array(sorted(probes), dtype=np.int64) * MS
