@@ -66,3 +66,31 @@ def passes_of(n: int, seed: int) -> physics.Passes:
         comm_calls=np.zeros(n),
         tokens=rng.integers(1, 512, size=n).astype(float),
     )
+
+
+def test_a_replaced_timeline_is_freed_at_once_without_the_cyclic_collector() -> None:
+    """A device's timeline (its counter, tail and work) is no reference cycle: replaced by the
+    next start, reference counting frees it, so a sweep leaves no cyclic garbage per round."""
+    import gc
+    import weakref
+
+    from dvfs.clock import VirtualClock
+    from dvfs.twin.device import TwinDevice, TwinNode
+
+    clock = VirtualClock(10**12)
+    device = TwinDevice(H100, clock, 0)
+    node = TwinNode([device])
+    node.execute(passes_of(40, 7))
+    first = device.timeline
+    assert first.counter is not None  # the shipped profile's counter steps (the trap is on)
+    gone = weakref.ref(first)
+    del first
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        clock.sleep(1.0)
+        node.execute(passes_of(40, 8))
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
