@@ -85,15 +85,17 @@ class TwinGpu:
         out = _nvml_units(self.device.readings_at(t_ns))
         if t_ns.ndim == 1 and len(t_ns):
             # the last reading's five integers copied into one read-only block, a row each
-            block = np.stack(
+            # (from the five values at once: np.stack's handling costs more than the copy)
+            block = np.array(
                 (
-                    out.energy_mj[-1:],
-                    out.power_mw[-1:],
-                    out.sm_clock_mhz[-1:],
-                    out.temperature_c[-1:],
-                    out.reasons[-1:],
-                )
-            )
+                    out.energy_mj[-1],
+                    out.power_mw[-1],
+                    out.sm_clock_mhz[-1],
+                    out.temperature_c[-1],
+                    out.reasons[-1],
+                ),
+                dtype=np.int64,
+            ).reshape(5, 1)
             block.flags.writeable = False
             tail = BulkReadings(*block)
             self._last = ((timeline, int(t_ns[-1])), tail)

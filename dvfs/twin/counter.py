@@ -92,8 +92,11 @@ class SteppedCounter:
     `history[i]` is the counter at update `first + i`, the updates up to the last one at or
     before `fold_ns` (at least `average_n` of them, for the average); `carry_j` the energy
     the sensor already sampled before `fold_ns` in the window of the first update after it;
-    `true_energy_j(t)` the true energy since `fold_ns` at instants from `fold_ns` on, and
-    `tail` the idle stretch after the work (where the closed form takes over).
+    `true_energy_j(t)` the true energy since `fold_ns` at instants from `fold_ns` on (read
+    while the counter is made, and not kept: it is a bound method of the timeline that keeps
+    this counter, and keeping it would make each timeline a reference cycle, garbage only the
+    cyclic collector frees), and `tail` the idle stretch after the work (where the closed form
+    takes over).
     """
 
     def __init__(
@@ -111,7 +114,6 @@ class SteppedCounter:
         self.first = self.last - len(history) + 1
         self.history = np.asarray(history, dtype=float)
         self.carry_j = carry_j
-        self.true_energy_j = true_energy_j
         self.tail = tail
         s = sensor
         # Updates whose sampled window starts in the tail follow the closed form; the ones
@@ -148,10 +150,10 @@ class SteppedCounter:
         k = np.asarray(k, dtype=np.int64)
         i = k - self.first
         n = len(self.known)
-        if i.size:
-            if i.min() < 0:
+        if i.size:  # (the ufuncs' reductions, without ndarray.min's and max's wrappers)
+            if np.minimum.reduce(i, axis=None) < 0:
                 raise ValueError("the counter's history does not reach that far back")
-            if i.max() < n:  # none in the closed-form tail
+            if np.maximum.reduce(i, axis=None) < n:  # none in the closed-form tail
                 return self.known[i]
         out = self.known[np.minimum(i, n - 1)]
         late = i >= n

@@ -223,13 +223,22 @@ def _clocks_factors(gpu: GpuProfile, clocks: np.ndarray) -> tuple[np.ndarray, np
     """`bandwidth_bytes_s` and `dynamic_scale` at each of `clocks`: looked up in
     `_clock_table` when every clock is a supported one (the power limit's search only tries
     those), which is elementwise the same array arithmetic without its powers per pass."""
+    bandwidth, scale, _ = _clocks_lookup(gpu, clocks)
+    return bandwidth, scale
+
+
+def _clocks_lookup(
+    gpu: GpuProfile, clocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`_clocks_factors`, and where each clock is in `_clock_table`'s clocks (None when one is
+    not a supported clock)."""
     known, bandwidth, scale = _clock_table(gpu)
     if len(known):
         at = known.searchsorted(clocks)
         np.minimum(at, len(known) - 1, out=at)
         if np.array_equal(known[at], clocks):
-            return bandwidth[at], scale[at]
-    return bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks)
+            return bandwidth[at], scale[at], at
+    return bandwidth_bytes_s(gpu, clocks), dynamic_scale(gpu, clocks), None
 
 
 def host_time_s(gpu: GpuProfile, passes: Passes) -> np.ndarray:
@@ -297,23 +306,26 @@ def _pass_terms(gpu: GpuProfile, passes: Passes) -> _PassTerms:
 def time_passes(gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray) -> PassTiming:
     """Duration and average power of each pass when the SMs run at `sm_clock_mhz` (one clock
     for all passes, or one per pass)."""
-    f, clocks, duration_s, power_w, tensor_util, memory_util = _timed(gpu, passes, sm_clock_mhz)
+    f, clocks, duration_s, power_w, tensor_util, memory_util, at = _timed(gpu, passes, sm_clock_mhz)
     if clocks is None:
         return PassTiming(f, duration_s, power_w, tensor_util, memory_util)
-    return PassTiming(
-        _main_clock(clocks, duration_s), duration_s, power_w, tensor_util, memory_util, clocks
-    )
+    main = _main_clock(clocks, duration_s) if at is None else _main_known(gpu, at, duration_s)
+    return PassTiming(main, duration_s, power_w, tensor_util, memory_util, clocks)
 
 
 def _timed(
     gpu: GpuProfile, passes: Passes, sm_clock_mhz: float | np.ndarray
-) -> tuple[float, np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[
+    float, np.ndarray | None, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None
+]:
     """`time_passes`'s numbers: the clock (one for all passes, else 0.0), the per-pass clocks
-    (None for one clock), duration, power, tensor and memory utilisation.
+    (None for one clock), duration, power, tensor and memory utilisation, and where each
+    per-pass clock is in `_clock_table` (None for one clock, or a clock not in it).
 
     The clock-free terms come from `_pass_terms`; the rest is computed in place where an
     intermediate is not needed again, in the same order of operations (the same bits)."""
     clocks: np.ndarray | None = None
+    at: np.ndarray | None = None
     f: float | np.ndarray
     bandwidth: float | np.ndarray
     scale: float | np.ndarray
@@ -323,7 +335,7 @@ def _timed(
     else:
         clocks = np.asarray(sm_clock_mhz, dtype=float)
         f = clocks
-        bandwidth, scale = _clocks_factors(gpu, clocks)
+        bandwidth, scale, at = _clocks_lookup(gpu, clocks)
     terms = _pass_terms(gpu, passes)
     # The FLOPs at the large-M efficiency (what tensor power follows), then stretched by the
     # pass's tile and wave quantisation (`gemm_efficiency`; as `compute_time_s`).
@@ -362,6 +374,7 @@ def _timed(
         power_w,
         tensor_util,
         memory_util,
+        at,
     )
 
 
@@ -371,6 +384,20 @@ def _main_clock(clocks: np.ndarray, duration_s: np.ndarray) -> float:
         return 0.0
     values, where = np.unique(clocks, return_inverse=True)
     time_at = np.bincount(where, weights=duration_s, minlength=len(values))
+    return float(values[len(values) - 1 - int(np.argmax(time_at[::-1]))])
+
+
+def _main_known(gpu: GpuProfile, at: np.ndarray, duration_s: np.ndarray) -> float:
+    """`_main_clock` of passes at supported clocks, given where each is in `_clock_table`
+    (`_clocks_lookup`): the table's clocks the passes use are `np.unique`'s values, in the
+    same order, and each one's time is summed over its passes in the same order (the same
+    sum), without sorting the passes."""
+    if len(at) == 0:
+        return 0.0
+    known = _clock_table(gpu)[0]
+    used = np.bincount(at, minlength=len(known)) > 0
+    values = known[used]
+    time_at = np.bincount(at, weights=duration_s, minlength=len(known))[used]
     return float(values[len(values) - 1 - int(np.argmax(time_at[::-1]))])
 
 

@@ -196,11 +196,13 @@ class Timeline:
 
     # -- the truth -------------------------------------------------------------------------
     def _truth(
-        self, t_ns: np.ndarray
+        self, t_ns: np.ndarray, *, clipped: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """busy, segment index (the idle tail is the last), temperature (C), true power (W),
-        true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped)."""
-        t_ns = np.maximum(t_ns, self.fold_ns)
+        true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped;
+        `clipped`: the caller has clipped them)."""
+        if not clipped:
+            t_ns = np.maximum(t_ns, self.fold_ns)
         j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         busy = j < len(self._seg_ends_ns)
         offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
@@ -285,7 +287,8 @@ class Timeline:
     # -- what NVML reports ---------------------------------------------------------------------
     def readings(self, t_ns: np.ndarray) -> Readings:
         t_ns = np.asarray(t_ns, dtype=np.int64)
-        busy, i, temp, power, since_j = self._truth(t_ns)
+        clipped = np.maximum(t_ns, self.fold_ns)  # the truth and the counter before the fold
+        busy, i, temp, power, since_j = self._truth(clipped, clipped=True)
         work = self.work
         if work is not None:
             i = np.minimum(i, len(work.ends_ns) - 1)
@@ -307,7 +310,7 @@ class Timeline:
         if self.counter is None:
             energy, average = true_j, power
         else:
-            energy, average = self.counter.read(np.maximum(t_ns, self.fold_ns))
+            energy, average = self.counter.read(clipped)
             if self.profile.power_average_s <= 0:
                 average = power
         return Readings(energy, power, average, clock, temp, reasons, true_j)
