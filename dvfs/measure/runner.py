@@ -34,6 +34,7 @@ from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
     CellMeasurement,
     WindowPart,
+    finished_requests,
     latency_stats,
     steady_window_ns,
     summarise,
@@ -449,7 +450,7 @@ class Runner:
             samples = sampler.samples.arrays()
             energy = None
             if window is not None:
-                done = [r for r in result.requests if len(r.chunk_ns)]
+                done = finished_requests(result.requests)  # no errors: those with chunks
                 curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
                 energy = round_energy(samples, curve, window, fit_periods_s)
                 time.add("prefill", (window[0] - started) * 1e-9)
