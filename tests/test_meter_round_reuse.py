@@ -1,12 +1,13 @@
 """The measuring side's shortcuts (issue 15) give the numbers of the code they replaced: a
 round's finished requests and their ends read once, acceptance summed column by column, a
-cell's key without `asdict`. The old code is kept here as the reference."""
+cell's key without `asdict`, a record read off a measurement by a plan. The old code is kept
+here as the reference."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import numpy as np
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.measure import meter
 from dvfs.measure.plan import Cell
+from dvfs.records.cell import MeasurementRecord
 
 
 def bits(values: list[float]) -> list[bytes]:
@@ -136,3 +138,45 @@ def test_a_cells_key_is_its_fields_as_sorted_json(drafter, repeat, clock, limit,
     assert cell.key == want
     assert cell.key == want  # the kept one
     assert cell == Cell(drafter, repeat, clock, limit, batch, corpus)  # the cache is no field
+
+
+def old_record_of(m: meter.CellMeasurement) -> MeasurementRecord:
+    def quantity(name: str) -> object:
+        for part in (m, m.latency, m.accept):
+            if hasattr(part, name):
+                return getattr(part, name)
+        raise AttributeError(name)
+
+    return MeasurementRecord(**{f.name: quantity(f.name) for f in fields(MeasurementRecord)})
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(0, 1e4),
+    st.floats(0, 100),
+    st.integers(0, 10**5),
+    st.lists(st.one_of(st.just(math.nan), st.floats(0, 100)), min_size=3, max_size=3),
+    st.one_of(st.just(math.nan), st.floats(1, 5)),
+)
+def test_a_record_reads_the_measurement_as_before(energy, seconds, tokens, quantiles, accept):
+    m = meter.CellMeasurement(
+        energy_j=energy,
+        decode_time_s=seconds,
+        output_tokens=tokens,
+        rounds=2,
+        requests=3,
+        latency=meter.LatencyStats(tuple(quantiles), tuple(quantiles), tuple(quantiles)),
+        accept=meter.Acceptance(accept, 0.5, accept),
+        power_mean_w=1.0,
+        power_max_w=2.0,
+        sm_clock_observed_mhz=1500.0,
+        temperature_max_c=50.0,
+        clock_event_reasons=0,
+        quality=0,
+        idle_power_w=80.0,
+        timeline_t_s=(0.0, 0.1),
+    )
+    got, want = MeasurementRecord.of(m), old_record_of(m)
+    assert repr(got) == repr(want)  # NaN != NaN: the text shows every value
+    assert list(got.to_json()) == [f.name for f in fields(MeasurementRecord)]
+    assert repr(got.to_json()) == repr({f.name: getattr(want, f.name) for f in fields(want)})

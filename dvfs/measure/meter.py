@@ -579,12 +579,17 @@ class WindowPart:
 def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray, int]:
     """The samples taken in [start, end] and how many: a slice when their instants ascend (a
     sampler's do), else a mask (the same samples, in the same order, either way)."""
-    if len(t_ns) < 2 or bool((t_ns[1:] >= t_ns[:-1]).all()):
-        first = int(np.searchsorted(t_ns, start, side="left"))
-        last = int(np.searchsorted(t_ns, end, side="right"))
+    # (the ufuncs' own reductions and the array's own searchsorted, as np.all and
+    # np.searchsorted call them, without their dispatch)
+    if len(t_ns) < 2 or bool(_ALL(t_ns[1:] >= t_ns[:-1])):
+        first = int(t_ns.searchsorted(start, "left"))
+        last = int(t_ns.searchsorted(end, "right"))
         return slice(first, max(first, last)), max(0, last - first)
     inside = (t_ns >= start) & (t_ns <= end)
     return inside, int(inside.sum())
+
+
+_ALL, _MAX = np.logical_and.reduce, np.maximum.reduce
 
 
 def _mean(values: np.ndarray) -> float:
@@ -667,8 +672,8 @@ def summarise(
             clock = s["sm_clock_mhz"][inside]
             power = s["power_mw"][inside]
             clock_weighted += _mean(clock) * (end - start)
-            power_max = max(power_max, float(power.max()) / 1000)
-            temp_max = max(temp_max, float(s["temperature_c"][inside].max()))
+            power_max = max(power_max, float(_MAX(power)) / 1000)
+            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
             reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
             timeline.append(
                 (
