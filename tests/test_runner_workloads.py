@@ -1,15 +1,24 @@
 """A runner's round workloads are remembered (issue 15): the one asked again is the one made
-the first time, equal to one made afresh, and a campaign or corpus swapped in makes new ones."""
+the first time, equal to one made afresh, and a campaign or corpus swapped in makes new ones.
+A round with a failed request still fails its attempt (checked before its traces are read)."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import pytest
+
+from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
 from dvfs.corpora.prepare import load_corpora
+from dvfs.engines.base import RoundResult
+from dvfs.errors import EngineError
+from dvfs.gpu.knobs import KnobController
+from dvfs.measure.journal import Journal
 from dvfs.measure.plan import plan_cells
 from dvfs.measure.runner import Runner
 
@@ -61,3 +70,34 @@ def test_another_campaign_or_corpus_makes_new_workloads() -> None:
     runner.corpora = {name: copy.copy(c) for name, c in runner.corpora.items()}
     again = runner._workload(cell, 0, 256)
     assert again == after and again is not after
+
+
+def test_a_round_with_a_failed_request_fails_the_attempt(tmp_path: Path) -> None:
+    campaign = load_campaign(DEMO)
+    with (
+        open_backends(campaign, out_dir=tmp_path) as b,
+        KnobController(b.gpus) as knobs,
+        Journal(tmp_path / "journal.jsonl") as journal,
+    ):
+        runner = Runner(
+            campaign,
+            gpus=b.gpus,
+            engine=b.engine,
+            clock=b.clock,
+            journal=journal,
+            knobs=knobs,
+            corpora=load_corpora(campaign),
+        )
+        runner.open_session()
+        b.engine.start(campaign.drafters[0])
+        cell = plan_cells(campaign)[0]
+        run = b.engine.run
+
+        def failing(workload: Any, timeline: Any = None) -> RoundResult:
+            result = run(workload, timeline)
+            first, *rest = result.requests
+            return replace(result, requests=(replace(first, error="boom"), *rest))
+
+        runner.engine = cast(Any, SimpleNamespace(run=failing))
+        with pytest.raises(EngineError, match=r"^1 request\(s\) failed; first: boom$"):
+            runner.measure(cell)

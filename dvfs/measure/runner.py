@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import platform
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -87,6 +88,7 @@ def measurement_method(m: MeasurementConfig) -> str:
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
+_ERROR = operator.attrgetter("error")
 #: Rounds' workloads a runner remembers (`Runner._workload`): a sweep asks for the same few
 #: hundred at every knob setting and drafter.
 WORKLOAD_MEMO_SIZE = 4096
@@ -465,8 +467,8 @@ class Runner:
             with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
             ended = self.clock.now_ns()
-            errors = [r.error for r in result.requests if r.error]
-            if errors:
+            if any(map(_ERROR, result.requests)):
+                errors = [r.error for r in result.requests if r.error]
                 raise EngineError(f"{len(errors)} request(s) failed; first: {errors[0]}")
             window = steady_window_ns(result, workload.mode)
             samples = sampler.samples.arrays()
