@@ -360,6 +360,17 @@ def _tpot_list(ok: list[RequestTrace]) -> list[float]:
     return out
 
 
+#: A trace's fields, read request by request by `map` (less than a comprehension costs).
+_CHUNK_NS = operator.attrgetter("chunk_ns")
+_CHUNK_TOKENS = operator.attrgetter("chunk_tokens")
+_SENT = operator.attrgetter("sent_ns")
+_VERIFY_CT = operator.attrgetter("spec_verify_ct")
+_PROPOSED = operator.attrgetter("spec_proposed_drafts")
+_ACCEPTED = operator.attrgetter("spec_accepted_drafts")
+_COMPLETION = operator.attrgetter("completion_tokens")
+_RETRACTIONS = operator.attrgetter("retractions")
+
+
 def _tpot_of(ok: list[RequestTrace], firsts: list[int], lasts: list[int]) -> list[float]:
     """`_tpot_list` with each request's first and last chunk's instant given (`_ends`)."""
     out = []
@@ -376,12 +387,14 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    # lists then arrays: a generator for np.fromiter costs more per request than a list
-    counts = np.array([len(r.chunk_ns) for r in ok], dtype=np.int64)
-    sent = np.array([r.sent_ns for r in ok], dtype=np.int64)
-    completion = np.array([r.completion_tokens for r in ok], dtype=np.int64)
-    ns = np.concatenate([r.chunk_ns for r in ok]).astype(np.int64, copy=False)
-    tokens = np.concatenate([r.chunk_tokens for r in ok])
+    # lists then arrays: a generator for np.fromiter costs more per request than a list,
+    # and a map of an attrgetter less than a comprehension
+    chunk_ns = list(map(_CHUNK_NS, ok))
+    counts = np.array(list(map(len, chunk_ns)), dtype=np.int64)
+    sent = np.array(list(map(_SENT, ok)), dtype=np.int64)
+    completion = np.array(list(map(_COMPLETION, ok)), dtype=np.int64)
+    ns = np.concatenate(chunk_ns).astype(np.int64, copy=False)
+    tokens = np.concatenate(list(map(_CHUNK_TOKENS, ok)))
     ends = np.cumsum(counts)
     starts = ends - counts
     first, last = ns[starts], ns[ends - 1]
@@ -413,13 +426,6 @@ class Acceptance:
     accept_rate: float
     server_accept_length: float
     decode_accept_length: float = math.nan
-
-
-_VERIFY_CT = operator.attrgetter("spec_verify_ct")
-_PROPOSED = operator.attrgetter("spec_proposed_drafts")
-_ACCEPTED = operator.attrgetter("spec_accepted_drafts")
-_COMPLETION = operator.attrgetter("completion_tokens")
-_RETRACTIONS = operator.attrgetter("retractions")
 
 
 def acceptance(
