@@ -347,19 +347,6 @@ def _finished(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
     return [r for r in requests if r.error is None and len(r.chunk_ns)]
 
 
-def _tpot_list(ok: list[RequestTrace]) -> list[float]:
-    """TPOT (ms) of each finished request with more than one token, in order, as plain floats:
-    numpy's float64 arithmetic on the same integers (an int64 difference times 1e-6, over
-    the tokens less one), value by value."""
-    out = []
-    for r in ok:
-        completion = int(r.completion_tokens)
-        if completion > 1:
-            ns = r.chunk_ns
-            out.append((int(ns[-1]) - int(ns[0])) * 1e-6 / (completion - 1))
-    return out
-
-
 #: A trace's fields, read request by request by `map` (less than a comprehension costs).
 _CHUNK_NS = operator.attrgetter("chunk_ns")
 _CHUNK_TOKENS = operator.attrgetter("chunk_tokens")
@@ -372,7 +359,10 @@ _RETRACTIONS = operator.attrgetter("retractions")
 
 
 def _tpot_of(ok: list[RequestTrace], firsts: list[int], lasts: list[int]) -> list[float]:
-    """`_tpot_list` with each request's first and last chunk's instant given (`_ends`)."""
+    """TPOT (ms) of each finished request with more than one token, in order, as plain floats,
+    from each one's first and last chunk's instant (`_ends`): numpy's float64 arithmetic on
+    the same integers (an int64 difference times 1e-6, over the tokens less one), value by
+    value."""
     out = []
     for r, first, last in zip(ok, firsts, lasts, strict=True):
         completion = int(r.completion_tokens)
