@@ -193,6 +193,7 @@ class KnobTimeline:
 #: (the verify pass under speculation, every decode step without), and the host overhead and
 #: idle time the passes leave (scheduling and launches, gaps between passes).
 SPLIT_PARTS = ("prefill", "draft", "verify", "overhead")
+_SUM = np.add.reduce
 ROLE_PREFILL, ROLE_DRAFT, ROLE_VERIFY = 0, 1, 2
 
 
@@ -228,8 +229,9 @@ class PassLedger:
         parts = len(SPLIT_PARTS)
         energy = np.bincount(self.role, weights=busy_j, minlength=parts)
         time = np.bincount(self.role, weights=busy_s, minlength=parts)
-        gap_s = max(0.0, (end_ns - start_ns) * 1e-9 - float(overlap_ns.sum()) * 1e-9)
-        time[-1] = float(host_s.sum()) + gap_s
+        # (np.add.reduce is what ndarray.sum calls, without its dispatch)
+        gap_s = max(0.0, (end_ns - start_ns) * 1e-9 - float(_SUM(overlap_ns)) * 1e-9)
+        time[-1] = float(_SUM(host_s)) + gap_s
         energy[-1] = time[-1] * self.idle_power_w
         return energy, time
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,20 +105,51 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     below batch (the first finish after the last request was sent), as the ML.ENERGY
     benchmark defines steady state.
     """
-    done = [r for r in result.requests if r.error is None and len(r.chunk_ns)]
+    done, firsts, lasts = _ends(result.requests)
     if not done:
         return None
     if mode != "closed-loop":  # integers: plain max and min are numpy's, without the arrays
-        start, end = max(map(_first_ns, done)), min(map(_last_ns, done))
+        start, end = max(firsts), min(lasts)
         return (start, end) if end > start else None
-    firsts = np.array([_first_ns(r) for r in done])
-    finishes = np.array([_last_ns(r) for r in done])
+    finishes = np.array(lasts)
     batch = result_batch(result)
-    start = int(np.sort(firsts)[min(batch, len(firsts)) - 1])
+    start = int(np.sort(np.array(firsts))[min(batch, len(firsts)) - 1])
     last_sent = max(r.sent_ns for r in done)
     later = finishes[finishes > last_sent]
     end = int(later.min()) if len(later) else int(finishes.max())
     return (start, end) if end > start else None
+
+
+#: The last few rounds' finished requests and their first and last chunks' instants, by the
+#: identity of their (immutable) tuple of traces: the steady window, the round's TPOT and its
+#: token curve all read them. Keyed by id() and holding the tuple itself, as `_LATENCY_MEMO`.
+_ENDS_MEMO: dict[int, tuple[object, tuple[list[RequestTrace], list[int], list[int]]]] = {}
+_ENDS_MEMO_SIZE = 16
+
+
+def _ends(
+    requests: Sequence[RequestTrace],
+) -> tuple[list[RequestTrace], list[int], list[int]]:
+    """The requests that finished without error (with chunks, `_finished`) and each one's
+    first and last chunk's instant (ints); a tuple's (a round's) remembered for the next few
+    calls. The lists are shared: read-only."""
+    if isinstance(requests, tuple):
+        seen = _ENDS_MEMO.get(id(requests))
+        if seen is not None and seen[0] is requests:
+            return seen[1]
+    done = _finished(requests)
+    ends = (done, [int(r.chunk_ns[0]) for r in done], [int(r.chunk_ns[-1]) for r in done])
+    if isinstance(requests, tuple):
+        _ENDS_MEMO[id(requests)] = (requests, ends)
+        if len(_ENDS_MEMO) > _ENDS_MEMO_SIZE:
+            del _ENDS_MEMO[next(iter(_ENDS_MEMO))]  # the oldest (dicts keep insertion order)
+    return ends
+
+
+def finished_requests(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
+    """The requests that finished without error, with chunks, in order (a round's tuple's
+    remembered, `_ends`; read-only)."""
+    return _ends(requests)[0]
 
 
 def result_batch(result: RoundResult) -> int:
@@ -250,9 +282,11 @@ class _RoundLatency(LatencyStats):
     its rounds at once), and the ITL of a round is most of the work. Equal to, hashed, copied
     and pickled as the plain `LatencyStats` of the same numbers."""
 
-    def __init__(self, ok: list[RequestTrace]) -> None:  # pylint: disable=super-init-not-called
+    def __init__(  # pylint: disable=super-init-not-called
+        self, ok: list[RequestTrace], firsts: list[int], lasts: list[int]
+    ) -> None:
         object.__setattr__(self, "_ok", ok)
-        object.__setattr__(self, "tpot_ms", _quantiles_of_list(_tpot_list(ok)))
+        object.__setattr__(self, "tpot_ms", _quantiles_of_list(_tpot_of(ok, firsts, lasts)))
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         if name not in ("ttft_ms", "itl_ms"):
@@ -301,8 +335,8 @@ def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     seen = _LATENCY_MEMO.get(id(requests))
     if seen is not None and seen[0] is requests:
         return seen[1]
-    ok = _finished(requests)
-    stats = _RoundLatency(ok) if ok else _latency_of(ok)
+    ok, firsts, lasts = _ends(requests)
+    stats = _RoundLatency(ok, firsts, lasts) if ok else _latency_of(ok)
     _LATENCY_MEMO[id(requests)] = (requests, stats)
     if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
         del _LATENCY_MEMO[next(iter(_LATENCY_MEMO))]  # the oldest (dicts keep insertion order)
@@ -313,16 +347,27 @@ def _finished(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
     return [r for r in requests if r.error is None and len(r.chunk_ns)]
 
 
-def _tpot_list(ok: list[RequestTrace]) -> list[float]:
-    """TPOT (ms) of each finished request with more than one token, in order, as plain floats:
-    numpy's float64 arithmetic on the same integers (an int64 difference times 1e-6, over
-    the tokens less one), value by value."""
+#: A trace's fields, read request by request by `map` (less than a comprehension costs).
+_CHUNK_NS = operator.attrgetter("chunk_ns")
+_CHUNK_TOKENS = operator.attrgetter("chunk_tokens")
+_SENT = operator.attrgetter("sent_ns")
+_VERIFY_CT = operator.attrgetter("spec_verify_ct")
+_PROPOSED = operator.attrgetter("spec_proposed_drafts")
+_ACCEPTED = operator.attrgetter("spec_accepted_drafts")
+_COMPLETION = operator.attrgetter("completion_tokens")
+_RETRACTIONS = operator.attrgetter("retractions")
+
+
+def _tpot_of(ok: list[RequestTrace], firsts: list[int], lasts: list[int]) -> list[float]:
+    """TPOT (ms) of each finished request with more than one token, in order, as plain floats,
+    from each one's first and last chunk's instant (`_ends`): numpy's float64 arithmetic on
+    the same integers (an int64 difference times 1e-6, over the tokens less one), value by
+    value."""
     out = []
-    for r in ok:
+    for r, first, last in zip(ok, firsts, lasts, strict=True):
         completion = int(r.completion_tokens)
         if completion > 1:
-            ns = r.chunk_ns
-            out.append((int(ns[-1]) - int(ns[0])) * 1e-6 / (completion - 1))
+            out.append((last - first) * 1e-6 / (completion - 1))
     return out
 
 
@@ -332,12 +377,14 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    # lists then arrays: a generator for np.fromiter costs more per request than a list
-    counts = np.array([len(r.chunk_ns) for r in ok], dtype=np.int64)
-    sent = np.array([r.sent_ns for r in ok], dtype=np.int64)
-    completion = np.array([r.completion_tokens for r in ok], dtype=np.int64)
-    ns = np.concatenate([r.chunk_ns for r in ok]).astype(np.int64, copy=False)
-    tokens = np.concatenate([r.chunk_tokens for r in ok])
+    # lists then arrays: a generator for np.fromiter costs more per request than a list,
+    # and a map of an attrgetter less than a comprehension
+    chunk_ns = list(map(_CHUNK_NS, ok))
+    counts = np.array(list(map(len, chunk_ns)), dtype=np.int64)
+    sent = np.array(list(map(_SENT, ok)), dtype=np.int64)
+    completion = np.array(list(map(_COMPLETION, ok)), dtype=np.int64)
+    ns = np.concatenate(chunk_ns).astype(np.int64, copy=False)
+    tokens = np.concatenate(list(map(_CHUNK_TOKENS, ok)))
     ends = np.cumsum(counts)
     starts = ends - counts
     first, last = ns[starts], ns[ends - 1]
@@ -371,13 +418,30 @@ class Acceptance:
     decode_accept_length: float = math.nan
 
 
-def acceptance(results: Sequence[RoundResult]) -> Acceptance:
-    """Pooled over every request: tokens per verify pass, and accepted over proposed drafts."""
+def acceptance(
+    results: Sequence[RoundResult], requests: Sequence[RequestTrace] | None = None
+) -> Acceptance:
+    """Pooled over every request: tokens per verify pass, and accepted over proposed drafts.
+    `requests`: the results' requests in order, when the caller has them listed already."""
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
     server_mean = float(np.mean(server)) if server else math.nan
-    n = verify = proposed = accepted = completion = 0  # one pass over a cell's requests
-    for res in results:
-        for r in res.requests:
+    if requests is None:
+        requests = [r for res in results for r in res.requests]
+    # whole numbers, summed exactly in any order: column by column where every request
+    # speculated (or none did), else one pass skipping those that did not
+    verify_ct = list(map(_VERIFY_CT, requests))
+    if None not in verify_ct:
+        n, verify = len(verify_ct), sum(verify_ct)
+        proposed_ct = list(map(_PROPOSED, requests))
+        accepted_ct = list(map(_ACCEPTED, requests))
+        proposed = sum(proposed_ct) if None not in proposed_ct else sum(map(_or_zero, proposed_ct))
+        accepted = sum(accepted_ct) if None not in accepted_ct else sum(map(_or_zero, accepted_ct))
+        completion = sum(map(_COMPLETION, requests))
+    elif verify_ct.count(None) == len(verify_ct):
+        n = 0
+    else:
+        n = verify = proposed = accepted = completion = 0
+        for r in requests:
             if r.spec_verify_ct is None:
                 continue
             n += 1
@@ -391,6 +455,10 @@ def acceptance(results: Sequence[RoundResult]) -> Acceptance:
     decode = (completion - n) / verify if verify else math.nan
     rate = accepted / proposed if proposed else math.nan
     return Acceptance(length, rate, server_mean, decode)
+
+
+def _or_zero(value: int | None) -> int:
+    return value or 0
 
 
 # -- the cell's measurement -----------------------------------------------------------------
@@ -507,12 +575,17 @@ class WindowPart:
 def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray, int]:
     """The samples taken in [start, end] and how many: a slice when their instants ascend (a
     sampler's do), else a mask (the same samples, in the same order, either way)."""
-    if len(t_ns) < 2 or bool((t_ns[1:] >= t_ns[:-1]).all()):
-        first = int(np.searchsorted(t_ns, start, side="left"))
-        last = int(np.searchsorted(t_ns, end, side="right"))
+    # (the ufuncs' own reductions and the array's own searchsorted, as np.all and
+    # np.searchsorted call them, without their dispatch)
+    if len(t_ns) < 2 or bool(_ALL(t_ns[1:] >= t_ns[:-1])):
+        first = int(t_ns.searchsorted(start, "left"))
+        last = int(t_ns.searchsorted(end, "right"))
         return slice(first, max(first, last)), max(0, last - first)
     inside = (t_ns >= start) & (t_ns <= end)
     return inside, int(inside.sum())
+
+
+_ALL, _MAX = np.logical_and.reduce, np.maximum.reduce
 
 
 def _mean(values: np.ndarray) -> float:
@@ -595,8 +668,8 @@ def summarise(
             clock = s["sm_clock_mhz"][inside]
             power = s["power_mw"][inside]
             clock_weighted += _mean(clock) * (end - start)
-            power_max = max(power_max, float(power.max()) / 1000)
-            temp_max = max(temp_max, float(s["temperature_c"][inside].max()))
+            power_max = max(power_max, float(_MAX(power)) / 1000)
+            temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
             reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
             timeline.append(
                 (
@@ -609,7 +682,7 @@ def summarise(
     window_s = window_ns * 1e-9
     results = [p.result for p in parts]
     all_requests = [r for res in results for r in res.requests]
-    accept = acceptance(results)
+    accept = acceptance(results, all_requests)
     if window_ns == 0:
         quality |= Q_NO_WINDOW
     if 0 < window_s < min_window_s:
@@ -631,7 +704,7 @@ def summarise(
     server, ours = accept.server_accept_length, accept.decode_accept_length
     if not math.isnan(server) and not math.isnan(ours) and abs(server - ours) > 0.05 * ours:
         quality |= Q_ACCEPT_MISMATCH
-    if any(r.retractions for r in all_requests):
+    if any(map(_RETRACTIONS, all_requests)):
         quality |= Q_RETRACTED
     line_t, line_power, line_clock = _thin_timeline(timeline)
     energy_j = energy_mj / 1000

@@ -9,8 +9,9 @@ warming up, does not line up with the clock axis and masquerade as an effect.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from dvfs.campaign import Campaign
 from dvfs.gpu.knobs import KnobSetting
@@ -40,10 +41,21 @@ class Cell:
     def setting(self) -> KnobSetting:
         return KnobSetting(self.sm_clock_mhz, self.power_limit_w)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """A stable text key (the journal's index)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """A stable text key (the journal's index): `asdict`'s fields (plain values) as sorted
+        JSON, worked out once a cell (frozen: kept in its __dict__, as cached_property does)."""
+        return json.dumps(
+            {
+                "drafter": self.drafter,
+                "repeat": self.repeat,
+                "sm_clock_mhz": self.sm_clock_mhz,
+                "power_limit_w": self.power_limit_w,
+                "batch": self.batch,
+                "corpus": self.corpus,
+            },
+            sort_keys=True,
+        )
 
     @staticmethod
     def from_dict(data: dict) -> Cell:

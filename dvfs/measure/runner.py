@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import platform
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +35,7 @@ from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
     CellMeasurement,
     WindowPart,
+    finished_requests,
     latency_stats,
     steady_window_ns,
     summarise,
@@ -86,6 +88,10 @@ def measurement_method(m: MeasurementConfig) -> str:
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
+_ERROR = operator.attrgetter("error")
+#: Rounds' workloads a runner remembers (`Runner._workload`): a sweep asks for the same few
+#: hundred at every knob setting and drafter.
+WORKLOAD_MEMO_SIZE = 4096
 
 
 class Progress(Protocol):
@@ -189,6 +195,8 @@ class Runner:
         self._warmed: set[tuple[int, int]] = set()
         #: Where the last `measure`'s energy went, when its engine knows (the twin).
         self.last_split: EnergySplit | None = None
+        #: The rounds' workloads made so far (`_workload`), oldest first.
+        self._workloads: dict[tuple[object, ...], tuple[Campaign, object, Workload]] = {}
 
     # -- session ------------------------------------------------------------------------------
     def _elapsed_s(self, since_ns: int) -> float:
@@ -356,6 +364,23 @@ class Runner:
     def _workload(
         self, cell: Cell, label: object, max_new_tokens: int, *, end_at_window: bool = False
     ) -> Workload:
+        """The round's workload: its prompts and seed follow from the cell's corpus, batch and
+        repeat and the round's label (as text), never from the knobs or the drafter, so it is
+        made once and remembered (a frozen value) for the campaign and corpus it came from."""
+        corpus = self.corpora.get(cell.corpus)
+        key = (cell.corpus, cell.batch, cell.repeat, str(label), max_new_tokens, end_at_window)
+        known = self._workloads.get(key)
+        if known is not None and known[0] is self.campaign and known[1] is corpus:
+            return known[2]
+        load = self._new_workload(cell, label, max_new_tokens, end_at_window=end_at_window)
+        self._workloads[key] = (self.campaign, corpus, load)
+        if len(self._workloads) > WORKLOAD_MEMO_SIZE:
+            del self._workloads[next(iter(self._workloads))]  # the oldest
+        return load
+
+    def _new_workload(
+        self, cell: Cell, label: object, max_new_tokens: int, *, end_at_window: bool
+    ) -> Workload:
         w = self.campaign.workload
         return Workload(
             batch=cell.batch,
@@ -442,14 +467,14 @@ class Runner:
             with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
             ended = self.clock.now_ns()
-            errors = [r.error for r in result.requests if r.error]
-            if errors:
+            if any(map(_ERROR, result.requests)):
+                errors = [r.error for r in result.requests if r.error]
                 raise EngineError(f"{len(errors)} request(s) failed; first: {errors[0]}")
             window = steady_window_ns(result, workload.mode)
             samples = sampler.samples.arrays()
             energy = None
             if window is not None:
-                done = [r for r in result.requests if len(r.chunk_ns)]
+                done = finished_requests(result.requests)  # no errors: those with chunks
                 curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
                 energy = round_energy(samples, curve, window, fit_periods_s)
                 time.add("prefill", (window[0] - started) * 1e-9)

@@ -90,19 +90,18 @@ class Samples:
     def extend(self, t_ns: np.ndarray, gpus: Sequence[BulkReadings]) -> None:
         """Append readings at several instants (arrays per GPU), combined as `append` does."""
         t_ns = np.asarray(t_ns, dtype=np.int64)
-        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are
+        if len(gpus) == 1:  # the usual twin: one GPU's columns as they are, appended in place
             (g,) = gpus
             total = g.energy_mj
-            self._add(
-                t_ns=t_ns,
-                energy_mj=total if total.dtype == np.int64 else total[:, None].sum(axis=1),
-                power_mw=g.power_mw,
-                sm_clock_mhz=g.sm_clock_mhz,
-                temperature_c=g.temperature_c,
-                reasons=g.reasons,
-                gpu_energy_mj=g.energy_mj[:, None],
-                gpu_energy_t_ns=t_ns[:, None],
-            )
+            c = self.chunks
+            c["t_ns"].append(t_ns)
+            c["energy_mj"].append(total if total.dtype == np.int64 else total[:, None].sum(axis=1))
+            c["power_mw"].append(g.power_mw)
+            c["sm_clock_mhz"].append(g.sm_clock_mhz)
+            c["temperature_c"].append(g.temperature_c)
+            c["reasons"].append(g.reasons)
+            c["gpu_energy_mj"].append(total[:, None])
+            c["gpu_energy_t_ns"].append(t_ns[:, None])
             return
         energy = np.stack([g.energy_mj for g in gpus], axis=1)
         self._add(
@@ -228,7 +227,10 @@ class Sampler:
     def _note(self, t_ns: np.ndarray) -> None:
         """Keep instants to read later, with the state each GPU is in now (deferring GPUs)."""
         assert self._pending is not None
-        states = tuple(cast(Any, g).reading_state() for g in self.gpus)
+        gpus: list[Any] = self.gpus
+        states = (
+            (gpus[0].reading_state(),) if len(gpus) == 1 else tuple(g.reading_state() for g in gpus)
+        )
         with self._cond:
             if not self._closed:
                 self._pending.append((t_ns, states))

@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.measure.plan import Cell
 from dvfs.records.version import now_iso, stored_float, stored_floats, stored_int
@@ -65,10 +67,17 @@ class MeasurementRecord:
     @classmethod
     def of(cls, m: CellMeasurement) -> MeasurementRecord:
         """Read off the measurement by name: a field renamed on one side fails here, loudly."""
-        return cls(**{f.name: _quantity(m, f.name) for f in fields(cls)})
+        parts = (m, m.latency, m.accept)
+        key = (cls, type(m), type(m.latency), type(m.accept))
+        plan = _OF_PLANS.get(key)
+        if plan is None:  # where each quantity is, worked out once for these types
+            plan = _OF_PLANS[key] = tuple(
+                (name, _part_of(parts, name)) for name in _field_names(cls)
+            )
+        return cls(**{name: getattr(parts[i], name) for name, i in plan})
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _field_names(type(self))}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, version: int) -> MeasurementRecord:
@@ -117,11 +126,26 @@ def _reading_plan(cls: type) -> tuple[tuple[str, int], ...]:
     return known
 
 
-def _quantity(m: CellMeasurement, name: str) -> Any:
-    for part in (m, m.latency, m.accept):
+def _part_of(parts: tuple[Any, ...], name: str) -> int:
+    """Which of a measurement's parts (itself, its latency, its acceptance) holds a quantity,
+    the first that has it: the same for every measurement of the same types."""
+    for i, part in enumerate(parts):
         if hasattr(part, name):
-            return getattr(part, name)
+            return i
     raise AttributeError(f"a CellMeasurement has no quantity {name!r}")
+
+
+#: `MeasurementRecord.of`'s plans, by the record's and the measurement's parts' types.
+_OF_PLANS: dict[tuple[type, ...], tuple[tuple[str, int], ...]] = {}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names in order (`fields`, asked once a class)."""
+    known = _FIELD_NAMES.get(cls)
+    if known is None:
+        known = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return known
 
 
 #: Every measured quantity's name: journal key, `CellMeasurement` field and cube variable.
@@ -218,7 +242,8 @@ class EnergySplit:
                 return None
             measured = True
             share_j, share_s = ledger.split(*window)
-            total_j, total_s = float(share_j.sum()), float(share_s.sum())
+            # (np.add.reduce is what ndarray.sum calls, without its dispatch)
+            total_j, total_s = float(np.add.reduce(share_j)), float(np.add.reduce(share_s))
             joules = max(counted.energy_mj, 0.0) / 1000
             seconds = counted.seconds
             # plain floats, part by part (numpy's float64 arithmetic, without its scalars)
@@ -334,7 +359,7 @@ class CellRecord:
         head = {
             "type": "cell",
             "key": self.key or self.cell.key,
-            "cell": {f.name: getattr(self.cell, f.name) for f in fields(self.cell)},
+            "cell": {name: getattr(self.cell, name) for name in _field_names(type(self.cell))},
             "status": self.status,
             "attempts": self.attempts,
             "finished": self.finished,

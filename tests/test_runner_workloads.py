@@ -1,0 +1,103 @@
+"""A runner's round workloads are remembered (issue 15): the one asked again is the one made
+the first time, equal to one made afresh, and a campaign or corpus swapped in makes new ones.
+A round with a failed request still fails its attempt (checked before its traces are read)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from dvfs.backends import open_backends
+from dvfs.campaign import load_campaign
+from dvfs.corpora.prepare import load_corpora
+from dvfs.engines.base import RoundResult
+from dvfs.errors import EngineError
+from dvfs.gpu.knobs import KnobController
+from dvfs.measure.journal import Journal
+from dvfs.measure.plan import plan_cells
+from dvfs.measure.runner import Runner
+
+DEMO = Path(__file__).resolve().parent.parent / "dvfs" / "campaigns" / "demo.toml"
+
+
+def bare_runner() -> Runner:
+    campaign = load_campaign(DEMO)
+    none: Any = None
+    return Runner(
+        campaign,
+        gpus=[],
+        engine=none,
+        clock=none,
+        journal=none,
+        knobs=none,
+        corpora=load_corpora(campaign),
+    )
+
+
+def test_a_remembered_workload_is_the_one_made_afresh() -> None:
+    runner = bare_runner()
+    cells = plan_cells(runner.campaign)[::37]
+    labels: list[object] = [0, 1, True, "t", ("inflight", 2), ("inflight", True)]
+    for cell in cells:
+        for label in labels:
+            for tokens, end in ((256, True), (16, False)):
+                first = runner._workload(cell, label, tokens, end_at_window=end)
+                fresh = runner._new_workload(cell, label, tokens, end_at_window=end)
+                assert first == fresh
+                assert runner._workload(cell, label, tokens, end_at_window=end) is first
+    # a label that compares equal but reads otherwise (1 and True) has its own workload
+    cell = cells[0]
+    assert runner._workload(cell, 1, 256) == runner._new_workload(cell, 1, 256, end_at_window=False)
+    assert runner._workload(cell, True, 256).seed != runner._workload(cell, 1, 256).seed
+
+
+def test_another_campaign_or_corpus_makes_new_workloads() -> None:
+    runner = bare_runner()
+    cell = plan_cells(runner.campaign)[0]
+    before = runner._workload(cell, 0, 256)
+    runner.campaign = replace(
+        runner.campaign, measurement=replace(runner.campaign.measurement, seed=7)
+    )
+    after = runner._workload(cell, 0, 256)
+    assert after == runner._new_workload(cell, 0, 256, end_at_window=False)
+    assert after.seed != before.seed
+    # the same texts in another object
+    runner.corpora = {name: copy.copy(c) for name, c in runner.corpora.items()}
+    again = runner._workload(cell, 0, 256)
+    assert again == after and again is not after
+
+
+def test_a_round_with_a_failed_request_fails_the_attempt(tmp_path: Path) -> None:
+    campaign = load_campaign(DEMO)
+    with (
+        open_backends(campaign, out_dir=tmp_path) as b,
+        KnobController(b.gpus) as knobs,
+        Journal(tmp_path / "journal.jsonl") as journal,
+    ):
+        runner = Runner(
+            campaign,
+            gpus=b.gpus,
+            engine=b.engine,
+            clock=b.clock,
+            journal=journal,
+            knobs=knobs,
+            corpora=load_corpora(campaign),
+        )
+        runner.open_session()
+        b.engine.start(campaign.drafters[0])
+        cell = plan_cells(campaign)[0]
+        run = b.engine.run
+
+        def failing(workload: Any, timeline: Any = None) -> RoundResult:
+            result = run(workload, timeline)
+            first, *rest = result.requests
+            return replace(result, requests=(replace(first, error="boom"), *rest))
+
+        runner.engine = cast(Any, SimpleNamespace(run=failing))
+        with pytest.raises(EngineError, match=r"^1 request\(s\) failed; first: boom$"):
+            runner.measure(cell)
