@@ -98,7 +98,10 @@ class _Timer:
     active: bool = field(default=True, compare=False)
 
     def stop(self) -> None:
+        """Stop, and let go of the callback: an owner that keeps its ticker (a sampler) would
+        otherwise sit in a reference cycle that only the cyclic collector frees."""
         self.active = False
+        self.callback = self.batch = None
 
 
 class VirtualClock:
