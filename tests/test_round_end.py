@@ -321,7 +321,15 @@ def test_sglang_closed_loop_ends_when_concurrency_drops_after_the_last_send(
     finish after the last send the requests still running are aborted."""
     path, _ = stub_campaign(
         tmp_path,
-        stub={"tpot_s": 0.01, "natural_stop": True},
+        # hold_unfinished once the pool's nine requests arrived: the first finish after the
+        # last send leaves the others before their last step until they are aborted, so an
+        # abort has a request to stop however slow the machine
+        stub={
+            "tpot_s": 0.01,
+            "natural_stop": True,
+            "hold_unfinished": True,
+            "hold_after_requests": 9,
+        },
         drafters='[drafters.none]\nalgorithm = "none"\n',
         batch="[3]",
         output_tokens=48,

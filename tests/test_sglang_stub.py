@@ -581,3 +581,22 @@ def test_hold_unfinished_keeps_requests_before_their_last_step_until_aborted(
     assert stub.request("POST", "/flush_cache")[0] == 200  # nothing is left running
     again = stub.stream(generate_body(4, ignore_eos=True))
     assert final_meta(again)["finish_reason"] == {"type": "length", "length": 4}
+
+
+@pytest.mark.slow
+def test_hold_after_requests_starts_the_hold_once_that_many_arrived(launch: Launcher) -> None:
+    """hold_after_requests = 2: the first request finishes unheld and arms nothing; the
+    second arrival's finish starts the hold; the third request is held until aborted."""
+    stub = launch("0.5.9", hold_unfinished=True, hold_after_requests=2)
+    for _ in range(2):
+        done = stub.stream(generate_body(3, ignore_eos=True))
+        assert final_meta(done)["finish_reason"] == {"type": "length", "length": 3}
+    conn, response = stub.open_stream({**generate_body(3, ignore_eos=True), "rid": "third"})
+    try:
+        _wait_for_log(stub, "holding rid=third before its last step")
+        assert stub.request("POST", "/abort_request", {"rid": "third"})[0] == 200
+        meta = final_meta(read_events(response))
+    finally:
+        conn.close()
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 2
+    assert stub.log_path.read_text().count("holding rid=") == 1

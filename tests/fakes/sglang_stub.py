@@ -73,8 +73,11 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   request has finished, every other request stops before its last step and waits
   there (sending nothing) until it is aborted, by ``/abort_request`` or by its
   client going away, until the next ``/flush_cache`` (dvfs flushes at the start of
-  each round).  Meant for one prompt per /generate and a fixed batch whose client
-  ends the round at its first finish (a client that does not abort then stalls).
+  each round).  Meant for one prompt per /generate and a round whose client ends
+  it at that finish (a client that does not abort then stalls).
+- ``hold_after_requests`` (null): N >= 1; with ``hold_unfinished``, the hold starts
+  at the first finish once N /generate requests arrived since the last flush (a
+  closed loop's pool of N: its round ends at the first finish after its last send).
 
 Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
 and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
@@ -279,6 +282,7 @@ class StubConfig:
     abort_route: bool = True
     abort_ignored: bool = False
     hold_unfinished: bool = False
+    hold_after_requests: int | None = None
 
 
 #: How often a held request looks for its abort or its client's disconnect (s).
@@ -287,7 +291,7 @@ HOLD_POLL_S = 0.002
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
 _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
-_OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks")
+_OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -328,6 +332,8 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
             raise StubConfigError(f"{key} must be true or false")
     if cfg.die_after_requests == 0:
         raise StubConfigError("die_after_requests must be >= 1")
+    if cfg.hold_after_requests == 0:
+        raise StubConfigError("hold_after_requests must be >= 1")
     if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
         raise StubConfigError("num_draft_tokens must be >= 1")
     if not 400 <= cfg.fail_status <= 599:
@@ -735,6 +741,7 @@ class Stub:
         self.abort_all_at = -math.inf  # requests running at this instant are aborted
         self.aborted_total = 0
         self.finished_since_flush = False  # hold_unfinished: whether to hold last steps
+        self.arrived_since_flush = 0  # /generate requests (hold_after_requests)
 
     # -- lifecycle
 
@@ -746,6 +753,7 @@ class Stub:
         """Number this /generate arrival (from 1); fault injection keys off it."""
         with self.lock:
             self.generate_count += 1
+            self.arrived_since_flush += 1
             return self.generate_count
 
     def maybe_die(self, number: int) -> None:
@@ -785,6 +793,7 @@ class Stub:
             self.spec_steps_since_flush = 0
             self.spec_tokens_since_flush = 0
             self.finished_since_flush = False
+            self.arrived_since_flush = 0
 
     # -- planning
 
@@ -950,11 +959,14 @@ class Stub:
 
     def _finish_or_hold(self, plan: Plan, sub: SubRequest, gone: Callable[[], bool] | None) -> None:
         """Before ``sub``'s last step: with ``hold_unfinished``, once a request finished
-        since the last flush, wait until ``sub`` is aborted (ConnectionAbortedError if its
-        client goes away first); otherwise note the finish about to happen."""
+        since the last flush (and since ``hold_after_requests`` arrived), wait until ``sub``
+        is aborted (ConnectionAbortedError if its client goes away first); otherwise note
+        the finish about to happen."""
+        after = self.cfg.hold_after_requests
         with self.lock:
-            held = self.cfg.hold_unfinished and self.finished_since_flush
-            if not held:
+            if not self.cfg.hold_unfinished or (after and self.arrived_since_flush < after):
+                return
+            if not self.finished_since_flush:
                 self.finished_since_flush = True
                 return
         log(f"holding rid={sub.rid} before its last step until it is aborted")
