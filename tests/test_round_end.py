@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -262,11 +263,16 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
     server warms up once for the batch, not again at the second clock."""
     path, _ = stub_campaign(
         tmp_path,
-        # seed 235: in each measured round of the speculative server, the four 32-token
-        # requests' last finishes three steps after the first (the stub's draws are seeded), so
-        # 0.02-s steps leave an abort 0.06 s to land in; the plain server's requests all finish
-        # together, so its steps need no margin
-        stub={"tpot_s": 0.02, "plain_tpot_s": 0.002, "abort_route": abort_route, "seed": 235},
+        # hold_unfinished: once a round's first request finished, the stub keeps the others
+        # before their last step until they are aborted, so that an abort always has a
+        # request to stop however slow the machine (without it, a loaded machine let the
+        # others finish by themselves before the abort landed); the aborts end the round at once
+        stub={
+            "tpot_s": 0.02,
+            "plain_tpot_s": 0.002,
+            "abort_route": abort_route,
+            "hold_unfinished": True,
+        },
         batch="[4]",
         output_tokens=32,
         knobs="sm_clock = [1980, 1500]\nsettle_s = 0.0",
@@ -294,11 +300,18 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
     else:
         assert "abort_request rid=" not in logs
         assert "client went away during POST /generate" in logs
-    # the speculative server's requests finish steps apart: it saw aborts in every round
-    spec_log = (out / "logs" / "server-eagle3-2.log").read_text()
-    rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == "eagle3")
-    seen = "aborted rid=" if abort_route else "client went away"
-    assert spec_log.count(seen) >= rounds
+    # every round of each server (the warm-up too) ended at its first finish: that request
+    # alone ran to its length (32 tokens; 4 in the warm-up), the three others were aborted
+    # (or disconnected) before their last step, held there if they got that far
+    for drafter, name in (("none", "server-none-1.log"), ("eagle3", "server-eagle3-2.log")):
+        log = (out / "logs" / name).read_text()
+        rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == drafter)
+        finished = re.findall(r"generate #\d+: 1 seq, (\d+) tokens", log)
+        assert finished.count("32") == rounds and "4" in finished, log
+        if abort_route:  # each abort is logged before the stream's final chunk is sent
+            assert log.count("aborted rid=") == 3 * (rounds + 1), log
+        else:  # the last round's disconnects may be seen after the server was stopped
+            assert log.count("client went away during POST /generate") >= 3 * rounds, log
 
 
 def test_sglang_closed_loop_ends_when_concurrency_drops_after_the_last_send(
@@ -308,7 +321,15 @@ def test_sglang_closed_loop_ends_when_concurrency_drops_after_the_last_send(
     finish after the last send the requests still running are aborted."""
     path, _ = stub_campaign(
         tmp_path,
-        stub={"tpot_s": 0.01, "natural_stop": True},
+        # hold_unfinished once the pool's nine requests arrived: the first finish after the
+        # last send leaves the others before their last step until they are aborted, so an
+        # abort has a request to stop however slow the machine
+        stub={
+            "tpot_s": 0.01,
+            "natural_stop": True,
+            "hold_unfinished": True,
+            "hold_after_requests": 9,
+        },
         drafters='[drafters.none]\nalgorithm = "none"\n',
         batch="[3]",
         output_tokens=48,
@@ -335,10 +356,9 @@ def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
     monkeypatch.setattr(client_module, "ABORT_GRACE_S", 0.0)
     path, _ = stub_campaign(
         tmp_path,
-        # seed 118: of the measured round's four 32-token requests, the last finishes four
-        # steps after the first (the stub's draws are seeded); steps of 0.05 s leave the abort
-        # and the disconnect 0.2 s to land in, on a loaded machine too (0.06 s failed there)
-        stub={"tpot_s": 0.05, "abort_ignored": True, "seed": 118},
+        # hold_unfinished: the round's other requests wait before their last step until the
+        # client disconnects them, however slow the machine
+        stub={"tpot_s": 0.005, "abort_ignored": True, "hold_unfinished": True},
         drafters=(
             '[drafters.eagle3]\nalgorithm = "EAGLE3"\ndraft_model = "draft/eagle3"\n'
             "num_steps = 3\neagle_topk = 1\nnum_draft_tokens = 4\n"
@@ -354,4 +374,5 @@ def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
     assert record["status"] == "ok"
     log = (out / "logs" / "server-eagle3-1.log").read_text()
     assert "abort_request rid=" in log and "aborted rid=" not in log
-    assert "client went away during POST /generate" in log
+    # the warm-up's and the measured round's three other requests, each disconnected
+    assert log.count("client went away during POST /generate") == 6, log

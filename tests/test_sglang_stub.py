@@ -529,3 +529,74 @@ def test_natural_stop_ends_early_unless_ignore_eos(launch: Launcher) -> None:
     assert {"type": "stop", "matched": 2} in reasons
     _, body = stub.json("POST", "/generate", generate_body(40, ignore_eos=True))
     assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+
+
+@pytest.mark.slow
+def test_flush_cache_is_accepted_once_the_final_chunk_arrived(launch: Launcher) -> None:
+    """A request stops counting as running at its last step, before its final chunk is sent
+    (SGLang's scheduler frees it first): a flush sent on reading that chunk is never refused,
+    whatever the stub's thread is doing then (it used to be, now and then)."""
+    stub = launch("0.5.23", tpot_s=0.0, ttft_s=0.0)
+    for _ in range(50):
+        conn, response = stub.open_stream(generate_body(3, ignore_eos=True))
+        try:
+            events = read_events(response, limit=3)  # the last one carries finish_reason
+            assert json.loads(events[-1])["meta_info"]["finish_reason"] is not None
+            assert stub.request("POST", "/flush_cache")[0] == 200, stub.log_tail()
+        finally:
+            conn.close()
+
+
+def _wait_for_log(stub: RunningStub, text: str) -> None:
+    deadline = time.monotonic() + 60.0  # a guard against hanging, not a latency bound
+    while text not in stub.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, stub.log_tail()
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_hold_unfinished_keeps_requests_before_their_last_step_until_aborted(
+    launch: Launcher,
+) -> None:
+    """hold_unfinished: after a finish, other requests wait before their last step until
+    /abort_request (or a disconnect) stops them, however slow the machine; a flush ends
+    the hold (dvfs flushes at each round's start)."""
+    stub = launch("0.5.23", hold_unfinished=True)
+    first = stub.stream(generate_body(4, ignore_eos=True))
+    assert final_meta(first)["finish_reason"] == {"type": "length", "length": 4}
+    conn, response = stub.open_stream({**generate_body(6, ignore_eos=True), "rid": "held"})
+    try:
+        _wait_for_log(stub, "holding rid=held before its last step")
+        assert stub.request("POST", "/abort_request", {"rid": "held"})[0] == 200
+        meta = final_meta(read_events(response))
+    finally:
+        conn.close()
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 5
+    conn, response = stub.open_stream({**generate_body(6, ignore_eos=True), "rid": "gone"})
+    try:
+        _wait_for_log(stub, "holding rid=gone before its last step")
+    finally:
+        conn.close()
+    _wait_for_log(stub, "client went away during POST /generate")
+    assert stub.request("POST", "/flush_cache")[0] == 200  # nothing is left running
+    again = stub.stream(generate_body(4, ignore_eos=True))
+    assert final_meta(again)["finish_reason"] == {"type": "length", "length": 4}
+
+
+@pytest.mark.slow
+def test_hold_after_requests_starts_the_hold_once_that_many_arrived(launch: Launcher) -> None:
+    """hold_after_requests = 2: the first request finishes unheld and arms nothing; the
+    second arrival's finish starts the hold; the third request is held until aborted."""
+    stub = launch("0.5.9", hold_unfinished=True, hold_after_requests=2)
+    for _ in range(2):
+        done = stub.stream(generate_body(3, ignore_eos=True))
+        assert final_meta(done)["finish_reason"] == {"type": "length", "length": 3}
+    conn, response = stub.open_stream({**generate_body(3, ignore_eos=True), "rid": "third"})
+    try:
+        _wait_for_log(stub, "holding rid=third before its last step")
+        assert stub.request("POST", "/abort_request", {"rid": "third"})[0] == 200
+        meta = final_meta(read_events(response))
+    finally:
+        conn.close()
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 2
+    assert stub.log_path.read_text().count("holding rid=") == 1

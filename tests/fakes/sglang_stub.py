@@ -68,6 +68,16 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   seconds after it started, so that no orphan outlives a test run.
 - ``abort_route`` (true): false plays a server without ``/abort_request`` (404).
 - ``abort_ignored`` (false): true answers ``/abort_request`` 200 but aborts nothing.
+- ``hold_unfinished`` (false): true plays a round whose other requests are always
+  still running when its first request finishes, however slow the machine: once a
+  request has finished, every other request stops before its last step and waits
+  there (sending nothing) until it is aborted, by ``/abort_request`` or by its
+  client going away, until the next ``/flush_cache`` (dvfs flushes at the start of
+  each round).  Meant for one prompt per /generate and a round whose client ends
+  it at that finish (a client that does not abort then stalls).
+- ``hold_after_requests`` (null): N >= 1; with ``hold_unfinished``, the hold starts
+  at the first finish once N /generate requests arrived since the last flush (a
+  closed loop's pool of N: its round ends at the first finish after its last send).
 
 Behaviour that follows the launch argv: ``--enable-metrics`` (``/metrics`` route,
 and on 0.5.23 the timing fields in meta_info), ``--stream-interval`` (a chunk
@@ -145,7 +155,7 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -271,12 +281,17 @@ class StubConfig:
     max_lifetime_s: float = 600.0
     abort_route: bool = True
     abort_ignored: bool = False
+    hold_unfinished: bool = False
+    hold_after_requests: int | None = None
 
+
+#: How often a held request looks for its abort or its client's disconnect (s).
+HOLD_POLL_S = 0.002
 
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
 _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
-_OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks")
+_OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -312,11 +327,13 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise StubConfigError(f"{key} must be an integer >= 0, got {value!r}")
-    for key in ("natural_stop", "abort_route", "abort_ignored"):
+    for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
     if cfg.die_after_requests == 0:
         raise StubConfigError("die_after_requests must be >= 1")
+    if cfg.hold_after_requests == 0:
+        raise StubConfigError("hold_after_requests must be >= 1")
     if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
         raise StubConfigError("num_draft_tokens must be >= 1")
     if not 400 <= cfg.fail_status <= 599:
@@ -592,6 +609,7 @@ class Plan:
     subs: list[SubRequest]
     t0: float
     received_wall: float
+    running: bool = False  # counted in Stub.running_http, from begin() to end()
 
 
 def prompt_token_ids(text: str) -> list[int]:
@@ -722,6 +740,8 @@ class Stub:
         self.abort_rids: set[str] = set()
         self.abort_all_at = -math.inf  # requests running at this instant are aborted
         self.aborted_total = 0
+        self.finished_since_flush = False  # hold_unfinished: whether to hold last steps
+        self.arrived_since_flush = 0  # /generate requests (hold_after_requests)
 
     # -- lifecycle
 
@@ -733,6 +753,7 @@ class Stub:
         """Number this /generate arrival (from 1); fault injection keys off it."""
         with self.lock:
             self.generate_count += 1
+            self.arrived_since_flush += 1
             return self.generate_count
 
     def maybe_die(self, number: int) -> None:
@@ -771,6 +792,8 @@ class Stub:
             self.prefix_cache.clear()
             self.spec_steps_since_flush = 0
             self.spec_tokens_since_flush = 0
+            self.finished_since_flush = False
+            self.arrived_since_flush = 0
 
     # -- planning
 
@@ -841,6 +864,7 @@ class Stub:
     def begin(self, plan: Plan) -> None:
         """Account a request as running; look its prompts up in the prefix cache."""
         with self.lock:
+            plan.running = True
             self.running_http += 1
             self.running_subs += len(plan.subs)
             self.requests_total += len(plan.subs)
@@ -865,8 +889,11 @@ class Stub:
         return max(0, min(best, len(prompt) - 1))
 
     def end(self, plan: Plan) -> None:
-        """Account a request as no longer running."""
+        """Account a request as no longer running (once: at its last step, or when it fails)."""
         with self.lock:
+            if not plan.running:
+                return
+            plan.running = False
             self.running_http -= 1
             self.running_subs -= len(plan.subs)
 
@@ -895,10 +922,16 @@ class Stub:
 
     # -- running
 
-    def run(self, plan: Plan) -> Iterator[tuple[SubRequest, int]]:
+    def run(
+        self, plan: Plan, gone: Callable[[], bool] | None = None
+    ) -> Iterator[tuple[SubRequest, int]]:
         """Apply emissions in time order, sleeping until each is due; yields (sub, step).
         A sub-request marked for abort stops at its next step instead (yielded once more,
-        done, with the step it did not take)."""
+        done, with the step it did not take). Once every sub-request is done the request
+        stops counting as running, before its last chunk is yielded (SGLang's scheduler
+        frees a request before its final chunk reaches the client, so a /flush_cache sent
+        after the stream ended never finds it running). ``gone`` says whether the client
+        went away; a held request (``hold_unfinished``) asks it while it waits."""
         tpot = self.cfg.tpot_s
         if self.spec is None and self.cfg.plain_tpot_s is not None:
             tpot = self.cfg.plain_tpot_s
@@ -914,11 +947,34 @@ class Stub:
             delay = plan.t0 + offset - time.monotonic()
             if self.stop.wait(max(delay, 0.0)):
                 raise ServerStoppingError
+            if j == len(sub.steps) - 1 and not self._abort_due(plan, sub):
+                self._finish_or_hold(plan, sub, gone)
             if self._abort_due(plan, sub):
                 self._abort(sub)
             else:
                 self._apply(sub, j)
+            if all(s.done for s in plan.subs):
+                self.end(plan)
             yield sub, j
+
+    def _finish_or_hold(self, plan: Plan, sub: SubRequest, gone: Callable[[], bool] | None) -> None:
+        """Before ``sub``'s last step: with ``hold_unfinished``, once a request finished
+        since the last flush (and since ``hold_after_requests`` arrived), wait until ``sub``
+        is aborted (ConnectionAbortedError if its client goes away first); otherwise note
+        the finish about to happen."""
+        after = self.cfg.hold_after_requests
+        with self.lock:
+            if not self.cfg.hold_unfinished or (after and self.arrived_since_flush < after):
+                return
+            if not self.finished_since_flush:
+                self.finished_since_flush = True
+                return
+        log(f"holding rid={sub.rid} before its last step until it is aborted")
+        while not self._abort_due(plan, sub):
+            if gone is not None and gone():
+                raise ConnectionAbortedError("the client closed the stream")
+            if self.stop.wait(HOLD_POLL_S):
+                raise ServerStoppingError
 
     def _apply(self, sub: SubRequest, j: int) -> None:
         """Emit step ``j`` of ``sub``: tokens, draft statistics, global counters."""
@@ -1280,7 +1336,7 @@ class StubHandler(BaseHTTPRequestHandler):
         stub, cfg = self.stub, self.stub.cfg
         self._stream_headers()
         sent = 0
-        for sub, j in stub.run(plan):
+        for sub, j in stub.run(plan, self._client_gone):
             if self._client_gone():  # uvicorn sees the disconnect; SGLang aborts the request
                 raise ConnectionAbortedError("the client closed the stream")
             if not stub.chunk_due(sub, j):
@@ -1319,7 +1375,7 @@ class StubHandler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _blocking(self, plan: Plan) -> None:
-        for _ in self.stub.run(plan):
+        for _ in self.stub.run(plan, self._client_gone):
             pass
         results = [self.stub.body(plan, sub, streamed=False) for sub in plan.subs]
         self._json(200, results if plan.is_list else results[0])
