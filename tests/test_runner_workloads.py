@@ -12,15 +12,13 @@ from typing import Any, cast
 
 import pytest
 
-from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
 from dvfs.corpora.prepare import load_corpora
 from dvfs.engines.base import RoundResult
 from dvfs.errors import EngineError
-from dvfs.gpu.knobs import KnobController
-from dvfs.measure.journal import Journal
 from dvfs.measure.plan import plan_cells
 from dvfs.measure.runner import Runner
+from tests.test_inflight import twin_runner
 
 DEMO = Path(__file__).resolve().parent.parent / "dvfs" / "campaigns" / "demo.toml"
 
@@ -73,25 +71,9 @@ def test_another_campaign_or_corpus_makes_new_workloads() -> None:
 
 
 def test_a_round_with_a_failed_request_fails_the_attempt(tmp_path: Path) -> None:
-    campaign = load_campaign(DEMO)
-    with (
-        open_backends(campaign, out_dir=tmp_path) as b,
-        KnobController(b.gpus) as knobs,
-        Journal(tmp_path / "journal.jsonl") as journal,
-    ):
-        runner = Runner(
-            campaign,
-            gpus=b.gpus,
-            engine=b.engine,
-            clock=b.clock,
-            journal=journal,
-            knobs=knobs,
-            corpora=load_corpora(campaign),
-        )
-        runner.open_session()
-        b.engine.start(campaign.drafters[0])
-        cell = plan_cells(campaign)[0]
-        run = b.engine.run
+    with twin_runner(tmp_path, DEMO.read_text()) as runner:
+        cell = plan_cells(runner.campaign)[0]
+        run = runner.engine.run
 
         def failing(workload: Any, timeline: Any = None) -> RoundResult:
             result = run(workload, timeline)
