@@ -40,7 +40,7 @@ def bare_runner() -> Runner:
 def test_a_remembered_workload_is_the_one_made_afresh() -> None:
     runner = bare_runner()
     cells = plan_cells(runner.campaign)[::37]
-    labels: list[object] = [0, 1, True, "t", ("inflight", 2), ("inflight", True)]
+    labels: list[object] = [0, 1, True, "1", "t", ("inflight", 2), ("inflight", True)]
     for cell in cells:
         for label in labels:
             for tokens, end in ((256, True), (16, False)):
