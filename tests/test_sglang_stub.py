@@ -554,6 +554,18 @@ def _wait_for_log(stub: RunningStub, text: str) -> None:
         time.sleep(0.01)
 
 
+def _abort_held(stub: RunningStub, tokens: int, rid: str) -> dict:
+    """Stream a request of `tokens` tokens as `rid`, wait until the stub holds it before its
+    last step, abort it by /abort_request, and return its final meta_info."""
+    conn, response = stub.open_stream({**generate_body(tokens, ignore_eos=True), "rid": rid})
+    try:
+        _wait_for_log(stub, f"holding rid={rid} before its last step")
+        assert stub.request("POST", "/abort_request", {"rid": rid})[0] == 200
+        return final_meta(read_events(response))
+    finally:
+        conn.close()
+
+
 @pytest.mark.slow
 def test_hold_unfinished_keeps_requests_before_their_last_step_until_aborted(
     launch: Launcher,
@@ -564,13 +576,7 @@ def test_hold_unfinished_keeps_requests_before_their_last_step_until_aborted(
     stub = launch("0.5.23", hold_unfinished=True)
     first = stub.stream(generate_body(4, ignore_eos=True))
     assert final_meta(first)["finish_reason"] == {"type": "length", "length": 4}
-    conn, response = stub.open_stream({**generate_body(6, ignore_eos=True), "rid": "held"})
-    try:
-        _wait_for_log(stub, "holding rid=held before its last step")
-        assert stub.request("POST", "/abort_request", {"rid": "held"})[0] == 200
-        meta = final_meta(read_events(response))
-    finally:
-        conn.close()
+    meta = _abort_held(stub, 6, "held")
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 5
     conn, response = stub.open_stream({**generate_body(6, ignore_eos=True), "rid": "gone"})
     try:
@@ -591,12 +597,6 @@ def test_hold_after_requests_starts_the_hold_once_that_many_arrived(launch: Laun
     for _ in range(2):
         done = stub.stream(generate_body(3, ignore_eos=True))
         assert final_meta(done)["finish_reason"] == {"type": "length", "length": 3}
-    conn, response = stub.open_stream({**generate_body(3, ignore_eos=True), "rid": "third"})
-    try:
-        _wait_for_log(stub, "holding rid=third before its last step")
-        assert stub.request("POST", "/abort_request", {"rid": "third"})[0] == 200
-        meta = final_meta(read_events(response))
-    finally:
-        conn.close()
+    meta = _abort_held(stub, 3, "third")
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 2
     assert stub.log_path.read_text().count("holding rid=") == 1
