@@ -13,6 +13,7 @@ import importlib.util
 import json
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -600,3 +601,21 @@ def test_hold_after_requests_starts_the_hold_once_that_many_arrived(launch: Laun
     meta = _abort_held(stub, 3, "third")
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 2
     assert stub.log_path.read_text().count("holding rid=") == 1
+
+
+@pytest.mark.slow
+def test_a_client_resetting_an_idle_connection_is_one_log_line(launch: Launcher) -> None:
+    """A client that resets an idle keep-alive connection (seen from dvfs's pooled client under
+    load) is one line in the stub's log, not a traceback in the server log dvfs shows."""
+    stub = launch("0.5.23")
+    conn = stub.connect()
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() is not None
+    assert conn.sock is not None
+    # SO_LINGER on, 0 s: close() sends RST, so the stub's next read of the idle connection
+    # fails with ConnectionResetError.
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()
+    _wait_for_log(stub, "closed the connection (ConnectionResetError)")
+    assert stub.request("GET", "/health")[0] == 200  # the server goes on
+    assert "Traceback" not in stub.log_path.read_text(errors="replace")

@@ -1127,6 +1127,15 @@ class StubHTTPServer(ThreadingHTTPServer):
         self.stub = stub
         super().__init__(address, StubHandler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets its connection (an idle keep-alive one, an aborted stream) is
+        one log line; anything else keeps its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            log(f"{client_address[0]} closed the connection ({type(error).__name__})")
+            return
+        super().handle_error(request, client_address)
+
 
 class StubHandler(BaseHTTPRequestHandler):
     """SGLang's HTTP routes over HTTP/1.1 (keep-alive; chunked streaming)."""
