@@ -163,11 +163,10 @@ def guarded_knobs(
     with GpuLocks(directory).hold(gpus):
         store.refuse_if_pending(gpus)
         check_knobs_against(campaign, gpus)
-        controller = KnobController(
+        controller = AppliedCaps(directory).measuring(
             gpus,
             actuation=campaign.gpu.actuation,
             change_log=store if campaign.gpu.actuation else None,
-            prior_locks=AppliedCaps(directory).locks(),
         )
         with controller as knobs:
             yield knobs

@@ -389,3 +389,32 @@ def test_an_entry_error_names_its_place_once() -> None:
             {"model": [{"name": "NVIDIA H100 80GB HBM3", "sm_clock_max_mhz": 0}]}, where="c.toml"
         )
     assert str(err.value).count("c.toml: [[model]] #1") == 1
+
+
+def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
+    nvml, tmp_path: Path
+) -> None:
+    """Caps `dvfs cap apply` put on a GPU (a clock lock, a power cap) are production settings,
+    not its stock: a later sweep runs its stock cells unlocked at the default power limit, as
+    its cube says, and the caps are back when it ends."""
+    from dvfs.cube import open_cube
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1200, power_limit_w=450.0),)))
+    )
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "stock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    out = tmp_path / "out"
+    invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1200] and device["power_limit_mw"] == 450_000
+    calls = [(c["fn"].removeprefix("nvmlDevice"), c["args"]) for c in nvml.fake_calls()]
+    applied = [("SetGpuLockedClocks", [210, 1200]), ("SetPowerManagementLimit", [450_000])]
+    measured = [("ResetGpuLockedClocks", []), ("SetPowerManagementLimit", [700_000])]
+    assert calls == applied + measured + applied  # the caps, stock to measure, the caps back
+    assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 700.0

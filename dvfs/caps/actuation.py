@@ -20,7 +20,7 @@ from typing import Any
 from dvfs.caps.files import CapsFile, base_model_name
 from dvfs.errors import CapsError, GpuError
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import GatheredFailures
+from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 
 APPLIED_NAME = "caps-applied.json"
 
@@ -77,6 +77,30 @@ class AppliedCaps:
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
+
+    def power_limits_mw(self) -> dict[str, int]:
+        """The power limits dvfs applied, by GPU UUID (a measurement's stock is not these)."""
+        return {
+            u: int(r["power_limit_mw"])
+            for u, r in self.read().items()
+            if isinstance(r.get("power_limit_mw"), int)
+        }
+
+    def measuring(
+        self, gpus: Sequence[Gpu], *, actuation: bool = True, change_log: ChangeLog | None = None
+    ) -> KnobController:
+        """The knob controller of a measurement (a sweep, a roofline, a settle time): it
+        restores the caps recorded here, and measures stock as the GPUs' own stock, not under
+        them (unlocked clocks, the default power limit), so production caps never pass as
+        stock in a cube."""
+        return KnobController(
+            gpus,
+            actuation=actuation,
+            change_log=change_log,
+            prior_locks=self.locks(),
+            applied_power_mw=self.power_limits_mw(),
+            stock_without_caps=True,
+        )
 
     def write(self, records: dict[str, dict[str, Any]]) -> None:
         from dvfs.gpu.safety import ensure_dir, write_json_atomic

@@ -586,9 +586,7 @@ def _settle_guard(gpus: list[Any], twin: str | None, state_dir: Path | None) -> 
     store = StateStore(directory, command="gpu settle")
     with GpuLocks(directory).hold(gpus):
         store.refuse_if_pending(gpus)
-        controller = KnobController(
-            gpus, change_log=store, prior_locks=AppliedCaps(directory).locks()
-        )
+        controller = AppliedCaps(directory).measuring(gpus, change_log=store)
         with controller as knobs:
             yield knobs
 

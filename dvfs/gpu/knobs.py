@@ -77,12 +77,18 @@ class KnobController:
         actuation: bool = True,
         change_log: ChangeLog | None = None,
         prior_locks: dict[str, tuple[int, int]] | None = None,
+        applied_power_mw: dict[str, int] | None = None,
+        stock_without_caps: bool = False,
     ) -> None:
         self.gpus = list(gpus)
         self.actuation = actuation
         self.change_log = change_log
         self._prior_locks = prior_locks or {}
+        self._applied_power_mw = applied_power_mw or {}
+        #: A measurement's stock is the GPU's own (`stock`), not the caps dvfs applied.
+        self.stock_without_caps = stock_without_caps
         self._snapshot: dict[str, GpuSettings] = {}
+        self._stock: dict[str, GpuSettings] = {}
         self._current: dict[str, GpuSettings] = {}
         self._signals = contextlib.ExitStack()
 
@@ -104,7 +110,23 @@ class KnobController:
             self._signals.close()
             raise
         self._current = dict(self._snapshot)
+        own = self.stock_without_caps and self.actuation  # observe-only changes nothing
+        self._stock = self._own_stock() if own else dict(self._snapshot)
         return self
+
+    def _own_stock(self) -> dict[str, GpuSettings]:
+        """The GPUs' own stock settings under the caps dvfs applied (its caps record): clocks
+        unlocked, and the default power limit where the limit found is the one dvfs applied.
+        A limit set outside dvfs is the operator's stock and is kept."""
+        stock = {}
+        for gpu in self.gpus:
+            uuid = gpu.identity.uuid
+            found = self._snapshot[uuid]
+            limit = found.power_limit_mw
+            if self._applied_power_mw.get(uuid) == limit:
+                limit = gpu.power_limit_range().default_mw
+            stock[uuid] = GpuSettings(uuid, None, limit)
+        return stock
 
     def __exit__(self, *exc: object) -> None:
         with self._signals:
@@ -112,7 +134,14 @@ class KnobController:
 
     @property
     def original(self) -> dict[str, GpuSettings]:
+        """What each GPU held when found: what a restore puts back."""
         return dict(self._snapshot)
+
+    @property
+    def stock(self) -> dict[str, GpuSettings]:
+        """What a setting that leaves a knob stock applies: as found, or with
+        `stock_without_caps` the GPU's own stock under dvfs's caps (`_own_stock`)."""
+        return dict(self._stock)
 
     def restore(self) -> None:
         """Put every changed GPU back to its snapshot; raise one error listing all failures.
@@ -144,9 +173,9 @@ class KnobController:
 
     # -- applying -----------------------------------------------------------------------------
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
-        """The settings a GPU should hold for a sweep point (stock = what it had before)."""
+        """The settings a GPU should hold for a sweep point (a knob left stock: `stock`)."""
         uuid = gpu.identity.uuid
-        original = self._snapshot[uuid]
+        original = self._stock[uuid]
         lock = original.sm_clock_lock_mhz
         if setting.sm_clock_mhz is not None:
             lock = (setting.sm_clock_mhz, setting.sm_clock_mhz)

@@ -262,10 +262,10 @@ class Runner:
             "total": round(self._elapsed_s(t0), 6),
         }
         ranges = [g.power_limit_range() for g in self.gpus]
-        original = self.knobs.original
+        found = self.knobs.stock
         stock = Stock(
             sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
-            power_limit_w=original[self.gpus[0].identity.uuid].power_limit_mw / 1000,
+            power_limit_w=found[self.gpus[0].identity.uuid].power_limit_mw / 1000,
         )
         for earlier in self.journal.sessions:
             then = recorded_stock(earlier)

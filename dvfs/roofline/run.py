@@ -179,11 +179,8 @@ def guarded(gpu: Gpu, request: RooflineRequest) -> Iterator[KnobController]:
         store.refuse_if_pending([gpu])
         check_clocks(gpu, request.clocks_mhz)
         actuation = not request.observe_only
-        controller = KnobController(
-            [gpu],
-            actuation=actuation,
-            change_log=store if actuation else None,
-            prior_locks=AppliedCaps(directory).locks(),
+        controller = AppliedCaps(directory).measuring(
+            [gpu], actuation=actuation, change_log=store if actuation else None
         )
         with controller as knobs:
             yield knobs
