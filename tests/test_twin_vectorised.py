@@ -426,3 +426,120 @@ def test_a_trusted_trace_is_a_checked_trace() -> None:
         a, b = getattr(trusted, f.name), getattr(checked, f.name)
         assert np.array_equal(a, b) if isinstance(b, np.ndarray) else a == b
     assert (trusted.first_token_ns, trusted.finished_ns) == (7, 9)
+
+
+# -- closed loop ----------------------------------------------------------------------------------
+def reference_closed_loop(engine: TwinEngine, w: Workload) -> list[tuple]:
+    """The closed-loop round as the twin ran it before its iterations were counted at once:
+    slot by slot, request by request, `decode_passes` once per iteration. Returns each
+    request's (sent, chunk instants, chunk tokens, finish, verify count)."""
+    from dvfs.engines.twin import ABORTED
+
+    clock = engine.node.clock
+    t0 = clock.now_ns()
+    rng = np.random.default_rng(stable_seed("twin-closed", w.seed))
+    alpha, depth = engine._acceptance(w)
+    pool = list(w.prompts)
+    mean = max(2.0, w.max_new_tokens / 2)
+    targets = np.clip(
+        rng.exponential(mean, size=len(pool)).astype(np.int64) + 2, 2, w.max_new_tokens
+    )
+    if w.ignore_eos:
+        targets[:] = w.max_new_tokens
+    slot_req, next_req = [-1] * w.batch, 0
+    produced = np.zeros(len(pool), dtype=np.int64)
+    verify_ct = np.zeros(len(pool), dtype=np.int64)
+    sent_pass = np.full(len(pool), -1)
+    chunks: list[list[tuple[int, int]]] = [[] for _ in pool]
+    builder = PassBuilder(engine.node.tp_size)
+    pass_index = 0
+    while True:
+        admitted = []
+        for s in range(w.batch):
+            if slot_req[s] == -1 and next_req < len(pool):
+                slot_req[s] = next_req
+                admitted.append(next_req)
+                next_req += 1
+        running = [r for r in slot_req if r != -1]
+        if not running:
+            break
+        if admitted:
+            lengths = np.array([pool[r].input_tokens for r in admitted], dtype=np.int64)
+            sent_at, first = pass_index - 1, len(builder.parts)
+            prefill_passes(builder, engine.model, lengths)
+            pass_index += sum(len(p) for p in builder.parts[first:])
+            for r in admitted:
+                sent_pass[r], produced[r] = sent_at, 1
+                chunks[r].append((pass_index - 1, 1))
+        decoding = [r for r in running if r not in admitted and produced[r] < targets[r]]
+        if decoding:
+            idx = np.array(decoding)
+            got = np.minimum(draws(rng, (len(idx),), alpha, depth), targets[idx] - produced[idx])
+            context = np.array([pool[r].input_tokens for r in idx]) + produced[idx]
+            active = np.array([float(len(idx))])
+            ctx_sum = np.array([float(context.sum())])
+            width = decode_passes(
+                builder,
+                engine.model,
+                engine._plan,
+                active,
+                ctx_sum,
+                np.array([float(np.sum(engine.model.kv_bytes_read(context)))]),
+                ctx_sum / active,
+                np.array([float(got.sum())]),
+            )
+            verify_pass = pass_index + verify_column(engine._plan, width)
+            pass_index += width
+            for r, g in zip(idx, got, strict=True):
+                produced[r] += g
+                verify_ct[r] += 1
+                chunks[r].append((verify_pass, int(g)))
+        freed = False
+        for s in range(w.batch):
+            r = slot_req[s]
+            if r != -1 and produced[r] >= targets[r]:
+                slot_req[s], freed = -1, True
+        if w.end_at_window and freed and next_req >= len(pool):
+            break
+    ends_ns = t0 + engine.node.execute(Passes.concat(builder.parts)).ends_ns
+    out = []
+    for r in range(len(pool)):
+        if chunks[r]:
+            finished = (
+                ABORTED
+                if produced[r] < targets[r]
+                else ("length" if produced[r] >= w.max_new_tokens else "stop")
+            )
+            sent = t0 if sent_pass[r] < 0 else int(ends_ns[sent_pass[r]])
+            at = [int(ends_ns[p]) for p, _ in chunks[r]]
+            out.append((sent, at, [n for _, n in chunks[r]], finished, int(verify_ct[r])))
+    return out
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+@pytest.mark.parametrize(
+    ("tp", "clock_mhz", "batch", "pool", "tokens", "ignore_eos", "end_at_window"),
+    [
+        (1, None, 16, 40, 96, False, True),
+        (1, 1005, 4, 13, 64, False, False),
+        (2, 1530, 1, 5, 33, True, True),
+        (1, 1980, 32, 32, 20, False, False),
+    ],
+)
+def test_a_closed_loop_round_equals_the_iteration_by_iteration_reference(
+    drafter, tp, clock_mhz, batch, pool, tokens, ignore_eos, end_at_window
+) -> None:
+    prompts = sample_prompts(load_corpus("conversation"), pool, input_tokens=(16, 2048), seed=5)
+    w = Workload(
+        batch, prompts, "conversation", tokens, 0.0, ignore_eos, "closed-loop", 7, end_at_window
+    )
+    engines = [TwinEngine(TwinNode(node(tp, clock_mhz, 700.0)), LLAMA8B) for _ in range(2)]
+    for e in engines:
+        e.start(DRAFTERS[drafter])
+    want = reference_closed_loop(engines[1], w)
+    got = engines[0].run(w)
+    assert len(got.requests) == len(want) > 0
+    for trace, (sent, at, tokens_each, finished, verifies) in zip(got.requests, want, strict=True):
+        assert trace.sent_ns == sent and trace.chunk_ns.tolist() == at
+        assert trace.chunk_tokens.tolist() == tokens_each and trace.finish_reason == finished
+        assert (trace.spec_verify_ct or 0) == (verifies if drafter != "none" else 0)

@@ -36,7 +36,13 @@ from dvfs.engines.base import (
 )
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
-from dvfs.twin.passes import PassBuilder, decode_passes, prefill_passes, verify_column
+from dvfs.twin.passes import (
+    PassBuilder,
+    decode_passes,
+    iteration_width,
+    prefill_passes,
+    verify_column,
+)
 from dvfs.twin.physics import Passes, PassTiming, Schedule, host_time_s
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 from dvfs.twin.textprior import TextProfile, profile_prompts
@@ -304,6 +310,39 @@ class TwinEngine:
         ends = np.cumsum(np.round(point.timing.duration_s * 1e9))
         return min(len(passes), int(np.searchsorted(ends, within_ns, side="left")) + 1)
 
+    def _closed_loop_passes(
+        self,
+        prefill_parts: list[Passes],
+        segments: list[tuple[str, int, int]],
+        width: int,
+        active: np.ndarray,
+        ctx_sum: np.ndarray,
+        ctx_kv: np.ndarray,
+        emitted: np.ndarray,
+    ) -> Passes:
+        """A closed-loop round's passes in order: its prefill parts and decode iterations as
+        `segments` interleave them, the iterations counted in one `decode_passes` call."""
+        parts = list(prefill_parts)
+        if len(active):
+            decoded = PassBuilder(self.node.tp_size)
+            counted = decode_passes(
+                decoded, self.model, self._plan, active, ctx_sum, ctx_kv, ctx_sum / active, emitted
+            )
+            if counted != width:
+                raise AssertionError(f"decode iterations of {counted} passes, not {width}")
+            parts.append(decoded.parts[0])
+        whole = Passes.concat(parts)
+        decode_base = sum(len(p) for p in prefill_parts)
+        starts = np.cumsum([0, *(len(p) for p in prefill_parts)])
+        order = []
+        for kind, first, count in segments:
+            if kind == "prefill":
+                order.append(np.arange(starts[first], starts[first + count]))
+            else:
+                at = decode_base + first * width
+                order.append(np.arange(at, at + width))
+        return whole.take(np.concatenate(order))
+
     def _run_closed_loop(self, workload: Workload) -> RoundResult:
         """Concurrency held at `batch` from the prompt pool, natural output lengths.
 
@@ -323,89 +362,109 @@ class TwinEngine:
         if workload.ignore_eos:
             targets[:] = workload.max_new_tokens
         batch = workload.batch
-        slot_req = [-1] * batch
+        inputs = np.array([p.input_tokens for p in pool], dtype=np.int64)
+        slot_req = np.full(batch, -1, dtype=np.int64)  # the request in each slot; -1: free
         next_req = 0
         produced = np.zeros(len(pool), dtype=np.int64)
         verify_ct = np.zeros(len(pool), dtype=np.int64)
         sent_pass = np.full(len(pool), -1)
-        chunks: list[list[tuple[int, int]]] = [[] for _ in pool]  # (pass index, tokens)
-        builder = PassBuilder(self.node.tp_size)
-        roles: list[np.ndarray] = []  # each builder part's passes' roles
+        # Each iteration's chunks, in time order: (requests, tokens each, pass index).
+        chunk_requests: list[np.ndarray] = []
+        chunk_counts: list[np.ndarray] = []
+        chunk_passes: list[int] = []
+        builder = PassBuilder(self.node.tp_size)  # the prefill chunks, in order
+        # The passes in order: ("prefill", first part, parts) or ("decode", iteration). A
+        # decode iteration's passes are counted after the loop, all iterations at once
+        # (`decode_passes` is element-wise over iterations): only its width is known here.
+        segments: list[tuple[str, int, int]] = []
+        width = iteration_width(self._plan)
+        verify_col = verify_column(self._plan, width)
+        iteration_roles = _iteration_roles(self._plan, width)
+        roles: list[np.ndarray] = []  # each segment's passes' roles
+        decode_active: list[float] = []
+        decode_ctx_sum: list[float] = []
+        decode_ctx_kv: list[float] = []
+        decode_emitted: list[float] = []
         pass_index = 0
-        verify_positions: list[int] = []
         while True:
-            # Admit new requests into free slots: their prefill runs as one chunk this iteration.
-            admitted = []
-            for s in range(batch):
-                if slot_req[s] == -1 and next_req < len(pool):
-                    slot_req[s] = next_req
-                    admitted.append(next_req)
-                    next_req += 1
-            running = [r for r in slot_req if r != -1]
-            if not running:
+            # Admit new requests into free slots (lowest slot first): their prefill runs as
+            # one chunk this iteration.
+            first_admitted = next_req
+            free = np.flatnonzero(slot_req == -1)[: len(pool) - next_req]
+            if len(free):
+                admitted = np.arange(next_req, next_req + len(free))
+                slot_req[free] = admitted
+                next_req += len(free)
+            running = slot_req[slot_req != -1]  # in slot order
+            if not len(running):
                 break
-            if admitted:
-                lengths = np.array([pool[r].input_tokens for r in admitted], dtype=np.int64)
+            if len(free):
                 sent_at = pass_index - 1
                 first = len(builder.parts)
-                prefill_passes(builder, self.model, lengths)  # the same chunking as fixed mode
+                prefill_passes(builder, self.model, inputs[admitted])  # fixed mode's chunking
+                segments.append(("prefill", first, len(builder.parts) - first))
                 pass_index += sum(len(p) for p in builder.parts[first:])
                 roles.extend(np.full(len(p), ROLE_PREFILL) for p in builder.parts[first:])
                 prefill_pass = pass_index - 1  # admitted requests get a token once it is done
-                for r in admitted:
-                    sent_pass[r] = sent_at
-                    produced[r] = 1
-                    chunks[r].append((prefill_pass, 1))
-            decoding = [r for r in running if r not in admitted and produced[r] < targets[r]]
-            if decoding:
-                idx = np.array(decoding)
+                sent_pass[admitted] = sent_at
+                produced[admitted] = 1
+                chunk_requests.append(admitted)
+                chunk_counts.append(np.ones(len(admitted), dtype=np.int64))
+                chunk_passes.append(prefill_pass)
+            idx = running[(running < first_admitted) & (produced[running] < targets[running])]
+            if len(idx):
                 drawn = draws(rng, (len(idx),), alpha, depth)
                 left = targets[idx] - produced[idx]
                 got = np.minimum(drawn, left)
-                context = np.array([pool[r].input_tokens for r in idx]) + produced[idx]
-                active = np.array([float(len(idx))])
-                ctx_sum = np.array([float(context.sum())])
-                ctx_kv = np.array([float(np.sum(self.model.kv_bytes_read(context)))])
-                width = decode_passes(
-                    builder,
-                    self.model,
-                    self._plan,
-                    active,
-                    ctx_sum,
-                    ctx_kv,
-                    ctx_sum / active,
-                    np.array([float(got.sum())]),
-                )
-                verify_col = verify_column(self._plan, width)
-                roles.append(_iteration_roles(self._plan, width))
-                verify_pass = pass_index + verify_col
-                verify_positions.append(verify_pass)
+                context = inputs[idx] + produced[idx]
+                segments.append(("decode", len(decode_active), 1))
+                decode_active.append(float(len(idx)))
+                decode_ctx_sum.append(float(context.sum()))
+                decode_ctx_kv.append(float(np.sum(self.model.kv_bytes_read(context))))
+                decode_emitted.append(float(got.sum()))
+                roles.append(iteration_roles)
+                produced[idx] += got  # a request sits in one slot: no index repeats
+                verify_ct[idx] += 1
+                chunk_requests.append(idx)
+                chunk_counts.append(got)
+                chunk_passes.append(pass_index + verify_col)
                 pass_index += width
-                for r, g in zip(idx, got, strict=True):
-                    produced[r] += g
-                    verify_ct[r] += 1
-                    chunks[r].append((verify_pass, int(g)))
-            freed = False
-            for s in range(batch):
-                r = slot_req[s]
-                if r != -1 and produced[r] >= targets[r]:
-                    slot_req[s] = -1
-                    freed = True
-            if workload.end_at_window and freed and next_req >= len(pool):
+            busy = slot_req != -1
+            held = np.where(busy, slot_req, 0)
+            done = busy & (produced[held] >= targets[held])
+            slot_req[done] = -1
+            if workload.end_at_window and done.any() and next_req >= len(pool):
                 # Concurrency drops below batch after the last send: the steady window ends
                 # here, and the requests still running are aborted (`base.ROUND_END`).
                 break
+        passes = self._closed_loop_passes(
+            builder.parts,
+            segments,
+            width,
+            np.array(decode_active),
+            np.array(decode_ctx_sum),
+            np.array(decode_ctx_kv),
+            np.array(decode_emitted),
+        )
         # One phase: admissions and finishes interleave, so the limit holds on average.
-        passes = Passes.concat(builder.parts)
         point = self.node.execute(passes)
         ends_ns = t0 + point.ends_ns
+        # Each request's chunks in time order: the iterations' records, grouped by request
+        # (a stable sort keeps each request's own order).
+        owner = np.concatenate(chunk_requests) if chunk_requests else np.zeros(0, np.int64)
+        counts = np.concatenate(chunk_counts) if chunk_counts else np.zeros(0, np.int64)
+        at = np.repeat(np.array(chunk_passes, dtype=np.int64), [len(c) for c in chunk_requests])
+        by_request = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[by_request], np.arange(len(pool) + 1))
+        chunk_ns_all = ends_ns[at[by_request]].astype(np.int64)
+        counts_all = counts[by_request].astype(np.int64)
         requests = []
         spec = self._plan is not None
         for r, prompt in enumerate(pool):
-            if not chunks[r]:
+            lo, hi = bounds[r], bounds[r + 1]
+            if lo == hi:
                 continue
-            chunk_ns = np.array([ends_ns[p] for p, _ in chunks[r]], dtype=np.int64)
-            chunk_tokens = np.array([n for _, n in chunks[r]], dtype=np.int64)
+            chunk_tokens = counts_all[lo:hi]
             if produced[r] < targets[r]:
                 finished = ABORTED
             else:
@@ -413,7 +472,7 @@ class TwinEngine:
             requests.append(
                 RequestTrace(
                     sent_ns=t0 if sent_pass[r] < 0 else int(ends_ns[sent_pass[r]]),
-                    chunk_ns=chunk_ns,
+                    chunk_ns=chunk_ns_all[lo:hi],
                     chunk_tokens=chunk_tokens,
                     prompt_tokens=prompt.input_tokens,
                     completion_tokens=int(chunk_tokens.sum()),

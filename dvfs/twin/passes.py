@@ -199,6 +199,20 @@ def decode_passes(
     return width
 
 
+def iteration_width(plan: DraftPlan | None) -> int:
+    """Passes per decode iteration, as `decode_passes` lays them out: the drafter's (an
+    n-gram lookup, one block draft, or the draft steps and a draft-extend), then the verify."""
+    if plan is None:
+        return 1
+    if plan.family == "ngram":
+        return 2
+    if plan.draft_model is None:
+        return 1
+    if plan.family == "dflash":
+        return 2
+    return plan.num_steps + 2
+
+
 def verify_column(plan: DraftPlan | None, width: int) -> int:
     """Which of an iteration's `width` passes is the verify pass (a draft-extend may follow)."""
     extends = plan is not None and plan.draft_model is not None and plan.family != "dflash"
