@@ -265,3 +265,29 @@ def test_a_folder_without_write_permission(tmp_path: Path) -> None:
         assert_one_line_error(result, 1, "Permission denied", "--out")
     finally:
         out.chmod(0o755)
+
+
+def test_an_output_over_a_file_the_command_reads_is_refused_and_nothing_is_lost(
+    swept: Path,
+) -> None:
+    """`-o` naming the journal or the cube the command reads would replace the measurements
+    with its output: refused (exit 2) before anything is written; the cube's own place stays
+    a legal output for `cube build`, which reads only the journal."""
+    journal, cube = swept / "journal.jsonl", swept / "cube.nc"
+    before = {path: path.read_bytes() for path in (journal, cube)}
+    refused = [
+        ("cube", "build", str(swept), "-o", str(journal)),
+        ("headroom", str(swept), "-o", str(cube)),
+        ("headroom", str(cube), "-o", str(cube)),
+        ("report", str(swept), "-o", str(cube)),
+        ("cube", "merge", str(swept), str(cube), "-o", str(cube)),
+    ]
+    for args in refused:
+        result = invoke(*args)
+        assert_one_line_error(result, 2)
+        assert "which this command reads" in result.output and "another output" in result.output
+    assert {path: path.read_bytes() for path in before} == before
+    sizes = open_cube(cube).sizes
+    rebuilt = invoke("cube", "build", str(swept), "-o", str(cube))
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert open_cube(cube).sizes == sizes

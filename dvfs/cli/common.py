@@ -69,9 +69,59 @@ def handle_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return guard(func, *args, **kwargs)
+        return guard(_run_checked, func, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run_checked(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    refuse_output_over_inputs()
+    return func(*args, **kwargs)
+
+
+#: Commands that read a sweep folder's journal but not its cube (they write the cube).
+_WRITES_THE_CUBE = {"cube build"}
+
+
+def refuse_output_over_inputs() -> None:
+    """An output file (`-o`/`--out`) must not be a file the command reads: the input file
+    itself, or a sweep folder's journal or cube. Writing over it would lose the measurements
+    the output is made from (exit 2, before anything is read or written)."""
+    ctx = click.get_current_context(silent=True)
+    params = _path_params()
+    if ctx is None or not any(output and not value.is_dir() for _, value, output in params):
+        return
+    from dvfs.cube.schema import CUBE_NAME
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    command = " ".join(ctx.command_path.split()[1:])
+    names = [JOURNAL_NAME] if command in _WRITES_THE_CUBE else [JOURNAL_NAME, CUBE_NAME]
+    read: dict[Path, str] = {}
+    for name, value, output in params:
+        if output:
+            continue
+        if value.is_dir():
+            for file in names:
+                read.setdefault(_resolved(value / file), f"{name} {value}'s {file}")
+        else:
+            read.setdefault(_resolved(value), f"{name} {value}")
+    for name, value, output in params:
+        if not output or value.is_dir():
+            continue
+        what = read.get(_resolved(value))
+        if what is not None:
+            fail(
+                f"{name} {value} is {what}, which this command reads: writing there would "
+                "lose it; choose another output path",
+                2,
+            )
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compare as given
+        return path.absolute()
 
 
 def guard(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
