@@ -261,3 +261,31 @@ def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The same on two GPUs: the driver retires the worker whose server differs from the other
+    drafter's in the journal, journals nothing of it, and stops in one line."""
+    path, marker = stub_campaign(tmp_path, version="0.5.9", drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    args = ["sweep", str(path), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    before = journal.read_text()
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": "0.5.23"}))
+    refused = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert refused.exit_code == 1, refused.output
+    line = last_line(refused)
+    assert line.startswith(f"Error: the server of drafter {other!r} on ")
+    assert "engine version: 0.5.9 -> 0.5.23" in line and "--fresh" in line
+    kept = [r for r in read_records(journal) if r["type"] in ("server", "cell")]
+    assert kept == [
+        json.loads(x)
+        for x in before.splitlines()
+        if '"type": "server"' in x or '"type": "cell"' in x
+    ]
+    assert running(marker) == []
