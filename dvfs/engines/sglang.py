@@ -239,7 +239,7 @@ class SglangEngine:
         self._client.wait_healthy(self.config.startup_timeout_s)
         info = self._client.server_info()
         try:
-            # The drafter is read from the server: it must run what the campaign names.
+            # Not started by dvfs: it must serve the campaign's model and drafter.
             kernels = self._check_resolved(drafter, info, attached=True)
         except EngineError:
             self._client = None  # not ours to stop; measure nothing on it

@@ -175,14 +175,14 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 
 
 #: Resolved server args every drafter's server of one journal shares, whatever its drafter
-#: (what /server_info reports, read from the server record's `args`): what the target model
-#: computes with. Only args SGLang does not adjust itself when a speculative algorithm is set:
-#: its `ServerArgs` (python/sglang/srt/server_args.py; `_handle_speculative_decoding` and the
-#: memory and CUDA-graph defaults it feeds) changes max_running_requests,
-#: disable_overlap_schedule, enable_mixed_chunk, the speculative_* args, the CUDA-graph batch
-#: sizes, chunked_prefill_size, mem_fraction_static and the page size (and the attention
-#: backend, checked apart as `attention_backend`) for speculation, so those may differ between
-#: arms and are not compared; the values below it leaves alone.
+#: (what /server_info reports, kept in the server record's `args`): what the target model
+#: computes with. Only args SGLang leaves alone when a speculative algorithm is set. Those it
+#: adjusts may differ between arms and are not compared: `_handle_speculative_decoding` in its
+#: python/sglang/srt/server_args.py sets max_running_requests (48 unless given),
+#: disable_overlap_schedule, enable_mixed_chunk and the speculative_* args; its memory and
+#: CUDA-graph defaults reserve room for the draft (mem_fraction_static, chunked_prefill_size,
+#: the CUDA-graph batch sizes); the page size and the attention backend depend on eagle_topk
+#: (the kernels are compared apart, as `attention_backend`).
 ARM_ARGS: dict[str, str] = {
     "model_path": "model",
     "tokenizer_path": "tokenizer",
