@@ -57,9 +57,10 @@ def test_eight_servers_argv_parse_and_their_ports_are_distinct(
     assert all(b.http + ZMQ_PORT_OFFSET in b.used for b in blocks)
     assert max(max(u) for u in used) < 32768 and min(min(u) for u in used) >= FIRST_PORT
     check_distinct_ports([(f"gpu{i}", "node", b) for i, b in enumerate(blocks)])
-    # Port flags of the campaign's own would move a server out of its block: refused.
+    # Port flags of the campaign's own would move a server out of its block: refused (in
+    # engine.sglang.extra_args: a drafter's take only speculative flags).
     bad = replace_block(
-        path.read_text(), 'algorithm = "none"', 'algorithm = "none"\nextra_args = ["--nccl-p", "9"]'
+        path.read_text(), "[drafters.none]", 'extra_args = ["--nccl-p", "9"]\n[drafters.none]'
     )
     path.write_text(bad)
     none = next(d for d in load_campaign(path).drafters if d.name == "none")

@@ -176,10 +176,9 @@ def test_check_same_kernels_names_the_difference() -> None:
 def test_a_server_that_swaps_the_pinned_backend_is_refused_and_stopped(tmp_path: Path) -> None:
     """fa3 cannot serve an fp8_e5m2 KV cache: SGLang quietly runs triton; dvfs must refuse,
     and stop that server at once (not at the next start or at exit)."""
-    drafters = (
-        '\n[drafters.none]\nalgorithm = "none"\nextra_args = ["--kv-cache-dtype", "fp8_e5m2"]\n'
-    )
-    path, marker = stub_campaign(tmp_path, drafters=drafters, batch="[1]")
+    drafters = '\n[drafters.none]\nalgorithm = "none"\n'
+    kv = 'extra_args = ["--kv-cache-dtype", "fp8_e5m2"]'
+    path, marker = stub_campaign(tmp_path, drafters=drafters, batch="[1]", sglang_extra=kv)
     campaign = load_campaign(path)
     with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
         with pytest.raises(EngineError, match="attention backend triton, not fa3"):

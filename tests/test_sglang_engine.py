@@ -253,9 +253,12 @@ def test_protocol_faults_are_journaled_per_cell(
 
 @pytest.mark.slow
 def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
-    drafters = '\n[drafters.none]\nalgorithm = "none"\nextra_args = ["--no-such-flag"]\n'
     cells, _ = _sweep_cells(
-        tmp_path, drafters=drafters, batch="[1]", knobs="sm_clock = [1980]\nsettle_s = 0.0"
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra='extra_args = ["--no-such-flag"]',
     )
     assert cells[0]["status"] == "failed"
     assert "failed to start" in cells[0]["error"]
@@ -290,12 +293,20 @@ def test_attach_to_a_running_server(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    drafters = '\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    campaign, model = stub_campaign(
+        tmp_path,
+        drafters=drafters,
+        batch="[2]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+    )
     server = subprocess.Popen(
         [
             sys.executable,
             str(STUB),
             "--model-path",
-            "attached-model",
+            model,  # engine.model: the model dvfs measures
             "--port",
             str(port),
             "--speculative-algorithm",
@@ -306,14 +317,6 @@ def test_attach_to_a_running_server(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        drafters = '\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
-        campaign, _ = stub_campaign(
-            tmp_path,
-            drafters=drafters,
-            batch="[2]",
-            knobs="sm_clock = [1980]\nsettle_s = 0.0",
-            sglang_extra=f'url = "http://127.0.0.1:{port}"',
-        )
         out = tmp_path / "out"
         result = CliRunner().invoke(
             cli,

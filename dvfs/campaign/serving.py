@@ -20,7 +20,12 @@ from dvfs.campaign.model import (
     GpuConfig,
     SglangConfig,
 )
-from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS, DEFAULT_ATTENTION_BACKEND, managed_flag
+from dvfs.campaign.sglang_flags import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    managed_flag,
+    non_drafter_flag,
+)
 from dvfs.campaign.table import Table, argv_list
 from dvfs.errors import CampaignError
 
@@ -92,6 +97,22 @@ def refuse_managed_flags(table: Table, key: str, args: tuple[str, ...], drafter:
             raise table.fail(key, f"sets {flag}{written}, which dvfs sets itself; use {use}")
 
 
+def refuse_engine_flags(table: Table, drafter: str, args: tuple[str, ...]) -> None:
+    """A drafter's extra_args carry only its own speculative flags: any other flag (memory,
+    dtype, quantization, CUDA graphs, chunked prefill...) would make its arm differ from the
+    others in more than the drafter."""
+    for token in args:
+        flag = non_drafter_flag(token)
+        if flag is not None:
+            raise table.fail(
+                "extra_args",
+                f"sets {flag}, which is not a speculative flag: drafter {drafter!r} "
+                "would then differ from the other arms in more than its drafter. A drafter's "
+                "extra_args take only its own flags (--speculative-*, spelt in full); put "
+                f"{flag} in engine.sglang.extra_args, which every drafter's server shares",
+            )
+
+
 def _check_visible_devices(sg: Table, env: dict[str, Any], gpu: GpuConfig) -> None:
     """dvfs pins the server to gpu.devices by UUID; an env naming other GPUs contradicts it."""
     value = env.get("CUDA_VISIBLE_DEVICES")
@@ -136,6 +157,7 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
     extra = argv_list(table, "extra_args")
     table.finish()
     refuse_managed_flags(table, "extra_args", extra, table.path)
+    refuse_engine_flags(table, name, extra)
     if algorithm == "NGRAM" and draft_model is not None:
         raise table.fail(
             "draft_model",

@@ -41,6 +41,33 @@ MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
+#: What a drafter's own extra_args may carry: flags that configure only the drafter, so that its
+#: server differs from the other arms' in the drafter alone. From SGLang 0.5.9's and 0.5.23's
+#: option tables: every `--speculative-*` option (0.5.23 adds `--no-speculative-*` negations),
+#: and these, which act only when speculating. Any other flag belongs in
+#: engine.sglang.extra_args, which every drafter's server shares.
+DRAFTER_FLAG_PREFIXES = ("--speculative-", "--no-speculative-", "--decoupled-spec-")
+DRAFTER_FLAGS = (
+    "--enable-multi-layer-eagle",
+    "--enable-draft-weights-cpu-backup",
+    "--decrypted-draft-config-file",
+    "--enable-linear-replayssm-spec",
+    "--spec-trace-dir",
+)
+
+
+def non_drafter_flag(token: str) -> str | None:
+    """The flag `token` names when it is a flag but not a drafter's own (`DRAFTER_FLAGS`),
+    else None (a drafter flag, or a value such as "16" or "-1"). Abbreviations count only
+    under the `--speculative-` prefixes: any other must be spelt in full."""
+    if len(token) < 2 or token[0] != "-" or not (token[1].isalpha() or token[1] == "-"):
+        return None
+    name = token.split("=", 1)[0]
+    if name.startswith(DRAFTER_FLAG_PREFIXES) or name in DRAFTER_FLAGS:
+        return None
+    return name
+
+
 def managed_flag(token: str, drafter: str = "drafters.<name>") -> tuple[str, str] | None:
     """(flag, campaign key) when argparse would read `token` as a flag dvfs sets itself.
 

@@ -372,7 +372,8 @@ def parse_campaign(
     if engine.backend == "sglang" and engine.sglang.url is not None and len(drafters) > 1:
         raise CampaignError(
             f"{where}: engine.sglang.url attaches to one running server, so the campaign can have "
-            f"only one drafter (it is read from the server); found {len(drafters)}"
+            "only one drafter, the one that server runs (dvfs checks its model and algorithm); "
+            f"found {len(drafters)}"
         )
     return Campaign(
         name=name,

@@ -38,6 +38,7 @@ from dvfs.records import (
     JournalContents,
     Server,
     Session,
+    arm_changes,
     check_version,
     incomparable,
     mixed_within,
@@ -133,6 +134,17 @@ def _check_sessions(journal: JournalContents) -> None:
                 f"the journal's cells of drafter {server.drafter!r} were served by different "
                 f"engines ({'; '.join(changes)}): they would compare software, not settings; "
                 "rerun with --fresh (or into another --out folder) on one engine version"
+            )
+    # Across drafters too: the arms must differ only in their drafters (`arm_changes`).
+    servers = list(journal.servers)
+    for server in servers[1:]:
+        changes = arm_changes(servers[0].to_json(), server.to_json())
+        if changes:
+            raise CubeError(
+                f"the journal's drafters {servers[0].drafter!r} and {server.drafter!r} were "
+                f"served differently ({'; '.join(changes)}): the arms would compare more than "
+                "their drafters; rerun with --fresh (or into another --out folder) with every "
+                "drafter on one engine version and one set of engine flags"
             )
 
 

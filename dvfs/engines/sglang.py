@@ -5,8 +5,9 @@ sweep folder, on the metered GPUs only (CUDA_VISIBLE_DEVICES = their UUIDs). It 
 whole group, on exit, error, signal and a failed check of what it resolved; and it is asked to
 die with dvfs (PR_SET_PDEATHSIG, armed by the `_pdeathsig` launcher rather than a `preexec_fn`)
 so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a server already running at a URL and
-never starts or stops it. Every drafter's server must run the same attention kernels
-(`check_same_kernels`).
+never starts or stops it, after the same checks of what it resolved (the model, the algorithm,
+the kernels). Every drafter's server must run the same attention kernels (`check_same_kernels`);
+what else the arms share is checked by the runner against the journal (`arm_changes`).
 """
 
 from __future__ import annotations
@@ -237,7 +238,12 @@ class SglangEngine:
         self._client = self._client_for(self.config.url)
         self._client.wait_healthy(self.config.startup_timeout_s)
         info = self._client.server_info()
-        kernels = self._check_kernels(drafter, _resolved_args(info))
+        try:
+            # Not started by dvfs: it must serve the campaign's model and drafter.
+            kernels = self._check_resolved(drafter, info, attached=True)
+        except EngineError:
+            self._client = None  # not ours to stop; measure nothing on it
+            raise
         self._version = server_version(info)
         return ServerInfo(
             "sglang",
@@ -256,23 +262,39 @@ class SglangEngine:
         self.kernels[drafter.name] = kernels
         return kernels
 
-    def _check_resolved(self, drafter: DrafterSpec, info: dict[str, Any]) -> Kernels:
-        """The server must run what was asked: the algorithm, room for the largest batch, and
-        the attention kernels every drafter shares."""
+    def _check_resolved(
+        self, drafter: DrafterSpec, info: dict[str, Any], *, attached: bool = False
+    ) -> Kernels:
+        """The server must run what was asked: the model, the algorithm, room for the largest
+        batch, and the attention kernels every drafter shares. An attached server (whose flags
+        dvfs did not set) is held to the same."""
         args = _resolved_args(info)
+        where = f"the server at {self.config.url}" if attached else "the server"
+        fix = (
+            "; attach to a server started for this drafter, or change the campaign to match it"
+            if attached
+            else ""
+        )
+        # (dvfs sets --model-path itself when it starts the server: checked when attached.)
+        model, wanted = args.get("model_path"), self.campaign.engine.model
+        if attached and model is not None and str(model).rstrip("/") != wanted.rstrip("/"):
+            raise EngineError(
+                f"{where} serves model {str(model)!r}, not {wanted!r} as engine.model says{fix}"
+            )
         algorithm = args.get("speculative_algorithm")
         if (algorithm or None) != drafter.algorithm and not (
             drafter.algorithm == "NEXTN" and algorithm == "EAGLE"
         ):
             raise EngineError(
-                f"the server runs speculative algorithm {algorithm!r}, "
-                f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks"
+                f"{where} runs speculative algorithm {algorithm!r}, "
+                f"not {drafter.algorithm!r} as drafter {drafter.name!r} asks{fix}"
             )
         largest = max(self.campaign.workload.batch_sizes)
         running = args.get("max_running_requests")
         if running is not None and int(running) < largest:
             raise EngineError(
-                f"the server caps running requests at {running}, below the largest batch {largest}"
+                f"{where} caps running requests at {running}, below the largest batch "
+                f"{largest}{fix}"
             )
         return self._check_kernels(drafter, args)
 

@@ -270,7 +270,7 @@ class Driver:
         """Whether the unit's server differs from the journal's for its drafter (another
         engine version or attention kernel); if so the worker is retired, nothing of the unit
         is journalled and the unit goes back to the queue."""
-        from dvfs.records import server_changes
+        from dvfs.records import arm_changes, server_changes
 
         if worker in self.retired:  # a unit it took before the driver retired it
             cells = shipment.all_cells
@@ -281,12 +281,18 @@ class Driver:
             if record.get("type") != "server":
                 continue
             drafter = str(record.get("drafter"))
-            earlier = self.servers.setdefault(drafter, record)
-            changes = server_changes(earlier, record)
+            changes = server_changes(self.servers.get(drafter, record), record)
+            whose = "the one that measured its cells"
+            # The arms must differ only in their drafters: across drafters too (`arm_changes`).
+            for other in () if changes else self.servers.values():
+                changes = arm_changes(other, record)
+                if changes:
+                    whose = f"drafter {other.get('drafter')!r}'s"
+                    break
             if changes:
                 why = (
-                    f"the server of drafter {drafter!r} on {worker} differs from the one that "
-                    f"measured its cells in {self.journal.path} ({'; '.join(changes)}): its "
+                    f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
+                    f"{self.journal.path} ({'; '.join(changes)}): its "
                     "cells would compare software, not settings; run the earlier engine, or "
                     "start over with --fresh"
                 )
@@ -294,6 +300,7 @@ class Driver:
                 self.retired.add(worker)
                 self.lost(worker, shipment.all_cells, why)
                 return True
+            self.servers.setdefault(drafter, record)
         return False
 
     def shipped(self, worker: str, shipment: Shipment) -> None:

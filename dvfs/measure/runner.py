@@ -6,6 +6,7 @@ controller as arguments and owns none of their lifetimes, so tests hand it twins
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import operator
@@ -49,6 +50,7 @@ from dvfs.records import (
     Server,
     Session,
     Stock,
+    arm_changes,
     now_iso,
     recorded_stock,
 )
@@ -184,6 +186,9 @@ class Runner:
         self._setting: Any = None
         self._session_open = False
         self._start_failures: dict[str, str] = {}
+        #: The journal's server records (`_earlier_servers`), read at the first server start.
+        self._servers: list[dict[str, Any]] = []
+        self._servers_read = False
         self._pending = GpuTime()  # overheads waiting to be charged to the next cell
         self._stabilise_due = True
         self._idle_by_setting: dict[KnobSetting, float] = {}
@@ -326,9 +331,6 @@ class Runner:
             info: ServerInfo = self.engine.start(drafter)
         finally:
             self._pending.add("server_start", self._elapsed_s(t0))
-        self._drafter = drafter_name
-        self._stabilise_due = True  # the GPU cooled while the server started
-        self._warmed = set()  # a new server has compiled and captured nothing yet
         server = Server(
             started=now_iso(),
             drafter=drafter_name,
@@ -338,7 +340,46 @@ class Runner:
             log_path=info.log_path,
             attention_backend=info.attention_backend,
         )
-        self.journal.append(server.to_json())
+        record = server.to_json()
+        try:
+            self._check_arms(record)
+        except EngineError:
+            self.engine.stop()  # a server that would not compare must not linger
+            raise
+        self._drafter = drafter_name
+        self._stabilise_due = True  # the GPU cooled while the server started
+        self._warmed = set()  # a new server has compiled and captured nothing yet
+        self.journal.append(record)
+        self._servers.append(json.loads(json.dumps(record, default=str)))
+
+    def _earlier_servers(self) -> list[dict[str, Any]]:
+        """The server records of this journal so far: its file's (read once, at the first
+        start) and this run's. A fleet worker's journal ships its records to the driver instead
+        of writing them (it overrides `append`): the driver compares those servers, and its
+        file is not the worker's to read."""
+        if self._servers_read:
+            return self._servers
+        self._servers_read = True
+        if type(self.journal).append is Journal.append and self.journal.path.is_file():
+            self._servers[:0] = [
+                r for r in iter_records(self.journal.path) if r.get("type") == "server"
+            ]
+        return self._servers
+
+    def _check_arms(self, record: dict[str, Any]) -> None:
+        """Refuse a server that differs from another drafter's server of this journal (or one
+        of its own drafter's) in what arms must share (`arm_changes`): its engine version, its
+        attention kernels, the resolved args SGLang does not adjust for speculation."""
+        for earlier in self._earlier_servers():
+            changes = arm_changes(earlier, record)
+            if changes:
+                drafter, other = record["drafter"], earlier.get("drafter")
+                raise EngineError(
+                    f"the {drafter!r} server differs from the {other!r} server of "
+                    f"{self.journal.path} ({'; '.join(changes)}): the arms would compare more "
+                    "than their drafters; run every drafter on the same SGLang and flags "
+                    "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
+                )
 
     # -- one cell -----------------------------------------------------------------------------
     def _prompts_for(self, cell: Cell, label: object) -> tuple:

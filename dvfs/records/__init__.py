@@ -17,12 +17,14 @@ from typing import Any
 from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, MeasurementRecord
 from dvfs.records.header import CampaignFacts, Grid, Header
 from dvfs.records.session import (
+    ARM_ARGS,
     GPU_INVARIANTS,
     SERVER_INVARIANTS,
     SESSION_INVARIANTS,
     Server,
     Session,
     Stock,
+    arm_changes,
     incomparable,
     mixed_within,
     recorded_stock,
@@ -31,6 +33,7 @@ from dvfs.records.session import (
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
 __all__ = [
+    "ARM_ARGS",
     "GPU_INVARIANTS",
     "GPU_TIME_KEYS",
     "JOURNAL_SCHEMA",
@@ -47,6 +50,7 @@ __all__ = [
     "Server",
     "Session",
     "Stock",
+    "arm_changes",
     "check_version",
     "decode_journal",
     "incomparable",

@@ -174,6 +174,47 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
     ]
 
 
+#: Resolved server args every drafter's server of one journal shares, whatever its drafter
+#: (what /server_info reports, kept in the server record's `args`): what the target model
+#: computes with. Only args SGLang leaves alone when a speculative algorithm is set. Those it
+#: adjusts may differ between arms and are not compared: `_handle_speculative_decoding` in its
+#: python/sglang/srt/server_args.py sets max_running_requests (48 unless given),
+#: disable_overlap_schedule, enable_mixed_chunk and the speculative_* args; its memory and
+#: CUDA-graph defaults reserve room for the draft (mem_fraction_static, chunked_prefill_size,
+#: the CUDA-graph batch sizes); the page size and the attention backend depend on eagle_topk
+#: (the kernels are compared apart, as `attention_backend`).
+ARM_ARGS: dict[str, str] = {
+    "model_path": "model",
+    "tokenizer_path": "tokenizer",
+    "revision": "model revision",
+    "dtype": "dtype",
+    "quantization": "quantization",
+    "kv_cache_dtype": "KV-cache dtype",
+    "load_format": "load format",
+    "context_length": "context length",
+    "tp_size": "tensor parallelism",
+    "pp_size": "pipeline parallelism",
+    "dp_size": "data parallelism",
+    "ep_size": "expert parallelism",
+    "trust_remote_code": "remote code",
+    "disable_cuda_graph": "CUDA graphs disabled",
+}
+
+
+def arm_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two server records of one journal, of the same drafter or not
+    ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
+    attention kernels (`SERVER_INVARIANTS`), and the `ARM_ARGS` both records report. Arms that
+    differ here would compare software or settings, not drafters."""
+    changes = server_changes(before, now)
+    old, new = before.get("args"), now.get("args")
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        for key, label in ARM_ARGS.items():
+            if key in old and key in new and old[key] != new[key]:
+                changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
+    return changes
+
+
 def _same(value: Any) -> Any:
     return [_same(v) for v in value] if isinstance(value, list | tuple) else value
 

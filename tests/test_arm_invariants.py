@@ -1,0 +1,291 @@
+"""Two arms of a comparison differ only in their drafters: a drafter's extra_args take only
+speculative flags; every drafter's server of one journal runs the same SGLang version, kernels
+and resolved engine args (those SGLang does not adjust for speculation); an attached server
+must serve the campaign's model and the drafter's algorithm. End to end through the CLI
+against the stub server on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block
+from sglang_support import REPO, STUB, running, stub_campaign
+
+from dvfs.campaign.sglang_flags import non_drafter_flag
+from dvfs.cli import cli
+from dvfs.measure.journal import read_records
+from dvfs.records import ARM_ARGS, arm_changes
+
+TABLES = REPO / "tests" / "data" / "sglang-args"
+ONE_SETTING = {"batch": "[1]", "knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
+TWO_DRAFTERS = """
+[drafters.none]
+algorithm = "none"
+
+[drafters.ngram]
+algorithm = "NGRAM"
+"""
+
+
+def sweep(path: Path, out: Path) -> Result:
+    return CliRunner().invoke(
+        cli, ["sweep", str(path), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+
+
+def last_line(result: Result) -> str:
+    return result.output.strip().splitlines()[-1]
+
+
+# -- a drafter's extra_args --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--mem-fraction-static", "0.5"),
+        ("--disable-cuda-graph", None),
+        ("--chunked-prefill-size", "512"),
+        ("--dtype", "float16"),
+        ("--quantization", "fp8"),
+        ("--page-size", "16"),
+        ("--page-size=16", None),
+    ],
+)
+def test_a_drafter_flag_that_is_not_speculative_is_refused_at_load(
+    tmp_path: Path, flag: str, value: str | None
+) -> None:
+    args = [flag] if value is None else [flag, value]
+    drafters = (
+        TWO_DRAFTERS + f"extra_args = {json.dumps(['--speculative-ngram-capacity', '9', *args])}"
+    )
+    path, marker = stub_campaign(tmp_path, drafters=drafters, **ONE_SETTING)
+    result = sweep(path, tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    [line] = result.output.strip().splitlines()
+    name = flag.split("=")[0]
+    assert line.startswith("Error: ") and "drafters.ngram.extra_args" in line
+    assert f"sets {name}" in line and "'ngram'" in line
+    assert f"put {name} in engine.sglang.extra_args" in line
+    assert not (tmp_path / "out" / "journal.jsonl").exists()
+    assert running(marker) == []
+
+
+def test_the_same_flags_in_the_engine_extra_args_reach_every_server(tmp_path: Path) -> None:
+    """Where the refusal points: engine.sglang.extra_args, shared by both arms (measured)."""
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters=TWO_DRAFTERS,
+        sglang_extra='extra_args = ["--dtype", "float16", "--chunked-prefill-size", "512"]',
+        **ONE_SETTING,
+    )
+    result = sweep(path, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    servers = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "server"]
+    assert {s["drafter"] for s in servers} == {"none", "ngram"}
+    assert {s["args"]["dtype"] for s in servers} == {"float16"}
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_every_speculative_option_of_sglang_is_a_drafter_flag(version: str) -> None:
+    """Against SGLang's option tables: every --speculative-* option passes; of the options
+    that mention neither speculation nor drafts, none does."""
+    table = json.loads((TABLES / f"{version}.json").read_text())
+    flags = [f for option in table["options"] for f in option["flags"] if f.startswith("--")]
+    for flag in flags:
+        if flag.startswith("--speculative-"):
+            assert non_drafter_flag(flag) is None, flag
+            assert non_drafter_flag(flag + "=1") is None, flag
+        elif not any(word in flag for word in ("spec", "draft", "eagle")):
+            assert non_drafter_flag(flag) == flag
+    for value in ("16", "-1", "-0.5", "fp8"):
+        assert non_drafter_flag(value) is None
+
+
+# -- every drafter's server of one journal --------------------------------------------------
+
+
+def keep_first_drafter(journal: Path) -> str:
+    """Cut a finished journal back to its first-started drafter's records (as if the run had
+    stopped before the second server); returns the other drafter's name."""
+    records = read_records(journal)
+    first = next(r["drafter"] for r in records if r["type"] == "server")
+    kept = [
+        r
+        for r in records
+        if r["type"] not in ("server", "cell")
+        or (r.get("drafter") or r.get("cell", {}).get("drafter")) == first
+    ]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    others = {r["drafter"] for r in records if r["type"] == "server"} - {first}
+    [other] = others
+    return other
+
+
+def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) -> None:
+    """One drafter measured on 0.5.9, the run cut; rerun where the servers report 0.5.23:
+    the other drafter's server is refused at start (its cells fail, nothing of it journalled),
+    and a journal that mixes them anyway gives no cube."""
+    path, marker = stub_campaign(tmp_path, version="0.5.9", drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": "0.5.23"}))
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(journal)
+    assert {r["version"] for r in records if r["type"] == "server"} == {"0.5.9"}
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert failed["status"] == "failed"
+    assert f"the {other!r} server differs from the" in failed["error"]
+    assert "engine version: 0.5.9 -> 0.5.23" in failed["error"] and "--fresh" in failed["error"]
+    assert running(marker) == []  # the refused server was stopped
+    # A journal mixing them (edited): no cube, in one line.
+    server = next(r for r in records if r["type"] == "server")
+    with journal.open("a") as f:
+        f.write(json.dumps({**server, "drafter": other, "version": "0.5.23"}) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert "were served differently (engine version: 0.5.9 -> 0.5.23)" in last_line(built)
+
+
+def test_a_server_resolving_other_engine_args_is_refused(tmp_path: Path) -> None:
+    """The server command is operational (it may change between runs): one that adds
+    --dtype float16 serves the second drafter with another dtype than the first's: refused."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    other = keep_first_drafter(out / "journal.jsonl")
+    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
+    path.write_text(replace_block(path.read_text(), command, command + ', "--dtype", "float16"'))
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(out / "journal.jsonl")
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert "dtype (dtype): None -> 'float16'" in failed["error"]
+    assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
+    assert running(marker) == []
+
+
+def test_args_sglang_adjusts_for_speculation_are_not_compared() -> None:
+    """max_running_requests, the overlap schedule, chunked prefill, memory fraction, CUDA-graph
+    sizes and the page size may differ between arms; the dtype may not."""
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    none = {**base, "args": {"dtype": "auto", "max_running_requests": None, "page_size": 1}}
+    spec = {
+        **base,
+        "args": {
+            "dtype": "auto",
+            "max_running_requests": 48,
+            "disable_overlap_schedule": True,
+            "chunked_prefill_size": 4096,
+            "mem_fraction_static": 0.7,
+            "cuda_graph_max_bs": 8,
+            "page_size": 16,
+            "speculative_algorithm": "EAGLE",
+        },
+    }
+    assert arm_changes(none, spec) == []
+    assert not set(spec["args"]) & set(ARM_ARGS) - {"dtype"}
+    assert arm_changes(none, {**spec, "args": {**spec["args"], "dtype": "float16"}}) == [
+        "dtype (dtype): 'auto' -> 'float16'"
+    ]
+
+
+# -- an attached server -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def attached(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A free port, and where to start a stub server on it (`serve`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, "tpot_s": 0.004}))
+    yield port, config
+
+
+def serve(port: int, config: Path, *argv: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(STUB), "--port", str(port), *argv],
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "algorithm", "refusal"),
+    [
+        ("some-other-model", None, "serves model 'some-other-model', not "),
+        (None, "NGRAM", "runs speculative algorithm 'NGRAM', not None as drafter 'none' asks"),
+    ],
+)
+def test_an_attached_server_must_serve_the_campaigns_model_and_drafter(
+    tmp_path: Path, attached: tuple[int, Path], model: str | None, algorithm: str | None, refusal
+) -> None:
+    port, config = attached
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+        **ONE_SETTING,
+    )
+    argv = ["--model-path", model or marker]
+    if algorithm:
+        argv += ["--speculative-algorithm", algorithm]
+    server = serve(port, config, *argv)
+    try:
+        result = sweep(path, tmp_path / "out")
+        assert result.exit_code == 5, result.output
+        records = read_records(tmp_path / "out" / "journal.jsonl")
+        cells = [r for r in records if r["type"] == "cell"]
+        assert [c["status"] for c in cells] == ["failed"]
+        [error] = cells[0]["error"].splitlines()
+        assert refusal in error and f"the server at http://127.0.0.1:{port}" in error
+        assert not [
+            r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "server"
+        ]
+        assert server.poll() is None  # not dvfs's to stop
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The same on two GPUs: the driver retires the worker whose server differs from the other
+    drafter's in the journal, journals nothing of it, and stops in one line."""
+    path, marker = stub_campaign(tmp_path, version="0.5.9", drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    args = ["sweep", str(path), "--gpus", "0-1", "--out", str(out), "--no-progress"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    before = journal.read_text()
+    config = tmp_path / "stub.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "version": "0.5.23"}))
+    refused = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert refused.exit_code == 1, refused.output
+    line = last_line(refused)
+    assert line.startswith(f"Error: the server of drafter {other!r} on ")
+    assert "engine version: 0.5.9 -> 0.5.23" in line and "--fresh" in line
+    kept = [r for r in read_records(journal) if r["type"] in ("server", "cell")]
+    assert kept == [
+        json.loads(x)
+        for x in before.splitlines()
+        if '"type": "server"' in x or '"type": "cell"' in x
+    ]
+    assert running(marker) == []
