@@ -33,7 +33,7 @@ def _stock_text(ds: xr.Dataset) -> str:
             for g in ds["gpu"].values
         ]
         return "each GPU's own: " + ", ".join(per_gpu) + how
-    return reference_setting(ds).describe() + how + "; power limit as found at start"
+    return reference_setting(ds).describe() + how + "; stock power limit as found at start"
 
 
 def quality_counts(ds: xr.Dataset) -> dict[str, int]:
