@@ -22,7 +22,14 @@ def test_headroom_json_document(small_sweep: Path, tmp_path: Path) -> None:
     doc = json.loads(result.output)
     assert doc == json.loads(saved.read_text())
     assert doc["schema"] == "dvfs.headroom/1"
-    assert doc["reference"] == {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True}
+    assert doc["reference"] == {
+        "sm_clock_mhz": 1980,
+        "power_limit_w": 700.0,
+        "is_stock": True,
+        "stock_sm_clock_mhz": 1980,
+        "stock_power_limit_w": 700.0,
+        "description": "stock (1980 MHz / 700 W)",
+    }
     assert "Student-t upper bound over 2 paired repeat" in doc["bound"]
     assert len(doc["rows"]) == 2 * 2 * 2  # batch x drafter x corpus
     for row in doc["rows"]:
@@ -55,7 +62,11 @@ def test_headroom_slo_and_filters(small_sweep: Path) -> None:
 
 def test_headroom_table_and_markdown(small_sweep: Path) -> None:
     table = run("headroom", str(small_sweep), "--vs-baseline").output
-    assert "DVFS headroom" in table and "eagle3" in table and "reference: 1980 MHz / 700 W" in table
+    assert (
+        "DVFS headroom" in table
+        and "eagle3" in table
+        and "reference: stock (1980 MHz / 700 W)" in table
+    )
     markdown = run("headroom", str(small_sweep), "--markdown", "--corpus", "code").output
     assert markdown.startswith("## DVFS headroom")
     assert "| batch | drafter | corpus |" in markdown

@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dvfs.analysis.headroom import (
+    gpu_set,
+    gpu_text,
     headroom,
+    measured_on,
     reference_per_gpu,
     reference_setting,
     valid_mask,
@@ -178,6 +181,7 @@ def compare(
         & np.isfinite(base_best_energy)
     )
 
+    on_text, different = arms_gpus(cube, baseline)
     accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
     data = {
         "energy_ratio_at_stock": at_stock.assign_attrs(
@@ -203,7 +207,9 @@ def compare(
         ),
         "energy_per_token_at_stock_j": energy.sel(
             sm_clock=ref.sm_clock, power_limit=ref.power_limit, drop=True
-        ).assign_attrs(units="J", long_name="energy per token at the stock setting"),
+        ).assign_attrs(units="J", long_name="energy per token at the reference setting"),
+        "measured_on": on_text,
+        "different_gpus": different,
     }
     if accept is not None:
         data["accept_length"] = accept.mean(
@@ -216,5 +222,48 @@ def compare(
         reference_sm_clock_mhz=ref.sm_clock,
         reference_power_limit_w=ref.power_limit,
         reference_is_stock=int(ref.is_stock),
+        stock_sm_clock_mhz=ref.stock_sm_clock if ref.stock_sm_clock is not None else ref.sm_clock,
+        stock_power_limit_w=(
+            ref.stock_power_limit if ref.stock_power_limit is not None else ref.power_limit
+        ),
     )
     return result
+
+
+def arms_gpus(cube: xr.Dataset, baseline: str) -> tuple[xr.DataArray, xr.DataArray]:
+    """Per (batch, drafter, corpus): the GPUs that measured the drafter's valid cells
+    (comma-joined), and whether they differ from those that measured the baseline's at the
+    same batch and corpus: then GPU-to-GPU spread is part of every ratio between the two."""
+    import xarray as xr
+
+    order = ("batch", "drafter", "corpus", "sm_clock", "power_limit", "repeat")
+    labels = measured_on(cube).transpose(*order).values
+    ok = valid_mask(cube).transpose(*order).values
+    drafters = [str(d) for d in cube["drafter"].values]
+    b = drafters.index(baseline)
+    shape = labels.shape[:3]
+    text = np.full(shape, "", dtype=object)
+    different = np.zeros(shape, dtype=bool)
+    for idx in np.ndindex(shape):
+        mine = gpu_set(labels[idx], ok[idx])
+        theirs = gpu_set(labels[idx[0], b, idx[2]], ok[idx[0], b, idx[2]])
+        text[idx] = gpu_text(mine)
+        different[idx] = bool(mine) and bool(theirs) and mine != theirs
+    coords = {d: cube[d].values for d in order[:3]}
+    return (
+        xr.DataArray(
+            text,
+            dims=order[:3],
+            coords=coords,
+            attrs={"units": "1", "long_name": "GPUs that measured the drafter's valid cells"},
+        ),
+        xr.DataArray(
+            different,
+            dims=order[:3],
+            coords=coords,
+            attrs={
+                "units": "1",
+                "long_name": "the drafter and the baseline were measured on different GPUs",
+            },
+        ),
+    )

@@ -35,10 +35,14 @@ import numpy as np
 
 from dvfs.analysis.bounds import finite_mean, meets, upper_bound
 from dvfs.analysis.targets import Target
+from dvfs.cube.schema import CELL_DIMS
 from dvfs.errors import AnalysisError
 
 if TYPE_CHECKING:
     import xarray as xr
+
+#: The per-cell GPU coordinate (dvfs.cube.build.MEASURED_ON; that module imports much more).
+MEASURED_ON = "measured_on"
 
 KNOBS = ("both", "sm_clock", "power_limit")
 GROUP_DIMS = ("batch", "drafter", "corpus")
@@ -54,11 +58,46 @@ BOUND_DESCRIPTION = (
 
 @dataclass(frozen=True)
 class Reference:
-    """The stock setting (or the closest the cube has: top clock, top power limit)."""
+    """The setting every analysis compares with: stock, or, where the grid lacks it, the
+    closest the cube has (its top clock and top power limit). `stock_*` are the GPU's stock
+    values, whether swept or not."""
 
     sm_clock: int
     power_limit: float
     is_stock: bool
+    stock_sm_clock: int | None = None
+    stock_power_limit: float | None = None
+
+    def describe(self) -> str:
+        """The one wording every command uses: "stock (1980 MHz / 700 W)", or "top of the
+        grid (1800 MHz / 700 W; stock 1980 MHz not swept)"."""
+        return describe_reference(
+            self.sm_clock,
+            self.power_limit,
+            self.is_stock,
+            self.stock_sm_clock,
+            self.stock_power_limit,
+        )
+
+
+def describe_reference(
+    sm_clock: int | None,
+    power_limit: float | None,
+    is_stock: bool,
+    stock_sm_clock: int | None = None,
+    stock_power_limit: float | None = None,
+) -> str:
+    """A reference setting in words (see `Reference.describe`); None where unknown."""
+    setting = f"{sm_clock} MHz / {power_limit:g} W" if power_limit is not None else "unknown"
+    if is_stock:
+        return f"stock ({setting})"
+    missing = []
+    if stock_sm_clock is not None and stock_sm_clock != sm_clock:
+        missing.append(f"{stock_sm_clock} MHz")
+    if stock_power_limit is not None and stock_power_limit != power_limit:
+        missing.append(f"{stock_power_limit:g} W")
+    not_swept = f"; stock {' / '.join(missing)} not swept" if missing else ""
+    return f"top of the grid ({setting}{not_swept})"
 
 
 def reference_setting(cube: xr.Dataset) -> Reference:
@@ -67,8 +106,36 @@ def reference_setting(cube: xr.Dataset) -> Reference:
     stock_clock = int(cube.attrs.get("stock_sm_clock_mhz", max(clocks)))
     stock_limit = float(cube.attrs.get("stock_power_limit_w", max(limits)))
     if stock_clock in clocks and stock_limit in limits:
-        return Reference(stock_clock, stock_limit, True)
-    return Reference(max(clocks), max(limits), False)
+        return Reference(stock_clock, stock_limit, True, stock_clock, stock_limit)
+    return Reference(max(clocks), max(limits), False, stock_clock, stock_limit)
+
+
+def measured_on(cube: xr.Dataset) -> xr.DataArray:
+    """Each cell's GPU UUIDs, comma-joined ("" where unknown: a cube from before the cube
+    recorded them, or a hand-built one)."""
+    import xarray as xr
+
+    if MEASURED_ON in cube.variables:
+        return cube[MEASURED_ON].astype(object)
+    shape = tuple(cube.sizes[d] for d in CELL_DIMS)
+    return xr.DataArray(
+        np.full(shape, "", dtype=object), dims=CELL_DIMS, coords={d: cube[d] for d in CELL_DIMS}
+    )
+
+
+def gpu_set(labels: np.ndarray, mask: np.ndarray) -> frozenset[str]:
+    """The GPUs named by `labels` (comma-joined UUIDs) where `mask` holds."""
+    return frozenset(
+        uuid
+        for label, keep in zip(np.ravel(labels), np.ravel(mask), strict=True)
+        if keep
+        for uuid in str(label).split(",")
+        if uuid and uuid != "nan"
+    )
+
+
+def gpu_text(gpus: Iterable[str]) -> str:
+    return ",".join(sorted(gpus))
 
 
 def valid_mask(cube: xr.Dataset) -> xr.DataArray:
@@ -127,6 +194,12 @@ def headroom(
     if target.mode == "vs-baseline":
         ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)
     stock_energy = cube["energy_per_token_j"].sel(at_ref).where(ref_ok)
+    ref_on = measured_on(cube).sel(at_ref)
+    if target.mode == "vs-baseline":
+        ref_on = ref_on.sel(drafter=target.baseline, drop=True)
+        ref_ok_for_on = ref_ok.sel(drafter=target.baseline, drop=True)
+    else:
+        ref_ok_for_on = ref_ok
     threshold = float(target.limit_ms) if target.mode == "slo" else 1.0 + target.slack  # type: ignore[arg-type]
     repeats_in_cube = int(cube.sizes.get("repeat", 1))
     min_repeats = min(2, repeats_in_cube)
@@ -138,9 +211,19 @@ def headroom(
     latency_v = latency.transpose(*order).values
     invalid_v = any_invalid.transpose(*order[:-1]).values
     ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
+    ref_on_v = ref_on.broadcast_like(stock_energy).transpose(*group_order).values
+    ref_ok_v = ref_ok_for_on.broadcast_like(stock_energy).transpose(*group_order).values
+    on_v = measured_on(sub).transpose(*order).values
+    ok_v = ok.transpose(*order).values
     stock_e = stock_energy.transpose(*group_order).values
     clocks = sub["sm_clock"].values.astype(int)
     limits = sub["power_limit"].values.astype(float)
+    # A knob with one value in the cube was never swept: its headroom is unknown, not 0. A
+    # knob the search may move (`free`) has its answer cut off by the grid when the lowest
+    # feasible value is the lowest value evaluated for the group.
+    clock_swept = int(cube.sizes["sm_clock"]) > 1
+    limit_swept = int(cube.sizes["power_limit"]) > 1
+    clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
     def statistic_bound(lat: np.ndarray, ref_lat: np.ndarray) -> tuple[float, int]:
@@ -185,6 +268,17 @@ def headroom(
     }
     feasible_any = np.zeros(group_shape, dtype=bool)
     n_feasible = np.zeros(group_shape, dtype=int)
+    edge = {
+        name: np.zeros(group_shape, dtype=bool)
+        for name in (
+            "headroom_mhz_is_lower_bound",
+            "headroom_w_is_lower_bound",
+            "chosen_at_grid_edge",
+        )
+    }
+    settings_on = np.full(group_shape, "", dtype=object)
+    reference_on = np.full(group_shape, "", dtype=object)
+    different_gpus = np.zeros(group_shape, dtype=bool)
     for idx in np.ndindex(group_shape):
         stock_here = finite_mean(stock_e[idx])
         out["stock_energy_per_token_j"][idx] = stock_here
@@ -195,6 +289,7 @@ def headroom(
             b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
             out["baseline_energy_per_token_j"][idx] = finite_mean(stock_e[b_idx])
         feasible = []
+        evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
                 if invalid_v[idx + (ci, pi)]:
@@ -202,6 +297,8 @@ def headroom(
                 e = energy_v[idx + (ci, pi)]
                 lat = latency_v[idx + (ci, pi)]
                 bound, n = statistic_bound(lat, ref_lat_v[idx])
+                if not math.isnan(bound):
+                    evaluated.append((int(clock), float(limit)))
                 if not meets(bound, threshold, strict=target.strict):
                     continue
                 feasible.append(
@@ -212,6 +309,8 @@ def headroom(
                         finite_mean(lat),
                         bound,
                         n,
+                        ci,
+                        pi,
                     )
                 )
         n_feasible[idx] = len(feasible)
@@ -219,9 +318,31 @@ def headroom(
             continue
         least = min(f[0] for f in feasible)
         ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
-        mean_e, clock, limit, mean_lat, bound, n = max(ties, key=lambda f: (f[1], f[2]))
+        mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = max(ties, key=lambda f: (f[1], f[2]))
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
+        # Cut off by the grid: nothing below the lowest feasible value was evaluated, so the
+        # true answer may lie lower (extend the grid downward to find it).
+        bottom_clock = min(c for c, _ in evaluated)
+        bottom_limit = min(p for _, p in evaluated)
+        edge["headroom_mhz_is_lower_bound"][idx] = clock_free and lowest_clock <= bottom_clock
+        edge["headroom_w_is_lower_bound"][idx] = limit_free and lowest_limit <= bottom_limit
+        edge["chosen_at_grid_edge"][idx] = (clock_free and clock <= bottom_clock) or (
+            limit_free and limit <= bottom_limit
+        )
+        # The GPUs behind the two answers (chosen and lowest feasible) and behind the
+        # reference they are judged against; an absolute SLO has no reference to pair with.
+        answers = [f for f in feasible if (f[6], f[7]) == (c_i, p_i) or f[1] == lowest_clock]
+        answers += [f for f in feasible if f[2] == lowest_limit]
+        mine = frozenset().union(
+            *(gpu_set(on_v[idx + (f[6], f[7])], ok_v[idx + (f[6], f[7])]) for f in answers)
+        )
+        theirs = gpu_set(ref_on_v[idx], ref_ok_v[idx])
+        settings_on[idx] = gpu_text(mine)
+        reference_on[idx] = gpu_text(theirs)
+        different_gpus[idx] = (
+            target.mode != "slo" and bool(mine) and bool(theirs) and (mine != theirs)
+        )
         feasible_any[idx] = True
         out["chosen_sm_clock"][idx] = clock
         out["chosen_power_limit"][idx] = limit
@@ -234,10 +355,12 @@ def headroom(
         out["saving_vs_baseline"][idx] = 1 - mean_e / base if base > 0 else math.nan
         out["lowest_feasible_sm_clock"][idx] = lowest_clock
         out["lowest_feasible_power_limit"][idx] = lowest_limit
-        out["headroom_mhz"][idx] = ref.sm_clock - lowest_clock
-        out["headroom_w"][idx] = ref.power_limit - lowest_limit
-        out["chosen_headroom_mhz"][idx] = ref.sm_clock - clock
-        out["chosen_headroom_w"][idx] = ref.power_limit - limit
+        if clock_swept:
+            out["headroom_mhz"][idx] = ref.sm_clock - lowest_clock
+            out["chosen_headroom_mhz"][idx] = ref.sm_clock - clock
+        if limit_swept:
+            out["headroom_w"][idx] = ref.power_limit - lowest_limit
+            out["chosen_headroom_w"][idx] = ref.power_limit - limit
 
     extra_dims: list[str] = []
     coords = {d: cube[d].values for d in (*extra_dims, *GROUP_DIMS)}
@@ -256,8 +379,16 @@ def headroom(
         "latency_bound": ("1", "upper bound of the feasibility statistic at the chosen setting"),
         "lowest_feasible_sm_clock": ("MHz", "lowest SM clock meeting the target"),
         "lowest_feasible_power_limit": ("W", "lowest power limit meeting the target"),
-        "headroom_mhz": ("MHz", "SM-clock headroom: stock clock minus the lowest feasible clock"),
-        "headroom_w": ("W", "power headroom: stock limit minus the lowest feasible limit"),
+        "headroom_mhz": (
+            "MHz",
+            "SM-clock headroom: reference clock minus the lowest feasible clock (NaN: the cube "
+            "has one clock; see headroom_mhz_is_lower_bound)",
+        ),
+        "headroom_w": (
+            "W",
+            "power headroom: reference limit minus the lowest feasible limit (NaN: the cube "
+            "has one power limit; see headroom_w_is_lower_bound)",
+        ),
         "chosen_headroom_mhz": ("MHz", "stock clock minus the chosen clock"),
         "chosen_headroom_w": ("W", "stock power limit minus the chosen limit"),
         "repeats": ("1", "repeats behind the chosen setting's bound"),
@@ -276,10 +407,52 @@ def headroom(
         n_feasible,
         {"units": "1", "long_name": "settings meeting the target"},
     )
+    edge_names = {
+        "headroom_mhz_is_lower_bound": "the lowest clock evaluated meets the target: the "
+        "clock headroom is at least headroom_mhz (the grid cuts it off)",
+        "headroom_w_is_lower_bound": "the lowest power limit evaluated meets the target: the "
+        "power headroom is at least headroom_w (the grid cuts it off)",
+        "chosen_at_grid_edge": "the chosen setting is at the lowest clock or power limit "
+        "evaluated: a setting below the grid might save more energy",
+    }
+    for name, text in edge_names.items():
+        data_vars[name] = (dims, edge[name], {"units": "1", "long_name": text})
+    data_vars["different_gpus"] = (
+        dims,
+        different_gpus,
+        {
+            "units": "1",
+            "long_name": "the chosen or lowest feasible setting and its reference were measured "
+            "on different GPUs (GPU-to-GPU spread is in the ratio)",
+        },
+    )
+    # The GPUs behind each answer are coordinates, as the cube's measured_on is: labels, not
+    # measurements.
+    gpu_coords = {
+        "measured_on": (
+            dims,
+            settings_on,
+            {
+                "units": "1",
+                "long_name": "GPUs that measured the chosen and lowest feasible settings",
+            },
+        ),
+        "reference_measured_on": (
+            dims,
+            reference_on,
+            {
+                "units": "1",
+                "long_name": "GPUs that measured the reference the target is relative to",
+            },
+        ),
+    }
     repeats = repeats_in_cube
-    result = xr.Dataset(data_vars, coords=coords)
+    result = xr.Dataset(data_vars, coords=coords).assign_coords(gpu_coords)
+    described = target.describe()
+    if not ref.is_stock:  # the target is relative to the reference, which is not stock here
+        described = described.replace(" stock ", " top-of-grid ")
     result.attrs.update(
-        target=target.describe(),
+        target=described,
         target_mode=target.mode,
         metric=target.metric,
         quantile=target.quantile,
@@ -296,6 +469,12 @@ def headroom(
         reference_sm_clock_mhz=ref.sm_clock,
         reference_power_limit_w=ref.power_limit,
         reference_is_stock=int(ref.is_stock),
+        stock_sm_clock_mhz=ref.stock_sm_clock if ref.stock_sm_clock is not None else ref.sm_clock,
+        stock_power_limit_w=(
+            ref.stock_power_limit if ref.stock_power_limit is not None else ref.power_limit
+        ),
+        sm_clock_swept=int(clock_swept),
+        power_limit_swept=int(limit_swept),
         baseline=target.baseline,
     )
     if target.mode == "slo":
@@ -322,10 +501,20 @@ def reference_per_gpu(gpus: Iterable[object], parts: Iterable[xr.Dataset]) -> st
                 "sm_clock_mhz": int(part.attrs["reference_sm_clock_mhz"]),
                 "power_limit_w": float(part.attrs["reference_power_limit_w"]),
                 "is_stock": bool(part.attrs.get("reference_is_stock", 1)),
+                "stock_sm_clock_mhz": _maybe_int(part.attrs.get("stock_sm_clock_mhz")),
+                "stock_power_limit_w": _maybe_float(part.attrs.get("stock_power_limit_w")),
             }
             for gpu, part in zip(gpus, parts, strict=True)
         }
     )
+
+
+def _maybe_int(value: object) -> int | None:
+    return None if value is None else int(float(value))  # type: ignore[arg-type]
+
+
+def _maybe_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:

@@ -43,6 +43,20 @@ def check_document(doc: Any) -> None:
         )
 
 
+#: What a plan says when its setting is the lowest the grid swept (its meta `grid_edge`).
+GRID_EDGE_NOTE = (
+    "the chosen setting is the lowest the campaign swept: a lower cap might save more energy "
+    "and still meet the target; extend the grid downward, sweep and plan again"
+)
+
+
+def at_grid_edge(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether a cap taken from these rows (the least aggressive of their chosen settings) sits
+    at the bottom of the grid: every row's chosen setting is at the grid's edge. Documents
+    older than the flag never are."""
+    return bool(rows) and all(r.get("chosen_at_grid_edge") is True for r in rows)
+
+
 def plan_caps(
     doc: dict[str, Any],
     *,
@@ -98,7 +112,9 @@ def plan_caps(
         )
         per_gpu = {None: rows}
     caps = []
+    edge = False
     for gpu_uuid, group in per_gpu.items():
+        edge = edge or at_grid_edge(group)
         ref = _reference_for(doc["reference"], gpu_uuid)
         infeasible = [r["corpus"] for r in group if not r["feasible"]]
         if infeasible:
@@ -137,6 +153,7 @@ def plan_caps(
         "batch": batch,
         "drafter": drafter,
         "corpus": corpus,
+        "grid_edge": GRID_EDGE_NOTE if edge else None,
     }
     return CapsFile(tuple(caps), meta)
 
@@ -185,9 +202,13 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
                 f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
             )
     steps = []
+    edge_batches = []
     for batch in sorted({int(r["batch"]) for r in rows}):
         group = [r for r in rows if int(r["batch"]) == batch]
-        steps.append(_batch_step(doc, batch, group))
+        step = _batch_step(doc, batch, group)
+        steps.append(step)
+        if not step.setting.is_stock and at_grid_edge(group):
+            edge_batches.append(str(batch))
     measured_on = str(doc["gpu"].get("name") or "unknown GPU")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
     if simulated and not is_twin_name(measured_on):
@@ -201,6 +222,9 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         "drafter": drafter,
         "corpus": corpus,
         "knob": doc.get("knob"),
+        "grid_edge": (
+            f"batch {', '.join(edge_batches)}: {GRID_EDGE_NOTE}" if edge_batches else None
+        ),
     }
     try:
         return BatchPlan(tuple(steps), measured_on, drafter, meta)

@@ -240,6 +240,7 @@ def headroom(
     from dvfs.report import (
         headroom_document,
         headroom_markdown,
+        headroom_notes,
         headroom_table_rows,
         reference_text,
     )
@@ -269,10 +270,11 @@ def headroom(
         ref = doc["reference"]
         print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
         _print_line(
-            f"reference: {escape(reference_text(ref))}"
-            + ("" if ref["is_stock"] else " (not the stock setting: top of the grid)")
-            + f"; knob: {doc['knob']}; feasibility: {escape(doc['bound'])}"
+            f"reference: {escape(reference_text(ref))}; knob: {doc['knob']}; "
+            f"feasibility: {escape(doc['bound'])}"
         )
+        for note in headroom_notes(doc):
+            _print_line(escape(note))
         if output is not None:
             _print_line(f"wrote {escape(str(output))}")
 
@@ -311,7 +313,7 @@ def compare(
     from dvfs.analysis.targets import QUANTILE_NAMES
     from dvfs.cube import open_analysable
     from dvfs.errors import AnalysisError
-    from dvfs.report import compare_document, compare_markdown, compare_tables
+    from dvfs.report import compare_document, compare_markdown, compare_notes, compare_tables
 
     _one_output_format(as_json, markdown)
     measured = None
@@ -351,6 +353,8 @@ def compare(
     else:
         for title, header, rows in compare_tables(doc):
             print_table(title, header, rows)
+        for note in compare_notes(doc):
+            _print_line(escape(note))
 
 
 @click.command()

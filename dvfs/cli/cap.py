@@ -101,6 +101,8 @@ def plan(
             f"({escape(str(caps.meta.get('measured_on')))}), not from measurements of real "
             "GPUs; `dvfs cap apply` refuses them unless given --allow-simulated.[/yellow]"
         )
+    if caps.meta.get("grid_edge"):
+        err.print(f"[yellow]Note: {escape(str(caps.meta['grid_edge']))}.[/yellow]")
     if out_path is None:
         click.echo(text, nl=False)
         return
@@ -126,6 +128,8 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
         )
     for step in plan.steps:
         err.print(f"batch {step.batch}: {escape(step.setting.describe())}")
+    if plan.meta.get("grid_edge"):
+        err.print(f"[yellow]Note: {escape(str(plan.meta['grid_edge']))}.[/yellow]")
     err.print(
         f"between two planned batches: the less aggressive of the two; above "
         f"{plan.steps[-1].batch}: stock (not measured)"

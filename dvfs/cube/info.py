@@ -17,16 +17,23 @@ if TYPE_CHECKING:
 
 
 def _stock_text(ds: xr.Dataset) -> str:
-    """The reference setting in words: unlocked only when the campaign left the clock stock."""
+    """The reference setting in the words every analysis uses (`Reference.describe`), and
+    whether the campaign left the SM clock unlocked; each GPU's own in a merged cube."""
+    from dvfs.analysis.headroom import reference_setting, single_gpu
+
     try:
         facts = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}")))
         unlocked = facts.grid.sm_clocks_mhz is None
     except (KeyError, ValueError, TypeError, AttributeError):
         unlocked = False
-    clock = ds.attrs.get("stock_sm_clock_mhz")
-    limit = ds.attrs.get("stock_power_limit_w")
-    how = "SM clock unlocked, shown at" if unlocked else "top SM clock of the grid,"
-    return f"{how} {clock} MHz; power limit {limit} W as found at start"
+    how = "; SM clock left unlocked" if unlocked else ""
+    if "gpu" in ds.dims:
+        per_gpu = [
+            f"{str(g)[:12]} {reference_setting(single_gpu(ds, g)).describe()}"
+            for g in ds["gpu"].values
+        ]
+        return "each GPU's own: " + ", ".join(per_gpu) + how
+    return reference_setting(ds).describe() + how + "; stock power limit as found at start"
 
 
 def quality_counts(ds: xr.Dataset) -> dict[str, int]:

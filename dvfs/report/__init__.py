@@ -11,12 +11,14 @@ from dvfs.report.compare import (
     COMPARE_SCHEMA,
     compare_document,
     compare_markdown,
+    compare_notes,
     compare_tables,
 )
 from dvfs.report.headroom import (
     HEADROOM_SCHEMA,
     headroom_document,
     headroom_markdown,
+    headroom_notes,
     headroom_table_rows,
 )
 
@@ -25,9 +27,11 @@ __all__ = [
     "HEADROOM_SCHEMA",
     "compare_document",
     "compare_markdown",
+    "compare_notes",
     "compare_tables",
     "headroom_document",
     "headroom_markdown",
+    "headroom_notes",
     "headroom_table_rows",
     "json_safe",
     "markdown_table",

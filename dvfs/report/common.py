@@ -64,27 +64,78 @@ def group_dims(ds: xr.Dataset) -> list[str]:
 
 
 def reference_setting(attrs: dict[Any, Any]) -> dict[str, Any]:
-    """The reference (stock) setting. A merged cube also has `per_gpu`, each GPU's own; where
-    they differ the single values are null, since no one setting is every GPU's stock."""
+    """The reference setting: stock, or the top of the grid where the grid lacks stock
+    (`is_stock` false; `stock_*` give the stock values, `description` says it in words). A
+    merged cube also has `per_gpu`, each GPU's own; where they differ the single values are
+    null, since no one setting is every GPU's stock."""
     per_gpu = json.loads(attrs["reference_per_gpu"]) if "reference_per_gpu" in attrs else None
     all_stock = all(v["is_stock"] for v in per_gpu.values()) if per_gpu else True
     ref: dict[str, Any] = {
         "sm_clock_mhz": as_int(attrs.get("reference_sm_clock_mhz")),
         "power_limit_w": as_float(attrs.get("reference_power_limit_w")),
         "is_stock": bool(attrs.get("reference_is_stock", all_stock)),
+        "stock_sm_clock_mhz": as_int(attrs.get("stock_sm_clock_mhz")),
+        "stock_power_limit_w": as_float(attrs.get("stock_power_limit_w")),
     }
     if per_gpu:
         ref["per_gpu"] = per_gpu
+    ref["description"] = reference_text(ref)
     return ref
 
 
+def _describe(ref: dict[str, Any]) -> str:
+    from dvfs.analysis.headroom import describe_reference
+
+    return describe_reference(
+        ref["sm_clock_mhz"],
+        ref["power_limit_w"],
+        bool(ref["is_stock"]),
+        ref.get("stock_sm_clock_mhz"),
+        ref.get("stock_power_limit_w"),
+    )
+
+
 def reference_text(ref: dict[str, Any]) -> str:
-    """ "1980 MHz / 700 W", or each GPU's own where a merged cube's GPUs differ."""
-
-    def one(r: dict[str, Any]) -> str:
-        return f"{r['sm_clock_mhz']} MHz / {r['power_limit_w']:g} W"
-
+    """The reference in the words every command uses: "stock (1980 MHz / 700 W)", "top of the
+    grid (1800 MHz / 700 W; stock 1980 MHz not swept)", or each GPU's own where a merged
+    cube's GPUs differ."""
     if ref["sm_clock_mhz"] is not None and ref["power_limit_w"] is not None:
-        return one(ref)
+        return _describe(ref)
     per_gpu = ref.get("per_gpu") or {}
-    return "each GPU's own: " + ", ".join(f"{g[:12]} {one(r)}" for g, r in per_gpu.items())
+    return "each GPU's own: " + ", ".join(f"{g[:12]} {_describe(r)}" for g, r in per_gpu.items())
+
+
+def reference_label(ref: dict[str, Any]) -> str:
+    """A column's short name for the reference: "stock", or "ref." where it is not stock."""
+    per_gpu = ref.get("per_gpu") or {}
+    stock = ref["is_stock"] and all(r.get("is_stock", True) for r in per_gpu.values())
+    return "stock" if stock else "ref."
+
+
+def gpus_of(r: xr.Dataset, name: str) -> list[str]:
+    """A comma-joined GPU variable as a list (empty where absent or unknown)."""
+    if name not in r:
+        return []
+    value = r[name].item()
+    return [g for g in str(value).split(",") if g and g != "nan"] if isinstance(value, str) else []
+
+
+def short_gpus(gpus: list[str]) -> str:
+    """UUIDs cut to "GPU-34d07aa5" (the first 8 hex digits tell a node's GPUs apart)."""
+    return ", ".join(g[:12] for g in gpus) or "unknown"
+
+
+#: Rows named in a note; more are counted.
+MAX_NAMED_ROWS = 4
+
+
+def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
+    """ "batch 1 eagle3 on code: A vs B; ..." for the first few rows, the rest counted."""
+
+    def where(r: dict[str, Any]) -> str:
+        gpu = f"GPU {r['gpu'][:12]}, " if r.get("gpu") else ""
+        return f"{gpu}batch {r['batch']} {r['drafter']} on {r['corpus']}"
+
+    shown = [f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]]
+    more = len(rows) - MAX_NAMED_ROWS
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")

@@ -10,7 +10,10 @@ from dvfs.report.common import (
     as_int,
     fmt,
     markdown_table,
+    named_rows,
     reference_setting,
+    reference_text,
+    short_gpus,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +49,11 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
                 "energy_ratio_at_stock": as_float(cmp["energy_ratio_at_stock"].sel(at)),
                 "energy_ratio_equal_latency": as_float(cmp["energy_ratio_equal_latency"].sel(at)),
                 "energy_per_token_at_stock_j": as_float(cmp["energy_per_token_at_stock_j"].sel(at)),
+                "measured_on": _gpus(cmp, at),
+                "baseline_measured_on": _gpus(cmp, {**at, "drafter": baseline}),
+                "different_gpus": bool(cmp["different_gpus"].sel(at))
+                if "different_gpus" in cmp
+                else False,
             }
         )
     break_even = []
@@ -115,6 +123,32 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
     return doc
 
 
+def _gpus(ds: xr.Dataset, at: dict[str, Any]) -> list[str]:
+    if "measured_on" not in ds:
+        return []
+    value = ds["measured_on"].sel(at).item()
+    return [g for g in value.split(",") if g] if isinstance(value, str) else []
+
+
+def compare_notes(doc: dict[str, Any]) -> list[str]:
+    """The lines under the tables: the reference (what "equal clock" and the break-even batch
+    are at), and rows whose two arms were measured on different GPUs."""
+    notes = [f"equal clock: both at the reference, {reference_text(doc['reference'])}"]
+    mixed = [r for r in doc["rows"] if r.get("different_gpus")]
+    if mixed:
+        named = named_rows(
+            mixed,
+            lambda r: f"{short_gpus(r['measured_on'])} vs {short_gpus(r['baseline_measured_on'])}",
+        )
+        notes.append(
+            f"different GPUs: in {len(mixed)} of {len(doc['rows'])} rows the drafter and "
+            f"{doc['baseline']!r} were measured on different GPUs ({named}); GPU-to-GPU spread "
+            "is part of those ratios and of where each drafter saves: measure both arms on "
+            "one GPU to remove it"
+        )
+    return notes
+
+
 def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
     """A text variable's value at a point; "no data" where it is absent (merged cubes)."""
     if name not in ds:
@@ -147,7 +181,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
             "batch",
             "drafter",
             "corpus",
-            "at stock clock",
+            "at stock clock" if doc["reference"]["is_stock"] else "at reference clock",
             f"at equal latency ({doc['latency']})",
         ],
         [
@@ -225,4 +259,5 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     ]
     for title, header, rows in compare_tables(doc):
         parts += [f"### {title}", "", markdown_table(header, rows), ""]
+    parts += [*(f"- {n}" for n in compare_notes(doc)), ""]
     return "\n".join(parts)

@@ -168,21 +168,20 @@ def confidence_statement(room: dict[str, Any]) -> Paragraph:
 
 def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
     from dvfs.report.common import reference_text
-    from dvfs.report.headroom import headroom_table_rows
+    from dvfs.report.headroom import headroom_notes, headroom_table_rows
 
     header, rows = headroom_table_rows(room)
     ref = room["reference"]
-    stock = "" if ref["is_stock"] else " (the stock setting is not in the cube: top of the grid)"
     return Section(
         "Headroom",
         "headroom",
         (
             Paragraph(
-                f"Target: {room['target']['description']}. Knob: {room['knob']}. Reference "
-                f"(stock): {reference_text(ref)}{stock}. Headroom is stock minus the lowest "
-                "setting that meets the target; the chosen setting is the one that meets it "
-                "with the least energy per token, and the saving is against the drafter's own "
-                "stock energy."
+                f"Target: {room['target']['description']}. Knob: {room['knob']}. Reference: "
+                f"{reference_text(ref)}. Headroom is the reference minus the lowest setting "
+                "that meets the target; the chosen setting is the one that meets it with the "
+                "least energy per token, and the saving is against the drafter's own energy "
+                "at the reference."
             ),
             confidence_statement(room),
             Table(
@@ -190,12 +189,18 @@ def _headroom_section(room: dict[str, Any], options: ReportOptions) -> Section:
                 tuple(header),
                 tuple(tuple(r) for r in rows),
             ),
+            *(Paragraph(_capital(n), tone="warning") for n in headroom_notes(room)),
         ),
     )
 
 
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
 def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Section:
-    from dvfs.report.compare import compare_tables
+    from dvfs.report.common import reference_text
+    from dvfs.report.compare import compare_notes, compare_tables
 
     blocks: list[Any] = [Paragraph(n, tone="note") for n in notes]
     if comparison is not None:
@@ -203,14 +208,18 @@ def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Sec
             0,
             Paragraph(
                 f"Each drafter's energy per token relative to {comparison['baseline']!r}: at "
-                "equal clock (both at stock) and at equal latency (each at its least-energy "
-                f"setting within the baseline's stock {comparison['latency']}). Below 1 saves."
+                "equal clock (both at the reference, "
+                f"{reference_text(comparison['reference'])}) and at equal latency (each at "
+                "its least-energy setting within the baseline's "
+                f"{comparison['latency']} at the reference). Below 1 saves."
             ),
         )
         blocks += [
             Table(title, tuple(header), tuple(tuple(r) for r in rows))
             for title, header, rows in compare_tables(comparison)
         ]
+        # The first note restates the reference, said above; the rest are warnings.
+        blocks += [Paragraph(_capital(n), tone="warning") for n in compare_notes(comparison)[1:]]
     return Section("Speculation vs no speculation", "speculation-vs-no-speculation", tuple(blocks))
 
 
@@ -263,16 +272,22 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
         why = f"no cap: nothing meets the target on {', '.join(infeasible)}"
         return [(*lead, label, "stock", "stock", why)]
     try:
-        caps = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case").caps
+        planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:
         why = "stock: nothing to cap" if "nothing to cap" in str(exc) else f"no cap: {exc}"
         return [(*lead, label, "stock", "stock", why)]
     rows: list[tuple[str, ...]] = []
-    for cap in caps:
+    # A cap at the lowest setting swept is where the grid stopped, not an optimum.
+    decision = (
+        "cap (lowest swept: a lower one might save more)"
+        if planned.meta.get("grid_edge")
+        else "cap"
+    )
+    for cap in planned.caps:
         clock = "stock" if cap.sm_clock_max_mhz is None else f"{cap.sm_clock_max_mhz} MHz"
         limit = "stock" if cap.power_limit_w is None else f"{cap.power_limit_w:g} W"
         who = cap.uuid[:16] if cap.uuid else f"every {cap.name}"
-        rows.append((*lead, who, clock, limit, "cap"))
+        rows.append((*lead, who, clock, limit, decision))
     return rows
 
 

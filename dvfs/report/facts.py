@@ -59,7 +59,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
         ("Repeats", str(info["dims"].get("repeat", 1))),
-        ("Reference (stock)", info["stock"]),
+        ("Reference", info["stock"]),
         ("Idle power", MISSING if idle != idle else f"{idle:g} W"),
         ("Cube built", _text(info["created"]) + sessions),
         ("History", _text(a.get("history"))),

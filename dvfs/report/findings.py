@@ -41,6 +41,14 @@ def _named(items: list[str]) -> str:
     return "; ".join(items[:MAX_NAMED]) + (f"; and {more} more" if more > 0 else "")
 
 
+def _at(ref: dict[str, Any]) -> str:
+    """Where the reference is, in a sentence: "stock", or "the top of the grid" (the grid
+    lacks stock; the headroom section says which setting that is)."""
+    per_gpu = ref.get("per_gpu") or {}
+    stock = ref["is_stock"] and all(r.get("is_stock", True) for r in per_gpu.values())
+    return "stock" if stock else "the top of the grid"
+
+
 def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
     rows = room["rows"]
     saving = [r for r in rows if r["feasible"] and (r["saving"] or 0) > 0]
@@ -64,7 +72,8 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             + "."
         )
     headline = (
-        f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below stock "
+        f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below "
+        f"{_at(room['reference'])} "
         f"while meeting {room['target']['description']}."
     )
     return Finding(headline, tuple(details), figures)
@@ -72,20 +81,22 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
 
 def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding:
     rows = [r for r in room["rows"] if r["stock_energy_per_token_j"] is not None]
+    at = _at(room["reference"])
     if not rows:
-        return Finding("No stock cell was measured: no stock energy to report.", (), figures)
+        return Finding(f"No cell at {at} was measured: no energy there to report.", (), figures)
     low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
     high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
     return Finding(
-        f"At stock, energy per token ranges from {low['stock_energy_per_token_j']:.4g} J "
+        f"At {at}, energy per token ranges from {low['stock_energy_per_token_j']:.4g} J "
         f"({_where(low)}) to {high['stock_energy_per_token_j']:.4g} J ({_where(high)}).",
-        _batch_trend(rows),
+        _batch_trend(rows, at),
         figures,
     )
 
 
-def _batch_trend(rows: list[dict[str, Any]]) -> tuple[str, ...]:
-    """Whether stock energy per token falls from the smallest to the largest batch."""
+def _batch_trend(rows: list[dict[str, Any]], at: str) -> tuple[str, ...]:
+    """Whether energy per token at the reference falls from the smallest to the largest
+    batch."""
     groups: dict[tuple[Any, ...], dict[int, float]] = {}
     for r in rows:
         key = (r.get("gpu"), r["drafter"], r["corpus"])
@@ -96,7 +107,7 @@ def _batch_trend(rows: list[dict[str, Any]]) -> tuple[str, ...]:
     lo, hi = min(min(g) for g in pairs), max(max(g) for g in pairs)
     falls = sum(1 for g in pairs if g[max(g)] < g[min(g)])
     return (
-        f"From the smallest to the largest batch measured, stock energy per token falls for "
+        f"From the smallest to the largest batch measured, energy per token at {at} falls for "
         f"{falls} of {len(pairs)} (drafter, corpus) pairs (batches {lo} to {hi}).",
     )
 
@@ -113,6 +124,12 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"{a['drafter']} on {a['corpus']}: {a['accept_length']:.2f} tokens accepted per "
             "verify pass."
         )
+    mixed = [r for r in comparison["rows"] if r.get("different_gpus")]
+    if mixed:
+        details.append(
+            f"In {len(mixed)} of {len(comparison['rows'])} rows the drafter and {base!r} were "
+            "measured on different GPUs: GPU-to-GPU spread is part of those ratios."
+        )
     ratios = [r for r in comparison["rows"] if r["energy_ratio_equal_latency"] is not None]
     if ratios:
         best = min(ratios, key=lambda r: r["energy_ratio_equal_latency"])
@@ -122,7 +139,8 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"({_where(best)})."
         )
     else:
-        headline = f"No drafter meets {base!r}'s stock latency at any measured setting."
+        at = _at(comparison["reference"])
+        headline = f"No drafter meets {base!r}'s latency at {at} at any measured setting."
     return Finding(headline, tuple(details), figures)
 
 

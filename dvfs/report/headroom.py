@@ -11,10 +11,14 @@ from dvfs.report.common import (
     as_float,
     as_int,
     fmt,
+    gpus_of,
     group_dims,
     markdown_table,
+    named_rows,
+    reference_label,
     reference_setting,
     reference_text,
+    short_gpus,
 )
 
 if TYPE_CHECKING:
@@ -56,7 +60,14 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             target_ms=as_float(r["target_ms"]),
             latency_bound=as_float(r["latency_bound"]),
             repeats=as_int(r["repeats"]),
+            headroom_mhz_is_lower_bound=_flag(r, "headroom_mhz_is_lower_bound"),
+            headroom_w_is_lower_bound=_flag(r, "headroom_w_is_lower_bound"),
+            chosen_at_grid_edge=_flag(r, "chosen_at_grid_edge"),
+            measured_on=gpus_of(r, "measured_on"),
+            reference_measured_on=gpus_of(r, "reference_measured_on"),
+            different_gpus=_flag(r, "different_gpus"),
         )
+        row["at_grid_edge"] = row["headroom_mhz_is_lower_bound"] or row["headroom_w_is_lower_bound"]
         rows.append(row)
     a = result.attrs
     return {
@@ -83,8 +94,65 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         "confidence": a["confidence"],
         "bound": a["bound"],
         "reference": reference_setting(a),
+        "swept": {
+            "sm_clock": bool(cube.sizes.get("sm_clock", 1) > 1),
+            "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
+        },
         "rows": rows,
     }
+
+
+def _flag(r: xr.Dataset, name: str) -> bool:
+    return bool(r[name]) if name in r else False
+
+
+def _knob_cell(value: float | None, lower_bound: bool, spec: str) -> str:
+    if value is None:
+        return "not swept"
+    return ("≥" if lower_bound else "") + format(value, spec)
+
+
+def headroom_notes(doc: dict[str, Any]) -> list[str]:
+    """The lines that qualify the table: an answer cut off by the grid, a knob never swept,
+    a setting measured on another GPU than its reference. Empty when nothing needs saying."""
+    rows = [r for r in doc["rows"] if r["feasible"]]
+    notes = []
+    clock_edge = any(r["headroom_mhz_is_lower_bound"] for r in rows)
+    limit_edge = any(r["headroom_w_is_lower_bound"] for r in rows)
+    if clock_edge or limit_edge:
+        knobs = " and ".join(
+            k
+            for k, edge in (("knobs.sm_clock", clock_edge), ("knobs.power_limit", limit_edge))
+            if edge
+        )
+        notes.append(
+            "≥: the lowest setting swept still meets the target, so the headroom is at least "
+            "this (the grid cuts it off) and a lower setting might save more than the chosen "
+            f"one; extend {knobs} downward to find where it stops"
+        )
+    swept = doc.get("swept", {})
+    unswept = [
+        name
+        for key, name in (("sm_clock", "SM clock"), ("power_limit", "power limit"))
+        if swept.get(key) is False
+    ]
+    if unswept and rows:
+        notes.append(
+            f"not swept: the cube has one {' and one '.join(unswept)}, so that headroom is "
+            "unknown, not 0"
+        )
+    mixed = [r for r in rows if r.get("different_gpus")]
+    if mixed:
+        named = named_rows(
+            mixed,
+            lambda r: f"{short_gpus(r['measured_on'])} vs {short_gpus(r['reference_measured_on'])}",
+        )
+        notes.append(
+            f"different GPUs: {len(mixed)} of {len(rows)} rows were measured on another GPU "
+            f"than their reference ({named}); GPU-to-GPU spread is part of those latency and "
+            "energy ratios: measure both on one GPU to remove it"
+        )
+    return notes
 
 
 def headroom_table_rows(
@@ -102,7 +170,7 @@ def headroom_table_rows(
         "corpus",
         "chosen MHz/W",
         "headroom MHz/W",
-        "J/tok stock",
+        f"J/tok {reference_label(doc['reference'])}",
         "J/tok chosen",
         "saving",
         "latency ms",
@@ -124,7 +192,11 @@ def headroom_table_rows(
             ]
         else:
             chosen = f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}"
-            headroom = f"{r['headroom_mhz']}/{r['headroom_w']:g}"
+            headroom = (
+                _knob_cell(r["headroom_mhz"], r.get("headroom_mhz_is_lower_bound", False), "d")
+                + "/"
+                + _knob_cell(r["headroom_w"], r.get("headroom_w_is_lower_bound", False), "g")
+            )
             saving = None if r["saving"] is None else r["saving"] * 100
             cells = [
                 chosen,
@@ -147,16 +219,15 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
         f"## DVFS headroom: {doc['campaign']} ({doc['gpu']['name']})",
         "",
         f"- Target: {doc['target']['description']}",
-        f"- Knob: {doc['knob']}; reference {reference_text(ref)}"
-        + (
-            ""
-            if ref["is_stock"]
-            else " (the stock setting is not in the cube: top clock and limit)"
-        ),
+        f"- Knob: {doc['knob']}; reference: {reference_text(ref)}",
         f"- Feasibility: {doc['bound']}",
-        "- Headroom: stock minus the lowest feasible setting; chosen: the feasible setting with "
-        "the least energy per token (saving against the drafter's own stock energy)",
+        "- Headroom: the reference minus the lowest feasible setting; chosen: the feasible "
+        "setting with the least energy per token (saving against the drafter's own energy at "
+        "the reference)",
         "",
         markdown_table(header, rows),
     ]
+    notes = headroom_notes(doc)
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
     return "\n".join(lines) + "\n"
