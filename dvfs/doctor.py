@@ -53,6 +53,7 @@ def check_campaign(
     checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
     checks.append(_run("engine", lambda: _engine(campaign)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
+    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
@@ -183,6 +184,15 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
     if short:
         return FAIL, "; ".join(short)
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
+
+
+def _out_dir(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+    from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.sweep import check_out_dir
+
+    check_out_dir(campaign, out_dir)
+    resumes = (out_dir / JOURNAL_NAME).is_file()
+    return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 
 
 def _disk(out_dir: Path) -> tuple[str, str]:

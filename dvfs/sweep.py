@@ -36,7 +36,13 @@ from dvfs.fleet.shard import Shard
 from dvfs.fleet.shard_journal import recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
-from dvfs.measure.journal import JOURNAL_NAME, Journal, SyncPolicy, describe_os_error
+from dvfs.measure.journal import (
+    JOURNAL_NAME,
+    Journal,
+    SyncPolicy,
+    check_journal,
+    describe_os_error,
+)
 from dvfs.measure.plan import Cell, plan_cells
 from dvfs.measure.runner import Progress, Runner, RunSummary
 
@@ -104,12 +110,7 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise SweepBusyError(
-                f"{out_dir} is in use by another dvfs sweep{who}: wait for it to finish, or "
-                "use another --out folder"
-            ) from None
+            raise _busy(out_dir, fd) from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -118,6 +119,49 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _busy(out_dir: Path, fd: int) -> SweepBusyError:
+    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    who = f" (pid {holder})" if holder.isdigit() else ""
+    return SweepBusyError(
+        f"{out_dir} is in use by another dvfs sweep{who}: wait for it to finish, or "
+        "use another --out folder"
+    )
+
+
+def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
+    """What `run_sweep` (without --fresh) would refuse about `out_dir`, found without creating
+    or writing anything (`dvfs doctor`): a file in the way of the folder or its lock, no
+    permission to create them, another sweep holding the folder, another campaign's journal."""
+    import errno
+    import fcntl
+
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    code = 0
+    if not probe.is_dir():  # the folder itself a file, or a file above it
+        code = errno.EEXIST if probe == out_dir else errno.ENOTDIR
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        code = errno.EACCES
+    if code:
+        problem = OSError(code, os.strerror(code), str(probe))
+        raise JournalError(describe_os_error(problem, f"use {out_dir} as the output folder"))
+    lock = out_dir / LOCK_NAME
+    if lock.is_file():
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError as exc:
+            raise JournalError(describe_os_error(exc, f"read {lock}")) from exc
+        try:
+            # A shared lock, dropped at once: refused while a sweep holds its exclusive one.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(out_dir, fd) from None
+        finally:
+            os.close(fd)
+    check_journal(out_dir / JOURNAL_NAME, campaign)
 
 
 @dataclass(frozen=True)

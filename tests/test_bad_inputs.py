@@ -773,6 +773,12 @@ def _future_schema(ds: Any) -> Any:
     return ds
 
 
+def _on_another_gpu(ds: Any) -> Any:
+    ds = ds.copy()
+    ds.attrs["gpu_uuids"] = "GPU-00000000-another-gpu"
+    return ds
+
+
 CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "missing": (None, ("cube.nc",)),
     "text-file": ("this is not netCDF\n", ("cube.nc",)),
@@ -814,7 +820,7 @@ CUBE_CASES = [
     C(
         "cube-merge-itself",
         ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
-        code=1,
+        code=2,
         says=("same GPU",),
     ),
 ]
@@ -1025,8 +1031,8 @@ FLAG_CASES = [
     ),
     C(
         "cube-merge-out-under-a-file",
-        ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/file.txt/m.nc"],
-        files={"file.txt": "x"},
+        ["cube", "merge", "{cube}", "{tmp}/other.nc", "-o", "{tmp}/file.txt/m.nc"],
+        files={"file.txt": "x", "other.nc": _cube_with(_on_another_gpu)},
         code=1,
     ),
     C("gpu-info-twin-uuid", ["gpu", "info", "--twin", "h100-sxm", "GPU-xyz"], says=("GPU-xyz",)),

@@ -326,7 +326,7 @@ def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
             str(tmp_path / "x.nc"),
         ],
     )
-    assert twice.exit_code == 1 and "same GPU" in twice.output
+    assert twice.exit_code == 2 and "same GPU" in twice.output
     # Another model is refused before the grids are compared: a small grid (TINY) will do.
     other = write(
         tmp_path / "other.toml",

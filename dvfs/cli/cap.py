@@ -28,9 +28,28 @@ def cap() -> None:
     """Put latency-preserving caps on a fleet: plan, apply, show, reset."""
 
 
+def _once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -> Any:
+    """The one value of an option click collects with `multiple=True` only to see it repeated:
+    its last value would otherwise silently win."""
+    if len(values) > 1:
+        shown = " ".join(f"{param.opts[-1]} {v}" for v in values)
+        raise click.BadParameter(
+            f"given {len(values)} times ({shown}): {param.opts[-1]} takes one value",
+            ctx=ctx,
+            param=param,
+        )
+    return values[0] if values else None
+
+
 @cap.command("plan")
 @click.argument("headroom_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option("--batch", type=int, help="The batch size production runs at (static caps).")
+@click.option(
+    "--batch",
+    type=int,
+    multiple=True,
+    callback=_once,
+    help="The batch size production runs at (static caps).",
+)
 @click.option(
     "--per-batch",
     is_flag=True,
@@ -38,13 +57,16 @@ def cap() -> None:
 )
 @click.option(
     "--drafter",
+    multiple=True,
+    callback=_once,
     help="The drafter production serves with [--per-batch: the document's only drafter].",
 )
 @click.option(
     "--corpus",
-    default="worst-case",
-    show_default=True,
-    help="The corpus production serves, or worst-case across all measured corpora.",
+    multiple=True,
+    callback=_once,
+    help="The corpus production serves, or worst-case: per knob the least aggressive choice "
+    "across all measured corpora  [default: worst-case].",
 )
 @click.option(
     "--gpu", "uuids", multiple=True, help="GPU UUIDs to cap [default: the measured GPUs]."
@@ -63,7 +85,7 @@ def plan(
     batch: int | None,
     per_batch: bool,
     drafter: str | None,
-    corpus: str,
+    corpus: str | None,
     uuids: tuple[str, ...],
     model_name: str | None,
     out_path: Path | None,
@@ -75,6 +97,7 @@ def plan(
     """
     from dvfs.caps import dump_caps, load_headroom, plan_caps
 
+    corpus = corpus or "worst-case"
     if per_batch:
         if batch is not None or uuids or model_name:
             raise click.UsageError(

@@ -19,9 +19,15 @@ from dvfs.cli.common import console, handle_errors
     show_default=True,
     help="Folder for the journal, cube and figures.",
 )
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Move an existing journal (and cube) in OUT aside and start over, as `dvfs sweep "
+    "--fresh` does.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @handle_errors
-def demo(out_dir: Path, no_progress: bool) -> None:
+def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     """Sweep the demo campaign on the digital twin (H100 SXM, Llama-3.1-8B, five drafters, five
     corpora), then print the headroom table and write the figures to OUT/plots."""
     from importlib import resources
@@ -37,7 +43,7 @@ def demo(out_dir: Path, no_progress: bool) -> None:
 
     with resources.as_file(resources.files("dvfs.campaigns").joinpath("demo.toml")) as path:
         campaign = load_campaign(path)
-    outcome = run(campaign, out_dir, fresh=False, progress=not no_progress)
+    outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress)
     ds = open_cube(out_dir / CUBE_NAME)
     out = console()
     for title, target, corpus in (

@@ -18,12 +18,18 @@ from dvfs.cli.common import (
 
 @click.command()
 @campaign_argument
-@out_dir_option("The sweep's output folder (for the disk check) [default: out/<name>].")
+@out_dir_option(
+    "The sweep's output folder (checked as the sweep would use it) [default: out/<name>]."
+)
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
 def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
-    limits in range, unrestored state, engine, corpora, free disk. Exits 1 on any failure."""
+    limits in range, unrestored state, engine, corpora, and the output folder (usable by the
+    sweep, free disk).
+
+    Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
+    campaign file is missing or invalid (nothing else is checked then)."""
     import sys
 
     from dvfs.campaign import load_campaign

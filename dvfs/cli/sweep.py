@@ -189,8 +189,13 @@ def sweep(
         raise click.UsageError(
             "with --executor ray, Ray places the workers on the cluster's GPUs: leave out --gpus"
         )
-    if (no_estimate or twin_profile) and not dry_run:
-        raise click.UsageError("--no-estimate and --twin go with --dry-run")
+    if (no_estimate or twin_profile or as_json) and not dry_run:
+        raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
+    if gpus_spec is not None and not gpus_spec.strip():
+        raise click.UsageError(
+            "--gpus is empty: name GPUs (e.g. --gpus 0-1), or leave out --gpus for the "
+            "campaign's gpu.devices"
+        )
     if dry_run:
         import sys
 

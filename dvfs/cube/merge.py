@@ -48,6 +48,26 @@ def _check_same_workload(first: xr.Dataset, ds: xr.Dataset, first_name: str, nam
         )
 
 
+class SameGpuError(CubeError):
+    """Two cubes to merge measured on a common GPU: refused as invalid input."""
+
+    exit_code = 2
+
+
+def _check_distinct_gpus(labels: list[str], names: list[str]) -> None:
+    """Refuse cubes sharing a GPU: each label is a cube's comma-joined GPU UUIDs (a fleet
+    cube has several), and one GPU in two cubes would be two rows under one name."""
+    seen: dict[str, str] = {}
+    for label, name in zip(labels, names, strict=True):
+        for uuid in dict.fromkeys(u.strip() for u in label.split(",") if u.strip()):
+            if uuid in seen:
+                raise SameGpuError(
+                    f"cannot merge: GPU {uuid} is in both {seen[uuid]} and {name} (the same "
+                    "GPU twice); merge cubes of different GPUs"
+                )
+            seen[uuid] = name
+
+
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
     """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs); or, when
     every cube is a shard (`attrs["shard"]`), the shards of one run as its whole cube
@@ -87,8 +107,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                 )
         _check_same_workload(first, ds, names[0], label)
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
-    if len(set(labels)) != len(labels):
-        raise CubeError("two of the cubes come from the same GPU(s); merge different GPUs")
+    _check_distinct_gpus(labels, names)
     # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
     stripped = [_measured_on_as_variable(ds.drop_attrs(deep=False)) for ds in cubes]
     merged = xr.concat(

@@ -59,6 +59,51 @@ def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]
     return Header.from_json(header).differences(campaign)
 
 
+def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> None:
+    """Refuse (`JournalError`) to resume `campaign` from the journal at `path` whose first
+    record is `first`: not a header, another schema, or another campaign or settings."""
+    if first.get("type") != "header":
+        raise JournalError(
+            f"{path} does not start with a dvfs journal header: move it aside, or start "
+            "over with `dvfs sweep --fresh`, which renames it"
+        )
+    header = Header.from_json(first)
+    check_version(path, header.journal_schema)
+    changes = header.differences(campaign)
+    if not changes:
+        return
+    remedy = "use --fresh to move the old journal aside and start over, or another --out folder"
+    if header.campaign_name != campaign.name:
+        raise JournalError(
+            f"{path} belongs to another campaign, {header.campaign_name!r} (hash "
+            f"{header.campaign_hash}), not {campaign.name!r}: {remedy}"
+        )
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    shown = "; ".join(changes[:3]) + more
+    observe = (
+        " (--observe-only sets gpu.actuation to false and the knobs to stock)"
+        if any(c.startswith("gpu.actuation") for c in changes)
+        else ""
+    )
+    raise JournalError(
+        f"{path} belongs to campaign {header.campaign_name!r} "
+        f"(hash {header.campaign_hash}) measured with other settings: {shown}"
+        f"{observe}. Cells measured under different settings cannot share a cube: {remedy} "
+        "(retries, timeouts, the server command, its environment and URL may change "
+        "between runs)."
+    )
+
+
+def check_journal(path: Path, campaign: Campaign) -> None:
+    """What `Journal.open` would refuse about the journal at `path` for `campaign`, reading
+    only its first record and writing nothing (`dvfs doctor`); no file is no refusal."""
+    if not path.exists():
+        return
+    first = next(iter_records(path), None)
+    if first is not None:
+        check_resumable(path, first, campaign)
+
+
 #: Longest a record may wait for its fsync on the twin (seconds of wall time), as long as
 #: the sweep goes on; closing the journal (normal end, error, signal) always syncs.
 GROUP_SYNC_S = 1.0
@@ -148,30 +193,7 @@ class Journal:
         if first is None:
             journal.append(Header.for_campaign(campaign).to_json())
             return journal
-        if first.get("type") != "header":
-            raise JournalError(
-                f"{path} does not start with a dvfs journal header: move it aside, or start "
-                "over with `dvfs sweep --fresh`, which renames it"
-            )
-        header = Header.from_json(first)
-        check_version(path, header.journal_schema)
-        changes = header.differences(campaign)
-        if changes:
-            more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
-            shown = "; ".join(changes[:3]) + more
-            observe = (
-                " (--observe-only sets gpu.actuation to false and the knobs to stock)"
-                if any(c.startswith("gpu.actuation") for c in changes)
-                else ""
-            )
-            raise JournalError(
-                f"{path} belongs to campaign {header.campaign_name!r} "
-                f"(hash {header.campaign_hash}) measured with other settings: {shown}"
-                f"{observe}. Cells measured under different settings cannot share a cube: use "
-                "--fresh to move the old journal aside and start over, or another --out folder "
-                "(retries, timeouts, the server command, its environment and URL may change "
-                "between runs)."
-            )
+        check_resumable(path, first, campaign)
         return journal
 
     @property

@@ -89,8 +89,25 @@ def plot_all(
     target = target or Target("preserve", slack=0.05)
     if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
         paths: list[Path] = []
-        for gpu in cube["gpu"].values:
+        labels = [str(gpu) for gpu in cube["gpu"].values]
+        for gpu, folder in zip(cube["gpu"].values, gpu_folders(labels), strict=True):
             one = cube.sel(gpu=gpu, drop=True)
-            paths += plot_all(one, out / str(gpu)[:12], fmt=fmt, target=target)
+            paths += plot_all(one, out / folder, fmt=fmt, target=target)
         return paths
     return [save(fig, out, name, fmt) for name, fig in figures(cube, target)]
+
+
+def gpu_folders(labels: list[str]) -> list[str]:
+    """A folder name per GPU label of a merged cube: the whole label (GPU UUIDs share long
+    prefixes, so a cut one could name two GPUs), with a fleet cube's comma-joined UUIDs
+    joined by "+", and a number added should two labels still come out the same."""
+    import re
+
+    folders: list[str] = []
+    for label in labels:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "+", label).strip("+.") or "gpu"
+        folder, n = base, 2
+        while folder in folders:
+            folder, n = f"{base}-{n}", n + 1
+        folders.append(folder)
+    return folders

@@ -1,0 +1,151 @@
+"""Findings of the CLI audit, end to end through the CLI on small twin campaigns: a GPU merged
+twice, per-GPU figure folders that collide, `doctor` passing an output folder `sweep` refuses,
+`demo` pointing at an option it lacked, and options whose conflicting or repeated values were
+taken silently."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import xarray as xr
+from click.testing import CliRunner, Result
+from conftest import SMALL_EXACT, TINY, copy_sweep, write
+from hypothesis import given
+from hypothesis import strategies as st
+from test_journal import assert_one_line_error
+from test_plots import TARGET, small_cube
+
+from dvfs.cli import cli
+from dvfs.cube import open_cube
+from dvfs.plots import gpu_folders, plot_all
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_merge_refuses_one_gpu_in_two_cubes(tiny_sweep: Path, shared_run, tmp_path: Path) -> None:
+    """A one-GPU cube and a two-GPU fleet cube that holds the same GPU: their labels differ
+    ("uuid0" against "uuid0,uuid1"), the GPU is the same, so the merge would show it twice."""
+    pair = shared_run(TINY, "gpus-0-1", "--gpus", "0-1")
+    [uuid] = open_cube(tiny_sweep / "cube.nc").attrs["gpu_uuids"].split(",")
+    assert uuid in open_cube(pair / "cube.nc").attrs["gpu_uuids"].split(",")
+    merged = tmp_path / "merged.nc"
+    for first, second in ((tiny_sweep, pair), (pair, tiny_sweep)):
+        result = invoke("cube", "merge", str(first), str(second), "-o", str(merged))
+        assert_one_line_error(
+            result, 2, uuid, str(first / "cube.nc"), str(second / "cube.nc"), "different GPUs"
+        )
+    assert not merged.exists()
+
+
+def test_plot_folders_of_gpus_sharing_a_prefix_stay_apart(tmp_path: Path) -> None:
+    """Twin and real UUIDs may share their first characters: each GPU keeps its own figures."""
+    labels = [
+        "GPU-47dfcd23-120e-9eab-3043-5d0ea1215572",
+        "GPU-47dfcd23-120e-9eab-3043-5d0ea1215573",
+        "GPU-47dfcd23-1,GPU-47dfcd23-2",  # a fleet cube's joined UUIDs
+    ]
+    one = small_cube([1], corpora=("code",))
+    merged = xr.concat([one, one, one], dim=xr.DataArray(labels, dims="gpu"))
+    paths = plot_all(merged, tmp_path / "p", fmt="svg", target=TARGET)
+    folders = {p.parent.name for p in paths}
+    assert folders == {labels[0], labels[1], "GPU-47dfcd23-1+GPU-47dfcd23-2"}
+    assert len(paths) == len(set(paths)) == 15  # five figures of one corpus, per GPU
+    assert all(p.exists() for p in paths)
+
+
+@given(st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=6, unique=True))
+def test_gpu_folder_names_are_distinct_plain_names(labels: list[str]) -> None:
+    folders = gpu_folders(labels)
+    assert len(set(folders)) == len(labels)
+    for folder in folders:
+        assert folder not in ("", ".", "..") and not folder.startswith(".")
+        assert all(c.isascii() and (c.isalnum() or c in "._+-") for c in folder)
+
+
+def _doctor_checks(campaign: Path, out: Path) -> tuple[int, dict[str, dict[str, str]]]:
+    result = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    return result.exit_code, {c["name"]: c for c in json.loads(result.stdout)}
+
+
+def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_path: Path) -> None:
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    other = write(tmp_path / "wide.toml", SMALL_EXACT.replace('name = "small"', 'name = "wide"'))
+    # Resuming the campaign's own folder is fine.
+    code, checks = _doctor_checks(tiny, tiny_sweep)
+    assert code == 0 and checks["output folder"]["status"] == "ok", checks
+    assert "resumes" in checks["output folder"]["detail"]
+    # A folder under a regular file.
+    (tmp_path / "afile").write_text("")
+    under_file = tmp_path / "afile" / "x"
+    code, checks = _doctor_checks(tiny, under_file)
+    assert code == 1 and checks["output folder"]["status"] == "fail"
+    assert "part of that path is a file" in checks["output folder"]["detail"]
+    swept = invoke("sweep", str(tiny), "--out", str(under_file), "--no-progress")
+    assert swept.exit_code == 1 and "part of that path is a file" in swept.stderr
+    # Another campaign's journal: the doctor's failure is the sweep's refusal, word for word.
+    folder = copy_sweep(tiny_sweep, tmp_path / "other")
+    code, checks = _doctor_checks(other, folder)
+    detail = checks["output folder"]["detail"]
+    assert code == 1 and checks["output folder"]["status"] == "fail"
+    assert "another campaign, 'small'" in detail and "not 'wide'" in detail
+    swept = invoke("sweep", str(other), "--out", str(folder), "--no-progress")
+    assert_one_line_error(swept, 1, detail)
+    # A folder another sweep holds.
+    fd = os.open(folder / "sweep.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, checks = _doctor_checks(tiny, folder)
+    finally:
+        os.close(fd)
+    assert code == 1 and "in use by another dvfs sweep" in checks["output folder"]["detail"]
+
+
+def test_doctor_help_states_both_failure_exit_codes(tmp_path: Path) -> None:
+    text = " ".join(invoke("doctor", "--help").output.split())
+    assert "1 when a check failed" in text and "2 when the campaign file" in text
+    bad = write(tmp_path / "bad.toml", TINY.replace("[workload]", "[workload]\nbogus_key = 1"))
+    assert invoke("doctor", str(bad)).exit_code == 2
+
+
+def test_demo_offers_its_own_fresh_for_another_campaigns_folder(
+    tiny_sweep: Path, tmp_path: Path
+) -> None:
+    folder = copy_sweep(tiny_sweep, tmp_path / "t1")
+    result = invoke("demo", "--out", str(folder), "--no-progress")
+    assert_one_line_error(result, 1, "another campaign, 'small'", "not 'demo'", "--fresh")
+    assert "--fresh" in invoke("demo", "--help").output
+    assert (folder / "journal.jsonl").read_bytes() == (tiny_sweep / "journal.jsonl").read_bytes()
+
+
+def test_sweep_refuses_json_without_dry_run_and_an_empty_gpu_list(tmp_path: Path) -> None:
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    result = invoke("sweep", str(tiny), "--json", "--out", str(out))
+    assert result.exit_code == 2 and "--json go with --dry-run" in result.output
+    result = invoke("sweep", str(tiny), "--gpus", "", "--out", str(out))
+    assert result.exit_code == 2 and "--gpus is empty" in result.output
+    assert not out.exists()
+
+
+def test_cap_plan_refuses_a_repeated_single_valued_option(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    doc = tmp_path / "headroom.json"
+    assert invoke("headroom", str(small_sweep), "--vs-baseline", "-o", str(doc)).exit_code == 0
+    plan = ("cap", "plan", str(doc), "--batch", "8", "--drafter", "eagle3")
+    result = invoke(*plan, "--corpus", "code", "--corpus", "conversation")
+    assert result.exit_code == 2
+    assert "--corpus code --corpus conversation" in result.output
+    result = invoke("cap", "plan", str(doc), "--batch", "8", "--batch", "1", "--drafter", "none")
+    assert result.exit_code == 2 and "--batch takes one value" in result.output
+    one = invoke(*plan, "--corpus", "code")
+    assert one.exit_code == 0, one.output
+    assert 'corpus = "code"' in one.stdout
+    default = invoke(*plan)
+    assert default.exit_code == 0, default.output
+    assert 'corpus = "worst-case"' in default.stdout
