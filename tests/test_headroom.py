@@ -559,3 +559,28 @@ def test_targets_refuse_non_finite_numbers() -> None:
         Target(slack=math.nan)
     with pytest.raises(AnalysisError, match="limit"):
         Target("slo", limit_ms=math.inf)
+
+
+def test_vs_baseline_judges_the_baselines_own_rows_against_their_own_stock() -> None:
+    """The baseline's stock is its own measurement, repeat by repeat: its rows pair, as in
+    preserve mode, so it always meets its own stock latency (unpaired, the two intervals of
+    one set of repeats would make it miss its own target)."""
+    noisy = {0: 10.0, 1: 12.0, 2: 8.0}
+    cube = make_cube(
+        clocks=[1500, 2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: noisy[r] * (1.0 if c == 2000 else 1.02),
+        energy=lambda c, *_: 0.5 if c == 1500 else 1.0,
+    )
+    for slack in (0.0, 0.05):
+        against = headroom(cube, target=Target("vs-baseline", slack=slack))
+        own = headroom(cube, target=Target("preserve", slack=slack))
+        mine, same = (r.sel(batch=1, corpus="code", drafter="none") for r in (against, own))
+        assert bool(mine["feasible"]) and int(mine["chosen_sm_clock"]) == (
+            1500 if slack else 2000
+        )
+        for name in ("chosen_sm_clock", "latency_bound", "headroom_mhz", "saving"):
+            assert float(mine[name]) == float(same[name]), name
+        # eagle3, with the same latencies on another server, stays unpaired: too noisy here
+        assert not bool(against.sel(batch=1, corpus="code", drafter="eagle3")["feasible"])

@@ -215,7 +215,14 @@ def compare(
         data["accept_length"] = accept.mean(
             [d for d in accept.dims if d not in ("drafter", "corpus", "gpu")]
         ).assign_attrs(units="1", long_name="mean accept length (tokens per verify pass)")
-    result = xr.Dataset(data)
+    # Arrays taken from the headroom results carry its `measured_on` coordinates (the GPUs
+    # of a chosen setting): dropped, so `measured_on` here is the arms' own (`arms_gpus`).
+    result = xr.Dataset(
+        {
+            name: value.drop_vars(["measured_on", "reference_measured_on"], errors="ignore")
+            for name, value in data.items()
+        }
+    )
     result.attrs.update(
         baseline=baseline,
         latency=f"{metric.upper()} p{int(quantile * 100)}",

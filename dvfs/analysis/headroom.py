@@ -226,9 +226,12 @@ def headroom(
     clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
-    def statistic_bound(lat: np.ndarray, ref_lat: np.ndarray) -> tuple[float, int]:
-        """The feasibility bound and the number of repeats behind it (NaN: not enough)."""
-        if target.mode == "vs-baseline":
+    def statistic_bound(lat: np.ndarray, ref_lat: np.ndarray, paired: bool) -> tuple[float, int]:
+        """The feasibility bound and the number of repeats behind it (NaN: not enough).
+        Against another drafter's stock the repeats are unpaired (two intervals); against the
+        drafter's own stock (`paired`: preserve mode, or the baseline's own rows) each repeat
+        is a ratio to its own stock measurement, as in preserve mode."""
+        if target.mode == "vs-baseline" and not paired:
             mine, base = lat[~np.isnan(lat)], ref_lat[~np.isnan(ref_lat)]
             if len(mine) < min_repeats or len(base) < min_repeats:
                 return math.nan, len(mine)
@@ -288,6 +291,8 @@ def headroom(
         if baseline_drafter is not None:
             b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
             out["baseline_energy_per_token_j"][idx] = finite_mean(stock_e[b_idx])
+        # The baseline's own rows in vs-baseline mode are judged against their own stock.
+        own_reference = target.mode != "vs-baseline" or drafters[idx[1]] == baseline_drafter
         feasible = []
         evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
         for ci, clock in enumerate(clocks):
@@ -296,7 +301,7 @@ def headroom(
                     continue
                 e = energy_v[idx + (ci, pi)]
                 lat = latency_v[idx + (ci, pi)]
-                bound, n = statistic_bound(lat, ref_lat_v[idx])
+                bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
                 if not math.isnan(bound):
                     evaluated.append((int(clock), float(limit)))
                 if not meets(bound, threshold, strict=target.strict):
@@ -485,7 +490,7 @@ def headroom(
         result.attrs["bound"] = (
             f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "
             f"(Student-t bounds of each mean at {(1 + confidence) / 2:.1%}), unpaired: the "
-            "baseline ran on another server"
+            "baseline ran on another server; the baseline's own rows paired, as preserve"
         )
     return result
 
