@@ -577,9 +577,7 @@ def test_vs_baseline_judges_the_baselines_own_rows_against_their_own_stock() -> 
         against = headroom(cube, target=Target("vs-baseline", slack=slack))
         own = headroom(cube, target=Target("preserve", slack=slack))
         mine, same = (r.sel(batch=1, corpus="code", drafter="none") for r in (against, own))
-        assert bool(mine["feasible"]) and int(mine["chosen_sm_clock"]) == (
-            1500 if slack else 2000
-        )
+        assert bool(mine["feasible"]) and int(mine["chosen_sm_clock"]) == (1500 if slack else 2000)
         for name in ("chosen_sm_clock", "latency_bound", "headroom_mhz", "saving"):
             assert float(mine[name]) == float(same[name]), name
         # eagle3, with the same latencies on another server, stays unpaired: too noisy here
