@@ -149,3 +149,16 @@ def test_cap_plan_refuses_a_repeated_single_valued_option(
     default = invoke(*plan)
     assert default.exit_code == 0, default.output
     assert 'corpus = "worst-case"' in default.stdout
+
+
+def test_a_comma_list_to_a_filter_says_to_repeat_the_option(small_sweep: Path) -> None:
+    """`--drafter none,eagle3` and `--batch 1,8` look like lists; each option takes one value
+    and repeats for several, and the refusal says how."""
+    named = invoke("headroom", str(small_sweep), "--drafter", "none,eagle3")
+    assert named.exit_code == 2
+    assert "repeat the option: --drafter none --drafter eagle3" in named.output
+    sizes = invoke("headroom", str(small_sweep), "--batch", "1,8")
+    assert sizes.exit_code == 2 and "(--batch 1 --batch 8)" in sizes.output
+    both = invoke("headroom", str(small_sweep), "--batch", "1", "--batch", "8", "--json")
+    assert both.exit_code == 0, both.output
+    assert {row["batch"] for row in json.loads(both.output)["rows"]} == {1, 8}

@@ -48,9 +48,16 @@ def select(
             known = [v.item() if hasattr(v, "item") else v for v in ds[dim].values]
             missing = [v for v in values if v not in known]
             if missing:
+                listed = [v for v in missing if isinstance(v, str) and "," in v]
+                hint = (
+                    "; to give several, repeat the option: "
+                    + " ".join(f"--{dim} {p.strip()}" for p in listed[0].split(",") if p.strip())
+                    if listed
+                    else ""
+                )
                 raise SelectionError(
                     f"{', '.join(map(str, missing))} not in the cube, which has "
-                    f"{', '.join(map(str, known))}",
+                    f"{', '.join(map(str, known))}{hint}",
                     f"--{dim}",
                 )
             sel[dim] = list(dict.fromkeys(values))

@@ -84,10 +84,32 @@ def latency_options(func: Any) -> Any:
     return func
 
 
+class OneBatch(click.ParamType):
+    """A batch size; a comma-separated list is refused with the way to give several."""
+
+    name = "integer"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value)
+        if "," in text:
+            sizes = " ".join(f"--batch {v.strip()}" for v in text.split(",") if v.strip())
+            self.fail(
+                f"{text!r}: one size per --batch; repeat it for several ({sizes})", param, ctx
+            )
+        try:
+            return int(text)
+        except ValueError:
+            self.fail(f"{text!r} is not a valid integer", param, ctx)
+
+
 def filter_options(func: Any) -> Any:
-    func = click.option("--batch", type=int, multiple=True, help="Only these batch sizes.")(func)
-    func = click.option("--drafter", multiple=True, help="Only these drafters.")(func)
-    func = click.option("--corpus", multiple=True, help="Only these corpora.")(func)
+    func = click.option(
+        "--batch", type=OneBatch(), multiple=True, help="Only this batch size (repeatable)."
+    )(func)
+    func = click.option("--drafter", multiple=True, help="Only this drafter (repeatable).")(func)
+    func = click.option("--corpus", multiple=True, help="Only this corpus (repeatable).")(func)
     return func
 
 
