@@ -295,13 +295,13 @@ def _run_locked(
 ) -> SweepOutcome:
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
+    cells: list[Cell] = plan_cells(campaign)
+    if shard is not None:
+        cells = shard.select(cells)  # an empty shard is refused before its journal is made
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
         corpora, count_method = counted_corpora(campaign)
         check_corpora(campaign, corpora)  # before any GPU is touched or server started
         claim_shard(journal, shard)
-        cells: list[Cell] = plan_cells(campaign)
-        if shard is not None:
-            cells = shard.select(cells)
         with contextlib.ExitStack() as stack:
             b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube, write_cube
+from dvfs.errors import CampaignError
 from dvfs.fleet.shard import Shard, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
@@ -212,9 +213,35 @@ def _cells(drafters: int, per: int) -> list[Cell]:
 @given(st.integers(1, 6), st.integers(1, 40), st.integers(1, 12))
 def test_shards_partition_the_cells_in_order_and_balanced(drafters: int, per: int, n: int) -> None:
     cells = _cells(drafters, per)
+    if n > len(cells):  # some shard would be empty: every shard of n is refused or not
+        empty = [
+            i
+            for i in range(n)
+            if Shard(i, n).bounds(len(cells))[0] == Shard(i, n).bounds(len(cells))[1]
+        ]
+        assert empty
+        with pytest.raises(CampaignError, match="has no cells"):
+            Shard(empty[0], n).select(cells)
+        return
     slices = [Shard(i, n).select(cells) for i in range(n)]
     assert [c for s in slices for c in s] == cells  # every cell once, in measuring order
     assert max(map(len, slices)) - min(map(len, slices)) <= 1
     # Contiguous slices: each cut adds at most one server start to the whole campaign's.
     assert sum(server_starts(s) for s in slices) <= drafters + n - 1
     assert all(Shard.parse(f" {i} / {n} ") == Shard(i, n) for i in range(n))
+
+
+def test_more_shards_than_cells_is_refused_before_a_journal_is_made(tmp_path: Path) -> None:
+    """A shard with no cells could never be merged with the others (its journal would hold no
+    session): `--shard i/n` with n above the cell count is a usage error, dry run included."""
+    from conftest import TINY
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    cells = len(plan_cells(load_campaign(campaign)))
+    for extra in (("--out", str(tmp_path / "out"), "--no-progress"), ("--dry-run",)):
+        result = invoke("sweep", str(campaign), "--shard", f"0/{cells + 1}", *extra)
+        assert_one_line_error(result, 2, "has no cells", f"at most {cells} shards")
+    assert not (tmp_path / "out" / "journal.jsonl").exists()
+    last = invoke("sweep", str(campaign), "--shard", f"{cells - 1}/{cells}", "--dry-run")
+    assert last.exit_code == 0, last.output

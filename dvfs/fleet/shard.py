@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dvfs.errors import CampaignError
 from dvfs.measure.plan import Cell
 
 #: The journal record that marks a shard's journal (after the header).
@@ -58,8 +59,14 @@ class Shard:
         return (self.index * total // self.count, (self.index + 1) * total // self.count)
 
     def select(self, cells: Sequence[Cell]) -> list[Cell]:
-        """This shard's cells, in measuring order."""
+        """This shard's cells, in measuring order; a shard with none is refused (more shards
+        than cells), since its empty run could never be merged with the others."""
         start, stop = self.bounds(len(cells))
+        if start == stop:
+            raise CampaignError(
+                f"shard {self.label} has no cells: the campaign has {len(cells)} cell(s), so "
+                f"split it into at most {len(cells)} shards"
+            )
         return list(cells[start:stop])
 
     def to_json(self) -> dict[str, Any]:
