@@ -291,3 +291,33 @@ def test_an_output_over_a_file_the_command_reads_is_refused_and_nothing_is_lost(
     rebuilt = invoke("cube", "build", str(swept), "-o", str(cube))
     assert rebuilt.exit_code == 0, rebuilt.output
     assert open_cube(cube).sizes == sizes
+
+
+def test_cube_info_quotes_energy_of_valid_cells_only(small_sweep: Path, tmp_path: Path) -> None:
+    """An invalid cell's energy is not a measurement: `cube info` gives the range over the
+    valid measured cells, and says so when there is none."""
+    import json
+
+    ds = open_cube(small_sweep / "cube.nc")
+    energy = ds["energy_per_token_j"].values.copy()
+    valid = ds["valid"].values.copy()
+    first = np.unravel_index(np.nanargmax(energy), energy.shape)
+    energy[first], valid[first] = 1e6, 0  # an outlier the cell's flags invalidated
+    flagged = ds.assign(
+        energy_per_token_j=(ds["energy_per_token_j"].dims, energy),
+        valid=(ds["valid"].dims, valid),
+    )
+    from dvfs.cube import write_cube
+
+    write_cube(flagged, tmp_path / "flagged.nc")
+    lo, hi = json.loads(invoke("cube", "info", str(tmp_path / "flagged.nc"), "--json").output)[
+        "energy_per_token_j"
+    ]
+    assert hi < 1e6 and lo <= hi
+    none_valid = flagged.assign(valid=(ds["valid"].dims, np.zeros_like(valid)))
+    write_cube(none_valid, tmp_path / "none.nc")
+    shown = invoke("cube", "info", str(tmp_path / "none.nc"))
+    assert shown.exit_code == 0 and "no valid cell" in shown.output
+    assert json.loads(invoke("cube", "info", str(tmp_path / "none.nc"), "--json").output)[
+        "energy_per_token_j"
+    ] == [None, None]

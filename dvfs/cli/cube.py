@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,10 @@ def _render(summary: dict[str, Any]) -> None:
         f"{summary['failed']} failed + {summary['missing']} missing "
         f"({summary['invalid']} measured but invalid)",
     )
-    table.add_row("energy/token", f"{lo:.4g} - {hi:.4g} J")
+    table.add_row(
+        "energy/token",
+        "no valid cell" if math.isnan(lo) else f"{lo:.4g} - {hi:.4g} J (valid cells)",
+    )
     out.print(table)
     flags = summary["quality_flags"]
     if flags:

@@ -78,16 +78,20 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "stock": _stock_text(ds),
-        "energy_per_token_j": [
-            float(np.nanmin(ds["energy_per_token_j"].values))
-            if (status == STATUS_OK).any()
-            else math.nan,
-            float(np.nanmax(ds["energy_per_token_j"].values))
-            if (status == STATUS_OK).any()
-            else math.nan,
-        ],
+        "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": quality_counts(ds),
         "failed_cells": json.loads(ds.attrs.get("failed_cells", "[]")),
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def _valid_range(ds: xr.Dataset, status: np.ndarray) -> list[float]:
+    """Least and most energy per token over the valid measured cells (NaN, NaN: none): an
+    invalid cell's number is not a measurement to quote."""
+    ok = (status == STATUS_OK) & (ds["valid"].values > 0)
+    values = ds["energy_per_token_j"].values[ok]
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return [math.nan, math.nan]
+    return [float(values.min()), float(values.max())]
