@@ -582,3 +582,30 @@ def test_vs_baseline_judges_the_baselines_own_rows_against_their_own_stock() -> 
             assert float(mine[name]) == float(same[name]), name
         # eagle3, with the same latencies on another server, stays unpaired: too noisy here
         assert not bool(against.sel(batch=1, corpus="code", drafter="eagle3")["feasible"])
+
+
+def test_a_row_without_an_answer_says_why() -> None:
+    """No answer has three causes a user fixes differently: no valid reference cell (sweep
+    it again), too few usable repeats (add repeats), or every judged setting over target."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    def table_text(cube, **target) -> str:
+        result = headroom(cube, target=Target("preserve", **target))
+        doc = headroom_document(result, cube)
+        return " ".join(" ".join(map(str, row)) for row in headroom_table_rows(doc)[1])
+
+    slow = {1000: 12.0, 2000: 10.0}
+    over = make_cube(clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c])
+    assert "none feasible" not in table_text(over)  # stock itself meets its own latency
+    partial = make_cube(  # only repeat 0 measured so far
+        clocks=[1000, 2000], repeats=3, latency=lambda c, *a: slow[c] if a[4] == 0 else math.nan
+    )
+    assert "too few repeats" in table_text(partial)
+    flagged = make_cube(  # one invalid repeat disqualifies a setting
+        clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c], valid=lambda *a: a[5] == 0
+    )
+    assert "no valid cell" in table_text(flagged)
+    no_ref = make_cube(
+        clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c], valid=lambda c, *_: c != 2000
+    )
+    assert "no valid reference cell" in table_text(no_ref)

@@ -271,6 +271,8 @@ def headroom(
     }
     feasible_any = np.zeros(group_shape, dtype=bool)
     n_feasible = np.zeros(group_shape, dtype=int)
+    n_judged = np.zeros(group_shape, dtype=int)  # settings whose bound could be computed
+    n_short = np.zeros(group_shape, dtype=int)  # valid settings with too few usable repeats
     edge = {
         name: np.zeros(group_shape, dtype=bool)
         for name in (
@@ -304,6 +306,8 @@ def headroom(
                 bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
                 if not math.isnan(bound):
                     evaluated.append((int(clock), float(limit)))
+                elif n > 0:
+                    n_short[idx] += 1
                 if not meets(bound, threshold, strict=target.strict):
                     continue
                 feasible.append(
@@ -319,6 +323,7 @@ def headroom(
                     )
                 )
         n_feasible[idx] = len(feasible)
+        n_judged[idx] = len(evaluated)
         if not feasible:
             continue
         least = min(f[0] for f in feasible)
@@ -411,6 +416,19 @@ def headroom(
         dims,
         n_feasible,
         {"units": "1", "long_name": "settings meeting the target"},
+    )
+    data_vars["judged_settings"] = (
+        dims,
+        n_judged,
+        {"units": "1", "long_name": "settings whose latency bound could be computed"},
+    )
+    data_vars["short_settings"] = (
+        dims,
+        n_short,
+        {
+            "units": "1",
+            "long_name": "valid settings left unjudged: fewer than two usable repeats",
+        },
     )
     edge_names = {
         "headroom_mhz_is_lower_bound": "the lowest clock evaluated meets the target: the "

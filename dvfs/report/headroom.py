@@ -38,6 +38,8 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         row.update(
             feasible=bool(r["feasible"]),
             feasible_settings=int(r["feasible_settings"]),
+            judged_settings=int(r["judged_settings"]) if "judged_settings" in r else None,
+            short_settings=int(r["short_settings"]) if "short_settings" in r else None,
             chosen={
                 "sm_clock_mhz": as_int(r["chosen_sm_clock"]),
                 "power_limit_w": as_float(r["chosen_power_limit"]),
@@ -181,8 +183,7 @@ def headroom_table_rows(
         lead = [r["gpu"][:12]] if has_gpu else []
         if not r["feasible"]:
             cells = [
-                # No target at all when the reference (stock) cell itself is missing.
-                "none feasible" if r["target_ms"] is not None else "no stock cell",
+                _infeasible_text(r),
                 "-",
                 fmt(r["stock_energy_per_token_j"], ".4g"),
                 "-",
@@ -231,3 +232,15 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
     return "\n".join(lines) + "\n"
+
+
+def _infeasible_text(row: dict[str, Any]) -> str:
+    """Why a row has no answer: no valid reference cell (no target), settings left unjudged
+    for want of repeats, or every judged setting over the target."""
+    if row["target_ms"] is None:
+        return "no valid reference cell"
+    if not row.get("judged_settings") and row.get("short_settings"):
+        return "too few repeats"
+    if not row.get("judged_settings"):
+        return "no valid cell"
+    return "none feasible"
