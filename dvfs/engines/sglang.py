@@ -324,7 +324,8 @@ class SglangEngine:
         except GpuError as exc:
             return f"unverified: {exc}"
         outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
-        log.info("the %r server's GPUs: %s", drafter.name, outcome)
+        level = logging.INFO if outcome.startswith("verified") else logging.WARNING
+        log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
         return outcome
 
     def _alive(self) -> bool:
