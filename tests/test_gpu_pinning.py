@@ -102,6 +102,7 @@ def test_nvml_without_process_lists_leaves_the_server_unverified(
     assert cells and all(c["status"] == "ok" for c in cells)
     pinning = _pinning(tmp_path)["none"]
     assert pinning.startswith("unverified: NVML cannot list the compute processes of GPU 0")
+    assert "Not Supported" in pinning and "lists none" not in pinning
     assert servers[0]["gpu_pinning"] == pinning
 
 

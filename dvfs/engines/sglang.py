@@ -531,7 +531,7 @@ def pinning_outcome(
             + ", ".join(f"GPU {g.index}" for g in blind)
             + (f" ({blind[0].why})" if blind[0].why else "")
         )
-    if missing and not seen:
+    if missing and not seen and len(blind) < len(gpus):
         reasons.append(
             f"NVML lists none of the server's {len(ours)} process(es) on any GPU (a container's "
             "PID namespace hides them, or the server has not allocated GPU memory yet)"
