@@ -198,11 +198,18 @@ def open_backends(
             )
         else:
             from dvfs.engines.sglang import SglangEngine
+            from dvfs.gpu.nvml import processes_probe
 
             # Real GPUs pin the server to their UUIDs; twins have none a server could see.
             uuids = [g.identity.uuid for g in gpus] if real_gpus(campaign) else []
             engine = stack.enter_context(
-                SglangEngine(campaign, clock=clock, log_dir=out_dir / "logs", gpu_uuids=uuids)
+                SglangEngine(
+                    campaign,
+                    clock=clock,
+                    log_dir=out_dir / "logs",
+                    gpu_uuids=uuids,
+                    gpu_processes=processes_probe(gpus) if uuids else None,
+                )
             )
         yield Backends(clock, gpus, engine)
 

@@ -33,6 +33,7 @@ REGISTRY = tuple(
         ("engine_backend", "str", "", "sglang or twin", True),
         ("engine_version", "str", "", "engine version(s)"),
         ("server_args", "json", "", "resolved server arguments per drafter"),
+        ("gpu_pinning", "json", "", "per drafter: did its server run on the metered GPUs"),
         ("model", "str", "", "target model", True),
         ("tp_size", "int", "", "tensor-parallel size", True),
         ("actuation", "int", "", "1 if dvfs changed knobs, 0 if observe-only"),

@@ -186,6 +186,10 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "engine_backend": session.engine_backend,
         "engine_version": ", ".join(versions),
         "server_args": json.dumps(servers, sort_keys=True),
+        # Whether each drafter's (latest) server ran on the metered GPUs, as checked at start.
+        "gpu_pinning": json.dumps(
+            {s.drafter: s.gpu_pinning for s in journal.servers if s.gpu_pinning}, sort_keys=True
+        ),
         "model": facts.model,
         "twin_model": facts.twin_model,
         "tp_size": facts.tp_size,

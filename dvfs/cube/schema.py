@@ -8,7 +8,9 @@ Schema history (`attrs["dvfs_schema"]`):
       counter_update_period_s attribute are additions a reader may find absent.
       The energy split (energy_<part>_j, time_<part>_s for prefill, draft, verify and
       overhead, and energy_split_method) is such an addition; NaN (method 0) where a cell's
-      record carries none.
+      record carries none. So is the gpu_pinning attribute (JSON, per drafter: "verified: ..."
+      or "unverified: why", whether its server ran on the metered GPUs; absent or "{}" where
+      not checked).
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).

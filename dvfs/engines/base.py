@@ -263,6 +263,9 @@ class ServerInfo:
     #: The attention kernels the server resolved ("fa3", or "prefill=X,decode=Y"); None: not
     #: applicable (the twin) or not reported.
     attention_backend: str | None = None
+    #: Whether the server runs on the metered GPUs ("verified: ..." or "unverified: why",
+    #: `dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs).
+    gpu_pinning: str | None = None
 
 
 class Engine(Protocol):

@@ -7,7 +7,10 @@ die with dvfs (PR_SET_PDEATHSIG, armed by the `_pdeathsig` launcher rather than 
 so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a server already running at a URL and
 never starts or stops it, after the same checks of what it resolved (the model, the algorithm,
 the kernels). Every drafter's server must run the same attention kernels (`check_same_kernels`);
-what else the arms share is checked by the runner against the journal (`arm_changes`).
+what else the arms share is checked by the runner against the journal (`arm_changes`). A started
+server must run on the metered GPUs (`pinning_outcome`): NVML's compute processes of every GPU
+are matched against the server's process tree, so a `server_command` wrapper that escapes
+CUDA_VISIBLE_DEVICES is refused; where NVML cannot tell, the server record says "unverified".
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,8 @@ from dvfs.engines.sglang_args import (
     server_env,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
-from dvfs.errors import EngineCrashedError, EngineError
+from dvfs.errors import EngineCrashedError, EngineError, GpuError
+from dvfs.gpu.base import GpuProcesses
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
@@ -117,6 +121,7 @@ class SglangEngine:
         log_dir: Path,
         formatter: ChatFormatter | None = None,
         gpu_uuids: Sequence[str] = (),
+        gpu_processes: Callable[[], Sequence[GpuProcesses]] | None = None,
     ) -> None:
         self.campaign = campaign
         self.config = campaign.engine.sglang
@@ -134,6 +139,9 @@ class SglangEngine:
         self._version: tuple[int, ...] | None = None
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
+        #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
+        #: simulated GPUs, nothing to check.
+        self.gpu_processes = gpu_processes
         #: The ports its servers use (`ServerPorts`), set by a fleet's worker so that servers
         #: on one node never share one; None: a free --port, SGLang picks the rest.
         self.ports: ServerPorts | None = None
@@ -220,6 +228,7 @@ class SglangEngine:
             ) from exc
         try:
             kernels = self._check_resolved(drafter, info)
+            pinning = self._check_pinning(drafter)
         except EngineError:
             self.stop()  # a server that does not run what was asked must not linger
             raise
@@ -231,6 +240,7 @@ class SglangEngine:
             _resolved_args(info),
             str(self._log_path),
             attention_backend=kernels.label,
+            gpu_pinning=pinning,
         )
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:
@@ -252,6 +262,11 @@ class SglangEngine:
             _resolved_args(info),
             None,
             attention_backend=kernels.label,
+            gpu_pinning=(
+                None
+                if self.gpu_processes is None
+                else "unverified: an attached server's processes are not dvfs's to look up"
+            ),
         )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:
@@ -297,6 +312,21 @@ class SglangEngine:
                 f"{largest}{fix}"
             )
         return self._check_kernels(drafter, args)
+
+    def _check_pinning(self, drafter: DrafterSpec) -> str | None:
+        """Where the started server runs, by NVML's compute processes of every GPU (None:
+        simulated GPUs); refuses one on a GPU dvfs does not meter (`pinning_outcome`)."""
+        if self.gpu_processes is None or self._process is None:
+            return None
+        ours = server_pids(self._process.pid)
+        try:
+            gpus = self.gpu_processes()
+        except GpuError as exc:
+            return f"unverified: {exc}"
+        outcome = pinning_outcome(drafter.name, ours, gpus, self.gpu_uuids)
+        level = logging.INFO if outcome.startswith("verified") else logging.WARNING
+        log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
+        return outcome
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -430,6 +460,90 @@ class _Stepper:
         if self.error is not None:
             raise self.error
         return tuple(self.ran)
+
+
+def _stat(entry: Path) -> tuple[int, int] | None:
+    """(parent pid, process group) of /proc/<pid>, None when it is gone or unreadable."""
+    try:
+        text = (entry / "stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+    fields = text[text.rfind(")") + 2 :].split()
+    try:
+        return int(fields[1]), int(fields[2])
+    except (IndexError, ValueError):
+        return None
+
+
+def server_pids(root: int, proc: Path = Path("/proc")) -> frozenset[int]:
+    """`root`, the members of its process group (dvfs starts the server as a group leader) and
+    the descendants of all of them, read from /proc (empty elsewhere but `root`)."""
+    children: dict[int, list[int]] = {}
+    ours = {root}
+    try:
+        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+    except OSError:
+        return frozenset(ours)
+    for entry in entries:
+        stat = _stat(entry)
+        if stat is None:
+            continue
+        pid, (ppid, pgrp) = int(entry.name), stat
+        children.setdefault(ppid, []).append(pid)
+        if pgrp == root:
+            ours.add(pid)
+    todo = list(ours)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in ours:
+                ours.add(child)
+                todo.append(child)
+    return frozenset(ours)
+
+
+def pinning_outcome(
+    drafter: str, ours: frozenset[int], gpus: Sequence[GpuProcesses], metered: Sequence[str]
+) -> str:
+    """The invariant "the server runs on the metered GPUs only", as far as NVML can tell:
+    "verified: GPU i" when every metered GPU lists one of the server's processes (`ours`) and
+    NVML could list every GPU's; else "unverified: why" (NVML cannot list processes; a
+    container's PID namespace hides the host's PIDs; no GPU memory allocated yet). One of the
+    server's processes on a GPU not metered is refused (`EngineError`): its energy would be
+    missed, and the metered GPUs would measure nothing of it."""
+    seen = {g.uuid: g for g in gpus if g.pids and g.pids & ours}
+    stray = [g for uuid, g in seen.items() if uuid not in metered]
+    if stray:
+        where = ", ".join(f"GPU {g.index} ({g.uuid})" for g in stray)
+        raise EngineError(
+            f"the {drafter!r} server runs on {where}, which dvfs does not meter (metered: "
+            f"{', '.join(metered)}): check CUDA_VISIBLE_DEVICES and the "
+            "engine.sglang.server_command wrapper (docker, srun, env), which must pass it on"
+        )
+    blind = [g for g in gpus if g.pids is None]
+    missing = [uuid for uuid in metered if uuid not in seen]
+    if not missing and not blind:
+        return "verified: " + ", ".join(f"GPU {seen[u].index} ({u})" for u in metered)
+    reasons = []
+    if blind:
+        reasons.append(
+            "NVML cannot list the compute processes of "
+            + ", ".join(f"GPU {g.index}" for g in blind)
+            + (f" ({blind[0].why})" if blind[0].why else "")
+        )
+    if missing and not seen and len(blind) < len(gpus):
+        reasons.append(
+            f"NVML lists none of the server's {len(ours)} process(es) on any GPU (a container's "
+            "PID namespace hides them, or the server has not allocated GPU memory yet)"
+        )
+    elif missing:
+        reasons.append(
+            "NVML lists the server on "
+            + ", ".join(f"GPU {g.index}" for g in seen.values())
+            + " but not on the metered "
+            + ", ".join(missing)
+        )
+    return "unverified: " + "; ".join(reasons)
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:

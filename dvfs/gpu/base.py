@@ -142,6 +142,21 @@ class Gpu(Protocol):
         """A read-only snapshot for `dvfs gpu info`; readings the GPU lacks are None."""
         ...
 
+    def compute_pids(self) -> frozenset[int] | None:
+        """PIDs of the compute processes on this GPU, as the driver (the host's PID namespace)
+        sees them; None: it cannot tell (not supported, not permitted, a simulated GPU)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GpuProcesses:
+    """One GPU of the machine and the compute PIDs on it (None: NVML cannot tell, and `why`)."""
+
+    index: int
+    uuid: str
+    pids: frozenset[int] | None
+    why: str = ""
+
 
 @dataclass(frozen=True)
 class BulkReadings:

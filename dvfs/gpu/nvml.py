@@ -19,8 +19,20 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-from dvfs.errors import GpuNotSupportedError, GpuUnavailableError, GpuValueError
-from dvfs.gpu.base import DeviceInfo, GpuIdentity, PowerLimitRange, unsupported_clock
+from dvfs.errors import (
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+    GpuValueError,
+)
+from dvfs.gpu.base import (
+    DeviceInfo,
+    GpuIdentity,
+    GpuProcesses,
+    PowerLimitRange,
+    unsupported_clock,
+)
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
 from dvfs.gpu.nvml_errors import NvmlErrors
 
@@ -242,6 +254,17 @@ class NvmlGpu:
             return False
         return int(current) == 1
 
+    def compute_pids(self) -> frozenset[int] | None:
+        """PIDs NVML lists as compute processes on this GPU (read-only; host PID namespace);
+        None when the driver cannot tell (NotSupported, NoPermission)."""
+        try:
+            procs = self._call(
+                self.nvml.nvmlDeviceGetComputeRunningProcesses, "list compute processes"
+            )
+        except (GpuNotSupportedError, GpuPermissionError):
+            return None
+        return frozenset(int(p.pid) for p in procs)
+
     def persistence_mode(self) -> bool | None:
         try:
             return bool(self._call(self.nvml.nvmlDeviceGetPersistenceMode, "read persistence mode"))
@@ -322,6 +345,47 @@ def device_count(nvml: ModuleType, *, deadline_s: float | None = None) -> int:
             )
     finally:
         worker.close()
+
+
+def gpu_processes(nvml: ModuleType, *, deadline_s: float | None = None) -> list[GpuProcesses]:
+    """Every GPU NVML sees (not only the campaign's) with the compute PIDs on it: where a server
+    really runs. Read-only, each call within the deadline; a GPU whose processes NVML cannot
+    list (NotSupported, NoPermission, an NVML error on it) has `pids` None and says why."""
+    errors = NvmlErrors(nvml)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-processes")
+    found = []
+    try:
+        with errors.translated("cannot count GPUs"):
+            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
+        for index in range(count):
+            where, uuid = f"GPU {index}", "?"
+            try:
+                with errors.translated(f"GPU {index}: cannot list compute processes"):
+                    handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
+                    uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
+                    procs = _bounded(
+                        worker, limit, where, nvml.nvmlDeviceGetComputeRunningProcesses, handle
+                    )
+            except GpuError as exc:
+                found.append(GpuProcesses(index, uuid, None, str(exc)))
+                continue
+            found.append(GpuProcesses(index, uuid, frozenset(int(p.pid) for p in procs)))
+    finally:
+        worker.close()
+    return found
+
+
+def processes_probe(
+    gpus: Sequence[object],
+) -> Callable[[], list[GpuProcesses]] | None:
+    """What lists the compute processes of every GPU on the machine, through the NVML module
+    the campaign's GPUs were opened with (None when they are not NVML GPUs)."""
+    first = next((g for g in gpus if isinstance(g, NvmlGpu)), None)
+    if first is None:
+        return None
+    module, deadline = first.nvml, first.deadline_s or 0
+    return lambda: gpu_processes(module, deadline_s=deadline)
 
 
 def open_device(

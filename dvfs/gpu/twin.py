@@ -140,6 +140,10 @@ class TwinGpu:
     def mig_enabled(self) -> bool:
         return False
 
+    def compute_pids(self) -> frozenset[int] | None:
+        """None: no server process runs on a simulated GPU (the twin engine is in-process)."""
+        return None
+
     def persistence_mode(self) -> bool | None:
         return None
 

@@ -339,6 +339,7 @@ class Runner:
             args=info.args,
             log_path=info.log_path,
             attention_backend=info.attention_backend,
+            gpu_pinning=info.gpu_pinning,
         )
         record = server.to_json()
         try:

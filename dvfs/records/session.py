@@ -265,6 +265,10 @@ class Server:
     attention_backend: str | None = None  # None: the server did not say (e.g. the twin)
     log_path: str | None = None
     started: str = ""
+    #: Whether it ran on the metered GPUs: "verified: ..." or "unverified: why"
+    #: (`dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs), or a
+    #: record older than the check (an optional key within journal version 3).
+    gpu_pinning: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -276,6 +280,7 @@ class Server:
             "args": self.args,
             "log_path": self.log_path,
             "attention_backend": self.attention_backend,
+            "gpu_pinning": self.gpu_pinning,
         }
 
     @classmethod
@@ -288,4 +293,5 @@ class Server:
             attention_backend=record.get("attention_backend"),
             log_path=record.get("log_path"),
             started=record.get("started") or "",
+            gpu_pinning=record.get("gpu_pinning"),
         )

@@ -132,6 +132,13 @@ prefill_attention_backend and decode_attention_backend (None: same as the main o
 The log's first line names the GPUs the stub was given: CUDA_VISIBLE_DEVICES and
 CUDA_DEVICE_ORDER from its environment.
 
+GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
+(``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
+process on the fake devices whose UUIDs its CUDA_VISIBLE_DEVICES names, before it listens, as
+a server that loaded its weights would; ``nvml_device`` (null) in the config puts it on that
+device index instead (a wrapper that escaped CUDA_VISIBLE_DEVICES).  It drops itself again on
+a clean exit (the fake lists only live pids anyway).
+
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
 too, but on a streaming request it arrives in-band as ``data: {"error": ...}``
@@ -283,6 +290,7 @@ class StubConfig:
     abort_ignored: bool = False
     hold_unfinished: bool = False
     hold_after_requests: int | None = None
+    nvml_device: int | None = None
 
 
 #: How often a held request looks for its abort or its client's disconnect (s).
@@ -292,6 +300,7 @@ _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length
 _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
+_OPTIONAL_INT_KEYS += ("nvml_device",)
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -1390,6 +1399,38 @@ class StubHandler(BaseHTTPRequestHandler):
         self._json(200, results if plan.is_list else results[0])
 
 
+# --------------------------------------------------------------------------- GPU processes
+
+
+def fake_nvml(environ: Mapping[str, str]) -> Any:
+    """The fake pynvml module, loaded by path, when DVFS_FAKE_NVML_STATE is set; else None."""
+    if not environ.get("DVFS_FAKE_NVML_STATE"):
+        return None
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "nvml" / "pynvml.py"
+    spec = importlib.util.spec_from_file_location("fake_pynvml_for_stub", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def register_gpu_process(nvml: Any, cfg: StubConfig, environ: Mapping[str, str]) -> list[Any]:
+    """List this process on the fake devices it runs on: those its CUDA_VISIBLE_DEVICES names
+    by UUID, or ``nvml_device``; returns them."""
+    if cfg.nvml_device is not None:
+        devices: list[Any] = [cfg.nvml_device]
+    else:
+        uuids = {d["uuid"] for d in nvml.fake_state()["devices"]}
+        visible = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        devices = [v.strip() for v in visible if v.strip() in uuids]
+    for device in devices:
+        nvml.fake_add_process(device, os.getpid())
+    log(f"listed pid {os.getpid()} as a compute process on fake GPU(s) {devices}")
+    return devices
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -1423,6 +1464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bind_host = "127.0.0.1" if host == "localhost" else host
     if cfg.listen_delay_s:
         time.sleep(cfg.listen_delay_s)
+    nvml = fake_nvml(os.environ)
+    if nvml is not None:
+        register_gpu_process(nvml, cfg, os.environ)
     stub = Stub(cfg, args, spec)
     try:
         server = StubHTTPServer((bind_host, int(args["port"])), LOOPBACK_HOSTS[host], stub)
@@ -1457,6 +1501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub.stop.set()
     server.shutdown()
     server.server_close()
+    if nvml is not None:
+        nvml.fake_remove_process(os.getpid())
     return 0
 
 

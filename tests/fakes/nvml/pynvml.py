@@ -27,6 +27,12 @@ Environment (read at every call):
   ``fake_release_hangs()`` (in the hanging process). Each hang that starts is appended to
   ``<state>.hangs`` (see ``fake_hangs_started``), so a test knows the call is stuck.
 
+Compute processes: each device's ``processes`` list (``{"pid", "used_bytes"}``) is what
+``nvmlDeviceGetComputeRunningProcesses`` returns, live pids only (NVML drops a process that
+exited); ``fake_add_process``/``fake_remove_process`` register and drop one (the SGLang stub
+registers itself on the devices its CUDA_VISIBLE_DEVICES names). Inject
+``errors={"nvmlDeviceGetComputeRunningProcesses": 3}`` to play a driver that cannot list them.
+
 Energy counter: power is integrated over ``time.time()`` and persisted; the value
 returned only advances at the boundaries of a fixed 20 ms wall-clock grid
 (``FAKE_ENERGY_UPDATE_S``), like the hardware counter that updates every ~20 ms.
@@ -420,6 +426,22 @@ class c_nvmlFieldValue_t:
         )
 
 
+class c_nvmlProcessInfo_t:
+    """One compute process on a device: ``pid`` (host PID namespace) and ``usedGpuMemory``
+    (bytes; None where the driver cannot say, as nvidia-ml-py reports it)."""
+
+    __slots__ = ("pid", "usedGpuMemory", "gpuInstanceId", "computeInstanceId")
+
+    def __init__(self, pid: int, used: int | None) -> None:
+        self.pid = pid
+        self.usedGpuMemory = used
+        self.gpuInstanceId = 0xFFFFFFFF
+        self.computeInstanceId = 0xFFFFFFFF
+
+    def __repr__(self) -> str:
+        return f"c_nvmlProcessInfo_t(pid={self.pid}, usedGpuMemory={self.usedGpuMemory})"
+
+
 class c_nvmlMemory_t:
     """Memory info in bytes (``total``, ``free``, ``used``)."""
 
@@ -574,6 +596,7 @@ def _new_device(index: int, profile: str, now: float) -> dict[str, Any]:
         "energy_mj": energy,
         "energy_exact_mj": float(energy),
         "energy_time": now,
+        "processes": [],
     }
 
 
@@ -927,6 +950,29 @@ def nvmlDeviceSetPersistenceMode(handle: FakeNvmlDeviceHandle, mode: int) -> Non
         dev["persistence_mode"] = mode
 
     _set("nvmlDeviceSetPersistenceMode", handle, (mode,), apply)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: FakeNvmlDeviceHandle) -> list[c_nvmlProcessInfo_t]:
+    """The compute processes on the device (live pids of its ``processes`` list)."""
+    return _get(
+        "nvmlDeviceGetComputeRunningProcesses",
+        handle,
+        lambda d, p: [
+            c_nvmlProcessInfo_t(int(e["pid"]), e.get("used_bytes"))
+            for e in d.get("processes") or ()
+            if _alive(int(e["pid"]))
+        ],
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -1302,6 +1348,33 @@ def fake_update_device(index: int, **changes: Any) -> None:
         changes["locked_clocks"] = [int(v) for v in changes["locked_clocks"]]
     with _transaction(write=True) as state:
         state["devices"][index].update(changes)
+
+
+def _device_index(state: dict[str, Any], device: int | str) -> int:
+    if isinstance(device, int):
+        if not 0 <= device < len(state["devices"]):
+            raise KeyError(f"no fake device {device}")
+        return device
+    for dev in state["devices"]:
+        if dev["uuid"] == device:
+            return int(dev["index"])
+    raise KeyError(f"no fake device with UUID {device!r}")
+
+
+def fake_add_process(device: int | str, pid: int, used_bytes: int = 1024 * _MIB) -> None:
+    """List ``pid`` as a compute process on ``device`` (an index or a UUID), as a process
+    that created a CUDA context there would be."""
+    with _transaction(write=True) as state:
+        dev = state["devices"][_device_index(state, device)]
+        entries = [e for e in dev.setdefault("processes", []) if int(e["pid"]) != pid]
+        dev["processes"] = [*entries, {"pid": int(pid), "used_bytes": int(used_bytes)}]
+
+
+def fake_remove_process(pid: int) -> None:
+    """Drop ``pid`` from every device's compute processes (the process released its GPUs)."""
+    with _transaction(write=True) as state:
+        for dev in state["devices"]:
+            dev["processes"] = [e for e in dev.get("processes") or () if int(e["pid"]) != pid]
 
 
 def fake_set_driver_version(version: str) -> None:

@@ -1,0 +1,196 @@
+"""The started server runs on the metered GPUs: NVML's compute processes of every GPU, matched
+against the server's process tree, through `dvfs sweep` with the fake NVML and the stub."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from nvml_support import dvfs_in_process, fake_env, load_fake
+from sglang_support import running, stub_campaign
+
+import dvfs
+from dvfs.engines.sglang import pinning_outcome, server_pids
+from dvfs.errors import EngineError
+from dvfs.gpu.base import GpuProcesses
+from dvfs.gpu.nvml import gpu_processes, open_nvml_gpus
+from dvfs.records.session import Server
+
+ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
+DEVICES = "h100-sxm,h100-sxm,h100-sxm"
+LIST_FN = "nvmlDeviceGetComputeRunningProcesses"
+
+
+@pytest.fixture
+def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The fake pynvml on a fresh three-GPU state in `tmp_path` (this process and the sweep's)."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", DEVICES)
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+def _sweep(tmp_path: Path, stub: dict | None = None) -> tuple[int, list[dict], list[dict], str]:
+    """One drafter's sweep on GPU 1: exit code, cell records, server records, output."""
+    path, marker = stub_campaign(
+        tmp_path,
+        stub=stub,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        gpu='backend = "nvml"\ndevices = [1]',
+    )
+    out = tmp_path / "out"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    result = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert running(marker) == []  # every server was stopped, the refused one too
+    cells = [r for r in records if r["type"] == "cell"]
+    servers = [r for r in records if r["type"] == "server"]
+    return result.returncode, cells, servers, result.stdout + result.stderr
+
+
+def _pinning(tmp_path: Path) -> dict[str, str]:
+    return json.loads(dvfs.open_cube(str(tmp_path / "out" / "cube.nc")).attrs["gpu_pinning"])
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+
+def test_a_server_on_the_metered_gpu_is_verified_in_the_cube(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    code, cells, servers, output = _sweep(tmp_path)
+    assert code == 0, output
+    assert cells and all(c["status"] == "ok" for c in cells)
+    uuid = nv.fake_state()["devices"][1]["uuid"]
+    [server] = servers
+    assert server["gpu_pinning"] == f"verified: GPU 1 ({uuid})"
+    assert _pinning(tmp_path) == {"none": f"verified: GPU 1 ({uuid})"}
+    # The stub dropped itself from the fake GPU when it was stopped.
+    assert all(not d["processes"] for d in nv.fake_state()["devices"])
+
+
+def test_a_server_on_another_gpu_fails_its_cells_with_one_line(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    code, cells, servers, output = _sweep(tmp_path, stub={"nvml_device": 0})
+    assert code == 5, output
+    assert servers == []  # a refused server is never recorded as having served
+    assert cells and all(c["status"] == "failed" for c in cells)
+    uuid = nv.fake_state()["devices"][0]["uuid"]
+    for cell in cells:
+        error = cell["error"]
+        assert "\n" not in error
+        assert f"GPU 0 ({uuid})" in error and "does not meter" in error
+        assert "CUDA_VISIBLE_DEVICES" in error and "server_command" in error
+
+
+def test_nvml_without_process_lists_leaves_the_server_unverified(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    for index in range(3):
+        nv.fake_update_device(index, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+    code, cells, servers, output = _sweep(tmp_path)
+    assert code == 0, output
+    assert cells and all(c["status"] == "ok" for c in cells)
+    pinning = _pinning(tmp_path)["none"]
+    assert pinning.startswith("unverified: NVML cannot list the compute processes of GPU 0")
+    assert "Not Supported" in pinning and "lists none" not in pinning
+    assert servers[0]["gpu_pinning"] == pinning
+
+
+# -- the parts -----------------------------------------------------------------------------------
+
+
+def test_the_process_tree_holds_the_group_and_its_descendants() -> None:
+    # A group leader whose child is in its group, and a grandchild that left it (setsid).
+    script = "sleep 30 & echo $!; setsid sleep 30 & echo $!; wait"
+    leader = subprocess.Popen(
+        ["sh", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    escaped = 0
+    try:
+        assert leader.stdout is not None
+        child, escaped = int(leader.stdout.readline()), int(leader.stdout.readline())
+        tree = server_pids(leader.pid)
+        assert {leader.pid, child, escaped} <= tree
+        assert os.getpid() not in tree
+        mine = server_pids(os.getpid())
+        assert {os.getpid(), leader.pid, child, escaped} <= mine
+    finally:
+        if escaped:  # in a session of its own: the group's kill does not reach it
+            os.kill(escaped, signal.SIGKILL)
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def test_the_process_tree_of_a_missing_proc_is_the_root(tmp_path: Path) -> None:
+    assert server_pids(42, tmp_path / "no-proc") == frozenset({42})
+
+
+def test_pinning_outcomes() -> None:
+    a, b, c = (GpuProcesses(i, f"GPU-{x}", frozenset()) for i, x in enumerate("abc"))
+    on = GpuProcesses(1, "GPU-b", frozenset({7, 99}))
+    ours = frozenset({7, 8})
+    assert pinning_outcome("d", ours, [a, on, c], ["GPU-b"]) == "verified: GPU 1 (GPU-b)"
+    none_seen = pinning_outcome("d", ours, [a, b, c], ["GPU-b"])
+    assert none_seen.startswith("unverified: NVML lists none of the server's 2 process(es)")
+    blind = GpuProcesses(2, "GPU-c", None, "not supported")
+    assert pinning_outcome("d", ours, [a, on, blind], ["GPU-b"]) == (
+        "unverified: NVML cannot list the compute processes of GPU 2 (not supported)"
+    )
+    half = pinning_outcome("d", ours, [a, on, c], ["GPU-b", "GPU-c"])
+    assert half == "unverified: NVML lists the server on GPU 1 but not on the metered GPU-c"
+    stray = GpuProcesses(0, "GPU-a", frozenset({8}))
+    with pytest.raises(EngineError, match=r"'d' server runs on GPU 0 \(GPU-a\), which dvfs"):
+        pinning_outcome("d", ours, [stray, on, blind], ["GPU-b"])
+
+
+def test_compute_pids_through_nvml(nv: ModuleType) -> None:
+    nv.fake_add_process(1, os.getpid())
+    nv.fake_add_process(nv.fake_state()["devices"][2]["uuid"], os.getpid())
+    with open_nvml_gpus([0, 1], nvml=nv) as (gpu0, gpu1):
+        assert gpu0.compute_pids() == frozenset()
+        assert gpu1.compute_pids() == frozenset({os.getpid()})
+        nv.fake_update_device(1, errors={LIST_FN: nv.NVML_ERROR_NO_PERMISSION})
+        assert gpu1.compute_pids() is None
+        nv.fake_update_device(1, errors={LIST_FN: nv.NVML_ERROR_NOT_SUPPORTED})
+        assert gpu1.compute_pids() is None
+        every = gpu_processes(nv)
+    assert [(g.index, g.pids) for g in every] == [
+        (0, frozenset()),
+        (1, None),
+        (2, frozenset({os.getpid()})),
+    ]
+    assert "Not Supported" in every[1].why
+    nv.fake_remove_process(os.getpid())
+    assert all(not d["processes"] for d in nv.fake_state()["devices"])
+
+
+def test_the_fake_lists_live_processes_only(nv: ModuleType) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    nv.fake_add_process(0, gone.pid)
+    nv.nvmlInit()
+    try:
+        handle = nv.nvmlDeviceGetHandleByIndex(0)
+        assert nv.nvmlDeviceGetComputeRunningProcesses(handle) == []
+        nv.fake_add_process(0, os.getpid(), used_bytes=123)
+        [proc] = nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        assert (proc.pid, proc.usedGpuMemory) == (os.getpid(), 123)
+    finally:
+        nv.nvmlShutdown()
+
+
+def test_old_server_records_read_without_pinning() -> None:
+    old = {"drafter": "none", "engine": "sglang", "version": "0.5.23", "args": {}}
+    assert Server.from_json(old).gpu_pinning is None
+    new = Server("none", "sglang", "0.5.23", {}, gpu_pinning="verified: GPU 0 (GPU-a)")
+    assert Server.from_json(new.to_json()) == new
