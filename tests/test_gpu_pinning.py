@@ -194,3 +194,29 @@ def test_old_server_records_read_without_pinning() -> None:
     assert Server.from_json(old).gpu_pinning is None
     new = Server("none", "sglang", "0.5.23", {}, gpu_pinning="verified: GPU 0 (GPU-a)")
     assert Server.from_json(new.to_json()) == new
+
+
+def test_merged_shards_keep_every_shards_pinning_outcome() -> None:
+    """Shards of one run may have started their servers on different hosts: the merged cube
+    keeps each drafter's distinct outcomes, not the first shard's alone."""
+    import json
+
+    import xarray as xr
+
+    from dvfs.cube.merge import _combined_attrs
+
+    def shard(pinning: dict[str, str]) -> xr.Dataset:
+        attrs = {"gpu_pinning": json.dumps(pinning), "gpu_uuids": "GPU-a", "idle_power_w": 70.0}
+        return xr.Dataset(attrs=attrs)
+
+    merged = _combined_attrs(
+        [
+            shard({"none": "verified: GPU 0", "eagle3": "verified: GPU 0"}),
+            shard({"none": "unverified: no PIDs listed", "eagle3": "verified: GPU 0"}),
+        ],
+        ["0", "1"],
+    )
+    assert json.loads(merged["gpu_pinning"]) == {
+        "eagle3": "verified: GPU 0",
+        "none": "verified: GPU 0; unverified: no PIDs listed",
+    }

@@ -309,9 +309,18 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
 
     servers: dict[str, Any] = {}
     failed: list[Any] = []
+    pinning: dict[str, list[str]] = {}  # per drafter, each shard's distinct outcome
     for ds in cubes:
         servers.update(json.loads(str(ds.attrs.get("server_args", "{}")) or "{}"))
         failed.extend(json.loads(str(ds.attrs.get("failed_cells", "[]")) or "[]"))
+        for drafter, outcome in json.loads(str(ds.attrs.get("gpu_pinning", "{}")) or "{}").items():
+            seen = pinning.setdefault(drafter, [])
+            if outcome not in seen:
+                seen.append(outcome)
+    if pinning:
+        attrs["gpu_pinning"] = json.dumps(
+            {drafter: "; ".join(outcomes) for drafter, outcomes in pinning.items()}, sort_keys=True
+        )
     uuids = joined("gpu_uuids")
     attrs.update(
         gpu_uuids=uuids,
