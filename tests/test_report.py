@@ -384,3 +384,14 @@ def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_
         f"Error: cannot write {folder / 'r.html'}: read-only file system; choose another --output"
     )
     assert list(folder.iterdir()) == []
+
+
+@given(st.floats(0.001, 999_999.0))
+def test_milliseconds_read_as_plain_numbers_within_half_a_percent(ms: float) -> None:
+    """A latency or target in a table is a plain number (1000, not 1e+03), close to the
+    value: three significant digits below 100 ms, whole milliseconds above."""
+    from dvfs.report.common import fmt_ms
+
+    text = fmt_ms(ms)
+    assert "e" not in text and abs(float(text) - ms) <= max(0.005 * ms, 0.5)
+    assert fmt_ms(None) == "-"

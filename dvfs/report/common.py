@@ -53,6 +53,14 @@ def fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def fmt_ms(value: float | None, missing: str = "-") -> str:
+    """Milliseconds as a person reads them: three significant digits, whole numbers from
+    100 ms up (1000, not 1e+03)."""
+    if value is None:
+        return missing
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]

@@ -11,6 +11,7 @@ from dvfs.report.common import (
     as_float,
     as_int,
     fmt,
+    fmt_ms,
     gpus_of,
     group_dims,
     markdown_table,
@@ -189,7 +190,7 @@ def headroom_table_rows(
                 "-",
                 "-",
                 "-",
-                fmt(r["target_ms"], ".3g"),
+                fmt_ms(r["target_ms"]),
             ]
         else:
             chosen = f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}"
@@ -205,8 +206,8 @@ def headroom_table_rows(
                 fmt(r["stock_energy_per_token_j"], ".4g"),
                 fmt(r["energy_per_token_j"], ".4g"),
                 fmt(saving, ".1f") + "%",
-                fmt(r["latency_ms"], ".3g"),
-                fmt(r["target_ms"], ".3g"),
+                fmt_ms(r["latency_ms"]),
+                fmt_ms(r["target_ms"]),
             ]
         rows.append([*lead, str(r["batch"]), r["drafter"], r["corpus"], *cells])
     keep = [i for i, name in enumerate(header) if name not in omit]
