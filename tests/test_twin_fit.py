@@ -272,3 +272,8 @@ def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: P
         assert getattr(profile, name) == pytest.approx(getattr(h200, name), rel=0.01), name
     bad = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--clocks", "1501"])
     assert bad.exit_code == 2 and "1501 MHz is not a supported SM clock of the twin" in bad.output
+    # The twin's roofline is its GPU's at the model's sizes: a --device (which would shrink the
+    # kernels to a CPU's) or a --gpu to measure contradicts it.
+    for extra in (["--device", "cpu"], ["--gpu", "0"]):
+        mixed = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", *extra])
+        assert mixed.exit_code == 2 and f"so {extra[0]} (the hardware" in mixed.output

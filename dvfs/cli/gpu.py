@@ -294,6 +294,18 @@ def roofline(
 
     if twin is None:
         import_torch()  # without it, the one line that says how to install it, and nothing else
+    else:
+        ctx = click.get_current_context()
+        given = [
+            name
+            for name, param in (("--device", "device"), ("--gpu", "gpu_index"))
+            if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+        ]
+        if given:
+            raise click.UsageError(
+                f"--twin simulates the twin's GPU at the model's own sizes, so "
+                f"{' and '.join(given)} (the hardware to measure) does not apply: drop it"
+            )
     on_cpu = device == "cpu"
     if not (on_cpu or device == "cuda" or device.startswith("cuda:")):
         raise click.BadParameter(f"{device!r}: use cuda, cuda:N or cpu", param_hint="--device")
