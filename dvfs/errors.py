@@ -63,6 +63,13 @@ class CorpusError(DvfsError):
     """A corpus cannot be loaded or sampled; the message names the file and line."""
 
 
+class CorpusShortfallError(CorpusError):
+    """The campaign asks more of its corpora than they hold (a batch larger than the prompts
+    in its input range): an invalid campaign, as its dry run says, so a usage error."""
+
+    exit_code = 2
+
+
 class AnalysisError(DvfsError):
     """An analysis was asked something the cube cannot answer."""
 

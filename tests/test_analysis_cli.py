@@ -159,5 +159,5 @@ def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None
     run_ = CliRunner().invoke(
         cli, ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress"]
     )
-    assert run_.exit_code == 1 and "batch 128 needs 128" in run_.output
+    assert run_.exit_code == 2 and "batch 128 needs 128" in run_.output  # as its dry run
     assert not (tmp_path / "o" / "cube.nc").exists()

@@ -11,7 +11,7 @@ from dvfs.backends import tokenizer_model
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus, TokenCounter
 from dvfs.corpora.registry import load_corpus
-from dvfs.errors import CorpusError
+from dvfs.errors import CorpusShortfallError
 
 
 def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[str, Corpus]:
@@ -76,10 +76,11 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
 
 
 def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
-    """Refuse a campaign whose corpora cannot fill its largest batch (a `CorpusError`)."""
+    """Refuse a campaign whose corpora cannot fill its largest batch (exit 2, as an invalid
+    campaign: `CorpusShortfallError`)."""
     problems = corpus_shortfalls(campaign, corpora)
     if problems:
-        raise CorpusError(
+        raise CorpusShortfallError(
             "; ".join(problems) + ". Lower the batch sizes, widen "
             "workload.input_tokens, or add prompts"
         )
