@@ -281,3 +281,22 @@ def test_pareto_front_holds_exactly_the_undominated_points(points: list[tuple[in
         assert not any((p <= a and q <= b) and (p, q) != (a, b) and q < b for p, q in finite)
     for p, q in finite:  # every point is matched or beaten by a front point
         assert any(a <= p and b <= q for a, b in zip(fx, fy, strict=True))
+
+
+def test_the_headroom_map_says_why_a_cell_has_no_answer() -> None:
+    """A cell without an answer names its cause as the table does: a partial cube's settings
+    with one measured repeat are 'too few repeats', not 'none feasible'."""
+    import math
+
+    slow = {1000: 12.0, 2000: 10.0}
+    cube = make_cube(
+        clocks=[1000, 2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        # eagle3 measured in repeat 0 only so far; none in all three
+        latency=lambda c, p, b, d, k, r: slow[c] if d == "none" or r == 0 else math.nan,
+    )
+    fig = draw_headroom(headroom(cube, target=Target("preserve", slack=0.3)))
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "too few\nrepeats" in texts and "none\nfeasible" not in texts
+    assert any(t.endswith("MHz") for t in texts)  # none's cell has its answer

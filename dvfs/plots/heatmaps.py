@@ -92,6 +92,29 @@ def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) ->
     box.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.45), frameon=False)
 
 
+def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
+    """Why each cell without an answer has none, as `dvfs headroom`'s table says it: no valid
+    reference cell, too few usable repeats, no valid cell, or none feasible."""
+    shape = tuple(chosen.sizes[d] for d in order)
+
+    def counts(name: str) -> np.ndarray:
+        if name not in chosen:  # a result from before these counts: every setting judged
+            return np.ones(shape, dtype=int)
+        return chosen[name].transpose(*order).values
+
+    target = chosen["target_ms"].transpose(*order).values
+    judged, short = counts("judged_settings"), counts("short_settings")
+    return np.where(
+        ~np.isfinite(target),
+        "no valid\nreference",
+        np.where(
+            judged > 0,
+            "none\nfeasible",
+            np.where(short > 0, "too few\nrepeats", "no valid\ncell"),
+        ),
+    )
+
+
 @styled
 def draw_headroom(chosen: xr.Dataset) -> Figure:
     """Energy saved (%) at the least-energy setting meeting the target: a panel per corpus,
@@ -107,11 +130,12 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
+    why = _no_answer_labels(chosen, order)
     norm = shared_norm([saving])
     cmap = _cmap("Greens")
     key = [
         Patch(label=f"power limit capped below {stock_limit:g} W", **CAP_OUTLINE),
-        Patch(facecolor=MISSING_COLOR, label="no setting meets the target"),
+        Patch(facecolor=MISSING_COLOR, label="no answer (the cell says why)"),
     ]
 
     rows, cols = grid_shape(len(corpora))
@@ -132,7 +156,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         )
         labels = [
             [
-                "none\nfeasible"
+                why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
                 else f"{saving[k, i, j]:.0f}%\n{clock[k, i, j]:.0f} MHz"
                 + (f"\n{limit[k, i, j]:.0f} W" if capped[k, i, j] else "")
