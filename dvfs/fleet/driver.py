@@ -239,7 +239,11 @@ class Driver:
                     f"model and driver: its {self.total - len(self.todo)} finished cell(s) "
                     "stand, the rest run here"
                 )
+        # The queue gives each comparison group (batch, corpus, repeat) to one worker: its
+        # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
+        combined["arms_on_one_gpu"] = 1
         self.journal.append(combined)
+        self.queue.join([str(s.get("worker")) for s in sessions])
         for s in sessions:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))
@@ -368,7 +372,10 @@ class Driver:
         if any(cell.key in self._outstanding for cell in cells):
             self.queue.give_back([cells[0]])
         self.queue.leave(worker)
-        self.note(f"worker {worker} lost ({why}); its unfinished cell goes to the others")
+        self.note(
+            f"worker {worker} lost ({why}); its unfinished cells go to the others, a comparison "
+            "group at a time"
+        )
         self._show(stats)
 
     def _show(self, stats: WorkerStats) -> None:
@@ -496,9 +503,10 @@ class Fleet:
         return None if lead is None else driver.unit(lead)
 
     def has_cells(self, worker: str) -> bool:
-        """Whether `worker`'s model still has cells waiting in its queue for it."""
+        """Whether `worker`'s model's queue has cells for it now (a group of its own, one in
+        the pool, or one it may steal)."""
         driver = self._lanes[worker]
-        return worker not in driver.retired and len(driver.queue) > 0
+        return worker not in driver.retired and driver.queue.available(worker)
 
     def done_for(self, worker: str) -> bool:
         """Whether `worker` has nothing more to do: the campaign is finished, or the driver
