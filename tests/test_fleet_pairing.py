@@ -6,6 +6,7 @@ starts low."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.cli import cli
-from dvfs.cube import STATUS_OK, open_cube
+from dvfs.cube import STATUS_OK, build_cube, open_cube
 from dvfs.fleet.queue import CellQueue, group_of
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell
@@ -58,7 +59,22 @@ def assert_groups_on_one_gpu(out: Path) -> None:
 
 
 def test_fixed_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
-    assert_groups_on_one_gpu(swept_on_four(tmp_path, fleet_campaign("pairs", repeats=2)))
+    out = swept_on_four(tmp_path, fleet_campaign("pairs", repeats=2))
+    assert_groups_on_one_gpu(out)
+    # A cell of one group moved to another GPU (as a lost worker's group finishing elsewhere
+    # would): the cube counts that group, and only it.
+    lines = (out / "journal.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    first = records[cells[0]]
+    other = next(r for r in (records[i] for i in cells) if r["worker"] != first["worker"])
+    first["gpus"] = other.get("gpus") or ["GPU-elsewhere"]
+    first.pop("worker")
+    lines[cells[0]] = json.dumps(first)
+    (out / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    cube = build_cube(out / "journal.jsonl")
+    assert cube.attrs["groups_across_gpus"] == 1
+    assert cube.attrs["arms_on_one_gpu"] == 1  # the fleet's schedule; the count tells
 
 
 def test_in_flight_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
