@@ -4,12 +4,14 @@
 executor (`local.py`: threads of this process; `ray_executor.py`: Ray actors) opens one
 `Worker` per GPU group and calls back here. `Fleet.open` takes every worker's session: the
 workers of one GPU model share a `Driver`, that is a journal, one session over all their GPUs
-and a `CellQueue` of the unfinished cells. One model journals in the folder itself; a fleet
-mixing models measures the campaign once per model, each in `gpu-<model>/`, and the cube
-merges them along a `gpu` dimension. Each finished cell is journalled as it arrives
-(`shipped`), so the journals alone resume the campaign, on these GPUs or on any others of the
-same model and driver (`dvfs.records.incomparable`: fewer after a node loss); a lost worker's
-cell goes back to its queue (`lost`). Only the driver's thread writes.
+and a `CellQueue` of the unfinished cells, which gives each comparison group (the cells of one
+batch, corpus and repeat) to one worker whole, so that the arms of a comparison share a GPU.
+One model journals in the folder itself; a fleet mixing models measures the campaign once per
+model, each in `gpu-<model>/`, and the cube merges them along a `gpu` dimension. Each finished
+cell is journalled as it arrives (`shipped`), so the journals alone resume the campaign, on
+these GPUs or on any others of the same model and driver (`dvfs.records.incomparable`: fewer
+after a node loss); a lost worker's groups go back to its queue (`lost`). Only the driver's
+thread writes.
 
 A worker is handed units of work: one cell, or in in-flight mode one group of knob levels
 measured inside shared decodes. With `max_repeats` above `repeats` the driver decides the

@@ -22,7 +22,8 @@ Thread-safe: local workers call it from their threads; the Ray driver from one t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 
 from dvfs.measure.plan import Cell
 
@@ -35,24 +36,60 @@ def group_of(cell: Cell) -> GroupKey:
     return (cell.batch, cell.corpus, cell.repeat)
 
 
+class _Group:
+    """A comparison group's cells not handed out yet: each drafter's in measuring order."""
+
+    def __init__(self, rank: Callable[[Cell], int]) -> None:
+        self._rank = rank
+        self.by_drafter: dict[str, deque[Cell]] = {}
+        self.size = 0
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def add(self, cell: Cell) -> None:
+        queue = self.by_drafter.setdefault(cell.drafter, deque())
+        if cell in queue:
+            return
+        if queue and self._rank(queue[-1]) > self._rank(cell):
+            queue.append(cell)
+            ordered = sorted(queue, key=self._rank)
+            queue.clear()
+            queue.extend(ordered)
+        else:
+            queue.append(cell)
+        self.size += 1
+
+    def head(self, drafter: str | None = None) -> Cell | None:
+        """The first cell of `drafter` (None: of any drafter), None when it has none."""
+        if drafter is not None:
+            queue = self.by_drafter.get(drafter)
+            return queue[0] if queue else None
+        return min((q[0] for q in self.by_drafter.values() if q), key=self._rank, default=None)
+
+    def pop(self, drafter: str) -> Cell:
+        self.size -= 1
+        return self.by_drafter[drafter].popleft()
+
+
 class CellQueue:
     def __init__(self, cells: Sequence[Cell], workers: Sequence[str] = ()) -> None:
         self._order = {c.key: i for i, c in enumerate(cells)}
-        self._cells: dict[GroupKey, list[Cell]] = {}  # each group's cells not handed out yet
+        self._cells: dict[GroupKey, _Group] = {}  # each group's cells not handed out yet
         self._holder: dict[GroupKey, str] = {}  # group -> the worker that holds (held) it
         self._started: set[GroupKey] = set()  # groups some cell of which was handed out
         self._pool: list[GroupKey] = []  # groups no worker holds, in measuring order
         self._live: list[str] = []  # the workers that joined and are not lost
         self._lock = threading.Lock()
         for cell in cells:
-            self._cells.setdefault(group_of(cell), []).append(cell)
+            self._group(group_of(cell)).add(cell)
         self._pool = list(self._cells)
         if workers:
             self.join(workers)
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(q) for q in self._cells.values())
+            return sum(g.size for g in self._cells.values())
 
     def join(self, workers: Sequence[str]) -> None:
         """The fleet's workers, in their order: the pool's groups are dealt out to them."""
@@ -79,14 +116,15 @@ class CellQueue:
                 if group is None:
                     return None
                 mine = [group]
-            waiting = [c for g in mine for c in self._cells[g]]
-            if drafter is not None and any(c.drafter == drafter for c in waiting):
-                pick = drafter
-            else:  # the next drafter: the one of its earliest cell in measuring order
-                pick = min(waiting, key=self._rank).drafter
-            cell = min((c for c in waiting if c.drafter == pick), key=self._rank)
+            heads = [h for h in (self._cells[g].head(drafter) for g in mine) if h is not None]
+            if drafter is None or not heads:  # the next drafter: that of its earliest cell
+                first = min((self._cells[g].head() for g in mine), key=self._head_rank)
+                assert first is not None
+                drafter = first.drafter
+                heads = [h for h in (self._cells[g].head(drafter) for g in mine) if h is not None]
+            cell = min(heads, key=self._rank)
             group = group_of(cell)
-            self._cells[group].remove(cell)
+            self._cells[group].pop(drafter)
             self._started.add(group)
             return cell
 
@@ -105,9 +143,7 @@ class CellQueue:
             for cell in cells:
                 self._order.setdefault(cell.key, len(self._order))
                 group = group_of(cell)
-                held = self._cells.setdefault(group, [])
-                if cell not in held:
-                    held.append(cell)
+                self._group(group).add(cell)
                 if group not in self._pool and self._holder.get(group) not in self._live:
                     self._holder.pop(group, None)
                     self._pool.append(group)
@@ -134,16 +170,22 @@ class CellQueue:
     def _rank(self, cell: Cell) -> int:
         return self._order.get(cell.key, len(self._order))
 
+    def _head_rank(self, cell: Cell | None) -> int:
+        return len(self._order) if cell is None else self._rank(cell)
+
+    def _group(self, group: GroupKey) -> _Group:
+        if group not in self._cells:
+            self._cells[group] = _Group(self._rank)
+        return self._cells[group]
+
     def _group_rank(self, group: GroupKey) -> tuple[int, int, str, int]:
-        cells = self._cells.get(group) or []
-        first = min((self._rank(c) for c in cells), default=len(self._order))
-        return (first, *group)
+        return (self._head_rank(self._cells[group].head()), *group)
 
     def _held(self, worker: str) -> list[GroupKey]:
         return [g for g, w in self._holder.items() if w == worker and self._cells[g]]
 
     def _load(self, worker: str) -> int:
-        return sum(len(self._cells[g]) for g in self._held(worker))
+        return sum(self._cells[g].size for g in self._held(worker))
 
     def _deal(self) -> None:
         """Deal the pool's groups out to the live workers: as many to each (a group at a time
@@ -165,7 +207,7 @@ class CellQueue:
             worker = min(open_, key=lambda w: (load[w], rank[w]))
             self._holder[group] = worker
             count[worker] += 1
-            load[worker] += len(self._cells[group])
+            load[worker] += self._cells[group].size
             dealt.append(group)
         self._pool = [g for g in self._pool if g not in set(dealt)]
 
@@ -180,9 +222,9 @@ class CellQueue:
             fresh = [g for g in held if g not in self._started]
             if not fresh:
                 continue
-            load = sum(len(self._cells[g]) for g in held)
+            load = sum(self._cells[g].size for g in held)
             group = max(fresh, key=self._group_rank)
-            if load > len(self._cells[group]) and (best is None or load > best[0]):
+            if load > self._cells[group].size and (best is None or load > best[0]):
                 best = (load, group)
         return None if best is None else best[1]
 
