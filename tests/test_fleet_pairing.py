@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, build_cube, open_cube
 from dvfs.fleet.queue import CellQueue, group_of
+from dvfs.fleet.worker import Worker
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell
 
@@ -88,6 +89,34 @@ def test_the_repeats_the_driver_adds_keep_their_groups_whole(tmp_path: Path) -> 
     }
     assert max(repeats) >= 2, "the driver added repeats"
     assert_groups_on_one_gpu(out)
+
+
+def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatch) -> None:
+    """gpu2 dies on its third cell: the groups it held go to the others whole; only those it
+    had started span two GPUs, and the cube counts exactly them."""
+    calls = {"n": 0}
+    run = Worker.run
+
+    def failing(self: Worker, cell):
+        if self.label == "gpu2":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", failing)
+    out = swept_on_four(tmp_path, fleet_campaign("lost", repeats=2))
+    workers: dict[tuple[int, str, int], set[str]] = {}
+    for r in read_records(out / "journal.jsonl"):
+        if r["type"] == "cell":
+            c = r["cell"]
+            workers.setdefault((c["batch"], c["corpus"], c["repeat"]), set()).add(r["worker"])
+    split = {g for g, w in workers.items() if len(w) > 1}
+    started = {g for g, w in workers.items() if "gpu2" in w}
+    assert split == started and split, (split, started)
+    assert all(len(w - {"gpu2"}) == 1 for w in workers.values()), "the rest of each on one"
+    cube = open_cube(out / "cube.nc")
+    assert cube.attrs["groups_across_gpus"] == len(split)
 
 
 # -- the queue alone --
