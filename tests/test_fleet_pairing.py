@@ -37,7 +37,7 @@ def swept_on_four(tmp_path: Path, text: str) -> Path:
     return out
 
 
-def assert_groups_on_one_gpu(out: Path) -> None:
+def assert_groups_on_one_gpu(out: Path) -> dict[tuple[int, str, int], set[str]]:
     """Every (batch, corpus, repeat)'s measured cells share one `measured_on`, in the cube and
     in the journal; the fleet used more than one GPU; the cube says it paired the arms."""
     cube = open_cube(out / "cube.nc")
@@ -57,11 +57,30 @@ def assert_groups_on_one_gpu(out: Path) -> None:
             c = r["cell"]
             workers.setdefault((c["batch"], c["corpus"], c["repeat"]), set()).add(r["worker"])
     assert all(len(w) == 1 for w in workers.values()), workers
+    return workers
+
+
+def assert_few_server_starts(out: Path, workers: dict[tuple[int, str, int], set[str]]) -> None:
+    """Each worker starts each drafter's server about once: at most the drafters for the
+    groups dealt to it (as many as the others), and the drafters again per group it took
+    beyond those."""
+    records = read_records(out / "journal.jsonl")
+    drafters = len({r["cell"]["drafter"] for r in records if r["type"] == "cell"})
+    starts: dict[str, int] = {}
+    for r in records:
+        if r["type"] == "server":
+            starts[r["worker"]] = starts.get(r["worker"], 0) + 1
+    ran: dict[str, int] = {}
+    for (w,) in workers.values():
+        ran[w] = ran.get(w, 0) + 1
+    fair = len(workers) // 4
+    for w, n in starts.items():
+        assert n <= drafters * max(0, ran.get(w, 0) - fair) + drafters, (w, n, ran)
 
 
 def test_fixed_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
     out = swept_on_four(tmp_path, fleet_campaign("pairs", repeats=2))
-    assert_groups_on_one_gpu(out)
+    assert_few_server_starts(out, assert_groups_on_one_gpu(out))
     # A cell of one group moved to another GPU (as a lost worker's group finishing elsewhere
     # would): the cube counts that group, and only it.
     lines = (out / "journal.jsonl").read_text().splitlines()
@@ -79,7 +98,8 @@ def test_fixed_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
 
 
 def test_in_flight_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
-    assert_groups_on_one_gpu(swept_on_four(tmp_path, INFLIGHT))
+    out = swept_on_four(tmp_path, INFLIGHT)
+    assert_few_server_starts(out, assert_groups_on_one_gpu(out))
 
 
 def test_the_repeats_the_driver_adds_keep_their_groups_whole(tmp_path: Path) -> None:
