@@ -277,6 +277,8 @@ class _Filler:
         self.split_method = np.zeros((), dtype=np.int8)
         #: Which GPU(s) measured each cell: UUIDs joined by ",", "" where none did.
         self.measured_on = np.zeros((), dtype=object)
+        #: Whether each session was a fleet that ran every comparison group on one worker.
+        self.paired: list[bool] = []
 
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
@@ -288,6 +290,7 @@ class _Filler:
                 self.where, record.get("journal_schema", self.first_version)
             )
             self.sessions.append(Session.from_json(record, version=self.version))
+            self.paired.append(record.get("arms_on_one_gpu") == 1)
         elif kind == "server":
             self.servers.append(Server.from_json(record))
         elif kind == "cell":
@@ -389,9 +392,33 @@ class _Filler:
         assert self.grid is not None
         ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
         ds[SPLIT_METHOD_VAR] = (CELL_DIMS, self.split_method, split_method_attrs())
+        # Every session's fleet gave each comparison group to one worker (`dvfs.fleet.queue`);
+        # whether the valid cells of each (batch, corpus, repeat) did share one GPU group is
+        # counted, not refused (a lost worker's groups finish elsewhere).
+        ds.attrs["arms_on_one_gpu"] = int(bool(self.paired) and all(self.paired))
+        ds.attrs["groups_across_gpus"] = _groups_across_gpus(
+            self.measured_on, self.status, self.data["valid"]
+        )
         return ds.assign_coords(
             {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))}
         )
+
+
+def _groups_across_gpus(measured_on: np.ndarray, status: np.ndarray, valid: np.ndarray) -> int:
+    """How many comparison groups (batch, corpus, repeat) have valid measured cells on more
+    than one GPU group (`measured_on`): their arms differ by GPU too."""
+    axes = [CELL_DIMS.index(d) for d in ("batch", "corpus", "repeat")]
+    rest = [i for i in range(len(CELL_DIMS)) if i not in axes]
+    if measured_on.ndim != len(CELL_DIMS):
+        return 0
+    order = (*axes, *rest)
+    on = np.transpose(measured_on, order).reshape(*(measured_on.shape[i] for i in axes), -1)
+    ok = np.transpose((status == STATUS_OK) & (valid == 1), order).reshape(on.shape)
+    count = 0
+    for index in np.ndindex(on.shape[:-1]):
+        if len({str(g) for g in on[index][ok[index]]}) > 1:
+            count += 1
+    return count
 
 
 def split_method_attrs() -> dict[str, Any]:

@@ -4,12 +4,14 @@
 executor (`local.py`: threads of this process; `ray_executor.py`: Ray actors) opens one
 `Worker` per GPU group and calls back here. `Fleet.open` takes every worker's session: the
 workers of one GPU model share a `Driver`, that is a journal, one session over all their GPUs
-and a `CellQueue` of the unfinished cells. One model journals in the folder itself; a fleet
-mixing models measures the campaign once per model, each in `gpu-<model>/`, and the cube
-merges them along a `gpu` dimension. Each finished cell is journalled as it arrives
-(`shipped`), so the journals alone resume the campaign, on these GPUs or on any others of the
-same model and driver (`dvfs.records.incomparable`: fewer after a node loss); a lost worker's
-cell goes back to its queue (`lost`). Only the driver's thread writes.
+and a `CellQueue` of the unfinished cells, which gives each comparison group (the cells of one
+batch, corpus and repeat) to one worker whole, so that the arms of a comparison share a GPU.
+One model journals in the folder itself; a fleet mixing models measures the campaign once per
+model, each in `gpu-<model>/`, and the cube merges them along a `gpu` dimension. Each finished
+cell is journalled as it arrives (`shipped`), so the journals alone resume the campaign, on
+these GPUs or on any others of the same model and driver (`dvfs.records.incomparable`: fewer
+after a node loss); a lost worker's groups go back to its queue (`lost`). Only the driver's
+thread writes.
 
 A worker is handed units of work: one cell, or in in-flight mode one group of knob levels
 measured inside shared decodes. With `max_repeats` above `repeats` the driver decides the
@@ -239,7 +241,11 @@ class Driver:
                     f"model and driver: its {self.total - len(self.todo)} finished cell(s) "
                     "stand, the rest run here"
                 )
+        # The queue gives each comparison group (batch, corpus, repeat) to one worker: its
+        # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
+        combined["arms_on_one_gpu"] = 1
         self.journal.append(combined)
+        self.queue.join([str(s.get("worker")) for s in sessions])
         for s in sessions:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))
@@ -368,7 +374,10 @@ class Driver:
         if any(cell.key in self._outstanding for cell in cells):
             self.queue.give_back([cells[0]])
         self.queue.leave(worker)
-        self.note(f"worker {worker} lost ({why}); its unfinished cell goes to the others")
+        self.note(
+            f"worker {worker} lost ({why}); its unfinished cells go to the others, a comparison "
+            "group at a time"
+        )
         self._show(stats)
 
     def _show(self, stats: WorkerStats) -> None:
@@ -496,9 +505,10 @@ class Fleet:
         return None if lead is None else driver.unit(lead)
 
     def has_cells(self, worker: str) -> bool:
-        """Whether `worker`'s model still has cells waiting in its queue for it."""
+        """Whether `worker`'s model's queue has cells for it now (a group of its own, one in
+        the pool, or one it may steal)."""
         driver = self._lanes[worker]
-        return worker not in driver.retired and len(driver.queue) > 0
+        return worker not in driver.retired and driver.queue.available(worker)
 
     def done_for(self, worker: str) -> bool:
         """Whether `worker` has nothing more to do: the campaign is finished, or the driver

@@ -1,7 +1,8 @@
 """The local executor: one worker thread per GPU group of this machine.
 
 Each thread opens its worker (its GPUs, knobs, server, clock), then pulls units of work (a
-cell, or an in-flight group) from the driver's queue until none is left; everything it
+cell, or an in-flight group) from the driver's queue until none is left for it (then it waits
+while others hold cells, for a group to steal or one a lost worker leaves); everything it
 finishes travels to the driver's thread through one event queue, and only the driver's thread
 writes the journal. A worker that fails is lost: its unit goes back to the queue. On Ctrl-C or
 SIGTERM (raised on the driver's thread) the workers stop after their current unit, restore

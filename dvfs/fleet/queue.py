@@ -1,75 +1,236 @@
-"""Handing cells to workers so that each keeps its drafter's server as long as it can.
+"""Handing cells to workers so that the arms of every comparison run on one GPU.
 
-A worker asks for its next cell naming the drafter its server runs. It gets that drafter's
-next cell while there is one; otherwise the drafter with the most cells left that no worker is
-on; otherwise it joins the busiest drafter, taking cells from the back of its list so the two
-servers do not interleave their knob settings. Cells of a lost worker go back in measuring
-order. Thread-safe: local workers call it from their threads; the Ray driver from one thread.
+A comparison group is the cells that share a batch, a corpus and a repeat: every drafter and
+every knob setting of them, the arms `dvfs compare` and headroom set against each other. The
+queue gives each group to one worker, whole, so that two arms never differ by the GPU that
+measured them. When the workers join, the groups are dealt out: each worker gets as many as
+the others (fewest cells first, then in measuring order), and those left over wait in a pool
+for whichever worker runs out first. A worker runs the groups it holds drafter-major (all its
+groups' cells of its server's drafter, in measuring order, then the next drafter's), so it
+starts each drafter's server about once. A worker out of cells takes a group from the pool,
+else steals a whole group that another worker holds but has not started (from the back of the
+busiest one's); a group is never split between workers. Groups that arrive later (the further
+repeats the driver adds: each repeat is a new group) are dealt out in the same way.
+
+The one exception is a lost worker: every group it holds goes back to the pool, whole, but
+cells it finished stay finished, so a group it had started is finished elsewhere and its arms
+then span two GPUs (`dvfs compare` and headroom flag those rows: `different_gpus`).
+
+Thread-safe: local workers call it from their threads; the Ray driver from one thread.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dvfs.measure.plan import Cell
 
+#: A comparison group: (batch, corpus, repeat), the coordinates that do not depend on the GPU.
+GroupKey = tuple[int, str, int]
+
+
+def group_of(cell: Cell) -> GroupKey:
+    """The comparison group a cell belongs to."""
+    return (cell.batch, cell.corpus, cell.repeat)
+
+
+class _Group:
+    """A comparison group's cells not handed out yet: each drafter's in measuring order."""
+
+    def __init__(self, rank: Callable[[Cell], int]) -> None:
+        self._rank = rank
+        self.by_drafter: dict[str, deque[Cell]] = {}
+        self.size = 0
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def add(self, cell: Cell) -> None:
+        queue = self.by_drafter.setdefault(cell.drafter, deque())
+        if cell in queue:
+            return
+        if queue and self._rank(queue[-1]) > self._rank(cell):
+            queue.append(cell)
+            ordered = sorted(queue, key=self._rank)
+            queue.clear()
+            queue.extend(ordered)
+        else:
+            queue.append(cell)
+        self.size += 1
+
+    def head(self, drafter: str | None = None) -> Cell | None:
+        """The first cell of `drafter` (None: of any drafter), None when it has none."""
+        if drafter is not None:
+            queue = self.by_drafter.get(drafter)
+            return queue[0] if queue else None
+        return min((q[0] for q in self.by_drafter.values() if q), key=self._rank, default=None)
+
+    def pop(self, drafter: str) -> Cell:
+        self.size -= 1
+        return self.by_drafter[drafter].popleft()
+
 
 class CellQueue:
-    def __init__(self, cells: Sequence[Cell]) -> None:
+    def __init__(self, cells: Sequence[Cell], workers: Sequence[str] = ()) -> None:
         self._order = {c.key: i for i, c in enumerate(cells)}
-        self._lists: dict[str, deque[Cell]] = {}
-        for cell in cells:
-            self._lists.setdefault(cell.drafter, deque()).append(cell)
-        self._on: dict[str, str | None] = {}  # worker -> the drafter its server runs
-        self._lead: dict[str, str] = {}  # drafter -> the worker taking from its front
+        self._cells: dict[GroupKey, _Group] = {}  # each group's cells not handed out yet
+        self._holder: dict[GroupKey, str] = {}  # group -> the worker that holds (held) it
+        self._started: set[GroupKey] = set()  # groups some cell of which was handed out
+        self._pool: list[GroupKey] = []  # groups no worker holds, in measuring order
+        self._live: list[str] = []  # the workers that joined and are not lost
         self._lock = threading.Lock()
+        for cell in cells:
+            self._group(group_of(cell)).add(cell)
+        self._pool = list(self._cells)
+        if workers:
+            self.join(workers)
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(q) for q in self._lists.values())
+            return sum(g.size for g in self._cells.values())
+
+    def join(self, workers: Sequence[str]) -> None:
+        """The fleet's workers, in their order: the pool's groups are dealt out to them."""
+        with self._lock:
+            for worker in workers:
+                if worker not in self._live:
+                    self._live.append(worker)
+            self._deal()
+
+    def holder(self, group: GroupKey) -> str | None:
+        """The worker a group went to (None while it waits in the pool)."""
+        with self._lock:
+            return self._holder.get(group)
 
     def take(self, worker: str, drafter: str | None = None) -> Cell | None:
         """The next cell for `worker`, whose server runs `drafter` (None: no server yet), or
-        None when no cell is left."""
+        None when none is left for it (other workers may still hold groups)."""
         with self._lock:
-            if drafter is not None and self._lists.get(drafter):
-                return self._from(worker, drafter)
-            left = {d: len(q) for d, q in self._lists.items() if q}
-            if not left:
-                self._move(worker, None)
-                return None
-            busy = {d for w, d in self._on.items() if w != worker and d is not None}
-            free = [d for d in left if d not in busy]
-            pick = max(free or left, key=lambda d: left[d])  # ties: the first in order
-            return self._from(worker, pick)
+            if worker not in self._live:
+                self._live.append(worker)
+            mine = self._held(worker)
+            if not mine:
+                group = self._claim(worker)
+                if group is None:
+                    return None
+                mine = [group]
+            heads = [h for h in (self._cells[g].head(drafter) for g in mine) if h is not None]
+            if drafter is None or not heads:  # the next drafter: that of its earliest cell
+                first = min((self._cells[g].head() for g in mine), key=self._head_rank)
+                assert first is not None
+                drafter = first.drafter
+                heads = [h for h in (self._cells[g].head(drafter) for g in mine) if h is not None]
+            cell = min(heads, key=self._rank)
+            group = group_of(cell)
+            self._cells[group].pop(drafter)
+            self._started.add(group)
+            return cell
 
-    def _from(self, worker: str, drafter: str) -> Cell:
-        """The first on a drafter takes from the front of its list, a helper from the back."""
-        self._move(worker, drafter)
-        lead = self._lead.setdefault(drafter, worker)
-        queue = self._lists[drafter]
-        return queue.popleft() if lead == worker else queue.pop()
-
-    def _move(self, worker: str, drafter: str | None) -> None:
-        before = self._on.get(worker)
-        if before is not None and before != drafter and self._lead.get(before) == worker:
-            del self._lead[before]
-        self._on[worker] = drafter
+    def available(self, worker: str) -> bool:
+        """Whether a `take` by `worker` now would hand it a cell."""
+        with self._lock:
+            if worker not in self._live:
+                return False
+            return bool(self._held(worker) or self._pool or self._victim(worker))
 
     def give_back(self, cells: Iterable[Cell]) -> None:
-        """Return cells (a lost worker's) to their drafters' lists, in measuring order."""
+        """Cells back in the queue: a lost worker's, or new ones (further repeats). A cell of
+        a group some live worker holds goes back to it; new groups are dealt out."""
         with self._lock:
+            new = False
             for cell in cells:
-                queue = self._lists.setdefault(cell.drafter, deque())
-                queue.append(cell)
-                ordered = sorted(queue, key=lambda c: self._order.get(c.key, len(self._order)))
-                queue.clear()
-                queue.extend(ordered)
+                self._order.setdefault(cell.key, len(self._order))
+                group = group_of(cell)
+                self._group(group).add(cell)
+                if group not in self._pool and self._holder.get(group) not in self._live:
+                    self._holder.pop(group, None)
+                    self._pool.append(group)
+                    new = True
+            if new:
+                self._pool.sort(key=self._group_rank)
+                self._deal()
 
     def leave(self, worker: str) -> None:
-        """`worker` is gone: it no longer holds a drafter."""
+        """`worker` is gone: the groups it holds go back to the pool, whole, for the others.
+        (Cells of them it finished stay finished: such a group's arms span two GPUs.)"""
         with self._lock:
-            self._move(worker, None)
-            self._on.pop(worker, None)
+            if worker in self._live:
+                self._live.remove(worker)
+            back = [g for g, w in self._holder.items() if w == worker and self._cells[g]]
+            for group in back:
+                del self._holder[group]
+                self._pool.append(group)
+            self._pool.sort(key=self._group_rank)
+            self._deal()
+
+    # -- under the lock --
+
+    def _rank(self, cell: Cell) -> int:
+        return self._order.get(cell.key, len(self._order))
+
+    def _head_rank(self, cell: Cell | None) -> int:
+        return len(self._order) if cell is None else self._rank(cell)
+
+    def _group(self, group: GroupKey) -> _Group:
+        if group not in self._cells:
+            self._cells[group] = _Group(self._rank)
+        return self._cells[group]
+
+    def _group_rank(self, group: GroupKey) -> tuple[int, int, str, int]:
+        return (self._head_rank(self._cells[group].head()), *group)
+
+    def _held(self, worker: str) -> list[GroupKey]:
+        return [g for g, w in self._holder.items() if w == worker and self._cells[g]]
+
+    def _load(self, worker: str) -> int:
+        return sum(self._cells[g].size for g in self._held(worker))
+
+    def _deal(self) -> None:
+        """Deal the pool's groups out to the live workers: as many to each (a group at a time
+        to the worker with the fewest cells waiting), the rest left in the pool for whoever
+        runs out first."""
+        if not self._live:
+            return
+        each = len(self._pool) // len(self._live)
+        if not each:
+            return
+        count = dict.fromkeys(self._live, 0)
+        load = {w: self._load(w) for w in self._live}
+        rank = {w: i for i, w in enumerate(self._live)}
+        dealt = []
+        for group in self._pool:
+            open_ = [w for w in self._live if count[w] < each]
+            if not open_:
+                break
+            worker = min(open_, key=lambda w: (load[w], rank[w]))
+            self._holder[group] = worker
+            count[worker] += 1
+            load[worker] += self._cells[group].size
+            dealt.append(group)
+        self._pool = [g for g in self._pool if g not in set(dealt)]
+
+    def _victim(self, worker: str) -> GroupKey | None:
+        """A group another worker holds but has not started: from the back of the one with
+        the most cells waiting, when it has more than the group's own."""
+        best: tuple[int, GroupKey] | None = None
+        for other in self._live:
+            if other == worker:
+                continue
+            held = self._held(other)
+            fresh = [g for g in held if g not in self._started]
+            if not fresh:
+                continue
+            load = sum(self._cells[g].size for g in held)
+            group = max(fresh, key=self._group_rank)
+            if load > self._cells[group].size and (best is None or load > best[0]):
+                best = (load, group)
+        return None if best is None else best[1]
+
+    def _claim(self, worker: str) -> GroupKey | None:
+        """A whole group for a worker out of cells: the pool's first, else a stolen one."""
+        group = self._pool.pop(0) if self._pool else self._victim(worker)
+        if group is not None:
+            self._holder[group] = worker
+        return group

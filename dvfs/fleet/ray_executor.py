@@ -203,19 +203,25 @@ class RayExecutor:
         times: dict[str, float] = dict.fromkeys(alive, 0.0)
 
         def feed() -> None:
-            for label in list(idle):
-                if pacer is not None and not pacer.claim(label):
-                    continue
-                unit = fleet.take(label, drafters[label])
-                if unit is None:
+            # Again while a worker ran out in the pass: it left the pacer, so one that waited
+            # behind it may claim now (others may still hold the groups it cannot take).
+            again = True
+            while again:
+                again = False
+                for label in list(idle):
+                    if pacer is not None and not pacer.claim(label):
+                        continue
+                    unit = fleet.take(label, drafters[label])
+                    if unit is None:
+                        idle.remove(label)
+                        exhausted.append(label)
+                        if pacer is not None:
+                            pacer.leave(label)
+                        again = True
+                        continue
                     idle.remove(label)
-                    exhausted.append(label)
-                    if pacer is not None:
-                        pacer.leave(label)
-                    continue
-                idle.remove(label)
-                fleet.started(label, unit)
-                pending[alive[label].run.remote(unit)] = (label, unit)
+                    fleet.started(label, unit)
+                    pending[alive[label].run.remote(unit)] = (label, unit)
 
         feed()
         while pending:

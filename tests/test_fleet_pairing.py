@@ -1,0 +1,240 @@
+"""The fleet keeps the arms of every comparison on one GPU: each comparison group (the cells
+sharing a batch, a corpus and a repeat: every drafter and knob setting of them) runs whole on
+one worker, in fixed and in-flight mode and for the repeats the driver adds; the queue alone
+never splits a group except by a lost worker, hands each cell out once, and keeps server
+starts low."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner, Result
+from conftest import write
+from fleet_rerun_support import ADAPTIVE, INFLIGHT
+from fleet_support import fleet_campaign
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.cli import cli
+from dvfs.cube import STATUS_OK, build_cube, open_cube
+from dvfs.fleet.queue import CellQueue, group_of
+from dvfs.fleet.worker import Worker
+from dvfs.measure.journal import read_records
+from dvfs.measure.plan import Cell
+
+
+def sweep(*args: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", *args, "--no-progress"], catch_exceptions=False)
+
+
+def swept_on_four(tmp_path: Path, text: str) -> Path:
+    write(tmp_path / "campaign.toml", text)
+    out = tmp_path / "four"
+    result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def assert_groups_on_one_gpu(out: Path) -> dict[tuple[int, str, int], set[str]]:
+    """Every (batch, corpus, repeat)'s measured cells share one `measured_on`, in the cube and
+    in the journal; the fleet used more than one GPU; the cube says it paired the arms."""
+    cube = open_cube(out / "cube.nc")
+    on = cube["measured_on"].transpose("batch", "corpus", "repeat", ...).values
+    ok = cube["cell_status"].transpose("batch", "corpus", "repeat", ...).values == STATUS_OK
+    used = set()
+    for index in np.ndindex(on.shape[:3]):
+        gpus = {str(g) for g in on[index][ok[index]]}
+        assert len(gpus) <= 1, f"group {index} ran on {gpus}"
+        used |= gpus
+    assert len(used) > 1, "the groups went to several GPUs"
+    assert cube.attrs["arms_on_one_gpu"] == 1
+    assert cube.attrs["groups_across_gpus"] == 0
+    workers: dict[tuple[int, str, int], set[str]] = {}
+    for r in read_records(out / "journal.jsonl"):
+        if r["type"] == "cell":
+            c = r["cell"]
+            workers.setdefault((c["batch"], c["corpus"], c["repeat"]), set()).add(r["worker"])
+    assert all(len(w) == 1 for w in workers.values()), workers
+    return workers
+
+
+def assert_few_server_starts(out: Path, workers: dict[tuple[int, str, int], set[str]]) -> None:
+    """Each worker starts each drafter's server about once: at most the drafters for the
+    groups dealt to it (as many as the others), and the drafters again per group it took
+    beyond those."""
+    records = read_records(out / "journal.jsonl")
+    drafters = len({r["cell"]["drafter"] for r in records if r["type"] == "cell"})
+    starts: dict[str, int] = {}
+    for r in records:
+        if r["type"] == "server":
+            starts[r["worker"]] = starts.get(r["worker"], 0) + 1
+    ran: dict[str, int] = {}
+    for (w,) in workers.values():
+        ran[w] = ran.get(w, 0) + 1
+    fair = len(workers) // 4
+    for w, n in starts.items():
+        assert n <= drafters * max(0, ran.get(w, 0) - fair) + drafters, (w, n, ran)
+
+
+def test_fixed_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
+    out = swept_on_four(tmp_path, fleet_campaign("pairs", repeats=2))
+    assert_few_server_starts(out, assert_groups_on_one_gpu(out))
+    # A cell of one group moved to another GPU (as a lost worker's group finishing elsewhere
+    # would): the cube counts that group, and only it.
+    lines = (out / "journal.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    first = records[cells[0]]
+    other = next(r for r in (records[i] for i in cells) if r["worker"] != first["worker"])
+    first["gpus"] = other.get("gpus") or ["GPU-elsewhere"]
+    first.pop("worker")
+    lines[cells[0]] = json.dumps(first)
+    (out / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    cube = build_cube(out / "journal.jsonl")
+    assert cube.attrs["groups_across_gpus"] == 1
+    assert cube.attrs["arms_on_one_gpu"] == 1  # the fleet's schedule; the count tells
+
+
+def test_in_flight_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
+    out = swept_on_four(tmp_path, INFLIGHT)
+    assert_few_server_starts(out, assert_groups_on_one_gpu(out))
+
+
+def test_the_repeats_the_driver_adds_keep_their_groups_whole(tmp_path: Path) -> None:
+    out = swept_on_four(tmp_path, ADAPTIVE)
+    repeats = {
+        r["cell"]["repeat"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"
+    }
+    assert max(repeats) >= 2, "the driver added repeats"
+    assert_groups_on_one_gpu(out)
+
+
+def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatch) -> None:
+    """gpu2 dies on its third cell: the groups it held go to the others whole; only those it
+    had started span two GPUs, and the cube counts exactly them."""
+    calls = {"n": 0}
+    run = Worker.run
+
+    def failing(self: Worker, cell):
+        if self.label == "gpu2":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", failing)
+    out = swept_on_four(tmp_path, fleet_campaign("lost", repeats=2))
+    workers: dict[tuple[int, str, int], set[str]] = {}
+    for r in read_records(out / "journal.jsonl"):
+        if r["type"] == "cell":
+            c = r["cell"]
+            workers.setdefault((c["batch"], c["corpus"], c["repeat"]), set()).add(r["worker"])
+    split = {g for g, w in workers.items() if len(w) > 1}
+    started = {g for g, w in workers.items() if "gpu2" in w}
+    assert split == started and split, (split, started)
+    assert all(len(w - {"gpu2"}) == 1 for w in workers.values()), "the rest of each on one"
+    cube = open_cube(out / "cube.nc")
+    assert cube.attrs["groups_across_gpus"] == len(split)
+
+
+# -- the queue alone --
+
+DRAFTERS = ("none", "eagle3", "ngram")
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[list[Cell], int, list[int], int | None]:
+    """Cells of random groups and drafters, a number of workers, the order in which workers
+    ask (indices), and maybe a step at which one worker is lost."""
+    batches = draw(st.lists(st.sampled_from([1, 4, 16, 64]), min_size=1, max_size=3, unique=True))
+    corpora = draw(st.lists(st.sampled_from("abcd"), min_size=1, max_size=3, unique=True))
+    repeats = draw(st.integers(1, 3))
+    drafters = draw(st.lists(st.sampled_from(DRAFTERS), min_size=1, max_size=3, unique=True))
+    levels = draw(st.integers(1, 3))
+    cells = [
+        Cell(d, r, 1000 + 100 * k, None, b, c)
+        for d in drafters
+        for r in range(repeats)
+        for k in range(levels)
+        for c in corpora
+        for b in batches
+    ]
+    workers = draw(st.integers(1, 5))
+    asks = draw(st.lists(st.integers(0, workers - 1), min_size=0, max_size=400))
+    lost = draw(st.none() | st.integers(0, len(cells)))
+    return cells, workers, asks, lost
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_the_queue_never_splits_a_group_but_by_a_loss(plan) -> None:
+    cells, count, asks, lose_at = plan
+    labels = [f"w{i}" for i in range(count)]
+    queue = CellQueue(cells, labels)
+    dealt = {w: {g for g in {group_of(c) for c in cells} if queue.holder(g) == w} for w in labels}
+    alive = list(labels)
+    server: dict[str, str | None] = dict.fromkeys(labels)
+    starts = dict.fromkeys(labels, 0)
+    got: dict[str, set] = {w: set() for w in labels}  # the groups each worker ran cells of
+    ran: dict[tuple, set[str]] = {}  # group -> the workers that ran its cells
+    handed: list[Cell] = []
+    lost: str | None = None
+    split_by_loss: set = set()
+    step = 0
+
+    def ask(worker: str) -> bool:
+        nonlocal step
+        cell = queue.take(worker, server[worker])
+        if cell is None:
+            return False
+        step += 1
+        handed.append(cell)
+        if cell.drafter != server[worker]:
+            starts[worker] += 1
+            server[worker] = cell.drafter
+        got[worker].add(group_of(cell))
+        ran.setdefault(group_of(cell), set()).add(worker)
+        return True
+
+    for i in asks:  # workers ask in a random order
+        worker = labels[i]
+        if worker not in alive:
+            continue
+        if lose_at is not None and lost is None and step >= lose_at and len(alive) > 1:
+            lost = worker  # lost holding a cell in hand, which goes back
+            alive.remove(worker)
+            cell = queue.take(worker, server[worker])
+            if cell is not None:
+                queue.give_back([cell])
+            split_by_loss = set(got[worker])
+            queue.leave(worker)
+            continue
+        ask(worker)
+    while alive:  # then every live worker until none gets a cell
+        alive = [w for w in alive if ask(w)]
+    assert sorted(c.key for c in handed) == sorted(c.key for c in cells), "each cell once"
+    assert len(queue) == 0
+    for group, workers in ran.items():
+        assert len(workers) == 1 or group in split_by_loss, f"{group} split over {workers}"
+    for worker in labels:
+        if worker == lost:
+            continue
+        later = got[worker] - dealt[worker]  # from the pool, stolen, or a lost worker's
+        drafters = len({c.drafter for c in cells})
+        assert starts[worker] <= drafters * len(later) + drafters, (worker, starts, later)
+
+
+def test_groups_that_arrive_later_are_dealt_out_whole() -> None:
+    """Further repeats (new groups) are shared among the workers, each group to one; a cell of
+    a group some worker holds goes back to it."""
+    cells = [Cell(d, 0, 1000, None, b, "a") for d in DRAFTERS for b in (1, 2, 3, 4)]
+    queue = CellQueue(cells, ["w0", "w1"])
+    more = [Cell(d, 1, 1000, None, b, "a") for d in DRAFTERS for b in (1, 2, 3, 4)]
+    queue.give_back(more)
+    holders = {queue.holder(group_of(c)) for c in more}
+    assert holders == {"w0", "w1"}
+    late = Cell("none", 1, 1410, None, 1, "a")
+    queue.give_back([late])
+    assert queue.holder(group_of(late)) == queue.holder(group_of(more[0]))
