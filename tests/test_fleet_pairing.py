@@ -238,3 +238,19 @@ def test_groups_that_arrive_later_are_dealt_out_whole() -> None:
     late = Cell("none", 1, 1410, None, 1, "a")
     queue.give_back([late])
     assert queue.holder(group_of(late)) == queue.holder(group_of(more[0]))
+
+
+def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) -> None:
+    """Whole groups per worker: the busiest of W workers runs ceil(G / W) of the G groups, and
+    workers beyond G idle, which the dry run says."""
+    from conftest import TINY
+
+    campaign = write(tmp_path / "tiny.toml", TINY)  # batch 1 and 8, one corpus, 2 repeats
+    for spec, busiest in (("0-2", 2), ("0-7", 1)):
+        args = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", spec]
+        doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
+        assert doc["comparison_groups"] == 4
+        hours = doc["estimated_hours_on_hardware"]
+        assert doc["estimated_makespan_hours"] == round(hours * busiest / 4, 2)
+    text = CliRunner().invoke(cli, args).output
+    assert "8 workers in parallel (only 4 busy" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,15 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     if report.get("shard"):
         out.print(f"shard {report['shard']}: only this slice's cells are counted")
     if report.get("workers"):
+        busy = min(report["workers"], report["comparison_groups"])
+        idle = (
+            f" (only {busy} busy: each of the {report['comparison_groups']} comparison groups "
+            "runs whole on one worker)"
+            if busy < report["workers"]
+            else ""
+        )
         out.print(
-            f"{report['workers']} workers in parallel: roughly "
+            f"{report['workers']} workers in parallel{idle}: roughly "
             f"{report['estimated_makespan_hours']} h from start to end"
         )
     for problem in report["problems"]:
@@ -215,9 +223,17 @@ def sweep(
             )
         report = plan.as_dict()
         if len(groups) > 1:
+            # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
+            # with G groups of about equal cost, the busiest of W workers runs ceil(G / W).
+            w = campaign.workload
+            comparison_groups = len(w.batch_sizes) * len(w.corpora) * campaign.measurement.repeats
             report["workers"] = len(groups)
+            report["comparison_groups"] = comparison_groups
             report["estimated_makespan_hours"] = round(
-                report["estimated_hours_on_hardware"] / len(groups), 2
+                report["estimated_hours_on_hardware"]
+                * math.ceil(comparison_groups / len(groups))
+                / comparison_groups,
+                2,
             )
         if as_json:
             echo_json(report)
