@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import SMALL_EXACT, replace_block
 from cubes import make_cube
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,47 +21,21 @@ from dvfs.analysis.targets import Target
 from dvfs.cli import cli
 from dvfs.cube import open_analysable, write_cube
 
-EDGE = """
-[campaign]
-name = "edge"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm:none"  # the exact twin: 0.2-s windows, exact energy
-devices = [0]
-
-[knobs]
-sm_clock = [1800, 1500, 1200, 1005]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[workload]
-batch = [1]
-corpora = ["code"]
-input_tokens = [16, 2048]
-output_tokens = 64
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 2
-sample_period_s = 0.02
-idle_s = 1.0
-"""
+#: SMALL_EXACT (the exact twin: 0.2-s windows, exact energy) on a clock grid without stock
+#: 1980 MHz, the power limit left stock, one batch and one corpus.
+EDGE = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(SMALL_EXACT, 'name = "small"', 'name = "edge"'),
+            "sm_clock = [1980, 1500, 1005]\npower_limit = [700, 300]",
+            "sm_clock = [1800, 1500, 1200, 1005]",
+        ),
+        "batch = [1, 8]",
+        "batch = [1]",
+    ),
+    'corpora = ["code", "conversation"]',
+    'corpora = ["code"]',
+)
 
 #: The reference every command must name for EDGE: its grid's top, stock being 1980 MHz.
 TOP_OF_GRID = "top of the grid (1800 MHz / 700 W; stock 1980 MHz not swept)"
