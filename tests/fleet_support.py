@@ -89,3 +89,21 @@ def assert_same_cells(a, b, *, above_idle_rtol: float = 1e-4) -> None:
         np.testing.assert_allclose(
             a[name].values, b[name].values, rtol=rtol, equal_nan=True, err_msg=name
         )
+
+
+def lose_worker_on_its_third_cell(monkeypatch, label: str = "gpu2") -> None:
+    """Make the fleet worker `label` raise on its third cell, as a GPU falling off the bus
+    would (`Worker.run` patched for the test)."""
+    from dvfs.fleet.worker import Worker
+
+    calls = {"n": 0}
+    run = Worker.run
+
+    def failing(self: Worker, cell):
+        if self.label == label:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", failing)

@@ -37,6 +37,17 @@ def invoke(*args: str, code: int = 0) -> str:
     return result.output
 
 
+def apply_caps(tmp_path: Path, clock_mhz: int, limit_w: float) -> str:
+    """`dvfs cap apply` of a clock cap and a power limit on the first fake GPU; its UUID."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=clock_mhz, power_limit_w=limit_w),)))
+    )
+    invoke("cap", "apply", str(caps))
+    return uuid
+
+
 def doc(rows: list[dict], uuids: list[str] | None = None) -> dict:
     return {
         "schema": "dvfs.headroom/1",
@@ -292,12 +303,7 @@ def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     from dvfs.campaign import load_campaign
     from dvfs.sweep import run_sweep
 
-    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1410, power_limit_w=500.0),)))
-    )
-    invoke("cap", "apply", str(caps))
+    apply_caps(tmp_path, 1410, 500.0)
     campaign = tmp_path / "c.toml"
     campaign.write_text(NVML_CAMPAIGN.format(output_tokens=8, repeats=1))
     run_sweep(load_campaign(campaign), tmp_path / "out", nvml=nvml)
@@ -399,12 +405,7 @@ def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
     its cube says, and the caps are back when it ends."""
     from dvfs.cube import open_cube
 
-    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1200, power_limit_w=450.0),)))
-    )
-    invoke("cap", "apply", str(caps))
+    apply_caps(tmp_path, 1200, 450.0)
     campaign = tmp_path / "stock.toml"
     text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
     text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')

@@ -13,14 +13,13 @@ import numpy as np
 from click.testing import CliRunner, Result
 from conftest import write
 from fleet_rerun_support import ADAPTIVE, INFLIGHT
-from fleet_support import fleet_campaign
+from fleet_support import fleet_campaign, lose_worker_on_its_third_cell
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, build_cube, open_cube
 from dvfs.fleet.queue import CellQueue, group_of
-from dvfs.fleet.worker import Worker
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell
 
@@ -114,17 +113,7 @@ def test_the_repeats_the_driver_adds_keep_their_groups_whole(tmp_path: Path) -> 
 def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatch) -> None:
     """gpu2 dies on its third cell: the groups it held go to the others whole; only those it
     had started span two GPUs, and the cube counts exactly them."""
-    calls = {"n": 0}
-    run = Worker.run
-
-    def failing(self: Worker, cell):
-        if self.label == "gpu2":
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", failing)
+    lose_worker_on_its_third_cell(monkeypatch, "gpu2")
     out = swept_on_four(tmp_path, fleet_campaign("lost", repeats=2))
     workers: dict[tuple[int, str, int], set[str]] = {}
     for r in read_records(out / "journal.jsonl"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
-from fleet_support import FLEET
+from fleet_support import FLEET, lose_worker_on_its_third_cell
 from fleet_support import assert_same_cells as _assert_same_cells
 
 from dvfs.backends import open_backends
@@ -20,7 +20,7 @@ from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
 from dvfs.fleet.devices import for_group, parse_gpus
-from dvfs.fleet.worker import ShippingJournal, Worker
+from dvfs.fleet.worker import ShippingJournal
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import plan_cells
@@ -103,17 +103,7 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
 
 
 def test_a_lost_worker_loses_no_cell(runs: Path, tmp_path: Path, monkeypatch) -> None:
-    calls = {"n": 0}
-    run = Worker.run
-
-    def failing(self: Worker, cell):  # gpu2 dies on its third cell
-        if self.label == "gpu2":
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("the GPU fell off the bus")
-        return run(self, cell)
-
-    monkeypatch.setattr(Worker, "run", failing)
+    lose_worker_on_its_third_cell(monkeypatch, "gpu2")
     out = tmp_path / "lost"
     result = sweep(str(runs / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
     assert result.exit_code == 0, result.output
