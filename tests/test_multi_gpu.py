@@ -19,12 +19,14 @@ from dvfs.backends import open_backends
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
-from dvfs.fleet.devices import for_group, parse_gpus
+from dvfs.errors import CampaignError
+from dvfs.fleet.devices import for_group, parse_gpus, worker_groups
 from dvfs.fleet.worker import ShippingJournal
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import plan_cells
 from dvfs.measure.runner import Runner
+from dvfs.twin.profiles import gpu_profile
 
 CAMPAIGN = FLEET
 
@@ -264,6 +266,56 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     mixed = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
     assert mixed.exit_code == 1
     assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
+
+
+def test_twin_gpus_named_by_profile_keep_the_campaigns_traps(tmp_path: Path) -> None:
+    """`gpu.profile = "h200-sxm:none"` swept on `--gpus h200-sxm:0-1`: the fleet's twins are
+    trap-free as the campaign asked (not given every NVML trap back), so its cube is the
+    one-GPU cube; naming other traps in --gpus is refused in one line."""
+    text = replace_block(CAMPAIGN, 'profile = "h100-sxm:none"', 'profile = "h200-sxm:none"')
+    campaign = write(tmp_path / "c.toml", text)
+    assert sweep(str(campaign), "--out", str(tmp_path / "one")).exit_code == 0
+    result = sweep(str(campaign), "--gpus", "h200-sxm:0-1", "--out", str(tmp_path / "two"))
+    assert result.exit_code == 0, result.output
+    one, two = open_cube(tmp_path / "one" / "cube.nc"), open_cube(tmp_path / "two" / "cube.nc")
+    assert two.attrs["twin_profile"] == one.attrs["twin_profile"] == "h200-sxm:none"
+    assert two.attrs["campaign_hash"] == one.attrs["campaign_hash"]
+    header = read_records(tmp_path / "two" / "journal.jsonl")[0]
+    assert header["campaign"]["gpu"]["profile"] == "h200-sxm:none"
+    # The energy-counter trap is off: the workers detect a counter far finer than its 100 ms.
+    trapped = gpu_profile("h200-sxm").energy_counter_period_s
+    assert (np.atleast_1d(two.attrs["counter_update_period_s"]) < trapped / 10).all()
+    assert_same_cells(two, one)
+    refused = sweep(
+        str(campaign), "--gpus", "h200-sxm:energy_steps:0-1", "--out", str(tmp_path / "o")
+    )
+    assert refused.exit_code == 2, refused.output
+    line = refused.output.strip()
+    assert len(line.splitlines()) == 1 and "other NVML traps than the campaign's" in line
+    assert "write h200-sxm:0 to keep the campaign's traps" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_profile_in_gpus_takes_the_campaigns_trap_list(tmp_path: Path) -> None:
+    """PROFILE:INDEX without traps takes the campaign's trap list, and may repeat it; another
+    set of traps is refused."""
+    exact = load_campaign(write(tmp_path / "e.toml", CAMPAIGN))  # h100-sxm:none
+    assert worker_groups(exact, parse_gpus("h200-sxm:0,h200-sxm:none:1,2")) == [
+        ("h200-sxm:none:0",),
+        ("h200-sxm:none:1",),
+        (2,),
+    ]
+    every = replace_block(CAMPAIGN, 'profile = "h100-sxm:none"', 'profile = "h100-sxm"')
+    trapped = load_campaign(write(tmp_path / "t.toml", every))
+    assert worker_groups(trapped, parse_gpus("h200-sxm:0")) == [("h200-sxm:0",)]
+    some = replace_block(CAMPAIGN, 'profile = "h100-sxm:none"', 'profile = "h100-sxm:-settle"')
+    assert worker_groups(
+        load_campaign(write(tmp_path / "s.toml", some)), parse_gpus("h200-sxm:0")
+    ) == [("h200-sxm:-settle:0",)]
+    with pytest.raises(CampaignError, match="other NVML traps"):
+        worker_groups(trapped, parse_gpus("h100-sxm:none:0"))
+    with pytest.raises(CampaignError, match="other NVML traps"):
+        worker_groups(exact, parse_gpus("h100-sxm:leakage:0"))
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 `gpu.devices` groups, cut into groups of `engine.tp_size` (one server each).
 
 On the twin, `--gpus h200-sxm:0-3` names twin GPUs of another profile than the campaign's
-(`PROFILE:INDEX`), so a fleet mixing GPU models can be tried without hardware."""
+(`PROFILE:INDEX`), so a fleet mixing GPU models can be tried without hardware. They simulate
+the campaign's NVML traps (`gpu.profile = "h100-sxm:none"` makes `h200-sxm:0` trap-free too):
+a fleet measures what one GPU would."""
 
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
                 gpu_profile(profile)
             except ValueError as exc:
                 raise CampaignError(f"--gpus: twin profile {profile!r}: {exc}") from None
+        gpus = [d if isinstance(d, int) else _with_campaign_traps(campaign, d) for d in gpus]
     elif any(isinstance(d, str) and ":" in d for d in gpus):
         raise CampaignError(
             "--gpus PROFILE:INDEX names twin GPUs; real GPUs are named by index or UUID"
@@ -88,6 +91,24 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
     for group in groups:
         _profile_of(group)
     return groups
+
+
+def _with_campaign_traps(campaign: Campaign, device: str) -> str:
+    """`PROFILE:INDEX` spelled with the campaign's trap list, so the fleet's twins simulate the
+    traps the campaign asked for rather than all of them; a trap list naming another set is a
+    `CampaignError` (the cube would mix two measurement methods under one campaign)."""
+    from dvfs.twin.profiles import active, gpu_profile
+
+    profile, index = device.rsplit(":", 1)
+    base, _, spec = profile.partition(":")
+    ours = campaign.gpu.profile or ""
+    ours_base, _, ours_spec = ours.partition(":")
+    if spec and active(gpu_profile(f"{ours_base}:{spec}")) != active(gpu_profile(ours)):
+        raise CampaignError(
+            f"--gpus {device}: other NVML traps than the campaign's gpu.profile = {ours!r}; "
+            f"write {base}:{index} to keep the campaign's traps, or change gpu.profile"
+        )
+    return f"{base}:{ours_spec}:{index}" if ours_spec else f"{base}:{index}"
 
 
 def _profile_of(group: Group) -> str | None:
