@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+from conftest import SMALL_EXACT, replace_block
 from cubes import make_cube
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from matplotlib.transforms import Bbox
 
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.targets import Target
+from dvfs.cube import open_cube
 from dvfs.plots import (
     corpus_panels,
     draw_acceptance,
@@ -300,3 +302,37 @@ def test_the_headroom_map_says_why_a_cell_has_no_answer() -> None:
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "too few\nrepeats" in texts and "none\nfeasible" not in texts
     assert any(t.endswith("MHz") for t in texts)  # none's cell has its answer
+
+
+def _timeline_labels(cube: xr.Dataset) -> list[str]:
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    assert fig is not None
+    return [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+
+
+def test_timelines_name_the_setting_a_power_limit_only_campaign_made(shared_run) -> None:
+    """A campaign that sweeps only the power limit never locks the clock: the legend says the
+    clock was unlocked and names the limit, where it used to call the stock clock a lock."""
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    cube = open_cube(shared_run(text, "limits") / "cube.nc")
+    assert cube.sizes["sm_clock"] == 1  # the stock clock, filed at the GPU's top clock
+    labels = [label for label in _timeline_labels(cube) if ": " in label]
+    stock = [label for label in labels if ", stock: " in label]
+    assert len(stock) == 4  # two drafters, two batches
+    assert all(label.endswith(": clock unlocked, 700 W power limit") for label in stock)
+    chosen = [label for label in labels if ", chosen: " in label]
+    assert chosen and all("clock unlocked, 300 W power limit" in label for label in chosen)
+    assert not any("clock lock" in label or "MHz" in label for label in labels)
+
+
+def test_timelines_of_a_clock_sweep_still_say_clock_lock(small_sweep: Path, shared_run) -> None:
+    """The clock swept: the stock cell is the top clock locked; a power limit left at stock
+    is named as the one found, not as a limit dvfs set."""
+    labels = _timeline_labels(open_cube(small_sweep / "cube.nc"))
+    stock = [label for label in labels if ", stock: " in label]
+    assert len(stock) == 4
+    assert all(label.endswith(": 1980 MHz clock lock, 700 W power limit") for label in stock)
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    labels = _timeline_labels(open_cube(shared_run(clock_only, "clocks") / "cube.nc"))
+    settings = [label.split(": ", 1)[1] for label in labels if ": " in label]
+    assert settings and all(" MHz clock lock, stock 700 W power limit" in s for s in settings)

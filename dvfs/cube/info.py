@@ -16,17 +16,23 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
+def swept_knobs(ds: xr.Dataset) -> tuple[bool, bool]:
+    """Whether the campaign set (SM clock, power limit) or left each at stock: an unswept
+    knob's coordinate holds the stock value, which is not a setting dvfs applied. Both True
+    for a cube that stores no campaign (a hand-built one)."""
+    try:
+        grid = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}"))).grid
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return True, True
+    return bool(grid.sm_clocks_mhz), bool(grid.power_limits_w)
+
+
 def _stock_text(ds: xr.Dataset) -> str:
     """The reference setting in the words every analysis uses (`Reference.describe`), and
     whether the campaign left the SM clock unlocked; each GPU's own in a merged cube."""
     from dvfs.analysis.headroom import reference_setting, single_gpu
 
-    try:
-        facts = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}")))
-        unlocked = facts.grid.sm_clocks_mhz is None
-    except (KeyError, ValueError, TypeError, AttributeError):
-        unlocked = False
-    how = "; SM clock left unlocked" if unlocked else ""
+    how = "" if swept_knobs(ds)[0] else "; SM clock left unlocked"
     if "gpu" in ds.dims:
         per_gpu = [
             f"{str(g)[:12]} {reference_setting(single_gpu(ds, g)).describe()}"

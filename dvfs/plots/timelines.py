@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
+from dvfs.cube.info import swept_knobs
 from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
 
 if TYPE_CHECKING:
@@ -15,6 +16,15 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 SETTING_LINESTYLES = {"stock": "-", "chosen": "--"}
+
+
+def setting_text(clock_mhz: int, limit_w: float, clock_set: bool, limit_set: bool) -> str:
+    """A cell's setting as the GPU held it: a clock the campaign did not sweep was never
+    locked (its coordinate is only where the stock cell is filed), a power limit it did not
+    sweep is the one found at start."""
+    clock = f"{clock_mhz} MHz clock lock" if clock_set else "clock unlocked"
+    limit = f"{limit_w:g} W power limit" if limit_set else f"stock {limit_w:g} W power limit"
+    return f"{clock}, {limit}"
 
 
 @styled
@@ -29,6 +39,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     batches = sorted({int(cube["batch"].values[0]), int(cube["batch"].values[-1])})
     corpus = str(cube["corpus"].values[0])
     stock_word = "stock" if ref.is_stock else "reference"
+    clock_set, limit_set = swept_knobs(cube)
 
     cols = len(batches)
     margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
@@ -63,7 +74,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                     "color": colors[drafter],
                     "linestyle": SETTING_LINESTYLES[kind],
                 }
-                label = f"{drafter}, {word}: {clock} MHz clock lock, {limit:g} W power limit"
+                label = f"{drafter}, {word}: " + setting_text(clock, limit, clock_set, limit_set)
                 power_ax.plot(
                     t[keep],
                     cell["timeline_power_w"].values[keep],
