@@ -17,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dvfs.errors import CapsError, GpuStateError
 from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
-from dvfs.govern.loop import Ticker, Watch, check_plan_against, govern
+from dvfs.govern.loop import Ticker, Watch, check_plan_against, check_server_for_dry_run, govern
 from dvfs.govern.metrics import (
     ScrapeError,
+    ServerDownError,
     ServerSample,
     energy_per_token,
     parse_server_metrics,
@@ -316,6 +317,70 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
         state = nvml.fake_device_state(0)
         assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
         assert not list((tmp_path / "state").glob("GPU-*.json"))  # state file cleared
+
+
+def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
+    """The server drops out mid-run: the fallback to stock is named as that, not as a batch
+    above the plan; its return, and the dry run's calls (none), as they are."""
+    from dvfs.backends import open_gpus
+
+    script = iter([0, None, None, 0])
+
+    def scraper() -> ServerSample:
+        batch = next(script)
+        if batch is None:
+            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
+        return ServerSample(batch, None, None)
+
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=True,
+        )
+    assert changes == 3
+    assert lines == [
+        "dry run, nothing changed: would set running batch 0 -> plan batch 1: "
+        "SM clock <= 1200 MHz, power limit 400 W (at 0.000 s)",
+        "server: cannot read http://127.0.0.1:1/metrics: refused",
+        "dry run, nothing changed: would set SM clock stock, power limit stock while the "
+        "server's batch cannot be read (at 1.000 s)",
+        "server: /metrics answers again",
+        "dry run, nothing changed: would set running batch 0 -> plan batch 1: "
+        "SM clock <= 1200 MHz, power limit 400 W (at 3.000 s)",
+    ]
+    assert nvml.fake_calls() == []
+
+
+def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml) -> None:
+    from dvfs.backends import open_gpus
+
+    def down() -> ServerSample:
+        raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
+
+    def bare() -> ServerSample:
+        raise ScrapeError("http://127.0.0.1:1/metrics answered 404: start SGLang with X")
+
+    with open_gpus([0, 1]) as gpus:
+        check_server_for_dry_run(lambda: ServerSample(0, None, None), "http://h:1", gpus)
+        with pytest.raises(ScrapeError) as refused:
+            check_server_for_dry_run(down, "http://127.0.0.1:1", gpus)
+        assert refused.value.exit_code == 1
+        assert str(refused.value) == (
+            "dry run: the server at http://127.0.0.1:1 is not answering (cannot read "
+            "http://127.0.0.1:1/metrics: refused); the governor would hold GPU 0, GPU 1 at "
+            "stock (SM clock stock, power limit stock) until it answers. Start SGLang there "
+            "with --enable-metrics, or point --url at it"
+        )
+        with pytest.raises(ScrapeError, match=r"answered 404: start SGLang with X; the gov"):
+            check_server_for_dry_run(bare, "http://127.0.0.1:1", gpus)
+    assert nvml.fake_calls() == []
 
 
 def test_the_loop_refuses_a_gpu_with_unrestored_changes(nvml, tmp_path: Path) -> None:

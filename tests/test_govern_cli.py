@@ -61,7 +61,7 @@ def stub(tmp_path: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def launch_stub(tmp_path: Path, *argv: str) -> Iterator[str]:
+def launch_stub(tmp_path: Path, *argv: str, metrics: bool = True) -> Iterator[str]:
     config = tmp_path / "stub.json"
     config.write_text(
         json.dumps({"startup_s": 0.05, "ttft_s": 0.01, "tpot_s": 0.05, "max_lifetime_s": 300})
@@ -69,7 +69,8 @@ def launch_stub(tmp_path: Path, *argv: str) -> Iterator[str]:
     log = tmp_path / "stub.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(STUB), "--model-path", "m", "--port", "0", "--enable-metrics"]
+            [sys.executable, str(STUB), "--model-path", "m", "--port", "0"]
+            + (["--enable-metrics"] if metrics else [])
             + list(argv),
             env={"SGLANG_STUB_CONFIG": str(config), "PATH": os.environ.get("PATH", "")},
             stdout=out,
@@ -247,6 +248,7 @@ def test_dry_run_prints_and_calls_no_setter(
     assert result.returncode == 0, result.stderr
     printed = result.stdout + result.stderr
     assert "dry run, nothing changed: would set running batch 0 -> plan batch 1" in printed
+    assert "dry run stopped: 1 change(s) would have been made, none was" in printed
     assert nvml.fake_calls() == []
     assert not Path(env["DVFS_STATE_DIR"]).exists() or not list(
         Path(env["DVFS_STATE_DIR"]).glob("GPU-*")
@@ -298,9 +300,61 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
 
 
-def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str], nvml) -> None:
-    """ExecStart of systemd/dvfs-govern.service, pointed at a test plan, a free port and a dry
-    run: every option it passes exists and parses."""
+def closed_port() -> int:
+    """A loopback port nothing listens on: bound by the kernel's choice, then released."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """Nothing listens at --url: the dry run has no load to preview. One line says the server
+    is not answering, what the governor would do meanwhile and what to fix; exit 1; no GPU
+    setter called and no metrics served."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    url = f"http://127.0.0.1:{closed_port()}"
+    result = dvfs_in_process(
+        *("govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--interval", "0.1"),
+        *("--listen", "127.0.0.1:0", "--dry-run", "--max-intervals", "3"),
+        env=env,
+    )
+    assert result.returncode == 1, result.stderr
+    printed = (result.stdout + result.stderr).strip().splitlines()
+    assert len(printed) == 1, printed
+    [line] = printed
+    assert line.startswith(f"Error: dry run: the server at {url} is not answering (cannot read ")
+    assert "the governor would hold GPU 0 at stock (SM clock stock, power limit stock)" in line
+    assert line.endswith("Start SGLang there with --enable-metrics, or point --url at it")
+    assert nvml.fake_calls() == []
+
+
+def test_a_dry_run_whose_server_has_no_metrics_names_the_flag(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """A server that answers but without --enable-metrics: the same one line, its own cause."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    with launch_stub(tmp_path, metrics=False) as url:
+        result = dvfs_in_process(
+            *("govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--listen", "off"),
+            *("--dry-run", "--max-intervals", "1"),
+            env=env,
+        )
+    assert result.returncode == 1, result.stderr
+    [line] = (result.stdout + result.stderr).strip().splitlines()
+    assert line.startswith(f"Error: dry run: {url}/metrics answered 404: start SGLang with ")
+    assert "--enable-metrics; the governor would hold GPU 0 at stock" in line
+    assert nvml.fake_calls() == []
+
+
+def test_the_systemd_units_command_line_runs(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """ExecStart of systemd/dvfs-govern.service, pointed at a test plan, a free port, the stub
+    and a dry run: every option it passes exists and parses."""
     unit = (REPO / "systemd" / "dvfs-govern.service").read_text()
     [start] = [
         line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
@@ -311,12 +365,12 @@ def test_the_systemd_units_command_line_runs(tmp_path: Path, env: dict[str, str]
         start.replace("/usr/local/bin/dvfs", "")
         .replace("/etc/dvfs/govern-plan.toml", str(plan))
         .replace("127.0.0.1:9435", "127.0.0.1:0")
-        .replace("http://127.0.0.1:30000", "http://127.0.0.1:9")
+        .replace("http://127.0.0.1:30000", stub)
         .split()
     )
     result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "1", "--gpu", "0", env=env)
     assert result.returncode == 0, result.stderr
-    assert "would set running batch unknown (server unreadable)" in result.stderr
+    assert "would set running batch 0 -> plan batch 1" in result.stderr
     assert nvml.fake_calls() == []
 
 

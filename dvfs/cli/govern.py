@@ -1,9 +1,10 @@
 """`dvfs govern` (load-following caps for a running SGLang server) and `dvfs monitor` (live
 power, clocks and energy per token, read-only), both exporting Prometheus text on a port.
 
-`govern` exits 0 after --max-intervals, 2 for a bad plan or one this host's GPUs cannot follow,
-3 when a GPU holds unrestored changes or another dvfs uses it, 4 without permission, and
-130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU restored first.
+`govern` exits 0 after --max-intervals, 1 for a dry run whose server does not answer at the
+start (nothing to preview), 2 for a bad plan or one this host's GPUs cannot follow, 3 when a
+GPU holds unrestored changes or another dvfs uses it, 4 without permission, and 130/143/129 on
+SIGINT/SIGTERM/SIGHUP, every GPU restored first.
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ def _timeout(interval: float) -> float:
     help="Band around the running batch, this fraction of it (at least 1 request) either way: "
     "its least aggressive setting applies, and nothing changes while the batch stays inside.",
 )
-@click.option("--dry-run", is_flag=True, help="Print what would change; change nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print what would change; change nothing (exit 1 if the server does not answer).",
+)
 @click.option(
     "--allow-simulated",
     is_flag=True,
@@ -181,7 +186,7 @@ def govern(
     """
     from dvfs.backends import open_gpus, parse_devices
     from dvfs.govern.exporter import LiveMetrics
-    from dvfs.govern.loop import Ticker, check_plan_against
+    from dvfs.govern.loop import Ticker, check_plan_against, check_server_for_dry_run
     from dvfs.govern.loop import govern as run_governor
     from dvfs.govern.metrics import scrape
     from dvfs.govern.plan import load_plan
@@ -195,8 +200,14 @@ def govern(
     plan = load_plan(plan_path)
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
+
+    def scraper() -> Any:
+        return scrape(url, _timeout(interval))
+
     with open_gpus(parse_devices(devices)) as gpus:
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
+        if dry_run:
+            check_server_for_dry_run(scraper, url, gpus)
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
             f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
@@ -207,7 +218,7 @@ def govern(
             changes = run_governor(
                 plan,
                 gpus,
-                lambda: scrape(url, _timeout(interval)),
+                scraper,
                 params,
                 Ticker(interval, max_intervals),
                 live=live,
@@ -215,7 +226,10 @@ def govern(
                 dry_run=dry_run,
                 state_dir=None if dry_run else state_dir or default_state_dir(),
             )
-    note(f"stopped after {changes} change(s)" + ("" if dry_run else "; GPU settings restored"))
+    if dry_run:
+        note(f"dry run stopped: {changes} change(s) would have been made, none was")
+    else:
+        note(f"stopped after {changes} change(s); GPU settings restored")
 
 
 @click.command()

@@ -22,12 +22,13 @@ from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
     ScrapeError,
+    ServerDownError,
     ServerSample,
     energy_per_token,
     read_gpu,
     server_energy_per_token,
 )
-from dvfs.govern.plan import BatchPlan
+from dvfs.govern.plan import STOCK, BatchPlan
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import GpuSettings, KnobController, KnobSetting
@@ -77,6 +78,23 @@ def check_plan_against(
                 problem = limits.outside(limit * 1000)
             if problem:
                 raise CapsError(f"{where}: step batch {step.batch}: {problem}")
+
+
+def check_server_for_dry_run(scraper: Scraper, url: str, gpus: Sequence[Gpu]) -> None:
+    """A dry run previews what the plan does with the server's load. With a server that does
+    not answer there is no load to preview, so say so once, with what the governor would do
+    and the fix, rather than print a fallback to stock as if it were a decision (exit 1)."""
+    try:
+        scraper()
+    except ScrapeError as exc:
+        names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
+        would = f"the governor would hold {names} at stock ({STOCK.describe()})"
+        if isinstance(exc, ServerDownError):
+            raise ScrapeError(
+                f"dry run: the server at {url} is not answering ({exc}); {would} until it "
+                "answers. Start SGLang there with --enable-metrics, or point --url at it"
+            ) from exc
+        raise ScrapeError(f"dry run: {exc}; {would} until it can read the batch") from exc
 
 
 @dataclass
@@ -217,11 +235,11 @@ def govern(
             if decision.changed and decision.state.band is not None:
                 band = decision.state.band
                 setting = plan.band_setting(band)
-                seen = "unknown (server unreadable)" if batch is None else str(batch)
-                line = (
-                    f"running batch {seen} -> {plan.band_label(band)}: {setting.describe()} "
-                    f"(at {now - start:.3f} s)"
-                )
+                if batch is None:  # unknown batch: stock (`band_for`), not a planned band
+                    line = f"{setting.describe()} while the server's batch cannot be read"
+                else:
+                    line = f"running batch {batch} -> {plan.band_label(band)}: {setting.describe()}"
+                line += f" (at {now - start:.3f} s)"
                 if knobs is None:
                     note(f"dry run, nothing changed: would set {line}")
                 else:

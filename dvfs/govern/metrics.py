@@ -25,6 +25,11 @@ class ScrapeError(DvfsError):
     """The server's /metrics could not be read or lacks what the governor needs."""
 
 
+class ServerDownError(ScrapeError):
+    """Nothing answered at the server's address (refused, unreachable, timed out): unlike a
+    page without SGLang's metrics, the fix is to start the server or correct --url."""
+
+
 @dataclass(frozen=True)
 class ServerSample:
     """What one read of the server's /metrics says."""
@@ -85,7 +90,7 @@ def scrape(url: str, timeout_s: float) -> ServerSample:
     try:
         response = httpx.get(address, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise ScrapeError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
+        raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
     if response.status_code == 404:
         raise ScrapeError(f"{address} answered 404: start SGLang with --enable-metrics")
     if response.status_code != 200:
