@@ -9,9 +9,10 @@ the planned ones is decided from the repeats before it in the shard's own journa
 repeats of a batch and corpus are dealt together and the repeats they add stay in that shard.
 The groups are dealt in measuring order, each to the shard with the fewest cells so far (ties
 to the lowest index): the same campaign gives the same shares on every machine, and no two
-shards differ by more than the cells of one thing dealt. Each shard runs its cells in measuring order,
-drafter-major, so it starts one server per drafter it holds: with every drafter in every
-shard, `n` shards start `n` times as many servers as the whole campaign on one GPU.
+shards differ by more than the cells of one thing dealt. Each shard runs its cells in
+measuring order, drafter-major, so it starts one server per drafter it holds: with every
+drafter in every shard, `n` shards start `n` times as many servers as the whole campaign on
+one GPU.
 """
 
 from __future__ import annotations
