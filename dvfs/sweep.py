@@ -32,7 +32,8 @@ from dvfs.campaign import Campaign
 from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
-from dvfs.fleet.shard import Shard
+from dvfs.fleet.queue import group_of
+from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
@@ -43,7 +44,7 @@ from dvfs.measure.journal import (
     check_journal,
     describe_os_error,
 )
-from dvfs.measure.plan import Cell, plan_cells
+from dvfs.measure.plan import Cell
 from dvfs.measure.runner import Progress, Runner, RunSummary
 
 LOCK_NAME = "sweep.lock"
@@ -295,9 +296,8 @@ def _run_locked(
 ) -> SweepOutcome:
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
-    cells: list[Cell] = plan_cells(campaign)
-    if shard is not None:
-        cells = shard.select(cells)  # an empty shard is refused before its journal is made
+    # More shards than comparison groups is refused here, before the journal is made.
+    cells: list[Cell] = planned_cells(campaign, shard)
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
         corpora, count_method = counted_corpora(campaign)
         check_corpora(campaign, corpora)  # before any GPU is touched or server started
@@ -371,6 +371,9 @@ class DryRunPlan:
     already_done: int
     server_starts: int
     knob_changes: int
+    #: The comparison groups (batch, corpus, repeat) among the planned cells: a fleet runs
+    #: each whole on one worker, a shard holds whole ones.
+    comparison_groups: int
     #: The closed-form duration of the cells still to run (`dvfs.measure.plan`): rough (it
     #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
     #: gives no estimate.
@@ -410,6 +413,7 @@ class DryRunPlan:
             "remaining": self.remaining,
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
+            "comparison_groups": self.comparison_groups,
             "estimated_hours_on_hardware": round(hours, 2),
             "estimate": _estimate_dict(e, self.estimated_s),
             "servers": [s.as_dict() for s in self.servers],
@@ -472,9 +476,7 @@ def plan_dry_run(
 
     if estimate:
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
-    cells = plan_cells(campaign)
-    if shard is not None:
-        cells = shard.select(cells)
+    cells = planned_cells(campaign, shard)
     summary = summarise_plan(campaign, cells, finished_cells(campaign, out_dir))
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
@@ -501,6 +503,7 @@ def plan_dry_run(
         already_done=summary.cells - summary.remaining,
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
+        comparison_groups=len({group_of(c) for c in cells}),
         estimated_s=summary.estimated_s,
         servers=servers,
         problems=tuple(problems),

@@ -1,27 +1,32 @@
-"""`dvfs sweep --shard i/n` and `dvfs cube merge` of the shards: the whole campaign, sliced."""
+"""`dvfs sweep --shard i/n` and `dvfs cube merge` of the shards: the whole campaign, dealt out
+in whole comparison groups so that the arms of a comparison share a shard's GPU."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import replace_block, write
+from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
-from dvfs.cube import STATUS_OK, open_cube, write_cube
+from dvfs.cube import STATUS_MISSING, STATUS_OK, merge_cubes, open_cube, write_cube
 from dvfs.errors import CampaignError
-from dvfs.fleet.shard import Shard, server_starts
+from dvfs.fleet.queue import group_of
+from dvfs.fleet.shard import Shard, planned_cells, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
 
-#: The fleet campaign on two clocks (96 cells): interleaved repeats for the slices to cut
-#: between, three drafters for the server starts; the whole is swept seven times over below.
+#: The fleet campaign on two clocks (96 cells, 8 comparison groups of 12): interleaved
+#: repeats, three drafters for the server starts; the whole is swept seven times over below.
 CAMPAIGN = replace_block(
     fleet_campaign("shardy", repeats=2), "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1005]"
 )
@@ -51,9 +56,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
-    # Each shard measured its slice only, and the slices cover the grid once.
+    # Each shard measured its share only (8 groups of 12 cells: 3, 3 and 2 of them), and the
+    # shares cover the grid once.
     measured = [int((s["cell_status"].values == STATUS_OK).sum()) for s in shards]
-    assert sum(measured) == whole["cell_status"].size and min(measured) > 0
+    assert sum(measured) == whole["cell_status"].size and measured == [36, 36, 24]
     assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
     # Shard folders (their journals) in any order, through the CLI.
     merged = runs / "merged.nc"
@@ -67,6 +73,8 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert_same_cells(combined, whole)
     assert combined.attrs["campaign_hash"] == whole.attrs["campaign_hash"]
     assert combined.attrs["sessions"] == 3
+    assert combined.attrs["arms_on_one_gpu"] == whole.attrs["arms_on_one_gpu"] == 1
+    assert combined.attrs["groups_across_gpus"] == 0
     # Shards run on other GPUs (a job array: --gpus per task) merge the same.
     for i in range(3):
         moved = invoke(
@@ -87,6 +95,9 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     spread = open_cube(elsewhere)
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
+    # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
+    assert _gpus_per_group(spread) == {1} and len(set(spread["measured_on"].values.flat)) == 3
+    assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
     # The shards' cube files merge the same way as their journals.
     again = runs / "again.nc"
     cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]
@@ -94,17 +105,25 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert_same_cells(open_cube(again), combined)
 
 
-def test_each_shard_starts_few_servers_and_records_its_slice(runs: Path) -> None:
+def _gpus_per_group(cube: xr.Dataset) -> set[int]:
+    """How many GPU groups measured the cells of each comparison group (batch, corpus,
+    repeat), as a set over the groups."""
+    on = cube["measured_on"].transpose("batch", "corpus", "repeat", ...).values
+    ok = cube["cell_status"].transpose("batch", "corpus", "repeat", ...).values == STATUS_OK
+    return {len({str(g) for g in on[i][ok[i]]}) for i in np.ndindex(on.shape[:3])}
+
+
+def test_each_shard_starts_one_server_per_drafter_and_records_its_groups(runs: Path) -> None:
     campaign = load_campaign(runs / "shardy.toml")
-    cells = plan_cells(campaign)
-    started = 0
     for i in range(3):
         records = read_records(runs / f"s{i}" / "journal.jsonl")
         assert records[1] == {"type": "shard", "index": i, "count": 3}
         servers = [r for r in records if r["type"] == "server"]
-        assert len(servers) == server_starts(Shard(i, 3).select(cells))
-        started += len(servers)
-    assert started <= len(campaign.drafters) + 3 - 1
+        mine = planned_cells(campaign, Shard(i, 3))
+        # Whole groups hold every drafter: one server each, not one per slice of a drafter.
+        assert len(servers) == server_starts(mine) == len(campaign.drafters)
+        measured = {group_of(Cell.from_dict(r["cell"])) for r in records if r["type"] == "cell"}
+        assert measured == {group_of(c) for c in mine}
 
 
 def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path) -> None:
@@ -199,49 +218,151 @@ def test_shard_dry_run_counts_the_slice_and_bad_specs_are_usage_errors(runs: Pat
         for i in range(3)
     ]
     assert sum(p["cells"] for p in parts) == whole["cells"]
+    assert sum(p["comparison_groups"] for p in parts) == whole["comparison_groups"] == 8
+    assert [p["server_starts"] for p in parts] == [3, 3, 3] and whole["server_starts"] == 3
     assert [p["shard"] for p in parts] == ["0/3", "1/3", "2/3"] and "shard" not in whole
+    text = invoke(
+        "sweep", campaign, "--dry-run", "--no-estimate", "--shard", "2/3", "--out", "nowhere"
+    ).output
+    assert "shard 2/3: only its 2 comparison group(s) are counted, each whole" in " ".join(
+        text.split()
+    )
     for bad in ("3/3", "1/0", "x", "-1/2", "1/2/3"):
         result = CliRunner().invoke(cli, ["sweep", campaign, "--shard", bad, "--dry-run"])
         assert result.exit_code == 2, (bad, result.output)
         assert "--shard" in result.output
 
 
-def _cells(drafters: int, per: int) -> list[Cell]:
-    return [Cell(f"d{d}", 0, None, None, b, "code") for d in range(drafters) for b in range(per)]
+@st.composite
+def grids(draw: st.DrawFn) -> list[Cell]:
+    """Cells in measuring order (drafters, repeats, knob settings, corpora, batches) of a random
+    grid; sometimes with cells left out, so groups differ in size."""
+    drafters = [f"d{i}" for i in range(draw(st.integers(1, 4)))]
+    settings = [(1980 - 100 * i, None) for i in range(draw(st.integers(1, 4)))]
+    corpora = ["code", "conversation", "math"][: draw(st.integers(1, 3))]
+    batches = [1, 8, 32, 64][: draw(st.integers(1, 4))]
+    repeats = draw(st.integers(1, 4))
+    cells = [
+        Cell(d, r, clock, limit, b, c)
+        for d in drafters
+        for r in range(repeats)
+        for clock, limit in (settings if r % 2 == 0 else settings[::-1])
+        for c in corpora
+        for b in batches
+    ]
+    if draw(st.booleans()):
+        kept = draw(st.lists(st.booleans(), min_size=len(cells), max_size=len(cells)))
+        cells = [c for c, k in zip(cells, kept, strict=True) if k] or cells[:1]
+    return cells
 
 
-@given(st.integers(1, 6), st.integers(1, 40), st.integers(1, 12))
-def test_shards_partition_the_cells_in_order_and_balanced(drafters: int, per: int, n: int) -> None:
-    cells = _cells(drafters, per)
-    if n > len(cells):  # some shard would be empty: every shard of n is refused or not
-        empty = [
-            i
-            for i in range(n)
-            if Shard(i, n).bounds(len(cells))[0] == Shard(i, n).bounds(len(cells))[1]
-        ]
-        assert empty
-        with pytest.raises(CampaignError, match="has no cells"):
-            Shard(empty[0], n).select(cells)
+@settings(max_examples=300, deadline=None)
+@given(grids(), st.booleans(), st.data())
+def test_shards_deal_whole_groups_balanced_and_in_measuring_order(
+    cells: list[Cell], repeats_together: bool, data: st.DataObject
+) -> None:
+    def unit(cell: Cell) -> tuple:
+        return group_of(cell)[:2] if repeats_together else group_of(cell)
+
+    sizes: dict[tuple, int] = {}
+    for cell in cells:
+        sizes[unit(cell)] = sizes.get(unit(cell), 0) + 1
+    n = data.draw(st.integers(1, len(sizes) + 2), label="n")
+    if n > len(sizes):  # some shard would be empty: every index is refused, naming the limit
+        index = data.draw(st.integers(0, n - 1), label="index")
+        with pytest.raises(CampaignError, match=f"has {len(sizes)} .* at most {len(sizes)} "):
+            Shard(index, n).select(cells, repeats_together=repeats_together)
         return
-    slices = [Shard(i, n).select(cells) for i in range(n)]
-    assert [c for s in slices for c in s] == cells  # every cell once, in measuring order
-    assert max(map(len, slices)) - min(map(len, slices)) <= 1
-    # Contiguous slices: each cut adds at most one server start to the whole campaign's.
-    assert sum(server_starts(s) for s in slices) <= drafters + n - 1
+    slices = [Shard(i, n).select(cells, repeats_together=repeats_together) for i in range(n)]
+    # A partition: every cell in exactly one shard.
+    assert sorted(c for s in slices for c in s) == sorted(cells)
+    # No comparison group (nor, with repeats together, batch and corpus) in two shards.
+    owner: dict[tuple, int] = {}
+    for i, part in enumerate(slices):
+        for cell in part:
+            assert owner.setdefault(group_of(cell), i) == i, f"{group_of(cell)} split"
+            assert owner.setdefault(unit(cell), i) == i, f"{unit(cell)} split"
+    # Balanced within one dealt unit's cells; none empty.
+    counts = [len(s) for s in slices]
+    assert min(counts) > 0 and max(counts) - min(counts) <= max(sizes.values())
+    # Measuring order within each shard (so drafter-major: one server per drafter it holds).
+    rank = {c: i for i, c in enumerate(cells)}
+    for part in slices:
+        assert [rank[c] for c in part] == sorted(rank[c] for c in part)
+        assert server_starts(part) == len({c.drafter for c in part})
+    # Deterministic: the same cells deal the same way.
+    assert Shard(n - 1, n).select(list(cells), repeats_together=repeats_together) == slices[-1]
     assert all(Shard.parse(f" {i} / {n} ") == Shard(i, n) for i in range(n))
 
 
-def test_more_shards_than_cells_is_refused_before_a_journal_is_made(tmp_path: Path) -> None:
-    """A shard with no cells could never be merged with the others (its journal would hold no
-    session): `--shard i/n` with n above the cell count is a usage error, dry run included."""
+def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
+    tmp_path: Path,
+) -> None:
+    """A shard with no group could never be merged with the others (its journal would hold no
+    session): `--shard i/n` with n above the comparison groups is refused, whatever i, dry run
+    included, naming the group count and the largest n."""
     from conftest import TINY
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", TINY)
-    cells = len(plan_cells(load_campaign(campaign)))
-    for extra in (("--out", str(tmp_path / "out"), "--no-progress"), ("--dry-run",)):
-        result = invoke("sweep", str(campaign), "--shard", f"0/{cells + 1}", *extra)
-        assert_one_line_error(result, 2, "has no cells", f"at most {cells} shards")
+    loaded = load_campaign(campaign)
+    assert loaded.measurement.max_repeats == loaded.measurement.repeats
+    groups = len({group_of(c) for c in plan_cells(loaded)})
+    assert groups < len(plan_cells(loaded))  # the limit is the groups, not the cells
+    for i in (0, groups):
+        for extra in (("--out", str(tmp_path / "out"), "--no-progress"), ("--dry-run",)):
+            result = invoke("sweep", str(campaign), "--shard", f"{i}/{groups + 1}", *extra)
+            assert_one_line_error(
+                result, 2, f"has {groups} comparison groups", f"at most {groups} shards"
+            )
     assert not (tmp_path / "out" / "journal.jsonl").exists()
-    last = invoke("sweep", str(campaign), "--shard", f"{cells - 1}/{cells}", "--dry-run")
+    last = invoke("sweep", str(campaign), "--shard", f"{groups - 1}/{groups}", "--dry-run")
     assert last.exit_code == 0, last.output
+
+
+def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(tmp_path: Path) -> None:
+    """With max_repeats, a shard decides further repeats from its own journal, so every repeat
+    of a batch and corpus is dealt to one shard: the merged shards equal the whole campaign,
+    further repeats included (four shards of contiguous cells lost most of them)."""
+    campaign = write(tmp_path / "adaptive.toml", ADAPTIVE)
+    whole = tmp_path / "whole"
+    assert invoke("sweep", str(campaign), "--out", str(whole), "--no-progress").exit_code == 0
+    for i in range(4):
+        out = str(tmp_path / f"s{i}")
+        result = invoke("sweep", str(campaign), "--shard", f"{i}/4", "--out", out, "--no-progress")
+        assert result.exit_code == 0, result.output
+    merged = tmp_path / "merged.nc"
+    shards = [str(tmp_path / f"s{i}") for i in range(4)]
+    result = invoke("cube", "merge", *shards, "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    full, combined = open_cube(whole / "cube.nc"), open_cube(merged)
+    added = int((full["cell_status"].sel(repeat=slice(2, None)).values == STATUS_OK).sum())
+    assert added > 0, "the whole campaign added repeats"
+    assert_same_cells(combined, full)
+    assert combined.attrs["arms_on_one_gpu"] == 1
+    # Rerunning a shard adds nothing: its repeats were decided from its own journal.
+    again = invoke("sweep", str(campaign), "--shard", "1/4", "--out", shards[1], "--no-progress")
+    assert again.exit_code == 0 and "0 cell(s) measured" in again.output
+
+
+def test_merged_shards_that_split_a_group_do_not_claim_paired_arms(runs: Path) -> None:
+    """Shards cut through the comparison groups (as dvfs cut them before it dealt whole
+    groups), on two GPUs: the merged cube says the arms were not kept on one GPU, and counts
+    every group whose arms span the two."""
+    whole = open_cube(runs / "whole" / "cube.nc").load()
+    none = whole["drafter"] == "none"
+    first, second = whole.copy(deep=True), whole.copy(deep=True)
+    first["cell_status"] = first["cell_status"].where(none, STATUS_MISSING)
+    second["cell_status"] = second["cell_status"].where(~none, STATUS_MISSING)
+    second = second.assign_coords(
+        measured_on=second["measured_on"].copy(
+            data=np.full(second["measured_on"].shape, "GPU-elsewhere", dtype=object)
+        )
+    )
+    for k, ds in enumerate((first, second)):
+        ds.attrs["shard"] = f"{k}/2"
+        assert ds.attrs["arms_on_one_gpu"] == 1
+    merged = merge_cubes([first, second], ["first", "second"])
+    assert merged.attrs["arms_on_one_gpu"] == 0
+    groups = len({group_of(c) for c in plan_cells(load_campaign(runs / "shardy.toml"))})
+    assert merged.attrs["groups_across_gpus"] == groups == 8

@@ -61,7 +61,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             highlight=False,
         )
     if report.get("shard"):
-        out.print(f"shard {report['shard']}: only this slice's cells are counted")
+        out.print(
+            f"shard {report['shard']}: only its {report['comparison_groups']} comparison "
+            "group(s) are counted, each whole (every drafter and knob setting of a batch, "
+            "corpus and repeat, on this shard's GPU); it starts one server per drafter",
+            highlight=False,
+        )
     if report.get("workers"):
         busy = min(report["workers"], report["comparison_groups"])
         idle = (
@@ -225,10 +230,8 @@ def sweep(
         if len(groups) > 1:
             # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
             # with G groups of about equal cost, the busiest of W workers runs ceil(G / W).
-            w = campaign.workload
-            comparison_groups = len(w.batch_sizes) * len(w.corpora) * campaign.measurement.repeats
+            comparison_groups = plan.comparison_groups
             report["workers"] = len(groups)
-            report["comparison_groups"] = comparison_groups
             report["estimated_makespan_hours"] = round(
                 report["estimated_hours_on_hardware"]
                 * math.ceil(comparison_groups / len(groups))

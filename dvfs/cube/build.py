@@ -277,7 +277,8 @@ class _Filler:
         self.split_method = np.zeros((), dtype=np.int8)
         #: Which GPU(s) measured each cell: UUIDs joined by ",", "" where none did.
         self.measured_on = np.zeros((), dtype=object)
-        #: Whether each session was a fleet that ran every comparison group on one worker.
+        #: Whether each session ran every comparison group on one GPU group: a fleet's that
+        #: says so, and a single runner's (all its cells on its one group).
         self.paired: list[bool] = []
 
     def contents(self) -> JournalContents:
@@ -290,7 +291,7 @@ class _Filler:
                 self.where, record.get("journal_schema", self.first_version)
             )
             self.sessions.append(Session.from_json(record, version=self.version))
-            self.paired.append(record.get("arms_on_one_gpu") == 1)
+            self.paired.append(record.get("arms_on_one_gpu") == 1 or not record.get("workers"))
         elif kind == "server":
             self.servers.append(Server.from_json(record))
         elif kind == "cell":
@@ -392,11 +393,12 @@ class _Filler:
         assert self.grid is not None
         ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
         ds[SPLIT_METHOD_VAR] = (CELL_DIMS, self.split_method, split_method_attrs())
-        # Every session's fleet gave each comparison group to one worker (`dvfs.fleet.queue`);
-        # whether the valid cells of each (batch, corpus, repeat) did share one GPU group is
-        # counted, not refused (a lost worker's groups finish elsewhere).
+        # Every session ran on one GPU group, or was a fleet that gave each comparison group to
+        # one worker (`dvfs.fleet.queue`); whether the valid cells of each (batch, corpus,
+        # repeat) did share one GPU group is counted, not refused (a lost worker's groups
+        # finish elsewhere, a resume may run on other GPUs).
         ds.attrs["arms_on_one_gpu"] = int(bool(self.paired) and all(self.paired))
-        ds.attrs["groups_across_gpus"] = _groups_across_gpus(
+        ds.attrs["groups_across_gpus"] = groups_across_gpus(
             self.measured_on, self.status, self.data["valid"]
         )
         return ds.assign_coords(
@@ -404,7 +406,7 @@ class _Filler:
         )
 
 
-def _groups_across_gpus(measured_on: np.ndarray, status: np.ndarray, valid: np.ndarray) -> int:
+def groups_across_gpus(measured_on: np.ndarray, status: np.ndarray, valid: np.ndarray) -> int:
     """How many comparison groups (batch, corpus, repeat) have valid measured cells on more
     than one GPU group (`measured_on`): their arms differ by GPU too."""
     axes = [CELL_DIMS.index(d) for d in ("batch", "corpus", "repeat")]

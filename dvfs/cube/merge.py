@@ -244,7 +244,8 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
 
     Refused, naming the reason, when they measure different campaigns (hash), have different
     counts, repeat or miss a shard, ran on different GPU models, or when a cell was measured
-    (or failed) in two of them.
+    (or failed) in two of them. Whether the arms of each comparison shared a GPU is worked out
+    for the whole (`_pairing`).
     """
     names = names or [f"shard cube {i + 1}" for i in range(len(cubes))]
     _check_shards(cubes, names)
@@ -291,7 +292,32 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
         combined[name].encoding = dict(first[name].encoding)
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
     combined.attrs = _combined_attrs(cubes, names)
+    combined.attrs.update(_pairing(combined, cubes, owner))
     return combined
+
+
+def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -> dict[str, int]:
+    """The whole run's `arms_on_one_gpu` and `groups_across_gpus`, not the first shard's: the
+    arms were paired when every shard paired its own and no comparison group (batch, corpus,
+    repeat) has cells from two shards (shards on other GPUs; `owner` is each cell's shard, -1
+    none), and the groups whose valid cells span GPU groups are counted over all the cells."""
+    from dvfs.cube.build import groups_across_gpus
+    from dvfs.cube.schema import CELL_DIMS
+
+    dims = combined["cell_status"].dims
+    keep = [dims.index(d) for d in ("batch", "corpus", "repeat")]
+    by_group = np.moveaxis(owner, keep, (0, 1, 2))
+    by_group = by_group.reshape(-1, *by_group.shape[3:])  # a group's cells in each row
+    split = any(np.unique(cells[cells >= 0]).size > 1 for cells in by_group)
+    paired = not split and all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)
+    if MEASURED_ON in combined.coords:
+        on, status, valid = (
+            combined[n].transpose(*CELL_DIMS).values for n in (MEASURED_ON, "cell_status", "valid")
+        )
+        across = groups_across_gpus(on, status, valid)
+    else:  # a cube from before measured_on: each shard's own count
+        across = sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes)
+    return {"arms_on_one_gpu": int(paired), "groups_across_gpus": across}
 
 
 def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, CubeError, JournalError
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
-from dvfs.fleet.shard import Shard
+from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
@@ -672,7 +672,6 @@ def run_fleet(
     GPU model, merged along `gpu` when the fleet mixes models)."""
     from dvfs.corpora.prepare import check_corpora, counted_corpora
     from dvfs.measure.journal import iter_records
-    from dvfs.measure.plan import plan_cells
     from dvfs.sweep import fresh_start, out_dir_lock
 
     labels = [group_label(g) for g in groups]
@@ -685,9 +684,7 @@ def run_fleet(
             progress.note(f"moved the previous journal to {moved}")
         corpora = counted_corpora(campaign)
         check_corpora(campaign, corpora[0])  # before any GPU is touched
-        cells = plan_cells(campaign)
-        if shard is not None:
-            cells = shard.select(cells)
+        cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
         done = _journals_done(out_dir, campaign, cells)

@@ -1,20 +1,32 @@
-"""`--shard i/n`: a deterministic slice of a campaign's cells, for job arrays without Ray.
+"""`--shard i/n`: a deterministic share of a campaign's comparison groups, for job arrays
+without Ray.
 
-The cells are cut, in measuring order (drafters outermost), into `n` contiguous runs of
-near-equal length: the slices are balanced, every drafter's cells stay together except where a
-cut falls inside them, so all the shards together start at most `drafters + n - 1` servers,
-and the same campaign always gives the same slices on every machine.
+Shards run on different GPUs, so they are dealt whole comparison groups (`group_of`: the cells
+of one batch, corpus and repeat, every drafter and knob setting of them), as the fleet's queue
+deals them to workers: the arms of a comparison never differ by the GPU that measured them.
+When the campaign adds repeats as it goes (`max_repeats` above `repeats`), each repeat after
+the planned ones is decided from the repeats before it in the shard's own journal, so all the
+repeats of a batch and corpus are dealt together and the repeats they add stay in that shard.
+The groups are dealt in measuring order, each to the shard with the fewest cells so far (ties
+to the lowest index): the same campaign gives the same shares on every machine, and no two
+shards differ by more than the cells of one thing dealt. Each shard runs its cells in
+measuring order, drafter-major, so it starts one server per drafter it holds: with every
+drafter in every shard, `n` shards start `n` times as many servers as the whole campaign on
+one GPU.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError
-from dvfs.measure.plan import Cell
+from dvfs.fleet.queue import group_of
+from dvfs.measure.plan import Cell, plan_cells
 
 #: The journal record that marks a shard's journal (after the header).
 SHARD_RECORD = "shard"
@@ -54,20 +66,32 @@ class Shard:
     def label(self) -> str:
         return f"{self.index}/{self.count}"
 
-    def bounds(self, total: int) -> tuple[int, int]:
-        """The slice [start, stop) of `total` ordered cells this shard runs."""
-        return (self.index * total // self.count, (self.index + 1) * total // self.count)
-
-    def select(self, cells: Sequence[Cell]) -> list[Cell]:
-        """This shard's cells, in measuring order; a shard with none is refused (more shards
-        than cells), since its empty run could never be merged with the others."""
-        start, stop = self.bounds(len(cells))
-        if start == stop:
-            raise CampaignError(
-                f"shard {self.label} has no cells: the campaign has {len(cells)} cell(s), so "
-                f"split it into at most {len(cells)} shards"
+    def select(self, cells: Sequence[Cell], *, repeats_together: bool = False) -> list[Cell]:
+        """This shard's cells (`cells` in measuring order), in measuring order: whole comparison
+        groups (with `repeats_together`, every repeat of a batch and corpus), dealt as the
+        module says. More shards than groups is refused, whatever the index: some shard would
+        be empty, and a run missing a shard can never be merged."""
+        units = _units(cells, repeats_together)
+        if self.count > len(units):
+            what = (
+                "batch-and-corpus pairs (their repeats stay together, since max_repeats adds "
+                "repeats from the earlier ones)"
+                if repeats_together
+                else "comparison groups (the cells of one batch, corpus and repeat, kept whole "
+                "on one GPU)"
             )
-        return list(cells[start:stop])
+            raise CampaignError(
+                f"shard {self.label}: the campaign has {len(units)} {what}, so split it into "
+                f"at most {len(units)} shards"
+            )
+        shards = [(0, i) for i in range(self.count)]  # (cells so far, index): a heap
+        mine: set[Hashable] = set()
+        for unit, size in units.items():
+            load, shard = heapq.heappop(shards)  # the fewest cells, then the lowest index
+            heapq.heappush(shards, (load + size, shard))
+            if shard == self.index:
+                mine.add(unit)
+        return [c for c in cells if _unit_of(c, repeats_together) in mine]
 
     def to_json(self) -> dict[str, Any]:
         return {"type": SHARD_RECORD, "index": self.index, "count": self.count}
@@ -77,8 +101,34 @@ class Shard:
         return cls(int(record["index"]), int(record["count"]))
 
 
+def _unit_of(cell: Cell, repeats_together: bool) -> Hashable:
+    """What is dealt whole: the cell's comparison group, or its batch and corpus."""
+    group = group_of(cell)
+    return group[:2] if repeats_together else group
+
+
+def _units(cells: Sequence[Cell], repeats_together: bool) -> dict[Hashable, int]:
+    """Each dealt unit's cell count, in the order its first cell is measured."""
+    sizes: dict[Hashable, int] = {}
+    for cell in cells:
+        unit = _unit_of(cell, repeats_together)
+        sizes[unit] = sizes.get(unit, 0) + 1
+    return sizes
+
+
+def planned_cells(campaign: Campaign, shard: Shard | None = None) -> list[Cell]:
+    """The cells a sweep plans (`plan_cells`): all of them, or `shard`'s (every repeat of a
+    batch and corpus together when the campaign adds repeats as it goes)."""
+    cells = plan_cells(campaign)
+    if shard is None:
+        return cells
+    m = campaign.measurement
+    return shard.select(cells, repeats_together=m.max_repeats > m.repeats)
+
+
 def server_starts(cells: Sequence[Cell]) -> int:
-    """Servers a run of `cells` in this order starts (one per change of drafter)."""
+    """Servers a run of `cells` in this order starts (one per change of drafter): one per
+    drafter for a shard's cells, which run drafter-major."""
     starts = 0
     previous: str | None = None
     for cell in cells:
