@@ -336,3 +336,25 @@ def test_timelines_of_a_clock_sweep_still_say_clock_lock(small_sweep: Path, shar
     labels = _timeline_labels(open_cube(shared_run(clock_only, "clocks") / "cube.nc"))
     settings = [label.split(": ", 1)[1] for label in labels if ": " in label]
     assert settings and all(" MHz clock lock, stock 700 W power limit" in s for s in settings)
+
+
+def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks(
+    shared_run,
+) -> None:
+    """Only the power limit swept: the clock in every answer is the unlocked stock clock, so
+    the map's cells name the chosen limit and its title says the clock was not swept; a clock
+    sweep's map still names the clock lock."""
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    cube = open_cube(shared_run(text, "limits") / "cube.nc")
+    fig = draw_headroom(headroom(cube, target=TARGET))
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    answers = [t for t in texts if t.split("\n")[0].endswith("%")]
+    assert answers and all(t.split("\n")[-1].endswith(" W") for t in answers)
+    assert not any("MHz" in t for t in texts)
+    assert any("SM clock not swept" in t.get_text() for t in fig.texts)  # the title
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    clocks = open_cube(shared_run(clock_only, "clocks") / "cube.nc")
+    fig = draw_headroom(headroom(clocks, target=TARGET))
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any(t.endswith("MHz") for t in texts)
+    assert not any("SM clock not swept" in t.get_text() for t in fig.texts)

@@ -115,6 +115,15 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
     )
 
 
+def _answer_label(
+    saving: float, clock: float, limit: float, capped: bool, clock_swept: bool
+) -> str:
+    """A cell's text: the saving, then the knobs the answer sets (the clock only when swept)."""
+    if not clock_swept:
+        return f"{saving:.0f}%\n{limit:.0f} W"
+    return f"{saving:.0f}%\n{clock:.0f} MHz" + (f"\n{limit:.0f} W" if capped else "")
+
+
 @styled
 def draw_headroom(chosen: xr.Dataset) -> Figure:
     """Energy saved (%) at the least-energy setting meeting the target: a panel per corpus,
@@ -130,6 +139,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
+    # A campaign that swept only the power limit has no clock answer: the stock clock is not a
+    # lock, so the cell names the limit instead.
+    clock_swept = bool(int(chosen.attrs.get("sm_clock_swept", 1)))
     why = _no_answer_labels(chosen, order)
     norm = shared_norm([saving])
     cmap = _cmap("Greens")
@@ -144,7 +156,11 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     title = (
         "Headroom: energy saved at the least-energy setting meeting\n"
         f"{chosen.attrs.get('target', 'the target')}\n"
-        "cell: saving, SM clock lock, and the power limit when capped"
+        + (
+            "cell: saving, SM clock lock, and the power limit when capped"
+            if clock_swept
+            else "cell: saving and the power limit (SM clock not swept: unlocked)"
+        )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
     panel_h = max(0.52 * len(drafters), 1.6)  # room for the colourbar and key in the free slot
@@ -158,8 +174,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             [
                 why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
-                else f"{saving[k, i, j]:.0f}%\n{clock[k, i, j]:.0f} MHz"
-                + (f"\n{limit[k, i, j]:.0f} W" if capped[k, i, j] else "")
+                else _answer_label(
+                    saving[k, i, j], clock[k, i, j], limit[k, i, j], capped[k, i, j], clock_swept
+                )
                 for j in range(len(batches))
             ]
             for i in range(len(drafters))
