@@ -312,6 +312,9 @@ def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
     np.testing.assert_array_equal(merged["tpot_ms"].isel(gpu=1).values, b["tpot_ms"].values)
     # H200 reads the weights faster: lower latency at the same settings.
     assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
+    # Each GPU kept its own arms together, so the merged cube says so (it used to drop both).
+    assert a.attrs["arms_on_one_gpu"] == b.attrs["arms_on_one_gpu"] == 1
+    assert merged.attrs["arms_on_one_gpu"] == 1 and merged.attrs["groups_across_gpus"] == 0
     doc = json.loads(CliRunner().invoke(cli, ["headroom", str(merged_path), "--json"]).output)
     assert {r["gpu"] for r in doc["rows"]} == set(merged["gpu"].values)
     # Refusals: the same GPU twice; a different model.

@@ -132,6 +132,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         dvfs_version=__version__,
         gpu_names=json.dumps([str(ds.attrs.get("gpu_name")) for ds in cubes]),
         gpu_name=str(first.attrs.get("gpu_name")),
+        # Each GPU's cube keeps its own comparisons along `gpu`: the merged arms were paired
+        # where every cube's were, and the groups split across GPUs add up.
+        arms_on_one_gpu=int(all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)),
+        groups_across_gpus=sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes),
         merged_from=json.dumps(
             {
                 label: {
