@@ -366,3 +366,30 @@ def test_merged_shards_that_split_a_group_do_not_claim_paired_arms(runs: Path) -
     assert merged.attrs["arms_on_one_gpu"] == 0
     groups = len({group_of(c) for c in plan_cells(load_campaign(runs / "shardy.toml"))})
     assert merged.attrs["groups_across_gpus"] == groups == 8
+
+
+def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> None:
+    """A job array whose tasks each hold two GPUs: every shard's fleet keeps each of its
+    groups on one of its GPUs, so the merged shards equal the whole campaign and say the arms
+    were paired."""
+    for i in range(2):
+        result = invoke(
+            "sweep",
+            str(runs / "shardy.toml"),
+            "--shard",
+            f"{i}/2",
+            "--gpus",
+            f"{2 * i}-{2 * i + 1}",
+            "--out",
+            str(runs / f"fleet{i}"),
+            "--no-progress",
+        )
+        assert result.exit_code == 0, result.output
+    merged = runs / "fleets.nc"
+    shards = [str(runs / f"fleet{i}") for i in range(2)]
+    assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    assert_same_cells(cube, open_cube(runs / "whole" / "cube.nc"))
+    assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
+    assert _gpus_per_group(cube) == {1}
+    assert cube.attrs["arms_on_one_gpu"] == 1 and cube.attrs["groups_across_gpus"] == 0
