@@ -7,6 +7,12 @@
   0.5.23 split it into `--cuda-graph-max-bs-decode` / `-prefill`, and the old flag is then an
   ambiguous prefix that argparse rejects. Which one is read from `launch_server --help`,
   else from the version.
+- One list of decode CUDA-graph batch sizes for every arm (`graph_batch_sizes`): SGLang's own
+  ladder is finer for a speculative server than for a plain one, so a plain arm would pad a
+  batch of 6 to 8 where a speculative arm runs 6. `--cuda-graph-bs` up to 0.5.9,
+  `--cuda-graph-bs-decode` from 0.5.23.
+- On SGLang older than 0.5.23, `--disable-overlap-schedule` for every arm when any drafter
+  speculates: 0.5.9 turns the overlap scheduler off for each speculative algorithm itself.
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
 - `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
@@ -40,6 +46,11 @@ from dvfs.errors import EngineError
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
 OLD_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs"
+#: The flag listing the decode CUDA-graph batch sizes, with each of the two above.
+GRAPH_SIZES_FLAG = {
+    NEW_CUDA_GRAPH_FLAG: "--cuda-graph-bs-decode",
+    OLD_CUDA_GRAPH_FLAG: "--cuda-graph-bs",
+}
 #: Algorithms each SGLang release accepts (0.5.9's argparse choices; 0.5.23's registry).
 ALGORITHMS_BY_VERSION = {
     (0, 5, 9): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
@@ -199,6 +210,65 @@ def cuda_graph_flag(help_text: str | None, version: tuple[int, ...] | None) -> s
     return NEW_CUDA_GRAPH_FLAG
 
 
+def graph_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The decode CUDA-graph batch sizes every arm captures: each of the campaign's batches, so
+    none is padded, and the powers of two up to the largest, so a batch shrinking as its
+    requests finish is padded less than twice (alike in every arm)."""
+    largest = max(batch_sizes)
+    powers = {1 << k for k in range(largest.bit_length()) if 1 << k <= largest}
+    return sorted(set(batch_sizes) | powers)
+
+
+#: The EAGLE family as 0.5.9 handles it (NEXTN is its alias of EAGLE).
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+
+def _names_flag(tokens: Sequence[str], flag: str, shortest: str) -> bool:
+    """Whether argparse would read one of `tokens` as `flag` (an abbreviation at least as long
+    as `shortest`, the shortest one neither option table shares with another flag)."""
+    for token in tokens:
+        name = token.split("=", 1)[0]
+        if token.startswith("--") and len(name) >= len(shortest) and flag.startswith(name):
+            return True
+    return False
+
+
+def _env_true(env: Mapping[str, str], name: str) -> bool:
+    """An SGLang boolean environment variable as SGLang 0.5.9 reads it (srt/environ.py)."""
+    return env.get(name, "").strip().lower() in ("true", "1", "yes", "y")
+
+
+def _forced_overlap_off(algorithm: str | None, *, legacy: bool, spec_v2: bool) -> bool | None:
+    """What SGLang sets `disable_overlap_schedule` to for a drafter whatever the flags say; None
+    where it keeps what it was given. 0.5.9 (server_args.py `_handle_speculative_decoding`):
+    True for NGRAM, and for the EAGLE family unless SGLANG_ENABLE_SPEC_V2, which sets False.
+    0.5.23 only for a CPU device (speculative_hook.py `_disable_overlap_schedule_for_cpu`)."""
+    if not legacy or algorithm is None:
+        return None
+    if algorithm == "NGRAM":
+        return True
+    if algorithm in EAGLE_FAMILY:
+        return not spec_v2
+    return None
+
+
+def _overlap_plan(
+    campaign: Campaign, *, legacy: bool, env: Mapping[str, str]
+) -> tuple[bool, dict[str, bool]]:
+    """Whether dvfs passes `--disable-overlap-schedule` to every arm (when SGLang turns the
+    overlap scheduler off for some drafter itself), and each drafter's resulting value."""
+    spec_v2 = _env_true(env, "SGLANG_ENABLE_SPEC_V2")
+    forced = {
+        d.name: _forced_overlap_off(d.algorithm, legacy=legacy, spec_v2=spec_v2)
+        for d in campaign.drafters
+    }
+    pin = True in forced.values()
+    given = pin or _names_flag(
+        campaign.engine.sglang.extra_args, "--disable-overlap-schedule", "--disable-overlap"
+    )
+    return pin, {name: given if off is None else off for name, off in forced.items()}
+
+
 def _check_algorithm(drafter: DrafterSpec, version: tuple[int, ...] | None) -> None:
     if drafter.algorithm is None or version is None:
         return
@@ -270,6 +340,10 @@ def launch_argv(
     parsed = parse_version(version or sg.version)
     _check_algorithm(drafter, parsed)
     largest = max(campaign.workload.batch_sizes)
+    graph_flag = cuda_graph_flag(help_text, parsed)
+    pin_overlap, _ = _overlap_plan(
+        campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=server_env(campaign)
+    )
     argv = [
         *server_command(campaign),
         "--model-path",
@@ -283,8 +357,11 @@ def launch_argv(
         str(campaign.engine.tp_size),
         "--max-running-requests",
         str(largest),
-        cuda_graph_flag(help_text, parsed),
+        graph_flag,
         str(largest),
+        GRAPH_SIZES_FLAG[graph_flag],
+        *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
+        *(["--disable-overlap-schedule"] if pin_overlap else []),
         "--enable-metrics",
         *attention_args(campaign),
         *speculative_args(drafter),
