@@ -190,7 +190,8 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   only on a CPU (speculative_hook.py `_disable_overlap_schedule_for_cpu`).
 #: - mixed chunked prefill: 0.5.9 turns it off for every algorithm (lines 2390 and 2474),
 #:   0.5.23 for NGRAM, STANDALONE and UNO (speculative_hook.py lines 1307, 1112, 600; which
-#:   keep it: speculative/spec_info.py `supports_mixed_chunk`). dvfs never sets it.
+#:   keep it: speculative/spec_info.py `supports_mixed_chunk`). dvfs never sets it; a campaign
+#:   that does is refused before any server starts when its drafters would disagree.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
