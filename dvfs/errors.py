@@ -59,6 +59,14 @@ class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 
 
+class ArmMismatchError(EngineError):
+    """SGLang would set a scheduling argument differently for some of the campaign's drafters
+    whatever dvfs passes, so its arms would differ in more than their drafters: an invalid
+    campaign, refused before any server starts, so a usage error."""
+
+    exit_code = 2
+
+
 class CorpusError(DvfsError):
     """A corpus cannot be loaded or sampled; the message names the file and line."""
 

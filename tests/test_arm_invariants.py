@@ -177,9 +177,11 @@ def test_a_server_resolving_other_engine_args_is_refused(tmp_path: Path) -> None
     assert running(marker) == []
 
 
-def test_args_sglang_adjusts_for_speculation_are_not_compared() -> None:
-    """max_running_requests, the overlap schedule, chunked prefill, memory fraction, CUDA-graph
-    sizes and the page size may differ between arms; the dtype may not."""
+def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
+    """max_running_requests, the memory fraction, the graph limit and the speculative_* args
+    may differ between arms (SGLang sets them for a draft: the cube keeps each drafter's);
+    the dtype, the page size, the schedulers and chunked prefill may not (SGLang leaves those
+    alone, or dvfs makes them alike: `ARM_ARGS`)."""
     base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
     none = {**base, "args": {"dtype": "auto", "max_running_requests": None, "page_size": 1}}
     spec = {
@@ -187,19 +189,26 @@ def test_args_sglang_adjusts_for_speculation_are_not_compared() -> None:
         "args": {
             "dtype": "auto",
             "max_running_requests": 48,
-            "disable_overlap_schedule": True,
-            "chunked_prefill_size": 4096,
             "mem_fraction_static": 0.7,
             "cuda_graph_max_bs": 8,
-            "page_size": 16,
+            "page_size": 1,
             "speculative_algorithm": "EAGLE",
+            "speculative_eagle_topk": 4,
         },
     }
     assert arm_changes(none, spec) == []
-    assert not set(spec["args"]) & set(ARM_ARGS) - {"dtype"}
-    assert arm_changes(none, {**spec, "args": {**spec["args"], "dtype": "float16"}}) == [
-        "dtype (dtype): 'auto' -> 'float16'"
-    ]
+    assert not set(spec["args"]) & set(ARM_ARGS) - {"dtype", "page_size"}
+    for key, label, a, b in [
+        ("dtype", "dtype", "auto", "float16"),
+        ("page_size", "KV page size", 1, 16),
+        ("disable_overlap_schedule", "overlap scheduler disabled", False, True),
+        ("enable_mixed_chunk", "mixed chunked prefill", True, False),
+        ("chunked_prefill_size", "chunked prefill size", 8192, 4096),
+        ("disable_radix_cache", "radix cache disabled", False, True),
+    ]:
+        before = {**none, "args": {**none["args"], key: a}}
+        after = {**spec, "args": {**spec["args"], key: b}}
+        assert arm_changes(before, after) == [f"{label} ({key}): {a!r} -> {b!r}"]
 
 
 # -- an attached server -----------------------------------------------------------------------

@@ -32,6 +32,8 @@ MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--max-running-requests",), "workload.batch (dvfs sets it to the largest batch)"),
     (("--cuda-graph-max-bs",), "workload.batch (dvfs sets it to the largest batch)"),
     (("--cuda-graph-max-bs-decode",), "workload.batch (dvfs sets it to the largest batch)"),
+    (("--cuda-graph-bs",), "workload.batch (dvfs captures a CUDA graph for each batch)"),
+    (("--cuda-graph-bs-decode",), "workload.batch (dvfs captures a CUDA graph for each batch)"),
     (("--speculative-algorithm",), "{drafter}.algorithm"),
     (("--speculative-draft-model-path", "--speculative-draft-model"), "{drafter}.draft_model"),
     (("--speculative-num-steps",), "{drafter}.num_steps"),

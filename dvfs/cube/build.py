@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,10 +109,11 @@ def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]
     }
 
 
-def _check_sessions(journal: JournalContents) -> None:
+def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -> None:
     """A journal may hold runs on different GPUs of one model (a rerun on the GPUs left after
     a node loss, or on fewer of them); cells of GPUs that differ in an invariant
-    (`GPU_INVARIANTS`, `SESSION_INVARIANTS`) would not compare and are refused."""
+    (`GPU_INVARIANTS`, `SESSION_INVARIANTS`) would not compare and are refused, and so are
+    servers that differ in what the arms share (`arm_changes`, at the grid's batch sizes)."""
     if not journal.sessions:
         return
     first = journal.sessions[0].to_json()
@@ -138,7 +139,7 @@ def _check_sessions(journal: JournalContents) -> None:
     # Across drafters too: the arms must differ only in their drafters (`arm_changes`).
     servers = list(journal.servers)
     for server in servers[1:]:
-        changes = arm_changes(servers[0].to_json(), server.to_json())
+        changes = arm_changes(servers[0].to_json(), server.to_json(), batch_sizes)
         if changes:
             raise CubeError(
                 f"the journal's drafters {servers[0].drafter!r} and {server.drafter!r} were "
@@ -383,8 +384,8 @@ class _Filler:
 
     def dataset(self) -> xr.Dataset:
         journal = self.contents()
-        _check_sessions(journal)
         facts = self.header.facts()
+        _check_sessions(journal, facts.grid.batch_sizes)
         if self.grid is None:
             self._allocate()  # no cell yet (or none since the first session)
         for record in self.waiting:

@@ -7,10 +7,12 @@ die with dvfs (PR_SET_PDEATHSIG, armed by the `_pdeathsig` launcher rather than 
 so a SIGKILLed dvfs leaves no orphan. Or dvfs attaches to a server already running at a URL and
 never starts or stops it, after the same checks of what it resolved (the model, the algorithm,
 the kernels). Every drafter's server must run the same attention kernels (`check_same_kernels`);
-what else the arms share is checked by the runner against the journal (`arm_changes`). A started
-server must run on the metered GPUs (`pinning_outcome`): NVML's compute processes of every GPU
-are matched against the server's process tree, so a `server_command` wrapper that escapes
-CUDA_VISIBLE_DEVICES is refused; where NVML cannot tell, the server record says "unverified".
+a campaign whose drafters SGLang would schedule differently whatever dvfs passes is refused
+before any server starts (`check_arms_can_match`); what else the arms share is checked by the
+runner against the journal (`arm_changes`). A started server must run on the metered GPUs
+(`pinning_outcome`): NVML's compute processes of every GPU are matched against the server's
+process tree, so a `server_command` wrapper that escapes CUDA_VISIBLE_DEVICES is refused; where
+NVML cannot tell, the server record says "unverified".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dvfs.engines.base import KnobTimeline, RoundResult, ServerInfo, Workload
 from dvfs.engines.sglang_args import (
     Kernels,
     ServerPorts,
+    check_arms_can_match,
     check_same_kernels,
     launch_argv,
     parse_version,
@@ -156,6 +159,10 @@ class SglangEngine:
                 d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
             }
             check_same_kernels(predicted)
+        if not self.config.url and any(d.algorithm for d in campaign.drafters):
+            # Likewise for the scheduling args SGLang sets per algorithm (its release decides
+            # which: `launch_server --help`, probed once for the launches too).
+            check_arms_can_match(campaign, self.launch_help())
 
     def __enter__(self) -> SglangEngine:
         return self

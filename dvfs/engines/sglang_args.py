@@ -7,6 +7,14 @@
   0.5.23 split it into `--cuda-graph-max-bs-decode` / `-prefill`, and the old flag is then an
   ambiguous prefix that argparse rejects. Which one is read from `launch_server --help`,
   else from the version.
+- One list of decode CUDA-graph batch sizes for every arm (`graph_batch_sizes`): SGLang's own
+  ladder is finer for a speculative server than for a plain one, so a plain arm would pad a
+  batch of 6 to 8 where a speculative arm runs 6. `--cuda-graph-bs` up to 0.5.9,
+  `--cuda-graph-bs-decode` from 0.5.23.
+- On SGLang older than 0.5.23, `--disable-overlap-schedule` for every arm when any drafter
+  speculates: 0.5.9 turns the overlap scheduler off for each speculative algorithm itself.
+  What cannot be made alike (SGLang forcing a value for some drafters only) is refused before a
+  server starts (`arm_mismatches`).
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
 - `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
@@ -36,10 +44,15 @@ from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTENTION_BACKEND
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
-from dvfs.errors import EngineError
+from dvfs.errors import ArmMismatchError, EngineError
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
 OLD_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs"
+#: The flag listing the decode CUDA-graph batch sizes, with each of the two above.
+GRAPH_SIZES_FLAG = {
+    NEW_CUDA_GRAPH_FLAG: "--cuda-graph-bs-decode",
+    OLD_CUDA_GRAPH_FLAG: "--cuda-graph-bs",
+}
 #: Algorithms each SGLang release accepts (0.5.9's argparse choices; 0.5.23's registry).
 ALGORITHMS_BY_VERSION = {
     (0, 5, 9): ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"),
@@ -199,6 +212,126 @@ def cuda_graph_flag(help_text: str | None, version: tuple[int, ...] | None) -> s
     return NEW_CUDA_GRAPH_FLAG
 
 
+def legacy_rules(help_text: str | None, version: tuple[int, ...] | None) -> bool:
+    """Whether this SGLang resolves its args by 0.5.9's rules rather than 0.5.23's: told apart as
+    `cuda_graph_flag` tells them (`launch_server --help`, else the version, else 0.5.23)."""
+    return cuda_graph_flag(help_text, version) == OLD_CUDA_GRAPH_FLAG
+
+
+def graph_batch_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    """The decode CUDA-graph batch sizes every arm captures: each of the campaign's batches, so
+    none is padded, and the powers of two up to the largest, so a batch shrinking as its
+    requests finish is padded less than twice (alike in every arm)."""
+    largest = max(batch_sizes)
+    powers = {1 << k for k in range(largest.bit_length()) if 1 << k <= largest}
+    return sorted(set(batch_sizes) | powers)
+
+
+#: The EAGLE family as 0.5.9 handles it (NEXTN is its alias of EAGLE).
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+#: The algorithms 0.5.23 runs without mixed chunked prefill whatever the flags say: those its
+#: speculative/spec_info.py `supports_mixed_chunk` leaves out (arg_groups/speculative_hook.py,
+#: `_handle_uno`, `_handle_eagle_family`, `_handle_ngram`). 0.5.9 turns it off for every
+#: algorithm (server_args.py `_handle_speculative_decoding`).
+NO_MIXED_CHUNK_0523 = ("STANDALONE", "NGRAM", "UNO")
+
+
+def _names_flag(tokens: Sequence[str], flag: str, shortest: str) -> bool:
+    """Whether argparse would read one of `tokens` as `flag` (an abbreviation at least as long
+    as `shortest`, the shortest one neither option table shares with another flag)."""
+    for token in tokens:
+        name = token.split("=", 1)[0]
+        if token.startswith("--") and len(name) >= len(shortest) and flag.startswith(name):
+            return True
+    return False
+
+
+def _env_true(env: Mapping[str, str], name: str) -> bool:
+    """An SGLang boolean environment variable as SGLang 0.5.9 reads it (srt/environ.py)."""
+    return env.get(name, "").strip().lower() in ("true", "1", "yes", "y")
+
+
+def _forced_overlap_off(algorithm: str | None, *, legacy: bool, spec_v2: bool) -> bool | None:
+    """What SGLang sets `disable_overlap_schedule` to for a drafter whatever the flags say; None
+    where it keeps what it was given. 0.5.9 (server_args.py `_handle_speculative_decoding`):
+    True for NGRAM, and for the EAGLE family unless SGLANG_ENABLE_SPEC_V2, which sets False.
+    0.5.23 only for a CPU device (speculative_hook.py `_disable_overlap_schedule_for_cpu`)."""
+    if not legacy or algorithm is None:
+        return None
+    if algorithm == "NGRAM":
+        return True
+    if algorithm in EAGLE_FAMILY:
+        return not spec_v2
+    return None
+
+
+def _overlap_plan(
+    campaign: Campaign, *, legacy: bool, env: Mapping[str, str]
+) -> tuple[bool, dict[str, bool]]:
+    """Whether dvfs passes `--disable-overlap-schedule` to every arm (when SGLang turns the
+    overlap scheduler off for some drafter itself), and each drafter's resulting value."""
+    spec_v2 = _env_true(env, "SGLANG_ENABLE_SPEC_V2")
+    forced = {
+        d.name: _forced_overlap_off(d.algorithm, legacy=legacy, spec_v2=spec_v2)
+        for d in campaign.drafters
+    }
+    pin = True in forced.values()
+    given = pin or _names_flag(
+        campaign.engine.sglang.extra_args, "--disable-overlap-schedule", "--disable-overlap"
+    )
+    return pin, {name: given if off is None else off for name, off in forced.items()}
+
+
+def _names(drafters: Sequence[str]) -> str:
+    return ", ".join(repr(d) for d in drafters)
+
+
+def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) -> list[str]:
+    """What SGLang would set differently for some drafters than for others, whatever dvfs passes
+    (one line each; empty: the arms can differ in their drafters alone). `legacy`: 0.5.9's rules
+    (`legacy_rules`); `env`: the server's environment."""
+    rules = "SGLang 0.5.9" if legacy else "SGLang 0.5.23"
+    problems = []
+    extra = campaign.engine.sglang.extra_args
+    if _names_flag(extra, "--enable-mixed-chunk", "--enable-mix"):
+        off = [
+            d.name
+            for d in campaign.drafters
+            if d.algorithm is not None and (legacy or d.algorithm in NO_MIXED_CHUNK_0523)
+        ]
+        kept = [d.name for d in campaign.drafters if d.name not in off]
+        if off and kept:
+            problems.append(
+                f"--enable-mixed-chunk in engine.sglang.extra_args: {rules} turns mixed chunked "
+                f"prefill off for drafters {_names(off)} but not for {_names(kept)} "
+                "(enable_mixed_chunk), so the arms would schedule prefills differently; remove "
+                "the flag"
+            )
+    _, overlap_off = _overlap_plan(campaign, legacy=legacy, env=env)
+    if len(set(overlap_off.values())) > 1:
+        on = [name for name, off in overlap_off.items() if not off]
+        off = [name for name, off in overlap_off.items() if off]
+        problems.append(
+            f"{rules} with SGLANG_ENABLE_SPEC_V2 runs drafters {_names(on)} with the overlap "
+            f"scheduler and {_names(off)} without it whatever dvfs passes "
+            "(disable_overlap_schedule), so the arms would schedule differently; unset "
+            "SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment)"
+        )
+    return problems
+
+
+def check_arms_can_match(
+    campaign: Campaign, help_text: str | None = None, version: str | None = None
+) -> None:
+    """Refuse (`ArmMismatchError`, one line) a campaign whose drafters SGLang would serve with
+    other scheduling settings than each other whatever dvfs passes (`arm_mismatches`)."""
+    parsed = parse_version(version or campaign.engine.sglang.version)
+    legacy = legacy_rules(help_text, parsed)
+    problems = arm_mismatches(campaign, legacy=legacy, env=server_env(campaign))
+    if problems:
+        raise ArmMismatchError("; ".join(problems))
+
+
 def _check_algorithm(drafter: DrafterSpec, version: tuple[int, ...] | None) -> None:
     if drafter.algorithm is None or version is None:
         return
@@ -270,6 +403,10 @@ def launch_argv(
     parsed = parse_version(version or sg.version)
     _check_algorithm(drafter, parsed)
     largest = max(campaign.workload.batch_sizes)
+    graph_flag = cuda_graph_flag(help_text, parsed)
+    pin_overlap, _ = _overlap_plan(
+        campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=server_env(campaign)
+    )
     argv = [
         *server_command(campaign),
         "--model-path",
@@ -283,8 +420,11 @@ def launch_argv(
         str(campaign.engine.tp_size),
         "--max-running-requests",
         str(largest),
-        cuda_graph_flag(help_text, parsed),
+        graph_flag,
         str(largest),
+        GRAPH_SIZES_FLAG[graph_flag],
+        *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
+        *(["--disable-overlap-schedule"] if pin_overlap else []),
         "--enable-metrics",
         *attention_args(campaign),
         *speculative_args(drafter),
@@ -300,9 +440,11 @@ PLANNED_PORT = 30000
 
 def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     """Per drafter: its name, the argv its server would start with, and where the version-
-    dependent flags came from. Runs `launch_server --help` unless the campaign pins a version."""
+    dependent flags came from. Runs `launch_server --help` unless the campaign pins a version;
+    refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`)."""
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
+    check_arms_can_match(campaign, help_text)
     source = (
         "engine.sglang.version"
         if pinned

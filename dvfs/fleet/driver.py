@@ -283,6 +283,7 @@ class Driver:
             if any(cell.key in self._outstanding for cell in cells):
                 self.queue.give_back([cells[0]])
             return True
+        batches = self.campaign.workload.batch_sizes
         for record in shipment.records:
             if record.get("type") != "server":
                 continue
@@ -291,7 +292,7 @@ class Driver:
             whose = "the one that measured its cells"
             # The arms must differ only in their drafters: across drafters too (`arm_changes`).
             for other in () if changes else self.servers.values():
-                changes = arm_changes(other, record)
+                changes = arm_changes(other, record, batches)
                 if changes:
                     whose = f"drafter {other.get('drafter')!r}'s"
                     break

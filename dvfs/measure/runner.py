@@ -370,9 +370,11 @@ class Runner:
     def _check_arms(self, record: dict[str, Any]) -> None:
         """Refuse a server that differs from another drafter's server of this journal (or one
         of its own drafter's) in what arms must share (`arm_changes`): its engine version, its
-        attention kernels, the resolved args SGLang does not adjust for speculation."""
+        attention kernels, the resolved args SGLang does not adjust for speculation, the decode
+        CUDA graph at each of the campaign's batch sizes."""
+        batches = self.campaign.workload.batch_sizes
         for earlier in self._earlier_servers():
-            changes = arm_changes(earlier, record)
+            changes = arm_changes(earlier, record, batches)
             if changes:
                 drafter, other = record["drafter"], earlier.get("drafter")
                 raise EngineError(

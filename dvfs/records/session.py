@@ -3,7 +3,7 @@ served each drafter."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -176,13 +176,28 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 
 #: Resolved server args every drafter's server of one journal shares, whatever its drafter
 #: (what /server_info reports, kept in the server record's `args`): what the target model
-#: computes with. Only args SGLang leaves alone when a speculative algorithm is set. Those it
-#: adjusts may differ between arms and are not compared: `_handle_speculative_decoding` in its
-#: python/sglang/srt/server_args.py sets max_running_requests (48 unless given),
-#: disable_overlap_schedule, enable_mixed_chunk and the speculative_* args; its memory and
-#: CUDA-graph defaults reserve room for the draft (mem_fraction_static, chunked_prefill_size,
-#: the CUDA-graph batch sizes); the page size and the attention backend depend on eagle_topk
-#: (the kernels are compared apart, as `attention_backend`).
+#: computes with and how its batches are scheduled. Read from SGLang's sources (0.5.9:
+#: python/sglang/srt/server_args.py; 0.5.23: python/sglang/srt/arg_groups/*.py):
+#: - page size, chunked prefill and the radix cache: neither release sets them per algorithm on
+#:   a CUDA GPU (0.5.9 `_handle_page_size` and `_handle_gpu_memory_settings`; 0.5.23
+#:   overrides.py `_page_size_default`, memory_hook.py `handle_gpu_memory_settings`).
+#:   0.5.23 on Blackwell leaves fa4's page size at 1 for EAGLE trees (overrides.py
+#:   `_fa4_page_constraint`) and a trtllm_mha draft backend moves it to 64
+#:   (`_mla_backend_page_constraints`): compared, those arms are refused.
+#: - the overlap scheduler: 0.5.9 turns it off for every speculative algorithm (server_args.py
+#:   lines 2372-2384 and 2473: EAGLE/EAGLE3/STANDALONE unless SGLANG_ENABLE_SPEC_V2, NGRAM
+#:   always), so dvfs turns it off for every arm there (`dvfs.engines.sglang_args`); 0.5.23
+#:   only on a CPU (speculative_hook.py `_disable_overlap_schedule_for_cpu`).
+#: - mixed chunked prefill: 0.5.9 turns it off for every algorithm (lines 2390 and 2474),
+#:   0.5.23 for NGRAM, STANDALONE and UNO (speculative_hook.py lines 1307, 1112, 600; which
+#:   keep it: speculative/spec_info.py `supports_mixed_chunk`). dvfs never sets it; a campaign
+#:   that does is refused before any server starts when its drafters would disagree.
+#: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
+#: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
+#: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
+#: lines 1051-1057: a smaller KV pool, not other kernels), the speculative_* args. The attention
+#: kernels are compared apart (`SERVER_INVARIANTS`), and the decode CUDA graphs per batch size
+#: by `decode_graph`.
 ARM_ARGS: dict[str, str] = {
     "model_path": "model",
     "tokenizer_path": "tokenizer",
@@ -198,20 +213,66 @@ ARM_ARGS: dict[str, str] = {
     "ep_size": "expert parallelism",
     "trust_remote_code": "remote code",
     "disable_cuda_graph": "CUDA graphs disabled",
+    "page_size": "KV page size",
+    "chunked_prefill_size": "chunked prefill size",
+    "disable_radix_cache": "radix cache disabled",
+    "disable_overlap_schedule": "overlap scheduler disabled",
+    "enable_mixed_chunk": "mixed chunked prefill",
 }
 
 
-def arm_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def decode_graph(args: Mapping[str, Any], batch: int) -> int | str | None:
+    """The decode CUDA graph a server replays for `batch` running requests, from its resolved
+    args: the smallest captured batch size at least `batch` (the batch is padded up to it), or
+    "eager" (graphs off, or `batch` above every captured size); None when the args do not say.
+
+    Both releases capture a finer ladder of batch sizes for a speculative server than for a
+    plain one (0.5.9 server_args.py `_generate_cuda_graph_batch_sizes`; 0.5.23
+    arg_groups/cuda_graph_hook.py `generate_decode_cuda_graph_batch_sizes`), so left alone a
+    plain arm pads a batch of 6 to 8 where a speculative arm runs 6; dvfs passes one list to
+    every arm. 0.5.23 reports the result as `cuda_graph_config.decode`, 0.5.9 as
+    `cuda_graph_bs` (with `disable_cuda_graph`).
+    """
+    config = args.get("cuda_graph_config")
+    if isinstance(config, Mapping) and isinstance(config.get("decode"), Mapping):
+        decode = config["decode"]
+        if decode.get("backend") == "disabled":
+            return "eager"
+        sizes = decode.get("bs")
+    elif "cuda_graph_bs" in args:
+        if args.get("disable_cuda_graph"):
+            return "eager"
+        sizes = args.get("cuda_graph_bs")
+    else:
+        return None
+    try:
+        captured = [int(s) for s in sizes]
+    except (TypeError, ValueError):
+        return None
+    if not captured:
+        return None
+    fits = [s for s in captured if s >= batch]
+    return min(fits) if fits else "eager"
+
+
+def arm_changes(
+    before: Mapping[str, Any], now: Mapping[str, Any], batch_sizes: Iterable[int] = ()
+) -> list[str]:
     """What differs between two server records of one journal, of the same drafter or not
     ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
-    attention kernels (`SERVER_INVARIANTS`), and the `ARM_ARGS` both records report. Arms that
-    differ here would compare software or settings, not drafters."""
+    attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS` both records report, and the decode
+    CUDA graph each replays at each of `batch_sizes` (`decode_graph`). Arms that differ here
+    would compare software or settings, not drafters."""
     changes = server_changes(before, now)
     old, new = before.get("args"), now.get("args")
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key, label in ARM_ARGS.items():
             if key in old and key in new and old[key] != new[key]:
                 changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
+        for batch in sorted(set(batch_sizes)):
+            a, b = decode_graph(old, batch), decode_graph(new, batch)
+            if a is not None and b is not None and a != b:
+                changes.append(f"decode CUDA graph at batch {batch}: {a} -> {b}")
     return changes
 
 

@@ -129,6 +129,22 @@ auto-parameter EAGLE stay on fa3), else flashinfer; fa3 with ``--kv-cache-dtype
 fp8_e5m2`` is replaced by triton.  /server_info reports attention_backend,
 prefill_attention_backend and decode_attention_backend (None: same as the main one).
 
+Scheduling args SGLang sets per speculative algorithm (read from the 0.5.9 wheel's
+srt/server_args.py and the 0.5.23 wheel's srt/arg_groups/), for the same Hopper GPU (80 to 160
+GB): ``chunked_prefill_size`` 8192 unless given; the decode CUDA-graph batch sizes, from
+``--cuda-graph-bs`` (0.5.9) / ``--cuda-graph-bs-decode`` (0.5.23) or else SGLang's ladder up to
+the max (given, else 256 below TP 4 and 512 from it, and in 0.5.23 no more than a given
+``--max-running-requests``; 0.5.23 captures the max itself too), a finer ladder when
+speculating; 0.5.9 reports them as
+``cuda_graph_bs`` / ``cuda_graph_max_bs``, 0.5.23 as ``cuda_graph_config`` (``decode`` and
+``prefill``: backend, max_bs, bs; the prefill token buckets are left None).  0.5.9 turns the
+overlap scheduler off (``disable_overlap_schedule``) for NGRAM and for the EAGLE family (on
+instead with env ``SGLANG_ENABLE_SPEC_V2`` true), and mixed chunked prefill
+(``enable_mixed_chunk``) off for every algorithm; 0.5.23 keeps the overlap scheduler and turns
+mixed chunked prefill off for NGRAM, STANDALONE and UNO.  NGRAM's ``speculative_eagle_topk`` is
+its ``--speculative-ngram-max-bfs-breadth`` (and 0.5.23 sets its steps to draft tokens // topk);
+STANDALONE's automatic triple is (3, 1, 4) whatever the model.
+
 The log's first line names the GPUs the stub was given: CUDA_VISIBLE_DEVICES and
 CUDA_DEVICE_ORDER from its environment.
 
@@ -470,8 +486,15 @@ def _resolve_speculative(args: dict[str, Any], version: str, cfg: StubConfig) ->
     args["speculative_algorithm"] = algorithm
     trio = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
     if algorithm == "NGRAM":
+        # Its tree's breadth is the topk; 0.5.23 derives the steps from it (0.5.9
+        # server_args.py lines 2475-2478; 0.5.23 arg_groups/speculative_hook.py lines 1309-1330).
         if args.get("speculative_num_draft_tokens") is None:
             args["speculative_num_draft_tokens"] = 12
+        args["speculative_eagle_topk"] = args.get("speculative_ngram_max_bfs_breadth")
+        if version == "0.5.23" and args.get("speculative_num_steps") is None:
+            args["speculative_num_steps"] = (
+                args["speculative_num_draft_tokens"] // args["speculative_eagle_topk"]
+            )
     elif algorithm == "DFLASH":
         block = args.get("speculative_dflash_block_size") or args.get(
             "speculative_num_draft_tokens"
@@ -482,8 +505,10 @@ def _resolve_speculative(args: dict[str, Any], version: str, cfg: StubConfig) ->
     else:
         given = [name for name in trio if args.get(name) is not None]
         if not given:
+            # STANDALONE gets (3, 1, 4) whatever the target (0.5.9 server_args.py line 5749;
+            # 0.5.23 arg_groups/speculative_hook.py line 1437).
             llama = "llama" in str(args.get("model_path") or "").lower()
-            steps, topk, drafts = (5, 4, 8) if llama else (3, 1, 4)
+            steps, topk, drafts = (5, 4, 8) if llama and algorithm != "STANDALONE" else (3, 1, 4)
             args.update(dict(zip(trio, (steps, topk, drafts), strict=True)))
         elif len(given) < len(trio):
             missing = ", ".join("--" + n.replace("_", "-") for n in trio if n not in given)
@@ -522,8 +547,89 @@ def _resolve_attention(args: dict[str, Any]) -> None:
         args["page_size"] = 1
 
 
-def resolve_server_args(ns: argparse.Namespace, version: str, cfg: StubConfig) -> dict[str, Any]:
-    """Parsed argv -> SGLang-like server args (field names, defaults, speculative rules)."""
+#: Hopper's chunked prefill size in both releases (the 80 and 141 GB branches of 0.5.9
+#: server_args.py `_handle_gpu_memory_settings`, lines 966-985, and 0.5.23
+#: arg_groups/memory_hook.py `handle_gpu_memory_settings`, lines 132-161).
+HOPPER_CHUNKED_PREFILL = 8192
+#: Algorithms 0.5.23 runs without mixed chunked prefill (speculative/spec_info.py
+#: `supports_mixed_chunk`; arg_groups/speculative_hook.py lines 600, 1112, 1307).
+NO_MIXED_CHUNK_0523 = {"NGRAM", "STANDALONE", "UNO"}
+EAGLE_FAMILY = {"EAGLE", "EAGLE3", "STANDALONE"}
+
+
+def graph_ladder(max_bs: int, speculative: bool, version: str) -> list[int]:
+    """SGLang's default decode CUDA-graph batch sizes up to ``max_bs``: finer for a speculative
+    server (0.5.9 server_args.py lines 1079-1107, 0.5.23 arg_groups/cuda_graph_hook.py lines
+    500-532, where ``max_bs`` itself is always captured)."""
+    if speculative:
+        steps = [(1, 9, 1), (10, 33, 2), (40, 65, 4), (72, 257, 8), (272, max_bs + 1, 16)]
+        sizes = [b for lo, hi, step in steps for b in range(lo, hi, step)]
+    else:
+        steps = [(16, 257, 8), (272, 512, 16), (512, max_bs + 1, 32)]
+        sizes = [1, 2, 4, 8, 12] + [b for lo, hi, step in steps for b in range(lo, hi, step)]
+    sizes = [b for b in sizes if b <= max_bs]
+    return sizes + [max_bs] if version == "0.5.23" and max_bs not in sizes else sizes
+
+
+def _resolve_graphs(args: dict[str, Any], version: str) -> None:
+    """The decode CUDA graphs (and chunked prefill size) as the release reports them."""
+    if args.get("chunked_prefill_size") is None:
+        args["chunked_prefill_size"] = HOPPER_CHUNKED_PREFILL
+    speculative = args.get("speculative_algorithm") is not None
+    default_max = 256 if int(args.get("tp_size") or 1) < 4 else 512
+    if version == "0.5.9":
+        max_bs = args.get("cuda_graph_max_bs") or default_max
+        given = args.get("cuda_graph_bs")
+        sizes = given or graph_ladder(max_bs, speculative, version)
+        args.update(cuda_graph_bs=list(sizes), cuda_graph_max_bs=max(given) if given else max_bs)
+        return
+    max_bs = args.get("cuda_graph_max_bs_decode")
+    if max_bs is None:
+        running = args.get("max_running_requests")  # as given: before the speculative default
+        max_bs = default_max if running is None else min(default_max, running)
+    sizes = args.get("cuda_graph_bs_decode") or graph_ladder(max_bs, speculative, version)
+    off = bool(args.get("disable_cuda_graph"))
+    decode_off = off or bool(args.get("disable_decode_cuda_graph"))
+    prefill_off = off or bool(args.get("disable_prefill_cuda_graph"))
+    args["cuda_graph_config"] = {
+        "decode": {
+            "backend": args.get("cuda_graph_backend_decode")
+            or ("disabled" if decode_off else "full"),
+            "max_bs": max(sizes),
+            "bs": list(sizes),
+        },
+        "prefill": {
+            "backend": args.get("cuda_graph_backend_prefill")
+            or ("disabled" if prefill_off else "breakable"),
+            "max_bs": args.get("cuda_graph_max_bs_prefill") or args["chunked_prefill_size"],
+            "bs": args.get("cuda_graph_bs_prefill"),
+        },
+    }
+
+
+def _resolve_scheduling(args: dict[str, Any], version: str, environ: Mapping[str, str]) -> None:
+    """The overlap scheduler and mixed chunked prefill per algorithm (docstring,
+    "Scheduling"): 0.5.9 server_args.py lines 2368-2391 and 2473-2474; 0.5.23
+    arg_groups/speculative_hook.py lines 1096-1113 and 1292-1308."""
+    algorithm = args.get("speculative_algorithm")
+    if algorithm is None:
+        return
+    if version == "0.5.9":
+        spec_v2 = environ.get("SGLANG_ENABLE_SPEC_V2", "").lower() in ("true", "1", "yes", "y")
+        args["disable_overlap_schedule"] = algorithm == "NGRAM" or not spec_v2
+        args["enable_mixed_chunk"] = False
+    elif algorithm in NO_MIXED_CHUNK_0523:
+        args["enable_mixed_chunk"] = False
+
+
+def resolve_server_args(
+    ns: argparse.Namespace,
+    version: str,
+    cfg: StubConfig,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Parsed argv -> SGLang-like server args (field names, defaults, speculative rules);
+    ``environ``: the server's environment (SGLANG_ENABLE_SPEC_V2), empty if not given."""
     args = dict(vars(ns))
     for long_name, field_name in FIELD_ALIASES.items():
         if long_name in args:
@@ -535,7 +641,9 @@ def resolve_server_args(ns: argparse.Namespace, version: str, cfg: StubConfig) -
         if key in args and args[key] is None:
             args[key] = args["model_path"]
     _resolve_attention(args)  # before the speculative defaults, as SGLang does
+    _resolve_graphs(args, version)  # likewise (memory settings come first in both)
     _resolve_speculative(args, version, cfg)
+    _resolve_scheduling(args, version, environ or {})
     return args
 
 
@@ -554,14 +662,14 @@ def spec_settings(args: dict[str, Any], cfg: StubConfig) -> SpecSettings | None:
 
 
 def parse_launch_argv(
-    argv: Sequence[str], cfg: StubConfig
+    argv: Sequence[str], cfg: StubConfig, environ: Mapping[str, str] | None = None
 ) -> tuple[dict[str, Any], SpecSettings | None]:
     """Parse argv like launch_server does; argparse exits 2, LaunchError means exit 1."""
     parser = build_parser(cfg.version)
     ns = parser.parse_args(list(argv))
     if getattr(ns, "model_path", None) is None:
         parser.error("the following arguments are required: --model-path/--model")
-    args = resolve_server_args(ns, cfg.version, cfg)
+    args = resolve_server_args(ns, cfg.version, cfg, environ)
     return args, spec_settings(args, cfg)
 
 
@@ -1440,7 +1548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg = load_config(os.environ)
-        args, spec = parse_launch_argv(argv, cfg)
+        args, spec = parse_launch_argv(argv, cfg, os.environ)
     except StubConfigError as exc:
         print(f"sglang_stub: {exc}", file=sys.stderr)
         return 3

@@ -1,0 +1,406 @@
+"""What SGLang sets for a speculative algorithm besides its speculative_* args, and how dvfs keeps
+the arms alike anyway: one list of decode CUDA graphs for every arm, the overlap scheduler off
+for every arm on 0.5.9, the resolved scheduling args compared at every server start and in the
+cube, and a refusal before any server starts where SGLang would set one differently for some
+drafters whatever dvfs passes. The facts come from SGLang 0.5.9's srt/server_args.py and
+0.5.23's srt/arg_groups/ as the stub plays them (its docstring, "Scheduling")."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import replace_block
+from hypothesis import given
+from hypothesis import strategies as st
+from sglang_support import STUB, load_stub, running, stub_campaign
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.clock import MonotonicClock
+from dvfs.engines.sglang import SglangEngine
+from dvfs.engines.sglang_args import (
+    arm_mismatches,
+    graph_batch_sizes,
+    launch_argv,
+)
+from dvfs.errors import ArmMismatchError, CampaignError
+from dvfs.measure.journal import read_records
+from dvfs.records import arm_changes, decode_graph
+
+ONE_SETTING = {"knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+EAGLE3 = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d")
+STANDALONE = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d")
+NGRAM = ("--speculative-algorithm", "NGRAM")
+DFLASH = ("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "d")
+
+
+@pytest.fixture(scope="module")
+def stub() -> ModuleType:
+    return load_stub()
+
+
+def resolve(
+    stub: ModuleType, version: str, *argv: str, environ: dict[str, str] | None = None
+) -> dict[str, Any]:
+    args, _ = stub.parse_launch_argv(
+        ["--model-path", LLAMA, *argv], stub.StubConfig(version=version), environ
+    )
+    return dict(args)
+
+
+def record(args: dict[str, Any]) -> dict[str, Any]:
+    """A server record as the journal keeps it."""
+    return {"engine": "sglang", "version": "x", "attention_backend": "fa3", "args": args}
+
+
+def campaign_text(drafters: str, batch: str, engine_extra: str = "") -> str:
+    return f"""
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+
+[engine]
+backend = "sglang"
+model = "{LLAMA}"
+
+[engine.sglang]
+{engine_extra}
+{drafters}
+
+[workload]
+batch = {batch}
+corpora = ["code"]
+"""
+
+
+DRAFTERS = """
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "draft/eagle3"
+num_steps = 5
+eagle_topk = 4
+num_draft_tokens = 8
+
+[drafters.standalone]
+algorithm = "STANDALONE"
+draft_model = "draft/small"
+
+[drafters.ngram]
+algorithm = "NGRAM"
+"""
+DFLASH_DRAFTER = '\n[drafters.dflash]\nalgorithm = "DFLASH"\ndraft_model = "draft/dflash"\n'
+
+
+def load(tmp_path: Path, text: str) -> Any:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return load_campaign(path)
+
+
+def sweep(path: Path, out: Path, *extra: str) -> Result:
+    return CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress", *extra])
+
+
+def servers(out: Path) -> dict[str, dict[str, Any]]:
+    return {
+        r["drafter"]: r["args"]
+        for r in read_records(out / "journal.jsonl")
+        if r["type"] == "server"
+    }
+
+
+# -- what SGLang does, as the stub plays it ---------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_the_stub_plays_what_sglang_sets_per_algorithm(stub: ModuleType, version: str) -> None:
+    """Left to itself (no flag from dvfs), SGLang schedules the arms differently."""
+    mixed = ("--enable-mixed-chunk",)
+    arms = {"none": (), "eagle3": EAGLE3, "standalone": STANDALONE, "ngram": NGRAM}
+    if version == "0.5.23":
+        arms["dflash"] = DFLASH
+    resolved = {name: resolve(stub, version, *argv, *mixed) for name, argv in arms.items()}
+    overlap_off = {name: a["disable_overlap_schedule"] for name, a in resolved.items()}
+    mixed_on = {name: a["enable_mixed_chunk"] for name, a in resolved.items()}
+    if version == "0.5.9":
+        # Every algorithm turns both off (server_args.py `_handle_speculative_decoding`).
+        assert overlap_off == {"none": False, "eagle3": True, "standalone": True, "ngram": True}
+        assert mixed_on == {"none": True, "eagle3": False, "standalone": False, "ngram": False}
+        v2 = {"SGLANG_ENABLE_SPEC_V2": "true"}
+        with_v2 = {n: resolve(stub, version, *a, environ=v2) for n, a in arms.items()}
+        assert {n: a["disable_overlap_schedule"] for n, a in with_v2.items()} == {
+            "none": False,
+            "eagle3": False,
+            "standalone": False,
+            "ngram": True,
+        }
+    else:
+        # The overlap scheduler stays on; mixed chunks only where `supports_mixed_chunk`.
+        assert set(overlap_off.values()) == {False}
+        assert mixed_on == {
+            "none": True,
+            "eagle3": True,
+            "standalone": False,
+            "ngram": False,
+            "dflash": True,
+        }
+    # A finer CUDA-graph ladder when speculating: a batch of 6 pads to 8 only in the plain arm.
+    assert {n: decode_graph(a, 6) for n, a in resolved.items()} == {
+        n: 8 if n == "none" else 6 for n in arms
+    }
+    assert {decode_graph(a, 8) for a in resolved.values()} == {8}
+    legacy = [
+        "overlap scheduler disabled (disable_overlap_schedule): False -> True",
+        "mixed chunked prefill (enable_mixed_chunk): True -> False",
+    ]
+    assert arm_changes(record(resolved["none"]), record(resolved["eagle3"]), [6, 8]) == [
+        *(legacy if version == "0.5.9" else []),
+        "decode CUDA graph at batch 6: 8 -> 6",
+    ]
+    # STANDALONE's automatic triple is (3, 1, 4) even for a Llama target; EAGLE's (5, 4, 8).
+    trio = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    assert tuple(resolved["standalone"][k] for k in trio) == (3, 1, 4)
+    assert tuple(resolved["eagle3"][k] for k in trio) == (5, 4, 8)
+    assert resolved["ngram"]["speculative_eagle_topk"] == 10  # its breadth
+
+
+def test_decode_graph_reads_either_release() -> None:
+    new = {"cuda_graph_config": {"decode": {"backend": "full", "bs": [1, 2, 4, 8], "max_bs": 8}}}
+    old = {"cuda_graph_bs": [1, 2, 4, 8], "cuda_graph_max_bs": 8, "disable_cuda_graph": False}
+    for args in (new, old):
+        assert [decode_graph(args, b) for b in (1, 3, 8, 9)] == [1, 4, 8, "eager"]
+    off_new = {"cuda_graph_config": {"decode": {"backend": "disabled", "bs": [1, 2]}}}
+    assert decode_graph(off_new, 1) == "eager"
+    assert decode_graph({**old, "disable_cuda_graph": True}, 1) == "eager"
+    for unknown in ({}, {"cuda_graph_bs": None}, {"cuda_graph_bs": ["x"]}, {"cuda_graph_bs": []}):
+        assert decode_graph(unknown, 1) is None
+    # Not reported by one of two servers (the twin, an older record): not compared.
+    assert arm_changes(record(new), record({}), [3]) == []
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=6))
+def test_graph_sizes_hold_every_batch_and_pad_less_than_twice(batches: list[int]) -> None:
+    sizes = graph_batch_sizes(batches)
+    assert sizes == sorted(set(sizes)) and max(sizes) == max(batches)
+    assert set(batches) <= set(sizes)
+    for b in range(1, max(batches) + 1):
+        assert min(s for s in sizes if s >= b) < 2 * b
+
+
+# -- what dvfs passes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_dvfs_launches_every_arm_alike(stub: ModuleType, version: str, tmp_path: Path) -> None:
+    """Through the real option tables: every pair of arms resolves the same scheduling args and
+    decode graphs at the campaign's batch sizes; without dvfs's flags they would not."""
+    drafters = DRAFTERS + (DFLASH_DRAFTER if version == "0.5.23" else "")
+    campaign = load(tmp_path, campaign_text(drafters, "[1, 6, 20]"))
+    batches = campaign.workload.batch_sizes
+    graph_flag = "--cuda-graph-bs-decode" if version == "0.5.23" else "--cuda-graph-bs"
+    resolved, stripped = {}, {}
+    for drafter in campaign.drafters:
+        argv = launch_argv(campaign, drafter, port=31000, version=version)[3:]
+        at = argv.index(graph_flag)
+        assert argv[at + 1 : at + 8] == ["1", "2", "4", "6", "8", "16", "20"]
+        assert ("--disable-overlap-schedule" in argv) == (version == "0.5.9")
+        resolved[drafter.name] = record(resolve(stub, version, *argv[2:]))
+        plain = [a for a in argv[:at] + argv[at + 8 :] if a != "--disable-overlap-schedule"]
+        stripped[drafter.name] = record(resolve(stub, version, *plain[2:]))
+    for name, server in resolved.items():
+        assert arm_changes(resolved["none"], server, batches) == [], name
+    differences = arm_changes(stripped["none"], stripped["eagle3"], batches)
+    assert "decode CUDA graph at batch 6: 8 -> 6" in differences
+    # 20 is on the speculative ladder, not the plain one: 0.5.9 runs the plain arm's batch of 20
+    # without a graph; 0.5.23 captures the limit itself (cuda_graph_hook.py line 528).
+    at_20 = "decode CUDA graph at batch 20: eager -> 20"
+    assert (at_20 in differences) == (version == "0.5.9")
+    overlap = "overlap scheduler disabled (disable_overlap_schedule): False -> True"
+    assert (overlap in differences) == (version == "0.5.9")
+    # No speculative drafter on 0.5.9: the overlap scheduler is left on.
+    plain_only = load(tmp_path, campaign_text('[drafters.none]\nalgorithm = "none"\n', "[1]"))
+    argv = launch_argv(plain_only, plain_only.drafters[0], port=31000, version="0.5.9")
+    assert "--disable-overlap-schedule" not in argv
+
+
+def test_a_campaign_may_not_set_the_graph_sizes_itself(tmp_path: Path) -> None:
+    for flag in ("--cuda-graph-bs-decode", "--cuda-graph-bs"):
+        text = campaign_text(DRAFTERS, "[1]", f'extra_args = ["{flag}", "1", "2"]')
+        with pytest.raises(CampaignError, match=rf"{flag}.*workload\.batch"):
+            load(tmp_path, text)
+
+
+# -- what no flag can make alike: refused before any server starts ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("legacy", "drafters", "refused"),
+    [
+        (False, ["none", "ngram"], (["ngram"], ["none"])),
+        (False, ["none", "standalone", "eagle3"], (["standalone"], ["none", "eagle3"])),
+        (False, ["none", "eagle3"], None),  # both keep mixed chunks
+        (False, ["ngram", "standalone"], None),  # neither does
+        (True, ["none", "eagle3"], (["eagle3"], ["none"])),
+        (True, ["eagle3", "ngram"], None),
+    ],
+)
+def test_mixed_chunks_for_some_drafters_only_are_refused(
+    tmp_path: Path, legacy: bool, drafters: list[str], refused: Any
+) -> None:
+    blocks = DRAFTERS.split("\n[drafters.")
+    text = "\n".join("[drafters." + b for b in blocks[1:] if b.split("]")[0] in drafters)
+    campaign = load(tmp_path, campaign_text(text, "[1]", 'extra_args = ["--enable-mixed-chunk"]'))
+    problems = arm_mismatches(campaign, legacy=legacy, env={})
+    if refused is None:
+        assert problems == []
+        return
+    off, kept = refused
+    [line] = problems
+    rules = "SGLang 0.5.9" if legacy else "SGLang 0.5.23"
+    assert line.startswith(f"--enable-mixed-chunk in engine.sglang.extra_args: {rules} turns")
+    names = ", ".join(repr(n) for n in off), ", ".join(repr(n) for n in kept)
+    assert f"off for drafters {names[0]} but not for {names[1]} (enable_mixed_chunk)" in line
+    # An abbreviation argparse would take counts too; without the flag nothing is refused.
+    short = load(tmp_path, campaign_text(text, "[1]", 'extra_args = ["--enable-mixed"]'))
+    assert arm_mismatches(short, legacy=legacy, env={}) == problems
+    assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
+
+
+def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> None:
+    """With SGLANG_ENABLE_SPEC_V2, 0.5.9 runs the EAGLE family with the overlap scheduler and
+    NGRAM without it whatever the flags say: that pair cannot match; none and EAGLE can (dvfs
+    then leaves the scheduler on for both)."""
+    v2 = {"SGLANG_ENABLE_SPEC_V2": "1"}
+    both = load(tmp_path, campaign_text(DRAFTERS, "[1]"))
+    [line] = arm_mismatches(both, legacy=True, env=v2)
+    assert "runs drafters 'eagle3', 'standalone' with the overlap scheduler and 'none', " in line
+    assert "'ngram' without it" in line and "unset SGLANG_ENABLE_SPEC_V2" in line
+    assert arm_mismatches(both, legacy=True, env={}) == []
+    assert arm_mismatches(both, legacy=False, env=v2) == []
+    blocks = DRAFTERS.split("\n[drafters.")
+    pair = "\n".join("[drafters." + b for b in blocks[1:3])  # none, eagle3
+    text = campaign_text(pair, "[1]", 'env = { SGLANG_ENABLE_SPEC_V2 = "yes" }')
+    campaign = load(tmp_path, text)
+    assert [d.name for d in campaign.drafters] == ["none", "eagle3"]
+    assert arm_mismatches(campaign, legacy=True, env=v2) == []
+    for drafter in campaign.drafters:
+        argv = launch_argv(campaign, drafter, port=31000, version="0.5.9")
+        assert "--disable-overlap-schedule" not in argv
+    # ... unless the campaign turns it off itself: then eagle3 would differ.
+    given_off = campaign_text(pair, "[1]", 'extra_args = ["--disable-overlap-schedule"]')
+    [line] = arm_mismatches(load(tmp_path, given_off), legacy=True, env=v2)
+    assert "'eagle3' with the overlap scheduler and 'none' without it" in line
+
+
+def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
+    """SglangEngine checks at construction, by the release `launch_server --help` shows."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(
+        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
+    )
+    campaign = load_campaign(path)
+    with pytest.raises(ArmMismatchError, match=r"SGLang 0\.5\.23 turns mixed chunked prefill"):
+        SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    assert running(marker) == []
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_with_arms_sglang_would_split_stops_in_one_line(tmp_path: Path) -> None:
+    """End to end: `dvfs sweep` and its dry run say so in one line (a usage error), before any
+    server starts (the journal holds its header alone)."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=two,
+        batch="[1]",
+        sglang_extra='extra_args = ["--enable-mixed-chunk"]',
+        **ONE_SETTING,
+    )
+    for extra in (("--dry-run", "--no-estimate"), ()):
+        result = sweep(path, tmp_path / "out", *extra)
+        assert result.exit_code == 2, result.output
+        [line] = result.output.strip().splitlines()
+        assert line.startswith("Error: --enable-mixed-chunk in engine.sglang.extra_args: ")
+        assert "'ngram' but not for 'none' (enable_mixed_chunk)" in line
+        journal = tmp_path / "out" / "journal.jsonl"
+        assert not journal.exists() or [r["type"] for r in read_records(journal)] == ["header"]
+        assert running(marker) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_a_sweep_serves_every_arm_with_the_same_scheduling(tmp_path: Path, version: str) -> None:
+    """End to end on each release (told apart by `launch_server --help`): the journal's servers
+    agree on the overlap scheduler and the decode graphs, even for batches SGLang's plain
+    ladder pads (3 to 4 in both releases; 6 beyond 0.5.9's largest plain graph: eager)."""
+    path, _ = stub_campaign(
+        tmp_path,
+        version=version,
+        drafters=DRAFTERS.replace("num_steps = 5\neagle_topk = 4\nnum_draft_tokens = 8", ""),
+        batch="[3, 6]",
+        **ONE_SETTING,
+    )
+    out = tmp_path / "out"
+    result = sweep(path, out)
+    assert result.exit_code == 0, result.output
+    args = servers(out)
+    assert set(args) == {"none", "eagle3", "standalone", "ngram"}
+    assert {a["disable_overlap_schedule"] for a in args.values()} == {version == "0.5.9"}
+    assert {decode_graph(a, 3) for a in args.values()} == {3}
+    assert {decode_graph(a, 6) for a in args.values()} == {6}
+    assert {a["page_size"] for a in args.values()} == {1}
+
+
+@pytest.mark.slow
+def test_a_server_scheduling_otherwise_is_refused_at_start_and_in_the_cube(
+    tmp_path: Path,
+) -> None:
+    """The scheduling args are compared at every server start (a rerun whose server command
+    turns the overlap scheduler off serves the second drafter differently: refused), and in
+    the cube (a journal whose servers replay other decode graphs gives no cube)."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(tmp_path, drafters=two, batch="[4]", **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    kept = [r for r in records if r["type"] not in ("server", "cell") or "none" in json.dumps(r)]
+    first = [r for r in kept if r["type"] == "server"]
+    assert [r["drafter"] for r in first] == ["none"], "the test expects none to start first"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
+    path.write_text(
+        replace_block(path.read_text(), command, command + ', "--disable-overlap-schedule"')
+    )
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    [failed] = [
+        r for r in read_records(journal) if r["type"] == "cell" and r["cell"]["drafter"] == "ngram"
+    ]
+    assert "overlap scheduler disabled (disable_overlap_schedule): False -> True" in failed["error"]
+    assert running(marker) == []
+    # A journal (edited) whose servers replay other graphs at its batch (4): no cube.
+    server = next(r for r in records if r["type"] == "server" and r["drafter"] == "none")
+    graphs = server["args"]["cuda_graph_config"]
+    other = {**graphs, "decode": {**graphs["decode"], "bs": [1, 2, 8]}}
+    with journal.open("a") as f:
+        edited = {
+            **server,
+            "drafter": "ngram",
+            "args": {**server["args"], "cuda_graph_config": other},
+        }
+        f.write(json.dumps(edited) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert "decode CUDA graph at batch 4: 4 -> 8" in built.output.strip().splitlines()[-1]
