@@ -249,3 +249,17 @@ def test_corpus_list_says_how_each_builtin_reads() -> None:
 def test_a_corpus_is_read_once_per_content() -> None:
     corpus = load_corpus("math")
     assert textprior.profile_corpus(corpus) is textprior.profile_corpus(corpus)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "draft_model", "expected"),
+    [("EAGLE3", "eagle3-llama-3.1-8b", (5, 4, 8)), ("STANDALONE", "llama-3.2-1b", (3, 1, 4))],
+)
+def test_unset_speculative_numbers_resolve_as_sglang_chooses_them(
+    algorithm: str, draft_model: str, expected: tuple[int, int, int]
+) -> None:
+    """Left unset, SGLang picks (5, 4, 8) for a Llama target's EAGLE drafters but always
+    (3, 1, 4) for a standalone draft model (its `_auto_choose_speculative_params`)."""
+    plan = plan_drafter(DrafterSpec("d", algorithm, draft_model, None, None, None), LLAMA8B)
+    assert plan is not None
+    assert (plan.num_steps, plan.topk, plan.verify_tokens) == expected

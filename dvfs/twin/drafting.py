@@ -174,8 +174,11 @@ def plan_drafter(drafter: DrafterSettings, target: ModelProfile) -> DraftPlan | 
     if algorithm == "NGRAM":
         tokens = tokens or 12
         return DraftPlan(algorithm, family, 0, 1, tokens, tokens - 1, None)
-    if steps is None:
-        steps, topk, tokens = (5, 4, 8) if "llama" in target.key.lower() else (3, 1, 4)
+    if steps is None:  # SGLang's automatic choice (0.5.9 server_args.py and 0.5.23
+        # arg_groups/speculative_hook.py, `_auto_choose_speculative_params`): STANDALONE always
+        # (3, 1, 4); otherwise (5, 4, 8) for a Llama target, (3, 1, 4) for most others.
+        llama = "llama" in target.key.lower() and algorithm != "STANDALONE"
+        steps, topk, tokens = (5, 4, 8) if llama else (3, 1, 4)
     assert topk is not None and tokens is not None
     if topk == 1:
         tokens = steps + 1
