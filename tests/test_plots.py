@@ -351,10 +351,21 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     answers = [t for t in texts if t.split("\n")[0].endswith("%")]
     assert answers and all(t.split("\n")[-1].endswith(" W") for t in answers)
     assert not any("MHz" in t for t in texts)
-    assert any("SM clock not swept" in t.get_text() for t in fig.texts)  # the title
+    assert any("SM clock not set" in t.get_text() for t in fig.texts)  # the title
     clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
     clocks = open_cube(shared_run(clock_only, "clocks") / "cube.nc")
     fig = draw_headroom(headroom(clocks, target=TARGET))
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any(t.endswith("MHz") for t in texts)
-    assert not any("SM clock not swept" in t.get_text() for t in fig.texts)
+    assert not any("SM clock not set" in t.get_text() for t in fig.texts)
+
+
+def test_the_headroom_map_names_a_single_locked_clock(shared_run) -> None:
+    """One clock locked (1500 MHz) and the power limit swept: the clock is not swept, but it
+    is a lock dvfs set, so every answer names it, as the timelines do."""
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "sm_clock = [1500]\n")
+    cube = open_cube(shared_run(text, "one-clock") / "cube.nc")
+    fig = draw_headroom(headroom(cube, target=TARGET))
+    answers = [t.get_text() for ax in fig.axes for t in ax.texts if "%\n" in t.get_text()]
+    assert answers and all("\n1500 MHz" in t for t in answers)
+    assert not any("SM clock not set" in t.get_text() for t in fig.texts)

@@ -37,6 +37,7 @@ from dvfs.analysis.bounds import finite_mean, meets, upper_bound
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS
 from dvfs.errors import AnalysisError
+from dvfs.records import knobs_set
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -498,6 +499,9 @@ def headroom(
         ),
         sm_clock_swept=int(clock_swept),
         power_limit_swept=int(limit_swept),
+        # Whether the campaign locked the SM clock at all (one clock locked is not swept but
+        # is still a lock; an unset clock runs unlocked at stock): what an answer's clock is.
+        sm_clock_locked=int(knobs_set(cube.attrs.get("campaign"))[0]),
         baseline=target.baseline,
     )
     if target.mode == "slo":

@@ -10,21 +10,16 @@ import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import describe_quality
-from dvfs.records import CampaignFacts
+from dvfs.records import knobs_set
 
 if TYPE_CHECKING:
     import xarray as xr
 
 
 def swept_knobs(ds: xr.Dataset) -> tuple[bool, bool]:
-    """Whether the campaign set (SM clock, power limit) or left each at stock: an unswept
-    knob's coordinate holds the stock value, which is not a setting dvfs applied. Both True
-    for a cube that stores no campaign (a hand-built one)."""
-    try:
-        grid = CampaignFacts.from_json(json.loads(ds.attrs.get("campaign", "{}"))).grid
-    except (KeyError, ValueError, TypeError, AttributeError):
-        return True, True
-    return bool(grid.sm_clocks_mhz), bool(grid.power_limits_w)
+    """Whether the cube's campaign set (SM clock, power limit) or left each at stock
+    (`knobs_set`)."""
+    return knobs_set(ds.attrs.get("campaign"))
 
 
 def _stock_text(ds: xr.Dataset) -> str:

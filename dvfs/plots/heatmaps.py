@@ -116,10 +116,10 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
 
 
 def _answer_label(
-    saving: float, clock: float, limit: float, capped: bool, clock_swept: bool
+    saving: float, clock: float, limit: float, capped: bool, clock_locked: bool
 ) -> str:
-    """A cell's text: the saving, then the knobs the answer sets (the clock only when swept)."""
-    if not clock_swept:
+    """A cell's text: the saving, then the knobs the answer sets (the clock only when locked)."""
+    if not clock_locked:
         return f"{saving:.0f}%\n{limit:.0f} W"
     return f"{saving:.0f}%\n{clock:.0f} MHz" + (f"\n{limit:.0f} W" if capped else "")
 
@@ -139,9 +139,9 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     limit = chosen["chosen_power_limit"].transpose(*order).values
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
-    # A campaign that swept only the power limit has no clock answer: the stock clock is not a
-    # lock, so the cell names the limit instead.
-    clock_swept = bool(int(chosen.attrs.get("sm_clock_swept", 1)))
+    # A campaign that left the SM clock unset has no clock answer: the stock clock is not a
+    # lock, so the cell names the limit instead (one clock locked is still named).
+    clock_locked = bool(int(chosen.attrs.get("sm_clock_locked", 1)))
     why = _no_answer_labels(chosen, order)
     norm = shared_norm([saving])
     cmap = _cmap("Greens")
@@ -158,8 +158,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         f"{chosen.attrs.get('target', 'the target')}\n"
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
-            if clock_swept
-            else "cell: saving and the power limit (SM clock not swept: unlocked)"
+            if clock_locked
+            else "cell: saving and the power limit (SM clock not set: unlocked)"
         )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
@@ -175,7 +175,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
                 why[k, i, j]
                 if not np.isfinite(saving[k, i, j])
                 else _answer_label(
-                    saving[k, i, j], clock[k, i, j], limit[k, i, j], capped[k, i, j], clock_swept
+                    saving[k, i, j], clock[k, i, j], limit[k, i, j], capped[k, i, j], clock_locked
                 )
                 for j in range(len(batches))
             ]

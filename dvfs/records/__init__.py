@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, MeasurementRecord
-from dvfs.records.header import CampaignFacts, Grid, Header
+from dvfs.records.header import CampaignFacts, Grid, Header, knobs_set
 from dvfs.records.session import (
     ARM_ARGS,
     GPU_INVARIANTS,
@@ -43,6 +43,7 @@ __all__ = [
     "SERVER_INVARIANTS",
     "SESSION_INVARIANTS",
     "CampaignFacts",
+    "knobs_set",
     "CellRecord",
     "Grid",
     "Header",

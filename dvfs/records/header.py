@@ -3,6 +3,7 @@ from the campaign it stores."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,3 +127,14 @@ class Header:
         if not self.campaign:
             return ["the journal does not record its campaign"]
         return measured_differences(self.campaign, campaign.semantic_dict())
+
+
+def knobs_set(campaign_json: str | None) -> tuple[bool, bool]:
+    """Whether a stored campaign (a cube's `campaign` attribute) set (SM clock, power limit) or
+    left each at stock: an unset knob's coordinate holds the stock value, which is not a
+    setting dvfs applied. Both True when no campaign can be read (a hand-built cube)."""
+    try:
+        grid = CampaignFacts.from_json(json.loads(campaign_json or "{}")).grid
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return True, True
+    return bool(grid.sm_clocks_mhz), bool(grid.power_limits_w)
