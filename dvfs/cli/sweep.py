@@ -75,9 +75,17 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             if busy < report["workers"]
             else ""
         )
+        models = report.get("gpu_models", 1)
+        mixed = (
+            f", {models} GPU models (the campaign runs whole on each: "
+            f"{report['cells_all_models']} cells in all)"
+            if models > 1
+            else ""
+        )
         out.print(
-            f"{report['workers']} workers in parallel{idle}: roughly "
-            f"{report['estimated_makespan_hours']} h from start to end"
+            f"{report['workers']} workers in parallel{mixed}{idle}: roughly "
+            f"{report['estimated_makespan_hours']} h from start to end",
+            highlight=False,
         )
     for problem in report["problems"]:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
@@ -194,7 +202,7 @@ def sweep(
     if shard is not None:
         default_out = default_out / f"shard-{shard.index}-of-{shard.count}"
     out_dir = out_dir or default_out
-    from dvfs.fleet.devices import parse_gpus, worker_groups
+    from dvfs.fleet.devices import parse_gpus, worker_groups, workers_per_model
 
     if address and executor != "ray":
         raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
@@ -230,11 +238,17 @@ def sweep(
         if len(groups) > 1:
             # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
             # with G groups of about equal cost, the busiest of W workers runs ceil(G / W).
+            # GPU models mixed: each runs the whole campaign on its own workers, so the
+            # model with the fewest workers finishes last (its GPU estimated as the
+            # campaign's).
             comparison_groups = plan.comparison_groups
+            per_model = workers_per_model(campaign, groups)
             report["workers"] = len(groups)
+            report["gpu_models"] = len(per_model)
+            report["cells_all_models"] = plan.cells * len(per_model)
             report["estimated_makespan_hours"] = round(
                 report["estimated_hours_on_hardware"]
-                * math.ceil(comparison_groups / len(groups))
+                * math.ceil(comparison_groups / min(per_model.values()))
                 / comparison_groups,
                 2,
             )

@@ -121,6 +121,19 @@ def _profile_of(group: Group) -> str | None:
     return profiles.pop()
 
 
+def workers_per_model(campaign: Campaign, groups: Sequence[Group]) -> dict[str | None, int]:
+    """How many workers each GPU model gets, as far as the names tell (twin GPUs: their
+    profile's model, `PROFILE:INDEX` or the campaign's; real GPUs: one model, None, until NVML
+    is read): a fleet mixing models runs the whole campaign once per model, on that model's
+    workers only."""
+    counts: dict[str | None, int] = {}
+    for group in groups:
+        profile = _profile_of(group) or campaign.gpu.profile
+        model = profile.split(":", 1)[0] if profile else None
+        counts[model] = counts.get(model, 0) + 1
+    return counts
+
+
 def for_group(campaign: Campaign, group: Group) -> Campaign:
     """The campaign as one worker runs it: its own group's GPUs, one server on them."""
     profile = _profile_of(group)
