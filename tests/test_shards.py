@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import copy_sweep, replace_block, write
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -117,7 +117,7 @@ def test_each_shard_starts_one_server_per_drafter_and_records_its_groups(runs: P
     campaign = load_campaign(runs / "shardy.toml")
     for i in range(3):
         records = read_records(runs / f"s{i}" / "journal.jsonl")
-        assert records[1] == {"type": "shard", "index": i, "count": 3}
+        assert records[1] == {"type": "shard", "index": i, "count": 3, "deal": "groups"}
         servers = [r for r in records if r["type"] == "server"]
         mine = planned_cells(campaign, Shard(i, 3))
         # Whole groups hold every drafter: one server each, not one per slice of a drafter.
@@ -173,7 +173,7 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
     assert counts.exit_code == 1 and "share their count" in counts.output
     # Overlapping cells: the whole cube passed off as shard 1/2 next to shard 0/2.
     fake = open_cube(runs / "whole" / "cube.nc").copy()
-    fake.attrs["shard"] = "0/2"
+    fake.attrs.update(shard="0/2", shard_deal="groups")
     write_cube(fake, tmp_path / "fake.nc")
     overlap = merge(tmp_path / "fake.nc", recount)
     assert overlap.exit_code == 1 and "is in both" in overlap.output
@@ -393,3 +393,57 @@ def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> No
     assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
     assert _gpus_per_group(cube) == {1}
     assert cube.attrs["arms_on_one_gpu"] == 1 and cube.attrs["groups_across_gpus"] == 0
+
+
+def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:
+    """`folder` as a dvfs before the shard record named its dealing left it: the shard record
+    without `deal` (that dvfs cut contiguous slices), and only the first `cells` cell records
+    when given (a shard interrupted). Returns its journal."""
+    journal = folder / "journal.jsonl"
+    kept, seen = [], 0
+    for line in journal.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["type"] == "cell":
+            seen += 1
+            if cells is not None and seen > cells:
+                continue
+        if record["type"] == "shard":
+            record.pop("deal", None)
+            line = json.dumps(record, separators=(",", ":"))
+        kept.append(line)
+    journal.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    (folder / "cube.nc").unlink()  # that dvfs's cube: built again from the journal below
+    return journal
+
+
+def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_measured(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A shard folder whose shard record names no dealing was begun by a dvfs that cut
+    contiguous slices: this dvfs's share of the same i/n differs, so resuming it (one GPU or a
+    fleet, any index) is refused, exit 2, in one line saying why and what to do, the journal
+    untouched; --fresh starts the shard over, dealt as whole groups."""
+    from test_journal import assert_one_line_error
+
+    folder = copy_sweep(runs / "s0", tmp_path / "old")
+    journal = _begun_by_an_earlier_dvfs(folder, cells=5)
+    before = journal.read_bytes()
+    campaign = str(runs / "shardy.toml")
+    for shard, extra in (("0/3", ()), ("0/3", ("--gpus", "0-1")), ("1/3", ())):
+        result = invoke(
+            "sweep", campaign, "--shard", shard, "--out", str(folder), "--no-progress", *extra
+        )
+        assert_one_line_error(
+            result,
+            2,
+            f"{folder} holds shard 0/3 begun by an earlier dvfs that cut contiguous slices",
+            "finish that folder with the dvfs that began it",
+            "rerun every shard of the array with --fresh",
+        )
+        assert journal.read_bytes() == before
+    assert not (folder / "cube.nc").exists()
+    fresh = invoke(
+        "sweep", campaign, "--shard", "0/3", "--out", str(folder), "--no-progress", "--fresh"
+    )
+    assert fresh.exit_code == 0, fresh.output
+    assert read_records(journal)[1] == {"type": "shard", "index": 0, "count": 3, "deal": "groups"}
