@@ -33,7 +33,7 @@ from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpo
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
 from dvfs.fleet.queue import group_of
-from dvfs.fleet.shard import Shard, planned_cells
+from dvfs.fleet.shard import Shard, check_deal, planned_cells
 from dvfs.fleet.shard_journal import recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
@@ -335,8 +335,11 @@ def _shard_text(shard: Shard | None) -> str:
 
 def claim_shard(journal: Journal, shard: Shard | None) -> None:
     """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
-    campaign), so two slices never mix in one folder."""
+    campaign), or a shard dealt by an earlier dvfs (`check_deal`), so two shares never mix in
+    one folder."""
     recorded = recorded_shard(journal.path)
+    if shard is not None:
+        check_deal(journal.path.parent, recorded)
     if recorded == shard:
         return
     if recorded is None and not journal.sessions and not journal.finished():

@@ -4,13 +4,14 @@ in whole comparison groups so that the arms of a comparison share a shard's GPU.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import TINY, copy_sweep, replace_block, write
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -117,7 +118,7 @@ def test_each_shard_starts_one_server_per_drafter_and_records_its_groups(runs: P
     campaign = load_campaign(runs / "shardy.toml")
     for i in range(3):
         records = read_records(runs / f"s{i}" / "journal.jsonl")
-        assert records[1] == {"type": "shard", "index": i, "count": 3}
+        assert records[1] == {"type": "shard", "index": i, "count": 3, "deal": "groups"}
         servers = [r for r in records if r["type"] == "server"]
         mine = planned_cells(campaign, Shard(i, 3))
         # Whole groups hold every drafter: one server each, not one per slice of a drafter.
@@ -173,7 +174,7 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
     assert counts.exit_code == 1 and "share their count" in counts.output
     # Overlapping cells: the whole cube passed off as shard 1/2 next to shard 0/2.
     fake = open_cube(runs / "whole" / "cube.nc").copy()
-    fake.attrs["shard"] = "0/2"
+    fake.attrs.update(shard="0/2", shard_deal="groups")
     write_cube(fake, tmp_path / "fake.nc")
     overlap = merge(tmp_path / "fake.nc", recount)
     assert overlap.exit_code == 1 and "is in both" in overlap.output
@@ -301,7 +302,6 @@ def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
     """A shard with no group could never be merged with the others (its journal would hold no
     session): `--shard i/n` with n above the comparison groups is refused, whatever i, dry run
     included, naming the group count and the largest n."""
-    from conftest import TINY
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", TINY)
@@ -393,3 +393,159 @@ def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> No
     assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
     assert _gpus_per_group(cube) == {1}
     assert cube.attrs["arms_on_one_gpu"] == 1 and cube.attrs["groups_across_gpus"] == 0
+
+
+#: TINY on the exact twin, the campaign of the shards run on fleets mixing GPU models.
+MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+
+
+def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(tmp_path: Path) -> None:
+    """Shards each run on an H100 and an H200 (`--gpus 0,h200-sxm:0`) hold a `gpu` axis, one
+    entry per model, each model's comparisons apart: merged, they equal the unsharded fleet's
+    cube, every group measured on one GPU of each model (a group on two models is not split),
+    and nothing else is printed (no numpy warning). Shards on other GPUs of the same models
+    (another node) line up by model; shards on other models are refused in one line."""
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+
+    def sweep(out: str, *args: str) -> Path:
+        folder = tmp_path / out
+        result = invoke("sweep", str(campaign), *args, "--out", str(folder), "--no-progress")
+        assert result.exit_code == 0, result.output
+        return folder
+
+    whole = sweep("whole", "--gpus", "0,h200-sxm:0")
+    s0, s1 = (sweep(f"s{i}", "--shard", f"{i}/2", "--gpus", "0,h200-sxm:0") for i in range(2))
+    merged = tmp_path / "merged.nc"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning raised in the merge fails it
+        result = invoke("cube", "merge", str(s1), str(s0), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines() == [f"cube: {merged} (2 shards, 2 GPUs)"]
+    cube, full = open_cube(merged), open_cube(whole / "cube.nc")
+    assert cube.sizes["gpu"] == 2 and "shard" not in cube.attrs
+    assert_same_cells(cube, full)
+    assert cube.attrs["gpu_names"] == full.attrs["gpu_names"]
+    sources, full_sources = (
+        json.loads(cube.attrs["merged_from"]),
+        json.loads(full.attrs["merged_from"]),
+    )
+    assert {k: s["gpu_name"] for k, s in sources.items()} == {
+        k: s["gpu_name"] for k, s in full_sources.items()
+    }
+    assert (cube["cell_status"].values == STATUS_OK).all()
+    assert cube.attrs["arms_on_one_gpu"] == full.attrs["arms_on_one_gpu"] == 1
+    assert cube.attrs["groups_across_gpus"] == full.attrs["groups_across_gpus"] == 0
+    for gpu in cube["gpu"].values:
+        assert _gpus_per_group(cube.sel(gpu=gpu)) == {1}
+    # Shard 1 on another node's GPUs of the same models: each model's entry names both
+    # shards' GPUs, and keeps its stock setting (merged_from, keyed by the entry).
+    far = sweep("far", "--shard", "1/2", "--gpus", "1,h200-sxm:1")
+    spread_path = tmp_path / "spread.nc"
+    assert invoke("cube", "merge", str(s0), str(far), "-o", str(spread_path)).exit_code == 0
+    spread = open_cube(spread_path)
+    labels = [str(g) for g in spread["gpu"].values]
+    assert [len(label.split(",")) for label in labels] == [2, 2]
+    assert [label.split(",")[0] for label in labels] == [str(g) for g in full["gpu"].values]
+    assert sorted(json.loads(spread.attrs["merged_from"])) == sorted(labels)
+    assert_same_cells(spread.assign_coords(gpu=full["gpu"].values), full)
+    assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
+    # A shard on one of the models only.
+    h100 = sweep("h100", "--shard", "1/2")
+    refused = invoke("cube", "merge", str(s0), str(h100), "-o", str(tmp_path / "x.nc"))
+    assert refused.exit_code == 1 and "ran on different GPU models" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1, refused.output
+
+
+def _begun_by_an_earlier_dvfs(folder: Path, *, cells: int | None = None) -> Path:
+    """`folder` as a dvfs before the shard record named its dealing left it: the shard record
+    without `deal` (that dvfs cut contiguous slices), and only the first `cells` cell records
+    when given (a shard interrupted). Returns its journal."""
+    journal = folder / "journal.jsonl"
+    kept, seen = [], 0
+    for line in journal.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record["type"] == "cell":
+            seen += 1
+            if cells is not None and seen > cells:
+                continue
+        if record["type"] == "shard":
+            record.pop("deal", None)
+            line = json.dumps(record, separators=(",", ":"))
+        kept.append(line)
+    journal.write_text("\n".join(kept) + "\n", encoding="utf-8")
+    (folder / "cube.nc").unlink()  # that dvfs's cube: built again from the journal below
+    return journal
+
+
+def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_measured(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A shard folder whose shard record names no dealing was begun by a dvfs that cut
+    contiguous slices: this dvfs's share of the same i/n differs, so resuming it (one GPU or a
+    fleet, any index) is refused, exit 2, in one line saying why and what to do, the journal
+    untouched; --fresh starts the shard over, dealt as whole groups."""
+    from test_journal import assert_one_line_error
+
+    folder = copy_sweep(runs / "s0", tmp_path / "old")
+    journal = _begun_by_an_earlier_dvfs(folder, cells=5)
+    before = journal.read_bytes()
+    campaign = str(runs / "shardy.toml")
+    for shard, extra in (("0/3", ()), ("0/3", ("--gpus", "0-1")), ("1/3", ())):
+        result = invoke(
+            "sweep", campaign, "--shard", shard, "--out", str(folder), "--no-progress", *extra
+        )
+        assert_one_line_error(
+            result,
+            2,
+            f"{folder} holds shard 0/3 begun by an earlier dvfs that cut contiguous slices",
+            "finish that folder with the dvfs that began it",
+            "rerun every shard of the array with --fresh",
+        )
+        assert journal.read_bytes() == before
+    assert not (folder / "cube.nc").exists()
+    fresh = invoke(
+        "sweep", campaign, "--shard", "0/3", "--out", str(folder), "--no-progress", "--fresh"
+    )
+    assert fresh.exit_code == 0, fresh.output
+    assert read_records(journal)[1] == {"type": "shard", "index": 0, "count": 3, "deal": "groups"}
+
+
+def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
+    runs: Path, tmp_path: Path
+) -> None:
+    """Shards of an earlier dvfs (contiguous slices; no dealing on their record or cube) next
+    to shards dealt as whole groups are refused, journals and cube files alike, in one line
+    naming the two dealings (not another count); a set of the earlier dvfs's shards alone
+    merges as it did."""
+    old = [copy_sweep(runs / f"s{i}", tmp_path / f"old{i}") for i in range(3)]
+    for folder in old:
+        _begun_by_an_earlier_dvfs(folder)
+    new = [runs / f"s{i}" for i in range(3)]
+    assert open_cube(new[0] / "cube.nc").attrs["shard_deal"] == "groups"
+
+    def merge(*paths: Path) -> Result:
+        return invoke("cube", "merge", *map(str, paths), "-o", str(tmp_path / "x.nc"))
+
+    journals = merge(old[0], new[1], new[2])
+    cube_files = tmp_path / "old0.nc"
+    stripped = open_cube(new[0] / "cube.nc").load()
+    del stripped.attrs["shard_deal"]  # a cube file of the earlier dvfs: its shard alone
+    write_cube(stripped, cube_files)
+    files = merge(cube_files, *(s / "cube.nc" for s in new[1:]))
+    for result, first, second in (
+        (journals, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
+        (files, cube_files, new[1] / "cube.nc"),
+    ):
+        assert result.exit_code == 1
+        assert len(result.output.strip().splitlines()) == 1, result.output
+        assert (
+            f"cannot merge: the shards were dealt differently ({first}: contiguous slices, by "
+            f"an earlier dvfs; {second}: whole comparison groups)"
+        ) in result.output, result.output
+        assert "another count" not in result.output
+    # The earlier dvfs's shards on their own merge as before (here: the same cells).
+    merged = tmp_path / "old.nc"
+    result = invoke("cube", "merge", *map(str, old), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert_same_cells(open_cube(merged), open_cube(runs / "whole" / "cube.nc"))
+    assert "shard_deal" not in open_cube(merged).attrs

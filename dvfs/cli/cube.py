@@ -123,10 +123,10 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
 
     loaded = [_load_for_merge(p) for p in cubes]
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
-    if "gpu" in merged.dims:
-        click.echo(f"cube: {write_cube(merged, out_path)} ({merged.sizes['gpu']} GPUs)")
-        return
-    click.echo(f"cube: {write_cube(merged, out_path)} ({len(cubes)} shards)")
+    parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
+    if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
+        parts.append(f"{merged.sizes['gpu']} GPUs")
+    click.echo(f"cube: {write_cube(merged, out_path)} ({', '.join(parts)})")
 
 
 def _load_for_merge(path: Path) -> tuple[Any, str]:

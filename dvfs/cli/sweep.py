@@ -143,9 +143,10 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "shard_spec",
     metavar="I/N",
     callback=lambda _ctx, _param, value: _parse_shard(value),
-    help="Run only slice I of N (0-based; a Slurm job array: --shard $SLURM_ARRAY_TASK_ID/N), "
-    "into its own folder [default: out/<campaign name>/shard-I-of-N]; `dvfs cube merge` "
-    "joins the shards.",
+    help="Run only shard I of N (0-based; a Slurm job array: --shard $SLURM_ARRAY_TASK_ID/N): "
+    "a share of whole comparison groups (batch, corpus, repeat; with max_repeats above "
+    "repeats, batch-and-corpus pairs with all their repeats), into its own folder "
+    "[default: out/<campaign name>/shard-I-of-N]; `dvfs cube merge` joins the shards.",
 )
 @click.option(
     "--gpus",

@@ -4,6 +4,8 @@ or the shards of one campaign's run (`dvfs sweep --shard i/n`) back into the who
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,6 +18,8 @@ from dvfs.version import __version__
 
 if TYPE_CHECKING:
     import xarray as xr
+
+    from dvfs.fleet.shard import Shard
 
 
 def _campaign_attr(ds: xr.Dataset, name: str) -> dict[str, Any]:
@@ -184,14 +188,32 @@ def _measured_on_as_variable(ds: xr.Dataset) -> xr.Dataset:
 SHARD_MAY_DIFFER = ("gpu.devices", "gpu.groups")
 
 
-def _parse_shard(ds: xr.Dataset, name: str) -> tuple[int, int]:
-    from dvfs.fleet.shard import Shard
+def _parse_shard(ds: xr.Dataset, name: str) -> Shard:
+    from dvfs.fleet.shard_journal import cube_shard
 
     try:
-        shard = Shard.parse(str(ds.attrs["shard"]))
+        shard = cube_shard(ds)
     except ValueError as exc:
         raise CubeError(f"cannot merge: {name} has a damaged shard attribute ({exc})") from None
-    return shard.index, shard.count
+    assert shard is not None  # only shards' cubes come here
+    return shard
+
+
+def _models(ds: xr.Dataset, name: str) -> list[str]:
+    """The GPU model of each entry along a shard's `gpu` axis (its fleet mixed models: one
+    entry per model, `gpu_names` in the axis's order), else its one model."""
+    if "gpu" not in ds.dims:
+        return [str(ds.attrs.get("gpu_name"))]
+    try:
+        models = [str(m) for m in json.loads(str(ds.attrs.get("gpu_names", "")))]
+    except (TypeError, ValueError):
+        models = []
+    if len(models) != ds.sizes["gpu"] or len(set(models)) != len(models):
+        raise CubeError(
+            f"cannot merge: {name} has a gpu axis without one GPU model per entry (its "
+            "gpu_names attribute); merge the folders of the shards' runs"
+        )
+    return models
 
 
 def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
@@ -200,7 +222,8 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
 
     first, first_name = cubes[0], names[0]
     shards = [_parse_shard(ds, name) for ds, name in zip(cubes, names, strict=True)]
-    for ds, name, (index, count) in zip(cubes, names, shards, strict=True):
+    models = _models(first, first_name)
+    for ds, name, shard in zip(cubes, names, shards, strict=True):
         changes = measured_differences(
             _campaign_attr(first, first_name), _campaign_attr(ds, name), ignore=SHARD_MAY_DIFFER
         )
@@ -210,31 +233,41 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"cannot merge shards of different campaigns ({first_name} -> {name}: {why}); "
                 "every shard must run the same campaign file"
             )
-        if count != shards[0][1]:
+        if shard.deal != shards[0].deal:
             raise CubeError(
-                f"cannot merge: {first_name} is shard {shards[0][0]}/{shards[0][1]} but {name} "
-                f"is shard {index}/{count}; the shards of one run share their count"
+                f"cannot merge: the shards were dealt differently ({first_name}: "
+                f"{shards[0].dealt_as}; {name}: {shard.dealt_as}), so their cells are not "
+                "shares of one deal; run every shard with one dvfs (the whole array again "
+                "with --fresh)"
             )
-        if str(ds.attrs.get("gpu_name")) != str(first.attrs.get("gpu_name")):
+        if shard.count != shards[0].count:
+            raise CubeError(
+                f"cannot merge: {first_name} is shard {shards[0].label} but {name} is shard "
+                f"{shard.label}; the shards of one run share their count"
+            )
+        theirs = _models(ds, name)
+        if sorted(theirs) != sorted(models):
             raise CubeError(
                 f"cannot merge: the shards ran on different GPU models ({first_name}: "
-                f"{first.attrs.get('gpu_name')}, {name}: {ds.attrs.get('gpu_name')}); run every "
-                "shard on one model, or the whole campaign once per model and merge those cubes"
+                f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
+                "the same models, or the whole campaign once per model and merge those cubes"
             )
         for dim in first.dims:
+            if dim == "gpu":  # each shard's own GPUs of each model: lined up by model
+                continue
             if dim in ds.dims and not np.array_equal(first[dim].values, ds[dim].values):
                 raise CubeError(
                     f"cannot merge: the {dim} axis differs between {first_name} and {name} "
                     "(a stock setting found on another GPU?); shards must share the grid"
                 )
     seen: dict[int, str] = {}
-    for name, (index, count) in zip(names, shards, strict=True):
-        if index in seen:
+    for name, shard in zip(names, shards, strict=True):
+        if shard.index in seen:
             raise CubeError(
-                f"cannot merge: shard {index}/{count} is given twice ({seen[index]}, {name})"
+                f"cannot merge: shard {shard.label} is given twice ({seen[shard.index]}, {name})"
             )
-        seen[index] = name
-    count = shards[0][1]
+        seen[shard.index] = name
+    count = shards[0].count
     missing = [f"{i}/{count}" for i in range(count) if i not in seen]
     if missing:
         raise CubeError(
@@ -243,16 +276,53 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
         )
 
 
+def _joined(labels: Iterable[str]) -> str:
+    """Comma-joined GPU UUIDs, each once, in the order first met."""
+    values: list[str] = []
+    for label in labels:
+        for part in str(label).split(","):
+            part = part.strip()
+            if part and part not in values:
+                values.append(part)
+    return ",".join(values)
+
+
+def _lined_up(
+    cubes: list[xr.Dataset], names: list[str]
+) -> tuple[list[xr.Dataset], list[list[str]]]:
+    """Shards whose fleets mixed GPU models (a `gpu` axis, one entry per model), each in the
+    first's order of models and under its labels, so that their cells line up; and each
+    model's label in each shard (shards on other nodes have other GPUs)."""
+    order = _models(cubes[0], names[0])
+    lined: list[xr.Dataset] = []
+    per_model: list[list[str]] = [[] for _ in order]
+    for ds, name in zip(cubes, names, strict=True):
+        models = _models(ds, name)
+        ds = ds.isel(gpu=[models.index(m) for m in order])
+        for labels, label in zip(per_model, ds["gpu"].values, strict=True):
+            labels.append(str(label))
+        lined.append(ds.assign_coords(gpu=cubes[0]["gpu"].values))
+    return lined, per_model
+
+
 def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
     """The shards of one run (`dvfs sweep --shard i/n`, every i of one n) as the whole cube.
 
-    Refused, naming the reason, when they measure different campaigns (hash), have different
-    counts, repeat or miss a shard, ran on different GPU models, or when a cell was measured
-    (or failed) in two of them. Whether the arms of each comparison shared a GPU is worked out
-    for the whole (`_pairing`).
+    Refused, naming the reason, when they measure different campaigns (hash), were dealt
+    differently (an earlier dvfs cut contiguous slices), have different counts, repeat or miss
+    a shard, ran on different GPU models, or when a cell was measured (or failed) in two of
+    them. Shards each run on a fleet mixing models (a `gpu` axis, one entry per model) combine
+    per model. Whether the arms of each comparison shared a GPU is worked out for the whole
+    (`_pairing`).
     """
-    names = names or [f"shard cube {i + 1}" for i in range(len(cubes))]
-    _check_shards(cubes, names)
+    given = names or [f"shard cube {i + 1}" for i in range(len(cubes))]
+    _check_shards(cubes, given)
+    # In shard order, whatever the order given: the GPU lists and attributes come out the same.
+    order = sorted(range(len(cubes)), key=lambda k: _parse_shard(cubes[k], given[k]).index)
+    cubes, names = [cubes[k] for k in order], [given[k] for k in order]
+    sources, per_model = cubes, None
+    if "gpu" in cubes[0].dims:  # each shard ran a fleet mixing GPU models
+        cubes, per_model = _lined_up(cubes, names)
     first = cubes[0]
     combined = first.copy(deep=True)
     status = combined["cell_status"].values
@@ -272,7 +342,8 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
             }
             raise CubeError(
                 f"cannot merge: cell {cell} is in both {names[int(owner[at])]} and {names[k]}; "
-                "shards of one run never overlap (was one run with another count?)"
+                "the shards of one run never overlap, so a shard holds cells of another run "
+                "(rerun it with --fresh)"
             )
         owner[here] = k
         if MEASURED_ON in combined.coords and MEASURED_ON in ds.coords:
@@ -297,6 +368,29 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
     combined.attrs = _combined_attrs(cubes, names)
     combined.attrs.update(_pairing(combined, cubes, owner))
+    if per_model is not None:
+        combined = _relabel_gpus(combined, sources, per_model)
+    return combined
+
+
+def _relabel_gpus(
+    combined: xr.Dataset, shards: list[xr.Dataset], per_model: list[list[str]]
+) -> xr.Dataset:
+    """The combined cube of fleets mixing models labelled with each model's GPUs in all the
+    shards (`per_model`: each model's label in each shard), and its `merged_from` (where
+    `single_gpu` finds a GPU's stock setting) keyed by those labels, from the first shard."""
+    labels = [_joined(labels) for labels in per_model]
+    merged_from: dict[str, Any] = {}
+    for label, theirs in zip(labels, per_model, strict=True):
+        for ds, own in zip(shards, theirs, strict=True):
+            source = json.loads(str(ds.attrs.get("merged_from", "{}")) or "{}").get(own)
+            if source is not None:
+                merged_from[label] = source
+                break
+    attrs = dict(combined["gpu"].attrs)
+    combined = combined.assign_coords(gpu=labels)
+    combined["gpu"].attrs = attrs
+    combined.attrs["merged_from"] = json.dumps(merged_from)
     return combined
 
 
@@ -304,39 +398,46 @@ def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -
     """The whole run's `arms_on_one_gpu` and `groups_across_gpus`, not the first shard's: the
     arms were paired when every shard paired its own and no comparison group (batch, corpus,
     repeat) has cells from two shards (shards on other GPUs; `owner` is each cell's shard, -1
-    none), and the groups whose valid cells span GPU groups are counted over all the cells."""
+    none), and the groups whose valid cells span GPU groups are counted over all the cells.
+    Shards of fleets mixing GPU models hold each model's comparisons apart along `gpu`: a
+    group is counted in each model's slice, never as split between models."""
     from dvfs.cube.build import groups_across_gpus
     from dvfs.cube.schema import CELL_DIMS
 
     dims = combined["cell_status"].dims
-    keep = [dims.index(d) for d in ("batch", "corpus", "repeat")]
-    by_group = np.moveaxis(owner, keep, (0, 1, 2))
-    by_group = by_group.reshape(-1, *by_group.shape[3:])  # a group's cells in each row
+    keep = [dims.index(d) for d in ("gpu", "batch", "corpus", "repeat") if d in dims]
+    by_group = np.moveaxis(owner, keep, range(len(keep)))
+    by_group = by_group.reshape(math.prod(by_group.shape[: len(keep)]), -1)  # a row per group
     split = any(np.unique(cells[cells >= 0]).size > 1 for cells in by_group)
     paired = not split and all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)
     if MEASURED_ON in combined.coords:
-        on, status, valid = (
-            combined[n].transpose(*CELL_DIMS).values for n in (MEASURED_ON, "cell_status", "valid")
+        models = (
+            [combined.isel(gpu=i) for i in range(combined.sizes["gpu"])]
+            if "gpu" in combined.dims
+            else [combined]
         )
-        across = groups_across_gpus(on, status, valid)
+        across = sum(
+            groups_across_gpus(
+                *(
+                    one[n].transpose(*CELL_DIMS).values
+                    for n in (MEASURED_ON, "cell_status", "valid")
+                )
+            )
+            for one in models
+        )
     else:  # a cube from before measured_on: each shard's own count
         across = sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes)
     return {"arms_on_one_gpu": int(paired), "groups_across_gpus": across}
 
 
 def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]:
+    """The whole run's attributes: the first shard's, with what each shard adds (GPUs, server
+    arguments, failed cells, sessions) gathered. Shards of fleets mixing models carry only
+    what their merged cubes carry (no single GPU list, idle power or session count)."""
+    from dvfs.fleet.shard_journal import DEAL_ATTR, SHARD_ATTR
+
     first = cubes[0]
-    attrs = {k: v for k, v in first.attrs.items() if k != "shard"}
-
-    def joined(key: str) -> str:
-        values: list[str] = []
-        for ds in cubes:
-            for part in str(ds.attrs.get(key, "")).split(","):
-                part = part.strip()
-                if part and part not in values:
-                    values.append(part)
-        return ",".join(values)
-
+    attrs = {k: v for k, v in first.attrs.items() if k not in (SHARD_ATTR, DEAL_ATTR)}
     servers: dict[str, Any] = {}
     failed: list[Any] = []
     pinning: dict[str, list[str]] = {}  # per drafter, each shard's distinct outcome
@@ -351,29 +452,32 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         attrs["gpu_pinning"] = json.dumps(
             {drafter: "; ".join(outcomes) for drafter, outcomes in pinning.items()}, sort_keys=True
         )
-    uuids = joined("gpu_uuids")
     attrs.update(
-        gpu_uuids=uuids,
         engine_version=", ".join(sorted({str(ds.attrs.get("engine_version")) for ds in cubes})),
         server_args=json.dumps(servers, sort_keys=True),
-        idle_power_w=float(
-            np.nanmean([float(ds.attrs.get("idle_power_w", np.nan)) for ds in cubes])
-        ),
-        sessions=sum(int(ds.attrs.get("sessions", 0)) for ds in cubes),
         combined_from=json.dumps(
-            {name: str(ds.attrs.get("shard")) for name, ds in zip(names, cubes, strict=True)}
+            {name: str(ds.attrs.get(SHARD_ATTR)) for name, ds in zip(names, cubes, strict=True)}
         ),
         history=f"{now_iso()} {len(cubes)} shards combined by dvfs {__version__}",
         created=now_iso(),
     )
+    uuids = _joined(str(ds.attrs.get("gpu_uuids", "")) for ds in cubes)
+    if "gpu_uuids" in first.attrs:
+        attrs["gpu_uuids"] = uuids
+    if "idle_power_w" in first.attrs:  # the shards' mean; NaN where none measured one
+        idle = [float(ds.attrs.get("idle_power_w", math.nan)) for ds in cubes]
+        measured = [w for w in idle if math.isfinite(w)]
+        attrs["idle_power_w"] = float(np.mean(measured)) if measured else math.nan
+    if "sessions" in first.attrs:
+        attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
     if "failed_cells" in first.attrs:
         attrs["failed_cells"] = json.dumps(failed)
     if "counter_update_period_s" in first.attrs:  # per GPU, in the order of gpu_uuids
         period: dict[str, float] = {}
         for ds in cubes:
-            names = [u for u in str(ds.attrs.get("gpu_uuids", "")).split(",") if u]
+            own = [u for u in str(ds.attrs.get("gpu_uuids", "")).split(",") if u]
             values = np.atleast_1d(ds.attrs.get("counter_update_period_s", [])).tolist()
-            for uuid, value in zip(names, values, strict=False):
+            for uuid, value in zip(own, values, strict=False):
                 period.setdefault(uuid, float(value))
         attrs["counter_update_period_s"] = [period.get(u, np.nan) for u in uuids.split(",")]
     return attrs

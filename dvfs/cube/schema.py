@@ -10,7 +10,8 @@ Schema history (`attrs["dvfs_schema"]`):
       overhead, and energy_split_method) is such an addition; NaN (method 0) where a cell's
       record carries none. So is the gpu_pinning attribute (JSON, per drafter: "verified: ..."
       or "unverified: why", whether its server ran on the metered GPUs; absent or "{}" where
-      not checked).
+      not checked). So are a shard's `shard` ("I/N") and `shard_deal` ("groups"; absent in the
+      cube of a shard an earlier dvfs cut in contiguous slices), which `dvfs cube merge` reads.
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).

@@ -613,6 +613,7 @@ def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> l
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
+    from dvfs.fleet.shard import check_deal
     from dvfs.fleet.shard_journal import recorded_shard
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
 
@@ -625,6 +626,8 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         with Journal.open(path, campaign):  # its own refusal: other settings, not a journal
             pass
         recorded = recorded_shard(path)
+        if shard is not None:
+            check_deal(path.parent, recorded)
         if recorded != shard and _has_sessions(path):
             mine = f"shard {shard.label}" if shard else "the whole campaign (no --shard)"
             theirs = f"shard {recorded.label}" if recorded else "the whole campaign (no --shard)"
@@ -734,7 +737,7 @@ def run_fleet(
 def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
     """Each journal's cube beside it; a fleet of several models also the merged one."""
     from dvfs.cube import CUBE_NAME, merge_cubes, write_cube
-    from dvfs.fleet.shard_journal import shard_cube
+    from dvfs.fleet.shard_journal import cube_shard, mark_cube, shard_cube
 
     cubes = []
     for journal in journals:
@@ -751,10 +754,11 @@ def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
         return cubes[0][1]
     if len(cubes) == 1:
         return write_cube(cubes[0][0], out_dir / CUBE_NAME)
-    shard = cubes[0][0].attrs.get("shard")
+    # Each model's journal holds the same shard: the merged cube is marked with it, its parts
+    # merged as cubes of different GPUs.
+    shard = cube_shard(cubes[0][0])
     for ds, _ in cubes:
-        ds.attrs.pop("shard", None)
+        mark_cube(ds, None)
     merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
-    if shard is not None:
-        merged.attrs["shard"] = shard
+    mark_cube(merged, shard)
     return write_cube(merged, out_dir / CUBE_NAME)

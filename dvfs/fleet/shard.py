@@ -13,6 +13,10 @@ shards differ by more than the cells of one thing dealt. Each shard runs its cel
 measuring order, drafter-major, so it starts one server per drafter it holds: with every
 drafter in every shard, `n` shards start `n` times as many servers as the whole campaign on
 one GPU.
+
+The shard record and a shard's cube name the dealing (`DEAL`): an earlier dvfs cut contiguous
+slices of the cells and wrote no dealing, so a folder it began holds another share of the same
+`i/n`, and resuming it, or merging it with shards dealt here, is refused.
 """
 
 from __future__ import annotations
@@ -21,25 +25,33 @@ import heapq
 import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError
+from dvfs.errors import CampaignError, JournalError
 from dvfs.fleet.queue import group_of
 from dvfs.measure.plan import Cell, plan_cells
 
 #: The journal record that marks a shard's journal (after the header).
 SHARD_RECORD = "shard"
 
+#: How `Shard.select` deals cells, as shard records and cubes (`attrs["shard_deal"]`) name it:
+#: whole comparison groups. None: a record or cube of an earlier dvfs, which cut contiguous
+#: slices of the cells in measuring order.
+DEAL = "groups"
+
 _SPEC = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*\Z")
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Shard `index` (0-based) of `count`."""
+    """Shard `index` (0-based) of `count`, its cells dealt as `deal` says (`DEAL` for every
+    shard this dvfs runs; another value only as read from a journal or cube)."""
 
     index: int
     count: int
+    deal: str | None = DEAL
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
@@ -71,6 +83,8 @@ class Shard:
         groups (with `repeats_together`, every repeat of a batch and corpus), dealt as the
         module says. More shards than groups is refused, whatever the index: some shard would
         be empty, and a run missing a shard can never be merged."""
+        if self.deal != DEAL:
+            raise ValueError(f"shard {self.label}: cells dealt as {self.deal!r} are not planned")
         units = _units(cells, repeats_together)
         if self.count > len(units):
             what = (
@@ -94,11 +108,46 @@ class Shard:
         return [c for c in cells if _unit_of(c, repeats_together) in mine]
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": SHARD_RECORD, "index": self.index, "count": self.count}
+        return {"type": SHARD_RECORD, "index": self.index, "count": self.count, "deal": self.deal}
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Shard:
-        return cls(int(record["index"]), int(record["count"]))
+        """The shard a journal's shard record names; without `deal`, an earlier dvfs's."""
+        deal = record.get("deal")
+        return cls(int(record["index"]), int(record["count"]), None if deal is None else str(deal))
+
+    @property
+    def dealt_as(self) -> str:
+        """How this shard's cells were dealt, in words."""
+        if self.deal == DEAL:
+            return "whole comparison groups"
+        if self.deal is None:
+            return "contiguous slices, by an earlier dvfs"
+        return f"dealt as {self.deal!r}"
+
+
+class ShardDealError(JournalError):
+    """A shard folder begun by a dvfs that dealt cells otherwise: refused as invalid input."""
+
+    exit_code = 2
+
+
+def check_deal(folder: Path, recorded: Shard | None) -> None:
+    """Refuse to resume a shard journal (in `folder`) whose cells were dealt otherwise than
+    `Shard.select` deals them: this run's share of the same i/n differs, and the folder would
+    end up holding parts of two shares that merge with neither."""
+    if recorded is None or recorded.deal == DEAL:
+        return
+    who = (
+        "an earlier dvfs that cut contiguous slices of the cells"
+        if recorded.deal is None
+        else f"a dvfs that dealt its cells as {recorded.deal!r}"
+    )
+    raise ShardDealError(
+        f"{folder} holds shard {recorded.label} begun by {who}; this dvfs deals whole "
+        f"comparison groups, so its shard {recorded.label} is another share: finish that folder "
+        "with the dvfs that began it, or rerun every shard of the array with --fresh"
+    )
 
 
 def _unit_of(cell: Cell, repeats_together: bool) -> Hashable:

@@ -17,6 +17,9 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       worker's GPUs, host and server ports), a server's `gpu_pinning` (did it run on the
       metered GPUs). A journal may hold sessions on different GPUs of
       one model (`dvfs.records.session.incomparable` names what they must share).
+      A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
+      count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
+      cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
 """
 
 from __future__ import annotations
