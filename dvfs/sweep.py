@@ -31,9 +31,15 @@ from dvfs.backends import (
 from dvfs.campaign import Campaign
 from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
 from dvfs.cube import CUBE_NAME, write_cube
-from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
+from dvfs.errors import (
+    CampaignError,
+    CorpusError,
+    CubeError,
+    GpuPermissionError,
+    JournalError,
+)
 from dvfs.fleet.queue import group_of
-from dvfs.fleet.shard import Shard, check_deal, planned_cells
+from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
 from dvfs.fleet.shard_journal import recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
@@ -487,6 +493,7 @@ def plan_dry_run(
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
     except CorpusError as exc:
         problems = [str(exc)]
+    problems += _folder_problems(out_dir, shard)
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -517,6 +524,24 @@ def plan_dry_run(
             else None
         ),
     )
+
+
+def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
+    """What would stop the run in `out_dir` before it measures, as `claim_shard` says it: a
+    folder holding another shard (or the whole campaign), or a shard begun by an earlier dvfs
+    that dealt its cells otherwise."""
+    recorded = recorded_shard(out_dir / JOURNAL_NAME)
+    if shard is not None:
+        try:
+            check_deal(out_dir, recorded)
+        except ShardDealError as exc:
+            return [str(exc)]
+    if recorded is not None and recorded != shard:
+        return [
+            f"{out_dir} holds {_shard_text(recorded)} of this campaign, but this run is "
+            f"{_shard_text(shard)}: give each shard its own --out folder"
+        ]
+    return []
 
 
 def spent_gpu_s(out_dir: Path) -> float:

@@ -503,6 +503,16 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
         )
         assert journal.read_bytes() == before
     assert not (folder / "cube.nc").exists()
+    # Its dry run says so too, rather than counting the old share's cells as done; and one
+    # of another shard's folder names the folder's shard.
+    args = ("sweep", campaign, "--shard", "0/3", "--dry-run", "--no-estimate", "--json")
+    doc = json.loads(invoke(*args, "--out", str(folder)).output)
+    assert any("begun by an earlier dvfs" in p for p in doc["problems"]), doc["problems"]
+    dry = invoke(*args[:-1], "--out", str(folder))
+    assert dry.exit_code == 2 and "begun by an earlier dvfs" in " ".join(dry.output.split())
+    other = ("sweep", campaign, "--shard", "2/3", "--dry-run", "--no-estimate", "--json")
+    doc = json.loads(invoke(*other, "--out", str(runs / "s0")).output)
+    assert any("holds shard 0/3 of this campaign" in p for p in doc["problems"])
     fresh = invoke(
         "sweep", campaign, "--shard", "0/3", "--out", str(folder), "--no-progress", "--fresh"
     )

@@ -189,7 +189,7 @@ SHARD_MAY_DIFFER = ("gpu.devices", "gpu.groups")
 
 
 def _parse_shard(ds: xr.Dataset, name: str) -> Shard:
-    from dvfs.fleet.shard_journal import cube_shard
+    from dvfs.fleet.shard import cube_shard
 
     try:
         shard = cube_shard(ds)
@@ -434,7 +434,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     """The whole run's attributes: the first shard's, with what each shard adds (GPUs, server
     arguments, failed cells, sessions) gathered. Shards of fleets mixing models carry only
     what their merged cubes carry (no single GPU list, idle power or session count)."""
-    from dvfs.fleet.shard_journal import DEAL_ATTR, SHARD_ATTR
+    from dvfs.fleet.shard import DEAL_ATTR, SHARD_ATTR
 
     first = cubes[0]
     attrs = {k: v for k, v in first.attrs.items() if k not in (SHARD_ATTR, DEAL_ATTR)}

@@ -737,7 +737,8 @@ def run_fleet(
 def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
     """Each journal's cube beside it; a fleet of several models also the merged one."""
     from dvfs.cube import CUBE_NAME, merge_cubes, write_cube
-    from dvfs.fleet.shard_journal import cube_shard, mark_cube, shard_cube
+    from dvfs.fleet.shard import cube_shard, mark_cube
+    from dvfs.fleet.shard_journal import shard_cube
 
     cubes = []
     for journal in journals:

@@ -1,5 +1,5 @@
 """`--shard i/n`: a deterministic share of a campaign's comparison groups, for job arrays
-without Ray.
+without Ray, and how a shard's cube names its shard (`mark_cube`, `cube_shard`).
 
 Shards run on different GPUs, so they are dealt whole comparison groups (`group_of`: the cells
 of one batch, corpus and repeat, every drafter and knob setting of them), as the fleet's queue
@@ -26,12 +26,15 @@ import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, JournalError
 from dvfs.fleet.queue import group_of
 from dvfs.measure.plan import Cell, plan_cells
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 #: The journal record that marks a shard's journal (after the header).
 SHARD_RECORD = "shard"
@@ -185,3 +188,28 @@ def server_starts(cells: Sequence[Cell]) -> int:
             starts += 1
         previous = cell.drafter
     return starts
+
+
+#: The cube attributes that mark a shard's cube: its `i/n`, and how its cells were dealt
+#: (`Shard.deal`; absent in the cube of a shard cut by an earlier dvfs).
+SHARD_ATTR = "shard"
+DEAL_ATTR = "shard_deal"
+
+
+def mark_cube(ds: xr.Dataset, shard: Shard | None) -> None:
+    """Mark `ds` as `shard`'s cube (or as no shard's), as `cube_shard` reads it back."""
+    for key in (SHARD_ATTR, DEAL_ATTR):
+        ds.attrs.pop(key, None)
+    if shard is not None:
+        ds.attrs[SHARD_ATTR] = shard.label
+        if shard.deal is not None:
+            ds.attrs[DEAL_ATTR] = shard.deal
+
+
+def cube_shard(ds: xr.Dataset) -> Shard | None:
+    """The shard a cube holds (None: not a shard's); a `ValueError` for a damaged mark."""
+    if SHARD_ATTR not in ds.attrs:
+        return None
+    shard = Shard.parse(str(ds.attrs[SHARD_ATTR]))
+    deal = ds.attrs.get(DEAL_ATTR)
+    return Shard(shard.index, shard.count, None if deal is None else str(deal))

@@ -5,15 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dvfs.fleet.shard import SHARD_RECORD, Shard
+from dvfs.fleet.shard import SHARD_RECORD, Shard, mark_cube
 
 if TYPE_CHECKING:
     import xarray as xr
-
-#: The cube attributes that mark a shard's cube: its `i/n`, and how its cells were dealt
-#: (`Shard.deal`; absent in the cube of a shard cut by an earlier dvfs).
-SHARD_ATTR = "shard"
-DEAL_ATTR = "shard_deal"
 
 
 def recorded_shard(journal: Path) -> Shard | None:
@@ -28,25 +23,6 @@ def recorded_shard(journal: Path) -> Shard | None:
         if record.get("type") == SHARD_RECORD and found is None:
             found = Shard.from_json(record)
     return found
-
-
-def mark_cube(ds: xr.Dataset, shard: Shard | None) -> None:
-    """Mark `ds` as `shard`'s cube (or as no shard's), as `cube_shard` reads it back."""
-    for key in (SHARD_ATTR, DEAL_ATTR):
-        ds.attrs.pop(key, None)
-    if shard is not None:
-        ds.attrs[SHARD_ATTR] = shard.label
-        if shard.deal is not None:
-            ds.attrs[DEAL_ATTR] = shard.deal
-
-
-def cube_shard(ds: xr.Dataset) -> Shard | None:
-    """The shard a cube holds (None: not a shard's); a `ValueError` for a damaged mark."""
-    if SHARD_ATTR not in ds.attrs:
-        return None
-    shard = Shard.parse(str(ds.attrs[SHARD_ATTR]))
-    deal = ds.attrs.get(DEAL_ATTR)
-    return Shard(shard.index, shard.count, None if deal is None else str(deal))
 
 
 def shard_cube(journal: Path) -> xr.Dataset:
