@@ -317,25 +317,60 @@ def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_sweep_with_arms_sglang_would_split_stops_in_one_line(tmp_path: Path) -> None:
-    """End to end: `dvfs sweep` and its dry run say so in one line (a usage error), before any
-    server starts (the journal holds its header alone)."""
+    """End to end: `dvfs sweep` (alone, as a shard, as a fleet) and its dry run say so in one
+    line (a usage error) before any server starts and before the journal is made, so the
+    corrected campaign then runs into the same folder."""
     two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
     path, marker = stub_campaign(
-        tmp_path,
-        drafters=two,
-        batch="[1]",
-        sglang_extra='extra_args = ["--enable-mixed-chunk"]',
-        **ONE_SETTING,
+        tmp_path, drafters=two, batch="[1]", sglang_extra=flag, **ONE_SETTING
     )
-    for extra in (("--dry-run", "--no-estimate"), ()):
-        result = sweep(path, tmp_path / "out", *extra)
+    flagged = path.read_text()
+    corrected = flagged.replace(flag, "")
+    runs = [("--dry-run", "--no-estimate"), ("--gpus", "0-1"), (), ("--shard", "0/1")]
+    for n, extra in enumerate(runs):
+        out = tmp_path / f"out{n}"
+        path.write_text(flagged)
+        result = sweep(path, out, *extra)
         assert result.exit_code == 2, result.output
         [line] = result.output.strip().splitlines()
         assert line.startswith("Error: --enable-mixed-chunk in engine.sglang.extra_args: ")
         assert "'ngram' but not for 'none' (enable_mixed_chunk)" in line
-        journal = tmp_path / "out" / "journal.jsonl"
-        assert not journal.exists() or [r["type"] for r in read_records(journal)] == ["header"]
+        assert not (out / "journal.jsonl").exists(), extra
         assert running(marker) == []
+        if "--dry-run" not in extra:
+            path.write_text(corrected)
+            again = sweep(path, out, *extra)
+            assert again.exit_code == 0, again.output
+            assert set(servers(out)) == {"none", "ngram"}
+
+
+@pytest.mark.slow
+def test_doctor_fails_arms_sglang_would_split_as_the_sweep_does(tmp_path: Path) -> None:
+    """`dvfs doctor` fails the campaign `dvfs sweep` refuses (its 'arms' check, exit 2: an
+    invalid campaign) with the sweep's words, and passes it once corrected."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
+    path, marker = stub_campaign(tmp_path, drafters=two, batch="[1]", sglang_extra=flag)
+    out = ["--out", str(tmp_path / "out")]
+    doctor = CliRunner().invoke(cli, ["doctor", str(path), *out, "--json"])
+    assert doctor.exit_code == 2, doctor.output
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)}
+    failed = [name for name, c in checks.items() if c["status"] == "fail"]
+    assert failed == ["arms"] and checks["arms"]["invalid"]
+    detail = checks["arms"]["detail"]
+    assert "\n" not in detail
+    assert detail.startswith("--enable-mixed-chunk in engine.sglang.extra_args: SGLang 0.5.23")
+    text = CliRunner().invoke(cli, ["doctor", str(path), *out])
+    assert text.exit_code == 2 and "FAIL arms: --enable-mixed-chunk" in text.output
+    swept = sweep(path, tmp_path / "out", "--dry-run", "--no-estimate")
+    assert swept.exit_code == 2 and detail in " ".join(swept.output.split())
+    assert running(marker) == [] and not (tmp_path / "out").exists()
+    path.write_text(path.read_text().replace(flag, ""))
+    doctor = CliRunner().invoke(cli, ["doctor", str(path), *out, "--json"])
+    assert doctor.exit_code == 0, doctor.output
+    arms = next(c for c in json.loads(doctor.stdout) if c["name"] == "arms")
+    assert arms["status"] == "ok" and "SGLang 0.5.23's rules" in arms["detail"]
 
 
 @pytest.mark.slow

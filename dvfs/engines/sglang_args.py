@@ -200,6 +200,15 @@ def probe_help(
     return text if "--model-path" in text else None
 
 
+@dataclass(frozen=True)
+class LaunchHelp:
+    """`launch_server --help` as probed once (`text` None: it could not run here), handed from
+    the checks made before a sweep's journal exists to the engine it then opens, so SGLang (slow
+    to import) is probed once."""
+
+    text: str | None
+
+
 def cuda_graph_flag(help_text: str | None, version: tuple[int, ...] | None) -> str:
     """The flag that sets the decode CUDA-graph batch limit for this SGLang."""
     if help_text is not None:
