@@ -18,16 +18,18 @@ from click.testing import CliRunner, Result
 from conftest import replace_block
 from hypothesis import given
 from hypothesis import strategies as st
-from sglang_support import STUB, load_stub, running, stub_campaign
+from sglang_support import REPO, STUB, load_stub, running, stub_campaign
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.clock import MonotonicClock
 from dvfs.engines.sglang import SglangEngine
 from dvfs.engines.sglang_args import (
+    SHORTEST_PREFIXES,
     arm_mismatches,
     graph_batch_sizes,
     launch_argv,
+    names_flag,
 )
 from dvfs.errors import ArmMismatchError, CampaignError
 from dvfs.measure.journal import read_records
@@ -39,6 +41,7 @@ EAGLE3 = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
 STANDALONE = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d")
 NGRAM = ("--speculative-algorithm", "NGRAM")
 DFLASH = ("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "d")
+TABLES = REPO / "tests" / "data" / "sglang-args"
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +279,46 @@ def test_mixed_chunks_for_some_drafters_only_are_refused(
     assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
 
 
+def shortest_prefix(flags: list[str], flag: str) -> str:
+    """The shortest abbreviation of `flag` no other of `flags` starts with (argparse's rule)."""
+    others = [f for f in flags if f != flag]
+    return next(
+        flag[:n] for n in range(3, len(flag) + 1) if not any(o.startswith(flag[:n]) for o in others)
+    )
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_the_flags_dvfs_looks_for_are_known_by_their_shortest_prefixes(version: str) -> None:
+    """`SHORTEST_PREFIXES` agree with the release's option table, and what argparse reads as
+    the flag (the shortest prefix) counts, what it reads as another flag or not at all does
+    not."""
+    table = json.loads((TABLES / f"{version}.json").read_text())
+    flags = [f for option in table["options"] for f in option["flags"] if f.startswith("--")]
+    release = tuple(int(p) for p in version.split("."))
+    known = SHORTEST_PREFIXES[release]
+    assert known == {flag: shortest_prefix(flags, flag) for flag in known}
+    legacy = version == "0.5.9"
+    for flag, shortest in known.items():
+        assert names_flag([shortest], flag, legacy=legacy)
+        assert names_flag(["x", f"{flag}=1"], flag, legacy=legacy)
+        assert not names_flag([shortest[:-1], "16"], flag, legacy=legacy)
+    # 0.5.9's argparse reads --enable-mi as --enable-mixed-chunk; 0.5.23's as ambiguous
+    # (--enable-mis), an error, not the flag.
+    assert names_flag(["--enable-mi"], "--enable-mixed-chunk", legacy=legacy) == legacy
+
+
+def test_an_abbreviation_argparse_takes_is_refused_like_the_flag(tmp_path: Path) -> None:
+    """`--enable-mi` is --enable-mixed-chunk to SGLang 0.5.9, `--disable-ov` is
+    --disable-overlap-schedule to both releases."""
+    pair = "\n".join("[drafters." + b for b in DRAFTERS.split("\n[drafters.")[1:3])
+    mixed = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--enable-mi"]'))
+    [line] = arm_mismatches(mixed, legacy=True, env={})
+    assert "turns mixed chunked prefill off for drafters 'eagle3' but not for 'none'" in line
+    overlap = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--disable-ov"]'))
+    [line] = arm_mismatches(overlap, legacy=True, env={"SGLANG_ENABLE_SPEC_V2": "1"})
+    assert "turns it off for 'none'" in line
+
+
 def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> None:
     """With SGLANG_ENABLE_SPEC_V2, 0.5.9 runs the EAGLE family with the overlap scheduler and
     NGRAM without it whatever the flags say: that pair cannot match; none and EAGLE can (dvfs
@@ -283,8 +326,17 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
     v2 = {"SGLANG_ENABLE_SPEC_V2": "1"}
     both = load(tmp_path, campaign_text(DRAFTERS, "[1]"))
     [line] = arm_mismatches(both, legacy=True, env=v2)
-    assert "runs drafters 'eagle3', 'standalone' with the overlap scheduler and 'none', " in line
-    assert "'ngram' without it" in line and "unset SGLANG_ENABLE_SPEC_V2" in line
+    # SGLang decides for the EAGLE family and NGRAM; dvfs turns it off for 'none' (to match
+    # NGRAM), and the message says so.
+    assert line.startswith(
+        "SGLang 0.5.9 with SGLANG_ENABLE_SPEC_V2 keeps the overlap scheduler on for drafters "
+        "'eagle3', 'standalone' and turns it off for 'ngram' whatever the flags say "
+        "(disable_overlap_schedule), and the --disable-overlap-schedule dvfs gives every "
+        "drafter to match 'ngram' turns it off for 'none', so the arms would schedule "
+        "differently; unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment), or "
+        "sweep 'ngram' and 'eagle3', 'standalone' in separate campaigns"
+    ), line
+    assert "whatever dvfs passes" not in line and "extra_args" not in line
     assert arm_mismatches(both, legacy=True, env={}) == []
     assert arm_mismatches(both, legacy=False, env=v2) == []
     blocks = DRAFTERS.split("\n[drafters.")
@@ -299,7 +351,22 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
     # ... unless the campaign turns it off itself: then eagle3 would differ.
     given_off = campaign_text(pair, "[1]", 'extra_args = ["--disable-overlap-schedule"]')
     [line] = arm_mismatches(load(tmp_path, given_off), legacy=True, env=v2)
-    assert "'eagle3' with the overlap scheduler and 'none' without it" in line
+    assert "keeps the overlap scheduler on for drafters 'eagle3' whatever the flags say" in line
+    assert (
+        "and the --disable-overlap-schedule in engine.sglang.extra_args turns it off for 'none'"
+    ) in line
+    assert line.endswith("or remove --disable-overlap-schedule from engine.sglang.extra_args"), line
+    assert "dvfs gives" not in line
+    # The flag and NGRAM together: removing the flag alone would not do.
+    with_ngram = campaign_text(DRAFTERS, "[1]", 'extra_args = ["--disable-overlap-schedule"]')
+    [line] = arm_mismatches(load(tmp_path, with_ngram), legacy=True, env=v2)
+    assert (
+        "dvfs gives every drafter to match 'ngram' and the --disable-overlap-schedule in " in line
+    )
+    assert line.endswith(
+        "or sweep 'ngram' and 'eagle3', 'standalone' in separate campaigns and remove "
+        "--disable-overlap-schedule from engine.sglang.extra_args"
+    ), line
 
 
 def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
