@@ -32,7 +32,14 @@ from dvfs.backends import (
 from dvfs.campaign import Campaign
 from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
 from dvfs.cube import CUBE_NAME, write_cube
-from dvfs.errors import CampaignError, CorpusError, CubeError, GpuPermissionError, JournalError
+from dvfs.errors import (
+    CampaignError,
+    CorpusError,
+    CubeError,
+    GpuPermissionError,
+    IncomparableCellsError,
+    JournalError,
+)
 from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import recorded_shard, shard_cube
@@ -330,6 +337,8 @@ def _run_locked(
             summary = runner.run(cells)
     try:
         cube_path = write_cube(shard_cube(journal.path), out_dir / CUBE_NAME)
+    except IncomparableCellsError:
+        raise  # nothing to fix in the folder: the message says where to rerun
     except CubeError as exc:
         raise CubeError(
             f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "

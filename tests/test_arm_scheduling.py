@@ -33,7 +33,7 @@ from dvfs.engines.sglang_args import (
 )
 from dvfs.errors import ArmMismatchError, CampaignError
 from dvfs.measure.journal import read_records
-from dvfs.records import arm_changes, decode_graph
+from dvfs.records import ARMS_PINNED, Header, arm_changes, begun_unpinned, decode_graph
 
 ONE_SETTING = {"knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -506,3 +506,118 @@ def test_a_server_scheduling_otherwise_is_refused_at_start_and_in_the_cube(
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     assert built.exit_code != 0
     assert "decode CUDA graph at batch 4: 4 -> 8" in built.output.strip().splitlines()[-1]
+
+
+# -- journals begun by an earlier dvfs, which gave each drafter SGLang's own graphs -----------
+
+
+def test_only_a_difference_an_earlier_dvfs_left_is_blamed_on_it(tmp_path: Path) -> None:
+    graphs = "decode CUDA graph at batch 6: eager -> 6"
+    overlap = "overlap scheduler disabled (disable_overlap_schedule): False -> True"
+    said = "begun by an earlier dvfs, which did not give every drafter the same decode CUDA "
+    assert begun_unpinned((), [graphs]) == said + "graphs and overlap scheduler"
+    assert begun_unpinned([], ["dtype (dtype): None -> 'float16'", overlap]) is not None
+    assert begun_unpinned(tuple(ARMS_PINNED), [graphs, overlap]) is None
+    assert begun_unpinned((), ["dtype (dtype): None -> 'float16'"]) is None
+    assert begun_unpinned((), []) is None
+    # A header of this dvfs names what it pins; one of an earlier dvfs (or damaged) names none.
+    campaign = load(tmp_path, campaign_text(DRAFTERS, "[1]"))
+    assert Header.for_campaign(campaign).to_json()["arms_pinned"] == list(ARMS_PINNED)
+    for stored in ({}, {"arms_pinned": None}, {"arms_pinned": "x"}):
+        assert Header.from_json({"type": "header", **stored}).arms_pinned == ()
+
+
+def as_begun_by_earlier_dvfs(
+    stub: ModuleType, path: Path, journal: Path, *, header: bool = True
+) -> list[dict[str, Any]]:
+    """Rewrite a 0.5.9 journal as an earlier dvfs would have left it: each server's args as
+    SGLang resolves its argv without dvfs's decode graph list and --disable-overlap-schedule,
+    and (with `header`) a header that names nothing pinned. Returns the records."""
+    campaign = load_campaign(path)
+    records = read_records(journal)
+    for record in records:
+        if record["type"] == "header" and header:
+            record.pop("arms_pinned")
+        if record["type"] != "server":
+            continue
+        drafter = next(d for d in campaign.drafters if d.name == record["drafter"])
+        argv = launch_argv(campaign, drafter, port=31000, version="0.5.9")[2:]
+        at = argv.index("--cuda-graph-bs")
+        rest = argv[at + 1 :]
+        count = next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))
+        earlier = [a for a in argv[:at] + rest[count:] if a != "--disable-overlap-schedule"]
+        args, _ = stub.parse_launch_argv(earlier, stub.StubConfig(version="0.5.9"))
+        for key in ("cuda_graph_bs", "disable_overlap_schedule"):
+            record["args"][key] = args[key]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+@pytest.mark.slow
+def test_a_journal_begun_by_an_earlier_dvfs_says_so(stub: ModuleType, tmp_path: Path) -> None:
+    """A journal whose servers an earlier dvfs started (SGLang's own decode graphs and overlap
+    scheduler per drafter) cannot be resumed or built into a cube, and both say why in one
+    line: what differs, that an earlier dvfs began it, and to start over with --fresh; not
+    that anything could be fixed. A journal of this dvfs is refused in neutral words."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(
+        tmp_path, version="0.5.9", drafters=two, batch="[6]", **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    pristine = journal.read_text()
+    records = as_begun_by_earlier_dvfs(stub, path, journal)
+    served = {r["drafter"]: r["args"] for r in records if r["type"] == "server"}
+    assert [decode_graph(a, 6) for a in served.values()] == ["eager", 6]
+    differs = (
+        "overlap scheduler disabled (disable_overlap_schedule): False -> True; "
+        "decode CUDA graph at batch 6: eager -> 6"
+    )
+    earlier = (
+        "begun by an earlier dvfs, which did not give every drafter the same decode CUDA "
+        "graphs and overlap scheduler"
+    )
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1
+    [line] = built.output.strip().splitlines()
+    assert line == (
+        f"Error: the journal's drafters 'none' and 'ngram' were served differently ({differs}): "
+        f"the arms would compare more than their drafters; the journal was {earlier}, so it "
+        "cannot be resumed or compared: rerun with --fresh (or into another --out folder)"
+    )
+    # Resumed: the ngram cells fail at their server's start, and the sweep ends on the cube's
+    # refusal, with nothing said to be fixable.
+    kept = [r for r in records if r["type"] != "cell" or r["cell"]["drafter"] == "none"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = sweep(path, out)
+    assert resumed.exit_code == 1, resumed.output
+    last = resumed.output.strip().splitlines()[-1]
+    assert last == line, last
+    assert "fixed" not in resumed.output and "one set of engine flags" not in resumed.output
+    [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
+    assert failed["error"].endswith(
+        f"({differs}): the arms would compare more than their drafters; {journal} was "
+        f"{earlier}, so this dvfs cannot resume it: rerun with --fresh (or into another --out "
+        "folder)"
+    ), failed["error"]
+    # A fleet's driver refuses the workers' servers in the same words.
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    fleet = sweep(path, out, "--gpus", "0-1")
+    assert fleet.exit_code == 1, fleet.output
+    last = fleet.output.strip().splitlines()[-1]
+    assert last.startswith("Error: the server of drafter 'ngram' on gpu") and last.endswith(
+        f"({differs}): the arms would compare more than their drafters; {journal} was "
+        f"{earlier}, so this dvfs cannot resume it: rerun with --fresh (or into another --out "
+        "folder)"
+    ), last
+    assert running(marker) == []
+    # The same servers in a journal this dvfs began: no earlier dvfs to blame.
+    journal.write_text(pristine)
+    as_begun_by_earlier_dvfs(stub, path, journal, header=False)
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    [line] = built.output.strip().splitlines()
+    assert "earlier dvfs" not in line and f"({differs})" in line
+    assert line.endswith("with every drafter on one engine version and one set of engine flags")
+    # What the messages say to do works.
+    assert sweep(path, out, "--fresh").exit_code == 0
