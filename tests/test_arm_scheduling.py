@@ -334,7 +334,7 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
         "(disable_overlap_schedule), and the --disable-overlap-schedule dvfs gives every "
         "drafter to match 'ngram' turns it off for 'none', so the arms would schedule "
         "differently; unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment), or "
-        "sweep 'ngram' and 'eagle3', 'standalone' in separate campaigns"
+        "sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another"
     ), line
     assert "whatever dvfs passes" not in line and "extra_args" not in line
     assert arm_mismatches(both, legacy=True, env={}) == []
@@ -364,7 +364,7 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
         "dvfs gives every drafter to match 'ngram' and the --disable-overlap-schedule in " in line
     )
     assert line.endswith(
-        "or sweep 'ngram' and 'eagle3', 'standalone' in separate campaigns and remove "
+        "or sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another and remove "
         "--disable-overlap-schedule from engine.sglang.extra_args"
     ), line
 

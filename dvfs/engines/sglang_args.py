@@ -381,7 +381,7 @@ def _overlap_mismatch(rules: str, plan: OverlapPlan) -> str:
     fixes = ["unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment)"]
     alike = []
     if forced_off:
-        alike.append(f"sweep {_names(forced_off)} and {_names(kept_on)} in separate campaigns")
+        alike.append(f"sweep {_names(forced_off)} in one campaign and {_names(kept_on)} in another")
     if plan.user:
         alike.append("remove --disable-overlap-schedule from engine.sglang.extra_args")
     if alike:
