@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from dvfs.clock import Clock
     from dvfs.corpora.model import Corpus
     from dvfs.engines.base import Engine
+    from dvfs.engines.sglang_args import LaunchHelp
     from dvfs.gpu.base import Gpu
     from dvfs.twin.textprior import TextProfile
 
@@ -170,14 +171,39 @@ def _twin_node(campaign: Campaign, gpus: list[Gpu], clock: Clock) -> Any:
     return FreeRunningNode(profile, clock, len(gpus))
 
 
+def check_engine(campaign: Campaign) -> LaunchHelp | None:
+    """Refuse now what opening the campaign's engine would refuse about the campaign alone,
+    needing no GPU and starting no server (SGLang: drafters it would serve with other kernels or
+    scheduling, `dvfs.engines.sglang.check_servable`), so a sweep refuses before it makes a
+    journal and `dvfs doctor` fails as the sweep would. Returns SGLang's `launch_server --help`
+    if it was probed, for `open_backends`; None for the twin or when nothing needed it."""
+    if simulated_engine(campaign):
+        return None
+    from dvfs.engines.sglang import check_servable
+    from dvfs.engines.sglang_args import LaunchHelp, probe_help, server_command, server_env
+
+    probed: list[LaunchHelp] = []
+
+    def launch_help() -> str | None:
+        if not probed:
+            env = server_env(campaign)
+            probed.append(LaunchHelp(probe_help(server_command(campaign), env=env)))
+        return probed[0].text
+
+    check_servable(campaign, launch_help)
+    return probed[0] if probed else None
+
+
 @contextlib.contextmanager
 def open_backends(
     campaign: Campaign,
     *,
     out_dir: Path,
     nvml: ModuleType | None = None,
+    launch_help: LaunchHelp | None = None,
 ) -> Iterator[Backends]:
-    """The GPUs, engine and clock a campaign names, opened and closed together."""
+    """The GPUs, engine and clock a campaign names, opened and closed together; `launch_help`:
+    what `check_engine` probed, so SGLang is not probed again."""
     from dvfs.clock import MonotonicClock, VirtualClock
 
     clock: Clock = VirtualClock() if virtual_time(campaign) else MonotonicClock()
@@ -209,6 +235,7 @@ def open_backends(
                     log_dir=out_dir / "logs",
                     gpu_uuids=uuids,
                     gpu_processes=processes_probe(gpus) if uuids else None,
+                    launch_help=launch_help,
                 )
             )
         yield Backends(clock, gpus, engine)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from dvfs.backends import open_campaign_gpus, real_gpus, simulated_engine
+from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
-from dvfs.errors import DvfsError
+from dvfs.errors import ArmMismatchError, DvfsError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_FREE_BYTES = 1 << 30
@@ -25,13 +25,16 @@ class Check:
     name: str
     status: str
     detail: str
+    #: A failure that makes the campaign itself invalid, as `dvfs sweep` refuses it before any
+    #: server starts (exit 2): drafters SGLang would serve differently (`ArmMismatchError`).
+    invalid: bool = False
 
 
 def _run(name: str, fn: Callable[[], tuple[str, str]]) -> Check:
     try:
         status, detail = fn()
     except DvfsError as exc:
-        return Check(name, FAIL, str(exc))
+        return Check(name, FAIL, str(exc), invalid=isinstance(exc, ArmMismatchError))
     return Check(name, status, detail)
 
 
@@ -52,6 +55,8 @@ def check_campaign(
     ]
     checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
     checks.append(_run("engine", lambda: _engine(campaign)))
+    if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+        checks.append(_run("arms", lambda: _arms(campaign)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
@@ -174,6 +179,27 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
     except metadata.PackageNotFoundError:
         return FAIL, "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
     return OK, f"sglang {version}"
+
+
+def _arms(campaign: Campaign) -> tuple[str, str]:
+    """What the sweep refuses before any server starts (`check_engine`): drafters SGLang would
+    serve with other kernels or scheduling than each other."""
+    from dvfs.engines.sglang_args import legacy_rules, parse_version
+
+    launch_help = check_engine(campaign)
+    alike = "SGLang would give no drafter other attention kernels or scheduling than the others"
+    if launch_help is None:
+        return OK, f"{alike} (no drafter speculates)"
+    version = campaign.engine.sglang.version
+    release = "0.5.9" if legacy_rules(launch_help.text, parse_version(version)) else "0.5.23"
+    source = (
+        "read from launch_server --help"
+        if launch_help.text
+        else "from engine.sglang.version"
+        if version
+        else "assumed: launch_server --help could not run here and engine.sglang.version is unset"
+    )
+    return OK, f"{alike} (SGLang {release}'s rules, {source})"
 
 
 def _corpora(campaign: Campaign) -> tuple[str, str]:

@@ -23,6 +23,11 @@ class CubeError(DvfsError):
     """A cube is missing, of an unknown schema, or does not have the shape an analysis needs."""
 
 
+class IncomparableCellsError(CubeError):
+    """The journal holds cells that cannot share a cube (GPUs, engines or arms that differ):
+    nothing done to its folder afterwards makes them one, so the message says where to rerun."""
+
+
 class GpuError(DvfsError):
     """A GPU operation failed."""
 

@@ -24,6 +24,7 @@ from typing import Any
 from dvfs.backends import (
     Backends,
     ServerPlan,
+    check_engine,
     open_backends,
     real_gpus,
     server_plans,
@@ -36,6 +37,7 @@ from dvfs.errors import (
     CorpusError,
     CubeError,
     GpuPermissionError,
+    IncomparableCellsError,
     JournalError,
 )
 from dvfs.fleet.queue import group_of
@@ -300,16 +302,24 @@ def _run_locked(
     state_dir: Path | None,
     shard: Shard | None = None,
 ) -> SweepOutcome:
+    # What the campaign alone decides is refused before the journal is made (a refused run
+    # leaves none, so the corrected campaign may run into the same folder), and before any
+    # GPU is touched or server started: more shards than comparison groups, another
+    # campaign's journal (read, not written), corpora that fall short, drafters the engine
+    # would serve differently (`check_engine`).
+    cells: list[Cell] = planned_cells(campaign, shard)
+    check_journal(out_dir / JOURNAL_NAME, campaign)
+    corpora, count_method = counted_corpora(campaign)
+    check_corpora(campaign, corpora)
+    launch_help = check_engine(campaign) if backends is None else None
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
-    # More shards than comparison groups is refused here, before the journal is made.
-    cells: list[Cell] = planned_cells(campaign, shard)
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
-        corpora, count_method = counted_corpora(campaign)
-        check_corpora(campaign, corpora)  # before any GPU is touched or server started
         claim_shard(journal, shard)
         with contextlib.ExitStack() as stack:
-            b = backends or stack.enter_context(open_backends(campaign, out_dir=out_dir, nvml=nvml))
+            b = backends or stack.enter_context(
+                open_backends(campaign, out_dir=out_dir, nvml=nvml, launch_help=launch_help)
+            )
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
@@ -327,6 +337,8 @@ def _run_locked(
             summary = runner.run(cells)
     try:
         cube_path = write_cube(shard_cube(journal.path), out_dir / CUBE_NAME)
+    except IncomparableCellsError:
+        raise  # nothing to fix in the folder: the message says where to rerun
     except CubeError as exc:
         raise CubeError(
             f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "

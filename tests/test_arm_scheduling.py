@@ -18,20 +18,22 @@ from click.testing import CliRunner, Result
 from conftest import replace_block
 from hypothesis import given
 from hypothesis import strategies as st
-from sglang_support import STUB, load_stub, running, stub_campaign
+from sglang_support import REPO, STUB, load_stub, running, stub_campaign
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
 from dvfs.clock import MonotonicClock
 from dvfs.engines.sglang import SglangEngine
 from dvfs.engines.sglang_args import (
+    SHORTEST_PREFIXES,
     arm_mismatches,
     graph_batch_sizes,
     launch_argv,
+    names_flag,
 )
 from dvfs.errors import ArmMismatchError, CampaignError
 from dvfs.measure.journal import read_records
-from dvfs.records import arm_changes, decode_graph
+from dvfs.records import ARMS_PINNED, Header, arm_changes, begun_unpinned, decode_graph
 
 ONE_SETTING = {"knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -39,6 +41,7 @@ EAGLE3 = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
 STANDALONE = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d")
 NGRAM = ("--speculative-algorithm", "NGRAM")
 DFLASH = ("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "d")
+TABLES = REPO / "tests" / "data" / "sglang-args"
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +279,46 @@ def test_mixed_chunks_for_some_drafters_only_are_refused(
     assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
 
 
+def shortest_prefix(flags: list[str], flag: str) -> str:
+    """The shortest abbreviation of `flag` no other of `flags` starts with (argparse's rule)."""
+    others = [f for f in flags if f != flag]
+    return next(
+        flag[:n] for n in range(3, len(flag) + 1) if not any(o.startswith(flag[:n]) for o in others)
+    )
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.23"])
+def test_the_flags_dvfs_looks_for_are_known_by_their_shortest_prefixes(version: str) -> None:
+    """`SHORTEST_PREFIXES` agree with the release's option table, and what argparse reads as
+    the flag (the shortest prefix) counts, what it reads as another flag or not at all does
+    not."""
+    table = json.loads((TABLES / f"{version}.json").read_text())
+    flags = [f for option in table["options"] for f in option["flags"] if f.startswith("--")]
+    release = tuple(int(p) for p in version.split("."))
+    known = SHORTEST_PREFIXES[release]
+    assert known == {flag: shortest_prefix(flags, flag) for flag in known}
+    legacy = version == "0.5.9"
+    for flag, shortest in known.items():
+        assert names_flag([shortest], flag, legacy=legacy)
+        assert names_flag(["x", f"{flag}=1"], flag, legacy=legacy)
+        assert not names_flag([shortest[:-1], "16"], flag, legacy=legacy)
+    # 0.5.9's argparse reads --enable-mi as --enable-mixed-chunk; 0.5.23's as ambiguous
+    # (--enable-mis), an error, not the flag.
+    assert names_flag(["--enable-mi"], "--enable-mixed-chunk", legacy=legacy) == legacy
+
+
+def test_an_abbreviation_argparse_takes_is_refused_like_the_flag(tmp_path: Path) -> None:
+    """`--enable-mi` is --enable-mixed-chunk to SGLang 0.5.9, `--disable-ov` is
+    --disable-overlap-schedule to both releases."""
+    pair = "\n".join("[drafters." + b for b in DRAFTERS.split("\n[drafters.")[1:3])
+    mixed = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--enable-mi"]'))
+    [line] = arm_mismatches(mixed, legacy=True, env={})
+    assert "turns mixed chunked prefill off for drafters 'eagle3' but not for 'none'" in line
+    overlap = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--disable-ov"]'))
+    [line] = arm_mismatches(overlap, legacy=True, env={"SGLANG_ENABLE_SPEC_V2": "1"})
+    assert "turns it off for 'none'" in line
+
+
 def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> None:
     """With SGLANG_ENABLE_SPEC_V2, 0.5.9 runs the EAGLE family with the overlap scheduler and
     NGRAM without it whatever the flags say: that pair cannot match; none and EAGLE can (dvfs
@@ -283,8 +326,17 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
     v2 = {"SGLANG_ENABLE_SPEC_V2": "1"}
     both = load(tmp_path, campaign_text(DRAFTERS, "[1]"))
     [line] = arm_mismatches(both, legacy=True, env=v2)
-    assert "runs drafters 'eagle3', 'standalone' with the overlap scheduler and 'none', " in line
-    assert "'ngram' without it" in line and "unset SGLANG_ENABLE_SPEC_V2" in line
+    # SGLang decides for the EAGLE family and NGRAM; dvfs turns it off for 'none' (to match
+    # NGRAM), and the message says so.
+    assert line.startswith(
+        "SGLang 0.5.9 with SGLANG_ENABLE_SPEC_V2 keeps the overlap scheduler on for drafters "
+        "'eagle3', 'standalone' and turns it off for 'ngram' whatever the flags say "
+        "(disable_overlap_schedule), and the --disable-overlap-schedule dvfs gives every "
+        "drafter to match 'ngram' turns it off for 'none', so the arms would schedule "
+        "differently; unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment), or "
+        "sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another"
+    ), line
+    assert "whatever dvfs passes" not in line and "extra_args" not in line
     assert arm_mismatches(both, legacy=True, env={}) == []
     assert arm_mismatches(both, legacy=False, env=v2) == []
     blocks = DRAFTERS.split("\n[drafters.")
@@ -299,7 +351,22 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
     # ... unless the campaign turns it off itself: then eagle3 would differ.
     given_off = campaign_text(pair, "[1]", 'extra_args = ["--disable-overlap-schedule"]')
     [line] = arm_mismatches(load(tmp_path, given_off), legacy=True, env=v2)
-    assert "'eagle3' with the overlap scheduler and 'none' without it" in line
+    assert "keeps the overlap scheduler on for drafters 'eagle3' whatever the flags say" in line
+    assert (
+        "and the --disable-overlap-schedule in engine.sglang.extra_args turns it off for 'none'"
+    ) in line
+    assert line.endswith("or remove --disable-overlap-schedule from engine.sglang.extra_args"), line
+    assert "dvfs gives" not in line
+    # The flag and NGRAM together: removing the flag alone would not do.
+    with_ngram = campaign_text(DRAFTERS, "[1]", 'extra_args = ["--disable-overlap-schedule"]')
+    [line] = arm_mismatches(load(tmp_path, with_ngram), legacy=True, env=v2)
+    assert (
+        "dvfs gives every drafter to match 'ngram' and the --disable-overlap-schedule in " in line
+    )
+    assert line.endswith(
+        "or sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another and remove "
+        "--disable-overlap-schedule from engine.sglang.extra_args"
+    ), line
 
 
 def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
@@ -317,25 +384,60 @@ def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_sweep_with_arms_sglang_would_split_stops_in_one_line(tmp_path: Path) -> None:
-    """End to end: `dvfs sweep` and its dry run say so in one line (a usage error), before any
-    server starts (the journal holds its header alone)."""
+    """End to end: `dvfs sweep` (alone, as a shard, as a fleet) and its dry run say so in one
+    line (a usage error) before any server starts and before the journal is made, so the
+    corrected campaign then runs into the same folder."""
     two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
     path, marker = stub_campaign(
-        tmp_path,
-        drafters=two,
-        batch="[1]",
-        sglang_extra='extra_args = ["--enable-mixed-chunk"]',
-        **ONE_SETTING,
+        tmp_path, drafters=two, batch="[1]", sglang_extra=flag, **ONE_SETTING
     )
-    for extra in (("--dry-run", "--no-estimate"), ()):
-        result = sweep(path, tmp_path / "out", *extra)
+    flagged = path.read_text()
+    corrected = flagged.replace(flag, "")
+    runs = [("--dry-run", "--no-estimate"), ("--gpus", "0-1"), (), ("--shard", "0/1")]
+    for n, extra in enumerate(runs):
+        out = tmp_path / f"out{n}"
+        path.write_text(flagged)
+        result = sweep(path, out, *extra)
         assert result.exit_code == 2, result.output
         [line] = result.output.strip().splitlines()
         assert line.startswith("Error: --enable-mixed-chunk in engine.sglang.extra_args: ")
         assert "'ngram' but not for 'none' (enable_mixed_chunk)" in line
-        journal = tmp_path / "out" / "journal.jsonl"
-        assert not journal.exists() or [r["type"] for r in read_records(journal)] == ["header"]
+        assert not (out / "journal.jsonl").exists(), extra
         assert running(marker) == []
+        if "--dry-run" not in extra:
+            path.write_text(corrected)
+            again = sweep(path, out, *extra)
+            assert again.exit_code == 0, again.output
+            assert set(servers(out)) == {"none", "ngram"}
+
+
+@pytest.mark.slow
+def test_doctor_fails_arms_sglang_would_split_as_the_sweep_does(tmp_path: Path) -> None:
+    """`dvfs doctor` fails the campaign `dvfs sweep` refuses (its 'arms' check, exit 2: an
+    invalid campaign) with the sweep's words, and passes it once corrected."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    flag = 'extra_args = ["--enable-mixed-chunk"]'
+    path, marker = stub_campaign(tmp_path, drafters=two, batch="[1]", sglang_extra=flag)
+    out = ["--out", str(tmp_path / "out")]
+    doctor = CliRunner().invoke(cli, ["doctor", str(path), *out, "--json"])
+    assert doctor.exit_code == 2, doctor.output
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)}
+    failed = [name for name, c in checks.items() if c["status"] == "fail"]
+    assert failed == ["arms"] and checks["arms"]["invalid"]
+    detail = checks["arms"]["detail"]
+    assert "\n" not in detail
+    assert detail.startswith("--enable-mixed-chunk in engine.sglang.extra_args: SGLang 0.5.23")
+    text = CliRunner().invoke(cli, ["doctor", str(path), *out])
+    assert text.exit_code == 2 and "FAIL arms: --enable-mixed-chunk" in text.output
+    swept = sweep(path, tmp_path / "out", "--dry-run", "--no-estimate")
+    assert swept.exit_code == 2 and detail in " ".join(swept.output.split())
+    assert running(marker) == [] and not (tmp_path / "out").exists()
+    path.write_text(path.read_text().replace(flag, ""))
+    doctor = CliRunner().invoke(cli, ["doctor", str(path), *out, "--json"])
+    assert doctor.exit_code == 0, doctor.output
+    arms = next(c for c in json.loads(doctor.stdout) if c["name"] == "arms")
+    assert arms["status"] == "ok" and "SGLang 0.5.23's rules" in arms["detail"]
 
 
 @pytest.mark.slow
@@ -404,3 +506,118 @@ def test_a_server_scheduling_otherwise_is_refused_at_start_and_in_the_cube(
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     assert built.exit_code != 0
     assert "decode CUDA graph at batch 4: 4 -> 8" in built.output.strip().splitlines()[-1]
+
+
+# -- journals begun by an earlier dvfs, which gave each drafter SGLang's own graphs -----------
+
+
+def test_only_a_difference_an_earlier_dvfs_left_is_blamed_on_it(tmp_path: Path) -> None:
+    graphs = "decode CUDA graph at batch 6: eager -> 6"
+    overlap = "overlap scheduler disabled (disable_overlap_schedule): False -> True"
+    said = "begun by an earlier dvfs, which did not give every drafter the same decode CUDA "
+    assert begun_unpinned((), [graphs]) == said + "graphs and overlap scheduler"
+    assert begun_unpinned([], ["dtype (dtype): None -> 'float16'", overlap]) is not None
+    assert begun_unpinned(tuple(ARMS_PINNED), [graphs, overlap]) is None
+    assert begun_unpinned((), ["dtype (dtype): None -> 'float16'"]) is None
+    assert begun_unpinned((), []) is None
+    # A header of this dvfs names what it pins; one of an earlier dvfs (or damaged) names none.
+    campaign = load(tmp_path, campaign_text(DRAFTERS, "[1]"))
+    assert Header.for_campaign(campaign).to_json()["arms_pinned"] == list(ARMS_PINNED)
+    for stored in ({}, {"arms_pinned": None}, {"arms_pinned": "x"}):
+        assert Header.from_json({"type": "header", **stored}).arms_pinned == ()
+
+
+def as_begun_by_earlier_dvfs(
+    stub: ModuleType, path: Path, journal: Path, *, header: bool = True
+) -> list[dict[str, Any]]:
+    """Rewrite a 0.5.9 journal as an earlier dvfs would have left it: each server's args as
+    SGLang resolves its argv without dvfs's decode graph list and --disable-overlap-schedule,
+    and (with `header`) a header that names nothing pinned. Returns the records."""
+    campaign = load_campaign(path)
+    records = read_records(journal)
+    for record in records:
+        if record["type"] == "header" and header:
+            record.pop("arms_pinned")
+        if record["type"] != "server":
+            continue
+        drafter = next(d for d in campaign.drafters if d.name == record["drafter"])
+        argv = launch_argv(campaign, drafter, port=31000, version="0.5.9")[2:]
+        at = argv.index("--cuda-graph-bs")
+        rest = argv[at + 1 :]
+        count = next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))
+        earlier = [a for a in argv[:at] + rest[count:] if a != "--disable-overlap-schedule"]
+        args, _ = stub.parse_launch_argv(earlier, stub.StubConfig(version="0.5.9"))
+        for key in ("cuda_graph_bs", "disable_overlap_schedule"):
+            record["args"][key] = args[key]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+@pytest.mark.slow
+def test_a_journal_begun_by_an_earlier_dvfs_says_so(stub: ModuleType, tmp_path: Path) -> None:
+    """A journal whose servers an earlier dvfs started (SGLang's own decode graphs and overlap
+    scheduler per drafter) cannot be resumed or built into a cube, and both say why in one
+    line: what differs, that an earlier dvfs began it, and to start over with --fresh; not
+    that anything could be fixed. A journal of this dvfs is refused in neutral words."""
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(
+        tmp_path, version="0.5.9", drafters=two, batch="[6]", **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    pristine = journal.read_text()
+    records = as_begun_by_earlier_dvfs(stub, path, journal)
+    served = {r["drafter"]: r["args"] for r in records if r["type"] == "server"}
+    assert [decode_graph(a, 6) for a in served.values()] == ["eager", 6]
+    differs = (
+        "overlap scheduler disabled (disable_overlap_schedule): False -> True; "
+        "decode CUDA graph at batch 6: eager -> 6"
+    )
+    earlier = (
+        "begun by an earlier dvfs, which did not give every drafter the same decode CUDA "
+        "graphs and overlap scheduler"
+    )
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1
+    [line] = built.output.strip().splitlines()
+    assert line == (
+        f"Error: the journal's drafters 'none' and 'ngram' were served differently ({differs}): "
+        f"the arms would compare more than their drafters; the journal was {earlier}, so it "
+        "cannot be resumed or compared: rerun with --fresh (or into another --out folder)"
+    )
+    # Resumed: the ngram cells fail at their server's start, and the sweep ends on the cube's
+    # refusal, with nothing said to be fixable.
+    kept = [r for r in records if r["type"] != "cell" or r["cell"]["drafter"] == "none"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = sweep(path, out)
+    assert resumed.exit_code == 1, resumed.output
+    last = resumed.output.strip().splitlines()[-1]
+    assert last == line, last
+    assert "fixed" not in resumed.output and "one set of engine flags" not in resumed.output
+    [failed] = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] != "ok"]
+    assert failed["error"].endswith(
+        f"({differs}): the arms would compare more than their drafters; {journal} was "
+        f"{earlier}, so this dvfs cannot resume it: rerun with --fresh (or into another --out "
+        "folder)"
+    ), failed["error"]
+    # A fleet's driver refuses the workers' servers in the same words.
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    fleet = sweep(path, out, "--gpus", "0-1")
+    assert fleet.exit_code == 1, fleet.output
+    last = fleet.output.strip().splitlines()[-1]
+    assert last.startswith("Error: the server of drafter 'ngram' on gpu") and last.endswith(
+        f"({differs}): the arms would compare more than their drafters; {journal} was "
+        f"{earlier}, so this dvfs cannot resume it: rerun with --fresh (or into another --out "
+        "folder)"
+    ), last
+    assert running(marker) == []
+    # The same servers in a journal this dvfs began: no earlier dvfs to blame.
+    journal.write_text(pristine)
+    as_begun_by_earlier_dvfs(stub, path, journal, header=False)
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    [line] = built.output.strip().splitlines()
+    assert "earlier dvfs" not in line and f"({differs})" in line
+    assert line.endswith("with every drafter on one engine version and one set of engine flags")
+    # What the messages say to do works.
+    assert sweep(path, out, "--fresh").exit_code == 0

@@ -388,3 +388,22 @@ def test_a_sweep_without_root_points_to_observe_only(tmp_path: Path) -> None:
     assert "Traceback" not in refused.stderr
     error = [line for line in refused.stderr.splitlines() if line.startswith("Error")]
     assert len(error) == 1 and "root" in error[0] and "--observe-only" in error[0]
+
+
+def test_a_campaign_its_corpora_fall_short_of_leaves_no_journal(tmp_path: Path) -> None:
+    """A corpus refusal (exit 2) comes before the journal is made: the corrected campaign (its
+    hash changed) then runs into the same folder without --fresh."""
+    tiny = replace_block(
+        replace_block(TINY, "sm_clock = [1980, 1005]", "sm_clock = [1980]"),
+        "batch = [1, 8]",
+        "batch = [1]",
+    )
+    campaign = write(tmp_path / "c.toml", replace_block(tiny, "batch = [1]", "batch = [5000]"))
+    out = tmp_path / "out"
+    refused = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert refused.exit_code == 2, refused.output
+    assert "corpus 'code'" in refused.output
+    assert not (out / "journal.jsonl").exists()
+    write(campaign, tiny)
+    again = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert again.exit_code == 0, again.output

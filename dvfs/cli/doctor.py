@@ -29,7 +29,8 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
-    campaign file is missing or invalid (nothing else is checked then)."""
+    campaign file is missing or invalid (nothing else is checked then) or the 'arms' check
+    failed (SGLang would serve the drafters differently: `dvfs sweep` refuses the campaign)."""
     import sys
 
     from dvfs.campaign import load_campaign
@@ -48,5 +49,7 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
         }
         for c in checks:
             out.print(f"{marks[c.status]} {escape(c.name)}: {escape(c.detail)}")
+    if any(c.status == FAIL and c.invalid for c in checks):
+        sys.exit(2)
     if any(c.status == FAIL for c in checks):
         sys.exit(1)

@@ -27,7 +27,7 @@ from dvfs.cube.schema import (
     VARIABLES,
 )
 from dvfs.engines.base import SPLIT_PARTS
-from dvfs.errors import CubeError, JournalError
+from dvfs.errors import CubeError, IncomparableCellsError, JournalError
 from dvfs.measure.journal import iter_records, read_records
 from dvfs.measure.meter import QUALITY_FLAGS, QUANTILES, TIMELINE_POINTS
 from dvfs.records import (
@@ -39,6 +39,7 @@ from dvfs.records import (
     Server,
     Session,
     arm_changes,
+    begun_unpinned,
     check_version,
     incomparable,
     mixed_within,
@@ -121,7 +122,7 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
         record = session.to_json()
         changes = incomparable(first, record) or mixed_within(record)
         if changes:
-            raise CubeError(
+            raise IncomparableCellsError(
                 "the journal holds measurements from GPUs that do not compare "
                 f"({'; '.join(changes)}); keep one journal per GPU model and driver: rerun "
                 "the other GPUs into their own --out folder and `dvfs cube merge` the cubes"
@@ -131,7 +132,7 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
         earlier = first_server.setdefault(server.drafter, server)
         changes = server_changes(earlier.to_json(), server.to_json())
         if changes:
-            raise CubeError(
+            raise IncomparableCellsError(
                 f"the journal's cells of drafter {server.drafter!r} were served by different "
                 f"engines ({'; '.join(changes)}): they would compare software, not settings; "
                 "rerun with --fresh (or into another --out folder) on one engine version"
@@ -140,13 +141,22 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
     servers = list(journal.servers)
     for server in servers[1:]:
         changes = arm_changes(servers[0].to_json(), server.to_json(), batch_sizes)
-        if changes:
-            raise CubeError(
-                f"the journal's drafters {servers[0].drafter!r} and {server.drafter!r} were "
-                f"served differently ({'; '.join(changes)}): the arms would compare more than "
-                "their drafters; rerun with --fresh (or into another --out folder) with every "
-                "drafter on one engine version and one set of engine flags"
+        if not changes:
+            continue
+        served = (
+            f"the journal's drafters {servers[0].drafter!r} and {server.drafter!r} were served "
+            f"differently ({'; '.join(changes)}): the arms would compare more than their drafters"
+        )
+        begun = begun_unpinned(journal.header.arms_pinned, changes)
+        if begun:
+            raise IncomparableCellsError(
+                f"{served}; the journal was {begun}, so it cannot be resumed or compared: "
+                "rerun with --fresh (or into another --out folder)"
             )
+        raise IncomparableCellsError(
+            f"{served}; rerun with --fresh (or into another --out folder) with every drafter "
+            "on one engine version and one set of engine flags"
+        )
 
 
 def _all_gpus(journal: JournalContents) -> list[dict[str, Any]]:

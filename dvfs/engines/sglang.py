@@ -36,6 +36,7 @@ from dvfs.corpora import Prompt
 from dvfs.engines.base import KnobTimeline, RoundResult, ServerInfo, Workload
 from dvfs.engines.sglang_args import (
     Kernels,
+    LaunchHelp,
     ServerPorts,
     check_arms_can_match,
     check_same_kernels,
@@ -111,8 +112,26 @@ class ChatFormatter:
         return prompt.text
 
 
+def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) -> None:
+    """Refuse, before any server starts, a campaign whose drafters SGLang would already serve
+    with other attention kernels (none pinned) or other scheduling args (`check_arms_can_match`;
+    its release decides which, from `launch_help()`, called only when a drafter speculates).
+    Needs no GPU: `SglangEngine` checks it on creation, a sweep before it makes its journal.
+    An attached server (engine.sglang.url) is checked once it answers instead."""
+    if campaign.engine.sglang.url:
+        return
+    if campaign.engine.sglang.attention_backend == "auto":
+        predicted = {
+            d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
+        }
+        check_same_kernels(predicted)
+    if any(d.algorithm for d in campaign.drafters):
+        check_arms_can_match(campaign, launch_help())
+
+
 class SglangEngine:
-    """The `Engine` protocol over a real (or attached) SGLang server."""
+    """The `Engine` protocol over a real (or attached) SGLang server. `launch_help`: its
+    `launch_server --help` when already probed (`dvfs.backends.check_engine`)."""
 
     name = "sglang"
 
@@ -125,6 +144,7 @@ class SglangEngine:
         formatter: ChatFormatter | None = None,
         gpu_uuids: Sequence[str] = (),
         gpu_processes: Callable[[], Sequence[GpuProcesses]] | None = None,
+        launch_help: LaunchHelp | None = None,
     ) -> None:
         self.campaign = campaign
         self.config = campaign.engine.sglang
@@ -153,16 +173,9 @@ class SglangEngine:
         self.pinned_backend: str | None = (
             None if self.config.attention_backend == "auto" else self.config.attention_backend
         )
-        if self.pinned_backend is None and not self.config.url:
-            # Refuse before measuring anything when SGLang would already pick differently.
-            predicted = {
-                d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
-            }
-            check_same_kernels(predicted)
-        if not self.config.url and any(d.algorithm for d in campaign.drafters):
-            # Likewise for the scheduling args SGLang sets per algorithm (its release decides
-            # which: `launch_server --help`, probed once for the launches too).
-            check_arms_can_match(campaign, self.launch_help())
+        if launch_help is not None:
+            self._help, self._help_probed = launch_help.text, True
+        check_servable(campaign, self.launch_help)
 
     def __enter__(self) -> SglangEngine:
         return self

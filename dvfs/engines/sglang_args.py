@@ -11,10 +11,12 @@
   ladder is finer for a speculative server than for a plain one, so a plain arm would pad a
   batch of 6 to 8 where a speculative arm runs 6. `--cuda-graph-bs` up to 0.5.9,
   `--cuda-graph-bs-decode` from 0.5.23.
-- On SGLang older than 0.5.23, `--disable-overlap-schedule` for every arm when any drafter
-  speculates: 0.5.9 turns the overlap scheduler off for each speculative algorithm itself.
+- On SGLang older than 0.5.23, `--disable-overlap-schedule` for every arm when SGLang turns
+  the overlap scheduler off for some drafter itself: 0.5.9 does for each speculative algorithm,
+  but with SGLANG_ENABLE_SPEC_V2 only for NGRAM (the EAGLE family then keeps it on).
   What cannot be made alike (SGLang forcing a value for some drafters only) is refused before a
-  server starts (`arm_mismatches`).
+  server starts (`arm_mismatches`). The flags looked for in extra_args are matched as SGLang's
+  argparse matches them, abbreviations included (`SHORTEST_PREFIXES`).
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
 - `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
@@ -200,6 +202,15 @@ def probe_help(
     return text if "--model-path" in text else None
 
 
+@dataclass(frozen=True)
+class LaunchHelp:
+    """`launch_server --help` as probed once (`text` None: it could not run here), handed from
+    the checks made before a sweep's journal exists to the engine it then opens, so SGLang (slow
+    to import) is probed once."""
+
+    text: str | None
+
+
 def cuda_graph_flag(help_text: str | None, version: tuple[int, ...] | None) -> str:
     """The flag that sets the decode CUDA-graph batch limit for this SGLang."""
     if help_text is not None:
@@ -236,9 +247,28 @@ EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 NO_MIXED_CHUNK_0523 = ("STANDALONE", "NGRAM", "UNO")
 
 
-def _names_flag(tokens: Sequence[str], flag: str, shortest: str) -> bool:
-    """Whether argparse would read one of `tokens` as `flag` (an abbreviation at least as long
-    as `shortest`, the shortest one neither option table shares with another flag)."""
+#: Per release, the shortest abbreviation argparse reads as each flag dvfs looks for in
+#: extra_args: the shortest prefix no other flag of that release's option table starts with
+#: (SGLang's parser takes any unambiguous prefix). Worked out from SGLang 0.5.9's and 0.5.23's
+#: option tables (tests/data/sglang-args/; tests/test_arm_scheduling.py recomputes them from
+#: there): 0.5.23's `--enable-mis` makes `--enable-mi` ambiguous in that release.
+SHORTEST_PREFIXES: dict[tuple[int, ...], dict[str, str]] = {
+    (0, 5, 9): {
+        "--enable-mixed-chunk": "--enable-mi",
+        "--disable-overlap-schedule": "--disable-ov",
+    },
+    (0, 5, 23): {
+        "--enable-mixed-chunk": "--enable-mix",
+        "--disable-overlap-schedule": "--disable-ov",
+    },
+}
+
+
+def names_flag(tokens: Sequence[str], flag: str, *, legacy: bool) -> bool:
+    """Whether argparse would read one of `tokens` as `flag`: the flag, or an abbreviation of
+    it no shorter than `SHORTEST_PREFIXES` gives for the release (`legacy`: 0.5.9's table,
+    else 0.5.23's)."""
+    shortest = SHORTEST_PREFIXES[(0, 5, 9) if legacy else (0, 5, 23)][flag]
     for token in tokens:
         name = token.split("=", 1)[0]
         if token.startswith("--") and len(name) >= len(shortest) and flag.startswith(name):
@@ -265,21 +295,34 @@ def _forced_overlap_off(algorithm: str | None, *, legacy: bool, spec_v2: bool) -
     return None
 
 
-def _overlap_plan(
-    campaign: Campaign, *, legacy: bool, env: Mapping[str, str]
-) -> tuple[bool, dict[str, bool]]:
-    """Whether dvfs passes `--disable-overlap-schedule` to every arm (when SGLang turns the
-    overlap scheduler off for some drafter itself), and each drafter's resulting value."""
+@dataclass(frozen=True)
+class OverlapPlan:
+    """Who sets each drafter's `disable_overlap_schedule`: SGLang itself (`forced`, per drafter:
+    the value, or None where it keeps what it was given), dvfs (`pin`: it passes
+    `--disable-overlap-schedule` to every arm because SGLang turns the scheduler off for some
+    drafter itself), the campaign (`user`: the flag, or an abbreviation, in
+    engine.sglang.extra_args); `off`: each drafter's resulting value."""
+
+    forced: dict[str, bool | None]
+    pin: bool
+    user: bool
+
+    @property
+    def off(self) -> dict[str, bool]:
+        given = self.pin or self.user
+        return {name: given if off is None else off for name, off in self.forced.items()}
+
+
+def _overlap_plan(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) -> OverlapPlan:
     spec_v2 = _env_true(env, "SGLANG_ENABLE_SPEC_V2")
     forced = {
         d.name: _forced_overlap_off(d.algorithm, legacy=legacy, spec_v2=spec_v2)
         for d in campaign.drafters
     }
-    pin = True in forced.values()
-    given = pin or _names_flag(
-        campaign.engine.sglang.extra_args, "--disable-overlap-schedule", "--disable-overlap"
+    user = names_flag(
+        campaign.engine.sglang.extra_args, "--disable-overlap-schedule", legacy=legacy
     )
-    return pin, {name: given if off is None else off for name, off in forced.items()}
+    return OverlapPlan(forced, pin=True in forced.values(), user=user)
 
 
 def _names(drafters: Sequence[str]) -> str:
@@ -293,7 +336,7 @@ def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) 
     rules = "SGLang 0.5.9" if legacy else "SGLang 0.5.23"
     problems = []
     extra = campaign.engine.sglang.extra_args
-    if _names_flag(extra, "--enable-mixed-chunk", "--enable-mix"):
+    if names_flag(extra, "--enable-mixed-chunk", legacy=legacy):
         off = [
             d.name
             for d in campaign.drafters
@@ -307,17 +350,43 @@ def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) 
                 "(enable_mixed_chunk), so the arms would schedule prefills differently; remove "
                 "the flag"
             )
-    _, overlap_off = _overlap_plan(campaign, legacy=legacy, env=env)
-    if len(set(overlap_off.values())) > 1:
-        on = [name for name, off in overlap_off.items() if not off]
-        off = [name for name, off in overlap_off.items() if off]
-        problems.append(
-            f"{rules} with SGLANG_ENABLE_SPEC_V2 runs drafters {_names(on)} with the overlap "
-            f"scheduler and {_names(off)} without it whatever dvfs passes "
-            "(disable_overlap_schedule), so the arms would schedule differently; unset "
-            "SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment)"
-        )
+    overlap = _overlap_plan(campaign, legacy=legacy, env=env)
+    if len(set(overlap.off.values())) > 1:
+        problems.append(_overlap_mismatch(rules, overlap))
     return problems
+
+
+def _overlap_mismatch(rules: str, plan: OverlapPlan) -> str:
+    """One line on drafters that would run with and without the overlap scheduler: which
+    SGLang decides itself (0.5.9 with SGLANG_ENABLE_SPEC_V2: on for the EAGLE family, off for
+    NGRAM), which dvfs's flag or the campaign's turns off, and what would make them alike."""
+    kept_on = [name for name, off in plan.forced.items() if off is False]
+    forced_off = [name for name, off in plan.forced.items() if off is True]
+    given_off = [name for name, off in plan.forced.items() if off is None and plan.off[name]]
+    said = f"{rules} with SGLANG_ENABLE_SPEC_V2 keeps the overlap scheduler on for drafters "
+    said += _names(kept_on)
+    if forced_off:
+        said += f" and turns it off for {_names(forced_off)}"
+    said += " whatever the flags say (disable_overlap_schedule)"
+    if given_off:
+        causes = []
+        if plan.pin:
+            causes.append(
+                "the --disable-overlap-schedule dvfs gives every drafter to match "
+                + _names(forced_off)
+            )
+        if plan.user:
+            causes.append("the --disable-overlap-schedule in engine.sglang.extra_args")
+        said += f", and {' and '.join(causes)} turns it off for {_names(given_off)}"
+    fixes = ["unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment)"]
+    alike = []
+    if forced_off:
+        alike.append(f"sweep {_names(forced_off)} in one campaign and {_names(kept_on)} in another")
+    if plan.user:
+        alike.append("remove --disable-overlap-schedule from engine.sglang.extra_args")
+    if alike:
+        fixes.append(" and ".join(alike))
+    return f"{said}, so the arms would schedule differently; {', or '.join(fixes)}"
 
 
 def check_arms_can_match(
@@ -404,7 +473,7 @@ def launch_argv(
     _check_algorithm(drafter, parsed)
     largest = max(campaign.workload.batch_sizes)
     graph_flag = cuda_graph_flag(help_text, parsed)
-    pin_overlap, _ = _overlap_plan(
+    overlap = _overlap_plan(
         campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=server_env(campaign)
     )
     argv = [
@@ -424,7 +493,7 @@ def launch_argv(
         str(largest),
         GRAPH_SIZES_FLAG[graph_flag],
         *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
-        *(["--disable-overlap-schedule"] if pin_overlap else []),
+        *(["--disable-overlap-schedule"] if overlap.pin else []),
         "--enable-metrics",
         *attention_args(campaign),
         *speculative_args(drafter),

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, CubeError, JournalError
+from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, JournalError
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
@@ -276,7 +276,7 @@ class Driver:
         """Whether the unit's server differs from the journal's for its drafter (another
         engine version or attention kernel); if so the worker is retired, nothing of the unit
         is journalled and the unit goes back to the queue."""
-        from dvfs.records import arm_changes, server_changes
+        from dvfs.records import Header, arm_changes, begun_unpinned, server_changes
 
         if worker in self.retired:  # a unit it took before the driver retired it
             cells = shipment.all_cells
@@ -297,11 +297,19 @@ class Driver:
                     whose = f"drafter {other.get('drafter')!r}'s"
                     break
             if changes:
-                why = (
+                path = self.journal.path
+                differs = (
                     f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
-                    f"{self.journal.path} ({'; '.join(changes)}): its "
-                    "cells would compare software, not settings; run the earlier engine, or "
-                    "start over with --fresh"
+                    f"{path} ({'; '.join(changes)})"
+                )
+                begun = begun_unpinned(Header.from_json(self.journal.header).arms_pinned, changes)
+                why = (
+                    f"{differs}: the arms would compare more than their drafters; {path} was "
+                    f"{begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
+                    "another --out folder)"
+                    if begun
+                    else f"{differs}: its cells would compare software, not settings; run the "
+                    "earlier engine, or start over with --fresh"
                 )
                 self.refused = self.refused or why
                 self.retired.add(worker)
@@ -744,6 +752,8 @@ def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
     for journal in journals:
         try:
             ds = shard_cube(journal)
+        except IncomparableCellsError:
+            raise  # nothing to fix in the folder: the message says where to rerun
         except CubeError as exc:
             raise CubeError(
                 f"{exc} (every measured cell is in {journal}: `dvfs cube build "

@@ -44,13 +44,16 @@ from dvfs.measure.meter import (
 from dvfs.measure.plan import Cell
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
 from dvfs.records import (
+    ARMS_PINNED,
     GPU_TIME_KEYS,
     JOURNAL_SCHEMA,
     CellRecord,
+    Header,
     Server,
     Session,
     Stock,
     arm_changes,
+    begun_unpinned,
     now_iso,
     recorded_stock,
 )
@@ -375,14 +378,34 @@ class Runner:
         batches = self.campaign.workload.batch_sizes
         for earlier in self._earlier_servers():
             changes = arm_changes(earlier, record, batches)
-            if changes:
-                drafter, other = record["drafter"], earlier.get("drafter")
+            if not changes:
+                continue
+            drafter, other = record["drafter"], earlier.get("drafter")
+            path = self.journal.path
+            served = (
+                f"the {drafter!r} server differs from the {other!r} server of {path} "
+                f"({'; '.join(changes)}): the arms would compare more than their drafters"
+            )
+            begun = begun_unpinned(self._arms_pinned(), changes)
+            if begun:
                 raise EngineError(
-                    f"the {drafter!r} server differs from the {other!r} server of "
-                    f"{self.journal.path} ({'; '.join(changes)}): the arms would compare more "
-                    "than their drafters; run every drafter on the same SGLang and flags "
-                    "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
+                    f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
+                    "--fresh (or into another --out folder)"
                 )
+            raise EngineError(
+                f"{served}; run every drafter on the same SGLang and flags "
+                "(engine.sglang.extra_args), or start over with --fresh (or another --out)"
+            )
+
+    def _arms_pinned(self) -> tuple[str, ...]:
+        """What the dvfs that began the journal gave every drafter alike (its header's
+        `arms_pinned`); this dvfs's own for a fleet worker's journal, which holds no header (its
+        servers are this run's, and the driver compares them with the journal's)."""
+        try:
+            header = self.journal.header
+        except JournalError:
+            return tuple(ARMS_PINNED)
+        return Header.from_json(header).arms_pinned
 
     # -- one cell -----------------------------------------------------------------------------
     def _prompts_for(self, cell: Cell, label: object) -> tuple:

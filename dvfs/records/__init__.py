@@ -18,6 +18,7 @@ from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, Measurement
 from dvfs.records.header import CampaignFacts, Grid, Header, knobs_set
 from dvfs.records.session import (
     ARM_ARGS,
+    ARMS_PINNED,
     GPU_INVARIANTS,
     SERVER_INVARIANTS,
     SESSION_INVARIANTS,
@@ -25,6 +26,7 @@ from dvfs.records.session import (
     Session,
     Stock,
     arm_changes,
+    begun_unpinned,
     decode_graph,
     incomparable,
     mixed_within,
@@ -34,6 +36,7 @@ from dvfs.records.session import (
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
 __all__ = [
+    "ARMS_PINNED",
     "ARM_ARGS",
     "GPU_INVARIANTS",
     "GPU_TIME_KEYS",
@@ -53,6 +56,7 @@ __all__ = [
     "Session",
     "Stock",
     "arm_changes",
+    "begun_unpinned",
     "check_version",
     "decode_graph",
     "decode_journal",

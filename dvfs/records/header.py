@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dvfs.records.session import ARMS_PINNED
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, now_iso
 from dvfs.version import __version__
 
@@ -75,6 +76,9 @@ class Header:
     dvfs_version: str = ""
     created: str = ""
     journal_schema: object = OLDEST_SCHEMA
+    #: What the dvfs that began the journal gave every drafter's server alike (`ARMS_PINNED`
+    #: keys); empty: an earlier dvfs, which did not.
+    arms_pinned: tuple[str, ...] = ()
 
     @classmethod
     def for_campaign(cls, campaign: Campaign) -> Header:
@@ -86,6 +90,7 @@ class Header:
             dvfs_version=__version__,
             created=now_iso(),
             journal_schema=JOURNAL_SCHEMA,
+            arms_pinned=tuple(ARMS_PINNED),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -98,11 +103,13 @@ class Header:
             "campaign_source": self.campaign_source,
             "dvfs_version": self.dvfs_version,
             "created": self.created,
+            "arms_pinned": list(self.arms_pinned),
         }
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Header:
         stored = record.get("campaign")
+        pinned = record.get("arms_pinned")
         return cls(
             campaign_name=record.get("campaign_name"),
             campaign_hash=record.get("campaign_hash"),
@@ -111,6 +118,7 @@ class Header:
             dvfs_version=record.get("dvfs_version") or "",
             created=record.get("created") or "",
             journal_schema=record.get("journal_schema", OLDEST_SCHEMA),
+            arms_pinned=tuple(str(k) for k in pinned) if isinstance(pinned, list) else (),
         )
 
     def facts(self) -> CampaignFacts:

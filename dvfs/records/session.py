@@ -221,6 +221,29 @@ ARM_ARGS: dict[str, str] = {
 }
 
 
+#: What dvfs gives every drafter's server alike so that SGLang schedules the arms alike (from
+#: the dvfs that wrote the header key `arms_pinned`, which lists them): each with its words and
+#: the start of the `arm_changes` entry a difference in it makes.
+ARMS_PINNED: dict[str, tuple[str, str]] = {
+    "decode_cuda_graphs": ("decode CUDA graphs", "decode CUDA graph at batch "),
+    "overlap_schedule": ("overlap scheduler", "overlap scheduler disabled ("),
+}
+
+
+def begun_unpinned(pinned: Iterable[str], changes: Iterable[str]) -> str | None:
+    """Why servers differ when the dvfs that began their journal (its header's `arms_pinned`)
+    did not give every drafter what this one does, and `changes` (`arm_changes`) differ in
+    that: "begun by an earlier dvfs, which did not give every drafter the same ..."; None
+    otherwise (the difference is the campaign's or the server's, or that dvfs pinned it)."""
+    given = set(pinned)
+    missing = [key for key in ARMS_PINNED if key not in given]
+    texts = list(changes)
+    if not any(t.startswith(ARMS_PINNED[key][1]) for key in missing for t in texts):
+        return None
+    what = " and ".join(ARMS_PINNED[key][0] for key in missing)
+    return f"begun by an earlier dvfs, which did not give every drafter the same {what}"
+
+
 def decode_graph(args: Mapping[str, Any], batch: int) -> int | str | None:
     """The decode CUDA graph a server replays for `batch` running requests, from its resolved
     args: the smallest captured batch size at least `batch` (the batch is padded up to it), or
