@@ -14,7 +14,7 @@ from types import ModuleType
 
 from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
-from dvfs.errors import ArmMismatchError, DvfsError
+from dvfs.errors import CorpusShortfallError, DvfsError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_FREE_BYTES = 1 << 30
@@ -26,7 +26,8 @@ class Check:
     status: str
     detail: str
     #: A failure that makes the campaign itself invalid, as `dvfs sweep` refuses it before any
-    #: server starts (exit 2): drafters SGLang would serve differently (`ArmMismatchError`).
+    #: server starts (exit 2): an error whose exit code is 2 (drafters SGLang would serve
+    #: differently, clocks or limits the GPUs do not support, corpora that fall short).
     invalid: bool = False
 
 
@@ -34,7 +35,7 @@ def _run(name: str, fn: Callable[[], tuple[str, str]]) -> Check:
     try:
         status, detail = fn()
     except DvfsError as exc:
-        return Check(name, FAIL, str(exc), invalid=isinstance(exc, ArmMismatchError))
+        return Check(name, FAIL, str(exc), invalid=exc.exit_code == 2)
     return Check(name, status, detail)
 
 
@@ -208,7 +209,7 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
     corpora = load_corpora(campaign)
     short = corpus_shortfalls(campaign, corpora)
     if short:
-        return FAIL, "; ".join(short)
+        raise CorpusShortfallError("; ".join(short))  # as `dvfs sweep` refuses it: exit 2
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
 
 

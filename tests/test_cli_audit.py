@@ -12,7 +12,7 @@ from pathlib import Path
 
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import SMALL_EXACT, TINY, copy_sweep, write
+from conftest import SMALL_EXACT, TINY, copy_sweep, replace_block, write
 from hypothesis import given
 from hypothesis import strategies as st
 from test_journal import assert_one_line_error
@@ -162,3 +162,16 @@ def test_a_comma_list_to_a_filter_says_to_repeat_the_option(small_sweep: Path) -
     both = invoke("headroom", str(small_sweep), "--batch", "1", "--batch", "8", "--json")
     assert both.exit_code == 0, both.output
     assert {row["batch"] for row in json.loads(both.output)["rows"]} == {1, 8}
+
+
+def test_doctor_exits_2_where_sweep_refuses_the_campaign_as_invalid(tmp_path: Path) -> None:
+    """Corpora that cannot fill the largest batch make the campaign invalid: `dvfs sweep`
+    refuses it with exit 2, and the preflight says the same, not exit 1 as for a machine
+    problem."""
+    narrow = replace_block(TINY, "batch = [1, 8]", "batch = [1, 500]")
+    campaign = write(tmp_path / "narrow.toml", narrow)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress")
+    assert swept.exit_code == 2, swept.output
+    code, checks = _doctor_checks(campaign, tmp_path / "o")
+    assert code == 2 and checks["corpora"]["status"] == "fail", checks
+    assert "batch 500 needs 500" in checks["corpora"]["detail"]

@@ -29,8 +29,10 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
-    campaign file is missing or invalid (nothing else is checked then) or the 'arms' check
-    failed (SGLang would serve the drafters differently: `dvfs sweep` refuses the campaign)."""
+    campaign file is missing or invalid (nothing else is checked then) or a check failed that
+    `dvfs sweep` refuses as an invalid campaign (exit 2 there too): the 'arms' check (SGLang
+    would serve the drafters differently), clocks or limits the GPUs do not support, corpora
+    that cannot fill the batches."""
     import sys
 
     from dvfs.campaign import load_campaign
