@@ -298,3 +298,50 @@ def test_a_fleet_rerun_serving_the_next_drafter_on_another_version_is_refused(
         if '"type": "server"' in x or '"type": "cell"' in x
     ]
     assert running(marker) == []
+
+
+def test_a_drafter_resolved_otherwise_on_resume_is_refused_on_the_twin(tmp_path: Path) -> None:
+    """A standalone drafter with its numbers unset, journalled as an earlier twin resolved it
+    (a Llama target's (5, 4, 8)), then resumed where it resolves to SGLang's (3, 1, 4): the
+    same engine version, but another configuration of one drafter, so its server is refused
+    at start and its cells fail, rather than one cube mixing both; a journal holding both
+    (edited) gives no cube."""
+    from conftest import TINY
+
+    standalone = (
+        '[drafters.standalone]\nalgorithm = "STANDALONE"\n'
+        'draft_model = "meta-llama/Llama-3.2-1B-Instruct"\n'
+    )
+    text = TINY[: TINY.index("[drafters.eagle3]")] + standalone + TINY[TINY.index("\n[workload]") :]
+    campaign = tmp_path / "standalone.toml"
+    campaign.write_text(text)
+    out = tmp_path / "out"
+    assert sweep(campaign, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    earlier = {"speculative_num_steps": 5, "speculative_eagle_topk": 4}
+    kept, cut = [], False
+    for line in journal.read_text().splitlines():
+        record = json.loads(line)
+        if record["type"] == "server" and record["drafter"] == "standalone":
+            assert record["args"]["speculative_num_steps"] == 3  # SGLang's choice today
+            record["args"].update(earlier, speculative_num_draft_tokens=8)
+        if record["type"] == "cell" and record["cell"]["drafter"] == "standalone":
+            if cut:
+                continue  # the run was cut after the drafter's first cell
+            cut = True
+        kept.append(json.dumps(record))
+    journal.write_text("\n".join(kept) + "\n")
+    (out / "cube.nc").unlink()
+    again = sweep(campaign, out)
+    assert again.exit_code == 5, again.output
+    failed = [r for r in read_records(journal) if r["type"] == "cell" and r["status"] == "failed"]
+    assert failed and all("speculative_num_steps: 5 -> 3" in r["error"] for r in failed)
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert sum(r["drafter"] == "standalone" for r in servers) == 1  # the refused one not kept
+    # Appended by hand, the other configuration gives no cube.
+    server = next(r for r in servers if r["drafter"] == "standalone")
+    resolved = {**server["args"], "speculative_num_steps": 3, "speculative_eagle_topk": 1}
+    with journal.open("a") as f:
+        f.write(json.dumps({**server, "args": resolved}) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0 and "speculative_num_steps: 5 -> 3" in last_line(built)

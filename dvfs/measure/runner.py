@@ -56,6 +56,7 @@ from dvfs.records import (
     begun_unpinned,
     now_iso,
     recorded_stock,
+    server_changes,
 )
 from dvfs.records.cell import EnergySplit
 from dvfs.version import __version__
@@ -374,10 +375,13 @@ class Runner:
         """Refuse a server that differs from another drafter's server of this journal (or one
         of its own drafter's) in what arms must share (`arm_changes`): its engine version, its
         attention kernels, the resolved args SGLang does not adjust for speculation, the decode
-        CUDA graph at each of the campaign's batch sizes."""
+        CUDA graph at each of the campaign's batch sizes; and, against its own drafter's, its
+        resolved speculative args (`server_changes`)."""
         batches = self.campaign.workload.batch_sizes
         for earlier in self._earlier_servers():
             changes = arm_changes(earlier, record, batches)
+            if earlier.get("drafter") == record["drafter"]:  # and its own configuration
+                changes += [c for c in server_changes(earlier, record) if c not in changes]
             if not changes:
                 continue
             drafter, other = record["drafter"], earlier.get("drafter")

@@ -165,13 +165,27 @@ SERVER_INVARIANTS: dict[str, str] = {
 }
 
 
-def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """What differs between two server records of one drafter ("engine version: A -> B")."""
+def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two server records in the `SERVER_INVARIANTS`."""
     return [
         f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
         for key, label in SERVER_INVARIANTS.items()
         if (before.get(key) or None) != (now.get(key) or None)
     ]
+
+
+def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two server records of one drafter ("engine version: A -> B"): the
+    `SERVER_INVARIANTS`, and the drafter's own resolved speculative args (`speculative_*`,
+    both records reporting them), since one drafter's cells must share one configuration
+    even where the engine's version did not change but how it resolves unset numbers did."""
+    changes = _engine_changes(before, now)
+    old, new = before.get("args"), now.get("args")
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        for key in sorted(k for k in old if k.startswith("speculative_") and k in new):
+            if _same(old[key]) != _same(new[key]):
+                changes.append(f"{key}: {old[key]!r} -> {new[key]!r}")
+    return changes
 
 
 #: Resolved server args every drafter's server of one journal shares, whatever its drafter
@@ -286,7 +300,7 @@ def arm_changes(
     attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS` both records report, and the decode
     CUDA graph each replays at each of `batch_sizes` (`decode_graph`). Arms that differ here
     would compare software or settings, not drafters."""
-    changes = server_changes(before, now)
+    changes = _engine_changes(before, now)
     old, new = before.get("args"), now.get("args")
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key, label in ARM_ARGS.items():
