@@ -484,3 +484,29 @@ def test_parse_campaign_keeps_the_backend_in_the_campaign() -> None:
     campaign = parse_campaign(data)
     assert campaign.engine.sglang.attention_backend == "triton"
     assert "triton" in json.dumps(campaign.semantic_dict())
+
+
+def test_auto_kernels_that_would_differ_are_an_invalid_campaign_everywhere(
+    tmp_path: Path,
+) -> None:
+    """The attention backend left to SGLang and an EAGLE tree (topk 4): SGLang would give the
+    drafters other kernels, so the campaign is invalid: the sweep refuses it before any server
+    starts and leaves no journal, its dry run says so, and the preflight fails, all exit 2."""
+    drafters = (
+        '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.eagle3]\nalgorithm = "EAGLE3"\n'
+        'draft_model = "d/e"\nnum_steps = 3\neagle_topk = 4\nnum_draft_tokens = 8\n'
+    )
+    path, marker = stub_campaign(
+        tmp_path, drafters=drafters, batch="[1]", sglang_extra='attention_backend = "auto"'
+    )
+    out = tmp_path / "out"
+    for args in (
+        ["sweep", str(path), "--out", str(out), "--no-progress"],
+        ["sweep", str(path), "--out", str(out), "--dry-run", "--no-estimate"],
+        ["doctor", str(path), "--out", str(out)],
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "would run different attention backends" in " ".join(result.output.split())
+    assert not (out / "journal.jsonl").exists()
+    assert running(marker) == []

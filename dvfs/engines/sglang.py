@@ -39,10 +39,10 @@ from dvfs.engines.sglang_args import (
     LaunchHelp,
     ServerPorts,
     check_arms_can_match,
+    check_predicted_kernels,
     check_same_kernels,
     launch_argv,
     parse_version,
-    predicted_attention_backend,
     probe_help,
     server_command,
     server_env,
@@ -120,11 +120,7 @@ def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) ->
     An attached server (engine.sglang.url) is checked once it answers instead."""
     if campaign.engine.sglang.url:
         return
-    if campaign.engine.sglang.attention_backend == "auto":
-        predicted = {
-            d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
-        }
-        check_same_kernels(predicted)
+    check_predicted_kernels(campaign)
     if any(d.algorithm for d in campaign.drafters):
         check_arms_can_match(campaign, launch_help())
 

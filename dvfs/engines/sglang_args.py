@@ -511,6 +511,7 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     """Per drafter: its name, the argv its server would start with, and where the version-
     dependent flags came from. Runs `launch_server --help` unless the campaign pins a version;
     refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`)."""
+    check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
     check_arms_can_match(campaign, help_text)
@@ -577,6 +578,16 @@ def predicted_attention_backend(drafter: DrafterSpec) -> str:
     return "fa3"
 
 
+def check_predicted_kernels(campaign: Campaign) -> None:
+    """With the attention backend left to SGLang ("auto"), refuse drafters it would give other
+    kernels (`predicted_attention_backend`, `check_same_kernels`) before any server starts."""
+    if campaign.engine.sglang.attention_backend == "auto":
+        predicted = {
+            d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
+        }
+        check_same_kernels(predicted)
+
+
 def check_same_kernels(kernels: Mapping[str, Kernels], pinned: str | None = None) -> None:
     """The invariant: every drafter's server runs the same attention kernels (the pinned ones).
 
@@ -598,7 +609,7 @@ def check_same_kernels(kernels: Mapping[str, Kernels], pinned: str | None = None
     labels = {name: k.label for name, k in kernels.items()}
     if len(set(labels.values())) > 1:
         described = ", ".join(f"{name}: {label}" for name, label in labels.items())
-        raise EngineError(
+        raise ArmMismatchError(  # an invalid campaign, as `arm_mismatches` (exit 2)
             f"drafters would run different attention backends ({described}): speculation vs none "
             'would also compare kernels; pin one with engine.sglang.attention_backend (e.g. "fa3")'
         )
