@@ -20,7 +20,13 @@ from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload
-from dvfs.errors import CorpusError, EngineCrashedError, EngineError, JournalError
+from dvfs.errors import (
+    CorpusError,
+    EngineCrashedError,
+    EngineError,
+    IncomparableCellsError,
+    JournalError,
+)
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.counter import (
@@ -348,7 +354,7 @@ class Runner:
         record = server.to_json()
         try:
             self._check_arms(record)
-        except EngineError:
+        except (EngineError, IncomparableCellsError):
             self.engine.stop()  # a server that would not compare must not linger
             raise
         self._drafter = drafter_name
@@ -391,8 +397,8 @@ class Runner:
                 f"({'; '.join(changes)}): the arms would compare more than their drafters"
             )
             begun = begun_unpinned(self._arms_pinned(), changes)
-            if begun:
-                raise EngineError(
+            if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
+                raise IncomparableCellsError(
                     f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "
                     "--fresh (or into another --out folder)"
                 )
