@@ -275,7 +275,10 @@ def test_mixed_chunks_for_some_drafters_only_are_refused(
     assert f"off for drafters {names[0]} but not for {names[1]} (enable_mixed_chunk)" in line
     # An abbreviation argparse would take counts too; without the flag nothing is refused.
     short = load(tmp_path, campaign_text(text, "[1]", 'extra_args = ["--enable-mixed"]'))
-    assert arm_mismatches(short, legacy=legacy, env={}) == problems
+    [abbreviated] = arm_mismatches(short, legacy=legacy, env={})  # quoted as written
+    assert abbreviated == line.replace("--enable-mixed-chunk", "--enable-mixed", 1).replace(
+        "(enable_mixed_chunk)", "(enable_mixed_chunk, which --enable-mixed abbreviates)"
+    )
     assert arm_mismatches(load(tmp_path, campaign_text(text, "[1]")), legacy=legacy, env={}) == []
 
 
@@ -314,6 +317,9 @@ def test_an_abbreviation_argparse_takes_is_refused_like_the_flag(tmp_path: Path)
     mixed = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--enable-mi"]'))
     [line] = arm_mismatches(mixed, legacy=True, env={})
     assert "turns mixed chunked prefill off for drafters 'eagle3' but not for 'none'" in line
+    # The refusal quotes what the campaign wrote, and says what it abbreviates.
+    assert line.startswith("--enable-mi in engine.sglang.extra_args")
+    assert "(enable_mixed_chunk, which --enable-mi abbreviates)" in line
     overlap = load(tmp_path, campaign_text(pair, "[1]", 'extra_args = ["--disable-ov"]'))
     [line] = arm_mismatches(overlap, legacy=True, env={"SGLANG_ENABLE_SPEC_V2": "1"})
     assert "turns it off for 'none'" in line

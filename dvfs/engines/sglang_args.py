@@ -268,12 +268,17 @@ def names_flag(tokens: Sequence[str], flag: str, *, legacy: bool) -> bool:
     """Whether argparse would read one of `tokens` as `flag`: the flag, or an abbreviation of
     it no shorter than `SHORTEST_PREFIXES` gives for the release (`legacy`: 0.5.9's table,
     else 0.5.23's)."""
+    return flag_token(tokens, flag, legacy=legacy) is not None
+
+
+def flag_token(tokens: Sequence[str], flag: str, *, legacy: bool) -> str | None:
+    """The token argparse would read as `flag` (as the campaign spells it), None if none."""
     shortest = SHORTEST_PREFIXES[(0, 5, 9) if legacy else (0, 5, 23)][flag]
     for token in tokens:
         name = token.split("=", 1)[0]
         if token.startswith("--") and len(name) >= len(shortest) and flag.startswith(name):
-            return True
-    return False
+            return name
+    return None
 
 
 def _env_true(env: Mapping[str, str], name: str) -> bool:
@@ -336,7 +341,9 @@ def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) 
     rules = "SGLang 0.5.9" if legacy else "SGLang 0.5.23"
     problems = []
     extra = campaign.engine.sglang.extra_args
-    if names_flag(extra, "--enable-mixed-chunk", legacy=legacy):
+    written = flag_token(extra, "--enable-mixed-chunk", legacy=legacy)
+    if written is not None:
+        abbreviates = "" if written == "--enable-mixed-chunk" else f", which {written} abbreviates"
         off = [
             d.name
             for d in campaign.drafters
@@ -345,10 +352,10 @@ def arm_mismatches(campaign: Campaign, *, legacy: bool, env: Mapping[str, str]) 
         kept = [d.name for d in campaign.drafters if d.name not in off]
         if off and kept:
             problems.append(
-                f"--enable-mixed-chunk in engine.sglang.extra_args: {rules} turns mixed chunked "
+                f"{written} in engine.sglang.extra_args: {rules} turns mixed chunked "
                 f"prefill off for drafters {_names(off)} but not for {_names(kept)} "
-                "(enable_mixed_chunk), so the arms would schedule prefills differently; remove "
-                "the flag"
+                f"(enable_mixed_chunk{abbreviates}), so the arms would schedule prefills "
+                "differently; remove the flag"
             )
     overlap = _overlap_plan(campaign, legacy=legacy, env=env)
     if len(set(overlap.off.values())) > 1:
