@@ -548,12 +548,21 @@ def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
             check_deal(out_dir, recorded)
         except ShardDealError as exc:
             return [str(exc)]
-    if recorded is not None and recorded != shard:
+    if recorded != shard and (recorded is not None or _has_measured(out_dir / JOURNAL_NAME)):
         return [
             f"{out_dir} holds {_shard_text(recorded)} of this campaign, but this run is "
             f"{_shard_text(shard)}: give each shard its own --out folder"
         ]
     return []
+
+
+def _has_measured(journal: Path) -> bool:
+    """Whether a journal holds a session or a cell (a header alone binds no shard)."""
+    from dvfs.measure.journal import iter_records
+
+    if not journal.is_file():
+        return False
+    return any(r.get("type") in ("session", "cell") for r in iter_records(journal))
 
 
 def spent_gpu_s(out_dir: Path) -> float:

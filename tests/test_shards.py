@@ -193,6 +193,12 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
         "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
     )
     assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
+    dry = invoke(
+        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--dry-run", "--json"
+    )
+    assert dry.exit_code == 2 and any(
+        "holds the whole campaign" in p for p in json.loads(dry.output)["problems"]
+    )
     # Rerunning a finished shard skips its cells.
     again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output
