@@ -1435,6 +1435,10 @@ class StubHandler(BaseHTTPRequestHandler):
             else:
                 self._blocking(plan)
         except ServerStoppingError:
+            # A client that went away before the stop is logged as one that went away, where
+            # the stop found its request waiting for its next step rather than writing it.
+            if self._client_gone():
+                log("client went away during POST /generate")
             self.close_connection = True
         finally:
             stub.end(plan)
