@@ -77,23 +77,7 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert combined.attrs["arms_on_one_gpu"] == whole.attrs["arms_on_one_gpu"] == 1
     assert combined.attrs["groups_across_gpus"] == 0
     # Shards run on other GPUs (a job array: --gpus per task) merge the same.
-    for i in range(3):
-        moved = invoke(
-            "sweep",
-            str(runs / "shardy.toml"),
-            "--shard",
-            f"{i}/3",
-            "--gpus",
-            str(i + 1),
-            "--out",
-            str(runs / f"g{i}"),
-            "--no-progress",
-        )
-        assert moved.exit_code == 0, moved.output
-    elsewhere = runs / "elsewhere.nc"
-    on_gpus = [str(runs / f"g{i}") for i in range(3)]
-    assert invoke("cube", "merge", *on_gpus, "-o", str(elsewhere)).exit_code == 0
-    spread = open_cube(elsewhere)
+    spread = sweep_and_merge_shards(runs, "g", [str(i + 1) for i in range(3)])
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
     # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
@@ -104,6 +88,23 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]
     assert invoke("cube", "merge", *cube_files, "-o", str(again)).exit_code == 0
     assert_same_cells(open_cube(again), combined)
+
+
+def sweep_and_merge_shards(runs: Path, name: str, gpus: list[str]) -> xr.Dataset:
+    """The campaign in `runs` as len(gpus) shards, shard i on `--gpus gpus[i]` in folder
+    `runs/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
+    for i, spec in enumerate(gpus):
+        result = invoke(
+            "sweep",
+            str(runs / "shardy.toml"),
+            *("--shard", f"{i}/{len(gpus)}", "--gpus", spec),
+            *("--out", str(runs / f"{name}{i}"), "--no-progress"),
+        )
+        assert result.exit_code == 0, result.output
+    merged = runs / f"{name}.nc"
+    shards = [str(runs / f"{name}{i}") for i in range(len(gpus))]
+    assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
+    return open_cube(merged)
 
 
 def _gpus_per_group(cube: xr.Dataset) -> set[int]:
@@ -378,23 +379,7 @@ def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> No
     """A job array whose tasks each hold two GPUs: every shard's fleet keeps each of its
     groups on one of its GPUs, so the merged shards equal the whole campaign and say the arms
     were paired."""
-    for i in range(2):
-        result = invoke(
-            "sweep",
-            str(runs / "shardy.toml"),
-            "--shard",
-            f"{i}/2",
-            "--gpus",
-            f"{2 * i}-{2 * i + 1}",
-            "--out",
-            str(runs / f"fleet{i}"),
-            "--no-progress",
-        )
-        assert result.exit_code == 0, result.output
-    merged = runs / "fleets.nc"
-    shards = [str(runs / f"fleet{i}") for i in range(2)]
-    assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
-    cube = open_cube(merged)
+    cube = sweep_and_merge_shards(runs, "fleet", ["0-1", "2-3"])
     assert_same_cells(cube, open_cube(runs / "whole" / "cube.nc"))
     assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
     assert _gpus_per_group(cube) == {1}
