@@ -42,7 +42,7 @@ from dvfs.errors import (
 )
 from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
-from dvfs.fleet.shard_journal import recorded_shard, shard_cube
+from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard, shard_cube
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import (
@@ -347,10 +347,6 @@ def _run_locked(
     return SweepOutcome(summary, journal.path, cube_path)
 
 
-def _shard_text(shard: Shard | None) -> str:
-    return f"shard {shard.label}" if shard else "the whole campaign (no --shard)"
-
-
 def claim_shard(journal: Journal, shard: Shard | None) -> None:
     """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
     campaign), or a shard dealt by an earlier dvfs (`check_deal`), so two shares never mix in
@@ -364,10 +360,7 @@ def claim_shard(journal: Journal, shard: Shard | None) -> None:
         if shard is not None:
             journal.append(shard.to_json())
         return
-    raise JournalError(
-        f"{journal.path.parent} holds {_shard_text(recorded)} of this campaign, but this run is "
-        f"{_shard_text(shard)}: give each shard its own --out folder"
-    )
+    raise JournalError(other_shard(journal.path.parent, recorded, shard))
 
 
 def observe_only(campaign: Campaign) -> Campaign:
@@ -548,21 +541,9 @@ def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
             check_deal(out_dir, recorded)
         except ShardDealError as exc:
             return [str(exc)]
-    if recorded != shard and (recorded is not None or _has_measured(out_dir / JOURNAL_NAME)):
-        return [
-            f"{out_dir} holds {_shard_text(recorded)} of this campaign, but this run is "
-            f"{_shard_text(shard)}: give each shard its own --out folder"
-        ]
+    if recorded != shard and (recorded is not None or has_sessions(out_dir / JOURNAL_NAME)):
+        return [other_shard(out_dir, recorded, shard)]
     return []
-
-
-def _has_measured(journal: Path) -> bool:
-    """Whether a journal holds a session or a cell (a header alone binds no shard)."""
-    from dvfs.measure.journal import iter_records
-
-    if not journal.is_file():
-        return False
-    return any(r.get("type") in ("session", "cell") for r in iter_records(journal))
 
 
 def spent_gpu_s(out_dir: Path) -> float:

@@ -34,6 +34,7 @@ from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, Journa
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
+from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
@@ -477,7 +478,7 @@ class Fleet:
                 )
             by_model.setdefault(names.pop(), []).append(session)
         mixed = len(by_model) > 1 or any(self.out_dir.glob("gpu-*/" + JOURNAL_NAME))
-        if mixed and _has_sessions(self.out_dir / JOURNAL_NAME):
+        if mixed and has_sessions(self.out_dir / JOURNAL_NAME):
             raise JournalError(
                 f"{self.out_dir} holds a run on one GPU model, but this run's GPUs are "
                 f"{', '.join(sorted(by_model))}: use another --out folder for a fleet that "
@@ -576,12 +577,6 @@ class Fleet:
         )
 
 
-def _has_sessions(journal: Path) -> bool:
-    from dvfs.measure.journal import iter_records
-
-    return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
-
-
 def fleet_journal(out_dir: Path) -> bool:
     """Whether `out_dir` holds a fleet's journal(s): a run resuming it on one GPU group (the
     GPUs left after a node loss) goes on as a fleet of one, so that it reads the same journal."""
@@ -622,7 +617,6 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
     from dvfs.fleet.shard import check_deal
-    from dvfs.fleet.shard_journal import recorded_shard
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
 
     for path in [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]:
@@ -636,13 +630,8 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         recorded = recorded_shard(path)
         if shard is not None:
             check_deal(path.parent, recorded)
-        if recorded != shard and _has_sessions(path):
-            mine = f"shard {shard.label}" if shard else "the whole campaign (no --shard)"
-            theirs = f"shard {recorded.label}" if recorded else "the whole campaign (no --shard)"
-            raise JournalError(
-                f"{path.parent} holds {theirs} of this campaign, but this run is {mine}: give "
-                "each shard its own --out folder"
-            )
+        if recorded != shard and has_sessions(path):
+            raise JournalError(other_shard(path.parent, recorded, shard))
 
 
 def _journals_done(
@@ -719,7 +708,7 @@ def run_fleet(
                 others = [
                     path
                     for path in sorted(out_dir.glob("gpu-*/journal.jsonl"))
-                    if path not in done and _has_sessions(path)
+                    if path not in done and has_sessions(path)
                 ]
                 for path in others:
                     finished = Journal(path, iter_records(path)).finished()

@@ -11,6 +11,27 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
+def has_sessions(journal: Path) -> bool:
+    """Whether a journal holds a session (a header, or a header and a shard record, alone bind
+    the folder to nothing yet)."""
+    from dvfs.measure.journal import iter_records
+
+    return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
+
+
+def other_shard(folder: Path, recorded: Shard | None, shard: Shard | None) -> str:
+    """The one line refusing a run of `shard` into a folder holding `recorded` (another shard,
+    or the whole campaign when None)."""
+
+    def text(s: Shard | None) -> str:
+        return f"shard {s.label}" if s else "the whole campaign (no --shard)"
+
+    return (
+        f"{folder} holds {text(recorded)} of this campaign, but this run is {text(shard)}: "
+        "give each shard its own --out folder"
+    )
+
+
 def recorded_shard(journal: Path) -> Shard | None:
     """The shard a journal holds (its shard record), or None: the whole campaign, or no
     journal yet."""
