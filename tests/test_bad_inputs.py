@@ -739,6 +739,18 @@ JOURNAL_CASES = [
         chatty=True,
     ),
     C(
+        "journal-shard-record-garbled-dry-run",
+        ["sweep", "{tmp}/c.toml", "--shard", "0/1", "--out", "{tmp}/run", "--dry-run"],
+        files={
+            "c.toml": GOOD_TEXT,
+            "run/journal.jsonl": _journal_edit(
+                lambda r: [r[0], {"type": "shard", "index": "x", "count": 2}, *r[1:]]
+            ),
+        },
+        code=1,
+        says=("journal.jsonl", "damaged shard record", "--fresh"),
+    ),
+    C(
         "journal-garbage-on-resume",
         ["sweep", "{tmp}/c.toml", "--out", "{tmp}/run", "--no-progress"],
         files={"c.toml": GOOD_TEXT, "run/journal.jsonl": binary_bytes() + b"\n" + binary_bytes()},

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dvfs.errors import JournalError
 from dvfs.fleet.shard import SHARD_RECORD, Shard, mark_cube
 
 if TYPE_CHECKING:
@@ -42,7 +43,13 @@ def recorded_shard(journal: Path) -> Shard | None:
     found = None
     for record in iter_records(journal):
         if record.get("type") == SHARD_RECORD and found is None:
-            found = Shard.from_json(record)
+            try:
+                found = Shard.from_json(record)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise JournalError(
+                    f"{journal} has a damaged shard record ({exc}): move it aside, or start "
+                    "over with `dvfs sweep --fresh`, which renames it"
+                ) from None
     return found
 
 
