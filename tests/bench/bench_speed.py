@@ -129,6 +129,26 @@ def campaign_times(source: Path, dest: Path, repeats: int) -> Path:
     return dest
 
 
+def engine_runs(journal: Path) -> tuple[int, int]:
+    """Cells and engine runs (measured rounds, warm-ups and thermal-stabilisation loads) a demo
+    sweep's journal records: the work a sweep did, which differs between the trees by design
+    (the old protocol measured fewer rounds a cell, and warmed up every cell with a short run)."""
+    import json
+
+    cells = runs = 0
+    with journal.open("rb") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("type") != "cell" or not record.get("measurement"):
+                continue
+            warmup = record.get("warmup") or {}
+            cells += 1
+            runs += int(record["measurement"]["rounds"])
+            runs += int(bool(warmup.get("warmed_up", bool(warmup))))
+            runs += int((warmup.get("stabilised") or {}).get("loads", 0))
+    return cells, runs
+
+
 def verdict(good: bool) -> str:
     return "PASS" if good else "FAIL"
 
@@ -263,6 +283,19 @@ def main() -> None:
     print(
         f"[info] vs the old cube ({BEFORE}): {len(old_lines)} difference(s), by design: issues "
         "11 and 13 changed the twin's physics and the protocol after it"
+    )
+    work_done = {tag: engine_runs(work / f"demo-{tag}" / "journal.jsonl") for tag, _ in trees}
+    per_run = {tag: sweeps[tag].cpu_s / work_done[tag][1] * 1e3 for tag, _ in trees}
+    for tag, tree in trees:
+        n_cells, n_runs = work_done[tag]
+        print(
+            f"[info] {tree.label}: {n_runs} engine runs for {n_cells} cells "
+            f"({n_runs / n_cells:.2f} a cell), {per_run[tag]:.2f} ms CPU a run"
+        )
+    print(
+        f"[info] per engine run the new code is {per_run['old'] / per_run['new']:.1f}x the old's "
+        f"speed and {per_run['ref'] / per_run['new']:.1f}x the reference's; rounds differ in "
+        "length between the trees, so this is a rough measure of the work, not a target"
     )
     if opts.keep:
         print(f"work folder: {work}")
