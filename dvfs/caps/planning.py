@@ -123,14 +123,14 @@ def plan_caps(
                 f"with drafter {drafter!r}{f' on {gpu_uuid}' if gpu_uuid else ''}; loosen the "
                 "target (--slack) or choose another batch or drafter"
             )
+        stock_clock, stock_limit = stock_of(ref)
         clock = max(r["chosen"]["sm_clock_mhz"] for r in group)
         limit = max(r["chosen"]["power_limit_w"] for r in group)
-        clock_cap = None if clock >= ref["sm_clock_mhz"] else int(clock)
-        limit_cap = None if limit >= ref["power_limit_w"] else float(limit)
+        clock_cap = None if clock >= stock_clock else int(clock)
+        limit_cap = None if limit >= stock_limit else float(limit)
         if clock_cap is None and limit_cap is None:
             raise CapsError(
-                f"the chosen setting is stock ({ref['sm_clock_mhz']} MHz, "
-                f"{ref['power_limit_w']:g} W)"
+                f"the chosen setting is stock ({stock_clock} MHz, {stock_limit:g} W)"
                 f" for batch {batch}, drafter {drafter!r}, corpus {corpus}: nothing to cap"
             )
         targets = [gpu_uuid] if gpu_uuid else list(uuids) or list(doc["gpu"]["uuids"])
@@ -159,8 +159,9 @@ def plan_caps(
 
 
 def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str, Any]:
-    """The stock setting a group's chosen setting is compared with: in a merged document
-    whose GPUs' stock settings differ, each GPU's own (`reference.per_gpu`)."""
+    """The reference (with the stock values, `stock_of`) a group's chosen setting is compared
+    with: in a merged document whose GPUs' stock settings differ, each GPU's own
+    (`reference.per_gpu`)."""
     per_gpu = reference.get("per_gpu") or {}
     if gpu_uuid is not None and gpu_uuid in per_gpu:
         return dict(per_gpu[gpu_uuid])
@@ -170,6 +171,20 @@ def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str,
             "group names no GPU; plan each GPU with --gpu UUID"
         )
     return reference
+
+
+def stock_of(ref: dict[str, Any]) -> tuple[int, float]:
+    """The GPU's stock SM clock (MHz) and power limit (W), which a chosen setting is capped
+    against: the reference where the grid holds stock, else the `stock_*` values headroom
+    records beside it. The reference alone (the top of the grid) would call a setting the GPU
+    never runs at unless capped "stock", and a cap file would leave it unset. Documents older
+    than `stock_*` have only the reference."""
+    clock = ref.get("stock_sm_clock_mhz")
+    limit = ref.get("stock_power_limit_w")
+    return (
+        int(ref["sm_clock_mhz"] if clock is None else clock),
+        float(ref["power_limit_w"] if limit is None else limit),
+    )
 
 
 def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> BatchPlan:
@@ -234,7 +249,7 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
 
 def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) -> BatchStep:
     """One batch's step: stock when any corpus (or GPU) has no feasible setting; else per knob
-    the highest chosen value, a knob at or above its reference left at stock."""
+    the highest chosen value, a knob at or above the GPU's stock value left at stock."""
     from dvfs.govern.plan import BatchStep, Setting
 
     if not all(r["feasible"] for r in group):
@@ -243,13 +258,13 @@ def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) ->
     limit_cap: float | None = None
     clock_stock = limit_stock = False
     for r in group:
-        ref = _reference_for(doc["reference"], r.get("gpu"))
+        stock_clock, stock_limit = stock_of(_reference_for(doc["reference"], r.get("gpu")))
         clock, limit = r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]
-        if clock is None or clock >= ref["sm_clock_mhz"]:
+        if clock is None or clock >= stock_clock:
             clock_stock = True
         else:
             clock_cap = max(clock_cap or 0, int(clock))
-        if limit is None or limit >= ref["power_limit_w"]:
+        if limit is None or limit >= stock_limit:
             limit_stock = True
         else:
             limit_cap = max(limit_cap or 0.0, float(limit))
