@@ -87,6 +87,10 @@ def test_caps_of_a_merged_twin_cube_are_each_models_own(tmp_path: Path) -> None:
     caps = tomllib.loads(plan.stdout)
     assert {c["name"]: c["sm_clock_max_mhz"] for c in caps["model"]} == {H100: 1500, H200: 1000}
     assert caps["meta"]["measured_on"] == f"{H100}, {H200}"
+    # --model NAME: one entry, safe on both GPUs (the old code wrote one per GPU).
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--model", "X")
+    (cap,) = tomllib.loads(run(*args).stdout)["model"]
+    assert (cap["name"], cap["sm_clock_max_mhz"]) == ("X", 1500)
 
     refused = run("cap", "plan", str(saved), "--per-batch", "--drafter", "none", code=2)
     assert refused.output.count("\n") == 1
