@@ -71,6 +71,9 @@ def plan_caps(
     corpus may be "worst-case": for each knob the least aggressive choice among the corpora
     (highest clock, highest power limit), which keeps every corpus within its target as long
     as latency does not rise when a knob goes up. A knob left at stock is not capped.
+    In a merged document each GPU is capped by UUID with its own setting; caps that name a
+    GPU model instead (simulated ones, whose UUIDs are made up, or `model_name`) take the least
+    aggressive setting over that model's GPUs, one entry per model.
     """
     if uuids and model_name:
         raise CapsError("--gpu and --model exclude each other: cap GPUs by UUID or by model")
@@ -95,55 +98,46 @@ def plan_caps(
                 f"no headroom rows for corpus {corpus!r}; use one of "
                 f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
             )
-    per_gpu: dict[str | None, list[dict[str, Any]]] = {}
-    for r in rows:
-        per_gpu.setdefault(r.get("gpu"), []).append(r)
     measured_on = doc["gpu"].get("name")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
-    if simulated and not (uuids or model_name):
-        if len(per_gpu) > 1:
-            raise CapsError(
-                "simulated caps from a merged cube of several twin GPUs: plan each GPU's cube "
-                "on its own, or pass --model NAME"
-            )
-        # The twin's UUIDs are made up: name its GPU model instead.
-        model_name = str(measured_on or "unknown GPU") + (
-            "" if is_twin_name(measured_on) else TWIN_SUFFIX
-        )
-        per_gpu = {None: rows}
+    by_model = bool(model_name) or (simulated and not uuids)
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for r in rows:
+        if model_name:  # every GPU of that model gets one cap, safe for every GPU measured
+            key: str | None = model_name
+        elif by_model:  # the twin's UUIDs are made up: name each GPU model instead
+            key = twin_model(model_of(doc, r))
+        else:
+            key = r.get("gpu")
+        groups.setdefault(key, []).append(r)
     caps = []
     edge = False
-    for gpu_uuid, group in per_gpu.items():
+    for key, group in groups.items():
         edge = edge or at_grid_edge(group)
-        ref = _reference_for(doc["reference"], gpu_uuid)
         infeasible = [r["corpus"] for r in group if not r["feasible"]]
         if infeasible:
             raise CapsError(
                 f"no setting meets the target for corpus {', '.join(infeasible)} at batch {batch} "
-                f"with drafter {drafter!r}{f' on {gpu_uuid}' if gpu_uuid else ''}; loosen the "
+                f"with drafter {drafter!r}{f' on {key}' if key else ''}; loosen the "
                 "target (--slack) or choose another batch or drafter"
             )
-        clock = max(r["chosen"]["sm_clock_mhz"] for r in group)
-        limit = max(r["chosen"]["power_limit_w"] for r in group)
-        clock_cap = None if clock >= ref["sm_clock_mhz"] else int(clock)
-        limit_cap = None if limit >= ref["power_limit_w"] else float(limit)
+        clock_cap, limit_cap = least_aggressive(doc, group)
         if clock_cap is None and limit_cap is None:
+            stocks = {stock_of(_reference_for(doc["reference"], r.get("gpu"))) for r in group}
+            stock = "{} MHz, {:g} W".format(*stocks.pop()) if len(stocks) == 1 else "each GPU's own"
             raise CapsError(
-                f"the chosen setting is stock ({ref['sm_clock_mhz']} MHz, "
-                f"{ref['power_limit_w']:g} W)"
+                f"the chosen setting is stock ({stock}){f' on {key}' if key else ''}"
                 f" for batch {batch}, drafter {drafter!r}, corpus {corpus}: nothing to cap"
             )
-        targets = [gpu_uuid] if gpu_uuid else list(uuids) or list(doc["gpu"]["uuids"])
-        if model_name:
-            caps.append(
-                GpuCap(name=model_name, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap)
-            )
-        else:
-            if not targets:
-                raise CapsError("no GPU UUIDs: pass --gpu UUID (repeatable) or --model NAME")
-            caps += [
-                GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
-            ]
+        if by_model:
+            caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
+            continue
+        targets = key.split(",") if key else list(uuids) or list(doc["gpu"]["uuids"])
+        if not targets:
+            raise CapsError("no GPU UUIDs: pass --gpu UUID (repeatable) or --model NAME")
+        caps += [
+            GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
+        ]
     meta = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "simulated": True if simulated else None,
@@ -158,9 +152,54 @@ def plan_caps(
     return CapsFile(tuple(caps), meta)
 
 
+def twin_model(name: str | None) -> str:
+    """A twin GPU's model as simulated caps and plans name it: the NVML name with the twin's
+    suffix, so it never matches a real GPU unless the operator allows it."""
+    return str(name or "unknown GPU") + ("" if is_twin_name(name) else TWIN_SUFFIX)
+
+
+def model_of(doc: dict[str, Any], row: dict[str, Any]) -> str | None:
+    """The GPU model a row was measured on: in a merged document its GPU's (`gpu.names`),
+    never the document's first GPU's."""
+    label = row.get("gpu")
+    if label is None:
+        return doc["gpu"].get("name")
+    names = doc["gpu"].get("names") or {}
+    if label not in names:
+        raise CapsError(
+            f"the headroom document does not name the model of GPU {str(label)[:12]} (an older "
+            "dvfs wrote it); write it again with `dvfs headroom CUBE --json -o FILE`"
+        )
+    return str(names[label])
+
+
+def least_aggressive(
+    doc: dict[str, Any], group: Sequence[dict[str, Any]]
+) -> tuple[int | None, float | None]:
+    """Per knob the highest value chosen over the rows (corpora, GPUs): the SM clock cap (MHz)
+    and power limit (W), None (stock) where any row chose its GPU's stock value or above, or
+    chose nothing. Safe for every row as long as latency does not rise when a knob goes up."""
+    clock_cap: int | None = None
+    limit_cap: float | None = None
+    clock_stock = limit_stock = False
+    for r in group:
+        stock_clock, stock_limit = stock_of(_reference_for(doc["reference"], r.get("gpu")))
+        clock, limit = r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]
+        if clock is None or clock >= stock_clock:
+            clock_stock = True
+        else:
+            clock_cap = max(clock_cap or 0, int(clock))
+        if limit is None or limit >= stock_limit:
+            limit_stock = True
+        else:
+            limit_cap = max(limit_cap or 0.0, float(limit))
+    return (None if clock_stock else clock_cap, None if limit_stock else limit_cap)
+
+
 def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str, Any]:
-    """The stock setting a group's chosen setting is compared with: in a merged document
-    whose GPUs' stock settings differ, each GPU's own (`reference.per_gpu`)."""
+    """The reference (with the stock values, `stock_of`) a group's chosen setting is compared
+    with: in a merged document whose GPUs' stock settings differ, each GPU's own
+    (`reference.per_gpu`)."""
     per_gpu = reference.get("per_gpu") or {}
     if gpu_uuid is not None and gpu_uuid in per_gpu:
         return dict(per_gpu[gpu_uuid])
@@ -172,10 +211,25 @@ def _reference_for(reference: dict[str, Any], gpu_uuid: str | None) -> dict[str,
     return reference
 
 
+def stock_of(ref: dict[str, Any]) -> tuple[int, float]:
+    """The GPU's stock SM clock (MHz) and power limit (W), which a chosen setting is capped
+    against: the reference where the grid holds stock, else the `stock_*` values headroom
+    records beside it. The reference alone (the top of the grid) would call a setting the GPU
+    never runs at unless capped "stock", and a cap file would leave it unset. Documents older
+    than `stock_*` have only the reference."""
+    clock = ref.get("stock_sm_clock_mhz")
+    limit = ref.get("stock_power_limit_w")
+    return (
+        int(ref["sm_clock_mhz"] if clock is None else clock),
+        float(ref["power_limit_w"] if limit is None else limit),
+    )
+
+
 def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> BatchPlan:
     """A per-batch plan (for `dvfs govern`) from a `dvfs.headroom/1` document: for each batch
     the document has, the chosen setting of `drafter`, least aggressive across the corpora
-    (`corpus` "worst-case") and across the GPUs of a merged document.
+    (`corpus` "worst-case") and across the GPUs of a merged document, all of one model: the
+    plan names the model `dvfs govern` checks each GPU against.
 
     A batch with no feasible setting, or whose chosen setting is stock, is planned at stock: the
     governor then leaves the GPU alone at that load.
@@ -201,6 +255,13 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
                 f"no headroom rows for corpus {corpus!r}; use one of "
                 f"{sorted({r['corpus'] for r in doc['rows']})} or worst-case"
             )
+    models = list(dict.fromkeys(model_of(doc, r) for r in rows))
+    if len(models) > 1:
+        raise CapsError(
+            f"the headroom document's GPUs are of {len(models)} models "
+            f"({', '.join(str(m) for m in models)}): a per-batch plan is for one GPU model; "
+            "plan each model from its own cube (or a merge of that model's cubes)"
+        )
     steps = []
     edge_batches = []
     for batch in sorted({int(r["batch"]) for r in rows}):
@@ -209,10 +270,10 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
         steps.append(step)
         if not step.setting.is_stock and at_grid_edge(group):
             edge_batches.append(str(batch))
-    measured_on = str(doc["gpu"].get("name") or "unknown GPU")
+    measured_on = str(models[0] or "unknown GPU")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
-    if simulated and not is_twin_name(measured_on):
-        measured_on += TWIN_SUFFIX
+    if simulated:
+        measured_on = twin_model(measured_on)
     meta = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "simulated": True if simulated else None,
@@ -234,30 +295,16 @@ def plan_per_batch(doc: dict[str, Any], *, drafter: str | None, corpus: str) -> 
 
 def _batch_step(doc: dict[str, Any], batch: int, group: list[dict[str, Any]]) -> BatchStep:
     """One batch's step: stock when any corpus (or GPU) has no feasible setting; else per knob
-    the highest chosen value, a knob at or above its reference left at stock."""
+    the highest chosen value, a knob at or above the GPU's stock value left at stock."""
     from dvfs.govern.plan import BatchStep, Setting
 
     if not all(r["feasible"] for r in group):
         return BatchStep(batch, Setting())
-    clock_cap: int | None = None
-    limit_cap: float | None = None
-    clock_stock = limit_stock = False
-    for r in group:
-        ref = _reference_for(doc["reference"], r.get("gpu"))
-        clock, limit = r["chosen"]["sm_clock_mhz"], r["chosen"]["power_limit_w"]
-        if clock is None or clock >= ref["sm_clock_mhz"]:
-            clock_stock = True
-        else:
-            clock_cap = max(clock_cap or 0, int(clock))
-        if limit is None or limit >= ref["power_limit_w"]:
-            limit_stock = True
-        else:
-            limit_cap = max(limit_cap or 0.0, float(limit))
     # The planned energies are meaningful for one corpus on one GPU only.
     single = group[0] if len(group) == 1 else {}
     return BatchStep(
         batch,
-        Setting(None if clock_stock else clock_cap, None if limit_stock else limit_cap),
+        Setting(*least_aggressive(doc, group)),
         single.get("energy_per_token_j"),
         single.get("stock_energy_per_token_j"),
     )

@@ -120,6 +120,26 @@ def reference_label(ref: dict[str, Any]) -> str:
     return "stock" if stock else "ref."
 
 
+def gpu_names(cube: xr.Dataset) -> dict[str, str]:
+    """A merged cube's GPUs, label (UUID, or a group's UUIDs comma-joined) -> model name, in
+    the `gpu` axis's order; {} for a one-GPU cube. Its `gpu_name` attribute is only the first
+    GPU's model."""
+    if "gpu" not in cube.dims:
+        return {}
+    labels = [str(g) for g in cube["gpu"].values]
+    try:
+        names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names", "[]")))]
+    except ValueError:
+        names = []
+    return dict(zip(labels, names if len(names) == len(labels) else labels, strict=True))
+
+
+def gpu_uuids(cube: xr.Dataset) -> list[str]:
+    """Every GPU UUID the cube records: its `gpu_uuids`, or a merged cube's `gpu` labels."""
+    labels = list(gpu_names(cube)) or [str(cube.attrs.get("gpu_uuids", ""))]
+    return [u for label in labels for u in label.split(",") if u.startswith("GPU-")]
+
+
 def gpus_of(r: xr.Dataset, name: str) -> list[str]:
     """A comma-joined GPU variable as a list (empty where absent or unknown)."""
     if name not in r:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvfs.analysis.targets import Target
+from dvfs.report.common import gpu_names
 from dvfs.report.facts import measured_section
 from dvfs.report.findings import findings_section
 from dvfs.report.model import Code, Document, Figure, Paragraph, Section, Table
@@ -65,20 +66,6 @@ def build_document(
         f"generated {generated}",
         sections=sections,
     )
-
-
-def gpu_names(cube: xr.Dataset) -> dict[str, str]:
-    """A merged cube's GPUs, label (UUID) -> model name; {} for a one-GPU cube."""
-    import json
-
-    if "gpu" not in cube.dims:
-        return {}
-    labels = [str(g) for g in cube["gpu"].values]
-    try:
-        names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names", "[]")))]
-    except ValueError:
-        names = []
-    return dict(zip(labels, names if len(names) == len(labels) else labels, strict=True))
 
 
 def _figure(name: str, data: bytes) -> Figure:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from dvfs.report.common import gpu_uuids
 from dvfs.report.model import Code, Facts, Paragraph, Section, Table
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_text(a.get('campaign_hash'))})"),
         ("GPU", info["gpu"]),
-        ("GPU UUIDs", _text(a.get("gpu_uuids")).replace(",", ", ")),
+        ("GPU UUIDs", ", ".join(gpu_uuids(cube)) or MISSING),
         ("Driver", _text(info["driver"]) + memory),
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
         ("Model", _text(info["model"]) + tp),

@@ -12,6 +12,8 @@ from dvfs.report.common import (
     as_int,
     fmt,
     fmt_ms,
+    gpu_names,
+    gpu_uuids,
     gpus_of,
     group_dims,
     markdown_table,
@@ -77,11 +79,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         "schema": HEADROOM_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
         "campaign_hash": cube.attrs.get("campaign_hash"),
-        "gpu": {
-            "name": cube.attrs.get("gpu_name"),
-            "uuids": [u for u in str(cube.attrs.get("gpu_uuids", "")).split(",") if u],
-            "backend": cube.attrs.get("gpu_backend"),
-        },
+        "gpu": _gpu(cube),
         "model": cube.attrs.get("model"),
         "target": {
             "mode": a["target_mode"],
@@ -103,6 +101,22 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         },
         "rows": rows,
     }
+
+
+def _gpu(cube: xr.Dataset) -> dict[str, Any]:
+    """The GPUs measured: `name` their models (a merged cube's distinct models, joined),
+    `uuids` every UUID recorded, and in a merged cube `names`, each row's `gpu` label ->
+    its model, which `dvfs cap plan` keys simulated caps by."""
+    gpu: dict[str, Any] = {
+        "name": cube.attrs.get("gpu_name"),
+        "uuids": gpu_uuids(cube),
+        "backend": cube.attrs.get("gpu_backend"),
+    }
+    names = gpu_names(cube)
+    if names:
+        gpu["name"] = ", ".join(dict.fromkeys(names.values()))
+        gpu["names"] = names
+    return gpu
 
 
 def _flag(r: xr.Dataset, name: str) -> bool:

@@ -1,0 +1,118 @@
+"""A merged cube of several GPUs is described as all of them, end to end through the CLI:
+`headroom --json` names every GPU model and UUID, the report lists every UUID, and caps keyed
+by GPU model (the twin's) take each model's own setting, never the first GPU's name."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from cubes import make_cube
+
+from dvfs.cli import cli
+from dvfs.cube import write_cube
+
+H100 = "NVIDIA H100 80GB HBM3 (twin)"
+H200 = "NVIDIA H200 (twin)"
+UUID_A = "GPU-aaaaaaaa-0000-4000-8000-000000000001"
+UUID_B = "GPU-bbbbbbbb-0000-4000-8000-000000000002"
+
+
+def run(*args: str, code: int = 0) -> Result:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+def twin_cube(path: Path, name: str, uuid: str, slow_below: int) -> Path:
+    """A one-GPU twin cube whose latency keeps within 5% of stock down to `slow_below` MHz,
+    where energy is least: so its chosen clock is `slow_below`."""
+
+    def latency(clock: int, *_: object) -> float:
+        return 10.0 if clock >= slow_below else 20.0
+
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[700.0],
+        latency=latency,
+        energy=lambda clock, *_: clock / 1000,
+    )
+    ds.attrs.update(
+        gpu_uuids=uuid,
+        gpu_name=name,
+        gpu_backend="twin",
+        model="m",
+        engine_backend="twin",
+        tp_size=1,
+        measurement_method="x",
+        campaign=json.dumps({"name": "merged", "workload": {"batch": [1]}}),
+    )
+    return write_cube(ds, path)
+
+
+def merged(tmp_path: Path, second: str, second_slow_below: int) -> Path:
+    a = twin_cube(tmp_path / "a.nc", H100, UUID_A, 1500)
+    b = twin_cube(tmp_path / "b.nc", second, UUID_B, second_slow_below)
+    out = tmp_path / "merged.nc"
+    run("cube", "merge", str(a), str(b), "-o", str(out))
+    return out
+
+
+def test_a_merged_cube_names_every_gpu(tmp_path: Path) -> None:
+    cube = merged(tmp_path, H200, 1000)
+    room = json.loads(run("headroom", str(cube), "--json").output)
+    assert room["gpu"]["name"] == f"{H100}, {H200}"
+    assert room["gpu"]["uuids"] == [UUID_A, UUID_B]
+    assert room["gpu"]["names"] == {UUID_A: H100, UUID_B: H200}
+    markdown = run("headroom", str(cube), "--markdown").output
+    assert f"({H100}, {H200})" in markdown
+
+    report = tmp_path / "report.md"
+    run("report", str(cube), "-o", str(report))
+    text = report.read_text()
+    assert f"**GPU UUIDs:** {UUID_A}, {UUID_B}" in text
+    caps = text.split("Caps per batch and drafter")[1].split("To write the caps file")[0]
+    assert f"every {H100} | 1500 MHz" in caps and f"every {H200} | 1000 MHz" in caps
+
+
+def test_caps_of_a_merged_twin_cube_are_each_models_own(tmp_path: Path) -> None:
+    """Static caps: one [[model]] per GPU model with that model's setting. A per-batch plan
+    names one model (`dvfs govern` checks each GPU against it), so two models are refused."""
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(merged(tmp_path, H200, 1000)), "--json", "-o", str(saved))
+    plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    caps = tomllib.loads(plan.stdout)
+    assert {c["name"]: c["sm_clock_max_mhz"] for c in caps["model"]} == {H100: 1500, H200: 1000}
+    assert caps["meta"]["measured_on"] == f"{H100}, {H200}"
+    # --model NAME: one entry, safe on both GPUs (the old code wrote one per GPU).
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--model", "X")
+    (cap,) = tomllib.loads(run(*args).stdout)["model"]
+    assert (cap["name"], cap["sm_clock_max_mhz"]) == ("X", 1500)
+
+    refused = run("cap", "plan", str(saved), "--per-batch", "--drafter", "none", code=2)
+    assert refused.output.count("\n") == 1
+    assert f"2 models ({H100}, {H200})" in refused.output
+
+
+@pytest.mark.parametrize("mode", ["static", "per-batch"])
+def test_a_merged_cube_of_one_twin_model_takes_the_least_aggressive(
+    tmp_path: Path, mode: str
+) -> None:
+    """Two twin GPUs of one model: static caps and the per-batch plan agree, each naming that
+    model once with the higher of the two GPUs' clocks (static caps refused this before)."""
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(merged(tmp_path, H100, 1000)), "--json", "-o", str(saved))
+    if mode == "static":
+        (cap,) = tomllib.loads(
+            run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none").stdout
+        )["model"]
+        assert (cap["name"], cap["sm_clock_max_mhz"]) == (H100, 1500)
+    else:
+        plan = tomllib.loads(
+            run("cap", "plan", str(saved), "--per-batch", "--drafter", "none").stdout
+        )
+        assert plan["meta"]["measured_on"] == H100
+        assert [s["sm_clock_mhz"] for s in plan["batch"]] == [1500]
