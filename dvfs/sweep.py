@@ -42,7 +42,13 @@ from dvfs.errors import (
 )
 from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
-from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard, shard_cube
+from dvfs.fleet.shard_journal import (
+    OtherShardError,
+    has_sessions,
+    other_shard,
+    recorded_shard,
+    shard_cube,
+)
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import (
@@ -360,7 +366,7 @@ def claim_shard(journal: Journal, shard: Shard | None) -> None:
         if shard is not None:
             journal.append(shard.to_json())
         return
-    raise JournalError(other_shard(journal.path.parent, recorded, shard))
+    raise OtherShardError(other_shard(journal.path.parent, recorded, shard))
 
 
 def observe_only(campaign: Campaign) -> Campaign:

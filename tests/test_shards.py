@@ -184,22 +184,30 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
 
 
 def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
+    """A folder holding another shard, or the whole campaign, is the wrong --out: refused before
+    anything is measured, exit 2 (invalid input, as a shard dealt otherwise), in one line, by
+    the sweep and its dry run alike."""
+    from test_journal import assert_one_line_error
+
     campaign = str(runs / "shardy.toml")
     other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(runs / "s0"), "--no-progress")
-    assert other.exit_code == 1
-    assert "holds shard 0/3 of this campaign, but this run is shard 2/3" in other.output
+    assert_one_line_error(
+        other, 2, "holds shard 0/3 of this campaign, but this run is shard 2/3", "its own --out"
+    )
     whole = invoke("sweep", campaign, "--out", str(runs / "s0"), "--no-progress")
-    assert whole.exit_code == 1 and "no --shard" in whole.output
+    assert_one_line_error(whole, 2, "no --shard")
     sharded = invoke(
         "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
     )
-    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
-    dry = invoke(
-        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--dry-run", "--json"
-    )
-    assert dry.exit_code == 2 and any(
-        "holds the whole campaign" in p for p in json.loads(dry.output)["problems"]
-    )
+    assert_one_line_error(sharded, 2, "holds the whole campaign")
+    for shard, out, says in (
+        ("2/3", "s0", "holds shard 0/3 of this campaign"),
+        ("0/3", "whole", "holds the whole campaign"),
+    ):
+        dry = invoke(
+            "sweep", campaign, "--shard", shard, "--out", str(runs / out), "--dry-run", "--json"
+        )
+        assert dry.exit_code == 2 and any(says in p for p in json.loads(dry.output)["problems"])
     # Rerunning a finished shard skips its cells.
     again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output

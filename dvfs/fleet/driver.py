@@ -34,7 +34,7 @@ from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, Journa
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
-from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard
+from dvfs.fleet.shard_journal import OtherShardError, has_sessions, other_shard, recorded_shard
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
@@ -631,7 +631,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         if shard is not None:
             check_deal(path.parent, recorded)
         if recorded != shard and has_sessions(path):
-            raise JournalError(other_shard(path.parent, recorded, shard))
+            raise OtherShardError(other_shard(path.parent, recorded, shard))
 
 
 def _journals_done(

@@ -20,6 +20,13 @@ def has_sessions(journal: Path) -> bool:
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
 
 
+class OtherShardError(JournalError):
+    """A folder holding another shard, or the whole campaign: the wrong --out for this run,
+    refused before anything is measured, as invalid input like a shard dealt otherwise."""
+
+    exit_code = 2
+
+
 def other_shard(folder: Path, recorded: Shard | None, shard: Shard | None) -> str:
     """The one line refusing a run of `shard` into a folder holding `recorded` (another shard,
     or the whole campaign when None)."""
