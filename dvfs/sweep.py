@@ -44,7 +44,8 @@ from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
 from dvfs.fleet.shard_journal import (
     OtherShardError,
-    has_sessions,
+    check_shard,
+    folder_journals,
     other_shard,
     recorded_shard,
     shard_cube,
@@ -538,18 +539,17 @@ def plan_dry_run(
 
 
 def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
-    """What would stop the run in `out_dir` before it measures, as `claim_shard` says it: a
-    folder holding another shard (or the whole campaign), or a shard begun by an earlier dvfs
-    that dealt its cells otherwise."""
-    recorded = recorded_shard(out_dir / JOURNAL_NAME)
-    if shard is not None:
+    """What would stop the run in `out_dir` before it measures, as the sweep says it
+    (`check_shard`), for its journal and each GPU model's: a folder holding another shard (or
+    the whole campaign), or a shard begun by an earlier dvfs that dealt its cells otherwise. A
+    damaged shard record is refused in one line, as the sweep refuses it."""
+    problems = []
+    for journal in folder_journals(out_dir):
         try:
-            check_deal(out_dir, recorded)
-        except ShardDealError as exc:
-            return [str(exc)]
-    if recorded != shard and (recorded is not None or has_sessions(out_dir / JOURNAL_NAME)):
-        return [other_shard(out_dir, recorded, shard)]
-    return []
+            check_shard(journal, shard)
+        except (ShardDealError, OtherShardError) as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def spent_gpu_s(out_dir: Path) -> float:

@@ -519,6 +519,51 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
     assert read_records(journal)[1] == {"type": "shard", "index": 0, "count": 3, "deal": "groups"}
 
 
+def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: Path) -> None:
+    """A shard run on a fleet mixing GPU models journals in `gpu-<model>/`: its dry run looks
+    there as the sweep does, so a folder holding another shard (or a whole-campaign run into
+    it), one begun by an earlier dvfs, and a damaged shard record are refused by both, with or
+    without --gpus, naming the model's folder in the same line and with the same exit code,
+    the journals untouched."""
+    from test_journal import assert_one_line_error
+
+    campaign = str(write(tmp_path / "tiny.toml", MIXED))
+    fleet = ("--gpus", "0,h200-sxm:0")
+    s0 = tmp_path / "s0"
+    result = invoke("sweep", campaign, "--shard", "0/2", *fleet, "--out", str(s0), "--no-progress")
+    assert result.exit_code == 0, result.output
+    h100, h200 = (p.name for p in sorted(s0.glob("gpu-*")))
+    assert not (s0 / "journal.jsonl").exists()
+    old = copy_sweep(s0, tmp_path / "old")
+    for folder in sorted(old.glob("gpu-*")):
+        _begun_by_an_earlier_dvfs(folder)
+    damaged = copy_sweep(s0, tmp_path / "damaged") / h200 / "journal.jsonl"
+    records = read_records(damaged)
+    records[1] = {**records[1], "index": "x"}
+    damaged.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    cases = (
+        ("1/2", s0, 2, f"{s0 / h100} holds shard 0/2 of this campaign, but this run is shard 1/2"),
+        (None, s0, 2, f"{s0 / h100} holds shard 0/2 of this campaign, but this run is the whole"),
+        ("0/2", old, 2, f"{old / h100} holds shard 0/2 begun by an earlier dvfs"),
+        ("0/2", damaged.parent.parent, 1, f"{damaged} has a damaged shard record"),
+    )
+    for shard, out, code, says in cases:
+        journals = {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")}
+        for gpus in ((), fleet):
+            args = ("sweep", campaign, *(("--shard", shard) if shard else ()), *gpus)
+            args += ("--out", str(out))
+            line = assert_one_line_error(invoke(*args, "--no-progress"), code, says)
+            dry = invoke(*args, "--dry-run", "--no-estimate", "--json")
+            if code == 1:  # not a plan's problem: the one line the sweep prints
+                assert assert_one_line_error(dry, 1, says) == line
+                continue
+            assert dry.exit_code == code, dry.output
+            problems = json.loads(dry.output)["problems"]
+            assert any(line.endswith(p) for p in problems), (line, problems)
+            assert len(problems) == 2 and str(out / h200) in problems[1]
+        assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
+
+
 def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
     runs: Path, tmp_path: Path
 ) -> None:

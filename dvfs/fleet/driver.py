@@ -34,7 +34,7 @@ from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, Journa
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
-from dvfs.fleet.shard_journal import OtherShardError, has_sessions, other_shard, recorded_shard
+from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
@@ -616,10 +616,9 @@ def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> l
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
-    from dvfs.fleet.shard import check_deal
-    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+    from dvfs.measure.journal import iter_records
 
-    for path in [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]:
+    for path in folder_journals(out_dir):
         if not path.is_file():
             continue
         first = next(iter_records(path), None)
@@ -627,11 +626,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
             continue
         with Journal.open(path, campaign):  # its own refusal: other settings, not a journal
             pass
-        recorded = recorded_shard(path)
-        if shard is not None:
-            check_deal(path.parent, recorded)
-        if recorded != shard and has_sessions(path):
-            raise OtherShardError(other_shard(path.parent, recorded, shard))
+        check_shard(path, shard)
 
 
 def _journals_done(
