@@ -389,13 +389,17 @@ class DryRunPlan:
     actuation: bool
     grid: dict[str, Any]
     cells: int
-    already_done: int
+    #: The cells the journal(s) in the output folder already hold, which a rerun skips; None
+    #: when the sweep would refuse that folder before measuring anything (another shard's, or
+    #: dealt otherwise: `problems` says which), so nothing there counts as done or to run.
+    already_done: int | None
     server_starts: int
     knob_changes: int
     #: The comparison groups (batch, corpus, repeat) among the planned cells: a fleet runs
     #: each whole on one worker, a shard holds whole ones.
     comparison_groups: int
-    #: The closed-form duration of the cells still to run (`dvfs.measure.plan`): rough (it
+    #: The closed-form duration of the cells still to run (all of them when the folder is
+    #: refused; `dvfs.measure.plan`): rough (it
     #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
     #: gives no estimate.
     estimated_s: float
@@ -408,8 +412,13 @@ class DryRunPlan:
     estimate: TwinEstimate | None = None
 
     @property
-    def remaining(self) -> int:
-        return self.cells - self.already_done
+    def remaining(self) -> int | None:
+        return None if self.already_done is None else self.cells - self.already_done
+
+    @property
+    def out_refused(self) -> bool:
+        """Whether the sweep would refuse the output folder before measuring anything."""
+        return self.already_done is None
 
     @property
     def twin_gpu_s(self) -> float | None:
@@ -432,6 +441,7 @@ class DryRunPlan:
             "cells": self.cells,
             "already_done": self.already_done,
             "remaining": self.remaining,
+            "out_refused": self.out_refused,
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
             "comparison_groups": self.comparison_groups,
@@ -498,14 +508,17 @@ def plan_dry_run(
     if estimate:
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = planned_cells(campaign, shard)
-    summary = summarise_plan(campaign, cells, finished_cells(campaign, out_dir))
+    # A folder the sweep would refuse counts nothing as done: its cells are another share's.
+    refused = _folder_problems(out_dir, shard)
+    done = set() if refused else finished_cells(campaign, out_dir)
+    summary = summarise_plan(campaign, cells, done)
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
     except CorpusError as exc:
         problems = [str(exc)]
-    problems += _folder_problems(out_dir, shard)
+    problems += refused
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -522,7 +535,7 @@ def plan_dry_run(
             "repeat": campaign.measurement.repeats,
         },
         cells=summary.cells,
-        already_done=summary.cells - summary.remaining,
+        already_done=None if refused else summary.cells - summary.remaining,
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),

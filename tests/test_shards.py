@@ -207,7 +207,17 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
         dry = invoke(
             "sweep", campaign, "--shard", shard, "--out", str(runs / out), "--dry-run", "--json"
         )
-        assert dry.exit_code == 2 and any(says in p for p in json.loads(dry.output)["problems"])
+        doc = json.loads(dry.output)
+        assert dry.exit_code == 2 and any(says in p for p in doc["problems"])
+        # The folder's cells are not this run's to skip (the whole campaign holds all of
+        # shard 0/3's): none is counted as done or to run.
+        assert (doc["already_done"], doc["remaining"], doc["out_refused"]) == (None, None, True)
+    into_whole = ("--shard", "0/3", "--out", str(runs / "whole"), "--no-estimate")
+    text = invoke("sweep", campaign, *into_whole, "--dry-run")
+    assert text.exit_code == 2 and "already done" not in text.output
+    assert "none counted as done or to run: the sweep would refuse this --out folder" in " ".join(
+        text.output.split()
+    )
     # Rerunning a finished shard skips its cells.
     again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output
@@ -507,6 +517,7 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
     args = ("sweep", campaign, "--shard", "0/3", "--dry-run", "--no-estimate", "--json")
     doc = json.loads(invoke(*args, "--out", str(folder)).output)
     assert any("begun by an earlier dvfs" in p for p in doc["problems"]), doc["problems"]
+    assert (doc["already_done"], doc["remaining"], doc["out_refused"]) == (None, None, True)
     dry = invoke(*args[:-1], "--out", str(folder))
     assert dry.exit_code == 2 and "begun by an earlier dvfs" in " ".join(dry.output.split())
     other = ("sweep", campaign, "--shard", "2/3", "--dry-run", "--no-estimate", "--json")
@@ -558,8 +569,10 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: 
                 assert assert_one_line_error(dry, 1, says) == line
                 continue
             assert dry.exit_code == code, dry.output
-            problems = json.loads(dry.output)["problems"]
+            doc = json.loads(dry.output)
+            problems = doc["problems"]
             assert any(line.endswith(p) for p in problems), (line, problems)
+            assert doc["already_done"] is None and doc["out_refused"]
             assert len(problems) == 2 and str(out / h200) in problems[1]
         assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
 

@@ -29,14 +29,27 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         text = value if isinstance(value, str | int) else ", ".join(map(str, value))
         grid.add_row(f"  {key}", str(text))
     out.print(grid)
+    refused = report["out_refused"]
     counts = (
-        f"[bold]{report['cells']}[/bold] cells ({report['already_done']} already done, "
-        f"{report['remaining']} to run), {report['server_starts']} server start(s), "
-        f"{report['knob_changes']} knob change(s)"
+        f"[bold]{report['cells']}[/bold] cells"
+        + (
+            ""
+            if refused
+            else f" ({report['already_done']} already done, {report['remaining']} to run)"
+        )
+        + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
     )
+    if refused:  # the journal there is another share's: its cells are neither done nor to do
+        counts += (
+            "; none counted as done or to run: the sweep would refuse this --out folder "
+            "before measuring anything (see below)"
+        )
     estimate = report["estimate"]
     if estimate["from"] != "twin":
-        out.print(f"{counts}; roughly {estimate['gpu_hours']} h on real hardware (closed form)")
+        whole = " for all of them" if refused else ""
+        out.print(
+            f"{counts}; roughly {estimate['gpu_hours']} h on real hardware{whole} (closed form)"
+        )
     else:
         out.print(counts)
         on = (
