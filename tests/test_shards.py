@@ -599,9 +599,14 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
     del stripped.attrs["shard_deal"]  # a cube file of the earlier dvfs: its shard alone
     write_cube(stripped, cube_files)
     files = merge(cube_files, *(s / "cube.nc" for s in new[1:]))
+    # Given in another order, they are named in shard order all the same (0/3, then 1/3).
+    shuffled = merge(new[2], new[1], old[0])
+    shuffled_files = merge(new[2] / "cube.nc", cube_files, new[1] / "cube.nc")
     for result, first, second in (
         (journals, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
         (files, cube_files, new[1] / "cube.nc"),
+        (shuffled, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
+        (shuffled_files, cube_files, new[1] / "cube.nc"),
     ):
         assert result.exit_code == 1
         assert len(result.output.strip().splitlines()) == 1, result.output
