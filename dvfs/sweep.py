@@ -89,22 +89,33 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
 
 
 def fresh_start(out_dir: Path) -> Path | None:
-    """Move an existing journal and cube aside (journal.jsonl -> journal.jsonl.1, ...)."""
-    journal = out_dir / JOURNAL_NAME
-    if not journal.exists():
-        return None
+    """Move the journals a rerun would resume aside, each with its cube (journal.jsonl ->
+    journal.jsonl.1, ...): the folder's own and each GPU model's (`gpu-<model>/`, where a fleet
+    mixing models journals; then the merged cube beside them too), so that --fresh starts over
+    wherever the sweep would refuse to resume. Returns the first journal moved."""
+    moved = []
+    for journal in folder_journals(out_dir):
+        if journal.exists():
+            moved.append(_move_aside(journal, journal.parent / CUBE_NAME))
+    if moved and moved[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
+        _move_aside(out_dir / CUBE_NAME)
+    return moved[0] if moved else None
+
+
+def _move_aside(first: Path, *others: Path) -> Path:
+    """Rename `first` and those of `others` that exist to `NAME.n`, one n free for all of
+    them; returns `first`'s new path."""
+    paths = (first, *others)
     n = 1
-    while (out_dir / f"{JOURNAL_NAME}.{n}").exists():
+    while any(p.with_name(f"{p.name}.{n}").exists() for p in paths):
         n += 1
-    target = out_dir / f"{JOURNAL_NAME}.{n}"
     try:
-        shutil.move(journal, target)
-        cube = out_dir / CUBE_NAME
-        if cube.exists():
-            shutil.move(cube, out_dir / f"{CUBE_NAME}.{n}")
+        for path in paths:
+            if path.exists():
+                shutil.move(path, path.with_name(f"{path.name}.{n}"))
     except OSError as exc:
         raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
-    return target
+    return first.with_name(f"{first.name}.{n}")
 
 
 @contextlib.contextmanager

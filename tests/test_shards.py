@@ -575,6 +575,18 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: 
             assert doc["already_done"] is None and doc["out_refused"]
             assert len(problems) == 2 and str(out / h200) in problems[1]
         assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
+    # --fresh, which both refusals of the earlier dvfs's folder and the damaged record advise,
+    # moves each model's journal aside (and the merged cube), and starts the shard over.
+    for out in (old, damaged.parent.parent):
+        journals = {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")}
+        cube = (out / "cube.nc").read_bytes()
+        args = ("sweep", campaign, "--shard", "0/2", *fleet, "--out", str(out), "--no-progress")
+        result = invoke(*args, "--fresh")
+        assert result.exit_code == 0, result.output
+        assert (out / "cube.nc.1").read_bytes() == cube
+        for journal, before in journals.items():
+            assert journal.with_name("journal.jsonl.1").read_bytes() == before
+            assert read_records(journal)[1] == Shard(0, 2).to_json()
 
 
 def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
