@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -400,17 +400,21 @@ class DryRunPlan:
     actuation: bool
     grid: dict[str, Any]
     cells: int
-    #: The cells the journal(s) in the output folder already hold, which a rerun skips; None
-    #: when the sweep would refuse that folder before measuring anything (another shard's, or
-    #: dealt otherwise: `problems` says which), so nothing there counts as done or to run.
+    #: The planned cells the journal(s) in the output folder already hold, which a rerun
+    #: skips: summed over the GPU models of a fleet mixing them (each model's journal, as
+    #: `done_per_model` says); None when the sweep would refuse that folder
+    #: before measuring anything (another shard's, or dealt otherwise: `problems` says which),
+    #: so nothing there counts as done or to run.
     already_done: int | None
+    #: The server starts and knob changes of the cells still to run, on the GPU model with
+    #: the most left (each model runs them on its own workers).
     server_starts: int
     knob_changes: int
     #: The comparison groups (batch, corpus, repeat) among the planned cells: a fleet runs
     #: each whole on one worker, a shard holds whole ones.
     comparison_groups: int
     #: The closed-form duration of the cells still to run (all of them when the folder is
-    #: refused; `dvfs.measure.plan`): rough (it
+    #: refused; on the GPU model with the most left; `dvfs.measure.plan`): rough (it
     #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
     #: gives no estimate.
     estimated_s: float
@@ -421,10 +425,22 @@ class DryRunPlan:
     #: planned cells (all of them, or the shard's) into a temporary folder; None when not
     #: estimated (--no-estimate, or corpus problems).
     estimate: TwinEstimate | None = None
+    #: Where the sweep journals per GPU model (`gpu-<model>/`: a fleet mixing models, or a
+    #: folder one began), each model's folder and the planned cells its journal holds; the
+    #: cells run once per model. Empty when it journals in the folder itself.
+    done_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def runs(self) -> int:
+        """How many times the planned cells are measured: once per GPU model journalled
+        apart, else once."""
+        return max(1, len(self.done_per_model))
 
     @property
     def remaining(self) -> int | None:
-        return None if self.already_done is None else self.cells - self.already_done
+        if self.already_done is None:
+            return None
+        return self.cells * self.runs - self.already_done
 
     @property
     def out_refused(self) -> bool:
@@ -453,6 +469,7 @@ class DryRunPlan:
             "already_done": self.already_done,
             "remaining": self.remaining,
             "out_refused": self.out_refused,
+            **({"done_per_model": dict(self.done_per_model)} if self.done_per_model else {}),
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
             "comparison_groups": self.comparison_groups,
@@ -484,11 +501,11 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
     }
 
 
-def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
-    """Keys of the cells a rerun would skip: those measured ok in a journal of this campaign."""
+def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
+    """Keys of the cells a rerun would skip: those measured ok in `journal`, when it is one of
+    this campaign."""
     from dvfs.measure.journal import iter_records, journal_differences
 
-    journal = out_dir / JOURNAL_NAME
     if not journal.is_file():
         return set()
     opened = Journal(journal, iter_records(journal))  # every line read, and checked, first
@@ -499,6 +516,24 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     return set() if journal_differences(header, campaign) else opened.finished()
 
 
+def resumed_journals(campaign: Campaign, out_dir: Path, models: Sequence[str | None]) -> list[Path]:
+    """The journal each GPU model of a sweep into `out_dir` resumes, as the fleet picks them
+    (`dvfs.fleet.driver.model_journals`): `models` as `workers_per_model` names them, twin
+    GPUs by their profile. A real GPU's model is known only once NVML is read, so a folder a
+    fleet mixing models began resumes, as far as this can tell, into each of its `gpu-*/`
+    journals (on the GPUs that began it)."""
+    from dvfs.fleet.driver import model_journals
+
+    if campaign.gpu.backend == "twin" and all(models):
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        names = {twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models}
+        return model_journals(out_dir, names)
+    begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    return begun or [out_dir / JOURNAL_NAME]
+
+
 def plan_dry_run(
     campaign: Campaign,
     out_dir: Path,
@@ -507,22 +542,35 @@ def plan_dry_run(
     estimate: bool = True,
     twin: str | None = None,
     progress: Progress | None = None,
+    models: Sequence[str | None] | None = None,
 ) -> DryRunPlan:
-    """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, each
-    drafter's server, the corpus problems that would stop it, and (with `estimate`) the GPU
-    time of the cells (all of them, or the shard's) on the campaign's twin stand-in, under
-    dvfs's protocol and the naive one (`twin_estimate`; not when there are problems). A
-    hardware campaign whose GPU matches no twin profile (and no `twin`) is refused in one
-    line."""
-    from dvfs.measure.plan import summarise_plan
+    """What `run_sweep` (or a fleet whose workers' GPU models are `models`, default the
+    campaign's devices) would do into `out_dir`: cells, those each model's journal already
+    holds, server starts, knob changes, each drafter's server, the corpus problems that would
+    stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's) on
+    the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
+    not when there are problems). A hardware campaign whose GPU matches no twin profile (and
+    no `twin`) is refused in one line."""
+    from dvfs.fleet.devices import worker_groups, workers_per_model
+    from dvfs.measure.plan import PlanSummary, summarise_plan
 
     if estimate:
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = planned_cells(campaign, shard)
     # A folder the sweep would refuse counts nothing as done: its cells are another share's.
     refused = _folder_problems(out_dir, shard)
-    done = set() if refused else finished_cells(campaign, out_dir)
-    summary = summarise_plan(campaign, cells, done)
+    if models is None:
+        models = list(workers_per_model(campaign, worker_groups(campaign)))
+    journals = [] if refused else resumed_journals(campaign, out_dir, models)
+    per_journal = {
+        j: summarise_plan(campaign, cells, finished_cells(campaign, j)) for j in journals
+    }
+    # Each model runs its own cells left: the one with the most left sets the figures.
+    summary: PlanSummary = max(
+        per_journal.values(),
+        key=lambda p: p.estimated_s,
+        default=summarise_plan(campaign, cells, set()),
+    )
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
@@ -546,7 +594,7 @@ def plan_dry_run(
             "repeat": campaign.measurement.repeats,
         },
         cells=summary.cells,
-        already_done=None if refused else summary.cells - summary.remaining,
+        already_done=None if refused else sum(p.cells - p.remaining for p in per_journal.values()),
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
@@ -559,6 +607,11 @@ def plan_dry_run(
             if estimate and not problems
             else None
         ),
+        done_per_model={
+            j.parent.name: p.cells - p.remaining
+            for j, p in per_journal.items()
+            if j.parent != out_dir
+        },
     )
 
 

@@ -30,14 +30,20 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         grid.add_row(f"  {key}", str(text))
     out.print(grid)
     refused = report["out_refused"]
+    per_model = report.get("done_per_model", {})
+    each = f" on each of {len(per_model)} GPU models" if len(per_model) > 1 else ""
+    done = "".join(f", {folder}/ {n} done" for folder, n in per_model.items())
     counts = (
-        f"[bold]{report['cells']}[/bold] cells"
+        f"[bold]{report['cells']}[/bold] cells{each}"
         + (
             ""
             if refused
-            else f" ({report['already_done']} already done, {report['remaining']} to run)"
+            else f" ({report['already_done']} already done, {report['remaining']} to run"
+            + (f": {done[2:]}" if done else "")
+            + ")"
         )
         + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
+        + (" on the model with the most left" if each else "")
     )
     if refused:  # the journal there is another share's: its cells are neither done nor to do
         counts += (
@@ -247,6 +253,7 @@ def sweep(
                 estimate=not no_estimate,
                 twin=twin_profile,
                 progress=bar if show else None,
+                models=list(workers_per_model(campaign, groups)),
             )
         report = plan.as_dict()
         if len(groups) > 1:
@@ -258,8 +265,9 @@ def sweep(
             comparison_groups = plan.comparison_groups
             per_model = workers_per_model(campaign, groups)
             report["workers"] = len(groups)
-            report["gpu_models"] = len(per_model)
-            report["cells_all_models"] = plan.cells * len(per_model)
+            # Real GPUs' models are known once NVML is read: those of the journals resumed.
+            report["gpu_models"] = max(len(per_model), plan.runs)
+            report["cells_all_models"] = plan.cells * report["gpu_models"]
             report["estimated_makespan_hours"] = round(
                 report["estimated_hours_on_hardware"]
                 * math.ceil(comparison_groups / min(per_model.values()))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -425,6 +425,25 @@ def model_folder(name: str) -> str:
     return "gpu-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
 
 
+def model_journals(out_dir: Path, models: Iterable[str]) -> list[Path]:
+    """The journal of each GPU model (by name, in sorted order) of a run into `out_dir`: the
+    folder's own for one model, else each in its `gpu-<model>/` (also for one model where a
+    fleet mixing models began the folder). A folder holding one model's run is refused for a
+    fleet mixing models, in one line."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    names = sorted(models)
+    mixed = len(names) > 1 or any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    if not mixed:
+        return [out_dir / JOURNAL_NAME for _ in names]
+    if has_sessions(out_dir / JOURNAL_NAME):
+        raise JournalError(
+            f"{out_dir} holds a run on one GPU model, but this run's GPUs are "
+            f"{', '.join(names)}: use another --out folder for a fleet that mixes models"
+        )
+    return [out_dir / model_folder(name) / JOURNAL_NAME for name in names]
+
+
 class Fleet:
     """What the executors call: the workers' sessions open one `Driver` per GPU model (its
     journal, queue and session), and each worker's calls go to its model's driver."""
@@ -457,7 +476,7 @@ class Fleet:
         """Every worker's session, in the workers' order: one journal per GPU model."""
         from dvfs.backends import virtual_time
         from dvfs.engines.sglang_args import ServerPorts, check_distinct_ports
-        from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
+        from dvfs.measure.journal import SyncPolicy
         from dvfs.sweep import claim_shard
 
         # Before any server starts: no two of one node's servers may share a port.
@@ -477,18 +496,10 @@ class Fleet:
                     f"({', '.join(sorted(names))}); a tensor-parallel group is one model"
                 )
             by_model.setdefault(names.pop(), []).append(session)
-        mixed = len(by_model) > 1 or any(self.out_dir.glob("gpu-*/" + JOURNAL_NAME))
-        if mixed and has_sessions(self.out_dir / JOURNAL_NAME):
-            raise JournalError(
-                f"{self.out_dir} holds a run on one GPU model, but this run's GPUs are "
-                f"{', '.join(sorted(by_model))}: use another --out folder for a fleet that "
-                "mixes models"
-            )
-        for model in sorted(by_model):
-            folder = self.out_dir / model_folder(model) if mixed else self.out_dir
-            journal = self.journals.enter_context(
-                Journal.open(folder / JOURNAL_NAME, self.campaign)
-            )
+        paths = model_journals(self.out_dir, by_model)
+        mixed = paths[0].parent != self.out_dir
+        for model, path in zip(sorted(by_model), paths, strict=True):
+            journal = self.journals.enter_context(Journal.open(path, self.campaign))
             claim_shard(journal, self.shard)
             journal.sync_policy = SyncPolicy.for_clock(virtual_time(self.campaign))
             driver = Driver(self.campaign, journal, self.cells, self.progress, self.corpora)

@@ -1,0 +1,89 @@
+"""`dvfs sweep --dry-run` on a folder a sweep has begun: the cells it counts as done are
+those the resumed sweep then skips (each GPU model's journal of a fleet mixing models)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from click.testing import CliRunner, Result
+from conftest import TINY, copy_sweep, replace_block, write
+
+from dvfs.cli import cli
+
+#: TINY (16 cells) on the exact twin, so that twins of two models measure it alike.
+MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+FLEET = ("--gpus", "0,h200-sxm:0")
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _interrupted(journal: Path, cells: int) -> None:
+    """`journal` as a sweep stopped after its first `cells` cell records left it."""
+    kept, seen = [], 0
+    for line in journal.read_text(encoding="utf-8").splitlines(keepends=True):
+        if json.loads(line)["type"] == "cell":
+            seen += 1
+            if seen > cells:
+                continue
+        kept.append(line)
+    journal.write_text("".join(kept), encoding="utf-8")
+
+
+def _measured(result: Result) -> tuple[int, int]:
+    """(measured, already done) from a sweep's closing line."""
+    found = re.search(r"(\d+) cell\(s\) measured, \d+ failed, (\d+) already done", result.output)
+    assert found, result.output
+    return int(found[1]), int(found[2])
+
+
+def _files(folder: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `folder`, by relative path."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _dry(campaign: Path, out: Path, *args: str) -> tuple[dict, Result]:
+    base = ("sweep", str(campaign), "--out", str(out), *args, "--dry-run", "--no-estimate")
+    doc = invoke(*base, "--json")
+    assert doc.exit_code == 0, doc.output
+    return json.loads(doc.output), invoke(*base)
+
+
+def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
+    tmp_path: Path,
+) -> None:
+    """A fleet mixing GPU models, interrupted (a whole campaign, and a shard): its dry run
+    counts as done, per model, the cells of each model's `gpu-*/` journal that the sweep then
+    skips, and as to run those it then measures, with the fleet's GPUs or only the campaign's
+    (one model's journal), in --json and in the text; finished, all are done."""
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    for shard, cells in ((), 16), (("--shard", "1/2"), 8):
+        begun = tmp_path / f"begun{len(shard)}"
+        sweep = ("sweep", str(campaign), *shard, "--no-progress")
+        assert invoke(*sweep, *FLEET, "--out", str(begun)).exit_code == 0
+        h100, h200 = sorted(begun.glob("gpu-*/journal.jsonl"))
+        _interrupted(h100, 3)
+        _interrupted(h200, 5)
+        per_model = {h100.parent.name: 3, h200.parent.name: 5}
+        for gpus, models in ((FLEET, per_model), ((), {h100.parent.name: 3})):
+            out = copy_sweep(begun, tmp_path / f"out{len(shard)}{len(gpus)}")
+            doc, text = _dry(campaign, out, *shard, *gpus)
+            done = sum(models.values())
+            left = cells * len(models) - done
+            assert (doc["cells"], doc["already_done"], doc["remaining"]) == (cells, done, left)
+            assert doc["done_per_model"] == models and not doc["out_refused"]
+            said = " ".join(text.output.split())
+            assert f"({done} already done, {left} to run" in said, said
+            for folder, n in models.items():
+                assert f"{folder}/ {n} done" in said, said
+            resumed = invoke(*sweep, *gpus, "--out", str(out))
+            assert resumed.exit_code == 0, resumed.output
+            assert _measured(resumed) == (left, done)
+            doc, _ = _dry(campaign, out, *shard, *gpus)
+            assert (doc["already_done"], doc["remaining"]) == (cells * len(models), 0)
