@@ -89,33 +89,37 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
 
 
 def fresh_start(out_dir: Path) -> Path | None:
-    """Move the journals a rerun would resume aside, each with its cube (journal.jsonl ->
-    journal.jsonl.1, ...): the folder's own and each GPU model's (`gpu-<model>/`, where a fleet
-    mixing models journals; then the merged cube beside them too), so that --fresh starts over
-    wherever the sweep would refuse to resume. Returns the first journal moved."""
-    moved = []
-    for journal in folder_journals(out_dir):
-        if journal.exists():
-            moved.append(_move_aside(journal, journal.parent / CUBE_NAME))
-    if moved and moved[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
-        _move_aside(out_dir / CUBE_NAME)
-    return moved[0] if moved else None
+    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`).
+    Returns the first journal's new path, None when there was none."""
+    moves = fresh_moves(out_dir)
+    try:
+        for path, target in moves:
+            shutil.move(path, target)
+    except OSError as exc:
+        raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
+    return moves[0][1] if moves else None
 
 
-def _move_aside(first: Path, *others: Path) -> Path:
-    """Rename `first` and those of `others` that exist to `NAME.n`, one n free for all of
-    them; returns `first`'s new path."""
+def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
+    """What --fresh renames, and to what (journal.jsonl -> journal.jsonl.1, ...), the first a
+    journal: the journals a rerun would resume, the folder's own and each GPU model's
+    (`gpu-<model>/`, where a fleet mixing models journals; then the merged cube beside them
+    too), each with its cube, so that --fresh starts over wherever the sweep would refuse to
+    resume. Found without moving anything, so that a dry run can say it."""
+    journals = [j for j in folder_journals(out_dir) if j.exists()]
+    moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
+    if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
+        moves += _aside(out_dir / CUBE_NAME)
+    return moves
+
+
+def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
+    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all."""
     paths = (first, *others)
     n = 1
     while any(p.with_name(f"{p.name}.{n}").exists() for p in paths):
         n += 1
-    try:
-        for path in paths:
-            if path.exists():
-                shutil.move(path, path.with_name(f"{path.name}.{n}"))
-    except OSError as exc:
-        raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
-    return first.with_name(f"{first.name}.{n}")
+    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
 
 
 @contextlib.contextmanager
@@ -402,7 +406,7 @@ class DryRunPlan:
     cells: int
     #: The planned cells the journal(s) in the output folder already hold, which a rerun
     #: skips: summed over the GPU models of a fleet mixing them (each model's journal, as
-    #: `done_per_model` says); None when the sweep would refuse that folder
+    #: `done_per_model` says); 0 with --fresh; None when the sweep would refuse that folder
     #: before measuring anything (another shard's, or dealt otherwise: `problems` says which),
     #: so nothing there counts as done or to run.
     already_done: int | None
@@ -429,6 +433,8 @@ class DryRunPlan:
     #: folder one began), each model's folder and the planned cells its journal holds; the
     #: cells run once per model. Empty when it journals in the folder itself.
     done_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: With --fresh, what it would move aside and to what (`fresh_moves`); None without.
+    fresh_moves: tuple[tuple[Path, Path], ...] | None = None
 
     @property
     def runs(self) -> int:
@@ -470,6 +476,11 @@ class DryRunPlan:
             "remaining": self.remaining,
             "out_refused": self.out_refused,
             **({"done_per_model": dict(self.done_per_model)} if self.done_per_model else {}),
+            **(
+                {"fresh_moves_aside": [{"path": str(a), "to": str(b)} for a, b in self.fresh_moves]}
+                if self.fresh_moves is not None
+                else {}
+            ),
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
             "comparison_groups": self.comparison_groups,
@@ -516,12 +527,14 @@ def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
     return set() if journal_differences(header, campaign) else opened.finished()
 
 
-def resumed_journals(campaign: Campaign, out_dir: Path, models: Sequence[str | None]) -> list[Path]:
+def resumed_journals(
+    campaign: Campaign, out_dir: Path, models: Sequence[str | None], *, fresh: bool = False
+) -> list[Path]:
     """The journal each GPU model of a sweep into `out_dir` resumes, as the fleet picks them
     (`dvfs.fleet.driver.model_journals`): `models` as `workers_per_model` names them, twin
     GPUs by their profile. A real GPU's model is known only once NVML is read, so a folder a
     fleet mixing models began resumes, as far as this can tell, into each of its `gpu-*/`
-    journals (on the GPUs that began it)."""
+    journals (on the GPUs that began it). `fresh`: as --fresh leaves the folder."""
     from dvfs.fleet.driver import model_journals
 
     if campaign.gpu.backend == "twin" and all(models):
@@ -529,9 +542,9 @@ def resumed_journals(campaign: Campaign, out_dir: Path, models: Sequence[str | N
         from dvfs.twin.profiles import gpu_profile
 
         names = {twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models}
-        return model_journals(out_dir, names)
+        return model_journals(out_dir, names, fresh=fresh)
     begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
-    return begun or [out_dir / JOURNAL_NAME]
+    return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
 
 
 def plan_dry_run(
@@ -543,14 +556,16 @@ def plan_dry_run(
     twin: str | None = None,
     progress: Progress | None = None,
     models: Sequence[str | None] | None = None,
+    fresh: bool = False,
 ) -> DryRunPlan:
     """What `run_sweep` (or a fleet whose workers' GPU models are `models`, default the
     campaign's devices) would do into `out_dir`: cells, those each model's journal already
     holds, server starts, knob changes, each drafter's server, the corpus problems that would
     stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's) on
     the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
-    not when there are problems). A hardware campaign whose GPU matches no twin profile (and
-    no `twin`) is refused in one line."""
+    not when there are problems). With `fresh`, the sweep that first moves the folder's
+    journals aside (`fresh_moves`; nothing is moved here). A hardware campaign whose GPU
+    matches no twin profile (and no `twin`) is refused in one line."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.measure.plan import PlanSummary, summarise_plan
 
@@ -558,12 +573,14 @@ def plan_dry_run(
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = planned_cells(campaign, shard)
     # A folder the sweep would refuse counts nothing as done: its cells are another share's.
-    refused = _folder_problems(out_dir, shard)
+    # --fresh moves every journal there aside first, so nothing is refused or done.
+    refused = [] if fresh else _folder_problems(out_dir, shard)
     if models is None:
         models = list(workers_per_model(campaign, worker_groups(campaign)))
-    journals = [] if refused else resumed_journals(campaign, out_dir, models)
+    journals = [] if refused else resumed_journals(campaign, out_dir, models, fresh=fresh)
     per_journal = {
-        j: summarise_plan(campaign, cells, finished_cells(campaign, j)) for j in journals
+        j: summarise_plan(campaign, cells, set() if fresh else finished_cells(campaign, j))
+        for j in journals
     }
     # Each model runs its own cells left: the one with the most left sets the figures.
     summary: PlanSummary = max(
@@ -612,6 +629,7 @@ def plan_dry_run(
             for j, p in per_journal.items()
             if j.parent != out_dir
         },
+        fresh_moves=tuple(fresh_moves(out_dir)) if fresh else None,
     )
 
 

@@ -1,5 +1,6 @@
 """`dvfs sweep --dry-run` on a folder a sweep has begun: the cells it counts as done are
-those the resumed sweep then skips (each GPU model's journal of a fleet mixing models)."""
+those the resumed sweep then skips (each GPU model's journal of a fleet mixing models), and
+with --fresh it plans the sweep that starts over, moving nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, replace_block, write
 
 from dvfs.cli import cli
+from dvfs.fleet.shard import Shard
+from dvfs.measure.journal import read_records
 
 #: TINY (16 cells) on the exact twin, so that twins of two models measure it alike.
 MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
@@ -87,3 +90,63 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
             assert _measured(resumed) == (left, done)
             doc, _ = _dry(campaign, out, *shard, *gpus)
             assert (doc["already_done"], doc["remaining"]) == (cells * len(models), 0)
+
+
+def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path) -> None:
+    """With --fresh, the folders the sweep would refuse (another shard's, one begun by an
+    earlier dvfs, a damaged shard record; one model's journals or each model's) are no
+    problem: nothing counts as done, the dry run names the journals and cubes --fresh would
+    move aside and where, moves nothing (every byte of the folder as it was), and the fresh
+    sweep then moves just those and measures every cell it counted. An invalid campaign is
+    still refused, exit 2."""
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    s0 = tmp_path / "s0"
+    run = ("sweep", str(campaign), "--no-progress")
+    assert invoke(*run, "--shard", "0/2", *FLEET, "--out", str(s0)).exit_code == 0
+    one = tmp_path / "one"
+    assert invoke(*run, "--shard", "0/2", "--out", str(one)).exit_code == 0
+    damaged = copy_sweep(one, tmp_path / "damaged")
+    records = read_records(damaged / "journal.jsonl")
+    records[1] = {**records[1], "index": "x"}
+    (damaged / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cases = (
+        (s0, ("--shard", "1/2", *FLEET), 16, 2),  # each model's folder holds another shard
+        (s0, (), 16, 2),  # the whole campaign on one model, into a mixed fleet's folder
+        (one, ("--shard", "1/2"), 8, 1),
+        (damaged, ("--shard", "0/2"), 8, 1),
+    )
+    for folder, args, cells, moved in cases:
+        out = copy_sweep(folder, tmp_path / f"out-{folder.name}-{len(args)}")
+        before = _files(out)
+        plain = invoke(*run, *args, "--out", str(out), "--dry-run", "--no-estimate", "--json")
+        assert plain.exit_code in (1, 2), plain.output  # refused without --fresh
+        doc, text = _dry(campaign, out, *args, "--fresh")
+        assert doc["problems"] == [] and not doc["out_refused"]
+        assert (doc["already_done"], doc["remaining"]) == (0, cells)
+        journals = sorted(
+            str(p) for p in (out / "journal.jsonl", *out.glob("gpu-*/journal.jsonl")) if p.exists()
+        )
+        aside = {m["path"]: m["to"] for m in doc["fresh_moves_aside"]}
+        assert sorted(p for p in aside if p.endswith("journal.jsonl")) == journals
+        assert all(to == f"{path}.1" for path, to in aside.items())
+        said = " ".join(text.output.split())
+        assert text.exit_code == 0 and "problem" not in said, said
+        assert "--fresh would move aside" in said and "moves nothing" in said, said
+        assert all(path in said for path in journals)
+        assert _files(out) == before  # the dry runs changed nothing
+        fresh = invoke(*run, *args, "--out", str(out), "--fresh")
+        assert fresh.exit_code == 0, fresh.output
+        assert _measured(fresh) == (cells, 0)
+        for path, to in aside.items():
+            assert Path(to).read_bytes() == before[str(Path(path).relative_to(out))]
+        assert len([p for p in aside if p.endswith("journal.jsonl")]) == moved
+        shard = Shard.parse(args[1]) if args[:1] == ("--shard",) else None
+        for journal in (out / "journal.jsonl", *out.glob("gpu-*/journal.jsonl")):
+            if journal.exists():  # the fresh sweep's: this run's shard, or none
+                second = read_records(journal)[1]
+                assert second == shard.to_json() if shard else second["type"] != "shard"
+    broken = write(tmp_path / "broken.toml", MIXED.replace("repeats = 2", "repeats = 0"))
+    result = invoke("sweep", str(broken), "--out", str(s0), "--dry-run", "--fresh")
+    assert_one_line_error(result, 2, "repeats")

@@ -106,6 +106,16 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             f"{report['estimated_makespan_hours']} h from start to end",
             highlight=False,
         )
+    moves = report.get("fresh_moves_aside")
+    if moves is not None:
+        where = (
+            "--fresh would move aside "
+            + ", ".join(f"{m['path']} (to {Path(m['to']).name})" for m in moves)
+            + "; nothing in them counts as done (this dry run moves nothing)"
+            if moves
+            else "--fresh: no journal to move aside (this dry run moves nothing)"
+        )
+        out.print(escape(where), highlight=False, soft_wrap=True)
     for problem in report["problems"]:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
@@ -149,7 +159,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "estimate [default: gpu.profile, else the profile named in the campaign's name or "
     "description, e.g. h100-sxm].",
 )
-@click.option("--fresh", is_flag=True, help="Move an existing journal aside and start over.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Move the journals in --out aside and start over (with --dry-run: say what it "
+    "would move, moving nothing).",
+)
 @click.option(
     "--observe-only",
     is_flag=True,
@@ -254,6 +269,7 @@ def sweep(
                 twin=twin_profile,
                 progress=bar if show else None,
                 models=list(workers_per_model(campaign, groups)),
+                fresh=fresh,
             )
         report = plan.as_dict()
         if len(groups) > 1:

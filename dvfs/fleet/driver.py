@@ -425,18 +425,20 @@ def model_folder(name: str) -> str:
     return "gpu-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
 
 
-def model_journals(out_dir: Path, models: Iterable[str]) -> list[Path]:
+def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False) -> list[Path]:
     """The journal of each GPU model (by name, in sorted order) of a run into `out_dir`: the
     folder's own for one model, else each in its `gpu-<model>/` (also for one model where a
     fleet mixing models began the folder). A folder holding one model's run is refused for a
-    fleet mixing models, in one line."""
+    fleet mixing models, in one line. `fresh`: as --fresh leaves the folder, no journal in it
+    (`dvfs.sweep.fresh_moves`)."""
     from dvfs.measure.journal import JOURNAL_NAME
 
     names = sorted(models)
-    mixed = len(names) > 1 or any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    begun = not fresh and any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    mixed = len(names) > 1 or begun
     if not mixed:
         return [out_dir / JOURNAL_NAME for _ in names]
-    if has_sessions(out_dir / JOURNAL_NAME):
+    if not fresh and has_sessions(out_dir / JOURNAL_NAME):
         raise JournalError(
             f"{out_dir} holds a run on one GPU model, but this run's GPUs are "
             f"{', '.join(names)}: use another --out folder for a fleet that mixes models"
