@@ -528,15 +528,25 @@ def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
 
 
 def resumed_journals(
-    campaign: Campaign, out_dir: Path, models: Sequence[str | None], *, fresh: bool = False
+    campaign: Campaign,
+    out_dir: Path,
+    models: Sequence[str | None],
+    cells: Sequence[Cell],
+    *,
+    fresh: bool = False,
 ) -> list[Path]:
-    """The journal each GPU model of a sweep into `out_dir` resumes, as the fleet picks them
-    (`dvfs.fleet.driver.model_journals`): `models` as `workers_per_model` names them, twin
-    GPUs by their profile. A real GPU's model is known only once NVML is read, so a folder a
-    fleet mixing models began resumes, as far as this can tell, into each of its `gpu-*/`
-    journals (on the GPUs that began it). `fresh`: as --fresh leaves the folder."""
-    from dvfs.fleet.driver import model_journals
+    """The journal each GPU model of a sweep of `cells` into `out_dir` resumes, as the fleet
+    picks them: all the folder's journals when they hold every cell (nothing to run, as
+    `journals_done` finds), else `dvfs.fleet.driver.model_journals` of `models` as
+    `workers_per_model` names them, twin GPUs by their profile. A real GPU's model is known
+    only once NVML is read, so a folder a fleet mixing models began resumes, as far as this
+    can tell, into each of its `gpu-*/` journals (on the GPUs that began it). `fresh`: as
+    --fresh leaves the folder."""
+    from dvfs.fleet.driver import journals_done, model_journals
 
+    done = None if fresh else journals_done(out_dir, campaign, cells)
+    if done is not None:
+        return list(done)
     if campaign.gpu.backend == "twin" and all(models):
         from dvfs.gpu.twin import twin_gpu_name
         from dvfs.twin.profiles import gpu_profile
@@ -577,7 +587,7 @@ def plan_dry_run(
     refused = [] if fresh else _folder_problems(out_dir, shard)
     if models is None:
         models = list(workers_per_model(campaign, worker_groups(campaign)))
-    journals = [] if refused else resumed_journals(campaign, out_dir, models, fresh=fresh)
+    journals = [] if refused else resumed_journals(campaign, out_dir, models, cells, fresh=fresh)
     per_journal = {
         j: summarise_plan(campaign, cells, set() if fresh else finished_cells(campaign, j))
         for j in journals

@@ -642,7 +642,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         check_shard(path, shard)
 
 
-def _journals_done(
+def journals_done(
     out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
 ) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
@@ -696,7 +696,7 @@ def run_fleet(
         cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
-        done = _journals_done(out_dir, campaign, cells)
+        done = journals_done(out_dir, campaign, cells)
         with contextlib.ExitStack() as journals:
             if done is None:
                 fleet = Fleet(
