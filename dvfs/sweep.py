@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -42,7 +42,14 @@ from dvfs.errors import (
 )
 from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
-from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard, shard_cube
+from dvfs.fleet.shard_journal import (
+    OtherShardError,
+    check_shard,
+    folder_journals,
+    other_shard,
+    recorded_shard,
+    shard_cube,
+)
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController
 from dvfs.measure.journal import (
@@ -82,22 +89,37 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
 
 
 def fresh_start(out_dir: Path) -> Path | None:
-    """Move an existing journal and cube aside (journal.jsonl -> journal.jsonl.1, ...)."""
-    journal = out_dir / JOURNAL_NAME
-    if not journal.exists():
-        return None
-    n = 1
-    while (out_dir / f"{JOURNAL_NAME}.{n}").exists():
-        n += 1
-    target = out_dir / f"{JOURNAL_NAME}.{n}"
+    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`).
+    Returns the first journal's new path, None when there was none."""
+    moves = fresh_moves(out_dir)
     try:
-        shutil.move(journal, target)
-        cube = out_dir / CUBE_NAME
-        if cube.exists():
-            shutil.move(cube, out_dir / f"{CUBE_NAME}.{n}")
+        for path, target in moves:
+            shutil.move(path, target)
     except OSError as exc:
         raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
-    return target
+    return moves[0][1] if moves else None
+
+
+def fresh_moves(out_dir: Path) -> list[tuple[Path, Path]]:
+    """What --fresh renames, and to what (journal.jsonl -> journal.jsonl.1, ...), the first a
+    journal: the journals a rerun would resume, the folder's own and each GPU model's
+    (`gpu-<model>/`, where a fleet mixing models journals; then the merged cube beside them
+    too), each with its cube, so that --fresh starts over wherever the sweep would refuse to
+    resume. Found without moving anything, so that a dry run can say it."""
+    journals = [j for j in folder_journals(out_dir) if j.exists()]
+    moves = [m for j in journals for m in _aside(j, j.parent / CUBE_NAME)]
+    if journals and journals[0].parent != out_dir and (out_dir / CUBE_NAME).exists():
+        moves += _aside(out_dir / CUBE_NAME)
+    return moves
+
+
+def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
+    """`first` and those of `others` that exist, each to `NAME.n`, one n free for all."""
+    paths = (first, *others)
+    n = 1
+    while any(p.with_name(f"{p.name}.{n}").exists() for p in paths):
+        n += 1
+    return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
 
 
 @contextlib.contextmanager
@@ -360,7 +382,7 @@ def claim_shard(journal: Journal, shard: Shard | None) -> None:
         if shard is not None:
             journal.append(shard.to_json())
         return
-    raise JournalError(other_shard(journal.path.parent, recorded, shard))
+    raise OtherShardError(other_shard(journal.path.parent, recorded, shard))
 
 
 def observe_only(campaign: Campaign) -> Campaign:
@@ -382,13 +404,21 @@ class DryRunPlan:
     actuation: bool
     grid: dict[str, Any]
     cells: int
-    already_done: int
+    #: The planned cells the journal(s) in the output folder already hold, which a rerun
+    #: skips: summed over the GPU models of a fleet mixing them (each model's journal, as
+    #: `done_per_model` says); 0 with --fresh; None when the sweep would refuse that folder
+    #: before measuring anything (another shard's, or dealt otherwise: `problems` says which),
+    #: so nothing there counts as done or to run.
+    already_done: int | None
+    #: The server starts and knob changes of the cells still to run, on the GPU model with
+    #: the most left (each model runs them on its own workers).
     server_starts: int
     knob_changes: int
     #: The comparison groups (batch, corpus, repeat) among the planned cells: a fleet runs
     #: each whole on one worker, a shard holds whole ones.
     comparison_groups: int
-    #: The closed-form duration of the cells still to run (`dvfs.measure.plan`): rough (it
+    #: The closed-form duration of the cells still to run (all of them when the folder is
+    #: refused; on the GPU model with the most left; `dvfs.measure.plan`): rough (it
     #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
     #: gives no estimate.
     estimated_s: float
@@ -399,10 +429,29 @@ class DryRunPlan:
     #: planned cells (all of them, or the shard's) into a temporary folder; None when not
     #: estimated (--no-estimate, or corpus problems).
     estimate: TwinEstimate | None = None
+    #: Where the sweep journals per GPU model (`gpu-<model>/`: a fleet mixing models, or a
+    #: folder one began), each model's folder and the planned cells its journal holds; the
+    #: cells run once per model. Empty when it journals in the folder itself.
+    done_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: With --fresh, what it would move aside and to what (`fresh_moves`); None without.
+    fresh_moves: tuple[tuple[Path, Path], ...] | None = None
 
     @property
-    def remaining(self) -> int:
-        return self.cells - self.already_done
+    def runs(self) -> int:
+        """How many times the planned cells are measured: once per GPU model journalled
+        apart, else once."""
+        return max(1, len(self.done_per_model))
+
+    @property
+    def remaining(self) -> int | None:
+        if self.already_done is None:
+            return None
+        return self.cells * self.runs - self.already_done
+
+    @property
+    def out_refused(self) -> bool:
+        """Whether the sweep would refuse the output folder before measuring anything."""
+        return self.already_done is None
 
     @property
     def twin_gpu_s(self) -> float | None:
@@ -425,6 +474,13 @@ class DryRunPlan:
             "cells": self.cells,
             "already_done": self.already_done,
             "remaining": self.remaining,
+            "out_refused": self.out_refused,
+            **({"done_per_model": dict(self.done_per_model)} if self.done_per_model else {}),
+            **(
+                {"fresh_moves_aside": [{"path": str(a), "to": str(b)} for a, b in self.fresh_moves]}
+                if self.fresh_moves is not None
+                else {}
+            ),
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
             "comparison_groups": self.comparison_groups,
@@ -456,11 +512,11 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
     }
 
 
-def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
-    """Keys of the cells a rerun would skip: those measured ok in a journal of this campaign."""
+def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
+    """Keys of the cells a rerun would skip: those measured ok in `journal`, when it is one of
+    this campaign."""
     from dvfs.measure.journal import iter_records, journal_differences
 
-    journal = out_dir / JOURNAL_NAME
     if not journal.is_file():
         return set()
     opened = Journal(journal, iter_records(journal))  # every line read, and checked, first
@@ -471,6 +527,36 @@ def finished_cells(campaign: Campaign, out_dir: Path) -> set[str]:
     return set() if journal_differences(header, campaign) else opened.finished()
 
 
+def resumed_journals(
+    campaign: Campaign,
+    out_dir: Path,
+    models: Sequence[str | None],
+    cells: Sequence[Cell],
+    *,
+    fresh: bool = False,
+) -> list[Path]:
+    """The journal each GPU model of a sweep of `cells` into `out_dir` resumes, as the fleet
+    picks them: all the folder's journals when they hold every cell (nothing to run, as
+    `journals_done` finds), else `dvfs.fleet.driver.model_journals` of `models` as
+    `workers_per_model` names them, twin GPUs by their profile. A real GPU's model is known
+    only once NVML is read, so a folder a fleet mixing models began resumes, as far as this
+    can tell, into each of its `gpu-*/` journals (on the GPUs that began it). `fresh`: as
+    --fresh leaves the folder."""
+    from dvfs.fleet.driver import journals_done, model_journals
+
+    done = None if fresh else journals_done(out_dir, campaign, cells)
+    if done is not None:
+        return list(done)
+    if campaign.gpu.backend == "twin" and all(models):
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        names = {twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models}
+        return model_journals(out_dir, names, fresh=fresh)
+    begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
+
+
 def plan_dry_run(
     campaign: Campaign,
     out_dir: Path,
@@ -479,26 +565,46 @@ def plan_dry_run(
     estimate: bool = True,
     twin: str | None = None,
     progress: Progress | None = None,
+    models: Sequence[str | None] | None = None,
+    fresh: bool = False,
 ) -> DryRunPlan:
-    """What `run_sweep` would do into `out_dir`: cells, server starts, knob changes, each
-    drafter's server, the corpus problems that would stop it, and (with `estimate`) the GPU
-    time of the cells (all of them, or the shard's) on the campaign's twin stand-in, under
-    dvfs's protocol and the naive one (`twin_estimate`; not when there are problems). A
-    hardware campaign whose GPU matches no twin profile (and no `twin`) is refused in one
-    line."""
-    from dvfs.measure.plan import summarise_plan
+    """What `run_sweep` (or a fleet whose workers' GPU models are `models`, default the
+    campaign's devices) would do into `out_dir`: cells, those each model's journal already
+    holds, server starts, knob changes, each drafter's server, the corpus problems that would
+    stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's) on
+    the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
+    not when there are problems). With `fresh`, the sweep that first moves the folder's
+    journals aside (`fresh_moves`; nothing is moved here). A hardware campaign whose GPU
+    matches no twin profile (and no `twin`) is refused in one line."""
+    from dvfs.fleet.devices import worker_groups, workers_per_model
+    from dvfs.measure.plan import PlanSummary, summarise_plan
 
     if estimate:
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = planned_cells(campaign, shard)
-    summary = summarise_plan(campaign, cells, finished_cells(campaign, out_dir))
+    # A folder the sweep would refuse counts nothing as done: its cells are another share's.
+    # --fresh moves every journal there aside first, so nothing is refused or done.
+    refused = [] if fresh else _folder_problems(out_dir, shard)
+    if models is None:
+        models = list(workers_per_model(campaign, worker_groups(campaign)))
+    journals = [] if refused else resumed_journals(campaign, out_dir, models, cells, fresh=fresh)
+    per_journal = {
+        j: summarise_plan(campaign, cells, set() if fresh else finished_cells(campaign, j))
+        for j in journals
+    }
+    # Each model runs its own cells left: the one with the most left sets the figures.
+    summary: PlanSummary = max(
+        per_journal.values(),
+        key=lambda p: p.estimated_s,
+        default=summarise_plan(campaign, cells, set()),
+    )
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
     except CorpusError as exc:
         problems = [str(exc)]
-    problems += _folder_problems(out_dir, shard)
+    problems += refused
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -515,7 +621,7 @@ def plan_dry_run(
             "repeat": campaign.measurement.repeats,
         },
         cells=summary.cells,
-        already_done=summary.cells - summary.remaining,
+        already_done=None if refused else sum(p.cells - p.remaining for p in per_journal.values()),
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
@@ -528,22 +634,27 @@ def plan_dry_run(
             if estimate and not problems
             else None
         ),
+        done_per_model={
+            j.parent.name: p.cells - p.remaining
+            for j, p in per_journal.items()
+            if j.parent != out_dir
+        },
+        fresh_moves=tuple(fresh_moves(out_dir)) if fresh else None,
     )
 
 
 def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
-    """What would stop the run in `out_dir` before it measures, as `claim_shard` says it: a
-    folder holding another shard (or the whole campaign), or a shard begun by an earlier dvfs
-    that dealt its cells otherwise."""
-    recorded = recorded_shard(out_dir / JOURNAL_NAME)
-    if shard is not None:
+    """What would stop the run in `out_dir` before it measures, as the sweep says it
+    (`check_shard`), for its journal and each GPU model's: a folder holding another shard (or
+    the whole campaign), or a shard begun by an earlier dvfs that dealt its cells otherwise. A
+    damaged shard record is refused in one line, as the sweep refuses it."""
+    problems = []
+    for journal in folder_journals(out_dir):
         try:
-            check_deal(out_dir, recorded)
-        except ShardDealError as exc:
-            return [str(exc)]
-    if recorded != shard and (recorded is not None or has_sessions(out_dir / JOURNAL_NAME)):
-        return [other_shard(out_dir, recorded, shard)]
-    return []
+            check_shard(journal, shard)
+        except (ShardDealError, OtherShardError) as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def spent_gpu_s(out_dir: Path) -> float:

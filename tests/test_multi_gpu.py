@@ -100,7 +100,7 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     changed = sweep(str(edited), "--gpus", "0-3", "--out", str(out))
     assert changed.exit_code == 1 and "workload.output_tokens: 48 -> 40" in changed.output
     sharded = sweep(campaign, "--gpus", "0-3", "--shard", "0/2", "--out", str(out))
-    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
+    assert sharded.exit_code == 2 and "holds the whole campaign" in sharded.output
     # Another GPU set of the same model resumes it: tests/test_fleet_rerun.py.
 
 

@@ -184,21 +184,39 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
 
 
 def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
+    """A folder holding another shard, or the whole campaign, is the wrong --out: refused before
+    anything is measured, exit 2 (invalid input, as a shard dealt otherwise), in one line, by
+    the sweep and its dry run alike."""
+    from test_journal import assert_one_line_error
+
     campaign = str(runs / "shardy.toml")
     other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(runs / "s0"), "--no-progress")
-    assert other.exit_code == 1
-    assert "holds shard 0/3 of this campaign, but this run is shard 2/3" in other.output
+    assert_one_line_error(
+        other, 2, "holds shard 0/3 of this campaign, but this run is shard 2/3", "its own --out"
+    )
     whole = invoke("sweep", campaign, "--out", str(runs / "s0"), "--no-progress")
-    assert whole.exit_code == 1 and "no --shard" in whole.output
+    assert_one_line_error(whole, 2, "no --shard")
     sharded = invoke(
         "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
     )
-    assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
-    dry = invoke(
-        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--dry-run", "--json"
-    )
-    assert dry.exit_code == 2 and any(
-        "holds the whole campaign" in p for p in json.loads(dry.output)["problems"]
+    assert_one_line_error(sharded, 2, "holds the whole campaign")
+    for shard, out, says in (
+        ("2/3", "s0", "holds shard 0/3 of this campaign"),
+        ("0/3", "whole", "holds the whole campaign"),
+    ):
+        dry = invoke(
+            "sweep", campaign, "--shard", shard, "--out", str(runs / out), "--dry-run", "--json"
+        )
+        doc = json.loads(dry.output)
+        assert dry.exit_code == 2 and any(says in p for p in doc["problems"])
+        # The folder's cells are not this run's to skip (the whole campaign holds all of
+        # shard 0/3's): none is counted as done or to run.
+        assert (doc["already_done"], doc["remaining"], doc["out_refused"]) == (None, None, True)
+    into_whole = ("--shard", "0/3", "--out", str(runs / "whole"), "--no-estimate")
+    text = invoke("sweep", campaign, *into_whole, "--dry-run")
+    assert text.exit_code == 2 and "already done" not in text.output
+    assert "none counted as done or to run: the sweep would refuse this --out folder" in " ".join(
+        text.output.split()
     )
     # Rerunning a finished shard skips its cells.
     again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
@@ -499,6 +517,7 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
     args = ("sweep", campaign, "--shard", "0/3", "--dry-run", "--no-estimate", "--json")
     doc = json.loads(invoke(*args, "--out", str(folder)).output)
     assert any("begun by an earlier dvfs" in p for p in doc["problems"]), doc["problems"]
+    assert (doc["already_done"], doc["remaining"], doc["out_refused"]) == (None, None, True)
     dry = invoke(*args[:-1], "--out", str(folder))
     assert dry.exit_code == 2 and "begun by an earlier dvfs" in " ".join(dry.output.split())
     other = ("sweep", campaign, "--shard", "2/3", "--dry-run", "--no-estimate", "--json")
@@ -509,6 +528,65 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
     )
     assert fresh.exit_code == 0, fresh.output
     assert read_records(journal)[1] == {"type": "shard", "index": 0, "count": 3, "deal": "groups"}
+
+
+def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: Path) -> None:
+    """A shard run on a fleet mixing GPU models journals in `gpu-<model>/`: its dry run looks
+    there as the sweep does, so a folder holding another shard (or a whole-campaign run into
+    it), one begun by an earlier dvfs, and a damaged shard record are refused by both, with or
+    without --gpus, naming the model's folder in the same line and with the same exit code,
+    the journals untouched."""
+    from test_journal import assert_one_line_error
+
+    campaign = str(write(tmp_path / "tiny.toml", MIXED))
+    fleet = ("--gpus", "0,h200-sxm:0")
+    s0 = tmp_path / "s0"
+    result = invoke("sweep", campaign, "--shard", "0/2", *fleet, "--out", str(s0), "--no-progress")
+    assert result.exit_code == 0, result.output
+    h100, h200 = (p.name for p in sorted(s0.glob("gpu-*")))
+    assert not (s0 / "journal.jsonl").exists()
+    old = copy_sweep(s0, tmp_path / "old")
+    for folder in sorted(old.glob("gpu-*")):
+        _begun_by_an_earlier_dvfs(folder)
+    damaged = copy_sweep(s0, tmp_path / "damaged") / h200 / "journal.jsonl"
+    records = read_records(damaged)
+    records[1] = {**records[1], "index": "x"}
+    damaged.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    cases = (
+        ("1/2", s0, 2, f"{s0 / h100} holds shard 0/2 of this campaign, but this run is shard 1/2"),
+        (None, s0, 2, f"{s0 / h100} holds shard 0/2 of this campaign, but this run is the whole"),
+        ("0/2", old, 2, f"{old / h100} holds shard 0/2 begun by an earlier dvfs"),
+        ("0/2", damaged.parent.parent, 1, f"{damaged} has a damaged shard record"),
+    )
+    for shard, out, code, says in cases:
+        journals = {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")}
+        for gpus in ((), fleet):
+            args = ("sweep", campaign, *(("--shard", shard) if shard else ()), *gpus)
+            args += ("--out", str(out))
+            line = assert_one_line_error(invoke(*args, "--no-progress"), code, says)
+            dry = invoke(*args, "--dry-run", "--no-estimate", "--json")
+            if code == 1:  # not a plan's problem: the one line the sweep prints
+                assert assert_one_line_error(dry, 1, says) == line
+                continue
+            assert dry.exit_code == code, dry.output
+            doc = json.loads(dry.output)
+            problems = doc["problems"]
+            assert any(line.endswith(p) for p in problems), (line, problems)
+            assert doc["already_done"] is None and doc["out_refused"]
+            assert len(problems) == 2 and str(out / h200) in problems[1]
+        assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
+    # --fresh, which both refusals of the earlier dvfs's folder and the damaged record advise,
+    # moves each model's journal aside (and the merged cube), and starts the shard over.
+    for out in (old, damaged.parent.parent):
+        journals = {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")}
+        cube = (out / "cube.nc").read_bytes()
+        args = ("sweep", campaign, "--shard", "0/2", *fleet, "--out", str(out), "--no-progress")
+        result = invoke(*args, "--fresh")
+        assert result.exit_code == 0, result.output
+        assert (out / "cube.nc.1").read_bytes() == cube
+        for journal, before in journals.items():
+            assert journal.with_name("journal.jsonl.1").read_bytes() == before
+            assert read_records(journal)[1] == Shard(0, 2).to_json()
 
 
 def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
@@ -533,9 +611,14 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
     del stripped.attrs["shard_deal"]  # a cube file of the earlier dvfs: its shard alone
     write_cube(stripped, cube_files)
     files = merge(cube_files, *(s / "cube.nc" for s in new[1:]))
+    # Given in another order, they are named in shard order all the same (0/3, then 1/3).
+    shuffled = merge(new[2], new[1], old[0])
+    shuffled_files = merge(new[2] / "cube.nc", cube_files, new[1] / "cube.nc")
     for result, first, second in (
         (journals, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
         (files, cube_files, new[1] / "cube.nc"),
+        (shuffled, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
+        (shuffled_files, cube_files, new[1] / "cube.nc"),
     ):
         assert result.exit_code == 1
         assert len(result.output.strip().splitlines()) == 1, result.output

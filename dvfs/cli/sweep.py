@@ -29,14 +29,33 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         text = value if isinstance(value, str | int) else ", ".join(map(str, value))
         grid.add_row(f"  {key}", str(text))
     out.print(grid)
+    refused = report["out_refused"]
+    per_model = report.get("done_per_model", {})
+    each = f" on each of {len(per_model)} GPU models" if len(per_model) > 1 else ""
+    done = "".join(f", {folder}/ {n} done" for folder, n in per_model.items())
     counts = (
-        f"[bold]{report['cells']}[/bold] cells ({report['already_done']} already done, "
-        f"{report['remaining']} to run), {report['server_starts']} server start(s), "
-        f"{report['knob_changes']} knob change(s)"
+        f"[bold]{report['cells']}[/bold] cells{each}"
+        + (
+            ""
+            if refused
+            else f" ({report['already_done']} already done, {report['remaining']} to run"
+            + (f": {done[2:]}" if done else "")
+            + ")"
+        )
+        + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
+        + (" on the model with the most left" if each else "")
     )
+    if refused:  # the journal there is another share's: its cells are neither done nor to do
+        counts += (
+            "; none counted as done or to run: the sweep would refuse this --out folder "
+            "before measuring anything (see below)"
+        )
     estimate = report["estimate"]
     if estimate["from"] != "twin":
-        out.print(f"{counts}; roughly {estimate['gpu_hours']} h on real hardware (closed form)")
+        whole = " for all of them" if refused else ""
+        out.print(
+            f"{counts}; roughly {estimate['gpu_hours']} h on real hardware{whole} (closed form)"
+        )
     else:
         out.print(counts)
         on = (
@@ -87,6 +106,16 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             f"{report['estimated_makespan_hours']} h from start to end",
             highlight=False,
         )
+    moves = report.get("fresh_moves_aside")
+    if moves is not None:
+        where = (
+            "--fresh would move aside "
+            + ", ".join(f"{m['path']} (to {Path(m['to']).name})" for m in moves)
+            + "; nothing in them counts as done (this dry run moves nothing)"
+            if moves
+            else "--fresh: no journal to move aside (this dry run moves nothing)"
+        )
+        out.print(escape(where), highlight=False, soft_wrap=True)
     for problem in report["problems"]:
         out.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
     if report["servers"] and "flags_from" in report["servers"][0]:
@@ -130,7 +159,12 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "estimate [default: gpu.profile, else the profile named in the campaign's name or "
     "description, e.g. h100-sxm].",
 )
-@click.option("--fresh", is_flag=True, help="Move an existing journal aside and start over.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="Move the journals in --out aside and start over (with --dry-run: say what it "
+    "would move, moving nothing).",
+)
 @click.option(
     "--observe-only",
     is_flag=True,
@@ -234,6 +268,8 @@ def sweep(
                 estimate=not no_estimate,
                 twin=twin_profile,
                 progress=bar if show else None,
+                models=list(workers_per_model(campaign, groups)),
+                fresh=fresh,
             )
         report = plan.as_dict()
         if len(groups) > 1:
@@ -245,8 +281,9 @@ def sweep(
             comparison_groups = plan.comparison_groups
             per_model = workers_per_model(campaign, groups)
             report["workers"] = len(groups)
-            report["gpu_models"] = len(per_model)
-            report["cells_all_models"] = plan.cells * len(per_model)
+            # Real GPUs' models are known once NVML is read: those of the journals resumed.
+            report["gpu_models"] = max(len(per_model), plan.runs)
+            report["cells_all_models"] = plan.cells * report["gpu_models"]
             report["estimated_makespan_hours"] = round(
                 report["estimated_hours_on_hardware"]
                 * math.ceil(comparison_groups / min(per_model.values()))

@@ -217,7 +217,8 @@ def _models(ds: xr.Dataset, name: str) -> list[str]:
 
 
 def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
-    """One clear line for the first reason these cubes are not the shards of one run."""
+    """One clear line for the first reason these cubes (in shard order) are not the shards of
+    one run."""
     from dvfs.campaign import measured_differences
 
     first, first_name = cubes[0], names[0]
@@ -316,10 +317,11 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     (`_pairing`).
     """
     given = names or [f"shard cube {i + 1}" for i in range(len(cubes))]
-    _check_shards(cubes, given)
-    # In shard order, whatever the order given: the GPU lists and attributes come out the same.
+    # In shard order, whatever the order given: a refusal names the shards as 0/n, 1/n, ...,
+    # and the GPU lists and attributes come out the same.
     order = sorted(range(len(cubes)), key=lambda k: _parse_shard(cubes[k], given[k]).index)
     cubes, names = [cubes[k] for k in order], [given[k] for k in order]
+    _check_shards(cubes, names)
     sources, per_model = cubes, None
     if "gpu" in cubes[0].dims:  # each shard ran a fleet mixing GPU models
         cubes, per_model = _lined_up(cubes, names)

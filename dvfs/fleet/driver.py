@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +34,7 @@ from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, Journa
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
-from dvfs.fleet.shard_journal import has_sessions, other_shard, recorded_shard
+from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
@@ -425,6 +425,27 @@ def model_folder(name: str) -> str:
     return "gpu-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
 
 
+def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False) -> list[Path]:
+    """The journal of each GPU model (by name, in sorted order) of a run into `out_dir`: the
+    folder's own for one model, else each in its `gpu-<model>/` (also for one model where a
+    fleet mixing models began the folder). A folder holding one model's run is refused for a
+    fleet mixing models, in one line. `fresh`: as --fresh leaves the folder, no journal in it
+    (`dvfs.sweep.fresh_moves`)."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    names = sorted(models)
+    begun = not fresh and any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    mixed = len(names) > 1 or begun
+    if not mixed:
+        return [out_dir / JOURNAL_NAME for _ in names]
+    if not fresh and has_sessions(out_dir / JOURNAL_NAME):
+        raise JournalError(
+            f"{out_dir} holds a run on one GPU model, but this run's GPUs are "
+            f"{', '.join(names)}: use another --out folder for a fleet that mixes models"
+        )
+    return [out_dir / model_folder(name) / JOURNAL_NAME for name in names]
+
+
 class Fleet:
     """What the executors call: the workers' sessions open one `Driver` per GPU model (its
     journal, queue and session), and each worker's calls go to its model's driver."""
@@ -457,7 +478,7 @@ class Fleet:
         """Every worker's session, in the workers' order: one journal per GPU model."""
         from dvfs.backends import virtual_time
         from dvfs.engines.sglang_args import ServerPorts, check_distinct_ports
-        from dvfs.measure.journal import JOURNAL_NAME, SyncPolicy
+        from dvfs.measure.journal import SyncPolicy
         from dvfs.sweep import claim_shard
 
         # Before any server starts: no two of one node's servers may share a port.
@@ -477,18 +498,10 @@ class Fleet:
                     f"({', '.join(sorted(names))}); a tensor-parallel group is one model"
                 )
             by_model.setdefault(names.pop(), []).append(session)
-        mixed = len(by_model) > 1 or any(self.out_dir.glob("gpu-*/" + JOURNAL_NAME))
-        if mixed and has_sessions(self.out_dir / JOURNAL_NAME):
-            raise JournalError(
-                f"{self.out_dir} holds a run on one GPU model, but this run's GPUs are "
-                f"{', '.join(sorted(by_model))}: use another --out folder for a fleet that "
-                "mixes models"
-            )
-        for model in sorted(by_model):
-            folder = self.out_dir / model_folder(model) if mixed else self.out_dir
-            journal = self.journals.enter_context(
-                Journal.open(folder / JOURNAL_NAME, self.campaign)
-            )
+        paths = model_journals(self.out_dir, by_model)
+        mixed = paths[0].parent != self.out_dir
+        for model, path in zip(sorted(by_model), paths, strict=True):
+            journal = self.journals.enter_context(Journal.open(path, self.campaign))
             claim_shard(journal, self.shard)
             journal.sync_policy = SyncPolicy.for_clock(virtual_time(self.campaign))
             driver = Driver(self.campaign, journal, self.cells, self.progress, self.corpora)
@@ -616,10 +629,9 @@ def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> l
 def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
-    from dvfs.fleet.shard import check_deal
-    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+    from dvfs.measure.journal import iter_records
 
-    for path in [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]:
+    for path in folder_journals(out_dir):
         if not path.is_file():
             continue
         first = next(iter_records(path), None)
@@ -627,14 +639,10 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
             continue
         with Journal.open(path, campaign):  # its own refusal: other settings, not a journal
             pass
-        recorded = recorded_shard(path)
-        if shard is not None:
-            check_deal(path.parent, recorded)
-        if recorded != shard and has_sessions(path):
-            raise JournalError(other_shard(path.parent, recorded, shard))
+        check_shard(path, shard)
 
 
-def _journals_done(
+def journals_done(
     out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
 ) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
@@ -688,7 +696,7 @@ def run_fleet(
         cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
-        done = _journals_done(out_dir, campaign, cells)
+        done = journals_done(out_dir, campaign, cells)
         with contextlib.ExitStack() as journals:
             if done is None:
                 fleet = Fleet(

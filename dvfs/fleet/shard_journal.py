@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.errors import JournalError
-from dvfs.fleet.shard import SHARD_RECORD, Shard, mark_cube
+from dvfs.fleet.shard import SHARD_RECORD, Shard, check_deal, mark_cube
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -18,6 +18,13 @@ def has_sessions(journal: Path) -> bool:
     from dvfs.measure.journal import iter_records
 
     return journal.is_file() and any(r.get("type") == "session" for r in iter_records(journal))
+
+
+class OtherShardError(JournalError):
+    """A folder holding another shard, or the whole campaign: the wrong --out for this run,
+    refused before anything is measured, as invalid input like a shard dealt otherwise."""
+
+    exit_code = 2
 
 
 def other_shard(folder: Path, recorded: Shard | None, shard: Shard | None) -> str:
@@ -51,6 +58,26 @@ def recorded_shard(journal: Path) -> Shard | None:
                     "over with `dvfs sweep --fresh`, which renames it"
                 ) from None
     return found
+
+
+def folder_journals(out_dir: Path) -> list[Path]:
+    """The journals a sweep into `out_dir` resumes: its own, and each GPU model's
+    (`gpu-<model>/`, where a fleet mixing models journals), present or not."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    return [out_dir / JOURNAL_NAME, *sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))]
+
+
+def check_shard(journal: Path, shard: Shard | None) -> None:
+    """Refuse a run of `shard` (None: the whole campaign) into the folder of `journal`, as
+    `dvfs.sweep.claim_shard` would once it opens it: a shard dealt otherwise (`check_deal`), or
+    another shard or the whole campaign (its shard record, or a session without one). Before
+    anything runs, so that a sweep and its dry run refuse alike."""
+    recorded = recorded_shard(journal)
+    if shard is not None:
+        check_deal(journal.parent, recorded)
+    if recorded != shard and (recorded is not None or has_sessions(journal)):
+        raise OtherShardError(other_shard(journal.parent, recorded, shard))
 
 
 def shard_cube(journal: Path) -> xr.Dataset:

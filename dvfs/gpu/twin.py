@@ -12,6 +12,12 @@ from dvfs.twin.timeline import Readings, Timeline
 TWIN_DRIVER_VERSION = "twin"
 
 
+def twin_gpu_name(nvml_name: str) -> str:
+    """The name a twin GPU of a profile reports (its NVML name, marked), which a fleet mixing
+    models also names its journal's folder by (`dvfs.fleet.driver.model_folder`)."""
+    return f"{nvml_name} (twin)"
+
+
 class TwinGpu:
     """A twin device seen through the same interface as a real GPU."""
 
@@ -21,7 +27,7 @@ class TwinGpu:
         self._identity = GpuIdentity(
             index=device.index,
             uuid=device.uuid,
-            name=f"{profile.nvml_name} (twin)",
+            name=twin_gpu_name(profile.nvml_name),
             driver_version=TWIN_DRIVER_VERSION,
             backend="twin",
             memory_clock_mhz=profile.memory_clock_mhz,

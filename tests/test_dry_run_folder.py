@@ -1,0 +1,166 @@
+"""`dvfs sweep --dry-run` on a folder a sweep has begun: the cells it counts as done are
+those the resumed sweep then skips (each GPU model's journal of a fleet mixing models), and
+with --fresh it plans the sweep that starts over, moving nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from click.testing import CliRunner, Result
+from conftest import TINY, copy_sweep, replace_block, write
+
+from dvfs.cli import cli
+from dvfs.fleet.shard import Shard
+from dvfs.measure.journal import read_records
+
+#: TINY (16 cells) on the exact twin, so that twins of two models measure it alike.
+MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+FLEET = ("--gpus", "0,h200-sxm:0")
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _interrupted(journal: Path, cells: int) -> None:
+    """`journal` as a sweep stopped after its first `cells` cell records left it."""
+    kept, seen = [], 0
+    for line in journal.read_text(encoding="utf-8").splitlines(keepends=True):
+        if json.loads(line)["type"] == "cell":
+            seen += 1
+            if seen > cells:
+                continue
+        kept.append(line)
+    journal.write_text("".join(kept), encoding="utf-8")
+
+
+def _measured(result: Result) -> tuple[int, int]:
+    """(measured, already done) from a sweep's closing line."""
+    found = re.search(r"(\d+) cell\(s\) measured, \d+ failed, (\d+) already done", result.output)
+    assert found, result.output
+    return int(found[1]), int(found[2])
+
+
+def _files(folder: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `folder`, by relative path."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _dry(campaign: Path, out: Path, *args: str) -> tuple[dict, Result]:
+    base = ("sweep", str(campaign), "--out", str(out), *args, "--dry-run", "--no-estimate")
+    doc = invoke(*base, "--json")
+    assert doc.exit_code == 0, doc.output
+    return json.loads(doc.output), invoke(*base)
+
+
+def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
+    tmp_path: Path,
+) -> None:
+    """A fleet mixing GPU models, interrupted (a whole campaign, and a shard): its dry run
+    counts as done, per model, the cells of each model's `gpu-*/` journal that the sweep then
+    skips, and as to run those it then measures, with the fleet's GPUs or only the campaign's
+    (one model's journal), in --json and in the text; finished, all are done. A folder of one
+    model's run: nothing to run when finished, else the fleet's refusal, for both."""
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    for shard, cells in ((), 16), (("--shard", "1/2"), 8):
+        begun = tmp_path / f"begun{len(shard)}"
+        sweep = ("sweep", str(campaign), *shard, "--no-progress")
+        assert invoke(*sweep, *FLEET, "--out", str(begun)).exit_code == 0
+        h100, h200 = sorted(begun.glob("gpu-*/journal.jsonl"))
+        _interrupted(h100, 3)
+        _interrupted(h200, 5)
+        per_model = {h100.parent.name: 3, h200.parent.name: 5}
+        for gpus, models in ((FLEET, per_model), ((), {h100.parent.name: 3})):
+            out = copy_sweep(begun, tmp_path / f"out{len(shard)}{len(gpus)}")
+            doc, text = _dry(campaign, out, *shard, *gpus)
+            done = sum(models.values())
+            left = cells * len(models) - done
+            assert (doc["cells"], doc["already_done"], doc["remaining"]) == (cells, done, left)
+            assert doc["done_per_model"] == models and not doc["out_refused"]
+            said = " ".join(text.output.split())
+            assert f"({done} already done, {left} to run" in said, said
+            for folder, n in models.items():
+                assert f"{folder}/ {n} done" in said, said
+            resumed = invoke(*sweep, *gpus, "--out", str(out))
+            assert resumed.exit_code == 0, resumed.output
+            assert _measured(resumed) == (left, done)
+            doc, _ = _dry(campaign, out, *shard, *gpus)
+            assert (doc["already_done"], doc["remaining"]) == (cells * len(models), 0)
+    # A finished run on one model: a fleet mixing models finds nothing to run there, its dry
+    # run too; begun only, the fleet refuses it, and the dry run in the same line.
+    from test_journal import assert_one_line_error
+
+    one = tmp_path / "one"
+    assert invoke("sweep", str(campaign), "--no-progress", "--out", str(one)).exit_code == 0
+    doc, _ = _dry(campaign, one, *FLEET)
+    assert (doc["already_done"], doc["remaining"], doc.get("done_per_model")) == (16, 0, None)
+    args = ("sweep", str(campaign), *FLEET, "--out", str(one))
+    assert _measured(invoke(*args, "--no-progress")) == (0, 16)
+    _interrupted(one / "journal.jsonl", 4)
+    line = assert_one_line_error(invoke(*args, "--no-progress"), 1, "holds a run on one GPU")
+    assert assert_one_line_error(invoke(*args, "--dry-run", "--no-estimate"), 1) == line
+
+
+def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path) -> None:
+    """With --fresh, the folders the sweep would refuse (another shard's, one begun by an
+    earlier dvfs, a damaged shard record; one model's journals or each model's) are no
+    problem: nothing counts as done, the dry run names the journals and cubes --fresh would
+    move aside and where, moves nothing (every byte of the folder as it was), and the fresh
+    sweep then moves just those and measures every cell it counted. An invalid campaign is
+    still refused, exit 2."""
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    s0 = tmp_path / "s0"
+    run = ("sweep", str(campaign), "--no-progress")
+    assert invoke(*run, "--shard", "0/2", *FLEET, "--out", str(s0)).exit_code == 0
+    one = tmp_path / "one"
+    assert invoke(*run, "--shard", "0/2", "--out", str(one)).exit_code == 0
+    damaged = copy_sweep(one, tmp_path / "damaged")
+    records = read_records(damaged / "journal.jsonl")
+    records[1] = {**records[1], "index": "x"}
+    (damaged / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cases = (
+        (s0, ("--shard", "1/2", *FLEET), 16, 2),  # each model's folder holds another shard
+        (s0, (), 16, 2),  # the whole campaign on one model, into a mixed fleet's folder
+        (one, ("--shard", "1/2"), 8, 1),
+        (damaged, ("--shard", "0/2"), 8, 1),
+    )
+    for folder, args, cells, moved in cases:
+        out = copy_sweep(folder, tmp_path / f"out-{folder.name}-{len(args)}")
+        before = _files(out)
+        plain = invoke(*run, *args, "--out", str(out), "--dry-run", "--no-estimate", "--json")
+        assert plain.exit_code in (1, 2), plain.output  # refused without --fresh
+        doc, text = _dry(campaign, out, *args, "--fresh")
+        assert doc["problems"] == [] and not doc["out_refused"]
+        assert (doc["already_done"], doc["remaining"]) == (0, cells)
+        journals = sorted(
+            str(p) for p in (out / "journal.jsonl", *out.glob("gpu-*/journal.jsonl")) if p.exists()
+        )
+        aside = {m["path"]: m["to"] for m in doc["fresh_moves_aside"]}
+        assert sorted(p for p in aside if p.endswith("journal.jsonl")) == journals
+        assert all(to == f"{path}.1" for path, to in aside.items())
+        said = " ".join(text.output.split())
+        assert text.exit_code == 0 and "problem" not in said, said
+        assert "--fresh would move aside" in said and "moves nothing" in said, said
+        assert all(path in said for path in journals)
+        assert _files(out) == before  # the dry runs changed nothing
+        fresh = invoke(*run, *args, "--out", str(out), "--fresh")
+        assert fresh.exit_code == 0, fresh.output
+        assert _measured(fresh) == (cells, 0)
+        for path, to in aside.items():
+            assert Path(to).read_bytes() == before[str(Path(path).relative_to(out))]
+        assert len([p for p in aside if p.endswith("journal.jsonl")]) == moved
+        shard = Shard.parse(args[1]) if args[:1] == ("--shard",) else None
+        for journal in (out / "journal.jsonl", *out.glob("gpu-*/journal.jsonl")):
+            if journal.exists():  # the fresh sweep's: this run's shard, or none
+                second = read_records(journal)[1]
+                assert second == shard.to_json() if shard else second["type"] != "shard"
+    broken = write(tmp_path / "broken.toml", MIXED.replace("repeats = 2", "repeats = 0"))
+    result = invoke("sweep", str(broken), "--out", str(s0), "--dry-run", "--fresh")
+    assert_one_line_error(result, 2, "repeats")
