@@ -537,12 +537,12 @@ def resumed_journals(
 ) -> list[Path]:
     """The journal each GPU model of a sweep of `cells` into `out_dir` resumes, as the fleet
     picks them: all the folder's journals when they hold every cell (nothing to run, as
-    `journals_done` finds), else `dvfs.fleet.driver.model_journals` of `models` as
+    `journals_done` finds), else `dvfs.fleet.folders.model_journals` of `models` as
     `workers_per_model` names them, twin GPUs by their profile. A real GPU's model is known
     only once NVML is read, so a folder a fleet mixing models began resumes, as far as this
     can tell, into each of its `gpu-*/` journals (on the GPUs that began it). `fresh`: as
     --fresh leaves the folder."""
-    from dvfs.fleet.driver import journals_done, model_journals
+    from dvfs.fleet.folders import journals_done, model_journals
 
     done = None if fresh else journals_done(out_dir, campaign, cells)
     if done is not None:

@@ -298,7 +298,7 @@ def sweep(
             raise SystemExit(2)
         return
     groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
-    from dvfs.fleet.driver import fleet_journal
+    from dvfs.fleet.folders import fleet_journal
 
     if len(groups) > 1 or executor == "ray" or fleet_journal(out_dir):
         outcome = run_fleet(

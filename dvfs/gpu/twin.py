@@ -14,7 +14,7 @@ TWIN_DRIVER_VERSION = "twin"
 
 def twin_gpu_name(nvml_name: str) -> str:
     """The name a twin GPU of a profile reports (its NVML name, marked), which a fleet mixing
-    models also names its journal's folder by (`dvfs.fleet.driver.model_folder`)."""
+    models also names its journal's folder by (`dvfs.fleet.folders.model_folder`)."""
     return f"{nvml_name} (twin)"
 
 

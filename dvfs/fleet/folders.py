@@ -1,0 +1,97 @@
+"""Where a fleet's journals live in its --out folder: one journal, or one per GPU model
+(`gpu-<model>/`) when a fleet mixes models; which of them a run resumes, and whether they
+already hold every cell. Shared by the fleet's driver and the sweep's dry run, below both."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from dvfs.campaign import Campaign
+from dvfs.errors import JournalError
+from dvfs.fleet.shard_journal import has_sessions
+from dvfs.measure.journal import Journal
+from dvfs.measure.plan import Cell
+
+
+def model_folder(name: str) -> str:
+    """The folder of one GPU model's journal in a fleet mixing models: `gpu-<model>`."""
+    return "gpu-" + (re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown")
+
+
+def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False) -> list[Path]:
+    """The journal of each GPU model (by name, in sorted order) of a run into `out_dir`: the
+    folder's own for one model, else each in its `gpu-<model>/` (also for one model where a
+    fleet mixing models began the folder). A folder holding one model's run is refused for a
+    fleet mixing models, in one line. `fresh`: as --fresh leaves the folder, no journal in it
+    (`dvfs.sweep.fresh_moves`)."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    names = sorted(models)
+    begun = not fresh and any(out_dir.glob("gpu-*/" + JOURNAL_NAME))
+    mixed = len(names) > 1 or begun
+    if not mixed:
+        return [out_dir / JOURNAL_NAME for _ in names]
+    if not fresh and has_sessions(out_dir / JOURNAL_NAME):
+        raise JournalError(
+            f"{out_dir} holds a run on one GPU model, but this run's GPUs are "
+            f"{', '.join(names)}: use another --out folder for a fleet that mixes models"
+        )
+    return [out_dir / model_folder(name) / JOURNAL_NAME for name in names]
+
+
+def fleet_journal(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a fleet's journal(s): a run resuming it on one GPU group (the
+    GPUs left after a node loss) goes on as a fleet of one, so that it reads the same journal."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    if any(out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+        return True
+    journal = out_dir / JOURNAL_NAME
+    if not journal.is_file():
+        return False
+    records = (r for r in iter_records(journal) if r.get("type") == "session")
+    return "workers" in next(records, {})
+
+
+def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> list[Cell]:
+    """The repeats a single runner would add (`dvfs.measure.runner.next_repeats`), decided
+    here by the driver from its journal's cell records."""
+    from dvfs.measure.journal import iter_records
+    from dvfs.measure.runner import next_repeats
+    from dvfs.records import JOURNAL_SCHEMA, CellRecord
+
+    m = campaign.measurement
+    if m.max_repeats <= m.repeats or not journal.is_file():
+        return []
+
+    def records() -> Iterator[CellRecord]:
+        version = JOURNAL_SCHEMA
+        for raw in iter_records(journal):
+            if raw.get("type") == "session":
+                version = int(raw.get("journal_schema", JOURNAL_SCHEMA))
+            if raw.get("type") == "cell":
+                yield CellRecord.from_json(raw, version=version)
+
+    return next_repeats(m, records(), cells)
+
+
+def journals_done(
+    out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
+) -> Sequence[Path] | None:
+    """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
+    is nothing to run), else None."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+
+    paths = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or [out_dir / JOURNAL_NAME]
+    keys = {c.key for c in cells}
+    for path in paths:
+        if not path.is_file():
+            return None
+        ok = Journal(path, iter_records(path)).finished()
+        if not keys <= ok:
+            return None
+        if any(c.key not in ok for c in extra_repeats(campaign, path, cells)):
+            return None
+    return paths
