@@ -1,0 +1,86 @@
+"""A partial cube (an interrupted sweep, cells not measured yet) through the analyses: the
+answers say the cells below are waiting to be measured, not that the grid ends there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from conftest import copy_sweep
+
+from dvfs.cli import cli
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, [*args], catch_exceptions=False)
+
+
+def without_cells(journal: Path, drop) -> None:
+    """Rewrite a journal without the cell records `drop(cell)` picks: what a sweep stopped
+    before reaching them leaves."""
+    kept = []
+    for line in journal.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("type") == "cell" and drop(record["cell"]):
+            continue
+        kept.append(line)
+    journal.write_text("\n".join(kept) + "\n", encoding="utf-8")
+
+
+def partial_sweep(small_sweep: Path, dest: Path, drop) -> Path:
+    out = copy_sweep(small_sweep, dest)
+    without_cells(out / "journal.jsonl", drop)
+    result = invoke("cube", "build", str(out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_unmeasured_settings_below_an_answer_ask_for_a_resume_not_a_larger_grid(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    # The 300 W half of the grid not reached yet: every answer sits at 700 W.
+    out = partial_sweep(small_sweep, tmp_path / "out", lambda c: c["power_limit_w"] == 300.0)
+    doc_path = tmp_path / "h.json"
+    result = invoke("headroom", str(out), "--slack", "10%", "-o", str(doc_path))
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "extend knobs.power_limit" not in text
+    assert "≥0" not in text and "0?" in text
+    assert text.count("partial cube:") == 1
+    assert "cells not measured yet" in text and "resume" in text
+    doc = json.loads(doc_path.read_text(encoding="utf-8"))
+    assert doc["coverage"]["missing"] == doc["coverage"]["cells"] // 2
+    feasible = [r for r in doc["rows"] if r["feasible"]]
+    assert feasible
+    for r in feasible:
+        assert r["headroom_w_unmeasured_below"] and not r["headroom_w_is_lower_bound"]
+        assert r["chosen_unmeasured_below"] and not r["chosen_at_grid_edge"]
+    # cap plan takes the same flags: no grid_edge note for cells merely not measured yet.
+    caps = invoke("cap", "plan", str(doc_path), "--batch", "1", "--drafter", "none")
+    assert caps.exit_code == 0, caps.output
+    assert "grid_edge" not in caps.output and "lowest the grid" not in caps.output
+
+
+def test_a_complete_cube_still_says_the_grid_cuts_an_answer_off(small_sweep: Path) -> None:
+    result = invoke("headroom", str(small_sweep), "--slack", "1000%", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["coverage"]["missing"] == 0 and doc["coverage"]["failed"] == 0
+    rows = [r for r in doc["rows"] if r["feasible"]]
+    assert rows and all(r["at_grid_edge"] for r in rows)
+    assert not any(r["headroom_w_unmeasured_below"] for r in rows)
+    text = invoke("headroom", str(small_sweep), "--slack", "1000%").output
+    assert "partial cube" not in text and "extend knobs" in text
+
+
+def test_a_row_whose_reference_is_not_measured_says_so(small_sweep: Path, tmp_path: Path) -> None:
+    # eagle3 not started yet: its stock cells are missing.
+    out = partial_sweep(small_sweep, tmp_path / "out", lambda c: c["drafter"] == "eagle3")
+    result = invoke("headroom", str(out), "--slack", "5%", "--json")
+    rows = json.loads(result.output)["rows"]
+    eagle = [r for r in rows if r["drafter"] == "eagle3"]
+    assert eagle and all(r["reference_problem"] == "not measured yet" for r in eagle)
+    assert all(r["reference_problem"] is None for r in rows if r["drafter"] == "none")
+    text = invoke("headroom", str(out), "--slack", "5%").output
+    assert "no valid reference cell (not measured yet)" in text
