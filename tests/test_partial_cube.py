@@ -17,12 +17,17 @@ def invoke(*args: str):
 
 
 def without_cells(journal: Path, drop) -> None:
-    """Rewrite a journal without the cell records `drop(cell)` picks: what a sweep stopped
-    before reaching them leaves."""
+    """Rewrite a journal without the cell records `drop(cell)` picks, and the server records
+    of drafters left with no cell: what a sweep stopped before reaching them leaves."""
+    lines = journal.read_text(encoding="utf-8").splitlines()
+    records = [json.loads(line) for line in lines]
+    kept_cells = [r for r in records if r.get("type") == "cell" and not drop(r["cell"])]
+    ran = {r["cell"]["drafter"] for r in kept_cells}
     kept = []
-    for line in journal.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+    for line, record in zip(lines, records, strict=True):
         if record.get("type") == "cell" and drop(record["cell"]):
+            continue
+        if record.get("type") == "server" and record["drafter"] not in ran:
             continue
         kept.append(line)
     journal.write_text("\n".join(kept) + "\n", encoding="utf-8")
@@ -84,3 +89,33 @@ def test_a_row_whose_reference_is_not_measured_says_so(small_sweep: Path, tmp_pa
     assert all(r["reference_problem"] is None for r in rows if r["drafter"] == "none")
     text = invoke("headroom", str(out), "--slack", "5%").output
     assert "no valid reference cell (not measured yet)" in text
+
+
+def test_compare_roofline_of_a_drafter_never_run_comes_from_the_campaign(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """eagle3's server never started: its verify width is the campaign's num_draft_tokens (4
+    in SMALL_CAMPAIGN), not a made-up 1; without the campaign either, "no data"."""
+    import xarray as xr
+
+    out = partial_sweep(small_sweep, tmp_path / "out", lambda c: c["drafter"] == "eagle3")
+    result = invoke("compare", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    verify = json.loads(result.output)["roofline"]["verify"]
+    widths = {(v["batch"], v["drafter"]): v["verify_tokens"] for v in verify}
+    assert widths == {(1, "none"): 1, (8, "none"): 8, (1, "eagle3"): 4, (8, "eagle3"): 32}
+
+    with xr.open_dataset(out / "cube.nc") as ds:
+        bare = ds.load()
+    workload = json.loads(bare.attrs["campaign"])["workload"]
+    bare.attrs["campaign"] = json.dumps({"workload": workload})  # no drafter settings
+    bare.to_netcdf(tmp_path / "bare.nc")
+    doc = json.loads(invoke("compare", str(tmp_path / "bare.nc"), "--json").output)
+    eagle = [v for v in doc["roofline"]["verify"] if v["drafter"] == "eagle3"]
+    assert eagle and all(
+        v["verify_tokens"] is None and v["arithmetic_intensity"] is None for v in eagle
+    )
+    text = invoke("compare", str(tmp_path / "bare.nc")).output
+    roof = text[text.index("Verify pass vs ridge point") :]
+    eagle_lines = [line for line in roof.splitlines() if "eagle3" in line]
+    assert eagle_lines and all("no data" in line for line in eagle_lines)

@@ -158,7 +158,8 @@ def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
 
 
 def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
-    """The highest clock at which the verify pass is compute-bound (None: never, in this grid)."""
+    """The highest clock at which the verify pass is compute-bound (None: never, in this grid,
+    or unknown where the pass's width is)."""
     bound = roof["compute_bound"].sel(batch=batch, drafter=drafter)
     clocks = roof["sm_clock"].values[bound.values]
     return int(clocks.max()) if len(clocks) else None
@@ -236,7 +237,9 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
                 ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
                 [
-                    [
+                    [str(v["batch"]), v["drafter"], "no data", "no data", "no data"]
+                    if v["verify_tokens"] is None
+                    else [
                         str(v["batch"]),
                         v["drafter"],
                         str(v["verify_tokens"]),
