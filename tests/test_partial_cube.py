@@ -119,3 +119,68 @@ def test_compare_roofline_of_a_drafter_never_run_comes_from_the_campaign(
     roof = text[text.index("Verify pass vs ridge point") :]
     eagle_lines = [line for line in roof.splitlines() if "eagle3" in line]
     assert eagle_lines and all("no data" in line for line in eagle_lines)
+
+
+#: The reviewer's campaign: short decodes on the H200 twin, whose energy counter updates too
+#: rarely for windows this short: many cells measured but invalid (few_counter_updates).
+FEW_UPDATES = """
+[campaign]
+name = "few-updates"
+
+[gpu]
+backend = "twin"
+profile = "h200-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1500, 1200]
+power_limit = [700]
+
+[engine]
+backend = "twin"
+model = "meta-llama/Llama-3.1-8B-Instruct"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+num_steps = 5
+eagle_topk = 4
+num_draft_tokens = 8
+
+[workload]
+batch = [1, 16]
+corpora = ["code", "math"]
+output_tokens = 128
+
+[measurement]
+max_rounds = 4
+precision = 0.05
+repeats = 2
+"""
+
+
+def test_a_sweep_with_invalid_cells_says_how_many_why_and_what_to_change(
+    tmp_path: Path,
+) -> None:
+    campaign = tmp_path / "few.toml"
+    campaign.write_text(FEW_UPDATES, encoding="utf-8")
+    out = tmp_path / "out"
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    # Invalid cells are not failures (README exit codes: 5 is for failed cells).
+    assert result.exit_code == 0, result.output
+    info = json.loads(invoke("cube", "info", str(out), "--json").output)
+    assert info["invalid"] > 0 and info["failed"] == 0
+    summary = next(line for line in result.output.splitlines() if "cell(s) measured" in line)
+    assert f"{info['invalid']} invalid in the cube" in summary
+    assert f"{info['invalid']} of {info['measured']} measured cell(s) are invalid" in result.output
+    assert "few_counter_updates x" in result.output and "workload.output_tokens" in result.output
+    # headroom says why a row has no reference instead of a bare "no valid reference cell".
+    rows = json.loads(invoke("headroom", str(out), "--slack", "5%", "--json").output)["rows"]
+    no_ref = [r for r in rows if r["target_ms"] is None]
+    assert no_ref and all(r["reference_problem"].startswith("invalid: ") for r in no_ref)
+    assert any("few_counter_updates" in r["reference_problem"] for r in no_ref)
+    text = invoke("headroom", str(out), "--slack", "5%").output
+    assert "no valid reference cell (invalid: few_counter_updates)" in text
