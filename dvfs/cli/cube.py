@@ -121,6 +121,10 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     """
     from dvfs.cube import merge_cubes
 
+    if len(cubes) < 2:
+        raise click.UsageError(
+            "merging needs at least two cubes (or all the shards of a run); got one"
+        )
     loaded = [_load_for_merge(p) for p in cubes]
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
