@@ -226,6 +226,8 @@ def _disk(out_dir: Path) -> tuple[str, str]:
     probe = out_dir
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():  # a file where a folder of --out should be: no disk to speak of
+        return FAIL, f"{out_dir} is unusable: {probe} is a file, not a folder; choose another --out"
     free = shutil.disk_usage(probe).free
     status = OK if free >= MIN_FREE_BYTES else WARN
     return status, f"{free / 2**30:.1f} GiB free at {probe}"

@@ -502,7 +502,7 @@ CORPUS_CASES = [
         code=2,
     ),
     # `dvfs corpus show` itself
-    C("corpus-show-unknown-builtin", ["corpus", "show", "klingon"], code=1, says=("klingon",)),
+    C("corpus-show-unknown-builtin", ["corpus", "show", "klingon"], code=2, says=("klingon",)),
     C("corpus-show-negative-n", ["corpus", "show", "code", "-n", "-1"], code=2, says=("-1",)),
     C("corpus-show-n-not-int", ["corpus", "show", "code", "-n", "many"], code=2, says=("many",)),
     C(
@@ -830,6 +830,12 @@ CUBE_CASES = [
         says=("cube.nc",),
     ),
     C(
+        "cube-merge-one-cube",
+        ["cube", "merge", "{cube}", "-o", "{tmp}/m.nc"],
+        code=2,
+        says=("at least two cubes",),
+    ),
+    C(
         "cube-merge-itself",
         ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
         code=2,
@@ -1046,6 +1052,7 @@ FLAG_CASES = [
         ["cube", "merge", "{cube}", "{tmp}/other.nc", "-o", "{tmp}/file.txt/m.nc"],
         files={"file.txt": "x", "other.nc": _cube_with(_on_another_gpu)},
         code=1,
+        says=("choose a path inside a folder for --out",),
     ),
     C("gpu-info-twin-uuid", ["gpu", "info", "--twin", "h100-sxm", "GPU-xyz"], says=("GPU-xyz",)),
     C("verbose-unknown-option", ["-vv", "--bogus"], code=2, says=("--bogus",)),

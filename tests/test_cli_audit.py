@@ -85,6 +85,9 @@ def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_
     code, checks = _doctor_checks(tiny, under_file)
     assert code == 1 and checks["output folder"]["status"] == "fail"
     assert "part of that path is a file" in checks["output folder"]["detail"]
+    # ... and no disk check that calls the file a place with free space.
+    assert checks["disk"]["status"] == "fail", checks["disk"]
+    assert "unusable" in checks["disk"]["detail"] and "free at" not in checks["disk"]["detail"]
     swept = invoke("sweep", str(tiny), "--out", str(under_file), "--no-progress")
     assert swept.exit_code == 1 and "part of that path is a file" in swept.stderr
     # Another campaign's journal: the doctor's failure is the sweep's refusal, word for word.

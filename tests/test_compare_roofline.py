@@ -255,3 +255,12 @@ def test_the_break_even_table_and_json_carry_the_summary() -> None:
 def test_compare_needs_a_drafter_besides_the_baseline() -> None:
     with pytest.raises(AnalysisError, match="no drafter besides the baseline 'none'"):
         compare(make_cube(clocks=CLOCKS, drafters=["none"]))
+
+
+def test_a_ratio_below_one_never_prints_as_one() -> None:
+    """compare's "saves up to batch N" beside a ratio of 0.997 must not read "1.00"."""
+    from dvfs.report.compare import ratio_text
+
+    assert ratio_text(0.997) == "0.997" and ratio_text(1.004) == "1.004"
+    assert ratio_text(1.0) == "1.00" and ratio_text(0.5) == "0.50"
+    assert ratio_text(None, missing="too slow") == "too slow"

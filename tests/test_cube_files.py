@@ -135,6 +135,12 @@ def test_a_merged_cube_labels_its_gpus(tiny_sweep: Path, tmp_path: Path) -> None
     ds = open_cube(merged)
     first = str(ds["gpu"].values[0])
     assert ds.sel(gpu=first, drafter="none")["energy_j"].notnull().any()
+    # An --out under a regular file: the one line every analysis command's output gives.
+    under_file = merged / "m.nc"
+    result = invoke("cube", "merge", str(a), str(b), "--out", str(under_file))
+    assert_one_line_error(
+        result, 1, str(under_file), "not a folder", "choose a path inside a folder for --out"
+    )
 
 
 @pytest.mark.parametrize(
@@ -237,6 +243,29 @@ def test_out_under_a_regular_file(tmp_path: Path) -> None:
     assert_one_line_error(result, 1, "somefile", "not a folder", "--out")
     # A missing parent is created.
     assert sweep(campaign, tmp_path / "new" / "deeper" / "out").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        (["headroom", "{cube}", "-o", "{out}"], "--output"),
+        (["cube", "build", "{cube}", "-o", "{out}"], "--out"),
+        (["plot", "{cube}", "--out", "{out}"], "--out"),
+        (["report", "{cube}", "-o", "{out}"], "--output"),
+    ],
+)
+def test_an_analysis_output_under_a_regular_file_names_the_option(
+    small_sweep: Path, tmp_path: Path, command: list[str], option: str
+) -> None:
+    """Every analysis command's output path under a regular file: the same one line, naming
+    the path and the option to change (README: file-system faults exit 1)."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "result.json"
+    args = [a.format(cube=small_sweep, out=out) for a in command]
+    result = CliRunner().invoke(cli, args)
+    assert_one_line_error(
+        result, 1, str(out), "not a folder", f"choose a path inside a folder for {option}"
+    )
 
 
 def test_a_read_only_output_folder(tmp_path: Path, monkeypatch) -> None:

@@ -585,8 +585,9 @@ def test_vs_baseline_judges_the_baselines_own_rows_against_their_own_stock() -> 
 
 
 def test_a_row_without_an_answer_says_why() -> None:
-    """No answer has three causes a user fixes differently: no valid reference cell (sweep
-    it again), too few usable repeats (add repeats), or every judged setting over target."""
+    """No answer has causes a user fixes differently: no valid reference cell (sweep it
+    again), repeats not measured yet (resume the sweep), too few usable repeats (add
+    repeats), or every judged setting over target."""
     from dvfs.report.headroom import headroom_document, headroom_table_rows
 
     def table_text(cube, **target) -> str:
@@ -600,7 +601,11 @@ def test_a_row_without_an_answer_says_why() -> None:
     partial = make_cube(  # only repeat 0 measured so far
         clocks=[1000, 2000], repeats=3, latency=lambda c, *a: slow[c] if a[4] == 0 else math.nan
     )
-    assert "too few repeats" in table_text(partial)
+    assert "not measured yet" in table_text(partial)
+    short = partial.copy()  # measured, but two repeats' latency unusable
+    short["cell_status"] = short["cell_status"] * 0 + 1
+    short["valid"] = short["valid"].fillna(1)
+    assert "too few repeats" in table_text(short)
     flagged = make_cube(  # one invalid repeat disqualifies a setting
         clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c], valid=lambda *a: a[5] == 0
     )
@@ -608,4 +613,4 @@ def test_a_row_without_an_answer_says_why() -> None:
     no_ref = make_cube(
         clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c], valid=lambda c, *_: c != 2000
     )
-    assert "no valid reference cell" in table_text(no_ref)
+    assert "no valid reference cell (invalid" in table_text(no_ref)

@@ -407,3 +407,24 @@ def test_a_campaign_its_corpora_fall_short_of_leaves_no_journal(tmp_path: Path) 
     write(campaign, tiny)
     again = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
     assert again.exit_code == 0, again.output
+
+
+def test_a_dry_run_on_stock_knobs_counts_no_knob_change(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """--observe-only never changes the GPU: the plan must not count its first setting."""
+    result = CliRunner().invoke(
+        cli,
+        [
+            "sweep",
+            str(small_campaign),
+            "--out",
+            str(tmp_path / "out"),
+            "--dry-run",
+            "--no-estimate",
+            "--json",
+            "--observe-only",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["knob_changes"] == 0

@@ -35,7 +35,7 @@ import numpy as np
 
 from dvfs.analysis.bounds import finite_mean, meets, upper_bound
 from dvfs.analysis.targets import Target
-from dvfs.cube.schema import CELL_DIMS
+from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
 from dvfs.records import knobs_set
 
@@ -152,10 +152,13 @@ def headroom(
     target: Target,
     knob: str = "both",
     confidence: float = 0.95,
+    grid_from_data: bool = False,
 ) -> xr.Dataset:
     """Headroom and the energy-optimal feasible setting for every (batch, drafter, corpus).
 
     Returns a Dataset over (batch, drafter, corpus[, gpu]); see the module docstring.
+    `grid_from_data` (one GPU of a merged cube, whose grid may be smaller than the union):
+    a knob setting this GPU measured nothing at is outside its grid, not unmeasured.
     """
     import xarray as xr
 
@@ -172,7 +175,13 @@ def headroom(
         )
     if "gpu" in cube.dims:  # merged cube: each GPU against its own stock setting
         parts = [
-            headroom(single_gpu(cube, g), target=target, knob=knob, confidence=confidence)
+            headroom(
+                single_gpu(cube, g),
+                target=target,
+                knob=knob,
+                confidence=confidence,
+                grid_from_data=True,
+            )
             for g in cube["gpu"].values
         ]
         merged = xr.concat(parts, dim="gpu", combine_attrs="drop_conflicts")
@@ -188,6 +197,9 @@ def headroom(
     ok = valid_mask(sub)
     measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
     any_invalid = (measured & ~ok).any("repeat")  # one invalid repeat disqualifies a setting
+    # Not measured yet (a repeat missing or failed, none invalid): an interrupted sweep's
+    # cells, which resuming it measures; the grid does not end there.
+    unmeasured = not_measured(sub, grid_from_data=grid_from_data).any("repeat") & ~any_invalid
     latency = sub[target.variable].sel(quantile=target.quantile).where(ok)
     energy = sub["energy_per_token_j"].where(ok)
     ref_ok = valid_mask(cube).sel(at_ref)
@@ -211,6 +223,7 @@ def headroom(
     energy_v = energy.transpose(*order).values
     latency_v = latency.transpose(*order).values
     invalid_v = any_invalid.transpose(*order[:-1]).values
+    unmeasured_v = unmeasured.transpose(*order[:-1]).values
     ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
     ref_on_v = ref_on.broadcast_like(stock_energy).transpose(*group_order).values
     ref_ok_v = ref_ok_for_on.broadcast_like(stock_energy).transpose(*group_order).values
@@ -274,12 +287,16 @@ def headroom(
     n_feasible = np.zeros(group_shape, dtype=int)
     n_judged = np.zeros(group_shape, dtype=int)  # settings whose bound could be computed
     n_short = np.zeros(group_shape, dtype=int)  # valid settings with too few usable repeats
+    n_unmeasured = np.zeros(group_shape, dtype=int)  # settings not measured yet
     edge = {
         name: np.zeros(group_shape, dtype=bool)
         for name in (
             "headroom_mhz_is_lower_bound",
             "headroom_w_is_lower_bound",
             "chosen_at_grid_edge",
+            "headroom_mhz_unmeasured_below",
+            "headroom_w_unmeasured_below",
+            "chosen_unmeasured_below",
         )
     }
     settings_on = np.full(group_shape, "", dtype=object)
@@ -298,6 +315,8 @@ def headroom(
         own_reference = target.mode != "vs-baseline" or drafters[idx[1]] == baseline_drafter
         feasible = []
         evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
+        over: list[tuple[int, float]] = []  # evaluated settings over the target
+        pending: list[tuple[int, float]] = []  # settings not measured yet, not judged
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
                 if invalid_v[idx + (ci, pi)]:
@@ -307,9 +326,13 @@ def headroom(
                 bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
                 if not math.isnan(bound):
                     evaluated.append((int(clock), float(limit)))
+                elif unmeasured_v[idx + (ci, pi)]:
+                    pending.append((int(clock), float(limit)))
                 elif n > 0:
                     n_short[idx] += 1
                 if not meets(bound, threshold, strict=target.strict):
+                    if not math.isnan(bound):
+                        over.append((int(clock), float(limit)))
                     continue
                 feasible.append(
                     (
@@ -325,6 +348,10 @@ def headroom(
                 )
         n_feasible[idx] = len(feasible)
         n_judged[idx] = len(evaluated)
+        # An unmeasured setting could still change the answer unless a setting at least as
+        # fast in both knobs (clock and limit no lower) was judged over the target.
+        open_ = [(c, p) for c, p in pending if not any(c2 >= c and p2 >= p for c2, p2 in over)]
+        n_unmeasured[idx] = len(pending)
         if not feasible:
             continue
         least = min(f[0] for f in feasible)
@@ -332,14 +359,28 @@ def headroom(
         mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = max(ties, key=lambda f: (f[1], f[2]))
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
-        # Cut off by the grid: nothing below the lowest feasible value was evaluated, so the
-        # true answer may lie lower (extend the grid downward to find it).
+        # Settings below an answer not measured yet (an interrupted sweep): the answer may
+        # lie lower once they are, so it is provisional, not cut off by the grid.
+        clock_open = clock_free and any(c < lowest_clock for c, _ in open_)
+        limit_open = limit_free and any(p < lowest_limit for _, p in open_)
+        chosen_open = any(
+            (clock_free and c < clock) or (limit_free and p < limit) for c, p in open_
+        )
+        edge["headroom_mhz_unmeasured_below"][idx] = clock_open
+        edge["headroom_w_unmeasured_below"][idx] = limit_open
+        edge["chosen_unmeasured_below"][idx] = chosen_open
+        # Cut off by the grid: nothing below the lowest feasible value was evaluated or is
+        # waiting to be measured, so the true answer may lie lower (extend the grid downward).
         bottom_clock = min(c for c, _ in evaluated)
         bottom_limit = min(p for _, p in evaluated)
-        edge["headroom_mhz_is_lower_bound"][idx] = clock_free and lowest_clock <= bottom_clock
-        edge["headroom_w_is_lower_bound"][idx] = limit_free and lowest_limit <= bottom_limit
-        edge["chosen_at_grid_edge"][idx] = (clock_free and clock <= bottom_clock) or (
-            limit_free and limit <= bottom_limit
+        edge["headroom_mhz_is_lower_bound"][idx] = (
+            clock_free and lowest_clock <= bottom_clock and not clock_open
+        )
+        edge["headroom_w_is_lower_bound"][idx] = (
+            limit_free and lowest_limit <= bottom_limit and not limit_open
+        )
+        edge["chosen_at_grid_edge"][idx] = not chosen_open and (
+            (clock_free and clock <= bottom_clock) or (limit_free and limit <= bottom_limit)
         )
         # The GPUs behind the two answers (chosen and lowest feasible) and behind the
         # reference they are judged against; an absolute SLO has no reference to pair with.
@@ -431,7 +472,18 @@ def headroom(
             "long_name": "valid settings left unjudged: fewer than two usable repeats",
         },
     )
+    data_vars["unmeasured_settings"] = (
+        dims,
+        n_unmeasured,
+        {"units": "1", "long_name": "settings not measured yet (missing or failed cells)"},
+    )
     edge_names = {
+        "headroom_mhz_unmeasured_below": "clocks below the lowest feasible one are not "
+        "measured yet: the clock headroom may be larger once the sweep is resumed",
+        "headroom_w_unmeasured_below": "power limits below the lowest feasible one are not "
+        "measured yet: the power headroom may be larger once the sweep is resumed",
+        "chosen_unmeasured_below": "settings below the chosen one are not measured yet: one "
+        "of them might save more energy once the sweep is resumed",
         "headroom_mhz_is_lower_bound": "the lowest clock evaluated meets the target: the "
         "clock headroom is at least headroom_mhz (the grid cuts it off)",
         "headroom_w_is_lower_bound": "the lowest power limit evaluated meets the target: the "
@@ -460,6 +512,12 @@ def headroom(
                 "units": "1",
                 "long_name": "GPUs that measured the chosen and lowest feasible settings",
             },
+        ),
+        # Why a group has no reference to judge against: a label, as measured_on is.
+        "reference_problem": (
+            dims,
+            reference_problems(cube, at_ref, target),
+            {"units": "1", "long_name": "why the reference cell is unusable (empty: usable)"},
         ),
         "reference_measured_on": (
             dims,
@@ -555,3 +613,76 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
         if stock.get(key) not in (None, "None"):
             attrs[key] = float(stock[key])
     return one.assign_attrs(attrs)
+
+
+def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataArray:
+    """Cells not measured yet: missing (the sweep has not reached them) or failed (a rerun
+    retries them). With `grid_from_data` (one GPU of a merged cube), a knob setting with no
+    cell measured at all is outside that GPU's grid, not waiting to be measured."""
+    if "cell_status" not in cube:
+        return cube["valid"].copy(data=np.zeros(cube["valid"].shape, dtype=bool))
+    status = cube["cell_status"]
+    waiting = (status == STATUS_MISSING) | (status == STATUS_FAILED)
+    if grid_from_data:
+        others = [d for d in status.dims if d not in ("sm_clock", "power_limit")]
+        waiting = waiting & (status != STATUS_MISSING).any(others)
+    return waiting
+
+
+def coverage(cube: xr.Dataset) -> dict[str, int]:
+    """How many cells the cube's grid has and how many are not measured yet (missing or
+    failed): a partial cube's answers may change once its sweep is resumed. In a merged cube
+    a knob setting a GPU measured nothing at is outside that GPU's grid and not counted."""
+    if "cell_status" not in cube:
+        total = int(cube["valid"].size)
+        return {"cells": total, "missing": 0, "failed": 0}
+    status = cube["cell_status"]
+    inside = status.values.ravel()
+    if "gpu" in status.dims:
+        others = [d for d in status.dims if d not in ("gpu", "sm_clock", "power_limit")]
+        in_grid = (status != STATUS_MISSING).any(others).broadcast_like(status)
+        inside = status.values[in_grid.transpose(*status.dims).values]
+    return {
+        "cells": int(inside.size),
+        "missing": int((inside == STATUS_MISSING).sum()),
+        "failed": int((inside == STATUS_FAILED).sum()),
+    }
+
+
+def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Target) -> np.ndarray:
+    """Per (batch, drafter, corpus): why the reference cell gives no latency to compare with
+    ("" where it does): "not measured yet", "failed", or "invalid: <its invalidating quality
+    flags>", so a row without a target says what to change."""
+    from dvfs.measure.meter import INVALIDATING, describe_quality
+
+    ref = cube.sel(at_ref)
+    if target.mode == "vs-baseline":
+        ref = ref.sel(drafter=target.baseline, drop=True).expand_dims(
+            drafter=cube["drafter"].values
+        )
+    order = [*GROUP_DIMS, "repeat"]
+    usable = valid_mask(ref) & ref[target.variable].sel(quantile=target.quantile).notnull()
+    usable_v = usable.transpose(*order).values
+    shape = usable_v.shape
+    status_v = (
+        ref["cell_status"].transpose(*order).values
+        if "cell_status" in ref
+        else np.full(shape, STATUS_OK)
+    )
+    quality_v = (
+        ref["quality"].transpose(*order).values if "quality" in ref else np.full(shape, np.nan)
+    )
+    out = np.full(shape[:3], "", dtype=object)
+    for idx in np.ndindex(out.shape):
+        status = status_v[idx]
+        if usable_v[idx].any():
+            continue
+        if (status == STATUS_OK).any():
+            masks = [int(q) & INVALIDATING for q in quality_v[idx][status == STATUS_OK] if q == q]
+            flags = sorted({name for m in masks for name in describe_quality(m)})
+            out[idx] = "invalid: " + ", ".join(flags) if flags else "invalid"
+        elif (status == STATUS_FAILED).any():
+            out[idx] = "failed"
+        else:
+            out[idx] = "not measured yet"
+    return out

@@ -24,15 +24,33 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
-def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int]:
-    """Tokens each request verifies per pass, from the servers' resolved arguments."""
+def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int | None]:
+    """Tokens each request verifies per pass: from the drafter's server's resolved arguments,
+    else (a drafter whose server never started: a partial cube) from its settings in the
+    campaign the cube records; None where neither says (never a guessed 1)."""
     servers = json.loads(cube.attrs.get("server_args", "{}") or "{}")
-    widths = {}
-    for drafter in cube["drafter"].values:
-        args = servers.get(str(drafter), {}).get("args", {})
-        algorithm = args.get("speculative_algorithm")
-        tokens = args.get("speculative_num_draft_tokens")
-        widths[str(drafter)] = int(tokens) if algorithm and tokens else 1
+    try:
+        planned = {
+            str(d["name"]): d for d in json.loads(cube.attrs.get("campaign", "{}"))["drafters"]
+        }
+    except (KeyError, TypeError, ValueError):
+        planned = {}
+    widths: dict[str, int | None] = {}
+    for drafter in map(str, cube["drafter"].values):
+        if drafter in servers:
+            args = servers[drafter].get("args", {})
+            algorithm = args.get("speculative_algorithm")
+            tokens = args.get("speculative_num_draft_tokens")
+        elif drafter in planned:
+            algorithm = planned[drafter].get("algorithm")
+            tokens = planned[drafter].get("num_draft_tokens")
+        else:
+            widths[drafter] = None
+            continue
+        if not algorithm:
+            widths[drafter] = 1  # no speculation: one token per request per pass
+        else:
+            widths[drafter] = int(tokens) if tokens else None
     return widths
 
 
@@ -117,7 +135,11 @@ def roofline(
     tokens = np.empty_like(intensity)
     for i, batch in enumerate(batches):
         for j, drafter in enumerate(drafters):
-            n = batch * widths[drafter]
+            width = widths[drafter]
+            if width is None:  # nothing says how wide its verify pass is: no data
+                intensity[i, j] = tokens[i, j] = np.nan
+                continue
+            n = batch * width
             flops = (
                 2.0 * model.active_matmul_params * n
                 + float(model.attention_flops_per_token(context)) * n

@@ -279,10 +279,8 @@ def headroom(
     )
     doc = headroom_document(result, ds)
     if output is not None:
-        try:
-            output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            raise click.FileError(str(output), hint=exc.strerror or str(exc)) from exc
+        # A file system fault reaches handle_errors, which names the path and the option.
+        output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     if as_json:
         echo_json(doc)
     elif markdown:

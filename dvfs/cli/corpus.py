@@ -99,12 +99,14 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
 def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: bool) -> None:
     """Statistics and a few prompts of corpus NAME."""
     from dvfs.corpora.sampling import corpus_stats, preview_prompts
-    from dvfs.errors import CorpusError
 
     corpora, method, _ = _corpora(campaign_file)
     if name not in corpora:
         hint = "" if campaign_file else " (user corpora need --campaign FILE)"
-        raise CorpusError(f"no corpus {name!r}; known: {', '.join(corpora)}{hint}")
+        # A name the command does not know is bad usage (exit 2), like an unknown choice.
+        raise click.BadParameter(
+            f"no corpus {name!r}; known: {', '.join(corpora)}{hint}", param_hint="NAME"
+        )
     c = corpora[name]
     prompts = preview_prompts(c, count, seed=seed)
     s = corpus_stats(c)

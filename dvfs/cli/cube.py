@@ -28,11 +28,11 @@ def cube() -> None:
 @handle_errors
 def build(sweep_dir: Path, out_path: Path | None) -> None:
     """Rebuild SWEEP_DIR's cube from its journal (safe to run while a sweep is going)."""
-    from dvfs.cube import CUBE_NAME, build_cube, write_cube
+    from dvfs.cube import CUBE_NAME, build_cube
     from dvfs.measure.journal import JOURNAL_NAME
 
     ds = build_cube(sweep_dir / JOURNAL_NAME)
-    path = write_cube(ds, out_path or sweep_dir / CUBE_NAME)
+    path = _write(ds, out_path or sweep_dir / CUBE_NAME)
     click.echo(f"cube: {path}")
 
 
@@ -119,14 +119,40 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     different campaigns, counts or GPU models, a shard given twice or missing, and cells
     measured twice.
     """
-    from dvfs.cube import merge_cubes, write_cube
+    from dvfs.cube import merge_cubes
 
+    if len(cubes) < 2:
+        raise click.UsageError(
+            "merging needs at least two cubes (or all the shards of a run); got one"
+        )
     loaded = [_load_for_merge(p) for p in cubes]
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
         parts.append(f"{merged.sizes['gpu']} GPUs")
-    click.echo(f"cube: {write_cube(merged, out_path)} ({', '.join(parts)})")
+    click.echo(f"cube: {_write(merged, out_path)} ({', '.join(parts)})")
+
+
+def _write(ds: Any, path: Path) -> Path:
+    """`write_cube`, with a file-system fault handed to the CLI's one-line form (the path and
+    the option to change, as every command's output says); a file where a folder of the path
+    should be is that, not "file exists"."""
+    import errno
+    import os
+
+    from dvfs.cube import write_cube
+    from dvfs.errors import CubeError
+
+    try:
+        return write_cube(ds, path)
+    except CubeError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, OSError) or cause.errno is None:
+            raise
+        code = cause.errno
+        if code == errno.EEXIST and any(p.exists() and not p.is_dir() for p in path.parents):
+            code = errno.ENOTDIR
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def _load_for_merge(path: Path) -> tuple[Any, str]:

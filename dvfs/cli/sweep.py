@@ -360,9 +360,11 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         err.print(f"{status} Run the same command again to resume.")
         raise
     s = outcome.summary
+    invalid = invalid_cells(outcome.cube_path)
     err.print(
-        f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done; "
-        f"journal {outcome.journal_path}"
+        f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
+        + (f", {invalid[0]} invalid in the cube" if invalid else "")
+        + f"; journal {outcome.journal_path}"
     )
     click.echo(f"cube: {outcome.cube_path}")
     if s.failed:
@@ -373,7 +375,25 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
             "journal and in `dvfs cube info`).[/yellow]",
             soft_wrap=True,
         )
+    if invalid:
+        err.print(f"[yellow]{escape(invalid[1])}[/yellow]", soft_wrap=True)
     return outcome
+
+
+def invalid_cells(cube_path: Path | None) -> tuple[int, str] | None:
+    """The cube's invalid cells (count, and one line on the commonest reasons and what to
+    change); None when it has none or cannot be read (the sweep's own report came first)."""
+    if cube_path is None:
+        return None
+    from dvfs.cube import open_cube
+    from dvfs.cube.info import invalid_reasons, invalid_summary
+
+    try:
+        ds = open_cube(cube_path)
+    except Exception:  # the summary must not fail a finished sweep
+        return None
+    line = invalid_summary(ds)
+    return (invalid_reasons(ds)[0], line) if line else None
 
 
 def run_fleet(
@@ -443,9 +463,11 @@ def report_fleet(outcome: Any) -> None:
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
         )
     s = outcome.summary
+    invalid = invalid_cells(outcome.cube_path)
     err.print(
-        f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done; "
-        f"makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; journal "
+        f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
+        + (f", {invalid[0]} invalid in the cube" if invalid else "")
+        + f"; makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; journal "
         f"{outcome.journal_path}"
     )
     click.echo(f"cube: {outcome.cube_path}")
@@ -456,3 +478,5 @@ def report_fleet(outcome: Any) -> None:
             "command to retry them.[/yellow]",
             soft_wrap=True,
         )
+    if invalid:
+        err.print(f"[yellow]{escape(invalid[1])}[/yellow]", soft_wrap=True)

@@ -96,3 +96,57 @@ def _valid_range(ds: xr.Dataset, status: np.ndarray) -> list[float]:
     if not len(values):
         return [math.nan, math.nan]
     return [float(values.min()), float(values.max())]
+
+
+#: What to change when measured cells come out invalid, per invalidating quality flag (what
+#: each means: dvfs.measure.meter.summarise and the README's cube section).
+INVALID_ADVICE = {
+    "few_counter_updates": "the energy counter updated too rarely in the windows for the "
+    "precision asked: raise workload.output_tokens (a round's window cannot outlast its "
+    "decode) or measurement.max_rounds with measurement.min_window_s (more rounds add up), "
+    "or loosen measurement.precision",
+    "few_samples": "fewer than three power samples inside the window: lower "
+    "measurement.sample_period_s or raise measurement.min_window_s",
+    "clock_not_reached": "the observed clock missed the lock: raise knobs.settle_s (time it "
+    "with `dvfs gpu settle`) or drop clocks the GPU cannot hold",
+    "throttled": "the GPU slowed down for heat or a hardware brake: check its cooling and "
+    "what else runs on it",
+    "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
+    "`dvfs doctor`",
+    "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",
+}
+
+
+def invalid_reasons(ds: xr.Dataset) -> tuple[int, list[tuple[str, int]]]:
+    """How many measured cells are invalid, and the invalidating flags they raised, most
+    frequent first (a cell may raise several)."""
+    from dvfs.measure.meter import INVALIDATING
+
+    status = ds["cell_status"].values
+    bad = (ds["valid"].values == 0) & (status == STATUS_OK)
+    flags: dict[str, int] = {}
+    if "quality" in ds:
+        for value in ds["quality"].values[bad]:
+            if value == value:  # NaN: no quality recorded
+                for name in describe_quality(int(value) & INVALIDATING):
+                    flags[name] = flags.get(name, 0) + 1
+    return int(bad.sum()), sorted(flags.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def invalid_summary(ds: xr.Dataset, *, top: int = 2) -> str | None:
+    """One line on a cube's invalid cells and what to change for the commonest reasons (None:
+    none invalid): invalid cells are never chosen by an analysis, so a sweep that leaves many
+    has not finished its job even though nothing failed."""
+    count, flags = invalid_reasons(ds)
+    if not count:
+        return None
+    shown = flags[:top]
+    reasons = "; ".join(
+        f"{name} x{n}: {INVALID_ADVICE.get(name, 'see `dvfs cube info`')}" for name, n in shown
+    )
+    more = f"; {len(flags) - top} more flag(s) in `dvfs cube info`" if len(flags) > top else ""
+    return (
+        f"{count} of {int((ds['cell_status'].values == STATUS_OK).sum())} measured cell(s) are "
+        f"invalid, so no analysis will choose them ({reasons}{more}); after changing the "
+        "campaign, sweep again with --fresh or into another --out folder"
+    )

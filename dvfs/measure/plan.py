@@ -117,7 +117,8 @@ def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> Pla
     previous: tuple | None = None
     for cell in todo:
         here = (cell.sm_clock_mhz, cell.power_limit_w)
-        if here != previous:
+        # Stock knobs (unset, or --observe-only) never change the GPU: nothing to count.
+        if here != previous and here != (None, None):
             changes += 1
         previous = here
     m = campaign.measurement

@@ -158,10 +158,23 @@ def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
 
 
 def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
-    """The highest clock at which the verify pass is compute-bound (None: never, in this grid)."""
+    """The highest clock at which the verify pass is compute-bound (None: never, in this grid,
+    or unknown where the pass's width is)."""
     bound = roof["compute_bound"].sel(batch=batch, drafter=drafter)
     clocks = roof["sm_clock"].values[bound.values]
     return int(clocks.max()) if len(clocks) else None
+
+
+def ratio_text(value: float | None, missing: str = "-") -> str:
+    """An energy ratio to two decimals, or as many more (up to four) as keep a ratio that is
+    not 1 from reading "1.00": 0.997 saves, and the summary next to it says so."""
+    if value is None:
+        return missing
+    for digits in (2, 3, 4):
+        text = format(value, f".{digits}f")
+        if value == 1 or float(text) != 1:
+            return text
+    return text
 
 
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -190,10 +203,9 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 str(r["batch"]),
                 r["drafter"],
                 r["corpus"],
-                fmt(r["energy_ratio_at_stock"], ".2f"),
-                fmt(
+                ratio_text(r["energy_ratio_at_stock"]),
+                ratio_text(
                     r["energy_ratio_equal_latency"],
-                    ".2f",
                     # No ratio: too slow if the drafter was measured, else nothing to compare.
                     missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
                 ),
@@ -236,7 +248,9 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
                 ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
                 [
-                    [
+                    [str(v["batch"]), v["drafter"], "no data", "no data", "no data"]
+                    if v["verify_tokens"] is None
+                    else [
                         str(v["batch"]),
                         v["drafter"],
                         str(v["verify_tokens"]),

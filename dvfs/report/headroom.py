@@ -68,6 +68,15 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             headroom_mhz_is_lower_bound=_flag(r, "headroom_mhz_is_lower_bound"),
             headroom_w_is_lower_bound=_flag(r, "headroom_w_is_lower_bound"),
             chosen_at_grid_edge=_flag(r, "chosen_at_grid_edge"),
+            headroom_mhz_unmeasured_below=_flag(r, "headroom_mhz_unmeasured_below"),
+            headroom_w_unmeasured_below=_flag(r, "headroom_w_unmeasured_below"),
+            chosen_unmeasured_below=_flag(r, "chosen_unmeasured_below"),
+            unmeasured_settings=(
+                int(r["unmeasured_settings"]) if "unmeasured_settings" in r else None
+            ),
+            reference_problem=(
+                str(r["reference_problem"].values) or None if "reference_problem" in r else None
+            ),
             measured_on=gpus_of(r, "measured_on"),
             reference_measured_on=gpus_of(r, "reference_measured_on"),
             different_gpus=_flag(r, "different_gpus"),
@@ -75,6 +84,8 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
         row["at_grid_edge"] = row["headroom_mhz_is_lower_bound"] or row["headroom_w_is_lower_bound"]
         rows.append(row)
     a = result.attrs
+    from dvfs.analysis.headroom import coverage
+
     return {
         "schema": HEADROOM_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
@@ -99,6 +110,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "sm_clock": bool(cube.sizes.get("sm_clock", 1) > 1),
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
+        "coverage": coverage(cube),
         "rows": rows,
     }
 
@@ -123,10 +135,27 @@ def _flag(r: xr.Dataset, name: str) -> bool:
     return bool(r[name]) if name in r else False
 
 
-def _knob_cell(value: float | None, lower_bound: bool, spec: str) -> str:
+def _knob_cell(value: float | None, lower_bound: bool, spec: str, unmeasured: bool) -> str:
     if value is None:
         return "not swept"
-    return ("≥" if lower_bound else "") + format(value, spec)
+    return ("≥" if lower_bound else "") + format(value, spec) + ("?" if unmeasured else "")
+
+
+def partial_note(doc: dict[str, Any]) -> str | None:
+    """One line when the cube is partial (cells not measured yet): which answers may change,
+    and that resuming the sweep, not a larger grid, measures them."""
+    cov = doc.get("coverage") or {}
+    waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
+    if not waiting:
+        return None
+    parts = [
+        f"{cov[k]} {what}" for k, what in (("missing", "never run"), ("failed", "failed")) if cov[k]
+    ]
+    return (
+        f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
+        f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
+        "change: run the same `dvfs sweep` command again to resume it"
+    )
 
 
 def headroom_notes(doc: dict[str, Any]) -> list[str]:
@@ -134,6 +163,20 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
     a setting measured on another GPU than its reference. Empty when nothing needs saying."""
     rows = [r for r in doc["rows"] if r["feasible"]]
     notes = []
+    partial = partial_note(doc)
+    if partial:
+        notes.append(partial)
+    clock_open = any(r.get("headroom_mhz_unmeasured_below") for r in rows)
+    limit_open = any(r.get("headroom_w_unmeasured_below") for r in rows)
+    if clock_open or limit_open:
+        knobs = " and ".join(
+            k for k, flag in (("clocks", clock_open), ("power limits", limit_open)) if flag
+        )
+        notes.append(
+            f"?: {knobs} below this answer are in the grid but not measured yet, so the "
+            "headroom may be larger and a lower setting might save more: resume the sweep "
+            "to measure them (the grid does not need extending)"
+        )
     clock_edge = any(r["headroom_mhz_is_lower_bound"] for r in rows)
     limit_edge = any(r["headroom_w_is_lower_bound"] for r in rows)
     if clock_edge or limit_edge:
@@ -209,9 +252,19 @@ def headroom_table_rows(
         else:
             chosen = f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}"
             headroom = (
-                _knob_cell(r["headroom_mhz"], r.get("headroom_mhz_is_lower_bound", False), "d")
+                _knob_cell(
+                    r["headroom_mhz"],
+                    r.get("headroom_mhz_is_lower_bound", False),
+                    "d",
+                    r.get("headroom_mhz_unmeasured_below", False),
+                )
                 + "/"
-                + _knob_cell(r["headroom_w"], r.get("headroom_w_is_lower_bound", False), "g")
+                + _knob_cell(
+                    r["headroom_w"],
+                    r.get("headroom_w_is_lower_bound", False),
+                    "g",
+                    r.get("headroom_w_unmeasured_below", False),
+                )
             )
             saving = None if r["saving"] is None else r["saving"] * 100
             cells = [
@@ -250,12 +303,18 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
 
 
 def _infeasible_text(row: dict[str, Any]) -> str:
-    """Why a row has no answer: no valid reference cell (no target), settings left unjudged
-    for want of repeats, or every judged setting over the target."""
+    """Why a row has no answer: no valid reference cell (no target; why, where the cube
+    says: not measured yet, failed, or the quality flags that invalidated it), settings left
+    unjudged for want of repeats or measurements, or every judged setting over the target."""
     if row["target_ms"] is None:
-        return "no valid reference cell"
+        problem = row.get("reference_problem")
+        return f"no valid reference cell ({problem})" if problem else "no valid reference cell"
+    if not row.get("judged_settings") and row.get("unmeasured_settings"):
+        return "not measured yet"
     if not row.get("judged_settings") and row.get("short_settings"):
         return "too few repeats"
     if not row.get("judged_settings"):
         return "no valid cell"
+    if row.get("unmeasured_settings"):
+        return "none feasible so far"
     return "none feasible"
