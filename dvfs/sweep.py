@@ -407,8 +407,8 @@ class DryRunPlan:
     #: The planned cells the journal(s) in the output folder already hold, which a rerun
     #: skips: summed over the GPU models of a fleet mixing them (each model's journal, as
     #: `done_per_model` says); 0 with --fresh; None when the sweep would refuse that folder
-    #: before measuring anything (another shard's, or dealt otherwise: `problems` says which),
-    #: so nothing there counts as done or to run.
+    #: before measuring anything (another shard's, dealt otherwise, or another campaign's or
+    #: other settings': `problems` says which), so nothing there counts as done or to run.
     already_done: int | None
     #: The server starts and knob changes of the cells still to run, on the GPU model with
     #: the most left (each model runs them on its own workers).
@@ -435,6 +435,10 @@ class DryRunPlan:
     done_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
     #: With --fresh, what it would move aside and to what (`fresh_moves`); None without.
     fresh_moves: tuple[tuple[Path, Path], ...] | None = None
+    #: The exit code of a dry run with these `problems`, the sweep's for them: 0 without; 2
+    #: when one makes the run invalid input (a corpus shortfall, another shard's folder); else
+    #: 1 (a folder whose journal is another campaign's or of other settings).
+    exit_code: int = 0
 
     @property
     def runs(self) -> int:
@@ -514,7 +518,7 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
 
 def finished_cells(campaign: Campaign, journal: Path) -> set[str]:
     """Keys of the cells a rerun would skip: those measured ok in `journal`, when it is one of
-    this campaign."""
+    this campaign (one that is not, the sweep refuses: `folder_refusals` says so)."""
     from dvfs.measure.journal import iter_records, journal_differences
 
     if not journal.is_file():
@@ -582,9 +586,11 @@ def plan_dry_run(
     if estimate:
         twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
     cells = planned_cells(campaign, shard)
-    # A folder the sweep would refuse counts nothing as done: its cells are another share's.
-    # --fresh moves every journal there aside first, so nothing is refused or done.
-    refused = [] if fresh else _folder_problems(out_dir, shard)
+    # A folder the sweep would refuse counts nothing as done: its cells are another share's,
+    # or were measured under other settings. --fresh moves every journal there aside first,
+    # so nothing is refused or done.
+    refusals = [] if fresh else folder_refusals(campaign, out_dir, shard)
+    refused = [str(exc) for exc in refusals]
     if models is None:
         models = list(workers_per_model(campaign, worker_groups(campaign)))
     journals = [] if refused else resumed_journals(campaign, out_dir, models, cells, fresh=fresh)
@@ -604,6 +610,7 @@ def plan_dry_run(
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
     except CorpusError as exc:
         problems = [str(exc)]
+    codes = [2 for _ in problems] + [exc.exit_code for exc in refusals]
     problems += refused
     return DryRunPlan(
         campaign=campaign.name,
@@ -640,21 +647,34 @@ def plan_dry_run(
             if j.parent != out_dir
         },
         fresh_moves=tuple(fresh_moves(out_dir)) if fresh else None,
+        exit_code=max(codes, default=0),
     )
 
 
-def _folder_problems(out_dir: Path, shard: Shard | None) -> list[str]:
-    """What would stop the run in `out_dir` before it measures, as the sweep says it
-    (`check_shard`), for its journal and each GPU model's: a folder holding another shard (or
-    the whole campaign), or a shard begun by an earlier dvfs that dealt its cells otherwise. A
-    damaged shard record is refused in one line, as the sweep refuses it."""
-    problems = []
+def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> list[JournalError]:
+    """What would stop the run of `campaign` in `out_dir` before it measures, as the sweep
+    says it, for its journal and each GPU model's, the first of each as the sweep meets them:
+    a journal of another campaign or of other settings (`check_resumable`: the sweep's
+    `check_journal`, the fleet's `Journal.open`), a folder holding another shard (or the whole
+    campaign), or a shard begun by an earlier dvfs that dealt its cells otherwise
+    (`check_shard`). A journal it cannot read, or a damaged shard record, is raised: the
+    sweep's one line, as the sweep refuses it."""
+    from dvfs.measure.journal import check_resumable, iter_records
+
+    refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
+        first = next(iter_records(journal), None) if journal.is_file() else None
+        if first is not None:
+            try:
+                check_resumable(journal, first, campaign)
+            except JournalError as exc:
+                refusals.append(exc)
+                continue  # the sweep stops at this one, before its shard record
         try:
             check_shard(journal, shard)
         except (ShardDealError, OtherShardError) as exc:
-            problems.append(str(exc))
-    return problems
+            refusals.append(exc)
+    return refusals
 
 
 def spent_gpu_s(out_dir: Path) -> float:

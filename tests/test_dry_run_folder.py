@@ -164,3 +164,53 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path)
     broken = write(tmp_path / "broken.toml", MIXED.replace("repeats = 2", "repeats = 0"))
     result = invoke("sweep", str(broken), "--out", str(s0), "--dry-run", "--fresh")
     assert_one_line_error(result, 2, "repeats")
+
+
+def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(tmp_path: Path) -> None:
+    """A folder whose journal was measured with other settings (more GPUs, so another
+    tp_size; another knob list), the folder's own or each GPU model's of a fleet mixing
+    models: the sweep refuses it in one line, exit 1, and its dry run reports that line as a
+    problem, exit 1, with --json too, counting nothing as done or to run; with --fresh (which
+    moves the journals aside) it is no problem."""
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    run = ("sweep", str(campaign), "--no-progress")
+    one, mixed = tmp_path / "one", tmp_path / "mixed"
+    assert invoke(*run, "--out", str(one)).exit_code == 0
+    assert invoke(*run, *FLEET, "--out", str(mixed)).exit_code == 0
+    two_gpus = write(
+        tmp_path / "two.toml", replace_block(MIXED, "devices = [0]", "devices = [0, 1]")
+    )
+    clocks = write(
+        tmp_path / "clocks.toml",
+        replace_block(MIXED, "sm_clock = [1980, 1005]", "sm_clock = [1980, 1500, 1005]"),
+    )
+    cases = (
+        (two_gpus, one, (), "gpu.devices: [0] -> [0, 1]", 1),
+        (clocks, one, (), "knobs.sm_clock: [1980, 1005] -> [1980, 1500, 1005]", 1),
+        (clocks, mixed, FLEET, "knobs.sm_clock: [1980, 1005] -> [1980, 1500, 1005]", 2),
+    )
+    for changed, folder, gpus, change, journals in cases:
+        out = copy_sweep(folder, tmp_path / f"out-{changed.stem}-{folder.name}")
+        before = _files(out)
+        args = ("sweep", str(changed), *gpus, "--out", str(out))
+        line = assert_one_line_error(invoke(*args, "--no-progress"), 1, change, "--fresh")
+        dry = (*args, "--dry-run", "--no-estimate")
+        doc = invoke(*dry, "--json")
+        assert doc.exit_code == 1, doc.output
+        report = json.loads(doc.output)
+        assert report["out_refused"] and report["already_done"] is None
+        assert report["remaining"] is None and not report.get("done_per_model")
+        problems = report["problems"]
+        assert len(problems) == journals and line.endswith(problems[0]), (line, problems)
+        assert all(change in p and "measured with other settings" in p for p in problems)
+        text = invoke(*dry)
+        said = " ".join(text.output.split())
+        assert text.exit_code == 1 and "none counted as done or to run" in said, said
+        squeezed = "".join(said.split())  # the terminal's width wraps long paths anywhere
+        assert all("".join(f"problem: {p}".split()) in squeezed for p in problems), said
+        fresh, _ = _dry(changed, out, *gpus, "--fresh")
+        assert fresh["problems"] == [] and not fresh["out_refused"]
+        assert (fresh["already_done"], fresh["remaining"]) == (0, fresh["cells"] * journals)
+        assert _files(out) == before  # neither the refused sweep nor the dry runs wrote

@@ -295,7 +295,7 @@ def sweep(
         else:
             _render_dry_run(report)
         if report["problems"]:
-            raise SystemExit(2)
+            raise SystemExit(plan.exit_code)
         return
     groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
     from dvfs.fleet.folders import fleet_journal
