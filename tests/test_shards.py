@@ -327,13 +327,14 @@ def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
     assert last.exit_code == 0, last.output
 
 
-def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(tmp_path: Path) -> None:
+def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(
+    shared_run, tmp_path: Path
+) -> None:
     """With max_repeats, a shard decides further repeats from its own journal, so every repeat
     of a batch and corpus is dealt to one shard: the merged shards equal the whole campaign,
     further repeats included (four shards of contiguous cells lost most of them)."""
     campaign = write(tmp_path / "adaptive.toml", ADAPTIVE)
-    whole = tmp_path / "whole"
-    assert invoke("sweep", str(campaign), "--out", str(whole), "--no-progress").exit_code == 0
+    whole = shared_run(ADAPTIVE, "one")  # the whole campaign, shared with test_fleet_modes.py
     for i in range(4):
         out = str(tmp_path / f"s{i}")
         result = invoke("sweep", str(campaign), "--shard", f"{i}/4", "--out", out, "--no-progress")
