@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY, copy_sweep, replace_block, write
+from conftest import TINY, copy_sweep, made_once, replace_block, write
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -39,8 +39,14 @@ def invoke(*args: str) -> Result:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The campaign whole, and as three shards, each in its own folder."""
-    root = tmp_path_factory.mktemp("shards")
+    """The campaign whole, and as three shards, each in its own folder: made once per session
+    (`made_once`: the xdist workers share it), read-only (a test that reruns into one of the
+    folders works on `copy_sweep` of it)."""
+    return made_once(tmp_path_factory, "shards-runs", _make_runs)
+
+
+def _make_runs(root: Path) -> None:
+    """`runs`' folders: the campaign as `shardy.toml`, swept whole and as three shards."""
     campaign = write(root / "shardy.toml", CAMPAIGN)
     assert (
         invoke("sweep", str(campaign), "--out", str(root / "whole"), "--no-progress").exit_code == 0
@@ -51,10 +57,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "sweep", str(campaign), "--shard", f"{i}/3", "--out", str(out), "--no-progress"
         )
         assert result.exit_code == 0, result.output
-    return root
 
 
-def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
+def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
     # Each shard measured its share only (8 groups of 12 cells: 3, 3 and 2 of them), and the
@@ -63,7 +68,7 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert sum(measured) == whole["cell_status"].size and measured == [36, 36, 24]
     assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
     # Shard folders (their journals) in any order, through the CLI.
-    merged = runs / "merged.nc"
+    merged = tmp_path / "merged.nc"
     result = invoke(
         "cube", "merge", str(runs / "s2"), str(runs / "s0"), str(runs / "s1"), "-o", str(merged)
     )
@@ -77,32 +82,32 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert combined.attrs["arms_on_one_gpu"] == whole.attrs["arms_on_one_gpu"] == 1
     assert combined.attrs["groups_across_gpus"] == 0
     # Shards run on other GPUs (a job array: --gpus per task) merge the same.
-    spread = sweep_and_merge_shards(runs, "g", [str(i + 1) for i in range(3)])
+    spread = sweep_and_merge_shards(runs, tmp_path, "g", [str(i + 1) for i in range(3)])
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
     # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
     assert _gpus_per_group(spread) == {1} and len(set(spread["measured_on"].values.flat)) == 3
     assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
     # The shards' cube files merge the same way as their journals.
-    again = runs / "again.nc"
+    again = tmp_path / "again.nc"
     cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]
     assert invoke("cube", "merge", *cube_files, "-o", str(again)).exit_code == 0
     assert_same_cells(open_cube(again), combined)
 
 
-def sweep_and_merge_shards(runs: Path, name: str, gpus: list[str]) -> xr.Dataset:
+def sweep_and_merge_shards(runs: Path, into: Path, name: str, gpus: list[str]) -> xr.Dataset:
     """The campaign in `runs` as len(gpus) shards, shard i on `--gpus gpus[i]` in folder
-    `runs/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
+    `into/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
     for i, spec in enumerate(gpus):
         result = invoke(
             "sweep",
             str(runs / "shardy.toml"),
             *("--shard", f"{i}/{len(gpus)}", "--gpus", spec),
-            *("--out", str(runs / f"{name}{i}"), "--no-progress"),
+            *("--out", str(into / f"{name}{i}"), "--no-progress"),
         )
         assert result.exit_code == 0, result.output
-    merged = runs / f"{name}.nc"
-    shards = [str(runs / f"{name}{i}") for i in range(len(gpus))]
+    merged = into / f"{name}.nc"
+    shards = [str(into / f"{name}{i}") for i in range(len(gpus))]
     assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
     return open_cube(merged)
 
@@ -185,23 +190,26 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
 
 def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     campaign = str(runs / "shardy.toml")
-    other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(runs / "s0"), "--no-progress")
+    # Copies: the last run below rewrites its folder's cube (the shared runs stay as they are).
+    s0, whole_run = (
+        copy_sweep(runs / "s0", tmp_path / "s0"),
+        copy_sweep(runs / "whole", tmp_path / "whole"),
+    )
+    other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(s0), "--no-progress")
     assert other.exit_code == 1
     assert "holds shard 0/3 of this campaign, but this run is shard 2/3" in other.output
-    whole = invoke("sweep", campaign, "--out", str(runs / "s0"), "--no-progress")
+    whole = invoke("sweep", campaign, "--out", str(s0), "--no-progress")
     assert whole.exit_code == 1 and "no --shard" in whole.output
-    sharded = invoke(
-        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
-    )
+    sharded = invoke("sweep", campaign, "--shard", "0/3", "--out", str(whole_run), "--no-progress")
     assert sharded.exit_code == 1 and "holds the whole campaign" in sharded.output
     dry = invoke(
-        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--dry-run", "--json"
+        "sweep", campaign, "--shard", "0/3", "--out", str(whole_run), "--dry-run", "--json"
     )
     assert dry.exit_code == 2 and any(
         "holds the whole campaign" in p for p in json.loads(dry.output)["problems"]
     )
     # Rerunning a finished shard skips its cells.
-    again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
+    again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(s0), "--no-progress")
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output
 
 
@@ -376,11 +384,11 @@ def test_merged_shards_that_split_a_group_do_not_claim_paired_arms(runs: Path) -
     assert merged.attrs["groups_across_gpus"] == groups == 8
 
 
-def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> None:
+def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path, tmp_path: Path) -> None:
     """A job array whose tasks each hold two GPUs: every shard's fleet keeps each of its
     groups on one of its GPUs, so the merged shards equal the whole campaign and say the arms
     were paired."""
-    cube = sweep_and_merge_shards(runs, "fleet", ["0-1", "2-3"])
+    cube = sweep_and_merge_shards(runs, tmp_path, "fleet", ["0-1", "2-3"])
     assert_same_cells(cube, open_cube(runs / "whole" / "cube.nc"))
     assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
     assert _gpus_per_group(cube) == {1}
