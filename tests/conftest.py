@@ -11,6 +11,9 @@ that changes one works on `copy_sweep` of it):
   folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
   holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
   reference runs several files compare with).
+- `made_once(tmp_path_factory, NAME, MAKE)` (a function, not a fixture): a folder MAKE fills
+  once per session, for a module fixture that writes files (module scope alone builds it again
+  on each worker that runs one of the module's tests).
 - `ray_cluster`: one loopback Ray instance with four twin GPUs, shared by the tests that use
   it, which run first and in a row (so on one xdist worker), and stopped after the last.
 
@@ -155,6 +158,23 @@ def _made_once(folder: Path, make: Callable[[], None]) -> None:
             shutil.rmtree(folder)
         make()
         done.touch()
+
+
+def made_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]
+) -> Path:
+    """The folder NAME (unique in the suite), filled by `make(folder)` once per test session
+    and shared by every xdist worker: for a module's expensive fixture that only writes files,
+    which a module-scoped fixture would build again on each worker that runs one of its tests
+    (worksteal spreads a module's tests over workers). Read-only to the tests."""
+    folder = _session_dir(tmp_path_factory) / name
+
+    def fill() -> None:
+        folder.mkdir(parents=True)
+        make(folder)
+
+    _made_once(folder, fill)
+    return folder
 
 
 def _swept(campaign: Path, out: Path, *args: str) -> str:

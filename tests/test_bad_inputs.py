@@ -34,6 +34,7 @@ from bad_inputs import (
     user_corpus_campaign,
 )
 from click.testing import CliRunner
+from conftest import made_once
 
 from dvfs.cli import cli
 
@@ -1170,8 +1171,20 @@ def _params() -> list[Any]:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One finished tiny sweep (4 cells, well under a second) and its headroom JSON."""
-    base = tmp_path_factory.mktemp("bad_inputs_shared")
+    """One finished tiny sweep (4 cells, well under a second) and its headroom JSON, made once
+    per session (`made_once`: the xdist workers share it), read-only."""
+    base = made_once(tmp_path_factory, "bad_inputs-shared", _make_shared)
+    sweep_dir, headroom = base / "sweep", base / "headroom.json"
+    return {
+        "sweep": sweep_dir,
+        "cube": sweep_dir / "cube.nc",
+        "journal": sweep_dir / "journal.jsonl",
+        "headroom": headroom,
+    }
+
+
+def _make_shared(base: Path) -> None:
+    """`shared`'s files in `base`: the sweep, and its headroom JSON."""
     (base / "tiny.toml").write_text(campaign(), encoding="utf-8")
     sweep_dir = base / "sweep"
     runner = CliRunner()
@@ -1185,12 +1198,6 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         cli, ["headroom", str(sweep_dir), "--slack", "50%", "--json", "-o", str(headroom)]
     )
     assert result.exit_code == 0, result.output
-    return {
-        "sweep": sweep_dir,
-        "cube": sweep_dir / "cube.nc",
-        "journal": sweep_dir / "journal.jsonl",
-        "headroom": headroom,
-    }
 
 
 @pytest.fixture

@@ -112,8 +112,9 @@ def _sweep(tmp: Path, text: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _sweep(tmp_path_factory.mktemp("split"), FAMILY.format(eagles=EAGLES, mode=""))
+def family(shared_run) -> Path:  # type: ignore[no-untyped-def]
+    """The family campaign swept once per session (the xdist workers share it): read-only."""
+    return shared_run(FAMILY.format(eagles=EAGLES, mode=""), "family")
 
 
 @pytest.fixture(scope="module")

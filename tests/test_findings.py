@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import replace_block, write
+from conftest import made_once, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.cube.files import open_cube
@@ -48,15 +48,23 @@ def _cli(*args: str) -> str:
     return result.output
 
 
-@pytest.fixture(scope="module")
-def findings(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
-    base = tmp_path_factory.mktemp("findings")
+def _make_findings(base: Path) -> None:
+    """The campaign swept into `base`/out, and its compare and headroom JSON beside it."""
     out = base / "out"
     _cli("sweep", str(write(base / "findings.toml", FINDINGS_CAMPAIGN)), "--out", str(out),
          "--no-progress")  # fmt: skip
-    compare = json.loads(_cli("compare", str(out), "--json"))
-    headroom = json.loads(_cli("headroom", str(out), "--slack", "5%", "--json"))
-    return {"cube": open_cube(out / "cube.nc"), "compare": compare, "headroom": headroom}
+    (base / "compare.json").write_text(_cli("compare", str(out), "--json"))
+    (base / "headroom.json").write_text(_cli("headroom", str(out), "--slack", "5%", "--json"))
+
+
+@pytest.fixture(scope="module")
+def findings(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
+    """The campaign's cube, compare and headroom documents; the files are made once per
+    session (`made_once`: the xdist workers share them), read-only."""
+    base = made_once(tmp_path_factory, "findings", _make_findings)
+    compare = json.loads((base / "compare.json").read_text())
+    headroom = json.loads((base / "headroom.json").read_text())
+    return {"cube": open_cube(base / "out" / "cube.nc"), "compare": compare, "headroom": headroom}
 
 
 def _ratio(doc: dict, drafter: str, batch: int, corpus: str) -> float:  # type: ignore[type-arg]

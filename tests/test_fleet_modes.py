@@ -33,10 +33,9 @@ def adaptive(shared_run) -> Path:
     return shared_run(ADAPTIVE, "one").parent
 
 
-def test_adaptive_repeats_on_four_gpus_equal_one(adaptive: Path, tmp_path: Path) -> None:
-    out = tmp_path / "four"
-    result = sweep(str(adaptive / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
-    assert result.exit_code == 0, result.output
+def test_adaptive_repeats_on_four_gpus_equal_one(adaptive: Path, shared_run) -> None:
+    # The four-GPU run is shared with tests/test_fleet_pairing.py (read-only).
+    out = shared_run(ADAPTIVE, "four", "--gpus", "0-3")
     one = repeats_of(adaptive / "one" / "journal.jsonl")
     four = repeats_of(out / "journal.jsonl")
     assert max(one) == 3 and sorted(four) == sorted(one), "the same extra repeats, each once"
@@ -84,11 +83,9 @@ def groups_by_worker(journal: Path) -> dict[str, set[str]]:
     return seen
 
 
-def test_in_flight_groups_on_four_gpus_equal_one(inflight: Path, tmp_path: Path) -> None:
+def test_in_flight_groups_on_four_gpus_equal_one(inflight: Path, shared_run) -> None:
     """A group is one unit of work: all its levels on one worker, inside its decodes."""
-    out = tmp_path / "four"
-    result = sweep(str(inflight / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
-    assert result.exit_code == 0, result.output
+    out = shared_run(INFLIGHT, "four", "--gpus", "0-3")  # shared with test_fleet_pairing.py
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(inflight / "one" / "cube.nc"))
     groups = groups_by_worker(out / "journal.jsonl")
     assert len(groups) == 12 and all(len(w) == 1 for w in groups.values())

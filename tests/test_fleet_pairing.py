@@ -29,6 +29,8 @@ def sweep(*args: str) -> Result:
 
 
 def swept_on_four(tmp_path: Path, text: str) -> Path:
+    """TEXT swept on four twin GPUs into tmp_path (a test that changes the run or the fleet's
+    behaviour needs its own; one that only reads it takes `shared_run`'s `four`)."""
     write(tmp_path / "campaign.toml", text)
     out = tmp_path / "four"
     result = sweep(str(tmp_path / "campaign.toml"), "--gpus", "0-3", "--out", str(out))
@@ -96,13 +98,13 @@ def test_fixed_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
     assert cube.attrs["arms_on_one_gpu"] == 1  # the fleet's schedule; the count tells
 
 
-def test_in_flight_mode_runs_each_group_on_one_gpu(tmp_path: Path) -> None:
-    out = swept_on_four(tmp_path, INFLIGHT)
+def test_in_flight_mode_runs_each_group_on_one_gpu(shared_run) -> None:
+    out = shared_run(INFLIGHT, "four", "--gpus", "0-3")  # shared with tests/test_fleet_modes.py
     assert_few_server_starts(out, assert_groups_on_one_gpu(out))
 
 
-def test_the_repeats_the_driver_adds_keep_their_groups_whole(tmp_path: Path) -> None:
-    out = swept_on_four(tmp_path, ADAPTIVE)
+def test_the_repeats_the_driver_adds_keep_their_groups_whole(shared_run) -> None:
+    out = shared_run(ADAPTIVE, "four", "--gpus", "0-3")  # shared with tests/test_fleet_modes.py
     repeats = {
         r["cell"]["repeat"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"
     }

@@ -120,12 +120,17 @@ def test_a_rerun_on_fewer_gpus_finishes_the_campaign(tmp_path: Path) -> None:
     )
 
 
-def test_another_gpu_model_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.fixture
+def on_two(shared_run) -> Path:
+    """The fleet campaign swept on two twin H100s (`--gpus 0-1`), shared by the tests below:
+    read-only (a test that changes it works on `copy_sweep` of it)."""
+    return shared_run(FLEET, "two", "--gpus", "0-1")
+
+
+def test_another_gpu_model_is_refused_in_one_line(on_two: Path, tmp_path: Path) -> None:
     """A journal started on twin H100s refuses twin H200s (local pool), and says what to do."""
-    text = fleet_campaign("model")
-    campaign = write(tmp_path / "c.toml", text)
-    full = tmp_path / "full"
-    assert sweep(str(campaign), "--gpus", "0-1", "--out", str(full)).exit_code == 0
+    campaign = on_two.parent / "campaign.toml"
+    full = on_two
     half = tmp_path / "half"
     half.mkdir()
     lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
@@ -192,11 +197,9 @@ def test_the_invariants_are_named_and_each_one_refuses() -> None:
     assert len(combine_sessions([base, other_gpu])["workers"]) == 2
 
 
-def test_the_cube_refuses_a_journal_mixing_models(tmp_path: Path) -> None:
+def test_the_cube_refuses_a_journal_mixing_models(on_two: Path, tmp_path: Path) -> None:
     """An edited journal whose second session is another model: the cube says why."""
-    campaign = write(tmp_path / "c.toml", fleet_campaign("edited"))
-    assert sweep(str(campaign), "--gpus", "0-1", "--out", str(tmp_path / "o")).exit_code == 0
-    journal = tmp_path / "o" / "journal.jsonl"
+    journal = copy_sweep(on_two, tmp_path / "o") / "journal.jsonl"  # the shared run stays
     records = read_records(journal)
     session = next(r for r in records if r["type"] == "session")
     other = json.loads(json.dumps(session))

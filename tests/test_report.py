@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from conftest import made_once
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,11 +56,16 @@ def run(*args: str) -> Any:
 
 @pytest.fixture(scope="module")
 def html_report(small_sweep: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("report") / "report.html"
-    result = run("report", str(small_sweep), "-o", str(out), "--slack", "5%")
-    assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"wrote {out}"
-    return out
+    """The HTML report of `small_sweep`, written once per session (`made_once`: the xdist
+    workers share it), read-only."""
+
+    def make(folder: Path) -> None:
+        out = folder / "report.html"
+        result = run("report", str(small_sweep), "-o", str(out), "--slack", "5%")
+        assert result.exit_code == 0, result.output
+        assert result.stdout.strip() == f"wrote {out}"
+
+    return made_once(tmp_path_factory, "report-html", make) / "report.html"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import made_once
 from nvml_support import fake_env, load_fake
 
 from dvfs.cli import cli
@@ -47,10 +48,15 @@ def invoke(*args: str) -> object:
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One CPU roofline, as JSON and as a file (shared by the read-only tests)."""
-    path = tmp_path_factory.mktemp("roofline") / "roofline.nc"
-    result = invoke("gpu", "roofline", *TINY, "--json", "-o", str(path))
-    return json.loads(result.stdout), path
+    """One CPU roofline, as JSON and as a file (shared by the read-only tests): run once per
+    session (`made_once`: the xdist workers share it)."""
+
+    def make(folder: Path) -> None:
+        result = invoke("gpu", "roofline", *TINY, "--json", "-o", str(folder / "roofline.nc"))
+        (folder / "roofline.json").write_text(result.stdout)
+
+    folder = made_once(tmp_path_factory, "roofline-cpu-run", make)
+    return json.loads((folder / "roofline.json").read_text()), folder / "roofline.nc"
 
 
 def test_cpu_run_measures_rates_and_the_ridge(cpu_run) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY, copy_sweep, replace_block, write
+from conftest import TINY, copy_sweep, made_once, replace_block, write
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -39,8 +39,14 @@ def invoke(*args: str) -> Result:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The campaign whole, and as three shards, each in its own folder."""
-    root = tmp_path_factory.mktemp("shards")
+    """The campaign whole, and as three shards, each in its own folder: made once per session
+    (`made_once`: the xdist workers share it), read-only (a test that reruns into one of the
+    folders works on `copy_sweep` of it)."""
+    return made_once(tmp_path_factory, "shards-runs", _make_runs)
+
+
+def _make_runs(root: Path) -> None:
+    """`runs`' folders: the campaign as `shardy.toml`, swept whole and as three shards."""
     campaign = write(root / "shardy.toml", CAMPAIGN)
     assert (
         invoke("sweep", str(campaign), "--out", str(root / "whole"), "--no-progress").exit_code == 0
@@ -51,10 +57,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "sweep", str(campaign), "--shard", f"{i}/3", "--out", str(out), "--no-progress"
         )
         assert result.exit_code == 0, result.output
-    return root
 
 
-def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
+def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
     # Each shard measured its share only (8 groups of 12 cells: 3, 3 and 2 of them), and the
@@ -63,7 +68,7 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert sum(measured) == whole["cell_status"].size and measured == [36, 36, 24]
     assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
     # Shard folders (their journals) in any order, through the CLI.
-    merged = runs / "merged.nc"
+    merged = tmp_path / "merged.nc"
     result = invoke(
         "cube", "merge", str(runs / "s2"), str(runs / "s0"), str(runs / "s1"), "-o", str(merged)
     )
@@ -77,32 +82,32 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path) -> None:
     assert combined.attrs["arms_on_one_gpu"] == whole.attrs["arms_on_one_gpu"] == 1
     assert combined.attrs["groups_across_gpus"] == 0
     # Shards run on other GPUs (a job array: --gpus per task) merge the same.
-    spread = sweep_and_merge_shards(runs, "g", [str(i + 1) for i in range(3)])
+    spread = sweep_and_merge_shards(runs, tmp_path, "g", [str(i + 1) for i in range(3)])
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
     # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
     assert _gpus_per_group(spread) == {1} and len(set(spread["measured_on"].values.flat)) == 3
     assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
     # The shards' cube files merge the same way as their journals.
-    again = runs / "again.nc"
+    again = tmp_path / "again.nc"
     cube_files = [str(runs / f"s{i}" / "cube.nc") for i in range(3)]
     assert invoke("cube", "merge", *cube_files, "-o", str(again)).exit_code == 0
     assert_same_cells(open_cube(again), combined)
 
 
-def sweep_and_merge_shards(runs: Path, name: str, gpus: list[str]) -> xr.Dataset:
+def sweep_and_merge_shards(runs: Path, into: Path, name: str, gpus: list[str]) -> xr.Dataset:
     """The campaign in `runs` as len(gpus) shards, shard i on `--gpus gpus[i]` in folder
-    `runs/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
+    `into/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
     for i, spec in enumerate(gpus):
         result = invoke(
             "sweep",
             str(runs / "shardy.toml"),
             *("--shard", f"{i}/{len(gpus)}", "--gpus", spec),
-            *("--out", str(runs / f"{name}{i}"), "--no-progress"),
+            *("--out", str(into / f"{name}{i}"), "--no-progress"),
         )
         assert result.exit_code == 0, result.output
-    merged = runs / f"{name}.nc"
-    shards = [str(runs / f"{name}{i}") for i in range(len(gpus))]
+    merged = into / f"{name}.nc"
+    shards = [str(into / f"{name}{i}") for i in range(len(gpus))]
     assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
     return open_cube(merged)
 
@@ -190,36 +195,37 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     from test_journal import assert_one_line_error
 
     campaign = str(runs / "shardy.toml")
-    other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(runs / "s0"), "--no-progress")
+    # Copies: the last run below rewrites its folder's cube (the shared runs stay as they are).
+    s0, whole_run = (
+        copy_sweep(runs / "s0", tmp_path / "s0"),
+        copy_sweep(runs / "whole", tmp_path / "whole"),
+    )
+    other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(s0), "--no-progress")
     assert_one_line_error(
         other, 2, "holds shard 0/3 of this campaign, but this run is shard 2/3", "its own --out"
     )
-    whole = invoke("sweep", campaign, "--out", str(runs / "s0"), "--no-progress")
+    whole = invoke("sweep", campaign, "--out", str(s0), "--no-progress")
     assert_one_line_error(whole, 2, "no --shard")
-    sharded = invoke(
-        "sweep", campaign, "--shard", "0/3", "--out", str(runs / "whole"), "--no-progress"
-    )
+    sharded = invoke("sweep", campaign, "--shard", "0/3", "--out", str(whole_run), "--no-progress")
     assert_one_line_error(sharded, 2, "holds the whole campaign")
     for shard, out, says in (
-        ("2/3", "s0", "holds shard 0/3 of this campaign"),
-        ("0/3", "whole", "holds the whole campaign"),
+        ("2/3", s0, "holds shard 0/3 of this campaign"),
+        ("0/3", whole_run, "holds the whole campaign"),
     ):
-        dry = invoke(
-            "sweep", campaign, "--shard", shard, "--out", str(runs / out), "--dry-run", "--json"
-        )
+        dry = invoke("sweep", campaign, "--shard", shard, "--out", str(out), "--dry-run", "--json")
         doc = json.loads(dry.output)
         assert dry.exit_code == 2 and any(says in p for p in doc["problems"])
         # The folder's cells are not this run's to skip (the whole campaign holds all of
         # shard 0/3's): none is counted as done or to run.
         assert (doc["already_done"], doc["remaining"], doc["out_refused"]) == (None, None, True)
-    into_whole = ("--shard", "0/3", "--out", str(runs / "whole"), "--no-estimate")
+    into_whole = ("--shard", "0/3", "--out", str(whole_run), "--no-estimate")
     text = invoke("sweep", campaign, *into_whole, "--dry-run")
     assert text.exit_code == 2 and "already done" not in text.output
     assert "none counted as done or to run: the sweep would refuse this --out folder" in " ".join(
         text.output.split()
     )
     # Rerunning a finished shard skips its cells.
-    again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(runs / "s0"), "--no-progress")
+    again = invoke("sweep", campaign, "--shard", "0/3", "--out", str(s0), "--no-progress")
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output
 
 
@@ -345,13 +351,14 @@ def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
     assert last.exit_code == 0, last.output
 
 
-def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(tmp_path: Path) -> None:
+def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(
+    shared_run, tmp_path: Path
+) -> None:
     """With max_repeats, a shard decides further repeats from its own journal, so every repeat
     of a batch and corpus is dealt to one shard: the merged shards equal the whole campaign,
     further repeats included (four shards of contiguous cells lost most of them)."""
     campaign = write(tmp_path / "adaptive.toml", ADAPTIVE)
-    whole = tmp_path / "whole"
-    assert invoke("sweep", str(campaign), "--out", str(whole), "--no-progress").exit_code == 0
+    whole = shared_run(ADAPTIVE, "one")  # the whole campaign, shared with test_fleet_modes.py
     for i in range(4):
         out = str(tmp_path / f"s{i}")
         result = invoke("sweep", str(campaign), "--shard", f"{i}/4", "--out", out, "--no-progress")
@@ -393,11 +400,11 @@ def test_merged_shards_that_split_a_group_do_not_claim_paired_arms(runs: Path) -
     assert merged.attrs["groups_across_gpus"] == groups == 8
 
 
-def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path) -> None:
+def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path, tmp_path: Path) -> None:
     """A job array whose tasks each hold two GPUs: every shard's fleet keeps each of its
     groups on one of its GPUs, so the merged shards equal the whole campaign and say the arms
     were paired."""
-    cube = sweep_and_merge_shards(runs, "fleet", ["0-1", "2-3"])
+    cube = sweep_and_merge_shards(runs, tmp_path, "fleet", ["0-1", "2-3"])
     assert_same_cells(cube, open_cube(runs / "whole" / "cube.nc"))
     assert len(set(cube["measured_on"].values.flat)) == 4  # both shards used both their GPUs
     assert _gpus_per_group(cube) == {1}

@@ -16,7 +16,7 @@ import pytest
 import xarray as xr
 from bad_inputs import failing_writes
 from click.testing import CliRunner
-from conftest import write
+from conftest import made_once, write
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -125,8 +125,21 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The truth's cube (swept by `twin predict`), its fit and the fitted profile's cube."""
-    base = tmp_path_factory.mktemp("fitcube")
+    """The truth's cube (swept by `twin predict`), its fit and the fitted profile's cube: made
+    once per session (`made_once`: the xdist workers share it), read-only."""
+    base = made_once(tmp_path_factory, "twin_fit_cube-made", _make)
+    return {
+        "base": base,
+        "campaign": base / "fitcube.toml",
+        "truth": base / "truth",
+        "fitted": base / "fitted.toml",
+        "again": base / "again",
+        "fit_output": base / "fit.out",
+    }
+
+
+def _make(base: Path) -> None:
+    """`made`'s files: the truth's cube, its fit and the fitted profile's cube, in `base`."""
     campaign = write(base / "fitcube.toml", FIT_CAMPAIGN)
     truth = profile_file(base / "truth.toml", TRUTH)
     result = invoke(
@@ -155,14 +168,6 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     assert again.exit_code == 0, again.output
     (base / "fit.out").write_text(fit.output)
-    return {
-        "base": base,
-        "campaign": campaign,
-        "truth": base / "truth",
-        "fitted": fitted,
-        "again": base / "again",
-        "fit_output": base / "fit.out",
-    }
 
 
 def test_fit_recovers_the_figures_the_cube_was_made_with(made: dict[str, Path]) -> None:
