@@ -93,25 +93,29 @@ def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) ->
 
 
 def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
-    """Why each cell without an answer has none, as `dvfs headroom`'s table says it: no valid
-    reference cell, too few usable repeats, no valid cell, or none feasible."""
+    """Why each cell without an answer has none, as `dvfs headroom`'s table says it
+    (`dvfs.report.headroom`): no valid reference cell, settings not measured yet (a partial
+    cube), too few usable repeats, no valid cell, or none feasible (so far)."""
     shape = tuple(chosen.sizes[d] for d in order)
 
-    def counts(name: str) -> np.ndarray:
-        if name not in chosen:  # a result from before these counts: every setting judged
-            return np.ones(shape, dtype=int)
+    def counts(name: str, absent: int) -> np.ndarray:
+        if name not in chosen:  # a result from before these counts
+            return np.full(shape, absent, dtype=int)
         return chosen[name].transpose(*order).values
 
     target = chosen["target_ms"].transpose(*order).values
-    judged, short = counts("judged_settings"), counts("short_settings")
+    judged, short = counts("judged_settings", 1), counts("short_settings", 0)
+    unmeasured = counts("unmeasured_settings", 0)
+    unjudged = np.where(
+        unmeasured > 0,
+        "not measured\nyet",
+        np.where(short > 0, "too few\nrepeats", "no valid\ncell"),
+    )
+    judged_text = np.where(unmeasured > 0, "none feasible\nso far", "none\nfeasible")
     return np.where(
         ~np.isfinite(target),
         "no valid\nreference",
-        np.where(
-            judged > 0,
-            "none\nfeasible",
-            np.where(short > 0, "too few\nrepeats", "no valid\ncell"),
-        ),
+        np.where(judged > 0, judged_text, unjudged),
     )
 
 
