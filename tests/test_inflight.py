@@ -28,10 +28,12 @@ from dvfs.engines.twin import TwinEngine
 from dvfs.errors import GpuError
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
+from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
     context_slope,
     inflight_groups,
     level_estimates,
+    level_halfwidths,
     level_order,
     mean_positions,
     rounds_step,
@@ -246,6 +248,65 @@ def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
     assert np.isinf(none_left).all()
 
 
+def test_an_inflight_half_width_is_the_per_level_one_on_the_same_values() -> None:
+    """Three abba decodes of one level at 1.00, 1.02 and 0.99: the in-flight interval is the
+    two-sided one a per-level cell of those three rounds has (a one-sided quantile, 2.92
+    instead of 4.30 at two degrees of freedom, gave 0.0257 for 0.0378)."""
+    segments = segment_order(1, "abba", 3)
+    per_round = [1.00, 1.02, 0.99]
+    values = [per_round[s.round] for s in segments]
+    half = level_halfwidths(values, segments, 1, "abba", 0.95)
+    assert half[0] == pytest.approx(relative_half_width(per_round, 0.95), rel=1e-12)
+    assert half[0] == pytest.approx(0.0378, abs=5e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    levels=st.integers(1, 4),
+    scheme=schemes,
+    blocks=st.integers(2, 6),
+    seed=st.integers(0, 2**32 - 1),
+    confidence=st.sampled_from([0.8, 0.9, 0.95, 0.99]),
+)
+def test_inflight_half_widths_equal_per_level_ones_over_the_blocks(
+    levels: int, scheme: str, blocks: int, seed: int, confidence: float
+) -> None:
+    """Each level's in-flight half-width is `relative_half_width` over its blocks' means (a
+    round with abba, a pair with serpentine): the two modes' intervals mean the same."""
+    step = rounds_step(scheme)
+    segments = segment_order(levels, scheme, blocks * step)
+    rng = np.random.default_rng(seed)
+    values = [1.0 + 0.2 * s.level + float(rng.normal(0, 0.02)) for s in segments]
+    half = level_halfwidths(values, segments, levels, scheme, confidence)
+    for level in range(levels):
+        means = [
+            float(
+                np.mean(
+                    [
+                        v
+                        for v, s in zip(values, segments, strict=True)
+                        if s.level == level and s.round // step == b
+                    ]
+                )
+            )
+            for b in range(blocks)
+        ]
+        assert half[level] == pytest.approx(relative_half_width(means, confidence), rel=1e-9)
+
+
+def test_level_estimates_use_the_two_sided_quantile() -> None:
+    """The between-levels interval is two-sided too: its width scales with confidence as
+    t((1 + c) / 2), not t(c) (7 degrees of freedom: 3 levels, a drift and a round offset
+    fitted to 12 segments)."""
+    segments = segment_order(3, "abba", 2)
+    rng = np.random.default_rng(1)
+    values = [1.0 + 0.1 * s.level + rng.normal(0, 0.01) for s in segments]
+    _, at_95 = level_estimates(values, segments, 3, 0.95)
+    _, at_80 = level_estimates(values, segments, 3, 0.80)
+    ratio = t_two_sided(0.95, 7) / t_two_sided(0.80, 7)  # 2.365 / 1.415; one-sided 1.895 / 0.896
+    assert np.allclose(at_95 / at_80, ratio, rtol=1e-12)
+
+
 # -- on the twin: the engine steps the knob inside a decode ------------------------------------
 
 INFLIGHT_CAMPAIGN = """
@@ -378,6 +439,15 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
             alone, _ = runner.measure(record.cell)
             assert alone.valid
             tolerance = m.energy_per_token_rel_ci + alone.energy_per_token_rel_ci
+            # the in-flight interval is the per-level one over its decodes (two-sided)
+            by_round: dict[int, list[float]] = {}
+            for seg in record.inflight["segments"]:
+                by_round.setdefault(seg["round"], []).append(seg["energy_per_token_j"])
+            means = [float(np.mean(v)) for _, v in sorted(by_round.items())]
+            assert len(means) >= 2
+            assert m.energy_per_token_rel_ci == pytest.approx(
+                relative_half_width(means, runner.campaign.measurement.confidence), rel=1e-9
+            )
             assert m.energy_per_token_j == pytest.approx(alone.energy_per_token_j, rel=tolerance)
         # the record says where each level's numbers came from
         first = records[0].inflight

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+import pytest
 from click.testing import CliRunner
 from test_inflight import INFLIGHT_CAMPAIGN
 
@@ -14,6 +16,7 @@ from dvfs.campaign import load_campaign
 from dvfs.campaign.model import measured_differences, measured_part
 from dvfs.cli import cli
 from dvfs.cube import open_cube
+from dvfs.measure.counter import relative_half_width
 from dvfs.measure.journal import read_records
 
 
@@ -72,3 +75,16 @@ def test_a_serpentine_sweep_steps_in_that_order_and_the_cube_says_so(tmp_path: P
     assert positions and all(p < 3 for _, p in positions)
     with open_cube(out / "cube.nc") as ds:
         assert json.loads(ds.attrs["campaign"])["measurement"]["inflight_order"] == "serpentine"
+        cube_ci = sorted(float(v) for v in np.ravel(ds["energy_per_token_rel_ci"].values))
+    # Each level's interval is a per-level cell's (two-sided Student-t) over the means of its
+    # pairs of decodes (a serpentine cancels a drift over a pair), and the cube holds it.
+    confidence = load_campaign(path).measurement.confidence
+    expected = []
+    for cell in cells:
+        pairs: dict[int, list[float]] = {}
+        for s in cell["inflight"]["segments"]:
+            pairs.setdefault(s["round"] // 2, []).append(s["energy_per_token_j"])
+        means = [float(np.mean(v)) for _, v in sorted(pairs.items())]
+        assert len(means) >= 2
+        expected.append(relative_half_width(means, confidence))
+    assert cube_ci == pytest.approx(sorted(expected), rel=1e-9)

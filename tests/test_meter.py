@@ -450,3 +450,49 @@ def test_timeline_equals_the_per_sample_reference(rounds) -> None:
     assert m.timeline_power_w == ref[1]
     assert m.timeline_sm_clock_mhz == ref[2]
     assert m.clock_event_reasons == ref[3][0]
+
+
+def _sampled_round(start_ms: int, end_ms: int, sample_ms: list[int], clock: int) -> WindowPart:
+    """A round decoding one token every 10 ms over [start_ms, end_ms], sampled at `sample_ms`."""
+    times = list(range(start_ms, end_ms + 1, 10))
+    a = trace(0, [(t * MS, 1) for t in times])
+    result = RoundResult((a,), 0, end_ms * MS)
+    energy = [float(t) for t in sample_ms]  # 1 W
+    return WindowPart(result, (start_ms * MS, end_ms * MS), samples(sample_ms, energy, clock))
+
+
+@pytest.mark.parametrize("short_ms", [20, 2990])
+def test_a_round_without_samples_inside_does_not_pull_the_observed_clock_down(short_ms) -> None:
+    """The observed clock averages the rounds that were sampled, over their own windows: a
+    round with no sample inside its window says nothing about the clock, and counting its
+    length would read a clock reached as one missed (clock_not_reached)."""
+    long = _sampled_round(0, 2990, list(range(0, 2991, 25)), clock=1500)
+    # Sampled just before and just after its window, never inside it.
+    unsampled = _sampled_round(5000, 5000 + short_ms, [4990, 5000 + short_ms + 10], clock=900)
+    args = {
+        "requested_clock_mhz": 1500,
+        "min_window_s": 0.0,
+        "sample_period_s": 0.025,
+        "idle_power_w": 0.0,
+        "precision": 1.0,
+    }
+    alone = summarise([long], **args)
+    both = summarise([long, unsampled], **args)
+    assert alone.sm_clock_observed_mhz == 1500.0
+    assert both.sm_clock_observed_mhz == 1500.0
+    assert not both.quality & Q_CLOCK_NOT_REACHED
+
+
+def test_the_observed_clock_weights_sampled_rounds_by_their_windows() -> None:
+    """Two sampled rounds: the clock is their means weighted by their windows' lengths."""
+    slow = _sampled_round(0, 1000, list(range(0, 1001, 25)), clock=1200)
+    fast = _sampled_round(2000, 5000, list(range(2000, 5001, 25)), clock=1600)
+    m = summarise(
+        [slow, fast],
+        requested_clock_mhz=None,
+        min_window_s=0.0,
+        sample_period_s=0.025,
+        idle_power_w=0.0,
+        precision=1.0,
+    )
+    assert m.sm_clock_observed_mhz == pytest.approx((1200 * 1000 + 1600 * 3000) / 4000)

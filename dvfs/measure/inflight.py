@@ -71,6 +71,7 @@ import numpy as np
 from dvfs.campaign.model import INFLIGHT_ORDERS
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.errors import CampaignError, EngineCrashedError, EngineError
+from dvfs.measure.counter import t_two_sided
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
     CellMeasurement,
@@ -374,10 +375,8 @@ def level_estimates(
     offset (its prompts, the card's temperature) are estimated beside the levels, so neither
     widens the intervals; with the orders of `segment_order` the level's value is the plain
     mean of its segments (its mean position is everyone's). Half-widths are Student-t on the
-    residuals (inf while there are no degrees of freedom left); non-finite values are left
-    out."""
-    from dvfs.analysis.bounds import t_quantile
-
+    residuals, two-sided like a per-level cell's (inf while there are no degrees of freedom
+    left); non-finite values are left out."""
     y = np.asarray(values, dtype=float)
     keep = np.isfinite(y)
     rounds = sorted({s.round for s in segments})
@@ -404,7 +403,7 @@ def level_estimates(
         residual = y - x @ beta
         s2 = float(residual @ residual) / dof
         cov = s2 * np.linalg.inv(x.T @ x)
-        t = t_quantile(confidence, dof)
+        t = t_two_sided(confidence, dof)
         for j, col in enumerate(used):
             if col < levels and value[col] != 0:
                 half[col] = t * math.sqrt(max(cov[j, j], 0.0)) / abs(value[col])
@@ -422,9 +421,8 @@ def level_halfwidths(
     means in each block of rounds whose order cancels a drift by itself (a round with "abba",
     a pair with "serpentine"). Each block decodes its own prompts, so this holds the prompts'
     variation, which `level_estimates` (the levels against each other) leaves out; inf below
-    two blocks."""
-    from dvfs.analysis.bounds import t_quantile
-
+    two blocks. The interval is two-sided, as a per-level cell's (`relative_half_width`), so
+    the two modes' `*_rel_ci` mean the same and stop at the same precision."""
     step = rounds_step(scheme)
     blocks: dict[tuple[int, int], list[float]] = {}
     for v, seg in zip(values, segments, strict=True):
@@ -435,7 +433,7 @@ def level_halfwidths(
         means = np.array([np.mean(v) for (lv, _), v in sorted(blocks.items()) if lv == level])
         if len(means) >= 2 and means.mean() != 0:
             sd = float(means.std(ddof=1))
-            t = t_quantile(confidence, len(means) - 1)
+            t = t_two_sided(confidence, len(means) - 1)
             half[level] = t * sd / math.sqrt(len(means)) / abs(float(means.mean()))
     return half
 

@@ -634,6 +634,7 @@ def summarise(
     latency: list[float] = []
     energies: list[RoundEnergy] = []
     clock_weighted = 0.0
+    clock_ns = 0  # the windows of the rounds sampled inside them: the clock's weights
     power_max = 0.0
     temp_max = -math.inf
     reasons = 0
@@ -668,6 +669,7 @@ def summarise(
             clock = s["sm_clock_mhz"][inside]
             power = s["power_mw"][inside]
             clock_weighted += _mean(clock) * (end - start)
+            clock_ns += end - start
             power_max = max(power_max, float(_MAX(power)) / 1000)
             temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
             reasons |= int(np.bitwise_or.reduce(s["reasons"][inside]))
@@ -691,7 +693,9 @@ def summarise(
         quality |= Q_FEW_SAMPLES
     if window_ns and length_uncertainty(energies) > precision:
         quality |= Q_FEW_COUNTER_UPDATES
-    sm_clock = clock_weighted / window_ns if window_ns and in_window_samples else math.nan
+    # A round without a sample in its window says nothing about the clock: its length is
+    # left out of the weights, or it would pull the mean down towards zero.
+    sm_clock = clock_weighted / clock_ns if clock_ns else math.nan
     if requested_clock_mhz is not None and not math.isnan(sm_clock):
         above = sm_clock > requested_clock_mhz + CLOCK_TOLERANCE_MHZ
         below = sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ
