@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -496,3 +497,24 @@ def test_the_observed_clock_weights_sampled_rounds_by_their_windows() -> None:
         precision=1.0,
     )
     assert m.sm_clock_observed_mhz == pytest.approx((1200 * 1000 + 1600 * 3000) / 4000)
+
+
+def test_acceptance_is_unknown_when_a_request_lost_its_counters() -> None:
+    """Four requests, 16 verify passes each, 64 / 48 / 40 / 32 tokens: the round's truth is
+    184 / 64. Ended by disconnects, only the one that finished (the best-accepted) kept its
+    counters: pooling it alone said 4.0; the acceptance is unknown instead."""
+    from dvfs.measure.meter import acceptance
+
+    def request(tokens: int, *, lost: bool) -> RequestTrace:
+        chunks = [(MS * (1 + i), 4) for i in range(tokens // 4)]
+        if lost:
+            return replace(trace(0, chunks), finish_reason="abort", final_lost=True)
+        return trace(0, chunks, spec_verify_ct=16, spec_accepted_drafts=tokens - 17,
+                     spec_proposed_drafts=16 * 3)  # fmt: skip
+
+    known = [request(n, lost=False) for n in (64, 48, 40, 32)]
+    assert acceptance([RoundResult(tuple(known), 0, 1)]).accept_length == 184 / 64
+    cut = (known[0], *(request(n, lost=True) for n in (48, 40, 32)))
+    got = acceptance([RoundResult(cut, 0, 1, 2.5)])
+    assert math.isnan(got.accept_length) and math.isnan(got.decode_accept_length)
+    assert math.isnan(got.accept_rate) and got.server_accept_length == 2.5

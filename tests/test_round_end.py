@@ -292,6 +292,12 @@ def test_sglang_rounds_end_at_the_window_and_the_server_sees_the_aborts(
         rounds = sum(r["measurement"]["rounds"] for r in records if r["cell"]["drafter"] == drafter)
         sent = (out / "logs" / name).read_text().count('"POST /generate HTTP/1.1" 200')
         assert sent == 4 * (rounds + 1)
+    # acceptance pools every request where the aborted ones carried their counters; a
+    # disconnected request's never arrive, so the speculative cells' acceptance is unknown
+    for r in records:
+        accept = r["measurement"]["accept_length"]
+        known = accept is not None and math.isfinite(accept)
+        assert known is (abort_route and r["cell"]["drafter"] == "eagle3"), r["measurement"]
     if abort_route:
         # the stub stopped each aborted request at its next step, and said so
         assert logs.count("abort_request rid=") >= 1
@@ -376,3 +382,145 @@ def test_an_abort_the_server_ignores_is_cut_off_by_a_disconnect(
     assert "abort_request rid=" in log and "aborted rid=" not in log
     # the warm-up's and the measured round's three other requests, each disconnected
     assert log.count("client went away during POST /generate") == 6, log
+
+
+# -- acceptance of a round ended at its window, on the stub ---------------------------------------
+
+_SPEC_LINE = re.compile(
+    r"spec rid=(\S+) tokens=(\d+) verify_ct=(\d+) correct_drafts=(\d+) (finished|aborted|cut)"
+)
+
+
+def _stub_round(
+    tmp_path: Path, *, abort_route: bool
+) -> tuple[RoundResult, dict[str, tuple[int, int, int, str]]]:
+    """One fixed batch of four EAGLE-3 requests (48 tokens, 2 or 3 a verify pass, seeded)
+    through dvfs's SGLang client against the stub on loopback, ended at its first finish; and
+    what the stub generated for each request: (tokens, verify passes, accepted drafts, how it
+    ended), from its log once it logged all four (bounded wait)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from sglang_support import STUB
+
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SamplingParams, SglangClient
+
+    config = tmp_path / "stub.json"
+    config.write_text(
+        json.dumps(
+            {
+                "version": "0.5.23",
+                "max_lifetime_s": 60,
+                "startup_s": 0.02,
+                "ttft_s": 0.01,
+                "tpot_s": 0.005,
+                "accept_length": 2.5,
+                "seed": 3,
+                "abort_route": abort_route,
+                # once the first request finished, the others wait before their last step
+                # until they are aborted or disconnected: none finishes by itself, however
+                # slow the machine
+                "hold_unfinished": True,
+            }
+        )
+    )
+    log_path = tmp_path / "stub.log"
+    argv = [sys.executable, str(STUB), "--model-path", "stub-model", "--port", "0",
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "draft",
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    with log_path.open("w") as log_file:
+        server = subprocess.Popen(
+            argv,
+            env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        port = None
+        while port is None and time.monotonic() < deadline and server.poll() is None:
+            found = re.search(r"running on http://127\.0\.0\.1:(\d+)", log_path.read_text())
+            port = int(found.group(1)) if found else time.sleep(0.01)
+        assert port is not None, log_path.read_text()
+        client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())
+        client.wait_healthy(30)
+        client.flush_cache()  # hold_unfinished counts finishes since the last flush
+        started = time.monotonic_ns()
+        traces = client.run_batch(
+            [f"prompt number {i}" for i in range(4)],
+            SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
+            "acc",
+            end_at_window=True,
+        )
+        result = RoundResult(tuple(traces), started, time.monotonic_ns(), client.accept_length())
+        counts: dict[str, tuple[int, int, int, str]] = {}
+        while len(counts) < 4 and time.monotonic() < deadline:
+            counts = {
+                m[1]: (int(m[2]), int(m[3]), int(m[4]), m[5])
+                for m in _SPEC_LINE.finditer(log_path.read_text())
+            }
+            time.sleep(0.01)
+        assert sorted(counts) == [f"acc-{i}" for i in range(4)], log_path.read_text()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return result, counts
+
+
+def test_a_round_ended_by_aborts_pools_every_request_as_the_server_ran_it(
+    tmp_path: Path,
+) -> None:
+    """POST /abort_request: each aborted request's final chunk carries its counters so far,
+    so the pooled acceptance is the server's truth over all four requests, not only over
+    the one that finished (the best-accepted, having needed the fewest verify passes)."""
+    from dvfs.measure.meter import acceptance
+
+    result, counts = _stub_round(tmp_path, abort_route=True)
+    assert sorted(how for *_, how in counts.values()) == ["aborted"] * 3 + ["finished"]
+    for i, r in enumerate(result.requests):
+        tokens, verify, correct, how = counts[f"acc-{i}"]
+        assert not r.final_lost and r.aborted is (how == "aborted")
+        assert (r.completion_tokens, r.spec_verify_ct, r.spec_accepted_drafts) == (
+            tokens,
+            verify,
+            correct,
+        )
+    tokens, verify, correct = (sum(c[k] for c in counts.values()) for k in range(3))
+    got = acceptance([result])
+    assert got.accept_length == tokens / verify
+    assert got.decode_accept_length == (tokens - 4) / verify
+    assert got.accept_rate == correct / (verify * 3)  # three drafts a pass
+
+
+def test_a_round_ended_by_disconnects_has_no_acceptance_rather_than_a_biased_one(
+    tmp_path: Path,
+) -> None:
+    """A server without /abort_request: the client disconnects the running requests, whose
+    counters SGLang sends in the final chunk only, so they never arrive. Pooling the request
+    that finished alone would report its acceptance, above the round's truth; the pooled
+    acceptance is unknown instead (the server's running average still covers every pass)."""
+    from dvfs.measure.meter import acceptance
+
+    result, counts = _stub_round(tmp_path, abort_route=False)
+    assert sorted(how for *_, how in counts.values()) == ["cut"] * 3 + ["finished"]
+    for i, r in enumerate(result.requests):
+        tokens, verify, correct, how = counts[f"acc-{i}"]
+        if how == "finished":
+            assert not r.final_lost and (r.spec_verify_ct, r.spec_accepted_drafts) == (
+                verify,
+                correct,
+            )
+        else:  # cut: the stub may have run one more step than the client read
+            assert r.final_lost and r.aborted and r.spec_verify_ct is None
+            assert r.completion_tokens <= tokens
+    (finisher,) = (c for c in counts.values() if c[3] == "finished")
+    tokens, verify = (sum(c[k] for c in counts.values()) for k in range(2))
+    assert finisher[0] / finisher[1] != tokens / verify  # what the request that finished says
+    got = acceptance([result])
+    assert math.isnan(got.accept_length) and math.isnan(got.accept_rate)
+    assert math.isnan(got.decode_accept_length)
+    assert got.server_accept_length > 1  # the server's average, over every pass

@@ -76,6 +76,10 @@ class RequestTrace:
     spec_proposed_drafts: int | None = None
     retractions: int = 0
     error: str | None = None
+    #: The stream ended without its final chunk (the client disconnected it at the round's
+    #: end, on a server without /abort_request): SGLang sends a request's speculative counters
+    #: and retractions in that chunk only, so they are unknown, not zero.
+    final_lost: bool = False
 
     def __post_init__(self) -> None:
         if len(self.chunk_ns) != len(self.chunk_tokens):
@@ -117,6 +121,7 @@ class RequestTrace:
             spec_proposed_drafts=spec_proposed_drafts,
             retractions=0,
             error=None,
+            final_lost=False,
         )
         return trace
 

@@ -340,6 +340,10 @@ class SglangClient:
                 f"request {rid} finished after {seen} of {params.max_new_tokens} "
                 f"tokens (finish_reason {kind}) although ignore_eos was set"
             )
+        # SGLang puts the speculative counters (and retractions) in the final chunk only
+        # (TokenizerManager._handle_batch_output adds them once the request finished), so a
+        # stream the client disconnected never got them: the trace says they were lost
+        # rather than that the request did not speculate (`dvfs.measure.meter.acceptance`).
         retractions = _first(final, ("num_retractions", "total_retractions")) or 0
         verify = final.get("spec_verify_ct")
         accepted = _first(final, ACCEPTED_DRAFTS)
@@ -355,6 +359,7 @@ class SglangClient:
             spec_accepted_drafts=None if accepted is None else int(accepted),
             spec_proposed_drafts=None if proposed is None else int(proposed),
             retractions=int(retractions),
+            final_lost=not final,
         )
 
     async def _end_round(self, client: Any, end: _RoundEnd) -> None:

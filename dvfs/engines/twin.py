@@ -675,6 +675,7 @@ def _trace_fields(
                 "spec_proposed_drafts": d,
                 "retractions": 0,
                 "error": None,
+                "final_lost": False,
             },
         )
         for i, (k, p, c, f, v, a, d) in enumerate(

@@ -355,6 +355,7 @@ _VERIFY_CT = operator.attrgetter("spec_verify_ct")
 _PROPOSED = operator.attrgetter("spec_proposed_drafts")
 _ACCEPTED = operator.attrgetter("spec_accepted_drafts")
 _COMPLETION = operator.attrgetter("completion_tokens")
+_FINAL_LOST = operator.attrgetter("final_lost")
 _RETRACTIONS = operator.attrgetter("retractions")
 
 
@@ -422,11 +423,18 @@ def acceptance(
     results: Sequence[RoundResult], requests: Sequence[RequestTrace] | None = None
 ) -> Acceptance:
     """Pooled over every request: tokens per verify pass, and accepted over proposed drafts.
-    `requests`: the results' requests in order, when the caller has them listed already."""
+    `requests`: the results' requests in order, when the caller has them listed already.
+
+    Unknown (NaN) when any request's counters were lost (`RequestTrace.final_lost`: a round
+    ended by disconnecting its running requests): pooling only the requests that finished
+    would count those that needed the fewest verify passes, the best-accepted ones, and
+    overstate acceptance. The server's running average still covers every pass."""
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
     server_mean = float(np.mean(server)) if server else math.nan
     if requests is None:
         requests = [r for res in results for r in res.requests]
+    if any(map(_FINAL_LOST, requests)):
+        return Acceptance(math.nan, math.nan, server_mean)
     # whole numbers, summed exactly in any order: column by column where every request
     # speculated (or none did), else one pass skipping those that did not
     verify_ct = list(map(_VERIFY_CT, requests))

@@ -93,7 +93,11 @@ stream ends with a final chunk whose finish_reason is ``{"type": "abort",
 statistics so far), then ``data: [DONE]``.  A streaming client that disconnects
 stops its request at the next chunk the stub fails to write (SGLang aborts it too).
 Each abort and each disconnect is logged (``abort_request rid=R ...``, ``aborted
-rid=R after K tokens``, ``client went away during POST /generate``).
+rid=R after K tokens``, ``client went away during POST /generate``).  With a
+speculative algorithm each sub-request's counters are logged when it ends, before any
+final chunk is written (``spec rid=R tokens=N verify_ct=V correct_drafts=C`` and
+``finished``, ``aborted`` or ``cut``: its client went away, or the server stopped), so a
+test can pool what the server generated, the requests cut off included.
 
 Timing and tokens: a sub-request (one prompt x one of ``n`` samples) emits its
 first token ``ttft_s`` after arrival and then one decode step every ``tpot_s``
@@ -109,7 +113,9 @@ completion_tokens, cached_tokens, weight_version, and num_retractions (0.5.23) /
 total_retractions (0.5.9); 0.5.23 with --enable-metrics adds request_received_ts,
 queue_time, first_token_latency.  Last chunk only: e2e_latency; 0.5.23 with
 --enable-metrics adds request_finished_ts, decode_throughput; with a speculative
-algorithm: spec_verify_ct (decode steps), and when it is > 0 spec_accept_length
+algorithm (as SGLang's TokenizerManager._handle_batch_output adds them, under ``if
+state.finished``, in 0.5.9 and 0.5.23 alike: a stream cut before its final chunk never
+gets them): spec_verify_ct (decode steps), and when it is > 0 spec_accept_length
 (completion_tokens / spec_verify_ct, so the prefill token counts), spec_accept_rate
 (accepted drafts / (verify x (num_draft_tokens - 1))), and accepted drafts,
 proposed drafts and the per-verify accepted-drafts histogram (length
@@ -1036,6 +1042,13 @@ class Stub:
             self.abort_rids.discard(sub.rid)
             self.aborted_total += 1
         log(f"aborted rid={sub.rid} after {len(sub.output_ids)} tokens")
+        self.log_spec(sub, "aborted")
+
+    def log_spec(self, sub: SubRequest, how: str) -> None:
+        """The speculative counters ``sub`` ended with (finished, aborted, cut)."""
+        if self.spec is not None:
+            log(f"spec rid={sub.rid} tokens={len(sub.output_ids)} verify_ct={sub.verify_ct} "
+                f"correct_drafts={sub.correct_drafts} {how}")  # fmt: skip
 
     # -- running
 
@@ -1117,6 +1130,8 @@ class Stub:
                 self.spec_steps_since_flush += 1
                 self.spec_tokens_since_flush += k
                 self.recent_steps.append(k)
+        if j == len(sub.steps) - 1:
+            self.log_spec(sub, "finished")
 
     def chunk_due(self, sub: SubRequest, j: int) -> bool:
         """Whether step ``j`` gets a streamed chunk (first, last, every stream_interval)."""
@@ -1442,6 +1457,9 @@ class StubHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             stub.end(plan)
+            for sub in plan.subs:
+                if not sub.done:  # its client went away, or the server stopped
+                    stub.log_spec(sub, "cut")
         if all(sub.done for sub in plan.subs):
             tokens = sum(len(sub.output_ids) for sub in plan.subs)
             elapsed = time.monotonic() - plan.t0
