@@ -297,12 +297,15 @@ class Interruption:
 
 
 def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
-    """Write the partial cube of an interrupted sweep and find what it left unrestored."""
+    """Write the partial cube of an interrupted sweep (a fleet mixing GPU models: each model's
+    and the merged one, as a finished fleet writes them) and find what it left unrestored."""
+    from dvfs.fleet.cubes import cube_journals, write_cubes
+
     cube_path = cube_error = None
-    journal = out_dir / JOURNAL_NAME
-    if journal.exists():
+    journals = cube_journals(out_dir)
+    if journals:
         try:
-            cube_path = write_cube(shard_cube(journal), out_dir / CUBE_NAME)
+            cube_path = write_cubes(out_dir, journals)
         except Exception as exc:  # the interruption matters more than the partial cube
             cube_error = str(exc)
     if not real_gpus(campaign):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
 from fleet_support import FLEET, lose_worker_on_its_third_cell
@@ -361,6 +365,118 @@ def test_ctrl_c_stops_every_worker_and_the_rerun_finishes(runs: Path, tmp_path: 
     assert f"{len(done)} already done" in again.stderr
     keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
     assert len(keys) == len(set(keys)) == total
+
+
+@pytest.fixture
+def dispositions() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored, as a shell gives them to a background job (set, not
+    inherited: dvfs must handle them itself); put back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in saved:
+        signal.signal(s, signal.SIG_IGN)
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def signal_once_each_worker_ran(monkeypatch: pytest.MonkeyPatch, signum: int, units: int) -> None:
+    """Send `signum` to this process once each of the fleet's two workers has run `units`
+    units of work (`Worker.run_unit` patched): the interruption lands mid-campaign on both,
+    however the threads are scheduled. The worker first there waits for the other."""
+    from dvfs.fleet.worker import Worker
+
+    ready = threading.Barrier(2)
+    counts: dict[str, int] = {}
+    run_unit = Worker.run_unit
+
+    def counting(self: Worker, unit):
+        shipment = run_unit(self, unit)
+        counts[self.label] = counts.get(self.label, 0) + 1
+        if counts[self.label] == units and ready.wait() == 0:
+            os.kill(os.getpid(), signum)
+        return shipment
+
+    monkeypatch.setattr(Worker, "run_unit", counting)
+
+
+def ok_cells(journal: Path) -> set[str]:
+    records = [r for r in read_records(journal) if r["type"] == "cell"]
+    assert all(r["status"] == "ok" for r in records)
+    return {r["key"] for r in records}
+
+
+def assert_cubes_hold_the_journals(out: Path, journals: list[Path]) -> list[xr.Dataset]:
+    """Each model's cube beside its journal holds that journal's cells, and the merged cube
+    in `out` holds each along `gpu`, in the journals' order. Returns the three cubes."""
+    merged = open_cube(out / "cube.nc")
+    assert merged.sizes["gpu"] == len(journals)
+    cubes = [merged]
+    for i, journal in enumerate(journals):
+        ds = open_cube(journal.parent / "cube.nc")
+        assert int((ds["cell_status"].values == STATUS_OK).sum()) == len(ok_cells(journal))
+        part = merged.isel(gpu=i)
+        assert str(merged["gpu"].values[i]) == ds.attrs["gpu_uuids"]
+        np.testing.assert_array_equal(part["cell_status"].values, ds["cell_status"].values)
+        np.testing.assert_array_equal(
+            part["energy_per_token_j"].values, ds["energy_per_token_j"].values
+        )
+        cubes.append(ds)
+    return cubes
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.timeout(300)
+def test_an_interrupted_fleet_mixing_models_writes_its_partial_cubes(
+    runs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dispositions: None,
+    signum: int,
+    code: int,
+) -> None:
+    """Interrupted, a fleet of an H100 and an H200 writes each model's partial cube and the
+    merged one, as a finished one does; `dvfs cube build` on its folder writes them again,
+    also once they are deleted."""
+    signal_once_each_worker_ran(monkeypatch, signum, units=2)
+    out = tmp_path / "mixed"
+    result = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(out))
+    assert result.exit_code == code, result.output
+    assert f"partial cube written to {out / 'cube.nc'}" in result.stderr
+    assert "GPU settings restored" in result.stderr
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    assert [j.parent.name for j in journals] == [
+        "gpu-nvidia-h100-80gb-hbm3-twin",
+        "gpu-nvidia-h200-twin",
+    ]
+    for journal in journals:
+        assert 2 <= len(ok_cells(journal)) < 72, "the interruption must land mid-campaign"
+    written = assert_cubes_hold_the_journals(out, journals)
+
+    def build() -> list[xr.Dataset]:
+        built = CliRunner().invoke(cli, ["cube", "build", str(out)], catch_exceptions=False)
+        assert built.exit_code == 0, built.output
+        assert built.stdout.startswith(f"cube: {out / 'cube.nc'} (merged from ")
+        return assert_cubes_hold_the_journals(out, journals)
+
+    for again, before in zip(build(), written, strict=True):  # over the cubes there
+        np.testing.assert_array_equal(again["cell_status"].values, before["cell_status"].values)
+    for cube in [out / "cube.nc", *(j.parent / "cube.nc" for j in journals)]:
+        cube.unlink()
+    for again, before in zip(build(), written, strict=True):
+        np.testing.assert_array_equal(again["cell_status"].values, before["cell_status"].values)
+
+
+def test_cube_build_without_a_journal_names_where_it_looked(tmp_path: Path) -> None:
+    from test_journal import assert_one_line_error
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "gpu-x").mkdir()  # a model's folder without a journal is no fleet's
+    result = CliRunner().invoke(cli, ["cube", "build", str(empty)])
+    line = assert_one_line_error(
+        result, 1, str(empty / "journal.jsonl"), str(empty / "gpu-*" / "journal.jsonl")
+    )
+    assert "run `dvfs sweep` first" not in line
 
 
 @pytest.fixture

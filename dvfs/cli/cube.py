@@ -27,13 +27,30 @@ def cube() -> None:
 )
 @handle_errors
 def build(sweep_dir: Path, out_path: Path | None) -> None:
-    """Rebuild SWEEP_DIR's cube from its journal (safe to run while a sweep is going)."""
+    """Rebuild SWEEP_DIR's cube from its journal (safe to run while a sweep is going).
+
+    For a fleet that mixed GPU models (a journal in each SWEEP_DIR/gpu-*/), each model's cube
+    beside its journal, and the merged one (at --out).
+    """
     from dvfs.cube import CUBE_NAME, build_cube
+    from dvfs.errors import CubeError
+    from dvfs.fleet.cubes import cube_journals, write_cubes
     from dvfs.measure.journal import JOURNAL_NAME
 
-    ds = build_cube(sweep_dir / JOURNAL_NAME)
-    path = _write(ds, out_path or sweep_dir / CUBE_NAME)
-    click.echo(f"cube: {path}")
+    journals = cube_journals(sweep_dir)
+    if not journals:
+        raise CubeError(
+            f"no journal at {sweep_dir / JOURNAL_NAME}, nor a GPU model's of a fleet at "
+            f"{sweep_dir / 'gpu-*' / JOURNAL_NAME}: is {sweep_dir} the --out folder of a "
+            "`dvfs sweep`?"
+        )
+    if journals == [sweep_dir / JOURNAL_NAME]:
+        path = _write(build_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
+        click.echo(f"cube: {path}")
+        return
+    path = write_cubes(sweep_dir, journals, merged_path=out_path, write=_write)
+    parts = ", ".join(str(j.parent / CUBE_NAME) for j in journals)
+    click.echo(f"cube: {path} (merged from {parts})" if len(journals) > 1 else f"cube: {path}")
 
 
 @cube.command("info")

@@ -440,6 +440,8 @@ def run_fleet(
         left = after_interruption(campaign, out_dir)
         if left.cube_path is not None:
             err.print(f"partial cube written to {left.cube_path}")
+        if left.cube_error is not None:
+            err.print(f"(no partial cube: {escape(left.cube_error)})")
         status = (
             "[red]GPU settings NOT fully restored[/red] for "
             + ", ".join(left.unrestored)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, CubeError, IncomparableCellsError, JournalError
+from dvfs.errors import CampaignError, JournalError
+from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.folders import extra_repeats, journals_done, model_journals
 from dvfs.fleet.queue import CellQueue
@@ -645,7 +646,7 @@ def run_fleet(
                             "(none in this run); rerun with them to finish"
                         )
                 done += others
-        cube_path = _write_cubes(out_dir, done)
+        cube_path = write_cubes(out_dir, done)
     if fleet is None:
         total = len(cells) * len(done)
         summary, stats = RunSummary(total, total, 0, 0), []
@@ -655,36 +656,3 @@ def run_fleet(
     return FleetOutcome(
         summary, journal_path, cube_path, moved, tuple(stats), time.monotonic() - wall0
     )
-
-
-def _write_cubes(out_dir: Path, journals: Sequence[Path]) -> Path:
-    """Each journal's cube beside it; a fleet of several models also the merged one."""
-    from dvfs.cube import CUBE_NAME, merge_cubes, write_cube
-    from dvfs.fleet.shard import cube_shard, mark_cube
-    from dvfs.fleet.shard_journal import shard_cube
-
-    cubes = []
-    for journal in journals:
-        try:
-            ds = shard_cube(journal)
-        except IncomparableCellsError:
-            raise  # nothing to fix in the folder: the message says where to rerun
-        except CubeError as exc:
-            raise CubeError(
-                f"{exc} (every measured cell is in {journal}: `dvfs cube build "
-                f"{journal.parent}` writes the cube once that is fixed)"
-            ) from exc
-        path = write_cube(ds, journal.parent / CUBE_NAME)
-        cubes.append((ds, path))
-    if len(cubes) == 1 and cubes[0][1].parent == out_dir:
-        return cubes[0][1]
-    if len(cubes) == 1:
-        return write_cube(cubes[0][0], out_dir / CUBE_NAME)
-    # Each model's journal holds the same shard: the merged cube is marked with it, its parts
-    # merged as cubes of different GPUs.
-    shard = cube_shard(cubes[0][0])
-    for ds, _ in cubes:
-        mark_cube(ds, None)
-    merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
-    mark_cube(merged, shard)
-    return write_cube(merged, out_dir / CUBE_NAME)

@@ -1,0 +1,75 @@
+"""The cubes of a sweep's --out folder: its journal's, or in a fleet mixing GPU models each
+model's (`gpu-<model>/cube.nc`) and the merged one. One function writes them, whether the
+sweep finished, was interrupted or `dvfs cube build` asks, so that the three agree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dvfs.errors import CubeError, IncomparableCellsError
+from dvfs.fleet.shard_journal import has_sessions
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+#: Writes a cube to a path and returns where it went (`dvfs.cube.write_cube`, or the CLI's
+#: wrapper of it that words file-system faults).
+CubeWriter = Callable[["xr.Dataset", Path], Path]
+
+
+def cube_journals(out_dir: Path) -> list[Path]:
+    """The journals `out_dir`'s cube is built from: its own when it has one, else each GPU
+    model's of a fleet mixing models that holds a session (one begun but interrupted before
+    its workers' sessions measured nothing); empty when there is none."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    own = out_dir / JOURNAL_NAME
+    if own.exists():
+        return [own]
+    return [p for p in sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) if has_sessions(p)]
+
+
+def write_cubes(
+    out_dir: Path,
+    journals: Sequence[Path],
+    *,
+    merged_path: Path | None = None,
+    write: CubeWriter | None = None,
+) -> Path:
+    """Each journal's cube beside it; a fleet of several models also the merged one, at
+    `merged_path` (default `out_dir/cube.nc`). Returns the folder's cube: the merged one, or
+    the one journal's. Cells not measured yet (an interrupted sweep) are missing in them."""
+    from dvfs.cube import CUBE_NAME, merge_cubes, write_cube
+    from dvfs.fleet.shard import cube_shard, mark_cube
+    from dvfs.fleet.shard_journal import shard_cube
+
+    write = write or write_cube
+    merged_path = merged_path or out_dir / CUBE_NAME
+    cubes = []
+    for journal in journals:
+        try:
+            ds = shard_cube(journal)
+        except IncomparableCellsError:
+            raise  # nothing to fix in the folder: the message says where to rerun
+        except CubeError as exc:
+            raise CubeError(
+                f"{exc} (every measured cell is in {journal}: `dvfs cube build "
+                f"{journal.parent}` writes the cube once that is fixed)"
+            ) from exc
+        own = journal.parent / CUBE_NAME
+        path = write(ds, merged_path if journal.parent == out_dir else own)
+        cubes.append((ds, path))
+    if len(cubes) == 1 and journals[0].parent == out_dir:
+        return cubes[0][1]
+    if len(cubes) == 1:
+        return write(cubes[0][0], merged_path)
+    # Each model's journal holds the same shard: the merged cube is marked with it, its parts
+    # merged as cubes of different GPUs.
+    shard = cube_shard(cubes[0][0])
+    for ds, _ in cubes:
+        mark_cube(ds, None)
+    merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
+    mark_cube(merged, shard)
+    return write(merged, merged_path)
