@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from dvfs.analysis.bounds import finite_mean, meets, upper_bound
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
-from dvfs.records import knobs_set
+from dvfs.records import knobs_set, repeat_rule
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -55,6 +55,9 @@ BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
 )
+#: Attributes of a headroom result: the fewest and most repeats behind a computed bound
+#: (0: none computed), which the bound's description names.
+REPEATS_USED = ("bound_repeats_min", "bound_repeats_max")
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,12 @@ def headroom(
         ]
         merged = xr.concat(parts, dim="gpu", combine_attrs="drop_conflicts")
         merged.attrs["reference_per_gpu"] = reference_per_gpu(cube["gpu"].values, parts)
+        used = [int(p.attrs[REPEATS_USED[1]]) for p in parts if int(p.attrs[REPEATS_USED[1]])]
+        lowest = [int(p.attrs[REPEATS_USED[0]]) for p in parts if int(p.attrs[REPEATS_USED[0]])]
+        merged.attrs.update(
+            bound_repeats_min=min(lowest, default=0), bound_repeats_max=max(used, default=0)
+        )
+        merged.attrs["bound"] = bound_description(merged.attrs, cube)
         return merged.assign_coords(gpu=cube["gpu"].values).transpose("gpu", *GROUP_DIMS)
     ref = reference_setting(cube)
     sub = cube
@@ -288,6 +297,7 @@ def headroom(
     n_judged = np.zeros(group_shape, dtype=int)  # settings whose bound could be computed
     n_short = np.zeros(group_shape, dtype=int)  # valid settings with too few usable repeats
     n_unmeasured = np.zeros(group_shape, dtype=int)  # settings not measured yet
+    repeats_used: set[int] = set()  # behind each computed bound (adaptive repeats vary)
     edge = {
         name: np.zeros(group_shape, dtype=bool)
         for name in (
@@ -326,6 +336,7 @@ def headroom(
                 bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
                 if not math.isnan(bound):
                     evaluated.append((int(clock), float(limit)))
+                    repeats_used.add(n)
                 elif unmeasured_v[idx + (ci, pi)]:
                     pending.append((int(clock), float(limit)))
                 elif n > 0:
@@ -528,7 +539,6 @@ def headroom(
             },
         ),
     }
-    repeats = repeats_in_cube
     result = xr.Dataset(data_vars, coords=coords).assign_coords(gpu_coords)
     described = target.describe()
     if not ref.is_stock:  # the target is relative to the reference, which is not stock here
@@ -543,11 +553,8 @@ def headroom(
         strict=int(target.strict),
         knob=knob,
         confidence=confidence,
-        bound=(
-            BOUND_DESCRIPTION.format(conf=confidence, n=repeats)
-            if repeats > 1
-            else "one repeat: no interval was possible, the point value was compared"
-        ),
+        bound_repeats_min=min(repeats_used, default=0),
+        bound_repeats_max=max(repeats_used, default=0),
         reference_sm_clock_mhz=ref.sm_clock,
         reference_power_limit_w=ref.power_limit,
         reference_is_stock=int(ref.is_stock),
@@ -562,17 +569,34 @@ def headroom(
         sm_clock_locked=int(knobs_set(cube.attrs.get("campaign"))[0]),
         baseline=target.baseline,
     )
-    if target.mode == "slo":
-        result.attrs["bound"] = result.attrs["bound"].replace(
-            "latency ratio to the reference", "latency (ms)"
-        )
-    if target.mode == "vs-baseline" and repeats > 1:
-        result.attrs["bound"] = (
+    result.attrs["bound"] = bound_description(result.attrs, cube)
+    return result
+
+
+def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
+    """The feasibility bound in words, from a headroom result's attributes: the repeats it
+    rests on are those used (`REPEATS_USED`; an adaptive campaign's cells take from `repeats`
+    to `max_repeats`), not the cube's repeat axis, which holds `max_repeats`; where no bound
+    could be computed, those the campaign asks for."""
+    confidence = float(attrs["confidence"])
+    repeats_in_cube = int(cube.sizes.get("repeat", 1))
+    if repeats_in_cube <= 1:
+        return "one repeat: no interval was possible, the point value was compared"
+    if attrs["target_mode"] == "vs-baseline":
+        return (
             f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "
             f"(Student-t bounds of each mean at {(1 + confidence) / 2:.1%}), unpaired: the "
             "baseline ran on another server; the baseline's own rows paired, as preserve"
         )
-    return result
+    lo, hi = (int(attrs.get(key, 0)) for key in REPEATS_USED)
+    if not hi:  # nothing judged: the repeats asked for
+        rule = repeat_rule(cube.attrs.get("campaign"))
+        lo, hi = (rule.repeats, rule.max_repeats) if rule else (repeats_in_cube,) * 2
+    n = str(hi) if lo == hi else f"{lo}-{hi}"
+    text = BOUND_DESCRIPTION.format(conf=confidence, n=n)
+    if attrs["target_mode"] == "slo":
+        text = text.replace("latency ratio to the reference", "latency (ms)")
+    return text
 
 
 def reference_per_gpu(gpus: Iterable[object], parts: Iterable[xr.Dataset]) -> str:
@@ -615,14 +639,64 @@ def single_gpu(cube: xr.Dataset, gpu: object) -> xr.Dataset:
     return one.assign_attrs(attrs)
 
 
+def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
+    """Missing cells at adaptive repeats (index `repeats` and up; the repeat axis holds
+    `max_repeats`) that the campaign's rule (`dvfs.measure.runner.next_repeats`) does not ask
+    for, decided from the cube alone: a cell whose interval across its repeats already meets
+    the precision needs no more, and one whose first `repeats` are not all in, or whose next
+    repeat is not measured yet, has not been asked for the ones after. A finished sweep leaves
+    such cells missing; they are not waiting to be measured. All False for a campaign without
+    adaptive repeats or a cube that does not record its campaign."""
+    import xarray as xr
+
+    from dvfs.measure.counter import repeats_precise
+
+    status = cube["cell_status"] if "cell_status" in cube else cube["valid"]
+    rule = repeat_rule(cube.attrs.get("campaign"))
+    dims = [*(d for d in status.dims if d != "repeat"), "repeat"]
+    if (
+        rule is None
+        or not rule.adaptive
+        or "cell_status" not in cube
+        or "repeat" not in status.dims
+    ):
+        return xr.zeros_like(status, dtype=bool).drop_attrs()
+    status = status.transpose(*dims)
+    status_v = status.values
+    index = cube["repeat"].values.astype(int)
+    present = np.where(status_v != STATUS_MISSING, index + 1, 0)
+    taken = present.max(axis=-1, initial=0)  # as the rule counts: failed cells were taken
+    beyond = (status_v == STATUS_MISSING) & (index >= np.maximum(taken, rule.repeats)[..., None])
+    # Groups the rule still judges: their first repeats are in, the last not yet taken.
+    judged = beyond.any(axis=-1) & (taken >= rule.repeats) & (taken < rule.max_repeats)
+    if judged.any():
+        usable = (status_v == STATUS_OK) & (cube["valid"].transpose(*dims).fillna(0).values > 0)
+        energy_v = cube["energy_per_token_j"].transpose(*dims).values
+        tpot_v = cube["tpot_ms"].isel(quantile=0).transpose(*dims).values  # the median
+        for idx in zip(*np.nonzero(judged), strict=True):
+            ok = usable[idx]
+            if not repeats_precise(
+                energy_v[idx][ok],
+                tpot_v[idx][ok],
+                precision=rule.precision,
+                confidence=rule.confidence,
+            ):
+                beyond[idx] &= index != taken[idx]  # the next repeat, which the rule asks for
+    return xr.DataArray(beyond, dims=status.dims, coords=status.coords).transpose(
+        *cube["cell_status"].dims
+    )
+
+
 def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataArray:
     """Cells not measured yet: missing (the sweep has not reached them) or failed (a rerun
-    retries them). With `grid_from_data` (one GPU of a merged cube), a knob setting with no
-    cell measured at all is outside that GPU's grid, not waiting to be measured."""
+    retries them); not the adaptive repeats the campaign does not ask for (`unasked_repeats`).
+    With `grid_from_data` (one GPU of a merged cube), a knob setting with no cell measured at
+    all is outside that GPU's grid, not waiting to be measured."""
     if "cell_status" not in cube:
         return cube["valid"].copy(data=np.zeros(cube["valid"].shape, dtype=bool))
     status = cube["cell_status"]
     waiting = (status == STATUS_MISSING) | (status == STATUS_FAILED)
+    waiting = waiting & ~unasked_repeats(cube)
     if grid_from_data:
         others = [d for d in status.dims if d not in ("sm_clock", "power_limit")]
         waiting = waiting & (status != STATUS_MISSING).any(others)
@@ -630,22 +704,27 @@ def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataAr
 
 
 def coverage(cube: xr.Dataset) -> dict[str, int]:
-    """How many cells the cube's grid has and how many are not measured yet (missing or
-    failed): a partial cube's answers may change once its sweep is resumed. In a merged cube
-    a knob setting a GPU measured nothing at is outside that GPU's grid and not counted."""
+    """How many cells the campaign asks for and how many are not measured yet (missing or
+    failed): a partial cube's answers may change once its sweep is resumed. Adaptive repeats
+    the campaign's rule does not ask for (`unasked_repeats`) are counted apart, as
+    `not_needed`, in neither. In a merged cube a knob setting a GPU measured nothing at is
+    outside that GPU's grid and not counted."""
     if "cell_status" not in cube:
         total = int(cube["valid"].size)
-        return {"cells": total, "missing": 0, "failed": 0}
+        return {"cells": total, "missing": 0, "failed": 0, "not_needed": 0}
     status = cube["cell_status"]
-    inside = status.values.ravel()
+    in_grid = np.ones(status.shape, dtype=bool)
     if "gpu" in status.dims:
         others = [d for d in status.dims if d not in ("gpu", "sm_clock", "power_limit")]
-        in_grid = (status != STATUS_MISSING).any(others).broadcast_like(status)
-        inside = status.values[in_grid.transpose(*status.dims).values]
+        seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
+        in_grid = seen.transpose(*status.dims).values
+    unasked = unasked_repeats(cube).transpose(*status.dims).values & in_grid
+    inside = status.values[in_grid & ~unasked]
     return {
         "cells": int(inside.size),
         "missing": int((inside == STATUS_MISSING).sum()),
         "failed": int((inside == STATUS_FAILED).sum()),
+        "not_needed": int(unasked.sum()),
     }
 
 

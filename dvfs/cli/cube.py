@@ -98,9 +98,16 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row(
         "cells",
         f"{summary['cells']} = {summary['measured']} measured + "
-        f"{summary['failed']} failed + {summary['missing']} missing "
-        f"({summary['invalid']} measured but invalid)",
+        f"{summary['failed']} failed + {summary['missing']} missing"
+        + (
+            f" + {summary['not_needed']} adaptive repeat(s) not needed"
+            if summary["not_needed"]
+            else ""
+        )
+        + f" ({summary['invalid']} measured but invalid)",
     )
+    if summary["repeats"] != str(summary["dims"].get("repeat", 1)):
+        table.add_row("repeats", summary["repeats"])
     table.add_row(
         "energy/token",
         "no valid cell" if math.isnan(lo) else f"{lo:.4g} - {hi:.4g} J (valid cells)",

@@ -50,9 +50,14 @@ def quality_counts(ds: xr.Dataset) -> dict[str, int]:
 
 
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
-    """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance."""
+    """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance. `missing`
+    leaves out the adaptive repeats the campaign does not ask for (`not_needed`: a cell that
+    reached its precision in fewer than `max_repeats` repeats)."""
+    from dvfs.analysis.headroom import unasked_repeats
+
     status = ds["cell_status"].values
     total = status.size
+    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
@@ -75,7 +80,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "cells": total,
         "measured": int((status == STATUS_OK).sum()),
         "failed": int((status == STATUS_FAILED).sum()),
-        "missing": int((status == STATUS_MISSING).sum()),
+        "missing": int(((status == STATUS_MISSING) & ~not_needed).sum()),
+        "not_needed": int(not_needed.sum()),
+        "repeats": _repeats_text(ds),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "stock": _stock_text(ds),
@@ -85,6 +92,22 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def _repeats_text(ds: xr.Dataset) -> str:
+    """The repeats a cell takes: the repeat axis's length, or with adaptive repeats the
+    campaign's range and the fewest and most a measured cell took."""
+    from dvfs.records import repeat_rule
+
+    size = int(ds.sizes.get("repeat", 1))
+    rule = repeat_rule(ds.attrs.get("campaign"))
+    if rule is None or not rule.adaptive or "repeat" not in ds["cell_status"].dims:
+        return str(size)
+    seen = ds["cell_status"] != STATUS_MISSING
+    taken = (seen * (ds["repeat"] + 1)).max("repeat").values[seen.any("repeat").values]
+    lo, hi = (int(taken.min()), int(taken.max())) if taken.size else (0, 0)
+    used = "" if not hi else f"; cells took {lo}" + (f"-{hi}" if hi > lo else "")
+    return f"{rule.repeats}-{rule.max_repeats} (adaptive{used})"
 
 
 def _valid_range(ds: xr.Dataset, status: np.ndarray) -> list[float]:

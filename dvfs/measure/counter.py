@@ -398,6 +398,18 @@ def relative_half_width(values: Sequence[float], confidence: float) -> float:
     return abs(t_two_sided(confidence, n - 1) * sd / math.sqrt(n) / mean)
 
 
+def repeats_precise(
+    energies: Sequence[float], latencies: Sequence[float], *, precision: float, confidence: float
+) -> bool:
+    """Whether a cell's repeats pin energy per token and median TPOT within `precision` (the
+    relative half-width at `confidence`): the adaptive-repeat rule's test, which the runner
+    (`next_repeats`) and the analyses (`dvfs.analysis.headroom.unasked_repeats`) share. A
+    latency with no interval (no TPOT measured) does not hold a cell back; energy does."""
+    energy = relative_half_width(energies, confidence)
+    latency = relative_half_width(latencies, confidence)
+    return energy <= precision and (latency <= precision or math.isnan(latency))
+
+
 # -- one round's energy and tokens ----------------------------------------------------------
 
 

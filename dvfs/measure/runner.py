@@ -35,6 +35,7 @@ from dvfs.measure.counter import (
     counter_update_period,
     length_uncertainty,
     relative_half_width,
+    repeats_precise,
     round_energy,
     sampling_period_s,
 )
@@ -882,9 +883,8 @@ def next_repeats(
         if n < m.repeats or n >= m.max_repeats:
             continue
         values = groups.get(key, [])
-        energy = relative_half_width([v[0] for v in values], m.confidence)
-        latency = relative_half_width([v[1] for v in values], m.confidence)
-        if not (energy <= m.precision and (latency <= m.precision or math.isnan(latency))):
+        energies, latencies = [v[0] for v in values], [v[1] for v in values]
+        if not repeats_precise(energies, latencies, precision=m.precision, confidence=m.confidence):
             extra.append(replace(cell, repeat=n))
     if extra and extra[0].repeat % 2:
         extra.reverse()

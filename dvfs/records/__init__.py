@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.records.cell import GPU_TIME_KEYS, QUANTITIES, CellRecord, MeasurementRecord
-from dvfs.records.header import CampaignFacts, Grid, Header, knobs_set
+from dvfs.records.header import (
+    CampaignFacts,
+    Grid,
+    Header,
+    RepeatRule,
+    knobs_set,
+    repeat_rule,
+)
 from dvfs.records.session import (
     ARM_ARGS,
     ARMS_PINNED,
@@ -47,9 +54,11 @@ __all__ = [
     "SESSION_INVARIANTS",
     "CampaignFacts",
     "knobs_set",
+    "repeat_rule",
     "CellRecord",
     "Grid",
     "Header",
+    "RepeatRule",
     "JournalContents",
     "MeasurementRecord",
     "Server",

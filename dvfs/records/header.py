@@ -4,6 +4,7 @@ from the campaign it stores."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,37 @@ class Grid:
 
 
 @dataclass(frozen=True)
+class RepeatRule:
+    """How many repeats a campaign asks of a cell: `repeats` always, then one more at a time
+    while the interval across them misses `precision` at `confidence`, up to `max_repeats`
+    (`dvfs.measure.runner.next_repeats`). A cube's repeat axis holds `max_repeats`, so the
+    analyses need the rule to tell a repeat not asked for from one not measured yet."""
+
+    repeats: int
+    max_repeats: int
+    precision: float
+    confidence: float
+
+    @property
+    def adaptive(self) -> bool:
+        return self.max_repeats > self.repeats
+
+    @classmethod
+    def from_json(cls, measurement: dict[str, Any]) -> RepeatRule:
+        """From a stored campaign's measurement table; one without the adaptive keys (before
+        version 3) asked for `repeats`, no more."""
+        repeats = int(measurement["repeats"])
+        if not {"max_repeats", "precision", "confidence"} <= measurement.keys():
+            return cls(repeats, repeats, math.nan, math.nan)
+        return cls(
+            repeats,
+            max(repeats, int(measurement["max_repeats"] or 0)),
+            float(measurement["precision"]),
+            float(measurement["confidence"]),
+        )
+
+
+@dataclass(frozen=True)
 class CampaignFacts:
     """What a cube needs from a stored campaign (`Campaign.semantic_dict`, in a journal header
     or a cube's attributes): the only reader of that dict's layout."""
@@ -37,10 +69,12 @@ class CampaignFacts:
     twin_model: str
     tp_size: int
     twin_profile: str
+    repeat_rule: RepeatRule
 
     @classmethod
     def from_json(cls, campaign: dict[str, Any]) -> CampaignFacts:
         knobs, workload = campaign["knobs"], campaign["workload"]
+        rule = RepeatRule.from_json(campaign["measurement"])
         clocks, limits = knobs["sm_clocks_mhz"], knobs["power_limits_w"]
         grid = Grid(
             sm_clocks_mhz=None if clocks is None else tuple(int(c) for c in clocks),
@@ -48,11 +82,9 @@ class CampaignFacts:
             batch_sizes=tuple(int(b) for b in workload["batch_sizes"]),
             drafters=tuple(d["name"] for d in campaign["drafters"]),
             corpora=tuple(c["name"] for c in workload["corpora"]),
-            # the repeat axis holds the adaptive repeats too (max_repeats, from version 3)
-            repeats=max(
-                int(campaign["measurement"]["repeats"]),
-                int(campaign["measurement"].get("max_repeats") or 0),
-            ),
+            # the repeat axis holds the adaptive repeats too (max_repeats, from version 3);
+            # those a cell did not need stay missing (`repeat_rule` tells them apart)
+            repeats=max(rule.max_repeats, int(campaign["measurement"].get("max_repeats") or 0)),
         )
         engine = campaign["engine"]
         return cls(
@@ -61,6 +93,7 @@ class CampaignFacts:
             twin_model=engine.get("twin_model") or "",
             tp_size=int(engine["tp_size"]),
             twin_profile=campaign["gpu"].get("profile") or "",
+            repeat_rule=rule,
         )
 
 
@@ -146,3 +179,12 @@ def knobs_set(campaign_json: str | None) -> tuple[bool, bool]:
     except (KeyError, ValueError, TypeError, AttributeError):
         return True, True
     return bool(grid.sm_clocks_mhz), bool(grid.power_limits_w)
+
+
+def repeat_rule(campaign_json: str | None) -> RepeatRule | None:
+    """The repeat rule of a stored campaign (a cube's `campaign` attribute); None when no
+    campaign can be read (a hand-built cube)."""
+    try:
+        return RepeatRule.from_json(json.loads(campaign_json or "{}")["measurement"])
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None

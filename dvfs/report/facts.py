@@ -59,7 +59,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
-        ("Repeats", str(info["dims"].get("repeat", 1))),
+        ("Repeats", info["repeats"]),
         ("Reference", info["stock"]),
         ("Idle power", MISSING if idle != idle else f"{idle:g} W"),
         ("Cube built", _text(info["created"]) + sessions),
@@ -127,30 +127,39 @@ def _corpora(attrs: dict[Any, Any]) -> list[Table]:
 
 
 def _quality(info: dict[str, Any]) -> list[Any]:
-    """Counts of measured, failed, missing and invalid cells; flags; the failed cells."""
-    blocks: list[Any] = [
-        Facts(
-            (
-                ("Cells", str(info["cells"])),
-                ("Measured", str(info["measured"])),
-                ("Failed", str(info["failed"])),
-                ("Missing", str(info["missing"])),
-                ("Invalid (flagged)", str(info["invalid"])),
-            )
-        )
+    """Counts of measured, failed, missing and invalid cells; flags; the failed cells. The
+    adaptive repeats a cell did not need (it reached its precision first) are counted apart:
+    neither missing nor bad."""
+    not_needed = info["not_needed"]
+    counts = [
+        ("Cells", str(info["cells"])),
+        ("Measured", str(info["measured"])),
+        ("Failed", str(info["failed"])),
+        ("Missing", str(info["missing"])),
+        ("Invalid (flagged)", str(info["invalid"])),
     ]
+    if not_needed:
+        counts.append(("Adaptive repeats not needed", str(not_needed)))
+    blocks: list[Any] = [Facts(tuple(counts))]
     bad = info["failed"] + info["missing"] + info["invalid"]
+    asked = info["cells"] - not_needed
     if bad:
         blocks.insert(
             0,
             Paragraph(
-                f"Data quality: {bad} of {info['cells']} cells are failed, missing or flagged "
+                f"Data quality: {bad} of {asked} cells are failed, missing or flagged "
                 "invalid; the analyses never choose a setting with such a cell.",
                 tone="warning",
             ),
         )
     else:
-        blocks.insert(0, Paragraph("Data quality: every cell was measured and valid."))
+        extra = (
+            f" ({not_needed} adaptive repeat(s) not needed: those cells reached the precision "
+            "in fewer than max_repeats)"
+            if not_needed
+            else ""
+        )
+        blocks.insert(0, Paragraph(f"Data quality: every cell was measured and valid{extra}."))
     flags = info["quality_flags"]
     if flags:
         blocks.append(
