@@ -86,7 +86,7 @@ def test_plan_worst_case_takes_the_least_aggressive_knob_per_corpus() -> None:
     )
     assert (one.caps[0].sm_clock_max_mhz, one.caps[0].power_limit_w) == (1305, None)
     fleet = plan_caps(
-        doc([row("code", 1305, 400.0)]),
+        {**doc([row("code", 1305, 400.0)]), "gpu": {"name": "NVIDIA H100 80GB HBM3", "uuids": []}},
         batch=16,
         drafter="eagle3",
         corpus="code",

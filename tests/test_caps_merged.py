@@ -87,10 +87,17 @@ def test_caps_of_a_merged_twin_cube_are_each_models_own(tmp_path: Path) -> None:
     caps = tomllib.loads(plan.stdout)
     assert {c["name"]: c["sm_clock_max_mhz"] for c in caps["model"]} == {H100: 1500, H200: 1000}
     assert caps["meta"]["measured_on"] == f"{H100}, {H200}"
-    # --model NAME: one entry, safe on both GPUs (the old code wrote one per GPU).
-    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--model", "X")
-    (cap,) = tomllib.loads(run(*args).stdout)["model"]
-    assert (cap["name"], cap["sm_clock_max_mhz"]) == ("X", 1500)
+    # --model NAME: that model's GPUs only (the H100's less aggressive 1500 MHz took the
+    # H200's cap away before), with or without the twin's suffix.
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--model")
+    for name in (H200, H200.removesuffix(" (twin)")):
+        (cap,) = tomllib.loads(run(*args, name).stdout)["model"]
+        assert (cap["name"], cap["sm_clock_max_mhz"]) == (name, 1000)
+    # A model the document never measured is refused in one line naming the ones it did.
+    unknown = run(*args, "NVIDIA A100-SXM4-80GB", code=2)
+    assert unknown.output.count("\n") == 1 and "A100" in unknown.output
+    assert H100 in unknown.output and H200 in unknown.output
+    assert not tomllib.loads(run(*args, H100).stdout)["model"][0].get("power_limit_w")
 
     refused = run("cap", "plan", str(saved), "--per-batch", "--drafter", "none", code=2)
     assert refused.output.count("\n") == 1

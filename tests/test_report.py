@@ -204,7 +204,8 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
         assert (tmp_path / link.replace("%20", " ")).read_bytes().startswith(b"\x89PNG")
     # An SLO no setting meets: every group infeasible, no cap recommended, said in words.
     assert "0 of 8" in text and "none feasible" in text
-    assert "no cap: nothing meets the target" in text and "| cap |" not in text
+    assert "no cap: none feasible on " in text and "raise the --slo limit" in text
+    assert "| cap |" not in text
 
 
 def hostile_document() -> Document:

@@ -233,6 +233,7 @@ def headroom(
     latency_v = latency.transpose(*order).values
     invalid_v = any_invalid.transpose(*order[:-1]).values
     unmeasured_v = unmeasured.transpose(*order[:-1]).values
+    flags_v = invalid_flags(sub, measured & ~ok).transpose(*order[:-1]).values
     ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
     ref_on_v = ref_on.broadcast_like(stock_energy).transpose(*group_order).values
     ref_ok_v = ref_ok_for_on.broadcast_like(stock_energy).transpose(*group_order).values
@@ -307,8 +308,13 @@ def headroom(
             "headroom_mhz_unmeasured_below",
             "headroom_w_unmeasured_below",
             "chosen_unmeasured_below",
+            "headroom_mhz_invalid_below",
+            "headroom_w_invalid_below",
+            "chosen_invalid_below",
         )
     }
+    n_invalid = np.zeros(group_shape, dtype=int)  # settings with an invalid cell
+    limiting_flags = np.full(group_shape, "", dtype=object)
     settings_on = np.full(group_shape, "", dtype=object)
     reference_on = np.full(group_shape, "", dtype=object)
     different_gpus = np.zeros(group_shape, dtype=bool)
@@ -327,9 +333,12 @@ def headroom(
         evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
         over: list[tuple[int, float]] = []  # evaluated settings over the target
         pending: list[tuple[int, float]] = []  # settings not measured yet, not judged
+        invalid: list[tuple[int, float, int]] = []  # settings with an invalid cell, their flags
+        short: list[tuple[int, float]] = []  # valid settings with too few usable repeats
         for ci, clock in enumerate(clocks):
             for pi, limit in enumerate(limits):
                 if invalid_v[idx + (ci, pi)]:
+                    invalid.append((int(clock), float(limit), int(flags_v[idx + (ci, pi)])))
                     continue
                 e = energy_v[idx + (ci, pi)]
                 lat = latency_v[idx + (ci, pi)]
@@ -340,7 +349,7 @@ def headroom(
                 elif unmeasured_v[idx + (ci, pi)]:
                     pending.append((int(clock), float(limit)))
                 elif n > 0:
-                    n_short[idx] += 1
+                    short.append((int(clock), float(limit)))
                 if not meets(bound, threshold, strict=target.strict):
                     if not math.isnan(bound):
                         over.append((int(clock), float(limit)))
@@ -363,7 +372,15 @@ def headroom(
         # fast in both knobs (clock and limit no lower) was judged over the target.
         open_ = [(c, p) for c, p in pending if not any(c2 >= c and p2 >= p for c2, p2 in over)]
         n_unmeasured[idx] = len(pending)
+        n_short[idx] = len(short)
+        n_invalid[idx] = len(invalid)
+        # Invalid settings could still change the answer on the same terms (measured again
+        # with a campaign that clears their quality flags).
+        spoilt = [
+            (c, p, m) for c, p, m in invalid if not any(c2 >= c and p2 >= p for c2, p2 in over)
+        ]
         if not feasible:
+            limiting_flags[idx] = flag_text(m for _, _, m in spoilt)
             continue
         least = min(f[0] for f in feasible)
         ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
@@ -380,10 +397,28 @@ def headroom(
         edge["headroom_mhz_unmeasured_below"][idx] = clock_open
         edge["headroom_w_unmeasured_below"][idx] = limit_open
         edge["chosen_unmeasured_below"][idx] = chosen_open
-        # Cut off by the grid: nothing below the lowest feasible value was evaluated or is
-        # waiting to be measured, so the true answer may lie lower (extend the grid downward).
-        bottom_clock = min(c for c, _ in evaluated)
-        bottom_limit = min(p for _, p in evaluated)
+        # Settings below an answer whose cells are invalid: the answer stops there because
+        # of the measurement, not the GPU, so it is limited by them, not cut off by the grid.
+        clock_spoilt = clock_free and any(c < lowest_clock for c, _, _ in spoilt)
+        limit_spoilt = limit_free and any(p < lowest_limit for _, p, _ in spoilt)
+        below_chosen = [
+            m for c, p, m in spoilt if (clock_free and c < clock) or (limit_free and p < limit)
+        ]
+        edge["headroom_mhz_invalid_below"][idx] = clock_spoilt
+        edge["headroom_w_invalid_below"][idx] = limit_spoilt
+        edge["chosen_invalid_below"][idx] = bool(below_chosen)
+        limiting_flags[idx] = flag_text(
+            [
+                *below_chosen,
+                *(m for c, p, m in spoilt if c < lowest_clock or p < lowest_limit),
+            ]
+        )
+        # Cut off by the grid: the answer is at the lowest value the grid has for the group
+        # (judged, waiting to be measured, invalid or short of repeats alike), so the true
+        # answer may lie lower (extend the grid downward).
+        in_grid = [*evaluated, *pending, *short, *((c, p) for c, p, _ in invalid)]
+        bottom_clock = min(c for c, _ in in_grid)
+        bottom_limit = min(p for _, p in in_grid)
         edge["headroom_mhz_is_lower_bound"][idx] = (
             clock_free and lowest_clock <= bottom_clock and not clock_open
         )
@@ -488,6 +523,11 @@ def headroom(
         n_unmeasured,
         {"units": "1", "long_name": "settings not measured yet (missing or failed cells)"},
     )
+    data_vars["invalid_settings"] = (
+        dims,
+        n_invalid,
+        {"units": "1", "long_name": "settings with an invalid cell (a quality flag)"},
+    )
     edge_names = {
         "headroom_mhz_unmeasured_below": "clocks below the lowest feasible one are not "
         "measured yet: the clock headroom may be larger once the sweep is resumed",
@@ -495,6 +535,13 @@ def headroom(
         "measured yet: the power headroom may be larger once the sweep is resumed",
         "chosen_unmeasured_below": "settings below the chosen one are not measured yet: one "
         "of them might save more energy once the sweep is resumed",
+        "headroom_mhz_invalid_below": "clocks below the lowest feasible one have invalid "
+        "cells (invalid_flags): the clock headroom may be larger once they are measured validly",
+        "headroom_w_invalid_below": "power limits below the lowest feasible one have invalid "
+        "cells (invalid_flags): the power headroom may be larger once they are measured "
+        "validly",
+        "chosen_invalid_below": "settings below the chosen one have invalid cells "
+        "(invalid_flags): one of them might save more energy once measured validly",
         "headroom_mhz_is_lower_bound": "the lowest clock evaluated meets the target: the "
         "clock headroom is at least headroom_mhz (the grid cuts it off)",
         "headroom_w_is_lower_bound": "the lowest power limit evaluated meets the target: the "
@@ -529,6 +576,16 @@ def headroom(
             dims,
             reference_problems(cube, at_ref, target),
             {"units": "1", "long_name": "why the reference cell is unusable (empty: usable)"},
+        ),
+        # Which quality flags invalidated the settings that could change the answer.
+        "invalid_flags": (
+            dims,
+            limiting_flags,
+            {
+                "units": "1",
+                "long_name": "invalidating quality flags of the settings below the answer (with "
+                "no answer: of any setting not ruled out by a faster one over the target)",
+            },
         ),
         "reference_measured_on": (
             dims,
@@ -597,6 +654,27 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
     if attrs["target_mode"] == "slo":
         text = text.replace("latency ratio to the reference", "latency (ms)")
     return text
+
+
+def invalid_flags(cube: xr.Dataset, invalid: xr.DataArray) -> xr.DataArray:
+    """Per setting (over the repeats): the invalidating quality-flag bits of its invalid
+    cells, ORed (0: none, or no quality recorded)."""
+    from dvfs.measure.meter import INVALIDATING
+
+    if "quality" not in cube:
+        return invalid.any("repeat").astype(np.int64) * 0
+    bits = cube["quality"].where(invalid).fillna(0).astype(np.int64) & INVALIDATING
+    return bits.reduce(np.bitwise_or.reduce, dim="repeat")
+
+
+def flag_text(masks: Iterable[int]) -> str:
+    """The invalidating quality flags in `masks`, named and sorted ("" when none)."""
+    from dvfs.measure.meter import describe_quality
+
+    union = 0
+    for mask in masks:
+        union |= int(mask)
+    return ", ".join(sorted(describe_quality(union)))
 
 
 def reference_per_gpu(gpus: Iterable[object], parts: Iterable[xr.Dataset]) -> str:

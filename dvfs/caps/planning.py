@@ -101,6 +101,9 @@ def plan_caps(
     measured_on = doc["gpu"].get("name")
     simulated = doc["gpu"].get("backend") == "twin" or is_twin_name(measured_on)
     by_model = bool(model_name) or (simulated and not uuids)
+    if model_name:  # only that model's GPUs: another model's setting is not safe for it
+        named = measured_as(doc, model_name, simulated)
+        rows = [r for r in rows if model_of(doc, r) in named]
     groups: dict[str | None, list[dict[str, Any]]] = {}
     for r in rows:
         if model_name:  # every GPU of that model gets one cap, safe for every GPU measured
@@ -114,13 +117,8 @@ def plan_caps(
     edge = False
     for key, group in groups.items():
         edge = edge or at_grid_edge(group)
-        infeasible = [r["corpus"] for r in group if not r["feasible"]]
-        if infeasible:
-            raise CapsError(
-                f"no setting meets the target for corpus {', '.join(infeasible)} at batch {batch} "
-                f"with drafter {drafter!r}{f' on {key}' if key else ''}; loosen the "
-                "target (--slack) or choose another batch or drafter"
-            )
+        if any(not r["feasible"] for r in group):
+            raise CapsError(no_answer_error(doc, group, batch, drafter, key))
         clock_cap, limit_cap = least_aggressive(doc, group)
         if clock_cap is None and limit_cap is None:
             stocks = {stock_of(_reference_for(doc["reference"], r.get("gpu"))) for r in group}
@@ -150,6 +148,40 @@ def plan_caps(
         "grid_edge": GRID_EDGE_NOTE if edge else None,
     }
     return CapsFile(tuple(caps), meta)
+
+
+def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[str | None]:
+    """The document's GPU models that `--model NAME` names (a twin's with or without its
+    suffix); a name the document never measured is refused, listing the ones it did."""
+    models = list(dict.fromkeys(model_of(doc, r) for r in doc["rows"]))
+
+    def bare(name: str | None) -> str:
+        return str(name).removesuffix(TWIN_SUFFIX) if simulated else str(name)
+
+    matched = {m for m in models if m == model_name or bare(m) == bare(model_name)}
+    if not matched:
+        raise CapsError(
+            f"--model {model_name!r} is not a GPU model this headroom document measured; "
+            f"it measured {', '.join(repr(str(m)) for m in models)}: pass one of those"
+        )
+    return matched
+
+
+def no_answer_error(
+    doc: dict[str, Any], group: Sequence[dict[str, Any]], batch: int, drafter: str, key: Any
+) -> str:
+    """Why the rows without an answer have none, in the headroom table's words, and what to
+    change: "no setting meets the target ... loosen it" only where settings were judged over
+    the target, never for a reference cell missing or invalid."""
+    from dvfs.report.reasons import no_answer_groups
+
+    parts = []
+    for reason, advice, rows in no_answer_groups(group, doc["target"].get("mode")):
+        corpora = ", ".join(r["corpus"] for r in rows)
+        what = "no setting meets the target" if reason == "none feasible" else reason
+        parts.append(f"{what} for corpus {corpora}: {advice}")
+    where = f" on {key}" if key else ""
+    return f"no cap at batch {batch} with drafter {drafter!r}{where}: " + "; ".join(parts)
 
 
 def twin_model(name: str | None) -> str:

@@ -71,7 +71,11 @@ def _once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -
 @click.option(
     "--gpu", "uuids", multiple=True, help="GPU UUIDs to cap [default: the measured GPUs]."
 )
-@click.option("--model", "model_name", help="Cap every GPU with this NVML name instead (a fleet).")
+@click.option(
+    "--model",
+    "model_name",
+    help="Cap every GPU of this model instead (a fleet): one the document measured, its rows only.",
+)
 @click.option(
     "-o",
     "--out",

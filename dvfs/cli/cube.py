@@ -155,6 +155,27 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
         parts.append(f"{merged.sizes['gpu']} GPUs")
     click.echo(f"cube: {_write(merged, out_path)} ({', '.join(parts)})")
+    note = unfinished_note(merged, shards="combined_from" in merged.attrs)
+    if note:
+        console(stderr=True).print(f"[yellow]Note: {escape(note)}[/yellow]")
+
+
+def unfinished_note(merged: Any, *, shards: bool) -> str | None:
+    """One line when the merged cube has cells not measured yet (an interrupted shard or
+    sweep, or failed cells): its answers may change, and resuming the parts measures them."""
+    from dvfs.analysis.headroom import coverage
+
+    cov = coverage(merged)
+    waiting = cov["missing"] + cov["failed"]
+    if not waiting:
+        return None
+    parts = "shards" if shards else "cubes' sweeps"
+    command = "its `dvfs sweep --shard I/N` command" if shards else "its `dvfs sweep` command"
+    return (
+        f"{waiting} of {cov['cells']} cells are not measured yet ({cov['missing']} never run, "
+        f"{cov['failed']} failed): the {parts} are unfinished; resume each with {command} "
+        "again, then merge again"
+    )
 
 
 def _write(ds: Any, path: Path) -> Path:

@@ -254,10 +254,15 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
     group = [r for r in room["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     lead = (str(batch), drafter)
     label = room["gpu"]["uuids"][0][:16] if len(room["gpu"]["uuids"]) == 1 else "-"
-    infeasible = sorted({r["corpus"] for r in group if not r["feasible"]})
-    if infeasible:
-        why = f"no cap: nothing meets the target on {', '.join(infeasible)}"
-        return [(*lead, label, "stock", "stock", why)]
+    if any(not r["feasible"] for r in group):
+        # The headroom table's reason for each corpus without an answer, and its advice.
+        from dvfs.report.reasons import no_answer_groups
+
+        whys = [
+            f"{reason} on {', '.join(sorted({r['corpus'] for r in rows}))}: {advice}"
+            for reason, advice, rows in no_answer_groups(group, room["target"].get("mode"))
+        ]
+        return [(*lead, label, "stock", "stock", "no cap: " + "; ".join(whys))]
     try:
         planned = plan_caps(room, batch=batch, drafter=drafter, corpus="worst-case")
     except CapsError as exc:

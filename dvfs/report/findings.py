@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.model import Figure, Finding, Paragraph, Section
+from dvfs.report.reasons import no_answer_groups
 
 #: Which finding shows which figures, by the start of the figure's file name.
 FIGURES_OF = {
@@ -65,12 +66,15 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             f"per token; latency {best['latency_ms']:.3g} ms against a "
             f"{best['target_ms']:.3g} ms target)."
         )
-    if infeasible:
-        details.append(
-            "No measured setting meets the target (within the confidence bound) at: "
-            + _named([_where(r) for r in infeasible])
-            + "."
+    # Each row without an answer with the headroom table's reason and what would give it one:
+    # "no setting meets the target" only where settings were judged over it.
+    for reason, advice, group in no_answer_groups(infeasible, room["target"].get("mode")):
+        lead = (
+            "No measured setting meets the target (within the confidence bound)"
+            if reason == "none feasible"
+            else reason[:1].upper() + reason[1:]
         )
+        details.append(f"{lead} at: {_named([_where(r) for r in group])}. What to do: {advice}.")
     headline = (
         f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below "
         f"{_at(room['reference'])} "

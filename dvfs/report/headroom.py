@@ -23,6 +23,7 @@ from dvfs.report.common import (
     reference_text,
     short_gpus,
 )
+from dvfs.report.reasons import no_answer
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -71,8 +72,15 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             headroom_mhz_unmeasured_below=_flag(r, "headroom_mhz_unmeasured_below"),
             headroom_w_unmeasured_below=_flag(r, "headroom_w_unmeasured_below"),
             chosen_unmeasured_below=_flag(r, "chosen_unmeasured_below"),
+            headroom_mhz_invalid_below=_flag(r, "headroom_mhz_invalid_below"),
+            headroom_w_invalid_below=_flag(r, "headroom_w_invalid_below"),
+            chosen_invalid_below=_flag(r, "chosen_invalid_below"),
             unmeasured_settings=(
                 int(r["unmeasured_settings"]) if "unmeasured_settings" in r else None
+            ),
+            invalid_settings=int(r["invalid_settings"]) if "invalid_settings" in r else None,
+            invalid_flags=(
+                str(r["invalid_flags"].values) or None if "invalid_flags" in r else None
             ),
             reference_problem=(
                 str(r["reference_problem"].values) or None if "reference_problem" in r else None
@@ -135,10 +143,22 @@ def _flag(r: xr.Dataset, name: str) -> bool:
     return bool(r[name]) if name in r else False
 
 
-def _knob_cell(value: float | None, lower_bound: bool, spec: str, unmeasured: bool) -> str:
+#: The table's marks on a headroom value: cut off by the grid, settings below not measured
+#: yet, settings below measured but invalid.
+LOWER_BOUND_MARK, UNMEASURED_MARK, INVALID_MARK = "≥", "?", "†"
+
+
+def _knob_cell(
+    value: float | None, lower_bound: bool, spec: str, unmeasured: bool, invalid: bool
+) -> str:
     if value is None:
         return "not swept"
-    return ("≥" if lower_bound else "") + format(value, spec) + ("?" if unmeasured else "")
+    return (
+        (LOWER_BOUND_MARK if lower_bound else "")
+        + format(value, spec)
+        + (UNMEASURED_MARK if unmeasured else "")
+        + (INVALID_MARK if invalid else "")
+    )
 
 
 def partial_note(doc: dict[str, Any]) -> str | None:
@@ -177,6 +197,9 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             "headroom may be larger and a lower setting might save more: resume the sweep "
             "to measure them (the grid does not need extending)"
         )
+    spoilt = invalid_note(rows)
+    if spoilt:
+        notes.append(spoilt)
     clock_edge = any(r["headroom_mhz_is_lower_bound"] for r in rows)
     limit_edge = any(r["headroom_w_is_lower_bound"] for r in rows)
     if clock_edge or limit_edge:
@@ -215,6 +238,36 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
     return notes
 
 
+def invalid_note(rows: list[dict[str, Any]]) -> str | None:
+    """The † note: settings below an answer were measured but are invalid, so the answer
+    stops at the measurement, not at the GPU or the grid; which flags, and what to change."""
+    from dvfs.report.reasons import flag_advice
+
+    marked = [
+        r
+        for r in rows
+        if r.get("headroom_mhz_invalid_below")
+        or r.get("headroom_w_invalid_below")
+        or r.get("chosen_invalid_below")
+    ]
+    if not marked:
+        return None
+    clock = any(r.get("headroom_mhz_invalid_below") for r in marked)
+    limit = any(r.get("headroom_w_invalid_below") for r in marked)
+    knobs = (
+        " and ".join(k for k, flag in (("clocks", clock), ("power limits", limit)) if flag)
+        or "settings"
+    )
+    flags = sorted({f for r in marked for f in (r.get("invalid_flags") or "").split(", ") if f})
+    named = named_rows(marked, lambda r: r.get("invalid_flags") or "invalid")
+    return (
+        f"{INVALID_MARK}: {knobs} below the answer are in the grid but their cells are "
+        f"invalid ({', '.join(flags) or 'see `dvfs cube info`'}), so the headroom may be "
+        "larger and a lower setting might save more; the grid does not need extending: "
+        f"{flag_advice(flags)} (rows: {named})"
+    )
+
+
 def headroom_table_rows(
     doc: dict[str, Any], *, omit: tuple[str, ...] = ()
 ) -> tuple[list[str], list[list[str]]]:
@@ -241,7 +294,7 @@ def headroom_table_rows(
         lead = [r["gpu"][:12]] if has_gpu else []
         if not r["feasible"]:
             cells = [
-                _infeasible_text(r),
+                no_answer(r),
                 "-",
                 fmt(r["stock_energy_per_token_j"], ".4g"),
                 "-",
@@ -257,6 +310,7 @@ def headroom_table_rows(
                     r.get("headroom_mhz_is_lower_bound", False),
                     "d",
                     r.get("headroom_mhz_unmeasured_below", False),
+                    r.get("headroom_mhz_invalid_below", False),
                 )
                 + "/"
                 + _knob_cell(
@@ -264,6 +318,7 @@ def headroom_table_rows(
                     r.get("headroom_w_is_lower_bound", False),
                     "g",
                     r.get("headroom_w_unmeasured_below", False),
+                    r.get("headroom_w_invalid_below", False),
                 )
             )
             saving = None if r["saving"] is None else r["saving"] * 100
@@ -300,21 +355,3 @@ def headroom_markdown(doc: dict[str, Any]) -> str:
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
     return "\n".join(lines) + "\n"
-
-
-def _infeasible_text(row: dict[str, Any]) -> str:
-    """Why a row has no answer: no valid reference cell (no target; why, where the cube
-    says: not measured yet, failed, or the quality flags that invalidated it), settings left
-    unjudged for want of repeats or measurements, or every judged setting over the target."""
-    if row["target_ms"] is None:
-        problem = row.get("reference_problem")
-        return f"no valid reference cell ({problem})" if problem else "no valid reference cell"
-    if not row.get("judged_settings") and row.get("unmeasured_settings"):
-        return "not measured yet"
-    if not row.get("judged_settings") and row.get("short_settings"):
-        return "too few repeats"
-    if not row.get("judged_settings"):
-        return "no valid cell"
-    if row.get("unmeasured_settings"):
-        return "none feasible so far"
-    return "none feasible"

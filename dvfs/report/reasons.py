@@ -1,0 +1,90 @@
+"""Why a headroom row has no answer, and what to change: one wording for the headroom table,
+the report's findings and caps, and `dvfs cap plan`, so none of them says "loosen the target"
+where a reference cell is missing or invalid and loosening cannot help."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+RESUME = "resume the sweep: run the same `dvfs sweep` command again to measure them"
+RETRY = "run the same `dvfs sweep` command again: it retries failed cells"
+AFTER_CHANGE = "then sweep again with --fresh or into another --out folder"
+
+
+def no_answer(row: dict[str, Any]) -> str:
+    """Why a row has no answer, as the headroom table says it: no valid reference cell (no
+    target; why, where the cube says: not measured yet, failed, or the quality flags that
+    invalidated it), settings left unjudged for want of repeats or measurements, every
+    setting invalid, or every judged setting over the target."""
+    if "target_ms" in row and row["target_ms"] is None:
+        problem = row.get("reference_problem")
+        return f"no valid reference cell ({problem})" if problem else "no valid reference cell"
+    if row.get("judged_settings") is None:  # a document older than the counts
+        return "none feasible"
+    if not row.get("judged_settings") and row.get("unmeasured_settings"):
+        return "not measured yet"
+    if not row.get("judged_settings") and row.get("short_settings"):
+        return "too few repeats"
+    if not row.get("judged_settings"):
+        return "no valid cell"
+    if row.get("unmeasured_settings"):
+        return "none feasible so far"
+    return "none feasible"
+
+
+def loosen(mode: str | None) -> str:
+    """How to loosen this target on the command line."""
+    return "raise the --slo limit" if mode == "slo" else "loosen the target (--slack)"
+
+
+def flag_advice(flags: Iterable[str]) -> str:
+    """What to change in the campaign for these invalidating quality flags."""
+    from dvfs.cube.info import INVALID_ADVICE
+
+    named = [f for f in dict.fromkeys(flags) if f]
+    if not named:
+        return f"see `dvfs cube info` for the cells' quality flags; {AFTER_CHANGE}"
+    said = "; ".join(f"{f}: {INVALID_ADVICE.get(f, 'see `dvfs cube info`')}" for f in named)
+    return f"{said}; {AFTER_CHANGE}"
+
+
+def no_answer_advice(row: dict[str, Any], mode: str | None = None) -> str:
+    """What would give a row without an answer one: resuming the sweep, a campaign that
+    clears the quality flags, more repeats; loosening the target only where settings were
+    judged over it."""
+    problem = row.get("reference_problem") or ""
+    if "target_ms" in row and row["target_ms"] is None:
+        if problem == "failed":
+            return RETRY
+        if problem.startswith("invalid"):
+            flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
+            return flag_advice(flags)
+        return RESUME.replace("them", "the reference")
+    reason = no_answer(row)
+    if reason == "not measured yet":
+        return RESUME
+    if reason == "too few repeats":
+        return "raise measurement.repeats (a setting needs two usable repeats) and sweep again"
+    if reason == "no valid cell":
+        return flag_advice((row.get("invalid_flags") or "").split(", "))
+    if reason == "none feasible so far":
+        return (
+            f"the settings judged are over the target: {RESUME}, or {loosen(mode)} or "
+            "choose another batch or drafter"
+        )
+    return (
+        f"every setting judged is over the target: {loosen(mode)} or choose another batch or "
+        "drafter"
+    )
+
+
+def no_answer_groups(
+    rows: Sequence[dict[str, Any]], mode: str | None = None
+) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """The rows without an answer grouped by (reason, advice), in order of first appearance."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if not r["feasible"]:
+            groups.setdefault((no_answer(r), no_answer_advice(r, mode)), []).append(r)
+    return [(reason, advice, group) for (reason, advice), group in groups.items()]

@@ -1,0 +1,187 @@
+"""Rows without an answer, and answers limited by cells not measured validly, said alike by
+every command: the headroom table, the report's findings and caps, and `dvfs cap plan` give
+the same reason and advise what would help (resume, change the campaign, loosen the target
+only where settings were judged over it); `--model` plans only a model the document measured;
+merging unfinished shards says so."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner, Result
+from cubes import make_cube
+from test_partial_cube import partial_sweep
+
+from dvfs.cli import cli
+from dvfs.cube import write_cube
+from dvfs.measure.meter import Q_FEW_COUNTER_UPDATES
+
+H100 = "NVIDIA H100 80GB HBM3 (twin)"
+
+
+def run(*args: str, code: int = 0) -> Result:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == code, result.output
+    return result
+
+
+def flagged_cube(path: Path, invalid) -> Path:  # type: ignore[no-untyped-def]
+    """A twin cube (clocks 1000-1980, limits 300/700, corpora code and math) whose latency
+    never changes, so every valid setting meets any target; `invalid(clock, limit, corpus)`
+    cells are flagged few_counter_updates."""
+
+    def valid(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> bool:
+        return not invalid(clock, limit, corpus)
+
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[300.0, 700.0],
+        corpora=["code", "math"],
+        repeats=2,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+        valid=valid,
+    )
+    quality = np.where(ds["valid"].values == 0, Q_FEW_COUNTER_UPDATES, 0).astype(float)
+    ds["quality"] = (ds["valid"].dims, quality, {"units": "1", "long_name": "quality flags"})
+    ds.attrs.update(
+        gpu_uuids="GPU-aaaaaaaa-0000-4000-8000-000000000001",
+        gpu_name=H100,
+        gpu_backend="twin",
+        model="m",
+        engine_backend="twin",
+        tp_size=1,
+        measurement_method="x",
+        campaign=json.dumps({"name": "flagged", "workload": {"batch": [1]}}),
+    )
+    return write_cube(ds, path)
+
+
+def test_invalid_cells_below_an_answer_are_not_the_grid_edge(tmp_path: Path) -> None:
+    # code: only stock (the TOP of the grid) valid; math: all valid (the grid really ends).
+    cube = flagged_cube(
+        tmp_path / "c.nc",
+        lambda clock, limit, corpus: corpus == "code" and (clock, limit) != (1980, 700.0),
+    )
+    saved = tmp_path / "h.json"
+    run("headroom", str(cube), "--slack", "5%", "--json", "-o", str(saved))
+    rows = {r["corpus"]: r for r in json.loads(saved.read_text())["rows"]}
+    code, math = rows["code"], rows["math"]
+    assert code["chosen"] == {"sm_clock_mhz": 1980, "power_limit_w": 700.0}
+    assert not code["headroom_mhz_is_lower_bound"] and not code["headroom_w_is_lower_bound"]
+    assert not code["chosen_at_grid_edge"] and not code["at_grid_edge"]
+    assert code["headroom_mhz_invalid_below"] and code["headroom_w_invalid_below"]
+    assert code["chosen_invalid_below"] and code["invalid_flags"] == "few_counter_updates"
+    assert code["invalid_settings"] == 5
+    # The grid's real edge still says so, and carries no invalid marks.
+    assert math["headroom_mhz_is_lower_bound"] and math["chosen_at_grid_edge"]
+    assert not math["headroom_mhz_invalid_below"] and math["invalid_flags"] is None
+
+    text = run("headroom", str(cube), "--slack", "5%").output
+    code_line = next(line for line in text.splitlines() if "code" in line and "1980/700" in line)
+    assert "0†/0†" in code_line and "≥" not in code_line
+    assert "†: " in text and "few_counter_updates" in text and "workload.output_tokens" in text
+    # cap plan copies no false grid-edge note for code.
+    plan = run(
+        "cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--corpus", "code", code=2
+    )
+    assert "lowest the campaign swept" not in plan.output and "nothing to cap" in plan.output
+
+
+def test_invalid_cells_only_limit_an_answer_they_could_change() -> None:
+    """Between a feasible clock and one over the target an invalid clock could still meet it
+    (marked); below a clock over the target it could not (latency rises as the clock falls):
+    no mark, and no "extend the grid" either, the grid does not end at the answer."""
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import Target
+
+    def latency(clock: int, *_: object) -> float:
+        return 10.0 if clock == 1980 else 20.0
+
+    def answer(invalid_clock: int):  # type: ignore[no-untyped-def]
+        ds = make_cube(
+            clocks=[1000, 1500, 1980], latency=latency, valid=lambda c, *_: c != invalid_clock
+        )
+        target = Target("preserve", slack=0.05)
+        return headroom(ds, target=target).isel(batch=0, drafter=0, corpus=0)
+
+    between, below = answer(1500), answer(1000)
+    assert bool(between["headroom_mhz_invalid_below"]) and bool(between["chosen_invalid_below"])
+    for r in (between, below):
+        assert not bool(r["headroom_mhz_is_lower_bound"]) and not bool(r["chosen_at_grid_edge"])
+    assert not bool(below["headroom_mhz_invalid_below"]) and not bool(below["chosen_invalid_below"])
+
+
+def test_cap_plan_says_an_invalid_reference_cannot_be_fixed_by_loosening(tmp_path: Path) -> None:
+    cube = flagged_cube(tmp_path / "c.nc", lambda clock, limit, corpus: corpus == "math")
+    saved = tmp_path / "h.json"
+    run("headroom", str(cube), "--slack", "5%", "--json", "-o", str(saved))
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    for corpus in ("math", "worst-case"):
+        out = run(*args, "--corpus", corpus, code=2).output
+        assert out.count("\n") == 1, out
+        assert "no valid reference cell (invalid: few_counter_updates)" in out
+        assert "workload.output_tokens" in out
+        assert "loosen the target" not in out and "--slack" not in out
+    # Where settings were judged over the target, loosening is what is advised.
+    tight = tmp_path / "t.json"
+    run("headroom", str(cube), "--slo", "tpot_p50<=1ms", "--json", "-o", str(tight))
+    out = run(
+        "cap", "plan", str(tight), "--batch", "1", "--drafter", "none", "--corpus", "code", code=2
+    )
+    assert "no setting meets the target" in out.output and "--slo" in out.output
+
+
+def test_the_report_gives_the_tables_reason_for_rows_never_measured(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    out = partial_sweep(small_sweep, tmp_path / "out", lambda c: c["drafter"] == "eagle3")
+    report = tmp_path / "p.md"
+    run("report", str(out), "-o", str(report), "--slack", "5%")
+    text = report.read_text(encoding="utf-8")
+    findings = text.split("## Findings")[1].split("\n## ")[0]
+    caps = text.split("Caps per batch and drafter")[1].split("To write the caps file")[0]
+    eagle_findings = [line for line in findings.splitlines() if "eagle3" in line]
+    assert eagle_findings and all("No measured setting meets" not in x for x in eagle_findings)
+    assert any("No valid reference cell (not measured yet)" in x for x in eagle_findings)
+    assert any("resume the sweep" in x for x in eagle_findings)
+    eagle_caps = [line for line in caps.splitlines() if "| eagle3 |" in line]
+    assert eagle_caps and all("no valid reference cell (not measured yet)" in x for x in eagle_caps)
+    assert all("nothing meets the target" not in x and "--slack" not in x for x in eagle_caps)
+
+
+def test_cap_plan_model_must_be_one_measured(tmp_path: Path) -> None:
+    cube = flagged_cube(tmp_path / "c.nc", lambda *_: False)
+    saved = tmp_path / "h.json"
+    run("headroom", str(cube), "--slack", "5%", "--json", "-o", str(saved))
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none", "--corpus", "code")
+    refused = run(*args, "--model", "NVIDIA A100-SXM4-80GB", code=2).output
+    assert refused.count("\n") == 1 and H100 in refused
+    (cap,) = tomllib.loads(run(*args, "--model", H100).stdout)["model"]
+    assert cap["name"] == H100
+
+
+def test_merging_unfinished_shards_says_cells_are_missing(tmp_path: Path) -> None:
+    campaign = tmp_path / "c.toml"
+    from conftest import SMALL_EXACT
+
+    campaign.write_text(SMALL_EXACT, encoding="utf-8")
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"s{i}"
+        run("sweep", str(campaign), "--shard", f"{i}/2", "--out", str(out), "--no-progress")
+        shards.append(out)
+    whole = run("cube", "merge", *map(str, shards), "-o", str(tmp_path / "m.nc"))
+    assert "not measured yet" not in whole.output
+    # An interrupted shard: drop half its cells from the journal, as a stopped sweep leaves.
+    from test_partial_cube import without_cells
+
+    without_cells(shards[1] / "journal.jsonl", lambda c: c["power_limit_w"] == 300.0)
+    merged = run(
+        "cube", "merge", *(str(s / "journal.jsonl") for s in shards), "-o", str(tmp_path / "p.nc")
+    )
+    assert "(2 shards)" in merged.output
+    note = merged.output.replace("\n", " ")
+    assert note.count("not measured yet") == 1 and "resume" in note and "--shard" in note
