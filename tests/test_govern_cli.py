@@ -433,3 +433,30 @@ def test_without_permission_the_governor_exits_4_and_leaves_nothing(
     assert len(errors) == 1 and "permission" in errors[0].lower(), printed
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+@pytest.mark.parametrize("unsafe", ["world-writable", "not owned by root"])
+def test_as_root_a_plan_others_can_write_is_refused_as_a_caps_file_is(
+    tmp_path: Path, env: dict[str, str], nvml, monkeypatch: pytest.MonkeyPatch, unsafe: str
+) -> None:
+    """A plan sets GPU caps as a caps file does: as root, the same check refuses both (the
+    effective uid is faked to root; a real root hands the files to another owner)."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan, caps = tmp_path / "plan.toml", tmp_path / "caps.toml"
+    plan.write_text(PLAN)
+    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=400),))))
+    for path in (plan, caps):
+        if unsafe == "world-writable":
+            path.chmod(0o666)
+        elif os.geteuid() == 0:
+            os.chown(path, 1, -1)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    for args in (
+        ("govern", "--plan", str(plan), "--gpu", "0", "--listen", "off", "--max-intervals", "1"),
+        ("cap", "apply", str(caps)),
+    ):
+        result = dvfs_in_process(*args, env=env)
+        assert result.returncode == 2, result.stderr
+        assert f"is {unsafe}; as root dvfs refuses it" in result.stderr, result.stderr
+    assert nvml.fake_calls() == []
