@@ -225,7 +225,8 @@ def apply(
 @state_dir_option
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:
-    """What is enforced now: power limits (read from NVML), and clock locks dvfs applied."""
+    """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
+    (a running governor's, else `cap apply`'s)."""
     from dvfs.backends import open_gpus
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import default_state_dir
@@ -238,10 +239,18 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     out = console()
     for r in rows:
         lock = (
-            f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz (dvfs record)"
+            f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz by "
+            f"{r['sm_clock_lock_set_by']} (dvfs record)"
             if r["sm_clock_lock_mhz"]
             else "no dvfs clock lock"
         )
+        static = r["caps_sm_clock_lock_mhz"]
+        if r["sm_clock_lock_mhz"] and r["sm_clock_lock_mhz"] != static:
+            lock += (
+                f", under the static cap {static[0]}-{static[1]} MHz"
+                if static
+                else ", no static clock cap"
+            )
         source = f", from {r['caps_source']} at {r['applied']}" if r["caps_source"] else ""
         out.print(
             f"GPU {r['index']} ({r['uuid']}): power limit {r['enforced_power_limit_w']:g} W "
