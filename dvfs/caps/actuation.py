@@ -44,9 +44,10 @@ class CapAction:
     current_power_limit_mw: int
 
     def describe(self) -> str:
+        """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
         parts = []
         if self.lock_mhz:
-            parts.append(f"lock SM clock to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
+            parts.append(f"SM clock locked to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
         if self.power_limit_mw is not None:
             change = (
                 "unchanged"
@@ -217,14 +218,20 @@ class CapsPlan:
     host: str
     unused: tuple[str, ...] = ()
 
-    def unmatched_message(self, where: str) -> str:
+    def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
+        done = (
+            "`cap apply` would cap the GPUs that match and exit 5"
+            if dry_run
+            else "caps went to the GPUs that match"
+        )
         return (
             f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
-            f"(it has {self.host}); caps went to the GPUs that match"
+            f"(it has {self.host}); {done}"
         )
 
-    def unused_message(self, where: str) -> str:
-        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries were skipped"
+    def unused_message(self, where: str, *, dry_run: bool = False) -> str:
+        skipped = "would be skipped" if dry_run else "were skipped"
+        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries {skipped}"
 
 
 def describe_host(gpus: Sequence[Gpu]) -> str:
@@ -258,6 +265,7 @@ def plan_actions(
             f"--allow-simulated to apply them to {target} anyway"
         )
     actions = []
+    problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
     for gpu in gpus:
         ident = gpu.identity
@@ -265,22 +273,21 @@ def plan_actions(
         if cap is None:
             continue
         matched.add(id(cap))
+        found = []
         lock = None
         if cap.sm_clock_max_mhz is not None:
             supported = gpu.supported_sm_clocks_mhz()
             low = cap.sm_clock_min_mhz if cap.sm_clock_min_mhz is not None else min(supported)
-            for mhz in (low, cap.sm_clock_max_mhz):
-                problem = unsupported_clock(mhz, supported)
-                if problem:
-                    raise CapsError(f"GPU {ident.index}: {problem}")
+            found += [unsupported_clock(mhz, supported) for mhz in (low, cap.sm_clock_max_mhz)]
             lock = (low, cap.sm_clock_max_mhz)
         limit = None
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
-            problem = gpu.power_limit_range().outside(limit)
-            if problem:
-                raise CapsError(f"GPU {ident.index}: {problem}")
+            found.append(gpu.power_limit_range().outside(limit))
+        problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
+    if problems:
+        raise CapsError("; ".join(problems))
     if not actions:
         raise CapsError(
             f"{where} matches no GPU on this host, so nothing was capped: it names "
@@ -292,9 +299,14 @@ def plan_actions(
 
 
 def apply_actions(
-    actions: Sequence[CapAction], gpus: Sequence[Gpu], record: AppliedCaps, source: str
+    actions: Sequence[CapAction],
+    gpus: Sequence[Gpu],
+    record: AppliedCaps,
+    source: str,
+    done: Callable[[CapAction], None] = lambda action: None,
 ) -> None:
     """Write the caps, recording each applied GPU; failures are gathered and reported together.
+    `done` hears each action once it is in place, so only what was applied is reported so.
 
     The record is written even when a signal or a hung call ends the loop early, so `cap show`
     and a later sweep know about every lock that was put in place.
@@ -323,6 +335,8 @@ def apply_actions(
                     applied[action.uuid] = entry
             except GpuError as exc:
                 failures.add(exc)
+                continue
+            done(action)
     finally:
         record.write(applied)
     failures.raise_if_any("could not apply caps: ")
@@ -355,9 +369,16 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
     return done
 
 
-def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: str) -> None:
+def enforce_plan(
+    plan: CapsPlan,
+    gpus: Sequence[Gpu],
+    directory: Path,
+    source: str,
+    done: Callable[[CapAction], None] = lambda action: None,
+) -> None:
     """Apply a plan's actions under the same safety layer as a sweep: each GPU's lock held,
-    GPUs with unrestored changes refused, and signals unwinding rather than killing."""
+    GPUs with unrestored changes refused, and signals unwinding rather than killing. `done`
+    hears each action once applied (`apply_actions`)."""
     from dvfs.gpu.safety import GpuLocks, StateStore
     from dvfs.signals import signals_raise
 
@@ -365,7 +386,7 @@ def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: s
     targets = [g for g in gpus if g.identity.uuid in wanted]
     with signals_raise(), GpuLocks(directory).hold(targets):
         StateStore(directory).refuse_if_pending(targets)
-        apply_actions(plan.actions, targets, AppliedCaps(directory), source)
+        apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
 
 
 def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:

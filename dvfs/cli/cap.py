@@ -3,7 +3,7 @@
 `cap apply` exits 0 when it applied caps and every GPU UUID the file names is here (models a
 host lacks are normal in a fleet file: a note), 2 when the file matches no GPU on this host or
 holds simulated caps (nothing is changed), and 5 when it applied the caps that match but GPU
-UUIDs it names are not here (0 with --skip-missing).
+UUIDs it names are not here (0 with --skip-missing). A dry run exits as the apply would.
 """
 
 from __future__ import annotations
@@ -206,15 +206,25 @@ def apply(
     out = console()
     with open_gpus(()) as gpus:
         plan = plan_actions(caps, gpus, where=str(caps_file), allow_simulated=allow_simulated)
-        for action in plan.actions:
-            click.echo(("dry run, nothing changed: " if dry_run else "") + action.describe())
-        if not dry_run:
-            enforce_plan(plan, gpus, directory, str(caps_file.resolve()))
+        if dry_run:
+            for action in plan.actions:
+                click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
+        else:  # each GPU reported once its caps are in place, not before
+            enforce_plan(
+                plan,
+                gpus,
+                directory,
+                str(caps_file.resolve()),
+                lambda action: click.echo(f"applied to {action.describe()}"),
+            )
             out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+    where = str(caps_file)
     if plan.unused:
-        console(stderr=True).print(f"note: {escape(plan.unused_message(str(caps_file)))}")
+        console(stderr=True).print(f"note: {escape(plan.unused_message(where, dry_run=dry_run))}")
     if plan.unmatched:
-        message = plan.unmatched_message(str(caps_file))
+        message = plan.unmatched_message(where, dry_run=dry_run)
+        if dry_run:
+            message = f"dry run, nothing changed: {message}"
         if not skip_missing:
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
