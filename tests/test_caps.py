@@ -149,7 +149,8 @@ def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     invoke("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
     before = len(nvml.fake_calls())
     dry = invoke("cap", "apply", str(caps), "--dry-run")
-    assert "dry run" in dry and "lock SM clock to 210-1305 MHz" in dry
+    assert "dry run, nothing changed: would apply to GPU 0 (GPU-" in dry
+    assert "SM clock locked to 210-1305 MHz" in dry
     assert "power limit 450 W (from 700 W)" in dry
     assert len(nvml.fake_calls()) == before  # a dry run writes nothing
     invoke("cap", "apply", str(caps))
@@ -207,11 +208,15 @@ def test_a_partial_match_applies_what_matches_and_says_what_did_not(nvml, tmp_pa
             )
         )
     )
-    dry = invoke("cap", "apply", str(caps), "--dry-run", code=5)
-    assert "dry run" in dry and gone in dry
+    dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=5).split())
+    assert "dry run, nothing changed:" in dry and gone in dry and "not on this host" in dry
+    assert "`cap apply` would cap the GPUs that match and exit 5" in dry
+    assert "caps went to" not in dry and "applied" not in dry  # nothing was
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
     out = invoke("cap", "apply", str(caps), code=5)
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000  # applied what matched
+    assert f"applied to GPU 0 ({uuid}): power limit 450 W (from 700 W)" in out
+    assert "caps went to the GPUs that match" in " ".join(out.split())
     assert gone in out and "not on this host" in out and "--skip-missing" in out
     assert "applied caps to 1 GPU(s)" in out
     invoke("cap", "reset")
@@ -419,3 +424,45 @@ def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
     measured = [("ResetGpuLockedClocks", []), ("SetPowerManagementLimit", [700_000])]
     assert calls == applied + measured + applied  # the caps, stock to measure, the caps back
     assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 700.0
+
+
+def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:
+    """100 W on GPU 0 and 900 W on GPU 1: both named in one error, nothing applied."""
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=uuids[0], power_limit_w=100.0),
+                    GpuCap(uuid=uuids[1], sm_clock_max_mhz=1507, power_limit_w=900.0),
+                )
+            )
+        )
+    )
+    for extra in ((), ("--dry-run",)):
+        out = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
+        assert "GPU 0: power limit 100 W is outside" in out and "GPU 1: 1507 MHz" in out, out
+        assert "GPU 1: power limit 900 W is outside" in out
+    assert nvml.fake_calls() == []
+
+
+def test_a_refused_apply_does_not_print_the_change_as_done(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without permission (4) or with a GPU holding unrestored changes (3), no GPU is said to
+    get caps it did not get."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid, sm_clock_max_mhz=1500, power_limit_w=500),))))
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")
+    denied = invoke("cap", "apply", str(caps), code=4)
+    assert "permission" in denied and "SM clock locked" not in denied, denied
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    StateStore(Path(os.environ["DVFS_STATE_DIR"])).record(GpuSettings(uuid, None, 700_000))
+    busy = invoke("cap", "apply", str(caps), code=3)
+    assert "dvfs gpu reset" in busy and "SM clock locked" not in busy, busy
+    assert nvml.fake_device_state(0)["locked_clocks"] is None

@@ -17,7 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dvfs.errors import CapsError, GpuStateError
 from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
-from dvfs.govern.loop import Ticker, Watch, check_plan_against, check_server_for_dry_run, govern
+from dvfs.govern.loop import (
+    Ceiling,
+    Ticker,
+    Watch,
+    check_plan_against,
+    check_server_for_dry_run,
+    govern,
+)
 from dvfs.govern.metrics import (
     ScrapeError,
     ServerDownError,
@@ -307,6 +314,11 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
         assert locks == [[210, 1200], [210, 1500], [210, 1800], [210, 1500], [210, 1500]]
         limits = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetPowerManagementLimit")]
         assert limits == [[400_000], [700_000]]
+        assert lines[0] == (
+            "static caps in force, the ceiling of every step and what the plan calls stock "
+            "(restored on exit): GPU 0: SM clock unlocked, power limit 700 W"
+        )
+        lines = lines[1:]
         assert changes == 6 and all("set running batch" in line for line in lines)
         at = [float(line.split("(at ")[1].split(" s)")[0]) for line in lines]
         assert at == [0, 2, 6, 9, 16, 18]
@@ -345,15 +357,20 @@ def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
             dry_run=True,
         )
     assert changes == 3
+    planned = (
+        "dry run, nothing changed: would set running batch 0 -> plan batch 1: SM clock <= "
+        "1200 MHz, power limit 400 W; GPU 0: SM clock locked 210-1200 MHz, power limit 400 W"
+    )
     assert lines == [
-        "dry run, nothing changed: would set running batch 0 -> plan batch 1: "
-        "SM clock <= 1200 MHz, power limit 400 W (at 0.000 s)",
+        "static caps in force, the ceiling of every step and what the plan calls stock: "
+        "GPU 0: SM clock unlocked, power limit 700 W",
+        f"{planned} (at 0.000 s)",
         "server: cannot read http://127.0.0.1:1/metrics: refused",
         "dry run, nothing changed: would set SM clock stock, power limit stock while the "
-        "server's batch cannot be read (at 1.000 s)",
+        "server's batch cannot be read; GPU 0: SM clock unlocked (stock: no static clock cap "
+        "in force), power limit 700 W (stock: the limit in force at start) (at 1.000 s)",
         "server: /metrics answers again",
-        "dry run, nothing changed: would set running batch 0 -> plan batch 1: "
-        "SM clock <= 1200 MHz, power limit 400 W (at 3.000 s)",
+        f"{planned} (at 3.000 s)",
     ]
     assert nvml.fake_calls() == []
 
@@ -427,3 +444,67 @@ def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compl
     assert twin_plan(
         Decode(gpu_profile("h100-sxm"), model_profile("llama-3.1-8b")), 0.05
     ).batches == (PLAN_BATCHES)
+
+
+clocks = st.integers(210, 1980)
+
+
+@given(
+    clocks,
+    clocks,
+    st.none() | clocks,
+    st.integers(200_000, 700_000),
+    st.none() | st.floats(200, 700),
+)
+def test_a_step_is_held_under_the_static_caps_knob_by_knob(
+    a: int, b: int, clock: int | None, limit_mw: int, limit_w: float | None
+) -> None:
+    """The static caps in force at start are a ceiling (min of step and cap per knob) and
+    the governor's stock (a knob the step leaves alone keeps them)."""
+    for static in ((min(a, b), max(a, b)), None):
+        got = Ceiling("GPU-x", static, limit_mw, 210).applied(clock, limit_w)
+        if limit_w is None:
+            assert got.power_limit_mw == limit_mw
+        else:
+            assert got.power_limit_mw == min(limit_mw, round(limit_w * 1000))
+        if clock is None:
+            assert got.sm_clock_lock_mhz == static
+            continue
+        assert got.sm_clock_lock_mhz is not None
+        low, high = got.sm_clock_lock_mhz
+        assert low <= high == (clock if static is None else min(clock, static[1]))
+        assert low == (210 if static is None else min(static[0], high))
+
+
+def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Path) -> None:
+    """A dry run reads the caps `cap apply` recorded, so what it says it would set is what
+    the governor would set: no step above them."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps import AppliedCaps
+
+    state = tmp_path / "state"
+    with open_gpus([0]) as gpus:
+        uuid = gpus[0].identity.uuid
+        AppliedCaps(state).write({uuid: {"lock_mhz": [210, 1110], "power_limit_mw": 350_000}})
+        gpus[0].set_power_limit_mw(350_000)
+        calls = len(nvml.fake_calls())
+        lines: list[str] = []
+        govern(
+            PLAN,
+            gpus,
+            lambda: ServerSample(0, None, None),
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 1),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=True,
+            state_dir=state,
+        )
+    assert lines[0].endswith("GPU 0: SM clock locked 210-1110 MHz, power limit 350 W")
+    assert lines[1] == (
+        "dry run, nothing changed: would set running batch 0 -> plan batch 1: SM clock <= "
+        "1200 MHz, power limit 400 W; GPU 0: SM clock locked 210-1110 MHz (the static cap in "
+        "force: the plan's 1200 MHz is above it), power limit 350 W (the limit in force at "
+        "start: the plan's 400 W is above it) (at 0.000 s)"
+    )
+    assert len(nvml.fake_calls()) == calls

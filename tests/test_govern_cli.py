@@ -221,6 +221,7 @@ def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
             proc.kill()
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
     assert list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    assert "locked 210-1200 MHz by dvfs govern" in cap_show(env)  # still in force: shown
     # After the kill, in this process: no signal or hang needs to reach these two.
     again = dvfs_in_process(
         *("govern", "--plan", str(tmp_path / "plan.toml"), "--url", stub, "--gpu", "0"),
@@ -233,6 +234,8 @@ def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("governed-*"))
+    assert "GPU 0 (" in cap_show(env) and "by dvfs govern" not in cap_show(env)
 
 
 def test_dry_run_prints_and_calls_no_setter(
@@ -433,3 +436,139 @@ def test_without_permission_the_governor_exits_4_and_leaves_nothing(
     assert len(errors) == 1 and "permission" in errors[0].lower(), printed
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+@pytest.mark.parametrize("unsafe", ["world-writable", "not owned by root"])
+def test_as_root_a_plan_others_can_write_is_refused_as_a_caps_file_is(
+    tmp_path: Path, env: dict[str, str], nvml, monkeypatch: pytest.MonkeyPatch, unsafe: str
+) -> None:
+    """A plan sets GPU caps as a caps file does: as root, the same check refuses both (the
+    effective uid is faked to root; a real root hands the files to another owner)."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    plan, caps = tmp_path / "plan.toml", tmp_path / "caps.toml"
+    plan.write_text(PLAN)
+    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=400),))))
+    for path in (plan, caps):
+        if unsafe == "world-writable":
+            path.chmod(0o666)
+        elif os.geteuid() == 0:
+            os.chown(path, 1, -1)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    for args in (
+        ("govern", "--plan", str(plan), "--gpu", "0", "--listen", "off", "--max-intervals", "1"),
+        ("cap", "apply", str(caps)),
+    ):
+        result = dvfs_in_process(*args, env=env)
+        assert result.returncode == 2, result.stderr
+        assert f"is {unsafe}; as root dvfs refuses it" in result.stderr, result.stderr
+    assert nvml.fake_calls() == []
+
+
+CAPPED_PLAN = PLAN.split("[[batch]]")[0] + "".join(
+    f"[[batch]]\nbatch = {batch}\nsm_clock_mhz = {mhz}\n"
+    for batch, mhz in ((1, 1230), (8, 1380), (32, 1680))
+)
+
+
+def cap_show(env: dict[str, str]) -> str:
+    """`dvfs cap show`'s text as one line (the console wraps it at its width)."""
+    result = dvfs_in_process("cap", "show", env=env)
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split())
+
+
+def metric(text: str, name: str, gpu: str) -> float:
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and s.labels.get("gpu") == gpu
+    )
+
+
+def test_the_governor_stays_under_the_static_caps_shows_its_lock_and_puts_them_back(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """After `cap apply` (GPU 0 at 210-1500 MHz, 500 W) the governor's stock is those caps and
+    a step above them is held at them; while it holds a lower lock, `cap show` and `monitor`
+    show that lock as the governor's; on exit the caps are back as they were."""
+    from dvfs.caps import CapsFile, GpuCap, dump_caps
+
+    uuid = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid, sm_clock_max_mhz=1500, power_limit_w=500),))))
+    assert dvfs_in_process("cap", "apply", str(caps), env=env).returncode == 0
+    applied = len(nvml.fake_calls())
+    plan = tmp_path / "capped-plan.toml"
+    plan.write_text(CAPPED_PLAN)
+    log = tmp_path / "govern.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", "govern", "--plan", str(plan), "--url", stub]
+            + ["--gpu", "0", "--interval", "0.1", "--listen", "off", "--dwell", "0.3"]
+            + ["--max-intervals", "3000"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def said(marker: str) -> Callable[[], bool]:
+        return lambda: bool(lines(log, marker))
+
+    try:
+        wait_for(said("running batch 0 ->"), "the idle setting", log)
+        assert (
+            "plan batch 1: SM clock <= 1230 MHz, power limit stock; GPU 0: SM clock locked "
+            "210-1230 MHz, power limit 500 W (stock: the limit in force at start)"
+        ) in lines(log, "running batch 0 ->")[0]
+        assert (
+            "static caps in force, the ceiling of every step and what the plan calls stock "
+            "(restored on exit): GPU 0: SM clock locked 210-1500 MHz, power limit 500 W"
+        ) in log.read_text()
+        shown = cap_show(env)
+        assert "locked 210-1230 MHz by dvfs govern (pid" in shown, shown
+        assert "under the static cap 210-1500 MHz" in shown
+        [row, _] = json.loads(dvfs_in_process("cap", "show", "--json", env=env).stdout)
+        assert row["sm_clock_lock_mhz"] == [210, 1230] and row["caps_sm_clock_lock_mhz"] == [
+            210,
+            1500,
+        ]
+        page = dvfs_in_process("monitor", "--once", "--gpu", "0", "--interval", "0.1", env=env)
+        assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_max_hertz", "0") == 1.23e9
+        assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_by_governor", "0") == 1
+        with held_batch(stub, 40):
+            wait_for(said("running batch 40 ->"), "the step above the plan", log)
+            assert (
+                "above plan batch 32 (stock): SM clock stock, power limit stock; GPU 0: SM "
+                "clock locked 210-1500 MHz (stock: the static cap in force), power limit 500 W "
+                "(stock: the limit in force at start)"
+            ) in lines(log, "running batch 40 ->")[0]
+            assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+            shown = cap_show(env)
+            assert "locked 210-1500 MHz by dvfs cap apply" in shown, shown
+        with held_batch(stub, 8):
+            wait_for(said("running batch 8 ->"), "the step to plan batch 8", log)
+            assert (
+                "SM clock <= 1680 MHz, power limit stock; GPU 0: SM clock locked 210-1500 MHz "
+                "(the static cap in force: the plan's 1680 MHz is above it), power limit 500 W"
+            ) in lines(log, "running batch 8 ->")[0]
+            state = nvml.fake_device_state(0)
+            assert state["locked_clocks"] == [210, 1500] and state["power_limit_mw"] == 500_000
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    governed = nvml.fake_calls()[applied:]
+    assert all(c["args"][1] <= 1500 for c in governed if c["fn"] == "nvmlDeviceSetGpuLockedClocks")
+    assert not any(c["fn"] == "nvmlDeviceSetPowerManagementLimit" for c in governed)
+    assert not any(c["fn"] == "nvmlDeviceResetGpuLockedClocks" for c in governed)
+    state = nvml.fake_device_state(0)
+    assert state["locked_clocks"] == [210, 1500] and state["power_limit_mw"] == 500_000
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("governed-*"))
+    shown = cap_show(env)
+    assert "locked 210-1500 MHz by dvfs cap apply" in shown
+    page = dvfs_in_process("monitor", "--once", "--gpu", "0", "--interval", "0.1", env=env)
+    assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_max_hertz", "0") == 1.5e9
+    assert metric(page.stdout, "dvfs_gpu_sm_clock_lock_by_governor", "0") == 0

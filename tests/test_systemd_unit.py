@@ -3,6 +3,7 @@ sandbox, on every systemd version it may meet."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -177,3 +178,17 @@ def test_systemd_analyze_verifies_the_governor_unit(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "", result.stderr
+
+
+def test_each_units_readme_reference_names_a_readme_section() -> None:
+    """An operator installing a unit follows its `see README ("Section")` to that heading."""
+    headings = {
+        line.lstrip("#").strip()
+        for line in (UNIT.parent.parent / "README.md").read_text().splitlines()
+        if line.startswith("#")
+    }
+    for unit in sorted(UNIT.parent.glob("*.service")):
+        named = re.findall(r'README \("([^"]+)"\)', unit.read_text())
+        assert named, unit.name
+        for section in named:
+            assert section in headings, f"{unit.name} names README section {section!r}"

@@ -10,7 +10,9 @@ model name.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -42,9 +44,10 @@ class CapAction:
     current_power_limit_mw: int
 
     def describe(self) -> str:
+        """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
         parts = []
         if self.lock_mhz:
-            parts.append(f"lock SM clock to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
+            parts.append(f"SM clock locked to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
         if self.power_limit_mw is not None:
             change = (
                 "unchanged"
@@ -113,6 +116,95 @@ class AppliedCaps:
         write_json_atomic(self.path, records)
 
 
+class GovernorLocks:
+    """The clock lock a running `dvfs govern` holds on each GPU, one file per GPU.
+
+    NVML cannot read a lock back, so without this record `cap show` and `dvfs monitor` would
+    see only the static caps while the governor holds a lower lock. A GPU's file is written
+    (atomically) only by the process that holds the GPU's lock, so governors of different GPUs
+    never race; it is removed when the governor puts the GPU back, and after a crash by
+    `dvfs gpu reset` or `dvfs cap reset`, which put it back.
+    """
+
+    PREFIX = "governed-"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, uuid: str) -> Path:
+        return self.directory / f"{self.PREFIX}{uuid}.json"
+
+    def write(self, uuid: str, lock_mhz: tuple[int, int]) -> None:
+        from dvfs.gpu.safety import ensure_dir, write_json_atomic
+
+        ensure_dir(self.directory)
+        write_json_atomic(
+            self.path(uuid),
+            {
+                "lock_mhz": list(lock_mhz),
+                "pid": os.getpid(),
+                "since": datetime.now(UTC).isoformat(timespec="seconds"),
+            },
+        )
+
+    def clear(self, uuid: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(uuid).unlink()
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed)."""
+        if not self.directory.is_dir():
+            return {}
+        found = {}
+        for path in sorted(self.directory.glob(f"{self.PREFIX}GPU-*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                continue
+            except ValueError as exc:  # UnicodeDecodeError included
+                raise CapsError(f"{path} is unreadable ({exc}); remove it") from exc
+            lock = data.get("lock_mhz") if isinstance(data, dict) else None
+            if not (
+                isinstance(lock, list)
+                and len(lock) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in lock)
+            ):
+                raise CapsError(f"{path} is not a dvfs governor record (no lock_mhz); remove it")
+            found[path.name.removeprefix(self.PREFIX).removesuffix(".json")] = data
+        return found
+
+    def locks(self) -> dict[str, tuple[int, int]]:
+        return {u: (r["lock_mhz"][0], r["lock_mhz"][1]) for u, r in self.read().items()}
+
+
+@dataclass(frozen=True)
+class LockInForce:
+    """A clock lock dvfs holds on a GPU, and who set it."""
+
+    lock_mhz: tuple[int, int]
+    by_governor: bool
+    record: dict[str, Any]
+
+    @property
+    def set_by(self) -> str:
+        if self.by_governor:
+            return f"dvfs govern (pid {self.record.get('pid')}, since {self.record.get('since')})"
+        return "dvfs cap apply"
+
+
+def locks_in_force(directory: Path) -> dict[str, LockInForce]:
+    """The clock lock each GPU holds by dvfs's records: a running governor's where it holds
+    one (under the static caps), else the one `cap apply` recorded."""
+    found = {
+        uuid: LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), False, r)
+        for uuid, r in AppliedCaps(directory).read().items()
+        if r.get("lock_mhz")
+    }
+    for uuid, r in GovernorLocks(directory).read().items():
+        found[uuid] = LockInForce((r["lock_mhz"][0], r["lock_mhz"][1]), True, r)
+    return found
+
+
 @dataclass(frozen=True)
 class CapsPlan:
     """What applying a caps file on this host does, and which of its entries match nothing.
@@ -126,14 +218,20 @@ class CapsPlan:
     host: str
     unused: tuple[str, ...] = ()
 
-    def unmatched_message(self, where: str) -> str:
+    def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
+        done = (
+            "`cap apply` would cap the GPUs that match and exit 5"
+            if dry_run
+            else "caps went to the GPUs that match"
+        )
         return (
             f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
-            f"(it has {self.host}); caps went to the GPUs that match"
+            f"(it has {self.host}); {done}"
         )
 
-    def unused_message(self, where: str) -> str:
-        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries were skipped"
+    def unused_message(self, where: str, *, dry_run: bool = False) -> str:
+        skipped = "would be skipped" if dry_run else "were skipped"
+        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries {skipped}"
 
 
 def describe_host(gpus: Sequence[Gpu]) -> str:
@@ -167,6 +265,7 @@ def plan_actions(
             f"--allow-simulated to apply them to {target} anyway"
         )
     actions = []
+    problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
     for gpu in gpus:
         ident = gpu.identity
@@ -174,22 +273,21 @@ def plan_actions(
         if cap is None:
             continue
         matched.add(id(cap))
+        found = []
         lock = None
         if cap.sm_clock_max_mhz is not None:
             supported = gpu.supported_sm_clocks_mhz()
             low = cap.sm_clock_min_mhz if cap.sm_clock_min_mhz is not None else min(supported)
-            for mhz in (low, cap.sm_clock_max_mhz):
-                problem = unsupported_clock(mhz, supported)
-                if problem:
-                    raise CapsError(f"GPU {ident.index}: {problem}")
+            found += [unsupported_clock(mhz, supported) for mhz in (low, cap.sm_clock_max_mhz)]
             lock = (low, cap.sm_clock_max_mhz)
         limit = None
         if cap.power_limit_w is not None:
             limit = round(cap.power_limit_w * 1000)
-            problem = gpu.power_limit_range().outside(limit)
-            if problem:
-                raise CapsError(f"GPU {ident.index}: {problem}")
+            found.append(gpu.power_limit_range().outside(limit))
+        problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
         actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
+    if problems:
+        raise CapsError("; ".join(problems))
     if not actions:
         raise CapsError(
             f"{where} matches no GPU on this host, so nothing was capped: it names "
@@ -201,9 +299,14 @@ def plan_actions(
 
 
 def apply_actions(
-    actions: Sequence[CapAction], gpus: Sequence[Gpu], record: AppliedCaps, source: str
+    actions: Sequence[CapAction],
+    gpus: Sequence[Gpu],
+    record: AppliedCaps,
+    source: str,
+    done: Callable[[CapAction], None] = lambda action: None,
 ) -> None:
     """Write the caps, recording each applied GPU; failures are gathered and reported together.
+    `done` hears each action once it is in place, so only what was applied is reported so.
 
     The record is written even when a signal or a hung call ends the loop early, so `cap show`
     and a later sweep know about every lock that was put in place.
@@ -232,6 +335,8 @@ def apply_actions(
                     applied[action.uuid] = entry
             except GpuError as exc:
                 failures.add(exc)
+                continue
+            done(action)
     finally:
         record.write(applied)
     failures.raise_if_any("could not apply caps: ")
@@ -251,6 +356,7 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                 if gpu.power_limit_mw() != default:
                     gpu.set_power_limit_mw(default)
                 applied.pop(ident.uuid, None)
+                GovernorLocks(record.path.parent).clear(ident.uuid)
                 done.append(
                     f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
                     f"{default / 1000:g} W (default)"
@@ -263,9 +369,16 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
     return done
 
 
-def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: str) -> None:
+def enforce_plan(
+    plan: CapsPlan,
+    gpus: Sequence[Gpu],
+    directory: Path,
+    source: str,
+    done: Callable[[CapAction], None] = lambda action: None,
+) -> None:
     """Apply a plan's actions under the same safety layer as a sweep: each GPU's lock held,
-    GPUs with unrestored changes refused, and signals unwinding rather than killing."""
+    GPUs with unrestored changes refused, and signals unwinding rather than killing. `done`
+    hears each action once applied (`apply_actions`)."""
     from dvfs.gpu.safety import GpuLocks, StateStore
     from dvfs.signals import signals_raise
 
@@ -273,7 +386,7 @@ def enforce_plan(plan: CapsPlan, gpus: Sequence[Gpu], directory: Path, source: s
     targets = [g for g in gpus if g.identity.uuid in wanted]
     with signals_raise(), GpuLocks(directory).hold(targets):
         StateStore(directory).refuse_if_pending(targets)
-        apply_actions(plan.actions, targets, AppliedCaps(directory), source)
+        apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
 
 
 def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
@@ -287,12 +400,15 @@ def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
 
 def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
     """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
-    record (NVML cannot read a lock back)."""
+    records (NVML cannot read a lock back): a running governor's, else `cap apply`'s (whose
+    static caps stay in `caps_sm_clock_lock_mhz`)."""
     applied = AppliedCaps(directory).read()
+    in_force = locks_in_force(directory)
     rows = []
     for g in gpus:
         ident = g.identity
         record = applied.get(ident.uuid, {})
+        lock = in_force.get(ident.uuid)
         limits = g.power_limit_range()
         rows.append(
             {
@@ -302,7 +418,9 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
                 "enforced_power_limit_w": g.enforced_power_limit_mw() / 1000,
                 "configured_power_limit_w": g.power_limit_mw() / 1000,
                 "default_power_limit_w": limits.default_mw / 1000,
-                "sm_clock_lock_mhz": record.get("lock_mhz"),
+                "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
+                "sm_clock_lock_set_by": None if lock is None else lock.set_by,
+                "caps_sm_clock_lock_mhz": record.get("lock_mhz"),
                 "sm_clock_mhz": g.sm_clock_mhz(),
                 "caps_source": record.get("source"),
                 "applied": record.get("applied"),
@@ -326,8 +444,14 @@ def reset_gpus(
         return False
     targets = list(gpus) if defaults else with_state
     with signals_raise(), GpuLocks(directory).hold(targets):
-        for line in restore_pending(with_state, store):
-            note(f"restored {line}")
+        try:
+            for line in restore_pending(with_state, store):
+                note(f"restored {line}")
+        finally:  # a governor that died left its lock record: gone with what it changed
+            governed = GovernorLocks(directory)
+            for gpu in with_state:
+                if not store.pending(gpu.identity.uuid):
+                    governed.clear(gpu.identity.uuid)
         if defaults:
             others = [g for g in gpus if g not in with_state]
             for line in reset_caps(others, AppliedCaps(directory)):

@@ -97,8 +97,9 @@ def is_twin_name(name: str | None) -> bool:
     return bool(name) and str(name).endswith(TWIN_SUFFIX)
 
 
-def _check_file_safety(path: Path) -> None:
-    """As root, a caps file anyone can write would let anyone set GPU caps: refuse it."""
+def check_file_safety(path: Path) -> None:
+    """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
+    anyone but root can write would let anyone set GPU caps: refuse it."""
     if os.geteuid() != 0:
         return
     info = path.stat()
@@ -189,7 +190,7 @@ def load_caps(path: str | Path) -> CapsFile:
     path = Path(path)
     if not path.exists():
         raise CapsError(f"caps file {path} does not exist")
-    _check_file_safety(path)
+    check_file_safety(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:

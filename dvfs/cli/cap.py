@@ -3,7 +3,7 @@
 `cap apply` exits 0 when it applied caps and every GPU UUID the file names is here (models a
 host lacks are normal in a fleet file: a note), 2 when the file matches no GPU on this host or
 holds simulated caps (nothing is changed), and 5 when it applied the caps that match but GPU
-UUIDs it names are not here (0 with --skip-missing).
+UUIDs it names are not here (0 with --skip-missing). A dry run exits as the apply would.
 """
 
 from __future__ import annotations
@@ -210,15 +210,25 @@ def apply(
     out = console()
     with open_gpus(()) as gpus:
         plan = plan_actions(caps, gpus, where=str(caps_file), allow_simulated=allow_simulated)
-        for action in plan.actions:
-            click.echo(("dry run, nothing changed: " if dry_run else "") + action.describe())
-        if not dry_run:
-            enforce_plan(plan, gpus, directory, str(caps_file.resolve()))
+        if dry_run:
+            for action in plan.actions:
+                click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
+        else:  # each GPU reported once its caps are in place, not before
+            enforce_plan(
+                plan,
+                gpus,
+                directory,
+                str(caps_file.resolve()),
+                lambda action: click.echo(f"applied to {action.describe()}"),
+            )
             out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+    where = str(caps_file)
     if plan.unused:
-        console(stderr=True).print(f"note: {escape(plan.unused_message(str(caps_file)))}")
+        console(stderr=True).print(f"note: {escape(plan.unused_message(where, dry_run=dry_run))}")
     if plan.unmatched:
-        message = plan.unmatched_message(str(caps_file))
+        message = plan.unmatched_message(where, dry_run=dry_run)
+        if dry_run:
+            message = f"dry run, nothing changed: {message}"
         if not skip_missing:
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
@@ -229,7 +239,8 @@ def apply(
 @state_dir_option
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:
-    """What is enforced now: power limits (read from NVML), and clock locks dvfs applied."""
+    """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
+    (a running governor's, else `cap apply`'s)."""
     from dvfs.backends import open_gpus
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import default_state_dir
@@ -242,10 +253,18 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     out = console()
     for r in rows:
         lock = (
-            f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz (dvfs record)"
+            f"locked {r['sm_clock_lock_mhz'][0]}-{r['sm_clock_lock_mhz'][1]} MHz by "
+            f"{r['sm_clock_lock_set_by']} (dvfs record)"
             if r["sm_clock_lock_mhz"]
             else "no dvfs clock lock"
         )
+        static = r["caps_sm_clock_lock_mhz"]
+        if r["sm_clock_lock_mhz"] and r["sm_clock_lock_mhz"] != static:
+            lock += (
+                f", under the static cap {static[0]}-{static[1]} MHz"
+                if static
+                else ", no static clock cap"
+            )
         source = f", from {r['caps_source']} at {r['applied']}" if r["caps_source"] else ""
         out.print(
             f"GPU {r['index']} ({r['uuid']}): power limit {r['enforced_power_limit_w']:g} W "

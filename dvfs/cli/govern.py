@@ -182,7 +182,8 @@ def govern(
     Every INTERVAL reads the running requests from the server's /metrics; when the batch leaves
     the band in force, takes a new band around it (--hysteresis) and applies the plan's least
     aggressive setting over it, never changing faster than --dwell (stock when the server does
-    not answer), under the same safety layer as `dvfs cap apply`. Stopping restores every GPU.
+    not answer), under the same safety layer as `dvfs cap apply`. The static caps in force at
+    start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     """
     from dvfs.backends import open_gpus, parse_devices
     from dvfs.govern.exporter import LiveMetrics
@@ -224,7 +225,7 @@ def govern(
                 live=live,
                 note=note,
                 dry_run=dry_run,
-                state_dir=None if dry_run else state_dir or default_state_dir(),
+                state_dir=state_dir or default_state_dir(),
             )
     if dry_run:
         note(f"dry run stopped: {changes} change(s) would have been made, none was")
@@ -250,7 +251,8 @@ def govern(
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Where dvfs records applied caps (clock locks are read from there).",
+    help="Where dvfs records applied caps and the governor's locks (clock locks are read "
+    "from there).",
 )
 @handle_errors
 def monitor(
@@ -264,11 +266,12 @@ def monitor(
 ) -> None:
     """Export live power, energy, SM clock, power limit and energy per token (read-only).
 
-    Changes nothing and takes no GPU lock, so it runs beside a sweep or `dvfs cap apply`. Clock
-    locks shown are those dvfs recorded (`dvfs cap apply`); NVML cannot read a lock back.
+    Changes nothing and takes no GPU lock, so it runs beside a sweep, `dvfs cap apply` or
+    `dvfs govern`. Clock locks shown are those dvfs recorded (a running governor's, else `dvfs
+    cap apply`'s); NVML cannot read a lock back.
     """
     from dvfs.backends import open_gpus, parse_devices
-    from dvfs.caps.actuation import AppliedCaps
+    from dvfs.caps.actuation import LockInForce, locks_in_force
     from dvfs.govern.exporter import LiveMetrics, render
     from dvfs.govern.loop import Ticker
     from dvfs.govern.loop import monitor as run_monitor
@@ -280,10 +283,10 @@ def monitor(
     address = None if once else _listen_address(listen)
     if url is not None:
         _check_url(url)
-    record = AppliedCaps(state_dir or default_state_dir())
+    directory = state_dir or default_state_dir()
 
-    def locks() -> dict[str, int | None]:
-        return {uuid: lock[1] for uuid, lock in record.locks().items()}
+    def locks() -> dict[str, LockInForce]:
+        return locks_in_force(directory)
 
     scraper = None if url is None else (lambda: scrape(url, _timeout(interval)))
     live = LiveMetrics()

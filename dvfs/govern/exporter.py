@@ -7,7 +7,8 @@ by `gpu` (index) and `uuid`:
 
   dvfs_gpu_power_watts, dvfs_gpu_energy_joules_total (NVML's counter since driver load),
   dvfs_gpu_sm_clock_hertz, dvfs_gpu_power_limit_watts (enforced), dvfs_gpu_sm_clock_lock_max_hertz
-  (0 when dvfs holds no lock), dvfs_gpu_energy_per_token_joules (this GPU's energy over the
+  (0 when dvfs holds no lock), dvfs_gpu_sm_clock_lock_by_governor (1: that lock is the
+  governor's, 0: the static caps'), dvfs_gpu_energy_per_token_joules (this GPU's energy over the
   server's generated tokens in the last interval; NaN with no token)
 
 and for the server: dvfs_server_up, dvfs_server_running_requests,
@@ -40,6 +41,7 @@ class GpuRow:
     reading: GpuReading
     energy_per_token_j: float = math.nan
     lock_max_mhz: int | None = None
+    lock_by_governor: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,12 @@ class LiveCollector:
             "dvfs_gpu_sm_clock_lock_max_hertz",
             "Upper end of the SM clock lock dvfs applied (0: none).",
             lambda r: 0.0 if r.lock_max_mhz is None else r.lock_max_mhz * 1e6,
+        )
+        yield gpu_gauge(
+            "dvfs_gpu_sm_clock_lock_by_governor",
+            "1 when the SM clock lock is the governor's (dvfs govern), 0 when it is the static "
+            "caps' (dvfs cap apply) or there is none.",
+            lambda r: 1.0 if r.lock_by_governor else 0.0,
         )
         yield gpu_gauge(
             "dvfs_gpu_energy_per_token_joules",

@@ -6,17 +6,20 @@ dvfs is refused), a GPU with an earlier run's unrestored changes refused, the or
 written to a state file before the first change, and restored on exit, on an error and on
 SIGINT/SIGTERM/SIGHUP (after SIGKILL, `dvfs gpu reset` restores from the state file). A clock
 step is a cap, as in a caps file: the SM clock is locked to [lowest supported, step], so an idle
-GPU may still clock down. `--dry-run` builds none of this and calls no setter.
+GPU may still clock down. The static caps in force at start are a ceiling and the governor's
+stock (`Ceiling`), and the lock it holds is recorded for `cap show` and `dvfs monitor`
+(`GovernorLocks`). `--dry-run` builds none of this and calls no setter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from dvfs.caps.actuation import GovernorLocks, LockInForce
 from dvfs.errors import CapsError
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
@@ -28,25 +31,147 @@ from dvfs.govern.metrics import (
     read_gpu,
     server_energy_per_token,
 )
-from dvfs.govern.plan import STOCK, BatchPlan
+from dvfs.govern.plan import STOCK, BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import GpuSettings, KnobController, KnobSetting
+from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
 
 Note = Callable[[str], None]
 Scraper = Callable[[], ServerSample]
 
 
+@dataclass(frozen=True)
+class Ceiling:
+    """What one GPU held when the governor started: the clock lock dvfs recorded (NVML cannot
+    read one back) and the power limit read from the GPU. These static caps are the governor's
+    stock and its ceiling: a step applies, knob by knob, the lower of the step and these, so
+    the governor never loosens a cap the operator put in force."""
+
+    uuid: str
+    lock_mhz: tuple[int, int] | None
+    power_limit_mw: int
+    lowest_mhz: int
+
+    @classmethod
+    def of(cls, gpu: Gpu, lock_mhz: tuple[int, int] | None, power_limit_mw: int) -> Ceiling:
+        lowest = min(gpu.supported_sm_clocks_mhz())
+        return cls(gpu.identity.uuid, lock_mhz, power_limit_mw, lowest)
+
+    def applied(self, clock_mhz: int | None, limit_w: float | None) -> GpuSettings:
+        """A clock step is a cap ([lowest, step] MHz, as `dvfs cap apply` locks it), held under
+        the static lock; a power step no higher than the limit in force; a stock knob as found."""
+        lock = self.lock_mhz
+        if clock_mhz is not None:
+            top = clock_mhz if lock is None else min(clock_mhz, lock[1])
+            lock = (self.lowest_mhz if lock is None else min(lock[0], top), top)
+        limit = self.power_limit_mw
+        if limit_w is not None:
+            limit = min(round(limit_w * 1000), limit)
+        return GpuSettings(self.uuid, lock, limit)
+
+    def describe(self) -> str:
+        """The static caps, for the log."""
+        return f"{_lock_text(self.lock_mhz)}, power limit {self.power_limit_mw / 1000:g} W"
+
+    def describe_applied(self, setting: Setting) -> str:
+        """What a plan setting puts on this GPU, saying where the static caps decide."""
+        applied = self.applied(setting.sm_clock_mhz, setting.power_limit_w)
+        clock = _lock_text(applied.sm_clock_lock_mhz)
+        if setting.sm_clock_mhz is None:
+            clock += (
+                " (stock: the static cap in force)"
+                if self.lock_mhz
+                else " (stock: no static clock cap in force)"
+            )
+        elif applied.sm_clock_lock_mhz and applied.sm_clock_lock_mhz[1] < setting.sm_clock_mhz:
+            clock += (
+                f" (the static cap in force: the plan's {setting.sm_clock_mhz} MHz is above it)"
+            )
+        power = f"power limit {applied.power_limit_mw / 1000:g} W"
+        if setting.power_limit_w is None:
+            power += " (stock: the limit in force at start)"
+        elif applied.power_limit_mw < round(setting.power_limit_w * 1000):
+            power += (
+                f" (the limit in force at start: the plan's {setting.power_limit_w:g} W is "
+                "above it)"
+            )
+        return f"{clock}, {power}"
+
+
+def _lock_text(lock: tuple[int, int] | None) -> str:
+    return "SM clock unlocked" if lock is None else f"SM clock locked {lock[0]}-{lock[1]} MHz"
+
+
+def per_gpu(gpus: Sequence[Gpu], texts: dict[str, str]) -> str:
+    """One description per GPU (`texts` by UUID), GPUs that read the same named together."""
+    groups: dict[str, list[str]] = {}
+    for gpu in gpus:
+        groups.setdefault(texts[gpu.identity.uuid], []).append(f"GPU {gpu.identity.index}")
+    return "; ".join(f"{', '.join(names)}: {line}" for line, names in groups.items())
+
+
 class CappedKnobs(KnobController):
-    """The sweep's knob controller, with a clock step applied as a cap ([lowest, step] MHz)
-    rather than a fixed clock, as `dvfs cap apply` locks it."""
+    """The sweep's knob controller for the governor: each step held under the static caps in
+    force when it started (`Ceiling`), and the clock lock it holds recorded in dvfs's state
+    (`GovernorLocks`) for `cap show` and `dvfs monitor`, removed once a GPU is put back."""
+
+    def __init__(
+        self,
+        gpus: Sequence[Gpu],
+        *,
+        change_log: ChangeLog | None = None,
+        prior_locks: dict[str, tuple[int, int]] | None = None,
+        record: GovernorLocks | None = None,
+    ) -> None:
+        super().__init__(gpus, change_log=change_log, prior_locks=prior_locks)
+        self.record = record
+        self._ceilings: dict[str, Ceiling] = {}
+        self._recorded: dict[str, tuple[int, int] | None] = {}
+
+    def ceiling(self, gpu: Gpu) -> Ceiling:
+        uuid = gpu.identity.uuid
+        if uuid not in self._ceilings:
+            found = self.original[uuid]
+            self._ceilings[uuid] = Ceiling.of(gpu, found.sm_clock_lock_mhz, found.power_limit_mw)
+        return self._ceilings[uuid]
 
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
-        want = super().target(gpu, setting)
-        if setting.sm_clock_mhz is None:
-            return want
-        lowest = min(gpu.supported_sm_clocks_mhz())
-        return replace(want, sm_clock_lock_mhz=(lowest, setting.sm_clock_mhz))
+        return self.ceiling(gpu).applied(setting.sm_clock_mhz, setting.power_limit_w)
+
+    def apply(self, setting: KnobSetting) -> bool:
+        for gpu in self.gpus:  # recorded before it is set: a crash mid-write still shows it
+            lock = self.target(gpu, setting).sm_clock_lock_mhz
+            if lock != self.current[gpu.identity.uuid].sm_clock_lock_mhz:
+                self._record(gpu.identity.uuid, lock)
+        try:
+            return super().apply(setting)
+        finally:
+            self._sync()
+
+    def restore(self) -> None:
+        try:
+            super().restore()
+        finally:
+            self._sync()
+
+    def _sync(self) -> None:
+        """The record follows what each GPU holds (a lock being set stays as recorded)."""
+        for uuid, have in self.current.items():
+            if have.sm_clock_lock_mhz != UNKNOWN_LOCK:
+                self._record(uuid, have.sm_clock_lock_mhz)
+
+    def _record(self, uuid: str, lock: tuple[int, int] | None) -> None:
+        if self.record is None:
+            return
+        if lock == self.original[uuid].sm_clock_lock_mhz:
+            lock = None  # as found: the static caps' own record says it
+        if self._recorded.get(uuid) == lock:
+            return
+        if lock is None:
+            self.record.clear(uuid)
+        else:
+            self.record.write(uuid, lock)
+        self._recorded[uuid] = lock
 
 
 def check_plan_against(
@@ -124,8 +249,15 @@ class Watch:
         self.last_error = None
         return sample
 
-    def snapshot(self, sample: ServerSample | None, locks: dict[str, int | None]) -> Snapshot:
-        """This interval's numbers; energy per token over the interval since the last call."""
+    def snapshot(
+        self,
+        sample: ServerSample | None,
+        locks: dict[str, int | None],
+        governed: Collection[str] = (),
+    ) -> Snapshot:
+        """This interval's numbers; energy per token over the interval since the last call.
+        `locks`: the top of each GPU's clock lock; `governed`: the GPUs whose lock the governor
+        set (the others' are `cap apply`'s)."""
         readings = tuple(read_gpu(g) for g in self.gpus)
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
@@ -135,7 +267,7 @@ class Watch:
             ept = energy_per_token(
                 None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
             )
-            rows.append(GpuRow(r, ept, locks.get(r.uuid)))
+            rows.append(GpuRow(r, ept, locks.get(r.uuid), r.uuid in governed))
         server_ept = (
             server_energy_per_token(self.previous, readings, self.previous_tokens, tokens)
             if self.previous
@@ -178,11 +310,31 @@ def guarded(gpus: Sequence[Gpu], state_dir: Path) -> Iterator[KnobController]:
     from dvfs.gpu.safety import GpuLocks, StateStore
 
     store = StateStore(state_dir, command="govern")
+    record = GovernorLocks(state_dir)
     with GpuLocks(state_dir).hold(gpus):
         store.refuse_if_pending(gpus)
-        controller = CappedKnobs(gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks())
+        for gpu in gpus:  # no unrestored change, no governor: a record left is stale
+            record.clear(gpu.identity.uuid)
+        controller = CappedKnobs(
+            gpus, change_log=store, prior_locks=AppliedCaps(state_dir).locks(), record=record
+        )
         with controller as knobs:
             yield knobs
+
+
+def static_caps(
+    gpus: Sequence[Gpu], knobs: KnobController | None, state_dir: Path | None
+) -> dict[str, Ceiling]:
+    """Each GPU's static caps: as the governor's controller found them, or, in a dry run,
+    as dvfs's caps record and the GPUs say now."""
+    if isinstance(knobs, CappedKnobs):
+        return {g.identity.uuid: knobs.ceiling(g) for g in gpus}
+    from dvfs.caps.actuation import AppliedCaps
+
+    locks = {} if state_dir is None else AppliedCaps(state_dir).locks()
+    return {
+        g.identity.uuid: Ceiling.of(g, locks.get(g.identity.uuid), g.power_limit_mw()) for g in gpus
+    }
 
 
 def _speculation_note(plan: BatchPlan, sample: ServerSample) -> str | None:
@@ -222,6 +374,13 @@ def govern(
         context = guarded(gpus, state_dir)
     start: float | None = None
     with context as knobs:
+        ceilings = static_caps(gpus, knobs, state_dir)
+        note(
+            "static caps in force, the ceiling of every step and what the plan calls stock"
+            + ("" if knobs is None else " (restored on exit)")
+            + ": "
+            + per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
+        )
         for now in ticker:
             start = now if start is None else start
             sample = watch.server()
@@ -239,6 +398,8 @@ def govern(
                     line = f"{setting.describe()} while the server's batch cannot be read"
                 else:
                     line = f"running batch {batch} -> {plan.band_label(band)}: {setting.describe()}"
+                applied = {u: c.describe_applied(setting) for u, c in ceilings.items()}
+                line += "; " + per_gpu(gpus, applied)
                 line += f" (at {now - start:.3f} s)"
                 if knobs is None:
                     note(f"dry run, nothing changed: would set {line}")
@@ -247,7 +408,9 @@ def govern(
                     note(f"set {line}")
                 changes += 1
             state = decision.state
-            snapshot = watch.snapshot(sample, _locks(gpus, plan, state, knobs))
+            locks = _locks(gpus, plan, state, knobs)
+            governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}
+            snapshot = watch.snapshot(sample, _tops(locks), governed)
             live.publish(
                 replace(
                     snapshot, governed=True, changes=changes, plan_batch=_plan_batch(plan, state)
@@ -258,18 +421,18 @@ def govern(
 
 def _locks(
     gpus: Sequence[Gpu], plan: BatchPlan, state: PolicyState, knobs: KnobController | None
-) -> dict[str, int | None]:
-    """The top of each GPU's clock lock as the controller applied it (a lock from `dvfs cap
-    apply` included: a step at stock clock keeps it); none in a dry run."""
+) -> dict[str, tuple[int, int] | None]:
+    """Each GPU's clock lock as the controller applied it (a lock from `dvfs cap apply`
+    included: a step at stock clock keeps it); none in a dry run."""
     if knobs is None or state.band is None:
         return {}
     setting = plan.band_setting(state.band)
     wanted = KnobSetting(setting.sm_clock_mhz, setting.power_limit_w)
-    locks: dict[str, int | None] = {}
-    for gpu in gpus:
-        lock = knobs.target(gpu, wanted).sm_clock_lock_mhz
-        locks[gpu.identity.uuid] = None if lock is None else lock[1]
-    return locks
+    return {g.identity.uuid: knobs.target(g, wanted).sm_clock_lock_mhz for g in gpus}
+
+
+def _tops(locks: dict[str, tuple[int, int] | None]) -> dict[str, int | None]:
+    return {uuid: None if lock is None else lock[1] for uuid, lock in locks.items()}
 
 
 def _plan_batch(plan: BatchPlan, state: PolicyState) -> int:
@@ -283,12 +446,16 @@ def monitor(
     *,
     live: LiveMetrics,
     note: Note,
-    locks: Callable[[], dict[str, int | None]] = dict,
+    locks: Callable[[], dict[str, LockInForce]] = dict,
 ) -> None:
-    """Publish live numbers every interval until the ticker ends (or a signal); read-only."""
+    """Publish live numbers every interval until the ticker ends (or a signal); read-only.
+    `locks`: the clock locks dvfs's records say each GPU holds, read every interval."""
     from dvfs.signals import signals_raise
 
     watch = Watch(gpus, scraper, note)
     with signals_raise():
         for _ in ticker:
-            live.publish(watch.snapshot(watch.server(), locks()))
+            now = locks()
+            tops: dict[str, int | None] = {u: lock.lock_mhz[1] for u, lock in now.items()}
+            governed = {u for u, lock in now.items() if lock.by_governor}
+            live.publish(watch.snapshot(watch.server(), tops, governed))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dvfs.caps.files import base_model_name, exact, is_twin_name
+from dvfs.caps.files import base_model_name, check_file_safety, exact, is_twin_name
 from dvfs.errors import CapsError
 
 BATCH_PLAN_SCHEMA = 1
@@ -266,6 +266,7 @@ def load_plan(path: str | Path) -> BatchPlan:
     path = Path(path)
     if not path.is_file():
         raise CapsError(f"per-batch plan {path} does not exist (or is not a file)")
+    check_file_safety(path)  # as root, the plan sets GPU caps as a caps file does
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:

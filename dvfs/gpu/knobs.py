@@ -138,6 +138,12 @@ class KnobController:
         return dict(self._snapshot)
 
     @property
+    def current(self) -> dict[str, GpuSettings]:
+        """What each GPU holds now, as far as this controller wrote it (a knob whose setter did
+        not finish reads `UNKNOWN_LOCK` / `UNKNOWN_POWER`)."""
+        return dict(self._current)
+
+    @property
     def stock(self) -> dict[str, GpuSettings]:
         """What a setting that leaves a knob stock applies: as found, or with
         `stock_without_caps` the GPU's own stock under dvfs's caps (`_own_stock`)."""
