@@ -166,6 +166,8 @@ def _fit_cube(
             )
     for note in result.notes:
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
+    for warning in result.warnings:
+        out.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
     out.print(f"wrote {escape(str(out_path))}")
 
 

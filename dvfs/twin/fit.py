@@ -265,6 +265,11 @@ def profile_toml(fit: Any) -> str:
             if hasattr(fit, "undetermined")
             else []
         ),
+        *(
+            [f"warnings = {_toml_value(list(fit.warnings))}"]
+            if getattr(fit, "warnings", ())
+            else []
+        ),
         "",
         "[fit.residuals]",
         *(f"{k} = {_toml_value(v)}" for k, v in fit.residuals.items()),
