@@ -608,9 +608,10 @@ def plan_dry_run(
     servers = tuple(server_plans(campaign))
     try:
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
-    except CorpusError as exc:
-        problems = [str(exc)]
-    codes = [2 for _ in problems] + [exc.exit_code for exc in refusals]
+        codes = [2 for _ in problems]
+    except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
+        problems, codes = [str(exc)], [exc.exit_code]
+    codes += [exc.exit_code for exc in refusals]
     problems += refused
     return DryRunPlan(
         campaign=campaign.name,
