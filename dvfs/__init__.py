@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def open_cube(path: str) -> xr.Dataset:
-    """Open a dvfs cube (netCDF) with the `ds.dvfs` accessor registered."""
+    """Open a dvfs cube (a netCDF file, or a sweep folder holding cube.nc) with the `ds.dvfs`
+    accessor registered."""
     import dvfs.accessor  # noqa: F401  (registers `ds.dvfs` on import)
     from dvfs.cube import open_cube as open_checked
 

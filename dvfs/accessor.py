@@ -14,8 +14,29 @@ from typing import Any
 
 import xarray as xr
 
-from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slo
+from dvfs.analysis.targets import (
+    QUANTILE_NAMES,
+    SLACK_WITH_SLO,
+    Target,
+    parse_slack,
+    parse_slo,
+)
 from dvfs.cube import check_cube
+from dvfs.errors import AnalysisError
+
+
+def _slack(slack: float | str | None) -> float:
+    """A slack given as a number or as the CLI's text ("5%", "0.05"), checked as the CLI
+    checks it (`parse_slack`: finite, not negative, a bare 1 or more is ambiguous)."""
+    if slack is None:
+        return 0.0
+    if isinstance(slack, str):
+        return parse_slack(slack)
+    if isinstance(slack, bool) or not isinstance(slack, int | float):
+        raise AnalysisError(
+            f"slack must be a number or text such as '5%', got {type(slack).__name__}"
+        )
+    return parse_slack(repr(float(slack)))
 
 
 @xr.register_dataset_accessor("dvfs")
@@ -40,18 +61,21 @@ class DvfsAccessor:
         slo: str | None = None,
         metric: str = "tpot",
         quantile: str = "p50",
-        slack: float = 0.0,
+        slack: float | str | None = None,
         baseline: str = "none",
         knob: str = "both",
         confidence: float = 0.95,
     ) -> xr.Dataset:
-        """See `dvfs.analysis.headroom.headroom`."""
+        """See `dvfs.analysis.headroom.headroom`. `slack` as `dvfs headroom --slack` reads it
+        (a fraction such as 0.05, or "5%"); with `slo` it is refused, as the CLI refuses it."""
         from dvfs.analysis.headroom import headroom
 
+        if slo and slack is not None:
+            raise AnalysisError(SLACK_WITH_SLO)
         target = (
             parse_slo(slo)
             if slo
-            else Target(mode, metric, QUANTILE_NAMES[quantile], slack, None, baseline)
+            else Target(mode, metric, QUANTILE_NAMES[quantile], _slack(slack), None, baseline)
         )
         return headroom(self._ds, target=target, knob=knob, confidence=confidence)
 

@@ -73,7 +73,19 @@ class ArmMismatchError(EngineError):
 
 
 class CorpusError(DvfsError):
-    """A corpus cannot be loaded or sampled; the message names the file and line."""
+    """A corpus cannot be loaded or sampled; the message names the file and line. The input
+    is at fault (a file missing, damaged or unreadable, as a campaign file would be; a table
+    that names no usable data): an invalid campaign, exit 2, as `sweep`, its dry run and
+    `doctor` all say."""
+
+    exit_code = 2
+
+
+class CorpusUnavailableError(CorpusError):
+    """This environment cannot load a corpus that may be fine: too little memory, a missing
+    library or package, an unreachable hub. An error, not an invalid campaign (exit 1)."""
+
+    exit_code = 1
 
 
 class CorpusShortfallError(CorpusError):

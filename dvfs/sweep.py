@@ -611,9 +611,10 @@ def plan_dry_run(
     servers = tuple(server_plans(campaign))
     try:
         problems = corpus_shortfalls(campaign, load_corpora(campaign))
-    except CorpusError as exc:
-        problems = [str(exc)]
-    codes = [2 for _ in problems] + [exc.exit_code for exc in refusals]
+        codes = [2 for _ in problems]
+    except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
+        problems, codes = [str(exc)], [exc.exit_code]
+    codes += [exc.exit_code for exc in refusals]
     problems += refused
     return DryRunPlan(
         campaign=campaign.name,
@@ -733,11 +734,14 @@ def stand_in_profile(campaign: Campaign, twin: str | None = None) -> tuple[str, 
     return matches[0], "named in the campaign's name or description"
 
 
-def twin_stand_in(campaign: Campaign, twin: str | None = None) -> tuple[Campaign, str, str]:
+def twin_stand_in(
+    campaign: Campaign, twin: str | None = None, *, profile_digest: str = ""
+) -> tuple[Campaign, str, str]:
     """The campaign with its GPU and engine backends switched to the twin (the profile from
     `stand_in_profile`, the model from the engine's `twin_model` or `model`), that profile and
     where it came from. A twin campaign is its own stand-in (unless `twin` names another
-    profile)."""
+    profile). `profile_digest` (`dvfs.twin.fit.profile_digest`) binds a profile lent from a
+    file to the journal: its key alone does not say its figures."""
     if campaign.gpu.backend == "twin" and campaign.engine.backend == "twin" and twin is None:
         return campaign, campaign.gpu.profile or "", "the campaign's own"
     profile, source = stand_in_profile(campaign, twin)
@@ -753,7 +757,12 @@ def twin_stand_in(campaign: Campaign, twin: str | None = None) -> tuple[Campaign
         size = len(groups[0])
         groups = tuple(twin_devices[i : i + size] for i in range(0, len(twin_devices), size))
     gpu = dataclasses.replace(
-        campaign.gpu, backend="twin", profile=profile, devices=twin_devices, groups=groups
+        campaign.gpu,
+        backend="twin",
+        profile=profile,
+        devices=twin_devices,
+        groups=groups,
+        profile_digest=profile_digest,
     )
     engine = dataclasses.replace(campaign.engine, backend="twin")
     return dataclasses.replace(campaign, gpu=gpu, engine=engine), profile, source

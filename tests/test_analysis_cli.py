@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from dvfs.cli import cli
@@ -133,6 +134,27 @@ def test_python_api(small_sweep: Path) -> None:
     assert "energy_ratio_equal_latency" in ds.dvfs.compare()
     vs = ds.dvfs.headroom(mode="vs-baseline")
     assert float(vs["chosen_sm_clock"].sel(batch=1, drafter="eagle3", corpus="code")) < 1980
+
+
+def test_python_api_reads_slack_and_folders_as_the_cli_does(small_sweep: Path) -> None:
+    """A sweep folder opens as its cube; `slack` reads "5%" as the CLI's --slack does, and a
+    slack beside an SLO is refused with the CLI's message."""
+    import dvfs
+    from dvfs.errors import AnalysisError
+
+    ds = dvfs.open_cube(str(small_sweep))
+    assert ds.identical(dvfs.open_cube(str(small_sweep / "cube.nc")))
+    assert ds.dvfs.headroom(slack="5%").identical(ds.dvfs.headroom(slack=0.05))
+    args = ["headroom", str(small_sweep), "--slo", "tpot_p50<=50ms", "--slack", "5%"]
+    refusal = CliRunner().invoke(cli, args)
+    assert refusal.exit_code == 2, refusal.output
+    cli_refusal = refusal.output
+    with pytest.raises(AnalysisError) as refused:
+        ds.dvfs.headroom(slo="tpot_p50<=50ms", slack=0.05)
+    assert str(refused.value) in " ".join(cli_refusal.split())
+    for bad, says in (("lots", "cannot read slack"), (-0.1, "negative"), (5, "ambiguous")):
+        with pytest.raises(AnalysisError, match=says):
+            ds.dvfs.headroom(slack=bad)  # type: ignore[arg-type]
 
 
 def test_cap_plan_and_gpu_info_refuse_bad_input_without_a_traceback(tmp_path: Path) -> None:

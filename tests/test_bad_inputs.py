@@ -291,7 +291,8 @@ def corpus_case(
     via: str = "show",
     **kw: Any,
 ) -> Case:
-    """A campaign naming user corpus `mine` read from `filename`, shown through the CLI."""
+    """A campaign naming user corpus `mine` read from `filename`, shown through the CLI: a
+    file missing or damaged makes the campaign invalid (exit 2, unless `code` says)."""
     spec = spec or {"path": filename, "field": "text"}
     files = {"c.toml": user_corpus_campaign(spec)}
     if content is not None:
@@ -301,7 +302,7 @@ def corpus_case(
         "list": ["corpus", "list", "--campaign", "{tmp}/c.toml"],
         "sweep": ["sweep", "{tmp}/c.toml", "--out", "{tmp}/out", "--no-progress"],
     }[via]
-    return C(f"corpus-{id}", argv, files=files, code=kw.pop("code", 1), says=says, **kw)
+    return C(f"corpus-{id}", argv, files=files, code=kw.pop("code", 2), says=says, **kw)
 
 
 GOOD_JSONL = jsonl(prompts(4))
@@ -443,6 +444,7 @@ CORPUS_CASES = [
         None,
         "no_such_pkg",
         spec={"package": "no_such_pkg", "resource": "p.jsonl", "field": "text"},
+        code=1,  # this environment lacks it, the campaign is not at fault
     ),
     corpus_case(
         "package-resource-missing",

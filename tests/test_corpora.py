@@ -302,3 +302,38 @@ def test_the_twin_takes_acceptance_from_the_text_it_is_given() -> None:
 
     assert alpha("tasks") == plan.alpha(romansh, 0.0) < alpha("romansh")
     assert alpha("romansh") == alpha("anything") == plan.alpha(profile_prompts((prompt,)), 0.0)
+
+
+#: A user corpus file the campaign names that is missing, damaged or cannot be read (as a
+#: campaign file would be): the input's fault, an invalid campaign (exit 2). A missing library
+#: or package is this environment's (exit 1: tests/test_bad_inputs.py).
+UNREADABLE = [
+    pytest.param("missing.jsonl", None, 2, "does not exist", id="missing"),
+    pytest.param("bad.jsonl", '{"text": "a"}\n{bad json\n', 2, "not valid JSON", id="bad-json"),
+    pytest.param("plain.jsonl/x.jsonl", None, 2, "cannot read corpus file", id="under-a-file"),
+]
+
+
+@pytest.mark.parametrize(("path", "content", "code", "says"), UNREADABLE)
+def test_an_unreadable_corpus_file_has_one_exit_code_everywhere(
+    tmp_path: Path, path: str, content: str | None, code: int, says: str
+) -> None:
+    """`sweep --dry-run`, `sweep` and `doctor` refuse the same campaign alike: the dry run
+    uses the sweep's exit code, and doctor's invalid-campaign failures are the sweep's."""
+    if content is not None:
+        write(tmp_path / path, content)
+    write(tmp_path / "plain.jsonl", '{"text": "a"}\n')
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "mine"]')
+    text += f'\n[corpus.mine]\npath = "{path}"\nfield = "text"\n'
+    campaign = str(write(tmp_path / "c.toml", text))
+    out = str(tmp_path / "out")
+    for args in (
+        ["sweep", campaign, "--dry-run", "--out", out],
+        ["sweep", campaign, "--out", out, "--no-progress"],
+        ["doctor", campaign, "--out", out],
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == code, (args, result.output)
+        assert says in " ".join(result.output.split()), (args, result.output)
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "out" / "journal.jsonl").exists()

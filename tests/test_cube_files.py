@@ -350,3 +350,17 @@ def test_cube_info_quotes_energy_of_valid_cells_only(small_sweep: Path, tmp_path
     assert json.loads(invoke("cube", "info", str(tmp_path / "none.nc"), "--json").output)[
         "energy_per_token_j"
     ] == [None, None]
+
+
+def test_cube_info_says_twin_once_and_open_cube_takes_a_folder(tiny_sweep: Path) -> None:
+    """A twin's GPU name carries "(twin)": `cube info` does not add the backend again; and
+    `dvfs.open_cube` takes a sweep folder, as every command does."""
+    import dvfs
+
+    result = invoke("cube", "info", str(tiny_sweep))
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.output.splitlines() if " GPU " in f" {ln.strip()}"[:5]]
+    assert line.count("(twin)") == 1 and "(twin) x1" in line, line
+    ds = dvfs.open_cube(str(tiny_sweep))
+    assert ds.identical(dvfs.open_cube(str(tiny_sweep / "cube.nc")))
+    assert ds.dvfs.stock["sm_clock"] > 0

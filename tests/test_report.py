@@ -333,7 +333,11 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
             stock_clock=stock,
         )
         cube.attrs.update(
-            gpu_name=name, gpu_uuids=f"GPU-{i}", gpu_backend="twin", campaign='{"name": "x"}'
+            gpu_name=name,
+            gpu_uuids=f"GPU-{i}",
+            gpu_backend="twin",
+            campaign='{"name": "x"}',
+            campaign_hash="0123abcd",
         )
         cubes.append(cube)
     doc = build_document(merge_cubes(cubes), ReportOptions(Target("preserve")), [], generated="")
@@ -350,6 +354,11 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
         ("GPU-0", "NVIDIA H100 (twin)"),
         ("GPU-1", "NVIDIA H200 (twin)"),
     ]
+    # the campaign line gives the hash the table shows, not "not recorded"
+    assert all(r[3] == "0123abcd" for r in merged_from.rows)
+    facts = doc.sections[0].blocks[0]
+    assert isinstance(facts, Facts)
+    assert dict(facts.pairs)["Campaign"].endswith("(hash 0123abcd)"), facts.pairs
 
 
 @pytest.mark.parametrize(

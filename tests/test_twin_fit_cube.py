@@ -361,3 +361,103 @@ def test_registered_profile_refuses_nothing_it_should_not() -> None:
         assert gpu_profile(key) == TRUTH
         assert gpu_profile(f"{key}:none") == TRUTH  # TRUTH's traps are off already
     assert gpu_profile("h100-sxm") != TRUTH
+
+
+def test_predict_refuses_a_folder_another_profile_made(tmp_path: Path) -> None:
+    """Every fit shares its key (`<base>-fit`): the journal binds the profile's figures, so
+    another fit's numbers are refused into the same folder (one line, exit 1, as a changed
+    campaign is), while the same file resumes and `--fresh` starts over with the new figures."""
+    small = FIT_CAMPAIGN.replace("batch = [1, 16, 64]", "batch = [1]")
+    campaign = write(tmp_path / "c.toml", small)
+    first = profile_file(tmp_path / "a.toml", dataclasses.replace(TRUTH, key="h100-sxm-fit"))
+    moved = dataclasses.replace(TRUTH, key="h100-sxm-fit", idle_power_w=150.0)
+    second = profile_file(tmp_path / "b.toml", moved)
+    out = tmp_path / "pred"
+
+    def run(profile: Path, *more: str):  # type: ignore[no-untyped-def]
+        args = ("twin", "predict", str(campaign), "--profile", str(profile), "-o", str(out))
+        return invoke(*args, "--no-progress", *more)
+
+    assert run(first).exit_code == 0
+    before = float(open_cube(out / "cube.nc")["energy_per_token_j"].mean())
+    again = run(first)
+    assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
+    refused = run(second)
+    assert refused.exit_code == 1, refused.output
+    assert "measured with other settings: the twin profile's figures" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1, refused.output
+    fresh = run(second, "--fresh")
+    assert fresh.exit_code == 0, fresh.output
+    after = float(open_cube(out / "cube.nc")["energy_per_token_j"].mean())
+    assert after > before * 1.05  # twice the idle power: the new figures' numbers
+
+
+def test_a_shipped_profile_keeps_the_campaigns_hash(tmp_path: Path) -> None:
+    """Only a profile lent from a file carries a digest: the twin's own profiles keep the hash
+    (and so the journals) campaigns had before the digest existed."""
+    from dvfs.campaign import load_campaign
+    from dvfs.sweep import twin_stand_in
+    from dvfs.twin.fit import profile_digest
+
+    assert profile_digest(gpu_profile("h100-sxm")) == ""
+    assert profile_digest(TRUTH) != profile_digest(dataclasses.replace(TRUTH, idle_power_w=61.0))
+    campaign = load_campaign(write(tmp_path / "c.toml", FIT_CAMPAIGN))
+    plain, _, _ = twin_stand_in(campaign, "h100-sxm")
+    assert "profile_digest" not in plain.semantic_dict()["gpu"]
+    digest = profile_digest(TRUTH)
+    with registered_profile(TRUTH) as key:
+        lent, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
+        bare, _, _ = twin_stand_in(campaign, key)
+    assert lent.semantic_dict()["gpu"]["profile_digest"] == digest
+    assert lent.hash != bare.hash
+
+
+#: A small twin campaign with the traps on: the fit's physics has no traps, so its model error
+#: drags figures the 48 cells hardly constrain far from the base (the knee to its bound).
+TRAPPED_CAMPAIGN = (
+    FIT_CAMPAIGN.replace('profile = "h100-sxm:none"', 'profile = "h100-sxm"')
+    .replace("sm_clock = [1980, 1410, 1005, 600]", "sm_clock = [1380, 1680, 1980]")
+    .replace("power_limit = [700, 250]", "power_limit = [700, 400]")
+    .replace("batch = [1, 16, 64]", "batch = [1, 16]")
+    .replace('corpora = ["code"]', 'corpora = ["code", "math"]')
+    .replace("input_tokens = [16, 1024]", "input_tokens = [16, 2048]")
+    .replace("output_tokens = 256", "output_tokens = 128")
+)
+
+
+#: "Near" the base, as the README says: within 10% of its value.
+NEAR = 0.1
+
+
+def test_the_fit_says_kept_near_only_of_figures_that_stayed_near(tmp_path: Path) -> None:
+    """The note names the hardly-constrained figures that stayed within `NEAR_REL` of the
+    base; those that moved further get a warning (in the output and the profile file)."""
+    campaign = write(tmp_path / "c.toml", TRAPPED_CAMPAIGN)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(tmp_path / "s"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    doc = tomllib.loads(out.read_text())
+    fit, fitted = doc["fit"], load_profile(out)
+    base = fit["base_values"]
+
+    def moved(name: str) -> float:
+        return abs(getattr(fitted, name) / base[name] - 1)
+
+    kept = [n for n in fit["undetermined"] if moved(n) <= NEAR]
+    far = [n for n in fit["undetermined"] if moved(n) > NEAR]
+    assert far, fit  # this cube drives some far: the case the note used to hide
+    shown = " ".join(result.output.split())
+    notes = [n for n in fit["notes"] if "hardly constrains" in n]
+    if kept:
+        assert notes == [
+            f"the cube hardly constrains {', '.join(kept)}: kept near h100-sxm's (within 10%)"
+        ]
+    else:
+        assert not notes and "kept near" not in shown
+    [warning] = fit["warnings"]
+    for name in far:
+        assert f"{name} ({getattr(fitted, name):.4g}, was {base[name]:.4g})" in warning
+    assert "warning: the cube hardly constrains" in shown
+    assert "`dvfs twin predict` uses them" in shown

@@ -133,6 +133,13 @@ def parse_slo(text: str) -> Target:
     )
 
 
+#: Why a slack and an SLO are refused together (`dvfs headroom` and `ds.dvfs.headroom` alike).
+SLACK_WITH_SLO = (
+    "--slack loosens --preserve and --vs-baseline targets; an --slo is its own limit: "
+    "drop --slack, or raise the SLO's limit"
+)
+
+
 def parse_slack(text: str) -> float:
     """`5%` or a fraction such as `0.05`; a bare number of 1 or more is refused as ambiguous.
 

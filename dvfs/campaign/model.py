@@ -63,6 +63,7 @@ TOML_NAMES = {
     "knobs.sm_clocks_mhz": "knobs.sm_clock",
     "knobs.power_limits_w": "knobs.power_limit",
     "workload.batch_sizes": "workload.batch",
+    "gpu.profile_digest": "the twin profile's figures (digest of `twin predict --profile`)",
 }
 
 
@@ -76,6 +77,10 @@ class GpuConfig:
     #: `devices = [[0, 1], [2, 3]]` in the file: one worker (a server) per group; () for a
     #: flat list, which is one server on all the devices.
     groups: tuple[tuple[int | str, ...], ...] = ()
+    #: A digest of the twin profile's figures when it was read from a file (`dvfs twin predict
+    #: --profile`): every fit shares a key, so the key alone would let a journal resume with
+    #: another fit's numbers. Empty for the profiles the twin ships (their key is their figures).
+    profile_digest: str = ""
 
     @property
     def server_size(self) -> int:
@@ -256,6 +261,8 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
     gpu = data.get("gpu")
     if isinstance(gpu, dict) and not gpu.get("groups"):
         gpu.pop("groups", None)  # campaigns without groups keep the hash they had before
+    if isinstance(gpu, dict) and not gpu.get("profile_digest"):
+        gpu.pop("profile_digest", None)  # a shipped profile: the hash it always had
     measurement = data.get("measurement")
     if isinstance(measurement, dict) and (
         measurement.get("mode", "per-level") != "in-flight"

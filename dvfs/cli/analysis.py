@@ -151,7 +151,7 @@ def headroom_target(
     silently dropped."""
     from dataclasses import replace
 
-    from dvfs.analysis.targets import QUANTILE_NAMES, Target, parse_slo
+    from dvfs.analysis.targets import QUANTILE_NAMES, SLACK_WITH_SLO, Target, parse_slo
     from dvfs.errors import AnalysisError
 
     if sum([preserve, vs_baseline, slo is not None]) > 1:
@@ -164,10 +164,7 @@ def headroom_target(
     except AnalysisError as exc:
         raise click.BadParameter(str(exc), param_hint="'--slo'") from exc
     if _given(ctx, "slack"):
-        raise click.UsageError(
-            "--slack loosens --preserve and --vs-baseline targets; an --slo is its own limit: "
-            "drop --slack, or raise the SLO's limit"
-        )
+        raise click.UsageError(SLACK_WITH_SLO)
     if _given(ctx, "metric") and metric != target.metric:
         raise click.UsageError(
             f"--metric {metric} contradicts --slo {slo!r}, which is about {target.metric}: "

@@ -166,6 +166,8 @@ def _fit_cube(
             )
     for note in result.notes:
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
+    for warning in result.warnings:
+        out.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")
     out.print(f"wrote {escape(str(out_path))}")
 
 
@@ -202,12 +204,13 @@ def predict(
     from dvfs.campaign import load_campaign
     from dvfs.cli.sweep import run
     from dvfs.sweep import twin_stand_in
-    from dvfs.twin.fit import load_profile, registered_profile
+    from dvfs.twin.fit import load_profile, profile_digest, registered_profile
 
     campaign = load_campaign(campaign_path)
     profile = load_profile(profile_path)
+    digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
     with registered_profile(profile) as key:
-        stand_in, _, _ = twin_stand_in(campaign, key)
+        stand_in, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
         outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
     if outcome.summary.failed:
         raise SystemExit(5)

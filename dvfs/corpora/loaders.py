@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.corpora.model import BUILTIN_CORPORA, Corpus, Message, Prompt, TokenCounter
-from dvfs.errors import CorpusError
+from dvfs.errors import CorpusError, CorpusUnavailableError
 
 FORMATS = ("jsonl", "csv", "parquet")
 #: Corpus files above this size are refused before reading: sample them into a smaller file.
@@ -181,7 +181,7 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise CorpusError(
+        raise CorpusUnavailableError(
             f"{where}: reading Parquet needs pyarrow: pip install 'dvfs[parquet]'"
         ) from exc
     try:
@@ -291,16 +291,19 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
         except FileNotFoundError as exc:
             raise CorpusError(f"corpus file {path} does not exist") from exc
         except MemoryError as exc:
-            raise CorpusError(
+            raise CorpusUnavailableError(
                 f"corpus file {path} does not fit in memory: sample it into a smaller file"
             ) from exc
         except OSError as exc:
+            # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
     package, resource = spec["package"], spec["resource"]
     try:
         data = resources.files(package).joinpath(resource).read_bytes()
     except ModuleNotFoundError as exc:
-        raise CorpusError(f"package {package!r} is not installed in this environment") from exc
+        raise CorpusUnavailableError(
+            f"package {package!r} is not installed in this environment"
+        ) from exc
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         raise CorpusError(f"package {package!r} has no resource {resource!r}") from exc
     except OSError as exc:
@@ -314,7 +317,7 @@ def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:
     try:
         import datasets
     except ImportError as exc:
-        raise CorpusError(
+        raise CorpusUnavailableError(
             f"corpus dataset {spec['dataset']!r} needs the Hugging Face datasets library: "
             "pip install 'dvfs[datasets]' (or download it and use path = ...)"
         ) from exc
@@ -322,7 +325,7 @@ def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:
     try:
         data = datasets.load_dataset(spec["dataset"], spec.get("config"), split=split)
     except Exception as exc:  # offline, unknown dataset, gated: one clear message
-        raise CorpusError(
+        raise CorpusUnavailableError(
             f"cannot load Hugging Face dataset {spec['dataset']!r} (config {spec.get('config')}, "
             f"split {split}): {exc}. Is the hub reachable? Offline, export it to a file "
             "(ds.to_json('corpus.jsonl')) and use path = ..."

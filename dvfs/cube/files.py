@@ -120,7 +120,8 @@ def _rebuild_hint(path: Path) -> str:
 
 
 def open_cube(path: str | Path) -> xr.Dataset:
-    """Load a cube into memory (the file is closed on return) and check its shape.
+    """Load a cube into memory (the file is closed on return) and check its shape. `path` is
+    a cube file or, as every command takes, a sweep folder holding cube.nc.
 
     The `ds.dvfs` accessor is the analyses' layer, above the cube: `dvfs.open_cube` (or
     `import dvfs.accessor`) registers it.
@@ -128,6 +129,8 @@ def open_cube(path: str | Path) -> xr.Dataset:
     import xarray as xr
 
     path = Path(path)
+    if path.is_dir():
+        path = path / CUBE_NAME
     if not path.exists():
         raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
     try:

@@ -62,10 +62,10 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
     else:
-        gpu = (
-            f"{ds.attrs.get('gpu_name')} x{ds.attrs.get('gpu_count')} "
-            f"({ds.attrs.get('gpu_backend')})"
-        )
+        name, backend = str(ds.attrs.get("gpu_name")), ds.attrs.get("gpu_backend")
+        # a twin's GPU name says "(twin)" already: the backend is not said twice
+        said = name.endswith(f"({backend})")
+        gpu = f"{name} x{ds.attrs.get('gpu_count')}" + ("" if said else f" ({backend})")
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),

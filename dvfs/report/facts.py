@@ -48,7 +48,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     idle = info["idle_power_w"]
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
     pairs = [
-        ("Campaign", f"{_text(info['campaign'])} (hash {_text(a.get('campaign_hash'))})"),
+        ("Campaign", f"{_text(info['campaign'])} (hash {_campaign_hash(a)})"),
         ("GPU", info["gpu"]),
         ("GPU UUIDs", ", ".join(gpu_uuids(cube)) or MISSING),
         ("Driver", _text(info["driver"]) + memory),
@@ -76,6 +76,23 @@ def measured_section(cube: xr.Dataset) -> Section:
     if a.get("campaign_source"):
         blocks.append(Code("Campaign file", str(a["campaign_source"]).strip("\n"), folded=True))
     return Section("What was measured", "what-was-measured", tuple(blocks))
+
+
+def _campaign_hash(attrs: dict[Any, Any]) -> str:
+    """The cube's campaign hash; a merged cube's, from the cubes it was merged from (the
+    "Merged from" table shows each)."""
+    if attrs.get("campaign_hash"):
+        return str(attrs["campaign_hash"])
+    sources = _json_attr(attrs, "merged_from")
+    if isinstance(sources, dict):
+        hashes = {
+            str(s["campaign_hash"])
+            for s in sources.values()
+            if isinstance(s, dict) and _text(s.get("campaign_hash")) != MISSING
+        }
+        if hashes:
+            return ", ".join(sorted(hashes))
+    return MISSING
 
 
 def _server_args(attrs: dict[Any, Any]) -> list[Table]:

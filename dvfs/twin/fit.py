@@ -265,6 +265,11 @@ def profile_toml(fit: Any) -> str:
             if hasattr(fit, "undetermined")
             else []
         ),
+        *(
+            [f"warnings = {_toml_value(list(fit.warnings))}"]
+            if getattr(fit, "warnings", ())
+            else []
+        ),
         "",
         "[fit.residuals]",
         *(f"{k} = {_toml_value(v)}" for k, v in fit.residuals.items()),
@@ -339,3 +344,20 @@ def registered_profile(profile: GpuProfile) -> Iterator[str]:
         if shipped is None:
             known.pop(profile.key, None)
         profiles.gpu_profile.cache_clear()
+
+
+def profile_digest(profile: GpuProfile) -> str:
+    """What a journal binds of a profile read from a file (`GpuConfig.profile_digest`): a
+    digest of its figures, key included, so a sweep refuses to resume with another fit's
+    numbers under the same key. Empty for a profile the twin ships, unchanged: its key names
+    its figures, and a campaign swept on it keeps the hash it has with `--twin`. Call it
+    before `registered_profile` lends the profile (a lent one looks shipped)."""
+    import hashlib
+    import json
+
+    from dvfs.twin import profiles
+
+    if profiles.gpu_profiles().get(profile.key) == profile:
+        return ""
+    blob = json.dumps(dataclasses.asdict(profile), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

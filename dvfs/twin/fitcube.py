@@ -6,9 +6,11 @@ twin's own physics, predicting each measured cell deterministically (`dvfs.twin.
 reproduces the cube's energy per token, time per token and mean power (`predict.OBSERVABLES`).
 Residuals are relative (each cell's prediction over its measurement, less one), so a 60 W cell
 and a 600 W cell weigh alike. A weak pull towards the base profile (`PRIOR_WEIGHT` per
-relative unit) keeps the figures a cube cannot tell apart (tensor power when every cell is
-memory-bound decode, say) at the base's values instead of letting them drift; the fit says
-which ones those were (`CubeFit.undetermined`).
+relative unit) keeps a figure the cube cannot see at all (tensor power when every cell is
+memory-bound decode, say) at the base's value; a figure the cube hardly constrains can still
+drift far, pushed by a model error or a trade with another figure. The fit says which figures
+the cube hardly constrains (`CubeFit.undetermined`): in a note those that stayed within
+`NEAR_REL` of the base, in a warning those that moved further (`CubeFit.warnings`).
 
 Figures that lengthen every pass alike trade against each other (host overhead against kernel
 cycles and HBM efficiency): a cube tells them apart only through cells that differ in clock,
@@ -67,6 +69,11 @@ PRIOR_WEIGHT = 1e-5
 #: A figure whose standard error (from the fit's Jacobian, scaled by the residuals) exceeds
 #: this share of its value is reported as undetermined by the cube.
 UNDETERMINED_REL = 0.5
+#: An undetermined figure within this share of its base value (of 1% of its range where the
+#: base is 0) is "kept near" the base; one further away moved with nothing in the cube to
+#: hold it (the pull towards the base, `PRIOR_WEIGHT`, is far too weak to stop a drift a
+#: model error drives), and the fit warns of it: `dvfs twin predict` uses it as fitted.
+NEAR_REL = 0.1
 #: The relative step of the finite differences: the power limit's clock search is discrete,
 #: so the steps must be larger than the jitter it adds.
 DIFF_STEP = 1e-3
@@ -97,6 +104,8 @@ class CubeFit:
     std_errors: dict[str, float]
     undetermined: tuple[str, ...]
     notes: tuple[str, ...]
+    #: Figures the cube hardly constrains that moved far from the base all the same.
+    warnings: tuple[str, ...] = ()
     #: The roofline fit's extras, empty here (the profile file has the same shape).
     gemm_tokens: tuple[int, ...] = ()
     gemm_efficiency_by_tokens: dict[str, tuple[float, ...]] = dataclasses.field(
@@ -176,10 +185,8 @@ def fit_cube_cells(
         for p, v, s in zip(params, values, std, strict=True)
         if not math.isfinite(s) or s > UNDETERMINED_REL * max(abs(v), 1e-12)
     )
-    if undetermined:
-        notes.append(
-            "the cube hardly constrains " + ", ".join(undetermined) + f": kept near {base.key}'s"
-        )
+    notes += _kept_near(params, undetermined, clipped, values, unit, base.key)
+    warnings = _moved_far(params, undetermined, clipped, values, unit, base.key)
     if not solution.success:
         notes.append(f"the least-squares search stopped early: {solution.message}")
     residual_stats, worst = _summary(profile, cells)
@@ -196,6 +203,58 @@ def fit_cube_cells(
         std_errors={p.name: float(s) for p, s in zip(params, std, strict=True)},
         undetermined=undetermined,
         notes=tuple(notes),
+        warnings=warnings,
+    )
+
+
+def _near(value: float, start: float, unit: float) -> bool:
+    """Whether a fitted figure stayed within `NEAR_REL` of where the fit started it."""
+    return abs(value - start) <= NEAR_REL * unit
+
+
+def _kept_near(
+    params: tuple[FitParameter, ...],
+    undetermined: tuple[str, ...],
+    start: np.ndarray,
+    values: np.ndarray,
+    unit: np.ndarray,
+    base: str,
+) -> list[str]:
+    """The note naming the undetermined figures that stayed near the base (none: no note)."""
+    kept = [
+        p.name
+        for p, s, v, u in zip(params, start, values, unit, strict=True)
+        if p.name in undetermined and _near(v, s, u)
+    ]
+    if not kept:
+        return []
+    return [
+        f"the cube hardly constrains {', '.join(kept)}: kept near {base}'s (within {NEAR_REL:.0%})"
+    ]
+
+
+def _moved_far(
+    params: tuple[FitParameter, ...],
+    undetermined: tuple[str, ...],
+    start: np.ndarray,
+    values: np.ndarray,
+    unit: np.ndarray,
+    base: str,
+) -> tuple[str, ...]:
+    """The warning naming the undetermined figures that moved beyond `NEAR_REL` of the base:
+    the cube did not put them there (a model error or a trade with another figure did)."""
+    far = [
+        f"{p.name} ({v:.4g}, was {s:.4g})"
+        for p, s, v, u in zip(params, start, values, unit, strict=True)
+        if p.name in undetermined and not _near(v, s, u)
+    ]
+    if not far:
+        return ()
+    return (
+        f"the cube hardly constrains {', '.join(far)}, yet the fit moved them more than "
+        f"{NEAR_REL:.0%} from {base}'s; the profile holds them as fitted and `dvfs twin "
+        "predict` uses them: check them against their standard errors, or fit a cube whose "
+        "cells vary clock, batch, context and drafter more",
     )
 
 
