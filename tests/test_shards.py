@@ -640,3 +640,26 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
     assert result.exit_code == 0, result.output
     assert_same_cells(open_cube(merged), open_cube(runs / "whole" / "cube.nc"))
     assert "shard_deal" not in open_cube(merged).attrs
+
+
+def test_a_shards_cube_rebuilt_by_cube_build_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
+    """`dvfs cube build` of a shard's folder writes the cube the sweep wrote: marked with its
+    shard and dealing, so the rebuilt cube files merge into the whole campaign as the sweep's
+    do (unmarked, they would be three cubes of the same GPU's grid)."""
+    rebuilt = []
+    for i in range(3):
+        folder = copy_sweep(runs / f"s{i}", tmp_path / f"s{i}")
+        (folder / "cube.nc").unlink()
+        result = invoke("cube", "build", str(folder))
+        assert result.exit_code == 0, result.output
+        cube, swept = open_cube(folder / "cube.nc"), open_cube(runs / f"s{i}" / "cube.nc")
+        assert (cube.attrs["shard"], cube.attrs["shard_deal"]) == (
+            f"{i}/3",
+            "groups",
+        )
+        assert cube.attrs["shard"] == swept.attrs["shard"]
+        rebuilt.append(str(folder / "cube.nc"))
+    merged = tmp_path / "merged.nc"
+    result = invoke("cube", "merge", *rebuilt, "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert_same_cells(open_cube(merged), open_cube(runs / "whole" / "cube.nc"))

@@ -32,9 +32,10 @@ def build(sweep_dir: Path, out_path: Path | None) -> None:
     For a fleet that mixed GPU models (a journal in each SWEEP_DIR/gpu-*/), each model's cube
     beside its journal, and the merged one (at --out).
     """
-    from dvfs.cube import CUBE_NAME, build_cube
+    from dvfs.cube import CUBE_NAME
     from dvfs.errors import CubeError
     from dvfs.fleet.cubes import cube_journals, write_cubes
+    from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
 
     journals = cube_journals(sweep_dir)
@@ -45,7 +46,8 @@ def build(sweep_dir: Path, out_path: Path | None) -> None:
             "`dvfs sweep`?"
         )
     if journals == [sweep_dir / JOURNAL_NAME]:
-        path = _write(build_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
+        # marked with the shard the journal holds, if any, as the sweep's own cube is
+        path = _write(shard_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
         click.echo(f"cube: {path}")
         return
     path = write_cubes(sweep_dir, journals, merged_path=out_path, write=_write)
