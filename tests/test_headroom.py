@@ -614,3 +614,25 @@ def test_a_row_without_an_answer_says_why() -> None:
         clocks=[1000, 2000], repeats=3, latency=lambda c, *_: slow[c], valid=lambda c, *_: c != 2000
     )
     assert "no valid reference cell (invalid" in table_text(no_ref)
+
+
+def test_a_setting_short_of_repeats_below_the_answer_leaves_it_a_lower_bound() -> None:
+    """The lowest clock measured but left unjudged for want of usable repeats: the answer one
+    step above it is a lower bound on the headroom (a setting below might still meet the
+    target), never presented as exact."""
+    cube = make_cube(
+        clocks=[1000, 1200, 1400, 1600, 1980],
+        repeats=3,
+        latency=lambda c, *a: 10.0,
+        energy=lambda c, *a: c / 1000,
+    )
+    tpot = cube["tpot_ms"].values
+    tpot[0, :, :, :, :, 1:, :] = np.nan  # 1000 MHz: one usable repeat of three
+    cube["cell_status"].values[:] = 1
+    cube["valid"].values[:] = 1
+    r = headroom(cube, target=Target(slack=0.05), knob="sm_clock").squeeze()
+    assert int(r["short_settings"]) == 1 and float(r["chosen_sm_clock"]) == 1200
+    assert bool(r["headroom_mhz_is_lower_bound"]) and bool(r["chosen_at_grid_edge"])
+    assert not bool(r["headroom_mhz_unmeasured_below"]) and not bool(
+        r["headroom_mhz_invalid_below"]
+    )

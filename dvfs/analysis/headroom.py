@@ -414,9 +414,10 @@ def headroom(
             ]
         )
         # Cut off by the grid: the answer is at the lowest value the grid has for the group
-        # (judged, waiting to be measured, invalid or short of repeats alike), so the true
-        # answer may lie lower (extend the grid downward).
-        in_grid = [*evaluated, *pending, *short, *((c, p) for c, p, _ in invalid)]
+        # (judged, waiting to be measured or invalid alike), so the true answer may lie lower
+        # (extend the grid downward). A setting below it left unjudged for want of repeats
+        # leaves it a lower bound too: the headroom is at least the answer's.
+        in_grid = [*evaluated, *pending, *((c, p) for c, p, _ in invalid)]
         bottom_clock = min(c for c, _ in in_grid)
         bottom_limit = min(p for _, p in in_grid)
         edge["headroom_mhz_is_lower_bound"][idx] = (
