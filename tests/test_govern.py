@@ -473,7 +473,23 @@ def test_a_step_is_held_under_the_static_caps_knob_by_knob(
         assert got.sm_clock_lock_mhz is not None
         low, high = got.sm_clock_lock_mhz
         assert low <= high == (clock if static is None else min(clock, static[1]))
-        assert low == (210 if static is None else min(static[0], high))
+        # the static floor where it lies below the step's cap; else the lowest clock, never
+        # one pinned clock the plan did not ask for
+        kept = static is not None and static[0] < high
+        assert low == (static[0] if kept else 210)
+        assert low < high or high == 210
+
+
+def test_a_step_below_the_static_floor_is_a_cap_not_a_fixed_clock() -> None:
+    """A static lock of 1500-1980 MHz and a plan step of 1200 MHz: the GPU is capped at
+    1200 MHz from its lowest clock (idle may clock down), not pinned at 1200, and the log
+    says the floor was left out."""
+    from dvfs.govern.plan import Setting
+
+    ceiling = Ceiling("GPU-x", (1500, 1980), 700_000, 345)
+    assert ceiling.applied(1200, None).sm_clock_lock_mhz == (345, 1200)
+    assert ceiling.applied(1800, None).sm_clock_lock_mhz == (1500, 1800)
+    assert "floor of 1500 MHz is left out" in ceiling.describe_applied(Setting(1200, None))
 
 
 def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Path) -> None:

@@ -59,11 +59,13 @@ class Ceiling:
 
     def applied(self, clock_mhz: int | None, limit_w: float | None) -> GpuSettings:
         """A clock step is a cap ([lowest, step] MHz, as `dvfs cap apply` locks it), held under
-        the static lock; a power step no higher than the limit in force; a stock knob as found."""
+        the static lock, whose floor it keeps where the floor is below the step (a floor above
+        it would pin one clock: the step's cap wins, and an idle GPU may still clock down); a
+        power step no higher than the limit in force; a stock knob as found."""
         lock = self.lock_mhz
         if clock_mhz is not None:
             top = clock_mhz if lock is None else min(clock_mhz, lock[1])
-            lock = (self.lowest_mhz if lock is None else min(lock[0], top), top)
+            lock = (lock[0] if lock is not None and lock[0] < top else self.lowest_mhz, top)
         limit = self.power_limit_mw
         if limit_w is not None:
             limit = min(round(limit_w * 1000), limit)
@@ -87,6 +89,8 @@ class Ceiling:
             clock += (
                 f" (the static cap in force: the plan's {setting.sm_clock_mhz} MHz is above it)"
             )
+        elif self.lock_mhz and self.lock_mhz[0] >= setting.sm_clock_mhz:
+            clock += f" (the static lock's floor of {self.lock_mhz[0]} MHz is left out below it)"
         power = f"power limit {applied.power_limit_mw / 1000:g} W"
         if setting.power_limit_w is None:
             power += " (stock: the limit in force at start)"
