@@ -238,6 +238,24 @@ def test_sigkill_leaves_a_state_file_that_gpu_reset_restores(
     assert "GPU 0 (" in cap_show(env) and "by dvfs govern" not in cap_show(env)
 
 
+def test_gpu_reset_clears_a_lock_record_with_nothing_to_restore(env: dict[str, str], nvml) -> None:
+    """A governor killed after recording its lock but before changing the GPU leaves a record
+    and no state file: `cap show` must not keep naming a lock that is not in force, and `gpu
+    reset` clears the record (it said "nothing to do" and left it)."""
+    from dvfs.caps.actuation import GovernorLocks
+
+    uuid = nvml.fake_device_state(0)["uuid"]
+    GovernorLocks(Path(env["DVFS_STATE_DIR"])).write(uuid, (210, 1200))
+    assert "by dvfs govern" in cap_show(env)
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert "nothing to restore" in reset.stdout
+    assert not list(Path(env["DVFS_STATE_DIR"]).glob("governed-*"))
+    assert "by dvfs govern" not in cap_show(env)
+    assert nvml.fake_device_state(0)["locked_clocks"] is None  # the GPU was never touched
+    assert not nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+
+
 def test_dry_run_prints_and_calls_no_setter(
     tmp_path: Path, env: dict[str, str], nvml, stub: str
 ) -> None:

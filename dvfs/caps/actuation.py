@@ -440,18 +440,27 @@ def reset_gpus(
 
     store = StateStore(directory)
     with_state = [g for g in gpus if store.pending(g.identity.uuid)]
-    if not with_state and not defaults:
+    governed = GovernorLocks(directory)
+    # A governor killed after recording its lock but before changing the GPU left a record
+    # with nothing to restore: cleared under the GPU's lock (a live governor holds it).
+    recorded = governed.read()
+    stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
+    if not with_state and not stale and not defaults:
         return False
-    targets = list(gpus) if defaults else with_state
+    targets = list(gpus) if defaults else [*with_state, *stale]
     with signals_raise(), GpuLocks(directory).hold(targets):
         try:
             for line in restore_pending(with_state, store):
                 note(f"restored {line}")
         finally:  # a governor that died left its lock record: gone with what it changed
-            governed = GovernorLocks(directory)
-            for gpu in with_state:
+            for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):
                     governed.clear(gpu.identity.uuid)
+        for gpu in stale:
+            note(
+                f"cleared GPU {gpu.identity.index} ({gpu.identity.uuid}): the lock record of "
+                "a dvfs govern that died before changing the GPU (nothing to restore)"
+            )
         if defaults:
             others = [g for g in gpus if g not in with_state]
             for line in reset_caps(others, AppliedCaps(directory)):
