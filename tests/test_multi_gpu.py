@@ -259,6 +259,15 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     # The journals alone resume: nothing left to run.
     again = sweep(str(runs / "campaign.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
     assert again.exit_code == 0 and "144 already done" in again.output
+    # `cube build --out` onto a model's journal or its cube (which the build writes itself) is
+    # refused before anything is written: the H200's measurements stay.
+    from test_journal import assert_one_line_error
+
+    for target in (journals[1], journals[1].parent / "cube.nc"):
+        before = target.read_bytes()
+        refused = CliRunner().invoke(cli, ["cube", "build", str(out), "--out", str(target)])
+        assert_one_line_error(refused, 2, "which this command reads", "another output path")
+        assert target.read_bytes() == before
     # A folder of one model's run refuses a fleet that mixes models.
     four = copy_sweep(runs / "four", tmp_path / "four")  # the shared run stays as it was
     refused = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(four))

@@ -85,8 +85,10 @@ _WRITES_THE_CUBE = {"cube build"}
 
 def refuse_output_over_inputs() -> None:
     """An output file (`-o`/`--out`) must not be a file the command reads: the input file
-    itself, or a sweep folder's journal or cube. Writing over it would lose the measurements
-    the output is made from (exit 2, before anything is read or written)."""
+    itself, or a sweep folder's journal or cube (each GPU model's too, in `gpu-*/`, where a
+    fleet mixing models writes them; `cube build` writes those cubes itself). Writing over
+    it would lose the measurements the output is made from (exit 2, before anything is read
+    or written)."""
     ctx = click.get_current_context(silent=True)
     params = _path_params()
     if ctx is None or not any(output and not value.is_dir() for _, value, output in params):
@@ -103,6 +105,10 @@ def refuse_output_over_inputs() -> None:
         if value.is_dir():
             for file in names:
                 read.setdefault(_resolved(value / file), f"{name} {value}'s {file}")
+            for file in (JOURNAL_NAME, CUBE_NAME):  # each GPU model's, in a mixed fleet
+                for path in sorted(value.glob(f"gpu-*/{file}")):
+                    model_file = f"{name} {value}'s {path.parent.name}/{file}"
+                    read.setdefault(_resolved(path), model_file)
         else:
             read.setdefault(_resolved(value), f"{name} {value}")
     for name, value, output in params:
