@@ -663,3 +663,27 @@ def test_a_shards_cube_rebuilt_by_cube_build_keeps_its_shard(runs: Path, tmp_pat
     result = invoke("cube", "merge", *rebuilt, "-o", str(merged))
     assert result.exit_code == 0, result.output
     assert_same_cells(open_cube(merged), open_cube(runs / "whole" / "cube.nc"))
+
+
+def test_a_run_of_one_shard_merges_alone_and_one_shard_of_several_is_refused(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A job array of one task (`--shard 0/1`): its one cube is all the shards, so `cube merge`
+    of it (the README's `cube merge out/C/shard-* -o ...` recipe) gives the whole campaign;
+    one shard of three alone is bad usage (exit 2), naming the shard."""
+    only = tmp_path / "only"
+    result = invoke(
+        "sweep", str(runs / "shardy.toml"), "--shard", "0/1", "--out", str(only), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    merged = tmp_path / "merged.nc"
+    result = invoke("cube", "merge", str(only / "cube.nc"), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert_same_cells(open_cube(merged), open_cube(runs / "whole" / "cube.nc"))
+    one_of_three = CliRunner().invoke(
+        cli, ["cube", "merge", str(runs / "s1" / "cube.nc"), "-o", str(tmp_path / "m.nc")]
+    )
+    assert one_of_three.exit_code == 2 and "Traceback" not in one_of_three.output
+    assert "at least two cubes, or all the shards of a run; got one cube holding shard 1/3" in (
+        one_of_three.output
+    )

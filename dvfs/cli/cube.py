@@ -146,12 +146,21 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     measured twice.
     """
     from dvfs.cube import merge_cubes
+    from dvfs.fleet.shard import cube_shard
 
-    if len(cubes) < 2:
-        raise click.UsageError(
-            "merging needs at least two cubes (or all the shards of a run); got one"
-        )
     loaded = [_load_for_merge(p) for p in cubes]
+    if len(loaded) == 1:
+        # One cube is all the shards only of a run of one shard (`--shard 0/1`: an array of
+        # one task), whose merge is its whole cube.
+        try:
+            alone = cube_shard(loaded[0][0])
+        except ValueError:
+            alone = None
+        if alone is None or alone.count != 1:
+            raise click.UsageError(
+                "merging needs at least two cubes, or all the shards of a run; got one cube"
+                + ("" if alone is None else f" holding shard {alone.index}/{alone.count}")
+            )
     merged = merge_cubes([ds for ds, _ in loaded], [name for _, name in loaded])
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
