@@ -164,7 +164,8 @@ def _busy(out_dir: Path, fd: int) -> SweepBusyError:
 def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
     """What `run_sweep` (without --fresh) would refuse about `out_dir`, found without creating
     or writing anything (`dvfs doctor`): a file in the way of the folder or its lock, no
-    permission to create them, another sweep holding the folder, another campaign's journal."""
+    permission to create them, another sweep holding the folder, a journal (the folder's own
+    or a GPU model's in `gpu-*/`) of another campaign or of other settings."""
     import errno
     import fcntl
 
@@ -192,7 +193,8 @@ def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
             raise _busy(out_dir, fd) from None
         finally:
             os.close(fd)
-    check_journal(out_dir / JOURNAL_NAME, campaign)
+    for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
+        check_journal(journal, campaign)
 
 
 @dataclass(frozen=True)

@@ -213,4 +213,7 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(tmp_path: 
         fresh, _ = _dry(changed, out, *gpus, "--fresh")
         assert fresh["problems"] == [] and not fresh["out_refused"]
         assert (fresh["already_done"], fresh["remaining"]) == (0, fresh["cells"] * journals)
-        assert _files(out) == before  # neither the refused sweep nor the dry runs wrote
+        # `dvfs doctor` finds it too, in each GPU model's journal as in the folder's own
+        doctor = invoke("doctor", str(changed), "--out", str(out))
+        assert doctor.exit_code != 0 and change in " ".join(doctor.output.split()), doctor.output
+        assert _files(out) == before  # neither the refused sweep, the dry runs nor doctor wrote
