@@ -185,8 +185,10 @@ def fit_cube_cells(
         for p, v, s in zip(params, values, std, strict=True)
         if not math.isfinite(s) or s > UNDETERMINED_REL * max(abs(v), 1e-12)
     )
-    notes += _kept_near(params, undetermined, clipped, values, unit, base.key)
-    warnings = _moved_far(params, undetermined, clipped, values, unit, base.key)
+    kept_note, warnings = _undetermined_figures(
+        params, undetermined, clipped, values, unit, base.key
+    )
+    notes += kept_note
     if not solution.success:
         notes.append(f"the least-squares search stopped early: {solution.message}")
     residual_stats, worst = _summary(profile, cells)
@@ -212,50 +214,46 @@ def _near(value: float, start: float, unit: float) -> bool:
     return abs(value - start) <= NEAR_REL * unit
 
 
-def _kept_near(
+def _undetermined_figures(
     params: tuple[FitParameter, ...],
     undetermined: tuple[str, ...],
     start: np.ndarray,
     values: np.ndarray,
     unit: np.ndarray,
     base: str,
-) -> list[str]:
-    """The note naming the undetermined figures that stayed near the base (none: no note)."""
-    kept = [
-        p.name
-        for p, s, v, u in zip(params, start, values, unit, strict=True)
-        if p.name in undetermined and _near(v, s, u)
-    ]
-    if not kept:
-        return []
-    return [
-        f"the cube hardly constrains {', '.join(kept)}: kept near {base}'s (within {NEAR_REL:.0%})"
-    ]
-
-
-def _moved_far(
-    params: tuple[FitParameter, ...],
-    undetermined: tuple[str, ...],
-    start: np.ndarray,
-    values: np.ndarray,
-    unit: np.ndarray,
-    base: str,
-) -> tuple[str, ...]:
-    """The warning naming the undetermined figures that moved beyond `NEAR_REL` of the base:
-    the cube did not put them there (a model error or a trade with another figure did)."""
-    far = [
-        f"{p.name} ({v:.4g}, was {s:.4g})"
-        for p, s, v, u in zip(params, start, values, unit, strict=True)
-        if p.name in undetermined and not _near(v, s, u)
-    ]
-    if not far:
-        return ()
-    return (
-        f"the cube hardly constrains {', '.join(far)}, yet the fit moved them more than "
-        f"{NEAR_REL:.0%} from {base}'s; the profile holds them as fitted and `dvfs twin "
-        "predict` uses them: check them against their standard errors, or fit a cube whose "
-        "cells vary clock, batch, context and drafter more",
+) -> tuple[list[str], tuple[str, ...]]:
+    """For the figures the cube hardly constrains: the note naming those that stayed within
+    `NEAR_REL` of the base, and the warning naming those that moved beyond it (the cube did
+    not put them there: a model error or a trade with another figure did). Each empty when
+    it names none."""
+    kept: list[str] = []
+    far: list[str] = []
+    for p, s, v, u in zip(params, start, values, unit, strict=True):
+        if p.name not in undetermined:
+            continue
+        if _near(v, s, u):
+            kept.append(p.name)
+        else:
+            far.append(f"{p.name} ({v:.4g}, was {s:.4g})")
+    note = (
+        [
+            f"the cube hardly constrains {', '.join(kept)}: kept near {base}'s "
+            f"(within {NEAR_REL:.0%})"
+        ]
+        if kept
+        else []
     )
+    warning = (
+        (
+            f"the cube hardly constrains {', '.join(far)}, yet the fit moved them more than "
+            f"{NEAR_REL:.0%} from {base}'s; the profile holds them as fitted and `dvfs twin "
+            "predict` uses them: check them against their standard errors, or fit a cube whose "
+            "cells vary clock, batch, context and drafter more",
+        )
+        if far
+        else ()
+    )
+    return note, warning
 
 
 def _unthrottled(cells: CubeCells, base: GpuProfile) -> np.ndarray:
