@@ -77,3 +77,21 @@ def make_cube(
         },
     )
     return ds
+
+
+def as_twin_sweep(ds: xr.Dataset, *, uuid: str, gpu_name: str, campaign: str) -> xr.Dataset:
+    """`ds` with the attributes a one-GPU twin sweep's cube carries (its GPU, model, engine and
+    campaign), so that `cube merge`, headroom documents and caps read it as one."""
+    import json
+
+    ds.attrs.update(
+        gpu_uuids=uuid,
+        gpu_name=gpu_name,
+        gpu_backend="twin",
+        model="m",
+        engine_backend="twin",
+        tp_size=1,
+        measurement_method="x",
+        campaign=json.dumps({"name": campaign, "workload": {"batch": [1]}}),
+    )
+    return ds

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from cubes import make_cube
+from cubes import as_twin_sweep, make_cube
 
 from dvfs.cli import cli
 from dvfs.cube import write_cube
@@ -40,17 +40,7 @@ def twin_cube(path: Path, name: str, uuid: str, slow_below: int) -> Path:
         latency=latency,
         energy=lambda clock, *_: clock / 1000,
     )
-    ds.attrs.update(
-        gpu_uuids=uuid,
-        gpu_name=name,
-        gpu_backend="twin",
-        model="m",
-        engine_backend="twin",
-        tp_size=1,
-        measurement_method="x",
-        campaign=json.dumps({"name": "merged", "workload": {"batch": [1]}}),
-    )
-    return write_cube(ds, path)
+    return write_cube(as_twin_sweep(ds, uuid=uuid, gpu_name=name, campaign="merged"), path)
 
 
 def merged(tmp_path: Path, second: str, second_slow_below: int) -> Path:

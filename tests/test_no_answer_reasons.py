@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 from click.testing import CliRunner, Result
-from cubes import make_cube
+from cubes import as_twin_sweep, make_cube
 from test_partial_cube import partial_sweep
 
 from dvfs.cli import cli
@@ -46,17 +46,12 @@ def flagged_cube(path: Path, invalid) -> Path:  # type: ignore[no-untyped-def]
     )
     quality = np.where(ds["valid"].values == 0, Q_FEW_COUNTER_UPDATES, 0).astype(float)
     ds["quality"] = (ds["valid"].dims, quality, {"units": "1", "long_name": "quality flags"})
-    ds.attrs.update(
-        gpu_uuids="GPU-aaaaaaaa-0000-4000-8000-000000000001",
-        gpu_name=H100,
-        gpu_backend="twin",
-        model="m",
-        engine_backend="twin",
-        tp_size=1,
-        measurement_method="x",
-        campaign=json.dumps({"name": "flagged", "workload": {"batch": [1]}}),
+    return write_cube(
+        as_twin_sweep(
+            ds, uuid="GPU-aaaaaaaa-0000-4000-8000-000000000001", gpu_name=H100, campaign="flagged"
+        ),
+        path,
     )
-    return write_cube(ds, path)
 
 
 def test_invalid_cells_below_an_answer_are_not_the_grid_edge(tmp_path: Path) -> None:
