@@ -213,9 +213,10 @@ def _measurement_names() -> set[str]:
     """CellMeasurement's quantities, latency and acceptance flattened (derived ones included)."""
     names = {f.name for f in fields(CellMeasurement)} - {"latency", "accept"}
     names |= {f.name for f in fields(LatencyStats)} | {f.name for f in fields(Acceptance)}
-    # Derived on the measurement as properties; the cross-check length stays in the meter.
+    # Derived on the measurement as properties; the cross-check's length and cover stay in
+    # the meter.
     names |= {"energy_per_token_j", "energy_per_token_above_idle_j", "throughput_tok_s", "valid"}
-    return names - {"decode_accept_length"}
+    return names - {"decode_accept_length", "server_covers"}
 
 
 def test_a_measured_quantity_has_one_name_in_meter_journal_and_cube() -> None:

@@ -95,10 +95,17 @@ def test_a_fixed_round_stops_at_its_first_finish_and_keeps_the_window_as_it_was(
         assert cut.aborted is (cut.completion_tokens < 128)
         # draft statistics count what the request did before the round ended
         assert cut.spec_verify_ct == len(cut.chunk_ns) - 1
-    # the server's accept length is the round's own (the cross-check stays consistent)
-    verify = sum(r.spec_verify_ct or 0 for r in ended.requests)
-    tokens = sum(r.completion_tokens for r in ended.requests)
-    assert ended.server_accept_length == pytest.approx((tokens - 8) / verify)
+    # the server's accept length is the round's own over its whole blocks of 40 decode
+    # iterations, as SGLang counts it (request i's chunk k > 0 is iteration k)
+    iterations = max(len(r.chunk_ns) for r in ended.requests) - 1
+    covered = iterations - iterations % 40
+    if covered:
+        tokens = sum(int(r.chunk_tokens[1 : covered + 1].sum()) for r in ended.requests)
+        passes = sum(min(len(r.chunk_ns) - 1, covered) for r in ended.requests)
+        assert ended.server_accept_length == pytest.approx(tokens / passes)
+        assert ended.server_accept_covers == covered / iterations
+    else:  # (tests/test_server_accept.py runs rounds of several blocks)
+        assert ended.server_accept_length is None and ended.server_accept_covers == 0.0
     # latency from the tokens received: TPOT of an aborted request is over its own tokens
     stats = latency_stats(ended.requests)
     assert all(math.isfinite(q) for q in stats.tpot_ms)
@@ -431,7 +438,7 @@ def _stub_round(
     argv = [sys.executable, str(STUB), "--model-path", "stub-model", "--port", "0",
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "draft",
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", "4"]  # fmt: skip
+            "--speculative-num-draft-tokens", "4", "--decode-log-interval", "4"]  # fmt: skip
     with log_path.open("w") as log_file:
         server = subprocess.Popen(
             argv,
@@ -502,7 +509,8 @@ def test_a_round_ended_by_disconnects_has_no_acceptance_rather_than_a_biased_one
     """A server without /abort_request: the client disconnects the running requests, whose
     counters SGLang sends in the final chunk only, so they never arrive. Pooling the request
     that finished alone would report its acceptance, above the round's truth; the pooled
-    acceptance is unknown instead (the server's running average still covers every pass)."""
+    acceptance is unknown instead (the server's average still covers the passes of the
+    round's whole blocks of decode iterations: 4 a block here)."""
     from dvfs.measure.meter import acceptance
 
     result, counts = _stub_round(tmp_path, abort_route=False)
@@ -523,4 +531,4 @@ def test_a_round_ended_by_disconnects_has_no_acceptance_rather_than_a_biased_one
     got = acceptance([result])
     assert math.isnan(got.accept_length) and math.isnan(got.accept_rate)
     assert math.isnan(got.decode_accept_length)
-    assert got.server_accept_length > 1  # the server's average, over every pass
+    assert got.server_accept_length > 1  # the server's average, over its whole blocks

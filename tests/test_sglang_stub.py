@@ -322,7 +322,8 @@ def test_stream_is_cumulative_with_the_version_meta_names(launch: Launcher, vers
 @pytest.mark.parametrize("version", VERSIONS)
 def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: str) -> None:
     """With an algorithm: resolved defaults, exact length, per-version draft names, averages."""
-    stub = launch(version, ("--speculative-algorithm", "EAGLE"), accept_length=2.5, tpot_s=0.002)
+    argv = ("--speculative-algorithm", "EAGLE", "--decode-log-interval", "4")
+    stub = launch(version, argv, accept_length=2.5, tpot_s=0.002)
     events = stub.stream(generate_body(40, ignore_eos=True))
     chunks = [json.loads(e) for e in events[:-1]]
     for chunk in chunks[:-1]:
@@ -346,11 +347,63 @@ def test_speculative_fields_only_on_the_final_chunk(launch: Launcher, version: s
     )
     assert steps_topk_drafts == (3, 1, 4) and info["max_running_requests"] == 48
     average = info["internal_states"][0]["avg_spec_accept_length"]
-    assert 2.0 <= average <= 3.0
+    assert 2.0 <= average <= 3.0  # over the whole blocks of 4 iterations
     assert stub.request("POST", "/flush_cache")[0] == 200
     _, info = stub.json("GET", "/server_info")
-    after = info["internal_states"][0]["avg_spec_accept_length"]
-    assert after == 0.0  # Scheduler.flush_cache resets the metrics in 0.5.9 and 0.5.23 alike
+    # Scheduler.flush_cache resets the metrics in 0.5.9 and 0.5.23 alike: no average yet
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_no_server_accept_length_before_a_whole_block_of_decode_iterations(
+    launch: Launcher, version: str
+) -> None:
+    """SGLang adds to /server_info's average only every --decode-log-interval (40) decode
+    iterations: a request of fewer iterations leaves it unset."""
+    stub = launch(version, ("--speculative-algorithm", "EAGLE"), accept_length=2.5, tpot_s=0.001)
+    meta = final_meta(stub.stream(generate_body(40, ignore_eos=True)))
+    assert 0 < meta["spec_verify_ct"] < 40
+    _, info = stub.json("GET", "/server_info")
+    assert info["decode_log_interval"] == 40
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+
+
+def test_server_accept_length_covers_the_whole_blocks_only(stub_module: ModuleType) -> None:
+    """In process, step by step: the average pools request steps of the iterations up to
+    the last multiple of decode_log_interval, weighted per request step as SGLang's
+    (accepted tokens + batch size) / batch size sums are; the next block joins once it
+    is complete, and a flush starts over."""
+    cfg = stub_module.StubConfig(version="0.5.23")
+    args, spec = stub_module.parse_launch_argv(
+        ["--model-path", "m", "--speculative-algorithm", "EAGLE", "--decode-log-interval", "3"],
+        cfg,
+    )
+    assert args["decode_log_interval"] == 3
+    stub = stub_module.Stub(cfg, args, stub_module.spec_settings(args, cfg))
+    # two requests decoded together: the prefill token, then tokens per iteration
+    steps = [[1, 4, 4, 4, 1, 1], [1, 2, 2, 2, 1, 1]]
+    subs = [
+        stub_module.SubRequest(i, f"r{i}", [1], 12, {}, s, list(range(20)), 1, histogram=[0] * 4)
+        for i, s in enumerate(steps)
+    ]
+
+    def info() -> dict[str, Any]:
+        return dict(stub.server_info()["internal_states"][0])
+
+    for j in range(3):
+        for sub in subs:
+            stub._apply(sub, j)
+    assert "avg_spec_accept_length" not in info()  # two iterations: no block yet
+    for sub in subs:
+        stub._apply(sub, 3)
+    assert info()["avg_spec_accept_length"] == (4 * 3 + 2 * 3) / 6
+    for j in (4, 5):
+        for sub in subs:
+            stub._apply(sub, j)
+    assert info()["avg_spec_accept_length"] == (4 * 3 + 2 * 3) / 6  # iteration 5 of 6
+    stub.flush()
+    assert "avg_spec_accept_length" not in info()
 
 
 # --------------------------------------------------------------------------- argv

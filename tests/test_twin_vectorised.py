@@ -200,13 +200,12 @@ def reference_round(
                 spec_proposed_drafts=verifies * (plan.verify_tokens - 1) if plan else None,
             )
         )
-    verify_total = sum(r.spec_verify_ct or 0 for r in requests)
-    accept = (
-        (sum(r.completion_tokens for r in requests) - batch) / verify_total
-        if plan and verify_total
-        else None
-    )
-    return RoundResult(tuple(requests), t0, int(ends_ns[-1]), accept)
+    # What /server_info says: the request steps of the whole blocks of 40 iterations only.
+    covered = n_iter - n_iter % 40
+    steps = int(np.count_nonzero(emitted[:, :covered]))
+    accept = int(emitted[:, :covered].sum()) / steps if plan and steps else None
+    covers = covered / n_iter if accept is not None else 0.0
+    return RoundResult(tuple(requests), t0, int(ends_ns[-1]), accept, server_accept_covers=covers)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -224,6 +223,7 @@ def node(tp: int, clock_mhz: int | None, limit_w: float) -> list[TwinDevice]:
 def assert_same_round(got: RoundResult, want: RoundResult) -> None:
     assert (got.started_ns, got.ended_ns) == (want.started_ns, want.ended_ns)
     assert got.server_accept_length == want.server_accept_length
+    assert got.server_accept_covers == want.server_accept_covers
     assert len(got.requests) == len(want.requests)
     for g, w in zip(got.requests, want.requests, strict=True):
         for f in fields(RequestTrace):

@@ -78,7 +78,8 @@ VARIABLES = (
     VarSpec(
         "server_accept_length",
         "1",
-        "tokens per verify pass as the server reports it (prefill excluded)",
+        "tokens per verify pass as the server reports it (prefill excluded), over each "
+        "round's whole blocks of decode_log_interval decode iterations",
     ),
     VarSpec("power_mean_w", "W", "mean GPU power in the steady-state window"),
     VarSpec(

@@ -16,7 +16,7 @@ timeline nothing changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -241,6 +241,28 @@ class PassLedger:
         return energy, time
 
 
+#: SGLang's default --decode-log-interval (0.5.9 and 0.5.23), which dvfs leaves as it is: the
+#: decode iterations per block of /server_info's accept length.
+DECODE_LOG_INTERVAL = 40
+
+
+def server_accept_covers(
+    requests: Sequence[RequestTrace], concurrency: int, interval: int = DECODE_LOG_INTERVAL
+) -> float:
+    """At least the share of a round's decode iterations that the server's accept length
+    covers. SGLang adds a block's counters to that average only once `interval` decode
+    iterations have run since the flush (0.5.9 `log_decode_stats`, 0.5.23
+    `report_decode_stats`), so a round of N iterations is covered for floor(N / interval)
+    whole blocks, all but at most `interval` - 1 iterations. N is not reported; it is at
+    least the most verify passes one request took, and the verify passes of all over the
+    requests running at once (`concurrency`), which bounds the share from below."""
+    verify = [r.spec_verify_ct for r in requests if r.spec_verify_ct is not None]
+    if not verify or interval < 1:
+        return 0.0
+    iterations = max(max(verify), -(-sum(verify) // max(concurrency, 1)))
+    return max(0.0, 1.0 - (interval - 1) / iterations) if iterations else 0.0
+
+
 @dataclass(frozen=True)
 class RoundResult:
     """The traces of one round, plus what the server says about acceptance."""
@@ -248,12 +270,17 @@ class RoundResult:
     requests: tuple[RequestTrace, ...]
     started_ns: int
     ended_ns: int
+    #: /server_info's average accept length: over the round's whole blocks of decode
+    #: iterations only (`server_accept_covers`), None when it has none.
     server_accept_length: float | None = None
     #: When each step of the round's `KnobTimeline` ran (ns), in order; empty without one.
     knob_ns: tuple[int, ...] = ()
     #: The round's passes by role, from an engine that knows them (the twin); None: no exact
     #: split (a real server).
     ledger: PassLedger | None = None
+    #: The share of the round's decode iterations `server_accept_length` covers (at least;
+    #: `server_accept_covers`): 0 without a figure.
+    server_accept_covers: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,14 @@ from typing import Any
 from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.clock import Clock
 from dvfs.corpora import Prompt
-from dvfs.engines.base import KnobTimeline, RoundResult, ServerInfo, Workload
+from dvfs.engines.base import (
+    DECODE_LOG_INTERVAL,
+    KnobTimeline,
+    RoundResult,
+    ServerInfo,
+    Workload,
+    server_accept_covers,
+)
 from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
@@ -156,6 +163,8 @@ class SglangEngine:
         self._starts = 0
         self._round = 0
         self._version: tuple[int, ...] | None = None
+        #: The running server's --decode-log-interval (SGLang's default unless it says).
+        self._log_interval = DECODE_LOG_INTERVAL
         #: The metered GPUs, which the server is pinned to (empty: simulated GPUs, no pinning).
         self.gpu_uuids = tuple(gpu_uuids)
         #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
@@ -249,6 +258,7 @@ class SglangEngine:
             self.stop()  # a server that does not run what was asked must not linger
             raise
         self._version = server_version(info)
+        self._log_interval = log_interval(info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -271,6 +281,7 @@ class SglangEngine:
             self._client = None  # not ours to stop; measure nothing on it
             raise
         self._version = server_version(info)
+        self._log_interval = log_interval(info)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -406,8 +417,9 @@ class SglangEngine:
             finally:
                 knob_ns = stepper.finish() if stepper else ()
             ended = self.clock.now_ns()
-            # The flush above reset the server's running average (Scheduler.flush_cache calls
-            # reset_metrics in 0.5.9 and 0.5.23 alike), so it covers this round only.
+            # The flush above reset the server's average (Scheduler.flush_cache calls
+            # reset_metrics in 0.5.9 and 0.5.23 alike), which then counts only whole blocks
+            # of decode_log_interval iterations: the round's, less its last partial block.
             accept = client.accept_length()
         except EngineConnectionError as exc:
             if not self.config.url and self._exited_within(CRASH_GRACE_S):
@@ -415,7 +427,14 @@ class SglangEngine:
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None))
-        return RoundResult(tuple(traces), started, ended, accept, knob_ns)
+        covers = (
+            server_accept_covers(traces, workload.batch, self._log_interval)
+            if accept is not None
+            else 0.0
+        )
+        return RoundResult(
+            tuple(traces), started, ended, accept, knob_ns, server_accept_covers=covers
+        )
 
     def _crash_message(self, exc: Exception | None) -> str:
         code = None
@@ -574,3 +593,11 @@ def _jsonable(value: Any) -> bool:
 
 def server_version(info: dict[str, Any]) -> tuple[int, ...] | None:
     return parse_version(str(info.get("version", "")))
+
+
+def log_interval(info: dict[str, Any]) -> int:
+    """The server's decode_log_interval (/server_info), SGLang's default where it is missing."""
+    try:
+        return max(int(info.get("decode_log_interval") or DECODE_LOG_INTERVAL), 1)
+    except (TypeError, ValueError):
+        return DECODE_LOG_INTERVAL

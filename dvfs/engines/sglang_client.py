@@ -199,7 +199,9 @@ class SglangClient:
         raise EngineError(f"{self.base_url} serves neither /server_info nor /get_server_info")
 
     def accept_length(self) -> float | None:
-        """The server's running mean accept length since the last flush (0.5.9 and 0.5.23)."""
+        """The server's mean accept length since the last flush (0.5.9 and 0.5.23), over the
+        whole blocks of decode_log_interval decode iterations run since then (SGLang adds a
+        block to it once the block is complete); None before the first block."""
         states = self.server_info().get("internal_states") or []
         raw = [s.get("avg_spec_accept_length") for s in states if isinstance(s, dict)]
         values = [float(v) for v in raw if v is not None]

@@ -22,6 +22,7 @@ from dvfs.clock import Clock
 from dvfs.corpora.sampling import stable_seed
 from dvfs.engines.base import (
     ABORTED,
+    DECODE_LOG_INTERVAL,
     ROLE_DRAFT,
     ROLE_PREFILL,
     ROLE_VERIFY,
@@ -230,7 +231,15 @@ class TwinEngine:
         _wait_until(clock, end_ns)
         role, host_s = _fixed_roles(planned, self._plan, self.node.profile)
         ledger = self._ledger(ends_ns, timing, role, host_s)
-        return RoundResult(tuple(requests), t0, end_ns, planned.accept_length, knob_ns, ledger)
+        return RoundResult(
+            tuple(requests),
+            t0,
+            end_ns,
+            planned.accept_length,
+            knob_ns,
+            ledger,
+            server_accept_covers=planned.accept_covers,
+        )
 
     def _ledger(
         self, ends_ns: np.ndarray, timing: PassTiming, role: np.ndarray, host_s: np.ndarray
@@ -490,8 +499,11 @@ class TwinEngine:
         ledger = self._ledger(
             ends_ns, point.timing, role, _overhead_host_s(self.node.profile, passes)
         )
+        accept, covers = _server_figure_of_iterations(
+            np.array(decode_emitted), np.array(decode_active), self._plan
+        )
         return RoundResult(
-            tuple(requests), t0, end_ns, _server_accept_length(requests), ledger=ledger
+            tuple(requests), t0, end_ns, accept, ledger=ledger, server_accept_covers=covers
         )
 
 
@@ -509,9 +521,12 @@ class _FixedRound:
     counts: np.ndarray
     completion: np.ndarray
     lengths: np.ndarray
+    #: What /server_info reports (`_server_figure`).
     accept_length: float | None
     #: Which requests the round's end aborted (`_ended_at_window`); None: none.
     aborted: np.ndarray | None = None
+    #: The share of the round's decode iterations `accept_length` covers.
+    accept_covers: float = 0.0
 
 
 def _plan_fixed(
@@ -562,7 +577,7 @@ def _plan_fixed(
     chunk_tokens.flags.writeable = False
     completion = chunk_tokens.sum(axis=1)
     check_chunk_tokens(chunk_tokens, verify_counts + 1, completion)
-    verifies = int(verify_counts.sum())
+    accept, covers = _server_figure(chunk_tokens[:, 1:], plan)
     return _FixedRound(
         phases=(prefill, decode.slice(0, split), decode.slice(split)),
         n_prefill=n_prefill,
@@ -573,9 +588,8 @@ def _plan_fixed(
         counts=verify_counts + 1,
         completion=completion,
         lengths=lengths,
-        accept_length=(int(completion.sum()) - batch) / verifies
-        if plan is not None and verifies
-        else None,
+        accept_length=accept,
+        accept_covers=covers,
     )
 
 
@@ -591,10 +605,9 @@ def _ended_at_window(planned: _FixedRound, plan: DraftPlan | None) -> _FixedRoun
     n_full = len(full) // planned.width
     keep = n_full + 1  # the prefill token's chunk, then one per full-batch iteration
     tokens = planned.chunk_tokens[:, :keep]
-    batch = len(planned.counts)
     counts = np.minimum(planned.counts, keep)
     completion = tokens.sum(axis=1)
-    verifies = int((counts - 1).sum())
+    accept, covers = _server_figure(tokens[:, 1:], plan)
     return _FixedRound(
         phases=(prefill, full, drain.slice(0, 0)),
         n_prefill=planned.n_prefill,
@@ -605,10 +618,9 @@ def _ended_at_window(planned: _FixedRound, plan: DraftPlan | None) -> _FixedRoun
         counts=counts,
         completion=completion,
         lengths=planned.lengths,
-        accept_length=(int(completion.sum()) - batch) / verifies
-        if plan is not None and verifies
-        else None,
+        accept_length=accept,
         aborted=planned.counts > keep,
+        accept_covers=covers,
     )
 
 
@@ -744,10 +756,25 @@ def _wait_until(clock: Clock, end_ns: int) -> None:
         clock.sleep(remaining_s)
 
 
-def _server_accept_length(requests: list[RequestTrace]) -> float | None:
-    """What SGLang's /server_info reports: tokens per verify pass (the prefill token is no
-    verify pass's), pooled over the round."""
-    verify = sum(r.spec_verify_ct or 0 for r in requests)
-    if not any(r.spec_verify_ct is not None for r in requests) or verify == 0:
-        return None
-    return (sum(r.completion_tokens for r in requests) - len(requests)) / verify
+def _server_figure(emitted: np.ndarray, plan: DraftPlan | None) -> tuple[float | None, float]:
+    """`_server_figure_of_iterations` of a fixed batch's tokens (requests x iterations, 0
+    where a request no longer runs)."""
+    return _server_figure_of_iterations(
+        emitted.sum(axis=0), np.count_nonzero(emitted, axis=0), plan
+    )
+
+
+def _server_figure_of_iterations(
+    emitted: np.ndarray, active: np.ndarray, plan: DraftPlan | None
+) -> tuple[float | None, float]:
+    """What SGLang's /server_info reports after a round, and the share of the round's decode
+    iterations it covers: tokens per verify pass (the prefill token is no verify pass's),
+    pooled over the whole blocks of `DECODE_LOG_INTERVAL` iterations only (SGLang adds a
+    block once it is complete; `dvfs.engines.base.server_accept_covers`). `emitted`,
+    `active`: each decode iteration's tokens and requests. None before a whole block."""
+    iterations = len(emitted)
+    covered = iterations - iterations % DECODE_LOG_INTERVAL
+    steps = float(np.sum(active[:covered]))
+    if plan is None or not covered or not steps:
+        return None, 0.0
+    return float(np.sum(emitted[:covered])) / steps, covered / iterations

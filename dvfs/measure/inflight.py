@@ -77,6 +77,7 @@ from dvfs.measure.meter import (
     CellMeasurement,
     LatencyStats,
     WindowPart,
+    accept_mismatch,
     acceptance,
     latency_stats,
     steady_window_ns,
@@ -585,7 +586,7 @@ def _measure_group(
 
     shared = latency_stats([r for res in results for r in res.requests])
     accept = acceptance(results)
-    mismatch = _accept_mismatch(accept.server_accept_length, accept.decode_accept_length)
+    mismatch = accept_mismatch(accept)
     gid = group_id(cells)
     group_time = {k: round(v, 6) for k, v in gpu_time.items()}
     energy_half, tpot_half = _halfwidths(measured, len(cells), scheme, confidence)
@@ -698,10 +699,6 @@ def _summarise(
         precision=m.precision,
         confidence=m.confidence,
     )
-
-
-def _accept_mismatch(server: float, ours: float) -> bool:
-    return not math.isnan(server) and not math.isnan(ours) and abs(server - ours) > 0.05 * ours
 
 
 def _finite_or_none(x: float) -> float | None:

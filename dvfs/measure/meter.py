@@ -411,12 +411,14 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
 class Acceptance:
     """accept_length as SGLang defines it per request (completion tokens / verify passes, so the
     prefill token counts); decode_accept_length leaves the prefill token out, as the server's
-    running average does, for the cross-check."""
+    average does, for the cross-check. server_covers: the least share of a round's decode
+    iterations the server's figure covers (`dvfs.engines.base.server_accept_covers`)."""
 
     accept_length: float
     accept_rate: float
     server_accept_length: float
     decode_accept_length: float = math.nan
+    server_covers: float = 0.0
 
 
 def acceptance(
@@ -428,13 +430,15 @@ def acceptance(
     Unknown (NaN) when any request's counters were lost (`RequestTrace.final_lost`: a round
     ended by disconnecting its running requests): pooling only the requests that finished
     would count those that needed the fewest verify passes, the best-accepted ones, and
-    overstate acceptance. The server's running average still covers every pass."""
+    overstate acceptance. The server's figure still covers the passes of each round's whole
+    blocks of decode iterations (`dvfs.engines.base.server_accept_covers`), not its last."""
     server = [res.server_accept_length for res in results if res.server_accept_length is not None]
     server_mean = float(np.mean(server)) if server else math.nan
+    covers = min((res.server_accept_covers for res in results), default=0.0)
     if requests is None:
         requests = [r for res in results for r in res.requests]
     if any(map(_FINAL_LOST, requests)):
-        return Acceptance(math.nan, math.nan, server_mean)
+        return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
     # whole numbers, summed exactly in any order: column by column where every request
     # speculated (or none did), else one pass skipping those that did not
     verify_ct = list(map(_VERIFY_CT, requests))
@@ -458,15 +462,31 @@ def acceptance(
             accepted += r.spec_accepted_drafts or 0
             completion += r.completion_tokens
     if not n:
-        return Acceptance(math.nan, math.nan, server_mean)
+        return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
     length = completion / verify if verify else math.nan
     decode = (completion - n) / verify if verify else math.nan
     rate = accepted / proposed if proposed else math.nan
-    return Acceptance(length, rate, server_mean, decode)
+    return Acceptance(length, rate, server_mean, decode, covers)
 
 
 def _or_zero(value: int | None) -> int:
     return value or 0
+
+
+#: The cross-check runs only where the server's figure covers at least this share of each
+#: round's decode iterations: its last partial block is left out, and a pool that differs
+#: from the server's by that tail alone must not be flagged.
+SERVER_COVER_MIN = 0.9
+
+
+def accept_mismatch(accept: Acceptance) -> bool:
+    """`accept_length_mismatch`: the server's accept length and the pool's (prefill token
+    excluded) differ by over 5%, where the server's covers enough of every round
+    (`SERVER_COVER_MIN`); not checked elsewhere (rounds too short, no figure)."""
+    server, ours = accept.server_accept_length, accept.decode_accept_length
+    if accept.server_covers < SERVER_COVER_MIN or math.isnan(server) or math.isnan(ours):
+        return False
+    return abs(server - ours) > 0.05 * ours
 
 
 # -- the cell's measurement -----------------------------------------------------------------
@@ -713,8 +733,7 @@ def summarise(
         quality |= Q_THROTTLED
     if reasons & EVENT_SW_POWER_CAP:
         quality |= Q_POWER_CAPPED
-    server, ours = accept.server_accept_length, accept.decode_accept_length
-    if not math.isnan(server) and not math.isnan(ours) and abs(server - ours) > 0.05 * ours:
+    if accept_mismatch(accept):
         quality |= Q_ACCEPT_MISMATCH
     if any(map(_RETRACTIONS, all_requests)):
         quality |= Q_RETRACTED

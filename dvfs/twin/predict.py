@@ -12,9 +12,12 @@ The passes do not depend on the GPU's figures, so they are counted once per cube
 (`CubeCells`) and only timed for each profile the fit tries (`predict`): one operating point
 per knob setting over every cell measured there.
 
-Tokens per verify pass come from the cube where it recorded them (`server_accept_length`, the
-mean over the cell's knob settings: acceptance is a property of the text and the drafter, not
-of the GPU), else from the twin's expected acceptance on the corpus's text.
+Tokens per verify pass come from the cube where it recorded them (`accept_length`, the pool
+over every request, less its prefill token: x (T - 1) / T for requests of T tokens, exact when
+they ran to length; the mean over the cell's knob settings: acceptance is a property of the
+text and the drafter, not of the GPU), else from the twin's expected acceptance on the
+corpus's text. Not `server_accept_length`: SGLang leaves each round's last partial block of
+decode iterations out of it, and has none for rounds shorter than a block.
 """
 
 from __future__ import annotations
@@ -245,7 +248,7 @@ def cube_cells(
         index = index[pick]
     if len(index) == 0:
         raise PredictError(f"{where} has no valid measured cell to fit")
-    accept = ds.get("server_accept_length")
+    accept = ds.get("accept_length")
     coords = {d: ds[d].values for d in dims}
     labels = [str(v) for v in ds["drafter"].values]
     corpora_names = [str(v) for v in ds["corpus"].values]
@@ -275,7 +278,7 @@ def cube_cells(
                 )
                 text = texts.get(corpus)
                 if math.isfinite(seen):
-                    length = seen
+                    length = seen * (w.output_tokens - 1) / w.output_tokens
                 elif text is not None:
                     length = plan.expected_accept_length(text, w.temperature)
                 else:

@@ -123,8 +123,15 @@ num_draft_tokens) as spec_num_correct_drafts / spec_num_proposed_drafts /
 spec_correct_drafts_histogram (0.5.23) or spec_accept_token_num /
 spec_draft_token_num / spec_accept_histogram (0.5.9).
 /server_info internal_states[0].avg_spec_accept_length is the mean tokens per
-decode step (prefill token excluded) since the last flush (both versions:
-``Scheduler.flush_cache`` calls ``reset_metrics``); 0.0 before any step.
+request decode step (prefill token excluded) over the whole blocks of
+``--decode-log-interval`` (default 40) decode iterations since the last flush, as
+SGLang counts it: its scheduler adds a block's counters to the running totals only
+when the iteration count reaches a multiple of the interval (0.5.9
+``log_decode_stats``; 0.5.23 ``report_decode_stats``), and ``Scheduler.flush_cache``
+resets the count and the totals (``reset_metrics``, both versions). Absent until a
+block is complete.  A request's decode step ``j`` is iteration ``b + j`` of the
+server, ``b`` being the iterations run when the request got its first token (a fixed
+batch decodes its requests in the same iterations).
 
 Attention backend, as SGLang 0.5.9 / 0.5.23 resolve it for an MHA model on a Hopper
 GPU with CUDA >= 12.3 (the stub plays one): ``--prefill-attention-backend`` equal to
@@ -238,6 +245,7 @@ INT_DESTS = frozenset(
         "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
         "speculative_ngram_branch_length", "speculative_ngram_capacity",
         "speculative_ngram_max_trie_depth", "stream_interval", "random_seed", "base_gpu_id",
+        "decode_log_interval",
         "gpu_id_step", "nnodes", "node_rank", "max_queued_requests", "page_size",
     }
 )  # fmt: skip
@@ -267,6 +275,7 @@ KNOWN_DEFAULTS: dict[str, Any] = {
     "dp_size": 1,
     "ep_size": 1,
     "stream_interval": 1,
+    "decode_log_interval": 40,
     "weight_version": "default",
     "speculative_ngram_max_bfs_breadth": 10,
 }
@@ -712,6 +721,7 @@ class SubRequest:
     correct_drafts: int = 0
     histogram: list[int] = field(default_factory=list)
     first_token_mono: float | None = None
+    first_iteration: int = 0  # the server's decode iterations before this one's first token
     finished_mono: float | None = None
     finished_wall: float | None = None
     sent_ids: int = 0
@@ -854,8 +864,11 @@ class Stub:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.verify_calls_total = 0
-        self.spec_steps_since_flush = 0
-        self.spec_tokens_since_flush = 0
+        #: Decode iterations since the last flush (SGLang's forward_ct_decode), and per
+        #: iteration its [tokens, request steps], for the block-wise average.
+        self.decode_iterations = 0
+        self.spec_by_iteration: dict[int, list[int]] = {}
+        self.decode_log_interval = max(int(args.get("decode_log_interval") or 40), 1)
         self.recent_steps: deque[int] = deque(maxlen=40)
         self.gen_window: deque[tuple[float, int]] = deque()
         self.last_gen_throughput = 0.0
@@ -913,8 +926,8 @@ class Stub:
         """Drop the prefix cache and reset the accept-length average (both versions)."""
         with self.lock:
             self.prefix_cache.clear()
-            self.spec_steps_since_flush = 0
-            self.spec_tokens_since_flush = 0
+            self.decode_iterations = 0
+            self.spec_by_iteration.clear()
             self.finished_since_flush = False
             self.arrived_since_flush = 0
 
@@ -1117,6 +1130,8 @@ class Stub:
         if j == len(sub.steps) - 1:
             sub.finished_mono, sub.finished_wall = now, time.time()
         with self.lock:
+            if j == 0:
+                sub.first_iteration = self.decode_iterations
             self.generation_tokens_total += k
             self.gen_window.append((now, k))
             while self.gen_window and self.gen_window[0][0] < now - 1.0:
@@ -1127,8 +1142,11 @@ class Stub:
                 sub.correct_drafts += k - 1
                 sub.histogram[min(k - 1, len(sub.histogram) - 1)] += 1
                 self.verify_calls_total += 1
-                self.spec_steps_since_flush += 1
-                self.spec_tokens_since_flush += k
+                iteration = sub.first_iteration + j
+                self.decode_iterations = max(self.decode_iterations, iteration)
+                counts = self.spec_by_iteration.setdefault(iteration, [0, 0])
+                counts[0] += k
+                counts[1] += 1
                 self.recent_steps.append(k)
         if j == len(sub.steps) - 1:
             self.log_spec(sub, "finished")
@@ -1203,11 +1221,20 @@ class Stub:
         with self.lock:
             state: dict[str, Any] = {"last_gen_throughput": self.last_gen_throughput}
             if self.spec is not None:
-                steps = self.spec_steps_since_flush
-                state["avg_spec_accept_length"] = (
-                    self.spec_tokens_since_flush / steps if steps else 0.0
-                )
+                average = self.block_accept_length()
+                if average is not None:
+                    state["avg_spec_accept_length"] = average
         return {**self.args, "version": self.version, "internal_states": [state]}
+
+    def block_accept_length(self) -> float | None:
+        """Tokens per request decode step over the whole blocks of decode iterations since
+        the last flush (None before the first block ends); call with the lock held."""
+        covered = self.decode_iterations - self.decode_iterations % self.decode_log_interval
+        tokens = steps = 0
+        for iteration, (k, n) in self.spec_by_iteration.items():
+            if iteration <= covered:
+                tokens, steps = tokens + k, steps + n
+        return tokens / steps if steps else None
 
     def metrics(self) -> str:
         """/metrics: a few Prometheus series with SGLang's names."""
