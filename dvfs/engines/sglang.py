@@ -90,12 +90,18 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 class ChatFormatter:
     """Chat messages to the text `/generate` takes: the model's chat template when its tokenizer
-    is available locally (transformers installed), else plain 'role: content' turns."""
+    is available locally (transformers installed), else plain 'role: content' turns.
 
-    def __init__(self, model: str) -> None:
+    SGLang tokenizes that text with the tokenizer's defaults, special tokens added, so a
+    template that writes the BOS itself (Llama 3's <|begin_of_text|>) would reach the model
+    with two: the templated text goes out without its leading BOS, one BOS in all, as dvfs
+    counts the prompt's tokens (`dvfs.corpora.tokens`). `tokenizer`: one already loaded
+    (tests hand in a fake), else the model's is looked up on first use."""
+
+    def __init__(self, model: str, tokenizer: Any = None) -> None:
         self.model = model
-        self._tokenizer: Any = None
-        self._tried = False
+        self._tokenizer: Any = tokenizer
+        self._tried = tokenizer is not None
 
     def _load(self) -> Any:
         if not self._tried:
@@ -111,12 +117,20 @@ class ChatFormatter:
     def __call__(self, prompt: Prompt) -> str:
         tokenizer = self._load()
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return str(
+            text = str(
                 tokenizer.apply_chat_template(
                     prompt.as_chat(), tokenize=False, add_generation_prompt=True
                 )
             )
+            return without_bos(text, getattr(tokenizer, "bos_token", None))
         return prompt.text
+
+
+def without_bos(text: str, bos: Any) -> str:
+    """`text` less one leading `bos` (the server adds its own when it tokenizes)."""
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        return text[len(bos) :]
+    return text
 
 
 def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) -> None:
