@@ -22,7 +22,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
 from dvfs.measure.journal import read_records
-from dvfs.records import ARM_ARGS, arm_changes
+from dvfs.records import ARM_ARGS, ARMS_PINNED, arm_changes, begun_unpinned
 
 TABLES = REPO / "tests" / "data" / "sglang-args"
 ONE_SETTING = {"batch": "[1]", "knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
@@ -175,6 +175,84 @@ def test_a_server_resolving_other_engine_args_is_refused(tmp_path: Path) -> None
     assert "dtype (dtype): None -> 'float16'" in failed["error"]
     assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
     assert running(marker) == []
+
+
+def test_every_drafters_server_gets_the_campaigns_random_seed(tmp_path: Path) -> None:
+    """SGLang draws a random seed at every start unless given one: dvfs gives every drafter's
+    server measurement.seed, and a server with another is refused like any other arm arg;
+    a journal mixing them gives no cube."""
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, measurement_extra="seed = 11", **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert [s["args"]["random_seed"] for s in servers] == [11, 11]
+    [header] = [r for r in read_records(journal) if r["type"] == "header"]
+    assert "random_seed" in header["arms_pinned"]
+    # The first drafter's server (edited) ran with another seed: the next one is refused.
+    other = keep_first_drafter(journal)
+    records = read_records(journal)
+    for r in records:
+        if r["type"] == "server":
+            r["args"]["random_seed"] = 7
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(journal)
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert "random seed (random_seed): 7 -> 11" in failed["error"]
+    assert "earlier dvfs" not in failed["error"]
+    assert running(marker) == []
+    server = next(r for r in records if r["type"] == "server")
+    with journal.open("a") as f:
+        f.write(
+            json.dumps({**server, "drafter": other, "args": {**server["args"], "random_seed": 11}})
+            + "\n"
+        )
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert "(random seed (random_seed): 7 -> 11)" in last_line(built)
+
+
+def test_a_journal_whose_servers_drew_their_own_seeds_still_resumes(tmp_path: Path) -> None:
+    """A journal an earlier dvfs began (its header's arms_pinned lacks random_seed) has
+    servers that each drew a seed: they are not compared in it, so the journal resumes (the
+    new server with the pinned seed) and builds, with nothing said about an earlier dvfs."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    records = read_records(journal)
+    for r in records:
+        if r["type"] == "header":
+            r["arms_pinned"] = [k for k in r["arms_pinned"] if k != "random_seed"]
+        if r["type"] == "server":
+            r["args"]["random_seed"] = 123456789
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert sorted(s["args"]["random_seed"] for s in servers) == [0, 123456789]
+    assert {s["drafter"] for s in servers} == {"none", "ngram"} and other
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+    assert running(marker) == []
+
+
+def test_the_random_seed_is_compared_where_the_journal_pinned_it() -> None:
+    base = {"engine": "sglang", "version": "0.5.23", "attention_backend": "fa3"}
+    a = {**base, "args": {"random_seed": 1}}
+    b = {**base, "args": {"random_seed": 2}}
+    change = ["random seed (random_seed): 1 -> 2"]
+    assert arm_changes(a, b) == change
+    assert arm_changes(a, b, pinned=list(ARMS_PINNED)) == change
+    assert arm_changes(a, b, pinned=["decode_cuda_graphs", "overlap_schedule"]) == []
+    assert arm_changes(a, b, pinned=()) == []
+    # (so an earlier dvfs is never blamed for it)
+    assert begun_unpinned((), change) is None
 
 
 def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:

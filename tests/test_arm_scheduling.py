@@ -166,8 +166,11 @@ def test_the_stub_plays_what_sglang_sets_per_algorithm(stub: ModuleType, version
         "overlap scheduler disabled (disable_overlap_schedule): False -> True",
         "mixed chunked prefill (enable_mixed_chunk): True -> False",
     ]
+    # and each server draws its own random seed (1 in 2**30 that two draws agree)
+    seeds = resolved["none"]["random_seed"], resolved["eagle3"]["random_seed"]
     assert arm_changes(record(resolved["none"]), record(resolved["eagle3"]), [6, 8]) == [
         *(legacy if version == "0.5.9" else []),
+        f"random seed (random_seed): {seeds[0]!r} -> {seeds[1]!r}",
         "decode CUDA graph at batch 6: 8 -> 6",
     ]
     # STANDALONE's automatic triple is (3, 1, 4) even for a Llama target; EAGLE's (5, 4, 8).

@@ -139,15 +139,16 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
             )
     # Across drafters too: the arms must differ only in their drafters (`arm_changes`).
     servers = list(journal.servers)
+    pinned = journal.header.arms_pinned
     for server in servers[1:]:
-        changes = arm_changes(servers[0].to_json(), server.to_json(), batch_sizes)
+        changes = arm_changes(servers[0].to_json(), server.to_json(), batch_sizes, pinned)
         if not changes:
             continue
         served = (
             f"the journal's drafters {servers[0].drafter!r} and {server.drafter!r} were served "
             f"differently ({'; '.join(changes)}): the arms would compare more than their drafters"
         )
-        begun = begun_unpinned(journal.header.arms_pinned, changes)
+        begun = begun_unpinned(pinned, changes)
         if begun:
             raise IncomparableCellsError(
                 f"{served}; the journal was {begun}, so it cannot be resumed or compared: "

@@ -502,6 +502,9 @@ def launch_argv(
         *(str(b) for b in graph_batch_sizes(campaign.workload.batch_sizes)),
         *(["--disable-overlap-schedule"] if overlap.pin else []),
         "--enable-metrics",
+        # one seed for every drafter's server: SGLang draws a random one at each start
+        "--random-seed",
+        str(campaign.measurement.seed),
         *attention_args(campaign),
         *speculative_args(drafter),
         *sg.extra_args,

@@ -286,6 +286,7 @@ class Driver:
                 self.queue.give_back([cells[0]])
             return True
         batches = self.campaign.workload.batch_sizes
+        pinned = Header.from_json(self.journal.header).arms_pinned
         for record in shipment.records:
             if record.get("type") != "server":
                 continue
@@ -294,7 +295,7 @@ class Driver:
             whose = "the one that measured its cells"
             # The arms must differ only in their drafters: across drafters too (`arm_changes`).
             for other in () if changes else self.servers.values():
-                changes = arm_changes(other, record, batches)
+                changes = arm_changes(other, record, batches, pinned)
                 if changes:
                     whose = f"drafter {other.get('drafter')!r}'s"
                     break
@@ -304,7 +305,7 @@ class Driver:
                     f"the server of drafter {drafter!r} on {worker} differs from {whose} in "
                     f"{path} ({'; '.join(changes)})"
                 )
-                begun = begun_unpinned(Header.from_json(self.journal.header).arms_pinned, changes)
+                begun = begun_unpinned(pinned, changes)
                 why = (
                     f"{differs}: the arms would compare more than their drafters; {path} was "
                     f"{begun}, so this dvfs cannot resume it: rerun with --fresh (or into "

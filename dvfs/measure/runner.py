@@ -385,8 +385,9 @@ class Runner:
         CUDA graph at each of the campaign's batch sizes; and, against its own drafter's, its
         resolved speculative args (`server_changes`)."""
         batches = self.campaign.workload.batch_sizes
+        pinned = self._arms_pinned()
         for earlier in self._earlier_servers():
-            changes = arm_changes(earlier, record, batches)
+            changes = arm_changes(earlier, record, batches, pinned)
             if earlier.get("drafter") == record["drafter"]:  # and its own configuration
                 changes += [c for c in server_changes(earlier, record) if c not in changes]
             if not changes:
@@ -397,7 +398,7 @@ class Runner:
                 f"the {drafter!r} server differs from the {other!r} server of {path} "
                 f"({'; '.join(changes)}): the arms would compare more than their drafters"
             )
-            begun = begun_unpinned(self._arms_pinned(), changes)
+            begun = begun_unpinned(pinned, changes)
             if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
                 raise IncomparableCellsError(
                     f"{served}; {path} was {begun}, so this dvfs cannot resume it: rerun with "

@@ -232,15 +232,23 @@ ARM_ARGS: dict[str, str] = {
     "disable_radix_cache": "radix cache disabled",
     "disable_overlap_schedule": "overlap scheduler disabled",
     "enable_mixed_chunk": "mixed chunked prefill",
+    "random_seed": "random seed",
 }
 
+#: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
+#: random one at every start): compared only between the servers of a journal whose dvfs
+#: pinned them (its header's `arms_pinned`; `arm_changes`'s `pinned`), so that an earlier
+#: journal's servers, each with its own draw, still resume and build.
+DRAWN_ARM_ARGS = ("random_seed",)
 
-#: What dvfs gives every drafter's server alike so that SGLang schedules the arms alike (from
-#: the dvfs that wrote the header key `arms_pinned`, which lists them): each with its words and
-#: the start of the `arm_changes` entry a difference in it makes.
+
+#: What dvfs gives every drafter's server alike so that SGLang schedules (and samples) the arms
+#: alike (from the dvfs that wrote the header key `arms_pinned`, which lists them): each with
+#: its words and the start of the `arm_changes` entry a difference in it makes.
 ARMS_PINNED: dict[str, tuple[str, str]] = {
     "decode_cuda_graphs": ("decode CUDA graphs", "decode CUDA graph at batch "),
     "overlap_schedule": ("overlap scheduler", "overlap scheduler disabled ("),
+    "random_seed": ("random seed", "random seed (random_seed): "),
 }
 
 
@@ -248,9 +256,10 @@ def begun_unpinned(pinned: Iterable[str], changes: Iterable[str]) -> str | None:
     """Why servers differ when the dvfs that began their journal (its header's `arms_pinned`)
     did not give every drafter what this one does, and `changes` (`arm_changes`) differ in
     that: "begun by an earlier dvfs, which did not give every drafter the same ..."; None
-    otherwise (the difference is the campaign's or the server's, or that dvfs pinned it)."""
+    otherwise (the difference is the campaign's or the server's, or that dvfs pinned it).
+    The `DRAWN_ARM_ARGS` are left out: such a journal's servers are not compared in them."""
     given = set(pinned)
-    missing = [key for key in ARMS_PINNED if key not in given]
+    missing = [key for key in ARMS_PINNED if key not in given and key not in DRAWN_ARM_ARGS]
     texts = list(changes)
     if not any(t.startswith(ARMS_PINNED[key][1]) for key in missing for t in texts):
         return None
@@ -293,17 +302,24 @@ def decode_graph(args: Mapping[str, Any], batch: int) -> int | str | None:
 
 
 def arm_changes(
-    before: Mapping[str, Any], now: Mapping[str, Any], batch_sizes: Iterable[int] = ()
+    before: Mapping[str, Any],
+    now: Mapping[str, Any],
+    batch_sizes: Iterable[int] = (),
+    pinned: Iterable[str] | None = None,
 ) -> list[str]:
     """What differs between two server records of one journal, of the same drafter or not
     ("engine version: A -> B", "dtype: None -> 'float16'"): the engine, its version and
     attention kernels (`SERVER_INVARIANTS`), the `ARM_ARGS` both records report, and the decode
     CUDA graph each replays at each of `batch_sizes` (`decode_graph`). Arms that differ here
-    would compare software or settings, not drafters."""
+    would compare software or settings, not drafters. `pinned`: the journal header's
+    `arms_pinned`, leaving out the `DRAWN_ARM_ARGS` it lacks (None: every arg compared)."""
     changes = _engine_changes(before, now)
     old, new = before.get("args"), now.get("args")
+    given = None if pinned is None else set(pinned)
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key, label in ARM_ARGS.items():
+            if given is not None and key in DRAWN_ARM_ARGS and key not in given:
+                continue  # each server of an earlier dvfs's journal drew its own
             if key in old and key in new and old[key] != new[key]:
                 changes.append(f"{label} ({key}): {old[key]!r} -> {new[key]!r}")
         for batch in sorted(set(batch_sizes)):

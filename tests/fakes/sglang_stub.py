@@ -132,6 +132,8 @@ resets the count and the totals (``reset_metrics``, both versions). Absent until
 block is complete.  A request's decode step ``j`` is iteration ``b + j`` of the
 server, ``b`` being the iterations run when the request got its first token (a fixed
 batch decodes its requests in the same iterations).
+Without ``--random-seed`` the resolved random_seed is drawn at random at each start, as
+SGLang does (0.5.9 server_args.py, 0.5.23 arg_groups/serving_hook.py).
 
 Attention backend, as SGLang 0.5.9 / 0.5.23 resolve it for an MHA model on a Hopper
 GPU with CUDA >= 12.3 (the stub plays one): ``--prefill-attention-backend`` equal to
@@ -655,6 +657,8 @@ def resolve_server_args(
     for key in ("tokenizer_path", "served_model_name"):
         if key in args and args[key] is None:
             args[key] = args["model_path"]
+    if args.get("random_seed") is None:  # SGLang draws one at every start
+        args["random_seed"] = random.randint(0, 1 << 30)
     _resolve_attention(args)  # before the speculative defaults, as SGLang does
     _resolve_graphs(args, version)  # likewise (memory settings come first in both)
     _resolve_speculative(args, version, cfg)
