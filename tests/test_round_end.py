@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 from sglang_support import stub_campaign
 from test_protocol import GROUND_TRUTH_CAMPAIGN, _records, _sweep_with_truth
 
@@ -399,12 +401,12 @@ _SPEC_LINE = re.compile(
 
 
 def _stub_round(
-    tmp_path: Path, *, abort_route: bool
+    tmp_path: Path, *, abort_route: bool, requests: int = 4
 ) -> tuple[RoundResult, dict[str, tuple[int, int, int, str]]]:
-    """One fixed batch of four EAGLE-3 requests (48 tokens, 2 or 3 a verify pass, seeded)
-    through dvfs's SGLang client against the stub on loopback, ended at its first finish; and
-    what the stub generated for each request: (tokens, verify passes, accepted drafts, how it
-    ended), from its log once it logged all four (bounded wait)."""
+    """One fixed batch of `requests` EAGLE-3 requests (48 tokens, 2 or 3 a verify pass,
+    seeded) through dvfs's SGLang client against the stub on loopback, ended at its first
+    finish; and what the stub generated for each request (by rid): (tokens, verify passes,
+    accepted drafts, how it ended), from its log once it logged them all (bounded wait)."""
     import os
     import subprocess
     import sys
@@ -458,20 +460,20 @@ def _stub_round(
         client.flush_cache()  # hold_unfinished counts finishes since the last flush
         started = time.monotonic_ns()
         traces = client.run_batch(
-            [f"prompt number {i}" for i in range(4)],
+            [f"prompt number {i}" for i in range(requests)],
             SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
             "acc",
             end_at_window=True,
         )
         result = RoundResult(tuple(traces), started, time.monotonic_ns(), client.accept_length())
         counts: dict[str, tuple[int, int, int, str]] = {}
-        while len(counts) < 4 and time.monotonic() < deadline:
+        while len(counts) < requests and time.monotonic() < deadline:
             counts = {
                 m[1]: (int(m[2]), int(m[3]), int(m[4]), m[5])
                 for m in _SPEC_LINE.finditer(log_path.read_text())
             }
             time.sleep(0.01)
-        assert sorted(counts) == [f"acc-{i}" for i in range(4)], log_path.read_text()
+        assert len(counts) == requests, log_path.read_text()
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -501,6 +503,50 @@ def test_a_round_ended_by_aborts_pools_every_request_as_the_server_ran_it(
     assert got.accept_length == tokens / verify
     assert got.decode_accept_length == (tokens - 4) / verify
     assert got.accept_rate == correct / (verify * 3)  # three drafts a pass
+
+
+def test_a_rounds_rids_are_prefix_free_so_each_abort_takes_its_own_request(
+    tmp_path: Path,
+) -> None:
+    """SGLang aborts every request whose rid starts with the rid it is given: with twelve
+    requests "acc-1" would also take "acc-10" and "acc-11". The rids the server saw begin
+    none of the others, and each request ended once, as the round's end said."""
+    result, counts = _stub_round(tmp_path, abort_route=True, requests=12)
+    rids = sorted(counts)
+    assert len(rids) == len(result.requests) == 12
+    assert [b for a in rids for b in rids if a != b and b.startswith(a)] == []
+    assert sorted(how for *_, how in counts.values()) == ["aborted"] * 11 + ["finished"]
+
+
+def _prefix_pairs(rids: list[str]) -> list[tuple[str, str]]:
+    """Pairs (a, b) of distinct rids where a begins b (sorted: a begins the next ones)."""
+    ordered = sorted(rids)
+    pairs = []
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if not b.startswith(a):
+                break
+            pairs.append((a, b))
+    return pairs
+
+
+@given(
+    count=st.integers(1, 5000),
+    other=st.integers(1, 5000),
+    rounds=st.tuples(st.integers(1, 10**6), st.integers(1, 10**6)),
+)
+def test_no_rid_of_a_round_begins_another(count: int, other: int, rounds: tuple[int, int]) -> None:
+    """Whatever the round's size (a batch, or a closed loop's pool), and across two rounds of
+    one dvfs (their tags as `SglangEngine.run` makes them), no rid begins another: an abort
+    of one (SGLang matches by prefix) takes no other request."""
+    from dvfs.engines.sglang_client import request_ids
+
+    ids = request_ids(f"dvfs-4242-{rounds[0]}", count)
+    assert len(set(ids)) == count
+    assert _prefix_pairs(ids) == []
+    if rounds[0] != rounds[1]:
+        both = ids + request_ids(f"dvfs-4242-{rounds[1]}", other)
+        assert _prefix_pairs(both) == []
 
 
 def test_a_round_ended_by_disconnects_has_no_acceptance_rather_than_a_biased_one(

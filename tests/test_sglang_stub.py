@@ -675,3 +675,25 @@ def test_a_client_resetting_an_idle_connection_is_one_log_line(launch: Launcher)
     _wait_for_log(stub, "closed the connection (ConnectionResetError)")
     assert stub.request("GET", "/health")[0] == 200  # the server goes on
     assert "Traceback" not in stub.log_path.read_text(errors="replace")
+
+
+def test_an_abort_stops_every_request_whose_rid_starts_with_it(stub_module: ModuleType) -> None:
+    """As SGLang's scheduler (``req.rid.startswith(recv_req.rid)``): aborting "t-1" stops
+    "t-1" and "t-10" that had arrived, not "t-2", nor a "t-11" arriving afterwards; a rid
+    not arrived yet is still aborted when it comes."""
+    cfg = stub_module.StubConfig(version="0.5.23")
+    args, _ = stub_module.parse_launch_argv(["--model-path", "m"], cfg)
+    stub = stub_module.Stub(cfg, args, None)
+
+    def plan(rid: str) -> tuple[Any, Any]:
+        sub = stub_module.SubRequest(0, rid, [1], 4, {}, [1, 1], [5, 6], 1)
+        return stub_module.Plan(0, True, False, [sub], time.monotonic(), time.time()), sub
+
+    running = {rid: plan(rid) for rid in ("t-1", "t-10", "t-2")}
+    stub.request_abort("t-1", False)
+    stub.request_abort("t-3", False)
+    due = {rid: stub._abort_due(p, sub) for rid, (p, sub) in running.items()}
+    assert due == {"t-1": True, "t-10": True, "t-2": False}
+    time.sleep(0.002)  # (monotonic time moves on)
+    assert not stub._abort_due(*plan("t-11"))
+    assert stub._abort_due(*plan("t-3"))

@@ -446,8 +446,8 @@ class SglangClient:
         async def main() -> list[RequestTrace]:
             async with self._async_client(len(texts)) as client:
                 tasks = [
-                    self._request(client, t, params, f"{tag}-{i}", first, end)
-                    for i, t in enumerate(texts)
+                    self._request(client, t, params, rid, first, end)
+                    for rid, t in zip(request_ids(tag, len(texts)), texts, strict=True)
                 ]
                 traces = list(await asyncio.gather(*tasks))
                 if end is not None:
@@ -474,16 +474,27 @@ class SglangClient:
             gate = asyncio.Semaphore(concurrency)
             async with self._async_client(concurrency) as client:
 
-                async def one(i: int, text: str) -> RequestTrace:
+                async def one(rid: str, text: str) -> RequestTrace:
                     async with gate:
-                        return await self._request(client, text, params, f"{tag}-{i}", None, end)
+                        return await self._request(client, text, params, rid, None, end)
 
-                traces = list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
+                rids = request_ids(tag, len(texts))
+                traces = list(await asyncio.gather(*map(one, rids, texts)))
                 if end is not None:
                     await end.settled()
                 return traces
 
         return asyncio.run(main())
+
+
+def request_ids(tag: str, count: int) -> list[str]:
+    """The rids of a round's `count` requests: `tag`, then each index zero-padded to one
+    width. SGLang's scheduler aborts every request whose rid starts with the rid it is
+    given (`req.rid.startswith(recv_req.rid)`), so no rid may begin another: "tag-1" would
+    take "tag-10".."tag-19" with it. One width makes a round's rids prefix-free, and the
+    round in `tag` (ended by "-") keeps rounds apart."""
+    width = len(str(max(count - 1, 0)))
+    return [f"{tag}-{i:0{width}d}" for i in range(count)]
 
 
 def _kind(meta: dict[str, Any]) -> str:

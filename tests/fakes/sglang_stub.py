@@ -87,8 +87,10 @@ output`` (0.5.23) (delta chunks instead of cumulative ones), ``--weight-version`
 
 Aborts, as SGLang's http_server and scheduler handle them: ``POST /abort_request``
 with ``{"rid": R}`` (or ``{"abort_all": true}``) answers 200 whether or not R is
-running; a running request with that rid stops at its next decode step and its
-stream ends with a final chunk whose finish_reason is ``{"type": "abort",
+running; every request that arrived by then whose rid starts with R stops at its next
+decode step, as SGLang's scheduler matches them (``req.rid.startswith(recv_req.rid)``),
+and a request with rid R that has not arrived yet is aborted when it does; the stream of
+each ends with a final chunk whose finish_reason is ``{"type": "abort",
 "message": ...}``, carrying the tokens it had (and, with speculation, its draft
 statistics so far), then ``data: [DONE]``.  A streaming client that disconnects
 stops its request at the next chunk the stub fails to write (SGLang aborts it too).
@@ -878,6 +880,9 @@ class Stub:
         self.last_gen_throughput = 0.0
         self.prefix_cache: deque[list[int]] = deque(maxlen=64)
         self.abort_rids: set[str] = set()
+        #: Each abort's rid and when it came: it stops every request arrived by then whose
+        #: rid starts with it.
+        self.abort_prefixes: list[tuple[str, float]] = []
         self.abort_all_at = -math.inf  # requests running at this instant are aborted
         self.aborted_total = 0
         self.finished_since_flush = False  # hold_unfinished: whether to hold last steps
@@ -1046,10 +1051,13 @@ class Stub:
                 self.abort_all_at = time.monotonic()
             elif rid:
                 self.abort_rids.add(rid)
+                self.abort_prefixes.append((rid, time.monotonic()))
 
     def _abort_due(self, plan: Plan, sub: SubRequest) -> bool:
         with self.lock:
-            return sub.rid in self.abort_rids or plan.t0 <= self.abort_all_at
+            if sub.rid in self.abort_rids or plan.t0 <= self.abort_all_at:
+                return True
+            return any(sub.rid.startswith(r) and plan.t0 <= at for r, at in self.abort_prefixes)
 
     def _abort(self, sub: SubRequest) -> None:
         """Finish ``sub`` as aborted with what it has emitted."""
