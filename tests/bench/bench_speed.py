@@ -37,6 +37,13 @@ BEFORE = "42bc906"
 #: window, the power limit per pass, the speculative iteration's costs, the energy split)
 #: before the last round of speed work; a sweep by the working tree must give the same cube.
 REFERENCE = "2c79446"
+#: Variables a later change altered on purpose, so they are left out of the comparison with the
+#: reference (and shown apart): SGLang's accept length covers whole blocks of
+#: `decode_log_interval` decode iterations only, and the twin now reports it as a server would
+#: (NaN for a round shorter than one block).
+CHANGED_SINCE_REFERENCE = {
+    "server_accept_length": "the server's figure now covers whole blocks of decode iterations",
+}
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
 TARGET_PLOT_S = 5.0
@@ -277,13 +284,23 @@ def main() -> None:
         f"(<= {TARGET_MEMORY_RATIO}x){old_ratio}"
     )
     cube = "cube.nc"
-    same, lines, n = compare(work / "demo-ref" / cube, work / "demo-new" / cube, opts.rtol)
+    changed = frozenset(CHANGED_SINCE_REFERENCE)
+    same, lines, n = compare(
+        work / "demo-ref" / cube, work / "demo-new" / cube, opts.rtol, leave_out=changed
+    )
     print(
         f"[{verdict(same)}] new demo cube equals the reference's ({opts.reference}): "
         f"{n} variables and coordinates, rtol {opts.rtol:g}, NaN == NaN"
+        + (f"; left out, changed on purpose: {', '.join(sorted(changed))}" if changed else "")
     )
     for line in lines:
         print(f"  {line}")
+    _, on_purpose, _ = compare(work / "demo-ref" / cube, work / "demo-new" / cube, opts.rtol)
+    for line in on_purpose:
+        name = line.split(":", 1)[0]
+        why = CHANGED_SINCE_REFERENCE.get(name)
+        if why:
+            print(f"[info] {line} ({why})")
     _, old_lines, _ = compare(work / "demo-old" / cube, work / "demo-new" / cube, opts.rtol)
     print(
         f"[info] vs the old cube ({BEFORE}): {len(old_lines)} difference(s), by design: issues "
