@@ -8,6 +8,7 @@ Heavy imports stay inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from dvfs.errors import CampaignError
+from dvfs.gpu.visible import SWEEP_NAMING, Visible
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
@@ -73,9 +75,11 @@ def open_gpus(
     twin: str | None = None,
     allow_mig: bool = False,
     nvml: ModuleType | None = None,
+    visible: Visible | None = None,
 ) -> Iterator[list[Gpu]]:
     """GPUs by index or UUID: twins of profile `twin` in virtual time (GPU 0 when none is
-    named), else real ones over NVML (every GPU when none is named)."""
+    named), else real ones over NVML (every GPU when none is named), held to `visible` (see
+    `job_gpus`) when a command changes or meters them."""
     if twin:
         from dvfs.clock import VirtualClock
 
@@ -87,13 +91,39 @@ def open_gpus(
         indices = [int(d) for d in devices] or [0]
         yield twin_gpus(twin, indices, VirtualClock())
         return
-    from dvfs.gpu.nvml import device_count, nvml_session, open_device
+    from dvfs.gpu.nvml import open_nvml_gpus
 
-    with nvml_session(nvml) as module:
-        wanted = list(devices)
-        if not wanted:
-            wanted = list(range(device_count(module)))
-        yield [open_device(module, d, allow_mig=allow_mig) for d in wanted]
+    with open_nvml_gpus(
+        list(devices) or None, nvml=nvml, allow_mig=allow_mig, visible=visible
+    ) as gpus:
+        yield list(gpus)
+
+
+def job_gpus(naming: str = SWEEP_NAMING) -> Visible | None:
+    """This process's CUDA_VISIBLE_DEVICES (None when unset or empty): what a command that
+    changes or meters real GPUs holds them to, since NVML, and so dvfs's GPU numbers, ignore it
+    (`dvfs.gpu.visible`). `naming`: how the command names GPUs, for the refusal's hint. The
+    twin's GPUs are no CUDA devices, so twins are never held to it."""
+    return Visible.from_env(os.environ, naming)
+
+
+def check_job_gpus(
+    campaign: Campaign, devices: Sequence[int | str], *, nvml: ModuleType | None = None
+) -> None:
+    """Refuse now, before a sweep (or its dry run) touches a GPU, what opening the campaign's
+    real GPUs `devices` would: one that CUDA_VISIBLE_DEVICES does not give the job
+    (`job_gpus`). Nothing to check on the twin or without the variable; where NVML cannot open
+    them (a laptop planning for a GPU node) the sweep's own opening tells."""
+    visible = job_gpus()
+    if not real_gpus(campaign) or visible is None or not devices:
+        return
+    from dvfs.errors import GpuError
+
+    with (
+        contextlib.suppress(GpuError),
+        open_gpus(devices, nvml=nvml, allow_mig=True, visible=visible),
+    ):
+        pass
 
 
 @contextlib.contextmanager
@@ -111,7 +141,7 @@ def open_campaign_gpus(
         return
     from dvfs.gpu.nvml import open_nvml_gpus
 
-    with open_nvml_gpus(campaign.gpu.devices, nvml=nvml) as gpus:
+    with open_nvml_gpus(campaign.gpu.devices, nvml=nvml, visible=job_gpus()) as gpus:
         yield list(gpus)
 
 

@@ -138,8 +138,8 @@ def _gpu_checks(
                         "means the capped setting",
                     )
                 )
-    except DvfsError as exc:
-        checks.append(Check("driver", FAIL, str(exc)))
+    except DvfsError as exc:  # exit 2: GPUs the sweep refuses too (outside CUDA_VISIBLE_DEVICES)
+        checks.append(Check("driver", FAIL, str(exc), invalid=exc.exit_code == 2))
         return checks
     if campaign.gpu.actuation:
         root = os.geteuid() == 0

@@ -317,9 +317,14 @@ def pytest_configure(config: pytest.Config) -> None:
     sets PYTHONDONTWRITEBYTECODE, every xdist worker and every `python -m dvfs` a test starts
     would compile dvfs (and rewrite the test modules' asserts) from source again: seconds of
     CPU per worker. Only the test session's children are affected; the caches are the usual
-    gitignored `__pycache__` folders."""
+    gitignored `__pycache__` folders.
+
+    CUDA_VISIBLE_DEVICES goes too: dvfs holds real GPUs to it (`dvfs.gpu.visible`), and the
+    fake NVML's GPUs are none a scheduler could name, so on a GPU machine whose jobs get the
+    variable every fake-NVML test would be refused. Tests of that rule set it themselves."""
     del config
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

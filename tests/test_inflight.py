@@ -458,6 +458,71 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
         assert len({r.measurement.tpot_ms for r in records if r.measurement}) == 3
 
 
+class Recording:
+    """The twin engine, keeping every round it returns (for the rounds' start and window)."""
+
+    name = "twin"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rounds: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def run(self, workload: Any, timeline: KnobTimeline | None = None) -> Any:
+        result = self.inner.run(workload, timeline)
+        if timeline is not None:
+            self.rounds.append(result)
+        return result
+
+
+@pytest.mark.parametrize("setter_s", [0.0, 0.04])
+def test_no_segment_measures_while_the_knob_changes(tmp_path: Path, setter_s: float) -> None:
+    """A clock lock that takes `setter_s` (one NVML call, in virtual time here): each segment
+    ends when the next level's setter is called, and starts when it has returned, so no
+    segment's measured span overlaps a knob change (the change belongs to neither level)."""
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 2")
+    with twin_runner(tmp_path, text) as runner:
+        gpu = runner.gpus[0]
+        lock = gpu.lock_sm_clock
+        changing: list[tuple[int, int]] = []
+
+        def slow_lock(min_mhz: int, max_mhz: int) -> None:
+            begun = runner.clock.now_ns()
+            runner.clock.sleep(setter_s)
+            lock(min_mhz, max_mhz)
+            changing.append((begun, runner.clock.now_ns()))
+
+        gpu.lock_sm_clock = slow_lock  # type: ignore[method-assign]
+        engine = Recording(runner.engine)
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+        assert all(r.ok for r in records), [r.errors for r in records]
+        levels = len(group)
+        spans = []
+        for record in records:
+            info = record.inflight
+            for seg in info["segments"]:
+                result = engine.rounds[seg["round"]]
+                window = steady_window_ns(result, "fixed")
+                assert window is not None
+                order = level_order(range(levels), info["scheme"], seg["round"])
+                start = result.started_ns + round(seg["start_s"] * 1e9)
+                lo = max(
+                    start + round(settle_before(order, seg["position"], info["settle_s"]) * 1e9),
+                    window[0],
+                )
+                spans.append((lo, lo + round(seg["measured_s"] * 1e9)))
+        assert len(spans) == 2 * segments_per_round(levels, "abba") and changing
+        slack = 2_000  # start_s and measured_s are rounded to the microsecond
+        for lo, hi in spans:
+            assert hi > lo
+            for begun, done in changing:
+                assert hi <= begun + slack or lo >= done - slack, (lo, hi, begun, done)
+
+
 # -- the safety layer: real NVML (the fake pynvml), the twin engine as the load ---------------
 
 INFLIGHT_NVML = NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(

@@ -279,11 +279,12 @@ def show(as_json: bool, state_dir: Path | None) -> None:
 @handle_errors
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none)."""
-    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.backends import job_gpus, open_gpus, parse_devices
     from dvfs.caps import reset_locked
     from dvfs.gpu.safety import default_state_dir
 
-    with open_gpus(parse_devices(devices)) as gpus:
+    visible = job_gpus("`dvfs cap reset {spaced}`")
+    with open_gpus(parse_devices(devices), visible=visible) as gpus:
         lines = reset_locked(gpus, state_dir or default_state_dir())
     for line in lines:
         console().print(line)

@@ -32,7 +32,7 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     campaign file is missing or invalid (nothing else is checked then) or a check failed that
     `dvfs sweep` refuses as an invalid campaign (exit 2 there too): the 'arms' check (SGLang
     would serve the drafters differently), clocks or limits the GPUs do not support, corpora
-    that cannot fill the batches."""
+    that cannot fill the batches, GPUs outside the job's CUDA_VISIBLE_DEVICES."""
     import sys
 
     from dvfs.campaign import load_campaign

@@ -185,7 +185,7 @@ def govern(
     not answer), under the same safety layer as `dvfs cap apply`. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     """
-    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.backends import job_gpus, open_gpus, parse_devices
     from dvfs.govern.exporter import LiveMetrics
     from dvfs.govern.loop import Ticker, check_plan_against, check_server_for_dry_run
     from dvfs.govern.loop import govern as run_governor
@@ -205,7 +205,8 @@ def govern(
     def scraper() -> Any:
         return scrape(url, _timeout(interval))
 
-    with open_gpus(parse_devices(devices)) as gpus:
+    visible = job_gpus("--gpu with {listed}")
+    with open_gpus(parse_devices(devices), visible=visible) as gpus:
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
             check_server_for_dry_run(scraper, url, gpus)

@@ -19,10 +19,13 @@ def open_cli_gpus(
     twin: str | None,
     *,
     allow_mig: bool = False,
+    naming: str | None = None,
 ) -> Iterator[list[Any]]:
     """GPUs named on the command line (all when none are named), from `dvfs.backends`; a UUID
-    given to the twin is a usage error."""
-    from dvfs.backends import open_gpus, parse_devices
+    given to the twin is a usage error. `naming` (how the command names GPUs, as
+    `dvfs.gpu.visible.SWEEP_NAMING`) for a command that changes or meters them: real GPUs are
+    then held to CUDA_VISIBLE_DEVICES (`dvfs.backends.job_gpus`)."""
+    from dvfs.backends import job_gpus, open_gpus, parse_devices
 
     parsed = parse_devices(devices)
     named = [str(d) for d in parsed if not isinstance(d, int)]
@@ -30,7 +33,8 @@ def open_cli_gpus(
         raise click.UsageError(
             f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
         )
-    with open_gpus(parsed, twin=twin, allow_mig=allow_mig) as gpus:
+    visible = job_gpus(naming) if naming is not None and not twin else None
+    with open_gpus(parsed, twin=twin, allow_mig=allow_mig, visible=visible) as gpus:
         yield gpus
 
 
@@ -341,8 +345,17 @@ def roofline(
             target = int(gpu_index) if gpu_index.isdigit() else gpu_index
         elif not on_cpu:
             target = _cuda_gpu(spec)
+        from dvfs.backends import job_gpus
+
         request = RooflineRequest(
-            spec, clocks, target, observe_only, energy_window, settle, state_dir
+            spec,
+            clocks,
+            target,
+            observe_only,
+            energy_window,
+            settle,
+            state_dir,
+            visible=job_gpus("--gpu {indices}") if target is not None else None,
         )
         total_s = request.estimated_s()
         length = f"{total_s:.0f} s" if total_s < 120 else f"{total_s / 60:.0f} min"
@@ -520,7 +533,7 @@ def settle(
             param_hint="--hold",
         )
     err = console(stderr=True)
-    with open_cli_gpus(devices or ("0",), twin) as gpus:
+    with open_cli_gpus(devices or ("0",), twin, naming="--gpu with {listed}") as gpus:
         plan = _settle_plan(gpus, clocks, power_limits, twin)
         load = _settle_load(gpus, twin, load_device) if with_load else None
         try:

@@ -225,6 +225,7 @@ def sweep(
     Resumes from the journal in --out by default: finished cells are skipped. Ctrl-C stops
     after restoring the GPU; run the same command again to continue.
     """
+    from dvfs.backends import check_job_gpus
     from dvfs.campaign import load_campaign
     from dvfs.sweep import observe_only as observing
     from dvfs.sweep import plan_dry_run
@@ -252,12 +253,14 @@ def sweep(
             "--gpus is empty: name GPUs (e.g. --gpus 0-1), or leave out --gpus for the "
             "campaign's gpu.devices"
         )
+    groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
+    if executor != "ray":  # before any GPU is touched; Ray's actors get the GPUs Ray gives them
+        check_job_gpus(campaign, [d for g in groups for d in g])
     if dry_run:
         import sys
 
         from dvfs.cli.progress import RichProgress
 
-        groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
         show = not no_progress and not no_estimate and sys.stderr.isatty()
         bar = RichProgress("estimating on the twin", enabled=show)
         with bar:
@@ -297,7 +300,6 @@ def sweep(
         if report["problems"]:
             raise SystemExit(plan.exit_code)
         return
-    groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
     from dvfs.fleet.folders import fleet_journal
 
     if len(groups) > 1 or executor == "ray" or fleet_journal(out_dir):

@@ -8,10 +8,11 @@ In-flight stepping (`dvfs.measure.inflight`) changes the knob while a fixed batc
 (the instant every request of the batch has its first token). The engine runs each step's
 callback in order, at its instant or as soon after as it can (the twin at the next forward
 pass boundary, in virtual time; SGLang on a stepping thread beside the streaming requests),
-never before, and reports when each ran in `RoundResult.knob_ns` (the instant its callback
-returned); steps due after the decode ended do not run. The callbacks apply knobs through the
-sweep's `KnobController`, so the safety layer records and restores every change. Without a
-timeline nothing changes.
+never before, and reports when each ran: `RoundResult.knob_begun_ns` the instant its callback
+was called, `RoundResult.knob_ns` the instant it returned (a setter takes one NVML call or
+more, so the knob is changing in between); steps due after the decode ended do not run. The
+callbacks apply knobs through the sweep's `KnobController`, so the safety layer records and
+restores every change. Without a timeline nothing changes.
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ class RoundResult:
     #: /server_info's average accept length: over the round's whole blocks of decode
     #: iterations only (`server_accept_covers`), None when it has none.
     server_accept_length: float | None = None
-    #: When each step of the round's `KnobTimeline` ran (ns), in order; empty without one.
+    #: When each step of the round's `KnobTimeline` returned (ns), in order; empty without one.
     knob_ns: tuple[int, ...] = ()
     #: The round's passes by role, from an engine that knows them (the twin); None: no exact
     #: split (a real server).
@@ -281,6 +282,9 @@ class RoundResult:
     #: The share of the round's decode iterations `server_accept_length` covers (at least;
     #: `server_accept_covers`): 0 without a figure.
     server_accept_covers: float = 0.0
+    #: When each step was called (ns), in order: the knob changed between this and its
+    #: `knob_ns`, a transition that belongs to neither level. Empty: as `knob_ns`.
+    knob_begun_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -429,7 +429,7 @@ class SglangEngine:
                         texts, params, tag, started_cb, end_at_window=workload.end_at_window
                     )
             finally:
-                knob_ns = stepper.finish() if stepper else ()
+                begun_ns, knob_ns = stepper.finish() if stepper else ((), ())
             ended = self.clock.now_ns()
             # The flush above reset the server's average (Scheduler.flush_cache calls
             # reset_metrics in 0.5.9 and 0.5.23 alike), which then counts only whole blocks
@@ -447,7 +447,13 @@ class SglangEngine:
             else 0.0
         )
         return RoundResult(
-            tuple(traces), started, ended, accept, knob_ns, server_accept_covers=covers
+            tuple(traces),
+            started,
+            ended,
+            accept,
+            knob_ns,
+            server_accept_covers=covers,
+            knob_begun_ns=begun_ns,
         )
 
     def _crash_message(self, exc: Exception | None) -> str:
@@ -474,6 +480,7 @@ class _Stepper:
         self._started = threading.Event()
         self._stop = threading.Event()
         self._start_ns = 0
+        self.begun: list[int] = []
         self.ran: list[int] = []
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dvfs-knob-steps", daemon=True)
@@ -494,21 +501,24 @@ class _Stepper:
                     return
             if self._stop.is_set():
                 return
+            begun = self.clock.now_ns()
             try:
                 step.apply()
             except BaseException as exc:  # raised by finish() in the caller's thread
                 self.error = exc
                 return
+            self.begun.append(begun)
             self.ran.append(self.clock.now_ns())
 
-    def finish(self) -> tuple[int, ...]:
+    def finish(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """When each step that ran was called and when it returned (ns)."""
         self._stop.set()
         self._thread.join(timeout=STOP_GRACE_S)
         if self._thread.is_alive():
             raise EngineError("the knob-stepping thread did not stop (a knob change hung)")
         if self.error is not None:
             raise self.error
-        return tuple(self.ran)
+        return tuple(self.begun), tuple(self.ran)
 
 
 def _stat(entry: Path) -> tuple[int, int] | None:

@@ -209,7 +209,7 @@ class TwinEngine:
         t0 = clock.now_ns()
         planned = self._fixed_round(workload)
         n_prefill, n_iter = planned.n_prefill, planned.n_iter
-        ends_ns, knob_ns, timing = self._execute(planned.phases, timeline)
+        ends_ns, (begun_ns, knob_ns), timing = self._execute(planned.phases, timeline)
         first_ns = ends_ns[:n_prefill][planned.done_chunk]
         iter_ns = ends_ns[_verify_passes(planned, self._plan)]
         # Request i's chunks: its prefill token, then one per verify while it is active (a
@@ -239,6 +239,7 @@ class TwinEngine:
             knob_ns,
             ledger,
             server_accept_covers=planned.accept_covers,
+            knob_begun_ns=begun_ns,
         )
 
     def _ledger(
@@ -253,9 +254,10 @@ class TwinEngine:
 
     def _execute(
         self, phases: tuple[Passes, ...], timeline: KnobTimeline | None
-    ) -> tuple[np.ndarray, tuple[int, ...], PassTiming]:
+    ) -> tuple[np.ndarray, tuple[tuple[int, ...], tuple[int, ...]], PassTiming]:
         """Run a round's phases (the prefill first) from now: when each pass ends (ns on the
-        clock), when each of the timeline's steps ran, and each pass's duration and power.
+        clock), when each of the timeline's steps was called and when it returned, and each
+        pass's duration and power.
 
         Without steps every phase starts at once, each at its own operating point. With
         steps the decode starts when the prefill ends; each step runs at the first pass
@@ -267,7 +269,7 @@ class TwinEngine:
         t0 = clock.now_ns()
         if timeline is None or not timeline.steps:
             done = self.node.execute(*phases)
-            return t0 + done.ends_ns, (), done.timing
+            return t0 + done.ends_ns, ((), ()), done.timing
         pieces: list[np.ndarray] = []
         timings: list[PassTiming] = []
 
@@ -283,6 +285,7 @@ class TwinEngine:
             run(prefill)
         decode_ns = clock.now_ns()
         queue = [p for p in decode if len(p)]
+        begun: list[int] = []
         ran: list[int] = []
         for step in timeline.steps:
             due = decode_ns + round(step.at_s * 1e9)
@@ -295,6 +298,7 @@ class TwinEngine:
                     queue.pop(0)
             if clock.now_ns() < due:
                 break  # the work ended before this step
+            begun.append(clock.now_ns())
             step.apply()
             ran.append(clock.now_ns())
         if queue:
@@ -308,7 +312,7 @@ class TwinEngine:
             np.concatenate([t.tensor_util for t in timings]),
             np.concatenate([t.memory_util for t in timings]),
         )
-        return np.concatenate(pieces), tuple(ran), timing
+        return np.concatenate(pieces), (tuple(begun), tuple(ran)), timing
 
     def _passes_until(self, passes: Passes, within_ns: int) -> int:
         """How many of `passes`, started now, run until the first pass end at least

@@ -22,6 +22,7 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from dvfs.backends import real_gpus, virtual_time
@@ -66,6 +67,32 @@ def import_ray(*, local: bool = False) -> Any:
     return ray
 
 
+def placed_group(gpu_ids: Sequence[int | str], *, nvml: ModuleType | None = None) -> Group:
+    """The NVML indices of the GPUs Ray gave an actor (`ray.get_gpu_ids()`). Ray's ids are its
+    own slots (ints), or the entries of the raylet's CUDA_VISIBLE_DEVICES when it had one:
+    indices (taken as NVML's, in PCI bus order like CUDA_DEVICE_ORDER=PCI_BUS_ID), or UUIDs
+    (or the prefixes CUDA accepts), looked up through NVML as CUDA_VISIBLE_DEVICES is
+    (`dvfs.gpu.visible`)."""
+    ids = [str(i).strip() for i in gpu_ids]
+    if all(i.isdigit() for i in ids):
+        return tuple(int(i) for i in ids)
+    from dvfs.gpu.nvml import machine_uuids, nvml_session
+    from dvfs.gpu.visible import resolve
+
+    with nvml_session(nvml) as module:
+        uuids = machine_uuids(module)
+    group: list[int] = []
+    for i in ids:
+        found = resolve(i, uuids).indices
+        if len(found) != 1:
+            raise CampaignError(
+                f"Ray gave this actor GPU {i!r}, which names no GPU NVML sees on this node "
+                f"({len(uuids)} GPU(s)): check the raylet's CUDA_VISIBLE_DEVICES"
+            )
+        group.append(found[0])
+    return tuple(group)
+
+
 class WorkerActor:
     """The actor's body (Ray wraps it with `ray.remote` when the executor runs)."""
 
@@ -79,10 +106,10 @@ class WorkerActor:
         from dvfs.fleet.worker import Worker
 
         group = self.group
-        if group is None:  # real GPUs: the ones Ray placed this actor on (NVML order)
+        if group is None:  # real GPUs: the ones Ray placed this actor on
             import ray
 
-            group = tuple(int(i) for i in ray.get_gpu_ids())
+            group = placed_group(ray.get_gpu_ids())
         label = f"{platform.node()}/{group_label(group)}"
         self.worker = Worker(
             self.campaign,

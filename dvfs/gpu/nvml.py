@@ -35,6 +35,8 @@ from dvfs.gpu.base import (
 )
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
 from dvfs.gpu.nvml_errors import NvmlErrors
+from dvfs.gpu.visible import Visible
+from dvfs.gpu.visible import check as check_visible
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -428,14 +430,46 @@ def open_device(
     return gpu
 
 
+def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[str]:
+    """The UUID of every GPU NVML sees, by NVML index (what CUDA_VISIBLE_DEVICES is read
+    against)."""
+    errors = NvmlErrors(nvml)
+    limit = resolve_deadline_s(deadline_s)
+    worker = CallWorker("nvml-uuids")
+    try:
+        with errors.translated("cannot list GPUs"):
+            count = int(_bounded(worker, limit, "this machine", nvml.nvmlDeviceGetCount))
+            uuids = []
+            for index in range(count):
+                where = f"GPU {index}"
+                handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
+                uuids.append(_text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle)))
+    finally:
+        worker.close()
+    return uuids
+
+
 @contextlib.contextmanager
 def open_nvml_gpus(
-    devices: Sequence[int | str],
+    devices: Sequence[int | str] | None,
     *,
     nvml: ModuleType | None = None,
     allow_mig: bool = False,
     deadline_s: float | None = None,
+    visible: Visible | None = None,
 ) -> Iterator[list[NvmlGpu]]:
-    """The campaign's GPUs, NVML initialised around them; `deadline_s` as for `open_device`."""
+    """The campaign's GPUs (every GPU when `devices` is None), NVML initialised around them;
+    `deadline_s` as for `open_device`. With `visible` (the process's CUDA_VISIBLE_DEVICES, for
+    a command that changes or meters them), a GPU it does not give the job is refused, exit 2
+    (`dvfs.gpu.visible`)."""
     with nvml_session(nvml, deadline_s=deadline_s) as module:
-        yield [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
+        if devices is None:
+            devices = list(range(device_count(module, deadline_s=deadline_s)))
+        gpus = [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
+        if visible is not None:
+            check_visible(
+                [(g.identity.index, g.identity.uuid) for g in gpus],
+                visible,
+                machine_uuids(module, deadline_s=deadline_s),
+            )
+        yield gpus

@@ -545,9 +545,13 @@ def _measure_group(
             if window is None or not result.knob_ns:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
             results.append(result)
+            # A level runs from its setter's return to the next setter's call: the change
+            # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
-            ends = starts[1:] + [starts[-1] + _ns(segment_s)] if starts else []
-            gpu_time["prefill"] += (starts[0] - result.started_ns) * 1e-9
+            begun = list(result.knob_begun_ns) or starts
+            ends = begun[1:] + [starts[-1] + _ns(segment_s)]
+            gpu_time["prefill"] += (begun[0] - result.started_ns) * 1e-9
+            gpu_time["settle"] += sum(s - b for s, b in zip(starts, begun, strict=True)) * 1e-9
             gpu_time["drain"] += max(0, result.ended_ns - ends[-1]) * 1e-9
             for position, (cell, a, b) in enumerate(zip(order, starts, ends, strict=False)):
                 lo = max(a + _ns(settle_before(order, position, settle)), window[0])

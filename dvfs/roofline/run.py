@@ -23,6 +23,7 @@ from typing import Any
 from dvfs.errors import CampaignError, GpuError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.gpu.visible import Visible
 from dvfs.roofline.kernels import (
     BenchSpec,
     Kernel,
@@ -51,6 +52,8 @@ class RooflineRequest:
     energy_window_s: float = 1.0
     settle_s: float = 0.5
     state_dir: Path | None = None
+    #: CUDA_VISIBLE_DEVICES the metered GPU is held to (`dvfs.gpu.visible`); None: not held.
+    visible: Visible | None = None
 
     def estimated_s(self) -> float:
         """Roughly how long the measurement takes: each kernel's timing, plus its energy
@@ -253,7 +256,9 @@ def run_roofline(
         if request.gpu is not None:  # refuse a busy GPU or a bad clock before any warm-up
             from dvfs.gpu.nvml import open_nvml_gpus
 
-            (gpu,) = stack.enter_context(open_nvml_gpus([request.gpu], nvml=nvml))
+            (gpu,) = stack.enter_context(
+                open_nvml_gpus([request.gpu], nvml=nvml, visible=request.visible)
+            )
             ident = gpu.identity
             attrs.update(gpu_name=ident.name, gpu_uuid=ident.uuid, gpu_index=ident.index)
             attrs.update(driver=ident.driver_version)

@@ -1,0 +1,190 @@
+"""dvfs holds real GPUs to the job's CUDA_VISIBLE_DEVICES: NVML (and so `gpu.devices`, `--gpus`)
+ignores it, so without the check a sweep would lock and meter a GPU the job was not given.
+The resolver reads the variable as CUDA does; the sweep, its dry run, doctor and `cap reset`
+refuse a GPU outside it (exit 2, one line) on the fake NVML; twins are never held to it; Ray's
+GPU ids given as UUIDs map to NVML indices."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import TINY, write
+from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+
+from dvfs.cli import cli
+from dvfs.errors import CampaignError
+from dvfs.gpu.visible import Resolved, Visible, check, resolve
+
+UUIDS = [
+    "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6",
+    "GPU-8932f937-aaaa-4106-c12f-20bd9faed9f6",
+    "GPU-1c0ffee0-0000-4000-8000-000000000002",
+]
+
+
+def test_resolver_reads_entries_as_cuda_does() -> None:
+    assert resolve("2,0", UUIDS).indices == (2, 0)  # CUDA's order, NVML's indices
+    assert resolve(UUIDS[1], UUIDS).indices == (1,)
+    assert resolve("GPU-1c0ffee0", UUIDS).indices == (2,)  # an unambiguous prefix
+    assert resolve(" gpu-1C0FFEE0 , 0", UUIDS).indices == (2, 0)
+    ambiguous = resolve("0,GPU-8932f937,2", UUIDS)  # two GPUs share it: CUDA stops there
+    assert ambiguous.indices == (0,) and ambiguous.stopped_at == "GPU-8932f937"
+    for cut in ("-1", "3", "x"):  # not a GPU here: CUDA sees only the GPUs before it
+        assert resolve(f"1,{cut},2", UUIDS) == Resolved((1,), cut)
+    assert resolve("GPU-00000000", UUIDS).indices == ()  # not on this machine
+    with pytest.raises(CampaignError, match="MIG instance"):
+        resolve("MIG-5c89852c-d268-c3f3-1b07-005d5ae1dc3f", UUIDS)
+    with pytest.raises(CampaignError, match="MIG instance"):
+        resolve("0,MIG-GPU-8932f937-d72c-4106-c12f-20bd9faed9f6/1/0", UUIDS)
+
+
+def test_check_names_the_gpu_the_value_and_what_to_use() -> None:
+    check([(2, UUIDS[2])], Visible("2"), UUIDS)
+    check([(1, UUIDS[1]), (2, UUIDS[2])], Visible(f"{UUIDS[1]},GPU-1c0ffee0"), UUIDS)
+    with pytest.raises(CampaignError) as refused:
+        check([(0, UUIDS[0])], Visible("2,1"), UUIDS)
+    line = str(refused.value)
+    assert "\n" not in line
+    for part in (f"GPU 0 ({UUIDS[0]})", "CUDA_VISIBLE_DEVICES='2,1'", "--gpus 2,1"):
+        assert part in line, line
+    assert "gpu.devices = [2, 1]" in line and "unset CUDA_VISIBLE_DEVICES" in line
+    with pytest.raises(CampaignError, match="none of this machine's GPUs.*'GPU-0000'"):
+        check([(0, UUIDS[0])], Visible("GPU-0000"), UUIDS)
+    with pytest.raises(CampaignError, match="`dvfs cap reset 2`"):
+        check([(0, UUIDS[0])], Visible("2", "`dvfs cap reset {spaced}`"), UUIDS)
+
+
+def test_an_empty_variable_holds_nothing() -> None:
+    assert Visible.from_env({}) is None
+    assert Visible.from_env({"CUDA_VISIBLE_DEVICES": " "}) is None
+    assert Visible.from_env({"CUDA_VISIBLE_DEVICES": "3"}) == Visible("3")
+
+
+@pytest.fixture
+def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The fake pynvml (two GPUs, as root) as `pynvml`, its state in tmp_path."""
+    env = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    module = load_fake()
+    module.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
+def _uuid(nvml: ModuleType, index: int) -> str:
+    return str(nvml.fake_device_state(index)["uuid"])
+
+
+def dvfs(visible: str, *args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), env={"CUDA_VISIBLE_DEVICES": visible})
+
+
+def _one_line(result: Result, code: int, *parts: str) -> str:
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+def _campaign(tmp_path: Path) -> Path:
+    return write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+
+
+@pytest.mark.parametrize("form", ["uuid", "index"])
+def test_a_sweep_refuses_a_gpu_the_variable_does_not_give(
+    nvml: ModuleType, tmp_path: Path, form: str
+) -> None:
+    """gpu.devices = [0] while the job was given NVML GPU 1: refused before any GPU changes."""
+    campaign = _campaign(tmp_path)
+    given = _uuid(nvml, 1) if form == "uuid" else "1"
+    out = tmp_path / "out"
+    line = _one_line(
+        dvfs(given, "sweep", str(campaign), "--out", str(out), "--no-progress"),
+        2,
+        f"GPU 0 ({_uuid(nvml, 0)})",
+        f"CUDA_VISIBLE_DEVICES={given!r}",
+        "--gpus 1",
+    )
+    assert "gpu.devices = [1]" in line
+    assert nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+    assert nvml.fake_calls("nvmlDeviceSetPowerManagementLimit") == []
+    assert not (out / "journal.jsonl").exists()
+    # The same refusal from the dry run and from doctor, and for a fleet naming GPU 0 too.
+    _one_line(dvfs(given, "sweep", str(campaign), "--dry-run", "--no-estimate"), 2, "GPU 0 (")
+    two = dvfs(given, "sweep", str(campaign), "--gpus", "0-1", "--out", str(out), "--no-progress")
+    _one_line(two, 2, "GPU 0 (", "--gpus 1")
+    doctor = dvfs(given, "doctor", str(campaign), "--out", str(out))
+    assert doctor.exit_code == 2, doctor.output
+    assert f"CUDA_VISIBLE_DEVICES={given!r}" in doctor.output
+    assert nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+
+
+def test_a_sweep_runs_on_a_gpu_the_variable_gives(nvml: ModuleType, tmp_path: Path) -> None:
+    """Given GPU 0 (by a UUID prefix, and GPU 1 after it): the sweep runs and locks GPU 0 only;
+    a fleet on both GPUs the variable gives passes the check."""
+    campaign = _campaign(tmp_path)
+    given = f"{_uuid(nvml, 0)[:12]},1"
+    result = dvfs(given, "sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress")
+    assert result.exit_code == 0, result.output
+    locks = nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+    assert locks and {c["index"] for c in locks} == {0}
+    plan = dvfs(given, "sweep", str(campaign), "--gpus", "0-1", "--dry-run", "--no-estimate")
+    assert plan.exit_code == 0, plan.output
+
+
+def test_cap_reset_is_held_to_the_variable(nvml: ModuleType, tmp_path: Path) -> None:
+    _one_line(dvfs("1", "cap", "reset", "0"), 2, "GPU 0 (", "`dvfs cap reset 1`")
+    _one_line(dvfs("1", "cap", "reset"), 2, "GPU 0 (")  # every GPU: GPU 0 among them
+    assert dvfs("1", "cap", "reset", "1").exit_code == 0
+    assert {c["index"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")} <= {1}
+
+
+def test_reading_commands_and_restoring_are_not_held(nvml: ModuleType) -> None:
+    """Listing every GPU, or restoring what a crashed run left, never meters or changes a GPU
+    the job was not given on its behalf."""
+    assert dvfs("1", "gpu", "list").exit_code == 0
+    assert dvfs("1", "gpu", "info", "0").exit_code == 0
+    assert dvfs("1", "gpu", "reset", "0").exit_code == 0
+
+
+def test_twins_are_never_held_to_it(tmp_path: Path) -> None:
+    """The twin's GPUs are no CUDA devices: a twin sweep ignores the variable."""
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    result = dvfs("GPU-00000000", "sweep", str(campaign), "--out", str(tmp_path / "o"))
+    assert result.exit_code == 0, result.output
+
+
+def test_open_nvml_gpus_holds_to_visible(nvml: ModuleType) -> None:
+    """The one place real GPUs are opened applies the rule (the roofline, settle and govern
+    open through it too)."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    with open_nvml_gpus([1], nvml=nvml, visible=Visible(_uuid(nvml, 1))) as (gpu,):
+        assert gpu.identity.index == 1
+    with (
+        pytest.raises(CampaignError, match="GPU 0 .*--gpu 1"),
+        open_nvml_gpus([0], nvml=nvml, visible=Visible("1", "--gpu {indices}")),
+    ):
+        pass
+
+
+def test_ray_gpu_ids_given_as_uuids_map_to_nvml_indices(nvml: ModuleType) -> None:
+    """Ray's GPU ids are the raylet's CUDA_VISIBLE_DEVICES entries when it had one: UUIDs (or
+    prefixes) are looked up through NVML, not cast to int."""
+    from dvfs.fleet.ray_executor import placed_group
+
+    assert placed_group([0, 1], nvml=nvml) == (0, 1)
+    assert placed_group(["1"], nvml=nvml) == (1,)
+    assert placed_group([_uuid(nvml, 1)], nvml=nvml) == (1,)
+    assert placed_group([_uuid(nvml, 1)[:13], _uuid(nvml, 0)], nvml=nvml) == (1, 0)
+    with pytest.raises(CampaignError, match="GPU-00000000.*CUDA_VISIBLE_DEVICES"):
+        placed_group(["GPU-00000000"], nvml=nvml)
