@@ -157,9 +157,10 @@ def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> 
     # completion / verify passes also counts the prefill token (+1/32).
     assert np.allclose(accept.sel(drafter="eagle3"), 2.5, atol=0.25)
     # Both versions' flush resets the server's average, which then adds whole blocks of 40
-    # decode iterations only: rounds of ~32 iterations leave it unset, nothing to compare.
-    server = ds["server_accept_length"].sel(drafter="eagle3")
-    assert np.isnan(server).all()
+    # decode iterations only: rounds of ~32 iterations leave it unset (on a loaded machine the
+    # four requests may arrive far enough apart for one block: then it is the stub's mean).
+    server = ds["server_accept_length"].sel(drafter="eagle3").values
+    assert np.all(np.isnan(server) | np.isclose(server, 2.5, atol=0.3)), server
     assert not (ds["quality"].sel(drafter="eagle3").astype(int) & 32).any()  # no mismatch
     assert np.allclose(ds["accept_rate"].sel(drafter="eagle3"), 1.5 / 3, atol=0.1)
     servers = json.loads(ds.attrs["server_args"])
