@@ -44,6 +44,7 @@ __all__ = [
     "draw_pareto",
     "draw_timelines",
     "pareto_front",
+    "per_gpu",
     "plot_all",
     "figures",
 ]
@@ -89,23 +90,53 @@ def plot_all(
     target = target or Target("preserve", slack=0.05)
     if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
         paths: list[Path] = []
-        labels = [str(gpu) for gpu in cube["gpu"].values]
-        for gpu, folder in zip(cube["gpu"].values, gpu_folders(labels), strict=True):
-            one = cube.sel(gpu=gpu, drop=True)
+        for folder, one in per_gpu(cube):
             paths += plot_all(one, out / folder, fmt=fmt, target=target)
         return paths
     return [save(fig, out, name, fmt) for name, fig in figures(cube, target)]
 
 
-def gpu_folders(labels: list[str]) -> list[str]:
-    """A folder name per GPU label of a merged cube: the whole label (GPU UUIDs share long
-    prefixes, so a cut one could name two GPUs), with a fleet cube's comma-joined UUIDs
-    joined by "+", and a number added should two labels still come out the same."""
+def per_gpu(cube: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
+    """Each GPU of a merged cube as its own cube, with the folder its figures go in: its own
+    stock setting and its own model name (the merged cube's `gpu_name` is the first GPU's)."""
+    from dvfs.analysis.headroom import single_gpu
+    from dvfs.report.common import gpu_names
+
+    labels = [str(gpu) for gpu in cube["gpu"].values]
+    names = gpu_names(cube)
+    models = [names.get(label, label) for label in labels]
+    out = []
+    for gpu, model, folder in zip(
+        cube["gpu"].values, models, gpu_folders(labels, models), strict=True
+    ):
+        one = single_gpu(cube, gpu)
+        one.attrs["gpu_name"] = model
+        one.attrs.pop("gpu_names", None)
+        out.append((folder, one))
+    return out
+
+
+def gpu_folders(labels: list[str], models: list[str] | None = None) -> list[str]:
+    """A folder name per GPU of a merged cube, that tells a reader which GPU it is: its model
+    and its short UUID ("nvidia-h200-twin-GPU-f39e88b9"; a fleet cube's comma-joined UUIDs
+    joined by "+"). Where the short UUIDs of two GPUs are the same (UUIDs may share long
+    prefixes), every folder has the whole label; a number is added should two still come out
+    the same. A model equal to its label (a cube without `gpu_names`) is left out."""
     import re
 
+    def plain(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "+", text).strip("+.")
+
+    def short(label: str) -> str:
+        return ",".join(u[:12] for u in label.split(","))
+
+    cut = [short(label) for label in labels]
+    ids = cut if len(set(cut)) == len(cut) else labels
+    models = models or labels
     folders: list[str] = []
-    for label in labels:
-        base = re.sub(r"[^A-Za-z0-9._-]+", "+", label).strip("+.") or "gpu"
+    for label, model, uuid in zip(labels, models, ids, strict=True):
+        name = "" if model == label else re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+        base = "-".join(p for p in (name, plain(uuid)) if p) or "gpu"
         folder, n = base, 2
         while folder in folders:
             folder, n = f"{base}-{n}", n + 1
