@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import xarray as xr
 from test_plots import TARGET, small_cube
 
-from dvfs.plots import figures, per_gpu, plot_all
+from dvfs.analysis.headroom import headroom
+from dvfs.plots import draw_timelines, figures, per_gpu, plot_all
 
 H100 = "NVIDIA H100 80GB HBM3 (twin)"
 H200 = "NVIDIA H200 (twin)"
@@ -37,3 +39,48 @@ def test_each_gpu_of_a_merged_cube_is_drawn_under_its_own_name(tmp_path: Path) -
         assert not any(other in t for t in titles.values())
     paths = plot_all(merged, tmp_path, fmt="svg", target=TARGET)
     assert {p.parent.name for p in paths} == {folder for folder, _ in parts}
+
+
+def _one_bad_repeat(cube: xr.Dataset, **at: object) -> xr.Dataset:
+    """`cube` with repeat 0 of the cells at `at` measured but invalid (a quality flag)."""
+    cube = cube.copy(deep=True)
+    cube["valid"].loc[{**at, "repeat": 0}] = 0.0
+    return cube
+
+
+def test_a_setting_with_an_invalid_repeat_is_not_drawn_as_a_point() -> None:
+    """Headroom never chooses a setting with an invalid repeat; the figures do not draw it as
+    a valid point from its other repeats either."""
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+    from dvfs.plots.data import cell_means
+
+    cube = _one_bad_repeat(small_cube([1], corpora=("code",), repeats=2), sm_clock=1500)
+    dims = ("drafter", "power_limit", "sm_clock")
+    energy = cell_means(cube, "energy_per_token_j", dims, batch=1, corpus="code")
+    assert np.isnan(energy[:, :, 1]).all() and np.isfinite(energy[:, :, [0, 2]]).all()
+    fig = draw_energy_vs_clock(cube, "code")
+    lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) == 3]
+    assert lines and all(np.isnan(line.get_ydata()[1]) for line in lines)
+    result = headroom(cube, target=TARGET)
+    pareto = draw_pareto(cube, result, TARGET, "code")
+    drawn = np.concatenate(
+        [c.get_offsets() for ax in pareto.axes for c in ax.collections if c.get_gid() is None]
+    )
+    # 2 drafters x 2 power limits x the 2 clocks whose every repeat is valid
+    assert np.isfinite(np.ma.filled(drawn, np.nan)).all(axis=1).sum() == 8
+
+
+def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
+    cube = small_cube([1], corpora=("code",), repeats=2)
+    power = cube["timeline_power_w"].values.copy()
+    power[..., 0, :] = 999.0  # repeat 0 (the last cell axis) reads 999 W ...
+    cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
+    cube = _one_bad_repeat(cube, sm_clock=1980, power_limit=700.0)  # ... and is invalid there
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    stock = [
+        line
+        for ax in fig.axes
+        for line in ax.lines
+        if ", stock:" in str(line.get_label()) or ", reference:" in str(line.get_label())
+    ]
+    assert stock and all(999.0 not in line.get_ydata() for line in stock)

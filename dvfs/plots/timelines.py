@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import reference_setting
+from dvfs.analysis.headroom import reference_setting, valid_mask
 from dvfs.cube.info import swept_knobs
 from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
 
@@ -25,6 +25,14 @@ def setting_text(clock_mhz: int, limit_w: float, clock_set: bool, limit_set: boo
     clock = f"{clock_mhz} MHz clock lock" if clock_set else "clock unlocked"
     limit = f"{limit_w:g} W power limit" if limit_set else f"stock {limit_w:g} W power limit"
     return f"{clock}, {limit}"
+
+
+def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
+    """A cell's first valid repeat with a timeline (None without one): an invalid repeat's
+    power and clock are not what the setting does."""
+    ok = valid_mask(cell) & cell["timeline_t_s"].notnull().any("sample")
+    picks = np.flatnonzero(ok.values)
+    return cell.isel(repeat=int(picks[0])) if picks.size else None
 
 
 @styled
@@ -59,14 +67,17 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                     ("chosen", int(pick["chosen_sm_clock"]), float(pick["chosen_power_limit"]))
                 )
             for kind, clock, limit in settings:
-                cell = cube.sel(
-                    batch=batch,
-                    drafter=drafter,
-                    corpus=corpus,
-                    sm_clock=clock,
-                    power_limit=limit,
-                    repeat=cube["repeat"].values[0],
+                cell = first_valid_repeat(
+                    cube.sel(
+                        batch=batch,
+                        drafter=drafter,
+                        corpus=corpus,
+                        sm_clock=clock,
+                        power_limit=limit,
+                    )
                 )
+                if cell is None:
+                    continue
                 t = cell["timeline_t_s"].values
                 keep = ~np.isnan(t)
                 word = stock_word if kind == "stock" else "chosen"
