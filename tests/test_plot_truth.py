@@ -84,3 +84,25 @@ def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
         if ", stock:" in str(line.get_label()) or ", reference:" in str(line.get_label())
     ]
     assert stock and all(999.0 not in line.get_ydata() for line in stock)
+
+
+def test_a_grid_without_stock_never_says_stock() -> None:
+    """Where the stock clock was not swept, the reference is the top of the grid: the batch
+    figure's title, the headroom map's colourbar, the timelines and the report's captions say
+    so."""
+    from dvfs.plots import draw_energy_vs_batch, draw_headroom
+    from dvfs.report.document import figure_caption
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube.attrs["stock_sm_clock_mhz"] = 2100  # not in the grid (max 1980)
+    result = headroom(cube, target=TARGET)
+    texts = [
+        *_texts(draw_energy_vs_batch(cube)),
+        *_texts(draw_headroom(result)),
+        *_texts(draw_timelines(cube, result)),
+        figure_caption("energy_vs_batch.png", stock=False),
+        figure_caption("timelines.png", stock=False),
+    ]
+    assert not [t for t in texts if "stock" in t and "not swept" not in t], texts
+    assert "top of the grid" in draw_energy_vs_batch(cube).get_suptitle()
+    assert "stock" in figure_caption("energy_vs_batch.png")  # where the reference is stock

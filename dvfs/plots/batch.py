@@ -1,4 +1,5 @@
-"""Energy per token against batch size at the stock setting: a panel per corpus, a line per
+"""Energy per token against batch size at the reference setting (stock, or the top of the
+grid where stock was not swept): a panel per corpus, a line per
 drafter. Two findings read off it at a glance: batching lowers the energy of a token, and
 speculation's saving over no speculation shrinks as the batch grows (down to a loss where a
 drafter's verify pass is past the ridge point)."""
@@ -35,14 +36,15 @@ BASELINE = "none"
 
 
 def batch_title(cube: xr.Dataset) -> str:
-    ref = reference_setting(cube)
+    """The reference in the words every command uses: stock, or the top of the grid."""
     gpu = cube.attrs.get("gpu_name", "")
-    where = f"{ref.sm_clock} MHz, {ref.power_limit:g} W" + (f", {gpu}" if gpu else "")
-    return f"Energy per token vs batch, at the stock setting ({where})"
+    return f"Energy per token vs batch, at {reference_setting(cube).describe()}" + (
+        f" - {gpu}" if gpu else ""
+    )
 
 
 def stock_energy(cube: xr.Dataset) -> np.ndarray:
-    """Energy per token (J) at the stock setting, axes (corpus, drafter, batch)."""
+    """Energy per token (J) at the reference setting, axes (corpus, drafter, batch)."""
     ref = reference_setting(cube)
     return cell_means(
         cube, "energy_per_token_j", DIMS, sm_clock=ref.sm_clock, power_limit=ref.power_limit

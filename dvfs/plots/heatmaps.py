@@ -192,7 +192,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         if k % cols == 0:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
-    _colorbar_and_key(panels, images[0], "energy saved vs stock (%)", key)
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
+    _colorbar_and_key(panels, images[0], f"energy saved vs {versus} (%)", key)
     suptitle(panels.fig, title)
     return panels.fig
 

@@ -51,7 +51,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
 
     cols = len(batches)
     margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
-    title = "Power and SM clock through the measurement window: stock vs chosen setting"
+    title = f"Power and SM clock through the measurement window: {stock_word} vs chosen setting"
     panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols, title=title)
     fig = panels.fig
     for col, batch in enumerate(batches):
