@@ -106,3 +106,37 @@ def test_a_grid_without_stock_never_says_stock() -> None:
     assert not [t for t in texts if "stock" in t and "not swept" not in t], texts
     assert "top of the grid" in draw_energy_vs_batch(cube).get_suptitle()
     assert "stock" in figure_caption("energy_vs_batch.png")  # where the reference is stock
+
+
+def _partial_cube() -> xr.Dataset:
+    """eagle3's reference cell on code not measured yet, and a drafter not run at all."""
+    cube = small_cube([1], corpora=("code",))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    unmeasured = {"drafter": "dflash"}
+    stock = {"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}
+    for at in (unmeasured, stock):
+        for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms"):
+            cube[name].loc[at] = np.nan
+        cube["cell_status"].loc[at] = 0
+        cube["valid"].loc[at] = np.nan
+    return cube
+
+
+def test_a_partial_cube_says_what_is_not_measured() -> None:
+    """The headroom map gives the table's reason for a missing reference, and the Pareto
+    legend names only drafters with points."""
+    from dvfs.plots import draw_headroom, draw_pareto
+
+    cube = _partial_cube()
+    result = headroom(cube, target=TARGET)
+    cells = [" ".join(t.get_text().split()) for ax in draw_headroom(result).axes for t in ax.texts]
+    assert "no valid reference cell (not measured yet)" in cells, cells
+    fig = draw_pareto(cube, result, TARGET, "code")
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert "none" in labels and "eagle3" in labels and "dflash" not in labels
+
+
+def _legends(fig) -> list:
+    return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
