@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import xarray as xr
 from test_plots import TARGET, small_cube
 
@@ -140,3 +141,61 @@ def test_a_partial_cube_says_what_is_not_measured() -> None:
 
 def _legends(fig) -> list:
     return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+
+
+def _split_cube() -> xr.Dataset:
+    """small_cube with the twin's exact split: eagle3 drafts 20% of its energy, verification
+    70%, overhead the rest; prefill 0 J (a fixed batch's window holds none); dflash not run."""
+    cube = _partial_cube()
+    tokens = 100.0
+    energy = cube["energy_per_token_j"] * tokens
+    cube["window_tokens"] = xr.full_like(energy, tokens).where(energy.notnull())
+    cube["energy_j"] = energy
+    cube["decode_time_s"] = xr.full_like(energy, 1.0).where(energy.notnull())
+    draft = xr.where(cube["drafter"] == "none", 0.0, 0.2)
+    cube["energy_prefill_j"] = energy * 0.0
+    cube["energy_draft_j"] = energy * draft
+    cube["energy_verify_j"] = energy * 0.7
+    cube["energy_overhead_j"] = energy * (0.3 - draft)
+    cube["energy_split_method"] = xr.where(energy.notnull(), 1, 0).astype(np.int8)
+    return cube
+
+
+def _bar_tops(ax) -> dict[float, float]:
+    """The top of each bar stack in a panel, by x position."""
+    tops: dict[float, float] = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 6)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    return tops
+
+
+def test_the_energy_split_is_drawn_per_corpus_never_averaged_over_them() -> None:
+    cube = _split_cube()
+    cube = xr.concat([cube, cube.assign_coords(corpus=["math"]) * 1.0], dim="corpus")
+    cube["energy_j"].loc[{"corpus": "math"}] *= 3.0  # math costs 3x code
+    for part in ("prefill", "draft", "verify", "overhead"):
+        cube[f"energy_{part}_j"].loc[{"corpus": "math"}] *= 3.0
+    drawn = dict(figures(cube, TARGET))
+    assert "energy_split" not in drawn
+    for corpus in ("code", "math"):
+        fig = drawn[f"energy_split_{corpus}"]
+        assert f"corpus {corpus}" in fig.get_suptitle()
+        panel = next(ax for ax in fig.axes if ax.get_title() == "batch 1")
+        at = {"sm_clock": 1980, "power_limit": 700.0, "batch": 1, "corpus": corpus}
+        per_token = cube["energy_j"] / cube["window_tokens"]
+        want = per_token.sel({**at, "drafter": "none"}).mean("repeat")
+        assert _bar_tops(panel)[0.0] == pytest.approx(float(want))
+
+
+def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -> None:
+    from dvfs.plots import draw_energy_split
+
+    fig = draw_energy_split(_split_cube(), "code")
+    panel = next(ax for ax in fig.axes if ax.get_title() == "batch 1")
+    # eagle3's reference cell is not measured yet, dflash not run at all: no bar of 0 J there
+    assert [t.get_text().strip() for t in panel.texts] == ["not measured"] * 2
+    assert [t.get_position()[0] for t in panel.texts] == [1, 2]
+    assert list(_bar_tops(panel)) == [0.0]
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert labels and not any("prefill" in label for label in labels)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
+from dvfs.analysis.split import where_energy_goes
 from dvfs.analysis.targets import Target
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
@@ -65,10 +66,13 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
+    split = where_energy_goes(cube) if "energy_split_method" in cube else None
+    for corpus in corpora:
+        if (fig := draw_energy_split(cube, corpus, split)) is not None:
+            yield f"energy_split_{corpus}", fig
     for name, fig in (
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
-        ("energy_split", draw_energy_split(cube)),
         ("timelines", draw_timelines(cube, chosen)),
         ("energy_vs_batch", draw_energy_vs_batch(cube)),
     ):
