@@ -199,3 +199,20 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
     assert list(_bar_tops(panel)) == [0.0]
     labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
     assert labels and not any("prefill" in label for label in labels)
+
+
+def test_timelines_end_with_the_decode_window() -> None:
+    """A sample after decoding ended (the idle GPU) is not drawn; the last one inside the
+    window is held to its end."""
+    cube = small_cube([1], corpora=("code",))
+    power = cube["timeline_power_w"].values.copy()
+    power[..., -1] = 60.0  # the last sample (t = 0.35 s) reads the idle GPU ...
+    cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
+    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.32)  # ... after the end
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) > 2]
+    assert lines
+    for line in lines:
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+        assert x[-1] == pytest.approx(0.32) and y[-1] == y[-2]
+        assert 60.0 not in y

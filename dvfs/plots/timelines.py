@@ -35,6 +35,27 @@ def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
     return cell.isel(repeat=int(picks[0])) if picks.size else None
 
 
+def in_window(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A cell's samples (time, power, SM clock) within its decode window: a sample taken
+    after decoding ended reads the idle GPU, and drawn as a step it would look like a drop
+    inside the window. The last value is held to the window's end (`decode_time_s`)."""
+    t = cell["timeline_t_s"].values
+    power = cell["timeline_power_w"].values
+    sm_clock = cell["timeline_sm_clock_mhz"].values
+    keep = ~np.isnan(t)
+    end = float(cell["decode_time_s"]) if "decode_time_s" in cell else np.nan
+    if np.isfinite(end):
+        keep &= t <= end
+    t, power, sm_clock = t[keep], power[keep], sm_clock[keep]
+    if np.isfinite(end) and t.size and t[-1] < end:
+        t, power, sm_clock = (
+            np.append(t, end),
+            np.append(power, power[-1]),
+            np.append(sm_clock, sm_clock[-1]),
+        )
+    return t, power, sm_clock
+
+
 @styled
 def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     """None when the cube holds no sampled timeline."""
@@ -78,8 +99,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 )
                 if cell is None:
                     continue
-                t = cell["timeline_t_s"].values
-                keep = ~np.isnan(t)
+                t, power, sm_clock = in_window(cell)
                 word = stock_word if kind == "stock" else "chosen"
                 style: dict[str, Any] = {
                     "color": colors[drafter],
@@ -87,15 +107,15 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 }
                 label = f"{drafter}, {word}: " + setting_text(clock, limit, clock_set, limit_set)
                 power_ax.plot(
-                    t[keep],
-                    cell["timeline_power_w"].values[keep],
+                    t,
+                    power,
                     drawstyle="steps-post",
                     label=label,
                     **style,
                 )
                 clock_ax.plot(
-                    t[keep],
-                    cell["timeline_sm_clock_mhz"].values[keep],
+                    t,
+                    sm_clock,
                     drawstyle="steps-post",
                     **style,
                 )
