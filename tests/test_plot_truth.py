@@ -216,3 +216,13 @@ def test_timelines_end_with_the_decode_window() -> None:
         x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
         assert x[-1] == pytest.approx(0.32) and y[-1] == y[-2]
         assert 60.0 not in y
+
+
+def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
+    from dvfs.plots import draw_energy_vs_batch
+
+    fig = draw_energy_vs_batch(small_cube([1, 8], corpora=("code",)))
+    drawn = {str(line.get_color()): line.get_linestyle() for ax in fig.axes for line in ax.lines}
+    handles = [h for legend in _legends(fig) for h in legend.legend_handles]
+    assert {str(h.get_color()): h.get_linestyle() for h in handles} == drawn
+    assert sorted(drawn.values()) == ["-", "--"]

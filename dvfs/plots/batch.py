@@ -6,7 +6,7 @@ drafter's verify pass is past the ridge point)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +15,6 @@ from dvfs.plots.data import cell_means
 from dvfs.plots.style import (
     ENERGY_LABEL,
     Margins,
-    color_handles,
     drafter_colors,
     grid_shape,
     panel_figure,
@@ -51,6 +50,24 @@ def stock_energy(cube: xr.Dataset) -> np.ndarray:
     )
 
 
+def line_style(drafter: str) -> dict[str, Any]:
+    """No speculation solid and heavier, every drafter dashed: the baseline stands out."""
+    baseline = drafter == BASELINE
+    return {
+        "marker": "o",
+        "markersize": 3.5,
+        "linewidth": 1.6 if baseline else 1.2,
+        "linestyle": "-" if baseline else "--",
+    }
+
+
+def batch_handles(colors: dict[str, str]) -> list[Any]:
+    """A legend entry per drafter drawn as its lines are (solid or dashed)."""
+    from matplotlib.lines import Line2D
+
+    return [Line2D([], [], color=c, label=d, **line_style(d)) for d, c in colors.items()]
+
+
 @styled
 def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
     """Energy per token (J, log scale) against batch (log scale), one line per drafter; None
@@ -74,15 +91,7 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         for d, drafter in enumerate(drafters):
             if np.all(np.isnan(energy[c, d])):
                 continue
-            ax.plot(
-                batches,
-                energy[c, d],
-                color=colors[drafter],
-                marker="o",
-                markersize=3.5,
-                linewidth=1.6 if drafter == BASELINE else 1.2,
-                linestyle="-" if drafter == BASELINE else "--",
-            )
+            ax.plot(batches, energy[c, d], color=colors[drafter], **line_style(drafter))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists
@@ -96,6 +105,6 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         ax.set_title(f"corpus {corpus}")
         ax.set_xlabel("batch (requests decoded together)")
         ax.set_ylabel(ENERGY_LABEL)
-    place_legend(panels, color_handles(colors, marker="o"))
+    place_legend(panels, batch_handles(colors))
     suptitle(panels.fig, title)
     return panels.fig
