@@ -179,7 +179,11 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
-    panel_h = max(0.52 * len(drafters), 1.6)  # room for the colourbar and key in the free slot
+    # a row tall enough for its cells' lines of text (four for a reason wrapped)
+    unanswered = why[~np.isfinite(saving)]
+    lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
+    row_h = max(0.52, 0.13 * lines + 0.1)
+    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
     panels = panel_figure(len(corpora), 0.8 * len(batches), panel_h, margins, title=title)
     images = []
     for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
