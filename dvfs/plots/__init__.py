@@ -24,7 +24,7 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
-from dvfs.plots.split import draw_energy_split
+from dvfs.plots.split import draw_energy_split, split_panels
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -54,8 +54,9 @@ __all__ = [
 def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
 
-    The per-corpus figures of a kind are one Figure drawn again for each corpus: save (or
-    inspect) each figure before asking for the next.
+    The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
+    Figure drawn again for each corpus: save (or inspect) each figure before asking for the
+    next.
     """
     chosen = headroom(cube, target=target)
     corpora = [str(c) for c in cube["corpus"].values]
@@ -66,10 +67,12 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
-    split = where_energy_goes(cube) if "energy_split_method" in cube else None
-    for corpus in corpora:
-        if (fig := draw_energy_split(cube, corpus, split)) is not None:
-            yield f"energy_split_{corpus}", fig
+    if "energy_split_method" in cube:
+        split = where_energy_goes(cube)
+        bars = split_panels(split) if bool((split["split_method"] > 0).any()) else None
+        for corpus in corpora:
+            if (fig := draw_energy_split(cube, corpus, split, bars)) is not None:
+                yield f"energy_split_{corpus}", fig
     for name, fig in (
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
