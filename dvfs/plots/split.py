@@ -126,7 +126,7 @@ def draw_energy_split(
         # No bar is not a bar of 0 J: say why there is none.
         for i in np.flatnonzero(~split_known):
             ax.text(
-                i,
+                float(i),
                 0.0,
                 " no split" if measured[i] else " not measured",
                 rotation=90,
