@@ -112,7 +112,8 @@ def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
             "pareto_conversation.png",
             "acceptance.png",
             "headroom.png",
-            "energy_split.png",
+            "energy_split_code.png",
+            "energy_split_conversation.png",
             "timelines.png",
             "energy_vs_batch.png",
         ]

@@ -1033,6 +1033,13 @@ FLAG_CASES = [
         says=("{tmp}/file.txt",),
         files={"file.txt": "x"},
     ),
+    C(
+        "report-out-under-a-file",
+        ["report", "{cube}", "-o", "{tmp}/file.txt/new/r.html"],
+        code=1,
+        says=("{tmp}/file.txt", "a part of the path is a file"),
+        files={"file.txt": "x"},
+    ),
     C("cube-info-json-and-extra-arg", ["cube", "info", "{cube}", "extra"], code=2, says=("extra",)),
     C("no-such-command", ["sweeep"], code=2, says=("sweeep",)),
     C("doctor-missing-campaign", ["doctor", "{tmp}/nope.toml"], code=2, says=("nope.toml",)),
@@ -1121,6 +1128,7 @@ FAULT_CASES = [
         ("cube-build", ["cube", "build", "{sweep}", "-o", "{tmp}/ro/cube.nc"], {}),
         ("headroom-o", [*H, "-o", "{tmp}/ro/h.json"], {}),
         ("plot", ["plot", "{cube}", "--out", "{tmp}/ro/plots"], {}),
+        ("report-new-folder", ["report", "{cube}", "-o", "{tmp}/ro/new/r.html"], {}),
         (
             "cap-plan-o",
             [

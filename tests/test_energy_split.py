@@ -226,7 +226,7 @@ def test_dvfs_plot_draws_where_the_energy_goes(family: Path, tmp_path: Path) -> 
 
     result = CliRunner().invoke(cli, ["plot", str(family / "cube.nc"), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "energy_split.png").stat().st_size > 0
+    assert (tmp_path / "energy_split_code.png").stat().st_size > 0
 
 
 def test_closed_loop_prefill_inside_the_windows_is_split_out(tmp_path: Path) -> None:

@@ -58,7 +58,9 @@ def _latency(clock, limit, batch, drafter, corpus, repeat) -> float:
     return 5.0 * speculation * 1980 / _binding(clock, limit) + 0.01 * batch
 
 
-def small_cube(batches: list[int], corpora: tuple[str, ...] = ("code", "math")) -> xr.Dataset:
+def small_cube(
+    batches: list[int], corpora: tuple[str, ...] = ("code", "math"), repeats: int = 1
+) -> xr.Dataset:
     """A make_cube cube with what the figures also read: accept lengths and timelines."""
     cube = make_cube(
         clocks=CLOCKS,
@@ -68,6 +70,7 @@ def small_cube(batches: list[int], corpora: tuple[str, ...] = ("code", "math")) 
         corpora=list(corpora),
         latency=_latency,
         energy=_energy,
+        repeats=repeats,
     )
     cube.attrs["gpu_name"] = "test GPU"
     accept = np.where(cube["drafter"] == "eagle3", 3.0, np.nan)

@@ -366,7 +366,6 @@ def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
     [
         (["NOCUBE", "-o", "{tmp}/r.html"], 1, "no cube at"),
         (["{tmp}/bad.nc", "-o", "{tmp}/r.html"], 1, "is not a readable netCDF cube"),
-        (["{cube}", "-o", "{tmp}/missing/r.html"], 1, "no such file or folder"),
         (["{cube}", "-o", "{tmp}/bad.nc/r.html"], 1, "a part of the path is a file"),
         (["{cube}", "-o", "{tmp}"], 2, "is a directory"),
         (["{cube}", "-o", "{tmp}/r.html", "--drafter", "nope"], 2, "'--drafter'"),
@@ -388,6 +387,13 @@ def test_user_errors_are_one_line(
     lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
     assert len(lines) == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_the_output_folder_is_made_as_plot_makes_its_own(small_sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "deeper" / "r.html"
+    result = run("report", str(small_sweep), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes().startswith(b"<!DOCTYPE html>")
 
 
 def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_path: Path) -> None:

@@ -149,6 +149,14 @@ def valid_mask(cube: xr.Dataset) -> xr.DataArray:
     return valid & measured
 
 
+def invalid_settings(cube: xr.Dataset) -> xr.DataArray:
+    """Settings (cells over every axis but `repeat`) with a measured repeat that is invalid:
+    one invalid repeat disqualifies the setting, for the headroom search and the figures."""
+    ok = valid_mask(cube)
+    measured = cube["cell_status"] == 1 if "cell_status" in cube else ok
+    return (measured & ~ok).any("repeat")
+
+
 def headroom(
     cube: xr.Dataset,
     *,
@@ -205,7 +213,7 @@ def headroom(
     at_ref = {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit}
     ok = valid_mask(sub)
     measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
-    any_invalid = (measured & ~ok).any("repeat")  # one invalid repeat disqualifies a setting
+    any_invalid = invalid_settings(sub)  # one invalid repeat disqualifies a setting
     # Not measured yet (a repeat missing or failed, none invalid): an interrupted sweep's
     # cells, which resuming it measures; the grid does not end there.
     unmeasured = not_measured(sub, grid_from_data=grid_from_data).any("repeat") & ~any_invalid

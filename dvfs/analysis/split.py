@@ -224,11 +224,14 @@ def _attrs(ds: xr.Dataset) -> None:
 
 
 def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
-    """Energy per output token by part (`SPLIT_PARTS`) per (drafter, batch), at the cube's
-    reference setting (stock, else the top clock and limit), averaged over corpora and
-    repeats: the exact split where the cells carry one, else the estimate (its verification
-    and overhead under "verify", overhead NaN). Variables: energy_per_token_<part>_j, and
-    split_method per (drafter, batch): the `SPLIT_METHODS` index used (0: neither)."""
+    """Energy per output token by part (`SPLIT_PARTS`) per (drafter, batch, corpus), at the
+    cube's reference setting (stock, else the top clock and limit), averaged over repeats:
+    the exact split where the cells carry one, else the estimate (its verification and
+    overhead under "verify", overhead NaN). Never averaged over corpora: a drafter's split
+    moves with its acceptance on each corpus, and a partial cube's corpora differ from
+    drafter to drafter. Variables: energy_per_token_<part>_j, and split_method per (drafter,
+    batch, corpus): the `SPLIT_METHODS` index used (0: neither); measured: whether a valid
+    cell is there at all (a split of 0 without one is "not measured", not "no energy")."""
     import xarray as xr
 
     if "energy_split_method" not in cube:
@@ -254,7 +257,7 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
         elif part == "prefill" and at.attrs.get("campaign"):
             value = value.fillna(xr.zeros_like(value).where(est & _fixed(at)))
         parts[part] = value / tokens
-    reduce = [d for d in tokens.dims if d not in ("drafter", "batch")]
+    reduce = [d for d in tokens.dims if d not in ("drafter", "batch", "corpus")]
     out = xr.Dataset(
         {
             f"energy_per_token_{part}_j": v.mean(reduce, skipna=True).assign_attrs(
@@ -269,6 +272,11 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
         long_name="how the split was obtained",
         flag_values=np.arange(len(SPLIT_METHODS), dtype=np.int8),
         flag_meanings=" ".join(SPLIT_METHODS),
+    )
+    out["measured"] = (
+        valid.any(reduce)
+        .astype(np.int8)
+        .assign_attrs(units="1", long_name="a valid cell was measured at the reference (1)")
     )
     out.attrs.update(
         reference_sm_clock_mhz=ref.sm_clock,

@@ -42,6 +42,17 @@ def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> flo
     return value
 
 
+def make_parent(path: Path) -> None:
+    """The output's folder, made if missing (as `dvfs plot --out` makes its folder); a
+    failure names the output path, as check_output's do."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:  # a file where a folder of the path should be
+        raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from exc
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 def check_output(path: Path) -> None:
     """Refuse an output path that cannot be written before the work, not after: a probe file
     is created and removed beside it (permissions alone miss read-only file systems)."""
@@ -168,6 +179,7 @@ def report(
 
     fmt = fmt or ("md" if output.suffix.lower() in MARKDOWN_SUFFIXES else "html")
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
+    make_parent(output)
     check_output(output)
     ds = open_analysable(cube_path)
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
+from dvfs.analysis.split import where_energy_goes
 from dvfs.analysis.targets import Target
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
@@ -23,7 +24,7 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
-from dvfs.plots.split import draw_energy_split
+from dvfs.plots.split import draw_energy_split, split_panels
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -44,6 +45,7 @@ __all__ = [
     "draw_pareto",
     "draw_timelines",
     "pareto_front",
+    "per_gpu",
     "plot_all",
     "figures",
 ]
@@ -52,8 +54,9 @@ __all__ = [
 def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
 
-    The per-corpus figures of a kind are one Figure drawn again for each corpus: save (or
-    inspect) each figure before asking for the next.
+    The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
+    Figure drawn again for each corpus: save (or inspect) each figure before asking for the
+    next.
     """
     chosen = headroom(cube, target=target)
     corpora = [str(c) for c in cube["corpus"].values]
@@ -64,10 +67,15 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
+    if "energy_split_method" in cube:
+        split = where_energy_goes(cube)
+        bars = split_panels(split) if bool((split["split_method"] > 0).any()) else None
+        for corpus in corpora:
+            if (fig := draw_energy_split(cube, corpus, split, bars)) is not None:
+                yield f"energy_split_{corpus}", fig
     for name, fig in (
         ("acceptance", draw_acceptance(cube)),
         ("headroom", draw_headroom(chosen)),
-        ("energy_split", draw_energy_split(cube)),
         ("timelines", draw_timelines(cube, chosen)),
         ("energy_vs_batch", draw_energy_vs_batch(cube)),
     ):
@@ -89,23 +97,53 @@ def plot_all(
     target = target or Target("preserve", slack=0.05)
     if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
         paths: list[Path] = []
-        labels = [str(gpu) for gpu in cube["gpu"].values]
-        for gpu, folder in zip(cube["gpu"].values, gpu_folders(labels), strict=True):
-            one = cube.sel(gpu=gpu, drop=True)
+        for folder, one in per_gpu(cube):
             paths += plot_all(one, out / folder, fmt=fmt, target=target)
         return paths
     return [save(fig, out, name, fmt) for name, fig in figures(cube, target)]
 
 
-def gpu_folders(labels: list[str]) -> list[str]:
-    """A folder name per GPU label of a merged cube: the whole label (GPU UUIDs share long
-    prefixes, so a cut one could name two GPUs), with a fleet cube's comma-joined UUIDs
-    joined by "+", and a number added should two labels still come out the same."""
+def per_gpu(cube: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
+    """Each GPU of a merged cube as its own cube, with the folder its figures go in: its own
+    stock setting and its own model name (the merged cube's `gpu_name` is the first GPU's)."""
+    from dvfs.analysis.headroom import single_gpu
+    from dvfs.report.common import gpu_names
+
+    labels = [str(gpu) for gpu in cube["gpu"].values]
+    names = gpu_names(cube)
+    models = [names.get(label, label) for label in labels]
+    out = []
+    for gpu, model, folder in zip(
+        cube["gpu"].values, models, gpu_folders(labels, models), strict=True
+    ):
+        one = single_gpu(cube, gpu)
+        one.attrs["gpu_name"] = model
+        one.attrs.pop("gpu_names", None)
+        out.append((folder, one))
+    return out
+
+
+def gpu_folders(labels: list[str], models: list[str] | None = None) -> list[str]:
+    """A folder name per GPU of a merged cube, that tells a reader which GPU it is: its model
+    and its short UUID ("nvidia-h200-twin-GPU-f39e88b9"; a fleet cube's comma-joined UUIDs
+    joined by "+"). Where the short UUIDs of two GPUs are the same (UUIDs may share long
+    prefixes), every folder has the whole label; a number is added should two still come out
+    the same. A model equal to its label (a cube without `gpu_names`) is left out."""
     import re
 
+    def plain(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "+", text).strip("+.")
+
+    def short(label: str) -> str:
+        return ",".join(u[:12] for u in label.split(","))
+
+    cut = [short(label) for label in labels]
+    ids = cut if len(set(cut)) == len(cut) else labels
+    models = models or labels
     folders: list[str] = []
-    for label in labels:
-        base = re.sub(r"[^A-Za-z0-9._-]+", "+", label).strip("+.") or "gpu"
+    for label, model, uuid in zip(labels, models, ids, strict=True):
+        name = "" if model == label else re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+        base = "-".join(p for p in (name, plain(uuid)) if p) or "gpu"
         folder, n = base, 2
         while folder in folders:
             folder, n = f"{base}-{n}", n + 1

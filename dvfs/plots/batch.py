@@ -1,11 +1,12 @@
-"""Energy per token against batch size at the stock setting: a panel per corpus, a line per
+"""Energy per token against batch size at the reference setting (stock, or the top of the
+grid where stock was not swept): a panel per corpus, a line per
 drafter. Two findings read off it at a glance: batching lowers the energy of a token, and
 speculation's saving over no speculation shrinks as the batch grows (down to a loss where a
 drafter's verify pass is past the ridge point)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,7 +15,6 @@ from dvfs.plots.data import cell_means
 from dvfs.plots.style import (
     ENERGY_LABEL,
     Margins,
-    color_handles,
     drafter_colors,
     grid_shape,
     panel_figure,
@@ -35,18 +35,37 @@ BASELINE = "none"
 
 
 def batch_title(cube: xr.Dataset) -> str:
-    ref = reference_setting(cube)
+    """The reference in the words every command uses: stock, or the top of the grid."""
     gpu = cube.attrs.get("gpu_name", "")
-    where = f"{ref.sm_clock} MHz, {ref.power_limit:g} W" + (f", {gpu}" if gpu else "")
-    return f"Energy per token vs batch, at the stock setting ({where})"
+    return f"Energy per token vs batch, at {reference_setting(cube).describe()}" + (
+        f" - {gpu}" if gpu else ""
+    )
 
 
 def stock_energy(cube: xr.Dataset) -> np.ndarray:
-    """Energy per token (J) at the stock setting, axes (corpus, drafter, batch)."""
+    """Energy per token (J) at the reference setting, axes (corpus, drafter, batch)."""
     ref = reference_setting(cube)
     return cell_means(
         cube, "energy_per_token_j", DIMS, sm_clock=ref.sm_clock, power_limit=ref.power_limit
     )
+
+
+def line_style(drafter: str) -> dict[str, Any]:
+    """No speculation solid and heavier, every drafter dashed: the baseline stands out."""
+    baseline = drafter == BASELINE
+    return {
+        "marker": "o",
+        "markersize": 3.5,
+        "linewidth": 1.6 if baseline else 1.2,
+        "linestyle": "-" if baseline else "--",
+    }
+
+
+def batch_handles(colors: dict[str, str]) -> list[Any]:
+    """A legend entry per drafter drawn as its lines are (solid or dashed)."""
+    from matplotlib.lines import Line2D
+
+    return [Line2D([], [], color=c, label=d, **line_style(d)) for d, c in colors.items()]
 
 
 @styled
@@ -72,15 +91,7 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         for d, drafter in enumerate(drafters):
             if np.all(np.isnan(energy[c, d])):
                 continue
-            ax.plot(
-                batches,
-                energy[c, d],
-                color=colors[drafter],
-                marker="o",
-                markersize=3.5,
-                linewidth=1.6 if drafter == BASELINE else 1.2,
-                linestyle="-" if drafter == BASELINE else "--",
-            )
+            ax.plot(batches, energy[c, d], color=colors[drafter], **line_style(drafter))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists
@@ -94,6 +105,6 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         ax.set_title(f"corpus {corpus}")
         ax.set_xlabel("batch (requests decoded together)")
         ax.set_ylabel(ENERGY_LABEL)
-    place_legend(panels, color_handles(colors, marker="o"))
+    place_legend(panels, batch_handles(colors))
     suptitle(panels.fig, title)
     return panels.fig

@@ -83,6 +83,14 @@ def corpus_panels(cube: xr.Dataset, title: str) -> Panels:
     return panel_figure(batches, PANEL_W_IN, PANEL_H_IN, margins, title=title)
 
 
+def measured_colors(colors: dict[str, str], *values: np.ndarray) -> dict[str, str]:
+    """The drafters (axis 1 of `values`, in `colors`' order) with a point to draw: a legend
+    entry for a drafter not measured (yet) would name a line that is not there."""
+    finite = np.logical_and.reduce([np.isfinite(v) for v in values])
+    drawn = finite.any(axis=tuple(a for a in range(finite.ndim) if a != 1))
+    return {d: c for (d, c), keep in zip(colors.items(), drawn, strict=True) if keep}
+
+
 def _tidy(ax: Axes, xlabel: str) -> None:
     """At most ~6 ticks an axis: enough to read values, fewer texts to lay out and draw."""
     from matplotlib.ticker import MaxNLocator
@@ -109,7 +117,7 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
     energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
     p_stock, c_stock = limits.index(ref.power_limit), int(np.flatnonzero(clocks == ref.sm_clock)[0])
     handles = [
-        *color_handles(colors),
+        *color_handles(measured_colors(colors, energy)),
         *limit_handles(styles),
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
     ]
@@ -168,7 +176,7 @@ def draw_pareto(
     chosen_energy = np.where(feasible, picks["chosen_energy_per_token_j"].values, np.nan)
     drafter_rgb = [colors[d] for d in drafters]
     handles = [
-        *color_handles(colors),
+        *color_handles(measured_colors(colors, energy, latency)),
         *limit_handles(styles, lines=False),
         stock_handle(stock_label(ref.sm_clock, ref.power_limit, ref.is_stock)),
         chosen_handle(CHOSEN_LABEL),

@@ -1,4 +1,4 @@
-"""The numbers the figures draw, as plain arrays: valid cells averaged over repeats, and the
+"""The numbers the figures draw, as plain arrays: valid settings averaged over repeats, and the
 energy-latency Pareto front. Pure functions; no matplotlib here."""
 
 from __future__ import annotations
@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import valid_mask
+from dvfs.analysis.headroom import invalid_settings, valid_mask
 
 if TYPE_CHECKING:
     import xarray as xr
 
 
 def cell_means(cube: xr.Dataset, name: str, dims: tuple[str, ...], **sel: Any) -> np.ndarray:
-    """`name` over valid cells, averaged over repeats, as an array with axes in `dims` order."""
-    values = cube[name].where(valid_mask(cube)).sel(**sel).mean("repeat")
+    """`name` over valid cells, averaged over repeats, as an array with axes in `dims` order;
+    NaN for a setting with an invalid repeat, which headroom never chooses either."""
+    usable = valid_mask(cube) & ~invalid_settings(cube)
+    values = cube[name].where(usable).sel(**sel).mean("repeat")
     return np.asarray(values.transpose(*dims).values, dtype=float)
 
 

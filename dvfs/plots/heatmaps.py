@@ -93,30 +93,42 @@ def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) ->
 
 
 def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
-    """Why each cell without an answer has none, as `dvfs headroom`'s table says it
-    (`dvfs.report.headroom`): no valid reference cell, settings not measured yet (a partial
-    cube), too few usable repeats, no valid cell, or none feasible (so far)."""
+    """Why each cell without an answer has none, in `dvfs headroom`'s table's words
+    (`dvfs.report.reasons.no_answer`: no valid reference cell and why, settings not measured
+    yet, too few usable repeats, no valid cell, or none feasible (so far)), wrapped to fit."""
+    import textwrap
+
+    from dvfs.report.reasons import no_answer
+
     shape = tuple(chosen.sizes[d] for d in order)
 
-    def counts(name: str, absent: int) -> np.ndarray:
-        if name not in chosen:  # a result from before these counts
-            return np.full(shape, absent, dtype=int)
-        return chosen[name].transpose(*order).values
+    def values(name: str) -> np.ndarray | None:
+        return chosen[name].transpose(*order).values if name in chosen else None
 
-    target = chosen["target_ms"].transpose(*order).values
-    judged, short = counts("judged_settings", 1), counts("short_settings", 0)
-    unmeasured = counts("unmeasured_settings", 0)
-    unjudged = np.where(
-        unmeasured > 0,
-        "not measured\nyet",
-        np.where(short > 0, "too few\nrepeats", "no valid\ncell"),
-    )
-    judged_text = np.where(unmeasured > 0, "none feasible\nso far", "none\nfeasible")
-    return np.where(
-        ~np.isfinite(target),
-        "no valid\nreference",
-        np.where(judged > 0, judged_text, unjudged),
-    )
+    target = values("target_ms")
+    columns = {
+        name: values(name)
+        for name in (
+            "reference_problem",
+            "judged_settings",
+            "short_settings",
+            "unmeasured_settings",
+        )
+    }
+    out = np.full(shape, "", dtype=object)
+    for idx in np.ndindex(shape):
+        row: dict[str, Any] = {
+            "target_ms": float(target[idx])
+            if target is not None and np.isfinite(target[idx])
+            else None
+        }
+        for name, column in columns.items():
+            if column is not None:
+                value = column[idx]
+                row[name] = str(value) if name == "reference_problem" else int(value)
+        why = no_answer(row)
+        out[idx] = textwrap.fill(why, 14, max_lines=4, placeholder=" ...")
+    return out
 
 
 def _answer_label(
@@ -167,7 +179,11 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
-    panel_h = max(0.52 * len(drafters), 1.6)  # room for the colourbar and key in the free slot
+    # a row tall enough for its cells' lines of text (four for a reason wrapped)
+    unanswered = why[~np.isfinite(saving)]
+    lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
+    row_h = max(0.52, 0.13 * lines + 0.1)
+    panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
     panels = panel_figure(len(corpora), 0.8 * len(batches), panel_h, margins, title=title)
     images = []
     for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
@@ -192,7 +208,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         if k % cols == 0:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
-    _colorbar_and_key(panels, images[0], "energy saved vs stock (%)", key)
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
+    _colorbar_and_key(panels, images[0], f"energy saved vs {versus} (%)", key)
     suptitle(panels.fig, title)
     return panels.fig
 

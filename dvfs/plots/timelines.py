@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import reference_setting
+from dvfs.analysis.headroom import reference_setting, valid_mask
 from dvfs.cube.info import swept_knobs
 from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
 
@@ -27,6 +27,35 @@ def setting_text(clock_mhz: int, limit_w: float, clock_set: bool, limit_set: boo
     return f"{clock}, {limit}"
 
 
+def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
+    """A cell's first valid repeat with a timeline (None without one): an invalid repeat's
+    power and clock are not what the setting does."""
+    ok = valid_mask(cell) & cell["timeline_t_s"].notnull().any("sample")
+    picks = np.flatnonzero(ok.values)
+    return cell.isel(repeat=int(picks[0])) if picks.size else None
+
+
+def in_window(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A cell's samples (time, power, SM clock) within its decode window: a sample taken
+    after decoding ended reads the idle GPU, and drawn as a step it would look like a drop
+    inside the window. The last value is held to the window's end (`decode_time_s`)."""
+    t = cell["timeline_t_s"].values
+    power = cell["timeline_power_w"].values
+    sm_clock = cell["timeline_sm_clock_mhz"].values
+    keep = ~np.isnan(t)
+    end = float(cell["decode_time_s"]) if "decode_time_s" in cell else np.nan
+    if np.isfinite(end):
+        keep &= t <= end
+    t, power, sm_clock = t[keep], power[keep], sm_clock[keep]
+    if np.isfinite(end) and t.size and t[-1] < end:
+        t, power, sm_clock = (
+            np.append(t, end),
+            np.append(power, power[-1]),
+            np.append(sm_clock, sm_clock[-1]),
+        )
+    return t, power, sm_clock
+
+
 @styled
 def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     """None when the cube holds no sampled timeline."""
@@ -43,7 +72,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
 
     cols = len(batches)
     margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
-    title = "Power and SM clock through the measurement window: stock vs chosen setting"
+    title = f"Power and SM clock through the measurement window: {stock_word} vs chosen setting"
     panels = panel_figure(2 * cols, 5.0, 2.5, margins, max_cols=cols, title=title)
     fig = panels.fig
     for col, batch in enumerate(batches):
@@ -59,16 +88,18 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                     ("chosen", int(pick["chosen_sm_clock"]), float(pick["chosen_power_limit"]))
                 )
             for kind, clock, limit in settings:
-                cell = cube.sel(
-                    batch=batch,
-                    drafter=drafter,
-                    corpus=corpus,
-                    sm_clock=clock,
-                    power_limit=limit,
-                    repeat=cube["repeat"].values[0],
+                cell = first_valid_repeat(
+                    cube.sel(
+                        batch=batch,
+                        drafter=drafter,
+                        corpus=corpus,
+                        sm_clock=clock,
+                        power_limit=limit,
+                    )
                 )
-                t = cell["timeline_t_s"].values
-                keep = ~np.isnan(t)
+                if cell is None:
+                    continue
+                t, power, sm_clock = in_window(cell)
                 word = stock_word if kind == "stock" else "chosen"
                 style: dict[str, Any] = {
                     "color": colors[drafter],
@@ -76,15 +107,15 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 }
                 label = f"{drafter}, {word}: " + setting_text(clock, limit, clock_set, limit_set)
                 power_ax.plot(
-                    t[keep],
-                    cell["timeline_power_w"].values[keep],
+                    t,
+                    power,
                     drawstyle="steps-post",
                     label=label,
                     **style,
                 )
                 clock_ax.plot(
-                    t[keep],
-                    cell["timeline_sm_clock_mhz"].values[keep],
+                    t,
+                    sm_clock,
                     drawstyle="steps-post",
                     **style,
                 )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dvfs.analysis.targets import Target
-from dvfs.report.common import gpu_names
+from dvfs.report.common import gpu_names, reference_label
 from dvfs.report.facts import measured_section
 from dvfs.report.findings import findings_section
 from dvfs.report.model import Code, Document, Figure, Paragraph, Section, Table
@@ -51,12 +51,13 @@ def build_document(
     result = headroom(cube, target=options.target, knob=options.knob, confidence=options.confidence)
     result = select(result, options.batch, options.drafter, options.corpus)
     room = headroom_document(result, cube)
+    stock = reference_label(room["reference"]) == "stock"
     comparison, compare_notes = _comparison(cube, options)
     sections = (
         measured_section(cube),
         _headroom_section(room, options),
         _compare_section(comparison, compare_notes),
-        findings_section(room, comparison, [_figure(n, d) for n, d in figures]),
+        findings_section(room, comparison, [_figure(n, d, stock) for n, d in figures]),
         _caps_section(room, options, gpu_names(cube)),
     )
     gpu = ", ".join(gpu_names(cube).values()) or room["gpu"]["name"] or "unknown GPU"
@@ -68,13 +69,13 @@ def build_document(
     )
 
 
-def _figure(name: str, data: bytes) -> Figure:
+def _figure(name: str, data: bytes, stock: bool = True) -> Figure:
     from dvfs.errors import AnalysisError
 
     ext = name.rsplit(".", 1)[-1].lower()
     if ext not in MIME_TYPES:
         raise AnalysisError(f"figure {name} is not PNG or SVG: a report cannot embed it")
-    return Figure(name=name, caption=figure_caption(name), data=data, mime=MIME_TYPES[ext])
+    return Figure(name=name, caption=figure_caption(name, stock), data=data, mime=MIME_TYPES[ext])
 
 
 _CAPTIONS = {
@@ -82,19 +83,24 @@ _CAPTIONS = {
     "pareto": "Energy against latency at every setting: Pareto fronts and the chosen settings",
     "headroom": "Energy saved at the chosen setting, per batch, drafter and corpus",
     "acceptance": "Mean accept length per drafter and corpus",
-    "timelines": "Power and SM clock over a cell, at stock and at the chosen setting",
-    "energy_vs_batch": "Energy per token against batch size at the stock setting, per drafter",
+    "timelines": "Power and SM clock over a cell, at {ref} and at the chosen setting",
+    "energy_vs_batch": "Energy per token against batch size at {ref}, per drafter",
     "energy_split": "Where the energy goes: prefill, drafting, verification and overhead per token",
 }
 
 
-def figure_caption(name: str) -> str:
+#: The reference in a caption: stock, or the top of the grid where the grid lacks stock.
+REFERENCE_WORDS = {True: "the stock setting", False: "the reference (top of the grid)"}
+
+
+def figure_caption(name: str, stock: bool = True) -> str:
     """A caption from the figure's file name: `gpu/pareto_code.png` -> "GPU gpu: ...,
-    corpus code"."""
+    corpus code". `stock`: whether the reference setting the figures draw is stock."""
     *folders, file = name.split("/")
     stem = file.rsplit(".", 1)[0]
     lead = f"GPU {folders[-1]}: " if folders else ""
-    for prefix, text in _CAPTIONS.items():
+    for prefix, caption in _CAPTIONS.items():
+        text = caption.format(ref=REFERENCE_WORDS[stock])
         if stem == prefix:
             return lead + text
         if stem.startswith(prefix + "_"):

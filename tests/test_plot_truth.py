@@ -1,0 +1,233 @@
+"""The figures say what the cube says: each GPU of a merged cube under its own name, no
+average over corpora or over invalid repeats, "stock" only where the reference is stock, and
+no legend entry or bar for what was not measured. Small hand-built cubes; the assertions read
+the data and text a figure draws, not its pixels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from test_plots import TARGET, small_cube
+
+from dvfs.analysis.headroom import headroom
+from dvfs.plots import draw_timelines, figures, per_gpu, plot_all
+
+H100 = "NVIDIA H100 80GB HBM3 (twin)"
+H200 = "NVIDIA H200 (twin)"
+UUIDS = ["GPU-47dfcd23-120e-9eab-3043-5d0ea1215572", "GPU-f39e88b9-d087-92fe-fa29-3ee2861654ce"]
+
+
+def _texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.findobj(match=lambda a: hasattr(a, "get_text"))]
+
+
+def test_each_gpu_of_a_merged_cube_is_drawn_under_its_own_name(tmp_path: Path) -> None:
+    one = small_cube([1, 8], corpora=("code",))
+    merged = xr.concat([one, one], dim=xr.DataArray(UUIDS, dims="gpu"))
+    merged.attrs.update(gpu_name=H100, gpu_names=json.dumps([H100, H200]))
+    parts = per_gpu(merged)
+    assert [folder for folder, _ in parts] == [
+        "nvidia-h100-80gb-hbm3-twin-GPU-47dfcd23",
+        "nvidia-h200-twin-GPU-f39e88b9",
+    ]
+    for (_, cube), mine, other in zip(parts, (H100, H200), (H200, H100), strict=True):
+        titles = {name: fig.get_suptitle() for name, fig in figures(cube, TARGET)}
+        assert mine in titles["energy_vs_clock_code"] and mine in titles["energy_vs_batch"]
+        assert not any(other in t for t in titles.values())
+    paths = plot_all(merged, tmp_path, fmt="svg", target=TARGET)
+    assert {p.parent.name for p in paths} == {folder for folder, _ in parts}
+
+
+def _one_bad_repeat(cube: xr.Dataset, **at: object) -> xr.Dataset:
+    """`cube` with repeat 0 of the cells at `at` measured but invalid (a quality flag)."""
+    cube = cube.copy(deep=True)
+    cube["valid"].loc[{**at, "repeat": 0}] = 0.0
+    return cube
+
+
+def test_a_setting_with_an_invalid_repeat_is_not_drawn_as_a_point() -> None:
+    """Headroom never chooses a setting with an invalid repeat; the figures do not draw it as
+    a valid point from its other repeats either."""
+    from dvfs.plots import draw_energy_vs_clock, draw_pareto
+    from dvfs.plots.data import cell_means
+
+    cube = _one_bad_repeat(small_cube([1], corpora=("code",), repeats=2), sm_clock=1500)
+    dims = ("drafter", "power_limit", "sm_clock")
+    energy = cell_means(cube, "energy_per_token_j", dims, batch=1, corpus="code")
+    assert np.isnan(energy[:, :, 1]).all() and np.isfinite(energy[:, :, [0, 2]]).all()
+    fig = draw_energy_vs_clock(cube, "code")
+    lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) == 3]
+    assert lines and all(np.isnan(line.get_ydata()[1]) for line in lines)
+    result = headroom(cube, target=TARGET)
+    pareto = draw_pareto(cube, result, TARGET, "code")
+    drawn = np.concatenate(
+        [c.get_offsets() for ax in pareto.axes for c in ax.collections if c.get_gid() is None]
+    )
+    # 2 drafters x 2 power limits x the 2 clocks whose every repeat is valid
+    assert np.isfinite(np.ma.filled(drawn, np.nan)).all(axis=1).sum() == 8
+
+
+def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
+    cube = small_cube([1], corpora=("code",), repeats=2)
+    power = cube["timeline_power_w"].values.copy()
+    power[..., 0, :] = 999.0  # repeat 0 (the last cell axis) reads 999 W ...
+    cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
+    cube = _one_bad_repeat(cube, sm_clock=1980, power_limit=700.0)  # ... and is invalid there
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    stock = [
+        line
+        for ax in fig.axes
+        for line in ax.lines
+        if ", stock:" in str(line.get_label()) or ", reference:" in str(line.get_label())
+    ]
+    assert stock and all(999.0 not in line.get_ydata() for line in stock)
+
+
+def test_a_grid_without_stock_never_says_stock() -> None:
+    """Where the stock clock was not swept, the reference is the top of the grid: the batch
+    figure's title, the headroom map's colourbar, the timelines and the report's captions say
+    so."""
+    from dvfs.plots import draw_energy_vs_batch, draw_headroom
+    from dvfs.report.document import figure_caption
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube.attrs["stock_sm_clock_mhz"] = 2100  # not in the grid (max 1980)
+    result = headroom(cube, target=TARGET)
+    texts = [
+        *_texts(draw_energy_vs_batch(cube)),
+        *_texts(draw_headroom(result)),
+        *_texts(draw_timelines(cube, result)),
+        figure_caption("energy_vs_batch.png", stock=False),
+        figure_caption("timelines.png", stock=False),
+    ]
+    assert not [t for t in texts if "stock" in t and "not swept" not in t], texts
+    assert "top of the grid" in draw_energy_vs_batch(cube).get_suptitle()
+    assert "stock" in figure_caption("energy_vs_batch.png")  # where the reference is stock
+
+
+def _partial_cube() -> xr.Dataset:
+    """eagle3's reference cell on code not measured yet, and a drafter not run at all."""
+    cube = small_cube([1], corpora=("code",))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    unmeasured = {"drafter": "dflash"}
+    stock = {"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}
+    for at in (unmeasured, stock):
+        for name in ("energy_per_token_j", "tpot_ms", "itl_ms", "ttft_ms"):
+            cube[name].loc[at] = np.nan
+        cube["cell_status"].loc[at] = 0
+        cube["valid"].loc[at] = np.nan
+    return cube
+
+
+def test_a_partial_cube_says_what_is_not_measured() -> None:
+    """The headroom map gives the table's reason for a missing reference, and the Pareto
+    legend names only drafters with points."""
+    from dvfs.plots import draw_headroom, draw_pareto
+
+    cube = _partial_cube()
+    result = headroom(cube, target=TARGET)
+    cells = [" ".join(t.get_text().split()) for ax in draw_headroom(result).axes for t in ax.texts]
+    assert "no valid reference cell (not measured yet)" in cells, cells
+    fig = draw_pareto(cube, result, TARGET, "code")
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert "none" in labels and "eagle3" in labels and "dflash" not in labels
+
+
+def _legends(fig) -> list:
+    return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
+
+
+def _split_cube() -> xr.Dataset:
+    """small_cube with the twin's exact split: eagle3 drafts 20% of its energy, verification
+    70%, overhead the rest; prefill 0 J (a fixed batch's window holds none); dflash not run."""
+    cube = _partial_cube()
+    tokens = 100.0
+    energy = cube["energy_per_token_j"] * tokens
+    cube["window_tokens"] = xr.full_like(energy, tokens).where(energy.notnull())
+    cube["energy_j"] = energy
+    cube["decode_time_s"] = xr.full_like(energy, 1.0).where(energy.notnull())
+    draft = xr.where(cube["drafter"] == "none", 0.0, 0.2)
+    cube["energy_prefill_j"] = energy * 0.0
+    cube["energy_draft_j"] = energy * draft
+    cube["energy_verify_j"] = energy * 0.7
+    cube["energy_overhead_j"] = energy * (0.3 - draft)
+    cube["energy_split_method"] = xr.where(energy.notnull(), 1, 0).astype(np.int8)
+    return cube
+
+
+def _bar_tops(ax) -> dict[float, float]:
+    """The top of each bar stack in a panel, by x position."""
+    tops: dict[float, float] = {}
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 6)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    return tops
+
+
+def test_the_energy_split_is_drawn_per_corpus_never_averaged_over_them() -> None:
+    cube = _split_cube()
+    cube = xr.concat([cube, cube.assign_coords(corpus=["math"]) * 1.0], dim="corpus")
+    cube["energy_j"].loc[{"corpus": "math"}] *= 3.0  # math costs 3x code
+    for part in ("prefill", "draft", "verify", "overhead"):
+        cube[f"energy_{part}_j"].loc[{"corpus": "math"}] *= 3.0
+    # one figure drawn again per corpus (its panels reused): read each as it comes
+    tops: dict[str, float] = {}
+    for name, fig in figures(cube, TARGET):
+        assert name != "energy_split"
+        if name.startswith("energy_split_"):
+            corpus = name.removeprefix("energy_split_")
+            assert f"corpus {corpus}" in fig.get_suptitle()
+            panel = next(ax for ax in fig.axes if ax.get_title() == "batch 1")
+            tops[corpus] = _bar_tops(panel)[0.0]
+    assert set(tops) == {"code", "math"}
+    for corpus, top in tops.items():
+        at = {"sm_clock": 1980, "power_limit": 700.0, "batch": 1, "corpus": corpus}
+        per_token = cube["energy_j"] / cube["window_tokens"]
+        want = per_token.sel({**at, "drafter": "none"}).mean("repeat")
+        assert top == pytest.approx(float(want))
+
+
+def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -> None:
+    from dvfs.plots import draw_energy_split
+
+    fig = draw_energy_split(_split_cube(), "code")
+    panel = next(ax for ax in fig.axes if ax.get_title() == "batch 1")
+    # eagle3's reference cell is not measured yet, dflash not run at all: no bar of 0 J there
+    assert [t.get_text().strip() for t in panel.texts] == ["not measured"] * 2
+    assert [t.get_position()[0] for t in panel.texts] == [1, 2]
+    assert list(_bar_tops(panel)) == [0.0]
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert labels and not any("prefill" in label for label in labels)
+
+
+def test_timelines_end_with_the_decode_window() -> None:
+    """A sample after decoding ended (the idle GPU) is not drawn; the last one inside the
+    window is held to its end."""
+    cube = small_cube([1], corpora=("code",))
+    power = cube["timeline_power_w"].values.copy()
+    power[..., -1] = 60.0  # the last sample (t = 0.35 s) reads the idle GPU ...
+    cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
+    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.32)  # ... after the end
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) > 2]
+    assert lines
+    for line in lines:
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+        assert x[-1] == pytest.approx(0.32) and y[-1] == y[-2]
+        assert 60.0 not in y
+
+
+def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
+    from dvfs.plots import draw_energy_vs_batch
+
+    fig = draw_energy_vs_batch(small_cube([1, 8], corpora=("code",)))
+    drawn = {str(line.get_color()): line.get_linestyle() for ax in fig.axes for line in ax.lines}
+    handles = [h for legend in _legends(fig) for h in legend.legend_handles]
+    assert {str(h.get_color()): h.get_linestyle() for h in handles} == drawn
+    assert sorted(drawn.values()) == ["-", "--"]
