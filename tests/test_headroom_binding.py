@@ -128,6 +128,7 @@ def test_each_gpu_of_a_merged_cube_is_judged_on_its_own_peak(tmp_path: Path) -> 
     ]
     # Only the cap that bound is at the bottom of the grid ("a lower one might save more").
     assert [r["chosen_at_grid_edge"] for r in rows] == [True, False]
+    assert [r["cap_not_binding"] for r in rows] == [False, True]
     plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none").stdout
     caps = {c["name"]: c for c in tomllib.loads(plan)["model"]}
     assert caps["Ha (twin)"].get("power_limit_w") == 400.0
