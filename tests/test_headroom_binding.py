@@ -99,6 +99,22 @@ def test_a_cap_whose_uncapped_twin_misses_the_target_is_set_aside_or_kept_alone(
     assert r["cap_not_binding"] == 1
 
 
+def test_a_cap_whose_higher_limit_is_not_measured_yet_stays() -> None:
+    """A partial cube: the 700 W cell at the chosen clock is missing, so nothing measured says
+    the 400 W answer is the uncapped operating point; it stays, provisional (`?`)."""
+    ds = cube(peak_w=209.0)
+    for name in ("tpot_ms", "energy_per_token_j"):
+        values = ds[name].copy()
+        values.loc[{"sm_clock": 1500, "power_limit": 700.0}] = np.nan
+        ds[name] = values
+    status = ds["cell_status"].copy()
+    status.loc[{"sm_clock": 1500, "power_limit": 700.0}] = 0
+    ds["cell_status"] = status
+    r = answer(ds)
+    assert (r["chosen_sm_clock"], r["chosen_power_limit"]) == (1500, 400.0)
+    assert r["cap_not_binding"] == 0 and r["unmeasured_settings"] == 1
+
+
 def test_each_gpu_of_a_merged_cube_is_judged_on_its_own_peak(tmp_path: Path) -> None:
     """End to end: one GPU's 400 W cap bound and saved energy, the other's never bound; the
     headroom JSON and `dvfs cap plan` cap the first at 400 W and leave the second's limit at

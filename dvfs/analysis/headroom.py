@@ -30,7 +30,9 @@ and any energy gap between them is noise. Where a higher limit at the same clock
 (valid, enough repeats), such a setting is set aside and the choice is made among the others,
 so the answer is the highest limit there (stock where swept) unless a lower one bound and
 saved energy. The rule is physical, not statistical: it needs no repeats, does not depend on
-the target (so the choice stays monotone in it), and never hides a cap that bound; a tie rule
+the target (so the choice stays monotone in it, save where such caps alone meet a tight
+target and are kept: a looser one may then choose the higher limit and its noise), and never
+hides a cap that bound; a tie rule
 on the cells' intervals (energy_per_token_rel_ci) would be a general tie rule, reaching clocks
 whose savings are real but uncertain, and ties within an interval do not chain. The headroom
 (the lowest feasible limit) is a latency answer and keeps every feasible setting.
