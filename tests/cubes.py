@@ -22,13 +22,16 @@ def make_cube(
     latency: Callable[..., float] | np.ndarray | None = None,
     energy: Callable[..., float] | np.ndarray | None = None,
     valid: Callable[..., bool] | None = None,
+    power_max: Callable[..., float] | None = None,
+    quality: Callable[..., int] | None = None,
     stock_clock: int | None = None,
     stock_limit: float | None = None,
 ) -> xr.Dataset:
     """A cube whose TPOT/ITL/TTFT (all quantiles) and energy come from the given functions.
 
     Functions take (sm_clock, power_limit, batch, drafter, corpus, repeat) and return a value;
-    NaN means a missing cell.
+    NaN means a missing cell. `power_max` (peak power, W) and `quality` (flag bits) are left
+    out of the cube unless given, as in a cube that does not record them.
     """
     limits = limits or [700.0]
     batches = batches or [1]
@@ -76,6 +79,10 @@ def make_cube(
             "stock_power_limit_w": stock_limit if stock_limit is not None else max(limits),
         },
     )
+    if power_max is not None:
+        ds["power_max_w"] = (CELL_DIMS, fill(power_max))
+    if quality is not None:
+        ds["quality"] = (CELL_DIMS, fill(quality))
     return ds
 
 

@@ -22,6 +22,20 @@ depend on the target, so the feasible set only grows as it loosens):
   * the chosen setting: the feasible one with the least energy per token, and its saving.
 Energies within 0.01% of the least (far below any power meter's accuracy) are ties, broken
 towards the least intrusive setting (highest clock, then highest power limit).
+
+A power limit the GPU never reached cannot change its energy: a setting whose power limit did
+not bind (`cap_not_binding`: every usable repeat's peak power more than CAP_BINDING_MARGIN
+below the limit, and no SwPowerCap) is the same operating point as a higher limit at its clock,
+and any energy gap between them is noise. Where a higher limit at the same clock was judged
+(valid, enough repeats), such a setting is set aside and the choice is made among the others,
+so the answer is the highest limit there (stock where swept) unless a lower one bound and
+saved energy. The rule is physical, not statistical: it needs no repeats, does not depend on
+the target (so the choice stays monotone in it, save where such caps alone meet a tight
+target and are kept: a looser one may then choose the higher limit and its noise), and never
+hides a cap that bound; a tie rule
+on the cells' intervals (energy_per_token_rel_ci) would be a general tie rule, reaching clocks
+whose savings are real but uncertain, and ties within an interval do not chain. The headroom
+(the lowest feasible limit) is a latency answer and keeps every feasible setting.
 """
 
 from __future__ import annotations
@@ -50,6 +64,14 @@ GROUP_DIMS = ("batch", "drafter", "corpus")
 
 #: Energies within this relative distance of the least are ties (0.01%).
 ENERGY_TIE = 1e-4
+
+#: A power limit bound a cell unless its peak power (power_max_w) stayed more than this
+#: fraction below it (5%; 20 W at 400 W) in every usable repeat with no SwPowerCap seen
+#: (power_capped). The peak is the highest power sample (NVML: a 1-second average on
+#: Ampere and newer) or round mean: the limiter works on a shorter loop, so a cap that bound
+#: in bursts can read a little below it, and the sensor is good to a few watts. The SwPowerCap
+#: flag is the direct evidence; the margin covers a sampler that missed it.
+CAP_BINDING_MARGIN = 0.05
 
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
@@ -242,6 +264,7 @@ def headroom(
     invalid_v = any_invalid.transpose(*order[:-1]).values
     unmeasured_v = unmeasured.transpose(*order[:-1]).values
     flags_v = invalid_flags(sub, measured & ~ok).transpose(*order[:-1]).values
+    not_binding_v = cap_not_binding(sub, ok).transpose(*order[:-1]).values
     ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
     ref_on_v = ref_on.broadcast_like(stock_energy).transpose(*group_order).values
     ref_ok_v = ref_ok_for_on.broadcast_like(stock_energy).transpose(*group_order).values
@@ -250,6 +273,7 @@ def headroom(
     stock_e = stock_energy.transpose(*group_order).values
     clocks = sub["sm_clock"].values.astype(int)
     limits = sub["power_limit"].values.astype(float)
+    higher = [[pj for pj, q in enumerate(limits) if q > p] for p in limits]  # limit indices
     # A knob with one value in the cube was never swept: its headroom is unknown, not 0. A
     # knob the search may move (`free`) has its answer cut off by the grid when the lowest
     # feasible value is the lowest value evaluated for the group.
@@ -322,6 +346,7 @@ def headroom(
         )
     }
     n_invalid = np.zeros(group_shape, dtype=int)  # settings with an invalid cell
+    set_aside = np.zeros(group_shape, dtype=bool)  # a cap that never bound would have won
     limiting_flags = np.full(group_shape, "", dtype=object)
     settings_on = np.full(group_shape, "", dtype=object)
     reference_on = np.full(group_shape, "", dtype=object)
@@ -339,6 +364,7 @@ def headroom(
         own_reference = target.mode != "vs-baseline" or drafters[idx[1]] == baseline_drafter
         feasible = []
         evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
+        judged_at: set[tuple[int, int]] = set()  # the same, as (clock, limit) indices
         over: list[tuple[int, float]] = []  # evaluated settings over the target
         pending: list[tuple[int, float]] = []  # settings not measured yet, not judged
         invalid: list[tuple[int, float, int]] = []  # settings with an invalid cell, their flags
@@ -353,6 +379,7 @@ def headroom(
                 bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
                 if not math.isnan(bound):
                     evaluated.append((int(clock), float(limit)))
+                    judged_at.add((ci, pi))
                     repeats_used.add(n)
                 elif unmeasured_v[idx + (ci, pi)]:
                     pending.append((int(clock), float(limit)))
@@ -390,9 +417,19 @@ def headroom(
         if not feasible:
             limiting_flags[idx] = flag_text(m for _, _, m in spoilt)
             continue
-        least = min(f[0] for f in feasible)
-        ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
-        mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = max(ties, key=lambda f: (f[1], f[2]))
+        # A cap that never bound is the operating point of a higher limit at its clock: where
+        # that one was judged, the choice is made without it (see the module docstring); where
+        # nothing else meets the target, it stays, harmless.
+        bound_caps = [
+            f
+            for f in feasible
+            if not (
+                not_binding_v[idx + (f[6], f[7])]
+                and any((f[6], pj) in judged_at for pj in higher[f[7]])
+            )
+        ]
+        mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = least_energy(bound_caps or feasible)
+        set_aside[idx] = not bound_caps or least_energy(feasible)[6:] != (c_i, p_i)
         lowest_clock = min(f[1] for f in feasible)
         lowest_limit = min(f[2] for f in feasible)
         # Settings below an answer not measured yet (an interrupted sweep): the answer may
@@ -504,6 +541,17 @@ def headroom(
         name: (dims, values, {"units": units[name][0], "long_name": units[name][1]})
         for name, values in out.items()
     }
+    data_vars["cap_not_binding"] = (
+        dims,
+        set_aside,
+        {
+            "units": "1",
+            "long_name": "a lower power limit at the chosen clock measured less energy, but "
+            "its peak power stayed below it (no SwPowerCap): the cap never bound and the gap "
+            "is noise, so a higher limit is chosen (where none met the target, that cap is "
+            "chosen and saves nothing)",
+        },
+    )
     data_vars["feasible"] = (
         dims,
         feasible_any,
@@ -639,6 +687,14 @@ def headroom(
     return result
 
 
+def least_energy(feasible: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The feasible setting (energy, clock, limit, ...) with the least energy; energies within
+    ENERGY_TIE of the least are ties, broken towards the highest clock, then limit."""
+    least = min(f[0] for f in feasible)
+    ties = [f for f in feasible if f[0] <= least * (1 + ENERGY_TIE)]
+    return max(ties, key=lambda f: (f[1], f[2]))
+
+
 def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
     """The feasibility bound in words, from a headroom result's attributes: the repeats it
     rests on are those used (`REPEATS_USED`; an adaptive campaign's cells take from `repeats`
@@ -663,6 +719,21 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
     if attrs["target_mode"] == "slo":
         text = text.replace("latency ratio to the reference", "latency (ms)")
     return text
+
+
+def cap_not_binding(cube: xr.Dataset, ok: xr.DataArray) -> xr.DataArray:
+    """Per setting (over the repeats): whether its power limit never bound: every usable
+    (`ok`) repeat's peak power more than CAP_BINDING_MARGIN below the limit, no SwPowerCap
+    (power_capped) seen, and at least one usable repeat. A cube that does not record the peak
+    power, or a usable repeat without one, says nothing: the cap may have bound (False)."""
+    from dvfs.measure.meter import Q_POWER_CAPPED
+
+    if "power_max_w" not in cube:
+        return ok.any("repeat") & False
+    quiet = cube["power_max_w"] < cube["power_limit"] * (1 - CAP_BINDING_MARGIN)
+    if "quality" in cube:
+        quiet = quiet & ((cube["quality"].fillna(0).astype(np.int64) & Q_POWER_CAPPED) == 0)
+    return (quiet | ~ok).all("repeat") & ok.any("repeat")
 
 
 def invalid_flags(cube: xr.Dataset, invalid: xr.DataArray) -> xr.DataArray:

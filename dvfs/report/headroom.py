@@ -75,6 +75,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             headroom_mhz_invalid_below=_flag(r, "headroom_mhz_invalid_below"),
             headroom_w_invalid_below=_flag(r, "headroom_w_invalid_below"),
             chosen_invalid_below=_flag(r, "chosen_invalid_below"),
+            cap_not_binding=_flag(r, "cap_not_binding"),
             unmeasured_settings=(
                 int(r["unmeasured_settings"]) if "unmeasured_settings" in r else None
             ),
