@@ -46,6 +46,7 @@ Q_POWER_CAPPED = 1 << 6
 Q_NO_WINDOW = 1 << 7
 Q_RETRACTED = 1 << 8
 Q_FEW_COUNTER_UPDATES = 1 << 9
+Q_POWER_LIMIT_NOT_HELD = 1 << 10
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -58,6 +59,7 @@ QUALITY_FLAGS = {
     Q_NO_WINDOW: "no_steady_window",
     Q_RETRACTED: "retracted",
     Q_FEW_COUNTER_UPDATES: "few_counter_updates",
+    Q_POWER_LIMIT_NOT_HELD: "power_limit_not_held",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (
@@ -67,11 +69,42 @@ INVALIDATING = (
     | Q_NO_WINDOW
     | Q_FEW_SAMPLES
     | Q_FEW_COUNTER_UPDATES
+    | Q_POWER_LIMIT_NOT_HELD
 )
 
 
 def describe_quality(mask: int) -> list[str]:
     return [name for bit, name in QUALITY_FLAGS.items() if mask & bit]
+
+
+@dataclass(frozen=True)
+class PowerLimitRead:
+    """One GPU's power limits (mW) as read at a cell's start and end, and the one the cell
+    is labelled with (its own, or the stock limit for a stock cell)."""
+
+    target_mw: int
+    configured_mw: tuple[int, ...]
+    enforced_mw: tuple[int, ...]
+
+    @property
+    def held(self) -> bool:
+        """Whether the GPU ran at the cell's limit: configured as the target at every read,
+        and no other limiter (an out-of-band BMC or rack cap) enforcing less."""
+        return all(c == self.target_mw for c in self.configured_mw) and all(
+            e >= self.target_mw for e in self.enforced_mw
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "target_mw": self.target_mw,
+            "configured_mw": list(self.configured_mw),
+            "enforced_mw": list(self.enforced_mw),
+        }
+
+
+def power_limit_quality(reads: Sequence[PowerLimitRead]) -> int:
+    """power_limit_not_held when any GPU's limit read during the cell is not its label's."""
+    return 0 if all(r.held for r in reads) else Q_POWER_LIMIT_NOT_HELD
 
 
 def counter_at(samples: dict[str, np.ndarray], t_ns: float) -> float:

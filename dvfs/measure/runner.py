@@ -24,6 +24,7 @@ from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
     EngineError,
+    GpuNotSupportedError,
     IncomparableCellsError,
     JournalError,
 )
@@ -42,9 +43,11 @@ from dvfs.measure.counter import (
 from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
     CellMeasurement,
+    PowerLimitRead,
     WindowPart,
     finished_requests,
     latency_stats,
+    power_limit_quality,
     steady_window_ns,
     summarise,
 )
@@ -211,6 +214,8 @@ class Runner:
         self._warmed: set[tuple[int, int]] = set()
         #: Where the last `measure`'s energy went, when its engine knows (the twin).
         self.last_split: EnergySplit | None = None
+        #: The power limits the last `measure` read at its start and end, per GPU.
+        self.last_power_limits: tuple[PowerLimitRead, ...] = ()
         #: The rounds' workloads made so far (`_workload`), oldest first.
         self._workloads: dict[tuple[object, ...], tuple[Campaign, object, Workload]] = {}
 
@@ -524,6 +529,7 @@ class Runner:
         (`Workload.end_at_window`): the requests still running then are aborted."""
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
+        limits_start = self._power_limits()
         warmup = {**self._warm_up(cell, time), "round_end": m.round_end}
         end_at_window = m.round_end == ROUND_END
         parts: list[WindowPart] = []
@@ -578,8 +584,45 @@ class Runner:
             precision=m.precision,
             confidence=m.confidence,
         )
+        reads = self._power_limit_reads(cell, limits_start, self._power_limits())
+        self.last_power_limits = reads
+        held = power_limit_quality(reads)
+        if held:
+            measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
         return measurement, warmup
+
+    def _power_limits(self) -> list[tuple[int, int | None]]:
+        """Each GPU's configured and enforced power limit (mW) now; enforced None where the
+        GPU cannot report it. Reading changes nothing (the twin's clock does not move)."""
+        out: list[tuple[int, int | None]] = []
+        for gpu in self.gpus:
+            try:
+                enforced: int | None = gpu.enforced_power_limit_mw()
+            except GpuNotSupportedError:
+                enforced = None
+            out.append((gpu.power_limit_mw(), enforced))
+        return out
+
+    def _power_limit_reads(
+        self,
+        cell: Cell,
+        start: Sequence[tuple[int, int | None]],
+        end: Sequence[tuple[int, int | None]],
+    ) -> tuple[PowerLimitRead, ...]:
+        """The limits read at a cell's start and end against the one it is labelled with (its
+        own, or the stock limit), per GPU: what the journal keeps and the quality check reads.
+        """
+        reads = []
+        for gpu, first, last in zip(self.gpus, start, end, strict=True):
+            reads.append(
+                PowerLimitRead(
+                    target_mw=self.knobs.target(gpu, cell.setting).power_limit_mw,
+                    configured_mw=(first[0], last[0]),
+                    enforced_mw=tuple(e for e in (first[1], last[1]) if e is not None),
+                )
+            )
+        return tuple(reads)
 
     def _precise(
         self,
@@ -624,6 +667,7 @@ class Runner:
                     errors=errors,
                     gpu_time_s=time.as_dict(),
                     energy_split=self.last_split,
+                    power_limits=self.last_power_limits,
                 )
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))
@@ -732,8 +776,9 @@ class Runner:
             self.journal.append(record.to_json())
             self.progress.advance(cell, "failed")
             return record
-        if cell.setting != self._setting:
-            self._apply_setting(cell.setting)
+        # Every cell, not only on a change of setting: `apply` reads the power limit back
+        # and sets it again where something outside dvfs changed it since the last cell.
+        self._apply_setting(cell.setting)
         if self._stabilise_due:
             self._stabilise(cell)
         record = self._run_cell(cell, self._take_pending())
