@@ -15,6 +15,12 @@ from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
 from dvfs.clock import MonotonicClock
 from dvfs.engines.twin import TwinEngine
+from dvfs.gpu.base import (
+    EVENT_APPLICATIONS_CLOCKS,
+    EVENT_GPU_IDLE,
+    EVENT_HW_THERMAL,
+    EVENT_SW_POWER_CAP,
+)
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.journal import iter_records
@@ -148,6 +154,9 @@ def test_an_out_of_band_limit_flags_the_cells_it_caps_and_headroom_skips_them(
     assert row["chosen"]["power_limit_w"] is None
     table = dvfs_in_process("headroom", cube, env=env).stdout
     assert "no valid reference cell (invalid: power_limit_not_held)" in table
+    from dvfs.report.reasons import no_answer_advice
+
+    assert no_answer_advice(row).startswith("power_limit_not_held: the GPU's power limit was")
     # An absolute SLO needs no reference: it chooses among the cells that held their limit.
     slo = dvfs_in_process("headroom", cube, "--slo", "tpot_p50<=10s", "--json", env=env)
     [row] = json.loads(slo.stdout)["rows"]
@@ -208,3 +217,147 @@ def test_a_limit_changed_between_cells_is_set_again_and_flags_its_cell(
     assert "power_limit_not_held" not in flags(second)
     assert [c["args"] for c in nvml.fake_calls(SET_LIMIT)] == [[700_000]]
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+# -- a clock lock set outside dvfs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("clock", "reasons", "stock_clock", "held_low"),
+    [
+        (1200, 0, 1980, True),  # held low, nothing NVML names explains it
+        (1200, EVENT_APPLICATIONS_CLOCKS, 1980, True),
+        (1980, EVENT_APPLICATIONS_CLOCKS, 1980, True),  # a lock or applications clocks seen
+        (1960, 0, 1980, False),  # within the tolerance
+        (1500, EVENT_SW_POWER_CAP, 1980, False),  # the power limit held it down
+        (1500, EVENT_HW_THERMAL, 1980, False),  # throttled instead
+        (1500, EVENT_GPU_IDLE, 1980, False),  # not under load
+        (1200, EVENT_APPLICATIONS_CLOCKS, None, False),  # a locked cell: dvfs's own lock
+    ],
+)
+def test_a_stock_clock_cell_held_low_is_flagged(clock, reasons, stock_clock, held_low) -> None:
+    from test_meter import part
+
+    from dvfs.measure.meter import Q_CLOCK_HELD_LOW, summarise
+
+    m = summarise(
+        [part(clock=clock, reasons=reasons)],
+        requested_clock_mhz=None,
+        stock_clock_mhz=stock_clock,
+        min_window_s=0.05,
+        sample_period_s=0.025,
+        idle_power_w=75.0,
+        precision=0.5,
+    )
+    assert bool(m.quality & Q_CLOCK_HELD_LOW) is held_low
+    assert Q_CLOCK_HELD_LOW & INVALIDATING
+    assert describe_quality(Q_CLOCK_HELD_LOW) == ["clock_held_low"]
+
+
+def test_the_fake_reports_a_held_lock_and_runs_at_it_under_load(nvml) -> None:
+    nvml.fake_set_load(0, 1.0)
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200])  # `nvidia-smi -lgc 1200`
+    readings = nvml.fake_device_state(0)["readings"]
+    assert readings["sm_clock_mhz"] == 1200
+    assert readings["reasons"] == nvml.nvmlClocksEventReasonUserDefinedClocks == 0x2
+    nvml.fake_update_device(0, locked_clocks=None)
+    assert nvml.fake_device_state(0)["readings"]["reasons"] == 0
+
+
+def test_a_lock_set_outside_dvfs_flags_the_stock_cells_and_headroom_says_why(
+    nvml, env, tmp_path: Path
+) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text(**{"sm_clock = [1980, 1500]": 'sm_clock = "stock"'}))
+    nvml.fake_set_load(0, 1.0)  # the GPU busy throughout, as under a decode
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200])  # an admin's `nvidia-smi -lgc 1200`
+    out = tmp_path / "out"
+    done = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "GPU 0 reports ApplicationsClocksSetting (0x2)" in said
+    records = cells(out / "journal.jsonl")
+    assert len(records) == 2
+    for record in records:
+        assert record["measurement"]["sm_clock_observed_mhz"] == 1200
+        assert "clock_held_low" in flags(record)
+    # dvfs never touched the clocks, so it leaves the lock it cannot read back as it was.
+    assert nvml.fake_device_state(0)["locked_clocks"] == [1200, 1200]
+    assert "2 of 2 measured cell(s) are invalid" in said and "clock_held_low x2" in said
+    # Nothing valid is left to analyse, and headroom says so.
+    refused = dvfs_in_process("headroom", str(out / "cube.nc"), env=env)
+    assert refused.returncode == 1 and "has no valid measured cell" in refused.stderr
+
+
+class LockingEngine(ChangingEngine):
+    """The twin engine; as its second round starts an admin locks the clocks at 1200 MHz
+    (`lock`), or unlocks the ones locked before the sweep."""
+
+    def __init__(self, inner: TwinEngine, nvml, lock: bool) -> None:
+        super().__init__(inner, nvml)
+        self.lock = lock
+
+    def run(self, workload, *args):
+        self.runs += 1
+        if self.runs == 2:
+            self.nvml.fake_update_device(0, locked_clocks=[1200, 1200] if self.lock else None)
+        return self.inner.run(workload, *args)
+
+
+@pytest.mark.parametrize("lock_during", [True, False], ids=["locked-during", "unlocked-during"])
+def test_a_lock_during_a_sweep_flags_the_stock_cells_it_held(
+    nvml, env, tmp_path: Path, lock_during: bool
+) -> None:
+    path = tmp_path / "nvml.toml"
+    path.write_text(campaign_text(**{"sm_clock = [1980, 1500]": 'sm_clock = "stock"'}))
+    nvml.fake_set_load(0, 1.0)
+    if not lock_during:
+        nvml.fake_update_device(0, locked_clocks=[1200, 1200])
+    clock = MonotonicClock()
+    engine = LockingEngine(
+        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")),
+        nvml,
+        lock_during,
+    )
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        outcome = run_sweep(
+            load_campaign(path),
+            tmp_path / "out",
+            backends=Backends(clock, list(gpus), engine),
+            state_dir=tmp_path / "dvfs-state",
+        )
+    first, second = cells(tmp_path / "out" / "journal.jsonl")
+    assert first["cell"]["power_limit_w"] == 700  # the stock limit: the reference
+    held, free = (second, first) if lock_during else (first, second)
+    assert held["measurement"]["sm_clock_observed_mhz"] == 1200
+    assert "clock_held_low" in flags(held)
+    # Unlocked: at the maximum, or at 400 W as far as the power limit lets it (SwPowerCap).
+    assert free["measurement"]["sm_clock_observed_mhz"] > 1500
+    assert "clock_held_low" not in flags(free)
+    cube = str(outcome.cube_path)
+    [row] = json.loads(dvfs_in_process("headroom", cube, "--json", env=env).stdout)["rows"]
+    if lock_during:  # the 400 W cell ran locked: never chosen
+        assert row["chosen"]["power_limit_w"] == 700.0 and row["invalid_settings"] == 1
+        return
+    # The reference ran locked: no answer, in the words every no-answer uses, with the advice.
+    assert row["reference_problem"] == "invalid: clock_held_low"
+    assert row["chosen"]["power_limit_w"] is None
+    table = " ".join(dvfs_in_process("headroom", cube, env=env).stdout.split())
+    assert "no valid reference cell (invalid: clock_held_low)" in table
+    from dvfs.report.reasons import no_answer_advice  # the report's and cap plan's advice
+
+    advice = no_answer_advice(row)
+    assert advice.startswith("clock_held_low: a stock-clock cell ran below the maximum clock")
+    assert "nvidia-smi -rgc" in advice
+
+
+def test_doctor_warns_of_a_lock_and_a_limit_held_outside_dvfs(nvml, env, tmp_path: Path) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text())
+    clean = dvfs_in_process("doctor", str(campaign), env=env)
+    said = " ".join(clean.stdout.split())
+    assert "no clock lock or power limit held outside dvfs seen" in said, said
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200], oob_power_limit_mw=500_000)
+    held = " ".join(dvfs_in_process("doctor", str(campaign), env=env).stdout.split())
+    assert "reports ApplicationsClocksSetting (0x2)" in held, held
+    assert "enforces 500 W below its configured 700 W" in held

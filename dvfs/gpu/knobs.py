@@ -190,6 +190,16 @@ class KnobController:
             limit = round(setting.power_limit_w * 1000)
         return GpuSettings(uuid, lock, limit)
 
+    def stock_clock_mhz(self, setting: KnobSetting) -> int | None:
+        """The clock a setting that leaves the clock stock should run at under load: the
+        GPUs' maximum, where dvfs knows of no lock in its stock (its caps record); None for a
+        locked setting, or where a lock dvfs applied as a cap is the stock."""
+        if setting.sm_clock_mhz is not None or not self.gpus:
+            return None
+        if any(self._stock[g.identity.uuid].sm_clock_lock_mhz is not None for g in self.gpus):
+            return None
+        return max(g.identity.max_sm_clock_mhz for g in self.gpus)
+
     def apply(self, setting: KnobSetting) -> bool:
         """Bring every GPU to `setting`; returns whether anything was written. The power limit
         is compared with what the GPU reports, not with what dvfs last wrote, so a limit

@@ -28,7 +28,7 @@ from dvfs.errors import (
     IncomparableCellsError,
     JournalError,
 )
-from dvfs.gpu.base import Gpu
+from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.counter import (
     RoundEnergy,
@@ -264,8 +264,28 @@ class Runner:
             "source": "measured" if timed.observed else "knobs.settle_s (not observed)",
         }
 
+    def _note_foreign_locks(self) -> None:
+        """Say so when a GPU reports ApplicationsClocksSetting with no lock dvfs knows of: a
+        clock lock (or applications clocks) set outside dvfs, which NVML cannot read back, so
+        dvfs can neither keep it nor measure stock under it (its stock-clock cells are flagged
+        clock_held_low), and a restore after locked cells unlocks to the driver default."""
+        for gpu in self.gpus:
+            if self.knobs.original[gpu.identity.uuid].sm_clock_lock_mhz is not None:
+                continue
+            if gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
+                message = (
+                    f"GPU {gpu.identity.index} reports ApplicationsClocksSetting (0x2): its "
+                    "clocks are locked or set outside dvfs (nvidia-smi -lgc/-ac?), which NVML "
+                    "cannot read back; stock-clock cells will be flagged clock_held_low, and "
+                    "after locked cells dvfs restores the clocks unlocked (the driver default). "
+                    "Unlock them (nvidia-smi -rgc) for a stock reference"
+                )
+                log.info(message)
+                self.progress.note(message)
+
     def _record_session(self) -> None:
         m = self.campaign.measurement
+        self._note_foreign_locks()
         t0 = self.clock.now_ns()
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
@@ -577,6 +597,7 @@ class Runner:
         measurement = summarise(
             parts,
             requested_clock_mhz=requested,
+            stock_clock_mhz=self.knobs.stock_clock_mhz(cell.setting),
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
             idle_power_w=self.setting_idle_power_w,

@@ -527,7 +527,8 @@ def _operating_point(prof: dict[str, Any], dev: dict[str, Any]) -> tuple[int, in
     """Return (SM clock MHz, power mW, clocks-event-reason bitmask)."""
     util = float(dev["load"])
     locked = dev["locked_clocks"]
-    reasons = 0
+    # A lock is a user-defined clock setting: NVML reports it (0x2) while it is held.
+    reasons = nvmlClocksEventReasonApplicationsClocksSetting if locked is not None else 0
     if util <= 0.0:
         clock = prof["idle_sm_mhz"]
         if locked is not None:
@@ -1091,7 +1092,7 @@ def nvmlDeviceResetGpuLockedClocks(handle: FakeNvmlDeviceHandle) -> None:
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle: FakeNvmlDeviceHandle) -> int:
-    """Bitmask of why clocks are below max (GpuIdle 0x1, SwPowerCap 0x4)."""
+    """Bitmask of why clocks are below max (GpuIdle 0x1, a lock held 0x2, SwPowerCap 0x4)."""
     _check_init()
     if _env_flag("DVFS_FAKE_NVML_OLD_DRIVER"):
         raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
