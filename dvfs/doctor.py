@@ -11,10 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
 from dvfs.errors import CorpusShortfallError, DvfsError
+
+if TYPE_CHECKING:
+    from dvfs.gpu.base import Gpu
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_FREE_BYTES = 1 << 30
@@ -127,6 +131,8 @@ def _gpu_checks(
                 )
             )
             locks = AppliedCaps(directory).locks()
+            for g in gpus:
+                checks.append(_held_knobs(g, locked_by_dvfs=g.identity.uuid in locks))
             capped = [g.identity.index for g in gpus if g.identity.uuid in locks]
             if capped:
                 checks.append(
@@ -156,6 +162,34 @@ def _gpu_checks(
     else:
         checks.append(Check("permissions", OK, "observe-only: no setter will be called"))
     return checks
+
+
+def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool) -> Check:
+    """Whether something outside dvfs holds a GPU's knobs: a clock lock or applications
+    clocks (NVML's ApplicationsClocksSetting reason; the lock itself cannot be read back), or
+    a limiter enforcing less than the configured power limit (a BMC or rack cap)."""
+    from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS
+
+    name = f"held knobs GPU {gpu.identity.index}"
+    problems = []
+    try:
+        if not locked_by_dvfs and gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
+            problems.append(
+                "reports ApplicationsClocksSetting (0x2): clocks locked or set outside dvfs, "
+                "which NVML cannot read back; stock-clock cells would be flagged "
+                "clock_held_low (unlock: nvidia-smi -rgc)"
+            )
+        configured, enforced = gpu.power_limit_mw(), gpu.enforced_power_limit_mw()
+    except DvfsError as exc:
+        return Check(name, WARN, f"could not read: {exc}")
+    if enforced < configured:
+        problems.append(
+            f"enforces {enforced / 1000:g} W below its configured {configured / 1000:g} W (an "
+            "out-of-band limit): cells above it would be flagged power_limit_not_held"
+        )
+    if problems:
+        return Check(name, WARN, "; ".join(problems))
+    return Check(name, OK, "no clock lock or power limit held outside dvfs seen")
 
 
 def _engine(campaign: Campaign) -> tuple[str, str]:

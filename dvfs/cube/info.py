@@ -137,6 +137,13 @@ INVALID_ADVICE = {
     "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
     "`dvfs doctor`",
     "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",
+    "power_limit_not_held": "the GPU's power limit was not the cell's: something outside dvfs "
+    "changed it (`nvidia-smi -pl`, a GPU reset) or enforces a lower one (a BMC or rack cap; "
+    "`dvfs gpu info` shows the enforced limit): remove it or drop the limits above it",
+    "clock_held_low": "a stock-clock cell ran below the maximum clock with no power, thermal "
+    "or hardware reason, or NVML reported ApplicationsClocksSetting: a clock lock or "
+    "applications clocks set outside dvfs (NVML cannot read them back); unlock them "
+    "(`nvidia-smi -rgc`, `-rac`) before sweeping",
 }
 
 

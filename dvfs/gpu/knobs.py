@@ -190,8 +190,20 @@ class KnobController:
             limit = round(setting.power_limit_w * 1000)
         return GpuSettings(uuid, lock, limit)
 
+    def stock_clock_mhz(self, setting: KnobSetting) -> int | None:
+        """The clock a setting that leaves the clock stock should run at under load: the
+        GPUs' maximum, where dvfs knows of no lock in its stock (its caps record); None for a
+        locked setting, or where a lock dvfs applied as a cap is the stock."""
+        if setting.sm_clock_mhz is not None or not self.gpus:
+            return None
+        if any(self._stock[g.identity.uuid].sm_clock_lock_mhz is not None for g in self.gpus):
+            return None
+        return max(g.identity.max_sm_clock_mhz for g in self.gpus)
+
     def apply(self, setting: KnobSetting) -> bool:
-        """Bring every GPU to `setting`; returns whether anything was written."""
+        """Bring every GPU to `setting`; returns whether anything was written. The power limit
+        is compared with what the GPU reports, not with what dvfs last wrote, so a limit
+        changed outside dvfs is set again."""
         if not self._snapshot:
             raise RuntimeError("KnobController.apply() outside its `with` block")
         if not self.actuation:
@@ -202,7 +214,7 @@ class KnobController:
         for gpu in self.gpus:
             uuid = gpu.identity.uuid
             want = self.target(gpu, setting)
-            have = self._current[uuid]
+            have = self._held(gpu, uuid)
             if want == have:
                 continue
             if self.change_log is not None:
@@ -219,6 +231,25 @@ class KnobController:
             if self._current[uuid] == self._snapshot[uuid] and self.change_log is not None:
                 self.change_log.clear(uuid)  # back as found: nothing left for a crash to undo
         return changed
+
+    def _held(self, gpu: Gpu, uuid: str) -> GpuSettings:
+        """What the GPU holds now: the configured power limit read back from it (an admin's
+        `nvidia-smi -pl` or a GPU reset changes it behind dvfs's back), the lock as this
+        controller last wrote it (NVML cannot read a lock back)."""
+        have = self._current[uuid]
+        limit_mw = gpu.power_limit_mw()
+        if limit_mw != have.power_limit_mw:
+            if have.power_limit_mw != UNKNOWN_POWER:
+                log.warning(
+                    "GPU %s: power limit is %g W, not the %g W dvfs last set: changed outside "
+                    "dvfs; setting it again",
+                    gpu.identity.index,
+                    limit_mw / 1000,
+                    have.power_limit_mw / 1000,
+                )
+            have = replace(have, power_limit_mw=limit_mw)
+            self._current[uuid] = have
+        return have
 
     def _write(self, gpu: Gpu, uuid: str, have: GpuSettings, want: GpuSettings) -> None:
         """Write knob by knob, tracking what the GPU holds after each step.

@@ -696,6 +696,7 @@ def _summarise(
     return summarise(
         parts,
         requested_clock_mhz=cell.sm_clock_mhz if runner.knobs.actuation else None,
+        stock_clock_mhz=runner.knobs.stock_clock_mhz(cell.setting),
         min_window_s=m.min_window_s,
         sample_period_s=m.sample_period_s,
         idle_power_w=idle_power_w,

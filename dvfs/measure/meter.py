@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dvfs.engines.base import RequestTrace, RoundResult
-from dvfs.gpu.base import EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK
+from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK
 from dvfs.measure.counter import (
     RoundEnergy,
     TokenCurve,
@@ -46,6 +46,8 @@ Q_POWER_CAPPED = 1 << 6
 Q_NO_WINDOW = 1 << 7
 Q_RETRACTED = 1 << 8
 Q_FEW_COUNTER_UPDATES = 1 << 9
+Q_POWER_LIMIT_NOT_HELD = 1 << 10
+Q_CLOCK_HELD_LOW = 1 << 11
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -58,6 +60,8 @@ QUALITY_FLAGS = {
     Q_NO_WINDOW: "no_steady_window",
     Q_RETRACTED: "retracted",
     Q_FEW_COUNTER_UPDATES: "few_counter_updates",
+    Q_POWER_LIMIT_NOT_HELD: "power_limit_not_held",
+    Q_CLOCK_HELD_LOW: "clock_held_low",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (
@@ -67,11 +71,43 @@ INVALIDATING = (
     | Q_NO_WINDOW
     | Q_FEW_SAMPLES
     | Q_FEW_COUNTER_UPDATES
+    | Q_POWER_LIMIT_NOT_HELD
+    | Q_CLOCK_HELD_LOW
 )
 
 
 def describe_quality(mask: int) -> list[str]:
     return [name for bit, name in QUALITY_FLAGS.items() if mask & bit]
+
+
+@dataclass(frozen=True)
+class PowerLimitRead:
+    """One GPU's power limits (mW) as read at a cell's start and end, and the one the cell
+    is labelled with (its own, or the stock limit for a stock cell)."""
+
+    target_mw: int
+    configured_mw: tuple[int, ...]
+    enforced_mw: tuple[int, ...]
+
+    @property
+    def held(self) -> bool:
+        """Whether the GPU ran at the cell's limit: configured as the target at every read,
+        and no other limiter (an out-of-band BMC or rack cap) enforcing less."""
+        return all(c == self.target_mw for c in self.configured_mw) and all(
+            e >= self.target_mw for e in self.enforced_mw
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "target_mw": self.target_mw,
+            "configured_mw": list(self.configured_mw),
+            "enforced_mw": list(self.enforced_mw),
+        }
+
+
+def power_limit_quality(reads: Sequence[PowerLimitRead]) -> int:
+    """power_limit_not_held when any GPU's limit read during the cell is not its label's."""
+    return 0 if all(r.held for r in reads) else Q_POWER_LIMIT_NOT_HELD
 
 
 def counter_at(samples: dict[str, np.ndarray], t_ns: float) -> float:
@@ -627,6 +663,7 @@ def summarise(
     *,
     requested_clock_mhz: int | None,
     min_window_s: float,
+    stock_clock_mhz: int | None = None,
     sample_period_s: float,
     idle_power_w: float,
     counter_periods_s: Sequence[float | None] = (),
@@ -646,6 +683,10 @@ def summarise(
     lock did not take; below it without SwPowerCap, something other than the knobs held it
     down. Below it with SwPowerCap, the power limit bound (the cell's own or the stock one):
     the cell is valid and flagged power_capped, since applying the same setting reproduces it.
+    A stock-clock cell (`stock_clock_mhz`: the GPUs' maximum clock, given when dvfs knows of
+    no lock) must run at it: below it by more than the tolerance with no reason but
+    ApplicationsClocksSetting, or with that reason (a lock or applications clocks set
+    outside dvfs, which NVML cannot read back), it is flagged clock_held_low, invalid.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
 
@@ -729,6 +770,12 @@ def summarise(
         below = sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ
         if above or (below and not reasons & EVENT_SW_POWER_CAP):
             quality |= Q_CLOCK_NOT_REACHED
+    if stock_clock_mhz is not None and not math.isnan(sm_clock):
+        held_low = sm_clock < stock_clock_mhz - CLOCK_TOLERANCE_MHZ
+        if reasons & EVENT_APPLICATIONS_CLOCKS or (
+            held_low and not reasons & ~EVENT_APPLICATIONS_CLOCKS
+        ):
+            quality |= Q_CLOCK_HELD_LOW
     if reasons & EVENT_THROTTLE_MASK:
         quality |= Q_THROTTLED
     if reasons & EVENT_SW_POWER_CAP:

@@ -24,10 +24,11 @@ from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
     EngineError,
+    GpuNotSupportedError,
     IncomparableCellsError,
     JournalError,
 )
-from dvfs.gpu.base import Gpu
+from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.counter import (
     RoundEnergy,
@@ -42,9 +43,11 @@ from dvfs.measure.counter import (
 from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
     CellMeasurement,
+    PowerLimitRead,
     WindowPart,
     finished_requests,
     latency_stats,
+    power_limit_quality,
     steady_window_ns,
     summarise,
 )
@@ -211,6 +214,8 @@ class Runner:
         self._warmed: set[tuple[int, int]] = set()
         #: Where the last `measure`'s energy went, when its engine knows (the twin).
         self.last_split: EnergySplit | None = None
+        #: The power limits the last `measure` read at its start and end, per GPU.
+        self.last_power_limits: tuple[PowerLimitRead, ...] = ()
         #: The rounds' workloads made so far (`_workload`), oldest first.
         self._workloads: dict[tuple[object, ...], tuple[Campaign, object, Workload]] = {}
 
@@ -259,8 +264,28 @@ class Runner:
             "source": "measured" if timed.observed else "knobs.settle_s (not observed)",
         }
 
+    def _note_foreign_locks(self) -> None:
+        """Say so when a GPU reports ApplicationsClocksSetting with no lock dvfs knows of: a
+        clock lock (or applications clocks) set outside dvfs, which NVML cannot read back, so
+        dvfs can neither keep it nor measure stock under it (its stock-clock cells are flagged
+        clock_held_low), and a restore after locked cells unlocks to the driver default."""
+        for gpu in self.gpus:
+            if self.knobs.original[gpu.identity.uuid].sm_clock_lock_mhz is not None:
+                continue
+            if gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
+                message = (
+                    f"GPU {gpu.identity.index} reports ApplicationsClocksSetting (0x2): its "
+                    "clocks are locked or set outside dvfs (nvidia-smi -lgc/-ac?), which NVML "
+                    "cannot read back; stock-clock cells will be flagged clock_held_low, and "
+                    "after locked cells dvfs restores the clocks unlocked (the driver default). "
+                    "Unlock them (nvidia-smi -rgc) for a stock reference"
+                )
+                log.info(message)
+                self.progress.note(message)
+
     def _record_session(self) -> None:
         m = self.campaign.measurement
+        self._note_foreign_locks()
         t0 = self.clock.now_ns()
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
@@ -525,6 +550,7 @@ class Runner:
         (`Workload.end_at_window`): the requests still running then are aborted."""
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
+        limits_start = self._power_limits()
         warmup = {**self._warm_up(cell, time), "round_end": m.round_end}
         end_at_window = m.round_end == ROUND_END
         parts: list[WindowPart] = []
@@ -572,6 +598,7 @@ class Runner:
         measurement = summarise(
             parts,
             requested_clock_mhz=requested,
+            stock_clock_mhz=self.knobs.stock_clock_mhz(cell.setting),
             min_window_s=m.min_window_s,
             sample_period_s=m.sample_period_s,
             idle_power_w=self.setting_idle_power_w,
@@ -579,8 +606,45 @@ class Runner:
             precision=m.precision,
             confidence=m.confidence,
         )
+        reads = self._power_limit_reads(cell, limits_start, self._power_limits())
+        self.last_power_limits = reads
+        held = power_limit_quality(reads)
+        if held:
+            measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
         return measurement, warmup
+
+    def _power_limits(self) -> list[tuple[int, int | None]]:
+        """Each GPU's configured and enforced power limit (mW) now; enforced None where the
+        GPU cannot report it. Reading changes nothing (the twin's clock does not move)."""
+        out: list[tuple[int, int | None]] = []
+        for gpu in self.gpus:
+            try:
+                enforced: int | None = gpu.enforced_power_limit_mw()
+            except GpuNotSupportedError:
+                enforced = None
+            out.append((gpu.power_limit_mw(), enforced))
+        return out
+
+    def _power_limit_reads(
+        self,
+        cell: Cell,
+        start: Sequence[tuple[int, int | None]],
+        end: Sequence[tuple[int, int | None]],
+    ) -> tuple[PowerLimitRead, ...]:
+        """The limits read at a cell's start and end against the one it is labelled with (its
+        own, or the stock limit), per GPU: what the journal keeps and the quality check reads.
+        """
+        reads = []
+        for gpu, first, last in zip(self.gpus, start, end, strict=True):
+            reads.append(
+                PowerLimitRead(
+                    target_mw=self.knobs.target(gpu, cell.setting).power_limit_mw,
+                    configured_mw=(first[0], last[0]),
+                    enforced_mw=tuple(e for e in (first[1], last[1]) if e is not None),
+                )
+            )
+        return tuple(reads)
 
     def _precise(
         self,
@@ -625,6 +689,7 @@ class Runner:
                     errors=errors,
                     gpu_time_s=time.as_dict(),
                     energy_split=self.last_split,
+                    power_limits=self.last_power_limits,
                 )
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))
@@ -733,8 +798,9 @@ class Runner:
             self.journal.append(record.to_json())
             self.progress.advance(cell, "failed")
             return record
-        if cell.setting != self._setting:
-            self._apply_setting(cell.setting)
+        # Every cell, not only on a change of setting: `apply` reads the power limit back
+        # and sets it again where something outside dvfs changed it since the last cell.
+        self._apply_setting(cell.setting)
         if self._stabilise_due:
             self._stabilise(cell)
         record = self._run_cell(cell, self._take_pending())

@@ -17,7 +17,7 @@ from dvfs.records.version import now_iso, stored_float, stored_floats, stored_in
 if TYPE_CHECKING:
     from dvfs.engines.base import PassLedger
     from dvfs.measure.counter import RoundEnergy
-    from dvfs.measure.meter import CellMeasurement
+    from dvfs.measure.meter import CellMeasurement, PowerLimitRead
 
 
 @dataclass(frozen=True)
@@ -303,6 +303,10 @@ class CellRecord:
     #: Where the measured energy and time went (`EnergySplit`); None: not known (a real
     #: server, in-flight stepping, a record older than the split).
     energy_split: EnergySplit | None = None
+    #: Each GPU's power limits read at the cell's start and end (mW: the label's, configured,
+    #: enforced; `dvfs.measure.meter.PowerLimitRead`); empty where not read (older journals,
+    #: in-flight cells).
+    power_limits: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def measured(
@@ -315,6 +319,7 @@ class CellRecord:
         errors: Sequence[str],
         gpu_time_s: dict[str, float] | None = None,
         energy_split: EnergySplit | None = None,
+        power_limits: Sequence[PowerLimitRead] = (),
     ) -> CellRecord:
         return cls(
             cell,
@@ -326,6 +331,7 @@ class CellRecord:
             now_iso(),
             gpu_time_s=dict(gpu_time_s or {}),
             energy_split=energy_split,
+            power_limits=tuple(r.to_json() for r in power_limits),
         )
 
     @classmethod
@@ -375,6 +381,7 @@ class CellRecord:
                 "warmup": self.warmup,
                 "errors": list(self.errors),
                 **({"inflight": self.inflight} if self.inflight else {}),
+                **({"power_limits": list(self.power_limits)} if self.power_limits else {}),
             }
         return {**head, "error": self.error, "errors": list(self.errors)}
 
@@ -406,4 +413,5 @@ class CellRecord:
             energy_split=EnergySplit.from_json(record.get("energy_split"))
             if measurement is not None
             else None,
+            power_limits=tuple(dict(r) for r in record.get("power_limits") or ()),
         )

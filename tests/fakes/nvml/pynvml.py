@@ -527,7 +527,8 @@ def _operating_point(prof: dict[str, Any], dev: dict[str, Any]) -> tuple[int, in
     """Return (SM clock MHz, power mW, clocks-event-reason bitmask)."""
     util = float(dev["load"])
     locked = dev["locked_clocks"]
-    reasons = 0
+    # A lock is a user-defined clock setting: NVML reports it (0x2) while it is held.
+    reasons = nvmlClocksEventReasonApplicationsClocksSetting if locked is not None else 0
     if util <= 0.0:
         clock = prof["idle_sm_mhz"]
         if locked is not None:
@@ -535,7 +536,7 @@ def _operating_point(prof: dict[str, Any], dev: dict[str, Any]) -> tuple[int, in
         reasons |= nvmlClocksEventReasonGpuIdle
     else:
         clock = locked[1] if locked is not None else prof["max_sm_mhz"]
-    limit_w = dev["power_limit_mw"] / 1000.0
+    limit_w = _enforced_limit_mw(dev) / 1000.0
     capped = False
     while _power_w(prof, clock, util) > limit_w and clock > prof["min_sm_mhz"]:
         clock -= prof["step_mhz"]
@@ -544,6 +545,14 @@ def _operating_point(prof: dict[str, Any], dev: dict[str, Any]) -> tuple[int, in
         reasons |= nvmlClocksEventReasonSwPowerCap
     power_mw = round(_power_w(prof, clock, util) * 1000.0)
     return clock, power_mw, reasons
+
+
+def _enforced_limit_mw(dev: dict[str, Any]) -> int:
+    """The limit the driver enforces: the configured one, or a lower out-of-band limit (a
+    BMC or rack cap, ``fake_update_device(i, oob_power_limit_mw=...)``)."""
+    oob = dev.get("oob_power_limit_mw")
+    configured = int(dev["power_limit_mw"])
+    return configured if oob is None else min(configured, int(oob))
 
 
 def _temperature_c(power_mw: int) -> int:
@@ -592,6 +601,7 @@ def _new_device(index: int, profile: str, now: float) -> dict[str, Any]:
         "load": 0.0,
         "locked_clocks": None,
         "power_limit_mw": prof["power_default_mw"],
+        "oob_power_limit_mw": None,
         "persistence_mode": NVML_FEATURE_ENABLED,
         "energy_mj": energy,
         "energy_exact_mj": float(energy),
@@ -1082,7 +1092,7 @@ def nvmlDeviceResetGpuLockedClocks(handle: FakeNvmlDeviceHandle) -> None:
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle: FakeNvmlDeviceHandle) -> int:
-    """Bitmask of why clocks are below max (GpuIdle 0x1, SwPowerCap 0x4)."""
+    """Bitmask of why clocks are below max (GpuIdle 0x1, a lock held 0x2, SwPowerCap 0x4)."""
     _check_init()
     if _env_flag("DVFS_FAKE_NVML_OLD_DRIVER"):
         raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -1133,8 +1143,8 @@ def nvmlDeviceGetPowerManagementLimit(handle: FakeNvmlDeviceHandle) -> int:
 
 
 def nvmlDeviceGetEnforcedPowerLimit(handle: FakeNvmlDeviceHandle) -> int:
-    """Enforced power limit (mW); equals the current limit here."""
-    return _get("nvmlDeviceGetEnforcedPowerLimit", handle, lambda d, p: d["power_limit_mw"])
+    """Enforced power limit (mW): the current limit, or an injected lower out-of-band one."""
+    return _get("nvmlDeviceGetEnforcedPowerLimit", handle, lambda d, p: _enforced_limit_mw(d))
 
 
 def _power_limit_apply(limit: int) -> Callable[[dict[str, Any], dict[str, Any]], None]:
@@ -1283,6 +1293,7 @@ _UPDATABLE = {
     "load",
     "locked_clocks",
     "power_limit_mw",
+    "oob_power_limit_mw",
     "persistence_mode",
 }
 
@@ -1338,6 +1349,8 @@ set_load = fake_set_load
 def fake_update_device(index: int, **changes: Any) -> None:
     """Change device state directly, bypassing the call log (e.g. ``mig=True``,
     ``lost=True``, ``locked_clocks=[1200, 1200]`` left by an earlier tool,
+    ``power_limit_mw=450_000`` set by an admin, ``oob_power_limit_mw=500_000`` (an
+    out-of-band cap: the enforced limit is the lower of it and the configured one),
     ``errors={"nvmlDeviceGetPowerUsage": 3}``, ``field_errors={186: 3}``)."""
     unknown = set(changes) - _UPDATABLE
     if unknown:

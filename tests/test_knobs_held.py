@@ -1,0 +1,363 @@
+"""A cell is labelled with the knobs the GPU really ran at: a power limit changed or capped
+outside dvfs (an admin's `nvidia-smi -pl`, a BMC or rack cap) is set again or flags the cells,
+and a clock lock set outside dvfs flags the stock-clock cells. Runs dvfs's real NVML backend
+against the fake pynvml, with the twin engine as the workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+from dvfs.backends import Backends
+from dvfs.campaign import load_campaign
+from dvfs.clock import MonotonicClock
+from dvfs.engines.twin import TwinEngine
+from dvfs.gpu.base import (
+    EVENT_APPLICATIONS_CLOCKS,
+    EVENT_GPU_IDLE,
+    EVENT_HW_THERMAL,
+    EVENT_SW_POWER_CAP,
+)
+from dvfs.gpu.knobs import KnobController, KnobSetting
+from dvfs.gpu.nvml import open_nvml_gpus
+from dvfs.measure.journal import iter_records
+from dvfs.measure.meter import INVALIDATING, describe_quality
+from dvfs.sweep import run_sweep
+from dvfs.twin.device import FreeRunningNode
+from dvfs.twin.profiles import gpu_profile, model_profile
+
+SET_LIMIT = "nvmlDeviceSetPowerManagementLimit"
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    environment = fake_env(tmp_path)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, environment[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    return environment
+
+
+@pytest.fixture
+def nvml(env):
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+def campaign_text(**replace: str) -> str:
+    """The small NVML campaign with windows long enough for valid cells on the fake's 20 ms
+    energy counter, and `replace`'s lines swapped in."""
+    text = NVML_CAMPAIGN.format(output_tokens=128, repeats=1)
+    text = text.replace("[measurement]\n", "[measurement]\nprecision = 0.05\n")
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
+def cells(journal: Path) -> list[dict]:
+    return [r for r in iter_records(journal) if r.get("type") == "cell"]
+
+
+def flags(record: dict) -> list[str]:
+    return describe_quality(int(record["measurement"]["quality"]))
+
+
+# -- the fake ---------------------------------------------------------------------------------
+
+
+def test_the_fake_enforces_an_out_of_band_limit_below_the_configured_one(nvml) -> None:
+    nvml.nvmlInit()
+    try:
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        nvml.fake_set_load(0, 1.0)
+        assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 700_000
+        assert not nvml.nvmlDeviceGetCurrentClocksEventReasons(h) & 0x4
+        nvml.fake_update_device(0, oob_power_limit_mw=400_000)  # a BMC cap
+        assert nvml.nvmlDeviceGetPowerManagementLimit(h) == 700_000  # configured: unchanged
+        assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 400_000
+        assert nvml.nvmlDeviceGetPowerUsage(h) <= 400_000  # the cap holds the power down
+        assert nvml.nvmlDeviceGetCurrentClocksEventReasons(h) & 0x4  # SwPowerCap
+        nvml.nvmlDeviceSetPowerManagementLimit(h, 300_000)  # below the cap: the lower wins
+        assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 300_000
+        nvml.fake_update_device(0, oob_power_limit_mw=None)
+        assert nvml.nvmlDeviceGetEnforcedPowerLimit(h) == 300_000
+    finally:
+        nvml.nvmlShutdown()
+
+
+# -- the controller ---------------------------------------------------------------------------
+
+
+def test_apply_sets_again_a_limit_changed_outside_dvfs(nvml) -> None:
+    with open_nvml_gpus([0], nvml=nvml) as gpus, KnobController(gpus) as knobs:
+        assert knobs.apply(KnobSetting(None, 400.0))
+        nvml.fake_update_device(0, power_limit_mw=450_000)  # an admin's `nvidia-smi -pl 450`
+        assert knobs.apply(KnobSetting(None, 400.0))  # read back, differs: written again
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 400_000
+        assert not knobs.apply(KnobSetting(None, 400.0))  # as wanted: nothing written
+    writes = [c["args"] for c in nvml.fake_calls(SET_LIMIT)]
+    assert writes == [[400_000], [400_000], [700_000]]  # the last: the restore
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+# -- the quality check ------------------------------------------------------------------------
+
+
+def test_a_limit_not_held_is_an_invalidating_flag() -> None:
+    from dvfs.measure.meter import Q_POWER_LIMIT_NOT_HELD, PowerLimitRead, power_limit_quality
+
+    held = PowerLimitRead(400_000, (400_000, 400_000), (400_000, 400_000))
+    assert held.held and power_limit_quality([held]) == 0
+    assert power_limit_quality([]) == 0
+    changed = PowerLimitRead(400_000, (400_000, 450_000), (400_000, 450_000))
+    capped = PowerLimitRead(700_000, (700_000, 700_000), (500_000, 500_000))
+    unknown_enforced = PowerLimitRead(700_000, (700_000, 700_000), ())
+    assert unknown_enforced.held
+    for read in (changed, capped):
+        assert not read.held
+        assert power_limit_quality([held, read]) == Q_POWER_LIMIT_NOT_HELD
+    assert Q_POWER_LIMIT_NOT_HELD & INVALIDATING
+    assert describe_quality(Q_POWER_LIMIT_NOT_HELD) == ["power_limit_not_held"]
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+def test_an_out_of_band_limit_flags_the_cells_it_caps_and_headroom_skips_them(
+    nvml, env, tmp_path: Path
+) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text())
+    nvml.fake_update_device(0, oob_power_limit_mw=500_000)  # a rack cap dvfs cannot lift
+    out = tmp_path / "out"
+    done = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = cells(out / "journal.jsonl")
+    assert len(records) == 4
+    for record in records:
+        [read] = record["power_limits"]
+        limit = record["cell"]["power_limit_w"]
+        assert read["target_mw"] == round(limit * 1000)
+        assert read["enforced_mw"] == [min(read["target_mw"], 500_000)] * 2
+        assert ("power_limit_not_held" in flags(record)) == (limit == 700)
+    cube = str(out / "cube.nc")
+    preserve = dvfs_in_process("headroom", cube, "--json", env=env)
+    assert preserve.returncode == 0, preserve.stdout + preserve.stderr
+    [row] = json.loads(preserve.stdout)["rows"]
+    # The stock 700 W reference ran capped at 500 W: no answer, and it says why.
+    assert row["reference_problem"] == "invalid: power_limit_not_held"
+    assert row["chosen"]["power_limit_w"] is None
+    table = dvfs_in_process("headroom", cube, env=env).stdout
+    assert "no valid reference cell (invalid: power_limit_not_held)" in table
+    from dvfs.report.reasons import no_answer_advice
+
+    assert no_answer_advice(row).startswith("power_limit_not_held: the GPU's power limit was")
+    # An absolute SLO needs no reference: it chooses among the cells that held their limit.
+    slo = dvfs_in_process("headroom", cube, "--slo", "tpot_p50<=10s", "--json", env=env)
+    [row] = json.loads(slo.stdout)["rows"]
+    assert row["chosen"]["power_limit_w"] == 400.0
+    assert row["invalid_settings"] == 2  # the 700 W cells, left out
+
+
+class ChangingEngine:
+    """The twin engine; after its first round an admin sets the power limit to 450 W."""
+
+    name = "twin"
+
+    def __init__(self, inner: TwinEngine, nvml) -> None:
+        self.inner, self.nvml, self.runs = inner, nvml, 0
+
+    def start(self, drafter):
+        return self.inner.start(drafter)
+
+    def run(self, workload, *args):
+        result = self.inner.run(workload, *args)
+        self.runs += 1
+        if self.runs == 1:
+            self.nvml.fake_update_device(0, power_limit_mw=450_000)
+        return result
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+def test_a_limit_changed_between_cells_is_set_again_and_flags_its_cell(
+    nvml, tmp_path: Path
+) -> None:
+    path = tmp_path / "nvml.toml"
+    path.write_text(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(
+            "power_limit = [700, 400]", "power_limit = [700]"
+        )
+    )
+    clock = MonotonicClock()
+    engine = ChangingEngine(
+        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")),
+        nvml,
+    )
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        outcome = run_sweep(
+            load_campaign(path),
+            tmp_path / "out",
+            backends=Backends(clock, list(gpus), engine),
+            state_dir=tmp_path / "dvfs-state",
+        )
+    assert outcome.summary.measured == 2
+    first, second = cells(tmp_path / "out" / "journal.jsonl")
+    # The cell the change happened in ran partly at 450 W: flagged, its read says so.
+    assert first["power_limits"][0]["configured_mw"] == [700_000, 450_000]
+    assert "power_limit_not_held" in flags(first)
+    # The next cell found 450 W and set its 700 W again before measuring.
+    assert second["power_limits"][0]["configured_mw"] == [700_000, 700_000]
+    assert "power_limit_not_held" not in flags(second)
+    assert [c["args"] for c in nvml.fake_calls(SET_LIMIT)] == [[700_000]]
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+# -- a clock lock set outside dvfs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("clock", "reasons", "stock_clock", "held_low"),
+    [
+        (1200, 0, 1980, True),  # held low, nothing NVML names explains it
+        (1200, EVENT_APPLICATIONS_CLOCKS, 1980, True),
+        (1980, EVENT_APPLICATIONS_CLOCKS, 1980, True),  # a lock or applications clocks seen
+        (1960, 0, 1980, False),  # within the tolerance
+        (1500, EVENT_SW_POWER_CAP, 1980, False),  # the power limit held it down
+        (1500, EVENT_HW_THERMAL, 1980, False),  # throttled instead
+        (1500, EVENT_GPU_IDLE, 1980, False),  # not under load
+        (1200, EVENT_APPLICATIONS_CLOCKS, None, False),  # a locked cell: dvfs's own lock
+    ],
+)
+def test_a_stock_clock_cell_held_low_is_flagged(clock, reasons, stock_clock, held_low) -> None:
+    from test_meter import part
+
+    from dvfs.measure.meter import Q_CLOCK_HELD_LOW, summarise
+
+    m = summarise(
+        [part(clock=clock, reasons=reasons)],
+        requested_clock_mhz=None,
+        stock_clock_mhz=stock_clock,
+        min_window_s=0.05,
+        sample_period_s=0.025,
+        idle_power_w=75.0,
+        precision=0.5,
+    )
+    assert bool(m.quality & Q_CLOCK_HELD_LOW) is held_low
+    assert Q_CLOCK_HELD_LOW & INVALIDATING
+    assert describe_quality(Q_CLOCK_HELD_LOW) == ["clock_held_low"]
+
+
+def test_the_fake_reports_a_held_lock_and_runs_at_it_under_load(nvml) -> None:
+    nvml.fake_set_load(0, 1.0)
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200])  # `nvidia-smi -lgc 1200`
+    readings = nvml.fake_device_state(0)["readings"]
+    assert readings["sm_clock_mhz"] == 1200
+    assert readings["reasons"] == nvml.nvmlClocksEventReasonUserDefinedClocks == 0x2
+    nvml.fake_update_device(0, locked_clocks=None)
+    assert nvml.fake_device_state(0)["readings"]["reasons"] == 0
+
+
+def test_a_lock_set_outside_dvfs_flags_the_stock_cells_and_headroom_says_why(
+    nvml, env, tmp_path: Path
+) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text(**{"sm_clock = [1980, 1500]": 'sm_clock = "stock"'}))
+    nvml.fake_set_load(0, 1.0)  # the GPU busy throughout, as under a decode
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200])  # an admin's `nvidia-smi -lgc 1200`
+    out = tmp_path / "out"
+    done = dvfs_in_process("sweep", str(campaign), "--out", str(out), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "GPU 0 reports ApplicationsClocksSetting (0x2)" in said
+    records = cells(out / "journal.jsonl")
+    assert len(records) == 2
+    for record in records:
+        assert record["measurement"]["sm_clock_observed_mhz"] == 1200
+        assert "clock_held_low" in flags(record)
+    # dvfs never touched the clocks, so it leaves the lock it cannot read back as it was.
+    assert nvml.fake_device_state(0)["locked_clocks"] == [1200, 1200]
+    assert "2 of 2 measured cell(s) are invalid" in said and "clock_held_low x2" in said
+    # Nothing valid is left to analyse, and headroom says so.
+    refused = dvfs_in_process("headroom", str(out / "cube.nc"), env=env)
+    assert refused.returncode == 1 and "has no valid measured cell" in refused.stderr
+
+
+class LockingEngine(ChangingEngine):
+    """The twin engine; as its second round starts an admin locks the clocks at 1200 MHz
+    (`lock`), or unlocks the ones locked before the sweep."""
+
+    def __init__(self, inner: TwinEngine, nvml, lock: bool) -> None:
+        super().__init__(inner, nvml)
+        self.lock = lock
+
+    def run(self, workload, *args):
+        self.runs += 1
+        if self.runs == 2:
+            self.nvml.fake_update_device(0, locked_clocks=[1200, 1200] if self.lock else None)
+        return self.inner.run(workload, *args)
+
+
+@pytest.mark.parametrize("lock_during", [True, False], ids=["locked-during", "unlocked-during"])
+def test_a_lock_during_a_sweep_flags_the_stock_cells_it_held(
+    nvml, env, tmp_path: Path, lock_during: bool
+) -> None:
+    path = tmp_path / "nvml.toml"
+    path.write_text(campaign_text(**{"sm_clock = [1980, 1500]": 'sm_clock = "stock"'}))
+    nvml.fake_set_load(0, 1.0)
+    if not lock_during:
+        nvml.fake_update_device(0, locked_clocks=[1200, 1200])
+    clock = MonotonicClock()
+    engine = LockingEngine(
+        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")),
+        nvml,
+        lock_during,
+    )
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        outcome = run_sweep(
+            load_campaign(path),
+            tmp_path / "out",
+            backends=Backends(clock, list(gpus), engine),
+            state_dir=tmp_path / "dvfs-state",
+        )
+    first, second = cells(tmp_path / "out" / "journal.jsonl")
+    assert first["cell"]["power_limit_w"] == 700  # the stock limit: the reference
+    held, free = (second, first) if lock_during else (first, second)
+    assert held["measurement"]["sm_clock_observed_mhz"] == 1200
+    assert "clock_held_low" in flags(held)
+    # Unlocked: at the maximum, or at 400 W as far as the power limit lets it (SwPowerCap).
+    assert free["measurement"]["sm_clock_observed_mhz"] > 1500
+    assert "clock_held_low" not in flags(free)
+    cube = str(outcome.cube_path)
+    [row] = json.loads(dvfs_in_process("headroom", cube, "--json", env=env).stdout)["rows"]
+    if lock_during:  # the 400 W cell ran locked: never chosen
+        assert row["chosen"]["power_limit_w"] == 700.0 and row["invalid_settings"] == 1
+        return
+    # The reference ran locked: no answer, in the words every no-answer uses, with the advice.
+    assert row["reference_problem"] == "invalid: clock_held_low"
+    assert row["chosen"]["power_limit_w"] is None
+    table = " ".join(dvfs_in_process("headroom", cube, env=env).stdout.split())
+    assert "no valid reference cell (invalid: clock_held_low)" in table
+    from dvfs.report.reasons import no_answer_advice  # the report's and cap plan's advice
+
+    advice = no_answer_advice(row)
+    assert advice.startswith("clock_held_low: a stock-clock cell ran below the maximum clock")
+    assert "nvidia-smi -rgc" in advice
+
+
+def test_doctor_warns_of_a_lock_and_a_limit_held_outside_dvfs(nvml, env, tmp_path: Path) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text())
+    clean = dvfs_in_process("doctor", str(campaign), env=env)
+    said = " ".join(clean.stdout.split())
+    assert "no clock lock or power limit held outside dvfs seen" in said, said
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200], oob_power_limit_mw=500_000)
+    held = " ".join(dvfs_in_process("doctor", str(campaign), env=env).stdout.split())
+    assert "reports ApplicationsClocksSetting (0x2)" in held, held
+    assert "enforces 500 W below its configured 700 W" in held
