@@ -227,7 +227,7 @@ def test_a_limit_changed_between_cells_is_set_again_and_flags_its_cell(
     [
         (1200, 0, 1980, True),  # held low, nothing NVML names explains it
         (1200, EVENT_APPLICATIONS_CLOCKS, 1980, True),
-        (1980, EVENT_APPLICATIONS_CLOCKS, 1980, True),  # a lock or applications clocks seen
+        (1980, EVENT_APPLICATIONS_CLOCKS, 1980, False),  # 0x2 at full clock: nothing held down
         (1960, 0, 1980, False),  # within the tolerance
         (1500, EVENT_SW_POWER_CAP, 1980, False),  # the power limit held it down
         (1500, EVENT_HW_THERMAL, 1980, False),  # throttled instead

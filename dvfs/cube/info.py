@@ -141,8 +141,8 @@ INVALID_ADVICE = {
     "changed it (`nvidia-smi -pl`, a GPU reset) or enforces a lower one (a BMC or rack cap; "
     "`dvfs gpu info` shows the enforced limit): remove it or drop the limits above it",
     "clock_held_low": "a stock-clock cell ran below the maximum clock with no power, thermal "
-    "or hardware reason, or NVML reported ApplicationsClocksSetting: a clock lock or "
-    "applications clocks set outside dvfs (NVML cannot read them back); unlock them "
+    "or hardware reason: a clock lock or applications clocks set outside dvfs (NVML "
+    "cannot read them back); unlock them "
     "(`nvidia-smi -rgc`, `-rac`) before sweeping",
 }
 

@@ -685,8 +685,8 @@ def summarise(
     the cell is valid and flagged power_capped, since applying the same setting reproduces it.
     A stock-clock cell (`stock_clock_mhz`: the GPUs' maximum clock, given when dvfs knows of
     no lock) must run at it: below it by more than the tolerance with no reason but
-    ApplicationsClocksSetting, or with that reason (a lock or applications clocks set
-    outside dvfs, which NVML cannot read back), it is flagged clock_held_low, invalid.
+    ApplicationsClocksSetting (a lock or applications clocks set outside dvfs, which NVML
+    cannot read back), it is flagged clock_held_low, invalid; at full clock 0x2 alone is not.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
 
@@ -772,9 +772,9 @@ def summarise(
             quality |= Q_CLOCK_NOT_REACHED
     if stock_clock_mhz is not None and not math.isnan(sm_clock):
         held_low = sm_clock < stock_clock_mhz - CLOCK_TOLERANCE_MHZ
-        if reasons & EVENT_APPLICATIONS_CLOCKS or (
-            held_low and not reasons & ~EVENT_APPLICATIONS_CLOCKS
-        ):
+        # 0x2 alone is no proof: a driver may report it at default applications clocks, at
+        # full speed. Only a clock actually held down counts.
+        if held_low and not reasons & ~EVENT_APPLICATIONS_CLOCKS:
             quality |= Q_CLOCK_HELD_LOW
     if reasons & EVENT_THROTTLE_MASK:
         quality |= Q_THROTTLED
