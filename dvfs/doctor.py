@@ -175,9 +175,9 @@ def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool) -> Check:
     try:
         if not locked_by_dvfs and gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
             problems.append(
-                "reports ApplicationsClocksSetting (0x2): clocks locked or set outside dvfs, "
-                "which NVML cannot read back; stock-clock cells would be flagged "
-                "clock_held_low (unlock: nvidia-smi -rgc)"
+                "reports ApplicationsClocksSetting (0x2): clocks may be locked or set outside "
+                "dvfs, which NVML cannot read back; stock-clock cells held below the maximum "
+                "clock would be flagged clock_held_low (unlock: nvidia-smi -rgc)"
             )
         configured, enforced = gpu.power_limit_mw(), gpu.enforced_power_limit_mw()
     except DvfsError as exc:

@@ -289,6 +289,26 @@ def test_a_lock_set_outside_dvfs_flags_the_stock_cells_and_headroom_says_why(
     assert refused.returncode == 1 and "has no valid measured cell" in refused.stderr
 
 
+def test_observe_only_measures_stock_as_it_finds_it_an_operators_lock_included(
+    nvml, env, tmp_path: Path
+) -> None:
+    """--observe-only: the knob dimensions hold the stock settings as observed, so a lock the
+    operator set is what the GPU runs at, not a fault: no cell is flagged clock_held_low."""
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(campaign_text(**{"sm_clock = [1980, 1500]": 'sm_clock = "stock"'}))
+    nvml.fake_set_load(0, 1.0)
+    nvml.fake_update_device(0, locked_clocks=[1200, 1200])
+    out = tmp_path / "out"
+    done = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--observe-only", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = cells(out / "journal.jsonl")
+    assert records
+    for record in records:
+        assert record["measurement"]["sm_clock_observed_mhz"] == 1200
+        assert "clock_held_low" not in flags(record)
+    assert nvml.fake_device_state(0)["locked_clocks"] == [1200, 1200]
+
+
 class LockingEngine(ChangingEngine):
     """The twin engine; as its second round starts an admin locks the clocks at 1200 MHz
     (`lock`), or unlocks the ones locked before the sweep."""

@@ -546,10 +546,10 @@ def headroom(
         set_aside,
         {
             "units": "1",
-            "long_name": "a lower power limit at the chosen clock measured less energy, but "
-            "its peak power stayed below it (no SwPowerCap): the cap never bound and the gap "
-            "is noise, so a higher limit is chosen (where none met the target, that cap is "
-            "chosen and saves nothing)",
+            "long_name": "the least-energy feasible setting had a power limit whose peak "
+            "power stayed below it (no SwPowerCap): the cap never bound and its energy gap "
+            "is noise, so the choice was made without it (where nothing else met the "
+            "target, that setting is chosen, and any saving is its clock's, not its cap's)",
         },
     )
     data_vars["feasible"] = (

@@ -193,8 +193,9 @@ class KnobController:
     def stock_clock_mhz(self, setting: KnobSetting) -> int | None:
         """The clock a setting that leaves the clock stock should run at under load: the
         GPUs' maximum, where dvfs knows of no lock in its stock (its caps record); None for a
-        locked setting, or where a lock dvfs applied as a cap is the stock."""
-        if setting.sm_clock_mhz is not None or not self.gpus:
+        locked setting, where a lock dvfs applied as a cap is the stock, and in observe-only
+        mode, whose stock is whatever the GPU runs at (an operator's lock included)."""
+        if setting.sm_clock_mhz is not None or not self.gpus or not self.actuation:
             return None
         if any(self._stock[g.identity.uuid].sm_clock_lock_mhz is not None for g in self.gpus):
             return None

@@ -275,10 +275,11 @@ class Runner:
             if gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
                 message = (
                     f"GPU {gpu.identity.index} reports ApplicationsClocksSetting (0x2): its "
-                    "clocks are locked or set outside dvfs (nvidia-smi -lgc/-ac?), which NVML "
-                    "cannot read back; stock-clock cells will be flagged clock_held_low, and "
-                    "after locked cells dvfs restores the clocks unlocked (the driver default). "
-                    "Unlock them (nvidia-smi -rgc) for a stock reference"
+                    "clocks may be locked or set outside dvfs (nvidia-smi -lgc/-ac?), which NVML "
+                    "cannot read back; a stock-clock cell held below the maximum clock will be "
+                    "flagged clock_held_low, and after locked cells dvfs restores the clocks "
+                    "unlocked (the driver default). Unlock them (nvidia-smi -rgc) for a stock "
+                    "reference"
                 )
                 log.info(message)
                 self.progress.note(message)
