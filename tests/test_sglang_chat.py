@@ -28,9 +28,10 @@ class FakeTokenizer:
 
     chat_template = "llama-3-like"
 
-    def __init__(self, bos: str | None = BOS, template_bos: bool = True) -> None:
+    def __init__(self, bos: str | None = BOS, template_bos: bool = True, adds: bool = True) -> None:
         self.bos_token = bos
         self.template_bos = template_bos
+        self.adds = adds  # add_bos_token: whether encoding text adds the BOS
 
     def apply_chat_template(
         self, chat: list[dict[str, str]], *, tokenize: bool, add_generation_prompt: bool
@@ -47,7 +48,7 @@ class FakeTokenizer:
 
     def encode(self, text: str) -> list[str]:
         """What the server does with "text": its own BOS, then the text's tokens."""
-        return ([self.bos_token] if self.bos_token else []) + self.split(text)
+        return ([self.bos_token] if self.bos_token and self.adds else []) + self.split(text)
 
 
 def _prompt(*contents: str) -> Prompt:
@@ -66,6 +67,14 @@ def test_a_template_that_writes_the_bos_reaches_the_server_without_it() -> None:
         [{"role": "user", "content": "hello there"}], tokenize=True, add_generation_prompt=True
     )
     assert served == counted
+
+
+def test_a_tokenizer_that_adds_no_bos_keeps_the_templates() -> None:
+    """add_bos_token off: the server adds none, so the template's BOS is the only one."""
+    tokenizer = FakeTokenizer(adds=False)
+    text = ChatFormatter("m", tokenizer=tokenizer)(_prompt("hello there"))
+    assert text.startswith(BOS)
+    assert tokenizer.encode(text).count(BOS) == 1
 
 
 def test_a_template_without_a_bos_is_sent_as_it_is() -> None:

@@ -95,13 +95,15 @@ class ChatFormatter:
     SGLang tokenizes that text with the tokenizer's defaults, special tokens added, so a
     template that writes the BOS itself (Llama 3's <|begin_of_text|>) would reach the model
     with two: the templated text goes out without its leading BOS, one BOS in all, as dvfs
-    counts the prompt's tokens (`dvfs.corpora.tokens`). `tokenizer`: one already loaded
-    (tests hand in a fake), else the model's is looked up on first use."""
+    counts the prompt's tokens (`dvfs.corpora.tokens`). A tokenizer that adds no BOS of its
+    own (add_bos_token off) keeps the template's. `tokenizer`: one already loaded (tests hand
+    in a fake), else the model's is looked up on first use."""
 
     def __init__(self, model: str, tokenizer: Any = None) -> None:
         self.model = model
         self._tokenizer: Any = tokenizer
         self._tried = tokenizer is not None
+        self._adds_bos: bool | None = None
 
     def _load(self) -> Any:
         if not self._tried:
@@ -122,8 +124,23 @@ class ChatFormatter:
                     prompt.as_chat(), tokenize=False, add_generation_prompt=True
                 )
             )
-            return without_bos(text, getattr(tokenizer, "bos_token", None))
+            if self._adds_bos is None:
+                self._adds_bos = adds_bos(tokenizer)
+            if self._adds_bos:
+                return without_bos(text, getattr(tokenizer, "bos_token", None))
+            return text
         return prompt.text
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether encoding plain text with `tokenizer`'s defaults starts with its BOS, as the
+    server's tokenizing of "text" does (unknown: assumed, as Llama's tokenizers do)."""
+    try:
+        first = list(tokenizer.encode("x"))[:1]
+    except Exception:
+        return True
+    bos = (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None))
+    return bool(first) and first[0] is not None and first[0] in bos
 
 
 def without_bos(text: str, bos: Any) -> str:
