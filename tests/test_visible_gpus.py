@@ -143,8 +143,14 @@ def test_a_sweep_runs_on_a_gpu_the_variable_gives(nvml: ModuleType, tmp_path: Pa
 
 def test_cap_reset_is_held_to_the_variable(nvml: ModuleType, tmp_path: Path) -> None:
     _one_line(dvfs("1", "cap", "reset", "0"), 2, "GPU 0 (", "`dvfs cap reset 1`")
-    _one_line(dvfs("1", "cap", "reset"), 2, "GPU 0 (")  # every GPU: GPU 0 among them
     assert dvfs("1", "cap", "reset", "1").exit_code == 0
+    # No GPU named: every GPU the job was given, GPU 1 alone; a job given none is refused.
+    assert dvfs("1", "cap", "reset").exit_code == 0
+    touched = nvml.fake_calls("nvmlDeviceResetGpuLockedClocks") + nvml.fake_calls(
+        "nvmlDeviceSetPowerManagementLimit"
+    )
+    assert touched and {c["index"] for c in touched} == {1}
+    _one_line(dvfs("GPU-ffffffff", "cap", "reset"), 2, "GPU 0 (", "none of this machine's")
     assert {c["index"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")} <= {1}
 
 

@@ -37,6 +37,7 @@ from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, def
 from dvfs.gpu.nvml_errors import NvmlErrors
 from dvfs.gpu.visible import Visible
 from dvfs.gpu.visible import check as check_visible
+from dvfs.gpu.visible import resolve as resolve_visible
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -461,10 +462,13 @@ def open_nvml_gpus(
     """The campaign's GPUs (every GPU when `devices` is None), NVML initialised around them;
     `deadline_s` as for `open_device`. With `visible` (the process's CUDA_VISIBLE_DEVICES, for
     a command that changes or meters them), a GPU it does not give the job is refused, exit 2
-    (`dvfs.gpu.visible`)."""
+    (`dvfs.gpu.visible`), and "every GPU" means every GPU it gives."""
     with nvml_session(nvml, deadline_s=deadline_s) as module:
         if devices is None:
             devices = list(range(device_count(module, deadline_s=deadline_s)))
+            if visible is not None:
+                uuids = machine_uuids(module, deadline_s=deadline_s)
+                devices = list(resolve_visible(visible.value, uuids).indices) or devices
         gpus = [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
         if visible is not None:
             check_visible(
