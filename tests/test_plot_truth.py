@@ -206,21 +206,29 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
     assert labels and not any("prefill" in label for label in labels)
 
 
-def test_timelines_end_with_the_decode_window() -> None:
-    """A sample after decoding ended (the idle GPU) is not drawn; the last one inside the
-    window is held to its end."""
+def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
+    """The meter stores only samples inside its windows, on an axis of whole window lengths,
+    which runs past decode_time_s (the spans between counter updates): every stored sample is
+    drawn, none cut at decode_time_s, and no value is held past the last one. NaN is padding."""
     cube = small_cube([1], corpora=("code",))
+    t = cube["timeline_t_s"].values.copy()
     power = cube["timeline_power_w"].values.copy()
-    power[..., -1] = 60.0  # the last sample (t = 0.35 s) reads the idle GPU ...
+    t[..., -1] = np.nan  # sample 7 is padding (a cell with fewer samples) ...
+    power[..., -1] = np.nan
+    power[..., 6] = 123.0  # ... and sample 6 (t = 0.30 s) the last real one, a value of its own
+    cube["timeline_t_s"] = cube["timeline_t_s"].copy(data=t)
     cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
-    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.32)  # ... after the end
+    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.12)  # counter spans
     fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    power_axes = {ax for ax in fig.axes if ax.get_ylabel() == "GPU power (W)"}
     lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) > 2]
-    assert lines
+    assert lines and any(line.axes in power_axes for line in lines)
     for line in lines:
         x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
-        assert x[-1] == pytest.approx(0.32) and y[-1] == y[-2]
-        assert 60.0 not in y
+        assert x.tolist() == pytest.approx(np.arange(7) * 0.05)
+        assert not np.isnan(y).any()
+        if line.axes in power_axes:
+            assert y[-1] == 123.0 and y[-2] != 123.0
 
 
 def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
