@@ -143,10 +143,11 @@ def _legends(fig) -> list:
     return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
 
 
-def _split_cube() -> xr.Dataset:
-    """small_cube with the twin's exact split: eagle3 drafts 20% of its energy, verification
-    70%, overhead the rest; prefill 0 J (a fixed batch's window holds none); dflash not run."""
-    cube = _partial_cube()
+def _split_cube(cube: xr.Dataset | None = None) -> xr.Dataset:
+    """`cube` (default: the partial cube: dflash not run) with the twin's exact split: eagle3
+    drafts 20% of its energy, verification 70%, overhead the rest; prefill 0 J (a fixed
+    batch's window holds none)."""
+    cube = _partial_cube() if cube is None else cube.copy(deep=True)
     tokens = 100.0
     energy = cube["energy_per_token_j"] * tokens
     cube["window_tokens"] = xr.full_like(energy, tokens).where(energy.notnull())
@@ -206,21 +207,58 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
     assert labels and not any("prefill" in label for label in labels)
 
 
-def test_timelines_end_with_the_decode_window() -> None:
-    """A sample after decoding ended (the idle GPU) is not drawn; the last one inside the
-    window is held to its end."""
+def test_the_energy_split_leaves_out_a_reference_with_an_invalid_repeat() -> None:
+    """Headroom never takes a setting with an invalid repeat as the reference; the split does
+    not average its other repeats either, and says why there is no bar."""
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.plots import draw_energy_split
+
+    cube = _split_cube(small_cube([1], corpora=("code",), repeats=2))
+    cube = _one_bad_repeat(cube, sm_clock=1980, power_limit=700.0, drafter="eagle3")
+    split = where_energy_goes(cube).sel(batch=1, corpus="code")
+    assert np.isnan(split["energy_per_token_verify_j"].sel(drafter="eagle3"))
+    assert int(split["split_method"].sel(drafter="eagle3")) == 0
+    assert np.isfinite(split["energy_per_token_verify_j"].sel(drafter="none"))
+    panel = next(ax for ax in draw_energy_split(cube, "code").axes if ax.get_title() == "batch 1")
+    assert list(_bar_tops(panel)) == [0.0]
+    assert [(t.get_text().strip(), t.get_position()[0]) for t in panel.texts] == [("invalid", 1)]
+
+
+def test_acceptance_leaves_out_a_setting_with_an_invalid_repeat() -> None:
+    """The valid repeat of a setting with an invalid one is not averaged in (headroom's rule)."""
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code",), repeats=2)
+    cube["accept_length"].loc[{"sm_clock": 1500, "drafter": "eagle3", "repeat": 1}] = 9.0
+    cube = _one_bad_repeat(cube, sm_clock=1500)
+    fig = draw_acceptance(cube)
+    values = np.ma.filled(fig.axes[0].images[0].get_array(), np.nan)
+    assert values.tolist() == [[3.0]]  # eagle3 on code; none has no accept length
+
+
+def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
+    """The meter stores only samples inside its windows, on an axis of whole window lengths,
+    which runs past decode_time_s (the spans between counter updates): every stored sample is
+    drawn, none cut at decode_time_s, and no value is held past the last one. NaN is padding."""
     cube = small_cube([1], corpora=("code",))
+    t = cube["timeline_t_s"].values.copy()
     power = cube["timeline_power_w"].values.copy()
-    power[..., -1] = 60.0  # the last sample (t = 0.35 s) reads the idle GPU ...
+    t[..., -1] = np.nan  # sample 7 is padding (a cell with fewer samples) ...
+    power[..., -1] = np.nan
+    power[..., 6] = 123.0  # ... and sample 6 (t = 0.30 s) the last real one, a value of its own
+    cube["timeline_t_s"] = cube["timeline_t_s"].copy(data=t)
     cube["timeline_power_w"] = cube["timeline_power_w"].copy(data=power)
-    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.32)  # ... after the end
+    cube["decode_time_s"] = xr.full_like(cube["energy_per_token_j"], 0.12)  # counter spans
     fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    power_axes = {ax for ax in fig.axes if ax.get_ylabel() == "GPU power (W)"}
     lines = [line for ax in fig.axes for line in ax.lines if len(line.get_xdata()) > 2]
-    assert lines
+    assert lines and any(line.axes in power_axes for line in lines)
     for line in lines:
         x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
-        assert x[-1] == pytest.approx(0.32) and y[-1] == y[-2]
-        assert 60.0 not in y
+        assert x.tolist() == pytest.approx(np.arange(7) * 0.05)
+        assert not np.isnan(y).any()
+        if line.axes in power_axes:
+            assert y[-1] == 123.0 and y[-2] != 123.0
 
 
 def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:

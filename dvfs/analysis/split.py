@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.headroom import reference_setting, valid_mask
+from dvfs.analysis.headroom import invalid_settings, reference_setting, valid_mask
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.errors import AnalysisError
 from dvfs.records.cell import SPLIT_METHODS
@@ -231,7 +231,9 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
     moves with its acceptance on each corpus, and a partial cube's corpora differ from
     drafter to drafter. Variables: energy_per_token_<part>_j, and split_method per (drafter,
     batch, corpus): the `SPLIT_METHODS` index used (0: neither); measured: whether a valid
-    cell is there at all (a split of 0 without one is "not measured", not "no energy")."""
+    cell is there at all (a split of 0 without one is "not measured", not "no energy");
+    invalid: whether the reference setting has an invalid repeat, which leaves it out whole
+    (`invalid_settings`, headroom's rule)."""
     import xarray as xr
 
     if "energy_split_method" not in cube:
@@ -241,7 +243,9 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
         )
     ref = reference_setting(cube)
     at = cube.sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
-    valid = valid_mask(at)
+    # a setting with an invalid repeat is left out whole, as headroom and the other figures do
+    bad = invalid_settings(at)
+    valid = valid_mask(at) & ~bad
     tokens = at["window_tokens"].where(valid)
     exact = (at["energy_split_method"] == EXACT) & valid
     parts: dict[str, xr.DataArray] = {}
@@ -277,6 +281,11 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
         valid.any(reduce)
         .astype(np.int8)
         .assign_attrs(units="1", long_name="a valid cell was measured at the reference (1)")
+    )
+    out["invalid"] = (
+        bad.any([d for d in reduce if d in bad.dims])
+        .astype(np.int8)
+        .assign_attrs(units="1", long_name="the reference setting has an invalid repeat (1)")
     )
     out.attrs.update(
         reference_sm_clock_mhz=ref.sm_clock,

@@ -13,11 +13,16 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
+def usable_mask(cube: xr.Dataset) -> xr.DataArray:
+    """The valid repeats of settings without an invalid one: a setting with an invalid repeat
+    is left out whole, as headroom never chooses it."""
+    return valid_mask(cube) & ~invalid_settings(cube)
+
+
 def cell_means(cube: xr.Dataset, name: str, dims: tuple[str, ...], **sel: Any) -> np.ndarray:
     """`name` over valid cells, averaged over repeats, as an array with axes in `dims` order;
-    NaN for a setting with an invalid repeat, which headroom never chooses either."""
-    usable = valid_mask(cube) & ~invalid_settings(cube)
-    values = cube[name].where(usable).sel(**sel).mean("repeat")
+    NaN for a setting with an invalid repeat (`usable_mask`)."""
+    values = cube[name].where(usable_mask(cube)).sel(**sel).mean("repeat")
     return np.asarray(values.transpose(*dims).values, dtype=float)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import valid_mask
+from dvfs.plots.data import usable_mask
 from dvfs.plots.style import (
     Margins,
     Panels,
@@ -221,7 +221,7 @@ def draw_acceptance(cube: xr.Dataset) -> Figure | None:
 
     if "accept_length" not in cube:
         return None
-    accept = cube["accept_length"].where(valid_mask(cube))
+    accept = cube["accept_length"].where(usable_mask(cube))
     table = accept.mean([d for d in accept.dims if d not in ("drafter", "corpus")])
     values = table.transpose("drafter", "corpus").values
     keep = ~np.all(np.isnan(values), axis=1)

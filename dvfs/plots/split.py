@@ -106,6 +106,7 @@ def draw_energy_split(
         one = split.sel(batch=batch)
         estimated = one["split_method"].values == ESTIMATED
         measured = one["measured"].values > 0
+        invalid = one["invalid"].values > 0
         split_known = one["split_method"].values > 0
         bottom = np.zeros(len(drafters))
         for part in shown:
@@ -128,7 +129,7 @@ def draw_energy_split(
             ax.text(
                 float(i),
                 0.0,
-                " no split" if measured[i] else " not measured",
+                " invalid" if invalid[i] else " no split" if measured[i] else " not measured",
                 rotation=90,
                 ha="center",
                 va="bottom",

@@ -35,25 +35,19 @@ def first_valid_repeat(cell: xr.Dataset) -> xr.Dataset | None:
     return cell.isel(repeat=int(picks[0])) if picks.size else None
 
 
-def in_window(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A cell's samples (time, power, SM clock) within its decode window: a sample taken
-    after decoding ended reads the idle GPU, and drawn as a step it would look like a drop
-    inside the window. The last value is held to the window's end (`decode_time_s`)."""
+def stored_samples(cell: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A cell's stored samples (time, power, SM clock), NaN padding left out. The meter keeps
+    only samples inside its windows, on an axis of whole window lengths, so all are drawn:
+    `decode_time_s` (the spans between counter updates) is shorter than that axis and no end
+    to cut at. Nothing on the axis marks where the last window closed, so the line stops at
+    the last sample rather than hold its value on."""
     t = cell["timeline_t_s"].values
-    power = cell["timeline_power_w"].values
-    sm_clock = cell["timeline_sm_clock_mhz"].values
     keep = ~np.isnan(t)
-    end = float(cell["decode_time_s"]) if "decode_time_s" in cell else np.nan
-    if np.isfinite(end):
-        keep &= t <= end
-    t, power, sm_clock = t[keep], power[keep], sm_clock[keep]
-    if np.isfinite(end) and t.size and t[-1] < end:
-        t, power, sm_clock = (
-            np.append(t, end),
-            np.append(power, power[-1]),
-            np.append(sm_clock, sm_clock[-1]),
-        )
-    return t, power, sm_clock
+    return (
+        t[keep],
+        cell["timeline_power_w"].values[keep],
+        cell["timeline_sm_clock_mhz"].values[keep],
+    )
 
 
 @styled
@@ -99,7 +93,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 )
                 if cell is None:
                     continue
-                t, power, sm_clock = in_window(cell)
+                t, power, sm_clock = stored_samples(cell)
                 word = stock_word if kind == "stock" else "chosen"
                 style: dict[str, Any] = {
                     "color": colors[drafter],
