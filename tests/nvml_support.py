@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_DIR = REPO / "tests" / "fakes" / "nvml"
@@ -72,6 +73,16 @@ def fake_env(tmp: Path, **extra: str) -> dict[str, str]:
     env["DVFS_STATE_DIR"] = str(tmp / "dvfs-state")
     env.update(extra)
     return env
+
+
+def root_fake_env(tmp: Path, monkeypatch: Any) -> dict[str, str]:
+    """`fake_env`, also set in this process (for `load_fake` and in-process runs), with the
+    fake NVML run as root: the `env` fixture of the tests that change a fake GPU's knobs."""
+    environment = fake_env(tmp)
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
+        monkeypatch.setenv(key, environment[key])
+    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    return environment
 
 
 def dvfs_in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, load_fake, root_fake_env
 
 from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
@@ -34,11 +34,7 @@ SET_LIMIT = "nvmlDeviceSetPowerManagementLimit"
 
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    environment = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, environment[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
-    return environment
+    return root_fake_env(tmp_path, monkeypatch)
 
 
 @pytest.fixture

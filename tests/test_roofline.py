@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import made_once
-from nvml_support import fake_env, load_fake
+from nvml_support import load_fake, root_fake_env
 
 from dvfs.cli import cli
 
@@ -160,11 +160,7 @@ def test_cuda_without_a_cuda_device_names_the_cpu_path() -> None:
 
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    environment = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, environment[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
-    return environment
+    return root_fake_env(tmp_path, monkeypatch)
 
 
 @pytest.fixture

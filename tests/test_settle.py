@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from nvml_support import fake_env, load_fake
+from nvml_support import load_fake, root_fake_env
 
 from dvfs.cli import cli
 from dvfs.clock import VirtualClock
@@ -312,11 +312,7 @@ QUICK = ["--hold", "0.05", "--timeout", "5", "--sample-period", "0.005"]
 
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    environment = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, environment[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
-    return environment
+    return root_fake_env(tmp_path, monkeypatch)
 
 
 @pytest.fixture
