@@ -618,6 +618,34 @@ def test_the_safety_layer_restores_after_a_failure_inside_a_stepped_decode(
     _as_found(nvml, state)
 
 
+@pytest.mark.parametrize("oob_mw", [None, 500_000, 350_000])
+def test_an_out_of_band_cap_below_every_level_flags_the_whole_group(
+    nvml: Any, tmp_path: Path, oob_mw: int | None
+) -> None:
+    """The group's limits are read after its first level is applied and after its last
+    decode: an enforced limit below the lowest level's (400 W) flags every cell; a cap between
+    the levels (500 W) cannot be told from the levels' own changes and is only recorded."""
+    if oob_mw is not None:
+        nvml.fake_update_device(0, oob_power_limit_mw=oob_mw)  # a BMC or rack cap
+    path = tmp_path / "nvml.toml"
+    path.write_text(INFLIGHT_NVML)
+    outcome = run_sweep(load_campaign(path), tmp_path / "out", nvml=nvml)
+    assert outcome.summary.measured == 4
+    records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
+    cells = [r for r in records if r.get("type") == "cell"]
+    assert len(cells) == 4
+    for record in cells:
+        [read] = record["power_limits"]
+        assert read["group"] is True
+        assert read["target_mw"] == 400_000  # the lowest level's
+        assert len(read["configured_mw"]) == 2
+        assert all(c in (700_000, 400_000) for c in read["configured_mw"])
+        expected = [min(c, oob_mw or c) for c in read["configured_mw"]]
+        assert read["enforced_mw"] == expected
+        flagged = "power_limit_not_held" in describe_quality(record["measurement"]["quality"])
+        assert flagged == (oob_mw == 350_000)
+
+
 # -- SGLang: a stepping thread beside the streaming requests (the stub server, loopback) ------
 
 

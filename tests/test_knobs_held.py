@@ -117,6 +117,12 @@ def test_a_limit_not_held_is_an_invalidating_flag() -> None:
     for read in (changed, capped):
         assert not read.held
         assert power_limit_quality([held, read]) == Q_POWER_LIMIT_NOT_HELD
+    # An in-flight group's read: the configured limit moves with the levels, only an
+    # enforced one below the lowest level's is not held.
+    group = PowerLimitRead(400_000, (700_000, 400_000), (700_000, 400_000), group=True)
+    assert group.held and group.to_json()["group"] is True
+    assert not PowerLimitRead(400_000, (700_000, 700_000), (350_000, 700_000), group=True).held
+    assert "group" not in held.to_json()
     assert Q_POWER_LIMIT_NOT_HELD & INVALIDATING
     assert describe_quality(Q_POWER_LIMIT_NOT_HELD) == ["power_limit_not_held"]
 

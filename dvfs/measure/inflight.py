@@ -53,7 +53,10 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   ordering scheme, its segments (round, position, start and measured seconds, energy per
   token, tokens decoded), what its levels share (TTFT, acceptance), the between-level
   interval, and the group's GPU time (`gpu_time_s`: settle, warmup, prefill, window, drain;
-  the levels' idle baselines and their settles go through `runner._apply_setting`).
+  the levels' idle baselines and their settles go through `runner._apply_setting`). Each
+  also carries the group's power-limit reads (`runner._power_limits`, after the first level
+  is applied and after the last decode, against the lowest level's limit): an enforced limit
+  below it flags every cell `power_limit_not_held`.
 
 Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
 at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
@@ -76,10 +79,12 @@ from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
     CellMeasurement,
     LatencyStats,
+    PowerLimitRead,
     WindowPart,
     accept_mismatch,
     acceptance,
     latency_stats,
+    power_limit_quality,
     steady_window_ns,
     summarise,
 )
@@ -247,6 +252,15 @@ class InflightHost(Protocol):
     def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload: ...
 
     def _apply_setting(self, setting: KnobSetting) -> None: ...
+
+    def _power_limits(self) -> list[tuple[int, int | None]]: ...
+
+    def _power_limit_reads(
+        self,
+        cells: Cell | Sequence[Cell],
+        start: Sequence[tuple[int, int | None]],
+        end: Sequence[tuple[int, int | None]],
+    ) -> tuple[PowerLimitRead, ...]: ...
 
 
 @dataclass
@@ -503,6 +517,9 @@ def _measure_group(
     for index, cell in sorted(enumerate(cells), key=lambda ic: ic[1] == first):
         runner._apply_setting(cell.setting)
         idle[index] = runner.setting_idle_power_w
+    # The group's limits, read at its first level (and after its last decode): the
+    # configured one changes with the levels, the enforced one must not fall below them all.
+    limits_start = runner._power_limits()
     t0 = clock.now_ns()
     warm = runner.engine.run(runner._workload(first, "inflight-warmup", max(m.warmup_tokens, 16)))
     gpu_time["warmup"] = (clock.now_ns() - t0) * 1e-9
@@ -588,6 +605,8 @@ def _measure_group(
         if precision <= 0 or all(bool(np.all(h <= precision)) for h in half):
             break
 
+    limit_reads = runner._power_limit_reads(cells, limits_start, runner._power_limits())
+    held = power_limit_quality(limit_reads)
     shared = latency_stats([r for res in results for r in res.requests])
     accept = acceptance(results)
     mismatch = accept_mismatch(accept)
@@ -623,7 +642,7 @@ def _measure_group(
                 tuple(v * tpot_factor for v in cm.latency.itl_ms),
             ),
             accept=accept,
-            quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0),
+            quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0) | held,
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
@@ -665,7 +684,9 @@ def _measure_group(
             ],
             "gpu_time_s": group_time,
         }
-        record = CellRecord.measured(cell, cm, attempts=attempt, warmup={}, errors=errors)
+        record = CellRecord.measured(
+            cell, cm, attempts=attempt, warmup={}, errors=errors, power_limits=limit_reads
+        )
         records.append(replace(record, inflight=provenance))
     return records
 

@@ -83,25 +83,30 @@ def describe_quality(mask: int) -> list[str]:
 @dataclass(frozen=True)
 class PowerLimitRead:
     """One GPU's power limits (mW) as read at a cell's start and end, and the one the cell
-    is labelled with (its own, or the stock limit for a stock cell)."""
+    is labelled with (its own, or the stock limit for a stock cell). For an in-flight group
+    (`group`): read after its first level is applied and after its last decode, against the
+    lowest limit among its levels; the configured limit changes with the levels, so only the
+    enforced one is checked."""
 
     target_mw: int
     configured_mw: tuple[int, ...]
     enforced_mw: tuple[int, ...]
+    group: bool = False
 
     @property
     def held(self) -> bool:
-        """Whether the GPU ran at the cell's limit: configured as the target at every read,
-        and no other limiter (an out-of-band BMC or rack cap) enforcing less."""
-        return all(c == self.target_mw for c in self.configured_mw) and all(
-            e >= self.target_mw for e in self.enforced_mw
-        )
+        """Whether the GPU ran at the cell's limit: configured as the target at every read
+        (not for a group), and no other limiter (an out-of-band BMC or rack cap) enforcing
+        less."""
+        configured = self.group or all(c == self.target_mw for c in self.configured_mw)
+        return configured and all(e >= self.target_mw for e in self.enforced_mw)
 
     def to_json(self) -> dict[str, object]:
         return {
             "target_mw": self.target_mw,
             "configured_mw": list(self.configured_mw),
             "enforced_mw": list(self.enforced_mw),
+            **({"group": True} if self.group else {}),
         }
 
 

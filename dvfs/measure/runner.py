@@ -629,20 +629,23 @@ class Runner:
 
     def _power_limit_reads(
         self,
-        cell: Cell,
+        cells: Cell | Sequence[Cell],
         start: Sequence[tuple[int, int | None]],
         end: Sequence[tuple[int, int | None]],
     ) -> tuple[PowerLimitRead, ...]:
         """The limits read at a cell's start and end against the one it is labelled with (its
         own, or the stock limit), per GPU: what the journal keeps and the quality check reads.
-        """
+        For an in-flight group (a sequence of cells): against the lowest of its levels'."""
+        group = not isinstance(cells, Cell)
+        levels = list(cells) if not isinstance(cells, Cell) else [cells]
         reads = []
         for gpu, first, last in zip(self.gpus, start, end, strict=True):
             reads.append(
                 PowerLimitRead(
-                    target_mw=self.knobs.target(gpu, cell.setting).power_limit_mw,
+                    target_mw=min(self.knobs.target(gpu, c.setting).power_limit_mw for c in levels),
                     configured_mw=(first[0], last[0]),
                     enforced_mw=tuple(e for e in (first[1], last[1]) if e is not None),
+                    group=group,
                 )
             )
         return tuple(reads)

@@ -304,8 +304,9 @@ class CellRecord:
     #: server, in-flight stepping, a record older than the split).
     energy_split: EnergySplit | None = None
     #: Each GPU's power limits read at the cell's start and end (mW: the label's, configured,
-    #: enforced; `dvfs.measure.meter.PowerLimitRead`); empty where not read (older journals,
-    #: in-flight cells).
+    #: enforced; `dvfs.measure.meter.PowerLimitRead`), for an in-flight cell its group's
+    #: (against the lowest level's limit, "group": true); empty where not read (older
+    #: journals, in-flight cells before these reads).
     power_limits: tuple[dict[str, Any], ...] = ()
 
     @classmethod
