@@ -1212,12 +1212,9 @@ def _make_shared(base: Path) -> None:
 
 @pytest.fixture
 def fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nvml_support import fake_env, load_fake
+    from nvml_support import load_fake, root_fake_env
 
-    env = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, env[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    root_fake_env(tmp_path, monkeypatch)
     module = load_fake()
     module.fake_reset_state()
     monkeypatch.setitem(sys.modules, "pynvml", module)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, load_fake, root_fake_env
 
 from dvfs.caps import CapsFile, GpuCap, dump_caps, load_caps, parse_caps, plan_caps
 from dvfs.cli import cli
@@ -21,10 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    env = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, env[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    root_fake_env(tmp_path, monkeypatch)
     module = load_fake()
     module.fake_reset_state()
     monkeypatch.setitem(sys.modules, "pynvml", module)

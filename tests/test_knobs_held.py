@@ -166,6 +166,23 @@ def test_an_out_of_band_limit_flags_the_cells_it_caps_and_headroom_skips_them(
     assert row["invalid_settings"] == 2  # the 700 W cells, left out
 
 
+def sweep_in_process(path: Path, tmp_path: Path, nvml, wrap):
+    """Sweep the campaign at `path` on fake NVML GPU 0 in this process, its twin engine
+    wrapped by `wrap` (an engine that changes the GPU mid-sweep, as an admin would; a CLI run
+    has no hook for that), into tmp_path/out; the sweep's outcome."""
+    clock = MonotonicClock()
+    twin = TwinEngine(
+        FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+    )
+    with open_nvml_gpus([0], nvml=nvml) as gpus:
+        return run_sweep(
+            load_campaign(path),
+            tmp_path / "out",
+            backends=Backends(clock, list(gpus), wrap(twin)),
+            state_dir=tmp_path / "dvfs-state",
+        )
+
+
 class ChangingEngine:
     """The twin engine; after its first round an admin sets the power limit to 450 W."""
 
@@ -197,18 +214,7 @@ def test_a_limit_changed_between_cells_is_set_again_and_flags_its_cell(
             "power_limit = [700, 400]", "power_limit = [700]"
         )
     )
-    clock = MonotonicClock()
-    engine = ChangingEngine(
-        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")),
-        nvml,
-    )
-    with open_nvml_gpus([0], nvml=nvml) as gpus:
-        outcome = run_sweep(
-            load_campaign(path),
-            tmp_path / "out",
-            backends=Backends(clock, list(gpus), engine),
-            state_dir=tmp_path / "dvfs-state",
-        )
+    outcome = sweep_in_process(path, tmp_path, nvml, lambda twin: ChangingEngine(twin, nvml))
     assert outcome.summary.measured == 2
     first, second = cells(tmp_path / "out" / "journal.jsonl")
     # The cell the change happened in ran partly at 450 W: flagged, its read says so.
@@ -335,19 +341,9 @@ def test_a_lock_during_a_sweep_flags_the_stock_cells_it_held(
     nvml.fake_set_load(0, 1.0)
     if not lock_during:
         nvml.fake_update_device(0, locked_clocks=[1200, 1200])
-    clock = MonotonicClock()
-    engine = LockingEngine(
-        TwinEngine(FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")),
-        nvml,
-        lock_during,
+    outcome = sweep_in_process(
+        path, tmp_path, nvml, lambda twin: LockingEngine(twin, nvml, lock_during)
     )
-    with open_nvml_gpus([0], nvml=nvml) as gpus:
-        outcome = run_sweep(
-            load_campaign(path),
-            tmp_path / "out",
-            backends=Backends(clock, list(gpus), engine),
-            state_dir=tmp_path / "dvfs-state",
-        )
     first, second = cells(tmp_path / "out" / "journal.jsonl")
     assert first["cell"]["power_limit_w"] == 700  # the stock limit: the reference
     held, free = (second, first) if lock_during else (first, second)

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 from click.testing import CliRunner, Result
 from conftest import TINY, write
-from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, load_fake, root_fake_env
 
 from dvfs.cli import cli
 from dvfs.errors import CampaignError
@@ -67,10 +67,7 @@ def test_an_empty_variable_holds_nothing() -> None:
 @pytest.fixture
 def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The fake pynvml (two GPUs, as root) as `pynvml`, its state in tmp_path."""
-    env = fake_env(tmp_path)
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_STATE_DIR"):
-        monkeypatch.setenv(key, env[key])
-    monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "1")
+    root_fake_env(tmp_path, monkeypatch)
     module = load_fake()
     module.fake_reset_state()
     monkeypatch.setitem(sys.modules, "pynvml", module)
