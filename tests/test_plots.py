@@ -387,3 +387,33 @@ def test_the_headroom_map_names_a_single_locked_clock(shared_run) -> None:
     answers = [t.get_text() for ax in fig.axes for t in ax.texts if "%\n" in t.get_text()]
     assert answers and all("\n1500 MHz" in t for t in answers)
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
+
+
+@pytest.mark.parametrize("opaque", [True, False])
+def test_a_png_holds_the_pixels_savefig_draws(tmp_path: Path, opaque: bool) -> None:
+    """`write_png` drops the alpha channel only where every pixel is opaque: the file's pixels
+    are savefig's, at the figures' DPI."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    from dvfs.plots.style import DPI, write_png
+
+    fig = Figure(figsize=(3, 2), dpi=72)  # write_png sets the DPI itself
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([0, 1, 2], [2, 0, 1], color="#0173b2")
+    ax.set_title("batch 1")
+    if not opaque:
+        fig.patch.set_alpha(0.0)
+    written = tmp_path / "f.png"
+    write_png(fig, written)
+    reference = io.BytesIO()
+    fig.savefig(reference, format="png", dpi=DPI)
+    want = Image.open(reference)
+    got = Image.open(written)
+    assert got.mode == ("RGB" if opaque else "RGBA")
+    assert got.size == want.size == (3 * DPI, 2 * DPI)
+    assert np.array_equal(np.asarray(got), np.asarray(want.convert(got.mode)))
+    assert round(got.info["dpi"][0]) == DPI
