@@ -144,6 +144,9 @@ INVALID_ADVICE = {
     "or hardware reason: a clock lock or applications clocks set outside dvfs (NVML "
     "cannot read them back); unlock them "
     "(`nvidia-smi -rgc`, `-rac`) before sweeping",
+    "foreign_process": "another tenant's compute process was on a metered GPU (its energy is "
+    "in the cell's, and it competed for the GPU): the journal's cell records name it; sweep "
+    "on GPUs nothing else uses (`dvfs doctor` warns of what runs on them)",
 }
 
 
