@@ -133,6 +133,7 @@ def _gpu_checks(
             locks = AppliedCaps(directory).locks()
             for g in gpus:
                 checks.append(_held_knobs(g, locked_by_dvfs=g.identity.uuid in locks))
+                checks.append(_tenants(g, attached=campaign.engine.sglang.url))
             capped = [g.identity.index for g in gpus if g.identity.uuid in locks]
             if capped:
                 checks.append(
@@ -190,6 +191,43 @@ def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool) -> Check:
     if problems:
         return Check(name, WARN, "; ".join(problems))
     return Check(name, OK, "no clock lock or power limit held outside dvfs seen")
+
+
+def _tenants(gpu: Gpu, *, attached: str | None) -> Check:
+    """The compute processes on a GPU now: before a sweep starts its server, any is another
+    tenant's, whose work the per-GPU energy counter would count into the cells (flagged
+    foreign_process) and which competes for the GPU. With an attached server, one is its."""
+    from dvfs.measure.tenants import process_name
+
+    name = f"other processes GPU {gpu.identity.index}"
+    try:
+        pids = gpu.compute_pids()
+    except DvfsError as exc:
+        return Check(name, WARN, f"could not list compute processes: {exc}")
+    if pids is None:
+        return Check(
+            name,
+            WARN,
+            "NVML cannot list its compute processes (not supported or not permitted): cells "
+            "cannot be checked for other tenants' processes (foreign_process)",
+        )
+    if not pids:
+        return Check(name, OK, "no compute process on it")
+    listed = ", ".join(f"{pid} ({process_name(pid) or '?'})" for pid in sorted(pids))
+    if attached:
+        return Check(
+            name,
+            OK,
+            f"compute process(es) {listed}: the server at {attached} should be among them; any "
+            "other is another tenant's and flags the cells foreign_process",
+        )
+    return Check(
+        name,
+        WARN,
+        f"compute process(es) already on it: {listed}; its energy would be counted into the "
+        "cells (flagged foreign_process, invalid) and it competes for the GPU: stop it or "
+        "sweep on another GPU",
+    )
 
 
 def _engine(campaign: Campaign) -> tuple[str, str]:

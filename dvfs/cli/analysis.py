@@ -137,6 +137,16 @@ def _print_line(text: str, *, stderr: bool = False) -> None:
     out.print(text, soft_wrap=not out.is_terminal)
 
 
+def _pinning_line(ds: Any) -> None:
+    """One line (stderr, so --json stays parseable) when a server's GPU pinning was unverified:
+    its cells were not checked for other tenants' processes."""
+    from dvfs.cube.info import pinning_note
+
+    note = pinning_note(ds)
+    if note:
+        _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
+
+
 def headroom_target(
     ctx: click.Context,
     preserve: bool,
@@ -267,6 +277,7 @@ def headroom(
     _one_output_format(as_json, markdown)
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
     ds = open_analysable(cube_path)
+    _pinning_line(ds)
     with _filters_checked():
         if vs_baseline or _given(ctx, "baseline"):
             check_drafter(ds, baseline, "--baseline")
@@ -339,6 +350,7 @@ def compare(
 
         measured = read_roofline(roofline_path)
     ds = open_analysable(cube_path)
+    _pinning_line(ds)
     if measured is not None:
         from dvfs.analysis.roofline import check_measured
 

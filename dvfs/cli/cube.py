@@ -110,6 +110,8 @@ def _render(summary: dict[str, Any]) -> None:
     )
     if summary["repeats"] != str(summary["dims"].get("repeat", 1)):
         table.add_row("repeats", summary["repeats"])
+    for drafter, outcome in summary["gpu_pinning"].items():
+        table.add_row(f"GPU pinning ({drafter})", escape(outcome))
     table.add_row(
         "energy/token",
         "no valid cell" if math.isnan(lo) else f"{lo:.4g} - {hi:.4g} J (valid cells)",

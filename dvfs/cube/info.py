@@ -88,10 +88,35 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": quality_counts(ds),
+        "gpu_pinning": gpu_pinning(ds),
         "failed_cells": json.loads(ds.attrs.get("failed_cells", "[]")),
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
+    """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
+    recorded it; empty where nothing was checked (simulated GPUs, an older cube)."""
+    try:
+        recorded = json.loads(str(ds.attrs.get("gpu_pinning") or "{}"))
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+
+
+def pinning_note(ds: xr.Dataset) -> str | None:
+    """One line when a drafter's server pinning was unverified (None: every one verified, or
+    nothing to check): its cells were not checked for other tenants' processes, whose energy
+    the per-GPU counter would have counted into theirs."""
+    unverified = {d: o for d, o in gpu_pinning(ds).items() if "unverified" in o}
+    if not unverified:
+        return None
+    said = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
+    return (
+        f"GPU pinning unverified for {len(unverified)} drafter(s) ({said}): their cells were "
+        "not checked for other tenants' processes on the metered GPUs (foreign_process)"
+    )
 
 
 def _repeats_text(ds: xr.Dataset) -> str:
@@ -144,6 +169,9 @@ INVALID_ADVICE = {
     "or hardware reason: a clock lock or applications clocks set outside dvfs (NVML "
     "cannot read them back); unlock them "
     "(`nvidia-smi -rgc`, `-rac`) before sweeping",
+    "foreign_process": "another tenant's compute process was on a metered GPU (its energy is "
+    "in the cell's, and it competed for the GPU): the journal's cell records name it; sweep "
+    "on GPUs nothing else uses (`dvfs doctor` warns of what runs on them)",
 }
 
 

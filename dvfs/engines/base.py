@@ -302,6 +302,11 @@ class ServerInfo:
     #: Whether the server runs on the metered GPUs ("verified: ..." or "unverified: why",
     #: `dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs).
     gpu_pinning: str | None = None
+    #: The server's process tree now (host PIDs), where dvfs knows it and NVML lists it on
+    #: the metered GPUs (pinning verified): any other compute process there is another
+    #: tenant's (`dvfs.measure.tenants`). None: not known (an attached server, a container's
+    #: PID namespace, NVML that cannot list processes, the twin).
+    own_pids: Callable[[], frozenset[int]] | None = field(default=None, compare=False, repr=False)
 
 
 class Engine(Protocol):

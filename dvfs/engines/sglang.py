@@ -12,7 +12,9 @@ before any server starts (`check_arms_can_match`); what else the arms share is c
 runner against the journal (`arm_changes`). A started server must run on the metered GPUs
 (`pinning_outcome`): NVML's compute processes of every GPU are matched against the server's
 process tree, so a `server_command` wrapper that escapes CUDA_VISIBLE_DEVICES is refused; where
-NVML cannot tell, the server record says "unverified".
+NVML cannot tell, the server record says "unverified". Where it is verified, the server's
+process tree is handed on (`ServerInfo.own_pids`), so the runner can tell another tenant's
+process on a metered GPU from the server's.
 """
 
 from __future__ import annotations
@@ -298,6 +300,7 @@ class SglangEngine:
             str(self._log_path),
             attention_backend=kernels.label,
             gpu_pinning=pinning,
+            own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
         )
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:
@@ -385,6 +388,11 @@ class SglangEngine:
         level = logging.INFO if outcome.startswith("verified") else logging.WARNING
         log.log(level, "the %r server's GPUs: %s", drafter.name, outcome)
         return outcome
+
+    def _own_pids(self) -> frozenset[int]:
+        """The running server's process tree now (empty once it is gone)."""
+        process = self._process
+        return server_pids(process.pid) if process is not None else frozenset()
 
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None

@@ -56,7 +56,8 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   the levels' idle baselines and their settles go through `runner._apply_setting`). Each
   also carries the group's power-limit reads (`runner._power_limits`, after the first level
   is applied and after the last decode, against the lowest level's limit): an enforced limit
-  below it flags every cell `power_limit_not_held`.
+  below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
+  the metered GPUs then (`runner.tenants`), which flag every cell `foreign_process`.
 
 Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
 at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
@@ -89,6 +90,7 @@ from dvfs.measure.meter import (
     summarise,
 )
 from dvfs.measure.plan import Cell
+from dvfs.measure.tenants import foreign_quality
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
@@ -96,6 +98,7 @@ if TYPE_CHECKING:
     from dvfs.engines.base import Engine, Workload
     from dvfs.gpu.base import Gpu
     from dvfs.gpu.knobs import KnobController, KnobSetting
+    from dvfs.measure.tenants import TenantCheck
     from dvfs.records import CellRecord
 
 SCHEMES = INFLIGHT_ORDERS  # measurement.inflight_order
@@ -242,6 +245,8 @@ class InflightHost(Protocol):
     idle_power_w: float
     #: The idle power at the setting last applied through `_apply_setting`.
     setting_idle_power_w: float
+    #: Tells other tenants' compute processes from the server's.
+    tenants: TenantCheck
 
     @property
     def fit_periods_s(self) -> list[float | None]: ...
@@ -520,6 +525,7 @@ def _measure_group(
     # The group's limits, read at its first level (and after its last decode): the
     # configured one changes with the levels, the enforced one must not fall below them all.
     limits_start = runner._power_limits()
+    foreign = runner.tenants.seen(runner.gpus, "start")
     t0 = clock.now_ns()
     warm = runner.engine.run(runner._workload(first, "inflight-warmup", max(m.warmup_tokens, 16)))
     gpu_time["warmup"] = (clock.now_ns() - t0) * 1e-9
@@ -606,7 +612,8 @@ def _measure_group(
             break
 
     limit_reads = runner._power_limit_reads(cells, limits_start, runner._power_limits())
-    held = power_limit_quality(limit_reads)
+    foreign += runner.tenants.seen(runner.gpus, "end")
+    held = power_limit_quality(limit_reads) | foreign_quality(foreign)
     shared = latency_stats([r for res in results for r in res.requests])
     accept = acceptance(results)
     mismatch = accept_mismatch(accept)
@@ -685,7 +692,13 @@ def _measure_group(
             "gpu_time_s": group_time,
         }
         record = CellRecord.measured(
-            cell, cm, attempts=attempt, warmup={}, errors=errors, power_limits=limit_reads
+            cell,
+            cm,
+            attempts=attempt,
+            warmup={},
+            errors=errors,
+            power_limits=limit_reads,
+            foreign_processes=foreign,
         )
         records.append(replace(record, inflight=provenance))
     return records

@@ -48,6 +48,7 @@ Q_RETRACTED = 1 << 8
 Q_FEW_COUNTER_UPDATES = 1 << 9
 Q_POWER_LIMIT_NOT_HELD = 1 << 10
 Q_CLOCK_HELD_LOW = 1 << 11
+Q_FOREIGN_PROCESS = 1 << 12
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -62,6 +63,7 @@ QUALITY_FLAGS = {
     Q_FEW_COUNTER_UPDATES: "few_counter_updates",
     Q_POWER_LIMIT_NOT_HELD: "power_limit_not_held",
     Q_CLOCK_HELD_LOW: "clock_held_low",
+    Q_FOREIGN_PROCESS: "foreign_process",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (
@@ -73,6 +75,7 @@ INVALIDATING = (
     | Q_FEW_COUNTER_UPDATES
     | Q_POWER_LIMIT_NOT_HELD
     | Q_CLOCK_HELD_LOW
+    | Q_FOREIGN_PROCESS
 )
 
 

@@ -53,6 +53,7 @@ from dvfs.measure.meter import (
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
+from dvfs.measure.tenants import ForeignProcess, TenantCheck, foreign_quality
 from dvfs.records import (
     ARMS_PINNED,
     GPU_TIME_KEYS,
@@ -216,6 +217,10 @@ class Runner:
         self.last_split: EnergySplit | None = None
         #: The power limits the last `measure` read at its start and end, per GPU.
         self.last_power_limits: tuple[PowerLimitRead, ...] = ()
+        #: Tells other tenants' compute processes from the running server's (`_start_server`).
+        self.tenants = TenantCheck(None)
+        #: The foreign processes the last `measure` saw at its start and end.
+        self.last_foreign: tuple[ForeignProcess, ...] = ()
         #: The rounds' workloads made so far (`_workload`), oldest first.
         self._workloads: dict[tuple[object, ...], tuple[Campaign, object, Workload]] = {}
 
@@ -385,6 +390,13 @@ class Runner:
             self.engine.stop()  # a server that would not compare must not linger
             raise
         self._drafter = drafter_name
+        self.tenants = TenantCheck(info.own_pids)
+        if info.gpu_pinning and info.own_pids is None:
+            self.progress.note(
+                f"the {drafter_name!r} server's GPU pinning is {info.gpu_pinning}: other "
+                "tenants' processes on the metered GPUs cannot be told from the server's, so "
+                "no cell is checked for them (foreign_process)"
+            )
         self._stabilise_due = True  # the GPU cooled while the server started
         self._warmed = set()  # a new server has compiled and captured nothing yet
         self.journal.append(record)
@@ -552,6 +564,7 @@ class Runner:
         m = self.campaign.measurement
         time = self._attempt_time  # where this attempt's GPU time goes
         limits_start = self._power_limits()
+        foreign_start = self.tenants.seen(self.gpus, "start")
         warmup = {**self._warm_up(cell, time), "round_end": m.round_end}
         end_at_window = m.round_end == ROUND_END
         parts: list[WindowPart] = []
@@ -609,7 +622,8 @@ class Runner:
         )
         reads = self._power_limit_reads(cell, limits_start, self._power_limits())
         self.last_power_limits = reads
-        held = power_limit_quality(reads)
+        self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")
+        held = power_limit_quality(reads) | foreign_quality(self.last_foreign)
         if held:
             measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
@@ -694,6 +708,7 @@ class Runner:
                     gpu_time_s=time.as_dict(),
                     energy_split=self.last_split,
                     power_limits=self.last_power_limits,
+                    foreign_processes=self.last_foreign,
                 )
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from dvfs.engines.base import PassLedger
     from dvfs.measure.counter import RoundEnergy
     from dvfs.measure.meter import CellMeasurement, PowerLimitRead
+    from dvfs.measure.tenants import ForeignProcess
 
 
 @dataclass(frozen=True)
@@ -308,6 +309,10 @@ class CellRecord:
     #: (against the lowest level's limit, "group": true); empty where not read (older
     #: journals, in-flight cells before these reads).
     power_limits: tuple[dict[str, Any], ...] = ()
+    #: Other tenants' compute processes seen on the metered GPUs at the cell's start and end
+    #: (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name, when); empty where none
+    #: was seen or none could be told from the server's.
+    foreign_processes: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def measured(
@@ -321,6 +326,7 @@ class CellRecord:
         gpu_time_s: dict[str, float] | None = None,
         energy_split: EnergySplit | None = None,
         power_limits: Sequence[PowerLimitRead] = (),
+        foreign_processes: Sequence[ForeignProcess] = (),
     ) -> CellRecord:
         return cls(
             cell,
@@ -333,6 +339,7 @@ class CellRecord:
             gpu_time_s=dict(gpu_time_s or {}),
             energy_split=energy_split,
             power_limits=tuple(r.to_json() for r in power_limits),
+            foreign_processes=tuple(p.to_json() for p in foreign_processes),
         )
 
     @classmethod
@@ -383,6 +390,11 @@ class CellRecord:
                 "errors": list(self.errors),
                 **({"inflight": self.inflight} if self.inflight else {}),
                 **({"power_limits": list(self.power_limits)} if self.power_limits else {}),
+                **(
+                    {"foreign_processes": list(self.foreign_processes)}
+                    if self.foreign_processes
+                    else {}
+                ),
             }
         return {**head, "error": self.error, "errors": list(self.errors)}
 
@@ -415,4 +427,5 @@ class CellRecord:
             if measurement is not None
             else None,
             power_limits=tuple(dict(r) for r in record.get("power_limits") or ()),
+            foreign_processes=tuple(dict(r) for r in record.get("foreign_processes") or ()),
         )

@@ -19,6 +19,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       every drafter's server alike: `dvfs.records.session.ARMS_PINNED`; absent, an earlier dvfs
       that did not). A journal may hold sessions on different GPUs of
       one model (`dvfs.records.session.incomparable` names what they must share).
+      A cell's optional `foreign_processes` (within 3 too): other tenants' compute processes
+      seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were.
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).

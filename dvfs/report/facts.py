@@ -68,11 +68,18 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Measurement method", _text(a.get("measurement_method"))),
         ("Token counts", _text(a.get("token_count_method"))),
     ]
+    # Where a server's GPUs were checked (real GPUs): verified, or unverified and why.
+    pairs += [(f"GPU pinning ({d})", o) for d, o in info["gpu_pinning"].items()]
     blocks: list[Any] = [Facts(tuple(pairs))]
     blocks += _merged_from(a)
     blocks += _server_args(a)
     blocks += _corpora(a)
     blocks += _quality(info)
+    from dvfs.cube.info import pinning_note
+
+    unverified = pinning_note(cube)
+    if unverified:
+        blocks.append(Paragraph(unverified + ".", tone="warning"))
     if a.get("campaign_source"):
         blocks.append(Code("Campaign file", str(a["campaign_source"]).strip("\n"), folded=True))
     return Section("What was measured", "what-was-measured", tuple(blocks))

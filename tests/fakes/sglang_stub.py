@@ -170,7 +170,11 @@ GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 process on the fake devices whose UUIDs its CUDA_VISIBLE_DEVICES names, before it listens, as
 a server that loaded its weights would; ``nvml_device`` (null) in the config puts it on that
 device index instead (a wrapper that escaped CUDA_VISIBLE_DEVICES).  It drops itself again on
-a clean exit (the fake lists only live pids anyway).
+a clean exit (the fake lists only live pids anyway).  ``nvml_pid`` (null) lists that live pid
+instead of its own, as a driver outside a container's PID namespace names the server by a host
+PID the server's parent cannot see.  ``foreign_pid`` (null) plays another tenant's job on the
+same GPU(s): that live pid is listed there when the ``foreign_from_request``-th /generate
+arrives (null: at start) and dropped when the ``foreign_until_request``-th does (null: never).
 
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
@@ -326,6 +330,10 @@ class StubConfig:
     hold_unfinished: bool = False
     hold_after_requests: int | None = None
     nvml_device: int | None = None
+    nvml_pid: int | None = None
+    foreign_pid: int | None = None
+    foreign_from_request: int | None = None
+    foreign_until_request: int | None = None
 
 
 #: How often a held request looks for its abort or its client's disconnect (s).
@@ -335,7 +343,8 @@ _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length
 _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
-_OPTIONAL_INT_KEYS += ("nvml_device",)
+_OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
+_OPTIONAL_INT_KEYS += ("foreign_until_request",)
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -887,6 +896,9 @@ class Stub:
         self.aborted_total = 0
         self.finished_since_flush = False  # hold_unfinished: whether to hold last steps
         self.arrived_since_flush = 0  # /generate requests (hold_after_requests)
+        #: The fake NVML and the devices the stub listed itself on (foreign_pid's GPUs).
+        self.nvml: Any = None
+        self.devices: list[Any] = []
 
     # -- lifecycle
 
@@ -917,6 +929,20 @@ class Stub:
         timer = threading.Timer(self.cfg.die_delay_s, die)
         timer.daemon = True
         timer.start()
+
+    def other_tenant(self, number: int) -> None:
+        """foreign_pid: list it on the stub's GPUs at foreign_from_request (0: at start),
+        drop it at foreign_until_request."""
+        cfg, nvml = self.cfg, self.nvml
+        if cfg.foreign_pid is None or nvml is None:
+            return
+        if number == (cfg.foreign_from_request or 0):
+            for device in self.devices:
+                nvml.fake_add_process(device, cfg.foreign_pid)
+            log(f"generate #{number}: foreign pid {cfg.foreign_pid} on fake GPU(s) {self.devices}")
+        if number == cfg.foreign_until_request:
+            nvml.fake_remove_process(cfg.foreign_pid)
+            log(f"generate #{number}: foreign pid {cfg.foreign_pid} gone")
 
     def should_fail(self, number: int) -> bool:
         """fail_after_requests: request ``number`` and later get fail_status."""
@@ -1468,6 +1494,7 @@ class StubHandler(BaseHTTPRequestHandler):
             self._json(400, {"error": {"message": "the body must be a JSON object"}})
             return
         number = stub.count_generate()
+        stub.other_tenant(number)
         stub.maybe_die(number)
         if stub.should_fail(number):
             log(f"generate #{number}: injected failure {stub.cfg.fail_status}")
@@ -1594,9 +1621,10 @@ def register_gpu_process(nvml: Any, cfg: StubConfig, environ: Mapping[str, str])
         uuids = {d["uuid"] for d in nvml.fake_state()["devices"]}
         visible = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
         devices = [v.strip() for v in visible if v.strip() in uuids]
+    pid = os.getpid() if cfg.nvml_pid is None else cfg.nvml_pid
     for device in devices:
-        nvml.fake_add_process(device, os.getpid())
-    log(f"listed pid {os.getpid()} as a compute process on fake GPU(s) {devices}")
+        nvml.fake_add_process(device, pid)
+    log(f"listed pid {pid} as a compute process on fake GPU(s) {devices}")
     return devices
 
 
@@ -1634,9 +1662,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.listen_delay_s:
         time.sleep(cfg.listen_delay_s)
     nvml = fake_nvml(os.environ)
-    if nvml is not None:
-        register_gpu_process(nvml, cfg, os.environ)
     stub = Stub(cfg, args, spec)
+    if nvml is not None:
+        stub.nvml, stub.devices = nvml, register_gpu_process(nvml, cfg, os.environ)
+        stub.other_tenant(0)
     try:
         server = StubHTTPServer((bind_host, int(args["port"])), LOOPBACK_HOSTS[host], stub)
     except OSError as exc:
@@ -1671,7 +1700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.shutdown()
     server.server_close()
     if nvml is not None:
-        nvml.fake_remove_process(os.getpid())
+        nvml.fake_remove_process(os.getpid() if cfg.nvml_pid is None else cfg.nvml_pid)
     return 0
 
 

@@ -1,0 +1,215 @@
+"""Another tenant's compute process on a metered GPU flags the cells it overlapped
+(`foreign_process`, invalid): NVML's energy counter is per GPU, so its work would be counted
+into theirs. Through `dvfs sweep` with the fake NVML and the SGLang stub, which plays the
+tenant (`foreign_pid`) and a container's PID namespace (`nvml_pid`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+from sglang_support import running, stub_campaign
+
+import dvfs
+from dvfs.measure.meter import INVALIDATING, Q_FOREIGN_PROCESS, describe_quality
+from dvfs.measure.tenants import TenantCheck, foreign_quality
+
+DEVICES = "h100-sxm,h100-sxm"
+
+
+@pytest.fixture
+def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The fake pynvml on a fresh two-GPU state in `tmp_path` (this process and the sweep's)."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", DEVICES)
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
+@pytest.fixture
+def tenant() -> Iterator[int]:
+    """A live process that is not the server's (NVML lists live PIDs only): its pid."""
+    process = subprocess.Popen(["sleep", "120"])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+EAGLE = """
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "draft/eagle3"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+"""
+
+
+def sweep(
+    tmp_path: Path, stub: dict, *, clocks: str, drafters: str = ""
+) -> tuple[int, list[dict], list[dict], str]:
+    """The stub on fake GPU 1 at `clocks`, one prompt length, windows long enough for valid
+    cells: exit code, cell records, server records, output."""
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"tpot_s": 0.004, **stub},  # some 19 updates of the 20 ms counter a window
+        drafters='\n[drafters.none]\nalgorithm = "none"\n' + drafters,
+        batch="[1]",
+        knobs=f"sm_clock = {clocks}\nsettle_s = 0.0",
+        gpu='backend = "nvml"\ndevices = [1]',
+        output_tokens=96,
+        measurement_extra="precision = 0.5",
+    )
+    out = tmp_path / "out"
+    result = dvfs_in_process(
+        "sweep", str(path), "--out", str(out), "--no-progress", env=env(tmp_path)
+    )
+    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert running(marker) == []
+    cells = [r for r in records if r["type"] == "cell"]
+    servers = [r for r in records if r["type"] == "server"]
+    return result.returncode, cells, servers, " ".join((result.stdout + result.stderr).split())
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    return fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+
+
+def flagged(record: dict) -> bool:
+    return "foreign_process" in describe_quality(int(record["measurement"]["quality"]))
+
+
+def test_the_flag_is_invalidating() -> None:
+    assert Q_FOREIGN_PROCESS & INVALIDATING
+    assert describe_quality(Q_FOREIGN_PROCESS) == ["foreign_process"]
+
+
+def test_a_tenant_arriving_mid_sweep_flags_the_cells_it_overlapped(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    # /generate #1 is the warm-up, #2-#5 the cells at 1980, 1800, 1500, 1200 MHz: the tenant
+    # starts during the 1800 MHz cell (after its start was checked) and is gone during the
+    # 1500 MHz one (after its start was checked).
+    stub = {"foreign_pid": tenant, "foreign_from_request": 3, "foreign_until_request": 4}
+    code, cells, servers, output = sweep(tmp_path, stub, clocks="[1980, 1800, 1500, 1200]")
+    assert code == 0, output
+    uuid = nv.fake_state()["devices"][1]["uuid"]
+    assert servers[0]["gpu_pinning"] == f"verified: GPU 1 ({uuid})"
+    seen = {c["cell"]["sm_clock_mhz"]: c.get("foreign_processes", []) for c in cells}
+    tenant_at = [{"gpu": 1, "pid": tenant, "name": "sleep"}]
+    assert seen == {
+        1980: [],
+        1800: [{**tenant_at[0], "at": "end"}],
+        1500: [{**tenant_at[0], "at": "start"}],
+        1200: [],
+    }
+    assert {c["cell"]["sm_clock_mhz"] for c in cells if flagged(c)} == {1800, 1500}
+    assert "foreign_process x2: another tenant's compute process" in output
+    cube = str(tmp_path / "out" / "cube.nc")
+    ds = dvfs.open_cube(cube)
+    quality = ds["quality"].squeeze().to_series()
+    valid = ds["valid"].squeeze().to_series()
+    for clock in (1980, 1800, 1500, 1200):
+        hit = clock in (1800, 1500)
+        assert bool(int(quality[clock]) & Q_FOREIGN_PROCESS) is hit
+        assert int(valid[clock]) == (0 if hit else 1)
+    done = dvfs_in_process("headroom", cube, "--json", env=env(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pinning" not in done.stderr  # verified: nothing to say
+    [row] = json.loads(done.stdout)["rows"]
+    assert row["invalid_settings"] == 2
+    assert row["chosen"]["sm_clock_mhz"] in (1980, 1200)
+    info = json.loads(dvfs_in_process("cube", "info", cube, "--json", env=env(tmp_path)).stdout)
+    assert info["gpu_pinning"] == {"none": f"verified: GPU 1 ({uuid})"}
+    assert info["quality_flags"]["foreign_process"] == 2
+
+
+def test_in_a_containers_pid_namespace_nothing_is_flagged_and_every_command_says_unverified(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    # NVML names the server by a host PID it cannot see as its own: every PID looks foreign.
+    code, cells, servers, output = sweep(
+        tmp_path, {"nvml_pid": tenant}, clocks="[1980, 1500]", drafters=EAGLE
+    )
+    assert code == 0, output
+    assert len(cells) == 4 and all(c["status"] == "ok" for c in cells)
+    assert not any(flagged(c) or c.get("foreign_processes") for c in cells)
+    assert [s["gpu_pinning"] for s in servers] == [
+        "unverified: NVML lists none of the server's 1 process(es) on any GPU (a container's "
+        "PID namespace hides them, or the server has not allocated GPU memory yet)"
+    ] * 2
+    assert "server's GPU pinning is unverified" in output
+    assert "no cell is checked for them (foreign_process)" in output
+    cube = str(tmp_path / "out" / "cube.nc")
+    info = dvfs_in_process("cube", "info", cube, env=env(tmp_path))
+    said = " ".join(info.stdout.split())
+    assert "GPU pinning (none) unverified: NVML lists none" in said, said
+    for command in ("headroom", "compare"):
+        done = dvfs_in_process(command, cube, "--json", env=env(tmp_path))
+        assert done.returncode == 0, done.stdout + done.stderr
+        json.loads(done.stdout)  # the line goes to stderr: the JSON stays whole
+        line = " ".join(done.stderr.split())
+        assert line.startswith("GPU pinning unverified for 2 drafter(s) (eagle3: NVML lists")
+        assert "not checked for other tenants' processes" in line
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts, Paragraph
+
+    section = measured_section(dvfs.open_cube(cube))
+    facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
+    assert facts["GPU pinning (eagle3)"].startswith("unverified: NVML lists none")
+    warnings = [b.text for b in section.blocks if isinstance(b, Paragraph)]
+    assert any(w.startswith("GPU pinning unverified for 2 drafter(s)") for w in warnings)
+
+
+def test_doctor_warns_of_a_compute_process_already_on_a_metered_gpu(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    campaign = tmp_path / "nvml.toml"
+    campaign.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    clean = " ".join(dvfs_in_process("doctor", str(campaign), env=env(tmp_path)).stdout.split())
+    assert "other processes GPU 0: no compute process on it" in clean, clean
+    nv.fake_add_process(0, tenant)
+    busy = " ".join(dvfs_in_process("doctor", str(campaign), env=env(tmp_path)).stdout.split())
+    assert f"compute process(es) already on it: {tenant} (sleep)" in busy, busy
+    assert "flagged foreign_process" in busy
+    nv.fake_update_device(0, errors={"nvmlDeviceGetComputeRunningProcesses": 4})  # NoPermission
+    blind = " ".join(dvfs_in_process("doctor", str(campaign), env=env(tmp_path)).stdout.split())
+    assert "NVML cannot list its compute processes" in blind, blind
+
+
+class Listed:
+    """A GPU whose compute processes are `pids` (None: it cannot tell)."""
+
+    def __init__(self, index: int, pids: frozenset[int] | None) -> None:
+        self.identity = type("Identity", (), {"index": index})()
+        self.pids = pids
+
+    def compute_pids(self) -> frozenset[int] | None:
+        return self.pids
+
+
+def test_a_process_the_server_spawned_since_is_its_own_and_a_blind_gpu_flags_nothing() -> None:
+    tree = [frozenset({10})]
+    asked = []
+
+    def own() -> frozenset[int]:
+        asked.append(1)
+        return tree[0]
+
+    check = TenantCheck(own)
+    gpus = [Listed(0, frozenset({10})), Listed(1, None)]
+    assert check.seen(gpus, "start") == () and len(asked) == 1  # nothing new: not asked again
+    tree[0] = frozenset({10, 11})  # the server forked a worker onto GPU 0
+    gpus[0].pids = frozenset({10, 11, 99})
+    [other] = check.seen(gpus, "end")
+    assert (other.gpu, other.pid, other.at) == (0, 99, "end") and len(asked) == 2
+    assert foreign_quality([other]) == Q_FOREIGN_PROCESS and foreign_quality([]) == 0
+    assert TenantCheck(None).seen(gpus, "start") == ()  # pinning unverified: never foreign
