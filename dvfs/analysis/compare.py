@@ -266,9 +266,9 @@ def compare(
         out = np.empty(pairs.ratio.shape, dtype=object)
         for idx in np.ndindex(out.shape):
             out[idx] = verdict(
-                pairs.ratio[idx],
-                pairs.low[idx],
-                pairs.high[idx],
+                float(pairs.ratio[idx]),
+                float(pairs.low[idx]),
+                float(pairs.high[idx]),
                 int(pairs.paired[idx]),
                 point=point,
             )
