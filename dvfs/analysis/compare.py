@@ -132,7 +132,8 @@ def verdict(ratio: float, low: float, high: float, paired: int, *, point: bool) 
 @dataclass(frozen=True)
 class Paired:
     """Per-repeat ratios of two arms reduced over the repeat axis: mean, interval bounds, the
-    repeats behind them (`paired`) and those valid in one arm only (`dropped`)."""
+    repeats behind them (`paired`) and those valid in one arm only (`dropped`; 0 where an
+    arm has no valid repeat at all)."""
 
     ratio: np.ndarray
     low: np.ndarray
@@ -157,7 +158,9 @@ def paired_ratio(mine: np.ndarray, base: np.ndarray, confidence: float) -> Paire
         out.ratio[idx] = finite_mean(x)
         out.low[idx], out.high[idx] = interval(x, confidence)
         out.paired[idx] = len(x)
-        out.dropped[idx] = int(np.count_nonzero(np.isnan(a) != np.isnan(b)))
+        # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
+        if not (np.isnan(a).all() or np.isnan(b).all()):
+            out.dropped[idx] = int(np.count_nonzero(np.isnan(a) != np.isnan(b)))
     return out
 
 
