@@ -80,13 +80,22 @@ class DvfsAccessor:
         return headroom(self._ds, target=target, knob=knob, confidence=confidence)
 
     def compare(
-        self, *, baseline: str = "none", metric: str = "tpot", quantile: str = "p50"
+        self,
+        *,
+        baseline: str = "none",
+        metric: str = "tpot",
+        quantile: str = "p50",
+        confidence: float = 0.95,
     ) -> xr.Dataset:
         """See `dvfs.analysis.compare.compare`."""
         from dvfs.analysis.compare import compare
 
         return compare(
-            self._ds, baseline=baseline, metric=metric, quantile=QUANTILE_NAMES[quantile]
+            self._ds,
+            baseline=baseline,
+            metric=metric,
+            quantile=QUANTILE_NAMES[quantile],
+            confidence=confidence,
         )
 
     def roofline(self, *, context_tokens: float | None = None) -> xr.Dataset:

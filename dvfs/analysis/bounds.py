@@ -1,6 +1,7 @@
-"""Confidence bounds over repeats: Student-t upper bounds, order-free means, threshold tests.
+"""Confidence bounds over repeats: Student-t bounds, order-free means, pairing, threshold tests.
 
-The statistics the headroom search applies to each setting, apart from the search itself.
+The statistics the headroom search and the speculation comparison apply, apart from the
+searches themselves.
 """
 
 from __future__ import annotations
@@ -58,6 +59,37 @@ def upper_bound(values: np.ndarray, confidence: float) -> float:
         return mean
     sd = math.sqrt(math.fsum(((values - mean) ** 2).tolist()) / (n - 1))
     return mean + t_quantile(confidence, n - 1) * sd / math.sqrt(n)
+
+
+def lower_bound(values: np.ndarray, confidence: float) -> float:
+    """Mean minus the one-sided t margin (the mirror of `upper_bound`); the point value when
+    only one is given."""
+    return 2 * finite_mean(np.asarray(values, dtype=float)) - upper_bound(values, confidence)
+
+
+def paired_ratios(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """Per-repeat ratios over the repeats present (non-NaN) in both arrays, in repeat order.
+
+    Repeat r of every arm sends the same prompts, so a ratio within a repeat compares like
+    with like; a repeat missing or invalid in either arm drops out of both, never just one
+    (0 / 0 has no ratio and drops out too).
+    """
+    num = np.asarray(numerator, dtype=float)
+    den = np.asarray(denominator, dtype=float)
+    both = ~(np.isnan(num) | np.isnan(den))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = num[both] / den[both]
+    return ratios[~np.isnan(ratios)]  # 0 / 0: no ratio
+
+
+def interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    """Two-sided Student-t interval of the mean at `confidence` (each side at (1 + c) / 2);
+    (NaN, NaN) with fewer than two values, where no interval exists."""
+    values = np.asarray(values, dtype=float)
+    if np.count_nonzero(~np.isnan(values)) < 2:
+        return math.nan, math.nan
+    side = (1 + confidence) / 2
+    return lower_bound(values, side), upper_bound(values, side)
 
 
 def meets(bound: float, threshold: float, *, strict: bool = False) -> bool:

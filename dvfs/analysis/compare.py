@@ -9,15 +9,26 @@ Every drafter's energy per token is compared with the baseline drafter's (no spe
     of what happened at every batch: it saves at every batch, saves up to or from a batch,
     never saves, or was never within the baseline's latency (or never measured) at all. NaN
     alone cannot tell "saves everywhere" from "never got there", so read the summary.
+
+Repeat r of every arm sends the same prompts (keyed on batch, repeat and round), so the arms
+are paired by repeat: each ratio is the mean of the per-repeat ratios over the repeats valid
+in both arms (`paired_repeats`; `dropped_repeats`: valid in one arm only, left out of both).
+The arms ran in separate time blocks, so a drafter "saves" (or "costs") only where the
+two-sided Student-t interval of that mean at the confidence lies below (above) 1; otherwise it
+is "within noise", and a row with one paired repeat has no interval and no verdict. A cube
+with one repeat can give no interval anywhere: there the point value is judged, as headroom
+does. The break-even batch is the smallest batch judged not to save (costs or within noise).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dvfs.analysis.bounds import finite_mean, interval, meets, paired_ratios
 from dvfs.analysis.headroom import (
     gpu_set,
     gpu_text,
@@ -34,7 +45,12 @@ if TYPE_CHECKING:
     import xarray as xr
 
 
-SAVES, LOSES, NOT_WITHIN, NO_DATA = "saves", "loses", "not within target", "no data"
+GROUPS = ("batch", "drafter", "corpus")
+
+SAVES, LOSES, NOT_WITHIN, NO_DATA = "saves", "costs", "not within target", "no data"
+WITHIN_NOISE, ONE_REPEAT = "within noise", "one paired repeat"
+#: Verdicts on one ratio: the values of `verdict_*` (NOT_WITHIN only at equal latency).
+VERDICTS = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, NOT_WITHIN, NO_DATA)
 
 
 def _batches(values: Sequence[int]) -> str:
@@ -43,39 +59,109 @@ def _batches(values: Sequence[int]) -> str:
 
 def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
     """What a drafter did across batches, in words: `states` pairs each batch with SAVES,
-    LOSES (energy per token at or above the baseline's), NOT_WITHIN (no setting met the
+    LOSES (costs: energy per token above the baseline's), WITHIN_NOISE (the interval holds
+    1), ONE_REPEAT (one paired repeat: no interval), NOT_WITHIN (no setting met the
     baseline's latency) or NO_DATA (nothing valid measured).
 
     "saves at every batch", "saves up to batch 16", "saves from batch 32", "never saves",
-    "never within target", "no data", or the batches where it saves, followed by the batches
-    that could not be compared and why.
+    "within noise at every batch", "never within target", "no data", or the batches where it
+    saves, followed by the batches where it is within noise and those that could not be
+    judged, and why. Up to and from count batches within noise as not saving.
     """
     ordered = sorted(states)
-    of = {kind: [b for b, s in ordered if s == kind] for kind in (SAVES, LOSES, NOT_WITHIN)}
-    missing = [b for b, s in ordered if s == NO_DATA]
-    saves, loses, slow = of[SAVES], of[LOSES], of[NOT_WITHIN]
-    if not saves and not loses:
-        if not slow:
+    kinds = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, NOT_WITHIN, NO_DATA)
+    of = {kind: [b for b, s in ordered if s == kind] for kind in kinds}
+    saves, loses, noise = of[SAVES], of[LOSES], of[WITHIN_NOISE]
+    short, slow, missing = of[ONE_REPEAT], of[NOT_WITHIN], of[NO_DATA]
+    not_saving = sorted(loses + noise)
+    if not saves and not not_saving:
+        if slow:
+            head, slow = "never within target", []
+        elif short:
+            head, short = f"{ONE_REPEAT} at {_batches(short)}", []
+        else:
             return NO_DATA
-        head, slow = "never within target", []
+    elif not saves and not loses:
+        everywhere = not (short or slow or missing)
+        head = "within noise at every batch" if everywhere else f"within noise at {_batches(noise)}"
+        noise = []
     elif not saves:
         head = "never saves"
-    elif not loses and not slow and not missing:
+    elif not not_saving and not short and not slow and not missing:
         return "saves at every batch"
-    elif not loses:
+    elif not not_saving:
         head = f"saves at {_batches(saves)}"
-    elif max(saves) < min(loses):
+    elif max(saves) < min(not_saving):
         head = f"saves up to batch {max(saves)}"
-    elif max(loses) < min(saves):
+    elif max(not_saving) < min(saves):
         head = f"saves from batch {min(saves)}"
     else:
         head = f"saves at {_batches(saves)}"
     parts = [head]
+    if noise:
+        parts.append(f"within noise at {_batches(noise)}")
+    if short:
+        parts.append(f"{ONE_REPEAT} at {_batches(short)}")
     if slow:
         parts.append(f"not within target at {_batches(slow)}")
     if missing:
         parts.append(f"no data at {_batches(missing)}")
     return "; ".join(parts)
+
+
+def verdict(ratio: float, low: float, high: float, paired: int, *, point: bool) -> str:
+    """SAVES, LOSES (costs), WITHIN_NOISE, ONE_REPEAT or NO_DATA for one paired ratio.
+
+    With an interval (low, high), a verdict needs it to exclude 1 (values within the bounds'
+    rounding of 1 do not); `point` (a cube with one repeat, where no interval can exist)
+    judges the point value instead: below 1 saves, at or above costs.
+    """
+    if paired == 0 or not np.isfinite(ratio):
+        return NO_DATA
+    if point:
+        return SAVES if ratio < 1.0 else LOSES
+    if paired < 2:
+        return ONE_REPEAT
+    if meets(high, 1.0, strict=True):
+        return SAVES
+    if not meets(low, 1.0):
+        return LOSES
+    return WITHIN_NOISE
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Per-repeat ratios of two arms reduced over the repeat axis: mean, interval bounds, the
+    repeats behind them (`paired`) and those valid in one arm only (`dropped`; 0 where an
+    arm has no valid repeat at all)."""
+
+    ratio: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    paired: np.ndarray
+    dropped: np.ndarray
+
+
+def paired_ratio(mine: np.ndarray, base: np.ndarray, confidence: float) -> Paired:
+    """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index."""
+    shape = mine.shape[:-1]
+    out = Paired(
+        np.full(shape, np.nan),
+        np.full(shape, np.nan),
+        np.full(shape, np.nan),
+        np.zeros(shape, dtype=int),
+        np.zeros(shape, dtype=int),
+    )
+    for idx in np.ndindex(shape):
+        a, b = mine[idx], base[idx]
+        x = paired_ratios(a, b)
+        out.ratio[idx] = finite_mean(x)
+        out.low[idx], out.high[idx] = interval(x, confidence)
+        out.paired[idx] = len(x)
+        # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
+        if not (np.isnan(a).all() or np.isnan(b).all()):
+            out.dropped[idx] = int(np.count_nonzero(np.isnan(a) != np.isnan(b)))
+    return out
 
 
 def compare(
@@ -116,14 +202,29 @@ def compare(
             "sweep a speculative drafter too, or pick another --baseline"
         )
     ref = reference_setting(cube)
-    energy = cube["energy_per_token_j"].where(valid_mask(cube)).mean("repeat")
-    base_energy = energy.sel(drafter=baseline, drop=True)
-    ratio_clock = energy / base_energy
-    ratio_clock.attrs = {
-        "units": "1",
-        "long_name": "energy per token over the baseline's, same setting",
-    }
-    at_stock = ratio_clock.sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit, drop=True)
+    at_ref = {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit}
+    point = int(cube.sizes.get("repeat", 1)) <= 1  # no interval anywhere: judge point values
+    per_repeat = cube["energy_per_token_j"].where(valid_mask(cube))
+    energy = per_repeat.mean("repeat")  # each arm's own mean, for the energies shown
+    cell_dims = [str(d) for d in per_repeat.dims if d != "repeat"]
+    base_per_repeat = per_repeat.sel(drafter=baseline, drop=True).broadcast_like(per_repeat)
+    by_clock = paired_ratio(
+        per_repeat.transpose(*cell_dims, "repeat").values,
+        base_per_repeat.transpose(*cell_dims, "repeat").values,
+        confidence,
+    )
+
+    def cells(values: np.ndarray, **attrs: str) -> xr.DataArray:
+        coords = {d: cube[d].values for d in cell_dims}
+        return xr.DataArray(values, dims=cell_dims, coords=coords, attrs=attrs)
+
+    ratio_clock = cells(
+        by_clock.ratio,
+        units="1",
+        long_name="energy per token over the baseline's, same setting (mean of the per-repeat "
+        "ratios over the repeats valid in both)",
+    )
+    at_stock = ratio_clock.sel(at_ref, drop=True)
 
     drafter_best = headroom(
         cube,
@@ -134,52 +235,109 @@ def compare(
         cube, target=Target("preserve", metric, quantile), confidence=confidence
     )
     base_best_energy = baseline_best["chosen_energy_per_token_j"].sel(drafter=baseline, drop=True)
-    ratio_latency = drafter_best["chosen_energy_per_token_j"] / base_best_energy
-    ratio_latency.attrs = {
-        "units": "1",
-        "long_name": "least energy per token within the baseline's stock latency, over the "
-        "baseline's least energy within the same latency",
-    }
+    by_latency = paired_ratio(
+        *chosen_per_repeat(per_repeat, drafter_best, baseline_best, baseline), confidence
+    )
+    groups = {d: cube[d].values for d in GROUPS}
 
-    def break_even(ratio: xr.DataArray) -> xr.DataArray:
-        batches = ratio["batch"].values
-        values = ratio.transpose(..., "batch").values
-        out = np.full(values.shape[:-1], np.nan)
-        for idx in np.ndindex(values.shape[:-1]):
-            row = values[idx]
-            losing = np.where(row >= 1.0)[0]
-            if len(losing):
-                out[idx] = batches[losing[0]]
-        dims = [d for d in ratio.transpose(..., "batch").dims if d != "batch"]
-        return xr.DataArray(out, dims=dims, coords={d: ratio[d].values for d in dims})
+    def grouped(values: np.ndarray, **attrs: str) -> xr.DataArray:
+        return xr.DataArray(values, dims=GROUPS, coords=groups, attrs=attrs)
 
-    def summary(ratio: xr.DataArray, not_within: xr.DataArray | None) -> xr.DataArray:
-        order = ("drafter", "corpus", "batch")
-        values = ratio.transpose(*order).values
-        slow = None if not_within is None else not_within.transpose(*order).values
-        batches = [int(b) for b in ratio["batch"].values]
-        out = np.empty(values.shape[:-1], dtype=object)
-        for idx in np.ndindex(out.shape):
-            states = []
-            for k, batch in enumerate(batches):
-                value = values[idx + (k,)]
-                if np.isfinite(value):
-                    state = SAVES if value < 1.0 else LOSES
-                else:
-                    state = NOT_WITHIN if slow is not None and slow[idx + (k,)] else NO_DATA
-                states.append((batch, state))
-            out[idx] = break_even_summary(states)
-        return xr.DataArray(out, dims=order[:-1], coords={d: ratio[d].values for d in order[:-1]})
+    ratio_latency = grouped(
+        by_latency.ratio,
+        units="1",
+        long_name="least energy per token within the baseline's stock latency, over the "
+        "baseline's least energy within the same latency (mean of the per-repeat ratios over "
+        "the repeats valid in both)",
+    )
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
     # stock latency (not within target) or because there was nothing valid to compare.
     measured = valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
     not_within = (
-        ~drafter_best["feasible"].astype(bool)
-        & measured
-        & np.isfinite(drafter_best["reference_latency_ms"])
-        & np.isfinite(base_best_energy)
+        (
+            ~drafter_best["feasible"].astype(bool)
+            & measured
+            & np.isfinite(drafter_best["reference_latency_ms"])
+            & np.isfinite(base_best_energy)
+        )
+        .transpose(*GROUPS)
+        .values
     )
+
+    def verdicts(pairs: Paired, slow: np.ndarray | None) -> np.ndarray:
+        out = np.empty(pairs.ratio.shape, dtype=object)
+        for idx in np.ndindex(out.shape):
+            out[idx] = verdict(
+                float(pairs.ratio[idx]),
+                float(pairs.low[idx]),
+                float(pairs.high[idx]),
+                int(pairs.paired[idx]),
+                point=point,
+            )
+            if out[idx] == NO_DATA and slow is not None and slow[idx]:
+                out[idx] = NOT_WITHIN
+        return out
+
+    stock_pairs = Paired(
+        *(
+            cells(getattr(by_clock, f.name)).sel(at_ref, drop=True).transpose(*GROUPS).values
+            for f in fields(Paired)
+        )
+    )
+    clock_verdicts = verdicts(stock_pairs, None)
+    latency_verdicts = verdicts(by_latency, not_within)
+
+    def break_even(states: np.ndarray) -> xr.DataArray:
+        """The smallest batch judged not to save (costs, or within noise); NaN: none."""
+        batches = cube["batch"].values
+        out = np.full((states.shape[1], states.shape[2]), np.nan)
+        for d, c in np.ndindex(out.shape):
+            stops = [k for k, v in enumerate(states[:, d, c]) if v in (LOSES, WITHIN_NOISE)]
+            if stops:
+                out[d, c] = batches[stops[0]]
+        dims = GROUPS[1:]
+        return xr.DataArray(out, dims=dims, coords={k: groups[k] for k in dims})
+
+    def summary(states: np.ndarray) -> xr.DataArray:
+        batches = [int(b) for b in cube["batch"].values]
+        out = np.empty((states.shape[1], states.shape[2]), dtype=object)
+        for d, c in np.ndindex(out.shape):
+            out[d, c] = break_even_summary(list(zip(batches, states[:, d, c], strict=True)))
+        dims = GROUPS[1:]
+        return xr.DataArray(out, dims=dims, coords={k: groups[k] for k in dims})
+
+    def interval_of(pairs: Paired, what: str) -> dict[str, xr.DataArray]:
+        level = f"{confidence:.0%}"
+        return {
+            f"energy_ratio_{what}_low": grouped(
+                pairs.low,
+                units="1",
+                long_name=f"lower end of the two-sided {level} Student-t interval of "
+                f"energy_ratio_{what} (NaN: fewer than two paired repeats)",
+            ),
+            f"energy_ratio_{what}_high": grouped(
+                pairs.high,
+                units="1",
+                long_name=f"upper end of the two-sided {level} Student-t interval of "
+                f"energy_ratio_{what} (NaN: fewer than two paired repeats)",
+            ),
+            f"paired_repeats_{what}": grouped(
+                pairs.paired,
+                units="1",
+                long_name="repeats valid in both arms, behind the ratio",
+            ),
+            f"dropped_repeats_{what}": grouped(
+                pairs.dropped,
+                units="1",
+                long_name="repeats valid in one arm only, left out of the ratio",
+            ),
+            f"verdict_{what}": grouped(
+                latency_verdicts if what == "equal_latency" else clock_verdicts,
+                long_name="saves, costs, within noise, one paired repeat, not within target "
+                "or no data",
+            ),
+        }
 
     on_text, different = arms_gpus(cube, baseline)
     accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
@@ -189,25 +347,27 @@ def compare(
         ),
         "energy_ratio_equal_clock": ratio_clock,
         "energy_ratio_equal_latency": ratio_latency,
-        "break_even_batch_equal_clock": break_even(at_stock).assign_attrs(
+        "break_even_batch_equal_clock": break_even(clock_verdicts).assign_attrs(
             units="1",
             long_name="smallest batch where the drafter stops saving energy (stock); NaN: none, "
             "see break_even_equal_clock",
         ),
-        "break_even_batch_equal_latency": break_even(ratio_latency).assign_attrs(
+        "break_even_batch_equal_latency": break_even(latency_verdicts).assign_attrs(
             units="1",
             long_name="smallest batch where the drafter stops saving energy (equal latency); "
             "NaN: none, see break_even_equal_latency",
         ),
-        "break_even_equal_clock": summary(at_stock, None).assign_attrs(
+        "break_even_equal_clock": summary(clock_verdicts).assign_attrs(
             long_name="where the drafter saves energy against the baseline, same setting"
         ),
-        "break_even_equal_latency": summary(ratio_latency, not_within).assign_attrs(
+        "break_even_equal_latency": summary(latency_verdicts).assign_attrs(
             long_name="where the drafter saves energy against the baseline, equal latency"
         ),
-        "energy_per_token_at_stock_j": energy.sel(
-            sm_clock=ref.sm_clock, power_limit=ref.power_limit, drop=True
-        ).assign_attrs(units="J", long_name="energy per token at the reference setting"),
+        "energy_per_token_at_stock_j": energy.sel(at_ref, drop=True).assign_attrs(
+            units="J", long_name="energy per token at the reference setting"
+        ),
+        **interval_of(stock_pairs, "at_stock"),
+        **interval_of(by_latency, "equal_latency"),
         "measured_on": on_text,
         "different_gpus": different,
     }
@@ -233,8 +393,54 @@ def compare(
         stock_power_limit_w=(
             ref.stock_power_limit if ref.stock_power_limit is not None else ref.power_limit
         ),
+        confidence=confidence,
+        interval=interval_description(confidence, point),
     )
     return result
+
+
+def interval_description(confidence: float, point: bool) -> str:
+    """How saves / costs were judged, in words (the headroom wording for one repeat)."""
+    if point:
+        return (
+            "one repeat: no interval was possible, the point value was compared (below 1 "
+            "saves, at or above costs)"
+        )
+    return (
+        f"two-sided {confidence:.0%} Student-t interval of the mean per-repeat ratio over the "
+        "repeats valid in both arms: saves or costs only where it excludes 1, else within noise"
+    )
+
+
+def chosen_per_repeat(
+    per_repeat: xr.DataArray, drafter_best: xr.Dataset, baseline_best: xr.Dataset, baseline: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per (batch, drafter, corpus, repeat): the energy per token at the drafter's chosen
+    setting and at the baseline's (NaN: no chosen setting, or the repeat not valid)."""
+    order = (*GROUPS, "sm_clock", "power_limit", "repeat")
+    e = per_repeat.transpose(*order).values
+    clock_at = {int(c): i for i, c in enumerate(per_repeat["sm_clock"].values)}
+    limit_at = {float(p): i for i, p in enumerate(per_repeat["power_limit"].values)}
+    b = [str(d) for d in per_repeat["drafter"].values].index(baseline)
+
+    def chosen(best: xr.Dataset) -> tuple[np.ndarray, np.ndarray]:
+        return (
+            best["chosen_sm_clock"].transpose(*GROUPS).values,
+            best["chosen_power_limit"].transpose(*GROUPS).values,
+        )
+
+    clocks, limits = chosen(drafter_best)
+    base_clocks, base_limits = chosen(baseline_best)
+    mine = np.full(e.shape[:3] + e.shape[-1:], np.nan)
+    base = np.full_like(mine, np.nan)
+    for idx in np.ndindex(e.shape[:3]):
+        here = (clocks[idx], limits[idx])
+        there = (base_clocks[idx[0], b, idx[2]], base_limits[idx[0], b, idx[2]])
+        if not np.isfinite([*here, *there]).all():
+            continue
+        mine[idx] = e[idx + (clock_at[int(here[0])], limit_at[float(here[1])])]
+        base[idx] = e[(idx[0], b, idx[2], clock_at[int(there[0])], limit_at[float(there[1])])]
+    return mine, base
 
 
 def arms_gpus(cube: xr.Dataset, baseline: str) -> tuple[xr.DataArray, xr.DataArray]:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_mean, meets, upper_bound
+from dvfs.analysis.bounds import finite_mean, lower_bound, meets, paired_ratios, upper_bound
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
@@ -293,10 +293,9 @@ def headroom(
                 return math.nan, len(mine)
             two_sided = (1 + confidence) / 2
             top = upper_bound(mine, two_sided)
-            bottom = 2 * finite_mean(base) - upper_bound(base, two_sided)
+            bottom = lower_bound(base, two_sided)
             return (top / bottom if bottom > 0 else math.inf), len(mine)
-        x = lat if target.mode == "slo" else lat / ref_lat
-        x = x[~np.isnan(x)]
+        x = lat[~np.isnan(lat)] if target.mode == "slo" else paired_ratios(lat, ref_lat)
         if len(x) < min_repeats:
             return math.nan, len(x)
         return upper_bound(x, confidence), len(x)

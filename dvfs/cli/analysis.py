@@ -311,6 +311,15 @@ def headroom(
 @cube_argument
 @click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
 @latency_options
+@click.option(
+    "--confidence",
+    type=float,
+    callback=_confidence,
+    default=0.95,
+    show_default=True,
+    help="Confidence of the energy-ratio interval (two-sided) and of the latency bound "
+    "(one-sided), with repeats.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/1).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
 @click.option(
@@ -326,6 +335,7 @@ def compare(
     baseline: str,
     metric: str,
     quantile: str,
+    confidence: float,
     as_json: bool,
     markdown: bool,
     batch: tuple[int, ...],
@@ -365,7 +375,13 @@ def compare(
             f"--drafter names only the baseline {baseline!r}: nothing to compare it with; "
             "name a speculative drafter too, or drop --drafter"
         )
-    result = compute(ds, baseline=baseline, metric=metric, quantile=QUANTILE_NAMES[quantile])
+    result = compute(
+        ds,
+        baseline=baseline,
+        metric=metric,
+        quantile=QUANTILE_NAMES[quantile],
+        confidence=confidence,
+    )
     if drafter and baseline not in drafter:
         drafter = (*drafter, baseline)
     result = select(result, batch, drafter, corpus)

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import xarray as xr
 
 COMPARE_SCHEMA = "dvfs.compare/1"
+#: The two ratios of a row, as named in its JSON keys.
+WHATS = ("at_stock", "equal_latency")
 
 
 def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
@@ -49,6 +51,8 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
                 "energy_ratio_at_stock": as_float(cmp["energy_ratio_at_stock"].sel(at)),
                 "energy_ratio_equal_latency": as_float(cmp["energy_ratio_equal_latency"].sel(at)),
                 "energy_per_token_at_stock_j": as_float(cmp["energy_per_token_at_stock_j"].sel(at)),
+                **_paired(cmp, at, "at_stock"),
+                **_paired(cmp, at, "equal_latency"),
                 "measured_on": _gpus(cmp, at),
                 "baseline_measured_on": _gpus(cmp, {**at, "drafter": baseline}),
                 "different_gpus": bool(cmp["different_gpus"].sel(at))
@@ -93,6 +97,8 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
         "baseline": baseline,
         "latency": cmp.attrs["latency"],
         "reference": reference_setting(cmp.attrs),
+        "confidence": as_float(cmp.attrs.get("confidence")),
+        "interval": cmp.attrs.get("interval"),
         "rows": rows,
         "break_even_batch": break_even,
         "acceptance": acceptance,
@@ -123,6 +129,21 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
     return doc
 
 
+def _paired(cmp: xr.Dataset, at: dict[str, Any], what: str) -> dict[str, Any]:
+    """A ratio's interval ([low, high], null with fewer than two paired repeats), its verdict
+    and the repeats behind it and left out of it by pairing (absent from an older result)."""
+    if f"verdict_{what}" not in cmp:
+        return {}
+    low = as_float(cmp[f"energy_ratio_{what}_low"].sel(at))
+    high = as_float(cmp[f"energy_ratio_{what}_high"].sel(at))
+    return {
+        f"energy_ratio_{what}_interval": None if low is None or high is None else [low, high],
+        f"verdict_{what}": _text(cmp, f"verdict_{what}", at),
+        f"paired_repeats_{what}": as_int(cmp[f"paired_repeats_{what}"].sel(at)),
+        f"dropped_repeats_{what}": as_int(cmp[f"dropped_repeats_{what}"].sel(at)),
+    }
+
+
 def _gpus(ds: xr.Dataset, at: dict[str, Any]) -> list[str]:
     if "measured_on" not in ds:
         return []
@@ -132,8 +153,23 @@ def _gpus(ds: xr.Dataset, at: dict[str, Any]) -> list[str]:
 
 def compare_notes(doc: dict[str, Any]) -> list[str]:
     """The lines under the tables: the reference (what "equal clock" and the break-even batch
-    are at), and rows whose two arms were measured on different GPUs."""
+    are at), how saves / costs were judged, rows that lost repeats to pairing, and rows whose
+    two arms were measured on different GPUs."""
     notes = [f"equal clock: both at the reference, {reference_text(doc['reference'])}"]
+    if doc.get("interval"):
+        notes.append(f"saves / costs: {doc['interval']}")
+    dropped = [
+        r
+        for r in doc["rows"]
+        if r.get("dropped_repeats_at_stock") or r.get("dropped_repeats_equal_latency")
+    ]
+    if dropped:
+        notes.append(
+            f"paired by repeat: in {len(dropped)} of {len(doc['rows'])} rows a repeat valid in "
+            f"one arm only was left out of both ({named_rows(dropped, _dropped_text)}); each "
+            "repeat sends its own prompts, so only repeats valid in both arms compare like "
+            "with like"
+        )
     mixed = [r for r in doc["rows"] if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -147,6 +183,36 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "one GPU to remove it"
         )
     return notes
+
+
+def _dropped_text(r: dict[str, Any]) -> str:
+    parts = []
+    for what, label in (("at_stock", "at stock"), ("equal_latency", "at equal latency")):
+        if r.get(f"dropped_repeats_{what}"):
+            parts.append(
+                f"{r[f'paired_repeats_{what}']} paired, {r[f'dropped_repeats_{what}']} "
+                f"dropped {label}"
+            )
+    return ", ".join(parts)
+
+
+def ratio_cell(r: dict[str, Any], what: str, missing: str = "-") -> str:
+    """A row's ratio with its interval where it has one, and the repeats pairing left out."""
+    text = ratio_text(r[f"energy_ratio_{what}"], missing)
+    if r[f"energy_ratio_{what}"] is None:
+        return text
+    span = r.get(f"energy_ratio_{what}_interval")
+    if span is not None:
+        text += f" [{ratio_text(span[0])}, {ratio_text(span[1])}]"
+    if r.get(f"dropped_repeats_{what}"):
+        paired = r[f"paired_repeats_{what}"]
+        text += (
+            f" ({paired} repeat{'s' if paired != 1 else ''} paired, "
+            f"{r[f'dropped_repeats_{what}']} dropped)"
+        )
+    elif r.get(f"verdict_{what}") == "one paired repeat":
+        text += " (one paired repeat)"
+    return text
 
 
 def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
@@ -188,7 +254,12 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         return [str(r.get("gpu", ""))[:12]] if has_gpu else []
 
     energy = (
-        f"Energy per token relative to {base!r} (below 1 saves energy)",
+        f"Energy per token relative to {base!r} (below 1 saves energy)"
+        + (
+            f" [{doc['confidence']:.0%} interval]"
+            if any(r.get(f"energy_ratio_{w}_interval") for r in doc["rows"] for w in WHATS)
+            else ""
+        ),
         [
             *gpu_col,
             "batch",
@@ -203,9 +274,10 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 str(r["batch"]),
                 r["drafter"],
                 r["corpus"],
-                ratio_text(r["energy_ratio_at_stock"]),
-                ratio_text(
-                    r["energy_ratio_equal_latency"],
+                ratio_cell(r, "at_stock"),
+                ratio_cell(
+                    r,
+                    "equal_latency",
                     # No ratio: too slow if the drafter was measured, else nothing to compare.
                     missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
                 ),

@@ -211,8 +211,12 @@ def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Sec
             Table(title, tuple(header), tuple(tuple(r) for r in rows))
             for title, header, rows in compare_tables(comparison)
         ]
-        # The first note restates the reference, said above; the rest are warnings.
-        blocks += [Paragraph(_capital(n), tone="warning") for n in compare_notes(comparison)[1:]]
+        # The first note restates the reference, said above; how saves / costs were judged
+        # is a note; the rest are warnings.
+        blocks += [
+            Paragraph(_capital(n), tone="note" if n.startswith("saves / costs:") else "warning")
+            for n in compare_notes(comparison)[1:]
+        ]
     return Section("Speculation vs no speculation", "speculation-vs-no-speculation", tuple(blocks))
 
 

@@ -1,0 +1,228 @@
+"""`dvfs compare` pairs its arms by repeat (each repeat sends its own prompts) and calls a drafter's
+saving real only where the paired ratio's Student-t interval excludes 1; hand-built cubes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from cubes import as_twin_sweep, make_cube
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dvfs.analysis.bounds import interval, paired_ratios, t_quantile
+from dvfs.analysis.compare import (
+    LOSES,
+    NO_DATA,
+    NOT_WITHIN,
+    ONE_REPEAT,
+    SAVES,
+    WITHIN_NOISE,
+    break_even_summary,
+    compare,
+    paired_ratio,
+    verdict,
+)
+from dvfs.cli import cli
+from dvfs.cube import write_cube
+
+CLOCKS = [1000, 2000]
+BATCHES = [1, 8, 64]
+
+energies = st.floats(min_value=0.05, max_value=5.0, allow_nan=False)
+
+
+@st.composite
+def two_arms(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Per-repeat energies of a drafter and its baseline, some repeats invalid (NaN) in one."""
+    n = draw(st.integers(min_value=1, max_value=6))
+    mine = np.array(draw(st.lists(energies, min_size=n, max_size=n)))
+    base = np.array(draw(st.lists(energies, min_size=n, max_size=n)))
+    for arm in (mine, base):
+        for r in draw(st.sets(st.integers(min_value=0, max_value=n - 1), max_size=n)):
+            arm[r] = math.nan
+    return mine, base
+
+
+@settings(max_examples=200, deadline=None)
+@given(two_arms(), st.sampled_from([0.8, 0.9, 0.95, 0.99]))
+def test_an_invalid_repeat_in_one_arm_leaves_both(arms, confidence) -> None:
+    mine, base = arms
+    both = ~(np.isnan(mine) | np.isnan(base))
+    got = paired_ratio(mine[None, :], base[None, :], confidence)
+    # The same as if the repeat had never been measured in either arm.
+    kept = paired_ratio(mine[None, both], base[None, both], confidence)
+    for name in ("ratio", "low", "high", "paired"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(kept, name))
+    assert int(got.paired[0]) == int(both.sum())
+    lost = int((np.isnan(mine) != np.isnan(base)).sum())
+    empty = np.isnan(mine).all() or np.isnan(base).all()  # no ratio either way: none lost
+    assert int(got.dropped[0]) == (0 if empty else lost)
+    # Order-free: the repeats' order never changes an answer.
+    order = np.random.default_rng(int(both.sum())).permutation(len(mine))
+    shuffled = paired_ratio(mine[None, order], base[None, order], confidence)
+    for name in ("ratio", "low", "high"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(shuffled, name))
+
+
+@settings(max_examples=200, deadline=None)
+@given(two_arms(), st.sampled_from([0.8, 0.95, 0.99]))
+def test_the_interval_is_the_t_interval_of_the_per_repeat_ratios(arms, confidence) -> None:
+    mine, base = arms
+    x = paired_ratios(mine, base)
+    got = paired_ratio(mine[None, :], base[None, :], confidence)
+    ratio, low, high = float(got.ratio[0]), float(got.low[0]), float(got.high[0])
+    if len(x) < 2:
+        assert math.isnan(low) and math.isnan(high)
+        return
+    half = t_quantile((1 + confidence) / 2, len(x) - 1) * np.std(x, ddof=1) / math.sqrt(len(x))
+    assert ratio == pytest.approx(np.mean(x), rel=1e-12)
+    assert low == pytest.approx(ratio - half, rel=1e-9, abs=1e-12)
+    assert high == pytest.approx(ratio + half, rel=1e-9, abs=1e-12)
+    # A verdict never contradicts its point value, and a wider interval never adds one.
+    said = verdict(ratio, low, high, len(x), point=False)
+    if said == SAVES:
+        assert high < 1 and ratio < 1
+    elif said == LOSES:
+        assert low > 1 and ratio > 1
+    else:
+        assert said == WITHIN_NOISE and low <= 1 + 1e-9 and high >= 1 - 1e-9
+    wider = interval(x, (1 + confidence) / 2)
+    if verdict(ratio, *wider, len(x), point=False) != WITHIN_NOISE:
+        assert verdict(ratio, *wider, len(x), point=False) == said
+
+
+def test_verdict_rules() -> None:
+    assert verdict(0.9, 0.8, 0.95, 3, point=False) == SAVES
+    assert verdict(1.1, 1.05, 1.2, 3, point=False) == LOSES
+    assert verdict(0.97, 0.9, 1.04, 3, point=False) == WITHIN_NOISE
+    assert verdict(0.5, math.nan, math.nan, 1, point=False) == ONE_REPEAT
+    assert verdict(math.nan, math.nan, math.nan, 0, point=False) == NO_DATA
+    # A cube with one repeat has no interval anywhere: the point value is judged, as before.
+    assert verdict(0.997, math.nan, math.nan, 1, point=True) == SAVES
+    assert verdict(1.0, math.nan, math.nan, 1, point=True) == LOSES
+
+
+@pytest.mark.parametrize(
+    ("states", "says"),
+    [
+        ([SAVES, WITHIN_NOISE, LOSES], "saves up to batch 1; within noise at batch 8"),
+        ([WITHIN_NOISE, SAVES, SAVES], "saves from batch 8; within noise at batch 1"),
+        ([SAVES, SAVES, WITHIN_NOISE], "saves up to batch 8; within noise at batch 64"),
+        ([WITHIN_NOISE] * 3, "within noise at every batch"),
+        (
+            [WITHIN_NOISE, WITHIN_NOISE, NOT_WITHIN],
+            "within noise at batches 1, 8; not within target at batch 64",
+        ),
+        ([LOSES, WITHIN_NOISE, LOSES], "never saves; within noise at batch 8"),
+        ([SAVES, ONE_REPEAT, SAVES], "saves at batches 1, 64; one paired repeat at batch 8"),
+        ([ONE_REPEAT] * 3, "one paired repeat at batches 1, 8, 64"),
+        ([ONE_REPEAT, NO_DATA, NO_DATA], "one paired repeat at batch 1; no data at batches 8, 64"),
+    ],
+)
+def test_the_summary_names_noise_and_single_repeats(states, says) -> None:
+    assert break_even_summary(list(zip(BATCHES, states, strict=True))) == says
+
+
+#: Per-repeat energy per token of each arm at stock (2000 MHz), batch 1; repeat r's prompts
+#: differ, so both arms move together from repeat to repeat. The drafter spends 0.45x.
+BASE = [1.0, 1.3, 0.9]
+
+
+def repeats_cube(drafter_energy, *, valid=None, repeats: int = 3):
+    def energy(c, p, b, d, corpus, r):
+        scale = (1.0 if c == 2000 else 0.8) / b
+        return scale * (drafter_energy(b, r) if d == "eagle3" else BASE[r])
+
+    return make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=repeats,
+        latency=lambda c, p, b, d, *_: (4.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=energy,
+        valid=valid,
+    )
+
+
+def test_one_invalid_repeat_in_one_arm_is_dropped_from_both() -> None:
+    # EAGLE-3 saves 0.45x in every repeat; its repeat 0 at stock is invalid. Averaging each
+    # arm's valid repeats alone would divide its (1.3, 0.9) by none's (1.0, 1.3, 0.9): 0.464.
+    ds = repeats_cube(
+        lambda b, r: 0.45 * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (d == "eagle3" and c == 2000 and r == 0),
+    )
+    at = compare(ds).sel(drafter="eagle3", corpus="code", batch=1)
+    assert float(at["energy_ratio_at_stock"]) == pytest.approx(0.45, rel=1e-12)
+    assert int(at["paired_repeats_at_stock"]) == 2 and int(at["dropped_repeats_at_stock"]) == 1
+    assert str(at["verdict_at_stock"].item()) == SAVES
+
+
+def test_a_saving_inside_the_noise_is_not_called_a_saving() -> None:
+    # Batch 1: 0.5x in every repeat (saves). Batch 8: 0.9x, 1.05x, 1.0x (a mean of 0.98 whose
+    # interval holds 1). Batch 64: 1.2x, 1.3x, 1.25x (costs).
+    wobble = {1: [0.5, 0.5, 0.5], 8: [0.9, 1.05, 1.0], 64: [1.2, 1.3, 1.25]}
+    ds = repeats_cube(lambda b, r: wobble[b][r] * BASE[r])
+    at = compare(ds).sel(drafter="eagle3", corpus="code")
+    assert [str(v) for v in at["verdict_at_stock"].values] == [SAVES, WITHIN_NOISE, LOSES]
+    assert float(at["energy_ratio_at_stock"].sel(batch=8)) < 1  # a point value below 1 ...
+    assert int(at["break_even_batch_equal_clock"]) == 8  # ... does not count as saving
+    assert str(at["break_even_equal_clock"].item()) == (
+        "saves up to batch 1; within noise at batch 8"
+    )
+    low, high = (float(at[f"energy_ratio_at_stock_{e}"].sel(batch=8)) for e in ("low", "high"))
+    assert low < 1 < high
+
+
+def test_one_paired_repeat_gives_no_verdict_in_a_cube_with_repeats() -> None:
+    ds = repeats_cube(
+        lambda b, r: 0.45 * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (b == 8 and c == 2000 and r < 2 and d == "none"),
+    )
+    at = compare(ds).sel(drafter="eagle3", corpus="code")
+    assert str(at["verdict_at_stock"].sel(batch=8).item()) == ONE_REPEAT
+    assert float(at["energy_ratio_at_stock"].sel(batch=8)) == pytest.approx(0.45)
+    says = "saves at batches 1, 64; one paired repeat at batch 8"
+    assert str(at["break_even_equal_clock"].item()) == says
+
+
+def run(*args: str):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
+    """End to end: an invalid repeat in one arm leaves the ratio the paired one, and the JSON
+    and the table say which rows lost repeats to pairing."""
+    ds = repeats_cube(
+        lambda b, r: (0.45 if b == 1 else 0.6) * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (d == "eagle3" and c == 2000 and r == 0),
+    )
+    path = write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    assert doc["confidence"] == 0.95 and "Student-t" in doc["interval"]
+    rows = {r["batch"]: r for r in doc["rows"]}
+    for batch, saving in ((1, 0.45), (8, 0.6), (64, 0.6)):
+        row = rows[batch]
+        assert row["energy_ratio_at_stock"] == pytest.approx(saving, rel=1e-12)
+        assert row["paired_repeats_at_stock"] == 2 and row["dropped_repeats_at_stock"] == 1
+        assert row["verdict_at_stock"] == "saves"
+        low, high = row["energy_ratio_at_stock_interval"]
+        assert low <= row["energy_ratio_at_stock"] <= high < 1
+    table = run("compare", str(path)).output
+    assert "2 repeats paired, 1 dropped" in table
+    assert "paired by repeat: in 3 of 3 rows" in table
+    assert "saves / costs: two-sided 95% Student-t interval" in table
+    # --confidence reaches the interval: a wider one at 99%.
+    wide = json.loads(run("compare", str(path), "--json", "--confidence", "0.99").stdout)
+    w_low, w_high = wide["rows"][0]["energy_ratio_at_stock_interval"]
+    low, high = rows[1]["energy_ratio_at_stock_interval"]
+    assert w_low <= low and w_high >= high
