@@ -48,29 +48,30 @@ TWIN_DRIVER = "twin"
 TWIN_ENGINE = "dvfs-twin"
 
 
-def _package_dir() -> Path:
-    return Path(__file__).resolve().parent
+def _dvfs_dir() -> Path:
+    """Where this dvfs's package lies (`dvfs/`)."""
+    return Path(__file__).resolve().parent.parent
 
 
-def _module_file(name: str) -> Path:
-    """A module's source file, found without importing it (which would be circular here)."""
-    dvfs_dir = _package_dir().parent
-    return dvfs_dir.joinpath(*name.split(".")[1:]).with_suffix(".py")
-
-
-def twin_files() -> list[Path]:
-    """Every file of the twin, in a fixed order: each file under `dvfs/twin/` (not Python's
-    caches, not hidden files) and the `TWIN_MODULES`."""
-    package = _package_dir()
-    found = [
-        path
-        for path in package.rglob("*")
-        if path.is_file()
-        and "__pycache__" not in path.relative_to(package).parts
-        and not any(part.startswith(".") for part in path.relative_to(package).parts)
-        and path.suffix not in (".pyc", ".pyo")
-    ]
-    return sorted(found) + [_module_file(name) for name in TWIN_MODULES]
+def twin_files(dvfs_dir: Path | None = None) -> list[Path]:
+    """Every file of the twin in the `dvfs/` folder `dvfs_dir` (this dvfs's unless given), in a
+    fixed order: each file under `twin/` whatever its kind, not Python's caches nor hidden
+    files, then the `TWIN_MODULES`' sources (found without importing them, which from here
+    would be circular)."""
+    root = dvfs_dir or _dvfs_dir()
+    package = root / "twin"
+    found = []
+    for path in package.rglob("*"):
+        parts = path.relative_to(package).parts
+        if (
+            path.is_file()
+            and "__pycache__" not in parts
+            and not any(part.startswith(".") for part in parts)
+            and path.suffix not in (".pyc", ".pyo")
+        ):
+            found.append(path)
+    modules = [root.joinpath(*name.split(".")[1:]).with_suffix(".py") for name in TWIN_MODULES]
+    return sorted(found) + modules
 
 
 def digest_of(files: Iterable[Path], root: Path) -> str:
@@ -85,10 +86,15 @@ def digest_of(files: Iterable[Path], root: Path) -> str:
     return h.hexdigest()[:DIGEST_CHARS]
 
 
+def twin_digest_of(dvfs_dir: Path) -> str:
+    """The digest of the twin in the `dvfs/` folder `dvfs_dir`."""
+    return digest_of(twin_files(dvfs_dir), dvfs_dir)
+
+
 @functools.cache
 def twin_digest() -> str:
-    """This process's twin's digest (read once: about 250 kB)."""
-    return digest_of(twin_files(), _package_dir().parent)
+    """This process's twin's digest (its files read once: about 250 kB, a millisecond)."""
+    return twin_digest_of(_dvfs_dir())
 
 
 def twin_version() -> str:
@@ -115,8 +121,8 @@ def is_twin_version(version: object) -> bool:
 #: What a refusal of cells of two twins adds: why, and what to do.
 TWIN_CHANGED = (
     "the twin changed since those cells were measured (its physics, profiles or acceptance "
-    "model; an earlier dvfs's journal names no digest), and cells of two twins do not compare: "
-    "rerun with --fresh (or into another --out folder)"
+    "model; a journal whose twin names no +digest is an earlier dvfs's), and cells of two "
+    "twins do not compare: rerun with --fresh (or into another --out folder)"
 )
 
 
