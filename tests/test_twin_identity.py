@@ -245,3 +245,28 @@ def test_an_earlier_dvfs_twin_journal_is_refused_and_says_what_to_do(
         result, 1, f"driver version: twin -> {twin_driver_version()}", *TWIN_ADVICE
     )
     assert "names no +digest" in line
+
+
+def test_cubes_of_two_twins_do_not_merge(tiny_sweep: Path, tmp_path: Path) -> None:
+    """`dvfs cube merge` joins GPUs, not twins: another GPU of the same twin merges, a cube of
+    another twin is refused."""
+    from dvfs.cube import write_cube
+
+    ds = open_cube(tiny_sweep / "cube.nc")
+    other = ds.copy()
+    other.attrs["gpu_uuids"] = "GPU-00000000-0000-0000-0000-000000000001"
+    write_cube(other, tmp_path / "same.nc")
+    same = invoke(
+        "cube", "merge", str(tiny_sweep), str(tmp_path / "same.nc"), "-o", str(tmp_path / "m.nc")
+    )
+    assert same.exit_code == 0, same.output
+    other.attrs["driver_version"] = f"twin+{OTHER_DIGEST}"
+    other.attrs["engine_version"] = f"dvfs-twin 0.1.0+{OTHER_DIGEST}"
+    write_cube(other, tmp_path / "other.nc")
+    merged = invoke(
+        "cube", "merge", str(tiny_sweep), str(tmp_path / "other.nc"), "-o", str(tmp_path / "x.nc")
+    )
+    assert_one_line_error(
+        merged, 1, "cannot merge cubes of two twins", f"twin+{OTHER_DIGEST}", "--fresh"
+    )
+    assert not (tmp_path / "x.nc").exists()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from dvfs.version import __version__
@@ -135,3 +135,13 @@ def twin_changed(changes: Iterable[str]) -> bool:
         if sep and is_twin_version(before) and is_twin_version(now):
             return True
     return False
+
+
+def mixed_twins(versions: Mapping[str, object]) -> str | None:
+    """Where labelled versions (each cube's engine or driver version) name two twins: the first
+    pair that differs ("A: twin+a, B: twin+b"); None when they name one twin, or no twin."""
+    twins = [(label, str(v)) for label, v in versions.items() if is_twin_version(v)]
+    for label, version in twins[1:]:
+        if version != twins[0][1]:
+            return f"{twins[0][0]}: {twins[0][1]}, {label}: {version}"
+    return None
