@@ -77,14 +77,16 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
     from dataclasses import asdict
 
     from dvfs.records import incomparable
+    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
     now = {"gpus": [asdict(g.identity) for g in gpus]}
     for session in journal.sessions:
         changes = incomparable(session, now)
         if changes:
+            advice = TWIN_CHANGED if twin_changed(changes) else "use another --out directory"
             raise JournalError(
                 f"{journal.path} was measured on GPUs that differ from this run's in what makes "
-                f"cells compare ({'; '.join(changes)}): use another --out directory"
+                f"cells compare ({'; '.join(changes)}): {advice}"
             )
 
 

@@ -47,6 +47,7 @@ from dvfs.records import (
     server_changes,
 )
 from dvfs.records.cell import SPLIT_METHODS
+from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 from dvfs.version import __version__
 
 if TYPE_CHECKING:
@@ -122,20 +123,30 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
         record = session.to_json()
         changes = incomparable(first, record) or mixed_within(record)
         if changes:
+            advice = (
+                TWIN_CHANGED
+                if twin_changed(changes)
+                else "keep one journal per GPU model and driver: rerun the other GPUs into "
+                "their own --out folder and `dvfs cube merge` the cubes"
+            )
             raise IncomparableCellsError(
                 "the journal holds measurements from GPUs that do not compare "
-                f"({'; '.join(changes)}); keep one journal per GPU model and driver: rerun "
-                "the other GPUs into their own --out folder and `dvfs cube merge` the cubes"
+                f"({'; '.join(changes)}); {advice}"
             )
     first_server: dict[str, Server] = {}
     for server in journal.servers:
         earlier = first_server.setdefault(server.drafter, server)
         changes = server_changes(earlier.to_json(), server.to_json())
         if changes:
+            advice = (
+                TWIN_CHANGED
+                if twin_changed(changes)
+                else "rerun with --fresh (or into another --out folder) on one engine version"
+            )
             raise IncomparableCellsError(
                 f"the journal's cells of drafter {server.drafter!r} were served by different "
                 f"engines ({'; '.join(changes)}): they would compare software, not settings; "
-                "rerun with --fresh (or into another --out folder) on one engine version"
+                f"{advice}"
             )
     # Across drafters too: the arms must differ only in their drafters (`arm_changes`).
     servers = list(journal.servers)
@@ -149,6 +160,8 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
             f"differently ({'; '.join(changes)}): the arms would compare more than their drafters"
         )
         begun = begun_unpinned(pinned, changes)
+        if twin_changed(changes):
+            raise IncomparableCellsError(f"{served}; {TWIN_CHANGED}")
         if begun:
             raise IncomparableCellsError(
                 f"{served}; the journal was {begun}, so it cannot be resumed or compared: "

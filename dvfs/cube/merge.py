@@ -110,6 +110,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
+    _check_one_twin(cubes, names)
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     _check_distinct_gpus(labels, names)
     # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
@@ -214,6 +215,20 @@ def _models(ds: xr.Dataset, name: str) -> list[str]:
             "gpu_names attribute); merge the folders of the shards' runs"
         )
     return models
+
+
+def _check_one_twin(cubes: list[xr.Dataset], names: list[str]) -> None:
+    """Cubes of two twins (`dvfs.twin.identity`) do not compare, whatever GPU each simulates."""
+    from dvfs.twin.identity import mixed_twins
+
+    for key in ("driver_version", "engine_version"):
+        mixed = mixed_twins({n: ds.attrs.get(key) for n, ds in zip(names, cubes, strict=True)})
+        if mixed:
+            raise CubeError(
+                f"cannot merge cubes of two twins ({key}: {mixed}): the twin changed between "
+                "them, and cells of two twins do not compare; rerun the older cube's sweep "
+                "with --fresh"
+            )
 
 
 def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
@@ -322,6 +337,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     order = sorted(range(len(cubes)), key=lambda k: _parse_shard(cubes[k], given[k]).index)
     cubes, names = [cubes[k] for k in order], [given[k] for k in order]
     _check_shards(cubes, names)
+    _check_one_twin(cubes, names)
     sources, per_model = cubes, None
     if "gpu" in cubes[0].dims:  # each shard ran a fleet mixing GPU models
         cubes, per_model = _lined_up(cubes, names)

@@ -37,6 +37,7 @@ from dvfs.engines.base import (
 )
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
+from dvfs.twin.identity import twin_version
 from dvfs.twin.passes import (
     PassBuilder,
     decode_passes,
@@ -47,7 +48,6 @@ from dvfs.twin.passes import (
 from dvfs.twin.physics import Passes, PassTiming, Schedule, host_time_s
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 from dvfs.twin.textprior import TextProfile, profile_prompts
-from dvfs.version import __version__
 
 #: Virtual seconds a (re)start takes: loading weights and capturing CUDA graphs.
 STARTUP_S = 60.0
@@ -119,7 +119,7 @@ class TwinEngine:
                 speculative_eagle_topk=self._plan.topk,
                 speculative_num_draft_tokens=self._plan.verify_tokens,
             )
-        return ServerInfo("twin", f"dvfs-twin {__version__}", drafter.name, args)
+        return ServerInfo("twin", twin_version(), drafter.name, args)
 
     def stop(self) -> None:
         self._drafter = None

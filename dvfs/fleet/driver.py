@@ -214,6 +214,7 @@ class Driver:
         have run on other GPUs (more, fewer, other nodes: a rerun after a node loss), but of
         the same model, driver and settings (`incomparable`): their finished cells stand."""
         from dvfs.records import incomparable, recorded_stock
+        from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         combined = combine_sessions(sessions)
         combined["journal_sync"] = self.journal.sync_policy.describe()  # the driver's, not theirs
@@ -221,11 +222,15 @@ class Driver:
         for earlier in self.journal.sessions:
             changes = incomparable(earlier, combined)
             if changes:
+                advice = (
+                    TWIN_CHANGED
+                    if twin_changed(changes)
+                    else "run these GPUs into another --out folder (`dvfs cube merge` joins "
+                    "the cubes along `gpu`), or start over with --fresh"
+                )
                 raise JournalError(
                     f"{self.journal.path} was measured on other GPUs than this run's, which "
-                    f"differ in what makes cells compare ({'; '.join(changes)}): run these "
-                    "GPUs into another --out folder (`dvfs cube merge` joins the cubes along "
-                    "`gpu`), or start over with --fresh"
+                    f"differ in what makes cells compare ({'; '.join(changes)}): {advice}"
                 )
         for earlier in self.journal.sessions:
             if recorded_stock(earlier) != recorded_stock(combined):
@@ -279,6 +284,7 @@ class Driver:
         engine version or attention kernel); if so the worker is retired, nothing of the unit
         is journalled and the unit goes back to the queue."""
         from dvfs.records import Header, arm_changes, begun_unpinned, server_changes
+        from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         if worker in self.retired:  # a unit it took before the driver retired it
             cells = shipment.all_cells
@@ -307,8 +313,10 @@ class Driver:
                 )
                 begun = begun_unpinned(pinned, changes)
                 why = (
-                    f"{differs}: the arms would compare more than their drafters; {path} was "
-                    f"{begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
+                    f"{differs}: {TWIN_CHANGED}"
+                    if twin_changed(changes)
+                    else f"{differs}: the arms would compare more than their drafters; {path} "
+                    f"was {begun}, so this dvfs cannot resume it: rerun with --fresh (or into "
                     "another --out folder)"
                     if begun
                     else f"{differs}: its cells would compare software, not settings; run the "

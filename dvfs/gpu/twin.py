@@ -7,9 +7,8 @@ import numpy as np
 from dvfs.errors import GpuValueError
 from dvfs.gpu.base import BulkReadings, DeviceInfo, GpuIdentity, PowerLimitRange
 from dvfs.twin.device import TwinDevice
+from dvfs.twin.identity import twin_driver_version
 from dvfs.twin.timeline import Readings, Timeline
-
-TWIN_DRIVER_VERSION = "twin"
 
 
 def twin_gpu_name(nvml_name: str) -> str:
@@ -28,7 +27,7 @@ class TwinGpu:
             index=device.index,
             uuid=device.uuid,
             name=twin_gpu_name(profile.nvml_name),
-            driver_version=TWIN_DRIVER_VERSION,
+            driver_version=twin_driver_version(),  # names the twin (`dvfs.twin.identity`)
             backend="twin",
             memory_clock_mhz=profile.memory_clock_mhz,
             max_sm_clock_mhz=profile.max_sm_clock_mhz,

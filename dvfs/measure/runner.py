@@ -70,6 +70,7 @@ from dvfs.records import (
     server_changes,
 )
 from dvfs.records.cell import EnergySplit
+from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 from dvfs.version import __version__
 
 log = logging.getLogger(__name__)
@@ -436,6 +437,8 @@ class Runner:
                 f"the {drafter!r} server differs from the {other!r} server of {path} "
                 f"({'; '.join(changes)}): the arms would compare more than their drafters"
             )
+            if twin_changed(changes):  # nor here: another twin measured the journal's cells
+                raise IncomparableCellsError(f"{served}; {TWIN_CHANGED}")
             begun = begun_unpinned(pinned, changes)
             if begun:  # nothing this run could do: the whole sweep stops, as a fleet's does
                 raise IncomparableCellsError(
