@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -319,6 +321,79 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     )
     assert down.returncode == 0 and "dvfs_server_up 0.0" in down.stdout
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
+
+
+class CountingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page over HTTP/1.1 keep-alive that counts the connections made to
+    it and the requests read through them."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests = 0
+        server = self
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                server.connections += 1
+                super().setup()
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                server.requests += 1
+                body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Page)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.mark.parametrize(
+    ("command", "reads"),
+    [
+        (("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off"), 1 + 5),
+        (("monitor", "--once"), 2),
+    ],
+)
+def test_a_run_reads_the_server_every_interval_over_one_connection(
+    tmp_path: Path,
+    env: dict[str, str],
+    nvml,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+    reads: int,
+) -> None:
+    """Each interval's read of /metrics goes through the one client of the run: a client per
+    read built a TLS context and a connection every interval (most of a governor's CPU). The
+    dry run reads once to check the server, then once per interval; `monitor --once` twice."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    server = CountingMetrics()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = dvfs_in_process(
+            *command,
+            *("--url", server.url, "--gpu", "0", "--interval", "0.01", "--max-intervals", "5"),
+            env=env,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr
+    assert server.requests == reads, result.stderr
+    assert server.connections == 1
 
 
 def closed_port() -> int:
