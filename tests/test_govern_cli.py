@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
 STUCK_S = 60.0  # a run that takes this long is stuck, not slow
+STUB_LIFETIME_S, STUB_TPOT_S = 300, 0.05
+STUB_STEPS = round(STUB_LIFETIME_S / STUB_TPOT_S)  # the most decode steps the stub lives
 
 PLAN = """dvfs_batch_plan = 1
 [meta]
@@ -66,7 +68,14 @@ def stub(tmp_path: Path) -> Iterator[str]:
 def launch_stub(tmp_path: Path, *argv: str, metrics: bool = True) -> Iterator[str]:
     config = tmp_path / "stub.json"
     config.write_text(
-        json.dumps({"startup_s": 0.05, "ttft_s": 0.01, "tpot_s": 0.05, "max_lifetime_s": 300})
+        json.dumps(
+            {
+                "startup_s": 0.05,
+                "ttft_s": 0.01,
+                "tpot_s": STUB_TPOT_S,
+                "max_lifetime_s": STUB_LIFETIME_S,
+            }
+        )
     )
     log = tmp_path / "stub.log"
     with log.open("wb") as out:
@@ -102,14 +111,19 @@ def _ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def held_batch(url: str, size: int) -> Iterator[None]:
-    """`size` running requests on the stub for the life of the block (a long stream, then
-    dropped: the stub stops counting it at its next decode step)."""
+def held_batch(url: str, size: int, tokens_per_step: int = 1) -> Iterator[None]:
+    """`size` running requests on the stub for the life of the block (a stream longer than the
+    stub's life, then dropped: the stub stops counting it at its next decode step).
+    `tokens_per_step`: the most one decode step yields (3 with speculation, at the stub's
+    accept length of 2.5). Not longer: the stub plans every token of a request on arrival."""
     port = int(url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = {
         "text": [f"prompt {i}" for i in range(size)],
-        "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True},
+        "sampling_params": {
+            "max_new_tokens": (STUB_STEPS + 1) * tokens_per_step,
+            "ignore_eos": True,
+        },
         "stream": True,
     }
     conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
@@ -502,7 +516,7 @@ def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path
     with launch_stub(tmp_path, "--speculative-algorithm", "EAGLE") as url:
         idle = scrape(url, 10)
         assert idle.running == 0 and idle.generated_tokens == 0
-        with held_batch(url, 5):
+        with held_batch(url, 5, tokens_per_step=3):
             wait_for(lambda: scrape(url, 10).running == 5, "5 running requests")
             wait_for(lambda: (scrape(url, 10).generated_tokens or 0) > 20, "tokens generated")
         wait_for(lambda: scrape(url, 10).running == 0, "the dropped stream to end")
