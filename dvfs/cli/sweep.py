@@ -468,7 +468,7 @@ def report_fleet(outcome: Any) -> None:
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
         )
     s = outcome.summary
-    invalid = invalid_cells(outcome.cube_path)
+    invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")
