@@ -201,10 +201,14 @@ def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
 
 @dataclass(frozen=True)
 class SweepOutcome:
+    """What a sweep did; `cube` is the cube it wrote to `cube_path`, in memory (its report
+    reads it there rather than reading the file back)."""
+
     summary: RunSummary
     journal_path: Path
     cube_path: Path | None
     moved_journal: Path | None = None
+    cube: Any = None
 
 
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
@@ -286,7 +290,7 @@ def run_sweep(
             f"{exc}. To measure without changing any GPU setting (no root needed), rerun with "
             "--observe-only"
         ) from exc
-    return SweepOutcome(outcome.summary, outcome.journal_path, outcome.cube_path, moved)
+    return dataclasses.replace(outcome, moved_journal=moved)
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,8 @@ def _run_locked(
             )
             summary = runner.run(cells)
     try:
-        cube_path = write_cube(shard_cube(journal.path), out_dir / CUBE_NAME)
+        cube = shard_cube(journal.path)
+        cube_path = write_cube(cube, out_dir / CUBE_NAME)
     except IncomparableCellsError:
         raise  # nothing to fix in the folder: the message says where to rerun
     except CubeError as exc:
@@ -373,7 +378,7 @@ def _run_locked(
             f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "
             "writes the cube once that is fixed)"
         ) from exc
-    return SweepOutcome(summary, journal.path, cube_path)
+    return SweepOutcome(summary, journal.path, cube_path, cube=cube)
 
 
 def claim_shard(journal: Journal, shard: Shard | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 STUB = REPO / "tests" / "fakes" / "sglang_stub.py"
 STUCK_S = 60.0  # a run that takes this long is stuck, not slow
+STUB_LIFETIME_S, STUB_TPOT_S = 300, 0.05
+STUB_STEPS = round(STUB_LIFETIME_S / STUB_TPOT_S)  # the most decode steps the stub lives
 
 PLAN = """dvfs_batch_plan = 1
 [meta]
@@ -64,7 +68,14 @@ def stub(tmp_path: Path) -> Iterator[str]:
 def launch_stub(tmp_path: Path, *argv: str, metrics: bool = True) -> Iterator[str]:
     config = tmp_path / "stub.json"
     config.write_text(
-        json.dumps({"startup_s": 0.05, "ttft_s": 0.01, "tpot_s": 0.05, "max_lifetime_s": 300})
+        json.dumps(
+            {
+                "startup_s": 0.05,
+                "ttft_s": 0.01,
+                "tpot_s": STUB_TPOT_S,
+                "max_lifetime_s": STUB_LIFETIME_S,
+            }
+        )
     )
     log = tmp_path / "stub.log"
     with log.open("wb") as out:
@@ -100,14 +111,19 @@ def _ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def held_batch(url: str, size: int) -> Iterator[None]:
-    """`size` running requests on the stub for the life of the block (a long stream, then
-    dropped: the stub stops counting it at its next decode step)."""
+def held_batch(url: str, size: int, tokens_per_step: int = 1) -> Iterator[None]:
+    """`size` running requests on the stub for the life of the block (a stream longer than the
+    stub's life, then dropped: the stub stops counting it at its next decode step).
+    `tokens_per_step`: the most one decode step yields (3 with speculation, at the stub's
+    accept length of 2.5). Not longer: the stub plans every token of a request on arrival."""
     port = int(url.rsplit(":", 1)[1])
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     body = {
         "text": [f"prompt {i}" for i in range(size)],
-        "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True},
+        "sampling_params": {
+            "max_new_tokens": (STUB_STEPS + 1) * tokens_per_step,
+            "ignore_eos": True,
+        },
         "stream": True,
     }
     conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
@@ -321,6 +337,79 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
 
 
+class CountingMetrics(http.server.ThreadingHTTPServer):
+    """A loopback /metrics page over HTTP/1.1 keep-alive that counts the connections made to
+    it and the requests read through them."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests = 0
+        server = self
+
+        class Page(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                server.connections += 1
+                super().setup()
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server naming
+                server.requests += 1
+                body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Page)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.mark.parametrize(
+    ("command", "reads"),
+    [
+        (("govern", "--plan", "plan.toml", "--dry-run", "--listen", "off"), 1 + 5),
+        (("monitor", "--once"), 2),
+    ],
+)
+def test_a_run_reads_the_server_every_interval_over_one_connection(
+    tmp_path: Path,
+    env: dict[str, str],
+    nvml,
+    monkeypatch: pytest.MonkeyPatch,
+    command: tuple[str, ...],
+    reads: int,
+) -> None:
+    """Each interval's read of /metrics goes through the one client of the run: a client per
+    read built a TLS context and a connection every interval (most of a governor's CPU). The
+    dry run reads once to check the server, then once per interval; `monitor --once` twice."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    server = CountingMetrics()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = dvfs_in_process(
+            *command,
+            *("--url", server.url, "--gpu", "0", "--interval", "0.01", "--max-intervals", "5"),
+            env=env,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr
+    assert server.requests == reads, result.stderr
+    assert server.connections == 1
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:
@@ -427,7 +516,7 @@ def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path
     with launch_stub(tmp_path, "--speculative-algorithm", "EAGLE") as url:
         idle = scrape(url, 10)
         assert idle.running == 0 and idle.generated_tokens == 0
-        with held_batch(url, 5):
+        with held_batch(url, 5, tokens_per_step=3):
             wait_for(lambda: scrape(url, 10).running == 5, "5 running requests")
             wait_for(lambda: (scrape(url, 10).generated_tokens or 0) > 20, "tokens generated")
         wait_for(lambda: scrape(url, 10).running == 0, "the dropped stream to end")

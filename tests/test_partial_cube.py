@@ -177,6 +177,14 @@ def test_a_sweep_with_invalid_cells_says_how_many_why_and_what_to_change(
     assert f"{info['invalid']} invalid in the cube" in summary
     assert f"{info['invalid']} of {info['measured']} measured cell(s) are invalid" in result.output
     assert "few_counter_updates x" in result.output and "workload.output_tokens" in result.output
+    # Said from the cube the sweep held in memory: word for word what the file it wrote says.
+    from dvfs.cube import open_cube
+    from dvfs.cube.info import invalid_summary
+
+    assert invalid_summary(open_cube(out)) in " ".join(result.output.split())
+    fleet = invoke("sweep", str(campaign), "--out", str(tmp_path / "fleet"), "--gpus", "0-1")
+    assert fleet.exit_code == 0, fleet.output  # a fleet's report: the same, from its cube
+    assert invalid_summary(open_cube(tmp_path / "fleet")) in " ".join(fleet.output.split())
     # headroom says why a row has no reference instead of a bare "no valid reference cell".
     rows = json.loads(invoke("headroom", str(out), "--slack", "5%", "--json").output)["rows"]
     no_ref = [r for r in rows if r["target_ms"] is None]

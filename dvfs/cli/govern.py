@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ def govern(
     from dvfs.govern.exporter import LiveMetrics
     from dvfs.govern.loop import Ticker, check_plan_against, check_server_for_dry_run
     from dvfs.govern.loop import govern as run_governor
-    from dvfs.govern.metrics import scrape
+    from dvfs.govern.metrics import ServerReader
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
     from dvfs.gpu.safety import default_state_dir
@@ -201,12 +201,11 @@ def govern(
     plan = load_plan(plan_path)
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
-
-    def scraper() -> Any:
-        return scrape(url, _timeout(interval))
-
     visible = job_gpus("--gpu with {listed}")
-    with open_gpus(parse_devices(devices), visible=visible) as gpus:
+    with (
+        ServerReader(url, _timeout(interval)) as scraper,
+        open_gpus(parse_devices(devices), visible=visible) as gpus,
+    ):
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
             check_server_for_dry_run(scraper, url, gpus)
@@ -276,7 +275,7 @@ def monitor(
     from dvfs.govern.exporter import LiveMetrics, render
     from dvfs.govern.loop import Ticker
     from dvfs.govern.loop import monitor as run_monitor
-    from dvfs.govern.metrics import scrape
+    from dvfs.govern.metrics import ServerReader
     from dvfs.gpu.safety import default_state_dir
 
     if interval <= 0:
@@ -289,9 +288,12 @@ def monitor(
     def locks() -> dict[str, LockInForce]:
         return locks_in_force(directory)
 
-    scraper = None if url is None else (lambda: scrape(url, _timeout(interval)))
     live = LiveMetrics()
-    with open_gpus(parse_devices(devices), allow_mig=True) as gpus:
+    with ExitStack() as stack:
+        scraper = (
+            None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))
+        )
+        gpus = stack.enter_context(open_gpus(parse_devices(devices), allow_mig=True))
         if once:
             run_monitor(gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks)
             click.echo(render(live), nl=False)

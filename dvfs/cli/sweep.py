@@ -362,7 +362,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         err.print(f"{status} Run the same command again to resume.")
         raise
     s = outcome.summary
-    invalid = invalid_cells(outcome.cube_path)
+    invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")
@@ -382,16 +382,17 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     return outcome
 
 
-def invalid_cells(cube_path: Path | None) -> tuple[int, str] | None:
+def invalid_cells(cube_path: Path | None, cube: Any = None) -> tuple[int, str] | None:
     """The cube's invalid cells (count, and one line on the commonest reasons and what to
-    change); None when it has none or cannot be read (the sweep's own report came first)."""
+    change); None when it has none or cannot be read (the sweep's own report came first).
+    `cube`: the cube written to `cube_path`, in memory (else it is read back: tens of ms)."""
     if cube_path is None:
         return None
     from dvfs.cube import open_cube
     from dvfs.cube.info import invalid_reasons, invalid_summary
 
     try:
-        ds = open_cube(cube_path)
+        ds = open_cube(cube_path) if cube is None else cube
     except Exception:  # the summary must not fail a finished sweep
         return None
     line = invalid_summary(ds)
@@ -467,7 +468,7 @@ def report_fleet(outcome: Any) -> None:
             f"failed, {w.gpu_time_s / 3600:.2f} h of GPU time{lost}"
         )
     s = outcome.summary
-    invalid = invalid_cells(outcome.cube_path)
+    invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")

@@ -95,6 +95,8 @@ class FleetOutcome:
     moved_journal: Path | None
     workers: tuple[WorkerStats, ...]
     wall_s: float
+    #: The cube written to `cube_path`, in memory (the report reads it there).
+    cube: Any = None
 
     @property
     def makespan_gpu_s(self) -> float:
@@ -608,6 +610,7 @@ def run_fleet(
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models)."""
     from dvfs.corpora.prepare import check_corpora, counted_corpora
+    from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
     from dvfs.sweep import fresh_start, out_dir_lock
 
@@ -655,7 +658,13 @@ def run_fleet(
                             "(none in this run); rerun with them to finish"
                         )
                 done += others
-        cube_path = write_cubes(out_dir, done)
+        written: dict[Path, Any] = {}
+
+        def write(ds: Any, path: Path) -> Path:
+            written[path] = ds
+            return write_cube(ds, path)
+
+        cube_path = write_cubes(out_dir, done, write=write)
     if fleet is None:
         total = len(cells) * len(done)
         summary, stats = RunSummary(total, total, 0, 0), []
@@ -663,5 +672,11 @@ def run_fleet(
         summary, stats = fleet.summary(), fleet.stats
     journal_path = done[0] if len(done) == 1 else out_dir
     return FleetOutcome(
-        summary, journal_path, cube_path, moved, tuple(stats), time.monotonic() - wall0
+        summary,
+        journal_path,
+        cube_path,
+        moved,
+        tuple(stats),
+        time.monotonic() - wall0,
+        cube=written.get(cube_path),
     )

@@ -1,10 +1,11 @@
 """Reading the live numbers: the SGLang server's Prometheus page and the GPUs' meters, joined.
 
-Parsing and the energy-per-token join are pure (text or readings in, numbers out); `scrape`
-and `read_gpu` are the two edges that talk to the outside. SGLang's names (its metrics
-collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge, one series per scheduler,
-e.g. per data-parallel rank: summed), `sglang:generation_tokens_total` (counter, summed) and,
-with a speculative algorithm, `sglang:spec_accept_length` (gauge, averaged over series).
+Parsing and the energy-per-token join are pure (text or readings in, numbers out);
+`ServerReader` (`scrape`: one read) and `read_gpu` are the edges that talk to the outside.
+SGLang's names (its metrics collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge,
+one series per scheduler, e.g. per data-parallel rank: summed),
+`sglang:generation_tokens_total` (counter, summed) and, with a speculative algorithm,
+`sglang:spec_accept_length` (gauge, averaged over series).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dvfs.errors import DvfsError, GpuError
 from dvfs.gpu.base import Gpu
@@ -82,23 +84,50 @@ def check_url(url: str) -> str:
     return ""
 
 
-def scrape(url: str, timeout_s: float) -> ServerSample:
-    """Read and parse the server's /metrics; every failure is one ScrapeError line."""
-    import httpx
+class ServerReader:
+    """Reads one server's /metrics, every interval, through one HTTP client: its connection is
+    kept alive and its TLS context built once (a client per read builds both again, tens of
+    milliseconds of CPU each interval: most of a governor's work). A context manager; `close`
+    ends the connection. `transport`: an httpx transport to read through (tests)."""
 
-    address = metrics_url(url)
-    try:
-        response = httpx.get(address, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
-    if response.status_code == 404:
-        raise ScrapeError(f"{address} answered 404: start SGLang with --enable-metrics")
-    if response.status_code != 200:
-        raise ScrapeError(f"{address} answered HTTP {response.status_code}")
-    try:
-        return parse_server_metrics(response.text)
-    except ScrapeError as exc:
-        raise ScrapeError(f"{address}: {exc}") from exc
+    def __init__(self, url: str, timeout_s: float, *, transport: Any = None) -> None:
+        import httpx
+
+        self.address = metrics_url(url)
+        self._client = httpx.Client(timeout=timeout_s, transport=transport)
+
+    def __call__(self) -> ServerSample:
+        """Read and parse the server's /metrics; every failure is one ScrapeError line."""
+        import httpx
+
+        address = self.address
+        try:
+            response = self._client.get(address)
+        except httpx.HTTPError as exc:
+            raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
+        if response.status_code == 404:
+            raise ScrapeError(f"{address} answered 404: start SGLang with --enable-metrics")
+        if response.status_code != 200:
+            raise ScrapeError(f"{address} answered HTTP {response.status_code}")
+        try:
+            return parse_server_metrics(response.text)
+        except ScrapeError as exc:
+            raise ScrapeError(f"{address}: {exc}") from exc
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> ServerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scrape(url: str, timeout_s: float) -> ServerSample:
+    """One read of the server's /metrics (a loop reads through one `ServerReader`)."""
+    with ServerReader(url, timeout_s) as read:
+        return read()
 
 
 @dataclass(frozen=True)
