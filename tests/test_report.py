@@ -252,7 +252,8 @@ def test_markdown_escapes_every_text() -> None:
     assert all(re.fullmatch(r"figs/01_[A-Za-z0-9_.-]+\.png", name) for name in files), files
 
 
-@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"))))
+# Cs (surrogates) left out: every character is then valid UTF-8.
+@given(st.text(alphabet=st.characters(exclude_categories=("Cs", "Cc"))))
 def test_md_escape_round_trips_through_a_markdown_parser(text: str) -> None:
     """Whatever the text, a CommonMark parser reads it back as one paragraph of exactly that
     text (spaces folded), even at the start of a line: no heading, list, rule, code or link."""
