@@ -13,6 +13,9 @@ class ProvenanceKey:
     unit: str
     meaning: str
     must_match: bool = False
+    #: Compared only where both cubes record it (empty or absent: an older dvfs's cube, or an
+    #: engine that does not say), so that older cubes still merge.
+    when_known: bool = False
 
 
 REGISTRY = tuple(
@@ -31,8 +34,9 @@ REGISTRY = tuple(
         ("memory_clock_mhz", "int", "MHz", "memory clock"),
         ("twin_profile", "str", "", "twin GPU profile, if simulated"),
         ("engine_backend", "str", "", "sglang or twin", True),
-        ("engine_version", "str", "", "engine version(s)"),
+        ("engine_version", "str", "", "engine version(s)", True, True),
         ("server_args", "json", "", "resolved server arguments per drafter"),
+        ("arms_pinned", "str", "", "what dvfs gave every drafter's server alike (comma-separated)"),
         ("gpu_pinning", "json", "", "per drafter: did its server run on the metered GPUs"),
         ("model", "str", "", "target model", True),
         ("tp_size", "int", "", "tensor-parallel size", True),
@@ -48,8 +52,23 @@ REGISTRY = tuple(
             "each GPU's energy-counter update period, detected at session start",
         ),
         ("measurement_method", "str", "", "how energy, windows and latency are measured", True),
-        ("token_count_method", "str", "", "how prompt tokens were counted"),
-        ("corpora", "json", "", "each corpus's source, content hash and size"),
+        ("token_count_method", "str", "", "how prompt tokens were counted", True, True),
+        (
+            "prompt_format",
+            "str",
+            "",
+            "how prompts went out: chat_template:<hash> or plain (empty: the twin's, none)",
+            True,
+            True,
+        ),
+        (
+            "corpora",
+            "json",
+            "",
+            "each corpus's source, content hash and size (merging compares the hashes)",
+        ),
     )
 )
 CHECKED = tuple(k.name for k in REGISTRY if k.must_match)
+#: The `CHECKED` keys compared only where both cubes record them.
+WHEN_KNOWN = tuple(k.name for k in REGISTRY if k.when_known)

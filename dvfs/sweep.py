@@ -30,6 +30,7 @@ from dvfs.backends import (
     server_plans,
 )
 from dvfs.campaign import Campaign
+from dvfs.corpora.model import Corpus
 from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
@@ -87,6 +88,30 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
             raise JournalError(
                 f"{journal.path} was measured on GPUs that differ from this run's in what makes "
                 f"cells compare ({'; '.join(changes)}): {advice}"
+            )
+
+
+def check_same_prompts(
+    journal: Journal, corpora: dict[str, Corpus], count_method: str, prompt_format: str
+) -> None:
+    """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
+    (`dvfs.records.prompt_changes`): a corpus edited since, another token-count method (a
+    tokenizer found or lost), another prompt format; the arms would compare prompts."""
+    from dvfs.records import prompt_changes
+
+    now = {
+        "corpora": {name: {"content_hash": c.content_hash} for name, c in corpora.items()},
+        "token_count_method": count_method,
+        "prompt_format": prompt_format,
+    }
+    for session in journal.sessions:
+        changes = prompt_changes(session, now)
+        if changes:
+            raise JournalError(
+                f"the prompts differ from those {journal.path} was measured with "
+                f"({'; '.join(changes)}): its cells would not compare with this run's; restore "
+                "the corpus (and tokenizer) it was measured with, or rerun with --fresh (or "
+                "into another --out folder)"
             )
 
 
@@ -355,6 +380,8 @@ def _run_locked(
             )
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
+            prompt_format = str(getattr(b.engine, "prompt_format", "") or "")
+            check_same_prompts(journal, corpora, count_method, prompt_format)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
             runner = Runner(
                 campaign,

@@ -44,6 +44,7 @@ from dvfs.records import (
     incomparable,
     mixed_within,
     now_iso,
+    prompt_changes,
     server_changes,
 )
 from dvfs.records.cell import SPLIT_METHODS
@@ -121,6 +122,13 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
     first = journal.sessions[0].to_json()
     for session in journal.sessions:
         record = session.to_json()
+        sent = prompt_changes(first, record)
+        if sent:  # a corpus edited, a tokenizer found or lost, a chat template changed
+            raise IncomparableCellsError(
+                "the journal's sessions sent different prompts "
+                f"({'; '.join(sent)}): the arms would compare prompts, not settings; rerun "
+                "with --fresh (or into another --out folder) on one corpus and tokenizer"
+            )
         changes = incomparable(first, record) or mixed_within(record)
         if changes:
             advice = (
@@ -211,6 +219,9 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "engine_backend": session.engine_backend,
         "engine_version": ", ".join(versions),
         "server_args": json.dumps(servers, sort_keys=True),
+        # What the dvfs that began the journal gave every drafter alike (`ARMS_PINNED`): a
+        # merge compares the servers' drawn args only where both cubes pinned them.
+        "arms_pinned": ",".join(header.arms_pinned),
         # Whether each drafter's (latest) server ran on the metered GPUs, as checked at start.
         "gpu_pinning": json.dumps(
             {s.drafter: s.gpu_pinning for s in journal.servers if s.gpu_pinning}, sort_keys=True
@@ -227,6 +238,10 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "counter_update_period_s": _counter_periods(journal),
         "measurement_method": session.measurement_method,
         "token_count_method": session.token_count_method,
+        # Every session sent the same prompts (`_check_sessions`): the latest's say how.
+        "prompt_format": next(
+            (s.prompt_format for s in reversed(journal.sessions) if s.prompt_format), ""
+        ),
         "corpora": json.dumps(session.corpora, sort_keys=True),
         "sessions": len(journal.sessions),
         "created": now_iso(),

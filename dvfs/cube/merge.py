@@ -72,6 +72,103 @@ def _check_distinct_gpus(labels: list[str], names: list[str]) -> None:
             seen[uuid] = name
 
 
+def _json(ds: xr.Dataset, key: str, empty: Any) -> Any:
+    try:
+        return json.loads(str(ds.attrs.get(key, "")) or "null") or empty
+    except ValueError:
+        return empty
+
+
+def _servers(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
+    """Each drafter's server as the cube keeps it (`server_args`, with its `attention_backend`
+    variable), in the shape of a journal's server record, for `arm_changes`."""
+    servers = _json(ds, "server_args", {})
+    backends: dict[str, str] = {}
+    if "attention_backend" in ds and ds["attention_backend"].dims == ("drafter",):
+        values = ds["attention_backend"].values
+        backends = {str(d): str(b) for d, b in zip(ds["drafter"].values, values, strict=True)}
+    return {
+        str(drafter): {**record, "attention_backend": backends.get(str(drafter)) or None}
+        for drafter, record in (servers.items() if isinstance(servers, dict) else ())
+        if isinstance(record, dict)
+    }
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: What the shards of one run, and the cubes of one campaign on different GPUs, must share
+#: besides the campaign: cubes that differ here compare software or prompts, not GPUs or
+#: settings (with the corpora's content and each drafter's server, `provenance_differences`).
+SHARED = ("engine_version", "measurement_method", "token_count_method", "prompt_format")
+
+
+def provenance_differences(
+    first: xr.Dataset, ds: xr.Dataset, keys: Iterable[str] = SHARED
+) -> list[str]:
+    """What two cubes differ in among `keys` (those `WHEN_KNOWN` only where both record them),
+    their corpora's content hashes, and each drafter's server (`arm_changes` and, drafter for
+    drafter, `server_changes`: engine version, attention kernels, the args arms share, the
+    decode CUDA graphs at the grid's batch sizes)."""
+    from dvfs.provenance import WHEN_KNOWN
+    from dvfs.records import arm_changes, corpus_changes, server_changes
+
+    changes = []
+    for key in keys:
+        a, b = first.attrs.get(key), ds.attrs.get(key)
+        if key in WHEN_KNOWN and (a in (None, "") or b in (None, "")):
+            continue
+        if str(a) != str(b):
+            changes.append(f"{key}: {_short(a)} -> {_short(b)}")
+    changes += corpus_changes(_json(first, "corpora", {}), _json(ds, "corpora", {}))
+    pinned = set(str(first.attrs.get("arms_pinned", "")).split(",")) & set(
+        str(ds.attrs.get("arms_pinned", "")).split(",")
+    )
+    batches = [int(b) for b in first["batch"].values] if "batch" in first.coords else []
+    theirs = _servers(ds)
+    for drafter, mine in _servers(first).items():
+        if drafter not in theirs:
+            continue
+        found = arm_changes(mine, theirs[drafter], batches, pinned - {""})
+        found += [c for c in server_changes(mine, theirs[drafter]) if c not in found]
+        changes += [f"drafter {drafter!r} {c}" for c in found]
+    return changes
+
+
+def _listed(changes: list[str]) -> str:
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    return "; ".join(changes[:3]) + more
+
+
+#: Each source cube's provenance a merged cube keeps in `merged_from`, by its GPUs' label.
+SOURCE_KEYS = (
+    "campaign_name",
+    "campaign_hash",
+    "gpu_name",
+    "gpu_backend",
+    "driver_version",
+    "memory_clock_mhz",
+    "twin_profile",
+    "engine_version",
+    "created",
+    "stock_sm_clock_mhz",
+    "stock_power_limit_w",
+    "actuation",
+    "clock",
+    "idle_power_w",
+    "sessions",
+    "measurement_method",
+    "token_count_method",
+    "prompt_format",
+    "corpora",
+    "server_args",
+    "gpu_pinning",
+    "arms_pinned",
+)
+
+
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
     """Cubes from different GPUs as one, along a new `gpu` dimension (its GPU UUIDs); or, when
     every cube is a shard (`attrs["shard"]`), the shards of one run as its whole cube
@@ -82,7 +179,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     """
     import xarray as xr
 
-    from dvfs.provenance import CHECKED
+    from dvfs.provenance import CHECKED, WHEN_KNOWN
 
     names = names or [f"cube {i + 1}" for i in range(len(cubes))]
     sharded = [label for label, ds in zip(names, cubes, strict=True) if "shard" in ds.attrs]
@@ -102,15 +199,25 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     for label, ds in zip(names, cubes, strict=True):
         if "gpu" in ds.dims:
             raise CubeError(f"{label} is already a merged cube; merge the single-GPU cubes")
+    _check_one_twin(cubes, names)  # before the provenance: its own advice
     for label, ds in zip(names[1:], cubes[1:], strict=True):
         for key in CHECKED:
+            if key in WHEN_KNOWN:  # with the corpora and servers, below
+                continue
             if str(ds.attrs.get(key)) != str(first.attrs.get(key)):
                 raise CubeError(
                     f"cannot merge: {key} differs ({names[0]}: {first.attrs.get(key)!r}, "
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
-    _check_one_twin(cubes, names)
+        changes = provenance_differences(first, ds)
+        if changes:
+            raise CubeError(
+                f"cannot merge: {names[0]} and {label} were not measured alike "
+                f"({_listed(changes)}): their GPUs would compare software or prompts too; "
+                "measure every GPU with one engine version and flags, the same corpora and "
+                "tokenizer"
+            )
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     _check_distinct_gpus(labels, names)
     # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
@@ -131,7 +238,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         if name in first.coords:
             merged[name].attrs = dict(first[name].attrs)
     merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
-    attrs = {k: first.attrs[k] for k in (*CHECKED, "Conventions") if k in first.attrs}
+    shared = (*CHECKED, "Conventions", "corpora", "arms_pinned")
+    attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
     attrs.update(
         title="dvfs merged cube",
         dvfs_version=__version__,
@@ -141,21 +249,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         # where every cube's were, and the groups split across GPUs add up.
         arms_on_one_gpu=int(all(int(ds.attrs.get("arms_on_one_gpu", 0)) == 1 for ds in cubes)),
         groups_across_gpus=sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes),
+        # Each GPU's cube's own provenance: its corpora, token counts, servers, pinning...
         merged_from=json.dumps(
             {
-                label: {
-                    k: str(ds.attrs.get(k))
-                    for k in (
-                        "campaign_name",
-                        "campaign_hash",
-                        "gpu_name",
-                        "driver_version",
-                        "engine_version",
-                        "created",
-                        "stock_sm_clock_mhz",
-                        "stock_power_limit_w",
-                    )
-                }
+                label: {k: str(ds.attrs.get(k)) for k in SOURCE_KEYS}
                 for label, ds in zip(labels, cubes, strict=True)
             }
         ),
@@ -268,6 +365,14 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
                 "the same models, or the whole campaign once per model and merge those cubes"
             )
+        changes = provenance_differences(first, ds, ("driver_version", "memory_clock_mhz", *SHARED))
+        if changes:
+            raise CubeError(
+                f"cannot merge: the shards {first_name} and {name} were not run alike "
+                f"({_listed(changes)}): their cells would compare software or prompts too; "
+                "rerun the odd shard with --fresh on the others' driver, engine, corpora and "
+                "tokenizer"
+            )
         for dim in first.dims:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model
                 continue
@@ -336,8 +441,8 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     # and the GPU lists and attributes come out the same.
     order = sorted(range(len(cubes)), key=lambda k: _parse_shard(cubes[k], given[k]).index)
     cubes, names = [cubes[k] for k in order], [given[k] for k in order]
+    _check_one_twin(cubes, names)  # before the shards' provenance: its own advice
     _check_shards(cubes, names)
-    _check_one_twin(cubes, names)
     sources, per_model = cubes, None
     if "gpu" in cubes[0].dims:  # each shard ran a fleet mixing GPU models
         cubes, per_model = _lined_up(cubes, names)
@@ -460,7 +565,10 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     failed: list[Any] = []
     pinning: dict[str, list[str]] = {}  # per drafter, each shard's distinct outcome
     for ds in cubes:
-        servers.update(json.loads(str(ds.attrs.get("server_args", "{}")) or "{}"))
+        # The first shard's server of each drafter (the shards' compare: `_check_shards`);
+        # each shard's own in `shard_provenance`.
+        for drafter, server in _json(ds, "server_args", {}).items():
+            servers.setdefault(drafter, server)
         failed.extend(json.loads(str(ds.attrs.get("failed_cells", "[]")) or "[]"))
         for drafter, outcome in json.loads(str(ds.attrs.get("gpu_pinning", "{}")) or "{}").items():
             seen = pinning.setdefault(drafter, [])
@@ -475,6 +583,13 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         server_args=json.dumps(servers, sort_keys=True),
         combined_from=json.dumps(
             {name: str(ds.attrs.get(SHARD_ATTR)) for name, ds in zip(names, cubes, strict=True)}
+        ),
+        # Each shard's own provenance (its GPUs, driver, servers, corpora...), by its name.
+        shard_provenance=json.dumps(
+            {
+                name: {k: str(ds.attrs.get(k)) for k in ("gpu_uuids", *SOURCE_KEYS)}
+                for name, ds in zip(names, cubes, strict=True)
+            }
         ),
         history=f"{now_iso()} {len(cubes)} shards combined by dvfs {__version__}",
         created=now_iso(),

@@ -20,6 +20,8 @@ process on a metered GPU from the server's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -117,6 +119,16 @@ class ChatFormatter:
             except Exception as exc:  # no transformers, no local copy, no template: plain text
                 log.info("no chat template for %s (%s): sending plain text", self.model, exc)
         return self._tokenizer
+
+    def describe(self) -> str:
+        """How prompts go out, for the session record: "chat_template:<hash>" (the first 16 hex
+        digits of the template's SHA-256) or "plain". Loads the tokenizer as the first prompt
+        would, so that a resume finds out before measuring whether its prompts still match."""
+        template = getattr(self._load(), "chat_template", None)
+        if not template:
+            return "plain"
+        text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+        return f"chat_template:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
     def __call__(self, prompt: Prompt) -> str:
         tokenizer = self._load()
@@ -220,6 +232,12 @@ class SglangEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def prompt_format(self) -> str:
+        """How this engine formats prompts ("chat_template:<hash>" or "plain"), which the
+        session records: a resume that would send them otherwise is refused."""
+        return self.formatter.describe()
 
     # -- lifecycle --------------------------------------------------------------------------
     def _client_for(self, url: str) -> SglangClient:

@@ -348,6 +348,9 @@ class Runner:
             idle_power_w=self.idle_power_w,
             measurement_method=measurement_method(self.campaign.measurement),
             token_count_method=self.token_count_method,
+            # How a real engine sends the prompts (its chat template or plain text): "" for
+            # the twin, which formats none.
+            prompt_format=str(getattr(self.engine, "prompt_format", "") or ""),
             corpora={
                 name: {
                     "source": c.source,

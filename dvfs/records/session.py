@@ -42,6 +42,10 @@ class Session:
     measurement_method: str
     token_count_method: str = ""
     corpora: dict[str, Any] = field(default_factory=dict)
+    #: How prompts went out to the server: "chat_template:<hash>" (the model's chat template,
+    #: hashed) or "plain" (the text alone); "" where the engine formats none (the twin) or
+    #: dvfs did not record it yet.
+    prompt_format: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     host: str = ""
     started: str = ""
@@ -80,6 +84,7 @@ class Session:
             "measurement_method": self.measurement_method,
             "token_count_method": self.token_count_method,
             "corpora": self.corpora,
+            **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
             "journal_sync": self.journal_sync,
             "counter_update_period_s": list(self.counter_update_period_s),
             "settle": self.settle,
@@ -105,6 +110,7 @@ class Session:
             measurement_method=record["measurement_method"],
             token_count_method=record.get("token_count_method") or "",
             corpora=record.get("corpora") or {},
+            prompt_format=record.get("prompt_format") or "",
             settings=record.get("settings") or {},
             host=record.get("host") or "",
             started=record.get("started") or "",
@@ -152,6 +158,15 @@ SESSION_INVARIANTS: dict[str, str] = {
     "clock": "clock",
     "power_limit_range_w": "power-limit range (W)",
     "measurement_method": "measurement method",
+}
+#: What every session of one journal sends its servers, besides the corpora's content
+#: (`corpus_changes`): how prompt tokens were counted (a tokenizer found in one session and not
+#: in the next changes which prompts fit the input lengths) and how prompts were formatted.
+#: A session that did not record one (an older dvfs; the twin formats nothing) is not compared
+#: in it: unknown, not a change.
+PROMPT_INVARIANTS: dict[str, str] = {
+    "token_count_method": "token-count method",
+    "prompt_format": "prompt format",
 }
 
 
@@ -337,10 +352,46 @@ def _gpu_values(session: Mapping[str, Any], key: str) -> list[str]:
     return sorted({str(g.get(key)) for g in session.get("gpus") or ()})
 
 
+def corpus_hashes(corpora: Any) -> dict[str, str]:
+    """Each corpus's content hash from a session's (or cube's) `corpora`; those without one
+    (an older record) left out."""
+    if not isinstance(corpora, Mapping):
+        return {}
+    return {
+        str(name): str(c["content_hash"])
+        for name, c in corpora.items()
+        if isinstance(c, Mapping) and c.get("content_hash")
+    }
+
+
+def corpus_changes(before: Any, now: Any) -> list[str]:
+    """The corpora, named in both, whose content differs ("corpus 'code' content: A -> B"):
+    their prompts are not the same prompts."""
+    old, new = corpus_hashes(before), corpus_hashes(now)
+    return [
+        f"corpus {name!r} content: {old[name]} -> {new[name]}"
+        for name in sorted(old.keys() & new.keys())
+        if old[name] != new[name]
+    ]
+
+
+def prompt_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between two session records (raw, as journalled) in the prompts their
+    servers were sent: the corpora's content and the `PROMPT_INVARIANTS`, each compared only
+    where both record it."""
+    changes = corpus_changes(before.get("corpora"), now.get("corpora"))
+    for key, label in PROMPT_INVARIANTS.items():
+        a, b = before.get(key), now.get(key)
+        if a and b and a != b:
+            changes.append(f"{label}: {a} -> {b}")
+    return changes
+
+
 def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """What keeps the cells of two session records (raw, as journalled) from comparing, one
     entry per invariant ("GPU model: A -> B"); empty when any of their GPUs may finish what
-    the other started. A key one of them lacks (an older journal) is not compared."""
+    the other started. A key one of them lacks (an older journal) is not compared. The
+    prompts are compared too (`prompt_changes`)."""
     changes = []
     for key, label in SESSION_INVARIANTS.items():
         a, b = before.get(key), now.get(key)
@@ -350,7 +401,7 @@ def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]
         a, b = _gpu_values(before, key), _gpu_values(now, key)
         if a != ["None"] and b != ["None"] and a != b:
             changes.append(f"{label}: {', '.join(a)} -> {', '.join(b)}")
-    return changes
+    return changes + prompt_changes(before, now)
 
 
 def mixed_within(session: Mapping[str, Any]) -> list[str]:

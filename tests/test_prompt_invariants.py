@@ -1,0 +1,291 @@
+"""The prompts, the tokenizer and each drafter's server are invariants of a comparison: a resume
+that would send other prompts is refused before it measures, a journal whose sessions sent
+different ones does not build, and neither the shards of one run nor the cubes of different
+GPUs merge when they differ in them (each merged cube keeps its sources' provenance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import TINY, replace_block, write
+from test_journal import assert_one_line_error
+
+from dvfs.campaign import load_campaign
+from dvfs.cli import cli
+from dvfs.cube import open_cube, write_cube
+from dvfs.errors import JournalError
+from dvfs.measure.journal import read_records
+from dvfs.sweep import run_sweep
+
+#: TINY on one file corpus ("mine", three prompts per line of `PROMPTS`), which a test edits.
+CAMPAIGN = (
+    replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    + '\n[corpus.mine]\npath = "prompts.jsonl"\nfield = "text"\nacceptance_like = "english"\n'
+)
+PROMPTS = [f"prompt {i}: " + "the quick brown fox jumps over the lazy dog " * 4 for i in range(40)]
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def _corpus(folder: Path, edit: str = "") -> None:
+    lines = [json.dumps({"text": p + (edit if i == 0 else "")}) for i, p in enumerate(PROMPTS)]
+    write(folder / "prompts.jsonl", "\n".join(lines) + "\n")
+
+
+def _setup(folder: Path, edit: str = "") -> Path:
+    _corpus(folder, edit)
+    return write(folder / "c.toml", CAMPAIGN)
+
+
+def sweep(campaign: Path, out: Path, *extra: str) -> Result:
+    return invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
+
+
+def _cut(journal: Path, cells: int) -> None:
+    """The journal back to its first `cells` cell records, as if the sweep had been killed."""
+    kept, seen = [], 0
+    for record in read_records(journal):
+        seen += record["type"] == "cell"
+        if record["type"] != "cell" or seen <= cells:
+            kept.append(record)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _edit_sessions(journal: Path, **changes: object) -> None:
+    """Each session record with `changes` (None: the key removed, as an older dvfs wrote it)."""
+    records = read_records(journal)
+    for record in records:
+        if record["type"] == "session":
+            for key, value in changes.items():
+                if value is None:
+                    record.pop(key, None)
+                else:
+                    record[key] = value
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(tmp_path: Path) -> None:
+    campaign, out = _setup(tmp_path), tmp_path / "out"
+    assert sweep(campaign, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    _cut(journal, 8)  # a crash half way
+    before = journal.read_text()
+    _corpus(tmp_path, edit=" (edited)")  # the corpus file edited before the rerun
+    refused = sweep(campaign, out)
+    line = assert_one_line_error(
+        refused,
+        1,
+        "the prompts differ",
+        "corpus 'mine' content: ",
+        "restore the corpus",
+        "--fresh",
+        notes=("resuming",),
+    )
+    assert "starting" not in refused.output, line  # refused before any server started
+    assert journal.read_text() == before  # nothing measured, no session journalled
+    # Restored, it resumes and finishes; --fresh starts over on the edited corpus instead.
+    _corpus(tmp_path)
+    resumed = sweep(campaign, out)
+    assert resumed.exit_code == 0 and "8 cell(s) measured" in resumed.output, resumed.output
+    _corpus(tmp_path, edit=" (edited)")
+    assert sweep(campaign, out, "--fresh").exit_code == 0
+
+
+@pytest.fixture
+def half_done(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A file-corpus campaign swept and cut back to 8 of its 16 cells: (campaign, out)."""
+    campaign, out = _setup(tmp_path), tmp_path / "out"
+    assert sweep(campaign, out).exit_code == 0
+    _cut(out / "journal.jsonl", 8)
+    yield campaign, out
+
+
+def test_a_resume_counting_tokens_otherwise_is_refused(
+    half_done: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dvfs.sweep
+
+    campaign, out = half_done
+    counted = dvfs.sweep.counted_corpora
+
+    def with_a_tokenizer(c):  # type: ignore[no-untyped-def]
+        corpora, _ = counted(c)
+        return corpora, "tokenizer of meta-llama/Llama-3.1-8B-Instruct"
+
+    monkeypatch.setattr(dvfs.sweep, "counted_corpora", with_a_tokenizer)
+    assert_one_line_error(
+        sweep(campaign, out),
+        1,
+        "token-count method: estimate: characters / 4 + 5 per message -> tokenizer of",
+        notes=("resuming",),
+    )
+
+
+class Formatting:
+    """The twin engine, said to send prompts in `prompt_format` (as `SglangEngine` says)."""
+
+    def __init__(self, inner: object, prompt_format: str) -> None:
+        self.inner, self.prompt_format = inner, prompt_format
+        self.name = "twin"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def _sweep_formatted(campaign: Path, out: Path, prompt_format: str):  # type: ignore[no-untyped-def]
+    from dvfs.backends import open_backends
+
+    c = load_campaign(campaign)
+    with open_backends(c, out_dir=out) as b:
+        engine = Formatting(b.engine, prompt_format)
+        return run_sweep(c, out, backends=dataclasses.replace(b, engine=engine))
+
+
+def test_a_resume_formatting_prompts_otherwise_is_refused_and_old_journals_resume(
+    half_done: tuple[Path, Path], tmp_path: Path
+) -> None:
+    campaign, out = half_done
+    journal = out / "journal.jsonl"
+    _edit_sessions(journal, prompt_format="chat_template:0123456789abcdef")
+    with pytest.raises(
+        JournalError, match=r"prompt format: chat_template:0123456789abcdef -> plain"
+    ):
+        _sweep_formatted(campaign, out, "plain")
+    # A journal of an older dvfs (no prompt format recorded) resumes: unknown is no change.
+    _edit_sessions(journal, prompt_format=None, token_count_method=None)
+    done = _sweep_formatted(campaign, out, "plain")
+    assert done.summary.measured == 8
+    sessions = [r for r in read_records(journal) if r["type"] == "session"]
+    assert [s.get("prompt_format") for s in sessions] == [None, "plain"]
+    built = invoke("cube", "build", str(out))
+    assert built.exit_code == 0, built.output
+    assert open_cube(out / "cube.nc").attrs["prompt_format"] == "plain"
+
+
+def test_a_journal_whose_sessions_sent_different_prompts_does_not_build(
+    half_done: tuple[Path, Path],
+) -> None:
+    campaign, out = half_done
+    journal = out / "journal.jsonl"
+    assert sweep(campaign, out).exit_code == 0  # the rest, in a second session
+    records = read_records(journal)
+    second = [r for r in records if r["type"] == "session"][1]
+    second["corpora"]["mine"]["content_hash"] = "0000000000000000"  # as if edited in between
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert_one_line_error(
+        invoke("cube", "build", str(out)),
+        1,
+        "sessions sent different prompts",
+        "corpus 'mine' content: ",
+        "-> 0000000000000000",
+    )
+
+
+def _rewrite(path: Path, into: Path, **attrs: object) -> Path:
+    """The cube at `path` with `attrs` changed, written to `into`."""
+    ds = open_cube(path).load()
+    ds.attrs.update(attrs)
+    write_cube(ds, into)
+    return into
+
+
+def _server_args_with(path: Path, **args: object) -> str:
+    servers = json.loads(open_cube(path).attrs["server_args"])
+    for server in servers.values():
+        server["args"].update(args)
+    return json.dumps(servers)
+
+
+def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(tmp_path: Path) -> None:
+    campaign = _setup(tmp_path)
+    for i in range(2):
+        assert sweep(campaign, tmp_path / f"s{i}", "--shard", f"{i}/2").exit_code == 0
+    s0, s1 = (tmp_path / f"s{i}" / "cube.nc" for i in range(2))
+    merged = tmp_path / "m.nc"
+    # Alike: they merge, and the whole keeps each shard's provenance.
+    ok = invoke("cube", "merge", str(s0), str(s1), "-o", str(merged))
+    assert ok.exit_code == 0, ok.output
+    kept = json.loads(open_cube(merged).attrs["shard_provenance"])
+    assert set(kept) == {str(s0), str(s1)}
+    assert all("content_hash" in v["corpora"] and v["driver_version"] for v in kept.values())
+    # Shard 1 measured on an edited corpus: refused, naming both shards and what differs.
+    other = tmp_path / "other"
+    _setup(other, edit=" (edited)")
+    assert sweep(other / "c.toml", other / "s1", "--shard", "1/2").exit_code == 0
+    edited = invoke("cube", "merge", str(s0), str(other / "s1"), "-o", str(merged))
+    assert_one_line_error(
+        edited, 1, "were not run alike", str(s0), str(other / "s1"), "corpus 'mine' content: "
+    )
+    for attrs, named in (
+        ({"driver_version": "560.28"}, "driver_version: 'twin' -> '560.28'"),
+        ({"engine_version": "dvfs-twin 9"}, "engine_version: "),
+        ({"token_count_method": "tokenizer of x"}, "token_count_method: "),
+        ({"server_args": _server_args_with(s1, model_path="other")}, "model (model_path): "),
+    ):
+        odd = _rewrite(s1, tmp_path / "odd.nc", **attrs)
+        refused = invoke("cube", "merge", str(s0), str(odd), "-o", str(merged))
+        line = assert_one_line_error(refused, 1, "were not run alike", named)
+        assert str(odd) in line
+
+
+def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(tmp_path: Path) -> None:
+    h100 = _setup(tmp_path / "h100")
+    assert sweep(h100, tmp_path / "h100" / "out").exit_code == 0
+    h200 = _setup(tmp_path / "h200", edit=" (edited)")
+    write(h200, h200.read_text().replace('profile = "h100-sxm"', 'profile = "h200-sxm"'))
+    assert sweep(h200, tmp_path / "h200" / "out").exit_code == 0
+    a, b = tmp_path / "h100" / "out" / "cube.nc", tmp_path / "h200" / "out" / "cube.nc"
+    merged = tmp_path / "m.nc"
+    edited = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
+    assert_one_line_error(edited, 1, "were not measured alike", "corpus 'mine' content: ")
+    # The same corpus (and, as SGLang's would, a prompt format each): they merge, each GPU's
+    # provenance kept in merged_from.
+    a = _rewrite(a, tmp_path / "a.nc", prompt_format="plain")
+    same = _rewrite(
+        b, tmp_path / "same.nc", corpora=open_cube(a).attrs["corpora"], prompt_format="plain"
+    )
+    ok = invoke("cube", "merge", str(a), str(same), "-o", str(merged))
+    assert ok.exit_code == 0, ok.output
+    cube = open_cube(merged)
+    sources = json.loads(cube.attrs["merged_from"])
+    assert len(sources) == 2
+    for source in sources.values():
+        assert "content_hash" in source["corpora"]
+        assert source["token_count_method"].startswith("estimate")
+        assert {"gpu_pinning", "actuation", "server_args", "idle_power_w"} <= set(source)
+    assert cube.attrs["token_count_method"].startswith("estimate")
+    assert cube.attrs["prompt_format"] == "plain"
+    assert "content_hash" in cube.attrs["corpora"]
+    for attrs, named in (
+        ({"engine_version": "dvfs-twin 9"}, "engine_version: "),
+        ({"token_count_method": "tokenizer of x"}, "token_count_method: "),
+        ({"prompt_format": "chat_template:abc"}, "prompt_format: 'plain' -> 'chat_template:abc'"),
+        ({"server_args": _server_args_with(same, speculative_num_steps=2)}, "num_steps: 3 -> 2"),
+    ):
+        odd = _rewrite(same, tmp_path / "odd.nc", **attrs)
+        refused = invoke("cube", "merge", str(a), str(odd), "-o", str(merged))
+        assert_one_line_error(refused, 1, "were not measured alike", named)
+    # Older cubes, without a prompt format or token-count method, still merge.
+    old = _rewrite(same, tmp_path / "old.nc", prompt_format="", token_count_method="")
+    assert invoke("cube", "merge", str(a), str(old), "-o", str(merged)).exit_code == 0
+
+
+def test_the_chat_formatter_names_its_template_or_plain_text() -> None:
+    from dvfs.engines.sglang import ChatFormatter
+
+    class Tokenizer:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    one = ChatFormatter("m", tokenizer=Tokenizer()).describe()
+    assert one.startswith("chat_template:") and len(one) == len("chat_template:") + 16
+    Tokenizer.chat_template = "{{ messages[0].content }}"
+    assert ChatFormatter("m", tokenizer=Tokenizer()).describe() not in (one, "plain")
+    Tokenizer.chat_template = ""
+    assert ChatFormatter("m", tokenizer=Tokenizer()).describe() == "plain"
