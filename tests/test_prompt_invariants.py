@@ -224,8 +224,8 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(tmp_path: P
         edited, 1, "were not run alike", str(s0), str(other / "s1"), "corpus 'mine' content: "
     )
     for attrs, named in (
-        ({"driver_version": "560.28"}, "driver_version: 'twin' -> '560.28'"),
-        ({"engine_version": "dvfs-twin 9"}, "engine_version: "),
+        ({"driver_version": "560.28"}, "-> '560.28'"),
+        ({"engine_version": "sglang 0.5.23"}, "engine_version: "),
         ({"token_count_method": "tokenizer of x"}, "token_count_method: "),
         ({"server_args": _server_args_with(s1, model_path="other")}, "model (model_path): "),
     ):
@@ -264,7 +264,7 @@ def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(tmp_path:
     assert cube.attrs["prompt_format"] == "plain"
     assert "content_hash" in cube.attrs["corpora"]
     for attrs, named in (
-        ({"engine_version": "dvfs-twin 9"}, "engine_version: "),
+        ({"engine_version": "sglang 0.5.23"}, "engine_version: "),
         ({"token_count_method": "tokenizer of x"}, "token_count_method: "),
         ({"prompt_format": "chat_template:abc"}, "prompt_format: 'plain' -> 'chat_template:abc'"),
         ({"server_args": _server_args_with(same, speculative_num_steps=2)}, "num_steps: 3 -> 2"),
