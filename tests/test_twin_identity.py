@@ -58,16 +58,23 @@ def _twin_copy(tmp_path: Path) -> Path:
 
 def test_the_digest_covers_every_file_of_the_twin_package() -> None:
     package = REPO / "dvfs" / "twin"
-    on_disk = {
-        p
-        for p in package.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
-    }
+    kinds = {".py", ".toml", ".json", ".jsonl", ".csv", ".yaml", ".npz"}  # code or data
+    on_disk = {p for p in package.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    on_disk = {p for p in on_disk if p.suffix in kinds}
     files = twin_files()
     assert on_disk <= set(files)
     assert {p.name for p in on_disk} >= {"physics.py", "gpus.toml", "acceptance.toml"}
     for name in TWIN_MODULES:
         assert Path(importlib.import_module(name).__file__ or "").resolve() in files
+
+
+def test_the_digest_reads_the_twin_data_an_install_ships() -> None:
+    """TWIN_DATA is `dvfs.twin`'s package data: a wheel carries what the digest reads."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    shipped = project["tool"]["setuptools"]["package-data"]["dvfs.twin"]
+    assert sorted(shipped) == sorted(identity.TWIN_DATA)
 
 
 def test_every_module_named_for_the_twin_is_in_the_digest_or_says_why_not() -> None:
@@ -102,6 +109,10 @@ def test_a_file_added_or_changed_in_the_twin_changes_its_digest(tmp_path: Path) 
     gpus.write_text(text)
     (root / "twin" / "__pycache__").mkdir()
     (root / "twin" / "__pycache__" / "physics.cpython-311.pyc").write_bytes(b"\0")
+    assert twin_digest_of(root) == before
+    # Nor what a merge or an editor leaves beside the files, which no install carries.
+    for stray in ("physics.py.orig", "physics.py~", "#fit.py#", "data/gpus.toml.bak"):
+        (root / "twin" / stray).write_text("x = 1\n")
     assert twin_digest_of(root) == before
     engine = root / "engines" / "twin.py"
     engine.write_text(engine.read_text() + "\n# a comment\n")

@@ -8,8 +8,8 @@ digest instead, and the journal's invariants (`dvfs.records.GPU_INVARIANTS`, `se
 
 The twin is every file that turns a campaign's settings into the traces and readings a sweep
 measures, so a change to any of them can move a figure:
-- the whole `dvfs.twin` package, each file under it whatever its kind (listed, not named, so a
-  module or data file added later is in the digest without anyone remembering to add it): the
+- the whole `dvfs.twin` package, each module and data file an install ships of it (listed by
+  pattern, not named, so a module or profile added later is in the digest unasked): the
   physics, thermal model and NVML traps, the pass counting and draft plans, the acceptance model
   (`textprior`, `drafting`), the profiles and their data (`data/*.toml`: GPUs, models,
   acceptance priors), and the calibration (`fit`, `fitcube`, `predict`), which rewrites profiles
@@ -34,6 +34,9 @@ from dvfs.version import __version__
 #: Hex digits of the digest a version carries: 48 bits, so two twins collide by chance with
 #: odds of one in 10^14.
 DIGEST_CHARS = 12
+#: The data files of `dvfs.twin`, as globs under it: its package data in pyproject.toml (a
+#: test holds the two equal), so the digest reads what an install ships.
+TWIN_DATA = ("data/*.toml",)
 #: Modules outside `dvfs.twin` that belong to the twin (see the module docstring).
 TWIN_MODULES = ("dvfs.engines.twin", "dvfs.gpu.twin")
 #: Modules named for the twin that are not it, each with why (a test checks that every module
@@ -55,21 +58,18 @@ def _dvfs_dir() -> Path:
 
 def twin_files(dvfs_dir: Path | None = None) -> list[Path]:
     """Every file of the twin in the `dvfs/` folder `dvfs_dir` (this dvfs's unless given), in a
-    fixed order: each file under `twin/` whatever its kind, not Python's caches nor hidden
-    files, then the `TWIN_MODULES`' sources (found without importing them, which from here
-    would be circular)."""
+    fixed order: what an install ships of `twin/` (each module, and its data as `TWIN_DATA`
+    globs it), then the `TWIN_MODULES`' sources (found without importing them, which from here
+    would be circular). Nothing else in the folder counts: not Python's caches, nor a merge's
+    `.orig` or an editor's backup, which a wheel would not carry."""
     root = dvfs_dir or _dvfs_dir()
     package = root / "twin"
-    found = []
-    for path in package.rglob("*"):
-        parts = path.relative_to(package).parts
-        if (
-            path.is_file()
-            and "__pycache__" not in parts
-            and not any(part.startswith(".") for part in parts)
-            and path.suffix not in (".pyc", ".pyo")
-        ):
-            found.append(path)
+    found = {
+        path
+        for pattern in ("**/*.py", *TWIN_DATA)
+        for path in package.glob(pattern)
+        if path.is_file() and "__pycache__" not in path.relative_to(package).parts
+    }
     modules = [root.joinpath(*name.split(".")[1:]).with_suffix(".py") for name in TWIN_MODULES]
     return sorted(found) + modules
 
