@@ -226,3 +226,79 @@ def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
     w_low, w_high = wide["rows"][0]["energy_ratio_at_stock_interval"]
     low, high = rows[1]["energy_ratio_at_stock_interval"]
     assert w_low <= low and w_high >= high
+
+
+#: Two arms with adaptive repeats (1 asked, up to 3): the arms take different numbers.
+ADAPTIVE_ARMS = """
+[campaign]
+name = "adaptive-arms"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm:none"
+devices = [0]
+
+[knobs]
+sm_clock = [1980, 1500, 1005]
+power_limit = [700, 300]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "eagle3-llama-3.1-8b"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+
+[workload]
+batch = [1, 8]
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = 64
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.2
+max_rounds = 2
+repeats = 1
+max_repeats = 3
+sample_period_s = 0.02
+idle_s = 1.0
+"""
+
+
+def test_a_repeat_the_adaptive_rule_never_asked_of_one_arm_is_not_dropped(
+    shared_run, tmp_path: Path
+) -> None:
+    """With adaptive repeats the arms take as many repeats as each needs: a repeat one arm
+    never measured because its rule did not ask is not a loss to pairing (no "dropped", no
+    warning); one it measured and lost is."""
+    from dvfs.cube import open_cube
+
+    out = shared_run(ADAPTIVE_ARMS, "out")
+    cube = open_cube(out)
+    measured = cube["energy_per_token_j"].notnull().sum("repeat")
+    at_stock = measured.sel(sm_clock=1980, power_limit=700.0)
+    # The premise: at stock some row's arms took different numbers of repeats.
+    assert (at_stock.sel(drafter="eagle3") != at_stock.sel(drafter="none")).any()
+    doc = json.loads(run("compare", str(out), "--json").stdout)
+    assert all(row["dropped_repeats_at_stock"] == 0 for row in doc["rows"]), doc["rows"]
+    assert all(row["dropped_repeats_equal_latency"] == 0 for row in doc["rows"])
+    assert "paired by repeat:" not in run("compare", str(out)).output
+    # A repeat measured in both arms and invalid in one is dropped, as without the rule.
+    valid = cube["valid"].copy()
+    where = {"sm_clock": 1980, "power_limit": 700.0, "batch": 1, "corpus": "code"}
+    assert measured.sel(where).min() >= 1
+    valid.loc[{**where, "drafter": "eagle3", "repeat": 0}] = 0
+    edited = cube.assign(valid=valid)
+    path = tmp_path / "cube.nc"
+    write_cube(edited, path)
+    rows = {r["batch"]: r for r in json.loads(run("compare", str(path), "--json").stdout)["rows"]}
+    assert rows[1]["dropped_repeats_at_stock"] == 1

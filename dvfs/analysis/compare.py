@@ -36,6 +36,7 @@ from dvfs.analysis.headroom import (
     measured_on,
     reference_per_gpu,
     reference_setting,
+    unasked_repeats,
     valid_mask,
 )
 from dvfs.analysis.targets import Target
@@ -142,8 +143,15 @@ class Paired:
     dropped: np.ndarray
 
 
-def paired_ratio(mine: np.ndarray, base: np.ndarray, confidence: float) -> Paired:
-    """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index."""
+def paired_ratio(
+    mine: np.ndarray,
+    base: np.ndarray,
+    confidence: float,
+    unasked: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Paired:
+    """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index.
+    `unasked` (each arm's, nonzero where adaptive repeats' rule never asked for the repeat)
+    keeps a repeat the other arm was never asked for out of `dropped`: it is not a loss."""
     shape = mine.shape[:-1]
     out = Paired(
         np.full(shape, np.nan),
@@ -160,7 +168,11 @@ def paired_ratio(mine: np.ndarray, base: np.ndarray, confidence: float) -> Paire
         out.paired[idx] = len(x)
         # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
         if not (np.isnan(a).all() or np.isnan(b).all()):
-            out.dropped[idx] = int(np.count_nonzero(np.isnan(a) != np.isnan(b)))
+            lost = np.isnan(a) != np.isnan(b)
+            if unasked is not None:
+                never = np.nan_to_num(unasked[0][idx]) + np.nan_to_num(unasked[1][idx])
+                lost &= never == 0
+            out.dropped[idx] = int(np.count_nonzero(lost))
     return out
 
 
@@ -208,10 +220,18 @@ def compare(
     energy = per_repeat.mean("repeat")  # each arm's own mean, for the energies shown
     cell_dims = [str(d) for d in per_repeat.dims if d != "repeat"]
     base_per_repeat = per_repeat.sel(drafter=baseline, drop=True).broadcast_like(per_repeat)
+    # Adaptive repeats one arm's rule never asked for: not measured, and not lost to pairing.
+    unasked = unasked_repeats(cube).astype(float).broadcast_like(per_repeat)
+    base_unasked = unasked.sel(drafter=baseline, drop=True).broadcast_like(per_repeat)
+
+    def by_cell(values: xr.DataArray) -> np.ndarray:
+        return values.transpose(*cell_dims, "repeat").values
+
     by_clock = paired_ratio(
-        per_repeat.transpose(*cell_dims, "repeat").values,
-        base_per_repeat.transpose(*cell_dims, "repeat").values,
+        by_cell(per_repeat),
+        by_cell(base_per_repeat),
         confidence,
+        (by_cell(unasked), by_cell(base_unasked)),
     )
 
     def cells(values: np.ndarray, **attrs: str) -> xr.DataArray:
@@ -236,7 +256,9 @@ def compare(
     )
     base_best_energy = baseline_best["chosen_energy_per_token_j"].sel(drafter=baseline, drop=True)
     by_latency = paired_ratio(
-        *chosen_per_repeat(per_repeat, drafter_best, baseline_best, baseline), confidence
+        *chosen_per_repeat(per_repeat, drafter_best, baseline_best, baseline),
+        confidence,
+        chosen_per_repeat(unasked, drafter_best, baseline_best, baseline),
     )
     groups = {d: cube[d].values for d in GROUPS}
 

@@ -1,4 +1,4 @@
-"""`dvfs compare` as a document (schema dvfs.compare/1), its tables and its Markdown."""
+"""`dvfs compare` as a document (schema dvfs.compare/2), its tables and its Markdown."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from dvfs.report.common import (
 if TYPE_CHECKING:
     import xarray as xr
 
-COMPARE_SCHEMA = "dvfs.compare/1"
+COMPARE_SCHEMA = "dvfs.compare/2"
 #: The two ratios of a row, as named in its JSON keys.
 WHATS = ("at_stock", "equal_latency")
 
 
 def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
-    """Speculation analysis as JSON (schema dvfs.compare/1); rows carry `gpu` for merged cubes."""
+    """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes."""
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
 
