@@ -113,6 +113,8 @@ def test_a_tenant_arriving_mid_sweep_flags_the_cells_it_overlapped(
     }
     assert {c["cell"]["sm_clock_mhz"] for c in cells if flagged(c)} == {1800, 1500}
     assert "foreign_process x2: another tenant's compute process" in output
+    # Said as it is first seen, once: not only in the closing summary.
+    assert output.count(f"another tenant on GPU 1: process {tenant} (sleep)") == 1, output
     cube = str(tmp_path / "out" / "cube.nc")
     ds = dvfs.open_cube(cube)
     quality = ds["quality"].squeeze().to_series()

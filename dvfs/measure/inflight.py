@@ -90,7 +90,7 @@ from dvfs.measure.meter import (
     summarise,
 )
 from dvfs.measure.plan import Cell
-from dvfs.measure.tenants import foreign_quality
+from dvfs.measure.tenants import ForeignProcess, foreign_quality
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
@@ -259,6 +259,8 @@ class InflightHost(Protocol):
     def _apply_setting(self, setting: KnobSetting) -> None: ...
 
     def _power_limits(self) -> list[tuple[int, int | None]]: ...
+
+    def note_tenants(self, seen: Sequence[ForeignProcess]) -> None: ...
 
     def _power_limit_reads(
         self,
@@ -613,6 +615,7 @@ def _measure_group(
 
     limit_reads = runner._power_limit_reads(cells, limits_start, runner._power_limits())
     foreign += runner.tenants.seen(runner.gpus, "end")
+    runner.note_tenants(foreign)
     held = power_limit_quality(limit_reads) | foreign_quality(foreign)
     shared = latency_stats([r for res in results for r in res.requests])
     accept = acceptance(results)

@@ -222,6 +222,8 @@ class Runner:
         self.tenants = TenantCheck(None)
         #: The foreign processes the last `measure` saw at its start and end.
         self.last_foreign: tuple[ForeignProcess, ...] = ()
+        #: (GPU index, pid) of the tenants said already (`note_tenants`).
+        self._tenants_noted: set[tuple[int, int]] = set()
         #: The rounds' workloads made so far (`_workload`), oldest first.
         self._workloads: dict[tuple[object, ...], tuple[Campaign, object, Workload]] = {}
 
@@ -629,11 +631,26 @@ class Runner:
         reads = self._power_limit_reads(cell, limits_start, self._power_limits())
         self.last_power_limits = reads
         self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")
+        self.note_tenants(self.last_foreign)
         held = power_limit_quality(reads) | foreign_quality(self.last_foreign)
         if held:
             measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
         return measurement, warmup
+
+    def note_tenants(self, seen: Sequence[ForeignProcess]) -> None:
+        """Say so when another tenant's process is first seen on a metered GPU: it invalidates
+        every cell it overlaps, and a sweep of hours should not tell only at its end."""
+        for process in seen:
+            if (process.gpu, process.pid) in self._tenants_noted:
+                continue
+            self._tenants_noted.add((process.gpu, process.pid))
+            name = f" ({process.name})" if process.name else ""
+            self.progress.note(
+                f"another tenant on GPU {process.gpu}: process {process.pid}{name} is not the "
+                "server's; the cells it overlaps are flagged foreign_process (invalid): stop it "
+                "or sweep another GPU"
+            )
 
     def _power_limits(self) -> list[tuple[int, int | None]]:
         """Each GPU's configured and enforced power limit (mW) now; enforced None where the
