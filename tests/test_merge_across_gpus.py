@@ -17,6 +17,7 @@ from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import merge_cubes, open_cube, write_cube
+from dvfs.cube.info import gpu_pinning, pinning_note
 from dvfs.measure.journal import read_records
 
 #: What SGLang picks for `chunked_prefill_size` on a GPU of that many GB when not told (0.5.9
@@ -195,3 +196,42 @@ def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tmp_path: Path) -> No
         json.loads(s["server_args"])["eagle3"]["args"]["chunked_prefill_size"]
         for s in sources.values()
     ) == [8192, 16384]
+    pinning = gpu_pinning(cube)
+    assert len(pinning) == 4 and set(pinning.values()) == {CONTAINER}
+    assert {k.split(" on ", 1)[1] for k in pinning} == set(json.loads(cube.attrs["gpu_names"]))
+
+
+def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: Path) -> None:
+    unverified = json.dumps({"none": CONTAINER, "eagle3": CONTAINER})
+    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", gpu_pinning=unverified)
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", gpu_pinning=unverified)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    names = json.loads(cube.attrs["gpu_names"])
+    assert gpu_pinning(cube) == {
+        f"{drafter} on {name}": CONTAINER for drafter in ("none", "eagle3") for name in names
+    }
+    note = pinning_note(cube)
+    assert note is not None and all(name in note for name in names)
+    info = invoke("cube", "info", str(merged), "--json")
+    assert info.exit_code == 0, info.output
+    assert len(json.loads(info.stdout)["gpu_pinning"]) == 4
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert f"GPU pinning (eagle3 on {names[1]}) {CONTAINER}" in text, text
+    for command in ("headroom", "compare"):
+        done = invoke(command, str(merged), "--json")
+        assert done.exit_code == 0, done.output
+        json.loads(done.stdout)
+        line = " ".join(done.stderr.split())
+        assert line.startswith("GPU pinning unverified for 4 drafter server(s)"), line
+        assert names[0] in line and names[1] in line
+    # Verified on one GPU, unverified on the other: only the other is named.
+    fine = _cube(
+        runs / "h100" / "cube.nc",
+        tmp_path / "fine.nc",
+        gpu_pinning=json.dumps({"none": "verified: GPU 0", "eagle3": "verified: GPU 0"}),
+    )
+    assert invoke("cube", "merge", str(fine), str(b), "-o", str(merged)).exit_code == 0
+    note = pinning_note(open_cube(merged))
+    assert note is not None and names[1] in note and names[0] not in note.replace(names[1], "")
