@@ -235,3 +235,30 @@ def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: 
     assert invoke("cube", "merge", str(fine), str(b), "-o", str(merged)).exit_code == 0
     note = pinning_note(open_cube(merged))
     assert note is not None and names[1] in note and names[0] not in note.replace(names[1], "")
+
+
+def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A source that does not record an engine version, token-count method or prompt format
+    (an older dvfs's cube, an engine that does not say) leaves the other's."""
+    known = open_cube(runs / "h200" / "cube.nc").attrs
+    a = _cube(
+        runs / "h100" / "cube.nc",
+        tmp_path / "a.nc",
+        engine_version="",
+        token_count_method="",
+        prompt_format="",
+    )
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", prompt_format="plain")
+    merged = merge_cubes([open_cube(a), open_cube(b)], ["a", "b"])
+    assert merged.attrs["engine_version"] == known["engine_version"]
+    assert merged.attrs["token_count_method"] == known["token_count_method"] != ""
+    assert merged.attrs["prompt_format"] == "plain"
+    # Shards: one without an engine version leaves the other's, not ", X".
+    s0, s1 = (runs / f"s{i}" / "cube.nc" for i in range(2))
+    blank = _cube(s0, tmp_path / "blank.nc", engine_version="", prompt_format="")
+    told = _cube(s1, tmp_path / "told.nc", prompt_format="plain")
+    whole = merge_cubes([open_cube(blank), open_cube(told)], ["s0", "s1"])
+    assert whole.attrs["engine_version"] == known["engine_version"]
+    assert whole.attrs["prompt_format"] == "plain"

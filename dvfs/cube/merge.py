@@ -302,6 +302,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
     shared = (*CHECKED, "Conventions", "corpora", "arms_pinned")
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
+    attrs.update(_first_known(cubes, WHEN_KNOWN))
     attrs.update(
         title="dvfs merged cube",
         dvfs_version=__version__,
@@ -322,7 +323,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         stock_power_limit_w=max(float(ds.attrs.get("stock_power_limit_w", 0)) for ds in cubes),
         campaign=first.attrs.get("campaign", "{}"),
         **{
-            key: ", ".join(sorted({str(ds.attrs.get(key, "")) for ds in cubes}))
+            key: _each_known(cubes, key)
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
@@ -338,6 +339,23 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
         merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _each_known(cubes: list[xr.Dataset], key: str) -> str:
+    """The cubes' distinct values of `key`, comma-joined and sorted; those that do not say
+    (absent or empty) left out."""
+    return ", ".join(sorted({str(ds.attrs.get(key) or "") for ds in cubes} - {""}))
+
+
+def _first_known(cubes: list[xr.Dataset], keys: Iterable[str]) -> dict[str, Any]:
+    """Each of `keys` as the first cube that records it has it (a cube that does not, an older
+    dvfs's, would otherwise blank what the others agree on: they were compared where known)."""
+    known = {}
+    for key in keys:
+        value = next((ds.attrs[key] for ds in cubes if ds.attrs.get(key) not in (None, "")), None)
+        if value is not None:
+            known[key] = value
+    return known
 
 
 def _measured_on_as_variable(ds: xr.Dataset) -> xr.Dataset:
@@ -620,6 +638,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     arguments, failed cells, sessions) gathered. Shards of fleets mixing models carry only
     what their merged cubes carry (no single GPU list, idle power or session count)."""
     from dvfs.fleet.shard import DEAL_ATTR, SHARD_ATTR
+    from dvfs.provenance import WHEN_KNOWN
 
     first = cubes[0]
     attrs = {k: v for k, v in first.attrs.items() if k not in (SHARD_ATTR, DEAL_ATTR)}
@@ -640,8 +659,9 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         attrs["gpu_pinning"] = json.dumps(
             {drafter: "; ".join(outcomes) for drafter, outcomes in pinning.items()}, sort_keys=True
         )
+    attrs.update(_first_known(cubes, WHEN_KNOWN))
     attrs.update(
-        engine_version=", ".join(sorted({str(ds.attrs.get("engine_version")) for ds in cubes})),
+        engine_version=_each_known(cubes, "engine_version"),
         server_args=json.dumps(servers, sort_keys=True),
         combined_from=json.dumps(
             {name: str(ds.attrs.get(SHARD_ATTR)) for name, ds in zip(names, cubes, strict=True)}
