@@ -95,14 +95,43 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     }
 
 
-def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
-    """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
-    recorded it; empty where nothing was checked (simulated GPUs, an older cube)."""
+def _pinning(text: object) -> dict[str, str]:
+    """A `gpu_pinning` attribute's drafters and outcomes; empty when it says none."""
     try:
-        recorded = json.loads(str(ds.attrs.get("gpu_pinning") or "{}"))
+        recorded = json.loads(str(text or "{}"))
     except ValueError:
         return {}
     return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+
+
+def _sources(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
+    """A merged cube's sources (`merged_from`, by their GPUs' label); empty for one GPU's."""
+    if "gpu" not in ds.dims:
+        return {}
+    try:
+        sources = json.loads(str(ds.attrs.get("merged_from") or "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(sources, dict):
+        return {}
+    return {str(k): v for k, v in sources.items() if isinstance(v, dict)}
+
+
+def gpu_pinning(ds: xr.Dataset) -> dict[str, str]:
+    """Each drafter's server pinning ("verified: GPU ..." or "unverified: why"), as the sweep
+    recorded it; empty where nothing was checked (simulated GPUs, an older cube). A merged
+    cube's sources each keep their own (`merged_from`), so there each drafter is named with
+    its GPU ("eagle3 on NVIDIA H100"; the GPUs' label where two sources share a model)."""
+    sources = _sources(ds)
+    if not sources:
+        return _pinning(ds.attrs.get("gpu_pinning"))
+    names = [str(s.get("gpu_name") or label) for label, s in sources.items()]
+    shown: dict[str, str] = {}
+    for (label, source), name in zip(sources.items(), names, strict=True):
+        gpu = name if names.count(name) == 1 else f"{name} ({label})"
+        for drafter, outcome in _pinning(source.get("gpu_pinning")).items():
+            shown[f"{drafter} on {gpu}"] = outcome
+    return shown or _pinning(ds.attrs.get("gpu_pinning"))
 
 
 def pinning_note(ds: xr.Dataset) -> str | None:
@@ -113,8 +142,9 @@ def pinning_note(ds: xr.Dataset) -> str | None:
     if not unverified:
         return None
     said = "; ".join(f"{d}: {o.split('unverified: ', 1)[-1]}" for d, o in unverified.items())
+    servers = "drafter server(s)" if _sources(ds) else "drafter(s)"
     return (
-        f"GPU pinning unverified for {len(unverified)} drafter(s) ({said}): their cells were "
+        f"GPU pinning unverified for {len(unverified)} {servers} ({said}): their cells were "
         "not checked for other tenants' processes on the metered GPUs (foreign_process)"
     )
 

@@ -105,13 +105,71 @@ def _short(value: Any, limit: int = 60) -> str:
 SHARED = ("engine_version", "measurement_method", "token_count_method", "prompt_format")
 
 
+#: Resolved server args SGLang derives from the GPU it starts on when neither the campaign nor
+#: dvfs sets them: the same campaign gets other values on another GPU model, so cubes of
+#: different GPUs are not compared in them (the shards of one run, on one GPU model, are).
+#: Read from SGLang's sources (0.5.9 python/sglang/srt/server_args.py; 0.5.23
+#: python/sglang/srt/arg_groups/*.py; the flags in the option tables of both releases):
+#: - chunked_prefill_size: from the GPU's memory, 2048 below 35 GB, 8192 below 160 GB, else
+#:   16384 (0.5.9 `_handle_gpu_memory_settings`, 0.5.23 memory_hook.py
+#:   `handle_gpu_memory_settings`);
+#: - mem_fraction_static: from the GPU's memory and what the draft reserves (same place).
+#: Not here, as dvfs pins them for every arm (`dvfs.engines.sglang_args.launch_argv`):
+#: cuda_graph_max_bs (and its 0.5.23 split) and the decode graphs' batch sizes,
+#: max_running_requests, random_seed; the model, parallelism and the drafter's speculative
+#: args come from the campaign.
+GPU_DERIVED_ARGS = ("chunked_prefill_size", "mem_fraction_static")
+#: What follows the attention kernels, which SGLang picks from the GPU's architecture when the
+#: campaign leaves them to it (engine.sglang.attention_backend = "auto": fa3 on Hopper,
+#: flashinfer elsewhere; 0.5.9 `_handle_attention_backend_compatibility`, 0.5.23
+#: overrides.py): the backends, the draft's, and the KV page size they set (0.5.23
+#: `_page_size_default`, `_fa4_page_constraint`, `_mla_backend_page_constraints`). Compared
+#: across GPUs only when the campaign pins the kernels.
+AUTO_KERNEL_ARGS = (
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "speculative_draft_attention_backend",
+    "page_size",
+)
+
+
+def _kernels_pinned(ds: xr.Dataset) -> bool:
+    """Whether the cube's campaign names the attention backend (not "auto")."""
+    try:
+        campaign = json.loads(str(ds.attrs.get("campaign", "")) or "{}")
+        backend = campaign["engine"]["sglang"]["attention_backend"]
+    except (ValueError, KeyError, TypeError):
+        return True  # not said: compared, as within one journal
+    return backend != "auto"
+
+
+def _gpu_neutral(
+    servers: dict[str, dict[str, Any]], kernels_pinned: bool
+) -> dict[str, dict[str, Any]]:
+    """Each drafter's server record without what SGLang derives from the GPU
+    (`GPU_DERIVED_ARGS`, and `AUTO_KERNEL_ARGS` unless the campaign pins the kernels)."""
+    dropped = GPU_DERIVED_ARGS if kernels_pinned else (*GPU_DERIVED_ARGS, *AUTO_KERNEL_ARGS)
+    neutral = {}
+    for drafter, record in servers.items():
+        record = dict(record)
+        if isinstance(record.get("args"), dict):
+            record["args"] = {k: v for k, v in record["args"].items() if k not in dropped}
+        if not kernels_pinned:
+            record["attention_backend"] = None
+        neutral[drafter] = record
+    return neutral
+
+
 def provenance_differences(
-    first: xr.Dataset, ds: xr.Dataset, keys: Iterable[str] = SHARED
+    first: xr.Dataset, ds: xr.Dataset, keys: Iterable[str] = SHARED, *, across_gpus: bool = False
 ) -> list[str]:
     """What two cubes differ in among `keys` (those `WHEN_KNOWN` only where both record them),
     their corpora's content hashes, and each drafter's server (`arm_changes` and, drafter for
     drafter, `server_changes`: engine version, attention kernels, the args arms share, the
-    decode CUDA graphs at the grid's batch sizes)."""
+    decode CUDA graphs at the grid's batch sizes). `across_gpus`: cubes of different GPU
+    models, whose servers are not compared in what SGLang derives from the GPU
+    (`_gpu_neutral`)."""
     from dvfs.provenance import WHEN_KNOWN
     from dvfs.records import arm_changes, corpus_changes, server_changes
 
@@ -127,8 +185,12 @@ def provenance_differences(
         str(ds.attrs.get("arms_pinned", "")).split(",")
     )
     batches = [int(b) for b in first["batch"].values] if "batch" in first.coords else []
-    theirs = _servers(ds)
-    for drafter, mine in _servers(first).items():
+    mine_all, theirs = _servers(first), _servers(ds)
+    if across_gpus:
+        pinned_kernels = _kernels_pinned(first) and _kernels_pinned(ds)
+        mine_all = _gpu_neutral(mine_all, pinned_kernels)
+        theirs = _gpu_neutral(theirs, pinned_kernels)
+    for drafter, mine in mine_all.items():
         if drafter not in theirs:
             continue
         found = arm_changes(mine, theirs[drafter], batches, pinned - {""})
@@ -210,7 +272,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
-        changes = provenance_differences(first, ds)
+        changes = provenance_differences(first, ds, across_gpus=True)
         if changes:
             raise CubeError(
                 f"cannot merge: {names[0]} and {label} were not measured alike "
@@ -240,6 +302,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
     shared = (*CHECKED, "Conventions", "corpora", "arms_pinned")
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
+    attrs.update(_first_known(cubes, WHEN_KNOWN))
     attrs.update(
         title="dvfs merged cube",
         dvfs_version=__version__,
@@ -260,7 +323,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         stock_power_limit_w=max(float(ds.attrs.get("stock_power_limit_w", 0)) for ds in cubes),
         campaign=first.attrs.get("campaign", "{}"),
         **{
-            key: ", ".join(sorted({str(ds.attrs.get(key, "")) for ds in cubes}))
+            key: _each_known(cubes, key)
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
@@ -276,6 +339,23 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
         merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _each_known(cubes: list[xr.Dataset], key: str) -> str:
+    """The cubes' distinct values of `key`, comma-joined and sorted; those that do not say
+    (absent or empty) left out."""
+    return ", ".join(sorted({str(ds.attrs.get(key) or "") for ds in cubes} - {""}))
+
+
+def _first_known(cubes: list[xr.Dataset], keys: Iterable[str]) -> dict[str, Any]:
+    """Each of `keys` as the first cube that records it has it (a cube that does not, an older
+    dvfs's, would otherwise blank what the others agree on: they were compared where known)."""
+    known = {}
+    for key in keys:
+        value = next((ds.attrs[key] for ds in cubes if ds.attrs.get(key) not in (None, "")), None)
+        if value is not None:
+            known[key] = value
+    return known
 
 
 def _measured_on_as_variable(ds: xr.Dataset) -> xr.Dataset:
@@ -558,6 +638,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     arguments, failed cells, sessions) gathered. Shards of fleets mixing models carry only
     what their merged cubes carry (no single GPU list, idle power or session count)."""
     from dvfs.fleet.shard import DEAL_ATTR, SHARD_ATTR
+    from dvfs.provenance import WHEN_KNOWN
 
     first = cubes[0]
     attrs = {k: v for k, v in first.attrs.items() if k not in (SHARD_ATTR, DEAL_ATTR)}
@@ -578,8 +659,9 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         attrs["gpu_pinning"] = json.dumps(
             {drafter: "; ".join(outcomes) for drafter, outcomes in pinning.items()}, sort_keys=True
         )
+    attrs.update(_first_known(cubes, WHEN_KNOWN))
     attrs.update(
-        engine_version=", ".join(sorted({str(ds.attrs.get("engine_version")) for ds in cubes})),
+        engine_version=_each_known(cubes, "engine_version"),
         server_args=json.dumps(servers, sort_keys=True),
         combined_from=json.dumps(
             {name: str(ds.attrs.get(SHARD_ATTR)) for name, ds in zip(names, cubes, strict=True)}

@@ -1,0 +1,264 @@
+"""Merging cubes of different GPU models: their servers are compared in what the campaign and
+dvfs set for every arm, not in what SGLang derives from the GPU it starts on (the shards of one
+run, on one GPU model, are compared in everything); a merged cube still names each GPU's
+unverified server pinning; and its engine version, token-count method and prompt format are
+the sources' known ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import TINY, made_once, replace_block, write
+from test_journal import assert_one_line_error
+
+from dvfs.cli import cli
+from dvfs.cube import merge_cubes, open_cube, write_cube
+from dvfs.cube.info import gpu_pinning, pinning_note
+from dvfs.measure.journal import read_records
+
+#: What SGLang picks for `chunked_prefill_size` on a GPU of that many GB when not told (0.5.9
+#: and 0.5.23 alike); the twin's servers report none, so the tests write it into their args.
+#: The twins are an H100 (80 GB) and an H200 (141 GB), both 8192: the second stands for a
+#: larger GPU (a 180 GB B200 gets 16384).
+CHUNKED = {"h100": 8192, "h200": 16384}
+#: TINY on the exact twin (its cells valid, for headroom and compare).
+EXACT = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+CONTAINER = "unverified: NVML lists none of the server's processes (a container)"
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def _sweep(campaign: Path, out: Path, *extra: str) -> None:
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
+    assert result.exit_code == 0, result.output
+
+
+def _make_runs(root: Path) -> None:
+    """EXACT on a twin H100 and on a twin H200, and as two shards on the H100."""
+    h100 = write(root / "h100.toml", EXACT)
+    h200 = write(root / "h200.toml", replace_block(EXACT, '"h100-sxm:none"', '"h200-sxm:none"'))
+    _sweep(h100, root / "h100")
+    _sweep(h200, root / "h200")
+    for i in range(2):
+        _sweep(h100, root / f"s{i}", "--shard", f"{i}/2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`_make_runs`' folders, made once per session; read-only."""
+    return made_once(tmp_path_factory, "merge-across-gpus", _make_runs)
+
+
+def _cube(
+    path: Path,
+    into: Path,
+    *,
+    args: dict[str, Any] | None = None,
+    backends: str | None = None,
+    kernels: str | None = None,
+    **attrs: Any,
+) -> Path:
+    """The cube at `path` written to `into` with `args` in every drafter's server args,
+    `backends` as each drafter's attention backend, `kernels` as the campaign's
+    engine.sglang.attention_backend and `attrs` changed."""
+    ds = open_cube(path).load()
+    if args:
+        servers = json.loads(ds.attrs["server_args"])
+        for server in servers.values():
+            server["args"].update(args)
+        ds.attrs["server_args"] = json.dumps(servers)
+    if backends is not None:
+        ds["attention_backend"] = ds["attention_backend"].copy(
+            data=[backends] * ds.sizes["drafter"]
+        )
+    if kernels is not None:
+        campaign = json.loads(ds.attrs["campaign"])
+        campaign["engine"]["sglang"]["attention_backend"] = kernels
+        ds.attrs["campaign"] = json.dumps(campaign)
+    ds.attrs.update(attrs)
+    write_cube(ds, into)
+    return into
+
+
+def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_from_the_gpu(
+    runs: Path, tmp_path: Path
+) -> None:
+    a = _cube(
+        runs / "h100" / "cube.nc",
+        tmp_path / "a.nc",
+        args={"chunked_prefill_size": CHUNKED["h100"], "mem_fraction_static": 0.85},
+    )
+    b = _cube(
+        runs / "h200" / "cube.nc",
+        tmp_path / "b.nc",
+        args={"chunked_prefill_size": CHUNKED["h200"], "mem_fraction_static": 0.88},
+    )
+    merged = merge_cubes([open_cube(a), open_cube(b)], ["a", "b"])
+    assert merged.sizes["gpu"] == 2
+    kept = json.loads(merged.attrs["merged_from"])
+    assert sorted(
+        json.loads(s["server_args"])["none"]["args"]["chunked_prefill_size"] for s in kept.values()
+    ) == [8192, 16384]
+    # Kernels left to SGLang ("auto"): fa3 on one GPU, flashinfer and its page size on the
+    # other, as SGLang picks them by architecture.
+    auto_a = _cube(a, tmp_path / "auto_a.nc", kernels="auto", backends="fa3", args={"page_size": 1})
+    auto_b = _cube(
+        b, tmp_path / "auto_b.nc", kernels="auto", backends="flashinfer", args={"page_size": 64}
+    )
+    out = tmp_path / "m.nc"
+    ok = invoke("cube", "merge", str(auto_a), str(auto_b), "-o", str(out))
+    assert ok.exit_code == 0, ok.output
+    assert open_cube(out).sizes["gpu"] == 2
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "named"),
+    [
+        ({"random_seed": 1}, {"random_seed": 2}, "random seed (random_seed): 1 -> 2"),
+        ({"dtype": "bfloat16"}, {"dtype": "float16"}, "dtype (dtype): 'bfloat16' -> 'float16'"),
+        ({"speculative_num_steps": 3}, {"speculative_num_steps": 2}, "num_steps: 3 -> 2"),
+        (
+            {"cuda_graph_bs": [1, 8]},
+            {"cuda_graph_bs": [1, 16]},
+            "decode CUDA graph at batch 8: 8 -> 16",
+        ),
+    ],
+)
+def test_cubes_of_two_gpu_models_differing_in_what_dvfs_pins_are_refused(
+    runs: Path, tmp_path: Path, first: dict[str, Any], second: dict[str, Any], named: str
+) -> None:
+    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", args=first)
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", args=second)
+    refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(refused, 1, "were not measured alike", named)
+
+
+def test_pinned_kernels_that_differ_across_gpus_are_refused(runs: Path, tmp_path: Path) -> None:
+    """The campaign pins fa3: a cube whose servers ran other kernels is refused, as are
+    kernels that differ where the campaign left them to SGLang but the sources disagree on
+    that (their campaigns then differ)."""
+    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", backends="fa3")
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", backends="flashinfer")
+    refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(refused, 1, "were not measured alike", "attention kernels: fa3 ->")
+    auto = _cube(b, tmp_path / "auto.nc", kernels="auto")
+    refused = invoke("cube", "merge", str(a), str(auto), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(refused, 1, "the campaign differs", "attention")
+
+
+def test_shards_of_one_run_still_compare_what_sglang_derives_from_the_gpu(
+    runs: Path, tmp_path: Path
+) -> None:
+    s0, s1 = (runs / f"s{i}" / "cube.nc" for i in range(2))
+    odd = _cube(s1, tmp_path / "odd.nc", args={"chunked_prefill_size": 16384})
+    even = _cube(s0, tmp_path / "even.nc", args={"chunked_prefill_size": 8192})
+    refused = invoke("cube", "merge", str(even), str(odd), "-o", str(tmp_path / "m.nc"))
+    assert_one_line_error(
+        refused, 1, "were not run alike", "chunked prefill size (chunked_prefill_size)"
+    )
+
+
+def _edit_servers(journal: Path, **changes: Any) -> None:
+    """Each server record of `journal` with `changes` (`args`: merged into its args)."""
+    args = changes.pop("args", {})
+    records = read_records(journal)
+    for record in records:
+        if record["type"] == "server":
+            record["args"].update(args)
+            record.update(changes)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tmp_path: Path) -> None:
+    """An H100 and an H200 in one fleet, each model's servers set up by SGLang for its GPU
+    (written into the journals, the twin reports none) and their pinning unverified: the
+    folder's cube is still the merged one, which names each GPU's unverified pinning."""
+    campaign = write(tmp_path / "tiny.toml", EXACT)
+    out = tmp_path / "out"
+    _sweep(campaign, out, "--gpus", "0,h200-sxm:0")
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    assert len(journals) == 2
+    for journal, chunked in zip(journals, (CHUNKED["h100"], CHUNKED["h200"]), strict=True):
+        _edit_servers(journal, args={"chunked_prefill_size": chunked}, gpu_pinning=CONTAINER)
+    (out / "cube.nc").unlink()
+    built = invoke("cube", "build", str(out))
+    assert built.exit_code == 0, built.output
+    cube = open_cube(out / "cube.nc")
+    assert cube.sizes["gpu"] == 2
+    sources = json.loads(cube.attrs["merged_from"])
+    assert sorted(
+        json.loads(s["server_args"])["eagle3"]["args"]["chunked_prefill_size"]
+        for s in sources.values()
+    ) == [8192, 16384]
+    pinning = gpu_pinning(cube)
+    assert len(pinning) == 4 and set(pinning.values()) == {CONTAINER}
+    assert {k.split(" on ", 1)[1] for k in pinning} == set(json.loads(cube.attrs["gpu_names"]))
+
+
+def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: Path) -> None:
+    unverified = json.dumps({"none": CONTAINER, "eagle3": CONTAINER})
+    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", gpu_pinning=unverified)
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", gpu_pinning=unverified)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    names = json.loads(cube.attrs["gpu_names"])
+    assert gpu_pinning(cube) == {
+        f"{drafter} on {name}": CONTAINER for drafter in ("none", "eagle3") for name in names
+    }
+    note = pinning_note(cube)
+    assert note is not None and all(name in note for name in names)
+    info = invoke("cube", "info", str(merged), "--json")
+    assert info.exit_code == 0, info.output
+    assert len(json.loads(info.stdout)["gpu_pinning"]) == 4
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert f"GPU pinning (eagle3 on {names[1]}) {CONTAINER}" in text, text
+    for command in ("headroom", "compare"):
+        done = invoke(command, str(merged), "--json")
+        assert done.exit_code == 0, done.output
+        json.loads(done.stdout)
+        line = " ".join(done.stderr.split())
+        assert line.startswith("GPU pinning unverified for 4 drafter server(s)"), line
+        assert names[0] in line and names[1] in line
+    # Verified on one GPU, unverified on the other: only the other is named.
+    fine = _cube(
+        runs / "h100" / "cube.nc",
+        tmp_path / "fine.nc",
+        gpu_pinning=json.dumps({"none": "verified: GPU 0", "eagle3": "verified: GPU 0"}),
+    )
+    assert invoke("cube", "merge", str(fine), str(b), "-o", str(merged)).exit_code == 0
+    note = pinning_note(open_cube(merged))
+    assert note is not None and names[1] in note and names[0] not in note.replace(names[1], "")
+
+
+def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A source that does not record an engine version, token-count method or prompt format
+    (an older dvfs's cube, an engine that does not say) leaves the other's."""
+    known = open_cube(runs / "h200" / "cube.nc").attrs
+    a = _cube(
+        runs / "h100" / "cube.nc",
+        tmp_path / "a.nc",
+        engine_version="",
+        token_count_method="",
+        prompt_format="",
+    )
+    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", prompt_format="plain")
+    merged = merge_cubes([open_cube(a), open_cube(b)], ["a", "b"])
+    assert merged.attrs["engine_version"] == known["engine_version"]
+    assert merged.attrs["token_count_method"] == known["token_count_method"] != ""
+    assert merged.attrs["prompt_format"] == "plain"
+    # Shards: one without an engine version leaves the other's, not ", X".
+    s0, s1 = (runs / f"s{i}" / "cube.nc" for i in range(2))
+    blank = _cube(s0, tmp_path / "blank.nc", engine_version="", prompt_format="")
+    told = _cube(s1, tmp_path / "told.nc", prompt_format="plain")
+    whole = merge_cubes([open_cube(blank), open_cube(told)], ["s0", "s1"])
+    assert whole.attrs["engine_version"] == known["engine_version"]
+    assert whole.attrs["prompt_format"] == "plain"
