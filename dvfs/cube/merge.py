@@ -108,12 +108,10 @@ SHARED = ("engine_version", "measurement_method", "token_count_method", "prompt_
 #: Resolved server args SGLang derives from the GPU it starts on when neither the campaign nor
 #: dvfs sets them: the same campaign gets other values on another GPU model, so cubes of
 #: different GPUs are not compared in them (the shards of one run, on one GPU model, are).
-#: Read from SGLang's sources (0.5.9 python/sglang/srt/server_args.py; 0.5.23
-#: python/sglang/srt/arg_groups/*.py; the flags in the option tables of both releases):
-#: - chunked_prefill_size: from the GPU's memory, 2048 below 35 GB, 8192 below 160 GB, else
-#:   16384 (0.5.9 `_handle_gpu_memory_settings`, 0.5.23 memory_hook.py
-#:   `handle_gpu_memory_settings`);
-#: - mem_fraction_static: from the GPU's memory and what the draft reserves (same place).
+#: SGLang's ServerArgs fills them from the GPU's memory when they are unset (its server_args.py):
+#: - chunked_prefill_size: 2048 below 35 GiB, 8192 below 160 GiB, else 16384;
+#: - mem_fraction_static: from the GPU's memory less what activations, CUDA graphs and a draft
+#:   model reserve.
 #: Not here, as dvfs pins them for every arm (`dvfs.engines.sglang_args.launch_argv`):
 #: cuda_graph_max_bs (and its 0.5.23 split) and the decode graphs' batch sizes,
 #: max_running_requests, random_seed; the model, parallelism and the drafter's speculative
@@ -121,10 +119,8 @@ SHARED = ("engine_version", "measurement_method", "token_count_method", "prompt_
 GPU_DERIVED_ARGS = ("chunked_prefill_size", "mem_fraction_static")
 #: What follows the attention kernels, which SGLang picks from the GPU's architecture when the
 #: campaign leaves them to it (engine.sglang.attention_backend = "auto": fa3 on Hopper,
-#: flashinfer elsewhere; 0.5.9 `_handle_attention_backend_compatibility`, 0.5.23
-#: overrides.py): the backends, the draft's, and the KV page size they set (0.5.23
-#: `_page_size_default`, `_fa4_page_constraint`, `_mla_backend_page_constraints`). Compared
-#: across GPUs only when the campaign pins the kernels.
+#: flashinfer elsewhere): the backends, the draft's, and the KV page size some backends set.
+#: Compared across GPUs only when the campaign pins the kernels.
 AUTO_KERNEL_ARGS = (
     "attention_backend",
     "prefill_attention_backend",
