@@ -63,6 +63,8 @@ def check_campaign(
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
+    if not simulated_engine(campaign):
+        checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
     checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
@@ -283,6 +285,23 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
     if short:
         raise CorpusShortfallError("; ".join(short))  # as `dvfs sweep` refuses it: exit 2
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
+
+
+def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+    """How the sweep into `out_dir` will count prompt tokens: its journal's method, which a
+    resume keeps (fails where that journal's tokenizer is missing, as the sweep refuses), else
+    the model's cached tokenizer; a warning where a new campaign would estimate throughout."""
+    from dvfs.corpora.prepare import estimate_note, recorded_count_method
+    from dvfs.corpora.tokens import token_counter
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    _, method = token_counter(campaign.engine.model, recorded)
+    note = estimate_note(campaign, method, recorded)
+    if note:
+        return WARN, note
+    kept = " (the journal's, kept on resume)" if recorded else ""
+    return OK, f"prompt tokens counted by: {method}{kept}"
 
 
 def _out_dir(campaign: Campaign, out_dir: Path) -> tuple[str, str]:

@@ -31,7 +31,14 @@ from dvfs.backends import (
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus
-from dvfs.corpora.prepare import check_corpora, corpus_shortfalls, counted_corpora, load_corpora
+from dvfs.corpora.prepare import (
+    check_corpora,
+    corpus_shortfalls,
+    counted_corpora,
+    estimate_note,
+    load_corpora,
+    recorded_count_method,
+)
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
     CampaignError,
@@ -91,18 +98,17 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
             )
 
 
-def check_same_prompts(
-    journal: Journal, corpora: dict[str, Corpus], count_method: str, prompt_format: str
-) -> None:
+def check_same_prompts(journal: Journal, corpora: dict[str, Corpus], count_method: str) -> None:
     """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
-    (`dvfs.records.prompt_changes`): a corpus edited since, another token-count method (a
-    tokenizer found or lost), another prompt format; the arms would compare prompts."""
+    (`dvfs.records.prompt_changes`): a corpus edited since, another token-count method (the
+    journal's is reproduced, `recorded_count_method`, so only where its sessions already
+    differ); the arms would compare prompts. The prompt format is the servers' to check, once
+    one has started (`Runner._check_prompt_format`)."""
     from dvfs.records import prompt_changes
 
     now = {
         "corpora": {name: {"content_hash": c.content_hash} for name, c in corpora.items()},
         "token_count_method": count_method,
-        "prompt_format": prompt_format,
     }
     for session in journal.sessions:
         changes = prompt_changes(session, now)
@@ -367,9 +373,13 @@ def _run_locked(
     # would serve differently (`check_engine`).
     cells: list[Cell] = planned_cells(campaign, shard)
     check_journal(out_dir / JOURNAL_NAME, campaign)
-    corpora, count_method = counted_corpora(campaign)
+    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
     launch_help = check_engine(campaign) if backends is None else None
+    note = estimate_note(campaign, count_method, recorded)
+    if note and progress is not None:
+        progress.note(note)
     # Closing syncs the journal's last group, however the sweep ends (a signal raises), after
     # the knobs are restored and the backends closed.
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
@@ -380,8 +390,7 @@ def _run_locked(
             )
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
-            prompt_format = str(getattr(b.engine, "prompt_format", "") or "")
-            check_same_prompts(journal, corpora, count_method, prompt_format)
+            check_same_prompts(journal, corpora, count_method)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
             runner = Runner(
                 campaign,

@@ -16,8 +16,10 @@ from conftest import TINY, replace_block, write
 from test_journal import assert_one_line_error
 
 from dvfs.campaign import load_campaign
+from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
 from dvfs.cube import open_cube, write_cube
+from dvfs.engines.base import ServerInfo
 from dvfs.errors import JournalError
 from dvfs.measure.journal import read_records
 from dvfs.sweep import run_sweep
@@ -115,7 +117,9 @@ def test_a_resume_counting_tokens_otherwise_is_refused(
     campaign, out = half_done
     counted = dvfs.sweep.counted_corpora
 
-    def with_a_tokenizer(c):  # type: ignore[no-untyped-def]
+    def with_a_tokenizer(c, recorded=""):  # type: ignore[no-untyped-def]
+        # A dvfs that counted as it found (no longer: the journal's method is reproduced,
+        # tests/test_prompt_reproduced.py): the check before measuring still refuses it.
         corpora, _ = counted(c)
         return corpora, "tokenizer of meta-llama/Llama-3.1-8B-Instruct"
 
@@ -129,11 +133,16 @@ def test_a_resume_counting_tokens_otherwise_is_refused(
 
 
 class Formatting:
-    """The twin engine, said to send prompts in `prompt_format` (as `SglangEngine` says)."""
+    """The twin engine, said to send prompts in `prompt_format` (as `SglangEngine`'s servers
+    say)."""
 
     def __init__(self, inner: object, prompt_format: str) -> None:
         self.inner, self.prompt_format = inner, prompt_format
         self.name = "twin"
+
+    def start(self, drafter: DrafterSpec) -> ServerInfo:
+        info: ServerInfo = getattr(self.inner, "start")(drafter)  # noqa: B009
+        return dataclasses.replace(info, prompt_format=self.prompt_format)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
@@ -162,8 +171,9 @@ def test_a_resume_formatting_prompts_otherwise_is_refused_and_old_journals_resum
     _edit_sessions(journal, prompt_format=None, token_count_method=None)
     done = _sweep_formatted(campaign, out, "plain")
     assert done.summary.measured == 8
-    sessions = [r for r in read_records(journal) if r["type"] == "session"]
-    assert [s.get("prompt_format") for s in sessions] == [None, "plain"]
+    records = read_records(journal)
+    assert all("prompt_format" not in r for r in records if r["type"] == "session")
+    assert {r.get("prompt_format") for r in records if r["type"] == "server"} == {None, "plain"}
     built = invoke("cube", "build", str(out))
     assert built.exit_code == 0, built.output
     assert open_cube(out / "cube.nc").attrs["prompt_format"] == "plain"

@@ -7,6 +7,9 @@ loading the sweep's orchestration.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+
 from dvfs.backends import tokenizer_model
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus, TokenCounter
@@ -30,13 +33,45 @@ def load_corpora(campaign: Campaign, count: TokenCounter | None = None) -> dict[
     return corpora
 
 
-def counted_corpora(campaign: Campaign) -> tuple[dict[str, Corpus], str]:
+def counted_corpora(campaign: Campaign, recorded: str = "") -> tuple[dict[str, Corpus], str]:
     """Every corpus the campaign names, counted with its target's tokenizer, and how the
-    tokens were counted (the tokenizer, or the documented estimate)."""
+    tokens were counted (the tokenizer, or the documented estimate). `recorded`: the method of
+    the journal being resumed, which is reproduced (`dvfs.corpora.tokens.token_counter`)."""
     from dvfs.corpora.tokens import token_counter
 
-    count, method = token_counter(tokenizer_model(campaign))
+    count, method = token_counter(tokenizer_model(campaign), recorded)
     return load_corpora(campaign, count), method
+
+
+def recorded_count_method(journals: Iterable[Path]) -> str:
+    """The token-count method the first of these journals (those that exist) that recorded
+    one chose its prompts by: what a resume reproduces (`counted_corpora`); "" for none."""
+    from dvfs.measure.journal import iter_records
+    from dvfs.records import journal_prompts
+
+    for path in journals:
+        if path.is_file():
+            method = journal_prompts(iter_records(path))[0]
+            if method:
+                return method
+    return ""
+
+
+def estimate_note(campaign: Campaign, method: str, recorded: str) -> str | None:
+    """The line a new SGLang campaign prints when no tokenizer of its model is cached yet: its
+    prompts are chosen by the estimate, and its resumes keep that (`counted_corpora`), even
+    once the first server has fetched the model. None otherwise."""
+    from dvfs.backends import simulated_engine
+    from dvfs.corpora.tokens import download_hint
+
+    if recorded or not method.startswith("estimate") or simulated_engine(campaign):
+        return None
+    model = campaign.engine.model
+    return (
+        f"no tokenizer of {model} in the local cache: which prompts fit workload.input_tokens "
+        f"is estimated (characters / 4) for this whole campaign, resumes included; "
+        f"{download_hint(model)} before its first sweep makes it exact"
+    )
 
 
 def corpus_descriptions(campaign: Campaign) -> dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,17 +112,53 @@ def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]
     }
 
 
-def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -> None:
+#: A comparison group of cells (batch, corpus, repeat): its arms were sent the same prompts.
+Group = tuple[int, str, int]
+
+
+def _mixed_groups(counted: Mapping[str, tuple[Group, str]]) -> list[Group]:
+    """The comparison groups whose cells were measured under more than one token-count method
+    (`counted`: each cell's group and its session's method; "" where unrecorded)."""
+    methods: dict[Group, set[str]] = {}
+    for group, method in counted.values():
+        methods.setdefault(group, set()).add(method)
+    return sorted(g for g, m in methods.items() if len(m - {""}) > 1)
+
+
+def _check_sessions(
+    journal: JournalContents,
+    batch_sizes: Sequence[int] = (),
+    counted: Mapping[str, tuple[Group, str]] | None = None,
+) -> None:
     """A journal may hold runs on different GPUs of one model (a rerun on the GPUs left after
     a node loss, or on fewer of them); cells of GPUs that differ in an invariant
     (`GPU_INVARIANTS`, `SESSION_INVARIANTS`) would not compare and are refused, and so are
-    servers that differ in what the arms share (`arm_changes`, at the grid's batch sizes)."""
+    servers that differ in what the arms share (`arm_changes`, at the grid's batch sizes).
+
+    Sessions that counted prompt tokens differently (journals of a dvfs that did not yet
+    reproduce the journal's method on resume) chose their prompts differently; their cells
+    still build where every comparison group's cells were measured under one method
+    (`counted`: each cell's group and method), as the arms of a group are then sent the same
+    prompts; a group measured under both is refused."""
     if not journal.sessions:
         return
     first = journal.sessions[0].to_json()
+    mixed = None if counted is None else _mixed_groups(counted)
     for session in journal.sessions:
         record = session.to_json()
         sent = prompt_changes(first, record)
+        recount = [c for c in sent if c.startswith("token-count method: ")]
+        if recount and len(recount) == len(sent) and mixed is not None:
+            if not mixed:
+                continue  # each group's arms were sent one method's prompts
+            shown = ", ".join(f"batch {b} corpus {c!r} repeat {r}" for b, c, r in mixed[:3])
+            more = f" and {len(mixed) - 3} more" if len(mixed) > 3 else ""
+            raise IncomparableCellsError(
+                f"the journal's sessions counted prompt tokens differently ({recount[0]}) and "
+                f"the cells of {shown}{more} were measured under both, so their arms may have "
+                "been sent different prompts: rerun with --fresh (or into another --out folder); "
+                "a resume now keeps the journal's first method"
+            )
         if sent:  # a corpus edited, a tokenizer found or lost, a chat template changed
             raise IncomparableCellsError(
                 "the journal's sessions sent different prompts "
@@ -156,6 +192,13 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
                 f"engines ({'; '.join(changes)}): they would compare software, not settings; "
                 f"{advice}"
             )
+    formats = _prompt_formats(journal)
+    if len(formats) > 1:  # a session's record and a server's (arm_changes: two servers')
+        raise IncomparableCellsError(
+            f"the journal's prompts went out in different formats ({' -> '.join(formats)}): "
+            "the arms would compare prompts, not settings; rerun with --fresh (or into another "
+            "--out folder)"
+        )
     # Across drafters too: the arms must differ only in their drafters (`arm_changes`).
     servers = list(journal.servers)
     pinned = journal.header.arms_pinned
@@ -179,6 +222,13 @@ def _check_sessions(journal: JournalContents, batch_sizes: Sequence[int] = ()) -
             f"{served}; rerun with --fresh (or into another --out folder) with every drafter "
             "on one engine version and one set of engine flags"
         )
+
+
+def _prompt_formats(journal: JournalContents) -> list[str]:
+    """The prompt formats the journal's sessions and servers recorded, each once."""
+    found = [s.prompt_format for s in journal.sessions]
+    found += [s.prompt_format for s in journal.servers]
+    return list(dict.fromkeys(f for f in found if f))
 
 
 def _all_gpus(journal: JournalContents) -> list[dict[str, Any]]:
@@ -237,11 +287,14 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
         "counter_update_period_s": _counter_periods(journal),
         "measurement_method": session.measurement_method,
-        "token_count_method": session.token_count_method,
-        # Every session sent the same prompts (`_check_sessions`): the latest's say how.
-        "prompt_format": next(
-            (s.prompt_format for s in reversed(journal.sessions) if s.prompt_format), ""
+        # Each session's, once: two where an older journal's groups were each measured under
+        # one of them (`_check_sessions`).
+        "token_count_method": "; ".join(
+            dict.fromkeys(s.token_count_method for s in journal.sessions if s.token_count_method)
         ),
+        # How the prompts went out: its servers say (or, from one dvfs, its sessions), alike
+        # across the journal (`_check_sessions`).
+        "prompt_format": next(iter(_prompt_formats(journal)), ""),
         "corpora": json.dumps(session.corpora, sort_keys=True),
         "sessions": len(journal.sessions),
         "created": now_iso(),
@@ -320,6 +373,9 @@ class _Filler:
         #: Whether each session ran every comparison group on one GPU group: a fleet's that
         #: says so, and a single runner's (all its cells on its one group).
         self.paired: list[bool] = []
+        #: Each cell's comparison group and the token-count method of the session that
+        #: measured it (its latest record's), for `_check_sessions`.
+        self.counted: dict[str, tuple[Group, str]] = {}
 
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
@@ -337,6 +393,9 @@ class _Filler:
         elif kind == "cell":
             cell = CellRecord.from_json(record, version=self.version)
             if self.sessions:
+                c = cell.cell
+                group = (c.batch, c.corpus, c.repeat)
+                self.counted[cell.key] = (group, self.sessions[-1].token_count_method)
                 self._place(cell, self._gpus_of(cell))
             else:
                 self.waiting.append(cell)
@@ -424,7 +483,7 @@ class _Filler:
     def dataset(self) -> xr.Dataset:
         journal = self.contents()
         facts = self.header.facts()
-        _check_sessions(journal, facts.grid.batch_sizes)
+        _check_sessions(journal, facts.grid.batch_sizes, self.counted)
         if self.grid is None:
             self._allocate()  # no cell yet (or none since the first session)
         for record in self.waiting:

@@ -307,6 +307,9 @@ class ServerInfo:
     #: tenant's (`dvfs.measure.tenants`). None: not known (an attached server, a container's
     #: PID namespace, NVML that cannot list processes, the twin).
     own_pids: Callable[[], frozenset[int]] | None = field(default=None, compare=False, repr=False)
+    #: How prompts go out to it ("chat_template:<hash>" or "plain"); "" where the engine
+    #: formats none (the twin). Known once a server has started: the server record keeps it.
+    prompt_format: str = ""
 
 
 class Engine(Protocol):

@@ -101,36 +101,61 @@ class ChatFormatter:
     with two: the templated text goes out without its leading BOS, one BOS in all, as dvfs
     counts the prompt's tokens (`dvfs.corpora.tokens`). A tokenizer that adds no BOS of its
     own (add_bos_token off) keeps the template's. `tokenizer`: one already loaded (tests hand
-    in a fake), else the model's is looked up on first use."""
+    in a fake), else the model's is looked up on first use.
+
+    The format is decided once, at the first server start (`settle`), not at session start:
+    on a fresh machine the model, its tokenizer with it, is in the local cache only once the
+    first server has fetched it, and prompts went out with the chat template from then on
+    before dvfs recorded the format. Decided, it stays for every later server, so the arms are
+    sent alike; a resume keeps the journal's (`keep`), plain text included."""
 
     def __init__(self, model: str, tokenizer: Any = None) -> None:
         self.model = model
         self._tokenizer: Any = tokenizer
         self._tried = tokenizer is not None
         self._adds_bos: bool | None = None
+        #: The format prompts go out in once decided ("plain" or "chat_template:<hash>").
+        self._format: str | None = None
 
     def _load(self) -> Any:
         if not self._tried:
             self._tried = True
-            try:
-                from transformers import AutoTokenizer
+            from dvfs.corpora.tokens import load_tokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model, local_files_only=True)
-            except Exception as exc:  # no transformers, no local copy, no template: plain text
-                log.info("no chat template for %s (%s): sending plain text", self.model, exc)
+            self._tokenizer = load_tokenizer(self.model)
+            if self._tokenizer is None:
+                log.info("no chat template for %s yet: sending plain text", self.model)
         return self._tokenizer
 
     def describe(self) -> str:
-        """How prompts go out, for the session record: "chat_template:<hash>" (the first 16 hex
-        digits of the template's SHA-256) or "plain". Loads the tokenizer as the first prompt
-        would, so that a resume finds out before measuring whether its prompts still match."""
+        """How the loaded tokenizer formats prompts: "chat_template:<hash>" (the first 16 hex
+        digits of the template's SHA-256) or "plain"."""
         template = getattr(self._load(), "chat_template", None)
         if not template:
             return "plain"
         text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
         return f"chat_template:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
+    def keep(self, recorded: str) -> None:
+        """Send prompts as the journal being resumed did: plain text stays plain even where a
+        chat template is now at hand; a template is looked up as usual at `settle` (and the
+        runner refuses a server whose template's hash differs from `recorded`)."""
+        if recorded == "plain":
+            self._format = "plain"
+
+    def settle(self) -> str:
+        """The format prompts go out in from now on, decided at the first call (a server has
+        just started, so the model it fetched is in the cache now: looked up again if an
+        earlier look found nothing) and the same at every later call."""
+        if self._format is None:
+            if self._tokenizer is None:
+                self._tried = False
+            self._format = self.describe()
+        return self._format
+
     def __call__(self, prompt: Prompt) -> str:
+        if self._format == "plain":
+            return prompt.text
         tokenizer = self._load()
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             text = str(
@@ -233,11 +258,9 @@ class SglangEngine:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    @property
-    def prompt_format(self) -> str:
-        """How this engine formats prompts ("chat_template:<hash>" or "plain"), which the
-        session records: a resume that would send them otherwise is refused."""
-        return self.formatter.describe()
+    def keep_prompt_format(self, recorded: str) -> None:
+        """Send prompts as the journal being resumed recorded (`ChatFormatter.keep`)."""
+        self.formatter.keep(recorded)
 
     # -- lifecycle --------------------------------------------------------------------------
     def _client_for(self, url: str) -> SglangClient:
@@ -319,6 +342,7 @@ class SglangEngine:
             attention_backend=kernels.label,
             gpu_pinning=pinning,
             own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
+            prompt_format=self.formatter.settle(),
         )
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:
@@ -346,6 +370,7 @@ class SglangEngine:
                 if self.gpu_processes is None
                 else "unverified: an attached server's processes are not dvfs's to look up"
             ),
+            prompt_format=self.formatter.settle(),
         )
 
     def _check_kernels(self, drafter: DrafterSpec, args: dict[str, Any]) -> Kernels:

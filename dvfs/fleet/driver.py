@@ -609,7 +609,12 @@ def run_fleet(
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models)."""
-    from dvfs.corpora.prepare import check_corpora, counted_corpora
+    from dvfs.corpora.prepare import (
+        check_corpora,
+        counted_corpora,
+        estimate_note,
+        recorded_count_method,
+    )
     from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
     from dvfs.sweep import fresh_start, out_dir_lock
@@ -622,7 +627,10 @@ def run_fleet(
         moved = fresh_start(out_dir) if fresh else None
         if moved is not None and progress is not None:
             progress.note(f"moved the previous journal to {moved}")
-        corpora = counted_corpora(campaign)
+        # A resume chooses its prompts by the token count its journals chose them by.
+        journals_here = [out_dir / "journal.jsonl", *sorted(out_dir.glob("gpu-*/journal.jsonl"))]
+        recorded = recorded_count_method(journals_here)
+        corpora = counted_corpora(campaign, recorded)
         check_corpora(campaign, corpora[0])  # before any GPU is touched
         cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
@@ -640,6 +648,10 @@ def run_fleet(
                     corpora=corpora,
                 )
                 executor(fleet, groups)
+                # Said once the workers have run: a campaign their engine refused left none.
+                note = estimate_note(campaign, corpora[1], recorded)
+                if note and progress is not None:
+                    progress.note(note)
                 fleet.check_finished()
                 done = [d.journal.path for d in fleet.drivers.values()]
                 # A fleet of several models rerun on some of them (a node lost): the others'

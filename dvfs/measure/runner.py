@@ -65,6 +65,7 @@ from dvfs.records import (
     Stock,
     arm_changes,
     begun_unpinned,
+    journal_prompts,
     now_iso,
     recorded_stock,
     server_changes,
@@ -350,9 +351,6 @@ class Runner:
             idle_power_w=self.idle_power_w,
             measurement_method=measurement_method(self.campaign.measurement),
             token_count_method=self.token_count_method,
-            # How a real engine sends the prompts (its chat template or plain text): "" for
-            # the twin, which formats none.
-            prompt_format=str(getattr(self.engine, "prompt_format", "") or ""),
             corpora={
                 name: {
                     "source": c.source,
@@ -374,6 +372,10 @@ class Runner:
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
         self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
+        recorded = self._journal_prompt_format()
+        keep = getattr(self.engine, "keep_prompt_format", None)
+        if recorded and keep is not None:
+            keep(recorded)  # a resume sends its prompts as the journal's sessions did
         t0 = self.clock.now_ns()
         try:
             info: ServerInfo = self.engine.start(drafter)
@@ -388,11 +390,13 @@ class Runner:
             log_path=info.log_path,
             attention_backend=info.attention_backend,
             gpu_pinning=info.gpu_pinning,
+            prompt_format=info.prompt_format,
         )
         record = server.to_json()
         try:
+            self._check_prompt_format(info.prompt_format, recorded)
             self._check_arms(record)
-        except (EngineError, IncomparableCellsError):
+        except (EngineError, IncomparableCellsError, JournalError):
             self.engine.stop()  # a server that would not compare must not linger
             raise
         self._drafter = drafter_name
@@ -421,6 +425,26 @@ class Runner:
                 r for r in iter_records(self.journal.path) if r.get("type") == "server"
             ]
         return self._servers
+
+    def _journal_prompt_format(self) -> str:
+        """The prompt format this journal's sessions (as an earlier dvfs recorded it) or
+        servers recorded, "" where none did."""
+        return journal_prompts([*self.journal.sessions, *self._earlier_servers()])[1]
+
+    def _check_prompt_format(self, now: str, recorded: str) -> None:
+        """Refuse a server whose prompts would go out otherwise than the journal's did (kept
+        by `keep_prompt_format`, so only a chat template that changed or went missing)."""
+        if not now or not recorded or now == recorded:
+            return
+        from dvfs.corpora.tokens import download_hint
+
+        model = self.campaign.engine.model
+        raise JournalError(
+            f"the prompts of {self.journal.path} went out as {recorded}, this run's as {now} "
+            f"(prompt format: {recorded} -> {now}): its cells would not compare with this "
+            f"run's; put the model's tokenizer it was measured with in the local cache "
+            f"({download_hint(model)}), or rerun with --fresh (or into another --out folder)"
+        )
 
     def _check_arms(self, record: dict[str, Any]) -> None:
         """Refuse a server that differs from another drafter's server of this journal (or one

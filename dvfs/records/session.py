@@ -43,8 +43,9 @@ class Session:
     token_count_method: str = ""
     corpora: dict[str, Any] = field(default_factory=dict)
     #: How prompts went out to the server: "chat_template:<hash>" (the model's chat template,
-    #: hashed) or "plain" (the text alone); "" where the engine formats none (the twin) or
-    #: dvfs did not record it yet.
+    #: hashed) or "plain" (the text alone), as one dvfs recorded it at session start; "" where
+    #: the engine formats none (the twin), and in every later session: the server records
+    #: say it now (`Server.prompt_format`), known only once a server has started.
     prompt_format: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     host: str = ""
@@ -329,6 +330,9 @@ def arm_changes(
     would compare software or settings, not drafters. `pinned`: the journal header's
     `arms_pinned`, leaving out the `DRAWN_ARM_ARGS` it lacks (None: every arg compared)."""
     changes = _engine_changes(before, now)
+    a, b = before.get("prompt_format"), now.get("prompt_format")
+    if a and b and a != b:  # the arms would be sent other prompts (`Server.prompt_format`)
+        changes.append(f"prompt format: {a} -> {b}")
     old, new = before.get("args"), now.get("args")
     given = None if pinned is None else set(pinned)
     if isinstance(old, Mapping) and isinstance(new, Mapping):
@@ -373,6 +377,21 @@ def corpus_changes(before: Any, now: Any) -> list[str]:
         for name in sorted(old.keys() & new.keys())
         if old[name] != new[name]
     ]
+
+
+def journal_prompts(records: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
+    """How a journal's prompts were chosen and sent, from its session and server records: the
+    first token-count method a session recorded and the first prompt format a session (a dvfs
+    that recorded it there) or server recorded ("" for each where none did). A resume
+    reproduces both rather than refusing what this machine would choose now."""
+    method = fmt = ""
+    for record in records:
+        kind = record.get("type")
+        if kind == "session" and not method:
+            method = str(record.get("token_count_method") or "")
+        if kind in ("session", "server") and not fmt:
+            fmt = str(record.get("prompt_format") or "")
+    return method, fmt
 
 
 def prompt_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -434,6 +453,11 @@ class Server:
     #: (`dvfs.engines.sglang.pinning_outcome`); None: not applicable (simulated GPUs), or a
     #: record older than the check (an optional key within journal version 3).
     gpu_pinning: str | None = None
+    #: How prompts went out to it: "chat_template:<hash>" or "plain"; "" where the engine
+    #: formats none (the twin) or dvfs did not record it here yet. Decided at the journal's
+    #: first server start (the server has fetched the model by then, so a fresh machine's
+    #: first session sends the chat template too) and kept for every later server and resume.
+    prompt_format: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -446,6 +470,7 @@ class Server:
             "log_path": self.log_path,
             "attention_backend": self.attention_backend,
             "gpu_pinning": self.gpu_pinning,
+            **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
         }
 
     @classmethod
@@ -459,4 +484,5 @@ class Server:
             log_path=record.get("log_path"),
             started=record.get("started") or "",
             gpu_pinning=record.get("gpu_pinning"),
+            prompt_format=record.get("prompt_format") or "",
         )

@@ -334,6 +334,9 @@ class StubConfig:
     foreign_pid: int | None = None
     foreign_from_request: int | None = None
     foreign_until_request: int | None = None
+    #: A file each /generate body's "text" is appended to (a JSON line), so a test can tell
+    #: which prompts went out and how they were formatted; None: nothing recorded.
+    requests_log: str | None = None
 
 
 #: How often a held request looks for its abort or its client's disconnect (s).
@@ -972,6 +975,9 @@ class Stub:
         """Check a /generate body and precompute every sub-request's schedule."""
         t0, received_wall = time.monotonic(), time.time()
         prompts, is_batch = _prompts(req)
+        if self.cfg.requests_log and "text" in req:
+            with open(self.cfg.requests_log, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"text": req["text"]}) + "\n")
         raw_params = req.get("sampling_params")
         if isinstance(raw_params, list):
             if len(raw_params) != len(prompts):

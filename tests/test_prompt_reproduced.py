@@ -1,0 +1,180 @@
+"""A resume reproduces how its journal chose and sent prompts, whatever this machine has now.
+
+Why: on a fresh machine no tokenizer is cached when the first session starts (the first server
+fetches the model), so that session chooses its prompts by the estimate; a resume that then
+counted with the tokenizer would choose other prompts, and one that sent plain text where the
+journal's servers got the chat template would send other prompts too. A fake tokenizer loader
+stands in for transformers' (`dvfs.corpora.tokens.load_tokenizer`): nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from sglang_support import stub_campaign
+from test_journal import assert_one_line_error
+from test_prompt_invariants import _cut, _setup, sweep
+
+import dvfs.corpora.tokens
+from dvfs.cli import cli
+from dvfs.measure.journal import read_records
+
+ONE_DRAFTER = '[drafters.none]\nalgorithm = "none"\n'
+
+
+class WordTokenizer:
+    """A tokenizer with a chat template: one token per three words (so other prompts fit the
+    input lengths than by the estimate), the template marks its text with "<T>"."""
+
+    chat_template = "<T>{{ messages }}"
+    bos_token = bos_token_id = None
+    step = 3
+
+    def apply_chat_template(self, chat: list[dict[str, str]], *, tokenize: bool, **_: Any) -> Any:
+        text = "<T>" + "\n".join(m["content"] for m in chat)
+        return text.split()[:: self.step] if tokenize else text
+
+    def __call__(self, text: str) -> dict[str, list[str]]:
+        return {"input_ids": text.split()[:: self.step]}
+
+    def encode(self, text: str) -> list[str]:
+        return text.split()
+
+
+class EveryWord(WordTokenizer):
+    step = 1
+
+
+def _cached_once_a_server_ran(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
+    """The loader of a fresh machine: no tokenizer until a server (its log in `out`) has run
+    and fetched the model."""
+
+    def load(model: str) -> Any:
+        return WordTokenizer() if any(out.rglob("server-*.log")) else None
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", load)
+
+
+def _sent(log: Path) -> list[str]:
+    texts = [json.loads(line)["text"] for line in log.read_text().splitlines()]
+    return [t for batch in texts for t in (batch if isinstance(batch, list) else [batch])]
+
+
+def _invoke(campaign: Path, out: Path) -> Result:
+    return CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+
+
+def test_a_fresh_machines_campaign_sends_the_template_and_resumes_on_the_same_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    campaign, _ = stub_campaign(
+        tmp_path, stub={"requests_log": str(log)}, drafters=ONE_DRAFTER, batch="[1, 2]"
+    )
+    _cached_once_a_server_ran(monkeypatch, out)
+    first = _invoke(campaign, out)
+    assert first.exit_code == 0, first.output
+    assert "estimated (characters / 4) for this whole campaign" in first.output
+    assert "huggingface-cli download" in first.output
+    sent = _sent(log)
+    # The first server fetched the model: every prompt went out with its chat template.
+    assert sent and all(t.startswith("<T>") for t in sent), sent[:2]
+    records = read_records(out / "journal.jsonl")
+    (session,) = [r for r in records if r["type"] == "session"]
+    assert session["token_count_method"].startswith("estimate")
+    servers = [r for r in records if r["type"] == "server"]
+    assert all(s["prompt_format"].startswith("chat_template:") for s in servers)
+    # Killed half way, resumed now that the tokenizer is cached: the same prompts, counted
+    # and formatted as the journal's first session chose them.
+    _cut(out / "journal.jsonl", 2)
+    log.unlink()
+    resumed = _invoke(campaign, out)
+    assert resumed.exit_code == 0, resumed.output
+    again = _sent(log)
+    assert again and set(again) <= set(sent)
+    assert "for this whole campaign" not in resumed.output
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 0, built.output
+
+
+def test_a_journal_of_plain_prompts_resumes_plain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    campaign, _ = stub_campaign(
+        tmp_path, stub={"requests_log": str(log)}, drafters=ONE_DRAFTER, batch="[1, 2]"
+    )
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    assert _invoke(campaign, out).exit_code == 0
+    assert not any(t.startswith("<T>") for t in _sent(log))
+    _cut(out / "journal.jsonl", 2)
+    log.unlink()
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: WordTokenizer())
+    resumed = _invoke(campaign, out)
+    assert resumed.exit_code == 0, resumed.output
+    assert _sent(log) and not any(t.startswith("<T>") for t in _sent(log))
+
+
+def test_a_journal_counted_by_a_tokenizer_now_missing_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    campaign, out = _setup(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    assert sweep(campaign, out).exit_code == 0
+    _cut(out / "journal.jsonl", 8)
+    before = (out / "journal.jsonl").read_text()
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    assert_one_line_error(
+        sweep(campaign, out),
+        1,
+        "chose its prompts by the tokenizer of ",
+        "huggingface-cli download ",
+        "--fresh",
+    )
+    assert (out / "journal.jsonl").read_text() == before
+
+
+def _keep_cells(journal: Path, keep: Any) -> None:
+    """The journal with only the cell records `keep(record)` accepts."""
+    records = [r for r in read_records(journal) if r["type"] != "cell" or keep(r)]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _group(record: dict[str, Any]) -> tuple[Any, ...]:
+    cell = record["cell"]
+    return (cell["batch"], cell["corpus"], cell["repeat"])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_an_older_journal_counted_two_ways_builds_where_each_group_used_one(
+    tmp_path: Path, mixed: bool
+) -> None:
+    campaign, out = _setup(tmp_path), tmp_path / "out"
+    journal = out / "journal.jsonl"
+    assert sweep(campaign, out).exit_code == 0
+    cells = [r for r in read_records(journal) if r["type"] == "cell"]
+    first = _group(cells[0])
+    of_first = [r["key"] for r in cells if _group(r) == first]
+    kept = set(of_first[:1] if mixed else of_first)
+    _keep_cells(journal, lambda r: r["key"] in kept)  # the rest measured by a second session
+    assert sweep(campaign, out).exit_code == 0
+    records = read_records(journal)
+    # As an older dvfs wrote it: the second session counted with a tokenizer found since.
+    [r for r in records if r["type"] == "session"][1]["token_count_method"] = "tokenizer of x"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    if not mixed:
+        assert built.exit_code == 0, built.output
+        return
+    assert_one_line_error(
+        built,
+        1,
+        "counted prompt tokens differently",
+        "-> tokenizer of x",
+        f"batch {first[0]} corpus {first[1]!r} repeat {first[2]}",
+        "--fresh",
+    )
