@@ -178,3 +178,29 @@ def test_an_older_journal_counted_two_ways_builds_where_each_group_used_one(
         f"batch {first[0]} corpus {first[1]!r} repeat {first[2]}",
         "--fresh",
     )
+
+
+def test_doctor_says_how_the_sweep_will_count_prompt_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs doctor`'s tokenizer check is the sweep's rule: a warning where a new campaign would
+    estimate throughout, the cached tokenizer otherwise, and a failure where a resume would be
+    refused for a tokenizer its journal used and this machine lacks."""
+    campaign, _ = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    out = tmp_path / "out"
+
+    def tokenizer_check() -> dict[str, str]:
+        done = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), "--json"])
+        [check] = [c for c in json.loads(done.stdout) if c["name"] == "tokenizer"]
+        return check
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    check = tokenizer_check()
+    assert check["status"] == "warn" and "huggingface-cli download" in check["detail"], check
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    check = tokenizer_check()
+    assert check["status"] == "ok" and "tokenizer of" in check["detail"], check
+    assert _invoke(campaign, out).exit_code == 0  # a journal counted by that tokenizer
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    check = tokenizer_check()
+    assert check["status"] == "fail" and "huggingface-cli download" in check["detail"], check
