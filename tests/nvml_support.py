@@ -53,6 +53,16 @@ idle_per_setting = false
 """
 
 
+def fresh_fake(tmp_path: Path, monkeypatch: Any, devices: str) -> ModuleType:
+    """The fake pynvml on a fresh state of `devices` (its profiles, comma-separated) in
+    `tmp_path`, for this process and the dvfs processes a test starts (the environment)."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
+    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
+    module = load_fake()
+    module.fake_reset_state()
+    return module
+
+
 def load_fake() -> ModuleType:
     """The fake pynvml, imported from its file under its own name (no clash with the real one)."""
     spec = importlib.util.spec_from_file_location("fake_pynvml", FAKE_DIR / "pynvml.py")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import SMALL_EXACT, replace_block
 from cubes import as_twin_sweep, make_cube
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -229,49 +230,11 @@ def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
 
 
 #: Two arms with adaptive repeats (1 asked, up to 3): the arms take different numbers.
-ADAPTIVE_ARMS = """
-[campaign]
-name = "adaptive-arms"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm:none"
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1500, 1005]
-power_limit = [700, 300]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[workload]
-batch = [1, 8]
-corpora = ["code"]
-input_tokens = [16, 2048]
-output_tokens = 64
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 1
-max_repeats = 3
-sample_period_s = 0.02
-idle_s = 1.0
-"""
+ADAPTIVE_ARMS = replace_block(
+    replace_block(SMALL_EXACT, 'corpora = ["code", "conversation"]', 'corpora = ["code"]'),
+    "repeats = 2\n",
+    "repeats = 1\nmax_repeats = 3\n",
+)
 
 
 def test_a_repeat_the_adaptive_rule_never_asked_of_one_arm_is_not_dropped(

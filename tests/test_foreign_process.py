@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, fresh_fake
 from sglang_support import running, stub_campaign
 
 import dvfs
@@ -25,11 +25,7 @@ DEVICES = "h100-sxm,h100-sxm"
 @pytest.fixture
 def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The fake pynvml on a fresh two-GPU state in `tmp_path` (this process and the sweep's)."""
-    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
-    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", DEVICES)
-    module = load_fake()
-    module.fake_reset_state()
-    return module
+    return fresh_fake(tmp_path, monkeypatch, DEVICES)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from nvml_support import dvfs_in_process, fake_env, load_fake
+from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import running, stub_campaign
 
 import dvfs
@@ -29,11 +29,7 @@ LIST_FN = "nvmlDeviceGetComputeRunningProcesses"
 @pytest.fixture
 def nv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The fake pynvml on a fresh three-GPU state in `tmp_path` (this process and the sweep's)."""
-    monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "fake-nvml.json"))
-    monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", DEVICES)
-    module = load_fake()
-    module.fake_reset_state()
-    return module
+    return fresh_fake(tmp_path, monkeypatch, DEVICES)
 
 
 def _sweep(tmp_path: Path, stub: dict | None = None) -> tuple[int, list[dict], list[dict], str]:

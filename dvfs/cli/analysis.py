@@ -24,7 +24,7 @@ def _given(ctx: click.Context, name: str) -> bool:
     )
 
 
-def _slack(ctx: click.Context, param: click.Parameter, value: str) -> float:
+def slack_value(ctx: click.Context, param: click.Parameter, value: str) -> float:
     """--slack as a fraction; NaN, infinities, negative and unreadable values are refused."""
     from dvfs.analysis.targets import parse_slack
     from dvfs.errors import AnalysisError
@@ -35,7 +35,7 @@ def _slack(ctx: click.Context, param: click.Parameter, value: str) -> float:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
-def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> float:
+def confidence_value(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if not (math.isfinite(value) and 0.5 <= value < 1):
         raise click.BadParameter(
             f"{value} is not a confidence level; give a number from 0.5 up to, not including, "
@@ -44,6 +44,18 @@ def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> flo
             param=param,
         )
     return value
+
+
+def confidence_option(help: str) -> Any:
+    """`--confidence`: a level from 0.5 up to 1, 0.95 unless given."""
+    return click.option(
+        "--confidence",
+        type=float,
+        callback=confidence_value,
+        default=0.95,
+        show_default=True,
+        help=help,
+    )
 
 
 def _one_output_format(as_json: bool, markdown: bool) -> None:
@@ -206,7 +218,7 @@ def headroom_target(
     "--slack",
     default="0%",
     show_default=True,
-    callback=_slack,
+    callback=slack_value,
     help="Allowed latency increase (5% or 0.05); not with --slo.",
 )
 @click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
@@ -217,14 +229,7 @@ def headroom_target(
     show_default=True,
     help="Which knobs may move.",
 )
-@click.option(
-    "--confidence",
-    type=float,
-    callback=_confidence,
-    default=0.95,
-    show_default=True,
-    help="One-sided confidence of the latency bound (with repeats).",
-)
+@confidence_option("One-sided confidence of the latency bound (with repeats).")
 @filter_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.headroom/1).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
@@ -311,14 +316,9 @@ def headroom(
 @cube_argument
 @click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
 @latency_options
-@click.option(
-    "--confidence",
-    type=float,
-    callback=_confidence,
-    default=0.95,
-    show_default=True,
-    help="Confidence of the energy-ratio interval (two-sided) and of the latency bound "
-    "(one-sided), with repeats.",
+@confidence_option(
+    "Confidence of the energy-ratio interval (two-sided) and of the latency bound "
+    "(one-sided), with repeats."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/2).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
@@ -421,7 +421,7 @@ def compare(
     "--slack",
     default="5%",
     show_default=True,
-    callback=_slack,
+    callback=slack_value,
     help="Latency slack for the headroom points marked on the figures.",
 )
 @handle_errors

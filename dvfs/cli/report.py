@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -11,35 +10,16 @@ from pathlib import Path
 import click
 
 from dvfs.cli.analysis import (
+    confidence_option,
     cube_argument,
     filter_options,
     headroom_target,
     latency_options,
+    slack_value,
 )
 from dvfs.cli.common import handle_errors
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
-
-
-def _slack(ctx: click.Context, param: click.Parameter, value: str) -> float:
-    from dvfs.analysis.targets import parse_slack
-    from dvfs.errors import AnalysisError
-
-    try:
-        return parse_slack(value)
-    except AnalysisError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
-
-
-def _confidence(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    if not (math.isfinite(value) and 0.5 <= value < 1):
-        raise click.BadParameter(
-            f"{value} is not a confidence level; give a number from 0.5 up to, not including, "
-            "1 (e.g. 0.95)",
-            ctx=ctx,
-            param=param,
-        )
-    return value
 
 
 def make_parent(path: Path) -> None:
@@ -124,7 +104,7 @@ def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
     "--slack",
     default="0%",
     show_default=True,
-    callback=_slack,
+    callback=slack_value,
     help="Allowed latency increase (5% or 0.05); not with --slo.",
 )
 @click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
@@ -135,14 +115,7 @@ def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
     show_default=True,
     help="Which knobs may move.",
 )
-@click.option(
-    "--confidence",
-    type=float,
-    callback=_confidence,
-    default=0.95,
-    show_default=True,
-    help="One-sided confidence of the latency bound (with repeats).",
-)
+@confidence_option("One-sided confidence of the latency bound (with repeats).")
 @filter_options
 @click.pass_context
 @handle_errors
