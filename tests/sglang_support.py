@@ -24,6 +24,17 @@ def load_stub() -> ModuleType:
     return module
 
 
+#: The stub's EAGLE-3 drafter, as a campaign's table.
+EAGLE3_DRAFTER = """
+[drafters.eagle3]
+algorithm = "EAGLE3"
+draft_model = "draft/eagle3"
+num_steps = 3
+eagle_topk = 1
+num_draft_tokens = 4
+"""
+
+
 def stub_campaign(
     tmp: Path,
     *,
@@ -53,20 +64,7 @@ def stub_campaign(
     config.write_text(
         json.dumps({"version": version, "max_lifetime_s": 120, **fast, **(stub or {})})
     )
-    drafters = (
-        drafters
-        or """
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "draft/eagle3"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-"""
-    )
+    drafters = drafters or '\n[drafters.none]\nalgorithm = "none"\n' + EAGLE3_DRAFTER
     knobs = knobs or "sm_clock = [1980, 1500]\nsettle_s = 0.0"
     text = f"""
 [campaign]

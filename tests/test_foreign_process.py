@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, fresh_fake
-from sglang_support import running, stub_campaign
+from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 import dvfs
 from dvfs.measure.meter import INVALIDATING, Q_FOREIGN_PROCESS, describe_quality
@@ -37,16 +37,6 @@ def tenant() -> Iterator[int]:
     finally:
         process.kill()
         process.wait()
-
-
-EAGLE = """
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "draft/eagle3"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-"""
 
 
 def sweep(
@@ -135,7 +125,7 @@ def test_in_a_containers_pid_namespace_nothing_is_flagged_and_every_command_says
 ) -> None:
     # NVML names the server by a host PID it cannot see as its own: every PID looks foreign.
     code, cells, servers, output = sweep(
-        tmp_path, {"nvml_pid": tenant}, clocks="[1980, 1500]", drafters=EAGLE
+        tmp_path, {"nvml_pid": tenant}, clocks="[1980, 1500]", drafters=EAGLE3_DRAFTER
     )
     assert code == 0, output
     assert len(cells) == 4 and all(c["status"] == "ok" for c in cells)
