@@ -33,8 +33,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
+
+# No property test's verdict may hang on the machine's speed: hypothesis's default 200 ms
+# deadline per example is a wall-clock bound that a loaded machine (a demo sweep beside the
+# suite) can break, so no example has one. Loaded before any test module, so every
+# `@settings` inherits it.
+settings.register_profile("dvfs", deadline=None)
+settings.load_profile("dvfs")
 FAKES = REPO / "tests" / "fakes"
 
 SMALL_CAMPAIGN = """
