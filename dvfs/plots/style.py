@@ -269,19 +269,47 @@ def save(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
 
 
 def write_png(fig: Figure, path: Path) -> None:
-    """`fig` as an RGB PNG at zlib level 1, the same pixels `savefig` writes: the figures are
-    opaque, so their alpha channel is a quarter of the bytes to compress and says nothing
-    (encoding was about a fifth of `dvfs plot`'s CPU at level 3; level 1 files are ~2%
-    larger). A figure with any transparency keeps its alpha."""
+    """`fig` as a PNG of the pixels `savefig` writes, RGB where every pixel is opaque (the
+    alpha channel would be a quarter of the bytes and say nothing), else RGBA.
+
+    Written here rather than by PIL: its choice of a filter for each row cost more than the
+    compression itself (about a sixth of `dvfs plot`'s CPU). Rows go unfiltered into zlib at
+    level 3, which flat-coloured figures compress well: a few % smaller files than PIL's at
+    level 1, in a third of the time."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from PIL import Image
 
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
     fig.set_dpi(DPI)
     canvas.draw()
     rgba = np.asarray(canvas.buffer_rgba())
-    pixels = rgba[..., :3] if bool((rgba[..., 3] == 255).all()) else rgba
-    Image.fromarray(pixels).save(path, format="png", compress_level=1, dpi=(DPI, DPI))
+    path.write_bytes(png_bytes(rgba, DPI))
+
+
+def png_bytes(rgba: np.ndarray, dpi: float) -> bytes:
+    """A PNG of an (h, w, 4) uint8 image at `dpi`: RGB if fully opaque, else RGBA."""
+    import struct
+    import zlib
+
+    height, width, _ = rgba.shape
+    channels = 3 if bool((rgba[..., 3] == 255).all()) else 4
+    rows = np.zeros((height, 1 + width * channels), dtype=np.uint8)  # byte 0: filter "none"
+    rows[:, 1:] = rgba[..., :channels].reshape(height, width * channels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(data, zlib.crc32(kind))
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    per_metre = round(dpi / 0.0254)
+    header = struct.pack(">IIBBBBB", width, height, 8, 2 if channels == 3 else 6, 0, 0, 0)
+    return b"".join(
+        (
+            b"\x89PNG\r\n\x1a\n",
+            chunk(b"IHDR", header),
+            chunk(b"pHYs", struct.pack(">IIB", per_metre, per_metre, 1)),
+            chunk(b"IDAT", zlib.compress(rows.data, 3)),
+            chunk(b"IEND", b""),
+        )
+    )
 
 
 def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
