@@ -417,3 +417,87 @@ def test_a_png_holds_the_pixels_savefig_draws(tmp_path: Path, opaque: bool) -> N
     assert got.size == want.size == (3 * DPI, 2 * DPI)
     assert np.array_equal(np.asarray(got), np.asarray(want.convert(got.mode)))
     assert round(got.info["dpi"][0]) == DPI
+
+
+def _text_figure(canvas: type, texts: list[dict]) -> Figure:
+    """A figure with an axes (lines, ticks, labels) and `texts` (`Figure.text`'s keywords)
+    down its right side, drawn on `canvas`."""
+    fig = Figure(figsize=(4, 3), dpi=150)
+    canvas(fig)
+    ax = fig.add_axes((0.15, 0.15, 0.45, 0.7))
+    ax.plot([700, 1300, 1980], [0.3, 0.1, 0.2])
+    ax.set_title("batch 16\nsecond line")
+    ax.set_xlabel("SM clock lock (MHz)")
+    ax.set_ylabel("energy per token (J)")  # rotated 90 degrees
+    for i, text in enumerate(texts):
+        fig.text(0.7, 0.92 - 0.15 * i, "batch 16", **text)
+    fig.canvas.draw()
+    return fig
+
+
+def _pixels(fig: Figure) -> np.ndarray:
+    return np.asarray(fig.canvas.buffer_rgba()).copy()
+
+
+TEXTS: list[dict] = [
+    {"size": 9},
+    {"size": 12},  # the same string at another size
+    {"size": 9, "color": "#0173b2"},  # another colour
+    {"size": 9, "weight": "bold"},  # another font
+    {"size": 9, "rotation": 60},  # turned, as the split's drafter names are
+    {"size": 9, "antialiased": False},
+]
+
+
+def test_text_drawn_from_the_cache_is_the_text_drawn_afresh() -> None:
+    """A string found in the cache is drawn as it was drawn first: each text alone, drawn by a
+    canvas that has seen every other text (at other sizes, colours and angles), has the
+    pixels it has when drawn by a canvas with an empty cache."""
+    from dvfs.plots.style import make_text_caching_canvas
+
+    warm = make_text_caching_canvas()
+    _text_figure(warm, TEXTS)
+    for text in TEXTS:
+        cold = make_text_caching_canvas()
+        assert np.array_equal(
+            _pixels(_text_figure(warm, [text])), _pixels(_text_figure(cold, [text]))
+        )
+
+
+def test_the_text_caching_canvas_changes_text_pixels_only() -> None:
+    """Against matplotlib's own Agg canvas, the figures' canvas moves text by under a pixel
+    (turned text by under two, as matplotlib up to 3.10 did): every pixel away from the texts
+    is the same, and each text has as much ink, centred where matplotlib centres it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from dvfs.plots.style import make_text_caching_canvas
+
+    ours = _pixels(_text_figure(make_text_caching_canvas(), TEXTS))
+    fig = _text_figure(FigureCanvasAgg, TEXTS)
+    stock = _pixels(fig)
+    assert ours.shape == stock.shape
+    renderer = fig.canvas.get_renderer()
+    height = ours.shape[0]
+    near_text = np.zeros(ours.shape[:2], dtype=bool)
+    boxes = []
+    for text in fig.findobj(Text):
+        if text.get_visible() and text.get_text():
+            box = text.get_window_extent(renderer)
+            rows = slice(max(0, int(height - box.y1) - 2), int(height - box.y0) + 3)
+            cols = slice(max(0, int(box.x0) - 2), int(box.x1) + 3)
+            near_text[rows, cols] = True
+            boxes.append((rows, cols, 0.75 if text.get_rotation() == 0 else 1.5))
+    assert len(boxes) > 10  # tick labels, title, axis labels and the texts
+    assert not near_text.all()
+    assert np.array_equal(ours[~near_text], stock[~near_text])
+    for rows, cols, shift_px in boxes:
+        ink_ours = 255 - ours[rows, cols, :3].astype(float).mean(axis=2)
+        ink_stock = 255 - stock[rows, cols, :3].astype(float).mean(axis=2)
+        assert ink_ours.sum() == pytest.approx(ink_stock.sum(), rel=0.1)
+        if ink_stock.sum() == 0:  # a tick label outside the view: not drawn
+            continue
+        for axis in (0, 1):
+            at = np.arange(ink_ours.shape[axis])
+            centre_ours = (ink_ours.sum(axis=1 - axis) * at).sum() / ink_ours.sum()
+            centre_stock = (ink_stock.sum(axis=1 - axis) * at).sum() / ink_stock.sum()
+            assert centre_ours == pytest.approx(centre_stock, abs=shift_px)

@@ -18,6 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
     from matplotlib.legend import Legend
@@ -194,7 +195,6 @@ def panel_figure(
     No layout engine runs at save time: laying out text costs as much as drawing it, and the
     margins, sized for the fonts, keep labels clear of each other.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     m = margins or Margins()
@@ -206,7 +206,7 @@ def panel_figure(
         width = title_w + 0.4
     height = m.top + rows * panel_h_in + (rows - 1) * m.hspace + m.bottom
     fig = Figure(figsize=(width, height), dpi=DPI)
-    FigureCanvasAgg(fig)
+    text_caching_canvas()(fig)
     slots = []
     for r in range(rows):
         for c in range(cols):
@@ -221,6 +221,78 @@ def panel_figure(
     spare = slots[panels] if panels < len(slots) else None
     side_x = (width - m.side) / width
     return Panels(fig, slots[:panels], spare, side_x)
+
+
+#: Strings a text-caching canvas keeps rendered (a figure set has a few hundred).
+TEXT_CACHE_SIZE = 4096
+
+
+@cache
+def text_caching_canvas() -> type[FigureCanvasAgg]:
+    """The figures' canvas class: one text cache for every figure (see make_text_caching_canvas)."""
+    return make_text_caching_canvas()
+
+
+def make_text_caching_canvas() -> type[FigureCanvasAgg]:
+    """An Agg canvas class, with a cache of its own, whose renderer rasterises each string once
+    per font, size and DPI, and then only stamps the bitmap where the text goes.
+
+    matplotlib 3.11 shapes and renders every glyph of every text anew at each draw, a glyph at
+    a time in Python: about half of the figures' drawing. Their few hundred distinct strings
+    (tick labels, panel titles, axis labels, cell texts) recur across panels and across the
+    per-corpus figures. A string is rendered whole, as matplotlib did up to 3.10 (placed to the
+    pixel, turned as an image), so text may sit up to a pixel (turned text, two) from where
+    3.11 puts it; nothing else changes. Mathtext, and texts with font features or a language,
+    are drawn the stock way."""
+    import math
+    from types import MethodType
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag
+
+    rendered: dict[tuple[Any, ...], tuple[np.ndarray, float, float, float]] = {}
+
+    def draw_text(
+        renderer: RendererAgg,
+        gc: Any,
+        x: float,
+        y: float,
+        s: str,
+        prop: Any,
+        angle: float,
+        ismath: bool | str = False,
+        mtext: Any = None,
+    ) -> None:
+        shaped = mtext is not None and any(
+            getattr(mtext, get, lambda: None)() for get in ("get_fontfeatures", "get_language")
+        )
+        if ismath or shaped:
+            RendererAgg.draw_text(renderer, gc, x, y, s, prop, angle, ismath, mtext)
+            return
+        font = renderer._prepare_font(prop)
+        flags = get_hinting_flag()
+        antialiased = bool(gc.get_antialiased())
+        key = (s, font, prop.get_size_in_points(), renderer.dpi, flags, antialiased)
+        if (hit := rendered.get(key)) is None:
+            font.set_text(s, 0.0, flags=flags)
+            font.draw_glyphs_to_bitmap(antialiased=antialiased)
+            x0, y0 = font.get_bitmap_offset()
+            hit = (np.array(font.get_image()), font.get_descent() / 64, x0 / 64, y0 / 64)
+            if len(rendered) >= TEXT_CACHE_SIZE:
+                rendered.clear()
+            rendered[key] = hit
+        image, descent, x0, y0 = hit
+        x += x0 + descent * math.sin(math.radians(angle))  # the descent turns with the text
+        y += y0 + descent * math.cos(math.radians(angle))
+        renderer._renderer.draw_text_image(image, round(x), round(y) + 1, angle, gc)
+
+    class TextCachingCanvas(FigureCanvasAgg):
+        def get_renderer(self) -> RendererAgg:
+            renderer = super().get_renderer()
+            if "draw_text" not in vars(renderer):  # a new renderer (a new size or DPI)
+                renderer.draw_text = MethodType(draw_text, renderer)
+            return renderer
+
+    return TextCachingCanvas
 
 
 def clear_panels(panels: Panels) -> Panels:
