@@ -465,18 +465,25 @@ def test_text_drawn_from_the_cache_is_the_text_drawn_afresh() -> None:
 
 
 def test_the_text_caching_canvas_changes_text_pixels_only() -> None:
-    """Against matplotlib's own Agg canvas, the figures' canvas moves text by under a pixel
-    (turned text by under two, as matplotlib up to 3.10 did): every pixel away from the texts
-    is the same, and each text has as much ink, centred where matplotlib centres it."""
+    """Against matplotlib's own Agg canvas, the figures' canvas lays text out the same and
+    draws it under a pixel away (turned text under two, as matplotlib up to 3.10 did): every
+    pixel away from the texts is the same, and each text has as much ink, centred where
+    matplotlib centres it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from dvfs.plots.style import make_text_caching_canvas
 
-    ours = _pixels(_text_figure(make_text_caching_canvas(), TEXTS))
+    ours_fig = _text_figure(make_text_caching_canvas(), TEXTS)
+    ours = _pixels(ours_fig)
     fig = _text_figure(FigureCanvasAgg, TEXTS)
     stock = _pixels(fig)
     assert ours.shape == stock.shape
     renderer = fig.canvas.get_renderer()
+    extents = [
+        [text.get_window_extent(f.canvas.get_renderer()).bounds for text in f.findobj(Text)]
+        for f in (ours_fig, fig)
+    ]
+    assert extents[0] == extents[1]  # measured as matplotlib measures: the same layout
     height = ours.shape[0]
     near_text = np.zeros(ours.shape[:2], dtype=bool)
     boxes = []
