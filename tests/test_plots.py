@@ -508,3 +508,21 @@ def test_the_text_caching_canvas_changes_text_pixels_only() -> None:
             centre_ours = (ink_ours.sum(axis=1 - axis) * at).sum() / ink_ours.sum()
             centre_stock = (ink_stock.sum(axis=1 - axis) * at).sum() / ink_stock.sum()
             assert centre_ours == pytest.approx(centre_stock, abs=shift_px)
+
+
+def test_a_matplotlib_without_the_private_text_calls_draws_text_its_own_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The text cache stands on two private matplotlib calls; where a release lacks either,
+    the figures use matplotlib's own canvas instead of failing mid-draw."""
+    from matplotlib.backends import _backend_agg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
+
+    from dvfs.plots.style import make_text_caching_canvas
+
+    assert make_text_caching_canvas() is not FigureCanvasAgg
+    monkeypatch.delattr(RendererAgg, "_prepare_font")
+    assert make_text_caching_canvas() is FigureCanvasAgg
+    monkeypatch.undo()
+    monkeypatch.delattr(_backend_agg.RendererAgg, "draw_text_image")
+    assert make_text_caching_canvas() is FigureCanvasAgg

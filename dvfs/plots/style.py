@@ -249,7 +249,14 @@ def make_text_caching_canvas() -> type[FigureCanvasAgg]:
     import math
     from types import MethodType
 
+    from matplotlib.backends import _backend_agg
     from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg, get_hinting_flag
+
+    if not (
+        hasattr(RendererAgg, "_prepare_font")
+        and hasattr(getattr(_backend_agg, "RendererAgg", None), "draw_text_image")
+    ):  # a matplotlib without the private calls this cache stands on: draw text its own way
+        return FigureCanvasAgg
 
     #: (width, height, descent, bitmap, bitmap x and y offset), in pixels, by string, font,
     #: size, DPI, hinting and antialiasing
