@@ -26,10 +26,17 @@ from dvfs.fleet.shard import Shard, planned_cells, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
 
-#: The fleet campaign on two clocks (96 cells, 8 comparison groups of 12): interleaved
-#: repeats, three drafters for the server starts; the whole is swept seven times over below.
+#: The fleet campaign on two clocks and one power limit (48 cells, 8 comparison groups of 6):
+#: interleaved repeats, three drafters for the server starts; the whole is swept seven times
+#: over below. The groups, not their size, are what is dealt.
 CAMPAIGN = replace_block(
-    fleet_campaign("shardy", repeats=2), "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1005]"
+    replace_block(
+        fleet_campaign("shardy", repeats=2),
+        "sm_clock = [1980, 1410, 1005]",
+        "sm_clock = [1980, 1005]",
+    ),
+    "power_limit = [700, 350]",
+    "power_limit = [700]",
 )
 
 
@@ -62,10 +69,10 @@ def _make_runs(root: Path) -> None:
 def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
-    # Each shard measured its share only (8 groups of 12 cells: 3, 3 and 2 of them), and the
+    # Each shard measured its share only (8 groups of 6 cells: 3, 3 and 2 of them), and the
     # shares cover the grid once.
     measured = [int((s["cell_status"].values == STATUS_OK).sum()) for s in shards]
-    assert sum(measured) == whole["cell_status"].size and measured == [36, 36, 24]
+    assert sum(measured) == whole["cell_status"].size and measured == [18, 18, 12]
     assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
     # Shard folders (their journals) in any order, through the CLI.
     merged = tmp_path / "merged.nc"
@@ -242,7 +249,7 @@ def test_shard_dry_run_counts_the_slice_and_bad_specs_are_usage_errors(runs: Pat
     whole = dry("--no-estimate")
     parts = [dry("--shard", f"{i}/3", *(("--no-estimate",) if i < 2 else ())) for i in range(3)]
     assert parts[2]["estimate"]["from"] == "twin"
-    assert parts[2]["estimate"]["cells_measured"] == parts[2]["cells"] == 24
+    assert parts[2]["estimate"]["cells_measured"] == parts[2]["cells"] == 12
     assert sum(p["cells"] for p in parts) == whole["cells"]
     assert sum(p["comparison_groups"] for p in parts) == whole["comparison_groups"] == 8
     assert [p["server_starts"] for p in parts] == [3, 3, 3] and whole["server_starts"] == 3
