@@ -11,6 +11,8 @@ that changes one works on `copy_sweep` of it):
   folder NAME, once per session, and returns that folder; runs of one TEXT share a parent
   holding the campaign as `campaign.toml` and each run's printed output as `NAME.txt` (the
   reference runs several files compare with).
+- `tiny_exact_run`: `tiny_exact_run(NAME)`, TINY_EXACT's `shared_run` NAME (the whole
+  campaign or a shard of two, on one GPU or a fleet mixing GPU models: `TINY_EXACT_RUNS`).
 - `made_once(tmp_path_factory, NAME, MAKE)` (a function, not a fixture): a folder MAKE fills
   once per session, for a module fixture that writes files (module scope alone builds it again
   on each worker that runs one of the module's tests).
@@ -124,6 +126,14 @@ TINY = replace_block(
     'corpora = ["code", "conversation"]',
     'corpora = ["code"]',
 )
+
+
+#: TINY on the exact twin: the campaign of the tests that merge, shard or resume its runs on
+#: one model and on a fleet mixing an H100 and an H200 (`--gpus 0,h200-sxm:0`), whose cells
+#: must reproduce exactly. Its runs are `shared_run`s: one of each per session.
+TINY_EXACT = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+#: The `--gpus` of TINY_EXACT's runs on a fleet mixing GPU models.
+MIXED_FLEET = ("--gpus", "0,h200-sxm:0")
 
 
 def copy_sweep(out: Path, dest: Path) -> Path:
@@ -255,6 +265,26 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return done[key]
 
     return run
+
+
+#: TINY_EXACT's shared runs by name: the whole campaign and its two shards, on one twin H100
+#: and on the fleet mixing an H100 and an H200.
+TINY_EXACT_RUNS: dict[str, tuple[str, ...]] = {
+    "one": (),
+    "s0": ("--shard", "0/2"),
+    "s1": ("--shard", "1/2"),
+    "mixed": MIXED_FLEET,
+    "mixed-s0": ("--shard", "0/2", *MIXED_FLEET),
+    "mixed-s1": ("--shard", "1/2", *MIXED_FLEET),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_exact_run(shared_run: Callable[..., Path]) -> Callable[[str], Path]:
+    """`tiny_exact_run(NAME)`: the folder of TINY_EXACT's run NAME (`TINY_EXACT_RUNS`), a
+    `shared_run`; its parent holds the campaign as `campaign.toml`. Read-only; a test that
+    resumes, edits or damages one works on `copy_sweep` of it."""
+    return lambda name: shared_run(TINY_EXACT, name, *TINY_EXACT_RUNS[name])
 
 
 class _RayInstance:

@@ -9,15 +9,16 @@ import re
 from pathlib import Path
 
 from click.testing import CliRunner, Result
-from conftest import TINY, copy_sweep, replace_block, write
+from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.fleet.shard import Shard
 from dvfs.measure.journal import read_records
 
-#: TINY (16 cells) on the exact twin, so that twins of two models measure it alike.
-MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
-FLEET = ("--gpus", "0,h200-sxm:0")
+#: TINY (16 cells) on the exact twin, so that twins of two models measure it alike; its runs
+#: (`tiny_exact_run`) are shared with other tests, so each test resumes or edits a copy.
+MIXED = TINY_EXACT
+FLEET = MIXED_FLEET
 
 
 def invoke(*args: str) -> Result:
@@ -59,7 +60,7 @@ def _dry(campaign: Path, out: Path, *args: str) -> tuple[dict, Result]:
 
 
 def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
-    tmp_path: Path,
+    tiny_exact_run, tmp_path: Path
 ) -> None:
     """A fleet mixing GPU models, interrupted (a whole campaign, and a shard): its dry run
     counts as done, per model, the cells of each model's `gpu-*/` journal that the sweep then
@@ -67,10 +68,9 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
     (one model's journal), in --json and in the text; finished, all are done. A folder of one
     model's run: nothing to run when finished, else the fleet's refusal, for both."""
     campaign = write(tmp_path / "tiny.toml", MIXED)
-    for shard, cells in ((), 16), (("--shard", "1/2"), 8):
-        begun = tmp_path / f"begun{len(shard)}"
+    for shard, cells, run in ((), 16, "mixed"), (("--shard", "1/2"), 8, "mixed-s1"):
+        begun = copy_sweep(tiny_exact_run(run), tmp_path / f"begun{len(shard)}")
         sweep = ("sweep", str(campaign), *shard, "--no-progress")
-        assert invoke(*sweep, *FLEET, "--out", str(begun)).exit_code == 0
         h100, h200 = sorted(begun.glob("gpu-*/journal.jsonl"))
         _interrupted(h100, 3)
         _interrupted(h200, 5)
@@ -95,8 +95,7 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
     # run too; begun only, the fleet refuses it, and the dry run in the same line.
     from test_journal import assert_one_line_error
 
-    one = tmp_path / "one"
-    assert invoke("sweep", str(campaign), "--no-progress", "--out", str(one)).exit_code == 0
+    one = copy_sweep(tiny_exact_run("one"), tmp_path / "one")
     doc, _ = _dry(campaign, one, *FLEET)
     assert (doc["already_done"], doc["remaining"], doc.get("done_per_model")) == (16, 0, None)
     args = ("sweep", str(campaign), *FLEET, "--out", str(one))
@@ -106,7 +105,9 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
     assert assert_one_line_error(invoke(*args, "--dry-run", "--no-estimate"), 1) == line
 
 
-def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path) -> None:
+def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
+    tiny_exact_run, tmp_path: Path
+) -> None:
     """With --fresh, the folders the sweep would refuse (another shard's, one begun by an
     earlier dvfs, a damaged shard record; one model's journals or each model's) are no
     problem: nothing counts as done, the dry run names the journals and cubes --fresh would
@@ -116,11 +117,9 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path)
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", MIXED)
-    s0 = tmp_path / "s0"
     run = ("sweep", str(campaign), "--no-progress")
-    assert invoke(*run, "--shard", "0/2", *FLEET, "--out", str(s0)).exit_code == 0
-    one = tmp_path / "one"
-    assert invoke(*run, "--shard", "0/2", "--out", str(one)).exit_code == 0
+    # Each case works on a copy of these; the dry run of the invalid campaign reads s0.
+    s0, one = tiny_exact_run("mixed-s0"), tiny_exact_run("s0")
     damaged = copy_sweep(one, tmp_path / "damaged")
     records = read_records(damaged / "journal.jsonl")
     records[1] = {**records[1], "index": "x"}
@@ -166,7 +165,9 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(tmp_path: Path)
     assert_one_line_error(result, 2, "repeats")
 
 
-def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(tmp_path: Path) -> None:
+def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
+    tiny_exact_run, tmp_path: Path
+) -> None:
     """A folder whose journal was measured with other settings (more GPUs, so another
     tp_size; another knob list), the folder's own or each GPU model's of a fleet mixing
     models: the sweep refuses it in one line, exit 1, and its dry run reports that line as a
@@ -174,11 +175,7 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(tmp_path: 
     moves the journals aside) it is no problem."""
     from test_journal import assert_one_line_error
 
-    campaign = write(tmp_path / "tiny.toml", MIXED)
-    run = ("sweep", str(campaign), "--no-progress")
-    one, mixed = tmp_path / "one", tmp_path / "mixed"
-    assert invoke(*run, "--out", str(one)).exit_code == 0
-    assert invoke(*run, *FLEET, "--out", str(mixed)).exit_code == 0
+    one, mixed = tiny_exact_run("one"), tiny_exact_run("mixed")  # each case works on a copy
     two_gpus = write(
         tmp_path / "two.toml", replace_block(MIXED, "devices = [0]", "devices = [0, 1]")
     )

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import TINY, made_once, replace_block, write
+from conftest import TINY_EXACT, copy_sweep, replace_block
 from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
@@ -26,7 +26,7 @@ from dvfs.measure.journal import read_records
 #: larger GPU (a 180 GB B200 gets 16384).
 CHUNKED = {"h100": 8192, "h200": 16384}
 #: TINY on the exact twin (its cells valid, for headroom and compare).
-EXACT = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
+EXACT = TINY_EXACT
 CONTAINER = "unverified: NVML lists none of the server's processes (a container)"
 
 
@@ -34,25 +34,19 @@ def invoke(*args: str) -> Result:
     return CliRunner().invoke(cli, list(args))
 
 
-def _sweep(campaign: Path, out: Path, *extra: str) -> None:
-    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
-    assert result.exit_code == 0, result.output
-
-
-def _make_runs(root: Path) -> None:
-    """EXACT on a twin H100 and on a twin H200, and as two shards on the H100."""
-    h100 = write(root / "h100.toml", EXACT)
-    h200 = write(root / "h200.toml", replace_block(EXACT, '"h100-sxm:none"', '"h200-sxm:none"'))
-    _sweep(h100, root / "h100")
-    _sweep(h200, root / "h200")
-    for i in range(2):
-        _sweep(h100, root / f"s{i}", "--shard", f"{i}/2")
+#: EXACT on a twin H200.
+H200 = replace_block(EXACT, '"h100-sxm:none"', '"h200-sxm:none"')
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`_make_runs`' folders, made once per session; read-only."""
-    return made_once(tmp_path_factory, "merge-across-gpus", _make_runs)
+def runs(tiny_exact_run, shared_run) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """EXACT swept on a twin H100 (`h100`), on a twin H200 (`h200`) and as two shards on the
+    H100 (`s0`, `s1`): the folders of `shared_run`s, once per session; read-only."""
+    return {
+        "h100": tiny_exact_run("one"),
+        "h200": shared_run(H200, "one"),
+        **{f"s{i}": tiny_exact_run(f"s{i}") for i in range(2)},
+    }
 
 
 def _cube(
@@ -87,15 +81,15 @@ def _cube(
 
 
 def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_from_the_gpu(
-    runs: Path, tmp_path: Path
+    runs: dict[str, Path], tmp_path: Path
 ) -> None:
     a = _cube(
-        runs / "h100" / "cube.nc",
+        runs["h100"] / "cube.nc",
         tmp_path / "a.nc",
         args={"chunked_prefill_size": CHUNKED["h100"], "mem_fraction_static": 0.85},
     )
     b = _cube(
-        runs / "h200" / "cube.nc",
+        runs["h200"] / "cube.nc",
         tmp_path / "b.nc",
         args={"chunked_prefill_size": CHUNKED["h200"], "mem_fraction_static": 0.88},
     )
@@ -131,20 +125,22 @@ def test_cubes_of_two_gpu_models_merge_whatever_sglang_derives_from_the_gpu(
     ],
 )
 def test_cubes_of_two_gpu_models_differing_in_what_dvfs_pins_are_refused(
-    runs: Path, tmp_path: Path, first: dict[str, Any], second: dict[str, Any], named: str
+    runs: dict[str, Path], tmp_path: Path, first: dict[str, Any], second: dict[str, Any], named: str
 ) -> None:
-    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", args=first)
-    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", args=second)
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", args=first)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", args=second)
     refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
     assert_one_line_error(refused, 1, "were not measured alike", named)
 
 
-def test_pinned_kernels_that_differ_across_gpus_are_refused(runs: Path, tmp_path: Path) -> None:
+def test_pinned_kernels_that_differ_across_gpus_are_refused(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
     """The campaign pins fa3: a cube whose servers ran other kernels is refused, as are
     kernels that differ where the campaign left them to SGLang but the sources disagree on
     that (their campaigns then differ)."""
-    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", backends="fa3")
-    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", backends="flashinfer")
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", backends="fa3")
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", backends="flashinfer")
     refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
     assert_one_line_error(refused, 1, "were not measured alike", "attention kernels: fa3 ->")
     auto = _cube(b, tmp_path / "auto.nc", kernels="auto")
@@ -153,9 +149,9 @@ def test_pinned_kernels_that_differ_across_gpus_are_refused(runs: Path, tmp_path
 
 
 def test_shards_of_one_run_still_compare_what_sglang_derives_from_the_gpu(
-    runs: Path, tmp_path: Path
+    runs: dict[str, Path], tmp_path: Path
 ) -> None:
-    s0, s1 = (runs / f"s{i}" / "cube.nc" for i in range(2))
+    s0, s1 = (runs[f"s{i}"] / "cube.nc" for i in range(2))
     odd = _cube(s1, tmp_path / "odd.nc", args={"chunked_prefill_size": 16384})
     even = _cube(s0, tmp_path / "even.nc", args={"chunked_prefill_size": 8192})
     refused = invoke("cube", "merge", str(even), str(odd), "-o", str(tmp_path / "m.nc"))
@@ -175,13 +171,11 @@ def _edit_servers(journal: Path, **changes: Any) -> None:
     journal.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tmp_path: Path) -> None:
+def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tiny_exact_run, tmp_path: Path) -> None:
     """An H100 and an H200 in one fleet, each model's servers set up by SGLang for its GPU
     (written into the journals, the twin reports none) and their pinning unverified: the
     folder's cube is still the merged one, which names each GPU's unverified pinning."""
-    campaign = write(tmp_path / "tiny.toml", EXACT)
-    out = tmp_path / "out"
-    _sweep(campaign, out, "--gpus", "0,h200-sxm:0")
+    out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "out")  # --gpus 0,h200-sxm:0
     journals = sorted(out.glob("gpu-*/journal.jsonl"))
     assert len(journals) == 2
     for journal, chunked in zip(journals, (CHUNKED["h100"], CHUNKED["h200"]), strict=True):
@@ -201,10 +195,12 @@ def test_a_fleet_mixing_gpu_models_ends_with_a_merged_cube(tmp_path: Path) -> No
     assert {k.split(" on ", 1)[1] for k in pinning} == set(json.loads(cube.attrs["gpu_names"]))
 
 
-def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: Path) -> None:
+def test_a_merged_cube_names_each_gpus_unverified_pinning(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
     unverified = json.dumps({"none": CONTAINER, "eagle3": CONTAINER})
-    a = _cube(runs / "h100" / "cube.nc", tmp_path / "a.nc", gpu_pinning=unverified)
-    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", gpu_pinning=unverified)
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", gpu_pinning=unverified)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", gpu_pinning=unverified)
     merged = tmp_path / "m.nc"
     assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
     cube = open_cube(merged)
@@ -228,7 +224,7 @@ def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: 
         assert names[0] in line and names[1] in line
     # Verified on one GPU, unverified on the other: only the other is named.
     fine = _cube(
-        runs / "h100" / "cube.nc",
+        runs["h100"] / "cube.nc",
         tmp_path / "fine.nc",
         gpu_pinning=json.dumps({"none": "verified: GPU 0", "eagle3": "verified: GPU 0"}),
     )
@@ -238,25 +234,25 @@ def test_a_merged_cube_names_each_gpus_unverified_pinning(runs: Path, tmp_path: 
 
 
 def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
-    runs: Path, tmp_path: Path
+    runs: dict[str, Path], tmp_path: Path
 ) -> None:
     """A source that does not record an engine version, token-count method or prompt format
     (an older dvfs's cube, an engine that does not say) leaves the other's."""
-    known = open_cube(runs / "h200" / "cube.nc").attrs
+    known = open_cube(runs["h200"] / "cube.nc").attrs
     a = _cube(
-        runs / "h100" / "cube.nc",
+        runs["h100"] / "cube.nc",
         tmp_path / "a.nc",
         engine_version="",
         token_count_method="",
         prompt_format="",
     )
-    b = _cube(runs / "h200" / "cube.nc", tmp_path / "b.nc", prompt_format="plain")
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", prompt_format="plain")
     merged = merge_cubes([open_cube(a), open_cube(b)], ["a", "b"])
     assert merged.attrs["engine_version"] == known["engine_version"]
     assert merged.attrs["token_count_method"] == known["token_count_method"] != ""
     assert merged.attrs["prompt_format"] == "plain"
     # Shards: one without an engine version leaves the other's, not ", X".
-    s0, s1 = (runs / f"s{i}" / "cube.nc" for i in range(2))
+    s0, s1 = (runs[f"s{i}"] / "cube.nc" for i in range(2))
     blank = _cube(s0, tmp_path / "blank.nc", engine_version="", prompt_format="")
     told = _cube(s1, tmp_path / "told.nc", prompt_format="plain")
     whole = merge_cubes([open_cube(blank), open_cube(told)], ["s0", "s1"])

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import TINY, replace_block, write
+from conftest import TINY, copy_sweep, made_once, replace_block, write
 from test_journal import assert_one_line_error
 
 from dvfs.campaign import load_campaign
@@ -50,6 +49,29 @@ def sweep(campaign: Path, out: Path, *extra: str) -> Result:
     return invoke("sweep", str(campaign), "--out", str(out), "--no-progress", *extra)
 
 
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the campaign and its corpus, swept whole (`out`) and as two shards
+    (`s0`, `s1`): made once per session (`made_once`: the xdist workers share it), read-only
+    (a test that resumes the run works on `copy_sweep` of it)."""
+
+    def make(folder: Path) -> None:
+        campaign = _setup(folder)
+        for out, extra in (("out", ()), ("s0", ("--shard", "0/2")), ("s1", ("--shard", "1/2"))):
+            result = sweep(campaign, folder / out, *extra)
+            assert result.exit_code == 0, result.output
+
+    return made_once(tmp_path_factory, "prompt-invariants", make)
+
+
+def _half_done(swept: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The campaign and its corpus in `tmp_path`, and a copy of the whole run cut back to 8 of
+    its 16 cells there, as a crash half way leaves it: (campaign, out)."""
+    campaign, out = _setup(tmp_path), copy_sweep(swept / "out", tmp_path / "out")
+    _cut(out / "journal.jsonl", 8)
+    return campaign, out
+
+
 def _cut(journal: Path, cells: int) -> None:
     """The journal back to its first `cells` cell records, as if the sweep had been killed."""
     kept, seen = [], 0
@@ -73,11 +95,11 @@ def _edit_sessions(journal: Path, **changes: object) -> None:
     journal.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(tmp_path: Path) -> None:
-    campaign, out = _setup(tmp_path), tmp_path / "out"
-    assert sweep(campaign, out).exit_code == 0
+def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(
+    swept: Path, tmp_path: Path
+) -> None:
+    campaign, out = _half_done(swept, tmp_path)
     journal = out / "journal.jsonl"
-    _cut(journal, 8)  # a crash half way
     before = journal.read_text()
     _corpus(tmp_path, edit=" (edited)")  # the corpus file edited before the rerun
     refused = sweep(campaign, out)
@@ -101,12 +123,10 @@ def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(tmp_path: Pa
 
 
 @pytest.fixture
-def half_done(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A file-corpus campaign swept and cut back to 8 of its 16 cells: (campaign, out)."""
-    campaign, out = _setup(tmp_path), tmp_path / "out"
-    assert sweep(campaign, out).exit_code == 0
-    _cut(out / "journal.jsonl", 8)
-    yield campaign, out
+def half_done(swept: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The file-corpus campaign's run cut back to 8 of its 16 cells (`_half_done`):
+    (campaign, out)."""
+    return _half_done(swept, tmp_path)
 
 
 def test_a_resume_counting_tokens_otherwise_is_refused(
@@ -213,11 +233,10 @@ def _server_args_with(path: Path, **args: object) -> str:
     return json.dumps(servers)
 
 
-def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(tmp_path: Path) -> None:
-    campaign = _setup(tmp_path)
-    for i in range(2):
-        assert sweep(campaign, tmp_path / f"s{i}", "--shard", f"{i}/2").exit_code == 0
-    s0, s1 = (tmp_path / f"s{i}" / "cube.nc" for i in range(2))
+def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(
+    swept: Path, tmp_path: Path
+) -> None:
+    s0, s1 = (swept / f"s{i}" / "cube.nc" for i in range(2))
     merged = tmp_path / "m.nc"
     # Alike: they merge, and the whole keeps each shard's provenance.
     ok = invoke("cube", "merge", str(s0), str(s1), "-o", str(merged))
@@ -245,13 +264,13 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(tmp_path: P
         assert str(odd) in line
 
 
-def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(tmp_path: Path) -> None:
-    h100 = _setup(tmp_path / "h100")
-    assert sweep(h100, tmp_path / "h100" / "out").exit_code == 0
+def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(
+    swept: Path, tmp_path: Path
+) -> None:
     h200 = _setup(tmp_path / "h200", edit=" (edited)")
     write(h200, h200.read_text().replace('profile = "h100-sxm"', 'profile = "h200-sxm"'))
     assert sweep(h200, tmp_path / "h200" / "out").exit_code == 0
-    a, b = tmp_path / "h100" / "out" / "cube.nc", tmp_path / "h200" / "out" / "cube.nc"
+    a, b = swept / "out" / "cube.nc", tmp_path / "h200" / "out" / "cube.nc"  # H100's: shared
     merged = tmp_path / "m.nc"
     edited = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
     assert_one_line_error(edited, 1, "were not measured alike", "corpus 'mine' content: ")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import TINY, replace_block, write
+from conftest import TINY_EXACT, write
 from test_sweep import assert_cubes_equal
 
 from dvfs.cli import cli
@@ -295,13 +295,11 @@ def _as_version_1(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def test_a_sweep_resumes_an_old_format_journal(tmp_path: Path) -> None:
+def test_a_sweep_resumes_an_old_format_journal(tiny_exact_run, tmp_path: Path) -> None:
     # The exact twin: the resumed cell must equal the uninterrupted run's (no thermal history).
-    exact = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
-    campaign = write(tmp_path / "tiny.toml", exact)
-    clean, old = tmp_path / "clean", tmp_path / "old"
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    clean, old = tiny_exact_run("one"), tmp_path / "old"  # the uninterrupted run: read-only
     sweep = ["sweep", str(campaign), "--no-progress", "--out"]
-    assert CliRunner().invoke(cli, [*sweep, str(clean)]).exit_code == 0
     records = read_records(clean / "journal.jsonl")
     assert records[0]["journal_schema"] == JOURNAL_SCHEMA
     assert all(r["journal_schema"] == JOURNAL_SCHEMA for r in records if r["type"] == "session")

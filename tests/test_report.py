@@ -57,15 +57,17 @@ def run(*args: str) -> Any:
 @pytest.fixture(scope="module")
 def html_report(small_sweep: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The HTML report of `small_sweep`, written once per session (`made_once`: the xdist
-    workers share it), read-only."""
+    workers share it), read-only. Written two folders deeper than any that exists, which the
+    report makes as `dvfs plot` makes its own (test_the_output_folder_is_made_...)."""
 
     def make(folder: Path) -> None:
-        out = folder / "report.html"
+        out = folder / "new" / "deeper" / "report.html"
+        assert not out.parent.parent.exists()
         result = run("report", str(small_sweep), "-o", str(out), "--slack", "5%")
         assert result.exit_code == 0, result.output
         assert result.stdout.strip() == f"wrote {out}"
 
-    return made_once(tmp_path_factory, "report-html", make) / "report.html"
+    return made_once(tmp_path_factory, "report-html", make) / "new" / "deeper" / "report.html"
 
 
 @pytest.fixture(scope="module")
@@ -390,11 +392,10 @@ def test_user_errors_are_one_line(
     assert not (tmp_path / "r.html").exists()
 
 
-def test_the_output_folder_is_made_as_plot_makes_its_own(small_sweep: Path, tmp_path: Path) -> None:
-    out = tmp_path / "new" / "deeper" / "r.html"
-    result = run("report", str(small_sweep), "-o", str(out))
-    assert result.exit_code == 0, result.output
-    assert out.read_bytes().startswith(b"<!DOCTYPE html>")
+def test_the_output_folder_is_made_as_plot_makes_its_own(html_report: Path) -> None:
+    """The shared report was written into two folders that did not exist (`html_report`)."""
+    assert html_report.parent.name == "deeper" and html_report.parent.parent.name == "new"
+    assert html_report.read_bytes().startswith(b"<!DOCTYPE html>")
 
 
 def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_path: Path) -> None:

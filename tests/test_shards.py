@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import TINY, copy_sweep, made_once, replace_block, write
+from conftest import MIXED_FLEET, TINY, TINY_EXACT, copy_sweep, made_once, replace_block, write
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -26,10 +26,17 @@ from dvfs.fleet.shard import Shard, planned_cells, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
 
-#: The fleet campaign on two clocks (96 cells, 8 comparison groups of 12): interleaved
-#: repeats, three drafters for the server starts; the whole is swept seven times over below.
+#: The fleet campaign on two clocks and one power limit (48 cells, 8 comparison groups of 6):
+#: interleaved repeats, three drafters for the server starts; the whole is swept seven times
+#: over below. The groups, not their size, are what is dealt.
 CAMPAIGN = replace_block(
-    fleet_campaign("shardy", repeats=2), "sm_clock = [1980, 1410, 1005]", "sm_clock = [1980, 1005]"
+    replace_block(
+        fleet_campaign("shardy", repeats=2),
+        "sm_clock = [1980, 1410, 1005]",
+        "sm_clock = [1980, 1005]",
+    ),
+    "power_limit = [700, 350]",
+    "power_limit = [700]",
 )
 
 
@@ -62,10 +69,10 @@ def _make_runs(root: Path) -> None:
 def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> None:
     whole = open_cube(runs / "whole" / "cube.nc")
     shards = [open_cube(runs / f"s{i}" / "cube.nc") for i in range(3)]
-    # Each shard measured its share only (8 groups of 12 cells: 3, 3 and 2 of them), and the
+    # Each shard measured its share only (8 groups of 6 cells: 3, 3 and 2 of them), and the
     # shares cover the grid once.
     measured = [int((s["cell_status"].values == STATUS_OK).sum()) for s in shards]
-    assert sum(measured) == whole["cell_status"].size and measured == [36, 36, 24]
+    assert sum(measured) == whole["cell_status"].size and measured == [18, 18, 12]
     assert [s.attrs["shard"] for s in shards] == ["0/3", "1/3", "2/3"]
     # Shard folders (their journals) in any order, through the CLI.
     merged = tmp_path / "merged.nc"
@@ -231,24 +238,18 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
 
 def test_shard_dry_run_counts_the_slice_and_bad_specs_are_usage_errors(runs: Path) -> None:
     campaign = str(runs / "shardy.toml")
-    whole = json.loads(
-        invoke("sweep", campaign, "--dry-run", "--json", "--out", str(runs / "nowhere")).output
-    )
-    parts = [
-        json.loads(
-            invoke(
-                "sweep",
-                campaign,
-                "--dry-run",
-                "--json",
-                "--shard",
-                f"{i}/3",
-                "--out",
-                str(runs / "nowhere"),
-            ).output
+
+    def dry(*args: str) -> dict:  # type: ignore[type-arg]
+        nowhere = str(runs / "nowhere")
+        return json.loads(
+            invoke("sweep", campaign, "--dry-run", "--json", *args, "--out", nowhere).output
         )
-        for i in range(3)
-    ]
+
+    # The twin estimate (a sweep of the stand-in) for the last shard only: its cells alone.
+    whole = dry("--no-estimate")
+    parts = [dry("--shard", f"{i}/3", *(("--no-estimate",) if i < 2 else ())) for i in range(3)]
+    assert parts[2]["estimate"]["from"] == "twin"
+    assert parts[2]["estimate"]["cells_measured"] == parts[2]["cells"] == 12
     assert sum(p["cells"] for p in parts) == whole["cells"]
     assert sum(p["comparison_groups"] for p in parts) == whole["comparison_groups"] == 8
     assert [p["server_starts"] for p in parts] == [3, 3, 3] and whole["server_starts"] == 3
@@ -411,17 +412,15 @@ def test_shards_each_on_a_fleet_of_two_gpus_merge_to_the_whole(runs: Path, tmp_p
     assert cube.attrs["arms_on_one_gpu"] == 1 and cube.attrs["groups_across_gpus"] == 0
 
 
-#: TINY on the exact twin, the campaign of the shards run on fleets mixing GPU models.
-MIXED = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"')
-
-
-def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(tmp_path: Path) -> None:
+def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(
+    tiny_exact_run, tmp_path: Path
+) -> None:
     """Shards each run on an H100 and an H200 (`--gpus 0,h200-sxm:0`) hold a `gpu` axis, one
     entry per model, each model's comparisons apart: merged, they equal the unsharded fleet's
     cube, every group measured on one GPU of each model (a group on two models is not split),
     and nothing else is printed (no numpy warning). Shards on other GPUs of the same models
     (another node) line up by model; shards on other models are refused in one line."""
-    campaign = write(tmp_path / "tiny.toml", MIXED)
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
 
     def sweep(out: str, *args: str) -> Path:
         folder = tmp_path / out
@@ -429,8 +428,8 @@ def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(tmp_path: Path
         assert result.exit_code == 0, result.output
         return folder
 
-    whole = sweep("whole", "--gpus", "0,h200-sxm:0")
-    s0, s1 = (sweep(f"s{i}", "--shard", f"{i}/2", "--gpus", "0,h200-sxm:0") for i in range(2))
+    # The whole fleet's run and the shards' (also those of tests/test_dry_run_folder.py).
+    whole, s0, s1 = (tiny_exact_run(name) for name in ("mixed", "mixed-s0", "mixed-s1"))
     merged = tmp_path / "merged.nc"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning raised in the merge fails it
@@ -466,7 +465,7 @@ def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(tmp_path: Path
     assert_same_cells(spread.assign_coords(gpu=full["gpu"].values), full)
     assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
     # A shard on one of the models only.
-    h100 = sweep("h100", "--shard", "1/2")
+    h100 = tiny_exact_run("s1")
     refused = invoke("cube", "merge", str(s0), str(h100), "-o", str(tmp_path / "x.nc"))
     assert refused.exit_code == 1 and "ran on different GPU models" in refused.output
     assert len(refused.output.strip().splitlines()) == 1, refused.output
@@ -537,7 +536,9 @@ def test_a_shard_folder_begun_by_an_earlier_dvfs_is_refused_before_anything_is_m
     assert read_records(journal)[1] == {"type": "shard", "index": 0, "count": 3, "deal": "groups"}
 
 
-def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: Path) -> None:
+def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(
+    tiny_exact_run, tmp_path: Path
+) -> None:
     """A shard run on a fleet mixing GPU models journals in `gpu-<model>/`: its dry run looks
     there as the sweep does, so a folder holding another shard (or a whole-campaign run into
     it), one begun by an earlier dvfs, and a damaged shard record are refused by both, with or
@@ -545,11 +546,9 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(tmp_path: 
     the journals untouched."""
     from test_journal import assert_one_line_error
 
-    campaign = str(write(tmp_path / "tiny.toml", MIXED))
-    fleet = ("--gpus", "0,h200-sxm:0")
-    s0 = tmp_path / "s0"
-    result = invoke("sweep", campaign, "--shard", "0/2", *fleet, "--out", str(s0), "--no-progress")
-    assert result.exit_code == 0, result.output
+    campaign = str(write(tmp_path / "tiny.toml", TINY_EXACT))
+    fleet = MIXED_FLEET
+    s0 = copy_sweep(tiny_exact_run("mixed-s0"), tmp_path / "s0")
     h100, h200 = (p.name for p in sorted(s0.glob("gpu-*")))
     assert not (s0 / "journal.jsonl").exists()
     old = copy_sweep(s0, tmp_path / "old")
