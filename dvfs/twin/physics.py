@@ -615,13 +615,14 @@ def _remembered_schedule(
     """`schedule`, computed."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     # every pass fits the limit (the usual case): no phase needs looking at alone
-    fits = len(whole.power_w) == 0 or whole.power_w.max() <= power_limit_w
+    # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
+    fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
     points = []
     start = 0
     for phase in phases:
         timing = whole.slice(start, start + len(phase))
         start += len(phase)
-        if fits or len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
+        if fits or len(timing.power_w) == 0 or np.maximum.reduce(timing.power_w) <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
@@ -667,8 +668,10 @@ class Schedule:
         """When each pass ends, in whole ns after the schedule starts (read-only; computed
         once, as the engine and every device of the node read it)."""
         ends = self.timing.duration_s * 1e9
-        ends.round(out=ends)
-        ends = ends.cumsum(out=ends).astype(np.int64)
+        # ndarray.round with no decimals is rint, and cumsum is np.add.accumulate: the ufuncs
+        # called as they are, without the methods' dispatch
+        np.rint(ends, out=ends)
+        ends = np.add.accumulate(ends, out=ends).astype(np.int64)
         ends.flags.writeable = False
         return ends
 
