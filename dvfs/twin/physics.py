@@ -567,7 +567,7 @@ def _capped_clocks(
         hot = passes.take(over)
 
         def fits(mid: np.ndarray) -> np.ndarray:
-            return time_passes(gpu, hot, clocks[mid]).power_w <= power_limit_w
+            return _timed(gpu, hot, clocks[mid])[3] <= power_limit_w
 
     lo = np.zeros(n, dtype=np.int64)  # clocks below lo fit
     hi = np.full(n, m - 1, dtype=np.int64)  # clocks above hi do not
