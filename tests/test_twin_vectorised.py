@@ -543,3 +543,25 @@ def test_a_closed_loop_round_equals_the_iteration_by_iteration_reference(
         assert trace.sent_ns == sent and trace.chunk_ns.tolist() == at
         assert trace.chunk_tokens.tolist() == tokens_each and trace.finish_reason == finished
         assert (trace.spec_verify_ct or 0) == (verifies if drafter != "none" else 0)
+
+
+def test_a_short_capped_phase_is_remembered_by_its_content() -> None:
+    """Two rounds' equal prefill passes (distinct objects) share one power-cap search, with
+    the bisection's numbers; passes that differ in one number get their own."""
+    limit_w = 300.0
+    first = physics.operating_point(H100, some_passes(2, 4096, 64.0), 1980, limit_w)
+    same = some_passes(2, 4096, 64.0)
+    again = physics.operating_point(H100, same, 1980, limit_w)
+    assert first.power_capped and again is first
+    want = bisect_operating_point(H100, same, 1980, limit_w)
+    assert again.sm_clock_mhz == want.sm_clock_mhz
+    assert np.array_equal(again.timing.power_w, want.timing.power_w)
+    assert np.array_equal(again.timing.duration_s, want.timing.duration_s)
+    assert not again.timing.power_w.flags.writeable  # shared: nobody may change it
+    names = Passes.__dataclass_fields__
+    other = Passes(*(getattr(same, f) * (1.01 if f == "flops" else 1) for f in names))
+    got = physics.operating_point(H100, other, 1980, limit_w)
+    assert got is not first
+    assert np.array_equal(
+        got.timing.power_w, bisect_operating_point(H100, other, 1980, limit_w).timing.power_w
+    )

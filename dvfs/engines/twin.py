@@ -13,7 +13,7 @@ import gc
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from dvfs.twin.passes import (
 from dvfs.twin.physics import Passes, PassTiming, Schedule, host_time_s
 from dvfs.twin.profiles import GpuProfile, ModelProfile
 from dvfs.twin.textprior import TextProfile, profile_prompts
+
+if TYPE_CHECKING:
+    from dvfs.corpora.model import Prompt
 
 #: Virtual seconds a (re)start takes: loading weights and capturing CUDA graphs.
 STARTUP_S = 60.0
@@ -96,6 +99,8 @@ class TwinEngine:
         #: `_alphas` by corpus name, for a text found in `texts` (the text kept to check it)
         self._corpus_alphas: dict[tuple[str, float], tuple[TextProfile, float]] = {}
         self._rounds: OrderedDict[tuple[object, ...], _FixedRound] = OrderedDict()
+        #: `_prompt_lengths` by the prompts' id (the prompts kept to check it)
+        self._lengths: dict[int, tuple[tuple[Prompt, ...], np.ndarray, bytes]] = {}
         self._gc_thresholds: tuple[int, ...] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -178,13 +183,26 @@ class TwinEngine:
             self._corpus_alphas[by_name] = (text, alpha)
         return alpha, plan.depth
 
+    def _prompt_lengths(self, prompts: tuple[Prompt, ...]) -> tuple[np.ndarray, bytes]:
+        """The prompts' token counts (read-only), and as bytes: remembered by the prompts'
+        identity, as a sweep asks the same remembered workloads at every knob setting."""
+        known = self._lengths.get(id(prompts))
+        if known is not None and known[0] is prompts:
+            return known[1], known[2]
+        lengths = np.array([p.input_tokens for p in prompts], dtype=np.int64)
+        lengths.flags.writeable = False
+        self._lengths[id(prompts)] = (prompts, lengths, lengths.tobytes())
+        if len(self._lengths) > ROUND_CACHE_SIZE:
+            del self._lengths[next(iter(self._lengths))]  # the oldest
+        return lengths, self._lengths[id(prompts)][2]
+
     def _fixed_round(self, workload: Workload) -> _FixedRound:
         """The round's tokens and passes, from the cache when only the knobs changed."""
-        lengths = np.array([p.input_tokens for p in workload.prompts], dtype=np.int64)
+        lengths, lengths_key = self._prompt_lengths(workload.prompts)
         alpha, depth = self._acceptance(workload)
         key = (
             workload.seed,
-            lengths.tobytes(),
+            lengths_key,
             workload.max_new_tokens,
             alpha,
             depth,

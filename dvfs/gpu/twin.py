@@ -175,10 +175,12 @@ class TwinGpu:
 
 def _nvml_units(r: Readings) -> BulkReadings:
     """A device's readings in NVML's integers (see `TwinGpu.readings_at`)."""
-    # np.round with no decimals is rint (half to even), called as the ufunc it is
+    # np.round with no decimals is rint (half to even), called as the ufunc it is, in place
+    # on the product it rounds; a cast to int64 truncates toward zero, as np.trunc does
+    power_mw = r.power_w * 1000
     return BulkReadings(
-        energy_mj=np.trunc(r.energy_j * 1000).astype(np.int64),
-        power_mw=np.rint(r.power_w * 1000).astype(np.int64),
+        energy_mj=(r.energy_j * 1000).astype(np.int64),
+        power_mw=np.rint(power_mw, out=power_mw).astype(np.int64),
         sm_clock_mhz=r.sm_clock_mhz.astype(np.int64, copy=False),
         temperature_c=np.rint(r.temperature_c).astype(np.int64),
         reasons=r.reasons.astype(np.int64, copy=False),

@@ -140,7 +140,7 @@ class SteppedCounter:
         #: its last value + scale x the running sum of what the sensor sampled.
         self.known = np.empty(h + m)
         self.known[:h] = self.history
-        explicit = sampled.cumsum(out=self.known[h:])
+        explicit = np.add.accumulate(sampled, out=self.known[h:])  # (ndarray.cumsum's own)
         explicit *= s.scale
         explicit += self.history[-1]
         self._before_tail = float(self.known[-1])

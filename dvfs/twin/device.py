@@ -161,10 +161,11 @@ class TwinDevice:
         work = None
         n = len(schedule.timing.duration_s)
         if n:
-            ends = now + schedule.ends_ns
-            starts = np.empty(n, dtype=np.int64)
-            starts[0] = now
-            starts[1:] = ends[:-1]
+            # the passes' bounds in one array: now, then each pass's end (the next's start)
+            bounds = np.empty(n + 1, dtype=np.int64)
+            bounds[0] = now
+            ends = np.add(schedule.ends_ns, now, out=bounds[1:])
+            starts = bounds[:n]
             if schedule.power_capped:
                 reasons = schedule.per_pass(
                     [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points],
@@ -174,8 +175,8 @@ class TwinDevice:
                 reasons = np.zeros(n, dtype=np.int64)
             if schedule.joined is not None:  # every pass at the one requested clock
                 clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
-            else:
-                clocks = schedule.pass_clock_mhz
+            else:  # `pass_clock_mhz`, from the clocks `timing` has already joined
+                clocks = schedule.timing.pass_clocks_mhz.astype(np.int64)
             work = Work(starts, ends, schedule.timing.power_w, clocks, reasons)
         self._timeline = self._follow(now, work, *self._carry(now))
 

@@ -442,13 +442,85 @@ def operating_point(
     over = np.flatnonzero(timing.power_w > power_limit_w)
     if len(over) == 0:
         return OperatingPoint(int(requested_mhz), False, timing)
+    if len(passes) <= CAP_MEMO_MAX_PASSES:
+        return _remembered_cap(gpu, _SameContent(passes, timing), requested_mhz, power_limit_w)
+    return _capped_point(gpu, passes, over, requested_mhz, power_limit_w)
+
+
+def _capped_point(
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, requested_mhz: int, power_limit_w: float
+) -> OperatingPoint:
+    """`operating_point` of passes some of which (`over`) draw more than the limit."""
     clocks = _clocks_up_to(gpu, int(requested_mhz))
     if len(clocks) == 0:
         raise ValueError(f"no supported SM clock at or below {requested_mhz} MHz")
     pass_clocks = np.full(len(passes), float(requested_mhz))
-    pass_clocks[over] = _capped_clocks(gpu, passes.take(over), clocks, power_limit_w)
+    pass_clocks[over] = _capped_clocks(gpu, passes, over, clocks, power_limit_w)
     capped = time_passes(gpu, passes, pass_clocks)
     return OperatingPoint(int(capped.sm_clock_mhz), True, capped)
+
+
+#: `operating_point` remembers the capped points of phases of at most this many passes by
+#: their content (`_remembered_cap`).
+CAP_MEMO_MAX_PASSES = 16
+
+
+class _SameContent:
+    """A pass sequence compared and hashed by its content (`_content`), and its timing at the
+    requested clock (not compared): a key under which the same passes find what was worked
+    out for another sequence equal to them."""
+
+    __slots__ = ("passes", "timing", "key", "_hash")
+
+    def __init__(self, passes: Passes, timing: PassTiming) -> None:
+        self.passes = passes
+        self.timing: PassTiming | None = timing
+        self.key = _content(passes)
+        self._hash = hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SameContent) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@functools.lru_cache(maxsize=1024)
+def _remembered_cap(
+    gpu: GpuProfile, phase: _SameContent, requested_mhz: int, power_limit_w: float
+) -> OperatingPoint:
+    """`operating_point` of a short phase over the limit, remembered by the phase's content: a
+    sweep's rounds at one knob setting differ in their seeds, and so in their decode phases,
+    but their prefill (and short drain) phases are the same passes, whose search over the
+    clocks costs far more than their timing. The point's arrays are read-only (shared)."""
+    timing = phase.timing
+    assert timing is not None  # (a key's own, until its point is worked out)
+    over = np.flatnonzero(timing.power_w > power_limit_w)
+    point = _capped_point(gpu, phase.passes, over, requested_mhz, power_limit_w)
+    capped = point.timing
+    for values in (capped.duration_s, capped.power_w, capped.tensor_util, capped.memory_util):
+        values.flags.writeable = False
+    if capped.clocks_mhz is not None:
+        capped.clocks_mhz.flags.writeable = False
+    phase.timing = None  # not kept with the key
+    return point
+
+
+#: Where `_content` keeps a sequence's content beside its fields (as `_CONSTANTS`).
+_CONTENT = "_content_key"
+
+
+def _content(passes: Passes) -> tuple[tuple[str, bytes], ...]:
+    """Every field of `passes` as (dtype, bytes): equal exactly when the passes are, so what
+    the same passes give (the same arithmetic on the same numbers) can be looked up by it."""
+    known = passes.__dict__.get(_CONTENT)
+    if known is None:
+        known = tuple(
+            (a.dtype.str, a.tobytes())
+            for a in (getattr(passes, f) for f in Passes.__dataclass_fields__)
+        )
+        passes.__dict__[_CONTENT] = known
+    return known
 
 
 #: The most (pass, clock) pairs `_capped_clocks` times in one table; past it, it times the hot
@@ -467,19 +539,21 @@ def _clocks_up_to(gpu: GpuProfile, requested_mhz: int) -> np.ndarray:
 
 
 def _capped_clocks(
-    gpu: GpuProfile, hot: Passes, clocks: np.ndarray, power_limit_w: float
+    gpu: GpuProfile, passes: Passes, over: np.ndarray, clocks: np.ndarray, power_limit_w: float
 ) -> np.ndarray:
-    """Each hot pass's clock: the bisection over `clocks` (ascending) of the highest one whose
-    power fits the limit, all passes halved together (`clocks[0]` when none fits).
+    """The clock of each pass at `over` (the hot passes): the bisection over `clocks`
+    (ascending) of the highest one whose power fits the limit, all passes halved together
+    (`clocks[0]` when none fits).
 
     A pass's power at a clock is `time_passes`'s, elementwise the same whatever else is timed
-    with it; with few enough (pass, clock) pairs every pair is timed in one call and the
-    halvings read that table, otherwise each halving times the passes at their midpoints. The
-    halvings, and so the clocks found, are the same either way."""
-    n, m = len(hot), len(clocks)
+    with it; with few enough (pass, clock) pairs every pair is timed in one call (the hot
+    passes taken once per clock straight from `passes`) and the halvings read that table,
+    otherwise each halving times the passes at their midpoints. The halvings, and so the
+    clocks found, are the same either way."""
+    n, m = len(over), len(clocks)
     rows = np.arange(n)
     if n * m <= CAP_TABLE_MAX:
-        table = time_passes(gpu, hot.take(np.tile(rows, m)), np.repeat(clocks, n)).power_w
+        table = _timed(gpu, passes.take(np.tile(over, m)), np.repeat(clocks, n))[3]
         fit_table = (table <= power_limit_w).reshape(m, n)
         fitting = fit_table.sum(axis=0)
         if np.array_equal(fit_table, np.arange(m)[:, None] < fitting):
@@ -490,9 +564,10 @@ def _capped_clocks(
         def fits(mid: np.ndarray) -> np.ndarray:
             return fit_table[mid, rows]
     else:
+        hot = passes.take(over)
 
         def fits(mid: np.ndarray) -> np.ndarray:
-            return time_passes(gpu, hot, clocks[mid]).power_w <= power_limit_w
+            return _timed(gpu, hot, clocks[mid])[3] <= power_limit_w
 
     lo = np.zeros(n, dtype=np.int64)  # clocks below lo fit
     hi = np.full(n, m - 1, dtype=np.int64)  # clocks above hi do not
@@ -540,13 +615,14 @@ def _remembered_schedule(
     """`schedule`, computed."""
     whole = time_passes(gpu, phases[0] if len(phases) == 1 else _joined(phases), requested_mhz)
     # every pass fits the limit (the usual case): no phase needs looking at alone
-    fits = len(whole.power_w) == 0 or whole.power_w.max() <= power_limit_w
+    # (np.maximum.reduce is what ndarray.max calls, without its dispatch)
+    fits = len(whole.power_w) == 0 or np.maximum.reduce(whole.power_w) <= power_limit_w
     points = []
     start = 0
     for phase in phases:
         timing = whole.slice(start, start + len(phase))
         start += len(phase)
-        if fits or len(timing.power_w) == 0 or timing.power_w.max() <= power_limit_w:
+        if fits or len(timing.power_w) == 0 or np.maximum.reduce(timing.power_w) <= power_limit_w:
             points.append(OperatingPoint(int(requested_mhz), False, timing))
         else:
             points.append(operating_point(gpu, phase, requested_mhz, power_limit_w, timing))
@@ -592,8 +668,10 @@ class Schedule:
         """When each pass ends, in whole ns after the schedule starts (read-only; computed
         once, as the engine and every device of the node read it)."""
         ends = self.timing.duration_s * 1e9
-        ends.round(out=ends)
-        ends = ends.cumsum(out=ends).astype(np.int64)
+        # ndarray.round with no decimals is rint, and cumsum is np.add.accumulate: the ufuncs
+        # called as they are, without the methods' dispatch
+        np.rint(ends, out=ends)
+        ends = np.add.accumulate(ends, out=ends).astype(np.int64)
         ends.flags.writeable = False
         return ends
 

@@ -109,14 +109,15 @@ def _start_temperatures(
         return out
     cum = np.empty(n + 1)  # L[i], i = 0..n
     cum[0] = 0.0
-    x.cumsum(out=cum[1:])
+    # (np.add.accumulate is what ndarray.cumsum calls, without its dispatch)
+    np.add.accumulate(x, out=cum[1:])
     out[0] = t0_c
-    if cum[-1] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
+    if cum[n] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
         # steady e^L[i] expm1(x[i]), summed, plus T0, times e^-L[i+1]: in place, in that order
         terms = np.exp(cum[:-1])
-        np.multiply(steady, terms, out=terms)
+        terms *= steady
         terms *= np.expm1(x)
-        terms.cumsum(out=terms)
+        np.add.accumulate(terms, out=terms)
         terms += t0_c
         decay = np.negative(cum[1:])
         np.exp(decay, out=decay)
@@ -152,9 +153,15 @@ def work_segments(
     dynamic = np.empty(n + 1)
     dynamic[:n] = dynamic_w
     dynamic[n] = idle_w
-    steady = th.steady_c(dynamic)
     k = th.leakage_w_per_c
-    settled = dynamic + k * (steady - th.reference_c)
+    # `steady_c`, then dynamic + k (steady - T_ref): each step in place, in the same order
+    steady = np.subtract(dynamic, k * th.reference_c)
+    steady *= th.c_per_w
+    steady += th.ambient_c
+    steady *= th.gain
+    settled = steady - th.reference_c
+    settled *= k
+    settled += dynamic
     pass_steady = steady[:n]
     tau = th.tau_s
     x = duration_s / tau if tau > 0.0 else None
@@ -165,19 +172,19 @@ def work_segments(
         per_pass = settled[:n] * duration_s
     else:
         # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in place in that order
-        # (-d / tau' is -x to the bit: division rounds the same either sign)
+        # (-d / tau' is -x to the bit: division rounds the same either sign; and adding
+        # a y (-e) is subtracting a y e: rounding is symmetric in sign)
         lag = start_c[:n] - pass_steady
         lag *= k
         lag *= tau
         decay = np.negative(x)
         np.expm1(decay, out=decay)
-        np.negative(decay, out=decay)
         lag *= decay
         per_pass = settled[:n] * duration_s
-        per_pass += lag
+        per_pass -= lag
     energy_before = np.empty(n + 1)
     energy_before[0] = 0.0
-    per_pass.cumsum(out=energy_before[1:])
+    np.add.accumulate(per_pass, out=energy_before[1:])
     return steady, settled, start_c, energy_before
 
 

@@ -167,7 +167,7 @@ class Timeline:
         if sensor is not None:
             history, carry = counter_start if counter_start is not None else self._at_rest()
             self.counter = SteppedCounter(
-                sensor, fold_ns, history, carry, self.energy_since_fold_j, self.tail
+                sensor, fold_ns, history, carry, self._energy_since, self.tail
             )
 
     def _at_rest(self) -> tuple[np.ndarray, float]:
@@ -226,7 +226,11 @@ class Timeline:
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
         """`_truth`'s true energy alone (the counter's updates read nothing else): the same
         arithmetic, without the temperature and power."""
-        t_ns = np.maximum(np.asarray(t_ns, dtype=np.int64), self.fold_ns)
+        return self._energy_since(np.maximum(np.asarray(t_ns, dtype=np.int64), self.fold_ns))
+
+    def _energy_since(self, t_ns: np.ndarray) -> np.ndarray:
+        """`energy_since_fold_j` at int64 instants none of which is before `fold_ns` (what the
+        counter asks: its updates' windows, clipped to the fold already)."""
         j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         offset_s = t_ns - self._seg_start_ns[j]
         offset_s = np.multiply(offset_s, 1e-9)
