@@ -377,7 +377,7 @@ def _run_locked(
     )
     # What the measurement held (its plan, the twin's rounds) is garbage now: handed back to
     # the OS, it does not add to the cube's memory at the sweep's peak.
-    _release_free_memory()
+    release_free_memory()
     try:
         cube = shard_cube(journal_path)
         cube_path = write_cube(cube, out_dir / CUBE_NAME)
@@ -391,7 +391,7 @@ def _run_locked(
     return SweepOutcome(summary, journal_path, cube_path, cube=cube)
 
 
-def _release_free_memory() -> None:
+def release_free_memory() -> None:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere
     nothing). A sweep on the twin makes and drops millions of small arrays, and glibc kept
     the freed pages: tens of MB on a large campaign, which the cube was then built on top of."""
