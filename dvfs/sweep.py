@@ -366,6 +366,55 @@ def _run_locked(
     state_dir: Path | None,
     shard: Shard | None = None,
 ) -> SweepOutcome:
+    summary, journal_path = _measure(
+        campaign,
+        out_dir,
+        progress=progress,
+        backends=backends,
+        nvml=nvml,
+        state_dir=state_dir,
+        shard=shard,
+    )
+    # What the measurement held (its plan, the twin's rounds) is garbage now: handed back to
+    # the OS, it does not add to the cube's memory at the sweep's peak.
+    release_free_memory()
+    try:
+        cube = shard_cube(journal_path)
+        cube_path = write_cube(cube, out_dir / CUBE_NAME)
+    except IncomparableCellsError:
+        raise  # nothing to fix in the folder: the message says where to rerun
+    except CubeError as exc:
+        raise CubeError(
+            f"{exc} (every measured cell is in {journal_path}: `dvfs cube build {out_dir}` "
+            "writes the cube once that is fixed)"
+        ) from exc
+    return SweepOutcome(summary, journal_path, cube_path, cube=cube)
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; elsewhere
+    nothing). A sweep on the twin makes and drops millions of small arrays, and glibc kept
+    the freed pages: tens of MB on a large campaign, which the cube was then built on top of."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return
+    trim(0)
+
+
+def _measure(
+    campaign: Campaign,
+    out_dir: Path,
+    *,
+    progress: Progress | None,
+    backends: Backends | None,
+    nvml: ModuleType | None,
+    state_dir: Path | None,
+    shard: Shard | None,
+) -> tuple[RunSummary, Path]:
+    """Run the cells into the folder's journal; its summary, and the journal's path."""
     # What the campaign alone decides is refused before the journal is made (a refused run
     # leaves none, so the corrected campaign may run into the same folder), and before any
     # GPU is touched or server started: more shards than comparison groups, another
@@ -404,17 +453,7 @@ def _run_locked(
                 token_count_method=count_method,
             )
             summary = runner.run(cells)
-    try:
-        cube = shard_cube(journal.path)
-        cube_path = write_cube(cube, out_dir / CUBE_NAME)
-    except IncomparableCellsError:
-        raise  # nothing to fix in the folder: the message says where to rerun
-    except CubeError as exc:
-        raise CubeError(
-            f"{exc} (every measured cell is in {journal.path}: `dvfs cube build {out_dir}` "
-            "writes the cube once that is fixed)"
-        ) from exc
-    return SweepOutcome(summary, journal.path, cube_path, cube=cube)
+    return summary, journal.path
 
 
 def claim_shard(journal: Journal, shard: Shard | None) -> None:

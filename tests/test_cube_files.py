@@ -18,6 +18,7 @@ from test_journal import assert_one_line_error
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
+from dvfs.errors import CubeError
 
 
 def invoke(*args: str) -> Result:
@@ -364,3 +365,42 @@ def test_cube_info_says_twin_once_and_open_cube_takes_a_folder(tiny_sweep: Path)
     ds = dvfs.open_cube(str(tiny_sweep))
     assert ds.identical(dvfs.open_cube(str(tiny_sweep / "cube.nc")))
     assert ds.dvfs.stock["sm_clock"] > 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch, fails: bool
+) -> None:
+    """The cube goes out with HDF5's chunk cache off (its chunks are not held until the file
+    closes), compressed as before; the process's default is back afterwards, also when the
+    write fails."""
+    from dvfs.cube import write_cube
+
+    ds = open_cube(tiny_sweep)
+    before = netCDF4.get_chunk_cache()
+    seen: list[tuple[int, int, float]] = []
+    real = xr.Dataset.to_netcdf
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(netCDF4.get_chunk_cache())
+        if fails:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", spy)
+    path = tmp_path / "cube.nc"
+    if fails:
+        with pytest.raises(CubeError, match="No space left on device"):
+            write_cube(ds, path)
+    else:
+        write_cube(ds, path)
+    assert netCDF4.get_chunk_cache() == before
+    assert [size for size, _, _ in seen] == [0]
+    assert before[0] > 0
+    if fails:
+        return
+    with netCDF4.Dataset(path) as nc:
+        energy = nc["energy_per_token_j"]
+        assert energy.filters()["zlib"] and energy.filters()["complevel"] == 4
+        assert np.isnan(energy.getncattr("_FillValue"))
+    xr.testing.assert_identical(open_cube(path), ds)

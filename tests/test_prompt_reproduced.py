@@ -204,3 +204,34 @@ def test_doctor_says_how_the_sweep_will_count_prompt_tokens(
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     check = tokenizer_check()
     assert check["status"] == "fail" and "huggingface-cli download" in check["detail"], check
+
+
+def test_the_groups_measured_under_two_methods_are_named_in_order() -> None:
+    """Each comparison group's cells (across clocks, limits and drafters) under one recorded
+    method, or one and an unrecorded one (""), build; two recorded methods are a mixed group,
+    named by its values, in order."""
+    import numpy as np
+
+    from dvfs.cube.build import Counted, _mixed_groups
+
+    grid = {
+        "sm_clock": [1980, 705],
+        "power_limit": [700],
+        "batch": [4, 1],
+        "drafter": ["none", "eagle3"],
+        "corpus": ["chat"],
+        "repeat": [0, 1],
+    }
+    method = np.zeros((2, 1, 2, 2, 1, 2), dtype=np.int16)
+    method[0, 0, 0, 0, 0, 0] = 1  # batch 4, repeat 0: methods 1 and 2
+    method[1, 0, 0, 1, 0, 0] = 2
+    method[0, 0, 1, 0, 0, 0] = 2  # batch 1, repeat 0: method 2 twice
+    method[1, 0, 1, 1, 0, 0] = 2
+    method[0, 0, 1, 0, 0, 1] = 1  # batch 1, repeat 1: method 1 and unrecorded
+    method[1, 0, 1, 0, 0, 1] = 0
+    method[:, 0, 0, :, 0, 1] = [[2, 1], [1, 1]]  # batch 4, repeat 1: 1 and 2
+    counted = Counted(grid, method, ["", "estimate", "tokenizer of x"])
+    assert _mixed_groups(counted) == [(4, "chat", 0), (4, "chat", 1)]
+    method[1, 0, 0, 1, 0, 0] = 1
+    method[0, 0, 0, 0, 0, 1] = 1
+    assert _mixed_groups(counted) == []

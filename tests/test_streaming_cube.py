@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import platform
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -165,3 +166,29 @@ def test_a_retried_cell_shows_its_last_record(tiny, tmp_path: Path) -> None:
     assert np.isnan(ds["timeline_power_w"].values[where]).all()
     (listed,) = json.loads(ds.attrs["failed_cells"])
     assert listed == {"cell": broken["cell"], "error": "server crashed"}
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
+    reason="malloc_trim is glibc's; RSS read from Linux's /proc",
+)
+def test_the_memory_a_sweep_freed_goes_back_to_the_os_before_its_cube() -> None:
+    """glibc keeps freed heap pages resident (a block still in use above them pins the heap);
+    `release_free_memory`, which the sweep calls between its measurement and its cube, hands
+    them back."""
+    from dvfs.sweep import release_free_memory
+
+    blocks = [bytearray(b"x" * 64 * 1024) for _ in range(800)]  # 50 MB, each in the heap
+    pin = bytearray(b"x" * 64 * 1024)
+    del blocks
+    before = _rss_bytes()
+    release_free_memory()
+    assert before - _rss_bytes() > 25 * 1024 * 1024
+    assert len(pin) == 64 * 1024

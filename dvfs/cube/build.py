@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,19 +116,38 @@ def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]
 Group = tuple[int, str, int]
 
 
-def _mixed_groups(counted: Mapping[str, tuple[Group, str]]) -> list[Group]:
-    """The comparison groups whose cells were measured under more than one token-count method
-    (`counted`: each cell's group and its session's method; "" where unrecorded)."""
-    methods: dict[Group, set[str]] = {}
-    for group, method in counted.values():
-        methods.setdefault(group, set()).add(method)
-    return sorted(g for g, m in methods.items() if len(m - {""}) > 1)
+@dataclass(frozen=True)
+class Counted:
+    """The token-count method of the session that measured each cell (its latest record's),
+    as an index into `methods` per grid cell: 0, "", where unrecorded or not measured."""
+
+    grid: Mapping[str, Sequence[Any]]
+    method: np.ndarray
+    methods: Sequence[str]
+
+
+def _mixed_groups(counted: Counted) -> list[Group]:
+    """The comparison groups whose cells were measured under more than one token-count
+    method ("" not one)."""
+    method = counted.method
+    axes = [CELL_DIMS.index(d) for d in ("batch", "corpus", "repeat")]
+    rest = [i for i in range(len(CELL_DIMS)) if i not in axes]
+    by_group = np.transpose(method, (*axes, *rest)).reshape(*(method.shape[i] for i in axes), -1)
+    ordered = np.sort(by_group, axis=-1)
+    # The distinct recorded methods of each group: each run of one index in its sorted cells.
+    starts = (ordered[..., 1:] != ordered[..., :-1]) & (ordered[..., 1:] != 0)
+    distinct = starts.sum(axis=-1) + (ordered[..., 0] != 0)
+    grid = counted.grid
+    return sorted(
+        (grid["batch"][b], grid["corpus"][c], grid["repeat"][r])
+        for b, c, r in zip(*np.nonzero(distinct > 1), strict=True)
+    )
 
 
 def _check_sessions(
     journal: JournalContents,
     batch_sizes: Sequence[int] = (),
-    counted: Mapping[str, tuple[Group, str]] | None = None,
+    counted: Counted | None = None,
 ) -> None:
     """A journal may hold runs on different GPUs of one model (a rerun on the GPUs left after
     a node loss, or on fewer of them); cells of GPUs that differ in an invariant
@@ -373,9 +392,12 @@ class _Filler:
         #: Whether each session ran every comparison group on one GPU group: a fleet's that
         #: says so, and a single runner's (all its cells on its one group).
         self.paired: list[bool] = []
-        #: Each cell's comparison group and the token-count method of the session that
-        #: measured it (its latest record's), for `_check_sessions`.
-        self.counted: dict[str, tuple[Group, str]] = {}
+        #: The token-count method of the session that measured each cell (its latest
+        #: record's), as an index into `methods`, for `_check_sessions`.
+        self.method = np.zeros((), dtype=np.int16)
+        self.methods: dict[str, int] = {"": 0}
+        #: Each distinct string of `measured_on` once (a journal's line holds its own copy).
+        self.names: dict[str, str] = {}
 
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
@@ -393,10 +415,9 @@ class _Filler:
         elif kind == "cell":
             cell = CellRecord.from_json(record, version=self.version)
             if self.sessions:
-                c = cell.cell
-                group = (c.batch, c.corpus, c.repeat)
-                self.counted[cell.key] = (group, self.sessions[-1].token_count_method)
-                self._place(cell, self._gpus_of(cell))
+                at = self._place(cell, self._gpus_of(cell))
+                method = self.sessions[-1].token_count_method
+                self.method[at] = self.methods.setdefault(method, len(self.methods))
             else:
                 self.waiting.append(cell)
 
@@ -404,11 +425,14 @@ class _Filler:
         """The GPUs that measured a cell: its own record's, else its worker's in the session
         it was measured in (the latest), else that session's."""
         if record.gpus:
-            return ",".join(record.gpus)
-        if not self.sessions:
+            gpus = ",".join(record.gpus)
+        elif not self.sessions:
             return ""
-        session = self.sessions[-1]
-        return ",".join(session.gpus_of(record.worker) if record.worker else session.gpu_uuids)
+        else:
+            session = self.sessions[-1]
+            of = session.gpus_of(record.worker) if record.worker else session.gpu_uuids
+            gpus = ",".join(of)
+        return self.names.setdefault(gpus, gpus)
 
     def _allocate(self) -> None:
         self.grid = _grid(self.contents(), self.header.facts())
@@ -424,8 +448,10 @@ class _Filler:
         self.status = np.zeros(shape, dtype=np.int8)
         self.split_method = np.zeros(shape, dtype=np.int8)
         self.measured_on = np.full(shape, "", dtype=object)
+        self.method = np.zeros(shape, dtype=np.int16)
 
-    def _place(self, record: CellRecord, gpus: str = "") -> None:
+    def _place(self, record: CellRecord, gpus: str = "") -> tuple[int, ...]:
+        """Lay the record out in the grid's arrays; where it went."""
         if self.grid is None:
             self._allocate()
         stock = self.sessions[0].stock
@@ -462,7 +488,7 @@ class _Filler:
         if not record.ok or record.measurement is None:
             self.status[at] = STATUS_FAILED
             self.failed[record.key] = record
-            return
+            return at
         self.failed.pop(record.key, None)
         self.status[at] = STATUS_OK
         m = record.measurement
@@ -479,13 +505,16 @@ class _Filler:
                 self.data[f"energy_{part}_j"][at] = split.energy_j[i]
                 self.data[f"time_{part}_s"][at] = split.time_s[i]
             self.split_method[at] = SPLIT_METHODS.index(split.method)
+        return at
 
     def dataset(self) -> xr.Dataset:
         journal = self.contents()
         facts = self.header.facts()
-        _check_sessions(journal, facts.grid.batch_sizes, self.counted)
         if self.grid is None:
             self._allocate()  # no cell yet (or none since the first session)
+        assert self.grid is not None
+        counted = Counted(self.grid, self.method, list(self.methods))
+        _check_sessions(journal, facts.grid.batch_sizes, counted)
         for record in self.waiting:
             self._place(record, self._gpus_of(record))
         self.waiting.clear()

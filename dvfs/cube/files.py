@@ -8,8 +8,10 @@ works.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +80,22 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+@contextlib.contextmanager
+def _no_chunk_cache() -> Iterator[None]:
+    """Files opened meanwhile get no HDF5 chunk cache. A cube variable is one or two chunks,
+    written whole once; with netCDF-C's default cache (tens of MB per variable) every
+    variable's chunks stayed in memory until the file closed, a second copy of the cube at the
+    sweep's peak. The file's content is the same either way."""
+    import netCDF4
+
+    size, slots, preemption = netCDF4.get_chunk_cache()
+    netCDF4.set_chunk_cache(0, slots, preemption)
+    try:
+        yield
+    finally:
+        netCDF4.set_chunk_cache(size, slots, preemption)
+
+
 def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
     """Write atomically: a temp file in the same folder, renamed over the target, so a failed
     write (full disk, read-only folder) leaves the previous cube and no partial file."""
@@ -89,7 +107,8 @@ def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
         tmp = Path(name)
         os.close(fd)
         on_disk = _labels_to_cf(ds)
-        on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+        with _no_chunk_cache():
+            on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
         os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
         tmp = None

@@ -617,7 +617,7 @@ def run_fleet(
     )
     from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
-    from dvfs.sweep import fresh_start, out_dir_lock
+    from dvfs.sweep import fresh_start, out_dir_lock, release_free_memory
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
@@ -676,6 +676,7 @@ def run_fleet(
             written[path] = ds
             return write_cube(ds, path)
 
+        release_free_memory()  # what the workers' measurements left, before the cubes
         cube_path = write_cubes(out_dir, done, write=write)
     if fleet is None:
         total = len(cells) * len(done)
