@@ -827,7 +827,7 @@ def headroom(
             },
         ),
     }
-    result = xr.Dataset(data_vars, coords=coords).assign_coords(gpu_coords)
+    result = xr.Dataset(data_vars, coords={**coords, **gpu_coords})
     described = target.describe()
     if not ref.is_stock:  # the target is relative to the reference, which is not stock here
         described = described.replace(" stock ", " top-of-grid ")
