@@ -20,14 +20,21 @@ FEASIBLE_ROUNDING = 1e-9
 def t_quantile(confidence: float, dof: int) -> float:
     """One-sided Student-t quantile: P(T <= t) = confidence with `dof` degrees of freedom.
 
-    scipy is imported here, not at module level, so `dvfs --help` stays fast. There is no
-    fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6 instead of
-    6.3 at one degree of freedom), and an interval that narrow would be a wrong answer.
+    scipy's own numbers: the usual levels (0.95, 0.975, 0.995: the one-sided sides of 0.9,
+    0.95 and 0.99) come from `dvfs.measure.tquantiles`, which holds scipy's values to the last
+    bit for the same argument, so an analysis need not import scipy.stats (a second of CPU);
+    other levels from scipy, imported here, not at module level, so `dvfs --help` stays fast.
+    There is no fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6
+    instead of 6.3 at one degree of freedom), and an interval that narrow would be a wrong
+    answer.
     """
     if not (math.isfinite(confidence) and 0 < confidence < 1):
         raise AnalysisError(f"confidence must be strictly between 0 and 1, got {confidence}")
     if dof < 1:
         raise AnalysisError(f"a Student-t bound needs at least 1 degree of freedom, got {dof}")
+    known = _tabulated(float(confidence), int(dof))
+    if known is not None:
+        return known
     try:
         from scipy import stats  # noqa: F401  (checked on every call; the value is remembered)
     except ImportError as exc:
@@ -36,6 +43,23 @@ def t_quantile(confidence: float, dof: int) -> float:
             "reinstall dvfs (pip install -e .) or pip install scipy"
         ) from exc
     return _t_ppf(float(confidence), int(dof))
+
+
+@functools.lru_cache(maxsize=1)
+def _one_sided_levels() -> dict[float, float]:
+    """One-sided level -> the two-sided confidence `dvfs.measure.tquantiles` tabulates it
+    under: its table holds stats.t.ppf((1 + c) / 2, dof), that very float argument."""
+    from dvfs.measure.tquantiles import CONFIDENCES
+
+    return {(1 + c) / 2: c for c in CONFIDENCES}
+
+
+def _tabulated(confidence: float, dof: int) -> float | None:
+    """scipy's quantile from the table, where it holds this exact level and dof."""
+    from dvfs.measure.tquantiles import T_TWO_SIDED
+
+    two_sided = _one_sided_levels().get(confidence)
+    return None if two_sided is None else T_TWO_SIDED.get((two_sided, dof))
 
 
 @functools.lru_cache(maxsize=256)
