@@ -88,6 +88,14 @@ def test_rows_not_needed_are_not_computed() -> None:
     assert bits(finite_means(x, need)) == bits([math.nan, finite_mean(x[1])])
 
 
+def test_rows_without_values_have_no_statistic() -> None:
+    empty = np.empty((2, 0))
+    assert bits(finite_means(empty)) == bits([finite_mean(row) for row in empty])
+    got, count = upper_bounds(empty, 0.95)
+    assert bits(got) == bits([upper_bound(row, 0.95) for row in empty])
+    assert count.tolist() == [0, 0]
+
+
 @given(st.lists(st.sampled_from(AWKWARD), min_size=1, max_size=8), st.floats(0.5, 100))
 def test_meets_all_is_meets(bounds: list[float], threshold: float) -> None:
     for strict in (False, True):

@@ -144,6 +144,9 @@ def _first_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     first and second of them (meaningless where fewer are present)."""
     present = ~np.isnan(values)
     count = present.sum(axis=-1)
+    if values.shape[-1] == 0:  # no values at all
+        nothing = np.full(count.shape, np.nan)
+        return count, nothing, nothing
     first = present.argmax(axis=-1)[..., None]
     rest = present.copy()
     np.put_along_axis(rest, first, False, axis=-1)
@@ -170,11 +173,11 @@ def finite_means(values: np.ndarray, need: np.ndarray | None = None) -> np.ndarr
     count, a, b = _first_two(values)
     with np.errstate(over="ignore", invalid="ignore"):
         total = _exact_sum(a, b, count)
-        means = total / np.maximum(count, 1)
+        means = np.asarray(total / np.maximum(count, 1), dtype=float)  # 0-d stays an array
     fast = (count <= 2) & ((count == 0) | np.isfinite(total))
     means[count == 0] = math.nan
     todo = ~fast if need is None else ~fast & need
-    for idx in zip(*np.nonzero(todo), strict=True):
+    for idx in map(tuple, np.argwhere(todo)):
         means[idx] = finite_mean(values[idx])
     if need is not None:
         means[~need] = math.nan
@@ -201,7 +204,7 @@ def upper_bounds(
     fast = (count <= 2) & ((count == 0) | (np.isfinite(total) & np.isfinite(squares)))
     bounds[count == 0] = math.nan
     todo = ~fast if need is None else ~fast & need
-    for idx in zip(*np.nonzero(todo), strict=True):
+    for idx in map(tuple, np.argwhere(todo)):
         bounds[idx] = upper_bound(values[idx], confidence)
     if need is not None:
         bounds[~need] = math.nan
