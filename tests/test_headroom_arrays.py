@@ -61,6 +61,7 @@ rows = st.integers(1, 4).flatmap(
 )
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # inf - inf, overflow
 @settings(max_examples=300, deadline=None)
 @given(rows, st.sampled_from([0.95, 0.975, 0.8]))
 def test_the_row_statistics_are_the_one_row_functions_bit_for_bit(
@@ -244,6 +245,7 @@ def old_statistic_bound(lat, ref_lat, paired, mode, confidence, min_repeats):
     return upper_bound(x, confidence), len(x)
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # x / 0 ratios
 @settings(max_examples=60, deadline=None)
 @given(
     st.integers(0, 10_000),
