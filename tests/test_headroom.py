@@ -363,15 +363,17 @@ def test_t_quantile_matches_the_tables(confidence, dof, expected) -> None:
 
 
 def test_t_quantile_never_falls_back_to_an_approximation(monkeypatch) -> None:
-    """Without scipy the old code returned 4.59 for t(0.95, 1): a silently narrow interval."""
+    """Without scipy the old code returned 4.59 for t(0.95, 1): a silently narrow interval.
+    A level scipy's table holds is still scipy's number; any other is refused."""
     import sys
 
     from dvfs.analysis.bounds import t_quantile
 
     monkeypatch.setitem(sys.modules, "scipy", None)
     monkeypatch.setitem(sys.modules, "scipy.stats", None)
+    assert t_quantile(0.95, 1) == 6.313751514675037
     with pytest.raises(AnalysisError, match="scipy"):
-        t_quantile(0.95, 1)
+        t_quantile(0.9, 1)
 
 
 def test_t_quantile_refuses_what_has_no_quantile() -> None:

@@ -6,6 +6,7 @@ searches themselves.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,21 +20,54 @@ FEASIBLE_ROUNDING = 1e-9
 def t_quantile(confidence: float, dof: int) -> float:
     """One-sided Student-t quantile: P(T <= t) = confidence with `dof` degrees of freedom.
 
-    scipy is imported here, not at module level, so `dvfs --help` stays fast. There is no
-    fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6 instead of
-    6.3 at one degree of freedom), and an interval that narrow would be a wrong answer.
+    scipy's own numbers: the usual levels (0.95, 0.975, 0.995: the one-sided sides of 0.9,
+    0.95 and 0.99) come from `dvfs.measure.tquantiles`, which holds scipy's values to the last
+    bit for the same argument, so an analysis need not import scipy.stats (a second of CPU);
+    other levels from scipy, imported here, not at module level, so `dvfs --help` stays fast.
+    There is no fallback: an expansion in 1/dof is far off at the few repeats a sweep has (4.6
+    instead of 6.3 at one degree of freedom), and an interval that narrow would be a wrong
+    answer.
     """
     if not (math.isfinite(confidence) and 0 < confidence < 1):
         raise AnalysisError(f"confidence must be strictly between 0 and 1, got {confidence}")
     if dof < 1:
         raise AnalysisError(f"a Student-t bound needs at least 1 degree of freedom, got {dof}")
+    known = _tabulated(float(confidence), int(dof))
+    if known is not None:
+        return known
     try:
-        from scipy import stats
+        from scipy import stats  # noqa: F401  (checked on every call; the value is remembered)
     except ImportError as exc:
         raise AnalysisError(
             "scipy is missing, and the confidence bounds need its Student-t quantiles: "
             "reinstall dvfs (pip install -e .) or pip install scipy"
         ) from exc
+    return _t_ppf(float(confidence), int(dof))
+
+
+@functools.lru_cache(maxsize=1)
+def _one_sided_levels() -> dict[float, float]:
+    """One-sided level -> the two-sided confidence `dvfs.measure.tquantiles` tabulates it
+    under: its table holds stats.t.ppf((1 + c) / 2, dof), that very float argument."""
+    from dvfs.measure.tquantiles import CONFIDENCES
+
+    return {(1 + c) / 2: c for c in CONFIDENCES}
+
+
+def _tabulated(confidence: float, dof: int) -> float | None:
+    """scipy's quantile from the table, where it holds this exact level and dof."""
+    from dvfs.measure.tquantiles import T_TWO_SIDED
+
+    two_sided = _one_sided_levels().get(confidence)
+    return None if two_sided is None else T_TWO_SIDED.get((two_sided, dof))
+
+
+@functools.lru_cache(maxsize=256)
+def _t_ppf(confidence: float, dof: int) -> float:
+    """scipy's quantile, remembered: a headroom search asks for the same few many times over,
+    and each costs scipy about 0.1 ms."""
+    from scipy import stats
+
     return float(stats.t.ppf(confidence, dof))
 
 
@@ -103,3 +137,84 @@ def meets(bound: float, threshold: float, *, strict: bool = False) -> bool:
         return False
     margin = FEASIBLE_ROUNDING * abs(threshold)
     return bound < threshold - margin if strict else bound <= threshold + margin
+
+
+def _first_two(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per leading index: how many values are present (non-NaN) along the last axis, and the
+    first and second of them (meaningless where fewer are present)."""
+    present = ~np.isnan(values)
+    count = present.sum(axis=-1)
+    if values.shape[-1] == 0:  # no values at all
+        nothing = np.full(count.shape, np.nan)
+        return count, nothing, nothing
+    first = present.argmax(axis=-1)[..., None]
+    rest = present.copy()
+    np.put_along_axis(rest, first, False, axis=-1)
+    second = rest.argmax(axis=-1)[..., None]
+    return (
+        count,
+        np.take_along_axis(values, first, axis=-1)[..., 0],
+        np.take_along_axis(values, second, axis=-1)[..., 0],
+    )
+
+
+def _exact_sum(a: np.ndarray, b: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """What math.fsum gives for one value (`a`) or two (`a`, `b`), by `count`: one IEEE
+    addition is already exactly rounded, and adding 0.0 turns -0.0 into 0.0 as fsum does."""
+    return np.where(count == 1, a, a + b) + 0.0
+
+
+def finite_means(values: np.ndarray, need: np.ndarray | None = None) -> np.ndarray:
+    """`finite_mean` over the last axis for every leading index at once, bit for bit the
+    same: one or two finite values are summed here (see `_exact_sum`), any other row by
+    `finite_mean` itself. `need` (per leading index) limits the work to those rows; the
+    others are NaN."""
+    values = np.asarray(values, dtype=float)
+    count, a, b = _first_two(values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = _exact_sum(a, b, count)
+        means = np.asarray(total / np.maximum(count, 1), dtype=float)  # 0-d stays an array
+    fast = (count <= 2) & ((count == 0) | np.isfinite(total))
+    means[count == 0] = math.nan
+    todo = ~fast if need is None else ~fast & need
+    for idx in map(tuple, np.argwhere(todo)):
+        means[idx] = finite_mean(values[idx])
+    if need is not None:
+        means[~need] = math.nan
+    return means
+
+
+def upper_bounds(
+    values: np.ndarray, confidence: float, need: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """`upper_bound` over the last axis (NaN: absent) for every leading index at once, bit for
+    bit the same, and the number of values behind each: rows of one or two finite values are
+    computed here with the same operations in the same order, any other row by
+    `upper_bound` itself. `need` limits the work to those rows; the others are NaN."""
+    values = np.asarray(values, dtype=float)
+    count, a, b = _first_two(values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = _exact_sum(a, b, count)
+        mean = total / np.maximum(count, 1)
+        squares = _exact_sum((a - mean) ** 2, (b - mean) ** 2, count)
+        sd = np.sqrt(squares)  # / (n - 1) == 1
+        pairs = count == 2 if need is None else (count == 2) & need
+        two = mean + t_quantile(confidence, 1) * sd / math.sqrt(2) if pairs.any() else mean
+    bounds = np.where(count == 2, two, mean)
+    fast = (count <= 2) & ((count == 0) | (np.isfinite(total) & np.isfinite(squares)))
+    bounds[count == 0] = math.nan
+    todo = ~fast if need is None else ~fast & need
+    for idx in map(tuple, np.argwhere(todo)):
+        bounds[idx] = upper_bound(values[idx], confidence)
+    if need is not None:
+        bounds[~need] = math.nan
+    return bounds, count
+
+
+def meets_all(bounds: np.ndarray, threshold: float, *, strict: bool = False) -> np.ndarray:
+    """`meets` for every bound at once (the same comparisons; NaN never meets)."""
+    if math.isnan(threshold):
+        return np.zeros(np.shape(bounds), dtype=bool)
+    margin = FEASIBLE_ROUNDING * abs(threshold)
+    with np.errstate(invalid="ignore"):
+        return np.asarray(bounds < threshold - margin if strict else bounds <= threshold + margin)

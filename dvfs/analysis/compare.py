@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_mean, interval, meets, paired_ratios
+from dvfs.analysis.bounds import finite_means, meets, upper_bounds
 from dvfs.analysis.headroom import (
     gpu_set,
     gpu_text,
@@ -152,28 +152,30 @@ def paired_ratio(
     """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index.
     `unasked` (each arm's, nonzero where adaptive repeats' rule never asked for the repeat)
     keeps a repeat the other arm was never asked for out of `dropped`: it is not a loss."""
-    shape = mine.shape[:-1]
-    out = Paired(
-        np.full(shape, np.nan),
-        np.full(shape, np.nan),
-        np.full(shape, np.nan),
-        np.zeros(shape, dtype=int),
-        np.zeros(shape, dtype=int),
+    mine = np.asarray(mine, dtype=float)
+    base = np.asarray(base, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = mine / base  # paired_ratios, every row at once: NaN where either arm is, or 0 / 0
+    count = np.count_nonzero(~np.isnan(x), axis=-1)
+    # interval(): the two-sided Student-t interval, each side at (1 + c) / 2, with two or more
+    side = (1 + confidence) / 2
+    two = count >= 2
+    high, _ = upper_bounds(x, side, two)
+    low = 2 * finite_means(x, two) - high  # lower_bound
+    # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
+    lost = np.isnan(mine) != np.isnan(base)
+    if unasked is not None:
+        never = np.nan_to_num(unasked[0]) + np.nan_to_num(unasked[1])
+        lost &= never == 0
+    dropped = np.count_nonzero(lost, axis=-1)
+    nothing = np.isnan(mine).all(axis=-1) | np.isnan(base).all(axis=-1)
+    return Paired(
+        finite_means(x),
+        low,
+        high,
+        count.astype(int),
+        np.where(nothing, 0, dropped).astype(int),
     )
-    for idx in np.ndindex(shape):
-        a, b = mine[idx], base[idx]
-        x = paired_ratios(a, b)
-        out.ratio[idx] = finite_mean(x)
-        out.low[idx], out.high[idx] = interval(x, confidence)
-        out.paired[idx] = len(x)
-        # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
-        if not (np.isnan(a).all() or np.isnan(b).all()):
-            lost = np.isnan(a) != np.isnan(b)
-            if unasked is not None:
-                never = np.nan_to_num(unasked[0][idx]) + np.nan_to_num(unasked[1][idx])
-                lost &= never == 0
-            out.dropped[idx] = int(np.count_nonzero(lost))
-    return out
 
 
 def compare(

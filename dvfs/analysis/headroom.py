@@ -41,13 +41,13 @@ whose savings are real but uncertain, and ties within an interval do not chain. 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_mean, lower_bound, meets, paired_ratios, upper_bound
+from dvfs.analysis.bounds import finite_means, meets_all, upper_bounds
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
@@ -55,6 +55,8 @@ from dvfs.records import knobs_set, repeat_rule
 
 if TYPE_CHECKING:
     import xarray as xr
+
+    from dvfs.records.header import RepeatRule
 
 #: The per-cell GPU coordinate (dvfs.cube.build.MEASURED_ON; that module imports much more).
 MEASURED_ON = "measured_on"
@@ -179,6 +181,226 @@ def invalid_settings(cube: xr.Dataset) -> xr.DataArray:
     return (measured & ~ok).any("repeat")
 
 
+#: Axes of the arrays the search reads: a group, a setting, its repeats.
+ORDER = (*GROUP_DIMS, "sm_clock", "power_limit", "repeat")
+
+
+def _values(cube: xr.Dataset, name: str, order: tuple[str, ...] = ORDER) -> np.ndarray:
+    """`cube[name]`'s values with its axes in `order`, an axis it lacks broadcast (as
+    xarray's arithmetic would): pulled out once, so that masks and reductions are numpy's."""
+    var = cube.variables[name]
+    present = [d for d in order if d in var.dims]
+    values = np.transpose(np.asarray(var.values), [var.dims.index(d) for d in present])
+    if len(present) < len(order):
+        values = values.reshape([cube.sizes[d] if d in var.dims else 1 for d in order])
+        values = np.broadcast_to(values, tuple(cube.sizes[d] for d in order))
+    return values
+
+
+def _where(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """`values` as floats, NaN where `keep` does not hold (xarray's `where`, with the values
+    widened to float64, which every statistic here does anyway)."""
+    return np.where(keep, values.astype(np.float64), np.nan)
+
+
+def _filled_int(quality: np.ndarray) -> np.ndarray:
+    """Quality bits as int64, NaN read as 0 (xarray's `fillna(0).astype(np.int64)`)."""
+    if quality.dtype.kind in "fc":
+        quality = np.where(np.isnan(quality), 0, quality)
+    return quality.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """What the search reads of a one-GPU cube, as numpy arrays: per cell over ORDER (the
+    settings cut to the knob that may move), per setting over ORDER less `repeat`, and the
+    reference cells over (*GROUP_DIMS, repeat); `ref_*` are the baseline drafter's in
+    vs-baseline mode, for every drafter. The xarray helpers (`valid_mask`,
+    `invalid_settings`, `not_measured`, `invalid_flags`, `cap_not_binding`, `measured_on`,
+    `reference_problems`) give the same, one DataArray at a time."""
+
+    clocks: np.ndarray  # the settings' SM clocks (MHz, int) and power limits (W, float)
+    limits: np.ndarray
+    ok: np.ndarray  # usable cells (valid_mask)
+    energy: np.ndarray  # energy per token (J), NaN where not usable
+    latency: np.ndarray  # the target's latency (ms), NaN where not usable
+    on: np.ndarray  # the cells' GPUs (measured_on)
+    invalid: np.ndarray  # settings with an invalid cell (invalid_settings)
+    unmeasured: np.ndarray  # settings waiting to be measured, none invalid
+    flags: np.ndarray  # invalidating quality bits of the invalid cells, ORed
+    not_binding: np.ndarray  # settings whose power limit never bound (cap_not_binding)
+    ref_latency: np.ndarray  # reference latency (ms), NaN where not usable
+    ref_ok: np.ndarray
+    ref_on: np.ndarray
+    stock_energy: np.ndarray  # each group's own reference energy (J), NaN where not usable
+    reference_problems: np.ndarray  # per group (reference_problems)
+
+
+def _cells(
+    cube: xr.Dataset, target: Target, ref: Reference, knob: str, *, grid_from_data: bool
+) -> _Cells:
+    """The arrays `headroom` reads (see `_Cells`), each variable pulled from the cube once."""
+    from dvfs.measure.meter import INVALIDATING, Q_POWER_CAPPED
+
+    clock_at = cube.indexes["sm_clock"].get_loc(ref.sm_clock)
+    limit_at = cube.indexes["power_limit"].get_loc(ref.power_limit)
+
+    def cut(values: np.ndarray) -> np.ndarray:
+        """The settings the knob may reach (axes 3 and 4 of ORDER), as `cube.sel` would."""
+        if knob == "sm_clock":
+            return values[:, :, :, :, limit_at : limit_at + 1]
+        if knob == "power_limit":
+            return values[:, :, :, clock_at : clock_at + 1]
+        return values
+
+    def at_ref(values: np.ndarray) -> np.ndarray:
+        return values[:, :, :, clock_at, limit_at]
+
+    def baseline_row(values: np.ndarray) -> np.ndarray:
+        """In vs-baseline mode, the baseline drafter's reference for every drafter."""
+        if target.mode != "vs-baseline":
+            return values
+        b = cube.indexes["drafter"].get_loc(target.baseline)
+        return np.broadcast_to(values[:, b : b + 1], values.shape)
+
+    has_status = "cell_status" in cube
+    status_all = _values(cube, "cell_status") if has_status else None
+    valid_all = _values(cube, "valid")
+    ok_all = valid_all > 0  # valid.fillna(0) > 0
+    if status_all is not None:
+        ok_all = ok_all & (status_all == STATUS_OK)
+    measured_all = status_all == STATUS_OK if status_all is not None else ok_all
+    ok = cut(ok_all)
+    bad_cells = cut(measured_all) & ~ok
+    invalid = bad_cells.any(axis=-1)  # one invalid repeat disqualifies a setting
+    # Not measured yet (a repeat missing or failed, none invalid): an interrupted sweep's
+    # cells, which resuming it measures; the grid does not end there (`not_measured`).
+    if status_all is not None:
+        status = cut(status_all)
+        waiting = (status == STATUS_MISSING) | (status == STATUS_FAILED)
+        rule = repeat_rule(cube.attrs.get("campaign"))
+        if rule is not None and rule.adaptive and "repeat" in cube.variables["cell_status"].dims:
+            waiting = waiting & ~_unasked_cells(
+                rule,
+                cube["repeat"].values.astype(int),
+                status,
+                lambda: (
+                    cut(valid_all),
+                    cut(_values(cube, "energy_per_token_j")),
+                    cut(_values(cube, "tpot_ms", (*ORDER, "quantile"))[..., 0]),
+                ),
+            )
+        if grid_from_data:
+            waiting = waiting & (status != STATUS_MISSING).any(axis=(0, 1, 2, 5), keepdims=True)
+        unmeasured = waiting.any(axis=-1) & ~invalid
+    else:
+        unmeasured = np.zeros(invalid.shape, dtype=bool)
+    quantile_at = cube.indexes["quantile"].get_loc(target.quantile)
+    latency_all = _values(cube, target.variable, (*ORDER, "quantile"))[..., quantile_at]
+    energy_all = _values(cube, "energy_per_token_j")
+    quality = _values(cube, "quality") if "quality" in cube else None
+    if quality is None:
+        flags = np.zeros(invalid.shape, dtype=np.int64)
+    else:  # invalid_flags
+        bits = cut(quality)
+        if bits.dtype.kind in "iu" and bits.dtype.itemsize > 2:
+            bits = bits.astype(np.float64)  # as xarray's `where` promotes it
+        flags = np.bitwise_or.reduce(
+            _filled_int(np.where(bad_cells, bits, 0)) & INVALIDATING, axis=-1
+        )
+    clocks, limits = cube["sm_clock"].values, cube["power_limit"].values
+    if knob == "sm_clock":
+        limits = limits[limit_at : limit_at + 1]
+    elif knob == "power_limit":
+        clocks = clocks[clock_at : clock_at + 1]
+    if "power_max_w" in cube:  # cap_not_binding
+        quiet = cut(_values(cube, "power_max_w")) < (limits * (1 - CAP_BINDING_MARGIN))[:, None]
+        if quality is not None:
+            quiet = quiet & ((_filled_int(cut(quality)) & Q_POWER_CAPPED) == 0)
+        not_binding = (quiet | ~ok).all(axis=-1) & ok.any(axis=-1)
+    else:
+        not_binding = np.zeros(invalid.shape, dtype=bool)
+    if MEASURED_ON in cube.variables:
+        on_all = _values(cube, MEASURED_ON).astype(object)
+    else:
+        on_all = np.full(ok_all.shape, "", dtype=object)
+    ref_ok = at_ref(ok_all)
+    ref_status = at_ref(status_all) if status_all is not None else np.full(ref_ok.shape, STATUS_OK)
+    ref_quality = at_ref(quality) if quality is not None else np.full(ref_ok.shape, np.nan)
+    ref_latency = at_ref(latency_all)
+    usable = baseline_row(ref_ok & _notnull(ref_latency))
+    return _Cells(
+        clocks=clocks.astype(int),
+        limits=limits.astype(float),
+        ok=ok,
+        energy=cut(_where(energy_all, ok_all)),
+        latency=cut(_where(latency_all, ok_all)),
+        on=cut(on_all),
+        invalid=invalid,
+        unmeasured=unmeasured,
+        flags=flags,
+        not_binding=not_binding,
+        ref_latency=baseline_row(_where(ref_latency, ref_ok)),
+        ref_ok=baseline_row(ref_ok),
+        ref_on=baseline_row(at_ref(on_all)),
+        stock_energy=_where(at_ref(energy_all), ref_ok),
+        reference_problems=_reference_problems(
+            usable, baseline_row(ref_status), baseline_row(ref_quality)
+        ),
+    )
+
+
+def _notnull(values: np.ndarray) -> np.ndarray:
+    """xarray's `notnull` for the numbers a cube holds."""
+    if values.dtype.kind in "fc":
+        return ~np.isnan(values)
+    return np.ones(values.shape, dtype=bool)
+
+
+def statistic_bounds(
+    latency: np.ndarray,
+    ref_latency: np.ndarray,
+    *,
+    target: Target,
+    confidence: float,
+    min_repeats: int,
+    own: np.ndarray,
+    need: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every setting's feasibility bound (NaN: not enough usable repeats) and the number of
+    repeats behind it, for the settings in `need`. `latency` is over ORDER, `ref_latency`
+    over (*GROUP_DIMS, repeat), NaN where not usable. Against another drafter's stock (vs-
+    baseline mode, drafters not `own`) the repeats are unpaired: (mean + t se of the
+    setting) / (mean - t se of the baseline's stock), each at the two-sided level. Against
+    the drafter's own stock (preserve mode, or the baseline's own rows) each repeat is a
+    ratio to its own stock measurement; an SLO bounds the latency itself."""
+    reference = ref_latency[:, :, :, None, None, :]
+    if target.mode == "slo":
+        x = latency
+    else:  # paired_ratios: a repeat missing in either arm, or 0 / 0, drops out of both
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = latency / reference
+    count = np.count_nonzero(~np.isnan(x), axis=-1)
+    rows = own[:, None, None, None]  # over (drafter, corpus, sm_clock, power_limit)
+    paired = need if target.mode != "vs-baseline" else need & rows
+    bounds, _ = upper_bounds(x, confidence, paired & (count >= min_repeats))
+    if target.mode != "vs-baseline":
+        return bounds, count
+    mine = np.count_nonzero(~np.isnan(latency), axis=-1)
+    base = np.count_nonzero(~np.isnan(ref_latency), axis=-1)[:, :, :, None, None]
+    unpaired = need & ~rows & (mine >= min_repeats) & (base >= min_repeats)
+    two_sided = (1 + confidence) / 2
+    top, _ = upper_bounds(latency, two_sided, unpaired)
+    groups = unpaired.any(axis=(-2, -1))
+    bottom = (
+        2 * finite_means(ref_latency, groups) - upper_bounds(ref_latency, two_sided, groups)[0]
+    )[:, :, :, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(bottom > 0, top / bottom, math.inf)
+    bounds = np.where(rows, bounds, np.where(unpaired, ratio, math.nan))
+    return bounds, np.where(rows, count, mine)
+
+
 def headroom(
     cube: xr.Dataset,
     *,
@@ -227,52 +449,12 @@ def headroom(
         merged.attrs["bound"] = bound_description(merged.attrs, cube)
         return merged.assign_coords(gpu=cube["gpu"].values).transpose("gpu", *GROUP_DIMS)
     ref = reference_setting(cube)
-    sub = cube
-    if knob == "sm_clock":
-        sub = cube.sel(power_limit=[ref.power_limit])
-    elif knob == "power_limit":
-        sub = cube.sel(sm_clock=[ref.sm_clock])
-    at_ref = {"sm_clock": ref.sm_clock, "power_limit": ref.power_limit}
-    ok = valid_mask(sub)
-    measured = sub["cell_status"] == 1 if "cell_status" in sub else ok
-    any_invalid = invalid_settings(sub)  # one invalid repeat disqualifies a setting
-    # Not measured yet (a repeat missing or failed, none invalid): an interrupted sweep's
-    # cells, which resuming it measures; the grid does not end there.
-    unmeasured = not_measured(sub, grid_from_data=grid_from_data).any("repeat") & ~any_invalid
-    latency = sub[target.variable].sel(quantile=target.quantile).where(ok)
-    energy = sub["energy_per_token_j"].where(ok)
-    ref_ok = valid_mask(cube).sel(at_ref)
-    ref_latency = cube[target.variable].sel({"quantile": target.quantile, **at_ref}).where(ref_ok)
-    if target.mode == "vs-baseline":
-        ref_latency = ref_latency.sel(drafter=target.baseline, drop=True)
-    stock_energy = cube["energy_per_token_j"].sel(at_ref).where(ref_ok)
-    ref_on = measured_on(cube).sel(at_ref)
-    if target.mode == "vs-baseline":
-        ref_on = ref_on.sel(drafter=target.baseline, drop=True)
-        ref_ok_for_on = ref_ok.sel(drafter=target.baseline, drop=True)
-    else:
-        ref_ok_for_on = ref_ok
+    cells = _cells(cube, target, ref, knob, grid_from_data=grid_from_data)
     threshold = float(target.limit_ms) if target.mode == "slo" else 1.0 + target.slack  # type: ignore[arg-type]
     repeats_in_cube = int(cube.sizes.get("repeat", 1))
     min_repeats = min(2, repeats_in_cube)
     baseline_drafter = target.baseline if target.baseline in cube["drafter"].values else None
-
-    order = [*GROUP_DIMS, "sm_clock", "power_limit", "repeat"]
-    group_order = [*GROUP_DIMS, "repeat"]
-    energy_v = energy.transpose(*order).values
-    latency_v = latency.transpose(*order).values
-    invalid_v = any_invalid.transpose(*order[:-1]).values
-    unmeasured_v = unmeasured.transpose(*order[:-1]).values
-    flags_v = invalid_flags(sub, measured & ~ok).transpose(*order[:-1]).values
-    not_binding_v = cap_not_binding(sub, ok).transpose(*order[:-1]).values
-    ref_lat_v = ref_latency.broadcast_like(stock_energy).transpose(*group_order).values
-    ref_on_v = ref_on.broadcast_like(stock_energy).transpose(*group_order).values
-    ref_ok_v = ref_ok_for_on.broadcast_like(stock_energy).transpose(*group_order).values
-    on_v = measured_on(sub).transpose(*order).values
-    ok_v = ok.transpose(*order).values
-    stock_e = stock_energy.transpose(*group_order).values
-    clocks = sub["sm_clock"].values.astype(int)
-    limits = sub["power_limit"].values.astype(float)
+    clocks, limits = cells.clocks, cells.limits
     higher = [[pj for pj, q in enumerate(limits) if q > p] for p in limits]  # limit indices
     # A knob with one value in the cube was never swept: its headroom is unknown, not 0. A
     # knob the search may move (`free`) has its answer cut off by the grid when the lowest
@@ -282,25 +464,27 @@ def headroom(
     clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
-    def statistic_bound(lat: np.ndarray, ref_lat: np.ndarray, paired: bool) -> tuple[float, int]:
-        """The feasibility bound and the number of repeats behind it (NaN: not enough).
-        Against another drafter's stock the repeats are unpaired (two intervals); against the
-        drafter's own stock (`paired`: preserve mode, or the baseline's own rows) each repeat
-        is a ratio to its own stock measurement, as in preserve mode."""
-        if target.mode == "vs-baseline" and not paired:
-            mine, base = lat[~np.isnan(lat)], ref_lat[~np.isnan(ref_lat)]
-            if len(mine) < min_repeats or len(base) < min_repeats:
-                return math.nan, len(mine)
-            two_sided = (1 + confidence) / 2
-            top = upper_bound(mine, two_sided)
-            bottom = lower_bound(base, two_sided)
-            return (top / bottom if bottom > 0 else math.inf), len(mine)
-        x = lat[~np.isnan(lat)] if target.mode == "slo" else paired_ratios(lat, ref_lat)
-        if len(x) < min_repeats:
-            return math.nan, len(x)
-        return upper_bound(x, confidence), len(x)
+    # Every setting's bound at once; a setting with an invalid cell is never judged.
+    judge = ~cells.invalid
+    bound_v, n_v = statistic_bounds(
+        cells.latency,
+        cells.ref_latency,
+        target=target,
+        confidence=confidence,
+        min_repeats=min_repeats,
+        own=np.array([d == baseline_drafter for d in drafters], dtype=bool),
+        need=judge,
+    )
+    judged_v = judge & ~np.isnan(bound_v)
+    feasible_v = judge & meets_all(bound_v, threshold, strict=target.strict)
+    over_v = judged_v & ~feasible_v
+    pending_v = judge & np.isnan(bound_v) & cells.unmeasured
+    short_v = judge & np.isnan(bound_v) & ~cells.unmeasured & (n_v > 0)
+    energy_mean_v = finite_means(cells.energy, feasible_v)
+    latency_mean_v = finite_means(cells.latency, feasible_v)
+    repeats_used = set(n_v[judged_v].tolist())  # behind each computed bound (adaptive vary)
 
-    group_shape = energy_v.shape[:3]
+    group_shape = bound_v.shape[:3]
     out = {
         name: np.full(group_shape, np.nan)
         for name in (
@@ -324,12 +508,21 @@ def headroom(
             "repeats",
         )
     }
+    stock_v = finite_means(cells.stock_energy)
+    reference_v = finite_means(cells.ref_latency)
+    out["stock_energy_per_token_j"][...] = stock_v
+    out["reference_latency_ms"][...] = reference_v
+    out["target_ms"][...] = threshold if target.mode == "slo" else reference_v * threshold
+    if baseline_drafter is not None:
+        b = drafters.index(baseline_drafter)
+        out["baseline_energy_per_token_j"][...] = stock_v[:, b : b + 1, :]
     feasible_any = np.zeros(group_shape, dtype=bool)
-    n_feasible = np.zeros(group_shape, dtype=int)
-    n_judged = np.zeros(group_shape, dtype=int)  # settings whose bound could be computed
-    n_short = np.zeros(group_shape, dtype=int)  # valid settings with too few usable repeats
-    n_unmeasured = np.zeros(group_shape, dtype=int)  # settings not measured yet
-    repeats_used: set[int] = set()  # behind each computed bound (adaptive repeats vary)
+    per_setting = (-2, -1)
+    n_feasible = feasible_v.sum(axis=per_setting).astype(int)
+    n_judged = judged_v.sum(axis=per_setting).astype(int)  # bound could be computed
+    n_short = short_v.sum(axis=per_setting).astype(int)  # valid, too few usable repeats
+    n_unmeasured = pending_v.sum(axis=per_setting).astype(int)  # not measured yet
+    n_invalid = cells.invalid.sum(axis=per_setting).astype(int)  # with an invalid cell
     edge = {
         name: np.zeros(group_shape, dtype=bool)
         for name in (
@@ -344,87 +537,65 @@ def headroom(
             "chosen_invalid_below",
         )
     }
-    n_invalid = np.zeros(group_shape, dtype=int)  # settings with an invalid cell
     set_aside = np.zeros(group_shape, dtype=bool)  # a cap that never bound would have won
     limiting_flags = np.full(group_shape, "", dtype=object)
     settings_on = np.full(group_shape, "", dtype=object)
     reference_on = np.full(group_shape, "", dtype=object)
     different_gpus = np.zeros(group_shape, dtype=bool)
+    clock_list, limit_list = clocks.tolist(), limits.tolist()
+
+    def at(mask: np.ndarray) -> list[tuple[int, int]]:
+        """The (clock, limit) indices where a group's per-setting `mask` holds, in the order
+        of the grid (clock, then limit)."""
+        ci, pi = np.nonzero(mask)
+        return list(zip(ci.tolist(), pi.tolist(), strict=True))
+
     for idx in np.ndindex(group_shape):
-        stock_here = finite_mean(stock_e[idx])
-        out["stock_energy_per_token_j"][idx] = stock_here
-        reference_ms = finite_mean(ref_lat_v[idx])
-        out["reference_latency_ms"][idx] = reference_ms
-        out["target_ms"][idx] = threshold if target.mode == "slo" else reference_ms * threshold
-        if baseline_drafter is not None:
-            b_idx = (idx[0], drafters.index(baseline_drafter), idx[2])
-            out["baseline_energy_per_token_j"][idx] = finite_mean(stock_e[b_idx])
-        # The baseline's own rows in vs-baseline mode are judged against their own stock.
-        own_reference = target.mode != "vs-baseline" or drafters[idx[1]] == baseline_drafter
-        feasible = []
-        evaluated: list[tuple[int, float]] = []  # settings whose bound could be computed
-        judged_at: set[tuple[int, int]] = set()  # the same, as (clock, limit) indices
-        over: list[tuple[int, float]] = []  # evaluated settings over the target
-        pending: list[tuple[int, float]] = []  # settings not measured yet, not judged
-        invalid: list[tuple[int, float, int]] = []  # settings with an invalid cell, their flags
-        short: list[tuple[int, float]] = []  # valid settings with too few usable repeats
-        for ci, clock in enumerate(clocks):
-            for pi, limit in enumerate(limits):
-                if invalid_v[idx + (ci, pi)]:
-                    invalid.append((int(clock), float(limit), int(flags_v[idx + (ci, pi)])))
-                    continue
-                e = energy_v[idx + (ci, pi)]
-                lat = latency_v[idx + (ci, pi)]
-                bound, n = statistic_bound(lat, ref_lat_v[idx], own_reference)
-                if not math.isnan(bound):
-                    evaluated.append((int(clock), float(limit)))
-                    judged_at.add((ci, pi))
-                    repeats_used.add(n)
-                elif unmeasured_v[idx + (ci, pi)]:
-                    pending.append((int(clock), float(limit)))
-                elif n > 0:
-                    short.append((int(clock), float(limit)))
-                if not meets(bound, threshold, strict=target.strict):
-                    if not math.isnan(bound):
-                        over.append((int(clock), float(limit)))
-                    continue
-                feasible.append(
-                    (
-                        finite_mean(e),
-                        int(clock),
-                        float(limit),
-                        finite_mean(lat),
-                        bound,
-                        n,
-                        ci,
-                        pi,
-                    )
-                )
-        n_feasible[idx] = len(feasible)
-        n_judged[idx] = len(evaluated)
-        # An unmeasured setting could still change the answer unless a setting at least as
-        # fast in both knobs (clock and limit no lower) was judged over the target.
-        open_ = [(c, p) for c, p in pending if not any(c2 >= c and p2 >= p for c2, p2 in over)]
-        n_unmeasured[idx] = len(pending)
-        n_short[idx] = len(short)
-        n_invalid[idx] = len(invalid)
-        # Invalid settings could still change the answer on the same terms (measured again
-        # with a campaign that clears their quality flags).
+        stock_here = float(stock_v[idx])
+        over = [(clock_list[ci], limit_list[pi]) for ci, pi in at(over_v[idx])]
+        flags_here = cells.flags[idx]
+        invalid = [
+            (clock_list[ci], limit_list[pi], int(flags_here[ci, pi]))
+            for ci, pi in at(cells.invalid[idx])
+        ]
+        # Invalid settings could still change the answer unless a setting at least as fast
+        # in both knobs (clock and limit no lower) was judged over the target (measured
+        # again with a campaign that clears their quality flags).
         spoilt = [
             (c, p, m) for c, p, m in invalid if not any(c2 >= c and p2 >= p for c2, p2 in over)
         ]
-        if not feasible:
+        if not n_feasible[idx]:
             limiting_flags[idx] = flag_text(m for _, _, m in spoilt)
             continue
+        bounds_here, n_here = bound_v[idx], n_v[idx]
+        energies_here, latencies_here = energy_mean_v[idx], latency_mean_v[idx]
+        feasible = [
+            (
+                float(energies_here[ci, pi]),
+                clock_list[ci],
+                limit_list[pi],
+                float(latencies_here[ci, pi]),
+                float(bounds_here[ci, pi]),
+                int(n_here[ci, pi]),
+                ci,
+                pi,
+            )
+            for ci, pi in at(feasible_v[idx])
+        ]
+        judged_at = set(at(judged_v[idx]))
+        evaluated = [(clock_list[ci], limit_list[pi]) for ci, pi in sorted(judged_at)]
+        pending = [(clock_list[ci], limit_list[pi]) for ci, pi in at(pending_v[idx])]
+        # An unmeasured setting could still change the answer on the same terms.
+        open_ = [(c, p) for c, p in pending if not any(c2 >= c and p2 >= p for c2, p2 in over)]
         # A cap that never bound is the operating point of a higher limit at its clock: where
         # that one was judged, the choice is made without it (see the module docstring); where
         # nothing else meets the target, it stays, harmless.
+        not_binding_here = cells.not_binding[idx]
         bound_caps = [
             f
             for f in feasible
             if not (
-                not_binding_v[idx + (f[6], f[7])]
-                and any((f[6], pj) in judged_at for pj in higher[f[7]])
+                not_binding_here[f[6], f[7]] and any((f[6], pj) in judged_at for pj in higher[f[7]])
             )
         ]
         mean_e, clock, limit, mean_lat, bound, n, c_i, p_i = least_energy(bound_caps or feasible)
@@ -475,12 +646,16 @@ def headroom(
         )
         # The GPUs behind the two answers (chosen and lowest feasible) and behind the
         # reference they are judged against; an absolute SLO has no reference to pair with.
-        answers = [f for f in feasible if (f[6], f[7]) == (c_i, p_i) or f[1] == lowest_clock]
-        answers += [f for f in feasible if f[2] == lowest_limit]
-        mine = frozenset().union(
-            *(gpu_set(on_v[idx + (f[6], f[7])], ok_v[idx + (f[6], f[7])]) for f in answers)
+        answers = sorted(
+            {
+                (f[6], f[7])
+                for f in feasible
+                if (f[6], f[7]) == (c_i, p_i) or f[1] == lowest_clock or f[2] == lowest_limit
+            }
         )
-        theirs = gpu_set(ref_on_v[idx], ref_ok_v[idx])
+        rows, cols = [a[0] for a in answers], [a[1] for a in answers]
+        mine = gpu_set(cells.on[idx][rows, cols], cells.ok[idx][rows, cols])
+        theirs = gpu_set(cells.ref_on[idx], cells.ref_ok[idx])
         settings_on[idx] = gpu_text(mine)
         reference_on[idx] = gpu_text(theirs)
         different_gpus[idx] = (
@@ -630,7 +805,7 @@ def headroom(
         # Why a group has no reference to judge against: a label, as measured_on is.
         "reference_problem": (
             dims,
-            reference_problems(cube, at_ref, target),
+            cells.reference_problems,
             {"units": "1", "long_name": "why the reference cell is unusable (empty: usable)"},
         ),
         # Which quality flags invalidated the settings that could change the answer.
@@ -652,7 +827,7 @@ def headroom(
             },
         ),
     }
-    result = xr.Dataset(data_vars, coords=coords).assign_coords(gpu_coords)
+    result = xr.Dataset(data_vars, coords={**coords, **gpu_coords})
     described = target.describe()
     if not ref.is_stock:  # the target is relative to the reference, which is not stock here
         described = described.replace(" stock ", " top-of-grid ")
@@ -806,8 +981,6 @@ def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
     adaptive repeats or a cube that does not record its campaign."""
     import xarray as xr
 
-    from dvfs.measure.counter import repeats_precise
-
     status = cube["cell_status"] if "cell_status" in cube else cube["valid"]
     rule = repeat_rule(cube.attrs.get("campaign"))
     dims = [*(d for d in status.dims if d != "repeat"), "repeat"]
@@ -819,17 +992,40 @@ def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
     ):
         return xr.zeros_like(status, dtype=bool).drop_attrs()
     status = status.transpose(*dims)
-    status_v = status.values
-    index = cube["repeat"].values.astype(int)
+    beyond = _unasked_cells(
+        rule,
+        cube["repeat"].values.astype(int),
+        status.values,
+        lambda: (
+            cube["valid"].transpose(*dims).values,
+            cube["energy_per_token_j"].transpose(*dims).values,
+            cube["tpot_ms"].isel(quantile=0).transpose(*dims).values,  # the median
+        ),
+    )
+    return xr.DataArray(beyond, dims=status.dims, coords=status.coords).transpose(
+        *cube["cell_status"].dims
+    )
+
+
+def _unasked_cells(
+    rule: RepeatRule,
+    index: np.ndarray,
+    status_v: np.ndarray,
+    measured: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> np.ndarray:
+    """`unasked_repeats` on arrays whose last axis is the repeat (`index` its labels):
+    `measured` gives the cells' valid flag, energy per token and median TPOT, in the same
+    axes, and is called only where the rule's precision has to be judged."""
+    from dvfs.measure.counter import repeats_precise
+
     present = np.where(status_v != STATUS_MISSING, index + 1, 0)
     taken = present.max(axis=-1, initial=0)  # as the rule counts: failed cells were taken
     beyond = (status_v == STATUS_MISSING) & (index >= np.maximum(taken, rule.repeats)[..., None])
     # Groups the rule still judges: their first repeats are in, the last not yet taken.
     judged = beyond.any(axis=-1) & (taken >= rule.repeats) & (taken < rule.max_repeats)
     if judged.any():
-        usable = (status_v == STATUS_OK) & (cube["valid"].transpose(*dims).fillna(0).values > 0)
-        energy_v = cube["energy_per_token_j"].transpose(*dims).values
-        tpot_v = cube["tpot_ms"].isel(quantile=0).transpose(*dims).values  # the median
+        valid_v, energy_v, tpot_v = measured()
+        usable = (status_v == STATUS_OK) & (valid_v > 0)  # valid.fillna(0) > 0
         for idx in zip(*np.nonzero(judged), strict=True):
             ok = usable[idx]
             if not repeats_precise(
@@ -839,9 +1035,7 @@ def unasked_repeats(cube: xr.Dataset) -> xr.DataArray:
                 confidence=rule.confidence,
             ):
                 beyond[idx] &= index != taken[idx]  # the next repeat, which the rule asks for
-    return xr.DataArray(beyond, dims=status.dims, coords=status.coords).transpose(
-        *cube["cell_status"].dims
-    )
+    return beyond
 
 
 def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataArray:
@@ -889,7 +1083,6 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
     """Per (batch, drafter, corpus): why the reference cell gives no latency to compare with
     ("" where it does): "not measured yet", "failed", or "invalid: <its invalidating quality
     flags>", so a row without a target says what to change."""
-    from dvfs.measure.meter import INVALIDATING, describe_quality
 
     ref = cube.sel(at_ref)
     if target.mode == "vs-baseline":
@@ -908,11 +1101,19 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
     quality_v = (
         ref["quality"].transpose(*order).values if "quality" in ref else np.full(shape, np.nan)
     )
-    out = np.full(shape[:3], "", dtype=object)
-    for idx in np.ndindex(out.shape):
+    return _reference_problems(usable_v, status_v, quality_v)
+
+
+def _reference_problems(
+    usable_v: np.ndarray, status_v: np.ndarray, quality_v: np.ndarray
+) -> np.ndarray:
+    """`reference_problems` on the reference cells' arrays over (*GROUP_DIMS, repeat): whether
+    each is usable, its status and its quality bits."""
+    from dvfs.measure.meter import INVALIDATING, describe_quality
+
+    out = np.full(usable_v.shape[:3], "", dtype=object)
+    for idx in zip(*np.nonzero(~usable_v.any(axis=-1)), strict=True):
         status = status_v[idx]
-        if usable_v[idx].any():
-            continue
         if (status == STATUS_OK).any():
             masks = [int(q) & INVALIDATING for q in quality_v[idx][status == STATUS_OK] if q == q]
             flags = sorted({name for m in masks for name in describe_quality(m)})
