@@ -404,3 +404,46 @@ def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
         assert energy.filters()["zlib"] and energy.filters()["complevel"] == 4
         assert np.isnan(energy.getncattr("_FillValue"))
     xr.testing.assert_identical(open_cube(path), ds)
+
+
+def test_cube_writes_from_two_threads_take_turns_and_leave_the_chunk_cache_as_it_was(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The chunk-cache setting is the process's: a write that began while another was under
+    way would have restored the other's 0 for good. Writes take turns (netCDF-C is not
+    thread-safe either): the second starts only once the first has put the setting back."""
+    import threading
+
+    from dvfs.cube import write_cube
+
+    ds = open_cube(tiny_sweep)
+    before = netCDF4.get_chunk_cache()
+    first_inside = threading.Event()
+    release_first = threading.Event()
+    seen: list[tuple[str, tuple[int, int, float]]] = []
+    real = xr.Dataset.to_netcdf
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        name = threading.current_thread().name
+        seen.append((name, netCDF4.get_chunk_cache()))
+        if name == "first":
+            first_inside.set()
+            assert release_first.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", spy)
+    first = threading.Thread(target=write_cube, args=(ds, tmp_path / "a.nc"), name="first")
+    second = threading.Thread(target=write_cube, args=(ds, tmp_path / "b.nc"), name="second")
+    first.start()
+    assert first_inside.wait(30)
+    second.start()
+    second.join(0.3)  # time to get in, had it not had to wait
+    assert [name for name, _ in seen] == ["first"]
+    release_first.set()
+    first.join(30)
+    second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert [name for name, _ in seen] == ["first", "second"]
+    assert all(setting[0] == 0 for _, setting in seen)
+    assert netCDF4.get_chunk_cache() == before
+    xr.testing.assert_identical(open_cube(tmp_path / "b.nc"), ds)

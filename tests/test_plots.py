@@ -526,3 +526,17 @@ def test_a_matplotlib_without_the_private_text_calls_draws_text_its_own_way(
     monkeypatch.undo()
     monkeypatch.delattr(_backend_agg.RendererAgg, "draw_text_image")
     assert make_text_caching_canvas() is FigureCanvasAgg
+
+
+def test_a_matplotlib_without_the_fonts_calls_draws_text_its_own_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same where FT2Font lacks a call the cache makes (3.11's own text path no longer
+    uses them)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.ft2font import FT2Font
+
+    from dvfs.plots.style import make_text_caching_canvas
+
+    monkeypatch.delattr(FT2Font, "draw_glyphs_to_bitmap")
+    assert make_text_caching_canvas() is FigureCanvasAgg

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,20 +81,27 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
+#: One cube write at a time in a process: the chunk-cache setting `_no_chunk_cache` changes
+#: is process-wide (two overlapping writes would leave it at 0), and netCDF-C is not
+#: thread-safe.
+_WRITING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _no_chunk_cache() -> Iterator[None]:
     """Files opened meanwhile get no HDF5 chunk cache. A cube variable is one or two chunks,
     written whole once; with netCDF-C's default cache (tens of MB per variable) every
     variable's chunks stayed in memory until the file closed, a second copy of the cube at the
-    sweep's peak. The file's content is the same either way."""
+    sweep's peak. The file's content is the same either way. Holds `_WRITING`."""
     import netCDF4
 
-    size, slots, preemption = netCDF4.get_chunk_cache()
-    netCDF4.set_chunk_cache(0, slots, preemption)
-    try:
-        yield
-    finally:
-        netCDF4.set_chunk_cache(size, slots, preemption)
+    with _WRITING:
+        size, slots, preemption = netCDF4.get_chunk_cache()
+        netCDF4.set_chunk_cache(0, slots, preemption)
+        try:
+            yield
+        finally:
+            netCDF4.set_chunk_cache(size, slots, preemption)
 
 
 def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
