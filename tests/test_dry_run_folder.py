@@ -14,6 +14,7 @@ from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep, replace_block, write
 from dvfs.cli import cli
 from dvfs.fleet.shard import Shard
 from dvfs.measure.journal import read_records
+from dvfs.sweep import LOCK_NAME
 
 #: TINY (16 cells) on the exact twin, so that twins of two models measure it alike; its runs
 #: (`tiny_exact_run`) are shared with other tests, so each test resumes or edits a copy.
@@ -45,11 +46,17 @@ def _measured(result: Result) -> tuple[int, int]:
 
 
 def _files(folder: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under `folder`, by relative path."""
-    return {
-        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-    }
+    """Every file (its bytes) and folder (None) under `folder`, by relative path; the lock
+    file's holder pid read as a mark that it is one (a refused sweep takes the lock, and so
+    writes its own pid, before it reads the journal it refuses; the folder may have been
+    made by another process)."""
+    files: dict[str, bytes | None] = {}
+    for p in sorted(folder.rglob("*")):
+        data = None if p.is_dir() else p.read_bytes()
+        if p.name == LOCK_NAME and data is not None and data.strip().isdigit():
+            data = b"<pid>\n"
+        files[str(p.relative_to(folder))] = data
+    return files
 
 
 def _dry(campaign: Path, out: Path, *args: str) -> tuple[dict, Result]:
