@@ -218,6 +218,42 @@ def test_a_journal_whose_sessions_sent_different_prompts_does_not_build(
     )
 
 
+def test_sessions_after_an_older_first_one_are_compared_with_each_other(
+    half_done: tuple[Path, Path],
+) -> None:
+    """A key is compared only where both session records hold it; a first session by a dvfs
+    that recorded no corpus hashes must not leave the later sessions, which do, unchecked
+    against each other."""
+    campaign, out = half_done
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    cells = [r for r in records if r["type"] == "cell"]
+    keep = {r["key"] for r in cells[: len(cells) // 2]}
+    journal.write_text(
+        "".join(json.dumps(r) + "\n" for r in records if r["type"] != "cell" or r["key"] in keep)
+    )
+    assert sweep(campaign, out).exit_code == 0  # a second session: the rest
+    records = read_records(journal)
+    first, second = [r for r in records if r["type"] == "session"]
+    third = json.loads(json.dumps(second))
+    for corpus in first["corpora"].values():  # as an older dvfs wrote it
+        corpus.pop("content_hash")
+    third["corpora"]["mine"]["content_hash"] = "0000000000000000"  # edited before a third
+    at = records.index(second)
+    moved = [r for r in records[at + 1 :] if r["type"] == "cell"][-1:]
+    rest = [r for r in records[at + 1 :] if r not in moved]
+    journal.write_text(
+        "".join(json.dumps(r) + "\n" for r in [*records[: at + 1], *rest, third, *moved])
+    )
+    assert_one_line_error(
+        invoke("cube", "build", str(out)),
+        1,
+        "sessions sent different prompts",
+        "corpus 'mine' content: ",
+        "-> 0000000000000000",
+    )
+
+
 def _rewrite(path: Path, into: Path, **attrs: object) -> Path:
     """The cube at `path` with `attrs` changed, written to `into`."""
     ds = open_cube(path).load()

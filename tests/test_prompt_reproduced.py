@@ -149,10 +149,13 @@ def _group(record: dict[str, Any]) -> tuple[Any, ...]:
     return (cell["batch"], cell["corpus"], cell["repeat"])
 
 
-@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize(("mixed", "other_driver"), [(False, False), (True, False), (False, True)])
 def test_an_older_journal_counted_two_ways_builds_where_each_group_used_one(
-    tmp_path: Path, mixed: bool
+    tmp_path: Path, mixed: bool, other_driver: bool
 ) -> None:
+    """Sessions that counted prompt tokens two ways build where each comparison group used
+    one way; their other invariants are still compared (a second session on another driver
+    is refused, as it would be had both counted alike)."""
     campaign, out = _setup(tmp_path), tmp_path / "out"
     journal = out / "journal.jsonl"
     assert sweep(campaign, out).exit_code == 0
@@ -164,9 +167,17 @@ def test_an_older_journal_counted_two_ways_builds_where_each_group_used_one(
     assert sweep(campaign, out).exit_code == 0
     records = read_records(journal)
     # As an older dvfs wrote it: the second session counted with a tokenizer found since.
-    [r for r in records if r["type"] == "session"][1]["token_count_method"] = "tokenizer of x"
+    second = [r for r in records if r["type"] == "session"][1]
+    second["token_count_method"] = "tokenizer of x"
+    if other_driver:
+        for gpu in second["gpus"]:
+            gpu["driver_version"] = "0.0.1"
     journal.write_text("".join(json.dumps(r) + "\n" for r in records))
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    if other_driver:
+        assert_one_line_error(built, 1, "GPUs that do not compare", "driver version: ", "0.0.1")
+        assert "token-count" not in built.output  # told apart from what the groups allow
+        return
     if not mixed:
         assert built.exit_code == 0, built.output
         return

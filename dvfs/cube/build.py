@@ -161,41 +161,14 @@ def _check_sessions(
     prompts; a group measured under both is refused."""
     if not journal.sessions:
         return
-    first = journal.sessions[0].to_json()
     mixed = None if counted is None else _mixed_groups(counted)
-    for session in journal.sessions:
-        record = session.to_json()
-        sent = prompt_changes(first, record)
-        recount = [c for c in sent if c.startswith("token-count method: ")]
-        if recount and len(recount) == len(sent) and mixed is not None:
-            if not mixed:
-                continue  # each group's arms were sent one method's prompts
-            shown = ", ".join(f"batch {b} corpus {c!r} repeat {r}" for b, c, r in mixed[:3])
-            more = f" and {len(mixed) - 3} more" if len(mixed) > 3 else ""
-            raise IncomparableCellsError(
-                f"the journal's sessions counted prompt tokens differently ({recount[0]}) and "
-                f"the cells of {shown}{more} were measured under both, so their arms may have "
-                "been sent different prompts: rerun with --fresh (or into another --out folder); "
-                "a resume now keeps the journal's first method"
-            )
-        if sent:  # a corpus edited, a tokenizer found or lost, a chat template changed
-            raise IncomparableCellsError(
-                "the journal's sessions sent different prompts "
-                f"({'; '.join(sent)}): the arms would compare prompts, not settings; rerun "
-                "with --fresh (or into another --out folder) on one corpus and tokenizer"
-            )
-        changes = incomparable(first, record) or mixed_within(record)
-        if changes:
-            advice = (
-                TWIN_CHANGED
-                if twin_changed(changes)
-                else "keep one journal per GPU model and driver: rerun the other GPUs into "
-                "their own --out folder and `dvfs cube merge` the cubes"
-            )
-            raise IncomparableCellsError(
-                "the journal holds measurements from GPUs that do not compare "
-                f"({'; '.join(changes)}); {advice}"
-            )
+    records = [session.to_json() for session in journal.sessions]
+    for i, record in enumerate(records):
+        # Every earlier session, not the first alone: a key is compared only where both
+        # records hold it, so a first session by an older dvfs would leave later ones
+        # unchecked against each other.
+        for before in records[:i] or [record]:
+            _check_session_pair(before, record, mixed)
     first_server: dict[str, Server] = {}
     for server in journal.servers:
         earlier = first_server.setdefault(server.drafter, server)
@@ -240,6 +213,45 @@ def _check_sessions(
         raise IncomparableCellsError(
             f"{served}; rerun with --fresh (or into another --out folder) with every drafter "
             "on one engine version and one set of engine flags"
+        )
+
+
+def _check_session_pair(
+    earlier: Mapping[str, Any], record: Mapping[str, Any], mixed: list[Group] | None
+) -> None:
+    """`_check_sessions` for one session record against an earlier one (or itself). Token
+    counts that differ alone are let through where no group was measured under both (`mixed`
+    empty); every other invariant is still compared."""
+    sent = prompt_changes(earlier, record)
+    recount = [c for c in sent if c.startswith("token-count method: ")]
+    counted_apart = bool(recount) and len(recount) == len(sent) and mixed is not None
+    if counted_apart and mixed:
+        shown = ", ".join(f"batch {b} corpus {c!r} repeat {r}" for b, c, r in mixed[:3])
+        more = f" and {len(mixed) - 3} more" if len(mixed) > 3 else ""
+        raise IncomparableCellsError(
+            f"the journal's sessions counted prompt tokens differently ({recount[0]}) and "
+            f"the cells of {shown}{more} were measured under both, so their arms may have "
+            "been sent different prompts: rerun with --fresh (or into another --out folder); "
+            "a resume now keeps the journal's first method"
+        )
+    if sent and not counted_apart:  # a corpus edited, a tokenizer found or lost, a template
+        raise IncomparableCellsError(
+            "the journal's sessions sent different prompts "
+            f"({'; '.join(sent)}): the arms would compare prompts, not settings; rerun "
+            "with --fresh (or into another --out folder) on one corpus and tokenizer"
+        )
+    changes = [c for c in incomparable(earlier, record) if c not in recount]
+    changes = changes or mixed_within(record)
+    if changes:
+        advice = (
+            TWIN_CHANGED
+            if twin_changed(changes)
+            else "keep one journal per GPU model and driver: rerun the other GPUs into "
+            "their own --out folder and `dvfs cube merge` the cubes"
+        )
+        raise IncomparableCellsError(
+            "the journal holds measurements from GPUs that do not compare "
+            f"({'; '.join(changes)}); {advice}"
         )
 
 
