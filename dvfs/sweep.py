@@ -305,7 +305,7 @@ def run_sweep(
             moved = fresh_start(out_dir) if fresh else None
             if moved and progress is not None:
                 progress.note(f"moved the previous journal to {moved}")
-            outcome = _run_locked(
+            summary, journal_path = _measure(
                 campaign,
                 out_dir,
                 progress=progress,
@@ -314,6 +314,7 @@ def run_sweep(
                 state_dir=state_dir,
                 shard=shard,
             )
+            outcome = _with_cube(summary, journal_path, out_dir)
     except GpuPermissionError as exc:
         if not campaign.gpu.actuation or "--observe-only" in str(exc):
             raise
@@ -356,27 +357,10 @@ def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
     return Interruption(cube_path, cube_error, left, store.directory)
 
 
-def _run_locked(
-    campaign: Campaign,
-    out_dir: Path,
-    *,
-    progress: Progress | None,
-    backends: Backends | None,
-    nvml: ModuleType | None,
-    state_dir: Path | None,
-    shard: Shard | None = None,
-) -> SweepOutcome:
-    summary, journal_path = _measure(
-        campaign,
-        out_dir,
-        progress=progress,
-        backends=backends,
-        nvml=nvml,
-        state_dir=state_dir,
-        shard=shard,
-    )
-    # What the measurement held (its plan, the twin's rounds) is garbage now: handed back to
-    # the OS, it does not add to the cube's memory at the sweep's peak.
+def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepOutcome:
+    """The sweep's outcome once its cube is written, built after `_measure` returned: what the
+    measurement held (its plan, the twin's rounds) is garbage by then, and handed back to the
+    OS it does not add to the cube's memory at the sweep's peak."""
     release_free_memory()
     try:
         cube = shard_cube(journal_path)
