@@ -161,7 +161,8 @@ def paired_ratio(
     side = (1 + confidence) / 2
     two = count >= 2
     high, _ = upper_bounds(x, side, two)
-    low = 2 * finite_means(x, two) - high  # lower_bound
+    ratio = finite_means(x)
+    low = 2 * np.where(two, ratio, np.nan) - high  # lower_bound
     # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
     lost = np.isnan(mine) != np.isnan(base)
     if unasked is not None:
@@ -170,7 +171,7 @@ def paired_ratio(
     dropped = np.count_nonzero(lost, axis=-1)
     nothing = np.isnan(mine).all(axis=-1) | np.isnan(base).all(axis=-1)
     return Paired(
-        finite_means(x),
+        ratio,
         low,
         high,
         count.astype(int),

@@ -267,9 +267,10 @@ def _cells(
     status_all = _values(cube, "cell_status") if has_status else None
     valid_all = _values(cube, "valid")
     ok_all = valid_all > 0  # valid.fillna(0) > 0
+    measured_all = ok_all
     if status_all is not None:
-        ok_all = ok_all & (status_all == STATUS_OK)
-    measured_all = status_all == STATUS_OK if status_all is not None else ok_all
+        measured_all = status_all == STATUS_OK
+        ok_all = ok_all & measured_all
     ok = cut(ok_all)
     bad_cells = cut(measured_all) & ~ok
     invalid = bad_cells.any(axis=-1)  # one invalid repeat disqualifies a setting
