@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, SMALL_CAMPAIGN, TINY, replace_block, subprocess_env, write
+from conftest import (
+    PYTHON,
+    SMALL_CAMPAIGN,
+    TINY,
+    TINY_EXACT,
+    replace_block,
+    subprocess_env,
+    write,
+)
 
 from dvfs.cli import cli
 from dvfs.cube import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK, build_cube, open_cube
@@ -293,12 +301,14 @@ def test_sigint_stops_cleanly_with_a_partial_cube(tmp_path: Path) -> None:
     ).all()
 
 
-def test_merge_cubes_from_two_gpus(small_sweep: Path, tmp_path: Path) -> None:
+def test_merge_cubes_from_two_gpus(tiny_exact_run, tmp_path: Path) -> None:
+    # TINY_EXACT: the merge reads a grid of any size, and a small one sweeps and writes fast;
+    # exact, so its cells are valid for the headroom below.
     h200 = write(
         tmp_path / "h200.toml",
-        replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h200-sxm"'),
+        replace_block(TINY_EXACT, 'profile = "h100-sxm:none"', 'profile = "h200-sxm:none"'),
     )
-    copy_of(small_sweep, tmp_path).rename(tmp_path / "a")  # the H100 sweep
+    copy_of(tiny_exact_run("one"), tmp_path).rename(tmp_path / "a")  # the H100 sweep
     assert sweep([str(h200), "--out", str(tmp_path / "b")]).exit_code == 0
     merged_path = tmp_path / "merged.nc"
     result = CliRunner().invoke(
