@@ -124,11 +124,12 @@ def test_in_a_containers_pid_namespace_nothing_is_flagged_and_every_command_says
     nv: ModuleType, tenant: int, tmp_path: Path
 ) -> None:
     # NVML names the server by a host PID it cannot see as its own: every PID looks foreign.
+    # One clock: the verdict is each server's (drafter's), whatever the clock.
     code, cells, servers, output = sweep(
-        tmp_path, {"nvml_pid": tenant}, clocks="[1980, 1500]", drafters=EAGLE3_DRAFTER
+        tmp_path, {"nvml_pid": tenant}, clocks="[1980]", drafters=EAGLE3_DRAFTER
     )
     assert code == 0, output
-    assert len(cells) == 4 and all(c["status"] == "ok" for c in cells)
+    assert len(cells) == 2 and all(c["status"] == "ok" for c in cells)
     assert not any(flagged(c) or c.get("foreign_processes") for c in cells)
     assert [s["gpu_pinning"] for s in servers] == [
         "unverified: NVML lists none of the server's 1 process(es) on any GPU (a container's "
