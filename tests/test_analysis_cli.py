@@ -100,7 +100,7 @@ def test_compare_json_and_markdown(small_sweep: Path) -> None:
     assert "### Mean accept length" in markdown and "### Verify pass vs ridge point" in markdown
 
 
-def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
+def test_plot_writes_every_figure(small_sweep: Path, tiny_exact_run, tmp_path: Path) -> None:
     out = tmp_path / "plots"
     files = run("plot", str(small_sweep), "--out", str(out)).output.split()
     names = sorted(Path(f).name for f in files)
@@ -121,8 +121,11 @@ def test_plot_writes_every_figure(small_sweep: Path, tmp_path: Path) -> None:
     for f in files:
         data = Path(f).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    svg = run("plot", str(small_sweep), "--out", str(tmp_path / "svg"), "--format", "svg").output
-    assert all(f.endswith(".svg") for f in svg.split())
+    # --format reaches the files: the session's one-corpus run draws fewer figures to show it.
+    one = tiny_exact_run("one")
+    svg = run("plot", str(one), "--out", str(tmp_path / "svg"), "--format", "svg").output.split()
+    assert svg and all(f.endswith(".svg") for f in svg)
+    assert all(Path(f).read_bytes().lstrip().startswith(b"<?xml") for f in svg)
 
 
 def test_python_api(small_sweep: Path) -> None:
