@@ -248,15 +248,15 @@ def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) 
 
 
 def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_model(
-    tmp_path: Path,
+    tiny_exact_run, tmp_path: Path
 ) -> None:
     """Two GPU models each run the whole campaign on their own workers: the dry run counts
     every model's cells, as the run measures them, and the model with the fewest workers sets
     the makespan; a twin GPU named with the campaign's own profile is the same model."""
-    from conftest import TINY
+    from conftest import MIXED_FLEET, TINY_EXACT
 
-    campaign = write(tmp_path / "tiny.toml", TINY)  # 16 cells, 4 comparison groups
-    cases = (("0,h200-sxm:0", 2, 4), ("0-2,h200-sxm:0", 2, 4), ("0,h100-sxm:1", 1, 2))
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)  # 16 cells, 4 comparison groups
+    cases = ((MIXED_FLEET[1], 2, 4), ("0-2,h200-sxm:0", 2, 4), ("0,h100-sxm:1", 1, 2))
     for spec, models, busiest in cases:
         args = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", spec, "--json"]
         doc = json.loads(CliRunner().invoke(cli, args).output)
@@ -264,8 +264,7 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
         assert doc["cells_all_models"] == 16 * models
         hours = doc["estimated_hours_on_hardware"]
         assert doc["estimated_makespan_hours"] == round(hours * busiest / 4, 2), spec
-    out = tmp_path / "mixed"
-    assert sweep(str(campaign), "--gpus", "0,h200-sxm:0", "--out", str(out)).exit_code == 0
+    out = tiny_exact_run("mixed")  # the session's run of TINY_EXACT on MIXED_FLEET
     measured = [
         r
         for journal in sorted(out.glob("gpu-*/journal.jsonl"))
