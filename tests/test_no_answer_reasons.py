@@ -158,22 +158,20 @@ def test_cap_plan_model_must_be_one_measured(tmp_path: Path) -> None:
     assert cap["name"] == H100
 
 
-def test_merging_unfinished_shards_says_cells_are_missing(tmp_path: Path) -> None:
-    campaign = tmp_path / "c.toml"
-    from conftest import SMALL_EXACT
+def test_merging_unfinished_shards_says_cells_are_missing(tiny_exact_run, tmp_path: Path) -> None:
+    from conftest import copy_sweep
 
-    campaign.write_text(SMALL_EXACT, encoding="utf-8")
-    shards = []
-    for i in range(2):
-        out = tmp_path / f"s{i}"
-        run("sweep", str(campaign), "--shard", f"{i}/2", "--out", str(out), "--no-progress")
-        shards.append(out)
+    # The session's two shards of TINY_EXACT; the second copied, as it loses cells below.
+    shards = [tiny_exact_run("s0"), copy_sweep(tiny_exact_run("s1"), tmp_path / "s1")]
     whole = run("cube", "merge", *map(str, shards), "-o", str(tmp_path / "m.nc"))
     assert "not measured yet" not in whole.output
     # An interrupted shard: drop half its cells from the journal, as a stopped sweep leaves.
     from test_partial_cube import without_cells
 
-    without_cells(shards[1] / "journal.jsonl", lambda c: c["power_limit_w"] == 300.0)
+    journal = shards[1] / "journal.jsonl"
+    before = journal.read_text(encoding="utf-8").count('"type":"cell"')
+    without_cells(journal, lambda c: c["sm_clock_mhz"] == 1005)
+    assert 0 < journal.read_text(encoding="utf-8").count('"type":"cell"') < before
     merged = run(
         "cube", "merge", *(str(s / "journal.jsonl") for s in shards), "-o", str(tmp_path / "p.nc")
     )
