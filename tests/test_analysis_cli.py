@@ -121,10 +121,14 @@ def test_plot_writes_every_figure(small_sweep: Path, tiny_exact_run, tmp_path: P
     for f in files:
         data = Path(f).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    # --format reaches the files: the session's one-corpus run draws fewer figures to show it.
+    # --format reaches the files: every kind of figure, of the session's one-corpus run (the
+    # fewest figures that hold every kind).
     one = tiny_exact_run("one")
     svg = run("plot", str(one), "--out", str(tmp_path / "svg"), "--format", "svg").output.split()
-    assert svg and all(f.endswith(".svg") for f in svg)
+    kinds = {
+        n.removesuffix(".png").removesuffix("_code").removesuffix("_conversation") for n in names
+    }
+    assert sorted(Path(f).stem.removesuffix("_code") for f in svg) == sorted(kinds)
     assert all(Path(f).read_bytes().lstrip().startswith(b"<?xml") for f in svg)
 
 
