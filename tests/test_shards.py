@@ -88,8 +88,9 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> N
     assert combined.attrs["sessions"] == 3
     assert combined.attrs["arms_on_one_gpu"] == whole.attrs["arms_on_one_gpu"] == 1
     assert combined.attrs["groups_across_gpus"] == 0
-    # Shards run on other GPUs (a job array: --gpus per task) merge the same.
-    spread = sweep_and_merge_shards(runs, tmp_path, "g", [str(i + 1) for i in range(3)])
+    # Shards run on other GPUs (a job array: --gpus per task) merge the same: the shared
+    # shard 0/3 (GPU 0) with 1/3 and 2/3 swept again on GPUs 1 and 2.
+    spread = sweep_and_merge_shards(runs, tmp_path, "g", [None, "1", "2"])
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
     # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
@@ -102,19 +103,26 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> N
     assert_same_cells(open_cube(again), combined)
 
 
-def sweep_and_merge_shards(runs: Path, into: Path, name: str, gpus: list[str]) -> xr.Dataset:
+def sweep_and_merge_shards(runs: Path, into: Path, name: str, gpus: list[str | None]) -> xr.Dataset:
     """The campaign in `runs` as len(gpus) shards, shard i on `--gpus gpus[i]` in folder
-    `into/<name>i`, each run through the CLI, then merged through the CLI: the merged cube."""
+    `into/<name>i`, each run through the CLI, then merged through the CLI: the merged cube.
+    A shard whose `gpus[i]` is None is `runs`' own (of three, on GPU 0), not swept again."""
+    folders: dict[int, Path] = {}
     for i, spec in enumerate(gpus):
+        if spec is None:
+            assert len(gpus) == 3, "runs holds shards of three"
+            folders[i] = runs / f"s{i}"
+            continue
+        folders[i] = into / f"{name}{i}"
         result = invoke(
             "sweep",
             str(runs / "shardy.toml"),
             *("--shard", f"{i}/{len(gpus)}", "--gpus", spec),
-            *("--out", str(into / f"{name}{i}"), "--no-progress"),
+            *("--out", str(folders[i]), "--no-progress"),
         )
         assert result.exit_code == 0, result.output
     merged = into / f"{name}.nc"
-    shards = [str(into / f"{name}{i}") for i in range(len(gpus))]
+    shards = [str(folders[i]) for i in range(len(gpus))]
     assert invoke("cube", "merge", *shards, "-o", str(merged)).exit_code == 0
     return open_cube(merged)
 
