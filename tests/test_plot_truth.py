@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import xarray as xr
 from test_plots import TARGET, small_cube
 
+import dvfs.plots
 from dvfs.analysis.headroom import headroom
 from dvfs.plots import draw_timelines, figures, per_gpu, plot_all
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 H100 = "NVIDIA H100 80GB HBM3 (twin)"
 H200 = "NVIDIA H200 (twin)"
@@ -25,21 +30,30 @@ def _texts(fig) -> list[str]:
     return [t.get_text() for t in fig.findobj(match=lambda a: hasattr(a, "get_text"))]
 
 
-def test_each_gpu_of_a_merged_cube_is_drawn_under_its_own_name(tmp_path: Path) -> None:
+def test_each_gpu_of_a_merged_cube_is_drawn_under_its_own_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     one = small_cube([1, 8], corpora=("code",))
     merged = xr.concat([one, one], dim=xr.DataArray(UUIDS, dims="gpu"))
     merged.attrs.update(gpu_name=H100, gpu_names=json.dumps([H100, H200]))
     parts = per_gpu(merged)
-    assert [folder for folder, _ in parts] == [
-        "nvidia-h100-80gb-hbm3-twin-GPU-47dfcd23",
-        "nvidia-h200-twin-GPU-f39e88b9",
-    ]
-    for (_, cube), mine, other in zip(parts, (H100, H200), (H200, H100), strict=True):
-        titles = {name: fig.get_suptitle() for name, fig in figures(cube, TARGET)}
-        assert mine in titles["energy_vs_clock_code"] and mine in titles["energy_vs_batch"]
-        assert not any(other in t for t in titles.values())
+    folders = [folder for folder, _ in parts]
+    assert folders == ["nvidia-h100-80gb-hbm3-twin-GPU-47dfcd23", "nvidia-h200-twin-GPU-f39e88b9"]
+    # What `plot_all` draws into each GPU's folder, read where it would save each figure (its
+    # text, not its file: tests/test_plots.py writes a merged cube's figures).
+    titles: dict[str, dict[str, str]] = {}
+
+    def note(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        titles.setdefault(out_dir.name, {})[name] = fig.get_suptitle()
+        return out_dir / f"{name}.{fmt}"
+
+    monkeypatch.setattr(dvfs.plots, "save", note)
     paths = plot_all(merged, tmp_path, fmt="svg", target=TARGET)
-    assert {p.parent.name for p in paths} == {folder for folder, _ in parts}
+    assert {p.parent.name for p in paths} == set(folders) and list(titles) == folders
+    for folder, mine, other in zip(folders, (H100, H200), (H200, H100), strict=True):
+        drawn = titles[folder]
+        assert mine in drawn["energy_vs_clock_code"] and mine in drawn["energy_vs_batch"]
+        assert not any(other in t for t in drawn.values())
 
 
 def _one_bad_repeat(cube: xr.Dataset, **at: object) -> xr.Dataset:
