@@ -44,24 +44,32 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
 
 
 def _labels_to_cf(ds: xr.Dataset) -> xr.Dataset:
-    """String axes as CF label variables (`drafter` -> `drafter_label(drafter)`)."""
+    """String axes as CF label variables (`drafter` -> `drafter_label(drafter)`), swapped in one
+    step (each swap rebuilds the Dataset's coordinates)."""
+    labels = {}
     for dim in LABEL_DIMS:
         if dim in ds.coords and dim in ds.dims and ds[dim].dtype.kind in "OUS":
             values = np.array([str(v) for v in ds[dim].values], dtype=object)
             long_name = COORD_ATTRS[dim][1]
-            ds = ds.drop_vars(dim).assign_coords(
-                {f"{dim}_label": ((dim,), values, {"long_name": f"{long_name} (label)"})}
-            )
-    return ds
+            labels[dim] = ((dim,), values, {"long_name": f"{long_name} (label)"})
+    if not labels:
+        return ds
+    return ds.drop_vars(list(labels)).assign_coords(
+        {f"{dim}_label": label for dim, label in labels.items()}
+    )
 
 
 def _labels_from_cf(ds: xr.Dataset) -> xr.Dataset:
-    """Label variables back into indexed coordinates (cubes written before labels have none)."""
+    """Label variables back into indexed coordinates (cubes written before labels have none),
+    swapped in one step."""
+    labels = {
+        dim: [str(v) for v in ds[f"{dim}_label"].values]
+        for dim in LABEL_DIMS
+        if f"{dim}_label" in ds.variables and ds[f"{dim}_label"].dims == (dim,)
+    }
+    if labels:
+        ds = ds.drop_vars([f"{dim}_label" for dim in labels]).assign_coords(labels)
     for dim in LABEL_DIMS:
-        label = f"{dim}_label"
-        if label in ds.variables and ds[label].dims == (dim,):
-            values = [str(v) for v in ds[label].values]
-            ds = ds.drop_vars(label).assign_coords({dim: values})
         if dim in ds.coords:
             units, long_name = COORD_ATTRS[dim]
             ds[dim].attrs.update(units=units, long_name=long_name)
