@@ -193,6 +193,10 @@ class TwinDevice:
         reads and bulk ones."""
         return self._timeline.readings(np.asarray(t_ns, dtype=np.int64))
 
+    def temperature_c_at(self, t_ns: np.ndarray) -> np.ndarray:
+        """`readings_at(t_ns).temperature_c` alone (int64 ns instants, as there)."""
+        return self._timeline.temperature_c(t_ns)
+
     def _now(self) -> DeviceReadings:
         return self.readings_at(np.array([self.clock.now_ns()], dtype=np.int64))
 

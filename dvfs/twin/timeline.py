@@ -223,6 +223,17 @@ class Timeline:
             temp, power = self._seg_steady_c[j], settled_w
         return busy, j, temp, power, energy
 
+    def temperature_c(self, t_ns: np.ndarray) -> np.ndarray:
+        """`_truth`'s temperature alone at int64 instants (earlier than `fold_ns`: clipped, as
+        `readings` clips them): the same arithmetic, without the power and the energy."""
+        t_ns = np.maximum(t_ns, self.fold_ns)
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
+        tau = self.thermal.tau_s
+        if tau > 0:
+            offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
+            return self._seg_steady_c[j] + self._seg_offset_c[j] * np.exp(-offset_s / tau)
+        return self._seg_steady_c[j]
+
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
         """`_truth`'s true energy alone (the counter's updates read nothing else): the same
         arithmetic, without the temperature and power."""
