@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
@@ -90,6 +92,41 @@ def test_the_repeater_leaves_the_twin_as_run_does(devices, limit_w, drafter) -> 
         plain.run(load)
         again()
         assert _state(fast_clock, fast_devices) == _state(plain_clock, plain_devices), i
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    trap=st.sampled_from(["", "thermal_lag", "leakage"]),
+    offsets_s=st.lists(st.floats(-2.0, 40.0), min_size=1, max_size=40),
+    fields=st.sampled_from(
+        [("temperature_c",), ("energy_mj", "power_mw"), ("temperature_c", "sm_clock_mhz")]
+    ),
+)
+def test_the_temperature_read_alone_is_the_one_read_with_all_the_rest(
+    trap: str, offsets_s: list[float], fields: tuple[str, ...]
+) -> None:
+    """What the probe reads with `fields_at` is what `readings_at` gives for those fields, at
+    instants before the last start (clipped), during its passes and in the idle tail after,
+    with and without the die's lag and leakage."""
+    from dvfs.gpu.twin import TwinGpu
+    from dvfs.twin.traps import without
+
+    clock = VirtualClock()
+    device = TwinDevice(without(H100, trap) if trap else H100, clock, 0)
+    engine = TwinEngine(TwinNode([device]), LLAMA8B, startup_s=0.0)
+    engine.start(EAGLE3)
+    gpu = TwinGpu(device)
+    clock.sleep(5.0)
+    fold_ns = clock.now_ns()
+    engine.repeater(_workload(8, end_at_window=False))()
+    t_ns = fold_ns + np.round(np.array(offsets_s) * 1e9).astype(np.int64)
+    alone = gpu.fields_at(t_ns, fields)
+    readings = device.readings_at(t_ns)
+    with_the_rest = gpu.readings_at(t_ns)
+    assert np.array_equal(device.temperature_c_at(t_ns), readings.temperature_c)
+    for name, got in zip(fields, alone, strict=True):
+        want = getattr(with_the_rest, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
 
 
 def test_a_repeater_before_start_fails_as_run_does() -> None:

@@ -203,7 +203,7 @@ class TwinDevice:
     def readings_at(self, t_ns: np.ndarray) -> DeviceReadings:
         """Every reading at each instant of `t_ns` (int64 ns, not before the last `start` or
         knob change): the one place that maps time to what the device reports, for single
-        reads and bulk ones."""
+        reads and bulk ones (`temperature_c_at` gives its temperatures alone, the same)."""
         return self._timeline.readings(np.asarray(t_ns, dtype=np.int64))
 
     def temperature_c_at(self, t_ns: np.ndarray) -> np.ndarray:
