@@ -129,6 +129,28 @@ def test_the_temperature_read_alone_is_the_one_read_with_all_the_rest(
         assert got.dtype == want.dtype and np.array_equal(got, want), name
 
 
+@settings(max_examples=40, deadline=None)
+@given(offsets_s=st.lists(st.floats(-1.0, 30.0), min_size=1, max_size=20))
+def test_a_folded_counters_history_is_its_values_at_those_updates(offsets_s: list[float]) -> None:
+    """The history a fold hands on (taken as a slice of the counter's known values where it
+    can) is the counter's value at each of those updates, in the work or the tail after."""
+    clock = VirtualClock()
+    device = TwinDevice(H100, clock, 0)
+    engine = TwinEngine(TwinNode([device]), LLAMA8B, startup_s=0.0)
+    engine.start(NONE)
+    clock.sleep(3.0)
+    fold_ns = clock.now_ns()
+    engine.repeater(_workload(8, end_at_window=False))()
+    counter = device.timeline.counter
+    assert counter is not None
+    n = counter.sensor.average_n
+    for offset_s in offsets_s:
+        t_ns = max(fold_ns, fold_ns + round(offset_s * 1e9))
+        k = counter.sensor.index_of(t_ns)
+        history, _ = counter.history_at(t_ns, 0.0)
+        assert np.array_equal(history, counter.at_updates(np.arange(k - n, k + 1)))
+
+
 def test_a_repeater_before_start_fails_as_run_does() -> None:
     _, _, engine = _twin(1, 700.0)
     again = engine.repeater(_workload(1, end_at_window=False))
