@@ -60,8 +60,8 @@ class TwinDevice:
         self._previous: tuple[int, float] = (self.requested_clock_mhz(), self._power_limit_w)
         #: the idle power at the last idle clock asked (`_idle_power_w`)
         self._idle_w: tuple[int, float] | None = None
-        #: the thermal terms of the last schedule started, with it (`start`)
-        self._terms: tuple[Schedule, th.SegmentTerms] | None = None
+        #: the last schedule started, and its thermal terms once it started again (`start`)
+        self._terms: tuple[Schedule, th.SegmentTerms | None] | None = None
         now = clock.now_ns()
         self._timeline = self._follow(now, None, None, None, None)
 
@@ -175,14 +175,16 @@ class TwinDevice:
             reasons, clocks, duration_s = _pass_arrays(schedule)
             power_w = schedule.timing.power_w
             idle_w = self._idle_power_w(self.idle_clock_mhz())
-            terms = self._terms
-            if terms is None or terms[0] is not schedule or terms[1].idle_w != idle_w:
-                # the same schedule again (a stabilising load, run after run): the same terms
-                terms = self._terms = (
-                    schedule,
-                    th.segment_terms(self._thermal, power_w, duration_s, idle_w),
-                )
-            work = Work(starts, ends, power_w, clocks, reasons, duration_s, terms[1])
+            # The same schedule again (a stabilising load, run after run): its thermal terms,
+            # made at its second start (a schedule run once needs none kept).
+            terms = None
+            last = self._terms
+            if last is not None and last[0] is schedule:
+                terms = last[1]
+                if terms is None or terms.idle_w != idle_w:
+                    terms = th.segment_terms(self._thermal, power_w, duration_s, idle_w)
+            self._terms = (schedule, terms)
+            work = Work(starts, ends, power_w, clocks, reasons, duration_s, terms)
         self._timeline = self._follow(now, work, *self._carry(now))
 
     def _idle_power_w(self, idle_clock_mhz: int) -> float:

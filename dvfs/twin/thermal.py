@@ -195,6 +195,29 @@ def segment_terms(
 ) -> SegmentTerms:
     """`SegmentTerms` of passes of `dynamic_w` lasting `duration_s` each, then idle at
     `idle_w`."""
+    arrays = _terms(th, dynamic_w, duration_s, idle_w)
+    for a in arrays:
+        if a is not None:
+            a.flags.writeable = False
+    return SegmentTerms(th, idle_w, *arrays)
+
+
+#: `SegmentTerms`' arrays, in its order (work that runs once makes them and keeps none).
+_Terms = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+]
+
+
+def _terms(th: Thermal, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: float) -> _Terms:
+    """`segment_terms`' arrays (writable)."""
     dynamic_w = np.asarray(dynamic_w, dtype=float)
     duration_s = np.asarray(duration_s, dtype=float)
     n = len(dynamic_w)
@@ -228,12 +251,7 @@ def segment_terms(
         lag_decay = np.negative(x)
         np.expm1(lag_decay, out=lag_decay)
         settled_j = settled[:n] * duration_s
-    for a in (steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass):
-        if a is not None:
-            a.flags.writeable = False
-    return SegmentTerms(
-        th, idle_w, steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass
-    )
+    return steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass
 
 
 def work_segments(
@@ -251,32 +269,35 @@ def work_segments(
     terms they share computed once, and those that do not depend on `t0_c` taken from `terms`
     when given (`segment_terms` of the same passes, thermal model and idle power)."""
     if terms is None:
-        terms = segment_terms(th, dynamic_w, duration_s, idle_w)
-    steady = terms.steady
+        steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass = _terms(
+            th, dynamic_w, duration_s, idle_w
+        )
+    else:
+        steady, settled, x, cum = terms.steady, terms.settled, terms.x, terms.cum
+        rise, decay, settled_j = terms.rise, terms.decay, terms.settled_j
+        lag_decay, per_pass = terms.lag_decay, terms.per_pass
     n = len(steady) - 1
     pass_steady = steady[:n]
-    x = terms.x
     if x is None:
         start_c = _start_temperatures(th, t0_c, pass_steady, None)
-    elif terms.rise is not None and terms.decay is not None:
-        start_c = _from_one_block(t0_c, terms.rise, terms.decay)
+    elif rise is not None and decay is not None:
+        start_c = _from_one_block(t0_c, rise, decay)
     else:
-        assert terms.cum is not None
-        start_c = _by_blocks(t0_c, pass_steady, x, terms.cum)
-    per_pass = terms.per_pass
+        assert cum is not None
+        start_c = _by_blocks(t0_c, pass_steady, x, cum)
     if per_pass is None:
-        assert terms.settled_j is not None and terms.lag_decay is not None
+        assert settled_j is not None and lag_decay is not None
         # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in that order (adding a y (-e)
         # is subtracting a y e: rounding is symmetric in sign)
         lag = start_c[:n] - pass_steady
         lag *= th.leakage_w_per_c
         lag *= th.tau_s
-        lag *= terms.lag_decay
-        per_pass = np.subtract(terms.settled_j, lag)
+        lag *= lag_decay
+        per_pass = np.subtract(settled_j, lag)
     energy_before = np.empty(n + 1)
     energy_before[0] = 0.0
     np.add.accumulate(per_pass, out=energy_before[1:])
-    return steady, terms.settled, start_c, energy_before
+    return steady, settled, start_c, energy_before
 
 
 def segment_energy_j(
