@@ -244,6 +244,45 @@ def test_a_stable_gpu_is_judged_over_the_window_its_sensor_needs(
     assert not late.reached
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    loads_s=st.lists(st.floats(0.05, 1.5), min_size=1, max_size=8),
+    tau_s=st.floats(5.0, 60.0),
+    max_s=st.floats(30.0, 200.0),
+    slope=st.sampled_from([0.5, 1.0, 2.0]),
+    period_s=st.sampled_from([0.5, 0.7]),
+)
+def test_a_window_of_the_same_readings_is_not_fitted_again_to_the_same_end(
+    loads_s: list[float], tau_s: float, max_s: float, slope: float, period_s: float
+) -> None:
+    """Loads shorter than the probe's period may add no reading and drop none from the
+    window: the fit is not made again, and the result is the one a fit after every load
+    gives (a window that is no whole number of periods drops readings between arrivals)."""
+    from dvfs.measure.settle import Probe
+
+    def run(fit_every_load: bool) -> object:
+        clock = VirtualClock()
+        gpu = IdleGpu(clock, temperature=lambda t: 75 - 40 * math.exp(-t / tau_s))
+        turn = iter(range(10**6))
+
+        def load() -> None:
+            clock.sleep(loads_s[next(turn) % len(loads_s)])
+
+        with pytest.MonkeyPatch.context() as patch:
+            if fit_every_load:
+                patch.setattr(Probe, "span", lambda self, since_ns: None)
+            return stabilise(
+                [gpu],
+                clock,
+                run_load=load,
+                slope_c_per_min=slope,
+                max_s=max_s,
+                sample_period_s=period_s,
+            )
+
+    assert run(fit_every_load=False) == run(fit_every_load=True)
+
+
 def test_a_load_that_takes_no_time_is_refused() -> None:
     clock = VirtualClock()
     with pytest.raises(ValueError, match="without advancing"):

@@ -64,6 +64,31 @@ def test_work_segments_are_the_replaced_steps(model, t0_c, dynamic_w, durations,
         assert np.array_equal(g, w), name
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    model=thermals,
+    t0s_c=st.lists(st.floats(20.0, 90.0), min_size=1, max_size=4),
+    dynamic_w=st.lists(st.floats(50.0, 900.0), min_size=1, max_size=300),
+    durations=st.lists(st.floats(1e-6, 40.0), min_size=1, max_size=300),
+    idle_w=st.floats(40.0, 120.0),
+)
+def test_segment_terms_made_once_give_every_start_temperature_the_same_bits(
+    model, t0s_c, dynamic_w, durations, idle_w
+) -> None:
+    """A device makes the terms that do not depend on the start temperature once per schedule
+    (a stabilising load runs one schedule again and again, from ever warmer dies): the
+    segments from any start temperature are the replaced steps' to the bit, and the terms
+    are not changed by their use (read-only)."""
+    n = min(len(dynamic_w), len(durations))
+    power, seconds = np.array(dynamic_w[:n]), np.array(durations[:n])
+    terms = th.segment_terms(model, power, seconds, idle_w)
+    for t0_c in t0s_c:
+        got = th.work_segments(model, t0_c, power, seconds, idle_w, terms)
+        want = replaced_segments(model, t0_c, power, seconds, idle_w)
+        for name, g, w in zip(("steady", "settled", "start", "energy"), got, want, strict=True):
+            assert np.array_equal(g, w), name
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     clock_mhz=st.sampled_from([705, 1200, 1980]),
@@ -115,7 +140,13 @@ def test_a_started_rounds_work_is_the_replaced_arrays(clock_mhz, limit_w) -> Non
         now = clock.now_ns()
         schedule = node.execute(*phases)
         got, want = device.timeline.work, replaced_work(schedule, now)
+        assert got is not None
         for f in fields(Work):
             a, b = getattr(got, f.name), getattr(want, f.name)
+            if f.name == "duration_s":  # made with the schedule: end less start, to the bit
+                b = (got.ends_ns - got.starts_ns) * 1e-9
+            if f.name == "terms":  # kept for a schedule started again, none at its first start
+                assert b is None and (a is None or a.thermal is device.timeline.thermal)
+                continue
             assert a.dtype == b.dtype and np.array_equal(a, b), f.name
         clock.sleep(float(schedule.timing.total_s) + 1.0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -327,3 +327,12 @@ class Engine(Protocol):
         ...
 
     def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Repeating(Protocol):
+    """An engine that can ready a workload to run again and again with its results dropped (a
+    thermal stabilisation's load): the twin then builds no traces nor ledger. A real server
+    has no such shortcut: its load is `run`, its result dropped."""
+
+    def repeater(self, workload: Workload) -> Callable[[], None]: ...

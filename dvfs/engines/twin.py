@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import gc
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -198,6 +198,10 @@ class TwinEngine:
 
     def _fixed_round(self, workload: Workload) -> _FixedRound:
         """The round's tokens and passes, from the cache when only the knobs changed."""
+        return self._keyed_round(workload)[1]
+
+    def _keyed_round(self, workload: Workload) -> tuple[tuple[object, ...], _FixedRound]:
+        """`_fixed_round`, and its key in the cache."""
         lengths, lengths_key = self._prompt_lengths(workload.prompts)
         alpha, depth = self._acceptance(workload)
         key = (
@@ -211,7 +215,7 @@ class TwinEngine:
         cached = self._rounds.get(key)
         if cached is not None:
             self._rounds.move_to_end(key)
-            return cached
+            return key, cached
         planned = _plan_fixed(
             self.model, self._plan, self.node.tp_size, workload, lengths, alpha, depth
         )
@@ -220,29 +224,73 @@ class TwinEngine:
         self._rounds[key] = planned
         if len(self._rounds) > ROUND_CACHE_SIZE:
             self._rounds.popitem(last=False)
-        return planned
+        return key, planned
+
+    def repeater(self, workload: Workload) -> Callable[[], None]:
+        """`run(workload)` with its result dropped, as a call to make again and again (a
+        thermal stabilisation's load): the same passes on the node, the same checks and the
+        same virtual time, without the traces and the ledger nobody would read. A closed-loop
+        workload runs as `run` runs it."""
+        if workload.mode == "closed-loop":
+            return lambda: _drop(self.run(workload))
+
+        # The last round planned, with the drafter's plan and the cache it was found in, and
+        # its key there: while the server is the same one and the round still in its cache,
+        # `_fixed_round` would find that key again (the prompts' lengths and the acceptance
+        # follow from the workload and the plan alone) and that round.
+        known: list[Any] = [None, None, None, None]
+        # The (round, schedule) whose chunk times passed the check: it compares differences
+        # of times alone, so the same schedule from any instant passes it again.
+        checked: list[object] = [None, None]
+
+        def again() -> None:
+            if self._drafter is None:
+                raise EngineError("the twin engine was asked to run before start()")
+            clock = self.node.clock
+            t0 = clock.now_ns()
+            plan, rounds, key, planned = known
+            if plan is self._plan and rounds is self._rounds and rounds.get(key) is planned:
+                rounds.move_to_end(key)  # as `_fixed_round` finding it does
+            else:
+                key, planned = self._keyed_round(workload)
+                known[:] = self._plan, self._rounds, key, planned
+            done = self.node.execute(*planned.phases)  # `_execute` without knob steps
+            ends_ns = done.ends_ns
+            if checked[0] is not planned or checked[1] is not done:
+                self._chunk_ends(planned, t0 + ends_ns)
+                checked[:] = planned, done
+            _wait_until(clock, t0 + int(ends_ns[-1]) if len(ends_ns) else t0)
+
+        return again
+
+    def _chunk_ends(
+        self, planned: _FixedRound, ends_ns: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """When each request's prefill token and each decode iteration's tokens arrived (ns),
+        checked for the round as a whole."""
+        first_ns = ends_ns[: planned.n_prefill][planned.done_chunk]
+        iter_ns = ends_ns[_verify_passes(planned, self._plan)]
+        # Every request's chunks are its own first chunk then a prefix of the same
+        # iterations: the latest first chunk and every iteration stand for them all
+        # (`check_chunk_times` on that one row, in two steps).
+        first_max = first_ns.max()
+        if (planned.n_iter and first_max > iter_ns[0]) or (iter_ns[1:] < iter_ns[:-1]).any():
+            check_chunk_times(
+                np.concatenate([[first_max], iter_ns])[None, :], np.array([planned.n_iter + 1])
+            )
+        return first_ns, iter_ns
 
     def _run_fixed(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
         clock = self.node.clock
         t0 = clock.now_ns()
         planned = self._fixed_round(workload)
-        n_prefill, n_iter = planned.n_prefill, planned.n_iter
         ends_ns, (begun_ns, knob_ns), timing = self._execute(planned.phases, timeline)
-        first_ns = ends_ns[:n_prefill][planned.done_chunk]
-        iter_ns = ends_ns[_verify_passes(planned, self._plan)]
+        first_ns, iter_ns = self._chunk_ends(planned, ends_ns)
         # Request i's chunks: its prefill token, then one per verify while it is active (a
-        # prefix of the iterations); row views of one array, checked once for the round.
-        chunk_ns = np.empty((workload.batch, n_iter + 1), dtype=np.int64)
+        # prefix of the iterations); row views of one array, checked as a whole above.
+        chunk_ns = np.empty((workload.batch, planned.n_iter + 1), dtype=np.int64)
         chunk_ns[:, 0] = first_ns
         chunk_ns[:, 1:] = iter_ns
-        # Every row is its own first chunk then a prefix of the same iterations: the row
-        # with the latest first chunk and every iteration stands for them all
-        # (`check_chunk_times` on that one row, in two steps).
-        first_max = first_ns.max()
-        if (n_iter and first_max > iter_ns[0]) or (iter_ns[1:] < iter_ns[:-1]).any():
-            check_chunk_times(
-                np.concatenate([[first_max], iter_ns])[None, :], np.array([n_iter + 1])
-            )
         chunk_ns.flags.writeable = False
         requests = _traces(t0, chunk_ns, planned, self._plan)
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
@@ -769,6 +817,10 @@ def _fixed_roles(
     host = np.concatenate([_overhead_host_s(profile, p) for p in planned.phases])
     planned.__dict__["_roles"] = (plan, profile, (role, host))
     return role, host
+
+
+def _drop(_: object) -> None:
+    return None
 
 
 def _wait_until(clock: Clock, end_ns: int) -> None:

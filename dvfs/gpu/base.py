@@ -5,7 +5,7 @@ Both backends (real NVML and the twin) implement it and raise the same `GpuError
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -177,6 +177,16 @@ class BulkReadable(Protocol):
 
     def readings_at(self, t_ns: np.ndarray) -> BulkReadings:
         """Readings at each instant (int64 ns), as the scalar getters would return them then."""
+        ...
+
+
+@runtime_checkable
+class FieldReadable(Protocol):
+    """A `BulkReadable` GPU that can answer some of its readings alone, for less than all of
+    them (the twin: its die temperature needs none of the energy counter's arithmetic)."""
+
+    def fields_at(self, t_ns: np.ndarray, fields: Sequence[str]) -> tuple[np.ndarray, ...]:
+        """`readings_at(t_ns)`'s arrays named by `fields` (`BulkReadings` fields), in order."""
         ...
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from dvfs.errors import GpuValueError
@@ -107,6 +109,16 @@ class TwinGpu:
             if len(t_ns) == 1:
                 return tail
         return out
+
+    def fields_at(self, t_ns: np.ndarray, fields: Sequence[str]) -> tuple[np.ndarray, ...]:
+        """`readings_at(t_ns)`'s arrays named by `fields`: the temperature alone from the die's
+        temperature alone (a thermal stabilisation's probe reads nothing else), the same
+        numbers; any other choice from all the readings."""
+        if tuple(fields) == ("temperature_c",):
+            temperature_c = self.device.temperature_c_at(np.asarray(t_ns, dtype=np.int64))
+            return (np.rint(temperature_c).astype(np.int64),)
+        readings = self.readings_at(t_ns)
+        return tuple(getattr(readings, f) for f in fields)
 
     def reading_state(self) -> object:
         """What the readings at any instant come from: the device's timeline, replaced (never

@@ -211,6 +211,7 @@ def stabilise(
     deadline_ns = start_ns + round(max_s * 1e9)
     loads = 0
     slope: float | None = None
+    fitted: tuple[int, int] | None = None  # the probe's span of readings `slope` was fitted to
     reached = False
     with Probe(gpus, clock, sample_period_s, ("temperature_c",)) as probe:
         while True:
@@ -222,11 +223,16 @@ def stabilise(
                 raise ValueError("run_load returned without advancing the clock")
             probe.check()
             if now_ns - start_ns >= window_ns:
-                t, values = probe.arrays(now_ns - window_ns)
-                slope = temperature_slope_c_per_min(t, values["temperature_c"].max(axis=1))
-                if slope is not None and abs(slope) < slope_c_per_min:
-                    reached = True
-                    break
+                # The same readings in the window as at the last fit (a load shorter than the
+                # probe's period may add none and drop none): the same slope, not below.
+                span = probe.span(now_ns - window_ns)
+                if span is None or span != fitted:
+                    fitted = span
+                    t, values = probe.arrays(now_ns - window_ns)
+                    slope = temperature_slope_c_per_min(t, values["temperature_c"].max(axis=1))
+                    if slope is not None and abs(slope) < slope_c_per_min:
+                        reached = True
+                        break
             if now_ns >= deadline_ns:
                 break
         t, values = probe.arrays()

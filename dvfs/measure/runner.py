@@ -19,7 +19,7 @@ from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
-from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload
+from dvfs.engines.base import ROUND_END, Engine, Repeating, RoundResult, ServerInfo, Workload
 from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
@@ -822,10 +822,16 @@ class Runner:
         load = self._workload(
             cell, 0, max(m.warmup_tokens, 64), end_at_window=m.round_end == ROUND_END
         )
+        engine = self.engine
+        run_load = (
+            engine.repeater(load)
+            if isinstance(engine, Repeating)
+            else lambda: _discard(engine.run(load))
+        )
         done = stabilise(
             self.gpus,
             self.clock,
-            run_load=lambda: _discard(self.engine.run(load)),
+            run_load=run_load,
             slope_c_per_min=m.thermal_slope_c_per_min,
             max_s=m.thermal_max_s,
         )

@@ -15,6 +15,7 @@ that answer for many instants at once (the twin), in one call per GPU per batch 
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import cast
 import numpy as np
 
 from dvfs.clock import BatchClock, Clock, Ticker
-from dvfs.gpu.base import BulkReadable, Gpu
+from dvfs.gpu.base import BulkReadable, FieldReadable, Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 
 #: The readings a `Probe` can take, named as the `Gpu` getters (and `BulkReadings` fields).
@@ -55,27 +56,43 @@ class Probe:
         self._values: dict[str, list[list[int]]] = {f: [] for f in self.fields}
         self._error: BaseException | None = None
         self._ticker: Ticker | None = None
+        #: Whether the instants read so far are in order (they are: one ticker appends them),
+        #: which `span` relies on.
+        self._ordered = True
         self._bulk: list[BulkReadable] | None = None
+        self._by_field: list[FieldReadable] | None = None
         if (
             clock.virtual
             and isinstance(clock, BatchClock)
             and all(isinstance(g, BulkReadable) for g in self.gpus)
         ):
             self._bulk = [cast(BulkReadable, g) for g in self.gpus]
+            if all(isinstance(g, FieldReadable) for g in self.gpus):
+                self._by_field = [cast(FieldReadable, g) for g in self.gpus]
 
     def _read_now(self) -> None:
         t = self.clock.now_ns()
         row = {f: [int(getattr(g, f)()) for g in self.gpus] for f in self.fields}
         with self._lock:
+            if self._t and t < self._t[-1]:
+                self._ordered = False
             self._t.append(t)
             for f in self.fields:
                 self._values[f].append(row[f])
 
     def _read_at(self, t_ns: np.ndarray) -> None:
         assert self._bulk is not None
-        readings = [g.readings_at(t_ns) for g in self._bulk]
-        columns = {f: np.stack([getattr(r, f) for r in readings], axis=1) for f in self.fields}
+        if self._by_field is not None:  # only the fields asked for
+            per_gpu = [g.fields_at(t_ns, self.fields) for g in self._by_field]
+            columns = {
+                f: np.stack([r[i] for r in per_gpu], axis=1) for i, f in enumerate(self.fields)
+            }
+        else:
+            readings = [g.readings_at(t_ns) for g in self._bulk]
+            columns = {f: np.stack([getattr(r, f) for r in readings], axis=1) for f in self.fields}
         with self._lock:
+            if self._t and len(t_ns) and int(t_ns[0]) < self._t[-1]:
+                self._ordered = False
             self._t.extend(t_ns.tolist())
             for f in self.fields:
                 self._values[f].extend(columns[f].tolist())
@@ -122,12 +139,25 @@ class Probe:
         if self._error is not None:
             raise self._error
 
+    def span(self, since_ns: int) -> tuple[int, int] | None:
+        """Which readings `arrays(since_ns)` returns, as positions [first, stop) among all
+        taken so far: the same span, the same readings (a caller can skip a fit it has made
+        already). None when the instants were not read in order (never, with one ticker)."""
+        with self._lock:
+            if not self._ordered:
+                return None
+            return bisect.bisect_left(self._t, since_ns), len(self._t)
+
     def arrays(self, since_ns: int | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Readings so far (from `since_ns` on): instants, and per field an (n, gpus) array."""
         with self._lock:
-            t = np.asarray(self._t, dtype=np.int64)
+            first = 0
+            if since_ns is not None and self._ordered:  # the readings kept, and no others
+                first = bisect.bisect_left(self._t, since_ns)
+                since_ns = None
+            t = np.asarray(self._t[first:], dtype=np.int64)
             values = {
-                f: np.asarray(v, dtype=np.int64).reshape(len(t), len(self.gpus))
+                f: np.asarray(v[first:], dtype=np.int64).reshape(len(t), len(self.gpus))
                 for f, v in self._values.items()
             }
         if since_ns is not None:

@@ -212,7 +212,11 @@ class SteppedCounter:
         its fold)."""
         s = self.sensor
         k = s.index_of(t_ns)
-        history = self.at_updates(np.arange(k - s.average_n, k + 1, dtype=np.int64))
+        start = k - s.average_n - self.first
+        if start >= 0 and k - self.first < len(self.known):  # all known: `at_updates`' values
+            history = self.known[start : k - self.first + 1].copy()
+        else:
+            history = self.at_updates(np.arange(k - s.average_n, k + 1, dtype=np.int64))
         window_ns = s.instant_of(k + 1) - s.sampled_ns
         if window_ns >= t_ns:
             return history, 0.0

@@ -11,12 +11,14 @@ and power) is kept beside them for tests (`true_energy_j_at`); dvfs's measuremen
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import numpy as np
 
 from dvfs.clock import Clock
 from dvfs.gpu.base import EVENT_SW_POWER_CAP
 from dvfs.twin import physics, traps
+from dvfs.twin import thermal as th
 from dvfs.twin.physics import OperatingPoint, Passes, Schedule
 from dvfs.twin.profiles import GpuProfile
 from dvfs.twin.timeline import Readings, Timeline, Transition, Work, sensor_of, thermal_of
@@ -56,6 +58,10 @@ class TwinDevice:
         self._sensor = sensor_of(profile, self.uuid)
         self._transition: Transition | None = None
         self._previous: tuple[int, float] = (self.requested_clock_mhz(), self._power_limit_w)
+        #: the idle power at the last idle clock asked (`_idle_power_w`)
+        self._idle_w: tuple[int, float] | None = None
+        #: the last schedule started, and its thermal terms once it started again (`start`)
+        self._terms: tuple[Schedule, th.SegmentTerms | None] | None = None
         now = clock.now_ns()
         self._timeline = self._follow(now, None, None, None, None)
 
@@ -149,7 +155,7 @@ class TwinDevice:
             true_energy_j,
             counter_start,
             work,
-            traps.idle_power_w(self.profile, idle_clock),
+            self._idle_power_w(idle_clock),
             idle_clock,
             transition,
         )
@@ -166,19 +172,28 @@ class TwinDevice:
             bounds[0] = now
             ends = np.add(schedule.ends_ns, now, out=bounds[1:])
             starts = bounds[:n]
-            if schedule.power_capped:
-                reasons = schedule.per_pass(
-                    [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points],
-                    np.int64,
-                )
-            else:
-                reasons = np.zeros(n, dtype=np.int64)
-            if schedule.joined is not None:  # every pass at the one requested clock
-                clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
-            else:  # `pass_clock_mhz`, from the clocks `timing` has already joined
-                clocks = schedule.timing.pass_clocks_mhz.astype(np.int64)
-            work = Work(starts, ends, schedule.timing.power_w, clocks, reasons)
+            reasons, clocks, duration_s = _pass_arrays(schedule)
+            power_w = schedule.timing.power_w
+            idle_w = self._idle_power_w(self.idle_clock_mhz())
+            # The same schedule again (a stabilising load, run after run): its thermal terms,
+            # made at its second start (a schedule run once needs none kept).
+            terms = None
+            last = self._terms
+            if last is not None and last[0] is schedule:
+                terms = last[1]
+                if terms is None or terms.idle_w != idle_w:
+                    terms = th.segment_terms(self._thermal, power_w, duration_s, idle_w)
+            self._terms = (schedule, terms)
+            work = Work(starts, ends, power_w, clocks, reasons, duration_s, terms)
         self._timeline = self._follow(now, work, *self._carry(now))
+
+    def _idle_power_w(self, idle_clock_mhz: int) -> float:
+        """`traps.idle_power_w` at this device's profile, remembered for the last clock."""
+        known = self._idle_w
+        if known is None or known[0] != idle_clock_mhz:
+            idle_w = traps.idle_power_w(self.profile, idle_clock_mhz)
+            known = self._idle_w = (idle_clock_mhz, idle_w)
+        return known[1]
 
     # -- readings --------------------------------------------------------------------------
     @property
@@ -190,8 +205,12 @@ class TwinDevice:
     def readings_at(self, t_ns: np.ndarray) -> DeviceReadings:
         """Every reading at each instant of `t_ns` (int64 ns, not before the last `start` or
         knob change): the one place that maps time to what the device reports, for single
-        reads and bulk ones."""
+        reads and bulk ones (`temperature_c_at` gives its temperatures alone, the same)."""
         return self._timeline.readings(np.asarray(t_ns, dtype=np.int64))
+
+    def temperature_c_at(self, t_ns: np.ndarray) -> np.ndarray:
+        """`readings_at(t_ns).temperature_c` alone (int64 ns instants, as there)."""
+        return self._timeline.temperature_c(t_ns)
 
     def _now(self) -> DeviceReadings:
         return self.readings_at(np.array([self.clock.now_ns()], dtype=np.int64))
@@ -230,6 +249,36 @@ class TwinDevice:
 
     def temperature_c(self) -> float:
         return float(self._now().temperature_c[0])
+
+
+def _pass_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pass of `schedule`: its event reasons, its clock (MHz) and its duration (s) as the
+    clock runs it (between whole-ns ends: a pass's end less its start, wherever it starts).
+    Made once per schedule (read-only) and kept with it, beside its cached properties: every
+    device of a node starts the same schedule, and a stabilising load the same one again."""
+    known = schedule.__dict__.get("_pass_arrays")
+    if known is not None:
+        return cast(tuple[np.ndarray, np.ndarray, np.ndarray], known)
+    n = len(schedule.timing.duration_s)
+    if schedule.power_capped:
+        reasons = schedule.per_pass(
+            [EVENT_SW_POWER_CAP if p.power_capped else 0 for p in schedule.points], np.int64
+        )
+    else:
+        reasons = np.zeros(n, dtype=np.int64)
+    if schedule.joined is not None:  # every pass at the one requested clock
+        clocks = np.full(n, int(schedule.joined.sm_clock_mhz), dtype=np.int64)
+    else:  # `pass_clock_mhz`, from the clocks `timing` has already joined
+        clocks = schedule.timing.pass_clocks_mhz.astype(np.int64)
+    ends = schedule.ends_ns
+    steps = np.empty(n, dtype=np.int64)
+    steps[0] = ends[0]
+    np.subtract(ends[1:], ends[:-1], out=steps[1:])
+    duration_s = steps * 1e-9
+    for a in (reasons, clocks, duration_s):
+        a.flags.writeable = False
+    schedule.__dict__["_pass_arrays"] = (reasons, clocks, duration_s)
+    return reasons, clocks, duration_s
 
 
 class TwinNode:

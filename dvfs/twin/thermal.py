@@ -107,22 +107,48 @@ def _start_temperatures(
         out[0] = t0_c
         out[1:] = steady
         return out
-    cum = np.empty(n + 1)  # L[i], i = 0..n
+    cum = _decay_sums(x)
+    if cum[n] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
+        terms, decay = _one_block(steady, x, cum)
+        return _from_one_block(t0_c, terms, decay)
+    return _by_blocks(t0_c, steady, x, cum)
+
+
+def _decay_sums(x: np.ndarray) -> np.ndarray:
+    """L[i] = sum(x[:i]), i = 0..n."""
+    cum = np.empty(len(x) + 1)
     cum[0] = 0.0
     # (np.add.accumulate is what ndarray.cumsum calls, without its dispatch)
     np.add.accumulate(x, out=cum[1:])
+    return cum
+
+
+def _one_block(steady: np.ndarray, x: np.ndarray, cum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The one-block recurrence's terms that do not depend on T0: the running sum of
+    steady e^L[i] expm1(x[i]), and e^-L[i+1]."""
+    terms = np.exp(cum[:-1])
+    terms *= steady
+    terms *= np.expm1(x)
+    np.add.accumulate(terms, out=terms)
+    decay = np.negative(cum[1:])
+    np.exp(decay, out=decay)
+    return terms, decay
+
+
+def _from_one_block(t0_c: float, terms: np.ndarray, decay: np.ndarray) -> np.ndarray:
+    """`_start_temperatures` from `_one_block`'s terms: T0 added to the running sum, times
+    e^-L[i+1] (`terms` is left as it was)."""
+    out = np.empty(len(terms) + 1)
     out[0] = t0_c
-    if cum[n] <= _BLOCK_EXPONENT:  # one block (the usual case: seconds against tens of s)
-        # steady e^L[i] expm1(x[i]), summed, plus T0, times e^-L[i+1]: in place, in that order
-        terms = np.exp(cum[:-1])
-        terms *= steady
-        terms *= np.expm1(x)
-        np.add.accumulate(terms, out=terms)
-        terms += t0_c
-        decay = np.negative(cum[1:])
-        np.exp(decay, out=decay)
-        np.multiply(decay, terms, out=out[1:])
-        return out
+    np.multiply(decay, np.add(terms, t0_c), out=out[1:])
+    return out
+
+
+def _by_blocks(t0_c: float, steady: np.ndarray, x: np.ndarray, cum: np.ndarray) -> np.ndarray:
+    """`_start_temperatures` over blocks that each keep their decay below the bound."""
+    n = len(steady)
+    out = np.empty(n + 1)
+    out[0] = t0_c
     start, temp = 0, float(t0_c)
     while start < n:
         # The block: segments start..stop-1, with L[stop] - L[start] <= the bound (at least one).
@@ -139,14 +165,59 @@ def _start_temperatures(
     return out
 
 
-def work_segments(
-    th: Thermal, t0_c: float, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Passes of `dynamic_w` lasting `duration_s` each from `t0_c`, then idle at `idle_w`: per
-    segment (each pass, then the idle tail) its steady temperature, settled power (dynamic
-    plus the leakage at the steady temperature), start temperature and the true energy before
-    it. The numbers `steady_c`, `start_temperatures` and `segment_energy_j` give, with the
-    terms they share computed once."""
+@dataclass(frozen=True, eq=False)
+class SegmentTerms:
+    """What `work_segments` works out before it needs the start temperature: the same for
+    every run of the same passes from any temperature (a thermal stabilisation runs one load
+    again and again), so a device makes them once per schedule. Read-only arrays.
+
+    Per segment (the passes, then the idle tail): `steady` temperature and `settled` power;
+    per pass: `x` (duration over tau'; None without lag), and with it the one block's
+    `rise` and `decay` (`_one_block`; None over several blocks, `cum` then kept), the
+    energy's `settled_j` (settled power x duration) and `lag_decay` (expm1(-x)); `per_pass`
+    the energies when no term depends on T0 (no leakage, or no lag)."""
+
+    thermal: Thermal
+    idle_w: float
+    steady: np.ndarray
+    settled: np.ndarray
+    x: np.ndarray | None
+    cum: np.ndarray | None
+    rise: np.ndarray | None
+    decay: np.ndarray | None
+    settled_j: np.ndarray | None
+    lag_decay: np.ndarray | None
+    per_pass: np.ndarray | None
+
+
+def segment_terms(
+    th: Thermal, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: float
+) -> SegmentTerms:
+    """`SegmentTerms` of passes of `dynamic_w` lasting `duration_s` each, then idle at
+    `idle_w`."""
+    arrays = _terms(th, dynamic_w, duration_s, idle_w)
+    for a in arrays:
+        if a is not None:
+            a.flags.writeable = False
+    return SegmentTerms(th, idle_w, *arrays)
+
+
+#: `SegmentTerms`' arrays, in its order (work that runs once makes them and keeps none).
+_Terms = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+]
+
+
+def _terms(th: Thermal, dynamic_w: np.ndarray, duration_s: np.ndarray, idle_w: float) -> _Terms:
+    """`segment_terms`' arrays (writable)."""
     dynamic_w = np.asarray(dynamic_w, dtype=float)
     duration_s = np.asarray(duration_s, dtype=float)
     n = len(dynamic_w)
@@ -165,23 +236,64 @@ def work_segments(
     pass_steady = steady[:n]
     tau = th.tau_s
     x = duration_s / tau if tau > 0.0 else None
-    start_c = _start_temperatures(th, t0_c, pass_steady, x)
+    cum = rise = decay = settled_j = lag_decay = per_pass = None
+    if x is not None:
+        cum = _decay_sums(x)
+        if cum[n] <= _BLOCK_EXPONENT:
+            rise, decay = _one_block(pass_steady, x, cum)
+            cum = None
     if k == 0.0:
         per_pass = dynamic_w * duration_s
     elif x is None:
         per_pass = settled[:n] * duration_s
     else:
-        # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in place in that order
-        # (-d / tau' is -x to the bit: division rounds the same either sign; and adding
-        # a y (-e) is subtracting a y e: rounding is symmetric in sign)
+        # (-d / tau' is -x to the bit: division rounds the same either sign)
+        lag_decay = np.negative(x)
+        np.expm1(lag_decay, out=lag_decay)
+        settled_j = settled[:n] * duration_s
+    return steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass
+
+
+def work_segments(
+    th: Thermal,
+    t0_c: float,
+    dynamic_w: np.ndarray,
+    duration_s: np.ndarray,
+    idle_w: float,
+    terms: SegmentTerms | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Passes of `dynamic_w` lasting `duration_s` each from `t0_c`, then idle at `idle_w`: per
+    segment (each pass, then the idle tail) its steady temperature, settled power (dynamic
+    plus the leakage at the steady temperature), start temperature and the true energy before
+    it. The numbers `steady_c`, `start_temperatures` and `segment_energy_j` give, with the
+    terms they share computed once, and those that do not depend on `t0_c` taken from `terms`
+    when given (`segment_terms` of the same passes, thermal model and idle power)."""
+    if terms is None:
+        steady, settled, x, cum, rise, decay, settled_j, lag_decay, per_pass = _terms(
+            th, dynamic_w, duration_s, idle_w
+        )
+    else:
+        steady, settled, x, cum = terms.steady, terms.settled, terms.x, terms.cum
+        rise, decay, settled_j = terms.rise, terms.decay, terms.settled_j
+        lag_decay, per_pass = terms.lag_decay, terms.per_pass
+    n = len(steady) - 1
+    pass_steady = steady[:n]
+    if x is None:
+        start_c = _start_temperatures(th, t0_c, pass_steady, None)
+    elif rise is not None and decay is not None:
+        start_c = _from_one_block(t0_c, rise, decay)
+    else:
+        assert cum is not None
+        start_c = _by_blocks(t0_c, pass_steady, x, cum)
+    if per_pass is None:
+        assert settled_j is not None and lag_decay is not None
+        # settled d + k (T0 - S) tau' (-expm1(-d / tau')), in that order (adding a y (-e)
+        # is subtracting a y e: rounding is symmetric in sign)
         lag = start_c[:n] - pass_steady
-        lag *= k
-        lag *= tau
-        decay = np.negative(x)
-        np.expm1(decay, out=decay)
-        lag *= decay
-        per_pass = settled[:n] * duration_s
-        per_pass -= lag
+        lag *= th.leakage_w_per_c
+        lag *= th.tau_s
+        lag *= lag_decay
+        per_pass = np.subtract(settled_j, lag)
     energy_before = np.empty(n + 1)
     energy_before[0] = 0.0
     np.add.accumulate(per_pass, out=energy_before[1:])

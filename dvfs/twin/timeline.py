@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,13 +30,17 @@ from dvfs.twin.traps import settle_progress
 @dataclass(frozen=True)
 class Work:
     """Passes a device runs back to back: start and end (ns), dynamic power (the power model's,
-    before leakage), clock and event reasons of each."""
+    before leakage), clock and event reasons of each. Optionally, what follows from them
+    alone and was made before: each pass's `duration_s` (end - start, in s) and the thermal
+    model's `terms` (`dvfs.twin.thermal.segment_terms`, for the idle power they name)."""
 
     starts_ns: np.ndarray
     ends_ns: np.ndarray
     dynamic_w: np.ndarray
     sm_clock_mhz: np.ndarray
     reasons: np.ndarray
+    duration_s: np.ndarray | None = field(default=None, compare=False)
+    terms: th.SegmentTerms | None = field(default=None, compare=False)
 
     def after(self, t_ns: int) -> Work | None:
         """What is left at `t_ns` (the pass under way cut to start there), None when done."""
@@ -131,9 +135,14 @@ class Timeline:
         self.transition = transition
         k = thermal.leakage_w_per_c
         if work is not None:
-            duration_s = (work.ends_ns - work.starts_ns) * 1e-9
+            duration_s = work.duration_s
+            if duration_s is None:
+                duration_s = (work.ends_ns - work.starts_ns) * 1e-9
+            terms = work.terms
+            if terms is not None and (terms.thermal is not thermal or terms.idle_w != idle_w):
+                terms = None  # made for another model or idle power: not these segments'
             steady, settled, pass_temp_c, energy_before = th.work_segments(
-                thermal, temperature_c, work.dynamic_w, duration_s, idle_w
+                thermal, temperature_c, work.dynamic_w, duration_s, idle_w, terms
             )
             self.end_ns = int(work.ends_ns[-1])
             end_temp, end_energy = float(pass_temp_c[-1]), float(energy_before[-1])
@@ -222,6 +231,17 @@ class Timeline:
         else:
             temp, power = self._seg_steady_c[j], settled_w
         return busy, j, temp, power, energy
+
+    def temperature_c(self, t_ns: np.ndarray) -> np.ndarray:
+        """`_truth`'s temperature alone at int64 instants (earlier than `fold_ns`: clipped, as
+        `readings` clips them): the same arithmetic, without the power and the energy."""
+        t_ns = np.maximum(t_ns, self.fold_ns)
+        j = self._seg_ends_ns.searchsorted(t_ns, side="right")
+        tau = self.thermal.tau_s
+        if tau > 0:
+            offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
+            return self._seg_steady_c[j] + self._seg_offset_c[j] * np.exp(-offset_s / tau)
+        return self._seg_steady_c[j]
 
     def energy_since_fold_j(self, t_ns: np.ndarray) -> np.ndarray:
         """`_truth`'s true energy alone (the counter's updates read nothing else): the same
