@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +115,35 @@ def dvfs_in_process(*args: str, env: dict[str, str]) -> subprocess.CompletedProc
             sys.modules["pynvml"] = saved
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
+def _starved() -> int:
+    from dvfs.measure.meter import Q_COUNTER_STALLED, Q_FEW_COUNTER_UPDATES, Q_FEW_SAMPLES
+
+    return Q_FEW_SAMPLES | Q_COUNTER_STALLED | Q_FEW_COUNTER_UPDATES
+
+
+#: What a starved sampler flags: the fake's readings are taken in real time, so on a busy
+#: machine a cell may miss samples or counter updates and be invalid for that alone.
+STARVED = _starved()
+
+
+def cube_as_on_an_idle_machine(out: Path, env: dict[str, str]) -> str:
+    """The cube of the sweep in OUT rebuilt (`dvfs cube build`) from its journal with the
+    `STARVED` flags cleared and every other flag kept: the cube and the analyses a test checks
+    then see only the flags it is about, whatever the machine's load did to the sampling."""
+    from dvfs.measure.meter import INVALIDATING
+
+    journal = out / "journal.jsonl"
+    lines = []
+    for line in journal.read_text().splitlines():
+        record = json.loads(line)
+        measurement = record.get("measurement") if record.get("type") == "cell" else None
+        if measurement is not None:
+            quality = int(measurement["quality"]) & ~STARVED
+            measurement.update(quality=quality, valid=not quality & INVALIDATING)
+        lines.append(json.dumps(record))
+    journal.write_text("\n".join(lines) + "\n")
+    built = dvfs_in_process("cube", "build", str(out), env=env)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return str(out / "cube.nc")

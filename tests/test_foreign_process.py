@@ -12,7 +12,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, fresh_fake
+from nvml_support import (
+    NVML_CAMPAIGN,
+    cube_as_on_an_idle_machine,
+    dvfs_in_process,
+    fake_env,
+    fresh_fake,
+)
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 import dvfs
@@ -101,7 +107,7 @@ def test_a_tenant_arriving_mid_sweep_flags_the_cells_it_overlapped(
     assert "foreign_process x2: another tenant's compute process" in output
     # Said as it is first seen, once: not only in the closing summary.
     assert output.count(f"another tenant on GPU 1: process {tenant} (sleep)") == 1, output
-    cube = str(tmp_path / "out" / "cube.nc")
+    cube = cube_as_on_an_idle_machine(tmp_path / "out", env(tmp_path))
     ds = dvfs.open_cube(cube)
     quality = ds["quality"].squeeze().to_series()
     valid = ds["valid"].squeeze().to_series()

@@ -9,7 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from nvml_support import NVML_CAMPAIGN, dvfs_in_process, load_fake, root_fake_env
+from nvml_support import (
+    NVML_CAMPAIGN,
+    cube_as_on_an_idle_machine,
+    dvfs_in_process,
+    load_fake,
+    root_fake_env,
+)
 
 from dvfs.backends import Backends
 from dvfs.campaign import load_campaign
@@ -24,13 +30,7 @@ from dvfs.gpu.base import (
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.journal import iter_records
-from dvfs.measure.meter import (
-    INVALIDATING,
-    Q_COUNTER_STALLED,
-    Q_FEW_COUNTER_UPDATES,
-    Q_FEW_SAMPLES,
-    describe_quality,
-)
+from dvfs.measure.meter import INVALIDATING, describe_quality
 from dvfs.sweep import run_sweep
 from dvfs.twin.device import FreeRunningNode
 from dvfs.twin.profiles import gpu_profile, model_profile
@@ -67,30 +67,6 @@ def cells(journal: Path) -> list[dict]:
 
 def flags(record: dict) -> list[str]:
     return describe_quality(int(record["measurement"]["quality"]))
-
-
-#: What a starved sampler flags: the fake's readings are taken in real time, so on a busy
-#: machine a cell may miss samples or counter updates and be invalid for that alone.
-STARVED = Q_FEW_SAMPLES | Q_COUNTER_STALLED | Q_FEW_COUNTER_UPDATES
-
-
-def cube_as_on_an_idle_machine(out: Path, env: dict[str, str]) -> str:
-    """The sweep's cube rebuilt (`dvfs cube build`) from its journal with the `STARVED` flags
-    cleared and every other flag kept: the analyses these tests check then see only the held
-    knobs' flags, whatever the machine's load did to the sampling."""
-    journal = out / "journal.jsonl"
-    lines = []
-    for line in journal.read_text().splitlines():
-        record = json.loads(line)
-        measurement = record.get("measurement") if record.get("type") == "cell" else None
-        if measurement is not None:
-            quality = int(measurement["quality"]) & ~STARVED
-            measurement.update(quality=quality, valid=not quality & INVALIDATING)
-        lines.append(json.dumps(record))
-    journal.write_text("\n".join(lines) + "\n")
-    built = dvfs_in_process("cube", "build", str(out), env=env)
-    assert built.returncode == 0, built.stdout + built.stderr
-    return str(out / "cube.nc")
 
 
 # -- the fake ---------------------------------------------------------------------------------
