@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
+from conftest import TINY, replace_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,49 +161,16 @@ def test_a_repeater_before_start_fails_as_run_does() -> None:
         engine.run(_workload(1, end_at_window=False))
 
 
-CAMPAIGN = """
-[campaign]
-name = "stabilise-same"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm"
-devices = [0]
-
-[knobs]
-sm_clock = [1980, 1005]
-power_limit = [700]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-
-[drafters.none]
-algorithm = "none"
-
-[drafters.eagle3]
-algorithm = "EAGLE3"
-draft_model = "eagle3-llama-3.1-8b"
-num_steps = 3
-eagle_topk = 1
-num_draft_tokens = 4
-
-[workload]
-batch = [1, 8]
-corpora = ["code"]
-input_tokens = [16, 2048]
-output_tokens = 64
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.2
-max_rounds = 2
-repeats = 1
-sample_period_s = 0.02
-idle_s = 1.0
-thermal_max_s = 120.0
-"""
+#: TINY with one repeat and the thermal stabilisation spelled out (120 s, the default).
+CAMPAIGN = replace_block(
+    replace_block(
+        replace_block(TINY, 'name = "small"', 'name = "stabilise-same"'),
+        "repeats = 2",
+        "repeats = 1",
+    ),
+    "idle_s = 1.0\n",
+    "idle_s = 1.0\nthermal_max_s = 120.0\n",
+)
 
 #: Journal fields that hold wall-clock time (or, for the twin's versions, its source's digest).
 WALL_CLOCK = {"created", "started", "finished"}
