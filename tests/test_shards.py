@@ -698,3 +698,36 @@ def test_a_run_of_one_shard_merges_alone_and_one_shard_of_several_is_refused(
     assert "at least two cubes, or all the shards of a run; got one cube holding shard 1/3" in (
         one_of_three.output
     )
+
+
+def test_shard_cube_reads_the_shard_as_recorded_shard_does(runs: Path, tmp_path: Path) -> None:
+    """`shard_cube` takes the shard record while it builds the cube (one reading of the
+    journal): the mark is `recorded_shard`'s, the first shard record's where a journal holds
+    two, the cube otherwise `build_cube`'s, and a damaged record refused as before."""
+    from dvfs.cube import build_cube
+    from dvfs.errors import JournalError
+    from dvfs.fleet.shard_journal import recorded_shard, shard_cube
+
+    journal = runs / "s1" / "journal.jsonl"
+    cube = shard_cube(journal)
+    recorded = recorded_shard(journal)
+    assert recorded is not None and recorded.label == "1/3"
+    assert (cube.attrs["shard"], cube.attrs["shard_deal"]) == (recorded.label, recorded.deal)
+    plain = build_cube(journal)
+    assert "shard" not in plain.attrs
+    xr.testing.assert_identical(cube.drop_attrs(deep=False), plain.drop_attrs(deep=False))
+    assert shard_cube(runs / "whole" / "journal.jsonl").attrs.get("shard") is None
+
+    lines = journal.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["type"] == "shard")
+    other = json.loads(lines[at]) | {"index": 2}
+    twice = write(tmp_path / "twice.jsonl", "".join([*lines, json.dumps(other) + "\n"]))
+    assert shard_cube(twice).attrs["shard"] == recorded_shard(twice).label == "1/3"  # type: ignore[union-attr]
+    damaged = json.loads(lines[at])
+    del damaged["index"]
+    bad = write(
+        tmp_path / "bad.jsonl", "".join([*lines[:at], json.dumps(damaged) + "\n", *lines[at + 1 :]])
+    )
+    for read in (recorded_shard, shard_cube):
+        with pytest.raises(JournalError, match="damaged shard record"):
+            read(bad)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -345,9 +345,13 @@ def _counter_periods(journal: JournalContents) -> list[float]:
     return [period.get(str(g["uuid"]), math.nan) for g in _all_gpus(journal)]
 
 
-def build_cube(journal_path: str | Path) -> xr.Dataset:
+def build_cube(
+    journal_path: str | Path, *, others: Callable[[dict[str, Any]], object] | None = None
+) -> xr.Dataset:
     """Assemble the cube from a journal, read line by line into the grid's arrays (memory is
-    the cube's, not the journal's); cells not (yet) measured are NaN."""
+    the cube's, not the journal's); cells not (yet) measured are NaN. `others` is handed each
+    record the cube does not read (a shard's record), so a caller needing one reads the
+    journal once."""
     path = Path(journal_path)
     if not path.exists():
         raise CubeError(f"no journal at {path}: run `dvfs sweep` first")
@@ -359,7 +363,8 @@ def build_cube(journal_path: str | Path) -> xr.Dataset:
         check_version(path, Header.from_json(first).journal_schema)
         filler = _Filler(Header.from_json(first), str(journal_path))
         for record in records:
-            filler.add(record)
+            if not filler.add(record) and others is not None:
+                others(record)
         return filler.dataset()
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         _drain(records)
@@ -414,7 +419,8 @@ class _Filler:
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: dict[str, Any]) -> bool:
+        """Take in one record; False for a type the cube does not read."""
         kind = record.get("type")
         if kind == "session":
             self.version = check_version(
@@ -432,6 +438,9 @@ class _Filler:
                 self.method[at] = self.methods.setdefault(method, len(self.methods))
             else:
                 self.waiting.append(cell)
+        else:
+            return False
+        return True
 
     def _gpus_of(self, record: CellRecord) -> str:
         """The GPUs that measured a cell: its own record's, else its worker's in the session
