@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import platform
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -192,3 +193,85 @@ def test_the_memory_a_sweep_freed_goes_back_to_the_os_before_its_cube() -> None:
     release_free_memory()
     assert before - _rss_bytes() > 25 * 1024 * 1024
     assert len(pin) == 64 * 1024
+
+
+def _expected(record: dict[str, Any]) -> dict[str, list[float]]:
+    """Each cube array's values at a cell as its journal record states them (NaN where it has
+    none): read off the record by name, not by the builder's row layout."""
+    from dvfs.cube.schema import GPU_TIME, SPLIT, TIMELINE, VARIABLES
+    from dvfs.engines.base import SPLIT_PARTS
+    from dvfs.records.cell import GPU_TIME_KEYS
+
+    def number(v: Any) -> float:
+        return float("nan") if v is None else float(v)
+
+    m = record.get("measurement") if record["status"] == "ok" else None
+    out: dict[str, list[float]] = {}
+    for spec in VARIABLES:
+        width = 3 if spec.extra_dim == "quantile" else 1
+        v = None if m is None else m.get(spec.name)
+        out[spec.name] = [number(x) for x in v] if isinstance(v, list) else [number(v)] * width
+    for spec in TIMELINE:
+        points = [number(x) for x in (m or {}).get(spec.name, [])][:32]
+        out[spec.name] = points + [float("nan")] * (32 - len(points))
+    seconds = record.get("gpu_time_s") or {}
+    for key in GPU_TIME_KEYS:
+        out[f"gpu_time_{key}_s"] = [number(seconds[key]) if seconds else float("nan")]
+    out["gpu_time_total_s"] = [
+        math.fsum(number(seconds[k]) for k in GPU_TIME_KEYS) if seconds else float("nan")
+    ]
+    split = (m is not None and record.get("energy_split")) or {}
+    for part in SPLIT_PARTS:
+        out[f"energy_{part}_j"] = [number(split["energy_j"][part]) if split else float("nan")]
+        out[f"time_{part}_s"] = [number(split["time_s"][part]) if split else float("nan")]
+    assert set(out) == {s.name for s in (*VARIABLES, *TIMELINE, *GPU_TIME, *SPLIT)}
+    return out
+
+
+@pytest.mark.parametrize("batch", [None, 1, 3])
+def test_every_cell_holds_its_last_records_values_by_name(
+    tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int | None
+) -> None:
+    """The builder stores cells' values in the arrays a batch of rows at a time (`_BATCH`):
+    every array at every cell must hold what the cell's last record says, read by name, across
+    batch boundaries and records that replace others (a failure, another cell's values)."""
+    if batch is not None:
+        monkeypatch.setattr(dvfs.cube.build, "_BATCH", batch)
+    _, records = tiny
+    cells = [r for r in records if r["type"] == "cell"]
+    a, b, c = cells[0], cells[1], cells[2]
+    failure = {
+        "type": "cell",
+        "key": a["key"],
+        "cell": a["cell"],
+        "status": "failed",
+        "attempts": 2,
+        "finished": "",
+        "gpu_time_s": {k: 0.25 for k in a["gpu_time_s"]},
+        "error": "server crashed",
+        "errors": ["server crashed"],
+    }
+    b_as_c = {**b, "key": c["key"], "cell": c["cell"]}  # c's cell with b's values, then c's
+    a_as_b = {**a, "key": b["key"], "cell": b["cell"]}  # b's cell with a's values, last
+    journal = [*records[:3], b_as_c, *records[3:], failure, a_as_b]
+    ds = build_cube(_jsonl(tmp_path / "j.jsonl", journal))
+    last = {r["key"]: r for r in journal if r["type"] == "cell"}
+    assert last[a["key"]] is failure and last[b["key"]] is a_as_b and last[c["key"]] is c
+    for record in last.values():
+        cell = record["cell"]
+        at = ds.sel(
+            sm_clock=cell["sm_clock_mhz"],
+            power_limit=cell["power_limit_w"],
+            batch=cell["batch"],
+            drafter=cell["drafter"],
+            corpus=cell["corpus"],
+            repeat=cell["repeat"],
+        )
+        expected = _expected(record)
+        for name, values in expected.items():
+            got = np.ravel(at[name].values).astype(float)
+            assert np.array_equal(got, np.array(values), equal_nan=True), (record["key"], name)
+        status = STATUS_OK if record["status"] == "ok" else STATUS_FAILED
+        assert int(at["cell_status"]) == status
+        assert int(at["energy_split_method"]) == (1 if status == STATUS_OK else 0)
+    assert (ds["cell_status"].values != 0).sum() == len(last)

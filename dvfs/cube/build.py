@@ -1,6 +1,6 @@
 """A cube from a journal: the records, decoded by `dvfs.records` one line at a time and laid
-out on the campaign's grid as they come (memory is the grid's arrays, whatever the journal's
-length); cells not (yet) measured are NaN."""
+out on the campaign's grid as they come, a bounded batch of cells at a time (memory is the
+grid's arrays, whatever the journal's length); cells not (yet) measured are NaN."""
 
 from __future__ import annotations
 
@@ -80,6 +80,41 @@ _PLACED = tuple((spec.name, spec.extra_dim == "quantile") for spec in VARIABLES)
 def _nums(values: Any) -> list[float]:
     """`_num` of each; floats (what a stored record holds) as they are, without a call each."""
     return [v if type(v) is float else _num(v) for v in values]
+
+
+def _columns() -> tuple[tuple[str, int, int | None], ...]:
+    """Where each array's values sit in a placed cell's row (`_Filler._row`), in the order the
+    row lists them: the array's name, its first column, and its width (None: one value, for
+    an array without an extra dimension)."""
+    layout = [
+        *((name, len(QUANTILES) if quantiles else None) for name, quantiles in _PLACED),
+        *((spec.name, TIMELINE_POINTS) for spec in TIMELINE),
+        *((f"gpu_time_{key}_s", None) for key in GPU_TIME_KEYS),
+        ("gpu_time_total_s", None),
+        *((f"energy_{part}_j", None) for part in SPLIT_PARTS),
+        *((f"time_{part}_s", None) for part in SPLIT_PARTS),
+    ]
+    columns, start = [], 0
+    for name, width in layout:
+        columns.append((name, start, width))
+        start += width or 1
+    return tuple(columns)
+
+
+_COLUMNS = _columns()
+_ROW_WIDTH = sum(width or 1 for _, _, width in _COLUMNS)
+#: A row's NaNs where a cell has no measurement (failed), no GPU time, no energy split.
+_NO_MEASUREMENT = [math.nan] * (
+    len(QUANTILES) * sum(q for _, q in _PLACED)
+    + sum(not q for _, q in _PLACED)
+    + TIMELINE_POINTS * len(TIMELINE)
+)
+_NO_GPU_TIME = [math.nan] * (len(GPU_TIME_KEYS) + 1)
+_NO_SPLIT = [math.nan] * (2 * len(SPLIT_PARTS))
+#: Cells held in a row buffer before their values go into the grid's arrays in one step per
+#: array (a store per value and cell cost half the build); bounded, so that memory stays the
+#: grid's whatever the journal's length.
+_BATCH = 512
 
 
 def read_journal(path: str | Path) -> list[dict[str, Any]]:
@@ -415,6 +450,10 @@ class _Filler:
         self.methods: dict[str, int] = {"": 0}
         #: Each distinct string of `measured_on` once (a journal's line holds its own copy).
         self.names: dict[str, str] = {}
+        #: Placed cells whose values wait in `rows` (their row, by where they go): a later
+        #: record of a cell overwrites its row, as it replaces the values in the arrays.
+        self.pending: dict[tuple[int, ...], int] = {}
+        self.rows = np.empty((0, _ROW_WIDTH))
 
     def contents(self) -> JournalContents:
         return JournalContents(self.header, tuple(self.sessions), tuple(self.servers), {})
@@ -470,6 +509,7 @@ class _Filler:
         self.split_method = np.zeros(shape, dtype=np.int8)
         self.measured_on = np.full(shape, "", dtype=object)
         self.method = np.zeros(shape, dtype=np.int16)
+        self.rows = np.empty((min(_BATCH, math.prod(shape)), _ROW_WIDTH))
 
     def _place(self, record: CellRecord, gpus: str = "") -> tuple[int, ...]:
         """Lay the record out in the grid's arrays; where it went."""
@@ -496,37 +536,75 @@ class _Filler:
                 "campaign's grid; the journal was edited: delete that line, or rerun the "
                 "sweep with --fresh"
             ) from None
-        if self.status[at] != STATUS_MISSING:  # an earlier record of this cell, replaced
-            for values in self.data.values():
-                values[at] = np.nan
-            self.split_method[at] = 0
         self.measured_on[at] = gpus
-        if record.gpu_time_s:  # spent whether or not the cell was measured
-            seconds = [_num(record.gpu_time_s.get(key, 0.0)) for key in GPU_TIME_KEYS]
-            for key, value in zip(GPU_TIME_KEYS, seconds, strict=True):
-                self.data[f"gpu_time_{key}_s"][at] = value
-            self.data["gpu_time_total_s"][at] = math.fsum(seconds)
-        if not record.ok or record.measurement is None:
+        measured = record.ok and record.measurement is not None
+        values = self._row(record, measured)
+        if measured:
+            self.failed.pop(record.key, None)
+            self.status[at] = STATUS_OK
+        else:
             self.status[at] = STATUS_FAILED
             self.failed[record.key] = record
-            return at
-        self.failed.pop(record.key, None)
-        self.status[at] = STATUS_OK
+        split = record.energy_split if measured else None
+        self.split_method[at] = 0 if split is None else SPLIT_METHODS.index(split.method)
+        row = self.pending.get(at)
+        if row is None:
+            if len(self.pending) == len(self.rows):
+                self._flush()
+            row = self.pending[at] = len(self.pending)
+        self.rows[row] = values
+        return at
+
+    @staticmethod
+    def _row(record: CellRecord, measured: bool) -> list[float]:
+        """A cell's values as `_COLUMNS` lays them out, NaN where it has none: a later record
+        of a cell replaces every value of the earlier one."""
+        if record.gpu_time_s:  # spent whether or not the cell was measured
+            seconds = [_num(record.gpu_time_s.get(key, 0.0)) for key in GPU_TIME_KEYS]
+            gpu_time = [*seconds, math.fsum(seconds)]
+        else:
+            gpu_time = _NO_GPU_TIME
         m = record.measurement
-        data = self.data
+        if not measured or m is None:
+            return [*_NO_MEASUREMENT, *gpu_time, *_NO_SPLIT]
+        row: list[float] = []
         for name, quantiles in _PLACED:
             value = getattr(m, name)
-            data[name][at] = _nums(value) if quantiles else _num(value)
+            if not quantiles:  # mostly floats already: those without a call each
+                row.append(value if type(value) is float else _num(value))
+                continue
+            values = _nums(value)
+            if len(values) != len(QUANTILES):  # broadcast, or refused, as numpy stores it
+                stored = np.full(len(QUANTILES), math.nan)
+                stored[:] = values
+                values = stored.tolist()
+            row += values
         for spec in TIMELINE:
             points = _nums(getattr(m, spec.name)[:TIMELINE_POINTS])
-            self.data[spec.name][at][: len(points)] = points
+            row += points
+            if len(points) < TIMELINE_POINTS:
+                row += [math.nan] * (TIMELINE_POINTS - len(points))
+        row += gpu_time
         split = record.energy_split
-        if split is not None:
-            for i, part in enumerate(SPLIT_PARTS):
-                self.data[f"energy_{part}_j"][at] = split.energy_j[i]
-                self.data[f"time_{part}_s"][at] = split.time_s[i]
-            self.split_method[at] = SPLIT_METHODS.index(split.method)
-        return at
+        if split is None:
+            row += _NO_SPLIT
+        else:
+            parts = range(len(SPLIT_PARTS))
+            row += [split.energy_j[i] for i in parts]
+            row += [split.time_s[i] for i in parts]
+        return row
+
+    def _flush(self) -> None:
+        """Store the waiting rows' values in the grid's arrays, one step per array."""
+        if not self.pending:
+            return
+        at = tuple(np.array(axis) for axis in zip(*self.pending, strict=True))
+        block = self.rows[: len(self.pending)]
+        for name, start, width in _COLUMNS:
+            self.data[name][at] = (
+                block[:, start] if width is None else block[:, start : start + width]
+            )
+        self.pending.clear()
 
     def dataset(self) -> xr.Dataset:
         journal = self.contents()
@@ -539,6 +617,7 @@ class _Filler:
         for record in self.waiting:
             self._place(record, self._gpus_of(record))
         self.waiting.clear()
+        self._flush()
         assert self.grid is not None
         ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
         ds[SPLIT_METHOD_VAR] = (CELL_DIMS, self.split_method, split_method_attrs())
