@@ -170,3 +170,36 @@ def test_a_record_with_missing_numbers_is_written_as_strict_json(tmp_path: Path)
         "nested": {"inf": None, "pair": [0.25, None], "3": [None]},
     }
     assert "NaN" not in line and "Infinity" not in line
+
+
+def test_a_journal_line_is_json_safes_compact_strict_json(tmp_path: Path) -> None:
+    """`Journal.append` writes with one shared encoder: each line is byte for byte
+    `json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False)`, keys `json_safe`
+    turns into strings included (True -> "True", where JSON's own would be "true"), and a
+    record that contains itself is still refused before anything is written."""
+    import math
+
+    import numpy as np
+
+    from dvfs.measure.journal import Journal
+    from dvfs.report import json_safe
+
+    shared = [0.1, 2.0]
+    records = [
+        {"type": "session", "nested": {True: 1, None: 2, 3: 3.5, 2.5: "x"}, "t": (1, "a")},
+        {"type": "cell", "key": "k", "a": shared, "b": shared, "c": [np.int64(7), math.nan]},
+        {"type": "server", "u": 'é\u2028"\\', "f": [1e300, -0.0, 5e-324, np.float64(0.1)]},
+    ]
+    journal = Journal(tmp_path / "j.jsonl")
+    for record in records:
+        journal.append(record)
+    cyclic: dict = {"type": "server"}
+    cyclic["self"] = cyclic
+    with pytest.raises(RecursionError):
+        journal.append(cyclic)
+    journal.close()
+    expected = "".join(
+        json.dumps(json_safe(r), separators=(",", ":"), allow_nan=False) + "\n" for r in records
+    )
+    assert (tmp_path / "j.jsonl").read_text(encoding="utf-8") == expected
+    assert '"True":1,"None":2,"3":3.5,"2.5":"x"' in expected

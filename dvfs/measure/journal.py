@@ -104,6 +104,12 @@ def check_journal(path: Path, campaign: Campaign) -> None:
         check_resumable(path, first, campaign)
 
 
+#: A journal line's JSON: compact and strict (NaN is `json_safe`'s null). One encoder for
+#: every line, and no check for circular containers: `json_safe` hands it a fresh tree (it
+#: copies every container, and recurses forever on a cyclic record before any is written).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False)
+
+
 #: Longest a record may wait for its fsync on the twin (seconds of wall time), as long as
 #: the sweep goes on; closing the journal (normal end, error, signal) always syncs.
 GROUP_SYNC_S = 1.0
@@ -214,7 +220,7 @@ class Journal:
     def append(self, record: dict[str, Any]) -> None:
         """Write one record through to the OS (a killed process keeps it), and to disk as the
         sync policy says."""
-        line = json.dumps(json_safe(record), separators=(",", ":"), allow_nan=False)
+        line = _ENCODER.encode(json_safe(record))
         data = (line + "\n").encode("utf-8")
         try:
             if self._fd is None:
