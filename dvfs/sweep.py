@@ -749,15 +749,15 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
     return refusals
 
 
-def spent_gpu_s(out_dir: Path) -> float:
+def spent_gpu_s(out_dir: Path, cube: Any = None) -> float:
     """The GPU time a sweep into `out_dir` spent: its cells' `gpu_time_total_s` plus each
     session's overhead (counter detection, idle baseline, settle measurement), which the
-    journal keeps on the session record."""
+    journal keeps on the session record. `cube`: the folder's cube, in memory (else read)."""
     from dvfs.cube import open_cube
     from dvfs.measure.journal import iter_records
 
-    with open_cube(out_dir / CUBE_NAME) as ds:
-        cells = float(ds["gpu_time_total_s"].fillna(0.0).sum())
+    ds = open_cube(out_dir / CUBE_NAME) if cube is None else cube
+    cells = float(ds["gpu_time_total_s"].fillna(0.0).sum())
     sessions = sum(
         float((r.get("gpu_time_s") or {}).get("total", 0.0))
         for r in iter_records(out_dir / JOURNAL_NAME)
@@ -897,10 +897,13 @@ def twin_estimate(
     stand_in, profile, source = twin_stand_in(campaign, twin)
     with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
         out = Path(tmp)
-        run_sweep(stand_in, out, shard=shard, progress=progress)
-        spent = spent_gpu_s(out)
-        with open_cube(out / CUBE_NAME) as ds:
-            window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
-            naive = naive_gpu_s(ds, stand_in)
-            cells = int(ds["gpu_time_total_s"].notnull().sum())
+        # The cube the sweep holds in memory: the numbers of the file it wrote, without
+        # reading the file back (twice, before).
+        ds = run_sweep(stand_in, out, shard=shard, progress=progress).cube
+        if ds is None:
+            ds = open_cube(out / CUBE_NAME)
+        spent = spent_gpu_s(out, ds)
+        window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
+        naive = naive_gpu_s(ds, stand_in)
+        cells = int(ds["gpu_time_total_s"].notnull().sum())
     return TwinEstimate(profile, source, spent, window, naive, cells)

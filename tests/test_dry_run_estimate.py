@@ -127,3 +127,29 @@ def test_twin_names_the_stand_in_and_an_unmatched_gpu_is_one_line(tmp_path: Path
 
     bad = CliRunner().invoke(cli, ["sweep", str(anonymous), "--twin", "h100-sxm"])
     assert bad.exit_code == 2 and "--dry-run" in bad.output
+
+
+def test_the_estimate_reads_the_cube_in_memory_as_the_file_gives_it(tmp_path: Path) -> None:
+    """`twin_estimate` reads the sweep's cube as the sweep holds it, not the file back: every
+    number it takes from the cube is the same, to the bit, from the file the sweep wrote."""
+    from conftest import TINY
+
+    from dvfs.campaign import load_campaign
+    from dvfs.sweep import naive_gpu_s, run_sweep, spent_gpu_s, twin_estimate
+
+    campaign = load_campaign(write(tmp_path / "tiny.toml", TINY))
+    out = tmp_path / "out"
+    held = run_sweep(campaign, out).cube
+    assert held is not None
+    on_disk = open_cube(out / "cube.nc")
+    for name in ("gpu_time_total_s", "gpu_time_window_s"):
+        assert float(held[name].fillna(0.0).sum()) == float(on_disk[name].fillna(0.0).sum())
+    assert int(held["gpu_time_total_s"].notnull().sum()) > 0
+    assert spent_gpu_s(out, held) == spent_gpu_s(out) == spent_s(out)
+    assert naive_gpu_s(held, campaign) == naive_gpu_s(on_disk, campaign) > 0
+    # The twin in virtual time sweeps alike each time: the estimate is the folder's numbers.
+    estimate = twin_estimate(campaign)
+    assert estimate.dvfs_gpu_s == spent_gpu_s(out)
+    assert estimate.naive_gpu_s == naive_gpu_s(on_disk, campaign)
+    assert estimate.cells == int(on_disk["gpu_time_total_s"].notnull().sum())
+    assert estimate.window_s == float(on_disk["gpu_time_window_s"].fillna(0.0).sum())
