@@ -449,3 +449,39 @@ def test_cube_writes_from_two_threads_take_turns_and_leave_the_chunk_cache_as_it
     assert all(setting[0] == 0 for _, setting in seen)
     assert netCDF4.get_chunk_cache() == before
     xr.testing.assert_identical(open_cube(tmp_path / "b.nc"), ds)
+
+
+def test_a_built_cube_lists_its_variables_in_the_order_it_always_has(tiny_sweep: Path) -> None:
+    """`build_cube` makes its Dataset in one step (setting the split method and the GPUs that
+    measured each cell afterwards cost a merge of the whole cube each): the variables, the
+    coordinates and their attributes are where and as they were, in memory and on disk
+    (`ncdump` and every reader list them in that order)."""
+    from dvfs.cube import build_cube
+    from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS, split_method_attrs
+    from dvfs.cube.schema import (
+        CELL_DIMS,
+        COORD_ATTRS,
+        GPU_TIME,
+        SPLIT,
+        SPLIT_METHOD_VAR,
+        TIMELINE,
+        VARIABLES,
+    )
+
+    ds = build_cube(tiny_sweep / "journal.jsonl")
+    measured = [s.name for s in (*VARIABLES, *TIMELINE, *GPU_TIME, *SPLIT)]
+    axes = [*CELL_DIMS, "quantile", "sample"]
+    expected = [*measured, "attention_backend", "cell_status", *axes, SPLIT_METHOD_VAR, MEASURED_ON]
+    assert list(ds.variables) == expected
+    assert list(ds.coords) == [*axes, MEASURED_ON] and list(ds.indexes) == axes
+    assert ds[MEASURED_ON].dims == CELL_DIMS and ds[MEASURED_ON].attrs == MEASURED_ON_ATTRS
+    split = ds[SPLIT_METHOD_VAR]
+    assert split.dims == CELL_DIMS and split.dtype == np.int8
+    assert list(split.attrs) == list(split_method_attrs())
+    assert np.array_equal(split.attrs["flag_values"], split_method_attrs()["flag_values"])
+    for name in axes:
+        units, long_name = COORD_ATTRS[name]
+        assert ds[name].attrs == {"units": units, "long_name": long_name}, name
+    with netCDF4.Dataset(tiny_sweep / "cube.nc") as nc:
+        on_disk = [n for n in nc.variables if not n.endswith("_label")]
+    assert on_disk == [n for n in expected if n not in ("drafter", "corpus")]

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -619,8 +620,18 @@ class _Filler:
         self.waiting.clear()
         self._flush()
         assert self.grid is not None
-        ds = _dataset(journal, facts, self.grid, self.data, self.status, self.failed)
-        ds[SPLIT_METHOD_VAR] = (CELL_DIMS, self.split_method, split_method_attrs())
+        ds = _dataset(
+            journal,
+            facts,
+            self.grid,
+            self.data,
+            self.status,
+            self.failed,
+            # In the one Dataset built: set on it afterwards, each cost a merge of the whole
+            # cube's variables (half the build of a test's tiny cube).
+            {SPLIT_METHOD_VAR: (CELL_DIMS, self.split_method, split_method_attrs())},
+            {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))},
+        )
         # Every session ran on one GPU group, or was a fleet that gave each comparison group to
         # one worker (`dvfs.fleet.queue`); whether the valid cells of each (batch, corpus,
         # repeat) did share one GPU group is counted, not refused (a lost worker's groups
@@ -629,9 +640,7 @@ class _Filler:
         ds.attrs["groups_across_gpus"] = groups_across_gpus(
             self.measured_on, self.status, self.data["valid"]
         )
-        return ds.assign_coords(
-            {MEASURED_ON: (CELL_DIMS, self.measured_on, dict(MEASURED_ON_ATTRS))}
-        )
+        return ds
 
 
 def groups_across_gpus(measured_on: np.ndarray, status: np.ndarray, valid: np.ndarray) -> int:
@@ -668,12 +677,16 @@ def _dataset(
     data: dict[str, np.ndarray],
     status: np.ndarray,
     failed_cells: dict[str, CellRecord],
+    last_variables: Mapping[str, Any] = MappingProxyType({}),
+    last_coords: Mapping[str, Any] = MappingProxyType({}),
 ) -> xr.Dataset:
+    """The cube's Dataset; `last_variables` and `last_coords` go after the others, given their
+    attributes as they are."""
     import xarray as xr
 
-    coords: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
-    coords["quantile"] = list(QUANTILES)
-    coords["sample"] = list(range(TIMELINE_POINTS))
+    axes: dict[str, Any] = {d: grid[d] for d in CELL_DIMS}
+    axes["quantile"] = list(QUANTILES)
+    axes["sample"] = list(range(TIMELINE_POINTS))
     variables: dict[str, Any] = {}
     for spec in (*VARIABLES, *TIMELINE, *GPU_TIME, *SPLIT):
         dims = CELL_DIMS + ((spec.extra_dim,) if spec.extra_dim else ())
@@ -700,9 +713,15 @@ def _dataset(
             "flag_meanings": "missing measured failed",
         },
     )
-    ds = xr.Dataset(variables, coords=coords, attrs=_provenance(journal, facts))
+    # The axes among the variables, where the cube has always listed them (each becomes its
+    # dimension's indexed coordinate): after the measured variables, before `last_variables`.
+    ds = xr.Dataset(
+        {**variables, **{name: (name, values) for name, values in axes.items()}, **last_variables},
+        coords=dict(last_coords),
+        attrs=_provenance(journal, facts),
+    )
     for name, (units, long_name) in COORD_ATTRS.items():
-        if name in ds.coords:
+        if name in ds.coords and name not in last_coords:
             ds[name].attrs.update(units=units, long_name=long_name)
     ds["quality"].attrs.update(
         flag_masks=np.array(list(QUALITY_FLAGS), dtype=np.int32),
