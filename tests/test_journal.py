@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -185,7 +186,7 @@ def test_a_journal_line_is_json_safes_compact_strict_json(tmp_path: Path) -> Non
     from dvfs.report import json_safe
 
     shared = [0.1, 2.0]
-    records = [
+    records: list[dict[str, Any]] = [
         {"type": "session", "nested": {True: 1, None: 2, 3: 3.5, 2.5: "x"}, "t": (1, "a")},
         {"type": "cell", "key": "k", "a": shared, "b": shared, "c": [np.int64(7), math.nan]},
         {"type": "server", "u": 'é\u2028"\\', "f": [1e300, -0.0, 5e-324, np.float64(0.1)]},
