@@ -190,3 +190,59 @@ def test_a_record_reads_the_measurement_as_before(energy, seconds, tokens, quant
     assert repr(got) == repr(want)  # NaN != NaN: the text shows every value
     assert list(got.to_json()) == [f.name for f in fields(MeasurementRecord)]
     assert repr(got.to_json()) == repr({f.name: getattr(want, f.name) for f in fields(want)})
+
+
+def old_cell_latency(requests: list[RequestTrace]) -> tuple[tuple[float, ...], ...]:
+    """A cell's latency as `summarise` took it before: every finished request's chunks
+    gathered from the traces at once (the code `rounds_latency` replaced)."""
+    ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
+    if not ok:
+        return (meter._quantiles(np.array([])),) * 3
+    counts = np.array([len(r.chunk_ns) for r in ok], dtype=np.int64)
+    sent = np.array([r.sent_ns for r in ok], dtype=np.int64)
+    completion = np.array([r.completion_tokens for r in ok], dtype=np.int64)
+    ns = np.concatenate([r.chunk_ns for r in ok]).astype(np.int64, copy=False)
+    tokens = np.concatenate([r.chunk_tokens for r in ok])
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    first, last = ns[starts], ns[ends - 1]
+    ttft = (first - sent) * 1e-6
+    multi = completion > 1
+    tpot = (last[multi] - first[multi]) * 1e-6 / (completion[multi] - 1)
+    later = np.ones(len(ns), dtype=bool)
+    later[starts] = False
+    gaps = np.diff(ns)[later[1:]] * 1e-6
+    gap_tokens = tokens[1:][later[1:]]
+    keep = gap_tokens > 0
+    itl = np.repeat(gaps[keep] / gap_tokens[keep], gap_tokens[keep])
+    return tuple(meter._quantiles(values) for values in (ttft, tpot, itl))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds)
+def test_a_cells_latency_from_its_rounds_chunks_is_that_of_all_its_requests(results) -> None:
+    everyone = [r for res in results for r in res.requests]
+    want = old_cell_latency(everyone)
+    for _ in range(2):  # the second time from the rounds' memo
+        got = meter.rounds_latency(results)
+        assert [bits(list(q)) for q in (got.ttft_ms, got.tpot_ms, got.itl_ms)] == [
+            bits(list(q)) for q in want
+        ]
+    assert meter.latency_stats(everyone) == meter.rounds_latency(results)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds, st.integers(0, 2 * 10**12), st.integers(0, 10**8))
+def test_a_rounds_token_curve_from_its_chunks_is_that_of_its_traces(results, at, span) -> None:
+    for result in results:
+        done = [r for r in result.requests if r.error is None and len(r.chunk_ns)]
+        want = meter.TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
+        got = meter.round_chunks(result.requests).curve()
+        assert got._ns.dtype == want._ns.dtype and got._tokens.dtype == want._tokens.dtype
+        assert np.array_equal(got._ns, want._ns) and np.array_equal(got._tokens, want._tokens)
+        edges = [float(at), float(at + span)]
+        for curve in (got, want):
+            edges += [float(t) for t in curve.t_ns[:3]]
+        for a in edges:
+            for b in edges:
+                assert bits([got.between(a, b)]) == bits([want.between(a, b)])

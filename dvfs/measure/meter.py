@@ -164,35 +164,85 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     return (start, end) if end > start else None
 
 
-#: The last few rounds' finished requests and their first and last chunks' instants, by the
-#: identity of their (immutable) tuple of traces: the steady window, the round's TPOT and its
-#: token curve all read them. Keyed by id() and holding the tuple itself, as `_LATENCY_MEMO`.
-_ENDS_MEMO: dict[int, tuple[object, tuple[list[RequestTrace], list[int], list[int]]]] = {}
-_ENDS_MEMO_SIZE = 16
+@dataclass(frozen=True)
+class RoundChunks:
+    """A round's requests that finished without error (with chunks, `_finished`) and their
+    chunks end to end, request after request: worked out once a round (`round_chunks`) and
+    read by its steady window, its token curve, its TPOT and the cell's latency quantiles,
+    which would otherwise each gather the same chunks from every trace again. The arrays are
+    shared: read-only."""
+
+    ok: list[RequestTrace]
+    #: Each request's first and last chunk's instant (ns, ints).
+    firsts: list[int]
+    lasts: list[int]
+    #: Chunks per request (int64).
+    counts: np.ndarray
+    #: Every chunk's arrival (int64 ns) and tokens (as the traces hold them).
+    ns: np.ndarray
+    tokens: np.ndarray
+
+    def curve(self) -> TokenCurve:
+        """The round's token curve (`TokenCurve.of` on these chunks: the same arrays, cast as
+        it casts them)."""
+        return TokenCurve(self.ns, self.tokens)
+
+
+def _chunks_of(requests: Sequence[RequestTrace]) -> RoundChunks:
+    """`RoundChunks` of requests, computed."""
+    done = _finished(requests)
+    if not done:
+        empty = np.array([], dtype=np.int64)
+        empty.flags.writeable = False
+        return RoundChunks(done, [], [], empty, empty, empty)
+    # lists then arrays: a generator for np.fromiter costs more per request than a list,
+    # and a map of an attrgetter less than a comprehension
+    chunk_ns = list(map(_CHUNK_NS, done))
+    counts = np.array(list(map(len, chunk_ns)), dtype=np.int64)
+    ns = np.concatenate(chunk_ns, dtype=np.int64, casting="unsafe")
+    tokens = np.concatenate(list(map(_CHUNK_TOKENS, done)))
+    ends = counts.cumsum()
+    firsts, lasts = ns[ends - counts].tolist(), ns[ends - 1].tolist()
+    for array in (counts, ns, tokens):
+        array.flags.writeable = False
+    return RoundChunks(done, firsts, lasts, counts, ns, tokens)
+
+
+#: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces:
+#: the runner reads a round's as it measures, and `summarise` again at the end. Keyed by id()
+#: and holding the tuple itself, as `_LATENCY_MEMO`.
+_CHUNKS_MEMO: dict[int, tuple[object, RoundChunks]] = {}
+_CHUNKS_MEMO_SIZE = 16
+
+
+def round_chunks(requests: Sequence[RequestTrace]) -> RoundChunks:
+    """`RoundChunks` of a round's requests; a tuple's (a round's) remembered for the next few
+    calls."""
+    if not isinstance(requests, tuple):
+        return _chunks_of(requests)
+    seen = _CHUNKS_MEMO.get(id(requests))
+    if seen is not None and seen[0] is requests:
+        return seen[1]
+    chunks = _chunks_of(requests)
+    _CHUNKS_MEMO[id(requests)] = (requests, chunks)
+    if len(_CHUNKS_MEMO) > _CHUNKS_MEMO_SIZE:
+        del _CHUNKS_MEMO[next(iter(_CHUNKS_MEMO))]  # the oldest (dicts keep insertion order)
+    return chunks
 
 
 def _ends(
     requests: Sequence[RequestTrace],
 ) -> tuple[list[RequestTrace], list[int], list[int]]:
     """The requests that finished without error (with chunks, `_finished`) and each one's
-    first and last chunk's instant (ints); a tuple's (a round's) remembered for the next few
-    calls. The lists are shared: read-only."""
-    if isinstance(requests, tuple):
-        seen = _ENDS_MEMO.get(id(requests))
-        if seen is not None and seen[0] is requests:
-            return seen[1]
-    done = _finished(requests)
-    ends = (done, [int(r.chunk_ns[0]) for r in done], [int(r.chunk_ns[-1]) for r in done])
-    if isinstance(requests, tuple):
-        _ENDS_MEMO[id(requests)] = (requests, ends)
-        if len(_ENDS_MEMO) > _ENDS_MEMO_SIZE:
-            del _ENDS_MEMO[next(iter(_ENDS_MEMO))]  # the oldest (dicts keep insertion order)
-    return ends
+    first and last chunk's instant (ints), from `round_chunks`. The lists are shared:
+    read-only."""
+    chunks = round_chunks(requests)
+    return chunks.ok, chunks.firsts, chunks.lasts
 
 
 def finished_requests(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
     """The requests that finished without error, with chunks, in order (a round's tuple's
-    remembered, `_ends`; read-only)."""
+    remembered, `round_chunks`; read-only)."""
     return _ends(requests)[0]
 
 
@@ -326,16 +376,16 @@ class _RoundLatency(LatencyStats):
     its rounds at once), and the ITL of a round is most of the work. Equal to, hashed, copied
     and pickled as the plain `LatencyStats` of the same numbers."""
 
-    def __init__(  # pylint: disable=super-init-not-called
-        self, ok: list[RequestTrace], firsts: list[int], lasts: list[int]
-    ) -> None:
-        object.__setattr__(self, "_ok", ok)
-        object.__setattr__(self, "tpot_ms", _quantiles_of_list(_tpot_of(ok, firsts, lasts)))
+    def __init__(self, chunks: RoundChunks) -> None:  # pylint: disable=super-init-not-called
+        object.__setattr__(self, "_chunks", chunks)
+        tpot = _tpot_of(chunks.ok, chunks.firsts, chunks.lasts)
+        object.__setattr__(self, "tpot_ms", _quantiles_of_list(tpot))
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         if name not in ("ttft_ms", "itl_ms"):
             raise AttributeError(name)
-        full = _latency_of(self.__dict__["_ok"])
+        c = self.__dict__["_chunks"]
+        full = _latency_from(c.ok, c.counts, c.ns, c.tokens)
         object.__setattr__(self, "ttft_ms", full.ttft_ms)
         object.__setattr__(self, "itl_ms", full.itl_ms)
         return getattr(full, name)
@@ -375,12 +425,13 @@ def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
     traces, as `RoundResult` holds) is remembered for the next few calls, and its TTFT and ITL
     are computed when first read (`_RoundLatency`)."""
     if not isinstance(requests, tuple):
-        return _latency_of(_finished(requests))
+        c = _chunks_of(requests)
+        return _latency_from(c.ok, c.counts, c.ns, c.tokens)
     seen = _LATENCY_MEMO.get(id(requests))
     if seen is not None and seen[0] is requests:
         return seen[1]
-    ok, firsts, lasts = _ends(requests)
-    stats = _RoundLatency(ok, firsts, lasts) if ok else _latency_of(ok)
+    chunks = round_chunks(requests)
+    stats = _RoundLatency(chunks) if chunks.ok else _latency_of(chunks.ok)
     _LATENCY_MEMO[id(requests)] = (requests, stats)
     if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
         del _LATENCY_MEMO[next(iter(_LATENCY_MEMO))]  # the oldest (dicts keep insertion order)
@@ -422,14 +473,36 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    # lists then arrays: a generator for np.fromiter costs more per request than a list,
-    # and a map of an attrgetter less than a comprehension
-    chunk_ns = list(map(_CHUNK_NS, ok))
-    counts = np.array(list(map(len, chunk_ns)), dtype=np.int64)
+    chunks = _chunks_of(ok)
+    return _latency_from(ok, chunks.counts, chunks.ns, chunks.tokens)
+
+
+def rounds_latency(results: Sequence[RoundResult]) -> LatencyStats:
+    """`latency_stats` of every request of the rounds (in order), on each round's chunks as
+    `round_chunks` gathered them (the runner's rounds': remembered), put end to end: the
+    same arrays as the requests' chunks concatenated at once, without a pass over each
+    request's."""
+    rounds = [c for c in (round_chunks(res.requests) for res in results) if c.ok]
+    if len(rounds) == 1:
+        c = rounds[0]
+        return _latency_from(c.ok, c.counts, c.ns, c.tokens)
+    return _latency_from(
+        [r for c in rounds for r in c.ok],
+        np.concatenate([c.counts for c in rounds] or [np.array([], dtype=np.int64)]),
+        np.concatenate([c.ns for c in rounds] or [np.array([], dtype=np.int64)]),
+        np.concatenate([c.tokens for c in rounds] or [np.array([], dtype=np.int64)]),
+    )
+
+
+def _latency_from(
+    ok: list[RequestTrace], counts: np.ndarray, ns: np.ndarray, tokens: np.ndarray
+) -> LatencyStats:
+    """`_latency_of` on the requests' chunks already end to end (`RoundChunks`' arrays)."""
+    if not ok:
+        empty = _quantiles(np.array([]))
+        return LatencyStats(empty, empty, empty)
     sent = np.array(list(map(_SENT, ok)), dtype=np.int64)
     completion = np.array(list(map(_COMPLETION, ok)), dtype=np.int64)
-    ns = np.concatenate(chunk_ns).astype(np.int64, copy=False)
-    tokens = np.concatenate(list(map(_CHUNK_TOKENS, ok)))
     ends = np.cumsum(counts)
     starts = ends - counts
     first, last = ns[starts], ns[ends - 1]
@@ -801,7 +874,7 @@ def summarise(
         output_tokens=round(tokens),
         rounds=len(parts),
         requests=len(all_requests),
-        latency=latency_stats(all_requests),
+        latency=rounds_latency(results),
         accept=accept,
         power_mean_w=energy_j / spanned_s if spanned_s > 0 else math.nan,
         power_max_w=power_max if in_window_samples else math.nan,

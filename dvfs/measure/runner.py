@@ -32,7 +32,6 @@ from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, Gpu
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.measure.counter import (
     RoundEnergy,
-    TokenCurve,
     counter_update_period,
     length_uncertainty,
     relative_half_width,
@@ -45,9 +44,9 @@ from dvfs.measure.meter import (
     CellMeasurement,
     PowerLimitRead,
     WindowPart,
-    finished_requests,
     latency_stats,
     power_limit_quality,
+    round_chunks,
     steady_window_ns,
     summarise,
 )
@@ -625,8 +624,8 @@ class Runner:
             samples = sampler.samples.arrays()
             energy = None
             if window is not None:
-                done = finished_requests(result.requests)  # no errors: those with chunks
-                curve = TokenCurve.of([r.chunk_ns for r in done], [r.chunk_tokens for r in done])
+                # the requests with chunks (no errors), gathered once for the round
+                curve = round_chunks(result.requests).curve()
                 energy = round_energy(samples, curve, window, fit_periods_s)
                 time.add("prefill", (window[0] - started) * 1e-9)
                 time.add("window", (window[1] - window[0]) * 1e-9)
