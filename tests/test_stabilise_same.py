@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from dvfs.campaign.model import DrafterSpec
 from dvfs.cli import cli
 from dvfs.clock import VirtualClock
 from dvfs.corpora import load_corpus, sample_prompts
-from dvfs.engines.base import Repeating, Workload
+from dvfs.engines.base import Repeating, RoundResult, Workload, load_of
 from dvfs.engines.twin import TwinEngine
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.profiles import gpu_profile, model_profile
@@ -93,6 +94,36 @@ def test_the_repeater_leaves_the_twin_as_run_does(devices, limit_w, drafter) -> 
         plain.run(load)
         again()
         assert _state(fast_clock, fast_devices) == _state(plain_clock, plain_devices), i
+
+
+class _RunOnly:
+    """An engine with `run` alone (a real server's case): no repeater."""
+
+    def __init__(self, engine: TwinEngine) -> None:
+        self.engine = engine
+
+    def run(self, workload: Workload) -> RoundResult:
+        return self.engine.run(workload)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "closed-loop"])
+def test_a_load_is_the_repeater_or_run_with_its_result_dropped(mode: str) -> None:
+    """`load_of`: the twin's repeater, a closed-loop workload's included, and `run` for an
+    engine without one, leave the clock and the device where `run` does, load after load, and
+    return nothing."""
+    plain_clock, plain_devices, plain = _twin(1, 700.0)
+    fast_clock, fast_devices, fast = _twin(1, 700.0)
+    bare_clock, bare_devices, bare = _twin(1, 700.0)
+    for engine in (plain, fast, bare):
+        engine.start(NONE)
+    load = replace(_workload(4, end_at_window=False), mode=mode)
+    again = load_of(fast, load)
+    run_only = load_of(_RunOnly(bare), load)  # type: ignore[arg-type]
+    for i in range(3):
+        plain.run(load)
+        assert again() is None and run_only() is None
+        assert _state(fast_clock, fast_devices) == _state(plain_clock, plain_devices), i
+        assert _state(bare_clock, bare_devices) == _state(plain_clock, plain_devices), i
 
 
 @settings(max_examples=40, deadline=None)

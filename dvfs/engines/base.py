@@ -336,3 +336,15 @@ class Repeating(Protocol):
     has no such shortcut: its load is `run`, its result dropped."""
 
     def repeater(self, workload: Workload) -> Callable[[], None]: ...
+
+
+def load_of(engine: Engine, workload: Workload) -> Callable[[], None]:
+    """`workload` as a load to run again and again, its result dropped: the engine's
+    `repeater` where it has one (`Repeating`), else `run` with its result thrown away."""
+    if isinstance(engine, Repeating):
+        return engine.repeater(workload)
+    return lambda: _dropped(engine.run(workload))
+
+
+def _dropped(_: RoundResult) -> None:
+    return None

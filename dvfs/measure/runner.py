@@ -19,7 +19,7 @@ from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
-from dvfs.engines.base import ROUND_END, Engine, Repeating, RoundResult, ServerInfo, Workload
+from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
 from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
@@ -821,12 +821,7 @@ class Runner:
         load = self._workload(
             cell, 0, max(m.warmup_tokens, 64), end_at_window=m.round_end == ROUND_END
         )
-        engine = self.engine
-        run_load = (
-            engine.repeater(load)
-            if isinstance(engine, Repeating)
-            else lambda: _discard(engine.run(load))
-        )
+        run_load = load_of(self.engine, load)
         done = stabilise(
             self.gpus,
             self.clock,
@@ -1040,10 +1035,6 @@ def _setting_order(setting: KnobSetting) -> tuple[float, float]:
         math.inf if setting.power_limit_w is None else setting.power_limit_w,
         math.inf if setting.sm_clock_mhz is None else setting.sm_clock_mhz,
     )
-
-
-def _discard(_: object) -> None:
-    return None
 
 
 def warmup_shape(workload: Workload) -> tuple[int, int]:
