@@ -13,7 +13,7 @@ import gc
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -232,33 +232,35 @@ class TwinEngine:
         same virtual time, without the traces and the ledger nobody would read. A closed-loop
         workload runs as `run` runs it."""
         if workload.mode == "closed-loop":
-            return lambda: _drop(self.run(workload))
 
-        # The last round planned, with the drafter's plan and the cache it was found in, and
-        # its key there: while the server is the same one and the round still in its cache,
-        # `_fixed_round` would find that key again (the prompts' lengths and the acceptance
-        # follow from the workload and the plan alone) and that round.
-        known: list[Any] = [None, None, None, None]
-        # The (round, schedule) whose chunk times passed the check: it compares differences
-        # of times alone, so the same schedule from any instant passes it again.
-        checked: list[object] = [None, None]
+            def run_again() -> None:
+                self.run(workload)
+
+            return run_again
+
+        last = _LastRepeat()
 
         def again() -> None:
             if self._drafter is None:
                 raise EngineError("the twin engine was asked to run before start()")
             clock = self.node.clock
             t0 = clock.now_ns()
-            plan, rounds, key, planned = known
-            if plan is self._plan and rounds is self._rounds and rounds.get(key) is planned:
-                rounds.move_to_end(key)  # as `_fixed_round` finding it does
+            planned = last.planned
+            if (
+                planned is not None
+                and last.plan is self._plan
+                and last.rounds is self._rounds
+                and self._rounds.get(last.key) is planned
+            ):
+                self._rounds.move_to_end(last.key)  # as `_fixed_round` finding it does
             else:
-                key, planned = self._keyed_round(workload)
-                known[:] = self._plan, self._rounds, key, planned
+                last.key, planned = self._keyed_round(workload)
+                last.plan, last.rounds, last.planned = self._plan, self._rounds, planned
             done = self.node.execute(*planned.phases)  # `_execute` without knob steps
             ends_ns = done.ends_ns
-            if checked[0] is not planned or checked[1] is not done:
+            if last.checked is not planned or last.checked_schedule is not done:
                 self._chunk_ends(planned, t0 + ends_ns)
-                checked[:] = planned, done
+                last.checked, last.checked_schedule = planned, done
             _wait_until(clock, t0 + int(ends_ns[-1]) if len(ends_ns) else t0)
 
         return again
@@ -819,8 +821,21 @@ def _fixed_roles(
     return role, host
 
 
-def _drop(_: object) -> None:
-    return None
+@dataclass
+class _LastRepeat:
+    """What a repeater found last. The round planned, with the drafter's plan and the cache
+    it was found in, and its key there: while the server is the same one and the round still
+    in its cache, `_fixed_round` would find that key again (the prompts' lengths and the
+    acceptance follow from the workload and the plan alone) and that round. And the (round,
+    schedule) whose chunk times passed the check: it compares differences of times alone, so
+    the same schedule from any instant passes it again."""
+
+    plan: DraftPlan | None = None
+    rounds: OrderedDict[tuple[object, ...], _FixedRound] | None = None
+    key: tuple[object, ...] = ()
+    planned: _FixedRound | None = None
+    checked: _FixedRound | None = None
+    checked_schedule: Schedule | None = None
 
 
 def _wait_until(clock: Clock, end_ns: int) -> None:
