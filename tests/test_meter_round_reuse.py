@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, fields
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -246,3 +247,14 @@ def test_a_rounds_token_curve_from_its_chunks_is_that_of_its_traces(results, at,
         for a in edges:
             for b in edges:
                 assert bits([got.between(a, b)]) == bits([want.between(a, b)])
+
+
+@pytest.mark.parametrize("chunk_ns", [[1.0e9, 2.0e9], np.array([], dtype=float)])
+def test_a_trace_with_chunk_times_that_are_not_integers_is_refused(chunk_ns) -> None:
+    """The meter takes chunk times as int64 nanoseconds, array by array: a float array (which
+    an epoch-sized instant would lose digits in, or a NaN turn to garbage) is refused where
+    the trace is made, as both engines make them integers."""
+    tokens = np.ones(len(chunk_ns), dtype=np.int64)
+    with pytest.raises(ValueError, match="integer nanoseconds"):
+        RequestTrace(0, np.asarray(chunk_ns), tokens, 4, len(chunk_ns))
+    assert RequestTrace(0, np.asarray(chunk_ns, dtype=np.int64), tokens, 4, len(chunk_ns))

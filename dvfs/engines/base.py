@@ -83,6 +83,8 @@ class RequestTrace:
     final_lost: bool = False
 
     def __post_init__(self) -> None:
+        if np.asarray(self.chunk_ns).dtype.kind not in "iu":  # the meter casts them to int64
+            raise ValueError("chunk_ns must be integer nanoseconds")
         if len(self.chunk_ns) != len(self.chunk_tokens):
             raise ValueError("chunk_ns and chunk_tokens differ in length")
         if self.error is None and int(np.sum(self.chunk_tokens)) != self.completion_tokens:
