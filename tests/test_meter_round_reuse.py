@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.engines.base import RequestTrace, RoundResult, check_chunk_times
 from dvfs.measure import meter
 from dvfs.measure.plan import Cell
 from dvfs.records.cell import MeasurementRecord
@@ -258,3 +258,8 @@ def test_a_trace_with_chunk_times_that_are_not_integers_is_refused(chunk_ns) -> 
     with pytest.raises(ValueError, match="integer nanoseconds"):
         RequestTrace(0, np.asarray(chunk_ns), tokens, 4, len(chunk_ns))
     assert RequestTrace(0, np.asarray(chunk_ns, dtype=np.int64), tokens, 4, len(chunk_ns))
+    # and a round checked as a whole, for traces made `trusted`
+    row, counts = np.asarray(chunk_ns)[None, :], np.array([len(chunk_ns)])
+    with pytest.raises(ValueError, match="integer nanoseconds"):
+        check_chunk_times(row, counts)
+    check_chunk_times(row.astype(np.int64), counts)

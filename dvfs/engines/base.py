@@ -167,6 +167,8 @@ def check_chunk_tokens(
 
 def check_chunk_times(chunk_ns: np.ndarray, counts: np.ndarray) -> None:
     """The time half of `check_chunks`."""
+    if chunk_ns.dtype.kind not in "iu":  # as `RequestTrace` requires of each trace
+        raise ValueError("chunk_ns must be integer nanoseconds")
     if len(counts) != len(chunk_ns):
         raise ValueError("chunk_ns and counts differ in shape")
     used = np.arange(chunk_ns.shape[1]) < counts[:, None]
