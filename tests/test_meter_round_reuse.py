@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_meter_speed import old_latency_of
 
 from dvfs.engines.base import RequestTrace, RoundResult, check_chunk_times
 from dvfs.measure import meter
@@ -195,28 +196,10 @@ def test_a_record_reads_the_measurement_as_before(energy, seconds, tokens, quant
 
 def old_cell_latency(requests: list[RequestTrace]) -> tuple[tuple[float, ...], ...]:
     """A cell's latency as `summarise` took it before: every finished request's chunks
-    gathered from the traces at once (the code `rounds_latency` replaced)."""
-    ok = [r for r in requests if r.error is None and len(r.chunk_ns)]
-    if not ok:
-        return (meter._quantiles(np.array([])),) * 3
-    counts = np.array([len(r.chunk_ns) for r in ok], dtype=np.int64)
-    sent = np.array([r.sent_ns for r in ok], dtype=np.int64)
-    completion = np.array([r.completion_tokens for r in ok], dtype=np.int64)
-    ns = np.concatenate([r.chunk_ns for r in ok]).astype(np.int64, copy=False)
-    tokens = np.concatenate([r.chunk_tokens for r in ok])
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    first, last = ns[starts], ns[ends - 1]
-    ttft = (first - sent) * 1e-6
-    multi = completion > 1
-    tpot = (last[multi] - first[multi]) * 1e-6 / (completion[multi] - 1)
-    later = np.ones(len(ns), dtype=bool)
-    later[starts] = False
-    gaps = np.diff(ns)[later[1:]] * 1e-6
-    gap_tokens = tokens[1:][later[1:]]
-    keep = gap_tokens > 0
-    itl = np.repeat(gaps[keep] / gap_tokens[keep], gap_tokens[keep])
-    return tuple(meter._quantiles(values) for values in (ttft, tpot, itl))
+    gathered from the traces at once (the code `rounds_latency` replaced, as
+    tests/test_meter_speed.py keeps it)."""
+    old = old_latency_of([r for r in requests if r.error is None and len(r.chunk_ns)])
+    return old.ttft_ms, old.tpot_ms, old.itl_ms
 
 
 @settings(max_examples=300, deadline=None)
