@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.backends import (
     Backends,
@@ -69,6 +69,9 @@ from dvfs.measure.journal import (
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.runner import Progress, Runner, RunSummary
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 LOCK_NAME = "sweep.lock"
 
@@ -239,7 +242,7 @@ class SweepOutcome:
     journal_path: Path
     cube_path: Path | None
     moved_journal: Path | None = None
-    cube: Any = None
+    cube: xr.Dataset | None = None
 
 
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
@@ -749,7 +752,7 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
     return refusals
 
 
-def spent_gpu_s(out_dir: Path, cube: Any = None) -> float:
+def spent_gpu_s(out_dir: Path, cube: xr.Dataset | None = None) -> float:
     """The GPU time a sweep into `out_dir` spent: its cells' `gpu_time_total_s` plus each
     session's overhead (counter detection, idle baseline, settle measurement), which the
     journal keeps on the session record. `cube`: the folder's cube, in memory (else read)."""
