@@ -202,7 +202,7 @@ def old_cell_latency(requests: list[RequestTrace]) -> tuple[tuple[float, ...], .
     return old.ttft_ms, old.tpot_ms, old.itl_ms
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rounds)
 def test_a_cells_latency_from_its_rounds_chunks_is_that_of_all_its_requests(results) -> None:
     everyone = [r for res in results for r in res.requests]
@@ -215,7 +215,7 @@ def test_a_cells_latency_from_its_rounds_chunks_is_that_of_all_its_requests(resu
     assert meter.latency_stats(everyone) == meter.rounds_latency(results)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rounds, st.integers(0, 2 * 10**12), st.integers(0, 10**8))
 def test_a_rounds_token_curve_from_its_chunks_is_that_of_its_traces(results, at, span) -> None:
     for result in results:
