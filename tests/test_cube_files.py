@@ -401,9 +401,34 @@ def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
         return
     with netCDF4.Dataset(path) as nc:
         energy = nc["energy_per_token_j"]
-        assert energy.filters()["zlib"] and energy.filters()["complevel"] == 4
+        assert energy.chunking() == "contiguous"  # too small to compress (the next test)
         assert np.isnan(energy.getncattr("_FillValue"))
     xr.testing.assert_identical(open_cube(path), ds)
+
+
+def test_variables_are_compressed_where_it_pays(tiny_sweep: Path, tmp_path: Path) -> None:
+    """Compression needs HDF5's chunked layout, whose index costs more than a tiny cube's
+    variables hold: those from COMPRESS_FROM_BYTES up are compressed, smaller ones stored as
+    they are, and a cube reads back the same either way and is smaller for it."""
+    from dvfs.cube import write_cube
+    from dvfs.cube.files import COMPRESS_FROM_BYTES
+
+    tiny = open_cube(tiny_sweep)
+    copies = -(-COMPRESS_FROM_BYTES // tiny["energy_per_token_j"].nbytes)  # to just past it
+    big = xr.concat([tiny] * copies, dim="repeat", data_vars="minimal", coords="minimal")
+    big = big.assign_coords(repeat=np.arange(big.sizes["repeat"]))
+    for name, ds in (("tiny", tiny), ("big", big)):
+        path = write_cube(ds, tmp_path / f"{name}.nc")
+        with netCDF4.Dataset(path) as nc:
+            for var in ("energy_per_token_j", "valid", "cell_status", "tpot_ms"):
+                filters = nc[var].filters()
+                compressed = ds[var].nbytes >= COMPRESS_FROM_BYTES
+                assert bool(filters["zlib"]) == compressed, (name, var)
+                assert filters["complevel"] == (4 if compressed else 0), (name, var)
+        xr.testing.assert_identical(open_cube(path), ds)
+    assert big["tpot_ms"].nbytes >= COMPRESS_FROM_BYTES > tiny["tpot_ms"].nbytes
+    # a tiny cube's file: smaller uncompressed than its variables' chunk indexes would make it
+    assert (tmp_path / "tiny.nc").stat().st_size < 200_000
 
 
 def test_cube_writes_from_two_threads_take_turns_and_leave_the_chunk_cache_as_it_was(
