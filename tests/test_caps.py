@@ -300,6 +300,34 @@ def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Pat
     assert record.locks() == {gpu.identity.uuid: (210, 1410)}
 
 
+def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> None:
+    """A SIGKILL between two GPUs (no `finally` runs) must not leave GPUs locked that the
+    record, and so `cap show`, a sweep and `dvfs monitor`, does not know about: what is on disk
+    when the second GPU's power limit is being set already holds every change before it."""
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+    seen: list[dict] = []
+    with open_nvml_gpus([0, 1], nvml=nvml) as (first, second):
+
+        def killed(limit_mw: int) -> None:
+            seen.append(AppliedCaps(tmp_path / "state").read())  # what a SIGKILL now leaves
+            raise KeyboardInterrupt
+
+        second.set_power_limit_mw = killed  # type: ignore[method-assign]
+        actions = [
+            CapAction(g.identity.index, g.identity.uuid, (210, 1410), 400_000, 700_000)
+            for g in (first, second)
+        ]
+        with pytest.raises(KeyboardInterrupt):
+            apply_actions(actions, [first, second], record, "caps.toml")
+    [on_disk] = seen
+    assert on_disk[first.identity.uuid]["lock_mhz"] == [210, 1410]
+    assert on_disk[first.identity.uuid]["power_limit_mw"] == 400_000
+    assert on_disk[second.identity.uuid]["lock_mhz"] == [210, 1410]
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

@@ -308,12 +308,18 @@ def apply_actions(
     """Write the caps, recording each applied GPU; failures are gathered and reported together.
     `done` hears each action once it is in place, so only what was applied is reported so.
 
-    The record is written even when a signal or a hung call ends the loop early, so `cap show`
-    and a later sweep know about every lock that was put in place.
+    The record is written to disk after each change, so a SIGKILL between two GPUs still
+    leaves `cap show` and a later sweep knowing every lock put in place, and again when a signal
+    or a hung call ends the loop early.
     """
     by_uuid = {g.identity.uuid: g for g in gpus}
     applied = record.read()
     failures = GatheredFailures()
+
+    def keep(uuid: str, entry: dict[str, Any]) -> None:
+        applied[uuid] = entry
+        record.write(applied)
+
     try:
         for action in actions:
             gpu = by_uuid[action.uuid]
@@ -327,12 +333,12 @@ def apply_actions(
                 if action.lock_mhz is not None:
                     gpu.lock_sm_clock(*action.lock_mhz)
                     entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
-                    applied[action.uuid] = entry
+                    keep(action.uuid, entry)
                 if action.power_limit_mw is not None:
                     if action.power_limit_mw != gpu.power_limit_mw():
                         gpu.set_power_limit_mw(action.power_limit_mw)
                     entry["power_limit_mw"] = action.power_limit_mw
-                    applied[action.uuid] = entry
+                    keep(action.uuid, entry)
             except GpuError as exc:
                 failures.add(exc)
                 continue
