@@ -328,6 +328,32 @@ def test_the_record_on_disk_keeps_up_with_each_change(nvml, tmp_path: Path) -> N
     assert on_disk[second.identity.uuid]["lock_mhz"] == [210, 1410]
 
 
+def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: Path) -> None:
+    """Applying a new caps file must leave the GPU holding what the file says: a clock lock or
+    power limit an earlier `cap apply` set, which this file leaves at stock, is undone, never
+    left on the GPU while the record (and `cap show`) forgets it."""
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    power_only = tmp_path / "power.toml"
+    power_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    dry = invoke("cap", "apply", str(power_only), "--dry-run")
+    assert "SM clock unlocked" in dry and nvml.fake_device_state(0)["locked_clocks"] == [210, 1410]
+    invoke("cap", "apply", str(power_only))
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 450_000
+    assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
+    clock_only = tmp_path / "clock.toml"
+    clock_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    assert "power limit 700 W (default" in invoke("cap", "apply", str(clock_only))
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1500] and device["power_limit_mw"] == 700_000
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] == [210, 1500] and shown["caps_source"] == str(clock_only)
+    before = len(nvml.fake_calls())
+    invoke("cap", "apply", str(clock_only))  # again: the same state, nothing to undo
+    assert [c["fn"] for c in nvml.fake_calls()[before:]] == ["nvmlDeviceSetGpuLockedClocks"]
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

@@ -35,19 +35,30 @@ class CapsPartlyAppliedError(CapsError):
 
 @dataclass(frozen=True)
 class CapAction:
-    """What applying a caps file does to one GPU."""
+    """What applying a caps file does to one GPU. A knob the file leaves at stock that an
+    earlier `cap apply` capped goes back to stock (`unlock`, `default_power_limit_mw`): the
+    file says what the GPU holds, so the earlier cap must not stay on it unrecorded."""
 
     index: int
     uuid: str
     lock_mhz: tuple[int, int] | None
     power_limit_mw: int | None
     current_power_limit_mw: int
+    unlock: bool = False
+    default_power_limit_mw: int | None = None
 
     def describe(self) -> str:
         """The GPU and its caps, for "would apply to ..." (a dry run) or "applied to ..."."""
         parts = []
         if self.lock_mhz:
             parts.append(f"SM clock locked to {self.lock_mhz[0]}-{self.lock_mhz[1]} MHz")
+        elif self.unlock:
+            parts.append("SM clock unlocked (stock in this file; an earlier cap apply locked it)")
+        if self.default_power_limit_mw is not None:
+            parts.append(
+                f"power limit {self.default_power_limit_mw / 1000:g} W (default: stock in this "
+                "file; an earlier cap apply set it)"
+            )
         if self.power_limit_mw is not None:
             change = (
                 "unchanged"
@@ -247,9 +258,11 @@ def plan_actions(
     *,
     where: str = "the caps file",
     allow_simulated: bool = False,
+    applied: dict[str, dict[str, Any]] | None = None,
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
-    and power range, without writing.
+    and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
+    whose knobs this file leaves at stock go back to stock.
 
     Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
     GPU at all; entries that match nothing are listed in the plan for the caller to report.
@@ -285,7 +298,21 @@ def plan_actions(
             limit = round(cap.power_limit_w * 1000)
             found.append(gpu.power_limit_range().outside(limit))
         problems += [f"GPU {ident.index}: {p}" for p in dict.fromkeys(found) if p]
-        actions.append(CapAction(ident.index, ident.uuid, lock, limit, gpu.power_limit_mw()))
+        earlier = (applied or {}).get(ident.uuid, {})
+        default = None
+        if limit is None and isinstance(earlier.get("power_limit_mw"), int):
+            default = gpu.power_limit_range().default_mw
+        actions.append(
+            CapAction(
+                ident.index,
+                ident.uuid,
+                lock,
+                limit,
+                gpu.power_limit_mw(),
+                unlock=lock is None and bool(earlier.get("lock_mhz")),
+                default_power_limit_mw=default,
+            )
+        )
     if problems:
         raise CapsError("; ".join(problems))
     if not actions:
@@ -330,6 +357,15 @@ def apply_actions(
                 "applied": datetime.now(UTC).isoformat(timespec="seconds"),
             }
             try:
+                # An earlier apply's caps this file leaves at stock go first, each recorded
+                # gone once it is: the record never lists less than the GPU holds.
+                if action.unlock:
+                    gpu.reset_sm_clock()
+                    keep(action.uuid, {**applied.get(action.uuid, entry), "lock_mhz": None})
+                if action.default_power_limit_mw is not None:
+                    if action.default_power_limit_mw != gpu.power_limit_mw():
+                        gpu.set_power_limit_mw(action.default_power_limit_mw)
+                    keep(action.uuid, {**applied.get(action.uuid, entry), "power_limit_mw": None})
                 if action.lock_mhz is not None:
                     gpu.lock_sm_clock(*action.lock_mhz)
                     entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails

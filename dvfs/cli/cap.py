@@ -202,14 +202,26 @@ def apply(
     are not here (0 with --skip-missing). Models not on this host are only noted.
     """
     from dvfs.backends import open_gpus
-    from dvfs.caps import CapsPartlyAppliedError, enforce_plan, load_caps, plan_actions
+    from dvfs.caps import (
+        AppliedCaps,
+        CapsPartlyAppliedError,
+        enforce_plan,
+        load_caps,
+        plan_actions,
+    )
     from dvfs.gpu.safety import default_state_dir
 
     caps = load_caps(caps_file)
     directory = state_dir or default_state_dir()
     out = console()
     with open_gpus(()) as gpus:
-        plan = plan_actions(caps, gpus, where=str(caps_file), allow_simulated=allow_simulated)
+        plan = plan_actions(
+            caps,
+            gpus,
+            where=str(caps_file),
+            allow_simulated=allow_simulated,
+            applied=AppliedCaps(directory).read(),
+        )
         if dry_run:
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
