@@ -354,6 +354,21 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
+def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> None:
+    """Without persistence mode the driver resets clock locks and power limits when it unloads
+    (once no process holds the GPU): caps applied then, at boot by the oneshot unit included,
+    may be gone as soon as dvfs exits, so the apply says so and how to fix it."""
+    nvml.fake_update_device(1, persistence_mode=False)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450),))))
+    for extra in ((), ("--dry-run",)):
+        out = invoke("cap", "apply", str(caps), *extra)
+        assert "persistence mode is off on GPU 1:" in out and "nvidia-smi -pm 1" in out, out
+        assert "GPU 0:" not in out.split("persistence mode is off on")[1]
+    nvml.fake_update_device(1, persistence_mode=True)
+    assert "persistence mode" not in invoke("cap", "apply", str(caps))
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

@@ -222,6 +222,12 @@ def apply(
             allow_simulated=allow_simulated,
             applied=AppliedCaps(directory).read(),
         )
+        capped = {a.uuid for a in plan.actions}
+        volatile = [
+            f"GPU {g.identity.index}"
+            for g in gpus
+            if g.identity.uuid in capped and g.persistence_mode() is False
+        ]
         if dry_run:
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
@@ -235,6 +241,14 @@ def apply(
             )
             out.print(f"applied caps to {len(plan.actions)} GPU(s)")
     where = str(caps_file)
+    if volatile:  # the caps are in place now, but the driver may drop them when dvfs exits
+        console(stderr=True).print(
+            f"[yellow]warning: persistence mode is off on {', '.join(volatile)}: the driver "
+            "resets clock locks and power limits when it unloads (no process holding the GPU), "
+            "so these caps may not last; enable it (nvidia-smi -pm 1, or run "
+            "nvidia-persistenced)[/yellow]",
+            soft_wrap=True,
+        )
     if plan.unused:
         console(stderr=True).print(f"note: {escape(plan.unused_message(where, dry_run=dry_run))}")
     if plan.unmatched:
