@@ -369,6 +369,33 @@ def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> 
     assert "persistence mode" not in invoke("cap", "apply", str(caps))
 
 
+def test_a_mig_gpu_on_the_host_does_not_stop_the_others_being_capped(nvml, tmp_path: Path) -> None:
+    """One GPU partitioned with MIG must not fail the boot unit's apply (and its reset) for
+    every GPU: a model entry leaves the MIG GPU alone with a note; an entry naming it by UUID
+    is an invalid cap, refused before anything changes."""
+    nvml.fake_update_device(1, mig=True)
+    [first, second] = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450),)))
+    )
+    out = " ".join(invoke("cap", "apply", str(fleet)).split())
+    assert f"applied to GPU 0 ({first})" in out and "applied caps to 1 GPU(s)" in out, out
+    assert f"GPU 1 ({second}) has MIG enabled and was left alone" in out, out
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    named = tmp_path / "named.toml"
+    named.write_text(dump_caps(CapsFile((GpuCap(uuid=second, power_limit_w=450),))))
+    before = len(nvml.fake_calls())
+    refused = " ".join(invoke("cap", "apply", str(named), code=2).split())
+    assert "GPU 1: MIG is enabled, and dvfs caps whole GPUs only" in refused, refused
+    assert len(nvml.fake_calls()) == before
+    out = " ".join(invoke("cap", "reset").split())
+    assert f"GPU 0 ({first}): clocks unlocked" in out and "GPU 1 (" not in out.split("note")[0]
+    assert "has MIG enabled and was left alone" in out, out
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

@@ -222,12 +222,23 @@ class CapsPlan:
 
     A GPU UUID that is not here means the file was meant for another host or a GPU was
     replaced (`unmatched`); a model that is not here is normal for a fleet file (`unused`).
+    GPUs of a model entry that have MIG enabled are left alone (`mig`): caps were measured on
+    whole GPUs, and a host that partitions some GPUs still gets the others capped.
     """
 
     actions: tuple[CapAction, ...]
     unmatched: tuple[str, ...]
     host: str
     unused: tuple[str, ...] = ()
+    mig: tuple[str, ...] = ()
+
+    def mig_message(self, *, dry_run: bool = False) -> str:
+        one = len(self.mig) == 1
+        left = "would be left alone" if dry_run else f"{'was' if one else 'were'} left alone"
+        return (
+            f"{', '.join(self.mig)} {'has' if one else 'have'} MIG enabled and {left}: dvfs "
+            "caps whole GPUs (disable MIG with nvidia-smi -mig 0 to cap them)"
+        )
 
     def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
         done = (
@@ -280,12 +291,22 @@ def plan_actions(
     actions = []
     problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
+    mig: list[str] = []
     for gpu in gpus:
         ident = gpu.identity
         cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
             continue
         matched.add(id(cap))
+        if gpu.mig_enabled():
+            if cap.uuid:
+                problems.append(
+                    f"GPU {ident.index}: MIG is enabled, and dvfs caps whole GPUs only; disable "
+                    "MIG (nvidia-smi -mig 0) or remove its [[gpu]] entry"
+                )
+            else:
+                mig.append(f"GPU {ident.index} ({ident.uuid})")
+            continue
         found = []
         lock = None
         if cap.sm_clock_max_mhz is not None:
@@ -316,13 +337,15 @@ def plan_actions(
     if problems:
         raise CapsError("; ".join(problems))
     if not actions:
+        have = "has" if len(mig) == 1 else "have"
+        but = f", but {', '.join(mig)} {have} MIG enabled (dvfs caps whole GPUs)" if mig else ""
         raise CapsError(
             f"{where} matches no GPU on this host, so nothing was capped: it names "
-            f"{caps.expected()}; this host has {host} (`dvfs gpu list`)"
+            f"{caps.expected()}; this host has {host}{but} (`dvfs gpu list`)"
         )
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
-    return CapsPlan(tuple(actions), unmatched, host, unused)
+    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig))
 
 
 def apply_actions(

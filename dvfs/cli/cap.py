@@ -214,7 +214,7 @@ def apply(
     caps = load_caps(caps_file)
     directory = state_dir or default_state_dir()
     out = console()
-    with open_gpus(()) as gpus:
+    with open_gpus((), allow_mig=True) as gpus:  # MIG GPUs: left alone (`plan_actions`)
         plan = plan_actions(
             caps,
             gpus,
@@ -251,6 +251,8 @@ def apply(
         )
     if plan.unused:
         console(stderr=True).print(f"note: {escape(plan.unused_message(where, dry_run=dry_run))}")
+    if plan.mig:
+        console(stderr=True).print(f"note: {escape(plan.mig_message(dry_run=dry_run))}")
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
         if dry_run:
@@ -310,7 +312,16 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
-    with open_gpus(parse_devices(devices), visible=visible) as gpus:
+    # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU
+    # named here is refused as every command refuses it).
+    with open_gpus(parse_devices(devices), visible=visible, allow_mig=not devices) as found:
+        gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         lines = reset_locked(gpus, state_dir or default_state_dir())
+        mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
+    if mig:
+        console(stderr=True).print(
+            f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
+            f"{'was' if len(mig) == 1 else 'were'} left alone (dvfs caps whole GPUs only)"
+        )
