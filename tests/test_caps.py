@@ -396,6 +396,24 @@ def test_a_mig_gpu_on_the_host_does_not_stop_the_others_being_capped(nvml, tmp_p
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
+def test_caps_recorded_before_a_reboot_are_not_reported_after_it(nvml, tmp_path: Path) -> None:
+    """A reboot resets every GPU's clock locks and power limits, but the record under the state
+    directory stays: an entry from an earlier boot must not make `cap show` (and `dvfs
+    monitor`, a governor's ceiling, a sweep's restore) report a lock the GPU no longer holds."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    path = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    record = json.loads(path.read_text())
+    assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] == [210, 1410]
+    record[uuid]["boot"] = "an-earlier-boot"
+    path.write_text(json.dumps(record))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None and shown["caps_source"] is None
+    assert "1.41e+09" not in invoke("monitor", "--once", "--interval", "0.01")
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

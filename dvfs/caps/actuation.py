@@ -25,6 +25,17 @@ from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 
 APPLIED_NAME = "caps-applied.json"
+#: The kernel's id of this boot (Linux): the caps record's entries carry it, since a reboot
+#: resets every GPU's clock locks and power limits while the record, under /var/lib, stays.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This boot's id; None where the kernel does not say (then no entry counts as stale)."""
+    try:
+        return BOOT_ID.read_text(encoding="ascii").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 class CapsPartlyAppliedError(CapsError):
@@ -76,6 +87,8 @@ class AppliedCaps:
         self.path = directory / APPLIED_NAME
 
     def read(self) -> dict[str, dict[str, Any]]:
+        """The caps in force by dvfs's record: entries applied during an earlier boot are left
+        out, since the reboot reset those GPUs (and the next write drops them)."""
         if not self.path.exists():
             return {}
         try:
@@ -87,7 +100,8 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
                 "remove it and re-apply"
             )
-        return data
+        now = boot_id()
+        return {u: r for u, r in data.items() if now is None or r.get("boot") in (None, now)}
 
     def locks(self) -> dict[str, tuple[int, int]]:
         return {u: tuple(r["lock_mhz"]) for u, r in self.read().items() if r.get("lock_mhz")}
@@ -378,6 +392,7 @@ def apply_actions(
                 "power_limit_mw": None,
                 "source": source,
                 "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+                "boot": boot_id(),
             }
             try:
                 # An earlier apply's caps this file leaves at stock go first, each recorded
