@@ -414,6 +414,31 @@ def test_caps_recorded_before_a_reboot_are_not_reported_after_it(nvml, tmp_path:
     assert "1.41e+09" not in invoke("monitor", "--once", "--interval", "0.01")
 
 
+def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
+    """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
+    meanwhile: neither may write back a stale copy of the shared record over the other's."""
+    from dvfs.caps import AppliedCaps, CapAction, apply_actions
+    from dvfs.gpu.nvml import open_nvml_gpus
+
+    record = AppliedCaps(tmp_path / "state")
+    with open_nvml_gpus([0, 1], nvml=nvml) as (first, second):
+        real = first.set_power_limit_mw
+
+        def meanwhile(limit_mw: int) -> None:  # another dvfs caps GPU 1 now
+            other = CapAction(1, second.identity.uuid, (210, 1500), None, 700_000)
+            apply_actions([other], [second], AppliedCaps(tmp_path / "state"), "other.toml")
+            real(limit_mw)
+
+        first.set_power_limit_mw = meanwhile  # type: ignore[method-assign]
+        action = CapAction(0, first.identity.uuid, (210, 1410), 400_000, 700_000)
+        apply_actions([action], [first], record, "caps.toml")
+    assert record.locks() == {
+        first.identity.uuid: (210, 1410),
+        second.identity.uuid: (210, 1500),
+    }
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

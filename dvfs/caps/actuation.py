@@ -140,6 +140,24 @@ class AppliedCaps:
         ensure_dir(self.path.parent)
         write_json_atomic(self.path, records)
 
+    def update(self, uuid: str, entry: dict[str, Any] | None) -> None:
+        """Set (or, with None, drop) one GPU's entry, read and written under a lock on the
+        record: two dvfs processes capping or resetting different GPUs (each holding only its
+        GPUs' locks) never lose each other's entries."""
+        import fcntl
+
+        from dvfs.gpu.safety import ensure_dir
+
+        ensure_dir(self.path.parent)
+        with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            records = self.read()
+            if entry is None:
+                records.pop(uuid, None)
+            else:
+                records[uuid] = entry
+            self.write(records)
+
 
 class GovernorLocks:
     """The clock lock a running `dvfs govern` holds on each GPU, one file per GPU.
@@ -372,9 +390,9 @@ def apply_actions(
     """Write the caps, recording each applied GPU; failures are gathered and reported together.
     `done` hears each action once it is in place, so only what was applied is reported so.
 
-    The record is written to disk after each change, so a SIGKILL between two GPUs still
-    leaves `cap show` and a later sweep knowing every lock put in place, and again when a signal
-    or a hung call ends the loop early.
+    The record is written to disk after each change (`AppliedCaps.update`), so a signal, a
+    hung call or a SIGKILL between two GPUs still leaves `cap show` and a later sweep knowing
+    every lock put in place.
     """
     by_uuid = {g.identity.uuid: g for g in gpus}
     applied = record.read()
@@ -382,69 +400,62 @@ def apply_actions(
 
     def keep(uuid: str, entry: dict[str, Any]) -> None:
         applied[uuid] = entry
-        record.write(applied)
+        record.update(uuid, entry)
 
-    try:
-        for action in actions:
-            gpu = by_uuid[action.uuid]
-            entry: dict[str, Any] = {
-                "lock_mhz": None,
-                "power_limit_mw": None,
-                "source": source,
-                "applied": datetime.now(UTC).isoformat(timespec="seconds"),
-                "boot": boot_id(),
-            }
-            try:
-                # An earlier apply's caps this file leaves at stock go first, each recorded
-                # gone once it is: the record never lists less than the GPU holds.
-                if action.unlock:
-                    gpu.reset_sm_clock()
-                    keep(action.uuid, {**applied.get(action.uuid, entry), "lock_mhz": None})
-                if action.default_power_limit_mw is not None:
-                    if action.default_power_limit_mw != gpu.power_limit_mw():
-                        gpu.set_power_limit_mw(action.default_power_limit_mw)
-                    keep(action.uuid, {**applied.get(action.uuid, entry), "power_limit_mw": None})
-                if action.lock_mhz is not None:
-                    gpu.lock_sm_clock(*action.lock_mhz)
-                    entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
-                    keep(action.uuid, entry)
-                if action.power_limit_mw is not None:
-                    if action.power_limit_mw != gpu.power_limit_mw():
-                        gpu.set_power_limit_mw(action.power_limit_mw)
-                    entry["power_limit_mw"] = action.power_limit_mw
-                    keep(action.uuid, entry)
-            except GpuError as exc:
-                failures.add(exc)
-                continue
-            done(action)
-    finally:
-        record.write(applied)
+    for action in actions:
+        gpu = by_uuid[action.uuid]
+        entry: dict[str, Any] = {
+            "lock_mhz": None,
+            "power_limit_mw": None,
+            "source": source,
+            "applied": datetime.now(UTC).isoformat(timespec="seconds"),
+            "boot": boot_id(),
+        }
+        try:
+            # An earlier apply's caps this file leaves at stock go first, each recorded
+            # gone once it is: the record never lists less than the GPU holds.
+            if action.unlock:
+                gpu.reset_sm_clock()
+                keep(action.uuid, {**applied.get(action.uuid, entry), "lock_mhz": None})
+            if action.default_power_limit_mw is not None:
+                if action.default_power_limit_mw != gpu.power_limit_mw():
+                    gpu.set_power_limit_mw(action.default_power_limit_mw)
+                keep(action.uuid, {**applied.get(action.uuid, entry), "power_limit_mw": None})
+            if action.lock_mhz is not None:
+                gpu.lock_sm_clock(*action.lock_mhz)
+                entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
+                keep(action.uuid, entry)
+            if action.power_limit_mw is not None:
+                if action.power_limit_mw != gpu.power_limit_mw():
+                    gpu.set_power_limit_mw(action.power_limit_mw)
+                entry["power_limit_mw"] = action.power_limit_mw
+                keep(action.uuid, entry)
+        except GpuError as exc:
+            failures.add(exc)
+            continue
+        done(action)
     failures.raise_if_any("could not apply caps: ")
 
 
 def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
     """Unlock clocks and restore default power limits; returns what was done per GPU."""
-    applied = record.read()
     failures = GatheredFailures()
     done = []
-    try:
-        for gpu in gpus:
-            ident = gpu.identity
-            try:
-                gpu.reset_sm_clock()
-                default = gpu.power_limit_range().default_mw
-                if gpu.power_limit_mw() != default:
-                    gpu.set_power_limit_mw(default)
-                applied.pop(ident.uuid, None)
-                GovernorLocks(record.path.parent).clear(ident.uuid)
-                done.append(
-                    f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
-                    f"{default / 1000:g} W (default)"
-                )
-            except GpuError as exc:
-                failures.add(exc)
-    finally:  # even when a signal ends the loop early
-        record.write(applied)
+    for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
+        ident = gpu.identity
+        try:
+            gpu.reset_sm_clock()
+            default = gpu.power_limit_range().default_mw
+            if gpu.power_limit_mw() != default:
+                gpu.set_power_limit_mw(default)
+            record.update(ident.uuid, None)
+            GovernorLocks(record.path.parent).clear(ident.uuid)
+            done.append(
+                f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
+                f"{default / 1000:g} W (default)"
+            )
+        except GpuError as exc:
+            failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
 
