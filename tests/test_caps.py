@@ -439,6 +439,25 @@ def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: P
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
 
 
+def test_show_and_monitor_without_root_see_the_caps_root_applied(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caps are applied as root and recorded in /var/lib/dvfs; `dvfs cap show` and `dvfs
+    monitor` are meant to run without root (the README runs `dvfs cap show` so), where the
+    default state directory is the user's own, which holds no record of them."""
+    from dvfs.gpu import safety
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)  # as root, into $DVFS_STATE_DIR
+    monkeypatch.setattr(safety, "ROOT_STATE_DIR", Path(os.environ["DVFS_STATE_DIR"]))
+    monkeypatch.delenv("DVFS_STATE_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "user-state"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["uuid"] == uuid and shown["sm_clock_lock_mhz"] == [210, 1410]
+    page = invoke("monitor", "--once", "--interval", "0.01")
+    assert f'dvfs_gpu_sm_clock_lock_max_hertz{{gpu="0",uuid="{uuid}"}} 1.41e+09' in page
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign

@@ -264,17 +264,22 @@ def apply(
 
 @cap.command("show")
 @click.option("--json", "as_json", is_flag=True)
-@state_dir_option
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where dvfs recorded the caps it applied [default: /var/lib/dvfs as root; else "
+    "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs, where root applied them].",
+)
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s)."""
     from dvfs.backends import open_gpus
     from dvfs.caps import caps_status
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import records_dir
 
     with open_gpus((), allow_mig=True) as gpus:
-        rows = caps_status(gpus, state_dir or default_state_dir())
+        rows = caps_status(gpus, state_dir or records_dir())
     if as_json:
         echo_json(rows)
         return

@@ -252,7 +252,8 @@ def govern(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Where dvfs records applied caps and the governor's locks (clock locks are read "
-    "from there).",
+    "from there) [default: /var/lib/dvfs as root; else $XDG_STATE_HOME/dvfs if it holds a "
+    "record, else /var/lib/dvfs].",
 )
 @handle_errors
 def monitor(
@@ -276,14 +277,14 @@ def monitor(
     from dvfs.govern.loop import Ticker
     from dvfs.govern.loop import monitor as run_monitor
     from dvfs.govern.metrics import ServerReader
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import records_dir
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
     address = None if once else _listen_address(listen)
     if url is not None:
         _check_url(url)
-    directory = state_dir or default_state_dir()
+    directory = state_dir or records_dir()
 
     def locks() -> dict[str, LockInForce]:
         return locks_in_force(directory)

@@ -7,7 +7,8 @@ Before dvfs changes a GPU it writes the GPU's original settings to `<state dir>/
 the whole run, keeps two dvfs processes from fighting over one GPU.
 
 State lives in /var/lib/dvfs when running as root, else $XDG_STATE_HOME/dvfs
-(~/.local/state/dvfs); $DVFS_STATE_DIR overrides both.
+(~/.local/state/dvfs); $DVFS_STATE_DIR overrides both. Read-only looks at the caps in force
+without root read root's records in /var/lib/dvfs (`records_dir`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def default_state_dir() -> Path:
         return ROOT_STATE_DIR
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "dvfs"
+
+
+def records_dir() -> Path:
+    """The state directory a read-only look at the GPUs (`cap show`, `dvfs monitor`) reads
+    dvfs's records from: the default one, except for a user other than root (without
+    $DVFS_STATE_DIR) whose own holds no caps record, since applying caps needs root: then
+    /var/lib/dvfs, where root's `cap apply`, `dvfs govern` and the systemd units keep them."""
+    default = default_state_dir()
+    if os.environ.get("DVFS_STATE_DIR") or os.geteuid() == 0 or not ROOT_STATE_DIR.is_dir():
+        return default
+    own = (default / "caps-applied.json").exists() or any(default.glob("governed-GPU-*.json"))
+    return default if own else ROOT_STATE_DIR
 
 
 def ensure_dir(path: Path) -> Path:
