@@ -84,6 +84,22 @@ def test_clear_errors(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
 
+def test_a_gpu_that_is_there_but_unusable_is_not_called_missing(nvml) -> None:
+    """A GPU fallen off the bus is listed by NVML but cannot be opened: "no GPU 1: this machine
+    has 2 GPU(s) (indices 0-1)" would contradict itself and hide the fix (a reset or reboot)."""
+    nvml.fake_update_device(1, lost=True)
+    for device in (1, nvml.fake_device_state(1)["uuid"]):
+        with pytest.raises(GpuUnavailableError) as caught, open_nvml_gpus([device], nvml=nvml):
+            pass
+        assert "fallen off the bus" in str(caught.value) and "no GPU" not in str(caught.value)
+    nvml.fake_update_device(1, lost=False)
+    with (
+        pytest.raises(GpuUnavailableError, match="no GPU 'GPU-0000"),
+        open_nvml_gpus(["GPU-00000000-0000-0000-0000-000000000000"], nvml=nvml),
+    ):
+        pass
+
+
 def test_mig_is_refused(nvml) -> None:
     nvml.fake_update_device(1, mig=True)
     with (

@@ -414,13 +414,19 @@ def open_device(
             handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByUUID, device)
             index = int(_bounded(worker, limit, where, nvml.nvmlDeviceGetIndex, handle))
     except Exception as exc:
-        if errors.is_nvml_error(exc):
-            count = device_count(nvml, deadline_s=deadline_s)
-            raise GpuUnavailableError(
-                f"no GPU {device!r}: this machine has {count} GPU(s) "
-                f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
-            ) from exc
-        raise
+        if not errors.is_nvml_error(exc):
+            raise
+        absent = {
+            int(getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2)),
+            int(getattr(nvml, "NVML_ERROR_NOT_FOUND", 6)),
+        }
+        if getattr(exc, "value", None) not in absent:  # there, but unusable: lost, no power...
+            raise errors.translate(exc, f"cannot open {where}") from exc
+        count = device_count(nvml, deadline_s=deadline_s)
+        raise GpuUnavailableError(
+            f"no GPU {device!r}: this machine has {count} GPU(s) "
+            f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
+        ) from exc
     gpu = NvmlGpu(nvml, handle, index, deadline_s=limit or 0, worker=worker)
     if not allow_mig and gpu.mig_enabled():
         raise GpuNotSupportedError(
