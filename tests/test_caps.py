@@ -456,6 +456,20 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     assert shown["uuid"] == uuid and shown["sm_clock_lock_mhz"] == [210, 1410]
     page = invoke("monitor", "--once", "--interval", "0.01")
     assert f'dvfs_gpu_sm_clock_lock_max_hertz{{gpu="0",uuid="{uuid}"}} 1.41e+09' in page
+    # `dvfs govern --dry-run` needs no root either, and previews under the same static caps.
+    from dvfs.govern.metrics import ServerReader, ServerSample
+
+    monkeypatch.setattr(ServerReader, "__call__", lambda self: ServerSample(1, 0.0, None))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    dry = invoke(
+        *("govern", "--plan", str(plan), "--gpu", "0", "--dry-run", "--listen", "off"),
+        *("--max-intervals", "1"),
+    )
+    assert "GPU 0: SM clock locked 210-1410 MHz, power limit 500 W" in dry, dry
 
 
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:

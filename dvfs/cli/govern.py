@@ -192,7 +192,7 @@ def govern(
     from dvfs.govern.metrics import ServerReader
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import default_state_dir, records_dir
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
@@ -225,7 +225,8 @@ def govern(
                 live=live,
                 note=note,
                 dry_run=dry_run,
-                state_dir=state_dir or default_state_dir(),
+                # A dry run (no root needed) reads the static caps where root recorded them.
+                state_dir=state_dir or (records_dir() if dry_run else default_state_dir()),
             )
     if dry_run:
         note(f"dry run stopped: {changes} change(s) would have been made, none was")
