@@ -559,6 +559,34 @@ def test_sigint_ends_cap_apply_stuck_in_the_driver(nvml, tmp_path: Path, env) ->
     assert record[uuid]["lock_mhz"] == [210, 1410]
 
 
+def test_gpu_reset_restores_a_dead_runs_gpu_beside_a_live_ones(nvml, tmp_path: Path, env) -> None:
+    """The governor unit's ExecStopPost runs `dvfs gpu reset` after a crash: another dvfs
+    (a governor of another server) holding another GPU with its state file must not stop the
+    dead run's GPU being restored. That GPU is its holder's to restore: skipped with a note;
+    named explicitly, it is still refused (exit 3)."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    store = StateStore(state_dir)
+    with open_nvml_gpus([0, 1], nvml=nvml) as (dead, live):
+        for gpu in (dead, live):  # each run recorded its GPU before changing it
+            store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+            gpu.lock_sm_clock(210, 1200)
+        with GpuLocks(state_dir).hold([live]):  # the live run, still holding its GPU
+            result = dvfs_in_process("gpu", "reset", env=env)
+            assert result.returncode == 0, result.stderr
+            out = " ".join((result.stdout + result.stderr).split())
+            assert f"restored GPU 0 ({dead.identity.uuid})" in out, out
+            assert f"skipped GPU 1 ({live.identity.uuid}): in use by another dvfs" in out, out
+            assert nvml.fake_device_state(0)["locked_clocks"] is None
+            assert nvml.fake_device_state(0)["power_limit_mw"] == 650_000
+            assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1200]  # left to it
+            named = dvfs_in_process("gpu", "reset", "1", env=env)
+            assert named.returncode == 3 and "in use by another dvfs" in named.stderr
+        assert store.pending(live.identity.uuid) and not store.pending(dead.identity.uuid)
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])
 def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -> None:
     from dvfs.errors import GpuStateError

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuError
+from dvfs.errors import CapsError, GpuError, GpuStateError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 
@@ -521,11 +521,21 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
 
 
 def reset_gpus(
-    gpus: Sequence[Gpu], directory: Path, *, defaults: bool, note: Callable[[str], None]
+    gpus: Sequence[Gpu],
+    directory: Path,
+    *,
+    defaults: bool,
+    note: Callable[[str], None],
+    skip_busy: bool = False,
 ) -> bool:
     """`dvfs gpu reset`: restore what state files record for these GPUs and, with `defaults`,
     reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
-    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do."""
+    each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do.
+
+    A GPU another dvfs holds is refused (GpuStateError); with `skip_busy` (no GPU named) it is
+    left to that process, which restores it itself, with a note, and the others are still
+    restored: a governor's unit restoring after its crash must not fail because another
+    governor runs on another GPU."""
     from dvfs.gpu.safety import GpuLocks, StateStore, restore_pending
     from dvfs.signals import signals_raise
 
@@ -539,7 +549,20 @@ def reset_gpus(
     if not with_state and not stale and not defaults:
         return False
     targets = list(gpus) if defaults else [*with_state, *stale]
-    with signals_raise(), GpuLocks(directory).hold(targets):
+    locks = GpuLocks(directory)
+    with signals_raise(), contextlib.ExitStack() as held:
+        busy = []
+        for gpu in targets:
+            try:
+                held.enter_context(locks.hold([gpu]))
+            except GpuStateError as exc:
+                if not skip_busy:
+                    raise
+                busy.append(gpu)
+                held_by = str(exc).split("; ")[0].replace(") is in use", "): in use", 1)
+                note(f"skipped {held_by}, which restores it itself")
+        with_state = [g for g in with_state if g not in busy]
+        stale = [g for g in stale if g not in busy]
         try:
             for line in restore_pending(with_state, store):
                 note(f"restored {line}")
@@ -553,7 +576,7 @@ def reset_gpus(
                 "a dvfs govern that died before changing the GPU (nothing to restore)"
             )
         if defaults:
-            others = [g for g in gpus if g not in with_state]
+            others = [g for g in gpus if g not in with_state and g not in busy]
             for line in reset_caps(others, AppliedCaps(directory)):
                 note(f"reset {line}")
     return True

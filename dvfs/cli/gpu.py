@@ -143,8 +143,9 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> None:
     """Restore GPU settings recorded by a dvfs run that died (SIGKILL, power loss).
 
-    Without DEVICES, every GPU with a state file. Holds each GPU's lock while restoring, so
-    it refuses GPUs a running dvfs is using.
+    Without DEVICES, every GPU with a state file, but those a running dvfs is using (it
+    restores them itself), with a note. Holds each GPU's lock while restoring, so it refuses a
+    GPU named in DEVICES that a running dvfs is using.
     """
     from dvfs.caps import reset_gpus
     from dvfs.gpu.safety import default_state_dir
@@ -156,6 +157,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             state_dir or default_state_dir(),
             defaults=defaults,
             note=lambda line: out.print(escape(line)),
+            skip_busy=not devices,  # every GPU: one a live dvfs holds is its own to restore
         )
     if not acted:
         out.print(
