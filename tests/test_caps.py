@@ -454,6 +454,9 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     [shown, _] = json.loads(invoke("cap", "show", "--json"))
     assert shown["uuid"] == uuid and shown["sm_clock_lock_mhz"] == [210, 1410]
+    power_only = tmp_path / "power.toml"
+    power_only.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    assert "SM clock unlocked" in invoke("cap", "apply", str(power_only), "--dry-run")
     page = invoke("monitor", "--once", "--interval", "0.01")
     assert f'dvfs_gpu_sm_clock_lock_max_hertz{{gpu="0",uuid="{uuid}"}} 1.41e+09' in page
     # `dvfs govern --dry-run` needs no root either, and previews under the same static caps.

@@ -209,10 +209,11 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.gpu.safety import default_state_dir
+    from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
-    directory = state_dir or default_state_dir()
+    # A dry run needs no root: it reads the caps in force where root recorded them.
+    directory = state_dir or (records_dir() if dry_run else default_state_dir())
     out = console()
     with open_gpus((), allow_mig=True) as gpus:  # MIG GPUs: left alone (`plan_actions`)
         plan = plan_actions(
