@@ -220,6 +220,13 @@ CAMPAIGN_KEY_CASES = [
     key_case("engine-sglang-unknown-key", "engine.sglang.urll", "http://x", "urll"),
     key_case("engine-sglang-args-not-list", "engine.sglang.extra_args", "--x", "extra_args"),
     key_case(
+        "engine-sglang-args-config-file",
+        "engine.sglang.extra_args",
+        ["--config", "sglang.yaml"],
+        "engine.sglang.extra_args",
+        "--config",
+    ),
+    key_case(
         "engine-sglang-command-with-flags",
         "engine.sglang.server_command",
         ["python", "-m", "sglang.launch_server", "--enable-torch-compile"],
