@@ -219,6 +219,21 @@ CAMPAIGN_KEY_CASES = [
     key_case("engine-sglang-env-int", "engine.sglang.env", {"A": 1}, "env"),
     key_case("engine-sglang-unknown-key", "engine.sglang.urll", "http://x", "urll"),
     key_case("engine-sglang-args-not-list", "engine.sglang.extra_args", "--x", "extra_args"),
+    key_case(
+        "engine-sglang-args-config-file",
+        "engine.sglang.extra_args",
+        ["--config", "sglang.yaml"],
+        "engine.sglang.extra_args",
+        "--config",
+    ),
+    key_case(
+        "engine-sglang-command-with-flags",
+        "engine.sglang.server_command",
+        ["python", "-m", "sglang.launch_server", "--enable-torch-compile"],
+        "engine.sglang.server_command",
+        "--enable-torch-compile",
+        "extra_args",
+    ),
     # [drafters]
     key_case(
         "drafter-unknown-algorithm", "drafters.eagle3.algorithm", "MEDUSA", "algorithm", "MEDUSA"

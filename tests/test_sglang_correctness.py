@@ -28,6 +28,7 @@ from dvfs.engines.sglang_args import (
     MANAGED_FLAGS,
     Kernels,
     check_same_kernels,
+    given_page_size,
     launch_argv,
     managed_flag,
     predicted_attention_backend,
@@ -152,6 +153,38 @@ def test_every_drafter_is_launched_and_resolved_on_the_pinned_backend(
         SglangEngine(auto, clock=MonotonicClock(), log_dir=Path("/nonexistent"))
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    "pages",
+    [(), ("--page-size", "16"), ("--page-size=16",), ("--page-", "16"), ("--page-size", "1")],
+)
+def test_the_predicted_backend_is_what_sglang_picks_at_a_page_size(
+    stub: ModuleType, version: str, pages: tuple[str, ...]
+) -> None:
+    """The prediction "auto" is checked with reads --page-size from engine.sglang.extra_args
+    (as argparse does: `=`, an abbreviation both releases take): above 1 it moves a topk-1
+    EAGLE to flashinfer and leaves no speculation on fa3."""
+    base = load_campaign(REPO / "sweeps" / "h100-llama8b.toml")
+    sg = dataclasses.replace(base.engine.sglang, attention_backend="auto", extra_args=pages)
+    campaign = dataclasses.replace(base, engine=dataclasses.replace(base.engine, sglang=sg))
+    page_size = given_page_size(pages)
+    assert page_size == (int(pages[-1].split("=")[-1]) if pages else None)
+    for drafter in campaign.drafters:
+        if version == "0.5.9" and drafter.algorithm == "DFLASH":
+            continue
+        for topk in (1, 4):
+            if drafter.eagle_topk is not None:
+                steps = drafter.num_steps or 3
+                drafts = steps + 1 if topk == 1 else 8
+                drafter = dataclasses.replace(
+                    drafter, eagle_topk=topk, num_steps=steps, num_draft_tokens=drafts
+                )
+            argv = launch_argv(campaign, drafter, port=31000, version=version)
+            args, _ = stub.parse_launch_argv(argv[3:], stub.StubConfig(version=version))
+            expected = predicted_attention_backend(drafter, page_size)
+            assert args["attention_backend"] == expected, (drafter, pages)
+
+
 def test_attention_backend_key_is_validated(tmp_path: Path) -> None:
     assert _load(tmp_path, _campaign_text()).engine.sglang.attention_backend == "fa3"
     text = _campaign_text('attention_backend = "auto"')
@@ -205,13 +238,37 @@ def test_auto_backend_runs_when_drafters_agree_and_the_cube_records_it(tmp_path:
     assert running(marker) == []
 
 
-@pytest.mark.slow
-def test_auto_backend_that_resolves_differently_fails_the_odd_drafter(tmp_path: Path) -> None:
-    """--page-size 16 moves topk-1 EAGLE to flashinfer while no speculation stays on fa3: a
-    difference the load-time prediction cannot see, caught when the second server starts."""
+def test_auto_backend_that_resolves_differently_is_refused_before_any_server(
+    tmp_path: Path,
+) -> None:
+    """--page-size 16 moves topk-1 EAGLE to flashinfer while no speculation stays on fa3: read
+    from extra_args, the prediction refuses the campaign before any server starts (rather
+    than failing the second drafter's cells after the first drafter was measured)."""
     path, marker = stub_campaign(
         tmp_path,
         sglang_extra='attention_backend = "auto"\nextra_args = ["--page-size", "16"]',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "would run different attention backends" in said
+    assert "none: fa3" in said and "eagle3: flashinfer" in said
+    assert not (out / "journal.jsonl").exists()
+    assert running(marker) == []
+
+
+@pytest.mark.slow
+def test_auto_backend_that_resolves_differently_fails_the_odd_drafter(tmp_path: Path) -> None:
+    """A difference the load-time prediction does not see (SGLang 0.5.9 reads "--pa" as
+    --page-size; the prediction reads only what both releases take) is caught when the
+    second server starts: its cells fail, the first drafter's were measured."""
+    path, marker = stub_campaign(
+        tmp_path,
+        version="0.5.9",
+        sglang_extra='attention_backend = "auto"\nextra_args = ["--pa", "16"]',
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )

@@ -63,6 +63,8 @@ def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
         attention_backend=_attention_backend(sg),
     )
     refuse_managed_flags(sg, "extra_args", sglang.extra_args, "drafters.<name>")
+    _refuse_config_file(sg, sglang.extra_args)
+    _refuse_server_flags(sg, sglang.server_command)
     _check_visible_devices(sg, env, gpu)
     sg.finish()
     table.finish()
@@ -95,6 +97,42 @@ def refuse_managed_flags(table: Table, key: str, args: tuple[str, ...], drafter:
             flag, use = found
             written = "" if token.split("=", 1)[0] == flag else f" (as {token!r})"
             raise table.fail(key, f"sets {flag}{written}, which dvfs sets itself; use {use}")
+
+
+#: The token of a server command that names SGLang's launcher: what follows it is
+#: launch_server's own argv, where dvfs appends its flags.
+LAUNCHER = "sglang.launch_server"
+
+
+def _refuse_config_file(sg: Table, args: tuple[str, ...]) -> None:
+    """SGLang's --config reads launch_server flags from a YAML file: they would escape the
+    checks on extra_args (a flag dvfs sets, one SGLang applies to some drafters only) and the
+    campaign hash (the file may change between runs while the campaign does not)."""
+    for token in args:
+        if token.split("=", 1)[0] == "--config":
+            raise sg.fail(
+                "extra_args",
+                "sets --config, whose file's flags dvfs can neither check nor hold the same "
+                "between runs; write them in engine.sglang.extra_args instead",
+            )
+
+
+def _refuse_server_flags(sg: Table, command: tuple[str, ...]) -> None:
+    """SGLang flags after the launcher in server_command would reach every server unchecked:
+    dvfs's own flags come after them and win unseen, and server_command may change between
+    runs (it is outside the campaign hash), so a resume could serve its arms with other
+    kernels or scheduling than the journal's first ones. They belong in extra_args."""
+    if LAUNCHER not in command:
+        return
+    flags = command[command.index(LAUNCHER) + 1 :]
+    if flags:
+        raise sg.fail(
+            "server_command",
+            f"passes {' '.join(flags)} to {LAUNCHER}: server_command may change between runs "
+            "without changing the campaign, so SGLang flags there could serve a resumed "
+            "sweep's arms differently; end server_command at "
+            f"{LAUNCHER} and put the flags in engine.sglang.extra_args",
+        )
 
 
 def refuse_engine_flags(table: Table, drafter: str, args: tuple[str, ...]) -> None:

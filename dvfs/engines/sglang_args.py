@@ -20,7 +20,8 @@
 - DFLASH (a block drafter) exists from 0.5.23; its block size is --speculative-num-draft-tokens.
 - `--attention-backend` always (engine.sglang.attention_backend, fa3 unless "auto"): left to
   itself SGLang 0.5.9 / 0.5.23 picks fa3 on Hopper, except flashinfer when --speculative-eagle-topk
-  is above 1 (or is 1 with --page-size above 1), so "EAGLE vs none" would also compare kernels.
+  is above 1 (or is 1 with --page-size above 1), so "EAGLE vs none" would also compare kernels;
+  "auto" is refused before a server starts when that prediction differs between drafters.
 - Flags dvfs sets itself may not come back through `extra_args` (argparse keeps the last value,
   abbreviations included): `managed_flag` (in `dvfs.campaign.sglang_flags`, re-exported here)
   finds them so the campaign loader can refuse them.
@@ -574,15 +575,39 @@ class Kernels:
         return f"prefill={self.prefill},decode={self.decode}"
 
 
-def predicted_attention_backend(drafter: DrafterSpec) -> str:
+#: The shortest abbreviation of --page-size that SGLang 0.5.9's and 0.5.23's argparse both read
+#: as it (0.5.23's --paged-experts-num-resident makes "--page" ambiguous there).
+PAGE_SIZE_PREFIX = "--page-"
+
+
+def given_page_size(tokens: Sequence[str]) -> int | None:
+    """The --page-size `tokens` (engine.sglang.extra_args) give, as argparse reads it (the last
+    one, `--page-size=N` and abbreviations included); None when none is given or it is not a
+    number (SGLang then refuses it itself)."""
+    size = None
+    for i, token in enumerate(tokens):
+        name, eq, value = token.partition("=")
+        if len(name) < len(PAGE_SIZE_PREFIX) or not "--page-size".startswith(name):
+            continue
+        if not eq:
+            value = tokens[i + 1] if i + 1 < len(tokens) else ""
+        try:
+            size = int(value)
+        except ValueError:
+            size = None
+    return size
+
+
+def predicted_attention_backend(drafter: DrafterSpec, page_size: int | None = None) -> str:
     """What SGLang 0.5.9 / 0.5.23 pick on Hopper for an MHA target when not told.
 
-    They decide before filling in speculative defaults, from the topk given on the command line:
-    fa3 unless --speculative-eagle-topk is above 1 (then flashinfer). n-gram and DFLASH runs get
-    their topk later, so they stay on fa3.
+    They decide before filling in speculative defaults, from the topk given on the command line
+    and the page size (`page_size`: --page-size, None when not given): fa3 unless
+    --speculative-eagle-topk is above 1, or is 1 with a page size above 1 (then flashinfer).
+    n-gram and DFLASH runs get their topk later, so they stay on fa3.
     """
     if drafter.algorithm in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE") and (
-        drafter.eagle_topk is not None and drafter.eagle_topk > 1
+        drafter.eagle_topk is not None and (drafter.eagle_topk > 1 or (page_size or 1) > 1)
     ):
         return "flashinfer"
     return "fa3"
@@ -592,8 +617,10 @@ def check_predicted_kernels(campaign: Campaign) -> None:
     """With the attention backend left to SGLang ("auto"), refuse drafters it would give other
     kernels (`predicted_attention_backend`, `check_same_kernels`) before any server starts."""
     if campaign.engine.sglang.attention_backend == "auto":
+        page_size = given_page_size(campaign.engine.sglang.extra_args)
         predicted = {
-            d.name: Kernels(*(predicted_attention_backend(d),) * 3) for d in campaign.drafters
+            d.name: Kernels(*(predicted_attention_backend(d, page_size),) * 3)
+            for d in campaign.drafters
         }
         check_same_kernels(predicted)
 
