@@ -130,6 +130,12 @@ def test_the_governor_unit_restores_on_stop_and_after_a_crash() -> None:
     assert set(govern_values("RestartPreventExitStatus")[0].split()) == {"2", "3", "4"}
     assert ("ConditionPathExists", "/etc/dvfs/govern-plan.toml") in govern_directives("Unit")
     assert "dvfs-caps.service" in " ".join(govern_values("After", "Unit"))
+    # A failure that keeps exiting 1 must end in a failed unit, not restarts for ever: the
+    # limit's window must outlast the restarts it counts (systemd's default, 10 s, never does).
+    [window] = govern_values("StartLimitIntervalSec", "Unit")
+    [burst] = govern_values("StartLimitBurst", "Unit")
+    [pause] = govern_values("RestartSec")
+    assert int(burst) >= 2 and int(window) > int(burst) * int(pause)
 
 
 def test_the_governor_unit_reaches_loopback_and_the_gpus_only() -> None:
