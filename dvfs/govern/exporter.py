@@ -169,7 +169,8 @@ class LiveCollector:
             )
         yield GaugeMetricFamily(
             "dvfs_server_energy_per_token_joules",
-            "Energy of all governed GPUs per generated token, over the last interval.",
+            "Energy of the server's GPUs (all those dvfs reads) per generated token, over the "
+            "last interval.",
             value=snap.energy_per_token_j,
         )
 
