@@ -321,6 +321,23 @@ def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     assert not math.isnan(float(doc.sections[1].blocks[2].rows[0][5]))  # type: ignore[union-attr]
 
 
+def test_findings_read_a_latency_of_seconds_as_plain_milliseconds() -> None:
+    """A TTFT target past a second: the findings' sentence reads 1333 ms against a 1400 ms
+    target, as the tables do, not 1.33e+03 (make_cube's TTFT is ten times its TPOT)."""
+    cube = make_cube(
+        clocks=[1500, 2000],
+        latency=lambda c, *a: 100.0 * 2000 / c,
+        energy=lambda c, *a: c / 1000,
+    )
+    doc = build_document(
+        cube, ReportOptions(Target("preserve", metric="ttft", slack=0.4)), [], generated="now"
+    )
+    finding = doc.sections[3].blocks[0]
+    assert isinstance(finding, Finding)
+    largest = next(d for d in finding.details if d.startswith("Largest saving"))
+    assert "latency 1333 ms against a 1400 ms target" in largest, largest
+
+
 def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:
     """Latency holds down to 1500 MHz on both GPUs; the H100's stock is 2000 MHz (cap it at
     1500), the H200's is 1500 MHz (nothing to cap). Twin GPUs are capped by model name."""
