@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import math
 import re
+import shlex
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -319,6 +320,56 @@ def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     confidence = doc.sections[1].blocks[1]
     assert "Confidence: 95%, one-sided" in confidence.text  # type: ignore[union-attr]
     assert not math.isnan(float(doc.sections[1].blocks[2].rows[0][5]))  # type: ignore[union-attr]
+
+
+def test_findings_read_a_latency_of_seconds_as_plain_milliseconds() -> None:
+    """A TTFT target past a second: the findings' sentence reads 1333 ms against a 1400 ms
+    target, as the tables do, not 1.33e+03 (make_cube's TTFT is ten times its TPOT)."""
+    cube = make_cube(
+        clocks=[1500, 2000],
+        latency=lambda c, *a: 100.0 * 2000 / c,
+        energy=lambda c, *a: c / 1000,
+    )
+    doc = build_document(
+        cube, ReportOptions(Target("preserve", metric="ttft", slack=0.4)), [], generated="now"
+    )
+    finding = doc.sections[3].blocks[0]
+    assert isinstance(finding, Finding)
+    largest = next(d for d in finding.details if d.startswith("Largest saving"))
+    assert "latency 1333 ms against a 1400 ms target" in largest, largest
+
+
+def test_the_caps_command_of_a_report_on_some_corpora_plans_its_caps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report on corpus a alone caps at 1000 MHz (corpus b needs 1500): the commands it
+    prints write that cap, not one over every corpus in the cube."""
+    from dvfs.caps.files import load_caps
+    from dvfs.cube import write_cube
+
+    def latency(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> float:
+        floor = 1000 if corpus == "a" else 1500
+        return 10.0 if clock >= floor else 20.0
+
+    cube = make_cube(
+        clocks=[1000, 1500, 2000],
+        corpora=["a", "b"],
+        latency=latency,
+        energy=lambda c, *a: c / 1000,
+    )
+    cube.attrs["gpu_uuids"] = "GPU-1234"
+    options = ReportOptions(Target("preserve"), corpus=("a",))
+    doc = build_document(cube, options, [], generated="now")
+    caps, command = doc.sections[-1].blocks[1:3]
+    assert isinstance(caps, Table) and isinstance(command, Code)
+    assert caps.rows[0][:5] == ("1", "none", "GPU-1234", "1000 MHz", "stock")
+    write_cube(cube, tmp_path / "cube.nc")
+    monkeypatch.chdir(tmp_path)
+    for line in command.text.splitlines():
+        args = shlex.split(line.replace("CUBE", "cube.nc").replace(" B ", " 1 "))
+        result = run(*[a.replace("D", "none") if a == "D" else a for a in args[1:]])
+        assert result.exit_code == 0, result.output
+    assert [c.sm_clock_max_mhz for c in load_caps(tmp_path / "caps.toml").caps] == [1000]
 
 
 def test_a_merged_cube_gets_caps_per_gpu_against_each_gpus_own_stock() -> None:

@@ -6,6 +6,7 @@ plan`), through their documents, so the report never disagrees with them.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -299,8 +300,10 @@ def _caps_section(room: dict[str, Any], options: ReportOptions, names: dict[str,
     for one in per_gpu_documents(room, names):
         for batch, drafter in dict.fromkeys((r["batch"], r["drafter"]) for r in one["rows"]):
             rows += _cap_rows(one, batch, drafter)
+    # The report's corpora only: the worst case over every corpus in the cube can differ.
+    corpora = "".join(f" --corpus {shlex.quote(c)}" for c in options.corpus)
     command = (
-        f"dvfs headroom CUBE {target_flags(options)} --json -o headroom.json\n"
+        f"dvfs headroom CUBE {target_flags(options)}{corpora} --json -o headroom.json\n"
         "dvfs cap plan headroom.json --batch B --drafter D -o caps.toml"
     )
     return Section(

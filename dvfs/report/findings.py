@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dvfs.report.common import fmt_ms
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -63,8 +64,8 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
             f"{_setting(best['chosen']['sm_clock_mhz'], best['chosen']['power_limit_w'])} "
             f"instead of {_setting(ref['sm_clock_mhz'], ref['power_limit_w'])} "
             f"({best['stock_energy_per_token_j']:.4g} -> {best['energy_per_token_j']:.4g} J "
-            f"per token; latency {best['latency_ms']:.3g} ms against a "
-            f"{best['target_ms']:.3g} ms target)."
+            f"per token; latency {fmt_ms(best['latency_ms'])} ms against a "
+            f"{fmt_ms(best['target_ms'])} ms target)."
         )
     # Each row without an answer with the headroom table's reason and what would give it one:
     # "no setting meets the target" only where settings were judged over it.
