@@ -20,6 +20,7 @@ from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
+from dvfs.engines.sglang_args import recorded_server_env
 from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
@@ -365,6 +366,7 @@ class Runner:
             counter_update_period_s=tuple(self.counter_periods_s),
             settle=settle,
             gpu_time_s=overhead,
+            server_env=recorded_server_env(self.campaign),
         )
         self.journal.append(session.to_json())
 
