@@ -20,7 +20,6 @@ from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
 from dvfs.corpora.sampling import eligible_prompts, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
-from dvfs.engines.sglang_args import recorded_server_env
 from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
@@ -328,6 +327,7 @@ class Runner:
                     "--out folder"
                 )
         from dvfs.backends import corpus_texts
+        from dvfs.engines.sglang_args import recorded_server_env
 
         texts = corpus_texts(self.campaign, self.corpora)
         session = Session(

@@ -206,7 +206,7 @@ SERVER_ENV_LEFT_OUT: dict[str, str] = {
 #: Name endings of locations (caches, installs, logs), and words of secrets: their values are
 #: never recorded, as a path compares nothing (another cache builds the same kernels) and a
 #: secret must not reach a journal or cube.
-SERVER_ENV_UNRECORDED_ENDINGS = ("_HOME", "_PATH", "_DIR", "_DIRECTORY", "_FILE", "_ROOT")
+SERVER_ENV_UNRECORDED_ENDINGS = ("_HOME", "_PATH", "_DIR", "_DIRECTORY", "_FILE", "_ROOT", "_BASE")
 SERVER_ENV_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
 
 
@@ -244,7 +244,7 @@ def recorded_env(session: Mapping[str, Any]) -> dict[str, str] | None:
 #: from a journal's may do.
 SERVER_ENV_CHANGE = "server environment "
 SERVER_ENV_ADVICE = (
-    "set the variable back as the journal's servers had it (engine.sglang.env, or the "
+    "put each back as the journal's servers had it (engine.sglang.env, or the "
     "environment dvfs runs in), or rerun with --fresh (or into another --out folder)"
 )
 
