@@ -37,6 +37,15 @@ REGISTRY = tuple(
         ("engine_version", "str", "", "engine version(s)", True, True),
         ("server_args", "json", "", "resolved server arguments per drafter"),
         ("arms_pinned", "str", "", "what dvfs gave every drafter's server alike (comma-separated)"),
+        (
+            "server_env",
+            "json",
+            "",
+            "the servers' environment variables that change kernels or scheduling (empty: not "
+            "recorded: the twin, an attached server, an older dvfs)",
+            True,
+            True,
+        ),
         ("gpu_pinning", "json", "", "per drafter: did its server run on the metered GPUs"),
         ("model", "str", "", "target model", True),
         ("tp_size", "int", "", "tensor-parallel size", True),

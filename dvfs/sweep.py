@@ -124,6 +124,26 @@ def check_same_prompts(journal: Journal, corpora: dict[str, Corpus], count_metho
             )
 
 
+def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
+    """Refuse, before measuring, to resume a journal whose servers ran with another value of
+    an environment variable that changes their kernels, numerics or scheduling
+    (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set in
+    engine.sglang.env or in dvfs's own environment: the later arms would be served otherwise
+    than the journal's first ones, unseen. Sessions that recorded none are not compared."""
+    from dvfs.engines.sglang_args import recorded_server_env
+    from dvfs.records import SERVER_ENV_ADVICE, env_changes
+
+    now = {"server_env": recorded_server_env(campaign)}
+    for session in journal.sessions:
+        changes = env_changes(session, now)
+        if changes:
+            raise JournalError(
+                f"this run's SGLang servers would start with another environment than those "
+                f"of {journal.path} ({'; '.join(changes)}): its cells would not compare with "
+                f"this run's; {SERVER_ENV_ADVICE}"
+            )
+
+
 def fresh_start(out_dir: Path) -> Path | None:
     """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`).
     Returns the first journal's new path, None when there was none."""
@@ -420,6 +440,7 @@ def _measure(
     # the knobs are restored and the backends closed.
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
         claim_shard(journal, shard)
+        check_same_server_env(journal, campaign)
         with contextlib.ExitStack() as stack:
             b = backends or stack.enter_context(
                 open_backends(campaign, out_dir=out_dir, nvml=nvml, launch_help=launch_help)

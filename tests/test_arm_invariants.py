@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,8 +22,16 @@ from sglang_support import REPO, STUB, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
+from dvfs.cube import open_cube
 from dvfs.measure.journal import read_records
-from dvfs.records import ARM_ARGS, ARMS_PINNED, arm_changes, begun_unpinned
+from dvfs.records import (
+    ARM_ARGS,
+    ARMS_PINNED,
+    SERVER_ENV_PREFIXES,
+    arm_changes,
+    begun_unpinned,
+    server_env_of,
+)
 
 TABLES = REPO / "tests" / "data" / "sglang-args"
 ONE_SETTING = {"batch": "[1]", "knobs": "sm_clock = [1980]\nsettle_s = 0.0"}
@@ -423,3 +432,130 @@ def test_a_drafter_resolved_otherwise_on_resume_is_refused_on_the_twin(tmp_path:
         f.write(json.dumps({**server, "args": resolved}) + "\n")
     built = CliRunner().invoke(cli, ["cube", "build", str(out)])
     assert built.exit_code != 0 and "speculative_num_steps: 5 -> 3" in last_line(built)
+
+
+# -- the servers' environment -------------------------------------------------------------------
+
+
+def with_env(path: Path, **env: str) -> None:
+    """The stub campaign at `path` with `env` in engine.sglang.env besides the stub's config."""
+    text = re.sub(
+        r"env = \{ (?:\w+ = \"[^\"]*\", )*SGLANG_STUB_CONFIG",
+        "env = { SGLANG_STUB_CONFIG",
+        path.read_text(),
+    )
+    given = "".join(f"{k} = {json.dumps(v)}, " for k, v in env.items())
+    path.write_text(
+        text.replace("env = { SGLANG_STUB_CONFIG", f"env = {{ {given}SGLANG_STUB_CONFIG")
+    )
+
+
+def sessions_of(journal: Path) -> list[dict]:
+    return [r for r in read_records(journal) if r["type"] == "session"]
+
+
+@pytest.mark.parametrize(
+    ("gpus", "where"), [((), "campaign"), (("--gpus", "0-1"), "dvfs"), ((), "dvfs")]
+)
+def test_a_resume_whose_servers_get_another_tuning_variable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: tuple[str, ...], where: str
+) -> None:
+    """A sweep cut after its first drafter, resumed with CUDA_LAUNCH_BLOCKING=1 (in the
+    campaign's engine.sglang.env, or in the environment dvfs runs in, which its servers
+    inherit) on one GPU or a fleet of two: refused before any server starts, in one line
+    naming the variable, both values and what to do; nothing journalled. A journal whose
+    sessions differ in it anyway (edited) gives no cube."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    args = ["sweep", str(path), *gpus, "--out", str(out), "--no-progress"]
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert "CUDA_LAUNCH_BLOCKING" not in session["server_env"]
+    keep_first_drafter(journal)
+    before = journal.read_text()
+    if where == "campaign":
+        with_env(path, CUDA_LAUNCH_BLOCKING="1")
+    else:
+        monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    refused = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert refused.exit_code == 1, refused.output
+    [line] = refused.output.strip().splitlines()
+    assert line.startswith("Error: this run's SGLang servers would start with another environment")
+    assert "(server environment CUDA_LAUNCH_BLOCKING: unset -> '1')" in line
+    assert "put each back as the journal's servers had it" in line and "--fresh" in line
+    assert journal.read_text() == before, "nothing of the refused run was journalled"
+    assert running(marker) == []
+    # Set back, it resumes.
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    with_env(path)
+    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
+    # A journal whose sessions differ in it (edited): no cube, in one line.
+    changed = {**session, "server_env": {**session["server_env"], "CUDA_LAUNCH_BLOCKING": "1"}}
+    with journal.open("a") as f:
+        f.write(json.dumps(changed) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert last_line(built).startswith("Error: the journal's sessions started their SGLang")
+    assert "CUDA_LAUNCH_BLOCKING: unset -> '1'" in last_line(built)
+
+
+def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:
+    """HF_HOME and HF_TOKEN change between the runs of one sweep: the resume goes on, and
+    neither value reaches the journal or the cube; the variables that change kernels
+    (NCCL_ALGO) are recorded in each session and the cube's `server_env`."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    with_env(path, HF_HOME="/private/hf-first", HF_TOKEN="hf_first_secret", NCCL_ALGO="Ring")
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    keep_first_drafter(out / "journal.jsonl")
+    with_env(path, HF_HOME="/private/hf-second", HF_TOKEN="hf_second_secret", NCCL_ALGO="Ring")
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    sessions = sessions_of(out / "journal.jsonl")
+    assert len(sessions) == 2
+    assert [s["server_env"]["NCCL_ALGO"] for s in sessions] == ["Ring", "Ring"]
+    assert not any("HF_" in k for s in sessions for k in s["server_env"])
+    cube = open_cube(out / "cube.nc")
+    assert json.loads(cube.attrs["server_env"]) == sessions[0]["server_env"]
+    kept = (out / "journal.jsonl").read_text() + json.dumps(
+        {k: str(v) for k, v in cube.attrs.items()}
+    )
+    for secret in ("hf-first", "hf-second", "hf_first_secret", "hf_second_secret"):
+        assert secret not in kept, secret
+    assert running(marker) == []
+
+
+def test_a_journal_that_did_not_record_the_environment_resumes_and_builds(tmp_path: Path) -> None:
+    """A journal of an earlier dvfs (its session without `server_env`) resumes with any
+    environment and builds: not recorded is unknown, not a change. The sessions after it are
+    compared with each other."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    keep_first_drafter(journal)
+    records = read_records(journal)
+    for r in records:
+        r.pop("server_env", None)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with_env(path, TRITON_ALWAYS_COMPILE="1")
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    assert open_cube(out / "cube.nc").attrs["server_env"]
+    with_env(path, TRITON_ALWAYS_COMPILE="0")
+    refused = sweep(path, out)
+    assert refused.exit_code == 1
+    assert "TRITON_ALWAYS_COMPILE: '1' -> '0'" in last_line(refused)
+    assert running(marker) == []
+
+
+def test_the_recorded_variables_are_those_that_change_kernels() -> None:
+    """Each prefix is recorded; the GPU pinning dvfs sets, logging, paths and secrets are not."""
+    recorded = [p + "X" if p.endswith("_") else p for p in SERVER_ENV_PREFIXES]
+    recorded += ["TORCHINDUCTOR_MAX_AUTOTUNE", "PYTORCH_CUDA_ALLOC_CONF", "SGL_ENABLE_JIT_DEEPGEMM"]
+    left_out = ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_DEBUG", "HF_HOME", "HF_TOKEN"]
+    left_out += ["TRITON_CACHE_DIR", "TORCH_HOME", "CUDA_HOME", "SGLANG_API_KEY", "PATH", "HOME"]
+    left_out += ["FLASHINFER_WORKSPACE_BASE", "NCCL_TOPO_FILE", "TORCHINDUCTOR_CACHE_DIR"]
+    env = {name: "v" for name in recorded + left_out}
+    assert server_env_of(env) == {name: "v" for name in sorted(recorded)}

@@ -252,3 +252,32 @@ def test_a_valid_sibling_key_is_not_taken_for_a_misspelling(tmp_path: Path) -> N
     )
     message = expect_error(tmp_path, text, "engine.sglang.request_timeout_s", "greater than 0")
     assert "did you mean" not in message
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        'env = { HF_TOKEN = "hf_abc", HF_HOME = "llama-3.1-8b", NCCL_ALGO = "Ring" }',
+        "[engine.sglang.env]\nHF_TOKEN = '''hf_abc'''\nHF_HOME = 'llama-3.1-8b'\n"
+        'NCCL_ALGO = "Ring"',
+    ],
+)
+def test_a_token_or_path_in_env_is_not_recorded(tmp_path: Path, env: str) -> None:
+    """What a journal keeps of the campaign (its settings, the file's text) holds no value of
+    an env variable it does not compare: a token, a path (here the same text as the model's
+    name, which stays); the text still reads as the campaign, with the same hash."""
+    text = replace_block(
+        SMALL_CAMPAIGN, 'model = "llama-3.1-8b"', f'model = "llama-3.1-8b"\n[engine.sglang]\n{env}'
+    )
+    campaign = load_text(tmp_path, text)
+    assert campaign.operational_dict()["engine.sglang.env"] == {
+        "HF_HOME": "(not recorded)",
+        "HF_TOKEN": "(not recorded)",
+        "NCCL_ALGO": "Ring",
+    }
+    kept = campaign.recorded_source()
+    assert "hf_abc" not in kept
+    assert kept.count("llama-3.1-8b") == text.count("llama-3.1-8b") - 1  # HF_HOME's alone
+    again = load_text(tmp_path, kept)
+    assert again.hash == campaign.hash and again.engine.model == "llama-3.1-8b"
+    assert dict(again.engine.sglang.env) == campaign.operational_dict()["engine.sglang.env"]

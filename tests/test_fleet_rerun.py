@@ -199,6 +199,18 @@ def test_the_invariants_are_named_and_each_one_refuses() -> None:
     assert len(combine_sessions([base, other_gpu])["workers"]) == 2
 
 
+def test_workers_whose_servers_get_another_environment_cannot_share_a_journal() -> None:
+    """A worker whose node runs dvfs with NCCL_ALGO set where the other's does not: refused in
+    one line naming the variable; a session without `server_env` (an earlier dvfs, the twin)
+    is compared in nothing of it."""
+    base = {**_session(), "server_env": {}}
+    other = {**_session(worker="gpu1"), "server_env": {"NCCL_ALGO": "Tree"}}
+    assert incomparable(base, other) == ["server environment NCCL_ALGO: unset -> 'Tree'"]
+    with pytest.raises(JournalError, match=r"NCCL_ALGO: unset -> 'Tree'.*give every worker"):
+        combine_sessions([base, other])
+    assert incomparable(_session(), other) == []
+
+
 def test_the_cube_refuses_a_journal_mixing_models(on_two: Path, tmp_path: Path) -> None:
     """An edited journal whose second session is another model: the cube says why."""
     journal = copy_sweep(on_two, tmp_path / "o") / "journal.jsonl"  # the shared run stays

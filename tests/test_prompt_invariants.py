@@ -298,6 +298,13 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(
         refused = invoke("cube", "merge", str(s0), str(odd), "-o", str(merged))
         line = assert_one_line_error(refused, 1, "were not run alike", named)
         assert str(odd) in line
+    # Shards whose servers started with another tuning variable (edited: the twin starts none).
+    env0 = _rewrite(s0, tmp_path / "env0.nc", server_env='{"NCCL_ALGO": "Ring"}')
+    odd = _rewrite(s1, tmp_path / "odd.nc", server_env="{}")
+    refused = invoke("cube", "merge", str(env0), str(odd), "-o", str(merged))
+    assert_one_line_error(
+        refused, 1, "were not run alike", "server environment NCCL_ALGO: 'Ring' -> unset"
+    )
 
 
 def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(
@@ -337,6 +344,15 @@ def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(
         odd = _rewrite(same, tmp_path / "odd.nc", **attrs)
         refused = invoke("cube", "merge", str(a), str(odd), "-o", str(merged))
         assert_one_line_error(refused, 1, "were not measured alike", named)
+    # The servers' environment: compared where both cubes record it (the twin's do not).
+    env = _rewrite(a, tmp_path / "env.nc", server_env='{"NCCL_ALGO": "Ring"}')
+    odd = _rewrite(same, tmp_path / "odd.nc", server_env='{"NCCL_ALGO": "Tree"}')
+    refused = invoke("cube", "merge", str(env), str(odd), "-o", str(merged))
+    assert_one_line_error(
+        refused, 1, "were not measured alike", "NCCL_ALGO: 'Ring' -> 'Tree'", "server environment"
+    )
+    assert invoke("cube", "merge", str(env), str(same), "-o", str(merged)).exit_code == 0
+    assert open_cube(merged).attrs["server_env"] == '{"NCCL_ALGO": "Ring"}'
     # Older cubes, without a prompt format or token-count method, still merge.
     old = _rewrite(same, tmp_path / "old.nc", prompt_format="", token_count_method="")
     assert invoke("cube", "merge", str(a), str(old), "-o", str(merged)).exit_code == 0

@@ -56,6 +56,8 @@ OPERATIONAL: tuple[tuple[str, ...], ...] = (
     ("engine", "sglang", "request_timeout_s"),
     ("engine", "sglang", "stall_timeout_s"),
 )
+#: What a session's settings say for an `engine.sglang.env` value it does not record.
+ENV_NOT_RECORDED = "(not recorded)"
 #: Top-level fields that describe a campaign without changing a number.
 UNMEASURED = ("name", "description", "source", "base_dir")
 #: Dataclass field names shown as the campaign file spells them.
@@ -223,7 +225,11 @@ class Campaign:
         return measured_part(asdict(self))
 
     def operational_dict(self) -> dict[str, Any]:
-        """The operational settings, by dotted key (a journal session records these)."""
+        """The operational settings, by dotted key (a journal session records these). Of
+        `engine.sglang.env` a token's or a path's value is not recorded (`env_value_kept`),
+        only its name."""
+        from dvfs.records.session import env_value_kept
+
         data = _jsonable(asdict(self))
         flat: dict[str, Any] = {}
         for path in OPERATIONAL:
@@ -231,9 +237,22 @@ class Campaign:
             for part in path:
                 value = value.get(part) if isinstance(value, dict) else None
             if path[-1] == "env" and isinstance(value, list):
-                value = {str(k): v for k, v in value}
+                value = {
+                    str(k): v if env_value_kept(str(k)) else ENV_NOT_RECORDED for k, v in value
+                }
             flat[".".join(path)] = value
         return flat
+
+    def recorded_source(self) -> str:
+        """The campaign file's text as a journal (and its cube) keeps it: each
+        engine.sglang.env value it may not hold (a token, a path: `env_value_kept`) replaced
+        by ENV_NOT_RECORDED, the text otherwise as written, so it still parses as this
+        campaign. "" in the rare layout where a value cannot be told apart (kept nowhere,
+        rather than kept whole)."""
+        from dvfs.records.session import env_value_kept
+
+        hidden = [k for k, _ in self.engine.sglang.env if not env_value_kept(k)]
+        return hide_env_values(self.source, hidden) if hidden else self.source
 
     @property
     def hash(self) -> str:
@@ -245,6 +264,44 @@ class Campaign:
             if drafter.name == name:
                 return drafter
         raise KeyError(name)
+
+
+#: A TOML string literal: multi-line basic or literal, or one-line basic or literal.
+_TOML_STRING = re.compile(
+    r'"""(?:[^\\]|\\.)*?"""|\'\'\'.*?\'\'\'|"(?:[^"\\\n]|\\.)*"|\'[^\'\n]*\'', re.S
+)
+
+
+def hide_env_values(source: str, names: list[str]) -> str:
+    """`source` (a campaign file's text) with the value of each of `names` in
+    engine.sglang.env replaced by ENV_NOT_RECORDED: the one string literal whose replacement
+    changes that value and nothing else (the same text may also be, say, the model's name);
+    "" when one cannot be found."""
+    import copy
+    import tomllib
+
+    try:
+        data = tomllib.loads(source)
+    except ValueError:
+        return ""
+    text = source
+    for name in names:
+        expected = copy.deepcopy(data)
+        try:
+            expected["engine"]["sglang"]["env"][name] = ENV_NOT_RECORDED
+        except (KeyError, TypeError):  # not this text's campaign (one made in code)
+            return ""
+        for match in _TOML_STRING.finditer(text):
+            candidate = text[: match.start()] + json.dumps(ENV_NOT_RECORDED) + text[match.end() :]
+            try:
+                if tomllib.loads(candidate) == expected:
+                    break
+            except ValueError:
+                continue
+        else:
+            return ""
+        text, data = candidate, expected
+    return text
 
 
 def _jsonable(data: Any) -> Any:

@@ -45,6 +45,7 @@ from dvfs.records import (
     incomparable,
     mixed_within,
     now_iso,
+    only_env_changed,
     prompt_changes,
     server_changes,
 )
@@ -277,6 +278,12 @@ def _check_session_pair(
             "with --fresh (or into another --out folder) on one corpus and tokenizer"
         )
     changes = [c for c in incomparable(earlier, record) if c not in recount]
+    if only_env_changed(changes):
+        raise IncomparableCellsError(
+            "the journal's sessions started their SGLang servers with different environments "
+            f"({'; '.join(changes)}): the arms would compare kernels or scheduling, not "
+            "settings; rerun with --fresh (or into another --out folder) with one environment"
+        )
     changes = changes or mixed_within(record)
     if changes:
         advice = (
@@ -336,6 +343,17 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "engine_backend": session.engine_backend,
         "engine_version": ", ".join(versions),
         "server_args": json.dumps(servers, sort_keys=True),
+        # The variables of the servers' environment that change kernels or scheduling
+        # (`dvfs.records.SERVER_ENV_PREFIXES`), alike across the journal (`_check_sessions`);
+        # "" where no session recorded them (the twin, an attached server, an older dvfs).
+        "server_env": next(
+            (
+                json.dumps(s.server_env, sort_keys=True)
+                for s in journal.sessions
+                if s.server_env is not None
+            ),
+            "",
+        ),
         # What the dvfs that began the journal gave every drafter alike (`ARMS_PINNED`): a
         # merge compares the servers' drawn args only where both cubes pinned them.
         "arms_pinned": ",".join(header.arms_pinned),

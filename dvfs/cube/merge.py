@@ -102,7 +102,13 @@ def _short(value: Any, limit: int = 60) -> str:
 #: What the shards of one run, and the cubes of one campaign on different GPUs, must share
 #: besides the campaign: cubes that differ here compare software or prompts, not GPUs or
 #: settings (with the corpora's content and each drafter's server, `provenance_differences`).
-SHARED = ("engine_version", "measurement_method", "token_count_method", "prompt_format")
+SHARED = (
+    "engine_version",
+    "measurement_method",
+    "token_count_method",
+    "prompt_format",
+    "server_env",
+)
 
 
 #: Resolved server args SGLang derives from the GPU it starts on when neither the campaign nor
@@ -167,14 +173,18 @@ def provenance_differences(
     models, whose servers are not compared in what SGLang derives from the GPU
     (`_gpu_neutral`)."""
     from dvfs.provenance import WHEN_KNOWN
-    from dvfs.records import arm_changes, corpus_changes, server_changes
+    from dvfs.records import arm_changes, corpus_changes, env_changes, server_changes
 
     changes = []
     for key in keys:
         a, b = first.attrs.get(key), ds.attrs.get(key)
         if key in WHEN_KNOWN and (a in (None, "") or b in (None, "")):
             continue
-        if str(a) != str(b):
+        if key == "server_env" and str(a) != str(b):  # each variable that differs, named
+            changes += env_changes(
+                {"server_env": _json(first, key, {})}, {"server_env": _json(ds, key, {})}
+            )
+        elif str(a) != str(b):
             changes.append(f"{key}: {_short(a)} -> {_short(b)}")
     changes += corpus_changes(_json(first, "corpora", {}), _json(ds, "corpora", {}))
     pinned = set(str(first.attrs.get("arms_pinned", "")).split(",")) & set(
@@ -222,6 +232,7 @@ SOURCE_KEYS = (
     "prompt_format",
     "corpora",
     "server_args",
+    "server_env",
     "gpu_pinning",
     "arms_pinned",
 )
@@ -273,8 +284,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             raise CubeError(
                 f"cannot merge: {names[0]} and {label} were not measured alike "
                 f"({_listed(changes)}): their GPUs would compare software or prompts too; "
-                "measure every GPU with one engine version and flags, the same corpora and "
-                "tokenizer"
+                "measure every GPU with one engine version, flags and server environment, the "
+                "same corpora and tokenizer"
             )
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     _check_distinct_gpus(labels, names)
@@ -446,8 +457,8 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
             raise CubeError(
                 f"cannot merge: the shards {first_name} and {name} were not run alike "
                 f"({_listed(changes)}): their cells would compare software or prompts too; "
-                "rerun the odd shard with --fresh on the others' driver, engine, corpora and "
-                "tokenizer"
+                "rerun the odd shard with --fresh on the others' driver, engine, server "
+                "environment, corpora and tokenizer"
             )
         for dim in first.dims:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model

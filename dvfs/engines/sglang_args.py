@@ -171,6 +171,17 @@ def server_env(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> dict[str, s
     return env
 
 
+def recorded_server_env(campaign: Campaign) -> dict[str, str] | None:
+    """What of the servers' environment (`server_env`) a session records and every later
+    session must repeat (`dvfs.records.server_env_of`); None where dvfs starts no server (the
+    twin, a server attached at engine.sglang.url)."""
+    from dvfs.records.session import server_env_of
+
+    if campaign.engine.backend != "sglang" or campaign.engine.sglang.url:
+        return None
+    return server_env_of(server_env(campaign))
+
+
 def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> None:
     """Refuse a campaign env whose CUDA_VISIBLE_DEVICES names other GPUs than the metered ones."""
     value = dict(env).get("CUDA_VISIBLE_DEVICES")

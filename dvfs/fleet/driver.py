@@ -108,11 +108,20 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The sessions of one model's workers as its journal's one session: every GPU, the mean
     idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
     stock settings: their cells would not compare within one cube."""
-    from dvfs.records import incomparable
+    from dvfs.records import incomparable, only_env_changed
 
     first = sessions[0]
     for s in sessions[1:]:
         changes = incomparable(first, s)
+        if only_env_changed(changes):
+            raise JournalError(
+                f"worker {s.get('worker')} on {s.get('host') or 'this node'} would start its "
+                f"SGLang servers with another environment than worker {first.get('worker')} "
+                f"on {first.get('host') or 'this node'} ({'; '.join(changes)}): their arms "
+                "would be served differently; give every worker the same values "
+                "(engine.sglang.env sets them for all), or leave one of them out (--gpus, or "
+                "the Ray cluster's nodes)"
+            )
         if changes:
             raise JournalError(
                 f"worker {s.get('worker')} on {s.get('host') or 'this node'} differs from worker "
@@ -215,7 +224,12 @@ class Driver:
         """Journal one session over every worker's GPUs. The journal's earlier sessions may
         have run on other GPUs (more, fewer, other nodes: a rerun after a node loss), but of
         the same model, driver and settings (`incomparable`): their finished cells stand."""
-        from dvfs.records import incomparable, recorded_stock
+        from dvfs.records import (
+            SERVER_ENV_ADVICE,
+            incomparable,
+            only_env_changed,
+            recorded_stock,
+        )
         from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         combined = combine_sessions(sessions)
@@ -223,6 +237,12 @@ class Driver:
         current = [g["uuid"] for g in combined["gpus"]]
         for earlier in self.journal.sessions:
             changes = incomparable(earlier, combined)
+            if only_env_changed(changes):
+                raise JournalError(
+                    f"this run's SGLang servers would start with another environment than "
+                    f"those of {self.journal.path} ({'; '.join(changes)}): its cells would not "
+                    f"compare with this run's; {SERVER_ENV_ADVICE}"
+                )
             if changes:
                 advice = (
                     TWIN_CHANGED

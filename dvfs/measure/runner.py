@@ -327,6 +327,7 @@ class Runner:
                     "--out folder"
                 )
         from dvfs.backends import corpus_texts
+        from dvfs.engines.sglang_args import recorded_server_env
 
         texts = corpus_texts(self.campaign, self.corpora)
         session = Session(
@@ -365,6 +366,7 @@ class Runner:
             counter_update_period_s=tuple(self.counter_periods_s),
             settle=settle,
             gpu_time_s=overhead,
+            server_env=recorded_server_env(self.campaign),
         )
         self.journal.append(session.to_json())
 

@@ -28,6 +28,8 @@ from dvfs.records.session import (
     ARMS_PINNED,
     GPU_INVARIANTS,
     PROMPT_INVARIANTS,
+    SERVER_ENV_ADVICE,
+    SERVER_ENV_PREFIXES,
     SERVER_INVARIANTS,
     SESSION_INVARIANTS,
     Server,
@@ -38,12 +40,15 @@ from dvfs.records.session import (
     corpus_changes,
     corpus_hashes,
     decode_graph,
+    env_changes,
     incomparable,
     journal_prompts,
     mixed_within,
+    only_env_changed,
     prompt_changes,
     recorded_stock,
     server_changes,
+    server_env_of,
 )
 from dvfs.records.version import JOURNAL_SCHEMA, OLDEST_SCHEMA, check_version, now_iso
 
@@ -56,6 +61,8 @@ __all__ = [
     "OLDEST_SCHEMA",
     "PROMPT_INVARIANTS",
     "QUANTITIES",
+    "SERVER_ENV_ADVICE",
+    "SERVER_ENV_PREFIXES",
     "SERVER_INVARIANTS",
     "SESSION_INVARIANTS",
     "CampaignFacts",
@@ -77,13 +84,16 @@ __all__ = [
     "corpus_hashes",
     "decode_graph",
     "decode_journal",
+    "env_changes",
     "incomparable",
     "journal_prompts",
     "mixed_within",
     "now_iso",
+    "only_env_changed",
     "prompt_changes",
     "recorded_stock",
     "server_changes",
+    "server_env_of",
 ]
 
 

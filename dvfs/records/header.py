@@ -119,7 +119,7 @@ class Header:
             campaign_name=campaign.name,
             campaign_hash=campaign.hash,
             campaign=campaign.semantic_dict(),
-            campaign_source=campaign.source,
+            campaign_source=campaign.recorded_source(),
             dvfs_version=__version__,
             created=now_iso(),
             journal_schema=JOURNAL_SCHEMA,

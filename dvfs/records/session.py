@@ -65,6 +65,11 @@ class Session:
     #: A fleet's session: each worker's part (`worker` label, `host`, `gpus` UUIDs, ...);
     #: empty for one GPU group.
     workers: tuple[dict[str, Any], ...] = ()
+    #: The variables of the environment dvfs starts its SGLang servers with (its own and the
+    #: campaign's `engine.sglang.env`) that can change their kernels, numerics or scheduling
+    #: (`server_env_of`), name to value; None: not recorded (an older dvfs, the twin, an
+    #: attached server), so not compared.
+    server_env: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +96,7 @@ class Session:
             "settle": self.settle,
             "gpu_time_s": self.gpu_time_s,
             **({"workers": [dict(w) for w in self.workers]} if self.workers else {}),
+            **({"server_env": dict(self.server_env)} if self.server_env is not None else {}),
         }
 
     @classmethod
@@ -124,6 +130,7 @@ class Session:
             settle=record.get("settle") or {},
             gpu_time_s=record.get("gpu_time_s") or {},
             workers=tuple(dict(w) for w in record.get("workers") or ()),
+            server_env=recorded_env(record),
         )
 
     @property
@@ -169,6 +176,101 @@ PROMPT_INVARIANTS: dict[str, str] = {
     "token_count_method": "token-count method",
     "prompt_format": "prompt format",
 }
+
+
+#: What starts the names of the environment variables that every SGLang server of one journal
+#: runs with alike (a session's `server_env`), each with why: another value changes the
+#: kernels, numerics or scheduling the arms are served with, not the GPU's settings.
+SERVER_ENV_PREFIXES: dict[str, str] = {
+    "SGLANG_": "SGLang's own switches (speculative v2, kernels, scheduler, memory)",
+    "SGL_": "sgl-kernel's switches and SGLang's older names for its own",
+    "CUDA_": "the CUDA runtime: launch blocking, lazy module loading, device connections, MPS",
+    "FLASHINFER_": "FlashInfer's kernel and JIT choices (its attention and sampling kernels)",
+    "TORCH": "PyTorch (TORCH_*) and TorchInductor (TORCHINDUCTOR_*): compiled kernels, NCCL use",
+    "PYTORCH_": "PyTorch's CUDA allocator (PYTORCH_CUDA_ALLOC_CONF) and backend switches",
+    "TRITON_": "Triton's compiler and autotuner, which build SGLang's Triton kernels",
+    "NCCL_": "NCCL's algorithms, protocols and channels: the tensor-parallel all-reduces",
+    "NVIDIA_TF32_OVERRIDE": "TF32 forced on or off in cuBLAS and cuDNN: other matmul numerics",
+    "OMP_NUM_THREADS": "the server's CPU threads, which run its scheduler between GPU steps",
+}
+#: Names those prefixes match that are left out, each with why.
+SERVER_ENV_LEFT_OUT: dict[str, str] = {
+    "CUDA_VISIBLE_DEVICES": "dvfs sets it to the metered GPUs' UUIDs; which GPUs measured is "
+    "the GPU invariants' and each cell's `measured_on`",
+    "CUDA_DEVICE_ORDER": "only how CUDA numbers GPUs, which dvfs names by UUID",
+    "NCCL_DEBUG": "NCCL's logging",
+    "NCCL_DEBUG_SUBSYS": "NCCL's logging",
+    "NCCL_SOCKET_IFNAME": "the node's network interface (fleet nodes differ); a server on one "
+    "node all-reduces over NVLink or PCIe",
+}
+#: Name endings of locations (caches, installs, logs), and words of secrets: their values are
+#: never recorded, as a path compares nothing (another cache builds the same kernels) and a
+#: secret must not reach a journal or cube.
+SERVER_ENV_UNRECORDED_ENDINGS = ("_HOME", "_PATH", "_DIR", "_DIRECTORY", "_FILE", "_ROOT", "_BASE")
+SERVER_ENV_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
+
+
+def is_server_env(name: str) -> bool:
+    """Whether a session records and compares environment variable `name` (`server_env_of`)."""
+    upper = name.upper()
+    return (
+        name.startswith(tuple(SERVER_ENV_PREFIXES))
+        and name not in SERVER_ENV_LEFT_OUT
+        and not upper.endswith(SERVER_ENV_UNRECORDED_ENDINGS)
+        and not any(word in upper for word in SERVER_ENV_SECRET_WORDS)
+    )
+
+
+def env_value_kept(name: str) -> bool:
+    """Whether a journal or cube may hold the value of campaign env variable `name` (its
+    sessions' settings, its campaign file's text): those it compares, and those it leaves
+    out for dvfs's own reasons (`SERVER_ENV_LEFT_OUT`), none of them a secret or a path."""
+    return is_server_env(name) or name in SERVER_ENV_LEFT_OUT
+
+
+def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of a server's environment a session records (`is_server_env`), sorted;
+    every other one (a token, a cache path) is left out, value and all."""
+    return {k: str(env[k]) for k in sorted(env) if is_server_env(k)}
+
+
+def recorded_env(session: Mapping[str, Any]) -> dict[str, str] | None:
+    """A raw session record's `server_env`; None where it has none (not recorded)."""
+    env = session.get("server_env")
+    return {str(k): str(v) for k, v in env.items()} if isinstance(env, Mapping) else None
+
+
+#: How `env_changes` starts each entry, and what a run whose servers' environment differs
+#: from a journal's may do.
+SERVER_ENV_CHANGE = "server environment "
+SERVER_ENV_ADVICE = (
+    "put each back as the journal's servers had it (engine.sglang.env, or the "
+    "environment dvfs runs in), or rerun with --fresh (or into another --out folder)"
+)
+
+
+def env_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """Each recorded server environment variable (`SERVER_ENV_PREFIXES`) that differs between
+    two session records ("server environment CUDA_LAUNCH_BLOCKING: unset -> '1'"), where both
+    recorded one."""
+    a, b = recorded_env(before), recorded_env(now)
+    if a is None or b is None:
+        return []
+    return [
+        f"{SERVER_ENV_CHANGE}{name}: {_env_value(a, name)} -> {_env_value(b, name)}"
+        for name in sorted(a.keys() | b.keys())
+        if a.get(name) != b.get(name)
+    ]
+
+
+def only_env_changed(changes: Iterable[str]) -> bool:
+    """Whether every entry of `incomparable` is a server environment variable's."""
+    texts = list(changes)
+    return bool(texts) and all(t.startswith(SERVER_ENV_CHANGE) for t in texts)
+
+
+def _env_value(env: Mapping[str, str], name: str) -> str:
+    return repr(env[name]) if name in env else "unset"
 
 
 #: What every server of one drafter shares across a journal (the server record's key, and how
@@ -410,7 +512,8 @@ def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]
     """What keeps the cells of two session records (raw, as journalled) from comparing, one
     entry per invariant ("GPU model: A -> B"); empty when any of their GPUs may finish what
     the other started. A key one of them lacks (an older journal) is not compared. The
-    prompts are compared too (`prompt_changes`)."""
+    prompts are compared too (`prompt_changes`), and the servers' environment
+    (`env_changes`)."""
     changes = []
     for key, label in SESSION_INVARIANTS.items():
         a, b = before.get(key), now.get(key)
@@ -420,7 +523,7 @@ def incomparable(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]
         a, b = _gpu_values(before, key), _gpu_values(now, key)
         if a != ["None"] and b != ["None"] and a != b:
             changes.append(f"{label}: {', '.join(a)} -> {', '.join(b)}")
-    return changes + prompt_changes(before, now)
+    return changes + prompt_changes(before, now) + env_changes(before, now)
 
 
 def mixed_within(session: Mapping[str, Any]) -> list[str]:
