@@ -557,5 +557,8 @@ def test_the_recorded_variables_are_those_that_change_kernels() -> None:
     left_out = ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_DEBUG", "HF_HOME", "HF_TOKEN"]
     left_out += ["TRITON_CACHE_DIR", "TORCH_HOME", "CUDA_HOME", "SGLANG_API_KEY", "PATH", "HOME"]
     left_out += ["FLASHINFER_WORKSPACE_BASE", "NCCL_TOPO_FILE", "TORCHINDUCTOR_CACHE_DIR"]
+    # Set per launch by torchrun, and per worker by Ray (OMP_NUM_THREADS): a rerun on another
+    # executor must not be refused for them.
+    left_out += ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"]
     env = {name: "v" for name in recorded + left_out}
     assert server_env_of(env) == {name: "v" for name in sorted(recorded)}

@@ -191,7 +191,6 @@ SERVER_ENV_PREFIXES: dict[str, str] = {
     "TRITON_": "Triton's compiler and autotuner, which build SGLang's Triton kernels",
     "NCCL_": "NCCL's algorithms, protocols and channels: the tensor-parallel all-reduces",
     "NVIDIA_TF32_OVERRIDE": "TF32 forced on or off in cuBLAS and cuDNN: other matmul numerics",
-    "OMP_NUM_THREADS": "the server's CPU threads, which run its scheduler between GPU steps",
 }
 #: Names those prefixes match that are left out, each with why.
 SERVER_ENV_LEFT_OUT: dict[str, str] = {
@@ -202,6 +201,10 @@ SERVER_ENV_LEFT_OUT: dict[str, str] = {
     "NCCL_DEBUG_SUBSYS": "NCCL's logging",
     "NCCL_SOCKET_IFNAME": "the node's network interface (fleet nodes differ); a server on one "
     "node all-reduces over NVLink or PCIe",
+}
+#: Name beginnings those prefixes match that are left out, each with why.
+SERVER_ENV_LEFT_OUT_PREFIXES: dict[str, str] = {
+    "TORCHELASTIC_": "torchrun's ids of the run and restart count: new on every launch",
 }
 #: Name endings of locations (caches, installs, logs), and words of secrets: their values are
 #: never recorded, as a path compares nothing (another cache builds the same kernels) and a
@@ -216,6 +219,7 @@ def is_server_env(name: str) -> bool:
     return (
         name.startswith(tuple(SERVER_ENV_PREFIXES))
         and name not in SERVER_ENV_LEFT_OUT
+        and not name.startswith(tuple(SERVER_ENV_LEFT_OUT_PREFIXES))
         and not upper.endswith(SERVER_ENV_UNRECORDED_ENDINGS)
         and not any(word in upper for word in SERVER_ENV_SECRET_WORDS)
     )
