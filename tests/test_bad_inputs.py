@@ -1378,3 +1378,135 @@ def test_generic_failures_are_one_line(
     assert "Traceback" not in result.output
     [line] = result.stderr.splitlines()
     assert says.format(campaign=campaign_file) in line, line
+
+
+# -- outputs: a failed write keeps the file that was there; a FIFO or device is not replaced --
+
+#: Commands that write one file over an existing one: (argv, the option naming the file).
+OVERWRITES = {
+    "headroom-o": ["headroom", "{sweep}", "--json", "-o", "{out}"],
+    "cap-plan-o": [
+        "cap",
+        "plan",
+        "{headroom}",
+        "--batch",
+        "1",
+        "--drafter",
+        "eagle3",
+        "-o",
+        "{out}",
+    ],
+    "cap-plan-per-batch-o": [
+        "cap",
+        "plan",
+        "{headroom}",
+        "--per-batch",
+        "--drafter",
+        "eagle3",
+        "-o",
+        "{out}",
+    ],
+    "twin-fit-o": ["twin", "fit", "{cube}", "-o", "{out}"],
+    "report-o": ["report", "{cube}", "-o", "{out}"],
+    "cube-build-o": ["cube", "build", "{sweep}", "-o", "{out}"],
+    "roofline-o": ["gpu", "roofline", "--twin", "h100-sxm", "-o", "{out}"],
+}
+
+
+def _argv(name: str, shared: dict[str, Path], out: Path) -> list[str]:
+    places = {"out": str(out), **{k: str(v) for k, v in shared.items()}}
+    return [_fill(a, places) for a in OVERWRITES[name]]
+
+
+@pytest.mark.parametrize("name", list(OVERWRITES))
+def test_a_write_cut_short_keeps_the_old_file(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A full disk part-way through the new content (here: the file-size limit, which fails
+    the write after the file was opened, as a full disk does) leaves the user's old file whole
+    and no temp file: the new content goes to a temp file renamed over the old one."""
+    import resource
+    import signal
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    out = tmp_path / "out" / "old.file"
+    out.parent.mkdir()
+    out.write_bytes(b"OLD\n")
+    limit = 512  # bytes: each command's output is larger
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(
+        [PYTHON, "-m", "dvfs", *_argv(name, shared, out)],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert str(out) in proc.stderr.splitlines()[-1], proc.stderr
+    assert out.read_bytes() == b"OLD\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["old.file"]
+
+
+@pytest.mark.parametrize("name", list(OVERWRITES))
+def test_a_fifo_output_is_written_not_replaced(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o /dev/stdout`, `-o /dev/null` or a named pipe: the content goes into it. Renaming a
+    temp file over it would replace the device (root may) or the pipe with a regular file."""
+    import os
+    import select
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the writer's open succeeds
+    done = threading.Event()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            got.append(chunk)
+            if not chunk and done.is_set():
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = CliRunner().invoke(cli, _argv(name, shared, fifo))
+    finally:
+        done.set()
+        reader.join()
+        os.close(fd)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISFIFO(fifo.lstat().st_mode), "the pipe was replaced by a regular file"
+    assert len(b"".join(got)) > 100
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+@pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
+def test_a_symlinked_output_keeps_its_link(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """An output that is a symlink (a file kept elsewhere): the file it points to gets the new
+    content, and the link stays a link."""
+    target = tmp_path / "kept" / "real.file"
+    target.parent.mkdir()
+    target.write_bytes(b"OLD\n")
+    link = tmp_path / "link.file"
+    link.symlink_to(target)
+    result = CliRunner().invoke(cli, _argv(name, shared, link))
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink()
+    assert target.read_bytes() != b"OLD\n" and target.stat().st_size > 100
+    assert sorted(p.name for p in target.parent.iterdir()) == ["real.file"]

@@ -127,10 +127,20 @@ def derive(ds: xr.Dataset) -> xr.Dataset:
 
 
 def write(ds: xr.Dataset, path: Path) -> Path:
-    """The netCDF file (measured variables only: the rest is derived again on reading)."""
+    """The netCDF file (measured variables only: the rest is derived again on reading),
+    replaced atomically: a failed write keeps the file that was there."""
+    from dvfs.outputs import replacing
+
     keep = ["seconds", "power_w", "observed_sm_clock_mhz", "flops", "bytes", "sm_clock_mhz"]
     keep += ["locked", "power_limit_w"]
-    ds[keep].to_netcdf(path)
+    try:
+        with replacing(path) as tmp:
+            ds[keep].to_netcdf(tmp)
+    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RooflineFileError(
+            f"cannot write {path} ({first}): free space or choose another --out"
+        ) from exc
     return path
 
 
