@@ -604,6 +604,25 @@ def _headroom_with(**changes: Any) -> Callable[[dict[str, Path]], str]:
     return make
 
 
+def _headroom_edit(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Path]], str]:
+    """The shared headroom document with `edit` applied to it (nested values)."""
+
+    def make(shared: dict[str, Path]) -> str:
+        doc = json.loads(shared["headroom"].read_text())
+        edit(doc)
+        return json.dumps(doc)
+
+    return make
+
+
+def _every_row(key: str, value: Any, under: str | None = None) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        for row in doc["rows"]:
+            (row[under] if under else row)[key] = value
+
+    return edit
+
+
 PLAN_CASES = [
     plan_case("missing-file", None, "h.json"),
     plan_case("is-a-directory", DIR, "h.json"),
@@ -615,6 +634,34 @@ PLAN_CASES = [
     plan_case("wrong-schema", _headroom_with(schema="dvfs.compare/1"), "headroom"),
     plan_case("rows-not-list", _headroom_with(rows=5), "rows"),
     plan_case("a-cube-instead", lambda s: s["cube"].read_bytes(), "h.json"),
+    # the right keys, wrong types inside (a hand-edited or damaged document)
+    plan_case("target-not-a-table", _headroom_with(target="tpot"), "target", "tpot"),
+    plan_case("gpu-not-a-table", _headroom_with(gpu=5), "gpu"),
+    plan_case("reference-null", _headroom_with(reference=None), "reference"),
+    plan_case(
+        "stock-clock-string",
+        _headroom_edit(lambda d: d["reference"].update(stock_sm_clock_mhz="x")),
+        "reference.stock_sm_clock_mhz",
+    ),
+    plan_case("row-not-a-table", _headroom_edit(lambda d: d["rows"].append(5)), "rows[2]"),
+    plan_case("row-empty-table", _headroom_edit(lambda d: d["rows"].append({})), "rows[2]"),
+    plan_case("row-batch-list", _headroom_edit(_every_row("batch", [])), "rows[0].batch"),
+    plan_case(
+        "chosen-null-when-feasible", _headroom_edit(_every_row("chosen", None)), "rows[0].chosen"
+    ),
+    plan_case(
+        "chosen-clock-string",
+        _headroom_edit(_every_row("sm_clock_mhz", "1500", under="chosen")),
+        "rows[0].chosen.sm_clock_mhz",
+        "1500",
+    ),
+    C(
+        "plan-per-batch-energy-string",
+        ["cap", "plan", "{tmp}/h.json", "--per-batch", "--drafter", "eagle3"],
+        files={"h.json": _headroom_edit(_every_row("energy_per_token_j", "x"))},
+        code=2,
+        says=("energy_per_token_j", '"x"'),
+    ),
     plan_case("unknown-batch", lambda s: s["headroom"].read_text(), "999", args=("--batch", "999")),
     plan_case(
         "unknown-drafter",
