@@ -971,6 +971,32 @@ def _journal_off_grid(records: list[dict[str, Any]]) -> list[Any]:
     return records
 
 
+def _roofline_with(change: Callable[[Any], Any]) -> Writer:
+    """A twin roofline file (`dvfs gpu roofline --twin`), changed before it is saved."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import xarray as xr
+
+        made = path.with_name("made.nc")
+        result = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(made)])
+        assert result.exit_code == 0, result.output
+        with xr.open_dataset(made) as ds:
+            change(ds.load()).to_netcdf(path)
+
+    return Writer(make)
+
+
+ROOFLINE_FILES = {
+    "binary": (binary_bytes(), ("r.nc",)),
+    "a-cube": (lambda s: s["cube"].read_bytes(), ("r.nc", "dvfs.roofline/1")),
+    "no-flops": (_roofline_with(lambda ds: ds.drop_vars("flops")), ("r.nc", "flops")),
+    "seconds-text": (
+        _roofline_with(lambda ds: ds.assign(seconds=ds["seconds"].astype("S8"))),
+        ("r.nc", "damaged"),
+    ),
+}
+
+
 def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
@@ -996,6 +1022,21 @@ MORE_CASES = [
         says=("cube.nc",),
     ),
     journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+    *(
+        C(
+            f"roofline-{kind}-{cmd}",
+            argv,
+            files={"r.nc": content},
+            code=(1, 2),
+            says=says,
+        )
+        for kind, (content, says) in ROOFLINE_FILES.items()
+        for cmd, argv in (
+            ("compare", ["compare", "{cube}", "--roofline", "{tmp}/r.nc"]),
+            ("twin-fit", ["twin", "fit", "{tmp}/r.nc", "-o", "{tmp}/p.toml"]),
+        )
+        if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
+    ),
     corpus_case(
         "path-empty-string",
         "x",
