@@ -997,6 +997,25 @@ ROOFLINE_FILES = {
 }
 
 
+def _profile_with(key: str, value: str) -> Writer:
+    """A `dvfs twin fit` profile (fitted to a twin roofline) with `key = value` in its table."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import re
+
+        roofline = path.with_name("roofline.nc")
+        for argv in (
+            ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(roofline)],
+            ["twin", "fit", str(roofline), "-o", str(path)],
+        ):
+            result = CliRunner().invoke(cli, argv)
+            assert result.exit_code == 0, result.output
+        text = path.read_text()
+        path.write_text(re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text))
+
+    return Writer(make)
+
+
 def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
@@ -1022,6 +1041,25 @@ MORE_CASES = [
         says=("cube.nc",),
     ),
     journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+    *(
+        C(
+            f"twin-profile-{id}",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": _profile_with(key, value)},
+            code=2,
+            says=("p.toml", key),
+        )
+        for id, key, value in (
+            ("count-text", "sm_count", '"many"'),
+            ("efficiency-text", "verify_attention_efficiency", '"half"'),
+            ("bandwidth-zero", "hbm_bandwidth_gb_s", "0"),
+            ("clock-step-zero", "sm_clock_step_mhz", "0"),
+            ("efficiency-nan", "gemm_efficiency", "nan"),
+            ("nvlink-zero", "nvlink_gb_s", "0"),
+            ("limit-min-above-default", "power_limit_min_w", "5000.0"),
+            ("name-number", "nvml_name", "5"),
+        )
+    ),
     *(
         C(
             f"roofline-{kind}-{cmd}",
