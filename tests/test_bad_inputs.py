@@ -852,6 +852,63 @@ CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
 }
 
+
+def _raw_cube_with(change: Callable[[Any], Any]) -> Writer:
+    """The shared cube changed and saved by xarray as it is (dvfs's writer would refuse to
+    encode text where its integer flags go)."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube
+
+        ds = change(open_cube(env["cube"]))
+        for var in ds.variables.values():
+            var.encoding = {}
+        ds.to_netcdf(path)
+
+    return Writer(make)
+
+
+def _valid_cells_energy(value: float) -> Callable[[Any], Any]:
+    """Every valid cell's energy per token set to `value` (NaN, or a negative number)."""
+
+    def change(ds: Any) -> Any:
+        ds = ds.copy(deep=True)
+        ds["energy_per_token_j"] = ds["energy_per_token_j"].where(ds["valid"] != 1, value)
+        return ds
+
+    return change
+
+
+#: Valid netCDF files shaped like a cube with values no analysis can use: (content, says,
+#: whether `dvfs cube info` refuses it too: it reads no energies).
+DAMAGED_VALUES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
+    "valid-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(valid=ds["valid"].astype(str))),
+        ("cube.nc", "valid"),
+        True,
+    ),
+    "clock-nan": (
+        _cube_with(lambda ds: ds.assign_coords(sm_clock=ds["sm_clock"] * float("nan"))),
+        ("cube.nc", "sm_clock"),
+        True,
+    ),
+    "latency-no-quantile-axis": (
+        _cube_with(lambda ds: ds.drop_vars("quantile")),
+        ("cube.nc", "quantile"),
+        True,
+    ),
+    "energy-nan-in-valid-cells": (
+        _cube_with(_valid_cells_energy(float("nan"))),
+        ("cube.nc", "energy_per_token_j"),
+        False,
+    ),
+    "energy-negative": (
+        _cube_with(_valid_cells_energy(-1.0)),
+        ("cube.nc", "energy_per_token_j"),
+        False,
+    ),
+}
+
 CUBE_COMMANDS = {
     "info": ["cube", "info", "{tmp}/cube.nc"],
     "headroom": ["headroom", "{tmp}/cube.nc"],
@@ -860,38 +917,47 @@ CUBE_COMMANDS = {
     "merge": ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"],
 }
 
-CUBE_CASES = [
-    C(
-        f"cube-{cmd}-{kind}",
-        argv,
-        files={} if content is None else {"cube.nc": content},
-        code=1,
-        says=says,
-    )
-    for kind, (content, says) in CUBE_FILES.items()
-    for cmd, argv in CUBE_COMMANDS.items()
-    if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
-] + [
-    C(
-        "cube-info-empty-dir",
-        ["cube", "info", "{tmp}/run"],
-        files={"run/x.txt": "x"},
-        code=1,
-        says=("cube.nc",),
-    ),
-    C(
-        "cube-merge-one-cube",
-        ["cube", "merge", "{cube}", "-o", "{tmp}/m.nc"],
-        code=2,
-        says=("at least two cubes",),
-    ),
-    C(
-        "cube-merge-itself",
-        ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
-        code=2,
-        says=("same GPU",),
-    ),
-]
+CUBE_CASES = (
+    [
+        C(
+            f"cube-{cmd}-{kind}",
+            argv,
+            files={} if content is None else {"cube.nc": content},
+            code=1,
+            says=says,
+        )
+        for kind, (content, says) in CUBE_FILES.items()
+        for cmd, argv in CUBE_COMMANDS.items()
+        if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
+    ]
+    + [
+        C(f"cube-{cmd}-{kind}", argv, files={"cube.nc": content}, code=1, says=says)
+        for kind, (content, says, info_too) in DAMAGED_VALUES.items()
+        for cmd, argv in CUBE_COMMANDS.items()
+        if cmd in ("headroom", "compare") or (cmd == "info" and info_too)
+    ]
+    + [
+        C(
+            "cube-info-empty-dir",
+            ["cube", "info", "{tmp}/run"],
+            files={"run/x.txt": "x"},
+            code=1,
+            says=("cube.nc",),
+        ),
+        C(
+            "cube-merge-one-cube",
+            ["cube", "merge", "{cube}", "-o", "{tmp}/m.nc"],
+            code=2,
+            says=("at least two cubes",),
+        ),
+        C(
+            "cube-merge-itself",
+            ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
+            code=2,
+            says=("same GPU",),
+        ),
+    ]
+)
 
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 

@@ -189,4 +189,13 @@ def open_analysable(path: str | Path) -> xr.Dataset:
             "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
             "rerun `dvfs sweep`"
         )
+    energy = ds["energy_per_token_j"]
+    # A measured energy is a non-negative number: a valid cell holding NaN or a negative one
+    # is a damaged (or hand-edited) file, and no least-energy choice can be made from it.
+    damaged = int((valid & ~(np.isfinite(energy) & (energy >= 0))).sum())
+    if damaged:
+        raise CubeError(
+            f"{path} is damaged: {damaged} valid cell(s) hold no energy_per_token_j (NaN) or a "
+            f"negative one: {_rebuild_hint(path)}"
+        )
     return ds
