@@ -1339,6 +1339,41 @@ FAULT_CASES = [
     )
 ]
 
+# A read-only or full disk under the input's own folder: the advice names the output option
+# (the way round it), never the input.
+FAULT_CASES += [
+    C(
+        f"fault-{cmd}-beside-its-input-{kind}",
+        argv,
+        files=files,
+        code=1,
+        says=("{tmp}/ro", words, option),
+        fault=("ro", err),
+    )
+    for kind, (err, _, words) in FAULTS.items()
+    if kind != "no-permission"
+    for cmd, argv, files, option in (
+        (
+            "headroom-o",
+            ["headroom", "{tmp}/ro", "-o", "{tmp}/ro/h.json"],
+            {"ro/cube.nc": lambda s: s["cube"].read_bytes()},
+            "another --output",
+        ),
+        (
+            "cube-build-default-out",
+            ["cube", "build", "{tmp}/ro"],
+            {"ro/journal.jsonl": lambda s: s["journal"].read_bytes()},
+            "another --out",
+        ),
+        (
+            "twin-fit-o",
+            ["twin", "fit", "{tmp}/ro", "-o", "{tmp}/ro/p.toml"],
+            {"ro/cube.nc": lambda s: s["cube"].read_bytes()},
+            "another --out",
+        ),
+    )
+]
+
 ALL_CASES = [
     *CAMPAIGN_FILE_CASES,
     *CAMPAIGN_KEY_CASES,
