@@ -1086,69 +1086,85 @@ def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
 
-MORE_CASES = [
-    C(
-        f"cube-{cmd}-missing-variable",
-        [cmd, "{tmp}/cube.nc", *extra],
-        files={"cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))},
-        code=1,
-        says=("cube.nc",),
-    )
-    for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
-] + [
-    camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
-    corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
-    caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
-    C(
-        "cube-info-symlink-loop",
-        ["cube", "info", "{tmp}/cube.nc"],
-        files={"cube.nc": Writer(_symlink_loop)},
-        code=1,
-        says=("cube.nc",),
-    ),
-    journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
-    *(
+MORE_CASES = (
+    [
         C(
-            f"twin-profile-{id}",
-            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
-            files={"c.toml": GOOD_TEXT, "p.toml": _profile_with(key, value)},
-            code=2,
-            says=("p.toml", key),
+            f"cube-{cmd}-missing-variable",
+            [cmd, "{tmp}/cube.nc", *extra],
+            files={
+                "cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))
+            },
+            code=1,
+            says=("cube.nc",),
         )
-        for id, key, value in (
-            ("count-text", "sm_count", '"many"'),
-            ("efficiency-text", "verify_attention_efficiency", '"half"'),
-            ("bandwidth-zero", "hbm_bandwidth_gb_s", "0"),
-            ("clock-step-zero", "sm_clock_step_mhz", "0"),
-            ("efficiency-nan", "gemm_efficiency", "nan"),
-            ("nvlink-zero", "nvlink_gb_s", "0"),
-            ("limit-min-above-default", "power_limit_min_w", "5000.0"),
-            ("name-number", "nvml_name", "5"),
-        )
-    ),
-    *(
+        for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
+    ]
+    + [
         C(
-            f"roofline-{kind}-{cmd}",
-            argv,
-            files={"r.nc": content},
-            code=(1, 2),
-            says=says,
+            f"cube-{cmd}-no-{var}",
+            [cmd, "{tmp}/cube.nc", *extra],
+            files={"cube.nc": _cube_with(lambda ds, var=var: ds.drop_vars(var))},
+            code=1,
+            says=("cube", var),
         )
-        for kind, (content, says) in ROOFLINE_FILES.items()
-        for cmd, argv in (
-            ("compare", ["compare", "{cube}", "--roofline", "{tmp}/r.nc"]),
-            ("twin-fit", ["twin", "fit", "{tmp}/r.nc", "-o", "{tmp}/p.toml"]),
-        )
-        if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
-    ),
-    corpus_case(
-        "path-empty-string",
-        "x",
-        None,
-        "folder",
-        spec={"path": "", "field": "text", "format": "jsonl"},
-    ),
-]
+        for var in ("timeline_t_s", "energy_j", "window_tokens")
+        for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
+    ]
+    + [
+        camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+        corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
+        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
+        C(
+            "cube-info-symlink-loop",
+            ["cube", "info", "{tmp}/cube.nc"],
+            files={"cube.nc": Writer(_symlink_loop)},
+            code=1,
+            says=("cube.nc",),
+        ),
+        journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+        *(
+            C(
+                f"twin-profile-{id}",
+                ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+                files={"c.toml": GOOD_TEXT, "p.toml": _profile_with(key, value)},
+                code=2,
+                says=("p.toml", key),
+            )
+            for id, key, value in (
+                ("count-text", "sm_count", '"many"'),
+                ("efficiency-text", "verify_attention_efficiency", '"half"'),
+                ("bandwidth-zero", "hbm_bandwidth_gb_s", "0"),
+                ("clock-step-zero", "sm_clock_step_mhz", "0"),
+                ("efficiency-nan", "gemm_efficiency", "nan"),
+                ("nvlink-zero", "nvlink_gb_s", "0"),
+                ("limit-min-above-default", "power_limit_min_w", "5000.0"),
+                ("name-number", "nvml_name", "5"),
+            )
+        ),
+        *(
+            C(
+                f"roofline-{kind}-{cmd}",
+                argv,
+                files={"r.nc": content},
+                code=(1, 2),
+                says=says,
+            )
+            for kind, (content, says) in ROOFLINE_FILES.items()
+            for cmd, argv in (
+                ("compare", ["compare", "{cube}", "--roofline", "{tmp}/r.nc"]),
+                ("twin-fit", ["twin", "fit", "{tmp}/r.nc", "-o", "{tmp}/p.toml"]),
+            )
+            if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
+        ),
+        corpus_case(
+            "path-empty-string",
+            "x",
+            None,
+            "folder",
+            spec={"path": "", "field": "text", "format": "jsonl"},
+        ),
+    ]
+)
 
 # -- command-line flags ----------------------------------------------------------------------
 
