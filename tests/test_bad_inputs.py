@@ -1082,6 +1082,17 @@ def _profile_with(key: str, value: str) -> Writer:
     return Writer(make)
 
 
+def _over_limit(limit_name: str) -> Writer:
+    """A file one byte over a read limit of dvfs.inputs (sparse: NULs, no disk)."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import dvfs.inputs
+
+        sparse_file(path, getattr(dvfs.inputs, limit_name) + 1)
+
+    return Writer(make)
+
+
 def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
@@ -1112,6 +1123,18 @@ MORE_CASES = (
     ]
     + [
         camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+        # a file far larger than any of its kind (a wrong path): refused unread, not read until
+        # memory runs out (/dev/zero is one too)
+        camp_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "c.toml", "16 MiB"),
+        caps_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "caps.toml", "16 MiB"),
+        plan_case("over-64mib", _over_limit("MAX_DOCUMENT_BYTES"), "h.json", "64 MiB"),
+        C(
+            "twin-profile-over-16mib",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": _over_limit("MAX_SETTINGS_BYTES")},
+            code=2,
+            says=("p.toml", "16 MiB"),
+        ),
         corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
         caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
         C(

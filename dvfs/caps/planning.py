@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 
 def load_headroom(path: Path) -> Any:
     """A `dvfs headroom --json` document from a file (`plan_caps` checks its shape)."""
+    from dvfs.inputs import MAX_DOCUMENT_BYTES, read_text_limited
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = read_text_limited(path, MAX_DOCUMENT_BYTES, CapsError, "headroom document")
+        return json.loads(text)
     except ValueError as exc:
         raise CapsError(
             f"{path} is not JSON ({exc}); write it with `dvfs headroom CUBE --json -o FILE`"

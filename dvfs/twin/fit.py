@@ -306,8 +306,12 @@ def load_profile(path: Path) -> GpuProfile:
     """The GPU profile of a file `profile_toml` wrote (one `[gpu.<key>]` table)."""
     import tomllib
 
+    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(
+            read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "twin profile")
+        )
     except (OSError, ValueError) as exc:
         raise CampaignError(f"{path} is not a readable TOML profile ({exc})") from exc
     tables = data.get("gpu")
