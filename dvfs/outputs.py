@@ -10,11 +10,12 @@ replace a device node, which root may do, with a regular file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -83,6 +84,29 @@ def replacing(path: Path) -> Iterator[Path]:
     finally:
         if tmp_path is not None:
             tmp_path.unlink(missing_ok=True)
+
+
+def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:
+    """`write(tmp)` (a `to_netcdf` call) through `replacing`. netCDF-C reports a full disk as
+    "Permission denied" (creating) or "NetCDF: HDF error" (writing): where the folder has no
+    room for about `size_bytes`, either becomes the ENOSPC it is, naming `path`."""
+    try:
+        with replacing(path) as tmp:
+            write(tmp)
+    except (OSError, RuntimeError) as exc:
+        if _short_of_space(path, size_bytes):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+        if isinstance(exc, OSError):
+            raise _named(exc, path) from exc
+        raise
+
+
+def _short_of_space(path: Path, size_bytes: int) -> bool:
+    try:
+        free = shutil.disk_usage(Path(os.path.realpath(path)).parent).free
+    except OSError:
+        return False
+    return free < size_bytes + (1 << 20)  # the file, and room for HDF5's metadata
 
 
 def write_bytes(path: Path, data: bytes) -> None:

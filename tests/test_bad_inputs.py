@@ -1741,7 +1741,10 @@ def test_a_fifo_output_is_written_not_replaced(
     def drain() -> None:
         while True:
             ready, _, _ = select.select([fd], [], [], 0.05)
-            chunk = os.read(fd, 1 << 16) if ready else b""
+            try:
+                chunk = os.read(fd, 1 << 16) if ready else b""
+            except BlockingIOError:  # the writer opened after select said "no writer": EOF
+                continue
             got.append(chunk)
             if not chunk and done.is_set():
                 return
@@ -1776,3 +1779,45 @@ def test_a_symlinked_output_keeps_its_link(
     assert link.is_symlink()
     assert target.read_bytes() != b"OLD\n" and target.stat().st_size > 100
     assert sorted(p.name for p in target.parent.iterdir()) == ["real.file"]
+
+
+@pytest.mark.parametrize(
+    ("name", "netcdf_says"),
+    [
+        ("cube-build-o", PermissionError(errno.EACCES, "Permission denied")),
+        ("cube-build-o", RuntimeError("NetCDF: HDF error")),
+        ("roofline-o", PermissionError(errno.EACCES, "Permission denied")),
+        ("roofline-o", RuntimeError("NetCDF: HDF error")),
+    ],
+    ids=["cube-create", "cube-write", "roofline-create", "roofline-write"],
+)
+def test_a_full_disk_under_netcdf_is_said_to_be_full(
+    name: str,
+    netcdf_says: Exception,
+    shared: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """netCDF-C reports a full disk as "Permission denied" when it creates the file (as a 64 KiB
+    tmpfs shows) and as "NetCDF: HDF error" when it writes: with no room left in the folder,
+    dvfs says the disk is full, names the user's path (not its temp file), and keeps no temp
+    file."""
+    import shutil
+    from collections import namedtuple
+
+    import xarray as xr
+
+    def full_disk_netcdf(self: Any, path: Any = None, *args: Any, **kwargs: Any) -> None:
+        Path(path).write_bytes(b"")  # created, then the disk is full
+        raise netcdf_says
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", full_disk_netcdf)
+    out = tmp_path / "out" / "file.nc"
+    out.parent.mkdir()
+    result = CliRunner().invoke(cli, _argv(name, shared, out))
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"cannot write {out}: no space left on the device" in line, line
+    assert list(out.parent.iterdir()) == []

@@ -111,21 +111,22 @@ def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
     """Write atomically (`dvfs.outputs.replacing`): a temp file in the same folder, renamed
     over the target, so a failed write (full disk, read-only folder) leaves the previous cube
     and no partial file; a device such as /dev/null is written, never replaced."""
-    from dvfs.outputs import replacing
+    from dvfs.outputs import write_netcdf
 
     path = Path(path)
+
+    def write(tmp: Path) -> None:
+        on_disk = _labels_to_cf(ds)
+        with _no_chunk_cache():
+            on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path) as tmp:
-            on_disk = _labels_to_cf(ds)
-            with _no_chunk_cache():
-                on_disk.to_netcdf(
-                    tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk)
-                )
+        write_netcdf(path, write, int(ds.nbytes))
     except OSError as exc:
         # The temp file's name means nothing to the user; the cube's path says where.
         raise CubeError(describe_os_error(exc, f"write the cube {path}", show_file=False)) from exc
-    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+    except RuntimeError as exc:  # netCDF-C's other failed writes
         raise CubeError(f"cannot write the cube {path}: {_first_line(exc)}") from exc
     return path
 

@@ -142,17 +142,14 @@ MEASURED = (
 def write(ds: xr.Dataset, path: Path) -> Path:
     """The netCDF file (measured variables only: the rest is derived again on reading),
     replaced atomically: a failed write keeps the file that was there."""
-    from dvfs.outputs import replacing
+    from dvfs.outputs import write_netcdf
 
-    keep = list(MEASURED)
+    measured = ds[list(MEASURED)]
     try:
-        with replacing(path) as tmp:
-            ds[keep].to_netcdf(tmp)
-    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+        write_netcdf(path, measured.to_netcdf, int(measured.nbytes))
+    except RuntimeError as exc:  # netCDF-C's other failed writes
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RooflineFileError(
-            f"cannot write {path} ({first}): free space or choose another --out"
-        ) from exc
+        raise RooflineFileError(f"cannot write {path}: {first}") from exc
     return path
 
 
