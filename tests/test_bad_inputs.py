@@ -887,6 +887,11 @@ DAMAGED_VALUES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
         ("cube.nc", "valid"),
         True,
     ),
+    "timeline-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(timeline_power_w=ds["timeline_power_w"].astype(str))),
+        ("cube.nc", "timeline_power_w"),
+        True,
+    ),
     "clock-nan": (
         _cube_with(lambda ds: ds.assign_coords(sm_clock=ds["sm_clock"] * float("nan"))),
         ("cube.nc", "sm_clock"),
@@ -934,7 +939,7 @@ CUBE_CASES = (
         C(f"cube-{cmd}-{kind}", argv, files={"cube.nc": content}, code=1, says=says)
         for kind, (content, says, info_too) in DAMAGED_VALUES.items()
         for cmd, argv in CUBE_COMMANDS.items()
-        if cmd in ("headroom", "compare") or (cmd == "info" and info_too)
+        if cmd in ("headroom", "compare", "plot") or (cmd == "info" and info_too)
     ]
     + [
         C(
