@@ -71,6 +71,7 @@ class Case:
     fault: tuple[str, int] | None = None  # (folder under {tmp}, errno): writes there fail
     chatty: bool = False  # progress or warnings may come first; the error is the last line
     nvml: bool = False  # run against the fake NVML (as root)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables set (placeholders)
     xfail: str | None = None
 
 
@@ -985,6 +986,19 @@ GPU_CASES = [
         ("empty", ""),
     )
 ] + [
+    *(
+        C(
+            f"state-dir-env-{where}-{'-'.join(argv[:2])}",
+            argv,
+            files={"caps.toml": GOOD_CAPS, "file.txt": "x"},
+            nvml=True,
+            env={"DVFS_STATE_DIR": value},
+            code=1,
+            says=(f"DVFS_STATE_DIR={value!r}", "set DVFS_STATE_DIR to a folder"),
+        )
+        for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
+        for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
+    ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",)),
     C("gpu-reset-no-such-uuid", ["gpu", "reset", "GPU-nope"], nvml=True, says=("GPU-nope",)),
     C("cap-reset-no-such-index", ["cap", "reset", "7"], nvml=True, says=("7",)),
@@ -1549,7 +1563,7 @@ def test_bad_input_is_one_clean_error(
         places["uuid0"] = json.loads(listed.stdout)[0]["uuid"]
     _materialise({_fill(k, places): v for k, v in case.files.items()}, tmp_path, shared)
     argv = [_fill(a, places) for a in case.argv]
-    runner = CliRunner()
+    runner = CliRunner(env={k: _fill(v, places) for k, v in case.env.items()})
     if case.fault:
         folder, code = case.fault
         with failing_writes(tmp_path / folder, code):
