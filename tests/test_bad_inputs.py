@@ -893,6 +893,11 @@ DAMAGED_VALUES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
         ("cube.nc", "timeline_power_w"),
         True,
     ),
+    "split-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(energy_draft_j=ds["energy_draft_j"].astype(str))),
+        ("cube.nc", "energy_draft_j"),
+        True,
+    ),
     "clock-nan": (
         _cube_with(lambda ds: ds.assign_coords(sm_clock=ds["sm_clock"] * float("nan"))),
         ("cube.nc", "sm_clock"),
@@ -1137,7 +1142,7 @@ MORE_CASES = (
             code=1,
             says=("cube", var),
         )
-        for var in ("timeline_t_s", "energy_j", "window_tokens")
+        for var in ("timeline_t_s", "energy_j", "window_tokens", "energy_draft_j")
         for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
     ]
     + [

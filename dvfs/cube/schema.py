@@ -238,7 +238,8 @@ def _value_problem(ds: xr.Dataset) -> str | None:
         values = ds[name].values
         if values.dtype.kind not in "iuf" or not np.isfinite(values).all():
             return f"its {name} coordinate holds {values.tolist()[:4]!r}, not finite numbers"
-    numeric = {v.name for v in (*VARIABLES, *TIMELINE)} | set(REQUIRED_VARIABLES)
+    numeric = {v.name for v in (*VARIABLES, *GPU_TIME, *SPLIT, *TIMELINE)}
+    numeric |= set(REQUIRED_VARIABLES)
     for name in sorted(numeric & set(ds.data_vars)):
         var = ds[name]
         if var.dtype.kind not in "biuf":

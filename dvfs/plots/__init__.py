@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.split import where_energy_goes
 from dvfs.analysis.targets import Target
+from dvfs.cube.schema import SPLIT_MEANINGS
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
     corpus_panels,
@@ -86,7 +87,13 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
 #: Variables the timelines figure reads where the cube has sampled power, and those the energy
 #: split reads where it has a split (a cube may have neither: those figures are left out).
 TIMELINE_VARIABLES = ("timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz")
-SPLIT_VARIABLES = ("energy_j", "decode_time_s", "accept_length", "window_tokens")
+SPLIT_VARIABLES = (
+    "energy_j",
+    "decode_time_s",
+    "accept_length",
+    "window_tokens",
+    *(f"energy_{part}_j" for part in SPLIT_MEANINGS),
+)
 
 
 def missing_for_figures(cube: xr.Dataset) -> list[str]:
