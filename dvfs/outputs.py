@@ -38,11 +38,12 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 
 @contextlib.contextmanager
-def replacing(path: Path) -> Iterator[Path]:
+def replacing(path: Path, *, sync: bool = True) -> Iterator[Path]:
     """A temp path to write `path`'s new content to; on a clean exit it becomes `path`.
 
     On an exception the temp file is removed and `path` is untouched. An OSError of the
-    replacing itself names `path`.
+    replacing itself names `path`. `sync`: flush the new content to disk before the rename
+    (a power loss then keeps one of the two whole; figures, drawn again from the cube, skip it).
     """
     real = Path(os.path.realpath(path))
     try:
@@ -71,11 +72,12 @@ def replacing(path: Path) -> Iterator[Path]:
         tmp_path = Path(name)
         yield tmp_path
         try:
-            fd = os.open(tmp_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if sync:
+                fd = os.open(tmp_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.chmod(tmp_path, new_file_mode() if mode is None else stat.S_IMODE(mode))
             os.replace(tmp_path, real)
         except OSError as exc:
@@ -109,9 +111,9 @@ def _short_of_space(path: Path, size_bytes: int) -> bool:
     return free < size_bytes + (1 << 20)  # the file, and room for HDF5's metadata
 
 
-def write_bytes(path: Path, data: bytes) -> None:
+def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
     """`data` as the content of `path`, replaced atomically (see `replacing`)."""
-    with replacing(path) as tmp:
+    with replacing(path, sync=sync) as tmp:
         try:
             tmp.write_bytes(data)
         except OSError as exc:

@@ -1708,6 +1708,15 @@ def _argv(name: str, shared: dict[str, Path], out: Path) -> list[str]:
     return [_fill(a, places) for a in OVERWRITES[name]]
 
 
+def _capped_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a dvfs run under a file-size limit: no bytecode written (Python
+    ignores a short write of a .pyc and would leave it cut short for later runs) and
+    matplotlib's caches in `tmp_path` (not the user's)."""
+    from conftest import subprocess_env
+
+    return subprocess_env(PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
+
+
 @pytest.mark.parametrize("name", list(OVERWRITES))
 def test_a_write_cut_short_keeps_the_old_file(
     name: str, shared: dict[str, Path], tmp_path: Path
@@ -1719,12 +1728,14 @@ def test_a_write_cut_short_keeps_the_old_file(
     import signal
     import subprocess
 
-    from conftest import PYTHON, subprocess_env
+    from conftest import PYTHON
 
     out = tmp_path / "out" / "old.file"
     out.parent.mkdir()
     out.write_bytes(b"OLD\n")
-    limit = 512  # bytes: each command's output is larger
+    # bytes: each command's output is larger (the report's figures, drawn to a temp folder
+    # first, are smaller than the report)
+    limit = 200_000 if name == "report-o" else 512
 
     def small_files() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
@@ -1735,7 +1746,7 @@ def test_a_write_cut_short_keeps_the_old_file(
         preexec_fn=small_files,
         capture_output=True,
         text=True,
-        env=subprocess_env(),
+        env=_capped_env(tmp_path),
         timeout=300,
     )
     assert proc.returncode == 1, proc.stderr
@@ -1845,3 +1856,39 @@ def test_a_full_disk_under_netcdf_is_said_to_be_full(
     [line] = result.stderr.splitlines()
     assert f"cannot write {out}: no space left on the device" in line, line
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["png", "svg"])
+def test_a_figure_cut_short_keeps_the_old_one(
+    fmt: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs plot` into a folder of earlier figures on a disk that fills part-way through (the
+    file-size limit, as in `test_a_write_cut_short_keeps_the_old_file`): the figure being
+    written when it fails keeps its earlier content."""
+    import resource
+    import signal
+    import subprocess
+
+    from conftest import PYTHON
+
+    out = tmp_path / "plots"
+    out.mkdir()
+    first = out / f"energy_vs_clock_code.{fmt}"  # the first figure `dvfs plot` writes
+    first.write_bytes(b"OLD\n")
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    proc = subprocess.run(
+        [PYTHON, "-m", "dvfs", "plot", str(shared["cube"]), "--out", str(out), "--format", fmt],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        env=_capped_env(tmp_path),
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert first.read_bytes() == b"OLD\n"
+    assert [p.name for p in out.iterdir()] == [first.name]
