@@ -231,6 +231,8 @@ def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
     code = 0
     if not probe.is_dir():  # the folder itself a file, or a file above it
         code = errno.EEXIST if probe == out_dir else errno.ENOTDIR
+    elif os.statvfs(probe).f_flag & os.ST_RDONLY:  # root passes os.access even there
+        code = errno.EROFS
     elif not os.access(probe, os.W_OK | os.X_OK):
         code = errno.EACCES
     if code:

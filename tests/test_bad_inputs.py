@@ -71,6 +71,7 @@ class Case:
     fault: tuple[str, int] | None = None  # (folder under {tmp}, errno): writes there fail
     chatty: bool = False  # progress or warnings may come first; the error is the last line
     nvml: bool = False  # run against the fake NVML (as root)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables set (placeholders)
     xfail: str | None = None
 
 
@@ -619,6 +620,25 @@ def _headroom_with(**changes: Any) -> Callable[[dict[str, Path]], str]:
     return make
 
 
+def _headroom_edit(edit: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Path]], str]:
+    """The shared headroom document with `edit` applied to it (nested values)."""
+
+    def make(shared: dict[str, Path]) -> str:
+        doc = json.loads(shared["headroom"].read_text())
+        edit(doc)
+        return json.dumps(doc)
+
+    return make
+
+
+def _every_row(key: str, value: Any, under: str | None = None) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        for row in doc["rows"]:
+            (row[under] if under else row)[key] = value
+
+    return edit
+
+
 PLAN_CASES = [
     plan_case("missing-file", None, "h.json"),
     plan_case("is-a-directory", DIR, "h.json"),
@@ -630,6 +650,34 @@ PLAN_CASES = [
     plan_case("wrong-schema", _headroom_with(schema="dvfs.compare/1"), "headroom"),
     plan_case("rows-not-list", _headroom_with(rows=5), "rows"),
     plan_case("a-cube-instead", lambda s: s["cube"].read_bytes(), "h.json"),
+    # the right keys, wrong types inside (a hand-edited or damaged document)
+    plan_case("target-not-a-table", _headroom_with(target="tpot"), "target", "tpot"),
+    plan_case("gpu-not-a-table", _headroom_with(gpu=5), "gpu"),
+    plan_case("reference-null", _headroom_with(reference=None), "reference"),
+    plan_case(
+        "stock-clock-string",
+        _headroom_edit(lambda d: d["reference"].update(stock_sm_clock_mhz="x")),
+        "reference.stock_sm_clock_mhz",
+    ),
+    plan_case("row-not-a-table", _headroom_edit(lambda d: d["rows"].append(5)), "rows[2]"),
+    plan_case("row-empty-table", _headroom_edit(lambda d: d["rows"].append({})), "rows[2]"),
+    plan_case("row-batch-list", _headroom_edit(_every_row("batch", [])), "rows[0].batch"),
+    plan_case(
+        "chosen-null-when-feasible", _headroom_edit(_every_row("chosen", None)), "rows[0].chosen"
+    ),
+    plan_case(
+        "chosen-clock-string",
+        _headroom_edit(_every_row("sm_clock_mhz", "1500", under="chosen")),
+        "rows[0].chosen.sm_clock_mhz",
+        "1500",
+    ),
+    C(
+        "plan-per-batch-energy-string",
+        ["cap", "plan", "{tmp}/h.json", "--per-batch", "--drafter", "eagle3"],
+        files={"h.json": _headroom_edit(_every_row("energy_per_token_j", "x"))},
+        code=2,
+        says=("energy_per_token_j", '"x"'),
+    ),
     plan_case("unknown-batch", lambda s: s["headroom"].read_text(), "999", args=("--batch", "999")),
     plan_case(
         "unknown-drafter",
@@ -820,6 +868,73 @@ CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
 }
 
+
+def _raw_cube_with(change: Callable[[Any], Any]) -> Writer:
+    """The shared cube changed and saved by xarray as it is (dvfs's writer would refuse to
+    encode text where its integer flags go)."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube
+
+        ds = change(open_cube(env["cube"]))
+        for var in ds.variables.values():
+            var.encoding = {}
+        ds.to_netcdf(path)
+
+    return Writer(make)
+
+
+def _valid_cells_energy(value: float) -> Callable[[Any], Any]:
+    """Every valid cell's energy per token set to `value` (NaN, or a negative number)."""
+
+    def change(ds: Any) -> Any:
+        ds = ds.copy(deep=True)
+        ds["energy_per_token_j"] = ds["energy_per_token_j"].where(ds["valid"] != 1, value)
+        return ds
+
+    return change
+
+
+#: Valid netCDF files shaped like a cube with values no analysis can use: (content, says,
+#: whether `dvfs cube info` refuses it too: it reads no energies).
+DAMAGED_VALUES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
+    "valid-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(valid=ds["valid"].astype(str))),
+        ("cube.nc", "valid"),
+        True,
+    ),
+    "timeline-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(timeline_power_w=ds["timeline_power_w"].astype(str))),
+        ("cube.nc", "timeline_power_w"),
+        True,
+    ),
+    "split-as-text": (
+        _raw_cube_with(lambda ds: ds.assign(energy_draft_j=ds["energy_draft_j"].astype(str))),
+        ("cube.nc", "energy_draft_j"),
+        True,
+    ),
+    "clock-nan": (
+        _cube_with(lambda ds: ds.assign_coords(sm_clock=ds["sm_clock"] * float("nan"))),
+        ("cube.nc", "sm_clock"),
+        True,
+    ),
+    "latency-no-quantile-axis": (
+        _cube_with(lambda ds: ds.drop_vars("quantile")),
+        ("cube.nc", "quantile"),
+        True,
+    ),
+    "energy-nan-in-valid-cells": (
+        _cube_with(_valid_cells_energy(float("nan"))),
+        ("cube.nc", "energy_per_token_j"),
+        False,
+    ),
+    "energy-negative": (
+        _cube_with(_valid_cells_energy(-1.0)),
+        ("cube.nc", "energy_per_token_j"),
+        False,
+    ),
+}
+
 CUBE_COMMANDS = {
     "info": ["cube", "info", "{tmp}/cube.nc"],
     "headroom": ["headroom", "{tmp}/cube.nc"],
@@ -828,38 +943,47 @@ CUBE_COMMANDS = {
     "merge": ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"],
 }
 
-CUBE_CASES = [
-    C(
-        f"cube-{cmd}-{kind}",
-        argv,
-        files={} if content is None else {"cube.nc": content},
-        code=1,
-        says=says,
-    )
-    for kind, (content, says) in CUBE_FILES.items()
-    for cmd, argv in CUBE_COMMANDS.items()
-    if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
-] + [
-    C(
-        "cube-info-empty-dir",
-        ["cube", "info", "{tmp}/run"],
-        files={"run/x.txt": "x"},
-        code=1,
-        says=("cube.nc",),
-    ),
-    C(
-        "cube-merge-one-cube",
-        ["cube", "merge", "{cube}", "-o", "{tmp}/m.nc"],
-        code=2,
-        says=("at least two cubes",),
-    ),
-    C(
-        "cube-merge-itself",
-        ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
-        code=2,
-        says=("same GPU",),
-    ),
-]
+CUBE_CASES = (
+    [
+        C(
+            f"cube-{cmd}-{kind}",
+            argv,
+            files={} if content is None else {"cube.nc": content},
+            code=1,
+            says=says,
+        )
+        for kind, (content, says) in CUBE_FILES.items()
+        for cmd, argv in CUBE_COMMANDS.items()
+        if cmd == "info" or kind in ("missing", "text-file", "truncated", "not-a-dvfs-cube")
+    ]
+    + [
+        C(f"cube-{cmd}-{kind}", argv, files={"cube.nc": content}, code=1, says=says)
+        for kind, (content, says, info_too) in DAMAGED_VALUES.items()
+        for cmd, argv in CUBE_COMMANDS.items()
+        if cmd in ("headroom", "compare", "plot") or (cmd == "info" and info_too)
+    ]
+    + [
+        C(
+            "cube-info-empty-dir",
+            ["cube", "info", "{tmp}/run"],
+            files={"run/x.txt": "x"},
+            code=1,
+            says=("cube.nc",),
+        ),
+        C(
+            "cube-merge-one-cube",
+            ["cube", "merge", "{cube}", "-o", "{tmp}/m.nc"],
+            code=2,
+            says=("at least two cubes",),
+        ),
+        C(
+            "cube-merge-itself",
+            ["cube", "merge", "{cube}", "{cube}", "-o", "{tmp}/m.nc"],
+            code=2,
+            says=("same GPU",),
+        ),
+    ]
+)
 
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 
@@ -882,6 +1006,19 @@ GPU_CASES = [
         ("empty", ""),
     )
 ] + [
+    *(
+        C(
+            f"state-dir-env-{where}-{'-'.join(argv[:2])}",
+            argv,
+            files={"caps.toml": GOOD_CAPS, "file.txt": "x"},
+            nvml=True,
+            env={"DVFS_STATE_DIR": value},
+            code=1,
+            says=(f"DVFS_STATE_DIR={value!r}", "set DVFS_STATE_DIR to a folder"),
+        )
+        for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
+        for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
+    ),
     C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",)),
     C("gpu-reset-no-such-uuid", ["gpu", "reset", "GPU-nope"], nvml=True, says=("GPU-nope",)),
     C("cap-reset-no-such-index", ["cap", "reset", "7"], nvml=True, says=("7",)),
@@ -939,39 +1076,157 @@ def _journal_off_grid(records: list[dict[str, Any]]) -> list[Any]:
     return records
 
 
+def _roofline_with(change: Callable[[Any], Any]) -> Writer:
+    """A twin roofline file (`dvfs gpu roofline --twin`), changed before it is saved."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import xarray as xr
+
+        made = path.with_name("made.nc")
+        result = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(made)])
+        assert result.exit_code == 0, result.output
+        with xr.open_dataset(made) as ds:
+            change(ds.load()).to_netcdf(path)
+
+    return Writer(make)
+
+
+ROOFLINE_FILES = {
+    "binary": (binary_bytes(), ("r.nc",)),
+    "a-cube": (lambda s: s["cube"].read_bytes(), ("r.nc", "dvfs.roofline/1")),
+    "no-flops": (_roofline_with(lambda ds: ds.drop_vars("flops")), ("r.nc", "flops")),
+    "seconds-text": (
+        _roofline_with(lambda ds: ds.assign(seconds=ds["seconds"].astype("S8"))),
+        ("r.nc", "damaged"),
+    ),
+}
+
+
+def _profile_with(key: str, value: str) -> Writer:
+    """A `dvfs twin fit` profile (fitted to a twin roofline) with `key = value` in its table."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import re
+
+        roofline = path.with_name("roofline.nc")
+        for argv in (
+            ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(roofline)],
+            ["twin", "fit", str(roofline), "-o", str(path)],
+        ):
+            result = CliRunner().invoke(cli, argv)
+            assert result.exit_code == 0, result.output
+        text = path.read_text()
+        path.write_text(re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text))
+
+    return Writer(make)
+
+
+def _over_limit(limit_name: str) -> Writer:
+    """A file one byte over a read limit of dvfs.inputs (sparse: NULs, no disk)."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        import dvfs.inputs
+
+        sparse_file(path, getattr(dvfs.inputs, limit_name) + 1)
+
+    return Writer(make)
+
+
 def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
 
-MORE_CASES = [
-    C(
-        f"cube-{cmd}-missing-variable",
-        [cmd, "{tmp}/cube.nc", *extra],
-        files={"cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))},
-        code=1,
-        says=("cube.nc",),
-    )
-    for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
-] + [
-    camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
-    corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
-    caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
-    C(
-        "cube-info-symlink-loop",
-        ["cube", "info", "{tmp}/cube.nc"],
-        files={"cube.nc": Writer(_symlink_loop)},
-        code=1,
-        says=("cube.nc",),
-    ),
-    journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
-    corpus_case(
-        "path-empty-string",
-        "x",
-        None,
-        "folder",
-        spec={"path": "", "field": "text", "format": "jsonl"},
-    ),
-]
+MORE_CASES = (
+    [
+        C(
+            f"cube-{cmd}-missing-variable",
+            [cmd, "{tmp}/cube.nc", *extra],
+            files={
+                "cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))
+            },
+            code=1,
+            says=("cube.nc",),
+        )
+        for cmd, extra in (("headroom", []), ("compare", []), ("plot", ["--out", "{tmp}/p"]))
+    ]
+    + [
+        C(
+            f"cube-{cmd}-no-{var}",
+            [cmd, "{tmp}/cube.nc", *extra],
+            files={"cube.nc": _cube_with(lambda ds, var=var: ds.drop_vars(var))},
+            code=1,
+            says=("cube", var),
+        )
+        for var in ("timeline_t_s", "energy_j", "window_tokens", "energy_draft_j")
+        for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
+    ]
+    + [
+        camp_case("symlink-loop", Writer(_symlink_loop), "c.toml"),
+        # a file far larger than any of its kind (a wrong path): refused unread, not read until
+        # memory runs out (/dev/zero is one too)
+        camp_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "c.toml", "16 MiB"),
+        caps_case("over-16mib", _over_limit("MAX_SETTINGS_BYTES"), "caps.toml", "16 MiB"),
+        plan_case("over-64mib", _over_limit("MAX_DOCUMENT_BYTES"), "h.json", "64 MiB"),
+        C(
+            "twin-profile-over-16mib",
+            ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+            files={"c.toml": GOOD_TEXT, "p.toml": _over_limit("MAX_SETTINGS_BYTES")},
+            code=2,
+            says=("p.toml", "16 MiB"),
+        ),
+        corpus_case("jsonl-symlink-loop", "mine.jsonl", Writer(_symlink_loop), "mine.jsonl"),
+        caps_case("symlink-loop", Writer(_symlink_loop), "caps.toml"),
+        C(
+            "cube-info-symlink-loop",
+            ["cube", "info", "{tmp}/cube.nc"],
+            files={"cube.nc": Writer(_symlink_loop)},
+            code=1,
+            says=("cube.nc",),
+        ),
+        journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+        *(
+            C(
+                f"twin-profile-{id}",
+                ["twin", "predict", "{tmp}/c.toml", "--profile", "{tmp}/p.toml", "-o", "{tmp}/o"],
+                files={"c.toml": GOOD_TEXT, "p.toml": _profile_with(key, value)},
+                code=2,
+                says=("p.toml", key),
+            )
+            for id, key, value in (
+                ("count-text", "sm_count", '"many"'),
+                ("efficiency-text", "verify_attention_efficiency", '"half"'),
+                ("bandwidth-zero", "hbm_bandwidth_gb_s", "0"),
+                ("clock-step-zero", "sm_clock_step_mhz", "0"),
+                ("efficiency-nan", "gemm_efficiency", "nan"),
+                ("nvlink-zero", "nvlink_gb_s", "0"),
+                ("limit-min-above-default", "power_limit_min_w", "5000.0"),
+                ("name-number", "nvml_name", "5"),
+            )
+        ),
+        *(
+            C(
+                f"roofline-{kind}-{cmd}",
+                argv,
+                files={"r.nc": content},
+                code=(1, 2),
+                says=says,
+            )
+            for kind, (content, says) in ROOFLINE_FILES.items()
+            for cmd, argv in (
+                ("compare", ["compare", "{cube}", "--roofline", "{tmp}/r.nc"]),
+                ("twin-fit", ["twin", "fit", "{tmp}/r.nc", "-o", "{tmp}/p.toml"]),
+            )
+            if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
+        ),
+        corpus_case(
+            "path-empty-string",
+            "x",
+            None,
+            "folder",
+            spec={"path": "", "field": "text", "format": "jsonl"},
+        ),
+    ]
+)
 
 # -- command-line flags ----------------------------------------------------------------------
 
@@ -1162,6 +1417,41 @@ FAULT_CASES = [
     )
 ]
 
+# A read-only or full disk under the input's own folder: the advice names the output option
+# (the way round it), never the input.
+FAULT_CASES += [
+    C(
+        f"fault-{cmd}-beside-its-input-{kind}",
+        argv,
+        files=files,
+        code=1,
+        says=("{tmp}/ro", words, option),
+        fault=("ro", err),
+    )
+    for kind, (err, _, words) in FAULTS.items()
+    if kind != "no-permission"
+    for cmd, argv, files, option in (
+        (
+            "headroom-o",
+            ["headroom", "{tmp}/ro", "-o", "{tmp}/ro/h.json"],
+            {"ro/cube.nc": lambda s: s["cube"].read_bytes()},
+            "another --output",
+        ),
+        (
+            "cube-build-default-out",
+            ["cube", "build", "{tmp}/ro"],
+            {"ro/journal.jsonl": lambda s: s["journal"].read_bytes()},
+            "another --out",
+        ),
+        (
+            "twin-fit-o",
+            ["twin", "fit", "{tmp}/ro", "-o", "{tmp}/ro/p.toml"],
+            {"ro/cube.nc": lambda s: s["cube"].read_bytes()},
+            "another --out",
+        ),
+    )
+]
+
 ALL_CASES = [
     *CAMPAIGN_FILE_CASES,
     *CAMPAIGN_KEY_CASES,
@@ -1293,7 +1583,7 @@ def test_bad_input_is_one_clean_error(
         places["uuid0"] = json.loads(listed.stdout)[0]["uuid"]
     _materialise({_fill(k, places): v for k, v in case.files.items()}, tmp_path, shared)
     argv = [_fill(a, places) for a in case.argv]
-    runner = CliRunner()
+    runner = CliRunner(env={k: _fill(v, places) for k, v in case.env.items()})
     if case.fault:
         folder, code = case.fault
         with failing_writes(tmp_path / folder, code):
@@ -1393,3 +1683,227 @@ def test_generic_failures_are_one_line(
     assert "Traceback" not in result.output
     [line] = result.stderr.splitlines()
     assert says.format(campaign=campaign_file) in line, line
+
+
+# -- outputs: a failed write keeps the file that was there; a FIFO or device is not replaced --
+
+#: Commands that write one file over an existing one: (argv, the option naming the file).
+OVERWRITES = {
+    "headroom-o": ["headroom", "{sweep}", "--json", "-o", "{out}"],
+    "cap-plan-o": [
+        "cap",
+        "plan",
+        "{headroom}",
+        "--batch",
+        "1",
+        "--drafter",
+        "eagle3",
+        "-o",
+        "{out}",
+    ],
+    "cap-plan-per-batch-o": [
+        "cap",
+        "plan",
+        "{headroom}",
+        "--per-batch",
+        "--drafter",
+        "eagle3",
+        "-o",
+        "{out}",
+    ],
+    "twin-fit-o": ["twin", "fit", "{cube}", "-o", "{out}"],
+    "report-o": ["report", "{cube}", "-o", "{out}"],
+    "cube-build-o": ["cube", "build", "{sweep}", "-o", "{out}"],
+    "roofline-o": ["gpu", "roofline", "--twin", "h100-sxm", "-o", "{out}"],
+}
+
+
+def _argv(name: str, shared: dict[str, Path], out: Path) -> list[str]:
+    places = {"out": str(out), **{k: str(v) for k, v in shared.items()}}
+    return [_fill(a, places) for a in OVERWRITES[name]]
+
+
+def _capped_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a dvfs run under a file-size limit: no bytecode written (Python
+    ignores a short write of a .pyc and would leave it cut short for later runs) and
+    matplotlib's caches in `tmp_path` (not the user's)."""
+    from conftest import subprocess_env
+
+    return subprocess_env(PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
+
+
+@pytest.mark.parametrize("name", list(OVERWRITES))
+def test_a_write_cut_short_keeps_the_old_file(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A full disk part-way through the new content (here: the file-size limit, which fails
+    the write after the file was opened, as a full disk does) leaves the user's old file whole
+    and no temp file: the new content goes to a temp file renamed over the old one."""
+    import resource
+    import signal
+    import subprocess
+
+    from conftest import PYTHON
+
+    out = tmp_path / "out" / "old.file"
+    out.parent.mkdir()
+    out.write_bytes(b"OLD\n")
+    # bytes: each command's output is larger (the report's figures, drawn to a temp folder
+    # first, are smaller than the report)
+    limit = 200_000 if name == "report-o" else 512
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(
+        [PYTHON, "-m", "dvfs", *_argv(name, shared, out)],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        env=_capped_env(tmp_path),
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert str(out) in proc.stderr.splitlines()[-1], proc.stderr
+    assert out.read_bytes() == b"OLD\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["old.file"]
+
+
+@pytest.mark.parametrize("name", list(OVERWRITES))
+def test_a_fifo_output_is_written_not_replaced(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o /dev/stdout`, `-o /dev/null` or a named pipe: the content goes into it. Renaming a
+    temp file over it would replace the device (root may) or the pipe with a regular file."""
+    import os
+    import select
+    import stat
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the writer's open succeeds
+    done = threading.Event()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            try:
+                chunk = os.read(fd, 1 << 16) if ready else b""
+            except BlockingIOError:  # the writer opened after select said "no writer": EOF
+                continue
+            got.append(chunk)
+            if not chunk and done.is_set():
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = CliRunner().invoke(cli, _argv(name, shared, fifo))
+    finally:
+        done.set()
+        reader.join()
+        os.close(fd)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISFIFO(fifo.lstat().st_mode), "the pipe was replaced by a regular file"
+    assert len(b"".join(got)) > 100
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+@pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
+def test_a_symlinked_output_keeps_its_link(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """An output that is a symlink (a file kept elsewhere): the file it points to gets the new
+    content, and the link stays a link."""
+    target = tmp_path / "kept" / "real.file"
+    target.parent.mkdir()
+    target.write_bytes(b"OLD\n")
+    link = tmp_path / "link.file"
+    link.symlink_to(target)
+    result = CliRunner().invoke(cli, _argv(name, shared, link))
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink()
+    assert target.read_bytes() != b"OLD\n" and target.stat().st_size > 100
+    assert sorted(p.name for p in target.parent.iterdir()) == ["real.file"]
+
+
+@pytest.mark.parametrize(
+    ("name", "netcdf_says"),
+    [
+        ("cube-build-o", PermissionError(errno.EACCES, "Permission denied")),
+        ("cube-build-o", RuntimeError("NetCDF: HDF error")),
+        ("roofline-o", PermissionError(errno.EACCES, "Permission denied")),
+        ("roofline-o", RuntimeError("NetCDF: HDF error")),
+    ],
+    ids=["cube-create", "cube-write", "roofline-create", "roofline-write"],
+)
+def test_a_full_disk_under_netcdf_is_said_to_be_full(
+    name: str,
+    netcdf_says: Exception,
+    shared: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """netCDF-C reports a full disk as "Permission denied" when it creates the file (as a 64 KiB
+    tmpfs shows) and as "NetCDF: HDF error" when it writes: with no room left in the folder,
+    dvfs says the disk is full, names the user's path (not its temp file), and keeps no temp
+    file."""
+    import shutil
+    from collections import namedtuple
+
+    import xarray as xr
+
+    def full_disk_netcdf(self: Any, path: Any = None, *args: Any, **kwargs: Any) -> None:
+        Path(path).write_bytes(b"")  # created, then the disk is full
+        raise netcdf_says
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", full_disk_netcdf)
+    out = tmp_path / "out" / "file.nc"
+    out.parent.mkdir()
+    result = CliRunner().invoke(cli, _argv(name, shared, out))
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert f"cannot write {out}: no space left on the device" in line, line
+    assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["png", "svg"])
+def test_a_figure_cut_short_keeps_the_old_one(
+    fmt: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs plot` into a folder of earlier figures on a disk that fills part-way through (the
+    file-size limit, as in `test_a_write_cut_short_keeps_the_old_file`): the figure being
+    written when it fails keeps its earlier content."""
+    import resource
+    import signal
+    import subprocess
+
+    from conftest import PYTHON
+
+    out = tmp_path / "plots"
+    out.mkdir()
+    first = out / f"energy_vs_clock_code.{fmt}"  # the first figure `dvfs plot` writes
+    first.write_bytes(b"OLD\n")
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+    proc = subprocess.run(
+        [PYTHON, "-m", "dvfs", "plot", str(shared["cube"]), "--out", str(out), "--format", fmt],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        env=_capped_env(tmp_path),
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert first.read_bytes() == b"OLD\n"
+    assert [p.name for p in out.iterdir()] == [first.name]

@@ -9,7 +9,9 @@ import fcntl
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import SMALL_EXACT, TINY, copy_sweep, replace_block, write
@@ -73,6 +75,42 @@ def test_gpu_folder_names_are_distinct_plain_names(labels: list[str]) -> None:
 def _doctor_checks(campaign: Path, out: Path) -> tuple[int, dict[str, dict[str, str]]]:
     result = invoke("doctor", str(campaign), "--out", str(out), "--json")
     return result.exit_code, {c["name"]: c for c in json.loads(result.stdout)}
+
+
+def test_doctor_says_a_read_only_file_system_not_permission_denied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output folder on a read-only mount (as statvfs and access(2) report one, even to
+    root): the doctor said "Permission denied; choose a folder you can write to", sending the
+    user to fix permissions that are fine."""
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real_statvfs = os.statvfs
+
+    def read_only_under_mount(path: Any) -> os.statvfs_result:
+        got = real_statvfs(path)
+        where = Path(path).absolute()
+        if where == mount or mount in where.parents:
+            fields = list(got)
+            fields[8] |= os.ST_RDONLY  # f_flag
+            return os.statvfs_result(fields)
+        return got
+
+    real_access = os.access
+
+    def access(path: Any, mode: int, **kwargs: Any) -> bool:
+        where = Path(path).absolute()
+        if mode & os.W_OK and (where == mount or mount in where.parents):
+            return False  # EROFS
+        return real_access(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "statvfs", read_only_under_mount)
+    monkeypatch.setattr(os, "access", access)
+    code, checks = _doctor_checks(tiny, mount / "out")
+    assert code == 1 and checks["output folder"]["status"] == "fail", checks
+    assert "read-only" in checks["output folder"]["detail"].lower()
+    assert "permission" not in checks["output folder"]["detail"].lower()
 
 
 def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_path: Path) -> None:

@@ -38,9 +38,17 @@ class FsyncLog:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        self.inodes: list[int] = []
 
     def __call__(self, fd: int) -> None:
-        self.sizes.append(os.fstat(fd).st_size)
+        st = os.fstat(fd)
+        self.sizes.append(st.st_size)
+        self.inodes.append(st.st_ino)
+
+    def of(self, path: Path) -> list[int]:
+        """The sizes synced of the file now at `path` (a file renamed there counts)."""
+        ino = path.stat().st_ino
+        return [s for s, i in zip(self.sizes, self.inodes, strict=True) if i == ino]
 
 
 def _cell(i: int) -> dict[str, Any]:
@@ -129,8 +137,11 @@ def test_a_twin_sweep_syncs_in_groups_states_it_and_syncs_at_the_end(
     cells = [r for r in records if r["type"] == "cell"]
     assert len(cells) == outcome.summary.measured == 16
     # The header, the session and the two servers at once; the 16 cells in one group.
-    assert len(records) == 20 and len(fsync.sizes) == 5
-    assert fsync.sizes[-1] == journal.stat().st_size, "the end of the sweep reached the disk"
+    synced = fsync.of(journal)
+    assert len(records) == 20 and len(synced) == 5
+    assert synced[-1] == journal.stat().st_size, "the end of the sweep reached the disk"
+    cube = out / "cube.nc"
+    assert fsync.of(cube) == [cube.stat().st_size], "the cube reached the disk before its rename"
     (session,) = [r for r in records if r["type"] == "session"]
     assert session["journal_sync"] == SyncPolicy.for_clock(virtual=True).describe()
 

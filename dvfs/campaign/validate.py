@@ -391,9 +391,11 @@ def parse_campaign(
 
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
+    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "campaign file")
     except FileNotFoundError as exc:
         raise CampaignError(f"campaign file {path} does not exist") from exc
     except OSError as exc:

@@ -191,8 +191,10 @@ def load_caps(path: str | Path) -> CapsFile:
     if not path.exists():
         raise CapsError(f"caps file {path} does not exist")
     check_file_safety(path)
+    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_text_limited(path, MAX_SETTINGS_BYTES, CapsError, "caps file"))
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:

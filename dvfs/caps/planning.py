@@ -7,6 +7,7 @@ Pure: no GPU and no state directory, so `dvfs cap plan` runs anywhere a headroom
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,8 +24,11 @@ if TYPE_CHECKING:
 
 def load_headroom(path: Path) -> Any:
     """A `dvfs headroom --json` document from a file (`plan_caps` checks its shape)."""
+    from dvfs.inputs import MAX_DOCUMENT_BYTES, read_text_limited
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        text = read_text_limited(path, MAX_DOCUMENT_BYTES, CapsError, "headroom document")
+        return json.loads(text)
     except ValueError as exc:
         raise CapsError(
             f"{path} is not JSON ({exc}); write it with `dvfs headroom CUBE --json -o FILE`"
@@ -41,6 +45,94 @@ def check_document(doc: Any) -> None:
             f"the headroom document is incomplete (missing {', '.join(missing) or 'rows'}); "
             "write it again with `dvfs headroom CUBE --json -o FILE`"
         )
+    problem = _shape_problem(doc)
+    if problem:
+        raise CapsError(
+            f"the headroom document is damaged: {problem}; write it again with "
+            "`dvfs headroom CUBE --json -o FILE`"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _shape_problem(doc: dict[str, Any]) -> str | None:
+    """The first value of the document planning reads that has the wrong type (a file edited
+    by hand or damaged), said as `where is VALUE, expected WHAT`; None when all are right."""
+
+    def bad(where: str, value: Any, expected: str) -> str:
+        return f"{where} is {json.dumps(value)[:40]}, expected {expected}"
+
+    def number_or_null(table: dict[str, Any], key: str, where: str) -> str | None:
+        value = table.get(key)
+        if value is None or _is_number(value):
+            return None
+        return bad(f"{where}.{key}", value, "a number or null")
+
+    def table_or_null(table: dict[str, Any], key: str, where: str) -> str | None:
+        value = table.get(key)
+        return None if value is None or isinstance(value, dict) else bad(where, value, "a table")
+
+    for key in ("gpu", "target", "reference"):
+        if not isinstance(doc[key], dict):
+            return bad(key, doc[key], "a table")
+    gpu, target, reference = doc["gpu"], doc["target"], doc["reference"]
+    for key in ("name", "backend"):
+        if not isinstance(gpu.get(key), str | None):
+            return bad(f"gpu.{key}", gpu[key], "a string")
+    uuids = gpu.get("uuids")
+    if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
+        return bad("gpu.uuids", uuids, "a list of GPU UUIDs")
+    problem = table_or_null(gpu, "names", "gpu.names")
+    if problem:
+        return problem
+    if not isinstance(target.get("description"), str):
+        return bad("target.description", target.get("description"), "a string")
+    if not isinstance(target.get("mode"), str | None):
+        return bad("target.mode", target["mode"], "a string")
+    per_gpu = reference.get("per_gpu") or {}
+    if not isinstance(per_gpu, dict) or not all(isinstance(v, dict) for v in per_gpu.values()):
+        return bad("reference.per_gpu", per_gpu, "a table of tables")
+    knobs = ("sm_clock_mhz", "power_limit_w", "stock_sm_clock_mhz", "stock_power_limit_w")
+    for where, ref in [("reference", reference)] + [
+        (f"reference.per_gpu.{k}", v) for k, v in per_gpu.items()
+    ]:
+        for key in knobs:
+            problem = number_or_null(ref, key, where)
+            if problem:
+                return problem
+    for i, row in enumerate(doc["rows"]):
+        where = f"rows[{i}]"
+        if not isinstance(row, dict):
+            return bad(where, row, "a table")
+        missing = [k for k in ("batch", "drafter", "corpus", "feasible") if k not in row]
+        if missing:
+            return f"{where} has no {', '.join(missing)}"
+        if not isinstance(row["batch"], int) or isinstance(row["batch"], bool):
+            return bad(f"{where}.batch", row["batch"], "an integer")
+        for key in ("drafter", "corpus"):
+            if not isinstance(row[key], str):
+                return bad(f"{where}.{key}", row[key], "a string")
+        if not isinstance(row.get("gpu"), str | None):
+            return bad(f"{where}.gpu", row["gpu"], "a GPU UUID or null")
+        if not isinstance(row["feasible"], bool):
+            return bad(f"{where}.feasible", row["feasible"], "true or false")
+        for key in ("energy_per_token_j", "stock_energy_per_token_j"):
+            problem = number_or_null(row, key, where)
+            if problem:
+                return problem
+        chosen = row.get("chosen")
+        if row["feasible"] and not isinstance(chosen, dict):
+            return bad(f"{where}.chosen", chosen, "a table (the row is feasible)")
+        if isinstance(chosen, dict):
+            for key in ("sm_clock_mhz", "power_limit_w"):
+                if key not in chosen:
+                    return f"{where}.chosen has no {key}"
+                problem = number_or_null(chosen, key, f"{where}.chosen")
+                if problem:
+                    return problem
+    return None
 
 
 #: What a plan says when its setting is the lowest the grid swept (its meta `grid_edge`).

@@ -271,6 +271,7 @@ def headroom(
     from dvfs.analysis.headroom import headroom as compute
     from dvfs.analysis.selection import check_drafter, select
     from dvfs.cube import open_analysable
+    from dvfs.outputs import write_text
     from dvfs.report import (
         headroom_document,
         headroom_markdown,
@@ -293,7 +294,8 @@ def headroom(
     doc = headroom_document(result, ds)
     if output is not None:
         # A file system fault reaches handle_errors, which names the path and the option.
-        output.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        # Replaced atomically: a failed write leaves the previous file whole.
+        write_text(output, json.dumps(doc, indent=2) + "\n")
     if as_json:
         echo_json(doc)
     elif markdown:

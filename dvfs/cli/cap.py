@@ -100,6 +100,7 @@ def plan(
     the setting that kept latency within its target at the least energy.
     """
     from dvfs.caps import dump_caps, load_headroom, plan_caps
+    from dvfs.outputs import write_text
 
     corpus = corpus or "worst-case"
     if per_batch:
@@ -133,7 +134,7 @@ def plan(
     if out_path is None:
         click.echo(text, nl=False)
         return
-    out_path.write_text(text, encoding="utf-8")
+    write_text(out_path, text)  # atomically: a failed write keeps the previous file
     err.print(
         f"wrote {escape(str(out_path))}; check it with "
         f"`dvfs cap apply {escape(str(out_path))} --dry-run`"
@@ -143,6 +144,7 @@ def plan(
 def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path | None) -> None:
     from dvfs.caps.planning import plan_per_batch
     from dvfs.govern.plan import dump_plan, load_plan
+    from dvfs.outputs import write_text
 
     plan = plan_per_batch(doc, drafter=drafter, corpus=corpus)
     text = dump_plan(plan)
@@ -164,8 +166,9 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     if out_path is None:
         click.echo(text, nl=False)
         return
-    out_path.write_text(text, encoding="utf-8")
-    load_plan(out_path)  # what was written reads back as the same plan
+    write_text(out_path, text)  # atomically: a failed write keeps the previous file
+    if out_path.is_file():  # a pipe or /dev/stdout cannot be read back
+        load_plan(out_path)  # what was written reads back as the same plan
     err.print(
         f"wrote {escape(str(out_path))}; try it with `dvfs govern --plan "
         f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run"

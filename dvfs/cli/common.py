@@ -256,12 +256,13 @@ def describe_os_error(exc: OSError) -> str:
     one output path stands in for it.
     """
     path = exc.filename if exc.filename not in (None, "") else None
-    param = _param_for(path) if path is not None else _single_output_param()
-    if path is None and param is not None:
-        path = param[1]
     code = exc.errno if isinstance(exc.errno, int) else 0
     reason = (exc.strerror or str(exc) or type(exc).__name__).rstrip(".")
     verb, words, advice = _OS_ERRORS.get(code, ("use", reason[:1].lower() + reason[1:], ""))
+    writing = verb == "write"
+    param = _param_for(path, writing=writing) if path is not None else _single_output_param()
+    if path is None and param is not None:
+        path = param[1]
     opt = param[0] if param is not None else "path"
     advice = advice.format(opt=opt)
     where = f" {os.fsdecode(path)}" if path is not None else ""
@@ -285,6 +286,10 @@ def describe_unicode_error(exc: UnicodeError) -> str:
     return f"cannot handle text in {_inputs_text()}: {exc}"
 
 
+#: The options that name what a command writes.
+OUTPUT_OPTIONS = ("--out", "--output")
+
+
 def _path_params(*, files_only: bool = False) -> list[tuple[str, Path, bool]]:
     """(option or argument name, path, is an output) for each path given to the command;
     with `files_only`, not the options that name folders."""
@@ -301,25 +306,39 @@ def _path_params(*, files_only: bool = False) -> list[tuple[str, Path, bool]]:
                 continue
             if isinstance(param, click.Option):
                 name = max(param.opts, key=len)
-                output = name in ("--out", "--output")
+                output = name in OUTPUT_OPTIONS
             else:
-                name = (param.name or "PATH").upper()
+                name = param.human_readable_name or "PATH"
                 output = False
             found.append((name, value, output))
     return found
 
 
-def _param_for(path: Any) -> tuple[str, Path] | None:
-    """The command's path option that `path` is, lies under, or is a folder of."""
+def _param_for(path: Any, *, writing: bool = False) -> tuple[str, Path] | None:
+    """The command's path option that `path` is, lies under, or is a folder of: the one it
+    is, else an output's, else an input's. A failed write under an input's folder (a cube
+    written beside its journal by default) names the command's output option instead, even
+    unset: another input is no way round a read-only or full disk."""
     try:
         failed = Path(os.fsdecode(path)).absolute()
     except (TypeError, ValueError):
         return None
-    for name, value, _ in _path_params():
+    related = []
+    for name, value, output in _path_params():
         given = value.absolute()
-        if failed == given or given in failed.parents or failed in given.parents:
+        if failed == given:
             return name, value
-    return None
+        if given in failed.parents or failed in given.parents:
+            related.append((name, value, output))
+    for name, value, output in related:
+        if output:
+            return name, value
+    if writing and related:
+        ctx = click.get_current_context(silent=True)
+        for param in ctx.command.params if ctx is not None else []:
+            if isinstance(param, click.Option) and max(param.opts, key=len) in OUTPUT_OPTIONS:
+                return max(param.opts, key=len), Path(failed)
+    return (related[0][0], related[0][1]) if related else None
 
 
 def _single_output_param() -> tuple[str, Path] | None:

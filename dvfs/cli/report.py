@@ -38,8 +38,11 @@ def check_output(path: Path) -> None:
     is created and removed beside it (permissions alone miss read-only file systems)."""
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if path.exists() and not path.is_file():
+        return  # a device such as /dev/null: written in place, no folder to probe
+    real = Path(os.path.realpath(path))  # a symlink's target is what gets replaced
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+        fd, probe = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".probe", dir=real.parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -48,20 +51,10 @@ def check_output(path: Path) -> None:
 
 def write_atomically(path: Path, data: bytes) -> None:
     """A temp file beside `path`, renamed over it: a failed write leaves no half report. A
-    failure names `path`, never the temp file."""
-    tmp: str | None = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+    failure names `path`, never the temp file; a device (/dev/null) is written, not replaced."""
+    from dvfs.outputs import write_bytes
+
+    write_bytes(path, data)
 
 
 def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:

@@ -99,13 +99,14 @@ def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> G
 
 
 def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | None) -> None:
+    from dvfs.outputs import write_text
     from dvfs.roofline import store
     from dvfs.twin.fit import fit_roofline, profile_toml
 
     ds = store.read(source)
     profile = _base_profile({"gpu_name": ds.attrs.get("gpu_name")}, source, base)
     result = fit_roofline(ds, profile, key=name, source=str(source))
-    out_path.write_text(profile_toml(result), encoding="utf-8")
+    write_text(out_path, profile_toml(result))  # atomically: a failed write keeps the old one
     out = console()
     p = result.profile
     out.print(
@@ -137,6 +138,7 @@ def _open(source: Path) -> tuple[xr.Dataset, Path]:
 def _fit_cube(
     source: Path, out_path: Path, base: str | None, name: str | None, max_cells: int
 ) -> None:
+    from dvfs.outputs import write_text
     from dvfs.twin.fit import profile_toml
     from dvfs.twin.fitcube import fit_cube_cells
     from dvfs.twin.predict import OBSERVABLES, cube_cells
@@ -145,7 +147,7 @@ def _fit_cube(
     cells = cube_cells(ds, path, max_cells=max_cells)
     profile = _base_profile(dict(ds.attrs), source, base)
     result = fit_cube_cells(cells, profile, key=name, source=str(source))
-    out_path.write_text(profile_toml(result), encoding="utf-8")
+    write_text(out_path, profile_toml(result))  # atomically: a failed write keeps the old one
     out = console()
     r = result.residuals
     out.print(

@@ -9,8 +9,6 @@ works.
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,19 +84,6 @@ def _labels_from_cf(ds: xr.Dataset) -> xr.Dataset:
     return ds
 
 
-def _file_mode() -> int:
-    """0666 less the umask: a cube is as readable as the journal next to it."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # no way to read the umask without setting it
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 #: One cube write at a time in a process: the chunk-cache setting `_no_chunk_cache` changes
 #: is process-wide (two overlapping writes would leave it at 0), and netCDF-C is not
 #: thread-safe.
@@ -123,29 +108,26 @@ def _no_chunk_cache() -> Iterator[None]:
 
 
 def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
-    """Write atomically: a temp file in the same folder, renamed over the target, so a failed
-    write (full disk, read-only folder) leaves the previous cube and no partial file."""
+    """Write atomically (`dvfs.outputs.replacing`): a temp file in the same folder, renamed
+    over the target, so a failed write (full disk, read-only folder) leaves the previous cube
+    and no partial file; a device such as /dev/null is written, never replaced."""
+    from dvfs.outputs import write_netcdf
+
     path = Path(path)
-    tmp: Path | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        os.close(fd)
+
+    def write(tmp: Path) -> None:
         on_disk = _labels_to_cf(ds)
         with _no_chunk_cache():
             on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-        tmp = None
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_netcdf(path, write, int(ds.nbytes))
     except OSError as exc:
         # The temp file's name means nothing to the user; the cube's path says where.
         raise CubeError(describe_os_error(exc, f"write the cube {path}", show_file=False)) from exc
-    except RuntimeError as exc:  # netCDF-C reports some failed writes (a full disk) this way
+    except RuntimeError as exc:  # netCDF-C's other failed writes
         raise CubeError(f"cannot write the cube {path}: {_first_line(exc)}") from exc
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
     return path
 
 
@@ -207,5 +189,14 @@ def open_analysable(path: str | Path) -> xr.Dataset:
             f"{path} has no valid measured cell (every cell is missing, failed or flagged "
             "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
             "rerun `dvfs sweep`"
+        )
+    energy = ds["energy_per_token_j"]
+    # A measured energy is a non-negative number: a valid cell holding NaN or a negative one
+    # is a damaged (or hand-edited) file, and no least-energy choice can be made from it.
+    damaged = int((valid & ~(np.isfinite(energy) & (energy >= 0))).sum())
+    if damaged:
+        raise CubeError(
+            f"{path} is damaged: {damaged} valid cell(s) hold no energy_per_token_j (NaN) or a "
+            f"negative one: {_rebuild_hint(path)}"
         )
     return ds

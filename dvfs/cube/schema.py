@@ -217,4 +217,34 @@ def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dat
     absent = [v for v in REQUIRED_VARIABLES if v not in ds.data_vars]
     if absent:
         raise CubeError(f"{where} lacks variable(s) {', '.join(absent)}{then}")
+    problem = _value_problem(ds)
+    if problem:
+        raise CubeError(f"{where} is damaged: {problem}{then}")
     return ds
+
+
+#: Numeric coordinates the analyses index and label with: each value must be a finite number.
+NUMERIC_COORDS = ("sm_clock", "power_limit", "batch", "repeat", "quantile")
+
+
+def _value_problem(ds: xr.Dataset) -> str | None:
+    """The first coordinate or measured variable whose values no analysis can use (text where
+    numbers go, a NaN clock, a latency without its quantile axis); None when all can be."""
+    import numpy as np
+
+    for name in NUMERIC_COORDS:
+        if name not in ds.coords:
+            continue
+        values = ds[name].values
+        if values.dtype.kind not in "iuf" or not np.isfinite(values).all():
+            return f"its {name} coordinate holds {values.tolist()[:4]!r}, not finite numbers"
+    numeric = {v.name for v in (*VARIABLES, *GPU_TIME, *SPLIT, *TIMELINE)}
+    numeric |= set(REQUIRED_VARIABLES)
+    for name in sorted(numeric & set(ds.data_vars)):
+        var = ds[name]
+        if var.dtype.kind not in "biuf":
+            return f"variable {name} holds {var.dtype} values, not numbers"
+        missing = [d for d in var.dims if d not in ds.coords]
+        if missing:
+            return f"variable {name} has no {missing[0]} coordinate"
+    return None

@@ -34,11 +34,30 @@ ROOT_STATE_DIR = Path("/var/lib/dvfs")
 def default_state_dir() -> Path:
     override = os.environ.get("DVFS_STATE_DIR")
     if override:
-        return Path(override)
+        return _folder_from_env("DVFS_STATE_DIR", override, Path(override))
     if os.geteuid() == 0:
         return ROOT_STATE_DIR
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "dvfs"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg:
+        return _folder_from_env("XDG_STATE_HOME", xdg, Path(xdg) / "dvfs")
+    return Path.home() / ".local" / "state" / "dvfs"
+
+
+def _folder_from_env(variable: str, value: str, path: Path) -> Path:
+    """`path`, refused in one line naming the variable when a file (or a device such as
+    /dev/null) stands where it or a folder above it should be: the fix is the variable, not
+    removing that file."""
+    from dvfs.errors import DvfsError
+
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DvfsError(
+            f"{variable}={value!r} is not a folder dvfs can use for its state ({probe} is not "
+            f"a folder): set {variable} to a folder, or unset it"
+        )
+    return path
 
 
 def records_dir() -> Path:

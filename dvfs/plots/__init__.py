@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.split import where_energy_goes
 from dvfs.analysis.targets import Target
+from dvfs.cube.schema import SPLIT_MEANINGS
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
     corpus_panels,
@@ -83,6 +84,29 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
             yield name, fig
 
 
+#: Variables the timelines figure reads where the cube has sampled power, and those the energy
+#: split reads where it has a split (a cube may have neither: those figures are left out).
+TIMELINE_VARIABLES = ("timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz")
+SPLIT_VARIABLES = (
+    "energy_j",
+    "decode_time_s",
+    "accept_length",
+    "window_tokens",
+    *(f"energy_{part}_j" for part in SPLIT_MEANINGS),
+)
+
+
+def missing_for_figures(cube: xr.Dataset) -> list[str]:
+    """The variables some figure reads that `cube` lacks (the analyses' own are checked when
+    the cube is opened)."""
+    needed: list[str] = []
+    if "timeline_power_w" in cube:
+        needed += TIMELINE_VARIABLES
+    if "energy_split_method" in cube:
+        needed += SPLIT_VARIABLES
+    return [name for name in needed if name not in cube]
+
+
 def plot_all(
     cube: xr.Dataset, out_dir: str | Path, *, fmt: str = "png", target: Target | None = None
 ) -> list[Path]:
@@ -92,6 +116,14 @@ def plot_all(
         from dvfs.errors import AnalysisError
 
         raise AnalysisError(f"unknown figure format {fmt!r}; choose {', '.join(FORMATS)}")
+    missing = missing_for_figures(cube)
+    if missing:
+        from dvfs.errors import CubeError
+
+        raise CubeError(
+            f"the cube has no {', '.join(missing)}, which the figures need (a damaged or "
+            "hand-edited cube?): rebuild it with `dvfs cube build SWEEP_DIR`"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = target or Target("preserve", slack=0.05)

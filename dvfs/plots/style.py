@@ -366,11 +366,17 @@ def place_legend(panels: Panels, handles: Sequence[Any]) -> Legend:
 
 def save(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
     """Write `fig` at DPI; a PNG as `write_png` writes it."""
+    import io
+
+    from dvfs.outputs import write_bytes
+
     path = out_dir / f"{name}.{fmt}"
     if fmt == "png":
         write_png(fig, path)
-    else:
-        fig.savefig(path, dpi=DPI)
+    else:  # whole, or not at all: a full disk keeps the figure drawn before
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=fmt, dpi=DPI)
+        write_bytes(path, buffer.getvalue(), sync=False)
     return path
 
 
@@ -389,7 +395,9 @@ def write_png(fig: Figure, path: Path) -> None:
     fig.set_dpi(DPI)
     canvas.draw()
     rgba = np.asarray(canvas.buffer_rgba())
-    path.write_bytes(png_bytes(rgba, DPI))
+    from dvfs.outputs import write_bytes
+
+    write_bytes(path, png_bytes(rgba, DPI), sync=False)  # atomically: see `save`
 
 
 def png_bytes(rgba: np.ndarray, dpi: float) -> bytes:

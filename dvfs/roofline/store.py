@@ -126,11 +126,30 @@ def derive(ds: xr.Dataset) -> xr.Dataset:
     return out
 
 
+#: The variables a roofline file holds: what was measured (the rest is derived on reading).
+MEASURED = (
+    "seconds",
+    "power_w",
+    "observed_sm_clock_mhz",
+    "flops",
+    "bytes",
+    "sm_clock_mhz",
+    "locked",
+    "power_limit_w",
+)
+
+
 def write(ds: xr.Dataset, path: Path) -> Path:
-    """The netCDF file (measured variables only: the rest is derived again on reading)."""
-    keep = ["seconds", "power_w", "observed_sm_clock_mhz", "flops", "bytes", "sm_clock_mhz"]
-    keep += ["locked", "power_limit_w"]
-    ds[keep].to_netcdf(path)
+    """The netCDF file (measured variables only: the rest is derived again on reading),
+    replaced atomically: a failed write keeps the file that was there."""
+    from dvfs.outputs import write_netcdf
+
+    measured = ds[list(MEASURED)]
+    try:
+        write_netcdf(path, measured.to_netcdf, int(measured.nbytes))
+    except RuntimeError as exc:  # netCDF-C's other failed writes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RooflineFileError(f"cannot write {path}: {first}") from exc
     return path
 
 
@@ -141,7 +160,7 @@ def read(path: Path) -> xr.Dataset:
     if not path.is_file():
         raise RooflineFileError(f"no roofline file at {path} (write one with `dvfs gpu roofline`)")
     try:
-        with xr.open_dataset(path) as opened:
+        with xr.open_dataset(path, engine="netcdf4") as opened:
             ds = opened.load()
     except (OSError, ValueError) as exc:
         raise RooflineFileError(f"{path} is not a readable netCDF file ({exc})") from exc
@@ -150,7 +169,20 @@ def read(path: Path) -> xr.Dataset:
             f"{path} is not a dvfs roofline file (schema {ds.attrs.get('schema')!r}, "
             f"expected {SCHEMA!r})"
         )
-    return derive(ds)
+    missing = [name for name in MEASURED + ("kind", "m", "n", "k") if name not in ds.variables]
+    if missing or set(ds["seconds"].dims) != {"setting", "kernel"}:
+        raise RooflineFileError(
+            f"{path} is a damaged roofline file (missing {', '.join(missing) or 'dimensions'}): "
+            "measure again with `dvfs gpu roofline -o FILE`"
+        )
+    try:
+        return derive(ds)
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise RooflineFileError(
+            f"{path} is a damaged roofline file ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): measure again with "
+            "`dvfs gpu roofline -o FILE`"
+        ) from exc
 
 
 def _number(value: Any) -> float | None:

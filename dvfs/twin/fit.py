@@ -306,8 +306,12 @@ def load_profile(path: Path) -> GpuProfile:
     """The GPU profile of a file `profile_toml` wrote (one `[gpu.<key>]` table)."""
     import tomllib
 
+    from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
+
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(
+            read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "twin profile")
+        )
     except (OSError, ValueError) as exc:
         raise CampaignError(f"{path} is not a readable TOML profile ({exc})") from exc
     tables = data.get("gpu")
@@ -319,7 +323,64 @@ def load_profile(path: Path) -> GpuProfile:
         missing = sorted(known - set(table)) if isinstance(table, dict) else []
         extra = sorted(set(table) - known) if isinstance(table, dict) else []
         raise CampaignError(f"{path} [gpu.{key}]: missing {missing}, unknown {extra}")
+    for f in fields(GpuProfile):
+        if f.name == "key":
+            continue
+        value = table[f.name]
+        if f.type == "str":
+            ok = isinstance(value, str)
+        elif f.type == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value >= 0
+        positive = f.name in _POSITIVE
+        if ok and positive:
+            ok = value > 0
+        if not ok:
+            kind = {"str": "a string", "int": "an integer"}.get(str(f.type), "a number")
+            kind += "" if kind == "a string" else " > 0" if positive else " >= 0"
+            raise CampaignError(
+                f"{path} [gpu.{key}]: {f.name} = {value!r} is not {kind}; write the profile "
+                "again with `dvfs twin fit`"
+            )
+    for low, high in _ORDERED:
+        if table[low] > table[high]:
+            raise CampaignError(
+                f"{path} [gpu.{key}]: {low} = {table[low]!r} is above {high} = {table[high]!r}"
+            )
     return GpuProfile(key=key, **table)
+
+
+#: Profile figures the twin divides by or steps with: zero is no GPU.
+_POSITIVE = frozenset(
+    {
+        "sm_count",
+        "flop_per_clk_per_sm",
+        "gemm_efficiency",
+        "hbm_bandwidth_gb_s",
+        "hbm_efficiency",
+        "memory_clock_mhz",
+        "memory_gb",
+        "max_sm_clock_mhz",
+        "min_sm_clock_mhz",
+        "sm_clock_step_mhz",
+        "idle_sm_clock_mhz",
+        "power_limit_min_w",
+        "power_limit_max_w",
+        "power_limit_default_w",
+        "voltage_min_v",
+        "voltage_max_v",
+        "nvlink_gb_s",
+    }
+)
+#: Pairs (low, high) a profile must keep in order.
+_ORDERED = (
+    ("min_sm_clock_mhz", "max_sm_clock_mhz"),
+    ("power_limit_min_w", "power_limit_default_w"),
+    ("power_limit_default_w", "power_limit_max_w"),
+    ("voltage_min_v", "voltage_max_v"),
+)
 
 
 @contextlib.contextmanager

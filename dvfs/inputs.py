@@ -1,0 +1,33 @@
+"""Reading a small input file (a campaign, caps file, plan, profile or headroom document) with a
+bound, so that a wrong path (/dev/zero, a multi-gigabyte log, a disk image) is refused in one
+line instead of being read until memory runs out. Pipes stay readable (`<(generate)`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dvfs.errors import DvfsError
+
+#: The most bytes of a settings file (campaign, caps file, plan, profile) read.
+MAX_SETTINGS_BYTES = 16 << 20
+#: The most bytes of a `dvfs headroom --json` document read: a row (~1.5 KB) per batch, drafter,
+#: corpus and GPU, so tens of thousands of rows fit.
+MAX_DOCUMENT_BYTES = 64 << 20
+
+
+def read_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> bytes:
+    """`path`'s bytes, at most `limit` of them: more raises `error` naming the file."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise error(
+            f"{path} holds more than {limit >> 20} MiB, far more than any {what}: is it the "
+            "right file?"
+        )
+    return data
+
+
+def read_text_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> str:
+    """`read_limited` as UTF-8 text with universal newlines, as `Path.read_text` reads it."""
+    text = read_limited(path, limit, error, what).decode("utf-8")
+    return text.replace("\r\n", "\n").replace("\r", "\n")

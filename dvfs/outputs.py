@@ -1,0 +1,125 @@
+"""Writing an output file so that a failed write never costs the user the file they had.
+
+A regular file is replaced atomically: written to a temp file beside it, flushed to disk, then
+renamed over it, so a full disk, a read-only file system or a crash leaves the old file or the
+new one, never half of either. A symlink's target is replaced and the link kept. A path that is
+no regular file (/dev/null, /dev/full, a FIFO) is written in place: renaming over it would
+replace a device node, which root may do, with a regular file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def new_file_mode() -> int:
+    """0666 less the umask: the mode `open()` would give a new file."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no way to read the umask without setting it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """`exc` naming `path` (the user's), never a temp file."""
+    return OSError(exc.errno, exc.strerror, str(path))
+
+
+@contextlib.contextmanager
+def replacing(path: Path, *, sync: bool = True) -> Iterator[Path]:
+    """A temp path to write `path`'s new content to; on a clean exit it becomes `path`.
+
+    On an exception the temp file is removed and `path` is untouched. An OSError of the
+    replacing itself names `path`. `sync`: flush the new content to disk before the rename
+    (a power loss then keeps one of the two whole; figures, drawn again from the cube, skip it).
+    """
+    real = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise _named(exc, path) from exc
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder:
+            tmp = Path(folder) / real.name
+            yield tmp
+            try:
+                with open(tmp, "rb") as src, open(real, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except OSError as exc:
+                raise _named(exc, path) from exc
+        return
+    tmp_path: Path | None = None
+    try:
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+        except OSError as exc:
+            raise _named(exc, path) from exc
+        os.close(fd)
+        tmp_path = Path(name)
+        yield tmp_path
+        try:
+            if sync:
+                fd = os.open(tmp_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.chmod(tmp_path, new_file_mode() if mode is None else stat.S_IMODE(mode))
+            os.replace(tmp_path, real)
+        except OSError as exc:
+            raise _named(exc, path) from exc
+        tmp_path = None
+    finally:
+        if tmp_path is not None:
+            tmp_path.unlink(missing_ok=True)
+
+
+def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:
+    """`write(tmp)` (a `to_netcdf` call) through `replacing`. netCDF-C reports a full disk as
+    "Permission denied" (creating) or "NetCDF: HDF error" (writing): where the folder has no
+    room for about `size_bytes`, either becomes the ENOSPC it is, naming `path`."""
+    try:
+        with replacing(path) as tmp:
+            write(tmp)
+    except (OSError, RuntimeError) as exc:
+        if _short_of_space(path, size_bytes):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+        if isinstance(exc, OSError):
+            raise _named(exc, path) from exc
+        raise
+
+
+def _short_of_space(path: Path, size_bytes: int) -> bool:
+    try:
+        free = shutil.disk_usage(Path(os.path.realpath(path)).parent).free
+    except OSError:
+        return False
+    return free < size_bytes + (1 << 20)  # the file, and room for HDF5's metadata
+
+
+def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """`data` as the content of `path`, replaced atomically (see `replacing`)."""
+    with replacing(path, sync=sync) as tmp:
+        try:
+            tmp.write_bytes(data)
+        except OSError as exc:
+            raise _named(exc, path) from exc
+
+
+def write_text(path: Path, text: str) -> None:
+    """`text` (UTF-8) as the content of `path`, replaced atomically."""
+    write_bytes(path, text.encode("utf-8"))
