@@ -769,6 +769,13 @@ JOURNAL_CASES = [
         "line",
     ),
     journal_case("empty", "", "journal.jsonl"),
+    # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
+    journal_case(
+        "link-to-dev-zero",
+        Writer(lambda path, env: path.symlink_to("/dev/zero")),
+        "journal.jsonl",
+        "longer than 64 MiB",
+    ),
     journal_case(
         "header-only", lambda s: s["journal"].read_text().splitlines()[0] + "\n", "session"
     ),

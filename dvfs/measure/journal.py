@@ -278,6 +278,12 @@ def read_records(path: str | Path, *, repair: bool = False) -> list[dict[str, An
     return list(iter_records(path, repair=repair))
 
 
+#: The longest journal line read (a header, with its campaign text and corpora, runs to tens of
+#: KiB; a cell record to a few). A longer one is damage or no journal at all (a symlink to
+#: /dev/zero, a binary file without newlines): reading it whole could take all the memory.
+MAX_LINE_BYTES = 64 << 20
+
+
 def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str, Any]]:
     """Parse a journal line by line. A torn last line (a crash mid-write) is dropped, and cut
     off the file when `repair` is set so appends start on a fresh line; a bad line elsewhere,
@@ -294,19 +300,22 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
         number = 0
         while True:
             try:
-                raw = f.readline()
+                raw = f.readline(MAX_LINE_BYTES + 1)
             except OSError as exc:
                 raise JournalError(describe_os_error(exc, "read the journal")) from exc
             if not raw:
                 return
             number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                why = f"longer than {MAX_LINE_BYTES >> 20} MiB, which no dvfs record is"
+                raise _bad_line(path, number, why, first=not count)
             if not raw.strip():
                 good_bytes += len(raw)
                 continue
             try:
                 record = json.loads(raw.decode("utf-8"))
             except ValueError as exc:  # not UTF-8, or not JSON
-                rest = f.readline()
+                rest = f.readline(MAX_LINE_BYTES + 1)
                 last = not rest.endswith(b"\n") and not rest.strip()
                 if last and count:
                     if repair:
