@@ -1238,6 +1238,8 @@ MORE_CASES = (
 # -- command-line flags ----------------------------------------------------------------------
 
 H = ["headroom", "{cube}"]
+#: `dvfs cap plan` on the shared headroom document, for one batch and drafter (add -o).
+CAP_PLAN = ["cap", "plan", "{headroom}", "--batch", "1", "--drafter", "eagle3"]
 
 FLAG_CASES = [
     C("slack-nan", [*H, "--slack", "nan"], says=("nan",)),
@@ -1406,21 +1408,7 @@ FAULT_CASES = [
         ("headroom-o", [*H, "-o", "{tmp}/ro/h.json"], {}),
         ("plot", ["plot", "{cube}", "--out", "{tmp}/ro/plots"], {}),
         ("report-new-folder", ["report", "{cube}", "-o", "{tmp}/ro/new/r.html"], {}),
-        (
-            "cap-plan-o",
-            [
-                "cap",
-                "plan",
-                "{headroom}",
-                "--batch",
-                "1",
-                "--drafter",
-                "eagle3",
-                "-o",
-                "{tmp}/ro/caps.toml",
-            ],
-            {},
-        ),
+        ("cap-plan-o", [*CAP_PLAN, "-o", "{tmp}/ro/caps.toml"], {}),
     )
 ]
 
@@ -1697,17 +1685,7 @@ def test_generic_failures_are_one_line(
 #: Commands that write one file over an existing one: (argv, the option naming the file).
 OVERWRITES = {
     "headroom-o": ["headroom", "{sweep}", "--json", "-o", "{out}"],
-    "cap-plan-o": [
-        "cap",
-        "plan",
-        "{headroom}",
-        "--batch",
-        "1",
-        "--drafter",
-        "eagle3",
-        "-o",
-        "{out}",
-    ],
+    "cap-plan-o": [*CAP_PLAN, "-o", "{out}"],
     "cap-plan-per-batch-o": [
         "cap",
         "plan",

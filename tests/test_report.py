@@ -298,18 +298,22 @@ def test_document_from_a_hand_built_cube_says_what_it_cannot_know() -> None:
     assert isinstance(table, Table) and table.rows[0][-1] == "stock: nothing to cap"
 
 
+def _a_within_target_from_1000_b_from_1500(
+    clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int
+) -> float:
+    """TPOT of a cube whose corpus a keeps its latency down to 1000 MHz, corpus b to 1500."""
+    floor = 1000 if corpus == "a" else 1500
+    return 10.0 if clock >= floor else 20.0
+
+
 def test_document_recommends_the_worst_case_cap_over_corpora() -> None:
     """Corpus a tolerates 1000 MHz, corpus b only 1500: the cap is 1500 MHz."""
-
-    def latency(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> float:
-        floor = 1000 if corpus == "a" else 1500
-        return 10.0 if clock >= floor else 20.0
 
     cube = make_cube(
         clocks=[1000, 1500, 2000],
         corpora=["a", "b"],
         repeats=2,
-        latency=latency,
+        latency=_a_within_target_from_1000_b_from_1500,
         energy=lambda c, *a: c / 1000 + 0.01 * a[-1],
     )
     cube.attrs["gpu_uuids"] = "GPU-1234"
@@ -347,14 +351,10 @@ def test_the_caps_command_of_a_report_on_some_corpora_plans_its_caps(
     from dvfs.caps.files import load_caps
     from dvfs.cube import write_cube
 
-    def latency(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> float:
-        floor = 1000 if corpus == "a" else 1500
-        return 10.0 if clock >= floor else 20.0
-
     cube = make_cube(
         clocks=[1000, 1500, 2000],
         corpora=["a", "b"],
-        latency=latency,
+        latency=_a_within_target_from_1000_b_from_1500,
         energy=lambda c, *a: c / 1000,
     )
     cube.attrs["gpu_uuids"] = "GPU-1234"
