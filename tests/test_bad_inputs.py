@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1717,6 +1718,28 @@ def _capped_env(tmp_path: Path) -> dict[str, str]:
     return subprocess_env(PYTHONDONTWRITEBYTECODE="1", MPLCONFIGDIR=str(tmp_path / "mpl"))
 
 
+def _run_capped(argv: list[str], limit: int, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`dvfs ARGV` in a child whose files may not grow past `limit` bytes: a write past it
+    fails part-way through (EFBIG, SIGXFSZ ignored), as on a full disk."""
+    import resource
+    import signal
+
+    from conftest import PYTHON
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run(
+        [PYTHON, "-m", "dvfs", *argv],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        env=_capped_env(tmp_path),
+        timeout=300,
+    )
+
+
 @pytest.mark.parametrize("name", list(OVERWRITES))
 def test_a_write_cut_short_keeps_the_old_file(
     name: str, shared: dict[str, Path], tmp_path: Path
@@ -1724,11 +1747,6 @@ def test_a_write_cut_short_keeps_the_old_file(
     """A full disk part-way through the new content (here: the file-size limit, which fails
     the write after the file was opened, as a full disk does) leaves the user's old file whole
     and no temp file: the new content goes to a temp file renamed over the old one."""
-    import resource
-    import signal
-    import subprocess
-
-    from conftest import PYTHON
 
     out = tmp_path / "out" / "old.file"
     out.parent.mkdir()
@@ -1737,18 +1755,7 @@ def test_a_write_cut_short_keeps_the_old_file(
     # first, are smaller than the report)
     limit = 200_000 if name == "report-o" else 512
 
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    proc = subprocess.run(
-        [PYTHON, "-m", "dvfs", *_argv(name, shared, out)],
-        preexec_fn=small_files,
-        capture_output=True,
-        text=True,
-        env=_capped_env(tmp_path),
-        timeout=300,
-    )
+    proc = _run_capped(_argv(name, shared, out), limit, tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert str(out) in proc.stderr.splitlines()[-1], proc.stderr
@@ -1867,29 +1874,14 @@ def test_a_figure_cut_short_keeps_the_old_one(
     """`dvfs plot` into a folder of earlier figures on a disk that fills part-way through (the
     file-size limit, as in `test_a_write_cut_short_keeps_the_old_file`): the figure being
     written when it fails keeps its earlier content."""
-    import resource
-    import signal
-    import subprocess
-
-    from conftest import PYTHON
 
     out = tmp_path / "plots"
     out.mkdir()
     first = out / f"energy_vs_clock_code.{fmt}"  # the first figure `dvfs plot` writes
     first.write_bytes(b"OLD\n")
 
-    def small_files() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
-        resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
-
-    proc = subprocess.run(
-        [PYTHON, "-m", "dvfs", "plot", str(shared["cube"]), "--out", str(out), "--format", fmt],
-        preexec_fn=small_files,
-        capture_output=True,
-        text=True,
-        env=_capped_env(tmp_path),
-        timeout=300,
-    )
+    argv = ["plot", str(shared["cube"]), "--out", str(out), "--format", fmt]
+    proc = _run_capped(argv, 512, tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert first.read_bytes() == b"OLD\n"
