@@ -178,3 +178,56 @@ def test_merging_unfinished_shards_says_cells_are_missing(tiny_exact_run, tmp_pa
     assert "(2 shards)" in merged.output
     note = merged.output.replace("\n", " ")
     assert note.count("not measured yet") == 1 and "resume" in note and "--shard" in note
+
+
+def test_vs_baseline_says_the_missing_reference_is_the_baselines(tmp_path: Path) -> None:
+    """--vs-baseline holds every drafter to the baseline's stock cell: when that one is
+    invalid, another drafter's row (whose own stock cell is valid) says the cell is the
+    baseline's, in the table, the JSON document and `cap plan`; the baseline's own row keeps
+    the plain reason."""
+
+    def valid(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> bool:
+        return not (drafter == "none" and (clock, limit) == (1980, 700.0))
+
+    ds = make_cube(
+        clocks=[1000, 1500, 1980],
+        limits=[300.0, 700.0],
+        drafters=["none", "eagle3"],
+        repeats=2,
+        energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
+        valid=valid,
+    )
+    quality = np.where(ds["valid"].values == 0, Q_FEW_COUNTER_UPDATES, 0).astype(float)
+    ds["quality"] = (ds["valid"].dims, quality, {"units": "1", "long_name": "quality flags"})
+    cube = write_cube(
+        as_twin_sweep(
+            ds, uuid="GPU-aaaaaaaa-0000-4000-8000-000000000001", gpu_name=H100, campaign="vsb"
+        ),
+        tmp_path / "c.nc",
+    )
+    theirs = "no valid reference cell (baseline none: invalid: few_counter_updates)"
+    table = run("headroom", str(cube), "--vs-baseline").output
+    [eagle] = [line for line in table.splitlines() if "eagle3" in line]
+    [plain] = [line for line in table.splitlines() if " none " in f" {line} "]
+    assert theirs in eagle, table
+    assert "no valid reference cell (invalid: few_counter_updates)" in plain, table
+    saved = tmp_path / "h.json"
+    run("headroom", str(cube), "--vs-baseline", "--json", "-o", str(saved))
+    rows = {r["drafter"]: r for r in json.loads(saved.read_text())["rows"]}
+    assert rows["eagle3"]["reference_drafter"] == "none"
+    assert "reference_drafter" not in rows["none"]
+    out = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "eagle3", code=2).output
+    assert theirs in out and "workload.output_tokens" in out, out
+    # The headroom figure writes the same reason in its cells.
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import Target
+    from dvfs.cube import open_cube
+    from dvfs.plots import heatmaps
+
+    order = ("corpus", "drafter", "batch")
+    result = headroom(open_cube(cube), target=Target("vs-baseline"))
+    labels = heatmaps._no_answer_labels(result, order)
+    at = {str(d): i for i, d in enumerate(result["drafter"].values)}
+    # (wrapped to four lines in the cell, so cut short)
+    assert " ".join(labels[0, at["eagle3"], 0].split()).startswith(theirs[:38]), labels
+    assert "baseline" not in labels[0, at["none"], 0]

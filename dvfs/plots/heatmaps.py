@@ -116,12 +116,19 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
         )
     }
     out = np.full(shape, "", dtype=object)
+    # --vs-baseline: another drafter's reference is the baseline's stock cell, as the table says.
+    baseline = (
+        chosen.attrs.get("baseline") if chosen.attrs.get("target_mode") == "vs-baseline" else None
+    )
+    drafters = [str(d) for d in chosen["drafter"].values] if "drafter" in order else []
     for idx in np.ndindex(shape):
         row: dict[str, Any] = {
             "target_ms": float(target[idx])
             if target is not None and np.isfinite(target[idx])
             else None
         }
+        if baseline is not None and drafters and drafters[idx[order.index("drafter")]] != baseline:
+            row["reference_drafter"] = baseline
         for name, column in columns.items():
             if column is not None:
                 value = column[idx]

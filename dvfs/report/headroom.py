@@ -91,6 +91,11 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             different_gpus=_flag(r, "different_gpus"),
         )
         row["at_grid_edge"] = row["headroom_mhz_is_lower_bound"] or row["headroom_w_is_lower_bound"]
+        if (
+            result.attrs["target_mode"] == "vs-baseline"
+            and row.get("drafter") != result.attrs["baseline"]
+        ):
+            row["reference_drafter"] = result.attrs["baseline"]  # whose stock cell the target is
         rows.append(row)
     a = result.attrs
     from dvfs.analysis.headroom import coverage

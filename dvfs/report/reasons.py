@@ -19,7 +19,10 @@ def no_answer(row: dict[str, Any]) -> str:
     setting invalid, or every judged setting over the target."""
     if "target_ms" in row and row["target_ms"] is None:
         problem = row.get("reference_problem")
-        return f"no valid reference cell ({problem})" if problem else "no valid reference cell"
+        # --vs-baseline: the reference is the baseline drafter's stock cell, not this row's.
+        whose = row.get("reference_drafter")
+        said = ": ".join(x for x in (f"baseline {whose}" if whose else "", problem or "") if x)
+        return f"no valid reference cell ({said})" if said else "no valid reference cell"
     if row.get("judged_settings") is None:  # a document older than the counts
         return "none feasible"
     if not row.get("judged_settings") and row.get("unmeasured_settings"):
