@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +211,29 @@ def test_the_draws_are_truncated_geometric() -> None:
     assert math.isclose(drawn.mean(), expected, rel_tol=0.02)
     assert np.array_equal(draws(rng, (3,), 0.0, 4), [1, 1, 1])
     assert np.array_equal(draws(rng, (3,), 1.0, 4), [5, 5, 5])
+
+
+def test_every_source_key_in_the_twins_data_is_listed_in_the_readme() -> None:
+    """The data files cite sources by key (G5, M1, A1, ...); the README's "Twin profiles"
+    table is where a reader resolves them, so a key cited there and missing here is a number
+    without a source."""
+    root = Path(__file__).resolve().parent.parent
+    cited = set()
+    for path in [
+        *(root / "dvfs" / "twin" / "data").glob("*.toml"),
+        *(root / "dvfs" / "twin").glob("*.py"),
+        root / "dvfs" / "engines" / "twin.py",
+        root / "dvfs" / "gpu" / "twin.py",
+    ]:
+        cited |= set(re.findall(r"\b([GPMDA][0-9]{1,2})\b", path.read_text()))
+    readme = (root / "README.md").read_text()
+    table = readme.split("**Twin profiles.**", 1)[1].split("**Which twin.**", 1)[0]
+    listed = set()
+    for row in re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE):
+        for part in row.split(","):
+            m = re.fullmatch(r"\s*([A-Z])([0-9]+)(?:-[A-Z]([0-9]+))?\s*", part)
+            if m:
+                last = int(m.group(3) or m.group(2))
+                listed |= {f"{m.group(1)}{i}" for i in range(int(m.group(2)), last + 1)}
+    assert cited, "no source keys found: the pattern no longer matches the data files"
+    assert sorted(cited - listed) == []
