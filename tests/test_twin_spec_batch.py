@@ -22,7 +22,13 @@ from dvfs.twin import physics, traps
 from dvfs.twin.drafting import plan_drafter
 from dvfs.twin.fit import achievable_ridge_point
 from dvfs.twin.passes import PassBuilder, decode_passes, verify_column
-from dvfs.twin.profiles import gpu_profile, model_profile, published_tables
+from dvfs.twin.profiles import (
+    accept_probability,
+    expected_accept_length,
+    gpu_profile,
+    model_profile,
+    published_tables,
+)
 
 H100 = traps.without(gpu_profile("h100-sxm"))
 LLAMA8B = model_profile("llama-3.1-8b")
@@ -282,6 +288,10 @@ def test_temperature_lowers_acceptance_as_the_readme_says() -> None:
     T = 0), HumanEval 5.82, GSM8K 4.59, CNN/DM 4.39; the twin's single miss-rate factor gives
     4.04 / 5.10 / 4.20 / 2.96, and drives a weak drafter's acceptance to nothing."""
     assert accept_length(EAGLE3_PAPER_TREE, "conversation", 0.0) == pytest.approx(6.13, abs=0.01)
+    # the pair's miss rates at depth 7 differ 2.49-fold: a gain of 1.49 would reproduce it
+    miss = [1.0 - accept_probability(tau, 7) for tau in (6.13, 4.24)]
+    assert miss[1] / miss[0] == pytest.approx(2.49, abs=0.005)
+    assert expected_accept_length(1.0 - miss[0] * 2.49, 7) == pytest.approx(4.24, abs=0.01)
     stated = {"conversation": 4.04, "code": 5.10, "math": 4.20, "english": 2.96}
     for text, tau in stated.items():
         assert accept_length(EAGLE3_PAPER_TREE, text, 1.0) == pytest.approx(tau, abs=0.01), text
