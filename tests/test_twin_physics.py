@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +213,69 @@ def test_the_draws_are_truncated_geometric() -> None:
     assert math.isclose(drawn.mean(), expected, rel_tol=0.02)
     assert np.array_equal(draws(rng, (3,), 0.0, 4), [1, 1, 1])
     assert np.array_equal(draws(rng, (3,), 1.0, 4), [5, 5, 5])
+
+
+def test_every_source_key_in_the_twins_data_is_listed_in_the_readme() -> None:
+    """The data files cite sources by key (G5, M1, A1, ...); the README's "Twin profiles"
+    table is where a reader resolves them, so a key cited there and missing here is a number
+    without a source."""
+    root = Path(__file__).resolve().parent.parent
+    cited = set()
+    for path in [
+        *(root / "dvfs" / "twin" / "data").glob("*.toml"),
+        *(root / "dvfs" / "twin").glob("*.py"),
+        root / "dvfs" / "engines" / "twin.py",
+        root / "dvfs" / "gpu" / "twin.py",
+    ]:
+        cited |= set(re.findall(r"\b([GPMDA][0-9]{1,2})\b", path.read_text()))
+    readme = (root / "README.md").read_text()
+    table = readme.split("**Twin profiles.**", 1)[1].split("**Which twin.**", 1)[0]
+    listed = set()
+    for row in re.findall(r"^\| ([^|]+) \|", table, re.MULTILINE):
+        for part in row.split(","):
+            m = re.fullmatch(r"\s*([A-Z])([0-9]+)(?:-[A-Z]([0-9]+))?\s*", part)
+            if m:
+                last = int(m.group(3) or m.group(2))
+                listed |= {f"{m.group(1)}{i}" for i in range(int(m.group(2)), last + 1)}
+    assert cited, "no source keys found: the pattern no longer matches the data files"
+    assert sorted(cited - listed) == []
+
+
+def test_the_twins_roofline_is_the_one_the_readme_states() -> None:
+    """README ("Measure the GPU itself"): `dvfs gpu roofline --twin h100-sxm` at 1980 / 1500 /
+    1200 / 900 MHz; at 1980 MHz the largest GEMM (738 W) is held at 1920 MHz by 700 W."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    result = CliRunner().invoke(
+        cli, ["gpu", "roofline", "--twin", "h100-sxm", "--clocks", "1500,1200,900", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.output)["settings"]
+    assert [p["setting"] for p in points] == ["stock", "1500", "1200", "900"]
+    stated = {
+        "peak_flop_s": ([827, 646, 517, 388], 1e12, 0.5),
+        "bandwidth_bytes_s": ([2.85, 2.80, 2.71, 2.48], 1e12, 0.005),
+        "ridge_point": ([291, 231, 191, 156], 1.0, 0.5),
+        "j_per_flop": ([0.84, 0.67, 0.59, 0.58], 1e-12, 0.005),
+    }
+    for key, (values, unit, tol) in stated.items():
+        got = [p[key] / unit for p in points]
+        assert got == pytest.approx(values, abs=tol), key
+    stock = points[0]["kernels"]
+    best = max((k for k in stock if k["kind"] == "gemm"), key=lambda k: k["flop_s"])
+    assert best["sm_clock_mhz"] == 1920
+    assert best["power_w"] <= 700.0
+    # the same GEMM unlimited at 1980 MHz (no host or per-layer overhead, as the roofline)
+    bare = dataclasses.replace(EXACT_H100, host_overhead_s=0.0, kernel_cycles_per_layer=0.0)
+    one = np.ones(1)
+    passes = physics.Passes(
+        best["flop_s"] * best["seconds"] * one,
+        best["bytes_s"] * best["seconds"] * one,
+        0 * one,
+        0 * one,
+        0 * one,
+        tokens=best["m"] * one,
+    )
+    assert physics.time_passes(bare, passes, 1980).power_w[0] == pytest.approx(738, abs=1)
