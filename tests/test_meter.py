@@ -162,6 +162,41 @@ def test_too_few_samples_in_the_window_invalidate() -> None:
     assert m.quality & Q_FEW_SAMPLES and not m.valid
 
 
+def two_gpu_part(second_mj: np.ndarray, window_ms: int = 20_000) -> WindowPart:
+    """A tensor-parallel round over `window_ms`: two GPUs' counters read every 20 ms (GPU 0's
+    stepping every 100 ms at 300 W, GPU 1's as given: one per reading); two tokens every 10 ms."""
+    t_ms = np.arange(0, window_ms + 1, 20)
+    first = (t_ms // 100 * 100) * 300
+    chunks = [(0, 1)] + [(t * MS, 1) for t in range(10, window_ms + 1, 10)]
+    result = RoundResult((trace(0, chunks), trace(0, chunks)), 0, window_ms * MS)
+    s = samples(list(t_ms), first + second_mj)
+    s["gpu_energy_mj"] = np.stack([first, second_mj], axis=1).astype(np.int64)
+    s["gpu_energy_t_ns"] = np.stack([t_ms * MS, t_ms * MS], axis=1)
+    return WindowPart(result, (0, window_ms * MS), s)
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["stepping", "frozen"])
+def test_one_gpus_stalled_counter_invalidates_a_tensor_parallel_cell(stalled) -> None:
+    """With several GPUs the summed energy stays positive when one GPU's counter stops: that
+    GPU's energy would be missing from a valid cell (half the energy per token at TP=2)."""
+    t_ms = np.arange(0, 20_001, 20)
+    second = np.full(len(t_ms), 5_000_000) if stalled else (t_ms // 100 * 100) * 300 + 7
+    m = summarise(
+        [two_gpu_part(second)],
+        requested_clock_mhz=None,
+        min_window_s=1.0,
+        sample_period_s=0.02,
+        idle_power_w=150.0,
+        counter_periods_s=[0.1, 0.1],
+        precision=0.02,
+    )
+    if stalled:
+        assert m.quality & Q_COUNTER_STALLED and not m.valid
+    else:
+        assert m.valid and m.quality == 0
+        assert m.power_mean_w == pytest.approx(600.0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     gaps=st.lists(st.integers(1, 50), min_size=2, max_size=40),

@@ -798,7 +798,7 @@ def summarise(
         s = part.samples
         e = part.round_energy(counter_periods_s)
         assert e is not None
-        if not e.energy_mj > 0:
+        if not e.energy_mj > 0 or e.stalled:
             quality |= Q_COUNTER_STALLED
         energy_mj += max(e.energy_mj, 0.0)
         window_ns += end - start
