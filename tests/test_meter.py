@@ -321,6 +321,56 @@ def test_energy_readings_carry_the_time_the_counter_was_read() -> None:
         assert counter_at(s, t_ms * MS) == pytest.approx(2 * 3 * t_ms, abs=1e-6)
 
 
+class LockedStubGpu(StubGpu):
+    """A `StubGpu` running at `clock_mhz` (its lock, or the clock it runs at without one)."""
+
+    def __init__(self, clock, index: int, clock_mhz: int) -> None:
+        super().__init__(clock, index)
+        self.clock_mhz = clock_mhz
+
+    def sm_clock_mhz(self) -> int:
+        return self.clock_mhz
+
+
+@pytest.mark.parametrize("second_mhz", [1500, 1980], ids=["both-locked", "one-unlocked"])
+def test_a_tensor_parallel_gpu_above_its_lock_is_flagged(second_mhz) -> None:
+    """A lock that did not take on one GPU of a group (reset by an admin or a GPU reset; NVML
+    cannot read a lock back) runs that GPU at full clock: the slowest GPU's clock alone still
+    reads the lock, and the cell would be valid at a clock it did not run at."""
+    from dvfs.gpu.base import BulkReadings
+    from dvfs.measure.sampler import Sampler, Samples
+
+    clock = ManualClock()
+    gpus = [LockedStubGpu(clock, 0, 1500), LockedStubGpu(clock, 1, second_mhz)]
+    sampler = Sampler(gpus, clock, period_s=0.025)
+    for _ in range(5):
+        sampler.sample()
+        clock.sleep(0.025)
+    chunks = [(t * MS, 1) for t in range(1_000, 1_101, 10)]
+    result = RoundResult((trace(0, chunks), trace(0, chunks)), 0, 1_100 * MS)
+    m = summarise(
+        [WindowPart(result, (1_000 * MS, 1_100 * MS), sampler.samples.arrays())],
+        requested_clock_mhz=1500,
+        min_window_s=0.05,
+        sample_period_s=0.025,
+        idle_power_w=150.0,
+        precision=0.5,
+    )
+    assert m.sm_clock_observed_mhz == 1500  # the slowest GPU's, as before
+    assert bool(m.quality & Q_CLOCK_NOT_REACHED) is (second_mhz != 1500)
+    # The twin's bulk readings keep the fastest GPU's clock too.
+    one = np.ones(3, dtype=np.int64)
+    bulk = [
+        BulkReadings(one, one, one * 1500, one, 0 * one),
+        BulkReadings(one, one, one * 1980, one, 0 * one),
+    ]
+    both = Samples()
+    both.extend(np.arange(3, dtype=np.int64), bulk)
+    arrays = both.arrays()
+    assert arrays["sm_clock_mhz"].tolist() == [1500] * 3
+    assert arrays["sm_clock_max_mhz"].tolist() == [1980] * 3
+
+
 def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:
     """A reading that hangs must end the round with a clear error, and nothing may be appended
     to the sampler's lists after it gave up (someone else is reading them by then)."""
