@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from dvfs.engines.base import RequestTrace, RoundResult
-from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK
+from dvfs.gpu.base import (
+    EVENT_APPLICATIONS_CLOCKS,
+    EVENT_SW_POWER_CAP,
+    EVENT_SYNC_BOOST,
+    EVENT_THROTTLE_MASK,
+)
 from dvfs.measure.counter import (
     RoundEnergy,
     TokenCurve,
@@ -768,7 +773,8 @@ def summarise(
     A stock-clock cell (`stock_clock_mhz`: the GPUs' maximum clock, given when dvfs knows of
     no lock) must run at it: below it by more than the tolerance with no reason but
     ApplicationsClocksSetting (a lock or applications clocks set outside dvfs, which NVML
-    cannot read back), it is flagged clock_held_low, invalid; at full clock 0x2 alone is not.
+    cannot read back) or SyncBoost (held to another GPU's clock), it is flagged
+    clock_held_low, invalid; at full clock 0x2 alone is not.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
 
@@ -861,8 +867,9 @@ def summarise(
     if stock_clock_mhz is not None and not math.isnan(sm_clock):
         held_low = sm_clock < stock_clock_mhz - CLOCK_TOLERANCE_MHZ
         # 0x2 alone is no proof: a driver may report it at default applications clocks, at
-        # full speed. Only a clock actually held down counts.
-        if held_low and not reasons & ~EVENT_APPLICATIONS_CLOCKS:
+        # full speed. Only a clock actually held down counts. SyncBoost explains a low clock
+        # no better: a sync-boost group holds it to another GPU's, not this one's stock.
+        if held_low and not reasons & ~(EVENT_APPLICATIONS_CLOCKS | EVENT_SYNC_BOOST):
             quality |= Q_CLOCK_HELD_LOW
     if reasons & EVENT_THROTTLE_MASK:
         quality |= Q_THROTTLED
