@@ -337,6 +337,7 @@ def test_a_tensor_parallel_gpu_above_its_lock_is_flagged(second_mhz) -> None:
     """A lock that did not take on one GPU of a group (reset by an admin or a GPU reset; NVML
     cannot read a lock back) runs that GPU at full clock: the slowest GPU's clock alone still
     reads the lock, and the cell would be valid at a clock it did not run at."""
+    from dvfs.cube.info import INVALID_ADVICE
     from dvfs.gpu.base import BulkReadings
     from dvfs.measure.sampler import Sampler, Samples
 
@@ -358,6 +359,7 @@ def test_a_tensor_parallel_gpu_above_its_lock_is_flagged(second_mhz) -> None:
     )
     assert m.sm_clock_observed_mhz == 1500  # the slowest GPU's, as before
     assert bool(m.quality & Q_CLOCK_NOT_REACHED) is (second_mhz != 1500)
+    assert "lost its lock outside dvfs" in INVALID_ADVICE["clock_not_reached"]  # what to do
     # The twin's bulk readings keep the fastest GPU's clock too.
     one = np.ones(3, dtype=np.int64)
     bulk = [
