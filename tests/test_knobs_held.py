@@ -26,6 +26,7 @@ from dvfs.gpu.base import (
     EVENT_GPU_IDLE,
     EVENT_HW_THERMAL,
     EVENT_SW_POWER_CAP,
+    EVENT_SYNC_BOOST,
 )
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
@@ -247,6 +248,10 @@ def test_a_limit_changed_between_cells_is_set_again_and_flags_its_cell(
         (1500, EVENT_SW_POWER_CAP, 1980, False),  # the power limit held it down
         (1500, EVENT_HW_THERMAL, 1980, False),  # throttled instead
         (1500, EVENT_GPU_IDLE, 1980, False),  # not under load
+        # a sync-boost group held it to another GPU's clock: not this GPU's stock
+        (1500, EVENT_SYNC_BOOST, 1980, True),
+        (1500, EVENT_SYNC_BOOST | EVENT_APPLICATIONS_CLOCKS, 1980, True),
+        (1500, EVENT_SYNC_BOOST | EVENT_SW_POWER_CAP, 1980, False),
         (1200, EVENT_APPLICATIONS_CLOCKS, None, False),  # a locked cell: dvfs's own lock
     ],
 )
@@ -266,6 +271,10 @@ def test_a_stock_clock_cell_held_low_is_flagged(clock, reasons, stock_clock, hel
     )
     assert bool(m.quality & Q_CLOCK_HELD_LOW) is held_low
     assert Q_CLOCK_HELD_LOW & INVALIDATING
+    if reasons & EVENT_SYNC_BOOST:  # the advice names the cause
+        from dvfs.cube.info import INVALID_ADVICE
+
+        assert "sync-boost group" in INVALID_ADVICE["clock_held_low"]
     assert describe_quality(Q_CLOCK_HELD_LOW) == ["clock_held_low"]
 
 

@@ -162,6 +162,41 @@ def test_too_few_samples_in_the_window_invalidate() -> None:
     assert m.quality & Q_FEW_SAMPLES and not m.valid
 
 
+def two_gpu_part(second_mj: np.ndarray, window_ms: int = 20_000) -> WindowPart:
+    """A tensor-parallel round over `window_ms`: two GPUs' counters read every 20 ms (GPU 0's
+    stepping every 100 ms at 300 W, GPU 1's as given: one per reading); two tokens every 10 ms."""
+    t_ms = np.arange(0, window_ms + 1, 20)
+    first = (t_ms // 100 * 100) * 300
+    chunks = [(0, 1)] + [(t * MS, 1) for t in range(10, window_ms + 1, 10)]
+    result = RoundResult((trace(0, chunks), trace(0, chunks)), 0, window_ms * MS)
+    s = samples(list(t_ms), first + second_mj)
+    s["gpu_energy_mj"] = np.stack([first, second_mj], axis=1).astype(np.int64)
+    s["gpu_energy_t_ns"] = np.stack([t_ms * MS, t_ms * MS], axis=1)
+    return WindowPart(result, (0, window_ms * MS), s)
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["stepping", "frozen"])
+def test_one_gpus_stalled_counter_invalidates_a_tensor_parallel_cell(stalled) -> None:
+    """With several GPUs the summed energy stays positive when one GPU's counter stops: that
+    GPU's energy would be missing from a valid cell (half the energy per token at TP=2)."""
+    t_ms = np.arange(0, 20_001, 20)
+    second = np.full(len(t_ms), 5_000_000) if stalled else (t_ms // 100 * 100) * 300 + 7
+    m = summarise(
+        [two_gpu_part(second)],
+        requested_clock_mhz=None,
+        min_window_s=1.0,
+        sample_period_s=0.02,
+        idle_power_w=150.0,
+        counter_periods_s=[0.1, 0.1],
+        precision=0.02,
+    )
+    if stalled:
+        assert m.quality & Q_COUNTER_STALLED and not m.valid
+    else:
+        assert m.valid and m.quality == 0
+        assert m.power_mean_w == pytest.approx(600.0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     gaps=st.lists(st.integers(1, 50), min_size=2, max_size=40),
@@ -284,6 +319,58 @@ def test_energy_readings_carry_the_time_the_counter_was_read() -> None:
     # Each counter is exactly 3 mJ/ms of its own read time, so interpolation must be exact.
     for t_ms in (1_100, 1_210, 1_333):  # within every GPU's readings
         assert counter_at(s, t_ms * MS) == pytest.approx(2 * 3 * t_ms, abs=1e-6)
+
+
+class LockedStubGpu(StubGpu):
+    """A `StubGpu` running at `clock_mhz` (its lock, or the clock it runs at without one)."""
+
+    def __init__(self, clock, index: int, clock_mhz: int) -> None:
+        super().__init__(clock, index)
+        self.clock_mhz = clock_mhz
+
+    def sm_clock_mhz(self) -> int:
+        return self.clock_mhz
+
+
+@pytest.mark.parametrize("second_mhz", [1500, 1980], ids=["both-locked", "one-unlocked"])
+def test_a_tensor_parallel_gpu_above_its_lock_is_flagged(second_mhz) -> None:
+    """A lock that did not take on one GPU of a group (reset by an admin or a GPU reset; NVML
+    cannot read a lock back) runs that GPU at full clock: the slowest GPU's clock alone still
+    reads the lock, and the cell would be valid at a clock it did not run at."""
+    from dvfs.cube.info import INVALID_ADVICE
+    from dvfs.gpu.base import BulkReadings
+    from dvfs.measure.sampler import Sampler, Samples
+
+    clock = ManualClock()
+    gpus = [LockedStubGpu(clock, 0, 1500), LockedStubGpu(clock, 1, second_mhz)]
+    sampler = Sampler(gpus, clock, period_s=0.025)
+    for _ in range(5):
+        sampler.sample()
+        clock.sleep(0.025)
+    chunks = [(t * MS, 1) for t in range(1_000, 1_101, 10)]
+    result = RoundResult((trace(0, chunks), trace(0, chunks)), 0, 1_100 * MS)
+    m = summarise(
+        [WindowPart(result, (1_000 * MS, 1_100 * MS), sampler.samples.arrays())],
+        requested_clock_mhz=1500,
+        min_window_s=0.05,
+        sample_period_s=0.025,
+        idle_power_w=150.0,
+        precision=0.5,
+    )
+    assert m.sm_clock_observed_mhz == 1500  # the slowest GPU's, as before
+    assert bool(m.quality & Q_CLOCK_NOT_REACHED) is (second_mhz != 1500)
+    assert "lost its lock outside dvfs" in INVALID_ADVICE["clock_not_reached"]  # what to do
+    # The twin's bulk readings keep the fastest GPU's clock too.
+    one = np.ones(3, dtype=np.int64)
+    bulk = [
+        BulkReadings(one, one, one * 1500, one, 0 * one),
+        BulkReadings(one, one, one * 1980, one, 0 * one),
+    ]
+    both = Samples()
+    both.extend(np.arange(3, dtype=np.int64), bulk)
+    arrays = both.arrays()
+    assert arrays["sm_clock_mhz"].tolist() == [1500] * 3
+    assert arrays["sm_clock_max_mhz"].tolist() == [1980] * 3
 
 
 def test_the_sampler_raises_when_its_thread_does_not_stop() -> None:

@@ -122,6 +122,22 @@ def test_instant_power_falls_back_when_the_field_is_unsupported(nvml) -> None:
         assert gpu.power_mw() >= 70_000
 
 
+@pytest.mark.parametrize(("code", "volta"), [(3, True), (999, False), (10, False)])
+def test_an_energy_counter_error_blames_the_gpus_generation_only_when_unsupported(
+    nvml, code: int, volta: bool
+) -> None:
+    """NotSupported is what a pre-Volta GPU answers; an Unknown Error or a Timeout mid-sweep on
+    an H100 is the driver's, and "needs a Volta or newer GPU" would send the user astray."""
+    from dvfs.errors import GpuError
+
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        nvml.fake_update_device(0, errors={"nvmlDeviceGetTotalEnergyConsumption": code})
+        with pytest.raises(GpuError, match="cannot read the energy counter") as caught:
+            gpu.energy_mj()
+    assert ("Volta" in str(caught.value)) is volta
+    assert isinstance(caught.value, GpuNotSupportedError) is volta
+
+
 def test_the_deadline_is_configurable(nvml, monkeypatch: pytest.MonkeyPatch) -> None:
     from dvfs.gpu.deadline import DEFAULT_DEADLINE_S
 

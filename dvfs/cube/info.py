@@ -186,7 +186,8 @@ INVALID_ADVICE = {
     "few_samples": "fewer than three power samples inside the window: lower "
     "measurement.sample_period_s or raise measurement.min_window_s",
     "clock_not_reached": "the observed clock missed the lock: raise knobs.settle_s (time it "
-    "with `dvfs gpu settle`) or drop clocks the GPU cannot hold",
+    "with `dvfs gpu settle`) or drop clocks the GPU cannot hold; a GPU above it lost its lock "
+    "outside dvfs (`nvidia-smi -rgc`, a GPU reset): keep other tools off the GPUs",
     "throttled": "the GPU slowed down for heat or a hardware brake: check its cooling and "
     "what else runs on it",
     "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
@@ -198,7 +199,8 @@ INVALID_ADVICE = {
     "clock_held_low": "a stock-clock cell ran below the maximum clock with no power, thermal "
     "or hardware reason: a clock lock or applications clocks set outside dvfs (NVML "
     "cannot read them back); unlock them "
-    "(`nvidia-smi -rgc`, `-rac`) before sweeping",
+    "(`nvidia-smi -rgc`, `-rac`) before sweeping; or a sync-boost group (SyncBoost) held it "
+    "to another GPU's clock: take the GPU out of the group",
     "foreign_process": "another tenant's compute process was on a metered GPU (its energy is "
     "in the cell's, and it competed for the GPU): the journal's cell records name it; sweep "
     "on GPUs nothing else uses (`dvfs doctor` warns of what runs on them)",

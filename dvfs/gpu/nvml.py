@@ -116,8 +116,15 @@ class NvmlGpu:
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return _bounded(self._worker, self.deadline_s, self._where, fn, *args)
 
-    def _call(self, fn: Callable[..., T], what: str, *args: Any, hint: str = "") -> T:
-        with self.errors.translated(f"GPU {self.index}: cannot {what}", hint):
+    def _call(
+        self,
+        fn: Callable[..., T],
+        what: str,
+        *args: Any,
+        hint: str = "",
+        unsupported_hint: str = "",
+    ) -> T:
+        with self.errors.translated(f"GPU {self.index}: cannot {what}", hint, unsupported_hint):
             return self._run(fn, self.handle, *args)
 
     def _call_plain(self, fn: Callable[..., T], what: str) -> T:
@@ -204,7 +211,7 @@ class NvmlGpu:
             self._call(
                 self.nvml.nvmlDeviceGetTotalEnergyConsumption,
                 "read the energy counter",
-                hint="the energy counter needs a Volta or newer GPU",
+                unsupported_hint="the energy counter needs a Volta or newer GPU",
             )
         )
 

@@ -60,18 +60,24 @@ class NvmlErrors:
         return isinstance(exc, self.nvml.NVMLError)
 
     @contextlib.contextmanager
-    def translated(self, what: str, hint: str = "") -> Iterator[None]:
+    def translated(self, what: str, hint: str = "", unsupported_hint: str = "") -> Iterator[None]:
         """NVML errors raised in the block become dvfs's (`raise ... from`); others pass."""
         try:
             yield
         except Exception as exc:
             if self.is_nvml_error(exc):
-                raise self.translate(exc, what, hint) from exc
+                raise self.translate(exc, what, hint, unsupported_hint) from exc
             raise
 
-    def translate(self, exc: Any, what: str, hint: str = "") -> GpuError:
+    def translate(
+        self, exc: Any, what: str, hint: str = "", unsupported_hint: str = ""
+    ) -> GpuError:
+        """`hint` follows any error's message; `unsupported_hint` only NotSupported's (a
+        generation's limit must not be blamed for an Unknown Error on a GPU that has it)."""
         value = getattr(exc, "value", None)
         cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
+        if cls is GpuNotSupportedError and unsupported_hint:
+            hint = f"{hint}; {unsupported_hint}" if hint else unsupported_hint
         if value in self.library_not_found:
             return cls(f"{what}: {NO_DRIVER_HINT}")
         if value == self.lost:

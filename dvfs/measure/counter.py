@@ -432,6 +432,9 @@ class RoundEnergy:
     #: How far `seconds` may be off (`CounterWindow.uncertainty_s`; on interpolation, one update
     #: period's worth of step at each edge).
     uncertainty_s: float = 0.0
+    #: Whether some GPU's own counter did not advance over its interval: with several GPUs the
+    #: summed energy can stay positive while one GPU's energy is missing from it.
+    stalled: bool = False
 
     @property
     def energy_per_token_j(self) -> float:
@@ -442,6 +445,19 @@ def interpolated_mj(samples: dict[str, np.ndarray], t_ns: float) -> float:
     """The summed counters (mJ) at an instant, each interpolated between its readings."""
     times, values = gpu_counters(samples)
     return float(sum(np.interp(t_ns, times[:, g], values[:, g]) for g in range(times.shape[1])))
+
+
+def _some_gpu_stalled(samples: dict[str, np.ndarray], start_ns: float, end_ns: float) -> bool:
+    """Whether some GPU's counter, interpolated at the edges, did not advance between them
+    (one GPU: the summed energy says as much, and is checked on it)."""
+    times, values = gpu_counters(samples)
+    if times.shape[1] < 2:
+        return False
+    return any(
+        not np.interp(end_ns, times[:, g], values[:, g])
+        > np.interp(start_ns, times[:, g], values[:, g])
+        for g in range(times.shape[1])
+    )
 
 
 def round_energy(
@@ -463,13 +479,23 @@ def round_energy(
         # continuous counters: exact at every reading, so the window's own edges (chunk
         # arrivals, the tokens between them exact) interpolate between readings a sample apart
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
-        return RoundEnergy(energy, curve.between(start, end), (end - start) * 1e-9, counted, False)
+        stalled = _some_gpu_stalled(samples, start, end)
+        return RoundEnergy(
+            energy, curve.between(start, end), (end - start) * 1e-9, counted, False, 0.0, stalled
+        )
     if counted < 2:
         energy = interpolated_mj(samples, end) - interpolated_mj(samples, start)
         known = [p for p in periods_s if p]
         step = max(known) if known else (end - start) * 1e-9
+        stalled = _some_gpu_stalled(samples, start, end)
         return RoundEnergy(
-            energy, curve.between(start, end), (end - start) * 1e-9, counted, False, 2 * step
+            energy,
+            curve.between(start, end),
+            (end - start) * 1e-9,
+            counted,
+            False,
+            2 * step,
+            stalled,
         )
     ref = windows[0]
     tokens = curve.between(ref.start_ns, ref.end_ns)
@@ -478,4 +504,5 @@ def round_energy(
         own = curve.between(w.start_ns, w.end_ns)
         energy += w.energy_mj * (tokens / own) if own > 0 else w.energy_mj
     uncertainty = max(w.uncertainty_s for w in windows)
-    return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty)
+    stalled = len(windows) > 1 and any(not w.energy_mj > 0 for w in windows)
+    return RoundEnergy(energy, tokens, ref.seconds, counted, True, uncertainty, stalled)

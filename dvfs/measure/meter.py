@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from dvfs.engines.base import RequestTrace, RoundResult
-from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS, EVENT_SW_POWER_CAP, EVENT_THROTTLE_MASK
+from dvfs.gpu.base import (
+    EVENT_APPLICATIONS_CLOCKS,
+    EVENT_SW_POWER_CAP,
+    EVENT_SYNC_BOOST,
+    EVENT_THROTTLE_MASK,
+)
 from dvfs.measure.counter import (
     RoundEnergy,
     TokenCurve,
@@ -760,14 +765,16 @@ def summarise(
     too few updates, or a counter slower than the window) leave the energy less precise than
     asked: few_counter_updates, invalid.
 
-    The observed clock must match a locked clock within CLOCK_TOLERANCE_MHZ: above it, the
-    lock did not take; below it without SwPowerCap, something other than the knobs held it
-    down. Below it with SwPowerCap, the power limit bound (the cell's own or the stock one):
-    the cell is valid and flagged power_capped, since applying the same setting reproduces it.
+    The observed clock (the slowest GPU's at each sample) must match a locked clock within
+    CLOCK_TOLERANCE_MHZ: the fastest GPU's above it, a lock did not take; below it without
+    SwPowerCap, something other than the knobs held it down. Below it with SwPowerCap, the
+    power limit bound (the cell's own or the stock one): the cell is valid and flagged
+    power_capped, since applying the same setting reproduces it.
     A stock-clock cell (`stock_clock_mhz`: the GPUs' maximum clock, given when dvfs knows of
     no lock) must run at it: below it by more than the tolerance with no reason but
     ApplicationsClocksSetting (a lock or applications clocks set outside dvfs, which NVML
-    cannot read back), it is flagged clock_held_low, invalid; at full clock 0x2 alone is not.
+    cannot read back) or SyncBoost (held to another GPU's clock), it is flagged
+    clock_held_low, invalid; at full clock 0x2 alone is not.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
 
@@ -784,6 +791,7 @@ def summarise(
     latency: list[float] = []
     energies: list[RoundEnergy] = []
     clock_weighted = 0.0
+    fastest_weighted = 0.0  # the fastest GPU's clock (one GPU: the same), for a lock not held
     clock_ns = 0  # the windows of the rounds sampled inside them: the clock's weights
     power_max = 0.0
     temp_max = -math.inf
@@ -798,7 +806,7 @@ def summarise(
         s = part.samples
         e = part.round_energy(counter_periods_s)
         assert e is not None
-        if not e.energy_mj > 0:
+        if not e.energy_mj > 0 or e.stalled:
             quality |= Q_COUNTER_STALLED
         energy_mj += max(e.energy_mj, 0.0)
         window_ns += end - start
@@ -819,6 +827,10 @@ def summarise(
             clock = s["sm_clock_mhz"][inside]
             power = s["power_mw"][inside]
             clock_weighted += _mean(clock) * (end - start)
+            fastest = s.get("sm_clock_max_mhz")
+            fastest_weighted += (_mean(clock) if fastest is None else _mean(fastest[inside])) * (
+                end - start
+            )
             clock_ns += end - start
             power_max = max(power_max, float(_MAX(power)) / 1000)
             temp_max = max(temp_max, float(_MAX(s["temperature_c"][inside])))
@@ -847,15 +859,17 @@ def summarise(
     # left out of the weights, or it would pull the mean down towards zero.
     sm_clock = clock_weighted / clock_ns if clock_ns else math.nan
     if requested_clock_mhz is not None and not math.isnan(sm_clock):
-        above = sm_clock > requested_clock_mhz + CLOCK_TOLERANCE_MHZ
+        # above: any GPU (of a tensor-parallel group) whose lock did not take, not the slowest
+        above = fastest_weighted / clock_ns > requested_clock_mhz + CLOCK_TOLERANCE_MHZ
         below = sm_clock < requested_clock_mhz - CLOCK_TOLERANCE_MHZ
         if above or (below and not reasons & EVENT_SW_POWER_CAP):
             quality |= Q_CLOCK_NOT_REACHED
     if stock_clock_mhz is not None and not math.isnan(sm_clock):
         held_low = sm_clock < stock_clock_mhz - CLOCK_TOLERANCE_MHZ
         # 0x2 alone is no proof: a driver may report it at default applications clocks, at
-        # full speed. Only a clock actually held down counts.
-        if held_low and not reasons & ~EVENT_APPLICATIONS_CLOCKS:
+        # full speed. Only a clock actually held down counts. SyncBoost explains a low clock
+        # no better: a sync-boost group holds it to another GPU's, not this one's stock.
+        if held_low and not reasons & ~(EVENT_APPLICATIONS_CLOCKS | EVENT_SYNC_BOOST):
             quality |= Q_CLOCK_HELD_LOW
     if reasons & EVENT_THROTTLE_MASK:
         quality |= Q_THROTTLED

@@ -30,6 +30,7 @@ SAMPLE_FIELDS = (
     "sm_clock_mhz",
     "temperature_c",
     "reasons",
+    "sm_clock_max_mhz",
     "gpu_energy_mj",
     "gpu_energy_t_ns",
 )
@@ -37,7 +38,8 @@ SAMPLE_FIELDS = (
 
 @dataclass
 class Samples:
-    """Readings of all GPUs at instants: energy and power summed, clock min, temperature max.
+    """Readings of all GPUs at instants: energy and power summed, clock min (and max:
+    `sm_clock_max_mhz`, so one GPU of a group running above its lock is seen), temperature max.
 
     Each GPU's energy counter carries its own timestamp (`gpu_energy_t_ns`: the middle of the
     call that read it), since a slow reading can land well after the sample's `t_ns`. Kept as
@@ -70,6 +72,7 @@ class Samples:
         sm_clock_mhz: int,
         temperature_c: int,
         reasons: int,
+        sm_clock_max_mhz: int | None = None,
     ) -> None:
         """One sample, read GPU by GPU (per-GPU energy counters and their read times)."""
 
@@ -83,6 +86,7 @@ class Samples:
             sm_clock_mhz=one(sm_clock_mhz),
             temperature_c=one(temperature_c),
             reasons=one(reasons),
+            sm_clock_max_mhz=one(sm_clock_mhz if sm_clock_max_mhz is None else sm_clock_max_mhz),
             gpu_energy_mj=np.array([energy_mj], dtype=np.int64),
             gpu_energy_t_ns=np.array([energy_t_ns], dtype=np.int64),
         )
@@ -100,6 +104,7 @@ class Samples:
             c["sm_clock_mhz"].append(g.sm_clock_mhz)
             c["temperature_c"].append(g.temperature_c)
             c["reasons"].append(g.reasons)
+            c["sm_clock_max_mhz"].append(g.sm_clock_mhz)
             c["gpu_energy_mj"].append(total[:, None])
             c["gpu_energy_t_ns"].append(t_ns[:, None])
             return
@@ -111,6 +116,7 @@ class Samples:
             sm_clock_mhz=functools.reduce(np.minimum, (g.sm_clock_mhz for g in gpus)),
             temperature_c=functools.reduce(np.maximum, (g.temperature_c for g in gpus)),
             reasons=functools.reduce(np.bitwise_or, (g.reasons for g in gpus)),
+            sm_clock_max_mhz=functools.reduce(np.maximum, (g.sm_clock_mhz for g in gpus)),
             gpu_energy_mj=energy,
             # virtual time stands still while a GPU is read: each counter is read at the instant
             gpu_energy_t_ns=np.repeat(t_ns[:, None], len(gpus), axis=1),
@@ -203,9 +209,9 @@ class Sampler:
                 energy.append(self._read("the energy counter", g.identity.index, g.energy_mj))
                 energy_t.append((before + self.clock.now_ns()) // 2)
             power = sum(self._read("power", g.identity.index, g.power_mw) for g in self.gpus)
-            clock = min(
+            clocks = [
                 self._read("the SM clock", g.identity.index, g.sm_clock_mhz) for g in self.gpus
-            )
+            ]
             temperature = max(
                 self._read("the temperature", g.identity.index, g.temperature_c) for g in self.gpus
             )
@@ -222,7 +228,9 @@ class Sampler:
         with self._cond:
             if self._closed:
                 return
-            self.samples.append(t, energy, energy_t, power, clock, temperature, reasons)
+            self.samples.append(
+                t, energy, energy_t, power, min(clocks), temperature, reasons, max(clocks)
+            )
 
     def _note(self, t_ns: np.ndarray) -> None:
         """Keep instants to read later, with the state each GPU is in now (deferring GPUs)."""
