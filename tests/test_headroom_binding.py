@@ -201,3 +201,16 @@ def test_the_answer_never_names_a_cap_that_never_bound(lat, en, peak, capped, sl
             assert float(loose["chosen_energy_per_token_j"]) <= float(
                 a["chosen_energy_per_token_j"]
             ) * (1 + 1e-3)
+
+
+def test_a_tensor_parallel_groups_peak_is_held_to_the_limit_of_each_of_its_gpus() -> None:
+    """power_max_w is the server's GPUs' summed power, the power limit each GPU's: two GPUs
+    peaking at 418 W together (209 W each) never reached a 400 W limit, so the cap is as
+    unbound as on one GPU at 209 W, and one at 418 W on a single GPU bound it."""
+    pair = cube(peak_w=418.0)
+    pair.attrs["tp_size"] = 2
+    r = answer(pair)
+    assert r["cap_not_binding"] == 1 and r["chosen_power_limit"] == 700.0
+    single = cube(peak_w=418.0)
+    single.attrs["tp_size"] = 1
+    assert answer(single)["cap_not_binding"] == 0

@@ -75,6 +75,15 @@ ENERGY_TIE = 1e-4
 #: flag is the direct evidence; the margin covers a sampler that missed it.
 CAP_BINDING_MARGIN = 0.05
 
+
+def gpus_summed(cube: xr.Dataset) -> int:
+    """How many GPUs a cell's power_max_w adds up (its server's, engine.tp_size), while a
+    power limit is each GPU's: the peak is compared with the limit times this."""
+    try:
+        return max(int(cube.attrs.get("tp_size", 1)), 1)
+    except (TypeError, ValueError):
+        return 1
+
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
@@ -315,7 +324,8 @@ def _cells(
     elif knob == "power_limit":
         clocks = clocks[clock_at : clock_at + 1]
     if "power_max_w" in cube:  # cap_not_binding
-        quiet = cut(_values(cube, "power_max_w")) < (limits * (1 - CAP_BINDING_MARGIN))[:, None]
+        group_limits = limits * gpus_summed(cube) * (1 - CAP_BINDING_MARGIN)
+        quiet = cut(_values(cube, "power_max_w")) < group_limits[:, None]
         if quality is not None:
             quiet = quiet & ((_filled_int(cut(quality)) & Q_POWER_CAPPED) == 0)
         not_binding = (quiet | ~ok).all(axis=-1) & ok.any(axis=-1)
@@ -905,7 +915,8 @@ def cap_not_binding(cube: xr.Dataset, ok: xr.DataArray) -> xr.DataArray:
 
     if "power_max_w" not in cube:
         return ok.any("repeat") & False
-    quiet = cube["power_max_w"] < cube["power_limit"] * (1 - CAP_BINDING_MARGIN)
+    limit = cube["power_limit"] * gpus_summed(cube)
+    quiet = cube["power_max_w"] < limit * (1 - CAP_BINDING_MARGIN)
     if "quality" in cube:
         quiet = quiet & ((cube["quality"].fillna(0).astype(np.int64) & Q_POWER_CAPPED) == 0)
     return (quiet | ~ok).all("repeat") & ok.any("repeat")
