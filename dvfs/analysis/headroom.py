@@ -84,6 +84,7 @@ def gpus_summed(cube: xr.Dataset) -> int:
     except (TypeError, ValueError):
         return 1
 
+
 BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
