@@ -438,3 +438,18 @@ def test_a_dry_run_on_stock_knobs_counts_no_knob_change(
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["knob_changes"] == 0
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_progress_off_a_terminal_leaves_no_cut_bar_in_the_log(
+    gpus: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A sweep logging to a file or a pipe (nohup, Slurm, `2>log`) drew its bar once, at the
+    end, cut to 80 columns ("1080/…", "ETA 0:00:…"): the log gets the notes and summary only."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    args = ["sweep", str(campaign), *gpus, "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "cell(s) measured" in result.stderr and "starting twin server" in result.stderr
+    assert "━" not in result.stderr and "…" not in result.stderr, result.stderr
+
