@@ -453,3 +453,22 @@ def test_progress_off_a_terminal_leaves_no_cut_bar_in_the_log(
     assert "cell(s) measured" in result.stderr and "starting twin server" in result.stderr
     assert "━" not in result.stderr and "…" not in result.stderr, result.stderr
 
+
+def test_an_interruption_before_the_first_cell_says_nothing_was_measured(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Stopped after the journal's header, before its first session (opening the GPUs, the
+    engine): no partial cube, and nothing for `dvfs cube build` to fix, as it once said."""
+    import dvfs.sweep
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dvfs.sweep, "check_same_server_env", interrupted)
+    out = tmp_path / "out"
+    result = sweep([str(write(tmp_path / "tiny.toml", TINY)), "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert (out / "journal.jsonl").is_file() and not (out / "cube.nc").exists()
+    assert "(no partial cube: no cell measured yet)" in result.stderr, result.stderr
+    assert "cube build" not in result.stderr and "fixed" not in result.stderr
+    assert result.stderr.rstrip().endswith("Interrupted.")
