@@ -365,10 +365,15 @@ def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
     """Write the partial cube of an interrupted sweep (a fleet mixing GPU models: each model's
     and the merged one, as a finished fleet writes them) and find what it left unrestored."""
     from dvfs.fleet.cubes import cube_journals, write_cubes
+    from dvfs.fleet.shard_journal import has_sessions
 
     cube_path = cube_error = None
     journals = cube_journals(out_dir)
-    if journals:
+    if journals and not any(has_sessions(j) for j in journals):
+        # Stopped before its first session (the GPU's checks, a server's start): no cell to
+        # put in a cube, and nothing for `dvfs cube build` to fix.
+        cube_error = "no cell measured yet"
+    elif journals:
         try:
             cube_path = write_cubes(out_dir, journals)
         except Exception as exc:  # the interruption matters more than the partial cube

@@ -105,6 +105,11 @@ def test_a_file_that_is_not_a_journal_is_refused_and_left_alone(
     assert_one_line_error(result, 1, str(journal), "--fresh")
     # A one-line file used to pass for a torn last line and be truncated to nothing.
     assert journal.read_bytes() == content
+    # The way out the message names: --fresh moves it aside intact (it once read the file
+    # first, to see whether a fleet had begun the folder, and was refused alike).
+    fresh = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh")
+    assert fresh.exit_code == 0, fresh.output
+    assert (out / "journal.jsonl.1").read_bytes() == content
 
 
 def test_a_torn_last_line_is_still_dropped_and_the_sweep_resumes(swept: tuple[Path, Path]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,32 @@ def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     address = CliRunner().invoke(cli, ["sweep", str(campaign), "--address", "auto"])
     assert address.exit_code == 2 and "--executor ray" in address.output
     assert not (tmp_path / "o").exists()
+
+
+def test_no_cluster_at_the_address_is_one_line_not_about_the_folder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Ray's ConnectionError is an OSError, which was worded as a fault of the --out folder
+    ("cannot use DIR: ...")."""
+
+    def init(**kwargs: object) -> None:
+        raise ConnectionError(
+            "Could not find any running Ray instance. Please specify the one to connect to "
+            "by setting `--address` flag or `RAY_ADDRESS` environment variable."
+        )
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--address", "auto", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        "Error: no Ray cluster to join at --address auto (Could not find any running Ray "
+        "instance): start it first (`ray start --head` on the head node, `ray start --address "
+        "HEAD:6379` on the others), or leave out --address to run Ray on this machine only"
+    ]
+    assert not (out / "journal.jsonl").exists()
 
 
 @pytest.mark.timeout(120)

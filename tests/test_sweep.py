@@ -438,3 +438,37 @@ def test_a_dry_run_on_stock_knobs_counts_no_knob_change(
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["knob_changes"] == 0
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_progress_off_a_terminal_leaves_no_cut_bar_in_the_log(
+    gpus: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A sweep logging to a file or a pipe (nohup, Slurm, `2>log`) drew its bar once, at the
+    end, cut to 80 columns ("1080/…", "ETA 0:00:…"): the log gets the notes and summary only."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    args = ["sweep", str(campaign), *gpus, "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "cell(s) measured" in result.stderr and "starting twin server" in result.stderr
+    assert "━" not in result.stderr and "…" not in result.stderr, result.stderr
+
+
+def test_an_interruption_before_the_first_cell_says_nothing_was_measured(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Stopped after the journal's header, before its first session (opening the GPUs, the
+    engine): no partial cube, and nothing for `dvfs cube build` to fix, as it once said."""
+    import dvfs.sweep
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dvfs.sweep, "check_same_server_env", interrupted)
+    out = tmp_path / "out"
+    result = sweep([str(write(tmp_path / "tiny.toml", TINY)), "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert (out / "journal.jsonl").is_file() and not (out / "cube.nc").exists()
+    assert "(no partial cube: no cell measured yet)" in result.stderr, result.stderr
+    assert "cube build" not in result.stderr and "fixed" not in result.stderr
+    assert result.stderr.rstrip().endswith("Interrupted.")

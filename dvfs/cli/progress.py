@@ -33,7 +33,9 @@ class RichProgress:
             TimeRemainingColumn(),
             TextColumn("{task.fields[current]}"),
             console=self.console,
-            disable=not enabled,
+            # Off a terminal the bar would only be drawn once, at the end, cut to 80 columns
+            # ("1080/…"): a log gets the notes and the summary lines instead.
+            disable=not enabled or not self.console.is_terminal,
             transient=False,
         )
         self._description = description

@@ -302,7 +302,8 @@ def sweep(
         return
     from dvfs.fleet.folders import fleet_journal
 
-    if len(groups) > 1 or executor == "ray" or fleet_journal(out_dir):
+    # --fresh moves the folder's journals aside unread: a damaged one must not stop it.
+    if len(groups) > 1 or executor == "ray" or (not fresh and fleet_journal(out_dir)):
         outcome = run_fleet(
             campaign,
             out_dir,

@@ -148,7 +148,16 @@ class RayExecutor:
         started = False
         if not ray.is_initialized():
             if self.address:
-                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                try:
+                    ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                except ConnectionError as exc:  # an OSError: not about the --out folder
+                    why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
+                    raise DvfsError(
+                        f"no Ray cluster to join at --address {self.address} ({why}): start "
+                        "it first (`ray start --head` on the head node, `ray start --address "
+                        "HEAD:6379` on the others), or leave out --address to run Ray on "
+                        "this machine only"
+                    ) from exc
             else:
                 ray.init(
                     namespace=NAMESPACE,
