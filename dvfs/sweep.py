@@ -378,13 +378,21 @@ def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
             cube_path = write_cubes(out_dir, journals)
         except Exception as exc:  # the interruption matters more than the partial cube
             cube_error = str(exc)
+    left, state_dir = unrestored_gpus(campaign)
+    return Interruption(cube_path, cube_error, left, state_dir)
+
+
+def unrestored_gpus(campaign: Campaign) -> tuple[tuple[str, ...], Path | None]:
+    """The GPUs (UUIDs) this process changed and did not put back, whose state files are still
+    in the state directory (returned with them): after an interruption, or a fleet worker that
+    lost its GPU before it could restore it. Nothing on the twin."""
     if not real_gpus(campaign):
-        return Interruption(cube_path, cube_error, (), None)
+        return (), None
     from dvfs.gpu.safety import StateStore
 
     store = StateStore()
     left = tuple(p.original.uuid for p in store.pending() if p.pid == os.getpid())
-    return Interruption(cube_path, cube_error, left, store.directory)
+    return left, store.directory
 
 
 def _with_cube(summary: RunSummary, journal_path: Path, out_dir: Path) -> SweepOutcome:

@@ -560,3 +560,43 @@ def test_real_gpus_of_two_models_give_a_gpu_dimension(fake_nvml, tmp_path: Path)
     merged = open_cube(out / "cube.nc")
     assert merged.sizes["gpu"] == 2
     assert json.loads(merged.attrs["gpu_names"]) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+
+
+def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet worker whose GPU falls off the bus mid-sweep hands its cells to the other, but
+    cannot put its GPU's settings back: every cell is in, yet the sweep ends with exit 1 naming
+    the GPU and `dvfs gpu reset` (it ended 0, the GPU left locked), as one GPU's sweep does."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    from dvfs.fleet.worker import Worker
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    calls = {"n": 0}
+    run = Worker.run
+
+    def losing(self: Worker, cell):  # type: ignore[no-untyped-def]
+        if self.label == "gpu1":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                nvml.fake_update_device(1, lost=True)
+                raise RuntimeError("the GPU fell off the bus")
+        return run(self, cell)
+
+    monkeypatch.setattr(Worker, "run", losing)
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--gpus", "0-1", "--out", str(out), env=env)
+    assert result.returncode == 1, result.stderr
+    [state] = (tmp_path / "dvfs-state").glob("GPU-*.json")
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and "dvfs gpu reset" in last, result.stderr
+    assert state.stem in last, (state.stem, last)
+    assert "Traceback" not in result.stderr
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 8 and (out / "cube.nc").is_file()

@@ -456,6 +456,18 @@ def run_fleet(
         err.print(f"{status} Run the same command again to resume.")
         raise
     report_fleet(outcome)
+    if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
+        from dvfs.sweep import unrestored_gpus
+
+        kept, state_dir = unrestored_gpus(campaign)
+        if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
+            err.print(
+                f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker lost "
+                "its GPU before it could put them back; run `dvfs gpu reset` once the GPU "
+                f"answers again (state in {state_dir}).",
+                soft_wrap=True,
+            )
+            raise SystemExit(1)
     return outcome
 
 
