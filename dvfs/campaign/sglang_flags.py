@@ -34,6 +34,8 @@ MANAGED_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--cuda-graph-max-bs-decode",), "workload.batch (dvfs sets it to the largest batch)"),
     (("--cuda-graph-bs",), "workload.batch (dvfs captures a CUDA graph for each batch)"),
     (("--cuda-graph-bs-decode",), "workload.batch (dvfs captures a CUDA graph for each batch)"),
+    # 0.5.23: a JSON of graph settings whose sizes win over the flags above.
+    (("--cuda-graph-config",), "workload.batch (dvfs captures a CUDA graph for each batch)"),
     (("--speculative-algorithm",), "{drafter}.algorithm"),
     (("--speculative-draft-model-path", "--speculative-draft-model"), "{drafter}.draft_model"),
     (("--speculative-num-steps",), "{drafter}.num_steps"),
