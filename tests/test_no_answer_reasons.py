@@ -28,17 +28,21 @@ def run(*args: str, code: int = 0) -> Result:
     return result
 
 
-def flagged_cube(path: Path, invalid) -> Path:  # type: ignore[no-untyped-def]
-    """A twin cube (clocks 1000-1980, limits 300/700, corpora code and math) whose latency
-    never changes, so every valid setting meets any target; `invalid(clock, limit, corpus)`
-    cells are flagged few_counter_updates."""
+def flagged_cube(  # type: ignore[no-untyped-def]
+    path: Path, invalid, drafters: list[str] | None = None, flagged: set[str] | None = None
+) -> Path:
+    """A twin cube (clocks 1000-1980, limits 300/700, corpora code and math, `drafters`)
+    whose latency never changes, so every valid setting meets any target; `invalid(clock,
+    limit, corpus)` cells (of the `flagged` drafters only, where given) are flagged
+    few_counter_updates."""
 
     def valid(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> bool:
-        return not invalid(clock, limit, corpus)
+        return not (invalid(clock, limit, corpus) and (flagged is None or drafter in flagged))
 
     ds = make_cube(
         clocks=[1000, 1500, 1980],
         limits=[300.0, 700.0],
+        drafters=drafters,
         corpora=["code", "math"],
         repeats=2,
         energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
@@ -185,37 +189,24 @@ def test_vs_baseline_says_the_missing_reference_is_the_baselines(tmp_path: Path)
     invalid, another drafter's row (whose own stock cell is valid) says the cell is the
     baseline's, in the table, the JSON document and `cap plan`; the baseline's own row keeps
     the plain reason."""
-
-    def valid(clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int) -> bool:
-        return not (drafter == "none" and (clock, limit) == (1980, 700.0))
-
-    ds = make_cube(
-        clocks=[1000, 1500, 1980],
-        limits=[300.0, 700.0],
-        drafters=["none", "eagle3"],
-        repeats=2,
-        energy=lambda clock, limit, *_: clock / 1000 + limit / 1000,
-        valid=valid,
-    )
-    quality = np.where(ds["valid"].values == 0, Q_FEW_COUNTER_UPDATES, 0).astype(float)
-    ds["quality"] = (ds["valid"].dims, quality, {"units": "1", "long_name": "quality flags"})
-    cube = write_cube(
-        as_twin_sweep(
-            ds, uuid="GPU-aaaaaaaa-0000-4000-8000-000000000001", gpu_name=H100, campaign="vsb"
-        ),
+    stock = flagged_cube(
         tmp_path / "c.nc",
+        lambda clock, limit, corpus: (clock, limit) == (1980, 700.0),
+        drafters=["none", "eagle3"],
+        flagged={"none"},
     )
     theirs = "no valid reference cell (baseline none: invalid: few_counter_updates)"
-    table = run("headroom", str(cube), "--vs-baseline").output
-    [eagle] = [line for line in table.splitlines() if "eagle3" in line]
-    [plain] = [line for line in table.splitlines() if " none " in f" {line} "]
-    assert theirs in eagle, table
-    assert "no valid reference cell (invalid: few_counter_updates)" in plain, table
+    table = run("headroom", str(stock), "--vs-baseline").output
+    eagle = [line for line in table.splitlines() if "eagle3" in line]
+    plain = [line for line in table.splitlines() if " none " in f" {line} "]
+    assert len(eagle) == 2 and all(theirs in line for line in eagle), table
+    mine = "no valid reference cell (invalid: few_counter_updates)"
+    assert len(plain) == 2 and all(mine in line for line in plain), table
     saved = tmp_path / "h.json"
-    run("headroom", str(cube), "--vs-baseline", "--json", "-o", str(saved))
-    rows = {r["drafter"]: r for r in json.loads(saved.read_text())["rows"]}
-    assert rows["eagle3"]["reference_drafter"] == "none"
-    assert "reference_drafter" not in rows["none"]
+    run("headroom", str(stock), "--vs-baseline", "--json", "-o", str(saved))
+    rows = json.loads(saved.read_text())["rows"]
+    assert {r.get("reference_drafter") for r in rows if r["drafter"] == "eagle3"} == {"none"}
+    assert all("reference_drafter" not in r for r in rows if r["drafter"] == "none")
     out = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "eagle3", code=2).output
     assert theirs in out and "workload.output_tokens" in out, out
     # The headroom figure writes the same reason in its cells.
@@ -225,7 +216,7 @@ def test_vs_baseline_says_the_missing_reference_is_the_baselines(tmp_path: Path)
     from dvfs.plots import heatmaps
 
     order = ("corpus", "drafter", "batch")
-    result = headroom(open_cube(cube), target=Target("vs-baseline"))
+    result = headroom(open_cube(stock), target=Target("vs-baseline"))
     labels = heatmaps._no_answer_labels(result, order)
     at = {str(d): i for i, d in enumerate(result["drafter"].values)}
     # (wrapped to four lines in the cell, so cut short)
