@@ -567,3 +567,36 @@ def test_auto_kernels_that_would_differ_are_an_invalid_campaign_everywhere(
         assert "would run different attention backends" in " ".join(result.output.split())
     assert not (out / "journal.jsonl").exists()
     assert running(marker) == []
+
+
+@pytest.mark.parametrize(("version", "code"), [("0.5.23", 2), ("0.5.9", 0)])
+def test_a_flag_this_release_does_not_have_is_refused_before_any_server(
+    tmp_path: Path, version: str, code: int
+) -> None:
+    """0.5.23 removed --speculative-ngram-branch-length: read against the release's own
+    `launch_server --help`, a drafter passing it is refused before the journal is made, not
+    when its server fails to start (perhaps hours in); 0.5.9, which has it, runs the sweep."""
+    from sglang_support import EAGLE3_DRAFTER
+
+    # An n-gram flag on the EAGLE-3 drafter: SGLang 0.5.9 parses it (and ignores it there).
+    drafters = (
+        '\n[drafters.none]\nalgorithm = "none"\n'
+        + EAGLE3_DRAFTER
+        + 'extra_args = ["--speculative-ngram-branch-length", "8"]\n'
+    )
+    path, marker = stub_campaign(
+        tmp_path,
+        version=version,
+        drafters=drafters,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == code, result.output
+    if code:
+        said = " ".join(result.output.split())
+        flag = "--speculative-ngram-branch-length"
+        assert f"drafters.eagle3.extra_args: {flag} is not an option" in said, said
+        assert "Traceback" not in result.output and not (out / "journal.jsonl").exists()
+    assert running(marker) == []

@@ -50,6 +50,7 @@ from dvfs.engines.sglang_args import (
     LaunchHelp,
     ServerPorts,
     check_arms_can_match,
+    check_flags_known,
     check_predicted_kernels,
     check_same_kernels,
     launch_argv,
@@ -199,7 +200,9 @@ def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) ->
         return
     check_predicted_kernels(campaign)
     if any(d.algorithm for d in campaign.drafters):
-        check_arms_can_match(campaign, launch_help())
+        help_text = launch_help()
+        check_flags_known(campaign, help_text)
+        check_arms_can_match(campaign, help_text)
 
 
 class SglangEngine:

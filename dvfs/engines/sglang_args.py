@@ -47,7 +47,7 @@ from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTENTION_BACKEND
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
-from dvfs.errors import ArmMismatchError, EngineError
+from dvfs.errors import ArmMismatchError, CampaignError, EngineError
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
 OLD_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs"
@@ -418,6 +418,30 @@ def check_arms_can_match(
     problems = arm_mismatches(campaign, legacy=legacy, env=server_env(campaign))
     if problems:
         raise ArmMismatchError("; ".join(problems))
+
+
+def check_flags_known(campaign: Campaign, help_text: str | None) -> None:
+    """Refuse (CampaignError, one line) a flag in engine.sglang.extra_args or a drafter's that
+    this SGLang's `launch_server --help` does not list, nor any option it abbreviates: one
+    renamed or removed in this release (0.5.23 dropped --speculative-ngram-branch-length)
+    would otherwise stop the server of the first arm that passes it, perhaps hours in."""
+    if help_text is None:
+        return
+    options = set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", help_text))
+    given = [("engine.sglang.extra_args", campaign.engine.sglang.extra_args)]
+    given += [(f"drafters.{d.name}.extra_args", d.extra_args) for d in campaign.drafters]
+    for where, args in given:
+        for token in args:
+            flag = token.split("=", 1)[0]
+            if not flag.startswith("--") or flag == "--":
+                continue
+            if flag in options or any(o.startswith(flag) for o in options):
+                continue
+            raise CampaignError(
+                f"{where}: {flag} is not an option of this SGLang's launch_server (its "
+                "--help lists none by that name): it was renamed or removed in this release, "
+                "or is misspelt; remove it or use the release's own flag"
+            )
 
 
 def _check_algorithm(drafter: DrafterSpec, version: tuple[int, ...] | None) -> None:
