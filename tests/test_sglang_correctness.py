@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from sglang_support import load_stub, running, stub_campaign
 
 import dvfs
@@ -71,6 +71,17 @@ model = "m"
 batch = [1]
 corpora = ["code"]
 """
+
+
+def one_clock_sweep(tmp_path: Path, **campaign: Any) -> tuple[Result, Path, str]:
+    """`dvfs sweep` of a stub campaign at batch 1 and one clock (`stub_campaign`'s other
+    settings as given) into tmp_path/out: the result, the folder and the servers' marker."""
+    path, marker = stub_campaign(
+        tmp_path, batch="[1]", knobs="sm_clock = [1980]\nsettle_s = 0.0", **campaign
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    return result, out, marker
 
 
 def _load(tmp_path: Path, text: str) -> Any:
@@ -221,14 +232,10 @@ def test_a_server_that_swaps_the_pinned_backend_is_refused_and_stopped(tmp_path:
 
 @pytest.mark.slow
 def test_auto_backend_runs_when_drafters_agree_and_the_cube_records_it(tmp_path: Path) -> None:
-    path, marker = stub_campaign(
+    result, out, marker = one_clock_sweep(
         tmp_path,
         sglang_extra='attention_backend = "auto"',
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 0, result.output
     ds = dvfs.open_cube(str(out / "cube.nc"))
     assert list(ds["attention_backend"].values) == ["fa3", "fa3"]
@@ -244,14 +251,10 @@ def test_auto_backend_that_resolves_differently_is_refused_before_any_server(
     """--page-size 16 moves topk-1 EAGLE to flashinfer while no speculation stays on fa3: read
     from extra_args, the prediction refuses the campaign before any server starts (rather
     than failing the second drafter's cells after the first drafter was measured)."""
-    path, marker = stub_campaign(
+    result, out, marker = one_clock_sweep(
         tmp_path,
         sglang_extra='attention_backend = "auto"\nextra_args = ["--page-size", "16"]',
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert "would run different attention backends" in said
@@ -265,15 +268,11 @@ def test_auto_backend_that_resolves_differently_fails_the_odd_drafter(tmp_path: 
     """A difference the load-time prediction does not see (SGLang 0.5.9 reads "--pa" as
     --page-size; the prediction reads only what both releases take) is caught when the
     second server starts: its cells fail, the first drafter's were measured."""
-    path, marker = stub_campaign(
+    _, out, marker = one_clock_sweep(
         tmp_path,
         version="0.5.9",
         sglang_extra='attention_backend = "auto"\nextra_args = ["--pa", "16"]',
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )
-    out = tmp_path / "out"
-    CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     by_drafter = {c["cell"]["drafter"]: c for c in cells if c["type"] == "cell"}
     # Whichever drafter started second is refused; the first one was measured.
@@ -493,19 +492,15 @@ def test_a_slow_request_fails_at_its_deadline_as_a_cell_error(tmp_path: Path, mo
     """request_timeout_s bounds a whole streamed request, not just the wait for a connection:
     chunks arrive every 0.2 s (never a stall), but 32 tokens take ~6 s > 0.5 s."""
     workload = 'mode = "closed-loop"\npool_size = 2\nignore_eos = true' if mode != "fixed" else ""
-    path, marker = stub_campaign(
+    _, out, marker = one_clock_sweep(
         tmp_path,
         stub={"tpot_s": 0.2, "natural_stop": False},
         drafters=ONE_DRAFTER,
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
         request_timeout_s=0.5,
         stall_timeout_s=10.0,
         retries=0,
         workload_extra=workload,
     )
-    out = tmp_path / "out"
-    CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     cells = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     [cell] = [c for c in cells if c["type"] == "cell"]
     assert cell["status"] == "failed"
@@ -584,15 +579,11 @@ def test_a_flag_this_release_does_not_have_is_refused_before_any_server(
         + EAGLE3_DRAFTER
         + 'extra_args = ["--speculative-ngram-branch-length", "8"]\n'
     )
-    path, marker = stub_campaign(
+    result, out, marker = one_clock_sweep(
         tmp_path,
         version=version,
         drafters=drafters,
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
     )
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
     assert result.exit_code == code, result.output
     if code:
         said = " ".join(result.output.split())
