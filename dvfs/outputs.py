@@ -38,21 +38,23 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 
 @contextlib.contextmanager
-def replacing(path: Path, *, sync: bool = True) -> Iterator[Path]:
+def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iterator[Path]:
     """A temp path to write `path`'s new content to; on a clean exit it becomes `path`.
 
     On an exception the temp file is removed and `path` is untouched. An OSError of the
-    replacing itself names `path`. `sync`: flush the new content to disk before the rename
-    (a power loss then keeps one of the two whole; figures, drawn again from the cube, skip it).
+    replacing itself names `path`. `sync`: flush the new content to disk before the rename,
+    and the rename after it (a power loss then keeps one of the two whole; figures, drawn
+    again from the cube, skip it). `mode`: the file's permissions (default: the old file's,
+    else what `open()` would give a new one).
     """
     real = Path(os.path.realpath(path))
     try:
-        mode = os.stat(real).st_mode
+        existing: int | None = os.stat(real).st_mode
     except FileNotFoundError:
-        mode = None
+        existing = None
     except OSError as exc:
         raise _named(exc, path) from exc
-    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+    if existing is not None and not stat.S_ISREG(existing) and not stat.S_ISDIR(existing):
         with tempfile.TemporaryDirectory(prefix="dvfs-out-") as folder:
             tmp = Path(folder) / real.name
             yield tmp
@@ -78,14 +80,27 @@ def replacing(path: Path, *, sync: bool = True) -> Iterator[Path]:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            os.chmod(tmp_path, new_file_mode() if mode is None else stat.S_IMODE(mode))
+            if mode is None:
+                mode = new_file_mode() if existing is None else stat.S_IMODE(existing)
+            os.chmod(tmp_path, mode)
             os.replace(tmp_path, real)
+            tmp_path = None
+            if sync:
+                _sync_folder(real.parent)
         except OSError as exc:
             raise _named(exc, path) from exc
-        tmp_path = None
     finally:
         if tmp_path is not None:
             tmp_path.unlink(missing_ok=True)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename in it) to disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:
@@ -111,9 +126,9 @@ def _short_of_space(path: Path, size_bytes: int) -> bool:
     return free < size_bytes + (1 << 20)  # the file, and room for HDF5's metadata
 
 
-def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
+def write_bytes(path: Path, data: bytes, *, sync: bool = True, mode: int | None = None) -> None:
     """`data` as the content of `path`, replaced atomically (see `replacing`)."""
-    with replacing(path, sync=sync) as tmp:
+    with replacing(path, sync=sync, mode=mode) as tmp:
         try:
             tmp.write_bytes(data)
         except OSError as exc:

@@ -596,3 +596,24 @@ def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -
     store.path("GPU-1").write_text(content)
     with pytest.raises(GpuStateError, match="unreadable"):
         store.pending("GPU-1")
+
+
+def test_state_files_are_readable_by_all_whatever_the_umask(tmp_path: Path) -> None:
+    """dvfs's state files (caps record, GPU state) are read by users and the systemd units:
+    written 0644 even under a strict umask, replacing the old one whole, no temp file left."""
+    import json
+    import stat
+
+    from dvfs.gpu.safety import write_json_atomic
+
+    path = tmp_path / "caps-applied.json"
+    path.write_text("{}")
+    path.chmod(0o600)
+    before = os.umask(0o077)
+    try:
+        write_json_atomic(path, {"GPU-x": {"lock_mhz": [210, 1410]}})
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert json.loads(path.read_text()) == {"GPU-x": {"lock_mhz": [210, 1410]}}
+    assert [p.name for p in tmp_path.iterdir()] == ["caps-applied.json"]

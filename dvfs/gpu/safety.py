@@ -79,19 +79,11 @@ def ensure_dir(path: Path) -> Path:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any], mode: int = 0o644) -> None:
-    """Write `path` so that a crash leaves the old file or the new one, never half of either."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Write `path` so that a crash leaves the old file or the new one, never half of either
+    (`dvfs.outputs`, synced: a state file must outlive a power loss)."""
+    from dvfs.outputs import write_bytes
+
+    write_bytes(path, json.dumps(data, indent=2).encode("utf-8"), mode=mode)
 
 
 def settings_to_dict(s: GpuSettings) -> dict[str, Any]:
