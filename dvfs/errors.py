@@ -56,6 +56,14 @@ class GpuStateError(GpuError):
     exit_code = 3
 
 
+class GpuBusyError(GpuStateError):
+    """Another dvfs process holds the GPU's lock (`pid`, as it wrote it: "?" if unreadable)."""
+
+    def __init__(self, message: str, pid: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 class EngineError(DvfsError):
     """The serving engine failed to start, answer, or finish a workload."""
 

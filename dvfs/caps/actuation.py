@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuError, GpuStateError
+from dvfs.errors import CapsError, GpuBusyError, GpuError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 
@@ -532,7 +532,7 @@ def reset_gpus(
     reset the others to driver defaults, holding the lock of each GPU acted on. `note` hears
     each GPU as it is done ("restored ..." / "reset ..."). False when there was nothing to do.
 
-    A GPU another dvfs holds is refused (GpuStateError); with `skip_busy` (no GPU named) it is
+    A GPU another dvfs holds is refused (GpuBusyError); with `skip_busy` (no GPU named) it is
     left to that process, which restores it itself, with a note, and the others are still
     restored: a governor's unit restoring after its crash must not fail because another
     governor runs on another GPU."""
@@ -555,12 +555,14 @@ def reset_gpus(
         for gpu in targets:
             try:
                 held.enter_context(locks.hold([gpu]))
-            except GpuStateError as exc:
+            except GpuBusyError as exc:
                 if not skip_busy:
                     raise
                 busy.append(gpu)
-                held_by = str(exc).split("; ")[0].replace(") is in use", "): in use", 1)
-                note(f"skipped {held_by}, which restores it itself")
+                note(
+                    f"skipped GPU {gpu.identity.index} ({gpu.identity.uuid}): in use by another "
+                    f"dvfs process (pid {exc.pid}), which restores it itself"
+                )
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
         try:

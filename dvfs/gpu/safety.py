@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dvfs.errors import GpuStateError
+from dvfs.errors import GpuBusyError, GpuStateError
 from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import GatheredFailures, GpuSettings
 
@@ -207,9 +207,10 @@ class GpuLocks:
                 except BlockingIOError as exc:
                     owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
                     os.close(fd)
-                    raise GpuStateError(
+                    raise GpuBusyError(
                         f"GPU {gpu.identity.index} ({gpu.identity.uuid}) is in use by another "
-                        f"dvfs process (pid {owner}); wait for it to finish or stop it"
+                        f"dvfs process (pid {owner}); wait for it to finish or stop it",
+                        owner,
                     ) from exc
                 os.ftruncate(fd, 0)
                 os.write(fd, str(os.getpid()).encode())
