@@ -476,6 +476,8 @@ FAKE_PROFILES: dict[str, dict[str, Any]] = {
         "architecture": NVML_DEVICE_ARCH_HOPPER,
         "mem_clock_mhz": 3201,
         "memory_total_bytes": 143771 * _MIB,
+        # an H200 lists 1980...345 MHz (NVML's supported clocks, read on one, 2026-12-04)
+        "min_sm_mhz": 345,
     },
 }
 _HOPPER_SXM = {
@@ -494,7 +496,7 @@ _HOPPER_SXM = {
     "v_max": 1.0,
 }
 for _profile in FAKE_PROFILES.values():
-    _profile.update(_HOPPER_SXM)
+    _profile.update({k: v for k, v in _HOPPER_SXM.items() if k not in _profile})
 
 DEFAULT_DEVICES = "h100-sxm,h100-sxm"
 DRIVER_VERSION = "570.133.20"
