@@ -19,7 +19,7 @@ from dvfs.cli import cli
 from dvfs.roofline import store
 from dvfs.roofline.kernels import BenchSpec, plan_kernels
 from dvfs.roofline.run import KernelResult, Point, RooflineRun
-from dvfs.twin import physics
+from dvfs.twin import physics, traps
 from dvfs.twin.fit import achievable_ridge_point, fit_roofline, load_profile, profile_toml
 from dvfs.twin.physics import Passes
 from dvfs.twin.profiles import GpuProfile, gpu_profile
@@ -110,6 +110,45 @@ def test_a_power_capped_gemm_is_fitted_at_the_clock_it_ran_at() -> None:
     assert fit.profile.tensor_power_w == pytest.approx(500, rel=0.01)
     assert any("ran below the setting's clock at 2 setting(s)" in n for n in fit.notes)
     assert fit.gemm_efficiency_by_tokens["up"][-1] == pytest.approx(0.72, rel=0.01)
+
+
+@pytest.mark.parametrize("idle_read_at", [345.0, 1980.0, 1500.0])
+def test_the_idle_power_is_the_idle_clocks_and_a_raised_reading_gives_the_clock_power(
+    idle_read_at: float,
+) -> None:
+    """A GPU stays clocked up after work (an H200 read 130 W at 1980 MHz there, 80 W at its
+    345 MHz idle clock): the twin's idle power is the idle clock's, so a reading at a raised
+    clock has the base's idle-clock power taken off, and the reading right after the kernels
+    gives the idle-clock power."""
+    truth = true_profile(idle_clock_power_w=48.0)
+    base = dataclasses.replace(H100, idle_clock_power_w=48.0)
+    ds = twin_roofline(truth)
+    ds.attrs.update(
+        idle_power_w=traps.idle_power_w(truth, idle_read_at),
+        idle_sm_clock_mhz=idle_read_at,
+        raised_idle_power_w=traps.idle_power_w(truth, 1890.0),
+        raised_idle_sm_clock_mhz=1890.0,
+    )
+    fit = fit_roofline(ds, base)
+    assert fit.profile.idle_power_w == pytest.approx(truth.idle_power_w, rel=1e-9)
+    assert fit.profile.idle_clock_power_w == pytest.approx(48.0, rel=1e-9)
+    assert fit.fitted == (*FITTED[:4], "idle_clock_power_w", *FITTED[4:])
+    for name in FITTED:
+        assert getattr(fit.profile, name) == pytest.approx(getattr(truth, name), rel=0.01), name
+    taken_off = [n for n in fit.notes if "is taken off" in n]
+    assert bool(taken_off) == (idle_read_at > truth.idle_sm_clock_mhz)
+
+
+def test_an_idle_reading_of_unknown_clock_is_kept_and_said() -> None:
+    """A roofline file from before the idle clock was recorded: its idle power is kept as read
+    (it may be a raised clock's), and the fit says so; the idle-clock power stays the base's."""
+    ds = twin_roofline(true_profile())
+    assert "idle_sm_clock_mhz" not in ds.attrs
+    fit = fit_roofline(ds, H100)
+    assert fit.profile.idle_power_w == ds.attrs["idle_power_w"]
+    assert fit.profile.idle_clock_power_w == H100.idle_clock_power_w
+    assert any("at which SM clock its idle power was read" in n for n in fit.notes)
+    assert any("idle_clock_power_w kept from h100-sxm" in n for n in fit.notes)
 
 
 def test_gemm_efficiency_by_tokens_rises_with_m() -> None:
@@ -268,8 +307,11 @@ def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: P
     fitted = CliRunner().invoke(cli, ["twin", "fit", str(path), "-o", str(out)])
     assert fitted.exit_code == 0, fitted.output
     profile, h200 = load_profile(out), gpu_profile("h200-sxm")
-    for name in FITTED:
+    for name in (*FITTED, "idle_clock_power_w"):
         assert getattr(profile, name) == pytest.approx(getattr(h200, name), rel=0.01), name
+    text = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--tokens", "1"])
+    idle = f"Idle: {h200.idle_power_w:.1f} W at {h200.idle_sm_clock_mhz} MHz before the kernels"
+    assert text.exit_code == 0 and idle in text.output
     bad = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--clocks", "1501"])
     assert bad.exit_code == 2 and "1501 MHz is not a supported SM clock of the twin" in bad.output
     # The twin's roofline is its GPU's at the model's sizes: a --device (which would shrink the
@@ -277,3 +319,33 @@ def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: P
     for extra in (["--device", "cpu"], ["--gpu", "0"]):
         mixed = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", *extra])
         assert mixed.exit_code == 2 and f"so {extra[0]} (the hardware" in mixed.output
+
+
+#: A roofline measured on a lent H200 (observe-only, stock setting, driver 580.159.04, torch
+#: 2.11): real noise, GEMMs held below 1980 MHz by the 700 W limit, the idle read at 345 MHz.
+MEASURED_H200 = Path(__file__).parent / "data" / "h200-roofline.nc"
+
+
+def test_a_roofline_measured_on_an_h200_fits_a_twin_that_reproduces_it(tmp_path: Path) -> None:
+    import tomllib
+
+    out = tmp_path / "h200-fit.toml"
+    result = CliRunner().invoke(cli, ["twin", "fit", str(MEASURED_H200), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    residuals = tomllib.loads(out.read_text())["fit"]["residuals"]
+    ds = store.read(MEASURED_H200)
+    # the power limit held the big GEMMs below 1980 MHz: fitted at the clocks they ran at,
+    # the twin's peak, bandwidth and ridge are the measured ones
+    gemm = ds["kind"] == "gemm"
+    assert float(ds["observed_sm_clock_mhz"].where(gemm).min()) < 1980
+    assert "ran below the setting's clock" in result.output
+    for name in ("peak_flop_s_rel_rms", "bandwidth_rel_rms", "ridge_rel_max"):
+        assert residuals[name] < 1e-9, name
+    # one power model for every kernel: within a tenth of what they drew
+    assert residuals["power_rms_w"] < 0.1 * float(ds["power_w"].mean())
+    # the idle power is the one read at the idle clock; the raised reading gives the rest
+    assert ds.attrs["idle_sm_clock_mhz"] == profile.idle_sm_clock_mhz
+    assert profile.idle_power_w == ds.attrs["idle_power_w"]
+    raised = traps.idle_power_w(profile, ds.attrs["raised_idle_sm_clock_mhz"])
+    assert raised == pytest.approx(ds.attrs["raised_idle_power_w"], rel=1e-9)

@@ -4,6 +4,7 @@ roofline and how long a knob change takes to settle."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -401,6 +402,10 @@ def _cuda_gpu(spec: Any) -> int | str | None:
     return cuda_uuid(spec, torch) or (int(spec.device.partition(":")[2] or 0))
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
 def _render_roofline(doc: dict[str, Any]) -> None:
     from dvfs.cli.analysis import print_table
     from dvfs.roofline.store import efficiency_rows, summary_rows
@@ -413,6 +418,16 @@ def _render_roofline(doc: dict[str, Any]) -> None:
     )
     print_table("Per setting", *summary_rows(doc))
     print_table("GEMM efficiency by token count M (first setting)", *efficiency_rows(doc))
+    idle = [
+        f"{doc[power]:.1f} W at {doc[clock]:.0f} MHz {when}"
+        for power, clock, when in (
+            ("idle_power_w", "idle_sm_clock_mhz", "before the kernels"),
+            ("raised_idle_power_w", "raised_idle_sm_clock_mhz", "right after the stock ones"),
+        )
+        if _finite(doc.get(power)) and _finite(doc.get(clock))
+    ]
+    if idle:
+        out.print("Idle: " + "; ".join(idle))
     for line in doc["notes"]:
         out.print(f"[yellow]note:[/yellow] {escape(line)}")
 

@@ -117,8 +117,9 @@ def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | No
         f"bandwidth knee {p.bandwidth_knee_mhz:g} MHz"
     )
     out.print(
-        f"  power: idle {p.idle_power_w:.1f} W, SM {p.sm_active_power_w:.1f} W, tensor "
-        f"{p.tensor_power_w:.1f} W, memory {p.memory_power_w:.1f} W"
+        f"  power: idle {p.idle_power_w:.1f} W (+{p.idle_clock_power_w:.1f} W idling at the top "
+        f"clock), SM {p.sm_active_power_w:.1f} W, tensor {p.tensor_power_w:.1f} W, memory "
+        f"{p.memory_power_w:.1f} W"
     )
     residuals = ", ".join(f"{k} {v:.3g}" for k, v in result.residuals.items())
     out.print(f"  residuals: {residuals}")

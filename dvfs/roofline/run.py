@@ -263,11 +263,15 @@ def run_roofline(
             attrs.update(gpu_name=ident.name, gpu_uuid=ident.uuid, gpu_index=ident.index)
             attrs.update(driver=ident.driver_version)
             knobs = stack.enter_context(guarded(gpu, request))
+        if gpu is not None and spec.on_cuda:
+            # Before the kernels are built: their warm-up raises the SM clock, and a GPU
+            # stays clocked up for seconds after work (an H200 read 130 W at 1980 MHz there
+            # against 80 W at its 345 MHz idle clock). The twin's idle power is the latter.
+            idle = _idle(gpu, request.energy_window_s)
+            attrs.update(idle_power_w=idle.power_w, idle_sm_clock_mhz=idle.sm_clock_mhz)
         weights: dict[tuple[int, int], Any] = {}
         prepared = [prepare(k, spec, torch, weights) for k in plan_kernels(spec)]
         attrs["device_name"] = device_name(spec, torch)
-        if gpu is not None and spec.on_cuda:
-            attrs["idle_power_w"] = _idle_power_w(gpu, request.energy_window_s)
         for mhz in (None, *request.clocks_mhz):
             if knobs is not None:
                 knobs.apply(KnobSetting(mhz, None))
@@ -276,15 +280,23 @@ def run_roofline(
             if gpu is not None:
                 time.sleep(request.settle_s)
             results, seen = _measure(prepared, request, torch, gpu, note)
+            if mhz is None and gpu is not None and spec.on_cuda:
+                # Right after the stock kernels the clock is still up: the idle power there,
+                # against the idle clock's, is what an idle GPU held at a high clock draws.
+                raised = _idle(gpu, request.energy_window_s)
+                attrs.update(
+                    raised_idle_power_w=raised.power_w,
+                    raised_idle_sm_clock_mhz=raised.sm_clock_mhz,
+                )
             limit = math.nan if gpu is None else gpu.power_limit_mw() / 1000.0
             clock = float(mhz) if mhz is not None else float(seen)
             points.append(Point(setting, mhz is not None, clock, limit, tuple(results)))
     return RooflineRun(tuple(points), attrs, tuple(notes))
 
 
-def _idle_power_w(gpu: Gpu, window_s: float) -> float:
-    """Board power with nothing running, the twin's idle figure."""
+def _idle(gpu: Gpu, window_s: float) -> Window:
+    """Board power with nothing running, and the SM clock it idled at."""
     try:
-        return energy_window(gpu, lambda: time.sleep(0.002), lambda: None, window_s).power_w
+        return energy_window(gpu, lambda: time.sleep(0.002), lambda: None, window_s)
     except GpuError as exc:
         raise GpuError(f"the energy counter cannot be read: {exc}") from exc

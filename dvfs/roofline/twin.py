@@ -17,7 +17,7 @@ import numpy as np
 
 from dvfs.roofline.kernels import BenchSpec, plan_kernels
 from dvfs.roofline.run import STOCK, KernelResult, Point, RooflineRun
-from dvfs.twin import physics
+from dvfs.twin import physics, traps
 from dvfs.twin.physics import Passes
 from dvfs.twin.profiles import GpuProfile
 
@@ -67,6 +67,10 @@ def simulate(
         "intermediate": spec.intermediate,
         "observe_only": 0,
         "idle_power_w": profile.idle_power_w,
+        "idle_sm_clock_mhz": float(profile.idle_sm_clock_mhz),
+        # as a GPU reads right after its stock kernels, still at its top clock
+        "raised_idle_power_w": traps.idle_power_w(profile, float(profile.max_sm_clock_mhz)),
+        "raised_idle_sm_clock_mhz": float(profile.max_sm_clock_mhz),
         "energy_window_s": math.nan,
     }
     note = (

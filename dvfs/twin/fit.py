@@ -7,7 +7,10 @@ From the roofline the fit sets what the twin's physics uses for one GPU:
   over the clocks (the knee by a 1-D search, the efficiency in closed form; with one clock the
   base profile's knee is kept);
 - `idle_power_w`, `sm_active_power_w`, `tensor_power_w`, `memory_power_w`: non-negative least
-  squares of each kernel's power against the physics' power model, when energy was measured.
+  squares of each kernel's power against the physics' power model, when energy was measured;
+  the idle power is the one read at the idle clock (a reading at a raised clock has the base's
+  idle-clock power taken off), and `idle_clock_power_w` comes from the idle power read right
+  after the kernels, at the clock they left behind (a hotter GPU: its leakage is in it too).
 So the fitted twin's achievable ridge point (`achievable_ridge_point`) is the measured one.
 A sweep cube is the other input kind (`dvfs.twin.fitcube`); `fit_input_kind` says which a file
 is. Both write the same profile file (`profile_toml`, read back by `load_profile`), which
@@ -132,7 +135,7 @@ def _bandwidth(
 
 
 def _power(
-    ds: xr.Dataset, base: GpuProfile, seen: np.ndarray, gemm_eff: float
+    ds: xr.Dataset, base: GpuProfile, seen: np.ndarray, gemm_eff: float, notes: list[str]
 ) -> tuple[dict[str, float], float] | None:
     """Power coefficients by non-negative least squares, or None without energy."""
     from scipy.optimize import nnls
@@ -142,6 +145,7 @@ def _power(
     idle = float(ds.attrs.get("idle_power_w", math.nan))
     if not np.isfinite(power).any() or not math.isfinite(idle):
         return None
+    idle, idle_figures = _idle_figures(ds, base, idle, notes)
     scale = np.asarray(physics.dynamic_scale(base, seen))
     peak = datasheet_flops(base, seen) * gemm_eff
     tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
@@ -151,7 +155,53 @@ def _power(
     coef, _ = nnls(a, power[ok] - idle)
     rms = float(np.sqrt(np.mean((a @ coef - (power[ok] - idle)) ** 2)))
     names = ("sm_active_power_w", "tensor_power_w", "memory_power_w")
-    return {"idle_power_w": idle, **dict(zip(names, map(float, coef), strict=True))}, rms
+    return {**idle_figures, **dict(zip(names, map(float, coef), strict=True))}, rms
+
+
+#: MHz above the profile's idle clock at which an idle reading counts as at a raised clock.
+IDLE_CLOCK_TOLERANCE_MHZ = 15.0
+
+
+def _raised_fraction(base: GpuProfile, mhz: float) -> float:
+    """How much of the idle-clock power an idle GPU at `mhz` draws (0 at the idle clock, 1 at
+    the top clock), as `traps.idle_power_w` scales it."""
+    low = float(physics.dynamic_scale(base, base.idle_sm_clock_mhz))
+    return (float(physics.dynamic_scale(base, mhz)) - low) / (1.0 - low)
+
+
+def _idle_figures(
+    ds: xr.Dataset, base: GpuProfile, idle: float, notes: list[str]
+) -> tuple[float, dict[str, float]]:
+    """The idle power at the idle clock (the kernels' baseline) and the idle figures fitted."""
+    from dvfs.twin import traps
+
+    raised_at = base.idle_sm_clock_mhz + IDLE_CLOCK_TOLERANCE_MHZ
+    clock = float(ds.attrs.get("idle_sm_clock_mhz", math.nan))
+    if not math.isfinite(clock):
+        notes.append(
+            "the roofline does not say at which SM clock its idle power was read (an earlier "
+            "dvfs read it after the kernels' warm-up, the clock still raised): idle_power_w "
+            "may hold a raised clock's idle power; measure again with this dvfs"
+        )
+    elif clock > raised_at:
+        extra = traps.idle_power_w(base, clock) - base.idle_power_w
+        idle -= extra
+        notes.append(
+            f"the idle power was read at {clock:.0f} MHz, above the idle clock "
+            f"({base.idle_sm_clock_mhz} MHz): {base.key}'s idle-clock power there "
+            f"({extra:.1f} W) is taken off"
+        )
+    figures = {"idle_power_w": idle}
+    raised = float(ds.attrs.get("raised_idle_power_w", math.nan))
+    raised_clock = float(ds.attrs.get("raised_idle_sm_clock_mhz", math.nan))
+    if math.isfinite(raised) and math.isfinite(raised_clock) and raised_clock > raised_at:
+        share = _raised_fraction(base, raised_clock)
+        figures["idle_clock_power_w"] = max(0.0, (raised - idle) / share)
+    else:
+        notes.append(
+            f"no idle power read at a raised clock: idle_clock_power_w kept from {base.key}"
+        )
+    return idle, figures
 
 
 def fit_roofline(
@@ -187,7 +237,7 @@ def fit_roofline(
     }
     if len(np.unique(clocks)) < 2:
         notes.append(f"one clock measured: bandwidth knee kept from {base.key} ({knee:g} MHz)")
-    power = _power(ds, base, seen, gemm_eff)
+    power = _power(ds, base, seen, gemm_eff, notes)
     if power is None:
         notes.append(f"no energy in the roofline: power coefficients kept from {base.key}")
     else:
