@@ -183,29 +183,134 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
     """Hold OUT/sweep.lock (flock) for the sweep's life, so two sweeps never write one journal.
 
     The kernel drops the lock when the process dies, however it dies, so there is never a stale
-    lock to clear; the file keeps the holder's pid for the refusal message.
+    lock to clear; the file keeps the holder's pid for the refusal message. A sweep that fails
+    (not one interrupted) before it measured anything leaves the folder as it found it
+    (`_leave_as_found`): a corrected rerun, a `dvfs cube merge` of shard folders, find nothing
+    of it there.
     """
     import fcntl
 
     lock = out_dir / LOCK_NAME
+    made_folders = _missing_folders(out_dir)
+    journals = _journal_files(out_dir)
+    model_folders = set(out_dir.glob("gpu-*"))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
         raise JournalError(describe_os_error(exc, f"use {out_dir} as the output folder")) from exc
-    try:
+    while True:
+        made_lock = True
+        try:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                made_lock = False
+                fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:  # removed between the two opens: make it
+            continue
+        except OSError as exc:
+            _remove_folders(made_folders)
+            raise JournalError(
+                describe_os_error(exc, f"use {out_dir} as the output folder")
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _busy(out_dir, fd) from None
+            try:
+                raise _busy(out_dir, fd) from None
+            finally:
+                os.close(fd)
+        # A sweep that removed the lock file it made (`_leave_as_found`) held it meanwhile: the
+        # file opened before then is not the folder's lock any more, so take the one there now.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:
             raise JournalError(describe_os_error(exc, f"write {lock}")) from exc
         yield
+    except Exception:
+        _leave_as_found(out_dir, journals, model_folders, lock if made_lock else None, made_folders)
+        raise
     finally:
         os.close(fd)
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and the folders above it that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_folders(folders: Sequence[Path]) -> None:
+    """Remove those of `folders` (deepest first) that are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): it, and those above it, stay
+            return
+
+
+def _journal_files(out_dir: Path) -> dict[Path, tuple[int, int]]:
+    """The folder's journals, its own and each GPU model's, by file (device and inode)."""
+    found = {}
+    for path in (out_dir / JOURNAL_NAME, *out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            found[path] = (st.st_dev, st.st_ino)
+    return found
+
+
+def _leave_as_found(
+    out_dir: Path,
+    journals: dict[Path, tuple[int, int]],
+    model_folders: set[Path],
+    lock: Path | None,
+    made_folders: Sequence[Path],
+) -> None:
+    """After a sweep into `out_dir` failed: remove each journal it began that holds no cell
+    (its header, shard record, session and server starts only: refused between the journal's
+    making and the first cell, by a GPU another dvfs holds, clocks the GPU does not support,
+    no root to change them...), which bound the folder to the campaign as it was then and
+    would refuse the corrected one (--observe-only, as the refusal for want of root advises);
+    and, when it left no journal of its own, the `lock` file it made (None: it found one) and
+    the folders it made (one holding a server's log stays). `journals` and `model_folders`:
+    those in `out_dir` before it began."""
+    from dvfs.measure.journal import iter_records
+
+    kept = False
+    for path, file in _journal_files(out_dir).items():
+        if journals.get(path) == file:
+            continue  # the folder's before (a resume): what it holds stays
+        try:
+            measured = any(r.get("type") == "cell" for r in iter_records(path))
+        except Exception:  # unreadable: kept, as found, for the next run to say so
+            measured = True
+        if measured:
+            kept = True
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            kept = True
+    for folder in sorted(set(out_dir.glob("gpu-*")) - model_folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    if kept:
+        return
+    if lock is not None:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+    _remove_folders(made_folders)
 
 
 def _busy(out_dir: Path, fd: int) -> SweepBusyError:
