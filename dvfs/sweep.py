@@ -144,13 +144,16 @@ def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
             )
 
 
-def fresh_start(out_dir: Path) -> Path | None:
-    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`).
+def fresh_start(out_dir: Path, done: list[tuple[Path, Path]] | None = None) -> Path | None:
+    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`), each
+    move added to `done` once made (`OutFolder.moves`: undone if the sweep is refused).
     Returns the first journal's new path, None when there was none."""
     moves = fresh_moves(out_dir)
     try:
         for path, target in moves:
             shutil.move(path, target)
+            if done is not None:
+                done.append((path, target))
     except OSError as exc:
         raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
     return moves[0][1] if moves else None
@@ -178,15 +181,24 @@ def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
     return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
 
 
+@dataclass
+class OutFolder:
+    """The output folder a sweep holds (`out_dir_lock`), and the journals and cubes --fresh
+    moved aside in it (`fresh_start`), each (from, to)."""
+
+    path: Path
+    moves: list[tuple[Path, Path]] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def out_dir_lock(out_dir: Path) -> Iterator[None]:
+def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[OutFolder]:
     """Hold OUT/sweep.lock (flock) for the sweep's life, so two sweeps never write one journal.
 
     The kernel drops the lock when the process dies, however it dies, so there is never a stale
     lock to clear; the file keeps the holder's pid for the refusal message. A sweep that fails
     (not one interrupted) before it measured anything leaves the folder as it found it
-    (`_leave_as_found`): a corrected rerun, a `dvfs cube merge` of shard folders, find nothing
-    of it there.
+    (`_leave_as_found`, --fresh's moves undone, said to `progress`): a corrected rerun, a
+    `dvfs cube merge` of shard folders, find nothing of it there.
     """
     import fcntl
 
@@ -228,15 +240,20 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         except FileNotFoundError:
             pass
         os.close(fd)
+    folder = OutFolder(out_dir)
     try:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:
             raise JournalError(describe_os_error(exc, f"write {lock}")) from exc
-        yield
+        yield folder
     except Exception:
-        _leave_as_found(out_dir, journals, model_folders, lock if made_lock else None, made_folders)
+        made = lock if made_lock else None
+        undone = _leave_as_found(out_dir, journals, model_folders, made, made_folders, folder.moves)
+        if undone and progress is not None:
+            back = folder.moves[0][0]
+            progress.note(f"nothing measured: moved the previous journal back to {back}")
         raise
     finally:
         os.close(fd)
@@ -276,15 +293,17 @@ def _leave_as_found(
     model_folders: set[Path],
     lock: Path | None,
     made_folders: Sequence[Path],
-) -> None:
+    moves: Sequence[tuple[Path, Path]] = (),
+) -> bool:
     """After a sweep into `out_dir` failed: remove each journal it began that holds no cell
     (its header, shard record, session and server starts only: refused between the journal's
     making and the first cell, by a GPU another dvfs holds, clocks the GPU does not support,
     no root to change them...), which bound the folder to the campaign as it was then and
     would refuse the corrected one (--observe-only, as the refusal for want of root advises);
     and, when it left no journal of its own, the `lock` file it made (None: it found one) and
-    the folders it made (one holding a server's log stays). `journals` and `model_folders`:
-    those in `out_dir` before it began."""
+    the folders it made (one holding a server's log stays), and --fresh's `moves` undone (a
+    rerun without --fresh resumes them). `journals` and `model_folders`: those in `out_dir`
+    before it began. Returns whether it undid any move."""
     from dvfs.measure.journal import iter_records
 
     kept = False
@@ -306,11 +325,19 @@ def _leave_as_found(
         with contextlib.suppress(OSError):
             folder.rmdir()
     if kept:
-        return
+        return False
+    undone = False
+    for path, target in reversed(moves):
+        if os.path.lexists(target) and not os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(exist_ok=True)
+                shutil.move(target, path)
+                undone = True
     if lock is not None:
         with contextlib.suppress(OSError):
             lock.unlink()
     _remove_folders(made_folders)
+    return undone
 
 
 def _busy(out_dir: Path, fd: int) -> SweepBusyError:
@@ -431,8 +458,8 @@ def run_sweep(
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
     output folder another sweep is using, or one holding another shard."""
     try:
-        with out_dir_lock(out_dir):
-            moved = fresh_start(out_dir) if fresh else None
+        with out_dir_lock(out_dir, progress) as folder:
+            moved = fresh_start(out_dir, folder.moves) if fresh else None
             if moved and progress is not None:
                 progress.note(f"moved the previous journal to {moved}")
             summary, journal_path = _measure(

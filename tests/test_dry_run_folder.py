@@ -105,11 +105,16 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
     problem: nothing counts as done, the dry run names the journals and cubes --fresh would
     move aside and where, moves nothing (every byte of the folder as it was), and the fresh
     sweep then moves just those and measures every cell it counted. An invalid campaign is
-    still refused, exit 2."""
+    still refused, exit 2; a fresh sweep refused after its moves (corpora too small for a
+    batch) puts them back, so a rerun without --fresh still resumes them (they once stayed
+    aside, and that rerun measured every cell again)."""
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", MIXED)
     run = ("sweep", str(campaign), "--no-progress")
+    short = write(
+        tmp_path / "short.toml", replace_block(MIXED, "batch = [1, 8]", "batch = [1, 8, 100000]")
+    )
     # Each case works on a copy of these; the dry run of the invalid campaign reads s0.
     s0, one = tiny_exact_run("mixed-s0"), tiny_exact_run("s0")
     damaged = copy_sweep(one, tmp_path / "damaged")
@@ -141,6 +146,10 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
         assert "--fresh would move aside" in said and "moves nothing" in said, said
         assert all(path in said for path in journals)
         assert folder_files(out) == before  # the dry runs changed nothing
+        refused = invoke("sweep", str(short), "--no-progress", *args, "--out", str(out), "--fresh")
+        assert refused.exit_code == 2 and "batch 100000 needs" in refused.stderr, refused.output
+        assert "moved the previous journal back" in " ".join(refused.stderr.split())
+        assert folder_files(out) == before
         fresh = invoke(*run, *args, "--out", str(out), "--fresh")
         assert fresh.exit_code == 0, fresh.output
         assert _measured(fresh) == (cells, 0)
