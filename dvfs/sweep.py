@@ -206,20 +206,15 @@ def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[Ou
     made_folders = _missing_folders(out_dir)
     journals = _journal_files(out_dir)
     model_folders = set(out_dir.glob("gpu-*"))
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise JournalError(describe_os_error(exc, f"use {out_dir} as the output folder")) from exc
     while True:
         made_lock = True
         try:
+            out_dir.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-            except FileExistsError:
+            except FileExistsError:  # (or a link to none: made where it points, as before)
                 made_lock = False
-                fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:  # removed between the two opens: make it
-            continue
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             _remove_folders(made_folders)
             raise JournalError(

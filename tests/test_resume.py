@@ -178,4 +178,26 @@ def test_a_sweep_that_opened_a_removed_lock_file_takes_the_folders_lock_anew(
     assert lock.read_text() == "4242\n"  # the holder's file, left to it
 
 
+def test_a_lock_file_linking_to_no_file_is_made_where_it_points(tmp_path: Path) -> None:
+    """`sweep.lock` a link to a file not there: the lock is made there, as ever (not an
+    endless retry between "exists" and "not found")."""
+    import threading
+
+    from dvfs.sweep import out_dir_lock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.lock").symlink_to(out / "held")
+    taken = threading.Event()
+
+    def take() -> None:
+        with out_dir_lock(out):
+            taken.set()
+
+    worker = threading.Thread(target=take, daemon=True)
+    worker.start()
+    worker.join(timeout=60)  # a guard against the endless retry, not a speed bound
+    assert taken.is_set() and (out / "held").is_file()
+
+
 # The lock of a running sweep (named, and dying with it): test_sweep.py's SIGKILL test.
