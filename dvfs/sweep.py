@@ -144,13 +144,16 @@ def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
             )
 
 
-def fresh_start(out_dir: Path) -> Path | None:
-    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`).
+def fresh_start(out_dir: Path, done: list[tuple[Path, Path]] | None = None) -> Path | None:
+    """Move the journals a rerun would resume aside, each with its cube (`fresh_moves`), each
+    move added to `done` once made (`OutFolder.moves`: undone if the sweep is refused).
     Returns the first journal's new path, None when there was none."""
     moves = fresh_moves(out_dir)
     try:
         for path, target in moves:
             shutil.move(path, target)
+            if done is not None:
+                done.append((path, target))
     except OSError as exc:
         raise JournalError(describe_os_error(exc, "move the old journal aside")) from exc
     return moves[0][1] if moves else None
@@ -178,34 +181,158 @@ def _aside(first: Path, *others: Path) -> list[tuple[Path, Path]]:
     return [(p, p.with_name(f"{p.name}.{n}")) for p in paths if p is first or p.exists()]
 
 
+@dataclass
+class OutFolder:
+    """The output folder a sweep holds (`out_dir_lock`), and the journals and cubes --fresh
+    moved aside in it (`fresh_start`), each (from, to)."""
+
+    path: Path
+    moves: list[tuple[Path, Path]] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def out_dir_lock(out_dir: Path) -> Iterator[None]:
+def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[OutFolder]:
     """Hold OUT/sweep.lock (flock) for the sweep's life, so two sweeps never write one journal.
 
     The kernel drops the lock when the process dies, however it dies, so there is never a stale
-    lock to clear; the file keeps the holder's pid for the refusal message.
+    lock to clear; the file keeps the holder's pid for the refusal message. A sweep that fails
+    (not one interrupted) before it measured anything leaves the folder as it found it
+    (`_leave_as_found`, --fresh's moves undone, said to `progress`): a corrected rerun, a
+    `dvfs cube merge` of shard folders, find nothing of it there.
     """
     import fcntl
 
     lock = out_dir / LOCK_NAME
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        raise JournalError(describe_os_error(exc, f"use {out_dir} as the output folder")) from exc
-    try:
+    made_folders = _missing_folders(out_dir)
+    journals = _journal_files(out_dir)
+    model_folders = set(out_dir.glob("gpu-*"))
+    while True:
+        made_lock = True
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:  # (or a link to none: made where it points, as before)
+                made_lock = False
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            _remove_folders(made_folders)
+            raise JournalError(
+                describe_os_error(exc, f"use {out_dir} as the output folder")
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _busy(out_dir, fd) from None
+            try:
+                raise _busy(out_dir, fd) from None
+            finally:
+                os.close(fd)
+        # A sweep that removed the lock file it made (`_leave_as_found`) held it meanwhile: the
+        # file opened before then is not the folder's lock any more, so take the one there now.
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    folder = OutFolder(out_dir)
+    try:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:
             raise JournalError(describe_os_error(exc, f"write {lock}")) from exc
-        yield
+        yield folder
+    except Exception:
+        made = lock if made_lock else None
+        undone = _leave_as_found(out_dir, journals, model_folders, made, made_folders, folder.moves)
+        if undone and progress is not None:
+            back = folder.moves[0][0]
+            progress.note(f"nothing measured: moved the previous journal back to {back}")
+        raise
     finally:
         os.close(fd)
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and the folders above it that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_folders(folders: Sequence[Path]) -> None:
+    """Remove those of `folders` (deepest first) that are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (or gone): it, and those above it, stay
+            return
+
+
+def _journal_files(out_dir: Path) -> dict[Path, tuple[int, int]]:
+    """The folder's journals, its own and each GPU model's, by file (device and inode)."""
+    found = {}
+    for path in (out_dir / JOURNAL_NAME, *out_dir.glob("gpu-*/" + JOURNAL_NAME)):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            found[path] = (st.st_dev, st.st_ino)
+    return found
+
+
+def _leave_as_found(
+    out_dir: Path,
+    journals: dict[Path, tuple[int, int]],
+    model_folders: set[Path],
+    lock: Path | None,
+    made_folders: Sequence[Path],
+    moves: Sequence[tuple[Path, Path]] = (),
+) -> bool:
+    """After a sweep into `out_dir` failed: remove each journal it began that holds no cell
+    (its header, shard record, session and server starts only: refused between the journal's
+    making and the first cell, by a GPU another dvfs holds, clocks the GPU does not support,
+    no root to change them...), which bound the folder to the campaign as it was then and
+    would refuse the corrected one (--observe-only, as the refusal for want of root advises);
+    and, when it left no journal of its own, the `lock` file it made (None: it found one) and
+    the folders it made (one holding a server's log stays), and --fresh's `moves` undone (a
+    rerun without --fresh resumes them). `journals` and `model_folders`: those in `out_dir`
+    before it began. Returns whether it undid any move."""
+    from dvfs.measure.journal import iter_records
+
+    kept = False
+    for path, file in _journal_files(out_dir).items():
+        if journals.get(path) == file:
+            continue  # the folder's before (a resume): what it holds stays
+        try:
+            measured = any(r.get("type") == "cell" for r in iter_records(path))
+        except Exception:  # unreadable: kept, as found, for the next run to say so
+            measured = True
+        if measured:
+            kept = True
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            kept = True
+    for folder in sorted(set(out_dir.glob("gpu-*")) - model_folders):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    if kept:
+        return False
+    undone = False
+    for path, target in reversed(moves):
+        if os.path.lexists(target) and not os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(exist_ok=True)
+                shutil.move(target, path)
+                undone = True
+    if lock is not None:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+    _remove_folders(made_folders)
+    return undone
 
 
 def _busy(out_dir: Path, fd: int) -> SweepBusyError:
@@ -326,8 +453,8 @@ def run_sweep(
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
     output folder another sweep is using, or one holding another shard."""
     try:
-        with out_dir_lock(out_dir):
-            moved = fresh_start(out_dir) if fresh else None
+        with out_dir_lock(out_dir, progress) as folder:
+            moved = fresh_start(out_dir, folder.moves) if fresh else None
             if moved and progress is not None:
                 progress.note(f"moved the previous journal to {moved}")
             summary, journal_path = _measure(

@@ -141,6 +141,22 @@ def copy_sweep(out: Path, dest: Path) -> Path:
     return Path(shutil.copytree(out, dest))
 
 
+def folder_files(folder: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under `folder`, by relative path; the lock
+    file's holder pid read as a mark that it is one (a refused sweep takes the lock, and so
+    writes its own pid, before it reads the journal it refuses; the folder may have been
+    made by another process)."""
+    from dvfs.sweep import LOCK_NAME
+
+    files: dict[str, bytes | None] = {}
+    for p in sorted(folder.rglob("*")):
+        data = None if p.is_dir() else p.read_bytes()
+        if p.name == LOCK_NAME and data is not None and data.strip().isdigit():
+            data = b"<pid>\n"
+        files[str(p.relative_to(folder))] = data
+    return files
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for running `python -m dvfs` in a subprocess from the repo."""
     env = dict(os.environ)

@@ -9,12 +9,11 @@ import re
 from pathlib import Path
 
 from click.testing import CliRunner, Result
-from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep, replace_block, write
+from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep, folder_files, replace_block, write
 
 from dvfs.cli import cli
 from dvfs.fleet.shard import Shard
 from dvfs.measure.journal import read_records
-from dvfs.sweep import LOCK_NAME
 
 #: TINY (16 cells) on the exact twin, so that twins of two models measure it alike; its runs
 #: (`tiny_exact_run`) are shared with other tests, so each test resumes or edits a copy.
@@ -43,20 +42,6 @@ def _measured(result: Result) -> tuple[int, int]:
     found = re.search(r"(\d+) cell\(s\) measured, \d+ failed, (\d+) already done", result.output)
     assert found, result.output
     return int(found[1]), int(found[2])
-
-
-def _files(folder: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under `folder`, by relative path; the lock
-    file's holder pid read as a mark that it is one (a refused sweep takes the lock, and so
-    writes its own pid, before it reads the journal it refuses; the folder may have been
-    made by another process)."""
-    files: dict[str, bytes | None] = {}
-    for p in sorted(folder.rglob("*")):
-        data = None if p.is_dir() else p.read_bytes()
-        if p.name == LOCK_NAME and data is not None and data.strip().isdigit():
-            data = b"<pid>\n"
-        files[str(p.relative_to(folder))] = data
-    return files
 
 
 def _dry(campaign: Path, out: Path, *args: str) -> tuple[dict, Result]:
@@ -120,11 +105,16 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
     problem: nothing counts as done, the dry run names the journals and cubes --fresh would
     move aside and where, moves nothing (every byte of the folder as it was), and the fresh
     sweep then moves just those and measures every cell it counted. An invalid campaign is
-    still refused, exit 2."""
+    still refused, exit 2; a fresh sweep refused after its moves (corpora too small for a
+    batch) puts them back, so a rerun without --fresh still resumes them (they once stayed
+    aside, and that rerun measured every cell again)."""
     from test_journal import assert_one_line_error
 
     campaign = write(tmp_path / "tiny.toml", MIXED)
     run = ("sweep", str(campaign), "--no-progress")
+    short = write(
+        tmp_path / "short.toml", replace_block(MIXED, "batch = [1, 8]", "batch = [1, 8, 100000]")
+    )
     # Each case works on a copy of these; the dry run of the invalid campaign reads s0.
     s0, one = tiny_exact_run("mixed-s0"), tiny_exact_run("s0")
     damaged = copy_sweep(one, tmp_path / "damaged")
@@ -139,7 +129,7 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
     )
     for folder, args, cells, moved in cases:
         out = copy_sweep(folder, tmp_path / f"out-{folder.name}-{len(args)}")
-        before = _files(out)
+        before = folder_files(out)
         plain = invoke(*run, *args, "--out", str(out), "--dry-run", "--no-estimate", "--json")
         assert plain.exit_code in (1, 2), plain.output  # refused without --fresh
         doc, text = _dry(campaign, out, *args, "--fresh")
@@ -155,7 +145,11 @@ def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(
         assert text.exit_code == 0 and "problem" not in said, said
         assert "--fresh would move aside" in said and "moves nothing" in said, said
         assert all(path in said for path in journals)
-        assert _files(out) == before  # the dry runs changed nothing
+        assert folder_files(out) == before  # the dry runs changed nothing
+        refused = invoke("sweep", str(short), "--no-progress", *args, "--out", str(out), "--fresh")
+        assert refused.exit_code == 2 and "batch 100000 needs" in refused.stderr, refused.output
+        assert "moved the previous journal back" in " ".join(refused.stderr.split())
+        assert folder_files(out) == before
         fresh = invoke(*run, *args, "--out", str(out), "--fresh")
         assert fresh.exit_code == 0, fresh.output
         assert _measured(fresh) == (cells, 0)
@@ -197,7 +191,7 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
     )
     for changed, folder, gpus, change, journals in cases:
         out = copy_sweep(folder, tmp_path / f"out-{changed.stem}-{folder.name}")
-        before = _files(out)
+        before = folder_files(out)
         args = ("sweep", str(changed), *gpus, "--out", str(out))
         line = assert_one_line_error(invoke(*args, "--no-progress"), 1, change, "--fresh")
         dry = (*args, "--dry-run", "--no-estimate")
@@ -220,4 +214,6 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
         # `dvfs doctor` finds it too, in each GPU model's journal as in the folder's own
         doctor = invoke("doctor", str(changed), "--out", str(out))
         assert doctor.exit_code != 0 and change in " ".join(doctor.output.split()), doctor.output
-        assert _files(out) == before  # neither the refused sweep, the dry runs nor doctor wrote
+        assert (
+            folder_files(out) == before
+        )  # neither the refused sweep, the dry runs nor doctor wrote

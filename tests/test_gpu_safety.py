@@ -191,6 +191,56 @@ def test_campaign_clocks_are_checked_against_the_device(nvml, tmp_path: Path) ->
             load_campaign(path), tmp_path / "out", nvml=nvml, state_dir=tmp_path / "dvfs-state"
         )
     assert setter_calls(nvml) == []
+    assert not (tmp_path / "out").exists()  # no journal binding the folder to the bad clocks
+
+
+def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A GPU another dvfs holds, or one holding an earlier run's changes (exit 3), and clocks
+    it does not support (exit 2) are refused once the journal is open, before anything is
+    measured. Such a refusal once left a journal holding only its header (and the folder it
+    made, with its lock): the corrected campaign was then refused in that folder ("measured
+    with other settings", use --fresh) and `dvfs cube build` failed on it. Now the folder is
+    left as it was found, and the corrected campaign runs into it."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    corrected = campaign_file(tmp_path)
+    text = corrected.read_text()
+    first = tmp_path / "first.toml"
+    first.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980, 1410]"))
+    unsupported = tmp_path / "unsupported.toml"
+    unsupported.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]"))
+    made = tmp_path / "made" / "out"  # folders the sweep makes
+    found = tmp_path / "found"  # a folder that was there, empty
+    found.mkdir()
+
+    def sweep(campaign: Path, out: Path) -> subprocess.CompletedProcess:
+        return dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        with GpuLocks(state_dir).hold([gpu]):  # another dvfs on the GPU
+            for out in (made, found):
+                busy = sweep(first, out)
+                assert busy.returncode == 3, busy.stderr
+                assert "in use by another dvfs process" in busy.stderr
+                assert not (tmp_path / "made").exists() and list(found.iterdir()) == []
+        store = StateStore(state_dir)
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))  # a dead run's
+        pending = sweep(first, made)
+        assert pending.returncode == 3 and "dvfs gpu reset" in pending.stderr, pending.stderr
+        assert not (tmp_path / "made").exists()
+        store.clear(gpu.identity.uuid)
+    bad_clock = sweep(unsupported, made)
+    assert bad_clock.returncode == 2 and "2100 MHz" in bad_clock.stderr, bad_clock.stderr
+    assert not (tmp_path / "made").exists()
+    assert setter_calls(nvml) == []
+    swept = sweep(corrected, made)
+    assert swept.returncode == 0, swept.stderr
+    assert "4 cell(s) measured" in swept.stderr
+    assert_as_found(nvml, state_dir)
 
 
 def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -349,6 +399,22 @@ def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
     assert refused.returncode == 4, refused.stderr  # the cause, not a stale-state refusal
     assert "permission denied" in refused.stderr
     assert "--observe-only" in refused.stderr and "Traceback" not in refused.stderr
+    # Refused at the first cell's clocks, its session journalled: the journal, holding no
+    # cell, once bound the folder to the refused campaign, so the rerun the message advises
+    # was refused there ("gpu.actuation: true -> false ... use --fresh").
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o2" / "journal.jsonl").exists()
+    tried = setter_calls(nvml)  # the refused runs' attempts
+    observing = dvfs_in_process(
+        "sweep",
+        str(campaign_file(tmp_path)),
+        "--out",
+        str(tmp_path / "o2"),
+        "--no-progress",
+        "--observe-only",
+        env={**env, "DVFS_FAKE_NVML_ROOT": "0"},
+    )
+    assert observing.returncode == 0, observing.stderr
+    assert setter_calls(nvml) == tried
 
 
 def test_termination_signals_wait_until_the_restore_is_done(dispositions) -> None:

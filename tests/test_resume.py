@@ -142,4 +142,62 @@ def test_a_second_sweep_into_a_busy_folder_refuses(tmp_path: Path) -> None:
     assert sweep(campaign, out).exit_code == 0  # released
 
 
+def test_a_sweep_that_opened_a_removed_lock_file_takes_the_folders_lock_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused sweep removes the lock file it made, holding its lock meanwhile. A sweep that
+    opened that file just before gets its lock once released, on a file no longer in the
+    folder: it must take the folder's lock file anew (here made and held by a third sweep:
+    refused, exit 3), never run beside the sweep that holds it."""
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / "sweep.lock"
+    lock.write_text("4141\n")
+    flock = fcntl.flock
+    third = []
+
+    def racing(fd, operation):  # noqa: ANN001
+        if not third:  # between the sweep's open and its lock: removed, made and held anew
+            lock.unlink()
+            held = open(lock, "w")  # noqa: SIM115
+            third.append(held)
+            flock(held, fcntl.LOCK_EX)
+            held.write("4242\n")
+            held.flush()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", racing)
+    try:
+        result = sweep(campaign, out)
+    finally:
+        for held in third:
+            held.close()
+    assert_one_line_error(result, 3, "in use by another dvfs sweep", "pid 4242", "--out")
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.lock"]
+    assert lock.read_text() == "4242\n"  # the holder's file, left to it
+
+
+def test_a_lock_file_linking_to_no_file_is_made_where_it_points(tmp_path: Path) -> None:
+    """`sweep.lock` a link to a file not there: the lock is made there, as ever (not an
+    endless retry between "exists" and "not found")."""
+    import threading
+
+    from dvfs.sweep import out_dir_lock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.lock").symlink_to(out / "held")
+    taken = threading.Event()
+
+    def take() -> None:
+        with out_dir_lock(out):
+            taken.set()
+
+    worker = threading.Thread(target=take, daemon=True)
+    worker.start()
+    worker.join(timeout=60)  # a guard against the endless retry, not a speed bound
+    assert taken.is_set() and (out / "held").is_file()
+
+
 # The lock of a running sweep (named, and dying with it): test_sweep.py's SIGKILL test.

@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import MIXED_FLEET, TINY, TINY_EXACT, copy_sweep, made_once, replace_block, write
+from conftest import (
+    MIXED_FLEET,
+    TINY,
+    TINY_EXACT,
+    copy_sweep,
+    folder_files,
+    made_once,
+    replace_block,
+    write,
+)
 from fleet_rerun_support import ADAPTIVE
 from fleet_support import assert_same_cells, fleet_campaign
 from hypothesis import given, settings
@@ -25,6 +34,7 @@ from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, planned_cells, server_starts
 from dvfs.measure.journal import read_records
 from dvfs.measure.plan import Cell, plan_cells
+from dvfs.sweep import LOCK_NAME
 
 #: The fleet campaign on two clocks and one power limit (48 cells, 8 comparison groups of 6):
 #: interleaved repeats, three drafters for the server starts; the whole is swept seven times
@@ -206,7 +216,8 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
 def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     """A folder holding another shard, or the whole campaign, is the wrong --out: refused before
     anything is measured, exit 2 (invalid input, as a shard dealt otherwise), in one line, by
-    the sweep and its dry run alike."""
+    the sweep and its dry run alike; the refused sweep leaves the folder as it found it (one
+    gathered from a node without its `sweep.lock` once kept the refused run's)."""
     from test_journal import assert_one_line_error
 
     campaign = str(runs / "shardy.toml")
@@ -215,6 +226,8 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
         copy_sweep(runs / "s0", tmp_path / "s0"),
         copy_sweep(runs / "whole", tmp_path / "whole"),
     )
+    (s0 / LOCK_NAME).unlink()  # copied back from its node without the lock
+    found = {out: folder_files(out) for out in (s0, whole_run)}
     other = invoke("sweep", campaign, "--shard", "2/3", "--out", str(s0), "--no-progress")
     assert_one_line_error(
         other, 2, "holds shard 0/3 of this campaign, but this run is shard 2/3", "its own --out"
@@ -223,6 +236,7 @@ def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     assert_one_line_error(whole, 2, "no --shard")
     sharded = invoke("sweep", campaign, "--shard", "0/3", "--out", str(whole_run), "--no-progress")
     assert_one_line_error(sharded, 2, "holds the whole campaign")
+    assert {out: folder_files(out) for out in (s0, whole_run)} == found
     for shard, out, says in (
         ("2/3", s0, "holds shard 0/3 of this campaign"),
         ("0/3", whole_run, "holds the whole campaign"),
@@ -355,12 +369,34 @@ def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
             assert_one_line_error(
                 result, 2, f"has {groups} comparison groups", f"at most {groups} shards"
             )
-    assert not (tmp_path / "out" / "journal.jsonl").exists()
+    assert not (tmp_path / "out").exists()  # nor the folder (it once kept its sweep.lock)
     # (no estimate: a sweep of the twin stand-in, which this check does not read)
     last = invoke(
         "sweep", str(campaign), "--shard", f"{groups - 1}/{groups}", "--dry-run", "--no-estimate"
     )
     assert last.exit_code == 0, last.output
+
+
+def test_a_refused_shard_leaves_no_folder_in_the_way_of_the_merge(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's recipe merges `out/C/shard-*`: a shard run refused before it measured
+    (here one of more shards than comparison groups, into its default folder) once left that
+    folder, holding only its `sweep.lock`, and the merge of the shards then failed on it (no
+    cube there)."""
+    monkeypatch.chdir(tmp_path)
+    shards = Path("out") / "shardy"
+    for i in range(3):
+        copy_sweep(runs / f"s{i}", shards / f"shard-{i}-of-3")
+    campaign = runs / "shardy.toml"
+    groups = len({group_of(c) for c in plan_cells(load_campaign(campaign))})
+    refused = invoke("sweep", str(campaign), "--shard", f"0/{groups + 1}", "--no-progress")
+    assert refused.exit_code == 2 and "comparison groups" in refused.output, refused.output
+    assert sorted(p.name for p in shards.iterdir()) == [f"shard-{i}-of-3" for i in range(3)]
+    folders = [str(p) for p in sorted(shards.glob("shard-*"))]
+    merged = invoke("cube", "merge", *folders, "-o", "merged.nc")
+    assert merged.exit_code == 0, merged.output
+    assert_same_cells(open_cube(Path("merged.nc")), open_cube(runs / "whole" / "cube.nc"))
 
 
 def test_adaptive_repeats_stay_in_the_shard_of_their_batch_and_corpus(
