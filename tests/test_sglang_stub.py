@@ -697,3 +697,18 @@ def test_an_abort_stops_every_request_whose_rid_starts_with_it(stub_module: Modu
     time.sleep(0.002)  # (monotonic time moves on)
     assert not stub._abort_due(*plan("t-11"))
     assert stub._abort_due(*plan("t-3"))
+
+
+@pytest.mark.slow
+def test_a_torch_load_runs_while_requests_run(launch: Launcher) -> None:
+    """``torch_load_device`` (tests/bench/real_gpu_check.sh puts it on a real GPU): its
+    matrix-vector products run while a request decodes."""
+    pytest.importorskip("torch")
+    stub = launch("0.5.23", torch_load_device="cpu", torch_load_mib=2.0, tpot_s=0.01)
+    assert stub.request("POST", "/generate", generate_body(20))[0] == 200
+    stub.proc.send_signal(signal.SIGTERM)
+    assert stub.proc.wait(timeout=30) == 0
+    log_text = stub.log_path.read_text()
+    assert "torch load: 128x4096 torch.float32 on cpu" in log_text
+    launches = int(log_text.split("torch load: ")[2].split(" matrix-vector")[0])
+    assert launches > 0

@@ -50,6 +50,9 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   the process calls ``os._exit(1)`` after ``die_delay_s`` (0.0: at once, before
   answering it; > 0: mid-stream of it and of anything else in flight).
 - ``die_delay_s`` (0.0): see above.
+- ``torch_load_device`` (null): a torch device ("cuda", "cpu") on which matrix-vector
+  products over ``torch_load_mib`` (512) MiB of weights run while requests run (``TorchLoad``):
+  a real load, and a real compute process, for dvfs on a real GPU.
 - ``fail_after_requests`` (null): /generate requests number N, N+1, ... are
   answered ``fail_status`` with ``{"error": {"message": ...}}`` (0 fails them
   all).  Both fault counters number /generate requests from 1 as they arrive
@@ -337,13 +340,18 @@ class StubConfig:
     #: A file each /generate body's "text" is appended to (a JSON line), so a test can tell
     #: which prompts went out and how they were formatted; None: nothing recorded.
     requests_log: str | None = None
+    #: A torch device ("cuda", "cuda:0", "cpu") the stub loads while requests run, as a real
+    #: server's decode would (see ``TorchLoad``); None: no load, and torch is never imported.
+    torch_load_device: str | None = None
+    #: MiB of bf16 weights (float32 on the CPU) each of the load's matrix-vector products reads.
+    torch_load_mib: float = 512.0
 
 
 #: How often a held request looks for its abort or its client's disconnect (s).
 HOLD_POLL_S = 0.002
 
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
-_FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s")
+_FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s", "torch_load_mib")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 _OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
@@ -386,6 +394,8 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
     for key in ("natural_stop", "abort_route", "abort_ignored", "hold_unfinished"):
         if not isinstance(getattr(cfg, key), bool):
             raise StubConfigError(f"{key} must be true or false")
+    if cfg.torch_load_device is not None and not isinstance(cfg.torch_load_device, str):
+        raise StubConfigError("torch_load_device must be a torch device name or null")
     if cfg.die_after_requests == 0:
         raise StubConfigError("die_after_requests must be >= 1")
     if cfg.hold_after_requests == 0:
@@ -1634,6 +1644,44 @@ def register_gpu_process(nvml: Any, cfg: StubConfig, environ: Mapping[str, str])
     return devices
 
 
+class TorchLoad:
+    """A real load for a real GPU: while any request runs, one thread streams a weight matrix
+    through matrix-vector products on ``torch_load_device``, as decoding a small batch would
+    (memory-bound), and idles otherwise. Its tensors are made before the stub listens, so a
+    CUDA device lists the stub as a compute process from the start, as a server that loaded
+    its weights would: with it dvfs meters, and checks the pinning of, a server on a real GPU
+    without SGLang or a model (tests/bench/real_gpu_check.sh)."""
+
+    def __init__(self, stub: Stub, device: str, mib: float) -> None:
+        import torch
+
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        cols = 4096
+        rows = max(1, int(mib * 2**20 / (cols * (4 if device == "cpu" else 2))))
+        self.torch, self.stub = torch, stub
+        self.weight = torch.randn(rows, cols, device=device, dtype=dtype)
+        self.vector = torch.randn(cols, 1, device=device, dtype=dtype)
+        self.on_cuda = device.startswith("cuda")
+        self.launches = 0
+        self._sync()
+        log(f"torch load: {rows}x{cols} {dtype} on {device}")
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _sync(self) -> None:
+        if self.on_cuda:
+            self.torch.cuda.synchronize()
+
+    def _run(self) -> None:
+        while not self.stub.stop.is_set():
+            if self.stub.running_subs <= 0:
+                time.sleep(0.001)
+                continue
+            for _ in range(8):
+                self.weight @ self.vector
+            self.launches += 8
+            self._sync()
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -1669,6 +1717,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.sleep(cfg.listen_delay_s)
     nvml = fake_nvml(os.environ)
     stub = Stub(cfg, args, spec)
+    load = None
+    if cfg.torch_load_device is not None:
+        load = TorchLoad(stub, cfg.torch_load_device, cfg.torch_load_mib)
     if nvml is not None:
         stub.nvml, stub.devices = nvml, register_gpu_process(nvml, cfg, os.environ)
         stub.other_tenant(0)
@@ -1705,6 +1756,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub.stop.set()
     server.shutdown()
     server.server_close()
+    if load is not None:
+        log(f"torch load: {load.launches} matrix-vector products while requests ran")
     if nvml is not None:
         nvml.fake_remove_process(os.getpid() if cfg.nvml_pid is None else cfg.nvml_pid)
     return 0
