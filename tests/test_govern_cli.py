@@ -192,9 +192,12 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
         with held_batch(stub, 3):
             wait_for(lambda: running(stub) == 3, "3 running requests on the stub")
             wait_for(lambda: len(lines(log, "set running batch")) >= 2, "the load step", log)
-            assert (
-                "running batch 3 -> between plan batches 1 and 4 to plan batch 4: SM clock <= "
-                "1500 MHz, power limit stock" in lines(log, "set ")[1]
+            # Within the dwell of the first setting the band widens (from plan batch 1), after
+            # it it is batch 3's own: the same setting either way.
+            assert re.search(
+                r"running batch 3 -> (between plan batches 1 and 4|plan batch 1) to plan batch 4: "
+                "SM clock <= 1500 MHz, power limit stock",
+                lines(log, "set ")[1],
             )
             exported = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
             text = httpx.get(exported, timeout=10).text
@@ -217,8 +220,10 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
-    at = [float(x) for x in re.findall(r"\(at ([0-9.]+) s\)", log.read_text())]
-    assert all(b - a >= 0.5 for a, b in zip(at, at[1:], strict=False)), at
+    # Only a looser setting (batch 3's) may come within the dwell of the change before.
+    at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
+    gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
+    assert all(gap >= 0.5 for gap, early in gaps if not early), at
     locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
     assert locks[:3] == [[210, 1200], [210, 1500], [210, 1200]]
     assert not any(c["index"] == 1 for c in nvml.fake_calls())  # GPU 1 is not governed

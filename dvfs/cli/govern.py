@@ -135,7 +135,8 @@ def _timeout(interval: float) -> float:
     type=Duration(),
     default="10s",
     show_default=True,
-    help="Least time between two changes of setting.",
+    help="Least time from a change to the next, unless the running batch needs a looser "
+    "setting than the one in force (that comes at once).",
 )
 @click.option(
     "--hysteresis",
@@ -181,8 +182,9 @@ def govern(
 
     Every INTERVAL reads the running requests from the server's /metrics; when the batch leaves
     the band in force, takes a new band around it (--hysteresis) and applies the plan's least
-    aggressive setting over it, never changing faster than --dwell (stock when the server does
-    not answer), under the same safety layer as `dvfs cap apply`. The static caps in force at
+    aggressive setting over it (stock when the server does not answer), under the same safety
+    layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one at
+    once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     """
     from dvfs.backends import job_gpus, open_gpus, parse_devices

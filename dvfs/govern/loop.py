@@ -404,7 +404,10 @@ def govern(
                     line = f"running batch {batch} -> {plan.band_label(band)}: {setting.describe()}"
                 applied = {u: c.describe_applied(setting) for u, c in ceilings.items()}
                 line += "; " + per_gpu(gpus, applied)
-                line += f" (at {now - start:.3f} s)"
+                line += f" (at {now - start:.3f} s"
+                if decision.early:
+                    line += ", within the dwell: the setting in force did not cover the batch"
+                line += ")"
                 if knobs is None:
                     note(f"dry run, nothing changed: would set {line}")
                 else:
