@@ -422,15 +422,19 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.parametrize("user", ["", "alice:pw-1@"])
 def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
-    tmp_path: Path, env: dict[str, str], nvml
+    tmp_path: Path, env: dict[str, str], nvml, user: str
 ) -> None:
     """Nothing listens at --url: the dry run has no load to preview. One line says the server
     is not answering, what the governor would do meanwhile and what to fix; exit 1; no GPU
-    setter called and no metrics served."""
+    setter called and no metrics served. A password in the URL is not in it (the service's
+    log keeps the line)."""
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
-    url = f"http://127.0.0.1:{closed_port()}"
+    port = closed_port()
+    url = f"http://{user}127.0.0.1:{port}"
+    shown = f"http://{'(not recorded)@' if user else ''}127.0.0.1:{port}"
     result = dvfs_in_process(
         *("govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--interval", "0.1"),
         *("--listen", "127.0.0.1:0", "--dry-run", "--max-intervals", "3"),
@@ -440,7 +444,10 @@ def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
     printed = (result.stdout + result.stderr).strip().splitlines()
     assert len(printed) == 1, printed
     [line] = printed
-    assert line.startswith(f"Error: dry run: the server at {url} is not answering (cannot read ")
+    assert line.startswith(
+        f"Error: dry run: the server at {shown} is not answering (cannot read {shown}/metrics: "
+    )
+    assert "pw-1" not in line
     assert "the governor would hold GPU 0 at stock (SM clock stock, power limit stock)" in line
     assert line.endswith("Start SGLang there with --enable-metrics, or point --url at it")
     assert nvml.fake_calls() == []

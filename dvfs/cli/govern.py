@@ -195,6 +195,7 @@ def govern(
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
     from dvfs.gpu.safety import default_state_dir, records_dir
+    from dvfs.redact import redact_url
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
@@ -214,7 +215,7 @@ def govern(
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
             f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
-            f"{plan.drafter}), reading {url} every {interval:g}s"
+            f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )
         with _exporting(address, live):
