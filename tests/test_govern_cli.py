@@ -496,6 +496,26 @@ def test_the_systemd_units_command_line_runs(
     assert nvml.fake_calls() == []
 
 
+def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: str) -> None:
+    """ExecStart of systemd/dvfs-monitor.service, pointed at the stub and a free port, for two
+    intervals: every option it passes exists, and it serves the server's metrics too."""
+    unit = (REPO / "systemd" / "dvfs-monitor.service").read_text()
+    [start] = [
+        line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
+    ]
+    argv = (
+        start.replace("/usr/local/bin/dvfs", "")
+        .replace("127.0.0.1:9436", "127.0.0.1:0")
+        .replace("http://127.0.0.1:30000", stub)
+        .split()
+    )
+    result = dvfs_in_process(*argv, "--max-intervals", "2", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "serving metrics on http://127.0.0.1:" in result.stderr
+    assert "server:" not in result.stderr  # the stub answered
+    assert nvml.fake_calls() == []  # read-only
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

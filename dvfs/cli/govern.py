@@ -64,13 +64,14 @@ interval_option = click.option(
     show_default=True,
     help="How often to read the server and the GPUs.",
 )
-listen_option = click.option(
-    "--listen",
-    default="127.0.0.1:9435",
-    metavar="HOST:PORT",
-    show_default=True,
-    help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
-)
+def listen_option(default: str) -> Any:
+    return click.option(
+        "--listen",
+        default=default,
+        metavar="HOST:PORT",
+        show_default=True,
+        help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
+    )
 
 
 def max_intervals_option(what: str) -> Any:
@@ -156,7 +157,7 @@ def _timeout(interval: float) -> float:
     is_flag=True,
     help="Follow a plan made from a digital-twin cube (matched by GPU model name).",
 )
-@listen_option
+@listen_option("127.0.0.1:9435")
 @max_intervals_option(", restoring the GPUs")
 @click.option(
     "--state-dir",
@@ -245,7 +246,7 @@ def govern(
 )
 @gpu_option
 @interval_option
-@listen_option
+@listen_option("127.0.0.1:9436")  # not the governor's: it runs beside one
 @max_intervals_option("")
 @click.option(
     "--once",
@@ -272,8 +273,9 @@ def monitor(
     """Export live power, energy, SM clock, power limit and energy per token (read-only).
 
     Changes nothing and takes no GPU lock, so it runs beside a sweep, `dvfs cap apply` or
-    `dvfs govern`. Clock locks shown are those dvfs recorded (a running governor's, else `dvfs
-    cap apply`'s); NVML cannot read a lock back.
+    `dvfs govern` (whose metrics port, 9435, is not its own, 9436). Clock locks shown are those
+    dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
+    back.
     """
     from dvfs.backends import open_gpus, parse_devices
     from dvfs.caps.actuation import LockInForce, locks_in_force
