@@ -64,6 +64,8 @@ interval_option = click.option(
     show_default=True,
     help="How often to read the server and the GPUs.",
 )
+
+
 def listen_option(default: str) -> Any:
     return click.option(
         "--listen",
