@@ -45,7 +45,10 @@ FLAG_SECRET_LAST_TWO = frozenset(
 )
 
 _HIDDEN = re.escape(NOT_RECORDED)
-_NAME_VALUE = re.compile(rf"(?<![\w.-])([A-Za-z_][A-Za-z0-9_]*)=(?!{_HIDDEN})([^\s'\"]+)")
+#: NAME=VALUE, the value bare or quoted (a repr such as SGLang's `ServerArgs(api_key='...')`).
+_NAME_VALUE = re.compile(
+    rf"(?<![\w.-])([A-Za-z_][A-Za-z0-9_]*)=(?!{_HIDDEN}|None\b)('[^']*'|\"[^\"]*\"|[^\s'\",)]+)"
+)
 _FLAG_VALUE = re.compile(rf"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)(?!{_HIDDEN})([^\s'\"]+)")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
@@ -88,14 +91,27 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
+def secret_assignment(name: str) -> bool:
+    """Whether NAME=VALUE assigns a secret: an environment variable's name (upper case) as
+    `secret_name` reads it, any other name (a dest, `api_key='...'`) as `secret_flag` does,
+    so that `tokenizer_path=...` stays."""
+    return secret_name(name) if name.isupper() else secret_flag(name)
+
+
+def _hidden_value(match: re.Match[str]) -> str:
+    name, value = match.group(1), match.group(2)
+    if not secret_assignment(name):
+        return match.group(0)
+    quote = value[0] if value[0] in "'\"" else ""
+    return f"{name}={quote}{NOT_RECORDED}{quote}"
+
+
 def redact_text(text: str) -> str:
-    """One argument or a command line as one string (`bash -c "..."`): URLs' credentials,
-    `NAME=VALUE` with a secret NAME, and `--secret-flag VALUE` (or `=VALUE`) hidden."""
+    """One argument, a command line as one string (`bash -c "..."`) or a log's lines: URLs'
+    credentials, `NAME=VALUE` assigning a secret (`secret_assignment`), and `--secret-flag
+    VALUE` (or `=VALUE`) hidden."""
     text = _URL.sub(lambda m: redact_url(m.group(0)), text)
-    text = _NAME_VALUE.sub(
-        lambda m: f"{m.group(1)}={NOT_RECORDED}" if secret_name(m.group(1)) else m.group(0),
-        text,
-    )
+    text = _NAME_VALUE.sub(_hidden_value, text)
     return _FLAG_VALUE.sub(
         lambda m: (
             f"{m.group(1)}{m.group(2)}{NOT_RECORDED}" if secret_flag(m.group(1)) else m.group(0)
@@ -116,8 +132,29 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
             hide_next = False
             continue
         hide_next = token.startswith("-") and "=" not in token and secret_flag(token)
-        out.append(redact_text(token))
+        out.append(_redact_token(token))
     return out
+
+
+def _redact_token(token: str) -> str:
+    """One argument: a secret's whole value hidden where the argument is `--flag=VALUE` or
+    `NAME=VALUE` (commas and all; not a shell line, `HF_TOKEN=... python ...`), else
+    `redact_text`."""
+    name, eq, value = token.partition("=")
+    if eq and name.startswith("-"):
+        if secret_flag(name):
+            return f"{name}={NOT_RECORDED}"
+        inner = _redact_token(value)  # docker's --env=HF_TOKEN=..., --url=http://user:pw@...
+        if inner != value:
+            return f"{name}={inner}"
+    elif (
+        eq
+        and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+        and not re.search(r"\s", value)
+        and secret_assignment(name)
+    ):
+        return f"{name}={NOT_RECORDED}"
+    return redact_text(token)
 
 
 def redact_args(args: Any) -> Any:

@@ -327,6 +327,15 @@ def test_credentials_in_url_command_and_extra_args_are_not_recorded(tmp_path: Pa
             ],
         ),  # fmt: skip
         (
+            ["env", "HF_TOKEN=a,b", "--env=HF_TOKEN=c,d", "--api-key=e,f"],
+            [
+                "env",
+                "HF_TOKEN=(not recorded)",
+                "--env=HF_TOKEN=(not recorded)",
+                "--api-key=(not recorded)",
+            ],
+        ),  # fmt: skip
+        (
             ["bash", "-c", "HF_TOKEN=t python -m sglang.launch_server --api-key k --tp 2"],
             [
                 "bash",

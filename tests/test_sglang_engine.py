@@ -519,3 +519,21 @@ def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
     assert _holding(tmp_path, [password]) == [str(campaign)]
     [session] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
     assert session["settings"]["engine.sglang.url"] == shown
+
+
+def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: Path) -> None:
+    """SGLang logs its ServerArgs at start, api_key included; a failed start quotes the log's
+    tail in its error, which the journal and the cube keep: without the keys."""
+    from dvfs.engines.sglang import tail
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "$ python -m sglang.launch_server --api-key (not recorded)\n"
+        "server_args=ServerArgs(model_path='m', tokenizer_path='m', api_key='k-1', "
+        'admin_api_key=None, ssl_keyfile_password="k-2", max_total_tokens=None)\n'
+        "RuntimeError: CUDA out of memory\n"
+    )
+    shown = tail(log)
+    assert "k-1" not in shown and "k-2" not in shown
+    assert "api_key='(not recorded)'" in shown and "tokenizer_path='m'" in shown
+    assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")

@@ -62,7 +62,7 @@ from dvfs.engines.sglang_args import (
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
 from dvfs.gpu.base import GpuProcesses
-from dvfs.redact import redact_args, redact_argv, redact_url
+from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
@@ -87,11 +87,13 @@ def dying_with_parent(argv: Sequence[str]) -> list[str]:
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last lines, for an error (and so the journal and cube): credentials SGLang
+    prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(redact_text(line) for line in text.splitlines()[-lines:])
 
 
 class ChatFormatter:
