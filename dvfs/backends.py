@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.errors import CampaignError
 from dvfs.gpu.visible import SWEEP_NAMING, Visible
+from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
@@ -298,7 +299,9 @@ class ServerPlan:
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape `dvfs sweep --dry-run --json` prints (only the fields that apply)."""
         if self.argv is not None:
-            return {"drafter": self.drafter, "argv": list(self.argv), "flags_from": self.flags_from}
+            # Printed and shared as a preview: credentials hidden (`dvfs.redact`).
+            argv = redact_argv(self.argv)
+            return {"drafter": self.drafter, "argv": argv, "flags_from": self.flags_from}
         entry: dict[str, Any] = {"drafter": self.drafter, "algorithm": self.algorithm}
         if self.verify_tokens is not None:
             entry.update(

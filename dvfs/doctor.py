@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
 from dvfs.errors import CorpusShortfallError, DvfsError
+from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
     from dvfs.gpu.base import Gpu
@@ -245,7 +246,8 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         found = shutil.which(exe) or Path(exe).exists()
         return (
             OK if found else FAIL,
-            f"server command {' '.join(sg.server_command)}" + ("" if found else ": not found"),
+            f"server command {' '.join(redact_argv(sg.server_command))}"
+            + ("" if found else ": not found"),
         )
     from importlib import metadata
 

@@ -52,8 +52,10 @@ def stub_campaign(
     request_timeout_s: float = 30.0,
     retries: int = 1,
     gpu: str = 'backend = "twin"\nprofile = "h100-sxm"',
+    wrapper: tuple[str, ...] = (),
 ) -> tuple[Path, str]:
-    """A campaign whose engine is the stub (launched by dvfs as its "server command").
+    """A campaign whose engine is the stub (launched by dvfs as its "server command", behind
+    `wrapper`, say `env NAME=VALUE`, when given).
 
     Returns the campaign path and a marker unique to this campaign's server processes.
     """
@@ -81,7 +83,7 @@ backend = "sglang"
 model = "{marker}"
 
 [engine.sglang]
-server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}]
+server_command = {json.dumps([*wrapper, sys.executable, str(STUB)])}
 startup_timeout_s = 30
 request_timeout_s = {request_timeout_s}
 stall_timeout_s = {stall_timeout_s}

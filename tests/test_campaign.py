@@ -254,6 +254,108 @@ def test_a_valid_sibling_key_is_not_taken_for_a_misspelling(tmp_path: Path) -> N
     assert "did you mean" not in message
 
 
+CREDENTIALS = """
+[engine.sglang]
+url = "http://alice:pw-1@gpu-host:30000/?token=tk-2&x=1"
+server_command = ["docker", "run", "-e", "HF_TOKEN=hf-3", "--env=HF_HOME=/hf", "img",
+  "python", "-m", "sglang.launch_server"]
+extra_args = ["--api-key", "key-4", "--admin-api-key=key-5", "--mem-fraction-static", "0.8",
+  "--ssl-keyfile", "k.pem", "--bucket-time-to-first-token", "0.5"]
+"""
+
+
+def test_credentials_in_url_command_and_extra_args_are_not_recorded(tmp_path: Path) -> None:
+    """What a journal keeps of the campaign (the hash, the measured settings, the session's
+    settings, the file's text) holds none of the URL's user and password, a secret query
+    parameter, a wrapper's HF_TOKEN or an --api-key; everything else as written. The text still
+    reads as the campaign, with the same hash, which a new key does not change either."""
+    import json
+
+    text = replace_block(
+        SMALL_CAMPAIGN, 'model = "llama-3.1-8b"', f'model = "llama-3.1-8b"\n{CREDENTIALS}'
+    )
+    campaign = load_text(tmp_path, text)
+    assert campaign.engine.sglang.extra_args[1] == "key-4"  # the server gets them
+    secrets = ("alice", "pw-1", "tk-2", "hf-3", "key-4", "key-5")
+    kept = campaign.recorded_source()
+    for record in (
+        kept,
+        json.dumps(campaign.semantic_dict()),
+        json.dumps(campaign.operational_dict()),
+    ):
+        assert not [s for s in secrets if s in record], record
+    settings = campaign.operational_dict()
+    assert settings["engine.sglang.url"] == (
+        "http://(not recorded)@gpu-host:30000/?token=(not recorded)&x=1"
+    )
+    assert settings["engine.sglang.server_command"][3:5] == [
+        "HF_TOKEN=(not recorded)",
+        "--env=HF_HOME=/hf",
+    ]
+    assert campaign.semantic_dict()["engine"]["sglang"]["extra_args"] == [
+        "--api-key",
+        "(not recorded)",
+        "--admin-api-key=(not recorded)",
+        *("--mem-fraction-static", "0.8", "--ssl-keyfile", "k.pem"),
+        *("--bucket-time-to-first-token", "0.5"),
+    ]
+    again = load_text(tmp_path, kept)
+    assert again.hash == campaign.hash and again.operational_dict() == settings
+    assert again.recorded_source() == kept
+    rotated = load_text(tmp_path, text.replace("key-4", "key-6"))
+    assert rotated.hash == campaign.hash
+    assert load_text(tmp_path, text.replace('"0.8"', '"0.7"')).hash != campaign.hash
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (  # numbers and paths whose flags mention a token or a key stay
+            ["--max-total-tokens", "100", "--speculative-token-map", "m.pt", "--ssl-keyfile", "k"],
+            None,
+        ),
+        (["--tokenizer-path", "t", "HF_HOME=/hf", "--api-key"], None),  # no value to hide
+        (["--api-key", "--dtype", "float16"], None),
+        (
+            ["--hf-token", "t", "--ssl-keyfile-password", "p", "--env=AWS_SECRET_ACCESS_KEY=s"],
+            [
+                "--hf-token",
+                "(not recorded)",
+                "--ssl-keyfile-password",
+                "(not recorded)",
+                "--env=AWS_SECRET_ACCESS_KEY=(not recorded)",
+            ],
+        ),  # fmt: skip
+        (
+            ["env", "HF_TOKEN=a,b", "--env=HF_TOKEN=c,d", "--api-key=e,f"],
+            [
+                "env",
+                "HF_TOKEN=(not recorded)",
+                "--env=HF_TOKEN=(not recorded)",
+                "--api-key=(not recorded)",
+            ],
+        ),  # fmt: skip
+        (
+            ["bash", "-c", "HF_TOKEN=t python -m sglang.launch_server --api-key k --tp 2"],
+            [
+                "bash",
+                "-c",
+                "HF_TOKEN=(not recorded) python -m sglang.launch_server "
+                "--api-key (not recorded) --tp 2",
+            ],
+        ),  # fmt: skip
+    ],
+)
+def test_only_credentials_are_hidden_from_a_command(
+    argv: list[str], shown: list[str] | None
+) -> None:
+    from dvfs.redact import redact_argv
+
+    shown = argv if shown is None else shown
+    assert redact_argv(argv) == shown
+    assert redact_argv(shown) == shown  # hiding again changes nothing
+
+
 @pytest.mark.parametrize(
     "env",
     [

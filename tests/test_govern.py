@@ -78,9 +78,45 @@ def covers(a: Setting, b: Setting) -> bool:
 
 
 @given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=60), params)
-def test_changes_never_come_closer_than_the_dwell(seq, p) -> None:
-    _, changes = run_policy(seq, p)
-    assert all(b - a >= p.dwell_s for a, b in zip(changes, changes[1:], strict=False))
+def test_only_a_looser_setting_comes_sooner_than_the_dwell(seq, p) -> None:
+    """Within the dwell of the last change the band only widens (a setting covering the one
+    before), and only for a batch the setting in force did not cover."""
+    state, now = PolicyState(), 0.0
+    for dt, batch in seq:
+        now += dt
+        decision = decide(PLAN, state, batch, now, p)
+        early = state.changed_at is not None and now - state.changed_at < p.dwell_s
+        if decision.changed and early:
+            old, new = state.band, decision.state.band
+            assert decision.early and old is not None and new is not None
+            assert not covers(PLAN.band_setting(old), PLAN.setting(PLAN.bucket(batch)))
+            assert new[0] <= old[0] <= old[1] <= new[1]
+            assert covers(PLAN.band_setting(new), PLAN.band_setting(old))
+        else:
+            assert not decision.early
+        state = decision.state
+
+
+def test_a_rising_load_gets_a_looser_setting_at_once_and_a_falling_one_waits() -> None:
+    """Batch 16 is planned at 1800 MHz: arriving 1 s after a change to 1500 MHz, it must not
+    run capped at 1500 MHz for the rest of the 10 s dwell. Back at batch 1, the tighter
+    setting waits for the dwell after that change."""
+    p = PolicyParams(dwell_s=10.0, hysteresis=0.25)
+    state, _ = run_policy([(0.0, 1)], p)
+    assert PLAN.band_setting(state.band) == Setting(1500, None)
+    decision = decide(PLAN, state, 16, 1.0, p)
+    assert decision.changed and decision.early
+    assert covers(PLAN.band_setting(decision.state.band), Setting(1800, None))
+    state = decision.state
+    for now in (2.0, 6.0, 10.9):  # back to batch 1 within the dwell of t=1: held
+        held = decide(PLAN, state, 1, now, p)
+        assert not held.changed and held.state == state
+    tightened = decide(PLAN, state, 1, 11.0, p)
+    assert tightened.changed and not tightened.early
+    assert PLAN.band_setting(tightened.state.band) == Setting(1500, None)
+    # A server that stops answering within the dwell: stock at once.
+    down = decide(PLAN, tightened.state, None, 12.0, p)
+    assert down.changed and PLAN.band_setting(down.state.band).is_stock
 
 
 @given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=30), batches, params)
@@ -106,11 +142,12 @@ def test_a_load_hovering_within_the_hysteresis_changes_at_most_twice(seq, low, p
         assert len(changes) <= 1
 
 
-@given(st.lists(batches, max_size=40), params)
-def test_once_the_dwell_has_passed_the_load_is_never_underserved(seq, p) -> None:
-    state = PolicyState()
-    for i, batch in enumerate(seq):
-        state = decide(PLAN, state, batch, (i + 1) * (p.dwell_s + 1), p).state
+@given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=60), params)
+def test_the_load_is_never_underserved_dwell_or_not(seq, p) -> None:
+    state, now = PolicyState(), 0.0
+    for dt, batch in seq:
+        now += dt
+        state = decide(PLAN, state, batch, now, p).state
         assert state.band is not None
         assert covers(PLAN.band_setting(state.band), PLAN.setting(PLAN.bucket(batch)))
 
@@ -329,6 +366,39 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
         state = nvml.fake_device_state(0)
         assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
         assert not list((tmp_path / "state").glob("GPU-*.json"))  # state file cleared
+
+
+def test_the_loop_loosens_at_once_and_says_so(nvml, tmp_path: Path) -> None:
+    """A load rising within the dwell gets its looser lock at the very interval it is seen, the
+    log saying why it did not wait; the step back down waits for the dwell."""
+    from dvfs.backends import open_gpus
+
+    load = [1, 1, 16, 16, 1, 1, 1, 1, 1, 1]
+    script = iter(load)
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        changes = govern(
+            PLAN,
+            gpus,
+            lambda: ServerSample(next(script), None, None),
+            PolicyParams(dwell_s=4.0, hysteresis=0.25),
+            Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            state_dir=tmp_path / "state",
+        )
+        locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
+    sets = [line for line in lines if line.startswith("set ")]
+    assert changes == 3 and len(sets) == 3
+    # t=0: batch 1 -> 1500 MHz; t=2: batch 16 (1800 MHz planned) -> stock at once, not at
+    # t=4; t=6: back to batch 1's 1500 MHz, 4 s (the dwell) after t=2, not at t=4.
+    assert sets[1].startswith("set running batch 16 -> ")
+    assert sets[1].endswith(
+        "(at 2.000 s, within the dwell: the setting in force did not cover the batch)"
+    )
+    assert "within the dwell" not in sets[0] + sets[2] and sets[2].endswith("(at 6.000 s)")
+    assert locks[0] == [210, 1500] and locks[-1] == [210, 1500]
+    assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")  # batch 16: the clock unlocked
 
 
 def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:

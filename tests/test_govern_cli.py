@@ -192,9 +192,12 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
         with held_batch(stub, 3):
             wait_for(lambda: running(stub) == 3, "3 running requests on the stub")
             wait_for(lambda: len(lines(log, "set running batch")) >= 2, "the load step", log)
-            assert (
-                "running batch 3 -> between plan batches 1 and 4 to plan batch 4: SM clock <= "
-                "1500 MHz, power limit stock" in lines(log, "set ")[1]
+            # Within the dwell of the first setting the band widens (from plan batch 1), after
+            # it it is batch 3's own: the same setting either way.
+            assert re.search(
+                r"running batch 3 -> (between plan batches 1 and 4|plan batch 1) to plan batch 4: "
+                "SM clock <= 1500 MHz, power limit stock",
+                lines(log, "set ")[1],
             )
             exported = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
             text = httpx.get(exported, timeout=10).text
@@ -217,8 +220,10 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
-    at = [float(x) for x in re.findall(r"\(at ([0-9.]+) s\)", log.read_text())]
-    assert all(b - a >= 0.5 for a, b in zip(at, at[1:], strict=False)), at
+    # Only a looser setting (batch 3's) may come within the dwell of the change before.
+    at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
+    gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
+    assert all(gap >= 0.5 for gap, early in gaps if not early), at
     locks = [c["args"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")]
     assert locks[:3] == [[210, 1200], [210, 1500], [210, 1200]]
     assert not any(c["index"] == 1 for c in nvml.fake_calls())  # GPU 1 is not governed
@@ -417,15 +422,19 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.parametrize("user", ["", "alice:pw-1@"])
 def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
-    tmp_path: Path, env: dict[str, str], nvml
+    tmp_path: Path, env: dict[str, str], nvml, user: str
 ) -> None:
     """Nothing listens at --url: the dry run has no load to preview. One line says the server
     is not answering, what the governor would do meanwhile and what to fix; exit 1; no GPU
-    setter called and no metrics served."""
+    setter called and no metrics served. A password in the URL is not in it (the service's
+    log keeps the line)."""
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
-    url = f"http://127.0.0.1:{closed_port()}"
+    port = closed_port()
+    url = f"http://{user}127.0.0.1:{port}"
+    shown = f"http://{'(not recorded)@' if user else ''}127.0.0.1:{port}"
     result = dvfs_in_process(
         *("govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--interval", "0.1"),
         *("--listen", "127.0.0.1:0", "--dry-run", "--max-intervals", "3"),
@@ -435,7 +444,10 @@ def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
     printed = (result.stdout + result.stderr).strip().splitlines()
     assert len(printed) == 1, printed
     [line] = printed
-    assert line.startswith(f"Error: dry run: the server at {url} is not answering (cannot read ")
+    assert line.startswith(
+        f"Error: dry run: the server at {shown} is not answering (cannot read {shown}/metrics: "
+    )
+    assert "pw-1" not in line
     assert "the governor would hold GPU 0 at stock (SM clock stock, power limit stock)" in line
     assert line.endswith("Start SGLang there with --enable-metrics, or point --url at it")
     assert nvml.fake_calls() == []
@@ -482,6 +494,26 @@ def test_the_systemd_units_command_line_runs(
     assert result.returncode == 0, result.stderr
     assert "would set running batch 0 -> plan batch 1" in result.stderr
     assert nvml.fake_calls() == []
+
+
+def test_the_monitor_units_command_line_runs(env: dict[str, str], nvml, stub: str) -> None:
+    """ExecStart of systemd/dvfs-monitor.service, pointed at the stub and a free port, for two
+    intervals: every option it passes exists, and it serves the server's metrics too."""
+    unit = (REPO / "systemd" / "dvfs-monitor.service").read_text()
+    [start] = [
+        line[len("ExecStart=") :] for line in unit.splitlines() if line.startswith("ExecStart=")
+    ]
+    argv = (
+        start.replace("/usr/local/bin/dvfs", "")
+        .replace("127.0.0.1:9436", "127.0.0.1:0")
+        .replace("http://127.0.0.1:30000", stub)
+        .split()
+    )
+    result = dvfs_in_process(*argv, "--max-intervals", "2", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "serving metrics on http://127.0.0.1:" in result.stderr
+    assert "server:" not in result.stderr  # the stub answered
+    assert nvml.fake_calls() == []  # read-only
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,31 @@ def test_an_old_format_journal_builds_the_same_cube(tmp_path: Path) -> None:
     assert json.loads(old.attrs["failed_cells"])[0]["error"] == "attempt 3: boom"
 
 
+def test_a_cube_from_an_earlier_journal_holds_no_credentials(tmp_path: Path) -> None:
+    """A journal of a dvfs that recorded the URL's password, an --api-key and the server's
+    api_key builds a cube without them (the cube is the file users share)."""
+    sglang = {"extra_args": ["--api-key", "key-1", "--dtype", "float16"]}
+    campaign = {**CAMPAIGN, "engine": {**CAMPAIGN["engine"], "sglang": sglang}}
+    source = (
+        '[engine.sglang]\nurl = "http://alice:pw-2@h:1"\n'
+        'extra_args = ["--api-key", "key-1", "--dtype", "float16"]\n'
+    )
+    server = {**SERVER, "args": {"model_path": "llama-3.1-8b", "api_key": "key-1"}}
+    header = {**HEADER_V1, "journal_schema": 2, "campaign": campaign, "campaign_source": source}
+    journal = [header, *NEW_JOURNAL[1:2], server, *NEW_JOURNAL[3:]]
+    ds = _built(jsonl(tmp_path / "j.jsonl", journal))
+    assert not [k for k, v in ds.attrs.items() if "key-1" in str(v) or "pw-2" in str(v)]
+    assert json.loads(ds.attrs["server_args"])["none"]["args"] == {
+        "model_path": "llama-3.1-8b",
+        "api_key": "(not recorded)",
+    }
+    hidden = ["--api-key", "(not recorded)", "--dtype", "float16"]
+    assert json.loads(ds.attrs["campaign"])["engine"]["sglang"]["extra_args"] == hidden
+    assert ds.attrs["campaign_source"] == (
+        source.replace("alice:pw-2", "(not recorded)").replace("key-1", "(not recorded)")
+    )
+
+
 def test_a_journal_resumed_by_a_newer_dvfs_reads_each_session_in_its_version(
     tmp_path: Path,
 ) -> None:

@@ -402,3 +402,138 @@ def test_after_a_crash_without_retries_the_next_cell_gets_a_fresh_server(tmp_pat
     cells, _ = _dying_server_sweep(tmp_path, retries=0)
     assert [c["status"] for c in cells] == ["ok", "failed", "ok"]
     assert len(list((tmp_path / "out" / "logs").glob("server-none-*.log"))) == 2
+
+
+# -- credentials ------------------------------------------------------------------------------
+
+
+def _holding(folder: Path, secrets: list[str]) -> list[str]:
+    """Files under `folder` (journal, cube, server logs) that hold any of `secrets`."""
+    return [
+        str(path)
+        for path in folder.rglob("*")
+        if path.is_file() and any(s.encode() in path.read_bytes() for s in secrets)
+    ]
+
+
+@pytest.mark.slow
+def test_credentials_reach_the_server_but_no_record_preview_or_check(tmp_path: Path) -> None:
+    """A token a wrapper passes (`env HF_TOKEN=...`) and API keys in extra_args start the
+    server as written, but the journal, the cube, the server's log, the dry run and `dvfs
+    doctor` hold each as "(not recorded)", everything around it kept."""
+    import tomllib
+
+    from dvfs.measure.journal import read_records
+
+    token, key, admin = (f"{w}-{time.monotonic_ns()}" for w in ("hf", "key", "admin"))
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        wrapper=("env", f"HF_TOKEN={token}"),
+        sglang_extra=f'extra_args = ["--api-key", "{key}", "--admin-api-key={admin}"]',
+    )
+    secrets = [token, key, admin]
+    campaign = load_campaign(path)
+    argv = launch_argv(campaign, campaign.drafters[0], port=31000, version="0.5.23")
+    assert f"HF_TOKEN={token}" in argv and argv[argv.index("--api-key") + 1] == key
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    dry = runner.invoke(
+        cli, ["sweep", str(path), "--out", str(tmp_path / "dry"), "--dry-run", "--no-estimate"]
+    )
+    assert "HF_TOKEN=(not recorded) " in dry.output  # the command shown, as it would run
+    assert "--api-key (not recorded) --admin-api-key=(not recorded)" in dry.output
+    checked = runner.invoke(cli, ["doctor", str(path), "--out", str(tmp_path / "checked")])
+    assert "server command env HF_TOKEN=(not recorded) " in checked.output
+    for shown in (result, dry, checked):
+        assert not any(s in shown.output for s in secrets), shown.output
+    assert _holding(tmp_path, secrets) == [str(path)]  # the campaign file alone
+    records = read_records(out / "journal.jsonl")
+    [header] = [r for r in records if r["type"] == "header"]
+    hidden = ["--api-key", "(not recorded)", "--admin-api-key=(not recorded)"]
+    assert header["campaign"]["engine"]["sglang"]["extra_args"] == hidden
+    [session] = [r for r in records if r["type"] == "session"]
+    assert session["settings"]["engine.sglang.server_command"] == [
+        "env",
+        "HF_TOKEN=(not recorded)",
+        *campaign.engine.sglang.server_command[2:],
+    ]
+    [server] = [r for r in records if r["type"] == "server"]
+    assert server["args"]["api_key"] == server["args"]["admin_api_key"] == "(not recorded)"
+    assert server["args"]["model_path"] == campaign.engine.model  # the rest as resolved
+    cube = xr.open_dataset(out / "cube.nc")
+    source = tomllib.loads(cube.attrs["campaign_source"])
+    assert source["engine"]["sglang"]["extra_args"] == hidden
+    assert json.loads(cube.attrs["server_args"])["none"]["args"]["api_key"] == "(not recorded)"
+    cube.close()
+    log = next((out / "logs").glob("server-none-*.log")).read_text()
+    assert "--api-key (not recorded) --admin-api-key=(not recorded)" in log
+
+
+@pytest.mark.slow
+def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
+    """engine.sglang.url = http://user:password@host:port attaches (httpx sends them as basic
+    auth) and is recorded, and named in checks and errors, without them."""
+    import os
+    import socket
+
+    from dvfs.measure.journal import read_records
+
+    password = f"pw-{time.monotonic_ns()}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    campaign, model = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://alice:{password}@127.0.0.1:{port}"',
+    )
+    shown = f"http://(not recorded)@127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, str(STUB), "--model-path", model, "--port", str(port)],
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runner = CliRunner()
+    try:
+        out = tmp_path / "out"
+        result = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+        assert f"at {shown}, model {model}" in checked.output
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    down = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    assert f"no healthy server at {shown}" in down.output
+    assert not any(password in r.output for r in (result, checked, down))
+    assert _holding(tmp_path, [password]) == [str(campaign)]
+    [session] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    assert session["settings"]["engine.sglang.url"] == shown
+
+
+def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: Path) -> None:
+    """SGLang logs its ServerArgs at start, api_key included; a failed start quotes the log's
+    tail in its error, which the journal and the cube keep: without the keys."""
+    from dvfs.engines.sglang import tail
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "$ python -m sglang.launch_server --api-key (not recorded)\n"
+        "server_args=ServerArgs(model_path='m', tokenizer_path='m', api_key='k-1', "
+        'admin_api_key=None, ssl_keyfile_password="k-2", max_total_tokens=None)\n'
+        "RuntimeError: CUDA out of memory\n"
+    )
+    shown = tail(log)
+    assert "k-1" not in shown and "k-2" not in shown
+    assert "api_key='(not recorded)'" in shown and "tokenizer_path='m'" in shown
+    assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,3 +199,85 @@ def test_each_units_readme_reference_names_a_readme_section() -> None:
         assert named, unit.name
         for section in named:
             assert section in headings, f"{unit.name} names README section {section!r}"
+
+
+# -------------------------------------------------------------------------- dvfs-monitor.service
+
+MONITOR = UNIT.parent / "dvfs-monitor.service"
+
+
+def unit_values(unit: Path, key: str, section: str = "Service") -> list[str]:
+    """The values of `key` in one section of `unit`, in order (repeated keys kept)."""
+    found, current = [], None
+    for raw in unit.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = line.strip("[]")
+            continue
+        name, _, value = line.partition("=")
+        if current == section and name.strip() == key:
+            found.append(value.strip())
+    return found
+
+
+def listen_of(unit: Path) -> str:
+    [start] = unit_values(unit, "ExecStart")
+    argv = start.split()
+    return argv[argv.index("--listen") + 1]
+
+
+def test_the_monitor_unit_listens_where_the_governor_does_not() -> None:
+    """dvfs monitor runs beside dvfs govern: each unit serves its metrics on its command's
+    default port, and the two differ, so neither unit (nor either command run by hand with its
+    defaults beside the other's unit) finds its port taken."""
+    from dvfs.cli.govern import govern, monitor
+
+    def default_listen(command: Any) -> str:
+        [option] = [p for p in command.params if p.name == "listen"]
+        return str(option.default)
+
+    assert listen_of(GOVERN) == default_listen(govern)
+    assert listen_of(MONITOR) == default_listen(monitor)
+    assert default_listen(monitor) != default_listen(govern)
+    [start] = unit_values(MONITOR, "ExecStart")
+    assert start.startswith("/usr/local/bin/dvfs monitor --url http://127.0.0.1:30000")
+    assert "9436" in MONITOR.read_text().split("[Unit]")[0]  # its comment names its port
+
+
+def test_the_monitor_unit_reads_only() -> None:
+    """No capability (reading NVML needs none), no state directory of its own (it would take
+    /var/lib/dvfs from the units that write it) and nothing to restore; the GPU and network
+    side as the other units'."""
+    assert unit_values(MONITOR, "CapabilityBoundingSet") == [""]
+    for key in ("StateDirectory", "ExecStopPost", "ExecStop", "AmbientCapabilities"):
+        assert unit_values(MONITOR, key) == [], key
+    assert unit_values(MONITOR, "ProtectSystem") == ["strict"]
+    assert unit_values(MONITOR, "Restart") == ["on-failure"]
+    assert unit_values(MONITOR, "RestartPreventExitStatus") == ["2"]
+    [window] = unit_values(MONITOR, "StartLimitIntervalSec", "Unit")
+    [burst] = unit_values(MONITOR, "StartLimitBurst", "Unit")
+    [pause] = unit_values(MONITOR, "RestartSec")
+    assert int(burst) >= 2 and int(window) > int(burst) * int(pause)
+    for key in ("DevicePolicy", "DeviceAllow", "ProtectClock", "ProtectHome", "SystemCallFilter"):
+        assert unit_values(MONITOR, key) == values(key), key
+    for key in ("RestrictAddressFamilies", "IPAddressAllow", "IPAddressDeny", "Environment"):
+        assert unit_values(MONITOR, key) == govern_values(key), key
+    assert "must not live under /home" in MONITOR.read_text()
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze is not installed on this machine",
+)
+def test_systemd_analyze_verifies_the_monitor_unit(tmp_path: Path) -> None:
+    dvfs_bin = Path(sys.executable).parent / "dvfs"
+    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
+    copy = tmp_path / "dvfs-monitor.service"
+    copy.write_text(MONITOR.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr

@@ -9,8 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from dvfs.redact import NOT_RECORDED, redact_argv, redact_url
 
 SPECULATIVE_ALGORITHMS = (
     "EAGLE",
@@ -56,8 +59,9 @@ OPERATIONAL: tuple[tuple[str, ...], ...] = (
     ("engine", "sglang", "request_timeout_s"),
     ("engine", "sglang", "stall_timeout_s"),
 )
-#: What a session's settings say for an `engine.sglang.env` value it does not record.
-ENV_NOT_RECORDED = "(not recorded)"
+#: What a session's settings say for an `engine.sglang.env` value it does not record (and
+#: what a record says in place of any credential, `dvfs.redact`).
+ENV_NOT_RECORDED = NOT_RECORDED
 #: Top-level fields that describe a campaign without changing a number.
 UNMEASURED = ("name", "description", "source", "base_dir")
 #: Dataclass field names shown as the campaign file spells them.
@@ -221,13 +225,15 @@ class Campaign:
 
     def semantic_dict(self) -> dict[str, Any]:
         """Everything that changes what is measured: not the name, description, file location
-        or the operational settings (retries, timeouts, server command, environment, URL)."""
+        or the operational settings (retries, timeouts, server command, environment, URL).
+        Credentials in extra_args (`--api-key KEY`) read NOT_RECORDED (`measured_part`)."""
         return measured_part(asdict(self))
 
     def operational_dict(self) -> dict[str, Any]:
         """The operational settings, by dotted key (a journal session records these). Of
         `engine.sglang.env` a token's or a path's value is not recorded (`env_value_kept`),
-        only its name."""
+        only its name; nor are the credentials of the URL and the server command
+        (`dvfs.redact`)."""
         from dvfs.records.session import env_value_kept
 
         data = _jsonable(asdict(self))
@@ -240,19 +246,24 @@ class Campaign:
                 value = {
                     str(k): v if env_value_kept(str(k)) else ENV_NOT_RECORDED for k, v in value
                 }
+            elif path[-1] == "url" and isinstance(value, str):
+                value = redact_url(value)
+            elif path[-1] == "server_command" and isinstance(value, list):
+                value = redact_argv(value)
             flat[".".join(path)] = value
         return flat
 
     def recorded_source(self) -> str:
         """The campaign file's text as a journal (and its cube) keeps it: each
-        engine.sglang.env value it may not hold (a token, a path: `env_value_kept`) replaced
-        by ENV_NOT_RECORDED, the text otherwise as written, so it still parses as this
-        campaign. "" in the rare layout where a value cannot be told apart (kept nowhere,
-        rather than kept whole)."""
+        engine.sglang.env value it may not hold (a token, a path: `env_value_kept`) and each
+        credential of the URL, server command and extra_args (`dvfs.redact`) replaced
+        by NOT_RECORDED, the text otherwise as written, so it still parses as this campaign.
+        "" in the rare layout where a value cannot be told apart (kept nowhere, rather than
+        kept whole)."""
         from dvfs.records.session import env_value_kept
 
         hidden = [k for k, _ in self.engine.sglang.env if not env_value_kept(k)]
-        return hide_env_values(self.source, hidden) if hidden else self.source
+        return hide_unrecorded(self.source, hidden)
 
     @property
     def hash(self) -> str:
@@ -272,9 +283,55 @@ _TOML_STRING = re.compile(
 )
 
 
-def hide_env_values(source: str, names: list[str]) -> str:
-    """`source` (a campaign file's text) with the value of each of `names` in
-    engine.sglang.env replaced by ENV_NOT_RECORDED: the one string literal whose replacement
+def hide_unrecorded(source: str, env_names: Iterable[str] = ()) -> str:
+    """`source` (a campaign file's text) with the value of each of `env_names` in
+    engine.sglang.env, and each credential in engine.sglang's url, server_command and
+    extra_args and in the drafters' extra_args (`dvfs.redact`), replaced by
+    NOT_RECORDED (`hide_strings`); as written when there is none."""
+    import tomllib
+
+    edits: list[tuple[tuple[str | int, ...], str]] = [
+        (("engine", "sglang", "env", name), ENV_NOT_RECORDED) for name in env_names
+    ]
+    try:
+        data = tomllib.loads(source)
+    except ValueError:
+        return "" if edits else source
+    edits += credential_edits(data)
+    return hide_strings(source, edits) if edits else source
+
+
+def credential_edits(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Where a campaign's tables (as its file parses) hold credentials, and what each string
+    reads instead (`dvfs.redact`)."""
+    edits: list[tuple[tuple[str | int, ...], str]] = []
+
+    def argv(path: tuple[str, ...], value: Any) -> None:
+        if isinstance(value, list):
+            redacted = redact_argv(str(v) for v in value)
+            for i, (old, new) in enumerate(zip(value, redacted, strict=True)):
+                if str(old) != new:
+                    edits.append(((*path, i), new))
+
+    engine = data.get("engine")
+    sglang = engine.get("sglang") if isinstance(engine, dict) else None
+    if isinstance(sglang, dict):
+        url = sglang.get("url")
+        if isinstance(url, str) and redact_url(url) != url:
+            edits.append((("engine", "sglang", "url"), redact_url(url)))
+        argv(("engine", "sglang", "server_command"), sglang.get("server_command"))
+        argv(("engine", "sglang", "extra_args"), sglang.get("extra_args"))
+    drafters = data.get("drafters")
+    if isinstance(drafters, dict):
+        for name, table in drafters.items():
+            if isinstance(table, dict):
+                argv(("drafters", name, "extra_args"), table.get("extra_args"))
+    return edits
+
+
+def hide_strings(source: str, edits: list[tuple[tuple[str | int, ...], str]]) -> str:
+    """`source` (a campaign file's text) with the value at each path of `edits` (table keys
+    and list indices) replaced by its new string: the one string literal whose replacement
     changes that value and nothing else (the same text may also be, say, the model's name);
     "" when one cannot be found."""
     import copy
@@ -285,14 +342,19 @@ def hide_env_values(source: str, names: list[str]) -> str:
     except ValueError:
         return ""
     text = source
-    for name in names:
+    for path, value in edits:
         expected = copy.deepcopy(data)
         try:
-            expected["engine"]["sglang"]["env"][name] = ENV_NOT_RECORDED
-        except (KeyError, TypeError):  # not this text's campaign (one made in code)
+            parent: Any = expected
+            for part in path[:-1]:
+                parent = parent[part]
+            if isinstance(parent, dict) and path[-1] not in parent:
+                return ""
+            parent[path[-1]] = value
+        except (KeyError, IndexError, TypeError):  # not this text's campaign (one made in code)
             return ""
         for match in _TOML_STRING.finditer(text):
-            candidate = text[: match.start()] + json.dumps(ENV_NOT_RECORDED) + text[match.end() :]
+            candidate = text[: match.start()] + json.dumps(value) + text[match.end() :]
             try:
                 if tomllib.loads(candidate) == expected:
                     break
@@ -342,6 +404,20 @@ def measured_part(data: dict[str, Any]) -> dict[str, Any]:
             parent = parent.get(part) if isinstance(parent, dict) else None
         if isinstance(parent, dict):
             parent.pop(path[-1], None)
+    # Credentials in extra_args (`--api-key KEY`) change nothing measured, and a journal or cube
+    # must not hold them: hidden here, so in the hash and every record too.
+    return without_credentials(data)
+
+
+def without_credentials(data: dict[str, Any]) -> dict[str, Any]:
+    """A campaign dict (as `asdict` or a journal stores it) with the credentials in
+    engine.sglang's and the drafters' extra_args hidden (`dvfs.redact`), in place."""
+    engine = data.get("engine")
+    sglang = engine.get("sglang") if isinstance(engine, dict) else None
+    drafters = data.get("drafters")
+    for table in [sglang, *(drafters if isinstance(drafters, list) else [])]:
+        if isinstance(table, dict) and isinstance(table.get("extra_args"), list):
+            table["extra_args"] = redact_argv(table["extra_args"])
     return data
 
 

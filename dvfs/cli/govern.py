@@ -64,13 +64,16 @@ interval_option = click.option(
     show_default=True,
     help="How often to read the server and the GPUs.",
 )
-listen_option = click.option(
-    "--listen",
-    default="127.0.0.1:9435",
-    metavar="HOST:PORT",
-    show_default=True,
-    help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
-)
+
+
+def listen_option(default: str) -> Any:
+    return click.option(
+        "--listen",
+        default=default,
+        metavar="HOST:PORT",
+        show_default=True,
+        help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
+    )
 
 
 def max_intervals_option(what: str) -> Any:
@@ -135,7 +138,8 @@ def _timeout(interval: float) -> float:
     type=Duration(),
     default="10s",
     show_default=True,
-    help="Least time between two changes of setting.",
+    help="Least time from a change to the next, unless the running batch needs a looser "
+    "setting than the one in force (that comes at once).",
 )
 @click.option(
     "--hysteresis",
@@ -155,7 +159,7 @@ def _timeout(interval: float) -> float:
     is_flag=True,
     help="Follow a plan made from a digital-twin cube (matched by GPU model name).",
 )
-@listen_option
+@listen_option("127.0.0.1:9435")
 @max_intervals_option(", restoring the GPUs")
 @click.option(
     "--state-dir",
@@ -181,8 +185,9 @@ def govern(
 
     Every INTERVAL reads the running requests from the server's /metrics; when the batch leaves
     the band in force, takes a new band around it (--hysteresis) and applies the plan's least
-    aggressive setting over it, never changing faster than --dwell (stock when the server does
-    not answer), under the same safety layer as `dvfs cap apply`. The static caps in force at
+    aggressive setting over it (stock when the server does not answer), under the same safety
+    layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one at
+    once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     """
     from dvfs.backends import job_gpus, open_gpus, parse_devices
@@ -193,6 +198,7 @@ def govern(
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
     from dvfs.gpu.safety import default_state_dir, records_dir
+    from dvfs.redact import redact_url
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
@@ -212,7 +218,7 @@ def govern(
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
             f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
-            f"{plan.drafter}), reading {url} every {interval:g}s"
+            f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )
         with _exporting(address, live):
@@ -242,7 +248,7 @@ def govern(
 )
 @gpu_option
 @interval_option
-@listen_option
+@listen_option("127.0.0.1:9436")  # not the governor's: it runs beside one
 @max_intervals_option("")
 @click.option(
     "--once",
@@ -269,8 +275,9 @@ def monitor(
     """Export live power, energy, SM clock, power limit and energy per token (read-only).
 
     Changes nothing and takes no GPU lock, so it runs beside a sweep, `dvfs cap apply` or
-    `dvfs govern`. Clock locks shown are those dvfs recorded (a running governor's, else `dvfs
-    cap apply`'s); NVML cannot read a lock back.
+    `dvfs govern` (whose metrics port, 9435, is not its own, 9436). Clock locks shown are those
+    dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
+    back.
     """
     from dvfs.backends import open_gpus, parse_devices
     from dvfs.caps.actuation import LockInForce, locks_in_force

@@ -4,6 +4,7 @@ grid's arrays, whatever the journal's length); cells not (yet) measured are NaN.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.campaign.model import hide_unrecorded, without_credentials
 from dvfs.cube.schema import (
     CELL_DIMS,
     COORD_ATTRS,
@@ -50,6 +52,7 @@ from dvfs.records import (
     server_changes,
 )
 from dvfs.records.cell import SPLIT_METHODS
+from dvfs.redact import redact_args
 from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 from dvfs.version import __version__
 
@@ -321,7 +324,8 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
     gpus = _all_gpus(journal)  # every session's: a rerun may run on other GPUs of the model
     servers: dict[str, Any] = {}
     for s in journal.servers:
-        servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": s.args}
+        # An earlier dvfs's journal may hold credentials (`dvfs.redact`): not the cube.
+        servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": redact_args(s.args)}
     versions = sorted({s.version for s in journal.servers})
     return {
         "dvfs_schema": CUBE_SCHEMA,
@@ -331,8 +335,8 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "journal_dvfs_version": header.dvfs_version,
         "campaign_name": header.campaign_name,
         "campaign_hash": header.campaign_hash,
-        "campaign": json.dumps(header.campaign, sort_keys=True),
-        "campaign_source": header.campaign_source,
+        "campaign": json.dumps(without_credentials(copy.deepcopy(header.campaign)), sort_keys=True),
+        "campaign_source": hide_unrecorded(header.campaign_source),
         "gpu_backend": session.gpu_backend,
         "gpu_name": gpus[0]["name"],
         "gpu_uuids": ",".join(str(g["uuid"]) for g in gpus),

@@ -62,6 +62,7 @@ from dvfs.engines.sglang_args import (
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
 from dvfs.gpu.base import GpuProcesses
+from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
@@ -86,11 +87,13 @@ def dying_with_parent(argv: Sequence[str]) -> list[str]:
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last lines, for an error (and so the journal and cube): credentials SGLang
+    prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(redact_text(line) for line in text.splitlines()[-lines:])
 
 
 class ChatFormatter:
@@ -294,14 +297,15 @@ class SglangEngine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / f"server-{drafter.name}-{self._starts}.log"
         self._log_file = open(self._log_path, "ab")  # noqa: SIM115 (closed in stop())
-        self._log_file.write(("$ " + " ".join(argv) + "\n").encode())
+        shown = " ".join(redact_argv(argv))  # the log may be shared: no credentials
+        self._log_file.write(("$ " + shown + "\n").encode())
         self._log_file.flush()
         try:
             env = server_env(self.campaign, self.gpu_uuids)
         except EngineError:
             self.stop()
             raise
-        log.info("starting SGLang: %s", " ".join(argv))
+        log.info("starting SGLang: %s", shown)
         if shutil.which(argv[0], path=env.get("PATH")) is None:
             self.stop()
             raise EngineError(f"cannot start the server: {argv[0]} not found")
@@ -391,7 +395,7 @@ class SglangEngine:
         batch, and the attention kernels every drafter shares. An attached server (whose flags
         dvfs did not set) is held to the same."""
         args = _resolved_args(info)
-        where = f"the server at {self.config.url}" if attached else "the server"
+        where = f"the server at {redact_url(self.config.url or '')}" if attached else "the server"
         fix = (
             "; attach to a server started for this drafter, or change the campaign to match it"
             if attached
@@ -677,9 +681,10 @@ def pinning_outcome(
 
 
 def _resolved_args(info: dict[str, Any]) -> dict[str, Any]:
-    """The server's resolved arguments as /server_info lists them (JSON-safe)."""
+    """The server's resolved arguments as /server_info lists them (JSON-safe), credentials
+    (`api_key`...) hidden: the journal and cube keep them (`dvfs.redact`)."""
     skip = {"internal_states", "version"}
-    return {k: v for k, v in info.items() if k not in skip and _jsonable(v)}
+    return redact_args({k: v for k, v in info.items() if k not in skip and _jsonable(v)})
 
 
 def _jsonable(value: Any) -> bool:

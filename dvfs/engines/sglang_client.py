@@ -24,6 +24,7 @@ import numpy as np
 from dvfs.clock import Clock
 from dvfs.engines.base import ABORTED, RequestTrace
 from dvfs.errors import EngineError
+from dvfs.redact import redact_url
 
 #: How long an aborted request's stream may go on before the client disconnects it (s): SGLang
 #: drops an aborted request at its next scheduler step, so its final chunk comes at once.
@@ -147,6 +148,11 @@ class SglangClient:
             self._tls = _tls_context()
         return self._tls
 
+    @property
+    def shown_url(self) -> str:
+        """The server's URL as messages (and so the journal) show it: no credentials."""
+        return redact_url(self.base_url)
+
     # -- simple endpoints ---------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 10.0) -> Any:
         httpx = _httpx()
@@ -180,7 +186,7 @@ class SglangClient:
             wait_s = min(2 * wait_s, poll_s)
         state = "nothing listening" if last is None else f"/health answered {last}"
         raise EngineError(
-            f"the server at {self.base_url} was not ready within {timeout_s:g} s ({state})"
+            f"the server at {self.shown_url} was not ready within {timeout_s:g} s ({state})"
         )
 
     def server_info(self) -> dict[str, Any]:
@@ -196,7 +202,7 @@ class SglangClient:
                     return dict(response.json())
                 except ValueError as exc:
                     raise EngineError(f"{path} did not answer JSON") from exc
-        raise EngineError(f"{self.base_url} serves neither /server_info nor /get_server_info")
+        raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
 
     def accept_length(self) -> float | None:
         """The server's mean accept length since the last flush (0.5.9 and 0.5.23), over the
@@ -509,7 +515,9 @@ def probe_server(url: str) -> tuple[str, str]:
 
     client = SglangClient(url, clock=MonotonicClock())
     status = client.health_status()
+    shown = client.shown_url
     if status != 200:
-        return "fail", f"no healthy server at {url} (/health: {status or 'no answer'})"
+        return "fail", f"no healthy server at {shown} (/health: {status or 'no answer'})"
     info = client.server_info()
-    return "ok", f"SGLang {info.get('version', '?')} at {url}, model {info.get('model_path', '?')}"
+    model = info.get("model_path", "?")
+    return "ok", f"SGLang {info.get('version', '?')} at {shown}, model {model}"

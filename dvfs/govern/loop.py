@@ -35,6 +35,7 @@ from dvfs.govern.plan import STOCK, BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
+from dvfs.redact import redact_url
 
 Note = Callable[[str], None]
 Scraper = Callable[[], ServerSample]
@@ -220,8 +221,8 @@ def check_server_for_dry_run(scraper: Scraper, url: str, gpus: Sequence[Gpu]) ->
         would = f"the governor would hold {names} at stock ({STOCK.describe()})"
         if isinstance(exc, ServerDownError):
             raise ScrapeError(
-                f"dry run: the server at {url} is not answering ({exc}); {would} until it "
-                "answers. Start SGLang there with --enable-metrics, or point --url at it"
+                f"dry run: the server at {redact_url(url)} is not answering ({exc}); {would} "
+                "until it answers. Start SGLang there with --enable-metrics, or point --url at it"
             ) from exc
         raise ScrapeError(f"dry run: {exc}; {would} until it can read the batch") from exc
 
@@ -404,7 +405,10 @@ def govern(
                     line = f"running batch {batch} -> {plan.band_label(band)}: {setting.describe()}"
                 applied = {u: c.describe_applied(setting) for u, c in ceilings.items()}
                 line += "; " + per_gpu(gpus, applied)
-                line += f" (at {now - start:.3f} s)"
+                line += f" (at {now - start:.3f} s"
+                if decision.early:
+                    line += ", within the dwell: the setting in force did not cover the batch"
+                line += ")"
                 if knobs is None:
                     note(f"dry run, nothing changed: would set {line}")
                 else:

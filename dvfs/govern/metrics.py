@@ -17,6 +17,7 @@ from typing import Any
 
 from dvfs.errors import DvfsError, GpuError
 from dvfs.gpu.base import Gpu
+from dvfs.redact import redact_url
 
 RUNNING = "sglang:num_running_reqs"
 GENERATED = "sglang:generation_tokens_total"
@@ -94,15 +95,17 @@ class ServerReader:
         import httpx
 
         self.address = metrics_url(url)
+        #: The address as messages (and the service's log) name it: no credentials.
+        self.shown = redact_url(self.address)
         self._client = httpx.Client(timeout=timeout_s, transport=transport)
 
     def __call__(self) -> ServerSample:
         """Read and parse the server's /metrics; every failure is one ScrapeError line."""
         import httpx
 
-        address = self.address
+        address = self.shown
         try:
-            response = self._client.get(address)
+            response = self._client.get(self.address)
         except httpx.HTTPError as exc:
             raise ServerDownError(f"cannot read {address}: {exc or type(exc).__name__}") from exc
         if response.status_code == 404:

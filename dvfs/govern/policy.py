@@ -4,15 +4,24 @@ The rule works on the plan's buckets (ordered by batch, see `BatchPlan.bucket`).
 seen outside the band in force, the governor takes a new band around it: the buckets of every
 batch within `hysteresis` of it (a fraction of the batch, at least one request) either way, and
 applies the least aggressive setting over that band (`BatchPlan.band_setting`). While the batch
-stays inside the band nothing changes, so a load hovering at a step boundary does not flap; and
-since the band always holds the current batch's bucket, the setting in force always covers what
-the current batch needs, whichever way the needed clock runs with the batch. On top, no two
-changes come closer than `dwell_s`, whatever the load does. An unknown batch (the server does not
-answer) counts as above the plan: stock, the setting that never costs latency.
+stays inside the band nothing changes, so a load hovering at a step boundary does not flap. An
+unknown batch (the server does not answer) counts as above the plan: stock, the setting that
+never costs latency.
 
-So the governor cannot oscillate: under a constant batch it changes at most once, and a batch
-alternating between two values within each other's hysteresis changes it at most twice (once
-when the two straddle the top of the plan: the band of a planned batch stops there).
+The dwell (`dwell_s`) holds back only what saves energy: no change comes sooner than `dwell_s`
+after the last one, unless the setting in force does not cover what the running batch needs (a
+load that rose into a step planned at a higher clock, a server that stopped answering), which
+would cost latency for as long as it waited. That batch gets a looser setting at once: the band
+in force widened to the hull of it and the batch's band, which covers both; once the dwell has
+passed, the hull narrows to the band it was widened for (or, if the batch has left that, to the
+batch's own). A band holds its batch's bucket and a hull holds both, so the setting in force
+covers the running batch after every decision, whichever way the needed clock runs with the
+batch.
+
+So the governor cannot oscillate: under a constant batch it changes at most twice (at most once
+when the dwell is over), a batch alternating between two values within each other's hysteresis
+changes it at most twice (once when both are inside the plan), and the changes closer than a
+dwell to the one before only ever widen the band, which has finitely many buckets.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dvfs.errors import CapsError
-from dvfs.govern.plan import BatchPlan
+from dvfs.govern.plan import BatchPlan, Setting
 
 Band = tuple[int, int]
 
@@ -41,10 +50,12 @@ class PolicyParams:
 
 @dataclass(frozen=True)
 class PolicyState:
-    """The band of buckets in force (None before the first decision) and when it was chosen."""
+    """The band of buckets in force (None before the first decision) and when it was chosen;
+    for a hull widened before the dwell was over, the band it narrows to once it is over."""
 
     band: Band | None = None
     changed_at: float | None = None
+    target: Band | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,9 @@ class Decision:
     changed: bool
     #: The band the load asks for; differs from state.band while the dwell holds it back.
     wanted: Band | None
+    #: A looser setting applied before the dwell was over, because the one in force did not
+    #: cover the running batch.
+    early: bool = False
 
 
 def margin(batch: int, hysteresis: float) -> int:
@@ -81,12 +95,31 @@ def decide(
     """The band for `batch` observed at `now` (seconds, monotone), given the current state."""
     seen = plan.bucket(batch)
     band = state.band
+    dwelling = state.changed_at is not None and now - state.changed_at < params.dwell_s
+    if band is not None and state.target is not None and not dwelling:
+        # The dwell is over: a hull narrows to the band it was widened for, if the batch is
+        # still inside that, else to the batch's own.
+        target = state.target
+        if not target[0] <= seen <= target[1]:
+            target = band_for(plan, batch, params.hysteresis)
+        if plan.band_setting(target) == plan.band_setting(band):
+            return Decision(PolicyState(target, state.changed_at), False, target)
+        return Decision(PolicyState(target, now), True, target)
     if band is not None and band[0] <= seen <= band[1]:
         return Decision(state, False, band)
     wanted = band_for(plan, batch, params.hysteresis)
-    if state.changed_at is not None and now - state.changed_at < params.dwell_s:
-        return Decision(state, False, wanted)
-    return Decision(PolicyState(wanted, now), True, wanted)
+    if band is None or not dwelling:
+        return Decision(PolicyState(wanted, now), True, wanted)
+    if covers(plan.band_setting(band), plan.setting(seen)):
+        return Decision(state, False, wanted)  # tighter (or no looser): waits for the dwell
+    # The batch needs a looser setting than the one in force: at once, the hull of both bands.
+    hull = (min(band[0], wanted[0]), max(band[1], wanted[1]))
+    return Decision(PolicyState(hull, now, wanted), True, wanted, early=True)
+
+
+def covers(setting: Setting, needed: Setting) -> bool:
+    """`setting` is at least as loose as `needed` on every knob (stock is the loosest)."""
+    return setting.join(needed) == setting
 
 
 def follow(

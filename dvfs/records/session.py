@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dvfs.records.version import JOURNAL_SCHEMA, stored_float
+from dvfs.redact import SECRET_WORDS
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ SERVER_ENV_LEFT_OUT_PREFIXES: dict[str, str] = {
 #: never recorded, as a path compares nothing (another cache builds the same kernels) and a
 #: secret must not reach a journal or cube.
 SERVER_ENV_UNRECORDED_ENDINGS = ("_HOME", "_PATH", "_DIR", "_DIRECTORY", "_FILE", "_ROOT", "_BASE")
-SERVER_ENV_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")
+SERVER_ENV_SECRET_WORDS = SECRET_WORDS
 
 
 def is_server_env(name: str) -> bool:
