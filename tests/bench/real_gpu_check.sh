@@ -50,7 +50,7 @@ path, _ = stub_campaign(
     gpu='backend = "nvml"\ndevices = [0]\nactuation = "off"',
     knobs='sm_clock = "stock"',
     batch="[1, 8]",
-    output_tokens=200,
+    output_tokens=300,
     warmup_tokens=8,
     stub={"tpot_s": 0.01, "ttft_s": 0.05, "startup_s": 0.5,
           "torch_load_device": os.environ["DEVICE"]},
