@@ -820,8 +820,16 @@ def plan_dry_run(
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.measure.plan import PlanSummary, summarise_plan
 
-    if estimate:
-        twin_stand_in(campaign, twin)  # no matching profile: refused before anything else
+    if estimate:  # no matching profile: refused before anything else, saying how to go on
+        try:
+            twin_stand_in(campaign, twin)
+        except CampaignError as exc:
+            if "no model profile" not in str(exc):
+                raise
+            raise CampaignError(
+                f"{exc}: the GPU-time estimate runs the campaign on the twin, so name the "
+                "nearest in engine.twin_model, or pass --no-estimate"
+            ) from exc
     cells = planned_cells(campaign, shard)
     # A folder the sweep would refuse counts nothing as done: its cells are another share's,
     # or were measured under other settings. --fresh moves every journal there aside first,

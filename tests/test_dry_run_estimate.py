@@ -129,6 +129,23 @@ def test_twin_names_the_stand_in_and_an_unmatched_gpu_is_one_line(tmp_path: Path
     assert bad.exit_code == 2 and "--dry-run" in bad.output
 
 
+def test_a_model_the_twin_does_not_know_says_how_to_estimate_or_not(tmp_path: Path) -> None:
+    """A real model with no twin profile: the estimate cannot run, and the one line says the
+    two ways on (a stand-in model, or the closed form); each works."""
+    text = HARDWARE.replace('model = "llama-3.1-8b"', 'model = "Qwen/Qwen2.5-7B-Instruct"', 1)
+    assert text != HARDWARE
+    unknown = write(tmp_path / "qwen.toml", text)
+    result = CliRunner().invoke(cli, ["sweep", str(unknown), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert "engine.twin_model" in lines[0] and "--no-estimate" in lines[0]
+    assert dry_json(unknown, "--no-estimate")["estimate"]["from"] == "closed form"
+    stand_in = text.replace("[engine]\n", '[engine]\ntwin_model = "llama-3.1-8b"\n', 1)
+    named = write(tmp_path / "qwen-as-llama.toml", stand_in)
+    assert dry_json(named, "--out", str(tmp_path / "nowhere"))["estimate"]["from"] == "twin"
+
+
 def test_the_estimate_reads_the_cube_in_memory_as_the_file_gives_it(tmp_path: Path) -> None:
     """`twin_estimate` reads the sweep's cube as the sweep holds it, not the file back: every
     number it takes from the cube is the same, to the bit, from the file the sweep wrote."""
