@@ -8,6 +8,7 @@ nothing here calls a setter, so it is safe on a shared GPU.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import sys
@@ -61,6 +62,13 @@ def nv(
         module = _module_from(FAKE_PATH, "_fake_pynvml_contract")
     else:
         module = _real_module()
+    with _initialised(module):
+        yield module
+
+
+@contextlib.contextmanager
+def _initialised(module: ModuleType) -> Iterator[ModuleType]:
+    """`module` initialised for the block (the test skipped where NVML cannot start)."""
     try:
         module.nvmlInit()
     except module.NVMLError as exc:
@@ -174,20 +182,13 @@ def test_the_fake_and_the_twin_model_this_gpu_as_it_is(
 ) -> None:
     """On a GPU model the fake and the twin both claim (H100 SXM, H200), its clock table,
     power-limit range and memory clock are theirs: what they model is what the GPU reports."""
-    real = _real_module()
-    try:
-        real.nvmlInit()
-    except real.NVMLError as exc:
-        pytest.skip(f"no NVML on this machine ({exc})")
-    try:
+    with _initialised(_real_module()) as real:
         handle = real.nvmlDeviceGetHandleByIndex(0)
         name = real.nvmlDeviceGetName(handle)
         memory = max(real.nvmlDeviceGetSupportedMemoryClocks(handle))
         graphics = sorted(real.nvmlDeviceGetSupportedGraphicsClocks(handle, memory), reverse=True)
         limits = tuple(real.nvmlDeviceGetPowerManagementLimitConstraints(handle))
         default_mw = real.nvmlDeviceGetPowerManagementDefaultLimit(handle)
-    finally:
-        real.nvmlShutdown()
     monkeypatch.setenv("DVFS_FAKE_NVML_STATE", str(tmp_path / "nvml.json"))
     fake = _module_from(FAKE_PATH, "_fake_pynvml_fidelity")
     profile = next((p for p in fake.FAKE_PROFILES.values() if p["name"] == name), None)

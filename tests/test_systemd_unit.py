@@ -80,12 +80,14 @@ def test_the_sandbox_keeps_what_nvml_needs_and_says_why() -> None:
     shutil.which("systemd-analyze") is None,
     reason="systemd-analyze is not installed on this machine",
 )
-def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["dvfs-caps", "dvfs-govern", "dvfs-monitor"])
+def test_systemd_analyze_verifies_each_unit(tmp_path: Path, name: str) -> None:
+    unit = UNIT.parent / f"{name}.service"
     # verify checks that ExecStart's binary exists: point it at this environment's dvfs.
     dvfs_bin = Path(sys.executable).parent / "dvfs"
     assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
-    copy = tmp_path / "dvfs-caps.service"
-    copy.write_text(UNIT.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
+    copy = tmp_path / unit.name
+    copy.write_text(unit.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
     result = subprocess.run(
         ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
     )
@@ -171,22 +173,6 @@ def test_the_governor_unit_reaches_loopback_and_the_gpus_only() -> None:
     assert "must not live under /home" in GOVERN.read_text()
 
 
-@pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None,
-    reason="systemd-analyze is not installed on this machine",
-)
-def test_systemd_analyze_verifies_the_governor_unit(tmp_path: Path) -> None:
-    dvfs_bin = Path(sys.executable).parent / "dvfs"
-    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
-    copy = tmp_path / "dvfs-govern.service"
-    copy.write_text(GOVERN.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip() == "", result.stderr
-
-
 def test_each_units_readme_reference_names_a_readme_section() -> None:
     """An operator installing a unit follows its `see README ("Section")` to that heading."""
     headings = {
@@ -265,19 +251,3 @@ def test_the_monitor_unit_reads_only() -> None:
     for key in ("RestrictAddressFamilies", "IPAddressAllow", "IPAddressDeny", "Environment"):
         assert unit_values(MONITOR, key) == govern_values(key), key
     assert "must not live under /home" in MONITOR.read_text()
-
-
-@pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None,
-    reason="systemd-analyze is not installed on this machine",
-)
-def test_systemd_analyze_verifies_the_monitor_unit(tmp_path: Path) -> None:
-    dvfs_bin = Path(sys.executable).parent / "dvfs"
-    assert dvfs_bin.exists(), "install the package (pip install -e .) so the dvfs script exists"
-    copy = tmp_path / "dvfs-monitor.service"
-    copy.write_text(MONITOR.read_text().replace("/usr/local/bin/dvfs", str(dvfs_bin)))
-    result = subprocess.run(
-        ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.strip() == "", result.stderr
