@@ -238,9 +238,10 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
     sg = campaign.engine.sglang
     if sg.url:
+        from dvfs.engines.sglang_args import server_keys
         from dvfs.engines.sglang_client import probe_server
 
-        return probe_server(sg.url)
+        return probe_server(sg.url, *server_keys(campaign))
     if sg.server_command:
         exe = sg.server_command[0]
         found = shutil.which(exe) or Path(exe).exists()

@@ -521,6 +521,62 @@ def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
     assert session["settings"]["engine.sglang.url"] == shown
 
 
+@pytest.mark.slow
+def test_a_server_with_an_api_key_is_measured_with_it_and_said_without_it(tmp_path: Path) -> None:
+    """A server started with --api-key answers 401 to requests without the key (the stub
+    checks as SGLang does): dvfs sends the key its extra_args give, and without one says how
+    to give it, in one line, never recording it."""
+    import os
+    import socket
+
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SglangClient
+
+    key = f"key-{time.monotonic_ns()}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    common = {
+        "drafters": '\n[drafters.none]\nalgorithm = "none"\n',
+        "batch": "[1]",
+        "knobs": "sm_clock = [1980]\nsettle_s = 0.0",
+        "retries": 0,
+    }
+    url = f'url = "http://127.0.0.1:{port}"'
+    keyless, model = stub_campaign(tmp_path, **common, sglang_extra=url)
+    text = keyless.read_text().replace(url, f'{url}\nextra_args = ["--api-key", "{key}"]')
+    keyed = tmp_path / "keyed.toml"
+    keyed.write_text(text)
+    server = subprocess.Popen(
+        [sys.executable, str(STUB), "--model-path", model, "--port", str(port), "--api-key", key],
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runner = CliRunner()
+    try:
+        SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock()).wait_healthy(30)
+        refused = runner.invoke(cli, ["doctor", str(keyless), "--out", str(tmp_path / "c")])
+        said = " ".join(refused.output.split())
+        assert f"FAIL engine: http://127.0.0.1:{port} answered 401 to /server_info" in said
+        assert "give dvfs the server's --api-key" in said and "engine.sglang.extra_args" in said
+        failed = runner.invoke(cli, ["sweep", str(keyless), "--out", str(tmp_path / "no")])
+        assert failed.exit_code != 0 and "answered 401" in failed.output
+        assert "Traceback" not in failed.output
+        checked = runner.invoke(cli, ["doctor", str(keyed), "--out", str(tmp_path / "c")])
+        assert f"model {model}" in checked.output
+        out = tmp_path / "out"
+        result = runner.invoke(cli, ["sweep", str(keyed), "--out", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert "1 cell(s) measured, 0 failed" in result.output
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert _holding(tmp_path, [key]) == [str(keyed)]
+
+
 def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: Path) -> None:
     """SGLang logs its ServerArgs at start, api_key included; a failed start quotes the log's
     tail in its error, which the journal and the cube keep: without the keys."""

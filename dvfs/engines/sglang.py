@@ -58,6 +58,7 @@ from dvfs.engines.sglang_args import (
     probe_help,
     server_command,
     server_env,
+    server_keys,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
@@ -270,11 +271,14 @@ class SglangEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def _client_for(self, url: str) -> SglangClient:
+        api_key, admin_api_key = server_keys(self.campaign)
         return SglangClient(
             url,
             clock=self.clock,
             request_timeout_s=self.config.request_timeout_s,
             stall_timeout_s=self.config.stall_timeout_s,
+            api_key=api_key,
+            admin_api_key=admin_api_key,
         )
 
     def launch_help(self) -> str | None:

@@ -633,6 +633,25 @@ def given_page_size(tokens: Sequence[str]) -> int | None:
     return size
 
 
+def given_value(tokens: Sequence[str], flag: str) -> str | None:
+    """The value `tokens` give `flag` as argparse reads it (`--flag VALUE` or `--flag=VALUE`,
+    the last one), None when they give none."""
+    value = None
+    for i, token in enumerate(tokens):
+        name, eq, rest = token.partition("=")
+        if name != flag:
+            continue
+        value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    return value
+
+
+def server_keys(campaign: Campaign) -> tuple[str | None, str | None]:
+    """The server's `--api-key` and `--admin-api-key`, from engine.sglang.extra_args: dvfs
+    sends them (`SglangClient`) and never records them (`dvfs.redact`)."""
+    extra = campaign.engine.sglang.extra_args
+    return given_value(extra, "--api-key"), given_value(extra, "--admin-api-key")
+
+
 def predicted_attention_backend(drafter: DrafterSpec, page_size: int | None = None) -> str:
     """What SGLang 0.5.9 / 0.5.23 pick on Hopper for an MHA target when not told.
 

@@ -123,8 +123,23 @@ def _tls_context() -> Any:
     return ssl.create_default_context(cafile=certifi.where())
 
 
+#: What to do when a server wants an API key dvfs was not given.
+KEY_HINT = (
+    "the server wants an API key: give dvfs the server's --api-key (and --admin-api-key) in "
+    "engine.sglang.extra_args, which dvfs sends and never records"
+)
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class SglangClient:
-    """One server's HTTP API. Proxies from the environment are ignored (loopback stays local)."""
+    """One server's HTTP API. Proxies from the environment are ignored (loopback stays local).
+
+    A server started with `--api-key` answers 401 to any request but /health and /metrics
+    without `Authorization: Bearer KEY`; its admin routes may want `--admin-api-key`'s key
+    instead: /flush_cache is tried with the API key, then with the admin key."""
 
     def __init__(
         self,
@@ -133,11 +148,15 @@ class SglangClient:
         clock: Clock,
         request_timeout_s: float = 120.0,
         stall_timeout_s: float = 60.0,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.clock = clock
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        self.headers = _bearer(api_key)
+        self.admin_headers = _bearer(admin_api_key)
         #: Whether the server serves POST /abort_request (None: not asked yet).
         self.abort_route: bool | None = None
         self._tls: Any = None
@@ -156,7 +175,9 @@ class SglangClient:
     # -- simple endpoints ---------------------------------------------------------------------
     def _get(self, path: str, timeout_s: float = 10.0) -> Any:
         httpx = _httpx()
-        with httpx.Client(trust_env=False, verify=self._verify(), timeout=timeout_s) as client:
+        with httpx.Client(
+            trust_env=False, verify=self._verify(), timeout=timeout_s, headers=self.headers
+        ) as client:
             return client.get(self.base_url + path)
 
     def health_status(self) -> int | None:
@@ -202,6 +223,10 @@ class SglangClient:
                     return dict(response.json())
                 except ValueError as exc:
                     raise EngineError(f"{path} did not answer JSON") from exc
+            if response.status_code in (401, 403):
+                raise EngineError(
+                    f"{self.shown_url} answered {response.status_code} to {path}: {KEY_HINT}"
+                )
         raise EngineError(f"{self.shown_url} serves neither /server_info nor /get_server_info")
 
     def accept_length(self) -> float | None:
@@ -217,14 +242,20 @@ class SglangClient:
         """POST /flush_cache, retrying while the server answers 400 (requests still running)."""
         httpx = _httpx()
         deadline = time.monotonic() + timeout_s
+        headers = self.headers
         with httpx.Client(trust_env=False, verify=self._verify(), timeout=10.0) as client:
             while True:
                 try:
-                    response = client.post(self.base_url + "/flush_cache")
+                    response = client.post(self.base_url + "/flush_cache", headers=headers)
                 except httpx.HTTPError as exc:
                     raise EngineConnectionError(f"cannot flush the cache: {exc}") from exc
                 if response.status_code == 200:
                     return
+                if response.status_code in (401, 403):
+                    if self.admin_headers and headers is not self.admin_headers:
+                        headers = self.admin_headers  # an admin route: the admin key
+                        continue
+                    raise EngineError(f"/flush_cache answered {response.status_code}: {KEY_HINT}")
                 if response.status_code != 400 or time.monotonic() > deadline:
                     raise EngineError(
                         f"/flush_cache answered {response.status_code}: {response.text[:200]}"
@@ -276,6 +307,8 @@ class SglangClient:
             async with client.stream("POST", self.base_url + "/generate", json=body) as response:
                 if response.status_code != 200:
                     detail = (await response.aread()).decode(errors="replace")[:300]
+                    if response.status_code in (401, 403):
+                        detail = f"{detail} ({KEY_HINT})"
                     raise EngineError(f"/generate answered HTTP {response.status_code}: {detail}")
                 if end is not None:
                     end.responses[rid] = response
@@ -425,7 +458,11 @@ class SglangClient:
             max_connections=connections + 4, max_keepalive_connections=connections + 4
         )
         return httpx.AsyncClient(
-            trust_env=False, verify=self._verify(), timeout=timeout, limits=limits
+            trust_env=False,
+            verify=self._verify(),
+            timeout=timeout,
+            limits=limits,
+            headers=self.headers,
         )
 
     def run_batch(
@@ -509,15 +546,20 @@ def _kind(meta: dict[str, Any]) -> str:
     return str(finish.get("type")) if isinstance(finish, dict) else str(finish)
 
 
-def probe_server(url: str) -> tuple[str, str]:
+def probe_server(
+    url: str, api_key: str | None = None, admin_api_key: str | None = None
+) -> tuple[str, str]:
     """For `dvfs doctor`: is a server answering at `url`, and which SGLang is it?"""
     from dvfs.clock import MonotonicClock
 
-    client = SglangClient(url, clock=MonotonicClock())
+    client = SglangClient(url, clock=MonotonicClock(), api_key=api_key, admin_api_key=admin_api_key)
     status = client.health_status()
     shown = client.shown_url
     if status != 200:
         return "fail", f"no healthy server at {shown} (/health: {status or 'no answer'})"
-    info = client.server_info()
+    try:
+        info = client.server_info()
+    except EngineError as exc:
+        return "fail", str(exc)
     model = info.get("model_path", "?")
     return "ok", f"SGLang {info.get('version', '?')} at {shown}, model {model}"

@@ -168,6 +168,10 @@ STANDALONE's automatic triple is (3, 1, 4) whatever the model.
 The log's first line names the GPUs the stub was given: CUDA_VISIBLE_DEVICES and
 CUDA_DEVICE_ORDER from its environment.
 
+API keys, as SGLang checks them: a stub started with ``--api-key KEY`` answers 401
+``{"error": "Unauthorized"}`` to any route but /health* and /metrics without
+``Authorization: Bearer KEY``; with ``--admin-api-key`` /flush_cache wants that key instead.
+
 GPU processes: when env ``DVFS_FAKE_NVML_STATE`` names a fake NVML state
 (``tests/fakes/nvml/pynvml.py``, loaded by path), the stub lists its own pid as a compute
 process on the fake devices whose UUIDs its CUDA_VISIBLE_DEVICES names, before it listens, as
@@ -1417,6 +1421,22 @@ class StubHandler(BaseHTTPRequestHandler):
         """POST routes."""
         self._dispatch("POST")
 
+    #: Routes that take the admin key where the server has one (else the API key).
+    ADMIN_ROUTES = ("/flush_cache",)
+
+    def _unauthorized(self, path: str) -> int | None:
+        """SGLang's key check: with --api-key, every route but /health* and /metrics needs
+        ``Authorization: Bearer KEY``; with --admin-api-key the admin routes need that key
+        instead. The status to refuse with, or None."""
+        if path.startswith(("/health", "/metrics")):
+            return None
+        key = self.stub.args.get("api_key")
+        if path in self.ADMIN_ROUTES and self.stub.args.get("admin_api_key"):
+            key = self.stub.args["admin_api_key"]
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            return 401
+        return None
+
     def _dispatch(self, method: str) -> None:
         try:
             body = self._read_body()
@@ -1441,7 +1461,10 @@ class StubHandler(BaseHTTPRequestHandler):
         if not self.stub.cfg.abort_route:
             routes.pop("/abort_request")
         route = routes.get(path)
-        if route is None:
+        refusal = self._unauthorized(path)
+        if refusal is not None:
+            self._json(refusal, {"error": "Unauthorized"})
+        elif route is None:
             self._json(404, {"detail": "Not Found"})
         elif method not in route[0]:
             self._json(405, {"detail": "Method Not Allowed"})
