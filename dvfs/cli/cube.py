@@ -91,7 +91,20 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row("model", str(summary["model"]))
     table.add_row("reference", str(summary["stock"]))
     idle = summary["idle_power_w"]
-    table.add_row("idle power", "-" if idle != idle else f"{idle:.1f} W")
+    tenants = summary["idle_foreign_processes"]
+    seen = ", ".join(
+        dict.fromkeys(
+            f"process {p.get('pid')}"
+            + (f" ({p['name']})" if p.get("name") else "")
+            + f" on GPU {p.get('gpu')}"
+            for p in tenants
+        )
+    )
+    table.add_row(
+        "idle power",
+        ("-" if idle != idle else f"{idle:.1f} W")
+        + (f" (not idle: another tenant's {escape(seen)} ran during it)" if tenants else ""),
+    )
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]
         shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"
@@ -120,6 +133,8 @@ def _render(summary: dict[str, Any]) -> None:
     flags = summary["quality_flags"]
     if flags:
         out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in flags.items()))
+    for name, note in summary["flag_notes"].items():
+        out.print(f"{name}: {escape(note)}")
     failed = summary["failed_cells"]
     for item in failed[:5]:
         out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")
