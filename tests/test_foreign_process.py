@@ -273,6 +273,14 @@ def test_a_tenant_during_the_opening_idle_only_flags_the_above_idle_energy_built
     assert f"(not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it)" in text
     assert "idle_baseline_foreign: another tenant's compute process" in text, text
     assert "energy_per_token_above_idle_j is wrong" in text
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    section = measured_section(ds)
+    facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
+    assert facts["Idle power"].endswith(
+        f"(not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it)"
+    )
 
 
 def test_a_tenant_during_a_settings_idle_baseline_flags_every_cell_that_subtracts_it(
@@ -295,3 +303,17 @@ def test_a_tenant_during_a_settings_idle_baseline_flags_every_cell_that_subtract
     assert output.count(said) == 1, output
     [session] = [r for r in journal(tmp_path / "out") if r["type"] == "session"]
     assert "idle_foreign_processes" not in session  # the opening one saw none
+
+
+def test_merged_cubes_keep_each_sources_idle_tenants() -> None:
+    import xarray as xr
+
+    from dvfs.cube.info import idle_foreign_processes
+    from dvfs.cube.merge import _idle_foreign
+
+    seen = {"gpu": 0, "pid": 42, "name": "python", "at": "start"}
+    clean = xr.Dataset(attrs={"idle_foreign_processes": "[]"})
+    busy = xr.Dataset(attrs={"idle_foreign_processes": json.dumps([seen])})
+    merged = xr.Dataset(attrs=_idle_foreign([clean, busy]))
+    assert idle_foreign_processes(merged) == [seen]
+    assert _idle_foreign([xr.Dataset(), xr.Dataset()]) == {}  # older cubes: nothing to say

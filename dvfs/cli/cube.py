@@ -79,6 +79,8 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from dvfs.cube.info import idle_caveat
+
     out = console()
     out.print(
         f"[bold]{summary['campaign']}[/bold] (cube schema {summary['schema']}, "
@@ -91,19 +93,10 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row("model", str(summary["model"]))
     table.add_row("reference", str(summary["stock"]))
     idle = summary["idle_power_w"]
-    tenants = summary["idle_foreign_processes"]
-    seen = ", ".join(
-        dict.fromkeys(
-            f"process {p.get('pid')}"
-            + (f" ({p['name']})" if p.get("name") else "")
-            + f" on GPU {p.get('gpu')}"
-            for p in tenants
-        )
-    )
     table.add_row(
         "idle power",
         ("-" if idle != idle else f"{idle:.1f} W")
-        + (f" (not idle: another tenant's {escape(seen)} ran during it)" if tenants else ""),
+        + escape(idle_caveat(summary["idle_foreign_processes"])),
     )
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]

@@ -72,6 +72,22 @@ def idle_foreign_processes(ds: xr.Dataset) -> list[dict[str, Any]]:
     return [p for p in seen if isinstance(p, dict)] if isinstance(seen, list) else []
 
 
+def idle_caveat(seen: list[dict[str, Any]]) -> str:
+    """What follows the idle power where other tenants' processes were seen around its
+    measurement (`idle_foreign_processes`); "" where none was."""
+    if not seen:
+        return ""
+    named = ", ".join(
+        dict.fromkeys(
+            f"process {p.get('pid')}"
+            + (f" ({p['name']})" if p.get("name") else "")
+            + f" on GPU {p.get('gpu')}"
+            for p in seen
+        )
+    )
+    return f" (not idle: another tenant's {named} ran during it)"
+
+
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
     """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance. `missing`
     leaves out the adaptive repeats the campaign does not ask for (`not_needed`: a cell that
