@@ -55,6 +55,13 @@ REGISTRY = tuple(
         ("stock_power_limit_w", "float", "W", "the stock power limit's coordinate"),
         ("idle_power_w", "float", "W", "idle board power, all GPUs"),
         (
+            "idle_foreign_processes",
+            "json",
+            "",
+            "other tenants' compute processes seen around the opening idle measurements (their "
+            "work is in idle_power_w; empty: none seen)",
+        ),
+        (
             "counter_update_period_s",
             "float",
             "s",

@@ -53,6 +53,7 @@ def stub_campaign(
     retries: int = 1,
     gpu: str = 'backend = "twin"\nprofile = "h100-sxm"',
     wrapper: tuple[str, ...] = (),
+    idle_per_setting: bool = False,
 ) -> tuple[Path, str]:
     """A campaign whose engine is the stub (launched by dvfs as its "server command", behind
     `wrapper`, say `env NAME=VALUE`, when given).
@@ -108,7 +109,7 @@ retries = {retries}
 # real time: the protocol's minute-long steps off (tests/test_protocol.py covers them)
 thermal_max_s = 0
 settle = 0
-idle_per_setting = false
+idle_per_setting = {str(idle_per_setting).lower()}
 {measurement_extra}
 """
     path = tmp / "stub-campaign.toml"

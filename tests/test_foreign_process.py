@@ -1,7 +1,8 @@
 """Another tenant's compute process on a metered GPU flags the cells it overlapped
 (`foreign_process`, invalid): NVML's energy counter is per GPU, so its work would be counted
-into theirs. Through `dvfs sweep` with the fake NVML and the SGLang stub, which plays the
-tenant (`foreign_pid`) and a container's PID namespace (`nvml_pid`)."""
+into theirs; one around an idle baseline flags the cells whose above-idle energy subtracts it
+(`idle_baseline_foreign`). Through `dvfs sweep` with the fake NVML and the SGLang stub, which
+plays the tenant (`foreign_pid`) and a container's PID namespace (`nvml_pid`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ from nvml_support import (
 from sglang_support import EAGLE3_DRAFTER, running, stub_campaign
 
 import dvfs
-from dvfs.measure.meter import INVALIDATING, Q_FOREIGN_PROCESS, describe_quality
-from dvfs.measure.tenants import TenantCheck, foreign_quality
+from dvfs.measure.meter import (
+    INVALIDATING,
+    Q_FOREIGN_PROCESS,
+    Q_IDLE_BASELINE_FOREIGN,
+    describe_quality,
+)
+from dvfs.measure.runner import IDLE_TENANT_TRIES
+from dvfs.measure.tenants import TenantCheck, foreign_quality, idle_quality
 
 DEVICES = "h100-sxm,h100-sxm"
 
@@ -46,7 +53,13 @@ def tenant() -> Iterator[int]:
 
 
 def sweep(
-    tmp_path: Path, stub: dict, *, clocks: str, drafters: str = ""
+    tmp_path: Path,
+    stub: dict,
+    *,
+    clocks: str,
+    drafters: str = "",
+    batch: str = "[1]",
+    idle_per_setting: bool = False,
 ) -> tuple[int, list[dict], list[dict], str]:
     """The stub on fake GPU 1 at `clocks`, one prompt length, windows long enough for valid
     cells: exit code, cell records, server records, output."""
@@ -54,21 +67,26 @@ def sweep(
         tmp_path,
         stub={"tpot_s": 0.004, **stub},  # some 19 updates of the 20 ms counter a window
         drafters='\n[drafters.none]\nalgorithm = "none"\n' + drafters,
-        batch="[1]",
+        batch=batch,
         knobs=f"sm_clock = {clocks}\nsettle_s = 0.0",
         gpu='backend = "nvml"\ndevices = [1]',
         output_tokens=96,
         measurement_extra="precision = 0.5",
+        idle_per_setting=idle_per_setting,
     )
     out = tmp_path / "out"
     result = dvfs_in_process(
         "sweep", str(path), "--out", str(out), "--no-progress", env=env(tmp_path)
     )
-    records = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    records = journal(out)
     assert running(marker) == []
     cells = [r for r in records if r["type"] == "cell"]
     servers = [r for r in records if r["type"] == "server"]
     return result.returncode, cells, servers, " ".join((result.stdout + result.stderr).split())
+
+
+def journal(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
 
 
 def env(tmp_path: Path) -> dict[str, str]:
@@ -79,9 +97,16 @@ def flagged(record: dict) -> bool:
     return "foreign_process" in describe_quality(int(record["measurement"]["quality"]))
 
 
+def idle_flagged(record: dict) -> bool:
+    return "idle_baseline_foreign" in describe_quality(int(record["measurement"]["quality"]))
+
+
 def test_the_flag_is_invalidating() -> None:
     assert Q_FOREIGN_PROCESS & INVALIDATING
     assert describe_quality(Q_FOREIGN_PROCESS) == ["foreign_process"]
+    # A tenant around the idle baseline spoils only the above-idle energy: the cell stays valid.
+    assert not Q_IDLE_BASELINE_FOREIGN & INVALIDATING
+    assert describe_quality(Q_IDLE_BASELINE_FOREIGN) == ["idle_baseline_foreign"]
 
 
 def test_a_tenant_arriving_mid_sweep_flags_the_cells_it_overlapped(
@@ -207,4 +232,88 @@ def test_a_process_the_server_spawned_since_is_its_own_and_a_blind_gpu_flags_not
     [other] = check.seen(gpus, "end")
     assert (other.gpu, other.pid, other.at) == (0, 99, "end") and len(asked) == 2
     assert foreign_quality([other]) == Q_FOREIGN_PROCESS and foreign_quality([]) == 0
+    assert idle_quality([other]) == Q_IDLE_BASELINE_FOREIGN and idle_quality([]) == 0
+    # Before any server of dvfs's runs, every process on a metered GPU is another tenant's.
+    assert {p.pid for p in TenantCheck.none_ours().seen(gpus, "start")} == {10, 11, 99}
     assert TenantCheck(None).seen(gpus, "start") == ()  # pinning unverified: never foreign
+
+
+def test_a_tenant_during_the_opening_idle_only_flags_the_above_idle_energy_built_on_it(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    # The tenant is on GPU 1 before dvfs starts, so during the session's opening idle
+    # measurement (every try of it), and gone as the server starts: no cell overlaps it. The
+    # stock cell's above-idle energy subtracts that opening measurement.
+    nv.fake_add_process(1, tenant)
+    stub = {"foreign_pid": tenant, "foreign_from_request": 10**6, "foreign_until_request": 0}
+    code, cells, _, output = sweep(tmp_path, stub, clocks='"stock"')
+    assert code == 0, output
+    [cell] = cells
+    said = f"another tenant on GPU 1: process {tenant} (sleep) during the session's opening idle"
+    assert output.count(said) == 1, output
+    assert f"each of {IDLE_TENANT_TRIES} tries" in output
+    assert "flagged idle_baseline_foreign" in output
+    assert idle_flagged(cell) and not flagged(cell) and not cell.get("foreign_processes")
+    named = {(p["gpu"], p["pid"], p["name"]) for p in cell["idle_foreign_processes"]}
+    assert named == {(1, tenant, "sleep")}
+    [session] = [r for r in journal(tmp_path / "out") if r["type"] == "session"]
+    assert {(p["gpu"], p["pid"], p["at"]) for p in session["idle_foreign_processes"]} == {
+        (1, tenant, "start"),
+        (1, tenant, "end"),
+    }
+    cube = cube_as_on_an_idle_machine(tmp_path / "out", env(tmp_path))
+    ds = dvfs.open_cube(cube)
+    assert int(ds["quality"].max()) & Q_IDLE_BASELINE_FOREIGN
+    assert int(ds["valid"].max()) == 1  # its energy per token does not use the idle: valid
+    info = json.loads(dvfs_in_process("cube", "info", cube, "--json", env=env(tmp_path)).stdout)
+    assert info["quality_flags"] == {"idle_baseline_foreign": 1}
+    assert [(p["gpu"], p["pid"]) for p in info["idle_foreign_processes"]] == [(1, tenant)] * 2
+    shown = dvfs_in_process("cube", "info", cube, env=env(tmp_path))
+    text = " ".join(shown.stdout.split())
+    assert f"(not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it)" in text
+    assert "idle_baseline_foreign: another tenant's compute process" in text, text
+    assert "energy_per_token_above_idle_j is wrong" in text
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    section = measured_section(ds)
+    facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
+    assert facts["Idle power"].endswith(
+        f"(not idle: another tenant's process {tenant} (sleep) on GPU 1 ran during it)"
+    )
+
+
+def test_a_tenant_during_a_settings_idle_baseline_flags_every_cell_that_subtracts_it(
+    nv: ModuleType, tenant: int, tmp_path: Path
+) -> None:
+    # The tenant arrives with the server (before the 1500 MHz baseline) and is gone at the
+    # first /generate (the first cell's warm-up, after that cell's start was checked): the
+    # first cell overlaps it, the second only shares its setting's baseline.
+    stub = {"foreign_pid": tenant, "foreign_until_request": 1}
+    code, cells, _, output = sweep(
+        tmp_path, stub, clocks="[1500]", batch="[1, 4]", idle_per_setting=True
+    )
+    assert code == 0, output
+    assert len(cells) == 2 and all(c["status"] == "ok" for c in cells)
+    assert all(idle_flagged(c) for c in cells)
+    assert [flagged(c) for c in cells] == [True, False]
+    for cell in cells:
+        assert {p["pid"] for p in cell["idle_foreign_processes"]} == {tenant}
+    said = f"another tenant on GPU 1: process {tenant} (sleep) during the idle baseline at 1500"
+    assert output.count(said) == 1, output
+    [session] = [r for r in journal(tmp_path / "out") if r["type"] == "session"]
+    assert "idle_foreign_processes" not in session  # the opening one saw none
+
+
+def test_merged_cubes_keep_each_sources_idle_tenants() -> None:
+    import xarray as xr
+
+    from dvfs.cube.info import idle_foreign_processes
+    from dvfs.cube.merge import _idle_foreign
+
+    seen = {"gpu": 0, "pid": 42, "name": "python", "at": "start"}
+    clean = xr.Dataset(attrs={"idle_foreign_processes": "[]"})
+    busy = xr.Dataset(attrs={"idle_foreign_processes": json.dumps([seen])})
+    merged = xr.Dataset(attrs=_idle_foreign([clean, busy]))
+    assert idle_foreign_processes(merged) == [seen]
+    assert _idle_foreign([xr.Dataset(), xr.Dataset()]) == {}  # older cubes: nothing to say

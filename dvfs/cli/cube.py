@@ -79,6 +79,8 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from dvfs.cube.info import idle_caveat
+
     out = console()
     out.print(
         f"[bold]{summary['campaign']}[/bold] (cube schema {summary['schema']}, "
@@ -91,7 +93,11 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row("model", str(summary["model"]))
     table.add_row("reference", str(summary["stock"]))
     idle = summary["idle_power_w"]
-    table.add_row("idle power", "-" if idle != idle else f"{idle:.1f} W")
+    table.add_row(
+        "idle power",
+        ("-" if idle != idle else f"{idle:.1f} W")
+        + escape(idle_caveat(summary["idle_foreign_processes"])),
+    )
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]
         shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"
@@ -120,6 +126,8 @@ def _render(summary: dict[str, Any]) -> None:
     flags = summary["quality_flags"]
     if flags:
         out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in flags.items()))
+    for name, note in summary["flag_notes"].items():
+        out.print(f"{name}: {escape(note)}")
     failed = summary["failed_cells"]
     for item in failed[:5]:
         out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")

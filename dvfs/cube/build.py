@@ -374,6 +374,11 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "stock_power_limit_w": session.stock.power_limit_w,
         "power_limit_range_w": list(session.power_limit_range_w),
         "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
+        # Other tenants' processes seen around the sessions' opening idle measurements: where
+        # any was, `idle_power_w` counts their work too.
+        "idle_foreign_processes": json.dumps(
+            [p for s in journal.sessions for p in s.idle_foreign_processes]
+        ),
         "counter_update_period_s": _counter_periods(journal),
         "measurement_method": session.measurement_method,
         # Each session's, once: two where an older journal's groups were each measured under

@@ -49,6 +49,45 @@ def quality_counts(ds: xr.Dataset) -> dict[str, int]:
     return dict(sorted(flags.items()))
 
 
+#: What a warning flag (one that leaves the cell valid) means where a cube raises it, for
+#: `dvfs cube info` (the invalidating flags' advice: `INVALID_ADVICE`).
+FLAG_NOTES = {
+    "idle_baseline_foreign": "another tenant's compute process was on a metered GPU right "
+    "before or after the idle baseline these cells' above-idle energy subtracts (measured "
+    "again, a bounded number of times, while it stayed), so their "
+    "energy_per_token_above_idle_j is wrong; their energy_per_token_j does not use the idle "
+    "and stands. The journal's session record (the opening idle measurement) or cell records "
+    "(a setting's) name it; sweep on GPUs nothing else uses",
+}
+
+
+def idle_foreign_processes(ds: xr.Dataset) -> list[dict[str, Any]]:
+    """The other tenants' processes seen around the sessions' opening idle measurements
+    (GPU, pid, name, start or end), whose work the cube's idle_power_w counts; empty: none
+    seen, or an older cube."""
+    try:
+        seen = json.loads(str(ds.attrs.get("idle_foreign_processes") or "[]"))
+    except ValueError:
+        return []
+    return [p for p in seen if isinstance(p, dict)] if isinstance(seen, list) else []
+
+
+def idle_caveat(seen: list[dict[str, Any]]) -> str:
+    """What follows the idle power where other tenants' processes were seen around its
+    measurement (`idle_foreign_processes`); "" where none was."""
+    if not seen:
+        return ""
+    named = ", ".join(
+        dict.fromkeys(
+            f"process {p.get('pid')}"
+            + (f" ({p['name']})" if p.get("name") else "")
+            + f" on GPU {p.get('gpu')}"
+            for p in seen
+        )
+    )
+    return f" (not idle: another tenant's {named} ran during it)"
+
+
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
     """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance. `missing`
     leaves out the adaptive repeats the campaign does not ask for (`not_needed`: a cell that
@@ -58,6 +97,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     status = ds["cell_status"].values
     total = status.size
     not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values
+    flags = quality_counts(ds)
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
@@ -87,7 +127,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
-        "quality_flags": quality_counts(ds),
+        "quality_flags": flags,
+        "flag_notes": {name: FLAG_NOTES[name] for name in flags if name in FLAG_NOTES},
+        "idle_foreign_processes": idle_foreign_processes(ds),
         "gpu_pinning": gpu_pinning(ds),
         "failed_cells": json.loads(ds.attrs.get("failed_cells", "[]")),
         "variables": sorted(str(v) for v in ds.data_vars),

@@ -334,6 +334,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
+        **_idle_foreign(cubes),
         history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
         created=now_iso(),
     )
@@ -640,6 +641,14 @@ def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -
     return {"arms_on_one_gpu": int(paired), "groups_across_gpus": across}
 
 
+def _idle_foreign(cubes: list[xr.Dataset]) -> dict[str, str]:
+    """The cubes' `idle_foreign_processes`, together (absent where none records them)."""
+    if not any("idle_foreign_processes" in ds.attrs for ds in cubes):
+        return {}
+    seen = [p for ds in cubes for p in _json(ds, "idle_foreign_processes", [])]
+    return {"idle_foreign_processes": json.dumps(seen)}
+
+
 def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]:
     """The whole run's attributes: the first shard's, with what each shard adds (GPUs, server
     arguments, failed cells, sessions) gathered. Shards of fleets mixing models carry only
@@ -690,6 +699,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         idle = [float(ds.attrs.get("idle_power_w", math.nan)) for ds in cubes]
         measured = [w for w in idle if math.isfinite(w)]
         attrs["idle_power_w"] = float(np.mean(measured)) if measured else math.nan
+    attrs.update(_idle_foreign(cubes))
     if "sessions" in first.attrs:
         attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
     if "failed_cells" in first.attrs:

@@ -104,6 +104,10 @@ class FleetOutcome:
         return max((w.gpu_time_s for w in self.workers), default=0.0)
 
 
+#: What each worker's session adds to the fleet session's `workers` entry for it.
+WORKER_KEYS = ("idle_power_w", "idle_foreign_processes", "settle", "gpu_time_s", "ports")
+
+
 def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The sessions of one model's workers as its journal's one session: every GPU, the mean
     idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
@@ -148,11 +152,16 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "worker": s.get("worker"),
                 "host": s.get("host", ""),
                 "gpus": [g["uuid"] for g in s["gpus"]],
-                **{k: s[k] for k in ("idle_power_w", "settle", "gpu_time_s", "ports") if k in s},
+                **{k: s[k] for k in WORKER_KEYS if k in s},
             }
             for s in sessions
         ],
     )
+    # Each worker's tenants seen around its opening idle measurement (GPU indexes its node's).
+    combined.pop("idle_foreign_processes", None)
+    foreign = [p for s in sessions for p in s.get("idle_foreign_processes") or ()]
+    if foreign:
+        combined["idle_foreign_processes"] = foreign
     if "counter_update_period_s" in first:  # per GPU: in the order of `gpus`
         combined["counter_update_period_s"] = [
             p

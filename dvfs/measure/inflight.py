@@ -57,7 +57,8 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   also carries the group's power-limit reads (`runner._power_limits`, after the first level
   is applied and after the last decode, against the lowest level's limit): an enforced limit
   below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
-  the metered GPUs then (`runner.tenants`), which flag every cell `foreign_process`.
+  the metered GPUs then (`runner.tenants`), which flag every cell `foreign_process`; a level
+  whose idle baseline another tenant's process overlapped is flagged `idle_baseline_foreign`.
 
 Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
 at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
@@ -90,7 +91,7 @@ from dvfs.measure.meter import (
     summarise,
 )
 from dvfs.measure.plan import Cell
-from dvfs.measure.tenants import ForeignProcess, foreign_quality
+from dvfs.measure.tenants import ForeignProcess, foreign_quality, idle_quality
 
 if TYPE_CHECKING:
     from dvfs.campaign import Campaign
@@ -247,6 +248,8 @@ class InflightHost(Protocol):
     setting_idle_power_w: float
     #: Tells other tenants' compute processes from the server's.
     tenants: TenantCheck
+    #: Those seen around the idle baseline `setting_idle_power_w` came from.
+    setting_idle_foreign: tuple[ForeignProcess, ...]
 
     @property
     def fit_periods_s(self) -> list[float | None]: ...
@@ -521,9 +524,11 @@ def _measure_group(
     # the rounds.
     first = level_order(cells, scheme, 0)[0]
     idle: dict[int, float] = {}
+    idle_foreign: dict[int, tuple[ForeignProcess, ...]] = {}
     for index, cell in sorted(enumerate(cells), key=lambda ic: ic[1] == first):
         runner._apply_setting(cell.setting)
         idle[index] = runner.setting_idle_power_w
+        idle_foreign[index] = runner.setting_idle_foreign
     # The group's limits, read at its first level (and after its last decode): the
     # configured one changes with the levels, the enforced one must not fall below them all.
     limits_start = runner._power_limits()
@@ -652,7 +657,10 @@ def _measure_group(
                 tuple(v * tpot_factor for v in cm.latency.itl_ms),
             ),
             accept=accept,
-            quality=cm.quality | (Q_ACCEPT_MISMATCH if mismatch else 0) | held,
+            quality=cm.quality
+            | (Q_ACCEPT_MISMATCH if mismatch else 0)
+            | held
+            | idle_quality(idle_foreign[index]),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
@@ -702,6 +710,7 @@ def _measure_group(
             errors=errors,
             power_limits=limit_reads,
             foreign_processes=foreign,
+            idle_foreign_processes=idle_foreign[index],
         )
         records.append(replace(record, inflight=provenance))
     return records

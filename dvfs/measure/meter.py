@@ -54,6 +54,10 @@ Q_FEW_COUNTER_UPDATES = 1 << 9
 Q_POWER_LIMIT_NOT_HELD = 1 << 10
 Q_CLOCK_HELD_LOW = 1 << 11
 Q_FOREIGN_PROCESS = 1 << 12
+#: Another tenant's compute process was on a metered GPU around the idle baseline the cell's
+#: above-idle energy subtracts (`dvfs.measure.tenants`): that energy is wrong, its total
+#: energy is not (it does not use the idle), so the cell stays valid.
+Q_IDLE_BASELINE_FOREIGN = 1 << 13
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -69,6 +73,7 @@ QUALITY_FLAGS = {
     Q_POWER_LIMIT_NOT_HELD: "power_limit_not_held",
     Q_CLOCK_HELD_LOW: "clock_held_low",
     Q_FOREIGN_PROCESS: "foreign_process",
+    Q_IDLE_BASELINE_FOREIGN: "idle_baseline_foreign",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (

@@ -11,9 +11,9 @@ import logging
 import math
 import operator
 import platform
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
@@ -52,7 +52,13 @@ from dvfs.measure.meter import (
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
-from dvfs.measure.tenants import ForeignProcess, TenantCheck, foreign_quality
+from dvfs.measure.tenants import (
+    ForeignProcess,
+    TenantCheck,
+    foreign_quality,
+    idle_quality,
+    named,
+)
 from dvfs.records import (
     ARMS_PINNED,
     GPU_TIME_KEYS,
@@ -102,6 +108,12 @@ def measurement_method(m: MeasurementConfig) -> str:
         "chunk, TPOT = (last - first) / (tokens - 1) over the tokens received"
     )
 
+
+#: How many times an idle baseline is measured while another tenant's compute process is seen
+#: on a metered GPU around it (a passing job may be gone the next time), before the last one
+#: is kept and the cells subtracting it are flagged idle_baseline_foreign.
+IDLE_TENANT_TRIES = 3
+T = TypeVar("T")
 
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
@@ -208,6 +220,12 @@ class Runner:
         self._pending = GpuTime()  # overheads waiting to be charged to the next cell
         self._stabilise_due = True
         self._idle_by_setting: dict[KnobSetting, float] = {}
+        #: Other tenants' processes seen around the session's opening idle measurement, and
+        #: around each setting's baseline; those around the baseline in force
+        #: (`setting_idle_power_w`'s), which flag a cell idle_baseline_foreign.
+        self.idle_foreign: tuple[ForeignProcess, ...] = ()
+        self._idle_foreign_by_setting: dict[KnobSetting, tuple[ForeignProcess, ...]] = {}
+        self.setting_idle_foreign: tuple[ForeignProcess, ...] = ()
         self._attempt_time = GpuTime()
         #: The last thermal stabilisation (start and end temperature, seconds, reached), for
         #: the next cell's record.
@@ -298,8 +316,14 @@ class Runner:
         t0 = self.clock.now_ns()
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
-        self.idle_power_w = measure_idle_power_w(self.gpus, self.clock, m.idle_s)
+        self.idle_power_w, self.idle_foreign = self._idle_checked(
+            lambda: measure_idle_power_w(self.gpus, self.clock, m.idle_s),
+            self._opening_tenants(),
+            lambda power_w: power_w,
+            "the session's opening idle measurement (before any server started)",
+        )
         self.setting_idle_power_w = self.idle_power_w
+        self.setting_idle_foreign = self.idle_foreign
         idle_s = self._elapsed_s(t1)
         t2 = self.clock.now_ns()
         settle = self._measured_settle()
@@ -367,8 +391,51 @@ class Runner:
             settle=settle,
             gpu_time_s=overhead,
             server_env=recorded_server_env(self.campaign),
+            idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
         )
         self.journal.append(session.to_json())
+
+    def _opening_tenants(self) -> TenantCheck:
+        """What tells other tenants' processes at the opening idle measurement: before dvfs
+        starts a server every compute process on a metered GPU is another tenant's (one whose
+        PID a container cannot see too); an attached server's own would be among them, and is
+        not dvfs's to tell apart, so then nothing is checked."""
+        engine = self.campaign.engine
+        attached = engine.backend == "sglang" and bool(engine.sglang.url)
+        return TenantCheck(None) if attached else TenantCheck.none_ours()
+
+    def _idle_checked(
+        self,
+        measure: Callable[[], T],
+        tenants: TenantCheck,
+        power_of: Callable[[T], float],
+        what: str,
+    ) -> tuple[T, tuple[ForeignProcess, ...]]:
+        """An idle baseline (`measure`), with the metered GPUs' compute processes listed right
+        before and after it: one seen that is not ours (`tenants`) had its work counted as
+        idle, so the baseline is measured again, up to IDLE_TENANT_TRIES times. Returns the
+        last one and the foreign processes seen around it (empty: none); says so on the
+        sweep's output when one was seen."""
+        for attempt in range(1, IDLE_TENANT_TRIES + 1):
+            seen = tenants.seen(self.gpus, "start")
+            value = measure()
+            seen += tenants.seen(self.gpus, "end")
+            if not seen:
+                if attempt > 1:
+                    self.progress.note(
+                        f"the other tenant seen during {what} is gone: measured again, "
+                        f"{power_of(value):.1f} W"
+                    )
+                return value, ()
+            if attempt < IDLE_TENANT_TRIES:
+                continue
+            self.progress.note(
+                f"another tenant on {named(seen)} during {what}, each of {attempt} tries: "
+                f"its {power_of(value):.1f} W is not idle power; the cells whose above-idle "
+                "energy subtracts it are flagged idle_baseline_foreign (their energy per token "
+                "stands): stop it or sweep another GPU"
+            )
+        return value, seen
 
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
@@ -658,6 +725,7 @@ class Runner:
         self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")
         self.note_tenants(self.last_foreign)
         held = power_limit_quality(reads) | foreign_quality(self.last_foreign)
+        held |= idle_quality(self.setting_idle_foreign)
         if held:
             measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
@@ -757,6 +825,7 @@ class Runner:
                     energy_split=self.last_split,
                     power_limits=self.last_power_limits,
                     foreign_processes=self.last_foreign,
+                    idle_foreign_processes=self.setting_idle_foreign,
                 )
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))
@@ -794,21 +863,36 @@ class Runner:
         self._setting = setting
         if not (m.idle_per_setting and self.knobs.actuation) or setting == KnobSetting(None, None):
             self.setting_idle_power_w = self.idle_power_w
+            self.setting_idle_foreign = self.idle_foreign
             return
         if setting not in self._idle_by_setting:  # once per session and setting
-            from dvfs.measure.baseline import idle_baseline
+            from dvfs.measure.baseline import IdleBaseline, idle_baseline
 
             known = [p for p in self.counter_periods_s if p]
-            base = idle_baseline(
-                self.gpus,
-                self.clock,
-                min_s=max(m.idle_s / 5, 0.5),
-                sample_period_s=min(m.sample_period_s, 0.01),
-                counter_period_s=max(known) if known else None,
+            spent: list[float] = []  # each try's GPU time
+
+            def measure_once() -> IdleBaseline:
+                base = idle_baseline(
+                    self.gpus,
+                    self.clock,
+                    min_s=max(m.idle_s / 5, 0.5),
+                    sample_period_s=min(m.sample_period_s, 0.01),
+                    counter_period_s=max(known) if known else None,
+                )
+                spent.append(base.gpu_time_s)
+                return base
+
+            base, foreign = self._idle_checked(
+                measure_once,
+                self.tenants,
+                lambda b: b.power_w,
+                f"the idle baseline at {_setting_text(setting)}",
             )
-            self._pending.add("idle_baseline", base.gpu_time_s)
+            self._pending.add("idle_baseline", math.fsum(spent))
             self._idle_by_setting[setting] = base.power_w
+            self._idle_foreign_by_setting[setting] = foreign
         self.setting_idle_power_w = self._idle_by_setting[setting]
+        self.setting_idle_foreign = self._idle_foreign_by_setting[setting]
 
     def _stabilise(self, cell: Cell) -> None:
         """Thermal stabilisation after a server start: run the cell's warm-up load until the
@@ -1045,6 +1129,13 @@ def warmup_shape(workload: Workload) -> tuple[int, int]:
     chunks)."""
     longest = max((p.input_tokens for p in workload.prompts), default=1)
     return workload.batch, 1 << max(0, int(longest) - 1).bit_length()
+
+
+def _setting_text(setting: KnobSetting) -> str:
+    """A knob setting as a note says it: "1500 MHz, stock limit"."""
+    clock = f"{setting.sm_clock_mhz} MHz" if setting.sm_clock_mhz is not None else "stock clock"
+    limit = f"{setting.power_limit_w:g} W" if setting.power_limit_w is not None else "stock limit"
+    return f"{clock}, {limit}"
 
 
 def cell_label(cell: Cell) -> str:

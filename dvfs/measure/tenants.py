@@ -7,6 +7,12 @@ the power limits back) and flags the cell `foreign_process` when one is not the 
 where the server's own PIDs are known and NVML lists them (its GPU pinning "verified"): in a
 container's PID namespace every PID NVML reports would look foreign, so there nothing is
 flagged.
+
+Idle baselines are checked the same way, right before and after each is measured: the
+session's opening one (before any server starts, so every compute process then is another
+tenant's, even one whose PID a container cannot see) and the per-setting ones (with the
+server running: anything not its own). A baseline a tenant overlapped flags the cells whose
+above-idle energy subtracts it `idle_baseline_foreign`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 
 from dvfs.errors import GpuError
 from dvfs.gpu.base import Gpu
-from dvfs.measure.meter import Q_FOREIGN_PROCESS
+from dvfs.measure.meter import Q_FOREIGN_PROCESS, Q_IDLE_BASELINE_FOREIGN
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class ForeignProcess:
     pid: int
     #: Its command name (/proc/<pid>/comm); None when it is gone or unreadable.
     name: str | None
-    #: "start" or "end" of the cell (or in-flight group).
+    #: "start" or "end" of the cell (or in-flight group, or idle baseline).
     at: str
 
     def to_json(self) -> dict[str, object]:
@@ -46,7 +52,12 @@ def process_name(pid: int, proc: Path = Path("/proc")) -> str | None:
 class TenantCheck:
     """Lists the metered GPUs' compute processes that are not the server's. `own_pids`: the
     server's process tree now (None: not known or not visible, so nothing can be told foreign);
-    asked again only when NVML lists a PID outside the last answer (a child it spawned since)."""
+    asked again only when NVML lists a PID outside the last answer (a child it spawned since).
+    `TenantCheck.none_ours()`: before any server of dvfs's runs, every process is foreign."""
+
+    @classmethod
+    def none_ours(cls) -> TenantCheck:
+        return cls(frozenset)
 
     def __init__(self, own_pids: Callable[[], frozenset[int]] | None) -> None:
         self.own_pids = own_pids
@@ -76,3 +87,18 @@ class TenantCheck:
 def foreign_quality(seen: Sequence[ForeignProcess]) -> int:
     """foreign_process when another tenant's process was on a metered GPU during the cell."""
     return Q_FOREIGN_PROCESS if seen else 0
+
+
+def idle_quality(seen: Sequence[ForeignProcess]) -> int:
+    """idle_baseline_foreign when another tenant's process was on a metered GPU around the idle
+    baseline a cell's above-idle energy subtracts."""
+    return Q_IDLE_BASELINE_FOREIGN if seen else 0
+
+
+def named(seen: Sequence[ForeignProcess]) -> str:
+    """The processes seen, each once, as a sweep's note says them: "GPU 0: process 42 (python)"."""
+    said: dict[tuple[int, int], str] = {}
+    for p in seen:
+        name = f" ({p.name})" if p.name else ""
+        said.setdefault((p.gpu, p.pid), f"GPU {p.gpu}: process {p.pid}{name}")
+    return "; ".join(said.values())

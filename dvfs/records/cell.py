@@ -313,6 +313,9 @@ class CellRecord:
     #: (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name, when); empty where none
     #: was seen or none could be told from the server's.
     foreign_processes: tuple[dict[str, Any], ...] = ()
+    #: Those seen right before or after the idle baseline its above-idle energy subtracts
+    #: (the session's opening one, or its setting's), which flag it idle_baseline_foreign.
+    idle_foreign_processes: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def measured(
@@ -327,6 +330,7 @@ class CellRecord:
         energy_split: EnergySplit | None = None,
         power_limits: Sequence[PowerLimitRead] = (),
         foreign_processes: Sequence[ForeignProcess] = (),
+        idle_foreign_processes: Sequence[ForeignProcess] = (),
     ) -> CellRecord:
         return cls(
             cell,
@@ -340,6 +344,7 @@ class CellRecord:
             energy_split=energy_split,
             power_limits=tuple(r.to_json() for r in power_limits),
             foreign_processes=tuple(p.to_json() for p in foreign_processes),
+            idle_foreign_processes=tuple(p.to_json() for p in idle_foreign_processes),
         )
 
     @classmethod
@@ -395,6 +400,11 @@ class CellRecord:
                     if self.foreign_processes
                     else {}
                 ),
+                **(
+                    {"idle_foreign_processes": list(self.idle_foreign_processes)}
+                    if self.idle_foreign_processes
+                    else {}
+                ),
             }
         return {**head, "error": self.error, "errors": list(self.errors)}
 
@@ -428,4 +438,7 @@ class CellRecord:
             else None,
             power_limits=tuple(dict(r) for r in record.get("power_limits") or ()),
             foreign_processes=tuple(dict(r) for r in record.get("foreign_processes") or ()),
+            idle_foreign_processes=tuple(
+                dict(r) for r in record.get("idle_foreign_processes") or ()
+            ),
         )

@@ -71,6 +71,10 @@ class Session:
     #: (`server_env_of`), name to value; None: not recorded (an older dvfs, the twin, an
     #: attached server), so not compared.
     server_env: dict[str, str] | None = None
+    #: Other tenants' compute processes seen on the metered GPUs right before or after the
+    #: opening idle measurement (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name,
+    #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
+    idle_foreign_processes: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -98,6 +102,11 @@ class Session:
             "gpu_time_s": self.gpu_time_s,
             **({"workers": [dict(w) for w in self.workers]} if self.workers else {}),
             **({"server_env": dict(self.server_env)} if self.server_env is not None else {}),
+            **(
+                {"idle_foreign_processes": [dict(p) for p in self.idle_foreign_processes]}
+                if self.idle_foreign_processes
+                else {}
+            ),
         }
 
     @classmethod
@@ -132,6 +141,9 @@ class Session:
             gpu_time_s=record.get("gpu_time_s") or {},
             workers=tuple(dict(w) for w in record.get("workers") or ()),
             server_env=recorded_env(record),
+            idle_foreign_processes=tuple(
+                dict(p) for p in record.get("idle_foreign_processes") or ()
+            ),
         )
 
     @property

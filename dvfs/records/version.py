@@ -20,7 +20,9 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       that did not). A journal may hold sessions on different GPUs of
       one model (`dvfs.records.session.incomparable` names what they must share).
       A cell's optional `foreign_processes` (within 3 too): other tenants' compute processes
-      seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were.
+      seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were;
+      likewise a cell's and a session's optional `idle_foreign_processes`: those seen right
+      before or after the idle baseline the cell subtracts (the session's: its opening one).
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).

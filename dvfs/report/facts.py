@@ -39,7 +39,7 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import info_text
+    from dvfs.cube.info import idle_caveat, info_text
 
     info = info_text(cube)
     a = cube.attrs
@@ -61,7 +61,11 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Corpora", _values(info, "corpus")),
         ("Repeats", info["repeats"]),
         ("Reference", info["stock"]),
-        ("Idle power", MISSING if idle != idle else f"{idle:g} W"),
+        (
+            "Idle power",
+            (MISSING if idle != idle else f"{idle:g} W")
+            + idle_caveat(info["idle_foreign_processes"]),
+        ),
         ("Cube built", _text(info["created"]) + sessions),
         ("History", _text(a.get("history"))),
         ("dvfs version", _text(a.get("dvfs_version"))),

@@ -8,7 +8,8 @@
 # Steps: contract (NVML contract tests on the real library), cli (gpu list/info, cap show,
 # monitor --once), probe (NVML's traps, tests/bench/nvml_probe.py), sweeps (observe-only
 # sweeps with the SGLang stub loading GPU 0 through torch: alone, its pinning verified; then
-# beside another tenant's GEMMs, every cell flagged foreign_process), roofline (observe-only
+# beside another tenant's GEMMs, every cell flagged foreign_process, and idle_baseline_foreign
+# as the opening idle measurement ran beside them too), roofline (observe-only
 # roofline and its twin fit). Each step's output is OUT/STEP*.out; OUT/steps.txt sums up, and
 # the run fails if a setter was called or a GPU setting reads differently afterwards.
 set -u

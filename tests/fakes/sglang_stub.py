@@ -181,7 +181,9 @@ a clean exit (the fake lists only live pids anyway).  ``nvml_pid`` (null) lists 
 instead of its own, as a driver outside a container's PID namespace names the server by a host
 PID the server's parent cannot see.  ``foreign_pid`` (null) plays another tenant's job on the
 same GPU(s): that live pid is listed there when the ``foreign_from_request``-th /generate
-arrives (null: at start) and dropped when the ``foreign_until_request``-th does (null: never).
+arrives (null: at start) and dropped when the ``foreign_until_request``-th does (null: never;
+0: as the stub starts, for a tenant the test listed before dvfs started, gone by the first
+cell, with ``foreign_from_request`` past the last request).
 
 Errors as SGLang reports them: a malformed body or an unknown sampling key
 (0.5.23) is a 400 ``{"error": {"message": ...}}``; a bad sampling value is a 400
