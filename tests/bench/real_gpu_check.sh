@@ -6,7 +6,8 @@
 #   tests/bench/real_gpu_check.sh OUT [STEP...]     (steps: all by default)
 #
 # Steps: contract (NVML contract tests on the real library), cli (gpu list/info, cap show,
-# monitor --once), probe (NVML's traps, tests/bench/nvml_probe.py), sweeps (observe-only
+# monitor --once), probe (NVML's traps, tests/bench/nvml_probe.py), sweeps (= alone shared:
+# observe-only
 # sweeps with the SGLang stub loading GPU 0 through torch: alone, its pinning verified; then
 # beside another tenant's GEMMs, every cell flagged foreign_process, and idle_baseline_foreign
 # as the opening idle measurement ran beside them too), roofline (observe-only
@@ -83,11 +84,12 @@ for s in $STEPS; do
         step cap-show 60 $PY -m dvfs cap show
         step monitor 60 $PY -m dvfs monitor --once --gpu 0 ;;
     probe) step probe 120 $PY tests/bench/nvml_probe.py --gpu 0 --out "$OUT/probe.json" --after-s 10 ;;
-    sweeps)
+    sweeps | alone)
         alone=$(campaign "$OUT/alone")
         step doctor 120 $PY -m dvfs doctor "$alone" -o "$OUT/alone/sweep"
         step sweep-alone 300 $PY -m dvfs sweep "$alone" --out "$OUT/alone/sweep" --no-progress
-        step info-alone 60 $PY -m dvfs cube info "$OUT/alone/sweep"
+        step info-alone 60 $PY -m dvfs cube info "$OUT/alone/sweep" ;;&
+    sweeps | shared)
         shared=$(campaign "$OUT/shared")
         $PY -c "$BURN" 300 & burner=$!
         sleep 5  # its CUDA context is up and its GEMMs run
@@ -97,6 +99,7 @@ for s in $STEPS; do
     roofline)
         step roofline 300 $PY -m dvfs gpu roofline --observe-only --json -o "$OUT/roofline.nc"
         step twin-fit 60 $PY -m dvfs twin fit "$OUT/roofline.nc" -o "$OUT/twin-fit.toml" ;;
+    sweeps | alone | shared) ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
     esac
 done
