@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 COMPARE_SCHEMA = "dvfs.compare/2"
 #: The two ratios of a row, as named in its JSON keys.
 WHATS = ("at_stock", "equal_latency")
+#: The verdict of a row whose drafter met the baseline's latency at no setting
+#: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
+#: import).
+NOT_WITHIN = "not within target"
 
 
 def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
@@ -243,6 +247,19 @@ def ratio_text(value: float | None, missing: str = "-") -> str:
     return text
 
 
+def too_slow(row: dict[str, Any]) -> bool:
+    """Whether a row has no ratio at equal latency because no setting of the drafter met the
+    baseline's latency at the reference ("not within target"), rather than for want of valid
+    cells to compare (the baseline's reference cell not measured yet, failed or invalid:
+    there is no latency to meet). A document without verdicts (older) goes by whether the
+    drafter was measured at the reference."""
+    if row["energy_ratio_equal_latency"] is not None:
+        return False
+    if "verdict_equal_latency" in row:
+        return bool(row["verdict_equal_latency"] == NOT_WITHIN)
+    return row["energy_per_token_at_stock_j"] is not None
+
+
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) triples for the terminal and Markdown renderings."""
     base = doc["baseline"]
@@ -275,12 +292,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 r["drafter"],
                 r["corpus"],
                 ratio_cell(r, "at_stock"),
-                ratio_cell(
-                    r,
-                    "equal_latency",
-                    # No ratio: too slow if the drafter was measured, else nothing to compare.
-                    missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
-                ),
+                ratio_cell(r, "equal_latency", missing="too slow" if too_slow(r) else "-"),
             ]
             for r in doc["rows"]
         ],

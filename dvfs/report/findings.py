@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.common import fmt_ms
+from dvfs.report.compare import too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -143,9 +144,16 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"{best['energy_ratio_equal_latency']:.2f}x the energy per token of {base!r} "
             f"({_where(best)})."
         )
-    else:
+    elif any(too_slow(r) for r in comparison["rows"]):
         at = _at(comparison["reference"])
         headline = f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+    else:
+        # No latency to meet, or nothing valid to meet it with: the reference cells are not
+        # measured yet, failed or invalid (the headroom table says which).
+        headline = (
+            f"No drafter could be compared with {base!r} at equal latency: the cells it needs "
+            "are not measured yet, failed or invalid (the headroom table says why)."
+        )
     return Finding(headline, tuple(details), figures)
 
 
