@@ -258,3 +258,27 @@ def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
     whole = merge_cubes([open_cube(blank), open_cube(told)], ["s0", "s1"])
     assert whole.attrs["engine_version"] == known["engine_version"]
     assert whole.attrs["prompt_format"] == "plain"
+
+
+def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Each GPU idles at its own power: the merged cube keeps each source's (`merged_from`),
+    and `cube info` and the report say them per GPU, not "not recorded"."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", idle_power_w=61.5)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", idle_power_w=83.25)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    labels = [str(g) for g in cube["gpu"].values]
+    info = invoke("cube", "info", str(merged), "--json")
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.stdout)["idle_power_per_gpu"] == dict(
+        zip(labels, (61.5, 83.25), strict=True)
+    )
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    said = f"idle power {labels[0][:12]} 61.5 W, {labels[1][:12]} 83.2 W"
+    assert said in text, text
+    facts = dict(next(b for b in measured_section(cube).blocks if isinstance(b, Facts)).pairs)
+    assert facts["Idle power"] == f"{labels[0][:12]} 61.5 W, {labels[1][:12]} 83.25 W"

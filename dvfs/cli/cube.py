@@ -79,7 +79,7 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from dvfs.cube.info import idle_caveat
+    from dvfs.cube.info import idle_caveat, idle_power_text
 
     out = console()
     out.print(
@@ -92,11 +92,10 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row("engine", str(summary["engine"]))
     table.add_row("model", str(summary["model"]))
     table.add_row("reference", str(summary["stock"]))
-    idle = summary["idle_power_w"]
     table.add_row(
         "idle power",
-        ("-" if idle != idle else f"{idle:.1f} W")
-        + escape(idle_caveat(summary["idle_foreign_processes"])),
+        escape(idle_power_text(summary))
+        or "-" + escape(idle_caveat(summary["idle_foreign_processes"])),
     )
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]

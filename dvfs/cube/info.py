@@ -125,6 +125,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "repeats": _repeats_text(ds),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
+        "idle_power_per_gpu": idle_power_per_gpu(ds),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
@@ -135,6 +136,38 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:
+    """A merged cube's idle power per GPU (W, NaN where a source recorded none), by the GPUs'
+    label: the GPUs idle at their own power, so the merged cube keeps each source's in
+    `merged_from` and no `idle_power_w` of its own. Empty for one GPU's cube."""
+    shown: dict[str, float] = {}
+    for label, source in _sources(ds).items():
+        try:
+            shown[label] = float(source.get("idle_power_w", math.nan))
+        except (TypeError, ValueError):  # "None": a source that recorded none
+            shown[label] = math.nan
+    return shown
+
+
+def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
+    """The idle power as `dvfs cube info` and the report say it: the cube's, or each GPU's of
+    a merged cube ("GPU-47dfcd23 75.0 W, ..."); "" where none is recorded. Other tenants'
+    processes seen around its measurement follow (`idle_caveat`)."""
+    idle = float(info["idle_power_w"])
+    per_gpu = info.get("idle_power_per_gpu") or {}
+    if idle == idle:
+        text = f"{idle:{fmt}} W"
+    elif any(w == w for w in per_gpu.values()):
+        text = ", ".join(
+            f"{','.join(u[:12] for u in label.split(','))} "
+            + (f"{w:{fmt}} W" if w == w else "not recorded")
+            for label, w in per_gpu.items()
+        )
+    else:
+        return ""
+    return text + idle_caveat(info["idle_foreign_processes"])
 
 
 def _pinning(text: object) -> dict[str, str]:

@@ -39,13 +39,12 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import idle_caveat, info_text
+    from dvfs.cube.info import idle_caveat, idle_power_text, info_text
 
     info = info_text(cube)
     a = cube.attrs
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
-    idle = info["idle_power_w"]
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_campaign_hash(a)})"),
@@ -63,8 +62,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Reference", info["stock"]),
         (
             "Idle power",
-            (MISSING if idle != idle else f"{idle:g} W")
-            + idle_caveat(info["idle_foreign_processes"]),
+            idle_power_text(info, "g") or MISSING + idle_caveat(info["idle_foreign_processes"]),
         ),
         ("Cube built", _text(info["created"]) + sessions),
         ("History", _text(a.get("history"))),
