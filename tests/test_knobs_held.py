@@ -336,6 +336,19 @@ def test_observe_only_measures_stock_as_it_finds_it_an_operators_lock_included(
         assert record["measurement"]["sm_clock_observed_mhz"] == 1200
         assert "clock_held_low" not in flags(record)
     assert nvml.fake_device_state(0)["locked_clocks"] == [1200, 1200]
+    # The cube files the stock cells at the maximum clock; what dvfs says of the reference
+    # tells it was observed as found, and at which clock the GPU ran.
+    import dvfs
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    info = dvfs_in_process("cube", "info", str(out), "--json", env=env)
+    stock = json.loads(info.stdout)["stock"]
+    assert "observe-only: dvfs changed no knob" in stock and "ran at 1200 MHz" in stock, stock
+    assert "SM clock left unlocked" not in stock
+    section = measured_section(dvfs.open_cube(out))
+    facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
+    assert facts["Reference"] == stock
 
 
 class LockingEngine(ChangingEngine):

@@ -34,7 +34,36 @@ def _stock_text(ds: xr.Dataset) -> str:
             for g in ds["gpu"].values
         ]
         return "each GPU's own: " + ", ".join(per_gpu) + how
-    return reference_setting(ds).describe() + how + "; stock power limit as found at start"
+    ref = reference_setting(ds)
+    if observe_only(ds):
+        return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit)
+    return ref.describe() + how + "; stock power limit as found at start"
+
+
+def observe_only(ds: xr.Dataset) -> bool:
+    """Whether the cube was measured observe-only (`actuation` 0: dvfs changed no knob)."""
+    try:
+        return int(ds.attrs.get("actuation", 1)) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _observed_at(ds: xr.Dataset, clock: int, limit: float) -> str:
+    """An observe-only cube's stock in words: the GPU as dvfs found it, filed at the maximum
+    clock, with the SM clock its measured cells ran at there (a lock set outside dvfs shows)."""
+    said = (
+        "; observe-only: dvfs changed no knob, so stock is the GPU as found (a clock lock or "
+        "power limit set outside dvfs included)"
+    )
+    if "sm_clock_observed_mhz" not in ds:
+        return said
+    at = {"sm_clock": clock, "power_limit": limit}
+    ran = ds["sm_clock_observed_mhz"].sel(at).where(ds["cell_status"].sel(at) == STATUS_OK)
+    seen = ran.values[np.isfinite(ran.values)]
+    if not seen.size:
+        return said
+    lo, hi = round(float(seen.min())), round(float(seen.max()))
+    return said + f"; its SM clock ran at {lo}" + (f"-{hi}" if hi > lo else "") + " MHz"
 
 
 def quality_counts(ds: xr.Dataset) -> dict[str, int]:
