@@ -153,6 +153,22 @@ def test_a_partial_cube_says_what_is_not_measured() -> None:
     assert "none" in labels and "eagle3" in labels and "dflash" not in labels
 
 
+def test_the_batch_legend_names_only_drafters_drawn() -> None:
+    """A drafter with no valid cell at the reference (not run yet, or every one invalid, as
+    when another tenant shared the GPU) has no line in the batch figure: nor a legend entry."""
+    from dvfs.plots import draw_energy_vs_batch
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    cube["valid"].loc[{"drafter": "dflash"}] = 0.0  # measured, every cell invalid
+    fig = draw_energy_vs_batch(cube)
+    assert fig is not None
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert labels == ["none", "eagle3"], labels
+
+
 def _legends(fig) -> list:
     return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
 
