@@ -79,7 +79,7 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from dvfs.cube.info import idle_caveat, idle_power_text
+    from dvfs.cube.info import idle_caveat, idle_power_text, shard_note
 
     out = console()
     out.print(
@@ -113,6 +113,8 @@ def _render(summary: dict[str, Any]) -> None:
         )
         + f" ({summary['invalid']} measured but invalid)",
     )
+    if summary["shard"] is not None:
+        table.add_row("shard", escape(str(shard_note(summary["shard"]))))
     if summary["repeats"] != str(summary["dims"].get("repeat", 1)):
         table.add_row("repeats", summary["repeats"])
     for drafter, outcome in summary["gpu_pinning"].items():

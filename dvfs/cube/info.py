@@ -155,6 +155,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "idle_power_per_gpu": idle_power_per_gpu(ds),
+        "shard": shard_label(ds),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
@@ -165,6 +166,27 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def shard_label(ds: xr.Dataset) -> str | None:
+    """The shard ("I/N") a shard's cube holds (`dvfs sweep --shard`); None for a whole cube."""
+    from dvfs.fleet.shard import SHARD_ATTR
+
+    label = ds.attrs.get(SHARD_ATTR)
+    return None if label is None else str(label)
+
+
+def shard_note(label: str | None) -> str | None:
+    """What a shard's cube does not hold, for every command that counts its cells: the other
+    shards' cells are missing from it, and sweeping this shard again does not measure them."""
+    if label is None:
+        return None
+    return (
+        f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
+        "any of its own not measured yet, which its `dvfs sweep --shard` command measures "
+        "when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o cube.nc`) for the "
+        "whole campaign"
+    )
 
 
 def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:

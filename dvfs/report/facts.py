@@ -155,7 +155,8 @@ def _corpora(attrs: dict[Any, Any]) -> list[Table]:
 def _quality(info: dict[str, Any]) -> list[Any]:
     """Counts of measured, failed, missing and invalid cells; flags; the failed cells. The
     adaptive repeats a cell did not need (it reached its precision first) are counted apart:
-    neither missing nor bad."""
+    neither missing nor bad. A shard's cube says so first (the other shards' cells are missing
+    from it)."""
     not_needed = info["not_needed"]
     counts = [
         ("Cells", str(info["cells"])),
@@ -178,6 +179,11 @@ def _quality(info: dict[str, Any]) -> list[Any]:
                 tone="warning",
             ),
         )
+    from dvfs.cube.info import shard_note
+
+    shard = shard_note(info.get("shard"))
+    if shard:
+        blocks.insert(0, Paragraph(shard[:1].upper() + shard[1:] + ".", tone="warning"))
     else:
         extra = (
             f" ({not_needed} adaptive repeat(s) not needed: those cells reached the precision "

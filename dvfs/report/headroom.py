@@ -125,6 +125,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
         "coverage": coverage(cube),
+        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
         "rows": rows,
     }
 
@@ -177,6 +178,14 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     parts = [
         f"{cov[k]} {what}" for k, what in (("missing", "never run"), ("failed", "failed")) if cov[k]
     ]
+    if doc.get("shard"):
+        from dvfs.cube.info import shard_note
+
+        return (
+            f"partial cube: {waiting} of {cov['cells']} cells not measured here "
+            f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
+            f"change: {shard_note(doc['shard'])}"
+        )
     return (
         f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
         f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
