@@ -470,3 +470,35 @@ def test_milliseconds_read_as_plain_numbers_within_half_a_percent(ms: float) -> 
     text = fmt_ms(ms)
     assert "e" not in text and abs(float(text) - ms) <= max(0.005 * ms, 0.5)
     assert fmt_ms(None) == "-"
+
+
+def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
+    tmp_path: Path,
+) -> None:
+    """A cube with an invalidating flag (foreign_process) and a warning (idle_baseline_foreign):
+    the report's table and `dvfs cube info` say which makes its cells invalid, and both explain
+    the warning, whose cells the analyses still use."""
+    from dvfs.cube import write_cube
+    from dvfs.cube.info import FLAG_NOTES
+    from dvfs.measure.meter import Q_FOREIGN_PROCESS, Q_IDLE_BASELINE_FOREIGN
+    from dvfs.report.facts import measured_section
+
+    cube = make_cube(
+        clocks=[1000, 2000],
+        batches=[1, 4],
+        quality=lambda c, p, b, *a: (
+            Q_IDLE_BASELINE_FOREIGN | (Q_FOREIGN_PROCESS if (c, b) == (1000, 4) else 0)
+        ),
+        valid=lambda c, p, b, *a: (c, b) != (1000, 4),
+    )
+    blocks = measured_section(cube).blocks
+    [table] = [b for b in blocks if isinstance(b, Table) and b.title.startswith("Quality flags")]
+    assert table.header == ("flag", "cells", "effect")
+    effect = {flag: (int(count), what) for flag, count, what in table.rows}
+    assert effect["foreign_process"] == (1, "invalid: never chosen by an analysis")
+    assert effect["idle_baseline_foreign"] == (4, "warning: the cell stays valid")
+    notes = [b.text for b in blocks if isinstance(b, Paragraph)]
+    assert f"idle_baseline_foreign: {FLAG_NOTES['idle_baseline_foreign']}." in notes
+    path = write_cube(cube, tmp_path / "cube.nc")
+    said = " ".join(run("cube", "info", str(path)).stdout.split())
+    assert "foreign_process x1 (invalid), idle_baseline_foreign x4;" in said, said

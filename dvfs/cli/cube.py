@@ -79,7 +79,7 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from dvfs.cube.info import idle_caveat, idle_power_text, shard_note
+    from dvfs.cube.info import idle_caveat, idle_power_text, invalidates, shard_note
 
     out = console()
     out.print(
@@ -126,7 +126,17 @@ def _render(summary: dict[str, Any]) -> None:
     out.print(table)
     flags = summary["quality_flags"]
     if flags:
-        out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in flags.items()))
+        out.print(
+            "quality flags: "
+            + ", ".join(
+                f"{k} x{v}" + (" (invalid)" if invalidates(k) else "") for k, v in flags.items()
+            )
+            + (
+                "; (invalid): the cells are never chosen by an analysis, the others are warnings"
+                if any(invalidates(k) for k in flags)
+                else " (warnings: the cells stay valid)"
+            )
+        )
     for name, note in summary["flag_notes"].items():
         out.print(f"{name}: {escape(note)}")
     failed = summary["failed_cells"]

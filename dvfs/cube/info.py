@@ -78,6 +78,14 @@ def quality_counts(ds: xr.Dataset) -> dict[str, int]:
     return dict(sorted(flags.items()))
 
 
+def invalidates(flag: str) -> bool:
+    """Whether a quality flag (by name) makes its cell invalid, never chosen by an analysis;
+    the others are warnings."""
+    from dvfs.measure.meter import INVALIDATING, QUALITY_FLAGS
+
+    return any(name == flag and bit & INVALIDATING for bit, name in QUALITY_FLAGS.items())
+
+
 #: What a warning flag (one that leaves the cell valid) means where a cube raises it, for
 #: `dvfs cube info` (the invalidating flags' advice: `INVALID_ADVICE`).
 FLAG_NOTES = {

@@ -194,13 +194,28 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         blocks.insert(0, Paragraph(f"Data quality: every cell was measured and valid{extra}."))
     flags = info["quality_flags"]
     if flags:
+        from dvfs.cube.info import invalidates
+
         blocks.append(
             Table(
                 "Quality flags raised (cells)",
-                ("flag", "cells"),
-                tuple((name, str(count)) for name, count in flags.items()),
+                ("flag", "cells", "effect"),
+                tuple(
+                    (
+                        name,
+                        str(count),
+                        "invalid: never chosen by an analysis"
+                        if invalidates(name)
+                        else "warning: the cell stays valid",
+                    )
+                    for name, count in flags.items()
+                ),
             )
         )
+        # what a warning means where it needs saying (as `dvfs cube info` says it)
+        blocks += [
+            Paragraph(f"{name}: {note}.", tone="note") for name, note in info["flag_notes"].items()
+        ]
     failed = info["failed_cells"]
     if failed:
         rows = tuple(
