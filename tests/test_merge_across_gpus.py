@@ -282,3 +282,37 @@ def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path
     assert said in text, text
     facts = dict(next(b for b in measured_section(cube).blocks if isinstance(b, Facts)).pairs)
     assert facts["Idle power"] == f"{labels[0][:12]} 61.5 W, {labels[1][:12]} 83.25 W"
+
+
+def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An H200 reads memory faster than an H100 that computes as fast: its ridge point is
+    lower. `dvfs compare` and the report on a merged cube of the two show each GPU's roofline,
+    the one of its own cube, not the first GPU's for both."""
+    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.targets import Target
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Table
+
+    merged = tmp_path / "m.nc"
+    h100, h200 = runs["h100"] / "cube.nc", runs["h200"] / "cube.nc"
+    assert invoke("cube", "merge", str(h100), str(h200), "-o", str(merged)).exit_code == 0
+    done = invoke("compare", str(merged), "--json")
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    each = {r["gpu_profile"]: r for r in doc["roofline_per_gpu_model"]}
+    assert set(each) == {"h100-sxm", "h200-sxm"}
+    for key, path in (("h100-sxm", h100), ("h200-sxm", h200)):
+        own = roofline(open_cube(path))
+        assert list(each[key]["ridge_point"].values()) == pytest.approx(
+            own["ridge_point"].values.tolist()
+        )
+    assert doc["roofline"] == each["h100-sxm"]  # the first GPU's, as before
+    text = " ".join(invoke("compare", str(merged)).stdout.split())
+    assert "on h100-sxm; ridge" in text and "on h200-sxm; ridge" in text
+    report = build_document(
+        open_cube(merged), ReportOptions(Target("preserve")), [], generated="now"
+    )
+    titles = [b.title for s in report.sections for b in s.blocks if isinstance(b, Table)]
+    assert sum(t.startswith("Verify pass vs ridge point") for t in titles) == 2, titles

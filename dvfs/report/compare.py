@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dvfs.report.common import (
@@ -28,8 +29,12 @@ WHATS = ("at_stock", "equal_latency")
 NOT_WITHIN = "not within target"
 
 
-def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
-    """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes."""
+def compare_document(
+    cmp: xr.Dataset, roof: xr.Dataset | Sequence[xr.Dataset] | None, cube: xr.Dataset
+) -> dict[str, Any]:
+    """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes.
+    `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
+    `roofline`, and with several, `roofline_per_gpu_model` holds each."""
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
 
@@ -107,30 +112,39 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
         "break_even_batch": break_even,
         "acceptance": acceptance,
     }
-    if roof is not None:
-        doc["roofline"] = {
-            "model": roof.attrs["model"],
-            "gpu_profile": roof.attrs["gpu_profile"],
-            "context_tokens": roof.attrs["context_tokens"],
-            "ridge_point": {
-                str(int(c)): as_float(v)
-                for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
-            },
-            "verify": [
-                {
-                    "batch": int(b),
-                    "drafter": str(d),
-                    "verify_tokens": as_int(roof["verify_tokens"].sel(batch=b, drafter=d)),
-                    "arithmetic_intensity": as_float(
-                        roof["arithmetic_intensity"].sel(batch=b, drafter=d)
-                    ),
-                    "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
-                }
-                for b in roof["batch"].values
-                for d in roof["drafter"].values
-            ],
-        }
+    roofs = [] if roof is None else [roof] if not isinstance(roof, Sequence) else list(roof)
+    if roofs:
+        doc["roofline"] = _roofline_document(roofs[0])
+    if len(roofs) > 1:
+        doc["roofline_per_gpu_model"] = [_roofline_document(r) for r in roofs]
     return doc
+
+
+def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
+    """One roofline as JSON: its model and GPU profile, the ridge point per clock and where
+    each (batch, drafter)'s verify pass turns compute-bound."""
+    return {
+        "model": roof.attrs["model"],
+        "gpu_profile": roof.attrs["gpu_profile"],
+        "context_tokens": roof.attrs["context_tokens"],
+        "ridge_point": {
+            str(int(c)): as_float(v)
+            for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
+        },
+        "verify": [
+            {
+                "batch": int(b),
+                "drafter": str(d),
+                "verify_tokens": as_int(roof["verify_tokens"].sel(batch=b, drafter=d)),
+                "arithmetic_intensity": as_float(
+                    roof["arithmetic_intensity"].sel(batch=b, drafter=d)
+                ),
+                "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
+            }
+            for b in roof["batch"].values
+            for d in roof["drafter"].values
+        ],
+    }
 
 
 def _paired(cmp: xr.Dataset, at: dict[str, Any], what: str) -> dict[str, Any]:
@@ -323,8 +337,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 [[d, *(fmt(lookup.get((d, c)), ".2f") for c in corpora)] for d in drafters],
             )
         )
-    if "roofline" in doc:
-        roof = doc["roofline"]
+    for roof in doc.get("roofline_per_gpu_model") or [doc[k] for k in ("roofline",) if k in doc]:
         tables.append(
             (
                 f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "

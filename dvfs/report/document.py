@@ -114,7 +114,7 @@ def _comparison(
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The `dvfs compare` document against the target's baseline, or why there is none."""
     from dvfs.analysis.compare import compare
-    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.roofline import rooflines
     from dvfs.analysis.selection import select
     from dvfs.errors import AnalysisError
     from dvfs.report.compare import compare_document
@@ -135,7 +135,7 @@ def _comparison(
     result = select(result, options.batch, drafters, options.corpus)
     notes = []
     try:
-        roof = select(roofline(cube), options.batch, drafters)
+        roof = [select(r, options.batch, drafters) for r in rooflines(cube)]
     except AnalysisError as exc:
         roof = None
         notes.append(f"No roofline: {exc}")
