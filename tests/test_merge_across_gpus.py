@@ -309,6 +309,8 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
             own["ridge_point"].values.tolist()
         )
     assert doc["roofline"] == each["h100-sxm"]  # the first GPU's, as before
+    # the document names every GPU model it compares on, not the first one's alone
+    assert doc["gpu"] == ", ".join(json.loads(open_cube(merged).attrs["gpu_names"]))
     text = " ".join(invoke("compare", str(merged)).stdout.split())
     assert "on h100-sxm; ridge" in text and "on h200-sxm; ridge" in text
     report = build_document(

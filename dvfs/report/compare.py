@@ -10,6 +10,7 @@ from dvfs.report.common import (
     as_float,
     as_int,
     fmt,
+    gpu_names,
     markdown_table,
     named_rows,
     reference_setting,
@@ -102,7 +103,8 @@ def compare_document(
     doc: dict[str, Any] = {
         "schema": COMPARE_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
-        "gpu": cube.attrs.get("gpu_name"),
+        # a merged cube's `gpu_name` is its first GPU's: every model it holds is named
+        "gpu": ", ".join(dict.fromkeys(gpu_names(cube).values())) or cube.attrs.get("gpu_name"),
         "baseline": baseline,
         "latency": cmp.attrs["latency"],
         "reference": reference_setting(cmp.attrs),
