@@ -502,3 +502,20 @@ def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
     path = write_cube(cube, tmp_path / "cube.nc")
     said = " ".join(run("cube", "info", str(path)).stdout.split())
     assert "foreign_process x1 (invalid), idle_baseline_foreign x4;" in said, said
+
+
+def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
+    """A failed cell in `dvfs cube info` reads as the sweep's line named it, not as a Python
+    dict with `None` for the stock limit."""
+    import json
+
+    from dvfs.cube import write_cube
+
+    cube = make_cube(clocks=[1000, 2000], energy=lambda c, *a: math.nan if c == 1000 else 1.0)
+    cube["cell_status"].loc[{"sm_clock": 1000}] = 2
+    cell = {"drafter": "none", "repeat": 0, "sm_clock_mhz": 1000, "power_limit_w": None}
+    cell |= {"batch": 1, "corpus": "code"}
+    cube.attrs["failed_cells"] = json.dumps([{"cell": cell, "error": "HTTP 500"}])
+    path = write_cube(cube, tmp_path / "cube.nc")
+    said = " ".join(run("cube", "info", str(path)).stdout.split())
+    assert "failed none/code/b1/r0 @ 1000 MHz, stock limit: HTTP 500" in said, said

@@ -141,9 +141,24 @@ def _render(summary: dict[str, Any]) -> None:
         out.print(f"{name}: {escape(note)}")
     failed = summary["failed_cells"]
     for item in failed[:5]:
-        out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")
+        out.print(
+            f"[yellow]failed[/yellow] {escape(_failed_label(item['cell']))}: "
+            f"{escape(item['error'])}"
+        )
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
+
+
+def _failed_label(cell: Any) -> str:
+    """A failed cell as the sweep named it ("none/code/b4/r0 @ 1980 MHz, stock limit"); as
+    recorded where it cannot be read so."""
+    from dvfs.measure.plan import Cell
+    from dvfs.measure.runner import cell_label
+
+    try:
+        return cell_label(Cell.from_dict(cell))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return str(cell)
 
 
 @cube.command("merge")
