@@ -505,8 +505,8 @@ def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
 
 
 def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
-    """A failed cell in `dvfs cube info` reads as the sweep's line named it, not as a Python
-    dict with `None` for the stock limit."""
+    """A failed cell in `dvfs cube info` and the report reads as the sweep's line named it,
+    not as a Python dict with `None` for the stock limit."""
     import json
 
     from dvfs.cube import write_cube
@@ -519,3 +519,8 @@ def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
     path = write_cube(cube, tmp_path / "cube.nc")
     said = " ".join(run("cube", "info", str(path)).stdout.split())
     assert "failed none/code/b1/r0 @ 1000 MHz, stock limit: HTTP 500" in said, said
+    from dvfs.report.facts import measured_section
+
+    [table] = [b for b in measured_section(cube).blocks if isinstance(b, Table)]
+    assert table.header == ("cell", "error")
+    assert table.rows == (("none/code/b1/r0 @ 1000 MHz, stock limit", "HTTP 500"),)

@@ -79,7 +79,13 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from dvfs.cube.info import idle_caveat, idle_power_text, invalidates, shard_note
+    from dvfs.cube.info import (
+        failed_cell_label,
+        idle_caveat,
+        idle_power_text,
+        invalidates,
+        shard_note,
+    )
 
     out = console()
     out.print(
@@ -142,23 +148,11 @@ def _render(summary: dict[str, Any]) -> None:
     failed = summary["failed_cells"]
     for item in failed[:5]:
         out.print(
-            f"[yellow]failed[/yellow] {escape(_failed_label(item['cell']))}: "
+            f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell']))}: "
             f"{escape(item['error'])}"
         )
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
-
-
-def _failed_label(cell: Any) -> str:
-    """A failed cell as the sweep named it ("none/code/b4/r0 @ 1980 MHz, stock limit"); as
-    recorded where it cannot be read so."""
-    from dvfs.measure.plan import Cell
-    from dvfs.measure.runner import cell_label
-
-    try:
-        return cell_label(Cell.from_dict(cell))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return str(cell)
 
 
 @cube.command("merge")

@@ -283,6 +283,17 @@ def pinning_note(ds: xr.Dataset) -> str | None:
     )
 
 
+def failed_cell_label(cell: Any) -> str:
+    """A failed cell (as `failed_cells` records it) as the sweep named it ("none/code/b4/r0 @
+    1980 MHz, stock limit"); as recorded where it cannot be read so."""
+    from dvfs.measure.plan import Cell, cell_label
+
+    try:
+        return cell_label(Cell.from_dict(cell))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return str(cell)
+
+
 def _repeats_text(ds: xr.Dataset) -> str:
     """The repeats a cell takes: the repeat axis's length, or with adaptive repeats the
     campaign's range and the fewest and most a measured cell took."""

@@ -50,7 +50,7 @@ from dvfs.measure.meter import (
     steady_window_ns,
     summarise,
 )
-from dvfs.measure.plan import Cell
+from dvfs.measure.plan import Cell, cell_label
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
 from dvfs.measure.tenants import (
     ForeignProcess,
@@ -1148,9 +1148,3 @@ def _setting_text(setting: KnobSetting) -> str:
     clock = f"{setting.sm_clock_mhz} MHz" if setting.sm_clock_mhz is not None else "stock clock"
     limit = f"{setting.power_limit_w:g} W" if setting.power_limit_w is not None else "stock limit"
     return f"{clock}, {limit}"
-
-
-def cell_label(cell: Cell) -> str:
-    clock = f"{cell.sm_clock_mhz} MHz" if cell.sm_clock_mhz is not None else "stock clock"
-    limit = f"{cell.power_limit_w:g} W" if cell.power_limit_w is not None else "stock limit"
-    return f"{cell.drafter}/{cell.corpus}/b{cell.batch}/r{cell.repeat} @ {clock}, {limit}"

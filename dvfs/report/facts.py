@@ -218,11 +218,16 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         ]
     failed = info["failed_cells"]
     if failed:
+        from dvfs.cube.info import failed_cell_label
+
+        # each as the sweep named it, with its error
         rows = tuple(
-            (json.dumps(cell, sort_keys=True) if not isinstance(cell, str) else cell,)
-            for cell in failed[:MAX_FAILED_LISTED]
+            (failed_cell_label(item["cell"]), str(item.get("error", "")))
+            if isinstance(item, dict) and "cell" in item
+            else (json.dumps(item, sort_keys=True) if not isinstance(item, str) else item, "")
+            for item in failed[:MAX_FAILED_LISTED]
         )
         more = len(failed) - MAX_FAILED_LISTED
         title = "Failed cells" + (f" (first {MAX_FAILED_LISTED}; {more} more)" if more > 0 else "")
-        blocks.append(Table(title, ("cell",), rows))
+        blocks.append(Table(title, ("cell", "error"), rows))
     return blocks
