@@ -282,6 +282,19 @@ def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path
     assert said in text, text
     facts = dict(next(b for b in measured_section(cube).blocks if isinstance(b, Facts)).pairs)
     assert facts["Idle power"] == f"{labels[0][:12]} 61.5 W, {labels[1][:12]} 83.25 W"
+    # Another tenant around the first GPU's idle measurement: said of that GPU's idle power
+    # alone (the GPU index it names is its own cube's).
+    tenant = {"gpu": 0, "pid": 42, "name": "python", "at": "start"}
+    _cube(a, a, idle_foreign_processes=json.dumps([tenant]))
+    _cube(b, b, idle_foreign_processes="[]")
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    facts = dict(
+        next(b for b in measured_section(open_cube(merged)).blocks if isinstance(b, Facts)).pairs
+    )
+    assert facts["Idle power"] == (
+        f"{labels[0][:12]} 61.5 W (not idle: another tenant's process 42 (python) on GPU 0 ran "
+        f"during it), {labels[1][:12]} 83.25 W"
+    )
 
 
 def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(

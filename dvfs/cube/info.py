@@ -163,6 +163,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "idle_power_per_gpu": idle_power_per_gpu(ds),
+        "idle_foreign_per_gpu": idle_foreign_per_gpu(ds),
         "shard": shard_label(ds),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
@@ -210,20 +211,40 @@ def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:
     return shown
 
 
+def idle_foreign_per_gpu(ds: xr.Dataset) -> dict[str, list[dict[str, Any]]]:
+    """A merged cube's other tenants seen around each GPU's opening idle measurement, by the
+    GPUs' label (its sources' `idle_foreign_processes`, whose GPU indices are each source's
+    own); empty for one GPU's cube, or where no source recorded them (an older merge)."""
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for label, source in _sources(ds).items():
+        try:
+            listed = json.loads(str(source.get("idle_foreign_processes")))
+        except ValueError:  # "None": not recorded
+            continue
+        if isinstance(listed, list):
+            seen[label] = [p for p in listed if isinstance(p, dict)]
+    return seen
+
+
 def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
     """The idle power as `dvfs cube info` and the report say it: the cube's, or each GPU's of
     a merged cube ("GPU-47dfcd23 75.0 W, ..."); "" where none is recorded. Other tenants'
     processes seen around its measurement follow (`idle_caveat`)."""
     idle = float(info["idle_power_w"])
     per_gpu = info.get("idle_power_per_gpu") or {}
+    tenants = info.get("idle_foreign_per_gpu") or {}
     if idle == idle:
         text = f"{idle:{fmt}} W"
     elif any(w == w for w in per_gpu.values()):
         text = ", ".join(
             f"{','.join(u[:12] for u in label.split(','))} "
             + (f"{w:{fmt}} W" if w == w else "not recorded")
+            # each GPU's own tenants, where its source says (their GPU index is its own)
+            + idle_caveat(tenants.get(label, []))
             for label, w in per_gpu.items()
         )
+        if tenants:
+            return text
     else:
         return ""
     return text + idle_caveat(info["idle_foreign_processes"])

@@ -226,6 +226,7 @@ SOURCE_KEYS = (
     "actuation",
     "clock",
     "idle_power_w",
+    "idle_foreign_processes",
     "sessions",
     "measurement_method",
     "token_count_method",
