@@ -299,3 +299,15 @@ def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
     handles = [h for legend in _legends(fig) for h in legend.legend_handles]
     assert {str(h.get_color()): h.get_linestyle() for h in handles} == drawn
     assert sorted(drawn.values()) == ["-", "--"]
+
+
+def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:
+    """Observe-only changes no knob: a clock lock set outside dvfs stays, so the timelines'
+    legend says the clock and limit were as found, not "clock unlocked" or a lock dvfs set."""
+    cube = small_cube([1], corpora=("code",))
+    cube.attrs["actuation"] = 0
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    labels = {str(line.get_label()) for ax in fig.axes for line in ax.lines}
+    drawn = [label for label in labels if ", stock:" in label]
+    assert drawn and all(label.endswith("as found (observe-only)") for label in drawn), labels
+    assert not [label for label in labels if "unlocked" in label or "clock lock" in label]
