@@ -311,3 +311,23 @@ def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:
     drawn = [label for label in labels if ", stock:" in label]
     assert drawn and all(label.endswith("as found (observe-only)") for label in drawn), labels
     assert not [label for label in labels if "unlocked" in label or "clock lock" in label]
+
+
+def test_the_headroom_map_wraps_a_flag_name_after_its_underscores_not_inside_a_word() -> None:
+    """An invalid reference cell names its flag in the map's cell, as the table does; wrapped
+    to fit, the name breaks after an underscore ("foreign_" / "process"), never mid-word."""
+    import re
+
+    from dvfs.measure.meter import Q_FOREIGN_PROCESS
+    from dvfs.plots import draw_headroom
+
+    cube = small_cube([1], corpora=("code",))
+    cube["quality"] = xr.zeros_like(cube["energy_per_token_j"])
+    at = {"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}
+    cube["quality"].loc[at] = Q_FOREIGN_PROCESS
+    cube["valid"].loc[at] = 0.0
+    fig = draw_headroom(headroom(cube, target=TARGET))
+    [label] = [t.get_text() for ax in fig.axes for t in ax.texts if "reference" in t.get_text()]
+    said = "no valid reference cell (invalid: foreign_process)"
+    # joined again: a break after "_" takes nothing away, any other one took a space
+    assert re.sub(r"_\n", "_", label).replace("\n", " ") == said, label
