@@ -524,3 +524,14 @@ def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
     [table] = [b for b in measured_section(cube).blocks if isinstance(b, Table)]
     assert table.header == ("cell", "error")
     assert table.rows == (("none/code/b1/r0 @ 1000 MHz, stock limit", "HTTP 500"),)
+
+
+def test_a_report_on_part_of_the_cube_says_which_part() -> None:
+    """--batch, --drafter and --corpus narrow every table, finding and figure: the heading
+    says so, or "0 of 1 groups" would read as the whole campaign's."""
+    cube = make_cube(clocks=[1000, 2000], batches=[1, 4], drafters=["none", "eagle3"])
+    options = ReportOptions(Target("preserve"), batch=(4,), drafter=("eagle3",))
+    doc = build_document(cube, options, [], generated="now")
+    assert "; only batch 4; drafter eagle3; generated now" in doc.subtitle, doc.subtitle
+    whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
+    assert "only" not in whole.subtitle
