@@ -533,5 +533,11 @@ def test_a_report_on_part_of_the_cube_says_which_part() -> None:
     options = ReportOptions(Target("preserve"), batch=(4,), drafter=("eagle3",))
     doc = build_document(cube, options, [], generated="now")
     assert "; only batch 4; drafter eagle3; generated now" in doc.subtitle, doc.subtitle
+    energy = doc.sections[3].blocks[1]
+    assert isinstance(energy, Finding)  # one group: its energy, not a range from it to itself
+    assert (
+        energy.headline
+        == "At stock, energy per token is 1 J (batch 4, drafter eagle3, corpus code)."
+    )
     whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
     assert "only" not in whole.subtitle

@@ -92,9 +92,14 @@ def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding
         return Finding(f"No cell at {at} was measured: no energy there to report.", (), figures)
     low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
     high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
+    said = (
+        f"is {low['stock_energy_per_token_j']:.4g} J ({_where(low)})"  # one group: no range
+        if len(rows) == 1
+        else f"ranges from {low['stock_energy_per_token_j']:.4g} J ({_where(low)}) to "
+        f"{high['stock_energy_per_token_j']:.4g} J ({_where(high)})"
+    )
     return Finding(
-        f"At {at}, energy per token ranges from {low['stock_energy_per_token_j']:.4g} J "
-        f"({_where(low)}) to {high['stock_energy_per_token_j']:.4g} J ({_where(high)}).",
+        f"At {at}, energy per token {said}.",
         _batch_trend(rows, at),
         figures,
     )
