@@ -541,3 +541,31 @@ def test_a_report_on_part_of_the_cube_says_which_part() -> None:
     )
     whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
     assert "only" not in whole.subtitle
+
+
+@pytest.mark.parametrize(
+    ("measurement", "said"),
+    [
+        ({"mode": "in-flight"}, "in-flight, abba: each knob level a segment of one"),
+        ({"mode": "in-flight", "inflight_order": "serpentine"}, "in-flight, serpentine: "),
+        ({"mode": "per-level"}, "per-level"),
+        ({}, "per-level"),  # a campaign from before the mode existed
+    ],
+)
+def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
+    measurement: dict[str, str], said: str, tmp_path: Path
+) -> None:
+    """An in-flight cube's windows are segments of one decode, not per-level rounds, which
+    the measurement method's text describes: the report and `cube info` name the mode."""
+    import json
+
+    from dvfs.cube import write_cube
+    from dvfs.report.facts import measured_section
+
+    cube = make_cube(clocks=[1000, 2000])
+    cube.attrs["campaign"] = json.dumps({"measurement": measurement})
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["Measurement mode"].startswith(said), facts["Measurement mode"]
+    info = run("cube", "info", str(write_cube(cube, tmp_path / "cube.nc")))
+    shown = " ".join(info.stdout.split())
+    assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown

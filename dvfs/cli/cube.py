@@ -84,6 +84,7 @@ def _render(summary: dict[str, Any]) -> None:
         idle_caveat,
         idle_power_text,
         invalidates,
+        mode_text,
         shard_note,
     )
 
@@ -121,6 +122,8 @@ def _render(summary: dict[str, Any]) -> None:
     )
     if summary["shard"] is not None:
         table.add_row("shard", escape(str(shard_note(summary["shard"]))))
+    if str(summary["measurement_mode"]).startswith("in-flight"):
+        table.add_row("mode", escape(str(mode_text(summary["measurement_mode"]))))
     if summary["repeats"] != str(summary["dims"].get("repeat", 1)):
         table.add_row("repeats", summary["repeats"])
     for drafter, outcome in summary["gpu_pinning"].items():

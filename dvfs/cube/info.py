@@ -10,7 +10,7 @@ import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import describe_quality
-from dvfs.records import knobs_set
+from dvfs.records import knobs_set, measurement_mode
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -84,6 +84,22 @@ def invalidates(flag: str) -> bool:
     from dvfs.measure.meter import INVALIDATING, QUALITY_FLAGS
 
     return any(name == flag and bit & INVALIDATING for bit, name in QUALITY_FLAGS.items())
+
+
+#: What an in-flight measurement is, beside the measurement method (which says how a window's
+#: energy is taken): the README's "In-flight stepping".
+INFLIGHT_TEXT = (
+    "each knob level a segment of one fixed-batch decode stepping through the levels, its "
+    "settle discarded; decodes added until every level reaches the precision; each level "
+    "carried back to a per-level cell's context along a drift fitted across the segments"
+)
+
+
+def mode_text(mode: str | None) -> str | None:
+    """The measurement mode in words (None: not recorded)."""
+    if mode is None or not mode.startswith("in-flight"):
+        return mode
+    return f"{mode}: {INFLIGHT_TEXT}"
 
 
 #: What a warning flag (one that leaves the cell valid) means where a cube raises it, for
@@ -160,6 +176,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "missing": int(((status == STATUS_MISSING) & ~not_needed).sum()),
         "not_needed": int(not_needed.sum()),
         "repeats": _repeats_text(ds),
+        "measurement_mode": measurement_mode(ds.attrs.get("campaign")),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "idle_power_per_gpu": idle_power_per_gpu(ds),

@@ -39,7 +39,7 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import idle_caveat, idle_power_text, info_text
+    from dvfs.cube.info import idle_caveat, idle_power_text, info_text, mode_text
 
     info = info_text(cube)
     a = cube.attrs
@@ -68,6 +68,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("History", _text(a.get("history"))),
         ("dvfs version", _text(a.get("dvfs_version"))),
         ("Measurement method", _text(a.get("measurement_method"))),
+        ("Measurement mode", _text(mode_text(info["measurement_mode"]))),
         ("Token counts", _text(a.get("token_count_method"))),
     ]
     # Where a server's GPUs were checked (real GPUs): verified, or unverified and why.
