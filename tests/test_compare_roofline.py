@@ -301,3 +301,24 @@ def test_without_a_baseline_reference_no_drafter_is_called_too_slow(how: str) ->
     [(_, _, rows), *_] = compare_tables(doc)
     assert [row[-1] for row in rows] == ["too slow"] * len(BATCHES)
     assert "No drafter meets 'none''s latency" in speculation_finding(doc, ()).headline
+
+
+def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
+    """A drafter whose low clocks are not measured yet may still meet the baseline's latency
+    there: "not within target" and "too slow" rest on what is measured so far, and the
+    comparison says so, as headroom does."""
+    from dvfs.report import compare_document, compare_notes
+
+    whole = cube()
+    doc = compare_document(compare(whole), None, whole)
+    assert not [n for n in compare_notes(doc) if n.startswith("partial cube")]
+    partial = whole.copy(deep=True)
+    at = {"drafter": "eagle3", "sm_clock": 1000, "batch": 64}
+    partial["energy_per_token_j"].loc[at] = np.nan
+    partial["tpot_ms"].loc[at] = np.nan
+    partial["cell_status"].loc[at] = 0
+    partial["valid"].loc[at] = np.nan
+    notes = compare_notes(compare_document(compare(partial), None, partial))
+    [note] = [n for n in notes if n.startswith("partial cube")]
+    assert note.startswith("partial cube: 1 of 12 cells not measured yet"), note
+    assert "run the same `dvfs sweep` command again" in note

@@ -36,6 +36,8 @@ def compare_document(
     """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes.
     `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
     `roofline`, and with several, `roofline_per_gpu_model` holds each."""
+    from dvfs.analysis.headroom import coverage
+
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
 
@@ -113,6 +115,8 @@ def compare_document(
         "rows": rows,
         "break_even_batch": break_even,
         "acceptance": acceptance,
+        "coverage": coverage(cube),
+        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
     }
     roofs = [] if roof is None else [roof] if not isinstance(roof, Sequence) else list(roof)
     if roofs:
@@ -173,11 +177,26 @@ def _gpus(ds: xr.Dataset, at: dict[str, Any]) -> list[str]:
 
 def compare_notes(doc: dict[str, Any]) -> list[str]:
     """The lines under the tables: the reference (what "equal clock" and the break-even batch
-    are at), how saves / costs were judged, rows that lost repeats to pairing, and rows whose
-    two arms were measured on different GPUs."""
+    are at), how saves / costs were judged, a partial cube's cells not measured yet, rows that
+    lost repeats to pairing, and rows whose two arms were measured on different GPUs."""
     notes = [f"equal clock: both at the reference, {reference_text(doc['reference'])}"]
     if doc.get("interval"):
         notes.append(f"saves / costs: {doc['interval']}")
+    cov = doc.get("coverage") or {}
+    waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
+    if waiting:
+        from dvfs.cube.info import shard_note
+
+        then = (
+            shard_note(doc["shard"])
+            if doc.get("shard")
+            else "run the same `dvfs sweep` command again to resume it"
+        )
+        notes.append(
+            f"partial cube: {waiting} of {cov['cells']} cells not measured yet: a ratio, a "
+            'verdict ("not within target", "too slow" included) or a break-even batch '
+            f"resting on settings not measured may change; {then}"
+        )
     dropped = [
         r
         for r in doc["rows"]
