@@ -331,3 +331,30 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     )
     titles = [b.title for s in report.sections for b in s.blocks if isinstance(b, Table)]
     assert sum(t.startswith("Verify pass vs ridge point") for t in titles) == 2, titles
+
+
+def test_a_merged_cube_lists_each_gpus_failed_cells(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A cell failed on one GPU: `cube info` and the merged cube's report list it with its
+    error and the GPU it failed on (the merge dropped each cube's list)."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Table
+
+    cell = {"drafter": "none", "repeat": 0, "sm_clock_mhz": None, "power_limit_w": None}
+    cell |= {"batch": 1, "corpus": "code"}
+    failed = json.dumps([{"cell": cell, "error": "HTTP 500"}])
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", failed_cells=failed)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc")
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    label = str(open_cube(merged)["gpu"].values[0])
+    info = json.loads(invoke("cube", "info", str(merged), "--json").stdout)
+    assert info["failed_cells"] == [{"cell": cell, "error": "HTTP 500", "gpu": label}]
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    named = f"none/code/b1/r0 @ stock clock, stock limit on {label[:12]}"
+    assert f"failed {named}: HTTP 500" in said, said
+    [table] = [
+        b
+        for b in measured_section(open_cube(merged)).blocks
+        if isinstance(b, Table) and b.title.startswith("Failed")
+    ]
+    assert table.rows == ((named, "HTTP 500"),)

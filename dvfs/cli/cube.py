@@ -151,7 +151,7 @@ def _render(summary: dict[str, Any]) -> None:
     failed = summary["failed_cells"]
     for item in failed[:5]:
         out.print(
-            f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell']))}: "
+            f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell'], item.get('gpu')))}: "
             f"{escape(item['error'])}"
         )
     if len(failed) > 5:

@@ -321,15 +321,17 @@ def pinning_note(ds: xr.Dataset) -> str | None:
     )
 
 
-def failed_cell_label(cell: Any) -> str:
+def failed_cell_label(cell: Any, gpu: Any = None) -> str:
     """A failed cell (as `failed_cells` records it) as the sweep named it ("none/code/b4/r0 @
-    1980 MHz, stock limit"); as recorded where it cannot be read so."""
+    1980 MHz, stock limit"), with the GPUs it failed on in a merged cube (`gpu`: their label);
+    as recorded where it cannot be read so."""
     from dvfs.measure.plan import Cell, cell_label
 
+    on = "" if not gpu else " on " + ",".join(u[:12] for u in str(gpu).split(","))
     try:
-        return cell_label(Cell.from_dict(cell))
+        return cell_label(Cell.from_dict(cell)) + on
     except (KeyError, TypeError, ValueError, AttributeError):
-        return str(cell)
+        return str(cell) + on
 
 
 def _repeats_text(ds: xr.Dataset) -> str:

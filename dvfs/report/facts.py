@@ -223,7 +223,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
 
         # each as the sweep named it, with its error
         rows = tuple(
-            (failed_cell_label(item["cell"]), str(item.get("error", "")))
+            (failed_cell_label(item["cell"], item.get("gpu")), str(item.get("error", "")))
             if isinstance(item, dict) and "cell" in item
             else (json.dumps(item, sort_keys=True) if not isinstance(item, str) else item, "")
             for item in failed[:MAX_FAILED_LISTED]
