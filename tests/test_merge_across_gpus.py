@@ -324,6 +324,11 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     assert doc["roofline"] == each["h100-sxm"]  # the first GPU's, as before
     # the document names every GPU model it compares on, not the first one's alone
     assert doc["gpu"] == ", ".join(json.loads(open_cube(merged).attrs["gpu_names"]))
+    # and headroom's gives the campaigns' hashes (they differ in the GPU profile), which the
+    # merged cube keeps per source, as the report does
+    room = json.loads(invoke("headroom", str(merged), "--json").stdout)
+    hashes = sorted({open_cube(c).attrs["campaign_hash"] for c in (h100, h200)})
+    assert room["campaign_hash"] == ", ".join(hashes)
     text = " ".join(invoke("compare", str(merged)).stdout.split())
     assert "on h100-sxm; ridge" in text and "on h200-sxm; ridge" in text
     report = build_document(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from dvfs.report.common import gpu_uuids
+from dvfs.report.common import campaign_hash, gpu_uuids
 from dvfs.report.model import Code, Facts, Paragraph, Section, Table
 
 if TYPE_CHECKING:
@@ -89,20 +89,8 @@ def measured_section(cube: xr.Dataset) -> Section:
 
 
 def _campaign_hash(attrs: dict[Any, Any]) -> str:
-    """The cube's campaign hash; a merged cube's, from the cubes it was merged from (the
-    "Merged from" table shows each)."""
-    if attrs.get("campaign_hash"):
-        return str(attrs["campaign_hash"])
-    sources = _json_attr(attrs, "merged_from")
-    if isinstance(sources, dict):
-        hashes = {
-            str(s["campaign_hash"])
-            for s in sources.values()
-            if isinstance(s, dict) and _text(s.get("campaign_hash")) != MISSING
-        }
-        if hashes:
-            return ", ".join(sorted(hashes))
-    return MISSING
+    """The cube's campaign hash (`campaign_hash`); "not recorded" where none is."""
+    return campaign_hash(attrs) or MISSING
 
 
 def _server_args(attrs: dict[Any, Any]) -> list[Table]:

@@ -10,6 +10,7 @@ import numpy as np
 from dvfs.report.common import (
     as_float,
     as_int,
+    campaign_hash,
     fmt,
     fmt_ms,
     gpu_names,
@@ -103,7 +104,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
     return {
         "schema": HEADROOM_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
-        "campaign_hash": cube.attrs.get("campaign_hash"),
+        "campaign_hash": campaign_hash(cube.attrs),  # a merged cube's: its sources'
         "gpu": _gpu(cube),
         "model": cube.attrs.get("model"),
         "target": {
