@@ -135,7 +135,13 @@ def _gpu_checks(
             )
             locks = AppliedCaps(directory).locks()
             for g in gpus:
-                checks.append(_held_knobs(g, locked_by_dvfs=g.identity.uuid in locks))
+                checks.append(
+                    _held_knobs(
+                        g,
+                        locked_by_dvfs=g.identity.uuid in locks,
+                        observe_only=not campaign.gpu.actuation,
+                    )
+                )
                 checks.append(_tenants(g, attached=campaign.engine.sglang.url))
             capped = [g.identity.index for g in gpus if g.identity.uuid in locks]
             if capped:
@@ -168,10 +174,12 @@ def _gpu_checks(
     return checks
 
 
-def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool) -> Check:
+def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:
     """Whether something outside dvfs holds a GPU's knobs: a clock lock or applications
     clocks (NVML's ApplicationsClocksSetting reason; the lock itself cannot be read back), or
-    a limiter enforcing less than the configured power limit (a BMC or rack cap)."""
+    a limiter enforcing less than the configured power limit (a BMC or rack cap). An
+    observe-only campaign measures the clocks as it finds them: nothing is flagged for a
+    lock."""
     from dvfs.gpu.base import EVENT_APPLICATIONS_CLOCKS
 
     name = f"held knobs GPU {gpu.identity.index}"
@@ -180,8 +188,14 @@ def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool) -> Check:
         if not locked_by_dvfs and gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
             problems.append(
                 "reports ApplicationsClocksSetting (0x2): clocks may be locked or set outside "
-                "dvfs, which NVML cannot read back; stock-clock cells held below the maximum "
-                "clock would be flagged clock_held_low (unlock: nvidia-smi -rgc)"
+                "dvfs, which NVML cannot read back; "
+                + (
+                    "observe-only measures the GPU as it is set, its cells not flagged "
+                    "clock_held_low (unlock to observe stock: nvidia-smi -rgc)"
+                    if observe_only
+                    else "stock-clock cells held below the maximum clock would be flagged "
+                    "clock_held_low (unlock: nvidia-smi -rgc)"
+                )
             )
         configured, enforced = gpu.power_limit_mw(), gpu.enforced_power_limit_mw()
     except DvfsError as exc:

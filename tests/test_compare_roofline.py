@@ -264,3 +264,61 @@ def test_a_ratio_below_one_never_prints_as_one() -> None:
     assert ratio_text(0.997) == "0.997" and ratio_text(1.004) == "1.004"
     assert ratio_text(1.0) == "1.00" and ratio_text(0.5) == "0.50"
     assert ratio_text(None, missing="too slow") == "too slow"
+
+
+@pytest.mark.parametrize("how", ["missing", "invalid"])
+def test_without_a_baseline_reference_no_drafter_is_called_too_slow(how: str) -> None:
+    """none's stock cell not measured yet (a partial sweep) or invalid (a tenant on the GPU):
+    there is no latency to meet, so the tables and the finding say there is nothing to compare,
+    not that the drafter is too slow; a drafter slower at every clock still is."""
+    from dvfs.report import compare_document, compare_tables
+    from dvfs.report.findings import speculation_finding
+
+    def stock_of_none(c: int, d: str) -> bool:
+        return d == "none" and c == max(CLOCKS)
+
+    cube = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        latency=lambda c, p, b, d, *_: LATENCY[(d, c)],
+        energy=lambda c, p, b, d, *_: (
+            math.nan if how == "missing" and stock_of_none(c, d) else ENERGY[(d, b, c)]
+        ),
+        valid=lambda c, p, b, d, *_: not (how == "invalid" and stock_of_none(c, d)),
+    )
+    doc = compare_document(compare(cube), None, cube)
+    [(_, _, rows), *_] = compare_tables(doc)
+    assert [row[-1] for row in rows] == ["-"] * len(BATCHES)
+    headline = speculation_finding(doc, ()).headline
+    assert "meets 'none''s latency" not in headline, headline
+    assert "compared" in headline, headline
+    slow = spec_cube(
+        energy=lambda c, b, d: 0.5 if d == "eagle3" else 1.0,
+        latency=lambda c, b, d: 20.0 if d == "eagle3" else baseline_latency(c, b, d),
+    )
+    doc = compare_document(compare(slow), None, slow)
+    [(_, _, rows), *_] = compare_tables(doc)
+    assert [row[-1] for row in rows] == ["too slow"] * len(BATCHES)
+    assert "No drafter meets 'none''s latency" in speculation_finding(doc, ()).headline
+
+
+def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
+    """A drafter whose low clocks are not measured yet may still meet the baseline's latency
+    there: "not within target" and "too slow" rest on what is measured so far, and the
+    comparison says so, as headroom does."""
+    from dvfs.report import compare_document, compare_notes
+
+    whole = cube()
+    doc = compare_document(compare(whole), None, whole)
+    assert not [n for n in compare_notes(doc) if n.startswith("partial cube")]
+    partial = whole.copy(deep=True)
+    at = {"drafter": "eagle3", "sm_clock": 1000, "batch": 64}
+    partial["energy_per_token_j"].loc[at] = np.nan
+    partial["tpot_ms"].loc[at] = np.nan
+    partial["cell_status"].loc[at] = 0
+    partial["valid"].loc[at] = np.nan
+    notes = compare_notes(compare_document(compare(partial), None, partial))
+    [note] = [n for n in notes if n.startswith("partial cube")]
+    assert note.startswith("partial cube: 1 of 12 cells not measured yet"), note
+    assert "run the same `dvfs sweep` command again" in note

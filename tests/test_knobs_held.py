@@ -325,12 +325,30 @@ def test_observe_only_measures_stock_as_it_finds_it_an_operators_lock_included(
     out = tmp_path / "out"
     done = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--observe-only", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    # The lock is named, and said not to flag anything: observe-only neither flags nor restores.
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "GPU 0 reports ApplicationsClocksSetting (0x2)" in said
+    assert "will be flagged clock_held_low" not in said and "restores" not in said, said
+    assert "not flagged clock_held_low" in said, said
     records = cells(out / "journal.jsonl")
     assert records
     for record in records:
         assert record["measurement"]["sm_clock_observed_mhz"] == 1200
         assert "clock_held_low" not in flags(record)
     assert nvml.fake_device_state(0)["locked_clocks"] == [1200, 1200]
+    # The cube files the stock cells at the maximum clock; what dvfs says of the reference
+    # tells it was observed as found, and at which clock the GPU ran.
+    import dvfs
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    info = dvfs_in_process("cube", "info", str(out), "--json", env=env)
+    stock = json.loads(info.stdout)["stock"]
+    assert "observe-only: dvfs changed no knob" in stock and "ran at 1200 MHz" in stock, stock
+    assert "SM clock left unlocked" not in stock
+    section = measured_section(dvfs.open_cube(out))
+    facts = dict(next(b for b in section.blocks if isinstance(b, Facts)).pairs)
+    assert facts["Reference"] == stock
 
 
 class LockingEngine(ChangingEngine):
@@ -396,3 +414,20 @@ def test_doctor_warns_of_a_lock_and_a_limit_held_outside_dvfs(nvml, env, tmp_pat
     held = " ".join(dvfs_in_process("doctor", str(campaign), env=env).stdout.split())
     assert "reports ApplicationsClocksSetting (0x2)" in held, held
     assert "enforces 500 W below its configured 700 W" in held
+    # An observe-only campaign measures the GPU as it is set: the lock is named, not said to
+    # flag cells.
+    observe = tmp_path / "observe.toml"
+    observe.write_text(
+        campaign_text(
+            **{
+                "sm_clock = [1980, 1500]": 'sm_clock = "stock"',
+                "power_limit = [700, 400]": 'power_limit = "stock"',
+                'backend = "nvml"': 'backend = "nvml"\nactuation = "off"',
+            }
+        )
+    )
+    watched = dvfs_in_process("doctor", str(observe), env=env)
+    said = " ".join(watched.stdout.split())
+    assert "reports ApplicationsClocksSetting (0x2)" in said, said
+    assert "would be flagged clock_held_low" not in said
+    assert "its cells not flagged clock_held_low" in said

@@ -258,3 +258,108 @@ def test_a_merged_cube_takes_its_sources_known_engine_and_prompt_provenance(
     whole = merge_cubes([open_cube(blank), open_cube(told)], ["s0", "s1"])
     assert whole.attrs["engine_version"] == known["engine_version"]
     assert whole.attrs["prompt_format"] == "plain"
+
+
+def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Each GPU idles at its own power: the merged cube keeps each source's (`merged_from`),
+    and `cube info` and the report say them per GPU, not "not recorded"."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", idle_power_w=61.5)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", idle_power_w=83.25)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    labels = [str(g) for g in cube["gpu"].values]
+    info = invoke("cube", "info", str(merged), "--json")
+    assert info.exit_code == 0, info.output
+    assert json.loads(info.stdout)["idle_power_per_gpu"] == dict(
+        zip(labels, (61.5, 83.25), strict=True)
+    )
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    said = f"idle power {labels[0][:12]} 61.5 W, {labels[1][:12]} 83.2 W"
+    assert said in text, text
+    facts = dict(next(b for b in measured_section(cube).blocks if isinstance(b, Facts)).pairs)
+    assert facts["Idle power"] == f"{labels[0][:12]} 61.5 W, {labels[1][:12]} 83.25 W"
+    # Another tenant around the first GPU's idle measurement: said of that GPU's idle power
+    # alone (the GPU index it names is its own cube's).
+    tenant = {"gpu": 0, "pid": 42, "name": "python", "at": "start"}
+    _cube(a, a, idle_foreign_processes=json.dumps([tenant]))
+    _cube(b, b, idle_foreign_processes="[]")
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    facts = dict(
+        next(b for b in measured_section(open_cube(merged)).blocks if isinstance(b, Facts)).pairs
+    )
+    assert facts["Idle power"] == (
+        f"{labels[0][:12]} 61.5 W (not idle: another tenant's process 42 (python) on GPU 0 ran "
+        f"during it), {labels[1][:12]} 83.25 W"
+    )
+
+
+def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An H200 reads memory faster than an H100 that computes as fast: its ridge point is
+    lower. `dvfs compare` and the report on a merged cube of the two show each GPU's roofline,
+    the one of its own cube, not the first GPU's for both."""
+    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.targets import Target
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Table
+
+    merged = tmp_path / "m.nc"
+    h100, h200 = runs["h100"] / "cube.nc", runs["h200"] / "cube.nc"
+    assert invoke("cube", "merge", str(h100), str(h200), "-o", str(merged)).exit_code == 0
+    done = invoke("compare", str(merged), "--json")
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    each = {r["gpu_profile"]: r for r in doc["roofline_per_gpu_model"]}
+    assert set(each) == {"h100-sxm", "h200-sxm"}
+    for key, path in (("h100-sxm", h100), ("h200-sxm", h200)):
+        own = roofline(open_cube(path))
+        assert list(each[key]["ridge_point"].values()) == pytest.approx(
+            own["ridge_point"].values.tolist()
+        )
+    assert doc["roofline"] == each["h100-sxm"]  # the first GPU's, as before
+    # the document names every GPU model it compares on, not the first one's alone
+    assert doc["gpu"] == ", ".join(json.loads(open_cube(merged).attrs["gpu_names"]))
+    # and headroom's gives the campaigns' hashes (they differ in the GPU profile), which the
+    # merged cube keeps per source, as the report does
+    room = json.loads(invoke("headroom", str(merged), "--json").stdout)
+    hashes = sorted({open_cube(c).attrs["campaign_hash"] for c in (h100, h200)})
+    assert room["campaign_hash"] == ", ".join(hashes)
+    text = " ".join(invoke("compare", str(merged)).stdout.split())
+    assert "on h100-sxm; ridge" in text and "on h200-sxm; ridge" in text
+    report = build_document(
+        open_cube(merged), ReportOptions(Target("preserve")), [], generated="now"
+    )
+    titles = [b.title for s in report.sections for b in s.blocks if isinstance(b, Table)]
+    assert sum(t.startswith("Verify pass vs ridge point") for t in titles) == 2, titles
+
+
+def test_a_merged_cube_lists_each_gpus_failed_cells(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A cell failed on one GPU: `cube info` and the merged cube's report list it with its
+    error and the GPU it failed on (the merge dropped each cube's list)."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Table
+
+    cell = {"drafter": "none", "repeat": 0, "sm_clock_mhz": None, "power_limit_w": None}
+    cell |= {"batch": 1, "corpus": "code"}
+    failed = json.dumps([{"cell": cell, "error": "HTTP 500"}])
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", failed_cells=failed)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc")
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    label = str(open_cube(merged)["gpu"].values[0])
+    info = json.loads(invoke("cube", "info", str(merged), "--json").stdout)
+    assert info["failed_cells"] == [{"cell": cell, "error": "HTTP 500", "gpu": label}]
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    named = f"none/code/b1/r0 @ stock clock, stock limit on {label[:12]}"
+    assert f"failed {named}: HTTP 500" in said, said
+    [table] = [
+        b
+        for b in measured_section(open_cube(merged)).blocks
+        if isinstance(b, Table) and b.title.startswith("Failed")
+    ]
+    assert table.rows == ((named, "HTTP 500"),)

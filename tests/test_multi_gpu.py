@@ -241,6 +241,8 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     out = tmp_path / "mixed"
     result = sweep(str(runs / "campaign.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
     assert result.exit_code == 0, result.output
+    # the closing line names where the journals are, not the folder as if it were one
+    assert f"journals {out / 'gpu-*' / 'journal.jsonl'}" in " ".join(result.output.split())
     journals = sorted(out.glob("gpu-*/journal.jsonl"))
     assert [j.parent.name for j in journals] == [
         "gpu-nvidia-h100-80gb-hbm3-twin",

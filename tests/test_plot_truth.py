@@ -153,6 +153,22 @@ def test_a_partial_cube_says_what_is_not_measured() -> None:
     assert "none" in labels and "eagle3" in labels and "dflash" not in labels
 
 
+def test_the_batch_legend_names_only_drafters_drawn() -> None:
+    """A drafter with no valid cell at the reference (not run yet, or every one invalid, as
+    when another tenant shared the GPU) has no line in the batch figure: nor a legend entry."""
+    from dvfs.plots import draw_energy_vs_batch
+
+    cube = small_cube([1, 8], corpora=("code",))
+    cube = xr.concat(
+        [cube, cube.sel(drafter=["eagle3"]).assign_coords(drafter=["dflash"])], dim="drafter"
+    )
+    cube["valid"].loc[{"drafter": "dflash"}] = 0.0  # measured, every cell invalid
+    fig = draw_energy_vs_batch(cube)
+    assert fig is not None
+    labels = [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
+    assert labels == ["none", "eagle3"], labels
+
+
 def _legends(fig) -> list:
     return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]
 
@@ -283,3 +299,35 @@ def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
     handles = [h for legend in _legends(fig) for h in legend.legend_handles]
     assert {str(h.get_color()): h.get_linestyle() for h in handles} == drawn
     assert sorted(drawn.values()) == ["-", "--"]
+
+
+def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:
+    """Observe-only changes no knob: a clock lock set outside dvfs stays, so the timelines'
+    legend says the clock and limit were as found, not "clock unlocked" or a lock dvfs set."""
+    cube = small_cube([1], corpora=("code",))
+    cube.attrs["actuation"] = 0
+    fig = draw_timelines(cube, headroom(cube, target=TARGET))
+    labels = {str(line.get_label()) for ax in fig.axes for line in ax.lines}
+    drawn = [label for label in labels if ", stock:" in label]
+    assert drawn and all(label.endswith("as found (observe-only)") for label in drawn), labels
+    assert not [label for label in labels if "unlocked" in label or "clock lock" in label]
+
+
+def test_the_headroom_map_wraps_a_flag_name_after_its_underscores_not_inside_a_word() -> None:
+    """An invalid reference cell names its flag in the map's cell, as the table does; wrapped
+    to fit, the name breaks after an underscore ("foreign_" / "process"), never mid-word."""
+    import re
+
+    from dvfs.measure.meter import Q_FOREIGN_PROCESS
+    from dvfs.plots import draw_headroom
+
+    cube = small_cube([1], corpora=("code",))
+    cube["quality"] = xr.zeros_like(cube["energy_per_token_j"])
+    at = {"drafter": "eagle3", "sm_clock": 1980, "power_limit": 700.0}
+    cube["quality"].loc[at] = Q_FOREIGN_PROCESS
+    cube["valid"].loc[at] = 0.0
+    fig = draw_headroom(headroom(cube, target=TARGET))
+    [label] = [t.get_text() for ax in fig.axes for t in ax.texts if "reference" in t.get_text()]
+    said = "no valid reference cell (invalid: foreign_process)"
+    # joined again: a break after "_" takes nothing away, any other one took a space
+    assert re.sub(r"_\n", "_", label).replace("\n", " ") == said, label

@@ -470,3 +470,102 @@ def test_milliseconds_read_as_plain_numbers_within_half_a_percent(ms: float) -> 
     text = fmt_ms(ms)
     assert "e" not in text and abs(float(text) - ms) <= max(0.005 * ms, 0.5)
     assert fmt_ms(None) == "-"
+
+
+def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
+    tmp_path: Path,
+) -> None:
+    """A cube with an invalidating flag (foreign_process) and a warning (idle_baseline_foreign):
+    the report's table and `dvfs cube info` say which makes its cells invalid, and both explain
+    the warning, whose cells the analyses still use."""
+    from dvfs.cube import write_cube
+    from dvfs.cube.info import FLAG_NOTES
+    from dvfs.measure.meter import Q_FOREIGN_PROCESS, Q_IDLE_BASELINE_FOREIGN
+    from dvfs.report.facts import measured_section
+
+    cube = make_cube(
+        clocks=[1000, 2000],
+        batches=[1, 4],
+        quality=lambda c, p, b, *a: (
+            Q_IDLE_BASELINE_FOREIGN | (Q_FOREIGN_PROCESS if (c, b) == (1000, 4) else 0)
+        ),
+        valid=lambda c, p, b, *a: (c, b) != (1000, 4),
+    )
+    blocks = measured_section(cube).blocks
+    [table] = [b for b in blocks if isinstance(b, Table) and b.title.startswith("Quality flags")]
+    assert table.header == ("flag", "cells", "effect")
+    effect = {flag: (int(count), what) for flag, count, what in table.rows}
+    assert effect["foreign_process"] == (1, "invalid: never chosen by an analysis")
+    assert effect["idle_baseline_foreign"] == (4, "warning: the cell stays valid")
+    notes = [b.text for b in blocks if isinstance(b, Paragraph)]
+    assert f"idle_baseline_foreign: {FLAG_NOTES['idle_baseline_foreign']}." in notes
+    path = write_cube(cube, tmp_path / "cube.nc")
+    said = " ".join(run("cube", "info", str(path)).stdout.split())
+    assert "foreign_process x1 (invalid), idle_baseline_foreign x4;" in said, said
+
+
+def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
+    """A failed cell in `dvfs cube info` and the report reads as the sweep's line named it,
+    not as a Python dict with `None` for the stock limit."""
+    import json
+
+    from dvfs.cube import write_cube
+
+    cube = make_cube(clocks=[1000, 2000], energy=lambda c, *a: math.nan if c == 1000 else 1.0)
+    cube["cell_status"].loc[{"sm_clock": 1000}] = 2
+    cell = {"drafter": "none", "repeat": 0, "sm_clock_mhz": 1000, "power_limit_w": None}
+    cell |= {"batch": 1, "corpus": "code"}
+    cube.attrs["failed_cells"] = json.dumps([{"cell": cell, "error": "HTTP 500"}])
+    path = write_cube(cube, tmp_path / "cube.nc")
+    said = " ".join(run("cube", "info", str(path)).stdout.split())
+    assert "failed none/code/b1/r0 @ 1000 MHz, stock limit: HTTP 500" in said, said
+    from dvfs.report.facts import measured_section
+
+    [table] = [b for b in measured_section(cube).blocks if isinstance(b, Table)]
+    assert table.header == ("cell", "error")
+    assert table.rows == (("none/code/b1/r0 @ 1000 MHz, stock limit", "HTTP 500"),)
+
+
+def test_a_report_on_part_of_the_cube_says_which_part() -> None:
+    """--batch, --drafter and --corpus narrow every table, finding and figure: the heading
+    says so, or "0 of 1 groups" would read as the whole campaign's."""
+    cube = make_cube(clocks=[1000, 2000], batches=[1, 4], drafters=["none", "eagle3"])
+    options = ReportOptions(Target("preserve"), batch=(4,), drafter=("eagle3",))
+    doc = build_document(cube, options, [], generated="now")
+    assert "; only batch 4; drafter eagle3; generated now" in doc.subtitle, doc.subtitle
+    energy = doc.sections[3].blocks[1]
+    assert isinstance(energy, Finding)  # one group: its energy, not a range from it to itself
+    assert (
+        energy.headline
+        == "At stock, energy per token is 1 J (batch 4, drafter eagle3, corpus code)."
+    )
+    whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
+    assert "only" not in whole.subtitle
+
+
+@pytest.mark.parametrize(
+    ("measurement", "said"),
+    [
+        ({"mode": "in-flight"}, "in-flight, abba: each knob level a segment of one"),
+        ({"mode": "in-flight", "inflight_order": "serpentine"}, "in-flight, serpentine: "),
+        ({"mode": "per-level"}, "per-level"),
+        ({}, "per-level"),  # a campaign from before the mode existed
+    ],
+)
+def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
+    measurement: dict[str, str], said: str, tmp_path: Path
+) -> None:
+    """An in-flight cube's windows are segments of one decode, not per-level rounds, which
+    the measurement method's text describes: the report and `cube info` name the mode."""
+    import json
+
+    from dvfs.cube import write_cube
+    from dvfs.report.facts import measured_section
+
+    cube = make_cube(clocks=[1000, 2000])
+    cube.attrs["campaign"] = json.dumps({"measurement": measurement})
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["Measurement mode"].startswith(said), facts["Measurement mode"]
+    info = run("cube", "info", str(write_cube(cube, tmp_path / "cube.nc")))
+    shown = " ".join(info.stdout.split())
+    assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown

@@ -275,6 +275,38 @@ def test_protocol_faults_are_journaled_per_cell(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fixed", "closed-loop"])
+def test_a_request_failing_beside_others_fails_its_cell_in_one_line(
+    mode: str, tmp_path: Path
+) -> None:
+    """One request of a batch answered 500 while the others stream: the cell fails with that
+    error, and the others are ended with it, not left to break as the client closes (asyncio
+    printed each one's traceback as it shut down)."""
+    campaign, marker = stub_campaign(
+        tmp_path,
+        stub={"fail_after_requests": 2, "tpot_s": 0.004},
+        drafters=ONE_DRAFTER,
+        batch="[4]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        output_tokens=96,
+        retries=0,
+        workload_extra=f'mode = "{mode}"',
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "dvfs", "sweep", str(campaign), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 5, said
+    assert "failed: /generate answered HTTP 500" in " ".join(said.split()), said
+    assert "Traceback" not in said and "unhandled exception" not in said, said
+    assert running(marker) == []
+
+
+@pytest.mark.slow
 def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
     cells, _ = _sweep_cells(
         tmp_path,

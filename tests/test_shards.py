@@ -767,3 +767,27 @@ def test_shard_cube_reads_the_shard_as_recorded_shard_does(runs: Path, tmp_path:
     for read in (recorded_shard, shard_cube):
         with pytest.raises(JournalError, match="damaged shard record"):
             read(bad)
+
+
+def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: Path) -> None:
+    """A finished shard's cube lacks the other shards' cells: `cube info`, headroom and the
+    report say it is a shard's cube and to merge the shards, not only "run the same `dvfs
+    sweep` command again", which would measure nothing."""
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Paragraph
+
+    folder = runs / "s1"
+    info = " ".join(invoke("cube", "info", str(folder)).stdout.split())
+    assert "this is shard 1/3's cube: the other shards' cells count as missing here" in info
+    assert "dvfs cube merge" in info
+    assert json.loads(invoke("cube", "info", str(folder), "--json").stdout)["shard"] == "1/3"
+    said = " ".join(invoke("headroom", str(folder)).stdout.split())
+    partial = said[said.index("partial cube:") :]
+    assert "this is shard 1/3's cube" in partial, said
+    assert "run the same `dvfs sweep` command again to resume it" not in partial
+    warnings = [
+        b.text for b in measured_section(open_cube(folder)).blocks if isinstance(b, Paragraph)
+    ]
+    assert any(w.startswith("This is shard 1/3's cube") for w in warnings), warnings
+    whole = " ".join(invoke("cube", "info", str(runs / "whole")).stdout.split())
+    assert "shard " not in whole and "shard's cube" not in whole

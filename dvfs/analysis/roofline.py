@@ -101,6 +101,36 @@ def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
     return np.where(clocks < f[0], below, np.where(clocks > f[-1], above, inside))
 
 
+def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[xr.Dataset]:
+    """The verify pass against each GPU model's ridge point: one roofline (`roofline`) for a
+    one-GPU cube, a merged cube of one model, or with a `measured` roofline (one GPU's); one per
+    model, on its first GPU's own cube, for a merged cube of several models, whose ridge points
+    differ (an H200 reads memory faster than an H100 computing as fast)."""
+    import json
+
+    from dvfs.analysis.headroom import single_gpu
+    from dvfs.twin.profiles import profile_for_gpu_name
+
+    if measured is not None or "gpu" not in cube.dims:
+        return [roofline(cube, measured=measured)]
+    labels = [str(g) for g in cube["gpu"].values]
+    try:
+        names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names") or "[]"))]
+    except ValueError:
+        names = []
+    if len(names) != len(labels):
+        return [roofline(cube)]
+    first: dict[str, tuple[str, str]] = {}  # profile -> its first GPU's label and model name
+    for label, name in zip(labels, names, strict=True):
+        first.setdefault(profile_for_gpu_name(name).key, (label, name))
+    if len(first) == 1:
+        return [roofline(cube)]
+    return [
+        roofline(single_gpu(cube, label).assign_attrs(gpu_name=name))
+        for label, name in first.values()
+    ]
+
+
 def roofline(
     cube: xr.Dataset,
     *,

@@ -348,7 +348,7 @@ def compare(
     """Speculation against no speculation: energy at equal clock and equal latency, the batch
     where each drafter stops saving, acceptance, and where verification turns compute-bound."""
     from dvfs.analysis.compare import compare as compute
-    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.roofline import rooflines
     from dvfs.analysis.selection import check_drafter, select
     from dvfs.analysis.targets import QUANTILE_NAMES
     from dvfs.cube import open_analysable
@@ -388,7 +388,7 @@ def compare(
         drafter = (*drafter, baseline)
     result = select(result, batch, drafter, corpus)
     try:
-        roof = select(roofline(ds, measured=measured), batch, drafter)
+        roof = [select(r, batch, drafter) for r in rooflines(ds, measured=measured)]
     except AnalysisError as exc:
         _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None

@@ -79,7 +79,14 @@ def info(cube_path: Path, as_json: bool) -> None:
 def _render(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from dvfs.cube.info import idle_caveat
+    from dvfs.cube.info import (
+        failed_cell_label,
+        idle_caveat,
+        idle_power_text,
+        invalidates,
+        mode_text,
+        shard_note,
+    )
 
     out = console()
     out.print(
@@ -92,11 +99,10 @@ def _render(summary: dict[str, Any]) -> None:
     table.add_row("engine", str(summary["engine"]))
     table.add_row("model", str(summary["model"]))
     table.add_row("reference", str(summary["stock"]))
-    idle = summary["idle_power_w"]
     table.add_row(
         "idle power",
-        ("-" if idle != idle else f"{idle:.1f} W")
-        + escape(idle_caveat(summary["idle_foreign_processes"])),
+        escape(idle_power_text(summary))
+        or "-" + escape(idle_caveat(summary["idle_foreign_processes"])),
     )
     for dim, size in summary["dims"].items():
         values = summary["coords"][dim]
@@ -114,6 +120,10 @@ def _render(summary: dict[str, Any]) -> None:
         )
         + f" ({summary['invalid']} measured but invalid)",
     )
+    if summary["shard"] is not None:
+        table.add_row("shard", escape(str(shard_note(summary["shard"]))))
+    if str(summary["measurement_mode"]).startswith("in-flight"):
+        table.add_row("mode", escape(str(mode_text(summary["measurement_mode"]))))
     if summary["repeats"] != str(summary["dims"].get("repeat", 1)):
         table.add_row("repeats", summary["repeats"])
     for drafter, outcome in summary["gpu_pinning"].items():
@@ -125,12 +135,25 @@ def _render(summary: dict[str, Any]) -> None:
     out.print(table)
     flags = summary["quality_flags"]
     if flags:
-        out.print("quality flags: " + ", ".join(f"{k} x{v}" for k, v in flags.items()))
+        out.print(
+            "quality flags: "
+            + ", ".join(
+                f"{k} x{v}" + (" (invalid)" if invalidates(k) else "") for k, v in flags.items()
+            )
+            + (
+                "; (invalid): the cells are never chosen by an analysis, the others are warnings"
+                if any(invalidates(k) for k in flags)
+                else " (warnings: the cells stay valid)"
+            )
+        )
     for name, note in summary["flag_notes"].items():
         out.print(f"{name}: {escape(note)}")
     failed = summary["failed_cells"]
     for item in failed[:5]:
-        out.print(f"[yellow]failed[/yellow] {escape(str(item['cell']))}: {escape(item['error'])}")
+        out.print(
+            f"[yellow]failed[/yellow] {escape(failed_cell_label(item['cell'], item.get('gpu')))}: "
+            f"{escape(item['error'])}"
+        )
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
 

@@ -59,7 +59,7 @@ class RichProgress:
     def advance(self, cell: Cell, status: str) -> None:
         if status != "ok":
             self.failed += 1
-        from dvfs.measure.runner import cell_label
+        from dvfs.measure.plan import cell_label
 
         self._progress.update(self._task, advance=1, failed=self.failed, current=cell_label(cell))
 

@@ -471,6 +471,14 @@ def run_fleet(
     return outcome
 
 
+def _journals_text(path: Path) -> str:
+    """Where the journal is: the folder's, or (a fleet mixing GPU models, whose outcome names
+    the folder) each model's in its `gpu-*/` folder."""
+    from dvfs.measure.journal import JOURNAL_NAME
+
+    return f"journals {path / 'gpu-*' / JOURNAL_NAME}" if path.is_dir() else f"journal {path}"
+
+
 def report_fleet(outcome: Any) -> None:
     """Per worker: cells and GPU time; then the whole, as `run` reports a sweep."""
     err = console(stderr=True)
@@ -485,8 +493,8 @@ def report_fleet(outcome: Any) -> None:
     err.print(
         f"{s.measured} cell(s) measured, {s.failed} failed, {s.skipped} already done"
         + (f", {invalid[0]} invalid in the cube" if invalid else "")
-        + f"; makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; journal "
-        f"{outcome.journal_path}"
+        + f"; makespan {outcome.makespan_gpu_s / 3600:.2f} h of GPU time; "
+        + _journals_text(outcome.journal_path)
     )
     click.echo(f"cube: {outcome.cube_path}")
     if s.failed:

@@ -10,7 +10,7 @@ import numpy as np
 
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.measure.meter import describe_quality
-from dvfs.records import knobs_set
+from dvfs.records import knobs_set, measurement_mode
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -34,7 +34,36 @@ def _stock_text(ds: xr.Dataset) -> str:
             for g in ds["gpu"].values
         ]
         return "each GPU's own: " + ", ".join(per_gpu) + how
-    return reference_setting(ds).describe() + how + "; stock power limit as found at start"
+    ref = reference_setting(ds)
+    if observe_only(ds):
+        return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit)
+    return ref.describe() + how + "; stock power limit as found at start"
+
+
+def observe_only(ds: xr.Dataset) -> bool:
+    """Whether the cube was measured observe-only (`actuation` 0: dvfs changed no knob)."""
+    try:
+        return int(ds.attrs.get("actuation", 1)) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _observed_at(ds: xr.Dataset, clock: int, limit: float) -> str:
+    """An observe-only cube's stock in words: the GPU as dvfs found it, filed at the maximum
+    clock, with the SM clock its measured cells ran at there (a lock set outside dvfs shows)."""
+    said = (
+        "; observe-only: dvfs changed no knob, so stock is the GPU as found (a clock lock or "
+        "power limit set outside dvfs included)"
+    )
+    if "sm_clock_observed_mhz" not in ds:
+        return said
+    at = {"sm_clock": clock, "power_limit": limit}
+    ran = ds["sm_clock_observed_mhz"].sel(at).where(ds["cell_status"].sel(at) == STATUS_OK)
+    seen = ran.values[np.isfinite(ran.values)]
+    if not seen.size:
+        return said
+    lo, hi = round(float(seen.min())), round(float(seen.max()))
+    return said + f"; its SM clock ran at {lo}" + (f"-{hi}" if hi > lo else "") + " MHz"
 
 
 def quality_counts(ds: xr.Dataset) -> dict[str, int]:
@@ -47,6 +76,30 @@ def quality_counts(ds: xr.Dataset) -> dict[str, int]:
         for name in describe_quality(int(value)):
             flags[name] = flags.get(name, 0) + 1
     return dict(sorted(flags.items()))
+
+
+def invalidates(flag: str) -> bool:
+    """Whether a quality flag (by name) makes its cell invalid, never chosen by an analysis;
+    the others are warnings."""
+    from dvfs.measure.meter import INVALIDATING, QUALITY_FLAGS
+
+    return any(name == flag and bit & INVALIDATING for bit, name in QUALITY_FLAGS.items())
+
+
+#: What an in-flight measurement is, beside the measurement method (which says how a window's
+#: energy is taken): the README's "In-flight stepping".
+INFLIGHT_TEXT = (
+    "each knob level a segment of one fixed-batch decode stepping through the levels, its "
+    "settle discarded; decodes added until every level reaches the precision; each level "
+    "carried back to a per-level cell's context along a drift fitted across the segments"
+)
+
+
+def mode_text(mode: str | None) -> str | None:
+    """The measurement mode in words (None: not recorded)."""
+    if mode is None or not mode.startswith("in-flight"):
+        return mode
+    return f"{mode}: {INFLIGHT_TEXT}"
 
 
 #: What a warning flag (one that leaves the cell valid) means where a cube raises it, for
@@ -123,8 +176,12 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "missing": int(((status == STATUS_MISSING) & ~not_needed).sum()),
         "not_needed": int(not_needed.sum()),
         "repeats": _repeats_text(ds),
+        "measurement_mode": measurement_mode(ds.attrs.get("campaign")),
         "invalid": int(((ds["valid"].values == 0) & (status == STATUS_OK)).sum()),
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
+        "idle_power_per_gpu": idle_power_per_gpu(ds),
+        "idle_foreign_per_gpu": idle_foreign_per_gpu(ds),
+        "shard": shard_label(ds),
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,
@@ -135,6 +192,79 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def shard_label(ds: xr.Dataset) -> str | None:
+    """The shard ("I/N") a shard's cube holds (`dvfs sweep --shard`); None for a whole cube."""
+    from dvfs.fleet.shard import SHARD_ATTR
+
+    label = ds.attrs.get(SHARD_ATTR)
+    return None if label is None else str(label)
+
+
+def shard_note(label: str | None) -> str | None:
+    """What a shard's cube does not hold, for every command that counts its cells: the other
+    shards' cells are missing from it, and sweeping this shard again does not measure them."""
+    if label is None:
+        return None
+    return (
+        f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
+        "any of its own not measured yet, which its `dvfs sweep --shard` command measures "
+        "when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o cube.nc`) for the "
+        "whole campaign"
+    )
+
+
+def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:
+    """A merged cube's idle power per GPU (W, NaN where a source recorded none), by the GPUs'
+    label: the GPUs idle at their own power, so the merged cube keeps each source's in
+    `merged_from` and no `idle_power_w` of its own. Empty for one GPU's cube."""
+    shown: dict[str, float] = {}
+    for label, source in _sources(ds).items():
+        try:
+            shown[label] = float(source.get("idle_power_w", math.nan))
+        except (TypeError, ValueError):  # "None": a source that recorded none
+            shown[label] = math.nan
+    return shown
+
+
+def idle_foreign_per_gpu(ds: xr.Dataset) -> dict[str, list[dict[str, Any]]]:
+    """A merged cube's other tenants seen around each GPU's opening idle measurement, by the
+    GPUs' label (its sources' `idle_foreign_processes`, whose GPU indices are each source's
+    own); empty for one GPU's cube, or where no source recorded them (an older merge)."""
+    seen: dict[str, list[dict[str, Any]]] = {}
+    for label, source in _sources(ds).items():
+        try:
+            listed = json.loads(str(source.get("idle_foreign_processes")))
+        except ValueError:  # "None": not recorded
+            continue
+        if isinstance(listed, list):
+            seen[label] = [p for p in listed if isinstance(p, dict)]
+    return seen
+
+
+def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
+    """The idle power as `dvfs cube info` and the report say it: the cube's, or each GPU's of
+    a merged cube ("GPU-47dfcd23 75.0 W, ..."); "" where none is recorded. Other tenants'
+    processes seen around its measurement follow (`idle_caveat`)."""
+    idle = float(info["idle_power_w"])
+    per_gpu = info.get("idle_power_per_gpu") or {}
+    tenants = info.get("idle_foreign_per_gpu") or {}
+    if idle == idle:
+        text = f"{idle:{fmt}} W"
+    elif any(w == w for w in per_gpu.values()):
+        text = ", ".join(
+            f"{','.join(u[:12] for u in label.split(','))} "
+            + (f"{w:{fmt}} W" if w == w else "not recorded")
+            # each GPU's own tenants, where its source says (their GPU index is its own)
+            + idle_caveat(tenants.get(label, []))
+            for label, w in per_gpu.items()
+        )
+        if tenants:
+            return text
+    else:
+        return ""
+    return text + idle_caveat(info["idle_foreign_processes"])
 
 
 def _pinning(text: object) -> dict[str, str]:
@@ -189,6 +319,19 @@ def pinning_note(ds: xr.Dataset) -> str | None:
         f"GPU pinning unverified for {len(unverified)} {servers} ({said}): their cells were "
         "not checked for other tenants' processes on the metered GPUs (foreign_process)"
     )
+
+
+def failed_cell_label(cell: Any, gpu: Any = None) -> str:
+    """A failed cell (as `failed_cells` records it) as the sweep named it ("none/code/b4/r0 @
+    1980 MHz, stock limit"), with the GPUs it failed on in a merged cube (`gpu`: their label);
+    as recorded where it cannot be read so."""
+    from dvfs.measure.plan import Cell, cell_label
+
+    on = "" if not gpu else " on " + ",".join(u[:12] for u in str(gpu).split(","))
+    try:
+        return cell_label(Cell.from_dict(cell)) + on
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return str(cell) + on
 
 
 def _repeats_text(ds: xr.Dataset) -> str:

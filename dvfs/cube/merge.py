@@ -226,6 +226,7 @@ SOURCE_KEYS = (
     "actuation",
     "clock",
     "idle_power_w",
+    "idle_foreign_processes",
     "sessions",
     "measurement_method",
     "token_count_method",
@@ -335,6 +336,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         },
         server_args=first.attrs.get("server_args", "{}"),
         **_idle_foreign(cubes),
+        **_failed_on_each(cubes, labels),
         history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
         created=now_iso(),
     )
@@ -639,6 +641,20 @@ def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -
     else:  # a cube from before measured_on: each shard's own count
         across = sum(int(ds.attrs.get("groups_across_gpus", 0)) for ds in cubes)
     return {"arms_on_one_gpu": int(paired), "groups_across_gpus": across}
+
+
+def _failed_on_each(cubes: list[xr.Dataset], labels: list[str]) -> dict[str, str]:
+    """The cubes' failed cells, each with its error and the GPUs (`labels`) it failed on, as
+    `dvfs cube info` and the report list them (absent where no cube records any)."""
+    if not any("failed_cells" in ds.attrs for ds in cubes):
+        return {}
+    failed = [
+        {**item, "gpu": label}
+        for label, ds in zip(labels, cubes, strict=True)
+        for item in _json(ds, "failed_cells", [])
+        if isinstance(item, dict)
+    ]
+    return {"failed_cells": json.dumps(failed[:200])}
 
 
 def _idle_foreign(cubes: list[xr.Dataset]) -> dict[str, str]:

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -488,11 +488,10 @@ class SglangClient:
 
         async def main() -> list[RequestTrace]:
             async with self._async_client(len(texts)) as client:
-                tasks = [
+                traces = await _every_request(
                     self._request(client, t, params, rid, first, end)
                     for rid, t in zip(request_ids(tag, len(texts)), texts, strict=True)
-                ]
-                traces = list(await asyncio.gather(*tasks))
+                )
                 if end is not None:
                     await end.settled()
                 return traces
@@ -522,12 +521,27 @@ class SglangClient:
                         return await self._request(client, text, params, rid, None, end)
 
                 rids = request_ids(tag, len(texts))
-                traces = list(await asyncio.gather(*map(one, rids, texts)))
+                traces = await _every_request(map(one, rids, texts))
                 if end is not None:
                     await end.settled()
                 return traces
 
         return asyncio.run(main())
+
+
+async def _every_request(requests: Iterable[Awaitable[RequestTrace]]) -> list[RequestTrace]:
+    """Every request's trace, in order. When one fails, the others are cancelled (which closes
+    their connections: the server aborts them) and waited for before its error is raised, so
+    none is left running to fail unseen as the client closes (asyncio would log each such
+    failure with its traceback as `asyncio.run` shuts down)."""
+    tasks = [asyncio.ensure_future(r) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def request_ids(tag: str, count: int) -> list[str]:

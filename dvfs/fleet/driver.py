@@ -38,8 +38,8 @@ from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
-from dvfs.measure.plan import Cell
-from dvfs.measure.runner import Progress, RunSummary, cell_label
+from dvfs.measure.plan import Cell, cell_label
+from dvfs.measure.runner import Progress, RunSummary
 
 #: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
 #: levels, measured inside shared decodes).

@@ -69,6 +69,14 @@ class Cell:
         )
 
 
+def cell_label(cell: Cell) -> str:
+    """A cell as progress, the sweep's lines and `dvfs cube info` name it:
+    "none/code/b4/r0 @ 1980 MHz, stock limit"."""
+    clock = f"{cell.sm_clock_mhz} MHz" if cell.sm_clock_mhz is not None else "stock clock"
+    limit = f"{cell.power_limit_w:g} W" if cell.power_limit_w is not None else "stock limit"
+    return f"{cell.drafter}/{cell.corpus}/b{cell.batch}/r{cell.repeat} @ {clock}, {limit}"
+
+
 def _sorted_settings(campaign: Campaign) -> list[KnobSetting]:
     """Power limits descending (outer), clocks descending (inner): start from stock-like."""
     clocks = sorted(campaign.knobs.sm_clocks_mhz or [None], key=lambda c: -(c or 0))

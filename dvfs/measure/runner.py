@@ -50,7 +50,7 @@ from dvfs.measure.meter import (
     steady_window_ns,
     summarise,
 )
-from dvfs.measure.plan import Cell
+from dvfs.measure.plan import Cell, cell_label
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
 from dvfs.measure.tenants import (
     ForeignProcess,
@@ -299,14 +299,26 @@ class Runner:
             if self.knobs.original[gpu.identity.uuid].sm_clock_lock_mhz is not None:
                 continue
             if gpu.clock_event_reasons() & EVENT_APPLICATIONS_CLOCKS:
-                message = (
+                said = (
                     f"GPU {gpu.identity.index} reports ApplicationsClocksSetting (0x2): its "
                     "clocks may be locked or set outside dvfs (nvidia-smi -lgc/-ac?), which NVML "
-                    "cannot read back; a stock-clock cell held below the maximum clock will be "
-                    "flagged clock_held_low, and after locked cells dvfs restores the clocks "
-                    "unlocked (the driver default). Unlock them (nvidia-smi -rgc) for a stock "
-                    "reference"
+                    "cannot read back; "
                 )
+                if not self.knobs.actuation:
+                    # Observe-only measures the GPU as it finds it: nothing is flagged for it
+                    # (`KnobController.stock_clock_mhz` is None) and nothing is restored.
+                    message = said + (
+                        "observe-only measures the GPU as it is set, so the cells are not "
+                        "flagged clock_held_low but record the clock it ran at "
+                        "(sm_clock_observed_mhz). Unlock them (nvidia-smi -rgc) to observe stock"
+                    )
+                else:
+                    message = said + (
+                        "a stock-clock cell held below the maximum clock will be flagged "
+                        "clock_held_low, and after locked cells dvfs restores the clocks "
+                        "unlocked (the driver default). Unlock them (nvidia-smi -rgc) for a stock "
+                        "reference"
+                    )
                 log.info(message)
                 self.progress.note(message)
 
@@ -1136,9 +1148,3 @@ def _setting_text(setting: KnobSetting) -> str:
     clock = f"{setting.sm_clock_mhz} MHz" if setting.sm_clock_mhz is not None else "stock clock"
     limit = f"{setting.power_limit_w:g} W" if setting.power_limit_w is not None else "stock limit"
     return f"{clock}, {limit}"
-
-
-def cell_label(cell: Cell) -> str:
-    clock = f"{cell.sm_clock_mhz} MHz" if cell.sm_clock_mhz is not None else "stock clock"
-    limit = f"{cell.power_limit_w:g} W" if cell.power_limit_w is not None else "stock limit"
-    return f"{cell.drafter}/{cell.corpus}/b{cell.batch}/r{cell.repeat} @ {clock}, {limit}"

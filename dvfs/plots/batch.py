@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting
+from dvfs.plots.curves import measured_colors
 from dvfs.plots.data import cell_means
 from dvfs.plots.style import (
     ENERGY_LABEL,
@@ -105,6 +106,8 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         ax.set_title(f"corpus {corpus}")
         ax.set_xlabel("batch (requests decoded together)")
         ax.set_ylabel(ENERGY_LABEL)
-    place_legend(panels, batch_handles(colors))
+    # a legend entry only for a drafter with a line (`measured_colors`): one with no valid
+    # cell at the reference is not drawn
+    place_legend(panels, batch_handles(measured_colors(colors, energy)))
     suptitle(panels.fig, title)
     return panels.fig

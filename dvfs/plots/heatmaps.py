@@ -4,6 +4,8 @@ so a colour means the same value everywhere in it."""
 
 from __future__ import annotations
 
+import re
+import textwrap
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,8 +98,6 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
     """Why each cell without an answer has none, in `dvfs headroom`'s table's words
     (`dvfs.report.reasons.no_answer`: no valid reference cell and why, settings not measured
     yet, too few usable repeats, no valid cell, or none feasible (so far)), wrapped to fit."""
-    import textwrap
-
     from dvfs.report.reasons import no_answer
 
     shape = tuple(chosen.sizes[d] for d in order)
@@ -134,8 +134,17 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
                 value = column[idx]
                 row[name] = str(value) if name == "reference_problem" else int(value)
         why = no_answer(row)
-        out[idx] = textwrap.fill(why, 14, max_lines=4, placeholder=" ...")
+        out[idx] = _FlagWrapper(14, max_lines=6, placeholder=" ...").fill(why)
     return out
+
+
+class _FlagWrapper(textwrap.TextWrapper):
+    """Wraps a no-answer reason between words and after a flag name's underscores
+    ("foreign_" / "process"), never inside a word ("fore" / "ign_process")."""
+
+    def _split(self, text: str) -> list[str]:
+        chunks = super()._split(text)
+        return [part for chunk in chunks for part in re.split(r"(?<=_)(?=.)", chunk) if part]
 
 
 def _answer_label(
@@ -186,7 +195,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
-    # a row tall enough for its cells' lines of text (four for a reason wrapped)
+    # a row tall enough for its cells' lines of text (up to six for a reason wrapped)
     unanswered = why[~np.isfinite(saving)]
     lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
     row_h = max(0.52, 0.13 * lines + 0.1)

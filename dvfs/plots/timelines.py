@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.analysis.headroom import reference_setting, valid_mask
-from dvfs.cube.info import swept_knobs
+from dvfs.cube.info import observe_only, swept_knobs
 from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
 
 if TYPE_CHECKING:
@@ -18,10 +18,15 @@ if TYPE_CHECKING:
 SETTING_LINESTYLES = {"stock": "-", "chosen": "--"}
 
 
-def setting_text(clock_mhz: int, limit_w: float, clock_set: bool, limit_set: bool) -> str:
+def setting_text(
+    clock_mhz: int, limit_w: float, clock_set: bool, limit_set: bool, observed: bool = False
+) -> str:
     """A cell's setting as the GPU held it: a clock the campaign did not sweep was never
     locked (its coordinate is only where the stock cell is filed), a power limit it did not
-    sweep is the one found at start."""
+    sweep is the one found at start; observe-only (`observed`), both as found, a lock set
+    outside dvfs included."""
+    if observed:
+        return f"clock and {limit_w:g} W power limit as found (observe-only)"
     clock = f"{clock_mhz} MHz clock lock" if clock_set else "clock unlocked"
     limit = f"{limit_w:g} W power limit" if limit_set else f"stock {limit_w:g} W power limit"
     return f"{clock}, {limit}"
@@ -63,6 +68,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     corpus = str(cube["corpus"].values[0])
     stock_word = "stock" if ref.is_stock else "reference"
     clock_set, limit_set = swept_knobs(cube)
+    observed = observe_only(cube)
 
     cols = len(batches)
     margins = Margins(left=0.9, top=0.55, bottom=1.95, wspace=0.9, hspace=0.25)
@@ -99,7 +105,9 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                     "color": colors[drafter],
                     "linestyle": SETTING_LINESTYLES[kind],
                 }
-                label = f"{drafter}, {word}: " + setting_text(clock, limit, clock_set, limit_set)
+                label = f"{drafter}, {word}: " + setting_text(
+                    clock, limit, clock_set, limit_set, observed
+                )
                 power_ax.plot(
                     t,
                     power,

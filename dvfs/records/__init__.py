@@ -21,6 +21,7 @@ from dvfs.records.header import (
     Header,
     RepeatRule,
     knobs_set,
+    measurement_mode,
     repeat_rule,
 )
 from dvfs.records.session import (
@@ -67,6 +68,7 @@ __all__ = [
     "SESSION_INVARIANTS",
     "CampaignFacts",
     "knobs_set",
+    "measurement_mode",
     "repeat_rule",
     "CellRecord",
     "Grid",

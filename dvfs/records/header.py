@@ -188,3 +188,17 @@ def repeat_rule(campaign_json: str | None) -> RepeatRule | None:
         return RepeatRule.from_json(json.loads(campaign_json or "{}")["measurement"])
     except (KeyError, ValueError, TypeError, AttributeError):
         return None
+
+
+def measurement_mode(campaign_json: str | None) -> str | None:
+    """How a stored campaign stepped its knobs: "per-level", or "in-flight" with its order
+    ("in-flight, abba"); None when no campaign can be read (a hand-built cube)."""
+    try:
+        measurement = json.loads(campaign_json or "{}")["measurement"]
+        mode = str(measurement.get("mode") or "per-level")
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+    if mode != "in-flight":
+        return mode
+    # absent: "abba", what in-flight campaigns used before the key existed
+    return f"{mode}, {measurement.get('inflight_order') or 'abba'}"

@@ -167,3 +167,23 @@ def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
     shown = [f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]]
     more = len(rows) - MAX_NAMED_ROWS
     return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+def campaign_hash(attrs: Any) -> str | None:
+    """A cube's campaign hash; a merged cube's, from the cubes it was merged from (their
+    distinct hashes, comma-joined; the report's "Merged from" table shows each); None where
+    none is recorded."""
+    if attrs.get("campaign_hash"):
+        return str(attrs["campaign_hash"])
+    try:
+        sources = json.loads(str(attrs.get("merged_from") or "{}"))
+    except ValueError:
+        return None
+    if not isinstance(sources, dict):
+        return None
+    hashes = {
+        str(s["campaign_hash"])
+        for s in sources.values()
+        if isinstance(s, dict) and str(s.get("campaign_hash") or "") not in ("", "None", "nan")
+    }
+    return ", ".join(sorted(hashes)) or None

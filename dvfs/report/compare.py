@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dvfs.report.common import (
     as_float,
     as_int,
     fmt,
+    gpu_names,
     markdown_table,
     named_rows,
     reference_setting,
@@ -22,10 +24,20 @@ if TYPE_CHECKING:
 COMPARE_SCHEMA = "dvfs.compare/2"
 #: The two ratios of a row, as named in its JSON keys.
 WHATS = ("at_stock", "equal_latency")
+#: The verdict of a row whose drafter met the baseline's latency at no setting
+#: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
+#: import).
+NOT_WITHIN = "not within target"
 
 
-def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset) -> dict[str, Any]:
-    """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes."""
+def compare_document(
+    cmp: xr.Dataset, roof: xr.Dataset | Sequence[xr.Dataset] | None, cube: xr.Dataset
+) -> dict[str, Any]:
+    """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes.
+    `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
+    `roofline`, and with several, `roofline_per_gpu_model` holds each."""
+    from dvfs.analysis.headroom import coverage
+
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
 
@@ -93,7 +105,8 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
     doc: dict[str, Any] = {
         "schema": COMPARE_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
-        "gpu": cube.attrs.get("gpu_name"),
+        # a merged cube's `gpu_name` is its first GPU's: every model it holds is named
+        "gpu": ", ".join(dict.fromkeys(gpu_names(cube).values())) or cube.attrs.get("gpu_name"),
         "baseline": baseline,
         "latency": cmp.attrs["latency"],
         "reference": reference_setting(cmp.attrs),
@@ -102,31 +115,42 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
         "rows": rows,
         "break_even_batch": break_even,
         "acceptance": acceptance,
+        "coverage": coverage(cube),
+        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
     }
-    if roof is not None:
-        doc["roofline"] = {
-            "model": roof.attrs["model"],
-            "gpu_profile": roof.attrs["gpu_profile"],
-            "context_tokens": roof.attrs["context_tokens"],
-            "ridge_point": {
-                str(int(c)): as_float(v)
-                for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
-            },
-            "verify": [
-                {
-                    "batch": int(b),
-                    "drafter": str(d),
-                    "verify_tokens": as_int(roof["verify_tokens"].sel(batch=b, drafter=d)),
-                    "arithmetic_intensity": as_float(
-                        roof["arithmetic_intensity"].sel(batch=b, drafter=d)
-                    ),
-                    "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
-                }
-                for b in roof["batch"].values
-                for d in roof["drafter"].values
-            ],
-        }
+    roofs = [] if roof is None else [roof] if not isinstance(roof, Sequence) else list(roof)
+    if roofs:
+        doc["roofline"] = _roofline_document(roofs[0])
+    if len(roofs) > 1:
+        doc["roofline_per_gpu_model"] = [_roofline_document(r) for r in roofs]
     return doc
+
+
+def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
+    """One roofline as JSON: its model and GPU profile, the ridge point per clock and where
+    each (batch, drafter)'s verify pass turns compute-bound."""
+    return {
+        "model": roof.attrs["model"],
+        "gpu_profile": roof.attrs["gpu_profile"],
+        "context_tokens": roof.attrs["context_tokens"],
+        "ridge_point": {
+            str(int(c)): as_float(v)
+            for c, v in zip(roof["sm_clock"].values, roof["ridge_point"].values, strict=True)
+        },
+        "verify": [
+            {
+                "batch": int(b),
+                "drafter": str(d),
+                "verify_tokens": as_int(roof["verify_tokens"].sel(batch=b, drafter=d)),
+                "arithmetic_intensity": as_float(
+                    roof["arithmetic_intensity"].sel(batch=b, drafter=d)
+                ),
+                "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
+            }
+            for b in roof["batch"].values
+            for d in roof["drafter"].values
+        ],
+    }
 
 
 def _paired(cmp: xr.Dataset, at: dict[str, Any], what: str) -> dict[str, Any]:
@@ -153,11 +177,26 @@ def _gpus(ds: xr.Dataset, at: dict[str, Any]) -> list[str]:
 
 def compare_notes(doc: dict[str, Any]) -> list[str]:
     """The lines under the tables: the reference (what "equal clock" and the break-even batch
-    are at), how saves / costs were judged, rows that lost repeats to pairing, and rows whose
-    two arms were measured on different GPUs."""
+    are at), how saves / costs were judged, a partial cube's cells not measured yet, rows that
+    lost repeats to pairing, and rows whose two arms were measured on different GPUs."""
     notes = [f"equal clock: both at the reference, {reference_text(doc['reference'])}"]
     if doc.get("interval"):
         notes.append(f"saves / costs: {doc['interval']}")
+    cov = doc.get("coverage") or {}
+    waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
+    if waiting:
+        from dvfs.cube.info import shard_note
+
+        then = (
+            shard_note(doc["shard"])
+            if doc.get("shard")
+            else "run the same `dvfs sweep` command again to resume it"
+        )
+        notes.append(
+            f"partial cube: {waiting} of {cov['cells']} cells not measured yet: a ratio, a "
+            'verdict ("not within target", "too slow" included) or a break-even batch '
+            f"resting on settings not measured may change; {then}"
+        )
     dropped = [
         r
         for r in doc["rows"]
@@ -243,6 +282,19 @@ def ratio_text(value: float | None, missing: str = "-") -> str:
     return text
 
 
+def too_slow(row: dict[str, Any]) -> bool:
+    """Whether a row has no ratio at equal latency because no setting of the drafter met the
+    baseline's latency at the reference ("not within target"), rather than for want of valid
+    cells to compare (the baseline's reference cell not measured yet, failed or invalid:
+    there is no latency to meet). A document without verdicts (older) goes by whether the
+    drafter was measured at the reference."""
+    if row["energy_ratio_equal_latency"] is not None:
+        return False
+    if "verdict_equal_latency" in row:
+        return bool(row["verdict_equal_latency"] == NOT_WITHIN)
+    return row["energy_per_token_at_stock_j"] is not None
+
+
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) triples for the terminal and Markdown renderings."""
     base = doc["baseline"]
@@ -275,12 +327,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 r["drafter"],
                 r["corpus"],
                 ratio_cell(r, "at_stock"),
-                ratio_cell(
-                    r,
-                    "equal_latency",
-                    # No ratio: too slow if the drafter was measured, else nothing to compare.
-                    missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
-                ),
+                ratio_cell(r, "equal_latency", missing="too slow" if too_slow(r) else "-"),
             ]
             for r in doc["rows"]
         ],
@@ -311,8 +358,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 [[d, *(fmt(lookup.get((d, c)), ".2f") for c in corpora)] for d in drafters],
             )
         )
-    if "roofline" in doc:
-        roof = doc["roofline"]
+    for roof in doc.get("roofline_per_gpu_model") or [doc[k] for k in ("roofline",) if k in doc]:
         tables.append(
             (
                 f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "

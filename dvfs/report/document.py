@@ -64,10 +64,25 @@ def build_document(
     gpu = ", ".join(gpu_names(cube).values()) or room["gpu"]["name"] or "unknown GPU"
     return Document(
         title=f"DVFS report: {room['campaign'] or 'campaign'} on {gpu}",
-        subtitle=f"{room['model'] or 'unknown model'}; target {room['target']['description']}; "
-        f"generated {generated}",
+        subtitle=f"{room['model'] or 'unknown model'}; target {room['target']['description']}"
+        f"{_selection(options)}; generated {generated}",
         sections=sections,
     )
+
+
+def _selection(options: ReportOptions) -> str:
+    """The part of the cube the report is about, where --batch, --drafter or --corpus chose
+    one ("; only batch 4; drafter eagle3"): its tables, findings and figures hold no more."""
+    chosen = [
+        f"{name} {', '.join(str(v) for v in values)}"
+        for name, values in (
+            ("batch", options.batch),
+            ("drafter", options.drafter),
+            ("corpus", options.corpus),
+        )
+        if values
+    ]
+    return f"; only {'; '.join(chosen)}" if chosen else ""
 
 
 def _figure(name: str, data: bytes, stock: bool = True) -> Figure:
@@ -114,7 +129,7 @@ def _comparison(
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The `dvfs compare` document against the target's baseline, or why there is none."""
     from dvfs.analysis.compare import compare
-    from dvfs.analysis.roofline import roofline
+    from dvfs.analysis.roofline import rooflines
     from dvfs.analysis.selection import select
     from dvfs.errors import AnalysisError
     from dvfs.report.compare import compare_document
@@ -135,7 +150,7 @@ def _comparison(
     result = select(result, options.batch, drafters, options.corpus)
     notes = []
     try:
-        roof = select(roofline(cube), options.batch, drafters)
+        roof = [select(r, options.batch, drafters) for r in rooflines(cube)]
     except AnalysisError as exc:
         roof = None
         notes.append(f"No roofline: {exc}")

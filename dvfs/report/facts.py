@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from dvfs.report.common import gpu_uuids
+from dvfs.report.common import campaign_hash, gpu_uuids
 from dvfs.report.model import Code, Facts, Paragraph, Section, Table
 
 if TYPE_CHECKING:
@@ -39,13 +39,12 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
 
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import idle_caveat, info_text
+    from dvfs.cube.info import idle_caveat, idle_power_text, info_text, mode_text
 
     info = info_text(cube)
     a = cube.attrs
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
-    idle = info["idle_power_w"]
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_campaign_hash(a)})"),
@@ -63,13 +62,13 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Reference", info["stock"]),
         (
             "Idle power",
-            (MISSING if idle != idle else f"{idle:g} W")
-            + idle_caveat(info["idle_foreign_processes"]),
+            idle_power_text(info, "g") or MISSING + idle_caveat(info["idle_foreign_processes"]),
         ),
         ("Cube built", _text(info["created"]) + sessions),
         ("History", _text(a.get("history"))),
         ("dvfs version", _text(a.get("dvfs_version"))),
         ("Measurement method", _text(a.get("measurement_method"))),
+        ("Measurement mode", _text(mode_text(info["measurement_mode"]))),
         ("Token counts", _text(a.get("token_count_method"))),
     ]
     # Where a server's GPUs were checked (real GPUs): verified, or unverified and why.
@@ -90,20 +89,8 @@ def measured_section(cube: xr.Dataset) -> Section:
 
 
 def _campaign_hash(attrs: dict[Any, Any]) -> str:
-    """The cube's campaign hash; a merged cube's, from the cubes it was merged from (the
-    "Merged from" table shows each)."""
-    if attrs.get("campaign_hash"):
-        return str(attrs["campaign_hash"])
-    sources = _json_attr(attrs, "merged_from")
-    if isinstance(sources, dict):
-        hashes = {
-            str(s["campaign_hash"])
-            for s in sources.values()
-            if isinstance(s, dict) and _text(s.get("campaign_hash")) != MISSING
-        }
-        if hashes:
-            return ", ".join(sorted(hashes))
-    return MISSING
+    """The cube's campaign hash (`campaign_hash`); "not recorded" where none is."""
+    return campaign_hash(attrs) or MISSING
 
 
 def _server_args(attrs: dict[Any, Any]) -> list[Table]:
@@ -157,7 +144,8 @@ def _corpora(attrs: dict[Any, Any]) -> list[Table]:
 def _quality(info: dict[str, Any]) -> list[Any]:
     """Counts of measured, failed, missing and invalid cells; flags; the failed cells. The
     adaptive repeats a cell did not need (it reached its precision first) are counted apart:
-    neither missing nor bad."""
+    neither missing nor bad. A shard's cube says so first (the other shards' cells are missing
+    from it)."""
     not_needed = info["not_needed"]
     counts = [
         ("Cells", str(info["cells"])),
@@ -180,6 +168,11 @@ def _quality(info: dict[str, Any]) -> list[Any]:
                 tone="warning",
             ),
         )
+    from dvfs.cube.info import shard_note
+
+    shard = shard_note(info.get("shard"))
+    if shard:
+        blocks.insert(0, Paragraph(shard[:1].upper() + shard[1:] + ".", tone="warning"))
     else:
         extra = (
             f" ({not_needed} adaptive repeat(s) not needed: those cells reached the precision "
@@ -190,20 +183,40 @@ def _quality(info: dict[str, Any]) -> list[Any]:
         blocks.insert(0, Paragraph(f"Data quality: every cell was measured and valid{extra}."))
     flags = info["quality_flags"]
     if flags:
+        from dvfs.cube.info import invalidates
+
         blocks.append(
             Table(
                 "Quality flags raised (cells)",
-                ("flag", "cells"),
-                tuple((name, str(count)) for name, count in flags.items()),
+                ("flag", "cells", "effect"),
+                tuple(
+                    (
+                        name,
+                        str(count),
+                        "invalid: never chosen by an analysis"
+                        if invalidates(name)
+                        else "warning: the cell stays valid",
+                    )
+                    for name, count in flags.items()
+                ),
             )
         )
+        # what a warning means where it needs saying (as `dvfs cube info` says it)
+        blocks += [
+            Paragraph(f"{name}: {note}.", tone="note") for name, note in info["flag_notes"].items()
+        ]
     failed = info["failed_cells"]
     if failed:
+        from dvfs.cube.info import failed_cell_label
+
+        # each as the sweep named it, with its error
         rows = tuple(
-            (json.dumps(cell, sort_keys=True) if not isinstance(cell, str) else cell,)
-            for cell in failed[:MAX_FAILED_LISTED]
+            (failed_cell_label(item["cell"], item.get("gpu")), str(item.get("error", "")))
+            if isinstance(item, dict) and "cell" in item
+            else (json.dumps(item, sort_keys=True) if not isinstance(item, str) else item, "")
+            for item in failed[:MAX_FAILED_LISTED]
         )
         more = len(failed) - MAX_FAILED_LISTED
         title = "Failed cells" + (f" (first {MAX_FAILED_LISTED}; {more} more)" if more > 0 else "")
-        blocks.append(Table(title, ("cell",), rows))
+        blocks.append(Table(title, ("cell", "error"), rows))
     return blocks

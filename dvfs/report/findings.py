@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.common import fmt_ms
+from dvfs.report.compare import too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -91,9 +92,14 @@ def energy_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Finding
         return Finding(f"No cell at {at} was measured: no energy there to report.", (), figures)
     low = min(rows, key=lambda r: r["stock_energy_per_token_j"])
     high = max(rows, key=lambda r: r["stock_energy_per_token_j"])
+    said = (
+        f"is {low['stock_energy_per_token_j']:.4g} J ({_where(low)})"  # one group: no range
+        if len(rows) == 1
+        else f"ranges from {low['stock_energy_per_token_j']:.4g} J ({_where(low)}) to "
+        f"{high['stock_energy_per_token_j']:.4g} J ({_where(high)})"
+    )
     return Finding(
-        f"At {at}, energy per token ranges from {low['stock_energy_per_token_j']:.4g} J "
-        f"({_where(low)}) to {high['stock_energy_per_token_j']:.4g} J ({_where(high)}).",
+        f"At {at}, energy per token {said}.",
         _batch_trend(rows, at),
         figures,
     )
@@ -143,9 +149,16 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"{best['energy_ratio_equal_latency']:.2f}x the energy per token of {base!r} "
             f"({_where(best)})."
         )
-    else:
+    elif any(too_slow(r) for r in comparison["rows"]):
         at = _at(comparison["reference"])
         headline = f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+    else:
+        # No latency to meet, or nothing valid to meet it with: the reference cells are not
+        # measured yet, failed or invalid (the headroom table says which).
+        headline = (
+            f"No drafter could be compared with {base!r} at equal latency: the cells it needs "
+            "are not measured yet, failed or invalid (the headroom table says why)."
+        )
     return Finding(headline, tuple(details), figures)
 
 

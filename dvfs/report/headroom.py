@@ -10,6 +10,7 @@ import numpy as np
 from dvfs.report.common import (
     as_float,
     as_int,
+    campaign_hash,
     fmt,
     fmt_ms,
     gpu_names,
@@ -103,7 +104,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
     return {
         "schema": HEADROOM_SCHEMA,
         "campaign": cube.attrs.get("campaign_name"),
-        "campaign_hash": cube.attrs.get("campaign_hash"),
+        "campaign_hash": campaign_hash(cube.attrs),  # a merged cube's: its sources'
         "gpu": _gpu(cube),
         "model": cube.attrs.get("model"),
         "target": {
@@ -125,6 +126,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
         "coverage": coverage(cube),
+        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
         "rows": rows,
     }
 
@@ -177,6 +179,14 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     parts = [
         f"{cov[k]} {what}" for k, what in (("missing", "never run"), ("failed", "failed")) if cov[k]
     ]
+    if doc.get("shard"):
+        from dvfs.cube.info import shard_note
+
+        return (
+            f"partial cube: {waiting} of {cov['cells']} cells not measured here "
+            f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
+            f"change: {shard_note(doc['shard'])}"
+        )
     return (
         f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
         f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
