@@ -638,3 +638,42 @@ def test_a_setting_short_of_repeats_below_the_answer_leaves_it_a_lower_bound() -
     assert not bool(r["headroom_mhz_unmeasured_below"]) and not bool(
         r["headroom_mhz_invalid_below"]
     )
+
+
+@settings(max_examples=25, deadline=None)  # x ROWS rows
+@given(
+    lat=st.lists(latencies, min_size=18 * ROWS, max_size=18 * ROWS),
+    en=st.lists(energies, min_size=18 * ROWS, max_size=18 * ROWS),
+    flagged=st.lists(st.booleans(), min_size=18 * ROWS, max_size=18 * ROWS),
+    slack=st.floats(0.0, 0.5),
+)
+def test_stock_meets_its_own_latency_with_a_repeat_flagged(lat, en, flagged, slack) -> None:
+    """One flagged repeat of the stock cell leaves the other two as the reference, and they
+    judge stock too: staying at stock always meets a preserve target, so every row has an
+    answer that saves no less than stock (ties aside), and a power cap that never bound is
+    not chosen over it. Other settings with a flagged repeat stay disqualified."""
+    clocks, limits = [900, 1500, 1980], [400.0, 700.0]
+    shape = (ROWS, len(clocks), len(limits), 3)
+    bad = np.array(flagged).reshape(shape)
+    bad[:, -1, -1, :] = [True, False, False]  # stock: repeat 0 flagged, 1 and 2 usable
+    lat_a, en_a = np.resize(np.array(lat), shape), np.resize(np.array(en), shape)
+    cube = make_cube(
+        clocks=clocks,
+        limits=limits,
+        batches=list(range(1, ROWS + 1)),
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: lat_a[b - 1, clocks.index(c), limits.index(p), r],
+        energy=lambda c, p, b, d, k, r: en_a[b - 1, clocks.index(c), limits.index(p), r],
+        valid=lambda c, p, b, d, k, r: not bad[b - 1, clocks.index(c), limits.index(p), r],
+        power_max=lambda *a: 100.0,  # no cap ever bound
+    )
+    for i, r in enumerate(rows(headroom(cube, target=Target("preserve", slack=slack)))):
+        stock = en_a[i, -1, -1, 1:].mean()
+        assert r["feasible"] == 1
+        assert r["stock_energy_per_token_j"] == pytest.approx(stock)
+        assert r["chosen_energy_per_token_j"] <= stock * (1 + 1e-4)
+        assert r["chosen_power_limit"] == 700.0  # 400 W never bound: never chosen
+        ci, pi = clocks.index(int(r["chosen_sm_clock"])), limits.index(r["chosen_power_limit"])
+        assert (ci, pi) == (2, 1) or not bad[i, ci, pi].any()
+        if slack == 0 and (ci, pi) == (2, 1):
+            assert r["saving"] == 0 and r["chosen_latency_ms"] == r["target_ms"]

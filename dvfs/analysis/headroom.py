@@ -14,7 +14,8 @@ the cube and calls it feasible when its latency meets the target with confidence
 
 With repeats, a setting needs at least two usable repeats (fewer would make the test looser,
 not stricter); with one repeat no interval is possible and the point value is compared.
-Cells flagged invalid disqualify their setting.
+Cells flagged invalid disqualify their setting, but for the reference itself while two or more
+of its repeats are usable: those are the reference, and they judge it too.
 
 Two answers come out, both monotone in the target by construction (the statistics do not
 depend on the target, so the feasible set only grows as it loosens):
@@ -476,8 +477,17 @@ def headroom(
     clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
-    # Every setting's bound at once; a setting with an invalid cell is never judged.
-    judge = ~cells.invalid
+    # Every setting's bound at once; a setting with an invalid cell is never judged, but for
+    # the reference itself where enough of its repeats are usable: they are the reference
+    # every other setting is judged against and the stock energy its saving divides by, so
+    # they judge it too (paired with themselves in preserve mode: a ratio of 1). Disqualified,
+    # staying at stock would be no answer while the reference stands, and a cap that never
+    # bound would win by noise.
+    ref_ci, ref_pi = clocks.tolist().index(ref.sm_clock), limits.tolist().index(ref.power_limit)
+    own_reference = cells.ok[:, :, :, ref_ci, ref_pi].sum(axis=-1) >= min_repeats
+    at_reference = np.zeros(cells.invalid.shape, dtype=bool)
+    at_reference[:, :, :, ref_ci, ref_pi] = own_reference
+    judge = ~cells.invalid | at_reference
     bound_v, n_v = statistic_bounds(
         cells.latency,
         cells.ref_latency,
