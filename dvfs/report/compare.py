@@ -243,6 +243,15 @@ def ratio_text(value: float | None, missing: str = "-") -> str:
     return text
 
 
+def _no_ratio(r: dict[str, Any]) -> str:
+    """What the equal-latency column says where a row has no ratio: "too slow" only where
+    the verdict is that no setting of the drafter met the baseline's latency; else nothing
+    was there to compare (the baseline's reference or the drafter's cells not usable)."""
+    from dvfs.analysis.compare import NOT_WITHIN
+
+    return "too slow" if r.get("verdict_equal_latency") == NOT_WITHIN else "-"
+
+
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) triples for the terminal and Markdown renderings."""
     base = doc["baseline"]
@@ -275,12 +284,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 r["drafter"],
                 r["corpus"],
                 ratio_cell(r, "at_stock"),
-                ratio_cell(
-                    r,
-                    "equal_latency",
-                    # No ratio: too slow if the drafter was measured, else nothing to compare.
-                    missing="-" if r["energy_per_token_at_stock_j"] is None else "too slow",
-                ),
+                ratio_cell(r, "equal_latency", missing=_no_ratio(r)),
             ]
             for r in doc["rows"]
         ],
