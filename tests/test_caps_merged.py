@@ -113,3 +113,21 @@ def test_a_merged_cube_of_one_twin_model_takes_the_least_aggressive(
         )
         assert plan["meta"]["measured_on"] == H100
         assert [s["sm_clock_mhz"] for s in plan["batch"]] == [1500]
+
+
+def test_gpu_names_which_gpus_of_a_merged_document_are_capped(tmp_path: Path) -> None:
+    """`--gpu UUID` on a merged document caps that GPU alone, with its own row's setting
+    (it capped every measured GPU before, the named one or not); a GPU the document did
+    not measure has no setting of its own and is refused in one line naming those it did."""
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(merged(tmp_path, H200, 1000)), "--json", "-o", str(saved))
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    for uuid, clock in ((UUID_A, 1500), (UUID_B, 1000)):
+        caps = tomllib.loads(run(*args, "--gpu", uuid).stdout)
+        assert [(c["uuid"], c["sm_clock_max_mhz"]) for c in caps["gpu"]] == [(uuid, clock)]
+    both = tomllib.loads(run(*args, "--gpu", UUID_B, "--gpu", UUID_A).stdout)
+    assert {c["uuid"]: c["sm_clock_max_mhz"] for c in both["gpu"]} == {UUID_A: 1500, UUID_B: 1000}
+    other = "GPU-cccccccc-0000-4000-8000-000000000003"
+    refused = run(*args, "--gpu", other, code=2)
+    assert refused.output.count("\n") == 1
+    assert other in refused.output and UUID_A in refused.output and UUID_B in refused.output

@@ -196,6 +196,9 @@ def plan_caps(
     if model_name:  # only that model's GPUs: another model's setting is not safe for it
         named = measured_as(doc, model_name, simulated)
         rows = [r for r in rows if model_of(doc, r) in named]
+    wanted = set(uuids)
+    if wanted and not by_model and any(r.get("gpu") for r in rows):
+        rows = _named_gpus_rows(rows, list(uuids))
     groups: dict[str | None, list[dict[str, Any]]] = {}
     for r in rows:
         if model_name:  # every GPU of that model gets one cap, safe for every GPU measured
@@ -222,7 +225,10 @@ def plan_caps(
         if by_model:
             caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
             continue
-        targets = key.split(",") if key else list(uuids) or list(doc["gpu"]["uuids"])
+        if key:  # a merged document: each GPU its own row's setting (--gpu: those named)
+            targets = [u for u in key.split(",") if not wanted or u in wanted]
+        else:
+            targets = list(uuids) or list(doc["gpu"]["uuids"])
         if not targets:
             raise CapsError("no GPU UUIDs: pass --gpu UUID (repeatable) or --model NAME")
         caps += [
@@ -240,6 +246,21 @@ def plan_caps(
         "grid_edge": GRID_EDGE_NOTE if edge else None,
     }
     return CapsFile(tuple(caps), meta)
+
+
+def _named_gpus_rows(rows: list[dict[str, Any]], uuids: list[str]) -> list[dict[str, Any]]:
+    """A merged document's rows of the GPUs `--gpu` names: each GPU is capped with its own
+    row's setting, so a GPU the document did not measure has none, and is refused naming
+    those it did."""
+    measured = list(dict.fromkeys(u for r in rows for u in str(r.get("gpu") or "").split(",")))
+    unknown = [u for u in uuids if u not in measured]
+    if unknown:
+        raise CapsError(
+            f"--gpu {unknown[0]} is not a GPU this merged headroom document measured "
+            f"({', '.join(measured)}): each GPU takes its own setting; name measured GPUs, "
+            "or leave --gpu out to cap them all (--model NAME caps every GPU of a model)"
+        )
+    return [r for r in rows if set(str(r.get("gpu") or "").split(",")) & set(uuids)]
 
 
 def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[str | None]:
