@@ -107,6 +107,8 @@ def compare_document(cmp: xr.Dataset, roof: xr.Dataset | None, cube: xr.Dataset)
         doc["roofline"] = {
             "model": roof.attrs["model"],
             "gpu_profile": roof.attrs["gpu_profile"],
+            # Where the ridge came from: the twin's physics of gpu_profile, or a measured file.
+            "ridge": roof.attrs.get("ridge"),
             "context_tokens": roof.attrs["context_tokens"],
             "ridge_point": {
                 str(int(c)): as_float(v)
@@ -243,6 +245,16 @@ def ratio_text(value: float | None, missing: str = "-") -> str:
     return text
 
 
+def _ridge_source(roof: dict[str, Any]) -> str:
+    """The roofline table's source: "llama-3.1-8b on h100-sxm" (the twin's physics of that
+    GPU), or "llama-3.1-8b, ridge measured (NVIDIA H200)" for a `--roofline` file, whose ridge
+    is not the twin profile's."""
+    ridge = roof.get("ridge")
+    if isinstance(ridge, str) and ridge.startswith("measured"):
+        return f"{roof['model']}, ridge {ridge}"
+    return f"{roof['model']} on {roof['gpu_profile']}"
+
+
 def _no_ratio(r: dict[str, Any]) -> str:
     """What the equal-latency column says where a row has no ratio: "too slow" only where
     the verdict is that no setting of the drafter met the baseline's latency; else nothing
@@ -319,7 +331,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         roof = doc["roofline"]
         tables.append(
             (
-                f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "
+                f"Verify pass vs ridge point ({_ridge_source(roof)}; ridge "
                 f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
                 f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
                 ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
