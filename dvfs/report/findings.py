@@ -144,9 +144,32 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"({_where(best)})."
         )
     else:
-        at = _at(comparison["reference"])
-        headline = f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+        headline = _no_equal_latency(comparison)
     return Finding(headline, tuple(details), figures)
+
+
+def _no_equal_latency(comparison: dict[str, Any]) -> str:
+    """The headline where no row has an equal-latency ratio: "no drafter meets the baseline's
+    latency" only for the rows whose verdict says so (not within target); rows with nothing
+    valid to compare (no data: the baseline's reference or the drafter's cells unusable) are
+    said to be that, never too slow."""
+    from dvfs.analysis.compare import NOT_WITHIN
+
+    base, at = comparison["baseline"], _at(comparison["reference"])
+    rows = comparison["rows"]
+    slow = [r for r in rows if r.get("verdict_equal_latency", NOT_WITHIN) == NOT_WITHIN]
+    if len(slow) == len(rows):
+        return f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+    if not slow:
+        return (
+            f"No drafter could be compared with {base!r} at equal latency: no row has valid "
+            "cells of both to compare (see the headroom table's reasons)."
+        )
+    return (
+        f"No drafter meets {base!r}'s latency at {at} at any measured setting in {len(slow)} of "
+        f"{len(rows)} rows; the other {len(rows) - len(slow)} have no valid cells of both to "
+        "compare."
+    )
 
 
 def _gpu(row: dict[str, Any]) -> str:
