@@ -210,18 +210,17 @@ def plan_caps(
         groups.setdefault(key, []).append(r)
     caps = []
     edge = False
+    at_stock: list[str] = []  # the groups whose setting is stock: nothing to cap there
     for key, group in groups.items():
-        edge = edge or at_grid_edge(group)
         if any(not r["feasible"] for r in group):
             raise CapsError(no_answer_error(doc, group, batch, drafter, key))
         clock_cap, limit_cap = least_aggressive(doc, group)
         if clock_cap is None and limit_cap is None:
             stocks = {stock_of(_reference_for(doc["reference"], r.get("gpu"))) for r in group}
             stock = "{} MHz, {:g} W".format(*stocks.pop()) if len(stocks) == 1 else "each GPU's own"
-            raise CapsError(
-                f"the chosen setting is stock ({stock}){f' on {key}' if key else ''}"
-                f" for batch {batch}, drafter {drafter!r}, corpus {corpus}: nothing to cap"
-            )
+            at_stock.append(f"stock ({stock}){f' on {key}' if key else ''}")
+            continue
+        edge = edge or at_grid_edge(group)
         if by_model:
             caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
             continue
@@ -234,6 +233,17 @@ def plan_caps(
         caps += [
             GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
         ]
+    chosen = f"for batch {batch}, drafter {drafter!r}, corpus {corpus}"
+    if not caps:
+        raise CapsError(f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap")
+    # A merged document's other GPUs (or models) may still be capped where these are not: the
+    # file leaves these out, as a knob at stock is left out, and says so.
+    not_capped = (
+        f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap there, so the "
+        "file leaves those GPUs out (they keep any caps they hold; `dvfs cap reset` clears them)"
+        if at_stock
+        else None
+    )
     meta = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "simulated": True if simulated else None,
@@ -244,6 +254,7 @@ def plan_caps(
         "drafter": drafter,
         "corpus": corpus,
         "grid_edge": GRID_EDGE_NOTE if edge else None,
+        "not_capped": not_capped,
     }
     return CapsFile(tuple(caps), meta)
 
