@@ -64,6 +64,8 @@ def test_a_merged_cube_names_every_gpu(tmp_path: Path) -> None:
     run("report", str(cube), "-o", str(report))
     text = report.read_text()
     assert f"**GPU UUIDs:** {UUID_A}, {UUID_B}" in text
+    # The findings count rows per GPU as such, not as (batch, drafter, corpus) groups.
+    assert "of 2 (GPU, batch, drafter, corpus) rows save energy" in text
     caps = text.split("Caps per batch and drafter")[1].split("To write the caps file")[0]
     assert f"every {H100} | 1500 MHz" in caps and f"every {H200} | 1000 MHz" in caps
 

@@ -77,7 +77,7 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
         )
         details.append(f"{lead} at: {_named([_where(r) for r in group])}. What to do: {advice}.")
     headline = (
-        f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below "
+        f"{len(saving)} of {len(rows)} {_groups(rows)} save energy below "
         f"{_at(room['reference'])} "
         f"while meeting {room['target']['description']}."
     )
@@ -111,9 +111,22 @@ def _batch_trend(rows: list[dict[str, Any]], at: str) -> tuple[str, ...]:
         return ()
     lo, hi = min(min(g) for g in pairs), max(max(g) for g in pairs)
     falls = sum(1 for g in pairs if g[max(g)] < g[min(g)])
+    what = "(GPU, drafter, corpus) series" if _merged(rows) else "(drafter, corpus) pairs"
     return (
         f"From the smallest to the largest batch measured, energy per token at {at} falls for "
-        f"{falls} of {len(pairs)} (drafter, corpus) pairs (batches {lo} to {hi}).",
+        f"{falls} of {len(pairs)} {what} (batches {lo} to {hi}).",
+    )
+
+
+def _merged(rows: list[dict[str, Any]]) -> bool:
+    """Rows of a merged cube: one per GPU of each group."""
+    return any(r.get("gpu") for r in rows)
+
+
+def _groups(rows: list[dict[str, Any]]) -> str:
+    """What a headroom row is: a (batch, drafter, corpus) group, per GPU in a merged cube."""
+    return (
+        "(GPU, batch, drafter, corpus) rows" if _merged(rows) else "(batch, drafter, corpus) groups"
     )
 
 
