@@ -677,3 +677,28 @@ def test_stock_meets_its_own_latency_with_a_repeat_flagged(lat, en, flagged, sla
         assert (ci, pi) == (2, 1) or not bad[i, ci, pi].any()
         if slack == 0 and (ci, pi) == (2, 1):
             assert r["saving"] == 0 and r["chosen_latency_ms"] == r["target_ms"]
+
+
+def test_the_latency_shown_is_over_the_repeats_the_bound_paired() -> None:
+    """Stock's repeat 0 flagged: the bound pairs repeats 1 and 2, whose ratio is 1.005, so
+    1500 MHz meets a 1% slack; its repeat 0 ran other prompts at 12 ms. The latency shown
+    beside the 10.1 ms target is the paired repeats' 10.05 ms, not 10.7 ms over all three,
+    which read as a chosen setting over its target."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    lat = {1500: [12.0, 10.05, 10.05], 2000: [9.0, 10.0, 10.0]}
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: lat[c][r],
+        energy=lambda c, *a: c / 1000,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r == 0),
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = row(result)
+    assert r["chosen_sm_clock"] == 1500 and r["repeats"] == 2
+    assert r["chosen_latency_ms"] == pytest.approx(10.05)
+    assert r["target_ms"] == pytest.approx(10.1)
+    assert r["chosen_latency_ms"] <= r["target_ms"]
+    (table_row,) = headroom_table_rows(headroom_document(result, cube))[1]
+    assert table_row[-2:] == ["10.1", "10.1"]  # latency ms, target ms (10.7 ms before)
