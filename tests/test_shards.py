@@ -767,3 +767,17 @@ def test_shard_cube_reads_the_shard_as_recorded_shard_does(runs: Path, tmp_path:
     for read in (recorded_shard, shard_cube):
         with pytest.raises(JournalError, match="damaged shard record"):
             read(bad)
+
+
+def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:
+    """One shard's cube lacks the other shards' cells: `dvfs headroom` on it says to merge the
+    shards, not to run the same `dvfs sweep` command again (which measures nothing more for a
+    finished shard); the whole campaign's cube says nothing of shards."""
+    text = " ".join(invoke("headroom", str(runs / "s0"), "--slack", "5%").output.split())
+    assert "shard 0/3: this cube holds one shard's share" in text
+    assert "`dvfs cube merge`" in text
+    assert "run the same `dvfs sweep` command again to resume it" not in text
+    doc = json.loads(invoke("headroom", str(runs / "s0"), "--json").stdout)
+    assert doc["shard"] == "0/3"
+    whole = json.loads(invoke("headroom", str(runs / "whole"), "--json").stdout)
+    assert "shard" not in whole

@@ -125,6 +125,8 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
         "coverage": coverage(cube),
+        # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it.
+        **({"shard": str(cube.attrs["shard"])} if cube.attrs.get("shard") else {}),
         "rows": rows,
     }
 
@@ -177,6 +179,15 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     parts = [
         f"{cov[k]} {what}" for k, what in (("missing", "never run"), ("failed", "failed")) if cov[k]
     ]
+    if doc.get("shard"):
+        # Most of them are other shards' share: resuming this shard would not measure them.
+        return (
+            f"shard {doc['shard']}: this cube holds one shard's share of the campaign, so "
+            f"{waiting} of {cov['cells']} cells are not in it ({', '.join(parts)}), most of "
+            "them other shards'; answers marked ? and rows without a measured reference may "
+            "change: merge the shards with `dvfs cube merge` and analyse the merged cube (run "
+            "this shard's `dvfs sweep --shard` command again only if it was interrupted)"
+        )
     return (
         f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
         f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
