@@ -64,6 +64,8 @@ def test_a_merged_cube_names_every_gpu(tmp_path: Path) -> None:
     run("report", str(cube), "-o", str(report))
     text = report.read_text()
     assert f"**GPU UUIDs:** {UUID_A}, {UUID_B}" in text
+    # The findings count rows per GPU as such, not as (batch, drafter, corpus) groups.
+    assert "of 2 (GPU, batch, drafter, corpus) rows save energy" in text
     caps = text.split("Caps per batch and drafter")[1].split("To write the caps file")[0]
     assert f"every {H100} | 1500 MHz" in caps and f"every {H200} | 1000 MHz" in caps
 
@@ -113,3 +115,44 @@ def test_a_merged_cube_of_one_twin_model_takes_the_least_aggressive(
         )
         assert plan["meta"]["measured_on"] == H100
         assert [s["sm_clock_mhz"] for s in plan["batch"]] == [1500]
+
+
+def test_gpu_names_which_gpus_of_a_merged_document_are_capped(tmp_path: Path) -> None:
+    """`--gpu UUID` on a merged document caps that GPU alone, with its own row's setting
+    (it capped every measured GPU before, the named one or not); a GPU the document did
+    not measure has no setting of its own and is refused in one line naming those it did."""
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(merged(tmp_path, H200, 1000)), "--json", "-o", str(saved))
+    args = ("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    for uuid, clock in ((UUID_A, 1500), (UUID_B, 1000)):
+        caps = tomllib.loads(run(*args, "--gpu", uuid).stdout)
+        assert [(c["uuid"], c["sm_clock_max_mhz"]) for c in caps["gpu"]] == [(uuid, clock)]
+    both = tomllib.loads(run(*args, "--gpu", UUID_B, "--gpu", UUID_A).stdout)
+    assert {c["uuid"]: c["sm_clock_max_mhz"] for c in both["gpu"]} == {UUID_A: 1500, UUID_B: 1000}
+    other = "GPU-cccccccc-0000-4000-8000-000000000003"
+    refused = run(*args, "--gpu", other, code=2)
+    assert refused.output.count("\n") == 1
+    assert other in refused.output and UUID_A in refused.output and UUID_B in refused.output
+
+
+def test_a_gpu_model_at_stock_leaves_the_others_capped(tmp_path: Path) -> None:
+    """H100 chooses 1500 MHz, the H200 stock: the caps file caps the H100 and leaves the H200
+    out, saying so (the whole plan was refused as "nothing to cap" before, while the report
+    told the user to run it); with every model at stock there is still nothing to cap."""
+    saved = tmp_path / "headroom.json"
+    run("headroom", str(merged(tmp_path, H200, 1980)), "--json", "-o", str(saved))
+    plan = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "none")
+    caps = tomllib.loads(plan.stdout)
+    assert [(c["name"], c["sm_clock_max_mhz"]) for c in caps["model"]] == [(H100, 1500)]
+    assert f"stock (1980 MHz, 700 W) on {H200}" in caps["meta"]["not_capped"]
+    assert "Note: the chosen setting is stock" in " ".join(plan.stderr.split())
+    report = tmp_path / "report.md"
+    run("report", str(tmp_path / "merged.nc"), "-o", str(report))
+    table = report.read_text().split("Caps per batch and drafter")[1]
+    assert f"every {H100} | 1500 MHz" in table
+    at_stock = tmp_path / "stock"
+    at_stock.mkdir()
+    both = at_stock / "headroom.json"
+    run("headroom", str(merged(at_stock, H100, 1980)), "--json", "-o", str(both))
+    refused = run("cap", "plan", str(both), "--batch", "1", "--drafter", "none", code=2)
+    assert "nothing to cap" in refused.output and refused.output.count("\n") == 1

@@ -229,6 +229,66 @@ def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
     assert w_low <= low and w_high >= high
 
 
+def test_a_flagged_repeat_of_the_baselines_stock_keeps_equal_latency(tmp_path: Path) -> None:
+    """End to end: repeat 0 of no speculation's stock cell flagged leaves its repeats 1 and 2
+    as the reference, and staying at stock still meets its own latency: `dvfs headroom` keeps
+    stock as the baseline's answer (not "none feasible"), and `dvfs compare` compares at equal
+    latency over the repeats both arms kept instead of reporting no data."""
+    ds = repeats_cube(
+        lambda b, r: 0.45 * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (d == "none" and c == 2000 and r == 0),
+    )
+    path = write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
+    room = json.loads(run("headroom", str(path), "--json", "--drafter", "none").stdout)
+    for row in room["rows"]:
+        assert row["feasible"] and row["chosen"] == {"sm_clock_mhz": 2000, "power_limit_w": 700.0}
+        assert row["saving"] == 0 and row["repeats"] == 2
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    for row in doc["rows"]:
+        # EAGLE-3 meets none's stock 10 ms at 1000 MHz (8 ms) at 0.8 x 0.45 of none's stock.
+        assert row["energy_ratio_equal_latency"] == pytest.approx(0.8 * 0.45, rel=1e-12)
+        assert row["verdict_equal_latency"] == SAVES
+        assert row["paired_repeats_equal_latency"] == 2
+        assert row["dropped_repeats_equal_latency"] == 1
+    summary = {r["equal_latency_summary"] for r in doc["break_even_batch"]}
+    assert summary == {"saves at every batch"}
+
+
+def test_the_table_says_too_slow_only_where_no_setting_was_fast_enough(tmp_path: Path) -> None:
+    """End to end: the equal-latency column says "too slow" where the verdict is "not within
+    target" (EAGLE-3 slower than none at every setting), whether or not the drafter's own
+    stock cell is usable, and never where the baseline's reference is unusable (no data)."""
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (12.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=lambda c, p, b, d, corpus, r: 0.5 * BASE[r],
+        # batch 1: none's stock cell invalid in every repeat; batch 8: eagle3's
+        valid=lambda c, p, b, d, corpus, r: (
+            not (c == 2000 and ((b == 1 and d == "none") or (b == 8 and d == "eagle3")))
+        ),
+    )
+    path = write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
+    assert verdicts == {1: NO_DATA, 8: NOT_WITHIN, 64: NOT_WITHIN}
+    table = run("compare", str(path), "--markdown").output
+    cells = {}
+    for line in table.splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 5 and parts[1] == "eagle3" and parts[0].isdigit():
+            cells[int(parts[0])] = parts[4]
+    assert cells == {1: "-", 8: "too slow", 64: "too slow"}
+
+
 #: Two arms with adaptive repeats (1 asked, up to 3): the arms take different numbers.
 ADAPTIVE_ARMS = replace_block(
     replace_block(SMALL_EXACT, 'corpora = ["code", "conversation"]', 'corpora = ["code"]'),

@@ -638,3 +638,67 @@ def test_a_setting_short_of_repeats_below_the_answer_leaves_it_a_lower_bound() -
     assert not bool(r["headroom_mhz_unmeasured_below"]) and not bool(
         r["headroom_mhz_invalid_below"]
     )
+
+
+@settings(max_examples=25, deadline=None)  # x ROWS rows
+@given(
+    lat=st.lists(latencies, min_size=18 * ROWS, max_size=18 * ROWS),
+    en=st.lists(energies, min_size=18 * ROWS, max_size=18 * ROWS),
+    flagged=st.lists(st.booleans(), min_size=18 * ROWS, max_size=18 * ROWS),
+    slack=st.floats(0.0, 0.5),
+)
+def test_stock_meets_its_own_latency_with_a_repeat_flagged(lat, en, flagged, slack) -> None:
+    """One flagged repeat of the stock cell leaves the other two as the reference, and they
+    judge stock too: staying at stock always meets a preserve target, so every row has an
+    answer that saves no less than stock (ties aside), and a power cap that never bound is
+    not chosen over it. Other settings with a flagged repeat stay disqualified."""
+    clocks, limits = [900, 1500, 1980], [400.0, 700.0]
+    shape = (ROWS, len(clocks), len(limits), 3)
+    bad = np.array(flagged).reshape(shape)
+    bad[:, -1, -1, :] = [True, False, False]  # stock: repeat 0 flagged, 1 and 2 usable
+    lat_a, en_a = np.resize(np.array(lat), shape), np.resize(np.array(en), shape)
+    cube = make_cube(
+        clocks=clocks,
+        limits=limits,
+        batches=list(range(1, ROWS + 1)),
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: lat_a[b - 1, clocks.index(c), limits.index(p), r],
+        energy=lambda c, p, b, d, k, r: en_a[b - 1, clocks.index(c), limits.index(p), r],
+        valid=lambda c, p, b, d, k, r: not bad[b - 1, clocks.index(c), limits.index(p), r],
+        power_max=lambda *a: 100.0,  # no cap ever bound
+    )
+    for i, r in enumerate(rows(headroom(cube, target=Target("preserve", slack=slack)))):
+        stock = en_a[i, -1, -1, 1:].mean()
+        assert r["feasible"] == 1
+        assert r["stock_energy_per_token_j"] == pytest.approx(stock)
+        assert r["chosen_energy_per_token_j"] <= stock * (1 + 1e-4)
+        assert r["chosen_power_limit"] == 700.0  # 400 W never bound: never chosen
+        ci, pi = clocks.index(int(r["chosen_sm_clock"])), limits.index(r["chosen_power_limit"])
+        assert (ci, pi) == (2, 1) or not bad[i, ci, pi].any()
+        if slack == 0 and (ci, pi) == (2, 1):
+            assert r["saving"] == 0 and r["chosen_latency_ms"] == r["target_ms"]
+
+
+def test_the_latency_shown_is_over_the_repeats_the_bound_paired() -> None:
+    """Stock's repeat 0 flagged: the bound pairs repeats 1 and 2, whose ratio is 1.005, so
+    1500 MHz meets a 1% slack; its repeat 0 ran other prompts at 12 ms. The latency shown
+    beside the 10.1 ms target is the paired repeats' 10.05 ms, not 10.7 ms over all three,
+    which read as a chosen setting over its target."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    lat = {1500: [12.0, 10.05, 10.05], 2000: [9.0, 10.0, 10.0]}
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=3,
+        latency=lambda c, p, b, d, k, r: lat[c][r],
+        energy=lambda c, *a: c / 1000,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and r == 0),
+    )
+    result = headroom(cube, target=Target("preserve", slack=0.01))
+    r = row(result)
+    assert r["chosen_sm_clock"] == 1500 and r["repeats"] == 2
+    assert r["chosen_latency_ms"] == pytest.approx(10.05)
+    assert r["target_ms"] == pytest.approx(10.1)
+    assert r["chosen_latency_ms"] <= r["target_ms"]
+    (table_row,) = headroom_table_rows(headroom_document(result, cube))[1]
+    assert table_row[-2:] == ["10.1", "10.1"]  # latency ms, target ms (10.7 ms before)

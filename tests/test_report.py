@@ -343,6 +343,37 @@ def test_findings_read_a_latency_of_seconds_as_plain_milliseconds() -> None:
     assert "latency 1333 ms against a 1400 ms target" in largest, largest
 
 
+def test_the_speculation_finding_says_too_slow_only_where_no_setting_was_fast_enough() -> None:
+    """EAGLE-3 at 0.4x none's latency, but none's stock cell invalid at batch 1 (nothing to
+    compare there): the finding never says no drafter meets none's latency where the rows
+    have no data, and says it where EAGLE-3 is slower than none at every setting."""
+
+    def finding(eagle_ms: float, none_stock_invalid_at: tuple[int, ...]) -> str:
+        cube = make_cube(
+            clocks=[1000, 2000],
+            batches=[1, 8],
+            drafters=["none", "eagle3"],
+            latency=lambda c, p, b, d, *a: (eagle_ms if d == "eagle3" else 10.0) * 2000 / c,
+            energy=lambda c, *a: c / 1000,
+            valid=lambda c, p, b, d, *a: (
+                not (d == "none" and c == 2000 and b in none_stock_invalid_at)
+            ),
+        )
+        doc = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
+        speculation = doc.sections[3].blocks[2]
+        assert isinstance(speculation, Finding)
+        return speculation.headline
+
+    assert "No drafter" not in finding(4.0, ())  # a ratio where both are valid
+    no_data = finding(4.0, (1, 8))
+    assert "meets" not in no_data and "could be compared" in no_data, no_data
+    assert (
+        finding(12.0, ()) == "No drafter meets 'none''s latency at stock at any measured setting."
+    )
+    mixed = finding(12.0, (1,))
+    assert "in 1 of 2 rows" in mixed and "the other 1 have no valid cells" in mixed, mixed
+
+
 def test_the_caps_command_of_a_report_on_some_corpora_plans_its_caps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

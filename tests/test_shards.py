@@ -791,3 +791,16 @@ def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: P
     assert any(w.startswith("This is shard 1/3's cube") for w in warnings), warnings
     whole = " ".join(invoke("cube", "info", str(runs / "whole")).stdout.split())
     assert "shard " not in whole and "shard's cube" not in whole
+
+
+def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:
+    """One shard's cube lacks the other shards' cells: `dvfs headroom` on it says to merge the
+    shards, not to run the same `dvfs sweep` command again (which measures nothing more for a
+    finished shard); the whole campaign's cube says nothing of shards."""
+    text = " ".join(invoke("headroom", str(runs / "s0"), "--slack", "5%").output.split())
+    assert "this is shard 0/3's cube" in text and "dvfs cube merge" in text
+    assert "run the same `dvfs sweep` command again to resume it" not in text
+    doc = json.loads(invoke("headroom", str(runs / "s0"), "--json").stdout)
+    assert doc["shard"] == "0/3"
+    whole = json.loads(invoke("headroom", str(runs / "whole"), "--json").stdout)
+    assert "shard" not in whole

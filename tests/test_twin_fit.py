@@ -284,6 +284,11 @@ def test_compare_warns_about_another_gpu_and_refuses_a_clockless_file(
     result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(h200)])
     assert result.exit_code == 0
     assert "measured on NVIDIA H200, the cube on NVIDIA H100" in result.stderr
+    # The table's title and the JSON name the measured ridge, never the twin's H100 profile.
+    (title,) = [line for line in result.stdout.splitlines() if "ridge point" in line]
+    assert "ridge measured (NVIDIA H200)" in title and "h100-sxm" not in title
+    doc = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(h200), "--json"])
+    assert json.loads(doc.stdout)["roofline"]["ridge"] == "measured (NVIDIA H200)"
     same = store.write(twin_roofline(true_profile()), tmp_path / "h100.nc")
     result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(same)])
     assert result.exit_code == 0 and "measured on" not in result.stderr

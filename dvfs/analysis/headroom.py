@@ -14,7 +14,8 @@ the cube and calls it feasible when its latency meets the target with confidence
 
 With repeats, a setting needs at least two usable repeats (fewer would make the test looser,
 not stricter); with one repeat no interval is possible and the point value is compared.
-Cells flagged invalid disqualify their setting.
+Cells flagged invalid disqualify their setting, but for the reference itself while two or more
+of its repeats are usable: those are the reference, and they judge it too.
 
 Two answers come out, both monotone in the target by construction (the statistics do not
 depend on the target, so the feasible set only grows as it loosens):
@@ -476,15 +477,25 @@ def headroom(
     clock_free, limit_free = len(clocks) > 1, len(limits) > 1
     drafters = list(cube["drafter"].values)
 
-    # Every setting's bound at once; a setting with an invalid cell is never judged.
-    judge = ~cells.invalid
+    # Every setting's bound at once; a setting with an invalid cell is never judged, but for
+    # the reference itself where enough of its repeats are usable: they are the reference
+    # every other setting is judged against and the stock energy its saving divides by, so
+    # they judge it too (paired with themselves in preserve mode: a ratio of 1). Disqualified,
+    # staying at stock would be no answer while the reference stands, and a cap that never
+    # bound would win by noise.
+    ref_ci, ref_pi = clocks.tolist().index(ref.sm_clock), limits.tolist().index(ref.power_limit)
+    own_reference = cells.ok[:, :, :, ref_ci, ref_pi].sum(axis=-1) >= min_repeats
+    at_reference = np.zeros(cells.invalid.shape, dtype=bool)
+    at_reference[:, :, :, ref_ci, ref_pi] = own_reference
+    judge = ~cells.invalid | at_reference
+    own = np.array([d == baseline_drafter for d in drafters], dtype=bool)
     bound_v, n_v = statistic_bounds(
         cells.latency,
         cells.ref_latency,
         target=target,
         confidence=confidence,
         min_repeats=min_repeats,
-        own=np.array([d == baseline_drafter for d in drafters], dtype=bool),
+        own=own,
         need=judge,
     )
     judged_v = judge & ~np.isnan(bound_v)
@@ -493,7 +504,18 @@ def headroom(
     pending_v = judge & np.isnan(bound_v) & cells.unmeasured
     short_v = judge & np.isnan(bound_v) & ~cells.unmeasured & (n_v > 0)
     energy_mean_v = finite_means(cells.energy, feasible_v)
-    latency_mean_v = finite_means(cells.latency, feasible_v)
+    # The latency shown beside the target: against the drafter's own reference (preserve, and
+    # the baseline's own rows in vs-baseline mode) over the repeats paired with it, those the
+    # bound used, since the target is the mean over the reference's usable repeats; a repeat
+    # the reference lacks (flagged there) ran other prompts and is no part of the answer.
+    shown = cells.latency
+    if target.mode != "slo":
+        paired_rows = own if target.mode == "vs-baseline" else np.ones(len(drafters), dtype=bool)
+        with_reference = np.where(
+            np.isnan(cells.ref_latency)[:, :, :, None, None, :], np.nan, cells.latency
+        )
+        shown = np.where(paired_rows[None, :, None, None, None, None], with_reference, shown)
+    latency_mean_v = finite_means(shown, feasible_v)
     repeats_used = set(n_v[judged_v].tolist())  # behind each computed bound (adaptive vary)
 
     group_shape = bound_v.shape[:3]
@@ -703,7 +725,11 @@ def headroom(
         "saving": ("1", "energy saved per token at the chosen setting against stock"),
         "baseline_energy_per_token_j": ("J", "baseline drafter's energy per token at stock"),
         "saving_vs_baseline": ("1", "energy saved against the baseline drafter at stock"),
-        "chosen_latency_ms": ("ms", "latency at the chosen setting (mean over repeats)"),
+        "chosen_latency_ms": (
+            "ms",
+            "latency at the chosen setting (mean over the repeats paired with the reference, "
+            "as the bound; against an SLO or another drafter's stock, over its usable repeats)",
+        ),
         "reference_latency_ms": ("ms", "reference latency the target is relative to"),
         "target_ms": ("ms", "latency target"),
         "latency_bound": ("1", "upper bound of the feasibility statistic at the chosen setting"),

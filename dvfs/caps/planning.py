@@ -196,6 +196,9 @@ def plan_caps(
     if model_name:  # only that model's GPUs: another model's setting is not safe for it
         named = measured_as(doc, model_name, simulated)
         rows = [r for r in rows if model_of(doc, r) in named]
+    wanted = set(uuids)
+    if wanted and not by_model and any(r.get("gpu") for r in rows):
+        rows = _named_gpus_rows(rows, list(uuids))
     groups: dict[str | None, list[dict[str, Any]]] = {}
     for r in rows:
         if model_name:  # every GPU of that model gets one cap, safe for every GPU measured
@@ -207,27 +210,40 @@ def plan_caps(
         groups.setdefault(key, []).append(r)
     caps = []
     edge = False
+    at_stock: list[str] = []  # the groups whose setting is stock: nothing to cap there
     for key, group in groups.items():
-        edge = edge or at_grid_edge(group)
         if any(not r["feasible"] for r in group):
             raise CapsError(no_answer_error(doc, group, batch, drafter, key))
         clock_cap, limit_cap = least_aggressive(doc, group)
         if clock_cap is None and limit_cap is None:
             stocks = {stock_of(_reference_for(doc["reference"], r.get("gpu"))) for r in group}
             stock = "{} MHz, {:g} W".format(*stocks.pop()) if len(stocks) == 1 else "each GPU's own"
-            raise CapsError(
-                f"the chosen setting is stock ({stock}){f' on {key}' if key else ''}"
-                f" for batch {batch}, drafter {drafter!r}, corpus {corpus}: nothing to cap"
-            )
+            at_stock.append(f"stock ({stock}){f' on {key}' if key else ''}")
+            continue
+        edge = edge or at_grid_edge(group)
         if by_model:
             caps.append(GpuCap(name=key, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap))
             continue
-        targets = key.split(",") if key else list(uuids) or list(doc["gpu"]["uuids"])
+        if key:  # a merged document: each GPU its own row's setting (--gpu: those named)
+            targets = [u for u in key.split(",") if not wanted or u in wanted]
+        else:
+            targets = list(uuids) or list(doc["gpu"]["uuids"])
         if not targets:
             raise CapsError("no GPU UUIDs: pass --gpu UUID (repeatable) or --model NAME")
         caps += [
             GpuCap(uuid=u, sm_clock_max_mhz=clock_cap, power_limit_w=limit_cap) for u in targets
         ]
+    chosen = f"for batch {batch}, drafter {drafter!r}, corpus {corpus}"
+    if not caps:
+        raise CapsError(f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap")
+    # A merged document's other GPUs (or models) may still be capped where these are not: the
+    # file leaves these out, as a knob at stock is left out, and says so.
+    not_capped = (
+        f"the chosen setting is {'; '.join(at_stock)} {chosen}: nothing to cap there, so the "
+        "file leaves those GPUs out (they keep any caps they hold; `dvfs cap reset` clears them)"
+        if at_stock
+        else None
+    )
     meta = {
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "simulated": True if simulated else None,
@@ -238,8 +254,24 @@ def plan_caps(
         "drafter": drafter,
         "corpus": corpus,
         "grid_edge": GRID_EDGE_NOTE if edge else None,
+        "not_capped": not_capped,
     }
     return CapsFile(tuple(caps), meta)
+
+
+def _named_gpus_rows(rows: list[dict[str, Any]], uuids: list[str]) -> list[dict[str, Any]]:
+    """A merged document's rows of the GPUs `--gpu` names: each GPU is capped with its own
+    row's setting, so a GPU the document did not measure has none, and is refused naming
+    those it did."""
+    measured = list(dict.fromkeys(u for r in rows for u in str(r.get("gpu") or "").split(",")))
+    unknown = [u for u in uuids if u not in measured]
+    if unknown:
+        raise CapsError(
+            f"--gpu {unknown[0]} is not a GPU this merged headroom document measured "
+            f"({', '.join(measured)}): each GPU takes its own setting; name measured GPUs, "
+            "or leave --gpu out to cap them all (--model NAME caps every GPU of a model)"
+        )
+    return [r for r in rows if set(str(r.get("gpu") or "").split(",")) & set(uuids)]
 
 
 def measured_as(doc: dict[str, Any], model_name: str, simulated: bool) -> set[str | None]:

@@ -129,8 +129,9 @@ def plan(
             f"({escape(str(caps.meta.get('measured_on')))}), not from measurements of real "
             "GPUs; `dvfs cap apply` refuses them unless given --allow-simulated.[/yellow]"
         )
-    if caps.meta.get("grid_edge"):
-        err.print(f"[yellow]Note: {escape(str(caps.meta['grid_edge']))}.[/yellow]")
+    for note in ("grid_edge", "not_capped"):
+        if caps.meta.get(note):
+            err.print(f"[yellow]Note: {escape(str(caps.meta[note]))}.[/yellow]")
     if out_path is None:
         click.echo(text, nl=False)
         return

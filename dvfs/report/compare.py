@@ -132,6 +132,8 @@ def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
     return {
         "model": roof.attrs["model"],
         "gpu_profile": roof.attrs["gpu_profile"],
+        # Where the ridge came from: the twin's physics of gpu_profile, or a measured file.
+        "ridge": roof.attrs.get("ridge"),
         "context_tokens": roof.attrs["context_tokens"],
         "ridge_point": {
             str(int(c)): as_float(v)
@@ -295,6 +297,16 @@ def too_slow(row: dict[str, Any]) -> bool:
     return row["energy_per_token_at_stock_j"] is not None
 
 
+def _ridge_source(roof: dict[str, Any]) -> str:
+    """The roofline table's source: "llama-3.1-8b on h100-sxm" (the twin's physics of that
+    GPU), or "llama-3.1-8b, ridge measured (NVIDIA H200)" for a `--roofline` file, whose ridge
+    is not the twin profile's."""
+    ridge = roof.get("ridge")
+    if isinstance(ridge, str) and ridge.startswith("measured"):
+        return f"{roof['model']}, ridge {ridge}"
+    return f"{roof['model']} on {roof['gpu_profile']}"
+
+
 def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) triples for the terminal and Markdown renderings."""
     base = doc["baseline"]
@@ -361,7 +373,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     for roof in doc.get("roofline_per_gpu_model") or [doc[k] for k in ("roofline",) if k in doc]:
         tables.append(
             (
-                f"Verify pass vs ridge point ({roof['model']} on {roof['gpu_profile']}; ridge "
+                f"Verify pass vs ridge point ({_ridge_source(roof)}; ridge "
                 f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
                 f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
                 ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],

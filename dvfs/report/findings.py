@@ -78,7 +78,7 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
         )
         details.append(f"{lead} at: {_named([_where(r) for r in group])}. What to do: {advice}.")
     headline = (
-        f"{len(saving)} of {len(rows)} (batch, drafter, corpus) groups save energy below "
+        f"{len(saving)} of {len(rows)} {_groups(rows)} save energy below "
         f"{_at(room['reference'])} "
         f"while meeting {room['target']['description']}."
     )
@@ -117,9 +117,22 @@ def _batch_trend(rows: list[dict[str, Any]], at: str) -> tuple[str, ...]:
         return ()
     lo, hi = min(min(g) for g in pairs), max(max(g) for g in pairs)
     falls = sum(1 for g in pairs if g[max(g)] < g[min(g)])
+    what = "(GPU, drafter, corpus) series" if _merged(rows) else "(drafter, corpus) pairs"
     return (
         f"From the smallest to the largest batch measured, energy per token at {at} falls for "
-        f"{falls} of {len(pairs)} (drafter, corpus) pairs (batches {lo} to {hi}).",
+        f"{falls} of {len(pairs)} {what} (batches {lo} to {hi}).",
+    )
+
+
+def _merged(rows: list[dict[str, Any]]) -> bool:
+    """Rows of a merged cube: one per GPU of each group."""
+    return any(r.get("gpu") for r in rows)
+
+
+def _groups(rows: list[dict[str, Any]]) -> str:
+    """What a headroom row is: a (batch, drafter, corpus) group, per GPU in a merged cube."""
+    return (
+        "(GPU, batch, drafter, corpus) rows" if _merged(rows) else "(batch, drafter, corpus) groups"
     )
 
 
@@ -149,17 +162,31 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
             f"{best['energy_ratio_equal_latency']:.2f}x the energy per token of {base!r} "
             f"({_where(best)})."
         )
-    elif any(too_slow(r) for r in comparison["rows"]):
-        at = _at(comparison["reference"])
-        headline = f"No drafter meets {base!r}'s latency at {at} at any measured setting."
     else:
-        # No latency to meet, or nothing valid to meet it with: the reference cells are not
-        # measured yet, failed or invalid (the headroom table says which).
-        headline = (
-            f"No drafter could be compared with {base!r} at equal latency: the cells it needs "
-            "are not measured yet, failed or invalid (the headroom table says why)."
-        )
+        headline = _no_equal_latency(comparison)
     return Finding(headline, tuple(details), figures)
+
+
+def _no_equal_latency(comparison: dict[str, Any]) -> str:
+    """The headline where no row has an equal-latency ratio: "no drafter meets the baseline's
+    latency" only for the rows whose verdict says so (not within target); rows with nothing
+    valid to compare (no data: the baseline's reference or the drafter's cells unusable) are
+    said to be that, never too slow."""
+    base, at = comparison["baseline"], _at(comparison["reference"])
+    rows = comparison["rows"]
+    slow = [r for r in rows if too_slow(r)]
+    if rows and len(slow) == len(rows):
+        return f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+    if not slow:
+        return (
+            f"No drafter could be compared with {base!r} at equal latency: no row has valid "
+            "cells of both to compare (see the headroom table's reasons)."
+        )
+    return (
+        f"No drafter meets {base!r}'s latency at {at} at any measured setting in {len(slow)} of "
+        f"{len(rows)} rows; the other {len(rows) - len(slow)} have no valid cells of both to "
+        "compare."
+    )
 
 
 def _gpu(row: dict[str, Any]) -> str:

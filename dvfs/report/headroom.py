@@ -126,7 +126,8 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
         "coverage": coverage(cube),
-        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
+        # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it.
+        **({"shard": str(cube.attrs["shard"])} if cube.attrs.get("shard") else {}),
         "rows": rows,
     }
 
