@@ -458,6 +458,29 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
         assert len({r.measurement.tpot_ms for r in records if r.measurement}) == 3
 
 
+def test_an_inflight_record_counts_its_decodes_and_requests_once(tmp_path: Path) -> None:
+    """Abba visits every level twice in a decode: a level's record still counts the decodes
+    it ran (`rounds`, what the interval is over) and the requests they sent, not segments."""
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 2").replace(
+        "[16, 2048]", "[16, 256]"
+    )
+    with twin_runner(tmp_path, text) as runner:
+        engine = Recording(runner.engine)
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+    decodes = len(engine.rounds)
+    assert decodes == 2
+    sent = sum(len(r.requests) for r in engine.rounds)
+    for record in records:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        assert record.inflight["rounds"] == decodes
+        assert len(record.inflight["segments"]) == 2 * decodes  # twice per decode
+        assert m.rounds == decodes
+        assert m.requests == sent
+
+
 class Recording:
     """The twin engine, keeping every round it returns (for the rounds' start and window)."""
 

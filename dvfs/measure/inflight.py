@@ -650,6 +650,10 @@ def _measure_group(
         measured_j = cm.energy_per_token_j
         cm = replace(
             cm,
+            # the decodes and the requests they ran, each counted once (not once per segment:
+            # abba visits every level twice in a decode)
+            rounds=rounds,
+            requests=sum(len(res.requests) for res in results),
             energy_j=cm.energy_j * energy_factor,
             latency=LatencyStats(
                 shared.ttft_ms,
