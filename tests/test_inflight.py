@@ -721,3 +721,33 @@ def test_a_step_that_fails_on_the_thread_fails_the_round(tmp_path: Path) -> None
         engine.start(campaign.drafters[0])
         with pytest.raises(GpuError, match="lock was refused"):
             engine.run(Workload(2, prompts, "code", 40, 0.0, True), timeline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_server_that_dies_mid_group_is_not_left_to_serve_the_next(
+    tmp_path: Path, retries: int
+) -> None:
+    """Three groups (repeats) of two levels; every server dies on its third request, the
+    warm-up of the second group it serves. Without retries that group fails and the next gets
+    a fresh server; with one the group itself is retried on a fresh server."""
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"die_after_requests": 3},
+        batch="[1]",
+        drafters='[drafters.none]\nalgorithm = "none"\n',
+        retries=retries,
+        measurement_extra='mode = "in-flight"\nrepeats = 3',
+    )
+    out = tmp_path / "out"
+    outcome = run_sweep(load_campaign(path), out)
+    assert running(marker) == []
+    cells = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
+    status = [
+        (c["cell"]["repeat"], c["status"], c["attempts"]) for c in cells if c["type"] == "cell"
+    ]
+    if retries == 0:
+        assert status == [(0, "ok", 1)] * 2 + [(1, "failed", 1)] * 2 + [(2, "ok", 1)] * 2
+    else:
+        assert status == [(0, "ok", 1)] * 2 + [(1, "ok", 2)] * 2 + [(2, "ok", 2)] * 2
+    assert len(list((out / "logs").glob("server-none-*.log"))) == 2 + retries

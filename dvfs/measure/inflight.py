@@ -265,6 +265,8 @@ class InflightHost(Protocol):
 
     def note_tenants(self, seen: Sequence[ForeignProcess]) -> None: ...
 
+    def server_crashed(self, drafter: str, *, restart: bool) -> None: ...
+
     def _power_limit_reads(
         self,
         cells: Cell | Sequence[Cell],
@@ -473,8 +475,9 @@ def run_inflight(
     runner: InflightHost, cells: Sequence[Cell], *, settle_s: float | None = None
 ) -> list[CellRecord]:
     """Measure a group's knob levels inside shared decodes; one record per cell (see the
-    module's docstring for the seam). Engine errors are retried `measurement.retries` times,
-    then every cell of the group fails with them."""
+    module's docstring for the seam). Engine errors are retried `measurement.retries` times
+    (a crashed server restarted first: `runner.server_crashed`), then every cell of the group
+    fails with them."""
     from dvfs.records import CellRecord
 
     errors: list[str] = []
@@ -484,7 +487,15 @@ def run_inflight(
             return _measure_group(runner, cells, settle_s, attempt, errors)
         except EngineCrashedError as exc:
             errors.append(f"attempt {attempt}: {exc}")
-            break  # a dead server serves nothing more: the runner restarts it for the next group
+            # A dead server serves nothing more: forgotten, a fresh one for the retry (else the
+            # runner starts one for the next group).
+            try:
+                runner.server_crashed(cells[0].drafter, restart=attempt <= retries)
+            except EngineError as restart_exc:
+                errors.append(f"restart failed: {restart_exc}")
+                break
+            if attempt > retries:
+                break
         except EngineError as exc:
             errors.append(f"attempt {attempt}: {exc}")
     return [CellRecord.failed(c, attempts=len(errors), errors=errors) for c in cells]

@@ -1065,6 +1065,16 @@ class Runner:
             self.progress.advance(record.cell, record.status)
         return records
 
+    def server_crashed(self, drafter: str, *, restart: bool) -> None:
+        """The server died inside an in-flight group: forget it, so that no group runs on it
+        again, and start a fresh one to retry on when `restart` (the next group starts one
+        otherwise); a failed start raises EngineError."""
+        then = "restarting it to retry the group" if restart else "the next group gets a fresh one"
+        self.progress.note(f"the server with drafter {drafter!r} crashed: {then}")
+        self._drafter = None
+        if restart:
+            self._start_server(drafter)
+
     def extra_repeats(self, cells: Sequence[Cell]) -> list[Cell]:
         """The repeats `next_repeats` asks for, from this runner's journal."""
         m = self.campaign.measurement
