@@ -30,6 +30,7 @@ from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
+    carried_factor,
     context_slope,
     inflight_groups,
     level_estimates,
@@ -237,6 +238,28 @@ def test_context_slope_recovers_a_relative_drift_along_the_decode(
     assert context_slope(values, flat, segments, len(truth)) == 0.0
 
 
+@given(
+    slope=st.floats(1e-5, 1e-3),
+    places=st.lists(st.floats(50.0, 2000.0), min_size=2, max_size=6),
+    power=st.lists(st.floats(100.0, 700.0), min_size=6, max_size=6),
+)
+@settings(max_examples=50, deadline=None)
+def test_a_pooled_level_is_carried_segment_by_segment(
+    slope: float, places: list[float], power: list[float]
+) -> None:
+    """A level pooled over its segments (its energy over its tokens) is the truth at the
+    target context once carried: each segment by its own place, not the pool from the
+    segments' plain mean place (the pool leans toward its early, faster segments)."""
+    truth, target, seconds = 0.04, 128.0, 0.5
+    per_token = [truth * math.exp(slope * d) for d in places]
+    energy = [p * seconds for p in power[: len(places)]]
+    tokens = [e / j for e, j in zip(energy, per_token, strict=True)]
+    pooled = sum(energy) / sum(tokens)
+    factor = carried_factor(slope, target, places, energy)
+    assert pooled * factor == pytest.approx(truth * math.exp(slope * target), rel=1e-9)
+    assert carried_factor(slope, target, [math.nan] * len(places), energy) == 1.0
+
+
 def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
     segments = segment_order(3, "abba", 2)
     rng = np.random.default_rng(0)
@@ -435,6 +458,14 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
             context = record.inflight["context"]
             assert context["target_decoded_tokens"] == 128
             assert context["energy_factor"] < 1  # a longer context costs more per token
+            # the value is its segments' energy over their tokens, each segment carried from
+            # its own place along the recorded slope
+            slope = context["energy_per_token_slope_per_1k_tokens"] / 1000
+            carried = sum(
+                s["energy_j"] * math.exp(slope * (128 - s["decoded_tokens"]))
+                for s in record.inflight["segments"]
+            ) / sum(s["tokens"] for s in record.inflight["segments"])
+            assert m.energy_per_token_j == pytest.approx(carried, rel=1e-3)
             runner._apply_setting(record.cell.setting)
             alone, _ = runner.measure(record.cell)
             assert alone.valid

@@ -30,8 +30,9 @@ The decode is as long as its segments need, so it reaches a longer context than 
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
 energy per token and TPOT grow with it. Each level is carried to a per-level cell's context
 (half of `output_tokens` decoded) along a relative drift fitted across the group's segments
-(`context_slope`: log value = level + slope * tokens decoded + an offset per decode); the
-record keeps the measured value, the slope and the factor (`inflight.context`).
+(`context_slope`: log value = level + slope * tokens decoded + an offset per decode), each
+segment from its own place in the decode (`carried_factor`); the record keeps the measured
+value, the slope and the factor (`inflight.context`), and each segment's energy and tokens.
 
 Limits: fixed batches only; a nonlinear drift cancels only in part, and the context factor
 assumes one relative slope for every level (its uncertainty is not in the interval).
@@ -292,6 +293,9 @@ class _Measured:
     #: Tokens each request had decoded by the middle of the measured span (its context is
     #: its prompt plus these): where along the decode this segment sat.
     decoded_tokens: float
+    #: The segment's energy (J, from the counters over its span) and tokens.
+    energy_j: float = math.nan
+    tokens: float = math.nan
 
 
 def _ns(seconds: float) -> int:
@@ -380,6 +384,24 @@ def context_slope(
 
 def _factor(slope: float, tokens: float) -> float:
     return math.exp(slope * tokens) if math.isfinite(tokens) else 1.0
+
+
+def carried_factor(
+    slope: float, target: float, decoded: Sequence[float], weights: Sequence[float]
+) -> float:
+    """The factor that carries a level's pooled value to `target` tokens decoded: each
+    segment carried from its own position (`decoded`), weighted by its share of the pool
+    (its energy for energy per token, its time for TPOT). A pooled value leans toward its
+    heavier segments (the early, faster ones for energy per token), so carrying it from the
+    segments' plain mean position would misplace it where the drift is strong. 1 where no
+    segment has both."""
+    pairs = [
+        (w, _factor(slope, target - d))
+        for d, w in zip(decoded, weights, strict=True)
+        if math.isfinite(d) and math.isfinite(w) and w > 0
+    ]
+    total = math.fsum(w for w, _ in pairs)
+    return math.fsum(w * f for w, f in pairs) / total if total > 0 else 1.0
 
 
 def decoded_by(requests: Sequence[RequestTrace], t_ns: int) -> float:
@@ -622,6 +644,8 @@ def _measure_group(
                         alone.latency.tpot_ms[0],
                         rate_here,
                         decoded_by(result.requests, (lo + hi) // 2) if span else math.nan,
+                        alone.energy_j,
+                        alone.output_tokens,
                     )
                 )
             rounds += 1
@@ -656,8 +680,10 @@ def _measure_group(
         mine = [s for s in measured if s.segment.level == index]
         cm = _summarise(runner, cell, [s.part for s in mine], idle[index])
         at = float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
-        energy_factor = _factor(energy_slope, target - at)
-        tpot_factor = _factor(tpot_slope, target - at)
+        places = [s.decoded_tokens for s in mine]
+        energy_factor = carried_factor(energy_slope, target, places, [s.energy_j for s in mine])
+        spans = [(s.window[1] - s.window[0]) * 1e-9 if s.window else math.nan for s in mine]
+        tpot_factor = carried_factor(tpot_slope, target, places, spans)
         measured_j = cm.energy_per_token_j
         cm = replace(
             cm,
@@ -712,6 +738,8 @@ def _measure_group(
                     "measured_s": round((s.window[1] - s.window[0]) * 1e-9, 6) if s.window else 0.0,
                     "energy_per_token_j": _finite_or_none(s.energy_per_token_j),
                     "decoded_tokens": _finite_or_none(s.decoded_tokens),
+                    "energy_j": _finite_or_none(s.energy_j),
+                    "tokens": _finite_or_none(s.tokens),
                 }
                 for s in mine
             ],
