@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -236,6 +237,10 @@ def test_context_slope_recovers_a_relative_drift_along_the_decode(
     # nothing to tell the drift by: no slope
     flat = [per_segment] * len(segments)
     assert context_slope(values, flat, segments, len(truth)) == 0.0
+    # a segment too short for a counter update (no energy) is left out, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isfinite(context_slope([0.0, *values[1:]], decoded, segments, len(truth)))
 
 
 @given(

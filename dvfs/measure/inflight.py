@@ -360,7 +360,8 @@ def context_slope(
     """How a quantity grows with the tokens decoded (relative, per token), common to the
     levels: log(value) fitted as level + slope * decoded + an offset per round (least
     squares); 0 when the segments cannot tell (no finite values, or no spread in decoded)."""
-    y = np.log(np.asarray(values, dtype=float))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a segment without energy: left out
+        y = np.log(np.asarray(values, dtype=float))
     d = np.asarray(decoded, dtype=float)
     keep = np.isfinite(y) & np.isfinite(d)
     if keep.sum() < levels + 2:
