@@ -461,3 +461,42 @@ def test_the_fit_says_kept_near_only_of_figures_that_stayed_near(tmp_path: Path)
         assert f"{name} ({getattr(fitted, name):.4g}, was {base[name]:.4g})" in warning
     assert "warning: the cube hardly constrains" in shown
     assert "`dvfs twin predict` uses them" in shown
+
+
+def test_a_profile_fitted_with_leakage_predicts_its_cube_without_counting_it_twice(
+    tmp_path: Path,
+) -> None:
+    """A cube's powers hold the die's leakage, which the fit's physics (no traps) puts into
+    the power figures: the profile it writes must not add the base's leakage on top, or
+    `twin predict` overstates every cell's energy by the leakage's share (~2-3% here)."""
+    source = (
+        FIT_CAMPAIGN.replace('profile = "h100-sxm:none"', 'profile = "h100-sxm:leakage"')
+        .replace("power_limit = [700, 250]", "power_limit = [700]")
+        .replace("batch = [1, 16, 64]", "batch = [1, 64]")
+    )
+    campaign = write(tmp_path / "c.toml", source)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(tmp_path / "s"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert gpu_profile("h100-sxm:leakage").leakage_w_per_c > 0  # the base had some
+    assert load_profile(out).leakage_w_per_c == 0
+    assert "leakage_w_per_c of h100-sxm" in " ".join(result.output.split())
+    again = invoke(
+        "twin",
+        "predict",
+        str(campaign),
+        "--profile",
+        str(out),
+        "-o",
+        str(tmp_path / "a"),
+        "--no-progress",
+    )
+    assert again.exit_code == 0, again.output
+    measured = open_cube(tmp_path / "s" / "cube.nc")
+    predicted = open_cube(tmp_path / "a" / "cube.nc")
+    both = (measured["valid"] == 1) & (predicted["valid"] == 1)
+    rel = (predicted["energy_per_token_j"] / measured["energy_per_token_j"] - 1).where(both)
+    assert int(rel.count()) > 10
+    assert abs(float(rel.mean())) < 0.01, rel.values

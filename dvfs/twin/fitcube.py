@@ -178,6 +178,15 @@ def fit_cube_cells(
     values = solution.x * unit
     profile = _with(base, params, values)
     profile = dataclasses.replace(profile, key=key or f"{base.key}-fit")
+    if profile.leakage_w_per_c:
+        # The cells' powers hold the die's leakage at the temperatures they ran at, and the
+        # fitted power figures took it in (the prediction has none): the twin adding its own
+        # on top would count it twice.
+        profile = dataclasses.replace(profile, leakage_w_per_c=0.0)
+        notes.append(
+            f"leakage_w_per_c of {base.key} ({base.leakage_w_per_c:g}) set to 0: the fitted "
+            "power figures hold the leakage the cells were measured with"
+        )
     n_obs = len(cells) * len(OBSERVABLES)
     std = _std_errors(solution.jac[:n_obs], solution.fun[:n_obs], unit)
     undetermined = tuple(
