@@ -500,3 +500,20 @@ def test_a_profile_fitted_with_leakage_predicts_its_cube_without_counting_it_twi
     rel = (predicted["energy_per_token_j"] / measured["energy_per_token_j"] - 1).where(both)
     assert int(rel.count()) > 10
     assert abs(float(rel.mean())) < 0.01, rel.values
+
+
+def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path: Path) -> None:
+    """A leakage loop gain of 1 or more (thermal_c_per_w x leakage_w_per_c) is a profile
+    edited by hand wrongly: one line, exit 2, naming the file and the figures, not an
+    internal error."""
+    runaway = dataclasses.replace(TRUTH, thermal_c_per_w=4.0, leakage_w_per_c=0.5)
+    profile = profile_file(tmp_path / "hot.toml", runaway)
+    campaign = write(tmp_path / "c.toml", FIT_CAMPAIGN)
+    result = invoke(
+        "twin", "predict", str(campaign), "--profile", str(profile), "-o", str(tmp_path / "x")
+    )
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert str(profile) in result.output
+    assert "thermal_c_per_w x leakage_w_per_c = 2 is not below 1" in result.output
+    assert not (tmp_path / "x").exists()

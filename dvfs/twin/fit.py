@@ -399,6 +399,13 @@ def load_profile(path: Path) -> GpuProfile:
             raise CampaignError(
                 f"{path} [gpu.{key}]: {low} = {table[low]!r} is above {high} = {table[high]!r}"
             )
+    # The die's leakage heats it, which leaks more: a loop gain of 1 or more never settles.
+    gain = table["thermal_c_per_w"] * table["leakage_w_per_c"]
+    if gain >= 1.0:
+        raise CampaignError(
+            f"{path} [gpu.{key}]: thermal_c_per_w x leakage_w_per_c = {gain:g} is not below 1 "
+            "(the die would heat without bound): lower one of them"
+        )
     return GpuProfile(key=key, **table)
 
 
