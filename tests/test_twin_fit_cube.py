@@ -517,3 +517,17 @@ def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path
     assert str(profile) in result.output
     assert "thermal_c_per_w x leakage_w_per_c = 2 is not below 1" in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_a_cube_of_fewer_measurements_than_figures_names_them_undetermined(cells) -> None:  # type: ignore[no-untyped-def]
+    """Three cells give 9 measurements for 13 figures: at least 4 combinations of figures no
+    cell sees, so at least 4 figures are undetermined (it gave standard errors of 0.002 W on
+    power figures off by half, and named none)."""
+    keep = np.zeros(len(cells), dtype=bool)
+    keep[:3] = True
+    few = cells.subset(keep)
+    fit = fit_cube_cells(few, EXACT_H100)
+    unseen = len(CUBE_FIT_PARAMETERS) - len(few) * len(OBSERVABLES)
+    assert len(fit.undetermined) >= unseen
+    for name in fit.undetermined:
+        assert fit.std_errors[name] > 0.5 * abs(getattr(fit.profile, name)), name
