@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,10 @@ def test_twin_fit_of_the_cpu_roofline_matches_its_ridge(cpu_run, tmp_path: Path)
     assert "no SM clock recorded" in result.output
     profile = load_profile(out)
     ridge = achievable_ridge_point(profile, profile.max_sm_clock_mhz)
-    assert ridge == pytest.approx(doc["settings"][0]["ridge_point"], rel=1e-9)
+    # the large-M ridge: at or above the best GEMM's (its tiles, waves and memory time's share
+    # taken off), which the fit reproduces
+    assert ridge >= doc["settings"][0]["ridge_point"]
+    assert tomllib.loads(out.read_text())["fit"]["residuals"]["ridge_rel_max"] < 1e-9
 
 
 def test_without_torch_one_line_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

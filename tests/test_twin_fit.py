@@ -58,7 +58,11 @@ def true_profile(**changes: float) -> GpuProfile:
 
 
 def twin_roofline(
-    profile: GpuProfile, clocks=CLOCKS, energy: bool = True, gemm_cap_mhz: float = 1e9
+    profile: GpuProfile,
+    clocks=CLOCKS,
+    energy: bool = True,
+    gemm_cap_mhz: float = 1e9,
+    tokens: tuple[int, ...] = (1, 16, 256, 4096, 16384),
 ):
     """The roofline file the twin's physics would produce: each kernel's time, power and clock
     (GEMMs held to `gemm_cap_mhz`, as a power limit holds big GEMMs below their lock)."""
@@ -67,7 +71,7 @@ def twin_roofline(
         dtype="bfloat16",
         hidden=4096,
         intermediate=14336,
-        tokens=(1, 16, 256, 4096, 16384),
+        tokens=tokens,
         bandwidth_elements=2**29,
     )
     points = []
@@ -151,6 +155,26 @@ def test_an_idle_reading_of_unknown_clock_is_kept_and_said() -> None:
     assert any("idle_clock_power_w kept from h100-sxm" in n for n in fit.notes)
 
 
+def test_a_roofline_of_few_rows_fits_the_large_m_efficiency_or_keeps_the_base() -> None:
+    """`dvfs gpu roofline --tokens` may stop short of large M: the profile's GEMM efficiency
+    is the large-M figure the twin quantises again by M, so the best GEMM's quantisation is
+    undone, and a run whose GEMMs were all memory-bound keeps the base's and says so (it
+    read a bandwidth-bound GEMM's FLOP/s as the GEMM efficiency, 0.17 for 0.72)."""
+    truth = true_profile()
+    for tokens in ((1, 512), (1, 16, 640)):
+        fit = fit_roofline(twin_roofline(truth, tokens=tokens), H100)
+        assert fit.profile.gemm_efficiency == pytest.approx(truth.gemm_efficiency, rel=1e-6)
+        assert fit.profile.tensor_power_w == pytest.approx(truth.tensor_power_w, rel=1e-6)
+    fit = fit_roofline(twin_roofline(truth, clocks=(1980,), tokens=(1, 16, 64)), H100)
+    assert fit.profile.gemm_efficiency == H100.gemm_efficiency
+    assert (
+        f"no GEMM ran compute-bound (the largest M is 64): gemm_efficiency kept from "
+        f"{H100.key}; measure with larger --tokens"
+    ) in fit.notes
+    # its power figures follow the tensor utilisation at that efficiency, as the twin's do
+    assert fit.profile.sm_active_power_w == pytest.approx(truth.sm_active_power_w, rel=1e-6)
+
+
 def test_gemm_efficiency_by_tokens_rises_with_m() -> None:
     fit = fit_roofline(twin_roofline(true_profile()), H100)
     assert fit.gemm_tokens == (1, 16, 256, 4096, 16384)
@@ -189,9 +213,17 @@ def test_without_energy_or_clocks_the_base_is_kept_and_said() -> None:
     assert fit.profile.tensor_power_w == H100.tensor_power_w
     assert fit.profile.bandwidth_knee_mhz == H100.bandwidth_knee_mhz
     assert any("no energy" in n for n in fit.notes) and any("one clock" in n for n in fit.notes)
-    assert achievable_ridge_point(fit.profile, 1980) == pytest.approx(
+    # the fitted twin measures the file's roofline again (its best GEMM, at its M, included)
+    again = twin_roofline(
+        dataclasses.replace(fit.profile, kernel_cycles_per_layer=0.0, host_overhead_s=0.0),
+        clocks=(1980,),
+        energy=False,
+    )
+    assert float(again["ridge_point"].values[0]) == pytest.approx(
         float(ds["ridge_point"].values[0]), rel=1e-9
     )
+    # the profile's figure is the large-M one: above the best GEMM's by its quantisation
+    assert achievable_ridge_point(fit.profile, 1980) > float(ds["ridge_point"].values[0])
 
 
 def test_profile_file_round_trips(tmp_path: Path) -> None:
@@ -204,6 +236,34 @@ def test_profile_file_round_trips(tmp_path: Path) -> None:
 
     with pytest.raises(CampaignError, match="missing \\['sm_count'\\]"):
         load_profile(path)
+
+
+def test_a_roofline_with_a_kernel_missing_or_unmeasured_is_one_line_or_fitted(
+    tmp_path: Path,
+) -> None:
+    """A file without a bandwidth kernel is refused in one line (its bandwidth was a GEMM's
+    bytes/s, fitted as the HBM efficiency); a kernel whose time is NaN is left out (it was an
+    internal error)."""
+    ds = twin_roofline(true_profile())
+    kinds = ds["kind"].values
+    out = tmp_path / "fitted.toml"
+    no_bandwidth = store.write(
+        ds.isel(kernel=np.flatnonzero(kinds != "bandwidth")), tmp_path / "nb.nc"
+    )
+    result = CliRunner().invoke(cli, ["twin", "fit", str(no_bandwidth), "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: {no_bandwidth} has no bandwidth kernel (triad or copy): measure again with "
+        "`dvfs gpu roofline -o FILE`"
+    ]
+    assert not out.exists()
+    gemv = int(np.flatnonzero(kinds == "gemv")[0])
+    unmeasured = ds.copy(deep=True)
+    unmeasured["seconds"][:, gemv] = np.nan
+    source = store.write(unmeasured, tmp_path / "nan.nc")
+    result = CliRunner().invoke(cli, ["twin", "fit", str(source), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_profile(out).memory_power_w == pytest.approx(120.0, rel=1e-6)
 
 
 def test_cli_fit_writes_a_loadable_profile(tmp_path: Path) -> None:

@@ -461,3 +461,73 @@ def test_the_fit_says_kept_near_only_of_figures_that_stayed_near(tmp_path: Path)
         assert f"{name} ({getattr(fitted, name):.4g}, was {base[name]:.4g})" in warning
     assert "warning: the cube hardly constrains" in shown
     assert "`dvfs twin predict` uses them" in shown
+
+
+def test_a_profile_fitted_with_leakage_predicts_its_cube_without_counting_it_twice(
+    tmp_path: Path,
+) -> None:
+    """A cube's powers hold the die's leakage, which the fit's physics (no traps) puts into
+    the power figures: the profile it writes must not add the base's leakage on top, or
+    `twin predict` overstates every cell's energy by the leakage's share (~2-3% here)."""
+    source = (
+        FIT_CAMPAIGN.replace('profile = "h100-sxm:none"', 'profile = "h100-sxm:leakage"')
+        .replace("power_limit = [700, 250]", "power_limit = [700]")
+        .replace("batch = [1, 16, 64]", "batch = [1, 64]")
+    )
+    campaign = write(tmp_path / "c.toml", source)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    out = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(tmp_path / "s"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert gpu_profile("h100-sxm:leakage").leakage_w_per_c > 0  # the base had some
+    assert load_profile(out).leakage_w_per_c == 0
+    assert "leakage_w_per_c of h100-sxm" in " ".join(result.output.split())
+    again = invoke(
+        "twin",
+        "predict",
+        str(campaign),
+        "--profile",
+        str(out),
+        "-o",
+        str(tmp_path / "a"),
+        "--no-progress",
+    )
+    assert again.exit_code == 0, again.output
+    measured = open_cube(tmp_path / "s" / "cube.nc")
+    predicted = open_cube(tmp_path / "a" / "cube.nc")
+    both = (measured["valid"] == 1) & (predicted["valid"] == 1)
+    rel = (predicted["energy_per_token_j"] / measured["energy_per_token_j"] - 1).where(both)
+    assert int(rel.count()) > 10
+    assert abs(float(rel.mean())) < 0.01, rel.values
+
+
+def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path: Path) -> None:
+    """A leakage loop gain of 1 or more (thermal_c_per_w x leakage_w_per_c) is a profile
+    edited by hand wrongly: one line, exit 2, naming the file and the figures, not an
+    internal error."""
+    runaway = dataclasses.replace(TRUTH, thermal_c_per_w=4.0, leakage_w_per_c=0.5)
+    profile = profile_file(tmp_path / "hot.toml", runaway)
+    campaign = write(tmp_path / "c.toml", FIT_CAMPAIGN)
+    result = invoke(
+        "twin", "predict", str(campaign), "--profile", str(profile), "-o", str(tmp_path / "x")
+    )
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert str(profile) in result.output
+    assert "thermal_c_per_w x leakage_w_per_c = 2 is not below 1" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_cube_of_fewer_measurements_than_figures_names_them_undetermined(cells) -> None:  # type: ignore[no-untyped-def]
+    """Three cells give 9 measurements for 13 figures: at least 4 combinations of figures no
+    cell sees, so at least 4 figures are undetermined (it gave standard errors of 0.002 W on
+    power figures off by half, and named none)."""
+    keep = np.zeros(len(cells), dtype=bool)
+    keep[:3] = True
+    few = cells.subset(keep)
+    fit = fit_cube_cells(few, EXACT_H100)
+    unseen = len(CUBE_FIT_PARAMETERS) - len(few) * len(OBSERVABLES)
+    assert len(fit.undetermined) >= unseen
+    for name in fit.undetermined:
+        assert fit.std_errors[name] > 0.5 * abs(getattr(fit.profile, name)), name

@@ -1,8 +1,10 @@
 """Calibrating the twin's GPU from measurements: today from a roofline file (`dvfs gpu roofline`).
 
 From the roofline the fit sets what the twin's physics uses for one GPU:
-- `gemm_efficiency`: peak GEMM FLOP/s over the datasheet peak, least squares over the clocks
-  (the twin's compute time scales as 1/f); the M-dependent efficiency is kept beside it;
+- `gemm_efficiency`: the fastest compute-bound GEMM's FLOP/s (its memory time's share and its
+  tile and wave quantisation at its M taken off: the large-M figure, `_gemm_peaks`) over the
+  datasheet peak, least squares over the clocks (the twin's compute time scales as 1/f); the
+  M-dependent efficiency is kept beside it;
 - `hbm_efficiency` and `bandwidth_knee_mhz`: the bandwidth curve of `physics.bandwidth_bytes_s`
   over the clocks (the knee by a 1-D search, the efficiency in closed form; with one clock the
   base profile's knee is kept);
@@ -11,7 +13,8 @@ From the roofline the fit sets what the twin's physics uses for one GPU:
   the idle power is the one read at the idle clock (a reading at a raised clock has the base's
   idle-clock power taken off), and `idle_clock_power_w` comes from the idle power read right
   after the kernels, at the clock they left behind (a hotter GPU: its leakage is in it too).
-So the fitted twin's achievable ridge point (`achievable_ridge_point`) is the measured one.
+So the fitted twin measures the file's roofline again: its achievable (large-M) ridge point
+(`achievable_ridge_point`) is that of the compute-bound GEMM's large-M FLOP/s.
 A sweep cube is the other input kind (`dvfs.twin.fitcube`); `fit_input_kind` says which a file
 is. Both write the same profile file (`profile_toml`, read back by `load_profile`), which
 `registered_profile` lets a campaign run on (`dvfs twin predict`).
@@ -112,6 +115,44 @@ def _seen_clocks(ds: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(seen), seen, grid)
 
 
+#: A GEMM whose compute time (its time less its memory time, as the physics' soft maximum
+#: adds the two) is below this share of its time is too memory-bound to tell the GEMM
+#: efficiency.
+COMPUTE_BOUND_SHARE = 0.5
+
+
+def _gemm_peaks(
+    ds: xr.Dataset, base: GpuProfile, seen: np.ndarray, bandwidth: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per setting: the large-M FLOP/s of its fastest compute-bound GEMM (its memory
+    time taken off and its tile and wave quantisation, `physics.gemm_efficiency`, undone: the
+    profile's figure is the large-M one, which the twin quantises again), the clock that GEMM
+    ran at, and whether the setting had one (NaN FLOP/s where not)."""
+    dims = ("setting", "kernel")
+    seconds = ds["seconds"].transpose(*dims).values.astype(float)
+    flops = ds["flops"].values.astype(float)[None, :]
+    memory_s = ds["bytes"].values.astype(float)[None, :] / bandwidth[:, None]
+    rows = physics.gemm_efficiency(
+        dataclasses.replace(base, gemm_efficiency=1.0), ds["m"].values.astype(float)
+    )[None, :]
+    p = physics.ROOFLINE_BLEND
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        compute_s = np.power(np.maximum(seconds**p - memory_s**p, 0.0), 1.0 / p)
+        rate = flops / compute_s / rows
+        eff = rate / datasheet_flops(base, seen)
+    usable = (
+        (ds["kind"].values == "gemm")[None, :]
+        & np.isfinite(eff)
+        & (eff > 0)
+        & (compute_s >= COMPUTE_BOUND_SHARE * seconds)
+    )
+    # the fastest (not the one its quantisation flatters most: few rows, large corrections)
+    best = np.where(usable, flops / seconds, -1.0).argmax(axis=1)
+    at = np.arange(len(best))
+    bound = usable[at, best]
+    return np.where(bound, rate[at, best], math.nan), seen[at, best], bound
+
+
 def _bandwidth(
     base: GpuProfile, clocks: np.ndarray, measured: np.ndarray
 ) -> tuple[float, float, float]:
@@ -150,7 +191,9 @@ def _power(
     peak = datasheet_flops(base, seen) * gemm_eff
     tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
     memory_util = ds["bytes_s"].transpose(*dims).values / (base.hbm_bandwidth_gb_s * 1e9)
-    ok = np.isfinite(power)
+    ok = np.isfinite(power) & np.isfinite(tensor_util) & np.isfinite(memory_util)
+    if not ok.any():
+        return None
     a = np.column_stack([scale[ok], (tensor_util * scale)[ok], memory_util[ok]])
     coef, _ = nnls(a, power[ok] - idle)
     rms = float(np.sqrt(np.mean((a @ coef - (power[ok] - idle)) ** 2)))
@@ -214,17 +257,33 @@ def fit_roofline(
     bandwidth = ds["bandwidth_bytes_s"].values.astype(float)
     if not (np.isfinite(peak).all() and np.isfinite(bandwidth).all()) or (peak <= 0).any():
         raise FitError(f"{source or 'the roofline'} has no positive FLOP/s or bandwidth to fit")
+    if not (ds["kind"] == "bandwidth").any():
+        raise FitError(
+            f"{source or 'the roofline'} has no bandwidth kernel (triad or copy): measure again "
+            "with `dvfs gpu roofline -o FILE`"
+        )
     seen = _seen_clocks(ds, clocks)
-    best = ds["flop_s"].where(ds["kind"] == "gemm").fillna(-1.0).argmax("kernel").values
-    compute_clocks = seen[np.arange(len(clocks)), best]
-    capped = compute_clocks < clocks - 1
+    compute_peak, compute_clocks, bound = _gemm_peaks(ds, base, seen, bandwidth)
+    capped = bound & (compute_clocks < clocks - 1)
     if capped.any():
         notes.append(
             f"the best GEMM ran below the setting's clock at {int(capped.sum())} setting(s) "
             "(power limit): its FLOP/s are fitted at the clock it ran at"
         )
-    d = datasheet_flops(base, compute_clocks)
-    gemm_eff = float(np.sum(peak * d) / np.sum(d * d))
+    d = datasheet_flops(base, compute_clocks[bound])
+    if bound.any():
+        gemm_eff = float(np.sum(compute_peak[bound] * d) / np.sum(d * d))
+    else:
+        gemm_eff = base.gemm_efficiency
+        gemm_m = ds["m"].values[ds["kind"].values == "gemm"]
+        notes.append(
+            (
+                f"no GEMM ran compute-bound (the largest M is {int(gemm_m.max())})"
+                if len(gemm_m)
+                else "no GEMM measured"
+            )
+            + f": gemm_efficiency kept from {base.key}; measure with larger --tokens"
+        )
     hbm_eff, knee, bw_rms = _bandwidth(base, clocks, bandwidth)
     changes: dict[str, Any] = {
         "gemm_efficiency": gemm_eff,
@@ -232,7 +291,11 @@ def fit_roofline(
         "bandwidth_knee_mhz": knee,
     }
     residuals = {
-        "peak_flop_s_rel_rms": float(np.sqrt(np.mean((gemm_eff * d / peak - 1.0) ** 2))),
+        "peak_flop_s_rel_rms": (
+            float(np.sqrt(np.mean((gemm_eff * d / compute_peak[bound] - 1.0) ** 2)))
+            if bound.any()
+            else math.nan
+        ),
         "bandwidth_rel_rms": bw_rms,
     }
     if len(np.unique(clocks)) < 2:
@@ -248,14 +311,17 @@ def fit_roofline(
             notes.append(f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base?")
     profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
     # Where a power cap held the best GEMM below its lock, its FLOP/s are the capped clock's.
+    # The ridge of the compute-bound GEMMs' large-M FLOP/s, as the twin's physics runs into it
     ridge = np.array(
         [
             achievable_ridge_point(profile, f) * fc / f
-            for f, fc in zip(clocks, compute_clocks, strict=True)
+            for f, fc in zip(clocks[bound], compute_clocks[bound], strict=True)
         ]
     )
-    measured_ridge = ds["ridge_point"].values.astype(float)
-    residuals["ridge_rel_max"] = float(np.max(np.abs(ridge / measured_ridge - 1.0)))
+    measured_ridge = compute_peak[bound] / bandwidth[bound]
+    residuals["ridge_rel_max"] = (
+        float(np.max(np.abs(ridge / measured_ridge - 1.0))) if bound.any() else math.nan
+    )
     tokens, by_shape = _gemm_curve(ds, base, clocks, seen)
     return RooflineFit(
         profile, base.key, source, tuple(changes), residuals, tokens, by_shape, tuple(notes)
@@ -399,6 +465,13 @@ def load_profile(path: Path) -> GpuProfile:
             raise CampaignError(
                 f"{path} [gpu.{key}]: {low} = {table[low]!r} is above {high} = {table[high]!r}"
             )
+    # The die's leakage heats it, which leaks more: a loop gain of 1 or more never settles.
+    gain = table["thermal_c_per_w"] * table["leakage_w_per_c"]
+    if gain >= 1.0:
+        raise CampaignError(
+            f"{path} [gpu.{key}]: thermal_c_per_w x leakage_w_per_c = {gain:g} is not below 1 "
+            "(the die would heat without bound): lower one of them"
+        )
     return GpuProfile(key=key, **table)
 
 

@@ -74,6 +74,11 @@ UNDETERMINED_REL = 0.5
 #: hold it (the pull towards the base, `PRIOR_WEIGHT`, is far too weak to stop a drift a
 #: model error drives), and the fit warns of it: `dvfs twin predict` uses it as fitted.
 NEAR_REL = 0.1
+#: An eigenvalue of the cells' JᵀJ at or below this share of the largest is a direction the
+#: cells do not see (as the pseudo-inverse's cut-off).
+NULL_RCOND = 1e-12
+#: A figure with more than this share of its unit vector in those directions is undetermined.
+NULL_SHARE = 1e-6
 #: The relative step of the finite differences: the power limit's clock search is discrete,
 #: so the steps must be larger than the jitter it adds.
 DIFF_STEP = 1e-3
@@ -178,6 +183,15 @@ def fit_cube_cells(
     values = solution.x * unit
     profile = _with(base, params, values)
     profile = dataclasses.replace(profile, key=key or f"{base.key}-fit")
+    if profile.leakage_w_per_c:
+        # The cells' powers hold the die's leakage at the temperatures they ran at, and the
+        # fitted power figures took it in (the prediction has none): the twin adding its own
+        # on top would count it twice.
+        profile = dataclasses.replace(profile, leakage_w_per_c=0.0)
+        notes.append(
+            f"leakage_w_per_c of {base.key} ({base.leakage_w_per_c:g}) set to 0: the fitted "
+            "power figures hold the leakage the cells were measured with"
+        )
     n_obs = len(cells) * len(OBSERVABLES)
     std = _std_errors(solution.jac[:n_obs], solution.fun[:n_obs], unit)
     undetermined = tuple(
@@ -306,12 +320,17 @@ def _std_errors(jac: np.ndarray, fun: np.ndarray, unit: np.ndarray) -> np.ndarra
     sigma2 = max(sigma2, 1e-12)  # an exact fit: the scale of floating-point noise
     jtj = jac.T @ jac
     try:
-        cov = np.linalg.pinv(jtj, rcond=1e-12, hermitian=True) * sigma2
+        cov = np.linalg.pinv(jtj, rcond=NULL_RCOND, hermitian=True) * sigma2
     except np.linalg.LinAlgError:
         return np.full(jac.shape[1], np.inf)
     diag = np.diag(cov)
-    # A direction the Jacobian does not see leaves a zero on the pseudo-inverse's diagonal.
-    blind = np.diag(jtj) <= 1e-18
+    # A direction the Jacobian does not see leaves a zero on the pseudo-inverse's diagonal:
+    # a figure no cell moves, or one that moves only with others in a combination no cell
+    # sees (fewer measurements than figures, or figures that trade exactly): undetermined.
+    eigenvalues, vectors = np.linalg.eigh(jtj)
+    null = eigenvalues <= NULL_RCOND * max(float(eigenvalues.max()), 1e-300)
+    in_null = np.sum(vectors[:, null] ** 2, axis=1)
+    blind = (np.diag(jtj) <= 1e-18) | (in_null > NULL_SHARE)
     return np.where(blind, np.inf, np.sqrt(np.maximum(diag, 0.0)) * unit)
 
 
