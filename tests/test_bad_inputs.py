@@ -276,6 +276,8 @@ CAMPAIGN_KEY_CASES = [
     key_case("ignore-eos-false-fixed", "workload.ignore_eos", False, "ignore_eos"),
     key_case("ignore-eos-string", "workload.ignore_eos", "yes", "ignore_eos"),
     key_case("pool-size-zero", "workload.pool_size", 0, "pool_size"),
+    # a pool the size of the batch drains below it at once: refused at load, not mid-sweep
+    key_case("pool-size-equal-batch", "workload.pool_size", 1, "pool_size", "larger than"),
     key_case("workload-misspelt-key", "workload.batches", [1], "batches", "batch"),
     # [measurement]
     key_case("warmup-negative", "measurement.warmup_tokens", -1, "warmup_tokens"),

@@ -233,9 +233,12 @@ def _workload(table: Table, user_corpora: dict[str, Any]) -> WorkloadConfig:
             "ignore_eos",
             "fixed-batch mode needs ignore_eos = true so every request decodes output_tokens",
         )
-    if pool_size is not None and pool_size < max(batches):
+    if pool_size is not None and pool_size <= max(batches):
+        # a pool no larger than the batch drains below it at once: the runner refuses it
         raise table.fail(
-            "pool_size", f"{pool_size} is smaller than the largest batch ({max(batches)})"
+            "pool_size",
+            f"{pool_size} is not larger than the largest batch ({max(batches)}): a closed-loop "
+            "pool needs more prompts than the batch keeps in flight",
         )
     return WorkloadConfig(
         tuple(batches),
