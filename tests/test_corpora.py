@@ -230,6 +230,30 @@ def test_sampling_is_deterministic_and_refuses_too_few() -> None:
         sample_prompts(corpus, 500, input_tokens=(16, 2048), seed=0)
 
 
+def test_a_prompt_given_twice_is_never_sampled_twice_into_one_batch(tmp_path: Path) -> None:
+    """A file holding each text twice has half as many prompts to sample: a batch of four from
+    two texts would repeat prompts, which prefix caching flatters (README, Corpora). Two
+    prompts trimmed to the same text count once too."""
+    texts = ["Describe the Rhine in winter.", "Explain how a lock keeps a canal level."]
+    lines = [json.dumps({"text": t}) for t in texts * 2]
+    write(tmp_path / "d.jsonl", "\n".join(lines) + "\n")
+    corpus = load_corpus("dup", {"path": "d.jsonl", "field": "text"}, base_dir=str(tmp_path))
+    assert len(corpus.prompts) == 4
+    with pytest.raises(CorpusError, match="has 2 distinct prompts within 1-2048"):
+        sample_prompts(corpus, 4, input_tokens=(1, 2048), seed=0)
+    pair = sample_prompts(corpus, 2, input_tokens=(1, 2048), seed=0)
+    assert {p.messages[0].content for p in pair} == set(texts)
+
+    same_start = "word " * 200
+    write(
+        tmp_path / "t.jsonl",
+        "\n".join(json.dumps({"text": same_start + end}) for end in ("one", "two")) + "\n",
+    )
+    trimmed = load_corpus("trim", {"path": "t.jsonl", "field": "text"}, base_dir=str(tmp_path))
+    with pytest.raises(CorpusError, match="has 1 distinct prompts within 1-50"):
+        sample_prompts(trimmed, 2, input_tokens=(1, 50), seed=0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     text=st.text(min_size=1, max_size=3000).filter(str.strip),

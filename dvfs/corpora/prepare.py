@@ -88,7 +88,8 @@ def corpus_descriptions(campaign: Campaign) -> dict[str, str]:
 
 
 def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[str]:
-    """Corpora without enough distinct prompts for the largest batch (or closed-loop pool)."""
+    """Corpora without enough distinct prompts for the largest batch (or closed-loop pool);
+    a prompt given twice counts once (`eligible_prompts`)."""
     from dvfs.corpora.sampling import eligible_prompts
 
     w = campaign.workload
@@ -104,7 +105,7 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
             need, what = largest, f"batch {largest}"
         if usable < need:
             problems.append(
-                f"corpus {name!r} has {usable} prompts within {lo}-{hi} input tokens; "
+                f"corpus {name!r} has {usable} distinct prompts within {lo}-{hi} input tokens; "
                 f"{what} needs {need}"
             )
     return problems

@@ -73,13 +73,20 @@ def _fitted(corpus: Corpus, input_tokens: tuple[int, int]) -> _Fitted:
         if entry is not None and entry.corpus is ref:
             del _FITTED[key]
 
-    entry = _Fitted(weakref.ref(corpus, forget), tuple(p for p in fitted if p is not None))
+    # Distinct texts only: a prompt given twice (or two trimmed to the same text) sampled into
+    # one batch would be a repeat, which prefix caching flatters.
+    pool: dict[tuple[Message, ...], Prompt] = {}
+    for prompt in fitted:
+        if prompt is not None:
+            pool.setdefault(prompt.messages, prompt)
+    entry = _Fitted(weakref.ref(corpus, forget), tuple(pool.values()))
     _FITTED[key] = entry
     return entry
 
 
 def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> tuple[Prompt, ...]:
-    """The corpus's prompts fitted to the range, in corpus order (computed once per corpus)."""
+    """The corpus's distinct prompts fitted to the range, in corpus order (the first of those
+    with the same messages; computed once per corpus)."""
     return _fitted(corpus, input_tokens).pool
 
 
@@ -101,8 +108,8 @@ def sample_prompts(
     if len(pool) < count:
         lo, hi = input_tokens
         raise CorpusError(
-            f"corpus {corpus.name!r} has {len(pool)} prompts within {lo}-{hi} input tokens "
-            f"but the workload needs {count}; widen workload.input_tokens, lower the batch, "
+            f"corpus {corpus.name!r} has {len(pool)} distinct prompts within {lo}-{hi} input "
+            f"tokens but the workload needs {count}; widen workload.input_tokens, lower the batch, "
             "or add prompts"
         )
     stream = stable_seed(seed, corpus.name, *key)
