@@ -4,6 +4,7 @@ end to end on the twin."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -270,6 +271,25 @@ def test_fitting_to_the_input_range(text: str, lo: int, span: int) -> None:
     elif fitted is not None:
         assert lo <= fitted.input_tokens <= hi
         assert fitted.messages[-1].content == text[: len(fitted.messages[-1].content)]
+
+
+@pytest.mark.parametrize("chars_per_token", [2.5, 6.0])
+def test_a_long_prompt_counted_by_a_tokenizer_is_trimmed_to_the_range(
+    chars_per_token: float,
+) -> None:
+    """A tokenizer denser (or sparser) than characters / 4: a prompt far above the range is cut
+    to about max_tokens by its own count, never dropped nor cut far short of it."""
+
+    def count(messages: tuple[Message, ...]) -> int:
+        return math.ceil(sum(len(m.content) for m in messages) / chars_per_token) + 3
+
+    for chars in (16_000, 40_000, 90_000):
+        messages = (Message("user", "Rumantsch text. " * (chars // 16)),)
+        prompt = Prompt("p", messages, count(messages))
+        assert prompt.input_tokens > 2048
+        fitted = fit_to_range(prompt, 16, 2048)
+        assert fitted is not None and fitted.input_tokens == 2048
+        assert 0.98 * 2048 <= count(fitted.messages) <= 2048
 
 
 def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:

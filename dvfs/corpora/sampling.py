@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dvfs.corpora.model import Corpus, Message, Prompt
+from dvfs.corpora.model import Corpus, Message, Prompt, estimate_tokens
 from dvfs.errors import CorpusError
 
 
@@ -33,13 +33,18 @@ def fit_to_range(prompt: Prompt, min_tokens: int, max_tokens: int) -> Prompt | N
     if prompt.input_tokens <= max_tokens:
         return prompt
     last = prompt.messages[-1]
-    others = prompt.input_tokens - max(1, math.ceil(len(last.content) / 4))
+    last_tokens: float = max(1, math.ceil(len(last.content) / 4))
+    estimated = estimate_tokens(prompt.messages)
+    if prompt.input_tokens != estimated:
+        # counted by a tokenizer: the last message's share at the prompt's own tokens per
+        # character, else a tokenizer denser than the estimate drops long prompts or cuts
+        # them far below max_tokens
+        last_tokens *= prompt.input_tokens / estimated
+    others = prompt.input_tokens - last_tokens
     budget_tokens = max_tokens - others
     if budget_tokens < 1:
         return None
-    keep_chars = max(
-        1, int(len(last.content) * budget_tokens / max(1, prompt.input_tokens - others))
-    )
+    keep_chars = max(1, int(len(last.content) * budget_tokens / max(1, last_tokens)))
     trimmed = (*prompt.messages[:-1], Message(last.role, last.content[:keep_chars]))
     return Prompt(prompt.id, trimmed, max_tokens)
 
