@@ -292,6 +292,24 @@ def test_a_long_prompt_counted_by_a_tokenizer_is_trimmed_to_the_range(
         assert 0.98 * 2048 <= count(fitted.messages) <= 2048
 
 
+def test_corpus_list_and_show_print_brackets_in_user_text_as_text(tmp_path: Path) -> None:
+    """Ids and descriptions come from the user's files: "[/x]" in one is text, not rich markup
+    (it was an internal error), and "[red]" is shown, not applied."""
+    rows = [{"id": "[/x]", "text": "Sum the first ten primes."}, {"id": "[red]r", "text": "Hi."}]
+    write(tmp_path / "ids.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "mine"]')
+    text += '\n[corpus.mine]\npath = "ids.jsonl"\nfield = "text"\ndescription = "[/in] house"\n'
+    campaign = write(tmp_path / "c.toml", text)
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign)])
+    assert listed.exit_code == 0, listed.output
+    assert "[/in] house" in listed.output
+    shown = CliRunner().invoke(
+        cli, ["corpus", "show", "mine", "-n", "2", "--campaign", str(campaign)]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "[/x] (" in shown.output and "[red]r (" in shown.output
+
+
 def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
     rows = [
         {"task": f"Write a function that returns the {i}-th prime number, with tests."}

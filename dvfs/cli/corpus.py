@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, handle_errors
+from dvfs.cli.common import console, echo_json, escape, handle_errors
 
 campaign_option = click.option(
     "--campaign",
@@ -69,13 +69,13 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
         table.add_column(col)
     for r in rows:
         text = r["text"]
-        table.add_row(
-            r["name"],
+        table.add_row(  # names and descriptions are the user's text, not markup
+            escape(r["name"]),
             str(r["prompts"]),
             str(r["multi_turn"]),
             f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}",
             f"{text['genre']}, {text['language']}",
-            r["description"],
+            escape(r["description"]),
         )
     out = console()
     out.print(table)
@@ -124,13 +124,14 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
         return
     out = console()
     out.print(
-        f"[bold]{name}[/bold]: {s['prompts']} prompts ({s['multi_turn']} multi-turn), input "
-        f"tokens {s['tokens_min']}/{s['tokens_median']:g}/{s['tokens_max']} "
+        f"[bold]{escape(name)}[/bold]: {s['prompts']} prompts ({s['multi_turn']} multi-turn), "
+        f"input tokens {s['tokens_min']}/{s['tokens_median']:g}/{s['tokens_max']} "
         f"(min/median/max, {method}); hash {s['content_hash']}"
     )
     out.print(f"source: {s['source']}", markup=False)
     for p in prompts:
-        out.print(f"\n[bold]{p.id}[/bold] ({p.input_tokens} tokens)")
+        # ids come from the user's file: brackets in one are text, not markup
+        out.print(f"\n[bold]{escape(p.id)}[/bold] ({p.input_tokens} tokens)")
         for m in p.messages:
             text = m.content if len(m.content) <= 600 else m.content[:600] + " [...]"
             out.print(f"{m.role}: {text}", markup=False)
