@@ -257,12 +257,14 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
 
         return probe_server(sg.url, *server_keys(campaign))
     if sg.server_command:
-        exe = sg.server_command[0]
-        found = shutil.which(exe) or Path(exe).exists()
+        from dvfs.engines.sglang_args import server_env, unstartable
+
+        # As the sweep starts it: with the campaign's env (its PATH), executable or refused.
+        problem = unstartable(sg.server_command[0], server_env(campaign))
         return (
-            OK if found else FAIL,
+            FAIL if problem else OK,
             f"server command {' '.join(redact_argv(sg.server_command))}"
-            + ("" if found else ": not found"),
+            + (f": {problem}" if problem else ""),
         )
     from importlib import metadata
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -625,3 +626,69 @@ def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: P
     assert "k-1" not in shown and "k-2" not in shown
     assert "api_key='(not recorded)'" in shown and "tokenizer_path='m'" in shown
     assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")
+
+
+# -- doctor's engine check, as the sweep starts the server --------------------------------------
+
+
+def _one_cell_stub(tmp_path: Path) -> tuple[Path, str]:
+    return stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+
+
+@pytest.mark.slow
+def test_doctor_fails_a_server_command_the_sweep_cannot_start(tmp_path: Path) -> None:
+    """A server_command naming a file that exists but is not executable: the sweep fails every
+    cell on it, so doctor fails its engine check (exit 1) and both say why in the same words,
+    not 'not found' for a file that is there."""
+    campaign, _ = _one_cell_stub(tmp_path)
+    script = tmp_path / "launch.py"
+    script.write_text(STUB.read_text())
+    script.chmod(0o644)
+    text = campaign.read_text()
+    text = text.replace(
+        text[text.index("server_command") : text.index("\n", text.index("server_command"))],
+        f'server_command = ["{script}"]',
+    )
+    campaign.write_text(text)
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    swept = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"]
+    )
+    assert checked.exit_code == 1, checked.output
+    assert swept.exit_code != 0
+    said = f"{script} is not executable"
+    assert said in " ".join(checked.output.split())
+    assert said in " ".join(swept.output.split())
+
+
+@pytest.mark.slow
+def test_doctor_finds_the_server_command_on_the_campaigns_path(tmp_path: Path) -> None:
+    """engine.sglang.env's PATH is the one the sweep starts the server command with: a command
+    found only there is found by doctor too (exit 0), as the sweep starts it."""
+    campaign, _ = _one_cell_stub(tmp_path)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    launcher = bindir / "launch-stub-server"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STUB}" "$@"\n')
+    launcher.chmod(0o755)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    text = text.replace(
+        text[start : text.index("\n", start)], 'server_command = ["launch-stub-server"]'
+    )
+    text = text.replace("env = { ", f'env = {{ PATH = "{bindir}{os.pathsep}{os.environ["PATH"]}", ')
+    campaign.write_text(text)
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    assert checked.exit_code == 0, checked.output
+    assert "server command launch-stub-server" in checked.output
+    swept = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"]
+    )
+    assert swept.exit_code == 0, swept.output

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +58,7 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
+    unstartable,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
@@ -310,9 +310,10 @@ class SglangEngine:
             self.stop()
             raise
         log.info("starting SGLang: %s", shown)
-        if shutil.which(argv[0], path=env.get("PATH")) is None:
+        problem = unstartable(argv[0], env)
+        if problem:
             self.stop()
-            raise EngineError(f"cannot start the server: {argv[0]} not found")
+            raise EngineError(f"cannot start the server: {problem}")
         try:
             self._process = subprocess.Popen(
                 dying_with_parent(argv),
