@@ -122,6 +122,17 @@ def _gpu_checks(
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
+            if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+
+                def server_gpus() -> tuple[str, str]:
+                    from dvfs.engines.sglang_args import check_visible_devices
+
+                    uuids = [g.identity.uuid for g in gpus]
+                    # As the sweep refuses to start each server (every cell failing).
+                    check_visible_devices(dict(campaign.engine.sglang.env), uuids)
+                    return OK, f"the server is pinned to {','.join(uuids)} (CUDA_VISIBLE_DEVICES)"
+
+                checks.append(_run("server GPUs", server_gpus))
             directory = state_dir or default_state_dir()
             pending = [p for g in gpus for p in StateStore(directory).pending(g.identity.uuid)]
             checks.append(

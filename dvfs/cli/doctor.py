@@ -25,7 +25,7 @@ from dvfs.cli.common import (
 @handle_errors
 def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
-    limits in range, unrestored state, engine, corpora, and the output folder (usable by the
+    limits in range, unrestored state, the server's GPUs, engine, corpora, and the output folder (usable by the
     sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
