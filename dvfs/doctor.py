@@ -84,7 +84,7 @@ def _gpu_checks(
         ]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
     from dvfs.sweep import check_knobs_against
 
     checks: list[Check] = []
@@ -144,6 +144,14 @@ def _gpu_checks(
                     else f"no unrestored changes ({directory})",
                 )
             )
+            held = GpuLocks(directory)
+            for g in gpus:
+                busy = held.holder(g)
+                checks.append(
+                    Check(f"lock GPU {g.identity.index}", FAIL, busy)
+                    if busy
+                    else Check(f"lock GPU {g.identity.index}", OK, "no other dvfs holds it")
+                )
             locks = AppliedCaps(directory).locks()
             for g in gpus:
                 checks.append(

@@ -194,6 +194,12 @@ def test_campaign_clocks_are_checked_against_the_device(nvml, tmp_path: Path) ->
     assert not (tmp_path / "out").exists()  # no journal binding the folder to the bad clocks
 
 
+def doctor_checks(campaign: Path, out: Path, env: dict[str, str]) -> dict[str, dict]:
+    """`dvfs doctor --json`'s checks by name."""
+    result = dvfs_in_process("doctor", str(campaign), "--out", str(out), "--json", env=env)
+    return {c["name"]: c for c in json.loads(result.stdout)}
+
+
 def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     nvml, tmp_path: Path, env
 ) -> None:
@@ -227,6 +233,12 @@ def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
                 assert busy.returncode == 3, busy.stderr
                 assert "in use by another dvfs process" in busy.stderr
                 assert not (tmp_path / "made").exists() and list(found.iterdir()) == []
+            # doctor fails the GPU the sweep refuses, in its words (it said ok), touching nothing
+            checked = doctor_checks(first, made, env)
+            assert checked["lock GPU 0"]["status"] == "fail"
+            assert checked["lock GPU 0"]["detail"] in " ".join(busy.stderr.split())
+            assert not (tmp_path / "made").exists()
+        assert doctor_checks(first, made, env)["lock GPU 0"]["status"] == "ok"
         store = StateStore(state_dir)
         store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))  # a dead run's
         pending = sweep(first, made)

@@ -25,8 +25,8 @@ from dvfs.cli.common import (
 @handle_errors
 def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
-    limits in range, unrestored state, the server's GPUs, engine, corpora, and the output folder (usable by the
-    sweep, free disk).
+    limits in range, unrestored state, GPUs held by another dvfs, the server's GPUs, engine,
+    corpora, and the output folder (usable by the sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
     campaign file is missing or invalid (nothing else is checked then) or a check failed that
