@@ -271,10 +271,13 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
     sg = campaign.engine.sglang
     if sg.url:
+        from dvfs.engines.sglang import check_attached
         from dvfs.engines.sglang_args import server_keys
         from dvfs.engines.sglang_client import probe_server
 
-        return probe_server(sg.url, *server_keys(campaign))
+        return probe_server(
+            sg.url, *server_keys(campaign), check=lambda info: check_attached(campaign, info)
+        )
     if sg.server_command:
         from dvfs.engines.sglang_args import server_env, unstartable
 

@@ -692,3 +692,54 @@ def test_doctor_finds_the_server_command_on_the_campaigns_path(tmp_path: Path) -
         cli, ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"]
     )
     assert swept.exit_code == 0, swept.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("served", "said"),
+    [
+        (["--model-path", "other/model"], "serves model 'other/model', not"),
+        (["--speculative-algorithm", "NGRAM"], "runs speculative algorithm 'NGRAM', not None"),
+    ],
+)
+def test_doctor_fails_an_attached_server_the_sweep_refuses(
+    tmp_path: Path, served: list[str], said: str
+) -> None:
+    """An attached server (engine.sglang.url) serving another model, or another algorithm than
+    the drafter's: the sweep fails every cell on it, so doctor fails its engine check (exit 1)
+    in the same words, where it said ok."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    campaign, model = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+    )
+    argv = [sys.executable, str(STUB), "--model-path", model, "--port", str(port), *served]
+    server = subprocess.Popen(
+        argv,
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runner = CliRunner()
+    try:
+        out = tmp_path / "out"
+        swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+        checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert swept.exit_code == 5, swept.output
+    assert said in " ".join(swept.output.split())
+    assert checked.exit_code == 1, checked.output
+    [failed] = [line for line in checked.output.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL engine:")
+    assert said in " ".join(checked.output.split())

@@ -209,6 +209,17 @@ def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) ->
         check_arms_can_match(campaign, help_text)
 
 
+def check_attached(campaign: Campaign, info: dict[str, Any]) -> None:
+    """Refuse, as each drafter's start refuses it, an attached server (engine.sglang.url) whose
+    /server_info says it does not run what the campaign asks (its model, each drafter's
+    algorithm, room for the largest batch, the pinned kernels), for `dvfs doctor`."""
+    from dvfs.clock import MonotonicClock
+
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=Path(os.devnull))
+    for drafter in campaign.drafters:
+        engine._check_resolved(drafter, info, attached=True)
+
+
 class SglangEngine:
     """The `Engine` protocol over a real (or attached) SGLang server. `launch_help`: its
     `launch_server --help` when already probed (`dvfs.backends.check_engine`)."""
