@@ -19,6 +19,7 @@ from dvfs.errors import CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
+    from dvfs.fleet.shard import Shard
     from dvfs.gpu.base import Gpu
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -50,6 +51,7 @@ def check_campaign(
     *,
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
+    shard: Shard | None = None,
 ) -> list[Check]:
     checks = [
         Check(
@@ -66,7 +68,7 @@ def check_campaign(
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
-    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir)))
+    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir, shard)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
@@ -345,11 +347,11 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     return OK, f"prompt tokens counted by: {method}{kept}"
 
 
-def _out_dir(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+def _out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None) -> tuple[str, str]:
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
-    check_out_dir(campaign, out_dir)
+    check_out_dir(campaign, out_dir, shard)
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 
