@@ -30,9 +30,21 @@ from dvfs.cli.common import (
     help="Check the output folder as `dvfs sweep --shard I/N` would use it "
     "[default --out: out/<campaign name>/shard-I-of-N].",
 )
+@click.option(
+    "--observe-only",
+    is_flag=True,
+    help="Check the campaign as `dvfs sweep --observe-only` runs it: knobs stock, no setter "
+    "called, no root needed.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def doctor(campaign_file: Path, out_dir: Path | None, shard_spec: Any, as_json: bool) -> None:
+def doctor(
+    campaign_file: Path,
+    out_dir: Path | None,
+    shard_spec: Any,
+    observe_only: bool,
+    as_json: bool,
+) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
     limits in range, unrestored state, GPUs held by another dvfs, the server's GPUs, engine,
     corpora, and the output folder (usable by the sweep, free disk).
@@ -48,6 +60,10 @@ def doctor(campaign_file: Path, out_dir: Path | None, shard_spec: Any, as_json: 
     from dvfs.doctor import FAIL, WARN, check_campaign
 
     campaign = load_campaign(campaign_file)
+    if observe_only:
+        from dvfs.sweep import observe_only as observing
+
+        campaign = observing(campaign)
     default_out = Path("out") / campaign.name
     if shard_spec is not None:
         default_out = default_out / f"shard-{shard_spec.index}-of-{shard_spec.count}"
