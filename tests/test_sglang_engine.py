@@ -314,11 +314,13 @@ def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
         drafters=ONE_DRAFTER,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        sglang_extra='extra_args = ["--no-such-flag"]',
+        # A flag this release knows, with a value it rejects: a flag it does not know is
+        # refused before any server starts (test_sglang_correctness).
+        sglang_extra='extra_args = ["--mem-fraction-static", "lots"]',
     )
     assert cells[0]["status"] == "failed"
     assert "failed to start" in cells[0]["error"]
-    assert "unrecognized arguments: --no-such-flag" in cells[0]["error"]
+    assert "--mem-fraction-static: invalid float value: 'lots'" in cells[0]["error"]
 
 
 @pytest.mark.slow
