@@ -19,6 +19,7 @@ from dvfs.errors import CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
+    from dvfs.fleet.shard import Shard
     from dvfs.gpu.base import Gpu
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -50,6 +51,7 @@ def check_campaign(
     *,
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
+    shard: Shard | None = None,
 ) -> list[Check]:
     checks = [
         Check(
@@ -66,7 +68,7 @@ def check_campaign(
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
-    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir)))
+    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir, shard)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
@@ -84,7 +86,7 @@ def _gpu_checks(
         ]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
-    from dvfs.gpu.safety import StateStore, default_state_dir
+    from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
     from dvfs.sweep import check_knobs_against
 
     checks: list[Check] = []
@@ -122,6 +124,17 @@ def _gpu_checks(
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
+            if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+
+                def server_gpus() -> tuple[str, str]:
+                    from dvfs.engines.sglang_args import check_visible_devices
+
+                    uuids = [g.identity.uuid for g in gpus]
+                    # As the sweep refuses to start each server (every cell failing).
+                    check_visible_devices(dict(campaign.engine.sglang.env), uuids)
+                    return OK, f"the server is pinned to {','.join(uuids)} (CUDA_VISIBLE_DEVICES)"
+
+                checks.append(_run("server GPUs", server_gpus))
             directory = state_dir or default_state_dir()
             pending = [p for g in gpus for p in StateStore(directory).pending(g.identity.uuid)]
             checks.append(
@@ -133,6 +146,14 @@ def _gpu_checks(
                     else f"no unrestored changes ({directory})",
                 )
             )
+            held = GpuLocks(directory)
+            for g in gpus:
+                busy = held.holder(g)
+                checks.append(
+                    Check(f"lock GPU {g.identity.index}", FAIL, busy)
+                    if busy
+                    else Check(f"lock GPU {g.identity.index}", OK, "no other dvfs holds it")
+                )
             locks = AppliedCaps(directory).locks()
             for g in gpus:
                 checks.append(
@@ -252,17 +273,22 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
     sg = campaign.engine.sglang
     if sg.url:
+        from dvfs.engines.sglang import check_attached
         from dvfs.engines.sglang_args import server_keys
         from dvfs.engines.sglang_client import probe_server
 
-        return probe_server(sg.url, *server_keys(campaign))
+        return probe_server(
+            sg.url, *server_keys(campaign), check=lambda info: check_attached(campaign, info)
+        )
     if sg.server_command:
-        exe = sg.server_command[0]
-        found = shutil.which(exe) or Path(exe).exists()
+        from dvfs.engines.sglang_args import server_env, unstartable
+
+        # As the sweep starts it: with the campaign's env (its PATH), executable or refused.
+        problem = unstartable(sg.server_command[0], server_env(campaign))
         return (
-            OK if found else FAIL,
+            FAIL if problem else OK,
             f"server command {' '.join(redact_argv(sg.server_command))}"
-            + ("" if found else ": not found"),
+            + (f": {problem}" if problem else ""),
         )
     from importlib import metadata
 
@@ -321,11 +347,11 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     return OK, f"prompt tokens counted by: {method}{kept}"
 
 
-def _out_dir(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+def _out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None) -> tuple[str, str]:
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
-    check_out_dir(campaign, out_dir)
+    check_out_dir(campaign, out_dir, shard)
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 

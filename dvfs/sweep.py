@@ -344,11 +344,12 @@ def _busy(out_dir: Path, fd: int) -> SweepBusyError:
     )
 
 
-def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
-    """What `run_sweep` (without --fresh) would refuse about `out_dir`, found without creating
-    or writing anything (`dvfs doctor`): a file in the way of the folder or its lock, no
-    permission to create them, another sweep holding the folder, a journal (the folder's own
-    or a GPU model's in `gpu-*/`) of another campaign or of other settings."""
+def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None) -> None:
+    """What `run_sweep` (without --fresh) of `shard` (None: the whole campaign) would refuse
+    about `out_dir`, found without creating or writing anything (`dvfs doctor`): a file in the
+    way of the folder or its lock, no permission to create them, another sweep holding the
+    folder, a journal (the folder's own or a GPU model's in `gpu-*/`) of another campaign or of
+    other settings, or holding another shard or the whole campaign (`check_shard`)."""
     import errno
     import fcntl
 
@@ -380,6 +381,7 @@ def check_out_dir(campaign: Campaign, out_dir: Path) -> None:
             os.close(fd)
     for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
         check_journal(journal, campaign)
+        check_shard(journal, shard)
 
 
 @dataclass(frozen=True)

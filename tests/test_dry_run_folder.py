@@ -217,3 +217,29 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
         assert (
             folder_files(out) == before
         )  # neither the refused sweep, the dry runs nor doctor wrote
+
+
+def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A folder holding shard 0/2: the sweep of the whole campaign or of shard 1/2 into it is
+    refused (exit 2), and so is its dry run, in one line; `dvfs doctor` (which said the sweep
+    resumes its journal) fails its output folder check in that line, exit 2, and with
+    `--shard 0/2` passes it as the sweep of that shard resumes it. Nothing is written."""
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    out = copy_sweep(tiny_exact_run("s0"), tmp_path / "s0")
+    before = folder_files(out)
+    for args, code in (((), 2), (("--shard", "1/2"), 2), (("--shard", "0/2"), 0)):
+        dry = ("sweep", str(campaign), "--out", str(out), *args, "--dry-run", "--no-estimate")
+        plan = invoke(*dry, "--json")
+        doctor = invoke("doctor", str(campaign), "--out", str(out), *args, "--json")
+        checks = {c["name"]: c for c in json.loads(doctor.output)}
+        assert plan.exit_code == doctor.exit_code == code, (args, plan.output, doctor.output)
+        folder = checks["output folder"]
+        if code:
+            assert folder["status"] == "fail"
+            assert json.loads(plan.output)["problems"] == [folder["detail"]]
+            assert "holds shard 0/2 of this campaign" in folder["detail"]
+        else:
+            assert folder["status"] == "ok" and "resumes its journal" in folder["detail"]
+    assert folder_files(out) == before

@@ -88,6 +88,38 @@ def test_a_server_on_another_gpu_fails_its_cells_with_one_line(
         assert "CUDA_VISIBLE_DEVICES" in error and "server_command" in error
 
 
+def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """engine.sglang.env.CUDA_VISIBLE_DEVICES naming another GPU's UUID than gpu.devices (by
+    index, so the loader cannot tell): the sweep refuses every server, each cell failing, so
+    doctor fails it too (exit 1), in the sweep's words."""
+    other = nv.fake_state()["devices"][0]["uuid"]
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+    )
+    path.write_text(
+        path.read_text().replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{other}", ')
+    )
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES)
+    checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "c"), env=env)
+    swept = dvfs_in_process(
+        "sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress", env=env
+    )
+    assert running(marker) == []
+    assert swept.returncode == 5
+    assert checked.returncode == 1, checked.stdout
+    said = f"engine.sglang.env.CUDA_VISIBLE_DEVICES = '{other}' contradicts gpu.devices"
+    [failed] = [line for line in checked.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL server GPUs:")
+    assert said in " ".join(checked.stdout.split())
+    assert said in " ".join((swept.stdout + swept.stderr).split())
+
+
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:

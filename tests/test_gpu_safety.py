@@ -194,6 +194,12 @@ def test_campaign_clocks_are_checked_against_the_device(nvml, tmp_path: Path) ->
     assert not (tmp_path / "out").exists()  # no journal binding the folder to the bad clocks
 
 
+def doctor_checks(campaign: Path, out: Path, env: dict[str, str]) -> dict[str, dict]:
+    """`dvfs doctor --json`'s checks by name."""
+    result = dvfs_in_process("doctor", str(campaign), "--out", str(out), "--json", env=env)
+    return {c["name"]: c for c in json.loads(result.stdout)}
+
+
 def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     nvml, tmp_path: Path, env
 ) -> None:
@@ -227,6 +233,12 @@ def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
                 assert busy.returncode == 3, busy.stderr
                 assert "in use by another dvfs process" in busy.stderr
                 assert not (tmp_path / "made").exists() and list(found.iterdir()) == []
+            # doctor fails the GPU the sweep refuses, in its words (it said ok), touching nothing
+            checked = doctor_checks(first, made, env)
+            assert checked["lock GPU 0"]["status"] == "fail"
+            assert checked["lock GPU 0"]["detail"] in " ".join(busy.stderr.split())
+            assert not (tmp_path / "made").exists()
+        assert doctor_checks(first, made, env)["lock GPU 0"]["status"] == "ok"
         store = StateStore(state_dir)
         store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))  # a dead run's
         pending = sweep(first, made)
@@ -683,3 +695,40 @@ def test_state_files_are_readable_by_all_whatever_the_umask(tmp_path: Path) -> N
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert json.loads(path.read_text()) == {"GPU-x": {"lock_mhz": [210, 1410]}}
     assert [p.name for p in tmp_path.iterdir()] == ["caps-applied.json"]
+
+
+def test_doctor_observe_only_checks_the_campaign_as_the_observe_only_sweep_runs_it(
+    nvml, tmp_path: Path, env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without root, with a clock GPU 0 does not support: doctor fails the campaign (exit 2),
+    its permission check pointing at --observe-only, which `dvfs sweep --observe-only` runs
+    (knobs stock, no setter): `dvfs doctor --observe-only` checks that run and passes it
+    (doctor had no such option)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # doctor's root check: not root
+    text = campaign_file(tmp_path).read_text()
+    campaign = tmp_path / "unsupported.toml"
+    campaign.write_text(text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]"))
+
+    def doctor(*args: str) -> tuple[int, dict[str, dict]]:
+        result = dvfs_in_process(
+            "doctor", str(campaign), "--out", str(tmp_path / "c"), *args, "--json", env=env
+        )
+        return result.returncode, {c["name"]: c for c in json.loads(result.stdout)}
+
+    code, checks = doctor()
+    assert code == 2 and checks["knobs"]["status"] == "fail"
+    assert "--observe-only" in checks["permissions"]["detail"]
+    code, checks = doctor("--observe-only")
+    assert code == 0, checks
+    assert checks["knobs"]["status"] == checks["permissions"]["status"] == "ok"
+    swept = dvfs_in_process(
+        "sweep",
+        str(campaign),
+        "--observe-only",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-progress",
+        env=env,
+    )
+    assert swept.returncode == 0, swept.stderr
+    assert setter_calls(nvml) == []

@@ -564,6 +564,32 @@ def test_auto_kernels_that_would_differ_are_an_invalid_campaign_everywhere(
     assert running(marker) == []
 
 
+def test_a_flag_this_release_does_not_have_is_refused_where_no_drafter_speculates(
+    tmp_path: Path,
+) -> None:
+    """The same flag in engine.sglang.extra_args of a campaign whose one drafter does not
+    speculate: its server fails at once (SGLang's argparse), every cell with it; so the sweep
+    refuses it before the journal (exit 2), and `dvfs doctor`, which said ok, fails its arms
+    check in the same line, exit 2."""
+    flag = "--speculative-ngram-branch-length"
+    result, out, marker = one_clock_sweep(
+        tmp_path,
+        version="0.5.23",
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        sglang_extra=f'extra_args = ["{flag}", "8"]',
+    )
+    said = f"engine.sglang.extra_args: {flag} is not an option of this SGLang's launch_server"
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.split())
+    assert not (out / "journal.jsonl").exists() and running(marker) == []
+    checked = CliRunner().invoke(
+        cli, ["doctor", str(tmp_path / "stub-campaign.toml"), "--out", str(out)]
+    )
+    assert checked.exit_code == 2, checked.output
+    [failed] = [line for line in checked.output.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL arms:") and said in " ".join(checked.output.split())
+
+
 @pytest.mark.parametrize(("version", "code"), [("0.5.23", 2), ("0.5.9", 0)])
 def test_a_flag_this_release_does_not_have_is_refused_before_any_server(
     tmp_path: Path, version: str, code: int

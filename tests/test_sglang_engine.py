@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -313,11 +314,13 @@ def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
         drafters=ONE_DRAFTER,
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        sglang_extra='extra_args = ["--no-such-flag"]',
+        # A flag this release knows, with a value it rejects: a flag it does not know is
+        # refused before any server starts (test_sglang_correctness).
+        sglang_extra='extra_args = ["--mem-fraction-static", "lots"]',
     )
     assert cells[0]["status"] == "failed"
     assert "failed to start" in cells[0]["error"]
-    assert "unrecognized arguments: --no-such-flag" in cells[0]["error"]
+    assert "--mem-fraction-static: invalid float value: 'lots'" in cells[0]["error"]
 
 
 @pytest.mark.slow
@@ -625,3 +628,120 @@ def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: P
     assert "k-1" not in shown and "k-2" not in shown
     assert "api_key='(not recorded)'" in shown and "tokenizer_path='m'" in shown
     assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")
+
+
+# -- doctor's engine check, as the sweep starts the server --------------------------------------
+
+
+def _one_cell_stub(tmp_path: Path) -> tuple[Path, str]:
+    return stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+
+
+@pytest.mark.slow
+def test_doctor_fails_a_server_command_the_sweep_cannot_start(tmp_path: Path) -> None:
+    """A server_command naming a file that exists but is not executable: the sweep fails every
+    cell on it, so doctor fails its engine check (exit 1) and both say why in the same words,
+    not 'not found' for a file that is there."""
+    campaign, _ = _one_cell_stub(tmp_path)
+    script = tmp_path / "launch.py"
+    script.write_text(STUB.read_text())
+    script.chmod(0o644)
+    text = campaign.read_text()
+    text = text.replace(
+        text[text.index("server_command") : text.index("\n", text.index("server_command"))],
+        f'server_command = ["{script}"]',
+    )
+    campaign.write_text(text)
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    swept = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"]
+    )
+    assert checked.exit_code == 1, checked.output
+    assert swept.exit_code != 0
+    said = f"{script} is not executable"
+    assert said in " ".join(checked.output.split())
+    assert said in " ".join(swept.output.split())
+
+
+@pytest.mark.slow
+def test_doctor_finds_the_server_command_on_the_campaigns_path(tmp_path: Path) -> None:
+    """engine.sglang.env's PATH is the one the sweep starts the server command with: a command
+    found only there is found by doctor too (exit 0), as the sweep starts it."""
+    campaign, _ = _one_cell_stub(tmp_path)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    launcher = bindir / "launch-stub-server"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STUB}" "$@"\n')
+    launcher.chmod(0o755)
+    text = campaign.read_text()
+    start = text.index("server_command")
+    text = text.replace(
+        text[start : text.index("\n", start)], 'server_command = ["launch-stub-server"]'
+    )
+    text = text.replace("env = { ", f'env = {{ PATH = "{bindir}{os.pathsep}{os.environ["PATH"]}", ')
+    campaign.write_text(text)
+    runner = CliRunner()
+    checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    assert checked.exit_code == 0, checked.output
+    assert "server command launch-stub-server" in checked.output
+    swept = runner.invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "out"), "--no-progress"]
+    )
+    assert swept.exit_code == 0, swept.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("served", "said"),
+    [
+        (["--model-path", "other/model"], "serves model 'other/model', not"),
+        (["--speculative-algorithm", "NGRAM"], "runs speculative algorithm 'NGRAM', not None"),
+    ],
+)
+def test_doctor_fails_an_attached_server_the_sweep_refuses(
+    tmp_path: Path, served: list[str], said: str
+) -> None:
+    """An attached server (engine.sglang.url) serving another model, or another algorithm than
+    the drafter's: the sweep fails every cell on it, so doctor fails its engine check (exit 1)
+    in the same words, where it said ok."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "attach.json"
+    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    campaign, model = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        sglang_extra=f'url = "http://127.0.0.1:{port}"',
+    )
+    argv = [sys.executable, str(STUB), "--model-path", model, "--port", str(port), *served]
+    server = subprocess.Popen(
+        argv,
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    runner = CliRunner()
+    try:
+        out = tmp_path / "out"
+        swept = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+        checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert swept.exit_code == 5, swept.output
+    assert said in " ".join(swept.output.split())
+    assert checked.exit_code == 1, checked.output
+    [failed] = [line for line in checked.output.splitlines() if line.startswith("FAIL")]
+    assert failed.startswith("FAIL engine:")
+    assert said in " ".join(checked.output.split())

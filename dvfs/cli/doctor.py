@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,12 +22,32 @@ from dvfs.cli.common import (
 @out_dir_option(
     "The sweep's output folder (checked as the sweep would use it) [default: out/<name>]."
 )
+@click.option(
+    "--shard",
+    "shard_spec",
+    metavar="I/N",
+    callback=lambda _ctx, _param, value: _shard(value),
+    help="Check the output folder as `dvfs sweep --shard I/N` would use it "
+    "[default --out: out/<campaign name>/shard-I-of-N].",
+)
+@click.option(
+    "--observe-only",
+    is_flag=True,
+    help="Check the campaign as `dvfs sweep --observe-only` runs it: knobs stock, no setter "
+    "called, no root needed.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
-def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
+def doctor(
+    campaign_file: Path,
+    out_dir: Path | None,
+    shard_spec: Any,
+    observe_only: bool,
+    as_json: bool,
+) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
-    limits in range, unrestored state, engine, corpora, and the output folder (usable by the
-    sweep, free disk).
+    limits in range, unrestored state, GPUs held by another dvfs, the server's GPUs, engine,
+    corpora, and the output folder (usable by the sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
     campaign file is missing or invalid (nothing else is checked then) or a check failed that
@@ -39,7 +60,14 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
     from dvfs.doctor import FAIL, WARN, check_campaign
 
     campaign = load_campaign(campaign_file)
-    checks = check_campaign(campaign, out_dir or Path("out") / campaign.name)
+    if observe_only:
+        from dvfs.sweep import observe_only as observing
+
+        campaign = observing(campaign)
+    default_out = Path("out") / campaign.name
+    if shard_spec is not None:
+        default_out = default_out / f"shard-{shard_spec.index}-of-{shard_spec.count}"
+    checks = check_campaign(campaign, out_dir or default_out, shard=shard_spec)
     if as_json:
         echo_json([c.__dict__ for c in checks])
     else:
@@ -55,3 +83,14 @@ def doctor(campaign_file: Path, out_dir: Path | None, as_json: bool) -> None:
         sys.exit(2)
     if any(c.status == FAIL for c in checks):
         sys.exit(1)
+
+
+def _shard(value: str | None) -> Any:
+    if value is None:
+        return None
+    from dvfs.fleet.shard import Shard
+
+    try:
+        return Shard.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

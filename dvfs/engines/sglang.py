@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +58,7 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
+    unstartable,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
@@ -197,16 +197,33 @@ def without_bos(text: str, bos: Any) -> str:
 def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) -> None:
     """Refuse, before any server starts, a campaign whose drafters SGLang would already serve
     with other attention kernels (none pinned) or other scheduling args (`check_arms_can_match`;
-    its release decides which, from `launch_help()`, called only when a drafter speculates).
+    its release decides which, from `launch_help()`, called only when a drafter speculates or
+    extra_args are given), or whose extra_args name flags the release does not know.
     Needs no GPU: `SglangEngine` checks it on creation, a sweep before it makes its journal.
     An attached server (engine.sglang.url) is checked once it answers instead."""
     if campaign.engine.sglang.url:
         return
     check_predicted_kernels(campaign)
-    if any(d.algorithm for d in campaign.drafters):
+    speculates = any(d.algorithm for d in campaign.drafters)
+    # Flags this release does not know stop every server at once (a plain arm's too), and each
+    # server start reads --help anyway: probed for them alone as well.
+    flags = campaign.engine.sglang.extra_args or any(d.extra_args for d in campaign.drafters)
+    if speculates or flags:
         help_text = launch_help()
         check_flags_known(campaign, help_text)
-        check_arms_can_match(campaign, help_text)
+        if speculates:
+            check_arms_can_match(campaign, help_text)
+
+
+def check_attached(campaign: Campaign, info: dict[str, Any]) -> None:
+    """Refuse, as each drafter's start refuses it, an attached server (engine.sglang.url) whose
+    /server_info says it does not run what the campaign asks (its model, each drafter's
+    algorithm, room for the largest batch, the pinned kernels), for `dvfs doctor`."""
+    from dvfs.clock import MonotonicClock
+
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=Path(os.devnull))
+    for drafter in campaign.drafters:
+        engine._check_resolved(drafter, info, attached=True)
 
 
 class SglangEngine:
@@ -310,9 +327,10 @@ class SglangEngine:
             self.stop()
             raise
         log.info("starting SGLang: %s", shown)
-        if shutil.which(argv[0], path=env.get("PATH")) is None:
+        problem = unstartable(argv[0], env)
+        if problem:
             self.stop()
-            raise EngineError(f"cannot start the server: {argv[0]} not found")
+            raise EngineError(f"cannot start the server: {problem}")
         try:
             self._process = subprocess.Popen(
                 dying_with_parent(argv),

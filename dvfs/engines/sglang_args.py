@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
@@ -193,6 +195,24 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
             f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
             f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"
         )
+
+
+def unstartable(executable: str, env: Mapping[str, str]) -> str | None:
+    """Why the server command's `executable` cannot be started with `env` (its PATH, as the
+    server is started), or None: the one check `dvfs sweep` makes before starting a server and
+    `dvfs doctor` repeats, so doctor passes no command every cell would fail on."""
+    if shutil.which(executable, path=env.get("PATH")) is not None:
+        return None
+    given = Path(executable)
+    if os.sep in executable and given.exists():
+        what = "a folder" if given.is_dir() else "not executable"
+        return (
+            f"{executable} is {what}: name an executable file first in server_command "
+            "(its interpreter first for a script, or chmod +x it)"
+        )
+    return f"{executable} not found" + (
+        "" if os.sep in executable else " on the PATH the server is started with"
+    )
 
 
 def probe_help(

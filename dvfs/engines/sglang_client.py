@@ -561,9 +561,14 @@ def _kind(meta: dict[str, Any]) -> str:
 
 
 def probe_server(
-    url: str, api_key: str | None = None, admin_api_key: str | None = None
+    url: str,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    *,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[str, str]:
-    """For `dvfs doctor`: is a server answering at `url`, and which SGLang is it?"""
+    """For `dvfs doctor`: is a server answering at `url`, and which SGLang is it? `check`
+    refuses (EngineError) what its /server_info says it serves, as the sweep would."""
     from dvfs.clock import MonotonicClock
 
     client = SglangClient(url, clock=MonotonicClock(), api_key=api_key, admin_api_key=admin_api_key)
@@ -573,6 +578,8 @@ def probe_server(
         return "fail", f"no healthy server at {shown} (/health: {status or 'no answer'})"
     try:
         info = client.server_info()
+        if check is not None:
+            check(info)
     except EngineError as exc:
         return "fail", str(exc)
     model = info.get("model_path", "?")

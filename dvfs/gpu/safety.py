@@ -207,11 +207,7 @@ class GpuLocks:
                 except BlockingIOError as exc:
                     owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
                     os.close(fd)
-                    raise GpuBusyError(
-                        f"GPU {gpu.identity.index} ({gpu.identity.uuid}) is in use by another "
-                        f"dvfs process (pid {owner}); wait for it to finish or stop it",
-                        owner,
-                    ) from exc
+                    raise GpuBusyError(_busy(gpu, owner), owner) from exc
                 os.ftruncate(fd, 0)
                 os.write(fd, str(os.getpid()).encode())
                 handles.append(fd)
@@ -221,6 +217,28 @@ class GpuLocks:
                 with contextlib.suppress(OSError):
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
+
+    def holder(self, gpu: Gpu) -> str | None:
+        """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
+        and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
+        try:
+            fd = os.open(self.directory / f"{gpu.identity.uuid}.lock", os.O_RDONLY)
+        except OSError:  # no lock file (never held here) or unreadable: hold() will say
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _busy(gpu, os.read(fd, 64).decode(errors="replace").strip() or "?")
+        finally:
+            os.close(fd)  # lets go of the shared lock where it was taken
+        return None
+
+
+def _busy(gpu: Gpu, owner: str) -> str:
+    return (
+        f"GPU {gpu.identity.index} ({gpu.identity.uuid}) is in use by another dvfs process "
+        f"(pid {owner}); wait for it to finish or stop it"
+    )
 
 
 def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
