@@ -404,3 +404,16 @@ def escape(text: str) -> str:
     from rich.markup import escape as rich_escape
 
     return rich_escape(text)
+
+
+def parse_shard(value: str | None) -> Any:
+    """A `--shard I/N` option's value as a `Shard` (None when not given); a bad one is click's
+    usage error."""
+    if value is None:
+        return None
+    from dvfs.fleet.shard import Shard
+
+    try:
+        return Shard.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None

@@ -14,6 +14,7 @@ from dvfs.cli.common import (
     escape,
     handle_errors,
     out_dir_option,
+    parse_shard,
 )
 
 
@@ -26,7 +27,7 @@ from dvfs.cli.common import (
     "--shard",
     "shard_spec",
     metavar="I/N",
-    callback=lambda _ctx, _param, value: _shard(value),
+    callback=lambda _ctx, _param, value: parse_shard(value),
     help="Check the output folder as `dvfs sweep --shard I/N` would use it "
     "[default --out: out/<campaign name>/shard-I-of-N].",
 )
@@ -83,14 +84,3 @@ def doctor(
         sys.exit(2)
     if any(c.status == FAIL for c in checks):
         sys.exit(1)
-
-
-def _shard(value: str | None) -> Any:
-    if value is None:
-        return None
-    from dvfs.fleet.shard import Shard
-
-    try:
-        return Shard.parse(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None

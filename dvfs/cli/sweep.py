@@ -15,6 +15,7 @@ from dvfs.cli.common import (
     escape,
     handle_errors,
     out_dir_option,
+    parse_shard,
 )
 
 
@@ -176,7 +177,7 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "--shard",
     "shard_spec",
     metavar="I/N",
-    callback=lambda _ctx, _param, value: _parse_shard(value),
+    callback=lambda _ctx, _param, value: parse_shard(value),
     help="Run only shard I of N (0-based; a Slurm job array: --shard $SLURM_ARRAY_TASK_ID/N): "
     "a share of whole comparison groups (batch, corpus, repeat; with max_repeats above "
     "repeats, batch-and-corpus pairs with all their repeats), into its own folder "
@@ -322,17 +323,6 @@ def sweep(
         outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)
-
-
-def _parse_shard(value: str | None) -> Any:
-    if value is None:
-        return None
-    from dvfs.fleet.shard import Shard
-
-    try:
-        return Shard.parse(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any = None) -> Any:
