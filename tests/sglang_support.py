@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -121,3 +123,25 @@ def running(marker: str) -> list[str]:
     """Command lines of live processes carrying `marker` (servers dvfs may have left behind)."""
     result = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
     return [line for line in result.stdout.splitlines() if "pgrep" not in line]
+
+
+def free_port() -> int:
+    """A loopback port free now (for a stub a campaign attaches to by engine.sglang.url)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def attached_stub(
+    tmp: Path, model: str, port: int, *argv: str, **config: object
+) -> subprocess.Popen[bytes]:
+    """The stub started by hand on `port` serving `model` (its launch flags `argv`, its config
+    `config`), as a server a campaign attaches to; the caller stops it."""
+    path = tmp / "attach.json"
+    path.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, **config}))
+    return subprocess.Popen(
+        [sys.executable, str(STUB), "--model-path", model, "--port", str(port), *argv],
+        env={**os.environ, "SGLANG_STUB_CONFIG": str(path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner
-from sglang_support import STUB, load_stub, running, stub_campaign
+from sglang_support import STUB, attached_stub, free_port, load_stub, running, stub_campaign
 
 import dvfs
 from dvfs.campaign import load_campaign
@@ -343,14 +343,7 @@ def test_closed_loop_mode(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_attach_to_a_running_server(tmp_path: Path) -> None:
-    import os
-    import socket
-
-    config = tmp_path / "attach.json"
-    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60, "tpot_s": 0.004}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     drafters = '\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
     campaign, model = stub_campaign(
         tmp_path,
@@ -359,21 +352,8 @@ def test_attach_to_a_running_server(tmp_path: Path) -> None:
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
         sglang_extra=f'url = "http://127.0.0.1:{port}"',
     )
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            str(STUB),
-            "--model-path",
-            model,  # engine.model: the model dvfs measures
-            "--port",
-            str(port),
-            "--speculative-algorithm",
-            "NGRAM",
-        ],
-        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    # engine.model is the model dvfs measures
+    server = attached_stub(tmp_path, model, port, "--speculative-algorithm", "NGRAM", tpot_s=0.004)
     try:
         out = tmp_path / "out"
         result = CliRunner().invoke(
@@ -513,17 +493,10 @@ def test_credentials_reach_the_server_but_no_record_preview_or_check(tmp_path: P
 def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
     """engine.sglang.url = http://user:password@host:port attaches (httpx sends them as basic
     auth) and is recorded, and named in checks and errors, without them."""
-    import os
-    import socket
-
     from dvfs.measure.journal import read_records
 
     password = f"pw-{time.monotonic_ns()}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp_path / "attach.json"
-    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    port = free_port()
     campaign, model = stub_campaign(
         tmp_path,
         drafters='\n[drafters.none]\nalgorithm = "none"\n',
@@ -532,12 +505,7 @@ def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
         sglang_extra=f'url = "http://alice:{password}@127.0.0.1:{port}"',
     )
     shown = f"http://(not recorded)@127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, str(STUB), "--model-path", model, "--port", str(port)],
-        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = attached_stub(tmp_path, model, port)
     runner = CliRunner()
     try:
         out = tmp_path / "out"
@@ -561,18 +529,11 @@ def test_a_server_with_an_api_key_is_measured_with_it_and_said_without_it(tmp_pa
     """A server started with --api-key answers 401 to requests without the key (the stub
     checks as SGLang does): dvfs sends the key its extra_args give, and without one says how
     to give it, in one line, never recording it."""
-    import os
-    import socket
-
     from dvfs.clock import MonotonicClock
     from dvfs.engines.sglang_client import SglangClient
 
     key = f"key-{time.monotonic_ns()}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp_path / "attach.json"
-    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    port = free_port()
     common = {
         "drafters": '\n[drafters.none]\nalgorithm = "none"\n',
         "batch": "[1]",
@@ -584,12 +545,7 @@ def test_a_server_with_an_api_key_is_measured_with_it_and_said_without_it(tmp_pa
     text = keyless.read_text().replace(url, f'{url}\nextra_args = ["--api-key", "{key}"]')
     keyed = tmp_path / "keyed.toml"
     keyed.write_text(text)
-    server = subprocess.Popen(
-        [sys.executable, str(STUB), "--model-path", model, "--port", str(port), "--api-key", key],
-        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = attached_stub(tmp_path, model, port, "--api-key", key)
     runner = CliRunner()
     try:
         SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock()).wait_healthy(30)
@@ -711,13 +667,7 @@ def test_doctor_fails_an_attached_server_the_sweep_refuses(
     """An attached server (engine.sglang.url) serving another model, or another algorithm than
     the drafter's: the sweep fails every cell on it, so doctor fails its engine check (exit 1)
     in the same words, where it said ok."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tmp_path / "attach.json"
-    config.write_text(json.dumps({"version": "0.5.23", "max_lifetime_s": 60}))
+    port = free_port()
     campaign, model = stub_campaign(
         tmp_path,
         drafters='\n[drafters.none]\nalgorithm = "none"\n',
@@ -725,13 +675,7 @@ def test_doctor_fails_an_attached_server_the_sweep_refuses(
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
         sglang_extra=f'url = "http://127.0.0.1:{port}"',
     )
-    argv = [sys.executable, str(STUB), "--model-path", model, "--port", str(port), *served]
-    server = subprocess.Popen(
-        argv,
-        env={**os.environ, "SGLANG_STUB_CONFIG": str(config)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = attached_stub(tmp_path, model, port, *served)
     runner = CliRunner()
     try:
         out = tmp_path / "out"
