@@ -15,10 +15,11 @@ import pytest
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "dvfs-caps.service"
 
 
-def directives(section: str) -> list[tuple[str, str]]:
-    """(key, value) pairs of one section, in order, repeated keys kept (systemd's syntax)."""
+def directives(section: str, unit: Path = UNIT) -> list[tuple[str, str]]:
+    """(key, value) pairs of one section of `unit`, in order, repeated keys kept (systemd's
+    syntax)."""
     pairs, current = [], None
-    for raw in UNIT.read_text().splitlines():
+    for raw in unit.read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
             continue
@@ -194,18 +195,7 @@ MONITOR = UNIT.parent / "dvfs-monitor.service"
 
 def unit_values(unit: Path, key: str, section: str = "Service") -> list[str]:
     """The values of `key` in one section of `unit`, in order (repeated keys kept)."""
-    found, current = [], None
-    for raw in unit.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            current = line.strip("[]")
-            continue
-        name, _, value = line.partition("=")
-        if current == section and name.strip() == key:
-            found.append(value.strip())
-    return found
+    return [value for name, value in directives(section, unit) if name == key]
 
 
 def listen_of(unit: Path) -> str:
