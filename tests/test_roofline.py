@@ -232,6 +232,9 @@ def test_energy_window_spans_counter_updates(nvml) -> None:
 
     with open_nvml_gpus([0], nvml=nvml) as (gpu,):
         window = energy_window(gpu, lambda: time.sleep(0.002), lambda: None, 0.2, sync_every=5)
+        idle_c = gpu.temperature_c()
+    # the die's temperature is read with the clock (the twin fit takes its leakage off)
+    assert window.temperature_c == idle_c
     assert window.seconds >= 0.2
     # The fake's idle board draws 75 W at 345 MHz; its counter moves on a 20 ms grid.
     assert window.power_w == pytest.approx(75.0, rel=0.1)
@@ -247,6 +250,9 @@ def test_a_counter_that_never_moves_gives_nan_not_zero() -> None:
 
         def sm_clock_mhz(self) -> int:
             return 1980
+
+        def temperature_c(self) -> int:
+            return 60
 
     now = iter(range(1000))
     window = energy_window(Stuck(), lambda: None, lambda: None, 3, clock=lambda: next(now))

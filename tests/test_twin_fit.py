@@ -63,9 +63,15 @@ def twin_roofline(
     energy: bool = True,
     gemm_cap_mhz: float = 1e9,
     tokens: tuple[int, ...] = (1, 16, 256, 4096, 16384),
+    heating: bool = False,
 ):
     """The roofline file the twin's physics would produce: each kernel's time, power and clock
-    (GEMMs held to `gemm_cap_mhz`, as a power limit holds big GEMMs below their lock)."""
+    (GEMMs held to `gemm_cap_mhz`, as a power limit holds big GEMMs below their lock). With
+    `heating` the die warms over the run towards each kernel's steady temperature, and each
+    power holds the profile's leakage at the temperature recorded with it, as on a GPU."""
+    from dvfs.twin.timeline import thermal_of
+
+    thermal = thermal_of(profile)
     spec = BenchSpec(
         device="cuda",
         dtype="bfloat16",
@@ -84,12 +90,18 @@ def twin_roofline(
             ran = min(f, gemm_cap_mhz) if kernel.kind == "gemm" else f
             timing = physics.time_passes(profile, passes, ran)
             power = float(timing.power_w[0]) if energy else float("nan")
-            results.append(KernelResult(kernel, float(timing.duration_s[0]), power, ran))
+            hot = thermal.reference_c
+            if heating:  # a one-second window each, with the die's time constant
+                warmed = 1.0 - np.exp(-(len(results) + 1.0) / profile.thermal_time_constant_s)
+                hot += (float(thermal.steady_c(power)) - thermal.reference_c) * warmed
+                power = float(thermal.power_w(power, hot))
+            results.append(KernelResult(kernel, float(timing.duration_s[0]), power, ran, hot))
         points.append(Point("stock" if i == 0 else str(f), i > 0, float(f), 700.0, tuple(results)))
     attrs = {"device": "cuda", "device_name": profile.nvml_name, "dtype": "bfloat16"}
     attrs.update(gpu_name=profile.nvml_name, hidden=4096, intermediate=14336)
     if energy:
         attrs["idle_power_w"] = profile.idle_power_w
+        attrs["idle_temperature_c"] = thermal.reference_c
     return store.build_dataset(RooflineRun(tuple(points), attrs, ()))
 
 
@@ -141,6 +153,38 @@ def test_the_idle_power_is_the_idle_clocks_and_a_raised_reading_gives_the_clock_
         assert getattr(fit.profile, name) == pytest.approx(getattr(truth, name), rel=0.01), name
     taken_off = [n for n in fit.notes if "is taken off" in n]
     assert bool(taken_off) == (idle_read_at > truth.idle_sm_clock_mhz)
+
+
+def test_the_leakage_a_recorded_temperature_rise_drew_is_taken_off_the_power_fit() -> None:
+    """A GPU's kernels heat its die and each reading holds that temperature's leakage: with
+    the temperatures recorded, the base's leakage over the idle temperature is taken off, the
+    dynamic figures come back and the twin keeps its leakage to add as its die heats (fitted
+    as read, they took in up to ~12 W of leakage, which the twin then added again)."""
+    truth = true_profile()
+    ds = twin_roofline(truth, heating=True)
+    rise = ds["temperature_c"] - ds.attrs["idle_temperature_c"]
+    assert float(rise.max()) > 10.0  # the file holds a real rise, and its leakage
+    fit = fit_roofline(ds, H100)
+    for name in FITTED:
+        assert getattr(fit.profile, name) == pytest.approx(getattr(truth, name), rel=0.01), name
+    assert fit.profile.leakage_w_per_c == H100.leakage_w_per_c > 0
+    assert any("leakage off the idle temperature" in n for n in fit.notes)
+
+
+def test_without_temperatures_the_leakage_is_not_counted_twice(tmp_path: Path) -> None:
+    """A roofline from an earlier dvfs records no temperatures: its powers hold the leakage,
+    the fitted power figures take it in, so the profile's leakage is 0 (and said), as a cube
+    fit's is."""
+    ds = twin_roofline(true_profile(), heating=True).drop_vars("temperature_c")
+    fit = fit_roofline(ds, H100)
+    assert H100.leakage_w_per_c > 0 and fit.profile.leakage_w_per_c == 0.0
+    assert any("records no temperatures" in n and "is set to 0" in n for n in fit.notes)
+    # the file without them still reads and fits through the CLI
+    path = store.write(ds, tmp_path / "earlier.nc")
+    out = tmp_path / "fitted.toml"
+    result = CliRunner().invoke(cli, ["twin", "fit", str(path), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_profile(out).leakage_w_per_c == 0.0
 
 
 def test_an_idle_reading_of_unknown_clock_is_kept_and_said() -> None:
@@ -372,7 +416,9 @@ def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: P
     fitted = CliRunner().invoke(cli, ["twin", "fit", str(path), "-o", str(out)])
     assert fitted.exit_code == 0, fitted.output
     profile, h200 = load_profile(out), gpu_profile("h200-sxm")
-    for name in (*FITTED, "idle_clock_power_w"):
+    # the twin's roofline records its kernels at the idle temperature: no leakage to take off
+    assert float(np.ptp(store.read(path)["temperature_c"].values)) == 0.0
+    for name in (*FITTED, "idle_clock_power_w", "leakage_w_per_c"):
         assert getattr(profile, name) == pytest.approx(getattr(h200, name), rel=0.01), name
     text = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--tokens", "1"])
     idle = f"Idle: {h200.idle_power_w:.1f} W at {h200.idle_sm_clock_mhz} MHz before the kernels"
@@ -414,3 +460,5 @@ def test_a_roofline_measured_on_an_h200_fits_a_twin_that_reproduces_it(tmp_path:
     assert profile.idle_power_w == ds.attrs["idle_power_w"]
     raised = traps.idle_power_w(profile, ds.attrs["raised_idle_sm_clock_mhz"])
     assert raised == pytest.approx(ds.attrs["raised_idle_power_w"], rel=1e-9)
+    # measured before the temperatures were recorded: its powers hold the leakage
+    assert profile.leakage_w_per_c == 0.0 and "records no temperatures" in result.output

@@ -77,12 +77,14 @@ class RooflineRequest:
 @dataclass(frozen=True)
 class KernelResult:
     """One kernel at one setting; the SM clock seen while it ran (a power cap can pull it
-    below the lock), NaN where no GPU was read."""
+    below the lock) and the die's temperature then (its power holds the leakage of that
+    temperature), NaN where no GPU was read."""
 
     kernel: Kernel
     seconds: float
     power_w: float
     sm_clock_mhz: float = math.nan
+    temperature_c: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,13 @@ class RooflineRun:
 
 @dataclass(frozen=True)
 class Window:
-    """What the energy counter saw over one window: joules, seconds, and the SM clock."""
+    """What the energy counter saw over one window: joules, seconds, and the SM clock and
+    die temperature read in it."""
 
     joules: float
     seconds: float
     sm_clock_mhz: float
+    temperature_c: float = math.nan
 
     @property
     def power_w(self) -> float:
@@ -127,7 +131,8 @@ def energy_window(
 ) -> Window:
     """The energy between two counter updates at least `window_s` apart, while `launch` keeps
     the GPU busy throughout; `sync_every` launches the queue is drained, so the host never runs
-    seconds ahead of the GPU. The SM clock is read mid-window, under load."""
+    seconds ahead of the GPU. The SM clock and the temperature are read mid-window, under load
+    (the temperature NaN where the GPU cannot report it)."""
     launches = 0
 
     def step() -> None:
@@ -147,17 +152,27 @@ def energy_window(
                 return reading, now
 
     e0, t0 = next_tick()
-    sm_clock = math.nan
+    sm_clock = temperature = math.nan
     while clock() - t0 < window_s:
         step()
         if math.isnan(sm_clock) and clock() - t0 >= window_s / 2:
-            sm_clock = float(gpu.sm_clock_mhz())
+            sm_clock, temperature = float(gpu.sm_clock_mhz()), _temperature(gpu)
     e1, t1 = next_tick()
     sync()
     if math.isnan(sm_clock):
-        sm_clock = float(gpu.sm_clock_mhz())
+        sm_clock, temperature = float(gpu.sm_clock_mhz()), _temperature(gpu)
     joules = (e1 - e0) / 1000.0 if e1 != e0 else math.nan  # a counter that never moved
-    return Window(joules, t1 - t0, sm_clock)
+    return Window(joules, t1 - t0, sm_clock, temperature)
+
+
+def _temperature(gpu: Gpu) -> float:
+    """The die's temperature in degC, NaN where the GPU cannot report it."""
+    from dvfs.errors import GpuNotSupportedError
+
+    try:
+        return float(gpu.temperature_c())
+    except GpuNotSupportedError:
+        return math.nan
 
 
 def check_clocks(gpu: Gpu, clocks: Sequence[int]) -> None:
@@ -200,15 +215,16 @@ def _measure(
     results = []
     for p in prepared:
         seconds = time_per_call(p, request.spec, torch)
-        power = sm_clock = math.nan
+        power = sm_clock = temperature = math.nan
         if gpu is not None and request.spec.on_cuda:
             # Drain the queue every ~50 ms of work: the window then ends with the work.
             every = max(1, int(0.05 / max(seconds * p.calls_per_launch, 1e-9)))
             window = energy_window(gpu, p.launch, p.sync, request.energy_window_s, sync_every=every)
             power, sm_clock = window.power_w, window.sm_clock_mhz
+            temperature = window.temperature_c
         elif gpu is not None:
             sm_clock = float(gpu.sm_clock_mhz())
-        results.append(KernelResult(p.kernel, seconds, power, sm_clock))
+        results.append(KernelResult(p.kernel, seconds, power, sm_clock, temperature))
         watts = "" if math.isnan(power) else f", {power:.0f} W"
         clock = "" if math.isnan(sm_clock) else f" at {sm_clock:.0f} MHz"
         note(f"  {p.kernel.name}: {seconds * 1e6:.1f} us per call{watts}{clock}")
@@ -269,6 +285,7 @@ def run_roofline(
             # against 80 W at its 345 MHz idle clock). The twin's idle power is the latter.
             idle = _idle(gpu, request.energy_window_s)
             attrs.update(idle_power_w=idle.power_w, idle_sm_clock_mhz=idle.sm_clock_mhz)
+            attrs.update(idle_temperature_c=idle.temperature_c)
         weights: dict[tuple[int, int], Any] = {}
         prepared = [prepare(k, spec, torch, weights) for k in plan_kernels(spec)]
         attrs["device_name"] = device_name(spec, torch)
@@ -287,6 +304,7 @@ def run_roofline(
                 attrs.update(
                     raised_idle_power_w=raised.power_w,
                     raised_idle_sm_clock_mhz=raised.sm_clock_mhz,
+                    raised_idle_temperature_c=raised.temperature_c,
                 )
             limit = math.nan if gpu is None else gpu.power_limit_mw() / 1000.0
             clock = float(mhz) if mhz is not None else float(seen)

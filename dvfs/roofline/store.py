@@ -38,6 +38,7 @@ def build_dataset(run: RooflineRun) -> xr.Dataset:
     seconds = np.array([[r.seconds for r in p.results] for p in run.points], dtype=float)
     power = np.array([[r.power_w for r in p.results] for p in run.points], dtype=float)
     seen = np.array([[r.sm_clock_mhz for r in p.results] for p in run.points], dtype=float)
+    hot = np.array([[r.temperature_c for r in p.results] for p in run.points], dtype=float)
     flops = np.array([k.flops for k in kernels])
     bytes_ = np.array([k.bytes for k in kernels])
     dims = ("setting", "kernel")
@@ -49,6 +50,11 @@ def build_dataset(run: RooflineRun) -> xr.Dataset:
                 dims,
                 seen,
                 {"units": "MHz", "long_name": "SM clock read while the kernel ran"},
+            ),
+            "temperature_c": (
+                dims,
+                hot,
+                {"units": "degC", "long_name": "die temperature read while the kernel ran"},
             ),
             "flops": ("kernel", flops, {"units": "FLOP", "long_name": "FLOPs per call"}),
             "bytes": ("kernel", bytes_, {"units": "byte", "long_name": "minimum bytes per call"}),
@@ -137,6 +143,8 @@ MEASURED = (
     "locked",
     "power_limit_w",
 )
+#: Measured variables a file from an earlier dvfs may lack (`dvfs.twin.fit` says what follows).
+OPTIONAL = ("temperature_c",)
 
 
 def write(ds: xr.Dataset, path: Path) -> Path:
@@ -144,7 +152,7 @@ def write(ds: xr.Dataset, path: Path) -> Path:
     replaced atomically: a failed write keeps the file that was there."""
     from dvfs.outputs import write_netcdf
 
-    measured = ds[list(MEASURED)]
+    measured = ds[list(MEASURED) + [name for name in OPTIONAL if name in ds.variables]]
     try:
         write_netcdf(path, measured.to_netcdf, int(measured.nbytes))
     except RuntimeError as exc:  # netCDF-C's other failed writes
@@ -170,7 +178,10 @@ def read(path: Path) -> xr.Dataset:
             f"expected {SCHEMA!r})"
         )
     missing = [name for name in MEASURED + ("kind", "m", "n", "k") if name not in ds.variables]
-    if missing or set(ds["seconds"].dims) != {"setting", "kernel"}:
+    grid = {"setting", "kernel"}
+    off_grid = [name for name in OPTIONAL if name in ds.variables and set(ds[name].dims) != grid]
+    if missing or off_grid or set(ds["seconds"].dims) != grid:
+        missing += [f"{name} on (setting, kernel)" for name in off_grid]
         raise RooflineFileError(
             f"{path} is a damaged roofline file (missing {', '.join(missing) or 'dimensions'}): "
             "measure again with `dvfs gpu roofline -o FILE`"
@@ -223,6 +234,11 @@ def document(ds: xr.Dataset) -> dict[str, Any]:
                         "gemm_efficiency": _number(at["gemm_efficiency"].sel(kernel=kernel)),
                         "power_w": _number(at["power_w"].sel(kernel=kernel)),
                         "sm_clock_mhz": _number(at["observed_sm_clock_mhz"].sel(kernel=kernel)),
+                        "temperature_c": (
+                            _number(at["temperature_c"].sel(kernel=kernel))
+                            if "temperature_c" in ds.variables
+                            else None
+                        ),
                         "energy_j": _number(at["energy_j"].sel(kernel=kernel)),
                     }
                     for kernel in ds["kernel"].values

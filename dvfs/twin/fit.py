@@ -12,7 +12,12 @@ From the roofline the fit sets what the twin's physics uses for one GPU:
   squares of each kernel's power against the physics' power model, when energy was measured;
   the idle power is the one read at the idle clock (a reading at a raised clock has the base's
   idle-clock power taken off), and `idle_clock_power_w` comes from the idle power read right
-  after the kernels, at the clock they left behind (a hotter GPU: its leakage is in it too).
+  after the kernels, at the clock they left behind;
+- the die's leakage: each reading's power holds the leakage of the temperature it was read at.
+  Where the file records the temperatures, the base's `leakage_w_per_c` times each reading's
+  rise over the idle temperature is taken off before the power fit, and the twin adds its own
+  leakage back as its die heats; where it does not (an earlier dvfs), the fitted power figures
+  take the leakage in, so `leakage_w_per_c` is set to 0 rather than counted twice.
 So the fitted twin measures the file's roofline again: its achievable (large-M) ridge point
 (`achievable_ridge_point`) is that of the compute-bound GEMM's large-M FLOP/s.
 A sweep cube is the other input kind (`dvfs.twin.fitcube`); `fit_input_kind` says which a file
@@ -175,10 +180,31 @@ def _bandwidth(
     return eff, float(knee), rms
 
 
+def _leakage_rise(ds: xr.Dataset, base: GpuProfile) -> tuple[np.ndarray, float] | None:
+    """The base's leakage above the idle temperature in each kernel's power (setting x kernel)
+    and in the raised idle reading, from the temperatures the file records; None where it
+    records none for a kernel with power (the leakage then cannot be told apart)."""
+    k = base.leakage_w_per_c
+    dims = ("setting", "kernel")
+    power = ds["power_w"].transpose(*dims).values
+    if not k:
+        return np.zeros(power.shape), 0.0
+    idle_c = float(ds.attrs.get("idle_temperature_c", math.nan))
+    if "temperature_c" not in ds.variables or not math.isfinite(idle_c):
+        return None
+    hot = ds["temperature_c"].transpose(*dims).values.astype(float)
+    if not np.isfinite(hot[np.isfinite(power)]).all():
+        return None
+    raised_c = float(ds.attrs.get("raised_idle_temperature_c", math.nan))
+    raised = k * (raised_c - idle_c) if math.isfinite(raised_c) else 0.0
+    return np.where(np.isfinite(hot), k * (hot - idle_c), 0.0), raised
+
+
 def _power(
     ds: xr.Dataset, base: GpuProfile, seen: np.ndarray, gemm_eff: float, notes: list[str]
-) -> tuple[dict[str, float], float] | None:
-    """Power coefficients by non-negative least squares, or None without energy."""
+) -> tuple[dict[str, float], float, bool] | None:
+    """Power coefficients by non-negative least squares, and whether the leakage was taken
+    off the readings (`_leakage_rise`); None without energy."""
     from scipy.optimize import nnls
 
     dims = ("setting", "kernel")
@@ -186,7 +212,17 @@ def _power(
     idle = float(ds.attrs.get("idle_power_w", math.nan))
     if not np.isfinite(power).any() or not math.isfinite(idle):
         return None
-    idle, idle_figures = _idle_figures(ds, base, idle, notes)
+    rise = _leakage_rise(ds, base)
+    if rise is not None:
+        power = power - rise[0]
+        most = float(np.nanmax(np.abs(rise[0]))) if rise[0].size else 0.0
+        if most > 0:
+            notes.append(
+                f"the kernels' leakage off the idle temperature (up to {most:.1f} W at "
+                f"{base.key}'s {base.leakage_w_per_c:g} W/degC) taken off before the power fit: "
+                "the twin adds its own as its die heats"
+            )
+    idle, idle_figures = _idle_figures(ds, base, idle, notes, 0.0 if rise is None else rise[1])
     scale = np.asarray(physics.dynamic_scale(base, seen))
     peak = datasheet_flops(base, seen) * gemm_eff
     tensor_util = np.minimum(ds["flop_s"].transpose(*dims).values / peak, 1.0)
@@ -198,7 +234,8 @@ def _power(
     coef, _ = nnls(a, power[ok] - idle)
     rms = float(np.sqrt(np.mean((a @ coef - (power[ok] - idle)) ** 2)))
     names = ("sm_active_power_w", "tensor_power_w", "memory_power_w")
-    return {**idle_figures, **dict(zip(names, map(float, coef), strict=True))}, rms
+    figures = {**idle_figures, **dict(zip(names, map(float, coef), strict=True))}
+    return figures, rms, rise is not None
 
 
 #: MHz above the profile's idle clock at which an idle reading counts as at a raised clock.
@@ -213,9 +250,10 @@ def _raised_fraction(base: GpuProfile, mhz: float) -> float:
 
 
 def _idle_figures(
-    ds: xr.Dataset, base: GpuProfile, idle: float, notes: list[str]
+    ds: xr.Dataset, base: GpuProfile, idle: float, notes: list[str], raised_leakage_w: float
 ) -> tuple[float, dict[str, float]]:
-    """The idle power at the idle clock (the kernels' baseline) and the idle figures fitted."""
+    """The idle power at the idle clock (the kernels' baseline) and the idle figures fitted;
+    `raised_leakage_w`: the leakage the raised reading holds over the idle one's."""
     from dvfs.twin import traps
 
     raised_at = base.idle_sm_clock_mhz + IDLE_CLOCK_TOLERANCE_MHZ
@@ -235,7 +273,7 @@ def _idle_figures(
             f"({extra:.1f} W) is taken off"
         )
     figures = {"idle_power_w": idle}
-    raised = float(ds.attrs.get("raised_idle_power_w", math.nan))
+    raised = float(ds.attrs.get("raised_idle_power_w", math.nan)) - raised_leakage_w
     raised_clock = float(ds.attrs.get("raised_idle_sm_clock_mhz", math.nan))
     if math.isfinite(raised) and math.isfinite(raised_clock) and raised_clock > raised_at:
         share = _raised_fraction(base, raised_clock)
@@ -310,6 +348,15 @@ def fit_roofline(
         if changes[name] > 1.0:
             notes.append(f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base?")
     profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
+    if power is not None and not power[2]:
+        # The readings' leakage is in the fitted power figures: the twin adding the base's
+        # on top as its die heats would count it twice.
+        profile = dataclasses.replace(profile, leakage_w_per_c=0.0)
+        notes.append(
+            "the roofline records no temperatures (an earlier dvfs, or a GPU that cannot report "
+            "them): its powers hold the die's leakage, which the fitted power figures take in, "
+            f"so leakage_w_per_c of {base.key} ({base.leakage_w_per_c:g}) is set to 0"
+        )
     # Where a power cap held the best GEMM below its lock, its FLOP/s are the capped clock's.
     # The ridge of the compute-bound GEMMs' large-M FLOP/s, as the twin's physics runs into it
     ridge = np.array(
