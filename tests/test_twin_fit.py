@@ -23,6 +23,7 @@ from dvfs.twin import physics, traps
 from dvfs.twin.fit import achievable_ridge_point, fit_roofline, load_profile, profile_toml
 from dvfs.twin.physics import Passes
 from dvfs.twin.profiles import GpuProfile, gpu_profile
+from dvfs.twin.timeline import thermal_of
 
 H100 = gpu_profile("h100-sxm")
 CLOCKS = (1980, 1590, 1200, 900, 600)
@@ -69,8 +70,6 @@ def twin_roofline(
     (GEMMs held to `gemm_cap_mhz`, as a power limit holds big GEMMs below their lock). With
     `heating` the die warms over the run towards each kernel's steady temperature, and each
     power holds the profile's leakage at the temperature recorded with it, as on a GPU."""
-    from dvfs.twin.timeline import thermal_of
-
     thermal = thermal_of(profile)
     spec = BenchSpec(
         device="cuda",
@@ -421,7 +420,11 @@ def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: P
     for name in (*FITTED, "idle_clock_power_w", "leakage_w_per_c"):
         assert getattr(profile, name) == pytest.approx(getattr(h200, name), rel=0.01), name
     text = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--tokens", "1"])
-    idle = f"Idle: {h200.idle_power_w:.1f} W at {h200.idle_sm_clock_mhz} MHz before the kernels"
+    idle_c = thermal_of(h200).reference_c
+    idle = (
+        f"Idle: {h200.idle_power_w:.1f} W at {h200.idle_sm_clock_mhz} MHz, {idle_c:.0f} degC "
+        "before the kernels"
+    )
     assert text.exit_code == 0 and idle in text.output
     bad = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h200-sxm", "--clocks", "1501"])
     assert bad.exit_code == 2 and "1501 MHz is not a supported SM clock of the twin" in bad.output

@@ -419,10 +419,17 @@ def _render_roofline(doc: dict[str, Any]) -> None:
     print_table("Per setting", *summary_rows(doc))
     print_table("GEMM efficiency by token count M (first setting)", *efficiency_rows(doc))
     idle = [
-        f"{doc[power]:.1f} W at {doc[clock]:.0f} MHz {when}"
-        for power, clock, when in (
-            ("idle_power_w", "idle_sm_clock_mhz", "before the kernels"),
-            ("raised_idle_power_w", "raised_idle_sm_clock_mhz", "right after the stock ones"),
+        f"{doc[power]:.1f} W at {doc[clock]:.0f} MHz"
+        + (f", {doc[hot]:.0f} degC" if _finite(doc.get(hot)) else "")
+        + f" {when}"
+        for power, clock, hot, when in (
+            ("idle_power_w", "idle_sm_clock_mhz", "idle_temperature_c", "before the kernels"),
+            (
+                "raised_idle_power_w",
+                "raised_idle_sm_clock_mhz",
+                "raised_idle_temperature_c",
+                "right after the stock ones",
+            ),
         )
         if _finite(doc.get(power)) and _finite(doc.get(clock))
     ]
