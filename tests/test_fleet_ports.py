@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -145,6 +147,89 @@ def test_ports_held_elsewhere_move_the_workers(
     assert ports == [FIRST_PORT + 2 * PORT_BLOCK, FIRST_PORT + 3 * PORT_BLOCK]
     assert not running(marker)
     assert sorted(p.name for p in (tmp_path / "locks").iterdir())[:1] == [f"{FIRST_PORT}.lock"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when", ["after the claim", "at the server's start"])
+def test_a_port_taken_after_the_claim_moves_the_worker(
+    when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another program takes the --port of each worker's block after the worker claimed it:
+    before its server starts (dvfs finds it held then), or as it starts (the server fails to
+    listen, "Address already in use", as SGLang does). Each worker gives that block up for the
+    next free one and says so in one line: every cell is measured, each server record names
+    the block its server used, and two workers never share one."""
+    import dvfs.engines.sglang as engine
+    import dvfs.fleet.ports as node_ports
+
+    # One drafter, two batches: a comparison group (two clocks) and a server per worker.
+    path, marker = stub_campaign(tmp_path, drafters='[drafters.none]\nalgorithm = "none"\n')
+    claimed: list[ServerPorts] = []  # each worker's block as it opens, before any server
+    listeners: dict[int, socket.socket] = {}  # the other program's, by port
+
+    def listen_on(port: int) -> None:
+        listeners[port] = holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+
+    real_claim, real_argv = node_ports.claimed_ports, engine.launch_argv
+
+    @contextlib.contextmanager
+    def claim_then_taken(host: str, slot: int, **kwargs: Any) -> Iterator[ServerPorts]:
+        with real_claim(host, slot, **kwargs) as ports:
+            if len(claimed) < 2:  # the two workers' claims as they open
+                claimed.append(ports)
+                if when == "after the claim":
+                    listen_on(ports.http)
+            yield ports
+
+    def taken_at_start(*args: Any, **kwargs: Any) -> list[str]:
+        argv = real_argv(*args, **kwargs)
+        port = int(argv[argv.index("--port") + 1])
+        first = {p.http for p in claimed}
+        if when != "after the claim" and port in first and port not in listeners:
+            listen_on(port)  # after whatever dvfs checks, before the server listens
+        return argv
+
+    monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
+    monkeypatch.setattr(engine, "launch_argv", taken_at_start)
+    out = tmp_path / "out"
+    try:
+        result = sweep(str(path), "--gpus", "0-1", "--out", str(out))
+    finally:
+        for holder in listeners.values():
+            holder.close()
+    assert result.exit_code == 0, result.output
+    assert sorted(listeners) == sorted(p.http for p in claimed), "each first block was taken"
+    records = read_records(out / "journal.jsonl")
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == 4 and all(c["status"] == "ok" for c in cells), result.output
+    # The session keeps the blocks claimed at the start; each server record, its own.
+    session = next(r for r in records if r["type"] == "session")
+    first = {w["worker"]: ServerPorts.from_json(w["ports"]) for w in session["workers"]}
+    assert set(first.values()) == set(claimed)
+    used: dict[str, ServerPorts] = {}
+    for server in (r for r in records if r["type"] == "server"):
+        ports = ServerPorts.from_json(server["ports"])
+        assert ports not in claimed, "a server ran on a block where another program listens"
+        assert int(server["args"]["port"]) == ports.http
+        assert int(server["args"]["nccl_port"]) == ports.nccl
+        used[server["worker"]] = ports
+    assert sorted(used) == sorted(first)
+    check_distinct_ports([(worker, "node", ports) for worker, ports in used.items()])
+    said = " ".join(result.output.split())  # the notes, however wrapped
+    for worker, ports in used.items():
+        moves = re.findall(
+            rf"{worker}: port (\d+): Address already in use: [^;]*; the worker's servers move "
+            r"to ports (\d+)-(\d+)",
+            said,
+        )
+        last = ports.http + PORT_BLOCK - 1
+        assert moves == [(str(first[worker].http), str(ports.http), str(last))], result.output
+    if when != "after the claim":  # the servers did fail to listen there first
+        logs = [p.read_text() for p in out.rglob("server-*.log")]
+        assert sum("Address already in use" in text for text in logs) == 2
+    assert not running(marker)
 
 
 def test_a_fleet_whose_servers_would_share_a_port_is_refused(
