@@ -19,6 +19,7 @@ from sglang_support import load_stub, running, stub_campaign
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
+from dvfs.engines.sglang import PORT_MOVES
 from dvfs.engines.sglang_args import (
     FIRST_PORT,
     PORT_BLOCK,
@@ -29,7 +30,7 @@ from dvfs.engines.sglang_args import (
     launch_argv,
 )
 from dvfs.errors import EngineError
-from dvfs.fleet.ports import claimed_ports
+from dvfs.fleet.ports import PortBlock, claimed_ports
 from dvfs.measure.journal import read_records
 
 VERSIONS = ("0.5.9", "0.5.23")
@@ -94,6 +95,34 @@ def test_a_claimed_block_is_held_until_released(
     with claimed_ports("127.0.0.1", 3 + PORT_SLOTS, folder=tmp_path) as again:
         assert again == first
     assert ServerPorts.for_slot(4).http == FIRST_PORT + 4 * PORT_BLOCK
+
+
+def test_a_block_moves_to_the_next_free_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PortBlock.move` claims the next block no one holds before letting its own go, says so
+    in one line; with none free it keeps its own and says what to do."""
+    monkeypatch.setattr("dvfs.fleet.ports.taken", lambda host, ports: None)  # the locks alone
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        block = stack.enter_context(PortBlock("127.0.0.1", 3, note=notes.append, folder=tmp_path))
+        stack.enter_context(claimed_ports("127.0.0.1", 4, folder=tmp_path))  # another worker's
+        assert block.move("port 20768: Address already in use") == ServerPorts.for_slot(5)
+        assert block.ports == ServerPorts.for_slot(5)
+        last = ServerPorts.for_slot(5).http + PORT_BLOCK - 1
+        assert notes == [
+            "port 20768: Address already in use: another program took it after dvfs claimed "
+            f"the block; the worker's servers move to ports {ServerPorts.for_slot(5).http}-{last}"
+        ]
+        with claimed_ports("127.0.0.1", 3, folder=tmp_path) as freed:
+            assert freed == ServerPorts.for_slot(3), "the old block is let go"
+        for _ in range(PORT_SLOTS - 2):  # every other block held too: nowhere to move
+            stack.enter_context(claimed_ports("127.0.0.1", 0, folder=tmp_path))
+        with pytest.raises(EngineError, match="no free block of SGLang ports on 127.0.0.1"):
+            block.move("port 21280: Address already in use")
+        assert block.ports == ServerPorts.for_slot(5) and len(notes) == 1
+    with claimed_ports("127.0.0.1", 5, folder=tmp_path) as again:
+        assert again == ServerPorts.for_slot(5), "closed: its block is free"
 
 
 @pytest.mark.timeout(300)
@@ -236,6 +265,46 @@ def test_a_port_taken_after_the_claim_moves_the_worker(
     if when != "after the claim":  # the servers did fail to listen there first
         logs = [p.read_text() for p in out.rglob("server-*.log")]
         assert sum("Address already in use" in text for text in logs) == 2
+    assert not running(marker)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_moves_a_bounded_number_of_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should another program take a port of every block a worker claims, each start moves
+    `PORT_MOVES` times, then fails as a server that cannot listen fails: the cells fail, the
+    sweep ends."""
+    import dvfs.fleet.ports as node_ports
+
+    path, marker = stub_campaign(tmp_path, drafters='[drafters.none]\nalgorithm = "none"\n')
+    listeners: list[socket.socket] = []
+    real_claim = node_ports.claimed_ports
+
+    @contextlib.contextmanager
+    def claim_then_taken(host: str, slot: int, **kwargs: Any) -> Iterator[ServerPorts]:
+        with real_claim(host, slot, **kwargs) as ports:
+            listeners.append(holder := socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            holder.bind(("127.0.0.1", ports.http))
+            holder.listen()
+            yield ports
+
+    monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
+    out = tmp_path / "out"
+    try:
+        result = sweep(str(path), "--gpus", "0-1", "--out", str(out))
+    finally:
+        for holder in listeners:
+            holder.close()
+    assert result.exit_code == 5, result.output
+    said = " ".join(result.output.split())
+    for worker in ("gpu0", "gpu1"):
+        moves = re.findall(rf"{worker}: port \d+: Address already in use: [^;]*; the worker", said)
+        assert len(moves) == PORT_MOVES, result.output
+    assert len(listeners) == 2 * (1 + PORT_MOVES)
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 4 and all(c["status"] == "failed" for c in cells)
+    assert all("Address already in use" in " ".join(c["errors"]) for c in cells)
     assert not running(marker)
 
 
