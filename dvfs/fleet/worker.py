@@ -18,13 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.corpora import Corpus
 from dvfs.fleet.devices import Group, for_group, group_label
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
+
+if TYPE_CHECKING:
+    from dvfs.fleet.ports import PortBlock
 
 
 class ShippingJournal(Journal):
@@ -116,7 +119,8 @@ class Worker:
         self._uuids: list[str] = []
         #: The worker's number in its fleet: where its search for a block of ports starts.
         self.slot = slot
-        self._block: Any = None  # `PortBlock` when the engine starts servers of its own
+        #: Its block of ports, when the engine starts servers of its own.
+        self._block: PortBlock | None = None
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
