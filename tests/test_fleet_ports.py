@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import re
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,27 @@ def test_a_block_moves_to_the_next_free_one(
         assert again == ServerPorts.for_slot(5), "closed: its block is free"
 
 
+def test_a_port_freed_within_the_wait_does_not_count_as_held() -> None:
+    """A port of the block held for a moment (the processes of the worker's last server
+    exiting) is waited out; one held past the wait is reported."""
+    with PortBlock("127.0.0.1", 0) as block:  # held in the node's folder: no dvfs uses it
+        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            holder.bind(("127.0.0.1", block.ports.nccl))
+        except OSError:
+            holder.close()
+            pytest.skip(f"port {block.ports.nccl} is in use here")
+        holder.listen()
+        assert block.held_elsewhere() == f"port {block.ports.nccl}: Address already in use"
+        release = threading.Timer(0.3, holder.close)
+        release.start()
+        try:
+            assert block.held_elsewhere(wait_s=60) is None
+        finally:
+            release.cancel()
+            holder.close()
+
+
 @pytest.mark.timeout(300)
 def test_eight_workers_on_one_node_use_distinct_ports(tmp_path: Path) -> None:
     """Eight twin GPUs, each worker its own SGLang (the stub) on loopback: every server is on
@@ -229,6 +251,7 @@ def test_a_port_taken_after_the_claim_moves_the_worker(
 
     monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
     monkeypatch.setattr(engine, "launch_argv", taken_at_start)
+    monkeypatch.setattr(engine, "PORT_SETTLE_S", 0.2)  # held for good: nothing to wait out
     out = tmp_path / "out"
     try:
         result = sweep(str(path), "--gpus", "0-1", "--out", str(out))
@@ -290,6 +313,7 @@ def test_a_worker_moves_a_bounded_number_of_times(
             yield ports
 
     monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
+    monkeypatch.setattr("dvfs.engines.sglang.PORT_SETTLE_S", 0.2)  # held for good
     out = tmp_path / "out"
     try:
         result = sweep(str(path), "--gpus", "0-1", "--out", str(out))

@@ -73,6 +73,9 @@ CRASH_GRACE_S = 5.0
 #: How many times one server start may move to another block of ports (`PortBlock`) when
 #: another program has taken one of its block's.
 PORT_MOVES = 3
+#: How long a port of the block may stay held before the server moves: the processes of the
+#: worker's last server (stopped, or failed to start) close their sockets only as they exit.
+PORT_SETTLE_S = 5.0
 
 
 class PortBlock(Protocol):
@@ -81,8 +84,9 @@ class PortBlock(Protocol):
     @property
     def ports(self) -> ServerPorts: ...
 
-    def held_elsewhere(self) -> str | None:
-        """The first port of the block another program holds ("port N: why"), or None."""
+    def held_elsewhere(self, wait_s: float = 0.0) -> str | None:
+        """The first port of the block another program holds ("port N: why") after `wait_s`,
+        or None."""
         ...
 
     def move(self, why: str) -> ServerPorts:
@@ -336,19 +340,24 @@ class SglangEngine:
         if self.config.url:
             return self._attach(drafter)
         moves = 0
+        why = self._held_elsewhere()
         while True:
-            if self.block is not None and moves < PORT_MOVES:
-                why = self.block.held_elsewhere()
-                if why is not None:
-                    self.block.move(why)
-                    moves += 1
-                    continue
+            if why is not None:
+                assert self.block is not None
+                self.block.move(why)
+                moves += 1
             try:
                 return self._start(drafter)
             except _NoAnswerError as exc:
-                if self.block is None or moves >= PORT_MOVES or not self.block.held_elsewhere():
+                why = self._held_elsewhere() if moves < PORT_MOVES else None
+                if why is None:
                     raise
-                log.info("%s", exc)  # the next pass moves to another block
+                log.info("%s", exc)  # moved to another block next
+
+    def _held_elsewhere(self) -> str | None:
+        """A port of the block another program still holds after `PORT_SETTLE_S`, or None
+        (none: no block)."""
+        return None if self.block is None else self.block.held_elsewhere(PORT_SETTLE_S)
 
     def _start(self, drafter: DrafterSpec) -> ServerInfo:
         """One start of the server, on the block's ports or a free --port; `_NoAnswerError`

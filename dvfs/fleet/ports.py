@@ -17,6 +17,7 @@ import contextlib
 import os
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -125,9 +126,13 @@ class PortBlock:
     def close(self) -> None:
         self._held.close()
 
-    def held_elsewhere(self) -> str | None:
-        """The first port of the block another program holds now ("port N: why"), or None."""
-        return taken(self.host, self.ports.used)
+    def held_elsewhere(self, wait_s: float = 0.0) -> str | None:
+        """The first port of the block another program holds ("port N: why"), or None: one
+        still held after `wait_s` (a process of the worker's last server may be exiting)."""
+        deadline = time.monotonic() + wait_s
+        while (why := taken(self.host, self.ports.used)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return why
 
     def move(self, why: str) -> ServerPorts:
         """Claim the next free block after this one (`why`: what is wrong with this one), then
