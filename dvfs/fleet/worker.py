@@ -4,10 +4,10 @@ cell, or an in-flight group of knob levels).
 The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
 path restores them), its own engine (SGLang pinned to the group's UUIDs, on its own block of
 loopback ports, moved to another should another program take one: `dvfs.fleet.ports`) and
-clock, and drives a `Runner` whose
-journal ships records instead of writing them: every record a unit produces (a server start,
-its cells, each stamped with the worker and its GPUs' UUIDs) goes back to the driver, which
-keeps the one journal. The same class runs in a thread of the driver and inside a Ray actor.
+clock, and drives a `Runner` whose journal ships records instead of writing them: every record
+a unit produces (a server start, its cells, each stamped with the worker and its GPUs' UUIDs)
+goes back to the driver, which keeps the one journal. The same class runs in a thread of the
+driver and inside a Ray actor.
 """
 
 from __future__ import annotations
