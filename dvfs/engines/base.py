@@ -314,6 +314,9 @@ class ServerInfo:
     #: How prompts go out to it ("chat_template:<hash>" or "plain"); "" where the engine
     #: formats none (the twin). Known once a server has started: the server record keeps it.
     prompt_format: str = ""
+    #: The block of ports dvfs started it on ({"http": --port, "nccl": --nccl-port}): a fleet
+    #: worker's (`dvfs.fleet.ports`). None: a free --port, or a server dvfs did not start.
+    ports: dict[str, int] | None = None
 
 
 class Engine(Protocol):

@@ -31,7 +31,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from dvfs.campaign.model import Campaign, DrafterSpec
 from dvfs.clock import Clock
@@ -70,6 +70,28 @@ LOG_TAIL_LINES = 40
 STOP_GRACE_S = 20.0
 #: After a broken connection, how long to wait for the server to exit before calling it a crash.
 CRASH_GRACE_S = 5.0
+#: How many times one server start may move to another block of ports (`PortBlock`) when
+#: another program has taken one of its block's.
+PORT_MOVES = 3
+#: How long a port of the block may stay held before the server moves: the processes of the
+#: worker's last server (stopped, or failed to start) close their sockets only as they exit.
+PORT_SETTLE_S = 5.0
+
+
+class PortBlock(Protocol):
+    """A fleet worker's block of ports for its servers (`dvfs.fleet.ports.PortBlock`)."""
+
+    @property
+    def ports(self) -> ServerPorts: ...
+
+    def held_elsewhere(self, wait_s: float = 0.0) -> str | None:
+        """The first port of the block another program holds ("port N: why") after `wait_s`,
+        or None."""
+        ...
+
+    def move(self, why: str) -> ServerPorts:
+        """Trade the block for another free one (saying so); EngineError when none is."""
+        ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -226,6 +248,10 @@ def check_attached(campaign: Campaign, info: dict[str, Any]) -> None:
         engine._check_resolved(drafter, info, attached=True)
 
 
+class _NoAnswerError(EngineError):
+    """A started server exited or timed out before it answered (its ports may be taken)."""
+
+
 class SglangEngine:
     """The `Engine` protocol over a real (or attached) SGLang server. `launch_help`: its
     `launch_server --help` when already probed (`dvfs.backends.check_engine`)."""
@@ -264,9 +290,9 @@ class SglangEngine:
         #: Lists every GPU's compute PIDs (NVML), to check where a started server runs; None:
         #: simulated GPUs, nothing to check.
         self.gpu_processes = gpu_processes
-        #: The ports its servers use (`ServerPorts`), set by a fleet's worker so that servers
-        #: on one node never share one; None: a free --port, SGLang picks the rest.
-        self.ports: ServerPorts | None = None
+        #: The block of ports its servers use, set by a fleet's worker so that servers on one
+        #: node never share one; None: a free --port, SGLang picks the rest.
+        self.block: PortBlock | None = None
         #: Each started drafter's resolved attention kernels, for `check_same_kernels`.
         self.kernels: dict[str, Kernels] = {}
         self.pinned_backend: str | None = (
@@ -307,12 +333,39 @@ class SglangEngine:
         return self._help
 
     def start(self, drafter: DrafterSpec) -> ServerInfo:
+        """Start `drafter`'s server. On a worker's block of ports, one another program has
+        taken a port of since (found before the start, or after a start that failed) moves
+        the server to the next free block, `PORT_MOVES` times at most."""
         self.stop()
         if self.config.url:
             return self._attach(drafter)
-        port = self.ports.http if self.ports else free_port(self.config.host)
+        moves = 0
+        why = self._held_elsewhere()
+        while True:
+            if why is not None:
+                assert self.block is not None
+                self.block.move(why)
+                moves += 1
+            try:
+                return self._start(drafter)
+            except _NoAnswerError as exc:
+                why = self._held_elsewhere() if moves < PORT_MOVES else None
+                if why is None:
+                    raise
+                log.info("%s", exc)  # moved to another block next
+
+    def _held_elsewhere(self) -> str | None:
+        """A port of the block another program still holds after `PORT_SETTLE_S`, or None
+        (none: no block)."""
+        return None if self.block is None else self.block.held_elsewhere(PORT_SETTLE_S)
+
+    def _start(self, drafter: DrafterSpec) -> ServerInfo:
+        """One start of the server, on the block's ports or a free --port; `_NoAnswerError`
+        when it exited or timed out before it answered (its ports may have been taken)."""
+        ports = self.block.ports if self.block is not None else None
+        port = ports.http if ports else free_port(self.config.host)
         argv = launch_argv(
-            self.campaign, drafter, port=port, help_text=self.launch_help(), ports=self.ports
+            self.campaign, drafter, port=port, help_text=self.launch_help(), ports=ports
         )
         self._starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -350,7 +403,7 @@ class SglangEngine:
         except EngineError as exc:
             log_path = self._log_path
             self.stop()
-            raise EngineError(
+            raise _NoAnswerError(
                 f"the {drafter.name!r} server failed to start: {exc}\n"
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
@@ -372,6 +425,7 @@ class SglangEngine:
             gpu_pinning=pinning,
             own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
             prompt_format=self.formatter.settle(),
+            ports=ports.to_json() if ports else None,
         )
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:

@@ -1,10 +1,14 @@
 """A node's blocks of SGLang ports, claimed by the workers that run servers there.
 
 Each worker holds one block (`ServerPorts`: its server's --port, --nccl-port and the ports
-SGLang derives from --port) for its life: an exclusive lock on `<lock dir>/<port>.lock`, which
-the kernel drops when the process dies, however it dies. Workers of one fleet (threads, or Ray
-actors on one node), and of other dvfs sweeps on the node, so never pick the same block,
-whatever their number in their fleet; a block where another program listens is skipped too.
+SGLang derives from --port) at a time, for its life: an exclusive lock on
+`<lock dir>/<port>.lock`, which the kernel drops when the process dies, however it dies. Workers
+of one fleet (threads, or Ray actors on one node), and of other dvfs sweeps on the node, so
+never pick the same block, whatever their number in their fleet; a block where another program
+listens is skipped too. A lock keeps only dvfs off a block: another program may still take one
+of its ports before a server listens there, so a worker's `PortBlock` trades its block for the
+next free one when that happens (the engine asks, before a server starts and after a start
+that failed).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import contextlib
 import os
 import socket
 import tempfile
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from dvfs.engines.sglang_args import PORT_SLOTS, ServerPorts
+from dvfs.engines.sglang_args import FIRST_PORT, PORT_BLOCK, PORT_SLOTS, ServerPorts
 from dvfs.errors import EngineError
 
 #: Where a node's port locks live (one folder for every dvfs on the node).
@@ -89,3 +94,57 @@ def claimed_ports(host: str, slot: int, *, folder: Path | None = None) -> Iterat
         f"{'; '.join(busy[:2]) or 'none'}; the rest by other dvfs workers): stop some, then "
         "rerun"
     )
+
+
+class PortBlock:
+    """A worker's block of ports (`claimed_ports`, from `slot` on), held until `close`, and
+    traded for the next free one by `move` when another program has taken one of its ports:
+    the new block is claimed before the old one is let go, so no two workers ever hold one.
+    `note` says each move in one line."""
+
+    def __init__(
+        self,
+        host: str,
+        slot: int,
+        *,
+        note: Callable[[str], None] | None = None,
+        folder: Path | None = None,
+    ) -> None:
+        self.host = host
+        self.folder = folder
+        self._note = note
+        self._held = contextlib.ExitStack()
+        #: The block its servers use now.
+        self.ports: ServerPorts = self._held.enter_context(claimed_ports(host, slot, folder=folder))
+
+    def __enter__(self) -> PortBlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._held.close()
+
+    def held_elsewhere(self, wait_s: float = 0.0) -> str | None:
+        """The first port of the block another program holds ("port N: why"), or None: one
+        still held after `wait_s` (a process of the worker's last server may be exiting)."""
+        deadline = time.monotonic() + wait_s
+        while (why := taken(self.host, self.ports.used)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return why
+
+    def move(self, why: str) -> ServerPorts:
+        """Claim the next free block after this one (`why`: what is wrong with this one), then
+        let this one go; EngineError when no block is free."""
+        held = contextlib.ExitStack()
+        slot = (self.ports.http - FIRST_PORT) // PORT_BLOCK + 1
+        ports = held.enter_context(claimed_ports(self.host, slot, folder=self.folder))
+        self._held.close()
+        self._held, self.ports = held, ports
+        if self._note is not None:
+            self._note(
+                f"{why}: another program took it after dvfs claimed the block; the worker's "
+                f"servers move to ports {ports.http}-{ports.http + PORT_BLOCK - 1}"
+            )
+        return ports

@@ -3,10 +3,11 @@ cell, or an in-flight group of knob levels).
 
 The worker opens its own GPUs (their locks and state files on real hardware, so its own exit
 path restores them), its own engine (SGLang pinned to the group's UUIDs, on its own block of
-loopback ports: `dvfs.fleet.ports`) and clock, and drives a `Runner` whose
-journal ships records instead of writing them: every record a unit produces (a server start,
-its cells, each stamped with the worker and its GPUs' UUIDs) goes back to the driver, which
-keeps the one journal. The same class runs in a thread of the driver and inside a Ray actor.
+loopback ports, moved to another should another program take one: `dvfs.fleet.ports`) and
+clock, and drives a `Runner` whose journal ships records instead of writing them: every record
+a unit produces (a server start, its cells, each stamped with the worker and its GPUs' UUIDs)
+goes back to the driver, which keeps the one journal. The same class runs in a thread of the
+driver and inside a Ray actor.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.campaign import Campaign
 from dvfs.corpora import Corpus
 from dvfs.fleet.devices import Group, for_group, group_label
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell
+
+if TYPE_CHECKING:
+    from dvfs.fleet.ports import PortBlock
 
 
 class ShippingJournal(Journal):
@@ -115,7 +119,8 @@ class Worker:
         self._uuids: list[str] = []
         #: The worker's number in its fleet: where its search for a block of ports starts.
         self.slot = slot
-        self._ports: Any = None  # `ServerPorts` when the engine starts servers of its own
+        #: Its block of ports, when the engine starts servers of its own.
+        self._block: PortBlock | None = None
 
     def open(self) -> dict[str, Any]:
         """Open the group's backends and knobs, measure idle power; the session record (its
@@ -136,8 +141,8 @@ class Worker:
             knobs = self._stack.enter_context(
                 guarded_knobs(self.campaign, b.gpus, state_dir=self.state_dir)
             )
-            if self._ports is not None and hasattr(b.engine, "ports"):
-                b.engine.ports = self._ports
+            if self._block is not None and hasattr(b.engine, "block"):
+                b.engine.block = self._block
             self._journal = ShippingJournal(self.out_dir / JOURNAL_NAME, self.sessions)
             self._clock = b.clock
             self._t0_ns = b.clock.now_ns()
@@ -159,20 +164,23 @@ class Worker:
         session = self._journal.drain()[0]
         session["worker"] = self.label
         self._uuids = [str(g["uuid"]) for g in session["gpus"]]
-        if self._ports is not None:
-            session["ports"] = self._ports.to_json()
+        if self._block is not None:  # the block it starts on; each server record, its own
+            session["ports"] = self._block.ports.to_json()
         return session
 
     def _claim_ports(self) -> None:
         """For an engine that starts its own servers (SGLang, not attached to a URL): a block
         of ports no other worker on this node holds (`dvfs.fleet.ports`), for the worker's
-        life; its slot in the fleet is where the search starts."""
-        from dvfs.fleet.ports import claimed_ports
+        life (or another, should another program take one of its ports: said in a note); its
+        slot in the fleet is where the search starts."""
+        from dvfs.fleet.ports import PortBlock
 
         sglang = self.campaign.engine.sglang
         if self.campaign.engine.backend != "sglang" or sglang.url:
             return
-        self._ports = self._stack.enter_context(claimed_ports(sglang.host, self.slot))
+        self._block = self._stack.enter_context(
+            PortBlock(sglang.host, self.slot, note=self._notes.note)
+        )
 
     def gpu_time_s(self) -> float:
         """Seconds of the group's time (virtual on the twin) since `open`."""
@@ -203,10 +211,11 @@ class Worker:
         for record in records:
             record["worker"] = self.label
             record["gpus"] = list(self._uuids)  # the cube's `measured_on`
-            if record.get("type") == "server" and self._ports is not None:
-                from dvfs.engines.sglang_args import check_ports_resolved
+            if record.get("type") == "server" and self._block is not None:
+                from dvfs.engines.sglang_args import ServerPorts, check_ports_resolved
 
-                check_ports_resolved(str(record["drafter"]), record.get("args") or {}, self._ports)
+                ports = ServerPorts.from_json(record.get("ports") or self._block.ports.to_json())
+                check_ports_resolved(str(record["drafter"]), record.get("args") or {}, ports)
         return Shipment(cell, records, notes, self.gpu_time_s(), cells)
 
     @property

@@ -471,6 +471,7 @@ class Runner:
             attention_backend=info.attention_backend,
             gpu_pinning=info.gpu_pinning,
             prompt_format=info.prompt_format,
+            ports=info.ports,
         )
         record = server.to_json()
         try:

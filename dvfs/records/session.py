@@ -578,6 +578,11 @@ class Server:
     #: first server start (the server has fetched the model by then, so a fresh machine's
     #: first session sends the chat template too) and kept for every later server and resume.
     prompt_format: str = ""
+    #: The block of ports a fleet worker started it on ({"http", "nccl"}: `ServerPorts`),
+    #: which may differ from the one the worker's session names: a worker moves to another
+    #: block when another program takes a port of its own. None: a free port, or an older
+    #: record (an optional key within journal version 3).
+    ports: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -591,6 +596,7 @@ class Server:
             "attention_backend": self.attention_backend,
             "gpu_pinning": self.gpu_pinning,
             **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
+            **({"ports": self.ports} if self.ports else {}),
         }
 
     @classmethod
@@ -605,4 +611,5 @@ class Server:
             started=record.get("started") or "",
             gpu_pinning=record.get("gpu_pinning"),
             prompt_format=record.get("prompt_format") or "",
+            ports=record.get("ports") or None,
         )

@@ -14,8 +14,10 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       them: NaN, None or empty when read.
       Optional keys added within 3 (absent: older dvfs, or one GPU group): a cell's `worker`
       and `gpus` (the UUIDs of the GPUs that measured it), a fleet session's `workers` (each
-      worker's GPUs, host and server ports), a server's `gpu_pinning` (did it run on the
-      metered GPUs), the header's `arms_pinned` (what the dvfs that began the journal gave
+      worker's GPUs, host and the block of server ports it claimed first), a server's
+      `gpu_pinning` (did it run on the metered GPUs) and `ports` (the block a fleet worker
+      started it on: a worker moves to another block when another program takes a port of
+      its own), the header's `arms_pinned` (what the dvfs that began the journal gave
       every drafter's server alike: `dvfs.records.session.ARMS_PINNED`; absent, an earlier dvfs
       that did not). A journal may hold sessions on different GPUs of
       one model (`dvfs.records.session.incomparable` names what they must share).
