@@ -151,20 +151,19 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     total = status.size
     not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values
     flags = quality_counts(ds)
+    gpu: str | None
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
         gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
     else:
-        name, backend = str(ds.attrs.get("gpu_name")), ds.attrs.get("gpu_backend")
-        # a twin's GPU name says "(twin)" already: the backend is not said twice
-        said = name.endswith(f"({backend})")
-        gpu = f"{name} x{ds.attrs.get('gpu_count')}" + ("" if said else f" ({backend})")
+        gpu = _gpu_text(ds.attrs)
+    engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
         "gpu": gpu,
         "driver": ds.attrs.get("driver_version"),
-        "engine": f"{ds.attrs.get('engine_backend')} {ds.attrs.get('engine_version')}",
+        "engine": " ".join(str(e) for e in engine if e is not None) or None,
         "model": ds.attrs.get("model"),
         "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
         "coords": {
@@ -192,6 +191,19 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "variables": sorted(str(v) for v in ds.data_vars),
         "created": ds.attrs.get("created"),
     }
+
+
+def _gpu_text(attrs: dict[Any, Any]) -> str | None:
+    """One GPU model's cube's GPU: name, count and backend, each as far as the cube records it
+    (a hand-built cube may record none: None, never the text "None")."""
+    name, count, backend = (attrs.get(k) for k in ("gpu_name", "gpu_count", "gpu_backend"))
+    if name is None:
+        return None
+    text = str(name) + ("" if count is None else f" x{count}")
+    # a twin's GPU name says "(twin)" already: the backend is not said twice
+    if backend is not None and not str(name).endswith(f"({backend})"):
+        text += f" ({backend})"
+    return text
 
 
 def shard_label(ds: xr.Dataset) -> str | None:
