@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +19,7 @@ from dvfs.errors import CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
+    from dvfs.fleet.devices import Group
     from dvfs.fleet.shard import Shard
     from dvfs.gpu.base import Gpu
 
@@ -52,7 +53,21 @@ def check_campaign(
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
     shard: Shard | None = None,
+    groups: Sequence[Group] | None = None,
 ) -> list[Check]:
+    """Every check of `campaign` swept into `out_dir` (as `shard`'s sweep). `groups`: the GPU
+    groups `dvfs sweep --gpus` would run it on (`dvfs.cli.common.sweep_groups`), each group's
+    GPUs checked, and the fleet's ports and folder as its workers use them; None: the
+    campaign's own gpu.devices."""
+    from dvfs.fleet.devices import for_group, worker_groups
+    from dvfs.fleet.folders import fleet_journal
+
+    given = groups is not None
+    groups = list(groups) if groups is not None else worker_groups(campaign)
+    fleet = len(groups) > 1 or fleet_journal(out_dir)
+    # What the sweep runs: its one group's campaign (--gpus on one group), else the campaign
+    # (a fleet's workers each run their group's; the folder is the campaign's).
+    swept = for_group(campaign, groups[0]) if given and not fleet else campaign
     checks = [
         Check(
             "campaign",
@@ -61,29 +76,90 @@ def check_campaign(
             f"{len(campaign.workload.corpora)} corpora",
         )
     ]
-    checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
+    models: list[str] = []
+    checks += _gpu_checks(
+        _on_groups(campaign, groups) if given else campaign,
+        nvml=nvml,
+        state_dir=state_dir,
+        groups=groups,
+        models=models,
+    )
+    if fleet and _own_servers(campaign):
+        checks.append(_run("ports", lambda: _ports(campaign, len(groups))))
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
-    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir, shard)))
+    folder_models = models if fleet else None
+    checks.append(
+        _run("output folder", lambda: _out_dir(swept, out_dir, shard, groups, folder_models))
+    )
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
 
+def _on_groups(campaign: Campaign, groups: Sequence[Group]) -> Campaign:
+    """The campaign on every GPU of `groups` (`--gpus`), one server per group, for the GPU
+    checks."""
+    import dataclasses
+
+    from dvfs.fleet.devices import for_group
+
+    if len(groups) == 1:
+        return for_group(campaign, groups[0])
+    devices = tuple(d for g in groups for d in g)
+    gpu = dataclasses.replace(campaign.gpu, devices=devices, groups=tuple(groups))
+    return dataclasses.replace(campaign, gpu=gpu)
+
+
+def _own_servers(campaign: Campaign) -> bool:
+    """Whether the sweep starts SGLang servers of its own (not the twin, not attached)."""
+    return not simulated_engine(campaign) and not campaign.engine.sglang.url
+
+
+def _ports(campaign: Campaign, workers: int) -> tuple[str, str]:
+    """A block of SGLang ports for each worker's server, as each claims one when it starts."""
+    from dvfs.fleet.ports import lock_dir, short_of_blocks
+
+    host = campaign.engine.sglang.host
+    problem = short_of_blocks(host, workers)
+    if problem:
+        return FAIL, problem
+    return OK, f"a free block of ports on {host} for each of the {workers} servers ({lock_dir()})"
+
+
 def _gpu_checks(
-    campaign: Campaign, *, nvml: ModuleType | None, state_dir: Path | None
+    campaign: Campaign,
+    *,
+    nvml: ModuleType | None,
+    state_dir: Path | None,
+    groups: Sequence[Group],
+    models: list[str],
 ) -> list[Check]:
+    """The GPUs' checks; `models` gets each group's GPU model, as a fleet's workers report it
+    (nothing where the GPUs cannot be opened)."""
+    from dvfs.fleet.devices import group_label
+
     if not real_gpus(campaign):
-        return [
-            Check(
-                "gpu",
-                OK,
-                f"digital twin ({campaign.gpu.profile}), devices {list(campaign.gpu.devices)}",
-            )
+        from dvfs.fleet.devices import for_group
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        names = [
+            twin_gpu_name(gpu_profile(for_group(campaign, g).gpu.profile or "").nvml_name)
+            for g in groups
         ]
+        models.extend(names)
+        if len(groups) > 1:
+            workers = zip(groups, names, strict=True)
+            shown = f"{len(groups)} workers: " + ", ".join(
+                f"{group_label(g)} ({n})" for g, n in workers
+            )
+        else:
+            shown = f"({campaign.gpu.profile}), devices {list(campaign.gpu.devices)}"
+        return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
@@ -124,15 +200,26 @@ def _gpu_checks(
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
-            if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+            # Each group's GPUs, in the order opened: one worker (and server) each.
+            sizes = [len(g) for g in groups]
+            by_group = [gpus[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(groups))]
+            if len(groups) > 1:
+                checks.append(_workers(groups, by_group, models))
+            else:
+                models.append(first.name)
+            if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:
                     from dvfs.engines.sglang_args import check_visible_devices
 
-                    uuids = [g.identity.uuid for g in gpus]
-                    # As the sweep refuses to start each server (every cell failing).
-                    check_visible_devices(dict(campaign.engine.sglang.env), uuids)
-                    return OK, f"the server is pinned to {','.join(uuids)} (CUDA_VISIBLE_DEVICES)"
+                    pinned = []
+                    for group in by_group:
+                        uuids = [g.identity.uuid for g in group]
+                        # As the sweep refuses to start each server (every cell failing).
+                        check_visible_devices(dict(campaign.engine.sglang.env), uuids)
+                        pinned.append(",".join(uuids))
+                    servers = "the server is" if len(pinned) == 1 else "the servers are"
+                    return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"
 
                 checks.append(_run("server GPUs", server_gpus))
             directory = state_dir or default_state_dir()
@@ -193,6 +280,30 @@ def _gpu_checks(
     else:
         checks.append(Check("permissions", OK, "observe-only: no setter will be called"))
     return checks
+
+
+def _workers(
+    groups: Sequence[Group], by_group: Sequence[Sequence[Gpu]], models: list[str]
+) -> Check:
+    """A fleet's workers, one per group, each of one GPU model (as the fleet refuses a
+    tensor-parallel group spanning two); `models` gets each group's."""
+    from dvfs.fleet.devices import group_label
+
+    shown = []
+    for group, gpus in zip(groups, by_group, strict=True):
+        names = sorted({g.identity.name for g in gpus})
+        if len(names) > 1:
+            return Check(
+                "workers",
+                FAIL,
+                f"worker {group_label(group)} spans GPUs of different models "
+                f"({', '.join(names)}); a tensor-parallel group is one model: group GPUs of "
+                "one model in --gpus",
+                invalid=True,
+            )
+        models.append(names[0])
+        shown.append(f"{group_label(group)} ({names[0]})")
+    return Check("workers", OK, f"{len(groups)} workers: {', '.join(shown)}")
 
 
 def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:
@@ -347,11 +458,27 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     return OK, f"prompt tokens counted by: {method}{kept}"
 
 
-def _out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None) -> tuple[str, str]:
+def _out_dir(
+    campaign: Campaign,
+    out_dir: Path,
+    shard: Shard | None,
+    groups: Sequence[Group],
+    models: Sequence[str] | None,
+) -> tuple[str, str]:
+    """The folder as the sweep uses it: `check_out_dir`; for a fleet (`models`: its workers'
+    GPU models, as far as they were read), each model's journal as the fleet picks them."""
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
     check_out_dir(campaign, out_dir, shard)
+    if models:
+        from dvfs.fleet.folders import journals_done, model_journals
+        from dvfs.fleet.shard import planned_cells
+
+        # As the fleet picks its journals: none when they hold every cell already, else each
+        # model's (a folder holding one model's run is refused for a fleet mixing models).
+        if journals_done(out_dir, campaign, planned_cells(campaign, shard)) is None:
+            model_journals(out_dir, set(models))
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 
