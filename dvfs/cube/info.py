@@ -227,6 +227,73 @@ def shard_note(label: str | None) -> str | None:
     )
 
 
+def merged_shards(ds: xr.Dataset) -> dict[str, str]:
+    """A cube merged from shards (`dvfs cube merge` of `--shard` runs): each shard's folder
+    (as the merge was given it) -> its `I/N`; empty for any other cube."""
+    try:
+        sources = json.loads(str(ds.attrs.get("combined_from") or "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(sources, dict):
+        return {}
+    folders = {}
+    for name, label in sources.items():
+        path = str(name)
+        for tail in ("/journal.jsonl", "/cube.nc"):
+            path = path.removesuffix(tail)
+        folders[path] = str(label)
+    return folders
+
+
+def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
+    """The command that measures `what` (cells a cube lacks), for an analysis document `doc`
+    of the cube (its `shard`, or `merged_shards`): the sweep's own command again; for one
+    shard's cube, the shards' `dvfs sweep --shard` commands and `dvfs cube merge` (another
+    shard may hold them: this shard's command never measures them); for a cube merged from
+    shards, the unfinished shards' commands and the merge again (resuming a shard does not
+    change the merged cube)."""
+    doc = doc or {}
+    shard = doc.get("shard")
+    if shard:
+        count = str(shard).rpartition("/")[2]
+        return (
+            f"this is shard {shard}'s cube, and another shard may hold {what}: run each shard's "
+            f"`dvfs sweep CAMPAIGN --shard I/{count}` (shard {shard}'s again for its own "
+            "cells left), then `dvfs cube merge SHARD_DIRS -o cube.nc` and analyse the merged "
+            "cube"
+        )
+    merged = doc.get("merged_shards")
+    if merged:
+        count = str(next(iter(merged.values()))).partition("/")[2]
+        each = ", ".join(f"--shard {label} --out {folder}" for folder, label in merged.items())
+        return (
+            f"this cube is merged from {len(merged)} shards: rerun the unfinished shards' "
+            f"`dvfs sweep CAMPAIGN --shard I/{count} --out SHARD_DIR` ({each}) to measure "
+            f"{what}, then `dvfs cube merge` them again"
+        )
+    return f"resume the sweep: run the same `dvfs sweep` command again to measure {what}"
+
+
+def resume_note(doc: dict[str, Any]) -> str:
+    """What measures a partial cube's cells not measured yet, for an analysis document `doc`
+    of it: `shard_note` for one shard's cube, the shards' commands and the merge again for a
+    cube merged from shards (`resume_advice`), else the sweep's own command again."""
+    if doc.get("shard"):
+        return str(shard_note(str(doc["shard"])))
+    if doc.get("merged_shards"):
+        return resume_advice("them", doc)
+    return "run the same `dvfs sweep` command again to resume it"
+
+
+def shards_of(ds: xr.Dataset) -> dict[str, Any]:
+    """What an analysis document records of a cube's shards: `shard` (one shard's cube: its
+    `I/N`) or `merged_shards` (a cube merged from shards: each shard's folder -> `I/N`)."""
+    if ds.attrs.get("shard"):
+        return {"shard": str(ds.attrs["shard"])}
+    merged = merged_shards(ds)
+    return {"merged_shards": merged} if merged else {}
+
+
 def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:
     """A merged cube's idle power per GPU (W, NaN where a source recorded none), by the GPUs'
     label: the GPUs idle at their own power, so the merged cube keeps each source's in
