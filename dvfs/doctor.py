@@ -442,14 +442,15 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
 
 
 def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
-    """How the sweep into `out_dir` will count prompt tokens: its journal's method, which a
+    """How the sweep into `out_dir` will count prompt tokens: its journals' method, which a
     resume keeps (fails where that journal's tokenizer is missing, as the sweep refuses), else
     the model's cached tokenizer; a warning where a new campaign would estimate throughout."""
     from dvfs.corpora.prepare import estimate_note, recorded_count_method
     from dvfs.corpora.tokens import token_counter
-    from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.fleet.shard_journal import folder_journals
 
-    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    # Every journal the sweep resumes, each GPU model's in `gpu-*/` too, as it reads them.
+    recorded = recorded_count_method(folder_journals(out_dir))
     _, method = token_counter(campaign.engine.model, recorded)
     note = estimate_note(campaign, method, recorded)
     if note:
