@@ -147,10 +147,13 @@ def _gpu_checks(
         from dvfs.gpu.twin import twin_gpu_name
         from dvfs.twin.profiles import gpu_profile
 
-        names = [
-            twin_gpu_name(gpu_profile(for_group(campaign, g).gpu.profile or "").nvml_name)
-            for g in groups
-        ]
+        try:  # each group's model, as its twin GPUs name it (a fleet's journal folders)
+            names = [
+                twin_gpu_name(gpu_profile(for_group(campaign, g).gpu.profile or "").nvml_name)
+                for g in groups
+            ]
+        except DvfsError as exc:
+            return [Check("gpu", FAIL, str(exc), invalid=exc.exit_code == 2)]
         models.extend(names)
         if len(groups) > 1:
             workers = zip(groups, names, strict=True)
