@@ -89,6 +89,8 @@ def check_campaign(
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
+    if shard is not None:
+        checks.append(_run("shard", lambda: _shard(campaign, shard)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
@@ -432,6 +434,20 @@ def _arms(campaign: Campaign) -> tuple[str, str]:
         else "assumed: launch_server --help could not run here and engine.sglang.version is unset"
     )
     return OK, f"{alike} (SGLang {release}'s rules, {source})"
+
+
+def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
+    """The shard's cells as the sweep plans them; more shards than the campaign has units to
+    deal is refused, as the sweep refuses it (exit 2)."""
+    from dvfs.fleet.queue import group_of
+    from dvfs.fleet.shard import planned_cells
+
+    cells = planned_cells(campaign, shard)
+    groups = len({group_of(c) for c in cells})
+    return OK, (
+        f"shard {shard.label}: {len(cells)} of the campaign's {len(planned_cells(campaign))} "
+        f"cells, {groups} whole comparison group(s)"
+    )
 
 
 def _corpora(campaign: Campaign) -> tuple[str, str]:
