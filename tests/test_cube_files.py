@@ -538,3 +538,12 @@ def test_cube_info_and_report_say_not_recorded_for_a_hand_built_cubes_missing_at
     assert report.exit_code == 0, report.output
     text = (tmp_path / "r.md").read_text()
     assert "None" not in text and "**GPU:** not recorded" in text
+    # Two such cubes along `gpu` without `gpu_names`: the GPUs' models are said not recorded
+    # (the line ended "2 GPUs: ", naming nothing).
+    one = make_cube(clocks=[1980, 1500])
+    merged = xr.concat([one, one], dim=xr.DataArray(["g0", "g1"], dims="gpu", name="gpu"))
+    merged.attrs = dict(one.attrs)
+    merged.to_netcdf(tmp_path / "merged.nc")
+    shown = invoke("cube", "info", str(tmp_path / "merged.nc"))
+    assert shown.exit_code == 0, shown.output
+    assert "merged cube of 2 GPUs: their models not recorded" in shown.output, shown.output

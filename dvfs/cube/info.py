@@ -154,7 +154,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     gpu: str | None
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
-        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
+        shown = ", ".join(map(str, names)) if names else "their models not recorded"
+        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {shown}"
     else:
         gpu = _gpu_text(ds.attrs)
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
