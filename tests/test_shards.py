@@ -787,6 +787,8 @@ def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: P
     info = " ".join(invoke("cube", "info", str(folder)).stdout.split())
     assert "this is shard 1/3's cube: the other shards' cells count as missing here" in info
     assert "dvfs cube merge" in info
+    # its own cells left: the exact command, its shard named (it said `dvfs sweep --shard`)
+    assert "its `dvfs sweep CAMPAIGN --shard 1/3` command measures when run again" in info
     assert json.loads(invoke("cube", "info", str(folder), "--json").stdout)["shard"] == "1/3"
     said = " ".join(invoke("headroom", str(folder)).stdout.split())
     partial = said[said.index("partial cube:") :]

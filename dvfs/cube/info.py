@@ -222,9 +222,9 @@ def shard_note(label: str | None) -> str | None:
         return None
     return (
         f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
-        "any of its own not measured yet, which its `dvfs sweep --shard` command measures "
-        "when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o cube.nc`) for the "
-        "whole campaign"
+        f"any of its own not measured yet, which its `dvfs sweep CAMPAIGN --shard {label}` "
+        "command measures when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o "
+        "cube.nc`) for the whole campaign"
     )
 
 
