@@ -95,9 +95,7 @@ def check_campaign(
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
     folder_models = models if fleet else None
-    checks.append(
-        _run("output folder", lambda: _out_dir(swept, out_dir, shard, groups, folder_models))
-    )
+    checks.append(_run("output folder", lambda: _out_dir(swept, out_dir, shard, folder_models)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
@@ -482,7 +480,6 @@ def _out_dir(
     campaign: Campaign,
     out_dir: Path,
     shard: Shard | None,
-    groups: Sequence[Group],
     models: Sequence[str] | None,
 ) -> tuple[str, str]:
     """The folder as the sweep uses it: `check_out_dir`; for a fleet (`models`: its workers'
