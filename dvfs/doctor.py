@@ -206,7 +206,7 @@ def _gpu_checks(
             # Each group's GPUs, in the order opened: one worker (and server) each.
             sizes = [len(g) for g in groups]
             by_group = [gpus[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(groups))]
-            if len(groups) > 1:
+            if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
                 checks.append(_workers(groups, by_group, models))
             else:
                 models.append(first.name)
@@ -288,8 +288,9 @@ def _gpu_checks(
 def _workers(
     groups: Sequence[Group], by_group: Sequence[Sequence[Gpu]], models: list[str]
 ) -> Check:
-    """A fleet's workers, one per group, each of one GPU model (as the fleet refuses a
-    tensor-parallel group spanning two); `models` gets each group's."""
+    """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
+    model: the fleet refuses a group spanning two models (exit 2); one such server alone is
+    swept, and its cube then refused (its GPUs do not compare). `models` gets each group's."""
     from dvfs.fleet.devices import group_label
 
     shown = []
@@ -301,12 +302,13 @@ def _workers(
                 FAIL,
                 f"worker {group_label(group)} spans GPUs of different models "
                 f"({', '.join(names)}); a tensor-parallel group is one model: group GPUs of "
-                "one model in --gpus",
-                invalid=True,
+                "one model (--gpus, or gpu.devices)",
+                invalid=len(groups) > 1,
             )
         models.append(names[0])
         shown.append(f"{group_label(group)} ({names[0]})")
-    return Check("workers", OK, f"{len(groups)} workers: {', '.join(shown)}")
+    workers = f"{len(groups)} workers" if len(groups) > 1 else "1 worker"
+    return Check("workers", OK, f"{workers}: {', '.join(shown)}")
 
 
 def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:

@@ -198,6 +198,43 @@ def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpu
     assert running(marker) == []
 
 
+def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`engine.tp_size = 2` on an H100 and an H200: the sweep of that one server measured
+    every cell and then refused its cube (the GPUs do not compare), and a fleet of such
+    groups (`--gpus 0-3`) is refused, exit 2; doctor passed both. It fails them now (exit 1
+    and 2, as the sweep), and passes `--gpus 0,2`, one model."""
+    from nvml_support import NVML_CAMPAIGN
+
+    fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm,h100-sxm,h200-sxm")
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm,h100-sxm,h200-sxm")
+    env["DVFS_FAKE_NVML_ROOT"] = "1"
+
+    def doctor(*args: str) -> tuple[int, dict]:
+        done = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / "c"), *args, "--json", env=env
+        )
+        return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}["workers"]
+
+    for args, code in (((), 1), (("--gpus", "0-3"), 2)):
+        got, workers = doctor(*args)
+        assert (got, workers["status"]) == (code, "fail"), (args, workers)
+        assert "worker gpu0+1 spans GPUs of different models" in workers["detail"]
+    fleet = dvfs_in_process(
+        "sweep", str(path), "--gpus", "0-3", "--out", str(tmp_path / "o"), "--no-progress", env=env
+    )
+    assert fleet.returncode == 2 and "spans GPUs of different models" in fleet.stderr
+    got, workers = doctor("--gpus", "0,2")
+    assert got == 0 and workers["detail"] == "1 worker: gpu0+2 (NVIDIA H100 80GB HBM3)", workers
+
+
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:
