@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +19,7 @@ from dvfs.errors import CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
+    from dvfs.fleet.devices import Group
     from dvfs.fleet.shard import Shard
     from dvfs.gpu.base import Gpu
 
@@ -52,7 +53,21 @@ def check_campaign(
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
     shard: Shard | None = None,
+    groups: Sequence[Group] | None = None,
 ) -> list[Check]:
+    """Every check of `campaign` swept into `out_dir` (as `shard`'s sweep). `groups`: the GPU
+    groups `dvfs sweep --gpus` would run it on (`dvfs.cli.common.sweep_groups`), each group's
+    GPUs checked, and the fleet's ports and folder as its workers use them; None: the
+    campaign's own gpu.devices."""
+    from dvfs.fleet.devices import for_group, worker_groups
+    from dvfs.fleet.folders import fleet_journal
+
+    given = groups is not None
+    groups = list(groups) if groups is not None else worker_groups(campaign)
+    fleet = len(groups) > 1 or fleet_journal(out_dir)
+    # What the sweep runs: its one group's campaign (--gpus on one group), else the campaign
+    # (a fleet's workers each run their group's; the folder is the campaign's).
+    swept = for_group(campaign, groups[0]) if given and not fleet else campaign
     checks = [
         Check(
             "campaign",
@@ -61,29 +76,93 @@ def check_campaign(
             f"{len(campaign.workload.corpora)} corpora",
         )
     ]
-    checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
+    models: list[str] = []
+    checks += _gpu_checks(
+        _on_groups(campaign, groups) if given else campaign,
+        nvml=nvml,
+        state_dir=state_dir,
+        groups=groups,
+        models=models,
+    )
+    if fleet and _own_servers(campaign):
+        checks.append(_run("ports", lambda: _ports(campaign, len(groups))))
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
+    if shard is not None:
+        checks.append(_run("shard", lambda: _shard(campaign, shard)))
     checks.append(_run("corpora", lambda: _corpora(campaign)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
-    checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir, shard)))
+    folder_models = models if fleet else None
+    checks.append(_run("output folder", lambda: _out_dir(swept, out_dir, shard, folder_models)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
 
+def _on_groups(campaign: Campaign, groups: Sequence[Group]) -> Campaign:
+    """The campaign on every GPU of `groups` (`--gpus`), one server per group, for the GPU
+    checks."""
+    import dataclasses
+
+    from dvfs.fleet.devices import for_group
+
+    if len(groups) == 1:
+        return for_group(campaign, groups[0])
+    devices = tuple(d for g in groups for d in g)
+    gpu = dataclasses.replace(campaign.gpu, devices=devices, groups=tuple(groups))
+    return dataclasses.replace(campaign, gpu=gpu)
+
+
+def _own_servers(campaign: Campaign) -> bool:
+    """Whether the sweep starts SGLang servers of its own (not the twin, not attached)."""
+    return not simulated_engine(campaign) and not campaign.engine.sglang.url
+
+
+def _ports(campaign: Campaign, workers: int) -> tuple[str, str]:
+    """A block of SGLang ports for each worker's server, as each claims one when it starts."""
+    from dvfs.fleet.ports import lock_dir, short_of_blocks
+
+    host = campaign.engine.sglang.host
+    problem = short_of_blocks(host, workers)
+    if problem:
+        return FAIL, problem
+    return OK, f"a free block of ports on {host} for each of the {workers} servers ({lock_dir()})"
+
+
 def _gpu_checks(
-    campaign: Campaign, *, nvml: ModuleType | None, state_dir: Path | None
+    campaign: Campaign,
+    *,
+    nvml: ModuleType | None,
+    state_dir: Path | None,
+    groups: Sequence[Group],
+    models: list[str],
 ) -> list[Check]:
+    """The GPUs' checks; `models` gets each group's GPU model, as a fleet's workers report it
+    (nothing where the GPUs cannot be opened)."""
+    from dvfs.fleet.devices import group_label
+
     if not real_gpus(campaign):
-        return [
-            Check(
-                "gpu",
-                OK,
-                f"digital twin ({campaign.gpu.profile}), devices {list(campaign.gpu.devices)}",
+        from dvfs.fleet.devices import for_group
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        try:  # each group's model, as its twin GPUs name it (a fleet's journal folders)
+            names = [
+                twin_gpu_name(gpu_profile(for_group(campaign, g).gpu.profile or "").nvml_name)
+                for g in groups
+            ]
+        except DvfsError as exc:
+            return [Check("gpu", FAIL, str(exc), invalid=exc.exit_code == 2)]
+        models.extend(names)
+        if len(groups) > 1:
+            workers = zip(groups, names, strict=True)
+            shown = f"{len(groups)} workers: " + ", ".join(
+                f"{group_label(g)} ({n})" for g, n in workers
             )
-        ]
+        else:
+            shown = f"({campaign.gpu.profile}), devices {list(campaign.gpu.devices)}"
+        return [Check("gpu", OK, f"digital twin {shown}")]
     from dvfs.caps import AppliedCaps
     from dvfs.clock import MonotonicClock
     from dvfs.gpu.safety import GpuLocks, StateStore, default_state_dir
@@ -124,15 +203,26 @@ def _gpu_checks(
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
-            if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+            # Each group's GPUs, in the order opened: one worker (and server) each.
+            sizes = [len(g) for g in groups]
+            by_group = [gpus[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(groups))]
+            if len(groups) > 1 or len(gpus) > 1:  # a fleet, or a tensor-parallel server
+                checks.append(_workers(groups, by_group, models))
+            else:
+                models.append(first.name)
+            if _own_servers(campaign):
 
                 def server_gpus() -> tuple[str, str]:
                     from dvfs.engines.sglang_args import check_visible_devices
 
-                    uuids = [g.identity.uuid for g in gpus]
-                    # As the sweep refuses to start each server (every cell failing).
-                    check_visible_devices(dict(campaign.engine.sglang.env), uuids)
-                    return OK, f"the server is pinned to {','.join(uuids)} (CUDA_VISIBLE_DEVICES)"
+                    pinned = []
+                    for group in by_group:
+                        uuids = [g.identity.uuid for g in group]
+                        # As the sweep refuses to start each server (every cell failing).
+                        check_visible_devices(dict(campaign.engine.sglang.env), uuids)
+                        pinned.append(",".join(uuids))
+                    servers = "the server is" if len(pinned) == 1 else "the servers are"
+                    return OK, f"{servers} pinned to {'; '.join(pinned)} (CUDA_VISIBLE_DEVICES)"
 
                 checks.append(_run("server GPUs", server_gpus))
             directory = state_dir or default_state_dir()
@@ -193,6 +283,32 @@ def _gpu_checks(
     else:
         checks.append(Check("permissions", OK, "observe-only: no setter will be called"))
     return checks
+
+
+def _workers(
+    groups: Sequence[Group], by_group: Sequence[Sequence[Gpu]], models: list[str]
+) -> Check:
+    """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
+    model: the fleet refuses a group spanning two models (exit 2); one such server alone is
+    swept, and its cube then refused (its GPUs do not compare). `models` gets each group's."""
+    from dvfs.fleet.devices import group_label
+
+    shown = []
+    for group, gpus in zip(groups, by_group, strict=True):
+        names = sorted({g.identity.name for g in gpus})
+        if len(names) > 1:
+            return Check(
+                "workers",
+                FAIL,
+                f"worker {group_label(group)} spans GPUs of different models "
+                f"({', '.join(names)}); a tensor-parallel group is one model: group GPUs of "
+                "one model (--gpus, or gpu.devices)",
+                invalid=len(groups) > 1,
+            )
+        models.append(names[0])
+        shown.append(f"{group_label(group)} ({names[0]})")
+    workers = f"{len(groups)} workers" if len(groups) > 1 else "1 worker"
+    return Check("workers", OK, f"{workers}: {', '.join(shown)}")
 
 
 def _held_knobs(gpu: Gpu, *, locked_by_dvfs: bool, observe_only: bool = False) -> Check:
@@ -320,6 +436,20 @@ def _arms(campaign: Campaign) -> tuple[str, str]:
     return OK, f"{alike} (SGLang {release}'s rules, {source})"
 
 
+def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
+    """The shard's cells as the sweep plans them; more shards than the campaign has units to
+    deal is refused, as the sweep refuses it (exit 2)."""
+    from dvfs.fleet.queue import group_of
+    from dvfs.fleet.shard import planned_cells
+
+    cells = planned_cells(campaign, shard)
+    groups = len({group_of(c) for c in cells})
+    return OK, (
+        f"shard {shard.label}: {len(cells)} of the campaign's {len(planned_cells(campaign))} "
+        f"cells, {groups} whole comparison group(s)"
+    )
+
+
 def _corpora(campaign: Campaign) -> tuple[str, str]:
     from dvfs.corpora.prepare import corpus_shortfalls, load_corpora
 
@@ -331,14 +461,15 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
 
 
 def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
-    """How the sweep into `out_dir` will count prompt tokens: its journal's method, which a
+    """How the sweep into `out_dir` will count prompt tokens: its journals' method, which a
     resume keeps (fails where that journal's tokenizer is missing, as the sweep refuses), else
     the model's cached tokenizer; a warning where a new campaign would estimate throughout."""
     from dvfs.corpora.prepare import estimate_note, recorded_count_method
     from dvfs.corpora.tokens import token_counter
-    from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.fleet.shard_journal import folder_journals
 
-    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    # Every journal the sweep resumes, each GPU model's in `gpu-*/` too, as it reads them.
+    recorded = recorded_count_method(folder_journals(out_dir))
     _, method = token_counter(campaign.engine.model, recorded)
     note = estimate_note(campaign, method, recorded)
     if note:
@@ -347,11 +478,26 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     return OK, f"prompt tokens counted by: {method}{kept}"
 
 
-def _out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None) -> tuple[str, str]:
+def _out_dir(
+    campaign: Campaign,
+    out_dir: Path,
+    shard: Shard | None,
+    models: Sequence[str] | None,
+) -> tuple[str, str]:
+    """The folder as the sweep uses it: `check_out_dir`; for a fleet (`models`: its workers'
+    GPU models, as far as they were read), each model's journal as the fleet picks them."""
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
     check_out_dir(campaign, out_dir, shard)
+    if models:
+        from dvfs.fleet.folders import journals_done, model_journals
+        from dvfs.fleet.shard import planned_cells
+
+        # As the fleet picks its journals: none when they hold every cell already, else each
+        # model's (a folder holding one model's run is refused for a fleet mixing models).
+        if journals_done(out_dir, campaign, planned_cells(campaign, shard)) is None:
+            model_journals(out_dir, set(models))
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 

@@ -612,7 +612,7 @@ def claim_shard(journal: Journal, shard: Shard | None) -> None:
     """Mark a new journal as `shard`'s; refuse one that holds another shard (or the whole
     campaign), or a shard dealt by an earlier dvfs (`check_deal`), so two shares never mix in
     one folder."""
-    recorded = recorded_shard(journal.path)
+    recorded = recorded_shard(journal.path, shard)
     if shard is not None:
         check_deal(journal.path.parent, recorded)
     if recorded == shard:

@@ -512,3 +512,38 @@ def test_a_built_cube_lists_its_variables_in_the_order_it_always_has(tiny_sweep:
     with netCDF4.Dataset(tiny_sweep / "cube.nc") as nc:
         on_disk = [n for n in nc.variables if not n.endswith("_label")]
     assert on_disk == [n for n in expected if n not in ("drafter", "corpus")]
+
+
+def test_cube_info_and_report_say_not_recorded_for_a_hand_built_cubes_missing_attributes(
+    tmp_path: Path,
+) -> None:
+    """A cube made with xarray holding the cube's variables but not the attributes a sweep
+    records (GPU, driver, engine, model, campaign, date): `cube info` and the report say "not
+    recorded" for each, never "None" (they printed "None xNone (None)" for the GPU); --json
+    gives null."""
+    import json
+
+    from cubes import make_cube
+
+    cube = tmp_path / "hand.nc"
+    make_cube(clocks=[1980, 1500]).to_netcdf(cube)
+    shown = invoke("cube", "info", str(cube))
+    assert shown.exit_code == 0, shown.output
+    assert "None" not in shown.output, shown.output
+    rows = {ln.split()[0]: ln.split(maxsplit=1)[1].strip() for ln in shown.output.splitlines()[1:5]}
+    assert rows == dict.fromkeys(("GPU", "driver", "engine", "model"), "not recorded"), rows
+    summary = json.loads(invoke("cube", "info", str(cube), "--json").output)
+    assert [summary[k] for k in ("gpu", "driver", "engine", "model", "campaign")] == [None] * 5
+    report = invoke("report", str(cube), "-o", str(tmp_path / "r.md"))
+    assert report.exit_code == 0, report.output
+    text = (tmp_path / "r.md").read_text()
+    assert "None" not in text and "**GPU:** not recorded" in text
+    # Two such cubes along `gpu` without `gpu_names`: the GPUs' models are said not recorded
+    # (the line ended "2 GPUs: ", naming nothing).
+    one = make_cube(clocks=[1980, 1500])
+    merged = xr.concat([one, one], dim=xr.DataArray(["g0", "g1"], dims="gpu", name="gpu"))
+    merged.attrs = dict(one.attrs)
+    merged.to_netcdf(tmp_path / "merged.nc")
+    shown = invoke("cube", "info", str(tmp_path / "merged.nc"))
+    assert shown.exit_code == 0, shown.output
+    assert "merged cube of 2 GPUs: their models not recorded" in shown.output, shown.output

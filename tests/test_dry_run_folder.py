@@ -242,4 +242,14 @@ def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
             assert "holds shard 0/2 of this campaign" in folder["detail"]
         else:
             assert folder["status"] == "ok" and "resumes its journal" in folder["detail"]
-    assert folder_files(out) == before
+            assert checks["shard"]["status"] == "ok", checks["shard"]
+    # More shards than the campaign has comparison groups: the sweep refuses it, exit 2, and
+    # doctor fails its shard check in that line (it passed it, exit 0).
+    many = ("--shard", "0/500")
+    refused = invoke("sweep", str(campaign), "--out", str(tmp_path / "many"), *many)
+    assert refused.exit_code == 2, refused.output
+    doctor = invoke("doctor", str(campaign), "--out", str(tmp_path / "many"), *many, "--json")
+    assert doctor.exit_code == 2, doctor.output
+    shard = {c["name"]: c for c in json.loads(doctor.output)}["shard"]
+    assert shard["status"] == "fail" and shard["detail"] in refused.output, shard
+    assert folder_files(out) == before and not (tmp_path / "many").exists()

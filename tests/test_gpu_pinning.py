@@ -120,6 +120,121 @@ def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     assert said in " ".join((swept.stdout + swept.stderr).split())
 
 
+def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpus(
+    nv: ModuleType, tmp_path: Path
+) -> None:
+    """`dvfs doctor --gpus LIST` preflights `dvfs sweep --gpus LIST` (doctor had no --gpus and
+    checked only gpu.devices): on three fake GPUs, a GPU the machine lacks fails it as the
+    sweep refuses it; each group's server is checked against the campaign env's
+    CUDA_VISIBLE_DEVICES (pinned to gpu.devices' GPU 1: the fleet's worker on GPU 0 would fail
+    every cell); a fleet's servers each need a block of ports, one server none."""
+    import fcntl
+
+    from dvfs.engines.sglang_args import PORT_SLOTS, ServerPorts
+
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+    )
+    ports = tmp_path / "ports"
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES, DVFS_PORT_LOCK_DIR=str(ports))
+
+    def doctor(*args: str) -> tuple[int, dict[str, dict]]:
+        done = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / "c"), *args, "--json", env=env
+        )
+        return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}
+
+    code, checks = doctor("--gpus", "0-3")
+    assert code == 1 and checks["driver"]["status"] == "fail", checks
+    swept = dvfs_in_process(
+        "sweep", str(path), "--gpus", "0-3", "--out", str(tmp_path / "o"), "--no-progress", env=env
+    )
+    assert swept.returncode == 1 and checks["driver"]["detail"] in swept.stderr, swept.stderr
+    assert "GPU 3" in checks["driver"]["detail"]
+    swept_locks = set(ports.iterdir()) if ports.exists() else set()
+
+    code, checks = doctor("--gpus", "0-2")
+    assert code == 0, checks
+    assert [f"lock GPU {i}" in checks for i in range(3)] == [True] * 3
+    assert "3 workers: gpu0 (" in checks["workers"]["detail"] and checks["ports"]["status"] == "ok"
+
+    uuids = [d["uuid"] for d in nv.fake_state()["devices"]]
+    path.write_text(
+        path.read_text().replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{uuids[1]}", ')
+    )
+    code, checks = doctor()
+    assert code == 0 and checks["server GPUs"]["status"] == "ok", checks
+    code, checks = doctor("--gpus", "0-1")
+    assert code == 1 and checks["server GPUs"]["status"] == "fail", checks
+    assert (
+        f"contradicts gpu.devices: dvfs pins the server to the metered GPU(s) {uuids[0]}"
+        in (checks["server GPUs"]["detail"])
+    )
+    assert doctor("--gpus", "1")[0] == 0  # the sweep's one server on GPU 1: as pinned
+
+    # Every block of ports but one held by other dvfs workers: two servers cannot both start.
+    ports.mkdir(exist_ok=True)  # the refused sweep's workers claimed blocks there
+    held = []
+    for slot in range(1, PORT_SLOTS):
+        fd = os.open(ports / f"{ServerPorts.for_slot(slot).http}.lock", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(fd)
+    try:
+        path.write_text(path.read_text().replace(f'CUDA_VISIBLE_DEVICES = "{uuids[1]}", ', ""))
+        code, checks = doctor("--gpus", "1-2")
+        assert code == 1 and checks["ports"]["status"] == "fail", checks
+        assert f"{PORT_SLOTS - 1} held by other dvfs workers" in checks["ports"]["detail"]
+        code, checks = doctor("--gpus", "2")  # one server: no block claimed
+        assert code == 0 and "ports" not in checks, checks
+    finally:
+        for fd in held:
+            os.close(fd)
+    mine = {ports / f"{ServerPorts.for_slot(slot).http}.lock" for slot in range(1, PORT_SLOTS)}
+    assert set(ports.iterdir()) == swept_locks | mine  # doctor created no lock file
+    assert running(marker) == []
+
+
+def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`engine.tp_size = 2` on an H100 and an H200: the sweep of that one server measured
+    every cell and then refused its cube (the GPUs do not compare), and a fleet of such
+    groups (`--gpus 0-3`) is refused, exit 2; doctor passed both. It fails them now (exit 1
+    and 2, as the sweep), and passes `--gpus 0,2`, one model."""
+    from nvml_support import NVML_CAMPAIGN
+
+    fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm,h100-sxm,h200-sxm")
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm,h100-sxm,h200-sxm")
+    env["DVFS_FAKE_NVML_ROOT"] = "1"
+
+    def doctor(*args: str) -> tuple[int, dict]:
+        done = dvfs_in_process(
+            "doctor", str(path), "--out", str(tmp_path / "c"), *args, "--json", env=env
+        )
+        return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}["workers"]
+
+    for args, code in (((), 1), (("--gpus", "0-3"), 2)):
+        got, workers = doctor(*args)
+        assert (got, workers["status"]) == (code, "fail"), (args, workers)
+        assert "worker gpu0+1 spans GPUs of different models" in workers["detail"]
+    fleet = dvfs_in_process(
+        "sweep", str(path), "--gpus", "0-3", "--out", str(tmp_path / "o"), "--no-progress", env=env
+    )
+    assert fleet.returncode == 2 and "spans GPUs of different models" in fleet.stderr
+    got, workers = doctor("--gpus", "0,2")
+    assert got == 0 and workers["detail"] == "1 worker: gpu0+2 (NVIDIA H100 80GB HBM3)", workers
+
+
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -77,6 +77,8 @@ def test_a_bad_middle_line_names_the_line_and_the_way_out(
     ):
         line = assert_one_line_error(result, 1, str(journal), "line 5", "--fresh")
         assert "delete line 5" in line
+        # the sweep's command, a shard's with its --shard (not `dvfs sweep --fresh` alone)
+        assert "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)" in line
     assert journal.read_bytes() == before, "a damaged journal must not be rewritten"
     # --fresh moves it aside intact and starts over.
     fresh = invoke("sweep", str(campaign), "--out", str(out), "--no-progress", "--fresh")

@@ -205,6 +205,10 @@ def test_bad_gpu_lists_are_one_line(spec: str, why: str, tmp_path: Path) -> None
     result = sweep(str(campaign), "--gpus", spec, "--out", str(tmp_path / "o"))
     assert result.exit_code == 2, result.output
     assert why in result.output and len(result.output.strip().splitlines()) == 1
+    # `dvfs doctor --gpus` reads the list as the sweep does: the same one line, exit 2.
+    checked = CliRunner().invoke(cli, ["doctor", str(campaign), "--gpus", spec])
+    assert checked.exit_code == 2, checked.output
+    assert checked.output.strip().splitlines()[-1] == result.output.strip(), checked.output
 
 
 @pytest.mark.parametrize(
@@ -278,9 +282,24 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     half.mkdir()
     lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
     (half / "journal.jsonl").write_text("".join(lines[:12]))
+    # `dvfs doctor --gpus` checks the folder as that fleet uses it: fails the half-done one in
+    # the sweep's words (it passed it, checking the campaign's one GPU), passes the done one.
+    checks = {}
+    for folder in (four, half):
+        doctor = CliRunner().invoke(
+            cli,
+            ["doctor", str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0"]
+            + ["--out", str(folder), "--json"],
+        )
+        checks[folder] = {c["name"]: c for c in json.loads(doctor.output)}
+        assert doctor.exit_code == (1 if folder == half else 0), doctor.output
+    assert checks[four]["output folder"]["status"] == "ok"
+    assert "2 workers" in checks[half]["gpu"]["detail"]
     mixed = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
     assert mixed.exit_code == 1
     assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
+    refused = checks[half]["output folder"]
+    assert refused["status"] == "fail" and refused["detail"] in mixed.output, refused
 
 
 def test_twin_gpus_named_by_profile_keep_the_campaigns_traps(tmp_path: Path) -> None:

@@ -215,6 +215,16 @@ def test_doctor_says_how_the_sweep_will_count_prompt_tokens(
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     check = tokenizer_check()
     assert check["status"] == "fail" and "huggingface-cli download" in check["detail"], check
+    # The journal in a GPU model's folder (`gpu-*/`, as a fleet mixing models keeps it), which
+    # the sweep resumes just as well: the same failure, in the sweep's words (doctor read only
+    # the folder's own journal, and warned that a new campaign would estimate).
+    model = out / "gpu-nvidia-h100-80gb-hbm3-twin"
+    model.mkdir()
+    (out / "journal.jsonl").rename(model / "journal.jsonl")
+    check = tokenizer_check()
+    refused = _invoke(campaign, out)
+    assert refused.exit_code != 0 and check["status"] == "fail", (check, refused.output)
+    assert check["detail"] in " ".join(refused.output.split()), (check, refused.output)
 
 
 def test_the_groups_measured_under_two_methods_are_named_in_order() -> None:

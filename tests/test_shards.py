@@ -629,6 +629,13 @@ def test_the_dry_run_refuses_each_gpu_models_folder_as_the_sweep_does(
             assert doc["already_done"] is None and doc["out_refused"]
             assert len(problems) == 2 and str(out / h200) in problems[1]
         assert {p: p.read_bytes() for p in out.glob("gpu-*/journal.jsonl")} == journals
+    # The damaged record's refusal names the shard's own command to start over with (it said
+    # `dvfs sweep --fresh`, which would sweep the whole campaign into the shard's folder): the
+    # run's shard, or I/N where no run names one (`cube build`).
+    refused = invoke("sweep", campaign, "--shard", "0/2", "--out", str(damaged.parent.parent))
+    assert_one_line_error(refused, 1, "`dvfs sweep CAMPAIGN --shard 0/2 --fresh`")
+    built = invoke("cube", "build", str(damaged.parent.parent))
+    assert_one_line_error(built, 1, "`dvfs sweep CAMPAIGN --shard I/N --fresh`")
     # --fresh, which both refusals of the earlier dvfs's folder and the damaged record advise,
     # moves each model's journal aside (and the merged cube), and starts the shard over.
     for out in (old, damaged.parent.parent):
@@ -780,6 +787,8 @@ def test_a_shards_cube_says_the_other_shards_cells_are_not_its_to_resume(runs: P
     info = " ".join(invoke("cube", "info", str(folder)).stdout.split())
     assert "this is shard 1/3's cube: the other shards' cells count as missing here" in info
     assert "dvfs cube merge" in info
+    # its own cells left: the exact command, its shard named (it said `dvfs sweep --shard`)
+    assert "its `dvfs sweep CAMPAIGN --shard 1/3` command measures when run again" in info
     assert json.loads(invoke("cube", "info", str(folder), "--json").stdout)["shard"] == "1/3"
     said = " ".join(invoke("headroom", str(folder)).stdout.split())
     partial = said[said.index("partial cube:") :]
@@ -804,3 +813,67 @@ def test_headroom_on_one_shard_says_to_merge_not_to_resume(runs: Path) -> None:
     assert doc["shard"] == "0/3"
     whole = json.loads(invoke("headroom", str(runs / "whole"), "--json").stdout)
     assert "shard" not in whole
+
+
+def test_no_answer_advice_on_shard_cubes_names_the_shard_commands(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A row without a reference in one shard's cube (the reference is another shard's), or in
+    a cube merged from shards one of which is unfinished: the report's findings and caps and
+    `dvfs cap plan` said "resume the sweep: run the same `dvfs sweep` command again", which
+    measures nothing there (the shard's own command cannot measure another shard's cells; a
+    resumed shard does not change the merged cube); they name `dvfs sweep --shard` and `dvfs
+    cube merge` (with each shard's folder for a merged cube)."""
+    from dvfs.report.reasons import no_answer
+
+    old = "run the same `dvfs sweep` command again to measure"
+
+    def advice(cube: Path) -> tuple[str, str, list[dict]]:
+        """The report's text, `cap plan`'s refusals, and the headroom rows without answer."""
+        report = invoke("report", str(cube), "-o", str(tmp_path / "r.md"))
+        assert report.exit_code == 0, report.output
+        doc = json.loads(invoke("headroom", str(cube), "--json").stdout)
+        write(tmp_path / "h.json", json.dumps(doc))
+        resumable = ("not measured yet", "none feasible so far")
+        missing = [
+            r
+            for r in doc["rows"]
+            if not r["feasible"] and (r["target_ms"] is None or no_answer(r) in resumable)
+        ]
+        refusals = [
+            invoke(
+                "cap",
+                "plan",
+                str(tmp_path / "h.json"),
+                "--batch",
+                str(r["batch"]),
+                "--drafter",
+                r["drafter"],
+            ).output
+            for r in missing[:1]
+        ]
+        text = " ".join((tmp_path / "r.md").read_text().replace("\\", "").split())
+        return text, " ".join(" ".join(refusals).split()), missing
+
+    text, refused, missing = advice(runs / "s0")
+    assert missing, "shard 0/3's cube has rows whose reference another shard holds"
+    assert "No valid reference cell (not measured yet)" in text
+    for said in (text, refused):
+        assert old not in said, said
+        assert "`dvfs sweep CAMPAIGN --shard I/3` (shard 0/3's again" in said, said
+        assert "dvfs cube merge" in said
+
+    # Shard 1/3 interrupted before its first cell was in: the merged cube lacks its cells.
+    folders = [copy_sweep(runs / f"s{i}", tmp_path / f"s{i}") for i in range(3)]
+    lines = (folders[1] / "journal.jsonl").read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line).get("type") != "cell"]
+    (folders[1] / "journal.jsonl").write_text("".join(kept))
+    assert invoke("cube", "build", str(folders[1])).exit_code == 0
+    merged = tmp_path / "merged.nc"
+    assert invoke("cube", "merge", *map(str, folders), "-o", str(merged)).exit_code == 0
+    text, refused, missing = advice(merged)
+    assert missing and "not measured yet" in text
+    for said in (text, refused):
+        assert old not in said, said
+        assert f"--shard 1/3 --out {folders[1]}" in said, said
+        assert "then `dvfs cube merge` them again" in said

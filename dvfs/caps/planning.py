@@ -300,7 +300,7 @@ def no_answer_error(
     from dvfs.report.reasons import no_answer_groups
 
     parts = []
-    for reason, advice, rows in no_answer_groups(group, doc["target"].get("mode")):
+    for reason, advice, rows in no_answer_groups(group, doc["target"].get("mode"), doc):
         corpora = ", ".join(r["corpus"] for r in rows)
         what = "no setting meets the target" if reason == "none feasible" else reason
         parts.append(f"{what} for corpus {corpora}: {advice}")

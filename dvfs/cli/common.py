@@ -417,3 +417,23 @@ def parse_shard(value: str | None) -> Any:
         return Shard.parse(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def gpus_option(help_text: str) -> Callable[[F], F]:
+    """`--gpus LIST`, as `dvfs sweep` and `dvfs doctor` take it; `sweep_groups` reads it."""
+    return click.option("--gpus", "gpus_spec", metavar="LIST", help=help_text)
+
+
+def sweep_groups(campaign: Any, gpus_spec: str | None) -> list[Any]:
+    """The GPU groups (one worker and server each) `dvfs sweep --gpus LIST` runs `campaign`
+    on: LIST parsed (`dvfs.fleet.devices.parse_gpus`) and cut into `engine.tp_size` groups,
+    else the campaign's gpu.devices groups. An empty LIST is click's usage error; a bad one
+    the parser's one line."""
+    from dvfs.fleet.devices import parse_gpus, worker_groups
+
+    if gpus_spec is not None and not gpus_spec.strip():
+        raise click.UsageError(
+            "--gpus is empty: name GPUs (e.g. --gpus 0-1), or leave out --gpus for the "
+            "campaign's gpu.devices"
+        )
+    return worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)

@@ -89,15 +89,16 @@ def _render(summary: dict[str, Any]) -> None:
     )
 
     out = console()
+    campaign = (
+        "(campaign name not recorded)" if summary["campaign"] is None else summary["campaign"]
+    )
     out.print(
-        f"[bold]{summary['campaign']}[/bold] (cube schema {summary['schema']}, "
-        f"created {summary['created']})"
+        f"[bold]{escape(str(campaign))}[/bold] (cube schema {summary['schema']}, "
+        f"created {_recorded(summary['created'])})"
     )
     table = Table(show_header=False, box=None)
-    table.add_row("GPU", str(summary["gpu"]))
-    table.add_row("driver", str(summary["driver"]))
-    table.add_row("engine", str(summary["engine"]))
-    table.add_row("model", str(summary["model"]))
+    for row in ("GPU", "driver", "engine", "model"):
+        table.add_row(row, _recorded(summary[row.lower()]))
     table.add_row("reference", str(summary["stock"]))
     table.add_row(
         "idle power",
@@ -156,6 +157,12 @@ def _render(summary: dict[str, Any]) -> None:
         )
     if len(failed) > 5:
         out.print(f"... and {len(failed) - 5} more failed cells")
+
+
+def _recorded(value: Any) -> str:
+    """A cube attribute as `cube info` shows it: "not recorded" where the cube has none (a
+    hand-built cube), never the text "None"."""
+    return "not recorded" if value is None else escape(str(value))
 
 
 @cube.command("merge")

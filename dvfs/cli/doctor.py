@@ -12,9 +12,11 @@ from dvfs.cli.common import (
     console,
     echo_json,
     escape,
+    gpus_option,
     handle_errors,
     out_dir_option,
     parse_shard,
+    sweep_groups,
 )
 
 
@@ -31,6 +33,12 @@ from dvfs.cli.common import (
     help="Check the output folder as `dvfs sweep --shard I/N` would use it "
     "[default --out: out/<campaign name>/shard-I-of-N].",
 )
+@gpus_option(
+    "Check the GPUs as `dvfs sweep --gpus LIST` runs the campaign on them (the same LIST: "
+    "indices, ranges or UUIDs; PROFILE:INDEX on the twin): each group's GPUs, one server "
+    "each, a block of SGLang ports per server, and the output folder as that fleet uses it "
+    "[default: gpu.devices].",
+)
 @click.option(
     "--observe-only",
     is_flag=True,
@@ -43,6 +51,7 @@ def doctor(
     campaign_file: Path,
     out_dir: Path | None,
     shard_spec: Any,
+    gpus_spec: str | None,
     observe_only: bool,
     as_json: bool,
 ) -> None:
@@ -68,7 +77,8 @@ def doctor(
     default_out = Path("out") / campaign.name
     if shard_spec is not None:
         default_out = default_out / f"shard-{shard_spec.index}-of-{shard_spec.count}"
-    checks = check_campaign(campaign, out_dir or default_out, shard=shard_spec)
+    groups = sweep_groups(campaign, gpus_spec) if gpus_spec is not None else None
+    checks = check_campaign(campaign, out_dir or default_out, shard=shard_spec, groups=groups)
     if as_json:
         echo_json([c.__dict__ for c in checks])
     else:

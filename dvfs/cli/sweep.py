@@ -13,9 +13,11 @@ from dvfs.cli.common import (
     console,
     echo_json,
     escape,
+    gpus_option,
     handle_errors,
     out_dir_option,
     parse_shard,
+    sweep_groups,
 )
 
 
@@ -183,11 +185,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     "repeats, batch-and-corpus pairs with all their repeats), into its own folder "
     "[default: out/<campaign name>/shard-I-of-N]; `dvfs cube merge` joins the shards.",
 )
-@click.option(
-    "--gpus",
-    "gpus_spec",
-    metavar="LIST",
-    help="Run one worker per GPU (or per engine.tp_size GPUs) in parallel: indices, ranges or "
+@gpus_option(
+    "Run one worker per GPU (or per engine.tp_size GPUs) in parallel: indices, ranges or "
     "UUIDs, e.g. 0-7 or 0,2,4-5; on the twin PROFILE:INDEX adds GPUs of another model "
     "(h200-sxm:0-3) [default: gpu.devices; groups there run in parallel too].",
 )
@@ -239,7 +238,7 @@ def sweep(
     if shard is not None:
         default_out = default_out / f"shard-{shard.index}-of-{shard.count}"
     out_dir = out_dir or default_out
-    from dvfs.fleet.devices import parse_gpus, worker_groups, workers_per_model
+    from dvfs.fleet.devices import workers_per_model
 
     if address and executor != "ray":
         raise click.UsageError("--address joins a Ray cluster: use it with --executor ray")
@@ -249,12 +248,7 @@ def sweep(
         )
     if (no_estimate or twin_profile or as_json) and not dry_run:
         raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
-    if gpus_spec is not None and not gpus_spec.strip():
-        raise click.UsageError(
-            "--gpus is empty: name GPUs (e.g. --gpus 0-1), or leave out --gpus for the "
-            "campaign's gpu.devices"
-        )
-    groups = worker_groups(campaign, parse_gpus(gpus_spec) if gpus_spec else None)
+    groups = sweep_groups(campaign, gpus_spec)
     if executor != "ray":  # before any GPU is touched; Ray's actors get the GPUs Ray gives them
         check_job_gpus(campaign, [d for g in groups for d in g])
     if dry_run:

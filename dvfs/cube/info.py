@@ -151,20 +151,20 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     total = status.size
     not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values
     flags = quality_counts(ds)
+    gpu: str | None
     if "gpu" in ds.dims:
         names = json.loads(ds.attrs.get("gpu_names", "[]"))
-        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {', '.join(names)}"
+        shown = ", ".join(map(str, names)) if names else "their models not recorded"
+        gpu = f"merged cube of {ds.sizes['gpu']} GPUs: {shown}"
     else:
-        name, backend = str(ds.attrs.get("gpu_name")), ds.attrs.get("gpu_backend")
-        # a twin's GPU name says "(twin)" already: the backend is not said twice
-        said = name.endswith(f"({backend})")
-        gpu = f"{name} x{ds.attrs.get('gpu_count')}" + ("" if said else f" ({backend})")
+        gpu = _gpu_text(ds.attrs)
+    engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
         "gpu": gpu,
         "driver": ds.attrs.get("driver_version"),
-        "engine": f"{ds.attrs.get('engine_backend')} {ds.attrs.get('engine_version')}",
+        "engine": " ".join(str(e) for e in engine if e is not None) or None,
         "model": ds.attrs.get("model"),
         "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
         "coords": {
@@ -194,6 +194,19 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     }
 
 
+def _gpu_text(attrs: dict[Any, Any]) -> str | None:
+    """One GPU model's cube's GPU: name, count and backend, each as far as the cube records it
+    (a hand-built cube may record none: None, never the text "None")."""
+    name, count, backend = (attrs.get(k) for k in ("gpu_name", "gpu_count", "gpu_backend"))
+    if name is None:
+        return None
+    text = str(name) + ("" if count is None else f" x{count}")
+    # a twin's GPU name says "(twin)" already: the backend is not said twice
+    if backend is not None and not str(name).endswith(f"({backend})"):
+        text += f" ({backend})"
+    return text
+
+
 def shard_label(ds: xr.Dataset) -> str | None:
     """The shard ("I/N") a shard's cube holds (`dvfs sweep --shard`); None for a whole cube."""
     from dvfs.fleet.shard import SHARD_ATTR
@@ -209,10 +222,77 @@ def shard_note(label: str | None) -> str | None:
         return None
     return (
         f"this is shard {label}'s cube: the other shards' cells count as missing here (and "
-        "any of its own not measured yet, which its `dvfs sweep --shard` command measures "
-        "when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o cube.nc`) for the "
-        "whole campaign"
+        f"any of its own not measured yet, which its `dvfs sweep CAMPAIGN --shard {label}` "
+        "command measures when run again); merge every shard (`dvfs cube merge SHARD_DIRS -o "
+        "cube.nc`) for the whole campaign"
     )
+
+
+def merged_shards(ds: xr.Dataset) -> dict[str, str]:
+    """A cube merged from shards (`dvfs cube merge` of `--shard` runs): each shard's folder
+    (as the merge was given it) -> its `I/N`; empty for any other cube."""
+    try:
+        sources = json.loads(str(ds.attrs.get("combined_from") or "{}"))
+    except ValueError:
+        return {}
+    if not isinstance(sources, dict):
+        return {}
+    folders = {}
+    for name, label in sources.items():
+        path = str(name)
+        for tail in ("/journal.jsonl", "/cube.nc"):
+            path = path.removesuffix(tail)
+        folders[path] = str(label)
+    return folders
+
+
+def resume_advice(what: str, doc: dict[str, Any] | None = None) -> str:
+    """The command that measures `what` (cells a cube lacks), for an analysis document `doc`
+    of the cube (its `shard`, or `merged_shards`): the sweep's own command again; for one
+    shard's cube, the shards' `dvfs sweep --shard` commands and `dvfs cube merge` (another
+    shard may hold them: this shard's command never measures them); for a cube merged from
+    shards, the unfinished shards' commands and the merge again (resuming a shard does not
+    change the merged cube)."""
+    doc = doc or {}
+    shard = doc.get("shard")
+    if shard:
+        count = str(shard).rpartition("/")[2]
+        return (
+            f"this is shard {shard}'s cube, and another shard may hold {what}: run each shard's "
+            f"`dvfs sweep CAMPAIGN --shard I/{count}` (shard {shard}'s again for its own "
+            "cells left), then `dvfs cube merge SHARD_DIRS -o cube.nc` and analyse the merged "
+            "cube"
+        )
+    merged = doc.get("merged_shards")
+    if merged:
+        count = str(next(iter(merged.values()))).partition("/")[2]
+        each = ", ".join(f"--shard {label} --out {folder}" for folder, label in merged.items())
+        return (
+            f"this cube is merged from {len(merged)} shards: rerun the unfinished shards' "
+            f"`dvfs sweep CAMPAIGN --shard I/{count} --out SHARD_DIR` ({each}) to measure "
+            f"{what}, then `dvfs cube merge` them again"
+        )
+    return f"resume the sweep: run the same `dvfs sweep` command again to measure {what}"
+
+
+def resume_note(doc: dict[str, Any]) -> str:
+    """What measures a partial cube's cells not measured yet, for an analysis document `doc`
+    of it: `shard_note` for one shard's cube, the shards' commands and the merge again for a
+    cube merged from shards (`resume_advice`), else the sweep's own command again."""
+    if doc.get("shard"):
+        return str(shard_note(str(doc["shard"])))
+    if doc.get("merged_shards"):
+        return resume_advice("them", doc)
+    return "run the same `dvfs sweep` command again to resume it"
+
+
+def shards_of(ds: xr.Dataset) -> dict[str, Any]:
+    """What an analysis document records of a cube's shards: `shard` (one shard's cube: its
+    `I/N`) or `merged_shards` (a cube merged from shards: each shard's folder -> `I/N`)."""
+    if ds.attrs.get("shard"):
+        return {"shard": str(ds.attrs["shard"])}
+    merged = merged_shards(ds)
+    return {"merged_shards": merged} if merged else {}
 
 
 def idle_power_per_gpu(ds: xr.Dataset) -> dict[str, float]:

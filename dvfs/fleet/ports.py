@@ -148,3 +148,53 @@ class PortBlock:
                 f"servers move to ports {ports.http}-{ports.http + PORT_BLOCK - 1}"
             )
         return ports
+
+
+def _held(folder: Path, ports: ServerPorts) -> bool:
+    """Whether a dvfs worker holds `ports`' block now (its lock file locked), found without
+    creating a file or keeping a lock."""
+    import fcntl
+
+    path = folder / f"{ports.http}.lock"
+    if not path.is_file():
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # another user's lock file, not open to others: theirs, as `_lock` takes it
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped at once, with the descriptor
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def short_of_blocks(host: str, count: int, *, folder: Path | None = None) -> str | None:
+    """Why `count` workers starting SGLang servers on `host` could not each claim a block of
+    ports now (`claimed_ports`): fewer free blocks than workers, those held by other dvfs
+    workers or by other programs; None when there are enough. Read-only (`dvfs doctor`): no
+    lock file is created and no lock kept."""
+    folder = folder or lock_dir()
+    free = 0
+    dvfs_held = 0
+    others: list[str] = []
+    for slot in range(PORT_SLOTS):
+        ports = ServerPorts.for_slot(slot)
+        if _held(folder, ports):
+            dvfs_held += 1
+            continue
+        why = taken(host, ports.used)
+        if why is not None:
+            others.append(why)
+            continue
+        free += 1
+        if free >= count:
+            return None
+    said = f", e.g. {'; '.join(others[:2])}" if others else ""
+    return (
+        f"{count} SGLang servers need {count} blocks of ports on {host}, but only {free} of "
+        f"{PORT_SLOTS} are free ({dvfs_held} held by other dvfs workers, {len(others)} by other "
+        f"programs{said}): stop some, or give the node fewer GPU groups"
+    )

@@ -40,9 +40,9 @@ def other_shard(folder: Path, recorded: Shard | None, shard: Shard | None) -> st
     )
 
 
-def recorded_shard(journal: Path) -> Shard | None:
+def recorded_shard(journal: Path, shard: Shard | None = None) -> Shard | None:
     """The shard a journal holds (its shard record), or None: the whole campaign, or no
-    journal yet."""
+    journal yet. `shard`: the run's, which a damaged record's refusal names."""
     from dvfs.measure.journal import iter_records
 
     if not journal.is_file():
@@ -50,18 +50,21 @@ def recorded_shard(journal: Path) -> Shard | None:
     found = None
     for record in iter_records(journal):
         if record.get("type") == SHARD_RECORD and found is None:
-            found = _shard_of(journal, record)
+            found = _shard_of(journal, record, shard)
     return found
 
 
-def _shard_of(journal: Path, record: dict[str, Any]) -> Shard:
-    """The shard a journal's (first) shard record names; a damaged one refused."""
+def _shard_of(journal: Path, record: dict[str, Any], shard: Shard | None = None) -> Shard:
+    """The shard a journal's (first) shard record names; a damaged one refused, naming the
+    shard's own sweep command to start over with (`--fresh` without its `--shard` would
+    sweep the whole campaign into the shard's folder): the run's `shard`, else `I/N`."""
     try:
         return Shard.from_json(record)
     except (KeyError, TypeError, ValueError) as exc:
+        label = shard.label if shard is not None else "I/N"
         raise JournalError(
-            f"{journal} has a damaged shard record ({exc}): move it aside, or start "
-            "over with `dvfs sweep --fresh`, which renames it"
+            f"{journal} has a damaged shard record ({exc}): move it aside, or start that "
+            f"shard over with `dvfs sweep CAMPAIGN --shard {label} --fresh`, which renames it"
         ) from None
 
 
@@ -78,7 +81,7 @@ def check_shard(journal: Path, shard: Shard | None) -> None:
     `dvfs.sweep.claim_shard` would once it opens it: a shard dealt otherwise (`check_deal`), or
     another shard or the whole campaign (its shard record, or a session without one). Before
     anything runs, so that a sweep and its dry run refuse alike."""
-    recorded = recorded_shard(journal)
+    recorded = recorded_shard(journal, shard)
     if shard is not None:
         check_deal(journal.parent, recorded)
     if recorded != shard and (recorded is not None or has_sessions(journal)):

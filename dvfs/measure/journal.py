@@ -59,13 +59,19 @@ def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]
     return Header.from_json(header).differences(campaign)
 
 
+#: How a refusal of a damaged journal says to start over: the sweep's own command with
+#: --fresh, a shard's `--shard I/N` kept (without it, the whole campaign would be swept into
+#: the shard's folder).
+FRESH = "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)"
+
+
 def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> None:
     """Refuse (`JournalError`) to resume `campaign` from the journal at `path` whose first
     record is `first`: not a header, another schema, or another campaign or settings."""
     if first.get("type") != "header":
         raise JournalError(
             f"{path} does not start with a dvfs journal header: move it aside, or start "
-            "over with `dvfs sweep --fresh`, which renames it"
+            f"over with {FRESH}, which renames it"
         )
     header = Header.from_json(first)
     check_version(path, header.journal_schema)
@@ -364,9 +370,9 @@ def _bad_line(path: Path, line: int, why: str, *, first: bool) -> JournalError:
     if first:
         return JournalError(
             f"{path} is not a dvfs journal (line {line}: {why}): move it aside, or start over "
-            "with `dvfs sweep --fresh`, which renames it"
+            f"with {FRESH}, which renames it"
         )
     return JournalError(
-        f"{path}, line {line}: {why}. The journal is damaged: start over with `dvfs sweep "
-        f"--fresh` (it moves the journal aside), or delete line {line} to keep the rest"
+        f"{path}, line {line}: {why}. The journal is damaged: start over with {FRESH} (it "
+        f"moves the journal aside), or delete line {line} to keep the rest"
     )

@@ -54,7 +54,8 @@ def check_version(where: str | Path, version: object) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version > JOURNAL_SCHEMA:
         raise JournalError(
             f"{where} has journal schema {version!r}; this dvfs ({__version__}) reads up to "
-            f"{JOURNAL_SCHEMA}: upgrade dvfs, or start over with `dvfs sweep --fresh`"
+            f"{JOURNAL_SCHEMA}: upgrade dvfs, or start over with `dvfs sweep CAMPAIGN --fresh` "
+            "(a shard's with its `--shard I/N`)"
         )
     return version
 

@@ -37,6 +37,7 @@ def compare_document(
     `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
     `roofline`, and with several, `roofline_per_gpu_model` holds each."""
     from dvfs.analysis.headroom import coverage
+    from dvfs.cube.info import shards_of
 
     baseline = cmp.attrs["baseline"]
     gpus: list[str | None] = [str(g) for g in cmp["gpu"].values] if "gpu" in cmp.dims else [None]
@@ -116,7 +117,7 @@ def compare_document(
         "break_even_batch": break_even,
         "acceptance": acceptance,
         "coverage": coverage(cube),
-        **({"shard": str(cube.attrs["shard"])} if "shard" in cube.attrs else {}),
+        **shards_of(cube),
     }
     roofs = [] if roof is None else [roof] if not isinstance(roof, Sequence) else list(roof)
     if roofs:
@@ -187,13 +188,9 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
     cov = doc.get("coverage") or {}
     waiting = int(cov.get("missing", 0)) + int(cov.get("failed", 0))
     if waiting:
-        from dvfs.cube.info import shard_note
+        from dvfs.cube.info import resume_note
 
-        then = (
-            shard_note(doc["shard"])
-            if doc.get("shard")
-            else "run the same `dvfs sweep` command again to resume it"
-        )
+        then = resume_note(doc)
         notes.append(
             f"partial cube: {waiting} of {cov['cells']} cells not measured yet: a ratio, a "
             'verdict ("not within target", "too slow" included) or a break-even batch '

@@ -286,7 +286,7 @@ def _cap_rows(room: dict[str, Any], batch: int, drafter: str) -> list[tuple[str,
 
         whys = [
             f"{reason} on {', '.join(sorted({r['corpus'] for r in rows}))}: {advice}"
-            for reason, advice, rows in no_answer_groups(group, room["target"].get("mode"))
+            for reason, advice, rows in no_answer_groups(group, room["target"].get("mode"), room)
         ]
         return [(*lead, label, "stock", "stock", "no cap: " + "; ".join(whys))]
     try:

@@ -48,7 +48,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
     pairs = [
         ("Campaign", f"{_text(info['campaign'])} (hash {_campaign_hash(a)})"),
-        ("GPU", info["gpu"]),
+        ("GPU", _text(info["gpu"])),
         ("GPU UUIDs", ", ".join(gpu_uuids(cube)) or MISSING),
         ("Driver", _text(info["driver"]) + memory),
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),

@@ -70,7 +70,7 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
         )
     # Each row without an answer with the headroom table's reason and what would give it one:
     # "no setting meets the target" only where settings were judged over it.
-    for reason, advice, group in no_answer_groups(infeasible, room["target"].get("mode")):
+    for reason, advice, group in no_answer_groups(infeasible, room["target"].get("mode"), room):
         lead = (
             "No measured setting meets the target (within the confidence bound)"
             if reason == "none feasible"

@@ -126,10 +126,17 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
         "coverage": coverage(cube),
-        # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it.
-        **({"shard": str(cube.attrs["shard"])} if cube.attrs.get("shard") else {}),
+        # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it;
+        # a cube merged from shards: each shard's folder, whose sweep measures its cells left.
+        **_shards(cube),
         "rows": rows,
     }
+
+
+def _shards(cube: xr.Dataset) -> dict[str, Any]:
+    from dvfs.cube.info import shards_of  # not at import: dvfs.cube imports the journal's
+
+    return shards_of(cube)
 
 
 def _gpu(cube: xr.Dataset) -> dict[str, Any]:
@@ -170,6 +177,18 @@ def _knob_cell(
     )
 
 
+def _resume_note(doc: dict[str, Any]) -> str:
+    from dvfs.cube.info import resume_note
+
+    return resume_note(doc)
+
+
+def _resume_advice(what: str, doc: dict[str, Any]) -> str:
+    from dvfs.cube.info import resume_advice
+
+    return resume_advice(what, doc)
+
+
 def partial_note(doc: dict[str, Any]) -> str | None:
     """One line when the cube is partial (cells not measured yet): which answers may change,
     and that resuming the sweep, not a larger grid, measures them."""
@@ -191,7 +210,7 @@ def partial_note(doc: dict[str, Any]) -> str | None:
     return (
         f"partial cube: {waiting} of {cov['cells']} cells not measured yet "
         f"({', '.join(parts)}); answers marked ? and rows without a measured reference may "
-        "change: run the same `dvfs sweep` command again to resume it"
+        f"change: {_resume_note(doc)}"
     )
 
 
@@ -211,8 +230,13 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
         )
         notes.append(
             f"?: {knobs} below this answer are in the grid but not measured yet, so the "
-            "headroom may be larger and a lower setting might save more: resume the sweep "
-            "to measure them (the grid does not need extending)"
+            "headroom may be larger and a lower setting might save more: "
+            + (
+                _resume_advice("them", doc)
+                if doc.get("shard") or doc.get("merged_shards")
+                else "resume the sweep to measure them"
+            )
+            + " (the grid does not need extending)"
         )
     spoilt = invalid_note(rows)
     if spoilt:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-RESUME = "resume the sweep: run the same `dvfs sweep` command again to measure them"
 RETRY = "run the same `dvfs sweep` command again: it retries failed cells"
 AFTER_CHANGE = "then sweep again with --fresh or into another --out folder"
 
@@ -52,28 +51,36 @@ def flag_advice(flags: Iterable[str]) -> str:
     return f"{said}; {AFTER_CHANGE}"
 
 
-def no_answer_advice(row: dict[str, Any], mode: str | None = None) -> str:
-    """What would give a row without an answer one: resuming the sweep, a campaign that
+def no_answer_advice(
+    row: dict[str, Any], mode: str | None = None, doc: dict[str, Any] | None = None
+) -> str:
+    """What would give a row without an answer one: resuming the sweep (for `doc`'s cube:
+    one shard's, or merged from shards, each shard's command and the merge), a campaign that
     clears the quality flags, more repeats; loosening the target only where settings were
     judged over it."""
+    from dvfs.cube.info import resume_advice
+
     problem = row.get("reference_problem") or ""
     if "target_ms" in row and row["target_ms"] is None:
         if problem == "failed":
+            if doc and doc.get("merged_shards"):  # the failed cell is one shard's to retry
+                return resume_advice("the reference (a rerun retries failed cells)", doc)
             return RETRY
         if problem.startswith("invalid"):
             flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
             return flag_advice(flags)
-        return RESUME.replace("them", "the reference")
+        return resume_advice("the reference", doc)
     reason = no_answer(row)
     if reason == "not measured yet":
-        return RESUME
+        return resume_advice("them", doc)
     if reason == "too few repeats":
         return "raise measurement.repeats (a setting needs two usable repeats) and sweep again"
     if reason == "no valid cell":
         return flag_advice((row.get("invalid_flags") or "").split(", "))
     if reason == "none feasible so far":
         return (
-            f"the settings judged are over the target: {RESUME}, or {loosen(mode)} or "
+            f"the settings judged are over the target: {resume_advice('them', doc)}; or "
+            f"{loosen(mode)} or "
             "choose another batch or drafter"
         )
     return (
@@ -83,11 +90,12 @@ def no_answer_advice(row: dict[str, Any], mode: str | None = None) -> str:
 
 
 def no_answer_groups(
-    rows: Sequence[dict[str, Any]], mode: str | None = None
+    rows: Sequence[dict[str, Any]], mode: str | None = None, doc: dict[str, Any] | None = None
 ) -> list[tuple[str, str, list[dict[str, Any]]]]:
-    """The rows without an answer grouped by (reason, advice), in order of first appearance."""
+    """The rows without an answer grouped by (reason, advice), in order of first appearance;
+    `doc`: the headroom document they come from (whose cube may be a shard's)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if not r["feasible"]:
-            groups.setdefault((no_answer(r), no_answer_advice(r, mode)), []).append(r)
+            groups.setdefault((no_answer(r), no_answer_advice(r, mode, doc)), []).append(r)
     return [(reason, advice, group) for (reason, advice), group in groups.items()]
