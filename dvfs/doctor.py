@@ -53,14 +53,7 @@ def check_campaign(
     state_dir: Path | None = None,
     shard: Shard | None = None,
 ) -> list[Check]:
-    checks = [
-        Check(
-            "campaign",
-            OK,
-            f"{campaign.name}: {len(campaign.drafters)} drafter(s), "
-            f"{len(campaign.workload.corpora)} corpora",
-        )
-    ]
+    checks = [_run("campaign", lambda: _campaign(campaign, shard))]
     checks += _gpu_checks(campaign, nvml=nvml, state_dir=state_dir)
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
@@ -71,6 +64,17 @@ def check_campaign(
     checks.append(_run("output folder", lambda: _out_dir(campaign, out_dir, shard)))
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
+
+
+def _campaign(campaign: Campaign, shard: Shard | None) -> tuple[str, str]:
+    from dvfs.fleet.shard import planned_cells
+
+    if shard is not None:  # more shards than the campaign has groups: the sweep refuses it
+        planned_cells(campaign, shard)
+    return OK, (
+        f"{campaign.name}: {len(campaign.drafters)} drafter(s), "
+        f"{len(campaign.workload.corpora)} corpora"
+    )
 
 
 def _gpu_checks(
