@@ -219,6 +219,40 @@ def test_the_dry_run_refuses_a_journal_of_other_settings_as_the_sweep(
         )  # neither the refused sweep, the dry runs nor doctor wrote
 
 
+def test_the_dry_run_with_one_gpu_group_plans_the_campaign_the_sweep_runs_on_it(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """`--gpus` naming one group (not a fleet) runs the campaign on that group: its devices,
+    and on the twin a `PROFILE:INDEX` group's profile. On a folder the campaign's own GPU
+    began, the sweep refuses the journal in one line, exit 1, naming what changed; its dry
+    run reports that line as a problem, exit 1, counting nothing as done (it once planned the
+    campaign's own GPU: every cell done, exit 0). Into a new folder the dry run plans the
+    campaign, by its hash, that the sweep then journals."""
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    one = tiny_exact_run("one")
+    for gpus, change in (("1", "gpu.devices: [0] -> [1]"), ("h200-sxm:0", "gpu.profile: ")):
+        out = copy_sweep(one, tmp_path / f"out-{gpus.replace(':', '-')}")
+        before = folder_files(out)
+        args = ("sweep", str(campaign), "--gpus", gpus, "--out", str(out))
+        line = assert_one_line_error(invoke(*args, "--no-progress"), 1, change, "--fresh")
+        doc = invoke(*args, "--dry-run", "--no-estimate", "--json")
+        assert doc.exit_code == 1, doc.output
+        report = json.loads(doc.output)
+        assert report["out_refused"] and report["already_done"] is None, report
+        assert report["problems"] and line.endswith(report["problems"][0]), (line, report)
+        assert folder_files(out) == before
+    new = tmp_path / "new"
+    report, _ = _dry(campaign, new, "--gpus", "h200-sxm:0")
+    assert report["gpu"]["profile"].startswith("h200-sxm"), report["gpu"]
+    swept = invoke(
+        "sweep", str(campaign), "--gpus", "h200-sxm:0", "--out", str(new), "--no-progress"
+    )
+    assert swept.exit_code == 0, swept.output
+    assert read_records(new / "journal.jsonl")[0]["campaign_hash"] == report["hash"]
+
+
 def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
     tiny_exact_run, tmp_path: Path
 ) -> None:

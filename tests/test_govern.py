@@ -445,8 +445,12 @@ def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
     assert nvml.fake_calls() == []
 
 
-def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml) -> None:
+def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:
+    """With no load to preview, one line says what the governor would hold the GPUs at
+    meanwhile: its stock, the static caps in force (a lock `cap apply` recorded included),
+    named with their values, never as the GPUs' own stock when a cap holds them lower."""
     from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
 
     def down() -> ServerSample:
         raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
@@ -454,19 +458,29 @@ def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml) -> No
     def bare() -> ServerSample:
         raise ScrapeError("http://127.0.0.1:1/metrics answered 404: start SGLang with X")
 
+    state = tmp_path / "state"
     with open_gpus([0, 1]) as gpus:
-        check_server_for_dry_run(lambda: ServerSample(0, None, None), "http://h:1", gpus)
+        check_server_for_dry_run(lambda: ServerSample(0, None, None), "http://h:1", gpus, state)
         with pytest.raises(ScrapeError) as refused:
-            check_server_for_dry_run(down, "http://127.0.0.1:1", gpus)
+            check_server_for_dry_run(down, "http://127.0.0.1:1", gpus, state)
         assert refused.value.exit_code == 1
         assert str(refused.value) == (
             "dry run: the server at http://127.0.0.1:1 is not answering (cannot read "
             "http://127.0.0.1:1/metrics: refused); the governor would hold GPU 0, GPU 1 at "
-            "stock (SM clock stock, power limit stock) until it answers. Start SGLang there "
-            "with --enable-metrics, or point --url at it"
+            "stock, the static caps in force (GPU 0, GPU 1: SM clock unlocked, power limit "
+            "700 W) until it answers. Start SGLang there with --enable-metrics, or point --url "
+            "at it"
         )
         with pytest.raises(ScrapeError, match=r"answered 404: start SGLang with X; the gov"):
-            check_server_for_dry_run(bare, "http://127.0.0.1:1", gpus)
+            check_server_for_dry_run(bare, "http://127.0.0.1:1", gpus, state)
+        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1500]})
+        with pytest.raises(ScrapeError) as capped:
+            check_server_for_dry_run(down, "http://127.0.0.1:1", gpus, state)
+        assert (
+            "the governor would hold GPU 0, GPU 1 at stock, the static caps in force (GPU 0: "
+            "SM clock locked 210-1500 MHz, power limit 700 W; GPU 1: SM clock unlocked, power "
+            "limit 700 W) until it answers"
+        ) in str(capped.value)
     assert nvml.fake_calls() == []
 
 

@@ -448,7 +448,10 @@ def test_a_dry_run_whose_server_is_down_says_so_in_one_line(
         f"Error: dry run: the server at {shown} is not answering (cannot read {shown}/metrics: "
     )
     assert "pw-1" not in line
-    assert "the governor would hold GPU 0 at stock (SM clock stock, power limit stock)" in line
+    assert (
+        "the governor would hold GPU 0 at stock, the static caps in force (GPU 0: SM clock "
+        "unlocked, power limit 700 W)"
+    ) in line
     assert line.endswith("Start SGLang there with --enable-metrics, or point --url at it")
     assert nvml.fake_calls() == []
 

@@ -262,6 +262,15 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
     np.testing.assert_array_equal(h100["tpot_ms"].values, one["tpot_ms"].values)
     # The H200 reads weights faster: lower latency at every setting.
     assert (merged["tpot_ms"].isel(gpu=1) < merged["tpot_ms"].isel(gpu=0)).all()
+    # Each model's cube names the twin profile its GPUs ran (the journals hold the campaign's
+    # gpu.profile, h100-sxm, for both), so `dvfs twin fit` of the H200's starts from the H200.
+    for journal, key in zip(journals, ("h100-sxm:none", "h200-sxm:none"), strict=True):
+        assert open_cube(journal.parent / "cube.nc").attrs["twin_profile"] == key
+        fit = CliRunner().invoke(
+            cli, ["twin", "fit", str(journal.parent), "-o", str(tmp_path / f"{key}.toml")]
+        )
+        said = " ".join(fit.output.split())
+        assert fit.exit_code == 0 and f"(base {key.split(':')[0]}" in said, fit.output
     # The journals alone resume: nothing left to run.
     again = sweep(str(runs / "campaign.toml"), "--gpus", "0-1,h200-sxm:0-1", "--out", str(out))
     assert again.exit_code == 0 and "144 already done" in again.output

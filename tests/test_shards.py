@@ -370,6 +370,15 @@ def test_more_shards_than_comparison_groups_is_refused_before_a_journal_is_made(
                 result, 2, f"has {groups} comparison groups", f"at most {groups} shards"
             )
     assert not (tmp_path / "out").exists()  # nor the folder (it once kept its sweep.lock)
+    # `dvfs doctor` of that shard fails it as the sweep refuses it, exit 2 (it once passed)
+    for n, code in ((groups + 1, 2), (groups, 0)):
+        doctor = invoke("doctor", str(campaign), "--shard", f"0/{n}", "--json")
+        assert doctor.exit_code == code, doctor.output
+        failed = [c["detail"] for c in json.loads(doctor.output) if c["status"] == "fail"]
+        if code:
+            assert len(failed) == 1 and f"at most {groups} shards" in failed[0], failed
+        else:
+            assert failed == [], failed
     # (no estimate: a sweep of the twin stand-in, which this check does not read)
     last = invoke(
         "sweep", str(campaign), "--shard", f"{groups - 1}/{groups}", "--dry-run", "--no-estimate"

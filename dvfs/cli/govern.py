@@ -208,13 +208,15 @@ def govern(
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
     visible = job_gpus("--gpu with {listed}")
+    # A dry run (no root needed) reads the static caps where root recorded them.
+    records = state_dir or (records_dir() if dry_run else default_state_dir())
     with (
         ServerReader(url, _timeout(interval)) as scraper,
         open_gpus(parse_devices(devices), visible=visible) as gpus,
     ):
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
-            check_server_for_dry_run(scraper, url, gpus)
+            check_server_for_dry_run(scraper, url, gpus, records)
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
             f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
@@ -231,8 +233,7 @@ def govern(
                 live=live,
                 note=note,
                 dry_run=dry_run,
-                # A dry run (no root needed) reads the static caps where root recorded them.
-                state_dir=state_dir or (records_dir() if dry_run else default_state_dir()),
+                state_dir=records,
             )
     if dry_run:
         note(f"dry run stopped: {changes} change(s) would have been made, none was")

@@ -251,6 +251,16 @@ def sweep(
     groups = sweep_groups(campaign, gpus_spec)
     if executor != "ray":  # before any GPU is touched; Ray's actors get the GPUs Ray gives them
         check_job_gpus(campaign, [d for g in groups for d in g])
+    from dvfs.fleet.folders import fleet_journal
+
+    # --fresh moves the folder's journals aside unread: a damaged one must not stop it.
+    as_fleet = len(groups) > 1 or executor == "ray" or (not fresh and fleet_journal(out_dir))
+    if gpus_spec and not as_fleet:
+        from dvfs.fleet.devices import for_group
+
+        # One group of --gpus, not a fleet: the campaign runs on it (its devices, a twin
+        # group's profile), and the dry run plans that campaign, as the sweep then runs it.
+        campaign = for_group(campaign, groups[0])
     if dry_run:
         import sys
 
@@ -295,10 +305,7 @@ def sweep(
         if report["problems"]:
             raise SystemExit(plan.exit_code)
         return
-    from dvfs.fleet.folders import fleet_journal
-
-    # --fresh moves the folder's journals aside unread: a damaged one must not stop it.
-    if len(groups) > 1 or executor == "ray" or (not fresh and fleet_journal(out_dir)):
+    if as_fleet:
         outcome = run_fleet(
             campaign,
             out_dir,
@@ -310,10 +317,6 @@ def sweep(
             address=address,
         )
     else:
-        if gpus_spec:
-            from dvfs.fleet.devices import for_group
-
-            campaign = for_group(campaign, groups[0])
         outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)

@@ -317,6 +317,25 @@ def _all_gpus(journal: JournalContents) -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def _twin_profile_run(profile: str, gpu_name: str) -> str:
+    """The twin profile (`KEY:TRAPS`) a twin GPU named `gpu_name` ran, where `profile` is the
+    campaign's gpu.profile: that, unless the GPU is the twin of another shipped profile (a
+    fleet mixing models, `--gpus 0,h200-sxm:0`, journals every model under the campaign's
+    profile), then that profile with the campaign's trap list. A profile that is not shipped
+    (one lent from a file to `twin predict`) is kept. (Here, not in `dvfs.twin`, whose files
+    are the twin's identity.)"""
+    from dvfs.twin.profiles import gpu_profiles
+
+    base, sep, traps = profile.partition(":")
+    profiles = gpu_profiles()
+    if base not in profiles or gpu_name == f"{profiles[base].nvml_name} (twin)":
+        return profile
+    for key, other in profiles.items():
+        if gpu_name == f"{other.nvml_name} (twin)":
+            return key + sep + traps
+    return profile
+
+
 def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
     header, session = journal.header, journal.sessions[-1]
     if header.campaign_name is None or header.campaign_hash is None:
@@ -343,7 +362,9 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "gpu_count": len(gpus),
         "driver_version": gpus[0]["driver_version"],
         "memory_clock_mhz": gpus[0]["memory_clock_mhz"],
-        "twin_profile": facts.twin_profile,
+        # the campaign's, or the profile of the model this journal's GPUs are (a fleet
+        # mixing twin models journals each under the campaign's gpu.profile)
+        "twin_profile": _twin_profile_run(facts.twin_profile, str(gpus[0]["name"])),
         "engine_backend": session.engine_backend,
         "engine_version": ", ".join(versions),
         "server_args": json.dumps(servers, sort_keys=True),

@@ -31,7 +31,7 @@ from dvfs.govern.metrics import (
     read_gpu,
     server_energy_per_token,
 )
-from dvfs.govern.plan import STOCK, BatchPlan, Setting
+from dvfs.govern.plan import BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
@@ -210,15 +210,21 @@ def check_plan_against(
                 raise CapsError(f"{where}: step batch {step.batch}: {problem}")
 
 
-def check_server_for_dry_run(scraper: Scraper, url: str, gpus: Sequence[Gpu]) -> None:
+def check_server_for_dry_run(
+    scraper: Scraper, url: str, gpus: Sequence[Gpu], state_dir: Path | None
+) -> None:
     """A dry run previews what the plan does with the server's load. With a server that does
     not answer there is no load to preview, so say so once, with what the governor would do
-    and the fix, rather than print a fallback to stock as if it were a decision (exit 1)."""
+    (hold its stock: the static caps in force, as dvfs's records in `state_dir` and the GPUs
+    say them) and the fix, rather than print a fallback to stock as if it were a decision
+    (exit 1)."""
     try:
         scraper()
     except ScrapeError as exc:
         names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
-        would = f"the governor would hold {names} at stock ({STOCK.describe()})"
+        ceilings = static_caps(gpus, None, state_dir)
+        caps = per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
+        would = f"the governor would hold {names} at stock, the static caps in force ({caps})"
         if isinstance(exc, ServerDownError):
             raise ScrapeError(
                 f"dry run: the server at {redact_url(url)} is not answering ({exc}); {would} "
