@@ -101,16 +101,24 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
             )
 
 
-def check_same_prompts(journal: Journal, corpora: dict[str, Corpus], count_method: str) -> None:
+def check_same_prompts(
+    journal: Journal, corpora: dict[str, Corpus], count_method: str, campaign: Campaign
+) -> None:
     """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
-    (`dvfs.records.prompt_changes`): a corpus edited since, another token-count method (the
+    (`dvfs.records.prompt_changes`): a corpus edited since, the same corpus counted otherwise
+    (another revision of the tokenizer: `pool_hash`), another token-count method (the
     journal's is reproduced, `recorded_count_method`, so only where its sessions already
     differ); the arms would compare prompts. The prompt format is the servers' to check, once
     one has started (`Runner._check_prompt_format`)."""
+    from dvfs.corpora.sampling import pool_hash
     from dvfs.records import prompt_changes
 
+    lengths = campaign.workload.input_tokens
     now = {
-        "corpora": {name: {"content_hash": c.content_hash} for name, c in corpora.items()},
+        "corpora": {
+            name: {"content_hash": c.content_hash, "pool_hash": pool_hash(c, lengths)}
+            for name, c in corpora.items()
+        },
         "token_count_method": count_method,
     }
     for session in journal.sessions:
@@ -591,7 +599,7 @@ def _measure(
             )
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
-            check_same_prompts(journal, corpora, count_method)
+            check_same_prompts(journal, corpora, count_method, campaign)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
             runner = Runner(
                 campaign,

@@ -49,6 +49,12 @@ class EveryWord(WordTokenizer):
     step = 1
 
 
+class EveryOtherWord(WordTokenizer):
+    """EveryWord's model at another revision: the same chat template, other counts."""
+
+    step = 2
+
+
 def _cached_once_a_server_ran(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
     """The loader of a fresh machine: no tokenizer until a server (its log in `out`) has run
     and fetched the model."""
@@ -256,3 +262,28 @@ def test_the_groups_measured_under_two_methods_are_named_in_order() -> None:
     method[1, 0, 0, 1, 0, 0] = 1
     method[0, 0, 0, 0, 0, 1] = 1
     assert _mixed_groups(counted) == []
+
+
+def test_a_journal_counted_by_another_revision_of_its_tokenizer_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same model's tokenizer, but another revision (the cache updated between the runs,
+    its chat template unchanged): the counts change, so other prompts fit the input lengths and
+    the resumed arms would be sent other prompts than the journal's, under the same method
+    name ("tokenizer of MODEL"). Refused, naming the corpora whose counts changed."""
+    campaign, out = _setup(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    assert sweep(campaign, out).exit_code == 0
+    (session,) = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    assert all(c["pool_hash"] for c in session["corpora"].values())
+    _cut(out / "journal.jsonl", 8)
+    before = (out / "journal.jsonl").read_text()
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryOtherWord())
+    assert_one_line_error(
+        sweep(campaign, out), 1, "corpus 'mine' token counts: ", "the tokenizer", "--fresh"
+    )
+    assert (out / "journal.jsonl").read_text() == before
+    # the same revision again resumes
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    resumed = sweep(campaign, out)
+    assert resumed.exit_code == 0, resumed.output

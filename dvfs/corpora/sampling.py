@@ -4,6 +4,7 @@ and for `dvfs corpus show` (a seeded preview, with the corpus's statistics)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import statistics
 import weakref
@@ -93,6 +94,18 @@ def eligible_prompts(corpus: Corpus, input_tokens: tuple[int, int]) -> tuple[Pro
     """The corpus's distinct prompts fitted to the range, in corpus order (the first of those
     with the same messages; computed once per corpus)."""
     return _fitted(corpus, input_tokens).pool
+
+
+def pool_hash(corpus: Corpus, input_tokens: tuple[int, int]) -> str:
+    """SHA-256 over the prompts a sweep draws from (`eligible_prompts`) with their token
+    counts: equal content with another tokenizer (a new revision of the same model's) may fit
+    other prompts to the input lengths, trim them elsewhere, or give the twin other lengths,
+    which the corpus's content hash does not see."""
+    digest = hashlib.sha256()
+    for prompt in eligible_prompts(corpus, input_tokens):
+        digest.update(json.dumps([prompt.as_chat(), prompt.input_tokens]).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
 
 
 def sample_prompts(

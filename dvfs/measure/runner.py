@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
 from dvfs.corpora import Corpus, sample_prompts
-from dvfs.corpora.sampling import eligible_prompts, stable_seed
+from dvfs.corpora.sampling import eligible_prompts, pool_hash, stable_seed
 from dvfs.engines.base import ROUND_END, Engine, RoundResult, ServerInfo, Workload, load_of
 from dvfs.errors import (
     CorpusError,
@@ -391,6 +391,7 @@ class Runner:
                 name: {
                     "source": c.source,
                     "content_hash": c.content_hash,
+                    "pool_hash": pool_hash(c, self.campaign.workload.input_tokens),
                     "prompts": len(c.prompts),
                     # What the twin's acceptance reads from the text.
                     "text": texts[name].provenance() if name in texts else None,

@@ -475,27 +475,37 @@ def _gpu_values(session: Mapping[str, Any], key: str) -> list[str]:
     return sorted({str(g.get(key)) for g in session.get("gpus") or ()})
 
 
-def corpus_hashes(corpora: Any) -> dict[str, str]:
-    """Each corpus's content hash from a session's (or cube's) `corpora`; those without one
-    (an older record) left out."""
+def corpus_hashes(corpora: Any, key: str = "content_hash") -> dict[str, str]:
+    """Each corpus's content hash (or its `key`: "pool_hash") from a session's (or cube's)
+    `corpora`; those without one (an older record) left out."""
     if not isinstance(corpora, Mapping):
         return {}
     return {
-        str(name): str(c["content_hash"])
+        str(name): str(c[key])
         for name, c in corpora.items()
-        if isinstance(c, Mapping) and c.get("content_hash")
+        if isinstance(c, Mapping) and c.get(key)
     }
 
 
 def corpus_changes(before: Any, now: Any) -> list[str]:
-    """The corpora, named in both, whose content differs ("corpus 'code' content: A -> B"):
-    their prompts are not the same prompts."""
+    """The corpora, named in both, whose content differs ("corpus 'code' content: A -> B"),
+    or, with the same content, whose prompts fitted to the input lengths and their token
+    counts do (`dvfs.corpora.sampling.pool_hash`: another tokenizer revision): their prompts
+    are not the same prompts."""
     old, new = corpus_hashes(before), corpus_hashes(now)
-    return [
+    changes = [
         f"corpus {name!r} content: {old[name]} -> {new[name]}"
         for name in sorted(old.keys() & new.keys())
         if old[name] != new[name]
     ]
+    old_pool, new_pool = corpus_hashes(before, "pool_hash"), corpus_hashes(now, "pool_hash")
+    changes += [
+        f"corpus {name!r} token counts: {old_pool[name]} -> {new_pool[name]} (the same text "
+        "counted otherwise: another revision of the tokenizer)"
+        for name in sorted(old_pool.keys() & new_pool.keys())
+        if old_pool[name] != new_pool[name] and old.get(name) == new.get(name)
+    ]
+    return changes
 
 
 def journal_prompts(records: Iterable[Mapping[str, Any]]) -> tuple[str, str]:

@@ -25,6 +25,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were;
       likewise a cell's and a session's optional `idle_foreign_processes`: those seen right
       before or after the idle baseline the cell subtracts (the session's: its opening one).
+      A session's corpora entries' optional `pool_hash` (within 3): the prompts fitted to the
+      input lengths with their token counts (`dvfs.corpora.sampling.pool_hash`).
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
