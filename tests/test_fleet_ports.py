@@ -252,6 +252,7 @@ def test_a_port_taken_after_the_claim_moves_the_worker(
     monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
     monkeypatch.setattr(engine, "launch_argv", taken_at_start)
     monkeypatch.setattr(engine, "PORT_SETTLE_S", 0.2)  # held for good: nothing to wait out
+    monkeypatch.setattr("dvfs.engines.sglang_client.HEALTH_PROBE_S", 0.5)  # a silent holder
     out = tmp_path / "out"
     try:
         result = sweep(str(path), "--gpus", "0-1", "--out", str(out))
@@ -314,6 +315,8 @@ def test_a_worker_moves_a_bounded_number_of_times(
 
     monkeypatch.setattr(node_ports, "claimed_ports", claim_then_taken)
     monkeypatch.setattr("dvfs.engines.sglang.PORT_SETTLE_S", 0.2)  # held for good
+    # the servers' health requests reach the silent holder: no need to wait long on it
+    monkeypatch.setattr("dvfs.engines.sglang_client.HEALTH_PROBE_S", 0.5)
     out = tmp_path / "out"
     try:
         result = sweep(str(path), "--gpus", "0-1", "--out", str(out))

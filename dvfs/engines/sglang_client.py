@@ -29,6 +29,9 @@ from dvfs.redact import redact_url
 #: How long an aborted request's stream may go on before the client disconnects it (s): SGLang
 #: drops an aborted request at its next scheduler step, so its final chunk comes at once.
 ABORT_GRACE_S = 5.0
+#: How long one /health request may wait for an answer: a server that loads answers at once
+#: (503) or refuses the connection; a listener that answers nothing is not it.
+HEALTH_PROBE_S = 5.0
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
 ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
 PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
@@ -181,10 +184,11 @@ class SglangClient:
             return client.get(self.base_url + path)
 
     def health_status(self) -> int | None:
-        """HTTP status of /health, or None while nothing listens."""
+        """HTTP status of /health, or None while nothing listens (or nothing answers within
+        `HEALTH_PROBE_S`)."""
         httpx = _httpx()
         try:
-            return int(self._get("/health", timeout_s=5.0).status_code)
+            return int(self._get("/health", timeout_s=HEALTH_PROBE_S).status_code)
         except httpx.HTTPError:
             return None
 
