@@ -289,8 +289,8 @@ def _workers(
     groups: Sequence[Group], by_group: Sequence[Sequence[Gpu]], models: list[str]
 ) -> Check:
     """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
-    model: the fleet refuses a group spanning two models (exit 2); one such server alone is
-    swept, and its cube then refused (its GPUs do not compare). `models` gets each group's."""
+    model: the sweep refuses a group spanning two models (exit 2), a fleet's or its one
+    server's, in `one_model`'s words. `models` gets each group's."""
     from dvfs.fleet.devices import group_label, one_model
 
     shown = []
@@ -300,7 +300,7 @@ def _workers(
                 group_label(group), [(g.identity.index, g.identity.name) for g in gpus]
             )
         except CampaignError as exc:
-            return Check("workers", FAIL, str(exc), invalid=len(groups) > 1)
+            return Check("workers", FAIL, str(exc), invalid=True)
         models.append(model)
         shown.append(f"{group_label(group)} ({model})")
     workers = f"{len(groups)} workers" if len(groups) > 1 else "1 worker"

@@ -148,8 +148,9 @@ def for_group(campaign: Campaign, group: Group) -> Campaign:
 def one_model(worker: str, gpus: Sequence[tuple[int, str]]) -> str:
     """The GPU model of one server's GPUs (`worker`, as `group_label` names it; each GPU's
     NVML index and model, in order): a tensor-parallel server runs on one model, so GPUs of
-    two are a `CampaignError` (exit 2) naming each GPU's, in the words a fleet and `dvfs
-    doctor` refuse it with (their cells would not compare, and the cube would be refused)."""
+    two are a `CampaignError` (exit 2) naming each GPU's, in the words the sweep (one server,
+    `dvfs.sweep.check_server_gpus`), a fleet and `dvfs doctor` refuse it with, before anything
+    is measured (their cells would not compare, and the cube would be refused)."""
     names = {name for _, name in gpus}
     if len(names) > 1:
         shown = ", ".join(f"GPU {index}: {name}" for index, name in gpus)
