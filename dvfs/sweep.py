@@ -578,7 +578,7 @@ def _measure(
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
     launch_help = check_engine(campaign) if backends is None else None
-    if backends is None:
+    if backends is None:  # then the GPUs, only read: one server's of two models
         check_server_gpus(campaign, nvml=nvml)
     note = estimate_note(campaign, count_method, recorded)
     if note and progress is not None:
