@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
 from dvfs.campaign import Campaign
-from dvfs.errors import CorpusShortfallError, DvfsError
+from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
@@ -289,24 +289,20 @@ def _workers(
     groups: Sequence[Group], by_group: Sequence[Sequence[Gpu]], models: list[str]
 ) -> Check:
     """A fleet's workers (or one tensor-parallel server), one per group, each of one GPU
-    model: the fleet refuses a group spanning two models (exit 2); one such server alone is
-    swept, and its cube then refused (its GPUs do not compare). `models` gets each group's."""
-    from dvfs.fleet.devices import group_label
+    model: the sweep refuses a group spanning two models (exit 2), a fleet's or its one
+    server's, in `one_model`'s words. `models` gets each group's."""
+    from dvfs.fleet.devices import group_label, one_model
 
     shown = []
     for group, gpus in zip(groups, by_group, strict=True):
-        names = sorted({g.identity.name for g in gpus})
-        if len(names) > 1:
-            return Check(
-                "workers",
-                FAIL,
-                f"worker {group_label(group)} spans GPUs of different models "
-                f"({', '.join(names)}); a tensor-parallel group is one model: group GPUs of "
-                "one model (--gpus, or gpu.devices)",
-                invalid=len(groups) > 1,
+        try:
+            model = one_model(
+                group_label(group), [(g.identity.index, g.identity.name) for g in gpus]
             )
-        models.append(names[0])
-        shown.append(f"{group_label(group)} ({names[0]})")
+        except CampaignError as exc:
+            return Check("workers", FAIL, str(exc), invalid=True)
+        models.append(model)
+        shown.append(f"{group_label(group)} ({model})")
     workers = f"{len(groups)} workers" if len(groups) > 1 else "1 worker"
     return Check("workers", OK, f"{workers}: {', '.join(shown)}")
 

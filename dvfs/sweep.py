@@ -26,6 +26,7 @@ from dvfs.backends import (
     ServerPlan,
     check_engine,
     open_backends,
+    open_campaign_gpus,
     real_gpus,
     server_plans,
 )
@@ -585,6 +586,8 @@ def _measure(
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
     launch_help = check_engine(campaign) if backends is None else None
+    if backends is None:  # then the GPUs, only read: one server's of two models
+        check_server_gpus(campaign, nvml=nvml)
     note = estimate_note(campaign, count_method, recorded)
     if note and progress is not None:
         progress.note(note)
@@ -614,6 +617,22 @@ def _measure(
             )
             summary = runner.run(cells)
     return summary, journal.path
+
+
+def check_server_gpus(campaign: Campaign, *, nvml: ModuleType | None = None) -> None:
+    """Refuse, before the journal is made or the server started, a server on real GPUs of two
+    models (`dvfs.fleet.devices.one_model`, as a fleet and `dvfs doctor` refuse it): its cells
+    would not compare, and the cube was refused only once every cell was measured. The GPUs
+    are opened to read their models, and closed; one GPU, or the twin's (one profile), has
+    nothing to check."""
+    if not real_gpus(campaign) or len(campaign.gpu.devices) < 2:
+        return
+    from dvfs.clock import MonotonicClock
+    from dvfs.fleet.devices import group_label, one_model
+
+    with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
+        named = [(g.identity.index, g.identity.name) for g in gpus]
+    one_model(group_label(tuple(campaign.gpu.devices)), named)
 
 
 def claim_shard(journal: Journal, shard: Shard | None) -> None:

@@ -201,10 +201,9 @@ def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpu
 def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`engine.tp_size = 2` on an H100 and an H200: the sweep of that one server measured
-    every cell and then refused its cube (the GPUs do not compare), and a fleet of such
-    groups (`--gpus 0-3`) is refused, exit 2; doctor passed both. It fails them now (exit 1
-    and 2, as the sweep), and passes `--gpus 0,2`, one model."""
+    """`engine.tp_size = 2` on an H100 and an H200: the sweep refuses that one server and a
+    fleet of such groups (`--gpus 0-3`), exit 2; doctor passed both. It fails them now (exit
+    2, as the sweep), and passes `--gpus 0,2`, one model."""
     from nvml_support import NVML_CAMPAIGN
 
     fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm,h100-sxm,h200-sxm")
@@ -223,9 +222,9 @@ def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
         )
         return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}["workers"]
 
-    for args, code in (((), 1), (("--gpus", "0-3"), 2)):
+    for args in ((), ("--gpus", "0-3")):
         got, workers = doctor(*args)
-        assert (got, workers["status"]) == (code, "fail"), (args, workers)
+        assert (got, workers["status"]) == (2, "fail"), (args, workers)
         assert "worker gpu0+1 spans GPUs of different models" in workers["detail"]
     fleet = dvfs_in_process(
         "sweep", str(path), "--gpus", "0-3", "--out", str(tmp_path / "o"), "--no-progress", env=env
@@ -233,6 +232,46 @@ def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
     assert fleet.returncode == 2 and "spans GPUs of different models" in fleet.stderr
     got, workers = doctor("--gpus", "0,2")
     assert got == 0 and workers["detail"] == "1 worker: gpu0+2 (NVIDIA H100 80GB HBM3)", workers
+
+
+def test_a_sweep_whose_server_spans_two_gpu_models_is_refused_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One SGLang server (`engine.tp_size = 2`, no fleet) on an H100 and an H200: the sweep
+    started it, measured every cell, then refused the cube (its GPUs do not compare). It is
+    refused now before the journal is made or the server started, exit 2, in doctor's line
+    naming each GPU's model (`--gpus 0-1` too, the same server); GPUs of one model sweep."""
+    devices = "h100-sxm,h200-sxm,h100-sxm"
+    nv = fresh_fake(tmp_path, monkeypatch, devices)
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        gpu='backend = "nvml"\ndevices = [0, 1]',
+    )
+    path.write_text(path.read_text().replace("[engine.sglang]", "tp_size = 2\n\n[engine.sglang]"))
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices, DVFS_FAKE_NVML_ROOT="1")
+    checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "c"), "--json", env=env)
+    said = {c["name"]: c for c in json.loads(checked.stdout)}["workers"]["detail"]
+    names = [nv.FAKE_PROFILES[d["profile"]]["name"] for d in nv.fake_state()["devices"]]
+    assert f"(GPU 0: {names[0]}, GPU 1: {names[1]})" in said and names[0] != names[1]
+
+    for args in ((), ("--gpus", "0-1")):
+        out = tmp_path / "out"
+        swept = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), *args, "--no-progress", env=env
+        )
+        assert swept.returncode == 2, (args, swept.stdout + swept.stderr)
+        assert swept.stderr.strip() == f"Error: {said}", args
+        assert not out.exists()  # no journal, no server log: nothing began
+        assert running(marker) == []
+    assert checked.returncode == 2  # as the sweep refuses it
+
+    out = tmp_path / "one-model"
+    swept = dvfs_in_process("sweep", str(path), "--gpus", "0,2", "--out", str(out), env=env)
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert (out / "cube.nc").is_file() and running(marker) == []
 
 
 def test_nvml_without_process_lists_leaves_the_server_unverified(

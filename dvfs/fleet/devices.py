@@ -145,6 +145,22 @@ def for_group(campaign: Campaign, group: Group) -> Campaign:
     return dataclasses.replace(campaign, gpu=gpu)
 
 
+def one_model(worker: str, gpus: Sequence[tuple[int, str]]) -> str:
+    """The GPU model of one server's GPUs (`worker`, as `group_label` names it; each GPU's
+    NVML index and model, in order): a tensor-parallel server runs on one model, so GPUs of
+    two are a `CampaignError` (exit 2) naming each GPU's, in the words the sweep (one server,
+    `dvfs.sweep.check_server_gpus`), a fleet and `dvfs doctor` refuse it with, before anything
+    is measured (their cells would not compare, and the cube would be refused)."""
+    names = {name for _, name in gpus}
+    if len(names) > 1:
+        shown = ", ".join(f"GPU {index}: {name}" for index, name in gpus)
+        raise CampaignError(
+            f"worker {worker} spans GPUs of different models ({shown}); a tensor-parallel "
+            "group is one model: group GPUs of one model (--gpus, or gpu.devices)"
+        )
+    return names.pop()
+
+
 def group_label(group: Group) -> str:
     """How progress and the journal name a worker: `gpu0`, `gpu2+3`, or a short UUID."""
     profile = _profile_of(group)

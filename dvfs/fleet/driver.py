@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, JournalError
 from dvfs.fleet.cubes import write_cubes
-from dvfs.fleet.devices import Group, group_label
+from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.folders import extra_repeats, journals_done, model_journals
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
@@ -506,13 +506,8 @@ class Fleet:
         )
         by_model: dict[str, list[dict[str, Any]]] = {}
         for session in sessions:
-            names = {g["name"] for g in session["gpus"]}
-            if len(names) > 1:
-                raise CampaignError(
-                    f"worker {session.get('worker')} spans GPUs of different models "
-                    f"({', '.join(sorted(names))}); a tensor-parallel group is one model"
-                )
-            by_model.setdefault(names.pop(), []).append(session)
+            gpus = [(int(g["index"]), str(g["name"])) for g in session["gpus"]]
+            by_model.setdefault(one_model(str(session.get("worker")), gpus), []).append(session)
         paths = model_journals(self.out_dir, by_model)
         mixed = paths[0].parent != self.out_dir
         for model, path in zip(sorted(by_model), paths, strict=True):
