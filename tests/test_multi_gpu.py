@@ -196,6 +196,7 @@ def test_gpu_lists() -> None:
         ("zero", "neither a GPU index"),
         ("0-2", "do not split into servers of engine.tp_size = 2"),
         ("0,h200-sxm:0", "one GPU model per group"),
+        ("1,h100-sxm:1", "names a GPU twice"),  # the campaign's own profile: its GPU 1
         ("nope:0-1", "unknown twin profile 'nope'"),
     ],
 )
@@ -209,6 +210,20 @@ def test_bad_gpu_lists_are_one_line(spec: str, why: str, tmp_path: Path) -> None
     checked = CliRunner().invoke(cli, ["doctor", str(campaign), "--gpus", spec])
     assert checked.exit_code == 2, checked.output
     assert checked.output.strip().splitlines()[-1] == result.output.strip(), checked.output
+
+
+def test_the_campaigns_own_profile_named_is_its_plain_index(tmp_path: Path) -> None:
+    """On an h100-sxm twin campaign, `h100-sxm:1` is its GPU 1: grouped with a plain `0` it is
+    one model (it was refused as two)."""
+    tp = replace_block(CAMPAIGN, 'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    path = write(tmp_path / "c.toml", replace_block(tp, "devices = [0]", "devices = [0, 1]"))
+    campaign = load_campaign(path)
+    assert worker_groups(campaign, parse_gpus("0,h100-sxm:1")) == [(0, 1)]
+    assert worker_groups(campaign, parse_gpus("h200-sxm:0-1")) == [
+        ("h200-sxm:none:0", "h200-sxm:none:1")
+    ]
+    planned = sweep(str(path), "--gpus", "0,h100-sxm:1", "--dry-run", "--out", str(tmp_path / "o"))
+    assert planned.exit_code == 0, planned.output
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,9 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
                 gpu_profile(profile)
             except ValueError as exc:
                 raise CampaignError(f"--gpus: twin profile {profile!r}: {exc}") from None
-        gpus = [d if isinstance(d, int) else _with_campaign_traps(campaign, d) for d in gpus]
+        gpus = [d if isinstance(d, int) else _own_index(campaign, d) for d in gpus]
+        if len(set(gpus)) != len(gpus):
+            raise CampaignError(f"--gpus {', '.join(map(str, gpus))} names a GPU twice")
     elif any(isinstance(d, str) and ":" in d for d in gpus):
         raise CampaignError(
             "--gpus PROFILE:INDEX names twin GPUs; real GPUs are named by index or UUID"
@@ -109,6 +111,15 @@ def _with_campaign_traps(campaign: Campaign, device: str) -> str:
             f"write {base}:{index} to keep the campaign's traps, or change gpu.profile"
         )
     return f"{base}:{ours_spec}:{index}" if ours_spec else f"{base}:{index}"
+
+
+def _own_index(campaign: Campaign, device: str) -> int | str:
+    """A twin `PROFILE:INDEX` with the campaign's traps (`_with_campaign_traps`); its plain
+    index where that is the campaign's own gpu.profile (`h100-sxm:1` on an h100-sxm campaign
+    is its GPU 1, of the same model as a plain `0`)."""
+    device = _with_campaign_traps(campaign, device)
+    profile, index = device.rsplit(":", 1)
+    return int(index) if profile == campaign.gpu.profile else device
 
 
 def _profile_of(group: Group) -> str | None:
