@@ -88,6 +88,25 @@ def test_a_damaged_cube_says_how_to_rebuild_it(swept: Path, damage, says: str) -
     assert invoke("cube", "info", str(swept)).exit_code == 0
 
 
+def test_a_roofline_file_given_as_a_cube_names_what_reads_it(tmp_path: Path) -> None:
+    """A roofline file (netCDF, no cube schema) where a cube is asked for: one line naming
+    what it is and what reads it, not advice to rebuild a cube from a journal it never had."""
+    roofline = tmp_path / "roofline.nc"
+    made = invoke(
+        "gpu", "roofline", "--twin", "h100-sxm", "--tokens", "1,4096", "-o", str(roofline)
+    )
+    assert made.exit_code == 0, made.output
+    for command in (
+        ("cube", "info", str(roofline)),
+        ("headroom", str(roofline)),
+        ("report", str(roofline), "-o", str(tmp_path / "r.html")),
+        ("plot", str(roofline), "--out", str(tmp_path / "plots")),
+    ):
+        result = invoke(*command)
+        assert_one_line_error(result, 1, "is a roofline file", f"dvfs twin fit {roofline}")
+        assert "cube build" not in result.output, command
+
+
 def test_a_cube_is_as_readable_as_the_journal(tmp_path: Path) -> None:
     previous = os.umask(0o027)
     try:

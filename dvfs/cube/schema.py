@@ -200,6 +200,13 @@ def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dat
     """Refuse datasets that are not dvfs cubes of a schema this version reads."""
     then = f": {hint}" if hint else ""
     schema = ds.attrs.get("dvfs_schema")
+    if schema is None and str(ds.attrs.get("schema", "")).startswith("dvfs.roofline/"):
+        # `dvfs gpu roofline -o`'s file: nothing to rebuild, it is read elsewhere
+        raise CubeError(
+            f"{where} is a roofline file (`dvfs gpu roofline -o`), not a sweep's cube: fit the "
+            f"twin to it with `dvfs twin fit {where}`, or give it to `dvfs compare CUBE "
+            "--roofline` beside a cube"
+        )
     if schema is None:
         raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute){then}")
     try:
