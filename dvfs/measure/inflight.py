@@ -30,7 +30,9 @@ The decode is as long as its segments need, so it reaches a longer context than 
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
 energy per token and TPOT grow with it. Each level is carried to a per-level cell's context
 (half of `output_tokens` decoded) along a relative drift fitted across the group's segments
-(`context_slope`: log value = level + slope * tokens decoded + an offset per decode), each
+(`context_slope`: energy per token = level * (1 + slope * tokens decoded) * an offset per
+decode, linear as the KV cache's reads grow; TPOT = level * exp(slope * tokens decoded) *
+an offset per decode), each
 segment from its own place in the decode (`carried_factor`); the record keeps the measured
 value, the slope and the factor (`inflight.context`), and each segment's energy and tokens.
 
@@ -354,12 +356,32 @@ def settle_before(order: Sequence[Any], position: int, settle_s: float) -> float
     return settle_s
 
 
+#: How a quantity drifts with the tokens decoded (`context_slope`, `carried_factor`):
+#: "linear", value = level * (1 + slope * decoded); "exponential", value = level *
+#: exp(slope * decoded).
+DRIFTS = ("linear", "exponential")
+
+
 def context_slope(
-    values: Sequence[float], decoded: Sequence[float], segments: Sequence[Segment], levels: int
+    values: Sequence[float],
+    decoded: Sequence[float],
+    segments: Sequence[Segment],
+    levels: int,
+    drift: str = "linear",
 ) -> float:
-    """How a quantity grows with the tokens decoded (relative, per token), common to the
-    levels: log(value) fitted as level + slope * decoded + an offset per round (least
-    squares); 0 when the segments cannot tell (no finite values, or no spread in decoded)."""
+    """How a quantity grows with the tokens decoded, common to the levels: a relative slope
+    per token, fitted as value = level * drift(slope, decoded) * an offset per round (least
+    squares on the logs; `DRIFTS`); 0 when the segments cannot tell (no finite values, or no
+    spread in decoded).
+
+    Energy per token is fitted linear in the tokens decoded: each token's attention reads the
+    KV cache once more, so a pass's time (and, at a steady power, its energy) grows by about
+    a fixed amount per context token. An exponential fitted across a long decode bends the
+    wrong way and carried levels back to a short context too high (up to 2% at batch 64 on
+    the twin). TPOT keeps the exponential: on the twin its gap to per-level cells (chunks
+    inside the segments against each request's whole decode) swamps the drift's shape."""
+    if drift not in DRIFTS:
+        raise ValueError(f"unknown drift {drift!r}: choose one of {', '.join(DRIFTS)}")
     with np.errstate(divide="ignore", invalid="ignore"):  # a segment without energy: left out
         y = np.log(np.asarray(values, dtype=float))
     d = np.asarray(decoded, dtype=float)
@@ -373,22 +395,63 @@ def context_slope(
         x[i, levels] = d[i] if math.isfinite(d[i]) else 0.0
         if seg.round != rounds[0]:
             x[i, levels + rounds.index(seg.round)] = 1.0
-    x, y = x[keep], y[keep]
+    x, y, d = x[keep], y[keep], d[keep]
     used = np.flatnonzero(x.any(axis=0))
-    if levels not in used:
+    if levels not in used or np.linalg.matrix_rank(x[:, used]) < len(used):
         return 0.0
-    beta, _, rank, _ = np.linalg.lstsq(x[:, used], y, rcond=None)
-    if rank < len(used):
+    if drift == "exponential":
+        beta = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
+        return float(beta[used.tolist().index(levels)])
+    base = x[:, [c for c in used if c != levels]]
+
+    def misfit(slope: float) -> float:
+        z = y - np.log1p(slope * d)
+        beta = np.linalg.lstsq(base, z, rcond=None)[0]
+        residual = z - base @ beta
+        return float(residual @ residual)
+
+    # From a relative fall that keeps every segment's value positive to a tenfold rise over
+    # the decode; the misfit has one minimum in between.
+    top = float(d.max())
+    if top <= 0:
         return 0.0
-    return float(beta[used.tolist().index(levels)])
+    return _golden_min(misfit, -0.999 / top, 10.0 / top, 1e-6 / top)
 
 
-def _factor(slope: float, tokens: float) -> float:
-    return math.exp(slope * tokens) if math.isfinite(tokens) else 1.0
+def _golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float) -> float:
+    """Where `f` is least on [lo, hi], to within `tol`, for an `f` with one minimum there
+    (golden-section search: numpy's own, so a sweep need not import scipy)."""
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    a, b = lo, hi
+    c, e = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fe = f(c), f(e)
+    while b - a > tol:
+        if fc <= fe:
+            b, e, fe = e, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, e, fe
+            e = a + ratio * (b - a)
+            fe = f(e)
+    return (a + b) / 2.0
+
+
+def _factor(slope: float, target: float, decoded: float, drift: str) -> float:
+    """What carries a value from `decoded` tokens decoded to `target` along `slope`."""
+    if not math.isfinite(decoded):
+        return 1.0
+    if drift == "exponential":
+        return math.exp(slope * (target - decoded))
+    return (1.0 + slope * target) / (1.0 + slope * decoded)
 
 
 def carried_factor(
-    slope: float, target: float, decoded: Sequence[float], weights: Sequence[float]
+    slope: float,
+    target: float,
+    decoded: Sequence[float],
+    weights: Sequence[float],
+    drift: str = "linear",
 ) -> float:
     """The factor that carries a level's pooled value to `target` tokens decoded: each
     segment carried from its own position (`decoded`), weighted by its share of the pool
@@ -397,7 +460,7 @@ def carried_factor(
     segments' plain mean position would misplace it where the drift is strong. 1 where no
     segment has both."""
     pairs = [
-        (w, _factor(slope, target - d))
+        (w, _factor(slope, target, d, drift))
         for d, w in zip(decoded, weights, strict=True)
         if math.isfinite(d) and math.isfinite(w) and w > 0
     ]
@@ -675,7 +738,9 @@ def _measure_group(
     energy_slope = context_slope(
         [s.energy_per_token_j for s in measured], decoded, segments, len(cells)
     )
-    tpot_slope = context_slope([s.tpot_ms for s in measured], decoded, segments, len(cells))
+    tpot_slope = context_slope(
+        [s.tpot_ms for s in measured], decoded, segments, len(cells), "exponential"
+    )
     records = []
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
@@ -684,7 +749,7 @@ def _measure_group(
         places = [s.decoded_tokens for s in mine]
         energy_factor = carried_factor(energy_slope, target, places, [s.energy_j for s in mine])
         spans = [(s.window[1] - s.window[0]) * 1e-9 if s.window else math.nan for s in mine]
-        tpot_factor = carried_factor(tpot_slope, target, places, spans)
+        tpot_factor = carried_factor(tpot_slope, target, places, spans, "exponential")
         measured_j = cm.energy_per_token_j
         cm = replace(
             cm,
@@ -728,6 +793,9 @@ def _measure_group(
                 "energy_per_token_measured_j": _finite_or_none(measured_j),
                 "energy_per_token_slope_per_1k_tokens": _finite_or_none(1000 * energy_slope),
                 "tpot_slope_per_1k_tokens": _finite_or_none(1000 * tpot_slope),
+                # value = level * (1 + slope * decoded), and * exp(slope * decoded)
+                "energy_per_token_drift": "linear",
+                "tpot_drift": "exponential",
                 "energy_factor": energy_factor,
                 "tpot_factor": tpot_factor,
             },
