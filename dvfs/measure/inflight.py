@@ -37,7 +37,12 @@ segment from its own place in the decode (`carried_factor`); the record keeps th
 value, the slope and the factor (`inflight.context`), and each segment's energy and tokens.
 
 Limits: fixed batches only; a nonlinear drift cancels only in part, and the context factor
-assumes one relative slope for every level (its uncertainty is not in the interval).
+assumes one relative slope for every level (its uncertainty is not in the interval): a level
+whose own drift differs (a power cap that binds only as the context grows) is carried along
+the levels' common one. Slopes fitted per level were tried: on the twin they carry such
+levels right but amplify whatever a level's early and late segments hold besides a straight
+drift (a capped level's bending one: 1980 MHz at 200 W, batch 64, came out 1.6% low; a
+counter's millijoule: 0.09% between executors).
 
 The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 
@@ -377,7 +382,7 @@ def context_slope(
     Energy per token is fitted linear in the tokens decoded: each token's attention reads the
     KV cache once more, so a pass's time (and, at a steady power, its energy) grows by about
     a fixed amount per context token. An exponential fitted across a long decode bends the
-    wrong way and carried levels back to a short context too high (up to 2% at batch 64 on
+    wrong way and carried levels back to a short context too high (up to 2.1% at batch 64 on
     the twin). TPOT keeps the exponential: on the twin its gap to per-level cells (chunks
     inside the segments against each request's whole decode) swamps the drift's shape."""
     if drift not in DRIFTS:
