@@ -64,7 +64,10 @@ def check_campaign(
 
     given = groups is not None
     groups = list(groups) if groups is not None else worker_groups(campaign)
-    fleet = len(groups) > 1 or fleet_journal(out_dir)
+    try:
+        fleet = len(groups) > 1 or fleet_journal(out_dir)
+    except (DvfsError, OSError):  # a damaged journal: the output folder check says so
+        fleet = len(groups) > 1
     # What the sweep runs: its one group's campaign (--gpus on one group), else the campaign
     # (a fleet's workers each run their group's; the folder is the campaign's).
     swept = for_group(campaign, groups[0]) if given and not fleet else campaign

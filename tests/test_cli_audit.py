@@ -149,6 +149,22 @@ def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_
     assert code == 1 and "in use by another dvfs sweep" in checks["output folder"]["detail"]
 
 
+def test_doctor_reports_every_check_beside_a_damaged_journal(tmp_path: Path) -> None:
+    """A folder whose journal is damaged fails the output folder check with the sweep's
+    refusal; the doctor still runs and reports its other checks (it stopped at the journal
+    with one error line, and `--json` printed no JSON)."""
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "journal.jsonl").write_text("garbage\n")
+    code, checks = _doctor_checks(tiny, folder)
+    assert code == 1, checks
+    assert checks["output folder"]["status"] == "fail", checks
+    assert "not a dvfs journal" in checks["output folder"]["detail"]
+    assert checks["campaign"]["status"] == "ok" and checks["gpu"]["status"] == "ok", checks
+    assert "disk" in checks
+
+
 def test_doctor_help_states_both_failure_exit_codes(tmp_path: Path) -> None:
     text = " ".join(invoke("doctor", "--help").output.split())
     assert "1 when a check failed" in text and "2 when the campaign file" in text
