@@ -103,8 +103,14 @@ def test_a_roofline_file_given_as_a_cube_names_what_reads_it(tmp_path: Path) -> 
         ("plot", str(roofline), "--out", str(tmp_path / "plots")),
     ):
         result = invoke(*command)
-        assert_one_line_error(result, 1, "is a roofline file", f"dvfs twin fit {roofline}")
+        assert_one_line_error(
+            result, 1, "is a roofline file", f"dvfs twin fit {roofline} -o PROFILE.toml"
+        )
         assert "cube build" not in result.output, command
+    # The advice runs as written (without -o, twin fit stopped at its missing option).
+    profile = tmp_path / "PROFILE.toml"
+    fitted = invoke("twin", "fit", str(roofline), "-o", str(profile))
+    assert fitted.exit_code == 0 and profile.is_file(), fitted.output
 
 
 def test_a_cube_is_as_readable_as_the_journal(tmp_path: Path) -> None:

@@ -204,8 +204,8 @@ def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dat
         # `dvfs gpu roofline -o`'s file: nothing to rebuild, it is read elsewhere
         raise CubeError(
             f"{where} is a roofline file (`dvfs gpu roofline -o`), not a sweep's cube: fit the "
-            f"twin to it with `dvfs twin fit {where}`, or give it to `dvfs compare CUBE "
-            "--roofline` beside a cube"
+            f"twin to it with `dvfs twin fit {where} -o PROFILE.toml`, or give it to `dvfs "
+            f"compare CUBE --roofline {where}` beside a cube"
         )
     if schema is None:
         raise CubeError(f"{where} is not a dvfs cube (no dvfs_schema attribute){then}")
