@@ -603,6 +603,7 @@ def _measure(
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
             check_same_prompts(journal, corpora, count_method, campaign)
+            journal.check_inflight_drift(c.key for c in cells)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
             runner = Runner(
                 campaign,

@@ -26,7 +26,7 @@ from dvfs.corpora.prepare import load_corpora
 from dvfs.engines.base import KnobStep, KnobTimeline, RequestTrace, Workload
 from dvfs.engines.sglang import SglangEngine
 from dvfs.engines.twin import TwinEngine
-from dvfs.errors import GpuError
+from dvfs.errors import GpuError, JournalError
 from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
@@ -708,6 +708,81 @@ def test_the_safety_layer_restores_after_an_inflight_sweep(nvml: Any, tmp_path: 
     records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
     cells = [r for r in records if r.get("type") == "cell"]
     assert len(cells) == 4 and all(r["inflight"]["group"] == "none/code/b1/r0" for r in cells)
+
+
+def test_a_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
+    nvml: Any, tmp_path: Path
+) -> None:
+    """A journal whose in-flight cells an earlier dvfs carried along an exponential drift
+    (their context without energy_per_token_drift), stopped after its first group: the
+    resume measured the second group along the linear drift and the cube compared the two
+    (on real GPUs nothing else tells the dvfs versions apart). It is refused before measuring;
+    a journal with every cell done still builds its cube, and a fresh start measures."""
+    path = tmp_path / "nvml.toml"
+    path.write_text(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=2).replace(
+            "[measurement]\n", '[measurement]\nmode = "in-flight"\n'
+        )
+    )
+    campaign = load_campaign(path)
+    state = tmp_path / "dvfs-state"
+    out = tmp_path / "out"
+    outcome = run_sweep(campaign, out, nvml=nvml, state_dir=state)
+    records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
+    groups = {r["inflight"]["group"] for r in records if r.get("type") == "cell"}
+    assert len(groups) == 2 and outcome.summary.measured == 8
+    for r in records:
+        if r.get("type") == "cell":
+            assert r["inflight"]["context"].pop("energy_per_token_drift") == "linear"
+    lines = [json.dumps(r) for r in records]
+    outcome.journal_path.write_text("\n".join(lines) + "\n")
+    # Every cell done: nothing to measure, so nothing mixes.
+    again = run_sweep(campaign, out, nvml=nvml, state_dir=state)
+    assert again.summary.measured == 0
+    first = min(groups)
+    kept = [
+        line
+        for r, line in zip(records, lines, strict=True)
+        if r.get("type") != "cell" or r["inflight"]["group"] == first
+    ]
+    outcome.journal_path.write_text("\n".join(kept) + "\n")
+    with pytest.raises(JournalError, match="another drift") as refused:
+        run_sweep(campaign, out, nvml=nvml, state_dir=state)
+    assert "--fresh" in str(refused.value)
+    assert outcome.journal_path.read_text() == "\n".join(kept) + "\n"  # nothing measured
+    _as_found(nvml, state)
+    fresh = run_sweep(campaign, out, nvml=nvml, state_dir=state, fresh=True)
+    assert fresh.summary.measured == 8
+
+
+def test_a_fleet_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
+    tmp_path: Path,
+) -> None:
+    """The same refusal for a fleet's journal (`--gpus 0,1`), before its workers start."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    campaign = tmp_path / "inflight.toml"
+    campaign.write_text(INFLIGHT_CAMPAIGN.replace("batch = [8]", "batch = [1, 8]"))
+    out = tmp_path / "out"
+    args = ["sweep", str(campaign), "--out", str(out), "--gpus", "0,1", "--no-progress"]
+    assert CliRunner().invoke(cli, args).exception is None
+    journal = out / "journal.jsonl"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    groups = sorted({r["inflight"]["group"] for r in records if r.get("type") == "cell"})
+    assert len(groups) > 1
+    kept = []
+    for r in records:
+        if r.get("type") == "cell":
+            if r["inflight"]["group"] != groups[0]:
+                continue
+            del r["inflight"]["context"]["energy_per_token_drift"]
+        kept.append(json.dumps(r))
+    journal.write_text("\n".join(kept) + "\n")
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and "another drift" in result.output, result.output
+    assert journal.read_text() == "\n".join(kept) + "\n"
 
 
 def test_the_safety_layer_restores_after_a_failure_inside_a_stepped_decode(

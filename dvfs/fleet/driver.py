@@ -611,8 +611,8 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         first = next(iter_records(path), None)
         if first is None:
             continue
-        with Journal.open(path, campaign):  # its own refusal: other settings, not a journal
-            pass
+        with Journal.open(path, campaign) as journal:  # its own refusal: other settings, ...
+            journal.check_inflight_drift(c.key for c in planned_cells(campaign, shard))
         check_shard(path, shard)
 
 

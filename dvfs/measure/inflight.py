@@ -85,6 +85,7 @@ from dvfs.campaign.model import INFLIGHT_ORDERS
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.errors import CampaignError, EngineCrashedError, EngineError
 from dvfs.measure.counter import t_two_sided
+from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
     CellMeasurement,
@@ -799,7 +800,7 @@ def _measure_group(
                 "energy_per_token_slope_per_1k_tokens": _finite_or_none(1000 * energy_slope),
                 "tpot_slope_per_1k_tokens": _finite_or_none(1000 * tpot_slope),
                 # value = level * (1 + slope * decoded), and * exp(slope * decoded)
-                "energy_per_token_drift": "linear",
+                "energy_per_token_drift": INFLIGHT_ENERGY_DRIFT,
                 "tpot_drift": "exponential",
                 "energy_factor": energy_factor,
                 "tpot_factor": tpot_factor,

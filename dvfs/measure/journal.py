@@ -59,6 +59,12 @@ def journal_differences(header: dict[str, Any], campaign: Campaign) -> list[str]
     return Header.from_json(header).differences(campaign)
 
 
+#: How in-flight stepping carries each level's energy per token to a per-level cell's context
+#: (`dvfs.measure.inflight.context_slope`), as its cell records say (`inflight.context`'s
+#: `energy_per_token_drift`; absent: an earlier dvfs, exponential or not carried at all).
+INFLIGHT_ENERGY_DRIFT = "linear"
+
+
 #: How a refusal of a damaged journal says to start over: the sweep's own command with
 #: --fresh, a shard's `--shard I/N` kept (without it, the whole campaign would be swept into
 #: the shard's folder).
@@ -177,6 +183,9 @@ class Journal:
         self._first: dict[str, Any] | None = None  # the header, in a sound journal
         self._sessions: list[dict[str, Any]] = []
         self._ok: set[str] = set()
+        #: Keys of in-flight cells whose energy per token was carried to a per-level cell's
+        #: context otherwise than this dvfs carries it (`INFLIGHT_ENERGY_DRIFT`).
+        self._drift_otherwise: set[str] = set()
         for record in records:
             self._note(record)
 
@@ -192,6 +201,13 @@ class Journal:
                 self._ok.add(record["key"])
             else:  # a later record replaces an earlier one
                 self._ok.discard(record["key"])
+            inflight = record.get("inflight")
+            context = inflight.get("context") if isinstance(inflight, dict) else None
+            drift = context.get("energy_per_token_drift") if isinstance(context, dict) else None
+            if record.get("status") == "ok" and inflight and drift != INFLIGHT_ENERGY_DRIFT:
+                self._drift_otherwise.add(record["key"])
+            else:
+                self._drift_otherwise.discard(record["key"])
 
     @classmethod
     def open(
@@ -222,6 +238,22 @@ class Journal:
     def finished(self) -> set[str]:
         """Keys of cells measured successfully: a rerun skips these."""
         return set(self._ok)
+
+    def check_inflight_drift(self, keys: Iterable[str]) -> None:
+        """Refuse to measure the cells `keys` names that are not finished where the journal
+        holds in-flight cells an earlier dvfs carried to a per-level cell's context along
+        another drift (an exponential one, or none): the cells measured now, carried along
+        `INFLIGHT_ENERGY_DRIFT`'s, would not compare with them."""
+        if not self._drift_otherwise or not set(keys) - self._ok:
+            return
+        raise JournalError(
+            f"{self.path} holds {len(self._drift_otherwise)} in-flight cell(s) whose energy per "
+            "token an earlier dvfs carried to a per-level cell's context along another drift "
+            f"than this dvfs's ({INFLIGHT_ENERGY_DRIFT} in the tokens decoded): the cells "
+            "measured now would not compare with them (up to 2% apart at large batches); "
+            "finish the journal with the dvfs that began it, or start over with "
+            f"{FRESH}, which renames it"
+        )
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record through to the OS (a killed process keeps it), and to disk as the

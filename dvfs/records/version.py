@@ -25,6 +25,10 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were;
       likewise a cell's and a session's optional `idle_foreign_processes`: those seen right
       before or after the idle baseline the cell subtracts (the session's: its opening one).
+      An in-flight cell's `inflight.context` optional `energy_per_token_drift` (within 3;
+      absent: an earlier dvfs carried along an exponential drift, or did not carry, and a
+      journal holding such cells is not resumed while cells are left:
+      `dvfs.measure.journal.Journal.check_inflight_drift`).
       A session's corpora entries' optional `pool_hash` (within 3): the prompts fitted to the
       input lengths with their token counts (`dvfs.corpora.sampling.pool_hash`).
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
