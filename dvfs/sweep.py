@@ -358,7 +358,8 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
     about `out_dir`, found without creating or writing anything (`dvfs doctor`): a file in the
     way of the folder or its lock, no permission to create them, another sweep holding the
     folder, a journal (the folder's own or a GPU model's in `gpu-*/`) of another campaign or of
-    other settings, or holding another shard or the whole campaign (`check_shard`)."""
+    other settings, or holding another shard or the whole campaign (`check_shard`), or in-flight
+    cells carried along another drift with cells left (`Journal.check_inflight_drift`)."""
     import errno
     import fcntl
 
@@ -391,6 +392,11 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
     for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
         check_journal(journal, campaign)
         check_shard(journal, shard)
+        if journal.is_file() and campaign.measurement.mode == "in-flight":
+            from dvfs.measure.journal import iter_records
+
+            cells = planned_cells(campaign, shard)
+            Journal(journal, iter_records(journal)).check_inflight_drift(c.key for c in cells)
 
 
 @dataclass(frozen=True)
