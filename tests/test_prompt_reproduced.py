@@ -264,26 +264,31 @@ def test_the_groups_measured_under_two_methods_are_named_in_order() -> None:
     assert _mixed_groups(counted) == []
 
 
+@pytest.mark.parametrize("fleet", [(), ("--gpus", "0,1")], ids=["one-gpu", "fleet"])
 def test_a_journal_counted_by_another_revision_of_its_tokenizer_is_refused_in_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fleet: tuple[str, ...]
 ) -> None:
     """The same model's tokenizer, but another revision (the cache updated between the runs,
     its chat template unchanged): the counts change, so other prompts fit the input lengths and
     the resumed arms would be sent other prompts than the journal's, under the same method
-    name ("tokenizer of MODEL"). Refused, naming the corpora whose counts changed."""
+    name ("tokenizer of MODEL"). Refused, naming the corpora whose counts changed; a fleet's
+    in the same words (it said the journal was measured on other GPUs, and to run these GPUs
+    into another folder and merge the cubes, which would compare other prompts)."""
     campaign, out = _setup(tmp_path), tmp_path / "out"
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
-    assert sweep(campaign, out).exit_code == 0
+    assert sweep(campaign, out, *fleet).exit_code == 0
     (session,) = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
     assert all(c["pool_hash"] for c in session["corpora"].values())
     _cut(out / "journal.jsonl", 8)
     before = (out / "journal.jsonl").read_text()
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryOtherWord())
+    refused = sweep(campaign, out, *fleet)
     assert_one_line_error(
-        sweep(campaign, out), 1, "corpus 'mine' token counts: ", "the tokenizer", "--fresh"
+        refused, 1, "the prompts differ", "corpus 'mine' token counts: ", "the tokenizer", "--fresh"
     )
+    assert "other GPUs" not in refused.output
     assert (out / "journal.jsonl").read_text() == before
     # the same revision again resumes
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
-    resumed = sweep(campaign, out)
+    resumed = sweep(campaign, out, *fleet)
     assert resumed.exit_code == 0, resumed.output

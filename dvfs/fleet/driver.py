@@ -641,7 +641,7 @@ def run_fleet(
     )
     from dvfs.cube import write_cube
     from dvfs.measure.journal import iter_records
-    from dvfs.sweep import fresh_start, out_dir_lock, release_free_memory
+    from dvfs.sweep import check_same_prompts, fresh_start, out_dir_lock, release_free_memory
 
     labels = [group_label(g) for g in groups]
     if len(set(labels)) != len(labels):
@@ -662,6 +662,13 @@ def run_fleet(
         done = journals_done(out_dir, campaign, cells)
         with contextlib.ExitStack() as journals:
             if done is None:
+                # Other prompts (a corpus edited, another tokenizer revision) refused as a
+                # single run refuses them, before a worker opens a GPU (`Fleet.open` would
+                # say the GPUs differ, and send the run into another folder).
+                for path in journals_here:
+                    if path.is_file():
+                        journal = Journal(path, iter_records(path))
+                        check_same_prompts(journal, corpora[0], corpora[1], campaign)
                 fleet = Fleet(
                     campaign,
                     out_dir,
