@@ -392,11 +392,11 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
     for journal in folder_journals(out_dir):  # each GPU model's too, as the sweep opens them
         check_journal(journal, campaign)
         check_shard(journal, shard)
-        if journal.is_file() and campaign.measurement.mode == "in-flight":
+        if journal.is_file():
             from dvfs.measure.journal import iter_records
 
             cells = planned_cells(campaign, shard)
-            Journal(journal, iter_records(journal)).check_inflight_drift(c.key for c in cells)
+            check_inflight_resume(Journal(journal, iter_records(journal)), campaign, cells)
 
 
 @dataclass(frozen=True)
@@ -609,7 +609,7 @@ def _measure(
             journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
             _check_same_gpus(journal, b.gpus)
             check_same_prompts(journal, corpora, count_method, campaign)
-            journal.check_inflight_drift(c.key for c in cells)
+            check_inflight_resume(journal, campaign, cells)
             knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
             runner = Runner(
                 campaign,
@@ -640,6 +640,18 @@ def check_server_gpus(campaign: Campaign, *, nvml: ModuleType | None = None) -> 
     with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
         named = [(g.identity.index, g.identity.name) for g in gpus]
     one_model(group_label(tuple(campaign.gpu.devices)), named)
+
+
+def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:
+    """Refuse, before measuring, to add cells (`cells` not finished, or the repeats the
+    journal's records ask for: `dvfs.fleet.folders.extra_repeats`) to an in-flight journal an
+    earlier dvfs carried along another drift (`Journal.check_inflight_drift`)."""
+    if campaign.measurement.mode != "in-flight" or not journal.path.is_file():
+        return
+    from dvfs.fleet.folders import extra_repeats
+
+    more = extra_repeats(campaign, journal.path, cells)
+    journal.check_inflight_drift([c.key for c in (*cells, *more)])
 
 
 def claim_shard(journal: Journal, shard: Shard | None) -> None:

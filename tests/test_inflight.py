@@ -714,45 +714,52 @@ def test_a_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
     nvml: Any, tmp_path: Path
 ) -> None:
     """A journal whose in-flight cells an earlier dvfs carried along an exponential drift
-    (their context without energy_per_token_drift), stopped after its first group: the
-    resume measured the second group along the linear drift and the cube compared the two
-    (on real GPUs nothing else tells the dvfs versions apart). It is refused before measuring;
-    a journal with every cell done still builds its cube, and a fresh start measures."""
+    (their context without energy_per_token_drift), stopped before its last group: the
+    resume measured the rest along the linear drift and the cube compared the two (on real
+    GPUs nothing else tells the dvfs versions apart). It is refused before measuring, for a
+    planned cell left and for a repeat the precision asks for; a journal with every cell
+    done still builds its cube, and a fresh start measures."""
     path = tmp_path / "nvml.toml"
-    path.write_text(
-        NVML_CAMPAIGN.format(output_tokens=16, repeats=2).replace(
-            "[measurement]\n", '[measurement]\nmode = "in-flight"\n'
-        )
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=2).replace(
+        "[measurement]\n",
+        '[measurement]\nmode = "in-flight"\nmax_repeats = 3\nprecision = 0.000001\n',
     )
+    path.write_text(text)
     campaign = load_campaign(path)
     state = tmp_path / "dvfs-state"
     out = tmp_path / "out"
     outcome = run_sweep(campaign, out, nvml=nvml, state_dir=state)
     records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
-    groups = {r["inflight"]["group"] for r in records if r.get("type") == "cell"}
-    assert len(groups) == 2 and outcome.summary.measured == 8
-    for r in records:
-        if r.get("type") == "cell":
-            assert r["inflight"]["context"].pop("energy_per_token_drift") == "linear"
+    cells = [r for r in records if r.get("type") == "cell"]
+    assert sorted({r["cell"]["repeat"] for r in cells}) == [0, 1, 2]  # the third asked for
+    assert outcome.summary.measured == len(cells) == 12
+    for r in cells:
+        assert r["inflight"]["context"].pop("energy_per_token_drift") == "linear"
     lines = [json.dumps(r) for r in records]
-    outcome.journal_path.write_text("\n".join(lines) + "\n")
+
+    def keep(repeats: set[int]) -> str:
+        kept = [
+            line
+            for r, line in zip(records, lines, strict=True)
+            if r.get("type") != "cell" or r["cell"]["repeat"] in repeats
+        ]
+        text = "\n".join(kept) + "\n"
+        outcome.journal_path.write_text(text)
+        return text
+
     # Every cell done: nothing to measure, so nothing mixes.
+    keep({0, 1, 2})
     again = run_sweep(campaign, out, nvml=nvml, state_dir=state)
     assert again.summary.measured == 0
-    first = min(groups)
-    kept = [
-        line
-        for r, line in zip(records, lines, strict=True)
-        if r.get("type") != "cell" or r["inflight"]["group"] == first
-    ]
-    outcome.journal_path.write_text("\n".join(kept) + "\n")
-    with pytest.raises(JournalError, match="another drift") as refused:
-        run_sweep(campaign, out, nvml=nvml, state_dir=state)
-    assert "--fresh" in str(refused.value)
-    assert outcome.journal_path.read_text() == "\n".join(kept) + "\n"  # nothing measured
-    _as_found(nvml, state)
+    for left in ({0, 1}, {0}):  # the precision's repeat left; a planned one
+        text = keep(left)
+        with pytest.raises(JournalError, match="another drift") as refused:
+            run_sweep(campaign, out, nvml=nvml, state_dir=state)
+        assert "--fresh" in str(refused.value)
+        assert outcome.journal_path.read_text() == text  # nothing measured
+        _as_found(nvml, state)
     fresh = run_sweep(campaign, out, nvml=nvml, state_dir=state, fresh=True)
-    assert fresh.summary.measured == 8
+    assert fresh.summary.measured == 12
 
 
 def test_a_fleet_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(

@@ -604,6 +604,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
     """Refuse now what `Fleet.open` would refuse once the workers are up: a journal of other
     settings, or of another shard."""
     from dvfs.measure.journal import iter_records
+    from dvfs.sweep import check_inflight_resume
 
     for path in folder_journals(out_dir):
         if not path.is_file():
@@ -612,7 +613,7 @@ def _precheck(out_dir: Path, campaign: Campaign, shard: Shard | None) -> None:
         if first is None:
             continue
         with Journal.open(path, campaign) as journal:  # its own refusal: other settings, ...
-            journal.check_inflight_drift(c.key for c in planned_cells(campaign, shard))
+            check_inflight_resume(journal, campaign, planned_cells(campaign, shard))
         check_shard(path, shard)
 
 
