@@ -951,7 +951,8 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
     a journal of another campaign or of other settings (`check_resumable`: the sweep's
     `check_journal`, the fleet's `Journal.open`), a folder holding another shard (or the whole
     campaign), or a shard begun by an earlier dvfs that dealt its cells otherwise
-    (`check_shard`). A journal it cannot read, or a damaged shard record, is raised: the
+    (`check_shard`), or in-flight cells carried along another drift with cells left
+    (`check_inflight_resume`). A journal it cannot read, or a damaged shard record, is raised: the
     sweep's one line, as the sweep refuses it."""
     from dvfs.measure.journal import check_resumable, iter_records
 
@@ -968,6 +969,13 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
             check_shard(journal, shard)
         except (ShardDealError, OtherShardError) as exc:
             refusals.append(exc)
+            continue
+        if first is not None and campaign.measurement.mode == "in-flight":
+            try:
+                cells = planned_cells(campaign, shard)
+                check_inflight_resume(Journal(journal, iter_records(journal)), campaign, cells)
+            except JournalError as exc:
+                refusals.append(exc)
     return refusals
 
 

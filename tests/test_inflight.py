@@ -790,7 +790,9 @@ def test_a_fleet_resume_refuses_to_mix_inflight_cells_carried_along_another_drif
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1 and "another drift" in result.output, result.output
     assert journal.read_text() == "\n".join(kept) + "\n"
-    # The doctor fails the folder as the sweep refuses it.
+    # Its dry run says so (exit 1), and the doctor fails the folder, as the sweep refuses it.
+    dry = CliRunner().invoke(cli, [*args, "--dry-run"])
+    assert dry.exit_code == 1 and "another drift" in dry.output, dry.output
     doctor = ["doctor", str(campaign), "--out", str(out), "--gpus", "0,1", "--json"]
     checks = {c["name"]: c for c in json.loads(CliRunner().invoke(cli, doctor).stdout)}
     assert checks["output folder"]["status"] == "fail", checks
