@@ -276,6 +276,13 @@ def test_a_pooled_level_is_carried_segment_by_segment(
     assert carried_factor(slope, target, [math.nan] * len(places), energy) == 1.0
 
 
+def test_a_falling_drift_is_not_carried_past_its_zero() -> None:
+    """The linear drift fitted across segments up to 100 tokens falls 0.9% a token: carried
+    to 200 tokens it would reach below zero, a negative energy per token. No value instead."""
+    assert carried_factor(-0.009, 50.0, [10.0, 90.0], [1.0, 1.0]) > 0
+    assert math.isnan(carried_factor(-0.009, 200.0, [10.0, 90.0], [1.0, 1.0]))
+
+
 def test_level_estimates_widen_with_noise_and_need_degrees_of_freedom() -> None:
     segments = segment_order(3, "abba", 2)
     rng = np.random.default_rng(0)

@@ -449,7 +449,10 @@ def _factor(slope: float, target: float, decoded: float, drift: str) -> float:
         return 1.0
     if drift == "exponential":
         return math.exp(slope * (target - decoded))
-    return (1.0 + slope * target) / (1.0 + slope * decoded)
+    at, start = 1.0 + slope * target, 1.0 + slope * decoded
+    # A falling drift carried past where it reaches zero means nothing: no value, not a
+    # negative one (the fit keeps 1 + slope * d above 0 only across the decode's segments).
+    return at / start if at > 0 and start > 0 else math.nan
 
 
 def carried_factor(
