@@ -3,6 +3,7 @@ custom resource: the same cube as one GPU, and a killed actor loses no finished 
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 import types
@@ -82,6 +83,59 @@ def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> N
     lost = [r for r in records if r["type"] == "worker_lost"]
     assert [r["worker"].split("/")[-1] for r in lost] == ["gpu1"]
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc"))
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_journals_the_units_the_actors_finish(
+    ray_cluster: object, shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on the driver mid-run: each actor finishes its unit in flight before it closes,
+    and those units are journalled (they were measured, then thrown away, and measured again
+    by the rerun); the rerun finishes the rest, every cell once, with the cube of one GPU."""
+    from dvfs.fleet.driver import Fleet, as_unit
+
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    campaign = one.parent / "campaign.toml"
+    handed: list[str] = []  # every cell the driver handed to an actor
+    started = Fleet.started
+
+    def hand(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
+        handed.extend(cell.key for cell in as_unit(unit))
+        started(self, worker, unit)
+
+    monkeypatch.setattr(Fleet, "started", hand)
+    out = tmp_path / "ray"
+    journal = out / "journal.jsonl"
+    interrupted: list[int] = []
+
+    def interrupt() -> None:
+        """Once 16 cells are journalled, Ctrl-C the driver (SIGINT's handler, main thread)."""
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            if journal.exists() and journal.read_text().count('"type":"cell"') >= 16:
+                interrupted.append(len(handed))
+                _thread.interrupt_main()
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=interrupt, daemon=True)
+    killer.start()
+    args = [str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out)]
+    result = CliRunner().invoke(cli, ["sweep", *args, "--no-progress"])
+    killer.join(timeout=30)
+    assert interrupted, f"the campaign ended before the interruption: {result.output}"
+    assert result.exit_code != 0 and "GPU settings restored" in result.output, result.output
+    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(keys) < 72, "the interruption must land mid-campaign"
+    # Every cell an actor was handed is in the journal, once: none was measured to be lost.
+    assert sorted(keys) == sorted(handed)
+    monkeypatch.undo()
+    again = sweep(*args)
+    assert again.exit_code == 0, again.output
+    assert f"{len(keys)} already done" in again.output
+    cells = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 72
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
 
 
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:

@@ -30,6 +30,7 @@ from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.local import POLL_S, VirtualPacer
+from dvfs.signals import Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
 TWIN_RESOURCE = "twin_gpu"
@@ -259,39 +260,61 @@ class RayExecutor:
                     fleet.started(label, unit)
                     pending[alive[label].run.remote(unit)] = (label, unit)
 
-        feed()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                label, unit = pending.pop(ref)
-                try:
-                    shipment = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001  (the actor died or its worker raised)
-                    self._lost(fleet, label, unit, exc)
-                    alive.pop(label, None)
+        try:
+            feed()
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                for ref in ready:
+                    label, unit = pending.pop(ref)
+                    try:
+                        shipment = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
+                        self._lost(fleet, label, unit, exc)
+                        alive.pop(label, None)
+                        if pacer is not None:
+                            pacer.leave(label)
+                        for back in exhausted:  # its cell is in the queue again
+                            idle.append(back)
+                            if pacer is not None:
+                                pacer.free(back, times[back])
+                        exhausted.clear()
+                        continue
+                    fleet.shipped(label, shipment)
+                    drafters[label] = shipment.cell.drafter
+                    times[label] = shipment.gpu_time_s
                     if pacer is not None:
-                        pacer.leave(label)
-                    for back in exhausted:  # its cell is in the queue again
+                        pacer.free(label, shipment.gpu_time_s)
+                    idle.append(label)
+                    for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
+                        exhausted.remove(back)
                         idle.append(back)
                         if pacer is not None:
                             pacer.free(back, times[back])
-                    exhausted.clear()
-                    continue
-                fleet.shipped(label, shipment)
-                drafters[label] = shipment.cell.drafter
-                times[label] = shipment.gpu_time_s
-                if pacer is not None:
-                    pacer.free(label, shipment.gpu_time_s)
-                idle.append(label)
-                for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
-                    exhausted.remove(back)
-                    idle.append(back)
-                    if pacer is not None:
-                        pacer.free(back, times[back])
-            feed()
+                feed()
+        except (KeyboardInterrupt, Interrupted):
+            # Ctrl-C or SIGTERM: each actor still finishes its unit in flight (its `close`
+            # waits behind it), so journal what they finish, as the local executor does,
+            # before the interruption goes on (a second signal gives up waiting).
+            self._collect(ray, fleet, pending)
+            raise
         if not fleet.finished and alive:
             fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
+
+    @staticmethod
+    def _collect(ray: Any, fleet: Fleet, pending: dict[Any, tuple[str, Any]]) -> None:
+        """Journal the units the actors finish once the driver stopped handing them out (a
+        unit whose actor died or raised is left for the rerun)."""
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=OPEN_TIMEOUT_S)
+        for ref in ready:
+            label, _unit = pending.pop(ref)
+            try:
+                shipment = ray.get(ref)
+            except Exception:  # noqa: BLE001, S112  (the rerun measures it)
+                continue
+            fleet.shipped(label, shipment)
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
