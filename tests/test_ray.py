@@ -3,7 +3,6 @@ custom resource: the same cube as one GPU, and a killed actor loses no finished 
 
 from __future__ import annotations
 
-import _thread
 import threading
 import time
 import types
@@ -97,43 +96,44 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
     one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
     campaign = one.parent / "campaign.toml"
     handed: list[str] = []  # every cell the driver handed to an actor
-    started = Fleet.started
+    shipped: list[str] = []  # and every cell it journalled, before the interruption
+    interrupted: list[int] = []
+    started, ship = Fleet.started, Fleet.shipped
+    wait = ray_cluster.wait  # type: ignore[attr-defined]
 
     def hand(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
         handed.extend(cell.key for cell in as_unit(unit))
         started(self, worker, unit)
 
+    def journal(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        shipped.extend(cell.key for cell in shipment.all_cells)
+        ship(self, worker, shipment)
+
+    def ctrl_c(refs, **kwargs):  # type: ignore[no-untyped-def]
+        """Ctrl-C while the driver waits on its actors, once 16 cells are journalled (where
+        SIGINT's handler raises it mid-run, at a point the test can count)."""
+        if len(shipped) >= 16 and not interrupted:
+            interrupted.append(len(shipped))  # the cells journalled by then
+            raise KeyboardInterrupt
+        return wait(refs, **kwargs)
+
     monkeypatch.setattr(Fleet, "started", hand)
+    monkeypatch.setattr(Fleet, "shipped", journal)
+    monkeypatch.setattr(ray_cluster, "wait", ctrl_c)
     out = tmp_path / "ray"
-    journal = out / "journal.jsonl"
-    interrupted: list[int] = []
-
-    def interrupt() -> None:
-        """Once 16 cells are journalled, Ctrl-C the driver (SIGINT's handler, main thread)."""
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:
-            if journal.exists() and journal.read_text().count('"type":"cell"') >= 16:
-                interrupted.append(len(handed))
-                _thread.interrupt_main()
-                return
-            time.sleep(0.02)
-
-    killer = threading.Thread(target=interrupt, daemon=True)
-    killer.start()
     args = [str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out)]
     result = CliRunner().invoke(cli, ["sweep", *args, "--no-progress"])
-    killer.join(timeout=30)
-    assert interrupted, f"the campaign ended before the interruption: {result.output}"
     assert result.exit_code != 0 and "GPU settings restored" in result.output, result.output
-    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
-    assert len(keys) < 72, "the interruption must land mid-campaign"
+    keys = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert interrupted and len(keys) < 72, "the interruption must land mid-campaign"
+    assert len(handed) > interrupted[0]  # units were in flight
     # Every cell an actor was handed is in the journal, once: none was measured to be lost.
     assert sorted(keys) == sorted(handed)
     monkeypatch.undo()
     again = sweep(*args)
     assert again.exit_code == 0, again.output
     assert f"{len(keys)} already done" in again.output
-    cells = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    cells = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == len(set(cells)) == 72
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
 
