@@ -3,6 +3,9 @@ custom resource: the same cube as one GPU, and a killed actor loses no finished 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 import types
@@ -136,6 +139,61 @@ def test_ctrl_c_journals_the_units_the_actors_finish(
     cells = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == len(set(cells)) == 72
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
+def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
+    ray_nvml, how: str, tmp_path: Path
+) -> None:
+    """Real GPUs (the fake NVML's two) on Ray: a worker whose GPU falls off the bus, or whose
+    actor is killed, after it set the GPU's knobs cannot put them back. Every cell is measured
+    by the other, yet the sweep ends with exit 1 naming the GPUs, the node and `dvfs gpu
+    reset` (it ended 0, the GPU left locked, as the local executor's sweep no longer does)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    lost: list[int] = []
+
+    def lose_a_gpu() -> None:
+        """Once a worker journalled a cell (its GPU's knobs are set), lose its GPU, or SIGKILL
+        the actor's process (the one that set the GPU's clocks, in the fake's call log)."""
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            text = journal.read_text() if journal.exists() else ""
+            cell = next((json.loads(t) for t in text.splitlines() if '"type":"cell"' in t), None)
+            if cell is not None:
+                index = int(cell["worker"].rsplit("gpu", 1)[1])
+                if how == "gpu-lost":
+                    ray_nvml.fake_update_device(index, lost=True)
+                else:
+                    calls = ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+                    os.kill(next(c["pid"] for c in calls if c["index"] == index), signal.SIGKILL)
+                lost.append(index)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=lose_a_gpu, daemon=True)
+    watcher.start()
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    watcher.join(timeout=30)
+    assert lost, result.output
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and "dvfs gpu reset" in last, result.output
+    gpu = ray_nvml.fake_device_state(lost[0])
+    assert gpu["locked_clocks"] is not None  # what the sweep's last line is about
+    if how == "gpu-lost":
+        assert gpu["uuid"] in last
+    else:
+        assert f"/gpu{lost[0]} (its actor died)" in last
+    assert "Traceback" not in result.output
+    cells = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
+    other = ray_nvml.fake_device_state(1 - lost[0])
+    assert other["locked_clocks"] is None  # the other worker put its GPU back
 
 
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:

@@ -7,7 +7,8 @@ holds a `Worker` (its GPUs' knobs, locks and state files, its server, its clock)
 cell, or an in-flight group), so a faster GPU takes more cells; each finished unit comes back
 and is journalled at once. An actor that dies loses only its unit in flight, which goes back
 to the queue; its GPUs are restored by its own exit path (a worker that raised closes itself),
-or, when its process was killed, are named for `dvfs gpu reset` on that node. On the twin the
+or, when its process was killed or a GPU could not be put back, are named for `dvfs gpu reset`
+on that node (`unrestored`: the sweep then fails). On the twin the
 driver hands units out in GPU-time order, as the local executor does.
 
 Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1,
@@ -134,6 +135,13 @@ class WorkerActor:
         if self.worker is not None:
             self.worker.close()
 
+    def unrestored(self) -> list[str]:
+        """The GPUs (UUIDs) this actor changed and could not put back: their state files are
+        still on its node (a GPU that fell off the bus). None on the twin."""
+        from dvfs.sweep import unrestored_gpus
+
+        return list(unrestored_gpus(self.campaign)[0])
+
 
 class RayExecutor:
     """Ray actors, one per GPU group (an `Executor`)."""
@@ -141,6 +149,9 @@ class RayExecutor:
     def __init__(self, out_dir: Path, *, address: str | None = None) -> None:
         self.out_dir = out_dir
         self.address = address
+        #: Each node's GPUs whose settings a worker did not put back (UUIDs, or a worker's
+        #: GPUs when its actor died): the sweep fails naming them and `dvfs gpu reset` there.
+        self.unrestored: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         ray = import_ray(local=not self.address)
@@ -225,9 +236,13 @@ class RayExecutor:
             fleet.open(sessions)
             self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
-            for actor in alive.values():
-                with contextlib.suppress(Exception):  # a dead actor has nothing left to close
+            for label, actor in alive.items():
+                try:
                     ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
+                    if actor_gone(exc):  # killed after its last unit, before it could close
+                        self._note_died(campaign, label)
+                self._left(ray, label, actor)
             for actor in actors:
                 ray.kill(actor)
 
@@ -270,6 +285,7 @@ class RayExecutor:
                         shipment = ray.get(ref)
                     except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
                         self._lost(fleet, label, unit, exc)
+                        self._left(ray, label, alive[label])
                         alive.pop(label, None)
                         if pacer is not None:
                             pacer.leave(label)
@@ -316,6 +332,22 @@ class RayExecutor:
                 continue
             fleet.shipped(label, shipment)
 
+    def _note_died(self, campaign: Any, label: str) -> bool:
+        """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs)."""
+        if not real_gpus(campaign):
+            return False
+        host = label.split("/", 1)[0]
+        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} (its actor died)")
+        return True
+
+    def _left(self, ray: Any, label: str, actor: Any) -> None:
+        """Note the GPUs an actor that closed (or whose worker raised) left changed."""
+        with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
+            left = ray.get(actor.unrestored.remote(), timeout=OPEN_TIMEOUT_S)
+            if left:
+                host = label.split("/", 1)[0]
+                self.unrestored.setdefault(host, []).extend(str(u) for u in left)
+
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException):  # the worker raised: say what, not Ray's wrapper
@@ -323,12 +355,16 @@ class RayExecutor:
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        died = type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
         record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
-        if died and real_gpus(fleet.campaign):
+        if actor_gone(exc) and self._note_died(fleet.campaign, label):
             host = label.split("/", 1)[0]
             record["reset"] = f"run `dvfs gpu reset` on {host}"
             fleet.note(
                 f"worker {label} died without restoring its GPUs: run `dvfs gpu reset` on {host}"
             )
         fleet.lost(label, cell, why[:200], record)
+
+
+def actor_gone(exc: BaseException) -> bool:
+    """Whether a Ray call failed because its actor's process is gone (killed, or its node)."""
+    return type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
