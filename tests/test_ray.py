@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import types
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import PYTHON, replace_block, subprocess_env, write
 from fleet_support import FLEET, assert_same_cells
 
 from dvfs.cli import cli
@@ -234,6 +235,48 @@ def test_no_cluster_at_the_address_is_one_line_not_about_the_folder(
         "HEAD:6379` on the others), or leave out --address to run Ray on this machine only"
     ]
     assert not (out / "journal.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_without_address_ray_runs_here_whatever_ray_address_says(
+    shared_run, tmp_path: Path
+) -> None:
+    """Without --address dvfs starts its own Ray on this machine, as the README says, even
+    where RAY_ADDRESS names a cluster (here a loopback port nothing listens on): it said
+    'internal error: ValueError: When connecting to an existing cluster, resources must not be
+    provided', and with RAY_ADDRESS=auto blamed the --out folder."""
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    out = tmp_path / "ray"
+    argv = [str(one.parent / "campaign.toml"), "--gpus", "0-1", "--executor", "ray"]
+    result = subprocess.run(
+        [PYTHON, "-m", "dvfs", "sweep", *argv, "--out", str(out), "--no-progress"],
+        env=subprocess_env(RAY_ADDRESS="127.0.0.1:9"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "RAY_ADDRESS is set (127.0.0.1:9)" in result.stderr
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
+def test_ray_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A local Ray that fails to start is one line saying so, not 'internal error ... please
+    report it'; the --out folder is left as it was."""
+
+    def init(**kwargs: object) -> None:
+        raise RuntimeError("Failed to start the GCS server. Check logs at /tmp/ray/x.err")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    monkeypatch.setattr("dvfs.fleet.ray_executor.import_ray", lambda local=False: fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: could not start Ray on this machine (RuntimeError: Failed")
+    assert "internal error" not in line and not out.exists()
 
 
 @pytest.mark.timeout(120)

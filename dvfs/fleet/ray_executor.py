@@ -11,8 +11,9 @@ or, when its process was killed or a GPU could not be put back, are named for `d
 on that node (`unrestored`: the sweep then fails). On the twin the
 driver hands units out in GPU-time order, as the local executor does.
 
-Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1,
-and stops it at the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
+Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1
+(not the cluster RAY_ADDRESS names, nor one `ray start` left running here), and stops it at
+the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
 apply unchanged.
 """
 
@@ -171,12 +172,30 @@ class RayExecutor:
                         "this machine only"
                     ) from exc
             else:
-                ray.init(
-                    namespace=NAMESPACE,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    resources={TWIN_RESOURCE: sum(len(g) for g in groups)} if twin else None,
-                )
+                if os.environ.get("RAY_ADDRESS"):
+                    fleet.note(
+                        f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but without "
+                        "--address dvfs runs Ray on this machine only: pass --address to "
+                        "join that cluster"
+                    )
+                try:
+                    # "local": a new instance of this machine's, not RAY_ADDRESS's cluster
+                    # nor one `ray start` left running here.
+                    ray.init(
+                        address="local",
+                        namespace=NAMESPACE,
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        resources={TWIN_RESOURCE: sum(len(g) for g in groups)} if twin else None,
+                    )
+                except Exception as exc:
+                    why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise DvfsError(
+                        f"could not start Ray on this machine ({type(exc).__name__}"
+                        + (f": {why}" if why else "")
+                        + "): see Ray's logs (/tmp/ray/session_latest/logs), or join a "
+                        "running cluster with --address"
+                    ) from exc
             started = True
         try:
             self._run(ray, fleet, groups, twin)
