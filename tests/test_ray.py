@@ -260,6 +260,46 @@ def test_without_address_ray_runs_here_whatever_ray_address_says(
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
 
 
+@pytest.mark.timeout(300)
+def test_sigterm_on_a_ray_sweep_ends_as_without_ray(shared_run, tmp_path: Path) -> None:
+    """SIGTERM (Slurm's at a job's time limit) on a sweep that started its own Ray: exit 143,
+    the partial cube and the lines saying the GPUs are restored and to resume, as without Ray.
+    `ray.init` made SIGTERM `sys.exit(15)`: exit 15, none of those lines, Ray's stack dump."""
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    campaign = one.parent / "campaign.toml"
+    out = tmp_path / "ray"
+    argv = [str(campaign), "--gpus", "0-1", "--out", str(out)]
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "dvfs", "sweep", *argv, "--executor", "ray", "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    journal = out / "journal.jsonl"
+    try:
+        deadline = time.monotonic() + 200
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < 16:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the sweep did not progress"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    assert "partial cube written" in output and "Run the same command again" in output, output
+    assert "SIGTERM received" not in output
+    done = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert 16 <= len(done) < 72, "the signal must land mid-campaign"
+    again = sweep(*argv)  # the journal resumes on any executor: these threads are enough
+    assert again.exit_code == 0, again.output
+    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(keys) == len(set(keys)) == 72
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
 def test_ray_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch) -> None:
     """A local Ray that fails to start is one line saying so, not 'internal error ... please
     report it'; the --out folder is left as it was."""

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,7 +34,7 @@ from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.local import POLL_S, VirtualPacer
-from dvfs.signals import Interrupted
+from dvfs.signals import HANDLED, Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
 TWIN_RESOURCE = "twin_gpu"
@@ -68,6 +70,24 @@ def import_ray(*, local: bool = False) -> Any:
 
         constants.ENABLE_RAY_CLUSTER = False  # imported before: the switch was already read
     return ray
+
+
+@contextlib.contextmanager
+def signals_kept() -> Iterator[None]:
+    """Keep this process's handlers of SIGINT, SIGTERM and SIGHUP through `ray.init`, which
+    makes SIGTERM exit at once (`sys.exit(15)`): the sweep's own handlers raise, so that a
+    SIGTERM (Slurm's at the time limit) journals what the actors finish, writes the partial
+    cube and ends 143, as without Ray."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # None: set outside Python, which cannot put it back
+                signal.signal(s, handler)
 
 
 def placed_group(gpu_ids: Sequence[int | str], *, nvml: ModuleType | None = None) -> Group:
@@ -162,7 +182,8 @@ class RayExecutor:
         if not ray.is_initialized():
             if self.address:
                 try:
-                    ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                    with signals_kept():
+                        ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
                     raise DvfsError(
@@ -181,13 +202,16 @@ class RayExecutor:
                 try:
                     # "local": a new instance of this machine's, not RAY_ADDRESS's cluster
                     # nor one `ray start` left running here.
-                    ray.init(
-                        address="local",
-                        namespace=NAMESPACE,
-                        include_dashboard=False,
-                        log_to_driver=False,
-                        resources={TWIN_RESOURCE: sum(len(g) for g in groups)} if twin else None,
-                    )
+                    with signals_kept():
+                        ray.init(
+                            address="local",
+                            namespace=NAMESPACE,
+                            include_dashboard=False,
+                            log_to_driver=False,
+                            resources={TWIN_RESOURCE: sum(len(g) for g in groups)}
+                            if twin
+                            else None,
+                        )
                 except Exception as exc:
                     why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     raise DvfsError(
