@@ -320,6 +320,39 @@ def test_ray_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_workers_ray_cannot_place_are_a_note_then_one_line(
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job holds two of the cluster's four twin GPUs: two of four workers cannot
+    start. A note says so while the sweep waits, and at the time limit one line says why
+    (it waited silently, then blamed the --out folder: 'cannot use DIR: get timed out')."""
+    from dvfs.fleet import ray_executor
+    from dvfs.fleet.ray_executor import TWIN_RESOURCE
+
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(ray_executor, "OPEN_NOTE_S", 1.0, raising=False)
+
+    class Job:
+        def ping(self) -> int:
+            return 1
+
+    job = ray_cluster.remote(resources={TWIN_RESOURCE: 2}, num_cpus=0)(Job).remote()
+    try:
+        ray_cluster.get(job.ping.remote(), timeout=60)
+        campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+        out = tmp_path / "o"
+        result = sweep(str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(out))
+    finally:
+        ray_cluster.kill(job)
+    assert result.exit_code == 1, result.output
+    assert "waiting for 2 of 4 Ray worker(s) to start" in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: 2 of 4 Ray worker(s) did not start within 3 s"), last
+    assert "0 of the cluster's 4 twin_gpu free" in last and "--gpus" in last
+    assert not (out / "journal.jsonl").exists()
+
+
+@pytest.mark.timeout(120)
 def test_too_few_twin_gpus_on_the_cluster_is_one_line(ray_cluster: object, tmp_path: Path) -> None:
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
     result = sweep(

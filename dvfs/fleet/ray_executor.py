@@ -24,6 +24,7 @@ import os
 import platform
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +43,8 @@ TWIN_RESOURCE = "twin_gpu"
 NAMESPACE = "dvfs"
 #: Seconds an actor may take to open its GPUs and server before the run gives up.
 OPEN_TIMEOUT_S = 1800.0
+#: Seconds of waiting for the actors to start before a note says so.
+OPEN_NOTE_S = 30.0
 
 
 class RayMissingError(DvfsError):
@@ -267,7 +270,8 @@ class RayExecutor:
         alive: dict[str, Any] = {}
         try:
             try:
-                sessions = ray.get([a.open.remote() for a in actors], timeout=OPEN_TIMEOUT_S)
+                resource = TWIN_RESOURCE if twin else "GPU"
+                sessions = self._open(ray, fleet, [a.open.remote() for a in actors], resource)
             except Exception as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
@@ -288,6 +292,40 @@ class RayExecutor:
                 self._left(ray, label, actor)
             for actor in actors:
                 ray.kill(actor)
+
+    @staticmethod
+    def _open(ray: Any, fleet: Fleet, refs: list[Any], resource: str) -> list[Any]:
+        """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
+        cannot place (other jobs hold the cluster's GPUs) waits: said in a note after
+        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        noted = False
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=min(OPEN_NOTE_S, left))
+            ray.get(ready)  # an actor that could not open: its error now, not at the end
+            if not waiting:
+                return list(ray.get(refs))
+            free = ray.available_resources().get(resource, 0)
+            total = ray.cluster_resources().get(resource, 0)
+            if time.monotonic() >= deadline:
+                fewer = (
+                    "run fewer twin GPUs (--gpus)"
+                    if resource == TWIN_RESOURCE
+                    else "dvfs places a worker on every GPU the cluster offers"
+                )
+                raise DvfsError(
+                    f"{len(waiting)} of {len(refs)} Ray worker(s) did not start within "
+                    f"{OPEN_TIMEOUT_S:g} s ({free:g} of the cluster's {total:g} {resource} "
+                    f"free): other jobs may hold them; free them ({fewer})"
+                )
+            if not noted:
+                noted = True
+                fleet.note(
+                    f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
+                    f"({free:g} of the cluster's {total:g} {resource} free; other jobs may "
+                    f"hold them); giving up after {OPEN_TIMEOUT_S:g} s"
+                )
 
     def _drive(self, ray: Any, fleet: Fleet, alive: dict[str, Any], virtual: bool) -> None:
         pacer = VirtualPacer(list(alive), fleet.lanes()) if virtual else None
