@@ -16,8 +16,9 @@ that changes one works on `copy_sweep` of it):
 - `made_once(tmp_path_factory, NAME, MAKE)` (a function, not a fixture): a folder MAKE fills
   once per session, for a module fixture that writes files (module scope alone builds it again
   on each worker that runs one of the module's tests).
-- `ray_cluster`: one loopback Ray instance with four twin GPUs, shared by the tests that use
-  it, which run first and in a row (so on one xdist worker), and stopped after the last.
+- `ray_cluster`: one loopback Ray instance with four twin GPUs (and two of the fake NVML's:
+  `ray_nvml`), shared by the tests that use it, which run first and in a row (so on one xdist
+  worker), and stopped after the last.
 
 Run follow-up commands in process (`click.testing.CliRunner`); a subprocess is for what is
 about processes (signals, a kill, exit paths, a server's life) and pays ~1 s of imports.
@@ -31,8 +32,10 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import settings
@@ -310,20 +313,34 @@ class _RayInstance:
 
     def __init__(self) -> None:
         self.ray: object | None = None
+        self.nvml_env: dict[str, str] = {}
 
     def start(self) -> object:
         if self.ray is None:
             ray = pytest.importorskip("ray")
+            from nvml_support import FAKE_DIR
+
             from dvfs.fleet.ray_executor import NAMESPACE, TWIN_RESOURCE, import_ray
 
+            # Two NVML GPUs too, the fake's (its state in a folder of this instance's), for
+            # the tests of real GPUs on Ray (`ray_nvml`); the twin's actors never import it.
+            fake = Path(tempfile.mkdtemp(prefix="dvfs-ray-nvml-"))
+            self.nvml_env = {
+                "DVFS_FAKE_NVML_STATE": str(fake / "fake-nvml.json"),
+                "DVFS_FAKE_NVML_DEVICES": "h100-sxm,h100-sxm",
+                "DVFS_FAKE_NVML_ROOT": "1",
+                "DVFS_STATE_DIR": str(fake / "dvfs-state"),
+            }
+            path = os.pathsep.join(p for p in (str(FAKE_DIR), os.environ.get("PYTHONPATH")) if p)
             import_ray(local=True)
             ray.init(
                 namespace=NAMESPACE,
                 num_cpus=2,
+                num_gpus=2,
                 resources={TWIN_RESOURCE: 4},
                 include_dashboard=False,
                 log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}},
+                runtime_env={"env_vars": {"PYTHONPATH": path, **self.nvml_env}},
             )
             self.ray = ray
             assert ray.util.get_node_ip_address() == "127.0.0.1"
@@ -333,6 +350,7 @@ class _RayInstance:
         ray, self.ray = self.ray, None
         if ray is not None:
             ray.shutdown()  # type: ignore[attr-defined]
+            shutil.rmtree(Path(self.nvml_env["DVFS_STATE_DIR"]).parent, ignore_errors=True)
 
 
 _RAY = _RayInstance()
@@ -347,6 +365,21 @@ def ray_cluster() -> object:
     (`pytest_runtest_teardown`). A test that kills an actor leaves it usable (each sweep starts
     its own actors)."""
     return _RAY.start()
+
+
+@pytest.fixture
+def ray_nvml(ray_cluster: object, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The fake pynvml of `ray_cluster`'s two NVML GPUs (its actors' `import pynvml`), on a
+    fresh state, and the driver's `pynvml` here (the environment set as the actors have it)."""
+    from nvml_support import load_fake
+
+    for key, value in _RAY.nvml_env.items():
+        monkeypatch.setenv(key, value)
+    shutil.rmtree(_RAY.nvml_env["DVFS_STATE_DIR"], ignore_errors=True)
+    fake = load_fake()
+    fake.fake_reset_state()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -116,3 +116,70 @@ def test_a_lost_worker_gives_back_its_whole_group(
     keys = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(keys) == len(set(keys)) == 72
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(inflight / "one" / "cube.nc"))
+
+
+class CountingProgress:
+    """A progress display that checks its count: never more cells done than its total."""
+
+    def __init__(self) -> None:
+        self.total = self.done = 0
+        self.over: list[str] = []
+
+    def start(self, total: int, done: int) -> None:
+        self.total, self.done = total, done
+
+    def more(self, cells: int) -> None:
+        self.total += cells
+
+    def advance(self, cell, status: str) -> None:  # type: ignore[no-untyped-def]
+        self.done += 1
+        if self.done > self.total:
+            self.over.append(f"{self.done}/{self.total}")
+
+    def note(self, message: str) -> None:
+        pass
+
+    def worker(self, stats, eta_s) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+
+@pytest.mark.parametrize("gpus", [1, 2], ids=["one-gpu", "fleet"])
+def test_progress_counts_the_extra_repeats(adaptive: Path, gpus: int, tmp_path: Path) -> None:
+    """The bar's total grows with the further repeats `max_repeats` adds, on one GPU and in a
+    fleet (it stayed at the planned cells: '275/144', and the fleet's ETA went negative)."""
+    from dvfs.campaign import load_campaign
+    from dvfs.fleet.driver import run_fleet
+    from dvfs.fleet.local import LocalExecutor
+    from dvfs.sweep import run_sweep
+
+    campaign = load_campaign(adaptive / "campaign.toml")
+    out = tmp_path / "out"
+    progress = CountingProgress()
+    if gpus == 1:
+        run_sweep(campaign, out, progress=progress)
+    else:
+        run_fleet(campaign, out, [(0,), (1,)], LocalExecutor(out), progress=progress)
+    cells = repeats_of(out / "journal.jsonl")
+    assert max(cells) == 3, "the campaign must add repeats"
+    assert progress.over == []
+    assert progress.done == progress.total == len(cells)
+
+
+def test_the_bars_total_grows_with_more_cells(adaptive: Path) -> None:
+    """The rich bars (one GPU's and a fleet's) take `more` cells into their total and ETA."""
+    from dvfs.campaign import load_campaign
+    from dvfs.cli.fleet_progress import RichFleetProgress
+    from dvfs.cli.progress import RichProgress
+    from dvfs.measure.plan import plan_cells
+
+    cell = plan_cells(load_campaign(adaptive / "campaign.toml"))[0]
+    for bar in (RichProgress("one", enabled=False), RichFleetProgress("fleet", enabled=False)):
+        bar.start(10, 2)
+        for _ in range(8):
+            bar.advance(cell, "ok")
+        bar.more(5)
+        bar.advance(cell, "ok")
+        [task] = bar._progress.tasks
+        assert (task.completed, task.total) == (11, 15)
+        if isinstance(bar, RichFleetProgress):
+            assert not task.fields["eta"].startswith("-"), task.fields["eta"]

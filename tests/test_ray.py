@@ -3,6 +3,10 @@ custom resource: the same cube as one GPU, and a killed actor loses no finished 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import threading
 import time
 import types
@@ -10,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from conftest import replace_block, write
+from conftest import PYTHON, replace_block, subprocess_env, write
 from fleet_support import FLEET, assert_same_cells
 
 from dvfs.cli import cli
@@ -84,6 +88,115 @@ def test_a_killed_actor_loses_no_finished_cell(ray_cluster, tmp_path: Path) -> N
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(tmp_path / "one" / "cube.nc"))
 
 
+@pytest.mark.timeout(300)
+def test_ctrl_c_journals_the_units_the_actors_finish(
+    ray_cluster: object, shared_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on the driver mid-run: each actor finishes its unit in flight before it closes,
+    and those units are journalled (they were measured, then thrown away, and measured again
+    by the rerun); the rerun finishes the rest, every cell once, with the cube of one GPU."""
+    from dvfs.fleet.driver import Fleet, as_unit
+
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    campaign = one.parent / "campaign.toml"
+    handed: list[str] = []  # every cell the driver handed to an actor
+    shipped: list[str] = []  # and every cell it journalled, before the interruption
+    interrupted: list[int] = []
+    started, ship = Fleet.started, Fleet.shipped
+    wait = ray_cluster.wait  # type: ignore[attr-defined]
+
+    def hand(self: Fleet, worker: str, unit) -> None:  # type: ignore[no-untyped-def]
+        handed.extend(cell.key for cell in as_unit(unit))
+        started(self, worker, unit)
+
+    def journal(self: Fleet, worker: str, shipment) -> None:  # type: ignore[no-untyped-def]
+        shipped.extend(cell.key for cell in shipment.all_cells)
+        ship(self, worker, shipment)
+
+    def ctrl_c(refs, **kwargs):  # type: ignore[no-untyped-def]
+        """Ctrl-C while the driver waits on its actors, once 16 cells are journalled (where
+        SIGINT's handler raises it mid-run, at a point the test can count)."""
+        if len(shipped) >= 16 and not interrupted:
+            interrupted.append(len(shipped))  # the cells journalled by then
+            raise KeyboardInterrupt
+        return wait(refs, **kwargs)
+
+    monkeypatch.setattr(Fleet, "started", hand)
+    monkeypatch.setattr(Fleet, "shipped", journal)
+    monkeypatch.setattr(ray_cluster, "wait", ctrl_c)
+    out = tmp_path / "ray"
+    args = [str(campaign), "--gpus", "0-1", "--executor", "ray", "--out", str(out)]
+    result = CliRunner().invoke(cli, ["sweep", *args, "--no-progress"])
+    assert result.exit_code != 0 and "GPU settings restored" in result.output, result.output
+    keys = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert interrupted and len(keys) < 72, "the interruption must land mid-campaign"
+    assert len(handed) > interrupted[0]  # units were in flight
+    # Every cell an actor was handed is in the journal, once: none was measured to be lost.
+    assert sorted(keys) == sorted(handed)
+    monkeypatch.undo()
+    again = sweep(*args)
+    assert again.exit_code == 0, again.output
+    assert f"{len(keys)} already done" in again.output
+    cells = [r["key"] for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 72
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["gpu-lost", "actor-killed"])
+def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
+    ray_nvml, how: str, tmp_path: Path
+) -> None:
+    """Real GPUs (the fake NVML's two) on Ray: a worker whose GPU falls off the bus, or whose
+    actor is killed, after it set the GPU's knobs cannot put them back. Every cell is measured
+    by the other, yet the sweep ends with exit 1 naming the GPUs, the node and `dvfs gpu
+    reset` (it ended 0, the GPU left locked, as the local executor's sweep no longer does)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=3))
+    out = tmp_path / "out"
+    journal = out / "journal.jsonl"
+    lost: list[int] = []
+
+    def lose_a_gpu() -> None:
+        """Once a worker journalled a cell (its GPU's knobs are set), lose its GPU, or SIGKILL
+        the actor's process (the one that set the GPU's clocks, in the fake's call log)."""
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            text = journal.read_text() if journal.exists() else ""
+            cell = next((json.loads(t) for t in text.splitlines() if '"type":"cell"' in t), None)
+            if cell is not None:
+                index = int(cell["worker"].rsplit("gpu", 1)[1])
+                if how == "gpu-lost":
+                    ray_nvml.fake_update_device(index, lost=True)
+                else:
+                    calls = ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")
+                    os.kill(next(c["pid"] for c in calls if c["index"] == index), signal.SIGKILL)
+                lost.append(index)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=lose_a_gpu, daemon=True)
+    watcher.start()
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    watcher.join(timeout=30)
+    assert lost, result.output
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and "dvfs gpu reset" in last, result.output
+    gpu = ray_nvml.fake_device_state(lost[0])
+    assert gpu["locked_clocks"] is not None  # what the sweep's last line is about
+    if how == "gpu-lost":
+        assert gpu["uuid"] in last
+    else:
+        assert f"/gpu{lost[0]} (its actor died)" in last
+    assert "Traceback" not in result.output
+    cells = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(cells) == len(set(cells)) == 12 and (out / "cube.nc").is_file()
+    other = ray_nvml.fake_device_state(1 - lost[0])
+    assert other["locked_clocks"] is None  # the other worker put its GPU back
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
@@ -121,6 +234,121 @@ def test_no_cluster_at_the_address_is_one_line_not_about_the_folder(
         "instance): start it first (`ray start --head` on the head node, `ray start --address "
         "HEAD:6379` on the others), or leave out --address to run Ray on this machine only"
     ]
+    assert not (out / "journal.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_without_address_ray_runs_here_whatever_ray_address_says(
+    shared_run, tmp_path: Path
+) -> None:
+    """Without --address dvfs starts its own Ray on this machine, as the README says, even
+    where RAY_ADDRESS names a cluster (here a loopback port nothing listens on): it said
+    'internal error: ValueError: When connecting to an existing cluster, resources must not be
+    provided', and with RAY_ADDRESS=auto blamed the --out folder."""
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    out = tmp_path / "ray"
+    argv = [str(one.parent / "campaign.toml"), "--gpus", "0-1", "--executor", "ray"]
+    result = subprocess.run(
+        [PYTHON, "-m", "dvfs", "sweep", *argv, "--out", str(out), "--no-progress"],
+        env=subprocess_env(RAY_ADDRESS="127.0.0.1:9"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "RAY_ADDRESS is set (127.0.0.1:9)" in result.stderr
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_on_a_ray_sweep_ends_as_without_ray(shared_run, tmp_path: Path) -> None:
+    """SIGTERM (Slurm's at a job's time limit) on a sweep that started its own Ray: exit 143,
+    the partial cube and the lines saying the GPUs are restored and to resume, as without Ray.
+    `ray.init` made SIGTERM `sys.exit(15)`: exit 15, none of those lines, Ray's stack dump."""
+    one = shared_run(CAMPAIGN, "one")  # shared with the other fleet tests
+    campaign = one.parent / "campaign.toml"
+    out = tmp_path / "ray"
+    argv = [str(campaign), "--gpus", "0-1", "--out", str(out)]
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "dvfs", "sweep", *argv, "--executor", "ray", "--no-progress"],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    journal = out / "journal.jsonl"
+    try:
+        deadline = time.monotonic() + 200
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < 16:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            assert time.monotonic() < deadline, "the sweep did not progress"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    assert "partial cube written" in output and "Run the same command again" in output, output
+    assert "SIGTERM received" not in output
+    done = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert 16 <= len(done) < 72, "the signal must land mid-campaign"
+    again = sweep(*argv)  # the journal resumes on any executor: these threads are enough
+    assert again.exit_code == 0, again.output
+    keys = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
+    assert len(keys) == len(set(keys)) == 72
+    assert_same_cells(open_cube(out / "cube.nc"), open_cube(one / "cube.nc"))
+
+
+def test_ray_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A local Ray that fails to start is one line saying so, not 'internal error ... please
+    report it'; the --out folder is left as it was."""
+
+    def init(**kwargs: object) -> None:
+        raise RuntimeError("Failed to start the GCS server. Check logs at /tmp/ray/x.err")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    monkeypatch.setattr("dvfs.fleet.ray_executor.import_ray", lambda local=False: fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: could not start Ray on this machine (RuntimeError: Failed")
+    assert "internal error" not in line and not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_workers_ray_cannot_place_are_a_note_then_one_line(
+    ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job holds two of the cluster's four twin GPUs: two of four workers cannot
+    start. A note says so while the sweep waits, and at the time limit one line says why
+    (it waited silently, then blamed the --out folder: 'cannot use DIR: get timed out')."""
+    from dvfs.fleet import ray_executor
+    from dvfs.fleet.ray_executor import TWIN_RESOURCE
+
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(ray_executor, "OPEN_NOTE_S", 1.0, raising=False)
+
+    class Job:
+        def ping(self) -> int:
+            return 1
+
+    job = ray_cluster.remote(resources={TWIN_RESOURCE: 2}, num_cpus=0)(Job).remote()
+    try:
+        ray_cluster.get(job.ping.remote(), timeout=60)
+        campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+        out = tmp_path / "o"
+        result = sweep(str(campaign), "--gpus", "0-3", "--executor", "ray", "--out", str(out))
+    finally:
+        ray_cluster.kill(job)
+    assert result.exit_code == 1, result.output
+    assert "waiting for 2 of 4 Ray worker(s) to start" in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: 2 of 4 Ray worker(s) did not start within 3 s"), last
+    assert "0 of the cluster's 4 twin_gpu free" in last and "--gpus" in last
     assert not (out / "journal.jsonl").exists()
 
 

@@ -70,6 +70,12 @@ class RichFleetProgress:
         if done:
             self.note(f"resuming: {done} of {total} cells already in the journal")
 
+    def more(self, cells: int) -> None:
+        """The campaign grew (further repeats): the bar's total and ETA count them."""
+        self._total += cells
+        if self._task is not None:
+            self._progress.update(self._task, total=self._total)
+
     def advance(self, cell: Cell, status: str) -> None:
         if status != "ok":
             self.failed += 1

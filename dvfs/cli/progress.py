@@ -40,6 +40,7 @@ class RichProgress:
         )
         self._description = description
         self._task: Any = None
+        self._total = 0
         self.failed = 0
 
     def __enter__(self) -> RichProgress:
@@ -50,11 +51,18 @@ class RichProgress:
         self._progress.__exit__(*exc)
 
     def start(self, total: int, done: int) -> None:
+        self._total = total
         self._task = self._progress.add_task(
             self._description, total=total, completed=done, failed=0, current=""
         )
         if done:
             self.note(f"resuming: {done} of {total} cells already in the journal")
+
+    def more(self, cells: int) -> None:
+        """The campaign grew (further repeats): the bar's total and ETA count them."""
+        self._total += cells
+        if self._task is not None:
+            self._progress.update(self._task, total=self._total)
 
     def advance(self, cell: Cell, status: str) -> None:
         if status != "ok":

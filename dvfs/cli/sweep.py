@@ -440,9 +440,14 @@ def run_fleet(
             if left.unrestored
             else "GPU settings restored."
         )
-        err.print(f"{status} Run the same command again to resume.")
+        if executor == "ray" and run_on.unrestored:
+            status = _ray_unrestored(run_on.unrestored)
+        err.print(f"{status} Run the same command again to resume.", soft_wrap=True)
         raise
     report_fleet(outcome)
+    if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
+        err.print(_ray_unrestored(run_on.unrestored), soft_wrap=True)
+        raise SystemExit(1)
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.sweep import unrestored_gpus
 
@@ -456,6 +461,17 @@ def run_fleet(
             )
             raise SystemExit(1)
     return outcome
+
+
+def _ray_unrestored(left: dict[str, list[str]]) -> str:
+    """The line for the GPUs Ray workers did not put back, each node's with `dvfs gpu reset`
+    there (the state files are on that node)."""
+    where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
+    return (
+        f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
+        "its actor died, before it could put them back; run `dvfs gpu reset` on "
+        f"{escape(', '.join(left))} once the GPU answers again."
+    )
 
 
 def _journals_text(path: Path) -> str:

@@ -39,7 +39,7 @@ from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell, cell_label
-from dvfs.measure.runner import Progress, RunSummary
+from dvfs.measure.runner import Progress, RunSummary, grow
 
 #: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
 #: levels, measured inside shared decodes).
@@ -411,6 +411,7 @@ class Driver:
             f"{len(cells)} cell(s) need another repeat to reach "
             f"±{self.campaign.measurement.precision:.1%}"
         )
+        grow(self.progress, len(cells))
         self.total += len(cells)
         self.todo.extend(cells)
         self._outstanding.update(c.key for c in cells)

@@ -7,11 +7,13 @@ holds a `Worker` (its GPUs' knobs, locks and state files, its server, its clock)
 cell, or an in-flight group), so a faster GPU takes more cells; each finished unit comes back
 and is journalled at once. An actor that dies loses only its unit in flight, which goes back
 to the queue; its GPUs are restored by its own exit path (a worker that raised closes itself),
-or, when its process was killed, are named for `dvfs gpu reset` on that node. On the twin the
+or, when its process was killed or a GPU could not be put back, are named for `dvfs gpu reset`
+on that node (`unrestored`: the sweep then fails). On the twin the
 driver hands units out in GPU-time order, as the local executor does.
 
-Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1,
-and stops it at the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
+Without --address, dvfs starts a Ray instance of its own on this machine, bound to 127.0.0.1
+(not the cluster RAY_ADDRESS names, nor one `ray start` left running here), and stops it at
+the end; Ray's own authentication settings (RAY_AUTH_MODE and its token)
 apply unchanged.
 """
 
@@ -20,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Sequence
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +35,7 @@ from dvfs.errors import CampaignError, DvfsError
 from dvfs.fleet.devices import Group, group_label
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.local import POLL_S, VirtualPacer
+from dvfs.signals import HANDLED, Interrupted
 
 #: The custom resource that stands for one twin GPU on a Ray node.
 TWIN_RESOURCE = "twin_gpu"
@@ -37,6 +43,8 @@ TWIN_RESOURCE = "twin_gpu"
 NAMESPACE = "dvfs"
 #: Seconds an actor may take to open its GPUs and server before the run gives up.
 OPEN_TIMEOUT_S = 1800.0
+#: Seconds of waiting for the actors to start before a note says so.
+OPEN_NOTE_S = 30.0
 
 
 class RayMissingError(DvfsError):
@@ -65,6 +73,24 @@ def import_ray(*, local: bool = False) -> Any:
 
         constants.ENABLE_RAY_CLUSTER = False  # imported before: the switch was already read
     return ray
+
+
+@contextlib.contextmanager
+def signals_kept() -> Iterator[None]:
+    """Keep this process's handlers of SIGINT, SIGTERM and SIGHUP through `ray.init`, which
+    makes SIGTERM exit at once (`sys.exit(15)`): the sweep's own handlers raise, so that a
+    SIGTERM (Slurm's at the time limit) journals what the actors finish, writes the partial
+    cube and ends 143, as without Ray."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # None: set outside Python, which cannot put it back
+                signal.signal(s, handler)
 
 
 def placed_group(gpu_ids: Sequence[int | str], *, nvml: ModuleType | None = None) -> Group:
@@ -133,6 +159,13 @@ class WorkerActor:
         if self.worker is not None:
             self.worker.close()
 
+    def unrestored(self) -> list[str]:
+        """The GPUs (UUIDs) this actor changed and could not put back: their state files are
+        still on its node (a GPU that fell off the bus). None on the twin."""
+        from dvfs.sweep import unrestored_gpus
+
+        return list(unrestored_gpus(self.campaign)[0])
+
 
 class RayExecutor:
     """Ray actors, one per GPU group (an `Executor`)."""
@@ -140,6 +173,9 @@ class RayExecutor:
     def __init__(self, out_dir: Path, *, address: str | None = None) -> None:
         self.out_dir = out_dir
         self.address = address
+        #: Each node's GPUs whose settings a worker did not put back (UUIDs, or a worker's
+        #: GPUs when its actor died): the sweep fails naming them and `dvfs gpu reset` there.
+        self.unrestored: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         ray = import_ray(local=not self.address)
@@ -149,7 +185,8 @@ class RayExecutor:
         if not ray.is_initialized():
             if self.address:
                 try:
-                    ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
+                    with signals_kept():
+                        ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
                     raise DvfsError(
@@ -159,12 +196,33 @@ class RayExecutor:
                         "this machine only"
                     ) from exc
             else:
-                ray.init(
-                    namespace=NAMESPACE,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    resources={TWIN_RESOURCE: sum(len(g) for g in groups)} if twin else None,
-                )
+                if os.environ.get("RAY_ADDRESS"):
+                    fleet.note(
+                        f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but without "
+                        "--address dvfs runs Ray on this machine only: pass --address to "
+                        "join that cluster"
+                    )
+                try:
+                    # "local": a new instance of this machine's, not RAY_ADDRESS's cluster
+                    # nor one `ray start` left running here.
+                    with signals_kept():
+                        ray.init(
+                            address="local",
+                            namespace=NAMESPACE,
+                            include_dashboard=False,
+                            log_to_driver=False,
+                            resources={TWIN_RESOURCE: sum(len(g) for g in groups)}
+                            if twin
+                            else None,
+                        )
+                except Exception as exc:
+                    why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise DvfsError(
+                        f"could not start Ray on this machine ({type(exc).__name__}"
+                        + (f": {why}" if why else "")
+                        + "): see Ray's logs (/tmp/ray/session_latest/logs), or join a "
+                        "running cluster with --address"
+                    ) from exc
             started = True
         try:
             self._run(ray, fleet, groups, twin)
@@ -212,7 +270,8 @@ class RayExecutor:
         alive: dict[str, Any] = {}
         try:
             try:
-                sessions = ray.get([a.open.remote() for a in actors], timeout=OPEN_TIMEOUT_S)
+                resource = TWIN_RESOURCE if twin else "GPU"
+                sessions = self._open(ray, fleet, [a.open.remote() for a in actors], resource)
             except Exception as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
@@ -224,11 +283,49 @@ class RayExecutor:
             fleet.open(sessions)
             self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
-            for actor in alive.values():
-                with contextlib.suppress(Exception):  # a dead actor has nothing left to close
+            for label, actor in alive.items():
+                try:
                     ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
+                    if actor_gone(exc):  # killed after its last unit, before it could close
+                        self._note_died(campaign, label)
+                self._left(ray, label, actor)
             for actor in actors:
                 ray.kill(actor)
+
+    @staticmethod
+    def _open(ray: Any, fleet: Fleet, refs: list[Any], resource: str) -> list[Any]:
+        """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
+        cannot place (other jobs hold the cluster's GPUs) waits: said in a note after
+        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        noted = False
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=min(OPEN_NOTE_S, left))
+            ray.get(ready)  # an actor that could not open: its error now, not at the end
+            if not waiting:
+                return list(ray.get(refs))
+            free = ray.available_resources().get(resource, 0)
+            total = ray.cluster_resources().get(resource, 0)
+            if time.monotonic() >= deadline:
+                fewer = (
+                    "run fewer twin GPUs (--gpus)"
+                    if resource == TWIN_RESOURCE
+                    else "dvfs places a worker on every GPU the cluster offers"
+                )
+                raise DvfsError(
+                    f"{len(waiting)} of {len(refs)} Ray worker(s) did not start within "
+                    f"{OPEN_TIMEOUT_S:g} s ({free:g} of the cluster's {total:g} {resource} "
+                    f"free): other jobs may hold them; free them ({fewer})"
+                )
+            if not noted:
+                noted = True
+                fleet.note(
+                    f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
+                    f"({free:g} of the cluster's {total:g} {resource} free; other jobs may "
+                    f"hold them); giving up after {OPEN_TIMEOUT_S:g} s"
+                )
 
     def _drive(self, ray: Any, fleet: Fleet, alive: dict[str, Any], virtual: bool) -> None:
         pacer = VirtualPacer(list(alive), fleet.lanes()) if virtual else None
@@ -259,39 +356,78 @@ class RayExecutor:
                     fleet.started(label, unit)
                     pending[alive[label].run.remote(unit)] = (label, unit)
 
-        feed()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                label, unit = pending.pop(ref)
-                try:
-                    shipment = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001  (the actor died or its worker raised)
-                    self._lost(fleet, label, unit, exc)
-                    alive.pop(label, None)
+        try:
+            feed()
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                for ref in ready:
+                    label, unit = pending.pop(ref)
+                    try:
+                        shipment = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001  (its actor died, or its worker raised)
+                        self._lost(fleet, label, unit, exc)
+                        self._left(ray, label, alive[label])
+                        alive.pop(label, None)
+                        if pacer is not None:
+                            pacer.leave(label)
+                        for back in exhausted:  # its cell is in the queue again
+                            idle.append(back)
+                            if pacer is not None:
+                                pacer.free(back, times[back])
+                        exhausted.clear()
+                        continue
+                    fleet.shipped(label, shipment)
+                    drafters[label] = shipment.cell.drafter
+                    times[label] = shipment.gpu_time_s
                     if pacer is not None:
-                        pacer.leave(label)
-                    for back in exhausted:  # its cell is in the queue again
+                        pacer.free(label, shipment.gpu_time_s)
+                    idle.append(label)
+                    for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
+                        exhausted.remove(back)
                         idle.append(back)
                         if pacer is not None:
                             pacer.free(back, times[back])
-                    exhausted.clear()
-                    continue
-                fleet.shipped(label, shipment)
-                drafters[label] = shipment.cell.drafter
-                times[label] = shipment.gpu_time_s
-                if pacer is not None:
-                    pacer.free(label, shipment.gpu_time_s)
-                idle.append(label)
-                for back in [b for b in exhausted if fleet.has_cells(b)]:  # extra repeats
-                    exhausted.remove(back)
-                    idle.append(back)
-                    if pacer is not None:
-                        pacer.free(back, times[back])
-            feed()
+                feed()
+        except (KeyboardInterrupt, Interrupted):
+            # Ctrl-C or SIGTERM: each actor still finishes its unit in flight (its `close`
+            # waits behind it), so journal what they finish, as the local executor does,
+            # before the interruption goes on (a second signal gives up waiting).
+            self._collect(ray, fleet, pending)
+            raise
         if not fleet.finished and alive:
             fleet.check_finished()  # a refusal's own line, when the driver retired them
             raise DvfsError("the Ray workers stopped with cells left; rerun to resume")
+
+    @staticmethod
+    def _collect(ray: Any, fleet: Fleet, pending: dict[Any, tuple[str, Any]]) -> None:
+        """Journal the units the actors finish once the driver stopped handing them out (a
+        unit whose actor died or raised is left for the rerun)."""
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=OPEN_TIMEOUT_S)
+        for ref in ready:
+            label, _unit = pending.pop(ref)
+            try:
+                shipment = ray.get(ref)
+            except Exception:  # noqa: BLE001, S112  (the rerun measures it)
+                continue
+            fleet.shipped(label, shipment)
+
+    def _note_died(self, campaign: Any, label: str) -> bool:
+        """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs)."""
+        if not real_gpus(campaign):
+            return False
+        host = label.split("/", 1)[0]
+        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} (its actor died)")
+        return True
+
+    def _left(self, ray: Any, label: str, actor: Any) -> None:
+        """Note the GPUs an actor that closed (or whose worker raised) left changed."""
+        with contextlib.suppress(Exception):  # a dead actor: `_lost` said so
+            left = ray.get(actor.unrestored.remote(), timeout=OPEN_TIMEOUT_S)
+            if left:
+                host = label.split("/", 1)[0]
+                self.unrestored.setdefault(host, []).extend(str(u) for u in left)
 
     def _lost(self, fleet: Fleet, label: str, cell: Any, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None)
@@ -300,12 +436,16 @@ class RayExecutor:
         else:
             text = str(exc).strip()
             why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        died = type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
         record: dict[str, Any] = {"type": "worker_lost", "worker": label, "error": why[:500]}
-        if died and real_gpus(fleet.campaign):
+        if actor_gone(exc) and self._note_died(fleet.campaign, label):
             host = label.split("/", 1)[0]
             record["reset"] = f"run `dvfs gpu reset` on {host}"
             fleet.note(
                 f"worker {label} died without restoring its GPUs: run `dvfs gpu reset` on {host}"
             )
         fleet.lost(label, cell, why[:200], record)
+
+
+def actor_gone(exc: BaseException) -> bool:
+    """Whether a Ray call failed because its actor's process is gone (killed, or its node)."""
+    return type(exc).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError")

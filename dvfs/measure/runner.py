@@ -125,13 +125,22 @@ WORKLOAD_MEMO_SIZE = 4096
 
 
 class Progress(Protocol):
-    """Where the runner reports progress (the CLI draws a rich progress bar)."""
+    """Where the runner reports progress (the CLI draws a rich progress bar). One that also
+    has `more(cells)` is told when the campaign grows (the further repeats `max_repeats` asks
+    for), so that its total and ETA count them (`grow`)."""
 
     def start(self, total: int, done: int) -> None: ...
 
     def advance(self, cell: Cell, status: str) -> None: ...
 
     def note(self, message: str) -> None: ...
+
+
+def grow(progress: Progress, cells: int) -> None:
+    """Tell `progress` the campaign has `cells` more cells to measure, if it counts them."""
+    more = getattr(progress, "more", None)
+    if more is not None:
+        more(cells)
 
 
 class NullProgress:
@@ -998,6 +1007,7 @@ class Runner:
                 break
             target = self.campaign.measurement.precision
             self.progress.note(f"{len(todo)} cell(s) need another repeat to reach ±{target:.1%}")
+            grow(self.progress, len(todo))
             total += len(todo)
         return RunSummary(total, skipped, measured, len(failed), tuple(failed))
 
