@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -345,9 +346,12 @@ def test_workers_ray_cannot_place_are_a_note_then_one_line(
     finally:
         ray_cluster.kill(job)
     assert result.exit_code == 1, result.output
-    assert "waiting for 2 of 4 Ray worker(s) to start" in result.output
+    # At least the two Ray cannot place wait; on a loaded machine the two it placed may not
+    # have started yet either (a Ray worker process takes seconds to start).
+    said = " ".join(result.output.split())
+    assert re.search(r"waiting for [234] of 4 Ray worker\(s\) to start", said), said
     last = result.output.strip().splitlines()[-1]
-    assert last.startswith("Error: 2 of 4 Ray worker(s) did not start within 3 s"), last
+    assert re.match(r"Error: [234] of 4 Ray worker\(s\) did not start within 3 s", last), last
     assert "0 of the cluster's 4 twin_gpu free" in last and "--gpus" in last
     assert not (out / "journal.jsonl").exists()
 
