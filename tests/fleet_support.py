@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import subprocess_env
+
 #: Three drafters, so several workers must share or switch servers; the exact twin (no NVML
 #: traps), so each GPU's cells reproduce exactly whichever worker runs them.
 _FLEET_CAMPAIGN = """
@@ -107,3 +114,25 @@ def lose_worker_on_its_third_cell(monkeypatch, label: str = "gpu2") -> None:
         return run(self, cell)
 
     monkeypatch.setattr(Worker, "run", failing)
+
+
+def signalled_at(
+    argv: list[str], journal: Path, cells: int, sig: int = signal.SIGKILL
+) -> tuple[int, str]:
+    """Run `argv` (a sweep) and send it `sig` once `journal` holds at least `cells` cells (a
+    node lost with SIGKILL: no exit path runs); its return code and output."""
+    proc = subprocess.Popen(
+        argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        # No deadline of its own: the sweep either writes cells or ends (asserted below); a
+        # hang is ended by the test's pytest timeout, whatever the machine's load.
+        while not journal.exists() or journal.read_text().count('"type":"cell"') < cells:
+            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, output

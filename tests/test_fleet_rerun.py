@@ -5,15 +5,13 @@ differ in what makes cells compare are refused in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
-from fleet_support import FLEET, assert_same_cells, fleet_campaign
+from conftest import PYTHON, copy_sweep, replace_block, write
+from fleet_support import FLEET, assert_same_cells, fleet_campaign, signalled_at
 from sglang_support import running, stub_campaign
 
 from dvfs.cli import cli
@@ -45,20 +43,7 @@ def cell_keys(journal: Path) -> list[str]:
 def killed_at(argv: list[str], journal: Path, cells: int) -> list[str]:
     """Run `argv` and SIGKILL it (a node lost: no exit path runs) once `journal` holds at
     least `cells` cells; the keys it had finished."""
-    proc = subprocess.Popen(
-        argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        # No deadline of its own: the sweep either writes cells or ends (asserted below);
-        # a hang is ended by the test's pytest timeout, whatever the machine's load.
-        while not journal.exists() or journal.read_text().count('"type":"cell"') < cells:
-            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
-            time.sleep(0.01)
-        proc.kill()
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    signalled_at(argv, journal, cells)
     done = cell_keys(journal)
     assert cells <= len(done) < TOTAL, "the kill must land mid-campaign"
     return done

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import numpy as np
 import pytest
 import xarray as xr
 from click.testing import CliRunner, Result
-from conftest import PYTHON, copy_sweep, replace_block, subprocess_env, write
-from fleet_support import FLEET, lose_worker_on_its_third_cell
+from conftest import PYTHON, copy_sweep, replace_block, write
+from fleet_support import FLEET, lose_worker_on_its_third_cell, signalled_at
 from fleet_support import assert_same_cells as _assert_same_cells
 
 from dvfs.backends import open_backends
@@ -389,27 +387,10 @@ def test_ctrl_c_stops_every_worker_and_the_rerun_finishes(runs: Path, tmp_path: 
     campaign = write(tmp_path / "big.toml", bigger)
     out = tmp_path / "out"
     argv = [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--gpus", "0-3", "--out", str(out)]
-    proc = subprocess.Popen(
-        [*argv, "--no-progress"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     journal = out / "journal.jsonl"
-    try:
-        deadline = time.monotonic() + 120
-        while not journal.exists() or journal.read_text().count('"type":"cell"') < 30:
-            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
-            assert time.monotonic() < deadline, "the sweep did not progress"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, output = signalled_at([*argv, "--no-progress"], journal, 30, signal.SIGINT)
     total = 6 * 2 * 2 * 3 * 2
-    assert proc.returncode == 130, output
+    assert code == 130, output
     assert "GPU settings restored" in output
     done = [r for r in read_records(journal) if r["type"] == "cell"]
     assert 30 <= len(done) < total, "the interruption must land mid-campaign"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 from conftest import PYTHON, replace_block, subprocess_env, write
-from fleet_support import FLEET, assert_same_cells
+from fleet_support import FLEET, assert_same_cells, signalled_at
 
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
@@ -270,26 +270,10 @@ def test_sigterm_on_a_ray_sweep_ends_as_without_ray(shared_run, tmp_path: Path) 
     campaign = one.parent / "campaign.toml"
     out = tmp_path / "ray"
     argv = [str(campaign), "--gpus", "0-1", "--out", str(out)]
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "dvfs", "sweep", *argv, "--executor", "ray", "--no-progress"],
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     journal = out / "journal.jsonl"
-    try:
-        deadline = time.monotonic() + 200
-        while not journal.exists() or journal.read_text().count('"type":"cell"') < 16:
-            assert proc.poll() is None, f"the sweep ended early: {proc.communicate()[0]}"
-            assert time.monotonic() < deadline, "the sweep did not progress"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, output
+    command = [PYTHON, "-m", "dvfs", "sweep", *argv, "--executor", "ray", "--no-progress"]
+    code, output = signalled_at(command, journal, 16, signal.SIGTERM)
+    assert code == 143, output
     assert "partial cube written" in output and "Run the same command again" in output, output
     assert "SIGTERM received" not in output
     done = [r["key"] for r in read_records(journal) if r["type"] == "cell"]
