@@ -68,6 +68,30 @@ def test_a_fleet_resumes_inside_the_extra_repeats(adaptive: Path, tmp_path: Path
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
 
 
+def cut_in_the_extra_repeats(adaptive: Path, out: Path, extra: int) -> int:
+    """`out` holding the reference journal cut after its planned cells and `extra` extra
+    repeats; how many cells it holds."""
+    lines = (adaptive / "one" / "journal.jsonl").read_text().splitlines(keepends=True)
+    cells = [i for i, line in enumerate(lines) if '"type":"cell"' in line]
+    out.mkdir()
+    (out / "journal.jsonl").write_text("".join(lines[: cells[72 * 2 + extra]]))
+    return 72 * 2 + extra
+
+
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "0-1"]], ids=["one-gpu", "fleet"])
+def test_a_resumed_sweep_counts_the_extra_repeats_done(
+    adaptive: Path, gpus: list[str], tmp_path: Path
+) -> None:
+    """Resumed inside the extra repeats, the closing line counts those the journal holds as
+    done (it said '144 already done' of a journal holding 170 cells)."""
+    out = tmp_path / "out"
+    held = cut_in_the_extra_repeats(adaptive, out, 26)
+    result = sweep(str(adaptive / "campaign.toml"), *gpus, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    measured = len(repeats_of(out / "journal.jsonl")) - held
+    assert f"{measured} cell(s) measured, 0 failed, {held} already done" in result.output
+
+
 @pytest.fixture
 def inflight(shared_run) -> Path:
     """The in-flight campaign on one GPU, as `adaptive`."""
