@@ -69,7 +69,7 @@ from dvfs.measure.journal import (
     describe_os_error,
 )
 from dvfs.measure.plan import Cell
-from dvfs.measure.runner import Progress, Runner, RunSummary
+from dvfs.measure.runner import Progress, Runner, RunSummary, journaled_repeats
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -695,17 +695,18 @@ class DryRunPlan:
     #: before measuring anything (another shard's, dealt otherwise, or another campaign's or
     #: other settings': `problems` says which), so nothing there counts as done or to run.
     already_done: int | None
-    #: The server starts and knob changes of the cells still to run, on the GPU model with
-    #: the most left (each model runs them on its own workers).
+    #: The server starts and knob changes of the cells still to run (with the extra repeats
+    #: the journal asks for now: `extra_to_run`), on the GPU model with the most left (each
+    #: model runs them on its own workers).
     server_starts: int
     knob_changes: int
     #: The comparison groups (batch, corpus, repeat) among the planned cells: a fleet runs
     #: each whole on one worker, a shard holds whole ones.
     comparison_groups: int
     #: The closed-form duration of the cells still to run (all of them when the folder is
-    #: refused; on the GPU model with the most left; `dvfs.measure.plan`): rough (it
-    #: assumes rounds and leaves out prefill, drain and baselines), shown only when the twin
-    #: gives no estimate.
+    #: refused; with `extra_to_run`; on the GPU model with the most left;
+    #: `dvfs.measure.plan`): rough (it assumes rounds and leaves out prefill, drain and
+    #: baselines), shown only when the twin gives no estimate.
     estimated_s: float
     servers: tuple[ServerPlan, ...]
     problems: tuple[str, ...]
@@ -724,6 +725,17 @@ class DryRunPlan:
     #: when one makes the run invalid input (a corpus shortfall, another shard's folder); else
     #: 1 (a folder whose journal is another campaign's or of other settings).
     exit_code: int = 0
+    #: measurement.max_repeats: above the planned repeats, the sweep adds the next repeat of
+    #: each group whose interval across repeats misses the precision, up to this many.
+    max_repeats: int = 1
+    #: Those extra repeats the journal(s) already hold (done, beside `already_done`'s planned
+    #: cells), and the next ones the journal(s) ask for now: the sweep runs them after the
+    #: planned cells left (counted in `server_starts`, `knob_changes` and `estimated_s`), and
+    #: more may follow up to `max_repeats`. 0 without adaptive repeats; None when refused.
+    extra_done: int | None = 0
+    extra_to_run: int | None = 0
+    #: measurement.precision: the relative half-width the repeats' interval must reach.
+    precision: float = 0.0
 
     @property
     def runs(self) -> int:
@@ -764,6 +776,18 @@ class DryRunPlan:
             "already_done": self.already_done,
             "remaining": self.remaining,
             "out_refused": self.out_refused,
+            **(
+                {
+                    "adaptive_repeats": {
+                        "max_repeats": self.max_repeats,
+                        "precision": self.precision,
+                        "extra_done": self.extra_done,
+                        "extra_to_run_now": self.extra_to_run,
+                    }
+                }
+                if self.max_repeats > self.grid["repeat"]
+                else {}
+            ),
             **({"done_per_model": dict(self.done_per_model)} if self.done_per_model else {}),
             **(
                 {"fresh_moves_aside": [{"path": str(a), "to": str(b)} for a, b in self.fresh_moves]}
@@ -866,6 +890,7 @@ def plan_dry_run(
     journals aside (`fresh_moves`; nothing is moved here). A hardware campaign whose GPU
     matches no twin profile (and no `twin`) is refused in one line."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
+    from dvfs.fleet.folders import extra_repeats
     from dvfs.measure.plan import PlanSummary, summarise_plan
 
     if estimate:  # no matching profile: refused before anything else, saying how to go on
@@ -887,9 +912,21 @@ def plan_dry_run(
     if models is None:
         models = list(workers_per_model(campaign, worker_groups(campaign)))
     journals = [] if refused else resumed_journals(campaign, out_dir, models, cells, fresh=fresh)
-    per_journal = {
-        j: summarise_plan(campaign, cells, set() if fresh else finished_cells(campaign, j))
+    finished = {j: set() if fresh else finished_cells(campaign, j) for j in journals}
+    # With max_repeats above repeats: the extra repeats each journal holds (done, as the
+    # sweep's closing line counts them) and the next ones its cells ask for now (the rule the
+    # sweep follows, `extra_repeats`), which run after the planned cells left.
+    extra_done = {j: journaled_repeats(campaign.measurement, cells, finished[j]) for j in journals}
+    extra_next = {
+        j: [
+            c
+            for c in ([] if fresh else extra_repeats(campaign, j, cells))
+            if c.key not in finished[j]
+        ]
         for j in journals
+    }
+    per_journal = {
+        j: summarise_plan(campaign, [*cells, *extra_next[j]], finished[j]) for j in journals
     }
     # Each model runs its own cells left: the one with the most left sets the figures.
     summary: PlanSummary = max(
@@ -921,8 +958,12 @@ def plan_dry_run(
             "corpus": list(campaign.workload.corpus_names),
             "repeat": campaign.measurement.repeats,
         },
-        cells=summary.cells,
-        already_done=None if refused else sum(p.cells - p.remaining for p in per_journal.values()),
+        cells=len(cells),
+        already_done=(
+            None
+            if refused
+            else sum(len([c for c in cells if c.key in finished[j]]) for j in journals)
+        ),
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
@@ -936,10 +977,14 @@ def plan_dry_run(
             else None
         ),
         done_per_model={
-            j.parent.name: p.cells - p.remaining
-            for j, p in per_journal.items()
+            j.parent.name: len([c for c in cells if c.key in finished[j]])
+            for j in journals
             if j.parent != out_dir
         },
+        max_repeats=campaign.measurement.max_repeats,
+        precision=campaign.measurement.precision,
+        extra_done=None if refused else sum(len(e) for e in extra_done.values()),
+        extra_to_run=None if refused else sum(len(e) for e in extra_next.values()),
         fresh_moves=tuple(fresh_moves(out_dir)) if fresh else None,
         exit_code=max(codes, default=0),
     )

@@ -4,6 +4,8 @@ unit of work, given to one worker) give the single GPU's cube cell for cell."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +68,69 @@ def test_a_fleet_resumes_inside_the_extra_repeats(adaptive: Path, tmp_path: Path
     # Nothing left: the rerun runs no cell.
     again = sweep(str(adaptive / "campaign.toml"), "--gpus", "0-1", "--out", str(out))
     assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
+
+
+def cut_in_the_extra_repeats(adaptive: Path, out: Path, extra: int) -> int:
+    """`out` holding the reference journal cut after its planned cells and `extra` extra
+    repeats; how many cells it holds."""
+    lines = (adaptive / "one" / "journal.jsonl").read_text().splitlines(keepends=True)
+    cells = [i for i, line in enumerate(lines) if '"type":"cell"' in line]
+    out.mkdir()
+    (out / "journal.jsonl").write_text("".join(lines[: cells[72 * 2 + extra]]))
+    return 72 * 2 + extra
+
+
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "0-1"]], ids=["one-gpu", "fleet"])
+def test_a_resumed_sweep_counts_the_extra_repeats_done(
+    adaptive: Path, gpus: list[str], tmp_path: Path
+) -> None:
+    """Resumed inside the extra repeats, the closing line counts those the journal holds as
+    done (it said '144 already done' of a journal holding 170 cells)."""
+    out = tmp_path / "out"
+    held = cut_in_the_extra_repeats(adaptive, out, 26)
+    result = sweep(str(adaptive / "campaign.toml"), *gpus, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    measured = len(repeats_of(out / "journal.jsonl")) - held
+    assert f"{measured} cell(s) measured, 0 failed, {held} already done" in result.output
+
+
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "0-1"]], ids=["one-gpu", "fleet"])
+def test_the_dry_run_counts_the_extra_repeats(
+    adaptive: Path, gpus: list[str], tmp_path: Path
+) -> None:
+    """The dry run of a folder inside the extra repeats counts those its journal holds as done
+    and says how many more the journal asks for now, the repeats the sweep then adds first (it
+    said '144 already done, 0 to run' and the sweep measured 105 more)."""
+    out = tmp_path / "out"
+    held = cut_in_the_extra_repeats(adaptive, out, 26)
+    campaign = str(adaptive / "campaign.toml")
+    plan = sweep(campaign, *gpus, "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert plan.exit_code == 0, plan.output
+    report = json.loads(plan.output)
+    extra = report["adaptive_repeats"]
+    assert report["already_done"] + extra["extra_done"] == held
+    assert report["remaining"] == 0 and extra["extra_done"] == held - report["cells"]
+    assert extra["extra_to_run_now"] > 0 and report["server_starts"] > 0
+    text = sweep(campaign, *gpus, "--out", str(out), "--dry-run", "--no-estimate")
+    assert (
+        f"{extra['extra_done']} extra repeat(s) already done, {extra['extra_to_run_now']} to "
+        "run now" in " ".join(text.output.split())
+    ), text.output
+    result = sweep(campaign, *gpus, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    # The repeats the sweep adds first: one GPU notes them after the planned cells, a fleet's
+    # driver queues them at its start (its total on resuming holds them).
+    if gpus:
+        start = re.search(r"resuming: (\d+) of (\d+) cells", result.output)
+        assert start, result.output
+        asked = int(start[2]) - int(start[1])
+    else:
+        notes = re.findall(r"(\d+) cell\(s\) need another repeat", result.output)
+        assert notes, result.output
+        asked = int(notes[0])
+    assert asked == extra["extra_to_run_now"], result.output
+    measured = len(repeats_of(out / "journal.jsonl")) - held
+    assert measured >= extra["extra_to_run_now"]
 
 
 @pytest.fixture

@@ -36,6 +36,13 @@ def _render_dry_run(report: dict[str, Any]) -> None:
     per_model = report.get("done_per_model", {})
     each = f" on each of {len(per_model)} GPU models" if len(per_model) > 1 else ""
     done = "".join(f", {folder}/ {n} done" for folder, n in per_model.items())
+    adaptive = report.get("adaptive_repeats")
+    extra = (
+        f"; {adaptive['extra_done']} extra repeat(s) already done, "
+        f"{adaptive['extra_to_run_now']} to run now"
+        if adaptive and not refused and (adaptive["extra_done"] or adaptive["extra_to_run_now"])
+        else ""
+    )
     counts = (
         f"[bold]{report['cells']}[/bold] cells{each}"
         + (
@@ -43,6 +50,7 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             if refused
             else f" ({report['already_done']} already done, {report['remaining']} to run"
             + (f": {done[2:]}" if done else "")
+            + extra
             + ")"
         )
         + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
@@ -80,6 +88,19 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             f"the naive protocol ({estimate['naive_protocol']}) would spend "
             f"{estimate['naive_gpu_hours']:.2f} GPU-hours"
             + (f": dvfs needs {ratio:.3f} of it" if ratio is not None else ""),
+            highlight=False,
+        )
+    if adaptive:
+        out.print(
+            f"adaptive repeats: after the planned cells the sweep adds the next repeat of each "
+            f"group whose interval across repeats misses ±{adaptive['precision']:.1%}, up to "
+            f"{adaptive['max_repeats']} repeats"
+            + (
+                ""
+                if refused or not adaptive["extra_to_run_now"]
+                else f": the journal asks for {adaptive['extra_to_run_now']} now (counted in "
+                "the server starts, knob changes and time above), more may follow"
+            ),
             highlight=False,
         )
     if report.get("shard"):

@@ -39,7 +39,7 @@ from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
 from dvfs.fleet.worker import Shipment
 from dvfs.measure.journal import Journal
 from dvfs.measure.plan import Cell, cell_label
-from dvfs.measure.runner import Progress, RunSummary, grow
+from dvfs.measure.runner import Progress, RunSummary, grow, journaled_repeats
 
 #: A unit of work handed to one worker: a cell, or an in-flight group's cells (its knob
 #: levels, measured inside shared decodes).
@@ -196,7 +196,8 @@ class Driver:
         done = journal.finished()
         self.cells = list(cells)
         self.todo = [c for c in cells if c.key not in done]
-        self.total = len(cells)
+        # The extra repeats an earlier run journalled count as done, as the planned ones do.
+        self.total = len(cells) + len(journaled_repeats(campaign.measurement, cells, done))
         if not self.todo:  # the planned repeats are in: those the precision still asks for
             self.todo = self._more_repeats(done)
             self.total += len(self.todo)

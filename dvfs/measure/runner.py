@@ -991,11 +991,13 @@ class Runner:
         across repeats misses the precision (up to max_repeats)."""
         done = self.journal.finished()
         todo = [c for c in cells if c.key not in done]
-        self.progress.start(len(cells), len(cells) - len(todo))
+        # The extra repeats an earlier run journalled count as done, as the planned ones do.
+        total = len(cells) + len(journaled_repeats(self.campaign.measurement, cells, done))
+        skipped = total - len(todo)
+        self.progress.start(total, skipped)
         self._start_failures = {}
         measured = 0
         failed: list[str] = []
-        total, skipped = len(cells), len(cells) - len(todo)
         while True:
             for record in self._run_cells(todo):
                 if record.ok:
@@ -1142,6 +1144,21 @@ def next_repeats(
     if extra and extra[0].repeat % 2:
         extra.reverse()
     return extra
+
+
+def journaled_repeats(m: MeasurementConfig, cells: Sequence[Cell], done: set[str]) -> list[Cell]:
+    """The repeats beyond the planned ones (those `next_repeats` added, up to max_repeats) of
+    the planned `cells`' groups that a journal holds finished (`done`, its finished keys): a
+    resumed run counts them done, beside the planned cells it skips."""
+    if m.max_repeats <= m.repeats:
+        return []
+    more = (
+        replace(cell, repeat=n)
+        for cell in cells
+        if cell.repeat == 0
+        for n in range(m.repeats, m.max_repeats)
+    )
+    return [cell for cell in more if cell.key in done]
 
 
 def _group(cell: Cell) -> tuple:
