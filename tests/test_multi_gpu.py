@@ -194,7 +194,7 @@ def test_gpu_lists() -> None:
         ("zero", "neither a GPU index"),
         ("0-2", "do not split into servers of engine.tp_size = 2"),
         ("0,h200-sxm:0", "one GPU model per group"),
-        ("1,h100-sxm:1", "names a GPU twice"),  # the campaign's own profile: its GPU 1
+        ("1,h100-sxm:1", "1 and h100-sxm:1 are both the campaign's h100-sxm:none GPU 1"),
         ("nope:0-1", "unknown twin profile 'nope'"),
     ],
 )

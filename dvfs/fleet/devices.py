@@ -82,9 +82,15 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
                 gpu_profile(profile)
             except ValueError as exc:
                 raise CampaignError(f"--gpus: twin profile {profile!r}: {exc}") from None
-        gpus = [d if isinstance(d, int) else _own_index(campaign, d) for d in gpus]
-        if len(set(gpus)) != len(gpus):
-            raise CampaignError(f"--gpus {', '.join(map(str, gpus))} names a GPU twice")
+        named = list(gpus)
+        gpus = [d if isinstance(d, int) else _own_index(campaign, d) for d in named]
+        for i, device in enumerate(gpus):
+            if device in gpus[:i]:
+                first = named[gpus.index(device)]
+                raise CampaignError(
+                    f"--gpus names a GPU twice: {first} and {named[i]} are both the campaign's "
+                    f"{campaign.gpu.profile} GPU {device}"
+                )
     elif any(isinstance(d, str) and ":" in d for d in gpus):
         raise CampaignError(
             "--gpus PROFILE:INDEX names twin GPUs; real GPUs are named by index or UUID"
