@@ -41,11 +41,11 @@ Limits: fixed batches only; a nonlinear drift cancels only in part, and the cont
 assumes one relative slope for every level (its uncertainty is not in the interval): a level
 whose own drift differs (a power cap that binds only as the context grows; the top clock,
 whose higher base energy per token grows relatively less: 35% per 1,000 tokens against
-36-39%, batch 64 on the twin, so it comes out 0.4-0.7% low) is carried along the levels'
-common one. Slopes fitted per level were tried: on the twin they carry such
-levels right but amplify whatever a level's early and late segments hold besides a straight
-drift (a capped level's bending one: 1980 MHz at 200 W, batch 64, came out 1.6% low; a
-counter's millijoule: 0.09% between executors).
+36-39%, batch 64 on the twin, so it comes out about 0.4% low, 0.2-0.7% with the prompts)
+is carried along the levels' common one. Slopes fitted per level were tried: on the twin
+they carry such levels right but amplify whatever a level's early and late segments hold
+besides a straight drift (a capped level's bending one: 1980 MHz at 200 W, batch 64, came
+out 1.6% low; a counter's millijoule: 0.09% between executors).
 
 The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 
