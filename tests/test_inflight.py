@@ -46,7 +46,12 @@ from dvfs.measure.inflight import (
     settle_before,
 )
 from dvfs.measure.journal import Journal
-from dvfs.measure.meter import describe_quality, steady_window_ns, tokens_in_window
+from dvfs.measure.meter import (
+    describe_quality,
+    round_chunks,
+    steady_window_ns,
+    tokens_in_window,
+)
 from dvfs.measure.plan import Cell, plan_cells
 from dvfs.measure.runner import Runner
 from dvfs.measure.sampler import Sampler
@@ -642,6 +647,46 @@ def test_no_segment_measures_while_the_knob_changes(tmp_path: Path, setter_s: fl
             assert hi > lo
             for begun, done in changing:
                 assert hi <= begun + slack or lo >= done - slack, (lo, hi, begun, done)
+
+
+def test_a_segment_counts_its_tokens_up_to_its_end(tmp_path: Path) -> None:
+    """A segment's energy and tokens are taken over the same interval on the whole decode's
+    token curve: with a counter exact at every reading (the twin's energy_steps off) that is
+    the segment's span, and the tokens of the pass running at its end count up to the end.
+    The last segment ends at no knob change, between two chunks: counted on the segment's own
+    traces (which stop at its last chunk), it lost that pass's tokens and read its energy per
+    token up to 1.4% high (batch 64)."""
+    text = (
+        INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 1")
+        .replace('"h100-sxm:-leakage"', '"h100-sxm:-leakage,-energy_steps"')
+        .replace("batch = [8]", "batch = [64]")
+    )
+    with twin_runner(tmp_path, text) as runner:
+        assert runner.fit_periods_s == [0.0]  # a continuous counter: the span is the interval
+        engine = Recording(runner.engine)
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+        assert all(r.ok for r in records), [r.errors for r in records]
+        levels = len(group)
+        checked = 0
+        for record in records:
+            info = record.inflight
+            for seg in info["segments"]:
+                result = engine.rounds[seg["round"]]
+                window = steady_window_ns(result, "fixed")
+                assert window is not None
+                order = level_order(range(levels), info["scheme"], seg["round"])
+                start = result.started_ns + round(seg["start_s"] * 1e9)
+                settle = settle_before(order, seg["position"], info["settle_s"])
+                lo = max(start + round(settle * 1e9), window[0])
+                hi = lo + round(seg["measured_s"] * 1e9)
+                whole = round_chunks(result.requests).curve().between(lo, hi)
+                # the record rounds the tokens to whole ones (start_s and measured_s to the
+                # microsecond: a hundredth of a token over the batch at most)
+                assert abs(seg["tokens"] - whole) <= 0.51, seg
+                checked += 1
+        assert checked == segments_per_round(levels, "abba")
 
 
 # -- the safety layer: real NVML (the fake pynvml), the twin engine as the load ---------------

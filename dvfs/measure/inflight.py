@@ -4,9 +4,10 @@
 (same drafter, repeat, batch and corpus: one group of `inflight_groups`) in one fixed-batch
 decode instead of one decode each. The batch keeps decoding while the knob steps every segment;
 each segment's first `settle_s` is discarded, the rest is that level's window: energy from the
-GPUs' counters over it, tokens from the chunks that arrived in it, ITL and TPOT from those
-chunks. TTFT (the prefill) and acceptance (the drafts do not depend on the knob) are the
-round's, shared by every level of the group, and the record says so.
+GPUs' counters over it, tokens over the same interval on the whole decode's token curve (the
+pass running at its end counted in part, as a per-level window counts it), ITL and TPOT from
+the chunks that arrived in it. TTFT (the prefill) and acceptance (the drafts do not depend on
+the knob) are the round's, shared by every level of the group, and the record says so.
 
 Levels are ordered so slow drift cancels: the KV cache grows through the decode and the GPU
 warms, so a level measured late would otherwise look different from one measured early.
@@ -38,11 +39,13 @@ value, the slope and the factor (`inflight.context`), and each segment's energy 
 
 Limits: fixed batches only; a nonlinear drift cancels only in part, and the context factor
 assumes one relative slope for every level (its uncertainty is not in the interval): a level
-whose own drift differs (a power cap that binds only as the context grows) is carried along
-the levels' common one. Slopes fitted per level were tried: on the twin they carry such
-levels right but amplify whatever a level's early and late segments hold besides a straight
-drift (a capped level's bending one: 1980 MHz at 200 W, batch 64, came out 1.6% low; a
-counter's millijoule: 0.09% between executors).
+whose own drift differs (a power cap that binds only as the context grows; the top clock,
+whose higher base energy per token grows relatively less: 35% per 1,000 tokens against
+36-39%, batch 64 on the twin, so it comes out about 0.4% low, 0.2-0.7% with the prompts)
+is carried along the levels' common one. Slopes fitted per level were tried: on the twin
+they carry such levels right but amplify whatever a level's early and late segments hold
+besides a straight drift (a capped level's bending one: 1980 MHz at 200 W, batch 64, came
+out 1.6% low; a counter's millijoule: 0.09% between executors).
 
 The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 
@@ -84,7 +87,7 @@ import numpy as np
 from dvfs.campaign.model import INFLIGHT_ORDERS
 from dvfs.engines.base import RequestTrace, RoundResult
 from dvfs.errors import CampaignError, EngineCrashedError, EngineError
-from dvfs.measure.counter import t_two_sided
+from dvfs.measure.counter import round_energy, t_two_sided
 from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
@@ -96,6 +99,7 @@ from dvfs.measure.meter import (
     acceptance,
     latency_stats,
     power_limit_quality,
+    round_chunks,
     steady_window_ns,
     summarise,
 )
@@ -623,6 +627,7 @@ def _measure_group(
         settle = m.settle if isinstance(m.settle, int | float) else campaign.knobs.settle_s
     segment_s = settle + measured_seconds(len(cells), scheme, m.min_window_s, m.sample_period_s)
     clock, knobs = runner.clock, runner.knobs
+    periods = runner.fit_periods_s
     gpu_time = dict.fromkeys(("settle", "warmup", "prefill", "window", "drain"), 0.0)
 
     # Each level's idle baseline (the runner takes one per setting and session, when the
@@ -697,8 +702,17 @@ def _measure_group(
                 if span is not None:
                     gpu_time["window"] += (hi - lo) * 1e-9
                 cut = segment_requests(result.requests, lo, hi) if span else ()
+                # Energy and tokens over the same interval on the whole decode's token curve:
+                # the cut traces end at the segment's last chunk, so their curve stops rising
+                # there and the energy spent from that chunk to the segment's end (or the
+                # counter update before it) would count no tokens.
+                energy = (
+                    round_energy(samples, round_chunks(result.requests).curve(), span, periods)
+                    if span
+                    else None
+                )
                 part = WindowPart(
-                    RoundResult(cut, result.started_ns, result.ended_ns), span, samples
+                    RoundResult(cut, result.started_ns, result.ended_ns), span, samples, energy
                 )
                 alone = _summarise(runner, cell, [part])
                 rate_here = (
