@@ -349,3 +349,26 @@ def test_too_few_twin_gpus_on_the_cluster_is_one_line(ray_cluster: object, tmp_p
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]
     assert last.startswith("Error: the Ray cluster offers 4 twin_gpu") and "need 6" in last
+
+
+def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() -> None:
+    """Once interrupted, the driver journals each unit as its actor finishes it, not once all
+    have: a second Ctrl-C (or Slurm's SIGKILL after its SIGTERM) while one actor is still on a
+    long unit lost the units the others had finished (measured, then measured again)."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    finished = ["fast"]  # the slow actor's unit never finishes before the second signal
+
+    def wait(refs, *, num_returns, timeout):  # type: ignore[no-untyped-def]
+        ready = [r for r in refs if r in finished]
+        if len(ready) < num_returns:
+            raise KeyboardInterrupt  # the second Ctrl-C, while the driver waits
+        return ready[:num_returns], [r for r in refs if r not in ready[:num_returns]]
+
+    fake = types.SimpleNamespace(wait=wait, get=lambda ref: f"shipment of {ref}")
+    shipped: list[tuple[str, str]] = []
+    fleet = types.SimpleNamespace(shipped=lambda label, s: shipped.append((label, s)))
+    pending = {"fast": ("gpu0", "unit0"), "slow": ("gpu1", "unit1")}
+    with pytest.raises(KeyboardInterrupt):
+        RayExecutor._collect(fake, fleet, pending)  # type: ignore[arg-type]
+    assert shipped == [("gpu0", "shipment of fast")]

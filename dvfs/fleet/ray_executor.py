@@ -401,17 +401,22 @@ class RayExecutor:
     @staticmethod
     def _collect(ray: Any, fleet: Fleet, pending: dict[Any, tuple[str, Any]]) -> None:
         """Journal the units the actors finish once the driver stopped handing them out (a
-        unit whose actor died or raised is left for the rerun)."""
-        if not pending:
-            return
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=OPEN_TIMEOUT_S)
-        for ref in ready:
-            label, _unit = pending.pop(ref)
-            try:
-                shipment = ray.get(ref)
-            except Exception:  # noqa: BLE001, S112  (the rerun measures it)
-                continue
-            fleet.shipped(label, shipment)
+        unit whose actor died or raised is left for the rerun). Each is journalled as it comes,
+        so that a second signal, or a SIGKILL after SIGTERM, while one actor is still on a long
+        unit keeps those the others finished."""
+        deadline = time.monotonic() + OPEN_TIMEOUT_S
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            for ref in ready:
+                label, _unit = pending.pop(ref)
+                try:
+                    shipment = ray.get(ref)
+                except Exception:  # noqa: BLE001, S112  (the rerun measures it)
+                    continue
+                fleet.shipped(label, shipment)
 
     def _note_died(self, campaign: Any, label: str) -> bool:
         """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs)."""
