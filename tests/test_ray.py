@@ -372,3 +372,64 @@ def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() ->
     with pytest.raises(KeyboardInterrupt):
         RayExecutor._collect(fake, fleet, pending)  # type: ignore[arg-type]
     assert shipped == [("gpu0", "shipment of fast")]
+
+
+def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch) -> None:
+    """Real GPUs: Ctrl-C, then another while the actors close (each behind its unit in
+    flight), gives up waiting, and the actors are killed with their GPUs as they set them.
+    The sweep's last line names them and `dvfs gpu reset` (it said 'GPU settings restored.',
+    which on another node's GPUs it could not know)."""
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    closed: list[str] = []
+
+    class Actor:
+        def __init__(self, label: str) -> None:
+            self.label = label
+            self.open = types.SimpleNamespace(remote=lambda: {"worker": label})
+            self.close = types.SimpleNamespace(remote=lambda: ("close", self))
+            self.unrestored = types.SimpleNamespace(remote=lambda: [])
+
+    labels = iter(["n1/gpu0", "n2/gpu0", "n2/gpu1"])
+    actor_class = types.SimpleNamespace(
+        options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Actor(next(labels)))
+    )
+
+    def get(ref, timeout=None):  # type: ignore[no-untyped-def]
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if isinstance(ref, tuple):  # a close
+            if ref[1].label == "n2/gpu0":
+                raise KeyboardInterrupt  # the user's next Ctrl-C, while it waits
+            closed.append(ref[1].label)
+            return None
+        return ref
+
+    fake = types.SimpleNamespace(
+        remote=lambda **kw: lambda cls: actor_class,
+        cluster_resources=lambda: {"GPU": 3},
+        available_resources=lambda: {"GPU": 0},
+        wait=lambda refs, num_returns, timeout: (list(refs), []),
+        get=get,
+        kill=lambda actor: None,
+    )
+    campaign = types.SimpleNamespace(
+        gpu=types.SimpleNamespace(backend="nvml"),
+        engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
+    )
+    fleet = types.SimpleNamespace(campaign=campaign, corpora=None, open=lambda sessions: None)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt  # the first Ctrl-C
+
+    executor = RayExecutor(Path("out"))
+    monkeypatch.setattr(executor, "_drive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        executor._run(fake, fleet, [], False)  # type: ignore[arg-type]
+    assert closed == ["n1/gpu0"]
+    assert executor.unrestored == {
+        "n2": [
+            "the GPUs of worker n2/gpu0 (its close was given up)",
+            "the GPUs of worker n2/gpu1 (its close was given up)",
+        ]
+    }

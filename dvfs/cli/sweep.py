@@ -490,7 +490,7 @@ def _ray_unrestored(left: dict[str, list[str]]) -> str:
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
     return (
         f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
-        "its actor died, before it could put them back; run `dvfs gpu reset` on "
+        "its actor died or was stopped, before it could put them back; run `dvfs gpu reset` on "
         f"{escape(', '.join(left))} once the GPU answers again."
     )
 

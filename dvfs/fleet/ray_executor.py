@@ -283,15 +283,28 @@ class RayExecutor:
             fleet.open(sessions)
             self._drive(ray, fleet, alive, virtual_time(campaign))
         finally:
-            for label, actor in alive.items():
-                try:
-                    ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
-                    if actor_gone(exc):  # killed after its last unit, before it could close
-                        self._note_died(campaign, label)
-                self._left(ray, label, actor)
-            for actor in actors:
-                ray.kill(actor)
+            try:
+                self._close(ray, campaign, alive)
+            finally:
+                for actor in actors:
+                    ray.kill(actor)
+
+    def _close(self, ray: Any, campaign: Any, alive: dict[str, Any]) -> None:
+        """Close each actor (it restores its GPUs) and note the GPUs any left changed. A
+        further signal while they close gives up waiting: the actors not closed yet are
+        killed with their GPUs as they set them, which the sweep's last line names."""
+        closing = list(alive)
+        for label, actor in alive.items():
+            try:
+                ray.get(actor.close.remote(), timeout=OPEN_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
+                if actor_gone(exc):  # killed after its last unit, before it could close
+                    self._note_died(campaign, label)
+            except BaseException:
+                for rest in closing[closing.index(label) :]:
+                    self._note_died(campaign, rest, "its close was given up")
+                raise
+            self._left(ray, label, actor)
 
     @staticmethod
     def _open(ray: Any, fleet: Fleet, refs: list[Any], resource: str) -> list[Any]:
@@ -418,12 +431,12 @@ class RayExecutor:
                     continue
                 fleet.shipped(label, shipment)
 
-    def _note_died(self, campaign: Any, label: str) -> bool:
+    def _note_died(self, campaign: Any, label: str, why: str = "its actor died") -> bool:
         """Note that `label`'s actor died with its GPUs as it had set them (on real GPUs)."""
         if not real_gpus(campaign):
             return False
         host = label.split("/", 1)[0]
-        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} (its actor died)")
+        self.unrestored.setdefault(host, []).append(f"the GPUs of worker {label} ({why})")
         return True
 
     def _left(self, ray: Any, label: str, actor: Any) -> None:
