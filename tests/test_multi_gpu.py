@@ -195,6 +195,7 @@ def test_gpu_lists() -> None:
         ("0-2", "do not split into servers of engine.tp_size = 2"),
         ("0,h200-sxm:0", "one GPU model per group"),
         ("1,h100-sxm:1", "1 and h100-sxm:1 are both the campaign's h100-sxm:none GPU 1"),
+        ("h200-sxm:0,h200-sxm:none:0", "h200-sxm:0 and h200-sxm:none:0 are both twin GPU h200"),
         ("nope:0-1", "unknown twin profile 'nope'"),
     ],
 )

@@ -87,9 +87,13 @@ def worker_groups(campaign: Campaign, gpus: Sequence[int | str] | None = None) -
         for i, device in enumerate(gpus):
             if device in gpus[:i]:
                 first = named[gpus.index(device)]
+                which = (  # another profile's stays PROFILE:INDEX, with the campaign's traps
+                    f"the campaign's {campaign.gpu.profile} GPU {device}"
+                    if isinstance(device, int)
+                    else f"twin GPU {device}"
+                )
                 raise CampaignError(
-                    f"--gpus names a GPU twice: {first} and {named[i]} are both the campaign's "
-                    f"{campaign.gpu.profile} GPU {device}"
+                    f"--gpus names a GPU twice: {first} and {named[i]} are both {which}"
                 )
     elif any(isinstance(d, str) and ":" in d for d in gpus):
         raise CampaignError(
