@@ -433,3 +433,33 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
             "the GPUs of worker n2/gpu1 (its close was given up)",
         ]
     }
+
+
+def test_sigterm_while_ray_starts_ends_as_without_ray(tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM (scancel) while `ray.init` starts Ray: exit 143 and the line to resume, as
+    without Ray. `ray.init` sets its own SIGTERM handlers as it starts (`sys.exit(15)`, then
+    the head node's, which exits 1), so the sweep ended 15 or 1 without a word."""
+    import sys
+
+    def set_sigterm_handler(handler):  # type: ignore[no-untyped-def]
+        signal.signal(signal.SIGTERM, handler)
+
+    utils = types.SimpleNamespace(set_sigterm_handler=set_sigterm_handler)
+
+    def init(**kwargs: object) -> None:
+        fake._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+        os.kill(os.getpid(), signal.SIGTERM)  # scancel, while Ray starts
+        time.sleep(5)  # Python runs the handler at once; this is never waited out
+
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: False, init=init, _private=types.SimpleNamespace(utils=utils)
+    )
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr("dvfs.fleet.ray_executor.import_ray", lambda local=False: fake)
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--executor", "ray", "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 143, result.output
+    assert "Run the same command again to resume" in result.output
+    assert "Traceback" not in result.output

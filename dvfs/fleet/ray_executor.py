@@ -76,18 +76,26 @@ def import_ray(*, local: bool = False) -> Any:
 
 
 @contextlib.contextmanager
-def signals_kept() -> Iterator[None]:
+def signals_kept(ray: Any = None) -> Iterator[None]:
     """Keep this process's handlers of SIGINT, SIGTERM and SIGHUP through `ray.init`, which
     makes SIGTERM exit at once (`sys.exit(15)`): the sweep's own handlers raise, so that a
     SIGTERM (Slurm's at the time limit) journals what the actors finish, writes the partial
-    cube and ends 143, as without Ray."""
+    cube and ends 143, as without Ray. While `ray.init` runs, the SIGTERM handlers it sets
+    (`sys.exit(15)`, then its head node's, which exits 1) are not set: a SIGTERM while Ray
+    starts (scancel) ends 143 too, and the head node's processes go with the driver."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     saved = {s: signal.getsignal(s) for s in HANDLED}
+    utils: Any = getattr(getattr(ray, "_private", None), "utils", None)
+    setter = getattr(utils, "set_sigterm_handler", None)
+    if setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
+        if setter is not None:
+            utils.set_sigterm_handler = setter
         for s, handler in saved.items():
             if handler is not None:  # None: set outside Python, which cannot put it back
                 signal.signal(s, handler)
@@ -185,7 +193,7 @@ class RayExecutor:
         if not ray.is_initialized():
             if self.address:
                 try:
-                    with signals_kept():
+                    with signals_kept(ray):
                         ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
@@ -205,7 +213,7 @@ class RayExecutor:
                 try:
                     # "local": a new instance of this machine's, not RAY_ADDRESS's cluster
                     # nor one `ray start` left running here.
-                    with signals_kept():
+                    with signals_kept(ray):
                         ray.init(
                             address="local",
                             namespace=NAMESPACE,
