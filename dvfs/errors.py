@@ -63,6 +63,10 @@ class GpuBusyError(GpuStateError):
         super().__init__(message)
         self.pid = pid
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Both arguments, so that it pickles (a Ray actor's error reaches the driver so)
+        return (type(self), (str(self), self.pid))
+
 
 class EngineError(DvfsError):
     """The serving engine failed to start, answer, or finish a workload."""

@@ -732,3 +732,16 @@ def test_doctor_observe_only_checks_the_campaign_as_the_observe_only_sweep_runs_
     )
     assert swept.returncode == 0, swept.stderr
     assert setter_calls(nvml) == []
+
+
+def test_a_busy_gpu_error_pickles_with_its_holder() -> None:
+    """A Ray actor's error reaches the driver pickled: GpuBusyError did not unpickle (its pid
+    argument lost), so a worker whose GPU another dvfs held was 'internal error:
+    UnserializableException ... please report it' instead of its one line."""
+    import pickle
+
+    from dvfs.errors import GpuBusyError
+
+    error = pickle.loads(pickle.dumps(GpuBusyError("GPU 1 is in use by dvfs (pid 12)", "12")))
+    assert isinstance(error, GpuBusyError)
+    assert (str(error), error.pid) == ("GPU 1 is in use by dvfs (pid 12)", "12")
