@@ -463,3 +463,33 @@ def test_sigterm_while_ray_starts_ends_as_without_ray(tmp_path: Path, monkeypatc
     assert result.exit_code == 143, result.output
     assert "Run the same command again to resume" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_cannot_open_leaves_the_others_gpus_restored(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """Real GPUs (the fake NVML's two) on Ray: GPU 1 is held by another dvfs, so its actor
+    cannot open, while GPU 0's opened and measured its settle time (its clocks changed). The
+    sweep fails in one line, and GPU 0 is put back: its actor was killed with its clocks
+    locked, unsaid."""
+    import fcntl
+
+    from nvml_support import NVML_CAMPAIGN
+
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1).replace(
+        "settle = 0", 'settle = "measured"'
+    )
+    campaign = write(tmp_path / "nvml.toml", text)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state / f"{ray_nvml.fake_device_state(1)['uuid']}.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = sweep(str(campaign), "--executor", "ray", "--out", str(tmp_path / "out"))
+    finally:
+        os.close(fd)
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output and "internal error" not in result.output
+    assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks"), "GPU 0 never changed"
+    assert ray_nvml.fake_device_state(0)["locked_clocks"] is None, result.output

@@ -277,10 +277,14 @@ class RayExecutor:
             )
         alive: dict[str, Any] = {}
         try:
+            refs = [a.open.remote() for a in actors]
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
-                sessions = self._open(ray, fleet, [a.open.remote() for a in actors], resource)
-            except Exception as exc:
+                sessions = self._open(ray, fleet, refs, resource)
+            except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
+                # Those that opened (their GPUs' knobs may be changed: the settle measured)
+                # close before the run fails, as when the sweep ends.
+                alive = self._opened(ray, dict(zip(refs, actors, strict=True)))
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, DvfsError):  # one line and its exit code, as locally
                     raise cause from None
@@ -313,6 +317,16 @@ class RayExecutor:
                     self._note_died(campaign, rest, "its close was given up")
                 raise
             self._left(ray, label, actor)
+
+    @staticmethod
+    def _opened(ray: Any, actors: dict[Any, Any]) -> dict[str, Any]:
+        """The actors whose `open` (a ref of `actors`) returned a session by now, by label."""
+        ready, _ = ray.wait(list(actors), num_returns=len(actors), timeout=0)
+        opened: dict[str, Any] = {}
+        for ref in ready:
+            with contextlib.suppress(Exception):  # one that could not open closed itself
+                opened[str(ray.get(ref)["worker"])] = actors[ref]
+        return opened
 
     @staticmethod
     def _open(ray: Any, fleet: Fleet, refs: list[Any], resource: str) -> list[Any]:
