@@ -627,20 +627,7 @@ def test_no_segment_measures_while_the_knob_changes(tmp_path: Path, setter_s: fl
         records = run_inflight(runner, group, settle_s=runner.settle_s)
         assert all(r.ok for r in records), [r.errors for r in records]
         levels = len(group)
-        spans = []
-        for record in records:
-            info = record.inflight
-            for seg in info["segments"]:
-                result = engine.rounds[seg["round"]]
-                window = steady_window_ns(result, "fixed")
-                assert window is not None
-                order = level_order(range(levels), info["scheme"], seg["round"])
-                start = result.started_ns + round(seg["start_s"] * 1e9)
-                lo = max(
-                    start + round(settle_before(order, seg["position"], info["settle_s"]) * 1e9),
-                    window[0],
-                )
-                spans.append((lo, lo + round(seg["measured_s"] * 1e9)))
+        spans = [(lo, hi) for _, _, lo, hi in segment_spans(records, engine, levels)]
         assert len(spans) == 2 * segments_per_round(levels, "abba") and changing
         slack = 2_000  # start_s and measured_s are rounded to the microsecond
         for lo, hi in spans:
@@ -670,23 +657,30 @@ def test_a_segment_counts_its_tokens_up_to_its_end(tmp_path: Path) -> None:
         assert all(r.ok for r in records), [r.errors for r in records]
         levels = len(group)
         checked = 0
-        for record in records:
-            info = record.inflight
-            for seg in info["segments"]:
-                result = engine.rounds[seg["round"]]
-                window = steady_window_ns(result, "fixed")
-                assert window is not None
-                order = level_order(range(levels), info["scheme"], seg["round"])
-                start = result.started_ns + round(seg["start_s"] * 1e9)
-                settle = settle_before(order, seg["position"], info["settle_s"])
-                lo = max(start + round(settle * 1e9), window[0])
-                hi = lo + round(seg["measured_s"] * 1e9)
-                whole = round_chunks(result.requests).curve().between(lo, hi)
-                # the record rounds the tokens to whole ones (start_s and measured_s to the
-                # microsecond: a hundredth of a token over the batch at most)
-                assert abs(seg["tokens"] - whole) <= 0.51, seg
-                checked += 1
+        for seg, result, lo, hi in segment_spans(records, engine, levels):
+            whole = round_chunks(result.requests).curve().between(lo, hi)
+            # the record rounds the tokens to whole ones (start_s and measured_s to the
+            # microsecond: a hundredth of a token over the batch at most)
+            assert abs(seg["tokens"] - whole) <= 0.51, seg
+            checked += 1
         assert checked == segments_per_round(levels, "abba")
+
+
+def segment_spans(records: Any, engine: Any, levels: int) -> Iterator[tuple[dict, Any, int, int]]:
+    """Each recorded segment with its decode's result and the span (ns) its measurement
+    covers, found again from the record: from its start past its settle (or the decode's
+    window, whichever is later) for its measured seconds."""
+    for record in records:
+        info = record.inflight
+        for seg in info["segments"]:
+            result = engine.rounds[seg["round"]]
+            window = steady_window_ns(result, "fixed")
+            assert window is not None
+            order = level_order(range(levels), info["scheme"], seg["round"])
+            start = result.started_ns + round(seg["start_s"] * 1e9)
+            settle = settle_before(order, seg["position"], info["settle_s"])
+            lo = max(start + round(settle * 1e9), window[0])
+            yield seg, result, lo, lo + round(seg["measured_s"] * 1e9)
 
 
 # -- the safety layer: real NVML (the fake pynvml), the twin engine as the load ---------------
