@@ -359,7 +359,8 @@ class RayExecutor:
                 fleet.note(
                     f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
                     f"({free:g} of the cluster's {total:g} {resource} free; other jobs may "
-                    f"hold them); giving up after {OPEN_TIMEOUT_S:g} s"
+                    f"hold them, or the workers are still opening their GPUs); giving up "
+                    f"after {OPEN_TIMEOUT_S:g} s"
                 )
 
     def _drive(self, ray: Any, fleet: Fleet, alive: dict[str, Any], virtual: bool) -> None:
