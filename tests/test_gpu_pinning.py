@@ -88,6 +88,17 @@ def test_a_server_on_another_gpu_fails_its_cells_with_one_line(
         assert "CUDA_VISIBLE_DEVICES" in error and "server_command" in error
 
 
+def on_gpu_1(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-cell stub campaign on the fake's GPU 1, observe-only: (campaign, marker)."""
+    return stub_campaign(
+        tmp_path,
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
+    )
+
+
 def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     nv: ModuleType, tmp_path: Path
 ) -> None:
@@ -95,13 +106,7 @@ def test_doctor_fails_a_campaign_env_pinning_the_server_to_another_gpu(
     index, so the loader cannot tell): the sweep refuses every server, each cell failing, so
     doctor fails it too (exit 1), in the sweep's words."""
     other = nv.fake_state()["devices"][0]["uuid"]
-    path, marker = stub_campaign(
-        tmp_path,
-        drafters=ONE_DRAFTER,
-        batch="[1]",
-        knobs='sm_clock = "stock"\nsettle_s = 0.0',
-        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-    )
+    path, marker = on_gpu_1(tmp_path)
     path.write_text(
         path.read_text().replace("env = { ", f'env = {{ CUDA_VISIBLE_DEVICES = "{other}", ')
     )
@@ -132,13 +137,7 @@ def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpu
 
     from dvfs.engines.sglang_args import PORT_SLOTS, ServerPorts
 
-    path, marker = stub_campaign(
-        tmp_path,
-        drafters=ONE_DRAFTER,
-        batch="[1]",
-        knobs='sm_clock = "stock"\nsettle_s = 0.0',
-        gpu='backend = "nvml"\ndevices = [1]\nactuation = "off"',
-    )
+    path, marker = on_gpu_1(tmp_path)
     ports = tmp_path / "ports"
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=DEVICES, DVFS_PORT_LOCK_DIR=str(ports))
 

@@ -621,12 +621,7 @@ def test_no_segment_measures_while_the_knob_changes(tmp_path: Path, setter_s: fl
             changing.append((begun, runner.clock.now_ns()))
 
         gpu.lock_sm_clock = slow_lock  # type: ignore[method-assign]
-        engine = Recording(runner.engine)
-        runner.engine = engine  # type: ignore[assignment]
-        group = inflight_groups(plan_cells(runner.campaign))[0]
-        records = run_inflight(runner, group, settle_s=runner.settle_s)
-        assert all(r.ok for r in records), [r.errors for r in records]
-        levels = len(group)
+        engine, records, levels = recorded_group(runner)
         spans = [(lo, hi) for _, _, lo, hi in segment_spans(records, engine, levels)]
         assert len(spans) == 2 * segments_per_round(levels, "abba") and changing
         slack = 2_000  # start_s and measured_s are rounded to the microsecond
@@ -650,12 +645,7 @@ def test_a_segment_counts_its_tokens_up_to_its_end(tmp_path: Path) -> None:
     )
     with twin_runner(tmp_path, text) as runner:
         assert runner.fit_periods_s == [0.0]  # a continuous counter: the span is the interval
-        engine = Recording(runner.engine)
-        runner.engine = engine  # type: ignore[assignment]
-        group = inflight_groups(plan_cells(runner.campaign))[0]
-        records = run_inflight(runner, group, settle_s=runner.settle_s)
-        assert all(r.ok for r in records), [r.errors for r in records]
-        levels = len(group)
+        engine, records, levels = recorded_group(runner)
         checked = 0
         for seg, result, lo, hi in segment_spans(records, engine, levels):
             whole = round_chunks(result.requests).curve().between(lo, hi)
@@ -664,6 +654,17 @@ def test_a_segment_counts_its_tokens_up_to_its_end(tmp_path: Path) -> None:
             assert abs(seg["tokens"] - whole) <= 0.51, seg
             checked += 1
         assert checked == segments_per_round(levels, "abba")
+
+
+def recorded_group(runner: Any) -> tuple[Any, list, int]:
+    """The campaign's first in-flight group run on `runner` with its decodes recorded: the
+    recording engine, the group's records (all measured) and its number of levels."""
+    engine = Recording(runner.engine)
+    runner.engine = engine
+    group = inflight_groups(plan_cells(runner.campaign))[0]
+    records = run_inflight(runner, group, settle_s=runner.settle_s)
+    assert all(r.ok for r in records), [r.errors for r in records]
+    return engine, records, len(group)
 
 
 def segment_spans(records: Any, engine: Any, levels: int) -> Iterator[tuple[dict, Any, int, int]]:
