@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -437,3 +438,11 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
     if any(name in reason.lower() for name in _OPTIONAL):
         report.outcome = "failed"
         report.longrepr = f"DVFS_REQUIRE_OPTIONAL=1 but the test skipped: {reason}"
+
+
+def default_dispositions() -> None:
+    """In a child before exec (`preexec_fn`): SIGINT and SIGTERM as a foreground shell gives
+    them, whatever the test process inherited (a background job ignores SIGINT), for tests
+    that signal the child."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)

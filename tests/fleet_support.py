@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import subprocess_env
+from conftest import default_dispositions, subprocess_env
 
 #: Three drafters, so several workers must share or switch servers; the exact twin (no NVML
 #: traps), so each GPU's cells reproduce exactly whichever worker runs them.
@@ -122,7 +122,12 @@ def signalled_at(
     """Run `argv` (a sweep) and send it `sig` once `journal` holds at least `cells` cells (a
     node lost with SIGKILL: no exit path runs); its return code and output."""
     proc = subprocess.Popen(
-        argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        argv,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=default_dispositions,  # the signal it is sent is not inherited ignored
     )
     try:
         # No deadline of its own: the sweep either writes cells or ends (asserted below); a

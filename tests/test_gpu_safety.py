@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import default_dispositions
 from nvml_support import NVML_CAMPAIGN, dvfs_in_process, load_fake, root_fake_env
 
 from dvfs.backends import Backends
@@ -265,13 +266,6 @@ def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.C
     )
 
 
-def _default_dispositions() -> None:
-    """In the child before exec: SIGINT and SIGTERM as a foreground shell gives them, whatever
-    this test process inherited."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 def _start_sweep(campaign: Path, out: Path, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
@@ -279,7 +273,7 @@ def _start_sweep(campaign: Path, out: Path, env: dict[str, str]) -> subprocess.P
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_default_dispositions,
+        preexec_fn=default_dispositions,
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import default_dispositions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvml_support import load_fake, root_fake_env
@@ -427,11 +428,6 @@ def test_a_load_without_a_cuda_device_changes_nothing(nvml) -> None:
     assert setter_calls(nvml) == []
 
 
-def _default_dispositions() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 @pytest.mark.slow
 def test_sigterm_restores(nvml, env, tmp_path: Path) -> None:
     clocks = ",".join(str(c) for c in range(1500, 900, -15))  # long enough to be interrupted
@@ -441,7 +437,7 @@ def test_sigterm_restores(nvml, env, tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_default_dispositions,
+        preexec_fn=default_dispositions,
     )
     try:
         deadline = time.monotonic() + 60

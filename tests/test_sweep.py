@@ -18,6 +18,7 @@ from conftest import (
     SMALL_CAMPAIGN,
     TINY,
     TINY_EXACT,
+    default_dispositions,
     replace_block,
     subprocess_env,
     write,
@@ -212,13 +213,6 @@ BIG = replace_block(
 )
 
 
-def _default_dispositions() -> None:
-    """In the child before exec: SIGINT and SIGTERM as a foreground shell gives them, whatever
-    this test process inherited (a background job ignores SIGINT)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 def _start(campaign: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [PYTHON, "-m", "dvfs", "sweep", str(campaign), "--out", str(out), "--no-progress"],
@@ -226,7 +220,7 @@ def _start(campaign: Path, out: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_default_dispositions,
+        preexec_fn=default_dispositions,
     )
 
 
