@@ -642,6 +642,35 @@ def check_server_gpus(campaign: Campaign, *, nvml: ModuleType | None = None) -> 
     one_model(group_label(tuple(campaign.gpu.devices)), named)
 
 
+def check_group_models(
+    campaign: Campaign, groups: Sequence[Sequence[int | str]], *, nvml: ModuleType | None = None
+) -> str | None:
+    """For a dry run: refuse, as the sweep and a fleet would (`one_model`, exit 2), a server
+    (one of `groups`, as `dvfs.fleet.devices.worker_groups` cuts them) on real GPUs of two
+    models, reading their models over NVML: the GPUs are opened read-only and closed, no
+    setting is read back or changed. None once checked (or nothing to check: the twin, one
+    GPU per server); else why the models could not be read (no NVML here, a machine planning
+    for another), for the dry run to say."""
+    servers = [tuple(g) for g in groups if len(g) > 1]
+    if not real_gpus(campaign) or not servers:
+        return None
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuError
+    from dvfs.fleet.devices import group_label, one_model
+
+    try:
+        with open_gpus([d for g in servers for d in g], nvml=nvml, allow_mig=True) as gpus:
+            named = iter([(g.identity.index, g.identity.name) for g in gpus])
+    except GpuError as exc:
+        return (
+            f"the GPUs' models were not read ({exc}), so a tensor-parallel server spanning two "
+            "GPU models is not checked here: `dvfs doctor` on the GPU machine checks it"
+        )
+    for group in servers:
+        one_model(group_label(group), [next(named) for _ in group])
+    return None
+
+
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:
     """Refuse, before measuring, to add cells (`cells` not finished, or the repeats the
     journal's records ask for: `dvfs.fleet.folders.extra_repeats`) to an in-flight journal an
