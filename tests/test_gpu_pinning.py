@@ -290,6 +290,49 @@ def test_a_sweep_whose_server_spans_two_gpu_models_is_refused_before_measuring(
     assert (out / "cube.nc").is_file() and running(marker) == []
 
 
+def test_run_sweep_with_a_callers_backends_refuses_two_gpu_models_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_sweep` from Python with backends of its caller's (an H100 and an H200 behind one
+    server) skipped the check the CLI's path makes: it measured every cell, then refused the
+    cube. It refuses them now in the same line, before the journal is made."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.backends import Backends
+    from dvfs.campaign import load_campaign
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.errors import CampaignError
+    from dvfs.sweep import run_sweep
+    from dvfs.twin.device import FreeRunningNode
+    from dvfs.twin.profiles import gpu_profile, model_profile
+
+    nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm")
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    clock = MonotonicClock()
+    engine = TwinEngine(
+        FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+    )
+    out = tmp_path / "out"
+    with open_nvml_gpus([0, 1], nvml=nv) as gpus:
+        names = [g.identity.name for g in gpus]
+        with pytest.raises(CampaignError) as refused:
+            run_sweep(
+                load_campaign(path),
+                out,
+                backends=Backends(clock, list(gpus), engine),
+                state_dir=tmp_path / "dvfs-state",
+            )
+    assert str(refused.value).startswith("worker gpu0+1 spans GPUs of different models")
+    assert f"(GPU 0: {names[0]}, GPU 1: {names[1]})" in str(refused.value)
+    assert not out.exists() and nv.fake_calls() == []
+
+
 def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> None:
     """Planned where NVML cannot open the GPUs (a laptop planning for a GPU node), the dry
     run of a server on two GPUs plans, exit 0, and says in one line that their models went
