@@ -591,9 +591,10 @@ def _measure(
     recorded = recorded_count_method([out_dir / JOURNAL_NAME])
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
-    launch_help = check_engine(campaign) if backends is None else None
-    if backends is None:  # then the GPUs, only read: one server's of two models
-        check_server_gpus(campaign, nvml=nvml)
+    # Whoever opened the backends (the CLI here, a Python caller its own): the engine's
+    # check of the campaign, then the GPUs, only read: one server's of two models.
+    launch_help = check_engine(campaign)
+    check_server_gpus(campaign, nvml=nvml, gpus=None if backends is None else backends.gpus)
     note = estimate_note(campaign, count_method, recorded)
     if note and progress is not None:
         progress.note(note)
@@ -626,20 +627,58 @@ def _measure(
     return summary, journal.path
 
 
-def check_server_gpus(campaign: Campaign, *, nvml: ModuleType | None = None) -> None:
+def check_server_gpus(
+    campaign: Campaign, *, nvml: ModuleType | None = None, gpus: Sequence[Gpu] | None = None
+) -> None:
     """Refuse, before the journal is made or the server started, a server on real GPUs of two
     models (`dvfs.fleet.devices.one_model`, as a fleet and `dvfs doctor` refuse it): its cells
     would not compare, and the cube was refused only once every cell was measured. The GPUs
-    are opened to read their models, and closed; one GPU, or the twin's (one profile), has
-    nothing to check."""
-    if not real_gpus(campaign) or len(campaign.gpu.devices) < 2:
+    are opened to read their models, and closed; or `gpus`, those a caller of `run_sweep`
+    opened for it. One GPU, or the twin's (one profile), has nothing to check."""
+    if not real_gpus(campaign):
         return
-    from dvfs.clock import MonotonicClock
     from dvfs.fleet.devices import group_label, one_model
 
-    with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
+    if gpus is None:
+        if len(campaign.gpu.devices) < 2:
+            return
+        from dvfs.clock import MonotonicClock
+
+        with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as opened:
+            named = [(g.identity.index, g.identity.name) for g in opened]
+    else:
         named = [(g.identity.index, g.identity.name) for g in gpus]
-    one_model(group_label(tuple(campaign.gpu.devices)), named)
+    if len(named) > 1:
+        one_model(group_label(tuple(index for index, _ in named)), named)
+
+
+def check_group_models(
+    campaign: Campaign, groups: Sequence[Sequence[int | str]], *, nvml: ModuleType | None = None
+) -> str | None:
+    """For a dry run: refuse, as the sweep and a fleet would (`one_model`, exit 2), a server
+    (one of `groups`, as `dvfs.fleet.devices.worker_groups` cuts them) on real GPUs of two
+    models, reading their models over NVML: the GPUs are opened read-only and closed, no
+    setting is read back or changed. None once checked (or nothing to check: the twin, one
+    GPU per server); else why the models could not be read (no NVML here, a machine planning
+    for another), for the dry run to say."""
+    servers = [tuple(g) for g in groups if len(g) > 1]
+    if not real_gpus(campaign) or not servers:
+        return None
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuError
+    from dvfs.fleet.devices import group_label, one_model
+
+    try:
+        with open_gpus([d for g in servers for d in g], nvml=nvml, allow_mig=True) as gpus:
+            named = iter([(g.identity.index, g.identity.name) for g in gpus])
+    except GpuError as exc:
+        return (
+            f"the GPUs' models were not read ({exc}), so a tensor-parallel server spanning two "
+            "GPU models is not checked here: `dvfs doctor` on the GPU machine checks it"
+        )
+    for group in servers:
+        one_model(group_label(group), [next(named) for _ in group])
+    return None
 
 
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:

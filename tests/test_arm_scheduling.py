@@ -392,6 +392,31 @@ def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+def test_run_sweep_with_a_callers_backends_checks_the_engine_too(tmp_path: Path) -> None:
+    """`run_sweep` from Python with backends of its caller's (here the twin's GPU and engine,
+    no server) skipped the engine's check of the campaign, which the CLI's path makes: it
+    refuses arms SGLang would split as the CLI does, before the journal is made."""
+    from dvfs.backends import Backends, twin_gpus
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.sweep import run_sweep
+    from dvfs.twin.device import FreeRunningNode
+    from dvfs.twin.profiles import gpu_profile, model_profile
+
+    two = '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    path, marker = stub_campaign(
+        tmp_path, drafters=two, sglang_extra='extra_args = ["--enable-mixed-chunk"]'
+    )
+    clock = MonotonicClock()
+    engine = TwinEngine(
+        FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+    )
+    backends = Backends(clock, twin_gpus("h100-sxm", [0], clock), engine)
+    out = tmp_path / "out"
+    with pytest.raises(ArmMismatchError, match=r"SGLang 0\.5\.23 turns mixed chunked prefill"):
+        run_sweep(load_campaign(path), out, backends=backends)
+    assert not out.exists() and running(marker) == []
+
+
 @pytest.mark.slow
 def test_a_sweep_with_arms_sglang_would_split_stops_in_one_line(tmp_path: Path) -> None:
     """End to end: `dvfs sweep` (alone, as a shard, as a fleet) and its dry run say so in one

@@ -239,7 +239,9 @@ def test_a_sweep_whose_server_spans_two_gpu_models_is_refused_before_measuring(
     """One SGLang server (`engine.tp_size = 2`, no fleet) on an H100 and an H200: the sweep
     started it, measured every cell, then refused the cube (its GPUs do not compare). It is
     refused now before the journal is made or the server started, exit 2, in doctor's line
-    naming each GPU's model (`--gpus 0-1` too, the same server); GPUs of one model sweep."""
+    naming each GPU's model (`--gpus 0-1` too, the same server); GPUs of one model sweep.
+    Its dry run planned it and exited 0: it reads the GPUs' models too (changing nothing) and
+    refuses it in the sweep's line, exit 2; one model plans."""
     devices = "h100-sxm,h200-sxm,h100-sxm"
     nv = fresh_fake(tmp_path, monkeypatch, devices)
     path, marker = stub_campaign(
@@ -256,8 +258,20 @@ def test_a_sweep_whose_server_spans_two_gpu_models_is_refused_before_measuring(
     names = [nv.FAKE_PROFILES[d["profile"]]["name"] for d in nv.fake_state()["devices"]]
     assert f"(GPU 0: {names[0]}, GPU 1: {names[1]})" in said and names[0] != names[1]
 
+    knobs = ("locked_clocks", "power_limit_mw", "persistence_mode")
+
+    def settings() -> list[tuple]:
+        return [tuple(d[k] for k in knobs) for d in nv.fake_state()["devices"]]
+
+    before = settings()
     for args in ((), ("--gpus", "0-1")):
         out = tmp_path / "out"
+        planned = dvfs_in_process(
+            "sweep", str(path), "--out", str(out), *args, "--dry-run", "--no-estimate", env=env
+        )
+        assert planned.returncode == 2, (args, planned.stdout + planned.stderr)
+        assert planned.stderr.strip() == f"Error: {said}", args
+        assert nv.fake_calls() == [] and settings() == before  # read only
         swept = dvfs_in_process(
             "sweep", str(path), "--out", str(out), *args, "--no-progress", env=env
         )
@@ -268,9 +282,77 @@ def test_a_sweep_whose_server_spans_two_gpu_models_is_refused_before_measuring(
     assert checked.returncode == 2  # as the sweep refuses it
 
     out = tmp_path / "one-model"
+    plan = ("--gpus", "0,2", "--out", str(out), "--dry-run", "--no-estimate")
+    planned = dvfs_in_process("sweep", str(path), *plan, env=env)
+    assert planned.returncode == 0 and not planned.stderr, planned.stdout + planned.stderr
     swept = dvfs_in_process("sweep", str(path), "--gpus", "0,2", "--out", str(out), env=env)
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert (out / "cube.nc").is_file() and running(marker) == []
+
+
+def test_run_sweep_with_a_callers_backends_refuses_two_gpu_models_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_sweep` from Python with backends of its caller's (an H100 and an H200 behind one
+    server) skipped the check the CLI's path makes: it measured every cell, then refused the
+    cube. It refuses them now in the same line, before the journal is made."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.backends import Backends
+    from dvfs.campaign import load_campaign
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.twin import TwinEngine
+    from dvfs.errors import CampaignError
+    from dvfs.sweep import run_sweep
+    from dvfs.twin.device import FreeRunningNode
+    from dvfs.twin.profiles import gpu_profile, model_profile
+
+    nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm")
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    clock = MonotonicClock()
+    engine = TwinEngine(
+        FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
+    )
+    out = tmp_path / "out"
+    with open_nvml_gpus([0, 1], nvml=nv) as gpus:
+        names = [g.identity.name for g in gpus]
+        with pytest.raises(CampaignError) as refused:
+            run_sweep(
+                load_campaign(path),
+                out,
+                backends=Backends(clock, list(gpus), engine),
+                state_dir=tmp_path / "dvfs-state",
+            )
+    assert str(refused.value).startswith("worker gpu0+1 spans GPUs of different models")
+    assert f"(GPU 0: {names[0]}, GPU 1: {names[1]})" in str(refused.value)
+    assert not out.exists() and nv.fake_calls() == []
+
+
+def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> None:
+    """Planned where NVML cannot open the GPUs (a laptop planning for a GPU node), the dry
+    run of a server on two GPUs plans, exit 0, and says in one line that their models went
+    unchecked (the sweep there would refuse two models)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
+    planned = dvfs_in_process(
+        "sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate", env=env
+    )
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    note = planned.stderr.strip()
+    assert note.startswith("note: the GPUs' models were not read (") and "\n" not in note, note
+    assert "NVML" in note and "not checked here" in note
 
 
 def test_nvml_without_process_lists_leaves_the_server_unverified(

@@ -690,3 +690,121 @@ def test_doctor_fails_an_attached_server_the_sweep_refuses(
     [failed] = [line for line in checked.output.splitlines() if line.startswith("FAIL")]
     assert failed.startswith("FAIL engine:")
     assert said in " ".join(checked.output.split())
+
+
+# -- another program on the started server's port ----------------------------------------------
+
+
+def _answering(port: int) -> None:
+    """Until the stub on `port` answers /health 200 (bounded: the client's own wait)."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SglangClient
+
+    SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock()).wait_healthy(30)
+
+
+@pytest.mark.parametrize("served", ["another model", "the same model"])
+def test_another_program_on_the_servers_port_is_not_taken_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, served: str
+) -> None:
+    """Another program listens on the port dvfs starts a server on (here the stub, serving
+    another model or the campaign's own), running before the server: SGLang listens only once
+    its weights are loaded (the stub after `listen_delay_s`), so the other program answered
+    /health and /server_info in its place, and dvfs measured it until a later check failed
+    (the server, unable to listen, died) or never (the sweep was over first). The start now
+    refuses it in one line naming the port, and stops the server it started."""
+    import dvfs.engines.sglang as sglang
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, stub={"listen_delay_s": 1.0})
+    campaign = load_campaign(path)
+    port = free_port()
+    other = attached_stub(
+        tmp_path, "someone-elses-model" if served == "another model" else marker, port
+    )
+    monkeypatch.setattr(sglang, "free_port", lambda host="127.0.0.1": port)
+    try:
+        _answering(port)
+        engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+        with engine, pytest.raises(EngineError) as refused:
+            engine.start(campaign.drafters[0])
+        assert other.poll() is None  # the other program is left alone
+    finally:
+        other.terminate()
+        other.wait(timeout=10)
+    said = str(refused.value)
+    assert "\n" not in said and f"the 'none' server's port {port}" in said, said
+    if served == "another model":
+        assert f"reports model_path 'someone-elses-model', not {marker!r}" in said, said
+    else:
+        assert f"another program (pid {other.pid}, " in said and "was running before" in said
+    assert running(marker) == []
+
+
+@pytest.mark.parametrize("when", ["while it starts", "after its start"])
+def test_a_server_that_exits_while_another_program_answers_on_its_port_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Another program (the stub, serving the campaign's model) starts listening on the port
+    while the server dvfs started still loads, and the server, unable to listen, exits: gone
+    by the time its start is checked, the start says so in one line; gone only after (nothing
+    at the start told them apart), a round its port still answers is said to be that
+    program's, not 'the SGLang server died'."""
+    import dvfs.engines.sglang as sglang
+    from dvfs.clock import MonotonicClock
+    from dvfs.corpora import sample_prompts
+    from dvfs.corpora.prepare import load_corpora
+    from dvfs.engines.base import Workload
+    from dvfs.engines.sglang import SglangEngine
+    from dvfs.engines.sglang_client import SglangClient
+    from dvfs.errors import EngineCrashedError
+
+    path, marker = stub_campaign(
+        tmp_path, drafters=ONE_DRAFTER, batch="[1]", stub={"listen_delay_s": 1.0}
+    )
+    campaign = load_campaign(path)
+    port = free_port()
+    monkeypatch.setattr(sglang, "free_port", lambda host="127.0.0.1": port)
+    others: list[subprocess.Popen[bytes]] = []
+    real_wait = SglangClient.wait_healthy
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+
+    def exited() -> None:
+        assert engine._process is not None
+        engine._process.wait(timeout=30)  # it could not listen
+
+    def another_program_meanwhile(client: SglangClient, *args: object, **kwargs: object) -> None:
+        others.append(attached_stub(tmp_path, marker, port))  # after the server started
+        real_wait(SglangClient(client.base_url, clock=MonotonicClock()), 30)  # it answers
+        real_wait(client, *args, **kwargs)  # type: ignore[arg-type]
+        if when == "while it starts":
+            exited()
+
+    monkeypatch.setattr(SglangClient, "wait_healthy", another_program_meanwhile)
+    prompts = sample_prompts(load_corpora(campaign)["code"], 1, input_tokens=(16, 2048), seed=0)
+    try:
+        with engine:
+            if when == "while it starts":
+                with pytest.raises(EngineError) as refused:
+                    engine.start(campaign.drafters[0])
+                said = str(refused.value)
+            else:
+                engine.start(campaign.drafters[0])
+                exited()
+                with pytest.raises(EngineCrashedError) as crashed:
+                    engine.run(Workload(1, prompts, "code", 8, 0.0, True))
+                said = str(crashed.value).splitlines()[0]
+    finally:
+        for other in others:
+            other.terminate()
+            other.wait(timeout=10)
+    if when == "while it starts":
+        assert "\n" not in said and said.startswith(
+            f"the 'none' server exited (exit code 1) while another program answered on its "
+            f"port {port} "
+        ), said
+    else:
+        assert said.startswith("the SGLang server dvfs started exited (exit code 1), yet its port")
+        assert f"127.0.0.1:{port}" in said and "another program listens there" in said
+    assert running(marker) == []

@@ -286,7 +286,13 @@ def sweep(
         import sys
 
         from dvfs.cli.progress import RichProgress
+        from dvfs.sweep import check_group_models
 
+        # A server on GPUs of two models is refused as the sweep refuses it (their models
+        # read, nothing changed); where NVML cannot open them, the note says it went unchecked.
+        unread = check_group_models(campaign, groups)
+        if unread:
+            console(stderr=True).print(f"note: {escape(unread)}", highlight=False, soft_wrap=True)
         show = not no_progress and not no_estimate and sys.stderr.isatty()
         bar = RichProgress("estimating on the twin", enabled=show)
         with bar:

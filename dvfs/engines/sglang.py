@@ -363,10 +363,9 @@ class SglangEngine:
         """One start of the server, on the block's ports or a free --port; `_NoAnswerError`
         when it exited or timed out before it answered (its ports may have been taken)."""
         ports = self.block.ports if self.block is not None else None
+        help_text = self.launch_help()  # first: its probe may take seconds, the port is free now
         port = ports.http if ports else free_port(self.config.host)
-        argv = launch_argv(
-            self.campaign, drafter, port=port, help_text=self.launch_help(), ports=ports
-        )
+        argv = launch_argv(self.campaign, drafter, port=port, help_text=help_text, ports=ports)
         self._starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / f"server-{drafter.name}-{self._starts}.log"
@@ -407,6 +406,11 @@ class SglangEngine:
                 f"the {drafter.name!r} server failed to start: {exc}\n"
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
+        other = self._answered_by_another(drafter, info, port, ports)
+        if other is not None:
+            log_path = self._log_path
+            self.stop()  # its port is another program's: it could not serve there
+            raise _NoAnswerError(f"{other} (the server's log: {log_path})")
         try:
             kernels = self._check_resolved(drafter, info)
             pinning = self._check_pinning(drafter)
@@ -427,6 +431,51 @@ class SglangEngine:
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
         )
+
+    def _answered_by_another(
+        self, drafter: DrafterSpec, info: dict[str, Any], port: int, ports: ServerPorts | None
+    ) -> str | None:
+        """Why what answered on the started server's `port` (its /health, then /server_info
+        `info`) is another program, not that server; None when nothing says so. SGLang
+        listens only once its weights are loaded, and one that cannot listen (the port taken)
+        exits: until then another program on the port answers in its place. It is told by the
+        server having exited; by reporting another model (unless SGLANG_USE_MODELSCOPE, with
+        which SGLang reports the folder it downloaded the model to), port, TP size or (on a
+        block of ports) NCCL port than dvfs started the server with; or by the process
+        listening there having run before the server (`earlier_holder`)."""
+        url = self._client.shown_url if self._client is not None else f"port {port}"
+        if not self._alive():
+            code = self._process.poll() if self._process is not None else None
+            return (
+                f"the {drafter.name!r} server exited (exit code {code}) while another program "
+                f"answered on its port {port} ({url}) in its place"
+            )
+        expected: dict[str, object] = {
+            "port": port,
+            "tp_size": self.campaign.engine.tp_size,
+        }
+        env = server_env(self.campaign, self.gpu_uuids)
+        if env.get("SGLANG_USE_MODELSCOPE", "").lower() not in ("true", "1"):
+            expected["model_path"] = self.campaign.engine.model
+        if ports is not None:
+            expected["nccl_port"] = ports.nccl
+        for key, wanted in expected.items():
+            got = info.get(key)
+            if got is not None and str(got).rstrip("/") != str(wanted).rstrip("/"):
+                return (
+                    f"another program answers on the {drafter.name!r} server's port {port} "
+                    f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
+                    "with); dvfs stopped the server it started"
+                )
+        if self._process is not None:
+            other = earlier_holder(port, self._process.pid)
+            if other is not None:
+                return (
+                    f"another program (pid {other}, {_command_name(other)}) answers on the "
+                    f"{drafter.name!r} server's port {port} ({url}): it listens there and was "
+                    "running before dvfs started the server, which dvfs stopped"
+                )
+        return None
 
     def _attach(self, drafter: DrafterSpec) -> ServerInfo:
         assert self.config.url is not None
@@ -591,7 +640,7 @@ class SglangEngine:
                 raise EngineCrashedError(self._crash_message(exc)) from exc
             raise
         if not self.config.url and not self._alive():
-            raise EngineCrashedError(self._crash_message(None))
+            raise EngineCrashedError(self._crash_message(None, client))
         covers = (
             server_accept_covers(traces, workload.batch, self._log_interval)
             if accept is not None
@@ -607,16 +656,23 @@ class SglangEngine:
             knob_begun_ns=begun_ns,
         )
 
-    def _crash_message(self, exc: Exception | None) -> str:
+    def _crash_message(self, exc: Exception | None, client: SglangClient | None = None) -> str:
+        """Why the server is gone; `client`: the server's, when the round's requests were
+        answered: if its port still answers, another program listens there (the started
+        server could not, and exited) and the round's answers were that program's."""
         code = None
         if self._process is not None:
             code = self._process.poll()
         why = f" ({exc})" if exc else ""
+        first = f"the SGLang server died (exit code {code}){why}"
+        if exc is None and client is not None and client.health_status() == 200:
+            first = (
+                f"the SGLang server dvfs started exited (exit code {code}), yet its port still "
+                f"answers ({client.shown_url}): another program listens there, and the round's "
+                "answers were that program's"
+            )
         log_path = self._log_path
-        return (
-            f"the SGLang server died (exit code {code}){why}\n"
-            f"--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
-        )
+        return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
 
 
 class _Stepper:
@@ -710,6 +766,83 @@ def server_pids(root: int, proc: Path = Path("/proc")) -> frozenset[int]:
                 ours.add(child)
                 todo.append(child)
     return frozenset(ours)
+
+
+def _start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When a process started (clock ticks since boot, /proc/<pid>/stat), None when it is gone
+    or unreadable."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # from field 3 (state): starttime is 22nd
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _command_name(pid: int, proc: Path = Path("/proc")) -> str:
+    """A process's command name (/proc/<pid>/comm), "?" when it is gone or unreadable."""
+    try:
+        return (proc / str(pid) / "comm").read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def port_holders(
+    port: int, pids: Sequence[int] | None = None, proc: Path = Path("/proc")
+) -> frozenset[int]:
+    """The processes (among `pids`, else all) holding a TCP socket listening on `port`, IPv4 or
+    IPv6, as far as /proc tells: processes this user may not read are left out, and elsewhere
+    than Linux none is found."""
+    inodes = set()
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            lines = (proc / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:  # "sl local_address rem_address st ... inode": st 0A is LISTEN
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":
+                with contextlib.suppress(ValueError):
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return frozenset()
+    if pids is None:
+        try:
+            pids = [int(e.name) for e in proc.iterdir() if e.name.isdigit()]
+        except OSError:
+            return frozenset()
+    holders = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(proc / str(pid) / "fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(proc / str(pid) / "fd" / fd) in inodes:
+                    holders.add(pid)
+                    break
+    return frozenset(holders)
+
+
+def earlier_holder(port: int, server: int, proc: Path = Path("/proc")) -> int | None:
+    """A process listening on `port` that started before the process `server` (so neither it
+    nor anything it started: another program), None when none is seen. Processes the server
+    started (its tree, or a wrapper's: a container, srun) are never older than it."""
+    if port_holders(port, sorted(server_pids(server, proc)), proc):
+        return None  # the server's own tree listens there
+    born = _start_ticks(server, proc)
+    if born is None:
+        return None
+    for pid in sorted(port_holders(port, None, proc)):
+        started = _start_ticks(pid, proc)
+        if started is not None and started < born:
+            return pid
+    return None
 
 
 def pinning_outcome(
