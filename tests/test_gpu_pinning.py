@@ -52,6 +52,19 @@ def _sweep(tmp_path: Path, stub: dict | None = None) -> tuple[int, list[dict], l
     return result.returncode, cells, servers, result.stdout + result.stderr
 
 
+def _tp2_campaign(tmp_path: Path) -> Path:
+    """The fake-NVML campaign with one tensor-parallel server on GPUs 0 and 1 (`tp2.toml`)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
+        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
+    )
+    path = tmp_path / "tp2.toml"
+    path.write_text(text)
+    return path
+
+
 def _pinning(tmp_path: Path) -> dict[str, str]:
     return json.loads(dvfs.open_cube(str(tmp_path / "out" / "cube.nc")).attrs["gpu_pinning"])
 
@@ -203,15 +216,8 @@ def test_doctor_fails_a_tensor_parallel_group_spanning_two_gpu_models(
     """`engine.tp_size = 2` on an H100 and an H200: the sweep refuses that one server and a
     fleet of such groups (`--gpus 0-3`), exit 2; doctor passed both. It fails them now (exit
     2, as the sweep), and passes `--gpus 0,2`, one model."""
-    from nvml_support import NVML_CAMPAIGN
-
     fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm,h100-sxm,h200-sxm")
-    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
-    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
-        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
-    )
-    path = tmp_path / "tp2.toml"
-    path.write_text(text)
+    path = _tp2_campaign(tmp_path)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm,h200-sxm,h100-sxm,h200-sxm")
     env["DVFS_FAKE_NVML_ROOT"] = "1"
 
@@ -296,8 +302,6 @@ def test_run_sweep_with_a_callers_backends_refuses_two_gpu_models_too(
     """`run_sweep` from Python with backends of its caller's (an H100 and an H200 behind one
     server) skipped the check the CLI's path makes: it measured every cell, then refused the
     cube. It refuses them now in the same line, before the journal is made."""
-    from nvml_support import NVML_CAMPAIGN
-
     from dvfs.backends import Backends
     from dvfs.campaign import load_campaign
     from dvfs.clock import MonotonicClock
@@ -308,12 +312,7 @@ def test_run_sweep_with_a_callers_backends_refuses_two_gpu_models_too(
     from dvfs.twin.profiles import gpu_profile, model_profile
 
     nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h200-sxm")
-    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
-    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
-        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
-    )
-    path = tmp_path / "tp2.toml"
-    path.write_text(text)
+    path = _tp2_campaign(tmp_path)
     clock = MonotonicClock()
     engine = TwinEngine(
         FreeRunningNode(gpu_profile("h100-sxm"), clock), model_profile("llama-3.1-8b")
@@ -337,14 +336,7 @@ def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> No
     """Planned where NVML cannot open the GPUs (a laptop planning for a GPU node), the dry
     run of a server on two GPUs plans, exit 0, and says in one line that their models went
     unchecked (the sweep there would refuse two models)."""
-    from nvml_support import NVML_CAMPAIGN
-
-    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
-    text = text.replace("devices = [0]", "devices = [0, 1]").replace(
-        'model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2'
-    )
-    path = tmp_path / "tp2.toml"
-    path.write_text(text)
+    path = _tp2_campaign(tmp_path)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
     planned = dvfs_in_process(
         "sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run", "--no-estimate", env=env
