@@ -350,7 +350,7 @@ def _tenants(gpu: Gpu, *, attached: str | None) -> Check:
     """The compute processes on a GPU now: before a sweep starts its server, any is another
     tenant's, whose work the per-GPU energy counter would count into the cells (flagged
     foreign_process) and which competes for the GPU. With an attached server, one is its."""
-    from dvfs.measure.tenants import process_name
+    from dvfs.procfs import process_name
 
     name = f"other processes GPU {gpu.identity.index}"
     try:

@@ -15,10 +15,11 @@ from nvml_support import dvfs_in_process, fake_env, fresh_fake
 from sglang_support import running, stub_campaign
 
 import dvfs
-from dvfs.engines.sglang import pinning_outcome, server_pids
+from dvfs.engines.sglang import pinning_outcome
 from dvfs.errors import EngineError
 from dvfs.gpu.base import GpuProcesses
 from dvfs.gpu.nvml import gpu_processes, open_nvml_gpus
+from dvfs.procfs import server_pids
 from dvfs.records.session import Server
 
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'

@@ -63,6 +63,7 @@ from dvfs.engines.sglang_args import (
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
 from dvfs.gpu.base import GpuProcesses
+from dvfs.procfs import earlier_holder, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
@@ -471,7 +472,7 @@ class SglangEngine:
             other = earlier_holder(port, self._process.pid)
             if other is not None:
                 return (
-                    f"another program (pid {other}, {_command_name(other)}) answers on the "
+                    f"another program (pid {other}, {process_name(other) or '?'}) answers on the "
                     f"{drafter.name!r} server's port {port} ({url}): it listens there and was "
                     "running before dvfs started the server, which dvfs stopped"
                 )
@@ -726,123 +727,6 @@ class _Stepper:
         if self.error is not None:
             raise self.error
         return tuple(self.begun), tuple(self.ran)
-
-
-def _stat(entry: Path) -> tuple[int, int] | None:
-    """(parent pid, process group) of /proc/<pid>, None when it is gone or unreadable."""
-    try:
-        text = (entry / "stat").read_text()
-    except OSError:
-        return None
-    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-    fields = text[text.rfind(")") + 2 :].split()
-    try:
-        return int(fields[1]), int(fields[2])
-    except (IndexError, ValueError):
-        return None
-
-
-def server_pids(root: int, proc: Path = Path("/proc")) -> frozenset[int]:
-    """`root`, the members of its process group (dvfs starts the server as a group leader) and
-    the descendants of all of them, read from /proc (empty elsewhere but `root`)."""
-    children: dict[int, list[int]] = {}
-    ours = {root}
-    try:
-        entries = [e for e in proc.iterdir() if e.name.isdigit()]
-    except OSError:
-        return frozenset(ours)
-    for entry in entries:
-        stat = _stat(entry)
-        if stat is None:
-            continue
-        pid, (ppid, pgrp) = int(entry.name), stat
-        children.setdefault(ppid, []).append(pid)
-        if pgrp == root:
-            ours.add(pid)
-    todo = list(ours)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in ours:
-                ours.add(child)
-                todo.append(child)
-    return frozenset(ours)
-
-
-def _start_ticks(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """When a process started (clock ticks since boot, /proc/<pid>/stat), None when it is gone
-    or unreadable."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()  # from field 3 (state): starttime is 22nd
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _command_name(pid: int, proc: Path = Path("/proc")) -> str:
-    """A process's command name (/proc/<pid>/comm), "?" when it is gone or unreadable."""
-    try:
-        return (proc / str(pid) / "comm").read_text().strip() or "?"
-    except OSError:
-        return "?"
-
-
-def port_holders(
-    port: int, pids: Sequence[int] | None = None, proc: Path = Path("/proc")
-) -> frozenset[int]:
-    """The processes (among `pids`, else all) holding a TCP socket listening on `port`, IPv4 or
-    IPv6, as far as /proc tells: processes this user may not read are left out, and elsewhere
-    than Linux none is found."""
-    inodes = set()
-    for table in ("net/tcp", "net/tcp6"):
-        try:
-            lines = (proc / table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:  # "sl local_address rem_address st ... inode": st 0A is LISTEN
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A":
-                with contextlib.suppress(ValueError):
-                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f"socket:[{fields[9]}]")
-    if not inodes:
-        return frozenset()
-    if pids is None:
-        try:
-            pids = [int(e.name) for e in proc.iterdir() if e.name.isdigit()]
-        except OSError:
-            return frozenset()
-    holders = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(proc / str(pid) / "fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                if os.readlink(proc / str(pid) / "fd" / fd) in inodes:
-                    holders.add(pid)
-                    break
-    return frozenset(holders)
-
-
-def earlier_holder(port: int, server: int, proc: Path = Path("/proc")) -> int | None:
-    """A process listening on `port` that started before the process `server` (so neither it
-    nor anything it started: another program), None when none is seen. Processes the server
-    started (its tree, or a wrapper's: a container, srun) are never older than it."""
-    if port_holders(port, sorted(server_pids(server, proc)), proc):
-        return None  # the server's own tree listens there
-    born = _start_ticks(server, proc)
-    if born is None:
-        return None
-    for pid in sorted(port_holders(port, None, proc)):
-        started = _start_ticks(pid, proc)
-        if started is not None and started < born:
-            return pid
-    return None
 
 
 def pinning_outcome(

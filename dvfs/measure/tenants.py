@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from dvfs.errors import GpuError
 from dvfs.gpu.base import Gpu
 from dvfs.measure.meter import Q_FOREIGN_PROCESS, Q_IDLE_BASELINE_FOREIGN
+from dvfs.procfs import process_name
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,6 @@ class ForeignProcess:
 
     def to_json(self) -> dict[str, object]:
         return {"gpu": self.gpu, "pid": self.pid, "name": self.name, "at": self.at}
-
-
-def process_name(pid: int, proc: Path = Path("/proc")) -> str | None:
-    """A process's command name, None when it is gone or not ours to read."""
-    try:
-        return (proc / str(pid) / "comm").read_text().strip() or None
-    except OSError:
-        return None
 
 
 class TenantCheck:

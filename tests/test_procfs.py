@@ -1,0 +1,78 @@
+"""/proc readers (`dvfs.procfs`): a process whose name is not UTF-8, anywhere on the machine,
+must not stop a sweep (its name is any bytes its program set)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dvfs.procfs import earlier_holder, port_holders, process_name, server_pids, start_ticks
+
+#: A name a program may give itself (PR_SET_NAME takes any 15 bytes): not UTF-8, with a ')'
+#: and a space where /proc/<pid>/stat's fields are split.
+BAD_NAME = b"\xff\xfe bad) 1 2"
+
+
+def _process(proc: Path, pid: int, name: bytes, ppid: int, pgrp: int, started: int) -> None:
+    folder = proc / str(pid)
+    (folder / "fd").mkdir(parents=True)
+    (folder / "comm").write_bytes(name + b"\n")
+    rest = ["S", str(ppid), str(pgrp)] + ["0"] * 16 + [str(started), "0"]
+    (folder / "stat").write_bytes(b"%d (%s) " % (pid, name) + " ".join(rest).encode() + b"\n")
+
+
+def _listen(proc: Path, pid: int, port: int, inode: int) -> None:
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+    header += "timeout inode\n"
+    line = f"   0: 0100007F:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
+    line += f"00000000  0  0 {inode} 1\n"
+    (proc / "net").mkdir(exist_ok=True)
+    with (proc / "net" / "tcp").open("a") as f:
+        if f.tell() == 0:
+            f.write(header)
+        f.write(line)
+    os.symlink(f"socket:[{inode}]", proc / str(pid) / "fd" / "3")
+
+
+def test_names_that_are_not_utf8_are_read_and_the_fields_after_them_found(tmp_path: Path) -> None:
+    """A server (100) whose child (101) named itself BAD_NAME, and another program (7, older)
+    of that name listening on the server's port: the tree, the names (bytes replaced), the
+    start times and the listener are all read, none raises."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    _process(proc, 101, BAD_NAME, 100, 100, started=5001)
+    _process(proc, 7, BAD_NAME, 1, 7, started=10)
+    _listen(proc, 7, 30000, inode=4242)
+    assert server_pids(100, proc) == frozenset({100, 101})
+    assert process_name(101, proc) == BAD_NAME.decode("utf-8", errors="replace")
+    assert (start_ticks(101, proc), start_ticks(7, proc)) == (5001, 10)
+    assert port_holders(30000, None, proc) == frozenset({7})
+    assert earlier_holder(30000, 100, proc) == 7
+    assert process_name(999, proc) is None and start_ticks(999, proc) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_NAME is Linux's")
+def test_a_real_process_named_in_bytes_that_are_not_utf8_is_in_its_parents_tree() -> None:
+    """The real /proc: a child that named itself BAD_NAME (as any program on the machine may)
+    stopped `server_pids` with a UnicodeDecodeError, so every SGLang sweep failed."""
+    code = (
+        "import ctypes, sys; libc = ctypes.CDLL(None); "
+        f"libc.prctl(15, {BAD_NAME!r}, 0, 0, 0); print('named', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"named\n"
+        assert child.pid in server_pids(os.getpid())
+        name = process_name(child.pid)
+        assert name is not None and name.startswith("\ufffd")
+        assert start_ticks(child.pid) is not None
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
