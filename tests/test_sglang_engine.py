@@ -95,6 +95,15 @@ def test_cuda_graph_flag_comes_from_launch_server_help(version: str, tmp_path: P
     assert probe_help(["/nonexistent/python"]) is None
 
 
+def test_help_that_is_not_utf8_is_read_with_the_bytes_replaced() -> None:
+    """A server command (or its wrapper) that prints bytes that are not UTF-8 beside the
+    options, such as a message in another locale's encoding, stopped the probe with a
+    UnicodeDecodeError; the options are read, the odd bytes replaced."""
+    printer = "import sys; sys.stdout.buffer.write(b'\\xe9t\\xe9 --model-path MODEL\\n')"
+    text = probe_help([sys.executable, "-c", printer])
+    assert text is not None and "--model-path MODEL" in text and "\ufffd" in text
+
+
 def test_dry_run_shows_each_drafter_argv() -> None:
     result = CliRunner().invoke(
         cli,
@@ -584,6 +593,26 @@ def test_a_server_logs_tail_in_an_error_hides_the_keys_sglang_prints(tmp_path: P
     assert "k-1" not in shown and "k-2" not in shown
     assert "api_key='(not recorded)'" in shown and "tokenizer_path='m'" in shown
     assert "admin_api_key=None" in shown and shown.endswith("RuntimeError: CUDA out of memory")
+
+
+def test_a_huge_log_is_read_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's log after a long sweep may be gigabytes: its tail is read from the end, never
+    the whole file (reading it whole fails here), whole lines only, bytes that are not UTF-8
+    replaced."""
+    from dvfs.engines import sglang
+
+    log = tmp_path / "server.log"
+    log.write_bytes(b"\n".join(b"decode batch %d \xff" % i for i in range(100_000)) + b"\n")
+
+    def whole(*_: object, **__: object) -> None:
+        raise AssertionError("the whole log was read")
+
+    monkeypatch.setattr(Path, "read_text", whole)
+    monkeypatch.setattr(Path, "read_bytes", whole)
+    shown = sglang.tail(log).splitlines()
+    assert len(shown) == sglang.LOG_TAIL_LINES
+    assert shown[-1] == "decode batch 99999 \ufffd"
+    assert shown[0] == f"decode batch {100_000 - sglang.LOG_TAIL_LINES} \ufffd"
 
 
 # -- doctor's engine check, as the sweep starts the server --------------------------------------

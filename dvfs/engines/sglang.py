@@ -68,6 +68,8 @@ from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
 log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 40
+#: How much of a log's end `tail` reads: a server's log over a long sweep may be gigabytes.
+LOG_TAIL_BYTES = 256 * 1024
 STOP_GRACE_S = 20.0
 #: After a broken connection, how long to wait for the server to exit before calling it a crash.
 CRASH_GRACE_S = 5.0
@@ -114,10 +116,16 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The log's last lines, for an error (and so the journal and cube): credentials SGLang
     prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            data = f.read(LOG_TAIL_BYTES)
     except OSError:
         return "(no log)"
-    return "\n".join(redact_text(line) for line in text.splitlines()[-lines:])
+    text = data.decode("utf-8", errors="replace").splitlines()
+    if size > LOG_TAIL_BYTES and text:
+        text = text[1:]  # the first line read is cut
+    return "\n".join(redact_text(line) for line in text[-lines:])
 
 
 class ChatFormatter:

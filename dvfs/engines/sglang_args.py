@@ -224,6 +224,7 @@ def probe_help(
             [*command, "--help"],
             capture_output=True,
             text=True,
+            errors="replace",  # a wrapper's message in another encoding: the options still read
             timeout=timeout_s,
             check=False,
             env=env,
