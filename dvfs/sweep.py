@@ -652,33 +652,37 @@ def check_server_gpus(
         one_model(group_label(tuple(index for index, _ in named)), named)
 
 
-def check_group_models(
+def read_group_models(
     campaign: Campaign, groups: Sequence[Sequence[int | str]], *, nvml: ModuleType | None = None
-) -> str | None:
-    """For a dry run: refuse, as the sweep and a fleet would (`one_model`, exit 2), a server
-    (one of `groups`, as `dvfs.fleet.devices.worker_groups` cuts them) on real GPUs of two
-    models, reading their models over NVML: the GPUs are opened read-only and closed, no
-    setting is read back or changed. None once checked (or nothing to check: the twin, one
-    GPU per server); else why the models could not be read (no NVML here, a machine planning
-    for another), for the dry run to say."""
+) -> tuple[list[str] | None, str | None]:
+    """For a dry run, each server's GPU model (one of `groups`, as
+    `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
+    opened read-only and closed, no setting read back or changed. A server on real GPUs of two
+    models is refused as the sweep and a fleet refuse it (`one_model`, exit 2). (None, None)
+    with nothing to read: the twin (its models are its profiles), or one server on one GPU;
+    (None, why) where NVML cannot open them (no NVML here: a machine planning for another),
+    for the dry run to say what it could not check."""
     servers = [tuple(g) for g in groups if len(g) > 1]
-    if not real_gpus(campaign) or not servers:
-        return None
+    if not real_gpus(campaign) or (len(groups) < 2 and not servers):
+        return None, None
     from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
     from dvfs.fleet.devices import group_label, one_model
 
     try:
-        with open_gpus([d for g in servers for d in g], nvml=nvml, allow_mig=True) as gpus:
+        with open_gpus([d for g in groups for d in g], nvml=nvml, allow_mig=True) as gpus:
             named = iter([(g.identity.index, g.identity.name) for g in gpus])
     except GpuError as exc:
-        return (
-            f"the GPUs' models were not read ({exc}), so a tensor-parallel server spanning two "
-            "GPU models is not checked here: `dvfs doctor` on the GPU machine checks it"
+        unchecked = []
+        if servers:
+            unchecked.append("a tensor-parallel server spanning two GPU models is not checked")
+        if len(groups) > 1:
+            unchecked.append("a fleet mixing GPU models is counted as one model")
+        return None, (
+            f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
+            "`dvfs doctor` on the GPU machine checks it"
         )
-    for group in servers:
-        one_model(group_label(group), [next(named) for _ in group])
-    return None
+    return [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups], None
 
 
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:
@@ -890,9 +894,10 @@ def resumed_journals(
     """The journal each GPU model of a sweep of `cells` into `out_dir` resumes, as the fleet
     picks them: all the folder's journals when they hold every cell (nothing to run, as
     `journals_done` finds), else `dvfs.fleet.folders.model_journals` of `models` as
-    `workers_per_model` names them, twin GPUs by their profile. A real GPU's model is known
-    only once NVML is read, so a folder a fleet mixing models began resumes, as far as this
-    can tell, into each of its `gpu-*/` journals (on the GPUs that began it). `fresh`: as
+    `workers_per_model` names them, twin GPUs by their profile, real ones by the name NVML
+    gives (`read_group_models`). Where a real GPU's model was not read, a folder a fleet mixing
+    models began resumes, as far as this can tell, into each of its `gpu-*/` journals (on the
+    GPUs that began it). `fresh`: as
     --fresh leaves the folder."""
     from dvfs.fleet.folders import journals_done, model_journals
 
@@ -905,6 +910,8 @@ def resumed_journals(
 
         names = {twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models}
         return model_journals(out_dir, names, fresh=fresh)
+    if all(models):  # real GPUs whose models the dry run read over NVML
+        return model_journals(out_dir, {str(m) for m in models}, fresh=fresh)
     begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
     return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
 

@@ -348,6 +348,56 @@ def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> No
     assert "NVML" in note and "not checked here" in note
 
 
+def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet of real GPUs of two models (`--gpus 0-2`: H100, H200, H100) runs the whole
+    campaign once per model, as on the twin; its dry run counted one model, and so half the
+    cells and hours, until a journal per model existed. It reads the GPUs' models (changing
+    nothing) and counts each model's cells; the fleet then measures that many, and a dry run
+    of the finished folder finds them all done. Where NVML cannot be read, it counts one model
+    and says so."""
+    from nvml_support import NVML_CAMPAIGN
+
+    devices = "h100-sxm,h200-sxm,h100-sxm"
+    nv = fresh_fake(tmp_path, monkeypatch, devices)
+    path = tmp_path / "fleet.toml"
+    path.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices, DVFS_FAKE_NVML_ROOT="1")
+    out = tmp_path / "out"
+    plan = ("sweep", str(path), "--gpus", "0-2", "--out", str(out), "--no-estimate")
+    knobs = ("locked_clocks", "power_limit_mw", "persistence_mode")
+
+    def settings() -> list[tuple]:
+        return [tuple(d[k] for k in knobs) for d in nv.fake_state()["devices"]]
+
+    before = settings()
+
+    def dry(environment: dict[str, str]) -> tuple[dict, str]:
+        done = dvfs_in_process(*plan, "--dry-run", "--json", env=environment)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout), done.stderr
+
+    doc, note = dry(env)
+    assert (doc["gpu_models"], doc["workers"], note) == (2, 3, "")
+    assert doc["cells_all_models"] == 2 * doc["cells"] == doc["remaining"]
+    assert nv.fake_calls() == [] and settings() == before  # read only
+    swept = dvfs_in_process(*plan[:-1], "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    journals = sorted(out.glob("gpu-*/journal.jsonl"))
+    measured = [
+        sum(1 for line in j.read_text().splitlines() if '"type":"cell"' in line) for j in journals
+    ]
+    assert measured == [doc["cells"], doc["cells"]]
+    doc, _ = dry(env)
+    assert (doc["already_done"], doc["remaining"]) == (2 * doc["cells"], 0)
+
+    blind = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
+    doc, note = dry({**blind, "DVFS_FAKE_NVML_DEVICES": devices})
+    assert note.startswith("note: the GPUs' models were not read (") and "\n" not in note.strip()
+    assert "a fleet mixing GPU models is counted as one model" in note
+
+
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path
 ) -> None:

@@ -286,11 +286,16 @@ def sweep(
         import sys
 
         from dvfs.cli.progress import RichProgress
-        from dvfs.sweep import check_group_models
+        from dvfs.sweep import read_group_models
 
-        # A server on GPUs of two models is refused as the sweep refuses it (their models
-        # read, nothing changed); where NVML cannot open them, the note says it went unchecked.
-        unread = check_group_models(campaign, groups)
+        # Real GPUs' models read (nothing changed): a server on two is refused as the sweep
+        # refuses it, and a fleet mixing them counts each model's cells; where NVML cannot open
+        # them, the note says what went unchecked. Not Ray's: its GPUs are those Ray places
+        # the actors on, on any node, not this machine's.
+        group_models, unread = (
+            read_group_models(campaign, groups) if executor != "ray" else (None, None)
+        )
+        per_model = workers_per_model(campaign, groups, group_models)
         if unread:
             console(stderr=True).print(f"note: {escape(unread)}", highlight=False, soft_wrap=True)
         show = not no_progress and not no_estimate and sys.stderr.isatty()
@@ -303,7 +308,7 @@ def sweep(
                 estimate=not no_estimate,
                 twin=twin_profile,
                 progress=bar if show else None,
-                models=list(workers_per_model(campaign, groups)),
+                models=list(per_model),
                 fresh=fresh,
             )
         report = plan.as_dict()
@@ -314,9 +319,8 @@ def sweep(
             # model with the fewest workers finishes last (its GPU estimated as the
             # campaign's).
             comparison_groups = plan.comparison_groups
-            per_model = workers_per_model(campaign, groups)
             report["workers"] = len(groups)
-            # Real GPUs' models are known once NVML is read: those of the journals resumed.
+            # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
             report["estimated_makespan_hours"] = round(

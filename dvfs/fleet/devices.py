@@ -142,15 +142,19 @@ def _profile_of(group: Group) -> str | None:
     return profiles.pop()
 
 
-def workers_per_model(campaign: Campaign, groups: Sequence[Group]) -> dict[str | None, int]:
+def workers_per_model(
+    campaign: Campaign, groups: Sequence[Group], models: Sequence[str] | None = None
+) -> dict[str | None, int]:
     """How many workers each GPU model gets, as far as the names tell (twin GPUs: their
-    profile's model, `PROFILE:INDEX` or the campaign's; real GPUs: one model, None, until NVML
-    is read): a fleet mixing models runs the whole campaign once per model, on that model's
-    workers only."""
+    profile's model, `PROFILE:INDEX` or the campaign's; real GPUs: `models`, each group's as
+    NVML names it, else one model, None): a fleet mixing models runs the whole campaign once
+    per model, on that model's workers only."""
     counts: dict[str | None, int] = {}
-    for group in groups:
+    for index, group in enumerate(groups):
         profile = _profile_of(group) or campaign.gpu.profile
         model = profile.split(":", 1)[0] if profile else None
+        if model is None and models is not None:
+            model = models[index]
         counts[model] = counts.get(model, 0) + 1
     return counts
 
