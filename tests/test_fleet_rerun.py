@@ -227,7 +227,7 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
     """The campaign started on SGLang 0.5.23 (the stub); rerun where the servers report 0.5.9:
     the workers are retired at their first server, nothing of theirs is journalled, and the
     run stops in one line; the cube of a journal mixing them is refused too."""
-    path, marker = stub_campaign(tmp_path)
+    path, marker = stub_campaign(tmp_path, batch="[1]")  # 8 cells: 3 kept, 5 to rerun
     full = tmp_path / "full"
     first = sweep(str(path), "--gpus", "0-1", "--out", str(full))
     assert first.exit_code == 0, first.output

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import replace_block
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvml_support import NVML_CAMPAIGN, fake_env, load_fake
@@ -767,7 +768,13 @@ def test_a_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
     planned cell left and for a repeat the precision asks for; a journal with every cell
     done still builds its cube, and a fresh start measures."""
     path = tmp_path / "nvml.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=2).replace(
+    # One clock: a group of two power-limit levels, 6 cells over the three repeats (each
+    # sweep here is real time).
+    text = replace_block(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=2),
+        "sm_clock = [1980, 1500]",
+        "sm_clock = [1980]",
+    ).replace(
         "[measurement]\n",
         '[measurement]\nmode = "in-flight"\nmax_repeats = 3\nprecision = 0.000001\n',
     )
@@ -779,7 +786,7 @@ def test_a_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
     records = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
     cells = [r for r in records if r.get("type") == "cell"]
     assert sorted({r["cell"]["repeat"] for r in cells}) == [0, 1, 2]  # the third asked for
-    assert outcome.summary.measured == len(cells) == 12
+    assert outcome.summary.measured == len(cells) == 6
     for r in cells:
         assert r["inflight"]["context"].pop("energy_per_token_drift") == "linear"
     lines = [json.dumps(r) for r in records]
@@ -806,7 +813,7 @@ def test_a_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
         assert outcome.journal_path.read_text() == text  # nothing measured
         _as_found(nvml, state)
     fresh = run_sweep(campaign, out, nvml=nvml, state_dir=state, fresh=True)
-    assert fresh.summary.measured == 12
+    assert fresh.summary.measured == 6
 
 
 def test_a_fleet_resume_refuses_to_mix_inflight_cells_carried_along_another_drift(
