@@ -25,12 +25,19 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
     if campaign_file is None:
         corpora = {name: load_corpus(name) for name in BUILTIN_CORPORA}
         return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS)
+    from dvfs.backends import tokenizer_model
     from dvfs.campaign import load_campaign
-    from dvfs.corpora.prepare import corpus_descriptions, counted_corpora
+    from dvfs.corpora.prepare import corpus_descriptions, load_corpora
+    from dvfs.corpora.tokens import token_counter
 
     campaign = load_campaign(campaign_file)
-    corpora, method = counted_corpora(campaign)
-    return corpora, method, corpus_descriptions(campaign)
+    count, method = token_counter(tokenizer_model(campaign))
+    own = load_corpora(campaign, count)
+    # The built-ins (the campaign's table where it gives one a built-in's name), then the
+    # campaign's own, all counted its way.
+    corpora = {n: own.get(n) or load_corpus(n, count_tokens=count) for n in BUILTIN_CORPORA}
+    corpora.update(own)
+    return corpora, method, {**BUILTIN_DESCRIPTIONS, **corpus_descriptions(campaign)}
 
 
 @click.group()
