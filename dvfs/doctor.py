@@ -450,12 +450,12 @@ def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
 
 
 def _corpora(campaign: Campaign) -> tuple[str, str]:
-    from dvfs.corpora.prepare import corpus_shortfalls, load_corpora
+    from dvfs.corpora.prepare import corpus_shortfalls, load_corpora, shortfall_line
 
     corpora = load_corpora(campaign)
     short = corpus_shortfalls(campaign, corpora)
-    if short:
-        raise CorpusShortfallError("; ".join(short))  # as `dvfs sweep` refuses it: exit 2
+    if short:  # as `dvfs sweep` refuses it: exit 2
+        raise CorpusShortfallError(shortfall_line(short))
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
 
 

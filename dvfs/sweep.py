@@ -39,6 +39,7 @@ from dvfs.corpora.prepare import (
     estimate_note,
     load_corpora,
     recorded_count_method,
+    shortfall_line,
 )
 from dvfs.cube import CUBE_NAME, write_cube
 from dvfs.errors import (
@@ -983,7 +984,8 @@ def plan_dry_run(
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
-        problems = corpus_shortfalls(campaign, load_corpora(campaign))
+        short = corpus_shortfalls(campaign, load_corpora(campaign))
+        problems = [shortfall_line(short)] if short else []  # the sweep's line
         codes = [2 for _ in problems]
     except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
         problems, codes = [str(exc)], [exc.exit_code]

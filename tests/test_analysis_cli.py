@@ -186,8 +186,14 @@ def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None
     )
     dry = CliRunner().invoke(cli, ["sweep", str(campaign), "--dry-run"])
     assert dry.exit_code == 2 and "batch 128 needs 128" in dry.output
+    # what to do, as the sweep says it (the dry run and the doctor named the shortfall only)
+    advice = "Lower the batch sizes, widen workload.input_tokens, or add prompts"
+    assert advice in " ".join(dry.output.split())
     run_ = CliRunner().invoke(
         cli, ["sweep", str(campaign), "--out", str(tmp_path / "o"), "--no-progress"]
     )
     assert run_.exit_code == 2 and "batch 128 needs 128" in run_.output  # as its dry run
+    assert advice in run_.output
+    doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "o")])
+    assert doctor.exit_code == 2 and advice in " ".join(doctor.output.split())
     assert not (tmp_path / "o" / "cube.nc").exists()

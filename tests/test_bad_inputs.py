@@ -1102,8 +1102,11 @@ def _roofline_with(change: Callable[[Any], Any]) -> Writer:
 
 
 ROOFLINE_FILES = {
-    "binary": (binary_bytes(), ("r.nc",)),
-    "a-cube": (lambda s: s["cube"].read_bytes(), ("r.nc", "dvfs.roofline/1")),
+    "binary": (binary_bytes(), ("r.nc", "`dvfs gpu roofline -o FILE`")),
+    "a-cube": (
+        lambda s: s["cube"].read_bytes(),
+        ("r.nc", "dvfs.roofline/1", "`dvfs gpu roofline -o FILE`"),
+    ),
     "no-flops": (_roofline_with(lambda ds: ds.drop_vars("flops")), ("r.nc", "flops")),
     "seconds-text": (
         _roofline_with(lambda ds: ds.assign(seconds=ds["seconds"].astype("S8"))),

@@ -310,6 +310,33 @@ def test_corpus_list_and_show_print_brackets_in_user_text_as_text(tmp_path: Path
     assert "[/x] (" in shown.output and "[red]r (" in shown.output
 
 
+def test_corpus_list_with_a_campaign_adds_its_own_to_the_built_ins(tmp_path: Path) -> None:
+    """`--campaign FILE` adds the campaign's own corpora to the built-in ones (as the README and
+    the option's help say), not in their place: a campaign naming one corpus of its own listed
+    only that, and `corpus show code --campaign FILE` was "no corpus 'code'"."""
+    from dvfs.corpora import BUILTIN_CORPORA
+
+    rows = [{"task": f"Write a function that returns the {i}-th prime."} for i in range(6)]
+    write(tmp_path / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
+    table = '\n[corpus.tasks]\npath = "tasks.jsonl"\nfield = "task"\n'
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["tasks"]')
+    campaign = write(tmp_path / "c.toml", text + table)
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+    assert listed.exit_code == 0, listed.output
+    names = [c["name"] for c in json.loads(listed.output)["corpora"]]
+    assert names == [*BUILTIN_CORPORA, "tasks"]
+    for name in ("code", "tasks"):
+        shown = CliRunner().invoke(cli, ["corpus", "show", name, "--campaign", str(campaign)])
+        assert shown.exit_code == 0, shown.output
+    # a corpus the campaign defines but does not sweep yet (being tried out) is listed too
+    trial = write(tmp_path / "t.toml", TINY + table)  # it sweeps code only
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(trial), "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert [c["name"] for c in json.loads(listed.output)["corpora"]] == [*BUILTIN_CORPORA, "tasks"]
+    shown = CliRunner().invoke(cli, ["corpus", "show", "tasks", "--campaign", str(trial)])
+    assert shown.exit_code == 0 and "prime" in shown.output, shown.output
+
+
 def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:
     rows = [
         {"task": f"Write a function that returns the {i}-th prime number, with tests."}

@@ -381,6 +381,8 @@ def test_no_driver_message(env, monkeypatch) -> None:
     result = dvfs_in_process("gpu", "list", env={**env, "DVFS_FAKE_NVML_MISSING": "1"})
     assert result.returncode == 1
     assert "no NVIDIA driver was found" in result.stderr and "twin" in result.stderr
+    # `dvfs gpu list` has no campaign: the twin's way in is its own option, which the line names
+    assert "--twin h100-sxm" in result.stderr and result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
 
 

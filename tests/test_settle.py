@@ -466,3 +466,35 @@ def test_cli_a_change_that_does_not_settle_sets_the_timeout() -> None:
     )
     assert result.exit_code == 0, result.output
     assert "Not every change settled" in result.output and "0.4 s" in result.output
+
+
+def test_the_clock_not_reached_advice_names_the_setting_that_sets_the_wait(
+    tmp_path: Path,
+) -> None:
+    """A cell whose clock missed its lock is told to wait longer after a knob change (the sweep's
+    summary, `dvfs cube info`, the report). With `measurement.settle = "measured"`, the
+    default, the wait is the settle timed at session start, and `knobs.settle_s` (which the
+    advice named) only stands in where a change is not seen to settle: raising it changed
+    nothing. `measurement.settle` in seconds is the wait."""
+    from conftest import TINY, write
+
+    from dvfs.cube.info import INVALID_ADVICE
+
+    def session_settle(text: str, name: str) -> float:
+        campaign = write(tmp_path / f"{name}.toml", text)
+        out = tmp_path / name
+        result = CliRunner().invoke(cli, ["sweep", str(campaign), "-o", str(out), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        for line in (out / "journal.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["type"] == "session":
+                return float(record["settle"]["settle_s"])
+        raise AssertionError("no session record")
+
+    one = TINY.replace("batch = [1, 8]", "batch = [1]").replace("repeats = 2", "repeats = 1")
+    assert "settle_s = 1.0" in one and one.rstrip().endswith("idle_s = 1.0")  # [measurement]
+    measured = session_settle(one, "measured")
+    assert session_settle(one.replace("settle_s = 1.0", "settle_s = 7.0"), "longer") == measured
+    assert session_settle(one + "settle = 0.9\n", "seconds") == 0.9 != measured
+    advice = INVALID_ADVICE["clock_not_reached"]
+    assert "measurement.settle" in advice and "knobs.settle_s" not in advice

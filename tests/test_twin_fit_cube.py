@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -338,6 +339,45 @@ def test_bad_inputs_are_one_line(made: dict[str, Path], tmp_path: Path) -> None:
     )
     assert result.exit_code == 2 and "give it another name" in result.output
     assert not (tmp_path / "x").exists()
+
+
+#: A small twin campaign on a corpus of the user's own, named by a path relative to the
+#: campaign file (as the README's corpus tables are), one folder up from it.
+OWN_CORPUS_CAMPAIGN = (
+    FIT_CAMPAIGN.replace("sm_clock = [1980, 1410, 1005, 600]", "sm_clock = [1980, 1005]")
+    .replace("power_limit = [700, 250]", "power_limit = [700]")
+    .replace("batch = [1, 16, 64]", "batch = [1, 4]")
+    .replace('corpora = ["code"]', 'corpora = ["tasks"]')
+    .replace("output_tokens = 256", "output_tokens = 64")
+    + '\n[corpus.tasks]\npath = "../prompts/tasks.jsonl"\nfield = "task"\n'
+)
+
+
+def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
+    tmp_path: Path,
+) -> None:
+    """A corpus path is relative to the campaign file, which lies elsewhere than the cube
+    (sweeps/ against out/<name>/): the fit re-reads the prompts from where the sweep read them
+    (it looked beside the cube, and refused every such cube)."""
+    rows = [
+        {"task": f"Write a function that returns the {i}-th prime, with tests."} for i in range(8)
+    ]
+    write(tmp_path / "prompts" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
+    campaign = write(tmp_path / "sweeps" / "own.toml", OWN_CORPUS_CAMPAIGN)
+    out = tmp_path / "out" / "own"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    profile = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 0, result.output
+    assert load_profile(profile).key == "h100-sxm-fit"
+    # a corpus moved away since: one line saying to put it back, no profile written
+    (tmp_path / "prompts" / "tasks.jsonl").rename(tmp_path / "tasks.jsonl")
+    profile.unlink()
+    result = invoke("twin", "fit", str(out / "cube.nc"), "-o", str(profile))
+    assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1
+    assert "tasks.jsonl does not exist" in result.output and "put them back" in result.output
+    assert not profile.exists()
 
 
 def test_a_large_cube_is_fitted_on_a_subsample_and_says_so(

@@ -334,6 +334,31 @@ def _hf_records(spec: dict[str, Any]) -> tuple[Iterator[tuple[str, Any]], str]:
     return ((f"{where}, row {i}", row) for i, row in enumerate(data, start=1)), where
 
 
+def campaign_dir_of(corpus_tables: object, sources: object) -> str | None:
+    """The folder a campaign file lay in, read back from where its sweep read its corpora:
+    `corpus_tables` is the campaign's `[corpus.*]` tables, `sources` each corpus's recorded
+    source (a cube's `corpora` attribute: {name: {"source": ...}}), which for a file names the
+    path `_read_source` read, that folder joined with the table's relative `path`. None where no
+    corpus names a relative path whose source records it. A cube lies elsewhere than its
+    campaign file (out/<name>/ against sweeps/), so this, not the cube's folder, is where the
+    relative paths start when its prompts are read again (`dvfs twin fit CUBE`)."""
+    if not isinstance(corpus_tables, dict) or not isinstance(sources, dict):
+        return None
+    for name, spec in corpus_tables.items():
+        entry = sources.get(name)
+        if not isinstance(spec, dict) or not isinstance(entry, dict):
+            continue
+        if not isinstance(spec.get("path"), str) or not isinstance(entry.get("source"), str):
+            continue
+        relative = Path(spec["path"]).expanduser()
+        if relative.is_absolute():
+            continue
+        source, tail = entry["source"], f"/{relative.as_posix()} ("
+        if source.startswith("file ") and tail in source:
+            return source[len("file ") : source.rindex(tail)] or "/"
+    return None
+
+
 def load_user_corpus(
     name: str, spec: dict[str, Any], *, base_dir: str, count_tokens: TokenCounter
 ) -> Corpus:

@@ -111,12 +111,17 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
     return problems
 
 
+def shortfall_line(problems: list[str]) -> str:
+    """`corpus_shortfalls` as the one line the sweep, its dry run and `dvfs doctor` say, with
+    what to do."""
+    return "; ".join(problems) + (
+        ". Lower the batch sizes, widen workload.input_tokens, or add prompts"
+    )
+
+
 def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
     """Refuse a campaign whose corpora cannot fill its largest batch (exit 2, as an invalid
     campaign: `CorpusShortfallError`)."""
     problems = corpus_shortfalls(campaign, corpora)
     if problems:
-        raise CorpusShortfallError(
-            "; ".join(problems) + ". Lower the batch sizes, widen "
-            "workload.input_tokens, or add prompts"
-        )
+        raise CorpusShortfallError(shortfall_line(problems))

@@ -450,8 +450,9 @@ INVALID_ADVICE = {
     "or loosen measurement.precision",
     "few_samples": "fewer than three power samples inside the window: lower "
     "measurement.sample_period_s or raise measurement.min_window_s",
-    "clock_not_reached": "the observed clock missed the lock: raise knobs.settle_s (time it "
-    "with `dvfs gpu settle`) or drop clocks the GPU cannot hold; a GPU above it lost its lock "
+    "clock_not_reached": "the observed clock missed the lock: set measurement.settle to a "
+    'longer wait in seconds (time it with `dvfs gpu settle`; "measured" times one change at '
+    "session start) or drop clocks the GPU cannot hold; a GPU above it lost its lock "
     "outside dvfs (`nvidia-smi -rgc`, a GPU reset): keep other tools off the GPUs",
     "throttled": "the GPU slowed down for heat or a hardware brake: check its cooling and "
     "what else runs on it",

@@ -22,7 +22,8 @@ from dvfs.errors import (
 
 NO_DRIVER_HINT = (
     "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
-    'or run on the digital twin (gpu.backend = "twin")'
+    'or run on the digital twin (gpu.backend = "twin" in a campaign; `--twin h100-sxm` for '
+    "`dvfs gpu list`, `info`, `settle` and `roofline`)"
 )
 ROOT_HINT = (
     "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service); "

@@ -171,11 +171,14 @@ def read(path: Path) -> xr.Dataset:
         with xr.open_dataset(path, engine="netcdf4") as opened:
             ds = opened.load()
     except (OSError, ValueError) as exc:
-        raise RooflineFileError(f"{path} is not a readable netCDF file ({exc})") from exc
+        raise RooflineFileError(
+            f"{path} is not a readable netCDF file ({exc}): give a roofline file that "
+            "`dvfs gpu roofline -o FILE` wrote"
+        ) from exc
     if ds.attrs.get("schema") != SCHEMA:
         raise RooflineFileError(
             f"{path} is not a dvfs roofline file (schema {ds.attrs.get('schema')!r}, "
-            f"expected {SCHEMA!r})"
+            f"expected {SCHEMA!r}): give a roofline file that `dvfs gpu roofline -o FILE` wrote"
         )
     missing = [name for name in MEASURED + ("kind", "m", "n", "k") if name not in ds.variables]
     grid = {"setting", "kernel"}

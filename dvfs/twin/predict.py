@@ -144,17 +144,26 @@ class Prediction:
 
 
 def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
-    """The campaign a cube was swept from (its `campaign_source` attribute)."""
+    """The campaign a cube was swept from (its `campaign_source` attribute), its corpora's
+    relative paths taken from the campaign file's folder (`campaign_dir_of`), else the cube's."""
+    import json
     import tomllib
 
     from dvfs.campaign import parse_campaign
+    from dvfs.corpora.loaders import campaign_dir_of
 
     source = str(ds.attrs.get("campaign_source") or "")
     if not source.strip():
         raise PredictError(f"{where} records no campaign (no campaign_source attribute)")
     try:
         data = tomllib.loads(source)
-        base = where.parent if where.is_file() else where
+        try:
+            recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
+        except ValueError:
+            recorded = {}
+        base = campaign_dir_of(data.get("corpus"), recorded) or (
+            where.parent if where.is_file() else where
+        )
         return parse_campaign(data, where=f"{where}'s campaign", source=source, base_dir=str(base))
     except (ValueError, CampaignError) as exc:
         raise PredictError(f"{where}'s campaign cannot be read again: {exc}") from exc
@@ -228,7 +237,8 @@ def cube_cells(
         corpora = load_corpora(campaign)
     except CorpusError as exc:
         raise PredictError(
-            f"{where}: the prompts of its cells cannot be read again: {exc}"
+            f"{where}: the prompts of its cells cannot be read again: {exc}; the fit re-reads "
+            "the corpora its sweep read: put them back where they were"
         ) from exc
     texts = corpus_texts(campaign, corpora)
     drafters = {d.name: d for d in campaign.drafters}
