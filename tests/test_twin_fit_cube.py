@@ -86,6 +86,18 @@ sample_period_s = 0.02
 idle_s = 1.0
 """
 
+
+def fit_variant(**values: str) -> str:
+    """FIT_CAMPAIGN with other values (TOML, by key) for its keys that hold one line each:
+    profile, sm_clock, power_limit, batch, corpora, input_tokens, output_tokens."""
+    lines = FIT_CAMPAIGN.splitlines(keepends=True)
+    for key, value in values.items():
+        at = [i for i, line in enumerate(lines) if line.startswith(f"{key} = ")]
+        assert len(at) == 1, key
+        lines[at[0]] = f"{key} = {value}\n"
+    return "".join(lines)
+
+
 #: The figures the cube was made with: the exact H100 with its power, bandwidth and host figures
 #: moved by 20-60%, and two of the speculative iteration's terms moved by 20-25%.
 TRUTH = dataclasses.replace(
@@ -344,11 +356,13 @@ def test_bad_inputs_are_one_line(made: dict[str, Path], tmp_path: Path) -> None:
 #: A small twin campaign on a corpus of the user's own, named by a path relative to the
 #: campaign file (as the README's corpus tables are), one folder up from it.
 OWN_CORPUS_CAMPAIGN = (
-    FIT_CAMPAIGN.replace("sm_clock = [1980, 1410, 1005, 600]", "sm_clock = [1980, 1005]")
-    .replace("power_limit = [700, 250]", "power_limit = [700]")
-    .replace("batch = [1, 16, 64]", "batch = [1, 4]")
-    .replace('corpora = ["code"]', 'corpora = ["tasks"]')
-    .replace("output_tokens = 256", "output_tokens = 64")
+    fit_variant(
+        sm_clock="[1980, 1005]",
+        power_limit="[700]",
+        batch="[1, 4]",
+        corpora='["tasks"]',
+        output_tokens="64",
+    )
     + '\n[corpus.tasks]\npath = "../prompts/tasks.jsonl"\nfield = "task"\n'
 )
 
@@ -454,14 +468,14 @@ def test_a_shipped_profile_keeps_the_campaigns_hash(tmp_path: Path) -> None:
 
 #: A small twin campaign with the traps on: the fit's physics has no traps, so its model error
 #: drags figures the 48 cells hardly constrain far from the base (the knee to its bound).
-TRAPPED_CAMPAIGN = (
-    FIT_CAMPAIGN.replace('profile = "h100-sxm:none"', 'profile = "h100-sxm"')
-    .replace("sm_clock = [1980, 1410, 1005, 600]", "sm_clock = [1380, 1680, 1980]")
-    .replace("power_limit = [700, 250]", "power_limit = [700, 400]")
-    .replace("batch = [1, 16, 64]", "batch = [1, 16]")
-    .replace('corpora = ["code"]', 'corpora = ["code", "math"]')
-    .replace("input_tokens = [16, 1024]", "input_tokens = [16, 2048]")
-    .replace("output_tokens = 256", "output_tokens = 128")
+TRAPPED_CAMPAIGN = fit_variant(
+    profile='"h100-sxm"',
+    sm_clock="[1380, 1680, 1980]",
+    power_limit="[700, 400]",
+    batch="[1, 16]",
+    corpora='["code", "math"]',
+    input_tokens="[16, 2048]",
+    output_tokens="128",
 )
 
 
