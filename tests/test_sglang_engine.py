@@ -837,3 +837,63 @@ def test_a_server_that_exits_while_another_program_answers_on_its_port_says_so(
         assert said.startswith("the SGLang server dvfs started exited (exit code 1), yet its port")
         assert f"127.0.0.1:{port}" in said and "another program listens there" in said
     assert running(marker) == []
+
+
+@pytest.mark.parametrize(
+    ("named", "served"),
+    [
+        ("{m}/Llama-GGUF:Q4_K_M", None),
+        ("{m}/Llama-GGUF/sub/llama-Q8_0.gguf", None),
+        ("{m}/Llama-GGUF:Q4_K_M", "{m}/Llama-GGUF:Q8_0"),
+        ("{m}/Llama-GGUF:Q4_K_M", "{m}/Other-GGUF:Q4_K_M"),
+    ],
+)
+def test_a_gguf_named_on_the_hub_is_the_servers_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, named: str, served: str | None
+) -> None:
+    """SGLang 0.5.23 serves a .gguf named on the Hugging Face Hub (`owner/repo:QUANT`,
+    `owner/repo/FILE.gguf`) from the file it downloads it to, and /server_info reports that
+    local path as model_path: dvfs refused the server it started as "another program" on its
+    port, and an attached one as serving another model. Both run now; a server on another
+    quantization or repo is still refused (started: another program; attached: another
+    model)."""
+    import dvfs.engines.sglang as sglang
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    model = named.format(m=marker)
+    path.write_text(path.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
+    port = free_port()
+    attached = path.with_name("attached.toml")
+    attached.write_text(
+        path.read_text().replace(
+            "[engine.sglang]\n", f'[engine.sglang]\nurl = "http://127.0.0.1:{port}"\n'
+        )
+    )
+    engine = SglangEngine(load_campaign(path), clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    if served is not None:  # another program's server: refused once the port answers
+        monkeypatch.setattr(sglang, "free_port", lambda host="127.0.0.1": port)
+    server = attached_stub(tmp_path, (served or named).format(m=marker), port)
+    try:
+        _answering(port)
+        on_server = SglangEngine(
+            load_campaign(attached), clock=MonotonicClock(), log_dir=tmp_path / "a"
+        )
+        if served is None:
+            with engine:
+                info = engine.start(load_campaign(path).drafters[0])
+            with on_server:
+                on_server.start(load_campaign(attached).drafters[0])
+            assert str(info.args["model_path"]).endswith(".gguf")
+            assert str(info.args["model_path"]).startswith(str(tmp_path / "hf" / "hub"))
+        else:
+            with engine, pytest.raises(EngineError, match="another program answer"):
+                engine.start(load_campaign(path).drafters[0])
+            with on_server, pytest.raises(EngineError, match="serves model"):
+                on_server.start(load_campaign(attached).drafters[0])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert running(marker) == []

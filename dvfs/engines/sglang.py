@@ -112,6 +112,29 @@ def dying_with_parent(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", str(launcher), str(os.getpid()), *argv]
 
 
+def same_model(reported: object, wanted: str) -> bool:
+    """Whether a server whose /server_info reports model_path `reported` serves the campaign's
+    model `wanted`: the same name or path (a trailing '/' aside), or the local file SGLang
+    0.5.23 serves a .gguf named on the Hugging Face Hub from, and reports in its place
+    (`owner/repo/FILE.gguf`, `owner/repo:QUANT`, `owner/repo` holding one .gguf: downloaded to
+    `.../models--owner--repo/snapshots/REVISION/FILE`, FILE ending in `-QUANT.gguf`)."""
+    got = str(reported).rstrip("/")
+    if got == wanted.rstrip("/"):
+        return True
+    repo, _, quant = wanted.rpartition(":")
+    if not (quant and repo.count("/") == 1 and "/" not in quant):
+        repo, quant = wanted, ""
+    parts = repo.strip("/").split("/")
+    snapshots = "/models--" + "--".join(parts[:2]) + "/snapshots/"
+    at = got.find(snapshots)
+    if len(parts) < 2 or at < 0 or not got.endswith(".gguf"):
+        return False
+    file = got[at + len(snapshots) :].partition("/")[2]  # past the revision
+    if quant:
+        return file.endswith(f"-{quant}.gguf")
+    return file == "/".join(parts[2:]) if len(parts) > 2 else bool(file)
+
+
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The log's last lines, for an error (and so the journal and cube): credentials SGLang
     prints (its `server_args=ServerArgs(..., api_key='...')`) hidden (`redact_text`)."""
@@ -448,10 +471,11 @@ class SglangEngine:
         `info`) is another program, not that server; None when nothing says so. SGLang
         listens only once its weights are loaded, and one that cannot listen (the port taken)
         exits: until then another program on the port answers in its place. It is told by the
-        server having exited; by reporting another model (unless SGLANG_USE_MODELSCOPE, with
-        which SGLang reports the folder it downloaded the model to), port, TP size or (on a
-        block of ports) NCCL port than dvfs started the server with; or by the process
-        listening there having run before the server (`earlier_holder`)."""
+        server having exited; by reporting another model (`same_model`; not checked with
+        SGLANG_USE_MODELSCOPE, with which SGLang reports the folder it downloaded the model
+        to), port, TP size or (on a block of ports) NCCL port than dvfs started the server
+        with; or by the process listening there having run before the server
+        (`earlier_holder`)."""
         url = self._client.shown_url if self._client is not None else f"port {port}"
         if not self._alive():
             code = self._process.poll() if self._process is not None else None
@@ -470,12 +494,15 @@ class SglangEngine:
             expected["nccl_port"] = ports.nccl
         for key, wanted in expected.items():
             got = info.get(key)
-            if got is not None and str(got).rstrip("/") != str(wanted).rstrip("/"):
-                return (
-                    f"another program answers on the {drafter.name!r} server's port {port} "
-                    f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
-                    "with); dvfs stopped the server it started"
-                )
+            if got is None or (
+                same_model(got, str(wanted)) if key == "model_path" else str(got) == str(wanted)
+            ):
+                continue
+            return (
+                f"another program answers on the {drafter.name!r} server's port {port} "
+                f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
+                "with); dvfs stopped the server it started"
+            )
         if self._process is not None:
             other = earlier_holder(port, self._process.pid)
             if other is not None:
@@ -537,7 +564,7 @@ class SglangEngine:
         )
         # (dvfs sets --model-path itself when it starts the server: checked when attached.)
         model, wanted = args.get("model_path"), self.campaign.engine.model
-        if attached and model is not None and str(model).rstrip("/") != wanted.rstrip("/"):
+        if attached and model is not None and not same_model(model, wanted):
             raise EngineError(
                 f"{where} serves model {str(model)!r}, not {wanted!r} as engine.model says{fix}"
             )
