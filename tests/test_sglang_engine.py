@@ -897,3 +897,36 @@ def test_a_gguf_named_on_the_hub_is_the_servers_own_model(
         server.terminate()
         server.wait(timeout=10)
     assert running(marker) == []
+
+
+def test_a_server_that_dies_just_after_answering_is_not_said_to_be_another_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server dvfs started answers /health and /server_info, then dies (a crash, nothing
+    else on its port): its start said "another program answered on its port in its place".
+    It says the server exited just after it answered, with its log's last lines, and nothing
+    of another program."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+    from dvfs.engines.sglang_client import SglangClient
+
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    real_info = SglangClient.server_info
+
+    def answered_then_died(client: SglangClient) -> dict:
+        info = real_info(client)
+        assert engine._process is not None
+        engine._process.kill()  # it crashes right after its answer
+        engine._process.wait(timeout=30)
+        return info
+
+    monkeypatch.setattr(SglangClient, "server_info", answered_then_died)
+    with engine, pytest.raises(EngineError) as refused:
+        engine.start(campaign.drafters[0])
+    first = str(refused.value).splitlines()[0]
+    assert "another program" not in str(refused.value), first
+    assert first.startswith("the 'none' server exited (exit code -9) just after it answered")
+    assert "--- last lines of " in str(refused.value)
+    assert running(marker) == []

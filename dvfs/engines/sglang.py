@@ -438,6 +438,15 @@ class SglangEngine:
                 f"the {drafter.name!r} server failed to start: {exc}\n"
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
+        if not self._alive() and self._client.health_status() != 200:
+            # It answered, then died, and nothing answers there now: a crash, not another
+            # program in its place.
+            log_path, code = self._log_path, self._process.poll()
+            self.stop()
+            raise _NoAnswerError(
+                f"the {drafter.name!r} server exited (exit code {code}) just after it answered "
+                f"on its port {port}\n--- last lines of {log_path} ---\n{tail(log_path)}"
+            )
         other = self._answered_by_another(drafter, info, port, ports)
         if other is not None:
             log_path = self._log_path
@@ -471,11 +480,12 @@ class SglangEngine:
         `info`) is another program, not that server; None when nothing says so. SGLang
         listens only once its weights are loaded, and one that cannot listen (the port taken)
         exits: until then another program on the port answers in its place. It is told by the
-        server having exited; by reporting another model (`same_model`; not checked with
-        SGLANG_USE_MODELSCOPE, with which SGLang reports the folder it downloaded the model
-        to), port, TP size or (on a block of ports) NCCL port than dvfs started the server
-        with; or by the process listening there having run before the server
-        (`earlier_holder`)."""
+        server having exited while its port still answers (the caller told a server that
+        died just after its answer, its port silent since); by reporting another model
+        (`same_model`; not checked with SGLANG_USE_MODELSCOPE, with which SGLang reports the
+        folder it downloaded the model to), port, TP size or (on a block of ports) NCCL port
+        than dvfs started the server with; or by the process listening there having run
+        before the server (`earlier_holder`)."""
         url = self._client.shown_url if self._client is not None else f"port {port}"
         if not self._alive():
             code = self._process.poll() if self._process is not None else None
