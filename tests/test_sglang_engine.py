@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -930,3 +931,37 @@ def test_a_server_that_dies_just_after_answering_is_not_said_to_be_another_progr
     assert first.startswith("the 'none' server exited (exit code -9) just after it answered")
     assert "--- last lines of " in str(refused.value)
     assert running(marker) == []
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_server_on_an_ipv6_host_starts_and_its_block_is_free(tmp_path: Path) -> None:
+    """engine.sglang.host = "::1" (SGLang's --host takes IPv6 addresses): the sweep stopped
+    with "cannot use OUT: address family for hostname not supported" (its free port was looked
+    for over IPv4, blaming the output folder), its URL lacked the brackets, and a fleet found
+    every block of ports taken. The server starts there and the sweep measures; a free block
+    on that host is free, a held one held."""
+    from dvfs.fleet.ports import taken
+
+    path, marker = stub_campaign(
+        tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "::1"'
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (dvfs.open_cube(str(out / "cube.nc"))["cell_status"] == 1).all()
+    assert running(marker) == []
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert taken("::1", [port]) == f"port {port}: Address already in use"
+    assert taken("::1", [port]) is None

@@ -52,6 +52,8 @@ from dvfs.engines.sglang_args import (
     check_flags_known,
     check_predicted_kernels,
     check_same_kernels,
+    host_family,
+    host_url,
     launch_argv,
     parse_version,
     probe_help,
@@ -98,7 +100,7 @@ class PortBlock(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(host_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -427,7 +429,7 @@ class SglangEngine:
         except OSError as exc:
             self.stop()
             raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
-        self._client = self._client_for(f"http://{self.config.host}:{port}")
+        self._client = self._client_for(host_url(self.config.host, port))
         try:
             self._client.wait_healthy(self.config.startup_timeout_s, alive=self._alive)
             info = self._client.server_info()

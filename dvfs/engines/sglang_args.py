@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -109,6 +110,17 @@ class ServerPorts:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ServerPorts:
         return cls(int(str(data["http"])), int(str(data["nccl"])))
+
+
+def host_family(host: str) -> socket.AddressFamily:
+    """The address family of engine.sglang.host: IPv6 for an IPv6 address (`::1`, `::`, which
+    SGLang's --host takes), else IPv4 (`127.0.0.1`, `0.0.0.0`, a name such as localhost)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def host_url(host: str, port: int) -> str:
+    """The HTTP URL of a server listening on `host`:`port` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def check_distinct_ports(plans: Sequence[tuple[str, str, ServerPorts]]) -> None:
