@@ -965,3 +965,24 @@ def test_a_server_on_an_ipv6_host_starts_and_its_block_is_free(tmp_path: Path) -
         port = held.getsockname()[1]
         assert taken("::1", [port]) == f"port {port}: Address already in use"
     assert taken("::1", [port]) is None
+
+
+@pytest.mark.parametrize("flag", ["true", "yes", "Y"])
+def test_a_model_downloaded_from_modelscope_is_the_servers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """With SGLANG_USE_MODELSCOPE true, SGLang downloads the model from ModelScope and reports
+    the folder it landed in as model_path, which dvfs does not compare; SGLang 0.5.23 also
+    takes "yes" and "y" (any case) for true, which dvfs did not: it refused the server it
+    started as another program on its port."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    monkeypatch.setenv("SGLANG_USE_MODELSCOPE", flag)
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "modelscope"))
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    campaign = load_campaign(path)
+    with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
+        info = engine.start(campaign.drafters[0])
+    assert info.args["model_path"] == str(tmp_path / "modelscope" / marker)
+    assert running(marker) == []

@@ -500,7 +500,8 @@ class SglangEngine:
             "tp_size": self.campaign.engine.tp_size,
         }
         env = server_env(self.campaign, self.gpu_uuids)
-        if env.get("SGLANG_USE_MODELSCOPE", "").lower() not in ("true", "1"):
+        # SGLang 0.5.9 reads "true" or "1" as true, 0.5.23 also "yes" or "y"
+        if env.get("SGLANG_USE_MODELSCOPE", "").lower() not in ("true", "1", "yes", "y"):
             expected["model_path"] = self.campaign.engine.model
         if ports is not None:
             expected["nccl_port"] = ports.nccl
