@@ -100,9 +100,17 @@ class PortBlock(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(host_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now on `host` (engine.sglang.host); `EngineError` when nothing can listen
+    there (a name that does not resolve, an address of another machine)."""
+    try:
+        with socket.socket(host_family(host), socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    except OSError as exc:
+        raise EngineError(
+            f"a server cannot listen on engine.sglang.host {host!r} here "
+            f"({exc.strerror or exc}): name an address of this machine, such as 127.0.0.1"
+        ) from exc
 
 
 def dying_with_parent(argv: Sequence[str]) -> list[str]:
