@@ -991,14 +991,24 @@ def test_a_model_downloaded_from_modelscope_is_the_servers_own(
 def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path) -> None:
     """engine.sglang.host an address of another machine (here TEST-NET-1's 192.0.2.1): the
     sweep stopped with "cannot use OUT: cannot assign requested address", blaming the output
-    folder. Each cell's server start fails instead, in one line naming engine.sglang.host."""
+    folder, and a fleet found every block of ports "held by other programs". Each cell's
+    server start fails instead, and the fleet stops (doctor fails its ports), in one line
+    naming engine.sglang.host."""
     path, marker = stub_campaign(
         tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "192.0.2.1"'
     )
-    out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
-    said = " ".join(result.output.split())
-    assert "cannot use" not in said and "Traceback" not in said, said
-    assert "a server cannot listen on engine.sglang.host '192.0.2.1' here (" in said, said
-    assert "name an address of this machine, such as 127.0.0.1" in said
+    wrong = "a server cannot listen on engine.sglang.host '192.0.2.1' here ("
+    for gpus in ((), ("--gpus", "0,1")):
+        out = tmp_path / f"out{len(gpus)}"
+        result = CliRunner().invoke(
+            cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
+        )
+        said = " ".join(result.output.split())
+        assert "cannot use" not in said and "Traceback" not in said, said
+        assert "held by other programs" not in said and wrong in said, said
+        assert "name an address of this machine, such as 127.0.0.1" in said
+    checked = CliRunner().invoke(
+        cli, ["doctor", str(path), "--gpus", "0,1", "--out", str(tmp_path / "c")]
+    )
+    assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
     assert running(marker) == []

@@ -60,6 +60,7 @@ from dvfs.engines.sglang_args import (
     server_command,
     server_env,
     server_keys,
+    unlistenable,
     unstartable,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
@@ -107,9 +108,8 @@ def free_port(host: str = "127.0.0.1") -> int:
             s.bind((host, 0))
             return int(s.getsockname()[1])
     except OSError as exc:
-        raise EngineError(
-            f"a server cannot listen on engine.sglang.host {host!r} here "
-            f"({exc.strerror or exc}): name an address of this machine, such as 127.0.0.1"
+        raise unlistenable(host, exc) or EngineError(
+            f"no free port on engine.sglang.host {host!r}: {exc.strerror or exc}"
         ) from exc
 
 

@@ -35,6 +35,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -116,6 +117,18 @@ def host_family(host: str) -> socket.AddressFamily:
     """The address family of engine.sglang.host: IPv6 for an IPv6 address (`::1`, `::`, which
     SGLang's --host takes), else IPv4 (`127.0.0.1`, `0.0.0.0`, a name such as localhost)."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def unlistenable(host: str, exc: OSError) -> EngineError | None:
+    """The error to stop with when binding a socket on `host` failed with `exc` because no
+    server can listen there at all (a name that does not resolve, another machine's address),
+    not because a port is taken; None for a port taken (or not ours to bind)."""
+    if not isinstance(exc, socket.gaierror) and exc.errno != errno.EADDRNOTAVAIL:
+        return None
+    return EngineError(
+        f"a server cannot listen on engine.sglang.host {host!r} here "
+        f"({exc.strerror or exc}): name an address of this machine, such as 127.0.0.1"
+    )
 
 
 def host_url(host: str, port: int) -> str:

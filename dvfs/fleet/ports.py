@@ -27,6 +27,7 @@ from dvfs.engines.sglang_args import (
     PORT_SLOTS,
     ServerPorts,
     host_family,
+    unlistenable,
 )
 from dvfs.errors import EngineError
 
@@ -46,6 +47,9 @@ def taken(host: str, ports: Sequence[int]) -> str | None:
             try:
                 probe.bind((host, port))
             except OSError as exc:
+                wrong = unlistenable(host, exc)  # not a port taken: no block would do
+                if wrong is not None:
+                    raise wrong from exc
                 return f"port {port}: {exc.strerror}"
     return None
 
