@@ -654,17 +654,22 @@ def check_server_gpus(
 
 
 def read_group_models(
-    campaign: Campaign, groups: Sequence[Sequence[int | str]], *, nvml: ModuleType | None = None
+    campaign: Campaign,
+    groups: Sequence[Sequence[int | str]],
+    *,
+    nvml: ModuleType | None = None,
+    fleet: bool = False,
 ) -> tuple[list[str] | None, str | None]:
     """For a dry run, each server's GPU model (one of `groups`, as
     `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
     opened read-only and closed, no setting read back or changed. A server on real GPUs of two
     models is refused as the sweep and a fleet refuse it (`one_model`, exit 2). (None, None)
-    with nothing to read: the twin (its models are its profiles), or one server on one GPU;
-    (None, why) where NVML cannot open them (no NVML here: a machine planning for another),
-    for the dry run to say what it could not check."""
+    with nothing to read: the twin (its models are its profiles), or one server on one GPU
+    that is no `fleet` (a fleet of one, resuming a fleet's folder on the GPUs left, resumes
+    its model's journal only); (None, why) where NVML cannot open them (no NVML here: a
+    machine planning for another), for the dry run to say what it could not check."""
     servers = [tuple(g) for g in groups if len(g) > 1]
-    if not real_gpus(campaign) or (len(groups) < 2 and not servers):
+    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet):
         return None, None
     from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
@@ -679,6 +684,8 @@ def read_group_models(
             unchecked.append("a tensor-parallel server spanning two GPU models is not checked")
         if len(groups) > 1:
             unchecked.append("a fleet mixing GPU models is counted as one model")
+        elif fleet:
+            unchecked.append("every GPU model's journal in the folder is counted")
         return None, (
             f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
             "`dvfs doctor` on the GPU machine checks it"

@@ -348,21 +348,29 @@ def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> No
     assert "NVML" in note and "not checked here" in note
 
 
+@pytest.mark.parametrize("profile", [None, "h100-sxm"])
 def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile: str | None
 ) -> None:
     """A fleet of real GPUs of two models (`--gpus 0-2`: H100, H200, H100) runs the whole
     campaign once per model, as on the twin; its dry run counted one model, and so half the
     cells and hours, until a journal per model existed. It reads the GPUs' models (changing
     nothing) and counts each model's cells; the fleet then measures that many, and a dry run
-    of the finished folder finds them all done. Where NVML cannot be read, it counts one model
-    and says so."""
+    of the finished folder finds them all done, of one with a cell left that cell; an H100
+    alone (`--gpus 0`, a fleet of one resuming its model's journal only) counted the H200's
+    cell too, and finds nothing left now. Where NVML cannot be read, it counts one model (or
+    every model's journal) and says so. A `gpu.profile` (the twin that estimates the
+    campaign's GPU time) is no real GPU's model: with it, the dry run counted one model and,
+    resuming, looked for that profile's journal (none: nothing done)."""
     from nvml_support import NVML_CAMPAIGN
 
     devices = "h100-sxm,h200-sxm,h100-sxm"
     nv = fresh_fake(tmp_path, monkeypatch, devices)
     path = tmp_path / "fleet.toml"
-    path.write_text(NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    if profile is not None:
+        text = text.replace('backend = "nvml"', f'backend = "nvml"\nprofile = "{profile}"', 1)
+    path.write_text(text)
     env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices, DVFS_FAKE_NVML_ROOT="1")
     out = tmp_path / "out"
     plan = ("sweep", str(path), "--gpus", "0-2", "--out", str(out), "--no-estimate")
@@ -391,11 +399,26 @@ def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
     assert measured == [doc["cells"], doc["cells"]]
     doc, _ = dry(env)
     assert (doc["already_done"], doc["remaining"]) == (2 * doc["cells"], 0)
+    lines = journals[-1].read_text().splitlines(keepends=True)
+    last = max(i for i, line in enumerate(lines) if '"type":"cell"' in line)
+    journals[-1].write_text("".join(lines[:last] + lines[last + 1 :]))  # its last cell left
+    doc, _ = dry(env)
+    assert (doc["already_done"], doc["remaining"]) == (2 * doc["cells"] - 1, 1)
+    # The H100 alone (`--gpus 0`, the GPUs left after a node loss) goes on as a fleet of one,
+    # resuming its model's journal only, which holds every cell: it counted the H200's too.
+    alone = dvfs_in_process(*plan[:3], "0", *plan[4:], "--dry-run", "--json", env=env)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    left = json.loads(alone.stdout)
+    assert (left["already_done"], left["remaining"]) == (doc["cells"], 0), left
 
     blind = fake_env(tmp_path, DVFS_FAKE_NVML_MISSING="1")
     doc, note = dry({**blind, "DVFS_FAKE_NVML_DEVICES": devices})
     assert note.startswith("note: the GPUs' models were not read (") and "\n" not in note.strip()
     assert "a fleet mixing GPU models is counted as one model" in note
+    unread = {**blind, "DVFS_FAKE_NVML_DEVICES": devices}
+    alone = dvfs_in_process(*plan[:3], "0", *plan[4:], "--dry-run", "--json", env=unread)
+    assert alone.returncode == 0 and json.loads(alone.stdout)["remaining"] == 1
+    assert "every GPU model's journal in the folder is counted here" in alone.stderr
 
 
 def test_nvml_without_process_lists_leaves_the_server_unverified(

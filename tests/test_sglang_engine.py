@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -836,4 +837,178 @@ def test_a_server_that_exits_while_another_program_answers_on_its_port_says_so(
     else:
         assert said.startswith("the SGLang server dvfs started exited (exit code 1), yet its port")
         assert f"127.0.0.1:{port}" in said and "another program listens there" in said
+    assert running(marker) == []
+
+
+@pytest.mark.parametrize(
+    ("named", "served"),
+    [
+        ("{m}/Llama-GGUF:Q4_K_M", None),
+        ("{m}/Llama-GGUF/sub/llama-Q8_0.gguf", None),
+        ("{m}/Llama-GGUF:Q4_K_M", "{m}/Llama-GGUF:Q8_0"),
+        ("{m}/Llama-GGUF:Q4_K_M", "{m}/Other-GGUF:Q4_K_M"),
+    ],
+)
+def test_a_gguf_named_on_the_hub_is_the_servers_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, named: str, served: str | None
+) -> None:
+    """SGLang 0.5.23 serves a .gguf named on the Hugging Face Hub (`owner/repo:QUANT`,
+    `owner/repo/FILE.gguf`) from the file it downloads it to, and /server_info reports that
+    local path as model_path: dvfs refused the server it started as "another program" on its
+    port, and an attached one as serving another model. Both run now; a server on another
+    quantization or repo is still refused (started: another program; attached: another
+    model)."""
+    import dvfs.engines.sglang as sglang
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    model = named.format(m=marker)
+    path.write_text(path.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
+    port = free_port()
+    attached = path.with_name("attached.toml")
+    attached.write_text(
+        path.read_text().replace(
+            "[engine.sglang]\n", f'[engine.sglang]\nurl = "http://127.0.0.1:{port}"\n'
+        )
+    )
+    engine = SglangEngine(load_campaign(path), clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    if served is not None:  # another program's server: refused once the port answers
+        monkeypatch.setattr(sglang, "free_port", lambda host="127.0.0.1": port)
+    server = attached_stub(tmp_path, (served or named).format(m=marker), port)
+    try:
+        _answering(port)
+        on_server = SglangEngine(
+            load_campaign(attached), clock=MonotonicClock(), log_dir=tmp_path / "a"
+        )
+        if served is None:
+            with engine:
+                info = engine.start(load_campaign(path).drafters[0])
+            with on_server:
+                on_server.start(load_campaign(attached).drafters[0])
+            assert str(info.args["model_path"]).endswith(".gguf")
+            assert str(info.args["model_path"]).startswith(str(tmp_path / "hf" / "hub"))
+        else:
+            with engine, pytest.raises(EngineError, match="another program answer"):
+                engine.start(load_campaign(path).drafters[0])
+            with on_server, pytest.raises(EngineError, match="serves model"):
+                on_server.start(load_campaign(attached).drafters[0])
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert running(marker) == []
+
+
+def test_a_server_that_dies_just_after_answering_is_not_said_to_be_another_program(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server dvfs started answers /health and /server_info, then dies (a crash, nothing
+    else on its port): its start said "another program answered on its port in its place".
+    It says the server exited just after it answered, with its log's last lines, and nothing
+    of another program."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+    from dvfs.engines.sglang_client import SglangClient
+
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    campaign = load_campaign(path)
+    engine = SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs")
+    real_info = SglangClient.server_info
+
+    def answered_then_died(client: SglangClient) -> dict:
+        info = real_info(client)
+        assert engine._process is not None
+        engine._process.kill()  # it crashes right after its answer
+        engine._process.wait(timeout=30)
+        return info
+
+    monkeypatch.setattr(SglangClient, "server_info", answered_then_died)
+    with engine, pytest.raises(EngineError) as refused:
+        engine.start(campaign.drafters[0])
+    first = str(refused.value).splitlines()[0]
+    assert "another program" not in str(refused.value), first
+    assert first.startswith("the 'none' server exited (exit code -9) just after it answered")
+    assert "--- last lines of " in str(refused.value)
+    assert running(marker) == []
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_server_on_an_ipv6_host_starts_and_its_block_is_free(tmp_path: Path) -> None:
+    """engine.sglang.host = "::1" (SGLang's --host takes IPv6 addresses): the sweep stopped
+    with "cannot use OUT: address family for hostname not supported" (its free port was looked
+    for over IPv4, blaming the output folder), its URL lacked the brackets, and a fleet found
+    every block of ports taken. The server starts there and the sweep measures; a free block
+    on that host is free, a held one held."""
+    from dvfs.fleet.ports import taken
+
+    path, marker = stub_campaign(
+        tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "::1"'
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert (dvfs.open_cube(str(out / "cube.nc"))["cell_status"] == 1).all()
+    assert running(marker) == []
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert taken("::1", [port]) == f"port {port}: Address already in use"
+    assert taken("::1", [port]) is None
+
+
+@pytest.mark.parametrize("flag", ["true", "yes", "Y"])
+def test_a_model_downloaded_from_modelscope_is_the_servers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """With SGLANG_USE_MODELSCOPE true, SGLang downloads the model from ModelScope and reports
+    the folder it landed in as model_path, which dvfs does not compare; SGLang 0.5.23 also
+    takes "yes" and "y" (any case) for true, which dvfs did not: it refused the server it
+    started as another program on its port."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang import SglangEngine
+
+    monkeypatch.setenv("SGLANG_USE_MODELSCOPE", flag)
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "modelscope"))
+    path, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER)
+    campaign = load_campaign(path)
+    with SglangEngine(campaign, clock=MonotonicClock(), log_dir=tmp_path / "logs") as engine:
+        info = engine.start(campaign.drafters[0])
+    assert info.args["model_path"] == str(tmp_path / "modelscope" / marker)
+    assert running(marker) == []
+
+
+def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path) -> None:
+    """engine.sglang.host an address of another machine (here TEST-NET-1's 192.0.2.1): the
+    sweep stopped with "cannot use OUT: cannot assign requested address", blaming the output
+    folder, and a fleet found every block of ports "held by other programs". Each cell's
+    server start fails instead, and the fleet stops (doctor fails its ports), in one line
+    naming engine.sglang.host."""
+    path, marker = stub_campaign(
+        tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "192.0.2.1"'
+    )
+    wrong = "a server cannot listen on engine.sglang.host '192.0.2.1' here ("
+    for gpus in ((), ("--gpus", "0,1")):
+        out = tmp_path / f"out{len(gpus)}"
+        result = CliRunner().invoke(
+            cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
+        )
+        said = " ".join(result.output.split())
+        assert "cannot use" not in said and "Traceback" not in said, said
+        assert "held by other programs" not in said and wrong in said, said
+        assert "name an address of this machine, such as 127.0.0.1" in said
+    checked = CliRunner().invoke(
+        cli, ["doctor", str(path), "--gpus", "0,1", "--out", str(tmp_path / "c")]
+    )
+    assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
     assert running(marker) == []

@@ -293,7 +293,9 @@ def sweep(
         # them, the note says what went unchecked. Not Ray's: its GPUs are those Ray places
         # the actors on, on any node, not this machine's.
         group_models, unread = (
-            read_group_models(campaign, groups) if executor != "ray" else (None, None)
+            read_group_models(campaign, groups, fleet=as_fleet)
+            if executor != "ray"
+            else (None, None)
         )
         per_model = workers_per_model(campaign, groups, group_models)
         if unread:

@@ -52,12 +52,15 @@ from dvfs.engines.sglang_args import (
     check_flags_known,
     check_predicted_kernels,
     check_same_kernels,
+    host_family,
+    host_url,
     launch_argv,
     parse_version,
     probe_help,
     server_command,
     server_env,
     server_keys,
+    unlistenable,
     unstartable,
 )
 from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
@@ -98,9 +101,16 @@ class PortBlock(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now on `host` (engine.sglang.host); `EngineError` when nothing can listen
+    there (a name that does not resolve, an address of another machine)."""
+    try:
+        with socket.socket(host_family(host), socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+    except OSError as exc:
+        raise unlistenable(host, exc) or EngineError(
+            f"no free port on engine.sglang.host {host!r}: {exc.strerror or exc}"
+        ) from exc
 
 
 def dying_with_parent(argv: Sequence[str]) -> list[str]:
@@ -110,6 +120,29 @@ def dying_with_parent(argv: Sequence[str]) -> list[str]:
         return list(argv)
     launcher = Path(__file__).with_name("_pdeathsig.py")
     return [sys.executable, "-I", str(launcher), str(os.getpid()), *argv]
+
+
+def same_model(reported: object, wanted: str) -> bool:
+    """Whether a server whose /server_info reports model_path `reported` serves the campaign's
+    model `wanted`: the same name or path (a trailing '/' aside), or the local file SGLang
+    0.5.23 serves a .gguf named on the Hugging Face Hub from, and reports in its place
+    (`owner/repo/FILE.gguf`, `owner/repo:QUANT`, `owner/repo` holding one .gguf: downloaded to
+    `.../models--owner--repo/snapshots/REVISION/FILE`, FILE ending in `-QUANT.gguf`)."""
+    got = str(reported).rstrip("/")
+    if got == wanted.rstrip("/"):
+        return True
+    repo, _, quant = wanted.rpartition(":")
+    if not (quant and repo.count("/") == 1 and "/" not in quant):
+        repo, quant = wanted, ""
+    parts = repo.strip("/").split("/")
+    snapshots = "/models--" + "--".join(parts[:2]) + "/snapshots/"
+    at = got.find(snapshots)
+    if len(parts) < 2 or at < 0 or not got.endswith(".gguf"):
+        return False
+    file = got[at + len(snapshots) :].partition("/")[2]  # past the revision
+    if quant:
+        return file.endswith(f"-{quant}.gguf")
+    return file == "/".join(parts[2:]) if len(parts) > 2 else bool(file)
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -404,7 +437,7 @@ class SglangEngine:
         except OSError as exc:
             self.stop()
             raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
-        self._client = self._client_for(f"http://{self.config.host}:{port}")
+        self._client = self._client_for(host_url(self.config.host, port))
         try:
             self._client.wait_healthy(self.config.startup_timeout_s, alive=self._alive)
             info = self._client.server_info()
@@ -415,6 +448,15 @@ class SglangEngine:
                 f"the {drafter.name!r} server failed to start: {exc}\n"
                 f"--- last lines of {log_path} ---\n{tail(log_path)}"
             ) from exc
+        if not self._alive() and self._client.health_status() != 200:
+            # It answered, then died, and nothing answers there now: a crash, not another
+            # program in its place.
+            log_path, code = self._log_path, self._process.poll()
+            self.stop()
+            raise _NoAnswerError(
+                f"the {drafter.name!r} server exited (exit code {code}) just after it answered "
+                f"on its port {port}\n--- last lines of {log_path} ---\n{tail(log_path)}"
+            )
         other = self._answered_by_another(drafter, info, port, ports)
         if other is not None:
             log_path = self._log_path
@@ -448,10 +490,12 @@ class SglangEngine:
         `info`) is another program, not that server; None when nothing says so. SGLang
         listens only once its weights are loaded, and one that cannot listen (the port taken)
         exits: until then another program on the port answers in its place. It is told by the
-        server having exited; by reporting another model (unless SGLANG_USE_MODELSCOPE, with
-        which SGLang reports the folder it downloaded the model to), port, TP size or (on a
-        block of ports) NCCL port than dvfs started the server with; or by the process
-        listening there having run before the server (`earlier_holder`)."""
+        server having exited while its port still answers (the caller told a server that
+        died just after its answer, its port silent since); by reporting another model
+        (`same_model`; not checked with SGLANG_USE_MODELSCOPE, with which SGLang reports the
+        folder it downloaded the model to), port, TP size or (on a block of ports) NCCL port
+        than dvfs started the server with; or by the process listening there having run
+        before the server (`earlier_holder`)."""
         url = self._client.shown_url if self._client is not None else f"port {port}"
         if not self._alive():
             code = self._process.poll() if self._process is not None else None
@@ -464,18 +508,22 @@ class SglangEngine:
             "tp_size": self.campaign.engine.tp_size,
         }
         env = server_env(self.campaign, self.gpu_uuids)
-        if env.get("SGLANG_USE_MODELSCOPE", "").lower() not in ("true", "1"):
+        # SGLang 0.5.9 reads "true" or "1" as true, 0.5.23 also "yes" or "y"
+        if env.get("SGLANG_USE_MODELSCOPE", "").lower() not in ("true", "1", "yes", "y"):
             expected["model_path"] = self.campaign.engine.model
         if ports is not None:
             expected["nccl_port"] = ports.nccl
         for key, wanted in expected.items():
             got = info.get(key)
-            if got is not None and str(got).rstrip("/") != str(wanted).rstrip("/"):
-                return (
-                    f"another program answers on the {drafter.name!r} server's port {port} "
-                    f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
-                    "with); dvfs stopped the server it started"
-                )
+            if got is None or (
+                same_model(got, str(wanted)) if key == "model_path" else str(got) == str(wanted)
+            ):
+                continue
+            return (
+                f"another program answers on the {drafter.name!r} server's port {port} "
+                f"({url} reports {key} {got!r}, not {wanted!r} as dvfs started the server "
+                "with); dvfs stopped the server it started"
+            )
         if self._process is not None:
             other = earlier_holder(port, self._process.pid)
             if other is not None:
@@ -537,7 +585,7 @@ class SglangEngine:
         )
         # (dvfs sets --model-path itself when it starts the server: checked when attached.)
         model, wanted = args.get("model_path"), self.campaign.engine.model
-        if attached and model is not None and str(model).rstrip("/") != wanted.rstrip("/"):
+        if attached and model is not None and not same_model(model, wanted):
             raise EngineError(
                 f"{where} serves model {str(model)!r}, not {wanted!r} as engine.model says{fix}"
             )

@@ -35,9 +35,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -109,6 +111,29 @@ class ServerPorts:
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> ServerPorts:
         return cls(int(str(data["http"])), int(str(data["nccl"])))
+
+
+def host_family(host: str) -> socket.AddressFamily:
+    """The address family of engine.sglang.host: IPv6 for an IPv6 address (`::1`, `::`, which
+    SGLang's --host takes), else IPv4 (`127.0.0.1`, `0.0.0.0`, a name such as localhost)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def unlistenable(host: str, exc: OSError) -> EngineError | None:
+    """The error to stop with when binding a socket on `host` failed with `exc` because no
+    server can listen there at all (a name that does not resolve, another machine's address),
+    not because a port is taken; None for a port taken (or not ours to bind)."""
+    if not isinstance(exc, socket.gaierror) and exc.errno != errno.EADDRNOTAVAIL:
+        return None
+    return EngineError(
+        f"a server cannot listen on engine.sglang.host {host!r} here "
+        f"({exc.strerror or exc}): name an address of this machine, such as 127.0.0.1"
+    )
+
+
+def host_url(host: str, port: int) -> str:
+    """The HTTP URL of a server listening on `host`:`port` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def check_distinct_ports(plans: Sequence[tuple[str, str, ServerPorts]]) -> None:

@@ -147,11 +147,13 @@ def workers_per_model(
 ) -> dict[str | None, int]:
     """How many workers each GPU model gets, as far as the names tell (twin GPUs: their
     profile's model, `PROFILE:INDEX` or the campaign's; real GPUs: `models`, each group's as
-    NVML names it, else one model, None): a fleet mixing models runs the whole campaign once
-    per model, on that model's workers only."""
+    NVML names it, else one model, None; a real GPU's `gpu.profile` only names the twin that
+    estimates it): a fleet mixing models runs the whole campaign once per model, on that
+    model's workers only."""
     counts: dict[str | None, int] = {}
+    twin = campaign.gpu.profile if campaign.gpu.backend == "twin" else None
     for index, group in enumerate(groups):
-        profile = _profile_of(group) or campaign.gpu.profile
+        profile = _profile_of(group) or twin
         model = profile.split(":", 1)[0] if profile else None
         if model is None and models is not None:
             model = models[index]

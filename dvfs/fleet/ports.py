@@ -21,7 +21,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from dvfs.engines.sglang_args import FIRST_PORT, PORT_BLOCK, PORT_SLOTS, ServerPorts
+from dvfs.engines.sglang_args import (
+    FIRST_PORT,
+    PORT_BLOCK,
+    PORT_SLOTS,
+    ServerPorts,
+    host_family,
+    unlistenable,
+)
 from dvfs.errors import EngineError
 
 #: Where a node's port locks live (one folder for every dvfs on the node).
@@ -35,11 +42,14 @@ def lock_dir() -> Path:
 def taken(host: str, ports: Sequence[int]) -> str | None:
     """The first of `ports` another program holds on `host` ("port N: why"), or None."""
     for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        with socket.socket(host_family(host), socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host, port))
             except OSError as exc:
+                wrong = unlistenable(host, exc)  # not a port taken: no block would do
+                if wrong is not None:
+                    raise wrong from exc
                 return f"port {port}: {exc.strerror}"
     return None
 

@@ -165,6 +165,17 @@ mixed chunked prefill off for NGRAM, STANDALONE and UNO.  NGRAM's ``speculative_
 its ``--speculative-ngram-max-bfs-breadth`` (and 0.5.23 sets its steps to draft tokens // topk);
 STANDALONE's automatic triple is (3, 1, 4) whatever the model.
 
+With env ``SGLANG_USE_MODELSCOPE`` true (0.5.23 also takes "yes" and "y"), a model that is
+no existing path is reported as the ModelScope cache folder SGLang downloads it to
+(``$MODELSCOPE_CACHE/<model>``), downloading nothing.
+A .gguf named on the Hugging Face Hub (``owner/repo/FILE.gguf``, ``owner/repo:QUANT``) is,
+in 0.5.23, served from the file SGLang downloads it to, and /server_info reports that local
+path as ``model_path`` (``tokenizer_path`` too when it was the model's): the stub reports
+``$HF_HOME/hub/models--owner--repo/snapshots/<revision>/FILE`` (for ``:QUANT``,
+``repo-QUANT.gguf``), downloading nothing (0.5.23 arg_groups/model_path_hook.py
+``resolve_hf_gguf_model_path``, utils/hf_transformers/common.py
+``resolve_hf_gguf_reference``).
+
 The log's first line names the GPUs the stub was given: CUDA_VISIBLE_DEVICES and
 CUDA_DEVICE_ORDER from its environment.
 
@@ -669,6 +680,44 @@ def _resolve_scheduling(args: dict[str, Any], version: str, environ: Mapping[str
         args["enable_mixed_chunk"] = False
 
 
+def _resolve_modelscope(args: dict[str, Any], version: str, environ: Mapping[str, str]) -> None:
+    """With env SGLANG_USE_MODELSCOPE true (0.5.9: "true" or "1"; 0.5.23 also "yes" or "y",
+    any case), a model_path that is no existing path is downloaded from ModelScope, and the
+    folder it lands in is reported (``$MODELSCOPE_CACHE``, else ``~/.cache/modelscope/hub``,
+    then the model id; nothing downloaded here): 0.5.9 server_args.py
+    ``_handle_missing_default_values``, 0.5.23 arg_groups/model_path_hook.py
+    ``handle_modelscope_paths`` and environ.py ``EnvBool``."""
+    truthy = ("true", "1") if version == "0.5.9" else ("true", "1", "yes", "y")
+    model = str(args["model_path"])
+    if environ.get("SGLANG_USE_MODELSCOPE", "").lower() not in truthy or os.path.exists(model):
+        return
+    cache = environ.get("MODELSCOPE_CACHE") or str(Path.home() / ".cache" / "modelscope" / "hub")
+    if args.get("tokenizer_path") == model:
+        args["tokenizer_path"] = str(Path(cache) / model)
+    args["model_path"] = str(Path(cache) / model)
+
+
+def _resolve_hub_gguf(args: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """0.5.23's model_path for a .gguf named on the Hub: the local file it downloads it to
+    (docstring); anything else, an existing path included, is left as given."""
+    model = str(args["model_path"])
+    repo, _, quant = model.rpartition(":")
+    parts = model.strip("/").split("/")
+    if os.path.exists(model):
+        return
+    if quant and repo.count("/") == 1 and "/" not in quant:
+        filename = f"{repo.split('/')[1]}-{quant}.gguf"
+    elif len(parts) > 2 and model.endswith(".gguf"):
+        repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+    else:
+        return
+    home = Path(environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    folder = home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    if args.get("tokenizer_path") == model:
+        args["tokenizer_path"] = str(folder / filename)
+    args["model_path"] = str(folder / filename)
+
+
 def resolve_server_args(
     ns: argparse.Namespace,
     version: str,
@@ -687,6 +736,9 @@ def resolve_server_args(
     for key in ("tokenizer_path", "served_model_name"):
         if key in args and args[key] is None:
             args[key] = args["model_path"]
+    _resolve_modelscope(args, version, environ or {})
+    if version != "0.5.9":
+        _resolve_hub_gguf(args, environ or {})
     if args.get("random_seed") is None:  # SGLang draws one at every start
         args["random_seed"] = random.randint(0, 1 << 30)
     _resolve_attention(args)  # before the speculative defaults, as SGLang does
