@@ -614,6 +614,8 @@ def test_a_huge_log_is_read_from_its_end(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(shown) == sglang.LOG_TAIL_LINES
     assert shown[-1] == "decode batch 99999 \ufffd"
     assert shown[0] == f"decode batch {100_000 - sglang.LOG_TAIL_LINES} \ufffd"
+    log.write_bytes(b"x" * (2 * sglang.LOG_TAIL_BYTES))  # one line longer than what is read
+    assert sglang.tail(log) == "x" * sglang.LOG_TAIL_BYTES
 
 
 # -- doctor's engine check, as the sweep starts the server --------------------------------------

@@ -156,8 +156,8 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return "(no log)"
     text = data.decode("utf-8", errors="replace").splitlines()
-    if size > LOG_TAIL_BYTES and text:
-        text = text[1:]  # the first line read is cut
+    if size > LOG_TAIL_BYTES and len(text) > 1:
+        text = text[1:]  # the first line read is cut (kept when it is all there is)
     return "\n".join(redact_text(line) for line in text[-lines:])
 
 
