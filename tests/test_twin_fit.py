@@ -494,3 +494,19 @@ def test_a_roofline_measured_on_an_h200_fits_a_twin_that_reproduces_it(tmp_path:
     assert raised == pytest.approx(ds.attrs["raised_idle_power_w"], rel=1e-9)
     # measured before the temperatures were recorded: its powers hold the leakage
     assert profile.leakage_w_per_c == 0.0 and "records no temperatures" in result.output
+
+
+def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
+    """`--base` of another GPU model than the roofline's (allowed: it is how a GPU the twin
+    has no profile for is fitted) is named in a note, not fitted against silently; the
+    measured GPU's own profile (the default) draws none."""
+    out = tmp_path / "p.toml"
+    args = ["twin", "fit", str(MEASURED_H200), "-o", str(out)]
+    other = CliRunner().invoke(cli, [*args, "--base", "h100-sxm"])
+    assert other.exit_code == 0, other.output
+    said = " ".join(other.output.split())
+    assert (
+        "was measured on NVIDIA H200, the base profile h100-sxm is the twin's NVIDIA H100" in said
+    )
+    own = CliRunner().invoke(cli, args)
+    assert own.exit_code == 0 and "the base profile" not in own.output, own.output
