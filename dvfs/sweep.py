@@ -721,6 +721,34 @@ def claim_shard(journal: Journal, shard: Shard | None) -> None:
     raise OtherShardError(other_shard(journal.path.parent, recorded, shard))
 
 
+def observe_only_note(campaign: Campaign) -> str | None:
+    """What `observe_only` leaves out of `campaign` (its clock and power-limit lists), in a
+    line for the sweep and its dry run to say; None where its knobs are stock already."""
+    k = campaign.knobs
+    lists = [
+        f"{len(values)} {name}{'s' if len(values) > 1 else ''} ({values_text})"
+        for values, name, values_text in (
+            (k.sm_clocks_mhz, "SM clock", _span(k.sm_clocks_mhz, "MHz")),
+            (k.power_limits_w, "power limit", _span(k.power_limits_w, "W")),
+        )
+        if values
+    ]
+    if not lists:
+        return None
+    return (
+        f"--observe-only does not step the campaign's {' and '.join(lists)}: every cell is "
+        "measured at the GPU's stock setting, as found (the knob dimensions hold that one "
+        "setting)"
+    )
+
+
+def _span(values: tuple[float, ...] | None, unit: str) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return f"{lo:g} {unit}" if lo == hi else f"{lo:g}-{hi:g} {unit}"
+
+
 def observe_only(campaign: Campaign) -> Campaign:
     """The campaign with knobs at stock and actuation off (`dvfs sweep --observe-only`)."""
     knobs = dataclasses.replace(campaign.knobs, sm_clocks_mhz=None, power_limits_w=None)

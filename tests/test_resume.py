@@ -96,7 +96,14 @@ def test_observe_only_on_a_resume_is_named_as_the_change(tiny_sweep: Path, tmp_p
     campaign = write(tmp_path / "tiny.toml", TINY)
     out = copy_sweep(tiny_sweep, tmp_path / "out")
     result = sweep(campaign, out, "--observe-only")
-    assert_one_line_error(result, 1, "gpu.actuation: true -> false", "--observe-only", "--fresh")
+    assert_one_line_error(
+        result,
+        1,
+        "gpu.actuation: true -> false",
+        "--observe-only",
+        "--fresh",
+        notes=("note: --observe-only does not step",),
+    )
 
 
 def test_failed_cells_exit_5_and_a_rerun_retries_them(

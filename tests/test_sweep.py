@@ -187,6 +187,12 @@ def test_observe_only_keeps_stock_settings(small_campaign: Path, tmp_path: Path)
     assert ds["sm_clock"].values.tolist() == [1980]
     assert ds["power_limit"].values.tolist() == [700.0]
     assert ds.attrs["actuation"] == 0
+    # the campaign's clock and power-limit lists are not stepped: said, not shrunk silently
+    said = " ".join(result.stderr.split())
+    assert (
+        "note: --observe-only does not step the campaign's 3 SM clocks (1005-1980 MHz) and 2 "
+        "power limits (300-700 W): every cell is measured at the GPU's stock setting" in said
+    ), said
 
 
 def _count_cells(journal: Path) -> int:
@@ -416,7 +422,8 @@ def test_a_campaign_its_corpora_fall_short_of_leaves_no_journal(tmp_path: Path) 
 def test_a_dry_run_on_stock_knobs_counts_no_knob_change(
     small_campaign: Path, tmp_path: Path
 ) -> None:
-    """--observe-only never changes the GPU: the plan must not count its first setting."""
+    """--observe-only never changes the GPU: the plan must not count its first setting, and it
+    says the campaign's clock and power-limit lists are not stepped (on stderr, beside the JSON)."""
     result = CliRunner().invoke(
         cli,
         [
@@ -431,7 +438,19 @@ def test_a_dry_run_on_stock_knobs_counts_no_knob_change(
         ],
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["knob_changes"] == 0
+    plan = json.loads(result.stdout)  # the note goes to stderr: the JSON stays whole
+    assert plan["knob_changes"] == 0
+    assert plan["grid"]["sm_clock_mhz"] == plan["grid"]["power_limit_w"] == "stock"
+    assert "--observe-only does not step the campaign's 3 SM clocks" in result.stderr
+    # a campaign whose knobs are stock already has nothing to say
+    text = small_campaign.read_text()
+    text = replace_block(text, "sm_clock = [1980, 1500, 1005]", 'sm_clock = "stock"')
+    text = replace_block(text, "power_limit = [700, 300]", 'power_limit = "stock"')
+    stock = write(tmp_path / "stock.toml", text)
+    args = ["sweep", str(stock), "--out", str(tmp_path / "out"), "--dry-run", "--no-estimate"]
+    result = CliRunner().invoke(cli, [*args, "--observe-only"])
+    assert result.exit_code == 0, result.output
+    assert "does not step" not in result.output
 
 
 @pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])

@@ -380,26 +380,55 @@ def test_measured_ridge_passes_through_its_points_and_between_them(points, probe
         assert value == pytest.approx(points[int(edge)] * probe / edge)
 
 
-def test_compare_warns_about_another_gpu_and_refuses_a_clockless_file(
+def test_compare_refuses_another_gpus_roofline_and_a_clockless_file(
     small_sweep: Path, tmp_path: Path
 ) -> None:
+    """A roofline measured on another GPU model than the cube's would place that GPU's ridge
+    on the cube's clocks (it was a warning above a table that mixed the two GPUs): refused in
+    one line naming both; one measured on the cube's model is used, and named."""
     h200 = store.write(twin_roofline(gpu_profile("h200-sxm")), tmp_path / "h200.nc")
-    result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(h200)])
-    assert result.exit_code == 0
-    assert "measured on NVIDIA H200, the cube on NVIDIA H100" in result.stderr
-    # The table's title and the JSON name the measured ridge, never the twin's H100 profile.
-    (title,) = [line for line in result.stdout.splitlines() if "ridge point" in line]
-    assert "ridge measured (NVIDIA H200)" in title and "h100-sxm" not in title
-    doc = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(h200), "--json"])
-    assert json.loads(doc.stdout)["roofline"]["ridge"] == "measured (NVIDIA H200)"
+    for extra in ((), ("--json",)):
+        result = CliRunner().invoke(
+            cli, ["compare", str(small_sweep), "--roofline", str(h200), *extra]
+        )
+        assert result.exit_code == 1 and not result.stdout, result.output
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "measured on NVIDIA H200, the cube on NVIDIA H100 80GB HBM3" in result.stderr
+        assert "drop --roofline" in result.stderr
     same = store.write(twin_roofline(true_profile()), tmp_path / "h100.nc")
     result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(same)])
     assert result.exit_code == 0 and "measured on" not in result.stderr
+    # The table's title and the JSON name the measured ridge, never the twin's H100 profile.
+    (title,) = [line for line in result.stdout.splitlines() if "ridge point" in line]
+    assert "ridge measured (NVIDIA H100 80GB HBM3)" in title and "h100-sxm" not in title
+    doc = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(same), "--json"])
+    assert json.loads(doc.stdout)["roofline"]["ridge"] == "measured (NVIDIA H100 80GB HBM3)"
     clockless = twin_roofline(true_profile(), clocks=(1980,))
     clockless["sm_clock_mhz"][:] = np.nan
     path = store.write(clockless, tmp_path / "cpu.nc")
     result = CliRunner().invoke(cli, ["compare", str(small_sweep), "--roofline", str(path)])
     assert result.exit_code == 1 and "records no SM clock" in result.stderr
+
+
+def test_a_merged_cube_takes_a_roofline_of_its_one_gpu_model_only() -> None:
+    """A merged cube's GPUs are each checked (`gpu_names`), not only its first one's."""
+    import xarray as xr
+
+    from dvfs.analysis.roofline import check_measured
+    from dvfs.errors import AnalysisError
+
+    h100 = twin_roofline(true_profile())
+    h100_name = str(h100.attrs["gpu_name"])
+
+    def merged(*names: str) -> xr.Dataset:
+        return xr.Dataset(
+            coords={"gpu": [f"g{i}" for i in range(len(names))]},
+            attrs={"gpu_name": names[0], "gpu_names": json.dumps(list(names))},
+        )
+
+    check_measured(h100, merged(h100_name, h100_name + " (twin)"))
+    with pytest.raises(AnalysisError, match=f"the cube on {h100_name}, NVIDIA H200"):
+        check_measured(h100, merged(h100_name, "NVIDIA H200"))
 
 
 def test_the_twins_roofline_through_the_cli_fits_back_to_its_profile(tmp_path: Path) -> None:
@@ -465,3 +494,19 @@ def test_a_roofline_measured_on_an_h200_fits_a_twin_that_reproduces_it(tmp_path:
     assert raised == pytest.approx(ds.attrs["raised_idle_power_w"], rel=1e-9)
     # measured before the temperatures were recorded: its powers hold the leakage
     assert profile.leakage_w_per_c == 0.0 and "records no temperatures" in result.output
+
+
+def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
+    """`--base` of another GPU model than the roofline's (allowed: it is how a GPU the twin
+    has no profile for is fitted) is named in a note, not fitted against silently; the
+    measured GPU's own profile (the default) draws none."""
+    out = tmp_path / "p.toml"
+    args = ["twin", "fit", str(MEASURED_H200), "-o", str(out)]
+    other = CliRunner().invoke(cli, [*args, "--base", "h100-sxm"])
+    assert other.exit_code == 0, other.output
+    said = " ".join(other.output.split())
+    assert (
+        "was measured on NVIDIA H200, the base profile h100-sxm is the twin's NVIDIA H100" in said
+    )
+    own = CliRunner().invoke(cli, args)
+    assert own.exit_code == 0 and "the base profile" not in own.output, own.output

@@ -367,27 +367,92 @@ OWN_CORPUS_CAMPAIGN = (
 )
 
 
+def _own_corpus_sweep(base: Path, out: Path) -> Path:
+    """`OWN_CORPUS_CAMPAIGN` and its corpus written under `base` (once), swept into `out`."""
+    rows = [
+        {"task": f"Write a function that returns the {i}-th prime, with tests."} for i in range(8)
+    ]
+    if not (base / "prompts" / "tasks.jsonl").exists():
+        write(base / "prompts" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
+    campaign = write(base / "sweeps" / "own.toml", OWN_CORPUS_CAMPAIGN)
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    return out
+
+
+class CharCount:
+    """A cached tokenizer stand-in (no chat template): one token per character, which counts
+    the prompts otherwise than the estimate does."""
+
+    chat_template = None
+
+    def __call__(self, text: str) -> dict[str, list[str]]:
+        return {"input_ids": list(text)}
+
+
+def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fit counts the prompts' tokens as the sweep did (the cube's `token_count_method`),
+    not as this machine would now: a tokenizer cached since the sweep (the server fetched the
+    model) does not change them; one the sweep used and now missing is refused in one line."""
+    import dvfs.corpora.tokens
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    estimated = _own_corpus_sweep(tmp_path, tmp_path / "out" / "estimated")
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: CharCount())
+    counted = _own_corpus_sweep(tmp_path, tmp_path / "out" / "counted")
+    assert "tokenizer of" in xr.open_dataset(counted / "cube.nc").attrs["token_count_method"]
+    profile = tmp_path / "p.toml"
+    result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 0, result.output
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    profile.unlink()
+    result = invoke("twin", "fit", str(counted), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "chose its prompts by the tokenizer of" in result.output
+    assert "huggingface-cli download" in result.output and not profile.exists()
+
+
 def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     tmp_path: Path,
 ) -> None:
     """A corpus path is relative to the campaign file, which lies elsewhere than the cube
     (sweeps/ against out/<name>/): the fit re-reads the prompts from where the sweep read them
     (it looked beside the cube, and refused every such cube)."""
-    rows = [
-        {"task": f"Write a function that returns the {i}-th prime, with tests."} for i in range(8)
-    ]
-    write(tmp_path / "prompts" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
-    campaign = write(tmp_path / "sweeps" / "own.toml", OWN_CORPUS_CAMPAIGN)
-    out = tmp_path / "out" / "own"
-    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
-    assert swept.exit_code == 0, swept.output
+    out = _own_corpus_sweep(tmp_path, tmp_path / "out" / "own")
     profile = tmp_path / "p.toml"
     result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
     assert result.exit_code == 0, result.output
     assert load_profile(profile).key == "h100-sxm-fit"
+    # a corpus edited since: the cells were measured on other prompts; refused in one line
+    # naming the corpus, the hash the cube records and the one now, no profile written
+    recorded = json.loads(xr.open_dataset(out / "cube.nc").attrs["corpora"])["tasks"]
+    corpus_file = tmp_path / "prompts" / "tasks.jsonl"
+    original = corpus_file.read_text()
+    corpus_file.write_text(original.replace("prime", "square"))
+    profile.unlink()
+    result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "corpus 'tasks' has changed since its cells were measured" in result.output
+    now = re.search(
+        rf"content hash {recorded['content_hash']} recorded, ([0-9a-f]{{16}}) now", result.output
+    )
+    assert now is not None and now[1] != recorded["content_hash"], result.output
+    assert "put the corpus back as it was, or sweep the campaign again" in result.output
+    assert not profile.exists()
+    corpus_file.write_text(original)
+    # the same text counted otherwise (another tokenizer revision: the pool hash the cube
+    # records differs) is refused likewise
+    ds = xr.open_dataset(out / "cube.nc").load()
+    other = {"tasks": {**recorded, "pool_hash": "0" * 16}}
+    ds.assign_attrs(corpora=json.dumps(other)).to_netcdf(tmp_path / "recounted.nc")
+    result = invoke("twin", "fit", str(tmp_path / "recounted.nc"), "-o", str(profile))
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"prompt pool hash {'0' * 16} recorded, {recorded['pool_hash']} now" in result.output
+    assert not profile.exists()
     # a corpus moved away since: one line saying to put it back, no profile written
     (tmp_path / "prompts" / "tasks.jsonl").rename(tmp_path / "tasks.jsonl")
-    profile.unlink()
     result = invoke("twin", "fit", str(out / "cube.nc"), "-o", str(profile))
     assert result.exit_code != 0 and len(result.output.strip().splitlines()) == 1
     assert "tasks.jsonl does not exist" in result.output and "put them back" in result.output

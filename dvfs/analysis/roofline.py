@@ -75,13 +75,33 @@ def _measured_points(measured: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.n
     return known, ridge, ok
 
 
-def check_measured(measured: xr.Dataset, cube: xr.Dataset) -> str | None:
-    """Refuse a roofline with no clock; a warning when it was measured on another GPU model."""
+def _cube_models(cube: xr.Dataset) -> list[str]:
+    """The GPU model of each of the cube's GPUs (a merged cube's `gpu_names`), else its one
+    model; none where the cube names none."""
+    if "gpu" in cube.dims:
+        try:
+            names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names") or "[]"))]
+        except ValueError:
+            names = []
+        if names:
+            return list(dict.fromkeys(names))
+    name = cube.attrs.get("gpu_name")
+    return [str(name)] if name else []
+
+
+def check_measured(measured: xr.Dataset, cube: xr.Dataset) -> None:
+    """Refuse a roofline with no clock, or one measured on another GPU model than the cube's
+    (every GPU's of a merged cube): its ridge points would place another GPU's compute-bound
+    turn on the cube's clocks. A twin's name (" (twin)") matches the model it simulates."""
     _measured_points(measured)
-    theirs, ours = measured.attrs.get("gpu_name"), cube.attrs.get("gpu_name")
-    if theirs and ours and str(theirs).removesuffix(" (twin)") != str(ours).removesuffix(" (twin)"):
-        return f"the roofline was measured on {theirs}, the cube on {ours}"
-    return None
+    theirs = str(measured.attrs.get("gpu_name") or "")
+    ours = _cube_models(cube)
+    if theirs and any(o.removesuffix(" (twin)") != theirs.removesuffix(" (twin)") for o in ours):
+        raise AnalysisError(
+            f"the roofline was measured on {theirs}, the cube on {', '.join(ours)}: its ridge "
+            "points are another GPU's; measure the roofline on the cube's GPU model (`dvfs gpu "
+            "roofline -o FILE`), or drop --roofline to use the twin's"
+        )
 
 
 def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:

@@ -366,9 +366,7 @@ def compare(
     if measured is not None:
         from dvfs.analysis.roofline import check_measured
 
-        warning = check_measured(measured, ds)
-        if warning:
-            _print_line(f"[yellow]{escape(warning)}[/yellow]", stderr=True)
+        check_measured(measured, ds)
     with _filters_checked():
         check_drafter(ds, baseline, "--baseline")
         select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing

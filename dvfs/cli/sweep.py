@@ -249,10 +249,15 @@ def sweep(
     from dvfs.backends import check_job_gpus
     from dvfs.campaign import load_campaign
     from dvfs.sweep import observe_only as observing
-    from dvfs.sweep import plan_dry_run
+    from dvfs.sweep import observe_only_note, plan_dry_run
 
     campaign = load_campaign(campaign_file)
     if observe_only:
+        unstepped = observe_only_note(campaign)
+        if unstepped:
+            console(stderr=True).print(
+                f"note: {escape(unstepped)}", highlight=False, soft_wrap=True
+            )
         campaign = observing(campaign)
     shard = shard_spec
     default_out = Path("out") / campaign.name

@@ -98,6 +98,23 @@ def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> G
     )
 
 
+def _base_note(gpu_name: object, profile: GpuProfile, source: Path) -> str | None:
+    """A note where the measured GPU is not the base profile's model (`--base` chose another,
+    or the twin has no profile of it and the H100's stands in): the fit keeps that profile's
+    peaks, memory and clocks, and reads the measurement against them. Allowed, not refused:
+    `--base` is how a GPU the twin has no profile for is fitted at all."""
+    measured = str(gpu_name or "").removesuffix(" (twin)").strip().lower()
+    model = profile.nvml_name.lower()
+    if not measured or measured in model or model in measured:
+        return None
+    return (
+        f"{source} was measured on {str(gpu_name).removesuffix(' (twin)')}, the base profile "
+        f"{profile.key} is the twin's {profile.nvml_name}: the fit keeps that GPU's peak FLOP/s, "
+        "bandwidth and clocks and reads the measurement against them; pass --base with the "
+        "measured GPU's own profile where the twin has one"
+    )
+
+
 def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | None) -> None:
     from dvfs.outputs import write_text
     from dvfs.roofline import store
@@ -123,7 +140,8 @@ def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | No
     )
     residuals = ", ".join(f"{k} {v:.3g}" for k, v in result.residuals.items())
     out.print(f"  residuals: {residuals}")
-    for note in result.notes:
+    other = _base_note(ds.attrs.get("gpu_name"), profile, source)
+    for note in (*([other] if other else []), *result.notes):
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
     out.print(f"wrote {escape(str(out_path))}")
 
@@ -167,7 +185,8 @@ def _fit_cube(
                 f"  {obs}: rms error {r[f'{obs}_rel_rms']:.2%}, worst "
                 f"{r[f'{obs}_rel_worst']:+.2%} at {escape(result.worst_cells[obs])}"
             )
-    for note in result.notes:
+    other = _base_note(ds.attrs.get("gpu_name"), profile, source)
+    for note in (*([other] if other else []), *result.notes):
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
     for warning in result.warnings:
         out.print(f"[bold yellow]warning:[/bold yellow] {escape(warning)}")

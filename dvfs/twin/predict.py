@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.errors import CampaignError, CorpusError, DvfsError
+from dvfs.errors import CampaignError, CorpusError, DvfsError, JournalError
 from dvfs.twin import physics
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import xarray as xr
 
     from dvfs.campaign import Campaign
+    from dvfs.corpora.model import Corpus
 
 #: The observables predicted per cell, all over the steady-state windows: energy per output
 #: token, time per output token of one request (the window's length over its tokens per
@@ -169,6 +170,43 @@ def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
         raise PredictError(f"{where}'s campaign cannot be read again: {exc}") from exc
 
 
+def check_same_corpora(
+    ds: xr.Dataset, where: Path, corpora: dict[str, Corpus], input_tokens: tuple[int, int]
+) -> None:
+    """Refuse a corpus read again whose prompts are not those the cube's cells were measured
+    on: its content hash differs from the one the cube records (the file was edited since), or,
+    with the same content, its prompts fitted to the input lengths with their token counts
+    (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
+    (an older cube) are taken as they are."""
+    import json
+
+    from dvfs.corpora.sampling import pool_hash
+    from dvfs.records import corpus_hashes
+
+    try:
+        recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
+    except ValueError:
+        recorded = {}
+    content, pools = corpus_hashes(recorded), corpus_hashes(recorded, "pool_hash")
+    for name, corpus in corpora.items():
+        was, now = content.get(name), corpus.content_hash
+        if was is not None and was != now:
+            raise PredictError(
+                f"{where}: corpus {name!r} has changed since its cells were measured (content "
+                f"hash {was} recorded, {now} now; read from {corpus.source}): the fit would "
+                "compare them with other prompts; put the corpus back as it was, or sweep the "
+                "campaign again"
+            )
+        was_pool = pools.get(name)
+        if was_pool is not None and was_pool != (now_pool := pool_hash(corpus, input_tokens)):
+            raise PredictError(
+                f"{where}: corpus {name!r} counts its prompts otherwise than when its cells "
+                f"were measured (prompt pool hash {was_pool} recorded, {now_pool} now: another "
+                "revision of the tokenizer); the fit would compare them with other prompts: "
+                "restore the tokenizer it was swept with, or sweep the campaign again"
+            )
+
+
 def window_passes(
     model: ModelProfile,
     plan: DraftPlan | None,
@@ -211,9 +249,10 @@ def cube_cells(
     """The valid cells of a fixed-batch cube and their window passes. With `max_cells`, a
     subsample of that many cells (chosen at random with `seed`, every group kept where it can
     be), said in `notes`."""
-    from dvfs.backends import corpus_texts
-    from dvfs.corpora.prepare import load_corpora
+    from dvfs.backends import corpus_texts, tokenizer_model
+    from dvfs.corpora.prepare import counted_corpora
     from dvfs.corpora.sampling import sample_prompts
+    from dvfs.corpora.tokens import download_hint
     from dvfs.twin.profiles import model_profile
 
     if "gpu" in ds.dims:
@@ -233,13 +272,21 @@ def cube_cells(
         model = model_profile(campaign.engine.twin_model or campaign.engine.model)
     except CampaignError as exc:
         raise PredictError(f"{where}: {exc}") from exc
+    method = str(ds.attrs.get("token_count_method") or "")
     try:
-        corpora = load_corpora(campaign)
+        corpora, _ = counted_corpora(campaign, method)
     except CorpusError as exc:
         raise PredictError(
             f"{where}: the prompts of its cells cannot be read again: {exc}; the fit re-reads "
             "the corpora its sweep read: put them back where they were"
         ) from exc
+    except JournalError as exc:  # its tokenizer is no longer in the local cache
+        tokenizer = tokenizer_model(campaign) or ""
+        raise PredictError(
+            f"{where} chose its prompts by the {method}, which is not in the local cache: "
+            f"download it ({download_hint(tokenizer)}) and fit again"
+        ) from exc
+    check_same_corpora(ds, where, corpora, w.input_tokens)
     texts = corpus_texts(campaign, corpora)
     drafters = {d.name: d for d in campaign.drafters}
     measured = _measured(ds)
