@@ -23,6 +23,8 @@ from dvfs.errors import AnalysisError
 if TYPE_CHECKING:
     import xarray as xr
 
+    from dvfs.twin.profiles import GpuProfile
+
 
 def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int | None]:
     """Tokens each request verifies per pass: from the drafter's server's resolved arguments,
@@ -129,7 +131,7 @@ def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[x
     import json
 
     from dvfs.analysis.headroom import single_gpu
-    from dvfs.twin.profiles import profile_for_gpu_name
+    from dvfs.twin.profiles import matching_gpu_profile
 
     if measured is not None or "gpu" not in cube.dims:
         return [roofline(cube, measured=measured)]
@@ -142,13 +144,39 @@ def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[x
         return [roofline(cube)]
     first: dict[str, tuple[str, str]] = {}  # profile -> its first GPU's label and model name
     for label, name in zip(labels, names, strict=True):
-        first.setdefault(profile_for_gpu_name(name).key, (label, name))
+        known = matching_gpu_profile(name.removesuffix(" (twin)"))
+        first.setdefault(known.key if known is not None else name, (label, name))
     if len(first) == 1:
         return [roofline(cube)]
     return [
         roofline(single_gpu(cube, label).assign_attrs(gpu_name=name))
         for label, name in first.values()
     ]
+
+
+def _cube_gpu(cube: xr.Dataset) -> GpuProfile:
+    """The twin profile of the cube's GPU, whose ridge points the twin gives: its twin's own
+    profile, else the one its GPU's name matches. A GPU the twin has no profile of is an
+    `AnalysisError` saying how to measure them, not another GPU's ridge under its name (the
+    H100's stood in for an A100's)."""
+    from dvfs.errors import CampaignError
+    from dvfs.twin.profiles import gpu_profile, matching_gpu_profile
+
+    key = cube.attrs.get("twin_profile")
+    if key:
+        try:
+            return gpu_profile(str(key))
+        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
+            pass
+    name = str(cube.attrs.get("gpu_name") or "")
+    found = matching_gpu_profile(name.removesuffix(" (twin)"))
+    if found is None:
+        raise AnalysisError(
+            f"the twin has no profile of the cube's GPU ({name or 'not recorded'}), so it cannot "
+            "give that GPU's ridge points: measure them on it with `dvfs gpu roofline -o FILE` "
+            "and give that to `dvfs compare --roofline FILE`"
+        )
+    return found
 
 
 def roofline(
@@ -174,7 +202,11 @@ def roofline(
             f"the roofline needs the model's shape, and {named}; "
             "set engine.twin_model in the campaign to one of the twin's model profiles"
         )
-    gpu = profile_for_gpu_name(str(cube.attrs.get("gpu_name", "")))
+    gpu = (
+        _cube_gpu(cube)
+        if measured is None
+        else profile_for_gpu_name(str(cube.attrs.get("gpu_name", "")))
+    )
     tp = int(cube.attrs.get("tp_size", 1))
     context = context_tokens if context_tokens is not None else _mean_context(cube)
     widths = verify_tokens_per_request(cube)

@@ -492,12 +492,20 @@ def widen(alpha_ref: float, topk_ref: int, topk: int) -> float:
     return min(1.0, max(0.0, 1 - miss))
 
 
-def profile_for_gpu_name(name: str) -> GpuProfile:
-    """The twin profile matching an NVML device name (H100 SXM, H200), for twin engines on NVML."""
+def matching_gpu_profile(name: str) -> GpuProfile | None:
+    """The twin profile of an NVML device name (H100 SXM, H200), None for a GPU the twin has
+    no profile of (an A100, an H100 PCIe, an H20, say): a profile's name must appear in it as
+    whole words ("NVIDIA H20" is no "NVIDIA H200", nor "NVIDIA H100 PCIe" an H100 SXM)."""
+    import re
+
     lowered = name.lower()
     for profile in gpu_profiles().values():
-        if profile.nvml_name.lower() in lowered or lowered in profile.nvml_name.lower():
+        if re.search(rf"(?<!\w){re.escape(profile.nvml_name.lower())}(?!\w)", lowered):
             return profile
-    if "h200" in lowered:
-        return gpu_profile("h200-sxm")
-    return gpu_profile("h100-sxm")
+    return gpu_profile("h200-sxm") if re.search(r"(?<!\w)h200(?!\w)", lowered) else None
+
+
+def profile_for_gpu_name(name: str) -> GpuProfile:
+    """The twin profile matching an NVML device name, the H100 SXM's where none does: for twin
+    engines on NVML and a fit's starting point, which say so where it matters."""
+    return matching_gpu_profile(name) or gpu_profile("h100-sxm")
