@@ -335,6 +335,22 @@ def test_corpus_list_with_a_campaign_adds_its_own_to_the_built_ins(tmp_path: Pat
     assert [c["name"] for c in json.loads(listed.output)["corpora"]] == [*BUILTIN_CORPORA, "tasks"]
     shown = CliRunner().invoke(cli, ["corpus", "show", "tasks", "--campaign", str(trial)])
     assert shown.exit_code == 0 and "prime" in shown.output, shown.output
+    # a table named as a built-in is the campaign's corpus: listed with its own description (none
+    # here), not the built-in's, which described these 6 prompts as the built-in code corpus
+    from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
+
+    for swept in ('corpora = ["code"]', 'corpora = ["math"]'):  # swept, or not yet
+        shadow = write(
+            tmp_path / "s.toml",
+            replace_block(TINY, 'corpora = ["code"]', swept)
+            + table.replace("[corpus.tasks]", "[corpus.code]"),
+        )
+        listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(shadow), "--json"])
+        assert listed.exit_code == 0, listed.output
+        by_name = {c["name"]: c for c in json.loads(listed.output)["corpora"]}
+        assert by_name["code"]["prompts"] == len(rows)  # the campaign's, not the built-in
+        assert by_name["code"]["description"] != BUILTIN_DESCRIPTIONS["code"]
+        assert by_name["math"]["description"] == BUILTIN_DESCRIPTIONS["math"]
 
 
 def test_a_user_corpus_end_to_end_on_the_twin(tmp_path: Path) -> None:

@@ -75,15 +75,16 @@ def estimate_note(campaign: Campaign, method: str, recorded: str) -> str | None:
 
 
 def corpus_descriptions(campaign: Campaign) -> dict[str, str]:
-    """Each campaign corpus's description: its own, else the built-in one of that name."""
+    """Each campaign corpus's description: a table's own ("" for none: a table named as a
+    built-in is the campaign's corpus, not the built-in), else the built-in's."""
     from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
 
     descriptions = {}
     for ref in campaign.workload.corpora:
-        spec = dict(ref.spec or ())
-        descriptions[ref.name] = str(
-            spec.get("description", BUILTIN_DESCRIPTIONS.get(ref.name, ""))
-        )
+        if ref.spec is None:
+            descriptions[ref.name] = BUILTIN_DESCRIPTIONS.get(ref.name, "")
+        else:
+            descriptions[ref.name] = str(dict(ref.spec).get("description", ""))
     return descriptions
 
 
