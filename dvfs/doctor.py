@@ -455,7 +455,7 @@ def _corpora(campaign: Campaign) -> tuple[str, str]:
     corpora = load_corpora(campaign)
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
-        raise CorpusShortfallError(shortfall_line(short))
+        raise CorpusShortfallError(shortfall_line(campaign, short))
     return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
 
 

@@ -1020,7 +1020,7 @@ def plan_dry_run(
     servers = tuple(server_plans(campaign))
     try:
         short = corpus_shortfalls(campaign, load_corpora(campaign))
-        problems = [shortfall_line(short)] if short else []  # the sweep's line
+        problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
         codes = [2 for _ in problems]
     except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
         problems, codes = [str(exc)], [exc.exit_code]

@@ -197,3 +197,16 @@ def test_too_few_prompts_are_caught_before_anything_runs(tmp_path: Path) -> None
     doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "o")])
     assert doctor.exit_code == 2 and advice in " ".join(doctor.output.split())
     assert not (tmp_path / "o" / "cube.nc").exists()
+    # A closed-loop pool of workload.pool_size needs that many prompts at any batch size: the
+    # setting to lower is the pool's (lowering the batch sizes, as it said, changed nothing).
+    pool = write(
+        tmp_path / "pool.toml",
+        replace_block(
+            SMALL_CAMPAIGN, "[workload]\n", '[workload]\nmode = "closed-loop"\npool_size = 500\n'
+        ),
+    )
+    for argv in (["sweep", str(pool), "--dry-run"], ["doctor", str(pool)]):
+        said = CliRunner().invoke(cli, argv)
+        line = " ".join(said.output.split())
+        assert said.exit_code == 2 and "needs 500" in line, said.output
+        assert "Lower workload.pool_size" in line and "Lower the batch sizes" not in line

@@ -112,12 +112,17 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
     return problems
 
 
-def shortfall_line(problems: list[str]) -> str:
+def shortfall_line(campaign: Campaign, problems: list[str]) -> str:
     """`corpus_shortfalls` as the one line the sweep, its dry run and `dvfs doctor` say, with
-    what to do."""
-    return "; ".join(problems) + (
-        ". Lower the batch sizes, widen workload.input_tokens, or add prompts"
+    what to do: a closed-loop pool of `workload.pool_size` needs that many prompts whatever
+    the batch sizes, so it is the setting to lower there."""
+    w = campaign.workload
+    lower = (
+        "Lower workload.pool_size (to above the largest batch)"
+        if w.mode == "closed-loop" and w.pool_size is not None
+        else "Lower the batch sizes"
     )
+    return "; ".join(problems) + f". {lower}, widen workload.input_tokens, or add prompts"
 
 
 def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
@@ -125,4 +130,4 @@ def check_corpora(campaign: Campaign, corpora: dict[str, Corpus]) -> None:
     campaign: `CorpusShortfallError`)."""
     problems = corpus_shortfalls(campaign, corpora)
     if problems:
-        raise CorpusShortfallError(shortfall_line(problems))
+        raise CorpusShortfallError(shortfall_line(campaign, problems))
