@@ -395,8 +395,12 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
 ) -> None:
     """The fit counts the prompts' tokens as the sweep did (the cube's `token_count_method`),
     not as this machine would now: a tokenizer cached since the sweep (the server fetched the
-    model) does not change them; one the sweep used and now missing is refused in one line."""
+    model) does not change them; one the sweep used and now missing is refused in one line,
+    exit 1 as a resumed sweep's (this machine lacks it; the cube is no bad input), and so is a
+    corpus this machine cannot load (its library or hub), exit 1 as the sweep's."""
+    import dvfs.corpora.prepare
     import dvfs.corpora.tokens
+    from dvfs.errors import CorpusUnavailableError
 
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     estimated = _own_corpus_sweep(tmp_path, tmp_path / "out" / "estimated")
@@ -409,9 +413,18 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     profile.unlink()
     result = invoke("twin", "fit", str(counted), "-o", str(profile), "--base", "h100-sxm:none")
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert "chose its prompts by the tokenizer of" in result.output
     assert "huggingface-cli download" in result.output and not profile.exists()
+
+    def unavailable(campaign: object, count: object = None) -> None:
+        raise CorpusUnavailableError("corpus 'tasks': the datasets library is not installed")
+
+    monkeypatch.setattr(dvfs.corpora.prepare, "load_corpora", unavailable)
+    result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot be read again here" in result.output and "datasets library" in result.output
+    assert not profile.exists()
 
 
 def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.errors import CampaignError, CorpusError, DvfsError, JournalError
+from dvfs.errors import (
+    CampaignError,
+    CorpusError,
+    CorpusUnavailableError,
+    DvfsError,
+    JournalError,
+)
 from dvfs.twin import physics
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes
@@ -57,6 +63,14 @@ class PredictError(DvfsError):
     """The cube cannot be predicted cell by cell (closed-loop, unknown model, no campaign)."""
 
     exit_code = 2
+
+
+class PredictUnavailableError(PredictError):
+    """This machine lacks what re-reading the cube's prompts needs, though the cube may be
+    fine: the tokenizer its sweep counted with, no longer cached, or a corpus's library or hub
+    (`CorpusUnavailableError`). An error, not bad input (exit 1), as a resumed sweep says it."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -275,6 +289,10 @@ def cube_cells(
     method = str(ds.attrs.get("token_count_method") or "")
     try:
         corpora, _ = counted_corpora(campaign, method)
+    except CorpusUnavailableError as exc:
+        raise PredictUnavailableError(
+            f"{where}: the prompts of its cells cannot be read again here: {exc}"
+        ) from exc
     except CorpusError as exc:
         raise PredictError(
             f"{where}: the prompts of its cells cannot be read again: {exc}; the fit re-reads "
@@ -282,7 +300,7 @@ def cube_cells(
         ) from exc
     except JournalError as exc:  # its tokenizer is no longer in the local cache
         tokenizer = tokenizer_model(campaign) or ""
-        raise PredictError(
+        raise PredictUnavailableError(
             f"{where} chose its prompts by the {method}, which is not in the local cache: "
             f"download it ({download_hint(tokenizer)}) and fit again"
         ) from exc
