@@ -427,6 +427,29 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
     assert not profile.exists()
 
 
+def test_a_real_gpus_cube_is_fitted_on_its_own_model_not_its_campaigns_twin(
+    tmp_path: Path,
+) -> None:
+    """A hardware campaign's `gpu.profile` (the twin that estimates its time) is recorded as
+    the cube's `twin_profile`: an H200's cube swept with `gpu.profile = "h100-sxm"` was fitted
+    on the H100's peaks and clocks by default, where the help and README promise the measured
+    GPU's own profile (a twin cube keeps its own, trap list included)."""
+    out = _own_corpus_sweep(tmp_path, tmp_path / "out" / "own")
+    ds = xr.open_dataset(out / "cube.nc").load()
+    real = tmp_path / "h200.nc"
+    ds.assign_attrs(gpu_backend="nvml", gpu_name="NVIDIA H200", twin_profile="h100-sxm").to_netcdf(
+        real
+    )
+    result = invoke("twin", "fit", str(real), "-o", str(tmp_path / "p.toml"))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "(base h200-sxm)" in said and "the base profile" not in said, said
+    # the twin cube itself: its own profile (the campaign's h100-sxm:none)
+    assert ds.attrs["gpu_backend"] == "twin" and ds.attrs["twin_profile"] == "h100-sxm:none"
+    result = invoke("twin", "fit", str(out), "-o", str(tmp_path / "q.toml"))
+    assert result.exit_code == 0 and "(base h100-sxm)" in result.output, result.output
+
+
 def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     tmp_path: Path,
 ) -> None:

@@ -155,21 +155,15 @@ def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[x
 
 
 def _cube_gpu(cube: xr.Dataset) -> GpuProfile:
-    """The twin profile of the cube's GPU, whose ridge points the twin gives: its twin's own
-    profile, else the one its GPU's name matches. A GPU the twin has no profile of is an
-    `AnalysisError` saying how to measure them, not another GPU's ridge under its name (the
-    H100's stood in for an A100's)."""
-    from dvfs.errors import CampaignError
-    from dvfs.twin.profiles import gpu_profile, matching_gpu_profile
+    """The twin profile of the cube's GPU, whose ridge points the twin gives: a twin cube's
+    own profile, else the one its GPU's name matches (`recorded_gpu_profile`: a real GPU's
+    `twin_profile` is the twin that estimated its time, not its model). A GPU the twin has no
+    profile of is an `AnalysisError` saying how to measure them, not another GPU's ridge under
+    its name (the H100's stood in for an A100's)."""
+    from dvfs.twin.profiles import recorded_gpu_profile
 
-    key = cube.attrs.get("twin_profile")
-    if key:
-        try:
-            return gpu_profile(str(key))
-        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
-            pass
     name = str(cube.attrs.get("gpu_name") or "")
-    found = matching_gpu_profile(name.removesuffix(" (twin)"))
+    found = recorded_gpu_profile(cube.attrs)
     if found is None:
         raise AnalysisError(
             f"the twin has no profile of the cube's GPU ({name or 'not recorded'}), so it cannot "

@@ -79,17 +79,16 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
 
 
 def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> GpuProfile:
-    from dvfs.errors import CampaignError
-    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
+    """`--base`, else a twin cube's own profile, else the measured GPU's by its name (the H100
+    SXM's where the twin has none, said in `_base_note`). A real GPU's `twin_profile` (the
+    hardware campaign's `gpu.profile`, the twin that estimated its time) is not its model."""
+    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name, recorded_gpu_profile
 
     if base is not None:
         return gpu_profile(base)
-    if attrs.get("twin_profile"):
-        try:
-            return gpu_profile(str(attrs["twin_profile"]))
-        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
-            if not attrs.get("gpu_name"):
-                raise
+    found = recorded_gpu_profile(attrs)
+    if found is not None:
+        return found
     if attrs.get("gpu_name"):
         return profile_for_gpu_name(str(attrs["gpu_name"]))
     raise click.UsageError(
