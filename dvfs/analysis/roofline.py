@@ -123,15 +123,20 @@ def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
     return np.where(clocks < f[0], below, np.where(clocks > f[-1], above, inside))
 
 
-def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[xr.Dataset]:
+def rooflines(
+    cube: xr.Dataset, *, measured: xr.Dataset | None = None, notes: list[str] | None = None
+) -> list[xr.Dataset]:
     """The verify pass against each GPU model's ridge point: one roofline (`roofline`) for a
     one-GPU cube, a merged cube of one model, or with a `measured` roofline (one GPU's); one per
     model, on its first GPU's own cube, for a merged cube of several models, whose ridge points
-    differ (an H200 reads memory faster than an H100 computing as fast)."""
+    differ (an H200 reads memory faster than an H100 computing as fast). A model of those the
+    twin has no profile of is left out, said in `notes`, and the others kept (an `AnalysisError`
+    where it has none of them): a measured roofline serves that GPU's own cube, not the merged
+    one (`check_measured`)."""
     import json
 
     from dvfs.analysis.headroom import single_gpu
-    from dvfs.twin.profiles import matching_gpu_profile
+    from dvfs.twin.profiles import matching_gpu_profile, recorded_gpu_profile
 
     if measured is not None or "gpu" not in cube.dims:
         return [roofline(cube, measured=measured)]
@@ -148,10 +153,28 @@ def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[x
         first.setdefault(known.key if known is not None else name, (label, name))
     if len(first) == 1:
         return [roofline(cube)]
-    return [
-        roofline(single_gpu(cube, label).assign_attrs(gpu_name=name))
-        for label, name in first.values()
-    ]
+    made, unknown = [], []
+    for label, name in first.values():
+        one = single_gpu(cube, label).assign_attrs(gpu_name=name)
+        if recorded_gpu_profile(one.attrs) is None:
+            unknown.append(name)
+        else:
+            made.append(roofline(one))
+    if unknown:
+        them = "them" if len(unknown) > 1 else "it"
+        measure = (
+            f"measure the ridge points on {them} with `dvfs gpu roofline -o FILE` and give the "
+            "file to `dvfs compare --roofline FILE` with that GPU's own cube (a merged cube "
+            "takes no one GPU's roofline)"
+        )
+        if not made:
+            raise AnalysisError(f"the twin has no profile of {', '.join(unknown)}: {measure}")
+        if notes is not None:
+            notes.append(
+                f"no roofline of {', '.join(unknown)}: the twin has no profile of {them}; "
+                + measure
+            )
+    return made
 
 
 def _cube_gpu(cube: xr.Dataset) -> GpuProfile:
