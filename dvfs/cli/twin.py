@@ -102,9 +102,11 @@ def _base_note(gpu_name: object, profile: GpuProfile, source: Path) -> str | Non
     or the twin has no profile of it and the H100's stands in): the fit keeps that profile's
     peaks, memory and clocks, and reads the measurement against them. Allowed, not refused:
     `--base` is how a GPU the twin has no profile for is fitted at all."""
-    measured = str(gpu_name or "").removesuffix(" (twin)").strip().lower()
-    model = profile.nvml_name.lower()
-    if not measured or measured in model or model in measured:
+    from dvfs.twin.profiles import matching_gpu_profile
+
+    measured = str(gpu_name or "").removesuffix(" (twin)").strip()
+    own = matching_gpu_profile(measured)  # by whole words: an H20 is no H200
+    if not measured or (own is not None and own.nvml_name == profile.nvml_name):
         return None
     return (
         f"{source} was measured on {str(gpu_name).removesuffix(' (twin)')}, the base profile "
