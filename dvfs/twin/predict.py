@@ -73,6 +73,15 @@ class PredictUnavailableError(PredictError):
     exit_code = 1
 
 
+class PromptsChangedError(PredictError):
+    """The corpora read again are not the prompts the cube's cells were measured on (a corpus
+    edited since, or counted by another revision of the tokenizer): the campaign and corpus
+    files are valid, the cube and they no longer agree. An error (exit 1), as a resumed sweep
+    refuses the same prompts changed under its journal."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class Setting:
     """A knob setting of the cells, with what no GPU figure changes: the cells measured there,
@@ -191,7 +200,7 @@ def check_same_corpora(
     on: its content hash differs from the one the cube records (the file was edited since), or,
     with the same content, its prompts fitted to the input lengths with their token counts
     (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
-    (an older cube) are taken as they are."""
+    (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1."""
     import json
 
     from dvfs.corpora.sampling import pool_hash
@@ -205,7 +214,7 @@ def check_same_corpora(
     for name, corpus in corpora.items():
         was, now = content.get(name), corpus.content_hash
         if was is not None and was != now:
-            raise PredictError(
+            raise PromptsChangedError(
                 f"{where}: corpus {name!r} has changed since its cells were measured (content "
                 f"hash {was} recorded, {now} now; read from {corpus.source}): the fit would "
                 "compare them with other prompts; put the corpus back as it was, or sweep the "
@@ -213,7 +222,7 @@ def check_same_corpora(
             )
         was_pool = pools.get(name)
         if was_pool is not None and was_pool != (now_pool := pool_hash(corpus, input_tokens)):
-            raise PredictError(
+            raise PromptsChangedError(
                 f"{where}: corpus {name!r} counts its prompts otherwise than when its cells "
                 f"were measured (prompt pool hash {was_pool} recorded, {now_pool} now: another "
                 "revision of the tokenizer); the fit would compare them with other prompts: "
