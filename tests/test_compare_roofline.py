@@ -164,7 +164,25 @@ def test_a_gpu_the_twin_has_no_profile_of_gets_no_twin_ridge(gpu_name: str) -> N
     for known, key in (("NVIDIA H200", "h200-sxm"), ("NVIDIA H100 80GB HBM3 (twin)", "h100-sxm")):
         ds.attrs["gpu_name"] = known
         assert roofline(ds).attrs["gpu_profile"] == key
-    ds.attrs.update(gpu_name=gpu_name, twin_profile="h200-sxm:none")  # a twin's own profile
+    # a twin's own profile
+    ds.attrs.update(gpu_name=gpu_name, twin_profile="h200-sxm:none", gpu_backend="twin")
+    assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
+
+
+def test_a_real_gpus_campaign_twin_is_not_its_model() -> None:
+    """A hardware campaign's `gpu.profile` (the twin that estimates its time) is recorded as
+    the cube's `twin_profile`: an H200 swept with `gpu.profile = "h100-sxm"` got the H100's
+    ridge points, and an A100 the H100's under its own name. A real GPU is its NVML name's."""
+    ds = roofline_cube(8)
+    ds.attrs.update(gpu_backend="nvml", gpu_name="NVIDIA H200", twin_profile="h100-sxm")
+    assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
+    ds.attrs["gpu_name"] = "NVIDIA A100-SXM4-80GB"
+    with pytest.raises(AnalysisError, match=r"no profile of the cube's GPU \(NVIDIA A100"):
+        roofline(ds)
+    # a twin's cube keeps its own profile; one lent from a file, no longer known, its name's
+    ds.attrs.update(gpu_backend="twin", gpu_name="NVIDIA H200 (twin)", twin_profile="h200-sxm")
+    assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
+    ds.attrs["twin_profile"] = "h200-sxm-fit"
     assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
 
 

@@ -338,6 +338,44 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     assert sum(t.startswith("Verify pass vs ridge point") for t in titles) == 2, titles
 
 
+def test_a_merged_cube_keeps_the_rooflines_of_the_gpus_the_twin_knows(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A merged cube of an H100 and a GPU the twin has no profile of (an A100) lost its H100's
+    roofline too, and said to pass a measured one with --roofline, which a merged cube of two
+    models refuses. The H100's is kept, the A100 left out in one line saying to pass its
+    roofline with its own cube; the report says it in its notes."""
+    from dvfs.analysis.targets import Target
+    from dvfs.report.document import ReportOptions, build_document
+    from dvfs.report.model import Paragraph, Table
+
+    h100 = runs["h100"] / "cube.nc"
+    a100 = _cube(
+        runs["h200"] / "cube.nc",
+        tmp_path / "a100.nc",
+        gpu_name="NVIDIA A100-SXM4-80GB",
+        gpu_backend="nvml",
+        twin_profile="",
+    )
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(h100), str(a100), "-o", str(merged)).exit_code == 0
+    done = invoke("compare", str(merged), "--json")
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert doc["roofline"]["gpu_profile"] == "h100-sxm" and "roofline_per_gpu_model" not in doc
+    said = " ".join(done.stderr.split())
+    assert "no roofline of NVIDIA A100-SXM4-80GB: the twin has no profile of it" in said, said
+    assert "with that GPU's own cube" in said and len(done.stderr.strip().splitlines()) == 1
+    report = build_document(
+        open_cube(merged), ReportOptions(Target("preserve")), [], generated="now"
+    )
+    blocks = [b for s in report.sections for b in s.blocks]
+    titles = [b.title for b in blocks if isinstance(b, Table)]
+    assert sum(t.startswith("Verify pass vs ridge point") for t in titles) == 1, titles
+    notes = [b.text for b in blocks if isinstance(b, Paragraph)]
+    assert any(n.startswith("No roofline of NVIDIA A100-SXM4-80GB: ") for n in notes), notes
+
+
 def test_a_merged_cube_lists_each_gpus_failed_cells(runs: dict[str, Path], tmp_path: Path) -> None:
     """A cell failed on one GPU: `cube info` and the merged cube's report list it with its
     error and the GPU it failed on (the merge dropped each cube's list)."""

@@ -510,3 +510,13 @@ def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
     )
     own = CliRunner().invoke(cli, args)
     assert own.exit_code == 0 and "the base profile" not in own.output, own.output
+    # an H20 is no H200, whose name merely begins as its does (whole words, as the profiles
+    # are matched): fitted on the H200's base, it is said, as any other GPU's would be
+    h20 = store.read(MEASURED_H200).load()
+    h20.attrs.update(gpu_name="NVIDIA H20", device_name="NVIDIA H20")
+    store.write(h20, tmp_path / "h20.nc")
+    result = CliRunner().invoke(
+        cli, ["twin", "fit", str(tmp_path / "h20.nc"), "-o", str(out), "--base", "h200-sxm"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "measured on NVIDIA H20, the base profile h200-sxm" in " ".join(result.output.split())

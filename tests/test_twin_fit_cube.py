@@ -395,8 +395,12 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
 ) -> None:
     """The fit counts the prompts' tokens as the sweep did (the cube's `token_count_method`),
     not as this machine would now: a tokenizer cached since the sweep (the server fetched the
-    model) does not change them; one the sweep used and now missing is refused in one line."""
+    model) does not change them; one the sweep used and now missing is refused in one line,
+    exit 1 as a resumed sweep's (this machine lacks it; the cube is no bad input), and so is a
+    corpus this machine cannot load (its library or hub), exit 1 as the sweep's."""
+    import dvfs.corpora.prepare
     import dvfs.corpora.tokens
+    from dvfs.errors import CorpusUnavailableError
 
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     estimated = _own_corpus_sweep(tmp_path, tmp_path / "out" / "estimated")
@@ -409,9 +413,41 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
     profile.unlink()
     result = invoke("twin", "fit", str(counted), "-o", str(profile), "--base", "h100-sxm:none")
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert "chose its prompts by the tokenizer of" in result.output
     assert "huggingface-cli download" in result.output and not profile.exists()
+
+    def unavailable(campaign: object, count: object = None) -> None:
+        raise CorpusUnavailableError("corpus 'tasks': the datasets library is not installed")
+
+    monkeypatch.setattr(dvfs.corpora.prepare, "load_corpora", unavailable)
+    result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "cannot be read again here" in result.output and "datasets library" in result.output
+    assert not profile.exists()
+
+
+def test_a_real_gpus_cube_is_fitted_on_its_own_model_not_its_campaigns_twin(
+    tmp_path: Path,
+) -> None:
+    """A hardware campaign's `gpu.profile` (the twin that estimates its time) is recorded as
+    the cube's `twin_profile`: an H200's cube swept with `gpu.profile = "h100-sxm"` was fitted
+    on the H100's peaks and clocks by default, where the help and README promise the measured
+    GPU's own profile (a twin cube keeps its own, trap list included)."""
+    out = _own_corpus_sweep(tmp_path, tmp_path / "out" / "own")
+    ds = xr.open_dataset(out / "cube.nc").load()
+    real = tmp_path / "h200.nc"
+    ds.assign_attrs(gpu_backend="nvml", gpu_name="NVIDIA H200", twin_profile="h100-sxm").to_netcdf(
+        real
+    )
+    result = invoke("twin", "fit", str(real), "-o", str(tmp_path / "p.toml"))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "(base h200-sxm)" in said and "the base profile" not in said, said
+    # the twin cube itself: its own profile (the campaign's h100-sxm:none)
+    assert ds.attrs["gpu_backend"] == "twin" and ds.attrs["twin_profile"] == "h100-sxm:none"
+    result = invoke("twin", "fit", str(out), "-o", str(tmp_path / "q.toml"))
+    assert result.exit_code == 0 and "(base h100-sxm)" in result.output, result.output
 
 
 def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
@@ -433,7 +469,9 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     corpus_file.write_text(original.replace("prime", "square"))
     profile.unlink()
     result = invoke("twin", "fit", str(out), "-o", str(profile), "--base", "h100-sxm:none")
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    # exit 1, as a resumed sweep refuses a corpus edited under its journal: the files are
+    # valid (no invalid campaign, exit 2), the cube and they no longer agree
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert "corpus 'tasks' has changed since its cells were measured" in result.output
     now = re.search(
         rf"content hash {recorded['content_hash']} recorded, ([0-9a-f]{{16}}) now", result.output
@@ -448,7 +486,7 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     other = {"tasks": {**recorded, "pool_hash": "0" * 16}}
     ds.assign_attrs(corpora=json.dumps(other)).to_netcdf(tmp_path / "recounted.nc")
     result = invoke("twin", "fit", str(tmp_path / "recounted.nc"), "-o", str(profile))
-    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert f"prompt pool hash {'0' * 16} recorded, {recorded['pool_hash']} now" in result.output
     assert not profile.exists()
     # a corpus moved away since: one line saying to put it back, no profile written

@@ -123,15 +123,20 @@ def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
     return np.where(clocks < f[0], below, np.where(clocks > f[-1], above, inside))
 
 
-def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[xr.Dataset]:
+def rooflines(
+    cube: xr.Dataset, *, measured: xr.Dataset | None = None, notes: list[str] | None = None
+) -> list[xr.Dataset]:
     """The verify pass against each GPU model's ridge point: one roofline (`roofline`) for a
     one-GPU cube, a merged cube of one model, or with a `measured` roofline (one GPU's); one per
     model, on its first GPU's own cube, for a merged cube of several models, whose ridge points
-    differ (an H200 reads memory faster than an H100 computing as fast)."""
+    differ (an H200 reads memory faster than an H100 computing as fast). A model of those the
+    twin has no profile of is left out, said in `notes`, and the others kept (an `AnalysisError`
+    where it has none of them): a measured roofline serves that GPU's own cube, not the merged
+    one (`check_measured`)."""
     import json
 
     from dvfs.analysis.headroom import single_gpu
-    from dvfs.twin.profiles import matching_gpu_profile
+    from dvfs.twin.profiles import matching_gpu_profile, recorded_gpu_profile
 
     if measured is not None or "gpu" not in cube.dims:
         return [roofline(cube, measured=measured)]
@@ -148,28 +153,40 @@ def rooflines(cube: xr.Dataset, *, measured: xr.Dataset | None = None) -> list[x
         first.setdefault(known.key if known is not None else name, (label, name))
     if len(first) == 1:
         return [roofline(cube)]
-    return [
-        roofline(single_gpu(cube, label).assign_attrs(gpu_name=name))
-        for label, name in first.values()
-    ]
+    made, unknown = [], []
+    for label, name in first.values():
+        one = single_gpu(cube, label).assign_attrs(gpu_name=name)
+        if recorded_gpu_profile(one.attrs) is None:
+            unknown.append(name)
+        else:
+            made.append(roofline(one))
+    if unknown:
+        them = "them" if len(unknown) > 1 else "it"
+        measure = (
+            f"measure the ridge points on {them} with `dvfs gpu roofline -o FILE` and give the "
+            "file to `dvfs compare --roofline FILE` with that GPU's own cube (a merged cube "
+            "takes no one GPU's roofline)"
+        )
+        if not made:
+            raise AnalysisError(f"the twin has no profile of {', '.join(unknown)}: {measure}")
+        if notes is not None:
+            notes.append(
+                f"no roofline of {', '.join(unknown)}: the twin has no profile of {them}; "
+                + measure
+            )
+    return made
 
 
 def _cube_gpu(cube: xr.Dataset) -> GpuProfile:
-    """The twin profile of the cube's GPU, whose ridge points the twin gives: its twin's own
-    profile, else the one its GPU's name matches. A GPU the twin has no profile of is an
-    `AnalysisError` saying how to measure them, not another GPU's ridge under its name (the
-    H100's stood in for an A100's)."""
-    from dvfs.errors import CampaignError
-    from dvfs.twin.profiles import gpu_profile, matching_gpu_profile
+    """The twin profile of the cube's GPU, whose ridge points the twin gives: a twin cube's
+    own profile, else the one its GPU's name matches (`recorded_gpu_profile`: a real GPU's
+    `twin_profile` is the twin that estimated its time, not its model). A GPU the twin has no
+    profile of is an `AnalysisError` saying how to measure them, not another GPU's ridge under
+    its name (the H100's stood in for an A100's)."""
+    from dvfs.twin.profiles import recorded_gpu_profile
 
-    key = cube.attrs.get("twin_profile")
-    if key:
-        try:
-            return gpu_profile(str(key))
-        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
-            pass
     name = str(cube.attrs.get("gpu_name") or "")
-    found = matching_gpu_profile(name.removesuffix(" (twin)"))
+    found = recorded_gpu_profile(cube.attrs)
     if found is None:
         raise AnalysisError(
             f"the twin has no profile of the cube's GPU ({name or 'not recorded'}), so it cannot "

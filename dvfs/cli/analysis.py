@@ -385,11 +385,14 @@ def compare(
     if drafter and baseline not in drafter:
         drafter = (*drafter, baseline)
     result = select(result, batch, drafter, corpus)
+    left_out: list[str] = []
     try:
-        roof = [select(r, batch, drafter) for r in rooflines(ds, measured=measured)]
+        roof = [select(r, batch, drafter) for r in rooflines(ds, measured=measured, notes=left_out)]
     except AnalysisError as exc:
         _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None
+    for note in left_out:
+        _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
     doc = compare_document(result, roof, ds)
     if as_json:
         echo_json(doc)

@@ -79,17 +79,16 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
 
 
 def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> GpuProfile:
-    from dvfs.errors import CampaignError
-    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
+    """`--base`, else a twin cube's own profile, else the measured GPU's by its name (the H100
+    SXM's where the twin has none, said in `_base_note`). A real GPU's `twin_profile` (the
+    hardware campaign's `gpu.profile`, the twin that estimated its time) is not its model."""
+    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name, recorded_gpu_profile
 
     if base is not None:
         return gpu_profile(base)
-    if attrs.get("twin_profile"):
-        try:
-            return gpu_profile(str(attrs["twin_profile"]))
-        except CampaignError:  # a profile file lent to `twin predict`: matched by GPU name
-            if not attrs.get("gpu_name"):
-                raise
+    found = recorded_gpu_profile(attrs)
+    if found is not None:
+        return found
     if attrs.get("gpu_name"):
         return profile_for_gpu_name(str(attrs["gpu_name"]))
     raise click.UsageError(
@@ -103,9 +102,11 @@ def _base_note(gpu_name: object, profile: GpuProfile, source: Path) -> str | Non
     or the twin has no profile of it and the H100's stands in): the fit keeps that profile's
     peaks, memory and clocks, and reads the measurement against them. Allowed, not refused:
     `--base` is how a GPU the twin has no profile for is fitted at all."""
-    measured = str(gpu_name or "").removesuffix(" (twin)").strip().lower()
-    model = profile.nvml_name.lower()
-    if not measured or measured in model or model in measured:
+    from dvfs.twin.profiles import matching_gpu_profile
+
+    measured = str(gpu_name or "").removesuffix(" (twin)").strip()
+    own = matching_gpu_profile(measured)  # by whole words: an H20 is no H200
+    if not measured or (own is not None and own.nvml_name == profile.nvml_name):
         return None
     return (
         f"{source} was measured on {str(gpu_name).removesuffix(' (twin)')}, the base profile "

@@ -148,12 +148,14 @@ def _comparison(
     t = options.target
     result = compare(cube, baseline=baseline, metric=t.metric, quantile=t.quantile)
     result = select(result, options.batch, drafters, options.corpus)
-    notes = []
+    notes: list[str] = []
+    left_out: list[str] = []
     try:
-        roof = [select(r, options.batch, drafters) for r in rooflines(cube)]
+        roof = [select(r, options.batch, drafters) for r in rooflines(cube, notes=left_out)]
     except AnalysisError as exc:
         roof = None
         notes.append(f"No roofline: {exc}")
+    notes += [_capital(note) for note in left_out]
     return compare_document(result, roof, cube), notes
 
 

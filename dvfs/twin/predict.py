@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.errors import CampaignError, CorpusError, DvfsError, JournalError
+from dvfs.errors import (
+    CampaignError,
+    CorpusError,
+    CorpusUnavailableError,
+    DvfsError,
+    JournalError,
+)
 from dvfs.twin import physics
 from dvfs.twin.drafting import DraftPlan, plan_drafter
 from dvfs.twin.passes import PassBuilder, decode_passes
@@ -57,6 +63,23 @@ class PredictError(DvfsError):
     """The cube cannot be predicted cell by cell (closed-loop, unknown model, no campaign)."""
 
     exit_code = 2
+
+
+class PredictUnavailableError(PredictError):
+    """This machine lacks what re-reading the cube's prompts needs, though the cube may be
+    fine: the tokenizer its sweep counted with, no longer cached, or a corpus's library or hub
+    (`CorpusUnavailableError`). An error, not bad input (exit 1), as a resumed sweep says it."""
+
+    exit_code = 1
+
+
+class PromptsChangedError(PredictError):
+    """The corpora read again are not the prompts the cube's cells were measured on (a corpus
+    edited since, or counted by another revision of the tokenizer): the campaign and corpus
+    files are valid, the cube and they no longer agree. An error (exit 1), as a resumed sweep
+    refuses the same prompts changed under its journal."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -177,7 +200,7 @@ def check_same_corpora(
     on: its content hash differs from the one the cube records (the file was edited since), or,
     with the same content, its prompts fitted to the input lengths with their token counts
     (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
-    (an older cube) are taken as they are."""
+    (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1."""
     import json
 
     from dvfs.corpora.sampling import pool_hash
@@ -191,7 +214,7 @@ def check_same_corpora(
     for name, corpus in corpora.items():
         was, now = content.get(name), corpus.content_hash
         if was is not None and was != now:
-            raise PredictError(
+            raise PromptsChangedError(
                 f"{where}: corpus {name!r} has changed since its cells were measured (content "
                 f"hash {was} recorded, {now} now; read from {corpus.source}): the fit would "
                 "compare them with other prompts; put the corpus back as it was, or sweep the "
@@ -199,7 +222,7 @@ def check_same_corpora(
             )
         was_pool = pools.get(name)
         if was_pool is not None and was_pool != (now_pool := pool_hash(corpus, input_tokens)):
-            raise PredictError(
+            raise PromptsChangedError(
                 f"{where}: corpus {name!r} counts its prompts otherwise than when its cells "
                 f"were measured (prompt pool hash {was_pool} recorded, {now_pool} now: another "
                 "revision of the tokenizer); the fit would compare them with other prompts: "
@@ -275,6 +298,10 @@ def cube_cells(
     method = str(ds.attrs.get("token_count_method") or "")
     try:
         corpora, _ = counted_corpora(campaign, method)
+    except CorpusUnavailableError as exc:
+        raise PredictUnavailableError(
+            f"{where}: the prompts of its cells cannot be read again here: {exc}"
+        ) from exc
     except CorpusError as exc:
         raise PredictError(
             f"{where}: the prompts of its cells cannot be read again: {exc}; the fit re-reads "
@@ -282,7 +309,7 @@ def cube_cells(
         ) from exc
     except JournalError as exc:  # its tokenizer is no longer in the local cache
         tokenizer = tokenizer_model(campaign) or ""
-        raise PredictError(
+        raise PredictUnavailableError(
             f"{where} chose its prompts by the {method}, which is not in the local cache: "
             f"download it ({download_hint(tokenizer)}) and fit again"
         ) from exc

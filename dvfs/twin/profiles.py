@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Any
@@ -509,3 +510,21 @@ def profile_for_gpu_name(name: str) -> GpuProfile:
     """The twin profile matching an NVML device name, the H100 SXM's where none does: for twin
     engines on NVML and a fit's starting point, which say so where it matters."""
     return matching_gpu_profile(name) or gpu_profile("h100-sxm")
+
+
+def recorded_gpu_profile(attrs: Mapping[str, object]) -> GpuProfile | None:
+    """The twin profile of the GPU a cube (or roofline file) was measured on, from its
+    attributes: a twin's own (`twin_profile`, a trap list after a colon included) where the
+    twin measured it, else the one its `gpu_name` matches (`matching_gpu_profile`); None for
+    a GPU the twin has no profile of. A real GPU's `twin_profile` is a hardware campaign's
+    `gpu.profile`, the twin that estimated its time, not its model (an H200 swept with
+    `gpu.profile = "h100-sxm"`); a profile lent from a file to `twin predict` and no longer
+    known is matched by the GPU's name (its twin's, which the fit kept)."""
+    name = str(attrs.get("gpu_name") or "")
+    key = str(attrs.get("twin_profile") or "")
+    if key and (attrs.get("gpu_backend") == "twin" or name.endswith(" (twin)")):
+        try:
+            return gpu_profile(key)
+        except CampaignError:
+            pass
+    return matching_gpu_profile(name.removesuffix(" (twin)"))
