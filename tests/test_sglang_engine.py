@@ -996,8 +996,8 @@ def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path
     """engine.sglang.host an address of another machine (here TEST-NET-1's 192.0.2.1): the
     sweep stopped with "cannot use OUT: cannot assign requested address", blaming the output
     folder, and a fleet found every block of ports "held by other programs". Each cell's
-    server start fails instead, and the fleet stops (doctor fails its ports), in one line
-    naming engine.sglang.host."""
+    server start fails instead, and the fleet stops, in one line naming engine.sglang.host;
+    doctor fails its ports check, for a single server too (which it passed)."""
     path, marker = stub_campaign(
         tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "192.0.2.1"'
     )
@@ -1011,10 +1011,10 @@ def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path
         assert "cannot use" not in said and "Traceback" not in said, said
         assert "held by other programs" not in said and wrong in said, said
         assert "name an address of this machine, such as 127.0.0.1" in said
-    checked = CliRunner().invoke(
-        cli, ["doctor", str(path), "--gpus", "0,1", "--out", str(tmp_path / "c")]
-    )
-    assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
+        # doctor, which passed a single server's campaign that every cell of would fail
+        checked = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(out), *gpus])
+        assert checked.exit_code == 1, checked.output
+        assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
     assert running(marker) == []
 
 
