@@ -87,8 +87,8 @@ def check_campaign(
         groups=groups,
         models=models,
     )
-    if fleet and _own_servers(campaign):
-        checks.append(_run("ports", lambda: _ports(campaign, len(groups))))
+    if _own_servers(campaign):
+        checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
@@ -123,10 +123,16 @@ def _own_servers(campaign: Campaign) -> bool:
 
 
 def _ports(campaign: Campaign, workers: int) -> tuple[str, str]:
-    """A block of SGLang ports for each worker's server, as each claims one when it starts."""
+    """A block of SGLang ports for each worker's server, as each claims one when it starts;
+    `workers` 0 (no fleet): a free port for the one server (`free_port`, refused where no
+    server can listen on engine.sglang.host, as each of the sweep's server starts is)."""
+    from dvfs.engines.sglang import free_port
     from dvfs.fleet.ports import lock_dir, short_of_blocks
 
     host = campaign.engine.sglang.host
+    if not workers:
+        free_port(host)
+        return OK, f"a free port on {host} for the server"
     problem = short_of_blocks(host, workers)
     if problem:
         return FAIL, problem

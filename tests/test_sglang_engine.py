@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -994,8 +996,8 @@ def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path
     """engine.sglang.host an address of another machine (here TEST-NET-1's 192.0.2.1): the
     sweep stopped with "cannot use OUT: cannot assign requested address", blaming the output
     folder, and a fleet found every block of ports "held by other programs". Each cell's
-    server start fails instead, and the fleet stops (doctor fails its ports), in one line
-    naming engine.sglang.host."""
+    server start fails instead, and the fleet stops, in one line naming engine.sglang.host;
+    doctor fails its ports check, for a single server too (which it passed)."""
     path, marker = stub_campaign(
         tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra='host = "192.0.2.1"'
     )
@@ -1009,6 +1011,59 @@ def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path
         assert "cannot use" not in said and "Traceback" not in said, said
         assert "held by other programs" not in said and wrong in said, said
         assert "name an address of this machine, such as 127.0.0.1" in said
+        # doctor, which passed a single server's campaign that every cell of would fail
+        checked = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(out), *gpus])
+        assert checked.exit_code == 1, checked.output
+        assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
+    assert running(marker) == []
+
+
+class _KernelWithoutIpv6(socket.socket):
+    """A socket as a kernel booted without IPv6 (ipv6.disable=1) makes them: none of IPv6."""
+
+    def __init__(self, family: int = socket.AF_INET, *args: Any, **kwargs: Any) -> None:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+        super().__init__(family, *args, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["no IPv6 in the kernel", "link-local without interface"])
+def test_an_ipv6_host_no_server_can_listen_on_is_named_not_the_output_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """engine.sglang.host "::1" where the kernel has no IPv6 (its socket refused,
+    EAFNOSUPPORT), or a link-local "fe80::1" without its interface (its bind refused,
+    EINVAL): a fleet's sweep and doctor stopped with "cannot use OUT: address family not
+    supported by protocol", blaming the output folder, or found every block of ports "held by
+    other programs", and a single server's start said "no free port" without what to do. Each
+    says instead, in one line, that no server can listen on engine.sglang.host here."""
+    from dvfs.engines.sglang import free_port as port_on
+    from dvfs.fleet.ports import taken
+
+    if case == "no IPv6 in the kernel":
+        host = "::1"
+        monkeypatch.setattr(socket, "socket", _KernelWithoutIpv6)
+    elif _ipv6_loopback():
+        host = "fe80::1"
+    else:
+        pytest.skip("no IPv6 here")
+    path, marker = stub_campaign(
+        tmp_path, drafters=ONE_DRAFTER, batch="[1]", sglang_extra=f'host = "{host}"'
+    )
+    wrong = f"a server cannot listen on engine.sglang.host {host!r} here ("
+    fix = "name an address of this machine, such as 127.0.0.1"
+    for probe in (lambda: port_on(host), lambda: taken(host, [30000])):
+        with pytest.raises(EngineError) as refused:
+            probe()
+        assert str(refused.value).startswith(wrong) and fix in str(refused.value)
+    for gpus in ((), ("--gpus", "0,1")):
+        out = tmp_path / f"out{len(gpus)}"
+        result = CliRunner().invoke(
+            cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
+        )
+        said = " ".join(result.output.split())
+        assert "cannot use" not in said and "Traceback" not in said, said
+        assert "held by other programs" not in said and wrong in said and fix in said, said
     checked = CliRunner().invoke(
         cli, ["doctor", str(path), "--gpus", "0,1", "--out", str(tmp_path / "c")]
     )

@@ -119,11 +119,17 @@ def host_family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+#: What binding a socket fails with (port 0 or any) when its address is none of this machine's:
+#: another machine's, of a family the kernel lacks, link-local without its interface.
+_NOT_AN_ADDRESS_HERE = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL})
+
+
 def unlistenable(host: str, exc: OSError) -> EngineError | None:
-    """The error to stop with when binding a socket on `host` failed with `exc` because no
-    server can listen there at all (a name that does not resolve, another machine's address),
-    not because a port is taken; None for a port taken (or not ours to bind)."""
-    if not isinstance(exc, socket.gaierror) and exc.errno != errno.EADDRNOTAVAIL:
+    """The error to stop with when making or binding a socket on `host` failed with `exc`
+    because no server can listen there at all (a name that does not resolve, another
+    machine's address, an IPv6 address where the kernel has no IPv6, a link-local one without
+    its interface), not because a port is taken; None for a port taken (or not ours to bind)."""
+    if not isinstance(exc, socket.gaierror) and exc.errno not in _NOT_AN_ADDRESS_HERE:
         return None
     return EngineError(
         f"a server cannot listen on engine.sglang.host {host!r} here "

@@ -42,15 +42,15 @@ def lock_dir() -> Path:
 def taken(host: str, ports: Sequence[int]) -> str | None:
     """The first of `ports` another program holds on `host` ("port N: why"), or None."""
     for port in ports:
-        with socket.socket(host_family(host), socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(host_family(host), socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind((host, port))
-            except OSError as exc:
-                wrong = unlistenable(host, exc)  # not a port taken: no block would do
-                if wrong is not None:
-                    raise wrong from exc
-                return f"port {port}: {exc.strerror}"
+        except OSError as exc:  # the socket too: no IPv6 socket where the kernel has no IPv6
+            wrong = unlistenable(host, exc)  # not a port taken: no block would do
+            if wrong is not None:
+                raise wrong from exc
+            return f"port {port}: {exc.strerror}"
     return None
 
 
