@@ -98,6 +98,29 @@ def test_a_claimed_block_is_held_until_released(
     assert ServerPorts.for_slot(4).http == FIRST_PORT + 4 * PORT_BLOCK
 
 
+def test_a_host_no_server_can_listen_on_lets_the_block_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claiming a block on a host no server can listen on (192.0.2.1, a documentation address
+    no machine holds) fails in one line, and lets the block's lock go: it was left held by the
+    process until it ended. (The claim on 127.0.0.1 counts its locks alone: another test's
+    server may listen there.)"""
+    import dvfs.fleet.ports as ports_module
+
+    real = ports_module.taken
+
+    def taken(host: str, ports: Any) -> str | None:
+        return None if host == "127.0.0.1" else real(host, ports)
+
+    monkeypatch.setattr(ports_module, "taken", taken)
+    folder = tmp_path / "locks"
+    refused = pytest.raises(EngineError, match="cannot listen on engine.sglang.host '192.0.2.1'")
+    with refused, claimed_ports("192.0.2.1", 3, folder=folder):
+        pass
+    with claimed_ports("127.0.0.1", 3, folder=folder) as ports:
+        assert ports == ServerPorts.for_slot(3)  # the first block, free again
+
+
 def test_a_block_moves_to_the_next_free_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -90,7 +90,11 @@ def claimed_ports(host: str, slot: int, *, folder: Path | None = None) -> Iterat
         fd = _lock(folder, ports)
         if fd is None:
             continue
-        why = taken(host, ports.used)
+        try:
+            why = taken(host, ports.used)
+        except BaseException:  # a host no server can listen on: the block is let go too
+            os.close(fd)
+            raise
         if why is None:
             try:
                 yield ports
