@@ -186,6 +186,22 @@ def test_a_real_gpus_campaign_twin_is_not_its_model() -> None:
     assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
 
 
+def test_an_older_fleets_twin_cube_is_the_model_its_gpus_ran() -> None:
+    """A fleet mixing twin models (`--gpus 0,h200-sxm:0`) wrote each model's cube under the
+    campaign's `gpu.profile` before dvfs recorded the profile its GPUs ran: the H200 twins'
+    cube says `twin_profile = "h100-sxm:none"`. Its roofline got the H100's ridge points (its
+    name's, the H200's, before the twin's own profile was preferred), and `twin fit` its base;
+    a twin GPU named as another shipped profile's twin is that profile's, traps kept."""
+    from dvfs.twin.profiles import gpu_profile, recorded_gpu_profile
+
+    ds = roofline_cube(8)
+    ds.attrs.update(gpu_backend="twin", gpu_name="NVIDIA H200 (twin)", twin_profile="h100-sxm:none")
+    assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
+    assert recorded_gpu_profile(ds.attrs) == gpu_profile("h200-sxm:none")
+    ds.attrs["twin_profile"] = "h200-sxm:leakage"  # its own: kept, traps and all
+    assert recorded_gpu_profile(ds.attrs) == gpu_profile("h200-sxm:leakage")
+
+
 # --- where a drafter saves (issue 9) -------------------------------------------------------
 
 

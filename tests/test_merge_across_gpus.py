@@ -315,7 +315,7 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     each = {r["gpu_profile"]: r for r in doc["roofline_per_gpu_model"]}
-    assert set(each) == {"h100-sxm", "h200-sxm"}
+    assert set(each) == {"h100-sxm", "h200-sxm"} and "roofline_left_out" not in doc
     for key, path in (("h100-sxm", h100), ("h200-sxm", h200)):
         own = roofline(open_cube(path))
         assert list(each[key]["ridge_point"].values()) == pytest.approx(
@@ -344,7 +344,8 @@ def test_a_merged_cube_keeps_the_rooflines_of_the_gpus_the_twin_knows(
     """A merged cube of an H100 and a GPU the twin has no profile of (an A100) lost its H100's
     roofline too, and said to pass a measured one with --roofline, which a merged cube of two
     models refuses. The H100's is kept, the A100 left out in one line saying to pass its
-    roofline with its own cube; the report says it in its notes."""
+    roofline with its own cube; the report says it in its notes, the JSON in
+    `roofline_left_out` (it had only `roofline`, the H100's, as a one-model cube has)."""
     from dvfs.analysis.targets import Target
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.model import Paragraph, Table
@@ -363,6 +364,8 @@ def test_a_merged_cube_keeps_the_rooflines_of_the_gpus_the_twin_knows(
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     assert doc["roofline"]["gpu_profile"] == "h100-sxm" and "roofline_per_gpu_model" not in doc
+    # the JSON says whose roofline is missing: its `roofline` (the H100's) is not the A100's
+    assert doc["roofline_left_out"] == ["NVIDIA A100-SXM4-80GB"], doc.get("roofline_left_out")
     said = " ".join(done.stderr.split())
     assert "no roofline of NVIDIA A100-SXM4-80GB: the twin has no profile of it" in said, said
     assert "with that GPU's own cube" in said and len(done.stderr.strip().splitlines()) == 1

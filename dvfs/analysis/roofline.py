@@ -124,15 +124,20 @@ def measured_ridge(measured: xr.Dataset, clocks: np.ndarray) -> np.ndarray:
 
 
 def rooflines(
-    cube: xr.Dataset, *, measured: xr.Dataset | None = None, notes: list[str] | None = None
+    cube: xr.Dataset,
+    *,
+    measured: xr.Dataset | None = None,
+    notes: list[str] | None = None,
+    left_out: list[str] | None = None,
 ) -> list[xr.Dataset]:
     """The verify pass against each GPU model's ridge point: one roofline (`roofline`) for a
     one-GPU cube, a merged cube of one model, or with a `measured` roofline (one GPU's); one per
     model, on its first GPU's own cube, for a merged cube of several models, whose ridge points
     differ (an H200 reads memory faster than an H100 computing as fast). A model of those the
     twin has no profile of is left out, said in `notes`, and the others kept (an `AnalysisError`
-    where it has none of them): a measured roofline serves that GPU's own cube, not the merged
-    one (`check_measured`)."""
+    where it has none of them), its model's name added to `left_out` (for the JSON, whose
+    `roofline` is then another model's): a measured roofline serves that GPU's own cube, not
+    the merged one (`check_measured`)."""
     import json
 
     from dvfs.analysis.headroom import single_gpu
@@ -169,6 +174,8 @@ def rooflines(
         )
         if not made:
             raise AnalysisError(f"the twin has no profile of {', '.join(unknown)}: {measure}")
+        if left_out is not None:
+            left_out += unknown
         if notes is not None:
             notes.append(
                 f"no roofline of {', '.join(unknown)}: the twin has no profile of {them}; "

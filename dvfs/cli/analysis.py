@@ -385,15 +385,19 @@ def compare(
     if drafter and baseline not in drafter:
         drafter = (*drafter, baseline)
     result = select(result, batch, drafter, corpus)
-    left_out: list[str] = []
+    notes: list[str] = []  # a merged cube's GPU models with no roofline, each said
+    models: list[str] = []  # those models
     try:
-        roof = [select(r, batch, drafter) for r in rooflines(ds, measured=measured, notes=left_out)]
+        roof = [
+            select(r, batch, drafter)
+            for r in rooflines(ds, measured=measured, notes=notes, left_out=models)
+        ]
     except AnalysisError as exc:
         _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
         roof = None
-    for note in left_out:
+    for note in notes:
         _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
-    doc = compare_document(result, roof, ds)
+    doc = compare_document(result, roof, ds, roofline_left_out=models)
     if as_json:
         echo_json(doc)
     elif markdown:

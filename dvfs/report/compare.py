@@ -31,11 +31,17 @@ NOT_WITHIN = "not within target"
 
 
 def compare_document(
-    cmp: xr.Dataset, roof: xr.Dataset | Sequence[xr.Dataset] | None, cube: xr.Dataset
+    cmp: xr.Dataset,
+    roof: xr.Dataset | Sequence[xr.Dataset] | None,
+    cube: xr.Dataset,
+    *,
+    roofline_left_out: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Speculation analysis as JSON (schema dvfs.compare/2); rows carry `gpu` for merged cubes.
     `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
-    `roofline`, and with several, `roofline_per_gpu_model` holds each."""
+    `roofline`, and with several, `roofline_per_gpu_model` holds each. `roofline_left_out`:
+    a merged cube's GPU models the twin has no roofline of (`rooflines`' `left_out`), named
+    so that its `roofline` (another model's) is not read as theirs."""
     from dvfs.analysis.headroom import coverage
     from dvfs.cube.info import shards_of
 
@@ -124,6 +130,8 @@ def compare_document(
         doc["roofline"] = _roofline_document(roofs[0])
     if len(roofs) > 1:
         doc["roofline_per_gpu_model"] = [_roofline_document(r) for r in roofs]
+    if roofs and roofline_left_out:
+        doc["roofline_left_out"] = list(roofline_left_out)
     return doc
 
 

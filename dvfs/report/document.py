@@ -150,13 +150,17 @@ def _comparison(
     result = select(result, options.batch, drafters, options.corpus)
     notes: list[str] = []
     left_out: list[str] = []
+    models: list[str] = []  # the GPU models those notes leave out
     try:
-        roof = [select(r, options.batch, drafters) for r in rooflines(cube, notes=left_out)]
+        roof = [
+            select(r, options.batch, drafters)
+            for r in rooflines(cube, notes=left_out, left_out=models)
+        ]
     except AnalysisError as exc:
         roof = None
         notes.append(f"No roofline: {exc}")
     notes += [_capital(note) for note in left_out]
-    return compare_document(result, roof, cube), notes
+    return compare_document(result, roof, cube, roofline_left_out=models), notes
 
 
 def confidence_statement(room: dict[str, Any]) -> Paragraph:

@@ -519,10 +519,18 @@ def recorded_gpu_profile(attrs: Mapping[str, object]) -> GpuProfile | None:
     a GPU the twin has no profile of. A real GPU's `twin_profile` is a hardware campaign's
     `gpu.profile`, the twin that estimated its time, not its model (an H200 swept with
     `gpu.profile = "h100-sxm"`); a profile lent from a file to `twin predict` and no longer
-    known is matched by the GPU's name (its twin's, which the fit kept)."""
+    known is matched by the GPU's name (its twin's, which the fit kept). A twin GPU named as
+    another shipped profile's twin is that profile's, with the recorded trap list: a fleet
+    mixing twin models (`--gpus 0,h200-sxm:0`) wrote each model's cube under the campaign's
+    `gpu.profile` before dvfs recorded the profile its GPUs ran (`_twin_profile_run`)."""
     name = str(attrs.get("gpu_name") or "")
     key = str(attrs.get("twin_profile") or "")
     if key and (attrs.get("gpu_backend") == "twin" or name.endswith(" (twin)")):
+        base, sep, traps = key.partition(":")
+        profiles = gpu_profiles()
+        if base in profiles and name != f"{profiles[base].nvml_name} (twin)":
+            ran = [k for k, p in profiles.items() if name == f"{p.nvml_name} (twin)"]
+            key = ran[0] + sep + traps if ran else key
         try:
             return gpu_profile(key)
         except CampaignError:
