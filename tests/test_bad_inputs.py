@@ -995,6 +995,37 @@ CUBE_CASES = (
     ]
 )
 
+#: Provenance attributes holding what the commands cannot read them as (a hand-edited or
+#: damaged cube): a list or a number where text goes, text where a number goes, a name
+#: megabytes long. (attribute, value), each through the commands that read it.
+BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
+    "gpu-name-list": ("gpu_name", [1, 2]),
+    "gpu-name-number": ("gpu_name", 5),
+    "gpu-name-huge": ("gpu_name", "N" * 5000),
+    "twin-profile-list": ("twin_profile", [1, 2]),
+    "token-count-method-list": ("token_count_method", [1, 2]),
+    "campaign-source-number": ("campaign_source", 5),
+    "corpora-number": ("corpora", 5),
+    "tp-size-text": ("tp_size", "two"),
+}
+
+ATTRIBUTE_CASES = [
+    C(
+        f"cube-attribute-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _cube_with(lambda ds, a=attr, v=value: ds.assign_attrs({a: v}))},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, value) in BAD_ATTRIBUTES.items()
+    for cmd, argv in (
+        ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.html"]),
+    )
+    if cmd != "report" or kind.startswith("gpu-name")
+]
+
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 
 _STATE = "state/{uuid0}.json"  # the fake NVML's GPU 0
@@ -1461,6 +1492,7 @@ ALL_CASES = [
     *PLAN_CASES,
     *JOURNAL_CASES,
     *CUBE_CASES,
+    *ATTRIBUTE_CASES,
     *FLAG_CASES,
     *FAULT_CASES,
     *GPU_CASES,

@@ -224,10 +224,67 @@ def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dat
     absent = [v for v in REQUIRED_VARIABLES if v not in ds.data_vars]
     if absent:
         raise CubeError(f"{where} lacks variable(s) {', '.join(absent)}{then}")
-    problem = _value_problem(ds)
+    problem = _value_problem(ds) or _attribute_problem(ds)
     if problem:
         raise CubeError(f"{where} is damaged: {problem}{then}")
     return ds
+
+
+#: Attributes dvfs writes as text besides the provenance registry's (`dvfs.provenance`): the
+#: campaign file, a merged cube's GPU models and sources, the cells that failed.
+TEXT_ATTRIBUTES = (
+    "title",
+    "history",
+    "created",
+    "journal_dvfs_version",
+    "campaign_source",
+    "gpu_names",
+    "merged_from",
+    "failed_cells",
+    "measurement_method",  # a paragraph, not a name
+)
+
+#: The longest a provenance name or label ("str" in the registry: a GPU or model name, a local
+#: model's path, a method, a version) may be; NVML's names are under 100 characters. Longer is
+#: a damaged or hand-edited file, which the commands that print or plot it would choke on (a
+#: report's figure titles took minutes at 64 KiB).
+MAX_NAME_CHARS = 4096
+
+
+def _attribute_problem(ds: xr.Dataset) -> str | None:
+    """The first attribute the analyses read that holds what they cannot use: a number or a
+    list where text goes (its name, a JSON document), text where a number goes (one number,
+    or one per GPU), or a name megabytes long; None when all can be. An attribute absent (an
+    older cube) is fine."""
+    import numbers
+
+    import numpy as np
+
+    from dvfs.provenance import REGISTRY
+
+    kinds = {k.name: k.kind for k in REGISTRY} | dict.fromkeys(TEXT_ATTRIBUTES, "text")
+    for name, kind in kinds.items():
+        if name not in ds.attrs:
+            continue
+        value = ds.attrs[name]
+        shown = repr(value.tolist() if hasattr(value, "tolist") else value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        if kind in ("str", "json", "text"):
+            if not isinstance(value, str):
+                return f"its {name} attribute holds {shown}, not text"
+            if kind == "str" and len(value) > MAX_NAME_CHARS:
+                return (
+                    f"its {name} attribute is {len(value)} characters long, not a name (at "
+                    f"most {MAX_NAME_CHARS})"
+                )
+        elif not (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, bool)
+            or isinstance(value, np.ndarray)
+            and value.dtype.kind in "iuf"  # one per GPU
+        ):
+            return f"its {name} attribute holds {shown}, not a number"
+    return None
 
 
 #: Numeric coordinates the analyses index and label with: each value must be a finite number.
