@@ -1132,6 +1132,13 @@ def _roofline_with(change: Callable[[Any], Any]) -> Writer:
     return Writer(make)
 
 
+def _no_setting(ds: Any) -> Any:
+    empty = ds.isel(setting=[])
+    for var in empty.variables.values():
+        var.encoding = {}  # the chunk sizes of the measured settings do not fit none
+    return empty
+
+
 ROOFLINE_FILES = {
     "binary": (binary_bytes(), ("r.nc", "`dvfs gpu roofline -o FILE`")),
     "a-cube": (
@@ -1142,6 +1149,19 @@ ROOFLINE_FILES = {
     "seconds-text": (
         _roofline_with(lambda ds: ds.assign(seconds=ds["seconds"].astype("S8"))),
         ("r.nc", "damaged"),
+    ),
+    # netCDF, a roofline's variables, what compare and twin fit cannot read in them
+    "gpu-name-list": (
+        _roofline_with(lambda ds: ds.assign_attrs(gpu_name=[1, 2])),
+        ("r.nc", "gpu_name", "`dvfs gpu roofline -o FILE`"),
+    ),
+    "no-setting": (
+        _roofline_with(_no_setting),
+        ("r.nc", "no setting", "`dvfs gpu roofline -o FILE`"),
+    ),
+    "clock-infinite": (
+        _roofline_with(lambda ds: ds.assign(sm_clock_mhz=ds["sm_clock_mhz"] * float("inf"))),
+        ("r.nc", "sm_clock_mhz", "`dvfs gpu roofline -o FILE`"),
     ),
 }
 
