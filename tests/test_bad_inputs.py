@@ -423,6 +423,26 @@ CORPUS_CASES = [
         "/dev/zero",
         spec={"path": "/dev/zero", "field": "text", "format": "jsonl"},
     ),
+    *(
+        corpus_case(
+            f"path-nul-byte-{via}",
+            "x",
+            None,
+            "NUL",
+            "da\\x00ta.jsonl",
+            spec={"path": "da\0ta.jsonl", "field": "text", "format": "jsonl"},
+            via=via,
+            chatty=via == "sweep",
+        )
+        for via in ("show", "list", "sweep")
+    ),
+    corpus_case(
+        "package-resource-nul-byte",
+        "x",
+        None,
+        "NUL",
+        spec={"package": "dvfs.corpora", "resource": "data/a\0.jsonl", "field": "text"},
+    ),
     corpus_case("parquet-not-parquet", "mine.parquet", "id,text\n1,hello\n", "mine.parquet"),
     corpus_case(
         "parquet-truncated",
