@@ -1029,7 +1029,45 @@ BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
     "tp-size-text": ("tp_size", "two"),
 }
 
+
+def _merged_with_gpu_names(text: str) -> Writer:
+    """The shared cube merged with itself on another GPU, its `gpu_names` set to `text`."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube, write_cube
+        from dvfs.cube.merge import merge_cubes
+
+        cube = open_cube(env["cube"])
+        merged = merge_cubes([cube, _on_another_gpu(cube)])
+        write_cube(merged.assign_attrs(gpu_names=text), path)
+
+    return Writer(make)
+
+
+#: A merged cube's GPU models (`gpu_names`) that are not a JSON list of one name per GPU.
+BAD_GPU_NAMES = {
+    "number": "5",
+    "null": "null",
+    "not-json": "{x",
+    "one-string": '"NVIDIA H100 80GB HBM3"',
+    "one-name-for-two": '["NVIDIA H200"]',
+}
+
 ATTRIBUTE_CASES = [
+    C(
+        f"cube-gpu-names-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _merged_with_gpu_names(text)},
+        code=1,
+        says=("cube.nc", "gpu_names", "dvfs cube merge"),
+    )
+    for kind, text in BAD_GPU_NAMES.items()
+    for cmd, argv in (
+        ("info", ["cube", "info", "{tmp}/cube.nc"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("headroom", ["headroom", "{tmp}/cube.nc"]),
+    )
+] + [
     C(
         f"cube-attribute-{kind}-{cmd}",
         argv,

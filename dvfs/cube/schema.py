@@ -284,6 +284,30 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
             and value.dtype.kind in "iuf"  # one per GPU
         ):
             return f"its {name} attribute holds {shown}, not a number"
+    return _gpu_names_problem(ds)
+
+
+def _gpu_names_problem(ds: xr.Dataset) -> str | None:
+    """A merged cube's `gpu_names` (each GPU's model, which its analyses label and split
+    rooflines by) that is not a JSON list of one name per GPU; None when it is, or absent."""
+    import json
+
+    text = ds.attrs.get("gpu_names")
+    if not isinstance(text, str) or not text.strip():
+        return None
+    try:
+        names = json.loads(text)
+    except ValueError:
+        names = None
+    gpus = ds.sizes.get("gpu")
+    if (
+        not isinstance(names, list)
+        or not all(isinstance(n, str) for n in names)
+        or (gpus is not None and len(names) != gpus)
+    ):
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        each = f"{gpus} GPU models" if gpus is not None else "GPU models"
+        return f"its gpu_names attribute holds {shown!r}, not a JSON list of {each}, one per GPU"
     return None
 
 
