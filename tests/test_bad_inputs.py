@@ -1084,6 +1084,27 @@ ATTRIBUTE_CASES = [
     if cmd != "report" or kind.startswith("gpu-name")
 ]
 
+#: JSON attributes the commands index into, of another shape: (attribute, text, the command).
+BAD_JSON_ATTRIBUTES = {
+    "server-args-number": ("server_args", "5", ["compare", "{tmp}/cube.nc"]),
+    "server-args-not-json": ("server_args", "{x", ["compare", "{tmp}/cube.nc"]),
+    "server-args-numbers": ("server_args", '{"none": 5}', ["compare", "{tmp}/cube.nc"]),
+    "failed-cells-number": ("failed_cells", "5", ["cube", "info", "{tmp}/cube.nc"]),
+    "failed-cells-numbers": ("failed_cells", "[1]", ["cube", "info", "{tmp}/cube.nc"]),
+    "failed-cells-object": ("failed_cells", '{"a": 1}', ["cube", "info", "{tmp}/cube.nc"]),
+}
+
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-attribute-{kind}",
+        argv,
+        files={"cube.nc": _cube_with(lambda ds, a=attr, v=text: ds.assign_attrs({a: v}))},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, text, argv) in BAD_JSON_ATTRIBUTES.items()
+]
+
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 
 _STATE = "state/{uuid0}.json"  # the fake NVML's GPU 0

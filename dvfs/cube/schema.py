@@ -284,7 +284,35 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
             and value.dtype.kind in "iuf"  # one per GPU
         ):
             return f"its {name} attribute holds {shown}, not a number"
-    return _gpu_names_problem(ds)
+    return _gpu_names_problem(ds) or _json_shape_problem(ds)
+
+
+#: JSON attributes the analyses index into, with the container each holds, the kind of its
+#: entries and what they are: an entry of another kind stops them.
+JSON_SHAPES = {
+    "server_args": (dict, dict, "a JSON object of each drafter's server"),
+    "failed_cells": (list, dict, "a JSON list of the failed cells"),
+}
+
+
+def _json_shape_problem(ds: xr.Dataset) -> str | None:
+    """The first of `JSON_SHAPES` that is not JSON or not of its shape; None when all are, or
+    are absent or empty."""
+    import json
+
+    for name, (container, entry, what) in JSON_SHAPES.items():
+        text = ds.attrs.get(name)
+        if not isinstance(text, str) or not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        entries = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, container) or not all(isinstance(e, entry) for e in entries):
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            return f"its {name} attribute holds {shown!r}, not {what}"
+    return None
 
 
 def _gpu_names_problem(ds: xr.Dataset) -> str | None:
