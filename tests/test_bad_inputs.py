@@ -1279,6 +1279,12 @@ def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
 
+def _fifo(path: Path, env: dict[str, Path]) -> None:
+    import os
+
+    os.mkfifo(path)  # no writer: a reader that opens it waits for ever
+
+
 MORE_CASES = (
     [
         C(
@@ -1325,6 +1331,21 @@ MORE_CASES = (
             files={"cube.nc": Writer(_symlink_loop)},
             code=1,
             says=("cube.nc",),
+        ),
+        *(
+            C(
+                f"cube-{cmd}-fifo",
+                argv,
+                files={"cube.nc": Writer(_fifo)},
+                code=code,
+                says=("cube.nc",),
+            )
+            for cmd, argv, code in (
+                ("info", ["cube", "info", "{tmp}/cube.nc"], 1),
+                ("compare", ["compare", "{tmp}/cube.nc"], 1),
+                ("merge", ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"], 1),
+                ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"], 2),
+            )
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
         *(
