@@ -423,6 +423,26 @@ CORPUS_CASES = [
         "/dev/zero",
         spec={"path": "/dev/zero", "field": "text", "format": "jsonl"},
     ),
+    *(
+        corpus_case(
+            f"path-nul-byte-{via}",
+            "x",
+            None,
+            "NUL",
+            "da\\x00ta.jsonl",
+            spec={"path": "da\0ta.jsonl", "field": "text", "format": "jsonl"},
+            via=via,
+            chatty=via == "sweep",
+        )
+        for via in ("show", "list", "sweep")
+    ),
+    corpus_case(
+        "package-resource-nul-byte",
+        "x",
+        None,
+        "NUL",
+        spec={"package": "dvfs.corpora", "resource": "data/a\0.jsonl", "field": "text"},
+    ),
     corpus_case("parquet-not-parquet", "mine.parquet", "id,text\n1,hello\n", "mine.parquet"),
     corpus_case(
         "parquet-truncated",
@@ -995,6 +1015,96 @@ CUBE_CASES = (
     ]
 )
 
+#: Provenance attributes holding what the commands cannot read them as (a hand-edited or
+#: damaged cube): a list or a number where text goes, text where a number goes, a name
+#: megabytes long. (attribute, value), each through the commands that read it.
+BAD_ATTRIBUTES: dict[str, tuple[str, Any]] = {
+    "gpu-name-list": ("gpu_name", [1, 2]),
+    "gpu-name-number": ("gpu_name", 5),
+    "gpu-name-huge": ("gpu_name", "N" * 5000),
+    "twin-profile-list": ("twin_profile", [1, 2]),
+    "token-count-method-list": ("token_count_method", [1, 2]),
+    "campaign-source-number": ("campaign_source", 5),
+    "corpora-number": ("corpora", 5),
+    "tp-size-text": ("tp_size", "two"),
+}
+
+
+def _merged_with_gpu_names(text: str) -> Writer:
+    """The shared cube merged with itself on another GPU, its `gpu_names` set to `text`."""
+
+    def make(path: Path, env: dict[str, Path]) -> None:
+        from dvfs.cube import open_cube, write_cube
+        from dvfs.cube.merge import merge_cubes
+
+        cube = open_cube(env["cube"])
+        merged = merge_cubes([cube, _on_another_gpu(cube)])
+        write_cube(merged.assign_attrs(gpu_names=text), path)
+
+    return Writer(make)
+
+
+#: A merged cube's GPU models (`gpu_names`) that are not a JSON list of one name per GPU.
+BAD_GPU_NAMES = {
+    "number": "5",
+    "null": "null",
+    "not-json": "{x",
+    "one-string": '"NVIDIA H100 80GB HBM3"',
+    "one-name-for-two": '["NVIDIA H200"]',
+}
+
+ATTRIBUTE_CASES = [
+    C(
+        f"cube-gpu-names-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _merged_with_gpu_names(text)},
+        code=1,
+        says=("cube.nc", "gpu_names", "dvfs cube merge"),
+    )
+    for kind, text in BAD_GPU_NAMES.items()
+    for cmd, argv in (
+        ("info", ["cube", "info", "{tmp}/cube.nc"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("headroom", ["headroom", "{tmp}/cube.nc"]),
+    )
+] + [
+    C(
+        f"cube-attribute-{kind}-{cmd}",
+        argv,
+        files={"cube.nc": _cube_with(lambda ds, a=attr, v=value: ds.assign_attrs({a: v}))},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, value) in BAD_ATTRIBUTES.items()
+    for cmd, argv in (
+        ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"]),
+        ("compare", ["compare", "{tmp}/cube.nc"]),
+        ("report", ["report", "{tmp}/cube.nc", "-o", "{tmp}/r.html"]),
+    )
+    if cmd != "report" or kind.startswith("gpu-name")
+]
+
+#: JSON attributes the commands index into, of another shape: (attribute, text, the command).
+BAD_JSON_ATTRIBUTES = {
+    "server-args-number": ("server_args", "5", ["compare", "{tmp}/cube.nc"]),
+    "server-args-not-json": ("server_args", "{x", ["compare", "{tmp}/cube.nc"]),
+    "server-args-numbers": ("server_args", '{"none": 5}', ["compare", "{tmp}/cube.nc"]),
+    "failed-cells-number": ("failed_cells", "5", ["cube", "info", "{tmp}/cube.nc"]),
+    "failed-cells-numbers": ("failed_cells", "[1]", ["cube", "info", "{tmp}/cube.nc"]),
+    "failed-cells-object": ("failed_cells", '{"a": 1}', ["cube", "info", "{tmp}/cube.nc"]),
+}
+
+ATTRIBUTE_CASES += [
+    C(
+        f"cube-attribute-{kind}",
+        argv,
+        files={"cube.nc": _cube_with(lambda ds, a=attr, v=text: ds.assign_attrs({a: v}))},
+        code=1,
+        says=("cube.nc", attr, "dvfs cube build"),
+    )
+    for kind, (attr, text, argv) in BAD_JSON_ATTRIBUTES.items()
+]
+
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 
 _STATE = "state/{uuid0}.json"  # the fake NVML's GPU 0
@@ -1101,6 +1211,13 @@ def _roofline_with(change: Callable[[Any], Any]) -> Writer:
     return Writer(make)
 
 
+def _no_setting(ds: Any) -> Any:
+    empty = ds.isel(setting=[])
+    for var in empty.variables.values():
+        var.encoding = {}  # the chunk sizes of the measured settings do not fit none
+    return empty
+
+
 ROOFLINE_FILES = {
     "binary": (binary_bytes(), ("r.nc", "`dvfs gpu roofline -o FILE`")),
     "a-cube": (
@@ -1111,6 +1228,19 @@ ROOFLINE_FILES = {
     "seconds-text": (
         _roofline_with(lambda ds: ds.assign(seconds=ds["seconds"].astype("S8"))),
         ("r.nc", "damaged"),
+    ),
+    # netCDF, a roofline's variables, what compare and twin fit cannot read in them
+    "gpu-name-list": (
+        _roofline_with(lambda ds: ds.assign_attrs(gpu_name=[1, 2])),
+        ("r.nc", "gpu_name", "`dvfs gpu roofline -o FILE`"),
+    ),
+    "no-setting": (
+        _roofline_with(_no_setting),
+        ("r.nc", "no setting", "`dvfs gpu roofline -o FILE`"),
+    ),
+    "clock-infinite": (
+        _roofline_with(lambda ds: ds.assign(sm_clock_mhz=ds["sm_clock_mhz"] * float("inf"))),
+        ("r.nc", "sm_clock_mhz", "`dvfs gpu roofline -o FILE`"),
     ),
 }
 
@@ -1147,6 +1277,12 @@ def _over_limit(limit_name: str) -> Writer:
 
 def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
+
+
+def _fifo(path: Path, env: dict[str, Path]) -> None:
+    import os
+
+    os.mkfifo(path)  # no writer: a reader that opens it waits for ever
 
 
 MORE_CASES = (
@@ -1195,6 +1331,21 @@ MORE_CASES = (
             files={"cube.nc": Writer(_symlink_loop)},
             code=1,
             says=("cube.nc",),
+        ),
+        *(
+            C(
+                f"cube-{cmd}-fifo",
+                argv,
+                files={"cube.nc": Writer(_fifo)},
+                code=code,
+                says=("cube.nc",),
+            )
+            for cmd, argv, code in (
+                ("info", ["cube", "info", "{tmp}/cube.nc"], 1),
+                ("compare", ["compare", "{tmp}/cube.nc"], 1),
+                ("merge", ["cube", "merge", "{tmp}/cube.nc", "{cube}", "-o", "{tmp}/m.nc"], 1),
+                ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"], 2),
+            )
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
         *(
@@ -1461,6 +1612,7 @@ ALL_CASES = [
     *PLAN_CASES,
     *JOURNAL_CASES,
     *CUBE_CASES,
+    *ATTRIBUTE_CASES,
     *FLAG_CASES,
     *FAULT_CASES,
     *GPU_CASES,

@@ -274,6 +274,11 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
         path = Path(spec["path"]).expanduser()
         if not path.is_absolute():
             path = Path(base_dir) / path
+        if "\0" in str(path):  # no file's name holds one: the OS refuses it (a ValueError)
+            raise CorpusError(
+                f"corpus path {str(path)!r} holds a NUL byte, which no file name does: name "
+                "the data file"
+            )
         try:
             info = path.stat()
             if stat.S_ISDIR(info.st_mode):
@@ -298,6 +303,11 @@ def _read_source(spec: dict[str, Any], base_dir: str) -> tuple[bytes, str, str]:
             # as a campaign file that cannot be read: the campaign's input, exit 2
             raise CorpusError(f"cannot read corpus file {path}: {exc.strerror}") from exc
     package, resource = spec["package"], spec["resource"]
+    if "\0" in f"{package}{resource}":
+        raise CorpusError(
+            f"package {package!r}, resource {resource!r}: a NUL byte, which no package or "
+            "file name holds: name the package and the data file in it"
+        )
     try:
         data = resources.files(package).joinpath(resource).read_bytes()
     except ModuleNotFoundError as exc:

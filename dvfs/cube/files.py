@@ -160,6 +160,11 @@ def open_cube(path: str | Path) -> xr.Dataset:
         path = path / CUBE_NAME
     if not path.exists():
         raise CubeError(f"no cube at {path}: run `dvfs sweep` or `dvfs cube build` first")
+    if not path.is_file():  # netCDF is read by seeking: a FIFO would be waited on for ever
+        raise CubeError(
+            f"{path} is no regular file (a FIFO, a device), so no cube: give the cube.nc a "
+            "sweep wrote, or its folder"
+        )
     try:
         with xr.open_dataset(path, engine="netcdf4") as ds:
             loaded = _labels_from_cf(ds.load())

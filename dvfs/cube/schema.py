@@ -224,10 +224,119 @@ def check_cube(ds: xr.Dataset, *, where: str = "cube", hint: str = "") -> xr.Dat
     absent = [v for v in REQUIRED_VARIABLES if v not in ds.data_vars]
     if absent:
         raise CubeError(f"{where} lacks variable(s) {', '.join(absent)}{then}")
-    problem = _value_problem(ds)
+    problem = _value_problem(ds) or _attribute_problem(ds)
     if problem:
         raise CubeError(f"{where} is damaged: {problem}{then}")
     return ds
+
+
+#: Attributes dvfs writes as text besides the provenance registry's (`dvfs.provenance`): the
+#: campaign file, a merged cube's GPU models and sources, the cells that failed.
+TEXT_ATTRIBUTES = (
+    "title",
+    "history",
+    "created",
+    "journal_dvfs_version",
+    "campaign_source",
+    "gpu_names",
+    "merged_from",
+    "failed_cells",
+    "measurement_method",  # a paragraph, not a name
+)
+
+#: The longest a provenance name or label ("str" in the registry: a GPU or model name, a local
+#: model's path, a method, a version) may be; NVML's names are under 100 characters. Longer is
+#: a damaged or hand-edited file, which the commands that print or plot it would choke on (a
+#: report's figure titles took minutes at 64 KiB).
+MAX_NAME_CHARS = 4096
+
+
+def _attribute_problem(ds: xr.Dataset) -> str | None:
+    """The first attribute the analyses read that holds what they cannot use: a number or a
+    list where text goes (its name, a JSON document), text where a number goes (one number,
+    or one per GPU), or a name megabytes long; None when all can be. An attribute absent (an
+    older cube) is fine."""
+    import numbers
+
+    import numpy as np
+
+    from dvfs.provenance import REGISTRY
+
+    kinds = {k.name: k.kind for k in REGISTRY} | dict.fromkeys(TEXT_ATTRIBUTES, "text")
+    for name, kind in kinds.items():
+        if name not in ds.attrs:
+            continue
+        value = ds.attrs[name]
+        shown = repr(value.tolist() if hasattr(value, "tolist") else value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        if kind in ("str", "json", "text"):
+            if not isinstance(value, str):
+                return f"its {name} attribute holds {shown}, not text"
+            if kind == "str" and len(value) > MAX_NAME_CHARS:
+                return (
+                    f"its {name} attribute is {len(value)} characters long, not a name (at "
+                    f"most {MAX_NAME_CHARS})"
+                )
+        elif not (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, bool)
+            or isinstance(value, np.ndarray)
+            and value.dtype.kind in "iuf"  # one per GPU
+        ):
+            return f"its {name} attribute holds {shown}, not a number"
+    return _gpu_names_problem(ds) or _json_shape_problem(ds)
+
+
+#: JSON attributes the analyses index into, with the container each holds, the kind of its
+#: entries and what they are: an entry of another kind stops them.
+JSON_SHAPES = {
+    "server_args": (dict, dict, "a JSON object of each drafter's server"),
+    "failed_cells": (list, dict, "a JSON list of the failed cells"),
+}
+
+
+def _json_shape_problem(ds: xr.Dataset) -> str | None:
+    """The first of `JSON_SHAPES` that is not JSON or not of its shape; None when all are, or
+    are absent or empty."""
+    import json
+
+    for name, (container, entry, what) in JSON_SHAPES.items():
+        text = ds.attrs.get(name)
+        if not isinstance(text, str) or not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        entries = value.values() if isinstance(value, dict) else value
+        if not isinstance(value, container) or not all(isinstance(e, entry) for e in entries):
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            return f"its {name} attribute holds {shown!r}, not {what}"
+    return None
+
+
+def _gpu_names_problem(ds: xr.Dataset) -> str | None:
+    """A merged cube's `gpu_names` (each GPU's model, which its analyses label and split
+    rooflines by) that is not a JSON list of one name per GPU; None when it is, or absent."""
+    import json
+
+    text = ds.attrs.get("gpu_names")
+    if not isinstance(text, str) or not text.strip():
+        return None
+    try:
+        names = json.loads(text)
+    except ValueError:
+        names = None
+    gpus = ds.sizes.get("gpu")
+    if (
+        not isinstance(names, list)
+        or not all(isinstance(n, str) for n in names)
+        or (gpus is not None and len(names) != gpus)
+    ):
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        each = f"{gpus} GPU models" if gpus is not None else "GPU models"
+        return f"its gpu_names attribute holds {shown!r}, not a JSON list of {each}, one per GPU"
+    return None
 
 
 #: Numeric coordinates the analyses index and label with: each value must be a finite number.

@@ -189,6 +189,12 @@ def read(path: Path) -> xr.Dataset:
             f"{path} is a damaged roofline file (missing {', '.join(missing) or 'dimensions'}): "
             "measure again with `dvfs gpu roofline -o FILE`"
         )
+    problem = _attribute_problem(ds)
+    if problem:
+        raise RooflineFileError(
+            f"{path} is a damaged roofline file ({problem}): measure again with "
+            "`dvfs gpu roofline -o FILE`"
+        )
     try:
         return derive(ds)
     except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -197,6 +203,31 @@ def read(path: Path) -> xr.Dataset:
             f"{str(exc).splitlines()[0] if str(exc) else ''}): measure again with "
             "`dvfs gpu roofline -o FILE`"
         ) from exc
+
+
+#: The attributes naming the GPU a roofline was measured on, which compare and twin fit read
+#: as text.
+TEXT_ATTRIBUTES = ("device", "device_name", "gpu_name", "twin_profile")
+
+
+def _attribute_problem(ds: xr.Dataset) -> str | None:
+    """What keeps a roofline's settings and names from being read (None when nothing): no
+    setting measured, an infinite SM clock (NaN is one not known), a GPU name that is no
+    text (a number, a list)."""
+    if ds.sizes.get("setting", 0) == 0:
+        return "no setting measured"
+    try:
+        clocks = np.asarray(ds["sm_clock_mhz"].values, dtype=float)
+    except (TypeError, ValueError):
+        return "sm_clock_mhz holds no numbers"
+    if np.isinf(clocks).any():
+        return "an infinite sm_clock_mhz"
+    for name in TEXT_ATTRIBUTES:
+        value = ds.attrs.get(name)
+        if value is not None and not isinstance(value, str):
+            shown = repr(value.tolist() if hasattr(value, "tolist") else value)
+            return f"its {name} attribute holds {shown[:60]}, not text"
+    return None
 
 
 def _number(value: Any) -> float | None:

@@ -62,6 +62,8 @@ def fit_input_kind(path: Path) -> str | None:
 
     if path.is_dir():
         return "cube" if (path / "cube.nc").is_file() else None
+    if not path.is_file():  # a FIFO would be waited on for ever, and is neither
+        return None
     try:
         with xr.open_dataset(path) as ds:
             attrs = dict(ds.attrs)
