@@ -494,3 +494,36 @@ def test_a_worker_that_cannot_open_leaves_the_others_gpus_restored(
     assert "Traceback" not in result.output and "internal error" not in result.output
     assert ray_nvml.fake_calls("nvmlDeviceSetGpuLockedClocks"), "GPU 0 never changed"
     assert ray_nvml.fake_device_state(0)["locked_clocks"] is None, result.output
+
+
+def test_a_signal_raised_inside_rays_compiled_code_comes_back_as_itself() -> None:
+    """A signal handler's exception raised while Ray's Cython `ray.wait` ran came back as a
+    SystemError ("returned a result with an exception set") caused by it: a SIGTERM on a
+    loaded machine ended the sweep as an internal error, exit 1, not 143. Through
+    `SignalSafe` it is the signal's own exception again; other SystemErrors stay as they are."""
+    from dvfs.fleet.ray_executor import SignalSafe
+    from dvfs.signals import Interrupted
+
+    def compiled(signalled: BaseException | None) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            if signalled is None:
+                raise SystemError("a fault of Ray's own")
+            try:
+                raise signalled
+            except BaseException as exc:
+                raise SystemError(
+                    "<cyfunction CoreWorker.wait> returned a result with an exception set"
+                ) from exc
+
+        return call
+
+    for signalled in (Interrupted(signal.SIGTERM), KeyboardInterrupt()):
+        ray = SignalSafe(types.SimpleNamespace(wait=compiled(signalled), get=compiled(signalled)))
+        with pytest.raises(type(signalled)):
+            ray.wait([], num_returns=1, timeout=0.1)
+        with pytest.raises(type(signalled)):
+            ray.get([])
+    plain = SignalSafe(types.SimpleNamespace(wait=compiled(None), is_initialized=lambda: True))
+    with pytest.raises(SystemError, match="a fault of Ray's own"):
+        plain.wait([])
+    assert plain.is_initialized()

@@ -75,6 +75,38 @@ def import_ray(*, local: bool = False) -> Any:
     return ray
 
 
+def unwrapped_signal(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, where a signal handler's exception (Ctrl-C's, or the sweep's
+    `Interrupted` on SIGTERM) raised while Ray's compiled code ran comes back as itself: Ray's
+    Cython functions (`ray.wait`, `ray.get`) return it as a SystemError ("returned a result with
+    an exception set") caused by it, which the sweep took for an internal error (exit 1) and
+    an actor's loss, not the signal it was (exit 143, the units in flight journalled)."""
+    try:
+        return call(*args, **kwargs)
+    except SystemError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+        if isinstance(cause, KeyboardInterrupt | Interrupted):
+            raise cause from None
+        raise
+
+
+class SignalSafe:
+    """Ray's module as the executor calls it: `wait` and `get` through `unwrapped_signal`,
+    everything else Ray's own."""
+
+    def __init__(self, ray: Any) -> None:
+        self._ray = ray
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ray, name)
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return unwrapped_signal(self._ray.wait, *args, **kwargs)
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return unwrapped_signal(self._ray.get, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def signals_kept(ray: Any = None) -> Iterator[None]:
     """Keep this process's handlers of SIGINT, SIGTERM and SIGHUP through `ray.init`, which
@@ -186,7 +218,7 @@ class RayExecutor:
         self.unrestored: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
-        ray = import_ray(local=not self.address)
+        ray = SignalSafe(import_ray(local=not self.address))
         campaign = fleet.campaign
         twin = not real_gpus(campaign)
         started = False
