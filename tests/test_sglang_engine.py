@@ -992,6 +992,18 @@ def test_a_model_downloaded_from_modelscope_is_the_servers_own(
     assert running(marker) == []
 
 
+def _swept_on_a_wrong_host(path: Path, out: Path, gpus: tuple[str, ...], wrong: str) -> str:
+    """The sweep's output (one line's words) on a host no server can listen on: it names the
+    host (`wrong`), not the output folder, nor ports held by other programs."""
+    result = CliRunner().invoke(
+        cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
+    )
+    said = " ".join(result.output.split())
+    assert "cannot use" not in said and "Traceback" not in said, said
+    assert "held by other programs" not in said and wrong in said, said
+    return said
+
+
 def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path) -> None:
     """engine.sglang.host an address of another machine (here TEST-NET-1's 192.0.2.1): the
     sweep stopped with "cannot use OUT: cannot assign requested address", blaming the output
@@ -1004,12 +1016,7 @@ def test_a_host_no_server_can_listen_on_fails_its_cells_naming_it(tmp_path: Path
     wrong = "a server cannot listen on engine.sglang.host '192.0.2.1' here ("
     for gpus in ((), ("--gpus", "0,1")):
         out = tmp_path / f"out{len(gpus)}"
-        result = CliRunner().invoke(
-            cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
-        )
-        said = " ".join(result.output.split())
-        assert "cannot use" not in said and "Traceback" not in said, said
-        assert "held by other programs" not in said and wrong in said, said
+        said = _swept_on_a_wrong_host(path, out, gpus, wrong)
         assert "name an address of this machine, such as 127.0.0.1" in said
         # doctor, which passed a single server's campaign that every cell of would fail
         checked = CliRunner().invoke(cli, ["doctor", str(path), "--out", str(out), *gpus])
@@ -1057,13 +1064,8 @@ def test_an_ipv6_host_no_server_can_listen_on_is_named_not_the_output_folder(
             probe()
         assert str(refused.value).startswith(wrong) and fix in str(refused.value)
     for gpus in ((), ("--gpus", "0,1")):
-        out = tmp_path / f"out{len(gpus)}"
-        result = CliRunner().invoke(
-            cli, ["sweep", str(path), "--out", str(out), "--no-progress", *gpus]
-        )
-        said = " ".join(result.output.split())
-        assert "cannot use" not in said and "Traceback" not in said, said
-        assert "held by other programs" not in said and wrong in said and fix in said, said
+        said = _swept_on_a_wrong_host(path, tmp_path / f"out{len(gpus)}", gpus, wrong)
+        assert fix in said, said
     checked = CliRunner().invoke(
         cli, ["doctor", str(path), "--gpus", "0,1", "--out", str(tmp_path / "c")]
     )
