@@ -96,6 +96,49 @@ def latency_options(func: Any) -> Any:
     return func
 
 
+def headroom_target_options(func: Any) -> Any:
+    """The headroom target's options, the same for `dvfs headroom` and `dvfs report`
+    (`headroom_target` reads them): which latency, whose, how much slack, which knobs."""
+    decorators = [
+        click.option(
+            "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
+        ),
+        click.option(
+            "--vs-baseline",
+            is_flag=True,
+            help="Target: the baseline drafter's stock latency (trade speculation's win for "
+            "energy).",
+        ),
+        click.option(
+            "--slo",
+            metavar="EXPR",
+            help="Target: an absolute SLO such as tpot_p90<=50ms or ttft_p99<=1s.",
+        ),
+        latency_options,
+        click.option(
+            "--slack",
+            default="0%",
+            show_default=True,
+            callback=slack_value,
+            help="Allowed latency increase (5% or 0.05); not with --slo.",
+        ),
+        click.option(
+            "--baseline", default="none", show_default=True, help="Drafter to compare against."
+        ),
+        click.option(
+            "--knob",
+            type=click.Choice(["both", "sm_clock", "power_limit"]),
+            default="both",
+            show_default=True,
+            help="Which knobs may move.",
+        ),
+        confidence_option("One-sided confidence of the latency bound (with repeats)."),
+    ]
+    for decorate in reversed(decorators):  # as stacked above a function: the last first
+        func = decorate(func)
+    return func
+
+
 class OneBatch(click.ParamType):
     """A batch size; a comma-separated list is refused with the way to give several."""
 
@@ -202,34 +245,7 @@ def headroom_target(
 
 @click.command()
 @cube_argument
-@click.option(
-    "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
-)
-@click.option(
-    "--vs-baseline",
-    is_flag=True,
-    help="Target: the baseline drafter's stock latency (trade speculation's win for energy).",
-)
-@click.option(
-    "--slo", metavar="EXPR", help="Target: an absolute SLO such as tpot_p90<=50ms or ttft_p99<=1s."
-)
-@latency_options
-@click.option(
-    "--slack",
-    default="0%",
-    show_default=True,
-    callback=slack_value,
-    help="Allowed latency increase (5% or 0.05); not with --slo.",
-)
-@click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
-@click.option(
-    "--knob",
-    type=click.Choice(["both", "sm_clock", "power_limit"]),
-    default="both",
-    show_default=True,
-    help="Which knobs may move.",
-)
-@confidence_option("One-sided confidence of the latency bound (with repeats).")
+@headroom_target_options
 @filter_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.headroom/1).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")

@@ -10,12 +10,10 @@ from pathlib import Path
 import click
 
 from dvfs.cli.analysis import (
-    confidence_option,
     cube_argument,
     filter_options,
     headroom_target,
-    latency_options,
-    slack_value,
+    headroom_target_options,
 )
 from dvfs.cli.common import handle_errors
 
@@ -81,34 +79,7 @@ def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
     type=click.Choice(["html", "md"]),
     help="html (one self-contained file) or md  [default: md for a .md output, else html]",
 )
-@click.option(
-    "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
-)
-@click.option(
-    "--vs-baseline",
-    is_flag=True,
-    help="Target: the baseline drafter's stock latency (trade speculation's win for energy).",
-)
-@click.option(
-    "--slo", metavar="EXPR", help="Target: an absolute SLO such as tpot_p90<=50ms or ttft_p99<=1s."
-)
-@latency_options
-@click.option(
-    "--slack",
-    default="0%",
-    show_default=True,
-    callback=slack_value,
-    help="Allowed latency increase (5% or 0.05); not with --slo.",
-)
-@click.option("--baseline", default="none", show_default=True, help="Drafter to compare against.")
-@click.option(
-    "--knob",
-    type=click.Choice(["both", "sm_clock", "power_limit"]),
-    default="both",
-    show_default=True,
-    help="Which knobs may move.",
-)
-@confidence_option("One-sided confidence of the latency bound (with repeats).")
+@headroom_target_options
 @filter_options
 @click.pass_context
 @handle_errors
