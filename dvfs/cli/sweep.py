@@ -365,7 +365,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
     from dvfs.signals import Interrupted, signals_raise
-    from dvfs.sweep import after_interruption, run_sweep
+    from dvfs.sweep import run_sweep
 
     err = console(stderr=True)
     bar = RichProgress(f"{campaign.name}", enabled=progress)
@@ -373,18 +373,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         with signals_raise(), bar:
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
     except (KeyboardInterrupt, Interrupted):
-        left = after_interruption(campaign, out_dir)
-        if left.cube_path is not None:
-            err.print(f"partial cube written to {left.cube_path}")
-        if left.cube_error is not None:
-            err.print(f"(no partial cube: {escape(left.cube_error)})")
-        status = (
-            "[red]GPU settings NOT fully restored[/red] for "
-            + ", ".join(left.unrestored)
-            + f": run `dvfs gpu reset` (state in {left.state_dir})."
-            if left.unrestored
-            else "GPU settings restored."
-        )
+        status = _after_interruption_told(err, campaign, out_dir)
         err.print(f"{status} Run the same command again to resume.")
         raise
     s = outcome.summary
@@ -442,7 +431,6 @@ def run_fleet(
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.signals import Interrupted, signals_raise
-    from dvfs.sweep import after_interruption
 
     err = console(stderr=True)
     run_on: Any = LocalExecutor(out_dir)
@@ -466,18 +454,7 @@ def run_fleet(
                 shard=shard,
             )
     except (KeyboardInterrupt, Interrupted):
-        left = after_interruption(campaign, out_dir)
-        if left.cube_path is not None:
-            err.print(f"partial cube written to {left.cube_path}")
-        if left.cube_error is not None:
-            err.print(f"(no partial cube: {escape(left.cube_error)})")
-        status = (
-            "[red]GPU settings NOT fully restored[/red] for "
-            + ", ".join(left.unrestored)
-            + f": run `dvfs gpu reset` (state in {left.state_dir})."
-            if left.unrestored
-            else "GPU settings restored."
-        )
+        status = _after_interruption_told(err, campaign, out_dir)
         if executor == "ray" and run_on.unrestored:
             status = _ray_unrestored(run_on.unrestored)
         err.print(f"{status} Run the same command again to resume.", soft_wrap=True)
@@ -499,6 +476,25 @@ def run_fleet(
             )
             raise SystemExit(1)
     return outcome
+
+
+def _after_interruption_told(err: Any, campaign: Any, out_dir: Path) -> str:
+    """After an interrupted sweep: say where its partial cube is (or why there is none) and
+    return the line on the GPUs' settings, to which the caller adds how to resume."""
+    from dvfs.sweep import after_interruption
+
+    left = after_interruption(campaign, out_dir)
+    if left.cube_path is not None:
+        err.print(f"partial cube written to {left.cube_path}")
+    if left.cube_error is not None:
+        err.print(f"(no partial cube: {escape(left.cube_error)})")
+    if left.unrestored:
+        return (
+            "[red]GPU settings NOT fully restored[/red] for "
+            + ", ".join(left.unrestored)
+            + f": run `dvfs gpu reset` (state in {left.state_dir})."
+        )
+    return "GPU settings restored."
 
 
 def _ray_unrestored(left: dict[str, list[str]]) -> str:
