@@ -985,3 +985,27 @@ def test_a_server_that_dies_mid_group_is_not_left_to_serve_the_next(
     else:
         assert status == [(0, "ok", 1)] * 2 + [(1, "ok", 2)] * 2 + [(2, "ok", 2)] * 2
     assert len(list((out / "logs").glob("server-none-*.log"))) == 2 + retries
+
+
+def test_a_drafter_whose_server_cannot_start_fails_its_cells_once_tried(tmp_path: Path) -> None:
+    """A server start that fails fails the drafter's cells, in-flight groups and single cells
+    alike, with the start's error, and is not tried again in the same run."""
+    from dvfs.errors import EngineError
+
+    with twin_runner(tmp_path) as runner:
+        tries: list[str] = []
+
+        def cannot_start(drafter: str) -> None:
+            tries.append(drafter)
+            raise EngineError("port 30000 is taken")
+
+        runner._start_server = cannot_start  # type: ignore[method-assign]
+        plan = plan_cells(runner.campaign)
+        group = inflight_groups(plan)[0]
+        records = runner.run_inflight_group(group)
+        single = runner.run_cell(group[-1])
+    assert tries == [group[0].drafter]
+    assert len(records) == len(group)
+    for record in [*records, single]:
+        assert not record.ok
+        assert list(record.errors) == ["server start failed: port 30000 is taken"]

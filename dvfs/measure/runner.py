@@ -951,21 +951,26 @@ class Runner:
             self._record_session()
             self._session_open = True
 
+    def _server_for(self, drafter: str) -> str | None:
+        """Start `drafter`'s server unless it is the one running or failed to start in this
+        run; returns that failure (it fails the drafter's cells until `run` starts over: a
+        rerun retries them), else None."""
+        if drafter != self._drafter and drafter not in self._start_failures:
+            try:
+                self._start_server(drafter)
+            except EngineError as exc:
+                self._start_failures[drafter] = f"server start failed: {exc}"
+                self._drafter = None
+                self.progress.note(f"drafter {drafter!r}: {exc}")
+        return self._start_failures.get(drafter)
+
     def run_cell(self, cell: Cell) -> CellRecord:
         """Run one cell and journal its record: the session opened, the drafter's server
         started and the knob applied first, as needed. A drafter whose server failed to start
         fails its cells without another try until `run` starts over."""
         self.open_session()
-        if cell.drafter != self._drafter and cell.drafter not in self._start_failures:
-            try:
-                self._start_server(cell.drafter)
-            except EngineError as exc:
-                self._start_failures[cell.drafter] = f"server start failed: {exc}"
-                self._drafter = None
-                self.progress.note(f"drafter {cell.drafter!r}: {exc}")
-        if cell.drafter in self._start_failures:
-            # One failed start fails the drafter's cells for this run; a rerun retries them.
-            failure = self._start_failures[cell.drafter]
+        failure = self._server_for(cell.drafter)
+        if failure is not None:
             record = replace(
                 CellRecord.failed(cell, attempts=0, errors=[failure]),
                 gpu_time_s=self._take_pending().as_dict(),
@@ -1032,18 +1037,9 @@ class Runner:
 
         first = group[0]
         self.open_session()
-        if first.drafter != self._drafter and first.drafter not in self._start_failures:
-            try:
-                self._start_server(first.drafter)
-            except EngineError as exc:
-                self._start_failures[first.drafter] = f"server start failed: {exc}"
-                self._drafter = None
-                self.progress.note(f"drafter {first.drafter!r}: {exc}")
-        if first.drafter in self._start_failures:
-            records = [
-                CellRecord.failed(c, attempts=0, errors=[self._start_failures[first.drafter]])
-                for c in group
-            ]
+        failure = self._server_for(first.drafter)
+        if failure is not None:
+            records = [CellRecord.failed(c, attempts=0, errors=[failure]) for c in group]
         else:
             if self._stabilise_due:
                 self._stabilise(first)
