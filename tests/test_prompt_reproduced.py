@@ -372,3 +372,8 @@ def test_the_download_hint_of_a_gguf_named_on_the_hub_names_its_repo_and_file(
         f"`huggingface-cli download {marker}/Llama-GGUF --include 'sub/llama-Q8_0.gguf'` "
         "and `pip install gguf`"
     )
+    # a name no file could have (too long to look up as a local path) is still a hint
+    long = f"{marker}/{'x' * 5000}/llama.gguf"
+    assert dvfs.corpora.tokens.download_hint(long).startswith(
+        f"`huggingface-cli download {marker}/{'x' * 5000} --include 'llama.gguf'`"
+    )

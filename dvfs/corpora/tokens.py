@@ -20,7 +20,7 @@ def hub_gguf(model: str) -> tuple[str, str, str] | None:
     `*-QUANT.gguf`) or `owner/repo/FILE.gguf` (quantization ""); None for any other name (a
     repo id, a local path), which names its tokenizer itself. Neither is a repo id: the
     tokenizer is the .gguf's own (transformers reads it with `gguf_file`)."""
-    if model.startswith(("/", ".", "~")) or Path(model).exists():
+    if model.startswith(("/", ".", "~")) or _exists(model):
         return None
     repo, _, quant = model.rpartition(":")
     if quant and repo.count("/") == 1 and "/" not in quant:
@@ -29,6 +29,14 @@ def hub_gguf(model: str) -> tuple[str, str, str] | None:
     if len(parts) > 2 and model.endswith(".gguf") and all(parts):
         return "/".join(parts[:2]), "/".join(parts[2:]), ""
     return None
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` names something here; False for no path a file may have (too long)."""
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _cached_gguf(repo: str, file: str, quant: str) -> str:
