@@ -1,17 +1,22 @@
 """What Linux's /proc says of processes: a server's process tree, when a process started, its
-command name, and who listens on a TCP port. Every reader answers None or nothing where /proc
-is missing, a process is gone or not ours to read, or a file holds what it should not: a
-process's name is any bytes its program chose (not UTF-8, parentheses, spaces), and one such
-process anywhere on the machine must not stop a sweep."""
+command name, and who listens on a TCP port and address. Every reader answers None or nothing
+where /proc is missing, a process is gone or not ours to read, or a file holds what it should
+not: a process's name is any bytes its program chose (not UTF-8, parentheses, spaces), and one
+such process anywhere on the machine must not stop a sweep."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 PROC = Path("/proc")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def _read(path: Path) -> str | None:
@@ -82,10 +87,61 @@ def server_pids(root: int, proc: Path = PROC) -> frozenset[int]:
     return frozenset(ours)
 
 
-def port_holders(port: int, pids: Sequence[int] | None = None, proc: Path = PROC) -> frozenset[int]:
+def _listen_address(text: str) -> Address:
+    """A local address as /proc/net/tcp and tcp6 write it: hex 32-bit words, each in the
+    host's byte order ("0100007F" is 127.0.0.1 on a little-endian machine); an IPv4-mapped
+    IPv6 address (::ffff:127.0.0.1) as the IPv4 address it is."""
+    raw = b"".join(
+        int(text[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(text), 8)
+    )
+    address = ipaddress.ip_address(raw)
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return mapped or address
+
+
+def connect_addresses(host: str) -> frozenset[Address] | None:
+    """The addresses a client connecting to `host` (engine.sglang.host: an address or a name)
+    reaches: its own, each a name resolves to, and for an unspecified one (0.0.0.0, ::) the
+    loopback Linux connects it to. None when it does not resolve (then any address)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    addresses: set[Address] = set()
+    for *_, sockaddr in found:
+        with contextlib.suppress(ValueError):
+            address = ipaddress.ip_address(str(sockaddr[0]).partition("%")[0])
+            if address.is_unspecified:
+                address = ipaddress.ip_address("127.0.0.1" if address.version == 4 else "::1")
+            mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+            addresses.add(mapped or address)
+    return frozenset(addresses) or None
+
+
+def _holds(listener: Address, targets: frozenset[Address] | None) -> bool:
+    """Whether a socket listening on `listener` takes connections to one of `targets` (None:
+    any): the same address, or a wildcard: 0.0.0.0 every IPv4 address, :: every IPv6 one and,
+    as Linux lets it unless the program set IPV6_V6ONLY (which /proc does not tell), every
+    IPv4 one too."""
+    if targets is None or listener in targets:
+        return True
+    if listener.is_unspecified:
+        return any(listener.version == 6 or t.version == 4 for t in targets)
+    return False
+
+
+def port_holders(
+    port: int,
+    pids: Sequence[int] | None = None,
+    proc: Path = PROC,
+    *,
+    host: str | None = None,
+) -> frozenset[int]:
     """The processes (among `pids`, else all) holding a TCP socket listening on `port`, IPv4 or
-    IPv6, as far as /proc tells: processes this user may not read are left out, and elsewhere
-    than Linux none is found."""
+    IPv6, where a client connecting to `host` reaches it (`connect_addresses`, `_holds`; None:
+    on any address), as far as /proc tells: processes this user may not read are left out,
+    and elsewhere than Linux none is found."""
+    targets = connect_addresses(host) if host is not None else None
     inodes = set()
     for table in ("net/tcp", "net/tcp6"):
         text = _read(proc / table)
@@ -94,7 +150,8 @@ def port_holders(port: int, pids: Sequence[int] | None = None, proc: Path = PROC
             fields = line.split()
             if len(fields) > 9 and fields[3] == "0A":
                 with contextlib.suppress(ValueError, IndexError):
-                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    address, _, hex_port = fields[1].rpartition(":")
+                    if int(hex_port, 16) == port and _holds(_listen_address(address), targets):
                         inodes.add(f"socket:[{fields[9]}]")
     if not inodes:
         return frozenset()
@@ -117,16 +174,20 @@ def port_holders(port: int, pids: Sequence[int] | None = None, proc: Path = PROC
     return frozenset(holders)
 
 
-def earlier_holder(port: int, server: int, proc: Path = PROC) -> int | None:
-    """A process listening on `port` that started before the process `server` (so neither it
+def earlier_holder(
+    port: int, server: int, proc: Path = PROC, *, host: str | None = None
+) -> int | None:
+    """A process listening on `port`, where a client connecting to `host` reaches it (None:
+    any address; `port_holders`), that started before the process `server` (so neither it
     nor anything it started: another program), None when none is seen. Processes the server
-    started (its tree, or a wrapper's: a container, srun) are never older than it."""
-    if port_holders(port, sorted(server_pids(server, proc)), proc):
+    started (its tree, or a wrapper's: a container, srun) are never older than it. A program
+    on another address of that port (127.0.0.2, ::1 for 127.0.0.1) is not what answers there."""
+    if port_holders(port, sorted(server_pids(server, proc)), proc, host=host):
         return None  # the server's own tree listens there
     born = start_ticks(server, proc)
     if born is None:
         return None
-    for pid in sorted(port_holders(port, None, proc)):
+    for pid in sorted(port_holders(port, None, proc, host=host)):
         started = start_ticks(pid, proc)
         if started is not None and started < born:
             return pid

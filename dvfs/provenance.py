@@ -26,6 +26,13 @@ REGISTRY = tuple(
         ("campaign_name", "str", "", "campaign name"),
         ("campaign_hash", "str", "", "hash of the campaign's measured content"),
         ("campaign", "json", "", "the validated campaign"),
+        (
+            "campaign_dir",
+            "str",
+            "",
+            "absolute folder of the campaign file, where its corpora's relative paths start "
+            "(empty: not recorded, an earlier dvfs)",
+        ),
         ("gpu_backend", "str", "", "nvml or twin"),
         ("gpu_name", "str", "", "NVML device name"),
         ("gpu_uuids", "str", "", "comma-separated GPU UUIDs"),

@@ -26,7 +26,6 @@ from dvfs.backends import (
     ServerPlan,
     check_engine,
     open_backends,
-    open_campaign_gpus,
     real_gpus,
     server_plans,
 )
@@ -74,6 +73,8 @@ from dvfs.measure.runner import Progress, Runner, RunSummary, journaled_repeats
 
 if TYPE_CHECKING:
     import xarray as xr
+
+    from dvfs.gpu.visible import Visible
 
 LOCK_NAME = "sweep.lock"
 
@@ -628,6 +629,23 @@ def _measure(
     return summary, journal.path
 
 
+def read_gpu_names(
+    devices: Sequence[int | str],
+    *,
+    nvml: ModuleType | None = None,
+    allow_mig: bool = False,
+    visible: Visible | None = None,
+) -> list[tuple[int, str]]:
+    """Each of `devices`' NVML index and model, in order: the real GPUs opened over NVML (held
+    to `visible`; MIG instances refused unless `allow_mig`), nothing set or read back, and
+    closed; a `GpuError` where NVML cannot open them. How the sweep (`check_server_gpus`)
+    and its dry run (`read_group_models`) read a server's GPU models, for `one_model`."""
+    from dvfs.backends import open_gpus
+
+    with open_gpus(devices, nvml=nvml, allow_mig=allow_mig, visible=visible) as gpus:
+        return [(g.identity.index, g.identity.name) for g in gpus]
+
+
 def check_server_gpus(
     campaign: Campaign, *, nvml: ModuleType | None = None, gpus: Sequence[Gpu] | None = None
 ) -> None:
@@ -638,15 +656,13 @@ def check_server_gpus(
     opened for it. One GPU, or the twin's (one profile), has nothing to check."""
     if not real_gpus(campaign):
         return
+    from dvfs.backends import job_gpus
     from dvfs.fleet.devices import group_label, one_model
 
     if gpus is None:
         if len(campaign.gpu.devices) < 2:
             return
-        from dvfs.clock import MonotonicClock
-
-        with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as opened:
-            named = [(g.identity.index, g.identity.name) for g in opened]
+        named = read_gpu_names(campaign.gpu.devices, nvml=nvml, visible=job_gpus())
     else:
         named = [(g.identity.index, g.identity.name) for g in gpus]
     if len(named) > 1:
@@ -671,13 +687,11 @@ def read_group_models(
     servers = [tuple(g) for g in groups if len(g) > 1]
     if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet):
         return None, None
-    from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
     from dvfs.fleet.devices import group_label, one_model
 
     try:
-        with open_gpus([d for g in groups for d in g], nvml=nvml, allow_mig=True) as gpus:
-            named = iter([(g.identity.index, g.identity.name) for g in gpus])
+        named = iter(read_gpu_names([d for g in groups for d in g], nvml=nvml, allow_mig=True))
     except GpuError as exc:
         unchecked = []
         if servers:

@@ -3,7 +3,9 @@ must not stop a sweep (its name is any bytes its program set)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +27,26 @@ def _process(proc: Path, pid: int, name: bytes, ppid: int, pgrp: int, started: i
     (folder / "stat").write_bytes(b"%d (%s) " % (pid, name) + " ".join(rest).encode() + b"\n")
 
 
-def _listen(proc: Path, pid: int, port: int, inode: int) -> None:
+def _proc_address(address: str) -> str:
+    """`address` as /proc/net/tcp{,6} writes it: hex 32-bit words in the host's byte order."""
+    packed = ipaddress.ip_address(address).packed
+    return "".join(
+        f"{int.from_bytes(packed[i : i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4)
+    )
+
+
+def _listen(proc: Path, pid: int, port: int, inode: int, address: str = "127.0.0.1") -> None:
     header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
     header += "timeout inode\n"
-    line = f"   0: 0100007F:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
-    line += f"00000000  0  0 {inode} 1\n"
+    remote = _proc_address("::" if ":" in address else "0.0.0.0")
+    line = f"   0: {_proc_address(address)}:{port:04X} {remote}:0000 0A 00000000:00000000 "
+    line += f"00:00000000 00000000  0  0 {inode} 1\n"
     (proc / "net").mkdir(exist_ok=True)
-    with (proc / "net" / "tcp").open("a") as f:
+    with (proc / "net" / ("tcp6" if ":" in address else "tcp")).open("a") as f:
         if f.tell() == 0:
             f.write(header)
         f.write(line)
-    os.symlink(f"socket:[{inode}]", proc / str(pid) / "fd" / "3")
+    os.symlink(f"socket:[{inode}]", proc / str(pid) / "fd" / str(inode))
 
 
 def test_names_that_are_not_utf8_are_read_and_the_fields_after_them_found(tmp_path: Path) -> None:
@@ -76,3 +87,69 @@ def test_a_real_process_named_in_bytes_that_are_not_utf8_is_in_its_parents_tree(
         assert child.stdin is not None
         child.stdin.close()
         child.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("host", "listening", "blamed"),
+    [
+        ("127.0.0.1", "127.0.0.2", False),
+        ("127.0.0.2", "127.0.0.1", False),
+        ("127.0.0.1", "::1", False),
+        ("::1", "127.0.0.1", False),
+        ("::1", "0.0.0.0", False),
+        ("127.0.0.1", "127.0.0.1", True),
+        ("::1", "::1", True),
+        ("127.0.0.1", "0.0.0.0", True),
+        ("::1", "::", True),
+        ("127.0.0.1", "::", True),  # dual-stack unless IPV6_V6ONLY, which /proc does not tell
+        ("127.0.0.1", "::ffff:127.0.0.1", True),
+        ("0.0.0.0", "127.0.0.1", True),  # a client connecting to 0.0.0.0 reaches the loopback
+    ],
+)
+def test_an_earlier_listener_is_blamed_only_where_it_takes_the_servers_address(
+    tmp_path: Path, host: str, listening: str, blamed: bool
+) -> None:
+    """An older program listening on the server's port but another address (127.0.0.2 or
+    [::1] for 127.0.0.1, or the reverse) does not take the connections to the server's host:
+    it was named as the program answering in the server's place, so dvfs stopped a server
+    that served there. The same address, or a wildcard of its family, does."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    _process(proc, 7, b"other", 1, 7, started=10)
+    _listen(proc, 7, 30000, inode=4242, address=listening)
+    assert earlier_holder(30000, 100, proc, host=host) == (7 if blamed else None)
+    assert port_holders(30000, None, proc, host=host) == (frozenset({7}) if blamed else set())
+    assert earlier_holder(30000, 100, proc) == 7  # no host: any address, as before
+
+
+def test_the_servers_own_listener_on_another_address_does_not_clear_an_earlier_one(
+    tmp_path: Path,
+) -> None:
+    """The server's tree listening on its port at another address than its host is not what
+    answers there: an older program on the host's address is still named."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    _process(proc, 7, b"other", 1, 7, started=10)
+    _listen(proc, 100, 30000, inode=4243, address="127.0.0.2")
+    _listen(proc, 7, 30000, inode=4242, address="127.0.0.1")
+    assert earlier_holder(30000, 100, proc, host="127.0.0.1") == 7
+    assert earlier_holder(30000, 100, proc, host="127.0.0.2") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net is Linux's")
+@pytest.mark.parametrize(("family", "address"), [("ipv4", "127.0.0.2"), ("ipv6", "::1")])
+def test_a_real_listener_is_found_on_its_own_address_only(family: str, address: str) -> None:
+    """The real /proc: this process listening on a loopback address is a holder of its port
+    for that address, not for 127.0.0.1 or ::1 beside it."""
+    kind = socket.AF_INET6 if family == "ipv6" else socket.AF_INET
+    try:
+        listener = socket.socket(kind, socket.SOCK_STREAM)
+        listener.bind((address, 0))
+    except OSError as exc:
+        pytest.skip(f"cannot listen on {address} here: {exc}")
+    with listener:
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_holders(port, [os.getpid()], host=address) == frozenset({os.getpid()})
+        for other in {"127.0.0.1", "::1"} - {address}:
+            assert port_holders(port, [os.getpid()], host=other) == frozenset(), other

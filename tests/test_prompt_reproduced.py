@@ -292,3 +292,88 @@ def test_a_journal_counted_by_another_revision_of_its_tokenizer_is_refused_in_on
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
     resumed = sweep(campaign, out, *fleet)
     assert resumed.exit_code == 0, resumed.output
+
+
+@pytest.mark.parametrize(
+    ("model", "read"),
+    [
+        ("owner/Llama-GGUF:Q4_K_M", ("owner/Llama-GGUF", "Llama-GGUF-Q4_K_M.gguf")),
+        ("owner/Llama-GGUF/sub/llama-Q8_0.gguf", ("owner/Llama-GGUF", "sub/llama-Q8_0.gguf")),
+        ("owner/Llama-GGUF:Q2_K", None),  # that quantization is not in the cache
+        ("owner/Llama", ("owner/Llama", None)),
+    ],
+)
+def test_a_gguf_named_on_the_hub_is_tokenized_from_its_cached_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, read: tuple | None
+) -> None:
+    """A .gguf named on the Hub (`owner/repo:QUANT`, `owner/repo/FILE.gguf`, as SGLang serves
+    one) is no repo id: its tokenizer was asked of transformers by that name, which never
+    loads, so such a campaign always estimated. It is read from the cached file, as SGLang
+    reads it (fake transformers and Hugging Face cache: nothing is downloaded)."""
+    import sys
+    import types
+
+    snapshot = tmp_path / "snapshot"
+    for name in ("Llama-GGUF-Q4_K_M.gguf", "Llama-GGUF-Q8_0.gguf", "sub/llama-Q8_0.gguf"):
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(b"GGUF")
+    asked: list[tuple[str, dict[str, Any]]] = []
+
+    def snapshot_download(repo: str, *, allow_patterns: list[str], local_files_only: bool) -> str:
+        assert local_files_only and repo == "owner/Llama-GGUF"
+        return str(snapshot)
+
+    class AutoTokenizer:
+        @staticmethod
+        def from_pretrained(name: str, **kwargs: Any) -> EveryWord:
+            asked.append((name, kwargs))
+            if ":" in name or name.endswith(".gguf"):
+                raise OSError(f"{name} is not a valid repo id")  # as the Hub says
+            return EveryWord()
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = snapshot_download  # type: ignore[attr-defined]
+    transformers = types.ModuleType("transformers")
+    transformers.AutoTokenizer = AutoTokenizer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setitem(sys.modules, "transformers", transformers)
+    tokenizer = dvfs.corpora.tokens.load_tokenizer(model)
+    if read is None:
+        assert tokenizer is None and asked == []
+        return
+    repo, file = read
+    assert isinstance(tokenizer, EveryWord)
+    wanted: dict[str, Any] = {"local_files_only": True}
+    if file is not None:
+        wanted["gguf_file"] = file
+    assert asked == [(repo, wanted)]
+
+
+def test_the_download_hint_of_a_gguf_named_on_the_hub_names_its_repo_and_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`huggingface-cli download owner/repo:QUANT` is refused (no repo id): the hint names the
+    repo and the quantization's file alone (not every quantization the repo holds)."""
+    campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    model = f"{marker}/Llama-GGUF:Q4_K_M"
+    campaign.write_text(campaign.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    done = CliRunner().invoke(
+        cli, ["doctor", str(campaign), "--out", str(tmp_path / "out"), "--json"]
+    )
+    [check] = [c for c in json.loads(done.stdout) if c["name"] == "tokenizer"]
+    assert check["status"] == "warn", check
+    assert (
+        f"`huggingface-cli download {marker}/Llama-GGUF --include '*-Q4_K_M.gguf'`"
+        in check["detail"]
+    ), check
+    assert f"download {model}" not in check["detail"]
+    assert dvfs.corpora.tokens.download_hint(f"{marker}/Llama-GGUF/sub/llama-Q8_0.gguf") == (
+        f"`huggingface-cli download {marker}/Llama-GGUF --include 'sub/llama-Q8_0.gguf'` "
+        "and `pip install gguf`"
+    )
+    # a name no file could have (too long to look up as a local path) is still a hint
+    long = f"{marker}/{'x' * 5000}/llama.gguf"
+    assert dvfs.corpora.tokens.download_hint(long).startswith(
+        f"`huggingface-cli download {marker}/{'x' * 5000} --include 'llama.gguf'`"
+    )

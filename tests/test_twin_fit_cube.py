@@ -498,6 +498,50 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     assert not profile.exists()
 
 
+def test_a_cube_records_its_campaign_folder_and_is_fitted_from_it(tmp_path: Path) -> None:
+    """The sweep records the campaign file's folder in the cube (`campaign_dir`), and the fit
+    reads the corpora's relative paths from there, whatever words the corpus sources are in
+    (it parsed them out of "file PATH (...)", so a source worded otherwise sent it to the
+    cube's folder); a cube without the attribute (an earlier dvfs's) still falls back on that
+    parse, and a recorded folder gone since is one line saying so."""
+    rows = [{"task": f"Sort the {i} lists below and explain the order."} for i in range(8)]
+    write(tmp_path / "prompts" / "tasks.jsonl", "\n".join(json.dumps(r) for r in rows))
+    campaign = write(tmp_path / "sweeps" / "own.toml", OWN_CORPUS_CAMPAIGN)
+    out = tmp_path / "out" / "own"
+    swept = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    with open_cube(out / "cube.nc") as ds:
+        cube = ds.load()
+    folder = str((tmp_path / "sweeps").resolve())
+    assert cube.attrs["campaign_dir"] == folder
+    sources = json.loads(cube.attrs["corpora"])
+    reworded = {
+        name: {**entry, "source": entry["source"].replace("file ", "file: ", 1)}
+        for name, entry in sources.items()
+    }
+    cube.attrs["corpora"] = json.dumps(reworded)
+    cube.to_netcdf(tmp_path / "reworded.nc")
+    profile = tmp_path / "p.toml"
+    fit = invoke("twin", "fit", str(tmp_path / "reworded.nc"), "-o", str(profile))
+    assert fit.exit_code == 0, fit.output
+    assert profile.is_file()
+    # a cube of an earlier dvfs: no campaign_dir, the folder read back from its sources
+    del cube.attrs["campaign_dir"]
+    cube.attrs["corpora"] = json.dumps(sources)
+    cube.to_netcdf(tmp_path / "earlier.nc")
+    profile.unlink()
+    fit = invoke("twin", "fit", str(tmp_path / "earlier.nc"), "-o", str(profile))
+    assert fit.exit_code == 0, fit.output
+    # the campaign's folder moved away since: one line naming it, no profile written
+    (tmp_path / "sweeps").rename(tmp_path / "moved")
+    profile.unlink()
+    fit = invoke("twin", "fit", str(out / "cube.nc"), "-o", str(profile))
+    assert fit.exit_code != 0 and len(fit.output.strip().splitlines()) == 1, fit.output
+    assert folder in fit.output and "no longer exists" in fit.output
+    assert "../prompts/tasks.jsonl" in fit.output
+    assert not profile.exists()
+
+
 def test_a_large_cube_is_fitted_on_a_subsample_and_says_so(
     made: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -351,7 +351,8 @@ def campaign_dir_of(corpus_tables: object, sources: object) -> str | None:
     path `_read_source` read, that folder joined with the table's relative `path`. None where no
     corpus names a relative path whose source records it. A cube lies elsewhere than its
     campaign file (out/<name>/ against sweeps/), so this, not the cube's folder, is where the
-    relative paths start when its prompts are read again (`dvfs twin fit CUBE`)."""
+    relative paths start when its prompts are read again (`dvfs twin fit CUBE`) from a cube of
+    an earlier dvfs, which does not record that folder (`campaign_dir`)."""
     if not isinstance(corpus_tables, dict) or not isinstance(sources, dict):
         return None
     for name, spec in corpus_tables.items():

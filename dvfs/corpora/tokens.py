@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from dvfs.corpora.model import Message, TokenCounter, estimate_tokens
@@ -13,22 +14,75 @@ ESTIMATE = "estimate: characters / 4 + 5 per message"
 TOKENIZER_OF = "tokenizer of "
 
 
+def hub_gguf(model: str) -> tuple[str, str, str] | None:
+    """(repo id, file, quantization) of a .gguf named on the Hugging Face Hub as SGLang takes
+    one (`dvfs.engines.sglang.same_model`): `owner/repo:QUANT` (file "", the repo's
+    `*-QUANT.gguf`) or `owner/repo/FILE.gguf` (quantization ""); None for any other name (a
+    repo id, a local path), which names its tokenizer itself. Neither is a repo id: the
+    tokenizer is the .gguf's own (transformers reads it with `gguf_file`)."""
+    if model.startswith(("/", ".", "~")) or _exists(model):
+        return None
+    repo, _, quant = model.rpartition(":")
+    if quant and repo.count("/") == 1 and "/" not in quant:
+        return repo, "", quant
+    parts = model.split("/")
+    if len(parts) > 2 and model.endswith(".gguf") and all(parts):
+        return "/".join(parts[:2]), "/".join(parts[2:]), ""
+    return None
+
+
+def _exists(path: str) -> bool:
+    """Whether `path` names something here; False for no path a file may have (too long)."""
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _cached_gguf(repo: str, file: str, quant: str) -> str:
+    """The path in `repo` of its .gguf in the local cache: `file`, or the one of `quant`."""
+    from huggingface_hub import snapshot_download
+
+    pattern = file or f"*-{quant}.gguf"
+    folder = Path(snapshot_download(repo, allow_patterns=[pattern], local_files_only=True))
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"no {pattern} of {repo} in the local cache")
+    return found[0]
+
+
 def load_tokenizer(model: str) -> Any:
     """`model`'s tokenizer from the local Hugging Face cache (never a download while a sweep
     runs), or None without transformers or a local copy. The one place dvfs loads a tokenizer,
-    for counting prompt tokens and for the chat template alike."""
+    for counting prompt tokens and for the chat template alike. A .gguf named on the Hub
+    (`hub_gguf`) is read from its cached file, as SGLang reads it."""
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        gguf = hub_gguf(model)
+        if gguf is None:
+            return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        repo = gguf[0]
+        return AutoTokenizer.from_pretrained(
+            repo, gguf_file=_cached_gguf(*gguf), local_files_only=True
+        )
     except Exception as exc:  # not installed, not cached, no tokenizer: the caller falls back
         log.info("no local tokenizer for %s (%s)", model, exc)
         return None
 
 
 def download_hint(model: str) -> str:
-    """The command that puts `model`'s tokenizer (and weights) in the local cache."""
-    return f"`huggingface-cli download {model}`"
+    """The command that puts `model`'s tokenizer (and weights) in the local cache: for a .gguf
+    named on the Hub (`hub_gguf`, no repo id), its repo's file of that quantization alone (and
+    the gguf package, with which transformers reads its tokenizer)."""
+    gguf = hub_gguf(model)
+    if gguf is None:
+        return f"`huggingface-cli download {model}`"
+    repo, file, quant = gguf
+    return (
+        f"`huggingface-cli download {repo} --include '{file or f'*-{quant}.gguf'}'` "
+        "and `pip install gguf`"
+    )
 
 
 def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, str]:

@@ -356,6 +356,9 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "campaign_hash": header.campaign_hash,
         "campaign": json.dumps(without_credentials(copy.deepcopy(header.campaign)), sort_keys=True),
         "campaign_source": hide_unrecorded(header.campaign_source),
+        # Where the last session's corpora's relative paths started (`dvfs twin fit CUBE`
+        # reads them again from there); "" from an earlier dvfs's journal.
+        "campaign_dir": session.campaign_dir,
         "gpu_backend": session.gpu_backend,
         "gpu_name": gpus[0]["name"],
         "gpu_uuids": ",".join(str(g["uuid"]) for g in gpus),

@@ -525,7 +525,7 @@ class SglangEngine:
                 "with); dvfs stopped the server it started"
             )
         if self._process is not None:
-            other = earlier_holder(port, self._process.pid)
+            other = earlier_holder(port, self._process.pid, host=self.config.host)
             if other is not None:
                 return (
                     f"another program (pid {other}, {process_name(other) or '?'}) answers on the "

@@ -13,6 +13,7 @@ import operator
 import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from dvfs.campaign import Campaign, MeasurementConfig
@@ -414,6 +415,7 @@ class Runner:
             gpu_time_s=overhead,
             server_env=recorded_server_env(self.campaign),
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
+            campaign_dir=str(Path(self.campaign.base_dir).absolute()),
         )
         self.journal.append(session.to_json())
 

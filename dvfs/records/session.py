@@ -75,6 +75,9 @@ class Session:
     #: opening idle measurement (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name,
     #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
     idle_foreign_processes: tuple[dict[str, Any], ...] = ()
+    #: The absolute folder of the campaign file the session read, where its corpora's relative
+    #: paths start (`Campaign.base_dir`); "" before dvfs recorded it.
+    campaign_dir: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +110,7 @@ class Session:
                 if self.idle_foreign_processes
                 else {}
             ),
+            **({"campaign_dir": self.campaign_dir} if self.campaign_dir else {}),
         }
 
     @classmethod
@@ -144,6 +148,7 @@ class Session:
             idle_foreign_processes=tuple(
                 dict(p) for p in record.get("idle_foreign_processes") or ()
             ),
+            campaign_dir=str(record.get("campaign_dir") or ""),
         )
 
     @property

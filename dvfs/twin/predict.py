@@ -169,7 +169,9 @@ class Prediction:
 
 def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
     """The campaign a cube was swept from (its `campaign_source` attribute), its corpora's
-    relative paths taken from the campaign file's folder (`campaign_dir_of`), else the cube's."""
+    relative paths taken from the campaign file's folder: the one the cube records
+    (`campaign_dir`), else, in a cube of an earlier dvfs, the one its corpus sources name
+    (`campaign_dir_of`), else the cube's."""
     import json
     import tomllib
 
@@ -179,18 +181,36 @@ def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
     source = str(ds.attrs.get("campaign_source") or "")
     if not source.strip():
         raise PredictError(f"{where} records no campaign (no campaign_source attribute)")
+    folder = ds.attrs.get("campaign_dir")
+    recorded_dir = folder if isinstance(folder, str) and folder else None
     try:
         data = tomllib.loads(source)
         try:
             recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
         except ValueError:
             recorded = {}
-        base = campaign_dir_of(data.get("corpus"), recorded) or (
-            where.parent if where.is_file() else where
+        base = (
+            recorded_dir
+            or campaign_dir_of(data.get("corpus"), recorded)
+            or (where.parent if where.is_file() else where)
         )
-        return parse_campaign(data, where=f"{where}'s campaign", source=source, base_dir=str(base))
+        campaign = parse_campaign(
+            data, where=f"{where}'s campaign", source=source, base_dir=str(base)
+        )
     except (ValueError, CampaignError) as exc:
         raise PredictError(f"{where}'s campaign cannot be read again: {exc}") from exc
+    if recorded_dir is not None and not Path(recorded_dir).is_dir():
+        paths = [dict(ref.spec).get("path") for ref in campaign.workload.corpora if ref.spec]
+        relative = [
+            p for p in paths if isinstance(p, str) and not Path(p).expanduser().is_absolute()
+        ]
+        if relative:
+            raise PredictError(
+                f"{where}: its campaign file's folder {recorded_dir}, where the relative paths "
+                f"of its corpora start ({', '.join(relative)}), no longer exists: put it back "
+                "with its corpora to fit the cube"
+            )
+    return campaign
 
 
 def check_same_corpora(
