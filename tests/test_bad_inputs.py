@@ -1382,6 +1382,27 @@ MORE_CASES = (
             )
             if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
         ),
+        # `compare --roofline` on a path that is there but no roofline file said there was no
+        # file at all (and a FIFO would be waited on for ever); the JSON view of one (`dvfs gpu
+        # roofline --json`) is said to be that, not a damaged netCDF file
+        *(
+            C(
+                f"roofline-{kind}-compare",
+                ["compare", "{cube}", "--roofline", "{tmp}/r.nc"],
+                files={"r.nc": content},
+                code=1,
+                says=says,
+            )
+            for kind, content, says in (
+                ("fifo", Writer(_fifo), ("r.nc", "no regular file")),
+                (
+                    "link-to-dev-zero",
+                    Writer(lambda path, env: path.symlink_to("/dev/zero")),
+                    ("r.nc", "no regular file"),
+                ),
+                ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
+            )
+        ),
         corpus_case(
             "path-empty-string",
             "x",
