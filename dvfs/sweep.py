@@ -25,10 +25,12 @@ from dvfs.backends import (
     Backends,
     ServerPlan,
     check_engine,
+    free_running_profile,
     open_backends,
     open_campaign_gpus,
     real_gpus,
     server_plans,
+    simulated_engine,
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus
@@ -633,15 +635,19 @@ def check_server_gpus(
 ) -> None:
     """Refuse, before the journal is made or the server started, a server on real GPUs of two
     models (`dvfs.fleet.devices.one_model`, as a fleet and `dvfs doctor` refuse it): its cells
-    would not compare, and the cube was refused only once every cell was measured. The GPUs
-    are opened to read their models, and closed; or `gpus`, those a caller of `run_sweep`
-    opened for it. One GPU, or the twin's (one profile), has nothing to check."""
+    would not compare, and the cube was refused only once every cell was measured; and the
+    twin engine on real GPUs of a model the twin has no profile of, with no `gpu.profile` to
+    load them as (`dvfs.backends.free_running_profile`): set, it changes the campaign's hash,
+    which a journal made first would refuse. The GPUs are opened to read their models, and
+    closed; or `gpus`, those a caller of `run_sweep` opened for it (with its own engine). One
+    GPU under a real engine, or the twin's (one profile), has nothing to check."""
     if not real_gpus(campaign):
         return
     from dvfs.fleet.devices import group_label, one_model
 
+    twin_load = gpus is None and simulated_engine(campaign) and not campaign.gpu.profile
     if gpus is None:
-        if len(campaign.gpu.devices) < 2:
+        if len(campaign.gpu.devices) < 2 and not twin_load:
             return
         from dvfs.clock import MonotonicClock
 
@@ -651,6 +657,8 @@ def check_server_gpus(
         named = [(g.identity.index, g.identity.name) for g in gpus]
     if len(named) > 1:
         one_model(group_label(tuple(index for index, _ in named)), named)
+    if twin_load:
+        free_running_profile(campaign, named[0][1])
 
 
 def read_group_models(
