@@ -675,9 +675,13 @@ def read_group_models(
     with nothing to read: the twin (its models are its profiles), or one server on one GPU
     that is no `fleet` (a fleet of one, resuming a fleet's folder on the GPUs left, resumes
     its model's journal only); (None, why) where NVML cannot open them (no NVML here: a
-    machine planning for another), for the dry run to say what it could not check."""
+    machine planning for another), for the dry run to say what it could not check. The twin
+    engine on real GPUs, with no `gpu.profile`, has them read too: a model the twin has no
+    profile of is refused as the sweep refuses it (`free_running_profile`)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
-    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet):
+    # the twin engine's load on them, which a GPU the twin has no profile of is refused
+    twin_load = simulated_engine(campaign) and not campaign.gpu.profile
+    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet and not twin_load):
         return None, None
     from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
@@ -694,11 +698,16 @@ def read_group_models(
             unchecked.append("a fleet mixing GPU models is counted as one model")
         elif fleet:
             unchecked.append("every GPU model's journal in the folder is counted")
+        if twin_load:  # first: the others' words end the sentence ("... here")
+            unchecked.insert(0, "whether the twin has a profile of their model is not checked")
         return None, (
             f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
             "`dvfs doctor` on the GPU machine checks it"
         )
-    return [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups], None
+    models = [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups]
+    for model in models if twin_load else ():
+        free_running_profile(campaign, model)
+    return (models if len(groups) > 1 or servers or fleet else None), None
 
 
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:

@@ -557,8 +557,9 @@ def test_the_twin_engine_on_a_gpu_the_twin_has_no_profile_of_is_refused_before_m
 ) -> None:
     """The twin engine on real GPUs (`engine.backend = "twin"`, `gpu.backend = "nvml"`) put the
     H100 SXM's load and times on an H20, a GPU the twin has no profile of, and said nothing:
-    the cube recorded no profile. The sweep (a fleet's too) refuses it now in one line before
-    anything begins, naming the GPU and `gpu.profile`; doctor fails it as the sweep does; with
+    the cube recorded no profile. The sweep (a fleet's too, and their dry runs) refuses it now
+    in one line before anything begins, naming the GPU and `gpu.profile`; doctor fails it as
+    the sweep does; with
     `gpu.profile` set it sweeps, and the cube records that profile."""
     from nvml_support import NVML_CAMPAIGN
 
@@ -577,6 +578,10 @@ def test_the_twin_engine_on_a_gpu_the_twin_has_no_profile_of_is_refused_before_m
         assert said.startswith("Error: ") and len(said.splitlines()) == 1, said
         assert "no profile of NVIDIA H20" in said and "set gpu.profile" in said, said
         assert not out.exists()  # no journal: the campaign, changed, sweeps into this folder
+        # its dry run reads the GPUs' model too (changing nothing) and refuses it alike
+        plan = ("--out", str(out), *args, "--dry-run", "--no-estimate")
+        planned = dvfs_in_process("sweep", str(path), *plan, env=env)
+        assert planned.returncode == 2 and planned.stderr.strip() == said, planned.stderr
     checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "c"), "--json", env=env)
     assert checked.returncode == 2
     [load] = [c for c in json.loads(checked.stdout) if c["name"] == "twin load"]
