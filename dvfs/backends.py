@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from dvfs.engines.base import Engine
     from dvfs.engines.sglang_args import LaunchHelp
     from dvfs.gpu.base import Gpu
+    from dvfs.twin.profiles import GpuProfile
     from dvfs.twin.textprior import TextProfile
 
 
@@ -187,19 +188,33 @@ def corpus_texts(
 
 def _twin_node(campaign: Campaign, gpus: list[Gpu], clock: Clock) -> Any:
     """What the twin engine runs on: the twin GPUs themselves, or a free-running model of
-    real GPUs (their own profile, unless the campaign names one)."""
+    real GPUs (`free_running_profile`)."""
     from dvfs.gpu.twin import TwinGpu
     from dvfs.twin.device import FreeRunningNode, TwinNode
-    from dvfs.twin.profiles import gpu_profile, profile_for_gpu_name
 
     if campaign.gpu.backend == "twin":
         return TwinNode([g.device for g in gpus if isinstance(g, TwinGpu)])
-    profile = (
-        gpu_profile(campaign.gpu.profile)
-        if campaign.gpu.profile
-        else profile_for_gpu_name(gpus[0].identity.name)
-    )
-    return FreeRunningNode(profile, clock, len(gpus))
+    return FreeRunningNode(free_running_profile(campaign, gpus[0].identity.name), clock, len(gpus))
+
+
+def free_running_profile(campaign: Campaign, gpu_name: str) -> GpuProfile:
+    """The twin profile whose load the twin engine puts on real GPUs (NVML) of model
+    `gpu_name`: the campaign's `gpu.profile`, else the GPUs' own. A GPU the twin has no
+    profile of is refused (`CampaignError`), not given the H100's load and times in silence
+    (the cube recorded no profile): `gpu.profile` names the one to use, recorded then."""
+    from dvfs.twin.profiles import gpu_profile, gpu_profiles, matching_gpu_profile
+
+    if campaign.gpu.profile:
+        return gpu_profile(campaign.gpu.profile)
+    found = matching_gpu_profile(gpu_name)
+    if found is None:
+        raise CampaignError(
+            f"the twin engine on real GPUs puts a twin GPU profile's load on them, and the "
+            f"twin has no profile of {gpu_name}: set gpu.profile to the one whose load to put "
+            f"on it ({', '.join(sorted(gpu_profiles()))}; the cube records it), or measure a "
+            'real server with engine.backend = "sglang"'
+        )
+    return found
 
 
 def check_engine(campaign: Campaign) -> LaunchHelp | None:

@@ -212,6 +212,16 @@ def _gpu_checks(
                 return OK, "every clock and power limit of the campaign is supported"
 
             checks.append(_run("knobs", knobs))
+            if simulated_engine(campaign):
+
+                def twin_load() -> tuple[str, str]:
+                    from dvfs.backends import free_running_profile
+
+                    # As the sweep refuses a GPU the twin has no profile of, none named.
+                    profile = free_running_profile(campaign, first.name)
+                    return OK, f"the twin engine puts {profile.key}'s load on the GPUs"
+
+                checks.append(_run("twin load", twin_load))
             # Each group's GPUs, in the order opened: one worker (and server) each.
             sizes = [len(g) for g in groups]
             by_group = [gpus[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(groups))]

@@ -25,9 +25,11 @@ from dvfs.backends import (
     Backends,
     ServerPlan,
     check_engine,
+    free_running_profile,
     open_backends,
     real_gpus,
     server_plans,
+    simulated_engine,
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus
@@ -651,22 +653,28 @@ def check_server_gpus(
 ) -> None:
     """Refuse, before the journal is made or the server started, a server on real GPUs of two
     models (`dvfs.fleet.devices.one_model`, as a fleet and `dvfs doctor` refuse it): its cells
-    would not compare, and the cube was refused only once every cell was measured. The GPUs
-    are opened to read their models, and closed; or `gpus`, those a caller of `run_sweep`
-    opened for it. One GPU, or the twin's (one profile), has nothing to check."""
+    would not compare, and the cube was refused only once every cell was measured; and the
+    twin engine on real GPUs of a model the twin has no profile of, with no `gpu.profile` to
+    load them as (`dvfs.backends.free_running_profile`): set, it changes the campaign's hash,
+    which a journal made first would refuse. The GPUs are opened to read their models, and
+    closed; or `gpus`, those a caller of `run_sweep` opened for it (with its own engine). One
+    GPU under a real engine, or the twin's (one profile), has nothing to check."""
     if not real_gpus(campaign):
         return
     from dvfs.backends import job_gpus
     from dvfs.fleet.devices import group_label, one_model
 
+    twin_load = gpus is None and simulated_engine(campaign) and not campaign.gpu.profile
     if gpus is None:
-        if len(campaign.gpu.devices) < 2:
+        if len(campaign.gpu.devices) < 2 and not twin_load:
             return
         named = read_gpu_names(campaign.gpu.devices, nvml=nvml, visible=job_gpus())
     else:
         named = [(g.identity.index, g.identity.name) for g in gpus]
     if len(named) > 1:
         one_model(group_label(tuple(index for index, _ in named)), named)
+    if twin_load:
+        free_running_profile(campaign, named[0][1])
 
 
 def read_group_models(
@@ -683,9 +691,13 @@ def read_group_models(
     with nothing to read: the twin (its models are its profiles), or one server on one GPU
     that is no `fleet` (a fleet of one, resuming a fleet's folder on the GPUs left, resumes
     its model's journal only); (None, why) where NVML cannot open them (no NVML here: a
-    machine planning for another), for the dry run to say what it could not check."""
+    machine planning for another), for the dry run to say what it could not check. The twin
+    engine on real GPUs, with no `gpu.profile`, has them read too: a model the twin has no
+    profile of is refused as the sweep refuses it (`free_running_profile`)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
-    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet):
+    # the twin engine's load on them, which a GPU the twin has no profile of is refused
+    twin_load = simulated_engine(campaign) and not campaign.gpu.profile
+    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet and not twin_load):
         return None, None
     from dvfs.errors import GpuError
     from dvfs.fleet.devices import group_label, one_model
@@ -700,11 +712,16 @@ def read_group_models(
             unchecked.append("a fleet mixing GPU models is counted as one model")
         elif fleet:
             unchecked.append("every GPU model's journal in the folder is counted")
+        if twin_load:  # first: the others' words end the sentence ("... here")
+            unchecked.insert(0, "whether the twin has a profile of their model is not checked")
         return None, (
             f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
             "`dvfs doctor` on the GPU machine checks it"
         )
-    return [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups], None
+    models = [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups]
+    for model in models if twin_load else ():
+        free_running_profile(campaign, model)
+    return (models if len(groups) > 1 or servers or fleet else None), None
 
 
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:

@@ -1092,6 +1092,13 @@ BAD_JSON_ATTRIBUTES = {
     "failed-cells-number": ("failed_cells", "5", ["cube", "info", "{tmp}/cube.nc"]),
     "failed-cells-numbers": ("failed_cells", "[1]", ["cube", "info", "{tmp}/cube.nc"]),
     "failed-cells-object": ("failed_cells", '{"a": 1}', ["cube", "info", "{tmp}/cube.nc"]),
+    # read as an older cube's (no hashes recorded): twin fit checked no corpus against it
+    "corpora-not-json": (
+        "corpora",
+        '{"code": {"content_hash": "b7',
+        ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"],
+    ),
+    "corpora-a-list": ("corpora", "[1]", ["cube", "info", "{tmp}/cube.nc"]),
 }
 
 ATTRIBUTE_CASES += [
@@ -1104,6 +1111,30 @@ ATTRIBUTE_CASES += [
     )
     for kind, (attr, text, argv) in BAD_JSON_ATTRIBUTES.items()
 ]
+
+
+def test_a_cube_with_no_corpora_attribute_is_an_older_one(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """A cube from before dvfs recorded its corpora (no `corpora` attribute, or an empty one)
+    is read as it was: only one that holds something other than a JSON object is refused."""
+    from dvfs.cube import open_cube, write_cube
+
+    for kind, change in (
+        ("absent", lambda ds: _without_attr(ds, "corpora")),
+        ("empty", lambda ds: ds.assign_attrs(corpora="")),
+    ):
+        path = tmp_path / f"{kind}.nc"
+        write_cube(change(open_cube(shared["cube"])), path)
+        result = CliRunner().invoke(cli, ["cube", "info", str(path)])
+        assert result.exit_code == 0, (kind, result.output)
+
+
+def _without_attr(ds: Any, name: str) -> Any:
+    ds = ds.copy()
+    ds.attrs.pop(name, None)
+    return ds
+
 
 # -- GPU state files and devices (`dvfs gpu`, `dvfs cap` on the fake NVML) -------------------
 
@@ -1381,6 +1412,27 @@ MORE_CASES = (
                 ("twin-fit", ["twin", "fit", "{tmp}/r.nc", "-o", "{tmp}/p.toml"]),
             )
             if not (kind == "a-cube" and cmd == "twin-fit")  # a cube is what twin fit also takes
+        ),
+        # `compare --roofline` on a path that is there but no roofline file said there was no
+        # file at all (and a FIFO would be waited on for ever); the JSON view of one (`dvfs gpu
+        # roofline --json`) is said to be that, not a damaged netCDF file
+        *(
+            C(
+                f"roofline-{kind}-compare",
+                ["compare", "{cube}", "--roofline", "{tmp}/r.nc"],
+                files={"r.nc": content},
+                code=1,
+                says=says,
+            )
+            for kind, content, says in (
+                ("fifo", Writer(_fifo), ("r.nc", "no regular file")),
+                (
+                    "link-to-dev-zero",
+                    Writer(lambda path, env: path.symlink_to("/dev/zero")),
+                    ("r.nc", "no regular file"),
+                ),
+                ("json-view", '{"schema": "dvfs.roofline/1"}\n', ("r.nc", "JSON", "-o FILE")),
+            )
         ),
         corpus_case(
             "path-empty-string",

@@ -169,6 +169,50 @@ def test_a_gpu_the_twin_has_no_profile_of_gets_no_twin_ridge(gpu_name: str) -> N
     assert roofline(ds).attrs["gpu_profile"] == "h200-sxm"
 
 
+@pytest.mark.parametrize("gpu_name", ["NVIDIA L40S", "NVIDIA H20", "NVIDIA A100-SXM4-80GB"])
+def test_a_measured_roofline_of_a_gpu_the_twin_has_no_profile_of_uses_no_other_gpus_curve(
+    gpu_name: str,
+) -> None:
+    """`compare --roofline FILE` on a cube of a GPU the twin has no profile of (what the
+    roofline's refusal tells its user to do) said `gpu_profile: h100-sxm` and set each verify
+    pass against the measured ridge lowered by the H100's GEMM tiles and waves: the H100's
+    figures under the L40S's name. It names no profile now, sets the passes against the
+    measured ridge itself, and says in one note what that means; a GPU the twin has a profile
+    of keeps its own curve."""
+    import xarray as xr
+
+    from dvfs.report import compare_document
+
+    def measured(name: str) -> xr.Dataset:
+        return xr.Dataset(
+            {"sm_clock_mhz": ("setting", [1980.0, 705.0]), "ridge_point": ("setting", [300, 110])},
+            attrs={"gpu_name": name},
+        )
+
+    ds = roofline_cube(8)
+    ds.attrs.update(gpu_name=gpu_name, gpu_backend="nvml", twin_profile="h100-sxm")
+    roof = roofline(ds, measured=measured(gpu_name))
+    assert roof.attrs["gpu_profile"] is None
+    assert compare_document(compare(ds), roof, ds)["roofline"]["gpu_profile"] is None
+    ridge = roof["ridge_point"].broadcast_like(roof["verify_ridge_point"])
+    np.testing.assert_array_equal(roof["verify_ridge_point"].values, ridge.values)
+    np.testing.assert_array_equal(
+        roof["compute_bound"].values, (roof["arithmetic_intensity"] > ridge).values
+    )
+    notes: list[str] = []
+    roofline(ds, measured=measured(gpu_name), notes=notes)
+    [note] = notes
+    assert f"no profile of {gpu_name}" in note and "lower bounds" in note, note
+    assert gpu_name in roof.attrs["ridge"]
+    # the H100 SXM's own measured roofline: its tiles and waves lower a pass of 8 tokens' ridge
+    ds.attrs["gpu_name"] = "NVIDIA H100 80GB HBM3"
+    notes = []
+    roof = roofline(ds, measured=measured("NVIDIA H100 80GB HBM3"), notes=notes)
+    assert roof.attrs["gpu_profile"] == "h100-sxm" and notes == []
+    at = {"batch": 1, "drafter": "eagle3"}
+    assert (roof["verify_ridge_point"].sel(at) < roof["ridge_point"]).all()
+
+
 def test_a_real_gpus_campaign_twin_is_not_its_model() -> None:
     """A hardware campaign's `gpu.profile` (the twin that estimates its time) is recorded as
     the cube's `twin_profile`: an H200 swept with `gpu.profile = "h100-sxm"` got the H100's

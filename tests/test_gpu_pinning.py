@@ -550,3 +550,44 @@ def test_merged_shards_keep_every_shards_pinning_outcome() -> None:
         "eagle3": "verified: GPU 0",
         "none": "verified: GPU 0; unverified: no PIDs listed",
     }
+
+
+def test_the_twin_engine_on_a_gpu_the_twin_has_no_profile_of_is_refused_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The twin engine on real GPUs (`engine.backend = "twin"`, `gpu.backend = "nvml"`) put the
+    H100 SXM's load and times on an H20, a GPU the twin has no profile of, and said nothing:
+    the cube recorded no profile. The sweep (a fleet's too, and their dry runs) refuses it now
+    in one line before anything begins, naming the GPU and `gpu.profile`; doctor fails it as
+    the sweep does; with
+    `gpu.profile` set it sweeps, and the cube records that profile."""
+    from nvml_support import NVML_CAMPAIGN
+
+    devices = "h20,h20"
+    fresh_fake(tmp_path, monkeypatch, devices)
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("power_limit = [700, 400]", "power_limit = [400]")  # an H20's
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices, DVFS_FAKE_NVML_ROOT="1")
+    for args in ((), ("--gpus", "0,1")):
+        out = tmp_path / "out"
+        swept = dvfs_in_process("sweep", str(path), "--out", str(out), *args, env=env)
+        said = swept.stderr.strip()
+        assert swept.returncode == 2, (args, swept.stdout + said)
+        assert said.startswith("Error: ") and len(said.splitlines()) == 1, said
+        assert "no profile of NVIDIA H20" in said and "set gpu.profile" in said, said
+        assert not out.exists()  # no journal: the campaign, changed, sweeps into this folder
+        # its dry run reads the GPUs' model too (changing nothing) and refuses it alike
+        plan = ("--out", str(out), *args, "--dry-run", "--no-estimate")
+        planned = dvfs_in_process("sweep", str(path), *plan, env=env)
+        assert planned.returncode == 2 and planned.stderr.strip() == said, planned.stderr
+    checked = dvfs_in_process("doctor", str(path), "--out", str(tmp_path / "c"), "--json", env=env)
+    assert checked.returncode == 2
+    [load] = [c for c in json.loads(checked.stdout) if c["name"] == "twin load"]
+    assert load["status"] == "fail" and "no profile of NVIDIA H20" in load["detail"], load
+    path.write_text(text.replace("devices = [0]", 'devices = [0]\nprofile = "h100-sxm"'))
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert dvfs.open_cube(str(out / "cube.nc")).attrs["twin_profile"] == "h100-sxm"

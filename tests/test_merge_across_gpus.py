@@ -369,6 +369,18 @@ def test_a_merged_cube_keeps_the_rooflines_of_the_gpus_the_twin_knows(
     said = " ".join(done.stderr.split())
     assert "no roofline of NVIDIA A100-SXM4-80GB: the twin has no profile of it" in said, said
     assert "with that GPU's own cube" in said and len(done.stderr.strip().splitlines()) == 1
+    # --markdown, a file kept without the terminal's stderr, says it too (it showed only the
+    # H100's roofline, under a heading naming both GPUs)
+    shown = invoke("compare", str(merged), "--markdown")
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.stdout.split())
+    assert f"- {said}" in text, text
+    # a cube of that GPU alone has no roofline at all: said on stderr, and in the Markdown
+    alone = invoke("compare", str(a100), "--markdown")
+    assert alone.exit_code == 0, alone.output
+    line = " ".join(alone.stderr.split())
+    assert line.startswith("no roofline: the twin has no profile of the cube's GPU (NVIDIA A100")
+    assert f"- {line}" in " ".join(alone.stdout.split()), alone.stdout
     report = build_document(
         open_cube(merged), ReportOptions(Target("preserve")), [], generated="now"
     )

@@ -357,3 +357,27 @@ def test_compare_uses_the_measured_ridge(small_sweep: Path, tmp_path: Path) -> N
     np.testing.assert_allclose(roof["ridge_point"].values, 42.0 * clocks / clocks.max())
     assert roof.attrs["ridge"] == "measured (NVIDIA H100 80GB HBM3)"
     assert roofline(cube).attrs["ridge"].startswith("twin physics")
+
+
+def test_a_roofline_file_that_cannot_be_read_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A roofline file this user may not read was called no readable netCDF file, as if it
+    were damaged: it is said to be unreadable, with the system's reason. (Root reads any
+    file, so the refusal is the operating system's, simulated.)"""
+    from dvfs.roofline import store
+
+    path = tmp_path / "r.nc"
+    path.write_bytes(b"CDF\x01" + bytes(60))
+    opened = Path.open
+
+    def refused(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return opened(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "open", refused)
+    with pytest.raises(
+        store.RooflineFileError, match=r"r\.nc cannot be read \(Permission denied\)"
+    ):
+        store.read(path)

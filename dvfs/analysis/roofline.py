@@ -144,7 +144,7 @@ def rooflines(
     from dvfs.twin.profiles import matching_gpu_profile, recorded_gpu_profile
 
     if measured is not None or "gpu" not in cube.dims:
-        return [roofline(cube, measured=measured)]
+        return [roofline(cube, measured=measured, notes=notes)]
     labels = [str(g) for g in cube["gpu"].values]
     try:
         names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names") or "[]"))]
@@ -208,15 +208,19 @@ def roofline(
     *,
     context_tokens: float | None = None,
     measured: xr.Dataset | None = None,
+    notes: list[str] | None = None,
 ) -> xr.Dataset:
     """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock;
     `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable
-    ridge."""
+    ridge. A pass of few tokens meets the bandwidth at a lower ridge (the twin profile's GEMM
+    tiles and waves); with a measured roofline of a GPU the twin has no profile of, there is
+    none to lower it by: the verify ridge is the measured one, its `gpu_profile` None (not
+    another GPU's, whose curve stood in under its name), and `notes` says what that means."""
     import xarray as xr
 
     from dvfs.twin.fit import achievable_ridge_point
     from dvfs.twin.physics import gemm_efficiency
-    from dvfs.twin.profiles import find_model_profile, profile_for_gpu_name
+    from dvfs.twin.profiles import find_model_profile, recorded_gpu_profile
 
     model_name = cube.attrs.get("twin_model") or cube.attrs.get("model")
     model = find_model_profile(str(model_name)) if model_name else None
@@ -226,11 +230,7 @@ def roofline(
             f"the roofline needs the model's shape, and {named}; "
             "set engine.twin_model in the campaign to one of the twin's model profiles"
         )
-    gpu = (
-        _cube_gpu(cube)
-        if measured is None
-        else profile_for_gpu_name(str(cube.attrs.get("gpu_name", "")))
-    )
+    gpu = _cube_gpu(cube) if measured is None else recorded_gpu_profile(cube.attrs)
     tp = int(cube.attrs.get("tp_size", 1))
     context = context_tokens if context_tokens is not None else _mean_context(cube)
     widths = verify_tokens_per_request(cube)
@@ -254,12 +254,23 @@ def roofline(
             intensity[i, j] = (flops / tp) / (bytes_ / tp)
             tokens[i, j] = n
     if measured is None:
+        assert gpu is not None  # `_cube_gpu` refuses a GPU the twin has no profile of
         ridge = np.array([achievable_ridge_point(gpu, c) for c in clocks])
         source = f"twin physics ({gpu.key})"
     else:
         ridge = measured_ridge(measured, clocks)
         name = measured.attrs.get("gpu_name") or measured.attrs.get("device_name", "?")
         source = f"measured ({name})"
+        if gpu is None:
+            source += ", the best GEMM's at every pass's token count"
+            if notes is not None:
+                notes.append(
+                    f"the verify passes are set against the measured ridge of the best GEMM: "
+                    f"the twin has no profile of {name} to lower it for a pass of few tokens "
+                    "(GEMM tiles and waves part-filled), so a pass may turn compute-bound "
+                    "above the clock given (or where it says never): read those clocks as "
+                    "lower bounds"
+                )
     result = xr.Dataset(
         {
             "verify_tokens": (
@@ -285,7 +296,9 @@ def roofline(
     )
     # A pass of fewer tokens than fill its GEMMs' tiles and waves reaches less of the peak
     # FLOP/s, so it meets the bandwidth at a lower intensity: the large-M ridge times that share.
-    share = gemm_efficiency(gpu, tokens) / gpu.gemm_efficiency
+    share = (
+        np.ones_like(tokens) if gpu is None else gemm_efficiency(gpu, tokens) / gpu.gemm_efficiency
+    )
     result["verify_ridge_point"] = (
         result["ridge_point"] * xr.DataArray(share, dims=("batch", "drafter"))
     ).assign_attrs(
@@ -296,6 +309,10 @@ def roofline(
         result["arithmetic_intensity"] > result["verify_ridge_point"]
     ).assign_attrs(units="1", long_name="verify pass is past the ridge point at this clock")
     result.attrs.update(
-        model=model.key, gpu_profile=gpu.key, context_tokens=context, tp_size=tp, ridge=source
+        model=model.key,
+        gpu_profile=None if gpu is None else gpu.key,
+        context_tokens=context,
+        tp_size=tp,
+        ridge=source,
     )
     return result

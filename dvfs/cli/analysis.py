@@ -409,7 +409,7 @@ def compare(
             for r in rooflines(ds, measured=measured, notes=notes, left_out=models)
         ]
     except AnalysisError as exc:
-        _print_line(f"[yellow]no roofline: {escape(str(exc))}[/yellow]", stderr=True)
+        notes.insert(0, f"no roofline: {exc}")
         roof = None
     for note in notes:
         _print_line(f"[yellow]{escape(note)}[/yellow]", stderr=True)
@@ -417,7 +417,7 @@ def compare(
     if as_json:
         echo_json(doc)
     elif markdown:
-        click.echo(compare_markdown(doc))
+        click.echo(compare_markdown(doc, notes))
     else:
         for title, header, rows in compare_tables(doc):
             print_table(title, header, rows)

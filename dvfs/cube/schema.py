@@ -292,6 +292,9 @@ def _attribute_problem(ds: xr.Dataset) -> str | None:
 JSON_SHAPES = {
     "server_args": (dict, dict, "a JSON object of each drafter's server"),
     "failed_cells": (list, dict, "a JSON list of the failed cells"),
+    # each corpus's hashes, which `twin fit` and `cube merge` check prompts by: unreadable, it
+    # read as an older cube's (none recorded), and nothing was checked
+    "corpora": (dict, object, "a JSON object of each corpus's provenance"),
 }
 
 

@@ -165,8 +165,25 @@ def read(path: Path) -> xr.Dataset:
     """A roofline file, derived variables recomputed; one clear line when it is not one."""
     import xarray as xr
 
-    if not path.is_file():
+    if not path.exists():
         raise RooflineFileError(f"no roofline file at {path} (write one with `dvfs gpu roofline`)")
+    if not path.is_file():  # netCDF is read by seeking: a FIFO would be waited on for ever
+        raise RooflineFileError(
+            f"{path} is no regular file (a folder, a FIFO, a device), so no roofline file: give "
+            "the file `dvfs gpu roofline -o FILE` wrote"
+        )
+    try:
+        with path.open("rb") as file:
+            head = file.read(64).lstrip()
+    except OSError as exc:
+        raise RooflineFileError(
+            f"{path} cannot be read ({exc.strerror or exc}): give a roofline file you may read"
+        ) from exc
+    if head.startswith((b"{", b"[")):
+        raise RooflineFileError(
+            f"{path} is JSON, not a roofline file (`dvfs gpu roofline --json` prints one's "
+            "view): give the netCDF file `dvfs gpu roofline -o FILE` wrote"
+        )
     try:
         with xr.open_dataset(path, engine="netcdf4") as opened:
             ds = opened.load()

@@ -479,6 +479,16 @@ FAKE_PROFILES: dict[str, dict[str, Any]] = {
         # an H200 lists 1980...345 MHz (NVML's supported clocks, read on one, 2026-12-04)
         "min_sm_mhz": 345,
     },
+    # A Hopper GPU the twin has no profile of (its name a prefix of the H200's): figures
+    # illustrative, the H100 SXM's but the name, memory and a 400 W limit.
+    "h20": {
+        "name": "NVIDIA H20",
+        "architecture": NVML_DEVICE_ARCH_HOPPER,
+        "mem_clock_mhz": 2619,
+        "memory_total_bytes": 97871 * _MIB,
+        "power_max_mw": 400_000,
+        "power_default_mw": 400_000,
+    },
 }
 _HOPPER_SXM = {
     "max_sm_mhz": 1980,
