@@ -217,9 +217,17 @@ def _gpu_checks(
                 def twin_load() -> tuple[str, str]:
                     from dvfs.backends import free_running_profile
 
-                    # As the sweep refuses a GPU the twin has no profile of, none named.
-                    profile = free_running_profile(campaign, first.name)
-                    return OK, f"the twin engine puts {profile.key}'s load on the GPUs"
+                    # As the sweep refuses a GPU the twin has no profile of, none named: each
+                    # model's, as each worker of a fleet mixing models loads its own GPUs.
+                    loads: dict[str, str] = {}
+                    for g in gpus:
+                        name = g.identity.name
+                        if name not in loads:
+                            loads[name] = free_running_profile(campaign, name).key
+                    if len(set(loads.values())) == 1:
+                        return OK, f"the twin engine puts {loads[first.name]}'s load on the GPUs"
+                    each = ", ".join(f"{key}'s on the {name}" for name, key in loads.items())
+                    return OK, f"the twin engine puts each GPU model's own load on it: {each}"
 
                 checks.append(_run("twin load", twin_load))
             # Each group's GPUs, in the order opened: one worker (and server) each.

@@ -591,3 +591,35 @@ def test_the_twin_engine_on_a_gpu_the_twin_has_no_profile_of_is_refused_before_m
     swept = dvfs_in_process("sweep", str(path), "--out", str(out), "--no-progress", env=env)
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert dvfs.open_cube(str(out / "cube.nc")).attrs["twin_profile"] == "h100-sxm"
+
+
+def test_doctor_checks_the_twin_load_of_every_gpu_model_of_a_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet mixing GPU models under the twin engine (`--gpus 0,1` on an H100 and an H20):
+    the sweep refuses the H20, which the twin has no profile of (its worker's load), but
+    doctor checked the first GPU's model only and said the H100's load went on every GPU,
+    exit 0. It checks each model now, fails as the sweep refuses (exit 2), and names each
+    model's load where the twin has a profile of each."""
+    from nvml_support import NVML_CAMPAIGN
+
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    text = text.replace("power_limit = [700, 400]", "power_limit = [400]")  # an H20's
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    for devices, code in (("h100-sxm,h20", 2), ("h100-sxm,h200-sxm", 0)):
+        fresh_fake(tmp_path, monkeypatch, devices)
+        env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES=devices, DVFS_FAKE_NVML_ROOT="1")
+        out = tmp_path / "out"
+        args = ("--out", str(out), "--gpus", "0,1")
+        checked = dvfs_in_process("doctor", str(path), *args, "--json", env=env)
+        [load] = [c for c in json.loads(checked.stdout) if c["name"] == "twin load"]
+        assert checked.returncode == code, (devices, load)
+        if code:
+            assert load["status"] == "fail" and "no profile of NVIDIA H20" in load["detail"]
+            swept = dvfs_in_process("sweep", str(path), *args, "--no-progress", env=env)
+            assert swept.returncode == 2 and "no profile of NVIDIA H20" in swept.stderr
+        else:
+            assert load["status"] == "ok", load
+            for key, name in (("h100-sxm", "NVIDIA H100 80GB HBM3"), ("h200-sxm", "NVIDIA H200")):
+                assert f"{key}'s on the {name}" in load["detail"], load
