@@ -118,16 +118,24 @@ def connect_addresses(host: str) -> frozenset[Address] | None:
     return frozenset(addresses) or None
 
 
-def _holds(listener: Address, targets: frozenset[Address] | None) -> bool:
-    """Whether a socket listening on `listener` takes connections to one of `targets` (None:
-    any): the same address, or a wildcard: 0.0.0.0 every IPv4 address, :: every IPv6 one and,
-    as Linux lets it unless the program set IPV6_V6ONLY (which /proc does not tell), every
-    IPv4 one too."""
-    if targets is None or listener in targets:
-        return True
-    if listener.is_unspecified:
-        return any(listener.version == 6 or t.version == 4 for t in targets)
-    return False
+def _taking(listeners: Sequence[tuple[Address, str]], target: Address) -> list[str]:
+    """The sockets among `listeners` (address, inode; one port) that Linux hands a connection
+    to `target`: the most specific that listen where it goes, the address's own, else its
+    family's wildcard (0.0.0.0, ::), else, for IPv4, :: (dual stack, as Linux lets it unless
+    the program set IPV6_V6ONLY, which /proc does not tell; beside an IPv4 listener on the
+    port it took none either way: set, or outranked)."""
+    exact = [inode for address, inode in listeners if address == target]
+    wildcard = [
+        inode
+        for address, inode in listeners
+        if address.is_unspecified and address.version == target.version
+    ]
+    dual = [
+        inode
+        for address, inode in listeners
+        if target.version == 4 and address.is_unspecified and address.version == 6
+    ]
+    return exact or wildcard or dual
 
 
 def port_holders(
@@ -138,11 +146,11 @@ def port_holders(
     host: str | None = None,
 ) -> frozenset[int]:
     """The processes (among `pids`, else all) holding a TCP socket listening on `port`, IPv4 or
-    IPv6, where a client connecting to `host` reaches it (`connect_addresses`, `_holds`; None:
-    on any address), as far as /proc tells: processes this user may not read are left out,
-    and elsewhere than Linux none is found."""
+    IPv6, that takes the connections a client makes to `host` (`connect_addresses`,
+    `_taking`; None: on any address), as far as /proc tells: processes this user may not read
+    are left out, and elsewhere than Linux none is found."""
     targets = connect_addresses(host) if host is not None else None
-    inodes = set()
+    listeners: list[tuple[Address, str]] = []
     for table in ("net/tcp", "net/tcp6"):
         text = _read(proc / table)
         for line in text.splitlines()[1:] if text is not None else ():
@@ -151,8 +159,12 @@ def port_holders(
             if len(fields) > 9 and fields[3] == "0A":
                 with contextlib.suppress(ValueError, IndexError):
                     address, _, hex_port = fields[1].rpartition(":")
-                    if int(hex_port, 16) == port and _holds(_listen_address(address), targets):
-                        inodes.add(f"socket:[{fields[9]}]")
+                    if int(hex_port, 16) == port:
+                        listeners.append((_listen_address(address), f"socket:[{fields[9]}]"))
+    if targets is None:
+        inodes = {inode for _, inode in listeners}
+    else:
+        inodes = {inode for target in targets for inode in _taking(listeners, target)}
     if not inodes:
         return frozenset()
     if pids is None:

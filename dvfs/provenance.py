@@ -31,7 +31,7 @@ REGISTRY = tuple(
             "str",
             "",
             "absolute folder of the campaign file, where its corpora's relative paths start "
-            "(empty: not recorded, an earlier dvfs)",
+            "(empty: not recorded: an earlier dvfs, or a folder name that is not UTF-8)",
         ),
         ("gpu_backend", "str", "", "nvml or twin"),
         ("gpu_name", "str", "", "NVML device name"),

@@ -153,3 +153,66 @@ def test_a_real_listener_is_found_on_its_own_address_only(family: str, address: 
         assert port_holders(port, [os.getpid()], host=address) == frozenset({os.getpid()})
         for other in {"127.0.0.1", "::1"} - {address}:
             assert port_holders(port, [os.getpid()], host=other) == frozenset(), other
+
+
+@pytest.mark.parametrize(
+    ("host", "older", "younger", "blamed"),
+    [
+        ("127.0.0.1", "::", "127.0.0.1", False),  # beside an IPv4 listener, :: is IPV6_V6ONLY
+        ("127.0.0.1", "::", "0.0.0.0", False),
+        ("127.0.0.1", "0.0.0.0", "127.0.0.1", False),  # the address's own before a wildcard
+        ("::1", "::", "::1", False),
+        ("127.0.0.1", "127.0.0.1", "0.0.0.0", True),
+        ("127.0.0.1", "0.0.0.0", "::", True),
+        ("::1", "::1", "::", True),
+    ],
+)
+def test_an_earlier_listener_is_blamed_only_where_it_takes_the_connections_first(
+    tmp_path: Path, host: str, older: str, younger: str, blamed: bool
+) -> None:
+    """Of the listeners on the server's port whose addresses take its host's, Linux hands a
+    connection to the most specific: the address's own before a wildcard, an IPv4 wildcard
+    before :: (and a :: beside an IPv4 listener of its port is IPV6_V6ONLY: it takes none).
+    An older program on :: was blamed beside the server's own listener on 127.0.0.1 outside
+    dvfs's process tree (a container's, started after it): the server that served stopped."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, b"python3", 1, 100, started=5000)
+    _process(proc, 7, b"other", 1, 7, started=10)
+    _process(proc, 200, b"container", 1, 200, started=5100)  # not in the server's tree
+    _listen(proc, 7, 30000, inode=4242, address=older)
+    _listen(proc, 200, 30000, inode=4243, address=younger)
+    assert earlier_holder(30000, 100, proc, host=host) == (7 if blamed else None)
+    assert port_holders(30000, None, proc, host=host) == frozenset({7 if blamed else 200})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net is Linux's")
+def test_a_real_ipv6_only_listener_is_no_holder_beside_an_ipv4_one() -> None:
+    """The real /proc: another process listening on [::] with IPV6_V6ONLY (nginx's default)
+    and this one on 127.0.0.1, one port: a client connecting to 127.0.0.1 reaches this one
+    alone, which alone holds the port for that host."""
+    code = (
+        "import socket, sys; s = socket.socket(socket.AF_INET6); "
+        "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); s.bind(('::', 0)); "
+        "s.listen(); print(s.getsockname()[1], flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if not line.strip():
+            pytest.skip("cannot listen on [::] here")
+        port = int(line)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+            pids = [child.pid, os.getpid()]
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+                assert client.getpeername()[1] == port
+            assert port_holders(port, pids, host="127.0.0.1") == frozenset({os.getpid()})
+            assert port_holders(port, pids, host="::1") == frozenset({child.pid})
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)

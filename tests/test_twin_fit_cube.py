@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -540,6 +541,27 @@ def test_a_cube_records_its_campaign_folder_and_is_fitted_from_it(tmp_path: Path
     assert folder in fit.output and "no longer exists" in fit.output
     assert "../prompts/tasks.jsonl" in fit.output
     assert not profile.exists()
+
+
+def test_a_campaign_in_a_folder_named_in_bytes_that_are_not_utf8_is_swept_and_fitted(
+    tmp_path: Path,
+) -> None:
+    """A campaign file in a folder whose name is not UTF-8 (Linux names are bytes): the cube,
+    whose attributes are UTF-8 text, cannot hold that folder, so it records none (as an
+    earlier dvfs's cube), and the fit finds the corpora from their recorded sources. It
+    stopped every sweep of such a campaign, its cells all measured, at writing the cube."""
+    base = tmp_path / os.fsdecode(b"campagne-\xe9t\xe9")  # Latin-1, not UTF-8
+    try:
+        base.mkdir()
+    except OSError as exc:  # a file system that takes UTF-8 names only
+        pytest.skip(f"cannot name a folder in bytes that are not UTF-8 here: {exc}")
+    out = _own_corpus_sweep(base, tmp_path / "out")
+    with open_cube(out / "cube.nc") as ds:
+        assert ds.attrs["campaign_dir"] == ""
+    profile = tmp_path / "p.toml"
+    fit = invoke("twin", "fit", str(out / "cube.nc"), "-o", str(profile))
+    assert fit.exit_code == 0, fit.output
+    assert profile.is_file()
 
 
 def test_a_large_cube_is_fitted_on_a_subsample_and_says_so(

@@ -336,6 +336,17 @@ def _twin_profile_run(profile: str, gpu_name: str) -> str:
     return profile
 
 
+def _utf8_or_empty(path: str) -> str:
+    """`path` as a cube's attribute holds it (UTF-8 text); "" for a folder named in bytes that
+    are not UTF-8 (Linux's names are bytes: surrogates here, which no netCDF file takes), as
+    an earlier dvfs's cube, whose corpora's recorded sources `dvfs twin fit` reads it from."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return ""
+    return path
+
+
 def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any]:
     header, session = journal.header, journal.sessions[-1]
     if header.campaign_name is None or header.campaign_hash is None:
@@ -358,7 +369,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "campaign_source": hide_unrecorded(header.campaign_source),
         # Where the last session's corpora's relative paths started (`dvfs twin fit CUBE`
         # reads them again from there); "" from an earlier dvfs's journal.
-        "campaign_dir": session.campaign_dir,
+        "campaign_dir": _utf8_or_empty(session.campaign_dir),
         "gpu_backend": session.gpu_backend,
         "gpu_name": gpus[0]["name"],
         "gpu_uuids": ",".join(str(g["uuid"]) for g in gpus),

@@ -31,6 +31,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       `dvfs.measure.journal.Journal.check_inflight_drift`).
       A session's corpora entries' optional `pool_hash` (within 3): the prompts fitted to the
       input lengths with their token counts (`dvfs.corpora.sampling.pool_hash`).
+      A session's optional `campaign_dir` (within 3; absent: an earlier dvfs): the absolute
+      folder of the campaign file, where its corpora's relative paths start.
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
