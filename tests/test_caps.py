@@ -354,6 +354,36 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
+def test_cap_reset_after_a_crashed_governor_leaves_nothing_to_put_back(
+    nvml, tmp_path: Path
+) -> None:
+    """A governor SIGKILLed under static caps leaves a state file holding those caps (what it
+    found) and its lock record. `cap reset` puts the GPU at driver defaults, as asked: it must
+    not leave that state file behind, for a later `dvfs gpu reset` (the governor unit's
+    ExecStopPost, or the fix `cap apply` and sweeps ask for) would put the caps back on the GPU
+    with no record of them, where `cap show` and `dvfs monitor` say it holds no lock."""
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    # What a governor killed after its first change leaves (dvfs.govern.loop.guarded).
+    StateStore(state, command="govern").record(GpuSettings(uuid, (210, 1410), 500_000))
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    out = " ".join(invoke("cap", "reset").split())
+    assert "clocks unlocked, power limit 700 W (default)" in out, out
+    assert "'govern'" in out, out  # says what it dropped
+    invoke("gpu", "reset")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None and shown["enforced_power_limit_w"] == 700
+    apply_caps(tmp_path, 1500, 600.0)  # not refused as holding an earlier run's changes
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+
+
 def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> None:
     """Without persistence mode the driver resets clock locks and power limits when it unloads
     (once no process holds the GPU): caps applied then, at boot by the oneshot unit included,

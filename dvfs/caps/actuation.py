@@ -17,12 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuBusyError, GpuError
+from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
+
+if TYPE_CHECKING:
+    from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
 #: The kernel's id of this boot (Linux): the caps record's entries carry it, since a reboot
@@ -438,9 +441,17 @@ def apply_actions(
 
 
 def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
-    """Unlock clocks and restore default power limits; returns what was done per GPU."""
+    """Unlock clocks and restore default power limits; returns what was done per GPU.
+
+    A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
+    too: it holds the settings that run found, static caps included, and the GPU is at its
+    defaults now, as asked. Left behind, a later `dvfs gpu reset` would put those settings back
+    on the GPU with no record of them, and `cap apply` and sweeps would refuse the GPU."""
+    from dvfs.gpu.safety import StateStore
+
     failures = GatheredFailures()
     done = []
+    store = StateStore(record.path.parent)
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
@@ -450,14 +461,33 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                 gpu.set_power_limit_mw(default)
             record.update(ident.uuid, None)
             GovernorLocks(record.path.parent).clear(ident.uuid)
-            done.append(
+            line = (
                 f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
                 f"{default / 1000:g} W (default)"
             )
+            if store.path(ident.uuid).exists():
+                line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
+                store.clear(ident.uuid)
+            done.append(line)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _left_by(store: StateStore, uuid: str) -> str:
+    """Who left a GPU's state file, for the line that says it is dropped (an unreadable one
+    is named by its path)."""
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        pending = []
+    if not pending:
+        return f"the unreadable state file {store.path(uuid)}"
+    return (
+        f"the state file dvfs {pending[0].command!r} (pid {pending[0].pid}, since "
+        f"{pending[0].since}) left unrestored"
+    )
 
 
 def enforce_plan(
