@@ -525,8 +525,20 @@ def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
         ('[[model]]\nname = "X"\npower_limit_w = nan\n', "power_limit_w must be a positive"),
         ('[[model]]\nname = "X"\npower_limit_w = inf\n', "power_limit_w must be a positive"),
         (b"\xff\xfe caps", "not UTF-8"),
+        # The first entry would cap every GPU of the model, the second nothing, and the apply
+        # would note that no GPU here is of that model.
+        (
+            '[[model]]\nname = "X"\nsm_clock_max_mhz = 1500\n'
+            '[[model]]\nname = "X"\npower_limit_w = 400\n',
+            "GPU model 'X' appears twice",
+        ),
+        (
+            '[[model]]\nname = "X"\nsm_clock_max_mhz = 1500\n'
+            '[[model]]\nname = "X (twin)"\nsm_clock_max_mhz = 1200\n',
+            "GPU model 'X' appears twice",
+        ),
     ],
-    ids=["entry-not-table", "nan-watts", "inf-watts", "not-utf8"],
+    ids=["entry-not-table", "nan-watts", "inf-watts", "not-utf8", "model-twice", "twin-twice"],
 )
 def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str) -> None:
     path = tmp_path / "caps.toml"
