@@ -384,6 +384,30 @@ def test_cap_reset_after_a_crashed_governor_leaves_nothing_to_put_back(
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
+def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
+    """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
+    one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run
+    must not say "would apply" and exit 0 for it."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        assert "in use by another dvfs process" in invoke("cap", "apply", str(caps), code=3)
+        dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=3).split())
+        assert "dry run, nothing changed" in dry and "in use by another dvfs process" in dry, dry
+        assert "would apply" not in dry
+    StateStore(state, command="govern").record(GpuSettings(uuid, None, 700_000))
+    assert "not restored" in invoke("cap", "apply", str(caps), code=3)
+    dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=3).split())
+    assert "dry run, nothing changed" in dry and "not restored" in dry, dry
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> None:
     """Without persistence mode the driver resets clock locks and power limits when it unloads
     (once no process holds the GPU): caps applied then, at boot by the oneshot unit included,
