@@ -545,6 +545,30 @@ def test_bad_govern_options_are_one_line(
     assert message in result.output and "Traceback" not in result.output
 
 
+def test_a_gpu_named_twice_is_refused_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`--gpu 0 --gpu <GPU 0's UUID>` names one GPU twice: the governor refused it as in use by
+    another dvfs process (its own pid, exit 3), and the monitor exported each of its series
+    twice (a page Prometheus rejects) and summed its energy twice into the server's energy per
+    token. Each is a usage error (exit 2), as a campaign listing a GPU twice is."""
+    uuid = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)[0]["uuid"]
+    closed = f"http://127.0.0.1:{closed_port()}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--once", "--interval", "0.01", "--gpu", "0", "--gpu", uuid],
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "0", "--gpu", uuid],
+        ["cap", "reset", "0", "0"],
+    ):
+        result = dvfs_in_process(*argv, env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        assert "GPU 0" in printed and "named twice" in printed, printed
+        assert len([line for line in printed.splitlines() if "Error:" in line]) == 1, printed
+    assert not nvml.fake_calls()
+
+
 def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:
     from dvfs.govern.metrics import scrape
 
