@@ -384,6 +384,36 @@ def test_cap_reset_after_a_crashed_governor_leaves_nothing_to_put_back(
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
+def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path) -> None:
+    """A governor killed with SIGKILL leaves its lock on the GPU and its record: `cap show`
+    says the lock is the governor's, and must not let it pass for a running governor's (whose
+    GPU `cap apply` and a sweep would refuse as busy, and which restores it itself) but say
+    it is gone and what puts the GPU back. The GPU's dvfs lock tells whether it runs."""
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        # A running governor: it holds the GPU's lock, its state file and its record.
+        StateStore(state, command="govern").record(GpuSettings(uuid, None, 700_000))
+        GovernorLocks(state).write(uuid, (210, 1200))
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        running = " ".join(invoke("cap", "show").split())
+        assert "locked 210-1200 MHz by dvfs govern (pid" in running, running
+        assert "no longer running" not in running, running
+    gone = " ".join(invoke("cap", "show").split())  # the lock let go: the governor died
+    assert "locked 210-1200 MHz by dvfs govern (pid" in gone, gone
+    assert "no longer running" in gone and "dvfs gpu reset" in gone, gone
+    [row, _] = json.loads(invoke("cap", "show", "--json"))
+    assert (
+        row["sm_clock_lock_mhz"] == [210, 1200]
+        and "no longer running" in row["sm_clock_lock_set_by"]
+    )
+
+
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
     """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
     one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run

@@ -519,6 +519,22 @@ def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
         return reset_caps(gpus, AppliedCaps(directory))
 
 
+def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
+    """Who set a lock; for a governor's, that it is gone when no dvfs holds the GPU's lock any
+    more (killed with SIGKILL: its lock stays on the GPU, and nothing restores it by itself)."""
+    from dvfs.gpu.safety import GpuLocks
+
+    if not lock.by_governor:
+        return lock.set_by
+    path = directory / f"{gpu.identity.uuid}.lock"
+    if not os.access(path, os.R_OK) or GpuLocks(directory).holder(gpu) is not None:
+        return lock.set_by  # running, or it cannot be told here
+    return (
+        f"dvfs govern (pid {lock.record.get('pid')}, since {lock.record.get('since')}; no longer "
+        "running: `dvfs gpu reset` puts back what it found)"
+    )
+
+
 def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
     """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
     records (NVML cannot read a lock back): a running governor's, else `cap apply`'s (whose
@@ -540,7 +556,7 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
                 "configured_power_limit_w": g.power_limit_mw() / 1000,
                 "default_power_limit_w": limits.default_mw / 1000,
                 "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
-                "sm_clock_lock_set_by": None if lock is None else lock.set_by,
+                "sm_clock_lock_set_by": None if lock is None else _set_by(lock, g, directory),
                 "caps_sm_clock_lock_mhz": record.get("lock_mhz"),
                 "sm_clock_mhz": g.sm_clock_mhz(),
                 "caps_source": record.get("source"),
