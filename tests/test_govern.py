@@ -616,17 +616,22 @@ def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Pa
         gpus[0].set_power_limit_mw(350_000)
         calls = len(nvml.fake_calls())
         lines: list[str] = []
+        live = LiveMetrics()
         govern(
             PLAN,
             gpus,
             lambda: ServerSample(0, None, None),
             PolicyParams(dwell_s=0.0),
             Ticker(1.0, 1),
-            live=LiveMetrics(),
+            live=live,
             note=lines.append,
             dry_run=True,
             state_dir=state,
         )
+    # What its exporter shows is what the GPU holds: the static lock (a dry run sets none),
+    # not "no lock" (0), which `dvfs monitor` beside it would contradict.
+    [row] = live.latest().gpus
+    assert (row.lock_max_mhz, row.lock_by_governor) == (1110, False)
     assert lines[0].endswith("GPU 0: SM clock locked 210-1110 MHz, power limit 350 W")
     assert lines[1] == (
         "dry run, nothing changed: would set running batch 0 -> plan batch 1: SM clock <= "
