@@ -220,6 +220,9 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    # The journal of a `systemctl stop` says the GPUs are back, as a stop after
+    # --max-intervals does.
+    assert lines(log, "stopped (received SIGTERM); GPU settings restored"), log.read_text()
     # Only a looser setting (batch 3's) may come within the dwell of the change before.
     at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
     gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
