@@ -498,6 +498,31 @@ def test_caps_recorded_before_a_reboot_are_not_reported_after_it(nvml, tmp_path:
     assert "1.41e+09" not in invoke("monitor", "--once", "--interval", "0.01")
 
 
+def test_a_governors_lock_recorded_before_a_reboot_is_not_reported_after_it(
+    nvml, tmp_path: Path
+) -> None:
+    """The governor's lock record outlives a power loss as the caps record does, and the
+    reboot reset the GPU's lock as it reset the caps: `cap show` and `dvfs monitor` must not
+    report the lock of a governor from an earlier boot either."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.caps import GovernorLocks
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] == [210, 1200]
+    path = GovernorLocks(state).path(uuid)
+    record = json.loads(path.read_text())
+    record["boot"] = "an-earlier-boot"
+    path.write_text(json.dumps(record))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None, shown
+    assert "1.2e+09" not in invoke("monitor", "--once", "--interval", "0.01")
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

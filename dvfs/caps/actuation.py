@@ -190,6 +190,7 @@ class GovernorLocks:
                 "lock_mhz": list(lock_mhz),
                 "pid": os.getpid(),
                 "since": datetime.now(UTC).isoformat(timespec="seconds"),
+                "boot": boot_id(),
             },
         )
 
@@ -198,7 +199,16 @@ class GovernorLocks:
             self.path(uuid).unlink()
 
     def read(self) -> dict[str, dict[str, Any]]:
-        """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed)."""
+        """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed),
+        but those written during an earlier boot, which reset the GPUs' locks (a power loss
+        while governing leaves the record; `recorded` still lists them, to be cleared)."""
+        now = boot_id()
+        return {
+            u: r for u, r in self.recorded().items() if now is None or r.get("boot") in (None, now)
+        }
+
+    def recorded(self) -> dict[str, dict[str, Any]]:
+        """Every record on disk, an earlier boot's included."""
         if not self.directory.is_dir():
             return {}
         found = {}
@@ -590,7 +600,7 @@ def reset_gpus(
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
     # with nothing to restore: cleared under the GPU's lock (a live governor holds it).
-    recorded = governed.read()
+    recorded = governed.recorded()
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
         return False
