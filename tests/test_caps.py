@@ -523,6 +523,42 @@ def test_a_governors_lock_recorded_before_a_reboot_is_not_reported_after_it(
     assert "1.2e+09" not in invoke("monitor", "--once", "--interval", "0.01")
 
 
+def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_path: Path) -> None:
+    """A power loss while a governor ran under static caps leaves its state file (what it
+    found: the caps) and the caps record; the reboot reset the GPU, and the record's entry
+    from that boot is ignored. `dvfs gpu reset` (the governor unit's ExecStopPost, at boot)
+    must not put the earlier boot's caps back on the GPU, where no record says they are
+    (`cap show`: no lock): it drops the file, saying why. In the same boot it restores."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    store = StateStore(state, command="govern")
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    caps_record = json.loads((state / "caps-applied.json").read_text())
+    caps_record[uuid]["boot"] = "an-earlier-boot"  # both written before the reboot
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    left = json.loads(store.path(uuid).read_text())
+    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    out = " ".join(invoke("gpu", "reset").split())
+    assert "reboot" in out, out
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    assert not store.pending()
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None
+    # In the boot that wrote it, the file is restored as ever.
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    assert json.loads(store.path(uuid).read_text())["boot"] == left["boot"] != "an-earlier-boot"
+    invoke("gpu", "reset")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

@@ -23,22 +23,12 @@ from dvfs.caps.files import CapsFile, base_model_name
 from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
+from dvfs.gpu.safety import boot_id
 
 if TYPE_CHECKING:
     from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
-#: The kernel's id of this boot (Linux): the caps record's entries carry it, since a reboot
-#: resets every GPU's clock locks and power limits while the record, under /var/lib, stays.
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str | None:
-    """This boot's id; None where the kernel does not say (then no entry counts as stale)."""
-    try:
-        return BOOT_ID.read_text(encoding="ascii").strip() or None
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 class CapsPartlyAppliedError(CapsError):
@@ -623,7 +613,7 @@ def reset_gpus(
         stale = [g for g in stale if g not in busy]
         try:
             for line in restore_pending(with_state, store):
-                note(f"restored {line}")
+                note(line)
         finally:  # a governor that died left its lock record: gone with what it changed
             for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):
