@@ -354,6 +354,90 @@ def test_a_knob_the_new_file_leaves_at_stock_goes_back_to_stock(nvml, tmp_path: 
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
 
 
+def test_cap_reset_after_a_crashed_governor_leaves_nothing_to_put_back(
+    nvml, tmp_path: Path
+) -> None:
+    """A governor SIGKILLed under static caps leaves a state file holding those caps (what it
+    found) and its lock record. `cap reset` puts the GPU at driver defaults, as asked: it must
+    not leave that state file behind, for a later `dvfs gpu reset` (the governor unit's
+    ExecStopPost, or the fix `cap apply` and sweeps ask for) would put the caps back on the GPU
+    with no record of them, where `cap show` and `dvfs monitor` say it holds no lock."""
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    # What a governor killed after its first change leaves (dvfs.govern.loop.guarded).
+    StateStore(state, command="govern").record(GpuSettings(uuid, (210, 1410), 500_000))
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    out = " ".join(invoke("cap", "reset").split())
+    assert "clocks unlocked, power limit 700 W (default)" in out, out
+    assert "'govern'" in out, out  # says what it dropped
+    invoke("gpu", "reset")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None and shown["enforced_power_limit_w"] == 700
+    apply_caps(tmp_path, 1500, 600.0)  # not refused as holding an earlier run's changes
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+
+
+def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path) -> None:
+    """A governor killed with SIGKILL leaves its lock on the GPU and its record: `cap show`
+    says the lock is the governor's, and must not let it pass for a running governor's (whose
+    GPU `cap apply` and a sweep would refuse as busy, and which restores it itself) but say
+    it is gone and what puts the GPU back. The GPU's dvfs lock tells whether it runs."""
+    from dvfs.caps import GovernorLocks
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        # A running governor: it holds the GPU's lock, its state file and its record.
+        StateStore(state, command="govern").record(GpuSettings(uuid, None, 700_000))
+        GovernorLocks(state).write(uuid, (210, 1200))
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        running = " ".join(invoke("cap", "show").split())
+        assert "locked 210-1200 MHz by dvfs govern (pid" in running, running
+        assert "no longer running" not in running, running
+    gone = " ".join(invoke("cap", "show").split())  # the lock let go: the governor died
+    assert "locked 210-1200 MHz by dvfs govern (pid" in gone, gone
+    assert "no longer running" in gone and "dvfs gpu reset" in gone, gone
+    [row, _] = json.loads(invoke("cap", "show", "--json"))
+    assert (
+        row["sm_clock_lock_mhz"] == [210, 1200]
+        and "no longer running" in row["sm_clock_lock_set_by"]
+    )
+
+
+def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
+    """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
+    one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run
+    must not say "would apply" and exit 0 for it."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        assert "in use by another dvfs process" in invoke("cap", "apply", str(caps), code=3)
+        dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=3).split())
+        assert "dry run, nothing changed" in dry and "in use by another dvfs process" in dry, dry
+        assert "would apply" not in dry
+    StateStore(state, command="govern").record(GpuSettings(uuid, None, 700_000))
+    assert "not restored" in invoke("cap", "apply", str(caps), code=3)
+    dry = " ".join(invoke("cap", "apply", str(caps), "--dry-run", code=3).split())
+    assert "dry run, nothing changed" in dry and "not restored" in dry, dry
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_apply_warns_when_the_driver_may_drop_the_caps(nvml, tmp_path: Path) -> None:
     """Without persistence mode the driver resets clock locks and power limits when it unloads
     (once no process holds the GPU): caps applied then, at boot by the oneshot unit included,
@@ -412,6 +496,67 @@ def test_caps_recorded_before_a_reboot_are_not_reported_after_it(nvml, tmp_path:
     [shown, _] = json.loads(invoke("cap", "show", "--json"))
     assert shown["sm_clock_lock_mhz"] is None and shown["caps_source"] is None
     assert "1.41e+09" not in invoke("monitor", "--once", "--interval", "0.01")
+
+
+def test_a_governors_lock_recorded_before_a_reboot_is_not_reported_after_it(
+    nvml, tmp_path: Path
+) -> None:
+    """The governor's lock record outlives a power loss as the caps record does, and the
+    reboot reset the GPU's lock as it reset the caps: `cap show` and `dvfs monitor` must not
+    report the lock of a governor from an earlier boot either."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.caps import GovernorLocks
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] == [210, 1200]
+    path = GovernorLocks(state).path(uuid)
+    record = json.loads(path.read_text())
+    record["boot"] = "an-earlier-boot"
+    path.write_text(json.dumps(record))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None, shown
+    assert "1.2e+09" not in invoke("monitor", "--once", "--interval", "0.01")
+
+
+def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_path: Path) -> None:
+    """A power loss while a governor ran under static caps leaves its state file (what it
+    found: the caps) and the caps record; the reboot reset the GPU, and the record's entry
+    from that boot is ignored. `dvfs gpu reset` (the governor unit's ExecStopPost, at boot)
+    must not put the earlier boot's caps back on the GPU, where no record says they are
+    (`cap show`: no lock): it drops the file, saying why. In the same boot it restores."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    store = StateStore(state, command="govern")
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    caps_record = json.loads((state / "caps-applied.json").read_text())
+    caps_record[uuid]["boot"] = "an-earlier-boot"  # both written before the reboot
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    left = json.loads(store.path(uuid).read_text())
+    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    out = " ".join(invoke("gpu", "reset").split())
+    assert "reboot" in out, out
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+    assert not store.pending()
+    [shown, _] = json.loads(invoke("cap", "show", "--json"))
+    assert shown["sm_clock_lock_mhz"] is None
+    # In the boot that wrote it, the file is restored as ever.
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    assert json.loads(store.path(uuid).read_text())["boot"] == left["boot"] != "an-earlier-boot"
+    invoke("gpu", "reset")
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
 
 
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
@@ -495,8 +640,20 @@ def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
         ('[[model]]\nname = "X"\npower_limit_w = nan\n', "power_limit_w must be a positive"),
         ('[[model]]\nname = "X"\npower_limit_w = inf\n', "power_limit_w must be a positive"),
         (b"\xff\xfe caps", "not UTF-8"),
+        # The first entry would cap every GPU of the model, the second nothing, and the apply
+        # would note that no GPU here is of that model.
+        (
+            '[[model]]\nname = "X"\nsm_clock_max_mhz = 1500\n'
+            '[[model]]\nname = "X"\npower_limit_w = 400\n',
+            "GPU model 'X' appears twice",
+        ),
+        (
+            '[[model]]\nname = "X"\nsm_clock_max_mhz = 1500\n'
+            '[[model]]\nname = "X (twin)"\nsm_clock_max_mhz = 1200\n',
+            "GPU model 'X' appears twice",
+        ),
     ],
-    ids=["entry-not-table", "nan-watts", "inf-watts", "not-utf8"],
+    ids=["entry-not-table", "nan-watts", "inf-watts", "not-utf8", "model-twice", "twin-twice"],
 )
 def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str) -> None:
     path = tmp_path / "caps.toml"

@@ -119,6 +119,33 @@ def test_a_rising_load_gets_a_looser_setting_at_once_and_a_falling_one_waits() -
     assert down.changed and PLAN.band_setting(down.state.band).is_stock
 
 
+@given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=60), params)
+def test_every_change_changes_the_setting(seq, p) -> None:
+    """A change is what the governor applies, logs ("set ...") and counts
+    (dvfs_govern_changes_total): a band that moves with the batch but keeps the setting in
+    force is none of these."""
+    state, now = PolicyState(), 0.0
+    for dt, batch in seq:
+        now += dt
+        decision = decide(PLAN, state, batch, now, p)
+        if decision.changed and state.band is not None:
+            assert decision.state.band is not None
+            assert PLAN.band_setting(decision.state.band) != PLAN.band_setting(state.band)
+        state = decision.state
+
+
+def test_a_band_that_moves_without_changing_the_setting_is_no_change() -> None:
+    """Batch 3 takes buckets 1..2, batch 1 later buckets 0..1: both at 1500 MHz, stock power
+    (between plan batches 1 and 4 the less aggressive neighbour). The band follows the batch;
+    the GPUs keep their setting, so nothing is set, and the dwell runs from the last change."""
+    p = PolicyParams(dwell_s=10.0, hysteresis=0.25)
+    first = decide(PLAN, PolicyState(), 3, 0.0, p)
+    moved = decide(PLAN, first.state, 1, 20.0, p)
+    assert first.state.band == (1, 2) and moved.state.band == (0, 1)
+    assert PLAN.band_setting(moved.state.band) == PLAN.band_setting(first.state.band)
+    assert not moved.changed and moved.state.changed_at == 0.0
+
+
 @given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=30), batches, params)
 def test_a_steady_load_changes_the_setting_at_most_once_and_is_served(prefix, batch, p) -> None:
     state, _ = run_policy(prefix, p)
@@ -589,17 +616,22 @@ def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Pa
         gpus[0].set_power_limit_mw(350_000)
         calls = len(nvml.fake_calls())
         lines: list[str] = []
+        live = LiveMetrics()
         govern(
             PLAN,
             gpus,
             lambda: ServerSample(0, None, None),
             PolicyParams(dwell_s=0.0),
             Ticker(1.0, 1),
-            live=LiveMetrics(),
+            live=live,
             note=lines.append,
             dry_run=True,
             state_dir=state,
         )
+    # What its exporter shows is what the GPU holds: the static lock (a dry run sets none),
+    # not "no lock" (0), which `dvfs monitor` beside it would contradict.
+    [row] = live.latest().gpus
+    assert (row.lock_max_mhz, row.lock_by_governor) == (1110, False)
     assert lines[0].endswith("GPU 0: SM clock locked 210-1110 MHz, power limit 350 W")
     assert lines[1] == (
         "dry run, nothing changed: would set running batch 0 -> plan batch 1: SM clock <= "

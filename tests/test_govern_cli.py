@@ -220,6 +220,9 @@ def test_the_governor_follows_the_load_and_sigterm_restores(
     state = nvml.fake_device_state(0)
     assert state["locked_clocks"] is None and state["power_limit_mw"] == 700_000
     assert not list(Path(env["DVFS_STATE_DIR"]).glob("GPU-*.json"))
+    # The journal of a `systemctl stop` says the GPUs are back, as a stop after
+    # --max-intervals does.
+    assert lines(log, "stopped (received SIGTERM); GPU settings restored"), log.read_text()
     # Only a looser setting (batch 3's) may come within the dwell of the change before.
     at = re.findall(r"\(at ([0-9.]+) s(, within the dwell)?", log.read_text())
     gaps = [(float(b) - float(a), early) for (a, _), (b, early) in zip(at, at[1:], strict=False)]
@@ -543,6 +546,30 @@ def test_bad_govern_options_are_one_line(
     result = CliRunner().invoke(cli, ["govern", *args, "--dry-run", "--max-intervals", "1"])
     assert result.exit_code == code, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_gpu_named_twice_is_refused_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`--gpu 0 --gpu <GPU 0's UUID>` names one GPU twice: the governor refused it as in use by
+    another dvfs process (its own pid, exit 3), and the monitor exported each of its series
+    twice (a page Prometheus rejects) and summed its energy twice into the server's energy per
+    token. Each is a usage error (exit 2), as a campaign listing a GPU twice is."""
+    uuid = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)[0]["uuid"]
+    closed = f"http://127.0.0.1:{closed_port()}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--once", "--interval", "0.01", "--gpu", "0", "--gpu", uuid],
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "0", "--gpu", uuid],
+        ["cap", "reset", "0", "0"],
+    ):
+        result = dvfs_in_process(*argv, env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        assert "GPU 0" in printed and "named twice" in printed, printed
+        assert len([line for line in printed.splitlines() if "Error:" in line]) == 1, printed
+    assert not nvml.fake_calls()
 
 
 def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:

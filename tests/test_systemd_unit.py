@@ -241,3 +241,38 @@ def test_the_monitor_unit_reads_only() -> None:
     for key in ("RestrictAddressFamilies", "IPAddressAllow", "IPAddressDeny", "Environment"):
         assert unit_values(MONITOR, key) == govern_values(key), key
     assert "must not live under /home" in MONITOR.read_text()
+
+
+def test_stopping_the_monitor_unit_is_a_clean_stop(tmp_path: Path) -> None:
+    """`systemctl stop` (and a shutdown) sends SIGTERM; dvfs monitor catches it and exits 143,
+    an exit code, which systemd counts as a failure unless SuccessExitStatus lists it (only a
+    death by the signal itself is clean by default): every stop would leave the unit failed,
+    for alerting on failed units to page. The code is the command's own, read by stopping it."""
+    import signal
+    import time
+
+    from nvml_support import fake_env
+
+    assert unit_values(MONITOR, "KillSignal") in ([], ["SIGTERM"])
+    log = tmp_path / "monitor.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", "monitor", "--interval", "0.05"]
+            + ["--listen", "127.0.0.1:0"],
+            env=fake_env(tmp_path),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "serving metrics" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code > 0, log.read_text()  # exited with a code, not killed by the signal
+    clean = " ".join(unit_values(MONITOR, "SuccessExitStatus")).split()
+    assert str(code) in clean, f"dvfs monitor exits {code} on SIGTERM; the unit counts {clean}"

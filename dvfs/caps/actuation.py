@@ -17,25 +17,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuBusyError, GpuError
+from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
+from dvfs.gpu.safety import boot_id
+
+if TYPE_CHECKING:
+    from dvfs.gpu.safety import StateStore
 
 APPLIED_NAME = "caps-applied.json"
-#: The kernel's id of this boot (Linux): the caps record's entries carry it, since a reboot
-#: resets every GPU's clock locks and power limits while the record, under /var/lib, stays.
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str | None:
-    """This boot's id; None where the kernel does not say (then no entry counts as stale)."""
-    try:
-        return BOOT_ID.read_text(encoding="ascii").strip() or None
-    except (OSError, UnicodeDecodeError):
-        return None
 
 
 class CapsPartlyAppliedError(CapsError):
@@ -187,6 +180,7 @@ class GovernorLocks:
                 "lock_mhz": list(lock_mhz),
                 "pid": os.getpid(),
                 "since": datetime.now(UTC).isoformat(timespec="seconds"),
+                "boot": boot_id(),
             },
         )
 
@@ -195,7 +189,16 @@ class GovernorLocks:
             self.path(uuid).unlink()
 
     def read(self) -> dict[str, dict[str, Any]]:
-        """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed)."""
+        """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed),
+        but those written during an earlier boot, which reset the GPUs' locks (a power loss
+        while governing leaves the record; `recorded` still lists them, to be cleared)."""
+        now = boot_id()
+        return {
+            u: r for u, r in self.recorded().items() if now is None or r.get("boot") in (None, now)
+        }
+
+    def recorded(self) -> dict[str, dict[str, Any]]:
+        """Every record on disk, an earlier boot's included."""
         if not self.directory.is_dir():
             return {}
         found = {}
@@ -438,9 +441,17 @@ def apply_actions(
 
 
 def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
-    """Unlock clocks and restore default power limits; returns what was done per GPU."""
+    """Unlock clocks and restore default power limits; returns what was done per GPU.
+
+    A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
+    too: it holds the settings that run found, static caps included, and the GPU is at its
+    defaults now, as asked. Left behind, a later `dvfs gpu reset` would put those settings back
+    on the GPU with no record of them, and `cap apply` and sweeps would refuse the GPU."""
+    from dvfs.gpu.safety import StateStore
+
     failures = GatheredFailures()
     done = []
+    store = StateStore(record.path.parent)
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
@@ -450,14 +461,33 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                 gpu.set_power_limit_mw(default)
             record.update(ident.uuid, None)
             GovernorLocks(record.path.parent).clear(ident.uuid)
-            done.append(
+            line = (
                 f"GPU {ident.index} ({ident.uuid}): clocks unlocked, power limit "
                 f"{default / 1000:g} W (default)"
             )
+            if store.path(ident.uuid).exists():
+                line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
+                store.clear(ident.uuid)
+            done.append(line)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
     return done
+
+
+def _left_by(store: StateStore, uuid: str) -> str:
+    """Who left a GPU's state file, for the line that says it is dropped (an unreadable one
+    is named by its path)."""
+    try:
+        pending = store.pending(uuid)
+    except GpuStateError:
+        pending = []
+    if not pending:
+        return f"the unreadable state file {store.path(uuid)}"
+    return (
+        f"the state file dvfs {pending[0].command!r} (pid {pending[0].pid}, since "
+        f"{pending[0].since}) left unrestored"
+    )
 
 
 def enforce_plan(
@@ -489,6 +519,22 @@ def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
         return reset_caps(gpus, AppliedCaps(directory))
 
 
+def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
+    """Who set a lock; for a governor's, that it is gone when no dvfs holds the GPU's lock any
+    more (killed with SIGKILL: its lock stays on the GPU, and nothing restores it by itself)."""
+    from dvfs.gpu.safety import GpuLocks
+
+    if not lock.by_governor:
+        return lock.set_by
+    path = directory / f"{gpu.identity.uuid}.lock"
+    if not os.access(path, os.R_OK) or GpuLocks(directory).holder(gpu) is not None:
+        return lock.set_by  # running, or it cannot be told here
+    return (
+        f"dvfs govern (pid {lock.record.get('pid')}, since {lock.record.get('since')}; no longer "
+        "running: `dvfs gpu reset` puts back what it found)"
+    )
+
+
 def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
     """What is enforced per GPU now: power limits read from the GPU, clock locks from dvfs's
     records (NVML cannot read a lock back): a running governor's, else `cap apply`'s (whose
@@ -510,7 +556,7 @@ def caps_status(gpus: Sequence[Gpu], directory: Path) -> list[dict[str, Any]]:
                 "configured_power_limit_w": g.power_limit_mw() / 1000,
                 "default_power_limit_w": limits.default_mw / 1000,
                 "sm_clock_lock_mhz": None if lock is None else list(lock.lock_mhz),
-                "sm_clock_lock_set_by": None if lock is None else lock.set_by,
+                "sm_clock_lock_set_by": None if lock is None else _set_by(lock, g, directory),
                 "caps_sm_clock_lock_mhz": record.get("lock_mhz"),
                 "sm_clock_mhz": g.sm_clock_mhz(),
                 "caps_source": record.get("source"),
@@ -544,7 +590,7 @@ def reset_gpus(
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
     # with nothing to restore: cleared under the GPU's lock (a live governor holds it).
-    recorded = governed.read()
+    recorded = governed.recorded()
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
         return False
@@ -567,7 +613,7 @@ def reset_gpus(
         stale = [g for g in stale if g not in busy]
         try:
             for line in restore_pending(with_state, store):
-                note(f"restored {line}")
+                note(line)
         finally:  # a governor that died left its lock record: gone with what it changed
             for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):

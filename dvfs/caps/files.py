@@ -178,6 +178,15 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
     uuids = [c.uuid for c in caps if c.uuid]
     if len(set(uuids)) != len(uuids):
         raise CapsError(f"{where}: a GPU UUID appears twice")
+    names = [c.name for c in caps if c.name]
+    for model in dict.fromkeys(base_model_name(n) for n in names):
+        entries = [n for n in names if base_model_name(n) == model]
+        if len(entries) > 1:  # the first would cap the model's GPUs, the others nothing
+            raise CapsError(
+                f"{where}: GPU model {model!r} appears twice ([[model]] names "
+                f"{', '.join(repr(n) for n in entries)}): its GPUs would take the first "
+                "entry's caps only; keep one [[model]] entry per model"
+            )
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise CapsError(f"{where}: [meta] must be a table")

@@ -8,12 +8,17 @@ UUIDs it names are not here (0 with --skip-missing). A dry run exits as the appl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dvfs.cli.common import console, echo_json, escape, handle_errors
+
+if TYPE_CHECKING:
+    from dvfs.caps import CapAction
+    from dvfs.gpu.base import Gpu
 
 state_dir_option = click.option(
     "--state-dir",
@@ -234,6 +239,7 @@ def apply(
             if g.identity.uuid in capped and g.persistence_mode() is False
         ]
         if dry_run:
+            _refuse_as_the_apply_would(plan.actions, gpus, directory)
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
         else:  # each GPU reported once its caps are in place, not before
@@ -265,6 +271,29 @@ def apply(
         if not skip_missing:
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
+
+
+def _refuse_as_the_apply_would(
+    actions: Sequence[CapAction], gpus: Sequence[Gpu], directory: Path
+) -> None:
+    """A dry run exits as the apply would: refused (exit 3) for a GPU another dvfs holds or
+    one holding an earlier run's unrestored changes, read without taking or changing
+    anything."""
+    from dvfs.errors import GpuStateError
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    wanted = {a.uuid for a in actions}
+    targets = [g for g in gpus if g.identity.uuid in wanted]
+    prefix = "dry run, nothing changed: the apply would be refused: "
+    locks = GpuLocks(directory)
+    for gpu in targets:
+        busy = locks.holder(gpu)
+        if busy:
+            raise GpuStateError(prefix + busy)
+    try:
+        StateStore(directory).refuse_if_pending(targets)
+    except GpuStateError as exc:
+        raise GpuStateError(prefix + str(exc)) from exc
 
 
 @cap.command("show")

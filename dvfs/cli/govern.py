@@ -118,6 +118,23 @@ def _exporting(address: tuple[str, int] | None, live: Any) -> Iterator[None]:
         exporter.close()
 
 
+@contextmanager
+def _told_when_stopped(dry_run: bool) -> Iterator[None]:
+    """A governor stopped by a signal (`systemctl stop`: SIGTERM) has put every GPU back by the
+    time the signal's exception gets here (a restore that failed, or that a second signal
+    abandoned, ends in another error, which says so): its log says it, as after
+    --max-intervals."""
+    from dvfs.signals import Interrupted, RestoreAbandoned
+
+    try:
+        yield
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if not dry_run and not isinstance(exc, RestoreAbandoned):
+            why = "received SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            note(f"stopped ({why}); GPU settings restored")
+        raise
+
+
 def _timeout(interval: float) -> float:
     return min(5.0, max(0.5, interval))
 
@@ -211,6 +228,7 @@ def govern(
     # A dry run (no root needed) reads the static caps where root recorded them.
     records = state_dir or (records_dir() if dry_run else default_state_dir())
     with (
+        _told_when_stopped(dry_run),
         ServerReader(url, _timeout(interval)) as scraper,
         open_gpus(parse_devices(devices), visible=visible) as gpus,
     ):

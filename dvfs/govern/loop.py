@@ -422,7 +422,7 @@ def govern(
                     note(f"set {line}")
                 changes += 1
             state = decision.state
-            locks = _locks(gpus, plan, state, knobs)
+            locks = _locks(gpus, plan, state, knobs, ceilings)
             governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}
             snapshot = watch.snapshot(sample, _tops(locks), governed)
             live.publish(
@@ -434,11 +434,18 @@ def govern(
 
 
 def _locks(
-    gpus: Sequence[Gpu], plan: BatchPlan, state: PolicyState, knobs: KnobController | None
+    gpus: Sequence[Gpu],
+    plan: BatchPlan,
+    state: PolicyState,
+    knobs: KnobController | None,
+    ceilings: dict[str, Ceiling],
 ) -> dict[str, tuple[int, int] | None]:
     """Each GPU's clock lock as the controller applied it (a lock from `dvfs cap apply`
-    included: a step at stock clock keeps it); none in a dry run."""
-    if knobs is None or state.band is None:
+    included: a step at stock clock keeps it); in a dry run, which sets none, the static
+    caps' lock the GPUs hold."""
+    if knobs is None:
+        return {uuid: ceiling.lock_mhz for uuid, ceiling in ceilings.items()}
+    if state.band is None:
         return {}
     setting = plan.band_setting(state.band)
     wanted = KnobSetting(setting.sm_clock_mhz, setting.power_limit_w)

@@ -18,6 +18,10 @@ batch's own). A band holds its batch's bucket and a hull holds both, so the sett
 covers the running batch after every decision, whichever way the needed clock runs with the
 batch.
 
+A change is a new setting: a band that moves with the batch but keeps the setting in force
+changes nothing on the GPUs, so it is not applied, logged or counted, and it does not restart the
+dwell.
+
 So the governor cannot oscillate: under a constant batch it changes at most twice (at most once
 when the dwell is over), a batch alternating between two values within each other's hysteresis
 changes it at most twice (once when both are inside the plan), and the changes closer than a
@@ -108,6 +112,10 @@ def decide(
     if band is not None and band[0] <= seen <= band[1]:
         return Decision(state, False, band)
     wanted = band_for(plan, batch, params.hysteresis)
+    if band is not None and not dwelling and plan.band_setting(wanted) == plan.band_setting(band):
+        # The band follows the batch, but the GPUs keep their setting: no change to apply,
+        # log or count, and the dwell runs on from the last one.
+        return Decision(PolicyState(wanted, state.changed_at), False, wanted)
     if band is None or not dwelling:
         return Decision(PolicyState(wanted, now), True, wanted)
     if covers(plan.band_setting(band), plan.setting(seen)):

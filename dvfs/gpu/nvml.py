@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from dvfs.errors import (
+    CampaignError,
     GpuError,
     GpuNotSupportedError,
     GpuPermissionError,
@@ -463,6 +464,21 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
     return uuids
 
 
+def _refuse_named_twice(devices: Sequence[int | str], gpus: Sequence[NvmlGpu]) -> None:
+    """One GPU named twice (by index, by UUID, or both) is a usage error, exit 2, as in a
+    campaign: opened twice, a command would lock it against itself ("in use by another dvfs
+    process", its own pid) or read and export it twice."""
+    seen: dict[str, int | str] = {}
+    for device, gpu in zip(devices, gpus, strict=True):
+        ident = gpu.identity
+        if ident.uuid in seen:
+            raise CampaignError(
+                f"GPU {ident.index} ({ident.uuid}) is named twice ({seen[ident.uuid]} and "
+                f"{device}): name each GPU once"
+            )
+        seen[ident.uuid] = device
+
+
 @contextlib.contextmanager
 def open_nvml_gpus(
     devices: Sequence[int | str] | None,
@@ -483,6 +499,7 @@ def open_nvml_gpus(
                 uuids = machine_uuids(module, deadline_s=deadline_s)
                 devices = list(resolve_visible(visible.value, uuids).indices) or devices
         gpus = [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
+        _refuse_named_twice(devices, gpus)
         if visible is not None:
             check_visible(
                 [(g.identity.index, g.identity.uuid) for g in gpus],

@@ -29,6 +29,18 @@ from dvfs.gpu.base import Gpu
 from dvfs.gpu.knobs import GatheredFailures, GpuSettings
 
 ROOT_STATE_DIR = Path("/var/lib/dvfs")
+#: The kernel's id of this boot (Linux): dvfs's records carry it (the caps record's entries, a
+#: governor's lock record, a state file), since a reboot resets every GPU's clock locks and
+#: power limits while the records, under /var/lib, stay.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This boot's id; None where the kernel does not say (then no entry counts as stale)."""
+    try:
+        return BOOT_ID.read_text(encoding="ascii").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def default_state_dir() -> Path:
@@ -109,6 +121,14 @@ class PendingRestore:
     host: str
     since: str
     command: str
+    boot: str | None = None
+
+    @property
+    def before_this_boot(self) -> bool:
+        """Written during an earlier boot: the reboot since has reset the GPU (driver
+        defaults), so what the file holds is no longer the GPU's to restore."""
+        now = boot_id()
+        return self.boot is not None and now is not None and self.boot != now
 
     def describe(self) -> str:
         return (
@@ -141,6 +161,7 @@ class StateStore:
                 "host": platform.node(),
                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "command": self.command,
+                "boot": boot_id(),
             },
         )
 
@@ -174,6 +195,7 @@ class StateStore:
                     data.get("host", "?"),
                     data.get("since", "?"),
                     data.get("command", "?"),
+                    boot if isinstance(boot := data.get("boot"), str) else None,
                 )
             )
         return found
@@ -243,6 +265,9 @@ def _busy(gpu: Gpu, owner: str) -> str:
 
 def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
     """Put back the settings recorded in state files for these GPUs; returns what was done.
+    A file written before the last reboot is dropped instead: the reboot reset the GPU, and
+    putting the earlier boot's settings back (static caps included, whose record that reboot
+    voided) would leave the GPU changed where no record says so.
 
     Failures are gathered and raised together after every GPU was tried.
     """
@@ -253,6 +278,14 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
     for gpu in gpus:
         for pending in store.pending(gpu.identity.uuid):
             original = pending.original
+            if pending.before_this_boot:  # the reboot reset the GPU: nothing to put back
+                store.clear(gpu.identity.uuid)
+                done.append(
+                    f"dropped the state file of GPU {gpu.identity.index} ({gpu.identity.uuid}): "
+                    f"the reboot since dvfs {pending.command!r} (pid {pending.pid}) changed it "
+                    "reset it to driver defaults, nothing to restore"
+                )
+                continue
             try:
                 if original.sm_clock_lock_mhz:
                     gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
@@ -268,7 +301,7 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
                     else "clocks unlocked"
                 )
                 done.append(
-                    f"GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, power "
+                    f"restored GPU {gpu.identity.index} ({gpu.identity.uuid}): {lock}, power "
                     f"limit {original.power_limit_mw / 1000:g} W (as before {pending.command!r}"
                     f" pid {pending.pid})"
                 )
