@@ -559,6 +559,35 @@ def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_p
     assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
 
 
+def test_gpu_reset_defaults_after_a_reboot_resets_the_gpu_whose_file_it_drops(
+    nvml, tmp_path: Path
+) -> None:
+    """`gpu reset --defaults` resets every GPU it restores nothing on to driver defaults. A
+    state file from before the last reboot is dropped, not restored: its GPU must then be reset
+    as one without a file is, not left with whatever was set on it since the reboot (an
+    operator's lock and power limit here), under a line saying it was reset to defaults."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    store = StateStore(Path(os.environ["DVFS_STATE_DIR"]), command="govern")
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    left = json.loads(store.path(uuid).read_text())
+    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    nvml.fake_update_device(0, locked_clocks=[210, 900], power_limit_mw=450_000)  # set since
+    out = " ".join(invoke("gpu", "reset", "--defaults").split())
+    assert "dropped the state file of GPU 0" in out, out
+    assert not store.pending()
+    default_mw = nvml.FAKE_PROFILES["h100-sxm"]["power_default_mw"]
+    for index in (0, 1):
+        device = nvml.fake_device_state(index)
+        assert device["locked_clocks"] is None, (index, out)
+        assert device["power_limit_mw"] == default_mw, (index, out)
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

@@ -611,6 +611,12 @@ def reset_gpus(
                 )
         with_state = [g for g in with_state if g not in busy]
         stale = [g for g in stale if g not in busy]
+        # A file from before the last reboot is dropped, not restored (`restore_pending`): its
+        # GPU has no recorded settings to go back to, so --defaults resets it as it resets a
+        # GPU without a file (something may have changed it since the reboot).
+        rebooted = [
+            g for g in with_state if all(p.before_this_boot for p in store.pending(g.identity.uuid))
+        ]
         try:
             for line in restore_pending(with_state, store):
                 note(line)
@@ -624,7 +630,7 @@ def reset_gpus(
                 "a dvfs govern that died before changing the GPU (nothing to restore)"
             )
         if defaults:
-            others = [g for g in gpus if g not in with_state and g not in busy]
+            others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
             for line in reset_caps(others, AppliedCaps(directory)):
                 note(f"reset {line}")
     return True
