@@ -253,7 +253,14 @@ def _gpu_checks(
 
                 checks.append(_run("server GPUs", server_gpus))
             directory = state_dir or default_state_dir()
-            pending = [p for g in gpus for p in StateStore(directory).pending(g.identity.uuid)]
+            # A file from before the last reboot refuses nothing (the reboot reset the GPU):
+            # the sweep drops it.
+            pending = [
+                p
+                for g in gpus
+                for p in StateStore(directory).pending(g.identity.uuid)
+                if not p.before_this_boot
+            ]
             checks.append(
                 Check(
                     "state",

@@ -588,6 +588,52 @@ def test_gpu_reset_defaults_after_a_reboot_resets_the_gpu_whose_file_it_drops(
         assert device["power_limit_mw"] == default_mw, (index, out)
 
 
+def test_a_state_file_from_before_a_reboot_refuses_nothing_after_it(nvml, tmp_path: Path) -> None:
+    """A power loss while a governor ran under static caps leaves its state file; the reboot
+    reset the GPU, so the file holds no unrestored change (`gpu reset` drops it). At boot the
+    caps unit's `cap apply` and then the governor must take the GPU, not be refused (exit 3,
+    which leaves both units failed and the GPUs uncapped) with a message that `gpu reset` would
+    restore the recorded settings, which it does not. A dry run says what the apply does. A
+    file from this boot is still refused."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import StateStore
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    store = StateStore(state, command="govern")
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    left = json.loads(store.path(uuid).read_text())
+    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    caps_record = json.loads((state / "caps-applied.json").read_text())
+    caps_record[uuid]["boot"] = "an-earlier-boot"
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    nvml.fake_reset_state()  # what the reboot did to the GPUs
+    caps = str(tmp_path / "caps.toml")
+    dry = invoke("cap", "apply", caps, "--dry-run")
+    assert "would apply to GPU 0" in dry, dry
+    assert store.pending(), "a dry run changes nothing"
+    invoke("cap", "apply", caps)  # dvfs-caps.service at boot
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
+    assert not store.pending()
+    # The governor at boot (dvfs-govern.service) takes the GPU as well.
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    store.path(uuid).write_text(
+        json.dumps({**json.loads(store.path(uuid).read_text()), "boot": "an-earlier-boot"})
+    )
+    from dvfs.govern.loop import guarded
+
+    with open_nvml_gpus([0], nvml=nvml) as gpus, guarded(gpus, state) as knobs:
+        assert knobs.original[uuid].sm_clock_lock_mhz == (210, 1410)
+        assert not store.pending()
+    # In the boot that wrote it, a file still refuses the GPU.
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    assert "not restored" in invoke("cap", "apply", caps, code=3)
+
+
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
     """Each `cap apply` holds only its own GPUs' locks, so another may cap other GPUs
     meanwhile: neither may write back a stale copy of the shared record over the other's."""

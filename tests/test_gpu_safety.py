@@ -256,6 +256,36 @@ def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     assert_as_found(nvml, state_dir)
 
 
+def test_a_state_file_from_before_a_reboot_neither_fails_doctor_nor_refuses_a_sweep(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A power loss leaves a dead run's state file, but the reboot reset the GPU: the file
+    holds no unrestored change (`gpu reset` only drops it). doctor must not fail the GPU's
+    state for it, nor the sweep refuse the GPU (exit 3) and ask for a `gpu reset` "to restore
+    the recorded settings"; the sweep's own file takes its place, and it restores as ever."""
+    if not Path("/proc/sys/kernel/random/boot_id").exists():
+        pytest.skip("the kernel gives no boot id here")
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    campaign = campaign_file(tmp_path)
+    store = StateStore(state_dir)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        uuid = gpu.identity.uuid
+        store.record(GpuSettings(uuid, (210, 1410), 500_000))  # a dead run's, an earlier boot
+    store.path(uuid).write_text(
+        json.dumps({**json.loads(store.path(uuid).read_text()), "boot": "an-earlier-boot"})
+    )
+    out = tmp_path / "out"
+    checked = doctor_checks(campaign, out, env)
+    assert checked["state"]["status"] == "ok", checked["state"]
+    assert store.pending(), "doctor changes nothing"
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    assert_as_found(nvml, state_dir)
+
+
 def _dvfs(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dvfs", *args],

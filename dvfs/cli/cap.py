@@ -291,7 +291,7 @@ def _refuse_as_the_apply_would(
         if busy:
             raise GpuStateError(prefix + busy)
     try:
-        StateStore(directory).refuse_if_pending(targets)
+        StateStore(directory).refuse_if_pending(targets, drop_rebooted=False)
     except GpuStateError as exc:
         raise GpuStateError(prefix + str(exc)) from exc
 

@@ -200,9 +200,19 @@ class StateStore:
             )
         return found
 
-    def refuse_if_pending(self, gpus: Sequence[Gpu]) -> None:
-        """Stop before touching GPUs that still hold an earlier run's changes."""
-        problems = [p for g in gpus for p in self.pending(g.identity.uuid)]
+    def refuse_if_pending(self, gpus: Sequence[Gpu], *, drop_rebooted: bool = True) -> None:
+        """Stop before touching GPUs that still hold an earlier run's changes. A file written
+        before the last reboot holds none (the reboot reset the GPU, and `restore_pending`
+        would only drop it): it refuses nothing, and is dropped here, where the caller holds
+        the GPU's lock, so that the run's own file takes its place (with `drop_rebooted`
+        False, for a look that changes nothing, it is only passed over)."""
+        problems = []
+        for gpu in gpus:
+            for pending in self.pending(gpu.identity.uuid):
+                if not pending.before_this_boot:
+                    problems.append(pending)
+                elif drop_rebooted:
+                    self.clear(gpu.identity.uuid)
         if problems:
             raise GpuStateError(
                 "; ".join(p.describe() for p in problems)
