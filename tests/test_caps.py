@@ -629,9 +629,17 @@ def test_a_state_file_from_before_a_reboot_refuses_nothing_after_it(nvml, tmp_pa
     with open_nvml_gpus([0], nvml=nvml) as gpus, guarded(gpus, state) as knobs:
         assert knobs.original[uuid].sm_clock_lock_mhz == (210, 1410)
         assert not store.pending()
-    # In the boot that wrote it, a file still refuses the GPU.
+    # In the boot that wrote it, a file still refuses the GPU; so does one an older dvfs
+    # wrote, without the boot id, which `gpu reset` restores as ever.
     store.record(GpuSettings(uuid, (210, 1410), 500_000))
     assert "not restored" in invoke("cap", "apply", caps, code=3)
+    older = json.loads(store.path(uuid).read_text())
+    del older["boot"]
+    store.path(uuid).write_text(json.dumps(older))
+    assert "not restored" in invoke("cap", "apply", caps, code=3)
+    nvml.fake_update_device(0, locked_clocks=[210, 900])  # what the dead run set
+    assert "restored GPU 0" in invoke("gpu", "reset")
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1410]
 
 
 def test_two_applies_on_different_gpus_keep_each_others_record(nvml, tmp_path: Path) -> None:
