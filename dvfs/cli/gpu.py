@@ -132,7 +132,8 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 @click.option(
     "--defaults",
     is_flag=True,
-    help="With no state file, reset to driver defaults (unlock clocks, default power limit).",
+    help="With no state file (or one from before the last reboot, which is dropped), reset to "
+    "driver defaults (unlock clocks, default power limit).",
 )
 @click.option(
     "--state-dir",
