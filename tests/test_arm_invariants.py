@@ -168,20 +168,40 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
     assert "were served differently (engine version: 0.5.9 -> 0.5.23)" in last_line(built)
 
 
-def test_a_server_resolving_other_engine_args_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "change"),
+    [
+        (["--dtype", "float16"], "dtype (dtype): None -> 'float16'"),
+        (
+            ["--sampling-backend", "pytorch"],
+            "sampling kernels (sampling_backend): None -> 'pytorch'",
+        ),
+        (["--enable-torch-compile"], "torch.compile (enable_torch_compile): False -> True"),
+        (
+            ["--enable-deterministic-inference"],
+            "deterministic inference (enable_deterministic_inference): False -> True",
+        ),
+    ],
+)
+def test_a_server_resolving_other_engine_args_is_refused(
+    tmp_path: Path, flags: list[str], change: str
+) -> None:
     """The server command is operational (it may change between runs): one that adds
-    --dtype float16 serves the second drafter with another dtype than the first's: refused."""
+    --dtype float16 serves the second drafter with another dtype than the first's, one that
+    adds --sampling-backend pytorch with other sampling kernels, --enable-torch-compile with
+    compiled kernels: refused."""
     path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
     out = tmp_path / "out"
     assert sweep(path, out).exit_code == 0
     other = keep_first_drafter(out / "journal.jsonl")
     command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
-    path.write_text(replace_block(path.read_text(), command, command + ', "--dtype", "float16"'))
+    added = "".join(f", {json.dumps(flag)}" for flag in flags)
+    path.write_text(replace_block(path.read_text(), command, command + added))
     again = sweep(path, out)
     assert again.exit_code == 5, again.output
     records = read_records(out / "journal.jsonl")
     [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
-    assert "dtype (dtype): None -> 'float16'" in failed["error"]
+    assert change in failed["error"]
     assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
     assert running(marker) == []
 
@@ -292,6 +312,9 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("enable_mixed_chunk", "mixed chunked prefill", True, False),
         ("chunked_prefill_size", "chunked prefill size", 8192, 4096),
         ("disable_radix_cache", "radix cache disabled", False, True),
+        ("sampling_backend", "sampling kernels", "flashinfer", "pytorch"),
+        ("enable_torch_compile", "torch.compile", False, True),
+        ("enable_deterministic_inference", "deterministic inference", False, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}

@@ -346,6 +346,10 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   0.5.23 for NGRAM, STANDALONE and UNO (speculative_hook.py lines 1307, 1112, 600; which
 #:   keep it: speculative/spec_info.py `supports_mixed_chunk`). dvfs never sets it; a campaign
 #:   that does is refused before any server starts when its drafters would disagree.
+#: - the sampling kernels, torch.compile and deterministic inference: neither release sets them
+#:   per algorithm (the sampling backend is FlashInfer's where the install has FlashInfer, else
+#:   PyTorch's, 0.5.9 `_handle_sampling_backend`); a server started otherwise (another install,
+#:   another server_command, an attached server) samples or computes with other kernels.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -373,6 +377,9 @@ ARM_ARGS: dict[str, str] = {
     "disable_overlap_schedule": "overlap scheduler disabled",
     "enable_mixed_chunk": "mixed chunked prefill",
     "random_seed": "random seed",
+    "sampling_backend": "sampling kernels",
+    "enable_torch_compile": "torch.compile",
+    "enable_deterministic_inference": "deterministic inference",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
