@@ -181,6 +181,8 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
             ["--enable-deterministic-inference"],
             "deterministic inference (enable_deterministic_inference): False -> True",
         ),
+        (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
+        (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
@@ -315,6 +317,9 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("sampling_backend", "sampling kernels", "flashinfer", "pytorch"),
         ("enable_torch_compile", "torch.compile", False, True),
         ("enable_deterministic_inference", "deterministic inference", False, True),
+        ("stream_interval", "stream interval", 1, 8),
+        ("schedule_policy", "schedule policy", "fcfs", "lpm"),
+        ("schedule_conservativeness", "schedule conservativeness", 1.0, 0.3),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}

@@ -350,6 +350,10 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   per algorithm (the sampling backend is FlashInfer's where the install has FlashInfer, else
 #:   PyTorch's, 0.5.9 `_handle_sampling_backend`); a server started otherwise (another install,
 #:   another server_command, an attached server) samples or computes with other kernels.
+#: - the stream interval, schedule policy and conservativeness: neither release sets them per
+#:   algorithm (the conservativeness is scaled only for DP attention, with `dp_size`, compared);
+#:   another value streams a round's tokens in other chunks or admits and preempts its
+#:   requests otherwise.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -380,6 +384,9 @@ ARM_ARGS: dict[str, str] = {
     "sampling_backend": "sampling kernels",
     "enable_torch_compile": "torch.compile",
     "enable_deterministic_inference": "deterministic inference",
+    "stream_interval": "stream interval",
+    "schedule_policy": "schedule policy",
+    "schedule_conservativeness": "schedule conservativeness",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
