@@ -183,6 +183,10 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
         ),
         (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
         (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
+        (
+            ["--sampling-defaults", "openai"],
+            "sampling defaults (sampling_defaults): None -> 'openai'",
+        ),
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
@@ -320,6 +324,8 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("stream_interval", "stream interval", 1, 8),
         ("schedule_policy", "schedule policy", "fcfs", "lpm"),
         ("schedule_conservativeness", "schedule conservativeness", 1.0, 0.3),
+        ("sampling_defaults", "sampling defaults", "model", "openai"),
+        ("preferred_sampling_params", "preferred sampling params", None, '{"top_p": 0.5}'),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}

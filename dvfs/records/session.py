@@ -354,6 +354,10 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   algorithm (the conservativeness is scaled only for DP attention, with `dp_size`, compared);
 #:   another value streams a round's tokens in other chunks or admits and preempts its
 #:   requests otherwise.
+#: - where a request's unset sampling parameters come from (`sampling_defaults`: the model's
+#:   generation_config or OpenAI's; `preferred_sampling_params`): dvfs sends the temperature
+#:   alone, so these set every arm's top_p, top_k and min_p, and with them how often a draft
+#:   is accepted at a temperature above 0. Neither release sets them per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -387,6 +391,8 @@ ARM_ARGS: dict[str, str] = {
     "stream_interval": "stream interval",
     "schedule_policy": "schedule policy",
     "schedule_conservativeness": "schedule conservativeness",
+    "sampling_defaults": "sampling defaults",
+    "preferred_sampling_params": "preferred sampling params",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
