@@ -326,6 +326,8 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("schedule_conservativeness", "schedule conservativeness", 1.0, 0.3),
         ("sampling_defaults", "sampling defaults", "model", "openai"),
         ("preferred_sampling_params", "preferred sampling params", None, '{"top_p": 0.5}'),
+        ("disable_custom_all_reduce", "custom all-reduce disabled", False, True),
+        ("enable_dp_attention", "DP attention", False, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}

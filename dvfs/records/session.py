@@ -358,6 +358,9 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   generation_config or OpenAI's; `preferred_sampling_params`): dvfs sends the temperature
 #:   alone, so these set every arm's top_p, top_k and min_p, and with them how often a draft
 #:   is accepted at a temperature above 0. Neither release sets them per algorithm.
+#: - custom all-reduce and DP attention: how a tensor-parallel server's ranks exchange
+#:   activations and split attention (DP attention is dropped where dp_size is 1, compared);
+#:   set for deterministic inference or by the placement, never per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -393,6 +396,8 @@ ARM_ARGS: dict[str, str] = {
     "schedule_conservativeness": "schedule conservativeness",
     "sampling_defaults": "sampling defaults",
     "preferred_sampling_params": "preferred sampling params",
+    "disable_custom_all_reduce": "custom all-reduce disabled",
+    "enable_dp_attention": "DP attention",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
