@@ -22,7 +22,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
-from dvfs.cube import open_cube
+from dvfs.cube import open_cube, write_cube
 from dvfs.measure.journal import read_records
 from dvfs.records import (
     ARM_ARGS,
@@ -598,3 +598,35 @@ def test_the_recorded_variables_are_those_that_change_kernels() -> None:
     left_out += ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"]
     env = {name: "v" for name in recorded + left_out}
     assert server_env_of(env) == {name: "v" for name in sorted(recorded)}
+
+
+# -- a cube an earlier dvfs built -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["compare"], ["headroom"], ["report", "-o", "{out}/report.md"]],
+)
+def test_an_analysis_refuses_a_cube_whose_drafters_were_served_differently(
+    small_sweep: Path, tmp_path: Path, command: list[str]
+) -> None:
+    """`dvfs cube build` refuses a journal whose drafters' servers differ in an arm arg; a
+    cube an earlier dvfs built from one (one drafter with other sampling kernels, here
+    edited in) is refused by every analysis, naming the difference, not compared."""
+    ds = open_cube(small_sweep)
+    servers = json.loads(ds.attrs["server_args"])
+    first, second = list(servers)
+    servers[first]["args"]["sampling_backend"] = "flashinfer"
+    servers[second]["args"]["sampling_backend"] = "pytorch"
+    ds.attrs["server_args"] = json.dumps(servers)
+    path = tmp_path / "cube.nc"
+    write_cube(ds, path)
+    assert CliRunner().invoke(cli, ["compare", str(small_sweep)]).exit_code == 0
+    argv = [command[0], str(path), *(a.format(out=tmp_path) for a in command[1:])]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0
+    assert (
+        f"{first!r} and {second!r}: sampling kernels (sampling_backend): 'flashinfer' -> "
+        "'pytorch'" in last_line(result)
+    )
+    assert "Traceback" not in result.output

@@ -205,6 +205,26 @@ def provenance_differences(
     return changes
 
 
+def arm_differences(ds: xr.Dataset) -> list[str]:
+    """What the cube's drafters' servers differ in beyond their drafters (`arm_changes`
+    against the first drafter's, at the cube's batch sizes), each entry naming the two
+    drafters: empty for every cube `dvfs cube build` makes now, which refuses such a journal;
+    a cube an earlier dvfs built (or one edited) may hold them."""
+    from dvfs.records import arm_changes
+
+    servers = list(_servers(ds).items())
+    if len(servers) < 2:
+        return []
+    pinned = set(str(ds.attrs.get("arms_pinned", "")).split(",")) - {""}
+    batches = [int(b) for b in ds["batch"].values] if "batch" in ds.coords else []
+    first, mine = servers[0]
+    return [
+        f"{first!r} and {drafter!r}: {c}"
+        for drafter, theirs in servers[1:]
+        for c in arm_changes(mine, theirs, batches, pinned)
+    ]
+
+
 def _listed(changes: list[str]) -> str:
     more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
     return "; ".join(changes[:3]) + more
