@@ -630,3 +630,60 @@ def test_an_analysis_refuses_a_cube_whose_drafters_were_served_differently(
         "'pytorch'" in last_line(result)
     )
     assert "Traceback" not in result.output
+
+
+# -- the model's Hub commit -------------------------------------------------------------------
+
+
+def test_a_resume_whose_server_loads_another_commit_of_the_model_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An unpinned model (no --revision) is whatever commit the server's Hub cache names for
+    main when it starts: each server record keeps it, and a resume whose cache moved to
+    another commit (new weights, generation config or template upstream) is refused at the
+    next drafter's start, as another engine version is; a journal mixing them builds no cube."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    home = tmp_path / "hf"
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    ref = home / "hub" / f"models--org--{marker}" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    before, after = "a1" * 20, "b2" * 20
+    ref.write_text(before)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [before, before]
+    other = keep_first_drafter(journal)
+    ref.write_text(after)
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(journal)
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert f"model commit: {before} -> {after}" in failed["error"]
+    assert running(marker) == []
+    server = next(r for r in records if r["type"] == "server")
+    with journal.open("a") as f:
+        f.write(json.dumps({**server, "drafter": other, "model_commit": after}) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert f"model commit: {before} -> {after}" in last_line(built)
+
+
+def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> None:
+    from dvfs.engines.sglang import model_commit
+
+    commit = "c3" * 20
+    ref = tmp_path / "cache" / "models--org--m" / "refs" / "v2"
+    ref.parent.mkdir(parents=True)
+    ref.write_text(commit + "\n")
+    env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "elsewhere")}
+    assert model_commit("org/m", "v2", env) == commit
+    assert model_commit("org/m", None, env) == ""  # no refs/main in that cache
+    assert model_commit("org/m", "d4" * 20, {}) == "d4" * 20  # pinned to a commit
+    assert model_commit(str(tmp_path), None, env) == ""  # a local folder
+    assert model_commit("org/m", "v2", {"HF_HOME": str(tmp_path / "elsewhere")}) == ""
+    ref.write_text("not a commit")
+    assert model_commit("org/m", "v2", env) == ""

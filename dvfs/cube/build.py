@@ -355,7 +355,12 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
     servers: dict[str, Any] = {}
     for s in journal.servers:
         # An earlier dvfs's journal may hold credentials (`dvfs.redact`): not the cube.
-        servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": redact_args(s.args)}
+        servers[s.drafter] = {
+            "engine": s.engine,
+            "version": s.version,
+            "args": redact_args(s.args),
+            **({"model_commit": s.model_commit} if s.model_commit else {}),
+        }
     versions = sorted({s.version for s in journal.servers})
     return {
         "dvfs_schema": CUBE_SCHEMA,

@@ -484,6 +484,7 @@ class Runner:
             gpu_pinning=info.gpu_pinning,
             prompt_format=info.prompt_format,
             ports=info.ports,
+            model_commit=info.model_commit,
         )
         record = server.to_json()
         try:

@@ -306,12 +306,17 @@ SERVER_INVARIANTS: dict[str, str] = {
 
 
 def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """What differs between two server records in the `SERVER_INVARIANTS`."""
-    return [
+    """What differs between two server records in the `SERVER_INVARIANTS`, and in the model's
+    Hub commit where both recorded one (`Server.model_commit`)."""
+    changes = [
         f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
         for key, label in SERVER_INVARIANTS.items()
         if (before.get(key) or None) != (now.get(key) or None)
     ]
+    a, b = before.get("model_commit"), now.get("model_commit")
+    if a and b and a != b:  # another commit of an unpinned model: other weights or config
+        changes.append(f"model commit: {a} -> {b}")
+    return changes
 
 
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -623,6 +628,11 @@ class Server:
     #: block when another program takes a port of its own. None: a free port, or an older
     #: record (an optional key within journal version 3).
     ports: dict[str, int] | None = None
+    #: The Hugging Face Hub commit of the model it loaded, read from the server's Hub cache
+    #: (`dvfs.engines.sglang.model_commit`); "" where dvfs cannot tell (the twin, a local
+    #: model, an attached server) or an older record (an optional key within journal version
+    #: 3). Compared where both servers recorded one (`arm_changes`, `server_changes`).
+    model_commit: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -637,6 +647,7 @@ class Server:
             "gpu_pinning": self.gpu_pinning,
             **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
             **({"ports": self.ports} if self.ports else {}),
+            **({"model_commit": self.model_commit} if self.model_commit else {}),
         }
 
     @classmethod
@@ -652,4 +663,5 @@ class Server:
             gpu_pinning=record.get("gpu_pinning"),
             prompt_format=record.get("prompt_format") or "",
             ports=record.get("ports") or None,
+            model_commit=record.get("model_commit") or "",
         )
