@@ -687,3 +687,50 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", {"HF_HOME": str(tmp_path / "elsewhere")}) == ""
     ref.write_text("not a commit")
     assert model_commit("org/m", "v2", env) == ""
+
+
+def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(tmp_path: Path) -> None:
+    """CUBLAS_WORKSPACE_CONFIG bounds which GEMM algorithms cuBLAS may pick: a resume whose
+    servers get another is refused naming it. A journal an earlier dvfs began, whose session
+    did not record such names (no `server_env_prefixes`), is not compared in them (unknown,
+    not unset): it resumes, and its cube builds."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert "CUBLAS_WORKSPACE_CONFIG" in session["server_env_prefixes"]
+    keep_first_drafter(journal)
+    with_env(path, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    assert "(server environment CUBLAS_WORKSPACE_CONFIG: unset -> ':4096:8')" in last_line(refused)
+    assert running(marker) == []
+    # Begun by an earlier dvfs: its session says nothing of cuBLAS, so nothing is compared.
+    records = read_records(journal)
+    for r in records:
+        r.pop("server_env_prefixes", None)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    later = sessions_of(journal)[-1]
+    assert later["server_env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+
+
+def test_cubes_compare_the_environment_under_the_prefixes_both_recorded() -> None:
+    from dvfs.records import env_changes
+
+    old = {"server_env": {"NCCL_ALGO": "Ring"}}  # an earlier dvfs's: no prefixes said
+    new = {
+        "server_env": {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        "server_env_prefixes": "SGLANG_,NCCL_,CUBLAS_WORKSPACE_CONFIG",  # a cube's attribute
+    }
+    assert env_changes(old, new) == []
+    unset = {"server_env": {"NCCL_ALGO": "Ring"}, "server_env_prefixes": new["server_env_prefixes"]}
+    assert env_changes(unset, new) == [
+        "server environment CUBLAS_WORKSPACE_CONFIG: unset -> ':4096:8'"
+    ]
+    assert env_changes({"server_env": {"NCCL_ALGO": "Tree"}}, new) == [
+        "server environment NCCL_ALGO: 'Tree' -> 'Ring'"
+    ]

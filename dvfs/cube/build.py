@@ -398,6 +398,12 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
             ),
             "",
         ),
+        # The prefixes that session recorded them under ("": an earlier dvfs's, or none
+        # recorded): a merge compares only the variables both cubes' prefixes cover.
+        "server_env_prefixes": next(
+            (",".join(s.server_env_prefixes) for s in journal.sessions if s.server_env is not None),
+            "",
+        ),
         # What the dvfs that began the journal gave every drafter alike (`ARMS_PINNED`): a
         # merge compares the servers' drawn args only where both cubes pinned them.
         "arms_pinned": ",".join(header.arms_pinned),

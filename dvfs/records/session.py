@@ -71,6 +71,9 @@ class Session:
     #: (`server_env_of`), name to value; None: not recorded (an older dvfs, the twin, an
     #: attached server), so not compared.
     server_env: dict[str, str] | None = None
+    #: The `SERVER_ENV_PREFIXES` `server_env` was recorded under (empty: not said, an earlier
+    #: dvfs's `EARLIER_ENV_PREFIXES`; `recorded_env_prefixes`).
+    server_env_prefixes: tuple[str, ...] = ()
     #: Other tenants' compute processes seen on the metered GPUs right before or after the
     #: opening idle measurement (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name,
     #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
@@ -105,6 +108,11 @@ class Session:
             "gpu_time_s": self.gpu_time_s,
             **({"workers": [dict(w) for w in self.workers]} if self.workers else {}),
             **({"server_env": dict(self.server_env)} if self.server_env is not None else {}),
+            **(
+                {"server_env_prefixes": list(self.server_env_prefixes)}
+                if self.server_env is not None and self.server_env_prefixes
+                else {}
+            ),
             **(
                 {"idle_foreign_processes": [dict(p) for p in self.idle_foreign_processes]}
                 if self.idle_foreign_processes
@@ -145,6 +153,7 @@ class Session:
             gpu_time_s=record.get("gpu_time_s") or {},
             workers=tuple(dict(w) for w in record.get("workers") or ()),
             server_env=recorded_env(record),
+            server_env_prefixes=tuple(str(p) for p in record.get("server_env_prefixes") or ()),
             idle_foreign_processes=tuple(
                 dict(p) for p in record.get("idle_foreign_processes") or ()
             ),
@@ -209,7 +218,24 @@ SERVER_ENV_PREFIXES: dict[str, str] = {
     "TRITON_": "Triton's compiler and autotuner, which build SGLang's Triton kernels",
     "NCCL_": "NCCL's algorithms, protocols and channels: the tensor-parallel all-reduces",
     "NVIDIA_TF32_OVERRIDE": "TF32 forced on or off in cuBLAS and cuDNN: other matmul numerics",
+    "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's workspace, which bounds the GEMM algorithms it may "
+    "pick (and makes them deterministic)",
+    "CUBLASLT_": "cuBLASLt's workspace and heuristics: which GEMM kernels it picks",
 }
+#: The `SERVER_ENV_PREFIXES` of the dvfs that first recorded sessions' `server_env`: what a
+#: session without `server_env_prefixes` recorded. A name only later prefixes match is not
+#: compared against such a session (its value then was not recorded: unknown, not unset).
+EARLIER_ENV_PREFIXES = (
+    "SGLANG_",
+    "SGL_",
+    "CUDA_",
+    "FLASHINFER_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "NCCL_",
+    "NVIDIA_TF32_OVERRIDE",
+)
 #: Names those prefixes match that are left out, each with why.
 SERVER_ENV_LEFT_OUT: dict[str, str] = {
     "CUDA_VISIBLE_DEVICES": "dvfs sets it to the metered GPUs' UUIDs; which GPUs measured is "
@@ -271,17 +297,27 @@ SERVER_ENV_ADVICE = (
 )
 
 
+def recorded_env_prefixes(session: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `SERVER_ENV_PREFIXES` a raw session record (or a cube's attributes, comma-joined)
+    recorded its `server_env` under: its `server_env_prefixes`, else `EARLIER_ENV_PREFIXES`."""
+    given = session.get("server_env_prefixes")
+    if isinstance(given, str):
+        given = [p for p in given.split(",") if p]
+    return tuple(str(p) for p in given) if given else EARLIER_ENV_PREFIXES
+
+
 def env_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """Each recorded server environment variable (`SERVER_ENV_PREFIXES`) that differs between
     two session records ("server environment CUDA_LAUNCH_BLOCKING: unset -> '1'"), where both
-    recorded one."""
+    recorded one, under prefixes both recorded (`recorded_env_prefixes`)."""
     a, b = recorded_env(before), recorded_env(now)
     if a is None or b is None:
         return []
+    both = tuple(set(recorded_env_prefixes(before)) & set(recorded_env_prefixes(now)))
     return [
         f"{SERVER_ENV_CHANGE}{name}: {_env_value(a, name)} -> {_env_value(b, name)}"
         for name in sorted(a.keys() | b.keys())
-        if a.get(name) != b.get(name)
+        if a.get(name) != b.get(name) and name.startswith(both)
     ]
 
 
