@@ -53,6 +53,13 @@ REGISTRY = tuple(
             True,
             True,
         ),
+        (
+            "server_env_prefixes",
+            "str",
+            "",
+            "the name prefixes server_env was recorded under, comma-separated (empty: an earlier "
+            "dvfs's, or none recorded)",
+        ),
         ("gpu_pinning", "json", "", "per drafter: did its server run on the metered GPUs"),
         ("model", "str", "", "target model", True),
         ("tp_size", "int", "", "tensor-parallel size", True),

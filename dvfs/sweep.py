@@ -144,9 +144,12 @@ def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
     engine.sglang.env or in dvfs's own environment: the later arms would be served otherwise
     than the journal's first ones, unseen. Sessions that recorded none are not compared."""
     from dvfs.engines.sglang_args import recorded_server_env
-    from dvfs.records import SERVER_ENV_ADVICE, env_changes
+    from dvfs.records import SERVER_ENV_ADVICE, SERVER_ENV_PREFIXES, env_changes
 
-    now = {"server_env": recorded_server_env(campaign)}
+    now = {
+        "server_env": recorded_server_env(campaign),
+        "server_env_prefixes": list(SERVER_ENV_PREFIXES),
+    }
     for session in journal.sessions:
         changes = env_changes(session, now)
         if changes:

@@ -22,7 +22,7 @@ from sglang_support import REPO, STUB, running, stub_campaign
 
 from dvfs.campaign.sglang_flags import non_drafter_flag
 from dvfs.cli import cli
-from dvfs.cube import open_cube
+from dvfs.cube import open_cube, write_cube
 from dvfs.measure.journal import read_records
 from dvfs.records import (
     ARM_ARGS,
@@ -168,20 +168,46 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
     assert "were served differently (engine version: 0.5.9 -> 0.5.23)" in last_line(built)
 
 
-def test_a_server_resolving_other_engine_args_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "change"),
+    [
+        (["--dtype", "float16"], "dtype (dtype): None -> 'float16'"),
+        (
+            ["--sampling-backend", "pytorch"],
+            "sampling kernels (sampling_backend): None -> 'pytorch'",
+        ),
+        (["--enable-torch-compile"], "torch.compile (enable_torch_compile): False -> True"),
+        (
+            ["--enable-deterministic-inference"],
+            "deterministic inference (enable_deterministic_inference): False -> True",
+        ),
+        (["--stream-interval", "4"], "stream interval (stream_interval): 1 -> 4"),
+        (["--schedule-policy", "fcfs"], "schedule policy (schedule_policy): None -> 'fcfs'"),
+        (
+            ["--sampling-defaults", "openai"],
+            "sampling defaults (sampling_defaults): None -> 'openai'",
+        ),
+    ],
+)
+def test_a_server_resolving_other_engine_args_is_refused(
+    tmp_path: Path, flags: list[str], change: str
+) -> None:
     """The server command is operational (it may change between runs): one that adds
-    --dtype float16 serves the second drafter with another dtype than the first's: refused."""
+    --dtype float16 serves the second drafter with another dtype than the first's, one that
+    adds --sampling-backend pytorch with other sampling kernels, --enable-torch-compile with
+    compiled kernels: refused."""
     path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
     out = tmp_path / "out"
     assert sweep(path, out).exit_code == 0
     other = keep_first_drafter(out / "journal.jsonl")
     command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
-    path.write_text(replace_block(path.read_text(), command, command + ', "--dtype", "float16"'))
+    added = "".join(f", {json.dumps(flag)}" for flag in flags)
+    path.write_text(replace_block(path.read_text(), command, command + added))
     again = sweep(path, out)
     assert again.exit_code == 5, again.output
     records = read_records(out / "journal.jsonl")
     [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
-    assert "dtype (dtype): None -> 'float16'" in failed["error"]
+    assert change in failed["error"]
     assert [r["drafter"] for r in records if r["type"] == "server"] != [other]
     assert running(marker) == []
 
@@ -292,6 +318,16 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("enable_mixed_chunk", "mixed chunked prefill", True, False),
         ("chunked_prefill_size", "chunked prefill size", 8192, 4096),
         ("disable_radix_cache", "radix cache disabled", False, True),
+        ("sampling_backend", "sampling kernels", "flashinfer", "pytorch"),
+        ("enable_torch_compile", "torch.compile", False, True),
+        ("enable_deterministic_inference", "deterministic inference", False, True),
+        ("stream_interval", "stream interval", 1, 8),
+        ("schedule_policy", "schedule policy", "fcfs", "lpm"),
+        ("schedule_conservativeness", "schedule conservativeness", 1.0, 0.3),
+        ("sampling_defaults", "sampling defaults", "model", "openai"),
+        ("preferred_sampling_params", "preferred sampling params", None, '{"top_p": 0.5}'),
+        ("disable_custom_all_reduce", "custom all-reduce disabled", False, True),
+        ("enable_dp_attention", "DP attention", False, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}
@@ -562,3 +598,139 @@ def test_the_recorded_variables_are_those_that_change_kernels() -> None:
     left_out += ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"]
     env = {name: "v" for name in recorded + left_out}
     assert server_env_of(env) == {name: "v" for name in sorted(recorded)}
+
+
+# -- a cube an earlier dvfs built -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["compare"], ["headroom"], ["report", "-o", "{out}/report.md"]],
+)
+def test_an_analysis_refuses_a_cube_whose_drafters_were_served_differently(
+    small_sweep: Path, tmp_path: Path, command: list[str]
+) -> None:
+    """`dvfs cube build` refuses a journal whose drafters' servers differ in an arm arg; a
+    cube an earlier dvfs built from one (one drafter with other sampling kernels, here
+    edited in) is refused by every analysis, naming the difference, not compared."""
+    ds = open_cube(small_sweep)
+    servers = json.loads(ds.attrs["server_args"])
+    first, second = list(servers)
+    servers[first]["args"]["sampling_backend"] = "flashinfer"
+    servers[second]["args"]["sampling_backend"] = "pytorch"
+    ds.attrs["server_args"] = json.dumps(servers)
+    path = tmp_path / "cube.nc"
+    write_cube(ds, path)
+    assert CliRunner().invoke(cli, ["compare", str(small_sweep)]).exit_code == 0
+    argv = [command[0], str(path), *(a.format(out=tmp_path) for a in command[1:])]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0
+    assert (
+        f"{first!r} and {second!r}: sampling kernels (sampling_backend): 'flashinfer' -> "
+        "'pytorch'" in last_line(result)
+    )
+    assert "Traceback" not in result.output
+
+
+# -- the model's Hub commit -------------------------------------------------------------------
+
+
+def test_a_resume_whose_server_loads_another_commit_of_the_model_is_refused(
+    tmp_path: Path,
+) -> None:
+    """An unpinned model (no --revision) is whatever commit the server's Hub cache names for
+    main when it starts: each server record keeps it, and a resume whose cache moved to
+    another commit (new weights, generation config or template upstream) is refused at the
+    next drafter's start, as another engine version is; a journal mixing them builds no cube."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    home = tmp_path / "hf"
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    ref = home / "hub" / f"models--org--{marker}" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    before, after = "a1" * 20, "b2" * 20
+    ref.write_text(before)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [before, before]
+    other = keep_first_drafter(journal)
+    ref.write_text(after)
+    again = sweep(path, out)
+    assert again.exit_code == 5, again.output
+    records = read_records(journal)
+    [failed] = [r for r in records if r["type"] == "cell" and r["cell"]["drafter"] == other]
+    assert f"model commit: {before} -> {after}" in failed["error"]
+    assert running(marker) == []
+    server = next(r for r in records if r["type"] == "server")
+    with journal.open("a") as f:
+        f.write(json.dumps({**server, "drafter": other, "model_commit": after}) + "\n")
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code != 0
+    assert f"model commit: {before} -> {after}" in last_line(built)
+
+
+def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> None:
+    from dvfs.engines.sglang import model_commit
+
+    commit = "c3" * 20
+    ref = tmp_path / "cache" / "models--org--m" / "refs" / "v2"
+    ref.parent.mkdir(parents=True)
+    ref.write_text(commit + "\n")
+    env = {"HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "elsewhere")}
+    assert model_commit("org/m", "v2", env) == commit
+    assert model_commit("org/m", None, env) == ""  # no refs/main in that cache
+    assert model_commit("org/m", "d4" * 20, {}) == "d4" * 20  # pinned to a commit
+    assert model_commit(str(tmp_path), None, env) == ""  # a local folder
+    assert model_commit("org/m", "v2", {"HF_HOME": str(tmp_path / "elsewhere")}) == ""
+    ref.write_text("not a commit")
+    assert model_commit("org/m", "v2", env) == ""
+
+
+def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(tmp_path: Path) -> None:
+    """CUBLAS_WORKSPACE_CONFIG bounds which GEMM algorithms cuBLAS may pick: a resume whose
+    servers get another is refused naming it. A journal an earlier dvfs began, whose session
+    did not record such names (no `server_env_prefixes`), is not compared in them (unknown,
+    not unset): it resumes, and its cube builds."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert "CUBLAS_WORKSPACE_CONFIG" in session["server_env_prefixes"]
+    keep_first_drafter(journal)
+    with_env(path, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    assert "(server environment CUBLAS_WORKSPACE_CONFIG: unset -> ':4096:8')" in last_line(refused)
+    assert running(marker) == []
+    # Begun by an earlier dvfs: its session says nothing of cuBLAS, so nothing is compared.
+    records = read_records(journal)
+    for r in records:
+        r.pop("server_env_prefixes", None)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    later = sessions_of(journal)[-1]
+    assert later["server_env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+
+
+def test_cubes_compare_the_environment_under_the_prefixes_both_recorded() -> None:
+    from dvfs.records import env_changes
+
+    old = {"server_env": {"NCCL_ALGO": "Ring"}}  # an earlier dvfs's: no prefixes said
+    new = {
+        "server_env": {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        "server_env_prefixes": "SGLANG_,NCCL_,CUBLAS_WORKSPACE_CONFIG",  # a cube's attribute
+    }
+    assert env_changes(old, new) == []
+    unset = {"server_env": {"NCCL_ALGO": "Ring"}, "server_env_prefixes": new["server_env_prefixes"]}
+    assert env_changes(unset, new) == [
+        "server environment CUBLAS_WORKSPACE_CONFIG: unset -> ':4096:8'"
+    ]
+    assert env_changes({"server_env": {"NCCL_ALGO": "Tree"}}, new) == [
+        "server environment NCCL_ALGO: 'Tree' -> 'Ring'"
+    ]

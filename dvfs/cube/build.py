@@ -355,7 +355,12 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
     servers: dict[str, Any] = {}
     for s in journal.servers:
         # An earlier dvfs's journal may hold credentials (`dvfs.redact`): not the cube.
-        servers[s.drafter] = {"engine": s.engine, "version": s.version, "args": redact_args(s.args)}
+        servers[s.drafter] = {
+            "engine": s.engine,
+            "version": s.version,
+            "args": redact_args(s.args),
+            **({"model_commit": s.model_commit} if s.model_commit else {}),
+        }
     versions = sorted({s.version for s in journal.servers})
     return {
         "dvfs_schema": CUBE_SCHEMA,
@@ -391,6 +396,12 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
                 for s in journal.sessions
                 if s.server_env is not None
             ),
+            "",
+        ),
+        # The prefixes that session recorded them under ("": an earlier dvfs's, or none
+        # recorded): a merge compares only the variables both cubes' prefixes cover.
+        "server_env_prefixes": next(
+            (",".join(s.server_env_prefixes) for s in journal.sessions if s.server_env is not None),
             "",
         ),
         # What the dvfs that began the journal gave every drafter alike (`ARMS_PINNED`): a

@@ -195,6 +195,17 @@ def open_analysable(path: str | Path) -> xr.Dataset:
             "invalid): nothing to analyse; see `dvfs cube info` and the sweep's journal, then "
             "rerun `dvfs sweep`"
         )
+    from dvfs.cube.merge import arm_differences
+
+    served = arm_differences(ds)
+    if served:
+        more = f" (and {len(served) - 3} more)" if len(served) > 3 else ""
+        raise CubeError(
+            f"{path}'s drafters were served differently ({'; '.join(served[:3])}{more}): the "
+            "arms would compare more than their drafters (a cube an earlier dvfs built, which "
+            "did not compare this); sweep again with --fresh (or into another --out folder) "
+            "with every drafter on one engine version and one set of engine flags"
+        )
     energy = ds["energy_per_token_j"]
     # A measured energy is a non-negative number: a valid cell holding NaN or a negative one
     # is a damaged (or hand-edited) file, and no least-energy choice can be made from it.

@@ -182,7 +182,14 @@ def provenance_differences(
             continue
         if key == "server_env" and str(a) != str(b):  # each variable that differs, named
             changes += env_changes(
-                {"server_env": _json(first, key, {})}, {"server_env": _json(ds, key, {})}
+                {
+                    "server_env": _json(first, key, {}),
+                    "server_env_prefixes": first.attrs.get("server_env_prefixes"),
+                },
+                {
+                    "server_env": _json(ds, key, {}),
+                    "server_env_prefixes": ds.attrs.get("server_env_prefixes"),
+                },
             )
         elif str(a) != str(b):
             changes.append(f"{key}: {_short(a)} -> {_short(b)}")
@@ -203,6 +210,26 @@ def provenance_differences(
         found += [c for c in server_changes(mine, theirs[drafter]) if c not in found]
         changes += [f"drafter {drafter!r} {c}" for c in found]
     return changes
+
+
+def arm_differences(ds: xr.Dataset) -> list[str]:
+    """What the cube's drafters' servers differ in beyond their drafters (`arm_changes`
+    against the first drafter's, at the cube's batch sizes), each entry naming the two
+    drafters: empty for every cube `dvfs cube build` makes now, which refuses such a journal;
+    a cube an earlier dvfs built (or one edited) may hold them."""
+    from dvfs.records import arm_changes
+
+    servers = list(_servers(ds).items())
+    if len(servers) < 2:
+        return []
+    pinned = set(str(ds.attrs.get("arms_pinned", "")).split(",")) - {""}
+    batches = [int(b) for b in ds["batch"].values] if "batch" in ds.coords else []
+    first, mine = servers[0]
+    return [
+        f"{first!r} and {drafter!r}: {c}"
+        for drafter, theirs in servers[1:]
+        for c in arm_changes(mine, theirs, batches, pinned)
+    ]
 
 
 def _listed(changes: list[str]) -> str:
@@ -359,12 +386,15 @@ def _each_known(cubes: list[xr.Dataset], key: str) -> str:
 
 def _first_known(cubes: list[xr.Dataset], keys: Iterable[str]) -> dict[str, Any]:
     """Each of `keys` as the first cube that records it has it (a cube that does not, an older
-    dvfs's, would otherwise blank what the others agree on: they were compared where known)."""
+    dvfs's, would otherwise blank what the others agree on: they were compared where known);
+    `server_env` with the prefixes that cube recorded it under."""
     known = {}
     for key in keys:
-        value = next((ds.attrs[key] for ds in cubes if ds.attrs.get(key) not in (None, "")), None)
-        if value is not None:
-            known[key] = value
+        ds = next((ds for ds in cubes if ds.attrs.get(key) not in (None, "")), None)
+        if ds is not None:
+            known[key] = ds.attrs[key]
+            if key == "server_env":
+                known["server_env_prefixes"] = ds.attrs.get("server_env_prefixes", "")
     return known
 
 

@@ -317,6 +317,9 @@ class ServerInfo:
     #: The block of ports dvfs started it on ({"http": --port, "nccl": --nccl-port}): a fleet
     #: worker's (`dvfs.fleet.ports`). None: a free --port, or a server dvfs did not start.
     ports: dict[str, int] | None = None
+    #: The Hub commit of the model it loaded (`dvfs.engines.sglang.model_commit`); "" where
+    #: dvfs cannot tell (the twin, a local model, an attached server, a cache it cannot read).
+    model_commit: str = ""
 
 
 class Engine(Protocol):

@@ -24,12 +24,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,6 +144,40 @@ def same_model(reported: object, wanted: str) -> bool:
     if quant:
         return file.endswith(f"-{quant}.gguf")
     return file == "/".join(parts[2:]) if len(parts) > 2 else bool(file)
+
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")
+
+
+def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
+    """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
+    branch main) and environment `env` loads from the Hub cache: `revision` itself where it is
+    a commit, else what the cache's `refs/REVISION` names (HF_HUB_CACHE, else HF_HOME/hub,
+    else XDG_CACHE_HOME or ~/.cache, then huggingface/hub); "" where it cannot tell (a local
+    folder or file, ModelScope, a repo not in that cache). Read once the server answers, so
+    after it fetched the model: a resume weeks later whose cache moved to another commit of
+    an unpinned model serves other weights, generation config or template."""
+    model = str(model_path or "")
+    rev = str(revision or "main")
+    if _COMMIT_RE.match(rev):
+        return rev
+    parts = model.strip("/").split("/")
+    if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
+        return ""
+    if os.path.exists(model):
+        return ""
+    if env.get("HF_HUB_CACHE"):
+        cache = Path(env["HF_HUB_CACHE"])
+    elif env.get("HF_HOME"):
+        cache = Path(env["HF_HOME"]) / "hub"
+    else:
+        cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
+    ref = cache / f"models--{parts[0]}--{parts[1]}" / "refs" / rev
+    try:
+        text = ref.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return text if _COMMIT_RE.match(text) else ""
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -481,6 +516,9 @@ class SglangEngine:
             own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
+            model_commit=model_commit(
+                info.get("model_path"), info.get("revision"), server_env(self.campaign)
+            ),
         )
 
     def _answered_by_another(

@@ -374,6 +374,7 @@ class Runner:
                 )
         from dvfs.backends import corpus_texts
         from dvfs.engines.sglang_args import recorded_server_env
+        from dvfs.records import SERVER_ENV_PREFIXES
 
         texts = corpus_texts(self.campaign, self.corpora)
         session = Session(
@@ -414,6 +415,7 @@ class Runner:
             settle=settle,
             gpu_time_s=overhead,
             server_env=recorded_server_env(self.campaign),
+            server_env_prefixes=tuple(SERVER_ENV_PREFIXES),
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
         )
@@ -484,6 +486,7 @@ class Runner:
             gpu_pinning=info.gpu_pinning,
             prompt_format=info.prompt_format,
             ports=info.ports,
+            model_commit=info.model_commit,
         )
         record = server.to_json()
         try:

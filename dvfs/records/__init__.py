@@ -47,6 +47,7 @@ from dvfs.records.session import (
     mixed_within,
     only_env_changed,
     prompt_changes,
+    recorded_env_prefixes,
     recorded_stock,
     server_changes,
     server_env_of,
@@ -95,6 +96,7 @@ __all__ = [
     "prompt_changes",
     "recorded_stock",
     "server_changes",
+    "recorded_env_prefixes",
     "server_env_of",
 ]
 

@@ -71,6 +71,9 @@ class Session:
     #: (`server_env_of`), name to value; None: not recorded (an older dvfs, the twin, an
     #: attached server), so not compared.
     server_env: dict[str, str] | None = None
+    #: The `SERVER_ENV_PREFIXES` `server_env` was recorded under (empty: not said, an earlier
+    #: dvfs's `EARLIER_ENV_PREFIXES`; `recorded_env_prefixes`).
+    server_env_prefixes: tuple[str, ...] = ()
     #: Other tenants' compute processes seen on the metered GPUs right before or after the
     #: opening idle measurement (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name,
     #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
@@ -105,6 +108,11 @@ class Session:
             "gpu_time_s": self.gpu_time_s,
             **({"workers": [dict(w) for w in self.workers]} if self.workers else {}),
             **({"server_env": dict(self.server_env)} if self.server_env is not None else {}),
+            **(
+                {"server_env_prefixes": list(self.server_env_prefixes)}
+                if self.server_env is not None and self.server_env_prefixes
+                else {}
+            ),
             **(
                 {"idle_foreign_processes": [dict(p) for p in self.idle_foreign_processes]}
                 if self.idle_foreign_processes
@@ -145,6 +153,7 @@ class Session:
             gpu_time_s=record.get("gpu_time_s") or {},
             workers=tuple(dict(w) for w in record.get("workers") or ()),
             server_env=recorded_env(record),
+            server_env_prefixes=tuple(str(p) for p in record.get("server_env_prefixes") or ()),
             idle_foreign_processes=tuple(
                 dict(p) for p in record.get("idle_foreign_processes") or ()
             ),
@@ -209,7 +218,24 @@ SERVER_ENV_PREFIXES: dict[str, str] = {
     "TRITON_": "Triton's compiler and autotuner, which build SGLang's Triton kernels",
     "NCCL_": "NCCL's algorithms, protocols and channels: the tensor-parallel all-reduces",
     "NVIDIA_TF32_OVERRIDE": "TF32 forced on or off in cuBLAS and cuDNN: other matmul numerics",
+    "CUBLAS_WORKSPACE_CONFIG": "cuBLAS's workspace, which bounds the GEMM algorithms it may "
+    "pick (and makes them deterministic)",
+    "CUBLASLT_": "cuBLASLt's workspace and heuristics: which GEMM kernels it picks",
 }
+#: The `SERVER_ENV_PREFIXES` of the dvfs that first recorded sessions' `server_env`: what a
+#: session without `server_env_prefixes` recorded. A name only later prefixes match is not
+#: compared against such a session (its value then was not recorded: unknown, not unset).
+EARLIER_ENV_PREFIXES = (
+    "SGLANG_",
+    "SGL_",
+    "CUDA_",
+    "FLASHINFER_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "NCCL_",
+    "NVIDIA_TF32_OVERRIDE",
+)
 #: Names those prefixes match that are left out, each with why.
 SERVER_ENV_LEFT_OUT: dict[str, str] = {
     "CUDA_VISIBLE_DEVICES": "dvfs sets it to the metered GPUs' UUIDs; which GPUs measured is "
@@ -271,17 +297,27 @@ SERVER_ENV_ADVICE = (
 )
 
 
+def recorded_env_prefixes(session: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `SERVER_ENV_PREFIXES` a raw session record (or a cube's attributes, comma-joined)
+    recorded its `server_env` under: its `server_env_prefixes`, else `EARLIER_ENV_PREFIXES`."""
+    given = session.get("server_env_prefixes")
+    if isinstance(given, str):
+        given = [p for p in given.split(",") if p]
+    return tuple(str(p) for p in given) if given else EARLIER_ENV_PREFIXES
+
+
 def env_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """Each recorded server environment variable (`SERVER_ENV_PREFIXES`) that differs between
     two session records ("server environment CUDA_LAUNCH_BLOCKING: unset -> '1'"), where both
-    recorded one."""
+    recorded one, under prefixes both recorded (`recorded_env_prefixes`)."""
     a, b = recorded_env(before), recorded_env(now)
     if a is None or b is None:
         return []
+    both = tuple(set(recorded_env_prefixes(before)) & set(recorded_env_prefixes(now)))
     return [
         f"{SERVER_ENV_CHANGE}{name}: {_env_value(a, name)} -> {_env_value(b, name)}"
         for name in sorted(a.keys() | b.keys())
-        if a.get(name) != b.get(name)
+        if a.get(name) != b.get(name) and name.startswith(both)
     ]
 
 
@@ -306,12 +342,17 @@ SERVER_INVARIANTS: dict[str, str] = {
 
 
 def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """What differs between two server records in the `SERVER_INVARIANTS`."""
-    return [
+    """What differs between two server records in the `SERVER_INVARIANTS`, and in the model's
+    Hub commit where both recorded one (`Server.model_commit`)."""
+    changes = [
         f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
         for key, label in SERVER_INVARIANTS.items()
         if (before.get(key) or None) != (now.get(key) or None)
     ]
+    a, b = before.get("model_commit"), now.get("model_commit")
+    if a and b and a != b:  # another commit of an unpinned model: other weights or config
+        changes.append(f"model commit: {a} -> {b}")
+    return changes
 
 
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -346,6 +387,21 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #:   0.5.23 for NGRAM, STANDALONE and UNO (speculative_hook.py lines 1307, 1112, 600; which
 #:   keep it: speculative/spec_info.py `supports_mixed_chunk`). dvfs never sets it; a campaign
 #:   that does is refused before any server starts when its drafters would disagree.
+#: - the sampling kernels, torch.compile and deterministic inference: neither release sets them
+#:   per algorithm (the sampling backend is FlashInfer's where the install has FlashInfer, else
+#:   PyTorch's, 0.5.9 `_handle_sampling_backend`); a server started otherwise (another install,
+#:   another server_command, an attached server) samples or computes with other kernels.
+#: - the stream interval, schedule policy and conservativeness: neither release sets them per
+#:   algorithm (the conservativeness is scaled only for DP attention, with `dp_size`, compared);
+#:   another value streams a round's tokens in other chunks or admits and preempts its
+#:   requests otherwise.
+#: - where a request's unset sampling parameters come from (`sampling_defaults`: the model's
+#:   generation_config or OpenAI's; `preferred_sampling_params`): dvfs sends the temperature
+#:   alone, so these set every arm's top_p, top_k and min_p, and with them how often a draft
+#:   is accepted at a temperature above 0. Neither release sets them per algorithm.
+#: - custom all-reduce and DP attention: how a tensor-parallel server's ranks exchange
+#:   activations and split attention (DP attention is dropped where dp_size is 1, compared);
+#:   set for deterministic inference or by the placement, never per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -373,6 +429,16 @@ ARM_ARGS: dict[str, str] = {
     "disable_overlap_schedule": "overlap scheduler disabled",
     "enable_mixed_chunk": "mixed chunked prefill",
     "random_seed": "random seed",
+    "sampling_backend": "sampling kernels",
+    "enable_torch_compile": "torch.compile",
+    "enable_deterministic_inference": "deterministic inference",
+    "stream_interval": "stream interval",
+    "schedule_policy": "schedule policy",
+    "schedule_conservativeness": "schedule conservativeness",
+    "sampling_defaults": "sampling defaults",
+    "preferred_sampling_params": "preferred sampling params",
+    "disable_custom_all_reduce": "custom all-reduce disabled",
+    "enable_dp_attention": "DP attention",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
@@ -598,6 +664,11 @@ class Server:
     #: block when another program takes a port of its own. None: a free port, or an older
     #: record (an optional key within journal version 3).
     ports: dict[str, int] | None = None
+    #: The Hugging Face Hub commit of the model it loaded, read from the server's Hub cache
+    #: (`dvfs.engines.sglang.model_commit`); "" where dvfs cannot tell (the twin, a local
+    #: model, an attached server) or an older record (an optional key within journal version
+    #: 3). Compared where both servers recorded one (`arm_changes`, `server_changes`).
+    model_commit: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -612,6 +683,7 @@ class Server:
             "gpu_pinning": self.gpu_pinning,
             **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
             **({"ports": self.ports} if self.ports else {}),
+            **({"model_commit": self.model_commit} if self.model_commit else {}),
         }
 
     @classmethod
@@ -627,4 +699,5 @@ class Server:
             gpu_pinning=record.get("gpu_pinning"),
             prompt_format=record.get("prompt_format") or "",
             ports=record.get("ports") or None,
+            model_commit=record.get("model_commit") or "",
         )

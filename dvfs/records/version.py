@@ -33,6 +33,11 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       input lengths with their token counts (`dvfs.corpora.sampling.pool_hash`).
       A session's optional `campaign_dir` (within 3; absent: an earlier dvfs): the absolute
       folder of the campaign file, where its corpora's relative paths start.
+      A server's optional `model_commit` (within 3; absent: an earlier dvfs, or dvfs could
+      not tell): the Hugging Face Hub commit of the model it loaded, from its Hub cache.
+      A session's optional `server_env_prefixes` (within 3, beside `server_env`; absent: an
+      earlier dvfs's `dvfs.records.session.EARLIER_ENV_PREFIXES`): the name prefixes its
+      `server_env` was recorded under.
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
