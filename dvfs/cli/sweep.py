@@ -246,7 +246,7 @@ def sweep(
     Resumes from the journal in --out by default: finished cells are skipped. Ctrl-C stops
     after restoring the GPU; run the same command again to continue.
     """
-    from dvfs.backends import check_job_gpus
+    from dvfs.backends import check_gpus_named_once, check_job_gpus
     from dvfs.campaign import load_campaign
     from dvfs.sweep import observe_only as observing
     from dvfs.sweep import observe_only_note, plan_dry_run
@@ -276,7 +276,9 @@ def sweep(
         raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
     groups = sweep_groups(campaign, gpus_spec)
     if executor != "ray":  # before any GPU is touched; Ray's actors get the GPUs Ray gives them
-        check_job_gpus(campaign, [d for g in groups for d in g])
+        devices = [d for g in groups for d in g]
+        check_job_gpus(campaign, devices)
+        check_gpus_named_once(campaign, devices, option="--gpus" if gpus_spec else "gpu.devices")
     from dvfs.fleet.folders import fleet_journal
 
     # --fresh moves the folder's journals aside unread: a damaged one must not stop it.
