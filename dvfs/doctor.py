@@ -190,11 +190,18 @@ def _gpu_checks(
     try:
         with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
             first = gpus[0].identity
+            # Each model, with its count where a fleet mixes them (not the first GPU's alone).
+            counts: dict[str, int] = {}
+            for g in gpus:
+                counts[g.identity.name] = counts.get(g.identity.name, 0) + 1
+            named = ", ".join(
+                name if len(counts) == 1 else f"{name} x{count}" for name, count in counts.items()
+            )
             checks.append(
                 Check(
                     "driver",
                     OK,
-                    f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {first.name}",
+                    f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {named}",
                 )
             )
             devices = list(campaign.gpu.devices)
