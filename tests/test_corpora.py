@@ -82,6 +82,32 @@ def test_sharegpt_turns_end_on_the_user(tmp_path: Path) -> None:
     assert corpus.prompts[0].messages[-1].content == "Another one."
 
 
+def test_a_json_file_holding_one_array_is_read_as_its_records(tmp_path: Path) -> None:
+    """A `.json` file of one JSON array of objects (ShareGPT's export, pretty-printed or on one
+    line) is read as its records, as their JSON Lines would be; it was read line by line and
+    refused ("line 1: not valid JSON" or "expected an object with fields, got a list"). Its
+    errors name the record, or the line a syntax error is on; JSON Lines whose records are
+    lists are still refused at their line, as is an array in a file named as JSON Lines
+    (`tests/bad_inputs.py`)."""
+    records = [{"id": f"c{i}", "conversations": chat} for i, chat in enumerate(CHATS)]
+    spec = {"messages": "conversations"}
+    write(tmp_path / "lines.jsonl", "\n".join(json.dumps(r) for r in records))
+    expected = load(tmp_path, "chats", {"path": "lines.jsonl", **spec}).prompts
+    for indent in (2, None):
+        write(tmp_path / "chats.json", json.dumps(records, indent=indent))
+        corpus = load(tmp_path, "chats", {"path": "chats.json", **spec})
+        assert corpus.prompts == expected, indent
+    write(tmp_path / "wrong.json", json.dumps([{"text": "a"}, {"prompt": "b"}], indent=2))
+    with pytest.raises(CorpusError, match=r"wrong\.json, record 2 of the array: no field 'text'"):
+        load(tmp_path, "wrong", {"path": "wrong.json", "field": "text"})
+    write(tmp_path / "cut.json", '[\n  {"text": "a"},\n  {"text": "b",}\n]\n')
+    with pytest.raises(CorpusError, match=r"cut\.json, line 3: not valid JSON"):
+        load(tmp_path, "cut", {"path": "cut.json", "field": "text"})
+    write(tmp_path / "lists.json", '["a"]\n["b"]\n')
+    with pytest.raises(CorpusError, match=r"lists\.json, line 1: expected an object"):
+        load(tmp_path, "lists", {"path": "lists.json", "field": "text"})
+
+
 def test_csv_with_text_and_chat_columns(tmp_path: Path) -> None:
     import csv
 
