@@ -542,9 +542,11 @@ def _out_dir(
         from dvfs.fleet.folders import journals_done, model_journals
         from dvfs.fleet.shard import planned_cells
 
-        # As the fleet picks its journals: none when they hold every cell already, else each
-        # model's (a folder holding one model's run is refused for a fleet mixing models).
-        if journals_done(out_dir, campaign, planned_cells(campaign, shard)) is None:
+        # As the fleet picks its journals: none when they hold every cell already on these
+        # models, else each model's (a folder holding one model's run is refused for a fleet
+        # mixing models, finished or not).
+        cells = planned_cells(campaign, shard)
+        if journals_done(out_dir, campaign, cells, set(models)) is None:
             model_journals(out_dir, set(models))
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")

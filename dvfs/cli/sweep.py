@@ -433,6 +433,7 @@ def run_fleet(
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.signals import Interrupted, signals_raise
+    from dvfs.sweep import fleet_models
 
     err = console(stderr=True)
     run_on: Any = LocalExecutor(out_dir)
@@ -454,6 +455,8 @@ def run_fleet(
                 fresh=fresh,
                 progress=bar,
                 shard=shard,
+                # Ray places its workers on any node's GPUs: their models are not this host's.
+                models=None if executor == "ray" else lambda: fleet_models(campaign, groups),
             )
     except (KeyboardInterrupt, Interrupted):
         status = _after_interruption_told(err, campaign, out_dir)

@@ -632,10 +632,14 @@ def run_fleet(
     fresh: bool = False,
     progress: Progress | None = None,
     shard: Shard | None = None,
+    models: Callable[[], Sequence[str] | None] | None = None,
 ) -> FleetOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
-    GPU model, merged along `gpu` when the fleet mixes models)."""
+    GPU model, merged along `gpu` when the fleet mixes models). `models`: the groups' GPU
+    models (`dvfs.sweep.fleet_models`), asked for where the folder holds every cell, so that
+    a model it never measured is not taken for done; None where they cannot be told here
+    (Ray's workers are placed on other nodes)."""
     from dvfs.corpora.prepare import (
         check_corpora,
         counted_corpora,
@@ -663,6 +667,9 @@ def run_fleet(
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
         done = journals_done(out_dir, campaign, cells)
+        names = models() if done is not None and models is not None else None
+        if names is not None:  # a model the folder never measured runs (or is refused) below
+            done = journals_done(out_dir, campaign, cells, names)
         with contextlib.ExitStack() as journals:
             if done is None:
                 # Other prompts (a corpus edited, another tokenizer revision) refused as a
