@@ -94,6 +94,15 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     assert again.exit_code == 0, again.output
     assert "58 cell(s) measured" in again.output and "14 already done" in again.output
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+    # Each group the killed run began resumes on the worker of the GPU that began it, whole:
+    # no comparison's arms span two GPUs (the queue dealt the groups anew, blind to the
+    # journal, and the begun groups' other drafters ran on other GPUs).
+    resumed = open_cube(out / "cube.nc")
+    on = resumed["measured_on"].transpose("batch", "corpus", "repeat", ...).values
+    groups = on.reshape(on.shape[0] * on.shape[1] * on.shape[2], -1)  # a row per group
+    spans = [set(g) for g in groups if len(set(g)) > 1]
+    assert not spans, spans
+    assert resumed.attrs["groups_across_gpus"] == 0
     # Other settings, or another shard, are refused before any worker opens its GPUs.
     edited = write(
         tmp_path / "edited.toml",
