@@ -270,6 +270,22 @@ def test_a_prompt_given_twice_is_never_sampled_twice_into_one_batch(tmp_path: Pa
         sample_prompts(corpus, 4, input_tokens=(1, 2048), seed=0)
     pair = sample_prompts(corpus, 2, input_tokens=(1, 2048), seed=0)
     assert {p.messages[0].content for p in pair} == set(texts)
+    # `dvfs corpus list` and `show` say how many of the prompts are distinct (they counted
+    # 4 prompts, and the sweep then found 2 to sample); a corpus without repeats as before.
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["dup"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.dup]\npath = "d.jsonl"\nfield = "text"\n'
+    )
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+    rows = {r["name"]: r for r in json.loads(listed.output)["corpora"]}
+    assert (rows["dup"]["prompts"], rows["dup"]["distinct"]) == (4, 2)
+    assert rows["code"]["distinct"] == rows["code"]["prompts"]
+    table = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign)])
+    assert "4 (2 distinct)" in table.output, table.output
+    shown = CliRunner().invoke(cli, ["corpus", "show", "dup", "--campaign", str(campaign)])
+    assert "dup: 4 prompts (2 distinct, 0 multi-turn)" in " ".join(shown.output.split())
+    plain = CliRunner().invoke(cli, ["corpus", "show", "code", "--campaign", str(campaign)])
+    assert "prompts (0 multi-turn)" in plain.output and "distinct" not in plain.output
 
     same_start = "word " * 200
     write(
