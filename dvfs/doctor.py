@@ -13,7 +13,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from dvfs.backends import check_engine, open_campaign_gpus, real_gpus, simulated_engine
+from dvfs.backends import (
+    check_engine,
+    gpu_named_twice,
+    named_twice,
+    open_campaign_gpus,
+    real_gpus,
+    simulated_engine,
+)
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError
 from dvfs.redact import redact_argv
@@ -86,6 +93,7 @@ def check_campaign(
         state_dir=state_dir,
         groups=groups,
         models=models,
+        given=given,
     )
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
@@ -146,9 +154,10 @@ def _gpu_checks(
     state_dir: Path | None,
     groups: Sequence[Group],
     models: list[str],
+    given: bool = False,
 ) -> list[Check]:
-    """The GPUs' checks; `models` gets each group's GPU model, as a fleet's workers report it
-    (nothing where the GPUs cannot be opened)."""
+    """The GPUs' checks (`given`: `groups` are --gpus's); `models` gets each group's GPU
+    model, as a fleet's workers report it (nothing where the GPUs cannot be opened)."""
     from dvfs.fleet.devices import group_label
 
     if not real_gpus(campaign):
@@ -181,13 +190,29 @@ def _gpu_checks(
     try:
         with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
             first = gpus[0].identity
+            # Each model, with its count where a fleet mixes them (not the first GPU's alone).
+            counts: dict[str, int] = {}
+            for g in gpus:
+                counts[g.identity.name] = counts.get(g.identity.name, 0) + 1
+            named = ", ".join(
+                name if len(counts) == 1 else f"{name} x{count}" for name, count in counts.items()
+            )
             checks.append(
                 Check(
                     "driver",
                     OK,
-                    f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {first.name}",
+                    f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {named}",
                 )
             )
+            devices = list(campaign.gpu.devices)
+            twice = (
+                gpu_named_twice(devices, [g.identity.index for g in gpus])
+                if len(devices) == len(gpus)
+                else None
+            )
+            if twice:  # as the sweep refuses it, exit 2: its workers would each lock the GPU
+                option = "--gpus" if given else "gpu.devices"
+                checks.append(Check("gpus", FAIL, named_twice(option, twice), invalid=True))
             for g in gpus:
                 ident = g.identity
                 persistence = g.persistence_mode()
@@ -524,9 +549,11 @@ def _out_dir(
         from dvfs.fleet.folders import journals_done, model_journals
         from dvfs.fleet.shard import planned_cells
 
-        # As the fleet picks its journals: none when they hold every cell already, else each
-        # model's (a folder holding one model's run is refused for a fleet mixing models).
-        if journals_done(out_dir, campaign, planned_cells(campaign, shard)) is None:
+        # As the fleet picks its journals: none when they hold every cell already on these
+        # models, else each model's (a folder holding one model's run is refused for a fleet
+        # mixing models, finished or not).
+        cells = planned_cells(campaign, shard)
+        if journals_done(out_dir, campaign, cells, set(models)) is None:
             model_journals(out_dir, set(models))
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")

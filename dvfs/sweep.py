@@ -727,6 +727,36 @@ def read_group_models(
     return (models if len(groups) > 1 or servers or fleet else None), None
 
 
+def model_names(campaign: Campaign, models: Sequence[str | None]) -> list[str] | None:
+    """The GPU models `workers_per_model` names (twin GPUs by their profile, real ones by the
+    name NVML gives) as the GPUs name themselves in a journal's sessions; None where one is
+    not known (a real GPU's model not read)."""
+    if not models or not all(models):
+        return None
+    if campaign.gpu.backend == "twin":
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.profiles import gpu_profile
+
+        return sorted({twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models})
+    return sorted({str(m) for m in models})
+
+
+def fleet_models(
+    campaign: Campaign, groups: Sequence[tuple[int | str, ...]], *, nvml: ModuleType | None = None
+) -> list[str] | None:
+    """The GPU models of a fleet's `groups` (`model_names`): twins' from their profiles, real
+    GPUs' read over NVML as the dry run reads them (`read_group_models`, nothing changed);
+    None where NVML cannot open them (the workers' own opening then tells)."""
+    from dvfs.fleet.devices import workers_per_model
+
+    models = None
+    if real_gpus(campaign):
+        models, _ = read_group_models(campaign, groups, nvml=nvml, fleet=True)
+        if models is None:
+            return None
+    return model_names(campaign, list(workers_per_model(campaign, groups, models)))
+
+
 def check_inflight_resume(journal: Journal, campaign: Campaign, cells: Sequence[Cell]) -> None:
     """Refuse, before measuring, to add cells (`cells` not finished, or the repeats the
     journal's records ask for: `dvfs.fleet.folders.extra_repeats`) to an in-flight journal an
@@ -971,17 +1001,14 @@ def resumed_journals(
     --fresh leaves the folder."""
     from dvfs.fleet.folders import journals_done, model_journals
 
-    done = None if fresh else journals_done(out_dir, campaign, cells)
+    # Twin GPUs by their profile's name, real ones' as the dry run read them over NVML.
+    names = model_names(campaign, models)
+    # A folder holding every cell, on these models (a model it never measured is not done).
+    done = None if fresh else journals_done(out_dir, campaign, cells, names)
     if done is not None:
         return list(done)
-    if campaign.gpu.backend == "twin" and all(models):
-        from dvfs.gpu.twin import twin_gpu_name
-        from dvfs.twin.profiles import gpu_profile
-
-        names = {twin_gpu_name(gpu_profile(str(m)).nvml_name) for m in models}
+    if names is not None:
         return model_journals(out_dir, names, fresh=fresh)
-    if all(models):  # real GPUs whose models the dry run read over NVML
-        return model_journals(out_dir, {str(m) for m in models}, fresh=fresh)
     begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
     return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
 

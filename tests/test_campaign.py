@@ -174,6 +174,18 @@ def test_drafter_and_corpus_names_with_a_trailing_newline_are_refused(tmp_path: 
     expect_error(tmp_path, corpus, "corpus name")
 
 
+@pytest.mark.parametrize("name", ["..", "-mine", "_mine", ".mine"])
+def test_a_corpus_name_of_allowed_characters_says_it_must_start_with_one(
+    tmp_path: Path, name: str
+) -> None:
+    """A corpus name of letters, digits, '_', '-', '.' alone but not starting with a letter or
+    digit ('..', '-mine') was refused as if it used other characters ("must use letters,
+    digits, '_', '-', '.'", which it does): the line says what the name lacks, as a drafter
+    name's does."""
+    corpus = SMALL_CAMPAIGN + f'\n[corpus."{name}"]\npath = "x.jsonl"\nfield = "text"\n'
+    expect_error(tmp_path, corpus, f"corpus name {name!r} must start with a letter or digit")
+
+
 @pytest.mark.parametrize(
     ("old", "new", "fragments"),
     [

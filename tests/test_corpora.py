@@ -82,6 +82,32 @@ def test_sharegpt_turns_end_on_the_user(tmp_path: Path) -> None:
     assert corpus.prompts[0].messages[-1].content == "Another one."
 
 
+def test_a_json_file_holding_one_array_is_read_as_its_records(tmp_path: Path) -> None:
+    """A `.json` file of one JSON array of objects (ShareGPT's export, pretty-printed or on one
+    line) is read as its records, as their JSON Lines would be; it was read line by line and
+    refused ("line 1: not valid JSON" or "expected an object with fields, got a list"). Its
+    errors name the record, or the line a syntax error is on; JSON Lines whose records are
+    lists are still refused at their line, as is an array in a file named as JSON Lines
+    (`tests/bad_inputs.py`)."""
+    records = [{"id": f"c{i}", "conversations": chat} for i, chat in enumerate(CHATS)]
+    spec = {"messages": "conversations"}
+    write(tmp_path / "lines.jsonl", "\n".join(json.dumps(r) for r in records))
+    expected = load(tmp_path, "chats", {"path": "lines.jsonl", **spec}).prompts
+    for indent in (2, None):
+        write(tmp_path / "chats.json", json.dumps(records, indent=indent))
+        corpus = load(tmp_path, "chats", {"path": "chats.json", **spec})
+        assert corpus.prompts == expected, indent
+    write(tmp_path / "wrong.json", json.dumps([{"text": "a"}, {"prompt": "b"}], indent=2))
+    with pytest.raises(CorpusError, match=r"wrong\.json, record 2 of the array: no field 'text'"):
+        load(tmp_path, "wrong", {"path": "wrong.json", "field": "text"})
+    write(tmp_path / "cut.json", '[\n  {"text": "a"},\n  {"text": "b",}\n]\n')
+    with pytest.raises(CorpusError, match=r"cut\.json, line 3: not valid JSON"):
+        load(tmp_path, "cut", {"path": "cut.json", "field": "text"})
+    write(tmp_path / "lists.json", '["a"]\n["b"]\n')
+    with pytest.raises(CorpusError, match=r"lists\.json, line 1: expected an object"):
+        load(tmp_path, "lists", {"path": "lists.json", "field": "text"})
+
+
 def test_csv_with_text_and_chat_columns(tmp_path: Path) -> None:
     import csv
 
@@ -244,6 +270,22 @@ def test_a_prompt_given_twice_is_never_sampled_twice_into_one_batch(tmp_path: Pa
         sample_prompts(corpus, 4, input_tokens=(1, 2048), seed=0)
     pair = sample_prompts(corpus, 2, input_tokens=(1, 2048), seed=0)
     assert {p.messages[0].content for p in pair} == set(texts)
+    # `dvfs corpus list` and `show` say how many of the prompts are distinct (they counted
+    # 4 prompts, and the sweep then found 2 to sample); a corpus without repeats as before.
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["dup"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.dup]\npath = "d.jsonl"\nfield = "text"\n'
+    )
+    listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+    rows = {r["name"]: r for r in json.loads(listed.output)["corpora"]}
+    assert (rows["dup"]["prompts"], rows["dup"]["distinct"]) == (4, 2)
+    assert rows["code"]["distinct"] == rows["code"]["prompts"]
+    table = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign)])
+    assert "4 (2 distinct)" in table.output, table.output
+    shown = CliRunner().invoke(cli, ["corpus", "show", "dup", "--campaign", str(campaign)])
+    assert "dup: 4 prompts (2 distinct, 0 multi-turn)" in " ".join(shown.output.split())
+    plain = CliRunner().invoke(cli, ["corpus", "show", "code", "--campaign", str(campaign)])
+    assert "prompts (0 multi-turn)" in plain.output and "distinct" not in plain.output
 
     same_start = "word " * 200
     write(

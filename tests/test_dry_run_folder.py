@@ -58,7 +58,7 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
     counts as done, per model, the cells of each model's `gpu-*/` journal that the sweep then
     skips, and as to run those it then measures, with the fleet's GPUs or only the campaign's
     (one model's journal), in --json and in the text; finished, all are done. A folder of one
-    model's run: nothing to run when finished, else the fleet's refusal, for both."""
+    model's run, finished or not: the fleet's refusal, for both."""
     campaign = write(tmp_path / "tiny.toml", MIXED)
     for shard, cells, run in ((), 16, "mixed"), (("--shard", "1/2"), 8, "mixed-s1"):
         begun = copy_sweep(tiny_exact_run(run), tmp_path / f"begun{len(shard)}")
@@ -83,18 +83,16 @@ def test_the_dry_run_counts_each_gpu_models_journal_as_the_resumed_sweep(
             assert _measured(resumed) == (left, done)
             doc, _ = _dry(campaign, out, *shard, *gpus)
             assert (doc["already_done"], doc["remaining"]) == (cells * len(models), 0)
-    # A finished run on one model: a fleet mixing models finds nothing to run there, its dry
-    # run too; begun only, the fleet refuses it, and the dry run in the same line.
+    # A run on one model, finished or begun only: the fleet mixing models refuses it, and the
+    # dry run in the same line (finished, both took it for done, the other model unmeasured).
     from test_journal import assert_one_line_error
 
     one = copy_sweep(tiny_exact_run("one"), tmp_path / "one")
-    doc, _ = _dry(campaign, one, *FLEET)
-    assert (doc["already_done"], doc["remaining"], doc.get("done_per_model")) == (16, 0, None)
     args = ("sweep", str(campaign), *FLEET, "--out", str(one))
-    assert _measured(invoke(*args, "--no-progress")) == (0, 16)
-    _interrupted(one / "journal.jsonl", 4)
-    line = assert_one_line_error(invoke(*args, "--no-progress"), 1, "holds a run on one GPU")
-    assert assert_one_line_error(invoke(*args, "--dry-run", "--no-estimate"), 1) == line
+    for _ in ("finished", "begun"):
+        line = assert_one_line_error(invoke(*args, "--no-progress"), 1, "holds a run on one GPU")
+        assert assert_one_line_error(invoke(*args, "--dry-run", "--no-estimate"), 1) == line
+        _interrupted(one / "journal.jsonl", 4)
 
 
 def test_the_dry_run_with_fresh_plans_the_sweep_that_starts_over(

@@ -623,3 +623,8 @@ def test_doctor_checks_the_twin_load_of_every_gpu_model_of_a_fleet(
             assert load["status"] == "ok", load
             for key, name in (("h100-sxm", "NVIDIA H100 80GB HBM3"), ("h200-sxm", "NVIDIA H200")):
                 assert f"{key}'s on the {name}" in load["detail"], load
+            # The driver line names every model of the fleet, not the first GPU's as all's.
+            [driver] = [c for c in json.loads(checked.stdout) if c["name"] == "driver"]
+            assert driver["detail"].endswith(
+                "2 GPU(s): NVIDIA H100 80GB HBM3 x1, NVIDIA H200 x1"
+            ), driver

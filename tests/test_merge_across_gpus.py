@@ -148,6 +148,23 @@ def test_pinned_kernels_that_differ_across_gpus_are_refused(
     assert_one_line_error(refused, 1, "the campaign differs", "attention")
 
 
+def test_twin_cubes_simulating_different_nvml_traps_are_refused(
+    runs: dict[str, Path], tiny_sweep: Path, tmp_path: Path
+) -> None:
+    """A twin H100 with every NVML trap (TINY, `h100-sxm`) and a trap-free twin H200
+    (`h200-sxm:none`) were merged (exit 0): their campaigns differ only in gpu.profile, which
+    names the GPU but also the traps, so the merged cube compared the twin's simulated flaws
+    as if they were the GPUs'. A fleet refuses that mix (`--gpus h200-sxm:leakage:0`); the merge
+    now does too, naming both profiles and their traps. One trap list on both merges."""
+    merged = tmp_path / "m.nc"
+    refused = invoke("cube", "merge", str(tiny_sweep), str(runs["h200"]), "-o", str(merged))
+    line = assert_one_line_error(refused, 1, "simulate different NVML traps", "'h200-sxm:none'")
+    assert "'h100-sxm': energy_steps" in line and "'h200-sxm:none': none" in line, line
+    assert not merged.exists()
+    alike = invoke("cube", "merge", str(runs["h100"]), str(runs["h200"]), "-o", str(merged))
+    assert alike.exit_code == 0, alike.output
+
+
 def test_shards_of_one_run_still_compare_what_sglang_derives_from_the_gpu(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -94,6 +94,15 @@ def test_the_drivers_journal_alone_resumes(runs: Path, tmp_path: Path) -> None:
     assert again.exit_code == 0, again.output
     assert "58 cell(s) measured" in again.output and "14 already done" in again.output
     assert_same_cells(open_cube(out / "cube.nc"), open_cube(runs / "one" / "cube.nc"))
+    # Each group the killed run began resumes on the worker of the GPU that began it, whole:
+    # no comparison's arms span two GPUs (the queue dealt the groups anew, blind to the
+    # journal, and the begun groups' other drafters ran on other GPUs).
+    resumed = open_cube(out / "cube.nc")
+    on = resumed["measured_on"].transpose("batch", "corpus", "repeat", ...).values
+    groups = on.reshape(on.shape[0] * on.shape[1] * on.shape[2], -1)  # a row per group
+    spans = [set(g) for g in groups if len(set(g)) > 1]
+    assert not spans, spans
+    assert resumed.attrs["groups_across_gpus"] == 0
     # Other settings, or another shard, are refused before any worker opens its GPUs.
     edited = write(
         tmp_path / "edited.toml",
@@ -297,32 +306,41 @@ def test_a_fleet_mixing_gpu_models_gives_a_gpu_dimension(runs: Path, tmp_path: P
         refused = CliRunner().invoke(cli, ["cube", "build", str(out), "--out", str(target)])
         assert_one_line_error(refused, 2, "which this command reads", "another output path")
         assert target.read_bytes() == before
-    # A folder of one model's run refuses a fleet that mixes models.
+    # A folder of one model's run refuses a fleet that mixes models, finished or not: a
+    # finished one holds no H200 cell (it was taken for done: "0 cell(s) measured", exit 0,
+    # an H100-only cube for a fleet whose campaign runs once per model).
     four = copy_sweep(runs / "four", tmp_path / "four")  # the shared run stays as it was
-    refused = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(four))
-    assert refused.exit_code == 0  # nothing to run: every cell is in four/'s journal
     half = tmp_path / "half"
     half.mkdir()
     lines = (runs / "four" / "journal.jsonl").read_text().splitlines(keepends=True)
     (half / "journal.jsonl").write_text("".join(lines[:12]))
-    # `dvfs doctor --gpus` checks the folder as that fleet uses it: fails the half-done one in
-    # the sweep's words (it passed it, checking the campaign's one GPU), passes the done one.
-    checks = {}
+    # `dvfs doctor --gpus` checks the folder as that fleet uses it: fails each in the sweep's
+    # words (it passed the half-done one, checking the campaign's one GPU, and the done one).
     for folder in (four, half):
         doctor = CliRunner().invoke(
             cli,
             ["doctor", str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0"]
             + ["--out", str(folder), "--json"],
         )
-        checks[folder] = {c["name"]: c for c in json.loads(doctor.output)}
-        assert doctor.exit_code == (1 if folder == half else 0), doctor.output
-    assert checks[four]["output folder"]["status"] == "ok"
-    assert "2 workers" in checks[half]["gpu"]["detail"]
-    mixed = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(half))
-    assert mixed.exit_code == 1
-    assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
-    refused = checks[half]["output folder"]
-    assert refused["status"] == "fail" and refused["detail"] in mixed.output, refused
+        checks = {c["name"]: c for c in json.loads(doctor.output)}
+        assert doctor.exit_code == 1, doctor.output
+        assert "2 workers" in checks["gpu"]["detail"]
+        before = (folder / "journal.jsonl").read_bytes()
+        mixed = sweep(str(runs / "campaign.toml"), "--gpus", "0,h200-sxm:0", "--out", str(folder))
+        assert mixed.exit_code == 1, mixed.output
+        assert "holds a run on one GPU model" in mixed.output.strip().splitlines()[-1]
+        refused = checks["output folder"]
+        assert refused["status"] == "fail" and refused["detail"] in mixed.output, refused
+        assert (folder / "journal.jsonl").read_bytes() == before
+        assert not list(folder.glob("gpu-*"))
+    # The done folder on another model alone is refused as other GPUs, as an unfinished one
+    # is; on its own model (a GPU of it, after a node loss) nothing is left to run.
+    other = sweep(str(runs / "campaign.toml"), "--gpus", "h200-sxm:0-1", "--out", str(four))
+    assert other.exit_code == 1, other.output
+    assert "measured on other GPUs than this run's" in other.output, other.output
+    assert "NVIDIA H100 80GB HBM3 (twin) -> NVIDIA H200 (twin)" in other.output, other.output
+    same = sweep(str(runs / "campaign.toml"), "--gpus", "1", "--out", str(four))
+    assert same.exit_code == 0 and "0 cell(s) measured" in same.output, same.output
 
 
 def test_twin_gpus_named_by_profile_keep_the_campaigns_traps(tmp_path: Path) -> None:

@@ -47,6 +47,14 @@ def test_ray_gives_the_cube_of_one_gpu(ray_cluster: object, shared_run, tmp_path
     workers = {r["worker"] for r in records if r["type"] == "cell"}
     assert len(workers) == 2 and all(w.endswith(("/gpu0", "/gpu1")) for w in workers)
     assert sum(r["type"] == "session" for r in records) == 1
+    # Finished on H100 twins, the folder is not done for a fleet adding an H200 (a twin's
+    # model is its profile's, wherever Ray runs it): refused as without Ray, not "0 cell(s)
+    # measured" and an H100-only cube.
+    mixed = sweep(
+        str(campaign), "--gpus", "0,h200-sxm:0", "--executor", "ray", "--out", str(tmp_path / "ray")
+    )
+    assert mixed.exit_code == 1, mixed.output
+    assert "holds a run on one GPU model" in mixed.output, mixed.output
 
 
 @pytest.mark.timeout(300)

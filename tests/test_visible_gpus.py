@@ -191,3 +191,41 @@ def test_ray_gpu_ids_given_as_uuids_map_to_nvml_indices(nvml: ModuleType) -> Non
     assert placed_group([_uuid(nvml, 1)[:13], _uuid(nvml, 0)], nvml=nvml) == (1, 0)
     with pytest.raises(CampaignError, match="GPU-00000000.*CUDA_VISIBLE_DEVICES"):
         placed_group(["GPU-00000000"], nvml=nvml)
+
+
+def test_a_gpu_named_by_its_index_and_its_uuid_is_named_twice(
+    nvml: ModuleType, tmp_path: Path
+) -> None:
+    """`--gpus 0,UUID-of-0` (or gpu.devices so) names one GPU twice, as `--gpus 0,0` does: the
+    sweep, its dry run and doctor refuse it in one line, exit 2, naming the GPU and both
+    entries, before any GPU is locked or changed (its two workers each locking it, the second
+    was told another dvfs held it, exit 3); two different GPUs by index and UUID still run."""
+    campaign = _campaign(tmp_path)
+    twice = f"0,{_uuid(nvml, 0)}"
+    out = tmp_path / "out"
+    why = f"--gpus names GPU 0 (as 0 and {_uuid(nvml, 0)}) twice"
+    swept = dvfs("", "sweep", str(campaign), "--gpus", twice, "--out", str(out), "--no-progress")
+    _one_line(swept, 2, why)
+    _one_line(
+        dvfs("", "sweep", str(campaign), "--gpus", twice, "--dry-run", "--no-estimate"), 2, why
+    )
+    doctor = dvfs("", "doctor", str(campaign), "--gpus", twice, "--out", str(out))
+    assert doctor.exit_code == 2, doctor.output
+    assert why in " ".join(doctor.output.split()), doctor.output
+    # One tensor-parallel server's gpu.devices naming GPU 0 twice: refused alike.
+    server = write(
+        tmp_path / "tp.toml",
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(
+            "devices = [0]", f'devices = [0, "{_uuid(nvml, 0)}"]'
+        ),
+    )
+    own = f"gpu.devices names GPU 0 (as 0 and {_uuid(nvml, 0)}) twice"
+    _one_line(dvfs("", "sweep", str(server), "--out", str(out), "--no-progress"), 2, own)
+    assert nvml.fake_calls("nvmlDeviceSetGpuLockedClocks") == []
+    assert not out.exists()
+    # GPU 0 by index and GPU 1 by UUID are two GPUs: the fleet runs a repeat on each.
+    repeated = write(tmp_path / "two.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    fleet = f"0,{_uuid(nvml, 1)}"
+    ran = dvfs("", "sweep", str(repeated), "--gpus", fleet, "--out", str(out), "--no-progress")
+    assert ran.exit_code == 0, ran.output
+    assert {c["index"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")} == {0, 1}

@@ -363,7 +363,8 @@ def parse_campaign(
             raise CampaignError(f"{where}: [corpus.{corpus_name}] must be a table")
         if not NAME_RE.match(corpus_name):
             raise CampaignError(
-                f"{where}: corpus name {corpus_name!r} must use letters, digits, '_', '-', '.'"
+                f"{where}: corpus name {corpus_name!r} must start with a letter or digit and "
+                "use only letters, digits, '_', '-', '.'"
             )
         from dvfs.corpora import validate_spec
 

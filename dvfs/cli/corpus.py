@@ -49,6 +49,14 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
     return corpora, method, descriptions
 
 
+def _counted(stats: dict[str, Any]) -> str:
+    """A corpus's prompt count, with how many are distinct where some repeat another (a sweep
+    samples only distinct ones, so a batch needs that many)."""
+    if stats["distinct"] == stats["prompts"]:
+        return str(stats["prompts"])
+    return f"{stats['prompts']} ({stats['distinct']} distinct)"
+
+
 @click.group()
 def corpus() -> None:
     """The prompt corpora: five built-in, and your own from a campaign file."""
@@ -87,7 +95,7 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
         text = r["text"]
         table.add_row(  # names and descriptions are the user's text, not markup
             escape(r["name"]),
-            str(r["prompts"]),
+            _counted(r),
             str(r["multi_turn"]),
             f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}",
             f"{text['genre']}, {text['language']}",
@@ -140,7 +148,9 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
         return
     out = console()
     out.print(
-        f"[bold]{escape(name)}[/bold]: {s['prompts']} prompts ({s['multi_turn']} multi-turn), "
+        f"[bold]{escape(name)}[/bold]: {s['prompts']} prompts ("
+        + ("" if s["distinct"] == s["prompts"] else f"{s['distinct']} distinct, ")
+        + f"{s['multi_turn']} multi-turn), "
         f"input tokens {s['tokens_min']}/{s['tokens_median']:g}/{s['tokens_max']} "
         f"(min/median/max, {method}); hash {s['content_hash']}"
     )

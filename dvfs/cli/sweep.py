@@ -246,7 +246,7 @@ def sweep(
     Resumes from the journal in --out by default: finished cells are skipped. Ctrl-C stops
     after restoring the GPU; run the same command again to continue.
     """
-    from dvfs.backends import check_job_gpus
+    from dvfs.backends import check_gpus_named_once, check_job_gpus
     from dvfs.campaign import load_campaign
     from dvfs.sweep import observe_only as observing
     from dvfs.sweep import observe_only_note, plan_dry_run
@@ -276,7 +276,9 @@ def sweep(
         raise click.UsageError("--no-estimate, --twin and --json go with --dry-run")
     groups = sweep_groups(campaign, gpus_spec)
     if executor != "ray":  # before any GPU is touched; Ray's actors get the GPUs Ray gives them
-        check_job_gpus(campaign, [d for g in groups for d in g])
+        devices = [d for g in groups for d in g]
+        check_job_gpus(campaign, devices)
+        check_gpus_named_once(campaign, devices, option="--gpus" if gpus_spec else "gpu.devices")
     from dvfs.fleet.folders import fleet_journal
 
     # --fresh moves the folder's journals aside unread: a damaged one must not stop it.
@@ -427,10 +429,12 @@ def run_fleet(
 ) -> Any:
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
+    from dvfs.backends import real_gpus
     from dvfs.cli.fleet_progress import RichFleetProgress
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
     from dvfs.signals import Interrupted, signals_raise
+    from dvfs.sweep import fleet_models
 
     err = console(stderr=True)
     run_on: Any = LocalExecutor(out_dir)
@@ -452,6 +456,13 @@ def run_fleet(
                 fresh=fresh,
                 progress=bar,
                 shard=shard,
+                # Ray places its workers on any node's GPUs: their models are not this host's
+                # (a twin's are its profiles', wherever it runs).
+                models=(
+                    None
+                    if executor == "ray" and real_gpus(campaign)
+                    else lambda: fleet_models(campaign, groups)
+                ),
             )
     except (KeyboardInterrupt, Interrupted):
         status = _after_interruption_told(err, campaign, out_dir)

@@ -1,5 +1,5 @@
-"""Loaders for the user's own corpora: JSON Lines, CSV, Parquet, Hugging Face datasets, and data
-shipped inside an installed Python package.
+"""Loaders for the user's own corpora: JSON Lines (or a JSON file of one array of objects), CSV,
+Parquet, Hugging Face datasets, and data shipped inside an installed Python package.
 
 A `[corpus.NAME]` table names exactly one source (`path`, `dataset` or `package` +
 `resource`) and one of `field` (text: one user message) or `messages` (a chat: OpenAI-style
@@ -125,8 +125,42 @@ def _text(data: bytes, where: str) -> str:
         ) from exc
 
 
+def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
+    """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
+    datasets ship, pretty-printed or on one line): its records, each named by its place in
+    the array; None where the text is no such array, or the file is named as JSON Lines
+    (`.jsonl`, `.ndjson`: read line by line, an array there refused at its line). An array
+    broken by a syntax error is a `CorpusError` naming the line, unless its first line reads
+    alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
+    if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("["):
+        return None
+    try:
+        document = json.loads(text)
+    except RecursionError:  # the line reader names the line
+        return None
+    except json.JSONDecodeError as exc:
+        first = next(line for line in text.split("\n") if line.strip())
+        try:
+            json.loads(first)
+        except (ValueError, RecursionError):
+            raise CorpusError(
+                f"{where}, line {exc.lineno}: not valid JSON ({exc.msg}); a JSON file holds "
+                "one array of objects, JSON Lines one complete object per line"
+            ) from exc
+        return None
+    except ValueError:  # e.g. an integer beyond Python's digit limit: the line reader names it
+        return None
+    if not isinstance(document, list) or not all(isinstance(r, dict) for r in document):
+        return None
+    return [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
+
+
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     text = _text(data, where)
+    array = _records_json_array(text, where)
+    if array is not None:
+        yield from array
+        return
     # Only "\n" ends a line: JSON strings may hold U+2028 and other characters that
     # str.splitlines() would break on.
     for lineno, line in enumerate(text.split("\n"), start=1):

@@ -153,11 +153,13 @@ def preview_prompts(corpus: Corpus, count: int, *, seed: int) -> tuple[Prompt, .
 
 
 def corpus_stats(corpus: Corpus) -> dict[str, Any]:
-    """Prompt count, input-token spread and provenance, as `dvfs corpus list/show` report them."""
+    """Prompt count (`distinct`: of different messages, those a sweep samples from), input-token
+    spread and provenance, as `dvfs corpus list/show` report them."""
     tokens = [p.input_tokens for p in corpus.prompts]
     return {
         "name": corpus.name,
         "prompts": len(tokens),
+        "distinct": len({p.messages for p in corpus.prompts}),
         "tokens_min": min(tokens),
         "tokens_median": statistics.median(tokens),
         "tokens_max": max(tokens),

@@ -315,6 +315,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
                 "measure every GPU with one engine version, flags and server environment, the "
                 "same corpora and tokenizer"
             )
+    _check_same_traps(cubes, names)  # after the model and campaign: those come first
     labels = [str(ds.attrs.get("gpu_uuids", f"gpu-{i}")) for i, ds in enumerate(cubes)]
     _check_distinct_gpus(labels, names)
     # Which GPUs measured each cell differs per cube: a variable along `gpu` while they join.
@@ -445,6 +446,36 @@ def _check_one_twin(cubes: list[xr.Dataset], names: list[str]) -> None:
                 f"cannot merge cubes of two twins ({key}: {mixed}): the twin changed between "
                 "them, and cells of two twins do not compare; rerun the older cube's sweep "
                 "with --fresh"
+            )
+
+
+def _check_same_traps(cubes: list[xr.Dataset], names: list[str]) -> None:
+    """Twin cubes simulating different NVML traps (`twin_profile` `h100-sxm`, every trap,
+    against `h200-sxm:none`, none) do not compare: their GPUs would differ in the measurement's
+    simulated flaws too, which a fleet refuses (`--gpus h200-sxm:leakage:0` on an
+    `h100-sxm:none` campaign). A profile that is no shipped one (lent from a file to `twin
+    predict`) is not compared."""
+    from dvfs.errors import DvfsError
+    from dvfs.twin.profiles import active, gpu_profile
+
+    first: tuple[str, str, tuple[str, ...]] | None = None
+    for name, ds in zip(names, cubes, strict=True):
+        profile = str(ds.attrs.get("twin_profile") or "")
+        if str(ds.attrs.get("gpu_backend")) != "twin" or not profile:
+            continue
+        try:
+            traps = active(gpu_profile(profile))
+        except (DvfsError, ValueError):
+            continue
+        if first is None:
+            first = (name, profile, traps)
+        elif traps != first[2]:
+            shown = [", ".join(t) or "none" for t in (first[2], traps)]
+            raise CubeError(
+                f"cannot merge: {first[0]} and {name} simulate different NVML traps (twin "
+                f"profiles {first[1]!r}: {shown[0]}; {profile!r}: {shown[1]}): their GPUs "
+                "would compare the twin's traps too; sweep every GPU with one trap list "
+                "(gpu.profile, or --gpus PROFILE:INDEX with the campaign's)"
             )
 
 

@@ -284,10 +284,40 @@ class Driver:
         # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
         combined["arms_on_one_gpu"] = 1
         self.journal.append(combined)
+        self.queue.keep(self._begun_on(sessions))
         self.queue.join([str(s.get("worker")) for s in sessions])
         for s in sessions:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))
+
+    def _begun_on(self, sessions: Sequence[dict[str, Any]]) -> dict[tuple[int, str, int], str]:
+        """The comparison groups left to run that the journal's finished cells began, each
+        with this run's worker on the GPUs that began it (`CellQueue.keep`); a group begun on
+        GPUs not in this run (a node lost) is dealt as any other."""
+        from dvfs.fleet.queue import group_of
+        from dvfs.measure.journal import iter_records
+
+        left = {group_of(c) for c in self.todo}
+        if not left or not self.journal.path.is_file():
+            return {}
+        workers = {
+            tuple(str(g.get("uuid")) for g in s.get("gpus", ())): str(s.get("worker"))
+            for s in sessions
+        }
+        done = self.journal.finished()
+        begun: dict[tuple[int, str, int], str] = {}
+        for record in iter_records(self.journal.path):
+            if record.get("type") != "cell" or record.get("key") not in done:
+                continue
+            cell = record.get("cell") or {}
+            try:
+                group = (int(cell["batch"]), str(cell["corpus"]), int(cell["repeat"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            worker = workers.get(tuple(str(u) for u in record.get("gpus") or ()))
+            if group in left and worker is not None:
+                begun.setdefault(group, worker)
+        return begun
 
     def _register(self, cells: Sequence[Cell]) -> list[Cell]:
         """Cut `cells` into units of work (in-flight groups, as one runner cuts them, or single
@@ -632,10 +662,14 @@ def run_fleet(
     fresh: bool = False,
     progress: Progress | None = None,
     shard: Shard | None = None,
+    models: Callable[[], Sequence[str] | None] | None = None,
 ) -> FleetOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
-    GPU model, merged along `gpu` when the fleet mixes models)."""
+    GPU model, merged along `gpu` when the fleet mixes models). `models`: the groups' GPU
+    models (`dvfs.sweep.fleet_models`), asked for where the folder holds every cell, so that
+    a model it never measured is not taken for done; None where they cannot be told here
+    (Ray's workers are placed on other nodes)."""
     from dvfs.corpora.prepare import (
         check_corpora,
         counted_corpora,
@@ -663,6 +697,9 @@ def run_fleet(
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None
         done = journals_done(out_dir, campaign, cells)
+        names = models() if done is not None and models is not None else None
+        if names is not None:  # a model the folder never measured runs (or is refused) below
+            done = journals_done(out_dir, campaign, cells, names)
         with contextlib.ExitStack() as journals:
             if done is None:
                 # Other prompts (a corpus edited, another tokenizer revision) refused as a

@@ -78,13 +78,33 @@ def extra_repeats(campaign: Campaign, journal: Path, cells: Sequence[Cell]) -> l
 
 
 def journals_done(
-    out_dir: Path, campaign: Campaign, cells: Sequence[Cell]
+    out_dir: Path,
+    campaign: Campaign,
+    cells: Sequence[Cell],
+    models: Iterable[str] | None = None,
 ) -> Sequence[Path] | None:
     """The journals of an earlier fleet run in `out_dir` when they hold every cell (then there
-    is nothing to run), else None."""
+    is nothing to run), else None. `models`: this run's GPU models (as its GPUs name
+    themselves), each of which must have measured there: a finished folder of H100s does not
+    hold an H200's cells (a fleet mixing models runs the campaign once per model; a run on
+    other GPUs is refused, as resuming an unfinished folder on them is); None: not known."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
 
     paths = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or [out_dir / JOURNAL_NAME]
+    if models is not None:
+        names = set(models)
+        if paths[0].parent == out_dir:  # one model's run: the models its GPUs were
+            measured = {
+                str(gpu.get("name"))
+                for record in (iter_records(paths[0]) if paths[0].is_file() else ())
+                if record.get("type") == "session"
+                for gpu in record.get("gpus", ())
+                if isinstance(gpu, dict)
+            }
+            if not names <= measured:
+                return None
+        elif not {model_folder(n) for n in names} <= {p.parent.name for p in paths}:
+            return None
     keys = {c.key for c in cells}
     for path in paths:
         if not path.is_file():

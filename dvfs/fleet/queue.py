@@ -12,6 +12,9 @@ else steals a whole group that another worker holds but has not started (from th
 busiest one's); a group is never split between workers. Groups that arrive later (the further
 repeats the driver adds: each repeat is a new group) are dealt out in the same way.
 
+A run resuming a journal keeps each group its earlier run began with the worker now on the
+GPUs that began it (`keep`), where those GPUs are in the run.
+
 The one exception is a lost worker: every group it holds goes back to the pool, whole, but
 cells it finished stay finished, so a group it had started is finished elsewhere and its arms
 then span two GPUs (`dvfs compare` and headroom flag those rows: `different_gpus`).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from dvfs.measure.plan import Cell
 
@@ -98,6 +101,17 @@ class CellQueue:
                 if worker not in self._live:
                     self._live.append(worker)
             self._deal()
+
+    def keep(self, begun: Mapping[GroupKey, str]) -> None:
+        """Groups an earlier run began (`begun`: each with the worker now on the GPUs that
+        began it), before the workers join: each stays with that worker, whole, and is never
+        stolen, so that a comparison resumed on the same GPUs keeps its arms on one."""
+        with self._lock:
+            for group, worker in begun.items():
+                if group in self._pool and self._cells[group]:
+                    self._pool.remove(group)
+                    self._holder[group] = worker
+                    self._started.add(group)
 
     def holder(self, group: GroupKey) -> str | None:
         """The worker a group went to (None while it waits in the pool)."""
