@@ -530,6 +530,9 @@ def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
     assert effect["idle_baseline_foreign"] == (4, "warning: the cell stays valid")
     notes = [b.text for b in blocks if isinstance(b, Paragraph)]
     assert f"idle_baseline_foreign: {FLAG_NOTES['idle_baseline_foreign']}." in notes
+    # the invalid cell is said, and nothing says the opposite beside it
+    assert not [n for n in notes if "every cell was measured and valid" in n], notes
+    assert any(n.startswith("Data quality: 1 of 4 cells are failed") for n in notes), notes
     path = write_cube(cube, tmp_path / "cube.nc")
     said = " ".join(run("cube", "info", str(path)).stdout.split())
     assert "foreign_process x1 (invalid), idle_baseline_foreign x4;" in said, said
@@ -552,7 +555,10 @@ def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
     assert "failed none/code/b1/r0 @ 1000 MHz, stock limit: HTTP 500" in said, said
     from dvfs.report.facts import measured_section
 
-    [table] = [b for b in measured_section(cube).blocks if isinstance(b, Table)]
+    blocks = measured_section(cube).blocks
+    said = [b.text for b in blocks if isinstance(b, Paragraph)]
+    assert not [s for s in said if "every cell was measured and valid" in s], said
+    [table] = [b for b in blocks if isinstance(b, Table)]
     assert table.header == ("cell", "error")
     assert table.rows == (("none/code/b1/r0 @ 1000 MHz, stock limit", "HTTP 500"),)
 
