@@ -298,6 +298,22 @@ def test_document_from_a_hand_built_cube_says_what_it_cannot_know() -> None:
     assert isinstance(table, Table) and table.rows[0][-1] == "stock: nothing to cap"
 
 
+def test_a_target_no_setting_meets_keeps_the_confidence_of_a_cube_with_repeats() -> None:
+    """With repeats, an SLO that no setting meets leaves every row without an answer (and so
+    without repeats of its own): the report still states the confidence of the bound that
+    judged them, not "none" with advice to measure the repeats the cube has."""
+    from dvfs.analysis.targets import parse_slo
+
+    cube = make_cube(clocks=[1000, 2000], repeats=3, latency=lambda c, *a: 10.0 * 2000 / c)
+    options = ReportOptions(parse_slo("tpot_p50<=1ms"))
+    confidence = build_document(cube, options, [], generated="now").sections[1].blocks[1]
+    assert isinstance(confidence, Paragraph)
+    assert confidence.text.startswith("Confidence: 95%, one-sided."), confidence.text
+    one = make_cube(clocks=[1000, 2000], latency=lambda c, *a: 10.0 * 2000 / c)
+    said = build_document(one, options, [], generated="now").sections[1].blocks[1]
+    assert isinstance(said, Paragraph) and said.text.startswith("Confidence: none. One repeat")
+
+
 def _a_within_target_from_1000_b_from_1500(
     clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int
 ) -> float:

@@ -90,6 +90,8 @@ BOUND_DESCRIPTION = (
     "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
 )
+#: The bound's words where the cube has one repeat (`bound_description`).
+ONE_REPEAT_BOUND = "one repeat: no interval was possible, the point value was compared"
 #: Attributes of a headroom result: the fewest and most repeats behind a computed bound
 #: (0: none computed), which the bound's description names.
 REPEATS_USED = ("bound_repeats_min", "bound_repeats_max")
@@ -915,7 +917,7 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
     confidence = float(attrs["confidence"])
     repeats_in_cube = int(cube.sizes.get("repeat", 1))
     if repeats_in_cube <= 1:
-        return "one repeat: no interval was possible, the point value was compared"
+        return ONE_REPEAT_BOUND
     if attrs["target_mode"] == "vs-baseline":
         return (
             f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "

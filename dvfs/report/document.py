@@ -164,11 +164,16 @@ def _comparison(
 
 
 def confidence_statement(room: dict[str, Any]) -> Paragraph:
-    """What "meets the target" promises, in words."""
-    repeats = max((r["repeats"] or 0 for r in room["rows"]), default=0)
-    if repeats < 2:
+    """What "meets the target" promises, in words: none where the cube has one repeat (or
+    every answer rests on one), as the bound says; a row without an answer (no setting meets
+    the target) has no repeats of its own and takes nothing from the cube's."""
+    from dvfs.analysis.headroom import ONE_REPEAT_BOUND
+
+    counts = [r["repeats"] for r in room["rows"] if r["repeats"] is not None]
+    if room["bound"] == ONE_REPEAT_BOUND or (counts and max(counts) < 2):
+        bound = room["bound"]
         return Paragraph(
-            f"Confidence: none. {room['bound'].capitalize()}: a setting listed as meeting the "
+            f"Confidence: none. {bound[:1].upper() + bound[1:]}: a setting listed as meeting the "
             "target may miss it on a rerun. Measure with repeats >= 2 for a confidence bound.",
             tone="warning",
         )
