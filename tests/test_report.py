@@ -312,6 +312,12 @@ def test_a_target_no_setting_meets_keeps_the_confidence_of_a_cube_with_repeats()
     one = make_cube(clocks=[1000, 2000], latency=lambda c, *a: 10.0 * 2000 / c)
     said = build_document(one, options, [], generated="now").sections[1].blocks[1]
     assert isinstance(said, Paragraph) and said.text.startswith("Confidence: none. One repeat")
+    # a level is said with its digits: 99.9%, not rounded to a certain-looking 100%
+    sure = ReportOptions(parse_slo("tpot_p50<=1ms"), confidence=0.999)
+    level = build_document(cube, sure, [], generated="now").sections[1].blocks[1]
+    assert isinstance(level, Paragraph)
+    assert level.text.startswith("Confidence: 99.9%, one-sided."), level.text
+    assert "one-sided 99.9% Student-t" in level.text, level.text
 
 
 def _a_within_target_from_1000_b_from_1500(

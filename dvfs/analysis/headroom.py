@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_means, meets_all, upper_bounds
+from dvfs.analysis.bounds import finite_means, level_text, meets_all, upper_bounds
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
@@ -87,7 +87,7 @@ def gpus_summed(cube: xr.Dataset) -> int:
 
 
 BOUND_DESCRIPTION = (
-    "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
+    "one-sided {conf} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
 )
 #: The bound's words where the cube has one repeat (`bound_description`).
@@ -920,8 +920,8 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
         return ONE_REPEAT_BOUND
     if attrs["target_mode"] == "vs-baseline":
         return (
-            f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "
-            f"(Student-t bounds of each mean at {(1 + confidence) / 2:.1%}), unpaired: the "
+            f"conservative {level_text(confidence)} upper bound of the ratio of mean latencies "
+            f"(Student-t bounds of each mean at {level_text((1 + confidence) / 2)}), unpaired: the "
             "baseline ran on another server; the baseline's own rows paired, as preserve"
         )
     lo, hi = (int(attrs.get(key, 0)) for key in REPEATS_USED)
@@ -929,7 +929,7 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
         rule = repeat_rule(cube.attrs.get("campaign"))
         lo, hi = (rule.repeats, rule.max_repeats) if rule else (repeats_in_cube,) * 2
     n = str(hi) if lo == hi else f"{lo}-{hi}"
-    text = BOUND_DESCRIPTION.format(conf=confidence, n=n)
+    text = BOUND_DESCRIPTION.format(conf=level_text(confidence), n=n)
     if attrs["target_mode"] == "slo":
         text = text.replace("latency ratio to the reference", "latency (ms)")
     return text

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dvfs.analysis.bounds import level_text
 from dvfs.analysis.targets import Target
 from dvfs.report.common import gpu_names, reference_label
 from dvfs.report.facts import measured_section
@@ -178,9 +179,9 @@ def confidence_statement(room: dict[str, Any]) -> Paragraph:
             tone="warning",
         )
     return Paragraph(
-        f"Confidence: {room['confidence']:.0%}, one-sided. A setting is listed as meeting the "
-        "target only when the upper confidence bound of its latency does, so each listed "
-        f"setting meets the target with at least that confidence. Bound: {room['bound']}. A "
+        f"Confidence: {level_text(room['confidence'])}, one-sided. A setting is listed as "
+        "meeting the target only when the upper confidence bound of its latency does, so each "
+        f"listed setting meets the target with at least that confidence. Bound: {room['bound']}. A "
         "setting with an invalid repeat is never chosen.",
         tone="note",
     )
