@@ -96,6 +96,17 @@ def test_slo_target() -> None:
     assert r["chosen_sm_clock"] == 1500 and r["lowest_feasible_sm_clock"] == 1500
 
 
+def test_the_latency_bound_carries_the_unit_of_its_statistic() -> None:
+    """Against an SLO the bound is a latency in ms (compared with the limit); against a
+    drafter's stock a ratio to that latency (compared with 1 + slack): its units say which."""
+    slo = headroom(simple(), target=parse_slo("tpot_p90<=11ms"))
+    assert float(row(slo)["latency_bound"]) == TPOT[1500]
+    assert slo["latency_bound"].attrs["units"] == "ms"
+    kept = headroom(simple(), target=Target("preserve", slack=0.10))
+    assert float(row(kept)["latency_bound"]) == pytest.approx(TPOT[1500] / TPOT[2000])
+    assert kept["latency_bound"].attrs["units"] == "1"
+
+
 def test_vs_baseline_trades_speculation_latency_for_energy() -> None:
     lat = {
         ("none", 1000): 12.0,

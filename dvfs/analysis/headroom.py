@@ -734,7 +734,15 @@ def headroom(
         ),
         "reference_latency_ms": ("ms", "reference latency the target is relative to"),
         "target_ms": ("ms", "latency target"),
-        "latency_bound": ("1", "upper bound of the feasibility statistic at the chosen setting"),
+        "latency_bound": (
+            ("ms", "upper bound of the latency at the chosen setting (compared with the SLO)")
+            if target.mode == "slo"
+            else (
+                "1",
+                "upper bound of the latency ratio to the reference at the chosen setting "
+                "(compared with 1 + slack)",
+            )
+        ),
         "lowest_feasible_sm_clock": ("MHz", "lowest SM clock meeting the target"),
         "lowest_feasible_power_limit": ("W", "lowest power limit meeting the target"),
         "headroom_mhz": (
