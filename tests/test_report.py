@@ -600,6 +600,12 @@ def test_a_report_on_part_of_the_cube_says_which_part() -> None:
     )
     whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
     assert "only" not in whole.subtitle
+    # --drafter none leaves the baseline alone: eagle3 was measured, the filter left it out
+    options = ReportOptions(Target("preserve"), drafter=("none",))
+    alone = build_document(cube, options, [], generated="now")
+    said = alone.sections[2].blocks[0].text  # type: ignore[union-attr]
+    assert said.startswith("--drafter keeps only the baseline 'none'"), said
+    assert "was measured" not in said, said
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,11 @@ def _comparison(
             f"(drafters: {', '.join(drafters)}); choose one with --baseline."
         ]
     if len(drafters) < 2:
+        if len(cube["drafter"]) > 1:  # the others were measured; --drafter left them out
+            return None, [
+                f"--drafter keeps only the baseline {baseline!r}: nothing to compare it with; "
+                "name a speculative drafter too, or drop --drafter."
+            ]
         return None, [f"Only the {baseline!r} drafter was measured: nothing to compare."]
     t = options.target
     result = compare(cube, baseline=baseline, metric=t.metric, quantile=t.quantile)
