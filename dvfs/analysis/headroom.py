@@ -360,7 +360,11 @@ def _cells(
         ref_on=baseline_row(at_ref(on_all)),
         stock_energy=_where(at_ref(energy_all), ref_ok),
         reference_problems=_reference_problems(
-            usable, baseline_row(ref_status), baseline_row(ref_quality)
+            usable,
+            baseline_row(ref_status),
+            baseline_row(ref_quality),
+            baseline_row(ref_ok),
+            f"{target.metric.upper()} {target.quantile_name}",
         ),
     )
 
@@ -1139,7 +1143,8 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
             drafter=cube["drafter"].values
         )
     order = [*GROUP_DIMS, "repeat"]
-    usable = valid_mask(ref) & ref[target.variable].sel(quantile=target.quantile).notnull()
+    valid = valid_mask(ref)
+    usable = valid & ref[target.variable].sel(quantile=target.quantile).notnull()
     usable_v = usable.transpose(*order).values
     shape = usable_v.shape
     status_v = (
@@ -1150,14 +1155,23 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
     quality_v = (
         ref["quality"].transpose(*order).values if "quality" in ref else np.full(shape, np.nan)
     )
-    return _reference_problems(usable_v, status_v, quality_v)
+    latency = f"{target.metric.upper()} {target.quantile_name}"
+    return _reference_problems(
+        usable_v, status_v, quality_v, valid.transpose(*order).values, latency
+    )
 
 
 def _reference_problems(
-    usable_v: np.ndarray, status_v: np.ndarray, quality_v: np.ndarray
+    usable_v: np.ndarray,
+    status_v: np.ndarray,
+    quality_v: np.ndarray,
+    valid_v: np.ndarray,
+    latency: str,
 ) -> np.ndarray:
     """`reference_problems` on the reference cells' arrays over (*GROUP_DIMS, repeat): whether
-    each is usable, its status and its quality bits."""
+    each is usable, its status, its quality bits and whether it is valid; `latency` names the
+    target's latency ("TPOT p50"), which valid cells may lack (a damaged or hand-edited cube):
+    "no TPOT p50 in its cells", not "invalid" with no flag to change."""
     from dvfs.measure.meter import INVALIDATING, describe_quality
 
     out = np.full(usable_v.shape[:3], "", dtype=object)
@@ -1166,7 +1180,12 @@ def _reference_problems(
         if (status == STATUS_OK).any():
             masks = [int(q) & INVALIDATING for q in quality_v[idx][status == STATUS_OK] if q == q]
             flags = sorted({name for m in masks for name in describe_quality(m)})
-            out[idx] = "invalid: " + ", ".join(flags) if flags else "invalid"
+            if flags:
+                out[idx] = "invalid: " + ", ".join(flags)
+            elif valid_v[idx].any():
+                out[idx] = f"no {latency} in its cells"
+            else:
+                out[idx] = "invalid"
         elif (status == STATUS_FAILED).any():
             out[idx] = "failed"
         else:

@@ -69,6 +69,12 @@ def no_answer_advice(
         if problem.startswith("invalid"):
             flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
             return flag_advice(flags)
+        if problem.startswith("no "):  # valid cells without the latency: a damaged cube
+            return (
+                "the reference was measured but its cells hold no such latency (a damaged or "
+                "edited cube): rebuild it from its sweep's journal with `dvfs cube build "
+                "SWEEP_DIR`, or choose another --metric or --quantile"
+            )
         return resume_advice("the reference", doc)
     reason = no_answer(row)
     if reason == "not measured yet":
