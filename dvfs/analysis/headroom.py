@@ -240,6 +240,7 @@ class _Cells:
     on: np.ndarray  # the cells' GPUs (measured_on)
     invalid: np.ndarray  # settings with an invalid cell (invalid_settings)
     unmeasured: np.ndarray  # settings waiting to be measured, none invalid
+    failed: np.ndarray  # of those, settings with a failed cell (a rerun retries it)
     flags: np.ndarray  # invalidating quality bits of the invalid cells, ORed
     not_binding: np.ndarray  # settings whose power limit never bound (cap_not_binding)
     ref_latency: np.ndarray  # reference latency (ms), NaN where not usable
@@ -307,8 +308,10 @@ def _cells(
         if grid_from_data:
             waiting = waiting & (status != STATUS_MISSING).any(axis=(0, 1, 2, 5), keepdims=True)
         unmeasured = waiting.any(axis=-1) & ~invalid
+        failed = unmeasured & (waiting & (status == STATUS_FAILED)).any(axis=-1)
     else:
         unmeasured = np.zeros(invalid.shape, dtype=bool)
+        failed = unmeasured
     quantile_at = cube.indexes["quantile"].get_loc(target.quantile)
     latency_all = _values(cube, target.variable, (*ORDER, "quantile"))[..., quantile_at]
     energy_all = _values(cube, "energy_per_token_j")
@@ -353,6 +356,7 @@ def _cells(
         on=cut(on_all),
         invalid=invalid,
         unmeasured=unmeasured,
+        failed=failed,
         flags=flags,
         not_binding=not_binding,
         ref_latency=baseline_row(_where(ref_latency, ref_ok)),
@@ -562,6 +566,7 @@ def headroom(
     n_judged = judged_v.sum(axis=per_setting).astype(int)  # bound could be computed
     n_short = short_v.sum(axis=per_setting).astype(int)  # valid, too few usable repeats
     n_unmeasured = pending_v.sum(axis=per_setting).astype(int)  # not measured yet
+    n_failed = (pending_v & cells.failed).sum(axis=per_setting).astype(int)  # of them, failed
     n_invalid = cells.invalid.sum(axis=per_setting).astype(int)  # with an invalid cell
     edge = {
         name: np.zeros(group_shape, dtype=bool)
@@ -805,6 +810,15 @@ def headroom(
         dims,
         n_unmeasured,
         {"units": "1", "long_name": "settings not measured yet (missing or failed cells)"},
+    )
+    data_vars["failed_settings"] = (
+        dims,
+        n_failed,
+        {
+            "units": "1",
+            "long_name": "of unmeasured_settings, those with a failed cell (a rerun of the "
+            "sweep retries it)",
+        },
     )
     data_vars["invalid_settings"] = (
         dims,
