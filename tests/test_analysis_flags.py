@@ -85,6 +85,26 @@ def test_confidence_must_be_a_level(small_sweep: Path, confidence) -> None:
     refused(result, 2, "Invalid value for '--confidence'")
 
 
+@pytest.mark.parametrize(
+    ("command", "extra", "says"),
+    [
+        ("headroom", [], "one-sided 99.9% Student-t upper bound"),
+        ("headroom", ["--vs-baseline"], "conservative 99.9% upper bound"),
+        ("headroom", ["--vs-baseline"], "bounds of each mean at 99.95%"),
+        ("compare", [], "two-sided 99.9% Student-t interval"),
+        ("compare", [], "[99.9% interval]"),
+    ],
+)
+def test_a_confidence_level_is_said_with_its_digits(
+    small_sweep: Path, command: str, extra: list[str], says: str
+) -> None:
+    """--confidence 0.999 is a 99.9% bound, not one rounded to "100%" (which no finite
+    bound has, and which reads as certainty)."""
+    said = " ".join(ok(command, str(small_sweep), "--confidence", "0.999", *extra).split())
+    assert says in said, said
+    assert "100%" not in said and "100.0%" not in said, said
+
+
 # --- contradictions -----------------------------------------------------------------------
 
 

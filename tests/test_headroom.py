@@ -91,9 +91,42 @@ def test_invalid_cells_are_never_chosen() -> None:
     assert r["chosen_sm_clock"] == 1000
 
 
+def test_a_reference_measured_without_the_latency_says_so() -> None:
+    """Valid stock cells that hold no TPOT (an edited or damaged cube): the row says which
+    latency is missing and to rebuild the cube, not "invalid" with no flag to change (and
+    `dvfs cube info` showing none)."""
+    from dvfs.report.reasons import no_answer, no_answer_advice
+
+    cube = simple(repeats=2)
+    cube["tpot_ms"].loc[{"sm_clock": 2000}] = np.nan
+    result = headroom(cube, target=Target("preserve", slack=0.1))
+    point = result.sel(batch=1, drafter="none", corpus="code")
+    problem = str(point["reference_problem"].values)
+    assert problem == "no TPOT p50 in its cells", problem
+    row = {"target_ms": None, "reference_problem": problem}
+    assert no_answer(row) == "no valid reference cell (no TPOT p50 in its cells)"
+    assert "dvfs cube build" in no_answer_advice(row), no_answer_advice(row)
+    # an invalid stock cell (no flag recorded) is still "invalid"
+    flagged = simple(repeats=2, valid=lambda c, *_: c != 2000, quality=lambda c, *_: 0)
+    again = headroom(flagged, target=Target("preserve", slack=0.1))
+    said = str(again.sel(batch=1, drafter="none", corpus="code")["reference_problem"].values)
+    assert said == "invalid", said
+
+
 def test_slo_target() -> None:
     r = row(headroom(simple(), target=parse_slo("tpot_p90<=11ms")))
     assert r["chosen_sm_clock"] == 1500 and r["lowest_feasible_sm_clock"] == 1500
+
+
+def test_the_latency_bound_carries_the_unit_of_its_statistic() -> None:
+    """Against an SLO the bound is a latency in ms (compared with the limit); against a
+    drafter's stock a ratio to that latency (compared with 1 + slack): its units say which."""
+    slo = headroom(simple(), target=parse_slo("tpot_p90<=11ms"))
+    assert float(row(slo)["latency_bound"]) == TPOT[1500]
+    assert slo["latency_bound"].attrs["units"] == "ms"
+    kept = headroom(simple(), target=Target("preserve", slack=0.10))
+    assert float(row(kept)["latency_bound"]) == pytest.approx(TPOT[1500] / TPOT[2000])
+    assert kept["latency_bound"].attrs["units"] == "1"
 
 
 def test_vs_baseline_trades_speculation_latency_for_energy() -> None:

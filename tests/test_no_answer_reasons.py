@@ -222,3 +222,48 @@ def test_vs_baseline_says_the_missing_reference_is_the_baselines(tmp_path: Path)
     # (wrapped to four lines in the cell, so cut short)
     assert " ".join(labels[0, at["eagle3"], 0].split()).startswith(theirs[:38]), labels
     assert "baseline" not in labels[0, at["none"], 0]
+
+
+def test_a_drafter_whose_every_cell_failed_says_failed_not_only_not_measured(
+    tmp_path: Path,
+) -> None:
+    """Against an SLO (no reference needed) a drafter whose server failed at every setting has
+    no answer: the table, the JSON document, `cap plan` and the headroom figure say its cells
+    failed and that a rerun retries them, as a failed reference's row says, not only "not
+    measured yet" of cells that were run; a drafter never run keeps the plain reason."""
+    ds = make_cube(
+        clocks=[1000, 1980],
+        drafters=["none", "eagle3", "medusa"],
+        repeats=2,
+        latency=lambda clock, limit, batch, drafter, *_: np.nan if drafter != "none" else 10.0,
+    )
+    ds["cell_status"].loc[{"drafter": "eagle3"}] = 2  # failed; medusa's stay missing (0)
+    cube = write_cube(
+        as_twin_sweep(
+            ds, uuid="GPU-aaaaaaaa-0000-4000-8000-000000000001", gpu_name=H100, campaign="failed"
+        ),
+        tmp_path / "c.nc",
+    )
+    slo = ("--slo", "tpot_p50<=20ms")
+    table = run("headroom", str(cube), *slo).output
+    [eagle] = [line for line in table.splitlines() if "eagle3" in line]
+    [medusa] = [line for line in table.splitlines() if "medusa" in line]
+    assert "not measured yet (failed)" in eagle, table
+    assert "not measured yet" in medusa and "failed" not in medusa, table
+    saved = tmp_path / "h.json"
+    run("headroom", str(cube), *slo, "--json", "-o", str(saved))
+    rows = {r["drafter"]: r for r in json.loads(saved.read_text())["rows"]}
+    assert (rows["eagle3"]["failed_settings"], rows["eagle3"]["unmeasured_settings"]) == (2, 2)
+    assert (rows["medusa"]["failed_settings"], rows["medusa"]["unmeasured_settings"]) == (0, 2)
+    out = run("cap", "plan", str(saved), "--batch", "1", "--drafter", "eagle3", code=2).output
+    assert "not measured yet (failed)" in out and "retries failed cells" in out, out
+    from dvfs.analysis.headroom import headroom
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.cube import open_cube
+    from dvfs.plots import heatmaps
+
+    order = ("corpus", "drafter", "batch")
+    result = headroom(open_cube(cube), target=parse_slo("tpot_p50<=20ms"))
+    labels = heatmaps._no_answer_labels(result, order)
+    at = {str(d): i for i, d in enumerate(result["drafter"].values)}
+    assert " ".join(labels[0, at["eagle3"], 0].split()) == "not measured yet (failed)", labels

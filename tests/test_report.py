@@ -298,6 +298,28 @@ def test_document_from_a_hand_built_cube_says_what_it_cannot_know() -> None:
     assert isinstance(table, Table) and table.rows[0][-1] == "stock: nothing to cap"
 
 
+def test_a_target_no_setting_meets_keeps_the_confidence_of_a_cube_with_repeats() -> None:
+    """With repeats, an SLO that no setting meets leaves every row without an answer (and so
+    without repeats of its own): the report still states the confidence of the bound that
+    judged them, not "none" with advice to measure the repeats the cube has."""
+    from dvfs.analysis.targets import parse_slo
+
+    cube = make_cube(clocks=[1000, 2000], repeats=3, latency=lambda c, *a: 10.0 * 2000 / c)
+    options = ReportOptions(parse_slo("tpot_p50<=1ms"))
+    confidence = build_document(cube, options, [], generated="now").sections[1].blocks[1]
+    assert isinstance(confidence, Paragraph)
+    assert confidence.text.startswith("Confidence: 95%, one-sided."), confidence.text
+    one = make_cube(clocks=[1000, 2000], latency=lambda c, *a: 10.0 * 2000 / c)
+    said = build_document(one, options, [], generated="now").sections[1].blocks[1]
+    assert isinstance(said, Paragraph) and said.text.startswith("Confidence: none. One repeat")
+    # a level is said with its digits: 99.9%, not rounded to a certain-looking 100%
+    sure = ReportOptions(parse_slo("tpot_p50<=1ms"), confidence=0.999)
+    level = build_document(cube, sure, [], generated="now").sections[1].blocks[1]
+    assert isinstance(level, Paragraph)
+    assert level.text.startswith("Confidence: 99.9%, one-sided."), level.text
+    assert "one-sided 99.9% Student-t" in level.text, level.text
+
+
 def _a_within_target_from_1000_b_from_1500(
     clock: int, limit: float, batch: int, drafter: str, corpus: str, r: int
 ) -> float:
@@ -530,6 +552,9 @@ def test_the_quality_flags_say_which_invalidate_and_what_a_warning_means(
     assert effect["idle_baseline_foreign"] == (4, "warning: the cell stays valid")
     notes = [b.text for b in blocks if isinstance(b, Paragraph)]
     assert f"idle_baseline_foreign: {FLAG_NOTES['idle_baseline_foreign']}." in notes
+    # the invalid cell is said, and nothing says the opposite beside it
+    assert not [n for n in notes if "every cell was measured and valid" in n], notes
+    assert any(n.startswith("Data quality: 1 of 4 cells are failed") for n in notes), notes
     path = write_cube(cube, tmp_path / "cube.nc")
     said = " ".join(run("cube", "info", str(path)).stdout.split())
     assert "foreign_process x1 (invalid), idle_baseline_foreign x4;" in said, said
@@ -552,7 +577,10 @@ def test_cube_info_names_a_failed_cell_as_the_sweep_did(tmp_path: Path) -> None:
     assert "failed none/code/b1/r0 @ 1000 MHz, stock limit: HTTP 500" in said, said
     from dvfs.report.facts import measured_section
 
-    [table] = [b for b in measured_section(cube).blocks if isinstance(b, Table)]
+    blocks = measured_section(cube).blocks
+    said = [b.text for b in blocks if isinstance(b, Paragraph)]
+    assert not [s for s in said if "every cell was measured and valid" in s], said
+    [table] = [b for b in blocks if isinstance(b, Table)]
     assert table.header == ("cell", "error")
     assert table.rows == (("none/code/b1/r0 @ 1000 MHz, stock limit", "HTTP 500"),)
 
@@ -572,6 +600,12 @@ def test_a_report_on_part_of_the_cube_says_which_part() -> None:
     )
     whole = build_document(cube, ReportOptions(Target("preserve")), [], generated="now")
     assert "only" not in whole.subtitle
+    # --drafter none leaves the baseline alone: eagle3 was measured, the filter left it out
+    options = ReportOptions(Target("preserve"), drafter=("none",))
+    alone = build_document(cube, options, [], generated="now")
+    said = alone.sections[2].blocks[0].text  # type: ignore[union-attr]
+    assert said.startswith("--drafter keeps only the baseline 'none'"), said
+    assert "was measured" not in said, said
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,14 @@ from dvfs.errors import AnalysisError
 FEASIBLE_ROUNDING = 1e-9
 
 
+def level_text(confidence: float) -> str:
+    """A confidence level in percent with the digits it has (95%, 97.5%, 99.9%), never
+    rounded up to a 100% that no finite bound has."""
+    pct = confidence * 100
+    digits = next((d for d in range(12) if abs(round(pct, d) - pct) < 1e-9), 12)
+    return f"{pct:.{digits}f}%"
+
+
 def t_quantile(confidence: float, dof: int) -> float:
     """One-sided Student-t quantile: P(T <= t) = confidence with `dof` degrees of freedom.
 

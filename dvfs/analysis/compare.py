@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_means, meets, upper_bounds
+from dvfs.analysis.bounds import finite_means, level_text, meets, upper_bounds
 from dvfs.analysis.headroom import (
     gpu_set,
     gpu_text,
@@ -333,7 +333,7 @@ def compare(
         return xr.DataArray(out, dims=dims, coords={k: groups[k] for k in dims})
 
     def interval_of(pairs: Paired, what: str) -> dict[str, xr.DataArray]:
-        level = f"{confidence:.0%}"
+        level = level_text(confidence)
         return {
             f"energy_ratio_{what}_low": grouped(
                 pairs.low,
@@ -432,8 +432,9 @@ def interval_description(confidence: float, point: bool) -> str:
             "saves, at or above costs)"
         )
     return (
-        f"two-sided {confidence:.0%} Student-t interval of the mean per-repeat ratio over the "
-        "repeats valid in both arms: saves or costs only where it excludes 1, else within noise"
+        f"two-sided {level_text(confidence)} Student-t interval of the mean per-repeat ratio "
+        "over the repeats valid in both arms: saves or costs only where it excludes 1, else "
+        "within noise"
     )
 
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.bounds import finite_means, meets_all, upper_bounds
+from dvfs.analysis.bounds import finite_means, level_text, meets_all, upper_bounds
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import CELL_DIMS, STATUS_FAILED, STATUS_MISSING, STATUS_OK
 from dvfs.errors import AnalysisError
@@ -87,9 +87,11 @@ def gpus_summed(cube: xr.Dataset) -> int:
 
 
 BOUND_DESCRIPTION = (
-    "one-sided {conf:.0%} Student-t upper bound over {n} paired repeat(s) "
+    "one-sided {conf} Student-t upper bound over {n} paired repeat(s) "
     "of the latency ratio to the reference"
 )
+#: The bound's words where the cube has one repeat (`bound_description`).
+ONE_REPEAT_BOUND = "one repeat: no interval was possible, the point value was compared"
 #: Attributes of a headroom result: the fewest and most repeats behind a computed bound
 #: (0: none computed), which the bound's description names.
 REPEATS_USED = ("bound_repeats_min", "bound_repeats_max")
@@ -238,6 +240,7 @@ class _Cells:
     on: np.ndarray  # the cells' GPUs (measured_on)
     invalid: np.ndarray  # settings with an invalid cell (invalid_settings)
     unmeasured: np.ndarray  # settings waiting to be measured, none invalid
+    failed: np.ndarray  # of those, settings with a failed cell (a rerun retries it)
     flags: np.ndarray  # invalidating quality bits of the invalid cells, ORed
     not_binding: np.ndarray  # settings whose power limit never bound (cap_not_binding)
     ref_latency: np.ndarray  # reference latency (ms), NaN where not usable
@@ -305,8 +308,10 @@ def _cells(
         if grid_from_data:
             waiting = waiting & (status != STATUS_MISSING).any(axis=(0, 1, 2, 5), keepdims=True)
         unmeasured = waiting.any(axis=-1) & ~invalid
+        failed = unmeasured & (waiting & (status == STATUS_FAILED)).any(axis=-1)
     else:
         unmeasured = np.zeros(invalid.shape, dtype=bool)
+        failed = unmeasured
     quantile_at = cube.indexes["quantile"].get_loc(target.quantile)
     latency_all = _values(cube, target.variable, (*ORDER, "quantile"))[..., quantile_at]
     energy_all = _values(cube, "energy_per_token_j")
@@ -351,6 +356,7 @@ def _cells(
         on=cut(on_all),
         invalid=invalid,
         unmeasured=unmeasured,
+        failed=failed,
         flags=flags,
         not_binding=not_binding,
         ref_latency=baseline_row(_where(ref_latency, ref_ok)),
@@ -358,7 +364,11 @@ def _cells(
         ref_on=baseline_row(at_ref(on_all)),
         stock_energy=_where(at_ref(energy_all), ref_ok),
         reference_problems=_reference_problems(
-            usable, baseline_row(ref_status), baseline_row(ref_quality)
+            usable,
+            baseline_row(ref_status),
+            baseline_row(ref_quality),
+            baseline_row(ref_ok),
+            f"{target.metric.upper()} {target.quantile_name}",
         ),
     )
 
@@ -556,6 +566,7 @@ def headroom(
     n_judged = judged_v.sum(axis=per_setting).astype(int)  # bound could be computed
     n_short = short_v.sum(axis=per_setting).astype(int)  # valid, too few usable repeats
     n_unmeasured = pending_v.sum(axis=per_setting).astype(int)  # not measured yet
+    n_failed = (pending_v & cells.failed).sum(axis=per_setting).astype(int)  # of them, failed
     n_invalid = cells.invalid.sum(axis=per_setting).astype(int)  # with an invalid cell
     edge = {
         name: np.zeros(group_shape, dtype=bool)
@@ -732,7 +743,15 @@ def headroom(
         ),
         "reference_latency_ms": ("ms", "reference latency the target is relative to"),
         "target_ms": ("ms", "latency target"),
-        "latency_bound": ("1", "upper bound of the feasibility statistic at the chosen setting"),
+        "latency_bound": (
+            ("ms", "upper bound of the latency at the chosen setting (compared with the SLO)")
+            if target.mode == "slo"
+            else (
+                "1",
+                "upper bound of the latency ratio to the reference at the chosen setting "
+                "(compared with 1 + slack)",
+            )
+        ),
         "lowest_feasible_sm_clock": ("MHz", "lowest SM clock meeting the target"),
         "lowest_feasible_power_limit": ("W", "lowest power limit meeting the target"),
         "headroom_mhz": (
@@ -791,6 +810,15 @@ def headroom(
         dims,
         n_unmeasured,
         {"units": "1", "long_name": "settings not measured yet (missing or failed cells)"},
+    )
+    data_vars["failed_settings"] = (
+        dims,
+        n_failed,
+        {
+            "units": "1",
+            "long_name": "of unmeasured_settings, those with a failed cell (a rerun of the "
+            "sweep retries it)",
+        },
     )
     data_vars["invalid_settings"] = (
         dims,
@@ -915,11 +943,11 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
     confidence = float(attrs["confidence"])
     repeats_in_cube = int(cube.sizes.get("repeat", 1))
     if repeats_in_cube <= 1:
-        return "one repeat: no interval was possible, the point value was compared"
+        return ONE_REPEAT_BOUND
     if attrs["target_mode"] == "vs-baseline":
         return (
-            f"conservative {confidence:.0%} upper bound of the ratio of mean latencies "
-            f"(Student-t bounds of each mean at {(1 + confidence) / 2:.1%}), unpaired: the "
+            f"conservative {level_text(confidence)} upper bound of the ratio of mean latencies "
+            f"(Student-t bounds of each mean at {level_text((1 + confidence) / 2)}), unpaired: the "
             "baseline ran on another server; the baseline's own rows paired, as preserve"
         )
     lo, hi = (int(attrs.get(key, 0)) for key in REPEATS_USED)
@@ -927,7 +955,7 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
         rule = repeat_rule(cube.attrs.get("campaign"))
         lo, hi = (rule.repeats, rule.max_repeats) if rule else (repeats_in_cube,) * 2
     n = str(hi) if lo == hi else f"{lo}-{hi}"
-    text = BOUND_DESCRIPTION.format(conf=confidence, n=n)
+    text = BOUND_DESCRIPTION.format(conf=level_text(confidence), n=n)
     if attrs["target_mode"] == "slo":
         text = text.replace("latency ratio to the reference", "latency (ms)")
     return text
@@ -1129,7 +1157,8 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
             drafter=cube["drafter"].values
         )
     order = [*GROUP_DIMS, "repeat"]
-    usable = valid_mask(ref) & ref[target.variable].sel(quantile=target.quantile).notnull()
+    valid = valid_mask(ref)
+    usable = valid & ref[target.variable].sel(quantile=target.quantile).notnull()
     usable_v = usable.transpose(*order).values
     shape = usable_v.shape
     status_v = (
@@ -1140,14 +1169,23 @@ def reference_problems(cube: xr.Dataset, at_ref: dict[str, float], target: Targe
     quality_v = (
         ref["quality"].transpose(*order).values if "quality" in ref else np.full(shape, np.nan)
     )
-    return _reference_problems(usable_v, status_v, quality_v)
+    latency = f"{target.metric.upper()} {target.quantile_name}"
+    return _reference_problems(
+        usable_v, status_v, quality_v, valid.transpose(*order).values, latency
+    )
 
 
 def _reference_problems(
-    usable_v: np.ndarray, status_v: np.ndarray, quality_v: np.ndarray
+    usable_v: np.ndarray,
+    status_v: np.ndarray,
+    quality_v: np.ndarray,
+    valid_v: np.ndarray,
+    latency: str,
 ) -> np.ndarray:
     """`reference_problems` on the reference cells' arrays over (*GROUP_DIMS, repeat): whether
-    each is usable, its status and its quality bits."""
+    each is usable, its status, its quality bits and whether it is valid; `latency` names the
+    target's latency ("TPOT p50"), which valid cells may lack (a damaged or hand-edited cube):
+    "no TPOT p50 in its cells", not "invalid" with no flag to change."""
     from dvfs.measure.meter import INVALIDATING, describe_quality
 
     out = np.full(usable_v.shape[:3], "", dtype=object)
@@ -1156,7 +1194,12 @@ def _reference_problems(
         if (status == STATUS_OK).any():
             masks = [int(q) & INVALIDATING for q in quality_v[idx][status == STATUS_OK] if q == q]
             flags = sorted({name for m in masks for name in describe_quality(m)})
-            out[idx] = "invalid: " + ", ".join(flags) if flags else "invalid"
+            if flags:
+                out[idx] = "invalid: " + ", ".join(flags)
+            elif valid_v[idx].any():
+                out[idx] = f"no {latency} in its cells"
+            else:
+                out[idx] = "invalid"
         elif (status == STATUS_FAILED).any():
             out[idx] = "failed"
         else:

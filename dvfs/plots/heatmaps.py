@@ -113,6 +113,7 @@ def _no_answer_labels(chosen: xr.Dataset, order: tuple[str, ...]) -> np.ndarray:
             "judged_settings",
             "short_settings",
             "unmeasured_settings",
+            "failed_settings",
         )
     }
     out = np.full(shape, "", dtype=object)

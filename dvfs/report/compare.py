@@ -322,10 +322,12 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     def gpu(r: dict[str, Any]) -> list[str]:
         return [str(r.get("gpu", ""))[:12]] if has_gpu else []
 
+    from dvfs.analysis.bounds import level_text
+
     energy = (
         f"Energy per token relative to {base!r} (below 1 saves energy)"
         + (
-            f" [{doc['confidence']:.0%} interval]"
+            f" [{level_text(doc['confidence'])} interval]"
             if any(r.get(f"energy_ratio_{w}_interval") for r in doc["rows"] for w in WHATS)
             else ""
         ),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dvfs.analysis.bounds import level_text
 from dvfs.analysis.targets import Target
 from dvfs.report.common import gpu_names, reference_label
 from dvfs.report.facts import measured_section
@@ -144,6 +145,11 @@ def _comparison(
             f"(drafters: {', '.join(drafters)}); choose one with --baseline."
         ]
     if len(drafters) < 2:
+        if len(cube["drafter"]) > 1:  # the others were measured; --drafter left them out
+            return None, [
+                f"--drafter keeps only the baseline {baseline!r}: nothing to compare it with; "
+                "name a speculative drafter too, or drop --drafter."
+            ]
         return None, [f"Only the {baseline!r} drafter was measured: nothing to compare."]
     t = options.target
     result = compare(cube, baseline=baseline, metric=t.metric, quantile=t.quantile)
@@ -164,18 +170,23 @@ def _comparison(
 
 
 def confidence_statement(room: dict[str, Any]) -> Paragraph:
-    """What "meets the target" promises, in words."""
-    repeats = max((r["repeats"] or 0 for r in room["rows"]), default=0)
-    if repeats < 2:
+    """What "meets the target" promises, in words: none where the cube has one repeat (or
+    every answer rests on one), as the bound says; a row without an answer (no setting meets
+    the target) has no repeats of its own and takes nothing from the cube's."""
+    from dvfs.analysis.headroom import ONE_REPEAT_BOUND
+
+    counts = [r["repeats"] for r in room["rows"] if r["repeats"] is not None]
+    if room["bound"] == ONE_REPEAT_BOUND or (counts and max(counts) < 2):
+        bound = room["bound"]
         return Paragraph(
-            f"Confidence: none. {room['bound'].capitalize()}: a setting listed as meeting the "
+            f"Confidence: none. {bound[:1].upper() + bound[1:]}: a setting listed as meeting the "
             "target may miss it on a rerun. Measure with repeats >= 2 for a confidence bound.",
             tone="warning",
         )
     return Paragraph(
-        f"Confidence: {room['confidence']:.0%}, one-sided. A setting is listed as meeting the "
-        "target only when the upper confidence bound of its latency does, so each listed "
-        f"setting meets the target with at least that confidence. Bound: {room['bound']}. A "
+        f"Confidence: {level_text(room['confidence'])}, one-sided. A setting is listed as "
+        "meeting the target only when the upper confidence bound of its latency does, so each "
+        f"listed setting meets the target with at least that confidence. Bound: {room['bound']}. A "
         "setting with an invalid repeat is never chosen.",
         tone="note",
     )

@@ -173,7 +173,7 @@ def _quality(info: dict[str, Any]) -> list[Any]:
     shard = shard_note(info.get("shard"))
     if shard:
         blocks.insert(0, Paragraph(shard[:1].upper() + shard[1:] + ".", tone="warning"))
-    else:
+    elif not bad:  # else the warning above says what is not
         extra = (
             f" ({not_needed} adaptive repeat(s) not needed: those cells reached the precision "
             "in fewer than max_repeats)"

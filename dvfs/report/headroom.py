@@ -80,6 +80,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             unmeasured_settings=(
                 int(r["unmeasured_settings"]) if "unmeasured_settings" in r else None
             ),
+            failed_settings=int(r["failed_settings"]) if "failed_settings" in r else None,
             invalid_settings=int(r["invalid_settings"]) if "invalid_settings" in r else None,
             invalid_flags=(
                 str(r["invalid_flags"].values) or None if "invalid_flags" in r else None

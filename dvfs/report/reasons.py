@@ -25,6 +25,9 @@ def no_answer(row: dict[str, Any]) -> str:
     if row.get("judged_settings") is None:  # a document older than the counts
         return "none feasible"
     if not row.get("judged_settings") and row.get("unmeasured_settings"):
+        # every setting waiting failed (a server that died): said so, as a reference's is
+        if row.get("failed_settings") == row["unmeasured_settings"]:
+            return "not measured yet (failed)"
         return "not measured yet"
     if not row.get("judged_settings") and row.get("short_settings"):
         return "too few repeats"
@@ -69,8 +72,18 @@ def no_answer_advice(
         if problem.startswith("invalid"):
             flags = problem.removeprefix("invalid").lstrip(": ").split(", ")
             return flag_advice(flags)
+        if problem.startswith("no "):  # valid cells without the latency: a damaged cube
+            return (
+                "the reference was measured but its cells hold no such latency (a damaged or "
+                "edited cube): rebuild it from its sweep's journal with `dvfs cube build "
+                "SWEEP_DIR`, or choose another --metric or --quantile"
+            )
         return resume_advice("the reference", doc)
     reason = no_answer(row)
+    if reason == "not measured yet (failed)":
+        if doc and doc.get("merged_shards"):  # the failed cells are their shards' to retry
+            return resume_advice("them (a rerun retries failed cells)", doc)
+        return RETRY
     if reason == "not measured yet":
         return resume_advice("them", doc)
     if reason == "too few repeats":
