@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dvfs.backends import (
     check_engine,
@@ -87,12 +87,14 @@ def check_campaign(
         )
     ]
     models: list[str] = []
+    identities: list[dict[str, Any]] = []
     checks += _gpu_checks(
         _on_groups(campaign, groups) if given else campaign,
         nvml=nvml,
         state_dir=state_dir,
         groups=groups,
         models=models,
+        identities=identities,
         given=given,
     )
     if _own_servers(campaign):
@@ -106,7 +108,9 @@ def check_campaign(
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
     folder_models = models if fleet else None
-    checks.append(_run("output folder", lambda: _out_dir(swept, out_dir, shard, folder_models)))
+    checks.append(
+        _run("output folder", lambda: _out_dir(swept, out_dir, shard, folder_models, identities))
+    )
     checks.append(_run("disk", lambda: _disk(out_dir)))
     return checks
 
@@ -154,25 +158,27 @@ def _gpu_checks(
     state_dir: Path | None,
     groups: Sequence[Group],
     models: list[str],
+    identities: list[dict[str, Any]],
     given: bool = False,
 ) -> list[Check]:
     """The GPUs' checks (`given`: `groups` are --gpus's); `models` gets each group's GPU
-    model, as a fleet's workers report it (nothing where the GPUs cannot be opened)."""
+    model, as a fleet's workers report it, and `identities` each GPU's identity as its
+    session records it (nothing where the GPUs cannot be opened)."""
     from dvfs.fleet.devices import group_label
 
     if not real_gpus(campaign):
         from dvfs.fleet.devices import for_group
         from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.sweep import gpu_identities
         from dvfs.twin.profiles import gpu_profile
 
         try:  # each group's model, as its twin GPUs name it (a fleet's journal folders)
-            names = [
-                twin_gpu_name(gpu_profile(for_group(campaign, g).gpu.profile or "").nvml_name)
-                for g in groups
-            ]
+            profiles = [for_group(campaign, g).gpu.profile or "" for g in groups]
+            names = [twin_gpu_name(gpu_profile(p).nvml_name) for p in profiles]
         except DvfsError as exc:
             return [Check("gpu", FAIL, str(exc), invalid=exc.exit_code == 2)]
         models.extend(names)
+        identities.extend(gpu_identities(campaign, profiles))
         if len(groups) > 1:
             workers = zip(groups, names, strict=True)
             shown = f"{len(groups)} workers: " + ", ".join(
@@ -190,6 +196,7 @@ def _gpu_checks(
     try:
         with open_campaign_gpus(campaign, MonotonicClock(), nvml=nvml) as gpus:
             first = gpus[0].identity
+            identities.extend(asdict(g.identity) for g in gpus)
             # Each model, with its count where a fleet mixes them (not the first GPU's alone).
             counts: dict[str, int] = {}
             for g in gpus:
@@ -538,23 +545,26 @@ def _out_dir(
     out_dir: Path,
     shard: Shard | None,
     models: Sequence[str] | None,
+    identities: Sequence[dict[str, Any]] = (),
 ) -> tuple[str, str]:
     """The folder as the sweep uses it: `check_out_dir`; for a fleet (`models`: its workers'
-    GPU models, as far as they were read), each model's journal as the fleet picks them."""
+    GPU models, as far as they were read), each model's journal as the fleet picks them, its
+    sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
     check_out_dir(campaign, out_dir, shard)
     if models:
-        from dvfs.fleet.folders import journals_done, model_journals
+        from dvfs.fleet.folders import check_same_gpus, journals_done, model_journals
         from dvfs.fleet.shard import planned_cells
 
         # As the fleet picks its journals: none when they hold every cell already on these
         # models, else each model's (a folder holding one model's run is refused for a fleet
-        # mixing models, finished or not).
+        # mixing models, finished or not), refused where another model's GPUs measured it.
         cells = planned_cells(campaign, shard)
         if journals_done(out_dir, campaign, cells, set(models)) is None:
             model_journals(out_dir, set(models))
+            check_same_gpus(out_dir, identities)
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 

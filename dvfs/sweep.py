@@ -741,6 +741,32 @@ def model_names(campaign: Campaign, models: Sequence[str | None]) -> list[str] |
     return sorted({str(m) for m in models})
 
 
+def gpu_identities(campaign: Campaign, models: Sequence[str | None]) -> list[dict[str, Any]]:
+    """The identities (`GpuIdentity`, as sessions record them) of GPUs of `models`
+    (`workers_per_model`'s), as far as known before they are opened: a twin GPU's whole, from
+    its profile; a real one's name as NVML gave it; none where one is not known."""
+    if not models or not all(models):
+        return []
+    if campaign.gpu.backend == "twin":
+        from dvfs.gpu.twin import twin_gpu_name
+        from dvfs.twin.identity import twin_driver_version
+        from dvfs.twin.profiles import gpu_profile
+
+        # What `dvfs.gpu.twin.TwinGpu` says it is (built there too: that file is the twin's,
+        # its digest part of every twin GPU's driver version).
+        return [
+            {
+                "name": twin_gpu_name(p.nvml_name),
+                "driver_version": twin_driver_version(),
+                "backend": "twin",
+                "memory_clock_mhz": p.memory_clock_mhz,
+                "max_sm_clock_mhz": p.max_sm_clock_mhz,
+            }
+            for p in (gpu_profile(str(m)) for m in models)
+        ]
+    return [{"name": str(m)} for m in models]
+
+
 def fleet_models(
     campaign: Campaign, groups: Sequence[tuple[int | str, ...]], *, nvml: ModuleType | None = None
 ) -> list[str] | None:
@@ -990,6 +1016,7 @@ def resumed_journals(
     cells: Sequence[Cell],
     *,
     fresh: bool = False,
+    fleet: bool = False,
 ) -> list[Path]:
     """The journal each GPU model of a sweep of `cells` into `out_dir` resumes, as the fleet
     picks them: all the folder's journals when they hold every cell (nothing to run, as
@@ -997,9 +1024,10 @@ def resumed_journals(
     `workers_per_model` names them, twin GPUs by their profile, real ones by the name NVML
     gives (`read_group_models`). Where a real GPU's model was not read, a folder a fleet mixing
     models began resumes, as far as this can tell, into each of its `gpu-*/` journals (on the
-    GPUs that began it). `fresh`: as
+    GPUs that began it). A `fleet`'s: a folder of a run on other GPUs (another model, finished
+    or not) is refused in the fleet's line (`check_same_gpus`). `fresh`: as
     --fresh leaves the folder."""
-    from dvfs.fleet.folders import journals_done, model_journals
+    from dvfs.fleet.folders import check_same_gpus, journals_done, model_journals
 
     # Twin GPUs by their profile's name, real ones' as the dry run read them over NVML.
     names = model_names(campaign, models)
@@ -1008,7 +1036,10 @@ def resumed_journals(
     if done is not None:
         return list(done)
     if names is not None:
-        return model_journals(out_dir, names, fresh=fresh)
+        journals = model_journals(out_dir, names, fresh=fresh)
+        if fleet and not fresh:
+            check_same_gpus(out_dir, gpu_identities(campaign, models))
+        return journals
     begun = sorted(out_dir.glob("gpu-*/" + JOURNAL_NAME))
     return begun if begun and not fresh else [out_dir / JOURNAL_NAME]
 
@@ -1023,9 +1054,10 @@ def plan_dry_run(
     progress: Progress | None = None,
     models: Sequence[str | None] | None = None,
     fresh: bool = False,
+    fleet: bool = False,
 ) -> DryRunPlan:
-    """What `run_sweep` (or a fleet whose workers' GPU models are `models`, default the
-    campaign's devices) would do into `out_dir`: cells, those each model's journal already
+    """What `run_sweep` (or, `fleet`, a fleet whose workers' GPU models are `models`, default
+    the campaign's devices) would do into `out_dir`: cells, those each model's journal already
     holds, server starts, knob changes, each drafter's server, the corpus problems that would
     stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's) on
     the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
@@ -1054,7 +1086,11 @@ def plan_dry_run(
     refused = [str(exc) for exc in refusals]
     if models is None:
         models = list(workers_per_model(campaign, worker_groups(campaign)))
-    journals = [] if refused else resumed_journals(campaign, out_dir, models, cells, fresh=fresh)
+    journals = (
+        []
+        if refused
+        else resumed_journals(campaign, out_dir, models, cells, fresh=fresh, fleet=fleet)
+    )
     finished = {j: set() if fresh else finished_cells(campaign, j) for j in journals}
     # With max_repeats above repeats: the extra repeats each journal holds (done, as the
     # sweep's closing line counts them) and the next ones its cells ask for now (the rule the

@@ -1975,6 +1975,28 @@ def test_a_write_cut_short_keeps_the_old_file(
     assert sorted(p.name for p in out.parent.iterdir()) == ["old.file"]
 
 
+#: Every option naming the one file a command writes: OVERWRITES' and the merged cube's.
+OUTPUT_FILES = {**OVERWRITES, "cube-merge-o": ["cube", "merge", "{cube}", "{cube}", "-o", "{out}"]}
+
+
+@pytest.mark.parametrize("name", list(OUTPUT_FILES))
+def test_an_output_file_ending_in_a_slash_is_refused(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o new/folder/` means a folder, yet pathlib drops the slash: the command wrote a file
+    named `new/folder`. It is click's usage error (exit 2) naming the option, before any work,
+    and it shows a file path to give instead."""
+    out = tmp_path / "new" / "folder"
+    places = {**{k: str(v) for k, v in shared.items()}, "out": f"{out}/"}
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in OUTPUT_FILES[name]])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: Invalid value for '-o' / '--out"), error
+    assert f"give a file's path, e.g. '{out}/" in error, error
+    assert list(tmp_path.iterdir()) == []
+
+
 # twin fit (seconds of fitting) is left out: `test_a_write_cut_short_keeps_the_old_file` shows
 # it writes through `dvfs.outputs` as the others do, whose handling of a pipe is tested here.
 @pytest.mark.parametrize("name", [n for n in OVERWRITES if n != "twin-fit-o"])

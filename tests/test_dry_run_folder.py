@@ -251,6 +251,45 @@ def test_the_dry_run_with_one_gpu_group_plans_the_campaign_the_sweep_runs_on_it(
     assert read_records(new / "journal.jsonl")[0]["campaign_hash"] == report["hash"]
 
 
+def test_a_fleet_on_another_gpu_model_is_refused_by_its_dry_run_and_doctor_as_the_sweep(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A folder of the campaign swept on twin H100s, finished or begun only, resumed by a fleet
+    of twin H200s: the sweep refuses it (its cells would not compare with the H200s'), exit 1.
+    Its dry run said "16 already done" (begun: the H100s' cells done, the rest to run) and
+    `dvfs doctor` passed the folder, exit 0; both refuse it now in the sweep's line, exit 1,
+    writing nothing. A fleet of the folder's own model still finds its cells done."""
+    from test_journal import assert_one_line_error
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    out = copy_sweep(tiny_exact_run("one"), tmp_path / "one")
+    other = ("--gpus", "h200-sxm:0-1", "--out", str(out))
+    for state in ("finished", "begun"):
+        if state == "begun":
+            _interrupted(out / "journal.jsonl", 5)
+            (out / "cube.nc").unlink()
+        before = folder_files(out)
+        line = assert_one_line_error(
+            invoke("sweep", str(campaign), *other, "--no-progress"),
+            1,
+            "measured on other GPUs than this run's",
+            "GPU model: NVIDIA H100 80GB HBM3 (twin) -> NVIDIA H200 (twin)",
+        )
+        dry = ("sweep", str(campaign), *other, "--dry-run", "--no-estimate")
+        assert assert_one_line_error(invoke(*dry), 1) == line, state
+        assert assert_one_line_error(invoke(*dry, "--json"), 1) == line, state
+        doctor = invoke("doctor", str(campaign), *other, "--json")
+        checks = {c["name"]: c for c in json.loads(doctor.output)}
+        assert doctor.exit_code == 1, doctor.output
+        refused = checks["output folder"]
+        assert refused["status"] == "fail" and line.endswith(refused["detail"]), (line, refused)
+        assert folder_files(out) == before, state
+        own, _ = _dry(campaign, out, "--gpus", "0-1")
+        assert own["already_done"] == (16 if state == "finished" else 5), (state, own)
+        own_doctor = invoke("doctor", str(campaign), "--gpus", "0-1", "--out", str(out), "--json")
+        assert own_doctor.exit_code == 0, own_doctor.output
+
+
 def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
     tiny_exact_run, tmp_path: Path
 ) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -252,7 +252,7 @@ def headroom_target(
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("headroom.json"),
     help="Also write the JSON document here (input for `dvfs cap plan`).",
 )
 @click.pass_context

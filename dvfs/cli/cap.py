@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
 
 if TYPE_CHECKING:
     from dvfs.caps import CapAction
@@ -85,7 +85,7 @@ def _once(ctx: click.Context, param: click.Parameter, values: tuple[Any, ...]) -
     "-o",
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("caps.toml"),
     help="Write the caps file here [default: print it].",
 )
 @handle_errors

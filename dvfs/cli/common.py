@@ -389,6 +389,27 @@ def echo_json(data: Any) -> None:
     click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
 
 
+class OutputFile(click.Path):
+    """An option naming the file a command writes. A path ending in '/' is refused (click's
+    usage error) before any work: pathlib drops the slash, so the folder the user meant would
+    silently become the file's name. `example` is the file name the error suggests in it."""
+
+    def __init__(self, example: str) -> None:
+        super().__init__(dir_okay=False, path_type=Path)
+        self.example = example
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
+        if text.endswith(("/", os.sep)):
+            self.fail(
+                f"{text!r} ends in '/', a folder: give a file's path, e.g. "
+                f"{text.rstrip('/' + os.sep) + '/' + self.example!r}",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
 def campaign_argument(func: F) -> F:
     return click.argument("campaign_file", type=click.Path(dir_okay=False, path_type=Path))(func)
 

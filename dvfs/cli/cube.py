@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
 
 
 @click.group()
@@ -22,7 +22,7 @@ def cube() -> None:
     "-o",
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("cube.nc"),
     help="Where to write the cube [default: SWEEP_DIR/cube.nc].",
 )
 @handle_errors
@@ -171,7 +171,7 @@ def _recorded(value: Any) -> str:
     "-o",
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("cube.nc"),
     required=True,
     help="Where to write the merged cube.",
 )

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
 
 
 @contextlib.contextmanager
@@ -254,7 +254,7 @@ CPU_SCALE = 8
     "-o",
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("roofline.nc"),
     help="Write the netCDF roofline file (input of `dvfs twin fit`, `dvfs compare --roofline`).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.roofline/1).")

@@ -15,7 +15,7 @@ from dvfs.cli.analysis import (
     headroom_target,
     headroom_target_options,
 )
-from dvfs.cli.common import handle_errors
+from dvfs.cli.common import OutputFile, handle_errors
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
@@ -69,7 +69,7 @@ def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("report.html"),
     required=True,
     help="The report file (report.html, or report.md with its figures in report_figures/).",
 )

@@ -319,6 +319,7 @@ def sweep(
                 progress=bar if show else None,
                 models=list(per_model),
                 fresh=fresh,
+                fleet=as_fleet,
             )
         report = plan.as_dict()
         if len(groups) > 1:

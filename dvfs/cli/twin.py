@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dvfs.cli.common import console, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, escape, handle_errors
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -35,7 +35,7 @@ def twin() -> None:
     "-o",
     "--out",
     "out_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputFile("profile.toml"),
     required=True,
     help="Profile TOML to write.",
 )

@@ -32,7 +32,7 @@ from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, JournalError
 from dvfs.fleet.cubes import write_cubes
 from dvfs.fleet.devices import Group, group_label, one_model
-from dvfs.fleet.folders import extra_repeats, journals_done, model_journals
+from dvfs.fleet.folders import extra_repeats, journals_done, model_journals, other_gpus
 from dvfs.fleet.queue import CellQueue
 from dvfs.fleet.shard import Shard, planned_cells
 from dvfs.fleet.shard_journal import check_shard, folder_journals, has_sessions
@@ -240,7 +240,6 @@ class Driver:
             only_env_changed,
             recorded_stock,
         )
-        from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
         combined = combine_sessions(sessions)
         combined["journal_sync"] = self.journal.sync_policy.describe()  # the driver's, not theirs
@@ -254,16 +253,7 @@ class Driver:
                     f"compare with this run's; {SERVER_ENV_ADVICE}"
                 )
             if changes:
-                advice = (
-                    TWIN_CHANGED
-                    if twin_changed(changes)
-                    else "run these GPUs into another --out folder (`dvfs cube merge` joins "
-                    "the cubes along `gpu`), or start over with --fresh"
-                )
-                raise JournalError(
-                    f"{self.journal.path} was measured on other GPUs than this run's, which "
-                    f"differ in what makes cells compare ({'; '.join(changes)}): {advice}"
-                )
+                raise JournalError(other_gpus(self.journal.path, changes))
         for earlier in self.journal.sessions:
             if recorded_stock(earlier) != recorded_stock(combined):
                 raise JournalError(

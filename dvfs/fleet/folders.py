@@ -5,8 +5,9 @@ already hold every cell. Shared by the fleet's driver and the sweep's dry run, b
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
@@ -39,6 +40,42 @@ def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False)
             f"{', '.join(names)}: use another --out folder for a fleet that mixes models"
         )
     return [out_dir / model_folder(name) / JOURNAL_NAME for name in names]
+
+
+def other_gpus(journal: Path, changes: Sequence[str]) -> str:
+    """The line refusing to resume `journal` on GPUs that differ from its sessions' in what
+    makes cells compare (`changes`, `dvfs.records.incomparable`'s)."""
+    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
+
+    advice = (
+        TWIN_CHANGED
+        if twin_changed(changes)
+        else "run these GPUs into another --out folder (`dvfs cube merge` joins the cubes "
+        "along `gpu`), or start over with --fresh"
+    )
+    return (
+        f"{journal} was measured on other GPUs than this run's, which differ in what makes "
+        f"cells compare ({'; '.join(changes)}): {advice}"
+    )
+
+
+def check_same_gpus(out_dir: Path, gpus: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, as the fleet's driver refuses when its workers open their session, the folder's
+    own journal (one GPU model's run) where its sessions' GPUs differ from `gpus` (this run's
+    GPUs' identities, as sessions record them; a key one lacks is not compared) in what makes
+    cells compare: what a dry run and `dvfs doctor` check before any GPU is set, so that they
+    say the sweep's line and do not count the other GPUs' cells as done. A folder whose models
+    each have their `gpu-*/` journal is left to `model_journals`."""
+    from dvfs.measure.journal import JOURNAL_NAME, iter_records
+    from dvfs.records import incomparable
+
+    journal = out_dir / JOURNAL_NAME
+    if not gpus or any(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or not journal.is_file():
+        return
+    now = {"gpus": [dict(g) for g in gpus]}
+    for record in iter_records(journal):
+        if record.get("type") == "session" and (changes := incomparable(record, now)):
+            raise JournalError(other_gpus(journal, changes))
 
 
 def fleet_journal(out_dir: Path) -> bool:
