@@ -672,6 +672,61 @@ def test_a_resume_whose_server_loads_another_commit_of_the_model_is_refused(
     assert f"model commit: {before} -> {after}" in last_line(built)
 
 
+def _snapshot(repo: Path, commit: str, files: dict[str, str]) -> None:
+    """A Hub cache snapshot of `commit` as huggingface_hub lays it out: each file a link to
+    its blob, named by the file's content id (`files`: name to blob id)."""
+    for name, blob in files.items():
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo / "blobs" / blob).write_text(blob)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+
+
+def test_a_resume_whose_model_commit_changed_only_what_no_server_loads_resumes(
+    tmp_path: Path,
+) -> None:
+    """A commit upstream that edits the model card alone (README.md) moves the cache's main to
+    another commit whose weights, config, tokenizer and generation config are the blobs the
+    earlier commit's were: the servers load the same files, so the resume is not refused (it
+    was, 'model commit: A -> B', for every unpinned model whose card changed since), and the
+    cube builds; a commit that changes a file both servers loaded still is (below)."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    home = tmp_path / "hf"
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    repo = home / "hub" / f"models--org--{marker}"
+    served = {"config.json": "c0" * 20, "model.safetensors": "5a" * 32}
+    before, after, changed = "a1" * 20, "b2" * 20, "c3" * 20
+    _snapshot(repo, before, {**served, "README.md": "d1" * 20})
+    _snapshot(repo, after, served)  # what a server fetches: README.md is not among it
+    _snapshot(repo, changed, {**served, "config.json": "e4" * 20})
+    ref = repo / "refs" / "main"
+    ref.parent.mkdir()
+    ref.write_text(before)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    ref.write_text(after)
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [before, after]
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+    keep_first_drafter(journal)
+    ref.write_text(changed)
+    refused = sweep(path, out)
+    assert refused.exit_code == 5, refused.output
+    [failed] = [
+        r
+        for r in read_records(journal)
+        if r["type"] == "cell" and r["cell"]["drafter"] == other and r.get("error")
+    ]
+    assert f"model commit: {before} -> {changed} (config.json)" in failed["error"]
+
+
 def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> None:
     from dvfs.engines.sglang import model_commit
 

@@ -149,35 +149,64 @@ def same_model(reported: object, wanted: str) -> bool:
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")
 
 
-def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
-    """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
-    branch main) and environment `env` loads from the Hub cache: `revision` itself where it is
-    a commit, else what the cache's `refs/REVISION` names (HF_HUB_CACHE, else HF_HOME/hub,
-    else XDG_CACHE_HOME or ~/.cache, then huggingface/hub); "" where it cannot tell (a local
-    folder or file, ModelScope, a repo not in that cache). Read once the server answers, so
-    after it fetched the model: a resume weeks later whose cache moved to another commit of
-    an unpinned model serves other weights, generation config or template."""
+def _hub_repo(model_path: object, env: Mapping[str, str]) -> Path | None:
+    """The Hub cache folder of model `model_path` for a server with environment `env`
+    (HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub);
+    None for a local folder or file, or a name that is no Hub repo id."""
     model = str(model_path or "")
-    rev = str(revision or "main")
-    if _COMMIT_RE.match(rev):
-        return rev
     parts = model.strip("/").split("/")
     if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
-        return ""
+        return None
     if os.path.exists(model):
-        return ""
+        return None
     if env.get("HF_HUB_CACHE"):
         cache = Path(env["HF_HUB_CACHE"])
     elif env.get("HF_HOME"):
         cache = Path(env["HF_HOME"]) / "hub"
     else:
         cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
-    ref = cache / f"models--{parts[0]}--{parts[1]}" / "refs" / rev
+    return cache / f"models--{parts[0]}--{parts[1]}"
+
+
+def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
+    """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
+    branch main) and environment `env` loads from the Hub cache: `revision` itself where it is
+    a commit, else what the cache's `refs/REVISION` names (`_hub_repo`); "" where it cannot
+    tell (a local folder or file, ModelScope, a repo not in that cache). Read once the server
+    answers, so after it fetched the model: a resume weeks later whose cache moved to another
+    commit of an unpinned model serves other weights, generation config or template."""
+    rev = str(revision or "main")
+    if _COMMIT_RE.match(rev):
+        return rev
+    repo = _hub_repo(model_path, env)
+    if repo is None:
+        return ""
     try:
-        text = ref.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+        text = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError, ValueError):
         return ""
     return text if _COMMIT_RE.match(text) else ""
+
+
+def model_files(model_path: object, commit: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What the Hub cache holds of `commit` of model `model_path` (`_hub_repo`): each file of
+    its snapshot, by its path in the repo, with the blob it links to (named by the file's
+    content: its git or LFS hash), so that two commits whose files a server loaded are the
+    same blobs (a commit that edited the model card alone) are told from two whose weights,
+    config, tokenizer or template differ; empty where dvfs cannot tell (no such snapshot, a
+    cache without links)."""
+    repo = _hub_repo(model_path, env)
+    if repo is None or not commit:
+        return {}
+    snapshot = repo / "snapshots" / commit
+    files: dict[str, str] = {}
+    try:
+        for path in sorted(snapshot.rglob("*")):
+            if path.is_symlink():
+                files[path.relative_to(snapshot).as_posix()] = Path(os.readlink(path)).name
+    except (OSError, ValueError):
+        return {}
+    return files
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -505,6 +534,8 @@ class SglangEngine:
             raise
         self._version = server_version(info)
         self._log_interval = log_interval(info)
+        env = server_env(self.campaign)
+        commit = model_commit(info.get("model_path"), info.get("revision"), env)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -516,9 +547,8 @@ class SglangEngine:
             own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
-            model_commit=model_commit(
-                info.get("model_path"), info.get("revision"), server_env(self.campaign)
-            ),
+            model_commit=commit,
+            model_files=model_files(info.get("model_path"), commit, env),
         )
 
     def _answered_by_another(
