@@ -744,6 +744,33 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", env) == ""
 
 
+def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
+    """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
+    the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.
+    dvfs read HF_HOME's cache (or ~/.cache's) under HUGGINGFACE_HUB_CACHE, recording a stale
+    copy's commit for the one served, and no cache at all for HF_HOME = "~/hf" (a campaign's
+    env is no shell: the value reaches the server as written, and huggingface_hub expands it)."""
+    from dvfs.engines.sglang import model_commit
+
+    served, stale, xdg = "c3" * 20, "d4" * 20, "e5" * 20
+    for cache, commit in (
+        (tmp_path / "served", served),
+        (tmp_path / "home" / "hub", stale),
+        (tmp_path / "x" / "huggingface" / "hub", xdg),
+    ):
+        ref = cache / "models--org--m" / "refs" / "main"
+        ref.parent.mkdir(parents=True)
+        ref.write_text(commit)
+    legacy = {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "served"), "HF_HOME": str(tmp_path / "home")}
+    assert model_commit("org/m", None, legacy) == served
+    newer = {**legacy, "HF_HUB_CACHE": str(tmp_path / "home" / "hub")}
+    assert model_commit("org/m", None, newer) == stale
+    home = {"HOME": str(tmp_path), "ROOT": str(tmp_path)}
+    assert model_commit("org/m", None, {**home, "HF_HOME": "~/home"}) == stale
+    assert model_commit("org/m", None, {**home, "HF_HUB_CACHE": "$ROOT/served"}) == served
+    assert model_commit("org/m", None, {**home, "XDG_CACHE_HOME": "${ROOT}/x"}) == xdg
+
+
 def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(tmp_path: Path) -> None:
     """CUBLAS_WORKSPACE_CONFIG bounds which GEMM algorithms cuBLAS may pick: a resume whose
     servers get another is refused naming it. A journal an earlier dvfs began, whose session

@@ -150,22 +150,39 @@ _COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")
 
 
 def _hub_repo(model_path: object, env: Mapping[str, str]) -> Path | None:
-    """The Hub cache folder of model `model_path` for a server with environment `env`
-    (HF_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub);
-    None for a local folder or file, or a name that is no Hub repo id."""
+    """The Hub cache folder of model `model_path` for a server with environment `env`, found as
+    huggingface_hub's constants find it (HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE,
+    else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub; '~' and $VARS
+    expanded in `env`); None for a local folder or file, or a name that is no Hub repo id."""
     model = str(model_path or "")
     parts = model.strip("/").split("/")
     if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
         return None
     if os.path.exists(model):
         return None
-    if env.get("HF_HUB_CACHE"):
-        cache = Path(env["HF_HUB_CACHE"])
-    elif env.get("HF_HOME"):
-        cache = Path(env["HF_HOME"]) / "hub"
-    else:
-        cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
-    return cache / f"models--{parts[0]}--{parts[1]}"
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+        )
+        cache = os.path.join(_expanded(home, env), "hub")
+    return Path(_expanded(cache, env)) / f"models--{parts[0]}--{parts[1]}"
+
+
+_ENV_VAR_RE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+
+
+def _expanded(path: str, env: Mapping[str, str]) -> str:
+    """`path` as huggingface_hub reads a cache variable in the server's environment `env`: a
+    leading '~' is its HOME, and each $NAME or ${NAME} set there its value (others kept)."""
+    if path == "~" or path.startswith("~/"):
+        path = (env.get("HOME") or str(Path.home())) + path[1:]
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return env.get(name, match.group(0))
+
+    return _ENV_VAR_RE.sub(value, path)
 
 
 def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
