@@ -690,7 +690,8 @@ def test_a_resume_whose_model_commit_changed_only_what_no_server_loads_resumes(
     another commit whose weights, config, tokenizer and generation config are the blobs the
     earlier commit's were: the servers load the same files, so the resume is not refused (it
     was, 'model commit: A -> B', for every unpinned model whose card changed since), and the
-    cube builds; a commit that changes a file both servers loaded still is (below)."""
+    cube builds; the card itself, a licence or an image no server reads, even where both
+    snapshots hold it. A commit that changes a file both servers loaded still is (below)."""
     path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
     home = tmp_path / "hf"
     text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
@@ -699,8 +700,9 @@ def test_a_resume_whose_model_commit_changed_only_what_no_server_loads_resumes(
     repo = home / "hub" / f"models--org--{marker}"
     served = {"config.json": "c0" * 20, "model.safetensors": "5a" * 32}
     before, after, changed = "a1" * 20, "b2" * 20, "c3" * 20
-    _snapshot(repo, before, {**served, "README.md": "d1" * 20})
-    _snapshot(repo, after, served)  # what a server fetches: README.md is not among it
+    _snapshot(repo, before, {**served, "README.md": "d1" * 20, "LICENSE": "f0" * 20})
+    # a server fetches no model card, but a whole repo's download (huggingface-cli) does
+    _snapshot(repo, after, {**served, "README.md": "d2" * 20, "figures/a.png": "a0" * 20})
     _snapshot(repo, changed, {**served, "config.json": "e4" * 20})
     ref = repo / "refs" / "main"
     ref.parent.mkdir()

@@ -362,16 +362,28 @@ def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
 
 
 def _files_changed(before: Any, now: Any) -> list[str] | None:
-    """The files two servers' Hub snapshots both hold whose blobs differ (`Server.model_files`):
-    empty where every such file is the same blob (another commit that changed none of what
-    both servers loaded: a model card edited upstream); None where either record holds none
-    or they share no file, so the commits themselves are compared."""
+    """The files two servers' Hub snapshots both hold whose blobs differ (`Server.model_files`),
+    but for those no server loads (`_unserved`): empty where every such file is the same blob
+    (another commit that changed none of what both servers loaded: a model card edited
+    upstream); None where either record holds none or they share no such file, so the
+    commits themselves are compared."""
     if not isinstance(before, Mapping) or not isinstance(now, Mapping):
         return None
-    both = sorted(before.keys() & now.keys())
+    both = sorted(name for name in before.keys() & now.keys() if not _unserved(str(name)))
     if not both:
         return None
     return [name for name in both if before[name] != now[name]]
+
+
+#: What a model repo holds that no server loads (the card, licence, figures): a whole repo's
+#: download (`huggingface-cli download`) has them in its snapshot, a server's fetch does not.
+_UNSERVED_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".pdf")
+_UNSERVED_NAMES = (".gitattributes", "license", "notice")
+
+
+def _unserved(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1].lower()
+    return base.endswith(_UNSERVED_SUFFIXES) or base.startswith(_UNSERVED_NAMES)
 
 
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
