@@ -746,6 +746,34 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", env) == ""
 
 
+def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_path: Path) -> None:
+    """SGLang's --download-dir is the Hub cache its weights load from (0.5.9 and 0.5.23
+    model_loader/weight_utils.py `download_weights_from_hf`, cache_dir: its refs looked up
+    first): the commit is read there, not from HF_HOME's cache, which may hold an older copy
+    (dvfs recorded that copy's commit for the weights served)."""
+    dl, home = tmp_path / "weights", tmp_path / "hf"
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=TWO_DRAFTERS,
+        **ONE_SETTING,
+        sglang_extra=f"extra_args = {json.dumps(['--download-dir', str(dl)])}",
+    )
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    served, stale = "c3" * 20, "d4" * 20
+    for cache, commit in ((dl, served), (home / "hub", stale)):
+        repo = cache / f"models--org--{marker}"
+        _snapshot(repo, commit, {"model.safetensors": commit})
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    servers = [r for r in read_records(out / "journal.jsonl") if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [served, served]
+    assert [s["model_files"] for s in servers] == [{"model.safetensors": served}] * 2
+
+
 def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
     """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
     the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.

@@ -185,45 +185,67 @@ def _expanded(path: str, env: Mapping[str, str]) -> str:
     return _ENV_VAR_RE.sub(value, path)
 
 
-def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
+def _hub_repos(model_path: object, env: Mapping[str, str], download_dir: object) -> list[Path]:
+    """Where a server's weights of model `model_path` may come from, in the order SGLang looks:
+    its --download-dir `download_dir` (the cache_dir its weights are fetched to, 0.5.9 and
+    0.5.23 model_loader/weight_utils.py `download_weights_from_hf`), then the Hub cache
+    (`_hub_repo`)."""
+    repo = _hub_repo(model_path, env)
+    if repo is None:
+        return []
+    given = [Path(str(download_dir)) / repo.name] if download_dir else []  # as given: no shell
+    return [*given, repo]
+
+
+def model_commit(
+    model_path: object, revision: object, env: Mapping[str, str], download_dir: object = None
+) -> str:
     """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
-    branch main) and environment `env` loads from the Hub cache: `revision` itself where it is
-    a commit, else what the cache's `refs/REVISION` names (`_hub_repo`); "" where it cannot
-    tell (a local folder or file, ModelScope, a repo not in that cache). Read once the server
-    answers, so after it fetched the model: a resume weeks later whose cache moved to another
-    commit of an unpinned model serves other weights, generation config or template."""
+    branch main), environment `env` and --download-dir `download_dir` loads: `revision`
+    itself where it is a commit, else what `refs/REVISION` names in its --download-dir (where
+    that commit's snapshot is there, as SGLang looks first) or in the Hub cache
+    (`_hub_repos`); "" where it cannot tell (a local folder or file, ModelScope, a repo in
+    neither). Read once the server answers, so after it fetched the model: a resume weeks
+    later whose cache moved to another commit of an unpinned model serves other weights,
+    generation config or template."""
     rev = str(revision or "main")
     if _COMMIT_RE.match(rev):
         return rev
-    repo = _hub_repo(model_path, env)
-    if repo is None:
-        return ""
-    try:
-        text = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError, ValueError):
-        return ""
-    return text if _COMMIT_RE.match(text) else ""
+    repos = _hub_repos(model_path, env, download_dir)
+    for repo in repos:
+        try:
+            text = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if _COMMIT_RE.match(text) and (repo == repos[-1] or (repo / "snapshots" / text).is_dir()):
+            return text
+    return ""
 
 
-def model_files(model_path: object, commit: str, env: Mapping[str, str]) -> dict[str, str]:
-    """What the Hub cache holds of `commit` of model `model_path` (`_hub_repo`): each file of
-    its snapshot, by its path in the repo, with the blob it links to (named by the file's
-    content: its git or LFS hash), so that two commits whose files a server loaded are the
-    same blobs (a commit that edited the model card alone) are told from two whose weights,
-    config, tokenizer or template differ; empty where dvfs cannot tell (no such snapshot, a
-    cache without links)."""
-    repo = _hub_repo(model_path, env)
-    if repo is None or not commit:
+def model_files(
+    model_path: object, commit: str, env: Mapping[str, str], download_dir: object = None
+) -> dict[str, str]:
+    """What the cache a server loaded `commit` of model `model_path` from holds of it (the
+    first of `_hub_repos` with its snapshot): each file of the snapshot, by its path in the
+    repo, with the blob it links to (named by the file's content: its git or LFS hash), so
+    that two commits whose files a server loaded are the same blobs (a commit that edited the
+    model card alone) are told from two whose weights, config, tokenizer or template differ;
+    empty where dvfs cannot tell (no such snapshot, a cache without links)."""
+    if not commit:
         return {}
-    snapshot = repo / "snapshots" / commit
-    files: dict[str, str] = {}
-    try:
-        for path in sorted(snapshot.rglob("*")):
-            if path.is_symlink():
-                files[path.relative_to(snapshot).as_posix()] = Path(os.readlink(path)).name
-    except (OSError, ValueError):
-        return {}
-    return files
+    for repo in _hub_repos(model_path, env, download_dir):
+        snapshot = repo / "snapshots" / commit
+        if not snapshot.is_dir():
+            continue
+        files: dict[str, str] = {}
+        try:
+            for path in sorted(snapshot.rglob("*")):
+                if path.is_symlink():
+                    files[path.relative_to(snapshot).as_posix()] = Path(os.readlink(path)).name
+        except (OSError, ValueError):
+            return {}
+        return files
+    return {}
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -551,8 +573,12 @@ class SglangEngine:
             raise
         self._version = server_version(info)
         self._log_interval = log_interval(info)
-        env = server_env(self.campaign)
-        commit = model_commit(info.get("model_path"), info.get("revision"), env)
+        env, model, weights = (
+            server_env(self.campaign),
+            info.get("model_path"),
+            info.get("download_dir"),
+        )
+        commit = model_commit(model, info.get("revision"), env, weights)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -565,7 +591,7 @@ class SglangEngine:
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
             model_commit=commit,
-            model_files=model_files(info.get("model_path"), commit, env),
+            model_files=model_files(model, commit, env, weights),
         )
 
     def _answered_by_another(
