@@ -672,6 +672,63 @@ def test_a_resume_whose_server_loads_another_commit_of_the_model_is_refused(
     assert f"model commit: {before} -> {after}" in last_line(built)
 
 
+def _snapshot(repo: Path, commit: str, files: dict[str, str]) -> None:
+    """A Hub cache snapshot of `commit` as huggingface_hub lays it out: each file a link to
+    its blob, named by the file's content id (`files`: name to blob id)."""
+    for name, blob in files.items():
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo / "blobs" / blob).write_text(blob)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+
+
+def test_a_resume_whose_model_commit_changed_only_what_no_server_loads_resumes(
+    tmp_path: Path,
+) -> None:
+    """A commit upstream that edits the model card alone (README.md) moves the cache's main to
+    another commit whose weights, config, tokenizer and generation config are the blobs the
+    earlier commit's were: the servers load the same files, so the resume is not refused (it
+    was, 'model commit: A -> B', for every unpinned model whose card changed since), and the
+    cube builds; the card itself, a licence or an image no server reads, even where both
+    snapshots hold it. A commit that changes a file both servers loaded still is (below)."""
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+    home = tmp_path / "hf"
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    repo = home / "hub" / f"models--org--{marker}"
+    served = {"config.json": "c0" * 20, "model.safetensors": "5a" * 32}
+    before, after, changed = "a1" * 20, "b2" * 20, "c3" * 20
+    _snapshot(repo, before, {**served, "README.md": "d1" * 20, "LICENSE": "f0" * 20})
+    # a server fetches no model card, but a whole repo's download (huggingface-cli) does
+    _snapshot(repo, after, {**served, "README.md": "d2" * 20, "figures/a.png": "a0" * 20})
+    _snapshot(repo, changed, {**served, "config.json": "e4" * 20})
+    ref = repo / "refs" / "main"
+    ref.parent.mkdir()
+    ref.write_text(before)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    ref.write_text(after)
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    servers = [r for r in read_records(journal) if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [before, after]
+    assert CliRunner().invoke(cli, ["cube", "build", str(out)]).exit_code == 0
+    keep_first_drafter(journal)
+    ref.write_text(changed)
+    refused = sweep(path, out)
+    assert refused.exit_code == 5, refused.output
+    [failed] = [
+        r
+        for r in read_records(journal)
+        if r["type"] == "cell" and r["cell"]["drafter"] == other and r.get("error")
+    ]
+    assert f"model commit: {before} -> {changed} (config.json)" in failed["error"]
+
+
 def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> None:
     from dvfs.engines.sglang import model_commit
 
@@ -687,6 +744,61 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", {"HF_HOME": str(tmp_path / "elsewhere")}) == ""
     ref.write_text("not a commit")
     assert model_commit("org/m", "v2", env) == ""
+
+
+def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_path: Path) -> None:
+    """SGLang's --download-dir is the Hub cache its weights load from (0.5.9 and 0.5.23
+    model_loader/weight_utils.py `download_weights_from_hf`, cache_dir: its refs looked up
+    first): the commit is read there, not from HF_HOME's cache, which may hold an older copy
+    (dvfs recorded that copy's commit for the weights served)."""
+    dl, home = tmp_path / "weights", tmp_path / "hf"
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=TWO_DRAFTERS,
+        **ONE_SETTING,
+        sglang_extra=f"extra_args = {json.dumps(['--download-dir', str(dl)])}",
+    )
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    served, stale = "c3" * 20, "d4" * 20
+    for cache, commit in ((dl, served), (home / "hub", stale)):
+        repo = cache / f"models--org--{marker}"
+        _snapshot(repo, commit, {"model.safetensors": commit})
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    servers = [r for r in read_records(out / "journal.jsonl") if r["type"] == "server"]
+    assert [s["model_commit"] for s in servers] == [served, served]
+    assert [s["model_files"] for s in servers] == [{"model.safetensors": served}] * 2
+
+
+def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
+    """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
+    the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.
+    dvfs read HF_HOME's cache (or ~/.cache's) under HUGGINGFACE_HUB_CACHE, recording a stale
+    copy's commit for the one served, and no cache at all for HF_HOME = "~/hf" (a campaign's
+    env is no shell: the value reaches the server as written, and huggingface_hub expands it)."""
+    from dvfs.engines.sglang import model_commit
+
+    served, stale, xdg = "c3" * 20, "d4" * 20, "e5" * 20
+    for cache, commit in (
+        (tmp_path / "served", served),
+        (tmp_path / "home" / "hub", stale),
+        (tmp_path / "x" / "huggingface" / "hub", xdg),
+    ):
+        ref = cache / "models--org--m" / "refs" / "main"
+        ref.parent.mkdir(parents=True)
+        ref.write_text(commit)
+    legacy = {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "served"), "HF_HOME": str(tmp_path / "home")}
+    assert model_commit("org/m", None, legacy) == served
+    newer = {**legacy, "HF_HUB_CACHE": str(tmp_path / "home" / "hub")}
+    assert model_commit("org/m", None, newer) == stale
+    home = {"HOME": str(tmp_path), "ROOT": str(tmp_path)}
+    assert model_commit("org/m", None, {**home, "HF_HOME": "~/home"}) == stale
+    assert model_commit("org/m", None, {**home, "HF_HUB_CACHE": "$ROOT/served"}) == served
+    assert model_commit("org/m", None, {**home, "XDG_CACHE_HOME": "${ROOT}/x"}) == xdg
 
 
 def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(tmp_path: Path) -> None:

@@ -360,6 +360,7 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
             "version": s.version,
             "args": redact_args(s.args),
             **({"model_commit": s.model_commit} if s.model_commit else {}),
+            **({"model_files": dict(s.model_files)} if s.model_files else {}),
         }
     versions = sorted({s.version for s in journal.servers})
     return {

@@ -320,6 +320,9 @@ class ServerInfo:
     #: The Hub commit of the model it loaded (`dvfs.engines.sglang.model_commit`); "" where
     #: dvfs cannot tell (the twin, a local model, an attached server, a cache it cannot read).
     model_commit: str = ""
+    #: Its snapshot's files there, path to blob (`dvfs.engines.sglang.model_files`); empty
+    #: where dvfs cannot tell.
+    model_files: dict[str, str] | None = None
 
 
 class Engine(Protocol):

@@ -149,35 +149,103 @@ def same_model(reported: object, wanted: str) -> bool:
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}\Z")
 
 
-def model_commit(model_path: object, revision: object, env: Mapping[str, str]) -> str:
-    """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
-    branch main) and environment `env` loads from the Hub cache: `revision` itself where it is
-    a commit, else what the cache's `refs/REVISION` names (HF_HUB_CACHE, else HF_HOME/hub,
-    else XDG_CACHE_HOME or ~/.cache, then huggingface/hub); "" where it cannot tell (a local
-    folder or file, ModelScope, a repo not in that cache). Read once the server answers, so
-    after it fetched the model: a resume weeks later whose cache moved to another commit of
-    an unpinned model serves other weights, generation config or template."""
+def _hub_repo(model_path: object, env: Mapping[str, str]) -> Path | None:
+    """The Hub cache folder of model `model_path` for a server with environment `env`, found as
+    huggingface_hub's constants find it (HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE,
+    else HF_HOME/hub, else XDG_CACHE_HOME or ~/.cache, then huggingface/hub; '~' and $VARS
+    expanded in `env`); None for a local folder or file, or a name that is no Hub repo id."""
     model = str(model_path or "")
+    parts = model.strip("/").split("/")
+    if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
+        return None
+    if os.path.exists(model):
+        return None
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if not cache:
+        home = env.get("HF_HOME") or os.path.join(
+            env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+        )
+        cache = os.path.join(_expanded(home, env), "hub")
+    return Path(_expanded(cache, env)) / f"models--{parts[0]}--{parts[1]}"
+
+
+_ENV_VAR_RE = re.compile(r"\$(\w+)|\$\{([^}]*)\}")
+
+
+def _expanded(path: str, env: Mapping[str, str]) -> str:
+    """`path` as huggingface_hub reads a cache variable in the server's environment `env`: a
+    leading '~' is its HOME, and each $NAME or ${NAME} set there its value (others kept)."""
+    if path == "~" or path.startswith("~/"):
+        path = (env.get("HOME") or str(Path.home())) + path[1:]
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return env.get(name, match.group(0))
+
+    return _ENV_VAR_RE.sub(value, path)
+
+
+def _hub_repos(model_path: object, env: Mapping[str, str], download_dir: object) -> list[Path]:
+    """Where a server's weights of model `model_path` may come from, in the order SGLang looks:
+    its --download-dir `download_dir` (the cache_dir its weights are fetched to, 0.5.9 and
+    0.5.23 model_loader/weight_utils.py `download_weights_from_hf`), then the Hub cache
+    (`_hub_repo`)."""
+    repo = _hub_repo(model_path, env)
+    if repo is None:
+        return []
+    given = [Path(str(download_dir)) / repo.name] if download_dir else []  # as given: no shell
+    return [*given, repo]
+
+
+def model_commit(
+    model_path: object, revision: object, env: Mapping[str, str], download_dir: object = None
+) -> str:
+    """The Hugging Face Hub commit of model `model_path` a server with `revision` (None: the
+    branch main), environment `env` and --download-dir `download_dir` loads: `revision`
+    itself where it is a commit, else what `refs/REVISION` names in its --download-dir (where
+    that commit's snapshot is there, as SGLang looks first) or in the Hub cache
+    (`_hub_repos`); "" where it cannot tell (a local folder or file, ModelScope, a repo in
+    neither). Read once the server answers, so after it fetched the model: a resume weeks
+    later whose cache moved to another commit of an unpinned model serves other weights,
+    generation config or template."""
     rev = str(revision or "main")
     if _COMMIT_RE.match(rev):
         return rev
-    parts = model.strip("/").split("/")
-    if len(parts) != 2 or not all(parts) or model.startswith(("/", ".", "~")):
-        return ""
-    if os.path.exists(model):
-        return ""
-    if env.get("HF_HUB_CACHE"):
-        cache = Path(env["HF_HUB_CACHE"])
-    elif env.get("HF_HOME"):
-        cache = Path(env["HF_HOME"]) / "hub"
-    else:
-        cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface" / "hub"
-    ref = cache / f"models--{parts[0]}--{parts[1]}" / "refs" / rev
-    try:
-        text = ref.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
-    return text if _COMMIT_RE.match(text) else ""
+    repos = _hub_repos(model_path, env, download_dir)
+    for repo in repos:
+        try:
+            text = (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if _COMMIT_RE.match(text) and (repo == repos[-1] or (repo / "snapshots" / text).is_dir()):
+            return text
+    return ""
+
+
+def model_files(
+    model_path: object, commit: str, env: Mapping[str, str], download_dir: object = None
+) -> dict[str, str]:
+    """What the cache a server loaded `commit` of model `model_path` from holds of it (the
+    first of `_hub_repos` with its snapshot): each file of the snapshot, by its path in the
+    repo, with the blob it links to (named by the file's content: its git or LFS hash), so
+    that two commits whose files a server loaded are the same blobs (a commit that edited the
+    model card alone) are told from two whose weights, config, tokenizer or template differ;
+    empty where dvfs cannot tell (no such snapshot, a cache without links)."""
+    if not commit:
+        return {}
+    for repo in _hub_repos(model_path, env, download_dir):
+        snapshot = repo / "snapshots" / commit
+        if not snapshot.is_dir():
+            continue
+        files: dict[str, str] = {}
+        try:
+            for path in sorted(snapshot.rglob("*")):
+                if path.is_symlink():
+                    files[path.relative_to(snapshot).as_posix()] = Path(os.readlink(path)).name
+        except (OSError, ValueError):
+            return {}
+        return files
+    return {}
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -505,6 +573,12 @@ class SglangEngine:
             raise
         self._version = server_version(info)
         self._log_interval = log_interval(info)
+        env, model, weights = (
+            server_env(self.campaign),
+            info.get("model_path"),
+            info.get("download_dir"),
+        )
+        commit = model_commit(model, info.get("revision"), env, weights)
         return ServerInfo(
             "sglang",
             str(info.get("version", "?")),
@@ -516,9 +590,8 @@ class SglangEngine:
             own_pids=self._own_pids if pinning and pinning.startswith("verified") else None,
             prompt_format=self.formatter.settle(),
             ports=ports.to_json() if ports else None,
-            model_commit=model_commit(
-                info.get("model_path"), info.get("revision"), server_env(self.campaign)
-            ),
+            model_commit=commit,
+            model_files=model_files(model, commit, env, weights),
         )
 
     def _answered_by_another(

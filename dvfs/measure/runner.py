@@ -487,6 +487,7 @@ class Runner:
             prompt_format=info.prompt_format,
             ports=info.ports,
             model_commit=info.model_commit,
+            model_files=dict(info.model_files or {}),
         )
         record = server.to_json()
         try:

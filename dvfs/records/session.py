@@ -343,7 +343,8 @@ SERVER_INVARIANTS: dict[str, str] = {
 
 def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """What differs between two server records in the `SERVER_INVARIANTS`, and in the model's
-    Hub commit where both recorded one (`Server.model_commit`)."""
+    Hub commit where both recorded one (`Server.model_commit`) and that commit changed a file
+    both servers' snapshots hold (`Server.model_files`, where both recorded them)."""
     changes = [
         f"{label}: {before.get(key) or 'unknown'} -> {now.get(key) or 'unknown'}"
         for key, label in SERVER_INVARIANTS.items()
@@ -351,8 +352,38 @@ def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
     ]
     a, b = before.get("model_commit"), now.get("model_commit")
     if a and b and a != b:  # another commit of an unpinned model: other weights or config
-        changes.append(f"model commit: {a} -> {b}")
+        changed = _files_changed(before.get("model_files"), now.get("model_files"))
+        if changed is None:
+            changes.append(f"model commit: {a} -> {b}")
+        elif changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            changes.append(f"model commit: {a} -> {b} ({', '.join(changed[:3])}{more})")
     return changes
+
+
+def _files_changed(before: Any, now: Any) -> list[str] | None:
+    """The files two servers' Hub snapshots both hold whose blobs differ (`Server.model_files`),
+    but for those no server loads (`_unserved`): empty where every such file is the same blob
+    (another commit that changed none of what both servers loaded: a model card edited
+    upstream); None where either record holds none or they share no such file, so the
+    commits themselves are compared."""
+    if not isinstance(before, Mapping) or not isinstance(now, Mapping):
+        return None
+    both = sorted(name for name in before.keys() & now.keys() if not _unserved(str(name)))
+    if not both:
+        return None
+    return [name for name in both if before[name] != now[name]]
+
+
+#: What a model repo holds that no server loads (the card, licence, figures): a whole repo's
+#: download (`huggingface-cli download`) has them in its snapshot, a server's fetch does not.
+_UNSERVED_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".pdf")
+_UNSERVED_NAMES = (".gitattributes", "license", "notice")
+
+
+def _unserved(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1].lower()
+    return base.endswith(_UNSERVED_SUFFIXES) or base.startswith(_UNSERVED_NAMES)
 
 
 def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -669,6 +700,11 @@ class Server:
     #: model, an attached server) or an older record (an optional key within journal version
     #: 3). Compared where both servers recorded one (`arm_changes`, `server_changes`).
     model_commit: str = ""
+    #: What its Hub cache's snapshot of that commit held: each file's path in the repo with
+    #: the blob it links to (`dvfs.engines.sglang.model_files`); empty where dvfs cannot tell
+    #: or an older record (an optional key within journal version 3). Where two servers'
+    #: commits differ, only the files both snapshots hold are compared (`_files_changed`).
+    model_files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -684,6 +720,7 @@ class Server:
             **({"prompt_format": self.prompt_format} if self.prompt_format else {}),
             **({"ports": self.ports} if self.ports else {}),
             **({"model_commit": self.model_commit} if self.model_commit else {}),
+            **({"model_files": dict(self.model_files)} if self.model_files else {}),
         }
 
     @classmethod
@@ -700,4 +737,5 @@ class Server:
             prompt_format=record.get("prompt_format") or "",
             ports=record.get("ports") or None,
             model_commit=record.get("model_commit") or "",
+            model_files=dict(record.get("model_files") or {}),
         )
