@@ -128,7 +128,8 @@ def _text(data: bytes, where: str) -> str:
 def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
     datasets ship, pretty-printed or on one line): its records, each named by its place in
-    the array; None where the text is no such array, or the file is named as JSON Lines
+    the array (one that is no object refused as that record); None where the text is no
+    array, or the file is named as JSON Lines
     (`.jsonl`, `.ndjson`: read line by line, an array there refused at its line). An array
     broken by a syntax error is a `CorpusError` naming the line, unless its first line reads
     alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
@@ -150,8 +151,10 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
         return None
     except ValueError:  # e.g. an integer beyond Python's digit limit: the line reader names it
         return None
-    if not isinstance(document, list) or not all(isinstance(r, dict) for r in document):
+    if not isinstance(document, list):
         return None
+    # A record that is no object (null, text, a list) is refused by its place in the array
+    # (`_prompt`), not at a line of a file that is valid JSON.
     return [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
 
 
