@@ -231,6 +231,48 @@ def test_groups_that_arrive_later_are_dealt_out_whole() -> None:
     assert queue.holder(group_of(late)) == queue.holder(group_of(more[0]))
 
 
+def test_a_resume_on_more_gpus_keeps_begun_groups_up_to_a_fair_share() -> None:
+    """A run resumed on more GPUs than began it: the groups the earlier workers began stay
+    with them (`CellQueue.keep`) up to each one's share of the cells left, so the added
+    GPU gets its share too (it got only the groups nobody began, none here: idle while the
+    others finished theirs, and it may not steal a begun group); resumed on the same GPUs,
+    every begun group stays where it began."""
+    cells = [
+        Cell(d, 0, clock, None, b, "a")
+        for d in DRAFTERS
+        for clock in (1000, 1400)
+        for b in range(1, 7)
+    ]
+    begun = {(b, "a", 0): ("w0" if b <= 3 else "w1") for b in range(1, 7)}
+
+    def run(workers: list[str]) -> tuple[dict[str, int], dict[tuple, set[str]]]:
+        queue = CellQueue(cells)
+        queue.keep(begun, workers)
+        queue.join(workers)
+        count = dict.fromkeys(workers, 0)
+        ran: dict[tuple, set[str]] = {}
+        server: dict[str, str | None] = dict.fromkeys(workers)
+        alive = list(workers)
+        while alive:  # the workers take turns, as equally fast GPUs would
+            for worker in list(alive):
+                cell = queue.take(worker, server[worker])
+                if cell is None:
+                    alive.remove(worker)
+                    continue
+                server[worker] = cell.drafter
+                count[worker] += 1
+                ran.setdefault(group_of(cell), set()).add(worker)
+        assert sum(count.values()) == len(cells)
+        return count, ran
+
+    count, ran = run(["w0", "w1", "w2"])
+    group = len(cells) // 6
+    assert all(n >= len(cells) // 3 - group for n in count.values()), count
+    assert all(len(w) == 1 for w in ran.values()), ran
+    count, ran = run(["w0", "w1"])  # the same GPUs: nothing moves
+    assert {g: w for g, (w,) in ran.items()} == begun
+
+
 def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) -> None:
     """Whole groups per worker: the busiest of W workers runs ceil(G / W) of the G groups, and
     workers beyond G idle, which the dry run says."""
