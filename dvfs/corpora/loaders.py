@@ -158,8 +158,34 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     return [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
 
 
+def _refuse_json_object(text: str, where: str) -> None:
+    """Refuse a `.json` file holding one JSON object over several lines (a dataset's
+    `{"data": [...]}`), which the line reader took for broken JSON Lines ("line 1: not valid
+    JSON" of a valid file); one object on one line is JSON Lines of one record, read as such."""
+    if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("{"):
+        return
+    first = next(line for line in text.split("\n") if line.strip())
+    try:
+        json.loads(first)
+        return  # JSON Lines: the line reader reads it
+    except (ValueError, RecursionError):
+        pass
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):  # broken: the line reader names the line
+        return
+    if isinstance(document, dict):
+        keys = ", ".join(sorted(map(str, document))[:10])
+        raise CorpusError(
+            f"{where} holds one JSON object (keys: {keys}), not records: a corpus file holds "
+            "a JSON array of objects or JSON Lines (one object per line); extract the records "
+            "into such a file"
+        )
+
+
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     text = _text(data, where)
+    _refuse_json_object(text, where)
     array = _records_json_array(text, where)
     if array is not None:
         yield from array
