@@ -105,6 +105,27 @@ def test_a_confidence_level_is_said_with_its_digits(
     assert "100%" not in said and "100.0%" not in said, said
 
 
+@pytest.mark.parametrize(
+    ("confidence", "said"),
+    [
+        (0.5, "50%"),
+        (0.95, "95%"),
+        (0.975, "97.5%"),
+        (0.9999, "99.99%"),
+        ((1 + 0.9999) / 2, "99.995%"),
+        (0.999999999999, "99.9999999999%"),
+        (1 - 1e-15, "99.9999999999999%"),
+    ],
+)
+def test_a_level_below_one_is_never_said_as_100_percent(confidence: float, said: str) -> None:
+    """`level_text` gives the level's digits, as few as say it; a level a hair below 1 (which
+    --confidence accepts) is not rounded up to the certainty of "100%" (it was, from 12 nines
+    on)."""
+    from dvfs.analysis.bounds import level_text
+
+    assert level_text(confidence) == said
+
+
 # --- contradictions -----------------------------------------------------------------------
 
 

@@ -103,6 +103,24 @@ def test_a_json_file_holding_one_array_is_read_as_its_records(tmp_path: Path) ->
     write(tmp_path / "cut.json", '[\n  {"text": "a"},\n  {"text": "b",}\n]\n')
     with pytest.raises(CorpusError, match=r"cut\.json, line 3: not valid JSON"):
         load(tmp_path, "cut", {"path": "cut.json", "field": "text"})
+    # An array holding a record that is no object (a null, text) is valid JSON: refused at
+    # that record, not as "line 1: not valid JSON" (it was, pretty-printed).
+    for indent in (2, None):
+        write(tmp_path / "holes.json", json.dumps([{"text": "a"}, None], indent=indent))
+        with pytest.raises(
+            CorpusError, match=r"holes\.json, record 2 of the array: expected an object .* null"
+        ):
+            load(tmp_path, "holes", {"path": "holes.json", "field": "text"})
+        write(tmp_path / "texts.json", json.dumps(["a", "b"], indent=indent))
+        with pytest.raises(CorpusError, match=r"texts\.json, record 1 of the array: .* got text"):
+            load(tmp_path, "texts", {"path": "texts.json", "field": "text"})
+    # One object over several lines (a dataset's {"data": [...]}) is valid JSON but holds no
+    # records: said so, not "line 1: not valid JSON"; one object on one line is JSON Lines.
+    write(tmp_path / "wrapped.json", json.dumps({"data": [{"text": "a"}]}, indent=2))
+    with pytest.raises(CorpusError, match=r"wrapped\.json holds one JSON object \(keys: data\)"):
+        load(tmp_path, "wrapped", {"path": "wrapped.json", "field": "text"})
+    write(tmp_path / "one.json", json.dumps({"text": "a"}))
+    assert len(load(tmp_path, "one", {"path": "one.json", "field": "text"}).prompts) == 1
     write(tmp_path / "lists.json", '["a"]\n["b"]\n')
     with pytest.raises(CorpusError, match=r"lists\.json, line 1: expected an object"):
         load(tmp_path, "lists", {"path": "lists.json", "field": "text"})

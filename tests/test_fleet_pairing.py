@@ -159,11 +159,17 @@ def plans(draw: st.DrawFn) -> tuple[list[Cell], int, list[int], int | None]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(plans())
-def test_the_queue_never_splits_a_group_but_by_a_loss(plan) -> None:
+@given(plans(), st.data())
+def test_the_queue_never_splits_a_group_but_by_a_loss(plan, data) -> None:
+    """As above, on a resume too: some groups an earlier run began, each kept by a worker
+    (`CellQueue.keep`)."""
     cells, count, asks, lose_at = plan
     labels = [f"w{i}" for i in range(count)]
-    queue = CellQueue(cells, labels)
+    groups = sorted({group_of(c) for c in cells})
+    begun = data.draw(st.dictionaries(st.sampled_from(groups), st.sampled_from(labels)))
+    queue = CellQueue(cells)
+    queue.keep(begun, labels)
+    queue.join(labels)
     dealt = {w: {g for g in {group_of(c) for c in cells} if queue.holder(g) == w} for w in labels}
     alive = list(labels)
     server: dict[str, str | None] = dict.fromkeys(labels)
@@ -229,6 +235,48 @@ def test_groups_that_arrive_later_are_dealt_out_whole() -> None:
     late = Cell("none", 1, 1410, None, 1, "a")
     queue.give_back([late])
     assert queue.holder(group_of(late)) == queue.holder(group_of(more[0]))
+
+
+def test_a_resume_on_more_gpus_keeps_begun_groups_up_to_a_fair_share() -> None:
+    """A run resumed on more GPUs than began it: the groups the earlier workers began stay
+    with them (`CellQueue.keep`) up to each one's share of the cells left, so the added
+    GPU gets its share too (it got only the groups nobody began, none here: idle while the
+    others finished theirs, and it may not steal a begun group); resumed on the same GPUs,
+    every begun group stays where it began."""
+    cells = [
+        Cell(d, 0, clock, None, b, "a")
+        for d in DRAFTERS
+        for clock in (1000, 1400)
+        for b in range(1, 7)
+    ]
+    begun = {(b, "a", 0): ("w0" if b <= 3 else "w1") for b in range(1, 7)}
+
+    def run(workers: list[str]) -> tuple[dict[str, int], dict[tuple, set[str]]]:
+        queue = CellQueue(cells)
+        queue.keep(begun, workers)
+        queue.join(workers)
+        count = dict.fromkeys(workers, 0)
+        ran: dict[tuple, set[str]] = {}
+        server: dict[str, str | None] = dict.fromkeys(workers)
+        alive = list(workers)
+        while alive:  # the workers take turns, as equally fast GPUs would
+            for worker in list(alive):
+                cell = queue.take(worker, server[worker])
+                if cell is None:
+                    alive.remove(worker)
+                    continue
+                server[worker] = cell.drafter
+                count[worker] += 1
+                ran.setdefault(group_of(cell), set()).add(worker)
+        assert sum(count.values()) == len(cells)
+        return count, ran
+
+    count, ran = run(["w0", "w1", "w2"])
+    group = len(cells) // 6
+    assert all(n >= len(cells) // 3 - group for n in count.values()), count
+    assert all(len(w) == 1 for w in ran.values()), ran
+    count, ran = run(["w0", "w1"])  # the same GPUs: nothing moves
+    assert {g: w for g, (w,) in ran.items()} == begun
 
 
 def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) -> None:

@@ -21,7 +21,16 @@ def level_text(confidence: float) -> str:
     """A confidence level in percent with the digits it has (95%, 97.5%, 99.9%), never
     rounded up to a 100% that no finite bound has."""
     pct = confidence * 100
-    digits = next((d for d in range(12) if abs(round(pct, d) - pct) < 1e-9), 12)
+    digits = next(
+        (
+            d
+            for d in range(16)
+            # within rounding of the level, and below 100 where it is (0.999999999999 was
+            # said "100%": rounded to 8 digits)
+            if abs(round(pct, d) - pct) < 1e-9 and (round(pct, d) < 100 or pct >= 100)
+        ),
+        16,
+    )
     return f"{pct:.{digits}f}%"
 
 

@@ -128,7 +128,8 @@ def _text(data: bytes, where: str) -> str:
 def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
     datasets ship, pretty-printed or on one line): its records, each named by its place in
-    the array; None where the text is no such array, or the file is named as JSON Lines
+    the array (one that is no object refused as that record); None where the text is no
+    array, or the file is named as JSON Lines
     (`.jsonl`, `.ndjson`: read line by line, an array there refused at its line). An array
     broken by a syntax error is a `CorpusError` naming the line, unless its first line reads
     alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
@@ -150,13 +151,41 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
         return None
     except ValueError:  # e.g. an integer beyond Python's digit limit: the line reader names it
         return None
-    if not isinstance(document, list) or not all(isinstance(r, dict) for r in document):
+    if not isinstance(document, list):
         return None
+    # A record that is no object (null, text, a list) is refused by its place in the array
+    # (`_prompt`), not at a line of a file that is valid JSON.
     return [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
+
+
+def _refuse_json_object(text: str, where: str) -> None:
+    """Refuse a `.json` file holding one JSON object over several lines (a dataset's
+    `{"data": [...]}`), which the line reader took for broken JSON Lines ("line 1: not valid
+    JSON" of a valid file); one object on one line is JSON Lines of one record, read as such."""
+    if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("{"):
+        return
+    first = next(line for line in text.split("\n") if line.strip())
+    try:
+        json.loads(first)
+        return  # JSON Lines: the line reader reads it
+    except (ValueError, RecursionError):
+        pass
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):  # broken: the line reader names the line
+        return
+    if isinstance(document, dict):
+        keys = ", ".join(sorted(map(str, document))[:10])
+        raise CorpusError(
+            f"{where} holds one JSON object (keys: {keys}), not records: a corpus file holds "
+            "a JSON array of objects or JSON Lines (one object per line); extract the records "
+            "into such a file"
+        )
 
 
 def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
     text = _text(data, where)
+    _refuse_json_object(text, where)
     array = _records_json_array(text, where)
     if array is not None:
         yield from array

@@ -274,8 +274,9 @@ class Driver:
         # arms ran on one GPU group (`dvfs.fleet.queue`); the cube says so.
         combined["arms_on_one_gpu"] = 1
         self.journal.append(combined)
-        self.queue.keep(self._begun_on(sessions))
-        self.queue.join([str(s.get("worker")) for s in sessions])
+        workers = [str(s.get("worker")) for s in sessions]
+        self.queue.keep(self._begun_on(sessions), workers)
+        self.queue.join(workers)
         for s in sessions:
             label = str(s.get("worker"))
             self.stats[label] = WorkerStats(label, host=str(s.get("host", "")))

@@ -13,7 +13,8 @@ busiest one's); a group is never split between workers. Groups that arrive later
 repeats the driver adds: each repeat is a new group) are dealt out in the same way.
 
 A run resuming a journal keeps each group its earlier run began with the worker now on the
-GPUs that began it (`keep`), where those GPUs are in the run.
+GPUs that began it (`keep`), where those GPUs are in the run, up to that worker's share of the
+cells left.
 
 The one exception is a lost worker: every group it holds goes back to the pool, whole, but
 cells it finished stay finished, so a group it had started is finished elsewhere and its arms
@@ -102,16 +103,44 @@ class CellQueue:
                     self._live.append(worker)
             self._deal()
 
-    def keep(self, begun: Mapping[GroupKey, str]) -> None:
+    def keep(self, begun: Mapping[GroupKey, str], workers: Sequence[str]) -> None:
         """Groups an earlier run began (`begun`: each with the worker now on the GPUs that
-        began it), before the workers join: each stays with that worker, whole, and is never
-        stolen, so that a comparison resumed on the same GPUs keeps its arms on one."""
+        began it), before `workers` (the fleet's) join: each stays with that worker, whole,
+        and is never stolen, so that a comparison resumed on the same GPUs keeps its arms on
+        one. A worker keeps no more of them than its share of the cells left (at least one
+        group): the rest are dealt as any other (their arms then span two GPUs, flagged), so
+        that a GPU added on resume is not left idle while the others finish the groups their
+        earlier run began (a 2-GPU run resumed on 3 took 30% longer, the third idle)."""
         with self._lock:
-            for group, worker in begun.items():
-                if group in self._pool and self._cells[group]:
-                    self._pool.remove(group)
-                    self._holder[group] = worker
-                    self._started.add(group)
+            share = sum(g.size for g in self._cells.values()) / max(
+                len(set(workers) | set(begun.values())), 1
+            )
+            kept: dict[str, int] = {}
+            for group in sorted(begun, key=self._group_rank):
+                worker, size = begun[group], self._cells[group].size
+                if group not in self._pool or not size:
+                    continue
+                if kept.get(worker, 0) and kept[worker] + size > share:
+                    continue  # beyond its share: dealt out below
+                kept[worker] = kept.get(worker, 0) + size
+                self._pool.remove(group)
+                self._holder[group] = worker
+                self._started.add(group)
+            if not kept:
+                return
+            # The pool's groups to the workers with the fewest cells, up to their share (a
+            # worker that kept its share gets none), in measuring order; those left wait in the
+            # pool (`join` deals them as ever).
+            load = {w: kept.get(w, 0) for w in workers}
+            for group in list(self._pool):
+                size = self._cells[group].size
+                open_ = [w for w in workers if load[w] + size <= share]
+                if not open_:
+                    continue
+                worker = min(open_, key=lambda w: (load[w], workers.index(w)))
+                load[worker] += size
+                self._pool.remove(group)
+                self._holder[group] = worker
 
     def holder(self, group: GroupKey) -> str | None:
         """The worker a group went to (None while it waits in the pool)."""
