@@ -520,3 +520,41 @@ def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "measured on NVIDIA H20, the base profile h200-sxm" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("name", ["h100-sxm:none", "my:fit", 'my"fit', "my\\fit", "h100-sxm", "  "])
+def test_a_fit_name_no_campaign_can_name_as_that_fit_is_refused_before_the_fit(
+    tmp_path: Path, name: str
+) -> None:
+    """A fit's name is the key a campaign's `gpu.profile` names: `h100-sxm:none` reads as the
+    shipped H100 with its traps off (predict swept that H100, the fit's figures unused),
+    `my:fit` as an unknown profile `my` with traps `fit`, a quote or backslash wrote a table
+    header TOML cannot read, and a shipped key or a blank one is refused by predict: each is
+    one line at the fit, before anything is written."""
+    source = store.write(twin_roofline(true_profile()), tmp_path / "roofline.nc")
+    out = tmp_path / "p.toml"
+    result = CliRunner().invoke(cli, ["twin", "fit", str(source), "-o", str(out), "--name", name])
+    assert result.exit_code == 2, result.output
+    assert "--name" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["h100-sxm:none", "h200-sxm:-leakage", "my:fit", ""])
+def test_predict_refuses_a_profile_whose_name_a_campaign_reads_as_another(
+    small_campaign: Path, tmp_path: Path, name: str
+) -> None:
+    """A profile file (hand-edited, or written before `twin fit` checked `--name`) whose table
+    is named as a shipped profile with a trap list was swept as that shipped profile, its own
+    figures silently unused; an empty name let the campaign's own `gpu.profile` run. Refused in
+    one line before the sweep begins."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    text = profile_toml(fit)
+    assert '[gpu."my-h100"]' in text
+    path = tmp_path / "p.toml"
+    path.write_text(text.replace('[gpu."my-h100"]', f'[gpu."{name}"]'))
+    out = tmp_path / "o"
+    args = ["twin", "predict", str(small_campaign), "--profile", str(path), "-o", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "dvfs twin fit --name" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
