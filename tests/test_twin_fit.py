@@ -558,3 +558,22 @@ def test_predict_refuses_a_profile_whose_name_a_campaign_reads_as_another(
     assert result.exit_code == 2, result.output
     assert "dvfs twin fit --name" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_readmes_figures_of_the_measured_h200_are_the_files() -> None:
+    """README's known limits quote the lent H200's roofline: each figure is read back from
+    `tests/data/h200-roofline.nc` (the GEMVs' range was the up-projection's alone, 496-505 W,
+    where the down-projection's drew 472 W)."""
+    ds = store.read(MEASURED_H200).isel(setting=0)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    kind = ds["kind"]
+    gemv = ds["power_w"].where(kind == "gemv", drop=True)
+    assert f"GEMVs drew {float(gemv.min()):.0f}-{float(gemv.max()):.0f} W there" in readme
+    triad = ds.sel(kernel="triad")
+    assert f"the triad {float(triad['power_w']):.0f} W" in readme
+    assert f"the triad moved {float(triad['bytes'] / triad['seconds']) / 1e12:.2f} TB/s" in readme
+    held = ds["observed_sm_clock_mhz"].where((kind == "gemm") & (ds["m"] >= 128), drop=True)
+    assert f"held the large GEMMs at {float(held.min()):.0f}-{float(held.max()):.0f} MHz" in readme
+    peak = float((ds["flops"] / ds["seconds"]).where(kind == "gemm").max()) / 1e12
+    assert f"so the peak was {peak:.0f} TFLOP/s" in readme
+    assert f"so the ridge is {float(ds['ridge_point']):.0f} FLOP/B" in readme
