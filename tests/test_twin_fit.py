@@ -577,3 +577,37 @@ def test_the_readmes_figures_of_the_measured_h200_are_the_files() -> None:
     peak = float((ds["flops"] / ds["seconds"]).where(kind == "gemm").max()) / 1e12
     assert f"so the peak was {peak:.0f} TFLOP/s" in readme
     assert f"so the ridge is {float(ds['ridge_point']):.0f} FLOP/B" in readme
+
+
+def test_predict_checks_the_campaigns_knobs_against_the_profile_it_predicts_on(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """The campaign's clocks and power limits were checked against its own `gpu.profile` only:
+    one the fitted profile does not support (a fit keeps its base's clocks, an H200's start at
+    345 MHz) failed at the first lock (exit 1) or setting; now refused in one line
+    naming the profile, before anything is written (exit 2, as a campaign's own twin
+    refuses it)."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    text = profile_toml(fit)
+    low = min(c for c in H100.supported_sm_clocks_mhz() if c >= 1000)
+    campaign = small_campaign.read_text()
+    assert "sm_clock = [1980, 1500, 1005]" in campaign and "power_limit = [700, 300]" in campaign
+    out = tmp_path / "o"
+    for field, value, edit in (
+        ("min_sm_clock_mhz", 1020, ("sm_clock = [1980, 1500, 1005]", f"sm_clock = [1980, {low}]")),
+        ("power_limit_min_w", 350.0, ("power_limit = [700, 300]", "power_limit = [700, 300]")),
+    ):
+        assert f"\n{field} = " in text
+        lines = [
+            f"{field} = {value}" if line.startswith(f"{field} = ") else line
+            for line in text.splitlines()
+        ]
+        path = tmp_path / "p.toml"
+        path.write_text("\n".join(lines) + "\n")
+        assert getattr(load_profile(path), field) == value
+        (tmp_path / "c.toml").write_text(campaign.replace(*edit))
+        args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(path), "-o", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--no-progress"])
+        assert result.exit_code == 2, result.output
+        assert "my-h100" in result.output and str(path) in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and not out.exists()

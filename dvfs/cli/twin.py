@@ -17,6 +17,7 @@ from dvfs.cli.common import OutputFile, console, escape, fail, handle_errors
 if TYPE_CHECKING:
     import xarray as xr
 
+    from dvfs.campaign.model import Campaign
     from dvfs.twin.profiles import GpuProfile
 
 #: Cells the cube fit uses at most (a random subsample beyond, said in the notes): a demo cube
@@ -273,6 +274,32 @@ def predict(
     digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
     with registered_profile(profile) as key:
         stand_in, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
+        _check_knobs(stand_in, profile, campaign_path, profile_path)
         outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
     if outcome.summary.failed:
         raise SystemExit(5)
+
+
+def _check_knobs(
+    campaign: Campaign, profile: GpuProfile, campaign_path: Path, profile_path: Path
+) -> None:
+    """The campaign's clocks and power limits against the profile it is predicted on, as a
+    twin campaign's are against its own `gpu.profile` when it loads: the campaign was checked
+    against its own GPU only (or none, on hardware), and a fit keeps its base's clocks."""
+    from dvfs.errors import CampaignError
+    from dvfs.gpu.base import unsupported_clock
+
+    whose = f" of the profile {profile.key} ({profile_path})"
+    supported = set(profile.supported_sm_clocks_mhz())
+    for clock in campaign.knobs.sm_clocks_mhz or ():
+        problem = unsupported_clock(clock, supported, of=whose)
+        if problem:
+            raise CampaignError(
+                f"{campaign_path}: knobs.sm_clock: {problem}, in {profile.sm_clock_step_mhz} "
+                "MHz steps"
+            )
+    allowed = profile.power_limit_range()
+    for limit in campaign.knobs.power_limits_w or ():
+        problem = allowed.outside(limit * 1000)
+        if problem:
+            raise CampaignError(f"{campaign_path}: knobs.power_limit: {problem}{whose}")
