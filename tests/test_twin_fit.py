@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.cli import cli
+from dvfs.cube import open_cube
 from dvfs.roofline import store
 from dvfs.roofline.kernels import BenchSpec, plan_kernels
 from dvfs.roofline.run import KernelResult, Point, RooflineRun
@@ -611,3 +612,37 @@ def test_predict_checks_the_campaigns_knobs_against_the_profile_it_predicts_on(
         assert result.exit_code == 2, result.output
         assert "my-h100" in result.output and str(path) in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_predict_keeps_the_trap_list_the_campaigns_gpu_profile_names(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """A campaign on `h100-sxm:none` asks for the twin without NVML's traps: predicted on a
+    fitted profile (whose traps are its base's, on), the trap list was dropped and the cells
+    measured through the 100-ms energy counter and the other traps all the same."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    assert traps.active(fit.profile)  # the base's traps, on
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(fit))
+    campaign = small_campaign.read_text()
+    assert 'profile = "h100-sxm:none"' in campaign
+    short = campaign
+    for a, b in (
+        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
+        ("power_limit = [700, 300]", "power_limit = [700]"),
+        ("batch = [1, 8]", "batch = [1]"),
+        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
+        ("repeats = 2", "repeats = 1"),
+    ):
+        assert a in short
+        short = short.replace(a, b)
+    for traps_named in (":none", ":-settle", ""):
+        (tmp_path / "c.toml").write_text(
+            short.replace('profile = "h100-sxm:none"', f'profile = "h100-sxm{traps_named}"')
+        )
+        out = tmp_path / f"o{traps_named}"
+        args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(path), "-o", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--no-progress"])
+        assert result.exit_code == 0, result.output
+        ds = open_cube(out / "cube.nc")
+        assert ds.attrs["twin_profile"] == f"my-h100{traps_named}"

@@ -272,7 +272,11 @@ def predict(
             "the table, or fit again with `dvfs twin fit --name`"
         )
     digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
+    # the campaign's trap list (`h100-sxm:none`) says which of NVML's traps to simulate: it
+    # applies to the profile the campaign is predicted on, as to its own
+    traps = (campaign.gpu.profile or "").partition(":")[2]
     with registered_profile(profile) as key:
+        key = f"{key}:{traps}" if traps else key
         stand_in, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
         _check_knobs(stand_in, profile, campaign_path, profile_path)
         outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
