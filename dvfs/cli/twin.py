@@ -268,8 +268,8 @@ def predict(
         # unused, and an empty name the campaign's own `gpu.profile`
         raise CampaignError(
             f"{profile_path} [gpu.{profile.key!r}]: a campaign cannot name this profile (a "
-            "profile's name is not empty and holds no ':', which starts a trap list): rename "
-            "the table, or fit again with `dvfs twin fit --name`"
+            "profile's name is not blank and holds no ':', which starts a trap list, nor a quote "
+            "or a backslash): rename the table, or fit again with `dvfs twin fit --name`"
         )
     digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
     # the campaign's trap list (`h100-sxm:none`) says which of NVML's traps to simulate: it
