@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.cli import cli
+from dvfs.cube import open_cube
 from dvfs.roofline import store
 from dvfs.roofline.kernels import BenchSpec, plan_kernels
 from dvfs.roofline.run import KernelResult, Point, RooflineRun
@@ -520,3 +521,128 @@ def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "measured on NVIDIA H20, the base profile h200-sxm" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("name", ["h100-sxm:none", "my:fit", 'my"fit', "my\\fit", "h100-sxm", "  "])
+def test_a_fit_name_no_campaign_can_name_as_that_fit_is_refused_before_the_fit(
+    tmp_path: Path, name: str
+) -> None:
+    """A fit's name is the key a campaign's `gpu.profile` names: `h100-sxm:none` reads as the
+    shipped H100 with its traps off (predict swept that H100, the fit's figures unused),
+    `my:fit` as an unknown profile `my` with traps `fit`, a quote or backslash wrote a table
+    header TOML cannot read, and a shipped key or a blank one is refused by predict: each is
+    one line at the fit, before anything is written."""
+    source = store.write(twin_roofline(true_profile()), tmp_path / "roofline.nc")
+    out = tmp_path / "p.toml"
+    result = CliRunner().invoke(cli, ["twin", "fit", str(source), "-o", str(out), "--name", name])
+    assert result.exit_code == 2, result.output
+    assert "--name" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["h100-sxm:none", "h200-sxm:-leakage", "my:fit", ""])
+def test_predict_refuses_a_profile_whose_name_a_campaign_reads_as_another(
+    small_campaign: Path, tmp_path: Path, name: str
+) -> None:
+    """A profile file (hand-edited, or written before `twin fit` checked `--name`) whose table
+    is named as a shipped profile with a trap list was swept as that shipped profile, its own
+    figures silently unused; an empty name let the campaign's own `gpu.profile` run. Refused in
+    one line before the sweep begins."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    text = profile_toml(fit)
+    assert '[gpu."my-h100"]' in text
+    path = tmp_path / "p.toml"
+    path.write_text(text.replace('[gpu."my-h100"]', f'[gpu."{name}"]'))
+    out = tmp_path / "o"
+    args = ["twin", "predict", str(small_campaign), "--profile", str(path), "-o", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "dvfs twin fit --name" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_readmes_figures_of_the_measured_h200_are_the_files() -> None:
+    """README's known limits quote the lent H200's roofline: each figure is read back from
+    `tests/data/h200-roofline.nc` (the GEMVs' range was the up-projection's alone, 496-505 W,
+    where the down-projection's drew 472 W)."""
+    ds = store.read(MEASURED_H200).isel(setting=0)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    kind = ds["kind"]
+    gemv = ds["power_w"].where(kind == "gemv", drop=True)
+    assert f"GEMVs drew {float(gemv.min()):.0f}-{float(gemv.max()):.0f} W there" in readme
+    triad = ds.sel(kernel="triad")
+    assert f"the triad {float(triad['power_w']):.0f} W" in readme
+    assert f"the triad moved {float(triad['bytes'] / triad['seconds']) / 1e12:.2f} TB/s" in readme
+    held = ds["observed_sm_clock_mhz"].where((kind == "gemm") & (ds["m"] >= 128), drop=True)
+    assert f"held the large GEMMs at {float(held.min()):.0f}-{float(held.max()):.0f} MHz" in readme
+    peak = float((ds["flops"] / ds["seconds"]).where(kind == "gemm").max()) / 1e12
+    assert f"so the peak was {peak:.0f} TFLOP/s" in readme
+    assert f"so the ridge is {float(ds['ridge_point']):.0f} FLOP/B" in readme
+
+
+def test_predict_checks_the_campaigns_knobs_against_the_profile_it_predicts_on(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """The campaign's clocks and power limits were checked against its own `gpu.profile` only:
+    one the fitted profile does not support (a fit keeps its base's clocks, an H200's start at
+    345 MHz) failed at the first lock (exit 1) or setting; now refused in one line
+    naming the profile, before anything is written (exit 2, as a campaign's own twin
+    refuses it)."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    text = profile_toml(fit)
+    low = min(c for c in H100.supported_sm_clocks_mhz() if c >= 1000)
+    campaign = small_campaign.read_text()
+    assert "sm_clock = [1980, 1500, 1005]" in campaign and "power_limit = [700, 300]" in campaign
+    out = tmp_path / "o"
+    for field, value, edit in (
+        ("min_sm_clock_mhz", 1020, ("sm_clock = [1980, 1500, 1005]", f"sm_clock = [1980, {low}]")),
+        ("power_limit_min_w", 350.0, ("power_limit = [700, 300]", "power_limit = [700, 300]")),
+    ):
+        assert f"\n{field} = " in text
+        lines = [
+            f"{field} = {value}" if line.startswith(f"{field} = ") else line
+            for line in text.splitlines()
+        ]
+        path = tmp_path / "p.toml"
+        path.write_text("\n".join(lines) + "\n")
+        assert getattr(load_profile(path), field) == value
+        (tmp_path / "c.toml").write_text(campaign.replace(*edit))
+        args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(path), "-o", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--no-progress"])
+        assert result.exit_code == 2, result.output
+        assert "my-h100" in result.output and str(path) in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_predict_keeps_the_trap_list_the_campaigns_gpu_profile_names(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """A campaign on `h100-sxm:none` asks for the twin without NVML's traps: predicted on a
+    fitted profile (whose traps are its base's, on), the trap list was dropped and the cells
+    measured through the 100-ms energy counter and the other traps all the same."""
+    fit = fit_roofline(twin_roofline(true_profile()), H100, key="my-h100")
+    assert traps.active(fit.profile)  # the base's traps, on
+    path = tmp_path / "p.toml"
+    path.write_text(profile_toml(fit))
+    campaign = small_campaign.read_text()
+    assert 'profile = "h100-sxm:none"' in campaign
+    short = campaign
+    for a, b in (
+        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
+        ("power_limit = [700, 300]", "power_limit = [700]"),
+        ("batch = [1, 8]", "batch = [1]"),
+        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
+        ("repeats = 2", "repeats = 1"),
+    ):
+        assert a in short
+        short = short.replace(a, b)
+    for traps_named in (":none", ":-settle", ""):
+        (tmp_path / "c.toml").write_text(
+            short.replace('profile = "h100-sxm:none"', f'profile = "h100-sxm{traps_named}"')
+        )
+        out = tmp_path / f"o{traps_named}"
+        args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(path), "-o", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--no-progress"])
+        assert result.exit_code == 0, result.output
+        ds = open_cube(out / "cube.nc")
+        assert ds.attrs["twin_profile"] == f"my-h100{traps_named}"

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dvfs.cli.common import OutputFile, console, escape, handle_errors
+from dvfs.cli.common import OutputFile, console, escape, fail, handle_errors
 
 if TYPE_CHECKING:
     import xarray as xr
 
+    from dvfs.campaign.model import Campaign
     from dvfs.twin.profiles import GpuProfile
 
 #: Cells the cube fit uses at most (a random subsample beyond, said in the notes): a demo cube
@@ -71,11 +72,41 @@ def fit(source: Path, out_path: Path, base: str | None, name: str | None, max_ce
             "(or it is damaged: a truncated cube is rebuilt from its journal with `dvfs cube "
             "build DIR`)"
         )
+    if name is not None:
+        _check_fit_name(name)
     check_output(out_path)  # before the work, not after
     if kind == "cube":
         _fit_cube(source, out_path, base, name, max_cells)
     else:
         _fit_roofline(source, out_path, base, name)
+
+
+#: What a profile's name may not hold: a campaign's `gpu.profile` reads ':' as the start of a
+#: trap list (`h100-sxm:none` is the shipped H100 without its traps), and the profile file's
+#: `[gpu."<name>"]` header cannot hold a quote or a backslash.
+_NOT_IN_A_NAME = (":", '"', "\\")
+
+
+def _check_fit_name(name: str) -> None:
+    """`--name`, before the fit: one a campaign would read as another profile (a trap list
+    after ':'), or a shipped profile's (`twin predict` refuses it), or one the profile file
+    cannot hold, is one line."""
+    from dvfs.twin.profiles import gpu_profiles
+
+    blank = bool(name) and not name.strip()  # "" is the default name; "  " names nothing
+    if blank or any(c in name for c in _NOT_IN_A_NAME) or any(ord(c) < 32 for c in name):
+        fail(
+            f"--name {name!r}: a profile's name cannot hold ':' (a campaign's gpu.profile reads "
+            "what follows it as a trap list, as in h100-sxm:none), a quote, a backslash or a "
+            "control character, nor be blank: choose another",
+            2,
+        )
+    if name in gpu_profiles():
+        fail(
+            f"--name {name}: the twin ships a profile of that name, which `dvfs twin predict` "
+            "would not replace with the fit: choose another",
+            2,
+        )
 
 
 def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> GpuProfile:
@@ -226,14 +257,53 @@ def predict(
     OUT/cube.nc, as `dvfs sweep` would."""
     from dvfs.campaign import load_campaign
     from dvfs.cli.sweep import run
+    from dvfs.errors import CampaignError
     from dvfs.sweep import twin_stand_in
     from dvfs.twin.fit import load_profile, profile_digest, registered_profile
 
     campaign = load_campaign(campaign_path)
     profile = load_profile(profile_path)
+    if not profile.key.strip() or any(c in profile.key for c in _NOT_IN_A_NAME):
+        # `h100-sxm:none` would run the shipped H100 without its traps, the file's figures
+        # unused, and an empty name the campaign's own `gpu.profile`
+        raise CampaignError(
+            f"{profile_path} [gpu.{profile.key!r}]: a campaign cannot name this profile (a "
+            "profile's name is not blank and holds no ':', which starts a trap list, nor a quote "
+            "or a backslash): rename the table, or fit again with `dvfs twin fit --name`"
+        )
     digest = profile_digest(profile)  # before it is lent, when it would pass for shipped
+    # the campaign's trap list (`h100-sxm:none`) says which of NVML's traps to simulate: it
+    # applies to the profile the campaign is predicted on, as to its own
+    traps = (campaign.gpu.profile or "").partition(":")[2]
     with registered_profile(profile) as key:
+        key = f"{key}:{traps}" if traps else key
         stand_in, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
+        _check_knobs(stand_in, profile, campaign_path, profile_path)
         outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
     if outcome.summary.failed:
         raise SystemExit(5)
+
+
+def _check_knobs(
+    campaign: Campaign, profile: GpuProfile, campaign_path: Path, profile_path: Path
+) -> None:
+    """The campaign's clocks and power limits against the profile it is predicted on, as a
+    twin campaign's are against its own `gpu.profile` when it loads: the campaign was checked
+    against its own GPU only (or none, on hardware), and a fit keeps its base's clocks."""
+    from dvfs.errors import CampaignError
+    from dvfs.gpu.base import unsupported_clock
+
+    whose = f" of the profile {profile.key} ({profile_path})"
+    supported = set(profile.supported_sm_clocks_mhz())
+    for clock in campaign.knobs.sm_clocks_mhz or ():
+        problem = unsupported_clock(clock, supported, of=whose)
+        if problem:
+            raise CampaignError(
+                f"{campaign_path}: knobs.sm_clock: {problem}, in {profile.sm_clock_step_mhz} "
+                "MHz steps"
+            )
+    allowed = profile.power_limit_range()
+    for limit in campaign.knobs.power_limits_w or ():
+        problem = allowed.outside(limit * 1000)
+        if problem:
+            raise CampaignError(f"{campaign_path}: knobs.power_limit: {problem}{whose}")
