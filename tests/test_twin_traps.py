@@ -249,6 +249,22 @@ def test_the_shipped_profiles_simulate_every_trap_and_each_switches_off() -> Non
         traps.without(H100, "gremlins")
 
 
+@pytest.mark.parametrize(
+    "key", ["h100-sxm:", "h100-sxm:-none", "h100-sxm: , ", "h100-sxm:none,-settle"]
+)
+def test_a_trap_list_that_names_no_trap_to_keep_or_drop_is_refused(key: str) -> None:
+    """'KEY:' is no list, and '-none' drops no trap: neither is read as KEY (every trap) nor
+    as 'none' (every trap off)."""
+    from dvfs.errors import CampaignError
+
+    with pytest.raises(CampaignError, match="after the colon name the traps"):
+        gpu_profile(key)
+    assert traps.active(gpu_profile("h100-sxm:none")) == ()
+    assert traps.active(gpu_profile("h100-sxm:-settle")) == tuple(
+        t for t in traps.TRAPS if t != "settle"
+    )
+
+
 # -- through the device and its Gpu, as the sampler and the meter see them ----------------------
 def device(profile=H100, index: int = 0) -> tuple[VirtualClock, TwinDevice, TwinGpu]:
     clock = VirtualClock(10**12)

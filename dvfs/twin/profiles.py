@@ -411,7 +411,8 @@ def gpu_profile(key: str) -> GpuProfile:
         raise CampaignError(
             f"unknown twin GPU profile {base!r}; known profiles: {', '.join(sorted(profiles))}"
         )
-    return _with_traps(profiles[base], spec) if spec else profiles[base]
+    # 'KEY:' (an empty list after the colon) is refused by `_with_traps`, not taken as KEY
+    return _with_traps(profiles[base], spec) if ":" in key else profiles[base]
 
 
 def _with_traps(profile: GpuProfile, spec: str) -> GpuProfile:
@@ -419,7 +420,8 @@ def _with_traps(profile: GpuProfile, spec: str) -> GpuProfile:
     names = [s.removeprefix("-") for s in items]
     unknown = sorted(set(names) - set(TRAPS) - {"none"})
     mixed = len({s.startswith("-") for s in items}) > 1
-    if not items or unknown or mixed or ("none" in names and len(items) > 1):
+    # "-none" names no trap to drop: refused, not read as "none" (every trap off)
+    if not items or unknown or mixed or "-none" in items or ("none" in names and len(items) > 1):
         raise CampaignError(
             f"twin GPU profile {profile.key}:{spec}: after the colon name the traps to keep "
             f"(or 'none'), or those to drop as -NAME; traps: {', '.join(TRAPS)}"
