@@ -280,6 +280,10 @@ def test_profile_file_round_trips(tmp_path: Path) -> None:
 
     with pytest.raises(CampaignError, match="missing \\['sm_count'\\]"):
         load_profile(path)
+    # a value where the profile's table should be: said so, not "missing [], unknown []"
+    path.write_text("[gpu]\nmy-h100 = 1\n")
+    with pytest.raises(CampaignError, match=r"gpu\.my-h100 holds 1, not the \[gpu\.my-h100\]"):
+        load_profile(path)
 
 
 def test_a_roofline_with_a_kernel_missing_or_unmeasured_is_one_line_or_fitted(

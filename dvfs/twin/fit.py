@@ -484,9 +484,13 @@ def load_profile(path: Path) -> GpuProfile:
         raise CampaignError(f"{path} holds no single [gpu.<name>] table (a `dvfs twin fit` file)")
     [(key, table)] = tables.items()
     known = {f.name for f in fields(GpuProfile)} - {"key"}
-    if not isinstance(table, dict) or set(table) != known:
-        missing = sorted(known - set(table)) if isinstance(table, dict) else []
-        extra = sorted(set(table) - known) if isinstance(table, dict) else []
+    if not isinstance(table, dict):  # `[gpu] x = 1`: a value where the table should be
+        raise CampaignError(
+            f"{path}: gpu.{key} holds {table!r}, not the [gpu.{key}] table of a "
+            "`dvfs twin fit` file"
+        )
+    if set(table) != known:
+        missing, extra = sorted(known - set(table)), sorted(set(table) - known)
         raise CampaignError(f"{path} [gpu.{key}]: missing {missing}, unknown {extra}")
     for f in fields(GpuProfile):
         if f.name == "key":
