@@ -822,6 +822,38 @@ def test_a_resume_whose_download_dir_commit_changed_the_config_alone_is_refused(
     assert f"model commit: {before} -> {after} (config.json)" in failed["error"]
 
 
+def test_a_commit_that_resharded_the_weights_is_another_model() -> None:
+    """A commit upstream that uploads the weights anew in other files (one model.safetensors
+    becomes shards with their index), the config and tokenizer left as they were: the two
+    snapshots share no weight file, and every file both hold is the same blob, so it was
+    taken for the same model though the server loads other weights. A server fetches every
+    `*.safetensors` of its commit (`download_weights_from_hf`), as a whole repo's download
+    does: the names differing is a change. The same names, or one side with no safetensors,
+    leave the comparison to the files both hold."""
+    from dvfs.records.session import server_changes
+
+    before, after = "a1" * 20, "b2" * 20
+    same = {"config.json": "c0" * 20, "tokenizer.json": "d0" * 20}
+    one = {**same, "model.safetensors": "5a" * 32}
+    shards = {
+        **same,
+        "model-00001-of-00002.safetensors": "6b" * 32,
+        "model-00002-of-00002.safetensors": "7c" * 32,
+        "model.safetensors.index.json": "8d" * 20,
+    }
+    server = {"engine": "sglang", "version": "0.5.9", "args": {}}
+    a = {**server, "model_commit": before, "model_files": one}
+    b = {**server, "model_commit": after, "model_files": shards}
+    [change] = server_changes(a, b)
+    assert change.startswith(f"model commit: {before} -> {after} (model"), change
+    assert "model.safetensors" in change and "model-00001-of-00002.safetensors" in change
+    card = {**one, "README.md": "e0" * 20}
+    assert server_changes(a, {**b, "model_files": card}) == []
+    # a .bin-only side: what each fetched is left to the files both hold (config, tokenizer)
+    bins = {**same, "pytorch_model.bin": "9e" * 32}
+    assert server_changes({**a, "model_files": bins}, b) == []
+
+
 def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
     """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
     the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.
