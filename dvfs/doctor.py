@@ -550,6 +550,7 @@ def _out_dir(
     """The folder as the sweep uses it: `check_out_dir`; for a fleet (`models`: its workers'
     GPU models, as far as they were read), each model's journal as the fleet picks them, its
     sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
+    from dvfs.fleet.folders import fleet_journal
     from dvfs.measure.journal import JOURNAL_NAME
     from dvfs.sweep import check_out_dir
 
@@ -565,6 +566,10 @@ def _out_dir(
         if journals_done(out_dir, campaign, cells, set(models)) is None:
             model_journals(out_dir, set(models))
             check_same_gpus(out_dir, identities)
+    elif identities and not fleet_journal(out_dir):
+        from dvfs.fleet.folders import check_same_gpus
+
+        check_same_gpus(out_dir, identities, fleet=False)  # as the sweep on one group compares
     resumes = (out_dir / JOURNAL_NAME).is_file()
     return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
 

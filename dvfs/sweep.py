@@ -93,17 +93,25 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
     from dataclasses import asdict
 
     from dvfs.records import incomparable
-    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 
     now = {"gpus": [asdict(g.identity) for g in gpus]}
     for session in journal.sessions:
         changes = incomparable(session, now)
         if changes:
-            advice = TWIN_CHANGED if twin_changed(changes) else "use another --out directory"
-            raise JournalError(
-                f"{journal.path} was measured on GPUs that differ from this run's in what makes "
-                f"cells compare ({'; '.join(changes)}): {advice}"
-            )
+            raise JournalError(other_gpus_line(journal.path, changes))
+
+
+def other_gpus_line(journal: Path, changes: Sequence[str]) -> str:
+    """The line a sweep on one GPU group refuses to resume `journal` in, on GPUs that differ
+    from its sessions' in what makes cells compare (`changes`, `dvfs.records.incomparable`'s);
+    its dry run and `dvfs doctor` say it too (`dvfs.fleet.folders.check_same_gpus`)."""
+    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
+
+    advice = TWIN_CHANGED if twin_changed(changes) else "use another --out directory"
+    return (
+        f"{journal} was measured on GPUs that differ from this run's in what makes "
+        f"cells compare ({'; '.join(changes)}): {advice}"
+    )
 
 
 def check_same_prompts(
@@ -651,6 +659,24 @@ def read_gpu_names(
         return [(g.identity.index, g.identity.name) for g in gpus]
 
 
+def read_gpu_identities(
+    campaign: Campaign, *, nvml: ModuleType | None = None
+) -> list[dict[str, Any]]:
+    """The identities (as sessions record them) of the real GPUs a sweep of `campaign` on one
+    GPU group opens, read as `read_gpu_names` reads them (nothing set, closed); none where
+    NVML cannot open them (a machine planning for another: nothing to compare)."""
+    from dataclasses import asdict
+
+    from dvfs.backends import job_gpus, open_gpus
+    from dvfs.errors import GpuError
+
+    try:
+        with open_gpus(campaign.gpu.devices, nvml=nvml, visible=job_gpus()) as gpus:
+            return [asdict(g.identity) for g in gpus]
+    except GpuError:
+        return []
+
+
 def check_server_gpus(
     campaign: Campaign, *, nvml: ModuleType | None = None, gpus: Sequence[Gpu] | None = None
 ) -> None:
@@ -1024,13 +1050,20 @@ def resumed_journals(
     `workers_per_model` names them, twin GPUs by their profile, real ones by the name NVML
     gives (`read_group_models`). Where a real GPU's model was not read, a folder a fleet mixing
     models began resumes, as far as this can tell, into each of its `gpu-*/` journals (on the
-    GPUs that began it). A `fleet`'s: a folder of a run on other GPUs (another model, finished
-    or not) is refused in the fleet's line (`check_same_gpus`). `fresh`: as
+    GPUs that began it). A folder of a run on other GPUs (another model, finished or not) is
+    refused in the fleet's line, or (no `fleet`) the sweep's (`check_same_gpus`). `fresh`: as
     --fresh leaves the folder."""
     from dvfs.fleet.folders import check_same_gpus, journals_done, model_journals
 
     # Twin GPUs by their profile's name, real ones' as the dry run read them over NVML.
     names = model_names(campaign, models)
+    if not fleet and not fresh and (out_dir / JOURNAL_NAME).is_file():
+        # One GPU group: its GPUs compared with the journal's sessions, finished or not, as the
+        # sweep compares them before it measures (real ones read here: the dry run left them).
+        gpus = read_gpu_identities(campaign) if real_gpus(campaign) else None
+        check_same_gpus(
+            out_dir, gpu_identities(campaign, models) if gpus is None else gpus, fleet=False
+        )
     # A folder holding every cell, on these models (a model it never measured is not done).
     done = None if fresh else journals_done(out_dir, campaign, cells, names)
     if done is not None:

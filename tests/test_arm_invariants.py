@@ -774,6 +774,86 @@ def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_pat
     assert [s["model_files"] for s in servers] == [{"model.safetensors": served}] * 2
 
 
+def test_a_resume_whose_download_dir_commit_changed_the_config_alone_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A server given --download-dir fetches its weights there (`download_weights_from_hf`'s
+    cache_dir), but its config and tokenizer through transformers, from the Hub cache: the
+    --download-dir snapshot of a commit holds the weights alone. A commit upstream that edits
+    config.json alone (not the weights) was taken for the same model, every file both
+    snapshots there hold being the same blobs, though the resumed server loads another
+    config. The files of the commit's snapshot in the Hub cache are compared too."""
+    dl, home = tmp_path / "weights", tmp_path / "hf"
+    path, marker = stub_campaign(
+        tmp_path,
+        drafters=TWO_DRAFTERS,
+        **ONE_SETTING,
+        sglang_extra=f"extra_args = {json.dumps(['--download-dir', str(dl)])}",
+    )
+    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
+    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
+    path.write_text(text)
+    before, after = "a1" * 20, "b2" * 20
+    weights = {"model.safetensors": "5a" * 32}
+    refs = []
+    for cache, files in (
+        (dl, {before: weights, after: weights}),
+        (home / "hub", {before: {"config.json": "c0" * 20}, after: {"config.json": "e4" * 20}}),
+    ):
+        repo = cache / f"models--org--{marker}"
+        for commit, held in files.items():
+            _snapshot(repo, commit, held)
+        (repo / "refs").mkdir()
+        refs.append(repo / "refs" / "main")
+        refs[-1].write_text(before)
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    other = keep_first_drafter(journal)
+    for ref in refs:
+        ref.write_text(after)
+    refused = sweep(path, out)
+    assert refused.exit_code == 5, refused.output
+    [failed] = [
+        r
+        for r in read_records(journal)
+        if r["type"] == "cell" and r["cell"]["drafter"] == other and r.get("error")
+    ]
+    assert f"model commit: {before} -> {after} (config.json)" in failed["error"]
+
+
+def test_a_commit_that_resharded_the_weights_is_another_model() -> None:
+    """A commit upstream that uploads the weights anew in other files (one model.safetensors
+    becomes shards with their index), the config and tokenizer left as they were: the two
+    snapshots share no weight file, and every file both hold is the same blob, so it was
+    taken for the same model though the server loads other weights. A server fetches every
+    `*.safetensors` of its commit (`download_weights_from_hf`), as a whole repo's download
+    does: the names differing is a change. The same names, or one side with no safetensors,
+    leave the comparison to the files both hold."""
+    from dvfs.records.session import server_changes
+
+    before, after = "a1" * 20, "b2" * 20
+    same = {"config.json": "c0" * 20, "tokenizer.json": "d0" * 20}
+    one = {**same, "model.safetensors": "5a" * 32}
+    shards = {
+        **same,
+        "model-00001-of-00002.safetensors": "6b" * 32,
+        "model-00002-of-00002.safetensors": "7c" * 32,
+        "model.safetensors.index.json": "8d" * 20,
+    }
+    server = {"engine": "sglang", "version": "0.5.9", "args": {}}
+    a = {**server, "model_commit": before, "model_files": one}
+    b = {**server, "model_commit": after, "model_files": shards}
+    [change] = server_changes(a, b)
+    assert change.startswith(f"model commit: {before} -> {after} (model"), change
+    assert "model.safetensors" in change and "model-00001-of-00002.safetensors" in change
+    card = {**one, "README.md": "e0" * 20}
+    assert server_changes(a, {**b, "model_files": card}) == []
+    # a .bin-only side: what each fetched is left to the files both hold (config, tokenizer)
+    bins = {**same, "pytorch_model.bin": "9e" * 32}
+    assert server_changes({**a, "model_files": bins}, b) == []
+
+
 def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
     """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
     the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -288,6 +289,98 @@ def test_a_fleet_on_another_gpu_model_is_refused_by_its_dry_run_and_doctor_as_th
         assert own["already_done"] == (16 if state == "finished" else 5), (state, own)
         own_doctor = invoke("doctor", str(campaign), "--gpus", "0-1", "--out", str(out), "--json")
         assert own_doctor.exit_code == 0, own_doctor.output
+
+
+def _refused_alike(campaign: Path, out: Path, invoke_: Callable[..., Result]) -> str:
+    """The sweep of `campaign` into `out` refused, exit 1, and its dry run (text, --json) and
+    `dvfs doctor`'s "output folder" check in the very same line, exit 1, nothing written."""
+    from test_journal import assert_one_line_error
+
+    before = folder_files(out)
+    sweep = ("sweep", str(campaign), "--out", str(out))
+    line = assert_one_line_error(invoke_(*sweep, "--no-progress"), 1, "measured on GPUs that")
+    dry = (*sweep, "--dry-run", "--no-estimate")
+    assert assert_one_line_error(invoke_(*dry), 1) == line
+    assert assert_one_line_error(invoke_(*dry, "--json"), 1) == line
+    doctor = invoke_("doctor", str(campaign), "--out", str(out), "--json")
+    assert doctor.exit_code == 1, doctor.output
+    refused = {c["name"]: c for c in json.loads(doctor.output)}["output folder"]
+    assert refused["status"] == "fail" and line.endswith(refused["detail"]), (line, refused)
+    assert folder_files(out) == before
+    return line
+
+
+def test_one_gpus_sweep_on_other_gpus_is_refused_by_its_dry_run_and_doctor_as_the_sweep(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A folder measured on twin GPUs that differ from this run's in what makes cells compare
+    (another twin: its digest, the driver version; finished or begun), resumed by a sweep on
+    one GPU (no fleet): the sweep refuses it, exit 1, yet its dry run said "16 already done"
+    (begun: "5 already done, 11 to run") and `dvfs doctor` passed the folder, exit 0. Both
+    refuse it now in the sweep's line. The folder's own GPUs still find its cells done."""
+    from dvfs.twin.identity import TWIN_CHANGED
+
+    campaign = write(tmp_path / "tiny.toml", MIXED)
+    out = copy_sweep(tiny_exact_run("one"), tmp_path / "one")
+    journal = out / "journal.jsonl"
+    own = journal.read_text(encoding="utf-8")
+    records = [json.loads(line) for line in own.splitlines()]
+    for record in records:
+        for gpu in record.get("gpus", ()) if record["type"] == "session" else ():
+            gpu["driver_version"] = "twin+000000000000"  # another twin's
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    for state in ("finished", "begun"):
+        if state == "begun":
+            _interrupted(journal, 5)
+            (out / "cube.nc").unlink()
+        line = _refused_alike(campaign, out, invoke)
+        assert "driver version: twin+000000000000 -> twin+" in line and TWIN_CHANGED in line
+    journal.write_text(own, encoding="utf-8")
+    doc, _ = _dry(campaign, out)
+    assert doc["already_done"] == 16, doc
+
+
+def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doctor(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A folder swept on a (fake NVML) H100, resumed on an H200 by a sweep on one GPU: the
+    sweep refuses it, exit 1, yet its dry run, which reads no GPU of a plain sweep, said "4
+    already done, 0 to run" and `dvfs doctor` passed the folder. Both refuse it now in the
+    sweep's line (GPU model, memory clock). On the H100 again, its cells are done."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    load_fake().fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=4, repeats=1))
+    out = tmp_path / "out"
+    first = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert first.returncode == 0, first.stderr
+
+    def on(devices: str) -> Callable[..., Result]:
+        def run(*args: str) -> Result:
+            monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
+            load_fake().fake_reset_state()
+            done = dvfs_in_process(*args, env={**env, "DVFS_FAKE_NVML_DEVICES": devices})
+            return Result(
+                runner=CliRunner(),
+                stdout_bytes=done.stdout.encode(),
+                stderr_bytes=done.stderr.encode(),
+                output_bytes=(done.stdout + done.stderr).encode(),
+                return_value=None,
+                exit_code=done.returncode,
+                exception=None,
+            )
+
+        return run
+
+    line = _refused_alike(campaign, out, on("h200-sxm,h200-sxm"))
+    assert "GPU model: NVIDIA H100 80GB HBM3 -> NVIDIA H200" in line, line
+    dry = ("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    own = on("h100-sxm,h100-sxm")(*dry)
+    assert own.exit_code == 0, own.output
+    assert json.loads(own.stdout)["already_done"] == 4, own.stdout
 
 
 def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(

@@ -7,6 +7,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -390,9 +391,10 @@ def echo_json(data: Any) -> None:
 
 
 class OutputFile(click.Path):
-    """An option naming the file a command writes. A path ending in '/' is refused (click's
-    usage error) before any work: pathlib drops the slash, so the folder the user meant would
-    silently become the file's name. `example` is the file name the error suggests in it."""
+    """An option naming the file a command writes. A path ending in '/' or '/.' (`"$DIR/."`)
+    is refused (click's usage error) before any work: pathlib drops the slash and the '.', so
+    the folder the user meant would silently become the file's name. `example` is the file
+    name the error suggests in it."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -400,10 +402,13 @@ class OutputFile(click.Path):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
-        if text.endswith(("/", os.sep)):
+        # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
+        end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
+        if end:
+            folder = text[: end.start()]
             self.fail(
-                f"{text!r} ends in '/', a folder: give a file's path, e.g. "
-                f"{text.rstrip('/' + os.sep) + '/' + self.example!r}",
+                f"{text!r} ends in {text[-2:] if text.endswith('.') else '/'!r}, a folder: "
+                f"give a file's path, e.g. {folder + '/' + self.example!r}",
                 param,
                 ctx,
             )

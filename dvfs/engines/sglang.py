@@ -225,27 +225,29 @@ def model_commit(
 def model_files(
     model_path: object, commit: str, env: Mapping[str, str], download_dir: object = None
 ) -> dict[str, str]:
-    """What the cache a server loaded `commit` of model `model_path` from holds of it (the
-    first of `_hub_repos` with its snapshot): each file of the snapshot, by its path in the
-    repo, with the blob it links to (named by the file's content: its git or LFS hash), so
-    that two commits whose files a server loaded are the same blobs (a commit that edited the
-    model card alone) are told from two whose weights, config, tokenizer or template differ;
-    empty where dvfs cannot tell (no such snapshot, a cache without links)."""
+    """What the caches a server loaded `commit` of model `model_path` from hold of it (each of
+    `_hub_repos` with its snapshot: a --download-dir's holds the weights, fetched there, the
+    Hub cache's the config and tokenizer, which transformers fetches there): each file of the
+    snapshots, by its path in the repo, with the blob it links to (named by the file's
+    content: its git or LFS hash), so that two commits whose files a server loaded are the
+    same blobs (a commit that edited the model card alone) are told from two whose weights,
+    config, tokenizer or template differ; empty where dvfs cannot tell (no such snapshot, a
+    cache without links, one that cannot be read)."""
     if not commit:
         return {}
+    files: dict[str, str] = {}
     for repo in _hub_repos(model_path, env, download_dir):
         snapshot = repo / "snapshots" / commit
         if not snapshot.is_dir():
             continue
-        files: dict[str, str] = {}
         try:
             for path in sorted(snapshot.rglob("*")):
                 if path.is_symlink():
-                    files[path.relative_to(snapshot).as_posix()] = Path(os.readlink(path)).name
+                    name = path.relative_to(snapshot).as_posix()
+                    files.setdefault(name, Path(os.readlink(path)).name)
         except (OSError, ValueError):
             return {}
-        return files
-    return {}
+    return files
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -59,23 +59,28 @@ def other_gpus(journal: Path, changes: Sequence[str]) -> str:
     )
 
 
-def check_same_gpus(out_dir: Path, gpus: Sequence[Mapping[str, Any]]) -> None:
+def check_same_gpus(
+    out_dir: Path, gpus: Sequence[Mapping[str, Any]], *, fleet: bool = True
+) -> None:
     """Refuse, as the fleet's driver refuses when its workers open their session, the folder's
     own journal (one GPU model's run) where its sessions' GPUs differ from `gpus` (this run's
     GPUs' identities, as sessions record them; a key one lacks is not compared) in what makes
     cells compare: what a dry run and `dvfs doctor` check before any GPU is set, so that they
     say the sweep's line and do not count the other GPUs' cells as done. A folder whose models
-    each have their `gpu-*/` journal is left to `model_journals`."""
+    each have their `gpu-*/` journal is left to `model_journals`. No `fleet`: a sweep on one
+    GPU group, refused in its own line (`dvfs.sweep.other_gpus_line`)."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
     from dvfs.records import incomparable
+    from dvfs.sweep import other_gpus_line
 
+    line = other_gpus if fleet else other_gpus_line
     journal = out_dir / JOURNAL_NAME
     if not gpus or any(out_dir.glob("gpu-*/" + JOURNAL_NAME)) or not journal.is_file():
         return
     now = {"gpus": [dict(g) for g in gpus]}
     for record in iter_records(journal):
         if record.get("type") == "session" and (changes := incomparable(record, now)):
-            raise JournalError(other_gpus(journal, changes))
+            raise JournalError(line(journal, changes))
 
 
 def fleet_journal(out_dir: Path) -> bool:

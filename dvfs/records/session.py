@@ -363,16 +363,28 @@ def _engine_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
 
 def _files_changed(before: Any, now: Any) -> list[str] | None:
     """The files two servers' Hub snapshots both hold whose blobs differ (`Server.model_files`),
-    but for those no server loads (`_unserved`): empty where every such file is the same blob
-    (another commit that changed none of what both servers loaded: a model card edited
-    upstream); None where either record holds none or they share no such file, so the
-    commits themselves are compared."""
+    but for those no server loads (`_unserved`), and the weights files one holds and the other
+    not (`_weights`, where both hold some): empty where none (another commit that changed none
+    of what both servers loaded: a model card edited upstream); None where either record
+    holds none or they share no such file, so the commits themselves are compared."""
     if not isinstance(before, Mapping) or not isinstance(now, Mapping):
         return None
     both = sorted(name for name in before.keys() & now.keys() if not _unserved(str(name)))
     if not both:
         return None
-    return [name for name in both if before[name] != now[name]]
+    changed = [name for name in both if before[name] != now[name]]
+    # A server fetches every safetensors file of its commit (SGLang's download_weights_from_hf,
+    # as a whole repo's download): where both hold some, other names are other weights (a
+    # commit that sharded them anew), though the files both hold be the same blobs.
+    weights = [{n for n in files if _weights(str(n))} for files in (before, now)]
+    if all(weights):
+        changed += sorted(weights[0] ^ weights[1])
+    return changed
+
+
+def _weights(name: str) -> bool:
+    """A weights file a server loads: the repo's top-level `*.safetensors` (not `original/`)."""
+    return "/" not in name and name.endswith(".safetensors")
 
 
 #: What a model repo holds that no server loads (the card, licence, figures): a whole repo's
