@@ -128,41 +128,25 @@ def check_job_gpus(
         pass
 
 
-def gpu_named_twice(devices: Sequence[int | str], indices: Sequence[int]) -> str | None:
-    """Where two of `devices` (as given: indices, UUIDs) are one GPU (`indices`, the NVML
-    index each opened as), which names them: "GPU 0 (as 0 and GPU-...)"; else None."""
-    seen: dict[int, int | str] = {}
-    for device, index in zip(devices, indices, strict=True):
-        if index in seen:
-            return f"GPU {index} (as {seen[index]} and {device})"
-        seen[index] = device
-    return None
-
-
 def check_gpus_named_once(
     campaign: Campaign, devices: Sequence[int | str], *, option: str, nvml: ModuleType | None = None
 ) -> None:
     """Refuse, before a sweep (or its dry run) locks a GPU, real GPUs `devices` (from `option`:
     --gpus or gpu.devices) naming one GPU twice, by its index and its UUID (two equal entries
     the parser refuses): its two workers (or one server's two GPUs) would each lock it, and the
-    second be told another dvfs holds it. Opened read-only to read their indices where a UUID
-    is among them; where NVML cannot open them the sweep's own opening tells."""
+    second be told another dvfs holds it. Opened read-only (`open_nvml_gpus` refuses such a
+    list) where a UUID is among them; where NVML cannot open them the sweep's own opening
+    tells."""
     if not real_gpus(campaign) or not any(isinstance(d, str) for d in devices):
         return
     from dvfs.errors import GpuError
+    from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 
-    with (
-        contextlib.suppress(GpuError),
-        open_gpus(devices, nvml=nvml, allow_mig=True) as gpus,
-    ):
-        twice = gpu_named_twice(devices, [g.identity.index for g in gpus])
-        if twice:
-            raise CampaignError(named_twice(option, twice))
-
-
-def named_twice(option: str, twice: str) -> str:
-    """The one line refusing `option` for naming a GPU twice (`gpu_named_twice`)."""
-    return f"{option} names {twice} twice: name each GPU once, by its index or its UUID"
+    try:
+        with contextlib.suppress(GpuError), open_gpus(devices, nvml=nvml, allow_mig=True):
+            pass
+    except GpuNamedTwiceError as exc:
+        raise CampaignError(named_twice(option, exc.twice)) from None
 
 
 @contextlib.contextmanager

@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.backends import (
     check_engine,
-    gpu_named_twice,
-    named_twice,
     open_campaign_gpus,
     real_gpus,
     simulated_engine,
 )
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError
+from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
 if TYPE_CHECKING:
@@ -211,15 +210,6 @@ def _gpu_checks(
                     f"NVIDIA driver {first.driver_version}, {len(gpus)} GPU(s): {named}",
                 )
             )
-            devices = list(campaign.gpu.devices)
-            twice = (
-                gpu_named_twice(devices, [g.identity.index for g in gpus])
-                if len(devices) == len(gpus)
-                else None
-            )
-            if twice:  # as the sweep refuses it, exit 2: its workers would each lock the GPU
-                option = "--gpus" if given else "gpu.devices"
-                checks.append(Check("gpus", FAIL, named_twice(option, twice), invalid=True))
             for g in gpus:
                 ident = g.identity
                 persistence = g.persistence_mode()
@@ -331,6 +321,10 @@ def _gpu_checks(
                         "means the capped setting",
                     )
                 )
+    except GpuNamedTwiceError as exc:  # as the sweep refuses it: its workers would each lock it
+        option = "--gpus" if given else "gpu.devices"
+        checks.append(Check("gpus", FAIL, named_twice(option, exc.twice), invalid=True))
+        return checks
     except DvfsError as exc:  # exit 2: GPUs the sweep refuses too (outside CUDA_VISIBLE_DEVICES)
         checks.append(Check("driver", FAIL, str(exc), invalid=exc.exit_code == 2))
         return checks

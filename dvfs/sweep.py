@@ -98,20 +98,9 @@ def _check_same_gpus(journal: Journal, gpus: list[Gpu]) -> None:
     for session in journal.sessions:
         changes = incomparable(session, now)
         if changes:
+            from dvfs.fleet.folders import other_gpus_line
+
             raise JournalError(other_gpus_line(journal.path, changes))
-
-
-def other_gpus_line(journal: Path, changes: Sequence[str]) -> str:
-    """The line a sweep on one GPU group refuses to resume `journal` in, on GPUs that differ
-    from its sessions' in what makes cells compare (`changes`, `dvfs.records.incomparable`'s);
-    its dry run and `dvfs doctor` say it too (`dvfs.fleet.folders.check_same_gpus`)."""
-    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
-
-    advice = TWIN_CHANGED if twin_changed(changes) else "use another --out directory"
-    return (
-        f"{journal} was measured on GPUs that differ from this run's in what makes "
-        f"cells compare ({'; '.join(changes)}): {advice}"
-    )
 
 
 def check_same_prompts(

@@ -42,6 +42,19 @@ def model_journals(out_dir: Path, models: Iterable[str], *, fresh: bool = False)
     return [out_dir / model_folder(name) / JOURNAL_NAME for name in names]
 
 
+def other_gpus_line(journal: Path, changes: Sequence[str]) -> str:
+    """The line a sweep on one GPU group refuses to resume `journal` in, on GPUs that differ
+    from its sessions' in what makes cells compare (`changes`, `dvfs.records.incomparable`'s);
+    its dry run and `dvfs doctor` say it too (`check_same_gpus`)."""
+    from dvfs.twin.identity import TWIN_CHANGED, twin_changed
+
+    advice = TWIN_CHANGED if twin_changed(changes) else "use another --out directory"
+    return (
+        f"{journal} was measured on GPUs that differ from this run's in what makes "
+        f"cells compare ({'; '.join(changes)}): {advice}"
+    )
+
+
 def other_gpus(journal: Path, changes: Sequence[str]) -> str:
     """The line refusing to resume `journal` on GPUs that differ from its sessions' in what
     makes cells compare (`changes`, `dvfs.records.incomparable`'s)."""
@@ -68,10 +81,9 @@ def check_same_gpus(
     cells compare: what a dry run and `dvfs doctor` check before any GPU is set, so that they
     say the sweep's line and do not count the other GPUs' cells as done. A folder whose models
     each have their `gpu-*/` journal is left to `model_journals`. No `fleet`: a sweep on one
-    GPU group, refused in its own line (`dvfs.sweep.other_gpus_line`)."""
+    GPU group, refused in its own line (`other_gpus_line`)."""
     from dvfs.measure.journal import JOURNAL_NAME, iter_records
     from dvfs.records import incomparable
-    from dvfs.sweep import other_gpus_line
 
     line = other_gpus if fleet else other_gpus_line
     journal = out_dir / JOURNAL_NAME

@@ -464,18 +464,33 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
     return uuids
 
 
+class GpuNamedTwiceError(CampaignError):
+    """One GPU named twice among the GPUs a command opens (by index, by UUID, or both): a usage
+    error, exit 2, as in a campaign. Opened twice, a command would lock it against itself ("in
+    use by another dvfs process", its own pid) or read and export it twice. `twice` names it
+    ("GPU 0 (as 0 and GPU-...)"), for a command that says which option named it
+    (`named_twice`)."""
+
+    twice = ""
+
+
+def named_twice(option: str, twice: str) -> str:
+    """The one line refusing `option` for naming a GPU twice (`GpuNamedTwiceError.twice`)."""
+    return f"{option} names {twice} twice: name each GPU once, by its index or its UUID"
+
+
 def _refuse_named_twice(devices: Sequence[int | str], gpus: Sequence[NvmlGpu]) -> None:
-    """One GPU named twice (by index, by UUID, or both) is a usage error, exit 2, as in a
-    campaign: opened twice, a command would lock it against itself ("in use by another dvfs
-    process", its own pid) or read and export it twice."""
+    """`GpuNamedTwiceError` where two of `devices` opened as one GPU."""
     seen: dict[str, int | str] = {}
     for device, gpu in zip(devices, gpus, strict=True):
         ident = gpu.identity
         if ident.uuid in seen:
-            raise CampaignError(
-                f"GPU {ident.index} ({ident.uuid}) is named twice ({seen[ident.uuid]} and "
-                f"{device}): name each GPU once"
+            twice = f"GPU {ident.index} (as {seen[ident.uuid]} and {device})"
+            error = GpuNamedTwiceError(
+                f"{twice} is named twice: name each GPU once, by its index or its UUID"
             )
+            error.twice = twice
+            raise error
         seen[ident.uuid] = device
 
 
