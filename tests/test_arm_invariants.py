@@ -854,6 +854,35 @@ def test_a_commit_that_resharded_the_weights_is_another_model() -> None:
     assert server_changes({**a, "model_files": bins}, b) == []
 
 
+def test_a_consolidated_file_beside_the_indexed_shards_is_no_other_model() -> None:
+    """A repo shipping both shards with their index and one `consolidated.safetensors` (Mistral's
+    layout): a server loads the shards the index names, the consolidated file dropped as their
+    duplicate (`filter_duplicate_safetensors_files`). A snapshot fetched without it (`hf
+    download --exclude 'consolidated*'`, read offline as it is) and one of the next commit
+    fetched whole hold the same weights the server loads: a commit upstream that edited the
+    card alone is the same model. Other shards, or another index, stay a change."""
+    from dvfs.records.session import server_changes
+
+    before, after = "a1" * 20, "b2" * 20
+    shards = {
+        "config.json": "c0" * 20,
+        "model-00001-of-00002.safetensors": "6b" * 32,
+        "model-00002-of-00002.safetensors": "7c" * 32,
+        "model.safetensors.index.json": "8d" * 20,
+    }
+    whole = {**shards, "consolidated.safetensors": "5a" * 32, "README.md": "e0" * 20}
+    server = {"engine": "sglang", "version": "0.5.9", "args": {}}
+    a = {**server, "model_commit": before, "model_files": shards}
+    b = {**server, "model_commit": after, "model_files": whole}
+    assert server_changes(a, b) == []
+    assert server_changes(b, a) == []
+    # the index naming other shards: another model, named by the index that changed
+    other = {k: v for k, v in whole.items() if k != "model-00002-of-00002.safetensors"}
+    resharded = {**other, "model.safetensors.index.json": "9f" * 20}
+    [change] = server_changes(a, {**b, "model_files": resharded})
+    assert "model.safetensors.index.json" in change, change
+
+
 def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) -> None:
     """The server's huggingface_hub finds its cache as its constants say: HF_HUB_CACHE, else
     the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, each with '~' and $VARS expanded.

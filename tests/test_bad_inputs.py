@@ -1979,7 +1979,7 @@ def test_a_write_cut_short_keeps_the_old_file(
 OUTPUT_FILES = {**OVERWRITES, "cube-merge-o": ["cube", "merge", "{cube}", "{cube}", "-o", "{out}"]}
 
 
-@pytest.mark.parametrize("end", ["/", "/.", "/./"])
+@pytest.mark.parametrize("end", ["/", "/.", "/./", "/.."])
 @pytest.mark.parametrize("name", list(OUTPUT_FILES))
 def test_an_output_file_ending_in_a_slash_is_refused(
     name: str, end: str, shared: dict[str, Path], tmp_path: Path
@@ -1987,7 +1987,8 @@ def test_an_output_file_ending_in_a_slash_is_refused(
     """`-o new/folder/` (or `new/folder/.`, as `"$DIR/."` in a script gives it) means a folder,
     yet pathlib drops the slash (and the '.'): the command wrote a file named `new/folder`. It
     is click's usage error (exit 2) naming the option, before any work, and it shows a file
-    path to give instead."""
+    path to give instead. `new/folder/..` is a folder too (`new`): the command did its work,
+    made `new/folder`, then failed to write a file over `new` (exit 1, the work lost)."""
     out = tmp_path / "new" / "folder"
     places = {**{k: str(v) for k, v in shared.items()}, "out": f"{out}{end}"}
     result = CliRunner().invoke(cli, [_fill(a, places) for a in OUTPUT_FILES[name]])

@@ -393,8 +393,8 @@ def echo_json(data: Any) -> None:
 class OutputFile(click.Path):
     """An option naming the file a command writes. A path ending in '/' or '/.' (`"$DIR/."`)
     is refused (click's usage error) before any work: pathlib drops the slash and the '.', so
-    the folder the user meant would silently become the file's name. `example` is the file
-    name the error suggests in it."""
+    the folder the user meant would silently become the file's name; one ending in '..' names
+    a folder too. `example` is the file name the error suggests in it."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -409,6 +409,15 @@ class OutputFile(click.Path):
             self.fail(
                 f"{text!r} ends in {text[-2:] if text.endswith('.') else '/'!r}, a folder: "
                 f"give a file's path, e.g. {folder + '/' + self.example!r}",
+                param,
+                ctx,
+            )
+        if text == ".." or text.endswith(("/..", os.sep + "..")):
+            # a folder's parent (`new/..` is `new`'s), which click's check passes where the
+            # folder is not made yet: the work ran, then the write failed on a folder
+            self.fail(
+                f"{text!r} ends in '..', a folder: give a file's path, e.g. "
+                f"{text + '/' + self.example!r}",
                 param,
                 ctx,
             )

@@ -375,11 +375,19 @@ def _files_changed(before: Any, now: Any) -> list[str] | None:
     changed = [name for name in both if before[name] != now[name]]
     # A server fetches every safetensors file of its commit (SGLang's download_weights_from_hf,
     # as a whole repo's download): where both hold some, other names are other weights (a
-    # commit that sharded them anew), though the files both hold be the same blobs.
+    # commit that sharded them anew), though the files both hold be the same blobs. Where both
+    # hold the shards' index, the server loads the files it names, no other (a Mistral repo's
+    # consolidated.safetensors beside them, one snapshot fetched without it): the index, being
+    # the same blob or not, says it.
     weights = [{n for n in files if _weights(str(n))} for files in (before, now)]
-    if all(weights):
+    if all(weights) and not (_INDEX in before and _INDEX in now):
         changed += sorted(weights[0] ^ weights[1])
     return changed
+
+
+#: The shards' index: a server loads the safetensors files it names, the others dropped as their
+#: duplicates (SGLang's filter_duplicate_safetensors_files).
+_INDEX = "model.safetensors.index.json"
 
 
 def _weights(name: str) -> bool:
