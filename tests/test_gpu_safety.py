@@ -416,6 +416,19 @@ def test_no_driver_message(env, monkeypatch) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:
+    """NVML's DriverNotLoaded (9: the library is there, the kernel module is not, say after a
+    driver update without a reboot) is not LibraryNotFound: "install the NVIDIA driver" would
+    send the user to install what is installed, instead of loading it."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", "9")
+    result = dvfs_in_process("gpu", "list", env={**env, "DVFS_FAKE_NVML_INIT_ERROR": "9"})
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert "not loaded" in result.stderr and "modprobe nvidia" in result.stderr
+    assert "no NVIDIA driver was found" not in result.stderr
+    assert "install the NVIDIA driver" not in result.stderr
+    assert "--twin h100-sxm" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
     nvml, tmp_path: Path, env, monkeypatch
 ) -> None:
