@@ -704,6 +704,33 @@ def test_gpu_reset_restores_a_dead_runs_gpu_beside_a_live_ones(nvml, tmp_path: P
         assert store.pending(live.identity.uuid) and not store.pending(dead.identity.uuid)
 
 
+def test_doctor_does_not_send_a_running_dvfss_gpu_to_gpu_reset(nvml, tmp_path: Path, env) -> None:
+    """A GPU a running dvfs changed (its state file written, its lock held) is not a dead
+    run's: `dvfs gpu reset` skips it ("which restores it itself"), so doctor's state check
+    once failed it with "and not restored - run `dvfs gpu reset`", advice that did nothing,
+    beside the lock check's "in use by another dvfs process". It now names the running
+    process; a dead run's file still fails with the advice."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    campaign = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    store = StateStore(state_dir)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        with GpuLocks(state_dir).hold([gpu]):  # the run that wrote it, still running
+            checked = doctor_checks(campaign, out, env)
+            assert checked["lock GPU 0"]["status"] == "fail"
+            state = checked["state"]
+            assert "dvfs gpu reset" not in state["detail"], state
+            assert "not restored" not in state["detail"], state
+            assert state["status"] != "fail" and "restores it itself" in state["detail"], state
+        dead = doctor_checks(campaign, out, env)["state"]  # its process gone, the file left
+        assert dead["status"] == "fail" and "dvfs gpu reset" in dead["detail"], dead
+        store.clear(gpu.identity.uuid)
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])
 def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -> None:
     from dvfs.errors import GpuStateError
