@@ -240,6 +240,11 @@ def _gpu_checks(
                     checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
 
             def knobs() -> tuple[str, str]:
+                if not campaign.gpu.actuation:  # observe-only: no list left to check
+                    return OK, (
+                        "observe-only: no clock or power limit is set; every cell is measured "
+                        "at the GPU's stock setting, as found"
+                    )
                 check_knobs_against(campaign, gpus)
                 return OK, "every clock and power limit of the campaign is supported"
 

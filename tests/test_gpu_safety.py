@@ -256,6 +256,31 @@ def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     assert_as_found(nvml, state_dir)
 
 
+def test_doctor_observe_only_does_not_call_unstepped_knobs_supported(tmp_path: Path, env) -> None:
+    """`doctor --observe-only` checks the campaign as `sweep --observe-only` runs it, its
+    clock and power-limit lists dropped: its knobs line once said "every clock and power limit
+    of the campaign is supported" of a campaign whose 2100 MHz and 150 W the GPU refuses (and
+    the sweep without --observe-only refuses, exit 2). It now says none is set, as the sweep's
+    note does."""
+    campaign = tmp_path / "unsupported.toml"
+    text = campaign_file(tmp_path).read_text()
+    campaign.write_text(
+        text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]").replace(
+            "power_limit = [700, 400]", "power_limit = [700, 150]"
+        )
+    )
+    out = tmp_path / "out"
+    result = dvfs_in_process(
+        "doctor", str(campaign), "--observe-only", "--out", str(out), "--json", env=env
+    )
+    knobs = {c["name"]: c for c in json.loads(result.stdout)}["knobs"]
+    assert knobs["status"] == "ok", knobs
+    assert "supported" not in knobs["detail"] and "observe-only" in knobs["detail"], knobs
+    assert "stock" in knobs["detail"], knobs
+    stepped = doctor_checks(campaign, out, env)["knobs"]  # without --observe-only: refused
+    assert stepped["status"] == "fail" and "2100 MHz" in stepped["detail"], stepped
+
+
 def test_a_state_file_from_before_a_reboot_neither_fails_doctor_nor_refuses_a_sweep(
     nvml, tmp_path: Path, env
 ) -> None:
