@@ -441,6 +441,27 @@ def test_no_driver_message(env, monkeypatch) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
+    """One GPU of a node lost (GpuIsLost) made `dvfs gpu list` print nothing but that GPU's
+    error: the healthy GPUs, and which index is the lost one, were not shown. It now lists
+    every GPU it can open, says which one is lost (in the table and the JSON), and exits 1."""
+    nvml.fake_update_device(1, lost=True)
+    try:
+        listed = dvfs_in_process("gpu", "list", env=env)
+        assert listed.returncode == 1, listed.stderr
+        out = " ".join((listed.stdout + listed.stderr).split())
+        assert nvml.fake_device_state(0)["uuid"] in out, out
+        assert "GPU 1" in out and "fallen off the bus" in out and "Traceback" not in out, out
+        as_json = dvfs_in_process("gpu", "list", "--json", env=env)
+        assert as_json.returncode == 1
+        rows = json.loads(as_json.stdout)
+        assert [r["index"] for r in rows] == [0, 1]
+        assert rows[0]["uuid"] == nvml.fake_device_state(0)["uuid"] and "error" not in rows[0]
+        assert "fallen off the bus" in rows[1]["error"]
+    finally:
+        nvml.fake_update_device(1, lost=False)
+
+
 def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:
     """NVML's DriverNotLoaded (9: the library is there, the kernel module is not, say after a
     driver update without a reboot) is not LibraryNotFound: "install the NVIDIA driver" would

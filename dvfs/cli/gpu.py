@@ -58,12 +58,31 @@ def gpu() -> None:
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.describe import gpu_summary
 
-    with open_cli_gpus((), twin, allow_mig=True) as gpus:
-        rows = [gpu_summary(g) for g in gpus]
+    rows: list[dict[str, Any]] = []
+    lost: list[GpuUnavailableError] = []
+    if twin:
+        with open_cli_gpus((), twin, allow_mig=True) as gpus:
+            rows = [gpu_summary(g) for g in gpus]
+    else:
+        from dvfs.gpu.nvml import device_count, nvml_session
+
+        with nvml_session() as module:
+            count = device_count(module)
+        # One at a time: a GPU fallen off the bus must not hide the others (nor which it is).
+        for index in range(count):
+            try:
+                with open_cli_gpus((str(index),), None, allow_mig=True) as (one,):
+                    rows.append(gpu_summary(one))
+            except GpuUnavailableError as exc:
+                lost.append(exc)
+                rows.append({"index": index, "error": str(exc)})
     if as_json:
         echo_json(rows)
+        if lost:
+            raise lost[0]
         return
     from rich.table import Table
 
@@ -71,6 +90,9 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     for col in ("index", "uuid", "name", "driver", "power limit", "SM clock", "MIG"):
         table.add_column(col, no_wrap=col == "uuid", overflow="fold")
     for r in rows:
+        if "error" in r:
+            table.add_row(str(r["index"]), "", f"[red]{r['error']}[/red]", "", "", "", "")
+            continue
         table.add_row(
             str(r["index"]),
             r["uuid"],
@@ -81,6 +103,8 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             "on (refused)" if r["mig"] else "off",
         )
     console().print(table)
+    if lost:
+        raise lost[0]
 
 
 @gpu.command("info")
