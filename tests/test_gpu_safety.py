@@ -777,6 +777,32 @@ def test_doctor_does_not_send_a_running_dvfss_gpu_to_gpu_reset(nvml, tmp_path: P
         store.clear(gpu.identity.uuid)
 
 
+def test_gpu_reset_restores_a_dead_runs_gpu_beside_one_fallen_off_the_bus(
+    nvml, tmp_path: Path, env
+) -> None:
+    """`dvfs gpu reset` with no GPU named (the governor unit's ExecStopPost) failed on a GPU
+    fallen off the bus before restoring anything: the dead run's other GPU stayed locked. It
+    now restores every GPU it can open, then says which one it could not (exit 1)."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([1], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        gpu.lock_sm_clock(210, 1200)
+    nvml.fake_update_device(0, lost=True)
+    try:
+        result = dvfs_in_process("gpu", "reset", env=env)
+        out = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 1, out
+        assert f"restored GPU 1 ({gpu.identity.uuid})" in out, out
+        assert "GPU 0" in out and "fallen off the bus" in out and "Traceback" not in out, out
+        assert nvml.fake_device_state(1)["locked_clocks"] is None
+        assert not store.pending(gpu.identity.uuid)
+    finally:
+        nvml.fake_update_device(0, lost=False)
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])
 def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -> None:
     from dvfs.errors import GpuStateError
