@@ -230,6 +230,11 @@ def _gpu_checks(
                     checks.append(Check(f"energy counter GPU {ident.index}", FAIL, str(exc)))
 
             def knobs() -> tuple[str, str]:
+                if not campaign.gpu.actuation:  # observe-only: no list left to check
+                    return OK, (
+                        "observe-only: no clock or power limit is set; every cell is measured "
+                        "at the GPU's stock setting, as found"
+                    )
                 check_knobs_against(campaign, gpus)
                 return OK, "every clock and power limit of the campaign is supported"
 
@@ -283,18 +288,33 @@ def _gpu_checks(
                 for p in StateStore(directory).pending(g.identity.uuid)
                 if not p.before_this_boot
             ]
-            checks.append(
-                Check(
-                    "state",
-                    FAIL if pending else OK,
-                    "; ".join(p.describe() for p in pending) + " - run `dvfs gpu reset`"
-                    if pending
-                    else f"no unrestored changes ({directory})",
-                )
-            )
             held = GpuLocks(directory)
+            holders = {g.identity.uuid: held.holder(g) for g in gpus}
+            # A file whose GPU a running dvfs holds is that run's (`gpu reset` skips it: the
+            # run restores it itself), not a dead run's: the lock check fails that GPU.
+            dead = [p for p in pending if not holders.get(p.original.uuid)]
+            live = [p for p in pending if holders.get(p.original.uuid)]
+            if dead:
+                state = Check(
+                    "state",
+                    FAIL,
+                    "; ".join(p.describe() for p in dead) + " - run `dvfs gpu reset`",
+                )
+            elif live:
+                state = Check(
+                    "state",
+                    WARN,
+                    "; ".join(
+                        f"GPU {p.original.uuid} is being changed by the running dvfs "
+                        f"{p.command!r} (pid {p.pid}), which restores it itself"
+                        for p in live
+                    ),
+                )
+            else:
+                state = Check("state", OK, f"no unrestored changes ({directory})")
+            checks.append(state)
             for g in gpus:
-                busy = held.holder(g)
+                busy = holders[g.identity.uuid]
                 checks.append(
                     Check(f"lock GPU {g.identity.index}", FAIL, busy)
                     if busy

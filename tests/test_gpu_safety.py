@@ -256,6 +256,31 @@ def test_a_sweep_refused_at_the_gpu_leaves_its_folder_as_it_found_it(
     assert_as_found(nvml, state_dir)
 
 
+def test_doctor_observe_only_does_not_call_unstepped_knobs_supported(tmp_path: Path, env) -> None:
+    """`doctor --observe-only` checks the campaign as `sweep --observe-only` runs it, its
+    clock and power-limit lists dropped: its knobs line once said "every clock and power limit
+    of the campaign is supported" of a campaign whose 2100 MHz and 150 W the GPU refuses (and
+    the sweep without --observe-only refuses, exit 2). It now says none is set, as the sweep's
+    note does."""
+    campaign = tmp_path / "unsupported.toml"
+    text = campaign_file(tmp_path).read_text()
+    campaign.write_text(
+        text.replace("sm_clock = [1980, 1500]", "sm_clock = [1980, 2100]").replace(
+            "power_limit = [700, 400]", "power_limit = [700, 150]"
+        )
+    )
+    out = tmp_path / "out"
+    result = dvfs_in_process(
+        "doctor", str(campaign), "--observe-only", "--out", str(out), "--json", env=env
+    )
+    knobs = {c["name"]: c for c in json.loads(result.stdout)}["knobs"]
+    assert knobs["status"] == "ok", knobs
+    assert "supported" not in knobs["detail"] and "observe-only" in knobs["detail"], knobs
+    assert "stock" in knobs["detail"], knobs
+    stepped = doctor_checks(campaign, out, env)["knobs"]  # without --observe-only: refused
+    assert stepped["status"] == "fail" and "2100 MHz" in stepped["detail"], stepped
+
+
 def test_a_state_file_from_before_a_reboot_neither_fails_doctor_nor_refuses_a_sweep(
     nvml, tmp_path: Path, env
 ) -> None:
@@ -414,6 +439,40 @@ def test_no_driver_message(env, monkeypatch) -> None:
     # `dvfs gpu list` has no campaign: the twin's way in is its own option, which the line names
     assert "--twin h100-sxm" in result.stderr and result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr
+
+
+def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
+    """One GPU of a node lost (GpuIsLost) made `dvfs gpu list` print nothing but that GPU's
+    error: the healthy GPUs, and which index is the lost one, were not shown. It now lists
+    every GPU it can open, says which one is lost (in the table and the JSON), and exits 1."""
+    nvml.fake_update_device(1, lost=True)
+    try:
+        listed = dvfs_in_process("gpu", "list", env=env)
+        assert listed.returncode == 1, listed.stderr
+        out = " ".join((listed.stdout + listed.stderr).split())
+        assert nvml.fake_device_state(0)["uuid"] in out, out
+        assert "GPU 1" in out and "fallen off the bus" in out and "Traceback" not in out, out
+        as_json = dvfs_in_process("gpu", "list", "--json", env=env)
+        assert as_json.returncode == 1
+        rows = json.loads(as_json.stdout)
+        assert [r["index"] for r in rows] == [0, 1]
+        assert rows[0]["uuid"] == nvml.fake_device_state(0)["uuid"] and "error" not in rows[0]
+        assert "fallen off the bus" in rows[1]["error"]
+    finally:
+        nvml.fake_update_device(1, lost=False)
+
+
+def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:
+    """NVML's DriverNotLoaded (9: the library is there, the kernel module is not, say after a
+    driver update without a reboot) is not LibraryNotFound: "install the NVIDIA driver" would
+    send the user to install what is installed, instead of loading it."""
+    monkeypatch.setenv("DVFS_FAKE_NVML_INIT_ERROR", "9")
+    result = dvfs_in_process("gpu", "list", env={**env, "DVFS_FAKE_NVML_INIT_ERROR": "9"})
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert "not loaded" in result.stderr and "modprobe nvidia" in result.stderr
+    assert "no NVIDIA driver was found" not in result.stderr
+    assert "install the NVIDIA driver" not in result.stderr
+    assert "--twin h100-sxm" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_without_root_nothing_changes_and_nothing_blocks_the_next_run(
@@ -689,6 +748,59 @@ def test_gpu_reset_restores_a_dead_runs_gpu_beside_a_live_ones(nvml, tmp_path: P
             named = dvfs_in_process("gpu", "reset", "1", env=env)
             assert named.returncode == 3 and "in use by another dvfs" in named.stderr
         assert store.pending(live.identity.uuid) and not store.pending(dead.identity.uuid)
+
+
+def test_doctor_does_not_send_a_running_dvfss_gpu_to_gpu_reset(nvml, tmp_path: Path, env) -> None:
+    """A GPU a running dvfs changed (its state file written, its lock held) is not a dead
+    run's: `dvfs gpu reset` skips it ("which restores it itself"), so doctor's state check
+    once failed it with "and not restored - run `dvfs gpu reset`", advice that did nothing,
+    beside the lock check's "in use by another dvfs process". It now names the running
+    process; a dead run's file still fails with the advice."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import GpuLocks, StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    campaign = campaign_file(tmp_path)
+    out = tmp_path / "out"
+    store = StateStore(state_dir)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        with GpuLocks(state_dir).hold([gpu]):  # the run that wrote it, still running
+            checked = doctor_checks(campaign, out, env)
+            assert checked["lock GPU 0"]["status"] == "fail"
+            state = checked["state"]
+            assert "dvfs gpu reset" not in state["detail"], state
+            assert "not restored" not in state["detail"], state
+            assert state["status"] != "fail" and "restores it itself" in state["detail"], state
+        dead = doctor_checks(campaign, out, env)["state"]  # its process gone, the file left
+        assert dead["status"] == "fail" and "dvfs gpu reset" in dead["detail"], dead
+        store.clear(gpu.identity.uuid)
+
+
+def test_gpu_reset_restores_a_dead_runs_gpu_beside_one_fallen_off_the_bus(
+    nvml, tmp_path: Path, env
+) -> None:
+    """`dvfs gpu reset` with no GPU named (the governor unit's ExecStopPost) failed on a GPU
+    fallen off the bus before restoring anything: the dead run's other GPU stayed locked. It
+    now restores every GPU it can open, then says which one it could not (exit 1)."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([1], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        gpu.lock_sm_clock(210, 1200)
+    nvml.fake_update_device(0, lost=True)
+    try:
+        result = dvfs_in_process("gpu", "reset", env=env)
+        out = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 1, out
+        assert f"restored GPU 1 ({gpu.identity.uuid})" in out, out
+        assert "GPU 0" in out and "fallen off the bus" in out and "Traceback" not in out, out
+        assert nvml.fake_device_state(1)["locked_clocks"] is None
+        assert not store.pending(gpu.identity.uuid)
+    finally:
+        nvml.fake_update_device(0, lost=False)
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])

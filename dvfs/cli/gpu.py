@@ -58,12 +58,31 @@ def gpu() -> None:
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.describe import gpu_summary
 
-    with open_cli_gpus((), twin, allow_mig=True) as gpus:
-        rows = [gpu_summary(g) for g in gpus]
+    rows: list[dict[str, Any]] = []
+    lost: list[GpuUnavailableError] = []
+    if twin:
+        with open_cli_gpus((), twin, allow_mig=True) as gpus:
+            rows = [gpu_summary(g) for g in gpus]
+    else:
+        from dvfs.gpu.nvml import device_count, nvml_session
+
+        with nvml_session() as module:
+            count = device_count(module)
+        # One at a time: a GPU fallen off the bus must not hide the others (nor which it is).
+        for index in range(count):
+            try:
+                with open_cli_gpus((str(index),), None, allow_mig=True) as (one,):
+                    rows.append(gpu_summary(one))
+            except GpuUnavailableError as exc:
+                lost.append(exc)
+                rows.append({"index": index, "error": str(exc)})
     if as_json:
         echo_json(rows)
+        if lost:
+            raise lost[0]
         return
     from rich.table import Table
 
@@ -71,6 +90,9 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     for col in ("index", "uuid", "name", "driver", "power limit", "SM clock", "MIG"):
         table.add_column(col, no_wrap=col == "uuid", overflow="fold")
     for r in rows:
+        if "error" in r:
+            table.add_row(str(r["index"]), "", f"[red]{r['error']}[/red]", "", "", "", "")
+            continue
         table.add_row(
             str(r["index"]),
             r["uuid"],
@@ -81,6 +103,8 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
             "on (refused)" if r["mig"] else "off",
         )
     console().print(table)
+    if lost:
+        raise lost[0]
 
 
 @gpu.command("info")
@@ -153,19 +177,47 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     from dvfs.gpu.safety import default_state_dir
 
     out = console()
+    lost: list[Exception] = []
+    every = not devices
+    if every:  # every GPU: one fallen off the bus must not keep the others unrestored
+        openable, lost = _openable_gpus()
+        devices = tuple(str(i) for i in openable)
+        if not devices and lost:
+            raise lost[0]
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
         acted = reset_gpus(
             gpus,
             state_dir or default_state_dir(),
             defaults=defaults,
             note=lambda line: out.print(escape(line)),
-            skip_busy=not devices,  # every GPU: one a live dvfs holds is its own to restore
+            skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
         )
     if not acted:
         out.print(
             "No dvfs state files for these GPUs: nothing to restore "
             "(use --defaults to reset to driver defaults anyway)."
         )
+    if lost:
+        raise lost[0]
+
+
+def _openable_gpus() -> tuple[list[int], list[Exception]]:
+    """This machine's GPUs (NVML indices) that open, and the errors of those that do not
+    (fallen off the bus), each GPU opened on its own and closed."""
+    from dvfs.errors import GpuUnavailableError
+    from dvfs.gpu.nvml import device_count, nvml_session
+
+    with nvml_session() as module:
+        count = device_count(module)
+    openable: list[int] = []
+    lost: list[Exception] = []
+    for index in range(count):
+        try:
+            with open_cli_gpus((str(index),), None, allow_mig=True):
+                openable.append(index)
+        except GpuUnavailableError as exc:
+            lost.append(exc)
+    return openable, lost
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:

@@ -20,10 +20,20 @@ from dvfs.errors import (
     GpuValueError,
 )
 
+TWIN_HINT = (
+    'run on the digital twin (gpu.backend = "twin" in a campaign; `--twin h100-sxm` for '
+    "`dvfs gpu list`, `info`, `settle` and `roofline`)"
+)
 NO_DRIVER_HINT = (
     "no NVIDIA driver was found (NVML is missing): install the NVIDIA driver on a GPU machine, "
-    'or run on the digital twin (gpu.backend = "twin" in a campaign; `--twin h100-sxm` for '
-    "`dvfs gpu list`, `info`, `settle` and `roofline`)"
+    f"or {TWIN_HINT}"
+)
+# DriverNotLoaded: NVML's library is there but the kernel module is not (a driver updated
+# without a reboot, a module that failed to load): installing the driver is not the fix.
+NOT_LOADED_HINT = (
+    "the NVIDIA driver is installed but its kernel module is not loaded: load it (modprobe "
+    "nvidia, or reboot after a driver update; dmesg says why it failed), "
+    f"or {TWIN_HINT}"
 )
 ROOT_HINT = (
     "run as root (sudo), or apply caps through the systemd unit (systemd/dvfs-caps.service); "
@@ -51,10 +61,8 @@ class NvmlErrors:
             code("NVML_ERROR_INVALID_ARGUMENT", 2): GpuValueError,
         }
         self.function_not_found = code("NVML_ERROR_FUNCTION_NOT_FOUND", 13)
-        self.library_not_found = {
-            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
-            code("NVML_ERROR_DRIVER_NOT_LOADED", 9),
-        }
+        self.library_not_found = {code("NVML_ERROR_LIBRARY_NOT_FOUND", 12)}
+        self.driver_not_loaded = code("NVML_ERROR_DRIVER_NOT_LOADED", 9)
         self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
 
     def is_nvml_error(self, exc: BaseException) -> bool:
@@ -81,6 +89,8 @@ class NvmlErrors:
             hint = f"{hint}; {unsupported_hint}" if hint else unsupported_hint
         if value in self.library_not_found:
             return cls(f"{what}: {NO_DRIVER_HINT}")
+        if value == self.driver_not_loaded:
+            return cls(f"{what}: {NOT_LOADED_HINT}")
         if value == self.lost:
             return cls(
                 f"{what}: the GPU has fallen off the bus (NVML: {exc}); it needs a reset "
