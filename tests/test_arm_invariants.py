@@ -746,11 +746,9 @@ def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> 
     assert model_commit("org/m", "v2", env) == ""
 
 
-def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_path: Path) -> None:
-    """SGLang's --download-dir is the Hub cache its weights load from (0.5.9 and 0.5.23
-    model_loader/weight_utils.py `download_weights_from_hf`, cache_dir: its refs looked up
-    first): the commit is read there, not from HF_HOME's cache, which may hold an older copy
-    (dvfs recorded that copy's commit for the weights served)."""
+def _download_dir_campaign(tmp_path: Path) -> tuple[Path, Path, Path, str]:
+    """A stub campaign of two drafters on model org/<marker>, its server given --download-dir
+    (`dl`) and HF_HOME (`home`): (dl, home, campaign file, marker)."""
     dl, home = tmp_path / "weights", tmp_path / "hf"
     path, marker = stub_campaign(
         tmp_path,
@@ -761,6 +759,15 @@ def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_pat
     text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
     text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
     path.write_text(text)
+    return dl, home, path, marker
+
+
+def test_the_model_commit_of_a_server_given_a_download_dir_is_read_there(tmp_path: Path) -> None:
+    """SGLang's --download-dir is the Hub cache its weights load from (0.5.9 and 0.5.23
+    model_loader/weight_utils.py `download_weights_from_hf`, cache_dir: its refs looked up
+    first): the commit is read there, not from HF_HOME's cache, which may hold an older copy
+    (dvfs recorded that copy's commit for the weights served)."""
+    dl, home, path, marker = _download_dir_campaign(tmp_path)
     served, stale = "c3" * 20, "d4" * 20
     for cache, commit in ((dl, served), (home / "hub", stale)):
         repo = cache / f"models--org--{marker}"
@@ -783,16 +790,7 @@ def test_a_resume_whose_download_dir_commit_changed_the_config_alone_is_refused(
     config.json alone (not the weights) was taken for the same model, every file both
     snapshots there hold being the same blobs, though the resumed server loads another
     config. The files of the commit's snapshot in the Hub cache are compared too."""
-    dl, home = tmp_path / "weights", tmp_path / "hf"
-    path, marker = stub_campaign(
-        tmp_path,
-        drafters=TWO_DRAFTERS,
-        **ONE_SETTING,
-        sglang_extra=f"extra_args = {json.dumps(['--download-dir', str(dl)])}",
-    )
-    text = path.read_text().replace(f'model = "{marker}"', f'model = "org/{marker}"')
-    text = text.replace("env = { ", f"env = {{ HF_HOME = {json.dumps(str(home))}, ")
-    path.write_text(text)
+    dl, home, path, marker = _download_dir_campaign(tmp_path)
     before, after = "a1" * 20, "b2" * 20
     weights = {"model.safetensors": "5a" * 32}
     refs = []

@@ -15,6 +15,7 @@ from nvml_support import NVML_CAMPAIGN, load_fake, root_fake_env
 from dvfs.caps import CapsFile, GpuCap, dump_caps, load_caps, parse_caps, plan_caps
 from dvfs.cli import cli
 from dvfs.errors import CapsError
+from dvfs.gpu.safety import StateStore
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -364,7 +365,6 @@ def test_cap_reset_after_a_crashed_governor_leaves_nothing_to_put_back(
     with no record of them, where `cap show` and `dvfs monitor` say it holds no lock."""
     from dvfs.caps import GovernorLocks
     from dvfs.gpu.knobs import GpuSettings
-    from dvfs.gpu.safety import StateStore
 
     uuid = apply_caps(tmp_path, 1410, 500.0)
     state = Path(os.environ["DVFS_STATE_DIR"])
@@ -523,6 +523,24 @@ def test_a_governors_lock_recorded_before_a_reboot_is_not_reported_after_it(
     assert "1.2e+09" not in invoke("monitor", "--once", "--interval", "0.01")
 
 
+def _governed_before_a_reboot(tmp_path: Path) -> tuple[str, StateStore, str]:
+    """Static caps applied (1410 MHz, 500 W) and a governor's state file, both marked as
+    written in an earlier boot (a power loss while governing): (GPU 0's UUID, the state
+    store, this boot's id as the file had it)."""
+    from dvfs.gpu.knobs import GpuSettings
+
+    uuid = apply_caps(tmp_path, 1410, 500.0)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    store = StateStore(state, command="govern")
+    store.record(GpuSettings(uuid, (210, 1410), 500_000))
+    left = json.loads(store.path(uuid).read_text())
+    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    caps_record = json.loads((state / "caps-applied.json").read_text())
+    caps_record[uuid]["boot"] = "an-earlier-boot"
+    (state / "caps-applied.json").write_text(json.dumps(caps_record))
+    return uuid, store, str(left["boot"])
+
+
 def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_path: Path) -> None:
     """A power loss while a governor ran under static caps leaves its state file (what it
     found: the caps) and the caps record; the reboot reset the GPU, and the record's entry
@@ -532,17 +550,8 @@ def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_p
     if not Path("/proc/sys/kernel/random/boot_id").exists():
         pytest.skip("the kernel gives no boot id here")
     from dvfs.gpu.knobs import GpuSettings
-    from dvfs.gpu.safety import StateStore
 
-    uuid = apply_caps(tmp_path, 1410, 500.0)
-    state = Path(os.environ["DVFS_STATE_DIR"])
-    store = StateStore(state, command="govern")
-    store.record(GpuSettings(uuid, (210, 1410), 500_000))
-    caps_record = json.loads((state / "caps-applied.json").read_text())
-    caps_record[uuid]["boot"] = "an-earlier-boot"  # both written before the reboot
-    (state / "caps-applied.json").write_text(json.dumps(caps_record))
-    left = json.loads(store.path(uuid).read_text())
-    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
+    uuid, store, this_boot = _governed_before_a_reboot(tmp_path)
     nvml.fake_reset_state()  # what the reboot did to the GPUs
     out = " ".join(invoke("gpu", "reset").split())
     assert "reboot" in out, out
@@ -553,7 +562,7 @@ def test_gpu_reset_after_a_reboot_puts_back_nothing_the_reboot_reset(nvml, tmp_p
     assert shown["sm_clock_lock_mhz"] is None
     # In the boot that wrote it, the file is restored as ever.
     store.record(GpuSettings(uuid, (210, 1410), 500_000))
-    assert json.loads(store.path(uuid).read_text())["boot"] == left["boot"] != "an-earlier-boot"
+    assert json.loads(store.path(uuid).read_text())["boot"] == this_boot != "an-earlier-boot"
     invoke("gpu", "reset")
     device = nvml.fake_device_state(0)
     assert device["locked_clocks"] == [210, 1410] and device["power_limit_mw"] == 500_000
@@ -599,17 +608,9 @@ def test_a_state_file_from_before_a_reboot_refuses_nothing_after_it(nvml, tmp_pa
         pytest.skip("the kernel gives no boot id here")
     from dvfs.gpu.knobs import GpuSettings
     from dvfs.gpu.nvml import open_nvml_gpus
-    from dvfs.gpu.safety import StateStore
 
-    uuid = apply_caps(tmp_path, 1410, 500.0)
+    uuid, store, _ = _governed_before_a_reboot(tmp_path)
     state = Path(os.environ["DVFS_STATE_DIR"])
-    store = StateStore(state, command="govern")
-    store.record(GpuSettings(uuid, (210, 1410), 500_000))
-    left = json.loads(store.path(uuid).read_text())
-    store.path(uuid).write_text(json.dumps({**left, "boot": "an-earlier-boot"}))
-    caps_record = json.loads((state / "caps-applied.json").read_text())
-    caps_record[uuid]["boot"] = "an-earlier-boot"
-    (state / "caps-applied.json").write_text(json.dumps(caps_record))
     nvml.fake_reset_state()  # what the reboot did to the GPUs
     caps = str(tmp_path / "caps.toml")
     dry = invoke("cap", "apply", caps, "--dry-run")
