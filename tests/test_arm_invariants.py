@@ -721,12 +721,18 @@ def test_a_resume_whose_model_commit_changed_only_what_no_server_loads_resumes(
     ref.write_text(changed)
     refused = sweep(path, out)
     assert refused.exit_code == 5, refused.output
+    failed = _the_failed_cell(journal, other)
+    assert f"model commit: {before} -> {changed} (config.json)" in failed["error"]
+
+
+def _the_failed_cell(journal: Path, drafter: str) -> dict:
+    """The one cell record of `drafter` in `journal` that failed (a refused resume's)."""
     [failed] = [
         r
         for r in read_records(journal)
-        if r["type"] == "cell" and r["cell"]["drafter"] == other and r.get("error")
+        if r["type"] == "cell" and r["cell"]["drafter"] == drafter and r.get("error")
     ]
-    assert f"model commit: {before} -> {changed} (config.json)" in failed["error"]
+    return failed
 
 
 def test_the_model_commit_is_read_from_the_servers_hub_cache(tmp_path: Path) -> None:
@@ -812,11 +818,7 @@ def test_a_resume_whose_download_dir_commit_changed_the_config_alone_is_refused(
         ref.write_text(after)
     refused = sweep(path, out)
     assert refused.exit_code == 5, refused.output
-    [failed] = [
-        r
-        for r in read_records(journal)
-        if r["type"] == "cell" and r["cell"]["drafter"] == other and r.get("error")
-    ]
+    failed = _the_failed_cell(journal, other)
     assert f"model commit: {before} -> {after} (config.json)" in failed["error"]
 
 
