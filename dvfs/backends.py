@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from dvfs.errors import CampaignError
+from dvfs.errors import CampaignError, GpuUnavailableError
 from dvfs.gpu.visible import SWEEP_NAMING, Visible
 from dvfs.redact import redact_argv
 
@@ -99,6 +99,34 @@ def open_gpus(
         list(devices) or None, nvml=nvml, allow_mig=allow_mig, visible=visible
     ) as gpus:
         yield list(gpus)
+
+
+def reachable_gpus(
+    visible: Visible | None = None, *, nvml: ModuleType | None = None
+) -> tuple[list[int], list[GpuUnavailableError]]:
+    """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
+    indices, split into those that open and the errors of those that do not (fallen off the
+    bus), each opened on its own, read-only, and closed: so that a command over every GPU
+    (`gpu reset`, `cap reset`, `monitor`) acts on the others, then names the lost ones
+    (`lost_gpus`)."""
+    from dvfs.gpu.nvml import every_gpu, nvml_session
+
+    with nvml_session(nvml) as module:
+        indices = every_gpu(module, visible=visible)
+    openable: list[int] = []
+    lost: list[GpuUnavailableError] = []
+    for index in indices:
+        try:
+            with open_gpus([index], nvml=nvml, allow_mig=True):
+                openable.append(index)
+        except GpuUnavailableError as exc:
+            lost.append(exc)
+    return openable, lost
+
+
+def lost_gpus(lost: Sequence[GpuUnavailableError]) -> GpuUnavailableError:
+    """The one error (exit 1, one line) naming every GPU `reachable_gpus` could not open."""
+    return lost[0] if len(lost) == 1 else GpuUnavailableError("; ".join(str(e) for e in lost))
 
 
 def job_gpus(naming: str = SWEEP_NAMING) -> Visible | None:

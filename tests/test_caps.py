@@ -164,6 +164,38 @@ def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
 
 
+def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypatch) -> None:
+    """`dvfs cap reset` with no GPU named (the caps unit's ExecStop) stopped at a GPU fallen off
+    the bus before resetting any: the others kept their caps. It now resets every GPU it can
+    open, then names the lost one in one line (exit 1); held to CUDA_VISIBLE_DEVICES, a lost
+    GPU the job was not given is none of its business (exit 0)."""
+
+    def capped() -> None:
+        for index in (0, 1):
+            nvml.fake_update_device(index, locked_clocks=[210, 1200], power_limit_mw=450_000)
+
+    def reset_here(index: int) -> bool:
+        device = nvml.fake_device_state(index)
+        return device["locked_clocks"] is None and device["power_limit_mw"] == 700_000
+
+    uuid = nvml.fake_device_state(1)["uuid"]
+    capped()
+    nvml.fake_update_device(0, lost=True)  # the first: the others come after it
+    result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    assert f"GPU 1 ({uuid}): clocks unlocked, power limit 700 W (default)" in result.stdout
+    [line] = result.stderr.splitlines()
+    assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert reset_here(1)
+    for given, code in (("0,1", 1), ("1", 0), (uuid, 0)):
+        capped()
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", given)
+        result = CliRunner().invoke(cli, ["cap", "reset"])
+        assert result.exit_code == code, (given, result.output)
+        assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"

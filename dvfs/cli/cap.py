@@ -345,15 +345,23 @@ def show(as_json: bool, state_dir: Path | None) -> None:
 @state_dir_option
 @handle_errors
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
-    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none)."""
-    from dvfs.backends import job_gpus, open_gpus, parse_devices
+    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none: a GPU
+    fallen off the bus is named, exit 1, once the others are reset)."""
+    from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
+    named: list[int | str] = parse_devices(devices)
+    lost: list[Any] = []
+    if not devices:  # every GPU (the job's): one fallen off the bus must not keep the others
+        openable, lost = reachable_gpus(visible)
+        if not openable and lost:
+            raise lost_gpus(lost)
+        named = list(openable)
     # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU
     # named here is refused as every command refuses it).
-    with open_gpus(parse_devices(devices), visible=visible, allow_mig=not devices) as found:
+    with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
         lines = reset_locked(gpus, state_dir or default_state_dir())
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
@@ -364,3 +372,5 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
             f"{'was' if len(mig) == 1 else 'were'} left alone (dvfs caps whole GPUs only)"
         )
+    if lost:
+        raise lost_gpus(lost)

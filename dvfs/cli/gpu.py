@@ -173,17 +173,18 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     restores them itself), with a note. Holds each GPU's lock while restoring, so it refuses a
     GPU named in DEVICES that a running dvfs is using.
     """
+    from dvfs.backends import lost_gpus, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.gpu.safety import default_state_dir
 
     out = console()
-    lost: list[Exception] = []
+    lost: list[Any] = []
     every = not devices
     if every:  # every GPU: one fallen off the bus must not keep the others unrestored
-        openable, lost = _openable_gpus()
+        openable, lost = reachable_gpus()
         devices = tuple(str(i) for i in openable)
         if not devices and lost:
-            raise lost[0]
+            raise lost_gpus(lost)
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
         acted = reset_gpus(
             gpus,
@@ -198,26 +199,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             "(use --defaults to reset to driver defaults anyway)."
         )
     if lost:
-        raise lost[0]
-
-
-def _openable_gpus() -> tuple[list[int], list[Exception]]:
-    """This machine's GPUs (NVML indices) that open, and the errors of those that do not
-    (fallen off the bus), each GPU opened on its own and closed."""
-    from dvfs.errors import GpuUnavailableError
-    from dvfs.gpu.nvml import device_count, nvml_session
-
-    with nvml_session() as module:
-        count = device_count(module)
-    openable: list[int] = []
-    lost: list[Exception] = []
-    for index in range(count):
-        try:
-            with open_cli_gpus((str(index),), None, allow_mig=True):
-                openable.append(index)
-        except GpuUnavailableError as exc:
-            lost.append(exc)
-    return openable, lost
+        raise lost_gpus(lost)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:

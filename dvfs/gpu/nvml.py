@@ -447,7 +447,8 @@ def open_device(
 
 def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[str]:
     """The UUID of every GPU NVML sees, by NVML index (what CUDA_VISIBLE_DEVICES is read
-    against)."""
+    against); "" for a GPU fallen off the bus, whose UUID cannot be read (no UUID entry names
+    it, an index entry still does): one lost GPU must not refuse every command on the others."""
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker("nvml-uuids")
@@ -457,11 +458,30 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
             uuids = []
             for index in range(count):
                 where = f"GPU {index}"
-                handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
-                uuids.append(_text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle)))
+                try:
+                    handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
+                    uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
+                except Exception as exc:
+                    if not errors.is_nvml_error(exc) or getattr(exc, "value", None) != errors.lost:
+                        raise
+                    uuid = ""
+                uuids.append(uuid)
     finally:
         worker.close()
     return uuids
+
+
+def every_gpu(
+    nvml: ModuleType, *, visible: Visible | None = None, deadline_s: float | None = None
+) -> list[int]:
+    """What "every GPU" means to a command, as NVML indices: every GPU NVML sees, or with
+    `visible` every one it gives the job (all of them where it gives none, for `check` to
+    refuse in one line). NVML must be initialised."""
+    devices = list(range(device_count(nvml, deadline_s=deadline_s)))
+    if visible is not None:
+        uuids = machine_uuids(nvml, deadline_s=deadline_s)
+        devices = list(resolve_visible(visible.value, uuids).indices) or devices
+    return devices
 
 
 class GpuNamedTwiceError(CampaignError):
@@ -509,10 +529,7 @@ def open_nvml_gpus(
     (`dvfs.gpu.visible`), and "every GPU" means every GPU it gives."""
     with nvml_session(nvml, deadline_s=deadline_s) as module:
         if devices is None:
-            devices = list(range(device_count(module, deadline_s=deadline_s)))
-            if visible is not None:
-                uuids = machine_uuids(module, deadline_s=deadline_s)
-                devices = list(resolve_visible(visible.value, uuids).indices) or devices
+            devices = every_gpu(module, visible=visible, deadline_s=deadline_s)
         gpus = [open_device(module, d, allow_mig=allow_mig, deadline_s=deadline_s) for d in devices]
         _refuse_named_twice(devices, gpus)
         if visible is not None:
