@@ -298,7 +298,7 @@ def monitor(
     dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
     back.
     """
-    from dvfs.backends import open_gpus, parse_devices
+    from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
     from dvfs.govern.exporter import LiveMetrics, render
     from dvfs.govern.loop import Ticker
@@ -316,17 +316,33 @@ def monitor(
     def locks() -> dict[str, LockInForce]:
         return locks_in_force(directory)
 
+    named: list[int | str] = parse_devices(devices)
+    lost: list[Any] = []
+    if not devices:  # every GPU: one fallen off the bus must not stop the others' metrics
+        openable, lost = reachable_gpus()
+        if not openable and lost:
+            raise lost_gpus(lost)
+        named = list(openable)
+        if lost and not once:  # --once names them once, after its page
+            note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
     live = LiveMetrics()
     with ExitStack() as stack:
         scraper = (
             None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))
         )
-        gpus = stack.enter_context(open_gpus(parse_devices(devices), allow_mig=True))
+        gpus = stack.enter_context(open_gpus(named, allow_mig=True))
         if once:
             run_monitor(gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks)
             click.echo(render(live), nl=False)
-            return
-        with _exporting(address, live):
-            run_monitor(
-                gpus, scraper, Ticker(interval, max_intervals), live=live, note=note, locks=locks
-            )
+        else:
+            with _exporting(address, live):
+                run_monitor(
+                    gpus,
+                    scraper,
+                    Ticker(interval, max_intervals),
+                    live=live,
+                    note=note,
+                    locks=locks,
+                )
+    if lost:  # the others' metrics printed or served: the run was not whole
+        raise lost_gpus(lost)
