@@ -701,6 +701,7 @@ def read_group_models(
     *,
     nvml: ModuleType | None = None,
     fleet: bool = False,
+    check: bool = False,
 ) -> tuple[list[str] | None, str | None]:
     """For a dry run, each server's GPU model (one of `groups`, as
     `dvfs.fleet.devices.worker_groups` cuts them), as a fleet reads them: over NVML, the GPUs
@@ -711,18 +712,34 @@ def read_group_models(
     its model's journal only); (None, why) where NVML cannot open them (no NVML here: a
     machine planning for another), for the dry run to say what it could not check. The twin
     engine on real GPUs, with no `gpu.profile`, has them read too: a model the twin has no
-    profile of is refused as the sweep refuses it (`free_running_profile`)."""
+    profile of is refused as the sweep refuses it (`free_running_profile`).
+
+    With `check` (the dry run itself), the GPUs are always opened, as the sweep opens them
+    (`check_gpus`): one that is not here, has fallen off the bus or has MIG enabled, and a
+    clock or power limit of the campaign one does not take, are refused as the sweep refuses
+    them; where NVML itself does not answer here, nothing is refused (the note as above where
+    something else was to be read)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
     # the twin engine's load on them, which a GPU the twin has no profile of is refused
     twin_load = simulated_engine(campaign) and not campaign.gpu.profile
-    if not real_gpus(campaign) or (len(groups) < 2 and not servers and not fleet and not twin_load):
+    read = len(groups) > 1 or bool(servers) or fleet or twin_load
+    if not real_gpus(campaign) or not (read or check):
         return None, None
     from dvfs.errors import GpuError
     from dvfs.fleet.devices import group_label, one_model
 
+    devices = [d for g in groups for d in g]
     try:
-        named = iter(read_gpu_names([d for g in groups for d in g], nvml=nvml, allow_mig=True))
+        found = (
+            check_gpus(campaign, devices, nvml=nvml)
+            if check
+            else read_gpu_names(devices, nvml=nvml, allow_mig=True)
+        )
     except GpuError as exc:
+        if check and nvml_answers(nvml):  # NVML works here: these GPUs' own fault
+            raise
+        if not read:  # a machine planning for another: the sweep there opens them
+            return None, None
         unchecked = []
         if servers:
             unchecked.append("a tensor-parallel server spanning two GPU models is not checked")
@@ -736,10 +753,39 @@ def read_group_models(
             f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
             "`dvfs doctor` on the GPU machine checks it"
         )
+    named = iter(found)
     models = [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups]
     for model in models if twin_load else ():
         free_running_profile(campaign, model)
     return (models if len(groups) > 1 or servers or fleet else None), None
+
+
+def check_gpus(
+    campaign: Campaign, devices: Sequence[int | str], *, nvml: ModuleType | None = None
+) -> list[tuple[int, str]]:
+    """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
+    opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set or read back, and
+    closed; the campaign's clocks and power limits each takes checked as the sweep checks them
+    (`check_knobs_against`, exit 2). A `GpuError` where one cannot be opened (not here, fallen
+    off the bus) or NVML does not answer."""
+    from dvfs.backends import job_gpus, open_gpus
+
+    with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
+        check_knobs_against(campaign, gpus)
+        return [(g.identity.index, g.identity.name) for g in gpus]
+
+
+def nvml_answers(nvml: ModuleType | None = None) -> bool:
+    """Whether NVML initialises here (a driver answers): a GPU that then fails to open fails
+    for its own sake, not for the machine's."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.nvml import nvml_session
+
+    try:
+        with nvml_session(nvml):
+            return True
+    except GpuError:
+        return False
 
 
 def model_names(campaign: Campaign, models: Sequence[str | None]) -> list[str] | None:

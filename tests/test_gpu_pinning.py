@@ -350,6 +350,49 @@ def test_a_dry_run_that_cannot_read_the_gpu_models_says_so(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("profile", [None, "h100-sxm"])
+@pytest.mark.parametrize("fault", ["no such GPU", "lost", "clock", "power limit"])
+def test_the_dry_run_on_one_real_gpu_refuses_what_the_sweep_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, profile: str | None
+) -> None:
+    """A campaign on one real GPU: `dvfs sweep --dry-run --no-estimate` did not open it (with
+    a `gpu.profile`; without one it read its model only, a failure being a note), so a GPU
+    index not here, a GPU fallen off the bus, or a clock or power limit it does not take
+    planned, exit 0, where the sweep (and `dvfs doctor`) refuse. The dry run opens it
+    read-only as the sweep does, and refuses in the sweep's line and exit code, changing
+    nothing; where NVML does not answer (a machine planning for another) it still plans."""
+    from nvml_support import NVML_CAMPAIGN
+
+    nv = fresh_fake(tmp_path, monkeypatch, "h100-sxm,h100-sxm")
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    text = NVML_CAMPAIGN.format(output_tokens=16, repeats=1)
+    if profile is not None:  # the twin's load named: nothing else made the dry run open it
+        text = text.replace('backend = "nvml"', f'backend = "nvml"\nprofile = "{profile}"', 1)
+    path = tmp_path / "one.toml"
+    path.write_text(text)
+    plan = ("sweep", str(path), "--dry-run", "--no-estimate", "--out", str(tmp_path / "plan"))
+    good = dvfs_in_process(*plan, env=env)
+    assert good.returncode == 0 and good.stderr == "", good.stdout + good.stderr
+    if fault == "lost":
+        nv.fake_update_device(0, lost=True)
+    else:
+        old, new = {
+            "no such GPU": ("devices = [0]", "devices = [7]"),
+            "clock": ("sm_clock = [1980, 1500]", "sm_clock = [1980, 1507]"),
+            "power limit": ("power_limit = [700, 400]", "power_limit = [750, 400]"),
+        }[fault]
+        assert old in text
+        path.write_text(text.replace(old, new))
+    dry = dvfs_in_process(*plan, env=env)
+    assert nv.fake_calls() == []  # read only
+    out = str(tmp_path / "o")
+    swept = dvfs_in_process("sweep", str(path), "--out", out, "--no-progress", env=env)
+    assert swept.returncode != 0 and len(swept.stderr.splitlines()) == 1, swept.stderr
+    assert (dry.returncode, dry.stderr) == (swept.returncode, swept.stderr), dry.stdout
+    blind = dvfs_in_process(*plan, env={**env, "DVFS_FAKE_NVML_MISSING": "1"})
+    assert blind.returncode == 0 and "Error" not in blind.stderr, blind.stdout + blind.stderr
+
+
+@pytest.mark.parametrize("profile", [None, "h100-sxm"])
 def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile: str | None
 ) -> None:

@@ -295,12 +295,13 @@ def sweep(
         from dvfs.cli.progress import RichProgress
         from dvfs.sweep import read_group_models
 
-        # Real GPUs' models read (nothing changed): a server on two is refused as the sweep
-        # refuses it, and a fleet mixing them counts each model's cells; where NVML cannot open
-        # them, the note says what went unchecked. Not Ray's: its GPUs are those Ray places
-        # the actors on, on any node, not this machine's.
+        # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
+        # GPU not here or lost, a clock or power limit one does not take, and a server on two
+        # models are refused as the sweep refuses them, and a fleet mixing them counts each
+        # model's cells; where NVML does not answer, the note says what went unchecked. Not
+        # Ray's: its GPUs are those Ray places the actors on, on any node, not this machine's.
         group_models, unread = (
-            read_group_models(campaign, groups, fleet=as_fleet)
+            read_group_models(campaign, groups, fleet=as_fleet, check=True)
             if executor != "ray"
             else (None, None)
         )
