@@ -2000,6 +2000,43 @@ def test_an_output_file_ending_in_a_slash_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+#: Options naming a folder a command writes into (or keeps its state in), "{out}" their value.
+OUTPUT_FOLDERS = {
+    "sweep-o": ["sweep", "{campaign}", "-o", "{out}", "--no-progress"],
+    "doctor-o": ["doctor", "{campaign}", "-o", "{out}"],
+    "demo-o": ["demo", "-o", "{out}"],
+    "plot-o": ["plot", "{cube}", "-o", "{out}"],
+    "twin-predict-o": ["twin", "predict", "{campaign}", "-o", "{out}", "--profile", "{campaign}"],
+    "gpu-reset-state-dir": ["gpu", "reset", "--state-dir", "{out}"],
+    "cap-show-state-dir": ["cap", "show", "--state-dir", "{out}"],
+    "monitor-state-dir": ["monitor", "--once", "--state-dir", "{out}"],
+}
+
+
+@pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])
+def test_an_empty_output_path_is_refused(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o ''` (a script's `-o "$OUT"` with OUT unset): pathlib reads '' as '.', so a folder
+    option wrote into the current folder, and a file option did the work, then failed with
+    "cannot use .: it is a folder", naming another option. It is click's usage error (exit 2)
+    naming the option, before any work, and nothing is written."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    places = {**{k: str(v) for k, v in shared.items()}, "campaign": str(tmp_path / "tiny.toml")}
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, {**places, "out": ""}) for a in argv])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = result.stderr.strip().splitlines()[-1]
+    option = argv[argv.index("{out}") - 1]
+    assert error.startswith(f"Error: Invalid value for '{option}'"), error
+    assert "the path is empty: give a f" in error, error
+    assert list(work.iterdir()) == []
+
+
 # twin fit (seconds of fitting) is left out: `test_a_write_cut_short_keeps_the_old_file` shows
 # it writes through `dvfs.outputs` as the others do, whose handling of a pipe is tested here.
 @pytest.mark.parametrize("name", [n for n in OVERWRITES if n != "twin-fit-o"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
 
 
 @contextlib.contextmanager
@@ -161,7 +161,7 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 )
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files [default: /var/lib/dvfs as root, else "
     "$XDG_STATE_HOME/dvfs].",
 )
@@ -312,7 +312,7 @@ CPU_SCALE = 8
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.roofline/1).")
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
 )
 @click.option(
@@ -560,7 +560,7 @@ def _render_roofline(doc: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.settle/1).")
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
 )
 @click.option(
