@@ -221,15 +221,20 @@ def _openable_gpus() -> tuple[list[int], list[Exception]]:
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
-    """`1980,1500,1200` as integers, each once; one clear line for anything else."""
+    """`1980,1500,1200` as integers; one clear line for anything else. A value listed twice is
+    refused, as a campaign's sm_clock and power_limit lists refuse it: dropping the repeat
+    silently measured fewer settings than the user listed, without a word."""
     if not value:
         return ()
     try:
-        numbers = tuple(dict.fromkeys(int(v) for v in value.split(",") if v.strip()))
+        numbers = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if any(n <= 0 for n in numbers):
         raise click.BadParameter(f"{value!r}: every value must be positive")
+    twice = next((n for i, n in enumerate(numbers) if n in numbers[:i]), None)
+    if twice is not None:
+        raise click.BadParameter(f"{value!r} lists {twice} twice: give each value once")
     return numbers
 
 
