@@ -409,7 +409,8 @@ class OutputFile(click.Path):
     is refused (click's usage error) before any work: pathlib drops the slash and the '.', so
     the folder the user meant would silently become the file's name; one ending in '..' names
     a folder too, and an empty one the current folder. `example` is the file name the error
-    suggests in it."""
+    suggests in it; a netCDF one (".nc") also refuses a path netCDF cannot write
+    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
@@ -437,15 +438,31 @@ class OutputFile(click.Path):
                 param,
                 ctx,
             )
-        return super().convert(value, param, ctx)
+        path = super().convert(value, param, ctx)
+        if self.example.endswith(".nc"):
+            _refuse_for_netcdf(self, path, param, ctx)
+        return path
+
+
+def _refuse_for_netcdf(
+    path_type: click.Path, path: Any, param: click.Parameter | None, ctx: click.Context | None
+) -> None:
+    from dvfs.outputs import netcdf_path_problem
+
+    problem = isinstance(path, Path) and netcdf_path_problem(path, writing=True)
+    if problem:
+        path_type.fail(problem, param, ctx)
 
 
 class OutputFolder(click.Path):
     """An option naming the folder a command writes into (or keeps its state in). An empty
-    path is refused (see `_refuse_empty`), not read as the current folder."""
+    path is refused (see `_refuse_empty`), not read as the current folder. `cube`: the
+    command writes its cube.nc there, so a folder netCDF cannot write in is refused too
+    (`dvfs.outputs.netcdf_path_problem`), before a sweep measures for hours."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, cube: bool = False) -> None:
         super().__init__(file_okay=False, path_type=Path)
+        self.cube = cube
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         optional = param is not None and not param.required
@@ -457,7 +474,12 @@ class OutputFolder(click.Path):
             "give a folder's path ('.' for the current one)"
             + (", or leave the option out" if optional else ""),
         )
-        return super().convert(value, param, ctx)
+        path = super().convert(value, param, ctx)
+        if self.cube and isinstance(path, Path):
+            from dvfs.cube.schema import CUBE_NAME
+
+            _refuse_for_netcdf(self, path / CUBE_NAME, param, ctx)
+        return path
 
 
 def campaign_argument(func: F) -> F:
@@ -465,7 +487,7 @@ def campaign_argument(func: F) -> F:
 
 
 def out_dir_option(help_text: str) -> Callable[[F], F]:
-    return click.option("-o", "--out", "out_dir", type=OutputFolder(), help=help_text)
+    return click.option("-o", "--out", "out_dir", type=OutputFolder(cube=True), help=help_text)
 
 
 def escape(text: str) -> str:

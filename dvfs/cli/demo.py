@@ -14,7 +14,7 @@ from dvfs.cli.common import OutputFolder, console, handle_errors
     "-o",
     "--out",
     "out_dir",
-    type=OutputFolder(),
+    type=OutputFolder(cube=True),
     default=Path("out/demo"),
     show_default=True,
     help="Folder for the journal, cube and figures.",

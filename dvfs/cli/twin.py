@@ -242,7 +242,7 @@ def _fit_cube(
     "-o",
     "--out",
     "out_dir",
-    type=OutputFolder(),
+    type=OutputFolder(cube=True),
     required=True,
     help="Sweep folder to write (journal and cube.nc).",
 )
