@@ -91,6 +91,13 @@ def open_gpus(
                 f"the twin's GPUs are named by index (0, 1, ...), not by UUID: {named[0]}"
             )
         indices = [int(d) for d in devices] or [0]
+        twice = next((i for n, i in enumerate(indices) if i in indices[:n]), None)
+        if twice is not None:  # as NVML's GPUs refuse it: two twins would pose as one GPU
+            from dvfs.gpu.nvml import GpuNamedTwiceError
+
+            error = GpuNamedTwiceError(f"GPU {twice} is named twice: name each GPU once")
+            error.twice = f"GPU {twice}"
+            raise error
         yield twin_gpus(twin, indices, VirtualClock())
         return
     from dvfs.gpu.nvml import open_nvml_gpus

@@ -15,6 +15,10 @@ class CampaignError(DvfsError):
     exit_code = 2
 
 
+class NetcdfPathError(DvfsError):
+    """A path netCDF-C cannot use: it reads a backslash in it as '/' (`dvfs.outputs`)."""
+
+
 class JournalError(DvfsError):
     """The journal cannot be used (another campaign's, or corrupt beyond its last line)."""
 

@@ -103,10 +103,34 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+def netcdf_path_problem(path: Path, *, writing: bool) -> str | None:
+    """Why netCDF-C cannot use `path`, in one line (None when it can). It reads a backslash
+    anywhere in the absolute path as '/' (the Windows separator), even on Linux: `a\\b.nc`
+    is created as `a/b.nc`, or fails as "Permission denied" where no folder `a` is, and
+    opening one fails as "NetCDF: HDF error" (a damaged file, it seemed). Writing goes to a
+    temp file beside the link-resolved path (`replacing`), so that is the path checked."""
+    full = os.path.realpath(path) if writing else os.path.abspath(path)
+    if "\\" not in full:
+        return None
+    verb = "write" if writing else "open"
+    fix = "choose a path without one" if writing else "rename it (or its folder) without one"
+    where = "" if "\\" in str(path) else f" (in {full})"
+    return (
+        f"cannot {verb} {path}: netCDF reads a backslash in a path{where} as '/', a Windows "
+        f"folder separator; {fix}"
+    )
+
+
 def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> None:
     """`write(tmp)` (a `to_netcdf` call) through `replacing`. netCDF-C reports a full disk as
     "Permission denied" (creating) or "NetCDF: HDF error" (writing): where the folder has no
-    room for about `size_bytes`, either becomes the ENOSPC it is, naming `path`."""
+    room for about `size_bytes`, either becomes the ENOSPC it is, naming `path`. A path it
+    cannot take (`netcdf_path_problem`) is `NetcdfPathError`, before anything is written."""
+    from dvfs.errors import NetcdfPathError
+
+    problem = netcdf_path_problem(path, writing=True)
+    if problem:
+        raise NetcdfPathError(problem)
     try:
         with replacing(path) as tmp:
             write(tmp)

@@ -2000,6 +2000,132 @@ def test_an_output_file_ending_in_a_slash_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
+#: Options naming a folder a command writes into (or keeps its state in), "{out}" their value.
+OUTPUT_FOLDERS = {
+    "sweep-o": ["sweep", "{campaign}", "-o", "{out}", "--no-progress"],
+    "doctor-o": ["doctor", "{campaign}", "-o", "{out}"],
+    "demo-o": ["demo", "-o", "{out}"],
+    "plot-o": ["plot", "{cube}", "-o", "{out}"],
+    "twin-predict-o": ["twin", "predict", "{campaign}", "-o", "{out}", "--profile", "{campaign}"],
+    "gpu-reset-state-dir": ["gpu", "reset", "--state-dir", "{out}"],
+    "cap-show-state-dir": ["cap", "show", "--state-dir", "{out}"],
+    "monitor-state-dir": ["monitor", "--once", "--state-dir", "{out}"],
+}
+
+
+@pytest.mark.parametrize("name", [*OUTPUT_FILES, *OUTPUT_FOLDERS])
+def test_an_empty_output_path_is_refused(
+    name: str, shared: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-o ''` (a script's `-o "$OUT"` with OUT unset): pathlib reads '' as '.', so a folder
+    option wrote into the current folder, and a file option did the work, then failed with
+    "cannot use .: it is a folder", naming another option. It is click's usage error (exit 2)
+    naming the option, before any work, and nothing is written."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    places = {**{k: str(v) for k, v in shared.items()}, "campaign": str(tmp_path / "tiny.toml")}
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, {**places, "out": ""}) for a in argv])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    error = result.stderr.strip().splitlines()[-1]
+    option = argv[argv.index("{out}") - 1]
+    assert error.startswith(f"Error: Invalid value for '{option}'"), error
+    assert "the path is empty: give a f" in error, error
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "out"),
+    [
+        ("cube-build-o", "a\\b.nc"),
+        ("roofline-o", "a\\b.nc"),
+        ("cube-merge-o", "a\\b.nc"),
+        ("sweep-o", "a\\b"),
+        ("twin-predict-o", "a\\b"),
+        ("cube-build-o", "a\\b/cube.nc"),  # in a folder whose name holds one
+    ],
+)
+def test_a_netcdf_output_with_a_backslash_is_refused(
+    name: str, out: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """netCDF-C reads a backslash in a path as '/', even on Linux: `-o 'a\\b.nc'` failed as
+    "cannot use a\\b.nc: permission denied" (a roofline after measuring, a sweep after its
+    whole campaign), and where a folder `a` was, netCDF wrote `a/b.nc` instead. It is click's
+    usage error naming the option and the reason, before any work; nothing is written."""
+    (tmp_path / "tiny.toml").write_text(campaign(), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    places = {
+        **{k: str(v) for k, v in shared.items()},
+        "campaign": str(tmp_path / "tiny.toml"),
+        "out": str(work / out),
+    }
+    argv = {**OUTPUT_FILES, **OUTPUT_FOLDERS}[name]
+    result = CliRunner().invoke(cli, [_fill(a, places) for a in argv])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert "Error: Invalid value for '-o' / '--out': cannot write " in error, error
+    assert "netCDF reads a backslash in a path as '/'" in error, error
+    assert list(work.iterdir()) == []
+
+
+def test_a_cube_built_into_a_folder_with_a_backslash_is_refused_before_writing(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`dvfs cube build 'my\\sweep'` (no -o: the cube goes beside the journal) reached
+    netCDF, which failed as "permission denied"; the write is refused in one line saying why,
+    and no file is left."""
+    import shutil
+
+    sweep = tmp_path / "my\\sweep"
+    shutil.copytree(shared["sweep"], sweep)
+    (sweep / "cube.nc").unlink()
+    before = sorted(p.name for p in sweep.iterdir())
+    result = CliRunner().invoke(cli, ["cube", "build", str(sweep)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot write {sweep / 'cube.nc'}: netCDF reads a backslash in a path as '/', "
+        "a Windows folder separator; choose a path without one"
+    ), result.output
+    assert sorted(p.name for p in sweep.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["headroom"],
+        ["cube", "info"],
+        ["compare"],
+        ["twin", "fit", "-o", "{tmp}/p.toml"],
+        ["compare", "{cube}", "--roofline"],
+    ],
+)
+def test_a_netcdf_input_whose_path_holds_a_backslash_is_named_not_called_damaged(
+    command: list[str], shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """netCDF-C cannot open a file whose path holds a backslash (it reads '/'): a cube was
+    called "not a readable netCDF cube (NetCDF: HDF error)" and its journal was to be built
+    again, which then failed to write. One line says what netCDF does and to rename it; as
+    for a roofline file, which `twin fit` and `compare --roofline` read (the cube stands in
+    for one: the check comes first)."""
+    import shutil
+
+    folder = tmp_path / "my\\files"
+    folder.mkdir()
+    given = folder / "cube.nc"
+    shutil.copyfile(shared["cube"], given)
+    argv = [_fill(a, {"tmp": str(tmp_path), "cube": str(shared["cube"])}) for a in command]
+    result = CliRunner().invoke(cli, [*argv, str(given)])
+    assert result.exit_code in (1, 2), result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: cannot open {given}: netCDF reads a backslash in a path as '/', a Windows "
+        "folder separator; rename it (or its folder) without one"
+    ), result.output
+
+
 # twin fit (seconds of fitting) is left out: `test_a_write_cut_short_keeps_the_old_file` shows
 # it writes through `dvfs.outputs` as the others do, whose handling of a pipe is tested here.
 @pytest.mark.parametrize("name", [n for n in OVERWRITES if n != "twin-fit-o"])

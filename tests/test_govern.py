@@ -395,6 +395,58 @@ def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> 
         assert not list((tmp_path / "state").glob("GPU-*.json"))  # state file cleared
 
 
+def test_every_gpu_change_of_the_governor_is_made_under_its_sigterm_handler(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM before the governor's handler is in place (its start-up: plan, server,
+    NVML, the exporter) ends it by the signal, which is safe only while no GPU setting has
+    been changed: every setter call must find SIGTERM handled by Python (raising, so the
+    unwinding restores), not at the default (die, leaving the cap). The test starts from
+    the default disposition, as a service does."""
+    import signal
+
+    from dvfs.backends import open_gpus
+
+    seen: list[tuple[str, object]] = []
+
+    def recording(name: str) -> object:
+        real = getattr(nvml, name)
+
+        def setter(*args: object) -> object:
+            seen.append((name, signal.getsignal(signal.SIGTERM)))
+            return real(*args)
+
+        return setter
+
+    for name in ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit"):
+        monkeypatch.setattr(nvml, name, recording(name))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        load = [0, 3, 3, 3, 10, 10, 10, 70]
+        script = iter(load)
+        time = VirtualTime()
+        with open_gpus([0]) as gpus:
+            govern(
+                PLAN,
+                gpus,
+                lambda: ServerSample(next(script), None, None),
+                PolicyParams(dwell_s=2.0, hysteresis=0.25),
+                Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
+                live=LiveMetrics(),
+                note=lambda line: None,
+                state_dir=tmp_path / "state",
+            )
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert {name for name, _ in seen} == {
+        "nvmlDeviceSetGpuLockedClocks",
+        "nvmlDeviceSetPowerManagementLimit",
+    }
+    assert all(callable(handler) for _, handler in seen), seen
+    assert after == signal.SIG_DFL  # put back once the GPU was restored
+
+
 def test_the_loop_loosens_at_once_and_says_so(nvml, tmp_path: Path) -> None:
     """A load rising within the dwell gets its looser lock at the very interval it is seen, the
     log saying why it did not wait; the step back down waits for the dwell."""

@@ -154,6 +154,29 @@ def test_usage_errors_are_one_line() -> None:
         assert message in result.output
 
 
+@pytest.mark.parametrize(
+    ("command", "option", "first", "second"),
+    [
+        (["gpu", "roofline", "--twin", "h100-sxm"], "--clocks", 1500, 1200),
+        (["gpu", "roofline", "--twin", "h100-sxm"], "--tokens", 64, 16),
+        (["gpu", "settle", "--twin", "h100-sxm"], "--clocks", 1500, 1200),
+        (["gpu", "settle", "--twin", "h100-sxm", "--load"], "--power-limits", 500, 400),
+    ],
+)
+def test_a_value_listed_twice_is_refused(
+    command: list[str], option: str, first: int, second: int
+) -> None:
+    """`--clocks 1500,1200,1500` (values each command accepts once): the repeat was dropped
+    without a word (one setting fewer measured than listed); it is refused in one line naming
+    the option and the value, as a campaign's sm_clock and power_limit lists refuse theirs,
+    before anything runs."""
+    listed = f"{first},{second},{first}"
+    result = CliRunner().invoke(cli, [*command, option, listed])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    assert f"Invalid value for '{option}': '{listed}' lists {first} twice" in error, error
+
+
 def test_cuda_without_a_cuda_device_names_the_cpu_path() -> None:
     result = CliRunner().invoke(cli, ["gpu", "roofline", "--device", "cuda", "--gpu", "0"])
     assert result.exit_code == 2 and "--device cpu" in result.output, result.output
@@ -381,3 +404,20 @@ def test_a_roofline_file_that_cannot_be_read_says_so(
         store.RooflineFileError, match=r"r\.nc cannot be read \(Permission denied\)"
     ):
         store.read(path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gpu", "settle", "--twin", "h100-sxm", "--gpu", "0", "--gpu", "0"],
+        ["gpu", "info", "--twin", "h100-sxm", "0", "0"],
+    ],
+)
+def test_a_twin_gpu_named_twice_is_refused(argv: list[str]) -> None:
+    """`--gpu 0 --gpu 0` on the twin opened two twins both called GPU 0 and measured both
+    (NVML's GPUs refuse it): it is the same one-line usage error."""
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "Error: GPU 0 is named twice: name each GPU once"
+    ], result.output

@@ -744,6 +744,37 @@ def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("hbm_efficiency", "1.5"),
+        ("gemm_efficiency", "3"),
+        ("verify_attention_efficiency", "1.01"),
+        ("gemm_efficiency", "0"),
+        ("hbm_efficiency", "-0.2"),
+    ],
+)
+def test_predict_refuses_an_efficiency_outside_0_to_1(key: str, value: str, tmp_path: Path) -> None:
+    """An efficiency is a share of a peak the profile itself states: a hand-edited
+    hbm_efficiency of 1.5 (memory faster than the profile's own hbm_bandwidth_gb_s) was
+    accepted and swept, and verify_attention_efficiency above 1 was refused in a line naming
+    no file. One line, exit 2, naming the file, the key and the range; nothing swept."""
+    profile = profile_file(tmp_path / "edited.toml", TRUTH)
+    text, count = re.subn(
+        f"^{key} = .*$", f"{key} = {value}", profile.read_text(), flags=re.MULTILINE
+    )
+    assert count == 1
+    profile.write_text(text)
+    campaign = write(tmp_path / "c.toml", FIT_CAMPAIGN)
+    result = invoke(
+        "twin", "predict", str(campaign), "--profile", str(profile), "-o", str(tmp_path / "x")
+    )
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert f"{profile} [gpu.{TRUTH.key}]: {key} = {value} is not in (0, 1]" in result.output
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_cube_of_fewer_measurements_than_figures_names_them_undetermined(cells) -> None:  # type: ignore[no-untyped-def]
     """Three cells give 9 measurements for 13 figures: at least 4 combinations of figures no
     cell sees, so at least 4 figures are undetermined (it gave standard errors of 0.002 W on

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -431,7 +431,7 @@ def compare(
     "-o",
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     default=Path("plots"),
     show_default=True,
     help="Folder for the figures.",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
 
 if TYPE_CHECKING:
     from dvfs.caps import CapAction
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 state_dir_option = click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs records applied caps "
     "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
@@ -300,7 +300,7 @@ def _refuse_as_the_apply_would(
 @click.option("--json", "as_json", is_flag=True)
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs recorded the caps it applied [default: /var/lib/dvfs as root; else "
     "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs, where root applied them].",
 )

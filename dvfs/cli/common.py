@@ -390,17 +390,34 @@ def echo_json(data: Any) -> None:
     click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
 
 
+def _refuse_empty(
+    path_type: click.Path,
+    value: Any,
+    param: click.Parameter | None,
+    ctx: click.Context | None,
+    instead: str,
+) -> None:
+    """An empty path (`-o ''`, `-o "$UNSET"`) is click's usage error before any work: pathlib
+    reads '' as '.', so a command wrote into the current folder, or failed after its work
+    with "cannot use ." naming another option. `instead`: what to give."""
+    if isinstance(value, str | bytes) and not value:
+        path_type.fail(f"the path is empty: {instead}", param, ctx)
+
+
 class OutputFile(click.Path):
     """An option naming the file a command writes. A path ending in '/' or '/.' (`"$DIR/."`)
     is refused (click's usage error) before any work: pathlib drops the slash and the '.', so
     the folder the user meant would silently become the file's name; one ending in '..' names
-    a folder too. `example` is the file name the error suggests in it."""
+    a folder too, and an empty one the current folder. `example` is the file name the error
+    suggests in it; a netCDF one (".nc") also refuses a path netCDF cannot write
+    (`dvfs.outputs.netcdf_path_problem`), before the work whose result it would lose."""
 
     def __init__(self, example: str) -> None:
         super().__init__(dir_okay=False, path_type=Path)
         self.example = example
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        _refuse_empty(self, value, param, ctx, f"give a file's path, e.g. {self.example!r}")
         text = os.fsdecode(value) if isinstance(value, str | bytes) else ""
         # Its trailing separators and '.' parts: what pathlib drops ("x/./", "x/.": "x").
         end = re.search(f"(?:[{re.escape('/' + os.sep)}]\\.?)+\\Z", text)
@@ -421,7 +438,48 @@ class OutputFile(click.Path):
                 param,
                 ctx,
             )
-        return super().convert(value, param, ctx)
+        path = super().convert(value, param, ctx)
+        if self.example.endswith(".nc"):
+            _refuse_for_netcdf(self, path, param, ctx)
+        return path
+
+
+def _refuse_for_netcdf(
+    path_type: click.Path, path: Any, param: click.Parameter | None, ctx: click.Context | None
+) -> None:
+    from dvfs.outputs import netcdf_path_problem
+
+    problem = isinstance(path, Path) and netcdf_path_problem(path, writing=True)
+    if problem:
+        path_type.fail(problem, param, ctx)
+
+
+class OutputFolder(click.Path):
+    """An option naming the folder a command writes into (or keeps its state in). An empty
+    path is refused (see `_refuse_empty`), not read as the current folder. `cube`: the
+    command writes its cube.nc there, so a folder netCDF cannot write in is refused too
+    (`dvfs.outputs.netcdf_path_problem`), before a sweep measures for hours."""
+
+    def __init__(self, *, cube: bool = False) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+        self.cube = cube
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        optional = param is not None and not param.required
+        _refuse_empty(
+            self,
+            value,
+            param,
+            ctx,
+            "give a folder's path ('.' for the current one)"
+            + (", or leave the option out" if optional else ""),
+        )
+        path = super().convert(value, param, ctx)
+        if self.cube and isinstance(path, Path):
+            from dvfs.cube.schema import CUBE_NAME
+
+            _refuse_for_netcdf(self, path / CUBE_NAME, param, ctx)
+        return path
 
 
 def campaign_argument(func: F) -> F:
@@ -429,9 +487,7 @@ def campaign_argument(func: F) -> F:
 
 
 def out_dir_option(help_text: str) -> Callable[[F], F]:
-    return click.option(
-        "-o", "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help=help_text
-    )
+    return click.option("-o", "--out", "out_dir", type=OutputFolder(cube=True), help=help_text)
 
 
 def escape(text: str) -> str:

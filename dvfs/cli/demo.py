@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dvfs.cli.common import console, handle_errors
+from dvfs.cli.common import OutputFolder, console, handle_errors
 
 
 @click.command()
@@ -14,7 +14,7 @@ from dvfs.cli.common import console, handle_errors
     "-o",
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(cube=True),
     default=Path("out/demo"),
     show_default=True,
     help="Folder for the journal, cube and figures.",

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import handle_errors
+from dvfs.cli.common import OutputFolder, handle_errors
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 
@@ -180,7 +180,7 @@ def _timeout(interval: float) -> float:
 @max_intervals_option(", restoring the GPUs")
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files and locks "
     "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
@@ -276,7 +276,7 @@ def govern(
 )
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs records applied caps and the governor's locks (clock locks are read "
     "from there) [default: /var/lib/dvfs as root; else $XDG_STATE_HOME/dvfs if it holds a "
     "record, else /var/lib/dvfs].",

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, console, echo_json, escape, handle_errors
+from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
 
 
 @contextlib.contextmanager
@@ -161,7 +161,7 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 )
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files [default: /var/lib/dvfs as root, else "
     "$XDG_STATE_HOME/dvfs].",
 )
@@ -203,15 +203,20 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
-    """`1980,1500,1200` as integers, each once; one clear line for anything else."""
+    """`1980,1500,1200` as integers; one clear line for anything else. A value listed twice is
+    refused, as a campaign's sm_clock and power_limit lists refuse it: dropping the repeat
+    silently measured fewer settings than the user listed, without a word."""
     if not value:
         return ()
     try:
-        numbers = tuple(dict.fromkeys(int(v) for v in value.split(",") if v.strip()))
+        numbers = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if any(n <= 0 for n in numbers):
         raise click.BadParameter(f"{value!r}: every value must be positive")
+    twice = next((n for i, n in enumerate(numbers) if n in numbers[:i]), None)
+    if twice is not None:
+        raise click.BadParameter(f"{value!r} lists {twice} twice: give each value once")
     return numbers
 
 
@@ -294,7 +299,7 @@ CPU_SCALE = 8
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.roofline/1).")
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
 )
 @click.option(
@@ -542,7 +547,7 @@ def _render_roofline(doc: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.settle/1).")
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(),
     help="Where dvfs keeps state files (as for `dvfs gpu reset`).",
 )
 @click.option(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dvfs.cli.common import OutputFile, console, escape, fail, handle_errors
+from dvfs.cli.common import OutputFile, OutputFolder, console, escape, fail, handle_errors
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -242,7 +242,7 @@ def _fit_cube(
     "-o",
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputFolder(cube=True),
     required=True,
     help="Sweep folder to write (journal and cube.nc).",
 )

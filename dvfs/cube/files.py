@@ -165,6 +165,11 @@ def open_cube(path: str | Path) -> xr.Dataset:
             f"{path} is no regular file (a FIFO, a device), so no cube: give the cube.nc a "
             "sweep wrote, or its folder"
         )
+    from dvfs.outputs import netcdf_path_problem
+
+    problem = netcdf_path_problem(path, writing=False)
+    if problem:
+        raise CubeError(problem)
     try:
         with xr.open_dataset(path, engine="netcdf4") as ds:
             loaded = _labels_from_cf(ds.load())

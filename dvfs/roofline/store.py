@@ -184,6 +184,11 @@ def read(path: Path) -> xr.Dataset:
             f"{path} is JSON, not a roofline file (`dvfs gpu roofline --json` prints one's "
             "view): give the netCDF file `dvfs gpu roofline -o FILE` wrote"
         )
+    from dvfs.outputs import netcdf_path_problem
+
+    problem = netcdf_path_problem(path, writing=False)
+    if problem:
+        raise RooflineFileError(problem)
     try:
         with xr.open_dataset(path, engine="netcdf4") as opened:
             ds = opened.load()

@@ -64,6 +64,11 @@ def fit_input_kind(path: Path) -> str | None:
         return "cube" if (path / "cube.nc").is_file() else None
     if not path.is_file():  # a FIFO would be waited on for ever, and is neither
         return None
+    from dvfs.outputs import netcdf_path_problem
+
+    problem = netcdf_path_problem(path, writing=False)
+    if problem:
+        raise FitError(problem)
     try:
         with xr.open_dataset(path) as ds:
             attrs = dict(ds.attrs)
@@ -348,7 +353,10 @@ def fit_roofline(
         residuals["power_rms_w"] = power[1]
     for name in ("gemm_efficiency", "hbm_efficiency"):
         if changes[name] > 1.0:
-            notes.append(f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base?")
+            notes.append(
+                f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base? "
+                "`dvfs twin predict` refuses an efficiency above 1"
+            )
     profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
     if power is not None and not power[2]:
         # The readings' leakage is in the fitted power figures: the twin adding the base's
@@ -506,6 +514,12 @@ def load_profile(path: Path) -> GpuProfile:
         positive = f.name in _POSITIVE
         if ok and positive:
             ok = value > 0
+        if f.name in _SHARES:
+            if not (ok and value <= 1):
+                raise CampaignError(
+                    f"{path} [gpu.{key}]: {f.name} = {value!r} is not in (0, 1], " + _SHARES[f.name]
+                )
+            continue
         if not ok:
             kind = {"str": "a string", "int": "an integer"}.get(str(f.type), "a number")
             kind += "" if kind == "a string" else " > 0" if positive else " >= 0"
@@ -550,6 +564,14 @@ _POSITIVE = frozenset(
         "nvlink_gb_s",
     }
 )
+#: Efficiencies: shares of a peak, in (0, 1]; above 1 the twin's GPU would outrun its own
+#: datasheet figures. Each with what it is a share of (and where a faster GPU's figure goes).
+_SHARES = {
+    "gemm_efficiency": "a share of the profile's peak FLOP/s (for a faster GPU raise sm_count "
+    "or flop_per_clk_per_sm)",
+    "hbm_efficiency": "a share of hbm_bandwidth_gb_s (for a faster memory raise that)",
+    "verify_attention_efficiency": "a share of plain decode attention's bandwidth",
+}
 #: Pairs (low, high) a profile must keep in order.
 _ORDERED = (
     ("min_sm_clock_mhz", "max_sm_clock_mhz"),
