@@ -196,6 +196,65 @@ def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypa
         assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
 
 
+def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
+    """`dvfs cap apply` (the caps unit at boot) exited 1 at a GPU fallen off the bus before
+    capping any: the healthy GPUs kept the stock power limit. It now caps every GPU it can
+    open and records them (for `cap reset`), then names the lost one in one line, exit 1 (the
+    unit fails, to be seen, and its caps stay), --skip-missing or not: an unmatched UUID may
+    be the lost GPU's. A file matching none of the others is the lost GPU's fault (exit 1, not
+    2), nothing capped."""
+    [lost_uuid, uuid] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=450),)
+            )
+        )
+    )
+    both = tmp_path / "both.toml"
+    both.write_text(
+        dump_caps(CapsFile(tuple(GpuCap(uuid=u, power_limit_w=450.0) for u in (lost_uuid, uuid))))
+    )
+    nvml.fake_update_device(0, lost=True)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+
+    def lost_line(result) -> str:
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 0" in line and "fallen off the bus" in line, line
+        return line
+
+    dry = CliRunner().invoke(cli, ["cap", "apply", str(fleet), "--dry-run"])
+    assert "dry run, nothing changed: cannot open GPU 0" in lost_line(dry)
+    assert f"would apply to GPU 1 ({uuid})" in dry.stdout
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    result = CliRunner().invoke(cli, ["cap", "apply", str(fleet)])
+    assert "caps were applied to the other GPUs" in lost_line(result)
+    assert f"applied to GPU 1 ({uuid}): SM clock locked to " in result.stdout
+    device = nvml.fake_device_state(1)
+    assert device["power_limit_mw"] == 450_000 and device["locked_clocks"][1] == 1500
+    record = json.loads((state / "caps-applied.json").read_text())
+    assert list(record) == [uuid] and record[uuid]["power_limit_mw"] == 450_000
+    for extra in ((), ("--skip-missing",)):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(both), *extra])
+        lost_line(result)
+        assert lost_uuid in " ".join(result.stderr.split())  # noted, not the exit
+        assert nvml.fake_device_state(1)["power_limit_mw"] == 450_000
+    only_lost = tmp_path / "lost.toml"
+    only_lost.write_text(dump_caps(CapsFile((GpuCap(uuid=lost_uuid, power_limit_w=400.0),))))
+    refused = CliRunner().invoke(cli, ["cap", "apply", str(only_lost)])
+    line = lost_line(refused)
+    assert "matches none of this host's GPUs that open, so nothing was capped" in line
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 450_000
+    reset = CliRunner().invoke(cli, ["cap", "reset"])  # what the apply recorded goes
+    assert reset.exit_code == 1 and f"GPU 1 ({uuid}): clocks unlocked" in reset.stdout
+    assert not (state / "caps-applied.json").exists()
+    nvml.fake_update_device(1, lost=True)  # none opens: nothing to cap, the lost named
+    assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"

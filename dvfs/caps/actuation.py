@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError
+from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError, GpuUnavailableError
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 from dvfs.gpu.safety import boot_id
@@ -258,7 +258,9 @@ class CapsPlan:
     A GPU UUID that is not here means the file was meant for another host or a GPU was
     replaced (`unmatched`); a model that is not here is normal for a fleet file (`unused`).
     GPUs of a model entry that have MIG enabled are left alone (`mig`): caps were measured on
-    whole GPUs, and a host that partitions some GPUs still gets the others capped.
+    whole GPUs, and a host that partitions some GPUs still gets the others capped. `lost`: the
+    one line naming the GPUs fallen off the bus, planned without (their UUIDs cannot be read,
+    so an unmatched UUID may be one of them), "" when none is.
     """
 
     actions: tuple[CapAction, ...]
@@ -266,6 +268,7 @@ class CapsPlan:
     host: str
     unused: tuple[str, ...] = ()
     mig: tuple[str, ...] = ()
+    lost: str = ""
 
     def mig_message(self, *, dry_run: bool = False) -> str:
         one = len(self.mig) == 1
@@ -277,10 +280,15 @@ class CapsPlan:
 
     def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
         done = (
-            "`cap apply` would cap the GPUs that match and exit 5"
+            f"`cap apply` would cap the GPUs that match and exit {1 if self.lost else 5}"
             if dry_run
             else "caps went to the GPUs that match"
         )
+        if self.lost:  # a lost GPU's UUID cannot be read: it may be one of these
+            return (
+                f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not among this "
+                f"host's GPUs that open ({self.host}), the GPU fallen off the bus perhaps; {done}"
+            )
         return (
             f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
             f"(it has {self.host}); {done}"
@@ -305,6 +313,7 @@ def plan_actions(
     where: str = "the caps file",
     allow_simulated: bool = False,
     applied: dict[str, dict[str, Any]] | None = None,
+    lost: str = "",
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
@@ -312,6 +321,9 @@ def plan_actions(
 
     Refuses (CapsError) simulated caps unless `allow_simulated`, and a file that matches no
     GPU at all; entries that match nothing are listed in the plan for the caller to report.
+    `lost`: the line naming GPUs of this host fallen off the bus (not among `gpus`), for
+    whom a file that matches none of `gpus` is refused as a lost GPU (GpuUnavailableError,
+    exit 1), not as a file meant for another host: it may name the lost GPU.
     """
     host = describe_host(gpus)
     if caps.simulated and not allow_simulated:
@@ -374,13 +386,18 @@ def plan_actions(
     if not actions:
         have = "has" if len(mig) == 1 else "have"
         but = f", but {', '.join(mig)} {have} MIG enabled (dvfs caps whole GPUs)" if mig else ""
+        if lost:
+            raise GpuUnavailableError(
+                f"{where} matches none of this host's GPUs that open, so nothing was capped: "
+                f"it names {caps.expected()}; they are {host}{but}; {lost}"
+            )
         raise CapsError(
             f"{where} matches no GPU on this host, so nothing was capped: it names "
             f"{caps.expected()}; this host has {host}{but} (`dvfs gpu list`)"
         )
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
-    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig))
+    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig), lost)
 
 
 def apply_actions(

@@ -2,8 +2,10 @@
 
 `cap apply` exits 0 when it applied caps and every GPU UUID the file names is here (models a
 host lacks are normal in a fleet file: a note), 2 when the file matches no GPU on this host or
-holds simulated caps (nothing is changed), and 5 when it applied the caps that match but GPU
-UUIDs it names are not here (0 with --skip-missing). A dry run exits as the apply would.
+holds simulated caps (nothing is changed), 5 when it applied the caps that match but GPU
+UUIDs it names are not here (0 with --skip-missing), and 1 when a GPU of the host has fallen
+off the bus, once the others that match are capped (--skip-missing or not: the lost GPU needs
+seeing to). A dry run exits as the apply would.
 """
 
 from __future__ import annotations
@@ -208,9 +210,10 @@ def apply(
 
     Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
     without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
-    are not here (0 with --skip-missing). Models not on this host are only noted.
+    are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
+    GPUs are capped. Models not on this host are only noted.
     """
-    from dvfs.backends import open_gpus
+    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
         AppliedCaps,
         CapsPartlyAppliedError,
@@ -218,19 +221,27 @@ def apply(
         load_caps,
         plan_actions,
     )
+    from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
     out = console()
-    with open_gpus((), allow_mig=True) as gpus:  # MIG GPUs: left alone (`plan_actions`)
+    # Every GPU, each opened on its own: one fallen off the bus (at boot, the caps unit) must
+    # not leave the others at stock; it is named, exit 1, once they are capped.
+    openable, lost = reachable_gpus()
+    if not openable and lost:
+        raise lost_gpus(lost)
+    lost_line = str(lost_gpus(lost)) if lost else ""
+    with open_gpus(openable, allow_mig=True) as gpus:  # MIG GPUs: left alone (`plan_actions`)
         plan = plan_actions(
             caps,
             gpus,
             where=str(caps_file),
             allow_simulated=allow_simulated,
             applied=AppliedCaps(directory).read(),
+            lost=lost_line,
         )
         capped = {a.uuid for a in plan.actions}
         volatile = [
@@ -268,9 +279,18 @@ def apply(
         message = plan.unmatched_message(where, dry_run=dry_run)
         if dry_run:
             message = f"dry run, nothing changed: {message}"
-        if not skip_missing:
+        if not skip_missing and not lost:
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
+    if lost:  # the others are capped (or, dry run, would be): the lost GPU needs seeing to
+        if dry_run:
+            raise GpuUnavailableError(
+                f"dry run, nothing changed: {lost_line}; `cap apply` would cap the other GPUs "
+                "the file matches and exit 1"
+            )
+        raise GpuUnavailableError(
+            f"{lost_line}; caps were applied to the other GPUs the file matches"
+        )
 
 
 def _refuse_as_the_apply_would(
