@@ -255,6 +255,31 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
 
 
+def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
+    """`dvfs cap show` failed whole on a GPU fallen off the bus, showing no GPU's caps. It now
+    shows every GPU it can open (as text or --json), then names the lost one in one line, exit
+    1."""
+    uuid = nvml.fake_device_state(1)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(0, lost=True)
+    for extra in ((), ("--json",)):
+        result = CliRunner().invoke(cli, ["cap", "show", *extra])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = result.stderr.splitlines()
+        assert "GPU 0" in line and "fallen off the bus" in line, line
+        if extra:
+            [row] = json.loads(result.stdout)
+            assert (row["index"], row["uuid"], row["caps_source"]) == (1, uuid, str(caps))
+            assert row["sm_clock_lock_mhz"][1] == 1500
+        else:
+            shown = " ".join(result.stdout.split())
+            assert f"GPU 1 ({uuid}): power limit 700 W" in shown and "-1500 MHz" in shown
+            assert "GPU 0" not in result.stdout
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"

@@ -327,16 +327,27 @@ def _refuse_as_the_apply_would(
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
-    (a running governor's, else `cap apply`'s)."""
-    from dvfs.backends import open_gpus
+    (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
+    after the others are shown."""
+    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import records_dir
 
-    with open_gpus((), allow_mig=True) as gpus:
+    openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
+    if not openable and lost:
+        raise lost_gpus(lost)
+    with open_gpus(openable, allow_mig=True) as gpus:
         rows = caps_status(gpus, state_dir or records_dir())
     if as_json:
         echo_json(rows)
-        return
+    else:
+        _print_caps_status(rows)
+    if lost:
+        raise lost_gpus(lost)
+
+
+def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
+    """`cap show`'s line per GPU, from `caps_status`'s rows."""
     out = console()
     for r in rows:
         lock = (
