@@ -462,6 +462,28 @@ def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
         nvml.fake_update_device(1, lost=False)
 
 
+def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
+    """`dvfs gpu info` with no GPU named failed whole on a GPU fallen off the bus, showing none
+    of the others. It now shows every GPU it can open (as text or --json), then names the lost
+    one in one line, exit 1."""
+    nvml.fake_update_device(0, lost=True)
+    try:
+        uuid = nvml.fake_device_state(1)["uuid"]
+        for extra in ((), ("--json",)):
+            result = dvfs_in_process("gpu", "info", *extra, env=env)
+            assert result.returncode == 1, result.stderr
+            [line] = result.stderr.splitlines()
+            assert "GPU 0" in line and "fallen off the bus" in line, line
+            if extra:
+                [info] = json.loads(result.stdout)
+                assert (info["index"], info["uuid"]) == (1, uuid)
+            else:
+                assert f"GPU 1 NVIDIA H100 80GB HBM3 ({uuid})" in result.stdout
+                assert "power limit: 700 W" in result.stdout and "GPU 0" not in result.stdout
+    finally:
+        nvml.fake_update_device(0, lost=False)
+
+
 def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:
     """NVML's DriverNotLoaded (9: the library is there, the kernel module is not, say after a
     driver update without a reboot) is not LibraryNotFound: "install the NVIDIA driver" would

@@ -114,14 +114,29 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
 @handle_errors
 def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
-    energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none)."""
+    energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none:
+    a GPU fallen off the bus is named, exit 1, after the others are shown)."""
+    from dvfs.backends import lost_gpus, reachable_gpus
     from dvfs.gpu.describe import gpu_details
 
+    lost: list[Any] = []
+    if not devices and not twin:  # every GPU: one fallen off the bus must not hide the others
+        openable, lost = reachable_gpus()
+        if not openable and lost:
+            raise lost_gpus(lost)
+        devices = tuple(str(i) for i in openable)
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
         infos = [gpu_details(g) for g in gpus]
     if as_json:
         echo_json(infos)
-        return
+    else:
+        _print_details(infos)
+    if lost:
+        raise lost_gpus(lost)
+
+
+def _print_details(infos: list[dict[str, Any]]) -> None:
+    """`gpu info`'s lines per GPU, from `gpu_details`."""
     out = console()
     for i in infos:
         c, p = i["supported_sm_clocks_mhz"], i["power_limit_w"]
