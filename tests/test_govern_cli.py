@@ -367,6 +367,29 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(env: dict[str, s
     assert "Traceback" not in served.stderr and nvml.fake_calls() == []
 
 
+def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_others(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`dvfs govern` with no --gpu governs every GPU, the server's. With one fallen off the bus
+    it governs none (the server spanning it is broken, and governing the rest would govern
+    other GPUs than meant): one line names the lost GPU and says to name the server's GPUs
+    with --gpu, listing those that open; nothing changes. Named, the others are governed."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    nvml.fake_update_device(0, lost=True)
+    args = ("govern", "--plan", str(plan), "--url", f"http://127.0.0.1:{closed_port()}")
+    args += ("--interval", "0.05", "--listen", "off", "--max-intervals", "1")
+    refused = dvfs_in_process(*args, env=env)
+    assert refused.returncode == 1, refused.stderr
+    [line] = (refused.stdout + refused.stderr).splitlines()
+    assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert "name the GPUs the server runs on with --gpu (those that open: GPU 1)" in line
+    assert nvml.fake_calls() == []
+    named = dvfs_in_process(*args, "--gpu", "1", env=env)
+    assert named.returncode == 0, named.stderr
+    assert "governing GPU 1 from" in named.stderr
+
+
 class CountingMetrics(http.server.ThreadingHTTPServer):
     """A loopback /metrics page over HTTP/1.1 keep-alive that counts the connections made to
     it and the requests read through them."""

@@ -2,9 +2,10 @@
 power, clocks and energy per token, read-only), both exporting Prometheus text on a port.
 
 `govern` exits 0 after --max-intervals, 1 for a dry run whose server does not answer at the
-start (nothing to preview), 2 for a bad plan or one this host's GPUs cannot follow, 3 when a
-GPU holds unrestored changes or another dvfs uses it, 4 without permission, and 130/143/129 on
-SIGINT/SIGTERM/SIGHUP, every GPU restored first.
+start (nothing to preview) or a GPU fallen off the bus (with no --gpu: it governs none), 2
+for a bad plan or one this host's GPUs cannot follow, 3 when a GPU holds unrestored changes or
+another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
+restored first.
 """
 
 from __future__ import annotations
@@ -206,8 +207,10 @@ def govern(
     layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one at
     once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
+    With no --gpu, a GPU fallen off the bus is refused, exit 1: none is governed.
     """
-    from dvfs.backends import job_gpus, open_gpus, parse_devices
+    from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
+    from dvfs.errors import GpuUnavailableError
     from dvfs.govern.exporter import LiveMetrics
     from dvfs.govern.loop import Ticker, check_plan_against, check_server_for_dry_run
     from dvfs.govern.loop import govern as run_governor
@@ -225,6 +228,17 @@ def govern(
     params = PolicyParams(dwell_s=dwell, hysteresis=hysteresis)
     live = LiveMetrics()
     visible = job_gpus("--gpu with {listed}")
+    if not devices:
+        # Every GPU is the server's: a server spanning a lost GPU is broken, and governing the
+        # rest would silently govern GPUs other than those meant; --gpu names them if intended.
+        openable, lost = reachable_gpus(visible)
+        if lost:
+            others = ", ".join(f"GPU {i}" for i in openable) or "none"
+            raise GpuUnavailableError(
+                f"{lost_gpus(lost)}; `dvfs govern` with no --gpu governs every GPU, so it "
+                "governs none while one is lost: name the GPUs the server runs on with --gpu "
+                f"(those that open: {others})"
+            )
     # A dry run (no root needed) reads the static caps where root recorded them.
     records = state_dir or (records_dir() if dry_run else default_state_dir())
     with (
