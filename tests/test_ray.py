@@ -206,6 +206,35 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
     assert other["locked_clocks"] is None  # the other worker put its GPU back
 
 
+@pytest.mark.timeout(300)
+def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """Real GPUs (the fake NVML's) on Ray: a folder the cluster's two H100s finished is done
+    for them (nothing runs, no GPU is set), but not once an H200 is among the cluster's GPUs,
+    whose cells were never measured there: refused as without Ray, where the run said "0
+    cell(s) measured" and wrote the H100s' cube (the driver took the models for not known)."""
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=1))
+    out = tmp_path / "out"
+    first = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert first.exit_code == 0, first.output
+    journal = (out / "journal.jsonl").read_text()
+    set_calls = len(ray_nvml.fake_calls())
+    again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "0 cell(s) measured" in again.output, again.output
+    assert len(ray_nvml.fake_calls()) == set_calls  # no GPU setting touched
+    assert (out / "journal.jsonl").read_text() == journal
+    ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200
+    mixed = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert mixed.exit_code == 1, mixed.output
+    assert "holds a run on one GPU model" in mixed.output, mixed.output
+    assert "Traceback" not in mixed.output
+    assert (out / "journal.jsonl").read_text() == journal
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)

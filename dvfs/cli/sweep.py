@@ -431,7 +431,6 @@ def run_fleet(
 ) -> Any:
     """Run the sweep on one worker per GPU group and report each worker; returns the
     `FleetOutcome`."""
-    from dvfs.backends import real_gpus
     from dvfs.cli.fleet_progress import RichFleetProgress
     from dvfs.fleet.driver import run_fleet as drive
     from dvfs.fleet.local import LocalExecutor
@@ -458,11 +457,12 @@ def run_fleet(
                 fresh=fresh,
                 progress=bar,
                 shard=shard,
-                # Ray places its workers on any node's GPUs: their models are not this host's
-                # (a twin's are its profiles', wherever it runs).
+                # Ray places its workers on any node's GPUs: their models are not this host's,
+                # but those the cluster's GPUs name (a twin's are its profiles', wherever it
+                # runs).
                 models=(
-                    None
-                    if executor == "ray" and real_gpus(campaign)
+                    (lambda: run_on.models(campaign, groups))
+                    if executor == "ray"
                     else lambda: fleet_models(campaign, groups)
                 ),
             )

@@ -658,9 +658,9 @@ def run_fleet(
     """Run every unfinished cell of `campaign` (or of its `shard`) on one worker per GPU
     group, through `executor`, into the journals in `out_dir`; then write the cube (one per
     GPU model, merged along `gpu` when the fleet mixes models). `models`: the groups' GPU
-    models (`dvfs.sweep.fleet_models`), asked for where the folder holds every cell, so that
-    a model it never measured is not taken for done; None where they cannot be told here
-    (Ray's workers are placed on other nodes)."""
+    models (`dvfs.sweep.fleet_models`, or those of the GPUs Ray places the workers on:
+    `RayExecutor.models`), asked for where the folder holds every cell, so that a model it
+    never measured is not taken for done; it returns None where they cannot be read."""
     from dvfs.corpora.prepare import (
         check_corpora,
         counted_corpora,

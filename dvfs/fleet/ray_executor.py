@@ -25,14 +25,14 @@ import platform
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from dvfs.backends import real_gpus, virtual_time
 from dvfs.errors import CampaignError, DvfsError
-from dvfs.fleet.devices import Group, group_label
+from dvfs.fleet.devices import Group, group_label, one_model
 from dvfs.fleet.driver import Fleet
 from dvfs.fleet.local import POLL_S, VirtualPacer
 from dvfs.signals import HANDLED, Interrupted
@@ -207,6 +207,26 @@ class WorkerActor:
         return list(unrestored_gpus(self.campaign)[0])
 
 
+class ModelProbe:
+    """An actor placed as a real-GPU worker is (`num_gpus`), that only reads its GPUs' models
+    (Ray wraps it with `ray.remote` when `RayExecutor.models` asks)."""
+
+    def read(self) -> tuple[str, list[tuple[int, str]]] | None:
+        """Its worker's label and each GPU's NVML index and model, read as the sweep reads
+        them (nothing set, closed); None where NVML cannot open them."""
+        import ray
+
+        from dvfs.errors import GpuError
+        from dvfs.sweep import read_gpu_names
+
+        group = placed_group(ray.get_gpu_ids())
+        try:
+            gpus = read_gpu_names(group, allow_mig=True)
+        except GpuError:
+            return None
+        return f"{platform.node()}/{group_label(group)}", gpus
+
+
 class RayExecutor:
     """Ray actors, one per GPU group (an `Executor`)."""
 
@@ -218,9 +238,47 @@ class RayExecutor:
         self.unrestored: dict[str, list[str]] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
+        twin = not real_gpus(fleet.campaign)
+        with self._ray(groups, twin, fleet.note) as ray:
+            self._run(ray, fleet, groups, twin)
+
+    def models(self, campaign: Any, groups: Sequence[Group]) -> list[str] | None:
+        """The GPU models (as the GPUs name themselves in a journal's sessions) the run's
+        actors would measure on, for the driver to tell whether a finished folder holds their
+        cells: twins' from their profiles; real GPUs' read by an actor of the run's placement
+        on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set).
+        None where an actor's GPUs cannot be read (the run's own opening then tells)."""
+        from dvfs.sweep import fleet_models, model_names
+
+        if not real_gpus(campaign):
+            return fleet_models(campaign, groups)
+        with self._ray(groups, False, None) as ray:
+            probe = ray.remote(max_restarts=0, max_task_retries=0)(ModelProbe)
+            placements = self._placements(ray, campaign, groups, False)
+            actors = [probe.options(**placement).remote() for _, placement in placements]
+            try:
+                refs = [a.read.remote() for a in actors]
+                try:
+                    read = self._open(ray, None, refs, "GPU")
+                except Exception as exc:
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, DvfsError):  # one line and its exit code
+                        raise cause from None
+                    raise
+            finally:
+                for actor in actors:
+                    ray.kill(actor)
+        if any(r is None for r in read):
+            return None
+        return model_names(campaign, [one_model(label, gpus) for label, gpus in read])
+
+    @contextlib.contextmanager
+    def _ray(
+        self, groups: Sequence[Group], twin: bool, note: Callable[[str], None] | None
+    ) -> Iterator[Any]:
+        """Ray, joined at --address or started on this machine (stopped again at the end),
+        or the instance this process already runs."""
         ray = SignalSafe(import_ray(local=not self.address))
-        campaign = fleet.campaign
-        twin = not real_gpus(campaign)
         started = False
         if not ray.is_initialized():
             if self.address:
@@ -236,8 +294,8 @@ class RayExecutor:
                         "this machine only"
                     ) from exc
             else:
-                if os.environ.get("RAY_ADDRESS"):
-                    fleet.note(
+                if os.environ.get("RAY_ADDRESS") and note is not None:
+                    note(
                         f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but without "
                         "--address dvfs runs Ray on this machine only: pass --address to "
                         "join that cluster"
@@ -265,7 +323,7 @@ class RayExecutor:
                     ) from exc
             started = True
         try:
-            self._run(ray, fleet, groups, twin)
+            yield ray
         finally:
             if started:
                 ray.shutdown()
@@ -361,7 +419,7 @@ class RayExecutor:
         return opened
 
     @staticmethod
-    def _open(ray: Any, fleet: Fleet, refs: list[Any], resource: str) -> list[Any]:
+    def _open(ray: Any, fleet: Fleet | None, refs: list[Any], resource: str) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
         cannot place (other jobs hold the cluster's GPUs) waits: said in a note after
         `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
@@ -386,7 +444,7 @@ class RayExecutor:
                     f"{OPEN_TIMEOUT_S:g} s ({free:g} of the cluster's {total:g} {resource} "
                     f"free): other jobs may hold them; free them ({fewer})"
                 )
-            if not noted:
+            if not noted and fleet is not None:
                 noted = True
                 fleet.note(
                     f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
