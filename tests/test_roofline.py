@@ -177,6 +177,29 @@ def test_a_value_listed_twice_is_refused(
     assert f"Invalid value for '{option}': '{listed}' lists {first} twice" in error, error
 
 
+@pytest.mark.parametrize(
+    ("command", "option", "listed"),
+    [
+        (["gpu", "roofline", "--twin", "h100-sxm"], "--clocks", "1500,,1200"),
+        (["gpu", "roofline", "--twin", "h100-sxm"], "--tokens", "64,16,"),
+        (["gpu", "settle", "--twin", "h100-sxm"], "--clocks", ",1500"),
+        (["gpu", "settle", "--twin", "h100-sxm", "--load"], "--power-limits", "500, ,400"),
+        (["gpu", "roofline", "--twin", "h100-sxm"], "--clocks", ""),
+        (["gpu", "settle", "--twin", "h100-sxm"], "--clocks", " "),
+    ],
+)
+def test_an_empty_entry_in_a_list_is_refused(command: list[str], option: str, listed: str) -> None:
+    """`--clocks 1500,,1200` (a value left out, or a stray comma) was read as `1500,1200`, and
+    `--clocks ''` (an unset shell variable) as no option at all, and measured without a word;
+    each is refused in one line, as `sweep --gpus 0,,1` and `--gpus ''` are, before anything
+    runs."""
+    result = CliRunner().invoke(cli, [*command, option, listed])
+    assert result.exit_code == 2, result.output
+    error = " ".join(result.stderr.split())
+    said = f"'{listed}': an empty entry" if listed.strip() else "it is empty"
+    assert f"Invalid value for '{option}': {said}" in error, error
+
+
 def test_cuda_without_a_cuda_device_names_the_cpu_path() -> None:
     result = CliRunner().invoke(cli, ["gpu", "roofline", "--device", "cuda", "--gpu", "0"])
     assert result.exit_code == 2 and "--device cpu" in result.output, result.output

@@ -527,6 +527,70 @@ def test_a_fit_on_another_gpus_base_profile_says_so(tmp_path: Path) -> None:
     assert "measured on NVIDIA H20, the base profile h200-sxm" in " ".join(result.output.split())
 
 
+def test_a_gpu_faster_than_its_base_raises_the_bases_peaks_not_an_efficiency_above_1(
+    tmp_path: Path,
+) -> None:
+    """GEMMs and bandwidth kernels faster than the base's peaks (a faster GPU fitted on a
+    slower one's base) gave efficiencies above 1, a profile `twin predict` refuses: the fit
+    raises the base's FLOP/s per clock per SM and HBM bandwidth instead, says so, and keeps the
+    measured FLOP/s, bandwidth and ridge."""
+    truth = dataclasses.replace(
+        true_profile(gemm_efficiency=0.9, hbm_efficiency=0.95),
+        flop_per_clk_per_sm=2 * H100.flop_per_clk_per_sm,
+        hbm_bandwidth_gb_s=1.5 * H100.hbm_bandwidth_gb_s,
+    )
+    ds = twin_roofline(truth)
+    fit = fit_roofline(ds, H100)
+    p = fit.profile
+    assert 0 < p.gemm_efficiency <= 1 and 0 < p.hbm_efficiency <= 1
+    assert p.flop_per_clk_per_sm > H100.flop_per_clk_per_sm
+    assert p.hbm_bandwidth_gb_s > H100.hbm_bandwidth_gb_s
+    assert {"flop_per_clk_per_sm", "hbm_bandwidth_gb_s"} <= set(fit.fitted)
+    said = " ".join(fit.notes)
+    assert "flop_per_clk_per_sm is raised from" in said
+    assert "hbm_bandwidth_gb_s is raised from" in said
+    for f, measured in zip(CLOCKS, ds["ridge_point"].values, strict=True):
+        assert p.peak_flops(f) == pytest.approx(truth.peak_flops(f), rel=0.01)
+        assert physics.bandwidth_bytes_s(p, f) == pytest.approx(
+            physics.bandwidth_bytes_s(truth, f), rel=0.01
+        )
+        assert achievable_ridge_point(p, f) == pytest.approx(measured, rel=0.005)
+    path = tmp_path / "fast.toml"
+    path.write_text(profile_toml(fit))
+    loaded = load_profile(path)  # what `twin predict` reads, and refuses an efficiency in
+    assert loaded.hbm_bandwidth_gb_s == p.hbm_bandwidth_gb_s
+    assert loaded.flop_per_clk_per_sm == p.flop_per_clk_per_sm
+
+
+def test_a_profile_fit_writes_on_another_gpus_base_is_one_predict_takes(
+    small_campaign: Path, tmp_path: Path
+) -> None:
+    """The measured H200 fitted on the H100's base: its bandwidth outruns the H100's, and the
+    profile `fit` wrote (hbm_efficiency 1.31) was refused by `predict` (exit 2). A tool does
+    not write a file it refuses: the fit raises the bandwidth and predict sweeps on it."""
+    out = tmp_path / "p.toml"
+    fitted = CliRunner().invoke(
+        cli, ["twin", "fit", str(MEASURED_H200), "-o", str(out), "--base", "h100-sxm"]
+    )
+    assert fitted.exit_code == 0, fitted.output
+    short = small_campaign.read_text()
+    for a, b in (
+        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
+        ("power_limit = [700, 300]", "power_limit = [700]"),
+        ("batch = [1, 8]", "batch = [1]"),
+        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
+        ("repeats = 2", "repeats = 1"),
+    ):
+        assert a in short
+        short = short.replace(a, b)
+    (tmp_path / "c.toml").write_text(short)
+    args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(out)]
+    result = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "o"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert open_cube(tmp_path / "o" / "cube.nc").attrs["twin_profile"] == "h100-sxm-fit:none"
+    assert "hbm_bandwidth_gb_s is raised from" in " ".join(fitted.output.split())
+
+
 @pytest.mark.parametrize("name", ["h100-sxm:none", "my:fit", 'my"fit', "my\\fit", "h100-sxm", "  "])
 def test_a_fit_name_no_campaign_can_name_as_that_fit_is_refused_before_the_fit(
     tmp_path: Path, name: str

@@ -151,6 +151,43 @@ def test_cap_reset_is_held_to_the_variable(nvml: ModuleType, tmp_path: Path) -> 
     assert {c["index"] for c in nvml.fake_calls("nvmlDeviceSetGpuLockedClocks")} <= {1}
 
 
+def test_the_uuid_of_a_gpu_fallen_off_the_bus_names_that_gpu_not_another_machines() -> None:
+    """NVML cannot read a lost GPU's UUID (`machine_uuids` gives ""): a job given it by UUID was
+    told to fix CUDA_VISIBLE_DEVICES, and `cap reset` given it beside a healthy GPU reset that one
+    and exited 0, the lost GPU unnamed. A UUID entry no readable UUID matches is the one lost
+    GPU's; with two lost, the refusal names them."""
+    one_lost = [UUIDS[0], "", UUIDS[2]]
+    assert resolve(UUIDS[1], one_lost).indices == (1,)
+    assert resolve(f"{UUIDS[2]},GPU-8932f937-aaaa", one_lost).indices == (2, 1)
+    assert resolve("GPU-8932f937-d72c", one_lost).indices == (0,)  # a readable one still its own
+    two_lost = ["", "", UUIDS[2]]
+    assert resolve(UUIDS[1], two_lost) == Resolved((), UUIDS[1])
+    with pytest.raises(CampaignError, match="perhaps one of GPUs 0, 1, fallen off the bus"):
+        check([(2, UUIDS[2])], Visible(UUIDS[1]), two_lost)
+
+
+@pytest.mark.parametrize("given", ["lost", "healthy,lost"])
+def test_cap_reset_given_a_gpu_fallen_off_the_bus_by_uuid_names_it(
+    nvml: ModuleType, given: str
+) -> None:
+    uuids = {"healthy": _uuid(nvml, 0), "lost": _uuid(nvml, 1)}
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    nvml.fake_update_device(1, lost=True)
+    visible = ",".join(uuids[g] for g in given.split(","))
+    _one_line(dvfs(visible, "cap", "reset"), 1, "GPU 1", "fallen off the bus")
+    assert nvml.fake_device_state(0)["locked_clocks"] is None or given == "lost"
+
+
+def test_ray_gives_the_uuid_of_a_gpu_fallen_off_the_bus(nvml: ModuleType) -> None:
+    """Ray's id of a lost GPU (its UUID unreadable) was blamed on the raylet's
+    CUDA_VISIBLE_DEVICES; it is that GPU, whose opening then says it is lost."""
+    from dvfs.fleet.ray_executor import placed_group
+
+    lost = _uuid(nvml, 1)
+    nvml.fake_update_device(1, lost=True)
+    assert placed_group([lost], nvml=nvml) == (1,)
+
+
 def test_reading_commands_and_restoring_are_not_held(nvml: ModuleType) -> None:
     """Listing every GPU, or restoring what a crashed run left, never meters or changes a GPU
     the job was not given on its behalf."""

@@ -218,13 +218,20 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
-    """`1980,1500,1200` as integers; one clear line for anything else. A value listed twice is
+    """`1980,1500,1200` as integers; one clear line for anything else (an empty list or entry
+    too, as --gpus refuses them: `--clocks ''` measured the default clocks, `1500,,1200` two
+    settings, without a word). A value listed twice is
     refused, as a campaign's sm_clock and power_limit lists refuse it: dropping the repeat
     silently measured fewer settings than the user listed, without a word."""
-    if not value:
+    if value is None:  # left out: the command's default
         return ()
+    if not value.strip():  # `--clocks ""` (an unset shell variable): as --gpus refuses it
+        raise click.BadParameter("it is empty: give e.g. 1980,1500,1200, or leave it out")
+    entries = [v.strip() for v in value.split(",")]
+    if not all(entries):  # `1500,,1200` or `1500,`: as --gpus refuses an empty entry
+        raise click.BadParameter(f"{value!r}: an empty entry; write e.g. 1980,1500,1200")
     try:
-        numbers = tuple(int(v) for v in value.split(",") if v.strip())
+        numbers = tuple(int(v) for v in entries)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
     if any(n <= 0 for n in numbers):

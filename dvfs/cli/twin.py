@@ -142,8 +142,9 @@ def _base_note(gpu_name: object, profile: GpuProfile, source: Path) -> str | Non
     return (
         f"{source} was measured on {str(gpu_name).removesuffix(' (twin)')}, the base profile "
         f"{profile.key} is the twin's {profile.nvml_name}: the fit keeps that GPU's peak FLOP/s, "
-        "bandwidth and clocks and reads the measurement against them; pass --base with the "
-        "measured GPU's own profile where the twin has one"
+        "bandwidth (each raised where the measurement outruns it) and clocks and reads the "
+        "measurement against them; pass --base with the measured GPU's own profile where the "
+        "twin has one"
     )
 
 

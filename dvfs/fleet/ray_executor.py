@@ -151,9 +151,16 @@ def placed_group(gpu_ids: Sequence[int | str], *, nvml: ModuleType | None = None
     for i in ids:
         found = resolve(i, uuids).indices
         if len(found) != 1:
+            unread = [str(n) for n, u in enumerate(uuids) if not u]
+            lost = (
+                f"; perhaps one of GPUs {', '.join(unread)}, fallen off the bus (NVML cannot "
+                "read their UUIDs)"
+                if unread
+                else ""
+            )
             raise CampaignError(
                 f"Ray gave this actor GPU {i!r}, which names no GPU NVML sees on this node "
-                f"({len(uuids)} GPU(s)): check the raylet's CUDA_VISIBLE_DEVICES"
+                f"({len(uuids)} GPU(s)){lost}: check the raylet's CUDA_VISIBLE_DEVICES"
             )
         group.append(found[0])
     return tuple(group)

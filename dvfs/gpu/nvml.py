@@ -447,8 +447,9 @@ def open_device(
 
 def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[str]:
     """The UUID of every GPU NVML sees, by NVML index (what CUDA_VISIBLE_DEVICES is read
-    against); "" for a GPU fallen off the bus, whose UUID cannot be read (no UUID entry names
-    it, an index entry still does): one lost GPU must not refuse every command on the others."""
+    against); "" for a GPU fallen off the bus, whose UUID cannot be read (an index entry names
+    it, and a UUID entry no other GPU matches where it is the only one: `dvfs.gpu.visible`): one
+    lost GPU must not refuse every command on the others."""
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker("nvml-uuids")

@@ -13,6 +13,10 @@ reads them, and refuses a GPU outside them (`check`). Entries, read in order as 
   this assumes `CUDA_DEVICE_ORDER=PCI_BUS_ID` order;
 - a MIG instance (`MIG-...`): refused, since dvfs meters and controls whole GPUs.
 
+A GPU fallen off the bus has no UUID NVML can read ("" among the machine's UUIDs): a UUID
+entry that names no other GPU is taken for it where it is the one such GPU (opening it then
+says it is lost, rather than the variable being blamed); with several, none is.
+
 CUDA stops at the first entry it cannot read (`-1`, an index past the last GPU, a UUID not
 here), seeing only the GPUs before it; so does this. Pure functions over the machine's UUIDs
 (in NVML index order), so they are tested without NVML; `dvfs.gpu.nvml` reads those UUIDs.
@@ -73,7 +77,11 @@ def resolve(value: str, uuids: Sequence[str]) -> Resolved:
         if entry.isdigit():
             index = int(entry) if int(entry) < len(uuids) else None
         elif entry.upper().startswith("GPU-") and len(entry) > len("GPU-"):
-            matches = [i for i, u in enumerate(lowered) if u.startswith(entry.lower())]
+            matches = [i for i, u in enumerate(lowered) if u and u.startswith(entry.lower())]
+            if not matches and lowered.count("") == 1:
+                # No readable UUID is it, and one GPU's UUID cannot be read (fallen off the
+                # bus): the job's GPU is that one, which opening it then names as lost.
+                matches = [lowered.index("")]
             index = matches[0] if len(matches) == 1 else None
         if index is None:
             return Resolved(tuple(found), entry)
@@ -107,6 +115,12 @@ def check(gpus: Sequence[tuple[int, str]], visible: Visible, uuids: Sequence[str
             if resolved.stopped_at is not None
             else ""
         )
+        unread = [str(i) for i, u in enumerate(uuids) if not u]
+        if cut and unread:  # the entry may name one of them
+            cut += (
+                f", perhaps one of GPUs {', '.join(unread)}, fallen off the bus (NVML cannot "
+                "read their UUIDs)"
+            )
         raise CampaignError(
             f"GPU {index} ({uuid}) is not among the GPUs {VARIABLE}={visible.value!r} gives "
             f"this job ({gives}{cut}): dvfs names GPUs as NVML does, which ignores that "

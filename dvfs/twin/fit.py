@@ -292,6 +292,36 @@ def _idle_figures(
     return idle, figures
 
 
+def _raise_peaks(
+    base: GpuProfile, gemm_eff: float, hbm_eff: float, notes: list[str]
+) -> tuple[GpuProfile, dict[str, Any]]:
+    """`base` with the peak a measurement outran raised to it, and the figures raised: an
+    efficiency above 1 (a GPU faster than the base, as a `--base` of another model fits it)
+    is no share of a peak, and `load_profile` refuses it. The base's FLOP/s per clock per SM
+    (a whole number: rounded up, the GEMM efficiency just under 1) or its HBM bandwidth (the
+    efficiency 1) becomes the measured one; the twin's achievable FLOP/s and bandwidth (peak
+    times efficiency) are the fit's either way."""
+    raised: dict[str, Any] = {}
+    if gemm_eff > 1.0:
+        per_sm = math.ceil(base.flop_per_clk_per_sm * gemm_eff)
+        raised["flop_per_clk_per_sm"] = per_sm
+        notes.append(
+            f"the GEMMs ran at {gemm_eff:.3f} times {base.key}'s peak FLOP/s, a faster GPU "
+            f"(an efficiency is at most 1): flop_per_clk_per_sm is raised from "
+            f"{base.flop_per_clk_per_sm} to {per_sm}; is {base.key} the right base?"
+        )
+    if hbm_eff > 1.0:
+        bandwidth = base.hbm_bandwidth_gb_s * hbm_eff
+        raised["hbm_bandwidth_gb_s"] = bandwidth
+        notes.append(
+            f"the bandwidth kernels ran at {hbm_eff:.3f} times {base.key}'s HBM bandwidth, a "
+            f"faster memory (an efficiency is at most 1): hbm_bandwidth_gb_s is raised from "
+            f"{base.hbm_bandwidth_gb_s:g} to {bandwidth:.6g}, hbm_efficiency 1; is {base.key} "
+            "the right base?"
+        )
+    return (dataclasses.replace(base, **raised) if raised else base), raised
+
+
 def fit_roofline(
     ds: xr.Dataset, base: GpuProfile, *, key: str | None = None, source: str = ""
 ) -> RooflineFit:
@@ -330,10 +360,16 @@ def fit_roofline(
             + f": gemm_efficiency kept from {base.key}; measure with larger --tokens"
         )
     hbm_eff, knee, bw_rms = _bandwidth(base, clocks, bandwidth)
+    base, raised = _raise_peaks(base, gemm_eff, hbm_eff, notes)
+    if "flop_per_clk_per_sm" in raised:  # the same FLOP/s, a share of the raised peak
+        d = datasheet_flops(base, compute_clocks[bound])
+        gemm_eff = min(1.0, float(np.sum(compute_peak[bound] * d) / np.sum(d * d)))
+    hbm_eff = min(hbm_eff, 1.0)
     changes: dict[str, Any] = {
         "gemm_efficiency": gemm_eff,
         "hbm_efficiency": hbm_eff,
         "bandwidth_knee_mhz": knee,
+        **raised,
     }
     residuals = {
         "peak_flop_s_rel_rms": (
@@ -351,12 +387,6 @@ def fit_roofline(
     else:
         changes.update(power[0])
         residuals["power_rms_w"] = power[1]
-    for name in ("gemm_efficiency", "hbm_efficiency"):
-        if changes[name] > 1.0:
-            notes.append(
-                f"{name} {changes[name]:.3f} exceeds 1: is {base.key} the right base? "
-                "`dvfs twin predict` refuses an efficiency above 1"
-            )
     profile = dataclasses.replace(base, key=key or f"{base.key}-fit", **changes)
     if power is not None and not power[2]:
         # The readings' leakage is in the fitted power figures: the twin adding the base's
