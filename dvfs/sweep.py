@@ -716,9 +716,9 @@ def read_group_models(
 
     With `check` (the dry run itself), the GPUs are always opened, as the sweep opens them
     (`check_gpus`): one that is not here, has fallen off the bus or has MIG enabled, and a
-    clock or power limit of the campaign one does not take, are refused as the sweep refuses
-    them; where NVML itself does not answer here, nothing is refused (the note as above where
-    something else was to be read)."""
+    clock or power limit of the campaign one does not take, make the note say that the sweep
+    would stop on this machine, and why. A note, not a refusal: a workstation with a GPU of its
+    own may be planning for another machine (`dvfs doctor` there checks that one)."""
     servers = [tuple(g) for g in groups if len(g) > 1]
     # the twin engine's load on them, which a GPU the twin has no profile of is refused
     twin_load = simulated_engine(campaign) and not campaign.gpu.profile
@@ -729,17 +729,17 @@ def read_group_models(
     from dvfs.fleet.devices import group_label, one_model
 
     devices = [d for g in groups for d in g]
+    stop: str | None = None  # why the sweep would stop on this machine
     try:
-        found = (
-            check_gpus(campaign, devices, nvml=nvml)
-            if check
-            else read_gpu_names(devices, nvml=nvml, allow_mig=True)
-        )
+        if check:
+            found, stop = check_gpus(campaign, devices, nvml=nvml)
+        else:
+            found = read_gpu_names(devices, nvml=nvml, allow_mig=True)
     except GpuError as exc:
         if check and nvml_answers(nvml):  # NVML works here: these GPUs' own fault
-            raise
-        if not read:  # a machine planning for another: the sweep there opens them
-            return None, None
+            stop = f"on this machine the sweep would stop: {exc}"
+        if not read:  # nothing else to read; a machine planning for another needs no note
+            return None, stop
         unchecked = []
         if servers:
             unchecked.append("a tensor-parallel server spanning two GPU models is not checked")
@@ -749,30 +749,34 @@ def read_group_models(
             unchecked.append("every GPU model's journal in the folder is counted")
         if twin_load:  # first: the others' words end the sentence ("... here")
             unchecked.insert(0, "whether the twin has a profile of their model is not checked")
+        why = stop if stop is not None else f"the GPUs' models were not read ({exc})"
         return None, (
-            f"the GPUs' models were not read ({exc}), so {' and '.join(unchecked)} here: "
-            "`dvfs doctor` on the GPU machine checks it"
+            f"{why}, so {' and '.join(unchecked)} here: `dvfs doctor` on the GPU machine checks it"
         )
     named = iter(found)
     models = [one_model(group_label(tuple(g)), [next(named) for _ in g]) for g in groups]
     for model in models if twin_load else ():
         free_running_profile(campaign, model)
-    return (models if len(groups) > 1 or servers or fleet else None), None
+    return (models if len(groups) > 1 or servers or fleet else None), stop
 
 
 def check_gpus(
     campaign: Campaign, devices: Sequence[int | str], *, nvml: ModuleType | None = None
-) -> list[tuple[int, str]]:
+) -> tuple[list[tuple[int, str]], str | None]:
     """Each of the campaign's real GPUs `devices`' NVML index and model, opened as the sweep
     opens them (held to CUDA_VISIBLE_DEVICES, MIG refused), nothing set or read back, and
-    closed; the campaign's clocks and power limits each takes checked as the sweep checks them
-    (`check_knobs_against`, exit 2). A `GpuError` where one cannot be opened (not here, fallen
-    off the bus) or NVML does not answer."""
+    closed; and why the sweep would stop on them (a clock or power limit of the campaign one
+    does not take, `check_knobs_against`), None if nothing. A `GpuError` where one cannot be
+    opened (not here, fallen off the bus) or NVML does not answer."""
     from dvfs.backends import job_gpus, open_gpus
 
     with open_gpus(devices, nvml=nvml, visible=job_gpus()) as gpus:
-        check_knobs_against(campaign, gpus)
-        return [(g.identity.index, g.identity.name) for g in gpus]
+        found = [(g.identity.index, g.identity.name) for g in gpus]
+        try:
+            check_knobs_against(campaign, gpus)
+        except CampaignError as exc:
+            return found, f"on this machine the sweep would stop: {exc}"
+        return found, None
 
 
 def nvml_answers(nvml: ModuleType | None = None) -> bool:

@@ -296,8 +296,9 @@ def sweep(
         from dvfs.sweep import read_group_models
 
         # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
-        # GPU not here or lost, a clock or power limit one does not take, and a server on two
-        # models are refused as the sweep refuses them, and a fleet mixing them counts each
+        # GPU not here or lost, or a clock or power limit one does not take, is a note that the
+        # sweep would stop on this machine (which may be planning for another); a server on
+        # two models is refused as the sweep refuses it, and a fleet mixing them counts each
         # model's cells; where NVML does not answer, the note says what went unchecked. Not
         # Ray's: its GPUs are those Ray places the actors on, on any node, not this machine's.
         group_models, unread = (
