@@ -562,6 +562,21 @@ def test_a_gpu_faster_than_its_base_raises_the_bases_peaks_not_an_efficiency_abo
     assert loaded.flop_per_clk_per_sm == p.flop_per_clk_per_sm
 
 
+def _one_setting(campaign: str) -> str:
+    """SMALL_CAMPAIGN's text cut to one clock, power limit, batch, corpus and repeat: a predict
+    that only has to run."""
+    for a, b in (
+        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
+        ("power_limit = [700, 300]", "power_limit = [700]"),
+        ("batch = [1, 8]", "batch = [1]"),
+        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
+        ("repeats = 2", "repeats = 1"),
+    ):
+        assert a in campaign
+        campaign = campaign.replace(a, b)
+    return campaign
+
+
 def test_a_profile_fit_writes_on_another_gpus_base_is_one_predict_takes(
     small_campaign: Path, tmp_path: Path
 ) -> None:
@@ -573,16 +588,7 @@ def test_a_profile_fit_writes_on_another_gpus_base_is_one_predict_takes(
         cli, ["twin", "fit", str(MEASURED_H200), "-o", str(out), "--base", "h100-sxm"]
     )
     assert fitted.exit_code == 0, fitted.output
-    short = small_campaign.read_text()
-    for a, b in (
-        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
-        ("power_limit = [700, 300]", "power_limit = [700]"),
-        ("batch = [1, 8]", "batch = [1]"),
-        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
-        ("repeats = 2", "repeats = 1"),
-    ):
-        assert a in short
-        short = short.replace(a, b)
+    short = _one_setting(small_campaign.read_text())
     (tmp_path / "c.toml").write_text(short)
     args = ["twin", "predict", str(tmp_path / "c.toml"), "--profile", str(out)]
     result = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "o"), "--no-progress"])
@@ -694,16 +700,7 @@ def test_predict_keeps_the_trap_list_the_campaigns_gpu_profile_names(
     path.write_text(profile_toml(fit))
     campaign = small_campaign.read_text()
     assert 'profile = "h100-sxm:none"' in campaign
-    short = campaign
-    for a, b in (
-        ("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980]"),
-        ("power_limit = [700, 300]", "power_limit = [700]"),
-        ("batch = [1, 8]", "batch = [1]"),
-        ('corpora = ["code", "conversation"]', 'corpora = ["code"]'),
-        ("repeats = 2", "repeats = 1"),
-    ):
-        assert a in short
-        short = short.replace(a, b)
+    short = _one_setting(campaign)
     for traps_named in (":none", ":-settle", ""):
         (tmp_path / "c.toml").write_text(
             short.replace('profile = "h100-sxm:none"', f'profile = "h100-sxm{traps_named}"')
