@@ -255,6 +255,26 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
 
 
+def test_cap_apply_does_not_say_no_gpu_is_the_lost_gpus_model(nvml, tmp_path: Path) -> None:
+    """A fleet file's [[model]] that matched none of the GPUs that open was noted as "no GPU
+    here is a NVIDIA H200" while the GPU fallen off the bus, whose model cannot be read, was
+    that H200: the note now says it is none of the GPUs that open, the lost one perhaps."""
+    nvml.fake_reset_state(["h200-sxm", "h100-sxm"])
+    [lost, healthy] = [nvml.FAKE_PROFILES[p]["name"] for p in ("h200-sxm", "h100-sxm")]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile(tuple(GpuCap(name=n, power_limit_w=450.0) for n in (lost, healthy))))
+    )
+    nvml.fake_update_device(0, lost=True)
+    for extra in (("--dry-run",), ()):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(fleet), *extra])
+        assert result.exit_code == 1, result.output
+        told = " ".join(result.stderr.split())
+        assert f"no GPU here is a {lost}" not in told, told
+        assert f"none of this host's GPUs that open is a {lost}, the GPU fallen off" in told
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 450_000
+
+
 def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
     """`dvfs cap show` failed whole on a GPU fallen off the bus, showing no GPU's caps. It now
     shows every GPU it can open (as text or --json), then names the lost one in one line, exit
