@@ -278,7 +278,7 @@ def test_cap_apply_does_not_say_no_gpu_is_the_lost_gpus_model(nvml, tmp_path: Pa
 def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
     """`dvfs cap show` failed whole on a GPU fallen off the bus, showing no GPU's caps. It now
     shows every GPU it can open (as text or --json), then names the lost one in one line, exit
-    1."""
+    1. Its --json gives the lost GPU the row `gpu list --json` gives it (its index and error)."""
     uuid = nvml.fake_device_state(1)["uuid"]
     caps = tmp_path / "caps.toml"
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
@@ -291,7 +291,9 @@ def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
         [line] = result.stderr.splitlines()
         assert "GPU 0" in line and "fallen off the bus" in line, line
         if extra:
-            [row] = json.loads(result.stdout)
+            [lost, row] = json.loads(result.stdout)
+            listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+            assert lost == listed[0] and set(lost) == {"index", "error"}, lost
             assert (row["index"], row["uuid"], row["caps_source"]) == (1, uuid, str(caps))
             assert row["sm_clock_lock_mhz"][1] == 1500
         else:

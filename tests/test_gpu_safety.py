@@ -465,7 +465,8 @@ def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
 def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
     """`dvfs gpu info` with no GPU named failed whole on a GPU fallen off the bus, showing none
     of the others. It now shows every GPU it can open (as text or --json), then names the lost
-    one in one line, exit 1."""
+    one in one line, exit 1. Its --json gives the lost GPU the row `gpu list --json` gives it
+    (its index and error), not a list that reads as a host without it."""
     nvml.fake_update_device(0, lost=True)
     try:
         uuid = nvml.fake_device_state(1)["uuid"]
@@ -475,8 +476,11 @@ def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
             [line] = result.stderr.splitlines()
             assert "GPU 0" in line and "fallen off the bus" in line, line
             if extra:
-                [info] = json.loads(result.stdout)
+                [lost, info] = json.loads(result.stdout)
                 assert (info["index"], info["uuid"]) == (1, uuid)
+                listed = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)
+                assert lost == listed[0] and set(lost) == {"index", "error"}, lost
+                assert lost["error"] in line
             else:
                 assert f"GPU 1 NVIDIA H100 80GB HBM3 ({uuid})" in result.stdout
                 assert "power limit: 700 W" in result.stdout and "GPU 0" not in result.stdout

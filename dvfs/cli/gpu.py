@@ -116,7 +116,7 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
     energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none:
     a GPU fallen off the bus is named, exit 1, after the others are shown)."""
-    from dvfs.backends import lost_gpus, reachable_gpus
+    from dvfs.backends import lost_gpus, reachable_gpus, with_lost_rows
     from dvfs.gpu.describe import gpu_details
 
     lost: list[Any] = []
@@ -127,8 +127,8 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
         devices = tuple(str(i) for i in openable)
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
         infos = [gpu_details(g) for g in gpus]
-    if as_json:
-        echo_json(infos)
+    if as_json:  # a lost GPU's row holds its index and error, as in `gpu list --json`
+        echo_json(with_lost_rows(infos, lost))
     else:
         _print_details(infos)
     if lost:
