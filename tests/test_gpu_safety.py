@@ -458,7 +458,14 @@ def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
         assert [r["index"] for r in rows] == [0, 1]
         assert rows[0]["uuid"] == nvml.fake_device_state(0)["uuid"] and "error" not in rows[0]
         assert "fallen off the bus" in rows[1]["error"]
+        # Two lost: the error line names both, as every other command over all GPUs does
+        nvml.fake_update_device(0, lost=True)
+        for extra in ((), ("--json",)):
+            both = dvfs_in_process("gpu", "list", *extra, env=env)
+            [line] = both.stderr.splitlines()
+            assert both.returncode == 1 and "GPU 0" in line and "GPU 1" in line, line
     finally:
+        nvml.fake_update_device(0, lost=False)
         nvml.fake_update_device(1, lost=False)
 
 

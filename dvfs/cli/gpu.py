@@ -58,6 +58,7 @@ def gpu() -> None:
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    from dvfs.backends import lost_gpus
     from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.describe import gpu_summary
 
@@ -82,7 +83,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         if lost:
-            raise lost[0]
+            raise lost_gpus(lost)
         return
     from rich.table import Table
 
@@ -104,7 +105,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         )
     console().print(table)
     if lost:
-        raise lost[0]
+        raise lost_gpus(lost)
 
 
 @gpu.command("info")
