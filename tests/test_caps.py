@@ -300,6 +300,11 @@ def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
             shown = " ".join(result.stdout.split())
             assert f"GPU 1 ({uuid}): power limit 700 W" in shown and "-1500 MHz" in shown
             assert "GPU 0" not in result.stdout
+    nvml.fake_update_device(1, lost=True)  # none opens: --json still gives each its row
+    result = CliRunner().invoke(cli, ["cap", "show", "--json"])
+    listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    assert result.exit_code == 1 and json.loads(result.stdout) == listed, result.output
+    assert [r["index"] for r in listed] == [0, 1] and all("error" in r for r in listed)
 
 
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:

@@ -491,8 +491,14 @@ def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
             else:
                 assert f"GPU 1 NVIDIA H100 80GB HBM3 ({uuid})" in result.stdout
                 assert "power limit: 700 W" in result.stdout and "GPU 0" not in result.stdout
+        nvml.fake_update_device(1, lost=True)  # none opens: --json still gives each its row
+        result = dvfs_in_process("gpu", "info", "--json", env=env)
+        listed = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)
+        assert result.returncode == 1 and json.loads(result.stdout) == listed, result.stderr
+        assert [r["index"] for r in listed] == [0, 1] and all("error" in r for r in listed)
     finally:
         nvml.fake_update_device(0, lost=False)
+        nvml.fake_update_device(1, lost=False)
 
 
 def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:

@@ -335,6 +335,8 @@ def show(as_json: bool, state_dir: Path | None) -> None:
 
     openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
     if not openable and lost:
+        if as_json:  # each lost GPU's row, as `gpu list --json` gives it
+            echo_json(with_lost_rows([], lost))
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as gpus:
         rows = caps_status(gpus, state_dir or records_dir())

@@ -124,6 +124,8 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     if not devices and not twin:  # every GPU: one fallen off the bus must not hide the others
         openable, lost = reachable_gpus()
         if not openable and lost:
+            if as_json:  # each lost GPU's row, as `gpu list --json` gives it
+                echo_json(with_lost_rows([], lost))
             raise lost_gpus(lost)
         devices = tuple(str(i) for i in openable)
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
