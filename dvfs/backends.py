@@ -127,6 +127,7 @@ def reachable_gpus(
             with open_gpus([index], nvml=nvml, allow_mig=True):
                 openable.append(index)
         except GpuUnavailableError as exc:
+            exc.index = index
             lost.append(exc)
     return openable, lost
 
@@ -134,6 +135,16 @@ def reachable_gpus(
 def lost_gpus(lost: Sequence[GpuUnavailableError]) -> GpuUnavailableError:
     """The one error (exit 1, one line) naming every GPU `reachable_gpus` could not open."""
     return lost[0] if len(lost) == 1 else GpuUnavailableError("; ".join(str(e) for e in lost))
+
+
+def with_lost_rows(
+    rows: Sequence[dict[str, Any]], lost: Sequence[GpuUnavailableError]
+) -> list[dict[str, Any]]:
+    """A command's --json rows of the GPUs that opened, with a row `{"index", "error"}` for
+    each GPU `reachable_gpus` could not open, in index order: the shape `dvfs gpu list --json`
+    gives a GPU fallen off the bus."""
+    missing = [{"index": e.index, "error": str(e)} for e in lost]
+    return sorted([*rows, *missing], key=lambda r: -1 if r["index"] is None else r["index"])
 
 
 def job_gpus(naming: str = SWEEP_NAMING) -> Visible | None:

@@ -37,7 +37,11 @@ class GpuError(DvfsError):
 
 
 class GpuUnavailableError(GpuError):
-    """No driver or no such device: use the twin backend or install the NVIDIA driver."""
+    """No driver or no such device: use the twin backend or install the NVIDIA driver.
+    `index`: the NVML index of the GPU that would not open, where a command opening every GPU
+    one by one knows it (`dvfs.backends.reachable_gpus`)."""
+
+    index: int | None = None
 
 
 class GpuPermissionError(GpuError):

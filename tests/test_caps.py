@@ -255,10 +255,30 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
 
 
+def test_cap_apply_does_not_say_no_gpu_is_the_lost_gpus_model(nvml, tmp_path: Path) -> None:
+    """A fleet file's [[model]] that matched none of the GPUs that open was noted as "no GPU
+    here is a NVIDIA H200" while the GPU fallen off the bus, whose model cannot be read, was
+    that H200: the note now says it is none of the GPUs that open, the lost one perhaps."""
+    nvml.fake_reset_state(["h200-sxm", "h100-sxm"])
+    [lost, healthy] = [nvml.FAKE_PROFILES[p]["name"] for p in ("h200-sxm", "h100-sxm")]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile(tuple(GpuCap(name=n, power_limit_w=450.0) for n in (lost, healthy))))
+    )
+    nvml.fake_update_device(0, lost=True)
+    for extra in (("--dry-run",), ()):
+        result = CliRunner().invoke(cli, ["cap", "apply", str(fleet), *extra])
+        assert result.exit_code == 1, result.output
+        told = " ".join(result.stderr.split())
+        assert f"no GPU here is a {lost}" not in told, told
+        assert f"none of this host's GPUs that open is a {lost}, the GPU fallen off" in told
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 450_000
+
+
 def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
     """`dvfs cap show` failed whole on a GPU fallen off the bus, showing no GPU's caps. It now
     shows every GPU it can open (as text or --json), then names the lost one in one line, exit
-    1."""
+    1. Its --json gives the lost GPU the row `gpu list --json` gives it (its index and error)."""
     uuid = nvml.fake_device_state(1)["uuid"]
     caps = tmp_path / "caps.toml"
     caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
@@ -271,13 +291,20 @@ def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
         [line] = result.stderr.splitlines()
         assert "GPU 0" in line and "fallen off the bus" in line, line
         if extra:
-            [row] = json.loads(result.stdout)
+            [lost, row] = json.loads(result.stdout)
+            listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+            assert lost == listed[0] and set(lost) == {"index", "error"}, lost
             assert (row["index"], row["uuid"], row["caps_source"]) == (1, uuid, str(caps))
             assert row["sm_clock_lock_mhz"][1] == 1500
         else:
             shown = " ".join(result.stdout.split())
             assert f"GPU 1 ({uuid}): power limit 700 W" in shown and "-1500 MHz" in shown
             assert "GPU 0" not in result.stdout
+    nvml.fake_update_device(1, lost=True)  # none opens: --json still gives each its row
+    result = CliRunner().invoke(cli, ["cap", "show", "--json"])
+    listed = json.loads(CliRunner().invoke(cli, ["gpu", "list", "--json"]).stdout)
+    assert result.exit_code == 1 and json.loads(result.stdout) == listed, result.output
+    assert [r["index"] for r in listed] == [0, 1] and all("error" in r for r in listed)
 
 
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:

@@ -458,14 +458,22 @@ def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
         assert [r["index"] for r in rows] == [0, 1]
         assert rows[0]["uuid"] == nvml.fake_device_state(0)["uuid"] and "error" not in rows[0]
         assert "fallen off the bus" in rows[1]["error"]
+        # Two lost: the error line names both, as every other command over all GPUs does
+        nvml.fake_update_device(0, lost=True)
+        for extra in ((), ("--json",)):
+            both = dvfs_in_process("gpu", "list", *extra, env=env)
+            [line] = both.stderr.splitlines()
+            assert both.returncode == 1 and "GPU 0" in line and "GPU 1" in line, line
     finally:
+        nvml.fake_update_device(0, lost=False)
         nvml.fake_update_device(1, lost=False)
 
 
 def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
     """`dvfs gpu info` with no GPU named failed whole on a GPU fallen off the bus, showing none
     of the others. It now shows every GPU it can open (as text or --json), then names the lost
-    one in one line, exit 1."""
+    one in one line, exit 1. Its --json gives the lost GPU the row `gpu list --json` gives it
+    (its index and error), not a list that reads as a host without it."""
     nvml.fake_update_device(0, lost=True)
     try:
         uuid = nvml.fake_device_state(1)["uuid"]
@@ -475,13 +483,22 @@ def test_gpu_info_shows_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> Non
             [line] = result.stderr.splitlines()
             assert "GPU 0" in line and "fallen off the bus" in line, line
             if extra:
-                [info] = json.loads(result.stdout)
+                [lost, info] = json.loads(result.stdout)
                 assert (info["index"], info["uuid"]) == (1, uuid)
+                listed = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)
+                assert lost == listed[0] and set(lost) == {"index", "error"}, lost
+                assert lost["error"] in line
             else:
                 assert f"GPU 1 NVIDIA H100 80GB HBM3 ({uuid})" in result.stdout
                 assert "power limit: 700 W" in result.stdout and "GPU 0" not in result.stdout
+        nvml.fake_update_device(1, lost=True)  # none opens: --json still gives each its row
+        result = dvfs_in_process("gpu", "info", "--json", env=env)
+        listed = json.loads(dvfs_in_process("gpu", "list", "--json", env=env).stdout)
+        assert result.returncode == 1 and json.loads(result.stdout) == listed, result.stderr
+        assert [r["index"] for r in listed] == [0, 1] and all("error" in r for r in listed)
     finally:
         nvml.fake_update_device(0, lost=False)
+        nvml.fake_update_device(1, lost=False)
 
 
 def test_a_driver_installed_but_not_loaded_is_not_called_missing(env, monkeypatch) -> None:

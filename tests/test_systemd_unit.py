@@ -293,3 +293,20 @@ def test_stopping_the_monitor_unit_is_a_clean_stop(tmp_path: Path) -> None:
     assert code > 0, log.read_text()  # exited with a code, not killed by the signal
     clean = " ".join(unit_values(MONITOR, "SuccessExitStatus")).split()
     assert str(code) in clean, f"dvfs monitor exits {code} on SIGTERM; the unit counts {clean}"
+
+
+def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None:
+    """`cap apply` exits 1 (a GPU fallen off the bus) or 5 (UUIDs not here) having capped the
+    GPUs it could, which fails the oneshot unit; systemd runs `ExecStop` only after a
+    successful start, so `systemctl stop` then resets nothing. The README said only that
+    `ExecStop` resets, and its exit codes gave `cap apply` 5 or 0 where a lost GPU makes it 1:
+    it now says how the caps of a failed start are removed, and the lost GPU's exit."""
+    assert values("ExecStop") == ["/usr/local/bin/dvfs cap reset"]
+    assert values("ExecStopPost") == []  # it would reset the caps of every failed start
+    readme = " ".join((UNIT.parent.parent / "README.md").read_text().split())
+    assert "A failed start runs no `ExecStop`" in readme
+    assert "`systemctl stop dvfs-caps` then leaves the caps it applied in place" in readme
+    assert "`sudo dvfs cap reset` removes them" in readme
+    codes = readme[readme.index("Exit codes: 0 success") :]
+    codes = codes[: codes.index("interrupted")]
+    assert "1, either way, when a GPU has fallen off the bus" in codes, codes

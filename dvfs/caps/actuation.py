@@ -296,7 +296,13 @@ class CapsPlan:
 
     def unused_message(self, where: str, *, dry_run: bool = False) -> str:
         skipped = "would be skipped" if dry_run else "were skipped"
-        return f"{where}: no GPU here is a {' or '.join(self.unused)}; those entries {skipped}"
+        models = " or ".join(self.unused)
+        if self.lost:  # a lost GPU's model cannot be read: it may be one of these
+            return (
+                f"{where}: none of this host's GPUs that open is a {models}, the GPU fallen off "
+                f"the bus perhaps; those entries {skipped}"
+            )
+        return f"{where}: no GPU here is a {models}; those entries {skipped}"
 
 
 def describe_host(gpus: Sequence[Gpu]) -> str:

@@ -329,17 +329,19 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
     after the others are shown."""
-    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
+    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus, with_lost_rows
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import records_dir
 
     openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
     if not openable and lost:
+        if as_json:  # each lost GPU's row, as `gpu list --json` gives it
+            echo_json(with_lost_rows([], lost))
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as gpus:
         rows = caps_status(gpus, state_dir or records_dir())
-    if as_json:
-        echo_json(rows)
+    if as_json:  # a lost GPU's row holds its index and error, as in `gpu list --json`
+        echo_json(with_lost_rows(rows, lost))
     else:
         _print_caps_status(rows)
     if lost:

@@ -58,6 +58,7 @@ def gpu() -> None:
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    from dvfs.backends import lost_gpus
     from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.describe import gpu_summary
 
@@ -82,7 +83,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         if lost:
-            raise lost[0]
+            raise lost_gpus(lost)
         return
     from rich.table import Table
 
@@ -104,7 +105,7 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
         )
     console().print(table)
     if lost:
-        raise lost[0]
+        raise lost_gpus(lost)
 
 
 @gpu.command("info")
@@ -116,19 +117,21 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
     energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none:
     a GPU fallen off the bus is named, exit 1, after the others are shown)."""
-    from dvfs.backends import lost_gpus, reachable_gpus
+    from dvfs.backends import lost_gpus, reachable_gpus, with_lost_rows
     from dvfs.gpu.describe import gpu_details
 
     lost: list[Any] = []
     if not devices and not twin:  # every GPU: one fallen off the bus must not hide the others
         openable, lost = reachable_gpus()
         if not openable and lost:
+            if as_json:  # each lost GPU's row, as `gpu list --json` gives it
+                echo_json(with_lost_rows([], lost))
             raise lost_gpus(lost)
         devices = tuple(str(i) for i in openable)
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
         infos = [gpu_details(g) for g in gpus]
-    if as_json:
-        echo_json(infos)
+    if as_json:  # a lost GPU's row holds its index and error, as in `gpu list --json`
+        echo_json(with_lost_rows(infos, lost))
     else:
         _print_details(infos)
     if lost:
