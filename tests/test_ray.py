@@ -235,6 +235,73 @@ def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     assert (out / "journal.jsonl").read_text() == journal
 
 
+def finished_nvml_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """The fake NVML's campaign, and the folder a Ray run on its two H100s finished."""
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=1))
+    out = tmp_path / "out"
+    first = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert first.exit_code == 0, first.output
+    return campaign, out
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_folder_waits_for_gpus_ray_cannot_place_in_a_note_as_the_run_does(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished folder on real GPUs, rerun while another job holds one of the cluster's two:
+    the actors that read the GPUs' models wait for it as the run's workers do, and say so in
+    the run's note, then give up in its one line (they waited the 30 minutes silently)."""
+    from dvfs.fleet import ray_executor
+
+    campaign, out = finished_nvml_folder(tmp_path)
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(ray_executor, "OPEN_NOTE_S", 1.0)
+
+    class Job:
+        def ping(self) -> int:
+            return 1
+
+    job = ray_cluster.remote(num_gpus=1, num_cpus=0)(Job).remote()
+    try:
+        ray_cluster.get(job.ping.remote(), timeout=60)
+        result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    finally:
+        ray_cluster.kill(job)
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert re.search(r"waiting for [12] of 2 Ray worker\(s\) to start", said), said
+    last = result.output.strip().splitlines()[-1]
+    assert re.match(r"Error: [12] of 2 Ray worker\(s\) did not start within 3 s", last), last
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --address, RAY_ADDRESS set: the Ray dvfs starts on this machine reads the GPUs'
+    models of a finished folder, so the note that RAY_ADDRESS's cluster is not joined is said
+    there too (the folder was done or refused for this machine's GPUs without a word), and
+    said once where the run follows."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    # Ray "starts" here as without --address: the shared loopback instance stands for it.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    monkeypatch.setattr(ray_cluster, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_cluster, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray_cluster, "shutdown", lambda: None)
+    done = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert done.exit_code == 0, done.output
+    assert "0 cell(s) measured" in done.output, done.output
+    assert " ".join(done.output.split()).count("RAY_ADDRESS is set (127.0.0.1:9)") == 1
+    ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200: the run follows
+    mixed = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert mixed.exit_code == 1, mixed.output
+    assert "holds a run on one GPU model" in mixed.output, mixed.output
+    assert " ".join(mixed.output.split()).count("RAY_ADDRESS is set (127.0.0.1:9)") == 1
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
@@ -455,7 +522,9 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
         gpu=types.SimpleNamespace(backend="nvml"),
         engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
     )
-    fleet = types.SimpleNamespace(campaign=campaign, corpora=None, open=lambda sessions: None)
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt  # the first Ctrl-C

@@ -236,30 +236,39 @@ class RayExecutor:
         #: Each node's GPUs whose settings a worker did not put back (UUIDs, or a worker's
         #: GPUs when its actor died): the sweep fails naming them and `dvfs gpu reset` there.
         self.unrestored: dict[str, list[str]] = {}
+        #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
+        #: not again by the run).
+        self._address_noted = False
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
         with self._ray(groups, twin, fleet.note) as ray:
             self._run(ray, fleet, groups, twin)
 
-    def models(self, campaign: Any, groups: Sequence[Group]) -> list[str] | None:
+    def models(
+        self,
+        campaign: Any,
+        groups: Sequence[Group],
+        note: Callable[[str], None] | None = None,
+    ) -> list[str] | None:
         """The GPU models (as the GPUs name themselves in a journal's sessions) the run's
         actors would measure on, for the driver to tell whether a finished folder holds their
         cells: twins' from their profiles; real GPUs' read by an actor of the run's placement
-        on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set).
-        None where an actor's GPUs cannot be read (the run's own opening then tells)."""
+        on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set),
+        said in `note` as the run says it while Ray cannot place them yet. None where an
+        actor's GPUs cannot be read (the run's own opening then tells)."""
         from dvfs.sweep import fleet_models, model_names
 
         if not real_gpus(campaign):
             return fleet_models(campaign, groups)
-        with self._ray(groups, False, None) as ray:
+        with self._ray(groups, False, note) as ray:
             probe = ray.remote(max_restarts=0, max_task_retries=0)(ModelProbe)
             placements = self._placements(ray, campaign, groups, False)
             actors = [probe.options(**placement).remote() for _, placement in placements]
             try:
                 refs = [a.read.remote() for a in actors]
                 try:
-                    read = self._open(ray, None, refs, "GPU")
+                    read = self._open(ray, note, refs, "GPU")
                 except Exception as exc:
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, DvfsError):  # one line and its exit code
@@ -294,7 +303,8 @@ class RayExecutor:
                         "this machine only"
                     ) from exc
             else:
-                if os.environ.get("RAY_ADDRESS") and note is not None:
+                if os.environ.get("RAY_ADDRESS") and note is not None and not self._address_noted:
+                    self._address_noted = True
                     note(
                         f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but without "
                         "--address dvfs runs Ray on this machine only: pass --address to "
@@ -370,7 +380,7 @@ class RayExecutor:
             refs = [a.open.remote() for a in actors]
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
-                sessions = self._open(ray, fleet, refs, resource)
+                sessions = self._open(ray, fleet.note, refs, resource)
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
@@ -419,9 +429,11 @@ class RayExecutor:
         return opened
 
     @staticmethod
-    def _open(ray: Any, fleet: Fleet | None, refs: list[Any], resource: str) -> list[Any]:
+    def _open(
+        ray: Any, note: Callable[[str], None] | None, refs: list[Any], resource: str
+    ) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
-        cannot place (other jobs hold the cluster's GPUs) waits: said in a note after
+        cannot place (other jobs hold the cluster's GPUs) waits: said in `note` after
         `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         noted = False
@@ -444,9 +456,9 @@ class RayExecutor:
                     f"{OPEN_TIMEOUT_S:g} s ({free:g} of the cluster's {total:g} {resource} "
                     f"free): other jobs may hold them; free them ({fewer})"
                 )
-            if not noted and fleet is not None:
+            if not noted and note is not None:
                 noted = True
-                fleet.note(
+                note(
                     f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
                     f"({free:g} of the cluster's {total:g} {resource} free; other jobs may "
                     f"hold them, or the workers are still opening their GPUs); giving up "
