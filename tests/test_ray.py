@@ -302,6 +302,25 @@ def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
     assert " ".join(mixed.output.split()).count("RAY_ADDRESS is set (127.0.0.1:9)") == 1
 
 
+@pytest.mark.timeout(300)
+def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished folder rerun where the Ray cluster offers no GPUs (its GPU nodes gone, or a
+    login node's own Ray): no worker would measure a model it lacks, so it is done, as it is
+    without Ray where NVML opens no GPU (it failed, exit 2: "the Ray cluster offers 0
+    GPU(s)"), and its cube is written again."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    (out / "cube.nc").unlink()
+    monkeypatch.setattr(ray_cluster, "cluster_resources", lambda: {"CPU": 2.0})
+    again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "0 cell(s) measured" in again.output, again.output
+    assert (out / "journal.jsonl").read_text() == journal
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)

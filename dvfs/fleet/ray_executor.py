@@ -256,12 +256,15 @@ class RayExecutor:
         cells: twins' from their profiles; real GPUs' read by an actor of the run's placement
         on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set),
         said in `note` as the run says it while Ray cannot place them yet. None where an
-        actor's GPUs cannot be read (the run's own opening then tells)."""
+        actor's GPUs cannot be read, or where the cluster offers no GPUs a worker could be
+        placed on (a folder rerun off the GPU nodes): the folder's cells stand as done."""
         from dvfs.sweep import fleet_models, model_names
 
         if not real_gpus(campaign):
             return fleet_models(campaign, groups)
         with self._ray(groups, False, note) as ray:
+            if int(ray.cluster_resources().get("GPU", 0)) < campaign.engine.tp_size:
+                return None  # no worker would be placed: none of its models is missing
             probe = ray.remote(max_restarts=0, max_task_retries=0)(ModelProbe)
             placements = self._placements(ray, campaign, groups, False)
             actors = [probe.options(**placement).remote() for _, placement in placements]
