@@ -321,6 +321,47 @@ def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
     assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
 
 
+@pytest.mark.timeout(300)
+def test_a_probe_actor_that_dies_is_one_line_not_an_internal_error(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished folder rerun on real GPUs: one of the actors placed to read the GPUs'
+    models dies (its node gone, the OOM killer) before it answers. The sweep fails in one
+    line saying so and to rerun, not "internal error: ActorDiedError ...; please report it"
+    (as a worker that dies while it opens its GPUs; the folder is left as it was)."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    remote, wait = ray_cluster.remote, ray_cluster.wait
+    placed: list[object] = []  # the actors the sweep places, as it places them
+
+    def recorded(made: object) -> object:
+        def options(**kwargs: object) -> object:
+            chosen = made.options(**kwargs)  # type: ignore[attr-defined]
+
+            def place(*args: object, **kw: object) -> object:
+                placed.append(chosen.remote(*args, **kw))
+                return placed[-1]
+
+            return types.SimpleNamespace(remote=place)
+
+        return types.SimpleNamespace(options=options)
+
+    def kill_one_then_wait(refs, **kwargs):  # type: ignore[no-untyped-def]
+        if placed:  # the first placed actor's process dies before it is waited for
+            ray_cluster.kill(placed.pop(0), no_restart=True)
+            placed.clear()
+        return wait(refs, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "remote", lambda **kw: lambda cls: recorded(remote(**kw)(cls)))
+    monkeypatch.setattr(ray_cluster, "wait", kill_one_then_wait)
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: a Ray worker died as it started (") and "rerun" in line, line
+    assert "internal error" not in line
+    assert (out / "journal.jsonl").read_text() == journal
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)

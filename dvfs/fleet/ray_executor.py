@@ -437,15 +437,27 @@ class RayExecutor:
     ) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
         cannot place (other jobs hold the cluster's GPUs) waits: said in `note` after
-        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
+        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line; one whose process
+        died (its node gone, out of memory) is one line too."""
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         noted = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=min(OPEN_NOTE_S, left))
-            ray.get(ready)  # an actor that could not open: its error now, not at the end
-            if not waiting:
-                return list(ray.get(refs))
+            try:
+                ray.get(ready)  # an actor that could not open: its error now, not at the end
+                if not waiting:
+                    return list(ray.get(refs))
+            except Exception as exc:
+                if not actor_gone(exc):
+                    raise
+                text = str(exc).strip()
+                why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else ""
+                raise DvfsError(
+                    f"a Ray worker died as it started ({why or type(exc).__name__}): its node "
+                    "may have gone down or run out of memory (see Ray's logs there); rerun the "
+                    "same command once the cluster is whole"
+                ) from exc
             free = ray.available_resources().get(resource, 0)
             total = ray.cluster_resources().get(resource, 0)
             if time.monotonic() >= deadline:
