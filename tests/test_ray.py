@@ -362,6 +362,26 @@ def test_a_probe_actor_that_dies_is_one_line_not_an_internal_error(
     assert (out / "journal.jsonl").read_text() == journal
 
 
+@pytest.mark.timeout(300)
+def test_a_finished_folder_is_not_done_for_a_new_model_beside_a_gpu_off_the_bus(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """A folder the cluster's H100s finished, rerun once the cluster has an H200 and one GPU
+    that fell off the bus: the H200's cells were never measured, so the run goes on (and
+    fails, naming the lost GPU), where one GPU that could not be read made every model
+    unknown and the folder done ("0 cell(s) measured", exit 0, the H200 never measured)."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200
+    ray_nvml.fake_update_device(0, lost=True)  # and GPU 0 off the bus
+    again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert again.exit_code == 1, again.output
+    assert "fallen off the bus" in again.output, again.output
+    assert "0 cell(s) measured" not in again.output, again.output
+    assert "Traceback" not in again.output and "internal error" not in again.output
+    assert (out / "journal.jsonl").read_text() == journal
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)

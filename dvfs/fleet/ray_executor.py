@@ -255,9 +255,10 @@ class RayExecutor:
         actors would measure on, for the driver to tell whether a finished folder holds their
         cells: twins' from their profiles; real GPUs' read by an actor of the run's placement
         on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set),
-        said in `note` as the run says it while Ray cannot place them yet. None where an
-        actor's GPUs cannot be read, or where the cluster offers no GPUs a worker could be
-        placed on (a folder rerun off the GPU nodes): the folder's cells stand as done."""
+        said in `note` as the run says it while Ray cannot place them yet. An actor whose GPUs
+        cannot be read tells none (a run opening them names them). None where no actor's GPUs
+        can be read, or the cluster offers no GPUs a worker could be placed on (a folder rerun
+        off the GPU nodes): the folder's cells stand as done."""
         from dvfs.sweep import fleet_models, model_names
 
         if not real_gpus(campaign):
@@ -280,9 +281,9 @@ class RayExecutor:
             finally:
                 for actor in actors:
                     ray.kill(actor)
-        if any(r is None for r in read):
-            return None
-        return model_names(campaign, [one_model(label, gpus) for label, gpus in read])
+        # An actor whose GPUs NVML cannot open (one fallen off the bus) tells no model: the
+        # others' still do (one the folder never measured runs, and the run names that GPU).
+        return model_names(campaign, [one_model(label, gpus) for label, gpus in filter(None, read)])
 
     @contextlib.contextmanager
     def _ray(
