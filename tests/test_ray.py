@@ -314,6 +314,7 @@ def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
     journal = (out / "journal.jsonl").read_text()
     (out / "cube.nc").unlink()
     monkeypatch.setattr(ray_cluster, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray_cluster, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
     again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
     assert again.exit_code == 0, again.output
     assert "0 cell(s) measured" in again.output, again.output
@@ -536,6 +537,32 @@ def test_too_few_twin_gpus_on_the_cluster_is_one_line(ray_cluster: object, tmp_p
     assert last.startswith("Error: the Ray cluster offers 4 twin_gpu") and "need 6" in last
 
 
+def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
+    """Real GPUs, engine.tp_size = 2, on two nodes of 3 GPUs each: two servers fit (one per
+    node), not the three that 6 GPUs would make, the third waited for the 30 minutes of the
+    actors' start before the sweep failed ("other jobs may hold them"); two nodes of 1 GPU
+    each hold no server, said in one line."""
+    from dvfs.errors import CampaignError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    def cluster(*gpus: int, dead: int = 0) -> types.SimpleNamespace:
+        nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": float(n)}} for n in gpus]
+        nodes += [{"Alive": False, "Resources": {"GPU": 8.0}}] * dead
+        return types.SimpleNamespace(
+            cluster_resources=lambda: {"GPU": float(sum(gpus))}, nodes=lambda: nodes
+        )
+
+    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    executor = RayExecutor(Path("out"))
+    placed = executor._placements(cluster(3, 3, dead=1), campaign, [], False)
+    assert placed == [(None, {"num_gpus": 2, "num_cpus": 0})] * 2
+    assert len(executor._placements(cluster(8, 2), campaign, [], False)) == 5
+    with pytest.raises(CampaignError, match="no node of the Ray cluster has engine.tp_size = 2"):
+        executor._placements(cluster(1, 1), campaign, [], False)
+    with pytest.raises(CampaignError, match="offers 1 GPU"):
+        executor._placements(cluster(1), campaign, [], False)
+
+
 def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() -> None:
     """Once interrupted, the driver journals each unit as its actor finishes it, not once all
     have: a second Ctrl-C (or Slurm's SIGKILL after its SIGTERM) while one actor is still on a
@@ -593,6 +620,7 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
     fake = types.SimpleNamespace(
         remote=lambda **kw: lambda cls: actor_class,
         cluster_resources=lambda: {"GPU": 3},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}],
         available_resources=lambda: {"GPU": 0},
         wait=lambda refs, num_returns, timeout: (list(refs), []),
         get=get,

@@ -264,7 +264,7 @@ class RayExecutor:
         if not real_gpus(campaign):
             return fleet_models(campaign, groups)
         with self._ray(groups, False, note) as ray:
-            if int(ray.cluster_resources().get("GPU", 0)) < campaign.engine.tp_size:
+            if not self._servers(ray, campaign.engine.tp_size):
                 return None  # no worker would be placed: none of its models is missing
             probe = ray.remote(max_restarts=0, max_task_retries=0)(ModelProbe)
             placements = self._placements(ray, campaign, groups, False)
@@ -354,12 +354,31 @@ class RayExecutor:
                     f"--resources '{{\"{TWIN_RESOURCE}\": N}}'"
                 )
             return [(g, {"resources": {TWIN_RESOURCE: len(g)}, "num_cpus": 0}) for g in groups]
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        if gpus < size:
+        servers = self._servers(ray, size)
+        if not servers:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            if gpus < size:
+                raise CampaignError(
+                    f"the Ray cluster offers {gpus} GPU(s); one server needs engine.tp_size = "
+                    f"{size}"
+                )
             raise CampaignError(
-                f"the Ray cluster offers {gpus} GPU(s); one server needs engine.tp_size = {size}"
+                f"no node of the Ray cluster has engine.tp_size = {size} GPUs (its {gpus} "
+                "GPUs are spread over its nodes), and a server's GPUs are one node's: lower "
+                f"engine.tp_size, or add a node of {size} GPUs"
             )
-        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(gpus // size)]
+        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
+
+    @staticmethod
+    def _servers(ray: Any, size: int) -> int:
+        """How many servers of `size` GPUs the cluster's live nodes hold, each on one node's
+        GPUs: a node's GPUs that do not make a whole server are left out (3 GPUs on each of
+        two nodes hold two servers of 2, not three, the third waited for in vain)."""
+        return sum(
+            int(node.get("Resources", {}).get("GPU", 0)) // size
+            for node in ray.nodes()
+            if node.get("Alive")
+        )
 
     def _run(self, ray: Any, fleet: Fleet, groups: Sequence[Group], twin: bool) -> None:
         campaign = fleet.campaign
