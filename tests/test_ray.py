@@ -323,15 +323,24 @@ def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
 
 
 @pytest.mark.timeout(300)
-def test_a_probe_actor_that_dies_is_one_line_not_an_internal_error(
-    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("actor", ["probe", "worker"])
+def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
+    ray_nvml, ray_cluster, actor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A finished folder rerun on real GPUs: one of the actors placed to read the GPUs'
-    models dies (its node gone, the OOM killer) before it answers. The sweep fails in one
-    line saying so and to rerun, not "internal error: ActorDiedError ...; please report it"
-    (as a worker that dies while it opens its GPUs; the folder is left as it was)."""
-    campaign, out = finished_nvml_folder(tmp_path)
-    journal = (out / "journal.jsonl").read_text()
+    """Real GPUs on Ray: one of the actors placed to read the GPUs' models of a finished
+    folder (`probe`), or one of a new run's workers as it opens its GPUs (`worker`), dies
+    (its node gone, the OOM killer) before it answers. The sweep fails in one line saying so
+    and to rerun (a worker's, that its GPUs may need `dvfs gpu reset`), not "internal error:
+    ActorDiedError ...; please report it"; the journal is left as it was."""
+    if actor == "probe":
+        campaign, out = finished_nvml_folder(tmp_path)
+    else:
+        from nvml_support import NVML_CAMPAIGN
+
+        text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+        campaign, out = write(tmp_path / "nvml.toml", text), tmp_path / "out"
+    journal = out / "journal.jsonl"
+    before = journal.read_text() if journal.exists() else None
     remote, wait = ray_cluster.remote, ray_cluster.wait
     placed: list[object] = []  # the actors the sweep places, as it places them
 
@@ -359,8 +368,9 @@ def test_a_probe_actor_that_dies_is_one_line_not_an_internal_error(
     assert result.exit_code == 1, result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith("Error: a Ray worker died as it started (") and "rerun" in line, line
+    assert ("dvfs gpu reset" in line) == (actor == "worker"), line
     assert "internal error" not in line
-    assert (out / "journal.jsonl").read_text() == journal
+    assert (journal.read_text() if journal.exists() else None) == before
 
 
 @pytest.mark.timeout(300)

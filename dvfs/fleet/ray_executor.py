@@ -403,7 +403,11 @@ class RayExecutor:
             refs = [a.open.remote() for a in actors]
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
-                sessions = self._open(ray, fleet.note, refs, resource)
+                # A worker's actor may die once it changed its GPUs (a measured settle).
+                reset = (
+                    "" if twin else "; its GPUs may keep settings it set: `dvfs gpu reset` there"
+                )
+                sessions = self._open(ray, fleet.note, refs, resource, reset)
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
@@ -453,12 +457,17 @@ class RayExecutor:
 
     @staticmethod
     def _open(
-        ray: Any, note: Callable[[str], None] | None, refs: list[Any], resource: str
+        ray: Any,
+        note: Callable[[str], None] | None,
+        refs: list[Any],
+        resource: str,
+        reset: str = "",
     ) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
         cannot place (other jobs hold the cluster's GPUs) waits: said in `note` after
         `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line; one whose process
-        died (its node gone, out of memory) is one line too."""
+        died (its node gone, out of memory) is one line too (`reset`: what it says of the
+        GPUs the actor may have left changed)."""
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         noted = False
         while True:
@@ -475,8 +484,8 @@ class RayExecutor:
                 why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else ""
                 raise DvfsError(
                     f"a Ray worker died as it started ({why or type(exc).__name__}): its node "
-                    "may have gone down or run out of memory (see Ray's logs there); rerun the "
-                    "same command once the cluster is whole"
+                    f"may have gone down or run out of memory (see Ray's logs there){reset}; "
+                    "rerun the same command once the cluster is whole"
                 ) from exc
             free = ray.available_resources().get(resource, 0)
             total = ray.cluster_resources().get(resource, 0)
