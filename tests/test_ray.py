@@ -235,6 +235,164 @@ def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     assert (out / "journal.jsonl").read_text() == journal
 
 
+def finished_nvml_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """The fake NVML's campaign, and the folder a Ray run on its two H100s finished."""
+    from nvml_support import NVML_CAMPAIGN
+
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=64, repeats=1))
+    out = tmp_path / "out"
+    first = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert first.exit_code == 0, first.output
+    return campaign, out
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_folder_waits_for_gpus_ray_cannot_place_in_a_note_as_the_run_does(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished folder on real GPUs, rerun while another job holds one of the cluster's two:
+    the actors that read the GPUs' models wait for it as the run's workers do, and say so in
+    the run's note, then give up in its one line (they waited the 30 minutes silently)."""
+    from dvfs.fleet import ray_executor
+
+    campaign, out = finished_nvml_folder(tmp_path)
+    monkeypatch.setattr(ray_executor, "OPEN_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(ray_executor, "OPEN_NOTE_S", 1.0)
+
+    class Job:
+        def ping(self) -> int:
+            return 1
+
+    job = ray_cluster.remote(num_gpus=1, num_cpus=0)(Job).remote()
+    try:
+        ray_cluster.get(job.ping.remote(), timeout=60)
+        result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    finally:
+        ray_cluster.kill(job)
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert re.search(r"waiting for [12] of 2 Ray worker\(s\) to start", said), said
+    last = result.output.strip().splitlines()[-1]
+    assert re.match(r"Error: [12] of 2 Ray worker\(s\) did not start within 3 s", last), last
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.timeout(300)
+def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --address, RAY_ADDRESS set: the Ray dvfs starts on this machine reads the GPUs'
+    models of a finished folder, so the note that RAY_ADDRESS's cluster is not joined is said
+    there too (the folder was done or refused for this machine's GPUs without a word), and
+    said once where the run follows."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    # Ray "starts" here as without --address: the shared loopback instance stands for it.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    monkeypatch.setattr(ray_cluster, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_cluster, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray_cluster, "shutdown", lambda: None)
+    done = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert done.exit_code == 0, done.output
+    assert "0 cell(s) measured" in done.output, done.output
+    assert " ".join(done.output.split()).count("RAY_ADDRESS is set (127.0.0.1:9)") == 1
+    ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200: the run follows
+    mixed = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert mixed.exit_code == 1, mixed.output
+    assert "holds a run on one GPU model" in mixed.output, mixed.output
+    assert " ".join(mixed.output.split()).count("RAY_ADDRESS is set (127.0.0.1:9)") == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
+    ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished folder rerun where the Ray cluster offers no GPUs (its GPU nodes gone, or a
+    login node's own Ray): no worker would measure a model it lacks, so it is done, as it is
+    without Ray where NVML opens no GPU (it failed, exit 2: "the Ray cluster offers 0
+    GPU(s)"), and its cube is written again."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    (out / "cube.nc").unlink()
+    monkeypatch.setattr(ray_cluster, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray_cluster, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert again.exit_code == 0, again.output
+    assert "0 cell(s) measured" in again.output, again.output
+    assert (out / "journal.jsonl").read_text() == journal
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("actor", ["probe", "worker"])
+def test_an_actor_that_dies_as_it_starts_is_one_line_not_an_internal_error(
+    ray_nvml, ray_cluster, actor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real GPUs on Ray: one of the actors placed to read the GPUs' models of a finished
+    folder (`probe`), or one of a new run's workers as it opens its GPUs (`worker`), dies
+    (its node gone, the OOM killer) before it answers. The sweep fails in one line saying so
+    and to rerun (a worker's, that its GPUs may need `dvfs gpu reset`), not "internal error:
+    ActorDiedError ...; please report it"; the journal is left as it was."""
+    if actor == "probe":
+        campaign, out = finished_nvml_folder(tmp_path)
+    else:
+        from nvml_support import NVML_CAMPAIGN
+
+        text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+        campaign, out = write(tmp_path / "nvml.toml", text), tmp_path / "out"
+    journal = out / "journal.jsonl"
+    before = journal.read_text() if journal.exists() else None
+    remote, wait = ray_cluster.remote, ray_cluster.wait
+    placed: list[object] = []  # the actors the sweep places, as it places them
+
+    def recorded(made: object) -> object:
+        def options(**kwargs: object) -> object:
+            chosen = made.options(**kwargs)  # type: ignore[attr-defined]
+
+            def place(*args: object, **kw: object) -> object:
+                placed.append(chosen.remote(*args, **kw))
+                return placed[-1]
+
+            return types.SimpleNamespace(remote=place)
+
+        return types.SimpleNamespace(options=options)
+
+    def kill_one_then_wait(refs, **kwargs):  # type: ignore[no-untyped-def]
+        if placed:  # the first placed actor's process dies before it is waited for
+            ray_cluster.kill(placed.pop(0), no_restart=True)
+            placed.clear()
+        return wait(refs, **kwargs)
+
+    monkeypatch.setattr(ray_cluster, "remote", lambda **kw: lambda cls: recorded(remote(**kw)(cls)))
+    monkeypatch.setattr(ray_cluster, "wait", kill_one_then_wait)
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: a Ray worker died as it started (") and "rerun" in line, line
+    assert ("dvfs gpu reset" in line) == (actor == "worker"), line
+    assert "internal error" not in line
+    assert (journal.read_text() if journal.exists() else None) == before
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_folder_is_not_done_for_a_new_model_beside_a_gpu_off_the_bus(
+    ray_nvml, tmp_path: Path
+) -> None:
+    """A folder the cluster's H100s finished, rerun once the cluster has an H200 and one GPU
+    that fell off the bus: the H200's cells were never measured, so the run goes on (and
+    fails, naming the lost GPU), where one GPU that could not be read made every model
+    unknown and the folder done ("0 cell(s) measured", exit 0, the H200 never measured)."""
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    ray_nvml.fake_reset_state("h100-sxm,h200-sxm")  # GPU 1 now an H200
+    ray_nvml.fake_update_device(0, lost=True)  # and GPU 0 off the bus
+    again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert again.exit_code == 1, again.output
+    assert "fallen off the bus" in again.output, again.output
+    assert "0 cell(s) measured" not in again.output, again.output
+    assert "Traceback" not in again.output and "internal error" not in again.output
+    assert (out / "journal.jsonl").read_text() == journal
+
+
 def test_without_ray_one_line(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "ray", None)
     campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
@@ -389,6 +547,32 @@ def test_too_few_twin_gpus_on_the_cluster_is_one_line(ray_cluster: object, tmp_p
     assert last.startswith("Error: the Ray cluster offers 4 twin_gpu") and "need 6" in last
 
 
+def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
+    """Real GPUs, engine.tp_size = 2, on two nodes of 3 GPUs each: two servers fit (one per
+    node), not the three that 6 GPUs would make, the third waited for the 30 minutes of the
+    actors' start before the sweep failed ("other jobs may hold them"); two nodes of 1 GPU
+    each hold no server, said in one line."""
+    from dvfs.errors import CampaignError
+    from dvfs.fleet.ray_executor import RayExecutor
+
+    def cluster(*gpus: int, dead: int = 0) -> types.SimpleNamespace:
+        nodes = [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": float(n)}} for n in gpus]
+        nodes += [{"Alive": False, "Resources": {"GPU": 8.0}}] * dead
+        return types.SimpleNamespace(
+            cluster_resources=lambda: {"GPU": float(sum(gpus))}, nodes=lambda: nodes
+        )
+
+    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    executor = RayExecutor(Path("out"))
+    placed = executor._placements(cluster(3, 3, dead=1), campaign, [], False)
+    assert placed == [(None, {"num_gpus": 2, "num_cpus": 0})] * 2
+    assert len(executor._placements(cluster(8, 2), campaign, [], False)) == 5
+    with pytest.raises(CampaignError, match="no node of the Ray cluster has engine.tp_size = 2"):
+        executor._placements(cluster(1, 1), campaign, [], False)
+    with pytest.raises(CampaignError, match="offers 1 GPU"):
+        executor._placements(cluster(1), campaign, [], False)
+
+
 def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() -> None:
     """Once interrupted, the driver journals each unit as its actor finishes it, not once all
     have: a second Ctrl-C (or Slurm's SIGKILL after its SIGTERM) while one actor is still on a
@@ -446,6 +630,7 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
     fake = types.SimpleNamespace(
         remote=lambda **kw: lambda cls: actor_class,
         cluster_resources=lambda: {"GPU": 3},
+        nodes=lambda: [{"Alive": True, "Resources": {"GPU": 3.0}}],
         available_resources=lambda: {"GPU": 0},
         wait=lambda refs, num_returns, timeout: (list(refs), []),
         get=get,
@@ -455,7 +640,9 @@ def test_a_signal_while_the_actors_close_names_the_gpus_left_changed(monkeypatch
         gpu=types.SimpleNamespace(backend="nvml"),
         engine=types.SimpleNamespace(tp_size=1, backend="sglang"),
     )
-    fleet = types.SimpleNamespace(campaign=campaign, corpora=None, open=lambda sessions: None)
+    fleet = types.SimpleNamespace(
+        campaign=campaign, corpora=None, open=lambda sessions: None, note=lambda message: None
+    )
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt  # the first Ctrl-C

@@ -462,7 +462,7 @@ def run_fleet(
                 # but those the cluster's GPUs name (a twin's are its profiles', wherever it
                 # runs).
                 models=(
-                    (lambda: run_on.models(campaign, groups))
+                    (lambda: run_on.models(campaign, groups, bar.note))
                     if executor == "ray"
                     else lambda: fleet_models(campaign, groups)
                 ),

@@ -243,30 +243,43 @@ class RayExecutor:
         #: Each node's GPUs whose settings a worker did not put back (UUIDs, or a worker's
         #: GPUs when its actor died): the sweep fails naming them and `dvfs gpu reset` there.
         self.unrestored: dict[str, list[str]] = {}
+        #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
+        #: not again by the run).
+        self._address_noted = False
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         twin = not real_gpus(fleet.campaign)
         with self._ray(groups, twin, fleet.note) as ray:
             self._run(ray, fleet, groups, twin)
 
-    def models(self, campaign: Any, groups: Sequence[Group]) -> list[str] | None:
+    def models(
+        self,
+        campaign: Any,
+        groups: Sequence[Group],
+        note: Callable[[str], None] | None = None,
+    ) -> list[str] | None:
         """The GPU models (as the GPUs name themselves in a journal's sessions) the run's
         actors would measure on, for the driver to tell whether a finished folder holds their
         cells: twins' from their profiles; real GPUs' read by an actor of the run's placement
-        on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set).
-        None where an actor's GPUs cannot be read (the run's own opening then tells)."""
+        on each (`ModelProbe`: its GPUs read over NVML, nothing opened for a sweep or set),
+        said in `note` as the run says it while Ray cannot place them yet. An actor whose GPUs
+        cannot be read tells none (a run opening them names them). None where no actor's GPUs
+        can be read, or the cluster offers no GPUs a worker could be placed on (a folder rerun
+        off the GPU nodes): the folder's cells stand as done."""
         from dvfs.sweep import fleet_models, model_names
 
         if not real_gpus(campaign):
             return fleet_models(campaign, groups)
-        with self._ray(groups, False, None) as ray:
+        with self._ray(groups, False, note) as ray:
+            if not self._servers(ray, campaign.engine.tp_size):
+                return None  # no worker would be placed: none of its models is missing
             probe = ray.remote(max_restarts=0, max_task_retries=0)(ModelProbe)
             placements = self._placements(ray, campaign, groups, False)
             actors = [probe.options(**placement).remote() for _, placement in placements]
             try:
                 refs = [a.read.remote() for a in actors]
                 try:
-                    read = self._open(ray, None, refs, "GPU")
+                    read = self._open(ray, note, refs, "GPU")
                 except Exception as exc:
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, DvfsError):  # one line and its exit code
@@ -275,9 +288,9 @@ class RayExecutor:
             finally:
                 for actor in actors:
                     ray.kill(actor)
-        if any(r is None for r in read):
-            return None
-        return model_names(campaign, [one_model(label, gpus) for label, gpus in read])
+        # An actor whose GPUs NVML cannot open (one fallen off the bus) tells no model: the
+        # others' still do (one the folder never measured runs, and the run names that GPU).
+        return model_names(campaign, [one_model(label, gpus) for label, gpus in filter(None, read)])
 
     @contextlib.contextmanager
     def _ray(
@@ -301,7 +314,8 @@ class RayExecutor:
                         "this machine only"
                     ) from exc
             else:
-                if os.environ.get("RAY_ADDRESS") and note is not None:
+                if os.environ.get("RAY_ADDRESS") and note is not None and not self._address_noted:
+                    self._address_noted = True
                     note(
                         f"RAY_ADDRESS is set ({os.environ['RAY_ADDRESS']}), but without "
                         "--address dvfs runs Ray on this machine only: pass --address to "
@@ -347,12 +361,31 @@ class RayExecutor:
                     f"--resources '{{\"{TWIN_RESOURCE}\": N}}'"
                 )
             return [(g, {"resources": {TWIN_RESOURCE: len(g)}, "num_cpus": 0}) for g in groups]
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        if gpus < size:
+        servers = self._servers(ray, size)
+        if not servers:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            if gpus < size:
+                raise CampaignError(
+                    f"the Ray cluster offers {gpus} GPU(s); one server needs engine.tp_size = "
+                    f"{size}"
+                )
             raise CampaignError(
-                f"the Ray cluster offers {gpus} GPU(s); one server needs engine.tp_size = {size}"
+                f"no node of the Ray cluster has engine.tp_size = {size} GPUs (its {gpus} "
+                "GPUs are spread over its nodes), and a server's GPUs are one node's: lower "
+                f"engine.tp_size, or add a node of {size} GPUs"
             )
-        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(gpus // size)]
+        return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
+
+    @staticmethod
+    def _servers(ray: Any, size: int) -> int:
+        """How many servers of `size` GPUs the cluster's live nodes hold, each on one node's
+        GPUs: a node's GPUs that do not make a whole server are left out (3 GPUs on each of
+        two nodes hold two servers of 2, not three, the third waited for in vain)."""
+        return sum(
+            int(node.get("Resources", {}).get("GPU", 0)) // size
+            for node in ray.nodes()
+            if node.get("Alive")
+        )
 
     def _run(self, ray: Any, fleet: Fleet, groups: Sequence[Group], twin: bool) -> None:
         campaign = fleet.campaign
@@ -377,7 +410,11 @@ class RayExecutor:
             refs = [a.open.remote() for a in actors]
             try:
                 resource = TWIN_RESOURCE if twin else "GPU"
-                sessions = self._open(ray, fleet, refs, resource)
+                # A worker's actor may die once it changed its GPUs (a measured settle).
+                reset = (
+                    "" if twin else "; its GPUs may keep settings it set: `dvfs gpu reset` there"
+                )
+                sessions = self._open(ray, fleet.note, refs, resource, reset)
             except BaseException as exc:  # noqa: BLE001  (re-raised: Ctrl-C too)
                 # Those that opened (their GPUs' knobs may be changed: the settle measured)
                 # close before the run fails, as when the sweep ends.
@@ -426,18 +463,37 @@ class RayExecutor:
         return opened
 
     @staticmethod
-    def _open(ray: Any, fleet: Fleet | None, refs: list[Any], resource: str) -> list[Any]:
+    def _open(
+        ray: Any,
+        note: Callable[[str], None] | None,
+        refs: list[Any],
+        resource: str,
+        reset: str = "",
+    ) -> list[Any]:
         """Every actor's session, once each is placed and has opened its GPUs. An actor Ray
-        cannot place (other jobs hold the cluster's GPUs) waits: said in a note after
-        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line."""
+        cannot place (other jobs hold the cluster's GPUs) waits: said in `note` after
+        `OPEN_NOTE_S`, and given up after `OPEN_TIMEOUT_S` in one line; one whose process
+        died (its node gone, out of memory) is one line too (`reset`: what it says of the
+        GPUs the actor may have left changed)."""
         deadline = time.monotonic() + OPEN_TIMEOUT_S
         noted = False
         while True:
             left = max(0.0, deadline - time.monotonic())
             ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=min(OPEN_NOTE_S, left))
-            ray.get(ready)  # an actor that could not open: its error now, not at the end
-            if not waiting:
-                return list(ray.get(refs))
+            try:
+                ray.get(ready)  # an actor that could not open: its error now, not at the end
+                if not waiting:
+                    return list(ray.get(refs))
+            except Exception as exc:
+                if not actor_gone(exc):
+                    raise
+                text = str(exc).strip()
+                why = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else ""
+                raise DvfsError(
+                    f"a Ray worker died as it started ({why or type(exc).__name__}): its node "
+                    f"may have gone down or run out of memory (see Ray's logs there){reset}; "
+                    "rerun the same command once the cluster is whole"
+                ) from exc
             free = ray.available_resources().get(resource, 0)
             total = ray.cluster_resources().get(resource, 0)
             if time.monotonic() >= deadline:
@@ -451,9 +507,9 @@ class RayExecutor:
                     f"{OPEN_TIMEOUT_S:g} s ({free:g} of the cluster's {total:g} {resource} "
                     f"free): other jobs may hold them; free them ({fewer})"
                 )
-            if not noted and fleet is not None:
+            if not noted and note is not None:
                 noted = True
-                fleet.note(
+                note(
                     f"waiting for {len(waiting)} of {len(refs)} Ray worker(s) to start "
                     f"({free:g} of the cluster's {total:g} {resource} free; other jobs may "
                     f"hold them, or the workers are still opening their GPUs); giving up "
