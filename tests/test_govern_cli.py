@@ -346,18 +346,28 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
 
 
-def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(env: dict[str, str], nvml) -> None:
+@pytest.mark.parametrize("fault", ["lost", "reset required"])
+def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
+    env: dict[str, str], nvml, fault: str
+) -> None:
     """One GPU of the node lost (GPU_IS_LOST) made `dvfs monitor` fail whole, `--once` printing
     no page and the service exporting nothing. It now exports the other GPUs and names the lost
-    one in one line: after `--once`'s page (exit 1); as a warning when it starts serving."""
-    nvml.fake_update_device(0, lost=True)
+    one in one line: after `--once`'s page (exit 1); as a warning when it starts serving. So
+    for another NVML error on that GPU alone (one needing a reset), which still failed it
+    whole."""
+    if fault == "lost":
+        nvml.fake_update_device(0, lost=True)
+        said = "fallen off the bus"
+    else:
+        nvml.fake_update_device(0, errors={"nvmlDeviceGetUUID": nvml.NVML_ERROR_RESET_REQUIRED})
+        said = "NVML says GPU requires restart"
     once = dvfs_in_process("monitor", "--once", "--interval", "0.05", env=env)
     assert once.returncode == 1, once.stdout + once.stderr
     samples = [s for f in text_string_to_metric_families(once.stdout) for s in f.samples]
     power = {s.labels["gpu"]: s.labels["uuid"] for s in samples if s.name == "dvfs_gpu_power_watts"}
     assert power == {"1": nvml.fake_device_state(1)["uuid"]}, once.stdout
     [line] = once.stderr.splitlines()
-    assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert "GPU 0" in line and said in line, line
     served = dvfs_in_process(
         *("monitor", "--interval", "0.05", "--listen", "127.0.0.1:0", "--max-intervals", "2"),
         env=env,

@@ -238,7 +238,7 @@ def govern(
             others = ", ".join(f"GPU {i}" for i in openable) or "none"
             raise GpuUnavailableError(
                 f"{lost_gpus(lost)}; `dvfs govern` with no --gpu governs every GPU, so it "
-                "governs none while one is lost: name the GPUs the server runs on with --gpu "
+                "governs none while one does not open: name the GPUs the server runs on with --gpu "
                 f"(those that open: {others})"
             )
     # A dry run (no root needed) reads the static caps where root recorded them.
