@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from dvfs.errors import CampaignError, GpuUnavailableError
+from dvfs.errors import CampaignError, GpuError, GpuPermissionError, GpuUnavailableError
 from dvfs.gpu.visible import SWEEP_NAMING, Visible
 from dvfs.redact import redact_argv
 
@@ -110,35 +110,38 @@ def open_gpus(
 
 def reachable_gpus(
     visible: Visible | None = None, *, nvml: ModuleType | None = None
-) -> tuple[list[int], list[GpuUnavailableError]]:
+) -> tuple[list[int], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, split into those that open and the errors of those that do not (fallen off the
-    bus), each opened on its own, read-only, and closed: so that a command over every GPU
-    (`gpu reset`, `cap reset`, `monitor`) acts on the others, then names the lost ones
-    (`lost_gpus`)."""
+    bus, needing a reset, any other NVML error on that GPU, a call on it that hangs), each
+    opened on its own, read-only, and closed: so that a command over every GPU (`gpu reset`,
+    `cap reset`, `monitor`) acts on the others, then names the lost ones (`lost_gpus`). A
+    permission refusal is no one GPU's: it stops the command (exit 4)."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     with nvml_session(nvml) as module:
         indices = every_gpu(module, visible=visible)
     openable: list[int] = []
-    lost: list[GpuUnavailableError] = []
+    lost: list[GpuError] = []
     for index in indices:
         try:
             with open_gpus([index], nvml=nvml, allow_mig=True):
                 openable.append(index)
-        except GpuUnavailableError as exc:
+        except GpuPermissionError:
+            raise
+        except GpuError as exc:
             exc.index = index
             lost.append(exc)
     return openable, lost
 
 
-def lost_gpus(lost: Sequence[GpuUnavailableError]) -> GpuUnavailableError:
+def lost_gpus(lost: Sequence[GpuError]) -> GpuError:
     """The one error (exit 1, one line) naming every GPU `reachable_gpus` could not open."""
     return lost[0] if len(lost) == 1 else GpuUnavailableError("; ".join(str(e) for e in lost))
 
 
 def with_lost_rows(
-    rows: Sequence[dict[str, Any]], lost: Sequence[GpuUnavailableError]
+    rows: Sequence[dict[str, Any]], lost: Sequence[GpuError]
 ) -> list[dict[str, Any]]:
     """A command's --json rows of the GPUs that opened, with a row `{"index", "error"}` for
     each GPU `reachable_gpus` could not open, in index order: the shape `dvfs gpu list --json`
@@ -165,8 +168,6 @@ def check_job_gpus(
     visible = job_gpus()
     if not real_gpus(campaign) or visible is None or not devices:
         return
-    from dvfs.errors import GpuError
-
     with (
         contextlib.suppress(GpuError),
         open_gpus(devices, nvml=nvml, allow_mig=True, visible=visible),
@@ -185,7 +186,6 @@ def check_gpus_named_once(
     tells."""
     if not real_gpus(campaign) or not any(isinstance(d, str) for d in devices):
         return
-    from dvfs.errors import GpuError
     from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 
     try:

@@ -33,15 +33,14 @@ class IncomparableCellsError(CubeError):
 
 
 class GpuError(DvfsError):
-    """A GPU operation failed."""
+    """A GPU operation failed. `index`: the NVML index of the GPU that would not open, where a
+    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`)."""
+
+    index: int | None = None
 
 
 class GpuUnavailableError(GpuError):
-    """No driver or no such device: use the twin backend or install the NVIDIA driver.
-    `index`: the NVML index of the GPU that would not open, where a command opening every GPU
-    one by one knows it (`dvfs.backends.reachable_gpus`)."""
-
-    index: int | None = None
+    """No driver or no such device: use the twin backend or install the NVIDIA driver."""
 
 
 class GpuPermissionError(GpuError):

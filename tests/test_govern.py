@@ -594,6 +594,102 @@ def test_the_loop_refuses_a_gpu_with_unrestored_changes(nvml, tmp_path: Path) ->
     assert not nvml.fake_calls()
 
 
+def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) -> None:
+    """A GPU lost while `dvfs monitor` ran went silent: its series turned NaN (a counter's
+    among them) with no log line. One line names it and NVML's error when it stops
+    answering, one when it answers again, none in between; meanwhile it is exported with
+    dvfs_gpu_up 0 and no readings, the other GPU as before. Still silent at the end, the run
+    names it."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.loop import monitor
+
+    def run(script: list[bool]) -> tuple[list[str], list[dict], list]:
+        lost = iter(script)
+        lines: list[str] = []
+        pages: list[dict] = []
+        live = LiveMetrics()
+
+        def locks() -> dict:  # called at the start of every interval: the script's hook
+            if live.latest().gpus:
+                pages.append(series(render(live)))
+            nvml.fake_update_device(0, lost=next(lost))
+            return {}
+
+        time = VirtualTime()
+        with open_gpus([0, 1]) as gpus:
+            ticker = Ticker(1.0, len(script), clock=time.clock, sleep=time.sleep)
+            left = monitor(gpus, None, ticker, live=live, note=lines.append, locks=locks)
+        pages.append(series(render(live)))
+        nvml.fake_update_device(0, lost=False)
+        return lines, pages, left
+
+    lines, pages, left = run([False, True, True, True, False, False])
+    uuid = nvml.fake_device_state(0)["uuid"]
+    g0 = (("gpu", "0"), ("uuid", uuid))
+    g1 = (("gpu", "1"), ("uuid", nvml.fake_device_state(1)["uuid"]))
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"GPU 0 ({uuid}) stopped answering: ") and "GPU is lost" in lines[0]
+    assert lines[1] == f"GPU 0 ({uuid}) answers again" and left == []
+    ups = [page[("dvfs_gpu_up", g0)] for page in pages]
+    assert ups == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    readings = ("power_watts", "energy_joules_total", "sm_clock_hertz", "power_limit_watts")
+    for page, up in zip(pages, ups, strict=True):
+        for name in readings + ("energy_per_token_joules",):
+            assert ((f"dvfs_gpu_{name}", g0) in page) == bool(up), (name, page)
+            assert (f"dvfs_gpu_{name}", g1) in page and page[("dvfs_gpu_up", g1)] == 1.0
+        assert ("dvfs_gpu_sm_clock_lock_max_hertz", g0) in page  # dvfs's record, not NVML's
+        assert not math.isnan(page[("dvfs_gpu_power_watts", g1)])
+    lines, pages, left = run([False, False, True])
+    assert len(lines) == 1 and [str(e) for e in left] == [lines[0].split("; its readings")[0]]
+    assert "GPU 0 (" in str(left[0]) and "GPU is lost" in str(left[0])
+
+
+@pytest.mark.parametrize("load", ["steady", "rising"])
+def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_other(
+    nvml, tmp_path: Path, load: str
+) -> None:
+    """A GPU lost while governed: the governor ran on silently (its readings NaN) until its
+    next change, whose failure to set the lost GPU was then hidden behind the restore's
+    failure on it, the other GPU's restore unsaid. It now stops at the interval the GPU does
+    not answer (a read, or a change), in one error naming the GPU and NVML's error, the other
+    GPU put back as found, and how the lost one is put back; its state file is kept."""
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuError
+
+    batches = iter([1, 1, 1, 1] if load == "steady" else [1, 1, 20, 20])
+    count = [0]
+
+    def scraper() -> ServerSample:
+        count[0] += 1
+        if count[0] == 3:  # lost before this interval's change (rising) or read (steady)
+            nvml.fake_update_device(0, lost=True)
+        return ServerSample(next(batches), None, None)
+
+    time, lines = VirtualTime(), []
+    state = tmp_path / "state"
+    with open_gpus([0, 1]) as gpus, pytest.raises(GpuError) as stopped:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            state_dir=state,
+        )
+    uuid = nvml.fake_device_state(0)["uuid"]
+    line = str(stopped.value)
+    assert "\n" not in line and stopped.value.exit_code == 1
+    assert line.startswith(f"GPU 0 ({uuid}) stopped answering while governed: "), line
+    assert "GPU is lost" in line and "the governor stopped and put GPU 1 back as found" in line
+    assert "GPU 0 could not be put back" in line and "`dvfs gpu reset`" in line
+    assert count[0] == 3 and not any("stopped answering" in x for x in lines)  # said once
+    healthy = nvml.fake_device_state(1)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+    assert [p.name for p in state.glob("GPU-*.json")] == [f"{uuid}.json"]
+
+
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:
     from dvfs.govern.replay import PLAN_BATCHES, day_trace, twin_plan
 

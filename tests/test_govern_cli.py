@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import http.server
 import json
+import math
 import os
 import re
 import signal
@@ -345,18 +346,28 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
 
 
-def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(env: dict[str, str], nvml) -> None:
+@pytest.mark.parametrize("fault", ["lost", "reset required"])
+def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
+    env: dict[str, str], nvml, fault: str
+) -> None:
     """One GPU of the node lost (GPU_IS_LOST) made `dvfs monitor` fail whole, `--once` printing
     no page and the service exporting nothing. It now exports the other GPUs and names the lost
-    one in one line: after `--once`'s page (exit 1); as a warning when it starts serving."""
-    nvml.fake_update_device(0, lost=True)
+    one in one line: after `--once`'s page (exit 1); as a warning when it starts serving. So
+    for another NVML error on that GPU alone (one needing a reset), which still failed it
+    whole."""
+    if fault == "lost":
+        nvml.fake_update_device(0, lost=True)
+        said = "fallen off the bus"
+    else:
+        nvml.fake_update_device(0, errors={"nvmlDeviceGetUUID": nvml.NVML_ERROR_RESET_REQUIRED})
+        said = "NVML says GPU requires restart"
     once = dvfs_in_process("monitor", "--once", "--interval", "0.05", env=env)
     assert once.returncode == 1, once.stdout + once.stderr
     samples = [s for f in text_string_to_metric_families(once.stdout) for s in f.samples]
     power = {s.labels["gpu"]: s.labels["uuid"] for s in samples if s.name == "dvfs_gpu_power_watts"}
     assert power == {"1": nvml.fake_device_state(1)["uuid"]}, once.stdout
     [line] = once.stderr.splitlines()
-    assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert "GPU 0" in line and said in line, line
     served = dvfs_in_process(
         *("monitor", "--interval", "0.05", "--listen", "127.0.0.1:0", "--max-intervals", "2"),
         env=env,
@@ -388,6 +399,80 @@ def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_othe
     named = dvfs_in_process(*args, "--gpu", "1", env=env)
     assert named.returncode == 0, named.stderr
     assert "governing GPU 1 from" in named.stderr
+
+
+def gpu_series(url: str, gpu: str) -> dict[str, float]:
+    """The exported series of GPU `gpu` by name, from one scrape of the exporter at `url`."""
+    text = httpx.get(url, timeout=10).text
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("gpu") == gpu
+    }
+
+
+def test_the_monitor_logs_a_gpu_lost_while_it_serves_once_and_once_back(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """A GPU lost while the monitor served went silent: NaN series, no log line. It is now
+    logged once (naming it and NVML's error) and once when it answers again, exported
+    meanwhile with dvfs_gpu_up 0 and no readings, the other GPU's as before."""
+    log = tmp_path / "monitor.log"
+    args = ["monitor", "--interval", "0.05", "--listen", "127.0.0.1:0"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dvfs", *args, "--max-intervals", "100000"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: bool(lines(log, "serving metrics on")), "the exporter", log)
+        url = re.findall(r"serving metrics on (\S+)", log.read_text())[0]
+        wait_for(lambda: gpu_series(url, "0").get("dvfs_gpu_up") == 1.0, "GPU 0 up", log)
+        nvml.fake_update_device(0, lost=True)
+        wait_for(lambda: bool(lines(log, "stopped answering")), "the line saying so", log)
+        wait_for(lambda: gpu_series(url, "0").get("dvfs_gpu_up") == 0.0, "GPU 0 not up", log)
+        silent = gpu_series(url, "0")
+        assert "dvfs_gpu_power_watts" not in silent and "dvfs_gpu_energy_joules_total" not in silent
+        assert gpu_series(url, "1")["dvfs_gpu_up"] == 1.0
+        assert not math.isnan(gpu_series(url, "1")["dvfs_gpu_power_watts"])
+        nvml.fake_update_device(0, lost=False)
+        wait_for(lambda: bool(lines(log, "answers again")), "the line saying it is back", log)
+        wait_for(lambda: "dvfs_gpu_power_watts" in gpu_series(url, "0"), "GPU 0 back", log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STUCK_S) == 143, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [lost] = lines(log, "stopped answering")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert f"GPU 0 ({uuid}) stopped answering: " in lost and "GPU is lost" in lost, lost
+    assert len(lines(log, "answers again")) == 1 and "Traceback" not in log.read_text()
+
+
+def test_a_governed_gpu_lost_mid_run_stops_the_governor_in_one_line(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """A GPU lost while governed: the governor ran on silently, then failed on restoring it
+    with a line that hid why it stopped and what it put back. It now stops in one line
+    naming the GPU and NVML's error, having put the other GPU back; exit 1."""
+    proc, log = start_governor(tmp_path, env, stub, "--gpu", "1", "--max-intervals", "100000")
+    try:
+        wait_for(lambda: bool(lines(log, "set running batch")), "the first setting", log)
+        nvml.fake_update_device(0, lost=True)
+        assert proc.wait(timeout=STUCK_S) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [line] = lines(log, "Error:")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    assert line.startswith(f"Error: GPU 0 ({uuid}) stopped answering while governed: "), line
+    assert "GPU is lost" in line and "put GPU 1 back as found" in line, line
+    assert "Traceback" not in log.read_text()
+    healthy = nvml.fake_device_state(1)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
 
 
 class CountingMetrics(http.server.ThreadingHTTPServer):

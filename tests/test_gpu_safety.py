@@ -441,6 +441,24 @@ def test_no_driver_message(env, monkeypatch) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("code", ["NVML_ERROR_RESET_REQUIRED", "NVML_ERROR_UNKNOWN"])
+def test_gpu_list_and_info_show_the_gpus_beside_one_failing_nvml(nvml, env, code: str) -> None:
+    """Only a GPU fallen off the bus was set aside: one needing a reset, or answering Unknown
+    Error, made `gpu list` and `gpu info` print that error alone, the healthy GPU unshown.
+    Both now show the others and name the failing GPU with NVML's error, exit 1."""
+    nvml.fake_update_device(1, errors={"nvmlDeviceGetUUID": getattr(nvml, code)})
+    said = str(nvml.NVMLError(getattr(nvml, code)))
+    try:
+        for command in ("list", "info"):
+            result = dvfs_in_process("gpu", command, env=env)
+            assert result.returncode == 1, result.stderr
+            out = " ".join((result.stdout + result.stderr).split())
+            assert nvml.fake_device_state(0)["uuid"] in out, out
+            assert "GPU 1" in out and said in out and "Traceback" not in out, out
+    finally:
+        nvml.fake_update_device(1, errors={})
+
+
 def test_gpu_list_lists_the_gpus_beside_one_fallen_off_the_bus(nvml, env) -> None:
     """One GPU of a node lost (GpuIsLost) made `dvfs gpu list` print nothing but that GPU's
     error: the healthy GPUs, and which index is the lost one, were not shown. It now lists

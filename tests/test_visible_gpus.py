@@ -188,6 +188,39 @@ def test_ray_gives_the_uuid_of_a_gpu_fallen_off_the_bus(nvml: ModuleType) -> Non
     assert placed_group([lost], nvml=nvml) == (1,)
 
 
+@pytest.mark.parametrize("code", ["NVML_ERROR_RESET_REQUIRED", "NVML_ERROR_UNKNOWN"])
+def test_a_gpu_failing_nvml_holds_back_only_itself(
+    nvml: ModuleType, tmp_path: Path, code: str
+) -> None:
+    """Only a lost GPU's unreadable UUID was tolerated: another NVML error on one GPU (it needs
+    a reset, an Unknown Error on its handle) refused every command that reads the variable,
+    "cannot list GPUs", even a job given only the other GPU. That GPU's UUID is now unknown
+    (""), as a lost one's: a job given the other GPU runs; one given the failing GPU by its
+    UUID is told that GPU's error when it is opened, not that the variable is wrong."""
+    from dvfs.errors import GpuError
+    from dvfs.fleet.ray_executor import placed_group
+    from dvfs.gpu.nvml import machine_uuids, nvml_session, open_nvml_gpus
+
+    failing, healthy = _uuid(nvml, 0), _uuid(nvml, 1)
+    nvml.fake_update_device(0, errors={"nvmlDeviceGetUUID": getattr(nvml, code)})
+    with nvml_session(nvml) as module:
+        assert machine_uuids(module) == ["", healthy]
+    campaign = _campaign(tmp_path)
+    for given in ("1", healthy):
+        plan = dvfs(given, "sweep", str(campaign), "--gpus", "1", "--dry-run", "--no-estimate")
+        assert plan.exit_code == 0, plan.output
+    assert placed_group([healthy], nvml=nvml) == (1,)
+    with open_nvml_gpus([1], nvml=nvml, visible=Visible(healthy)) as (gpu,):
+        assert gpu.identity.index == 1
+    with (
+        pytest.raises(GpuError) as named,
+        open_nvml_gpus([0], nvml=nvml, visible=Visible(failing)),
+    ):
+        pass
+    assert not isinstance(named.value, CampaignError) and "GPU 0" in str(named.value)
+    assert str(nvml.NVMLError(getattr(nvml, code))) in str(named.value)
+
+
 def test_reading_commands_and_restoring_are_not_held(nvml: ModuleType) -> None:
     """Listing every GPU, or restoring what a crashed run left, never meters or changes a GPU
     the job was not given on its behalf."""

@@ -2,7 +2,8 @@
 power, clocks and energy per token, read-only), both exporting Prometheus text on a port.
 
 `govern` exits 0 after --max-intervals, 1 for a dry run whose server does not answer at the
-start (nothing to preview) or a GPU fallen off the bus (with no --gpu: it governs none), 2
+start (nothing to preview), a GPU fallen off the bus (with no --gpu: it governs none) or a
+governed GPU that stops answering NVML (the others put back), 2
 for a bad plan or one this host's GPUs cannot follow, 3 when a GPU holds unrestored changes or
 another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
 restored first.
@@ -207,7 +208,8 @@ def govern(
     layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one at
     once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
-    With no --gpu, a GPU fallen off the bus is refused, exit 1: none is governed.
+    With no --gpu, a GPU fallen off the bus is refused, exit 1: none is governed. A governed
+    GPU that stops answering NVML stops the governor, exit 1, the others put back.
     """
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.errors import GpuUnavailableError
@@ -236,7 +238,7 @@ def govern(
             others = ", ".join(f"GPU {i}" for i in openable) or "none"
             raise GpuUnavailableError(
                 f"{lost_gpus(lost)}; `dvfs govern` with no --gpu governs every GPU, so it "
-                "governs none while one is lost: name the GPUs the server runs on with --gpu "
+                "governs none while one does not open: name the GPUs the server runs on with --gpu "
                 f"(those that open: {others})"
             )
     # A dry run (no root needed) reads the static caps where root recorded them.
@@ -310,7 +312,8 @@ def monitor(
     Changes nothing and takes no GPU lock, so it runs beside a sweep, `dvfs cap apply` or
     `dvfs govern` (whose metrics port, 9435, is not its own, 9436). Clock locks shown are those
     dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
-    back.
+    back. A GPU that stops answering is logged once (and once when it answers again) and
+    exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
     """
     from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
@@ -346,11 +349,13 @@ def monitor(
         )
         gpus = stack.enter_context(open_gpus(named, allow_mig=True))
         if once:
-            run_monitor(gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks)
+            silent = run_monitor(
+                gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks
+            )
             click.echo(render(live), nl=False)
         else:
             with _exporting(address, live):
-                run_monitor(
+                silent = run_monitor(
                     gpus,
                     scraper,
                     Ticker(interval, max_intervals),
@@ -358,5 +363,5 @@ def monitor(
                     note=note,
                     locks=locks,
                 )
-    if lost:  # the others' metrics printed or served: the run was not whole
-        raise lost_gpus(lost)
+    if lost or silent:  # the others' metrics printed or served: the run was not whole
+        raise lost_gpus([*lost, *silent])

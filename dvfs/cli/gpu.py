@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
+from dvfs.errors import GpuError, GpuPermissionError
 
 
 @contextlib.contextmanager
@@ -59,11 +60,10 @@ def gpu() -> None:
 def list_gpus(twin: str | None, as_json: bool) -> None:
     """GPUs on this machine: index, UUID, name, power limit, SM clock."""
     from dvfs.backends import lost_gpus
-    from dvfs.errors import GpuUnavailableError
     from dvfs.gpu.describe import gpu_summary
 
     rows: list[dict[str, Any]] = []
-    lost: list[GpuUnavailableError] = []
+    lost: list[GpuError] = []
     if twin:
         with open_cli_gpus((), twin, allow_mig=True) as gpus:
             rows = [gpu_summary(g) for g in gpus]
@@ -72,12 +72,16 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
 
         with nvml_session() as module:
             count = device_count(module)
-        # One at a time: a GPU fallen off the bus must not hide the others (nor which it is).
+        # One at a time: a GPU fallen off the bus, or failing NVML otherwise (needing a
+        # reset), must not hide the others (nor which it is); a permission refusal is no one
+        # GPU's (exit 4).
         for index in range(count):
             try:
                 with open_cli_gpus((str(index),), None, allow_mig=True) as (one,):
                     rows.append(gpu_summary(one))
-            except GpuUnavailableError as exc:
+            except GpuPermissionError:
+                raise
+            except GpuError as exc:
                 lost.append(exc)
                 rows.append({"index": index, "error": str(exc)})
     if as_json:

@@ -153,8 +153,8 @@ def placed_group(gpu_ids: Sequence[int | str], *, nvml: ModuleType | None = None
         if len(found) != 1:
             unread = [str(n) for n, u in enumerate(uuids) if not u]
             lost = (
-                f"; perhaps one of GPUs {', '.join(unread)}, fallen off the bus (NVML cannot "
-                "read their UUIDs)"
+                f"; perhaps one of GPUs {', '.join(unread)}, fallen off the bus or failing (NVML "
+                "cannot read their UUIDs)"
                 if unread
                 else ""
             )

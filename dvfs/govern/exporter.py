@@ -5,11 +5,17 @@ thread only renders the latest one, so a scrape never touches NVML or the server
 waits on them. Units are Prometheus' base units (watts, joules, hertz). Series, each labelled
 by `gpu` (index) and `uuid`:
 
+  dvfs_gpu_up (1: the GPU answered this interval's NVML read, 0: it did not),
   dvfs_gpu_power_watts, dvfs_gpu_energy_joules_total (NVML's counter since driver load),
   dvfs_gpu_sm_clock_hertz, dvfs_gpu_power_limit_watts (enforced), dvfs_gpu_sm_clock_lock_max_hertz
   (0 when dvfs holds no lock), dvfs_gpu_sm_clock_lock_by_governor (1: that lock is the
   governor's, 0: the static caps'), dvfs_gpu_energy_per_token_joules (this GPU's energy over the
   server's generated tokens in the last interval; NaN with no token)
+
+A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
+NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
+again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvfs's records,
+stay.
 
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
@@ -89,17 +95,29 @@ class LiveCollector:
         snap = self.live.latest()
         labels = ["gpu", "uuid"]
 
-        def gpu_gauge(name: str, doc: str, value: Any) -> Any:
+        # A GPU that did not answer this interval's read has no reading: its series of NVML
+        # readings are left out (not NaN, which a counter's rate() would carry), and
+        # dvfs_gpu_up says it did not answer; the lock series come from dvfs's records.
+        answered = [row for row in snap.gpus if row.reading.error is None]
+
+        def gpu_gauge(name: str, doc: str, value: Any, rows: Any = answered) -> Any:
             family = GaugeMetricFamily(name, doc, labels=labels)
-            for row in snap.gpus:
+            for row in rows:
                 family.add_metric([str(row.reading.index), row.reading.uuid], value(row))
             return family
 
+        yield gpu_gauge(
+            "dvfs_gpu_up",
+            "1 when the GPU answered this interval's NVML read, 0 when it did not (fallen off "
+            "the bus, needing a reset, a driver error: its readings are left out).",
+            lambda r: 0.0 if r.reading.error is not None else 1.0,
+            snap.gpus,
+        )
         yield gpu_gauge("dvfs_gpu_power_watts", "Board power.", lambda r: _nan(r.reading.power_w))
         energy = CounterMetricFamily(
             "dvfs_gpu_energy_joules", "NVML energy counter (since driver load).", labels=labels
         )
-        for row in snap.gpus:
+        for row in answered:
             ident = [str(row.reading.index), row.reading.uuid]
             energy.add_metric(ident, _nan(row.reading.energy_j))
         yield energy
@@ -117,12 +135,14 @@ class LiveCollector:
             "dvfs_gpu_sm_clock_lock_max_hertz",
             "Upper end of the SM clock lock dvfs applied (0: none).",
             lambda r: 0.0 if r.lock_max_mhz is None else r.lock_max_mhz * 1e6,
+            snap.gpus,
         )
         yield gpu_gauge(
             "dvfs_gpu_sm_clock_lock_by_governor",
             "1 when the SM clock lock is the governor's (dvfs govern), 0 when it is the static "
             "caps' (dvfs cap apply) or there is none.",
             lambda r: 1.0 if r.lock_by_governor else 0.0,
+            snap.gpus,
         )
         yield gpu_gauge(
             "dvfs_gpu_energy_per_token_joules",

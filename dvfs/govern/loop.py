@@ -8,7 +8,9 @@ SIGINT/SIGTERM/SIGHUP (after SIGKILL, `dvfs gpu reset` restores from the state f
 step is a cap, as in a caps file: the SM clock is locked to [lowest supported, step], so an idle
 GPU may still clock down. The static caps in force at start are a ceiling and the governor's
 stock (`Ceiling`), and the lock it holds is recorded for `cap show` and `dvfs monitor`
-(`GovernorLocks`). `--dry-run` builds none of this and calls no setter.
+(`GovernorLocks`). `--dry-run` builds none of this and calls no setter. A GPU that stops
+answering NVML (`GpuReading.error`) stops the governor (`GpuSilentError`, the others restored);
+the monitor notes it once, and once when it is back, and exports it as not up.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dvfs.caps.actuation import GovernorLocks, LockInForce
-from dvfs.errors import CapsError
+from dvfs.errors import CapsError, GpuError, GpuUnavailableError
 from dvfs.govern.exporter import GpuRow, LiveMetrics, Snapshot
 from dvfs.govern.metrics import (
     GpuReading,
@@ -243,6 +245,11 @@ class Watch:
     previous: tuple[GpuReading, ...] = ()
     previous_tokens: float | None = None
     last_error: str | None = None
+    #: GPUs that did not answer their last read, by UUID: why (one note per outage).
+    silent: dict[str, GpuReading] = field(default_factory=dict)
+    #: Whether to note a GPU that stops answering, and answers again (the monitor); the
+    #: governor stops instead (`GpuSilentError`).
+    gpu_notes: bool = True
 
     def server(self) -> ServerSample | None:
         """This interval's server sample; None (after one note per outage) when unreadable."""
@@ -270,6 +277,7 @@ class Watch:
         `locks`: the top of each GPU's clock lock; `governed`: the GPUs whose lock the governor
         set (the others' are `cap apply`'s)."""
         readings = tuple(read_gpu(g) for g in self.gpus)
+        self._follow(readings)
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
         rows = []
@@ -293,6 +301,85 @@ class Watch:
             accept_length=None if sample is None else sample.accept_length,
             energy_per_token_j=server_ept,
         )
+
+    def _follow(self, readings: Sequence[GpuReading]) -> None:
+        """Note a GPU that stops answering, once, and once when it answers again."""
+        for r in readings:
+            if r.error is not None and r.uuid not in self.silent:
+                self.silent[r.uuid] = r
+                if self.gpu_notes:
+                    self.note(
+                        f"{_named(r)} stopped answering: {r.error}; its readings are left out "
+                        "of the metrics (dvfs_gpu_up 0) until it is back"
+                    )
+            elif r.error is None and r.uuid in self.silent:
+                del self.silent[r.uuid]
+                if self.gpu_notes:
+                    self.note(f"{_named(r)} answers again")
+
+
+def _named(reading: GpuReading) -> str:
+    return f"GPU {reading.index} ({reading.uuid})"
+
+
+class GpuSilentError(GpuUnavailableError):
+    """A GPU the governor holds did not answer NVML (`silent`: its readings): the governor
+    stops, putting back the others (`govern`)."""
+
+    def __init__(self, message: str, silent: Sequence[GpuReading]) -> None:
+        super().__init__(message)
+        self.silent = tuple(silent)
+
+
+def stopped_answering(silent: Sequence[GpuReading]) -> GpuSilentError:
+    """The error naming every GPU of `silent` (that did not answer) and why."""
+    return GpuSilentError(
+        "; ".join(f"{_named(r)} stopped answering while governed: {r.error}" for r in silent),
+        silent,
+    )
+
+
+def _stopped_cause(exc: BaseException) -> GpuSilentError | None:
+    """The `GpuSilentError` that stopped the governor, where `exc` is it or the error of
+    the restore that followed it (raised while it unwound)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, GpuSilentError):
+            return seen
+        seen = seen.__context__
+    return None
+
+
+def _stopped_line(
+    stopped: GpuSilentError,
+    raised: BaseException,
+    gpus: Sequence[Gpu],
+    knobs: KnobController | None,
+) -> str:
+    """One line: which GPU stopped answering and why, that the governor stopped, and what it
+    put back (every other GPU, as found) and what it could not."""
+    if knobs is None:
+        return f"{stopped}; the governor stopped (it had changed nothing)"
+    lost = {r.uuid for r in stopped.silent}
+    current, original = knobs.current, knobs.original
+    back = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
+    stuck = [g for g in gpus if g not in back]
+    line = f"{stopped}; the governor stopped"
+    if back:
+        line += f" and put {_names(back)} back as found"
+    if any(g.identity.uuid in lost for g in stuck):
+        line += (
+            f"; {_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
+            "once it answers again (after a GPU reset or a reboot), `dvfs gpu reset` puts back "
+            "what its state file recorded"
+        )
+    if raised is not stopped and any(g.identity.uuid not in lost for g in stuck):
+        line += f"; {raised}"
+    return line
+
+
+def _names(gpus: Sequence[Gpu]) -> str:
+    return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
 @dataclass
@@ -375,7 +462,7 @@ def govern(
     """Follow the plan until the ticker ends (or a signal); returns the number of changes."""
     from dvfs.signals import signals_raise
 
-    watch = Watch(gpus, scraper, note)
+    watch = Watch(gpus, scraper, note, gpu_notes=False)  # a GPU gone silent stops it
     state = PolicyState()
     changes = 0
     warned = False
@@ -384,52 +471,75 @@ def govern(
     else:
         context = guarded(gpus, state_dir)
     start: float | None = None
-    with context as knobs:
-        ceilings = static_caps(gpus, knobs, state_dir)
-        note(
-            "static caps in force, the ceiling of every step and what the plan calls stock"
-            + ("" if knobs is None else " (restored on exit)")
-            + ": "
-            + per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
-        )
-        for now in ticker:
-            start = now if start is None else start
-            sample = watch.server()
-            if sample is not None and not warned:
-                warning = _speculation_note(plan, sample)
-                if warning:
-                    note(f"warning: {warning}")
-                warned = True
-            batch = None if sample is None else sample.running
-            decision = decide(plan, state, batch, now, params)
-            if decision.changed and decision.state.band is not None:
-                band = decision.state.band
-                setting = plan.band_setting(band)
-                if batch is None:  # unknown batch: stock (`band_for`), not a planned band
-                    line = f"{setting.describe()} while the server's batch cannot be read"
-                else:
-                    line = f"running batch {batch} -> {plan.band_label(band)}: {setting.describe()}"
-                applied = {u: c.describe_applied(setting) for u, c in ceilings.items()}
-                line += "; " + per_gpu(gpus, applied)
-                line += f" (at {now - start:.3f} s"
-                if decision.early:
-                    line += ", within the dwell: the setting in force did not cover the batch"
-                line += ")"
-                if knobs is None:
-                    note(f"dry run, nothing changed: would set {line}")
-                else:
-                    knobs.apply(KnobSetting(setting.sm_clock_mhz, setting.power_limit_w))
-                    note(f"set {line}")
-                changes += 1
-            state = decision.state
-            locks = _locks(gpus, plan, state, knobs, ceilings)
-            governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}
-            snapshot = watch.snapshot(sample, _tops(locks), governed)
-            live.publish(
-                replace(
-                    snapshot, governed=True, changes=changes, plan_batch=_plan_batch(plan, state)
-                )
+    held: list[KnobController] = []
+    try:
+        with context as knobs:
+            if knobs is not None:
+                held.append(knobs)
+            ceilings = static_caps(gpus, knobs, state_dir)
+            note(
+                "static caps in force, the ceiling of every step and what the plan calls stock"
+                + ("" if knobs is None else " (restored on exit)")
+                + ": "
+                + per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
             )
+            for now in ticker:
+                start = now if start is None else start
+                sample = watch.server()
+                if sample is not None and not warned:
+                    warning = _speculation_note(plan, sample)
+                    if warning:
+                        note(f"warning: {warning}")
+                    warned = True
+                batch = None if sample is None else sample.running
+                decision = decide(plan, state, batch, now, params)
+                if decision.changed and decision.state.band is not None:
+                    band = decision.state.band
+                    setting = plan.band_setting(band)
+                    if batch is None:  # unknown batch: stock (`band_for`), not a planned band
+                        line = f"{setting.describe()} while the server's batch cannot be read"
+                    else:
+                        label = plan.band_label(band)
+                        line = f"running batch {batch} -> {label}: {setting.describe()}"
+                    applied = {u: c.describe_applied(setting) for u, c in ceilings.items()}
+                    line += "; " + per_gpu(gpus, applied)
+                    line += f" (at {now - start:.3f} s"
+                    if decision.early:
+                        line += ", within the dwell: the setting in force did not cover the batch"
+                    line += ")"
+                    if knobs is None:
+                        note(f"dry run, nothing changed: would set {line}")
+                    else:
+                        try:
+                            knobs.apply(KnobSetting(setting.sm_clock_mhz, setting.power_limit_w))
+                        except GpuError as exc:  # a GPU gone silent, or a setter refused
+                            silent = [r for r in map(read_gpu, gpus) if r.error is not None]
+                            if not silent:
+                                raise
+                            raise stopped_answering(silent) from exc
+                        note(f"set {line}")
+                    changes += 1
+                state = decision.state
+                locks = _locks(gpus, plan, state, knobs, ceilings)
+                governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}
+                snapshot = watch.snapshot(sample, _tops(locks), governed)
+                live.publish(
+                    replace(
+                        snapshot,
+                        governed=True,
+                        changes=changes,
+                        plan_batch=_plan_batch(plan, state),
+                    )
+                )
+                silent = [row.reading for row in snapshot.gpus if row.reading.error is not None]
+                if silent:
+                    raise stopped_answering(silent)
+    except GpuError as exc:
+        stopped = _stopped_cause(exc)
+        if stopped is None:
+            raise
+        line = _stopped_line(stopped, exc, gpus, held[0] if held else None)
+        raise GpuSilentError(line, stopped.silent) from exc
     return changes
 
 
@@ -468,9 +578,11 @@ def monitor(
     live: LiveMetrics,
     note: Note,
     locks: Callable[[], dict[str, LockInForce]] = dict,
-) -> None:
+) -> list[GpuUnavailableError]:
     """Publish live numbers every interval until the ticker ends (or a signal); read-only.
-    `locks`: the clock locks dvfs's records say each GPU holds, read every interval."""
+    `locks`: the clock locks dvfs's records say each GPU holds, read every interval. A GPU
+    that stops answering is noted once (and once when it answers again) and exported as not
+    up; returns an error naming each GPU that had not answered again by the end."""
     from dvfs.signals import signals_raise
 
     watch = Watch(gpus, scraper, note)
@@ -480,3 +592,7 @@ def monitor(
             tops: dict[str, int | None] = {u: lock.lock_mhz[1] for u, lock in now.items()}
             governed = {u for u, lock in now.items() if lock.by_governor}
             live.publish(watch.snapshot(watch.server(), tops, governed))
+    return [
+        GpuUnavailableError(f"{_named(r)} stopped answering: {r.error}")
+        for r in watch.silent.values()
+    ]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dvfs.errors import DvfsError, GpuError
+from dvfs.errors import DvfsError, GpuError, GpuNotSupportedError
 from dvfs.gpu.base import Gpu
 from dvfs.redact import redact_url
 
@@ -135,7 +135,9 @@ def scrape(url: str, timeout_s: float) -> ServerSample:
 
 @dataclass(frozen=True)
 class GpuReading:
-    """One GPU's meters at one moment (None: the GPU does not report it)."""
+    """One GPU's meters at one moment (None: the GPU does not report it). `error`: why the GPU
+    did not answer this read (an NVML error other than NotSupported, its meters then all None):
+    a GPU fallen off the bus, one needing a reset, a driver error on it."""
 
     index: int
     uuid: str
@@ -143,22 +145,24 @@ class GpuReading:
     energy_j: float | None
     sm_clock_mhz: int | None
     power_limit_w: float | None
+    error: str | None = None
 
 
 def read_gpu(gpu: Gpu) -> GpuReading:
-    """Read a GPU's meters; a meter the GPU refuses is None rather than an error."""
-
-    def safe(read: object) -> float | None:
-        try:
-            return float(read())  # type: ignore[operator]
-        except GpuError:
-            return None
-
-    energy = safe(gpu.energy_mj)
-    power = safe(gpu.power_mw)
-    clock = safe(gpu.sm_clock_mhz)
-    limit = safe(gpu.enforced_power_limit_mw)
+    """Read a GPU's meters; a meter the GPU does not support is None rather than an error. A
+    GPU that does not answer (any other NVML error) is read no further this time: its reading
+    says why (`GpuReading.error`), its meters None."""
     ident = gpu.identity
+    values: list[float | None] = []
+    for read in (gpu.energy_mj, gpu.power_mw, gpu.sm_clock_mhz, gpu.enforced_power_limit_mw):
+        try:
+            values.append(float(read()))
+        except GpuNotSupportedError:
+            values.append(None)
+        except GpuError as exc:
+            why = str(exc).removeprefix(f"GPU {ident.index}: ")
+            return GpuReading(ident.index, ident.uuid, None, None, None, None, error=why)
+    energy, power, clock, limit = values
     return GpuReading(
         ident.index,
         ident.uuid,

@@ -447,9 +447,11 @@ def open_device(
 
 def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[str]:
     """The UUID of every GPU NVML sees, by NVML index (what CUDA_VISIBLE_DEVICES is read
-    against); "" for a GPU fallen off the bus, whose UUID cannot be read (an index entry names
-    it, and a UUID entry no other GPU matches where it is the only one: `dvfs.gpu.visible`): one
-    lost GPU must not refuse every command on the others."""
+    against); "" for a GPU whose UUID NVML cannot read: fallen off the bus, needing a reset,
+    any NVML error on that GPU (an index entry names it, and a UUID entry no other GPU matches
+    where it is the only one: `dvfs.gpu.visible`; opening it then names its error). One such
+    GPU must not refuse every command on the others; an error of NVML itself (not initialised,
+    no driver) still stops."""
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker("nvml-uuids")
@@ -463,7 +465,7 @@ def machine_uuids(nvml: ModuleType, *, deadline_s: float | None = None) -> list[
                     handle = _bounded(worker, limit, where, nvml.nvmlDeviceGetHandleByIndex, index)
                     uuid = _text(_bounded(worker, limit, where, nvml.nvmlDeviceGetUUID, handle))
                 except Exception as exc:
-                    if not errors.is_nvml_error(exc) or getattr(exc, "value", None) != errors.lost:
+                    if not errors.is_nvml_error(exc) or errors.machine_wide(exc):
                         raise
                     uuid = ""
                 uuids.append(uuid)

@@ -64,9 +64,20 @@ class NvmlErrors:
         self.library_not_found = {code("NVML_ERROR_LIBRARY_NOT_FOUND", 12)}
         self.driver_not_loaded = code("NVML_ERROR_DRIVER_NOT_LOADED", 9)
         self.lost = code("NVML_ERROR_GPU_IS_LOST", 15)
+        #: Errors of NVML itself, not of one GPU: every GPU's call would fail alike.
+        self.whole = {
+            code("NVML_ERROR_UNINITIALIZED", 1),
+            code("NVML_ERROR_DRIVER_NOT_LOADED", 9),
+            code("NVML_ERROR_LIBRARY_NOT_FOUND", 12),
+            code("NVML_ERROR_LIB_RM_VERSION_MISMATCH", 18),
+        }
 
     def is_nvml_error(self, exc: BaseException) -> bool:
         return isinstance(exc, self.nvml.NVMLError)
+
+    def machine_wide(self, exc: BaseException) -> bool:
+        """Whether an NVML error is NVML's own (not initialised, no driver), not one GPU's."""
+        return getattr(exc, "value", None) in self.whole
 
     @contextlib.contextmanager
     def translated(self, what: str, hint: str = "", unsupported_hint: str = "") -> Iterator[None]:

@@ -13,9 +13,10 @@ reads them, and refuses a GPU outside them (`check`). Entries, read in order as 
   this assumes `CUDA_DEVICE_ORDER=PCI_BUS_ID` order;
 - a MIG instance (`MIG-...`): refused, since dvfs meters and controls whole GPUs.
 
-A GPU fallen off the bus has no UUID NVML can read ("" among the machine's UUIDs): a UUID
-entry that names no other GPU is taken for it where it is the one such GPU (opening it then
-says it is lost, rather than the variable being blamed); with several, none is.
+A GPU fallen off the bus (or needing a reset, or failing NVML otherwise) has no UUID NVML
+can read ("" among the machine's UUIDs): a UUID entry that names no other GPU is taken for it
+where it is the one such GPU (opening it then names its error, rather than the variable being
+blamed); with several, none is.
 
 CUDA stops at the first entry it cannot read (`-1`, an index past the last GPU, a UUID not
 here), seeing only the GPUs before it; so does this. Pure functions over the machine's UUIDs
@@ -80,7 +81,7 @@ def resolve(value: str, uuids: Sequence[str]) -> Resolved:
             matches = [i for i, u in enumerate(lowered) if u and u.startswith(entry.lower())]
             if not matches and lowered.count("") == 1:
                 # No readable UUID is it, and one GPU's UUID cannot be read (fallen off the
-                # bus): the job's GPU is that one, which opening it then names as lost.
+                # bus, failing): the job's GPU is that one, which opening it then names.
                 matches = [lowered.index("")]
             index = matches[0] if len(matches) == 1 else None
         if index is None:
@@ -118,8 +119,8 @@ def check(gpus: Sequence[tuple[int, str]], visible: Visible, uuids: Sequence[str
         unread = [str(i) for i, u in enumerate(uuids) if not u]
         if cut and unread:  # the entry may name one of them
             cut += (
-                f", perhaps one of GPUs {', '.join(unread)}, fallen off the bus (NVML cannot "
-                "read their UUIDs)"
+                f", perhaps one of GPUs {', '.join(unread)}, fallen off the bus or failing (NVML "
+                "cannot read their UUIDs)"
             )
         raise CampaignError(
             f"GPU {index} ({uuid}) is not among the GPUs {VARIABLE}={visible.value!r} gives "
