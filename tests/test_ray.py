@@ -303,6 +303,37 @@ def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_models_probe_waits_says_the_cube_is_whole(
+    ray_nvml, ray_cluster, sig: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C or SIGTERM while the actors read the GPUs' models of a finished folder: nothing
+    was measured and its cube holds every cell, which the sweep says (it said "partial cube
+    written", as of a sweep stopped midway); it ends as the signal, with no traceback."""
+    from dvfs.fleet import ray_executor
+
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    probe_wait = ray_executor.RayExecutor._open
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        signal.raise_signal(sig)  # the user's Ctrl-C (or Slurm's SIGTERM) while it waits
+        return probe_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray_executor.RayExecutor, "_open", staticmethod(signalled))
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--executor", "ray", "--out", str(out), "--no-progress"]
+    )
+    assert result.exit_code == (130 if sig == signal.SIGINT else 128 + sig), result.output
+    said = " ".join(result.output.split())
+    assert "partial" not in said, said
+    assert f"cube written to {out / 'cube.nc'} (every cell is in it" in said, said
+    assert "Traceback" not in result.output
+    assert (out / "journal.jsonl").read_text() == journal
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+@pytest.mark.timeout(300)
 def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
     ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
