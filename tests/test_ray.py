@@ -327,7 +327,7 @@ def test_a_signal_while_the_models_probe_waits_says_the_cube_is_whole(
     assert result.exit_code == (130 if sig == signal.SIGINT else 128 + sig), result.output
     said = " ".join(result.output.split())
     assert "partial" not in said, said
-    assert f"cube written to {out / 'cube.nc'} (every cell is in it" in said, said
+    assert f"cube written to {out / 'cube.nc'} (whole: the folder already held" in said, said
     assert "Traceback" not in result.output
     assert (out / "journal.jsonl").read_text() == journal
     assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()

@@ -509,6 +509,6 @@ def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
     assert result.exit_code == 130, result.output
     assert "partial" not in result.stderr, result.stderr
     said = " ".join(result.stderr.split())
-    assert f"cube written to {out / 'cube.nc'} (every cell is in it" in said, said
+    assert f"cube written to {out / 'cube.nc'} (whole: the folder already held" in said, said
     assert (out / "journal.jsonl").read_text() == journal
     assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()

@@ -501,8 +501,7 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     left = after_interruption(campaign, out_dir, shard)
     if left.cube_path is not None and left.whole:
         err.print(
-            f"cube written to {left.cube_path} (every cell is in it: the folder was finished, "
-            "nothing was left to measure)",
+            f"cube written to {left.cube_path} (whole: the folder already held every cell)",
             soft_wrap=True,
         )
     elif left.cube_path is not None:
