@@ -604,6 +604,33 @@ def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
         executor._placements(cluster(1), campaign, [], False)
 
 
+def test_twin_workers_are_placed_on_whole_servers_of_one_node() -> None:
+    """Twin GPUs, engine.tp_size = 2, on two nodes of 3 `twin_gpu` each: three workers of 2
+    need 6, which the cluster offers, but each node holds one whole server, so the third was
+    waited for the 30 minutes of the actors' start before the sweep failed blaming other
+    jobs; now one line says so before any actor is placed. Workers that fit are placed."""
+    from dvfs.errors import CampaignError
+    from dvfs.fleet.ray_executor import TWIN_RESOURCE, RayExecutor
+
+    def cluster(*twins: int, dead: int = 0) -> types.SimpleNamespace:
+        nodes = [{"Alive": True, "Resources": {"CPU": 8.0, TWIN_RESOURCE: float(n)}} for n in twins]
+        nodes += [{"Alive": False, "Resources": {TWIN_RESOURCE: 8.0}}] * dead
+        return types.SimpleNamespace(
+            cluster_resources=lambda: {TWIN_RESOURCE: float(sum(twins))}, nodes=lambda: nodes
+        )
+
+    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    executor = RayExecutor(Path("out"))
+    groups = [(0, 1), (2, 3), (4, 5)]
+    with pytest.raises(CampaignError, match="hold 2 twin worker") as refused:
+        executor._placements(cluster(3, 3, dead=1), campaign, groups, True)
+    assert "of 2 twin_gpu each" in str(refused.value) and "\n" not in str(refused.value)
+    placed = executor._placements(cluster(4, 2), campaign, groups, True)
+    assert placed == [(g, {"resources": {TWIN_RESOURCE: 2}, "num_cpus": 0}) for g in groups]
+    with pytest.raises(CampaignError, match="offers 4 twin_gpu"):
+        executor._placements(cluster(2, 2), campaign, groups, True)
+
+
 def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() -> None:
     """Once interrupted, the driver journals each unit as its actor finishes it, not once all
     have: a second Ctrl-C (or Slurm's SIGKILL after its SIGTERM) while one actor is still on a
