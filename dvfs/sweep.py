@@ -507,15 +507,23 @@ class Interruption:
     cube_error: str | None
     unrestored: tuple[str, ...]
     state_dir: Path | None
+    #: Whether the folder's journals hold every cell of the run (a finished folder stopped
+    #: while its rerun checked it, or while the cube was written): the cube is whole.
+    whole: bool = False
 
 
-def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
+def after_interruption(
+    campaign: Campaign, out_dir: Path, shard: Shard | None = None
+) -> Interruption:
     """Write the partial cube of an interrupted sweep (a fleet mixing GPU models: each model's
-    and the merged one, as a finished fleet writes them) and find what it left unrestored."""
+    and the merged one, as a finished fleet writes them) and find what it left unrestored.
+    `shard`: the run's, whose cells the folder holds when it is whole."""
     from dvfs.fleet.cubes import cube_journals, write_cubes
+    from dvfs.fleet.folders import journals_done
     from dvfs.fleet.shard_journal import has_sessions
 
     cube_path = cube_error = None
+    whole = False
     journals = cube_journals(out_dir)
     if journals and not any(has_sessions(j) for j in journals):
         # Stopped before its first session (the GPU's checks, a server's start): no cell to
@@ -526,8 +534,10 @@ def after_interruption(campaign: Campaign, out_dir: Path) -> Interruption:
             cube_path = write_cubes(out_dir, journals)
         except Exception as exc:  # the interruption matters more than the partial cube
             cube_error = str(exc)
+        with contextlib.suppress(Exception):  # not known: the cube is said to be partial
+            whole = journals_done(out_dir, campaign, planned_cells(campaign, shard)) is not None
     left, state_dir = unrestored_gpus(campaign)
-    return Interruption(cube_path, cube_error, left, state_dir)
+    return Interruption(cube_path, cube_error, left, state_dir, whole)
 
 
 def unrestored_gpus(campaign: Campaign) -> tuple[tuple[str, ...], Path | None]:

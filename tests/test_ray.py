@@ -303,6 +303,37 @@ def test_ray_address_ignored_is_said_for_a_finished_folder_too_and_once(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_models_probe_waits_says_the_cube_is_whole(
+    ray_nvml, ray_cluster, sig: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C or SIGTERM while the actors read the GPUs' models of a finished folder: nothing
+    was measured and its cube holds every cell, which the sweep says (it said "partial cube
+    written", as of a sweep stopped midway); it ends as the signal, with no traceback."""
+    from dvfs.fleet import ray_executor
+
+    campaign, out = finished_nvml_folder(tmp_path)
+    journal = (out / "journal.jsonl").read_text()
+    probe_wait = ray_executor.RayExecutor._open
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        signal.raise_signal(sig)  # the user's Ctrl-C (or Slurm's SIGTERM) while it waits
+        return probe_wait(*args, **kwargs)
+
+    monkeypatch.setattr(ray_executor.RayExecutor, "_open", staticmethod(signalled))
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--executor", "ray", "--out", str(out), "--no-progress"]
+    )
+    assert result.exit_code == (130 if sig == signal.SIGINT else 128 + sig), result.output
+    said = " ".join(result.output.split())
+    assert "partial" not in said, said
+    assert f"cube written to {out / 'cube.nc'} (whole: the folder already held" in said, said
+    assert "Traceback" not in result.output
+    assert (out / "journal.jsonl").read_text() == journal
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+@pytest.mark.timeout(300)
 def test_a_finished_folder_is_done_on_a_ray_cluster_without_gpus(
     ray_nvml, ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -571,6 +602,33 @@ def test_real_gpu_workers_are_placed_on_whole_servers_of_one_node() -> None:
         executor._placements(cluster(1, 1), campaign, [], False)
     with pytest.raises(CampaignError, match="offers 1 GPU"):
         executor._placements(cluster(1), campaign, [], False)
+
+
+def test_twin_workers_are_placed_on_whole_servers_of_one_node() -> None:
+    """Twin GPUs, engine.tp_size = 2, on two nodes of 3 `twin_gpu` each: three workers of 2
+    need 6, which the cluster offers, but each node holds one whole server, so the third was
+    waited for the 30 minutes of the actors' start before the sweep failed blaming other
+    jobs; now one line says so before any actor is placed. Workers that fit are placed."""
+    from dvfs.errors import CampaignError
+    from dvfs.fleet.ray_executor import TWIN_RESOURCE, RayExecutor
+
+    def cluster(*twins: int, dead: int = 0) -> types.SimpleNamespace:
+        nodes = [{"Alive": True, "Resources": {"CPU": 8.0, TWIN_RESOURCE: float(n)}} for n in twins]
+        nodes += [{"Alive": False, "Resources": {TWIN_RESOURCE: 8.0}}] * dead
+        return types.SimpleNamespace(
+            cluster_resources=lambda: {TWIN_RESOURCE: float(sum(twins))}, nodes=lambda: nodes
+        )
+
+    campaign = types.SimpleNamespace(engine=types.SimpleNamespace(tp_size=2))
+    executor = RayExecutor(Path("out"))
+    groups = [(0, 1), (2, 3), (4, 5)]
+    with pytest.raises(CampaignError, match="hold 2 twin worker") as refused:
+        executor._placements(cluster(3, 3, dead=1), campaign, groups, True)
+    assert "of 2 twin_gpu each" in str(refused.value) and "\n" not in str(refused.value)
+    placed = executor._placements(cluster(4, 2), campaign, groups, True)
+    assert placed == [(g, {"resources": {TWIN_RESOURCE: 2}, "num_cpus": 0}) for g in groups]
+    with pytest.raises(CampaignError, match="offers 4 twin_gpu"):
+        executor._placements(cluster(2, 2), campaign, groups, True)
 
 
 def test_after_ctrl_c_each_unit_an_actor_finishes_is_journalled_as_it_comes() -> None:

@@ -485,3 +485,30 @@ def test_an_interruption_before_the_first_cell_says_nothing_was_measured(
     assert "(no partial cube: no cell measured yet)" in result.stderr, result.stderr
     assert "cube build" not in result.stderr and "fixed" not in result.stderr
     assert result.stderr.rstrip().endswith("Interrupted.")
+
+
+@pytest.mark.parametrize("gpus", [(), ("--gpus", "0-1")])
+def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
+    gpus: tuple[str, ...], tmp_path: Path, monkeypatch
+) -> None:
+    """A finished folder rerun (one GPU: as it writes its cube; a fleet: as it reads its GPUs'
+    models) and stopped before anything was left to measure: its cube holds every cell, and
+    the sweep says so (it said "partial cube written", as of a sweep stopped midway)."""
+    import dvfs.sweep
+
+    campaign = str(write(tmp_path / "tiny.toml", TINY))
+    out = tmp_path / "out"
+    assert sweep([campaign, *gpus, "--out", str(out)]).exit_code == 0
+    journal = (out / "journal.jsonl").read_text()
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C, once the folder is found finished
+
+    monkeypatch.setattr(dvfs.sweep, "fleet_models" if gpus else "shard_cube", interrupted)
+    result = sweep([campaign, *gpus, "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert "partial" not in result.stderr, result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"cube written to {out / 'cube.nc'} (whole: the folder already held" in said, said
+    assert (out / "journal.jsonl").read_text() == journal
+    assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()

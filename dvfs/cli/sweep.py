@@ -378,7 +378,7 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         with signals_raise(), bar:
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
     except (KeyboardInterrupt, Interrupted):
-        status = _after_interruption_told(err, campaign, out_dir)
+        status = _after_interruption_told(err, campaign, out_dir, shard)
         err.print(f"{status} Run the same command again to resume.")
         raise
     s = outcome.summary
@@ -468,7 +468,7 @@ def run_fleet(
                 ),
             )
     except (KeyboardInterrupt, Interrupted):
-        status = _after_interruption_told(err, campaign, out_dir)
+        status = _after_interruption_told(err, campaign, out_dir, shard)
         if executor == "ray" and run_on.unrestored:
             status = _ray_unrestored(run_on.unrestored)
         err.print(f"{status} Run the same command again to resume.", soft_wrap=True)
@@ -492,16 +492,23 @@ def run_fleet(
     return outcome
 
 
-def _after_interruption_told(err: Any, campaign: Any, out_dir: Path) -> str:
-    """After an interrupted sweep: say where its partial cube is (or why there is none) and
+def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:
+    """After an interrupted sweep: say where its partial cube is (or why there is none; or
+    that it is whole, a finished folder stopped before anything was left to measure) and
     return the line on the GPUs' settings, to which the caller adds how to resume."""
     from dvfs.sweep import after_interruption
 
-    left = after_interruption(campaign, out_dir)
-    if left.cube_path is not None:
+    left = after_interruption(campaign, out_dir, shard)
+    if left.cube_path is not None and left.whole:
+        err.print(
+            f"cube written to {left.cube_path} (whole: the folder already held every cell)",
+            soft_wrap=True,
+        )
+    elif left.cube_path is not None:
         err.print(f"partial cube written to {left.cube_path}")
     if left.cube_error is not None:
-        err.print(f"(no partial cube: {escape(left.cube_error)})")
+        cube = "cube" if left.whole else "partial cube"
+        err.print(f"(no {cube}: {escape(left.cube_error)})")
     if left.unrestored:
         return (
             "[red]GPU settings NOT fully restored[/red] for "

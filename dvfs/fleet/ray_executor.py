@@ -360,6 +360,20 @@ class RayExecutor:
                     f"{len(groups)} twin worker(s) need {need}: start the nodes with "
                     f"--resources '{{\"{TWIN_RESOURCE}\": N}}'"
                 )
+            # A worker's twin GPUs are one node's, as a real server's are: the nodes' own
+            # counts must hold the workers whole (on groups of one size; Ray places others).
+            sizes = {len(g) for g in groups}
+            if len(sizes) == 1:
+                size = sizes.pop()
+                whole = self._servers(ray, size, TWIN_RESOURCE)
+                if whole < len(groups):
+                    raise CampaignError(
+                        f"the Ray cluster's nodes hold {whole} twin worker(s) of {size} "
+                        f"{TWIN_RESOURCE} each, but the campaign has {len(groups)}: its "
+                        f"{have:g} {TWIN_RESOURCE} are spread over its nodes, and a worker's "
+                        f"GPUs are one node's; give each node a multiple of {size} "
+                        f"{TWIN_RESOURCE}, or run fewer twin GPUs (--gpus)"
+                    )
             return [(g, {"resources": {TWIN_RESOURCE: len(g)}, "num_cpus": 0}) for g in groups]
         servers = self._servers(ray, size)
         if not servers:
@@ -377,12 +391,13 @@ class RayExecutor:
         return [(None, {"num_gpus": size, "num_cpus": 0}) for _ in range(servers)]
 
     @staticmethod
-    def _servers(ray: Any, size: int) -> int:
-        """How many servers of `size` GPUs the cluster's live nodes hold, each on one node's
-        GPUs: a node's GPUs that do not make a whole server are left out (3 GPUs on each of
-        two nodes hold two servers of 2, not three, the third waited for in vain)."""
+    def _servers(ray: Any, size: int, resource: str = "GPU") -> int:
+        """How many servers of `size` GPUs (`resource`: real, or twin) the cluster's live
+        nodes hold, each on one node's GPUs: a node's GPUs that do not make a whole server are
+        left out (3 GPUs on each of two nodes hold two servers of 2, not three, the third
+        waited for in vain)."""
         return sum(
-            int(node.get("Resources", {}).get("GPU", 0)) // size
+            int(node.get("Resources", {}).get(resource, 0)) // size
             for node in ray.nodes()
             if node.get("Alive")
         )
