@@ -222,6 +222,14 @@ def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     assert first.exit_code == 0, first.output
     journal = (out / "journal.jsonl").read_text()
     set_calls = len(ray_nvml.fake_calls())
+    # The dry run starts no Ray, so reads no GPU: it plans nothing to run, and says for which
+    # models that holds (it said nothing, where the run now finds an H200's cells to measure).
+    planned = sweep(
+        str(campaign), "--executor", "ray", "--out", str(out), "--dry-run", "--no-estimate"
+    )
+    assert planned.exit_code == 0, planned.output
+    said = " ".join(planned.stderr.split())
+    assert "with Ray the dry run reads no GPU, so the folder is done for the GPU models it" in said
     again = sweep(str(campaign), "--executor", "ray", "--out", str(out))
     assert again.exit_code == 0, again.output
     assert "0 cell(s) measured" in again.output, again.output

@@ -292,6 +292,7 @@ def sweep(
     if dry_run:
         import sys
 
+        from dvfs.backends import real_gpus
         from dvfs.cli.progress import RichProgress
         from dvfs.sweep import read_group_models
 
@@ -324,6 +325,15 @@ def sweep(
                 fleet=as_fleet,
             )
         report = plan.as_dict()
+        if executor == "ray" and real_gpus(campaign) and not fresh and not plan.remaining:
+            # The run asks the GPUs Ray places it on for their models; the dry run starts no Ray.
+            console(stderr=True).print(
+                "note: with Ray the dry run reads no GPU, so the folder is done for the GPU "
+                "models it measured; on a cluster that now holds another model, the sweep "
+                "measures that model's cells",
+                highlight=False,
+                soft_wrap=True,
+            )
         if len(groups) > 1:
             # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
             # with G groups of about equal cost, the busiest of W workers runs ceil(G / W).
