@@ -336,7 +336,8 @@ def monitor(
     named: list[int | str] = parse_devices(devices)
     lost: list[Any] = []
     if not devices:  # every GPU: one fallen off the bus must not stop the others' metrics
-        openable, lost = reachable_gpus()
+        # one that opens but reads nothing (needing a reset) is exported as not up instead
+        openable, lost = reachable_gpus(read=False)
         if not openable and lost:
             raise lost_gpus(lost)
         named = list(openable)
