@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dvfs.errors import CapsError, GpuStateError
 from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
 from dvfs.govern.loop import (
+    STEADY_INTERVALS,
     Ceiling,
     Ticker,
     Watch,
@@ -642,6 +643,15 @@ def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) 
     lines, pages, left = run([False, False, True])
     assert len(lines) == 1 and [str(e) for e in left] == [lines[0].split("; its readings")[0]]
     assert "GPU 0 (" in str(left[0]) and "GPU is lost" in str(left[0])
+    # A GPU that flaps (answering one interval in two) logged two lines an interval: it is
+    # one outage, said back once it has answered STEADY_INTERVALS in a row (or at the end).
+    flaps = [True, False] * 5
+    script = [False, *flaps, *[False] * STEADY_INTERVALS, *flaps]
+    lines, pages, left = run(script)
+    said = ["back" if x.endswith(" answers again") else x.split(": ")[0] for x in lines]
+    assert said == [f"GPU 0 ({uuid}) stopped answering", "back"] * 2, lines
+    ups = [page[("dvfs_gpu_up", g0)] for page in pages]
+    assert ups == [0.0 if lost else 1.0 for lost in script] and left == []
 
 
 @pytest.mark.parametrize("load", ["steady", "rising"])
