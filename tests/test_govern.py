@@ -700,6 +700,38 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     assert [p.name for p in state.glob("GPU-*.json")] == [f"{uuid}.json"]
 
 
+def test_a_gpu_silent_before_the_governor_changed_it_is_not_said_put_back(
+    nvml, tmp_path: Path
+) -> None:
+    """A governed GPU lost before the governor's first change was said to be "put back as
+    found" with the healthy one, as if the governor had reached it: the line now says only
+    the healthy GPU was put back, and that the silent one had not been changed."""
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuError
+
+    def scraper() -> ServerSample:
+        nvml.fake_update_device(0, lost=True)  # before the first interval's change
+        return ServerSample(1, None, None)
+
+    time = VirtualTime()
+    state = tmp_path / "state"
+    with open_gpus([0, 1]) as gpus, pytest.raises(GpuError) as stopped:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lambda line: None,
+            state_dir=state,
+        )
+    line = str(stopped.value)
+    assert "GPU 0" in line and "GPU is lost" in line, line
+    assert "put GPU 1 back as found; it had not changed GPU 0" in line, line
+    assert "GPU 0, GPU 1" not in line and not list(state.glob("GPU-*.json"))
+
+
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:
     from dvfs.govern.replay import PLAN_BATCHES, day_trace, twin_plan
 

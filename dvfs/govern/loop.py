@@ -387,11 +387,16 @@ def _stopped_line(
         return f"{stopped}; the governor stopped (it had changed nothing)"
     lost = {r.uuid for r in stopped.silent}
     current, original = knobs.current, knobs.original
-    back = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
-    stuck = [g for g in gpus if g not in back]
+    found = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
+    stuck = [g for g in gpus if g not in found]
+    # a silent GPU the governor had not changed was not put back: nothing was done to it
+    back = [g for g in found if g.identity.uuid not in lost]
+    untouched = [g for g in found if g.identity.uuid in lost]
     line = f"{stopped}; the governor stopped"
     if back:
         line += f" and put {_names(back)} back as found"
+    if untouched:
+        line += f"; it had not changed {_names(untouched)}"
     if any(g.identity.uuid in lost for g in stuck):
         line += (
             f"; {_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
