@@ -343,7 +343,7 @@ def monitor(
         named = list(openable)
         if lost and not once:  # --once names them once, after its page
             note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
-    live = LiveMetrics()
+    live = LiveMetrics(unopened=tuple(e.index for e in lost if e.index is not None))
     with ExitStack() as stack:
         scraper = (
             None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))
