@@ -15,7 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from dvfs.errors import CampaignError, GpuError, GpuPermissionError, GpuUnavailableError
+from dvfs.errors import (
+    CampaignError,
+    GpuError,
+    GpuNotSupportedError,
+    GpuPermissionError,
+    GpuUnavailableError,
+)
 from dvfs.gpu.visible import SWEEP_NAMING, Visible
 from dvfs.redact import redact_argv
 
@@ -109,14 +115,19 @@ def open_gpus(
 
 
 def reachable_gpus(
-    visible: Visible | None = None, *, nvml: ModuleType | None = None
+    visible: Visible | None = None, *, nvml: ModuleType | None = None, read: bool = True
 ) -> tuple[list[int], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, split into those that open and the errors of those that do not (fallen off the
     bus, needing a reset, any other NVML error on that GPU, a call on it that hangs), each
     opened on its own, read-only, and closed: so that a command over every GPU (`gpu reset`,
     `cap reset`, `monitor`) acts on the others, then names the lost ones (`lost_gpus`). A
-    permission refusal is no one GPU's: it stops the command (exit 4)."""
+    permission refusal is no one GPU's: it stops the command (exit 4).
+
+    With `read`, a GPU that opens must also read its power limit (where it has one), as every
+    such command does: a GPU needing a reset may still give its UUID (the driver keeps it)
+    while every reading fails, and would otherwise stop the command on the others. `monitor`
+    passes False: it exports such a GPU as not up until it answers again."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     with nvml_session(nvml) as module:
@@ -125,7 +136,10 @@ def reachable_gpus(
     lost: list[GpuError] = []
     for index in indices:
         try:
-            with open_gpus([index], nvml=nvml, allow_mig=True):
+            with open_gpus([index], nvml=nvml, allow_mig=True) as (gpu,):
+                if read:
+                    with contextlib.suppress(GpuNotSupportedError):
+                        gpu.power_limit_mw()
                 openable.append(index)
         except GpuPermissionError:
             raise

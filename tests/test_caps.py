@@ -307,6 +307,33 @@ def test_cap_show_shows_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert [r["index"] for r in listed] == [0, 1] and all("error" in r for r in listed)
 
 
+def test_the_caps_commands_go_on_beside_a_gpu_that_opens_but_reads_nothing(
+    nvml, tmp_path: Path
+) -> None:
+    """A GPU needing a reset may still give its UUID (so it opens) while every reading fails
+    (NVML_ERROR_RESET_REQUIRED). Every-GPU commands set aside only a GPU that did not open:
+    `cap apply` (the caps unit at boot) then stopped at its power limit with no GPU capped,
+    and `cap show` / `gpu info` showed no other GPU. Each now acts on the others and names it
+    in one line, exit 1, as it does a GPU fallen off the bus."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", power_limit_w=450),)))
+    )
+    failing = ("nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetEnforcedPowerLimit")
+    nvml.fake_update_device(1, errors={f: nvml.NVML_ERROR_RESET_REQUIRED for f in failing})
+    said = str(nvml.NVMLError(nvml.NVML_ERROR_RESET_REQUIRED))
+    for args in (("cap", "apply", str(fleet)), ("cap", "show"), ("gpu", "info")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 1, (args, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 1" in line and said in line, (args, line)
+        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dvfs.errors import CapsError, GpuStateError
 from dvfs.govern.exporter import LiveMetrics, parse_listen, render, start_exporter
 from dvfs.govern.loop import (
+    STEADY_INTERVALS,
     Ceiling,
     Ticker,
     Watch,
@@ -642,6 +643,15 @@ def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) 
     lines, pages, left = run([False, False, True])
     assert len(lines) == 1 and [str(e) for e in left] == [lines[0].split("; its readings")[0]]
     assert "GPU 0 (" in str(left[0]) and "GPU is lost" in str(left[0])
+    # A GPU that flaps (answering one interval in two) logged two lines an interval: it is
+    # one outage, said back once it has answered STEADY_INTERVALS in a row (or at the end).
+    flaps = [True, False] * 5
+    script = [False, *flaps, *[False] * STEADY_INTERVALS, *flaps]
+    lines, pages, left = run(script)
+    said = ["back" if x.endswith(" answers again") else x.split(": ")[0] for x in lines]
+    assert said == [f"GPU 0 ({uuid}) stopped answering", "back"] * 2, lines
+    ups = [page[("dvfs_gpu_up", g0)] for page in pages]
+    assert ups == [0.0 if lost else 1.0 for lost in script] and left == []
 
 
 @pytest.mark.parametrize("load", ["steady", "rising"])
@@ -688,6 +698,38 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     healthy = nvml.fake_device_state(1)
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
     assert [p.name for p in state.glob("GPU-*.json")] == [f"{uuid}.json"]
+
+
+def test_a_gpu_silent_before_the_governor_changed_it_is_not_said_put_back(
+    nvml, tmp_path: Path
+) -> None:
+    """A governed GPU lost before the governor's first change was said to be "put back as
+    found" with the healthy one, as if the governor had reached it: the line now says only
+    the healthy GPU was put back, and that the silent one had not been changed."""
+    from dvfs.backends import open_gpus
+    from dvfs.errors import GpuError
+
+    def scraper() -> ServerSample:
+        nvml.fake_update_device(0, lost=True)  # before the first interval's change
+        return ServerSample(1, None, None)
+
+    time = VirtualTime()
+    state = tmp_path / "state"
+    with open_gpus([0, 1]) as gpus, pytest.raises(GpuError) as stopped:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lambda line: None,
+            state_dir=state,
+        )
+    line = str(stopped.value)
+    assert "GPU 0" in line and "GPU is lost" in line, line
+    assert "put GPU 1 back as found; it had not changed GPU 0" in line, line
+    assert "GPU 0, GPU 1" not in line and not list(state.glob("GPU-*.json"))
 
 
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:

@@ -366,6 +366,10 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     samples = [s for f in text_string_to_metric_families(once.stdout) for s in f.samples]
     power = {s.labels["gpu"]: s.labels["uuid"] for s in samples if s.name == "dvfs_gpu_power_watts"}
     assert power == {"1": nvml.fake_device_state(1)["uuid"]}, once.stdout
+    # Not left out of dvfs_gpu_up: an alert on it must not clear when the monitor restarts
+    # while the GPU is still down (its UUID unread: empty)
+    up = {(s.labels["gpu"], s.labels["uuid"]): s.value for s in samples if s.name == "dvfs_gpu_up"}
+    assert up == {("0", ""): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, once.stdout
     [line] = once.stderr.splitlines()
     assert "GPU 0" in line and said in line, line
     served = dvfs_in_process(

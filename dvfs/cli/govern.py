@@ -336,13 +336,14 @@ def monitor(
     named: list[int | str] = parse_devices(devices)
     lost: list[Any] = []
     if not devices:  # every GPU: one fallen off the bus must not stop the others' metrics
-        openable, lost = reachable_gpus()
+        # one that opens but reads nothing (needing a reset) is exported as not up instead
+        openable, lost = reachable_gpus(read=False)
         if not openable and lost:
             raise lost_gpus(lost)
         named = list(openable)
         if lost and not once:  # --once names them once, after its page
             note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
-    live = LiveMetrics()
+    live = LiveMetrics(unopened=tuple(e.index for e in lost if e.index is not None))
     with ExitStack() as stack:
         scraper = (
             None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))

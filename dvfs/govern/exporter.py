@@ -15,7 +15,8 @@ by `gpu` (index) and `uuid`:
 A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
 NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
 again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvfs's records,
-stay.
+stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty
+(`LiveMetrics.unopened`).
 
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
@@ -69,6 +70,10 @@ class LiveMetrics:
 
     _snapshot: Snapshot = field(default_factory=Snapshot)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: GPUs (NVML indices) that did not open as the monitor started: exported with
+    #: dvfs_gpu_up 0 (and an empty uuid: it could not be read) for as long as it runs, so that
+    #: an alert on dvfs_gpu_up == 0 does not clear when the monitor restarts without them.
+    unopened: tuple[int, ...] = ()
 
     def publish(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -106,13 +111,16 @@ class LiveCollector:
                 family.add_metric([str(row.reading.index), row.reading.uuid], value(row))
             return family
 
-        yield gpu_gauge(
+        up = gpu_gauge(
             "dvfs_gpu_up",
             "1 when the GPU answered this interval's NVML read, 0 when it did not (fallen off "
             "the bus, needing a reset, a driver error: its readings are left out).",
             lambda r: 0.0 if r.reading.error is not None else 1.0,
             snap.gpus,
         )
+        for index in self.live.unopened:
+            up.add_metric([str(index), ""], 0.0)
+        yield up
         yield gpu_gauge("dvfs_gpu_power_watts", "Board power.", lambda r: _nan(r.reading.power_w))
         energy = CounterMetricFamily(
             "dvfs_gpu_energy_joules", "NVML energy counter (since driver load).", labels=labels

@@ -245,8 +245,11 @@ class Watch:
     previous: tuple[GpuReading, ...] = ()
     previous_tokens: float | None = None
     last_error: str | None = None
-    #: GPUs that did not answer their last read, by UUID: why (one note per outage).
+    #: GPUs that did not answer their last read, by UUID: why.
     silent: dict[str, GpuReading] = field(default_factory=dict)
+    #: GPUs whose outage was noted and whose return is not yet (`STEADY_INTERVALS`), by UUID:
+    #: their name and how many intervals in a row they have answered since.
+    outage: dict[str, tuple[str, int]] = field(default_factory=dict)
     #: Whether to note a GPU that stops answering, and answers again (the monitor); the
     #: governor stops instead (`GpuSilentError`).
     gpu_notes: bool = True
@@ -303,19 +306,41 @@ class Watch:
         )
 
     def _follow(self, readings: Sequence[GpuReading]) -> None:
-        """Note a GPU that stops answering, once, and once when it answers again."""
+        """Note a GPU that stops answering, once, and once when it answers again: after
+        `STEADY_INTERVALS` in a row (or at the end, `settle`), so that a GPU that flaps is
+        one outage, not two lines an interval."""
         for r in readings:
-            if r.error is not None and r.uuid not in self.silent:
+            if r.error is not None:
                 self.silent[r.uuid] = r
-                if self.gpu_notes:
+                if r.uuid not in self.outage and self.gpu_notes:
                     self.note(
                         f"{_named(r)} stopped answering: {r.error}; its readings are left out "
                         "of the metrics (dvfs_gpu_up 0) until it is back"
                     )
-            elif r.error is None and r.uuid in self.silent:
-                del self.silent[r.uuid]
-                if self.gpu_notes:
-                    self.note(f"{_named(r)} answers again")
+                self.outage[r.uuid] = (_named(r), 0)
+            else:
+                self.silent.pop(r.uuid, None)
+                if r.uuid in self.outage:
+                    name, steady = self.outage[r.uuid]
+                    self.outage[r.uuid] = (name, steady + 1)
+                    if steady + 1 >= STEADY_INTERVALS:
+                        self._back(r.uuid)
+
+    def settle(self) -> None:
+        """At the end of a run: note each GPU whose outage is open but that answered its
+        last read as answering again."""
+        for uuid in [u for u in self.outage if u not in self.silent]:
+            self._back(uuid)
+
+    def _back(self, uuid: str) -> None:
+        name, _ = self.outage.pop(uuid)
+        if self.gpu_notes:
+            self.note(f"{name} answers again")
+
+
+#: Intervals in a row a GPU that stopped answering must answer before the monitor says it is
+#: back (`Watch`): one that keeps stopping and answering is one outage in the log.
+STEADY_INTERVALS = 10
 
 
 def _named(reading: GpuReading) -> str:
@@ -362,11 +387,16 @@ def _stopped_line(
         return f"{stopped}; the governor stopped (it had changed nothing)"
     lost = {r.uuid for r in stopped.silent}
     current, original = knobs.current, knobs.original
-    back = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
-    stuck = [g for g in gpus if g not in back]
+    found = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
+    stuck = [g for g in gpus if g not in found]
+    # a silent GPU the governor had not changed was not put back: nothing was done to it
+    back = [g for g in found if g.identity.uuid not in lost]
+    untouched = [g for g in found if g.identity.uuid in lost]
     line = f"{stopped}; the governor stopped"
     if back:
         line += f" and put {_names(back)} back as found"
+    if untouched:
+        line += f"; it had not changed {_names(untouched)}"
     if any(g.identity.uuid in lost for g in stuck):
         line += (
             f"; {_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
@@ -581,17 +611,21 @@ def monitor(
 ) -> list[GpuUnavailableError]:
     """Publish live numbers every interval until the ticker ends (or a signal); read-only.
     `locks`: the clock locks dvfs's records say each GPU holds, read every interval. A GPU
-    that stops answering is noted once (and once when it answers again) and exported as not
-    up; returns an error naming each GPU that had not answered again by the end."""
+    that stops answering is noted once (and once when it answers again, `STEADY_INTERVALS`
+    in a row or at the end) and exported as not up; returns an error naming each GPU that had
+    not answered again by the end."""
     from dvfs.signals import signals_raise
 
     watch = Watch(gpus, scraper, note)
-    with signals_raise():
-        for _ in ticker:
-            now = locks()
-            tops: dict[str, int | None] = {u: lock.lock_mhz[1] for u, lock in now.items()}
-            governed = {u for u, lock in now.items() if lock.by_governor}
-            live.publish(watch.snapshot(watch.server(), tops, governed))
+    try:
+        with signals_raise():
+            for _ in ticker:
+                now = locks()
+                tops: dict[str, int | None] = {u: lock.lock_mhz[1] for u, lock in now.items()}
+                governed = {u for u, lock in now.items() if lock.by_governor}
+                live.publish(watch.snapshot(watch.server(), tops, governed))
+    finally:
+        watch.settle()
     return [
         GpuUnavailableError(f"{_named(r)} stopped answering: {r.error}")
         for r in watch.silent.values()
