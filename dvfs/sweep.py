@@ -759,7 +759,11 @@ def read_group_models(
             unchecked.append("every GPU model's journal in the folder is counted")
         if twin_load:  # first: the others' words end the sentence ("... here")
             unchecked.insert(0, "whether the twin has a profile of their model is not checked")
-        why = stop if stop is not None else f"the GPUs' models were not read ({exc})"
+        why = (
+            f"the GPUs' models were not read ({exc})"
+            if stop is None
+            else f"{stop}; their models were not read either"
+        )
         return None, (
             f"{why}, so {' and '.join(unchecked)} here: `dvfs doctor` on the GPU machine checks it"
         )
