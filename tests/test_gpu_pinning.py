@@ -473,6 +473,18 @@ def test_the_dry_run_of_a_real_fleet_mixing_gpu_models_counts_each_models_cells(
     assert alone.returncode == 0 and json.loads(alone.stdout)["remaining"] == 1
     assert "every GPU model's journal in the folder is counted here" in alone.stderr
 
+    # A GPU NVML answers for but cannot open (the H200 fallen off the bus) is no refusal of
+    # the dry run, as the README once said: it plans (exit 0) and says in the sweep's words,
+    # in one note, that the sweep would stop on this machine.
+    nv.fake_update_device(1, lost=True)
+    swept = dvfs_in_process(*plan[:-1], "--no-progress", env=env)
+    assert swept.returncode != 0 and len(swept.stderr.splitlines()) == 1, swept.stderr
+    stopped = swept.stderr.strip().removeprefix("Error: ")
+    doc, note = dry(env)
+    assert "\n" not in note.strip(), note
+    assert note.startswith(f"note: on this machine the sweep would stop: {stopped}"), note
+    assert "fallen off the bus" in note and doc["remaining"] == 1, doc
+
 
 def test_nvml_without_process_lists_leaves_the_server_unverified(
     nv: ModuleType, tmp_path: Path

@@ -860,6 +860,53 @@ def test_gpu_reset_restores_a_dead_runs_gpu_beside_one_fallen_off_the_bus(
         nvml.fake_update_device(0, lost=False)
 
 
+def test_gpu_reset_does_not_say_no_state_file_where_the_lost_gpu_may_hold_one(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A governor stopped by its GPU going silent leaves that GPU's state file, for `dvfs gpu
+    reset` once it answers again. Run while it was still lost, `gpu reset` said "No dvfs state
+    files for these GPUs: nothing to restore", which read as no state file at all, the lost
+    GPU's included. It now says none is there for the GPUs that open, then names the lost one
+    (exit 1), and the state file stays."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        gpu.lock_sm_clock(210, 1200)
+    nvml.fake_update_device(0, lost=True)
+    try:
+        result = dvfs_in_process("gpu", "reset", env=env)
+        out = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 1, out
+        assert "No dvfs state files for these GPUs" not in out, out
+        assert "No dvfs state files for the GPUs that open" in out, out
+        assert "GPU 0" in out and "fallen off the bus" in out and "Traceback" not in out, out
+        assert store.pending(gpu.identity.uuid)
+    finally:
+        nvml.fake_update_device(0, lost=False)
+    assert "restored GPU 0" in dvfs_in_process("gpu", "reset", env=env).stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["gpu list", "gpu info", "gpu reset", "cap show", "cap apply", "cap reset", "monitor"],
+)
+def test_the_help_of_each_command_over_every_gpu_says_what_a_lost_gpu_does(
+    env, command: str
+) -> None:
+    """The README says each command that takes every GPU when none is named shows or acts on
+    the others and names a GPU fallen off the bus, exit 1; `gpu list`, `gpu reset` and
+    `monitor` --help did not say so."""
+    shown = dvfs_in_process(*command.split(), "--help", env=env)
+    said = " ".join(shown.stdout.split())
+    exits = "; 1 naming a GPU fallen off the bus" if command == "cap apply" else "exit 1"
+    if command == "cap apply":  # a file matching none of the GPUs that open: 1, not 2
+        assert "if the file matches none of those that open" in said, said
+    assert shown.returncode == 0 and "fallen off the bus" in said and exits in said, said
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])
 def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -> None:
     from dvfs.errors import GpuStateError

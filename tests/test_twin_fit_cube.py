@@ -453,6 +453,30 @@ def test_a_real_gpus_cube_is_fitted_on_its_own_model_not_its_campaigns_twin(
     assert "(base h100-sxm)" in " ".join(result.output.split()), result.output
 
 
+def test_a_cube_fit_against_a_slower_gpus_base_says_an_efficiency_stopped_at_its_bound(
+    made: dict[str, Path], cells, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A cube measured on a GPU with more bandwidth than the base's (an H200's fitted on the
+    H100): the fit's note said the base's peaks are "each raised where the measurement
+    outruns it", as a roofline fit does, while a cube fit raises none: hbm_efficiency stopped
+    at 1 without a word, the other figures taking up the rest. The note now says a cube fit
+    keeps the peaks, and the fit names the efficiency at its bound."""
+    slow = dataclasses.replace(EXACT_H100, hbm_bandwidth_gb_s=EXACT_H100.hbm_bandwidth_gb_s / 2)
+    fit = fit_cube_cells(cells, slow)
+    assert fit.profile.hbm_bandwidth_gb_s == slow.hbm_bandwidth_gb_s
+    assert fit.profile.hbm_efficiency == pytest.approx(1.0)
+    said = " ".join(fit.notes)
+    assert "hbm_efficiency stopped at its bound 1" in said, said
+    assert "stopped at its bound" not in " ".join(fit_cube_cells(cells, EXACT_H100).notes)
+    ds = xr.open_dataset(made["truth"] / "cube.nc").load()
+    other = tmp_path / "other.nc"
+    ds.assign_attrs(gpu_backend="nvml", gpu_name="NVIDIA H200").to_netcdf(other)
+    result = invoke("twin", "fit", str(other), "-o", str(tmp_path / "p.toml"), "--base", "h100-sxm")
+    assert result.exit_code == 0, result.output
+    told = " ".join(result.output.split())
+    assert "the base profile h100-sxm" in told and "raised where" not in told, told
+
+
 def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     tmp_path: Path,
 ) -> None:

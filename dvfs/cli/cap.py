@@ -211,7 +211,8 @@ def apply(
     Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
     without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
     are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
-    GPUs are capped. Models not on this host are only noted.
+    GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
+    be the one it names). Models not on this host are only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (

@@ -314,6 +314,8 @@ def monitor(
     dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
     back. A GPU that stops answering is logged once (and once when it answers again) and
     exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
+    With no --gpu, a GPU that does not open (fallen off the bus) is named, exit 1, and the
+    others exported.
     """
     from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force

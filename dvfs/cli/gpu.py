@@ -58,7 +58,9 @@ def gpu() -> None:
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors
 def list_gpus(twin: str | None, as_json: bool) -> None:
-    """GPUs on this machine: index, UUID, name, power limit, SM clock."""
+    """GPUs on this machine: index, UUID, name, driver, power limit, SM clock, MIG.
+
+    A GPU fallen off the bus is named, exit 1, after the others are listed."""
     from dvfs.backends import lost_gpus
     from dvfs.gpu.describe import gpu_summary
 
@@ -192,8 +194,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     """Restore GPU settings recorded by a dvfs run that died (SIGKILL, power loss).
 
     Without DEVICES, every GPU with a state file, but those a running dvfs is using (it
-    restores them itself), with a note. Holds each GPU's lock while restoring, so it refuses a
-    GPU named in DEVICES that a running dvfs is using.
+    restores them itself), with a note; a GPU fallen off the bus is named, exit 1, once the
+    others are restored (its state file stays for when it answers again). Holds each GPU's
+    lock while restoring, so it refuses a GPU named in DEVICES that a running dvfs is using.
     """
     from dvfs.backends import lost_gpus, reachable_gpus
     from dvfs.caps import reset_gpus
@@ -216,8 +219,10 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
             skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
         )
     if not acted:
+        # A GPU that does not open may hold a state file (a governor it left): not "none".
+        which = "the GPUs that open" if lost else "these GPUs"
         out.print(
-            "No dvfs state files for these GPUs: nothing to restore "
+            f"No dvfs state files for {which}: nothing to restore "
             "(use --defaults to reset to driver defaults anyway)."
         )
     if lost:

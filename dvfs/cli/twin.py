@@ -128,23 +128,29 @@ def _base_profile(attrs: dict[str, object], source: Path, base: str | None) -> G
     )
 
 
-def _base_note(gpu_name: object, profile: GpuProfile, source: Path) -> str | None:
+def _base_note(gpu_name: object, profile: GpuProfile, source: Path, *, raises: bool) -> str | None:
     """A note where the measured GPU is not the base profile's model (`--base` chose another,
     or the twin has no profile of it and the H100's stands in): the fit keeps that profile's
     peaks, memory and clocks, and reads the measurement against them. Allowed, not refused:
-    `--base` is how a GPU the twin has no profile for is fitted at all."""
+    `--base` is how a GPU the twin has no profile for is fitted at all. `raises`: the fit
+    raises a peak the measurement outruns (a roofline's); a cube's fit keeps them."""
     from dvfs.twin.profiles import matching_gpu_profile
 
     measured = str(gpu_name or "").removesuffix(" (twin)").strip()
     own = matching_gpu_profile(measured)  # by whole words: an H20 is no H200
     if not measured or (own is not None and own.nvml_name == profile.nvml_name):
         return None
+    peaks = (
+        "peak FLOP/s, bandwidth (each raised where the measurement outruns it) and clocks"
+        if raises
+        else "peak FLOP/s, bandwidth and clocks (a cube fit raises neither: an efficiency "
+        "stops at 1)"
+    )
     return (
         f"{source} was measured on {str(gpu_name).removesuffix(' (twin)')}, the base profile "
-        f"{profile.key} is the twin's {profile.nvml_name}: the fit keeps that GPU's peak FLOP/s, "
-        "bandwidth (each raised where the measurement outruns it) and clocks and reads the "
-        "measurement against them; pass --base with the measured GPU's own profile where the "
-        "twin has one"
+        f"{profile.key} is the twin's {profile.nvml_name}: the fit keeps that GPU's {peaks} "
+        "and reads the measurement against them; pass --base with the measured GPU's own "
+        "profile where the twin has one"
     )
 
 
@@ -173,7 +179,7 @@ def _fit_roofline(source: Path, out_path: Path, base: str | None, name: str | No
     )
     residuals = ", ".join(f"{k} {v:.3g}" for k, v in result.residuals.items())
     out.print(f"  residuals: {residuals}")
-    other = _base_note(ds.attrs.get("gpu_name"), profile, source)
+    other = _base_note(ds.attrs.get("gpu_name"), profile, source, raises=True)
     for note in (*([other] if other else []), *result.notes):
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
     out.print(f"wrote {escape(str(out_path))}")
@@ -218,7 +224,7 @@ def _fit_cube(
                 f"  {obs}: rms error {r[f'{obs}_rel_rms']:.2%}, worst "
                 f"{r[f'{obs}_rel_worst']:+.2%} at {escape(result.worst_cells[obs])}"
             )
-    other = _base_note(ds.attrs.get("gpu_name"), profile, source)
+    other = _base_note(ds.attrs.get("gpu_name"), profile, source, raises=False)
     for note in (*([other] if other else []), *result.notes):
         out.print(f"[yellow]note:[/yellow] {escape(note)}")
     for warning in result.warnings:

@@ -192,6 +192,15 @@ def fit_cube_cells(
             f"leakage_w_per_c of {base.key} ({base.leakage_w_per_c:g}) set to 0: the fitted "
             "power figures hold the leakage the cells were measured with"
         )
+    for p, v in zip(params, values, strict=True):
+        if p.name.endswith("_efficiency") and v >= p.upper * (1 - 1e-6):
+            # A share of the base's peak cannot pass 1: the cells ran faster than that peak
+            # allows, and the figures fitted beside it took up the rest.
+            notes.append(
+                f"{p.name} stopped at its bound {p.upper:g}: the cells ran at or above "
+                f"{base.key}'s peak, so the figures fitted beside it may have absorbed the "
+                f"rest; is {base.key} the right base? (a roofline fit raises the peak)"
+            )
     n_obs = len(cells) * len(OBSERVABLES)
     std = _std_errors(solution.jac[:n_obs], solution.fun[:n_obs], unit)
     undetermined = tuple(
