@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dvfs.errors import (
     CampaignError,
     GpuError,
+    GpuNotFoundError,
     GpuNotSupportedError,
     GpuPermissionError,
     GpuUnavailableError,
@@ -115,14 +116,19 @@ def open_gpus(
 
 
 def reachable_gpus(
-    visible: Visible | None = None, *, nvml: ModuleType | None = None, read: bool = True
-) -> tuple[list[int], list[GpuError]]:
+    visible: Visible | None = None,
+    *,
+    nvml: ModuleType | None = None,
+    read: bool = True,
+    devices: Sequence[int | str] = (),
+) -> tuple[list[int | str], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
-    indices, split into those that open and the errors of those that do not (fallen off the
-    bus, needing a reset, any other NVML error on that GPU, a call on it that hangs), each
-    opened on its own, read-only, and closed: so that a command over every GPU (`gpu reset`,
-    `cap reset`, `monitor`) acts on the others, then names the lost ones (`lost_gpus`). A
-    permission refusal is no one GPU's: it stops the command (exit 4).
+    indices, or the GPUs `devices` names (as named), split into those that open and the errors
+    of those that do not (fallen off the bus, needing a reset, any other NVML error on that GPU,
+    a call on it that hangs), each opened on its own, read-only, and closed: so that a command
+    over every GPU or the GPUs named (`gpu reset`, `cap reset`, `monitor`) acts on the others,
+    then names the lost ones (`lost_gpus`). A permission refusal is no one GPU's: it stops the
+    command (exit 4); so does a named GPU that is not on this machine at all (a typo).
 
     With `read`, a GPU that opens must also read its power limit (where it has one), as every
     such command does: a GPU needing a reset may still give its UUID (the driver keeps it)
@@ -130,22 +136,27 @@ def reachable_gpus(
     passes False: it exports such a GPU as not up until it answers again."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
-    with nvml_session(nvml) as module:
-        indices = every_gpu(module, visible=visible)
-    openable: list[int] = []
+    named: list[int | str] = list(devices)
+    if not named:
+        with nvml_session(nvml) as module:
+            named = list(every_gpu(module, visible=visible))
+    openable: list[int | str] = []
     lost: list[GpuError] = []
-    for index in indices:
+    for n, device in enumerate(named):
         try:
-            with open_gpus([index], nvml=nvml, allow_mig=True) as (gpu,):
+            with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
                     with contextlib.suppress(GpuNotSupportedError):
                         gpu.power_limit_mw()
-                openable.append(index)
+                openable.append(device)
         except GpuPermissionError:
             raise
         except GpuError as exc:
-            exc.index = index
-            lost.append(exc)
+            if devices and isinstance(exc, GpuNotFoundError):
+                raise  # no such GPU here at all: a typo, not a lost GPU
+            if device not in named[:n]:  # a lost GPU named twice is named once
+                exc.index = device if isinstance(device, int) else None
+                lost.append(exc)
     return openable, lost
 
 

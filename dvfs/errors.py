@@ -43,6 +43,10 @@ class GpuUnavailableError(GpuError):
     """No driver or no such device: use the twin backend or install the NVIDIA driver."""
 
 
+class GpuNotFoundError(GpuUnavailableError):
+    """No GPU of that index or UUID on this machine (a typo, not a GPU that fails NVML)."""
+
+
 class GpuPermissionError(GpuError):
     """A setter needs root: run as root or through the systemd unit."""
 

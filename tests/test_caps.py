@@ -196,6 +196,33 @@ def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypa
         assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
 
 
+def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
+    """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
+    where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every
+    one that answers reset. It now resets the named GPUs that open, then names the lost one in
+    the line the no-GPU-named reset gives (exit 1), by index or UUID; a GPU that is not on the
+    machine at all is still refused (a typo), nothing reset."""
+    nvml.fake_update_device(1, locked_clocks=[210, 1200], power_limit_mw=450_000)
+    nvml.fake_update_device(1, lost=True)
+    [uuid, lost_uuid] = [nvml.fake_device_state(i)["uuid"] for i in (0, 1)]
+    every = CliRunner().invoke(cli, ["cap", "reset"])
+    for named in (("0", "1"), ("1", uuid), (lost_uuid, "0")):
+        nvml.fake_update_device(0, locked_clocks=[210, 1200], power_limit_mw=450_000)
+        result = CliRunner().invoke(cli, ["cap", "reset", *named])
+        assert result.exit_code == 1, (named, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        assert f"GPU 0 ({uuid}): clocks unlocked, power limit 700 W (default)" in result.stdout
+        # the line of the every-GPU reset, naming the lost GPU as it was named
+        line = every.stderr.replace("GPU 1", lost_uuid) if lost_uuid in named else every.stderr
+        assert every.exit_code == 1 and result.stderr == line, named
+        device = nvml.fake_device_state(0)
+        assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000, named
+    nvml.fake_update_device(0, locked_clocks=[210, 1200], power_limit_mw=450_000)
+    typo = CliRunner().invoke(cli, ["cap", "reset", "0", "9"])
+    assert typo.exit_code == 1 and "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
+    assert typo.stdout == "" and nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
+
+
 def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: Path) -> None:
     """`dvfs cap apply` (the caps unit at boot) exited 1 at a GPU fallen off the bus before
     capping any: the healthy GPUs kept the stock power limit. It now caps every GPU it can

@@ -380,6 +380,15 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     assert "serving metrics on http://127.0.0.1:" in served.stderr
     assert "exporting the other GPUs' metrics" in served.stderr
     assert "Traceback" not in served.stderr and nvml.fake_calls() == []
+    # Named with --gpu, as every GPU: the other exported, the lost one named (it failed whole)
+    named = dvfs_in_process(
+        *("monitor", "--once", "--interval", "0.05", "--gpu", "0", "--gpu", "1"), env=env
+    )
+    assert named.returncode == 1 and named.stderr == once.stderr, named.stdout + named.stderr
+    samples = [s for f in text_string_to_metric_families(named.stdout) for s in f.samples]
+    assert {s.labels["gpu"] for s in samples if s.name == "dvfs_gpu_power_watts"} == {"1"}
+    up = {(s.labels["gpu"], s.labels["uuid"]): s.value for s in samples if s.name == "dvfs_gpu_up"}
+    assert up == {("0", ""): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, named.stdout
 
 
 def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_others(
@@ -400,6 +409,9 @@ def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_othe
     assert "GPU 0" in line and "fallen off the bus" in line, line
     assert "name the GPUs the server runs on with --gpu (those that open: GPU 1)" in line
     assert nvml.fake_calls() == []
+    both = dvfs_in_process(*args, "--gpu", "0", "--gpu", "1", env=env)  # named: still refused
+    assert both.returncode == 1 and "fallen off the bus" in both.stderr, both.stderr
+    assert "governing" not in both.stderr and nvml.fake_calls() == []
     named = dvfs_in_process(*args, "--gpu", "1", env=env)
     assert named.returncode == 0, named.stderr
     assert "governing GPU 1 from" in named.stderr

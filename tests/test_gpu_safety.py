@@ -860,6 +860,43 @@ def test_gpu_reset_restores_a_dead_runs_gpu_beside_one_fallen_off_the_bus(
         nvml.fake_update_device(0, lost=False)
 
 
+def test_gpu_reset_and_info_act_on_the_named_gpus_beside_one_fallen_off_the_bus(
+    nvml, tmp_path: Path, env
+) -> None:
+    """`dvfs gpu reset 0 1` and `dvfs gpu info 0 1` with GPU 0 fallen off the bus failed whole:
+    the reset left GPU 1 locked, the info showed nothing. Named GPUs now act as every GPU does:
+    the others restored or shown, then the lost one named in the same line (exit 1); a GPU
+    not on the machine at all (`gpu info 9`) is still refused, as a typo."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([1], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        gpu.lock_sm_clock(210, 1200)
+    nvml.fake_update_device(0, lost=True)
+    try:
+        every = dvfs_in_process("gpu", "info", env=env)
+        result = dvfs_in_process("gpu", "reset", "0", "1", env=env)
+        out = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 1, out
+        assert f"restored GPU 1 ({gpu.identity.uuid})" in out, out
+        assert result.stderr == every.stderr and "Traceback" not in out, out
+        assert nvml.fake_device_state(1)["locked_clocks"] is None
+        assert not store.pending(gpu.identity.uuid)
+        for extra in ((), ("--json",)):
+            named = dvfs_in_process("gpu", "info", "1", "0", *extra, env=env)
+            alone = dvfs_in_process("gpu", "info", *extra, env=env)
+            assert named.returncode == 1, named.stderr
+            assert (named.stdout, named.stderr) == (alone.stdout, alone.stderr)
+            assert gpu.identity.uuid in named.stdout
+        typo = dvfs_in_process("gpu", "info", "1", "9", env=env)
+        assert typo.returncode == 1 and typo.stdout == "", typo.stdout
+        assert "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
+    finally:
+        nvml.fake_update_device(0, lost=False)
+
+
 def test_gpu_reset_does_not_say_no_state_file_where_the_lost_gpu_may_hold_one(
     nvml, tmp_path: Path, env
 ) -> None:
@@ -905,6 +942,8 @@ def test_the_help_of_each_command_over_every_gpu_says_what_a_lost_gpu_does(
     if command == "cap apply":  # a file matching none of the GPUs that open: 1, not 2
         assert "if the file matches none of those that open" in said, said
     assert shown.returncode == 0 and "fallen off the bus" in said and exits in said, said
+    if command in ("gpu info", "gpu reset", "cap reset", "monitor"):  # named ones too
+        assert "or not) is named, exit 1" in said, said
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", '{"original": 5}', '{"original": {"uuid": 5}}'])

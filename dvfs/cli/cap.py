@@ -379,20 +379,18 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
 @state_dir_option
 @handle_errors
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
-    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none: a GPU
-    fallen off the bus is named, exit 1, once the others are reset)."""
+    """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
+    fallen off the bus (named or not) is named, exit 1, once the others are reset."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
-    named: list[int | str] = parse_devices(devices)
-    lost: list[Any] = []
-    if not devices:  # every GPU (the job's): one fallen off the bus must not keep the others
-        openable, lost = reachable_gpus(visible)
-        if not openable and lost:
-            raise lost_gpus(lost)
-        named = list(openable)
+    # Every GPU (the job's) or those named: one fallen off the bus must not keep the others
+    # capped; it is named once they are reset.
+    named, lost = reachable_gpus(visible, devices=parse_devices(devices))
+    if not named and lost:
+        raise lost_gpus(lost)
     # Every GPU: those with MIG enabled are left alone, as `cap apply` never caps them (a GPU
     # named here is refused as every command refuses it).
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:

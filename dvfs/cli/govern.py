@@ -208,7 +208,7 @@ def govern(
     layer as `dvfs cap apply`. A batch the setting in force does not cover gets a looser one at
     once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
-    With no --gpu, a GPU fallen off the bus is refused, exit 1: none is governed. A governed
+    A GPU fallen off the bus is refused, exit 1, with --gpu or not: none is governed. A governed
     GPU that stops answering NVML stops the governor, exit 1, the others put back.
     """
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
@@ -314,7 +314,7 @@ def monitor(
     dvfs recorded (a running governor's, else `dvfs cap apply`'s); NVML cannot read a lock
     back. A GPU that stops answering is logged once (and once when it answers again) and
     exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
-    With no --gpu, a GPU that does not open (fallen off the bus) is named, exit 1, and the
+    A GPU that does not open (fallen off the bus, with --gpu or not) is named, exit 1, and the
     others exported.
     """
     from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
@@ -335,16 +335,13 @@ def monitor(
     def locks() -> dict[str, LockInForce]:
         return locks_in_force(directory)
 
-    named: list[int | str] = parse_devices(devices)
-    lost: list[Any] = []
-    if not devices:  # every GPU: one fallen off the bus must not stop the others' metrics
-        # one that opens but reads nothing (needing a reset) is exported as not up instead
-        openable, lost = reachable_gpus(read=False)
-        if not openable and lost:
-            raise lost_gpus(lost)
-        named = list(openable)
-        if lost and not once:  # --once names them once, after its page
-            note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
+    # Every GPU or those named: one fallen off the bus must not stop the others' metrics; one
+    # that opens but reads nothing (needing a reset) is exported as not up instead.
+    named, lost = reachable_gpus(read=False, devices=parse_devices(devices))
+    if not named and lost:
+        raise lost_gpus(lost)
+    if lost and not once:  # --once names them once, after its page
+        note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
     live = LiveMetrics(unopened=tuple(e.index for e in lost if e.index is not None))
     with ExitStack() as stack:
         scraper = (

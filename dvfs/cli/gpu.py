@@ -121,14 +121,14 @@ def list_gpus(twin: str | None, as_json: bool) -> None:
 @handle_errors
 def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
-    energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none:
-    a GPU fallen off the bus is named, exit 1, after the others are shown)."""
-    from dvfs.backends import lost_gpus, reachable_gpus, with_lost_rows
+    energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none).
+    A GPU fallen off the bus (named or not) is named, exit 1, after the others are shown."""
+    from dvfs.backends import lost_gpus, parse_devices, reachable_gpus, with_lost_rows
     from dvfs.gpu.describe import gpu_details
 
     lost: list[Any] = []
-    if not devices and not twin:  # every GPU: one fallen off the bus must not hide the others
-        openable, lost = reachable_gpus()
+    if not twin:  # every GPU or those named: one fallen off the bus must not hide the others
+        openable, lost = reachable_gpus(devices=parse_devices(devices))
         if not openable and lost:
             if as_json:  # each lost GPU's row, as `gpu list --json` gives it
                 echo_json(with_lost_rows([], lost))
@@ -194,22 +194,22 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     """Restore GPU settings recorded by a dvfs run that died (SIGKILL, power loss).
 
     Without DEVICES, every GPU with a state file, but those a running dvfs is using (it
-    restores them itself), with a note; a GPU fallen off the bus is named, exit 1, once the
-    others are restored (its state file stays for when it answers again). Holds each GPU's
-    lock while restoring, so it refuses a GPU named in DEVICES that a running dvfs is using.
+    restores them itself), with a note. A GPU fallen off the bus (named or not) is named, exit
+    1, once the others are restored (its state file stays for when it answers again). Holds
+    each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running dvfs
+    is using.
     """
-    from dvfs.backends import lost_gpus, reachable_gpus
+    from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
     from dvfs.gpu.safety import default_state_dir
 
     out = console()
-    lost: list[Any] = []
     every = not devices
-    if every:  # every GPU: one fallen off the bus must not keep the others unrestored
-        openable, lost = reachable_gpus()
-        devices = tuple(str(i) for i in openable)
-        if not devices and lost:
-            raise lost_gpus(lost)
+    # Every GPU or those named: one fallen off the bus must not keep the others unrestored.
+    openable, lost = reachable_gpus(devices=parse_devices(devices))
+    devices = tuple(str(i) for i in openable)
+    if not devices and lost:
+        raise lost_gpus(lost)
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
         acted = reset_gpus(
             gpus,

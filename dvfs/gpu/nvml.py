@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from dvfs.errors import (
     CampaignError,
     GpuError,
+    GpuNotFoundError,
     GpuNotSupportedError,
     GpuPermissionError,
     GpuUnavailableError,
@@ -431,7 +432,7 @@ def open_device(
         if getattr(exc, "value", None) not in absent:  # there, but unusable: lost, no power...
             raise errors.translate(exc, f"cannot open {where}") from exc
         count = device_count(nvml, deadline_s=deadline_s)
-        raise GpuUnavailableError(
+        raise GpuNotFoundError(
             f"no GPU {device!r}: this machine has {count} GPU(s) "
             f"(indices 0-{count - 1}); `dvfs gpu list` shows them"
         ) from exc
