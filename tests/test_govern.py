@@ -732,6 +732,56 @@ def test_a_gpu_silent_before_the_governor_changed_it_is_not_said_put_back(
     assert "GPU 0, GPU 1" not in line and not list(state.glob("GPU-*.json"))
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_why(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: str
+) -> None:
+    """A GPU going silent stops the governor; a SIGTERM (`systemctl stop`) arriving while it
+    put the other GPU back was held and delivered after the restore, so the run ended as
+    interrupted (exit 143, "GPU settings restored") and the line naming the silent GPU was
+    never said. The reason is now kept: the one line names the silent GPU, what was put back,
+    and the signal that came meanwhile (exit 1)."""
+    import os
+    import signal
+
+    from dvfs.backends import open_gpus
+    from dvfs.govern.loop import GpuSilentError
+
+    def scraper() -> ServerSample:
+        nvml.fake_update_device(1, lost=True)  # as the first change reaches it, GPU 0 changed
+        return ServerSample(1, None, None)
+
+    real = nvml.nvmlDeviceResetGpuLockedClocks
+    sent: list[int] = []
+
+    def reset_with_a_signal(handle: object) -> object:  # the restore of GPU 0
+        sent.append(getattr(signal, signum))
+        os.kill(os.getpid(), getattr(signal, signum))
+        return real(handle)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", reset_with_a_signal)
+    time, lines = VirtualTime(), []
+    with open_gpus([0, 1]) as gpus, pytest.raises(BaseException) as stopped:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            state_dir=tmp_path / "state",
+        )
+    assert sent, "the restore reset no clock lock"
+    assert isinstance(stopped.value, GpuSilentError), repr(stopped.value)
+    line = str(stopped.value)
+    assert "\n" not in line and stopped.value.exit_code == 1
+    assert line.startswith("GPU 1 (") and "stopped answering while governed" in line, line
+    assert "put GPU 0 back as found" in line and f"received {signum}" in line, line
+    healthy = nvml.fake_device_state(0)
+    assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+
+
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:
     from dvfs.govern.replay import PLAN_BATCHES, day_trace, twin_plan
 

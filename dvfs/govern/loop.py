@@ -490,7 +490,7 @@ def govern(
     state_dir: Path | None = None,
 ) -> int:
     """Follow the plan until the ticker ends (or a signal); returns the number of changes."""
-    from dvfs.signals import signals_raise
+    from dvfs.signals import Interrupted, RestoreAbandoned, signals_raise
 
     watch = Watch(gpus, scraper, note, gpu_notes=False)  # a GPU gone silent stops it
     state = PolicyState()
@@ -564,11 +564,17 @@ def govern(
                 silent = [row.reading for row in snapshot.gpus if row.reading.error is not None]
                 if silent:
                     raise stopped_answering(silent)
-    except GpuError as exc:
+    except (GpuError, Interrupted, KeyboardInterrupt) as exc:
+        # A signal held while the GPUs were put back after one went silent is delivered once
+        # they are: the silent GPU stays the reason, said with the signal (a second signal,
+        # which gave up on the restore, is its own message).
         stopped = _stopped_cause(exc)
-        if stopped is None:
+        if stopped is None or isinstance(exc, RestoreAbandoned):
             raise
         line = _stopped_line(stopped, exc, gpus, held[0] if held else None)
+        if not isinstance(exc, GpuError):
+            why = "received SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            line += f"; {why} as it put them back"
         raise GpuSilentError(line, stopped.silent) from exc
     return changes
 
