@@ -1149,47 +1149,78 @@ def plan_dry_run(
     the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
     not when there are problems). With `fresh`, the sweep that first moves the folder's
     journals aside (`fresh_moves`; nothing is moved here). A hardware campaign whose GPU
-    matches no twin profile (and no `twin`) is refused in one line."""
+    matches no twin profile (and no `twin`) is refused in one line, unless the folder holds
+    every cell: nothing is left to estimate, so it plans without the estimate."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.fleet.folders import extra_repeats
     from dvfs.measure.plan import PlanSummary, summarise_plan
 
-    if estimate:  # no matching profile: refused before anything else, saying how to go on
+    # No matching profile: refused, saying how to go on, unless the folder holds every cell
+    # (nothing to estimate; checked below, once the journals are read) and no --twin was named.
+    stand_in_problem: CampaignError | None = None
+    if estimate:
         try:
             twin_stand_in(campaign, twin)
         except CampaignError as exc:
-            if "no model profile" not in str(exc):
-                raise
-            raise CampaignError(
-                f"{exc}: the GPU-time estimate runs the campaign on the twin, so name the "
-                "nearest in engine.twin_model, or pass --no-estimate"
-            ) from exc
+            stand_in_problem = exc
+            if "no model profile" in str(exc):
+                stand_in_problem = CampaignError(
+                    f"{exc}: the GPU-time estimate runs the campaign on the twin, so name the "
+                    "nearest in engine.twin_model, or pass --no-estimate"
+                )
+                stand_in_problem.__cause__ = exc
+        if stand_in_problem is not None and twin is not None:
+            raise stand_in_problem
     cells = planned_cells(campaign, shard)
     # A folder the sweep would refuse counts nothing as done: its cells are another share's,
     # or were measured under other settings. --fresh moves every journal there aside first,
     # so nothing is refused or done.
-    refusals = [] if fresh else folder_refusals(campaign, out_dir, shard)
-    refused = [str(exc) for exc in refusals]
-    if models is None:
-        models = list(workers_per_model(campaign, worker_groups(campaign)))
-    journals = (
-        []
-        if refused
-        else resumed_journals(campaign, out_dir, models, cells, fresh=fresh, fleet=fleet)
+    try:
+        refusals = [] if fresh else folder_refusals(campaign, out_dir, shard)
+        refused = [str(exc) for exc in refusals]
+        if models is None:
+            models = list(workers_per_model(campaign, worker_groups(campaign)))
+        journals = (
+            []
+            if refused
+            else resumed_journals(campaign, out_dir, models, cells, fresh=fresh, fleet=fleet)
+        )
+        finished = {j: set() if fresh else finished_cells(campaign, j) for j in journals}
+        # With max_repeats above repeats: the extra repeats each journal holds (done, as the
+        # sweep's closing line counts them) and the next ones its cells ask for now (the rule
+        # the sweep follows, `extra_repeats`), which run after the planned cells left.
+        extra_done = {
+            j: journaled_repeats(campaign.measurement, cells, finished[j]) for j in journals
+        }
+        extra_next = {
+            j: [
+                c
+                for c in ([] if fresh else extra_repeats(campaign, j, cells))
+                if c.key not in finished[j]
+            ]
+            for j in journals
+        }
+    except Exception:
+        if stand_in_problem is not None:  # said first, as before the folder was read
+            raise stand_in_problem from None
+        raise
+    already_done = (
+        None if refused else sum(len([c for c in cells if c.key in finished[j]]) for j in journals)
     )
-    finished = {j: set() if fresh else finished_cells(campaign, j) for j in journals}
-    # With max_repeats above repeats: the extra repeats each journal holds (done, as the
-    # sweep's closing line counts them) and the next ones its cells ask for now (the rule the
-    # sweep follows, `extra_repeats`), which run after the planned cells left.
-    extra_done = {j: journaled_repeats(campaign.measurement, cells, finished[j]) for j in journals}
-    extra_next = {
-        j: [
-            c
-            for c in ([] if fresh else extra_repeats(campaign, j, cells))
-            if c.key not in finished[j]
-        ]
+    done_per_model = {
+        j.parent.name: len([c for c in cells if c.key in finished[j]])
         for j in journals
+        if j.parent != out_dir
     }
+    # A folder holding every cell (each GPU model's, and no extra repeat asked for) runs
+    # nothing: there is nothing to estimate, so no stand-in is needed.
+    all_done = (
+        already_done is not None
+        and already_done == len(cells) * max(1, len(done_per_model))
+        and not any(extra_next.values())
+    )
+    if stand_in_problem is not None and not all_done:
+        raise stand_in_problem
     per_journal = {
         j: summarise_plan(campaign, [*cells, *extra_next[j]], finished[j]) for j in journals
     }
@@ -1225,11 +1256,7 @@ def plan_dry_run(
             "repeat": campaign.measurement.repeats,
         },
         cells=len(cells),
-        already_done=(
-            None
-            if refused
-            else sum(len([c for c in cells if c.key in finished[j]]) for j in journals)
-        ),
+        already_done=already_done,
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
@@ -1239,14 +1266,10 @@ def plan_dry_run(
         shard=shard.label if shard else None,
         estimate=(
             twin_estimate(campaign, shard=shard, twin=twin, progress=progress)
-            if estimate and not problems
+            if estimate and not problems and stand_in_problem is None
             else None
         ),
-        done_per_model={
-            j.parent.name: len([c for c in cells if c.key in finished[j]])
-            for j in journals
-            if j.parent != out_dir
-        },
+        done_per_model=done_per_model,
         max_repeats=campaign.measurement.max_repeats,
         precision=campaign.measurement.precision,
         extra_done=None if refused else sum(len(e) for e in extra_done.values()),

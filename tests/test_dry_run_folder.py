@@ -383,6 +383,54 @@ def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doct
     assert json.loads(own.stdout)["already_done"] == 4, own.stdout
 
 
+def test_a_real_gpus_finished_folder_is_planned_without_a_twin_to_estimate_on(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A hardware campaign whose GPU no twin profile stands in for (none named in it): its dry
+    run on a folder holding every cell exited 2 asking for --twin or --no-estimate, though with
+    nothing to run nothing needs estimating. It plans (0 to run, the closed form's hours) and
+    exits 0; with cells left, or with --fresh (all of them to run again), it still asks."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from test_journal import assert_one_line_error
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    load_fake().fake_reset_state()
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=4, repeats=1))
+    out = tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+
+    def run(*args: str) -> Result:
+        done = dvfs_in_process(*args, env=env)
+        return Result(
+            runner=CliRunner(),
+            stdout_bytes=done.stdout.encode(),
+            stderr_bytes=done.stderr.encode(),
+            output_bytes=(done.stdout + done.stderr).encode(),
+            return_value=None,
+            exit_code=done.returncode,
+            exception=None,
+        )
+
+    dry = ("sweep", str(campaign), "--dry-run")
+    doc = run(*dry, "--out", str(out), "--json")
+    assert doc.exit_code == 0, doc.output
+    plan = json.loads(doc.stdout)
+    assert (plan["cells"], plan["already_done"], plan["remaining"]) == (4, 4, 0), plan
+    assert plan["estimate"]["from"] == "closed form" and not plan["problems"], plan
+    text = run(*dry, "--out", str(out))
+    assert text.exit_code == 0, text.output
+    assert "(4 already done, 0 to run)" in " ".join(text.output.split()), text.output
+    # something to run: the estimate needs its stand-in, as before
+    _interrupted(copy_sweep(out, tmp_path / "begun") / "journal.jsonl", 3)
+    for args in (("--out", str(tmp_path / "begun")), ("--out", str(out), "--fresh")):
+        assert_one_line_error(
+            run(*dry, *args), 2, "names no twin GPU", "--twin PROFILE", "--no-estimate"
+        )
+
+
 def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
     tiny_exact_run, tmp_path: Path
 ) -> None:

@@ -64,11 +64,12 @@ def fit_input_kind(path: Path) -> str | None:
         return "cube" if (path / "cube.nc").is_file() else None
     if not path.is_file():  # a FIFO would be waited on for ever, and is neither
         return None
+    from dvfs.errors import NetcdfPathError
     from dvfs.outputs import netcdf_path_problem
 
     problem = netcdf_path_problem(path, writing=False)
-    if problem:
-        raise FitError(problem)
+    if problem:  # exit 1, as every reader of a cube or roofline file refuses it
+        raise NetcdfPathError(problem)
     try:
         with xr.open_dataset(path) as ds:
             attrs = dict(ds.attrs)
