@@ -268,3 +268,55 @@ def test_the_walker_reads_lazy_relative_and_submodule_imports() -> None:
     edges, private = _imports("dvfs.a", modules, "import dvfs.pkg.b as m\nm._x\n")
     assert edges == {"dvfs.pkg.b"}
     assert private == ["dvfs.a: m._x"]
+
+
+def _unclosed_opens(tree: ast.AST) -> list[int]:
+    """Lines of `open_dataset(...)` / `netCDF4.Dataset(...)` calls that are not the subject of
+    a `with`: such a file stays open until collected."""
+    managed = {
+        id(item.context_expr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.With)
+        for item in node.items
+    }
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and (
+            node.func.attr == "open_dataset"
+            or (
+                node.func.attr == "Dataset"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "netCDF4"
+            )
+        )
+        and id(node) not in managed
+    )
+
+
+def test_every_netcdf_file_opened_is_closed_by_a_with() -> None:
+    """netCDF-C crashes (a segfault, not an error) when a file still open in the process is
+    opened again (netCDF4-python issue 796, xarray issue 8289): a test that read a shared cube
+    with `xr.open_dataset(...).load()` left it open, and a later test on the same xdist worker
+    that ran `dvfs twin fit` on it took the worker down. Every open in dvfs and its tests is
+    the subject of a `with`, which closes the file."""
+    tests = Path(__file__).resolve().parent
+    files = [*ROOT.rglob("*.py"), *tests.glob("*.py")]
+    found = {
+        f"{path.relative_to(ROOT.parent)}:{line}"
+        for path in files
+        for line in _unclosed_opens(ast.parse(path.read_text(encoding="utf-8")))
+    }
+    assert not found, sorted(found)
+
+
+def test_the_open_check_finds_an_unclosed_open() -> None:
+    code = (
+        "ds = xr.open_dataset(p).load()\n"
+        "with xr.open_dataset(p) as d, netCDF4.Dataset(p) as nc:\n"
+        "    x = xr.Dataset()\n"
+        "nc = netCDF4.Dataset(p)\n"
+    )
+    assert _unclosed_opens(ast.parse(code)) == [1, 4]

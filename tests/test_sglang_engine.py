@@ -492,11 +492,11 @@ def test_credentials_reach_the_server_but_no_record_preview_or_check(tmp_path: P
     [server] = [r for r in records if r["type"] == "server"]
     assert server["args"]["api_key"] == server["args"]["admin_api_key"] == "(not recorded)"
     assert server["args"]["model_path"] == campaign.engine.model  # the rest as resolved
-    cube = xr.open_dataset(out / "cube.nc")
-    source = tomllib.loads(cube.attrs["campaign_source"])
+    with xr.open_dataset(out / "cube.nc") as cube:
+        attrs = dict(cube.attrs)
+    source = tomllib.loads(attrs["campaign_source"])
     assert source["engine"]["sglang"]["extra_args"] == hidden
-    assert json.loads(cube.attrs["server_args"])["none"]["args"]["api_key"] == "(not recorded)"
-    cube.close()
+    assert json.loads(attrs["server_args"])["none"]["args"]["api_key"] == "(not recorded)"
     log = next((out / "logs").glob("server-none-*.log")).read_text()
     assert "--api-key (not recorded) --admin-api-key=(not recorded)" in log
 

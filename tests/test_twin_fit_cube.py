@@ -137,6 +137,14 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
     return CliRunner().invoke(cli, list(args))
 
 
+def _raw(path: Path) -> xr.Dataset:
+    """The cube file as written (labels not decoded), loaded and its file closed: a file left
+    open here (`open_dataset(...).load()` keeps it open until collected) that the code under
+    test opens again on this worker crashed netCDF-C, a segfault that took the worker down."""
+    with xr.open_dataset(path) as ds:
+        return ds.load()
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The truth's cube (swept by `twin predict`), its fit and the fitted profile's cube: made
@@ -315,7 +323,7 @@ def test_bad_inputs_are_one_line(made: dict[str, Path], tmp_path: Path) -> None:
     result = invoke("twin", "fit", str(text), "-o", str(out))
     assert result.exit_code == 2 and "neither a roofline file" in result.output
     # a cube without a variable the fit reads
-    ds = xr.open_dataset(made["truth"] / "cube.nc").load()
+    ds = _raw(made["truth"] / "cube.nc")
     ds.drop_vars("decode_time_s").to_netcdf(tmp_path / "bare.nc")
     result = invoke("twin", "fit", str(tmp_path / "bare.nc"), "-o", str(out))
     assert result.exit_code == 2, result.output
@@ -408,7 +416,7 @@ def test_a_cube_is_fitted_on_the_prompts_its_sweep_counted(
     estimated = _own_corpus_sweep(tmp_path, tmp_path / "out" / "estimated")
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: CharCount())
     counted = _own_corpus_sweep(tmp_path, tmp_path / "out" / "counted")
-    assert "tokenizer of" in xr.open_dataset(counted / "cube.nc").attrs["token_count_method"]
+    assert "tokenizer of" in _raw(counted / "cube.nc").attrs["token_count_method"]
     profile = tmp_path / "p.toml"
     result = invoke("twin", "fit", str(estimated), "-o", str(profile), "--base", "h100-sxm:none")
     assert result.exit_code == 0, result.output
@@ -437,7 +445,7 @@ def test_a_real_gpus_cube_is_fitted_on_its_own_model_not_its_campaigns_twin(
     on the H100's peaks and clocks by default, where the help and README promise the measured
     GPU's own profile (a twin cube keeps its own, trap list included)."""
     out = _own_corpus_sweep(tmp_path, tmp_path / "out" / "own")
-    ds = xr.open_dataset(out / "cube.nc").load()
+    ds = _raw(out / "cube.nc")
     real = tmp_path / "h200.nc"
     ds.assign_attrs(gpu_backend="nvml", gpu_name="NVIDIA H200", twin_profile="h100-sxm").to_netcdf(
         real
@@ -468,7 +476,7 @@ def test_a_cube_fit_against_a_slower_gpus_base_says_an_efficiency_stopped_at_its
     said = " ".join(fit.notes)
     assert "hbm_efficiency stopped at its bound 1" in said, said
     assert "stopped at its bound" not in " ".join(fit_cube_cells(cells, EXACT_H100).notes)
-    ds = xr.open_dataset(made["truth"] / "cube.nc").load()
+    ds = _raw(made["truth"] / "cube.nc")
     other = tmp_path / "other.nc"
     ds.assign_attrs(gpu_backend="nvml", gpu_name="NVIDIA H200").to_netcdf(other)
     result = invoke("twin", "fit", str(other), "-o", str(tmp_path / "p.toml"), "--base", "h100-sxm")
@@ -490,7 +498,7 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     assert load_profile(profile).key == "h100-sxm-fit"
     # a corpus edited since: the cells were measured on other prompts; refused in one line
     # naming the corpus, the hash the cube records and the one now, no profile written
-    recorded = json.loads(xr.open_dataset(out / "cube.nc").attrs["corpora"])["tasks"]
+    recorded = json.loads(_raw(out / "cube.nc").attrs["corpora"])["tasks"]
     corpus_file = tmp_path / "prompts" / "tasks.jsonl"
     original = corpus_file.read_text()
     corpus_file.write_text(original.replace("prime", "square"))
@@ -509,7 +517,7 @@ def test_a_cube_of_a_campaigns_own_corpus_is_fitted_from_its_sweep_folder(
     corpus_file.write_text(original)
     # the same text counted otherwise (another tokenizer revision: the pool hash the cube
     # records differs) is refused likewise
-    ds = xr.open_dataset(out / "cube.nc").load()
+    ds = _raw(out / "cube.nc")
     other = {"tasks": {**recorded, "pool_hash": "0" * 16}}
     ds.assign_attrs(corpora=json.dumps(other)).to_netcdf(tmp_path / "recounted.nc")
     result = invoke("twin", "fit", str(tmp_path / "recounted.nc"), "-o", str(profile))
