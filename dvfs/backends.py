@@ -156,6 +156,7 @@ def reachable_gpus(
                 raise  # no such GPU here at all: a typo, not a lost GPU
             if device not in named[:n]:  # a lost GPU named twice is named once
                 exc.index = device if isinstance(device, int) else None
+                exc.uuid = device if isinstance(device, str) else None
                 lost.append(exc)
     return openable, lost
 
