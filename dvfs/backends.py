@@ -128,7 +128,8 @@ def reachable_gpus(
     a call on it that hangs), each opened on its own, read-only, and closed: so that a command
     over every GPU or the GPUs named (`gpu reset`, `cap reset`, `monitor`) acts on the others,
     then names the lost ones (`lost_gpus`). A permission refusal is no one GPU's: it stops the
-    command (exit 4); so does a named GPU that is not on this machine at all (a typo).
+    command (exit 4), as NVML failing to start (no driver) does; so does a named GPU that is not
+    on this machine at all (a typo).
 
     With `read`, a GPU that opens must also read its power limit (where it has one), as every
     such command does: a GPU needing a reset may still give its UUID (the driver keeps it)
@@ -137,8 +138,10 @@ def reachable_gpus(
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     named: list[int | str] = list(devices)
-    if not named:
-        with nvml_session(nvml) as module:
+    # NVML itself first, named GPUs or not: a missing driver is no one GPU's loss (it was
+    # said once per GPU named, as if each had fallen off the bus)
+    with nvml_session(nvml) as module:
+        if not named:
             named = list(every_gpu(module, visible=visible))
     openable: list[int | str] = []
     lost: list[GpuError] = []
@@ -156,6 +159,7 @@ def reachable_gpus(
                 raise  # no such GPU here at all: a typo, not a lost GPU
             if device not in named[:n]:  # a lost GPU named twice is named once
                 exc.index = device if isinstance(device, int) else None
+                exc.uuid = device if isinstance(device, str) else None
                 lost.append(exc)
     return openable, lost
 

@@ -34,9 +34,11 @@ class IncomparableCellsError(CubeError):
 
 class GpuError(DvfsError):
     """A GPU operation failed. `index`: the NVML index of the GPU that would not open, where a
-    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`)."""
+    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`); `uuid`: the
+    UUID it was named by where it was named so (its index then unknown)."""
 
     index: int | None = None
+    uuid: str | None = None
 
 
 class GpuUnavailableError(GpuError):

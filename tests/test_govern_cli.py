@@ -389,6 +389,17 @@ def test_monitor_exports_the_gpus_beside_one_fallen_off_the_bus(
     assert {s.labels["gpu"] for s in samples if s.name == "dvfs_gpu_power_watts"} == {"1"}
     up = {(s.labels["gpu"], s.labels["uuid"]): s.value for s in samples if s.name == "dvfs_gpu_up"}
     assert up == {("0", ""): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, named.stdout
+    # Named by its UUID, the lost GPU was left out of dvfs_gpu_up altogether (its index
+    # unread), so an alert on dvfs_gpu_up == 0 never fired for a GPU the monitor was told to
+    # watch: it is exported as not up under the UUID it was named by (its index unknown)
+    lost_uuid = nvml.fake_device_state(0)["uuid"]
+    by_uuid = dvfs_in_process(
+        *("monitor", "--once", "--interval", "0.05", "--gpu", lost_uuid, "--gpu", "1"), env=env
+    )
+    assert by_uuid.returncode == 1 and said in by_uuid.stderr, by_uuid.stderr
+    samples = [s for f in text_string_to_metric_families(by_uuid.stdout) for s in f.samples]
+    up = {(s.labels["gpu"], s.labels["uuid"]): s.value for s in samples if s.name == "dvfs_gpu_up"}
+    assert up == {("", lost_uuid): 0.0, ("1", nvml.fake_device_state(1)["uuid"]): 1.0}, up
 
 
 def test_govern_with_no_gpu_named_refuses_one_fallen_off_the_bus_naming_the_others(

@@ -438,6 +438,21 @@ def test_no_driver_message(env, monkeypatch) -> None:
     assert "no NVIDIA driver was found" in result.stderr and "twin" in result.stderr
     # `dvfs gpu list` has no campaign: the twin's way in is its own option, which the line names
     assert "--twin h100-sxm" in result.stderr and result.stderr.count("\n") == 1
+    # With GPUs named, each named GPU was opened on its own and the missing driver counted as
+    # that GPU's loss: the line said it once per GPU named (and `--json` gave each a row as a
+    # GPU fallen off the bus). It is said once, as with no GPU named, nothing printed.
+    missing = {**env, "DVFS_FAKE_NVML_MISSING": "1"}
+    for args in (
+        ("gpu", "info", "0", "1"),
+        ("gpu", "info", "0", "1", "--json"),
+        ("gpu", "reset", "0", "1"),
+        ("cap", "reset", "0", "1"),
+        ("monitor", "--once", "--gpu", "0", "--gpu", "1"),
+    ):
+        named = dvfs_in_process(*args, env=missing)
+        assert named.returncode == 1 and named.stdout == "", (args, named.stdout)
+        assert named.stderr.count("no NVIDIA driver was found") == 1, (args, named.stderr)
+        assert named.stderr.count("\n") == 1, (args, named.stderr)
     assert "Traceback" not in result.stderr
 
 

@@ -342,7 +342,9 @@ def monitor(
         raise lost_gpus(lost)
     if lost and not once:  # --once names them once, after its page
         note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
-    live = LiveMetrics(unopened=tuple(e.index for e in lost if e.index is not None))
+    # a lost GPU named by UUID (its index unread) is exported under that UUID
+    unopened = (e.uuid if e.index is None else e.index for e in lost)
+    live = LiveMetrics(unopened=tuple(g for g in unopened if g is not None))
     with ExitStack() as stack:
         scraper = (
             None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))

@@ -15,8 +15,8 @@ by `gpu` (index) and `uuid`:
 A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
 NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
 again, not NaN (a counter's rate() would carry a NaN); its lock series, from dvfs's records,
-stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty
-(`LiveMetrics.unopened`).
+stay. A GPU that did not open as the monitor started has dvfs_gpu_up 0 alone, its uuid empty (its
+gpu empty instead where it was named by UUID: `LiveMetrics.unopened`).
 
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
@@ -70,10 +70,11 @@ class LiveMetrics:
 
     _snapshot: Snapshot = field(default_factory=Snapshot)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    #: GPUs (NVML indices) that did not open as the monitor started: exported with
-    #: dvfs_gpu_up 0 (and an empty uuid: it could not be read) for as long as it runs, so that
-    #: an alert on dvfs_gpu_up == 0 does not clear when the monitor restarts without them.
-    unopened: tuple[int, ...] = ()
+    #: GPUs (NVML indices, or the UUIDs they were named by) that did not open as the monitor
+    #: started: exported with dvfs_gpu_up 0 (and an empty uuid, or an empty gpu for one named
+    #: by UUID: it could not be read) for as long as it runs, so that an alert on
+    #: dvfs_gpu_up == 0 does not clear when the monitor restarts without them.
+    unopened: tuple[int | str, ...] = ()
 
     def publish(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -118,8 +119,8 @@ class LiveCollector:
             lambda r: 0.0 if r.reading.error is not None else 1.0,
             snap.gpus,
         )
-        for index in self.live.unopened:
-            up.add_metric([str(index), ""], 0.0)
+        for gpu in self.live.unopened:
+            up.add_metric([str(gpu), ""] if isinstance(gpu, int) else ["", gpu], 0.0)
         yield up
         yield gpu_gauge("dvfs_gpu_power_watts", "Board power.", lambda r: _nan(r.reading.power_w))
         energy = CounterMetricFamily(
