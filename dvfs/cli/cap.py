@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
+from dvfs.cli.common import (
+    OutputFile,
+    OutputFolder,
+    console,
+    escape,
+    handle_errors,
+    show_beside_lost,
+)
 
 if TYPE_CHECKING:
     from dvfs.caps import CapAction
@@ -330,23 +337,16 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     """What is enforced now: power limits (read from NVML), and clock locks dvfs applied
     (a running governor's, else `cap apply`'s). A GPU fallen off the bus is named, exit 1,
     after the others are shown."""
-    from dvfs.backends import lost_gpus, open_gpus, reachable_gpus, with_lost_rows
+    from dvfs.backends import open_gpus, reachable_gpus
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import records_dir
 
     openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
-    if not openable and lost:
-        if as_json:  # each lost GPU's row, as `gpu list --json` gives it
-            echo_json(with_lost_rows([], lost))
-        raise lost_gpus(lost)
-    with open_gpus(openable, allow_mig=True) as gpus:
-        rows = caps_status(gpus, state_dir or records_dir())
-    if as_json:  # a lost GPU's row holds its index and error, as in `gpu list --json`
-        echo_json(with_lost_rows(rows, lost))
-    else:
-        _print_caps_status(rows)
-    if lost:
-        raise lost_gpus(lost)
+    rows: list[dict[str, Any]] = []
+    if openable or not lost:
+        with open_gpus(openable, allow_mig=True) as gpus:
+            rows = caps_status(gpus, state_dir or records_dir())
+    show_beside_lost(rows, lost, as_json=as_json, show=_print_caps_status)
 
 
 def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:

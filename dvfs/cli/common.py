@@ -9,11 +9,14 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from dvfs.errors import GpuError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -388,6 +391,26 @@ def echo_json(data: Any) -> None:
     from dvfs.report import json_safe
 
     click.echo(json.dumps(json_safe(data), indent=2, default=str, allow_nan=False))
+
+
+def show_beside_lost(
+    rows: Sequence[dict[str, Any]],
+    lost: Sequence[GpuError],
+    *,
+    as_json: bool,
+    show: Callable[[Sequence[dict[str, Any]]], None],
+) -> None:
+    """The rows of the GPUs that opened, printed by `show` or as JSON where each GPU of `lost`
+    (fallen off the bus, failing NVML) has a row of its index and error, as in `gpu list
+    --json`; then the lost ones named, exit 1: one such GPU hides none of the others."""
+    from dvfs.backends import lost_gpus, with_lost_rows
+
+    if as_json:
+        echo_json(with_lost_rows(rows, lost))
+    else:
+        show(rows)
+    if lost:
+        raise lost_gpus(lost)
 
 
 def _refuse_empty(

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
+from dvfs.cli.common import (
+    OutputFile,
+    OutputFolder,
+    console,
+    echo_json,
+    escape,
+    handle_errors,
+    show_beside_lost,
+)
 from dvfs.errors import GpuError, GpuPermissionError
 
 
@@ -123,28 +131,21 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
     """Supported clocks, power-limit range, current and enforced settings, persistence,
     energy-counter support and clock-event reasons of DEVICES (indices or UUIDs; all if none).
     A GPU fallen off the bus (named or not) is named, exit 1, after the others are shown."""
-    from dvfs.backends import lost_gpus, parse_devices, reachable_gpus, with_lost_rows
+    from dvfs.backends import parse_devices, reachable_gpus
     from dvfs.gpu.describe import gpu_details
 
     lost: list[Any] = []
     if not twin:  # every GPU or those named: one fallen off the bus must not hide the others
         openable, lost = reachable_gpus(devices=parse_devices(devices))
         if not openable and lost:
-            if as_json:  # each lost GPU's row, as `gpu list --json` gives it
-                echo_json(with_lost_rows([], lost))
-            raise lost_gpus(lost)
+            show_beside_lost([], lost, as_json=as_json, show=_print_details)
         devices = tuple(str(i) for i in openable)
     with open_cli_gpus(devices, twin, allow_mig=True) as gpus:
         infos = [gpu_details(g) for g in gpus]
-    if as_json:  # a lost GPU's row holds its index and error, as in `gpu list --json`
-        echo_json(with_lost_rows(infos, lost))
-    else:
-        _print_details(infos)
-    if lost:
-        raise lost_gpus(lost)
+    show_beside_lost(infos, lost, as_json=as_json, show=_print_details)
 
 
-def _print_details(infos: list[dict[str, Any]]) -> None:
+def _print_details(infos: Sequence[dict[str, Any]]) -> None:
     """`gpu info`'s lines per GPU, from `gpu_details`."""
     out = console()
     for i in infos:
