@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -654,6 +655,31 @@ def test_a_gpu_that_stops_answering_is_logged_once_and_exported_as_not_up(nvml) 
     assert ups == [0.0 if lost else 1.0 for lost in script] and left == []
 
 
+def _governed_until_one_is_silent(
+    scraper: Callable[[], ServerSample],
+    intervals: int,
+    state: Path,
+    note: Callable[[str], None],
+) -> BaseException:
+    """What the governor of GPUs 0 and 1 (PLAN, no dwell, in virtual time) stopped with, for
+    the tests whose `scraper` makes one of them stop answering."""
+    from dvfs.backends import open_gpus
+
+    time = VirtualTime()
+    with open_gpus([0, 1]) as gpus, pytest.raises(BaseException) as stopped:
+        govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, intervals, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=note,
+            state_dir=state,
+        )
+    return stopped.value
+
+
 @pytest.mark.parametrize("load", ["steady", "rising"])
 def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_other(
     nvml, tmp_path: Path, load: str
@@ -663,7 +689,6 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
     failure on it, the other GPU's restore unsaid. It now stops at the interval the GPU does
     not answer (a read, or a change), in one error naming the GPU and NVML's error, the other
     GPU put back as found, and how the lost one is put back; its state file is kept."""
-    from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
 
     batches = iter([1, 1, 1, 1] if load == "steady" else [1, 1, 20, 20])
@@ -675,22 +700,13 @@ def test_a_governed_gpu_that_stops_answering_stops_the_governor_restoring_the_ot
             nvml.fake_update_device(0, lost=True)
         return ServerSample(next(batches), None, None)
 
-    time, lines = VirtualTime(), []
+    lines: list[str] = []
     state = tmp_path / "state"
-    with open_gpus([0, 1]) as gpus, pytest.raises(GpuError) as stopped:
-        govern(
-            PLAN,
-            gpus,
-            scraper,
-            PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 4, clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
-            note=lines.append,
-            state_dir=state,
-        )
+    stopped = _governed_until_one_is_silent(scraper, 4, state, lines.append)
+    assert isinstance(stopped, GpuError)
     uuid = nvml.fake_device_state(0)["uuid"]
-    line = str(stopped.value)
-    assert "\n" not in line and stopped.value.exit_code == 1
+    line = str(stopped)
+    assert "\n" not in line and stopped.exit_code == 1
     assert line.startswith(f"GPU 0 ({uuid}) stopped answering while governed: "), line
     assert "GPU is lost" in line and "the governor stopped and put GPU 1 back as found" in line
     assert "GPU 0 could not be put back" in line and "`dvfs gpu reset`" in line
@@ -706,27 +722,16 @@ def test_a_gpu_silent_before_the_governor_changed_it_is_not_said_put_back(
     """A governed GPU lost before the governor's first change was said to be "put back as
     found" with the healthy one, as if the governor had reached it: the line now says only
     the healthy GPU was put back, and that the silent one had not been changed."""
-    from dvfs.backends import open_gpus
     from dvfs.errors import GpuError
 
     def scraper() -> ServerSample:
         nvml.fake_update_device(0, lost=True)  # before the first interval's change
         return ServerSample(1, None, None)
 
-    time = VirtualTime()
     state = tmp_path / "state"
-    with open_gpus([0, 1]) as gpus, pytest.raises(GpuError) as stopped:
-        govern(
-            PLAN,
-            gpus,
-            scraper,
-            PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
-            note=lambda line: None,
-            state_dir=state,
-        )
-    line = str(stopped.value)
+    stopped = _governed_until_one_is_silent(scraper, 2, state, lambda line: None)
+    assert isinstance(stopped, GpuError)
+    line = str(stopped)
     assert "GPU 0" in line and "GPU is lost" in line, line
     assert "put GPU 1 back as found; it had not changed GPU 0" in line, line
     assert "GPU 0, GPU 1" not in line and not list(state.glob("GPU-*.json"))
@@ -744,7 +749,6 @@ def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_
     import os
     import signal
 
-    from dvfs.backends import open_gpus
     from dvfs.govern.loop import GpuSilentError
 
     def scraper() -> ServerSample:
@@ -760,22 +764,11 @@ def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_
         return real(handle)
 
     monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", reset_with_a_signal)
-    time, lines = VirtualTime(), []
-    with open_gpus([0, 1]) as gpus, pytest.raises(BaseException) as stopped:
-        govern(
-            PLAN,
-            gpus,
-            scraper,
-            PolicyParams(dwell_s=0.0),
-            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
-            live=LiveMetrics(),
-            note=lines.append,
-            state_dir=tmp_path / "state",
-        )
+    stopped = _governed_until_one_is_silent(scraper, 2, tmp_path / "state", lambda line: None)
     assert sent, "the restore reset no clock lock"
-    assert isinstance(stopped.value, GpuSilentError), repr(stopped.value)
-    line = str(stopped.value)
-    assert "\n" not in line and stopped.value.exit_code == 1
+    assert isinstance(stopped, GpuSilentError), repr(stopped)
+    line = str(stopped)
+    assert "\n" not in line and stopped.exit_code == 1
     assert line.startswith("GPU 1 (") and "stopped answering while governed" in line, line
     assert "put GPU 0 back as found" in line and f"received {signum}" in line, line
     healthy = nvml.fake_device_state(0)
