@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner, Result
 from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep, folder_files, replace_block, write
 
@@ -340,13 +341,11 @@ def test_one_gpus_sweep_on_other_gpus_is_refused_by_its_dry_run_and_doctor_as_th
     assert doc["already_done"] == 16, doc
 
 
-def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doctor(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """A folder swept on a (fake NVML) H100, resumed on an H200 by a sweep on one GPU: the
-    sweep refuses it, exit 1, yet its dry run, which reads no GPU of a plain sweep, said "4
-    already done, 0 to run" and `dvfs doctor` passed the folder. Both refuse it now in the
-    sweep's line (GPU model, memory clock). On the H100 again, its cells are done."""
+def _finished_nvml_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, str], Path, Path]:
+    """The fake NVML's two H100s (as root) for this process and the dvfs runs of a test, and
+    NVML_CAMPAIGN swept on them into a folder: (environment, campaign, folder)."""
     from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
 
     env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
@@ -355,8 +354,21 @@ def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doct
     load_fake().fake_reset_state()
     campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=4, repeats=1))
     out = tmp_path / "out"
-    first = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
-    assert first.returncode == 0, first.stderr
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    assert swept.returncode == 0, swept.stderr
+    return env, campaign, out
+
+
+def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doctor(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A folder swept on a (fake NVML) H100, resumed on an H200 by a sweep on one GPU: the
+    sweep refuses it, exit 1, yet its dry run, which reads no GPU of a plain sweep, said "4
+    already done, 0 to run" and `dvfs doctor` passed the folder. Both refuse it now in the
+    sweep's line (GPU model, memory clock). On the H100 again, its cells are done."""
+    from nvml_support import dvfs_in_process, load_fake
+
+    env, campaign, out = _finished_nvml_folder(tmp_path, monkeypatch)
 
     def on(devices: str) -> Callable[..., Result]:
         def run(*args: str) -> Result:
@@ -390,17 +402,10 @@ def test_a_real_gpus_finished_folder_is_planned_without_a_twin_to_estimate_on(
     run on a folder holding every cell exited 2 asking for --twin or --no-estimate, though with
     nothing to run nothing needs estimating. It plans (0 to run, the closed form's hours) and
     exits 0; with cells left, or with --fresh (all of them to run again), it still asks."""
-    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+    from nvml_support import dvfs_in_process
     from test_journal import assert_one_line_error
 
-    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
-    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
-        monkeypatch.setenv(key, env[key])
-    load_fake().fake_reset_state()
-    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=4, repeats=1))
-    out = tmp_path / "out"
-    swept = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
-    assert swept.returncode == 0, swept.stderr
+    env, campaign, out = _finished_nvml_folder(tmp_path, monkeypatch)
 
     def run(*args: str) -> Result:
         done = dvfs_in_process(*args, env=env)
