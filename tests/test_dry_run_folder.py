@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -341,6 +342,19 @@ def test_one_gpus_sweep_on_other_gpus_is_refused_by_its_dry_run_and_doctor_as_th
     assert doc["already_done"] == 16, doc
 
 
+def _as_result(done: subprocess.CompletedProcess) -> Result:
+    """A `dvfs_in_process` run as click's `Result`, for helpers that take one."""
+    return Result(
+        runner=CliRunner(),
+        stdout_bytes=done.stdout.encode(),
+        stderr_bytes=done.stderr.encode(),
+        output_bytes=(done.stdout + done.stderr).encode(),
+        return_value=None,
+        exit_code=done.returncode,
+        exception=None,
+    )
+
+
 def _finished_nvml_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[str, str], Path, Path]:
@@ -374,15 +388,8 @@ def test_one_real_gpus_sweep_on_another_model_is_refused_by_its_dry_run_and_doct
         def run(*args: str) -> Result:
             monkeypatch.setenv("DVFS_FAKE_NVML_DEVICES", devices)
             load_fake().fake_reset_state()
-            done = dvfs_in_process(*args, env={**env, "DVFS_FAKE_NVML_DEVICES": devices})
-            return Result(
-                runner=CliRunner(),
-                stdout_bytes=done.stdout.encode(),
-                stderr_bytes=done.stderr.encode(),
-                output_bytes=(done.stdout + done.stderr).encode(),
-                return_value=None,
-                exit_code=done.returncode,
-                exception=None,
+            return _as_result(
+                dvfs_in_process(*args, env={**env, "DVFS_FAKE_NVML_DEVICES": devices})
             )
 
         return run
@@ -408,16 +415,7 @@ def test_a_real_gpus_finished_folder_is_planned_without_a_twin_to_estimate_on(
     env, campaign, out = _finished_nvml_folder(tmp_path, monkeypatch)
 
     def run(*args: str) -> Result:
-        done = dvfs_in_process(*args, env=env)
-        return Result(
-            runner=CliRunner(),
-            stdout_bytes=done.stdout.encode(),
-            stderr_bytes=done.stderr.encode(),
-            output_bytes=(done.stdout + done.stderr).encode(),
-            return_value=None,
-            exit_code=done.returncode,
-            exception=None,
-        )
+        return _as_result(dvfs_in_process(*args, env=env))
 
     dry = ("sweep", str(campaign), "--dry-run")
     doc = run(*dry, "--out", str(out), "--json")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -849,28 +850,35 @@ def test_doctor_does_not_send_a_running_dvfss_gpu_to_gpu_reset(nvml, tmp_path: P
         store.clear(gpu.identity.uuid)
 
 
+def _locked_with_a_state_file(nvml: Any, tmp_path: Path, index: int) -> tuple[Any, str]:
+    """GPU `index` of the fake locked at 210-1200 MHz as a run that died left it, its state
+    file recorded (for `dvfs gpu reset`): the state store and the GPU's UUID."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([index], nvml=nvml) as (gpu,):
+        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
+        gpu.lock_sm_clock(210, 1200)
+    return store, gpu.identity.uuid
+
+
 def test_gpu_reset_restores_a_dead_runs_gpu_beside_one_fallen_off_the_bus(
     nvml, tmp_path: Path, env
 ) -> None:
     """`dvfs gpu reset` with no GPU named (the governor unit's ExecStopPost) failed on a GPU
     fallen off the bus before restoring anything: the dead run's other GPU stayed locked. It
     now restores every GPU it can open, then says which one it could not (exit 1)."""
-    from dvfs.gpu.knobs import GpuSettings
-    from dvfs.gpu.safety import StateStore
-
-    store = StateStore(tmp_path / "dvfs-state")
-    with open_nvml_gpus([1], nvml=nvml) as (gpu,):
-        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
-        gpu.lock_sm_clock(210, 1200)
+    store, uuid = _locked_with_a_state_file(nvml, tmp_path, 1)
     nvml.fake_update_device(0, lost=True)
     try:
         result = dvfs_in_process("gpu", "reset", env=env)
         out = " ".join((result.stdout + result.stderr).split())
         assert result.returncode == 1, out
-        assert f"restored GPU 1 ({gpu.identity.uuid})" in out, out
+        assert f"restored GPU 1 ({uuid})" in out, out
         assert "GPU 0" in out and "fallen off the bus" in out and "Traceback" not in out, out
         assert nvml.fake_device_state(1)["locked_clocks"] is None
-        assert not store.pending(gpu.identity.uuid)
+        assert not store.pending(uuid)
     finally:
         nvml.fake_update_device(0, lost=False)
 
@@ -882,29 +890,23 @@ def test_gpu_reset_and_info_act_on_the_named_gpus_beside_one_fallen_off_the_bus(
     the reset left GPU 1 locked, the info showed nothing. Named GPUs now act as every GPU does:
     the others restored or shown, then the lost one named in the same line (exit 1); a GPU
     not on the machine at all (`gpu info 9`) is still refused, as a typo."""
-    from dvfs.gpu.knobs import GpuSettings
-    from dvfs.gpu.safety import StateStore
-
-    store = StateStore(tmp_path / "dvfs-state")
-    with open_nvml_gpus([1], nvml=nvml) as (gpu,):
-        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
-        gpu.lock_sm_clock(210, 1200)
+    store, uuid = _locked_with_a_state_file(nvml, tmp_path, 1)
     nvml.fake_update_device(0, lost=True)
     try:
         every = dvfs_in_process("gpu", "info", env=env)
         result = dvfs_in_process("gpu", "reset", "0", "1", env=env)
         out = " ".join((result.stdout + result.stderr).split())
         assert result.returncode == 1, out
-        assert f"restored GPU 1 ({gpu.identity.uuid})" in out, out
+        assert f"restored GPU 1 ({uuid})" in out, out
         assert result.stderr == every.stderr and "Traceback" not in out, out
         assert nvml.fake_device_state(1)["locked_clocks"] is None
-        assert not store.pending(gpu.identity.uuid)
+        assert not store.pending(uuid)
         for extra in ((), ("--json",)):
             named = dvfs_in_process("gpu", "info", "1", "0", *extra, env=env)
             alone = dvfs_in_process("gpu", "info", *extra, env=env)
             assert named.returncode == 1, named.stderr
             assert (named.stdout, named.stderr) == (alone.stdout, alone.stderr)
-            assert gpu.identity.uuid in named.stdout
+            assert uuid in named.stdout
         typo = dvfs_in_process("gpu", "info", "1", "9", env=env)
         assert typo.returncode == 1 and typo.stdout == "", typo.stdout
         assert "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
@@ -920,13 +922,7 @@ def test_gpu_reset_does_not_say_no_state_file_where_the_lost_gpu_may_hold_one(
     files for these GPUs: nothing to restore", which read as no state file at all, the lost
     GPU's included. It now says none is there for the GPUs that open, then names the lost one
     (exit 1), and the state file stays."""
-    from dvfs.gpu.knobs import GpuSettings
-    from dvfs.gpu.safety import StateStore
-
-    store = StateStore(tmp_path / "dvfs-state")
-    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
-        store.record(GpuSettings(gpu.identity.uuid, None, gpu.power_limit_mw()))
-        gpu.lock_sm_clock(210, 1200)
+    store, uuid = _locked_with_a_state_file(nvml, tmp_path, 0)
     nvml.fake_update_device(0, lost=True)
     try:
         result = dvfs_in_process("gpu", "reset", env=env)
@@ -935,7 +931,7 @@ def test_gpu_reset_does_not_say_no_state_file_where_the_lost_gpu_may_hold_one(
         assert "No dvfs state files for these GPUs" not in out, out
         assert "No dvfs state files for the GPUs that open" in out, out
         assert "GPU 0" in out and "fallen off the bus" in out and "Traceback" not in out, out
-        assert store.pending(gpu.identity.uuid)
+        assert store.pending(uuid)
     finally:
         nvml.fake_update_device(0, lost=False)
     assert "restored GPU 0" in dvfs_in_process("gpu", "reset", env=env).stdout
