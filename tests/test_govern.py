@@ -764,7 +764,16 @@ def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_
         return real(handle)
 
     monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", reset_with_a_signal)
-    stopped = _governed_until_one_is_silent(scraper, 2, tmp_path / "state", lambda line: None)
+    # the default disposition, whatever this worker inherited: only the governor's handler
+    # may turn the signal into what it stops with
+    number = getattr(signal, signum)
+    previous = signal.signal(
+        number, signal.SIG_DFL if signum == "SIGTERM" else signal.default_int_handler
+    )
+    try:
+        stopped = _governed_until_one_is_silent(scraper, 2, tmp_path / "state", lambda line: None)
+    finally:
+        signal.signal(number, previous)
     assert sent, "the restore reset no clock lock"
     assert isinstance(stopped, GpuSilentError), repr(stopped)
     line = str(stopped)
