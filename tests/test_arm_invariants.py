@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +53,36 @@ def sweep(path: Path, out: Path) -> Result:
 
 def last_line(result: Result) -> str:
     return result.output.strip().splitlines()[-1]
+
+
+#: This process's sweeps of the two-drafter stub campaign at ONE_SETTING, by `--gpus`:
+#: (its campaign, the marker of its servers, its folder). Made once, read-only.
+_SWEPT: dict[tuple[str, ...], tuple[Path, str, Path]] = {}
+
+
+def swept_two_drafters(
+    tmp_path: Path, factory: pytest.TempPathFactory, *gpus: str
+) -> tuple[Path, str, Path]:
+    """`stub_campaign(drafters=TWO_DRAFTERS, **ONE_SETTING)` swept whole (on `--gpus GPUS`
+    when given), as this test's own copy: (its campaign in `tmp_path`, the marker of its
+    servers, its folder `tmp_path/out`). The sweep (two server starts) runs once per process,
+    the first test that asks; the others get a copy of its campaign and folder. Its stub
+    config stays where it was made (no test here changes it), and its servers' marker is this
+    process's: the tests of one process run one after another, so `running(marker)` still
+    sees only the servers of the test that checks."""
+    if gpus not in _SWEPT:
+        base = factory.mktemp("arm-swept")
+        path, marker = stub_campaign(base, drafters=TWO_DRAFTERS, **ONE_SETTING)
+        out = base / "out"
+        args = ["sweep", str(path), *gpus, "--out", str(out), "--no-progress"]
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert running(marker) == []
+        _SWEPT[gpus] = (path, marker, out)
+    path, marker, out = _SWEPT[gpus]
+    campaign = tmp_path / path.name
+    shutil.copyfile(path, campaign)
+    return campaign, marker, Path(shutil.copytree(out, tmp_path / "out"))
 
 
 # -- a drafter's extra_args --------------------------------------------------------------------
@@ -190,15 +221,13 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
-    tmp_path: Path, flags: list[str], change: str
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, flags: list[str], change: str
 ) -> None:
     """The server command is operational (it may change between runs): one that adds
     --dtype float16 serves the second drafter with another dtype than the first's, one that
     adds --sampling-backend pytorch with other sampling kernels, --enable-torch-compile with
     compiled kernels: refused."""
-    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
-    out = tmp_path / "out"
-    assert sweep(path, out).exit_code == 0
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     other = keep_first_drafter(out / "journal.jsonl")
     command = f"server_command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}"
     added = "".join(f", {json.dumps(flag)}" for flag in flags)
@@ -251,13 +280,13 @@ def test_every_drafters_server_gets_the_campaigns_random_seed(tmp_path: Path) ->
     assert "(random seed (random_seed): 7 -> 11)" in last_line(built)
 
 
-def test_a_journal_whose_servers_drew_their_own_seeds_still_resumes(tmp_path: Path) -> None:
+def test_a_journal_whose_servers_drew_their_own_seeds_still_resumes(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """A journal an earlier dvfs began (its header's arms_pinned lacks random_seed) has
     servers that each drew a seed: they are not compared in it, so the journal resumes (the
     new server with the pinned seed) and builds, with nothing said about an earlier dvfs."""
-    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
-    out = tmp_path / "out"
-    assert sweep(path, out).exit_code == 0
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     journal = out / "journal.jsonl"
     other = keep_first_drafter(journal)
     records = read_records(journal)
@@ -494,17 +523,19 @@ def sessions_of(journal: Path) -> list[dict]:
     ("gpus", "where"), [((), "campaign"), (("--gpus", "0-1"), "dvfs"), ((), "dvfs")]
 )
 def test_a_resume_whose_servers_get_another_tuning_variable_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: tuple[str, ...], where: str
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    gpus: tuple[str, ...],
+    where: str,
 ) -> None:
     """A sweep cut after its first drafter, resumed with CUDA_LAUNCH_BLOCKING=1 (in the
     campaign's engine.sglang.env, or in the environment dvfs runs in, which its servers
     inherit) on one GPU or a fleet of two: refused before any server starts, in one line
     naming the variable, both values and what to do; nothing journalled. A journal whose
     sessions differ in it anyway (edited) gives no cube."""
-    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
-    out = tmp_path / "out"
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory, *gpus)
     args = ["sweep", str(path), *gpus, "--out", str(out), "--no-progress"]
-    assert CliRunner().invoke(cli, args, catch_exceptions=False).exit_code == 0
     journal = out / "journal.jsonl"
     [session] = sessions_of(journal)
     assert "CUDA_LAUNCH_BLOCKING" not in session["server_env"]
@@ -562,13 +593,13 @@ def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path
     assert running(marker) == []
 
 
-def test_a_journal_that_did_not_record_the_environment_resumes_and_builds(tmp_path: Path) -> None:
+def test_a_journal_that_did_not_record_the_environment_resumes_and_builds(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """A journal of an earlier dvfs (its session without `server_env`) resumes with any
     environment and builds: not recorded is unknown, not a change. The sessions after it are
     compared with each other."""
-    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
-    out = tmp_path / "out"
-    assert sweep(path, out).exit_code == 0
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     journal = out / "journal.jsonl"
     keep_first_drafter(journal)
     records = read_records(journal)
@@ -910,14 +941,14 @@ def test_the_model_commit_is_read_where_huggingface_hub_looks(tmp_path: Path) ->
     assert model_commit("org/m", None, {**home, "XDG_CACHE_HOME": "${ROOT}/x"}) == xdg
 
 
-def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(tmp_path: Path) -> None:
+def test_a_resume_whose_servers_get_another_cublas_workspace_is_refused(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """CUBLAS_WORKSPACE_CONFIG bounds which GEMM algorithms cuBLAS may pick: a resume whose
     servers get another is refused naming it. A journal an earlier dvfs began, whose session
     did not record such names (no `server_env_prefixes`), is not compared in them (unknown,
     not unset): it resumes, and its cube builds."""
-    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
-    out = tmp_path / "out"
-    assert sweep(path, out).exit_code == 0
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
     journal = out / "journal.jsonl"
     [session] = sessions_of(journal)
     assert "CUBLAS_WORKSPACE_CONFIG" in session["server_env_prefixes"]

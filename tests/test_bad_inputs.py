@@ -44,10 +44,26 @@ DIR = object()
 
 
 class Writer:
-    """A file `Case.files` value that writes the file itself: fn(path, env)."""
+    """A file `Case.files` value that writes the file itself: fn(path, env).
 
-    def __init__(self, fn: Callable[[Path, dict[str, Path]], None]) -> None:
+    `same`: the file is the same in every test that uses this Writer (made from the shared
+    sweep's files alone: a damaged cube, roofline or profile), so it is made once per process
+    and its bytes written into each later test's folder: a cube write costs ~70 ms.
+    """
+
+    def __init__(self, fn: Callable[[Path, dict[str, Path]], None], *, same: bool = False) -> None:
         self.fn = fn
+        self.same = same
+        self._made: bytes | None = None
+
+    def write(self, path: Path, env: dict[str, Path]) -> None:
+        if not self.same:
+            self.fn(path, env)
+        elif self._made is None:
+            self.fn(path, env)
+            self._made = path.read_bytes()
+        else:
+            path.write_bytes(self._made)
 
 
 Files = dict[str, Any]
@@ -872,7 +888,7 @@ def _cube_with(change: Callable[[Any], Any]) -> Writer:
 
         write_cube(change(open_cube(env["cube"])), path)
 
-    return Writer(make)
+    return Writer(make, same=True)
 
 
 def _future_schema(ds: Any) -> Any:
@@ -893,7 +909,7 @@ CUBE_FILES: dict[str, tuple[Any, tuple[str, ...]]] = {
     "empty": ("", ("cube.nc",)),
     "truncated": (lambda s: truncated(s["cube"].read_bytes(), 0.5), ("cube.nc",)),
     "binary": (binary_bytes(), ("cube.nc",)),
-    "not-a-dvfs-cube": (Writer(_not_dvfs_cube), ("cube.nc", "dvfs")),
+    "not-a-dvfs-cube": (Writer(_not_dvfs_cube, same=True), ("cube.nc", "dvfs")),
     "future-schema": (_cube_with(_future_schema), ("cube.nc", "99")),
     "missing-dimension": (_cube_with(lambda ds: ds.isel(repeat=0, drop=True)), ("cube.nc",)),
 }
@@ -911,7 +927,7 @@ def _raw_cube_with(change: Callable[[Any], Any]) -> Writer:
             var.encoding = {}
         ds.to_netcdf(path)
 
-    return Writer(make)
+    return Writer(make, same=True)
 
 
 def _valid_cells_energy(value: float) -> Callable[[Any], Any]:
@@ -1041,7 +1057,7 @@ def _merged_with_gpu_names(text: str) -> Writer:
         merged = merge_cubes([cube, _on_another_gpu(cube)])
         write_cube(merged.assign_attrs(gpu_names=text), path)
 
-    return Writer(make)
+    return Writer(make, same=True)
 
 
 #: A merged cube's GPU models (`gpu_names`) that are not a JSON list of one name per GPU.
@@ -1053,15 +1069,22 @@ BAD_GPU_NAMES = {
     "one-name-for-two": '["NVIDIA H200"]',
 }
 
+#: One Writer per damaged cube, shared by the commands each is given to (made once).
+_GPU_NAMES_CUBES = {kind: _merged_with_gpu_names(text) for kind, text in BAD_GPU_NAMES.items()}
+_ATTRIBUTE_CUBES = {
+    kind: _cube_with(lambda ds, a=attr, v=value: ds.assign_attrs({a: v}))
+    for kind, (attr, value) in BAD_ATTRIBUTES.items()
+}
+
 ATTRIBUTE_CASES = [
     C(
         f"cube-gpu-names-{kind}-{cmd}",
         argv,
-        files={"cube.nc": _merged_with_gpu_names(text)},
+        files={"cube.nc": _GPU_NAMES_CUBES[kind]},
         code=1,
         says=("cube.nc", "gpu_names", "dvfs cube merge"),
     )
-    for kind, text in BAD_GPU_NAMES.items()
+    for kind in BAD_GPU_NAMES
     for cmd, argv in (
         ("info", ["cube", "info", "{tmp}/cube.nc"]),
         ("compare", ["compare", "{tmp}/cube.nc"]),
@@ -1071,11 +1094,11 @@ ATTRIBUTE_CASES = [
     C(
         f"cube-attribute-{kind}-{cmd}",
         argv,
-        files={"cube.nc": _cube_with(lambda ds, a=attr, v=value: ds.assign_attrs({a: v}))},
+        files={"cube.nc": _ATTRIBUTE_CUBES[kind]},
         code=1,
         says=("cube.nc", attr, "dvfs cube build"),
     )
-    for kind, (attr, value) in BAD_ATTRIBUTES.items()
+    for kind, (attr, _) in BAD_ATTRIBUTES.items()
     for cmd, argv in (
         ("twin-fit", ["twin", "fit", "{tmp}/cube.nc", "-o", "{tmp}/p.toml"]),
         ("compare", ["compare", "{tmp}/cube.nc"]),
@@ -1227,6 +1250,19 @@ def _journal_off_grid(records: list[dict[str, Any]]) -> list[Any]:
     return records
 
 
+#: `dvfs gpu roofline --twin h100-sxm`'s file, the same for every writer below: made once.
+_TWIN_ROOFLINE = Writer(
+    lambda path, env: _assert_ok(
+        CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(path)])
+    ),
+    same=True,
+)
+
+
+def _assert_ok(result: Any) -> None:
+    assert result.exit_code == 0, result.output
+
+
 def _roofline_with(change: Callable[[Any], Any]) -> Writer:
     """A twin roofline file (`dvfs gpu roofline --twin`), changed before it is saved."""
 
@@ -1234,12 +1270,11 @@ def _roofline_with(change: Callable[[Any], Any]) -> Writer:
         import xarray as xr
 
         made = path.with_name("made.nc")
-        result = CliRunner().invoke(cli, ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(made)])
-        assert result.exit_code == 0, result.output
+        _TWIN_ROOFLINE.write(made, env)
         with xr.open_dataset(made) as ds:
             change(ds.load()).to_netcdf(path)
 
-    return Writer(make)
+    return Writer(make, same=True)
 
 
 def _no_setting(ds: Any) -> Any:
@@ -1283,12 +1318,8 @@ def _profile_with(key: str, value: str) -> Writer:
         import re
 
         roofline = path.with_name("roofline.nc")
-        for argv in (
-            ["gpu", "roofline", "--twin", "h100-sxm", "-o", str(roofline)],
-            ["twin", "fit", str(roofline), "-o", str(path)],
-        ):
-            result = CliRunner().invoke(cli, argv)
-            assert result.exit_code == 0, result.output
+        _TWIN_ROOFLINE.write(roofline, env)
+        _assert_ok(CliRunner().invoke(cli, ["twin", "fit", str(roofline), "-o", str(path)]))
         text = path.read_text()
         path.write_text(re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text))
 
@@ -1316,14 +1347,19 @@ def _fifo(path: Path, env: dict[str, Path]) -> None:
     os.mkfifo(path)  # no writer: a reader that opens it waits for ever
 
 
+#: The shared cube without variables the analyses read (one Writer each, made once).
+_WITHOUT_TPOT_AND_ENERGY = _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))
+_WITHOUT = {
+    var: _cube_with(lambda ds, var=var: ds.drop_vars(var))
+    for var in ("timeline_t_s", "energy_j", "window_tokens", "energy_draft_j")
+}
+
 MORE_CASES = (
     [
         C(
             f"cube-{cmd}-missing-variable",
             [cmd, "{tmp}/cube.nc", *extra],
-            files={
-                "cube.nc": _cube_with(lambda ds: ds.drop_vars(["tpot_ms", "energy_per_token_j"]))
-            },
+            files={"cube.nc": _WITHOUT_TPOT_AND_ENERGY},
             code=1,
             says=("cube.nc",),
         )
@@ -1333,11 +1369,11 @@ MORE_CASES = (
         C(
             f"cube-{cmd}-no-{var}",
             [cmd, "{tmp}/cube.nc", *extra],
-            files={"cube.nc": _cube_with(lambda ds, var=var: ds.drop_vars(var))},
+            files={"cube.nc": _WITHOUT[var]},
             code=1,
             says=("cube", var),
         )
-        for var in ("timeline_t_s", "energy_j", "window_tokens", "energy_draft_j")
+        for var in _WITHOUT
         for cmd, extra in (("plot", ["--out", "{tmp}/p"]), ("report", ["-o", "{tmp}/r.html"]))
     ]
     + [
@@ -1745,7 +1781,7 @@ def _materialise(files: Files, tmp: Path, shared: dict[str, Path]) -> None:
             path.mkdir(exist_ok=True)
             continue
         if isinstance(content, Writer):
-            content.fn(path, env)
+            content.write(path, env)
             continue
         if callable(content):
             content = content(env)
