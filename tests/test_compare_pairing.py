@@ -123,6 +123,11 @@ def test_verdict_rules() -> None:
         ([SAVES, ONE_REPEAT, SAVES], "saves at batches 1, 64; one paired repeat at batch 8"),
         ([ONE_REPEAT] * 3, "one paired repeat at batches 1, 8, 64"),
         ([ONE_REPEAT, NO_DATA, NO_DATA], "one paired repeat at batch 1; no data at batches 8, 64"),
+        # batch 8 met the baseline's latency (one paired repeat): not "never within target"
+        (
+            [NOT_WITHIN, ONE_REPEAT, NOT_WITHIN],
+            "one paired repeat at batch 8; not within target at batches 1, 64",
+        ),
     ],
 )
 def test_the_summary_names_noise_and_single_repeats(states, says) -> None:

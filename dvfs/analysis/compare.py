@@ -76,7 +76,9 @@ def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
     short, slow, missing = of[ONE_REPEAT], of[NOT_WITHIN], of[NO_DATA]
     not_saving = sorted(loses + noise)
     if not saves and not not_saving:
-        if slow:
+        # "never within target" only where no batch met it: a batch with one paired repeat
+        # did (its ratio exists), so the batches are named instead.
+        if slow and not short:
             head, slow = "never within target", []
         elif short:
             head, short = f"{ONE_REPEAT} at {_batches(short)}", []
