@@ -143,6 +143,30 @@ def test_roofline_marks_where_verification_turns_compute_bound() -> None:
     assert bool(low.sel(sm_clock=705)) and not bool(low.sel(sm_clock=1980))
 
 
+def test_the_roofline_json_and_table_give_the_ridge_each_pass_is_held_against() -> None:
+    """A pass of few tokens is compute-bound below the full GEMM's ridge (its tiles and waves
+    part-filled): the row gives the ridge its clock rests on, so a reader re-deriving
+    `compute_bound_below_mhz` from the document gets the same clock, and the table never
+    shows a pass below every ridge in sight as compute-bound."""
+    from dvfs.report import compare_document, compare_tables
+
+    ds = roofline_cube(8)
+    doc = compare_document(compare(ds), roofline(ds), ds)
+    lowered = 0
+    for v in doc["roofline"]["verify"]:
+        ridge = v["verify_ridge_point"]
+        assert set(ridge) == set(doc["roofline"]["ridge_point"])
+        past = [int(c) for c, r in ridge.items() if v["arithmetic_intensity"] > r]
+        assert v["compute_bound_below_mhz"] == (max(past) if past else None), v
+        lowered += any(r < doc["roofline"]["ridge_point"][c] for c, r in ridge.items())
+    assert lowered  # the few-token passes' ridge is below the full GEMM's
+    (title, header, rows) = compare_tables(doc)[-1]
+    column = header.index("its ridge FLOP/B")
+    for v, row in zip(doc["roofline"]["verify"], rows, strict=True):
+        low, high = min(v["verify_ridge_point"].values()), max(v["verify_ridge_point"].values())
+        assert row[column] == f"{low:.0f}-{high:.0f}", row
+
+
 def test_roofline_needs_a_known_model() -> None:
     ds = roofline_cube(8)
     ds.attrs["model"] = "acme/unknown-model"
