@@ -93,6 +93,25 @@ def test_break_even_batch() -> None:
     )
 
 
+def test_a_ratio_at_equal_latency_at_the_grids_lowest_setting_says_so() -> None:
+    """EAGLE-3 meets none's stock latency at the lowest clock swept at batches 1 and 8 (a lower
+    one might spend less: its ratio is no final answer), at batch 64 only at stock."""
+    from dvfs.report import compare_document, compare_notes, compare_tables
+
+    ds = cube()
+    result = compare(ds)
+    doc = compare_document(result, None, ds)
+    edge = {r["batch"]: r["equal_latency_drafter_at_grid_edge"] for r in doc["rows"]}
+    assert edge == {1: True, 8: True, 64: False}
+    assert not any(r["equal_latency_baseline_at_grid_edge"] for r in doc["rows"])
+    [(_, header, rows), *_] = compare_tables(doc)
+    cells = {row[0]: row[header.index("at equal latency (TPOT p50)")] for row in rows}
+    assert cells["1"].endswith("(grid edge)") and cells["8"].endswith("(grid edge)")
+    assert "grid edge" not in cells["64"]
+    [note] = [n for n in compare_notes(doc) if n.startswith("grid edge:")]
+    assert "in 2 of 3 rows" in note and "extend knobs.sm_clock" in note
+
+
 def test_compare_needs_the_baseline() -> None:
     with pytest.raises(AnalysisError, match="baseline drafter 'none' is not in the cube"):
         compare(make_cube(clocks=CLOCKS, drafters=["eagle3"]))

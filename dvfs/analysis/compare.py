@@ -366,6 +366,19 @@ def compare(
             ),
         }
 
+    # A ratio at equal latency whose drafter's (or baseline's) setting is the lowest clock or
+    # power limit the grid has: a setting below the grid might spend less, so the ratio may
+    # move (lower for the drafter's, higher for the baseline's) once the grid is extended.
+    has_ratio = np.isfinite(by_latency.ratio)
+    drafter_edge = drafter_best["chosen_at_grid_edge"].astype(bool).transpose(*GROUPS).values
+    baseline_edge = (
+        baseline_best["chosen_at_grid_edge"]
+        .astype(bool)
+        .sel(drafter=baseline, drop=True)
+        .broadcast_like(drafter_best["chosen_at_grid_edge"])
+        .transpose(*GROUPS)
+        .values
+    )
     on_text, different = arms_gpus(cube, baseline)
     accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
     data = {
@@ -392,6 +405,18 @@ def compare(
         ),
         "energy_per_token_at_stock_j": energy.sel(at_ref, drop=True).assign_attrs(
             units="J", long_name="energy per token at the reference setting"
+        ),
+        "equal_latency_drafter_at_grid_edge": grouped(
+            drafter_edge & has_ratio,
+            units="1",
+            long_name="the drafter's setting at equal latency is the lowest clock or power "
+            "limit swept: one below the grid might spend less (the ratio may be lower)",
+        ),
+        "equal_latency_baseline_at_grid_edge": grouped(
+            baseline_edge & has_ratio,
+            units="1",
+            long_name="the baseline's setting at equal latency is the lowest clock or power "
+            "limit swept: one below the grid might spend less (the ratio may be higher)",
         ),
         **interval_of(stock_pairs, "at_stock"),
         **interval_of(by_latency, "equal_latency"),

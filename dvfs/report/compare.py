@@ -28,6 +28,12 @@ WHATS = ("at_stock", "equal_latency")
 #: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
 #: import).
 NOT_WITHIN = "not within target"
+#: Each arm of a ratio at equal latency, and its flag for a setting at the grid's lowest clock
+#: or power limit.
+EDGES = {
+    "drafter": "equal_latency_drafter_at_grid_edge",
+    "baseline": "equal_latency_baseline_at_grid_edge",
+}
 
 
 def compare_document(
@@ -72,6 +78,11 @@ def compare_document(
                 "energy_per_token_at_stock_j": as_float(cmp["energy_per_token_at_stock_j"].sel(at)),
                 **_paired(cmp, at, "at_stock"),
                 **_paired(cmp, at, "equal_latency"),
+                **{
+                    name: bool(cmp[name].sel(at).fillna(0))  # NaN: a merged cube's gap
+                    for name in EDGES.values()
+                    if name in cmp  # absent from an older result
+                },
                 "measured_on": _gpus(cmp, at),
                 "baseline_measured_on": _gpus(cmp, {**at, "drafter": baseline}),
                 "different_gpus": bool(cmp["different_gpus"].sel(at))
@@ -219,6 +230,15 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "repeat sends its own prompts, so only repeats valid in both arms compare like "
             "with like"
         )
+    edge = [r for r in doc["rows"] if _edge_arms(r)]
+    if edge:
+        notes.append(
+            f"grid edge: in {len(edge)} of {len(doc['rows'])} rows a setting at equal latency "
+            "is the lowest clock or power limit swept "
+            f"({named_rows(edge, lambda r: ', '.join(_edge_arms(r)))}); a setting below the "
+            "grid might spend less, so the drafter's ratio may be lower (the baseline's: "
+            "higher): extend knobs.sm_clock or knobs.power_limit downward to find it"
+        )
     mixed = [r for r in doc["rows"] if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -232,6 +252,11 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "one GPU to remove it"
         )
     return notes
+
+
+def _edge_arms(r: dict[str, Any]) -> list[str]:
+    """The arms ("drafter", "baseline") whose setting at equal latency is at the grid's edge."""
+    return [arm for arm, name in EDGES.items() if r.get(name)]
 
 
 def _dropped_text(r: dict[str, Any]) -> str:
@@ -253,6 +278,8 @@ def ratio_cell(r: dict[str, Any], what: str, missing: str = "-") -> str:
     span = r.get(f"energy_ratio_{what}_interval")
     if span is not None:
         text += f" [{ratio_text(span[0])}, {ratio_text(span[1])}]"
+    if what == "equal_latency" and _edge_arms(r):
+        text += " (grid edge)"
     if r.get(f"dropped_repeats_{what}"):
         paired = r[f"paired_repeats_{what}"]
         text += (
