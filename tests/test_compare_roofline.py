@@ -442,6 +442,29 @@ def test_without_a_baseline_reference_no_drafter_is_called_too_slow(how: str) ->
     assert "No drafter meets 'none''s latency" in speculation_finding(doc, ()).headline
 
 
+def test_a_drafter_with_no_setting_to_judge_is_not_called_too_slow() -> None:
+    """EAGLE-3 is faster than none at every clock, but one of its two repeats is invalid
+    everywhere (one invalid repeat rules a setting out): no setting of it could be judged, so
+    there is nothing to compare at equal latency, not a drafter too slow for it."""
+    from dvfs.report import compare_document, compare_tables
+
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=2,
+        latency=lambda c, p, b, d, *_: LATENCY[(d, c)],
+        energy=lambda c, p, b, d, *_: ENERGY[(d, b, c)],
+        valid=lambda c, p, b, d, k, r: not (d == "eagle3" and r == 1),
+    )
+    result = compare(ds)
+    assert set(result["verdict_equal_latency"].sel(drafter="eagle3").values.ravel()) == {NO_DATA}
+    assert summaries(result)[1] == NO_DATA
+    doc = compare_document(result, None, ds)
+    [(_, _, rows), *_] = compare_tables(doc)
+    assert [row[-1] for row in rows] == ["-"] * len(BATCHES)
+
+
 def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
     """A drafter whose low clocks are not measured yet may still meet the baseline's latency
     there: "not within target" and "too slow" rest on what is measured so far, and the

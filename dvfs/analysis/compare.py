@@ -279,11 +279,14 @@ def compare(
     )
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
-    # stock latency (not within target) or because there was nothing valid to compare.
+    # stock latency (not within target: settings were judged, all over it) or because there
+    # was nothing to judge (no valid cell; every setting with an invalid repeat, or too few
+    # usable ones): a drafter never judged is not too slow.
     measured = valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
     not_within = (
         (
             ~drafter_best["feasible"].astype(bool)
+            & (drafter_best["judged_settings"] > 0)
             & measured
             & np.isfinite(drafter_best["reference_latency_ms"])
             & np.isfinite(base_best_energy)
