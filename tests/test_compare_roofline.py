@@ -186,6 +186,32 @@ def test_the_roofline_json_and_table_give_the_ridge_each_pass_is_held_against() 
         assert row[column] == f"{low:.0f}-{high:.0f}", row
 
 
+def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_sweep) -> None:
+    """The input_tokens range (16-2048) only bounds the prompts, which average 150-200 tokens
+    in the built-in corpora: the roofline's context is theirs (plus half the output), as the
+    twin decoded them, not the range's middle, which overstated the KV cache read and moved
+    where a pass turns compute-bound. Prompts that cannot be read again fall back to the
+    middle, said in a note."""
+    from dvfs.corpora import load_corpus
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.cube import open_cube
+
+    ds = open_cube(small_sweep)
+    means = [
+        np.mean([p.input_tokens for p in eligible_prompts(load_corpus(name), (16, 2048))])
+        for name in ("code", "conversation")
+    ]
+    notes: list[str] = []
+    roof = roofline(ds, notes=notes)
+    assert roof.attrs["context_tokens"] == pytest.approx(np.mean(means) + 64 / 2)
+    assert notes == []
+    ds.attrs["campaign_source"] = ""  # a cube that cannot say which prompts it drew
+    roof = roofline(ds, notes=notes)
+    assert roof.attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+    [note] = notes
+    assert note.startswith("roofline context:") and "1032 tokens" in note, note
+
+
 def test_roofline_needs_a_known_model() -> None:
     ds = roofline_cube(8)
     ds.attrs["model"] = "acme/unknown-model"
