@@ -105,7 +105,7 @@ def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> floa
             if not lengths:
                 return None
             means.append(sum(lengths) / len(lengths))
-    except (DvfsError, KeyError, OSError, ValueError):
+    except (DvfsError, KeyError, OSError, TypeError, ValueError):  # a damaged or edited cube
         return None
     return sum(means) / len(means) if means else None
 
