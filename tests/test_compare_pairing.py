@@ -262,6 +262,33 @@ def test_a_flagged_repeat_of_the_baselines_stock_keeps_equal_latency(tmp_path: P
     assert summary == {"saves at every batch"}
 
 
+def test_too_few_usable_repeats_at_equal_latency_are_not_no_data(tmp_path: Path) -> None:
+    """none's stock cell is valid in one of three repeats at batch 8 (too few to judge any
+    setting against it, as headroom says): EAGLE-3 has data there, so its equal-latency
+    verdict, table cell and summary say "too few repeats", not "no data" or "-"."""
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (5.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (c == 2000 and b == 8 and d == "none" and r > 0),
+    )
+    path = write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
+    assert verdicts == {1: SAVES, 8: "too few repeats", 64: SAVES}
+    [entry] = doc["break_even_batch"]
+    assert entry["equal_latency_summary"] == "saves at batches 1, 64; too few repeats at batch 8"
+    table = run("compare", str(path), "--markdown").output
+    [row] = [line for line in table.splitlines() if line.startswith("| 8 | eagle3 |")]
+    assert row.rstrip(" |").endswith("too few repeats"), row
+
+
 def test_the_table_says_too_slow_only_where_no_setting_was_fast_enough(tmp_path: Path) -> None:
     """End to end: the equal-latency column says "too slow" where the verdict is "not within
     target" (EAGLE-3 slower than none at every setting), whether or not the drafter's own

@@ -28,6 +28,9 @@ WHATS = ("at_stock", "equal_latency")
 #: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
 #: import).
 NOT_WITHIN = "not within target"
+#: The verdict of a row whose settings were left unjudged for want of usable repeats
+#: (`dvfs.analysis.compare.TOO_FEW`).
+TOO_FEW = "too few repeats"
 #: Each arm of a ratio at equal latency, and its flag for a setting at the grid's lowest clock
 #: or power limit.
 EDGES = {
@@ -350,6 +353,14 @@ def too_slow(row: dict[str, Any]) -> bool:
     return row["energy_per_token_at_stock_j"] is not None
 
 
+def _no_ratio_text(row: dict[str, Any]) -> str:
+    """The equal-latency cell of a row without a ratio: "too slow", "too few repeats" (valid
+    cells, too few usable repeats to judge a setting), else "-" (nothing valid to compare)."""
+    if too_slow(row):
+        return "too slow"
+    return TOO_FEW if row.get("verdict_equal_latency") == TOO_FEW else "-"
+
+
 def _ridge_source(roof: dict[str, Any]) -> str:
     """The roofline table's source: "llama-3.1-8b on h100-sxm" (the twin's physics of that
     GPU), or "llama-3.1-8b, ridge measured (NVIDIA H200)" for a `--roofline` file, whose ridge
@@ -394,7 +405,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 r["drafter"],
                 r["corpus"],
                 ratio_cell(r, "at_stock"),
-                ratio_cell(r, "equal_latency", missing="too slow" if too_slow(r) else "-"),
+                ratio_cell(r, "equal_latency", missing=_no_ratio_text(r)),
             ]
             for r in doc["rows"]
         ],
