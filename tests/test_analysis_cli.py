@@ -68,6 +68,9 @@ def test_headroom_table_and_markdown(small_sweep: Path) -> None:
         and "eagle3" in table
         and "reference: stock (1980 MHz / 700 W)" in table
     )
+    # With --vs-baseline the title names the baseline's latency: the saving column is still
+    # each drafter's against its own stock energy, said as the Markdown says it.
+    assert "saving: against the drafter's own energy at the reference" in " ".join(table.split())
     markdown = run("headroom", str(small_sweep), "--markdown", "--corpus", "code").output
     assert markdown.startswith("## DVFS headroom")
     assert "| batch | drafter | corpus |" in markdown

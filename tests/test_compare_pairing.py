@@ -123,6 +123,11 @@ def test_verdict_rules() -> None:
         ([SAVES, ONE_REPEAT, SAVES], "saves at batches 1, 64; one paired repeat at batch 8"),
         ([ONE_REPEAT] * 3, "one paired repeat at batches 1, 8, 64"),
         ([ONE_REPEAT, NO_DATA, NO_DATA], "one paired repeat at batch 1; no data at batches 8, 64"),
+        # batch 8 met the baseline's latency (one paired repeat): not "never within target"
+        (
+            [NOT_WITHIN, ONE_REPEAT, NOT_WITHIN],
+            "one paired repeat at batch 8; not within target at batches 1, 64",
+        ),
     ],
 )
 def test_the_summary_names_noise_and_single_repeats(states, says) -> None:
@@ -255,6 +260,33 @@ def test_a_flagged_repeat_of_the_baselines_stock_keeps_equal_latency(tmp_path: P
         assert row["dropped_repeats_equal_latency"] == 1
     summary = {r["equal_latency_summary"] for r in doc["break_even_batch"]}
     assert summary == {"saves at every batch"}
+
+
+def test_too_few_usable_repeats_at_equal_latency_are_not_no_data(tmp_path: Path) -> None:
+    """none's stock cell is valid in one of three repeats at batch 8 (too few to judge any
+    setting against it, as headroom says): EAGLE-3 has data there, so its equal-latency
+    verdict, table cell and summary say "too few repeats", not "no data" or "-"."""
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (5.0 if d == "eagle3" else 10.0) * 2000 / c,
+        energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * BASE[r],
+        valid=lambda c, p, b, d, corpus, r: not (c == 2000 and b == 8 and d == "none" and r > 0),
+    )
+    path = write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
+    doc = json.loads(run("compare", str(path), "--json").stdout)
+    verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
+    assert verdicts == {1: SAVES, 8: "too few repeats", 64: SAVES}
+    [entry] = doc["break_even_batch"]
+    assert entry["equal_latency_summary"] == "saves at batches 1, 64; too few repeats at batch 8"
+    table = run("compare", str(path), "--markdown").output
+    [row] = [line for line in table.splitlines() if line.startswith("| 8 | eagle3 |")]
+    assert row.rstrip(" |").endswith("too few repeats"), row
 
 
 def test_the_table_says_too_slow_only_where_no_setting_was_fast_enough(tmp_path: Path) -> None:

@@ -93,6 +93,25 @@ def test_break_even_batch() -> None:
     )
 
 
+def test_a_ratio_at_equal_latency_at_the_grids_lowest_setting_says_so() -> None:
+    """EAGLE-3 meets none's stock latency at the lowest clock swept at batches 1 and 8 (a lower
+    one might spend less: its ratio is no final answer), at batch 64 only at stock."""
+    from dvfs.report import compare_document, compare_notes, compare_tables
+
+    ds = cube()
+    result = compare(ds)
+    doc = compare_document(result, None, ds)
+    edge = {r["batch"]: r["equal_latency_drafter_at_grid_edge"] for r in doc["rows"]}
+    assert edge == {1: True, 8: True, 64: False}
+    assert not any(r["equal_latency_baseline_at_grid_edge"] for r in doc["rows"])
+    [(_, header, rows), *_] = compare_tables(doc)
+    cells = {row[0]: row[header.index("at equal latency (TPOT p50)")] for row in rows}
+    assert cells["1"].endswith("(grid edge)") and cells["8"].endswith("(grid edge)")
+    assert "grid edge" not in cells["64"]
+    [note] = [n for n in compare_notes(doc) if n.startswith("grid edge:")]
+    assert "in 2 of 3 rows" in note and "extend knobs.sm_clock" in note
+
+
 def test_compare_needs_the_baseline() -> None:
     with pytest.raises(AnalysisError, match="baseline drafter 'none' is not in the cube"):
         compare(make_cube(clocks=CLOCKS, drafters=["eagle3"]))
@@ -141,6 +160,56 @@ def test_roofline_marks_where_verification_turns_compute_bound() -> None:
     assert bound.sel(batch=64, drafter="eagle3").all()
     low = bound.sel(batch=16, drafter="eagle3")
     assert bool(low.sel(sm_clock=705)) and not bool(low.sel(sm_clock=1980))
+
+
+def test_the_roofline_json_and_table_give_the_ridge_each_pass_is_held_against() -> None:
+    """A pass of few tokens is compute-bound below the full GEMM's ridge (its tiles and waves
+    part-filled): the row gives the ridge its clock rests on, so a reader re-deriving
+    `compute_bound_below_mhz` from the document gets the same clock, and the table never
+    shows a pass below every ridge in sight as compute-bound."""
+    from dvfs.report import compare_document, compare_tables
+
+    ds = roofline_cube(8)
+    doc = compare_document(compare(ds), roofline(ds), ds)
+    lowered = 0
+    for v in doc["roofline"]["verify"]:
+        ridge = v["verify_ridge_point"]
+        assert set(ridge) == set(doc["roofline"]["ridge_point"])
+        past = [int(c) for c, r in ridge.items() if v["arithmetic_intensity"] > r]
+        assert v["compute_bound_below_mhz"] == (max(past) if past else None), v
+        lowered += any(r < doc["roofline"]["ridge_point"][c] for c, r in ridge.items())
+    assert lowered  # the few-token passes' ridge is below the full GEMM's
+    (title, header, rows) = compare_tables(doc)[-1]
+    column = header.index("its ridge FLOP/B")
+    for v, row in zip(doc["roofline"]["verify"], rows, strict=True):
+        low, high = min(v["verify_ridge_point"].values()), max(v["verify_ridge_point"].values())
+        assert row[column] == f"{low:.0f}-{high:.0f}", row
+
+
+def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_sweep) -> None:
+    """The input_tokens range (16-2048) only bounds the prompts, which average 150-200 tokens
+    in the built-in corpora: the roofline's context is theirs (plus half the output), as the
+    twin decoded them, not the range's middle, which overstated the KV cache read and moved
+    where a pass turns compute-bound. Prompts that cannot be read again fall back to the
+    middle, said in a note."""
+    from dvfs.corpora import load_corpus
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.cube import open_cube
+
+    ds = open_cube(small_sweep)
+    means = [
+        np.mean([p.input_tokens for p in eligible_prompts(load_corpus(name), (16, 2048))])
+        for name in ("code", "conversation")
+    ]
+    notes: list[str] = []
+    roof = roofline(ds, notes=notes)
+    assert roof.attrs["context_tokens"] == pytest.approx(np.mean(means) + 64 / 2)
+    assert notes == []
+    ds.attrs["campaign_source"] = ""  # a cube that cannot say which prompts it drew
+    roof = roofline(ds, notes=notes)
+    assert roof.attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+    [note] = notes
+    assert note.startswith("roofline context:") and "1032 tokens" in note, note
 
 
 def test_roofline_needs_a_known_model() -> None:
@@ -397,6 +466,29 @@ def test_without_a_baseline_reference_no_drafter_is_called_too_slow(how: str) ->
     [(_, _, rows), *_] = compare_tables(doc)
     assert [row[-1] for row in rows] == ["too slow"] * len(BATCHES)
     assert "No drafter meets 'none''s latency" in speculation_finding(doc, ()).headline
+
+
+def test_a_drafter_with_no_setting_to_judge_is_not_called_too_slow() -> None:
+    """EAGLE-3 is faster than none at every clock, but one of its two repeats is invalid
+    everywhere (one invalid repeat rules a setting out): no setting of it could be judged, so
+    there is nothing to compare at equal latency, not a drafter too slow for it."""
+    from dvfs.report import compare_document, compare_tables
+
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=BATCHES,
+        drafters=["none", "eagle3"],
+        repeats=2,
+        latency=lambda c, p, b, d, *_: LATENCY[(d, c)],
+        energy=lambda c, p, b, d, *_: ENERGY[(d, b, c)],
+        valid=lambda c, p, b, d, k, r: not (d == "eagle3" and r == 1),
+    )
+    result = compare(ds)
+    assert set(result["verdict_equal_latency"].sel(drafter="eagle3").values.ravel()) == {NO_DATA}
+    assert summaries(result)[1] == NO_DATA
+    doc = compare_document(result, None, ds)
+    [(_, _, rows), *_] = compare_tables(doc)
+    assert [row[-1] for row in rows] == ["-"] * len(BATCHES)
 
 
 def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:

@@ -50,8 +50,12 @@ GROUPS = ("batch", "drafter", "corpus")
 
 SAVES, LOSES, NOT_WITHIN, NO_DATA = "saves", "costs", "not within target", "no data"
 WITHIN_NOISE, ONE_REPEAT = "within noise", "one paired repeat"
-#: Verdicts on one ratio: the values of `verdict_*` (NOT_WITHIN only at equal latency).
-VERDICTS = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, NOT_WITHIN, NO_DATA)
+#: At equal latency: settings valid but left unjudged for want of usable repeats (the
+#: baseline's reference or the drafter's settings), none judged: not "no data".
+TOO_FEW = "too few repeats"
+#: Verdicts on one ratio: the values of `verdict_*` (NOT_WITHIN and TOO_FEW only at equal
+#: latency).
+VERDICTS = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, TOO_FEW, NOT_WITHIN, NO_DATA)
 
 
 def _batches(values: Sequence[int]) -> str:
@@ -61,8 +65,9 @@ def _batches(values: Sequence[int]) -> str:
 def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
     """What a drafter did across batches, in words: `states` pairs each batch with SAVES,
     LOSES (costs: energy per token above the baseline's), WITHIN_NOISE (the interval holds
-    1), ONE_REPEAT (one paired repeat: no interval), NOT_WITHIN (no setting met the
-    baseline's latency) or NO_DATA (nothing valid measured).
+    1), ONE_REPEAT (one paired repeat: no interval), TOO_FEW (too few usable repeats to judge
+    a setting), NOT_WITHIN (no setting met the baseline's latency) or NO_DATA (nothing valid
+    measured).
 
     "saves at every batch", "saves up to batch 16", "saves from batch 32", "never saves",
     "within noise at every batch", "never within target", "no data", or the batches where it
@@ -70,25 +75,30 @@ def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
     judged, and why. Up to and from count batches within noise as not saving.
     """
     ordered = sorted(states)
-    kinds = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, NOT_WITHIN, NO_DATA)
+    kinds = (SAVES, LOSES, WITHIN_NOISE, ONE_REPEAT, TOO_FEW, NOT_WITHIN, NO_DATA)
     of = {kind: [b for b, s in ordered if s == kind] for kind in kinds}
     saves, loses, noise = of[SAVES], of[LOSES], of[WITHIN_NOISE]
     short, slow, missing = of[ONE_REPEAT], of[NOT_WITHIN], of[NO_DATA]
+    few = of[TOO_FEW]
     not_saving = sorted(loses + noise)
     if not saves and not not_saving:
-        if slow:
+        # "never within target" only where no batch met it: a batch with one paired repeat
+        # did (its ratio exists), so the batches are named instead.
+        if slow and not short and not few:
             head, slow = "never within target", []
         elif short:
             head, short = f"{ONE_REPEAT} at {_batches(short)}", []
+        elif few:
+            head, few = f"{TOO_FEW} at {_batches(few)}", []
         else:
             return NO_DATA
     elif not saves and not loses:
-        everywhere = not (short or slow or missing)
+        everywhere = not (short or few or slow or missing)
         head = "within noise at every batch" if everywhere else f"within noise at {_batches(noise)}"
         noise = []
     elif not saves:
         head = "never saves"
-    elif not not_saving and not short and not slow and not missing:
+    elif not not_saving and not short and not few and not slow and not missing:
         return "saves at every batch"
     elif not not_saving:
         head = f"saves at {_batches(saves)}"
@@ -103,6 +113,8 @@ def break_even_summary(states: Sequence[tuple[int, str]]) -> str:
         parts.append(f"within noise at {_batches(noise)}")
     if short:
         parts.append(f"{ONE_REPEAT} at {_batches(short)}")
+    if few:
+        parts.append(f"{TOO_FEW} at {_batches(few)}")
     if slow:
         parts.append(f"not within target at {_batches(slow)}")
     if missing:
@@ -277,11 +289,14 @@ def compare(
     )
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
-    # stock latency (not within target) or because there was nothing valid to compare.
+    # stock latency (not within target: settings were judged, all over it) or because there
+    # was nothing to judge (no valid cell; every setting with an invalid repeat, or too few
+    # usable ones): a drafter never judged is not too slow.
     measured = valid_mask(cube).any(["sm_clock", "power_limit", "repeat"])
     not_within = (
         (
             ~drafter_best["feasible"].astype(bool)
+            & (drafter_best["judged_settings"] > 0)
             & measured
             & np.isfinite(drafter_best["reference_latency_ms"])
             & np.isfinite(base_best_energy)
@@ -290,7 +305,30 @@ def compare(
         .values
     )
 
-    def verdicts(pairs: Paired, slow: np.ndarray | None) -> np.ndarray:
+    # No ratio at equal latency because a side's settings were all left unjudged for want of
+    # usable repeats (the baseline's reference with one, say): there are data, too few. A
+    # reference with none usable is no data.
+    def unjudged(best: xr.Dataset) -> xr.DataArray:
+        return (
+            (best["judged_settings"] == 0)
+            & (best["short_settings"] > 0)
+            & np.isfinite(best["reference_latency_ms"])
+        )
+
+    too_few = (
+        (
+            unjudged(drafter_best)
+            | unjudged(baseline_best)
+            .sel(drafter=baseline, drop=True)
+            .broadcast_like(drafter_best["judged_settings"])
+        )
+        .transpose(*GROUPS)
+        .values
+    )
+
+    def verdicts(
+        pairs: Paired, slow: np.ndarray | None, few: np.ndarray | None = None
+    ) -> np.ndarray:
         out = np.empty(pairs.ratio.shape, dtype=object)
         for idx in np.ndindex(out.shape):
             out[idx] = verdict(
@@ -302,6 +340,8 @@ def compare(
             )
             if out[idx] == NO_DATA and slow is not None and slow[idx]:
                 out[idx] = NOT_WITHIN
+            elif out[idx] == NO_DATA and few is not None and few[idx]:
+                out[idx] = TOO_FEW
         return out
 
     stock_pairs = Paired(
@@ -311,7 +351,7 @@ def compare(
         )
     )
     clock_verdicts = verdicts(stock_pairs, None)
-    latency_verdicts = verdicts(by_latency, not_within)
+    latency_verdicts = verdicts(by_latency, not_within, too_few)
 
     def break_even(states: np.ndarray) -> xr.DataArray:
         """The smallest batch judged not to save (costs, or within noise); NaN: none."""
@@ -359,11 +399,24 @@ def compare(
             ),
             f"verdict_{what}": grouped(
                 latency_verdicts if what == "equal_latency" else clock_verdicts,
-                long_name="saves, costs, within noise, one paired repeat, not within target "
-                "or no data",
+                long_name="saves, costs, within noise, one paired repeat, too few repeats, not "
+                "within target or no data",
             ),
         }
 
+    # A ratio at equal latency whose drafter's (or baseline's) setting is the lowest clock or
+    # power limit the grid has: a setting below the grid might spend less, so the ratio may
+    # move (lower for the drafter's, higher for the baseline's) once the grid is extended.
+    has_ratio = np.isfinite(by_latency.ratio)
+    drafter_edge = drafter_best["chosen_at_grid_edge"].astype(bool).transpose(*GROUPS).values
+    baseline_edge = (
+        baseline_best["chosen_at_grid_edge"]
+        .astype(bool)
+        .sel(drafter=baseline, drop=True)
+        .broadcast_like(drafter_best["chosen_at_grid_edge"])
+        .transpose(*GROUPS)
+        .values
+    )
     on_text, different = arms_gpus(cube, baseline)
     accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
     data = {
@@ -390,6 +443,18 @@ def compare(
         ),
         "energy_per_token_at_stock_j": energy.sel(at_ref, drop=True).assign_attrs(
             units="J", long_name="energy per token at the reference setting"
+        ),
+        "equal_latency_drafter_at_grid_edge": grouped(
+            drafter_edge & has_ratio,
+            units="1",
+            long_name="the drafter's setting at equal latency is the lowest clock or power "
+            "limit swept: one below the grid might spend less (the ratio may be lower)",
+        ),
+        "equal_latency_baseline_at_grid_edge": grouped(
+            baseline_edge & has_ratio,
+            units="1",
+            long_name="the baseline's setting at equal latency is the lowest clock or power "
+            "limit swept: one below the grid might spend less (the ratio may be higher)",
         ),
         **interval_of(stock_pairs, "at_stock"),
         **interval_of(by_latency, "equal_latency"),

@@ -56,13 +56,58 @@ def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int | None]:
     return widths
 
 
-def _mean_context(cube: xr.Dataset) -> float:
+def _mean_context(cube: xr.Dataset, notes: list[str] | None = None) -> float:
+    """The mean context a decode pass of the cube's cells attends to: the mean input tokens of
+    the prompts the sweep drew (`_mean_prompt_tokens`) plus half the output. Where those
+    prompts cannot be read again, the midpoint of the campaign's input_tokens range, said in
+    `notes`: the range only bounds the prompts (the built-in corpora's average 140-200 tokens
+    of the demo's 16-2048), and a context too long overstates the KV cache read."""
     try:
         workload = json.loads(cube.attrs["campaign"])["workload"]
         lo, hi = workload["input_tokens"]
-        return (lo + hi) / 2 + workload["output_tokens"] / 2
+        output = workload["output_tokens"] / 2
     except (KeyError, ValueError, TypeError):
         return 1024.0
+    prompts = _mean_prompt_tokens(cube, (int(lo), int(hi)))
+    if prompts is None:
+        if notes is not None and "corpora" in workload:
+            notes.append(
+                "roofline context: the prompts the sweep drew cannot be read again here, so the "
+                f"middle of workload.input_tokens ({(lo + hi) / 2:.0f} tokens) stands in for "
+                "their mean: the verify passes' FLOP/B are low if the prompts were shorter; "
+                "put the campaign's corpora back where they were"
+            )
+        return (lo + hi) / 2 + output
+    return prompts + output
+
+
+def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> float | None:
+    """The mean input tokens of the prompts the sweep drew from: each corpus's prompts fitted
+    to the input range (as the server and the twin got them), averaged per corpus, then over
+    the cube's corpora (each weighs alike in its cells). None where the corpora cannot be read
+    again as the sweep read them (moved, edited, another tokenizer, a cube that records no
+    campaign)."""
+    from pathlib import Path
+
+    from dvfs.corpora.prepare import counted_corpora
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.errors import DvfsError
+    from dvfs.twin.predict import campaign_of, check_same_corpora
+
+    where = Path("cube")
+    try:
+        campaign = campaign_of(cube, where)
+        corpora, _ = counted_corpora(campaign, str(cube.attrs.get("token_count_method") or ""))
+        check_same_corpora(cube, where, corpora, input_tokens)
+        means = []
+        for name in map(str, cube["corpus"].values):
+            lengths = [p.input_tokens for p in eligible_prompts(corpora[name], input_tokens)]
+            if not lengths:
+                return None
+            means.append(sum(lengths) / len(lengths))
+    except (DvfsError, KeyError, OSError, TypeError, ValueError):  # a damaged or edited cube
+        return None
+    return sum(means) / len(means) if means else None
 
 
 def _measured_points(measured: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -232,7 +277,7 @@ def roofline(
         )
     gpu = _cube_gpu(cube) if measured is None else recorded_gpu_profile(cube.attrs)
     tp = int(cube.attrs.get("tp_size", 1))
-    context = context_tokens if context_tokens is not None else _mean_context(cube)
+    context = context_tokens if context_tokens is not None else _mean_context(cube, notes)
     widths = verify_tokens_per_request(cube)
     batches = cube["batch"].values.astype(int)
     drafters = [str(d) for d in cube["drafter"].values]

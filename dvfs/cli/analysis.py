@@ -322,7 +322,8 @@ def headroom(
         print_table(f"DVFS headroom - {doc['target']['description']}", header, rows)
         _print_line(
             f"reference: {escape(reference_text(ref))}; knob: {doc['knob']}; "
-            f"feasibility: {escape(doc['bound'])}"
+            f"feasibility: {escape(doc['bound'])}; saving: against the drafter's own energy "
+            "at the reference"
         )
         for note in headroom_notes(doc):
             _print_line(escape(note))

@@ -28,6 +28,15 @@ WHATS = ("at_stock", "equal_latency")
 #: (`dvfs.analysis.compare.NOT_WITHIN`: this module sits below the analyses, which it cannot
 #: import).
 NOT_WITHIN = "not within target"
+#: The verdict of a row whose settings were left unjudged for want of usable repeats
+#: (`dvfs.analysis.compare.TOO_FEW`).
+TOO_FEW = "too few repeats"
+#: Each arm of a ratio at equal latency, and its flag for a setting at the grid's lowest clock
+#: or power limit.
+EDGES = {
+    "drafter": "equal_latency_drafter_at_grid_edge",
+    "baseline": "equal_latency_baseline_at_grid_edge",
+}
 
 
 def compare_document(
@@ -72,6 +81,11 @@ def compare_document(
                 "energy_per_token_at_stock_j": as_float(cmp["energy_per_token_at_stock_j"].sel(at)),
                 **_paired(cmp, at, "at_stock"),
                 **_paired(cmp, at, "equal_latency"),
+                **{
+                    name: bool(cmp[name].sel(at).fillna(0))  # NaN: a merged cube's gap
+                    for name in EDGES.values()
+                    if name in cmp  # absent from an older result
+                },
                 "measured_on": _gpus(cmp, at),
                 "baseline_measured_on": _gpus(cmp, {**at, "drafter": baseline}),
                 "different_gpus": bool(cmp["different_gpus"].sel(at))
@@ -157,6 +171,9 @@ def _roofline_document(roof: xr.Dataset) -> dict[str, Any]:
                     roof["arithmetic_intensity"].sel(batch=b, drafter=d)
                 ),
                 "compute_bound_below_mhz": _compute_bound_below(roof, b, d),
+                # The ridge this pass is held against at each clock: the full GEMM's
+                # `ridge_point` lowered for a pass of few tokens (tiles and waves part-filled).
+                "verify_ridge_point": _verify_ridge(roof, b, d),
             }
             for b in roof["batch"].values
             for d in roof["drafter"].values
@@ -216,6 +233,15 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "repeat sends its own prompts, so only repeats valid in both arms compare like "
             "with like"
         )
+    edge = [r for r in doc["rows"] if _edge_arms(r)]
+    if edge:
+        notes.append(
+            f"grid edge: in {len(edge)} of {len(doc['rows'])} rows a setting at equal latency "
+            "is the lowest clock or power limit swept "
+            f"({named_rows(edge, lambda r: ', '.join(_edge_arms(r)))}); a setting below the "
+            "grid might spend less, so the drafter's ratio may be lower (the baseline's: "
+            "higher): extend knobs.sm_clock or knobs.power_limit downward to find it"
+        )
     mixed = [r for r in doc["rows"] if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -229,6 +255,11 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "one GPU to remove it"
         )
     return notes
+
+
+def _edge_arms(r: dict[str, Any]) -> list[str]:
+    """The arms ("drafter", "baseline") whose setting at equal latency is at the grid's edge."""
+    return [arm for arm, name in EDGES.items() if r.get(name)]
 
 
 def _dropped_text(r: dict[str, Any]) -> str:
@@ -250,6 +281,8 @@ def ratio_cell(r: dict[str, Any], what: str, missing: str = "-") -> str:
     span = r.get(f"energy_ratio_{what}_interval")
     if span is not None:
         text += f" [{ratio_text(span[0])}, {ratio_text(span[1])}]"
+    if what == "equal_latency" and _edge_arms(r):
+        text += " (grid edge)"
     if r.get(f"dropped_repeats_{what}"):
         paired = r[f"paired_repeats_{what}"]
         text += (
@@ -267,6 +300,24 @@ def _text(ds: xr.Dataset, name: str, at: dict[str, Any]) -> str:
         return "no data"
     value = ds[name].sel(at).item()
     return value if isinstance(value, str) else "no data"
+
+
+def _verify_ridge(roof: xr.Dataset, batch: Any, drafter: Any) -> dict[str, float | None]:
+    """The ridge point one verify pass is compared with, per clock (MHz, as text): the one
+    `compute_bound_below_mhz` rests on (None where the pass's width is unknown)."""
+    ridge = roof["verify_ridge_point"].sel(batch=batch, drafter=drafter)
+    return {
+        str(int(c)): as_float(v) for c, v in zip(roof["sm_clock"].values, ridge.values, strict=True)
+    }
+
+
+def _ridge_span(ridge: dict[str, float | None]) -> str:
+    """A pass's ridge over the clocks, "117-250" ("no data" where none is known)."""
+    known = [v for v in ridge.values() if v]
+    if not known:
+        return "no data"
+    low, high = f"{min(known):.0f}", f"{max(known):.0f}"
+    return low if low == high else f"{low}-{high}"
 
 
 def _compute_bound_below(roof: xr.Dataset, batch: Any, drafter: Any) -> int | None:
@@ -300,6 +351,14 @@ def too_slow(row: dict[str, Any]) -> bool:
     if "verdict_equal_latency" in row:
         return bool(row["verdict_equal_latency"] == NOT_WITHIN)
     return row["energy_per_token_at_stock_j"] is not None
+
+
+def _no_ratio_text(row: dict[str, Any]) -> str:
+    """The equal-latency cell of a row without a ratio: "too slow", "too few repeats" (valid
+    cells, too few usable repeats to judge a setting), else "-" (nothing valid to compare)."""
+    if too_slow(row):
+        return "too slow"
+    return TOO_FEW if row.get("verdict_equal_latency") == TOO_FEW else "-"
 
 
 def _ridge_source(roof: dict[str, Any]) -> str:
@@ -346,7 +405,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
                 r["drafter"],
                 r["corpus"],
                 ratio_cell(r, "at_stock"),
-                ratio_cell(r, "equal_latency", missing="too slow" if too_slow(r) else "-"),
+                ratio_cell(r, "equal_latency", missing=_no_ratio_text(r)),
             ]
             for r in doc["rows"]
         ],
@@ -382,16 +441,25 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
             (
                 f"Verify pass vs ridge point ({_ridge_source(roof)}; ridge "
                 f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
-                f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks)",
-                ["batch", "drafter", "tokens/pass", "FLOP/B", "compute-bound at or below"],
+                f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks "
+                "for a full GEMM; each pass's own, lower, in its row)",
                 [
-                    [str(v["batch"]), v["drafter"], "no data", "no data", "no data"]
+                    "batch",
+                    "drafter",
+                    "tokens/pass",
+                    "FLOP/B",
+                    "its ridge FLOP/B",
+                    "compute-bound at or below",
+                ],
+                [
+                    [str(v["batch"]), v["drafter"], *["no data"] * 4]
                     if v["verify_tokens"] is None
                     else [
                         str(v["batch"]),
                         v["drafter"],
                         str(v["verify_tokens"]),
                         fmt(v["arithmetic_intensity"], ".0f"),
+                        _ridge_span(v["verify_ridge_point"]),
                         "never"
                         if v["compute_bound_below_mhz"] is None
                         else f"{v['compute_bound_below_mhz']} MHz",
