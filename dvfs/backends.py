@@ -144,8 +144,8 @@ def reachable_gpus(
         if not named:
             named = list(every_gpu(module, visible=visible))
     openable: list[int | str] = []
-    lost: list[GpuError] = []
-    for n, device in enumerate(named):
+    failed: list[tuple[int | str, GpuError]] = []
+    for device in named:
         try:
             with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
@@ -157,11 +157,55 @@ def reachable_gpus(
         except GpuError as exc:
             if devices and isinstance(exc, GpuNotFoundError):
                 raise  # no such GPU here at all: a typo, not a lost GPU
-            if device not in named[:n]:  # a lost GPU named twice is named once
-                exc.index = device if isinstance(device, int) else None
-                exc.uuid = device if isinstance(device, str) else None
-                lost.append(exc)
-    return openable, lost
+            exc.index = device if isinstance(device, int) else None
+            exc.uuid = device if isinstance(device, str) else None
+            failed.append((device, exc))
+    if any(exc.index is None for _, exc in failed):
+        _lost_indices([exc for _, exc in failed], nvml)
+    return openable, _named_once(failed)
+
+
+def _lost_indices(lost: Sequence[GpuError], nvml: ModuleType | None) -> None:
+    """Give each GPU of `lost` named by UUID its NVML index where it is knowable: the GPU whose
+    UUID is that one, or, where no readable UUID is, the only GPU whose UUID NVML cannot read
+    (the rule CUDA_VISIBLE_DEVICES is read by, `dvfs.gpu.visible.resolve`). Left unknown where
+    two or more GPUs' UUIDs cannot be read, or NVML cannot list them."""
+    from dvfs.gpu.nvml import machine_uuids, nvml_session
+    from dvfs.gpu.visible import resolve
+
+    try:
+        with nvml_session(nvml) as module:
+            uuids = machine_uuids(module)
+    except GpuError:
+        return
+    for exc in lost:
+        if exc.index is None and exc.uuid:
+            try:
+                found = resolve(exc.uuid, uuids)
+            except CampaignError:  # not a GPU's UUID (MIG-...): its index stays unknown
+                continue
+            if len(found.indices) == 1 and found.stopped_at is None:
+                exc.index = found.indices[0]
+
+
+def _named_once(failed: Sequence[tuple[int | str, GpuError]]) -> list[GpuError]:
+    """The errors of the named GPUs that did not open, refusing (`GpuNamedTwiceError`, exit 2,
+    as a GPU that opens named twice is) one named twice: by the same name, or by its index and
+    its UUID where that is knowable (`_lost_indices`)."""
+    from dvfs.gpu.nvml import GpuNamedTwiceError
+
+    seen: dict[int | str, int | str] = {}
+    for device, exc in failed:
+        key: int | str = exc.index if exc.index is not None else str(device).lower()
+        if key in seen:
+            twice = f"GPU {key if exc.index is not None else device} (as {seen[key]} and {device})"
+            error = GpuNamedTwiceError(
+                f"{twice} is named twice: name each GPU once, by its index or its UUID"
+            )
+            error.twice = twice
+            raise error
+        seen[key] = device
+    return [exc for _, exc in failed]
 
 
 def lost_gpus(lost: Sequence[GpuError]) -> GpuError:

@@ -34,8 +34,9 @@ class IncomparableCellsError(CubeError):
 
 class GpuError(DvfsError):
     """A GPU operation failed. `index`: the NVML index of the GPU that would not open, where a
-    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`); `uuid`: the
-    UUID it was named by where it was named so (its index then unknown)."""
+    command opening every GPU one by one knows it (`dvfs.backends.reachable_gpus`: for one
+    named by UUID, where its UUID or NVML's list of UUIDs tells); `uuid`: the UUID it was named
+    by where it was named so."""
 
     index: int | None = None
     uuid: str | None = None

@@ -94,7 +94,8 @@ def restoring(
     The first signal only prints a notice; the `give_up_after`-th raises `RestoreAbandoned`
     from wherever the restore is waiting (NVML calls wait interruptibly, see
     `dvfs.gpu.deadline`). A held signal is delivered when the block ends normally, to the
-    handler that was installed before; when the block raises, its error wins.
+    handler that was installed before; when the block raises, its error wins, and carries the
+    signal held (`held_signal`) for the line that reports it.
     """
     if not _on_main_thread():
         yield
@@ -114,11 +115,23 @@ def restoring(
     previous: dict[int, Any] = {s: signal.signal(s, hold) for s in HANDLED}
     try:
         yield
+    except BaseException as exc:
+        if received and not isinstance(exc, RestoreAbandoned):
+            # the block's error wins, but the signal held meanwhile is not forgotten
+            with contextlib.suppress(AttributeError, TypeError):
+                exc.held_signal = received[0]  # type: ignore[attr-defined]
+        raise
     finally:
         for s, old in previous.items():
             signal.signal(s, old)
     if received:
         _deliver(received[0], previous[received[0]])
+
+
+def held_signal(exc: BaseException) -> int | None:
+    """The signal `restoring` held while the block that raised `exc` ran, if one came."""
+    signum = getattr(exc, "held_signal", None)
+    return signum if isinstance(signum, int) else None
 
 
 def _deliver(signum: int, handler: Any) -> None:

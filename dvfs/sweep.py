@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -469,10 +469,12 @@ def run_sweep(
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
     shard: Shard | None = None,
+    skip: Collection[str] = (),
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) into `out_dir` (failed cells
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
-    output folder another sweep is using, or one holding another shard."""
+    output folder another sweep is using, or one holding another shard. `skip`: keys of cells
+    to leave out, as if done (the dry run's estimate of what another folder has left)."""
     try:
         with out_dir_lock(out_dir, progress) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
@@ -486,6 +488,7 @@ def run_sweep(
                 nvml=nvml,
                 state_dir=state_dir,
                 shard=shard,
+                skip=skip,
             )
             outcome = _with_cube(summary, journal_path, out_dir)
     except GpuPermissionError as exc:
@@ -593,6 +596,7 @@ def _measure(
     nvml: ModuleType | None,
     state_dir: Path | None,
     shard: Shard | None,
+    skip: Collection[str] = (),
 ) -> tuple[RunSummary, Path]:
     """Run the cells into the folder's journal; its summary, and the journal's path."""
     # What the campaign alone decides is refused before the journal is made (a refused run
@@ -601,6 +605,8 @@ def _measure(
     # campaign's journal (read, not written), corpora that fall short, drafters the engine
     # would serve differently (`check_engine`).
     cells: list[Cell] = planned_cells(campaign, shard)
+    if skip:
+        cells = [c for c in cells if c.key not in skip]
     check_journal(out_dir / JOURNAL_NAME, campaign)
     recorded = recorded_count_method([out_dir / JOURNAL_NAME])
     corpora, count_method = counted_corpora(campaign, recorded)
@@ -960,8 +966,9 @@ class DryRunPlan:
     problems: tuple[str, ...]
     shard: str | None = None
     #: GPU time on the twin stand-in of the campaign's GPU and model, found by sweeping its
-    #: planned cells (all of them, or the shard's) into a temporary folder; None when not
-    #: estimated (--no-estimate, or corpus problems).
+    #: planned cells (all of them, or the shard's) still to run (those the journal of the GPU
+    #: model with the most left does not hold) into a temporary folder; None when not
+    #: estimated (--no-estimate, corpus problems, or nothing left to run).
     estimate: TwinEstimate | None = None
     #: Where the sweep journals per GPU model (`gpu-<model>/`: a fleet mixing models, or a
     #: folder one began), each model's folder and the planned cells its journal holds; the
@@ -1062,6 +1069,7 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
         "profile": e.profile,
         "profile_from": e.source,
         "cells_measured": e.cells,
+        "cells_already_done": e.skipped,
         "gpu_hours": round(e.dvfs_gpu_s / 3600, 3),
         "window_share": round(e.window_s / e.dvfs_gpu_s, 4) if e.dvfs_gpu_s else None,
         "naive_gpu_hours": round(e.naive_gpu_s / 3600, 3),
@@ -1145,12 +1153,13 @@ def plan_dry_run(
     """What `run_sweep` (or, `fleet`, a fleet whose workers' GPU models are `models`, default
     the campaign's devices) would do into `out_dir`: cells, those each model's journal already
     holds, server starts, knob changes, each drafter's server, the corpus problems that would
-    stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's) on
-    the campaign's twin stand-in, under dvfs's protocol and the naive one (`twin_estimate`;
-    not when there are problems). With `fresh`, the sweep that first moves the folder's
-    journals aside (`fresh_moves`; nothing is moved here). A hardware campaign whose GPU
-    matches no twin profile (and no `twin`) is refused in one line, unless the folder holds
-    every cell: nothing is left to estimate, so it plans without the estimate."""
+    stop it, and (with `estimate`) the GPU time of the cells (all of them, or the shard's)
+    still to run on the campaign's twin stand-in, under dvfs's protocol and the naive one
+    (`twin_estimate`; not when there are problems, nor when nothing is left to run). With
+    `fresh`, the sweep that first moves the folder's journals aside (`fresh_moves`; nothing is
+    moved here). A hardware campaign whose GPU matches no twin profile (and no `twin`) is
+    refused in one line, unless the folder holds every cell: nothing is left to estimate, so
+    it plans without the estimate."""
     from dvfs.fleet.devices import worker_groups, workers_per_model
     from dvfs.fleet.folders import extra_repeats
     from dvfs.measure.plan import PlanSummary, summarise_plan
@@ -1224,12 +1233,13 @@ def plan_dry_run(
     per_journal = {
         j: summarise_plan(campaign, [*cells, *extra_next[j]], finished[j]) for j in journals
     }
-    # Each model runs its own cells left: the one with the most left sets the figures.
-    summary: PlanSummary = max(
-        per_journal.values(),
-        key=lambda p: p.estimated_s,
-        default=summarise_plan(campaign, cells, set()),
+    # Each model runs its own cells left: the one with the most left sets the figures, the
+    # twin's estimate among them (its cells left swept; none when nothing is left).
+    most_left = max(per_journal, key=lambda j: per_journal[j].estimated_s, default=None)
+    summary: PlanSummary = (
+        per_journal[most_left] if most_left is not None else summarise_plan(campaign, cells, set())
     )
+    done_there = frozenset(finished[most_left]) if most_left is not None else frozenset()
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
     try:
@@ -1265,8 +1275,8 @@ def plan_dry_run(
         problems=tuple(problems),
         shard=shard.label if shard else None,
         estimate=(
-            twin_estimate(campaign, shard=shard, twin=twin, progress=progress)
-            if estimate and not problems and stand_in_problem is None
+            twin_estimate(campaign, shard=shard, twin=twin, progress=progress, skip=done_there)
+            if estimate and not problems and stand_in_problem is None and not all_done
             else None
         ),
         done_per_model=done_per_model,
@@ -1419,6 +1429,8 @@ class TwinEstimate:
     window_s: float
     naive_gpu_s: float
     cells: int
+    #: The planned cells left out as already done in the folder planned for (0: all swept).
+    skipped: int = 0
 
 
 def naive_gpu_s(ds: Any, campaign: Campaign) -> float:
@@ -1451,23 +1463,27 @@ def twin_estimate(
     shard: Shard | None = None,
     twin: str | None = None,
     progress: Progress | None = None,
+    skip: Collection[str] = (),
 ) -> TwinEstimate:
     """Sweep the campaign's twin stand-in (`twin_stand_in`) into a temporary folder, in
-    virtual time, and read off the GPU time it spends and the naive protocol's."""
+    virtual time, and read off the GPU time it spends and the naive protocol's. `skip`: keys
+    of the cells already done in the folder planned for, left out (the estimate is of what
+    the sweep there has left)."""
     import tempfile
 
     from dvfs.cube import open_cube
 
     stand_in, profile, source = twin_stand_in(campaign, twin)
+    skipped = len([c for c in planned_cells(campaign, shard) if c.key in skip]) if skip else 0
     with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
         out = Path(tmp)
         # The cube the sweep holds in memory: the numbers of the file it wrote, without
         # reading the file back (twice, before).
-        ds = run_sweep(stand_in, out, shard=shard, progress=progress).cube
+        ds = run_sweep(stand_in, out, shard=shard, progress=progress, skip=skip).cube
         if ds is None:
             ds = open_cube(out / CUBE_NAME)
         spent = spent_gpu_s(out, ds)
         window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
         naive = naive_gpu_s(ds, stand_in)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
-    return TwinEstimate(profile, source, spent, window, naive, cells)
+    return TwinEstimate(profile, source, spent, window, naive, cells, skipped)

@@ -54,6 +54,41 @@ def test_dry_run_prints_the_gpu_time_the_twin_then_spends(shared_run, tmp_path: 
     assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
 
 
+def test_the_estimate_is_of_the_cells_the_folder_has_left(shared_run, tmp_path: Path) -> None:
+    """A folder holding some cells: the twin's estimate is what the resumed sweep then spends
+    on the cells left (not the whole campaign's); a folder holding every cell has nothing to
+    estimate (no twin sweep, 0 h)."""
+    from conftest import copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "small.toml", SMALLER)
+    done = shared_run(SMALLER, "run")
+    finished = dry_json(campaign, "--out", str(done))
+    assert (finished["already_done"], finished["remaining"]) == (32, 0), finished
+    assert finished["estimate"]["from"] == "closed form" and "twin_gpu_s" not in finished
+    assert finished["estimated_hours_on_hardware"] == 0
+
+    begun = copy_sweep(done, tmp_path / "begun")
+    _interrupted(begun / "journal.jsonl", 12)
+    plan = dry_json(campaign, "--out", str(begun))
+    assert (plan["already_done"], plan["remaining"]) == (12, 20), plan
+    assert plan["estimate"]["cells_already_done"] == 12
+    predicted = plan["twin_gpu_s"]
+    text = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(begun), "--dry-run"])
+    assert "the 20 of 32 cells left" in " ".join(text.output.split()), text.output
+
+    resumed = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(begun)])
+    assert resumed.exit_code == 0, resumed.output
+    records = read_records(begun / "journal.jsonl")
+    last = max(i for i, r in enumerate(records) if r.get("type") == "session")
+    cells = [r for r in records[last:] if r.get("type") == "cell"]
+    assert len(cells) == 20
+    actual = records[last]["gpu_time_s"]["total"] + sum(
+        sum(r["gpu_time_s"].values()) for r in cells
+    )
+    assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
+
+
 #: SMALLER as it would be written for real hardware: NVML and SGLang, the GPU named only in
 #: the description.
 HARDWARE = replace_block(

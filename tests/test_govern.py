@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -782,6 +782,65 @@ def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_
     assert "put GPU 0 back as found" in line and f"received {signum}" in line, line
     healthy = nvml.fake_device_state(0)
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
+
+
+@pytest.mark.parametrize("when", ["before the restore", "as the restore fails"])
+def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_said_once(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A GPU going silent stops the governor, which puts the healthy one back. A SIGTERM that
+    landed before that restore held signals (so it never ran) made the line say "received
+    SIGTERM; received SIGTERM as it put them back", and not that GPU 0 keeps the governor's
+    settings; one held while GPU 0's restore failed was not named at all. The line now names
+    the signal once, at its end, and what was not put back and how to put it back."""
+    import contextlib
+    import os
+    import signal
+
+    import dvfs.gpu.knobs as knobs_module
+    from dvfs.govern.loop import GpuSilentError
+
+    def scraper() -> ServerSample:
+        nvml.fake_update_device(1, lost=True)  # as the first change reaches it, GPU 0 changed
+        return ServerSample(1, None, None)
+
+    real = knobs_module.restoring
+
+    @contextlib.contextmanager
+    def signalled(*args: object, **kwargs: object) -> Iterator[None]:
+        if when == "before the restore":
+            os.kill(os.getpid(), signal.SIGTERM)  # raised before signals are held
+        with real(*args, **kwargs):  # type: ignore[arg-type]
+            os.kill(os.getpid(), signal.SIGTERM)  # held
+            yield
+
+    def fails(handle: object) -> object:
+        raise nvml.NVMLError(nvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(knobs_module, "restoring", signalled)
+    monkeypatch.setattr(nvml, "nvmlDeviceResetGpuLockedClocks", fails)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    state = tmp_path / "state"
+    try:
+        stopped = _governed_until_one_is_silent(scraper, 2, state, lambda line: None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert isinstance(stopped, GpuSilentError), repr(stopped)
+    line = str(stopped)
+    assert "\n" not in line and stopped.exit_code == 1
+    assert line.startswith("GPU 1 (") and "stopped answering while governed" in line, line
+    assert line.count("received SIGTERM") == 1 and "put GPU 0 back as found" not in line, line
+    assert "`dvfs gpu reset`" in line and ".;" not in line, line
+    if when == "before the restore":
+        assert line.endswith(
+            "received SIGTERM before it put GPU 0 back, which keeps the governor's settings: "
+            "`dvfs gpu reset` puts back what its state file recorded"
+        ), line
+    else:
+        assert "could not restore GPU settings: GPU 0 (" in line, line
+        assert line.endswith("; received SIGTERM as it put them back"), line
+    assert nvml.fake_device_state(0)["locked_clocks"] is not None
+    assert f"{nvml.fake_device_state(0)['uuid']}.json" in [p.name for p in state.glob("GPU-*")]
 
 
 def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compliance() -> None:

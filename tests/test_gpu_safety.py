@@ -914,6 +914,40 @@ def test_gpu_reset_and_info_act_on_the_named_gpus_beside_one_fallen_off_the_bus(
         nvml.fake_update_device(0, lost=False)
 
 
+def test_a_gpu_fallen_off_the_bus_named_twice_is_refused_as_any_gpu_named_twice(
+    nvml, tmp_path: Path, env
+) -> None:
+    """A GPU named twice is a usage error (exit 2) before anything is changed; one fallen off
+    the bus named twice (`cap reset UUID 0`, `gpu reset 0 0 1`) was instead taken as lost
+    (exit 1, by index and UUID named twice in the line, as if two GPUs were lost) and the
+    others acted on. It is refused alike now, naming it and both names; GPU 1 stays locked.
+    A lost GPU named by UUID alone gets its index in --json, where it is the only GPU whose
+    UUID NVML cannot read (it was null)."""
+    store, uuid = _locked_with_a_state_file(nvml, tmp_path, 1)
+    lost = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(0, lost=True)
+    try:
+        for args in (
+            ("cap", "reset", lost, "0"),
+            ("cap", "reset", lost, lost),
+            ("gpu", "reset", "0", "0", "1"),
+            ("gpu", "info", "0", lost),
+        ):
+            result = dvfs_in_process(*args, env=env)
+            out = " ".join((result.stdout + result.stderr).split())
+            assert result.returncode == 2, (args, out)
+            first, second = args[2], args[3]
+            assert f"GPU 0 (as {first} and {second}) is named twice" in out, out
+            assert "Traceback" not in out and "fallen off the bus" not in out, out
+        assert nvml.fake_device_state(1)["locked_clocks"] is not None and store.pending(uuid)
+        named = dvfs_in_process("gpu", "info", lost, "1", "--json", env=env)
+        assert named.returncode == 1, named.stderr
+        [row, info] = json.loads(named.stdout)
+        assert (row["index"], info["index"]) == (0, 1) and lost in row["error"], row
+    finally:
+        nvml.fake_update_device(0, lost=False)
+
+
 def test_gpu_reset_does_not_say_no_state_file_where_the_lost_gpu_may_hold_one(
     nvml, tmp_path: Path, env
 ) -> None:

@@ -342,8 +342,8 @@ def monitor(
         raise lost_gpus(lost)
     if lost and not once:  # --once names them once, after its page
         note(f"warning: {lost_gpus(lost)}; exporting the other GPUs' metrics")
-    # a lost GPU named by UUID (its index unread) is exported under that UUID
-    unopened = (e.uuid if e.index is None else e.index for e in lost)
+    # a lost GPU named by UUID is exported under that UUID
+    unopened = (e.index if e.uuid is None else e.uuid for e in lost)
     live = LiveMetrics(unopened=tuple(g for g in unopened if g is not None))
     with ExitStack() as stack:
         scraper = (

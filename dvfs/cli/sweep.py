@@ -78,9 +78,15 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         )
         ratio = estimate["dvfs_over_naive"]
         share = estimate["window_share"]
+        left = report["cells"] - estimate["cells_already_done"]
+        which = (
+            f"the {left} of {report['cells']} cells left"
+            if estimate["cells_already_done"]
+            else f"all {report['cells']} cells"
+        )
         out.print(
-            f"{on} spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on all "
-            f"{report['cells']} cells (swept into a temporary folder), "
+            f"{on} spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on "
+            f"{which} (swept into a temporary folder), "
             + (f"{share:.0%} of it inside measurement windows" if share is not None else ""),
             highlight=False,
         )

@@ -16,6 +16,7 @@ the monitor notes it once, and once when it is back, and exports it as not up.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -382,9 +383,23 @@ def _stopped_line(
     knobs: KnobController | None,
 ) -> str:
     """One line: which GPU stopped answering and why, that the governor stopped, and what it
-    put back (every other GPU, as found) and what it could not."""
+    put back (every other GPU, as found) and what it could not; `raised`, what it stopped
+    with: `stopped`, a failed restore, or a signal (SIGTERM: `systemctl stop`) that came
+    while it put the GPUs back (delivered after, or held while the restore failed) or before
+    (the restore then did not run), said once at the end."""
+    from dvfs.signals import held_signal
+
+    signum = (
+        signal.SIGINT
+        if isinstance(raised, KeyboardInterrupt)
+        else getattr(raised, "signum", None)
+        if not isinstance(raised, GpuError)
+        else held_signal(raised)
+    )
+    why = None if signum is None else f"received {signal.Signals(signum).name}"
     if knobs is None:
-        return f"{stopped}; the governor stopped (it had changed nothing)"
+        line = f"{stopped}; the governor stopped (it had changed nothing)"
+        return line if why is None else f"{line}; {why}"
     lost = {r.uuid for r in stopped.silent}
     current, original = knobs.current, knobs.original
     found = [g for g in gpus if current.get(g.identity.uuid) == original.get(g.identity.uuid)]
@@ -403,8 +418,17 @@ def _stopped_line(
             "once it answers again (after a GPU reset or a reboot), `dvfs gpu reset` puts back "
             "what its state file recorded"
         )
-    if raised is not stopped and any(g.identity.uuid not in lost for g in stuck):
-        line += f"; {raised}"
+    healthy = [g for g in stuck if g.identity.uuid not in lost]
+    if raised is not stopped and healthy and isinstance(raised, GpuError):
+        line += f"; {str(raised).rstrip('.')}"  # the failed restore, with `dvfs gpu reset`
+    elif healthy and why is not None:  # a signal first: the restore did not run
+        line += (
+            f"; {why} before it put {_names(healthy)} back, which keeps the governor's "
+            "settings: `dvfs gpu reset` puts back what its state file recorded"
+        )
+        return line
+    if why is not None:
+        line += f"; {why} as it put them back"
     return line
 
 
@@ -571,11 +595,9 @@ def govern(
         stopped = _stopped_cause(exc)
         if stopped is None or isinstance(exc, RestoreAbandoned):
             raise
-        line = _stopped_line(stopped, exc, gpus, held[0] if held else None)
-        if not isinstance(exc, GpuError):
-            why = "received SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
-            line += f"; {why} as it put them back"
-        raise GpuSilentError(line, stopped.silent) from exc
+        raise GpuSilentError(
+            _stopped_line(stopped, exc, gpus, held[0] if held else None), stopped.silent
+        ) from exc
     return changes
 
 
