@@ -224,6 +224,18 @@ def test_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             r"line 1: the chat has no user turn",
         ),
         ('["a", "b"]\n', {"field": "text"}, r"line 1: expected an object with fields, got a list"),
+        (  # ShareGPT exports hold some conversations with no turns
+            '{"chat": [{"from": "human", "value": "hi"}]}\n{"chat": []}\n',
+            {"messages": "chat"},
+            r"line 2: the messages field 'chat' must be a non-empty list of turns, got an empty "
+            r"list$",
+        ),
+        (  # as an empty field is refused, not sent as an empty prompt
+            '{"chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "?"},'
+            ' {"role": "user", "content": " \\n"}, {"role": "assistant", "content": "?"}]}\n',
+            {"messages": "chat"},
+            r"line 1: turn 2, the user turn the model answers, is empty",
+        ),
     ],
 )
 def test_bad_input_names_file_and_line(

@@ -269,9 +269,9 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
                 f"{where}: the messages field {field!r} is text, not a list of turns"
             ) from exc
     if not isinstance(raw, list) or not raw:
+        got = "an empty list" if isinstance(raw, list) else _kind(raw)
         raise CorpusError(
-            f"{where}: the messages field {field!r} must be a non-empty list of turns, "
-            f"got {_kind(raw)}"
+            f"{where}: the messages field {field!r} must be a non-empty list of turns, got {got}"
         )
     messages = []
     for i, turn in enumerate(raw):
@@ -292,6 +292,10 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
         messages.pop()  # the model answers the last user turn; later answers are dropped
     if not messages:
         raise CorpusError(f"{where}: the chat has no user turn")
+    if not messages[-1].content.strip():  # as an empty `field` is refused
+        raise CorpusError(
+            f"{where}: turn {len(messages) - 1}, the user turn the model answers, is empty"
+        )
     return tuple(messages)
 
 
