@@ -103,7 +103,7 @@ def check_campaign(
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
-    checks.append(_run("corpora", lambda: _corpora(campaign)))
+    checks.append(_run("corpora", lambda: _corpora(campaign, out_dir)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
     folder_models = models if fleet else None
@@ -526,10 +526,19 @@ def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
     )
 
 
-def _corpora(campaign: Campaign) -> tuple[str, str]:
-    from dvfs.corpora.prepare import corpus_shortfalls, load_corpora, shortfall_line
+def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+    """The corpora as the sweep into `out_dir` counts them: by its journals' method, which a
+    resume keeps (the estimate, though a tokenizer was cached since), else the model's cached
+    tokenizer; so the prompts that fit the input lengths are the sweep's."""
+    from dvfs.corpora.prepare import (
+        corpus_shortfalls,
+        counted_corpora,
+        recorded_count_method,
+        shortfall_line,
+    )
+    from dvfs.fleet.shard_journal import folder_journals
 
-    corpora = load_corpora(campaign)
+    corpora, _ = counted_corpora(campaign, recorded_count_method(folder_journals(out_dir)))
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))

@@ -38,7 +38,6 @@ from dvfs.corpora.prepare import (
     corpus_shortfalls,
     counted_corpora,
     estimate_note,
-    load_corpora,
     recorded_count_method,
     shortfall_line,
 )
@@ -469,10 +468,13 @@ def run_sweep(
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
     shard: Shard | None = None,
+    count_method: str = "",
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) into `out_dir` (failed cells
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
-    output folder another sweep is using, or one holding another shard."""
+    output folder another sweep is using, or one holding another shard. `count_method`: how to
+    count prompt tokens where the folder's journal recorded no method (a dry run's estimate
+    counts as the journal it estimates for)."""
     try:
         with out_dir_lock(out_dir, progress) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
@@ -486,6 +488,7 @@ def run_sweep(
                 nvml=nvml,
                 state_dir=state_dir,
                 shard=shard,
+                count_method=count_method,
             )
             outcome = _with_cube(summary, journal_path, out_dir)
     except GpuPermissionError as exc:
@@ -593,6 +596,7 @@ def _measure(
     nvml: ModuleType | None,
     state_dir: Path | None,
     shard: Shard | None,
+    count_method: str = "",
 ) -> tuple[RunSummary, Path]:
     """Run the cells into the folder's journal; its summary, and the journal's path."""
     # What the campaign alone decides is refused before the journal is made (a refused run
@@ -602,7 +606,7 @@ def _measure(
     # would serve differently (`check_engine`).
     cells: list[Cell] = planned_cells(campaign, shard)
     check_journal(out_dir / JOURNAL_NAME, campaign)
-    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    recorded = recorded_count_method([out_dir / JOURNAL_NAME]) or count_method
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
     # Whoever opened the backends (the CLI here, a Python caller its own): the engine's
@@ -1232,11 +1236,16 @@ def plan_dry_run(
     )
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
+    recorded = ""
     try:
-        short = corpus_shortfalls(campaign, load_corpora(campaign))
+        # Counted as the sweep counts them: by the method of the journals it resumes (the
+        # estimate stays the estimate though a tokenizer was cached since), else this machine's.
+        recorded = "" if fresh else recorded_count_method(folder_journals(out_dir))
+        short = corpus_shortfalls(campaign, counted_corpora(campaign, recorded)[0])
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
         codes = [2 for _ in problems]
-    except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
+    except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
+        # read fault or a journal's tokenizer this machine lacks
         problems, codes = [str(exc)], [exc.exit_code]
     codes += [exc.exit_code for exc in refusals]
     problems += refused
@@ -1265,7 +1274,9 @@ def plan_dry_run(
         problems=tuple(problems),
         shard=shard.label if shard else None,
         estimate=(
-            twin_estimate(campaign, shard=shard, twin=twin, progress=progress)
+            twin_estimate(
+                campaign, shard=shard, twin=twin, progress=progress, count_method=recorded
+            )
             if estimate and not problems and stand_in_problem is None
             else None
         ),
@@ -1451,9 +1462,11 @@ def twin_estimate(
     shard: Shard | None = None,
     twin: str | None = None,
     progress: Progress | None = None,
+    count_method: str = "",
 ) -> TwinEstimate:
     """Sweep the campaign's twin stand-in (`twin_stand_in`) into a temporary folder, in
-    virtual time, and read off the GPU time it spends and the naive protocol's."""
+    virtual time, and read off the GPU time it spends and the naive protocol's. `count_method`:
+    the token-count method of the journal the estimate is for, which its sweep would keep."""
     import tempfile
 
     from dvfs.cube import open_cube
@@ -1463,7 +1476,9 @@ def twin_estimate(
         out = Path(tmp)
         # The cube the sweep holds in memory: the numbers of the file it wrote, without
         # reading the file back (twice, before).
-        ds = run_sweep(stand_in, out, shard=shard, progress=progress).cube
+        ds = run_sweep(
+            stand_in, out, shard=shard, progress=progress, count_method=count_method
+        ).cube
         if ds is None:
             ds = open_cube(out / CUBE_NAME)
         spent = spent_gpu_s(out, ds)
