@@ -532,6 +532,7 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     tokenizer; so the prompts that fit the input lengths are the sweep's."""
     from dvfs.corpora.prepare import (
         corpus_shortfalls,
+        corpus_usage,
         counted_corpora,
         recorded_count_method,
         shortfall_line,
@@ -542,7 +543,10 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
-    return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
+    # What the sweep samples from: the prompts skipped, trimmed or repeated said, not only
+    # the file's count (a corpus of mostly short prompts measures a few of them, over again).
+    lengths = campaign.workload.input_tokens
+    return OK, ", ".join(f"{n} ({corpus_usage(c, lengths)})" for n, c in corpora.items())
 
 
 def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:

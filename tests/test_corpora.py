@@ -514,3 +514,35 @@ def test_an_unreadable_corpus_file_has_one_exit_code_everywhere(
         assert says in " ".join(result.output.split()), (args, result.output)
         assert "Traceback" not in result.output
     assert not (tmp_path / "out" / "journal.jsonl").exists()
+
+
+def test_doctor_says_which_prompts_the_sweep_samples_from(tmp_path: Path) -> None:
+    """A corpus's prompts outside workload.input_tokens are skipped (too short, or too long to
+    trim: the earlier turns alone exceed it) or trimmed, and a text given twice counts once
+    (README, Corpora): `dvfs doctor` says so, rather than the file's count alone, which would
+    pass a corpus of mostly short prompts as if the sweep measured them all."""
+
+    def chat(*turns: str) -> dict:
+        return {"chat": [{"role": "user", "content": t} for t in turns]}
+
+    normal = [chat(f"prompt {i}: " + "word " * 12) for i in range(10)]  # 22 tokens each
+    records = [*normal, normal[0]]
+    records += [chat(f"hi {i}") for i in range(3)]  # 6 tokens by the estimate
+    records += [chat("word " * 2000)]  # 2505 tokens: trimmed to 2048
+    records += [chat("word " * 2000, "and now?")]  # the first turn alone is over 2048
+    for name, rows in (("mine", records), ("plain", normal)):
+        write(tmp_path / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "mine", "plain"]')
+    text = replace_block(text, "batch = [1, 8]", "batch = [1]")
+    for name in ("mine", "plain"):
+        text += f'\n[corpus.{name}]\npath = "{name}.jsonl"\nmessages = "chat"\n'
+    campaign = write(tmp_path / "c.toml", text)
+    out = str(tmp_path / "out")
+    done = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--json"])
+    assert done.exit_code == 0, done.output
+    [check] = [c for c in json.loads(done.stdout) if c["name"] == "corpora"]
+    assert f"plain ({len(normal)} prompts)" in check["detail"], check  # all used as written
+    assert (
+        f"mine ({len(records)} prompts, 11 to sample: 3 under 16 tokens skipped, 1 over 2048 "
+        "trimmed, 1 over 2048 skipped (too long to trim), 1 repeat)"
+    ) in check["detail"], check

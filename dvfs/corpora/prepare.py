@@ -112,6 +112,30 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
     return problems
 
 
+def corpus_usage(corpus: Corpus, input_tokens: tuple[int, int]) -> str:
+    """How many of the corpus's prompts a sweep samples from, and what became of the others, in
+    words (`dvfs doctor`): shorter than `input_tokens` skipped, longer trimmed to it (or
+    dropped where the earlier turns alone exceed it), a text given twice (or two trimmed to
+    one) counted once. Just the count where every prompt is used as written."""
+    from dvfs.corpora.sampling import eligible_prompts, fit_to_range
+
+    lo, hi = input_tokens
+    short = sum(p.input_tokens < lo for p in corpus.prompts)
+    long = [p for p in corpus.prompts if p.input_tokens > hi]
+    dropped = sum(fit_to_range(p, lo, hi) is None for p in long)
+    pool = len(eligible_prompts(corpus, input_tokens))
+    repeats = len(corpus.prompts) - short - dropped - pool
+    fates = [
+        (short, f"under {lo} tokens skipped"),
+        (len(long) - dropped, f"over {hi} trimmed"),
+        (dropped, f"over {hi} skipped (too long to trim)"),
+        (repeats, "repeat" if repeats == 1 else "repeats"),
+    ]
+    said = ", ".join(f"{n} {what}" for n, what in fates if n)
+    total = f"{len(corpus.prompts)} prompts"
+    return f"{total}, {pool} to sample: {said}" if said else total
+
+
 def shortfall_line(campaign: Campaign, problems: list[str]) -> str:
     """`corpus_shortfalls` as the one line the sweep, its dry run and `dvfs doctor` say, with
     what to do: a closed-loop pool of `workload.pool_size` needs that many prompts whatever
