@@ -100,6 +100,8 @@ def check_campaign(
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+        checks.append(_run("models", lambda: _model_paths(campaign)))
+    if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
@@ -489,6 +491,36 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
     except metadata.PackageNotFoundError:
         return FAIL, "sglang is not installed in this environment: pip install 'dvfs[sglang]'"
     return OK, f"sglang {version}"
+
+
+#: How a model name that can only be a path on the server's host begins (any other name may be
+#: a Hugging Face repo id, or a folder SGLang finds before it asks the hub).
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+def _model_paths(campaign: Campaign) -> tuple[str, str]:
+    """The target's and each drafter's model named by a local path that is not there, which
+    every server of it would fail to start on (the cells after an hour of others'): a failure
+    where dvfs starts SGLang on this host, a warning where the server command may start it
+    elsewhere (a container's paths, a remote host's). Relative paths read from here: the
+    folder the sweep runs in, which the server it starts inherits."""
+    named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
+    named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
+    paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
+    missing = [f"{key} {name!r}" for key, name in paths if not Path(name).expanduser().exists()]
+    if not missing:
+        return OK, (
+            f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
+        )
+    if campaign.engine.sglang.server_command:
+        return WARN, (
+            f"no such path on this host: {', '.join(missing)}; fine if the server command "
+            "starts SGLang where it is (a container, another host), else correct the path"
+        )
+    return FAIL, (
+        f"no such path: {', '.join(missing)}: SGLang would fail to start on it; correct the "
+        "path, or name the model's Hugging Face repo id"
+    )
 
 
 def _arms(campaign: Campaign) -> tuple[str, str]:
