@@ -230,6 +230,12 @@ def test_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             r"line 2: the messages field 'chat' must be a non-empty list of turns, got an empty "
             r"list$",
         ),
+        (  # a lone surrogate in a chat's turn (a field's: test_an_unreadable_corpus_file...)
+            '{"chat": [{"role": "user", "content": "ok"}]}\n'
+            '{"chat": [{"role": "user", "content": "\\udc00 cut"}]}\n',
+            {"messages": "chat"},
+            r"line 2: turn 0 holds a lone UTF-16 surrogate \(\\udc00, .* at character 0",
+        ),
         (  # as an empty field is refused, not sent as an empty prompt
             '{"chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "?"},'
             ' {"role": "user", "content": " \\n"}, {"role": "assistant", "content": "?"}]}\n',
@@ -488,6 +494,15 @@ UNREADABLE = [
     pytest.param("missing.jsonl", None, 2, "does not exist", id="missing"),
     pytest.param("bad.jsonl", '{"text": "a"}\n{bad json\n', 2, "not valid JSON", id="bad-json"),
     pytest.param("plain.jsonl/x.jsonl", None, 2, "cannot read corpus file", id="under-a-file"),
+    # JSON's escape of half an emoji: read, it failed the sweep (exit 1) with "cannot write
+    # '\\ud83d' in the utf-8 encoding: set PYTHONIOENCODING=utf-8", while doctor passed it
+    pytest.param(
+        "cut.jsonl",
+        '{"text": "a"}\n{"text": "an emoji cut \\ud83d in two"}\n',
+        2,
+        "line 2: field 'text' holds a lone UTF-16 surrogate (\\ud83d",
+        id="lone-surrogate",
+    ),
 ]
 
 
