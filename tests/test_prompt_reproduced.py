@@ -356,6 +356,8 @@ def test_the_download_hint_of_a_gguf_named_on_the_hub_names_its_repo_and_file(
     """`huggingface-cli download owner/repo:QUANT` is refused (no repo id): the hint names the
     repo and the quantization's file alone (not every quantization the repo holds)."""
     campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    # transformers installed (where it is not, every hint starts with installing it: below)
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: False)
     model = f"{marker}/Llama-GGUF:Q4_K_M"
     campaign.write_text(campaign.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
@@ -422,3 +424,33 @@ def test_doctor_and_the_dry_run_count_a_resumes_prompts_as_its_sweep_does(
         assert "'mine' has 0 distinct prompts within 25-2048" in " ".join(result.output.split())
     resumed = _invoke(campaign, tmp_path / "out")
     assert resumed.exit_code == 0, resumed.output
+
+
+def test_without_transformers_the_hint_installs_it_before_any_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dvfs reads every tokenizer with transformers, which its environment may lack (the
+    server runs in a container, or is attached by url): then a download changes nothing, and
+    prompts go out plain. Doctor's note said only "no tokenizer of MODEL in the local cache:
+    `huggingface-cli download MODEL`", which a user would follow and see the same note again."""
+    campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+
+    def tokenizer_check() -> str:
+        done = CliRunner().invoke(
+            cli, ["doctor", str(campaign), "--out", str(tmp_path / "out"), "--json"]
+        )
+        [check] = [c for c in json.loads(done.stdout) if c["name"] == "tokenizer"]
+        assert check["status"] == "warn", check
+        return check["detail"]
+
+    # (raising=False: the test reads the same before dvfs had this function)
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: True, raising=False)
+    detail = tokenizer_check()
+    assert "transformers is not installed in dvfs's environment" in detail, detail
+    assert "without the model's chat template" in detail, detail
+    assert f"`pip install transformers` and `huggingface-cli download {marker}`" in detail
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: False)
+    detail = tokenizer_check()
+    assert f"no tokenizer of {marker} in the local cache" in detail, detail
+    assert "pip install" not in detail and f"`huggingface-cli download {marker}`" in detail

@@ -62,11 +62,19 @@ def estimate_note(campaign: Campaign, method: str, recorded: str) -> str | None:
     prompts are chosen by the estimate, and its resumes keep that (`counted_corpora`), even
     once the first server has fetched the model. None otherwise."""
     from dvfs.backends import simulated_engine
-    from dvfs.corpora.tokens import download_hint
+    from dvfs.corpora.tokens import download_hint, transformers_missing
 
     if recorded or not method.startswith("estimate") or simulated_engine(campaign):
         return None
     model = campaign.engine.model
+    if transformers_missing():  # no download helps: prompts go out plain too (README)
+        return (
+            f"transformers is not installed in dvfs's environment, so no tokenizer of {model} "
+            "is read: which prompts fit workload.input_tokens is estimated (characters / 4) "
+            "for this whole campaign, resumes included, and prompts go out as plain text, "
+            f"without the model's chat template; {download_hint(model)} before its first "
+            "sweep makes them exact"
+        )
     return (
         f"no tokenizer of {model} in the local cache: which prompts fit workload.input_tokens "
         f"is estimated (characters / 4) for this whole campaign, resumes included; "
