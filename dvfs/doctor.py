@@ -570,11 +570,19 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
         shortfall_line,
     )
     from dvfs.fleet.shard_journal import folder_journals
+    from dvfs.measure.journal import iter_records
+    from dvfs.sweep import prompt_refusal
 
-    corpora, _ = counted_corpora(campaign, recorded_count_method(folder_journals(out_dir)))
+    journals = folder_journals(out_dir)
+    corpora, method = counted_corpora(campaign, recorded_count_method(journals))
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
+    for journal in (j for j in journals if j.is_file()):  # a corpus edited since: refused
+        sessions = [r for r in iter_records(journal) if r.get("type") == "session"]
+        refusal = prompt_refusal(journal, sessions, corpora, method, campaign)
+        if refusal is not None:
+            raise refusal
     # What the sweep samples from: the prompts skipped, trimmed or repeated said, not only
     # the file's count (a corpus of mostly short prompts measures a few of them, over again).
     lengths = campaign.workload.input_tokens
@@ -614,6 +622,12 @@ def _out_dir(
     from dvfs.sweep import check_out_dir
 
     check_out_dir(campaign, out_dir, shard)
+    from dvfs.fleet.shard_journal import folder_journals
+    from dvfs.sweep import resume_refusals
+
+    # its servers' environment changed since the journal's (say CUDA_LAUNCH_BLOCKING=1)
+    for refusal in resume_refusals(campaign, folder_journals(out_dir), None, ""):
+        raise refusal
     if models:
         from dvfs.fleet.folders import check_same_gpus, journals_done, model_journals
         from dvfs.fleet.shard import planned_cells

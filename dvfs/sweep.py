@@ -106,11 +106,26 @@ def check_same_prompts(
     journal: Journal, corpora: dict[str, Corpus], count_method: str, campaign: Campaign
 ) -> None:
     """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
-    (`dvfs.records.prompt_changes`): a corpus edited since, the same corpus counted otherwise
-    (another revision of the tokenizer: `pool_hash`), another token-count method (the
-    journal's is reproduced, `recorded_count_method`, so only where its sessions already
-    differ); the arms would compare prompts. The prompt format is the servers' to check, once
-    one has started (`Runner._check_prompt_format`)."""
+    (`prompt_refusal`)."""
+    refusal = prompt_refusal(journal.path, journal.sessions, corpora, count_method, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def prompt_refusal(
+    path: Path,
+    sessions: Sequence[dict[str, Any]],
+    corpora: dict[str, Corpus],
+    count_method: str,
+    campaign: Campaign,
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions (its session
+    records) sent other prompts (`dvfs.records.prompt_changes`): a corpus edited since, the
+    same corpus counted otherwise (another revision of the tokenizer: `pool_hash`), another
+    token-count method (the journal's is reproduced, `recorded_count_method`, so only where its
+    sessions already differ); the arms would compare prompts. None where they are the same.
+    The prompt format is the servers' to check, once one has started
+    (`Runner._check_prompt_format`)."""
     from dvfs.corpora.sampling import pool_hash
     from dvfs.records import prompt_changes
 
@@ -122,23 +137,36 @@ def check_same_prompts(
         },
         "token_count_method": count_method,
     }
-    for session in journal.sessions:
+    for session in sessions:
         changes = prompt_changes(session, now)
         if changes:
-            raise JournalError(
-                f"the prompts differ from those {journal.path} was measured with "
+            return JournalError(
+                f"the prompts differ from those {path} was measured with "
                 f"({'; '.join(changes)}): its cells would not compare with this run's; restore "
                 "the corpus (and tokenizer) it was measured with, or rerun with --fresh (or "
                 "into another --out folder)"
             )
+    return None
 
 
 def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
     """Refuse, before measuring, to resume a journal whose servers ran with another value of
     an environment variable that changes their kernels, numerics or scheduling
-    (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set in
-    engine.sglang.env or in dvfs's own environment: the later arms would be served otherwise
-    than the journal's first ones, unseen. Sessions that recorded none are not compared."""
+    (`server_env_refusal`)."""
+    refusal = server_env_refusal(journal.path, journal.sessions, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def server_env_refusal(
+    path: Path, sessions: Sequence[dict[str, Any]], campaign: Campaign
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions' servers ran with
+    another value of an environment variable that changes their kernels, numerics or
+    scheduling (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set
+    in engine.sglang.env or in dvfs's own environment: the later arms would be served
+    otherwise than the journal's first ones, unseen. Sessions that recorded none are not
+    compared. None where nothing changed."""
     from dvfs.engines.sglang_args import recorded_server_env
     from dvfs.records import SERVER_ENV_ADVICE, SERVER_ENV_PREFIXES, env_changes
 
@@ -146,14 +174,40 @@ def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
         "server_env": recorded_server_env(campaign),
         "server_env_prefixes": list(SERVER_ENV_PREFIXES),
     }
-    for session in journal.sessions:
+    for session in sessions:
         changes = env_changes(session, now)
         if changes:
-            raise JournalError(
+            return JournalError(
                 f"this run's SGLang servers would start with another environment than those "
-                f"of {journal.path} ({'; '.join(changes)}): its cells would not compare with "
+                f"of {path} ({'; '.join(changes)}): its cells would not compare with "
                 f"this run's; {SERVER_ENV_ADVICE}"
             )
+    return None
+
+
+def resume_refusals(
+    campaign: Campaign,
+    journals: Sequence[Path],
+    corpora: dict[str, Corpus] | None,
+    count_method: str,
+) -> list[JournalError]:
+    """What stops a sweep resuming these journals (those that exist) before it measures, as
+    it checks each once it opens it: servers that would start with another environment, and
+    (given the `corpora`, counted by `count_method` as the sweep counts them) other prompts.
+    For `dvfs doctor` and the dry run, which open no journal for writing."""
+    from dvfs.measure.journal import iter_records
+
+    refusals = []
+    for path in journals:
+        if not path.is_file():
+            continue
+        sessions = [r for r in iter_records(path) if r.get("type") == "session"]
+        refusal = server_env_refusal(path, sessions, campaign)
+        if refusal is None and corpora is not None:
+            refusal = prompt_refusal(path, sessions, corpora, count_method, campaign)
+        if refusal is not None:
+            refusals.append(refusal)
+    return refusals
 
 
 def fresh_start(out_dir: Path, done: list[tuple[Path, Path]] | None = None) -> Path | None:
@@ -1236,19 +1290,24 @@ def plan_dry_run(
     )
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
-    recorded = ""
+    recorded, method = "", ""
+    corpora: dict[str, Corpus] | None = None
     try:
         # Counted as the sweep counts them: by the method of the journals it resumes (the
         # estimate stays the estimate though a tokenizer was cached since), else this machine's.
         recorded = "" if fresh else recorded_count_method(folder_journals(out_dir))
-        short = corpus_shortfalls(campaign, counted_corpora(campaign, recorded)[0])
+        corpora, method = counted_corpora(campaign, recorded)
+        short = corpus_shortfalls(campaign, corpora)
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
         codes = [2 for _ in problems]
     except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
         # read fault or a journal's tokenizer this machine lacks
         problems, codes = [str(exc)], [exc.exit_code]
-    codes += [exc.exit_code for exc in refusals]
-    problems += refused
+    # The journals it resumes, refused where their servers' environment or prompts changed
+    # since (a corpus edited), as the sweep refuses them once it opens them.
+    resume = [] if refused or fresh else resume_refusals(campaign, journals, corpora, method)
+    codes += [exc.exit_code for exc in [*refusals, *resume]]
+    problems += [*refused, *map(str, resume)]
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
