@@ -100,10 +100,12 @@ def check_campaign(
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
     checks.append(_run("engine", lambda: _engine(campaign)))
     if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+        checks.append(_run("models", lambda: _model_paths(campaign)))
+    if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
-    checks.append(_run("corpora", lambda: _corpora(campaign)))
+    checks.append(_run("corpora", lambda: _corpora(campaign, out_dir)))
     if not simulated_engine(campaign):
         checks.append(_run("tokenizer", lambda: _tokenizer(campaign, out_dir)))
     folder_models = models if fleet else None
@@ -491,6 +493,36 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
     return OK, f"sglang {version}"
 
 
+#: How a model name that can only be a path on the server's host begins (any other name may be
+#: a Hugging Face repo id, or a folder SGLang finds before it asks the hub).
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+def _model_paths(campaign: Campaign) -> tuple[str, str]:
+    """The target's and each drafter's model named by a local path that is not there, which
+    every server of it would fail to start on (the cells after an hour of others'): a failure
+    where dvfs starts SGLang on this host, a warning where the server command may start it
+    elsewhere (a container's paths, a remote host's). Relative paths read from here: the
+    folder the sweep runs in, which the server it starts inherits."""
+    named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
+    named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
+    paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
+    missing = [f"{key} {name!r}" for key, name in paths if not Path(name).expanduser().exists()]
+    if not missing:
+        return OK, (
+            f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
+        )
+    if campaign.engine.sglang.server_command:
+        return WARN, (
+            f"no such path on this host: {', '.join(missing)}; fine if the server command "
+            "starts SGLang where it is (a container, another host), else correct the path"
+        )
+    return FAIL, (
+        f"no such path: {', '.join(missing)}: SGLang would fail to start on it; correct the "
+        "path, or name the model's Hugging Face repo id"
+    )
+
+
 def _arms(campaign: Campaign) -> tuple[str, str]:
     """What the sweep refuses before any server starts (`check_engine`): drafters SGLang would
     serve with other kernels or scheduling than each other."""
@@ -526,14 +558,35 @@ def _shard(campaign: Campaign, shard: Shard) -> tuple[str, str]:
     )
 
 
-def _corpora(campaign: Campaign) -> tuple[str, str]:
-    from dvfs.corpora.prepare import corpus_shortfalls, load_corpora, shortfall_line
+def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
+    """The corpora as the sweep into `out_dir` counts them: by its journals' method, which a
+    resume keeps (the estimate, though a tokenizer was cached since), else the model's cached
+    tokenizer; so the prompts that fit the input lengths are the sweep's."""
+    from dvfs.corpora.prepare import (
+        corpus_shortfalls,
+        corpus_usage,
+        counted_corpora,
+        recorded_count_method,
+        shortfall_line,
+    )
+    from dvfs.fleet.shard_journal import folder_journals
+    from dvfs.measure.journal import iter_records
+    from dvfs.sweep import prompt_refusal
 
-    corpora = load_corpora(campaign)
+    journals = folder_journals(out_dir)
+    corpora, method = counted_corpora(campaign, recorded_count_method(journals))
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
-    return OK, ", ".join(f"{n} ({len(c.prompts)} prompts)" for n, c in corpora.items())
+    for journal in (j for j in journals if j.is_file()):  # a corpus edited since: refused
+        sessions = [r for r in iter_records(journal) if r.get("type") == "session"]
+        refusal = prompt_refusal(journal, sessions, corpora, method, campaign)
+        if refusal is not None:
+            raise refusal
+    # What the sweep samples from: the prompts skipped, trimmed or repeated said, not only
+    # the file's count (a corpus of mostly short prompts measures a few of them, over again).
+    lengths = campaign.workload.input_tokens
+    return OK, ", ".join(f"{n} ({corpus_usage(c, lengths)})" for n, c in corpora.items())
 
 
 def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
@@ -569,6 +622,12 @@ def _out_dir(
     from dvfs.sweep import check_out_dir
 
     check_out_dir(campaign, out_dir, shard)
+    from dvfs.fleet.shard_journal import folder_journals
+    from dvfs.sweep import resume_refusals
+
+    # its servers' environment changed since the journal's (say CUDA_LAUNCH_BLOCKING=1)
+    for refusal in resume_refusals(campaign, folder_journals(out_dir), None, ""):
+        raise refusal
     if models:
         from dvfs.fleet.folders import check_same_gpus, journals_done, model_journals
         from dvfs.fleet.shard import planned_cells

@@ -28,6 +28,8 @@ def read_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> b
 
 
 def read_text_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> str:
-    """`read_limited` as UTF-8 text with universal newlines, as `Path.read_text` reads it."""
-    text = read_limited(path, limit, error, what).decode("utf-8")
+    """`read_limited` as UTF-8 text with universal newlines, as `Path.read_text` reads it, less
+    a leading UTF-8 byte-order mark (Windows editors save one; TOML and JSON parsers read it as
+    a stray character, "invalid statement at line 1, column 1" of a valid file)."""
+    text = read_limited(path, limit, error, what).decode("utf-8-sig")
     return text.replace("\r\n", "\n").replace("\r", "\n")

@@ -38,7 +38,6 @@ from dvfs.corpora.prepare import (
     corpus_shortfalls,
     counted_corpora,
     estimate_note,
-    load_corpora,
     recorded_count_method,
     shortfall_line,
 )
@@ -107,11 +106,26 @@ def check_same_prompts(
     journal: Journal, corpora: dict[str, Corpus], count_method: str, campaign: Campaign
 ) -> None:
     """Refuse, before measuring, to resume a journal whose earlier sessions sent other prompts
-    (`dvfs.records.prompt_changes`): a corpus edited since, the same corpus counted otherwise
-    (another revision of the tokenizer: `pool_hash`), another token-count method (the
-    journal's is reproduced, `recorded_count_method`, so only where its sessions already
-    differ); the arms would compare prompts. The prompt format is the servers' to check, once
-    one has started (`Runner._check_prompt_format`)."""
+    (`prompt_refusal`)."""
+    refusal = prompt_refusal(journal.path, journal.sessions, corpora, count_method, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def prompt_refusal(
+    path: Path,
+    sessions: Sequence[dict[str, Any]],
+    corpora: dict[str, Corpus],
+    count_method: str,
+    campaign: Campaign,
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions (its session
+    records) sent other prompts (`dvfs.records.prompt_changes`): a corpus edited since, the
+    same corpus counted otherwise (another revision of the tokenizer: `pool_hash`), another
+    token-count method (the journal's is reproduced, `recorded_count_method`, so only where its
+    sessions already differ); the arms would compare prompts. None where they are the same.
+    The prompt format is the servers' to check, once one has started
+    (`Runner._check_prompt_format`)."""
     from dvfs.corpora.sampling import pool_hash
     from dvfs.records import prompt_changes
 
@@ -123,23 +137,36 @@ def check_same_prompts(
         },
         "token_count_method": count_method,
     }
-    for session in journal.sessions:
+    for session in sessions:
         changes = prompt_changes(session, now)
         if changes:
-            raise JournalError(
-                f"the prompts differ from those {journal.path} was measured with "
+            return JournalError(
+                f"the prompts differ from those {path} was measured with "
                 f"({'; '.join(changes)}): its cells would not compare with this run's; restore "
                 "the corpus (and tokenizer) it was measured with, or rerun with --fresh (or "
                 "into another --out folder)"
             )
+    return None
 
 
 def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
     """Refuse, before measuring, to resume a journal whose servers ran with another value of
     an environment variable that changes their kernels, numerics or scheduling
-    (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set in
-    engine.sglang.env or in dvfs's own environment: the later arms would be served otherwise
-    than the journal's first ones, unseen. Sessions that recorded none are not compared."""
+    (`server_env_refusal`)."""
+    refusal = server_env_refusal(journal.path, journal.sessions, campaign)
+    if refusal is not None:
+        raise refusal
+
+
+def server_env_refusal(
+    path: Path, sessions: Sequence[dict[str, Any]], campaign: Campaign
+) -> JournalError | None:
+    """Why a sweep refuses to resume the journal at `path` whose sessions' servers ran with
+    another value of an environment variable that changes their kernels, numerics or
+    scheduling (`dvfs.records.env_changes`: CUDA_LAUNCH_BLOCKING, an SGLANG_* switch...), set
+    in engine.sglang.env or in dvfs's own environment: the later arms would be served
+    otherwise than the journal's first ones, unseen. Sessions that recorded none are not
+    compared. None where nothing changed."""
     from dvfs.engines.sglang_args import recorded_server_env
     from dvfs.records import SERVER_ENV_ADVICE, SERVER_ENV_PREFIXES, env_changes
 
@@ -147,14 +174,40 @@ def check_same_server_env(journal: Journal, campaign: Campaign) -> None:
         "server_env": recorded_server_env(campaign),
         "server_env_prefixes": list(SERVER_ENV_PREFIXES),
     }
-    for session in journal.sessions:
+    for session in sessions:
         changes = env_changes(session, now)
         if changes:
-            raise JournalError(
+            return JournalError(
                 f"this run's SGLang servers would start with another environment than those "
-                f"of {journal.path} ({'; '.join(changes)}): its cells would not compare with "
+                f"of {path} ({'; '.join(changes)}): its cells would not compare with "
                 f"this run's; {SERVER_ENV_ADVICE}"
             )
+    return None
+
+
+def resume_refusals(
+    campaign: Campaign,
+    journals: Sequence[Path],
+    corpora: dict[str, Corpus] | None,
+    count_method: str,
+) -> list[JournalError]:
+    """What stops a sweep resuming these journals (those that exist) before it measures, as
+    it checks each once it opens it: servers that would start with another environment, and
+    (given the `corpora`, counted by `count_method` as the sweep counts them) other prompts.
+    For `dvfs doctor` and the dry run, which open no journal for writing."""
+    from dvfs.measure.journal import iter_records
+
+    refusals = []
+    for path in journals:
+        if not path.is_file():
+            continue
+        sessions = [r for r in iter_records(path) if r.get("type") == "session"]
+        refusal = server_env_refusal(path, sessions, campaign)
+        if refusal is None and corpora is not None:
+            refusal = prompt_refusal(path, sessions, corpora, count_method, campaign)
+        if refusal is not None:
+            refusals.append(refusal)
+    return refusals
 
 
 def fresh_start(out_dir: Path, done: list[tuple[Path, Path]] | None = None) -> Path | None:
@@ -470,11 +523,14 @@ def run_sweep(
     state_dir: Path | None = None,
     shard: Shard | None = None,
     skip: Collection[str] = (),
+    count_method: str = "",
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) into `out_dir` (failed cells
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
     output folder another sweep is using, or one holding another shard. `skip`: keys of cells
-    to leave out, as if done (the dry run's estimate of what another folder has left)."""
+    to leave out, as if done (the dry run's estimate of what another folder has left).
+    `count_method`: how to count prompt tokens where the folder's journal recorded no method
+    (a dry run's estimate counts as the journal it estimates for)."""
     try:
         with out_dir_lock(out_dir, progress) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
@@ -489,6 +545,7 @@ def run_sweep(
                 state_dir=state_dir,
                 shard=shard,
                 skip=skip,
+                count_method=count_method,
             )
             outcome = _with_cube(summary, journal_path, out_dir)
     except GpuPermissionError as exc:
@@ -597,6 +654,7 @@ def _measure(
     state_dir: Path | None,
     shard: Shard | None,
     skip: Collection[str] = (),
+    count_method: str = "",
 ) -> tuple[RunSummary, Path]:
     """Run the cells into the folder's journal; its summary, and the journal's path."""
     # What the campaign alone decides is refused before the journal is made (a refused run
@@ -608,7 +666,7 @@ def _measure(
     if skip:
         cells = [c for c in cells if c.key not in skip]
     check_journal(out_dir / JOURNAL_NAME, campaign)
-    recorded = recorded_count_method([out_dir / JOURNAL_NAME])
+    recorded = recorded_count_method([out_dir / JOURNAL_NAME]) or count_method
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
     # Whoever opened the backends (the CLI here, a Python caller its own): the engine's
@@ -1242,14 +1300,24 @@ def plan_dry_run(
     done_there = frozenset(finished[most_left]) if most_left is not None else frozenset()
     knobs = campaign.knobs
     servers = tuple(server_plans(campaign))
+    recorded, method = "", ""
+    corpora: dict[str, Corpus] | None = None
     try:
-        short = corpus_shortfalls(campaign, load_corpora(campaign))
+        # Counted as the sweep counts them: by the method of the journals it resumes (the
+        # estimate stays the estimate though a tokenizer was cached since), else this machine's.
+        recorded = "" if fresh else recorded_count_method(folder_journals(out_dir))
+        corpora, method = counted_corpora(campaign, recorded)
+        short = corpus_shortfalls(campaign, corpora)
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
         codes = [2 for _ in problems]
-    except CorpusError as exc:  # exit code as the sweep's: 2 a bad file, 1 a read fault
+    except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
+        # read fault or a journal's tokenizer this machine lacks
         problems, codes = [str(exc)], [exc.exit_code]
-    codes += [exc.exit_code for exc in refusals]
-    problems += refused
+    # The journals it resumes, refused where their servers' environment or prompts changed
+    # since (a corpus edited), as the sweep refuses them once it opens them.
+    resume = [] if refused or fresh else resume_refusals(campaign, journals, corpora, method)
+    codes += [exc.exit_code for exc in [*refusals, *resume]]
+    problems += [*refused, *map(str, resume)]
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -1275,7 +1343,14 @@ def plan_dry_run(
         problems=tuple(problems),
         shard=shard.label if shard else None,
         estimate=(
-            twin_estimate(campaign, shard=shard, twin=twin, progress=progress, skip=done_there)
+            twin_estimate(
+                campaign,
+                shard=shard,
+                twin=twin,
+                progress=progress,
+                skip=done_there,
+                count_method=recorded,
+            )
             if estimate and not problems and stand_in_problem is None and not all_done
             else None
         ),
@@ -1464,11 +1539,13 @@ def twin_estimate(
     twin: str | None = None,
     progress: Progress | None = None,
     skip: Collection[str] = (),
+    count_method: str = "",
 ) -> TwinEstimate:
     """Sweep the campaign's twin stand-in (`twin_stand_in`) into a temporary folder, in
     virtual time, and read off the GPU time it spends and the naive protocol's. `skip`: keys
     of the cells already done in the folder planned for, left out (the estimate is of what
-    the sweep there has left)."""
+    the sweep there has left). `count_method`: the token-count method of the journal the
+    estimate is for, which its sweep would keep."""
     import tempfile
 
     from dvfs.cube import open_cube
@@ -1479,7 +1556,9 @@ def twin_estimate(
         out = Path(tmp)
         # The cube the sweep holds in memory: the numbers of the file it wrote, without
         # reading the file back (twice, before).
-        ds = run_sweep(stand_in, out, shard=shard, progress=progress, skip=skip).cube
+        ds = run_sweep(
+            stand_in, out, shard=shard, progress=progress, skip=skip, count_method=count_method
+        ).cube
         if ds is None:
             ds = open_cube(out / CUBE_NAME)
         spent = spent_gpu_s(out, ds)

@@ -545,6 +545,16 @@ def test_a_resume_whose_servers_get_another_tuning_variable_is_refused(
         with_env(path, CUDA_LAUNCH_BLOCKING="1")
     else:
         monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    # doctor and the dry run refuse it as the sweep does, in its words (they passed it)
+    for check in (
+        ["doctor", str(path), *gpus, "--out", str(out)],
+        [*args, "--dry-run", "--no-estimate"],
+    ):
+        checked = CliRunner().invoke(cli, check, catch_exceptions=False)
+        assert checked.exit_code == 1, checked.output
+        said = " ".join(checked.output.split())
+        assert "SGLang servers would start with another environment" in said, said
+        assert "(server environment CUDA_LAUNCH_BLOCKING: unset -> '1')" in said, said
     refused = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert refused.exit_code == 1, refused.output
     [line] = refused.output.strip().splitlines()

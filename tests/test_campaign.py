@@ -395,3 +395,17 @@ def test_a_token_or_path_in_env_is_not_recorded(tmp_path: Path, env: str) -> Non
     again = load_text(tmp_path, kept)
     assert again.hash == campaign.hash and again.engine.model == "llama-3.1-8b"
     assert dict(again.engine.sglang.env) == campaign.operational_dict()["engine.sglang.env"]
+
+
+def test_a_campaign_file_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    # Notepad and other Windows editors save UTF-8 with a BOM; tomllib alone reads the file as
+    # "Invalid statement (at line 1, column 1)".
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + SMALL_CAMPAIGN.encode())
+    campaign = load_campaign(path)
+    assert campaign.hash == load_text(tmp_path, SMALL_CAMPAIGN).hash
+    assert not campaign.source.startswith("\ufeff")
+    # after the mark, a byte that is not UTF-8 is still named on its line
+    path.write_bytes(b"\xef\xbb\xbf# ok\n# caf\xe9\n" + SMALL_CAMPAIGN.encode())
+    with pytest.raises(CampaignError, match=r"c\.toml is not UTF-8 text \(byte 0xe9 on line 2\)"):
+        load_campaign(path)

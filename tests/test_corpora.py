@@ -224,6 +224,24 @@ def test_hugging_face_datasets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             r"line 1: the chat has no user turn",
         ),
         ('["a", "b"]\n', {"field": "text"}, r"line 1: expected an object with fields, got a list"),
+        (  # ShareGPT exports hold some conversations with no turns
+            '{"chat": [{"from": "human", "value": "hi"}]}\n{"chat": []}\n',
+            {"messages": "chat"},
+            r"line 2: the messages field 'chat' must be a non-empty list of turns, got an empty "
+            r"list$",
+        ),
+        (  # a lone surrogate in a chat's turn (a field's: test_an_unreadable_corpus_file...)
+            '{"chat": [{"role": "user", "content": "ok"}]}\n'
+            '{"chat": [{"role": "user", "content": "\\udc00 cut"}]}\n',
+            {"messages": "chat"},
+            r"line 2: turn 0 holds a lone UTF-16 surrogate \(\\udc00, .* at character 0",
+        ),
+        (  # as an empty field is refused, not sent as an empty prompt
+            '{"chat": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "?"},'
+            ' {"role": "user", "content": " \\n"}, {"role": "assistant", "content": "?"}]}\n',
+            {"messages": "chat"},
+            r"line 1: turn 2, the user turn the model answers, is empty",
+        ),
     ],
 )
 def test_bad_input_names_file_and_line(
@@ -476,6 +494,15 @@ UNREADABLE = [
     pytest.param("missing.jsonl", None, 2, "does not exist", id="missing"),
     pytest.param("bad.jsonl", '{"text": "a"}\n{bad json\n', 2, "not valid JSON", id="bad-json"),
     pytest.param("plain.jsonl/x.jsonl", None, 2, "cannot read corpus file", id="under-a-file"),
+    # JSON's escape of half an emoji: read, it failed the sweep (exit 1) with "cannot write
+    # '\\ud83d' in the utf-8 encoding: set PYTHONIOENCODING=utf-8", while doctor passed it
+    pytest.param(
+        "cut.jsonl",
+        '{"text": "a"}\n{"text": "an emoji cut \\ud83d in two"}\n',
+        2,
+        "line 2: field 'text' holds a lone UTF-16 surrogate (\\ud83d",
+        id="lone-surrogate",
+    ),
 ]
 
 
@@ -502,3 +529,35 @@ def test_an_unreadable_corpus_file_has_one_exit_code_everywhere(
         assert says in " ".join(result.output.split()), (args, result.output)
         assert "Traceback" not in result.output
     assert not (tmp_path / "out" / "journal.jsonl").exists()
+
+
+def test_doctor_says_which_prompts_the_sweep_samples_from(tmp_path: Path) -> None:
+    """A corpus's prompts outside workload.input_tokens are skipped (too short, or too long to
+    trim: the earlier turns alone exceed it) or trimmed, and a text given twice counts once
+    (README, Corpora): `dvfs doctor` says so, rather than the file's count alone, which would
+    pass a corpus of mostly short prompts as if the sweep measured them all."""
+
+    def chat(*turns: str) -> dict:
+        return {"chat": [{"role": "user", "content": t} for t in turns]}
+
+    normal = [chat(f"prompt {i}: " + "word " * 12) for i in range(10)]  # 22 tokens each
+    records = [*normal, normal[0]]
+    records += [chat(f"hi {i}") for i in range(3)]  # 6 tokens by the estimate
+    records += [chat("word " * 2000)]  # 2505 tokens: trimmed to 2048
+    records += [chat("word " * 2000, "and now?")]  # the first turn alone is over 2048
+    for name, rows in (("mine", records), ("plain", normal)):
+        write(tmp_path / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["code", "mine", "plain"]')
+    text = replace_block(text, "batch = [1, 8]", "batch = [1]")
+    for name in ("mine", "plain"):
+        text += f'\n[corpus.{name}]\npath = "{name}.jsonl"\nmessages = "chat"\n'
+    campaign = write(tmp_path / "c.toml", text)
+    out = str(tmp_path / "out")
+    done = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", out, "--json"])
+    assert done.exit_code == 0, done.output
+    [check] = [c for c in json.loads(done.stdout) if c["name"] == "corpora"]
+    assert f"plain ({len(normal)} prompts)" in check["detail"], check  # all used as written
+    assert (
+        f"mine ({len(records)} prompts, 11 to sample: 3 under 16 tokens skipped, 1 over 2048 "
+        "trimmed, 1 over 2048 skipped (too long to trim), 1 repeat)"
+    ) in check["detail"], check

@@ -102,6 +102,15 @@ def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(
     journal = out / "journal.jsonl"
     before = journal.read_text()
     _corpus(tmp_path, edit=" (edited)")  # the corpus file edited before the rerun
+    # doctor and the dry run refuse it as the sweep does (they passed it, exit 0: "the sweep
+    # resumes its journal"), in its words
+    checked = invoke("doctor", str(campaign), "--out", str(out))
+    planned = invoke("sweep", str(campaign), "--out", str(out), "--dry-run")
+    for result in (checked, planned):
+        assert result.exit_code == 1, result.output
+        said = " ".join(result.output.split())
+        assert "the prompts differ" in said and "corpus 'mine' content: " in said, said
+    assert "FAIL corpora: the prompts differ" in checked.output
     refused = sweep(campaign, out)
     line = assert_one_line_error(
         refused,
@@ -116,9 +125,12 @@ def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(
     assert journal.read_text() == before  # nothing measured, no session journalled
     # Restored, it resumes and finishes; --fresh starts over on the edited corpus instead.
     _corpus(tmp_path)
+    assert invoke("doctor", str(campaign), "--out", str(out)).exit_code == 0
     resumed = sweep(campaign, out)
     assert resumed.exit_code == 0 and "8 cell(s) measured" in resumed.output, resumed.output
     _corpus(tmp_path, edit=" (edited)")
+    planned = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--fresh")
+    assert planned.exit_code == 0, planned.output
     assert sweep(campaign, out, "--fresh").exit_code == 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from conftest import TINY, replace_block, write
 from sglang_support import stub_campaign
 from test_journal import assert_one_line_error
 from test_prompt_invariants import _cut, _setup, sweep
@@ -355,6 +356,8 @@ def test_the_download_hint_of_a_gguf_named_on_the_hub_names_its_repo_and_file(
     """`huggingface-cli download owner/repo:QUANT` is refused (no repo id): the hint names the
     repo and the quantization's file alone (not every quantization the repo holds)."""
     campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    # transformers installed (where it is not, every hint starts with installing it: below)
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: False)
     model = f"{marker}/Llama-GGUF:Q4_K_M"
     campaign.write_text(campaign.read_text().replace(f'model = "{marker}"', f'model = "{model}"'))
     monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
@@ -377,3 +380,77 @@ def test_the_download_hint_of_a_gguf_named_on_the_hub_names_its_repo_and_file(
     assert dvfs.corpora.tokens.download_hint(long).startswith(
         f"`huggingface-cli download {marker}/{'x' * 5000} --include 'llama.gguf'`"
     )
+
+
+def test_doctor_and_the_dry_run_count_a_resumes_prompts_as_its_sweep_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal that chose its prompts by the estimate resumes by it, though the tokenizer was
+    cached since (a fresh machine's first server fetched the model); `dvfs doctor` and
+    `sweep --dry-run` count the corpora that way too, so they pass the resume the sweep runs:
+    counted by the tokenizer instead, no prompt of this corpus fits the input lengths (each is
+    20 words: 21 tokens by the tokenizer, 30 by the estimate), and both refused it, exit 2.
+    A new sweep (another folder, or --fresh) counts by the tokenizer, and all three refuse it."""
+    write(
+        tmp_path / "p.jsonl",
+        "".join(json.dumps({"text": f"w{i} " + "word " * 19}) + "\n" for i in range(10)),
+    )
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    text = replace_block(text, "input_tokens = [16, 2048]", "input_tokens = [25, 2048]")
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    out = tmp_path / "out"
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+    assert _invoke(campaign, out).exit_code == 0
+    _cut(out / "journal.jsonl", 4)
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+
+    def runs(*extra: str) -> list[Result]:
+        return [
+            CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), *extra]),
+            CliRunner().invoke(
+                cli, ["sweep", str(campaign), "--out", str(out), "--dry-run", *extra]
+            ),
+        ]
+
+    for result in runs():
+        assert result.exit_code == 0, result.output
+        assert "distinct prompts" not in result.output
+    assert "already done" in runs()[1].output
+    out = tmp_path / "new"
+    for result in [*runs(), _invoke(campaign, out)]:
+        assert result.exit_code == 2, result.output
+        assert "'mine' has 0 distinct prompts within 25-2048" in " ".join(result.output.split())
+    resumed = _invoke(campaign, tmp_path / "out")
+    assert resumed.exit_code == 0, resumed.output
+
+
+def test_without_transformers_the_hint_installs_it_before_any_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dvfs reads every tokenizer with transformers, which its environment may lack (the
+    server runs in a container, or is attached by url): then a download changes nothing, and
+    prompts go out plain. Doctor's note said only "no tokenizer of MODEL in the local cache:
+    `huggingface-cli download MODEL`", which a user would follow and see the same note again."""
+    campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: None)
+
+    def tokenizer_check() -> str:
+        done = CliRunner().invoke(
+            cli, ["doctor", str(campaign), "--out", str(tmp_path / "out"), "--json"]
+        )
+        [check] = [c for c in json.loads(done.stdout) if c["name"] == "tokenizer"]
+        assert check["status"] == "warn", check
+        return check["detail"]
+
+    # (raising=False: the test reads the same before dvfs had this function)
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: True, raising=False)
+    detail = tokenizer_check()
+    assert "transformers is not installed in dvfs's environment" in detail, detail
+    assert "without the model's chat template" in detail, detail
+    assert f"`pip install transformers` and `huggingface-cli download {marker}`" in detail
+    monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: False)
+    detail = tokenizer_check()
+    assert f"no tokenizer of {marker} in the local cache" in detail, detail
+    assert "pip install" not in detail and f"`huggingface-cli download {marker}`" in detail

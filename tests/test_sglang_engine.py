@@ -687,6 +687,37 @@ def test_doctor_finds_the_server_command_on_the_campaigns_path(tmp_path: Path) -
     assert swept.exit_code == 0, swept.output
 
 
+def test_doctor_names_a_model_path_that_is_not_there(tmp_path: Path) -> None:
+    """A drafter's (or the target's) model named by a local path that does not exist: every
+    server of that drafter would fail to start, after the other drafters' cells had run, while
+    doctor passed the campaign. Doctor fails it where dvfs starts SGLang here, and warns where
+    the server command may start it elsewhere (a container); a path that is there passes."""
+    campaign, _ = stub_campaign(tmp_path)  # the stub's EAGLE-3 drafter: draft/eagle3
+    text = campaign.read_text()
+
+    def models_check(source: str) -> tuple[int, dict[str, str]]:
+        campaign.write_text(source)
+        done = CliRunner().invoke(
+            cli, ["doctor", str(campaign), "--out", str(tmp_path / "c"), "--json"]
+        )
+        [check] = [c for c in json.loads(done.stdout) if c["name"] == "models"]
+        return done.exit_code, check
+
+    missing = text.replace('draft_model = "draft/eagle3"', 'draft_model = "./no/such/draft"')
+    code, check = models_check(missing)
+    assert check["status"] == "warn" and code == 0, check
+    assert "drafters.eagle3.draft_model './no/such/draft'" in check["detail"], check
+    start = missing.index("server_command")
+    own_server = missing.replace(missing[start : missing.index("\n", start)], "")
+    code, check = models_check(own_server)
+    assert check["status"] == "fail" and code == 1, check
+    assert "./no/such/draft" in check["detail"], check
+    (tmp_path / "draft").mkdir()
+    there = own_server.replace("./no/such/draft", str(tmp_path / "draft"))
+    assert models_check(there)[1]["status"] == "ok"
+    assert models_check(text)[1]["status"] == "ok"  # a repo id: no path to look for
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("served", "said"),

@@ -259,6 +259,22 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
 
 
+def _check_text(text: str, where: str, what: str) -> None:
+    """Refuse text no UTF-8 can hold: a lone UTF-16 surrogate, which JSON may escape (`\\ud83d`,
+    half of an emoji cut in two by a truncating export) though no file's bytes decode to one.
+    Read, it failed every later step (its hash, the journal, the terminal) with a misleading
+    "cannot write ... in the utf-8 encoding"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise CorpusError(
+            f"{where}: {what} holds a lone UTF-16 surrogate (\\u{code:04x}, half of a character "
+            f"cut in two?) at character {exc.start}, which no UTF-8 text can: fix the record or "
+            "drop it"
+        ) from exc
+
+
 def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Message, ...]:
     """Chat messages from OpenAI-style or ShareGPT-style turns, ending on the user's turn."""
     if isinstance(raw, str):
@@ -269,9 +285,9 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
                 f"{where}: the messages field {field!r} is text, not a list of turns"
             ) from exc
     if not isinstance(raw, list) or not raw:
+        got = "an empty list" if isinstance(raw, list) else _kind(raw)
         raise CorpusError(
-            f"{where}: the messages field {field!r} must be a non-empty list of turns, "
-            f"got {_kind(raw)}"
+            f"{where}: the messages field {field!r} must be a non-empty list of turns, got {got}"
         )
     messages = []
     for i, turn in enumerate(raw):
@@ -281,6 +297,7 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
         content = turn.get("content", turn.get("value"))
         if not isinstance(role, str) or not isinstance(content, str):
             raise CorpusError(f"{where}: turn {i} needs role/content (or from/value) strings")
+        _check_text(content, where, f"turn {i}")
         mapped = ROLE_ALIASES.get(role.lower())
         if mapped is None:
             raise CorpusError(
@@ -292,6 +309,10 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
         messages.pop()  # the model answers the last user turn; later answers are dropped
     if not messages:
         raise CorpusError(f"{where}: the chat has no user turn")
+    if not messages[-1].content.strip():  # as an empty `field` is refused
+        raise CorpusError(
+            f"{where}: turn {len(messages) - 1}, the user turn the model answers, is empty"
+        )
     return tuple(messages)
 
 
@@ -310,11 +331,13 @@ def _prompt(
             raise CorpusError(f"{where}: field {key!r} holds {_kind(value)}, not text")
         if not value.strip():
             raise CorpusError(f"{where}: field {key!r} is empty")
+        _check_text(value, where, f"field {key!r}")
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
         messages = chat_messages(value, where, key)
-    ident = record.get("id") or record.get("task_id") or f"{name}-{index:05d}"
-    return Prompt(str(ident), messages, count_tokens(messages))
+    ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
+    _check_text(ident, where, "its id")
+    return Prompt(ident, messages, count_tokens(messages))
 
 
 def _kind(value: Any) -> str:

@@ -62,11 +62,19 @@ def estimate_note(campaign: Campaign, method: str, recorded: str) -> str | None:
     prompts are chosen by the estimate, and its resumes keep that (`counted_corpora`), even
     once the first server has fetched the model. None otherwise."""
     from dvfs.backends import simulated_engine
-    from dvfs.corpora.tokens import download_hint
+    from dvfs.corpora.tokens import download_hint, transformers_missing
 
     if recorded or not method.startswith("estimate") or simulated_engine(campaign):
         return None
     model = campaign.engine.model
+    if transformers_missing():  # no download helps: prompts go out plain too (README)
+        return (
+            f"transformers is not installed in dvfs's environment, so no tokenizer of {model} "
+            "is read: which prompts fit workload.input_tokens is estimated (characters / 4) "
+            "for this whole campaign, resumes included, and prompts go out as plain text, "
+            f"without the model's chat template; {download_hint(model)} before its first "
+            "sweep makes them exact"
+        )
     return (
         f"no tokenizer of {model} in the local cache: which prompts fit workload.input_tokens "
         f"is estimated (characters / 4) for this whole campaign, resumes included; "
@@ -110,6 +118,30 @@ def corpus_shortfalls(campaign: Campaign, corpora: dict[str, Corpus]) -> list[st
                 f"{what} needs {need}"
             )
     return problems
+
+
+def corpus_usage(corpus: Corpus, input_tokens: tuple[int, int]) -> str:
+    """How many of the corpus's prompts a sweep samples from, and what became of the others, in
+    words (`dvfs doctor`): shorter than `input_tokens` skipped, longer trimmed to it (or
+    dropped where the earlier turns alone exceed it), a text given twice (or two trimmed to
+    one) counted once. Just the count where every prompt is used as written."""
+    from dvfs.corpora.sampling import eligible_prompts, fit_to_range
+
+    lo, hi = input_tokens
+    short = sum(p.input_tokens < lo for p in corpus.prompts)
+    long = [p for p in corpus.prompts if p.input_tokens > hi]
+    dropped = sum(fit_to_range(p, lo, hi) is None for p in long)
+    pool = len(eligible_prompts(corpus, input_tokens))
+    repeats = len(corpus.prompts) - short - dropped - pool
+    fates = [
+        (short, f"under {lo} tokens skipped"),
+        (len(long) - dropped, f"over {hi} trimmed"),
+        (dropped, f"over {hi} skipped (too long to trim)"),
+        (repeats, "repeat" if repeats == 1 else "repeats"),
+    ]
+    said = ", ".join(f"{n} {what}" for n, what in fates if n)
+    total = f"{len(corpus.prompts)} prompts"
+    return f"{total}, {pool} to sample: {said}" if said else total
 
 
 def shortfall_line(campaign: Campaign, problems: list[str]) -> str:

@@ -71,16 +71,30 @@ def load_tokenizer(model: str) -> Any:
         return None
 
 
+def transformers_missing() -> bool:
+    """Whether dvfs's own environment lacks transformers, with which it reads every tokenizer
+    (`load_tokenizer`): then no download puts one within its reach."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformers") is None
+    except (ImportError, ValueError):
+        return True
+
+
 def download_hint(model: str) -> str:
     """The command that puts `model`'s tokenizer (and weights) in the local cache: for a .gguf
     named on the Hub (`hub_gguf`, no repo id), its repo's file of that quantization alone (and
-    the gguf package, with which transformers reads its tokenizer)."""
+    the gguf package, with which transformers reads its tokenizer); first `pip install
+    transformers` where dvfs's environment lacks it (a server run in a container, or attached
+    by url, needs no SGLang here), without which a download changes nothing."""
+    library = "`pip install transformers` and " if transformers_missing() else ""
     gguf = hub_gguf(model)
     if gguf is None:
-        return f"`huggingface-cli download {model}`"
+        return f"{library}`huggingface-cli download {model}`"
     repo, file, quant = gguf
     return (
-        f"`huggingface-cli download {repo} --include '{file or f'*-{quant}.gguf'}'` "
+        f"{library}`huggingface-cli download {repo} --include '{file or f'*-{quant}.gguf'}'` "
         "and `pip install gguf`"
     )
 
