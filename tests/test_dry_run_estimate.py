@@ -264,3 +264,36 @@ def test_the_estimate_reads_the_cube_in_memory_as_the_file_gives_it(tmp_path: Pa
     assert estimate.naive_gpu_s == naive_gpu_s(on_disk, campaign)
     assert estimate.cells == int(on_disk["gpu_time_total_s"].notnull().sum())
     assert estimate.window_s == float(on_disk["gpu_time_window_s"].fillna(0.0).sum())
+
+
+def test_a_fleet_mixing_models_estimates_the_model_with_the_most_left(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A fleet mixing GPU models, begun: each model's journal has its own cells left, and the
+    estimate is of the model with the most left, as its line says (the counts say 19 to run
+    in all); its resumed sweep then spends that."""
+    from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    begun = copy_sweep(tiny_exact_run("mixed"), tmp_path / "begun")
+    first, second = sorted(begun.glob("gpu-*/journal.jsonl"))
+    _interrupted(first, 3)
+    _interrupted(second, 10)
+    args = ("sweep", str(campaign), *MIXED_FLEET, "--out", str(begun), "--dry-run")
+    plan = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
+    assert (plan["already_done"], plan["remaining"]) == (13, 19), plan
+    text = CliRunner().invoke(cli, list(args))
+    assert text.exit_code == 0, text.output
+    said = " ".join(text.output.split())
+    assert "on the 13 of 16 cells left of one GPU model (the one with the most left)" in said, said
+    resumed = CliRunner().invoke(cli, list(args[:-1]))
+    assert resumed.exit_code == 0, resumed.output
+    records = read_records(first)
+    last = max(i for i, r in enumerate(records) if r.get("type") == "session")
+    cells = [r for r in records[last:] if r.get("type") == "cell"]
+    assert len(cells) == 13
+    actual = records[last]["gpu_time_s"]["total"] + sum(
+        sum(r["gpu_time_s"].values()) for r in cells
+    )
+    assert abs(plan["twin_gpu_s"] - actual) <= 1e-3 + 1e-6 * actual, (plan["twin_gpu_s"], actual)

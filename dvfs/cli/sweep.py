@@ -86,6 +86,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             if left
             else "no planned cell (the folder holds them all)"
         )
+        if each:  # each model runs the campaign: the twin sweeps one model's share
+            which += " of one GPU model (the one with the most left)"
         if adaptive and estimate["cells_already_done"]:
             which += " and the extra repeats asked for"
         out.print(
