@@ -522,15 +522,17 @@ def run_sweep(
     nvml: ModuleType | None = None,
     state_dir: Path | None = None,
     shard: Shard | None = None,
-    skip: Collection[str] = (),
+    only: Collection[str] | None = None,
     count_method: str = "",
 ) -> SweepOutcome:
     """Run every unfinished cell of `campaign` (or of its `shard`) into `out_dir` (failed cells
     are retried), then write the cube. `fresh` moves an earlier journal aside first. Refuses an
-    output folder another sweep is using, or one holding another shard. `skip`: keys of cells
-    to leave out, as if done (the dry run's estimate of what another folder has left).
-    `count_method`: how to count prompt tokens where the folder's journal recorded no method
-    (a dry run's estimate counts as the journal it estimates for)."""
+    output folder another sweep is using, or one holding another shard. `only`: keys of the
+    cells to run (planned ones and extra repeats), and no repeat added: the cells another
+    folder holds, which the dry run sweeps first so that the sweep after them resumes as that
+    folder's would (`twin_estimate`). `count_method`: how to count prompt tokens where the
+    folder's journal recorded no method (a dry run's estimate counts as the journal it
+    estimates for)."""
     try:
         with out_dir_lock(out_dir, progress) as folder:
             moved = fresh_start(out_dir, folder.moves) if fresh else None
@@ -544,7 +546,7 @@ def run_sweep(
                 nvml=nvml,
                 state_dir=state_dir,
                 shard=shard,
-                skip=skip,
+                only=only,
                 count_method=count_method,
             )
             outcome = _with_cube(summary, journal_path, out_dir)
@@ -653,7 +655,7 @@ def _measure(
     nvml: ModuleType | None,
     state_dir: Path | None,
     shard: Shard | None,
-    skip: Collection[str] = (),
+    only: Collection[str] | None = None,
     count_method: str = "",
 ) -> tuple[RunSummary, Path]:
     """Run the cells into the folder's journal; its summary, and the journal's path."""
@@ -663,8 +665,10 @@ def _measure(
     # campaign's journal (read, not written), corpora that fall short, drafters the engine
     # would serve differently (`check_engine`).
     cells: list[Cell] = planned_cells(campaign, shard)
-    if skip:
-        cells = [c for c in cells if c.key not in skip]
+    if only is not None:  # those cells alone, the extra repeats among them after the planned
+        keys = set(only)
+        extra = journaled_repeats(campaign.measurement, cells, keys)
+        cells = [c for c in cells if c.key in keys] + extra
     check_journal(out_dir / JOURNAL_NAME, campaign)
     recorded = recorded_count_method([out_dir / JOURNAL_NAME]) or count_method
     corpora, count_method = counted_corpora(campaign, recorded)
@@ -701,7 +705,7 @@ def _measure(
                 progress=progress,
                 token_count_method=count_method,
             )
-            summary = runner.run(cells)
+            summary = runner.run(cells, adaptive=only is None)
     return summary, journal.path
 
 
@@ -1543,9 +1547,11 @@ def twin_estimate(
 ) -> TwinEstimate:
     """Sweep the campaign's twin stand-in (`twin_stand_in`) into a temporary folder, in
     virtual time, and read off the GPU time it spends and the naive protocol's. `skip`: keys
-    of the cells already done in the folder planned for, left out (the estimate is of what
-    the sweep there has left). `count_method`: the token-count method of the journal the
-    estimate is for, which its sweep would keep."""
+    of the cells already done in the folder planned for: swept first, in a sweep of their own
+    (not counted), so that the sweep after them resumes as the sweep there would, on the cells
+    left and the extra repeats every group then asks for (its own or the done cells' groups,
+    with max_repeats); the estimate is of that resumed sweep. `count_method`: the token-count
+    method of the journal the estimate is for, which its sweep would keep."""
     import tempfile
 
     from dvfs.cube import open_cube
@@ -1554,14 +1560,26 @@ def twin_estimate(
     skipped = len([c for c in planned_cells(campaign, shard) if c.key in skip]) if skip else 0
     with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
         out = Path(tmp)
+        before: xr.Dataset | None = None
+        if skip:
+            before = run_sweep(
+                stand_in, out, shard=shard, only=skip, count_method=count_method
+            ).cube
+            if before is None:
+                before = open_cube(out / CUBE_NAME)
+            already = spent_gpu_s(out, before)
         # The cube the sweep holds in memory: the numbers of the file it wrote, without
         # reading the file back (twice, before).
         ds = run_sweep(
-            stand_in, out, shard=shard, progress=progress, skip=skip, count_method=count_method
+            stand_in, out, shard=shard, progress=progress, count_method=count_method
         ).cube
         if ds is None:
             ds = open_cube(out / CUBE_NAME)
         spent = spent_gpu_s(out, ds)
+        if before is not None:  # what the resumed sweep spent: the cells it measured alone
+            spent -= already
+            earlier = before["gpu_time_total_s"].notnull()
+            ds = ds.where(~earlier.reindex_like(ds["gpu_time_total_s"], fill_value=False))
         window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
         naive = naive_gpu_s(ds, stand_in)
         cells = int(ds["gpu_time_total_s"].notnull().sum())

@@ -77,16 +77,75 @@ def test_the_estimate_is_of_the_cells_the_folder_has_left(shared_run, tmp_path: 
     text = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(begun), "--dry-run"])
     assert "the 20 of 32 cells left" in " ".join(text.output.split()), text.output
 
-    resumed = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(begun)])
+    cells, actual = resumed_spend(campaign, begun)
+    assert cells == 20
+    assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
+
+
+def resumed_spend(campaign: Path, out: Path) -> tuple[int, float]:
+    """Resume the sweep of `campaign` in `out`: the cells it measured, and the GPU time it
+    spent (its session's overhead and those cells'), read from the journal."""
+    resumed = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out)])
     assert resumed.exit_code == 0, resumed.output
-    records = read_records(begun / "journal.jsonl")
+    records = read_records(out / "journal.jsonl")
     last = max(i for i, r in enumerate(records) if r.get("type") == "session")
     cells = [r for r in records[last:] if r.get("type") == "cell"]
-    assert len(cells) == 20
-    actual = records[last]["gpu_time_s"]["total"] + sum(
-        sum(r["gpu_time_s"].values()) for r in cells
-    )
-    assert abs(predicted - actual) <= 1e-3 + 1e-6 * actual, (predicted, actual)
+    spent = records[last]["gpu_time_s"]["total"] + sum(sum(r["gpu_time_s"].values()) for r in cells)
+    return len(cells), spent
+
+
+#: SMALLER with adaptive repeats: groups whose two repeats miss ±5% get a third and a fourth.
+ADAPTIVE = replace_block(
+    SMALLER, "repeats = 2\n", "repeats = 2\nmax_repeats = 4\nprecision = 0.05\n"
+)
+
+
+def _without_repeats_from(journal: Path, repeat: int) -> None:
+    """`journal` without the cell records of repeat `repeat` and later (the extra ones)."""
+    kept = [
+        line
+        for line in journal.read_text(encoding="utf-8").splitlines(keepends=True)
+        if json.loads(line)["type"] != "cell" or json.loads(line)["cell"]["repeat"] < repeat
+    ]
+    journal.write_text("".join(kept), encoding="utf-8")
+
+
+def test_the_estimate_of_what_is_left_counts_the_extra_repeats_it_asks_for(
+    shared_run, tmp_path: Path
+) -> None:
+    """With max_repeats above repeats, what is left includes the extra repeats of the groups
+    whose planned repeats the folder already holds: the estimate is what the resumed sweep then
+    spends, extra repeats and all; a folder holding every planned cell but not the extra
+    repeats they ask for has those left (not an error about a temporary folder)."""
+    from conftest import copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "adaptive.toml", ADAPTIVE)
+    done = shared_run(ADAPTIVE, "run")
+    extra = [r for r in read_records(done / "journal.jsonl") if r.get("type") == "cell"]
+    assert any(r["cell"]["repeat"] >= 2 for r in extra)  # the campaign does ask for them
+
+    begun = copy_sweep(done, tmp_path / "begun")
+    _interrupted(begun / "journal.jsonl", 20)
+    plan = dry_json(campaign, "--out", str(begun))
+    assert (plan["already_done"], plan["remaining"]) == (20, 12), plan
+    cells, actual = resumed_spend(campaign, begun)
+    assert cells > 12  # extra repeats among them
+    assert abs(plan["twin_gpu_s"] - actual) <= 1e-3 + 1e-6 * actual, (plan["twin_gpu_s"], actual)
+
+    planned = copy_sweep(done, tmp_path / "planned")
+    _without_repeats_from(planned / "journal.jsonl", 2)
+    plan = dry_json(campaign, "--out", str(planned))
+    assert (plan["already_done"], plan["remaining"]) == (32, 0), plan
+    assert plan["adaptive_repeats"]["extra_to_run_now"] > 0
+    text = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(planned), "--dry-run"])
+    assert text.exit_code == 0, text.output
+    assert "no planned cell (the folder holds them all) and the extra repeats asked for" in (
+        " ".join(text.output.split())
+    ), text.output
+    cells, actual = resumed_spend(campaign, planned)
+    assert cells > 0
+    assert abs(plan["twin_gpu_s"] - actual) <= 1e-3 + 1e-6 * actual, (plan["twin_gpu_s"], actual)
 
 
 #: SMALLER as it would be written for real hardware: NVML and SGLang, the GPU named only in
@@ -205,3 +264,36 @@ def test_the_estimate_reads_the_cube_in_memory_as_the_file_gives_it(tmp_path: Pa
     assert estimate.naive_gpu_s == naive_gpu_s(on_disk, campaign)
     assert estimate.cells == int(on_disk["gpu_time_total_s"].notnull().sum())
     assert estimate.window_s == float(on_disk["gpu_time_window_s"].fillna(0.0).sum())
+
+
+def test_a_fleet_mixing_models_estimates_the_model_with_the_most_left(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """A fleet mixing GPU models, begun: each model's journal has its own cells left, and the
+    estimate is of the model with the most left, as its line says (the counts say 19 to run
+    in all); its resumed sweep then spends that."""
+    from conftest import MIXED_FLEET, TINY_EXACT, copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    begun = copy_sweep(tiny_exact_run("mixed"), tmp_path / "begun")
+    first, second = sorted(begun.glob("gpu-*/journal.jsonl"))
+    _interrupted(first, 3)
+    _interrupted(second, 10)
+    args = ("sweep", str(campaign), *MIXED_FLEET, "--out", str(begun), "--dry-run")
+    plan = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
+    assert (plan["already_done"], plan["remaining"]) == (13, 19), plan
+    text = CliRunner().invoke(cli, list(args))
+    assert text.exit_code == 0, text.output
+    said = " ".join(text.output.split())
+    assert "on the 13 of 16 cells left of one GPU model (the one with the most left)" in said, said
+    resumed = CliRunner().invoke(cli, list(args[:-1]))
+    assert resumed.exit_code == 0, resumed.output
+    records = read_records(first)
+    last = max(i for i, r in enumerate(records) if r.get("type") == "session")
+    cells = [r for r in records[last:] if r.get("type") == "cell"]
+    assert len(cells) == 13
+    actual = records[last]["gpu_time_s"]["total"] + sum(
+        sum(r["gpu_time_s"].values()) for r in cells
+    )
+    assert abs(plan["twin_gpu_s"] - actual) <= 1e-3 + 1e-6 * actual, (plan["twin_gpu_s"], actual)

@@ -784,7 +784,9 @@ def test_a_signal_while_the_governor_puts_gpus_back_after_one_went_silent_keeps_
     assert healthy["locked_clocks"] is None and healthy["power_limit_mw"] == 700_000
 
 
-@pytest.mark.parametrize("when", ["before the restore", "as the restore fails"])
+@pytest.mark.parametrize(
+    "when", ["before the restore", "as the restore fails", "after the restore failed"]
+)
 def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_said_once(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
@@ -792,7 +794,9 @@ def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_sa
     landed before that restore held signals (so it never ran) made the line say "received
     SIGTERM; received SIGTERM as it put them back", and not that GPU 0 keeps the governor's
     settings; one held while GPU 0's restore failed was not named at all. The line now names
-    the signal once, at its end, and what was not put back and how to put it back."""
+    the signal once, at its end, and what was not put back and how to put it back. One that
+    lands once the failed restore is over (as the error unwinds) was said to have come before
+    it, and the restore's failure was dropped: it is the failed restore's line too."""
     import contextlib
     import os
     import signal
@@ -810,9 +814,14 @@ def test_a_sigterm_beside_a_restore_that_does_not_put_the_healthy_gpu_back_is_sa
     def signalled(*args: object, **kwargs: object) -> Iterator[None]:
         if when == "before the restore":
             os.kill(os.getpid(), signal.SIGTERM)  # raised before signals are held
-        with real(*args, **kwargs):  # type: ignore[arg-type]
-            os.kill(os.getpid(), signal.SIGTERM)  # held
-            yield
+        try:
+            with real(*args, **kwargs):  # type: ignore[arg-type]
+                if when != "after the restore failed":
+                    os.kill(os.getpid(), signal.SIGTERM)  # held
+                yield
+        finally:
+            if when == "after the restore failed":
+                os.kill(os.getpid(), signal.SIGTERM)  # raised as the restore's error unwinds
 
     def fails(handle: object) -> object:
         raise nvml.NVMLError(nvml.NVML_ERROR_UNKNOWN)

@@ -80,10 +80,16 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         share = estimate["window_share"]
         left = report["cells"] - estimate["cells_already_done"]
         which = (
-            f"the {left} of {report['cells']} cells left"
-            if estimate["cells_already_done"]
-            else f"all {report['cells']} cells"
+            f"all {report['cells']} cells"
+            if not estimate["cells_already_done"]
+            else f"the {left} of {report['cells']} cells left"
+            if left
+            else "no planned cell (the folder holds them all)"
         )
+        if each:  # each model runs the campaign: the twin sweeps one model's share
+            which += " of one GPU model (the one with the most left)"
+        if adaptive and estimate["cells_already_done"]:
+            which += " and the extra repeats asked for"
         out.print(
             f"{on} spends {report['twin_gpu_s'] / 3600:.2f} GPU-hours of virtual time on "
             f"{which} (swept into a temporary folder), "

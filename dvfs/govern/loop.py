@@ -385,8 +385,8 @@ def _stopped_line(
     """One line: which GPU stopped answering and why, that the governor stopped, and what it
     put back (every other GPU, as found) and what it could not; `raised`, what it stopped
     with: `stopped`, a failed restore, or a signal (SIGTERM: `systemctl stop`) that came
-    while it put the GPUs back (delivered after, or held while the restore failed) or before
-    (the restore then did not run), said once at the end."""
+    while it put the GPUs back (delivered after, held while the restore failed, or landing as
+    its error unwound) or before (the restore then did not run), said once at the end."""
     from dvfs.signals import held_signal
 
     signum = (
@@ -419,8 +419,9 @@ def _stopped_line(
             "what its state file recorded"
         )
     healthy = [g for g in stuck if g.identity.uuid not in lost]
-    if raised is not stopped and healthy and isinstance(raised, GpuError):
-        line += f"; {str(raised).rstrip('.')}"  # the failed restore, with `dvfs gpu reset`
+    failed = _failed_restore(raised, stopped)
+    if failed is not None and healthy:
+        line += f"; {str(failed).rstrip('.')}"  # the failed restore, with `dvfs gpu reset`
     elif healthy and why is not None:  # a signal first: the restore did not run
         line += (
             f"; {why} before it put {_names(healthy)} back, which keeps the governor's "
@@ -430,6 +431,17 @@ def _stopped_line(
     if why is not None:
         line += f"; {why} as it put them back"
     return line
+
+
+def _failed_restore(raised: BaseException, stopped: GpuSilentError) -> GpuError | None:
+    """The error of the restore that followed `stopped`, where it ran and failed: `raised`
+    itself, or what a signal landing as that error unwound replaced (its context)."""
+    seen: BaseException | None = raised
+    while seen is not None and seen is not stopped:
+        if isinstance(seen, GpuError):
+            return seen
+        seen = seen.__context__
+    return None
 
 
 def _names(gpus: Sequence[Gpu]) -> str:

@@ -997,9 +997,9 @@ class Runner:
         self.progress.advance(cell, record.status)
         return record
 
-    def run(self, cells: Sequence[Cell]) -> RunSummary:
-        """Run the cells not yet journaled, then the extra repeats of those whose interval
-        across repeats misses the precision (up to max_repeats)."""
+    def run(self, cells: Sequence[Cell], *, adaptive: bool = True) -> RunSummary:
+        """Run the cells not yet journaled, then (`adaptive`) the extra repeats of those whose
+        interval across repeats misses the precision (up to max_repeats)."""
         done = self.journal.finished()
         todo = [c for c in cells if c.key not in done]
         # The extra repeats an earlier run journalled count as done, as the planned ones do.
@@ -1015,7 +1015,8 @@ class Runner:
                     measured += 1
                 else:
                     failed.append(cell_label(record.cell))
-            todo = [c for c in self.extra_repeats(cells) if c.key not in self.journal.finished()]
+            more = self.extra_repeats(cells) if adaptive else []
+            todo = [c for c in more if c.key not in self.journal.finished()]
             if not todo:
                 break
             target = self.campaign.measurement.precision
