@@ -507,7 +507,7 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
     named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
     named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
     paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
-    missing = [f"{key} {name!r}" for key, name in paths if not Path(name).expanduser().exists()]
+    missing = [f"{key} {name!r}" for key, name in paths if not _path_here(name)]
     if not missing:
         return OK, (
             f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
@@ -521,6 +521,15 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
         f"no such path: {', '.join(missing)}: SGLang would fail to start on it; correct the "
         "path, or name the model's Hugging Face repo id"
     )
+
+
+def _path_here(name: str) -> bool:
+    """Whether the model path `name` names something on this host; False where it cannot: a
+    `~user` of no such user (a typo of `~/`), a name longer than any path may be."""
+    try:
+        return Path(name).expanduser().exists()
+    except (RuntimeError, OSError, ValueError):
+        return False
 
 
 def _arms(campaign: Campaign) -> tuple[str, str]:

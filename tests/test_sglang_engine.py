@@ -712,6 +712,13 @@ def test_doctor_names_a_model_path_that_is_not_there(tmp_path: Path) -> None:
     code, check = models_check(own_server)
     assert check["status"] == "fail" and code == 1, check
     assert "./no/such/draft" in check["detail"], check
+    # a home no user has (`~models/` for `~/models/`), a path longer than any: named as not
+    # there, where doctor stopped at "internal error: RuntimeError: Could not determine home
+    # directory" (or OSError: File name too long), exit 1, every other check unsaid
+    for bad in ("~no-such-user-of-dvfs/draft", "/" + "x" * 5000):
+        code, check = models_check(own_server.replace("./no/such/draft", bad))
+        assert check["status"] == "fail" and code == 1, check
+        assert f"drafters.eagle3.draft_model {bad!r}" in check["detail"], check
     (tmp_path / "draft").mkdir()
     there = own_server.replace("./no/such/draft", str(tmp_path / "draft"))
     assert models_check(there)[1]["status"] == "ok"
