@@ -507,6 +507,16 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
     named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
     named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
     paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
+    # dvfs starts SGLang with the name as written, in an argv no shell reads: a '~' stays a
+    # folder of that name to SGLang (and to transformers, reading dvfs's own tokenizer), which
+    # then asks the Hugging Face hub for it as a repo id; not the home it names in a shell
+    tilde = [(key, name) for key, name in paths if name.startswith("~")]
+    if tilde and not campaign.engine.sglang.server_command:
+        return FAIL, (
+            "; ".join(f"{key} {name!r}{_in_full(name)}" for key, name in tilde)
+            + ": dvfs starts SGLang with the path as written, and no shell expands its '~' "
+            "(SGLang would look for a folder named '~'); write the path in full"
+        )
     missing = [f"{key} {name!r}" for key, name in paths if not _path_here(name)]
     if not missing:
         return OK, (
@@ -521,6 +531,14 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
         f"no such path: {', '.join(missing)}: SGLang would fail to start on it; correct the "
         "path, or name the model's Hugging Face repo id"
     )
+
+
+def _in_full(name: str) -> str:
+    """`name` with its `~` expanded, as ", in full 'PATH'"; "" where no home is known."""
+    try:
+        return f", in full {str(Path(name).expanduser())!r}"
+    except RuntimeError:
+        return ""
 
 
 def _path_here(name: str) -> bool:
