@@ -20,7 +20,7 @@ from dvfs.backends import (
     simulated_engine,
 )
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError
+from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError, JournalError
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
@@ -601,13 +601,21 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     from dvfs.sweep import prompt_refusal
 
     journals = folder_journals(out_dir)
-    corpora, method = counted_corpora(campaign, recorded_count_method(journals))
+    try:
+        recorded = recorded_count_method(journals)
+        sessions = {
+            j: [r for r in iter_records(j) if r.get("type") == "session"]
+            for j in journals
+            if j.is_file()
+        }
+    except JournalError:  # damaged: the output folder check says so, and how to start over
+        recorded, sessions = "", {}
+    corpora, method = counted_corpora(campaign, recorded)
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
-    for journal in (j for j in journals if j.is_file()):  # a corpus edited since: refused
-        sessions = [r for r in iter_records(journal) if r.get("type") == "session"]
-        refusal = prompt_refusal(journal, sessions, corpora, method, campaign)
+    for journal, records in sessions.items():  # a corpus edited since: refused
+        refusal = prompt_refusal(journal, records, corpora, method, campaign)
         if refusal is not None:
             raise refusal
     # What the sweep samples from: the prompts skipped, trimmed or repeated said, not only
