@@ -633,7 +633,10 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     from dvfs.fleet.shard_journal import folder_journals
 
     # Every journal the sweep resumes, each GPU model's in `gpu-*/` too, as it reads them.
-    recorded = recorded_count_method(folder_journals(out_dir))
+    try:
+        recorded = recorded_count_method(folder_journals(out_dir))
+    except JournalError:  # damaged: the output folder check says so, and how to start over
+        recorded = ""
     _, method = token_counter(campaign.engine.model, recorded)
     note = estimate_note(campaign, method, recorded)
     if note:

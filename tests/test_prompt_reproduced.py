@@ -483,3 +483,24 @@ def test_the_dry_run_estimates_a_resume_counted_by_a_tokenizer_the_twin_does_not
     assert "2 already done, 2 to run" in said and "the twin spends" in said, dry.output
     resumed = _invoke(campaign, out)
     assert resumed.exit_code == 0, resumed.output
+
+
+def test_doctor_names_a_damaged_journal_once_in_the_output_folder_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer and corpora checks read the folder's journals for the method a resume
+    keeps; a damaged journal failed them too ("FAIL tokenizer: ... is not a dvfs journal"),
+    the folder's damage said under the tokenizer's name, which is not where it is. They count
+    as a sweep starting over would, and the output folder check names the damage."""
+    campaign, _ = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_text("garbage\n")
+    done = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), "--json"])
+    assert done.exit_code == 1, done.output
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    failed = [name for name, c in checks.items() if c["status"] == "fail"]
+    assert failed == ["output folder"], checks
+    assert "not a dvfs journal" in checks["output folder"]["detail"], checks
+    assert "prompt tokens counted by: tokenizer of" in checks["tokenizer"]["detail"], checks
