@@ -20,7 +20,7 @@ from dvfs.backends import (
     simulated_engine,
 )
 from dvfs.campaign import Campaign
-from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError
+from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError, JournalError
 from dvfs.gpu.nvml import GpuNamedTwiceError, named_twice
 from dvfs.redact import redact_argv
 
@@ -507,7 +507,17 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
     named: list[tuple[str, str | None]] = [("engine.model", campaign.engine.model)]
     named += [(f"drafters.{d.name}.draft_model", d.draft_model) for d in campaign.drafters]
     paths = [(key, name) for key, name in named if name and name.startswith(LOCAL_PATH_PREFIXES)]
-    missing = [f"{key} {name!r}" for key, name in paths if not Path(name).expanduser().exists()]
+    # dvfs starts SGLang with the name as written, in an argv no shell reads: a '~' stays a
+    # folder of that name to SGLang (and to transformers, reading dvfs's own tokenizer), which
+    # then asks the Hugging Face hub for it as a repo id; not the home it names in a shell
+    tilde = [(key, name) for key, name in paths if name.startswith("~")]
+    if tilde and not campaign.engine.sglang.server_command:
+        return FAIL, (
+            "; ".join(f"{key} {name!r}{_in_full(name)}" for key, name in tilde)
+            + ": dvfs starts SGLang with the path as written, and no shell expands its '~' "
+            "(SGLang would look for a folder named '~'); write the path in full"
+        )
+    missing = [f"{key} {name!r}" for key, name in paths if not _path_here(name)]
     if not missing:
         return OK, (
             f"every model path is here ({len(paths)})" if paths else "named by repo id, not path"
@@ -521,6 +531,23 @@ def _model_paths(campaign: Campaign) -> tuple[str, str]:
         f"no such path: {', '.join(missing)}: SGLang would fail to start on it; correct the "
         "path, or name the model's Hugging Face repo id"
     )
+
+
+def _in_full(name: str) -> str:
+    """`name` with its `~` expanded, as ", in full 'PATH'"; "" where no home is known."""
+    try:
+        return f", in full {str(Path(name).expanduser())!r}"
+    except RuntimeError:
+        return ""
+
+
+def _path_here(name: str) -> bool:
+    """Whether the model path `name` names something on this host; False where it cannot: a
+    `~user` of no such user (a typo of `~/`), a name longer than any path may be."""
+    try:
+        return Path(name).expanduser().exists()
+    except (RuntimeError, OSError, ValueError):
+        return False
 
 
 def _arms(campaign: Campaign) -> tuple[str, str]:
@@ -574,13 +601,21 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     from dvfs.sweep import prompt_refusal
 
     journals = folder_journals(out_dir)
-    corpora, method = counted_corpora(campaign, recorded_count_method(journals))
+    try:
+        recorded = recorded_count_method(journals)
+        sessions = {
+            j: [r for r in iter_records(j) if r.get("type") == "session"]
+            for j in journals
+            if j.is_file()
+        }
+    except JournalError:  # damaged: the output folder check says so, and how to start over
+        recorded, sessions = "", {}
+    corpora, method = counted_corpora(campaign, recorded)
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
-    for journal in (j for j in journals if j.is_file()):  # a corpus edited since: refused
-        sessions = [r for r in iter_records(journal) if r.get("type") == "session"]
-        refusal = prompt_refusal(journal, sessions, corpora, method, campaign)
+    for journal, records in sessions.items():  # a corpus edited since: refused
+        refusal = prompt_refusal(journal, records, corpora, method, campaign)
         if refusal is not None:
             raise refusal
     # What the sweep samples from: the prompts skipped, trimmed or repeated said, not only
@@ -598,7 +633,10 @@ def _tokenizer(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     from dvfs.fleet.shard_journal import folder_journals
 
     # Every journal the sweep resumes, each GPU model's in `gpu-*/` too, as it reads them.
-    recorded = recorded_count_method(folder_journals(out_dir))
+    try:
+        recorded = recorded_count_method(folder_journals(out_dir))
+    except JournalError:  # damaged: the output folder check says so, and how to start over
+        recorded = ""
     _, method = token_counter(campaign.engine.model, recorded)
     note = estimate_note(campaign, method, recorded)
     if note:

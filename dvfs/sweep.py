@@ -30,6 +30,7 @@ from dvfs.backends import (
     real_gpus,
     server_plans,
     simulated_engine,
+    tokenizer_model,
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus
@@ -1557,6 +1558,16 @@ def twin_estimate(
     from dvfs.cube import open_cube
 
     stand_in, profile, source = twin_stand_in(campaign, twin)
+    from dvfs.corpora.tokens import TOKENIZER_OF
+
+    if count_method.startswith(TOKENIZER_OF) and count_method != (
+        f"{TOKENIZER_OF}{tokenizer_model(stand_in)}"
+    ):
+        # The tokenizer of the campaign's own model (a local path, say), which the stand-in,
+        # naming its model by the twin's profile, cannot count by: counted as a new sweep of
+        # the stand-in counts (its profile's tokenizer where cached, else the estimate), not
+        # refused as a journal whose tokenizer this machine lacks.
+        count_method = ""
     skipped = len([c for c in planned_cells(campaign, shard) if c.key in skip]) if skip else 0
     with tempfile.TemporaryDirectory(prefix="dvfs-dry-run-") as tmp:
         out = Path(tmp)

@@ -162,6 +162,10 @@ def test_doctor_reports_every_check_beside_a_damaged_journal(tmp_path: Path) -> 
     assert checks["output folder"]["status"] == "fail", checks
     assert "not a dvfs journal" in checks["output folder"]["detail"]
     assert checks["campaign"]["status"] == "ok" and checks["gpu"]["status"] == "ok", checks
+    # said once, by the folder's check: the corpora are counted as a sweep starting over
+    # counts them (it failed "corpora: ... not a dvfs journal" too, their counts unsaid)
+    assert checks["corpora"]["status"] == "ok", checks
+    assert "code (" in checks["corpora"]["detail"], checks
     assert "disk" in checks
 
 

@@ -454,3 +454,53 @@ def test_without_transformers_the_hint_installs_it_before_any_download(
     detail = tokenizer_check()
     assert f"no tokenizer of {marker} in the local cache" in detail, detail
     assert "pip install" not in detail and f"`huggingface-cli download {marker}`" in detail
+
+
+def test_the_dry_run_estimates_a_resume_counted_by_a_tokenizer_the_twin_does_not_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dry run's estimate sweeps the campaign's twin stand-in, whose model is the twin's
+    profile (`engine.twin_model`), its tokenizer that profile's Hugging Face name: a journal
+    counted by the tokenizer of the campaign's own model (a local path, this stub's name) was
+    handed to it as the method to reproduce, and the dry run refused the resume, exit 1, "the
+    journal chose its prompts by the tokenizer of MODEL, which is not in the local cache:
+    download it (... huggingface-cli download meta-llama/...)", which the sweep then ran."""
+    campaign, marker = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    text = campaign.read_text()
+    campaign.write_text(
+        text.replace(f'model = "{marker}"', f'model = "{marker}"\ntwin_model = "llama-3.1-8b"')
+    )
+    # the campaign's model's tokenizer is here; the twin profile's repo id is not cached
+    monkeypatch.setattr(
+        dvfs.corpora.tokens, "load_tokenizer", lambda m: EveryWord() if m == marker else None
+    )
+    out = tmp_path / "out"
+    assert _invoke(campaign, out).exit_code == 0
+    _cut(out / "journal.jsonl", 2)
+    dry = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    said = " ".join(dry.output.split())
+    assert "2 already done, 2 to run" in said and "the twin spends" in said, dry.output
+    resumed = _invoke(campaign, out)
+    assert resumed.exit_code == 0, resumed.output
+
+
+def test_doctor_names_a_damaged_journal_once_in_the_output_folder_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer and corpora checks read the folder's journals for the method a resume
+    keeps; a damaged journal failed them too ("FAIL tokenizer: ... is not a dvfs journal"),
+    the folder's damage said under the tokenizer's name, which is not where it is. They count
+    as a sweep starting over would, and the output folder check names the damage."""
+    campaign, _ = stub_campaign(tmp_path, drafters=ONE_DRAFTER, batch="[1, 2]")
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: EveryWord())
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "journal.jsonl").write_text("garbage\n")
+    done = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out), "--json"])
+    assert done.exit_code == 1, done.output
+    checks = {c["name"]: c for c in json.loads(done.stdout)}
+    failed = [name for name, c in checks.items() if c["status"] == "fail"]
+    assert failed == ["output folder"], checks
+    assert "not a dvfs journal" in checks["output folder"]["detail"], checks
+    assert "prompt tokens counted by: tokenizer of" in checks["tokenizer"]["detail"], checks

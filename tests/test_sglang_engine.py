@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xarray as xr
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from sglang_support import STUB, attached_stub, free_port, load_stub, running, stub_campaign
 
 import dvfs
@@ -712,10 +712,54 @@ def test_doctor_names_a_model_path_that_is_not_there(tmp_path: Path) -> None:
     code, check = models_check(own_server)
     assert check["status"] == "fail" and code == 1, check
     assert "./no/such/draft" in check["detail"], check
+    # a home no user has (`~models/` for `~/models/`), a path longer than any: named as not
+    # there, where doctor stopped at "internal error: RuntimeError: Could not determine home
+    # directory" (or OSError: File name too long), exit 1, every other check unsaid
+    for bad in ("~no-such-user-of-dvfs/draft", "/" + "x" * 5000):
+        code, check = models_check(own_server.replace("./no/such/draft", bad))
+        assert check["status"] == "fail" and code == 1, check
+        assert f"drafters.eagle3.draft_model {bad!r}" in check["detail"], check
     (tmp_path / "draft").mkdir()
     there = own_server.replace("./no/such/draft", str(tmp_path / "draft"))
     assert models_check(there)[1]["status"] == "ok"
     assert models_check(text)[1]["status"] == "ok"  # a repo id: no path to look for
+
+
+def test_doctor_fails_a_model_path_whose_home_no_shell_expands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`draft_model = "~/draft"`, there in the home: doctor said "every model path is here",
+    but dvfs starts SGLang with the path as written, in an argv no shell reads, so SGLang
+    looks for a folder named '~' (then asks the hub for it as a repo id) and every server of
+    that drafter fails to start, after the other drafters' cells. Doctor fails it, naming the
+    path in full; with a server command (which may run a shell) it stays the command's."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "draft").mkdir()
+    campaign, _ = stub_campaign(tmp_path)
+    text = campaign.read_text().replace('draft_model = "draft/eagle3"', 'draft_model = "~/draft"')
+    start = text.index("server_command")
+    own_server = text.replace(text[start : text.index("\n", start)], "")
+
+    def doctor(source: str) -> tuple[Result, dict[str, str]]:
+        campaign.write_text(source)
+        done = CliRunner().invoke(
+            cli, ["doctor", str(campaign), "--out", str(tmp_path / "c"), "--json"]
+        )
+        [check] = [c for c in json.loads(done.stdout) if c["name"] == "models"]
+        return done, check
+
+    done, check = doctor(own_server)
+    assert check["status"] == "fail" and done.exit_code == 1, check
+    assert (
+        f"drafters.eagle3.draft_model '~/draft', in full '{tmp_path / 'draft'}'"
+        in (check["detail"])
+    ), check
+    # as the sweep would start it: the '~' as written
+    dry = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(tmp_path / "c"), "--dry-run", "--no-estimate"]
+    )
+    assert "--speculative-draft-model-path ~/draft " in dry.output, dry.output
+    assert doctor(text)[1]["status"] == "ok"
 
 
 @pytest.mark.slow
