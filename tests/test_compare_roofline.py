@@ -491,6 +491,60 @@ def test_a_drafter_with_no_setting_to_judge_is_not_called_too_slow() -> None:
     assert [row[-1] for row in rows] == ["-"] * len(BATCHES)
 
 
+def test_the_best_case_headline_says_what_its_ratio_was_judged() -> None:
+    """EAGLE-3 at equal latency spends 0.95, 1.05 and 0.991 of none's energy in three repeats:
+    a mean just below 1 whose interval holds 1. The report's headline gives the ratio as the
+    table does (never "1.00x" for one below 1) and says it is within noise, not a saving."""
+    from dvfs.report import compare_document
+    from dvfs.report.compare import ratio_text
+    from dvfs.report.findings import speculation_finding
+
+    share = [0.95, 1.05, 0.991]
+    ds = make_cube(
+        clocks=[2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: 4.0 if d == "eagle3" else 10.0,
+        energy=lambda c, p, b, d, k, r: share[r] if d == "eagle3" else 1.0,
+    )
+    doc = compare_document(compare(ds), None, ds)
+    [row] = [r for r in doc["rows"] if r["drafter"] == "eagle3"]
+    assert row["verdict_equal_latency"] == "within noise"
+    assert row["energy_ratio_equal_latency"] < 1
+    headline = speculation_finding(doc, ()).headline
+    assert f"best case is {ratio_text(row['energy_ratio_equal_latency'])}x" in headline
+    assert "1.00x" not in headline and "within noise" in headline, headline
+
+
+def test_the_headline_says_too_few_repeats_where_none_could_be_judged() -> None:
+    """none's stock cell valid in one of three repeats at batch 8 (no setting can be judged
+    against it) and EAGLE-3 slower than none at every setting at batch 1: the headline says
+    batch 8's row has too few usable repeats, not that it has no valid cells to compare."""
+    from dvfs.report import compare_document
+    from dvfs.report.findings import speculation_finding
+
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=[1, 8],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (
+            ((20.0 if b == 1 else 5.0) if d == "eagle3" else 10.0) * 2000 / c
+        ),
+        energy=lambda c, p, b, d, *_: 0.5 if d == "eagle3" else 1.0,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and b == 8 and d == "none" and r > 0),
+    )
+    doc = compare_document(compare(ds), None, ds)
+    verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
+    assert verdicts == {1: NOT_WITHIN, 8: "too few repeats"}
+    headline = speculation_finding(doc, ()).headline
+    assert "in 1 of 2 rows" in headline and "too few usable repeats" in headline, headline
+    assert "no valid cells" not in headline, headline
+    only_few = ds.sel(batch=[8])
+    headline = speculation_finding(compare_document(compare(only_few), None, only_few), ()).headline
+    assert "too few usable repeats" in headline and "no row has valid cells" not in headline
+
+
 def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
     """A drafter whose low clocks are not measured yet may still meet the baseline's latency
     there: "not within target" and "too slow" rest on what is measured so far, and the
