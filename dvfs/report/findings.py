@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.common import fmt_ms
-from dvfs.report.compare import EDGES, TOO_FEW, ratio_text, too_slow
+from dvfs.report.compare import EDGES, MEAN_WITHIN, TOO_FEW, ratio_text, too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -203,8 +203,9 @@ def _no_equal_latency(comparison: dict[str, Any]) -> str:
     slow = [r for r in rows if too_slow(r)]
     few = [r for r in rows if not too_slow(r) and r.get("verdict_equal_latency") == TOO_FEW]
     empty = len(rows) - len(slow) - len(few)
+    met = _mean_met(slow)
     if rows and len(slow) == len(rows):
-        return f"No drafter meets {base!r}'s latency at {at} at any measured setting."
+        return f"No drafter meets {base!r}'s latency at {at} at any measured setting{met}."
     few_text = f"{len(few)} have too few usable repeats to judge a setting"
     empty_text = f"{empty} have no valid cells of both to compare"
     if not slow and not few:
@@ -222,11 +223,24 @@ def _no_equal_latency(comparison: dict[str, Any]) -> str:
     others = [t for n, t in ((len(few), few_text), (empty, empty_text)) if n]
     return (
         f"No drafter meets {base!r}'s latency at {at} at any measured setting in {len(slow)} of "
-        f"{len(rows)} rows; of the other {len(rows) - len(slow)}, {' and '.join(others)}."
+        f"{len(rows)} rows{met}; of the other {len(rows) - len(slow)}, {' and '.join(others)}."
         if few
         else f"No drafter meets {base!r}'s latency at {at} at any measured setting in "
-        f"{len(slow)} of {len(rows)} rows; the other {empty} have no valid cells of both to "
+        f"{len(slow)} of {len(rows)} rows{met}; the other {empty} have no valid cells of both to "
         "compare."
+    )
+
+
+def _mean_met(slow: list[dict[str, Any]]) -> str:
+    """Of rows not within target, those whose fastest setting's mean latency met the target
+    (its bound at the confidence asked did not), in words: "" for none."""
+    met = [r for r in slow if r.get(MEAN_WITHIN)]
+    if not met:
+        return ""
+    some = "all" if len(met) == len(slow) else f"{len(met)}"
+    return (
+        f" (in {some} of them a setting's mean latency met it, its bound at the confidence "
+        "asked did not: more repeats may settle it)"
     )
 
 
