@@ -212,6 +212,76 @@ def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_swe
     assert note.startswith("roofline context:") and "1032 tokens" in note, note
 
 
+def test_a_merged_cube_reads_the_context_of_its_campaigns_prompts(tiny_exact_run) -> None:
+    """The same campaign swept on a fleet of an H100 and an H200 (a merged cube) reads the
+    context of the prompts it drew, as its one-GPU sweep does, not the middle of input_tokens:
+    the merge keeps the campaign file all its cubes were swept from."""
+    from dvfs.analysis.roofline import rooflines
+    from dvfs.cube import open_cube
+
+    one = roofline(open_cube(tiny_exact_run("one")))
+    notes: list[str] = []
+    merged = rooflines(open_cube(tiny_exact_run("mixed")), notes=notes)
+    assert [r.attrs["context_tokens"] for r in merged] == [one.attrs["context_tokens"]] * 2
+    assert notes == []
+
+
+def _swept_with_own_corpus(folder) -> tuple:
+    """TINY_EXACT on the built-in code and a corpus file of its own, swept into FOLDER/out:
+    the cube's folder and the corpus file."""
+    from conftest import TINY_EXACT, _swept, replace_block, write
+
+    rows = [{"text": f"prompt {i}: " + "tell me about the sea " * (5 + i % 40)} for i in range(60)]
+    corpus = write(folder / "data" / "mine.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    text = replace_block(TINY_EXACT, 'corpora = ["code"]', 'corpora = ["code", "mine"]')
+    text += '\n[corpus.mine]\npath = "data/mine.jsonl"\nfield = "text"\n'
+    _swept(write(folder / "campaign.toml", text), folder / "out")
+    return folder / "out", corpus
+
+
+def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
+    tmp_path, monkeypatch
+) -> None:
+    """A corpus file edited since the sweep, then deleted, then (in the campaign) a Hugging
+    Face dataset: the middle of input_tokens stands in, and the note says which corpus and why
+    (changed, missing, a dataset not fetched again for an analysis), never "put the corpora back
+    where they were" for one that is where it was; an analysis never loads a hub dataset."""
+    import sys
+    import types
+
+    from dvfs.cube import open_cube
+
+    out, corpus = _swept_with_own_corpus(tmp_path)
+    ds = open_cube(out)
+    notes: list[str] = []
+    drawn = roofline(ds, notes=notes).attrs["context_tokens"]
+    assert notes == [] and drawn != (16 + 2048) / 2 + 64 / 2
+
+    def note_of(cube) -> str:
+        notes: list[str] = []
+        assert roofline(cube, notes=notes).attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+        [note] = notes
+        assert note.startswith("roofline context:") and "1032 tokens" in note, note
+        return note
+
+    with corpus.open("a") as f:
+        f.write(json.dumps({"text": "one prompt more"}) + "\n")
+    edited = note_of(ds)
+    assert "corpus 'mine' has changed" in edited and "back where they were" not in edited
+    corpus.unlink()
+    assert str(corpus) in note_of(ds)
+    loaded = []
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda *a, **k: loaded.append(a)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    hub = ds.copy()
+    hub.attrs["campaign_source"] = ds.attrs["campaign_source"].replace(
+        'path = "data/mine.jsonl"', 'dataset = "acme/prompts"'
+    )
+    assert "corpus 'mine' is a Hugging Face dataset" in note_of(hub)
+    assert loaded == []
+
+
 def test_roofline_needs_a_known_model() -> None:
     ds = roofline_cube(8)
     ds.attrs["model"] = "acme/unknown-model"
