@@ -242,10 +242,11 @@ def _swept_with_own_corpus(folder) -> tuple:
 def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
     tmp_path, monkeypatch
 ) -> None:
-    """A corpus file edited since the sweep, then deleted, then (in the campaign) a Hugging
-    Face dataset: the middle of input_tokens stands in, and the note says which corpus and why
-    (changed, missing, a dataset not fetched again for an analysis), never "put the corpora back
-    where they were" for one that is where it was; an analysis never loads a hub dataset."""
+    """A corpus file edited since the sweep, the tokenizer the cube says counted its prompts
+    gone, the corpus file deleted, then (in the campaign) a Hugging Face dataset: the middle of
+    input_tokens stands in, and the note says which corpus and why (changed, no tokenizer,
+    missing, a dataset not fetched again for an analysis), never "put the corpora back where
+    they were" for one that is where it was; an analysis never loads a hub dataset."""
     import sys
     import types
 
@@ -268,6 +269,12 @@ def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
         f.write(json.dumps({"text": "one prompt more"}) + "\n")
     edited = note_of(ds)
     assert "corpus 'mine' has changed" in edited and "back where they were" not in edited
+    tokenized = ds.copy()
+    tokenized.attrs["token_count_method"] = "tokenizer of meta-llama/Llama-3.1-8B-Instruct"
+    monkeypatch.setattr("dvfs.corpora.tokens.load_tokenizer", lambda model: None)
+    assert "tokenizer of meta-llama/Llama-3.1-8B-Instruct, not in the local cache" in note_of(
+        tokenized
+    )
     corpus.unlink()
     assert str(corpus) in note_of(ds)
     loaded = []
