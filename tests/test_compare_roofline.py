@@ -275,6 +275,10 @@ def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
     assert "tokenizer of meta-llama/Llama-3.1-8B-Instruct, not in the local cache" in note_of(
         tokenized
     )
+    moved = ds.copy()
+    moved.attrs["campaign_dir"] = str(tmp_path / "moved")
+    gone = note_of(moved)
+    assert "moved, where the relative paths of its corpora start" in gone and "fit" not in gone
     corpus.unlink()
     assert str(corpus) in note_of(ds)
     loaded = []

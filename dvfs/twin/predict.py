@@ -208,7 +208,7 @@ def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
             raise PredictError(
                 f"{where}: its campaign file's folder {recorded_dir}, where the relative paths "
                 f"of its corpora start ({', '.join(relative)}), no longer exists: put it back "
-                "with its corpora to fit the cube"
+                "with its corpora to read them again"
             )
     return campaign
 
