@@ -102,7 +102,7 @@ def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> floa
     names = [str(n) for n in cube["corpus"].values]
     method = str(cube.attrs.get("token_count_method") or "")
     if "merged_from" in cube.attrs and not cube.attrs.get("campaign_source"):
-        return "a merged cube keeps no campaign file where its cubes were swept from different ones"
+        return "a merged cube keeps a campaign file only where all its cubes record the same one"
     try:
         campaign = campaign_of(cube, where)
         specs = {ref.name: ref.spec for ref in campaign.workload.corpora}
