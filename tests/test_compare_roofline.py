@@ -212,6 +212,87 @@ def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_swe
     assert note.startswith("roofline context:") and "1032 tokens" in note, note
 
 
+def test_a_merged_cube_reads_the_context_of_its_campaigns_prompts(tiny_exact_run) -> None:
+    """The same campaign swept on a fleet of an H100 and an H200 (a merged cube) reads the
+    context of the prompts it drew, as its one-GPU sweep does, not the middle of input_tokens:
+    the merge keeps the campaign file all its cubes were swept from."""
+    from dvfs.analysis.roofline import rooflines
+    from dvfs.cube import open_cube
+
+    one = roofline(open_cube(tiny_exact_run("one")))
+    notes: list[str] = []
+    merged = rooflines(open_cube(tiny_exact_run("mixed")), notes=notes)
+    assert [r.attrs["context_tokens"] for r in merged] == [one.attrs["context_tokens"]] * 2
+    assert notes == []
+
+
+def _swept_with_own_corpus(folder) -> tuple:
+    """TINY_EXACT on the built-in code and a corpus file of its own, swept into FOLDER/out:
+    the cube's folder and the corpus file."""
+    from conftest import TINY_EXACT, _swept, replace_block, write
+
+    rows = [{"text": f"prompt {i}: " + "tell me about the sea " * (5 + i % 40)} for i in range(60)]
+    corpus = write(folder / "data" / "mine.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    text = replace_block(TINY_EXACT, 'corpora = ["code"]', 'corpora = ["code", "mine"]')
+    text += '\n[corpus.mine]\npath = "data/mine.jsonl"\nfield = "text"\n'
+    _swept(write(folder / "campaign.toml", text), folder / "out")
+    return folder / "out", corpus
+
+
+def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
+    tmp_path, monkeypatch
+) -> None:
+    """A corpus file edited since the sweep, the tokenizer the cube says counted its prompts
+    gone, the corpus file deleted, then (in the campaign) a Hugging Face dataset: the middle of
+    input_tokens stands in, and the note says which corpus and why (changed, no tokenizer,
+    missing, a dataset not fetched again for an analysis), never "put the corpora back where
+    they were" for one that is where it was; an analysis never loads a hub dataset."""
+    import sys
+    import types
+
+    from dvfs.cube import open_cube
+
+    out, corpus = _swept_with_own_corpus(tmp_path)
+    ds = open_cube(out)
+    notes: list[str] = []
+    drawn = roofline(ds, notes=notes).attrs["context_tokens"]
+    assert notes == [] and drawn != (16 + 2048) / 2 + 64 / 2
+
+    def note_of(cube) -> str:
+        notes: list[str] = []
+        assert roofline(cube, notes=notes).attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+        [note] = notes
+        assert note.startswith("roofline context:") and "1032 tokens" in note, note
+        return note
+
+    with corpus.open("a") as f:
+        f.write(json.dumps({"text": "one prompt more"}) + "\n")
+    edited = note_of(ds)
+    assert "corpus 'mine' has changed" in edited and "back where they were" not in edited
+    tokenized = ds.copy()
+    tokenized.attrs["token_count_method"] = "tokenizer of meta-llama/Llama-3.1-8B-Instruct"
+    monkeypatch.setattr("dvfs.corpora.tokens.load_tokenizer", lambda model: None)
+    assert "tokenizer of meta-llama/Llama-3.1-8B-Instruct, not in the local cache" in note_of(
+        tokenized
+    )
+    moved = ds.copy()
+    moved.attrs["campaign_dir"] = str(tmp_path / "moved")
+    gone = note_of(moved)
+    assert "moved, where the relative paths of its corpora start" in gone and "fit" not in gone
+    corpus.unlink()
+    assert str(corpus) in note_of(ds)
+    loaded = []
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda *a, **k: loaded.append(a)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    hub = ds.copy()
+    hub.attrs["campaign_source"] = ds.attrs["campaign_source"].replace(
+        'path = "data/mine.jsonl"', 'dataset = "acme/prompts"'
+    )
+    assert "corpus 'mine' is a Hugging Face dataset" in note_of(hub)
+    assert loaded == []
+
+
 def test_roofline_needs_a_known_model() -> None:
     ds = roofline_cube(8)
     ds.attrs["model"] = "acme/unknown-model"
@@ -489,6 +570,60 @@ def test_a_drafter_with_no_setting_to_judge_is_not_called_too_slow() -> None:
     doc = compare_document(result, None, ds)
     [(_, _, rows), *_] = compare_tables(doc)
     assert [row[-1] for row in rows] == ["-"] * len(BATCHES)
+
+
+def test_the_best_case_headline_says_what_its_ratio_was_judged() -> None:
+    """EAGLE-3 at equal latency spends 0.95, 1.05 and 0.991 of none's energy in three repeats:
+    a mean just below 1 whose interval holds 1. The report's headline gives the ratio as the
+    table does (never "1.00x" for one below 1) and says it is within noise, not a saving."""
+    from dvfs.report import compare_document
+    from dvfs.report.compare import ratio_text
+    from dvfs.report.findings import speculation_finding
+
+    share = [0.95, 1.05, 0.991]
+    ds = make_cube(
+        clocks=[2000],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: 4.0 if d == "eagle3" else 10.0,
+        energy=lambda c, p, b, d, k, r: share[r] if d == "eagle3" else 1.0,
+    )
+    doc = compare_document(compare(ds), None, ds)
+    [row] = [r for r in doc["rows"] if r["drafter"] == "eagle3"]
+    assert row["verdict_equal_latency"] == "within noise"
+    assert row["energy_ratio_equal_latency"] < 1
+    headline = speculation_finding(doc, ()).headline
+    assert f"best case is {ratio_text(row['energy_ratio_equal_latency'])}x" in headline
+    assert "1.00x" not in headline and "within noise" in headline, headline
+
+
+def test_the_headline_says_too_few_repeats_where_none_could_be_judged() -> None:
+    """none's stock cell valid in one of three repeats at batch 8 (no setting can be judged
+    against it) and EAGLE-3 slower than none at every setting at batch 1: the headline says
+    batch 8's row has too few usable repeats, not that it has no valid cells to compare."""
+    from dvfs.report import compare_document
+    from dvfs.report.findings import speculation_finding
+
+    ds = make_cube(
+        clocks=CLOCKS,
+        batches=[1, 8],
+        drafters=["none", "eagle3"],
+        repeats=3,
+        latency=lambda c, p, b, d, *_: (
+            ((20.0 if b == 1 else 5.0) if d == "eagle3" else 10.0) * 2000 / c
+        ),
+        energy=lambda c, p, b, d, *_: 0.5 if d == "eagle3" else 1.0,
+        valid=lambda c, p, b, d, k, r: not (c == 2000 and b == 8 and d == "none" and r > 0),
+    )
+    doc = compare_document(compare(ds), None, ds)
+    verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
+    assert verdicts == {1: NOT_WITHIN, 8: "too few repeats"}
+    headline = speculation_finding(doc, ()).headline
+    assert "in 1 of 2 rows" in headline and "too few usable repeats" in headline, headline
+    assert "no valid cells" not in headline, headline
+    only_few = ds.sel(batch=[8])
+    headline = speculation_finding(compare_document(compare(only_few), None, only_few), ()).headline
+    assert "too few usable repeats" in headline and "no row has valid cells" not in headline
 
 
 def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:

@@ -60,8 +60,9 @@ def _mean_context(cube: xr.Dataset, notes: list[str] | None = None) -> float:
     """The mean context a decode pass of the cube's cells attends to: the mean input tokens of
     the prompts the sweep drew (`_mean_prompt_tokens`) plus half the output. Where those
     prompts cannot be read again, the midpoint of the campaign's input_tokens range, said in
-    `notes`: the range only bounds the prompts (the built-in corpora's average 140-200 tokens
-    of the demo's 16-2048), and a context too long overstates the KV cache read."""
+    `notes` with the reason: the range only bounds the prompts (the built-in corpora's average
+    140-200 tokens of the demo's 16-2048), and a context too long overstates the KV cache
+    read."""
     try:
         workload = json.loads(cube.attrs["campaign"])["workload"]
         lo, hi = workload["input_tokens"]
@@ -69,45 +70,72 @@ def _mean_context(cube: xr.Dataset, notes: list[str] | None = None) -> float:
     except (KeyError, ValueError, TypeError):
         return 1024.0
     prompts = _mean_prompt_tokens(cube, (int(lo), int(hi)))
-    if prompts is None:
-        if notes is not None and "corpora" in workload:
-            notes.append(
-                "roofline context: the prompts the sweep drew cannot be read again here, so the "
-                f"middle of workload.input_tokens ({(lo + hi) / 2:.0f} tokens) stands in for "
-                "their mean: the verify passes' FLOP/B are low if the prompts were shorter; "
-                "put the campaign's corpora back where they were"
-            )
+    if isinstance(prompts, str):
+        note = (
+            f"roofline context: the middle of workload.input_tokens ({(lo + hi) / 2:.0f} "
+            "tokens) stands in for the mean of the prompts the sweep drew (the verify passes' "
+            f"FLOP/B are low if those were shorter), which cannot be read again here: {prompts}"
+        )
+        # Said once for a merged cube's models; a cube whose campaign names no corpora (one
+        # built by hand) drew no prompts to say anything of.
+        if notes is not None and note not in notes and "corpora" in workload:
+            notes.append(note)
         return (lo + hi) / 2 + output
     return prompts + output
 
 
-def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> float | None:
+def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> float | str:
     """The mean input tokens of the prompts the sweep drew from: each corpus's prompts fitted
     to the input range (as the server and the twin got them), averaged per corpus, then over
-    the cube's corpora (each weighs alike in its cells). None where the corpora cannot be read
+    the cube's corpora (each weighs alike in its cells). Where the corpora cannot be read
     again as the sweep read them (moved, edited, another tokenizer, a cube that records no
-    campaign)."""
+    campaign, a corpus from the Hugging Face hub, which an analysis does not fetch again), why
+    not, in words."""
     from pathlib import Path
 
     from dvfs.corpora.prepare import counted_corpora
     from dvfs.corpora.sampling import eligible_prompts
-    from dvfs.errors import DvfsError
+    from dvfs.errors import DvfsError, JournalError
     from dvfs.twin.predict import campaign_of, check_same_corpora
 
-    where = Path("cube")
+    where = Path("the cube")
+    names = [str(n) for n in cube["corpus"].values]
+    method = str(cube.attrs.get("token_count_method") or "")
+    if "merged_from" in cube.attrs and not cube.attrs.get("campaign_source"):
+        return "a merged cube keeps a campaign file only where all its cubes record the same one"
     try:
         campaign = campaign_of(cube, where)
-        corpora, _ = counted_corpora(campaign, str(cube.attrs.get("token_count_method") or ""))
-        check_same_corpora(cube, where, corpora, input_tokens)
+        specs = {ref.name: ref.spec for ref in campaign.workload.corpora}
+        missing = [n for n in names if n not in specs]
+        if missing:
+            return f"corpus {missing[0]!r} of the cube is not in the campaign it records"
+        hub = [n for n in names if "dataset" in dict(specs[n] or ())]
+        if hub:
+            return (
+                f"corpus {hub[0]!r} is a Hugging Face dataset, which an analysis does not "
+                "fetch again"
+            )
+        corpora, _ = counted_corpora(campaign, method)
+        check_same_corpora(
+            cube,
+            where,
+            corpora,
+            input_tokens,
+            use="the roofline would take another context from them",
+        )
         means = []
-        for name in map(str, cube["corpus"].values):
+        for name in names:
             lengths = [p.input_tokens for p in eligible_prompts(corpora[name], input_tokens)]
             if not lengths:
-                return None
+                return f"corpus {name!r} has no prompt within workload.input_tokens now"
             means.append(sum(lengths) / len(lengths))
-    except (DvfsError, KeyError, OSError, TypeError, ValueError):  # a damaged or edited cube
-        return None
-    return sum(means) / len(means) if means else None
+    except JournalError:
+        return f"the sweep counted their tokens with the {method}, not in the local cache now"
+    except DvfsError as exc:
+        return str(exc).removeprefix(f"{where}: ")
+    except (KeyError, OSError, TypeError, ValueError) as exc:  # a damaged or edited cube
+        return f"the cube's campaign record is damaged: {exc}"
+    return sum(means) / len(means) if means else "the cube has no corpus"
 
 
 def _measured_points(measured: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -196,20 +224,20 @@ def rooflines(
     except ValueError:
         names = []
     if len(names) != len(labels):
-        return [roofline(cube)]
+        return [roofline(cube, notes=notes)]
     first: dict[str, tuple[str, str]] = {}  # profile -> its first GPU's label and model name
     for label, name in zip(labels, names, strict=True):
         known = matching_gpu_profile(name.removesuffix(" (twin)"))
         first.setdefault(known.key if known is not None else name, (label, name))
     if len(first) == 1:
-        return [roofline(cube)]
+        return [roofline(cube, notes=notes)]
     made, unknown = [], []
     for label, name in first.values():
         one = single_gpu(cube, label).assign_attrs(gpu_name=name)
         if recorded_gpu_profile(one.attrs) is None:
             unknown.append(name)
         else:
-            made.append(roofline(one))
+            made.append(roofline(one, notes=notes))
     if unknown:
         them = "them" if len(unknown) > 1 else "it"
         measure = (

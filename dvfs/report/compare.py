@@ -31,6 +31,9 @@ NOT_WITHIN = "not within target"
 #: The verdict of a row whose settings were left unjudged for want of usable repeats
 #: (`dvfs.analysis.compare.TOO_FEW`).
 TOO_FEW = "too few repeats"
+#: A row not within target whose fastest setting's mean latency met the target (its bound at
+#: the confidence asked did not): not "too slow".
+MEAN_WITHIN = "equal_latency_mean_within_target"
 #: Each arm of a ratio at equal latency, and its flag for a setting at the grid's lowest clock
 #: or power limit.
 EDGES = {
@@ -86,6 +89,11 @@ def compare_document(
                     for name in EDGES.values()
                     if name in cmp  # absent from an older result
                 },
+                **(
+                    {MEAN_WITHIN: bool(cmp[MEAN_WITHIN].sel(at).fillna(0))}
+                    if MEAN_WITHIN in cmp  # absent from an older result
+                    else {}
+                ),
                 "measured_on": _gpus(cmp, at),
                 "baseline_measured_on": _gpus(cmp, {**at, "drafter": baseline}),
                 "different_gpus": bool(cmp["different_gpus"].sel(at))
@@ -354,10 +362,12 @@ def too_slow(row: dict[str, Any]) -> bool:
 
 
 def _no_ratio_text(row: dict[str, Any]) -> str:
-    """The equal-latency cell of a row without a ratio: "too slow", "too few repeats" (valid
-    cells, too few usable repeats to judge a setting), else "-" (nothing valid to compare)."""
+    """The equal-latency cell of a row without a ratio: "too slow" (no setting's mean latency
+    met the target), "not within target" (one's mean did, its bound at the confidence asked
+    did not, as the verdict says), "too few repeats" (valid cells, too few usable repeats to
+    judge a setting), else "-" (nothing valid to compare)."""
     if too_slow(row):
-        return "too slow"
+        return NOT_WITHIN if row.get(MEAN_WITHIN) else "too slow"
     return TOO_FEW if row.get("verdict_equal_latency") == TOO_FEW else "-"
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.common import fmt_ms
-from dvfs.report.compare import too_slow
+from dvfs.report.compare import EDGES, MEAN_WITHIN, TOO_FEW, ratio_text, too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -159,33 +159,88 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
         best = min(ratios, key=lambda r: r["energy_ratio_equal_latency"])
         headline = (
             "At equal latency, speculation's best case is "
-            f"{best['energy_ratio_equal_latency']:.2f}x the energy per token of {base!r} "
-            f"({_where(best)})."
+            f"{ratio_text(best['energy_ratio_equal_latency'])}x the energy per token of "
+            f"{base!r} ({_where(best)}){_judged(best)}."
         )
     else:
         headline = _no_equal_latency(comparison)
     return Finding(headline, tuple(details), figures)
 
 
+#: What the best case's verdict at equal latency means, where it does not save
+#: (`dvfs.analysis.compare.verdict`): the ratio alone read as a saving.
+_NOT_SAVING = {
+    "within noise": "within noise: its interval holds 1, so it is not judged to save",
+    "costs": "judged to cost more even so",
+    "one paired repeat": "on one paired repeat, too few to judge whether it saves",
+}
+
+
+def _judged(row: dict[str, Any]) -> str:
+    """What the best case's ratio is, where the ratio alone would mislead: its verdict where
+    it is not "saves", and a setting at the grid's lowest (a lower one might spend less)."""
+    said = []
+    verdict = row.get("verdict_equal_latency")
+    if verdict in _NOT_SAVING:
+        said.append(_NOT_SAVING[verdict])
+    edge = [arm for arm, name in EDGES.items() if row.get(name)]
+    if edge:
+        said.append(
+            f"the {' and the '.join(edge)}'s setting is the lowest the grid swept, so the ratio "
+            "may move once the grid is extended downward"
+        )
+    return "; " + "; ".join(said) if said else ""
+
+
 def _no_equal_latency(comparison: dict[str, Any]) -> str:
     """The headline where no row has an equal-latency ratio: "no drafter meets the baseline's
-    latency" only for the rows whose verdict says so (not within target); rows with nothing
-    valid to compare (no data: the baseline's reference or the drafter's cells unusable) are
-    said to be that, never too slow."""
+    latency" only for the rows whose verdict says so (not within target); rows whose settings
+    were left unjudged for want of usable repeats (too few repeats) are said to be that, and
+    rows with nothing valid to compare (no data: the baseline's reference or the drafter's
+    cells unusable) that, never too slow."""
     base, at = comparison["baseline"], _at(comparison["reference"])
     rows = comparison["rows"]
     slow = [r for r in rows if too_slow(r)]
+    few = [r for r in rows if not too_slow(r) and r.get("verdict_equal_latency") == TOO_FEW]
+    empty = len(rows) - len(slow) - len(few)
+    met = _mean_met(slow)
     if rows and len(slow) == len(rows):
-        return f"No drafter meets {base!r}'s latency at {at} at any measured setting."
-    if not slow:
+        return f"No drafter meets {base!r}'s latency at {at} at any measured setting{met}."
+    few_text = f"{len(few)} have too few usable repeats to judge a setting"
+    empty_text = f"{empty} have no valid cells of both to compare"
+    if not slow and not few:
         return (
             f"No drafter could be compared with {base!r} at equal latency: no row has valid "
             "cells of both to compare (see the headroom table's reasons)."
         )
+    if not slow:
+        rest = f"; the other {empty_text}" if empty else ""
+        return (
+            f"No drafter could be compared with {base!r} at equal latency: {len(few)} of "
+            f"{len(rows)} rows have too few usable repeats to judge a setting{rest} (see the "
+            "headroom table's reasons)."
+        )
+    others = [t for n, t in ((len(few), few_text), (empty, empty_text)) if n]
     return (
         f"No drafter meets {base!r}'s latency at {at} at any measured setting in {len(slow)} of "
-        f"{len(rows)} rows; the other {len(rows) - len(slow)} have no valid cells of both to "
+        f"{len(rows)} rows{met}; of the other {len(rows) - len(slow)}, {' and '.join(others)}."
+        if few
+        else f"No drafter meets {base!r}'s latency at {at} at any measured setting in "
+        f"{len(slow)} of {len(rows)} rows{met}; the other {empty} have no valid cells of both to "
         "compare."
+    )
+
+
+def _mean_met(slow: list[dict[str, Any]]) -> str:
+    """Of rows not within target, those whose fastest setting's mean latency met the target
+    (its bound at the confidence asked did not), in words: "" for none."""
+    met = [r for r in slow if r.get(MEAN_WITHIN)]
+    if not met:
+        return ""
+    some = "all" if len(met) == len(slow) else f"{len(met)}"
+    return (
+        f" (in {some} of them a setting's mean latency met it, its bound at the confidence "
+        "asked did not: more repeats may settle it)"
     )
 
 

@@ -208,19 +208,25 @@ def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
             raise PredictError(
                 f"{where}: its campaign file's folder {recorded_dir}, where the relative paths "
                 f"of its corpora start ({', '.join(relative)}), no longer exists: put it back "
-                "with its corpora to fit the cube"
+                "with its corpora to read them again"
             )
     return campaign
 
 
 def check_same_corpora(
-    ds: xr.Dataset, where: Path, corpora: dict[str, Corpus], input_tokens: tuple[int, int]
+    ds: xr.Dataset,
+    where: Path,
+    corpora: dict[str, Corpus],
+    input_tokens: tuple[int, int],
+    *,
+    use: str = "the fit would compare them with other prompts",
 ) -> None:
     """Refuse a corpus read again whose prompts are not those the cube's cells were measured
     on: its content hash differs from the one the cube records (the file was edited since), or,
     with the same content, its prompts fitted to the input lengths with their token counts
     (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
-    (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1."""
+    (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1, whose
+    message says what reading other prompts would do (`use`)."""
     import json
 
     from dvfs.corpora.sampling import pool_hash
@@ -236,17 +242,16 @@ def check_same_corpora(
         if was is not None and was != now:
             raise PromptsChangedError(
                 f"{where}: corpus {name!r} has changed since its cells were measured (content "
-                f"hash {was} recorded, {now} now; read from {corpus.source}): the fit would "
-                "compare them with other prompts; put the corpus back as it was, or sweep the "
-                "campaign again"
+                f"hash {was} recorded, {now} now; read from {corpus.source}): {use}; put the "
+                "corpus back as it was, or sweep the campaign again"
             )
         was_pool = pools.get(name)
         if was_pool is not None and was_pool != (now_pool := pool_hash(corpus, input_tokens)):
             raise PromptsChangedError(
                 f"{where}: corpus {name!r} counts its prompts otherwise than when its cells "
                 f"were measured (prompt pool hash {was_pool} recorded, {now_pool} now: another "
-                "revision of the tokenizer); the fit would compare them with other prompts: "
-                "restore the tokenizer it was swept with, or sweep the campaign again"
+                f"revision of the tokenizer); {use}: restore the tokenizer it was swept with, or "
+                "sweep the campaign again"
             )
 
 
