@@ -355,8 +355,14 @@ def test_the_table_says_not_within_target_where_only_the_bound_failed(tmp_path: 
     assert cells == {1: NOT_WITHIN, 8: "too slow"}
     mean_met = {r["batch"]: r["equal_latency_mean_within_target"] for r in doc["rows"]}
     assert mean_met == {1: True, 8: False}
+    # Every row is not within target, so the headline names no count of rows: the ones whose
+    # mean met the target are counted in rows, never "1 of them" (read as one of the drafters).
     headline = speculation_finding(doc, ()).headline
-    assert "in 1 of them a setting's mean latency met it" in headline, headline
+    assert "in 1 of the 2 rows a setting's mean latency met it" in headline, headline
+    assert "of them" not in headline, headline
+    only_met = {**doc, "rows": [r for r in doc["rows"] if r["batch"] == 1]}
+    headline = speculation_finding(only_met, ()).headline
+    assert "(in every row a setting's mean latency met it" in headline, headline
 
 
 #: Two arms with adaptive repeats (1 asked, up to 3): the arms take different numbers.

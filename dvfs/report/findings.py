@@ -203,7 +203,7 @@ def _no_equal_latency(comparison: dict[str, Any]) -> str:
     slow = [r for r in rows if too_slow(r)]
     few = [r for r in rows if not too_slow(r) and r.get("verdict_equal_latency") == TOO_FEW]
     empty = len(rows) - len(slow) - len(few)
-    met = _mean_met(slow)
+    met = _mean_met(slow, every=len(slow) == len(rows))
     if rows and len(slow) == len(rows):
         return f"No drafter meets {base!r}'s latency at {at} at any measured setting{met}."
     few_text = f"{len(few)} have too few usable repeats to judge a setting"
@@ -231,16 +231,21 @@ def _no_equal_latency(comparison: dict[str, Any]) -> str:
     )
 
 
-def _mean_met(slow: list[dict[str, Any]]) -> str:
+def _mean_met(slow: list[dict[str, Any]], *, every: bool) -> str:
     """Of rows not within target, those whose fastest setting's mean latency met the target
-    (its bound at the confidence asked did not), in words: "" for none."""
+    (its bound at the confidence asked did not), in words: "" for none. Counted in rows, never
+    "of them" after a sentence that names no count (`every`: all the rows are not within
+    target, and the headline says "any measured setting" without one), which reads as drafters."""
     met = [r for r in slow if r.get(MEAN_WITHIN)]
     if not met:
         return ""
-    some = "all" if len(met) == len(slow) else f"{len(met)}"
+    if every:
+        some = "every row" if len(met) == len(slow) else f"{len(met)} of the {len(slow)} rows"
+    else:
+        some = "all of those" if len(met) == len(slow) else f"{len(met)} of those"
     return (
-        f" (in {some} of them a setting's mean latency met it, its bound at the confidence "
-        "asked did not: more repeats may settle it)"
+        f" (in {some} a setting's mean latency met it, its bound at the confidence asked did "
+        "not: more repeats may settle it)"
     )
 
 
