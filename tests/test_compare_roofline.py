@@ -645,3 +645,25 @@ def test_a_partial_cubes_comparison_says_its_verdicts_may_change() -> None:
     [note] = [n for n in notes if n.startswith("partial cube")]
     assert note.startswith("partial cube: 1 of 12 cells not measured yet"), note
     assert "run the same `dvfs sweep` command again" in note
+
+
+def test_a_headline_names_a_merged_cubes_gpu_by_its_uuid_once() -> None:
+    """A merged cube's rows carry the GPU's UUID, which already says GPU: the headline names
+    "GPU-47dfcd23", never "GPU GPU-47dfcd23"; an index or a model's name is "GPU NAME"."""
+    from dvfs.report import compare_document
+    from dvfs.report.common import gpu_words
+    from dvfs.report.findings import speculation_finding
+
+    ds = make_cube(
+        clocks=[2000],
+        drafters=["none", "eagle3"],
+        latency=lambda c, p, b, d, *_: 4.0 if d == "eagle3" else 10.0,
+        energy=lambda c, p, b, d, *_: 0.5 if d == "eagle3" else 1.0,
+    )
+    doc = compare_document(compare(ds), None, ds)
+    uuid = "GPU-47dfcd23-0000-1111-2222-333344445555"
+    for row in doc["rows"]:
+        row["gpu"] = uuid
+    headline = speculation_finding(doc, ()).headline
+    assert f"({uuid[:12]}, batch" in headline and "GPU GPU-" not in headline, headline
+    assert gpu_words("h200-sxm") == "GPU h200-sxm" and gpu_words("0") == "GPU 0"

@@ -274,7 +274,9 @@ def test_md_escape_round_trips_through_a_markdown_parser(text: str) -> None:
 
 def test_figure_captions_come_from_file_names() -> None:
     assert figure_caption("pareto_code.png").endswith(", corpus code")
-    assert figure_caption("GPU-abc/headroom.png").startswith("GPU GPU-abc: Energy saved")
+    # a UUID already says GPU; an index or a model's name does not
+    assert figure_caption("GPU-abc/headroom.png").startswith("GPU-abc: Energy saved")
+    assert figure_caption("h100-sxm/headroom.png").startswith("GPU h100-sxm: Energy saved")
     assert figure_caption("new_kind.svg") == "new kind"
 
 

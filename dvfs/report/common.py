@@ -153,6 +153,12 @@ def short_gpus(gpus: list[str]) -> str:
     return ", ".join(g[:12] for g in gpus) or "unknown"
 
 
+def gpu_words(name: str) -> str:
+    """A GPU as a sentence names it: its UUID alone ("GPU-47dfcd23"), which already says GPU,
+    or "GPU NAME" for an index or a model's name."""
+    return name if name.startswith(("GPU-", "MIG-")) else f"GPU {name}"
+
+
 #: Rows named in a note; more are counted.
 MAX_NAMED_ROWS = 4
 
@@ -161,7 +167,7 @@ def named_rows(rows: list[dict[str, Any]], detail: Any) -> str:
     """ "batch 1 eagle3 on code: A vs B; ..." for the first few rows, the rest counted."""
 
     def where(r: dict[str, Any]) -> str:
-        gpu = f"GPU {r['gpu'][:12]}, " if r.get("gpu") else ""
+        gpu = f"{gpu_words(str(r['gpu'])[:12])}, " if r.get("gpu") else ""
         return f"{gpu}batch {r['batch']} {r['drafter']} on {r['corpus']}"
 
     shown = [f"{where(r)}: {detail(r)}" for r in rows[:MAX_NAMED_ROWS]]

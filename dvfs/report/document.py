@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.analysis.bounds import level_text
 from dvfs.analysis.targets import Target
-from dvfs.report.common import gpu_names, reference_label
+from dvfs.report.common import gpu_names, gpu_words, reference_label
 from dvfs.report.facts import measured_section
 from dvfs.report.findings import findings_section
 from dvfs.report.model import Code, Document, Figure, Paragraph, Section, Table
@@ -115,7 +115,7 @@ def figure_caption(name: str, stock: bool = True) -> str:
     corpus code". `stock`: whether the reference setting the figures draw is stock."""
     *folders, file = name.split("/")
     stem = file.rsplit(".", 1)[0]
-    lead = f"GPU {folders[-1]}: " if folders else ""
+    lead = f"{gpu_words(folders[-1])}: " if folders else ""
     for prefix, caption in _CAPTIONS.items():
         text = caption.format(ref=REFERENCE_WORDS[stock])
         if stem == prefix:

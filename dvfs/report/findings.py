@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dvfs.report.common import fmt_ms
+from dvfs.report.common import fmt_ms, gpu_words
 from dvfs.report.compare import EDGES, MEAN_WITHIN, TOO_FEW, ratio_text, too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
@@ -31,7 +31,7 @@ def _takes(prefixes: tuple[str, ...], figure: Figure) -> bool:
 
 
 def _where(row: dict[str, Any]) -> str:
-    gpu = f"GPU {row['gpu'][:12]}, " if row.get("gpu") else ""
+    gpu = f"{gpu_words(str(row['gpu'])[:12])}, " if row.get("gpu") else ""
     return f"{gpu}batch {row['batch']}, drafter {row['drafter']}, corpus {row['corpus']}"
 
 
@@ -171,7 +171,7 @@ def speculation_finding(comparison: dict[str, Any], figures: tuple[Figure, ...])
 #: (`dvfs.analysis.compare.verdict`): the ratio alone read as a saving.
 _NOT_SAVING = {
     "within noise": "within noise: its interval holds 1, so it is not judged to save",
-    "costs": "judged to cost more even so",
+    "costs": "judged to cost more",
     "one paired repeat": "on one paired repeat, too few to judge whether it saves",
 }
 
@@ -250,7 +250,7 @@ def _mean_met(slow: list[dict[str, Any]], *, every: bool) -> str:
 
 
 def _gpu(row: dict[str, Any]) -> str:
-    return f"GPU {row['gpu'][:12]}: " if row.get("gpu") else ""
+    return f"{gpu_words(str(row['gpu'])[:12])}: " if row.get("gpu") else ""
 
 
 def findings_section(
