@@ -62,9 +62,13 @@ def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
     chosen = headroom(cube, target=target)
     corpora = [str(c) for c in cube["corpus"].values]
     widest = longest_corpus(cube)
-    curves = corpus_panels(cube, energy_title(cube, widest))
-    for corpus in corpora:
-        yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
+    # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
+    # clock axis, and an unlocked clock would be drawn as a lock; each power limit's energy is
+    # in the Pareto figure. As the energy-vs-batch figure for one batch size, none is drawn.
+    if cube.sizes["sm_clock"] > 1:
+        curves = corpus_panels(cube, energy_title(cube, widest))
+        for corpus in corpora:
+            yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
