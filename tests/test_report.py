@@ -211,6 +211,48 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
+def test_the_figures_mark_the_settings_the_reports_table_chose(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--knob power_limit` keeps the clock at stock: the report's table chooses 1980 MHz and
+    saves nothing on this cube, and its headroom map says the same of every cell, and in its
+    title which knob moved (it was drawn for both knobs, naming 1500 MHz and 16-19% savings
+    the table had ruled out). The confidence is the report's too."""
+    import json
+
+    import dvfs.plots
+
+    drawn: dict[str, Any] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":  # each cell's text at (batch, drafter) in its corpus's panel
+            drawn["title"] = fig.get_suptitle()
+            drawn["cells"] = [
+                (ax.get_title(), *(round(v) for v in t.get_position()), t.get_text())
+                for ax in fig.axes
+                for t in ax.texts
+            ]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    args = ("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9")
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "report.md"), *args)
+    assert result.exit_code == 0, result.output
+    room = run("headroom", str(small_sweep), *args, "--json")
+    assert room.exit_code == 0, room.output
+    rows = {(r["corpus"], r["drafter"], r["batch"]): r for r in json.loads(room.stdout)["rows"]}
+    drafters = list(dict.fromkeys(k[1] for k in rows))  # the cube's order, as the map's rows
+    batches = sorted({k[2] for k in rows})
+    assert "; power limit only" in drawn["title"]
+    assert len(drawn["cells"]) == len(rows) == 8
+    for title, j, i, text in drawn["cells"]:
+        row = rows[(title.removeprefix("corpus "), drafters[i], batches[j])]
+        assert row["feasible"], row
+        clock = row["chosen"]["sm_clock_mhz"]
+        assert text.split("\n")[:2] == [f"{row['saving'] * 100:.0f}%", f"{clock} MHz"]
+
+
 def hostile_document() -> Document:
     bad = "<script>alert(1)</script> *x* _y_ a|b [l](http://e.x) &lt; `c` # h"
     return Document(

@@ -6,6 +6,7 @@ import errno
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,9 @@ from dvfs.cli.analysis import (
     headroom_target_options,
 )
 from dvfs.cli.common import OutputFile, handle_errors
+
+if TYPE_CHECKING:
+    from dvfs.report.document import ReportOptions
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
@@ -55,12 +59,20 @@ def write_atomically(path: Path, data: bytes) -> None:
     write_bytes(path, data)
 
 
-def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
-    """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes)."""
+def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
+    """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes), their
+    chosen settings those of the report's headroom table (its target, knob and confidence)."""
     from dvfs.plots import plot_all
 
     with tempfile.TemporaryDirectory(prefix="dvfs-report-") as tmp:
-        paths = plot_all(cube, tmp, fmt="png", target=target)  # type: ignore[arg-type]
+        paths = plot_all(
+            cube,  # type: ignore[arg-type]
+            tmp,
+            fmt="png",
+            target=options.target,
+            knob=options.knob,
+            confidence=options.confidence,
+        )
         return [(p.relative_to(tmp).as_posix(), p.read_bytes()) for p in paths]
 
 
@@ -132,7 +144,7 @@ def report(
         raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from exc
     options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
     generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
-    document = build_document(ds, options, _figures(shown, target), generated=generated)
+    document = build_document(ds, options, _figures(shown, options), generated=generated)
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))
     else:
