@@ -253,6 +253,49 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
         assert text.split("\n")[:2] == [f"{row['saving'] * 100:.0f}%", f"{clock} MHz"]
 
 
+def _legend_colours(fig: Any) -> dict[str, str]:
+    """Each legend label's colour (the drafters' entries)."""
+    from matplotlib.colors import to_hex
+
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    return {
+        h.get_label(): to_hex(h.get_color())
+        for legend in legends
+        for h in legend.legend_handles
+        if hasattr(h, "get_color")
+    }
+
+
+def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--drafter eagle3` cut the cube to eagle3 and the baseline, in that order, and colours
+    went by place: eagle3 took none's blue and none eagle3's orange in every figure of the
+    report, against `dvfs plot`'s. Each drafter keeps its colour."""
+    import dvfs.plots
+    from dvfs.cube import open_analysable
+    from dvfs.plots import draw_energy_vs_batch
+
+    drawn: dict[str, dict[str, str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        drawn[name] = _legend_colours(fig)
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    out = tmp_path / "report.md"
+    result = run("report", str(small_sweep), "-o", str(out), "--drafter", "eagle3")
+    assert result.exit_code == 0, result.output
+    fig = draw_energy_vs_batch(open_analysable(small_sweep))
+    assert fig is not None
+    plot = _legend_colours(fig)
+    assert plot["none"] != plot["eagle3"]
+    for name in ("energy_vs_batch", "energy_vs_clock_code", "pareto_code"):
+        mine = {d: drawn[name][d] for d in ("none", "eagle3")}
+        assert mine == {d: plot[d] for d in ("none", "eagle3")}, name
+
+
 def hostile_document() -> Document:
     bad = "<script>alert(1)</script> *x* _y_ a|b [l](http://e.x) &lt; `c` # h"
     return Document(

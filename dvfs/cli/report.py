@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -121,6 +122,7 @@ def report(
 
     from dvfs.analysis.selection import SelectionError, check_drafter, select
     from dvfs.cube import open_analysable
+    from dvfs.plots.style import ALL_DRAFTERS
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.html import render_html
     from dvfs.report.markdown import render_markdown
@@ -142,6 +144,8 @@ def report(
         shown = select(ds, batch, keep, corpus)
     except SelectionError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from exc
+    # each drafter in the colour `dvfs plot` gives it, whichever drafters --drafter keeps
+    shown = shown.assign_attrs({ALL_DRAFTERS: json.dumps([str(d) for d in ds["drafter"].values])})
     options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
     generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
     document = build_document(ds, options, _figures(shown, options), generated=generated)
