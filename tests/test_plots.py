@@ -382,6 +382,25 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
 
 
+def test_a_cube_of_one_sm_clock_has_no_energy_vs_clock_figure(shared_run) -> None:
+    """Only the power limit swept: every cell is at the one stock clock, never locked. The
+    energy-vs-clock figure drew each limit as a point over one x value on an axis named "SM
+    clock lock (MHz)", a lock the campaign never set, with nothing varying along it; it is
+    left out, as the energy-vs-batch figure is for one batch size, and the Pareto figure
+    still draws every limit. A clock sweep still has its energy-vs-clock figures."""
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    cube = open_cube(shared_run(text, "limits") / "cube.nc")
+    assert cube.sizes["sm_clock"] == 1 and cube.sizes["power_limit"] == 2
+    names = [name for name, _ in figures(cube, TARGET)]
+    corpora = [str(c) for c in cube["corpus"].values]
+    assert not any(name.startswith("energy_vs_clock") for name in names)
+    assert all(f"pareto_{corpus}" in names for corpus in corpora)
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    clocks = open_cube(shared_run(clock_only, "clocks") / "cube.nc")
+    names = [name for name, _ in figures(clocks, TARGET)]
+    assert all(f"energy_vs_clock_{corpus}" in names for corpus in corpora)
+
+
 def test_the_headroom_map_names_a_single_locked_clock(shared_run) -> None:
     """One clock locked (1500 MHz) and the power limit swept: the clock is not swept, but it
     is a lock dvfs set, so every answer names it, as the timelines do."""

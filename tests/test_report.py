@@ -211,6 +211,91 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
+def test_the_figures_mark_the_settings_the_reports_table_chose(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--knob power_limit` keeps the clock at stock: the report's table chooses 1980 MHz and
+    saves nothing on this cube, and its headroom map says the same of every cell, and in its
+    title which knob moved (it was drawn for both knobs, naming 1500 MHz and 16-19% savings
+    the table had ruled out). The confidence is the report's too."""
+    import json
+
+    import dvfs.plots
+
+    drawn: dict[str, Any] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":  # each cell's text at (batch, drafter) in its corpus's panel
+            drawn["title"] = fig.get_suptitle()
+            drawn["cells"] = [
+                (ax.get_title(), *(round(v) for v in t.get_position()), t.get_text())
+                for ax in fig.axes
+                for t in ax.texts
+            ]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    args = ("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9")
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "report.md"), *args)
+    assert result.exit_code == 0, result.output
+    room = run("headroom", str(small_sweep), *args, "--json")
+    assert room.exit_code == 0, room.output
+    rows = {(r["corpus"], r["drafter"], r["batch"]): r for r in json.loads(room.stdout)["rows"]}
+    drafters = list(dict.fromkeys(k[1] for k in rows))  # the cube's order, as the map's rows
+    batches = sorted({k[2] for k in rows})
+    assert "; power limit only" in drawn["title"]
+    assert len(drawn["cells"]) == len(rows) == 8
+    for title, j, i, text in drawn["cells"]:
+        row = rows[(title.removeprefix("corpus "), drafters[i], batches[j])]
+        assert row["feasible"], row
+        clock = row["chosen"]["sm_clock_mhz"]
+        assert text.split("\n")[:2] == [f"{row['saving'] * 100:.0f}%", f"{clock} MHz"]
+
+
+def _legend_colours(fig: Any) -> dict[str, str]:
+    """Each legend label's colour (the drafters' entries)."""
+    from matplotlib.colors import to_hex
+
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    return {
+        h.get_label(): to_hex(h.get_color())
+        for legend in legends
+        for h in legend.legend_handles
+        if hasattr(h, "get_color")
+    }
+
+
+def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--drafter eagle3` cut the cube to eagle3 and the baseline, in that order, and colours
+    went by place: eagle3 took none's blue and none eagle3's orange in every figure of the
+    report, against `dvfs plot`'s. Each drafter keeps its colour."""
+    import dvfs.plots
+    from dvfs.cube import open_analysable
+    from dvfs.plots import draw_energy_vs_batch
+
+    drawn: dict[str, dict[str, str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        drawn[name] = _legend_colours(fig)
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    out = tmp_path / "report.md"
+    result = run("report", str(small_sweep), "-o", str(out), "--drafter", "eagle3")
+    assert result.exit_code == 0, result.output
+    fig = draw_energy_vs_batch(open_analysable(small_sweep))
+    assert fig is not None
+    plot = _legend_colours(fig)
+    assert plot["none"] != plot["eagle3"]
+    for name in ("energy_vs_batch", "energy_vs_clock_code", "pareto_code"):
+        mine = {d: drawn[name][d] for d in ("none", "eagle3")}
+        assert mine == {d: plot[d] for d in ("none", "eagle3")}, name
+
+
 def hostile_document() -> Document:
     bad = "<script>alert(1)</script> *x* _y_ a|b [l](http://e.x) &lt; `c` # h"
     return Document(

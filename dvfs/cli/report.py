@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +18,9 @@ from dvfs.cli.analysis import (
     headroom_target_options,
 )
 from dvfs.cli.common import OutputFile, handle_errors
+
+if TYPE_CHECKING:
+    from dvfs.report.document import ReportOptions
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
@@ -55,12 +60,20 @@ def write_atomically(path: Path, data: bytes) -> None:
     write_bytes(path, data)
 
 
-def _figures(cube: object, target: object) -> list[tuple[str, bytes]]:
-    """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes)."""
+def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
+    """Every figure `dvfs plot` draws, as (name relative to its folder, PNG bytes), their
+    chosen settings those of the report's headroom table (its target, knob and confidence)."""
     from dvfs.plots import plot_all
 
     with tempfile.TemporaryDirectory(prefix="dvfs-report-") as tmp:
-        paths = plot_all(cube, tmp, fmt="png", target=target)  # type: ignore[arg-type]
+        paths = plot_all(
+            cube,  # type: ignore[arg-type]
+            tmp,
+            fmt="png",
+            target=options.target,
+            knob=options.knob,
+            confidence=options.confidence,
+        )
         return [(p.relative_to(tmp).as_posix(), p.read_bytes()) for p in paths]
 
 
@@ -109,6 +122,7 @@ def report(
 
     from dvfs.analysis.selection import SelectionError, check_drafter, select
     from dvfs.cube import open_analysable
+    from dvfs.plots.style import ALL_DRAFTERS
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.html import render_html
     from dvfs.report.markdown import render_markdown
@@ -130,9 +144,11 @@ def report(
         shown = select(ds, batch, keep, corpus)
     except SelectionError as exc:
         raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from exc
+    # each drafter in the colour `dvfs plot` gives it, whichever drafters --drafter keeps
+    shown = shown.assign_attrs({ALL_DRAFTERS: json.dumps([str(d) for d in ds["drafter"].values])})
     options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
     generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
-    document = build_document(ds, options, _figures(shown, target), generated=generated)
+    document = build_document(ds, options, _figures(shown, options), generated=generated)
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))
     else:

@@ -52,19 +52,26 @@ __all__ = [
 ]
 
 
-def figures(cube: xr.Dataset, target: Target) -> Iterator[tuple[str, Figure]]:
+def figures(
+    cube: xr.Dataset, target: Target, *, knob: str = "both", confidence: float = 0.95
+) -> Iterator[tuple[str, Figure]]:
     """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
+    The chosen settings they mark are `dvfs headroom`'s for `target`, `knob` and `confidence`.
 
     The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
     Figure drawn again for each corpus: save (or inspect) each figure before asking for the
     next.
     """
-    chosen = headroom(cube, target=target)
+    chosen = headroom(cube, target=target, knob=knob, confidence=confidence)
     corpora = [str(c) for c in cube["corpus"].values]
     widest = longest_corpus(cube)
-    curves = corpus_panels(cube, energy_title(cube, widest))
-    for corpus in corpora:
-        yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
+    # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
+    # clock axis, and an unlocked clock would be drawn as a lock; each power limit's energy is
+    # in the Pareto figure. As the energy-vs-batch figure for one batch size, none is drawn.
+    if cube.sizes["sm_clock"] > 1:
+        curves = corpus_panels(cube, energy_title(cube, widest))
+        for corpus in corpora:
+            yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
     fronts = corpus_panels(cube, pareto_title(target, widest))
     for corpus in corpora:
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
@@ -108,10 +115,17 @@ def missing_for_figures(cube: xr.Dataset) -> list[str]:
 
 
 def plot_all(
-    cube: xr.Dataset, out_dir: str | Path, *, fmt: str = "png", target: Target | None = None
+    cube: xr.Dataset,
+    out_dir: str | Path,
+    *,
+    fmt: str = "png",
+    target: Target | None = None,
+    knob: str = "both",
+    confidence: float = 0.95,
 ) -> list[Path]:
     """Every figure dvfs draws for a cube; returns the files written (a folder per GPU for a
-    merged cube)."""
+    merged cube). `knob` and `confidence` are `dvfs headroom`'s: the chosen settings marked
+    are the ones its table gives for them (`dvfs report` passes its own)."""
     if fmt not in FORMATS:
         from dvfs.errors import AnalysisError
 
@@ -130,9 +144,12 @@ def plot_all(
     if "gpu" in cube.dims:  # a merged cube: one set of figures per GPU
         paths: list[Path] = []
         for folder, one in per_gpu(cube):
-            paths += plot_all(one, out / folder, fmt=fmt, target=target)
+            paths += plot_all(
+                one, out / folder, fmt=fmt, target=target, knob=knob, confidence=confidence
+            )
         return paths
-    return [save(fig, out, name, fmt) for name, fig in figures(cube, target)]
+    drawn = figures(cube, target, knob=knob, confidence=confidence)
+    return [save(fig, out, name, fmt) for name, fig in drawn]
 
 
 def per_gpu(cube: xr.Dataset) -> list[tuple[str, xr.Dataset]]:

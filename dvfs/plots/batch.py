@@ -16,7 +16,7 @@ from dvfs.plots.data import cell_means
 from dvfs.plots.style import (
     ENERGY_LABEL,
     Margins,
-    drafter_colors,
+    cube_drafter_colors,
     grid_shape,
     panel_figure,
     place_legend,
@@ -80,7 +80,7 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
         return None
     corpora = [str(c) for c in cube["corpus"].values]
     drafters = [str(d) for d in cube["drafter"].values]
-    colors = drafter_colors(drafters)
+    colors = cube_drafter_colors(cube)
     energy = stock_energy(cube)
     title = batch_title(cube)
     rows, cols = grid_shape(len(corpora))

@@ -18,7 +18,7 @@ from dvfs.plots.style import (
     chosen_handle,
     clear_panels,
     color_handles,
-    drafter_colors,
+    cube_drafter_colors,
     grid_shape,
     limit_handles,
     limit_styles,
@@ -112,7 +112,7 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
     batches = [int(b) for b in cube["batch"].values]
     drafters = [str(d) for d in cube["drafter"].values]
     limits = [float(p) for p in cube["power_limit"].values]
-    colors = drafter_colors(drafters)
+    colors = cube_drafter_colors(cube)
     styles = limit_styles(limits, ref.power_limit)
     energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
     p_stock, c_stock = limits.index(ref.power_limit), int(np.flatnonzero(clocks == ref.sm_clock)[0])
@@ -165,7 +165,7 @@ def draw_pareto(
     drafters = [str(d) for d in cube["drafter"].values]
     limits = [float(p) for p in cube["power_limit"].values]
     clocks = [int(c) for c in cube["sm_clock"].values]
-    colors = drafter_colors(drafters)
+    colors = cube_drafter_colors(cube)
     styles = limit_styles(limits, ref.power_limit)
     energy = cell_means(cube, "energy_per_token_j", DIMS, corpus=corpus)
     latency = cell_means(cube, target.variable, DIMS, corpus=corpus, quantile=target.quantile)

@@ -186,9 +186,12 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     rows, cols = grid_shape(len(corpora))
     label_w = max(text_width_in(d, 9) for d in drafters) + 0.45
     side = 0.0 if len(corpora) < rows * cols else 3.2
+    # a search that kept one knob at stock says so: the answers are that search's
+    moved = {"sm_clock": "; SM clock only", "power_limit": "; power limit only"}
     title = (
         "Headroom: energy saved at the least-energy setting meeting\n"
-        f"{chosen.attrs.get('target', 'the target')}\n"
+        f"{chosen.attrs.get('target', 'the target')}"
+        f"{moved.get(str(chosen.attrs.get('knob', 'both')), '')}\n"
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
             if clock_locked

@@ -437,6 +437,22 @@ def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
     return {d: colors[i % len(colors)] for i, d in enumerate(drafters)}
 
 
+#: The attribute of a cube cut to some drafters (`dvfs report --drafter`) that lists the
+#: whole cube's drafters (JSON), so that each keeps the colour `dvfs plot` gives it.
+ALL_DRAFTERS = "plot_all_drafters"
+
+
+def cube_drafter_colors(cube: Any) -> dict[str, str]:
+    """`drafter_colors` of the cube's drafters (in its order), each coloured by its place
+    among the drafters of the cube it was cut from (`ALL_DRAFTERS`), else in this one."""
+    import json
+
+    names = [str(d) for d in cube["drafter"].values]
+    order = [str(d) for d in json.loads(cube.attrs.get(ALL_DRAFTERS, "[]"))]
+    every = drafter_colors([*order, *(d for d in names if d not in order)])
+    return {d: every[d] for d in names}
+
+
 @dataclass(frozen=True)
 class LimitStyle:
     """How a power limit is drawn: the stock limit solid with circles, caps dashed/dotted

@@ -9,7 +9,7 @@ import numpy as np
 
 from dvfs.analysis.headroom import reference_setting, valid_mask
 from dvfs.cube.info import observe_only, swept_knobs
-from dvfs.plots.style import Margins, drafter_colors, panel_figure, styled, suptitle
+from dvfs.plots.style import Margins, cube_drafter_colors, panel_figure, styled, suptitle
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -62,7 +62,7 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
         return None
     ref = reference_setting(cube)
     all_drafters = [str(d) for d in cube["drafter"].values]
-    colors = drafter_colors(all_drafters)
+    colors = cube_drafter_colors(cube)
     drafters = all_drafters[:2]
     batches = sorted({int(cube["batch"].values[0]), int(cube["batch"].values[-1])})
     corpus = str(cube["corpus"].values[0])
