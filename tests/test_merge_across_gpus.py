@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import TINY_EXACT, copy_sweep, replace_block
 from test_journal import assert_one_line_error
@@ -312,6 +313,38 @@ def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path
         f"{labels[0][:12]} 61.5 W (not idle: another tenant's process 42 (python) on GPU 0 ran "
         f"during it), {labels[1][:12]} 83.25 W"
     )
+
+
+def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A merged cube has no top-level `counter_update_period_s` or power-limit range (they are
+    each GPU's): `merged_from` keeps each source's, as JSON lists a plain reader parses (one
+    GPU's period too, which netCDF gives back as a number)."""
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", counter_update_period_s=0.1)
+    b = _cube(
+        runs["h200"] / "cube.nc",
+        tmp_path / "b.nc",
+        counter_update_period_s=0.025,
+        power_limit_range_w=[250.0, 650.0, 600.0],
+    )
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    with xr.open_dataset(merged) as plain:  # as a reader without dvfs
+        sources = json.loads(plain.attrs["merged_from"])
+    kept = [
+        {k: json.loads(s[k]) for k in ("counter_update_period_s", "power_limit_range_w")}
+        for s in sources.values()
+    ]
+    source_a = open_cube(a).attrs
+    assert kept == [
+        {
+            "counter_update_period_s": [0.1],
+            "power_limit_range_w": [float(w) for w in source_a["power_limit_range_w"]],
+        },
+        {"counter_update_period_s": [0.025], "power_limit_range_w": [250.0, 650.0, 600.0]},
+    ]
+    assert [int(s["gpu_count"]) for s in sources.values()] == [1, 1]
 
 
 def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(

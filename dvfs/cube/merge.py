@@ -263,7 +263,28 @@ SOURCE_KEYS = (
     "server_env",
     "gpu_pinning",
     "arms_pinned",
+    "gpu_count",
+    "power_limit_range_w",
+    "counter_update_period_s",
 )
+
+
+#: The `SOURCE_KEYS` that hold numbers per GPU (or a range): kept as JSON lists.
+SOURCE_LISTS = ("power_limit_range_w", "counter_update_period_s")
+
+
+def _source_value(key: str, value: Any) -> str:
+    """A source cube's attribute as `merged_from` keeps it: text; each GPU's counter update
+    period and the power-limit range as a JSON list (NaN as null), where `str` would write
+    numpy's "[200. 700. 700.]", which no JSON reader parses, and netCDF gives one GPU's period
+    back as a number, not a list of one."""
+    if key in SOURCE_LISTS and value is not None:
+        try:
+            numbers = np.atleast_1d(np.asarray(value, dtype=float)).ravel().tolist()
+        except (TypeError, ValueError):  # a hand-edited cube's text: kept as it is
+            return str(value)
+        return json.dumps([v if math.isfinite(v) else None for v in numbers])
+    return str(value)
 
 
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
@@ -351,7 +372,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         # Each GPU's cube's own provenance: its corpora, token counts, servers, pinning...
         merged_from=json.dumps(
             {
-                label: {k: str(ds.attrs.get(k)) for k in SOURCE_KEYS}
+                label: {k: _source_value(k, ds.attrs.get(k)) for k in SOURCE_KEYS}
                 for label, ds in zip(labels, cubes, strict=True)
             }
         ),
@@ -762,7 +783,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         # Each shard's own provenance (its GPUs, driver, servers, corpora...), by its name.
         shard_provenance=json.dumps(
             {
-                name: {k: str(ds.attrs.get(k)) for k in ("gpu_uuids", *SOURCE_KEYS)}
+                name: {k: _source_value(k, ds.attrs.get(k)) for k in ("gpu_uuids", *SOURCE_KEYS)}
                 for name, ds in zip(names, cubes, strict=True)
             }
         ),
