@@ -347,6 +347,46 @@ def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
     assert [int(s["gpu_count"]) for s in sources.values()] == [1, 1]
 
 
+#: Variables a later dvfs added to the cube (`dvfs.cube.schema`'s history): an older dvfs's
+#: cube has none of them.
+LATER_VARIABLES = (
+    "window_tokens",
+    "temperature_start_c",
+    "energy_split_method",
+    *(
+        f"{part}_{phase}_{unit}"
+        for part, unit in (("energy", "j"), ("time", "s"))
+        for phase in ("prefill", "draft", "verify", "overhead")
+    ),
+)
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_cube_of_an_older_dvfs_merges_in_either_order(
+    runs: dict[str, Path], tmp_path: Path, older_first: bool
+) -> None:
+    """A cube an older dvfs wrote lacks the later variables: merged before a newer one it was
+    an internal error (the merged variables took their attributes from the first cube); each
+    keeps its attributes, and the older cube's cells have energy split method 0 (none), an
+    int8 flag as in every cube, not NaN in a float."""
+    older = tmp_path / "older.nc"
+    write_cube(open_cube(runs["h200"] / "cube.nc").drop_vars(list(LATER_VARIABLES)), older)
+    newer = runs["h100"] / "cube.nc"
+    merged = tmp_path / "m.nc"
+    order = [older, newer] if older_first else [newer, older]
+    result = invoke("cube", "merge", *map(str, order), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    cube, source = open_cube(merged), open_cube(newer)
+    for name in LATER_VARIABLES:
+        assert cube[name].attrs.keys() == source[name].attrs.keys(), name
+    method = cube["energy_split_method"]
+    assert method.dtype == source["energy_split_method"].dtype
+    older_gpu = str(open_cube(older).attrs["gpu_uuids"])
+    assert (method.sel(gpu=older_gpu) == 0).all()
+    newer_gpu = str(source.attrs["gpu_uuids"])
+    assert (method.sel(gpu=newer_gpu) == source["energy_split_method"]).all()
+
+
 def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS
-from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, STATUS_MISSING
+from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
 from dvfs.errors import CubeError
 from dvfs.records import now_iso
 from dvfs.version import __version__
@@ -351,8 +351,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         compat="override",
     )
     merged = merged.assign_coords(gpu=labels)
+    # Each variable's attributes from the first cube that has it: a later variable (the
+    # intervals, the energy split...) is absent from an older dvfs's cube, which may come first.
     for name in merged.data_vars:
-        merged[name].attrs = dict(first[name].attrs)
+        merged[name].attrs = dict(next(ds[name].attrs for ds in cubes if name in ds.variables))
     for name in merged.coords:
         if name in first.coords:
             merged[name].attrs = dict(first[name].attrs)
@@ -392,6 +394,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     merged.attrs = attrs
     # Cells absent from one GPU's grid: cell_status 0 (missing), integer flags NaN.
     merged["cell_status"] = merged["cell_status"].fillna(STATUS_MISSING).astype(np.int8)
+    if SPLIT_METHOD_VAR in merged.data_vars:  # none in an older dvfs's cube: method 0, none
+        merged[SPLIT_METHOD_VAR] = merged[SPLIT_METHOD_VAR].fillna(0).astype(np.int8)
     if MEASURED_ON in merged.data_vars:
         on = merged[MEASURED_ON]
         merged[MEASURED_ON] = on.where(on.notnull(), "").astype(object)
