@@ -627,9 +627,21 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     status = combined["cell_status"].values
     owner = np.full(status.shape, -1)
     owner[status != STATUS_MISSING] = 0
-    cell_vars = [
-        n for n in combined.data_vars if set(combined["cell_status"].dims) <= set(combined[n].dims)
-    ]
+    # Every shard's cell variables: a shard an older dvfs wrote lacks the later ones (the
+    # intervals, the energy split...), whichever shard it is; its cells hold none of them.
+    cell_vars = list(
+        dict.fromkeys(
+            n
+            for ds in cubes
+            for n in ds.data_vars
+            if set(ds["cell_status"].dims) <= set(ds[n].dims)
+        )
+    )
+    for name in cell_vars:
+        if name not in combined.data_vars:  # none in the first shard: as its missing cells
+            template = next(ds[name] for ds in cubes if name in ds.data_vars)
+            none = 0 if name == SPLIT_METHOD_VAR else np.nan
+            combined[name] = template.copy(data=np.full(template.shape, none, template.dtype))
     for k, ds in enumerate(cubes[1:], start=1):
         here = ds["cell_status"].values != STATUS_MISSING
         both = here & (owner >= 0)
@@ -651,8 +663,9 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
                 {MEASURED_ON: (ds[MEASURED_ON].dims, on.astype(object), dict(MEASURED_ON_ATTRS))}
             )
         for name in cell_vars:
-            mask = ds["cell_status"] != STATUS_MISSING
-            combined[name] = combined[name].where(~mask, ds[name])
+            if name in ds.data_vars:  # else its cells stay as they are: missing until here
+                mask = ds["cell_status"] != STATUS_MISSING
+                combined[name] = combined[name].where(~mask, ds[name])
         if "attention_backend" in ds:
             mine = combined["attention_backend"].values.astype(object)
             theirs = ds["attention_backend"].values.astype(object)
@@ -662,8 +675,9 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
                 dict(first["attention_backend"].attrs),
             )
     for name in cell_vars:
-        combined[name].attrs = dict(first[name].attrs)
-        combined[name].encoding = dict(first[name].encoding)
+        holder = next(ds for ds in cubes if name in ds.data_vars)
+        combined[name].attrs = dict(holder[name].attrs)
+        combined[name].encoding = dict(holder[name].encoding)
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
     combined.attrs = _combined_attrs(cubes, names)
     combined.attrs.update(_pairing(combined, cubes, owner))
