@@ -642,6 +642,9 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
             template = next(ds[name] for ds in cubes if name in ds.data_vars)
             none = 0 if name == SPLIT_METHOD_VAR else np.nan
             combined[name] = template.copy(data=np.full(template.shape, none, template.dtype))
+    told = [ds["attention_backend"] for ds in cubes if "attention_backend" in ds.data_vars]
+    if told and "attention_backend" not in combined.data_vars:  # an older first shard: unsaid
+        combined["attention_backend"] = told[0].copy(data=np.full(told[0].shape, "", object))
     for k, ds in enumerate(cubes[1:], start=1):
         here = ds["cell_status"].values != STATUS_MISSING
         both = here & (owner >= 0)
@@ -672,7 +675,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
             combined["attention_backend"] = (
                 combined["attention_backend"].dims,
                 np.where(mine == "", theirs, mine).astype(str),
-                dict(first["attention_backend"].attrs),
+                dict(told[0].attrs),
             )
     for name in cell_vars:
         holder = next(ds for ds in cubes if name in ds.data_vars)
