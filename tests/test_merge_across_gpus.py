@@ -318,15 +318,21 @@ def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path
 def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """A merged cube has no top-level `counter_update_period_s` or power-limit range (they are
-    each GPU's): `merged_from` keeps each source's, as JSON lists a plain reader parses (one
-    GPU's period too, which netCDF gives back as a number)."""
-    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", counter_update_period_s=0.1)
+    """A merged cube has no top-level `counter_update_period_s`, power-limit range or campaign
+    folder (they are each GPU's): `merged_from` keeps each source's, the numbers as JSON lists
+    a plain reader parses (one GPU's period too, which netCDF gives back as a number)."""
+    a = _cube(
+        runs["h100"] / "cube.nc",
+        tmp_path / "a.nc",
+        counter_update_period_s=0.1,
+        campaign_dir="/campaigns/h100",
+    )
     b = _cube(
         runs["h200"] / "cube.nc",
         tmp_path / "b.nc",
         counter_update_period_s=0.025,
         power_limit_range_w=[250.0, 650.0, 600.0],
+        campaign_dir="/campaigns/h200",
     )
     merged = tmp_path / "m.nc"
     assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
@@ -345,6 +351,8 @@ def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
         {"counter_update_period_s": [0.025], "power_limit_range_w": [250.0, 650.0, 600.0]},
     ]
     assert [int(s["gpu_count"]) for s in sources.values()] == [1, 1]
+    # and the folder each campaign's corpora paths start from
+    assert [s["campaign_dir"] for s in sources.values()] == ["/campaigns/h100", "/campaigns/h200"]
 
 
 #: Variables a later dvfs added to the cube (`dvfs.cube.schema`'s history): an older dvfs's

@@ -241,6 +241,7 @@ def _listed(changes: list[str]) -> str:
 SOURCE_KEYS = (
     "campaign_name",
     "campaign_hash",
+    "campaign_dir",
     "gpu_name",
     "gpu_backend",
     "driver_version",
