@@ -969,6 +969,29 @@ DAMAGED_VALUES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
         ("cube.nc", "quantile"),
         True,
     ),
+    # Latency quantiles cut or edited (the analyses select each by value, the median first):
+    # `headroom` and `compare` ended in an internal error (KeyError: 0.9).
+    "latency-median-only": (
+        _cube_with(lambda ds: ds.isel(quantile=[0])),
+        ("cube.nc", "quantile", "0.99"),
+        True,
+    ),
+    "latency-other-quantiles": (
+        _cube_with(lambda ds: ds.assign_coords(quantile=[0.5, 0.9, 0.95])),
+        ("cube.nc", "quantile", "0.95"),
+        True,
+    ),
+    # An axis naming an entry twice (a hand-edited label): two rows where one is meant;
+    # `compare` was an internal error, `headroom` two rows of one drafter.
+    "drafter-named-twice": (
+        _cube_with(
+            lambda ds: ds.assign_coords(
+                drafter=[str(ds["drafter"][0].item())] * ds.sizes["drafter"]
+            )
+        ),
+        ("cube.nc", "drafter", "more than once"),
+        True,
+    ),
     "energy-nan-in-valid-cells": (
         _cube_with(_valid_cells_energy(float("nan"))),
         ("cube.nc", "energy_per_token_j"),

@@ -380,6 +380,26 @@ def test_cube_info_quotes_energy_of_valid_cells_only(small_sweep: Path, tmp_path
     ] == [None, None]
 
 
+def test_cube_info_json_gives_the_axes_numbers_as_numbers(small_sweep: Path) -> None:
+    """`cube info --json`'s coordinates are the cube's: numbers as JSON numbers (they were
+    text, and a reader's max() of the demo's clocks, 705 to 1980 MHz, was "930"), the string
+    axes as text; the text output shows them as before."""
+    import json
+
+    ds = open_cube(small_sweep / "cube.nc")
+    result = invoke("cube", "info", str(small_sweep), "--json")
+    assert result.exit_code == 0, result.output
+    coords = json.loads(result.output)["coords"]
+    for dim in ("sm_clock", "power_limit", "batch", "repeat", "drafter", "corpus"):
+        assert coords[dim] == ds[dim].values.tolist(), dim
+    assert max(coords["sm_clock"]) == int(ds["sm_clock"].max())
+    assert all(type(v) is int for v in coords["sm_clock"] + coords["batch"])
+    assert all(type(v) is str for v in coords["drafter"] + coords["corpus"])
+    text = " ".join(invoke("cube", "info", str(small_sweep)).output.split())
+    shown = ", ".join(str(v) for v in ds["power_limit"].values.tolist())
+    assert f"power_limit {ds.sizes['power_limit']}: {shown}" in text, text
+
+
 def test_cube_info_says_twin_once_and_open_cube_takes_a_folder(tiny_sweep: Path) -> None:
     """A twin's GPU name carries "(twin)": `cube info` does not add the backend again; and
     `dvfs.open_cube` takes a sweep folder, as every command does."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import TINY_EXACT, copy_sweep, replace_block
 from test_journal import assert_one_line_error
@@ -312,6 +313,86 @@ def test_a_merged_cube_says_each_gpus_idle_power(runs: dict[str, Path], tmp_path
         f"{labels[0][:12]} 61.5 W (not idle: another tenant's process 42 (python) on GPU 0 ran "
         f"during it), {labels[1][:12]} 83.25 W"
     )
+
+
+def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A merged cube has no top-level `counter_update_period_s`, power-limit range or campaign
+    folder (they are each GPU's): `merged_from` keeps each source's, the numbers as JSON lists
+    a plain reader parses (one GPU's period too, which netCDF gives back as a number)."""
+    a = _cube(
+        runs["h100"] / "cube.nc",
+        tmp_path / "a.nc",
+        counter_update_period_s=0.1,
+        campaign_dir="/campaigns/h100",
+    )
+    b = _cube(
+        runs["h200"] / "cube.nc",
+        tmp_path / "b.nc",
+        counter_update_period_s=0.025,
+        power_limit_range_w=[250.0, 650.0, 600.0],
+        campaign_dir="/campaigns/h200",
+    )
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    with xr.open_dataset(merged) as plain:  # as a reader without dvfs
+        sources = json.loads(plain.attrs["merged_from"])
+    kept = [
+        {k: json.loads(s[k]) for k in ("counter_update_period_s", "power_limit_range_w")}
+        for s in sources.values()
+    ]
+    source_a = open_cube(a).attrs
+    assert kept == [
+        {
+            "counter_update_period_s": [0.1],
+            "power_limit_range_w": [float(w) for w in source_a["power_limit_range_w"]],
+        },
+        {"counter_update_period_s": [0.025], "power_limit_range_w": [250.0, 650.0, 600.0]},
+    ]
+    assert [int(s["gpu_count"]) for s in sources.values()] == [1, 1]
+    # and the folder each campaign's corpora paths start from
+    assert [s["campaign_dir"] for s in sources.values()] == ["/campaigns/h100", "/campaigns/h200"]
+
+
+#: Variables a later dvfs added to the cube (`dvfs.cube.schema`'s history): an older dvfs's
+#: cube has none of them.
+LATER_VARIABLES = (
+    "window_tokens",
+    "temperature_start_c",
+    "energy_split_method",
+    *(
+        f"{part}_{phase}_{unit}"
+        for part, unit in (("energy", "j"), ("time", "s"))
+        for phase in ("prefill", "draft", "verify", "overhead")
+    ),
+)
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_cube_of_an_older_dvfs_merges_in_either_order(
+    runs: dict[str, Path], tmp_path: Path, older_first: bool
+) -> None:
+    """A cube an older dvfs wrote lacks the later variables: merged before a newer one it was
+    an internal error (the merged variables took their attributes from the first cube); each
+    keeps its attributes, and the older cube's cells have energy split method 0 (none), an
+    int8 flag as in every cube, not NaN in a float."""
+    older = tmp_path / "older.nc"
+    write_cube(open_cube(runs["h200"] / "cube.nc").drop_vars(list(LATER_VARIABLES)), older)
+    newer = runs["h100"] / "cube.nc"
+    merged = tmp_path / "m.nc"
+    order = [older, newer] if older_first else [newer, older]
+    result = invoke("cube", "merge", *map(str, order), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    cube, source = open_cube(merged), open_cube(newer)
+    for name in LATER_VARIABLES:
+        assert cube[name].attrs.keys() == source[name].attrs.keys(), name
+    method = cube["energy_split_method"]
+    assert method.dtype == source["energy_split_method"].dtype
+    older_gpu = str(open_cube(older).attrs["gpu_uuids"])
+    assert (method.sel(gpu=older_gpu) == 0).all()
+    newer_gpu = str(source.attrs["gpu_uuids"])
+    assert (method.sel(gpu=newer_gpu) == source["energy_split_method"]).all()
 
 
 def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(

@@ -705,6 +705,48 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
     assert "shard_deal" not in open_cube(merged).attrs
 
 
+#: Cell variables a later dvfs added to the cube (`dvfs.cube.schema`'s history).
+LATER_VARIABLES = ("window_tokens", "energy_split_method", "energy_draft_j", "time_draft_s")
+
+
+@pytest.mark.parametrize("older", [0, 2])
+def test_a_shards_cube_of_an_older_dvfs_merges_keeping_the_others_later_variables(
+    runs: Path, tmp_path: Path, older: int
+) -> None:
+    """One shard's cube written by an older dvfs (without the later variables) merges with the
+    others' in shard order: as a later shard it was an internal error, as the first the others'
+    later variables were dropped (and without its attention backends, an internal error in
+    either place). They are kept, the older shard's cells holding none of them (NaN; energy
+    split method 0, none)."""
+    files = [runs / f"s{i}" / "cube.nc" for i in range(3)]
+    stripped = tmp_path / "older.nc"  # nor the drafters' attention backends, recorded since
+    write_cube(open_cube(files[older]).drop_vars([*LATER_VARIABLES, "attention_backend"]), stripped)
+    files[older] = stripped
+    merged = tmp_path / "m.nc"
+    result = CliRunner().invoke(cli, ["cube", "merge", *map(str, files), "-o", str(merged)])
+    assert result.exit_code == 0, result.output
+    cube, whole = open_cube(merged), open_cube(runs / "whole" / "cube.nc")
+    assert (cube["cell_status"] == STATUS_OK).all()
+    for i in range(3):
+        shard = open_cube(runs / f"s{i}" / "cube.nc")
+        own = shard["cell_status"] == STATUS_OK
+        for name in LATER_VARIABLES:
+            assert str(cube[name].attrs) == str(whole[name].attrs), name
+            assert cube[name].dtype == whole[name].dtype, name
+            if i != older:  # each other shard's cells hold its own values
+                np.testing.assert_array_equal(
+                    cube[name].where(own).values, shard[name].where(own).values, str((i, name))
+                )
+        if i == older:
+            assert (cube["energy_split_method"].where(own, 0) == 0).all()
+            assert cube["window_tokens"].where(own).isnull().all()
+    # The twin's servers name no kernels (SGLang's shards naming some would be refused: the
+    # older shard's are unknown).
+    backends = cube["attention_backend"]
+    assert list(backends.values) == list(whole["attention_backend"].values)
+    assert str(backends.attrs) == str(whole["attention_backend"].attrs)
+
+
 def test_a_shards_cube_rebuilt_by_cube_build_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     """`dvfs cube build` of a shard's folder writes the cube the sweep wrote: marked with its
     shard and dealing, so the rebuilt cube files merge into the whole campaign as the sweep's

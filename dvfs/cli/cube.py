@@ -106,7 +106,7 @@ def _render(summary: dict[str, Any]) -> None:
         or "-" + escape(idle_caveat(summary["idle_foreign_processes"])),
     )
     for dim, size in summary["dims"].items():
-        values = summary["coords"][dim]
+        values = [str(v) for v in summary["coords"][dim]]
         shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"
         table.add_row(dim, f"{size}: {shown}")
     lo, hi = summary["energy_per_token_j"]

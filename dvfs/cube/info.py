@@ -167,8 +167,14 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "engine": " ".join(str(e) for e in engine if e is not None) or None,
         "model": ds.attrs.get("model"),
         "dims": {d: int(ds.sizes[d]) for d in ("gpu", *CELL_DIMS) if d in ds.sizes},
+        # Numbers as numbers (as text, "980" sorted after "1980"), the string axes as text.
         "coords": {
-            d: [str(v) for v in ds[d].values] for d in ("gpu", *CELL_DIMS) if d in ds.coords
+            d: [
+                v.item() if isinstance(v, np.generic) and not isinstance(v, np.str_) else str(v)
+                for v in ds[d].values
+            ]
+            for d in ("gpu", *CELL_DIMS)
+            if d in ds.coords
         },
         "cells": total,
         "measured": int((status == STATUS_OK).sum()),

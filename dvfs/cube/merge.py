@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS
-from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, STATUS_MISSING
+from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
 from dvfs.errors import CubeError
 from dvfs.records import now_iso
 from dvfs.version import __version__
@@ -241,6 +241,7 @@ def _listed(changes: list[str]) -> str:
 SOURCE_KEYS = (
     "campaign_name",
     "campaign_hash",
+    "campaign_dir",
     "gpu_name",
     "gpu_backend",
     "driver_version",
@@ -263,7 +264,28 @@ SOURCE_KEYS = (
     "server_env",
     "gpu_pinning",
     "arms_pinned",
+    "gpu_count",
+    "power_limit_range_w",
+    "counter_update_period_s",
 )
+
+
+#: The `SOURCE_KEYS` that hold numbers per GPU (or a range): kept as JSON lists.
+SOURCE_LISTS = ("power_limit_range_w", "counter_update_period_s")
+
+
+def _source_value(key: str, value: Any) -> str:
+    """A source cube's attribute as `merged_from` keeps it: text; each GPU's counter update
+    period and the power-limit range as a JSON list (NaN as null), where `str` would write
+    numpy's "[200. 700. 700.]", which no JSON reader parses, and netCDF gives one GPU's period
+    back as a number, not a list of one."""
+    if key in SOURCE_LISTS and value is not None:
+        try:
+            numbers = np.atleast_1d(np.asarray(value, dtype=float)).ravel().tolist()
+        except (TypeError, ValueError):  # a hand-edited cube's text: kept as it is
+            return str(value)
+        return json.dumps([v if math.isfinite(v) else None for v in numbers])
+    return str(value)
 
 
 def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.Dataset:
@@ -330,8 +352,10 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         compat="override",
     )
     merged = merged.assign_coords(gpu=labels)
+    # Each variable's attributes from the first cube that has it: a later variable (the
+    # intervals, the energy split...) is absent from an older dvfs's cube, which may come first.
     for name in merged.data_vars:
-        merged[name].attrs = dict(first[name].attrs)
+        merged[name].attrs = dict(next(ds[name].attrs for ds in cubes if name in ds.variables))
     for name in merged.coords:
         if name in first.coords:
             merged[name].attrs = dict(first[name].attrs)
@@ -357,7 +381,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         # Each GPU's cube's own provenance: its corpora, token counts, servers, pinning...
         merged_from=json.dumps(
             {
-                label: {k: str(ds.attrs.get(k)) for k in SOURCE_KEYS}
+                label: {k: _source_value(k, ds.attrs.get(k)) for k in SOURCE_KEYS}
                 for label, ds in zip(labels, cubes, strict=True)
             }
         ),
@@ -377,6 +401,8 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     merged.attrs = attrs
     # Cells absent from one GPU's grid: cell_status 0 (missing), integer flags NaN.
     merged["cell_status"] = merged["cell_status"].fillna(STATUS_MISSING).astype(np.int8)
+    if SPLIT_METHOD_VAR in merged.data_vars:  # none in an older dvfs's cube: method 0, none
+        merged[SPLIT_METHOD_VAR] = merged[SPLIT_METHOD_VAR].fillna(0).astype(np.int8)
     if MEASURED_ON in merged.data_vars:
         on = merged[MEASURED_ON]
         merged[MEASURED_ON] = on.where(on.notnull(), "").astype(object)
@@ -608,9 +634,24 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
     status = combined["cell_status"].values
     owner = np.full(status.shape, -1)
     owner[status != STATUS_MISSING] = 0
-    cell_vars = [
-        n for n in combined.data_vars if set(combined["cell_status"].dims) <= set(combined[n].dims)
-    ]
+    # Every shard's cell variables: a shard an older dvfs wrote lacks the later ones (the
+    # intervals, the energy split...), whichever shard it is; its cells hold none of them.
+    cell_vars = list(
+        dict.fromkeys(
+            n
+            for ds in cubes
+            for n in ds.data_vars
+            if set(ds["cell_status"].dims) <= set(ds[n].dims)
+        )
+    )
+    for name in cell_vars:
+        if name not in combined.data_vars:  # none in the first shard: as its missing cells
+            template = next(ds[name] for ds in cubes if name in ds.data_vars)
+            none = 0 if name == SPLIT_METHOD_VAR else np.nan
+            combined[name] = template.copy(data=np.full(template.shape, none, template.dtype))
+    told = [ds["attention_backend"] for ds in cubes if "attention_backend" in ds.data_vars]
+    if told and "attention_backend" not in combined.data_vars:  # an older first shard: unsaid
+        combined["attention_backend"] = told[0].copy(data=np.full(told[0].shape, "", object))
     for k, ds in enumerate(cubes[1:], start=1):
         here = ds["cell_status"].values != STATUS_MISSING
         both = here & (owner >= 0)
@@ -632,19 +673,21 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
                 {MEASURED_ON: (ds[MEASURED_ON].dims, on.astype(object), dict(MEASURED_ON_ATTRS))}
             )
         for name in cell_vars:
-            mask = ds["cell_status"] != STATUS_MISSING
-            combined[name] = combined[name].where(~mask, ds[name])
+            if name in ds.data_vars:  # else its cells stay as they are: missing until here
+                mask = ds["cell_status"] != STATUS_MISSING
+                combined[name] = combined[name].where(~mask, ds[name])
         if "attention_backend" in ds:
             mine = combined["attention_backend"].values.astype(object)
             theirs = ds["attention_backend"].values.astype(object)
             combined["attention_backend"] = (
                 combined["attention_backend"].dims,
                 np.where(mine == "", theirs, mine).astype(str),
-                dict(first["attention_backend"].attrs),
+                dict(told[0].attrs),
             )
     for name in cell_vars:
-        combined[name].attrs = dict(first[name].attrs)
-        combined[name].encoding = dict(first[name].encoding)
+        holder = next(ds for ds in cubes if name in ds.data_vars)
+        combined[name].attrs = dict(holder[name].attrs)
+        combined[name].encoding = dict(holder[name].encoding)
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
     combined.attrs = _combined_attrs(cubes, names)
     combined.attrs.update(_pairing(combined, cubes, owner))
@@ -768,7 +811,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         # Each shard's own provenance (its GPUs, driver, servers, corpora...), by its name.
         shard_provenance=json.dumps(
             {
-                name: {k: str(ds.attrs.get(k)) for k in ("gpu_uuids", *SOURCE_KEYS)}
+                name: {k: _source_value(k, ds.attrs.get(k)) for k in ("gpu_uuids", *SOURCE_KEYS)}
                 for name, ds in zip(names, cubes, strict=True)
             }
         ),

@@ -33,7 +33,7 @@ def _text(value: Any) -> str:
 
 def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
     values = info["coords"].get(dim, [])
-    shown = [v.removesuffix(".0") for v in values]
+    shown = [str(v).removesuffix(".0") for v in values]
     return ", ".join(shown) + unit if shown else MISSING
 
 
