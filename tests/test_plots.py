@@ -401,6 +401,30 @@ def test_a_cube_of_one_sm_clock_has_no_energy_vs_clock_figure(shared_run) -> Non
     assert all(f"energy_vs_clock_{corpus}" in names for corpus in corpora)
 
 
+def test_a_merged_power_limit_only_cube_has_no_energy_vs_clock_figure(shared_run) -> None:
+    """The power-limit-only grid on two GPU models of different stock clocks (the twin H100
+    at 1980 MHz, another at 1755 MHz, as an H100 PCIe): merged, the clock axis holds both
+    stock clocks, each GPU's cells at its own. Each GPU's energy-vs-clock figure was drawn,
+    its limits as points over one clock of that axis named "SM clock lock (MHz)", a lock the
+    campaign never set; it is left out as for the single cube, and the Pareto figure stays."""
+    from dvfs.cube import merge_cubes
+    from dvfs.plots import per_gpu
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    h100 = open_cube(shared_run(text, "limits") / "cube.nc").load()
+    other = h100.assign_coords(sm_clock=[1755]).assign_attrs(
+        stock_sm_clock_mhz=1755, gpu_uuids="GPU-0badc0de-0000-0000-0000-000000000000"
+    )
+    other["sm_clock"].attrs = dict(h100["sm_clock"].attrs)
+    merged = merge_cubes([h100, other], ["h100", "other"])
+    assert merged.sizes["sm_clock"] == 2
+    corpora = [str(c) for c in merged["corpus"].values]
+    for _, one in per_gpu(merged):
+        names = [name for name, _ in figures(one, TARGET)]
+        assert not any(name.startswith("energy_vs_clock") for name in names), names
+        assert all(f"pareto_{corpus}" in names for corpus in corpora)
+
+
 def test_the_headroom_map_names_a_single_locked_clock(shared_run) -> None:
     """One clock locked (1500 MHz) and the power limit swept: the clock is not swept, but it
     is a lock dvfs set, so every answer names it, as the timelines do."""

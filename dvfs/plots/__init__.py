@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from dvfs.analysis.headroom import headroom
 from dvfs.analysis.split import where_energy_goes
 from dvfs.analysis.targets import Target
-from dvfs.cube.schema import SPLIT_MEANINGS
+from dvfs.cube.schema import SPLIT_MEANINGS, STATUS_MISSING
 from dvfs.plots.batch import draw_energy_vs_batch
 from dvfs.plots.curves import (
     corpus_panels,
@@ -68,7 +68,7 @@ def figures(
     # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
     # clock axis, and an unlocked clock would be drawn as a lock; each power limit's energy is
     # in the Pareto figure. As the energy-vs-batch figure for one batch size, none is drawn.
-    if cube.sizes["sm_clock"] > 1:
+    if measured_clocks(cube) > 1:
         curves = corpus_panels(cube, energy_title(cube, widest))
         for corpus in corpora:
             yield f"energy_vs_clock_{corpus}", draw_energy_vs_clock(cube, corpus, curves)
@@ -101,6 +101,15 @@ SPLIT_VARIABLES = (
     "window_tokens",
     *(f"energy_{part}_j" for part in SPLIT_MEANINGS),
 )
+
+
+def measured_clocks(cube: xr.Dataset) -> int:
+    """How many SM clocks of the cube hold a cell it measured (or tried to). One GPU of a
+    merged cube keeps the whole merge's clock axis: on a power-limit-only grid that is each
+    GPU's own stock clock, so a GPU that measured at one clock has two on its axis."""
+    status = cube["cell_status"]
+    tried = (status != STATUS_MISSING).any([d for d in status.dims if d != "sm_clock"])
+    return int(tried.sum())
 
 
 def missing_for_figures(cube: xr.Dataset) -> list[str]:
