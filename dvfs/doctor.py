@@ -681,8 +681,10 @@ def _out_dir(
         from dvfs.fleet.folders import check_same_gpus
 
         check_same_gpus(out_dir, identities, fleet=False)  # as the sweep on one group compares
+    # The folder's own state: whether its journal's prompts still compare is the corpora
+    # check's (a FAIL there beside "the sweep resumes" read as a contradiction).
     resumes = (out_dir / JOURNAL_NAME).is_file()
-    return OK, f"{out_dir}: " + ("the sweep resumes its journal" if resumes else "usable")
+    return OK, f"{out_dir}: " + ("holds a journal to resume" if resumes else "usable")
 
 
 def _disk(out_dir: Path) -> tuple[str, str]:

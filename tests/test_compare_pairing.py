@@ -401,3 +401,17 @@ def test_a_repeat_the_adaptive_rule_never_asked_of_one_arm_is_not_dropped(
     write_cube(edited, path)
     rows = {r["batch"]: r for r in json.loads(run("compare", str(path), "--json").stdout)["rows"]}
     assert rows[1]["dropped_repeats_at_stock"] == 1
+
+
+def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
+    """README (`dvfs.compare/2`'s `verdict_*`) names each verdict a row can carry, in the
+    analysis's order, and no other."""
+    import re
+
+    from dvfs.analysis.compare import VERDICTS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    said = " ".join(
+        readme.split("`verdict_*` (", 1)[1].split("), `paired_repeats_*`", 1)[0].split()
+    )
+    assert tuple(re.findall(r'"([^"]+)"', said)) == VERDICTS, said

@@ -438,8 +438,8 @@ def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
     tiny_exact_run, tmp_path: Path
 ) -> None:
     """A folder holding shard 0/2: the sweep of the whole campaign or of shard 1/2 into it is
-    refused (exit 2), and so is its dry run, in one line; `dvfs doctor` (which said the sweep
-    resumes its journal) fails its output folder check in that line, exit 2, and with
+    refused (exit 2), and so is its dry run, in one line; `dvfs doctor` (which said the folder
+    holds a journal to resume) fails its output folder check in that line, exit 2, and with
     `--shard 0/2` passes it as the sweep of that shard resumes it. Nothing is written."""
     campaign = write(tmp_path / "tiny.toml", MIXED)
     out = copy_sweep(tiny_exact_run("s0"), tmp_path / "s0")
@@ -456,7 +456,7 @@ def test_doctor_checks_the_folder_as_the_sweep_of_its_shard_does(
             assert json.loads(plan.output)["problems"] == [folder["detail"]]
             assert "holds shard 0/2 of this campaign" in folder["detail"]
         else:
-            assert folder["status"] == "ok" and "resumes its journal" in folder["detail"]
+            assert folder["status"] == "ok" and "a journal to resume" in folder["detail"]
             assert checks["shard"]["status"] == "ok", checks["shard"]
     # More shards than the campaign has comparison groups: the sweep refuses it, exit 2, and
     # doctor fails its shard check in that line (it passed it, exit 0).

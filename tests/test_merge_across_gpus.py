@@ -353,6 +353,20 @@ def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
     assert [int(s["gpu_count"]) for s in sources.values()] == [1, 1]
     # and the folder each campaign's corpora paths start from
     assert [s["campaign_dir"] for s in sources.values()] == ["/campaigns/h100", "/campaigns/h200"]
+    # Two campaign files in one folder: the folder alone names no campaign file at the top
+    # (the README: the campaign file the sources were all swept from, none where they differ)
+    a = _cube(a, a, campaign_dir="/campaigns", campaign_source="# h100\n")
+    b = _cube(b, b, campaign_dir="/campaigns", campaign_source="# h200\n")
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    with xr.open_dataset(merged) as plain:
+        top = dict(plain.attrs)
+    assert "campaign_source" not in top and "campaign_dir" not in top, top.get("campaign_dir")
+    # the same file in the same folder: both kept
+    b = _cube(b, b, campaign_source="# h100\n")
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    with xr.open_dataset(merged) as plain:
+        top = dict(plain.attrs)
+    assert (top["campaign_source"], top["campaign_dir"]) == ("# h100\n", "/campaigns")
 
 
 #: Variables a later dvfs added to the cube (`dvfs.cube.schema`'s history): an older dvfs's

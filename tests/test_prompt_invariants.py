@@ -102,8 +102,8 @@ def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(
     journal = out / "journal.jsonl"
     before = journal.read_text()
     _corpus(tmp_path, edit=" (edited)")  # the corpus file edited before the rerun
-    # doctor and the dry run refuse it as the sweep does (they passed it, exit 0: "the sweep
-    # resumes its journal"), in its words
+    # doctor and the dry run refuse it as the sweep does (they passed it, exit 0), in its
+    # words
     checked = invoke("doctor", str(campaign), "--out", str(out))
     planned = invoke("sweep", str(campaign), "--out", str(out), "--dry-run")
     for result in (checked, planned):
@@ -111,6 +111,10 @@ def test_a_resume_with_an_edited_corpus_is_refused_before_measuring(
         said = " ".join(result.output.split())
         assert "the prompts differ" in said and "corpus 'mine' content: " in said, said
     assert "FAIL corpora: the prompts differ" in checked.output
+    # the folder's own line says what it holds, not that the refused resume goes ahead
+    doctor_said = " ".join(checked.output.split())
+    assert "the sweep resumes" not in doctor_said, doctor_said
+    assert "output folder: " in doctor_said and "holds a journal to resume" in doctor_said
     refused = sweep(campaign, out)
     line = assert_one_line_error(
         refused,

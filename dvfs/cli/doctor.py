@@ -57,13 +57,16 @@ def doctor(
 ) -> None:
     """Check a campaign before sweeping: driver, permissions, persistence mode, clocks and
     limits in range, unrestored state, GPUs held by another dvfs, the server's GPUs, engine,
-    corpora, and the output folder (usable by the sweep, free disk).
+    model paths, tokenizer, corpora, and the output folder (usable by the sweep, free disk).
 
     Exits 0 when nothing failed (warnings allowed), 1 when a check failed, 2 when the
     campaign file is missing or invalid (nothing else is checked then) or a check failed that
-    `dvfs sweep` refuses as an invalid campaign (exit 2 there too): the 'arms' check (SGLang
-    would serve the drafters differently), clocks or limits the GPUs do not support, corpora
-    that cannot fill the batches, GPUs outside the job's CUDA_VISIBLE_DEVICES."""
+    `dvfs sweep` refuses with exit 2 too: the 'arms' check (SGLang would serve the drafters
+    differently), clocks or limits the GPUs do not support, a server's GPUs of two models,
+    GPUs outside the job's CUDA_VISIBLE_DEVICES, a GPU model the twin engine has no profile
+    of, a corpus file missing or damaged, corpora that cannot fill the batches, an output
+    folder holding another shard (or the whole campaign), more shards than comparison
+    groups."""
     import sys
 
     from dvfs.campaign import load_campaign

@@ -364,11 +364,16 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
     attrs.update(_first_known(cubes, WHEN_KNOWN))
     # The campaign file and its folder where every cube was swept from the same (a fleet's
-    # run): what the analyses read its corpora again by (the roofline's mean context).
-    for key in ("campaign_source", "campaign_dir"):
-        values = {str(ds.attrs.get(key) or "") for ds in cubes}
-        if len(values) == 1 and first.attrs.get(key):
-            attrs[key] = first.attrs[key]
+    # run): what the analyses read its corpora again by (the roofline's mean context). A
+    # folder alone (two campaign files in it) names no campaign: neither is kept.
+    files = {
+        (str(ds.attrs.get("campaign_source") or ""), str(ds.attrs.get("campaign_dir") or ""))
+        for ds in cubes
+    }
+    if len(files) == 1 and first.attrs.get("campaign_source"):
+        for key in ("campaign_source", "campaign_dir"):
+            if first.attrs.get(key):
+                attrs[key] = first.attrs[key]
     attrs.update(
         title="dvfs merged cube",
         dvfs_version=__version__,
