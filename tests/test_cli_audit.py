@@ -119,7 +119,7 @@ def test_doctor_fails_an_output_folder_that_sweep_refuses(tiny_sweep: Path, tmp_
     # Resuming the campaign's own folder is fine.
     code, checks = _doctor_checks(tiny, tiny_sweep)
     assert code == 0 and checks["output folder"]["status"] == "ok", checks
-    assert "resumes" in checks["output folder"]["detail"]
+    assert "a journal to resume" in checks["output folder"]["detail"]
     # A folder under a regular file.
     (tmp_path / "afile").write_text("")
     under_file = tmp_path / "afile" / "x"
