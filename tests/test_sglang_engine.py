@@ -358,6 +358,27 @@ def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_server_slower_to_start_than_its_timeout_says_which_setting_gives_it_longer(
+    tmp_path: Path,
+) -> None:
+    """A server still loading (its port not open yet) when startup_timeout_s runs out: its
+    cells fail naming the setting to raise, and the slow server is not left running."""
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub={"listen_delay_s": 5.0},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        startup_timeout_s=0.3,
+    )
+    [cell] = cells
+    assert cell["status"] == "failed"
+    first = cell["error"].splitlines()[0]
+    assert "was not ready within 0.3 s (nothing listening)" in first
+    assert "engine.sglang.startup_timeout_s" in first
+
+
+@pytest.mark.slow
 def test_closed_loop_mode(tmp_path: Path) -> None:
     cells, ds = _sweep_cells(
         tmp_path,

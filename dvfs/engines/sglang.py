@@ -549,7 +549,11 @@ class SglangEngine:
             raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
         self._client = self._client_for(host_url(self.config.host, port))
         try:
-            self._client.wait_healthy(self.config.startup_timeout_s, alive=self._alive)
+            self._client.wait_healthy(
+                self.config.startup_timeout_s,
+                alive=self._alive,
+                hint="one still loading its model needs a longer engine.sglang.startup_timeout_s",
+            )
             info = self._client.server_info()
         except EngineError as exc:
             log_path = self._log_path
