@@ -1511,6 +1511,7 @@ class StubHandler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         if self.stub.hung.is_set():
             self.stub.stop.wait()  # a wedged server: nothing is answered until it is stopped
+            self.close_connection = True  # its body unread: not a next request
             return
         try:
             body = self._read_body()
@@ -1612,6 +1613,7 @@ class StubHandler(BaseHTTPRequestHandler):
         stub.maybe_hang(number)
         if stub.hung.is_set():
             stub.stop.wait()
+            self.close_connection = True
             return
         if stub.should_fail(number):
             log(f"generate #{number}: injected failure {stub.cfg.fail_status}")
