@@ -52,6 +52,7 @@ def stub_campaign(
     warmup_tokens: int = 4,
     stall_timeout_s: float = 10.0,
     request_timeout_s: float = 30.0,
+    startup_timeout_s: float = 30.0,
     retries: int = 1,
     gpu: str = 'backend = "twin"\nprofile = "h100-sxm"',
     wrapper: tuple[str, ...] = (),
@@ -87,7 +88,7 @@ model = "{marker}"
 
 [engine.sglang]
 server_command = {json.dumps([*wrapper, sys.executable, str(STUB)])}
-startup_timeout_s = 30
+startup_timeout_s = {startup_timeout_s}
 request_timeout_s = {request_timeout_s}
 stall_timeout_s = {stall_timeout_s}
 env = {{ SGLANG_STUB_CONFIG = {json.dumps(str(config))} }}

@@ -249,6 +249,28 @@ def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path:
 
 
 @pytest.mark.slow
+def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
+    """A wedged server (alive, answering nothing, /health included) is stopped and a fresh one
+    started, as for a dead one: kept, it failed every later cell of the campaign on a flush
+    that timed out. Each server hangs at its third request, so only the third cell meets it."""
+    cells, ds = _sweep_cells(
+        tmp_path,
+        stub={"hang_after_requests": 3},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980, 1500, 1005]\nsettle_s = 0.0",
+        warmup_tokens=0,
+        stall_timeout_s=0.5,
+    )
+    assert [c["status"] for c in cells] == ["ok"] * 3
+    [retried] = [c for c in cells if c["attempts"] == 2]
+    [error] = retried["errors"]
+    assert "the SGLang server stopped answering" in error
+    assert "no answer from /health" in error and "dvfs stopped it" in error
+    assert (ds["cell_status"] == 1).all()
+
+
+@pytest.mark.slow
 def test_a_server_that_keeps_dying_fails_its_cells_and_the_campaign_goes_on(tmp_path: Path) -> None:
     cells, ds = _sweep_cells(
         tmp_path, stub={"die_after_requests": 1}, drafters=ONE_DRAFTER, batch="[1]"
@@ -333,6 +355,27 @@ def test_a_server_that_cannot_start_shows_its_log(tmp_path: Path) -> None:
     assert cells[0]["status"] == "failed"
     assert "failed to start" in cells[0]["error"]
     assert "--mem-fraction-static: invalid float value: 'lots'" in cells[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_server_slower_to_start_than_its_timeout_says_which_setting_gives_it_longer(
+    tmp_path: Path,
+) -> None:
+    """A server still loading (its port not open yet) when startup_timeout_s runs out: its
+    cells fail naming the setting to raise, and the slow server is not left running."""
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub={"listen_delay_s": 5.0},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        startup_timeout_s=0.3,
+    )
+    [cell] = cells
+    assert cell["status"] == "failed"
+    first = cell["error"].splitlines()[0]
+    assert "was not ready within 0.3 s (nothing listening)" in first
+    assert "engine.sglang.startup_timeout_s" in first
 
 
 @pytest.mark.slow

@@ -64,7 +64,12 @@ from dvfs.engines.sglang_args import (
     unlistenable,
     unstartable,
 )
-from dvfs.engines.sglang_client import EngineConnectionError, SamplingParams, SglangClient
+from dvfs.engines.sglang_client import (
+    HEALTH_PROBE_S,
+    EngineConnectionError,
+    SamplingParams,
+    SglangClient,
+)
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
 from dvfs.gpu.base import GpuProcesses
 from dvfs.procfs import earlier_holder, process_name, server_pids
@@ -544,7 +549,11 @@ class SglangEngine:
             raise EngineError(f"cannot start the server ({argv[0]}): {exc.strerror}") from exc
         self._client = self._client_for(host_url(self.config.host, port))
         try:
-            self._client.wait_healthy(self.config.startup_timeout_s, alive=self._alive)
+            self._client.wait_healthy(
+                self.config.startup_timeout_s,
+                alive=self._alive,
+                hint="one still loading its model needs a longer engine.sglang.startup_timeout_s",
+            )
             info = self._client.server_info()
         except EngineError as exc:
             log_path = self._log_path
@@ -805,9 +814,15 @@ class SglangEngine:
             # reset_metrics in 0.5.9 and 0.5.23 alike), which then counts only whole blocks
             # of decode_log_interval iterations: the round's, less its last partial block.
             accept = client.accept_length()
-        except EngineConnectionError as exc:
-            if not self.config.url and self._exited_within(CRASH_GRACE_S):
+        except EngineError as exc:
+            if self.config.url:
+                raise  # not ours to restart
+            if isinstance(exc, EngineConnectionError) and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
+            if self._alive() and (status := client.health_status()) != 200:
+                # Alive but wedged (a hung scheduler answers nothing, /health included): every
+                # later cell would fail on it, so it is stopped and restarted as a dead one is.
+                raise EngineCrashedError(self._hung_message(exc, status)) from exc
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None, client))
@@ -825,6 +840,18 @@ class SglangEngine:
             server_accept_covers=covers,
             knob_begun_ns=begun_ns,
         )
+
+    def _hung_message(self, exc: EngineError, status: int | None) -> str:
+        """Why a live server is given up on (`exc`, and what /health said), once it is stopped."""
+        health = (
+            f"no answer from /health within {HEALTH_PROBE_S:g} s"
+            if status is None
+            else f"/health answered {status}"
+        )
+        log_path = self._log_path
+        self.stop()
+        first = f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it"
+        return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
 
     def _crash_message(self, exc: Exception | None, client: SglangClient | None = None) -> str:
         """Why the server is gone; `client`: the server's, when the round's requests were

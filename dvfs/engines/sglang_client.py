@@ -193,11 +193,17 @@ class SglangClient:
             return None
 
     def wait_healthy(
-        self, timeout_s: float, *, alive: Callable[[], bool] = lambda: True, poll_s: float = 0.1
+        self,
+        timeout_s: float,
+        *,
+        alive: Callable[[], bool] = lambda: True,
+        poll_s: float = 0.1,
+        hint: str = "",
     ) -> None:
-        """Until /health answers 200; raises when the process dies or time runs out. Polls
-        every 10 ms at first, doubling to `poll_s`: a quick server is seen at once, a slow
-        one (a real model loads for tens of seconds) costs a request every `poll_s`."""
+        """Until /health answers 200; raises when the process dies or time runs out (its
+        message ending with `hint`, what to do then). Polls every 10 ms at first, doubling to
+        `poll_s`: a quick server is seen at once, a slow one (a real model loads for tens of
+        seconds) costs a request every `poll_s`."""
         deadline = time.monotonic() + timeout_s
         last = None
         wait_s = min(0.01, poll_s)
@@ -212,6 +218,7 @@ class SglangClient:
         state = "nothing listening" if last is None else f"/health answered {last}"
         raise EngineError(
             f"the server at {self.shown_url} was not ready within {timeout_s:g} s ({state})"
+            + (f": {hint}" if hint else "")
         )
 
     def server_info(self) -> dict[str, Any]:

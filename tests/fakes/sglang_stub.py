@@ -50,6 +50,10 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   the process calls ``os._exit(1)`` after ``die_delay_s`` (0.0: at once, before
   answering it; > 0: mid-stream of it and of anything else in flight).
 - ``die_delay_s`` (0.0): see above.
+- ``hang_after_requests`` (null): N >= 1; from the arrival of the N-th /generate request the
+  process lives on but answers nothing more, on any route (``/health`` included): every
+  request then arriving, that one too, waits without a byte until the process is stopped,
+  as a wedged SGLang scheduler leaves its HTTP server (SIGTERM still stops it).
 - ``torch_load_device`` (null): a torch device ("cuda", "cpu") on which matrix-vector
   products over ``torch_load_mib`` (512) MiB of weights run while requests run (``TorchLoad``):
   a real load, and a real compute process, for dvfs on a real GPU.
@@ -338,6 +342,7 @@ class StubConfig:
     natural_stop: bool = False
     die_after_requests: int | None = None
     die_delay_s: float = 0.0
+    hang_after_requests: int | None = None
     fail_after_requests: int | None = None
     fail_status: int = 500
     malformed_chunk_at: int | None = None
@@ -372,7 +377,7 @@ _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s", "torch_load_mib")
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 _OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
-_OPTIONAL_INT_KEYS += ("foreign_until_request",)
+_OPTIONAL_INT_KEYS += ("foreign_until_request", "hang_after_requests")
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -415,6 +420,8 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
         raise StubConfigError("torch_load_device must be a torch device name or null")
     if cfg.die_after_requests == 0:
         raise StubConfigError("die_after_requests must be >= 1")
+    if cfg.hang_after_requests == 0:
+        raise StubConfigError("hang_after_requests must be >= 1")
     if cfg.hold_after_requests == 0:
         raise StubConfigError("hold_after_requests must be >= 1")
     if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
@@ -934,6 +941,8 @@ class Stub:
         self.spec = spec
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        #: hang_after_requests reached: no request is answered any more.
+        self.hung = threading.Event()
         self.ready_at = math.inf
         self.model_name = str(args.get("served_model_name") or args["model_path"])
         self.enable_metrics = bool(args.get("enable_metrics"))
@@ -1000,6 +1009,14 @@ class Stub:
         timer = threading.Timer(self.cfg.die_delay_s, die)
         timer.daemon = True
         timer.start()
+
+    def maybe_hang(self, number: int) -> None:
+        """hang_after_requests: from now on answer nothing (`StubHandler._dispatch` waits)."""
+        if self.cfg.hang_after_requests is None or number < self.cfg.hang_after_requests:
+            return
+        if not self.hung.is_set():
+            log(f"hang_after_requests={self.cfg.hang_after_requests} reached at #{number}: hung")
+        self.hung.set()
 
     def other_tenant(self, number: int) -> None:
         """foreign_pid: list it on the stub's GPUs at foreign_from_request (0: at start),
@@ -1492,6 +1509,10 @@ class StubHandler(BaseHTTPRequestHandler):
         return None
 
     def _dispatch(self, method: str) -> None:
+        if self.stub.hung.is_set():
+            self.stub.stop.wait()  # a wedged server: nothing is answered until it is stopped
+            self.close_connection = True  # its body unread: not a next request
+            return
         try:
             body = self._read_body()
         except (ValueError, RequestError) as exc:
@@ -1589,6 +1610,11 @@ class StubHandler(BaseHTTPRequestHandler):
         number = stub.count_generate()
         stub.other_tenant(number)
         stub.maybe_die(number)
+        stub.maybe_hang(number)
+        if stub.hung.is_set():
+            stub.stop.wait()
+            self.close_connection = True
+            return
         if stub.should_fail(number):
             log(f"generate #{number}: injected failure {stub.cfg.fail_status}")
             message = f"sglang_stub: injected failure on /generate request {number}"
