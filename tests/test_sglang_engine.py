@@ -1189,3 +1189,71 @@ def test_an_ipv6_host_no_server_can_listen_on_is_named_not_the_output_folder(
     )
     assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
     assert running(marker) == []
+
+
+def _answering_generate(chunks: list[dict[str, Any]]) -> tuple[Any, int]:
+    """A loopback server whose every streamed /generate answer is `chunks` (then [DONE])."""
+    import http.server
+    import threading
+
+    body = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+    class Generate(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+_FINAL = {"completion_tokens": 2, "finish_reason": {"type": "length", "length": 2}}
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"text": "a", "meta_info": "running"},
+        {"text": "a", "meta_info": [1, 2]},
+        {"text": "a", "meta_info": {"completion_tokens": "two"}},
+        {"text": "a", "meta_info": {"completion_tokens": [2]}},
+        {"text": "a", "meta_info": {"completion_tokens": 1e400}},
+        {"text": "a", "output_ids": 7, "meta_info": {}},
+        {"text": "a", "meta_info": {"completion_tokens": 2, "prompt_tokens": "many"}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_verify_ct": "x"}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_accept_token_num": {}}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_draft_token_num": "x"}},
+        {"text": "a", "meta_info": {**_FINAL, "num_retractions": "x"}},
+    ],
+    ids=lambda chunk: json.dumps(chunk)[:70],
+)
+def test_a_generate_answer_with_malformed_meta_info_fails_the_request_in_one_line(
+    chunk: dict[str, Any],
+) -> None:
+    """A /generate answer whose meta_info is not an object, or whose token counts, speculative
+    counters or retractions are not numbers, is a malformed answer like a chunk that is not
+    JSON: an EngineError of one line naming it (the cell's error), not a ValueError or
+    AttributeError escaping as a traceback."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SamplingParams, SglangClient
+    from dvfs.errors import EngineError
+
+    server, port = _answering_generate([chunk])
+    try:
+        client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())
+        with pytest.raises(EngineError) as caught:
+            client.run_batch(["hi"], SamplingParams(2, 0.0, True), "t")
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = str(caught.value)
+    assert type(caught.value) is EngineError
+    assert "\n" not in message and "malformed" in message, message

@@ -88,10 +88,22 @@ class _RoundEnd:
         return not self.ended and (not self.closed_loop or self.sent >= self.total)
 
 
-def _first(meta: dict[str, Any], names: Sequence[str]) -> Any:
+def _whole(meta: dict[str, Any], names: str | Sequence[str], rid: str) -> int | None:
+    """The first of `names` that `meta` (a chunk's meta_info) holds, as an int (None: none);
+    raises when it is not a whole number (a malformed answer, failing the request)."""
+    names = (names,) if isinstance(names, str) else names
     for name in names:
-        if meta.get(name) is not None:
-            return meta[name]
+        value = meta.get(name)
+        if value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise EngineError(
+            f"malformed answer from the server: meta_info.{name} of request {rid} is "
+            f"{json.dumps(value)[:60]}, not a whole number"
+        )
     return None
 
 
@@ -344,18 +356,31 @@ class SglangClient:
                         err = chunk["error"]
                         message = err.get("message") if isinstance(err, dict) else err
                         raise EngineError(f"the server reported an error: {message}")
-                    meta = chunk.get("meta_info") or {}
-                    count = meta.get("completion_tokens")
+                    meta = chunk.get("meta_info")
+                    if meta is None:
+                        meta = {}
+                    elif not isinstance(meta, dict):
+                        raise EngineError(
+                            f"malformed stream chunk from the server (its meta_info is not "
+                            f"an object): {payload[:120]!r}"
+                        )
+                    count = _whole(meta, "completion_tokens", rid)
                     if count is None:
-                        count = len(chunk.get("output_ids") or [])
-                    prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
-                    new = int(count) - seen
+                        ids = chunk.get("output_ids") or []
+                        if not isinstance(ids, list):
+                            raise EngineError(
+                                f"malformed stream chunk from the server (its output_ids is "
+                                f"not a list): {payload[:120]!r}"
+                            )
+                        count = len(ids)
+                    prompt_tokens = _whole(meta, "prompt_tokens", rid) or prompt_tokens
+                    new = count - seen
                     if new > 0:
                         if not chunk_ns and on_first is not None:
                             on_first(now)
                         chunk_ns.append(now)
                         chunk_tokens.append(new)
-                        seen = int(count)
+                        seen = count
                     if meta.get("finish_reason") is not None:
                         final = meta
                         if end is not None and _kind(meta) != "abort":
@@ -396,10 +421,10 @@ class SglangClient:
         # (TokenizerManager._handle_batch_output adds them once the request finished), so a
         # stream the client disconnected never got them: the trace says they were lost
         # rather than that the request did not speculate (`dvfs.measure.meter.acceptance`).
-        retractions = _first(final, ("num_retractions", "total_retractions")) or 0
-        verify = final.get("spec_verify_ct")
-        accepted = _first(final, ACCEPTED_DRAFTS)
-        proposed = _first(final, PROPOSED_DRAFTS)
+        retractions = _whole(final, ("num_retractions", "total_retractions"), rid) or 0
+        verify = _whole(final, ("spec_verify_ct",), rid)
+        accepted = _whole(final, ACCEPTED_DRAFTS, rid)
+        proposed = _whole(final, PROPOSED_DRAFTS, rid)
         return RequestTrace(
             sent_ns=sent_ns,
             chunk_ns=np.array(chunk_ns, dtype=np.int64),
@@ -407,10 +432,10 @@ class SglangClient:
             prompt_tokens=prompt_tokens,
             completion_tokens=seen,
             finish_reason=kind,
-            spec_verify_ct=None if verify is None else int(verify),
-            spec_accepted_drafts=None if accepted is None else int(accepted),
-            spec_proposed_drafts=None if proposed is None else int(proposed),
-            retractions=int(retractions),
+            spec_verify_ct=verify,
+            spec_accepted_drafts=accepted,
+            spec_proposed_drafts=proposed,
+            retractions=retractions,
             final_lost=not final,
         )
 
