@@ -310,6 +310,34 @@ def test_protocol_faults_are_journaled_per_cell(
 
 
 @pytest.mark.slow
+def test_a_5xx_from_a_server_whose_health_check_takes_seconds_is_not_restarted(
+    tmp_path: Path,
+) -> None:
+    """SGLang's /health runs a one-token generate and answers once the scheduler outputs
+    anything: never under 1 s, and up to its 20 s health-check timeout on a busy server. A
+    round failed on such a server (here a 5xx, its /health answering 200 after 6 s) is failed
+    on that server, not taken for a hung one that is stopped and started again (dvfs gave
+    /health 5 s: each such failure cost a server restart, a model load on a real GPU)."""
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub={"fail_after_requests": 1, "busy_health_s": 6.0},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        warmup_tokens=0,
+        stall_timeout_s=0.5,
+        retries=0,
+    )
+    [cell] = cells
+    assert cell["status"] == "failed"
+    assert "/generate answered HTTP 500" in cell["error"]
+    assert "stopped answering" not in cell["error"]
+    assert [p.name for p in (tmp_path / "out" / "logs").glob("server-*.log")] == [
+        "server-none-1.log"
+    ]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fixed", "closed-loop"])
 def test_a_request_failing_beside_others_fails_its_cell_in_one_line(
     mode: str, tmp_path: Path

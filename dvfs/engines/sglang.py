@@ -65,7 +65,7 @@ from dvfs.engines.sglang_args import (
     unstartable,
 )
 from dvfs.engines.sglang_client import (
-    HEALTH_PROBE_S,
+    HUNG_PROBE_S,
     EngineConnectionError,
     SamplingParams,
     SglangClient,
@@ -819,7 +819,7 @@ class SglangEngine:
                 raise  # not ours to restart
             if isinstance(exc, EngineConnectionError) and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
-            if self._alive() and (status := client.health_status()) != 200:
+            if self._alive() and (status := client.health_status(HUNG_PROBE_S)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.
                 raise EngineCrashedError(self._hung_message(exc, status)) from exc
@@ -844,7 +844,7 @@ class SglangEngine:
     def _hung_message(self, exc: EngineError, status: int | None) -> str:
         """Why a live server is given up on (`exc`, and what /health said), once it is stopped."""
         health = (
-            f"no answer from /health within {HEALTH_PROBE_S:g} s"
+            f"no answer from /health within {HUNG_PROBE_S:g} s"
             if status is None
             else f"/health answered {status}"
         )

@@ -32,6 +32,11 @@ ABORT_GRACE_S = 5.0
 #: How long one /health request may wait for an answer: a server that loads answers at once
 #: (503) or refuses the connection; a listener that answers nothing is not it.
 HEALTH_PROBE_S = 5.0
+#: How long /health may take to answer a server whose round just failed before it is taken
+#: for hung: SGLang's /health runs a one-token generate and answers once the scheduler outputs
+#: anything, checking every 1 s for up to its health-check timeout (SGLANG_HEALTH_CHECK_TIMEOUT,
+#: 20 s), so a busy server that is not hung may take that long.
+HUNG_PROBE_S = 25.0
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
 ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
 PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
@@ -195,12 +200,12 @@ class SglangClient:
         ) as client:
             return client.get(self.base_url + path)
 
-    def health_status(self) -> int | None:
+    def health_status(self, timeout_s: float = HEALTH_PROBE_S) -> int | None:
         """HTTP status of /health, or None while nothing listens (or nothing answers within
-        `HEALTH_PROBE_S`)."""
+        `timeout_s`)."""
         httpx = _httpx()
         try:
-            return int(self._get("/health", timeout_s=HEALTH_PROBE_S).status_code)
+            return int(self._get("/health", timeout_s=timeout_s).status_code)
         except httpx.HTTPError:
             return None
 
