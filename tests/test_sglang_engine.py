@@ -249,10 +249,14 @@ def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path:
 
 
 @pytest.mark.slow
-def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
+def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wedged server (alive, answering nothing, /health included) is stopped and a fresh one
     started, as for a dead one: kept, it failed every later cell of the campaign on a flush
-    that timed out. Each server hangs at its third request, so only the third cell meets it."""
+    that timed out. Each server hangs at its third request, so only the third cell meets it.
+    /health is given the servers' own health-check timeout (1 s here) and 5 s more."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     cells, ds = _sweep_cells(
         tmp_path,
         stub={"hang_after_requests": 3},
@@ -266,7 +270,7 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(tmp_pat
     [retried] = [c for c in cells if c["attempts"] == 2]
     [error] = retried["errors"]
     assert "the SGLang server stopped answering" in error
-    assert "no answer from /health" in error and "dvfs stopped it" in error
+    assert "no answer from /health within 6 s" in error and "dvfs stopped it" in error
     assert (ds["cell_status"] == 1).all()
 
 
@@ -1285,3 +1289,14 @@ def test_a_generate_answer_with_malformed_meta_info_fails_the_request_in_one_lin
     message = str(caught.value)
     assert type(caught.value) is EngineError
     assert "\n" not in message and "malformed" in message, message
+
+
+def test_hung_probe_follows_the_servers_health_check_timeout() -> None:
+    """SGLang's /health may take its SGLANG_HEALTH_CHECK_TIMEOUT (20 s unless set) to answer a
+    busy server: the hung probe waits that long and a margin, whatever the variable holds."""
+    from dvfs.engines.sglang_client import HUNG_MARGIN_S, hung_probe_s
+
+    assert hung_probe_s({}) == 20.0 + HUNG_MARGIN_S
+    assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "60"}) == 60.0 + HUNG_MARGIN_S
+    for junk in ("soon", "nan", "-3", "inf"):
+        assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": junk}) == 20.0 + HUNG_MARGIN_S

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +33,27 @@ ABORT_GRACE_S = 5.0
 #: How long one /health request may wait for an answer: a server that loads answers at once
 #: (503) or refuses the connection; a listener that answers nothing is not it.
 HEALTH_PROBE_S = 5.0
-#: How long /health may take to answer a server whose round just failed before it is taken
-#: for hung: SGLang's /health runs a one-token generate and answers once the scheduler outputs
-#: anything, checking every 1 s for up to its health-check timeout (SGLANG_HEALTH_CHECK_TIMEOUT,
-#: 20 s), so a busy server that is not hung may take that long.
-HUNG_PROBE_S = 25.0
+#: SGLang's /health runs a one-token generate and answers once the scheduler outputs anything,
+#: checking every 1 s for up to its health-check timeout (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by
+#: default), so a busy server that is not hung may take that long.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+#: What /health gets beyond that timeout before a server whose round failed is taken for hung.
+HUNG_MARGIN_S = 5.0
+
+
+def hung_probe_s(env: Mapping[str, str]) -> float:
+    """How long /health may take to answer a server whose round just failed before it is taken
+    for hung: the server's own health-check timeout (from the environment it runs with) and a
+    margin, so a busy server is never restarted for being slow to answer."""
+    try:
+        timeout = float(env.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+    except ValueError:  # SGLang would not start with it either; the default is its own
+        timeout = HEALTH_CHECK_TIMEOUT_S
+    if not math.isfinite(timeout) or timeout < 0:
+        timeout = HEALTH_CHECK_TIMEOUT_S
+    return timeout + HUNG_MARGIN_S
+
+
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
 ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
 PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
