@@ -249,10 +249,14 @@ def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path:
 
 
 @pytest.mark.slow
-def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(tmp_path: Path) -> None:
+def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A wedged server (alive, answering nothing, /health included) is stopped and a fresh one
     started, as for a dead one: kept, it failed every later cell of the campaign on a flush
-    that timed out. Each server hangs at its third request, so only the third cell meets it."""
+    that timed out. Each server hangs at its third request, so only the third cell meets it.
+    /health is given the servers' own health-check timeout (1 s here) and 5 s more."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     cells, ds = _sweep_cells(
         tmp_path,
         stub={"hang_after_requests": 3},
@@ -266,7 +270,7 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(tmp_pat
     [retried] = [c for c in cells if c["attempts"] == 2]
     [error] = retried["errors"]
     assert "the SGLang server stopped answering" in error
-    assert "no answer from /health" in error and "dvfs stopped it" in error
+    assert "no answer from /health within 6 s" in error and "dvfs stopped it" in error
     assert (ds["cell_status"] == 1).all()
 
 
@@ -307,6 +311,34 @@ def test_protocol_faults_are_journaled_per_cell(
     )
     assert cells and all(c["status"] == "failed" for c in cells)
     assert message in cells[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_5xx_from_a_server_whose_health_check_takes_seconds_is_not_restarted(
+    tmp_path: Path,
+) -> None:
+    """SGLang's /health runs a one-token generate and answers once the scheduler outputs
+    anything: never under 1 s, and up to its 20 s health-check timeout on a busy server. A
+    round failed on such a server (here a 5xx, its /health answering 200 after 6 s) is failed
+    on that server, not taken for a hung one that is stopped and started again (dvfs gave
+    /health 5 s: each such failure cost a server restart, a model load on a real GPU)."""
+    cells, _ = _sweep_cells(
+        tmp_path,
+        stub={"fail_after_requests": 1, "busy_health_s": 6.0},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        warmup_tokens=0,
+        stall_timeout_s=0.5,
+        retries=0,
+    )
+    [cell] = cells
+    assert cell["status"] == "failed"
+    assert "/generate answered HTTP 500" in cell["error"]
+    assert "stopped answering" not in cell["error"]
+    assert [p.name for p in (tmp_path / "out" / "logs").glob("server-*.log")] == [
+        "server-none-1.log"
+    ]
 
 
 @pytest.mark.slow
@@ -1189,3 +1221,82 @@ def test_an_ipv6_host_no_server_can_listen_on_is_named_not_the_output_folder(
     )
     assert f"FAIL ports: {wrong}" in " ".join(checked.output.split()), checked.output
     assert running(marker) == []
+
+
+def _answering_generate(chunks: list[dict[str, Any]]) -> tuple[Any, int]:
+    """A loopback server whose every streamed /generate answer is `chunks` (then [DONE])."""
+    import http.server
+    import threading
+
+    body = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+    class Generate(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+_FINAL = {"completion_tokens": 2, "finish_reason": {"type": "length", "length": 2}}
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"text": "a", "meta_info": "running"},
+        {"text": "a", "meta_info": [1, 2]},
+        {"text": "a", "meta_info": {"completion_tokens": "two"}},
+        {"text": "a", "meta_info": {"completion_tokens": [2]}},
+        {"text": "a", "meta_info": {"completion_tokens": 1e400}},
+        {"text": "a", "output_ids": 7, "meta_info": {}},
+        {"text": "a", "meta_info": {"completion_tokens": 2, "prompt_tokens": "many"}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_verify_ct": "x"}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_accept_token_num": {}}},
+        {"text": "a", "meta_info": {**_FINAL, "spec_draft_token_num": "x"}},
+        {"text": "a", "meta_info": {**_FINAL, "num_retractions": "x"}},
+    ],
+    ids=lambda chunk: json.dumps(chunk)[:70],
+)
+def test_a_generate_answer_with_malformed_meta_info_fails_the_request_in_one_line(
+    chunk: dict[str, Any],
+) -> None:
+    """A /generate answer whose meta_info is not an object, or whose token counts, speculative
+    counters or retractions are not numbers, is a malformed answer like a chunk that is not
+    JSON: an EngineError of one line naming it (the cell's error), not a ValueError or
+    AttributeError escaping as a traceback."""
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SamplingParams, SglangClient
+    from dvfs.errors import EngineError
+
+    server, port = _answering_generate([chunk])
+    try:
+        client = SglangClient(f"http://127.0.0.1:{port}", clock=MonotonicClock())
+        with pytest.raises(EngineError) as caught:
+            client.run_batch(["hi"], SamplingParams(2, 0.0, True), "t")
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = str(caught.value)
+    assert type(caught.value) is EngineError
+    assert "\n" not in message and "malformed" in message, message
+
+
+def test_hung_probe_follows_the_servers_health_check_timeout() -> None:
+    """SGLang's /health may take its SGLANG_HEALTH_CHECK_TIMEOUT (20 s unless set) to answer a
+    busy server: the hung probe waits that long and a margin, whatever the variable holds."""
+    from dvfs.engines.sglang_client import HUNG_MARGIN_S, hung_probe_s
+
+    assert hung_probe_s({}) == 20.0 + HUNG_MARGIN_S
+    assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "60"}) == 60.0 + HUNG_MARGIN_S
+    for junk in ("soon", "nan", "-3", "inf"):
+        assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": junk}) == 20.0 + HUNG_MARGIN_S

@@ -65,10 +65,10 @@ from dvfs.engines.sglang_args import (
     unstartable,
 )
 from dvfs.engines.sglang_client import (
-    HEALTH_PROBE_S,
     EngineConnectionError,
     SamplingParams,
     SglangClient,
+    hung_probe_s,
 )
 from dvfs.errors import EngineCrashedError, EngineError, GpuError
 from dvfs.gpu.base import GpuProcesses
@@ -819,10 +819,11 @@ class SglangEngine:
                 raise  # not ours to restart
             if isinstance(exc, EngineConnectionError) and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
-            if self._alive() and (status := client.health_status()) != 200:
+            probe_s = hung_probe_s(server_env(self.campaign))
+            if self._alive() and (status := client.health_status(probe_s)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.
-                raise EngineCrashedError(self._hung_message(exc, status)) from exc
+                raise EngineCrashedError(self._hung_message(exc, status, probe_s)) from exc
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None, client))
@@ -841,10 +842,10 @@ class SglangEngine:
             knob_begun_ns=begun_ns,
         )
 
-    def _hung_message(self, exc: EngineError, status: int | None) -> str:
+    def _hung_message(self, exc: EngineError, status: int | None, probe_s: float) -> str:
         """Why a live server is given up on (`exc`, and what /health said), once it is stopped."""
         health = (
-            f"no answer from /health within {HEALTH_PROBE_S:g} s"
+            f"no answer from /health within {probe_s:g} s"
             if status is None
             else f"/health answered {status}"
         )

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,27 @@ ABORT_GRACE_S = 5.0
 #: How long one /health request may wait for an answer: a server that loads answers at once
 #: (503) or refuses the connection; a listener that answers nothing is not it.
 HEALTH_PROBE_S = 5.0
+#: SGLang's /health runs a one-token generate and answers once the scheduler outputs anything,
+#: checking every 1 s for up to its health-check timeout (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by
+#: default), so a busy server that is not hung may take that long.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+#: What /health gets beyond that timeout before a server whose round failed is taken for hung.
+HUNG_MARGIN_S = 5.0
+
+
+def hung_probe_s(env: Mapping[str, str]) -> float:
+    """How long /health may take to answer a server whose round just failed before it is taken
+    for hung: the server's own health-check timeout (from the environment it runs with) and a
+    margin, so a busy server is never restarted for being slow to answer."""
+    try:
+        timeout = float(env.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+    except ValueError:  # SGLang would not start with it either; the default is its own
+        timeout = HEALTH_CHECK_TIMEOUT_S
+    if not math.isfinite(timeout) or timeout < 0:
+        timeout = HEALTH_CHECK_TIMEOUT_S
+    return timeout + HUNG_MARGIN_S
+
+
 #: Speculative counters: (0.5.23 name, 0.5.9 name).
 ACCEPTED_DRAFTS = ("spec_num_correct_drafts", "spec_accept_token_num")
 PROPOSED_DRAFTS = ("spec_num_proposed_drafts", "spec_draft_token_num")
@@ -88,10 +110,22 @@ class _RoundEnd:
         return not self.ended and (not self.closed_loop or self.sent >= self.total)
 
 
-def _first(meta: dict[str, Any], names: Sequence[str]) -> Any:
+def _whole(meta: dict[str, Any], names: str | Sequence[str], rid: str) -> int | None:
+    """The first of `names` that `meta` (a chunk's meta_info) holds, as an int (None: none);
+    raises when it is not a whole number (a malformed answer, failing the request)."""
+    names = (names,) if isinstance(names, str) else names
     for name in names:
-        if meta.get(name) is not None:
-            return meta[name]
+        value = meta.get(name)
+        if value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise EngineError(
+            f"malformed answer from the server: meta_info.{name} of request {rid} is "
+            f"{json.dumps(value)[:60]}, not a whole number"
+        )
     return None
 
 
@@ -183,12 +217,12 @@ class SglangClient:
         ) as client:
             return client.get(self.base_url + path)
 
-    def health_status(self) -> int | None:
+    def health_status(self, timeout_s: float = HEALTH_PROBE_S) -> int | None:
         """HTTP status of /health, or None while nothing listens (or nothing answers within
-        `HEALTH_PROBE_S`)."""
+        `timeout_s`)."""
         httpx = _httpx()
         try:
-            return int(self._get("/health", timeout_s=HEALTH_PROBE_S).status_code)
+            return int(self._get("/health", timeout_s=timeout_s).status_code)
         except httpx.HTTPError:
             return None
 
@@ -344,18 +378,31 @@ class SglangClient:
                         err = chunk["error"]
                         message = err.get("message") if isinstance(err, dict) else err
                         raise EngineError(f"the server reported an error: {message}")
-                    meta = chunk.get("meta_info") or {}
-                    count = meta.get("completion_tokens")
+                    meta = chunk.get("meta_info")
+                    if meta is None:
+                        meta = {}
+                    elif not isinstance(meta, dict):
+                        raise EngineError(
+                            f"malformed stream chunk from the server (its meta_info is not "
+                            f"an object): {payload[:120]!r}"
+                        )
+                    count = _whole(meta, "completion_tokens", rid)
                     if count is None:
-                        count = len(chunk.get("output_ids") or [])
-                    prompt_tokens = int(meta.get("prompt_tokens") or prompt_tokens)
-                    new = int(count) - seen
+                        ids = chunk.get("output_ids") or []
+                        if not isinstance(ids, list):
+                            raise EngineError(
+                                f"malformed stream chunk from the server (its output_ids is "
+                                f"not a list): {payload[:120]!r}"
+                            )
+                        count = len(ids)
+                    prompt_tokens = _whole(meta, "prompt_tokens", rid) or prompt_tokens
+                    new = count - seen
                     if new > 0:
                         if not chunk_ns and on_first is not None:
                             on_first(now)
                         chunk_ns.append(now)
                         chunk_tokens.append(new)
-                        seen = int(count)
+                        seen = count
                     if meta.get("finish_reason") is not None:
                         final = meta
                         if end is not None and _kind(meta) != "abort":
@@ -396,10 +443,10 @@ class SglangClient:
         # (TokenizerManager._handle_batch_output adds them once the request finished), so a
         # stream the client disconnected never got them: the trace says they were lost
         # rather than that the request did not speculate (`dvfs.measure.meter.acceptance`).
-        retractions = _first(final, ("num_retractions", "total_retractions")) or 0
-        verify = final.get("spec_verify_ct")
-        accepted = _first(final, ACCEPTED_DRAFTS)
-        proposed = _first(final, PROPOSED_DRAFTS)
+        retractions = _whole(final, ("num_retractions", "total_retractions"), rid) or 0
+        verify = _whole(final, ("spec_verify_ct",), rid)
+        accepted = _whole(final, ACCEPTED_DRAFTS, rid)
+        proposed = _whole(final, PROPOSED_DRAFTS, rid)
         return RequestTrace(
             sent_ns=sent_ns,
             chunk_ns=np.array(chunk_ns, dtype=np.int64),
@@ -407,10 +454,10 @@ class SglangClient:
             prompt_tokens=prompt_tokens,
             completion_tokens=seen,
             finish_reason=kind,
-            spec_verify_ct=None if verify is None else int(verify),
-            spec_accepted_drafts=None if accepted is None else int(accepted),
-            spec_proposed_drafts=None if proposed is None else int(proposed),
-            retractions=int(retractions),
+            spec_verify_ct=verify,
+            spec_accepted_drafts=accepted,
+            spec_proposed_drafts=proposed,
+            retractions=retractions,
             final_lost=not final,
         )
 

@@ -69,6 +69,10 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   data chunks (``[DONE]`` not counted), keeps the connection open without sending anything for
   ``stall_s`` seconds, then drops it without the terminating chunk.
 - ``stall_s`` (30.0): see above.
+- ``busy_health_s`` (0.0): once a /generate request has arrived, ``/health`` and
+  ``/health_generate`` take this long to answer 200, as SGLang's do (both run a one-token
+  generate and answer once the scheduler outputs anything, polling every 1 s for up to
+  ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s): a busy server that is not hung.
 - ``flush_busy_s`` (0.0): ``/flush_cache`` answers 400 while any /generate is in
   flight and also for this many seconds after the server became ready.
 - ``max_lifetime_s`` (600.0): the process shuts itself down (exit 0) this many
@@ -349,6 +353,7 @@ class StubConfig:
     stall_after_chunks: int | None = None
     stall_s: float = 30.0
     flush_busy_s: float = 0.0
+    busy_health_s: float = 0.0
     max_lifetime_s: float = 600.0
     abort_route: bool = True
     abort_ignored: bool = False
@@ -374,6 +379,7 @@ HOLD_POLL_S = 0.002
 
 _FLOAT_KEYS = ("startup_s", "listen_delay_s", "ttft_s", "tpot_s", "accept_length", "die_delay_s")
 _FLOAT_KEYS += ("stall_s", "flush_busy_s", "max_lifetime_s", "torch_load_mib")
+_FLOAT_KEYS += ("busy_health_s",)
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 _OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
@@ -1553,13 +1559,18 @@ class StubHandler(BaseHTTPRequestHandler):
     # -- endpoints
 
     def _health(self) -> None:
-        self._send(200 if self.stub.is_ready() else 503, b"", "text/plain; charset=utf-8")
+        ready = self.stub.is_ready()
+        if ready and self.stub.generate_count:
+            time.sleep(self.stub.cfg.busy_health_s)
+        self._send(200 if ready else 503, b"", "text/plain; charset=utf-8")
 
     def _health_generate(self) -> None:
         if not self.stub.is_ready():
             self._send(503, b"", "text/plain; charset=utf-8")
             return
-        time.sleep(self.stub.cfg.ttft_s)
+        time.sleep(
+            self.stub.cfg.ttft_s + self.stub.cfg.busy_health_s * bool(self.stub.generate_count)
+        )
         self._send(200, b"", "text/plain; charset=utf-8")
 
     def _server_info(self) -> None:
