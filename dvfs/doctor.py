@@ -596,17 +596,13 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
         shortfall_line,
     )
     from dvfs.fleet.shard_journal import folder_journals
-    from dvfs.measure.journal import iter_records
+    from dvfs.measure.journal import session_records
     from dvfs.sweep import prompt_refusal
 
     journals = folder_journals(out_dir)
     try:
         recorded = recorded_count_method(journals)
-        sessions = {
-            j: [r for r in iter_records(j) if r.get("type") == "session"]
-            for j in journals
-            if j.is_file()
-        }
+        sessions = {j: session_records(j) for j in journals if j.is_file()}
     except JournalError:  # damaged: the output folder check says so, and how to start over
         recorded, sessions = "", {}
     corpora, method = counted_corpora(campaign, recorded)

@@ -196,13 +196,13 @@ def resume_refusals(
     it checks each once it opens it: servers that would start with another environment, and
     (given the `corpora`, counted by `count_method` as the sweep counts them) other prompts.
     For `dvfs doctor` and the dry run, which open no journal for writing."""
-    from dvfs.measure.journal import iter_records
+    from dvfs.measure.journal import session_records
 
     refusals = []
     for path in journals:
         if not path.is_file():
             continue
-        sessions = [r for r in iter_records(path) if r.get("type") == "session"]
+        sessions = session_records(path)
         refusal = server_env_refusal(path, sessions, campaign)
         if refusal is None and corpora is not None:
             refusal = prompt_refusal(path, sessions, corpora, count_method, campaign)
