@@ -1555,11 +1555,10 @@ def twin_estimate(
     method of the journal the estimate is for, which its sweep would keep."""
     import tempfile
 
+    from dvfs.corpora.tokens import TOKENIZER_OF
     from dvfs.cube import open_cube
 
     stand_in, profile, source = twin_stand_in(campaign, twin)
-    from dvfs.corpora.tokens import TOKENIZER_OF
-
     if count_method.startswith(TOKENIZER_OF) and count_method != (
         f"{TOKENIZER_OF}{tokenizer_model(stand_in)}"
     ):
