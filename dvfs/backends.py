@@ -192,18 +192,14 @@ def _named_once(failed: Sequence[tuple[int | str, GpuError]]) -> list[GpuError]:
     """The errors of the named GPUs that did not open, refusing (`GpuNamedTwiceError`, exit 2,
     as a GPU that opens named twice is) one named twice: by the same name, or by its index and
     its UUID where that is knowable (`_lost_indices`)."""
-    from dvfs.gpu.nvml import GpuNamedTwiceError
+    from dvfs.gpu.nvml import named_twice_error
 
     seen: dict[int | str, int | str] = {}
     for device, exc in failed:
         key: int | str = exc.index if exc.index is not None else str(device).lower()
         if key in seen:
-            twice = f"GPU {key if exc.index is not None else device} (as {seen[key]} and {device})"
-            error = GpuNamedTwiceError(
-                f"{twice} is named twice: name each GPU once, by its index or its UUID"
-            )
-            error.twice = twice
-            raise error
+            shown = key if exc.index is not None else device
+            raise named_twice_error(f"GPU {shown} (as {seen[key]} and {device})")
         seen[key] = device
     return [exc for _, exc in failed]
 

@@ -99,9 +99,8 @@ def check_campaign(
     if _own_servers(campaign):
         checks.append(_run("ports", lambda: _ports(campaign, len(groups) if fleet else 0)))
     checks.append(_run("engine", lambda: _engine(campaign)))
-    if not simulated_engine(campaign) and not campaign.engine.sglang.url:
+    if not simulated_engine(campaign) and not campaign.engine.sglang.url:  # dvfs starts SGLang
         checks.append(_run("models", lambda: _model_paths(campaign)))
-    if not simulated_engine(campaign) and not campaign.engine.sglang.url:
         checks.append(_run("arms", lambda: _arms(campaign)))
     if shard is not None:
         checks.append(_run("shard", lambda: _shard(campaign, shard)))
@@ -597,17 +596,13 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
         shortfall_line,
     )
     from dvfs.fleet.shard_journal import folder_journals
-    from dvfs.measure.journal import iter_records
+    from dvfs.measure.journal import session_records
     from dvfs.sweep import prompt_refusal
 
     journals = folder_journals(out_dir)
     try:
         recorded = recorded_count_method(journals)
-        sessions = {
-            j: [r for r in iter_records(j) if r.get("type") == "session"]
-            for j in journals
-            if j.is_file()
-        }
+        sessions = {j: session_records(j) for j in journals if j.is_file()}
     except JournalError:  # damaged: the output folder check says so, and how to start over
         recorded, sessions = "", {}
     corpora, method = counted_corpora(campaign, recorded)
@@ -656,14 +651,13 @@ def _out_dir(
     GPU models, as far as they were read), each model's journal as the fleet picks them, its
     sessions' GPUs compared with this run's (`identities`) as the fleet compares them."""
     from dvfs.fleet.folders import fleet_journal
+    from dvfs.fleet.shard_journal import folder_journals
     from dvfs.measure.journal import JOURNAL_NAME
-    from dvfs.sweep import check_out_dir
+    from dvfs.sweep import check_out_dir, resume_refusals
 
     check_out_dir(campaign, out_dir, shard)
-    from dvfs.fleet.shard_journal import folder_journals
-    from dvfs.sweep import resume_refusals
-
-    # its servers' environment changed since the journal's (say CUDA_LAUNCH_BLOCKING=1)
+    # refused as the sweep refuses it: its servers' environment changed since the journal's
+    # (say CUDA_LAUNCH_BLOCKING=1); changed prompts are the corpora check's
     for refusal in resume_refusals(campaign, folder_journals(out_dir), None, ""):
         raise refusal
     if models:

@@ -196,13 +196,13 @@ def resume_refusals(
     it checks each once it opens it: servers that would start with another environment, and
     (given the `corpora`, counted by `count_method` as the sweep counts them) other prompts.
     For `dvfs doctor` and the dry run, which open no journal for writing."""
-    from dvfs.measure.journal import iter_records
+    from dvfs.measure.journal import session_records
 
     refusals = []
     for path in journals:
         if not path.is_file():
             continue
-        sessions = [r for r in iter_records(path) if r.get("type") == "session"]
+        sessions = session_records(path)
         refusal = server_env_refusal(path, sessions, campaign)
         if refusal is None and corpora is not None:
             refusal = prompt_refusal(path, sessions, corpora, count_method, campaign)
@@ -1555,11 +1555,10 @@ def twin_estimate(
     method of the journal the estimate is for, which its sweep would keep."""
     import tempfile
 
+    from dvfs.corpora.tokens import TOKENIZER_OF
     from dvfs.cube import open_cube
 
     stand_in, profile, source = twin_stand_in(campaign, twin)
-    from dvfs.corpora.tokens import TOKENIZER_OF
-
     if count_method.startswith(TOKENIZER_OF) and count_method != (
         f"{TOKENIZER_OF}{tokenizer_model(stand_in)}"
     ):

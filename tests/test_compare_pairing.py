@@ -415,3 +415,13 @@ def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
         readme.split("`verdict_*` (", 1)[1].split("), `paired_repeats_*`", 1)[0].split()
     )
     assert tuple(re.findall(r'"([^"]+)"', said)) == VERDICTS, said
+
+
+def test_the_report_reads_the_verdicts_the_analysis_writes() -> None:
+    """The report layer sits below the analyses and keeps its own copies of the verdicts it
+    branches on ("too slow", "too few repeats" cells): a verdict renamed in one place only
+    would make those cells "-" unseen."""
+    from dvfs.analysis import compare as analysis
+    from dvfs.report import compare as report
+
+    assert (report.NOT_WITHIN, report.TOO_FEW) == (analysis.NOT_WITHIN, analysis.TOO_FEW)

@@ -259,7 +259,7 @@ def _records_parquet(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
 READERS = {"jsonl": _records_jsonl, "csv": _records_csv, "parquet": _records_parquet}
 
 
-def _check_text(text: str, where: str, what: str) -> None:
+def _refuse_lone_surrogate(text: str, where: str, what: str) -> None:
     """Refuse text no UTF-8 can hold: a lone UTF-16 surrogate, which JSON may escape (`\\ud83d`,
     half of an emoji cut in two by a truncating export) though no file's bytes decode to one.
     Read, it failed every later step (its hash, the journal, the terminal) with a misleading
@@ -297,7 +297,7 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
         content = turn.get("content", turn.get("value"))
         if not isinstance(role, str) or not isinstance(content, str):
             raise CorpusError(f"{where}: turn {i} needs role/content (or from/value) strings")
-        _check_text(content, where, f"turn {i}")
+        _refuse_lone_surrogate(content, where, f"turn {i}")
         mapped = ROLE_ALIASES.get(role.lower())
         if mapped is None:
             raise CorpusError(
@@ -331,12 +331,12 @@ def _prompt(
             raise CorpusError(f"{where}: field {key!r} holds {_kind(value)}, not text")
         if not value.strip():
             raise CorpusError(f"{where}: field {key!r} is empty")
-        _check_text(value, where, f"field {key!r}")
+        _refuse_lone_surrogate(value, where, f"field {key!r}")
         messages: tuple[Message, ...] = (Message("user", value),)
     else:
         messages = chat_messages(value, where, key)
     ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
-    _check_text(ident, where, "its id")
+    _refuse_lone_surrogate(ident, where, "its id")
     return Prompt(ident, messages, count_tokens(messages))
 
 

@@ -823,7 +823,7 @@ class SglangEngine:
             if self._alive() and (status := client.health_status(probe_s)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.
-                raise EngineCrashedError(self._hung_message(exc, status, probe_s)) from exc
+                raise EngineCrashedError(self._stop_hung(exc, status, probe_s)) from exc
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None, client))
@@ -842,8 +842,9 @@ class SglangEngine:
             knob_begun_ns=begun_ns,
         )
 
-    def _hung_message(self, exc: EngineError, status: int | None, probe_s: float) -> str:
-        """Why a live server is given up on (`exc`, and what /health said), once it is stopped."""
+    def _stop_hung(self, exc: EngineError, status: int | None, probe_s: float) -> str:
+        """Stop a live server given up on as hung, and say why (`exc`, and what /health said),
+        with its log's last lines, read once it stopped."""
         health = (
             f"no answer from /health within {probe_s:g} s"
             if status is None

@@ -503,18 +503,24 @@ def named_twice(option: str, twice: str) -> str:
     return f"{option} names {twice} twice: name each GPU once, by its index or its UUID"
 
 
+def named_twice_error(twice: str) -> GpuNamedTwiceError:
+    """The refusal of a GPU named twice, `twice` naming it ("GPU 0 (as 0 and GPU-...)"): one
+    wording whether the GPUs opened (`_refuse_named_twice`) or did not
+    (`dvfs.backends.reachable_gpus`)."""
+    error = GpuNamedTwiceError(
+        f"{twice} is named twice: name each GPU once, by its index or its UUID"
+    )
+    error.twice = twice
+    return error
+
+
 def _refuse_named_twice(devices: Sequence[int | str], gpus: Sequence[NvmlGpu]) -> None:
     """`GpuNamedTwiceError` where two of `devices` opened as one GPU."""
     seen: dict[str, int | str] = {}
     for device, gpu in zip(devices, gpus, strict=True):
         ident = gpu.identity
         if ident.uuid in seen:
-            twice = f"GPU {ident.index} (as {seen[ident.uuid]} and {device})"
-            error = GpuNamedTwiceError(
-                f"{twice} is named twice: name each GPU once, by its index or its UUID"
-            )
-            error.twice = twice
-            raise error
+            raise named_twice_error(f"GPU {ident.index} (as {seen[ident.uuid]} and {device})")
         seen[ident.uuid] = device
 
 

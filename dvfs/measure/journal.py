@@ -316,6 +316,12 @@ def read_records(path: str | Path, *, repair: bool = False) -> list[dict[str, An
     return list(iter_records(path, repair=repair))
 
 
+def session_records(path: str | Path) -> list[dict[str, Any]]:
+    """A journal's session records, oldest first, read without opening it for writing (as
+    `Journal.sessions` holds them): what `dvfs doctor` and the dry run compare a resume by."""
+    return [r for r in iter_records(path) if r.get("type") == "session"]
+
+
 #: The longest journal line read (a header, with its campaign text and corpora, runs to tens of
 #: KiB; a cell record to a few). A longer one is damage or no journal at all (a symlink to
 #: /dev/zero, a binary file without newlines): reading it whole could take all the memory.

@@ -241,12 +241,12 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
             "repeat sends its own prompts, so only repeats valid in both arms compare like "
             "with like"
         )
-    edge = [r for r in doc["rows"] if _edge_arms(r)]
+    edge = [r for r in doc["rows"] if edge_arms(r)]
     if edge:
         notes.append(
             f"grid edge: in {len(edge)} of {len(doc['rows'])} rows a setting at equal latency "
             "is the lowest clock or power limit swept "
-            f"({named_rows(edge, lambda r: ', '.join(_edge_arms(r)))}); a setting below the "
+            f"({named_rows(edge, lambda r: ', '.join(edge_arms(r)))}); a setting below the "
             "grid might spend less, so the drafter's ratio may be lower (the baseline's: "
             "higher): extend knobs.sm_clock or knobs.power_limit downward to find it"
         )
@@ -265,8 +265,9 @@ def compare_notes(doc: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _edge_arms(r: dict[str, Any]) -> list[str]:
-    """The arms ("drafter", "baseline") whose setting at equal latency is at the grid's edge."""
+def edge_arms(r: dict[str, Any]) -> list[str]:
+    """The arms ("drafter", "baseline") of a `compare_document` row whose setting at equal
+    latency is at the grid's edge: what the ratio cell, the notes and the findings each say."""
     return [arm for arm, name in EDGES.items() if r.get(name)]
 
 
@@ -289,7 +290,7 @@ def ratio_cell(r: dict[str, Any], what: str, missing: str = "-") -> str:
     span = r.get(f"energy_ratio_{what}_interval")
     if span is not None:
         text += f" [{ratio_text(span[0])}, {ratio_text(span[1])}]"
-    if what == "equal_latency" and _edge_arms(r):
+    if what == "equal_latency" and edge_arms(r):
         text += " (grid edge)"
     if r.get(f"dropped_repeats_{what}"):
         paired = r[f"paired_repeats_{what}"]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dvfs.report.common import fmt_ms, gpu_words
-from dvfs.report.compare import EDGES, MEAN_WITHIN, TOO_FEW, ratio_text, too_slow
+from dvfs.report.compare import MEAN_WITHIN, TOO_FEW, edge_arms, ratio_text, too_slow
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -183,7 +183,7 @@ def _judged(row: dict[str, Any]) -> str:
     verdict = row.get("verdict_equal_latency")
     if verdict in _NOT_SAVING:
         said.append(_NOT_SAVING[verdict])
-    edge = [arm for arm, name in EDGES.items() if row.get(name)]
+    edge = edge_arms(row)
     if edge:
         said.append(
             f"the {' and the '.join(edge)}'s setting is the lowest the grid swept, so the ratio "
