@@ -70,7 +70,7 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     hung_probe_s,
 )
-from dvfs.errors import EngineCrashedError, EngineError, GpuError
+from dvfs.errors import EngineCrashedError, EngineError, EngineHungError, GpuError
 from dvfs.gpu.base import GpuProcesses
 from dvfs.procfs import earlier_holder, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
@@ -823,7 +823,7 @@ class SglangEngine:
             if self._alive() and (status := client.health_status(probe_s)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.
-                raise EngineCrashedError(self._hung_message(exc, status, probe_s)) from exc
+                raise EngineHungError(self._hung_message(exc, status, probe_s)) from exc
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None, client))
