@@ -212,7 +212,8 @@ def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset]:
 
 
 def _sweep(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset, str]:
-    """The sweep's journaled cells, its cube, and what it wrote on the terminal."""
+    """The sweep's journaled cells, its cube, and what it wrote on the terminal (as one line:
+    the terminal wraps it)."""
     campaign, marker = stub_campaign(tmp_path, **kwargs)
     out = tmp_path / "out"
     result = CliRunner().invoke(
@@ -224,7 +225,7 @@ def _sweep(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset, str]:
     # `dvfs sweep` exits 5 when cells failed (the cube is still written), else 0.
     assert result.exit_code in ((0, 5) if failed else (0,)), result.output
     assert running(marker) == []
-    return cells, dvfs.open_cube(str(out / "cube.nc")), result.output
+    return cells, dvfs.open_cube(str(out / "cube.nc")), " ".join(result.output.split())
 
 
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
@@ -607,6 +608,10 @@ def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
         out = tmp_path / "out"
         result = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
         assert result.exit_code == 0, result.output
+        # dvfs starts no server here: it says which one it attaches to.
+        said = " ".join(result.output.split())  # as one line: the terminal wraps it
+        assert f"attaching to the SGLang server at {shown} with drafter 'none'" in said
+        assert "starting sglang server" not in said
         checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
         assert f"at {shown}, model {model}" in checked.output
     finally:

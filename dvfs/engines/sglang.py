@@ -464,6 +464,12 @@ class SglangEngine:
         """Send prompts as the journal being resumed recorded (`ChatFormatter.keep`)."""
         self.formatter.keep(recorded)
 
+    @property
+    def attached_to(self) -> str | None:
+        """The server that `start` attaches to (engine.sglang.url), said without its
+        credentials; None: `start` starts one."""
+        return f"the SGLang server at {redact_url(self.config.url)}" if self.config.url else None
+
     # -- lifecycle --------------------------------------------------------------------------
     def _client_for(self, url: str) -> SglangClient:
         api_key, admin_api_key = server_keys(self.campaign)

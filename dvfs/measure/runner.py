@@ -475,7 +475,9 @@ class Runner:
 
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
-        self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
+        attached = getattr(self.engine, "attached_to", None)  # a server dvfs does not start
+        what = f"attaching to {attached}" if attached else f"starting {self.engine.name} server"
+        self.progress.note(f"{what} with drafter {drafter_name!r}")
         recorded = self._journal_prompt_format()
         keep = getattr(self.engine, "keep_prompt_format", None)
         if recorded and keep is not None:
