@@ -90,6 +90,11 @@ class EngineCrashedError(EngineError):
     """The server process died: the cell may be retried after a restart."""
 
 
+class EngineHungError(EngineCrashedError):
+    """The server was alive but stopped answering, and dvfs stopped it: retried after a
+    restart as a dead one is, but said as what it is."""
+
+
 class ArmMismatchError(EngineError):
     """SGLang would set a scheduling argument differently for some of the campaign's drafters
     whatever dvfs passes, so its arms would differ in more than their drafters: an invalid

@@ -1009,3 +1009,35 @@ def test_a_drafter_whose_server_cannot_start_fails_its_cells_once_tried(tmp_path
     for record in [*records, single]:
         assert not record.ok
         assert list(record.errors) == ["server start failed: port 30000 is taken"]
+
+
+def test_a_group_on_a_server_that_stopped_answering_says_so_not_crashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server dvfs stopped for answering nothing (`EngineHungError`) is restarted for the
+    group's retry as a dead one is, and the terminal says what happened, not "crashed"."""
+    import dvfs.measure.inflight as inflight
+    from dvfs.errors import EngineHungError
+    from dvfs.fleet.worker import _Notes
+
+    measure = inflight._measure_group
+    hung = ["the SGLang server stopped answering (stream stalled): dvfs stopped it"]
+
+    def once_hung(*args: Any, **kwargs: Any) -> Any:
+        if hung:
+            raise EngineHungError(hung.pop())
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(inflight, "_measure_group", once_hung)
+    with twin_runner(tmp_path) as runner:
+        assert runner.campaign.measurement.retries >= 1
+        runner.progress = notes = _Notes()
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = runner.run_inflight_group(group)
+    assert all(r.ok and r.attempts == 2 for r in records)
+    said = [m for m in notes.messages if "drafter" in m and "server" in m]
+    assert any(
+        "stopped answering, and dvfs stopped it: restarting it to retry the group" in m
+        for m in said
+    ), notes.messages
+    assert not any("crashed" in m for m in notes.messages)

@@ -535,3 +535,56 @@ def test_a_merged_cube_lists_each_gpus_failed_cells(runs: dict[str, Path], tmp_p
         if isinstance(b, Table) and b.title.startswith("Failed")
     ]
     assert table.rows == ((named, "HTTP 500"),)
+
+
+def test_a_merged_cube_keeps_a_sources_unrecorded_attributes_as_json_null(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A source cube that records no idle power, counter period, campaign hash... (an older or
+    hand-built cube) is kept in `merged_from` with null there, which a plain JSON reader takes
+    for "none", not the text "None"; dvfs reads such a cube, and one an older dvfs merged
+    (holding "None"), alike."""
+    from dvfs.analysis.headroom import single_gpu
+    from dvfs.cube.info import idle_foreign_per_gpu, idle_power_per_gpu
+    from dvfs.report.common import campaign_hash
+    from dvfs.report.facts import measured_section
+
+    absent = ("idle_power_w", "counter_update_period_s", "idle_foreign_processes", "twin_profile")
+    ds = open_cube(runs["h200"] / "cube.nc").load()
+    for key in absent:
+        ds.attrs.pop(key, None)
+    write_cube(ds, tmp_path / "b.nc")
+    merged = tmp_path / "m.nc"
+    result = invoke(
+        "cube", "merge", str(runs["h100"] / "cube.nc"), str(tmp_path / "b.nc"), "-o", str(merged)
+    )
+    assert result.exit_code == 0, result.output
+    with xr.open_dataset(merged) as plain:  # as a reader without dvfs
+        sources = json.loads(plain.attrs["merged_from"])
+    [_, kept] = sources.values()
+    assert all(kept[key] is None for key in absent), kept
+    assert "None" not in kept.values()
+    # An older dvfs's merge held the text "None" there: every reader takes both for none.
+    cube = open_cube(merged).load()
+    older = cube.copy()
+    older.attrs["merged_from"] = json.dumps(
+        {
+            label: {k: "None" if v is None else v for k, v in s.items()}
+            for label, s in sources.items()
+        }
+    )
+    gpu = str(cube["gpu"].values[1])
+    for each in (cube, older):
+        assert idle_power_per_gpu(each)[gpu] != idle_power_per_gpu(each)[gpu]  # NaN: none
+        assert gpu not in idle_foreign_per_gpu(each)
+        assert campaign_hash(each.attrs) == campaign_hash(cube.attrs)
+        assert single_gpu(each, gpu).attrs["stock_sm_clock_mhz"] == float(
+            kept["stock_sm_clock_mhz"]
+        )
+        assert measured_section(each).blocks == measured_section(cube).blocks
+    older_path = tmp_path / "older.nc"
+    write_cube(older, older_path)
+    for path in (merged, older_path):
+        shown = invoke("cube", "info", str(path), "--json")
+        assert shown.exit_code == 0, shown.output
+        assert "None" not in json.dumps(json.loads(shown.stdout)["idle_power_per_gpu"])

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import xarray as xr
 from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, made_once, replace_block, write
 from test_journal import assert_one_line_error
@@ -296,6 +297,18 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(
     kept = json.loads(open_cube(merged).attrs["shard_provenance"])
     assert set(kept) == {str(s0), str(s1)}
     assert all("content_hash" in v["corpora"] and v["driver_version"] for v in kept.values())
+    # What neither shard records is kept as JSON null, which a plain reader takes for none,
+    # not as the text "None".
+    bare = [tmp_path / f"bare{i}.nc" for i in range(2)]
+    for shard, into in zip((s0, s1), bare, strict=True):
+        ds = open_cube(shard).load()
+        del ds.attrs["idle_foreign_processes"]
+        write_cube(ds, into)
+    ok = invoke("cube", "merge", *map(str, bare), "-o", str(merged))
+    assert ok.exit_code == 0, ok.output
+    with xr.open_dataset(merged) as plain:
+        kept = json.loads(plain.attrs["shard_provenance"])
+    assert [v["idle_foreign_processes"] for v in kept.values()] == [None, None]
     # Shard 1 measured on an edited corpus: refused, naming both shards and what differs.
     other = tmp_path / "other"
     _setup(other, edit=" (edited)")

@@ -207,6 +207,13 @@ def test_the_server_accept_length_counts_blocks_of_the_servers_log_interval(
 
 
 def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset]:
+    cells, ds, _ = _sweep(tmp_path, **kwargs)
+    return cells, ds
+
+
+def _sweep(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset, str]:
+    """The sweep's journaled cells, its cube, and what it wrote on the terminal (as one line:
+    the terminal wraps it)."""
     campaign, marker = stub_campaign(tmp_path, **kwargs)
     out = tmp_path / "out"
     result = CliRunner().invoke(
@@ -218,7 +225,7 @@ def _sweep_cells(tmp_path: Path, **kwargs) -> tuple[list[dict], xr.Dataset]:
     # `dvfs sweep` exits 5 when cells failed (the cube is still written), else 0.
     assert result.exit_code in ((0, 5) if failed else (0,)), result.output
     assert running(marker) == []
-    return cells, dvfs.open_cube(str(out / "cube.nc"))
+    return cells, dvfs.open_cube(str(out / "cube.nc")), " ".join(result.output.split())
 
 
 ONE_DRAFTER = '\n[drafters.none]\nalgorithm = "none"\n'
@@ -257,7 +264,7 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
     that timed out. Each server hangs at its third request, so only the third cell meets it.
     /health is given the servers' own health-check timeout (1 s here) and 5 s more."""
     monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
-    cells, ds = _sweep_cells(
+    cells, ds, output = _sweep(
         tmp_path,
         stub={"hang_after_requests": 3},
         drafters=ONE_DRAFTER,
@@ -272,6 +279,9 @@ def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
     assert "the SGLang server stopped answering" in error
     assert "no answer from /health within 6 s" in error and "dvfs stopped it" in error
     assert (ds["cell_status"] == 1).all()
+    # The terminal says so too: not a crash, a server stopped and restarted to retry the cell.
+    assert "server stopped answering during" in output and "restarts it to retry" in output
+    assert "crashed" not in output
 
 
 @pytest.mark.slow
@@ -598,6 +608,10 @@ def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
         out = tmp_path / "out"
         result = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
         assert result.exit_code == 0, result.output
+        # dvfs starts no server here: it says which one it attaches to.
+        said = " ".join(result.output.split())  # as one line: the terminal wraps it
+        assert f"attaching to the SGLang server at {shown} with drafter 'none'" in said
+        assert "starting sglang server" not in said
         checked = runner.invoke(cli, ["doctor", str(campaign), "--out", str(tmp_path / "c")])
         assert f"at {shown}, model {model}" in checked.output
     finally:

@@ -274,12 +274,15 @@ SOURCE_KEYS = (
 SOURCE_LISTS = ("power_limit_range_w", "counter_update_period_s")
 
 
-def _source_value(key: str, value: Any) -> str:
-    """A source cube's attribute as `merged_from` keeps it: text; each GPU's counter update
-    period and the power-limit range as a JSON list (NaN as null), where `str` would write
-    numpy's "[200. 700. 700.]", which no JSON reader parses, and netCDF gives one GPU's period
-    back as a number, not a list of one."""
-    if key in SOURCE_LISTS and value is not None:
+def _source_value(key: str, value: Any) -> str | None:
+    """A source cube's attribute as `merged_from` keeps it: text; None (JSON null, not the
+    text "None") where the source records none; each GPU's counter update period and the
+    power-limit range as a JSON list (NaN as null), where `str` would write numpy's
+    "[200. 700. 700.]", which no JSON reader parses, and netCDF gives one GPU's period back as
+    a number, not a list of one."""
+    if value is None:
+        return None
+    if key in SOURCE_LISTS:
         try:
             numbers = np.atleast_1d(np.asarray(value, dtype=float)).ravel().tolist()
         except (TypeError, ValueError):  # a hand-edited cube's text: kept as it is

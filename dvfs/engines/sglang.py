@@ -70,7 +70,7 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     hung_probe_s,
 )
-from dvfs.errors import EngineCrashedError, EngineError, GpuError
+from dvfs.errors import EngineCrashedError, EngineError, EngineHungError, GpuError
 from dvfs.gpu.base import GpuProcesses
 from dvfs.procfs import earlier_holder, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
@@ -464,6 +464,12 @@ class SglangEngine:
         """Send prompts as the journal being resumed recorded (`ChatFormatter.keep`)."""
         self.formatter.keep(recorded)
 
+    @property
+    def attached_to(self) -> str | None:
+        """The server that `start` attaches to (engine.sglang.url), said without its
+        credentials; None: `start` starts one."""
+        return f"the SGLang server at {redact_url(self.config.url)}" if self.config.url else None
+
     # -- lifecycle --------------------------------------------------------------------------
     def _client_for(self, url: str) -> SglangClient:
         api_key, admin_api_key = server_keys(self.campaign)
@@ -823,7 +829,7 @@ class SglangEngine:
             if self._alive() and (status := client.health_status(probe_s)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.
-                raise EngineCrashedError(self._stop_hung(exc, status, probe_s)) from exc
+                raise EngineHungError(self._stop_hung(exc, status, probe_s)) from exc
             raise
         if not self.config.url and not self._alive():
             raise EngineCrashedError(self._crash_message(None, client))

@@ -86,7 +86,7 @@ import numpy as np
 
 from dvfs.campaign.model import INFLIGHT_ORDERS
 from dvfs.engines.base import RequestTrace, RoundResult
-from dvfs.errors import CampaignError, EngineCrashedError, EngineError
+from dvfs.errors import CampaignError, EngineCrashedError, EngineError, EngineHungError
 from dvfs.measure.counter import round_energy, t_two_sided
 from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
@@ -278,7 +278,7 @@ class InflightHost(Protocol):
 
     def note_tenants(self, seen: Sequence[ForeignProcess]) -> None: ...
 
-    def server_crashed(self, drafter: str, *, restart: bool) -> None: ...
+    def server_crashed(self, drafter: str, *, restart: bool, hung: bool = False) -> None: ...
 
     def _power_limit_reads(
         self,
@@ -589,7 +589,11 @@ def run_inflight(
             # A dead server serves nothing more: forgotten, a fresh one for the retry (else the
             # runner starts one for the next group).
             try:
-                runner.server_crashed(cells[0].drafter, restart=attempt <= retries)
+                runner.server_crashed(
+                    cells[0].drafter,
+                    restart=attempt <= retries,
+                    hung=isinstance(exc, EngineHungError),
+                )
             except EngineError as restart_exc:
                 errors.append(f"restart failed: {restart_exc}")
                 break

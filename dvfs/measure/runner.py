@@ -25,6 +25,7 @@ from dvfs.errors import (
     CorpusError,
     EngineCrashedError,
     EngineError,
+    EngineHungError,
     GpuNotSupportedError,
     IncomparableCellsError,
     JournalError,
@@ -135,6 +136,15 @@ class Progress(Protocol):
     def advance(self, cell: Cell, status: str) -> None: ...
 
     def note(self, message: str) -> None: ...
+
+
+def server_lost(exc: EngineCrashedError, cell: Cell, *, retry: bool) -> str:
+    """The note for a server lost during `cell`: dead, or alive but answering nothing (then
+    stopped by dvfs, and restarted when the cell is retried)."""
+    if isinstance(exc, EngineHungError):
+        then = " and restarts it to retry the cell" if retry else ""
+        return f"server stopped answering during {cell_label(cell)}; dvfs stopped it{then}: {exc}"
+    return f"server crashed during {cell_label(cell)}: {exc}"
 
 
 def grow(progress: Progress, cells: int) -> None:
@@ -465,7 +475,9 @@ class Runner:
 
     def _start_server(self, drafter_name: str) -> None:
         drafter = self.campaign.drafter(drafter_name)
-        self.progress.note(f"starting {self.engine.name} server with drafter {drafter_name!r}")
+        attached = getattr(self.engine, "attached_to", None)  # a server dvfs does not start
+        what = f"attaching to {attached}" if attached else f"starting {self.engine.name} server"
+        self.progress.note(f"{what} with drafter {drafter_name!r}")
         recorded = self._journal_prompt_format()
         keep = getattr(self.engine, "keep_prompt_format", None)
         if recorded and keep is not None:
@@ -859,7 +871,7 @@ class Runner:
             except EngineCrashedError as exc:
                 time.add("retry", self._elapsed_s(t0))
                 errors.append(f"attempt {attempt}: {exc}")
-                self.progress.note(f"server crashed during {cell_label(cell)}: {exc}")
+                self.progress.note(server_lost(exc, cell, retry=attempt <= retries))
                 # Whatever happens next, the dead server must not serve another cell.
                 self._drafter = None
                 if attempt <= retries:
@@ -1082,12 +1094,14 @@ class Runner:
             self.progress.advance(record.cell, record.status)
         return records
 
-    def server_crashed(self, drafter: str, *, restart: bool) -> None:
-        """The server died inside an in-flight group: forget it, so that no group runs on it
-        again, and start a fresh one to retry on when `restart` (the next group starts one
-        otherwise); a failed start raises EngineError."""
+    def server_crashed(self, drafter: str, *, restart: bool, hung: bool = False) -> None:
+        """The server died (or, `hung`, stopped answering and was stopped) inside an in-flight
+        group: forget it, so that no group runs on it again, and start a fresh one to retry on
+        when `restart` (the next group starts one otherwise); a failed start raises
+        EngineError."""
         then = "restarting it to retry the group" if restart else "the next group gets a fresh one"
-        self.progress.note(f"the server with drafter {drafter!r} crashed: {then}")
+        what = "stopped answering, and dvfs stopped it" if hung else "crashed"
+        self.progress.note(f"the server with drafter {drafter!r} {what}: {then}")
         self._drafter = None
         if restart:
             self._start_server(drafter)
