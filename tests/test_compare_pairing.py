@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xarray as xr
 from click.testing import CliRunner
 from conftest import SMALL_EXACT, replace_block
 from cubes import as_twin_sweep, make_cube
@@ -47,6 +48,14 @@ def two_arms(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
         for r in draw(st.sets(st.integers(min_value=0, max_value=n - 1), max_size=n)):
             arm[r] = math.nan
     return mine, base
+
+
+def _twin_cube(ds: xr.Dataset, tmp_path: Path) -> Path:
+    """`ds` written as one twin GPU's sweep cube, for the CLI to read."""
+    return write_cube(
+        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
+        tmp_path / "cube.nc",
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -209,10 +218,7 @@ def test_compare_cli_pairs_repeats_and_says_so(tmp_path: Path) -> None:
         lambda b, r: (0.45 if b == 1 else 0.6) * BASE[r],
         valid=lambda c, p, b, d, corpus, r: not (d == "eagle3" and c == 2000 and r == 0),
     )
-    path = write_cube(
-        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
-        tmp_path / "cube.nc",
-    )
+    path = _twin_cube(ds, tmp_path)
     doc = json.loads(run("compare", str(path), "--json").stdout)
     assert doc["confidence"] == 0.95 and "Student-t" in doc["interval"]
     rows = {r["batch"]: r for r in doc["rows"]}
@@ -243,10 +249,7 @@ def test_a_flagged_repeat_of_the_baselines_stock_keeps_equal_latency(tmp_path: P
         lambda b, r: 0.45 * BASE[r],
         valid=lambda c, p, b, d, corpus, r: not (d == "none" and c == 2000 and r == 0),
     )
-    path = write_cube(
-        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
-        tmp_path / "cube.nc",
-    )
+    path = _twin_cube(ds, tmp_path)
     room = json.loads(run("headroom", str(path), "--json", "--drafter", "none").stdout)
     for row in room["rows"]:
         assert row["feasible"] and row["chosen"] == {"sm_clock_mhz": 2000, "power_limit_w": 700.0}
@@ -275,10 +278,7 @@ def test_too_few_usable_repeats_at_equal_latency_are_not_no_data(tmp_path: Path)
         energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * BASE[r],
         valid=lambda c, p, b, d, corpus, r: not (c == 2000 and b == 8 and d == "none" and r > 0),
     )
-    path = write_cube(
-        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
-        tmp_path / "cube.nc",
-    )
+    path = _twin_cube(ds, tmp_path)
     doc = json.loads(run("compare", str(path), "--json").stdout)
     verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
     assert verdicts == {1: SAVES, 8: "too few repeats", 64: SAVES}
@@ -305,10 +305,7 @@ def test_the_table_says_too_slow_only_where_no_setting_was_fast_enough(tmp_path:
             not (c == 2000 and ((b == 1 and d == "none") or (b == 8 and d == "eagle3")))
         ),
     )
-    path = write_cube(
-        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
-        tmp_path / "cube.nc",
-    )
+    path = _twin_cube(ds, tmp_path)
     doc = json.loads(run("compare", str(path), "--json").stdout)
     verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
     assert verdicts == {1: NO_DATA, 8: NOT_WITHIN, 64: NOT_WITHIN}
@@ -339,10 +336,7 @@ def test_the_table_says_not_within_target_where_only_the_bound_failed(tmp_path: 
         ),
         energy=lambda c, p, b, d, corpus, r: (0.5 if d == "eagle3" else 1.0) * BASE[r],
     )
-    path = write_cube(
-        as_twin_sweep(ds, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="pairing"),
-        tmp_path / "cube.nc",
-    )
+    path = _twin_cube(ds, tmp_path)
     doc = json.loads(run("compare", str(path), "--json").stdout)
     verdicts = {r["batch"]: r["verdict_equal_latency"] for r in doc["rows"]}
     assert verdicts == {1: NOT_WITHIN, 8: NOT_WITHIN}
