@@ -27,6 +27,13 @@ class CubeError(DvfsError):
     """A cube is missing, of an unknown schema, or does not have the shape an analysis needs."""
 
 
+class MergeRefusedError(CubeError):
+    """The cubes given to merge are readable but do not form one merge (other campaigns, the
+    same GPU twice, a shard missing...): refused as invalid input, as a bad campaign is."""
+
+    exit_code = 2
+
+
 class IncomparableCellsError(CubeError):
     """The journal holds cells that cannot share a cube (GPUs, engines or arms that differ):
     nothing done to its folder afterwards makes them one, so the message says where to rerun."""

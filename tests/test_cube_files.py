@@ -188,7 +188,7 @@ def test_merge_refuses_cubes_of_different_workloads(
     )
     assert sweep(write(tmp_path / "b.toml", other), b).exit_code == 0
     result = invoke("cube", "merge", str(a), str(b), "--out", str(tmp_path / "m.nc"))
-    assert_one_line_error(result, 1, "cannot merge", named)
+    assert_one_line_error(result, 2, "cannot merge", named)
     assert not (tmp_path / "m.nc").exists()
 
 

@@ -131,7 +131,7 @@ def test_cubes_of_two_gpu_models_differing_in_what_dvfs_pins_are_refused(
     a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", args=first)
     b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", args=second)
     refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
-    assert_one_line_error(refused, 1, "were not measured alike", named)
+    assert_one_line_error(refused, 2, "were not measured alike", named)
 
 
 def test_pinned_kernels_that_differ_across_gpus_are_refused(
@@ -143,10 +143,10 @@ def test_pinned_kernels_that_differ_across_gpus_are_refused(
     a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", backends="fa3")
     b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", backends="flashinfer")
     refused = invoke("cube", "merge", str(a), str(b), "-o", str(tmp_path / "m.nc"))
-    assert_one_line_error(refused, 1, "were not measured alike", "attention kernels: fa3 ->")
+    assert_one_line_error(refused, 2, "were not measured alike", "attention kernels: fa3 ->")
     auto = _cube(b, tmp_path / "auto.nc", kernels="auto")
     refused = invoke("cube", "merge", str(a), str(auto), "-o", str(tmp_path / "m.nc"))
-    assert_one_line_error(refused, 1, "the campaign differs", "attention")
+    assert_one_line_error(refused, 2, "the campaign differs", "attention")
 
 
 def test_twin_cubes_simulating_different_nvml_traps_are_refused(
@@ -159,7 +159,7 @@ def test_twin_cubes_simulating_different_nvml_traps_are_refused(
     now does too, naming both profiles and their traps. One trap list on both merges."""
     merged = tmp_path / "m.nc"
     refused = invoke("cube", "merge", str(tiny_sweep), str(runs["h200"]), "-o", str(merged))
-    line = assert_one_line_error(refused, 1, "simulate different NVML traps", "'h200-sxm:none'")
+    line = assert_one_line_error(refused, 2, "simulate different NVML traps", "'h200-sxm:none'")
     assert "'h100-sxm': energy_steps" in line and "'h200-sxm:none': none" in line, line
     assert not merged.exists()
     alike = invoke("cube", "merge", str(runs["h100"]), str(runs["h200"]), "-o", str(merged))
@@ -174,7 +174,7 @@ def test_shards_of_one_run_still_compare_what_sglang_derives_from_the_gpu(
     even = _cube(s0, tmp_path / "even.nc", args={"chunked_prefill_size": 8192})
     refused = invoke("cube", "merge", str(even), str(odd), "-o", str(tmp_path / "m.nc"))
     assert_one_line_error(
-        refused, 1, "were not run alike", "chunked prefill size (chunked_prefill_size)"
+        refused, 2, "were not run alike", "chunked prefill size (chunked_prefill_size)"
     )
 
 

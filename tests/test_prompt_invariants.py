@@ -315,7 +315,7 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(
     assert sweep(other / "c.toml", other / "s1", "--shard", "1/2").exit_code == 0
     edited = invoke("cube", "merge", str(s0), str(other / "s1"), "-o", str(merged))
     assert_one_line_error(
-        edited, 1, "were not run alike", str(s0), str(other / "s1"), "corpus 'mine' content: "
+        edited, 2, "were not run alike", str(s0), str(other / "s1"), "corpus 'mine' content: "
     )
     for attrs, named in (
         ({"driver_version": "560.28"}, "-> '560.28'"),
@@ -325,14 +325,14 @@ def test_shards_that_differ_in_corpus_driver_or_servers_do_not_merge(
     ):
         odd = _rewrite(s1, tmp_path / "odd.nc", **attrs)
         refused = invoke("cube", "merge", str(s0), str(odd), "-o", str(merged))
-        line = assert_one_line_error(refused, 1, "were not run alike", named)
+        line = assert_one_line_error(refused, 2, "were not run alike", named)
         assert str(odd) in line
     # Shards whose servers started with another tuning variable (edited: the twin starts none).
     env0 = _rewrite(s0, tmp_path / "env0.nc", server_env='{"NCCL_ALGO": "Ring"}')
     odd = _rewrite(s1, tmp_path / "odd.nc", server_env="{}")
     refused = invoke("cube", "merge", str(env0), str(odd), "-o", str(merged))
     assert_one_line_error(
-        refused, 1, "were not run alike", "server environment NCCL_ALGO: 'Ring' -> unset"
+        refused, 2, "were not run alike", "server environment NCCL_ALGO: 'Ring' -> unset"
     )
 
 
@@ -345,7 +345,7 @@ def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(
     a, b = swept / "out" / "cube.nc", tmp_path / "h200" / "out" / "cube.nc"  # H100's: shared
     merged = tmp_path / "m.nc"
     edited = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
-    assert_one_line_error(edited, 1, "were not measured alike", "corpus 'mine' content: ")
+    assert_one_line_error(edited, 2, "were not measured alike", "corpus 'mine' content: ")
     # The same corpus (and, as SGLang's would, a prompt format each): they merge, each GPU's
     # provenance kept in merged_from.
     a = _rewrite(a, tmp_path / "a.nc", prompt_format="plain")
@@ -372,13 +372,13 @@ def test_cubes_of_different_gpus_must_share_engine_prompts_and_servers(
     ):
         odd = _rewrite(same, tmp_path / "odd.nc", **attrs)
         refused = invoke("cube", "merge", str(a), str(odd), "-o", str(merged))
-        assert_one_line_error(refused, 1, "were not measured alike", named)
+        assert_one_line_error(refused, 2, "were not measured alike", named)
     # The servers' environment: compared where both cubes record it (the twin's do not).
     env = _rewrite(a, tmp_path / "env.nc", server_env='{"NCCL_ALGO": "Ring"}')
     odd = _rewrite(same, tmp_path / "odd.nc", server_env='{"NCCL_ALGO": "Tree"}')
     refused = invoke("cube", "merge", str(env), str(odd), "-o", str(merged))
     assert_one_line_error(
-        refused, 1, "were not measured alike", "NCCL_ALGO: 'Ring' -> 'Tree'", "server environment"
+        refused, 2, "were not measured alike", "NCCL_ALGO: 'Ring' -> 'Tree'", "server environment"
     )
     assert invoke("cube", "merge", str(env), str(same), "-o", str(merged)).exit_code == 0
     assert open_cube(merged).attrs["server_env"] == '{"NCCL_ALGO": "Ring"}'

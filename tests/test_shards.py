@@ -164,11 +164,11 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
 
     s0, s1, s2 = (runs / f"s{i}" for i in range(3))
     missing = merge(s0, s2)
-    assert missing.exit_code == 1 and "shard(s) 1/3 missing" in missing.output
+    assert missing.exit_code == 2 and "shard(s) 1/3 missing" in missing.output
     twice = merge(s0, s0, s1, s2)
-    assert twice.exit_code == 1 and "shard 0/3 is given twice" in twice.output
+    assert twice.exit_code == 2 and "shard 0/3 is given twice" in twice.output
     mixed = merge(s0, runs / "whole")
-    assert mixed.exit_code == 1 and "is a shard but" in mixed.output
+    assert mixed.exit_code == 2 and "is a shard but" in mixed.output
     # A shard of an edited campaign: the reason names the setting that changed.
     edited = write(
         tmp_path / "edited.toml",
@@ -182,7 +182,7 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
         == 0
     )
     different = merge(s0, other, s2)
-    assert different.exit_code == 1
+    assert different.exit_code == 2
     assert (
         "different campaigns" in different.output
         and "workload.output_tokens: 48 -> 40" in different.output
@@ -202,13 +202,13 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
         == 0
     )
     counts = merge(s0, recount)
-    assert counts.exit_code == 1 and "share their count" in counts.output
+    assert counts.exit_code == 2 and "share their count" in counts.output
     # Overlapping cells: the whole cube passed off as shard 1/2 next to shard 0/2.
     fake = open_cube(runs / "whole" / "cube.nc").copy()
     fake.attrs.update(shard="0/2", shard_deal="groups")
     write_cube(fake, tmp_path / "fake.nc")
     overlap = merge(tmp_path / "fake.nc", recount)
-    assert overlap.exit_code == 1 and "is in both" in overlap.output
+    assert overlap.exit_code == 2 and "is in both" in overlap.output
     for result in (missing, twice, mixed, different, counts, overlap):
         assert len(result.output.strip().splitlines()) == 1, result.output
 
@@ -524,7 +524,7 @@ def test_shards_each_on_a_fleet_mixing_gpu_models_merge_per_model(
     # A shard on one of the models only.
     h100 = tiny_exact_run("s1")
     refused = invoke("cube", "merge", str(s0), str(h100), "-o", str(tmp_path / "x.nc"))
-    assert refused.exit_code == 1 and "ran on different GPU models" in refused.output
+    assert refused.exit_code == 2 and "ran on different GPU models" in refused.output
     assert len(refused.output.strip().splitlines()) == 1, refused.output
 
 
@@ -690,7 +690,7 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
         (shuffled, old[0] / "journal.jsonl", new[1] / "journal.jsonl"),
         (shuffled_files, cube_files, new[1] / "cube.nc"),
     ):
-        assert result.exit_code == 1
+        assert result.exit_code == 2
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert (
             f"cannot merge: the shards were dealt differently ({first}: contiguous slices, by "

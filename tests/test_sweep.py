@@ -361,7 +361,7 @@ def test_merge_cubes_from_two_gpus(tiny_exact_run, tmp_path: Path) -> None:
             str(tmp_path / "y.nc"),
         ],
     )
-    assert mixed.exit_code == 1 and "model differs" in mixed.output
+    assert mixed.exit_code == 2 and "model differs" in mixed.output
 
 
 def test_the_twin_holds_the_power_limit_in_the_measured_window(small_sweep: Path) -> None:

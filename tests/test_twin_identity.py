@@ -278,6 +278,6 @@ def test_cubes_of_two_twins_do_not_merge(tiny_sweep: Path, tmp_path: Path) -> No
         "cube", "merge", str(tiny_sweep), str(tmp_path / "other.nc"), "-o", str(tmp_path / "x.nc")
     )
     assert_one_line_error(
-        merged, 1, "cannot merge cubes of two twins", f"twin+{OTHER_DIGEST}", "--fresh"
+        merged, 2, "cannot merge cubes of two twins", f"twin+{OTHER_DIGEST}", "--fresh"
     )
     assert not (tmp_path / "x.nc").exists()

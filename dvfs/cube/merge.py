@@ -12,7 +12,7 @@ import numpy as np
 
 from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
-from dvfs.errors import CubeError
+from dvfs.errors import CubeError, MergeRefusedError
 from dvfs.records import now_iso
 from dvfs.version import __version__
 
@@ -28,7 +28,7 @@ def _campaign_attr(ds: xr.Dataset, name: str) -> dict[str, Any]:
     except ValueError:
         campaign = None
     if not isinstance(campaign, dict) or not campaign:
-        raise CubeError(
+        raise MergeRefusedError(
             f"cannot merge: {name} does not record its campaign, so its workload cannot be "
             "checked; rebuild it with `dvfs cube build`"
         )
@@ -45,17 +45,15 @@ def _check_same_workload(first: xr.Dataset, ds: xr.Dataset, first_name: str, nam
     )
     if changes:
         more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
-        raise CubeError(
+        raise MergeRefusedError(
             f"cannot merge: the campaign differs ({first_name} -> {name}: "
             f"{'; '.join(changes[:3])}{more}); only cubes of one campaign measured on "
             "different GPUs merge"
         )
 
 
-class SameGpuError(CubeError):
-    """Two cubes to merge measured on a common GPU: refused as invalid input."""
-
-    exit_code = 2
+class SameGpuError(MergeRefusedError):
+    """Two cubes to merge measured on a common GPU."""
 
 
 def _check_distinct_gpus(labels: list[str], names: list[str]) -> None:
@@ -309,32 +307,32 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         whole = next(
             label for label, ds in zip(names, cubes, strict=True) if "shard" not in ds.attrs
         )
-        raise CubeError(
+        raise MergeRefusedError(
             f"cannot merge: {sharded[0]} is a shard but {whole} is not; merge a run's shards "
             "on their own first, then merge the whole cubes of different GPUs"
         )
     if sharded:
         return combine_shards(cubes, names)
     if len(cubes) < 2:
-        raise CubeError("merging needs at least two cubes")
+        raise MergeRefusedError("merging needs at least two cubes")
     first = cubes[0]
     for label, ds in zip(names, cubes, strict=True):
         if "gpu" in ds.dims:
-            raise CubeError(f"{label} is already a merged cube; merge the single-GPU cubes")
+            raise MergeRefusedError(f"{label} is already a merged cube; merge the single-GPU cubes")
     _check_one_twin(cubes, names)  # before the provenance: its own advice
     for label, ds in zip(names[1:], cubes[1:], strict=True):
         for key in CHECKED:
             if key in WHEN_KNOWN:  # with the corpora and servers, below
                 continue
             if str(ds.attrs.get(key)) != str(first.attrs.get(key)):
-                raise CubeError(
+                raise MergeRefusedError(
                     f"cannot merge: {key} differs ({names[0]}: {first.attrs.get(key)!r}, "
                     f"{label}: {ds.attrs.get(key)!r}); cubes must measure the same thing"
                 )
         _check_same_workload(first, ds, names[0], label)
         changes = provenance_differences(first, ds, across_gpus=True)
         if changes:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: {names[0]} and {label} were not measured alike "
                 f"({_listed(changes)}): their GPUs would compare software or prompts too; "
                 "measure every GPU with one engine version, flags and server environment, the "
@@ -482,7 +480,7 @@ def _check_one_twin(cubes: list[xr.Dataset], names: list[str]) -> None:
     for key in ("driver_version", "engine_version"):
         mixed = mixed_twins({n: ds.attrs.get(key) for n, ds in zip(names, cubes, strict=True)})
         if mixed:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge cubes of two twins ({key}: {mixed}): the twin changed between "
                 "them, and cells of two twins do not compare; rerun the older cube's sweep "
                 "with --fresh"
@@ -511,7 +509,7 @@ def _check_same_traps(cubes: list[xr.Dataset], names: list[str]) -> None:
             first = (name, profile, traps)
         elif traps != first[2]:
             shown = [", ".join(t) or "none" for t in (first[2], traps)]
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: {first[0]} and {name} simulate different NVML traps (twin "
                 f"profiles {first[1]!r}: {shown[0]}; {profile!r}: {shown[1]}): their GPUs "
                 "would compare the twin's traps too; sweep every GPU with one trap list "
@@ -533,32 +531,32 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
         )
         if changes:
             why = "; ".join(changes[:3])
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge shards of different campaigns ({first_name} -> {name}: {why}); "
                 "every shard must run the same campaign file"
             )
         if shard.deal != shards[0].deal:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: the shards were dealt differently ({first_name}: "
                 f"{shards[0].dealt_as}; {name}: {shard.dealt_as}), so their cells are not "
                 "shares of one deal; run every shard with one dvfs (the whole array again "
                 "with --fresh)"
             )
         if shard.count != shards[0].count:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: {first_name} is shard {shards[0].label} but {name} is shard "
                 f"{shard.label}; the shards of one run share their count"
             )
         theirs = _models(ds, name)
         if sorted(theirs) != sorted(models):
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: the shards ran on different GPU models ({first_name}: "
                 f"{' and '.join(models)}; {name}: {' and '.join(theirs)}); run every shard on "
                 "the same models, or the whole campaign once per model and merge those cubes"
             )
         changes = provenance_differences(first, ds, ("driver_version", "memory_clock_mhz", *SHARED))
         if changes:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: the shards {first_name} and {name} were not run alike "
                 f"({_listed(changes)}): their cells would compare software or prompts too; "
                 "rerun the odd shard with --fresh on the others' driver, engine, server "
@@ -568,21 +566,21 @@ def _check_shards(cubes: list[xr.Dataset], names: list[str]) -> None:
             if dim == "gpu":  # each shard's own GPUs of each model: lined up by model
                 continue
             if dim in ds.dims and not np.array_equal(first[dim].values, ds[dim].values):
-                raise CubeError(
+                raise MergeRefusedError(
                     f"cannot merge: the {dim} axis differs between {first_name} and {name} "
                     "(a stock setting found on another GPU?); shards must share the grid"
                 )
     seen: dict[int, str] = {}
     for name, shard in zip(names, shards, strict=True):
         if shard.index in seen:
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: shard {shard.label} is given twice ({seen[shard.index]}, {name})"
             )
         seen[shard.index] = name
     count = shards[0].count
     missing = [f"{i}/{count}" for i in range(count) if i not in seen]
     if missing:
-        raise CubeError(
+        raise MergeRefusedError(
             f"cannot merge: shard(s) {', '.join(missing)} missing; merge all {count} shards of "
             "the run (a shard still running can be merged once it has finished)"
         )
@@ -669,7 +667,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
                 d: combined[d].values[i].item()
                 for d, i in zip(ds["cell_status"].dims, at, strict=True)
             }
-            raise CubeError(
+            raise MergeRefusedError(
                 f"cannot merge: cell {cell} is in both {names[int(owner[at])]} and {names[k]}; "
                 "the shards of one run never overlap, so a shard holds cells of another run "
                 "(rerun it with --fresh)"
