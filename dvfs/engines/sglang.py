@@ -271,6 +271,11 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(redact_text(line) for line in text[-lines:])
 
 
+def with_log_tail(first: str, log_path: Path | None) -> str:
+    """An error's line followed by the server log's last lines (nothing when it has no log)."""
+    return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+
+
 class ChatFormatter:
     """Chat messages to the text `/generate` takes: the model's chat template when its tokenizer
     is available locally (transformers installed), else plain 'role: content' turns.
@@ -565,8 +570,7 @@ class SglangEngine:
             log_path = self._log_path
             self.stop()
             raise _NoAnswerError(
-                f"the {drafter.name!r} server failed to start: {exc}\n"
-                f"--- last lines of {log_path} ---\n{tail(log_path)}"
+                with_log_tail(f"the {drafter.name!r} server failed to start: {exc}", log_path)
             ) from exc
         if not self._alive() and self._client.health_status() != 200:
             # It answered, then died, and nothing answers there now: a crash, not another
@@ -574,8 +578,11 @@ class SglangEngine:
             log_path, code = self._log_path, self._process.poll()
             self.stop()
             raise _NoAnswerError(
-                f"the {drafter.name!r} server exited (exit code {code}) just after it answered "
-                f"on its port {port}\n--- last lines of {log_path} ---\n{tail(log_path)}"
+                with_log_tail(
+                    f"the {drafter.name!r} server exited (exit code {code}) just after it "
+                    f"answered on its port {port}",
+                    log_path,
+                )
             )
         other = self._answered_by_another(drafter, info, port, ports)
         if other is not None:
@@ -858,8 +865,9 @@ class SglangEngine:
         )
         log_path = self._log_path
         self.stop()
-        first = f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it"
-        return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+        return with_log_tail(
+            f"the SGLang server stopped answering ({exc}; {health}): dvfs stopped it", log_path
+        )
 
     def _crash_message(self, exc: Exception | None, client: SglangClient | None = None) -> str:
         """Why the server is gone; `client`: the server's, when the round's requests were
@@ -876,8 +884,7 @@ class SglangEngine:
                 f"answers ({client.shown_url}): another program listens there, and the round's "
                 "answers were that program's"
             )
-        log_path = self._log_path
-        return f"{first}\n--- last lines of {log_path} ---\n{tail(log_path) if log_path else ''}"
+        return with_log_tail(first, self._log_path)
 
 
 class _Stepper:
