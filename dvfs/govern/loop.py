@@ -376,6 +376,19 @@ def _stopped_cause(exc: BaseException) -> GpuSilentError | None:
     return None
 
 
+def _signal_behind(raised: BaseException) -> int | None:
+    """The signal the governor stopped with, if any: Ctrl-C, a signal raised as an exception
+    (it carries `signum`), or one held while a failed restore raised a GPU error."""
+    from dvfs.signals import held_signal
+
+    if isinstance(raised, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(raised, GpuError):
+        return held_signal(raised)
+    signum = getattr(raised, "signum", None)
+    return signum if isinstance(signum, int) else None
+
+
 def _stopped_line(
     stopped: GpuSilentError,
     raised: BaseException,
@@ -387,15 +400,7 @@ def _stopped_line(
     with: `stopped`, a failed restore, or a signal (SIGTERM: `systemctl stop`) that came
     while it put the GPUs back (delivered after, held while the restore failed, or landing as
     its error unwound) or before (the restore then did not run), said once at the end."""
-    from dvfs.signals import held_signal
-
-    signum = (
-        signal.SIGINT
-        if isinstance(raised, KeyboardInterrupt)
-        else getattr(raised, "signum", None)
-        if not isinstance(raised, GpuError)
-        else held_signal(raised)
-    )
+    signum = _signal_behind(raised)
     why = None if signum is None else f"received {signal.Signals(signum).name}"
     if knobs is None:
         line = f"{stopped}; the governor stopped (it had changed nothing)"
