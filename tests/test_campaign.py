@@ -134,8 +134,27 @@ def test_fixed_mode_needs_ignore_eos(tmp_path: Path) -> None:
 
 def test_not_toml_and_missing_file(tmp_path: Path) -> None:
     expect_error(tmp_path, "[gpu\n", "not valid TOML")
-    with pytest.raises(CampaignError, match="does not exist"):
+    with pytest.raises(CampaignError, match="does not exist") as missing:
         load_campaign(tmp_path / "nope.toml")
+    assert "ships" not in str(missing.value)  # no campaign of that name is shipped
+
+
+def test_a_missing_campaign_named_as_a_shipped_one_says_where_that_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's `sweeps/demo.toml` is there only in a clone: run elsewhere (an installed
+    dvfs), the error points at the demo campaign dvfs ships, which then loads."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["sweep", "sweeps/demo.toml", "--dry-run", "--no-estimate"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "campaign file sweeps/demo.toml does not exist" in said and "dvfs demo" in said
+    shipped = said.split("ships a 'demo' campaign at ", 1)[1].split(" (", 1)[0]
+    assert load_campaign(shipped).name == "demo"
 
 
 def test_hash_ignores_description_but_not_the_grid(tmp_path: Path) -> None:

@@ -393,6 +393,23 @@ def parse_campaign(
     )
 
 
+def _built_in_hint(path: Path) -> str:
+    """Where a campaign dvfs ships by the missing file's name is (the README's
+    `sweeps/demo.toml` is only there in a clone of the repository): "" when none is."""
+    from importlib import resources
+
+    try:
+        shipped = resources.files("dvfs.campaigns").joinpath(f"{path.stem}.toml")
+        if not shipped.is_file():
+            return ""
+    except (OSError, ValueError):
+        return ""
+    return (
+        f"; dvfs ships a {path.stem!r} campaign at {shipped} (`dvfs demo` runs the demo; copy "
+        "the file to start a campaign of your own)"
+    )
+
+
 def load_campaign(path: str | Path) -> Campaign:
     """Read and validate a campaign file."""
     from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
@@ -401,7 +418,7 @@ def load_campaign(path: str | Path) -> Campaign:
     try:
         text = read_text_limited(path, MAX_SETTINGS_BYTES, CampaignError, "campaign file")
     except FileNotFoundError as exc:
-        raise CampaignError(f"campaign file {path} does not exist") from exc
+        raise CampaignError(f"campaign file {path} does not exist{_built_in_hint(path)}") from exc
     except OSError as exc:
         raise CampaignError(f"cannot read campaign file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

@@ -65,7 +65,7 @@ def cli(verbose: int) -> None:
     """How much energy GPU clocks, power caps and speculative decoding really save.
 
     Runs anywhere on the digital twin; on NVIDIA GPUs through NVML and SGLang.
-    Start with:  dvfs sweep sweeps/demo.toml --out out/demo
+    Start with:  dvfs demo   (the whole pipeline on the twin, anywhere)
     """
     import logging
 
