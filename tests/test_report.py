@@ -211,13 +211,15 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
+@pytest.mark.parametrize("command", ["report", "plot"])
 def test_the_figures_mark_the_settings_the_reports_table_chose(
-    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
     """`--knob power_limit` keeps the clock at stock: the report's table chooses 1980 MHz and
     saves nothing on this cube, and its headroom map says the same of every cell, and in its
     title which knob moved (it was drawn for both knobs, naming 1500 MHz and 16-19% savings
-    the table had ruled out). The confidence is the report's too."""
+    the table had ruled out). The confidence is the report's too. `dvfs plot` takes the same
+    --knob and --confidence (it had neither) and marks what `dvfs headroom` chose for them."""
     import json
 
     import dvfs.plots
@@ -237,7 +239,8 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     args = ("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9")
-    result = run("report", str(small_sweep), "-o", str(tmp_path / "report.md"), *args)
+    out = ["-o", str(tmp_path / "report.md")] if command == "report" else ["--out", str(tmp_path)]
+    result = run(command, str(small_sweep), *out, *args)
     assert result.exit_code == 0, result.output
     room = run("headroom", str(small_sweep), *args, "--json")
     assert room.exit_code == 0, room.output
