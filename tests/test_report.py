@@ -299,6 +299,39 @@ def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
         assert mine == {d: plot[d] for d in ("none", "eagle3")}, name
 
 
+@pytest.mark.parametrize("target", [[], ["--vs-baseline"]])
+def test_a_report_on_one_drafter_maps_the_headroom_of_that_drafter_only(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: list[str]
+) -> None:
+    """`--drafter eagle3` keeps the baseline in the cube the figures are drawn from (the
+    target of --vs-baseline is its latency, and the curves draw eagle3 against it), and the
+    headroom map drew the baseline's row too, which the report's table leaves out. The map's
+    rows are the table's: eagle3's alone, a cell per corpus and batch."""
+    import dvfs.plots
+    from dvfs.cube import open_analysable
+
+    rows: dict[str, list[str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":  # each corpus's panel's rows (labelled on a grid row's first)
+            panels = [ax for ax in fig.axes if ax.get_title().startswith("corpus ")]
+            rows["drafters"] = [t.get_text() for ax in panels for t in ax.get_yticklabels()]
+            rows["cells"] = [t.get_text() for ax in panels for t in ax.texts]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    args = ("--drafter", "eagle3", *target)
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "one.md"), *args)
+    assert result.exit_code == 0, result.output
+    assert [d for d in rows["drafters"] if d] == ["eagle3"]
+    cube = open_analysable(small_sweep)
+    assert len(rows["cells"]) == cube.sizes["corpus"] * cube.sizes["batch"]
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "all.md"), *target)
+    assert result.exit_code == 0, result.output
+    assert sorted(d for d in rows["drafters"] if d) == ["eagle3", "none"]  # all: both rows
+
+
 def hostile_document() -> Document:
     bad = "<script>alert(1)</script> *x* _y_ a|b [l](http://e.x) &lt; `c` # h"
     return Document(
