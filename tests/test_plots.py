@@ -382,6 +382,59 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
 
 
+def _chosen_column(markdown: str) -> list[str]:
+    """The "chosen MHz/W" cells of the headroom table in a Markdown text."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if "| chosen MHz/W |" in line)
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    column = header.index("chosen MHz/W")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")][column])
+    return rows
+
+
+def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
+    shared_run, tmp_path: Path
+) -> None:
+    """Only the power limit swept: the clock was never locked, yet the table's chosen
+    setting read "1980/700", the stock clock the cube files those cells under, as if it were
+    a lock (the map already said "unlocked"). `dvfs headroom` and `dvfs report` say
+    "unlocked/<limit>" and why, the JSON says the campaign set no clock; a clock sweep's
+    table still names its clock."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    limits = shared_run(text, "limits")
+    doc = json.loads(run("headroom", str(limits), "--json"))
+    want = [f"unlocked/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
+    assert _chosen_column(run("headroom", str(limits), "--markdown")) == want
+    assert doc["knobs_set"] == {"sm_clock": False, "power_limit": True}
+    said = " ".join(run("headroom", str(limits)).split())
+    assert "unlocked: the campaign never set the SM clock" in said
+    assert "MHz/700" not in said and "1980/" not in said
+    run("report", str(limits), "-o", str(tmp_path / "r.md"))
+    assert _chosen_column((tmp_path / "r.md").read_text()) == want
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    clocks = shared_run(clock_only, "clocks")
+    doc = json.loads(run("headroom", str(clocks), "--json"))
+    assert doc["knobs_set"] == {"sm_clock": True, "power_limit": False}
+    want = [f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
+    assert _chosen_column(run("headroom", str(clocks), "--markdown")) == want
+    assert "unlocked" not in run("headroom", str(clocks))
+
+
 def test_a_cube_of_one_sm_clock_has_no_energy_vs_clock_figure(shared_run) -> None:
     """Only the power limit swept: every cell is at the one stock clock, never locked. The
     energy-vs-clock figure drew each limit as a point over one x value on an axis named "SM
