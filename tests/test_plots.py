@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,6 +129,51 @@ def test_heatmap_panels_share_one_norm_and_one_colorbar(cube: xr.Dataset) -> Non
     # the corpora differ, so a norm per panel would have differed
     per_corpus = [np.nanmax(savings[..., k]) for k in range(2)]
     assert per_corpus[0] != pytest.approx(per_corpus[1])
+
+
+def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 0% slack every cell of this cube saves 0%, and the map's colour bar ran from 0 to
+    1%, a range of colours no cell has. One value drawn: the bar is that value's colour
+    alone, ticked at it, and its label says every answer holds it; no answer at all: no bar,
+    and a line says so. At 5% slack the savings differ and the bar is a range again."""
+    from click.testing import CliRunner
+
+    import dvfs.plots
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.cli import cli
+
+    drawn: dict[str, Figure] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        drawn[name] = fig
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+
+    def bar(slack: str) -> tuple[Any, list[float]]:
+        out = str(tmp_path / slack.rstrip("%"))
+        result = CliRunner().invoke(cli, ["plot", str(small_sweep), "--out", out, "--slack", slack])
+        assert result.exit_code == 0, result.output
+        images = [im for ax in drawn["headroom"].axes for im in ax.images]
+        (colorbar,) = [im.colorbar for im in images if im.colorbar is not None]
+        cells = [v for im in images for v in np.ma.compressed(im.get_array())]
+        return colorbar, cells
+
+    colorbar, cells = bar("0%")
+    assert cells and set(cells) == {0.0}
+    assert [t.get_text() for t in colorbar.ax.get_xticklabels()] == ["0"]
+    assert list(colorbar.values) == [0.0]  # one colour, the cells' own
+    assert "0 in every cell with an answer" in colorbar.ax.get_xlabel()
+    colorbar, cells = bar("5%")
+    assert len(set(cells)) > 1
+    assert colorbar.vmin <= min(cells) and colorbar.vmax == pytest.approx(max(cells))
+    none = draw_headroom(headroom(open_cube(small_sweep), target=parse_slo("tpot_p50<=0.1ms")))
+    assert not any(im.colorbar for ax in none.axes for im in ax.images)
+    said = [" ".join(t.get_text().split()) for ax in none.axes for t in ax.texts]
+    assert "energy saved vs stock (%): no cell has an answer" in said
 
 
 @settings(max_examples=50, deadline=None)
