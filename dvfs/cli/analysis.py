@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +118,7 @@ def latency_options(func: Any) -> Any:
 def headroom_target_options(func: Any) -> Any:
     """The headroom target's options, the same for `dvfs headroom` and `dvfs report`
     (`headroom_target` reads them): which latency, whose, how much slack, which knobs."""
-    decorators = [
+    decorators: list[Callable[[Any], Any]] = [
         click.option(
             "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
         ),
