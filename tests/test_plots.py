@@ -447,9 +447,9 @@ def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
 ) -> None:
     """Only the power limit swept: the clock was never locked, yet the table's chosen
     setting read "1980/700", the stock clock the cube files those cells under, as if it were
-    a lock (the map already said "unlocked"). `dvfs headroom` and `dvfs report` say
-    "unlocked/<limit>" and why, the JSON says the campaign set no clock; a clock sweep's
-    table still names its clock."""
+    a lock (the map already said "SM clock not set"). `dvfs headroom` and `dvfs report` say
+    "not set/<limit>" and why, the JSON says the campaign set no clock; a clock sweep's table
+    still names its clock."""
     import json
 
     from click.testing import CliRunner
@@ -464,11 +464,11 @@ def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
     text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
     limits = shared_run(text, "limits")
     doc = json.loads(run("headroom", str(limits), "--json"))
-    want = [f"unlocked/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
+    want = [f"not set/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
     assert _chosen_column(run("headroom", str(limits), "--markdown")) == want
     assert doc["knobs_set"] == {"sm_clock": False, "power_limit": True}
     said = " ".join(run("headroom", str(limits)).split())
-    assert "unlocked: the campaign never set the SM clock" in said
+    assert "not set: the campaign never set the SM clock" in said
     assert "MHz/700" not in said and "1980/" not in said
     run("report", str(limits), "-o", str(tmp_path / "r.md"))
     assert _chosen_column((tmp_path / "r.md").read_text()) == want
@@ -478,7 +478,7 @@ def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
     assert doc["knobs_set"] == {"sm_clock": True, "power_limit": False}
     want = [f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
     assert _chosen_column(run("headroom", str(clocks), "--markdown")) == want
-    assert "unlocked" not in run("headroom", str(clocks))
+    assert "not set" not in run("headroom", str(clocks))
 
 
 def test_a_cube_of_one_sm_clock_has_no_energy_vs_clock_figure(shared_run) -> None:

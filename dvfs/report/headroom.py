@@ -127,7 +127,7 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "sm_clock": bool(cube.sizes.get("sm_clock", 1) > 1),
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
-        # Whether the campaign set each knob: an unset SM clock ran unlocked, so a row's
+        # Whether the campaign set each knob: an unset SM clock was the GPU's own, so a row's
         # `chosen.sm_clock_mhz` is the stock clock the cube files it under, not a lock.
         "knobs_set": {
             "sm_clock": bool(int(a.get("sm_clock_locked", 1))),
@@ -173,7 +173,7 @@ LOWER_BOUND_MARK, UNMEASURED_MARK, INVALID_MARK = "≥", "?", "†"
 
 
 #: The chosen clock of a campaign that never set the SM clock (power limit only).
-UNLOCKED = "unlocked"
+UNLOCKED = "not set"
 
 
 def clock_was_locked(doc: dict[str, Any]) -> bool:
@@ -284,9 +284,9 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
         )
     if rows and not clock_was_locked(doc):
         notes.append(
-            f"{UNLOCKED}: the campaign never set the SM clock, so each answer is a power limit "
-            "alone, the clock left as the GPU had it (the cube files those cells under its "
-            "stock clock, which is no lock)"
+            f"{UNLOCKED}: the campaign never set the SM clock, so the chosen setting names no "
+            "clock: the GPU kept its own (unlocked, unless locked outside dvfs); the cube files "
+            "those cells under its stock clock, which is no lock"
         )
     mixed = [r for r in rows if r.get("different_gpus")]
     if mixed:
