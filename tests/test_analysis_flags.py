@@ -79,10 +79,30 @@ def test_malformed_slo_is_a_usage_error(small_sweep: Path, slo, says) -> None:
     refused(result, 2, "Invalid value for '--slo'", says, "metrics tpot, itl, ttft")
 
 
+@pytest.mark.parametrize("command", ["headroom", "plot"])
 @pytest.mark.parametrize("confidence", ["nan", "1", "1.5", "0.4", "-inf"])
-def test_confidence_must_be_a_level(small_sweep: Path, confidence) -> None:
-    result = invoke("headroom", str(small_sweep), "--confidence", confidence)
+def test_confidence_must_be_a_level(small_sweep: Path, tmp_path, command, confidence) -> None:
+    extra = ["--out", str(tmp_path / "p")] if command == "plot" else []
+    result = invoke(command, str(small_sweep), *extra, "--confidence", confidence)
     refused(result, 2, "Invalid value for '--confidence'")
+    assert not (tmp_path / "p").exists()
+
+
+def _option_help(command: str, option: str) -> str:
+    """The --help entry of `option` of `command`, as one line (up to the next option)."""
+    text = ok(command, "--help", COLUMNS="200")
+    entry = text.split("Options:", 1)[1].split(f"  {option} ", 1)[1].split("\n  -", 1)[0]
+    return " ".join(entry.split())
+
+
+@pytest.mark.parametrize("option", ["--knob", "--confidence"])
+def test_plot_has_the_search_options_of_headroom_and_report(option: str) -> None:
+    """`dvfs plot` marks headroom settings as `dvfs report` does, but had no --knob or
+    --confidence: it has both, said and defaulted as `dvfs headroom` and `dvfs report` say
+    them (one definition)."""
+    said = {command: _option_help(command, option) for command in ("headroom", "report", "plot")}
+    assert len(set(said.values())) == 1, said
+    assert "[default: " in said["plot"]
 
 
 @pytest.mark.parametrize(

@@ -398,7 +398,7 @@ def test_a_repeat_the_adaptive_rule_never_asked_of_one_arm_is_not_dropped(
 
 
 def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
-    """README (`dvfs.compare/2`'s `verdict_*`) names each verdict a row can carry, in the
+    """README (`dvfs.compare/3`'s `verdict_*`) names each verdict a row can carry, in the
     analysis's order, and no other."""
     import re
 
@@ -409,6 +409,29 @@ def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
         readme.split("`verdict_*` (", 1)[1].split("), `paired_repeats_*`", 1)[0].split()
     )
     assert tuple(re.findall(r'"([^"]+)"', said)) == VERDICTS, said
+
+
+def test_the_compare_json_that_gained_a_verdict_and_a_field_has_a_new_schema_id(
+    tmp_path: Path,
+) -> None:
+    """The verdict "too few repeats" and `equal_latency_mean_within_target` came after
+    `dvfs.compare/2`: a reader of /2 would meet a verdict it cannot know, so the JSON says
+    /3, and README and `dvfs compare --help` name the id it writes and what /3 changed."""
+    import re
+
+    from dvfs.analysis.compare import TOO_FEW
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = " ".join(readme.split())
+    path = _twin_cube(repeats_cube(lambda b, r: 0.5), tmp_path)
+    schema = json.loads(run("compare", str(path), "--json").stdout)["schema"]
+    assert schema == "dvfs.compare/3"
+    assert f"`{schema}` has `confidence`" in readme
+    changed = readme.split("Changed from `dvfs.compare/2`:", 1)[1].split("Changed from", 1)[0]
+    assert f'"{TOO_FEW}"' in changed and "`equal_latency_mean_within_target`" in changed
+    said = {f"dvfs.compare/{n}" for n in re.findall(r"dvfs\.compare/(\d+)", readme)}
+    assert said <= {schema, "dvfs.compare/2", "dvfs.compare/1"}  # older ids only as history
+    assert f"(schema {schema})" in " ".join(run("compare", "--help").output.split())
 
 
 def test_the_report_reads_the_verdicts_the_analysis_writes() -> None:

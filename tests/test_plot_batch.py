@@ -55,3 +55,50 @@ def test_one_batch_size_draws_no_batch_figure() -> None:
     assert "energy_vs_batch" not in names
     names = [name for name, _ in figures(_cube(), Target("preserve", slack=0.05))]
     assert "energy_vs_batch" in names
+
+
+def test_twelve_drafters_get_twelve_colours_in_every_figure(tmp_path, monkeypatch) -> None:
+    """The palette has ten colours and drafter 11 took drafter 1's (12, 2's): `dvfs plot` drew
+    two drafters alike in every figure with a line per drafter. Each drafter keeps its own
+    colour past ten, the first ten still the palette's."""
+    from click.testing import CliRunner
+    from cubes import as_twin_sweep
+    from matplotlib.colors import to_hex
+
+    import dvfs.plots
+    from dvfs.cli import cli
+    from dvfs.cube import write_cube
+    from dvfs.plots.style import palette
+
+    drafters = ["none", *(f"draft{i:02d}" for i in range(1, 12))]
+    cube = make_cube(
+        clocks=[1005, 1980],
+        batches=[1, 8],
+        drafters=drafters,
+        energy=lambda c, p, b, d, k, r: (1 + drafters.index(d) / 10) * c / 1980 / b,
+    )
+    path = write_cube(
+        as_twin_sweep(cube, uuid="GPU-0", gpu_name="NVIDIA H100", campaign="many"),
+        tmp_path / "cube.nc",
+    )
+    drawn: dict[str, dict[str, str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig, out_dir, name, fmt):
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+        drawn[name] = {
+            h.get_label(): to_hex(h.get_color())
+            for legend in legends
+            for h in legend.legend_handles
+            if h.get_label() in drafters
+        }
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    result = CliRunner().invoke(cli, ["plot", str(path), "--out", str(tmp_path / "p")])
+    assert result.exit_code == 0, result.output
+    for name in ("energy_vs_batch", "energy_vs_clock_code", "pareto_code"):
+        colours = drawn[name]
+        assert set(colours) == set(drafters), name
+        assert len(set(colours.values())) == len(drafters), (name, colours)
+        assert [colours[d] for d in drafters[:10]] == list(palette()), name

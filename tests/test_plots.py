@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -128,6 +129,51 @@ def test_heatmap_panels_share_one_norm_and_one_colorbar(cube: xr.Dataset) -> Non
     # the corpora differ, so a norm per panel would have differed
     per_corpus = [np.nanmax(savings[..., k]) for k in range(2)]
     assert per_corpus[0] != pytest.approx(per_corpus[1])
+
+
+def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 0% slack every cell of this cube saves 0%, and the map's colour bar ran from 0 to
+    1%, a range of colours no cell has. One value drawn: the bar is that value's colour
+    alone, ticked at it, and its label says every answer holds it; no answer at all: no bar,
+    and a line says so. At 5% slack the savings differ and the bar is a range again."""
+    from click.testing import CliRunner
+
+    import dvfs.plots
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.cli import cli
+
+    drawn: dict[str, Figure] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Figure, out_dir: Path, name: str, fmt: str) -> Path:
+        drawn[name] = fig
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+
+    def bar(slack: str) -> tuple[Any, list[float]]:
+        out = str(tmp_path / slack.rstrip("%"))
+        result = CliRunner().invoke(cli, ["plot", str(small_sweep), "--out", out, "--slack", slack])
+        assert result.exit_code == 0, result.output
+        images = [im for ax in drawn["headroom"].axes for im in ax.images]
+        (colorbar,) = [im.colorbar for im in images if im.colorbar is not None]
+        cells = [v for im in images for v in np.ma.compressed(im.get_array())]
+        return colorbar, cells
+
+    colorbar, cells = bar("0%")
+    assert cells and set(cells) == {0.0}
+    assert [t.get_text() for t in colorbar.ax.get_xticklabels()] == ["0"]
+    assert list(colorbar.values) == [0.0]  # one colour, the cells' own
+    assert "0 in every cell with an answer" in colorbar.ax.get_xlabel()
+    colorbar, cells = bar("5%")
+    assert len(set(cells)) > 1
+    assert colorbar.vmin <= min(cells) and colorbar.vmax == pytest.approx(max(cells))
+    none = draw_headroom(headroom(open_cube(small_sweep), target=parse_slo("tpot_p50<=0.1ms")))
+    assert not any(im.colorbar for ax in none.axes for im in ax.images)
+    said = [" ".join(t.get_text().split()) for ax in none.axes for t in ax.texts]
+    assert "energy saved vs stock (%): no cell has an answer" in said
 
 
 @settings(max_examples=50, deadline=None)
@@ -380,6 +426,59 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any(t.endswith("MHz") for t in texts)
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
+
+
+def _chosen_column(markdown: str) -> list[str]:
+    """The "chosen MHz/W" cells of the headroom table in a Markdown text."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if "| chosen MHz/W |" in line)
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    column = header.index("chosen MHz/W")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")][column])
+    return rows
+
+
+def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
+    shared_run, tmp_path: Path
+) -> None:
+    """Only the power limit swept: the clock was never locked, yet the table's chosen
+    setting read "1980/700", the stock clock the cube files those cells under, as if it were
+    a lock (the map already said "SM clock not set"). `dvfs headroom` and `dvfs report` say
+    "not set/<limit>" and why, the JSON says the campaign set no clock; a clock sweep's table
+    still names its clock."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    limits = shared_run(text, "limits")
+    doc = json.loads(run("headroom", str(limits), "--json"))
+    want = [f"not set/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
+    assert _chosen_column(run("headroom", str(limits), "--markdown")) == want
+    assert doc["knobs_set"] == {"sm_clock": False, "power_limit": True}
+    said = " ".join(run("headroom", str(limits)).split())
+    assert "not set: the campaign never set the SM clock" in said
+    assert "MHz/700" not in said and "1980/" not in said
+    run("report", str(limits), "-o", str(tmp_path / "r.md"))
+    assert _chosen_column((tmp_path / "r.md").read_text()) == want
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    clocks = shared_run(clock_only, "clocks")
+    doc = json.loads(run("headroom", str(clocks), "--json"))
+    assert doc["knobs_set"] == {"sm_clock": True, "power_limit": False}
+    want = [f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}" for r in doc["rows"]]
+    assert _chosen_column(run("headroom", str(clocks), "--markdown")) == want
+    assert "not set" not in run("headroom", str(clocks))
 
 
 def test_a_cube_of_one_sm_clock_has_no_energy_vs_clock_figure(shared_run) -> None:

@@ -211,13 +211,15 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
+@pytest.mark.parametrize("command", ["report", "plot"])
 def test_the_figures_mark_the_settings_the_reports_table_chose(
-    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
     """`--knob power_limit` keeps the clock at stock: the report's table chooses 1980 MHz and
     saves nothing on this cube, and its headroom map says the same of every cell, and in its
     title which knob moved (it was drawn for both knobs, naming 1500 MHz and 16-19% savings
-    the table had ruled out). The confidence is the report's too."""
+    the table had ruled out). The confidence is the report's too. `dvfs plot` takes the same
+    --knob and --confidence (it had neither) and marks what `dvfs headroom` chose for them."""
     import json
 
     import dvfs.plots
@@ -237,7 +239,8 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     args = ("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9")
-    result = run("report", str(small_sweep), "-o", str(tmp_path / "report.md"), *args)
+    out = ["-o", str(tmp_path / "report.md")] if command == "report" else ["--out", str(tmp_path)]
+    result = run(command, str(small_sweep), *out, *args)
     assert result.exit_code == 0, result.output
     room = run("headroom", str(small_sweep), *args, "--json")
     assert room.exit_code == 0, room.output
@@ -294,6 +297,39 @@ def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
     for name in ("energy_vs_batch", "energy_vs_clock_code", "pareto_code"):
         mine = {d: drawn[name][d] for d in ("none", "eagle3")}
         assert mine == {d: plot[d] for d in ("none", "eagle3")}, name
+
+
+@pytest.mark.parametrize("target", [[], ["--vs-baseline"]])
+def test_a_report_on_one_drafter_maps_the_headroom_of_that_drafter_only(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: list[str]
+) -> None:
+    """`--drafter eagle3` keeps the baseline in the cube the figures are drawn from (the
+    target of --vs-baseline is its latency, and the curves draw eagle3 against it), and the
+    headroom map drew the baseline's row too, which the report's table leaves out. The map's
+    rows are the table's: eagle3's alone, a cell per corpus and batch."""
+    import dvfs.plots
+    from dvfs.cube import open_analysable
+
+    rows: dict[str, list[str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":  # each corpus's panel's rows (labelled on a grid row's first)
+            panels = [ax for ax in fig.axes if ax.get_title().startswith("corpus ")]
+            rows["drafters"] = [t.get_text() for ax in panels for t in ax.get_yticklabels()]
+            rows["cells"] = [t.get_text() for ax in panels for t in ax.texts]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    args = ("--drafter", "eagle3", *target)
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "one.md"), *args)
+    assert result.exit_code == 0, result.output
+    assert [d for d in rows["drafters"] if d] == ["eagle3"]
+    cube = open_analysable(small_sweep)
+    assert len(rows["cells"]) == cube.sizes["corpus"] * cube.sizes["batch"]
+    result = run("report", str(small_sweep), "-o", str(tmp_path / "all.md"), *target)
+    assert result.exit_code == 0, result.output
+    assert sorted(d for d in rows["drafters"] if d) == ["eagle3", "none"]  # all: both rows
 
 
 def hostile_document() -> Document:

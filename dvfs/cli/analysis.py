@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,25 @@ def confidence_option(help: str) -> Any:
     )
 
 
+def search_options(func: Any) -> Any:
+    """`--knob` and `--confidence`, which settings the headroom search may choose and how sure
+    it must be of their latency: one definition for `dvfs headroom`, `dvfs report` and
+    `dvfs plot`, so the same words mean the same search (and default) in each."""
+    decorators = [
+        click.option(
+            "--knob",
+            type=click.Choice(["both", "sm_clock", "power_limit"]),
+            default="both",
+            show_default=True,
+            help="Which knobs may move.",
+        ),
+        confidence_option("One-sided confidence of the latency bound (with repeats)."),
+    ]
+    for decorate in reversed(decorators):  # as stacked above a function: the last first
+        func = decorate(func)
+    return func
+
+
 def _one_output_format(as_json: bool, markdown: bool) -> None:
     if as_json and markdown:
         raise click.UsageError("choose one of --json and --markdown")
@@ -99,7 +118,7 @@ def latency_options(func: Any) -> Any:
 def headroom_target_options(func: Any) -> Any:
     """The headroom target's options, the same for `dvfs headroom` and `dvfs report`
     (`headroom_target` reads them): which latency, whose, how much slack, which knobs."""
-    decorators = [
+    decorators: list[Callable[[Any], Any]] = [
         click.option(
             "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
         ),
@@ -125,14 +144,7 @@ def headroom_target_options(func: Any) -> Any:
         click.option(
             "--baseline", default="none", show_default=True, help="Drafter to compare against."
         ),
-        click.option(
-            "--knob",
-            type=click.Choice(["both", "sm_clock", "power_limit"]),
-            default="both",
-            show_default=True,
-            help="Which knobs may move.",
-        ),
-        confidence_option("One-sided confidence of the latency bound (with repeats)."),
+        search_options,
     ]
     for decorate in reversed(decorators):  # as stacked above a function: the last first
         func = decorate(func)
@@ -339,7 +351,7 @@ def headroom(
     "Confidence of the energy-ratio interval (two-sided) and of the latency bound "
     "(one-sided), with repeats."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/2).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/3).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
 @click.option(
     "--roofline",
@@ -448,18 +460,27 @@ def compare(
     callback=slack_value,
     help="Latency slack for the headroom points marked on the figures.",
 )
+@search_options
 @handle_errors
 def plot(
-    cube_path: Path, out_dir: Path, fmt: str, metric: str, quantile: str, slack: float
+    cube_path: Path,
+    out_dir: Path,
+    fmt: str,
+    metric: str,
+    quantile: str,
+    slack: float,
+    knob: str,
+    confidence: float,
 ) -> None:
     """Draw the figures: energy vs clock, energy-latency Pareto fronts with the headroom
-    points, acceptance and headroom heatmaps, power/clock timelines."""
+    points, acceptance and headroom heatmaps, power/clock timelines. The headroom points are
+    the settings `dvfs headroom` chooses for the same --slack, --knob and --confidence."""
     from dvfs.analysis.targets import QUANTILE_NAMES, Target
     from dvfs.cube import open_analysable
     from dvfs.plots import plot_all
 
     ds = open_analysable(cube_path)
     target = Target("preserve", metric, QUANTILE_NAMES[quantile], slack)
-    paths = plot_all(ds, out_dir, fmt=fmt, target=target)
+    paths = plot_all(ds, out_dir, fmt=fmt, target=target, knob=knob, confidence=confidence)
     for path in paths:
         click.echo(str(path))

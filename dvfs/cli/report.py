@@ -73,6 +73,7 @@ def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
             target=options.target,
             knob=options.knob,
             confidence=options.confidence,
+            drafters=options.drafter,
         )
         return [(p.relative_to(tmp).as_posix(), p.read_bytes()) for p in paths]
 

@@ -6,7 +6,7 @@ draws every figure and saves it. Energy is in J per token, as in `dvfs headroom`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,10 +53,18 @@ __all__ = [
 
 
 def figures(
-    cube: xr.Dataset, target: Target, *, knob: str = "both", confidence: float = 0.95
+    cube: xr.Dataset,
+    target: Target,
+    *,
+    knob: str = "both",
+    confidence: float = 0.95,
+    drafters: Sequence[str] = (),
 ) -> Iterator[tuple[str, Figure]]:
     """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
     The chosen settings they mark are `dvfs headroom`'s for `target`, `knob` and `confidence`.
+    `drafters` (none: all) are the rows of the headroom map, as of `dvfs headroom --drafter`'s
+    table: a cube cut to some drafters keeps the baseline for the target and for the curves
+    it is drawn against, but the map is of the drafters asked for.
 
     The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
     Figure drawn again for each corpus: save (or inspect) each figure before asking for the
@@ -83,12 +91,19 @@ def figures(
                 yield f"energy_split_{corpus}", fig
     for name, fig in (
         ("acceptance", draw_acceptance(cube)),
-        ("headroom", draw_headroom(chosen)),
+        ("headroom", draw_headroom(only_drafters(chosen, drafters))),
         ("timelines", draw_timelines(cube, chosen)),
         ("energy_vs_batch", draw_energy_vs_batch(cube)),
     ):
         if fig is not None:
             yield name, fig
+
+
+def only_drafters(chosen: xr.Dataset, drafters: Sequence[str]) -> xr.Dataset:
+    """`chosen` cut to `drafters` (in its own order); all of it when `drafters` is empty."""
+    if not drafters:
+        return chosen
+    return chosen.sel(drafter=[d for d in chosen["drafter"].values if str(d) in drafters])
 
 
 #: Variables the timelines figure reads where the cube has sampled power, and those the energy
@@ -131,10 +146,12 @@ def plot_all(
     target: Target | None = None,
     knob: str = "both",
     confidence: float = 0.95,
+    drafters: Sequence[str] = (),
 ) -> list[Path]:
     """Every figure dvfs draws for a cube; returns the files written (a folder per GPU for a
     merged cube). `knob` and `confidence` are `dvfs headroom`'s: the chosen settings marked
-    are the ones its table gives for them (`dvfs report` passes its own)."""
+    are the ones its table gives for them (`dvfs report` passes its own, and its --drafter
+    as `drafters`, the headroom map's rows)."""
     if fmt not in FORMATS:
         from dvfs.errors import AnalysisError
 
@@ -154,10 +171,16 @@ def plot_all(
         paths: list[Path] = []
         for folder, one in per_gpu(cube):
             paths += plot_all(
-                one, out / folder, fmt=fmt, target=target, knob=knob, confidence=confidence
+                one,
+                out / folder,
+                fmt=fmt,
+                target=target,
+                knob=knob,
+                confidence=confidence,
+                drafters=drafters,
             )
         return paths
-    drawn = figures(cube, target, knob=knob, confidence=confidence)
+    drawn = figures(cube, target, knob=knob, confidence=confidence, drafters=drafters)
     return [save(fig, out, name, fmt) for name, fig in drawn]
 
 

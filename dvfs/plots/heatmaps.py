@@ -77,9 +77,13 @@ def _heat_axes(ax: Axes, cols: list[str], rows: list[str] | None, xlabel: str) -
     ax.set_xlabel(xlabel)
 
 
-def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) -> None:
+def _colorbar_and_key(
+    panels: Panels, image: Any, label: str, key: list[Any], values: np.ndarray
+) -> None:
     """One colourbar for the whole figure, and the key below it: in the free grid slot, else
-    in the side column."""
+    in the side column. The bar spans the values the cells hold: where they all hold one
+    value it is that value's colour alone, ticked at it (a 0-1 bar would show a range no cell
+    has); where no cell has a value there is no bar, and a line says so."""
     fig = panels.fig
     box = panels.spare
     if box is None:
@@ -89,8 +93,24 @@ def _colorbar_and_key(panels: Panels, image: Any, label: str, key: list[Any]) ->
             (panels.side_x + 0.15 / w, first.y0, 1 - panels.side_x - 0.3 / w, first.height)
         )
         box.set_axis_off()
-    cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
-    fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
+    finite = np.unique(values[np.isfinite(values)])
+    if finite.size == 0:
+        box.text(0.0, 0.85, f"{label}:\nno cell has an answer", va="center", fontsize=9)
+    elif finite.size == 1:
+        (v,) = finite
+        cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
+        bar = fig.colorbar(
+            image,
+            cax=cax,
+            orientation="horizontal",
+            boundaries=[v - 0.5, v + 0.5],
+            values=[v],
+            label=f"{label}: {v:g} in every cell with an answer",
+        )
+        bar.set_ticks([v], labels=[f"{v:g}"])
+    else:
+        cax = box.inset_axes((0.0, 0.8, 0.9, 0.1))
+        fig.colorbar(image, cax=cax, orientation="horizontal", label=label)
     box.legend(handles=key, loc="upper left", bbox_to_anchor=(0.0, 0.45), frameon=False)
 
 
@@ -229,7 +249,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
     versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
-    _colorbar_and_key(panels, images[0], f"energy saved vs {versus} (%)", key)
+    _colorbar_and_key(panels, images[0], f"energy saved vs {versus} (%)", key, saving)
     suptitle(panels.fig, title)
     return panels.fig
 

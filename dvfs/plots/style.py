@@ -432,9 +432,33 @@ def png_bytes(rgba: np.ndarray, dpi: float) -> bytes:
 
 
 def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
-    """One colour per drafter, the same in every figure (cube order)."""
+    """One colour per drafter, the same in every figure (cube order): the palette's, then as
+    many more as there are drafters past it (`extra_colors`), never one colour twice."""
+    names = list(dict.fromkeys(drafters))
     colors = palette()
-    return {d: colors[i % len(colors)] for i, d in enumerate(drafters)}
+    colors = (*colors, *extra_colors(len(names) - len(colors), exclude=colors))
+    return {d: colors[i] for i, d in enumerate(names)}
+
+
+def extra_colors(n: int, *, exclude: Sequence[str] = ()) -> list[str]:
+    """`n` colours past the palette's, each new (none of `exclude`'s, none repeated): hues a
+    golden angle apart, at three lightnesses in turn, so neighbours in cube order differ in
+    hue and in lightness; the same `n` gives the same colours."""
+    import colorsys
+
+    used = {c.lower() for c in exclude}
+    out: list[str] = []
+    k = 0
+    while len(out) < n:
+        hue = (0.07 + k * 0.381966) % 1.0
+        light = (0.42, 0.28, 0.62)[k % 3]
+        r, g, b = colorsys.hls_to_rgb(hue, light, 0.7)
+        color = "#{:02x}{:02x}{:02x}".format(*(round(v * 255) for v in (r, g, b)))
+        k += 1
+        if color not in used:
+            used.add(color)
+            out.append(color)
+    return out
 
 
 #: The attribute of a cube cut to some drafters (`dvfs report --drafter`) that lists the

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dvfs.records import knobs_set
 from dvfs.report.common import (
     as_float,
     as_int,
@@ -126,6 +127,12 @@ def headroom_document(result: xr.Dataset, cube: xr.Dataset) -> dict[str, Any]:
             "sm_clock": bool(cube.sizes.get("sm_clock", 1) > 1),
             "power_limit": bool(cube.sizes.get("power_limit", 1) > 1),
         },
+        # Whether the campaign set each knob: an unset SM clock was the GPU's own, so a row's
+        # `chosen.sm_clock_mhz` is the stock clock the cube files it under, not a lock.
+        "knobs_set": {
+            "sm_clock": bool(int(a.get("sm_clock_locked", 1))),
+            "power_limit": bool(knobs_set(cube.attrs.get("campaign"))[1]),
+        },
         "coverage": coverage(cube),
         # One shard's cube (`dvfs sweep --shard I/N`): the other shards' cells are not in it;
         # a cube merged from shards: each shard's folder, whose sweep measures its cells left.
@@ -163,6 +170,15 @@ def _flag(r: xr.Dataset, name: str) -> bool:
 #: The table's marks on a headroom value: cut off by the grid, settings below not measured
 #: yet, settings below measured but invalid.
 LOWER_BOUND_MARK, UNMEASURED_MARK, INVALID_MARK = "≥", "?", "†"
+
+
+#: The chosen clock of a campaign that never set the SM clock (power limit only).
+UNLOCKED = "not set"
+
+
+def clock_was_locked(doc: dict[str, Any]) -> bool:
+    """Whether the campaign locked the SM clock (documents without `knobs_set`: yes)."""
+    return bool(doc.get("knobs_set", {}).get("sm_clock", True))
 
 
 def _knob_cell(
@@ -266,6 +282,12 @@ def headroom_notes(doc: dict[str, Any]) -> list[str]:
             f"not swept: the cube has one {' and one '.join(unswept)}, so that headroom is "
             "unknown, not 0"
         )
+    if rows and not clock_was_locked(doc):
+        notes.append(
+            f"{UNLOCKED}: the campaign never set the SM clock, so the chosen setting names no "
+            "clock: the GPU kept its own (unlocked, unless locked outside dvfs); the cube files "
+            "those cells under its stock clock, which is no lock"
+        )
     mixed = [r for r in rows if r.get("different_gpus")]
     if mixed:
         named = named_rows(
@@ -332,6 +354,7 @@ def headroom_table_rows(
         "target ms",
     ]
     rows = []
+    clock_locked = clock_was_locked(doc)
     for r in doc["rows"]:
         lead = [r["gpu"][:12]] if has_gpu else []
         if not r["feasible"]:
@@ -345,7 +368,8 @@ def headroom_table_rows(
                 fmt_ms(r["target_ms"]),
             ]
         else:
-            chosen = f"{r['chosen']['sm_clock_mhz']}/{r['chosen']['power_limit_w']:g}"
+            clock = r["chosen"]["sm_clock_mhz"] if clock_locked else UNLOCKED
+            chosen = f"{clock}/{r['chosen']['power_limit_w']:g}"
             headroom = (
                 _knob_cell(
                     r["headroom_mhz"],
