@@ -123,6 +123,11 @@ VARIABLES = (
         "1",
         "output tokens between the windows' counter updates (a step's tokens spread over it)",
     ),
+    VarSpec(
+        "prompt_tokens",
+        "1",
+        "mean input tokens of the prompts the cell's rounds sent (the token count method's)",
+    ),
 )
 #: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry
 #: named gpu_time_<key>_s, plus their total.
