@@ -244,12 +244,17 @@ def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_swe
         ]
     )
     assert roof.attrs["context_tokens"] != pytest.approx(pool + 64 / 2)
+    assert "context_note" not in roof.attrs
     older = ds.drop_vars("prompt_tokens")  # a cube of a dvfs that did not record them
     roof = roofline(older, notes=notes)
     assert roof.attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
     [note] = notes
     assert note.startswith("roofline context:") and "1032 tokens" in note, note
     assert "does not record" in note and "\n" not in note
+    # the accessor, which takes no notes, says it in the result
+    import dvfs.accessor  # noqa: F401  (registers ds.dvfs)
+
+    assert older.dvfs.roofline().attrs["context_note"] == note
 
 
 def test_an_older_cube_reads_its_corpora_again_at_the_edge(small_sweep, tmp_path) -> None:
@@ -275,6 +280,17 @@ def test_an_older_cube_reads_its_corpora_again_at_the_edge(small_sweep, tmp_path
     write_cube(older, tmp_path / "older.nc")
     doc = _compare_json(tmp_path / "older.nc")
     assert doc["roofline"]["context_tokens"] == pytest.approx(context)
+
+
+def _report_text(cube, out) -> str:
+    """`dvfs report CUBE -o OUT` (Markdown)'s text, on one line."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    result = CliRunner().invoke(cli, ["report", str(cube), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return " ".join(out.read_text().split())
 
 
 def _compare_json(cube) -> dict:
@@ -379,8 +395,8 @@ def test_compare_reads_the_context_the_cube_records_not_the_corpus_file(
     the same roofline rows, with nothing said, once the corpus file is gone (it read every
     corpus whole again, each run: an 87 MB one took 1.7 s and ~490 MB, and a corpus moved or
     deleted after the sweep put the middle of the input range in its place), and from another
-    working directory. A cube of an earlier dvfs (no `prompt_tokens`) still reads the corpus
-    again; where it is gone, one line says the middle stands in and why."""
+    working directory; `dvfs report` too. A cube of an earlier dvfs (no `prompt_tokens`) still
+    reads the corpus again; where it is gone, one line says the middle stands in and why."""
     from dvfs.cube import open_cube, write_cube
 
     out, corpus = _swept_with_own_corpus(tmp_path)
@@ -399,6 +415,11 @@ def test_compare_reads_the_context_the_cube_records_not_the_corpus_file(
     assert gone["roofline"]["context_tokens"] == (16 + 2048) / 2 + 64 / 2
     [said] = [line for line in gone["stderr"].splitlines() if "roofline context" in line]
     assert str(corpus) in said, gone["stderr"]
+    # the report alike: nothing to say of the cube that records its prompts, the older one's
+    # context said in its notes
+    assert "Roofline context" not in _report_text(out, tmp_path / "new.md")
+    note = _report_text(older, tmp_path / "older.md").split("Roofline context")[1]
+    assert "mine.jsonl does not exist" in note, note  # (Markdown escapes the path's _)
     moved.rename(corpus)
     reread = _compare_json(older)
     assert reread["roofline"]["context_tokens"] != gone["roofline"]["context_tokens"]

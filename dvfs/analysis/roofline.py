@@ -270,7 +270,9 @@ def roofline(
     few tokens meets the bandwidth at a lower ridge (the twin profile's GEMM tiles and
     waves); with a measured roofline of a GPU the twin has no profile of, there is
     none to lower it by: the verify ridge is the measured one, its `gpu_profile` None (not
-    another GPU's, whose curve stood in under its name), and `notes` says what that means."""
+    another GPU's, whose curve stood in under its name), and `notes` says what that means.
+    A context not taken from the cube's record (an earlier dvfs's cube) is said in `notes` and
+    in the result's `context_note` attribute."""
     import xarray as xr
 
     from dvfs.twin.fit import achievable_ridge_point
@@ -287,9 +289,12 @@ def roofline(
         )
     gpu = _cube_gpu(cube) if measured is None else recorded_gpu_profile(cube.attrs)
     tp = int(cube.attrs.get("tp_size", 1))
+    said: list[str] = []  # how the context was taken, where not as the cells recorded it
     context = (
-        context_tokens if context_tokens is not None else mean_context_tokens(cube, notes=notes)
+        context_tokens if context_tokens is not None else mean_context_tokens(cube, notes=said)
     )
+    if notes is not None:
+        notes += [note for note in said if note not in notes]
     widths = verify_tokens_per_request(cube)
     batches = cube["batch"].values.astype(int)
     drafters = [str(d) for d in cube["drafter"].values]
@@ -372,4 +377,6 @@ def roofline(
         tp_size=tp,
         ridge=source,
     )
+    if said:  # for a caller that passed no notes (`ds.dvfs.roofline()`)
+        result.attrs["context_note"] = said[0]
     return result
