@@ -186,30 +186,122 @@ def test_the_roofline_json_and_table_give_the_ridge_each_pass_is_held_against() 
         assert row[column] == f"{low:.0f}-{high:.0f}", row
 
 
+def _drawn_context(ds) -> float:
+    """The mean input tokens of the prompts a fixed-batch cube's cells were sent (each measured
+    cell's rounds drawn again as the sweep draws them), per corpus, then over the corpora,
+    plus half the output: what the roofline's context should be."""
+    from dvfs.corpora import load_corpus
+    from dvfs.corpora.sampling import sample_prompts
+    from dvfs.cube import STATUS_OK
+
+    workload = json.loads(ds.attrs["campaign"])["workload"]
+    seed = json.loads(ds.attrs["campaign"])["measurement"]["seed"]
+    per_corpus = []
+    for name in map(str, ds["corpus"].values):
+        corpus, cells = load_corpus(name), []
+        at = ds.sel(corpus=name).stack(cell=[d for d in ds["cell_status"].dims if d != "corpus"])
+        for i in range(at.sizes["cell"]):
+            cell = at.isel(cell=i)
+            if int(cell["cell_status"]) != STATUS_OK:
+                continue
+            batch, repeat = int(cell["batch"]), int(cell["repeat"])
+            lengths = [
+                p.input_tokens
+                for label in range(int(cell["rounds"]))
+                for p in sample_prompts(
+                    corpus,
+                    batch,
+                    input_tokens=tuple(workload["input_tokens"]),
+                    seed=seed,
+                    key=(batch, repeat, label),
+                )
+            ]
+            cells.append(np.mean(lengths))
+        per_corpus.append(np.mean(cells))
+    return float(np.mean(per_corpus)) + workload["output_tokens"] / 2
+
+
 def test_the_roofline_reads_the_kv_cache_of_the_prompts_the_sweep_drew(small_sweep) -> None:
     """The input_tokens range (16-2048) only bounds the prompts, which average 150-200 tokens
-    in the built-in corpora: the roofline's context is theirs (plus half the output), as the
-    twin decoded them, not the range's middle, which overstated the KV cache read and moved
-    where a pass turns compute-bound. Prompts that cannot be read again fall back to the
-    middle, said in a note."""
+    in the built-in corpora: the roofline's context is the mean of those the sweep sent (plus
+    half the output), which each cell records (`prompt_tokens`), not the range's middle, which
+    overstated the KV cache read, nor the mean of every prompt the corpus could have given
+    (those drawn are a sample of it). A cube that does not record them (an earlier dvfs's)
+    falls back to the middle, said in a note: the analysis reads no corpus."""
     from dvfs.corpora import load_corpus
     from dvfs.corpora.sampling import eligible_prompts
     from dvfs.cube import open_cube
 
     ds = open_cube(small_sweep)
+    notes: list[str] = []
+    roof = roofline(ds, notes=notes)
+    assert roof.attrs["context_tokens"] == pytest.approx(_drawn_context(ds), rel=1e-12)
+    assert notes == []
+    pool = np.mean(
+        [
+            np.mean([p.input_tokens for p in eligible_prompts(load_corpus(name), (16, 2048))])
+            for name in ("code", "conversation")
+        ]
+    )
+    assert roof.attrs["context_tokens"] != pytest.approx(pool + 64 / 2)
+    assert "context_note" not in roof.attrs
+    older = ds.drop_vars("prompt_tokens")  # a cube of a dvfs that did not record them
+    roof = roofline(older, notes=notes)
+    assert roof.attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+    [note] = notes
+    assert note.startswith("roofline context:") and "1032 tokens" in note, note
+    assert "does not record" in note and "\n" not in note
+    # the accessor, which takes no notes, says it in the result
+    import dvfs.accessor  # noqa: F401  (registers ds.dvfs)
+
+    assert older.dvfs.roofline().attrs["context_note"] == note
+
+
+def test_an_older_cube_reads_its_corpora_again_at_the_edge(small_sweep, tmp_path) -> None:
+    """A cube of an earlier dvfs (no `prompt_tokens`): `dvfs compare` reads the prompts its
+    sweep drew from again, from the campaign's corpora, as it did before the cube recorded
+    them (the mean of each corpus's prompts within the input range), with no note; a cube
+    recording them is given nothing (the analysis reads its record)."""
+    from dvfs.corpora import load_corpus
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.cube import open_cube, write_cube
+    from dvfs.cube.prompts import roofline_context
+
+    ds = open_cube(small_sweep)
+    notes: list[str] = []
+    assert roofline_context(ds, small_sweep, notes) is None and notes == []
+    older = ds.drop_vars("prompt_tokens")
     means = [
         np.mean([p.input_tokens for p in eligible_prompts(load_corpus(name), (16, 2048))])
         for name in ("code", "conversation")
     ]
-    notes: list[str] = []
-    roof = roofline(ds, notes=notes)
-    assert roof.attrs["context_tokens"] == pytest.approx(np.mean(means) + 64 / 2)
-    assert notes == []
-    ds.attrs["campaign_source"] = ""  # a cube that cannot say which prompts it drew
-    roof = roofline(ds, notes=notes)
-    assert roof.attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
-    [note] = notes
-    assert note.startswith("roofline context:") and "1032 tokens" in note, note
+    context = roofline_context(older, small_sweep, notes)
+    assert context == pytest.approx(np.mean(means) + 64 / 2) and notes == []
+    write_cube(older, tmp_path / "older.nc")
+    doc = _compare_json(tmp_path / "older.nc")
+    assert doc["roofline"]["context_tokens"] == pytest.approx(context)
+
+
+def _report_text(cube, out) -> str:
+    """`dvfs report CUBE -o OUT` (Markdown)'s text, on one line."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    result = CliRunner().invoke(cli, ["report", str(cube), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return " ".join(out.read_text().split())
+
+
+def _compare_json(cube) -> dict:
+    """`dvfs compare CUBE --json`'s document, and what it said on stderr (as "stderr")."""
+    from click.testing import CliRunner
+
+    from dvfs.cli import cli
+
+    result = CliRunner().invoke(cli, ["compare", str(cube), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout) | {"stderr": result.stderr}
 
 
 def test_a_merged_cube_reads_the_context_of_its_campaigns_prompts(tiny_exact_run) -> None:
@@ -246,21 +338,24 @@ def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
     gone, the corpus file deleted, then (in the campaign) a Hugging Face dataset: the middle of
     input_tokens stands in, and the note says which corpus and why (changed, no tokenizer,
     missing, a dataset not fetched again for an analysis), never "put the corpora back where
-    they were" for one that is where it was; an analysis never loads a hub dataset."""
+    they were" for one that is where it was; an analysis never loads a hub dataset. Of a cube
+    that does not record what its cells sent (an earlier dvfs's), which `dvfs compare` and
+    `dvfs report` read again from its corpora (`roofline_context`)."""
     import sys
     import types
 
     from dvfs.cube import open_cube
+    from dvfs.cube.prompts import roofline_context
 
     out, corpus = _swept_with_own_corpus(tmp_path)
-    ds = open_cube(out)
+    ds = open_cube(out).drop_vars("prompt_tokens")
     notes: list[str] = []
-    drawn = roofline(ds, notes=notes).attrs["context_tokens"]
+    drawn = roofline_context(ds, out, notes)
     assert notes == [] and drawn != (16 + 2048) / 2 + 64 / 2
 
     def note_of(cube) -> str:
         notes: list[str] = []
-        assert roofline(cube, notes=notes).attrs["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+        assert roofline_context(cube, out, notes) == (16 + 2048) / 2 + 64 / 2
         [note] = notes
         assert note.startswith("roofline context:") and "1032 tokens" in note, note
         return note
@@ -291,6 +386,44 @@ def test_the_roofline_context_note_says_why_the_prompts_cannot_be_read(
     )
     assert "corpus 'mine' is a Hugging Face dataset" in note_of(hub)
     assert loaded == []
+
+
+def test_compare_reads_the_context_the_cube_records_not_the_corpus_file(
+    tmp_path, monkeypatch
+) -> None:
+    """The roofline's context is what the sweep recorded its cells sent: `dvfs compare` gives
+    the same roofline rows, with nothing said, once the corpus file is gone (it read every
+    corpus whole again, each run: an 87 MB one took 1.7 s and ~490 MB, and a corpus moved or
+    deleted after the sweep put the middle of the input range in its place), and from another
+    working directory; `dvfs report` too. A cube of an earlier dvfs (no `prompt_tokens`) still
+    reads the corpus again; where it is gone, one line says the middle stands in and why."""
+    from dvfs.cube import open_cube, write_cube
+
+    out, corpus = _swept_with_own_corpus(tmp_path)
+    before = _compare_json(out)
+    assert "roofline context" not in before["stderr"]
+    moved = corpus.rename(corpus.with_suffix(".moved"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    after = _compare_json(out)
+    assert after["roofline"] == before["roofline"]
+    assert "roofline context" not in after["stderr"]
+    older = tmp_path / "older.nc"
+    write_cube(open_cube(out).drop_vars("prompt_tokens"), older)
+    gone = _compare_json(older)
+    assert gone["roofline"]["context_tokens"] == (16 + 2048) / 2 + 64 / 2
+    [said] = [line for line in gone["stderr"].splitlines() if "roofline context" in line]
+    assert str(corpus) in said, gone["stderr"]
+    # the report alike: nothing to say of the cube that records its prompts, the older one's
+    # context said in its notes
+    assert "Roofline context" not in _report_text(out, tmp_path / "new.md")
+    note = _report_text(older, tmp_path / "older.md").split("Roofline context")[1]
+    assert "mine.jsonl does not exist" in note, note  # (Markdown escapes the path's _)
+    moved.rename(corpus)
+    reread = _compare_json(older)
+    assert reread["roofline"]["context_tokens"] != gone["roofline"]["context_tokens"]
+    assert "roofline context" not in reread["stderr"]
 
 
 def test_roofline_needs_a_known_model() -> None:

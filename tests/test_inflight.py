@@ -583,24 +583,52 @@ def test_an_inflight_record_counts_its_decodes_and_requests_once(tmp_path: Path)
         assert len(record.inflight["segments"]) == 2 * decodes  # twice per decode
         assert m.rounds == decodes
         assert m.requests == sent
+        # every level decoded the same prompts: the mean input tokens of those the decodes sent
+        # (what the roofline's context starts from), the warm-up's not among them
+        lengths = [p.input_tokens for load in engine.stepped for p in load.prompts]
+        assert m.prompt_tokens == pytest.approx(np.mean(lengths), rel=1e-12)
+
+
+def test_a_cell_records_the_mean_input_tokens_of_the_prompts_its_rounds_sent(
+    tmp_path: Path,
+) -> None:
+    """A per-level cell's `prompt_tokens` is the mean input tokens (by the session's count) of
+    the prompts its measured rounds sent, each round's batch counted, the warm-up's not: what
+    the cube keeps so the roofline need not read the corpora again."""
+    with twin_runner(tmp_path) as runner:
+        engine = Recording(runner.engine)
+        runner.engine = engine  # type: ignore[assignment]
+        cell = plan_cells(runner.campaign)[-1]
+        measurement, _ = runner.measure(cell)
+    output = runner.campaign.workload.output_tokens
+    rounds = [load for load in engine.loads if load.max_new_tokens == output]
+    assert len(rounds) == measurement.rounds and len(engine.loads) > len(rounds)  # a warm-up
+    lengths = [p.input_tokens for load in rounds for p in load.prompts]
+    assert len(lengths) == measurement.rounds * cell.batch
+    assert measurement.prompt_tokens == pytest.approx(np.mean(lengths), rel=1e-12)
 
 
 class Recording:
-    """The twin engine, keeping every round it returns (for the rounds' start and window)."""
+    """The twin engine, keeping every round it returns (for the rounds' start and window) and
+    every workload it was given (`stepped`: those of the knob-stepping decodes)."""
 
     name = "twin"
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.rounds: list[Any] = []
+        self.loads: list[Any] = []
+        self.stepped: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def run(self, workload: Any, timeline: KnobTimeline | None = None) -> Any:
         result = self.inner.run(workload, timeline)
+        self.loads.append(workload)
         if timeline is not None:
             self.rounds.append(result)
+            self.stepped.append(workload)
         return result
 
 

@@ -374,6 +374,7 @@ def test_a_merged_cube_keeps_each_gpus_counter_period_and_limits(
 LATER_VARIABLES = (
     "window_tokens",
     "temperature_start_c",
+    "prompt_tokens",
     "energy_split_method",
     *(
         f"{part}_{phase}_{unit}"
@@ -433,6 +434,8 @@ def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
         assert list(each[key]["ridge_point"].values()) == pytest.approx(
             own["ridge_point"].values.tolist()
         )
+        # at the context its own cells' prompts recorded, which the merge keeps per GPU
+        assert each[key]["context_tokens"] == pytest.approx(own.attrs["context_tokens"])
     assert doc["roofline"] == each["h100-sxm"]  # the first GPU's, as before
     # the document names every GPU model it compares on, not the first one's alone
     assert doc["gpu"] == ", ".join(json.loads(open_cube(merged).attrs["gpu_names"]))
@@ -478,14 +481,25 @@ def test_a_merged_cube_keeps_the_rooflines_of_the_gpus_the_twin_knows(
     assert doc["roofline"]["gpu_profile"] == "h100-sxm" and "roofline_per_gpu_model" not in doc
     # the JSON says whose roofline is missing: its `roofline` (the H100's) is not the A100's
     assert doc["roofline_left_out"] == ["NVIDIA A100-SXM4-80GB"], doc.get("roofline_left_out")
-    # the two cubes were swept from different campaign files, which the merged cube does not
-    # keep: the roofline's context is the middle of input_tokens, said in its own line
-    context, said = done.stderr.strip().split("\n", 1)
+    # the roofline's context is what each cube recorded its cells sent: nothing to say of it
+    said = " ".join(done.stderr.split())
+    assert "roofline context" not in said
+    # cubes of an earlier dvfs record none: their campaign files, which differ and the merged
+    # cube does not keep, cannot be read again, and the middle of input_tokens stands in,
+    # said in its own line
+    older = [tmp_path / "h100-older.nc", tmp_path / "a100-older.nc"]
+    for cube, path in zip((h100, a100), older, strict=True):
+        write_cube(open_cube(cube).drop_vars("prompt_tokens"), path)
+    merged_older = tmp_path / "m-older.nc"
+    assert invoke("cube", "merge", *map(str, older), "-o", str(merged_older)).exit_code == 0
+    done_older = invoke("compare", str(merged_older), "--json")
+    assert done_older.exit_code == 0, done_older.output
+    context, said_older = done_older.stderr.strip().split("\n", 1)
     assert (
         context.startswith("roofline context:")
         and "only where all its cubes record the same one" in context
     )
-    said = " ".join(said.split())
+    assert " ".join(said_older.split()) == said
     assert "no roofline of NVIDIA A100-SXM4-80GB: the twin has no profile of it" in said, said
     assert "with that GPU's own cube" in said and "roofline context" not in said
     # --markdown, a file kept without the terminal's stderr, says it too (it showed only the

@@ -706,7 +706,13 @@ def test_shards_dealt_differently_refuse_to_merge_and_old_sets_still_merge(
 
 
 #: Cell variables a later dvfs added to the cube (`dvfs.cube.schema`'s history).
-LATER_VARIABLES = ("window_tokens", "energy_split_method", "energy_draft_j", "time_draft_s")
+LATER_VARIABLES = (
+    "window_tokens",
+    "energy_split_method",
+    "energy_draft_j",
+    "time_draft_s",
+    "prompt_tokens",
+)
 
 
 @pytest.mark.parametrize("older", [0, 2])

@@ -56,25 +56,57 @@ def verify_tokens_per_request(cube: xr.Dataset) -> dict[str, int | None]:
     return widths
 
 
-def _mean_context(cube: xr.Dataset, notes: list[str] | None = None) -> float:
+def recorded_prompt_tokens(cube: xr.Dataset) -> float | None:
+    """The mean input tokens of the prompts the cube's sweep drew, from what each cell records
+    its rounds sent (`prompt_tokens`): averaged over each corpus's measured cells, then over
+    the corpora (each weighs alike in its cells). None where the cube does not record it for
+    every measured cell (a cube of an earlier dvfs, or merged with one): part of its cells
+    would stand in for the others'."""
+    from dvfs.cube.schema import STATUS_OK
+
+    if "prompt_tokens" not in cube.data_vars or "corpus" not in cube["prompt_tokens"].dims:
+        return None
+    sent = cube["prompt_tokens"].where(cube["cell_status"] == STATUS_OK)
+    measured = cube["cell_status"] == STATUS_OK
+    if not measured.any() or bool((measured & sent.isnull()).any()):
+        return None
+    per_corpus = sent.mean([d for d in sent.dims if d != "corpus"], skipna=True).values
+    per_corpus = per_corpus[np.isfinite(per_corpus)]
+    return float(per_corpus.mean()) if per_corpus.size else None
+
+
+def mean_context_tokens(
+    cube: xr.Dataset,
+    *,
+    prompt_tokens: float | str | None = None,
+    notes: list[str] | None = None,
+) -> float:
     """The mean context a decode pass of the cube's cells attends to: the mean input tokens of
-    the prompts the sweep drew (`_mean_prompt_tokens`) plus half the output. Where those
-    prompts cannot be read again, the midpoint of the campaign's input_tokens range, said in
-    `notes` with the reason: the range only bounds the prompts (the built-in corpora's average
-    140-200 tokens of the demo's 16-2048), and a context too long overstates the KV cache
-    read."""
+    the prompts the sweep drew plus half the output. `prompt_tokens`: that mean where the
+    caller read it (`dvfs.cube.prompts.reread_prompt_tokens`, for a cube that does not record
+    it), or in words why it cannot be known; None: the cube's record
+    (`recorded_prompt_tokens`). Where there is none, the midpoint of the campaign's
+    input_tokens range, said in `notes` with the reason: the range only bounds the prompts
+    (the built-in corpora's average 140-200 tokens of the demo's 16-2048), and a context too
+    long overstates the KV cache read. Reads nothing but the cube."""
     try:
         workload = json.loads(cube.attrs["campaign"])["workload"]
         lo, hi = workload["input_tokens"]
         output = workload["output_tokens"] / 2
     except (KeyError, ValueError, TypeError):
         return 1024.0
-    prompts = _mean_prompt_tokens(cube, (int(lo), int(hi)))
-    if isinstance(prompts, str):
+    prompts = recorded_prompt_tokens(cube) if prompt_tokens is None else prompt_tokens
+    if prompts is None or isinstance(prompts, str):
+        unknown = (
+            f"cannot be read again here: {prompts}"
+            if prompts is not None
+            else "the cube does not record (an earlier dvfs's cube: `dvfs compare` and "
+            "`dvfs report` read them again from its campaign's corpora)"
+        )
         note = (
             f"roofline context: the middle of workload.input_tokens ({(lo + hi) / 2:.0f} "
             "tokens) stands in for the mean of the prompts the sweep drew (the verify passes' "
-            f"FLOP/B are low if those were shorter), which cannot be read again here: {prompts}"
+            f"FLOP/B are low if those were shorter), which {unknown}"
         )
         # Said once for a merged cube's models; a cube whose campaign names no corpora (one
         # built by hand) drew no prompts to say anything of.
@@ -82,60 +114,6 @@ def _mean_context(cube: xr.Dataset, notes: list[str] | None = None) -> float:
             notes.append(note)
         return (lo + hi) / 2 + output
     return prompts + output
-
-
-def _mean_prompt_tokens(cube: xr.Dataset, input_tokens: tuple[int, int]) -> float | str:
-    """The mean input tokens of the prompts the sweep drew from: each corpus's prompts fitted
-    to the input range (as the server and the twin got them), averaged per corpus, then over
-    the cube's corpora (each weighs alike in its cells). Where the corpora cannot be read
-    again as the sweep read them (moved, edited, another tokenizer, a cube that records no
-    campaign, a corpus from the Hugging Face hub, which an analysis does not fetch again), why
-    not, in words."""
-    from pathlib import Path
-
-    from dvfs.corpora.prepare import counted_corpora
-    from dvfs.corpora.sampling import eligible_prompts
-    from dvfs.errors import DvfsError, JournalError
-    from dvfs.twin.predict import campaign_of, check_same_corpora
-
-    where = Path("the cube")
-    names = [str(n) for n in cube["corpus"].values]
-    method = str(cube.attrs.get("token_count_method") or "")
-    if "merged_from" in cube.attrs and not cube.attrs.get("campaign_source"):
-        return "a merged cube keeps a campaign file only where all its cubes record the same one"
-    try:
-        campaign = campaign_of(cube, where)
-        specs = {ref.name: ref.spec for ref in campaign.workload.corpora}
-        missing = [n for n in names if n not in specs]
-        if missing:
-            return f"corpus {missing[0]!r} of the cube is not in the campaign it records"
-        hub = [n for n in names if "dataset" in dict(specs[n] or ())]
-        if hub:
-            return (
-                f"corpus {hub[0]!r} is a Hugging Face dataset, which an analysis does not "
-                "fetch again"
-            )
-        corpora, _ = counted_corpora(campaign, method)
-        check_same_corpora(
-            cube,
-            where,
-            corpora,
-            input_tokens,
-            use="the roofline would take another context from them",
-        )
-        means = []
-        for name in names:
-            lengths = [p.input_tokens for p in eligible_prompts(corpora[name], input_tokens)]
-            if not lengths:
-                return f"corpus {name!r} has no prompt within workload.input_tokens now"
-            means.append(sum(lengths) / len(lengths))
-    except JournalError:
-        return f"the sweep counted their tokens with the {method}, not in the local cache now"
-    except DvfsError as exc:
-        return str(exc).removeprefix(f"{where}: ")
-    except (KeyError, OSError, TypeError, ValueError) as exc:  # a damaged or edited cube
-        return f"the cube's campaign record is damaged: {exc}"
-    return sum(means) / len(means) if means else "the cube has no corpus"
 
 
 def _measured_points(measured: xr.Dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,6 +180,7 @@ def rooflines(
     measured: xr.Dataset | None = None,
     notes: list[str] | None = None,
     left_out: list[str] | None = None,
+    context_tokens: float | None = None,
 ) -> list[xr.Dataset]:
     """The verify pass against each GPU model's ridge point: one roofline (`roofline`) for a
     one-GPU cube, a merged cube of one model, or with a `measured` roofline (one GPU's); one per
@@ -210,34 +189,35 @@ def rooflines(
     twin has no profile of is left out, said in `notes`, and the others kept (an `AnalysisError`
     where it has none of them), its model's name added to `left_out` (for the JSON, whose
     `roofline` is then another model's): a measured roofline serves that GPU's own cube, not
-    the merged one (`check_measured`)."""
+    the merged one (`check_measured`). `context_tokens`: as `roofline` takes it, for each
+    (None: each model's own cube's record, `mean_context_tokens`)."""
     import json
 
     from dvfs.analysis.headroom import single_gpu
     from dvfs.twin.profiles import matching_gpu_profile, recorded_gpu_profile
 
     if measured is not None or "gpu" not in cube.dims:
-        return [roofline(cube, measured=measured, notes=notes)]
+        return [roofline(cube, context_tokens=context_tokens, measured=measured, notes=notes)]
     labels = [str(g) for g in cube["gpu"].values]
     try:
         names = [str(n) for n in json.loads(str(cube.attrs.get("gpu_names") or "[]"))]
     except ValueError:
         names = []
     if len(names) != len(labels):
-        return [roofline(cube, notes=notes)]
+        return [roofline(cube, context_tokens=context_tokens, notes=notes)]
     first: dict[str, tuple[str, str]] = {}  # profile -> its first GPU's label and model name
     for label, name in zip(labels, names, strict=True):
         known = matching_gpu_profile(name.removesuffix(" (twin)"))
         first.setdefault(known.key if known is not None else name, (label, name))
     if len(first) == 1:
-        return [roofline(cube, notes=notes)]
+        return [roofline(cube, context_tokens=context_tokens, notes=notes)]
     made, unknown = [], []
     for label, name in first.values():
         one = single_gpu(cube, label).assign_attrs(gpu_name=name)
         if recorded_gpu_profile(one.attrs) is None:
             unknown.append(name)
         else:
-            made.append(roofline(one, notes=notes))
+            made.append(roofline(one, context_tokens=context_tokens, notes=notes))
     if unknown:
         them = "them" if len(unknown) > 1 else "it"
         measure = (
@@ -283,12 +263,16 @@ def roofline(
     measured: xr.Dataset | None = None,
     notes: list[str] | None = None,
 ) -> xr.Dataset:
-    """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock;
-    `measured` (a roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable
-    ridge. A pass of few tokens meets the bandwidth at a lower ridge (the twin profile's GEMM
-    tiles and waves); with a measured roofline of a GPU the twin has no profile of, there is
+    """Verify-pass intensity per (batch, drafter) against the ridge point at each SM clock, at
+    `context_tokens` of context (None: what the cube records its cells' prompts were, plus
+    half the output: `mean_context_tokens`; the analysis reads no file); `measured` (a
+    roofline file, `dvfs.roofline.store.read`) replaces the twin's achievable ridge. A pass of
+    few tokens meets the bandwidth at a lower ridge (the twin profile's GEMM tiles and
+    waves); with a measured roofline of a GPU the twin has no profile of, there is
     none to lower it by: the verify ridge is the measured one, its `gpu_profile` None (not
-    another GPU's, whose curve stood in under its name), and `notes` says what that means."""
+    another GPU's, whose curve stood in under its name), and `notes` says what that means.
+    A context not taken from the cube's record (an earlier dvfs's cube) is said in `notes` and
+    in the result's `context_note` attribute."""
     import xarray as xr
 
     from dvfs.twin.fit import achievable_ridge_point
@@ -305,7 +289,12 @@ def roofline(
         )
     gpu = _cube_gpu(cube) if measured is None else recorded_gpu_profile(cube.attrs)
     tp = int(cube.attrs.get("tp_size", 1))
-    context = context_tokens if context_tokens is not None else _mean_context(cube, notes)
+    said: list[str] = []  # how the context was taken, where not as the cells recorded it
+    context = (
+        context_tokens if context_tokens is not None else mean_context_tokens(cube, notes=said)
+    )
+    if notes is not None:
+        notes += [note for note in said if note not in notes]
     widths = verify_tokens_per_request(cube)
     batches = cube["batch"].values.astype(int)
     drafters = [str(d) for d in cube["drafter"].values]
@@ -388,4 +377,6 @@ def roofline(
         tp_size=tp,
         ridge=source,
     )
+    if said:  # for a caller that passed no notes (`ds.dvfs.roofline()`)
+        result.attrs["context_note"] = said[0]
     return result

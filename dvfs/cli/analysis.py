@@ -381,6 +381,7 @@ def compare(
     from dvfs.analysis.selection import check_drafter, select
     from dvfs.analysis.targets import QUANTILE_NAMES
     from dvfs.cube import open_analysable
+    from dvfs.cube.prompts import roofline_context
     from dvfs.errors import AnalysisError
     from dvfs.report import compare_document, compare_markdown, compare_notes, compare_tables
 
@@ -417,10 +418,15 @@ def compare(
     notes: list[str] = []  # a merged cube's GPU models with no roofline, each said
     models: list[str] = []  # those models
     try:
+        said: list[str] = []  # of the roofline's context, said where there is a roofline
+        context = roofline_context(ds, cube_path, said)
         roof = [
             select(r, batch, drafter)
-            for r in rooflines(ds, measured=measured, notes=notes, left_out=models)
+            for r in rooflines(
+                ds, measured=measured, notes=notes, left_out=models, context_tokens=context
+            )
         ]
+        notes[:0] = said
     except AnalysisError as exc:
         notes.insert(0, f"no roofline: {exc}")
         roof = None

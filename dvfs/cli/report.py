@@ -123,6 +123,7 @@ def report(
 
     from dvfs.analysis.selection import SelectionError, check_drafter, select
     from dvfs.cube import open_analysable
+    from dvfs.cube.prompts import roofline_context
     from dvfs.plots.style import ALL_DRAFTERS
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.html import render_html
@@ -149,7 +150,15 @@ def report(
     shown = shown.assign_attrs({ALL_DRAFTERS: json.dumps([str(d) for d in ds["drafter"].values])})
     options = ReportOptions(target, knob, confidence, batch, drafter, corpus)
     generated = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC by dvfs {__version__}"
-    document = build_document(ds, options, _figures(shown, options), generated=generated)
+    context_notes: list[str] = []  # the roofline's context, where the cube does not record it
+    document = build_document(
+        ds,
+        options,
+        _figures(shown, options),
+        generated=generated,
+        context_tokens=roofline_context(ds, cube_path, context_notes),
+        context_notes=context_notes,
+    )
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))
     else:

@@ -365,8 +365,9 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
     attrs.update(_first_known(cubes, WHEN_KNOWN))
     # The campaign file and its folder where every cube was swept from the same (a fleet's
-    # run): what the analyses read its corpora again by (the roofline's mean context). A
-    # folder alone (two campaign files in it) names no campaign: neither is kept.
+    # run): what its corpora are read again by (the twin's cube fit; the roofline's mean
+    # context where cubes of an earlier dvfs record no `prompt_tokens`). A folder alone (two
+    # campaign files in it) names no campaign: neither is kept.
     files = {
         (str(ds.attrs.get("campaign_source") or ""), str(ds.attrs.get("campaign_dir") or ""))
         for ds in cubes

@@ -12,6 +12,8 @@ Schema history (`attrs["dvfs_schema"]`):
       or "unverified: why", whether its server ran on the metered GPUs; absent or "{}" where
       not checked). So are a shard's `shard` ("I/N") and `shard_deal` ("groups"; absent in the
       cube of a shard an earlier dvfs cut in contiguous slices), which `dvfs cube merge` reads.
+      So is prompt_tokens (per cell, the mean input tokens of the prompts its rounds sent,
+      which the roofline's context reads; NaN where a cell's record carries none).
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).
@@ -122,6 +124,11 @@ VARIABLES = (
         "window_tokens",
         "1",
         "output tokens between the windows' counter updates (a step's tokens spread over it)",
+    ),
+    VarSpec(
+        "prompt_tokens",
+        "1",
+        "mean input tokens of the prompts the cell's rounds sent (the token count method's)",
     ),
 )
 #: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry

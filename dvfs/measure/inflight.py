@@ -98,6 +98,7 @@ from dvfs.measure.meter import (
     accept_mismatch,
     acceptance,
     latency_stats,
+    mean_prompt_tokens,
     power_limit_quality,
     round_chunks,
     steady_window_ns,
@@ -658,6 +659,7 @@ def _measure_group(
 
     measured: list[_Measured] = []
     results: list[RoundResult] = []
+    sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
     rounds = 0
@@ -676,6 +678,7 @@ def _measure_group(
                 margin = FIRST_ROUND_MARGIN
             tokens = tokens_needed(rates, segment_s, margin)
             workload = runner._workload(first, ("inflight", rounds), tokens)
+            sent.append(workload)
             steps = tuple(
                 KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
                 for k, c in enumerate(order)
@@ -798,6 +801,7 @@ def _measure_group(
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
+            prompt_tokens=mean_prompt_tokens(sent),
         )
         provenance = {
             "group": gid,

@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from dvfs.engines.base import RequestTrace, RoundResult
+from dvfs.engines.base import RequestTrace, RoundResult, Workload
 from dvfs.gpu.base import (
     EVENT_APPLICATIONS_CLOCKS,
     EVENT_SW_POWER_CAP,
@@ -649,6 +649,11 @@ class CellMeasurement:
     #: Tokens over the windows' intervals between counter updates, a decode step's tokens
     #: spread over the step (a fraction); `output_tokens` rounds it. NaN: use output_tokens.
     window_tokens: float = math.nan
+    #: Mean input tokens (by the journal's token count method) of the prompts the cell's
+    #: rounds sent, each prompt once per round it went out in: the context its decode started
+    #: from, which the roofline reads. NaN: not recorded (the meter does not know the prompts;
+    #: the runner sets it).
+    prompt_tokens: float = math.nan
 
     def __post_init__(self) -> None:
         if self.energy_j < 0 or math.isnan(self.energy_j):
@@ -747,6 +752,14 @@ def _mean(values: np.ndarray) -> float:
     """`float(values.mean())` by its own steps (a float64 sum over the count), without its
     argument handling."""
     return float(np.add.reduce(values, dtype=np.float64)) / len(values)
+
+
+def mean_prompt_tokens(loads: Iterable[Workload]) -> float:
+    """The mean input tokens of the prompts `loads` (a cell's rounds) sent, each prompt once
+    per round it went out in, by the count each carries (the journal's token count method);
+    NaN for none."""
+    counts = [p.input_tokens for load in loads for p in load.prompts]
+    return math.fsum(counts) / len(counts) if counts else math.nan
 
 
 def summarise(

@@ -47,6 +47,7 @@ from dvfs.measure.meter import (
     PowerLimitRead,
     WindowPart,
     latency_stats,
+    mean_prompt_tokens,
     power_limit_quality,
     round_chunks,
     steady_window_ns,
@@ -716,6 +717,7 @@ class Runner:
         energies: list[RoundEnergy] = []
         per_token: list[float] = []
         latency: list[float] = []
+        sent: list[Workload] = []
         for round_index in range(m.max_rounds):
             workload = self._workload(
                 cell,
@@ -723,6 +725,7 @@ class Runner:
                 self.campaign.workload.output_tokens,
                 end_at_window=end_at_window,
             )
+            sent.append(workload)
             started = self.clock.now_ns()
             with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
@@ -761,6 +764,7 @@ class Runner:
             precision=m.precision,
             confidence=m.confidence,
         )
+        measurement = replace(measurement, prompt_tokens=mean_prompt_tokens(sent))
         reads = self._power_limit_reads(cell, limits_start, self._power_limits())
         self.last_power_limits = reads
         self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")

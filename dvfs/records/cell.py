@@ -61,6 +61,9 @@ class MeasurementRecord:
     #: The tokens energy per token divides by: over the windows' intervals between counter
     #: updates, each decode step's tokens spread over the step (a fraction).
     window_tokens: float = float("nan")
+    #: Mean input tokens of the prompts the cell's rounds sent (by the session's token count
+    #: method); NaN in an older journal.
+    prompt_tokens: float = float("nan")
     timeline_t_s: tuple[float, ...] = ()
     timeline_power_w: tuple[float, ...] = ()
     timeline_sm_clock_mhz: tuple[float, ...] = ()

@@ -43,6 +43,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       A shard's journal (`dvfs sweep --shard`) has a `shard` record after the header: index,
       count and `deal` ("groups": whole comparison groups); without `deal`, an earlier dvfs
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
+      A cell measurement's optional `prompt_tokens` (within 3; absent: an earlier dvfs): the
+      mean input tokens of the prompts its rounds sent, by the session's token count method.
 """
 
 from __future__ import annotations

@@ -43,9 +43,13 @@ def build_document(
     figures: Sequence[tuple[str, bytes]],
     *,
     generated: str,
+    context_tokens: float | None = None,
+    context_notes: Sequence[str] = (),
 ) -> Document:
     """The whole report. `figures` are (name relative to the figure folder, file bytes) as
-    `dvfs.plots.plot_all` wrote them; `generated` is when (and by what) it was made."""
+    `dvfs.plots.plot_all` wrote them; `generated` is when (and by what) it was made;
+    `context_tokens` the roofline's context and `context_notes` what was said of it
+    (`dvfs.cube.prompts.roofline_context`: None, the cube's record)."""
     from dvfs.analysis.headroom import headroom
     from dvfs.analysis.selection import select
     from dvfs.report.headroom import headroom_document
@@ -54,7 +58,7 @@ def build_document(
     result = select(result, options.batch, options.drafter, options.corpus)
     room = headroom_document(result, cube)
     stock = reference_label(room["reference"]) == "stock"
-    comparison, compare_notes = _comparison(cube, options)
+    comparison, compare_notes = _comparison(cube, options, context_tokens, context_notes)
     sections = (
         measured_section(cube),
         _headroom_section(room, options),
@@ -126,9 +130,13 @@ def figure_caption(name: str, stock: bool = True) -> str:
 
 
 def _comparison(
-    cube: xr.Dataset, options: ReportOptions
+    cube: xr.Dataset,
+    options: ReportOptions,
+    context_tokens: float | None = None,
+    context_notes: Sequence[str] = (),
 ) -> tuple[dict[str, Any] | None, list[str]]:
-    """The `dvfs compare` document against the target's baseline, or why there is none."""
+    """The `dvfs compare` document against the target's baseline, or why there is none; its
+    roofline at `context_tokens` (None: the cube's record), `context_notes` said of it."""
     from dvfs.analysis.compare import compare
     from dvfs.analysis.roofline import rooflines
     from dvfs.analysis.selection import select
@@ -160,8 +168,9 @@ def _comparison(
     try:
         roof = [
             select(r, options.batch, drafters)
-            for r in rooflines(cube, notes=left_out, left_out=models)
+            for r in rooflines(cube, notes=left_out, left_out=models, context_tokens=context_tokens)
         ]
+        left_out[:0] = context_notes  # said of the roofline's context: where there is one
     except AnalysisError as exc:
         roof = None
         notes.append(f"No roofline: {exc}")

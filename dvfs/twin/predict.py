@@ -47,8 +47,6 @@ from dvfs.twin.profiles import GpuProfile, ModelProfile
 if TYPE_CHECKING:
     import xarray as xr
 
-    from dvfs.campaign import Campaign
-    from dvfs.corpora.model import Corpus
 
 #: The observables predicted per cell, all over the steady-state windows: energy per output
 #: token, time per output token of one request (the window's length over its tokens per
@@ -69,15 +67,6 @@ class PredictUnavailableError(PredictError):
     """This machine lacks what re-reading the cube's prompts needs, though the cube may be
     fine: the tokenizer its sweep counted with, no longer cached, or a corpus's library or hub
     (`CorpusUnavailableError`). An error, not bad input (exit 1), as a resumed sweep says it."""
-
-    exit_code = 1
-
-
-class PromptsChangedError(PredictError):
-    """The corpora read again are not the prompts the cube's cells were measured on (a corpus
-    edited since, or counted by another revision of the tokenizer): the campaign and corpus
-    files are valid, the cube and they no longer agree. An error (exit 1), as a resumed sweep
-    refuses the same prompts changed under its journal."""
 
     exit_code = 1
 
@@ -167,94 +156,6 @@ class Prediction:
     capped: np.ndarray
 
 
-def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
-    """The campaign a cube was swept from (its `campaign_source` attribute), its corpora's
-    relative paths taken from the campaign file's folder: the one the cube records
-    (`campaign_dir`), else, in a cube of an earlier dvfs, the one its corpus sources name
-    (`campaign_dir_of`), else the cube's."""
-    import json
-    import tomllib
-
-    from dvfs.campaign import parse_campaign
-    from dvfs.corpora.loaders import campaign_dir_of
-
-    source = str(ds.attrs.get("campaign_source") or "")
-    if not source.strip():
-        raise PredictError(f"{where} records no campaign (no campaign_source attribute)")
-    folder = ds.attrs.get("campaign_dir")
-    recorded_dir = folder if isinstance(folder, str) and folder else None
-    try:
-        data = tomllib.loads(source)
-        try:
-            recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
-        except ValueError:
-            recorded = {}
-        base = (
-            recorded_dir
-            or campaign_dir_of(data.get("corpus"), recorded)
-            or (where.parent if where.is_file() else where)
-        )
-        campaign = parse_campaign(
-            data, where=f"{where}'s campaign", source=source, base_dir=str(base)
-        )
-    except (ValueError, CampaignError) as exc:
-        raise PredictError(f"{where}'s campaign cannot be read again: {exc}") from exc
-    if recorded_dir is not None and not Path(recorded_dir).is_dir():
-        paths = [dict(ref.spec).get("path") for ref in campaign.workload.corpora if ref.spec]
-        relative = [
-            p for p in paths if isinstance(p, str) and not Path(p).expanduser().is_absolute()
-        ]
-        if relative:
-            raise PredictError(
-                f"{where}: its campaign file's folder {recorded_dir}, where the relative paths "
-                f"of its corpora start ({', '.join(relative)}), no longer exists: put it back "
-                "with its corpora to read them again"
-            )
-    return campaign
-
-
-def check_same_corpora(
-    ds: xr.Dataset,
-    where: Path,
-    corpora: dict[str, Corpus],
-    input_tokens: tuple[int, int],
-    *,
-    use: str = "the fit would compare them with other prompts",
-) -> None:
-    """Refuse a corpus read again whose prompts are not those the cube's cells were measured
-    on: its content hash differs from the one the cube records (the file was edited since), or,
-    with the same content, its prompts fitted to the input lengths with their token counts
-    (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
-    (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1, whose
-    message says what reading other prompts would do (`use`)."""
-    import json
-
-    from dvfs.corpora.sampling import pool_hash
-    from dvfs.records import corpus_hashes
-
-    try:
-        recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
-    except ValueError:
-        recorded = {}
-    content, pools = corpus_hashes(recorded), corpus_hashes(recorded, "pool_hash")
-    for name, corpus in corpora.items():
-        was, now = content.get(name), corpus.content_hash
-        if was is not None and was != now:
-            raise PromptsChangedError(
-                f"{where}: corpus {name!r} has changed since its cells were measured (content "
-                f"hash {was} recorded, {now} now; read from {corpus.source}): {use}; put the "
-                "corpus back as it was, or sweep the campaign again"
-            )
-        was_pool = pools.get(name)
-        if was_pool is not None and was_pool != (now_pool := pool_hash(corpus, input_tokens)):
-            raise PromptsChangedError(
-                f"{where}: corpus {name!r} counts its prompts otherwise than when its cells "
-                f"were measured (prompt pool hash {was_pool} recorded, {now_pool} now: another "
-                f"revision of the tokenizer); {use}: restore the tokenizer it was swept with, or "
-                "sweep the campaign again"
-            )
-
-
 def window_passes(
     model: ModelProfile,
     plan: DraftPlan | None,
@@ -301,6 +202,7 @@ def cube_cells(
     from dvfs.corpora.prepare import counted_corpora
     from dvfs.corpora.sampling import sample_prompts
     from dvfs.corpora.tokens import download_hint
+    from dvfs.cube.prompts import campaign_of, check_same_corpora
     from dvfs.twin.profiles import model_profile
 
     if "gpu" in ds.dims:
