@@ -227,3 +227,28 @@ def test_the_weights_per_gpu_count_the_draft_model_and_divide_over_the_ranks() -
     assert weights_refusal(target, None, h100, 2) is None
     refusal = weights_refusal(target, target, h100, 2)
     assert refusal is not None and "with draft model" in refusal
+
+
+#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model.
+SGLANG_FRACTION = '[engine.sglang]\nextra_args = ["--mem-fraction-static", "0.15"]\n'
+
+
+def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """`--mem-fraction-static` in engine.sglang.extra_args sizes the static memory instead of
+    SGLang's default, for `dvfs doctor` and the twin's server start alike: an 8B model that
+    fits one H100 at the default does not at 0.15 (15 GiB of weights, 12 GiB there)."""
+    text = replace_block(ONE_CELL, "[drafters.none]", SGLANG_FRACTION + "\n[drafters.none]")
+    campaign = write(tmp_path / "frac.toml", text)
+    out = tmp_path / "out"
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["engine"], doctor.output
+    assert "0.15, the campaign's --mem-fraction-static" in failed[0]["detail"], failed
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    said = " ".join(swept.output.split())
+    assert "the server did not start" in said and "0.15" in said, swept.output
+    default = write(tmp_path / "default.toml", ONE_CELL)
+    fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"

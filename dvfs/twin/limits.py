@@ -112,20 +112,15 @@ def weights_refusal(
 
 
 def mem_fraction_static(args: Sequence[str]) -> float | None:
-    """The `--mem-fraction-static` SGLang server args set (the last one given), None where
-    they leave SGLang its default (or give no number)."""
-    found: float | None = None
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name != "--mem-fraction-static":
-            continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        try:
-            found = float(value)
-        except ValueError:
-            continue
-    return found
+    """The `--mem-fraction-static` SGLang server args set (as argparse reads them: the last
+    one), None where they leave SGLang its default (or give no number, which SGLang refuses)."""
+    from dvfs.engines.sglang_args import given_value
+
+    value = given_value(args, "--mem-fraction-static")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def reserved_tokens(algorithm: str | None, num_steps: int, topk: int, draft_tokens: int) -> int:
