@@ -190,7 +190,7 @@ def test_a_70b_model_on_one_h100_is_refused_before_running_and_fails_its_server_
     swept = invoke("sweep", str(campaign), "--out", str(out))
     assert swept.exit_code == 5, swept.output  # cells failed
     said = " ".join(swept.output.split())
-    assert "the server did not start" in said and needed.search(said), swept.output
+    assert "drafter 'none': " in said and needed.search(said), swept.output
     assert "0 cell(s) measured, 1 failed" in said, swept.output
 
 
@@ -248,7 +248,7 @@ def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_s
     assert "0.15, the campaign's --mem-fraction-static" in failed[0]["detail"], failed
     swept = invoke("sweep", str(campaign), "--out", str(out))
     said = " ".join(swept.output.split())
-    assert "the server did not start" in said and "0.15" in said, swept.output
+    assert "drafter 'none': " in said and "0.15, the campaign's" in said, swept.output
     default = write(tmp_path / "default.toml", ONE_CELL)
     fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"

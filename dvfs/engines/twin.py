@@ -133,7 +133,7 @@ class TwinEngine:
         )
         if refusal is not None:
             self.stop()
-            raise EngineError(f"the server did not start: {refusal}")
+            raise EngineError(refusal)  # says that SGLang would not start, and why
         self._plan = plan
         self._drafter = drafter
         self._alphas = {}
