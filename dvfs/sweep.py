@@ -1319,6 +1319,11 @@ def plan_dry_run(
         short = corpus_shortfalls(campaign, corpora)
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
         overrun = twin_context_overruns(campaign, corpora)  # the sweep's line, exit 2 too
+        if overrun is None and estimate and stand_in_problem is None:
+            # the estimate's sweep of the stand-in would refuse them in that line
+            stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
+            found = None if stand_in is campaign else twin_context_overruns(stand_in, corpora)
+            overrun = None if found is None else f"on the twin stand-in {stand_in_key}: {found}"
         problems += [overrun] if overrun is not None else []
         codes = [2 for _ in problems]
     except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a

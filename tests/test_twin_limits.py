@@ -252,3 +252,33 @@ def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_s
     default = write(tmp_path / "default.toml", ONE_CELL)
     fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+
+
+def _on_hardware(text: str) -> str:
+    """`text` as a hardware campaign (NVML GPUs, a real SGLang server) whose dry run estimates
+    its GPU time on the twin stand-in its gpu.profile names."""
+    text = replace_block(text, 'backend = "twin"\nprofile', 'backend = "nvml"\nprofile')
+    return replace_block(text, '[engine]\nbackend = "twin"', '[engine]\nbackend = "sglang"')
+
+
+@pytest.mark.parametrize("problem", ["weights", "context"])
+def test_a_hardware_campaign_s_estimate_is_refused_where_its_twin_stand_in_would_be(
+    tmp_path: Path, problem: str
+) -> None:
+    """The dry run of a hardware campaign sweeps its twin stand-in for the GPU-time estimate:
+    a stand-in whose servers would not start (a 70B model on one H100) or whose corpus the
+    model has no room for is a problem in one line (exit 2), not an estimate of cells that all
+    fail nor a refusal from inside the estimate's sweep."""
+    if problem == "weights":
+        campaign = write(tmp_path / "hw.toml", _on_hardware(BIG))
+        said = "Llama-3.1-70B-Instruct does not fit"
+    else:
+        campaign = _long_corpus_campaign(tmp_path)
+        campaign.write_text(_on_hardware(campaign.read_text()))
+        said = f"context length of google/gemma-2-9b-it ({GEMMA_CONTEXT} tokens)"
+    dry = invoke("sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json")
+    assert dry.exit_code == 2, dry.output
+    plan = json.loads(dry.output)
+    assert len(plan["problems"]) == 1, plan["problems"]
+    assert plan["problems"][0].startswith("on the twin stand-in h100-sxm"), plan["problems"]
+    assert said in plan["problems"][0], plan["problems"]
