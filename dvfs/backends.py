@@ -402,6 +402,8 @@ def open_backends(
                     _twin_node(campaign, gpus, clock),
                     model,
                     texts=corpus_texts(campaign),
+                    decode_graph_max_bs=max(campaign.workload.batch_sizes),
+                    server_args=campaign.engine.sglang.extra_args,
                 )
             )
         else:
@@ -432,6 +434,104 @@ def tokenizer_model(campaign: Campaign) -> str | None:
         profile = find_model_profile(campaign.engine.twin_model or campaign.engine.model)
         return profile.hf_name if profile is not None and profile.hf_name else None
     return campaign.engine.model
+
+
+def _twin_gpu_profile(campaign: Campaign) -> GpuProfile | None:
+    """The GPU profile whose memory the twin engine's server has: the campaign's twin GPUs',
+    or the profile named for real ones; None where only the GPUs' name would tell."""
+    from dvfs.twin.profiles import gpu_profile
+
+    return gpu_profile(campaign.gpu.profile) if campaign.gpu.profile else None
+
+
+def twin_start_refusal(campaign: Campaign) -> str | None:
+    """Why the twin engine would not start the campaign's servers, as SGLang would not: the
+    weights per GPU (the target's, with each drafter's draft model) leave nothing of its
+    static memory for the KV cache (`dvfs.twin.limits.weights_refusal`; the fraction the
+    campaign's SGLang args set, else SGLang's default). None: every server starts, or the
+    engine is no twin."""
+    if not simulated_engine(campaign):
+        return None
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import mem_fraction_static, weights_refusal
+    from dvfs.twin.profiles import model_profile
+
+    gpu = _twin_gpu_profile(campaign)
+    if gpu is None:
+        return None
+    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    tp, graph = campaign.engine.tp_size, max(campaign.workload.batch_sizes)
+    engine_args = campaign.engine.sglang.extra_args
+    alone = weights_refusal(model, None, gpu, tp, graph, mem_fraction_static(engine_args))
+    if alone is not None:  # every server: one line says it
+        return alone
+    refused = []
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        fraction = mem_fraction_static([*engine_args, *drafter.extra_args])
+        draft = plan.draft_model if plan is not None else None
+        why = weights_refusal(model, draft, gpu, tp, graph, fraction)
+        if why is not None:
+            refused.append(f"drafter {drafter.name!r}: {why}")
+    return "; ".join(refused) or None
+
+
+def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> str | None:
+    """The corpora whose longest prompt the sweep may draw (`eligible_prompts`), with the
+    output asked and the draft slots an EAGLE drafter reserves, exceeds the twin model's
+    context length, which SGLang refuses (`dvfs.twin.limits.context_refusal`): one line naming
+    each corpus, its prompt length and the context length, and the input bound that fits.
+    None: every prompt fits, the model's context length is unknown, or the engine is no twin."""
+    if not simulated_engine(campaign):
+        return None
+    from dvfs.corpora.sampling import eligible_prompts
+    from dvfs.twin.drafting import plan_drafter
+    from dvfs.twin.limits import context_refusal, reserved_tokens
+    from dvfs.twin.profiles import model_profile
+
+    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    limit = model.context_length
+    if not limit:
+        return None
+    reserved = 0
+    for drafter in campaign.drafters:
+        plan = plan_drafter(drafter, model)
+        if plan is not None:
+            reserved = max(
+                reserved,
+                reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens),
+            )
+    w = campaign.workload
+    over = []
+    for name, corpus in corpora.items():
+        lengths = [p.input_tokens for p in eligible_prompts(corpus, w.input_tokens)]
+        longest = max(lengths, default=0)
+        if lengths and context_refusal(longest + reserved, w.output_tokens, limit) is not None:
+            over.append(f"corpus {name!r} has prompts of {longest} tokens")
+    if not over:
+        return None
+    slots = f" and {reserved} draft slots an EAGLE drafter reserves" if reserved else ""
+    fits = limit - reserved - w.output_tokens
+    todo = (
+        f"set workload.input_tokens' upper bound to at most {fits} (or lower output_tokens)"
+        if fits >= w.input_tokens[0]
+        else f"lower output_tokens (to at most {limit - reserved - w.input_tokens[0]})"
+    )
+    return (
+        f"{'; '.join(over)}: with output_tokens = {w.output_tokens}{slots} that exceeds the "
+        f"context length of {model.hf_name or model.key} ({limit} tokens), and SGLang refuses "
+        f"such requests; {todo}"
+    )
+
+
+def check_twin_context(campaign: Campaign, corpora: Mapping[str, Corpus]) -> None:
+    """Refuse (`PromptTooLongError`, exit 2) a twin campaign whose prompts would not fit its
+    model's context (`twin_context_overruns`): before a journal is made or a GPU touched."""
+    from dvfs.errors import PromptTooLongError
+
+    line = twin_context_overruns(campaign, corpora)
+    if line is not None:
+        raise PromptTooLongError(line)
 
 
 @dataclass(frozen=True)

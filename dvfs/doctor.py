@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.backends import (
     check_engine,
+    check_twin_context,
     open_campaign_gpus,
     real_gpus,
     simulated_engine,
+    twin_start_refusal,
 )
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError, CorpusShortfallError, DvfsError, JournalError
@@ -463,6 +465,11 @@ def _tenants(gpu: Gpu, *, attached: str | None) -> Check:
 
 def _engine(campaign: Campaign) -> tuple[str, str]:
     if simulated_engine(campaign):
+        # Its servers start, as SGLang's would: the weights fit the GPUs (exit 2 where not,
+        # as the dry run says; the sweep's cells would fail at every server start).
+        refusal = twin_start_refusal(campaign)
+        if refusal is not None:
+            raise CampaignError(refusal)
         return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
     sg = campaign.engine.sglang
     if sg.url:
@@ -609,6 +616,7 @@ def _corpora(campaign: Campaign, out_dir: Path) -> tuple[str, str]:
     short = corpus_shortfalls(campaign, corpora)
     if short:  # as `dvfs sweep` refuses it: exit 2
         raise CorpusShortfallError(shortfall_line(campaign, short))
+    check_twin_context(campaign, corpora)  # prompts the twin's model has no room for: exit 2
     for journal, records in sessions.items():  # a corpus edited since: refused
         refusal = prompt_refusal(journal, records, corpora, method, campaign)
         if refusal is not None:

@@ -133,6 +133,13 @@ class CorpusShortfallError(CorpusError):
     exit_code = 2
 
 
+class PromptTooLongError(CorpusError):
+    """A corpus holds prompts that, with the output asked, exceed the twin model's context
+    length, which SGLang refuses: an invalid campaign, refused before it runs (exit 2)."""
+
+    exit_code = 2
+
+
 class AnalysisError(DvfsError):
     """An analysis was asked something the cube cannot answer."""
 

@@ -25,12 +25,15 @@ from dvfs.backends import (
     Backends,
     ServerPlan,
     check_engine,
+    check_twin_context,
     free_running_profile,
     open_backends,
     real_gpus,
     server_plans,
     simulated_engine,
     tokenizer_model,
+    twin_context_overruns,
+    twin_start_refusal,
 )
 from dvfs.campaign import Campaign
 from dvfs.corpora.model import Corpus
@@ -674,6 +677,7 @@ def _measure(
     recorded = recorded_count_method([out_dir / JOURNAL_NAME]) or count_method
     corpora, count_method = counted_corpora(campaign, recorded)
     check_corpora(campaign, corpora)
+    check_twin_context(campaign, corpora)
     # Whoever opened the backends (the CLI here, a Python caller its own): the engine's
     # check of the campaign, then the GPUs, only read: one server's of two models.
     launch_help = check_engine(campaign)
@@ -1314,6 +1318,13 @@ def plan_dry_run(
         corpora, method = counted_corpora(campaign, recorded)
         short = corpus_shortfalls(campaign, corpora)
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
+        overrun = twin_context_overruns(campaign, corpora)  # the sweep's line, exit 2 too
+        if overrun is None and estimate and stand_in_problem is None:
+            # the estimate's sweep of the stand-in would refuse them in that line
+            stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
+            found = None if stand_in is campaign else twin_context_overruns(stand_in, corpora)
+            overrun = None if found is None else f"on the twin stand-in {stand_in_key}: {found}"
+        problems += [overrun] if overrun is not None else []
         codes = [2 for _ in problems]
     except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
         # read fault or a journal's tokenizer this machine lacks
@@ -1323,6 +1334,18 @@ def plan_dry_run(
     resume = [] if refused or fresh else resume_refusals(campaign, journals, corpora, method)
     codes += [exc.exit_code for exc in [*refusals, *resume]]
     problems += [*refused, *map(str, resume)]
+    # Servers the twin engine would not start (weights too large for the GPUs), as SGLang
+    # would not: each of their cells would fail, so refused here as an invalid campaign; on
+    # the stand-in the estimate sweeps, an estimate of cells that all fail is none.
+    unstartable = twin_start_refusal(campaign)
+    if unstartable is None and estimate and stand_in_problem is None:
+        stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
+        refusal = None if stand_in is campaign else twin_start_refusal(stand_in)
+        if refusal is not None:
+            unstartable = f"on the twin stand-in {stand_in_key}: {refusal}"
+    if unstartable is not None:
+        problems.append(unstartable)
+        codes.append(2)
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,

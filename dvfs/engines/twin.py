@@ -38,6 +38,12 @@ from dvfs.engines.base import (
 from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.identity import twin_version
+from dvfs.twin.limits import (
+    context_refusal,
+    mem_fraction_static,
+    reserved_tokens,
+    weights_refusal,
+)
 from dvfs.twin.passes import (
     PassBuilder,
     decode_passes,
@@ -88,9 +94,18 @@ class TwinEngine:
         *,
         startup_s: float = STARTUP_S,
         texts: Mapping[str, TextProfile] | None = None,
+        decode_graph_max_bs: int | None = None,
+        server_args: tuple[str, ...] = (),
     ) -> None:
         self.node = node
         self.model = model
+        #: The decode CUDA graphs' largest batch the server is started with (dvfs's SGLang
+        #: launch sets the campaign's largest batch; None: SGLang's default), which its default
+        #: static memory fraction reserves memory for (`dvfs.twin.limits`).
+        self.decode_graph_max_bs = decode_graph_max_bs
+        #: The SGLang args every server is started with (engine.sglang.extra_args): their
+        #: `--mem-fraction-static`, with a drafter's own over them, sizes its static memory.
+        self.server_args = server_args
         self.texts = dict(texts or {})
         self.startup_s = startup_s
         self._drafter: DrafterSpec | None = None
@@ -105,7 +120,21 @@ class TwinEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
-        self._plan = plan_drafter(drafter, self.model)
+        """Start serving `drafter`; refused (`EngineError`), as SGLang refuses to start, where
+        the weights leave the GPUs no memory for the KV cache (`dvfs.twin.limits`)."""
+        plan = plan_drafter(drafter, self.model)
+        refusal = weights_refusal(
+            self.model,
+            plan.draft_model if plan is not None else None,
+            self.node.profile,
+            self.node.tp_size,
+            self.decode_graph_max_bs,
+            mem_fraction_static([*self.server_args, *drafter.extra_args]),
+        )
+        if refusal is not None:
+            self.stop()
+            raise EngineError(refusal)  # says that SGLang would not start, and why
+        self._plan = plan
         self._drafter = drafter
         self._alphas = {}
         self._corpus_alphas = {}
@@ -155,11 +184,31 @@ class TwinEngine:
     def run(self, workload: Workload, timeline: KnobTimeline | None = None) -> RoundResult:
         if self._drafter is None:
             raise EngineError("the twin engine was asked to run before start()")
+        self._refuse_overlong(workload)
         if workload.mode == "closed-loop":
             if timeline is not None and timeline.steps:
                 raise EngineError("knob steps inside a round need a fixed batch")
             return self._run_closed_loop(workload)
         return self._run_fixed(workload, timeline)
+
+    def _refuse_overlong(self, workload: Workload) -> None:
+        """Refuse (`EngineError`, as the SGLang client raises for the error SGLang answers) a
+        workload with a prompt that, with its reserved draft slots and `max_new_tokens`, does
+        not fit the model's context length (`dvfs.twin.limits.context_refusal`)."""
+        limit = self.model.context_length
+        if not limit:
+            return
+        lengths, _ = self._prompt_lengths(workload.prompts)
+        plan = self._plan
+        reserved = (
+            reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens)
+            if plan is not None
+            else 0
+        )
+        longest = int(lengths.max()) + reserved if len(lengths) else reserved
+        refusal = context_refusal(longest, workload.max_new_tokens, limit)
+        if refusal is not None:
+            raise EngineError(f"the server reported an error: {refusal}")
 
     def _acceptance(self, workload: Workload) -> tuple[float, int]:
         plan = self._plan
@@ -239,6 +288,7 @@ class TwinEngine:
             return run_again
 
         last = _LastRepeat()
+        self._refuse_overlong(workload)
 
         def again() -> None:
             if self._drafter is None:

@@ -661,6 +661,7 @@ def run_fleet(
     models (`dvfs.sweep.fleet_models`, or those of the GPUs Ray places the workers on:
     `RayExecutor.models`), asked for where the folder holds every cell, so that a model it
     never measured is not taken for done; it returns None where they cannot be read."""
+    from dvfs.backends import check_twin_context
     from dvfs.corpora.prepare import (
         check_corpora,
         counted_corpora,
@@ -684,6 +685,7 @@ def run_fleet(
         recorded = recorded_count_method(journals_here)
         corpora = counted_corpora(campaign, recorded)
         check_corpora(campaign, corpora[0])  # before any GPU is touched
+        check_twin_context(campaign, corpora[0])
         cells = planned_cells(campaign, shard)
         _precheck(out_dir, campaign, shard)  # before a worker opens a GPU
         fleet: Fleet | None = None

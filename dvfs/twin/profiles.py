@@ -48,6 +48,9 @@ class GpuProfile:
     kernel_cycles_per_layer: float
     host_overhead_s: float
     nvlink_gb_s: float
+    #: The memory NVML (and nvidia-smi's memory.total, which SGLang reads) reports, MiB; 0:
+    #: unknown, taken as `memory_gb` GiB.
+    memory_total_mib: int = 0
     # The speculative iteration's costs beyond one forward pass (`dvfs.twin.physics`); each
     # default leaves its term out. GEMM tiles: rows per output tile (tile quantisation in the
     # token count M) and output-column tiles per row of tiles (wave quantisation over the SMs).
@@ -109,6 +112,10 @@ class GpuProfile:
     def peak_flops(self, sm_clock_mhz: float) -> float:
         """Dense BF16 tensor FLOP/s at an SM clock (achievable, GEMM efficiency applied)."""
         return self.sm_count * self.flop_per_clk_per_sm * sm_clock_mhz * 1e6 * self.gemm_efficiency
+
+    def memory_mib(self) -> float:
+        """The GPU's memory as SGLang sizes its pools from it (MiB)."""
+        return float(self.memory_total_mib or self.memory_gb * 1024)
 
     def ridge_point(self, sm_clock_mhz: float) -> float:
         """FLOP per byte where a pass's compute time equals its memory time (datasheet peaks)."""
@@ -186,6 +193,9 @@ class ModelProfile:
     fc_inputs: int = 0
     attention_inputs: int = 1
     bytes_per_param: int = 2
+    #: The longest context SGLang serves it with (its config's max_position_embeddings, as
+    #: SGLang's `get_context_length` reads it), tokens; 0: unknown, not checked.
+    context_length: int = 0
 
     # -- parameter counts -------------------------------------------------------------------
     @property

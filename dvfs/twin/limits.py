@@ -1,0 +1,152 @@
+"""What a real SGLang server refuses, refused by the twin too: weights that leave its GPUs no
+memory (the server does not start) and requests longer than the model's context (a 400).
+
+Read from SGLang 0.5.23 (`srt/arg_groups/memory_hook.py` `handle_gpu_memory_settings`: the
+default `--mem-fraction-static`; `srt/mem_cache/kv_cache_configurator.py`: the start refused
+when the loaded weights leave the KV cache nothing under that fraction, target and draft weights
+both counted; `srt/managers/tokenizer_manager.py` `_validate_one_request`: the request refused
+against the context length from the model's config, `srt/utils/hf_transformers/common.py`
+`get_context_length`). Pure functions: the twin engine, the sweep's checks, its dry run and
+`dvfs doctor` ask the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dvfs.twin.profiles import GpuProfile, ModelProfile
+
+MIB = 1 << 20
+GIB = 1 << 30
+#: The drafters whose heads take the target's embeddings (and, DFLASH, its LM head) rather than
+#: loading their own (`dvfs.twin.drafting`): their embedding table is the target's, not counted.
+SHARED_EMBEDDING_ROLES = ("eagle-head", "block")
+#: SGLang's algorithms that reserve output slots for draft tokens in every request's context
+#: budget (0.5.23 `managers/utils.py` `compute_num_reserved_tokens`: `is_eagle()`).
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+
+
+def default_mem_fraction_static(
+    gpu: GpuProfile, tp_size: int, decode_graph_max_bs: int | None = None
+) -> float:
+    """SGLang 0.5.23's default `--mem-fraction-static` on `gpu`: (GPU memory - reserved) / GPU
+    memory, the reserve (MiB) being 512 of metadata, 1.5 per token of the chunked prefill
+    (8192 tokens on a 60-160 GiB GPU), 128 per tensor-parallel rank, 2 per decode CUDA-graph
+    batch size (`decode_graph_max_bs`, which dvfs sets to the largest batch; None: SGLang's
+    own, 256 below tp 4, else 512) and 8 per prefill CUDA-graph token bucket, with a 10 GiB
+    floor on a GPU above 60 GiB. (Dense attention, no DP attention, DeepEP or multimodal input,
+    post-capture sizing off: its default.)"""
+    gpu_mib = gpu.memory_mib()
+    if gpu_mib < 20 * 1024:
+        chunked, max_bs = 2048, 8
+    elif gpu_mib < 35 * 1024:
+        chunked, max_bs = 4096, 48 if tp_size < 4 else 160
+    elif gpu_mib < 60 * 1024:
+        chunked, max_bs = 4096, 32 if tp_size < 4 else 160
+    elif gpu_mib < 160 * 1024:
+        chunked, max_bs = 8192, 256 if tp_size < 4 else 512
+    else:
+        chunked, max_bs = 16384, 512
+    if decode_graph_max_bs is not None:
+        max_bs = decode_graph_max_bs
+    reserved = 512 + max(chunked, 2048) * 1.5 + tp_size / 8 * 1024
+    reserved += max_bs * 2 + len(_prefill_graph_tokens(chunked)) * 8
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((gpu_mib - reserved) / gpu_mib, 3)
+
+
+def _prefill_graph_tokens(max_tokens: int) -> list[int]:
+    """The token buckets SGLang captures prefill CUDA graphs for, up to the chunked prefill."""
+    sizes = [
+        *range(4, 33, 4),
+        *range(48, 257, 16),
+        *range(288, 513, 32),
+        *range(576, 1025, 64),
+        *range(1280, 4097, 256),
+        *range(4608, max_tokens + 1, 512),
+    ]
+    return [s for s in sizes if s <= max_tokens]
+
+
+def weight_bytes(model: ModelProfile, *, draft: bool = False) -> float:
+    """The bytes of `model`'s weights a server loads; a draft head's or block drafter's without
+    the embedding table it takes from its target."""
+    params = model.total_params
+    if draft and model.role in SHARED_EMBEDDING_ROLES:
+        params -= model.embedding_params
+    return float(params * model.bytes_per_param)
+
+
+def weights_refusal(
+    target: ModelProfile,
+    draft: ModelProfile | None,
+    gpu: GpuProfile,
+    tp_size: int,
+    decode_graph_max_bs: int | None = None,
+    mem_fraction_static: float | None = None,
+) -> str | None:
+    """Why SGLang would not start serving `target` (with `draft`) on `tp_size` GPUs of `gpu`:
+    the weights each GPU holds (all of them divided over the ranks) leave nothing of the static
+    memory (GPU memory x `mem_fraction_static`, None: SGLang's default) for the KV cache.
+    None: they fit."""
+    need = (weight_bytes(target) + (weight_bytes(draft, draft=True) if draft else 0.0)) / tp_size
+    given = mem_fraction_static is not None
+    fraction = (
+        mem_fraction_static
+        if mem_fraction_static is not None
+        else default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
+    )
+    have = gpu.memory_mib() * MIB * fraction
+    if need < have:
+        return None
+    name = target.hf_name or target.key
+    with_draft = f" with draft model {draft.hf_name or draft.key}" if draft else ""
+    whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
+    return (
+        f"{name}{with_draft} does not fit: its weights need {need / GIB:.1f} GiB per GPU "
+        f"(tp {tp_size}) but {gpu.nvml_name} has {have / GIB:.1f} GiB for weights and KV cache "
+        f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: use "
+        "more GPUs (tp, engine.tp_size) or a smaller model"
+    )
+
+
+def mem_fraction_static(args: Sequence[str]) -> float | None:
+    """The `--mem-fraction-static` SGLang server args set (as argparse reads them: the last
+    one), None where they leave SGLang its default (or give no number, which SGLang refuses)."""
+    from dvfs.engines.sglang_args import given_value
+
+    value = given_value(args, "--mem-fraction-static")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def reserved_tokens(algorithm: str | None, num_steps: int, topk: int, draft_tokens: int) -> int:
+    """The output slots SGLang adds to every request's input count against the context length:
+    an EAGLE-family drafter's draft tokens, nothing for the others."""
+    if algorithm not in EAGLE_ALGORITHMS:
+        return 0
+    return max(topk * num_steps, draft_tokens)
+
+
+def context_refusal(input_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
+    """SGLang's refusal of a request of `input_tokens` (its reserved slots included) asking for
+    `max_new_tokens` against a model's `context_length` (0.5.23: the input alone must be
+    shorter than the context, input and output together no longer). None: accepted, or no
+    context length known (0)."""
+    if not context_length:
+        return None
+    if input_tokens >= context_length:
+        return (
+            f"a prompt of {input_tokens} tokens is not shorter than the model's context length "
+            f"({context_length} tokens)"
+        )
+    total = input_tokens + max_new_tokens
+    if total > context_length:
+        return (
+            f"a prompt of {input_tokens} tokens and {max_new_tokens} new tokens come to {total} "
+            f"tokens, more than the model's context length ({context_length} tokens)"
+        )
+    return None

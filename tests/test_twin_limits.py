@@ -1,0 +1,284 @@
+"""The twin refuses what a real SGLang server refuses: a prompt that with its output does not fit
+the model's context length (SGLang answers such a request with an error), and weights too large
+for the GPUs (SGLang does not start). `dvfs sweep`, its dry run and `dvfs doctor` say so in
+one line before anything runs; a sweep of weights that do not fit fails each server start as
+SGLang's would."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from conftest import SMALL_CAMPAIGN, replace_block, write
+
+from dvfs.campaign.model import DrafterSpec
+from dvfs.cli import cli
+from dvfs.clock import VirtualClock
+from dvfs.corpora import load_corpus
+from dvfs.engines.base import Workload
+from dvfs.engines.twin import TwinEngine
+from dvfs.errors import EngineError
+from dvfs.twin.device import TwinDevice, TwinNode
+from dvfs.twin.profiles import gpu_profile, model_profile
+
+#: One cell on the exact twin, no drafter: the smallest campaign that runs a server.
+ONE_CELL = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"'),
+            "sm_clock = [1980, 1500, 1005]",
+            "sm_clock = [1980]",
+        ),
+        "power_limit = [700, 300]",
+        "power_limit = [700]",
+    ),
+    'corpora = ["code", "conversation"]',
+    'corpora = ["code"]',
+)
+ONE_CELL = replace_block(ONE_CELL, "batch = [1, 8]", "batch = [1]")
+ONE_CELL = replace_block(ONE_CELL, "repeats = 2", "repeats = 1")
+#: Its drafters cut to the target alone.
+ONE_CELL = re.sub(r"\[drafters\.eagle3\].*?num_draft_tokens = 4\n", "", ONE_CELL, flags=re.S)
+
+#: Gemma-2-9B's context length (its config's max_position_embeddings, google/gemma-2-9b-it):
+#: the smallest of the built-in profiles', so a too-long prompt stays a small file.
+GEMMA_CONTEXT = 8192
+
+
+def invoke(*args: str) -> Result:
+    """The CLI in process; a refusal is an exit code and a line, never an exception."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _long_corpus_campaign(tmp_path: Path) -> Path:
+    """A twin campaign of Gemma-2-9B over a corpus whose prompts are longer than its context
+    (the input range admits them whole)."""
+    words = "lorem ipsum dolor sit amet consectetur "
+    chars = 4 * (GEMMA_CONTEXT + 4000)  # the estimate counts ~4 characters a token
+    lines = [
+        json.dumps({"text": f"Document {i}: " + words * (chars // len(words))}) for i in range(3)
+    ]
+    write(tmp_path / "data" / "long.jsonl", "\n".join(lines) + "\n")
+    text = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "gemma-2-9b"')
+    text = replace_block(text, 'corpora = ["code"]', 'corpora = ["long"]')
+    text = replace_block(text, "input_tokens = [16, 2048]", "input_tokens = [16, 40000]")
+    text += '\n[corpus.long]\npath = "data/long.jsonl"\nfield = "text"\n'
+    return write(tmp_path / "long.toml", text)
+
+
+def _longest_prompt(campaign: Path) -> int:
+    spec = {"path": "data/long.jsonl", "field": "text"}
+    corpus = load_corpus("long", spec, base_dir=str(campaign.parent))
+    return max(p.input_tokens for p in corpus.prompts)
+
+
+def _context_line(output: str, longest: int) -> None:
+    """The one line naming the corpus, its prompt length and the context length."""
+    lines = [line for line in output.splitlines() if "context length" in line]
+    assert len(lines) == 1, output
+    line = lines[0]
+    assert "'long'" in line and f"{longest} tokens" in line, output
+    assert f"({GEMMA_CONTEXT} tokens)" in line, output
+    assert "Traceback" not in output
+
+
+def test_a_prompt_longer_than_the_context_is_refused_by_sweep_dry_run_and_doctor(
+    tmp_path: Path,
+) -> None:
+    """A corpus of prompts longer than Gemma-2-9B's context: the sweep refuses it before it
+    makes a journal (exit 2), its dry run and `dvfs doctor` say the same line (exit 2). Before,
+    the twin measured them as if the server had served them."""
+    campaign = _long_corpus_campaign(tmp_path)
+    longest = _longest_prompt(campaign)
+    assert longest > GEMMA_CONTEXT
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 2, swept.output
+    _context_line(" ".join(swept.output.split()), longest)
+    assert not (out / "journal.jsonl").exists()
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1, problems
+    _context_line(problems[0], longest)
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    assert doctor.exit_code == 2, doctor.output
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["corpora"], failed
+    _context_line(failed[0]["detail"], longest)
+
+
+def test_the_input_bound_the_refusal_names_is_one_the_sweep_then_accepts(tmp_path: Path) -> None:
+    """The line's "at most N" for workload.input_tokens is the bound that fits: the dry run of
+    the campaign with it finds no problem (and one token more is refused)."""
+    campaign = _long_corpus_campaign(tmp_path)
+    dry = invoke("sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json")
+    found = re.search(r"at most (\d+)", json.loads(dry.output)["problems"][0])
+    assert found, dry.output
+    bound = int(found[1])
+    for upper, problems in ((bound, 0), (bound + 1, 1)):
+        text = campaign.read_text().replace("[16, 40000]", f"[16, {upper}]")
+        edited = write(tmp_path / f"at-{upper}.toml", text)
+        out = tmp_path / f"o{upper}"
+        plan = invoke(
+            "sweep", str(edited), "--out", str(out), "--dry-run", "--no-estimate", "--json"
+        )
+        assert len(json.loads(plan.output)["problems"]) == problems, plan.output
+
+
+def _twin_engine(model: str, devices: int = 1) -> TwinEngine:
+    clock = VirtualClock()
+    profile = gpu_profile("h100-sxm:none")
+    node = TwinNode([TwinDevice(profile, clock, i) for i in range(devices)])
+    return TwinEngine(node, model_profile(model))
+
+
+def test_the_twin_engine_answers_a_too_long_prompt_as_the_sglang_client_raises() -> None:
+    """The engine itself refuses a round whose prompt and output exceed the context with the
+    error the SGLang engine raises for the server's refusal (`EngineError`, so the sweep treats
+    both alike), in a line naming the prompt's length and the context length; a prompt that
+    fits runs. An EAGLE drafter's reserved draft slots count against the context, as SGLang
+    counts them."""
+    from dvfs.twin.limits import context_refusal
+
+    corpus = load_corpus("code")
+    prompt = corpus.prompts[0]
+    fits = GEMMA_CONTEXT - prompt.input_tokens
+    with _twin_engine("gemma-2-9b") as engine:
+        engine.start(DrafterSpec("none"))
+        engine.run(Workload(1, (prompt,), "code", fits, 0.0, True))
+        with pytest.raises(EngineError, match=rf"context length \({GEMMA_CONTEXT} tokens\)"):
+            engine.run(Workload(1, (prompt,), "code", fits + 1, 0.0, True))
+        eagle = DrafterSpec("eagle", "EAGLE", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+        engine.start(eagle)
+        with pytest.raises(EngineError, match=str(prompt.input_tokens + 4)):
+            engine.run(Workload(1, (prompt,), "code", fits, 0.0, True))
+    assert context_refusal(GEMMA_CONTEXT, 2, GEMMA_CONTEXT) is not None  # the input alone
+    assert context_refusal(GEMMA_CONTEXT - 2, 2, GEMMA_CONTEXT) is None  # both, exactly
+
+
+#: A 70B-shaped model: BF16 weights of ~131 GiB, more than one H100 (80 GB) holds.
+BIG = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "llama-3.1-70b"')
+
+
+def test_a_70b_model_on_one_h100_is_refused_before_running_and_fails_its_server_start(
+    tmp_path: Path,
+) -> None:
+    """Llama-3.1-70B's weights on one H100: `dvfs doctor` and the dry run refuse the campaign
+    (exit 2) in one line naming the model, the GiB needed and available, and what to do; the
+    sweep's server fails to start as SGLang's would, said in one line, its cell failed. Before,
+    the twin measured it."""
+    campaign = write(tmp_path / "big.toml", BIG)
+    out = tmp_path / "out"
+    needed = re.compile(
+        r"Llama-3\.1-70B-Instruct does not fit: its weights need 131\.4 GiB per GPU \(tp 1\) "
+        r"but NVIDIA H100 80GB HBM3 has [\d.]+ GiB .*use more GPUs \(tp, engine\.tp_size\) or "
+        "a smaller model"
+    )
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    assert doctor.exit_code == 2, doctor.output
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["engine"], failed
+    assert needed.search(failed[0]["detail"]), failed
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--json")
+    assert dry.exit_code == 2, dry.output
+    plan = json.loads(dry.output)
+    assert len(plan["problems"]) == 1 and needed.search(plan["problems"][0]), plan["problems"]
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 5, swept.output  # cells failed
+    said = " ".join(swept.output.split())
+    assert "drafter 'none': " in said and needed.search(said), swept.output
+    assert "0 cell(s) measured, 1 failed" in said, swept.output
+
+
+def test_a_70b_model_fits_four_h100s_with_tensor_parallelism(tmp_path: Path) -> None:
+    """The same model on four H100s with tp 4 (a quarter of the weights each): doctor finds
+    the engine fine, and the sweep measures its cell."""
+    text = replace_block(BIG, "devices = [0]", "devices = [0, 1, 2, 3]")
+    text = replace_block(text, 'model = "llama-3.1-70b"', 'model = "llama-3.1-70b"\ntp_size = 4')
+    campaign = write(tmp_path / "big4.toml", text)
+    out = tmp_path / "out"
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    checks = {c["name"]: c["status"] for c in json.loads(doctor.output)}
+    assert checks["engine"] == "ok", doctor.output
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 0, swept.output
+    assert "1 cell(s) measured, 0 failed" in " ".join(swept.output.split()), swept.output
+
+
+def test_the_weights_per_gpu_count_the_draft_model_and_divide_over_the_ranks() -> None:
+    """What SGLang 0.5.23 counts: the target's and the draft model's weights together (a
+    standalone drafter's whole; a head's without the embeddings it takes from its target),
+    divided over the tensor-parallel ranks, against the GPU's memory times its default static
+    fraction."""
+    from dvfs.twin.limits import weights_refusal
+
+    h100 = gpu_profile("h100-sxm")
+    target = model_profile("llama-3.1-70b")
+    assert weights_refusal(target, None, h100, 1) is not None
+    assert weights_refusal(target, None, h100, 4) is None
+    small = model_profile("llama-3.1-8b")
+    assert weights_refusal(small, model_profile("llama-3.2-1b"), h100, 1) is None
+    # tp 2: 65.7 GiB of 70B weights per GPU just fit an H100 alone; a 70B standalone drafter
+    # beside them does not
+    assert weights_refusal(target, None, h100, 2) is None
+    refusal = weights_refusal(target, target, h100, 2)
+    assert refusal is not None and "with draft model" in refusal
+
+
+#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model.
+SGLANG_FRACTION = '[engine.sglang]\nextra_args = ["--mem-fraction-static", "0.15"]\n'
+
+
+def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """`--mem-fraction-static` in engine.sglang.extra_args sizes the static memory instead of
+    SGLang's default, for `dvfs doctor` and the twin's server start alike: an 8B model that
+    fits one H100 at the default does not at 0.15 (15 GiB of weights, 12 GiB there)."""
+    text = replace_block(ONE_CELL, "[drafters.none]", SGLANG_FRACTION + "\n[drafters.none]")
+    campaign = write(tmp_path / "frac.toml", text)
+    out = tmp_path / "out"
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["engine"], doctor.output
+    assert "0.15, the campaign's --mem-fraction-static" in failed[0]["detail"], failed
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    said = " ".join(swept.output.split())
+    assert "drafter 'none': " in said and "0.15, the campaign's" in said, swept.output
+    default = write(tmp_path / "default.toml", ONE_CELL)
+    fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+
+
+def _on_hardware(text: str) -> str:
+    """`text` as a hardware campaign (NVML GPUs, a real SGLang server) whose dry run estimates
+    its GPU time on the twin stand-in its gpu.profile names."""
+    text = replace_block(text, 'backend = "twin"\nprofile', 'backend = "nvml"\nprofile')
+    return replace_block(text, '[engine]\nbackend = "twin"', '[engine]\nbackend = "sglang"')
+
+
+@pytest.mark.parametrize("problem", ["weights", "context"])
+def test_a_hardware_campaign_s_estimate_is_refused_where_its_twin_stand_in_would_be(
+    tmp_path: Path, problem: str
+) -> None:
+    """The dry run of a hardware campaign sweeps its twin stand-in for the GPU-time estimate:
+    a stand-in whose servers would not start (a 70B model on one H100) or whose corpus the
+    model has no room for is a problem in one line (exit 2), not an estimate of cells that all
+    fail nor a refusal from inside the estimate's sweep."""
+    if problem == "weights":
+        campaign = write(tmp_path / "hw.toml", _on_hardware(BIG))
+        said = "Llama-3.1-70B-Instruct does not fit"
+    else:
+        campaign = _long_corpus_campaign(tmp_path)
+        campaign.write_text(_on_hardware(campaign.read_text()))
+        said = f"context length of google/gemma-2-9b-it ({GEMMA_CONTEXT} tokens)"
+    dry = invoke("sweep", str(campaign), "--out", str(tmp_path / "o"), "--dry-run", "--json")
+    assert dry.exit_code == 2, dry.output
+    plan = json.loads(dry.output)
+    assert len(plan["problems"]) == 1, plan["problems"]
+    assert plan["problems"][0].startswith("on the twin stand-in h100-sxm"), plan["problems"]
+    assert said in plan["problems"][0], plan["problems"]
