@@ -472,6 +472,18 @@ def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
     assert "MHz/700" not in said and "1980/" not in said
     run("report", str(limits), "-o", str(tmp_path / "r.md"))
     assert _chosen_column((tmp_path / "r.md").read_text()) == want
+    # The report's findings name the largest saving's setting as its table does: the limit
+    # alone (they said "1980 MHz / 200 W instead of 1980 MHz / 700 W", a lock never set).
+    capped = shared_run(replace_block(text, "[700, 300]", "[700, 200]"), "limits-200")
+    run("report", str(capped), "--slack", "5%", "-o", str(tmp_path / "r5.md"))
+    doc = json.loads(run("headroom", str(capped), "--slack", "5%", "--json"))
+    best = max(doc["rows"], key=lambda r: r["saving"] or 0)
+    assert best["saving"] > 0 and best["chosen"]["power_limit_w"] < 700
+    (largest,) = [
+        line for line in (tmp_path / "r5.md").read_text().splitlines() if "Largest saving" in line
+    ]
+    limit = f"{best['chosen']['power_limit_w']:g} W instead of 700 W, the SM clock not set"
+    assert limit in largest and "MHz" not in largest, largest
     clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
     clocks = shared_run(clock_only, "clocks")
     doc = json.loads(run("headroom", str(clocks), "--json"))
