@@ -167,6 +167,11 @@ def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
     assert [t.get_text() for t in colorbar.ax.get_xticklabels()] == ["0"]
     assert list(colorbar.values) == [0.0]  # one colour, the cells' own
     assert "0 in every cell with an answer" in colorbar.ax.get_xlabel()
+    # ... and that label stays on the figure (on one line it ran past the right edge)
+    fig = drawn["headroom"]
+    fig.canvas.draw()
+    inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+    assert _inside(inches, Bbox.from_bounds(-0.01, -0.01, *(fig.get_size_inches() + 0.02)))
     colorbar, cells = bar("5%")
     assert len(set(cells)) > 1
     assert colorbar.vmin <= min(cells) and colorbar.vmax == pytest.approx(max(cells))

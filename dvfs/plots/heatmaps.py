@@ -105,7 +105,8 @@ def _colorbar_and_key(
             orientation="horizontal",
             boundaries=[v - 0.5, v + 0.5],
             values=[v],
-            label=f"{label}: {v:g} in every cell with an answer",
+            # two lines, as long as the bar's own label: one line ran off the figure
+            label=f"{label}:\n{v:g} in every cell with an answer",
         )
         bar.set_ticks([v], labels=[f"{v:g}"])
     else:
