@@ -431,6 +431,13 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any(t.endswith("MHz") for t in texts)
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
+    # Observe-only sets no clock either, but keeps a lock set outside dvfs: the title said
+    # "SM clock not set: unlocked", which the table's "not set" line and the timelines'
+    # "as found" no longer claim.
+    observed = open_cube(shared_run(SMALL_EXACT, "observed", "--observe-only") / "cube.nc")
+    fig = draw_headroom(headroom(observed, target=TARGET))
+    (title,) = [t.get_text() for t in fig.texts if "SM clock not set" in t.get_text()]
+    assert "unlocked" not in title, title
 
 
 def _chosen_column(markdown: str) -> list[str]:

@@ -194,7 +194,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
     # A campaign that left the SM clock unset has no clock answer: the stock clock is not a
-    # lock, so the cell names the limit instead (one clock locked is still named).
+    # lock, so the cell names the limit instead (one clock locked is still named). Not set is
+    # not "unlocked": observe-only keeps a lock set outside dvfs.
     clock_locked = bool(int(chosen.attrs.get("sm_clock_locked", 1)))
     why = _no_answer_labels(chosen, order)
     norm = shared_norm([saving])
@@ -216,7 +217,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
             if clock_locked
-            else "cell: saving and the power limit (SM clock not set: unlocked)"
+            else "cell: saving and the power limit (SM clock not set: the GPU's own)"
         )
     )
     margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
