@@ -181,6 +181,22 @@ def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
     assert "energy saved vs stock (%): no cell has an answer" in said
 
 
+@pytest.mark.parametrize("batches", [[1, 8], [1, 4, 8, 16, 32]])
+def test_the_headroom_maps_key_in_a_free_grid_slot_stays_on_the_figure(batches: list[int]) -> None:
+    """Five corpora leave the grid's last slot free for the colour bar and key; with two batch
+    sizes that slot is 1.6 in wide, and the key ("power limit capped below 700 W", "no answer
+    (the cell says why)") ran past the figure's right edge, cut off. The figure makes room,
+    for the line that stands for the colour bar where no cell has an answer too."""
+    from dvfs.analysis.targets import parse_slo
+
+    cube = small_cube(batches, corpora=("code", "conversation", "english", "math", "romansh"))
+    for target in (TARGET, parse_slo("tpot_p50<=0.1ms")):
+        fig = draw_headroom(headroom(cube, target=target))
+        fig.canvas.draw()
+        inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+        assert _inside(inches, Bbox.from_bounds(-0.01, -0.01, *(fig.get_size_inches() + 0.02)))
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     st.lists(
