@@ -301,6 +301,34 @@ def test_the_batch_legend_draws_each_drafter_as_its_lines() -> None:
     assert sorted(drawn.values()) == ["-", "--"]
 
 
+def test_a_panel_with_no_valid_cell_says_so_rather_than_stay_blank() -> None:
+    """Every cell of batch 8 and of corpus math invalid (an energy counter that updated too
+    rarely, say): their energy-vs-clock, Pareto, timeline and energy-vs-batch panels were
+    drawn as empty axes, saying nothing, beside the headroom map that names each cell's
+    reason. Each such panel says it has no valid cell; a panel with data says nothing of the
+    kind."""
+    cube = small_cube([1, 8], corpora=("code", "math"))
+    cube["valid"] = cube["valid"].where((cube["batch"] != 8) & (cube["corpus"] != "math"), 0.0)
+    said = {  # each panel's notes, by figure and panel title, read before the next figure
+        name: {
+            ax.get_title(): [t.get_text() for t in ax.texts if "no valid cell" in t.get_text()]
+            for ax in fig.axes
+            if ax.get_title()
+        }
+        for name, fig in figures(cube, TARGET)
+    }
+    empty = {  # the panels with nothing to draw
+        "energy_vs_clock_code": {"batch 8"},
+        "energy_vs_clock_math": {"batch 1", "batch 8"},
+        "pareto_code": {"batch 8"},
+        "pareto_math": {"batch 1", "batch 8"},
+        "timelines": {"batch 8, corpus code"},
+        "energy_vs_batch": {"corpus math"},
+    }
+    for name, titles in empty.items():
+        assert {title for title, notes in said[name].items() if notes} == titles, said[name]
+
+
 def test_an_observe_only_timeline_says_the_knobs_were_as_found() -> None:
     """Observe-only changes no knob: a clock lock set outside dvfs stays, so the timelines'
     legend says the clock and limit were as found, not "clock unlocked" or a lock dvfs set."""

@@ -167,6 +167,11 @@ def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
     assert [t.get_text() for t in colorbar.ax.get_xticklabels()] == ["0"]
     assert list(colorbar.values) == [0.0]  # one colour, the cells' own
     assert "0 in every cell with an answer" in colorbar.ax.get_xlabel()
+    # ... and that label stays on the figure (on one line it ran past the right edge)
+    fig = drawn["headroom"]
+    fig.canvas.draw()
+    inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+    assert _inside(inches, Bbox.from_bounds(-0.01, -0.01, *(fig.get_size_inches() + 0.02)))
     colorbar, cells = bar("5%")
     assert len(set(cells)) > 1
     assert colorbar.vmin <= min(cells) and colorbar.vmax == pytest.approx(max(cells))
@@ -174,6 +179,22 @@ def test_the_headroom_colour_bar_spans_only_the_savings_drawn(
     assert not any(im.colorbar for ax in none.axes for im in ax.images)
     said = [" ".join(t.get_text().split()) for ax in none.axes for t in ax.texts]
     assert "energy saved vs stock (%): no cell has an answer" in said
+
+
+@pytest.mark.parametrize("batches", [[1, 8], [1, 4, 8, 16, 32]])
+def test_the_headroom_maps_key_in_a_free_grid_slot_stays_on_the_figure(batches: list[int]) -> None:
+    """Five corpora leave the grid's last slot free for the colour bar and key; with two batch
+    sizes that slot is 1.6 in wide, and the key ("power limit capped below 700 W", "no answer
+    (the cell says why)") ran past the figure's right edge, cut off. The figure makes room,
+    for the line that stands for the colour bar where no cell has an answer too."""
+    from dvfs.analysis.targets import parse_slo
+
+    cube = small_cube(batches, corpora=("code", "conversation", "english", "math", "romansh"))
+    for target in (TARGET, parse_slo("tpot_p50<=0.1ms")):
+        fig = draw_headroom(headroom(cube, target=target))
+        fig.canvas.draw()
+        inches = fig.get_tightbbox(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+        assert _inside(inches, Bbox.from_bounds(-0.01, -0.01, *(fig.get_size_inches() + 0.02)))
 
 
 @settings(max_examples=50, deadline=None)
@@ -426,6 +447,13 @@ def test_the_headroom_map_of_a_power_limit_only_campaign_names_limits_not_clocks
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any(t.endswith("MHz") for t in texts)
     assert not any("SM clock not set" in t.get_text() for t in fig.texts)
+    # Observe-only sets no clock either, but keeps a lock set outside dvfs: the title said
+    # "SM clock not set: unlocked", which the table's "not set" line and the timelines'
+    # "as found" no longer claim.
+    observed = open_cube(shared_run(SMALL_EXACT, "observed", "--observe-only") / "cube.nc")
+    fig = draw_headroom(headroom(observed, target=TARGET))
+    (title,) = [t.get_text() for t in fig.texts if "SM clock not set" in t.get_text()]
+    assert "unlocked" not in title, title
 
 
 def _chosen_column(markdown: str) -> list[str]:
@@ -472,6 +500,18 @@ def test_the_headroom_table_of_a_power_limit_only_campaign_names_no_clock_lock(
     assert "MHz/700" not in said and "1980/" not in said
     run("report", str(limits), "-o", str(tmp_path / "r.md"))
     assert _chosen_column((tmp_path / "r.md").read_text()) == want
+    # The report's findings name the largest saving's setting as its table does: the limit
+    # alone (they said "1980 MHz / 200 W instead of 1980 MHz / 700 W", a lock never set).
+    capped = shared_run(replace_block(text, "[700, 300]", "[700, 200]"), "limits-200")
+    run("report", str(capped), "--slack", "5%", "-o", str(tmp_path / "r5.md"))
+    doc = json.loads(run("headroom", str(capped), "--slack", "5%", "--json"))
+    best = max(doc["rows"], key=lambda r: r["saving"] or 0)
+    assert best["saving"] > 0 and best["chosen"]["power_limit_w"] < 700
+    (largest,) = [
+        line for line in (tmp_path / "r5.md").read_text().splitlines() if "Largest saving" in line
+    ]
+    limit = f"{best['chosen']['power_limit_w']:g} W instead of 700 W, the SM clock not set"
+    assert limit in largest and "MHz" not in largest, largest
     clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
     clocks = shared_run(clock_only, "clocks")
     doc = json.loads(run("headroom", str(clocks), "--json"))

@@ -58,6 +58,23 @@ def confidence_option(help: str) -> Any:
     )
 
 
+#: --slack's default, one for `dvfs headroom`, `dvfs report` and `dvfs plot`: the figures a
+#: plain `dvfs plot` draws mark the settings a plain `dvfs headroom` table and report choose.
+DEFAULT_SLACK = "0%"
+
+
+def slack_option(help: str) -> Any:
+    """`--slack`: the latency increase the headroom target allows, `DEFAULT_SLACK` unless
+    given; each command says in `help` what it is for."""
+    return click.option(
+        "--slack",
+        default=DEFAULT_SLACK,
+        show_default=True,
+        callback=slack_value,
+        help=help,
+    )
+
+
 def search_options(func: Any) -> Any:
     """`--knob` and `--confidence`, which settings the headroom search may choose and how sure
     it must be of their latency: one definition for `dvfs headroom`, `dvfs report` and
@@ -134,13 +151,7 @@ def headroom_target_options(func: Any) -> Any:
             help="Target: an absolute SLO such as tpot_p90<=50ms or ttft_p99<=1s.",
         ),
         latency_options,
-        click.option(
-            "--slack",
-            default="0%",
-            show_default=True,
-            callback=slack_value,
-            help="Allowed latency increase (5% or 0.05); not with --slo.",
-        ),
+        slack_option("Allowed latency increase (5% or 0.05); not with --slo."),
         click.option(
             "--baseline", default="none", show_default=True, help="Drafter to compare against."
         ),
@@ -459,12 +470,9 @@ def compare(
     "--format", "fmt", type=click.Choice(["png", "pdf", "svg"]), default="png", show_default=True
 )
 @latency_options
-@click.option(
-    "--slack",
-    default="5%",
-    show_default=True,
-    callback=slack_value,
-    help="Latency slack for the headroom points marked on the figures.",
+@slack_option(
+    "Latency slack for the headroom points marked on the figures (5% or 0.05), as "
+    "`dvfs headroom --slack` takes it."
 )
 @search_options
 @handle_errors
@@ -480,7 +488,8 @@ def plot(
 ) -> None:
     """Draw the figures: energy vs clock, energy-latency Pareto fronts with the headroom
     points, acceptance and headroom heatmaps, power/clock timelines. The headroom points are
-    the settings `dvfs headroom` chooses for the same --slack, --knob and --confidence."""
+    the settings `dvfs headroom` chooses for the same --slack, --knob and --confidence, whose
+    defaults are its own."""
     from dvfs.analysis.targets import QUANTILE_NAMES, Target
     from dvfs.cube import open_analysable
     from dvfs.plots import plot_all

@@ -20,6 +20,7 @@ from dvfs.plots.style import (
     grid_shape,
     panel_figure,
     place_legend,
+    say_nothing_drawn,
     styled,
     suptitle,
     text_width_in,
@@ -83,6 +84,7 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
     colors = cube_drafter_colors(cube)
     energy = stock_energy(cube)
     title = batch_title(cube)
+    at = "stock" if reference_setting(cube).is_stock else "the top of the grid"
     rows, cols = grid_shape(len(corpora))
     side = 0.0
     if len(corpora) == rows * cols:  # no free grid slot: the legend goes in a side column
@@ -93,6 +95,8 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
             if np.all(np.isnan(energy[c, d])):
                 continue
             ax.plot(batches, energy[c, d], color=colors[drafter], **line_style(drafter))
+        if np.all(np.isnan(energy[c])):
+            say_nothing_drawn(ax, f"no valid cell at {at}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # 1-2-5 ticks, labelled, and no minor ticks: readable, and each tick is a few artists

@@ -24,6 +24,7 @@ from dvfs.plots.style import (
     limit_styles,
     panel_figure,
     place_legend,
+    say_nothing_drawn,
     stock_handle,
     stock_label,
     styled,
@@ -142,6 +143,8 @@ def draw_energy_vs_clock(cube: xr.Dataset, corpus: str, panels: Panels | None = 
                 )
         stock_y = energy[b, :, p_stock, c_stock]
         ax.scatter(np.full(len(drafters), ref.sm_clock), stock_y, gid="stock", **STOCK_STYLE)
+        if np.all(np.isnan(energy[b])):
+            say_nothing_drawn(ax, "no valid cell at any setting")
         ax.set_title(f"batch {batch}")
         _tidy(ax, "SM clock lock (MHz)")
     place_legend(panels, handles)
@@ -209,6 +212,8 @@ def draw_pareto(
             **STOCK_STYLE,
         )
         ax.scatter(chosen_lat[b], chosen_energy[b], color=drafter_rgb, gid="chosen", **CHOSEN_STYLE)
+        if np.all(np.isnan(energy[b]) | np.isnan(latency[b])):
+            say_nothing_drawn(ax, "no valid cell at any setting")
         ax.set_title(f"batch {batch}")
         _tidy(ax, f"{target.metric.upper()} {target.quantile_name} (ms)")
     place_legend(panels, handles)

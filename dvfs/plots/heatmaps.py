@@ -105,7 +105,8 @@ def _colorbar_and_key(
             orientation="horizontal",
             boundaries=[v - 0.5, v + 0.5],
             values=[v],
-            label=f"{label}: {v:g} in every cell with an answer",
+            # two lines, as long as the bar's own label: one line ran off the figure
+            label=f"{label}:\n{v:g} in every cell with an answer",
         )
         bar.set_ticks([v], labels=[f"{v:g}"])
     else:
@@ -193,7 +194,8 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
     stock_limit = float(chosen.attrs.get("reference_power_limit_w", np.nan))
     capped = np.isfinite(limit) & (limit < stock_limit)
     # A campaign that left the SM clock unset has no clock answer: the stock clock is not a
-    # lock, so the cell names the limit instead (one clock locked is still named).
+    # lock, so the cell names the limit instead (one clock locked is still named). Not set is
+    # not "unlocked": observe-only keeps a lock set outside dvfs.
     clock_locked = bool(int(chosen.attrs.get("sm_clock_locked", 1)))
     why = _no_answer_labels(chosen, order)
     norm = shared_norm([saving])
@@ -215,16 +217,28 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         + (
             "cell: saving, SM clock lock, and the power limit when capped"
             if clock_locked
-            else "cell: saving and the power limit (SM clock not set: unlocked)"
+            else "cell: saving and the power limit (SM clock not set: the GPU's own)"
         )
     )
-    margins = Margins(left=label_w, top=1.15, wspace=0.3, hspace=0.85, side=side)
+    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
+    bar_label = f"energy saved vs {versus} (%)"
+    panel_w = 0.8 * len(batches)
+    right = Margins().right
+    if len(corpora) == rows * cols - 1:  # the free slot is the grid's last: the key and the
+        # colour bar's label (left-aligned where no cell has an answer) end at its right, past
+        # a slot of few batches; the right margin takes what the slot lacks
+        widest = max(
+            *(text_width_in(str(p.get_label()), 9) + 0.5 for p in key),
+            text_width_in(f"{bar_label}:", 10),
+        )
+        right = max(right, widest - panel_w)
+    margins = Margins(left=label_w, right=right, top=1.15, wspace=0.3, hspace=0.85, side=side)
     # a row tall enough for its cells' lines of text (up to six for a reason wrapped)
     unanswered = why[~np.isfinite(saving)]
     lines = max((str(w).count("\n") + 1 for w in unanswered), default=1)
     row_h = max(0.52, 0.13 * lines + 0.1)
     panel_h = max(row_h * len(drafters), 1.6)  # room for the colourbar and key in the free slot
-    panels = panel_figure(len(corpora), 0.8 * len(batches), panel_h, margins, title=title)
+    panels = panel_figure(len(corpora), panel_w, panel_h, margins, title=title)
     images = []
     for k, (ax, corpus) in enumerate(zip(panels.axes, corpora, strict=True)):
         images.append(
@@ -248,8 +262,7 @@ def draw_headroom(chosen: xr.Dataset) -> Figure:
         if k % cols == 0:
             ax.set_ylabel("drafter")
         ax.set_title(f"corpus {corpus}")
-    versus = "stock" if bool(int(chosen.attrs.get("reference_is_stock", 1))) else "reference"
-    _colorbar_and_key(panels, images[0], f"energy saved vs {versus} (%)", key, saving)
+    _colorbar_and_key(panels, images[0], bar_label, key, saving)
     suptitle(panels.fig, title)
     return panels.fig
 

@@ -340,6 +340,26 @@ def clear_panels(panels: Panels) -> Panels:
     return panels
 
 
+#: The gid of the line a panel with nothing to draw says it with (`say_nothing_drawn`).
+NOTHING_DRAWN = "nothing-drawn"
+
+
+def say_nothing_drawn(ax: Axes, why: str) -> None:
+    """A panel with no valid cell to draw says so in its middle, as the headroom map names each
+    cell's reason, rather than stand as empty axes that read as a figure gone wrong."""
+    ax.text(
+        0.5,
+        0.5,
+        why,
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="#555555",
+        gid=NOTHING_DRAWN,
+    )
+
+
 def suptitle(fig: Figure, text: str) -> None:
     """A title 0.1 in below the top edge (Figure.suptitle's default sits by figure fraction)."""
     fig.suptitle(text, y=1.0 - 0.1 / fig.get_figheight(), va="top")

@@ -9,7 +9,14 @@ import numpy as np
 
 from dvfs.analysis.headroom import reference_setting, valid_mask
 from dvfs.cube.info import observe_only, swept_knobs
-from dvfs.plots.style import Margins, cube_drafter_colors, panel_figure, styled, suptitle
+from dvfs.plots.style import (
+    Margins,
+    cube_drafter_colors,
+    panel_figure,
+    say_nothing_drawn,
+    styled,
+    suptitle,
+)
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -124,6 +131,10 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
                 if kind == "chosen" and limit < ref.power_limit:
                     power_ax.axhline(limit, color=colors[drafter], linestyle=":", lw=1.2)
                     capped = True
+        if not power_ax.lines:
+            say_nothing_drawn(
+                power_ax, f"no valid cell with a timeline\nat {stock_word} or at the chosen setting"
+            )
         power_ax.set_title(f"batch {batch}, corpus {corpus}")
         power_ax.set_ylabel("GPU power (W)")
         clock_ax.set_ylabel("SM clock (MHz)")

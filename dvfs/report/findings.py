@@ -8,6 +8,7 @@ from typing import Any
 
 from dvfs.report.common import fmt_ms, gpu_words
 from dvfs.report.compare import MEAN_WITHIN, TOO_FEW, edge_arms, ratio_text, too_slow
+from dvfs.report.headroom import UNLOCKED, clock_was_locked
 from dvfs.report.model import Figure, Finding, Paragraph, Section
 from dvfs.report.reasons import no_answer_groups
 
@@ -35,8 +36,10 @@ def _where(row: dict[str, Any]) -> str:
     return f"{gpu}batch {row['batch']}, drafter {row['drafter']}, corpus {row['corpus']}"
 
 
-def _setting(clock: Any, limit: Any) -> str:
-    return f"{clock} MHz / {limit:g} W"
+def _setting(clock: Any, limit: Any, clock_locked: bool = True) -> str:
+    """A setting in words; of a campaign that never set the SM clock, the limit alone: the
+    clock the cube files its cells under is the stock one, no lock (the table's "not set")."""
+    return f"{clock} MHz / {limit:g} W" if clock_locked else f"{limit:g} W"
 
 
 def _named(items: list[str]) -> str:
@@ -60,10 +63,12 @@ def headroom_finding(room: dict[str, Any], figures: tuple[Figure, ...]) -> Findi
     if saving:
         best = max(saving, key=lambda r: r["saving"])
         ref = room["reference"].get("per_gpu", {}).get(best.get("gpu")) or room["reference"]
+        locked = clock_was_locked(room)
+        unset = "" if locked else f", the SM clock {UNLOCKED}"
         details.append(
             f"Largest saving: {best['saving']:.1%} of the energy per token at {_where(best)}: "
-            f"{_setting(best['chosen']['sm_clock_mhz'], best['chosen']['power_limit_w'])} "
-            f"instead of {_setting(ref['sm_clock_mhz'], ref['power_limit_w'])} "
+            f"{_setting(best['chosen']['sm_clock_mhz'], best['chosen']['power_limit_w'], locked)}"
+            f" instead of {_setting(ref['sm_clock_mhz'], ref['power_limit_w'], locked)}{unset} "
             f"({best['stock_energy_per_token_j']:.4g} -> {best['energy_per_token_j']:.4g} J "
             f"per token; latency {fmt_ms(best['latency_ms'])} ms against a "
             f"{fmt_ms(best['target_ms'])} ms target)."
