@@ -117,8 +117,8 @@ def test_compare_needs_the_baseline() -> None:
         compare(make_cube(clocks=CLOCKS, drafters=["eagle3"]))
 
 
-def roofline_cube(width: int):
-    ds = make_cube(clocks=[705, 1005, 1500, 1980], batches=[1, 16, 64], drafters=["none", "eagle3"])
+def roofline_cube(width: int, clocks: tuple[int, ...] = (705, 1005, 1500, 1980)):
+    ds = make_cube(clocks=list(clocks), batches=[1, 16, 64], drafters=["none", "eagle3"])
     ds.attrs.update(
         model="meta-llama/Llama-3.1-8B-Instruct",
         gpu_name="NVIDIA H100 80GB HBM3",
@@ -184,6 +184,23 @@ def test_the_roofline_json_and_table_give_the_ridge_each_pass_is_held_against() 
     for v, row in zip(doc["roofline"]["verify"], rows, strict=True):
         low, high = min(v["verify_ridge_point"].values()), max(v["verify_ridge_point"].values())
         assert row[column] == f"{low:.0f}-{high:.0f}", row
+
+
+def test_the_roofline_title_of_a_cube_of_one_clock_gives_its_one_ridge() -> None:
+    """One SM clock (a power-limit-only grid): the title gives that clock's ridge once, not a
+    range from a figure to itself; several clocks still give the range."""
+    from dvfs.report import compare_document, compare_tables
+
+    titles = {}
+    for clocks in ((1980,), (705, 1980)):
+        ds = roofline_cube(8, clocks)
+        doc = compare_document(compare(ds), roofline(ds), ds)
+        ridges = [round(r) for r in doc["roofline"]["ridge_point"].values()]
+        titles[clocks] = (compare_tables(doc)[-1][0], ridges)
+    one, (low, high) = titles[(1980,)][0], sorted(titles[(705, 1980)][1])
+    assert f"ridge {titles[(1980,)][1][0]} FLOP/B at its one clock" in one, one
+    assert f"{titles[(1980,)][1][0]}-" not in one
+    assert f"ridge {low}-{high} FLOP/B over the clocks" in titles[(705, 1980)][0]
 
 
 def _drawn_context(ds) -> float:

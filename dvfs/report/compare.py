@@ -372,6 +372,18 @@ def _no_ratio_text(row: dict[str, Any]) -> str:
     return TOO_FEW if row.get("verdict_equal_latency") == TOO_FEW else "-"
 
 
+def _full_ridge(ridges: dict[str, float | None]) -> str:
+    """The full GEMM's ridge for the roofline table's title: a range over the clocks, or one
+    figure where they share it (a cube of one SM clock)."""
+    span = _ridge_span(ridges)
+    if span == "no data":
+        return "unknown"
+    if "-" in span:
+        return f"{span} FLOP/B over the clocks"
+    clocks = sum(1 for v in ridges.values() if v)
+    return f"{span} FLOP/B {'at its one clock' if clocks == 1 else 'at every clock'}"
+
+
 def _ridge_source(roof: dict[str, Any]) -> str:
     """The roofline table's source: "llama-3.1-8b on h100-sxm" (the twin's physics of that
     GPU), or "llama-3.1-8b, ridge measured (NVIDIA H200)" for a `--roofline` file, whose ridge
@@ -451,9 +463,8 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
         tables.append(
             (
                 f"Verify pass vs ridge point ({_ridge_source(roof)}; ridge "
-                f"{min(v for v in roof['ridge_point'].values() if v):.0f}-"
-                f"{max(v for v in roof['ridge_point'].values() if v):.0f} FLOP/B over the clocks "
-                "for a full GEMM; each pass's own, lower, in its row)",
+                f"{_full_ridge(roof['ridge_point'])} for a full GEMM; each pass's own, lower, "
+                "in its row)",
                 [
                     "batch",
                     "drafter",
