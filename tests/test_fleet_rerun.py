@@ -258,6 +258,29 @@ def test_a_rerun_on_another_engine_version_is_refused(tmp_path: Path) -> None:
         build_cube(half / "journal.jsonl")
 
 
+def test_a_fleets_models_whose_cubes_do_not_merge_is_an_error_not_bad_usage(
+    shared_run, tmp_path: Path
+) -> None:
+    """A fleet's per-model cubes that cannot be merged (one model's journal written by another
+    twin) fail `dvfs cube build` of the folder as an error (exit 1), naming the folder's
+    journals: the user gave one folder, not a set of cubes `cube merge` refuses (exit 2)."""
+    full = shared_run(FLEET, "mixed", "--gpus", "0,h200-sxm:0")  # shared with the tests near
+    out = copy_sweep(full, tmp_path / "mixed")
+    h200 = next(out.glob("gpu-nvidia-h200*/journal.jsonl"))
+    records = read_records(h200)
+    for record in records:
+        if record["type"] == "session":
+            for gpu in record["gpus"]:
+                gpu["driver_version"] = "twin+0123456789ab"
+        if record["type"] == "server":
+            record["version"] = "dvfs-twin 0.1.0+0123456789ab"
+    h200.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = CliRunner().invoke(cli, ["cube", "build", str(out)])
+    assert built.exit_code == 1, built.output
+    said = " ".join(built.output.split())
+    assert "cannot merge cubes of two twins" in said and str(out) in said, said
+
+
 def test_a_mixed_fleet_rerun_on_one_model_keeps_the_other(shared_run, tmp_path: Path) -> None:
     """Two models' journals, the H100s' cut short; a rerun on H100s only (the H200 node lost)
     finishes their journal and the merged cube still holds the H200s' cells."""

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dvfs.errors import CubeError, IncomparableCellsError
+from dvfs.errors import CubeError, IncomparableCellsError, MergeRefusedError
 from dvfs.fleet.shard_journal import has_sessions
 
 if TYPE_CHECKING:
@@ -70,6 +70,14 @@ def write_cubes(
     shard = cube_shard(cubes[0][0])
     for ds, _ in cubes:
         mark_cube(ds, None)
-    merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
+    try:
+        merged = merge_cubes([ds for ds, _ in cubes], [str(p) for _, p in cubes])
+    except MergeRefusedError as exc:
+        # The user gave one folder, not cubes to merge: its models' journals disagree, an
+        # error in the folder (exit 1), not invalid input as `cube merge` of such cubes is.
+        raise CubeError(
+            f"{exc} (the cubes of the GPU models' journals in {out_dir}; each model's cube is "
+            "written beside its journal)"
+        ) from exc
     mark_cube(merged, shard)
     return write(merged, merged_path)
