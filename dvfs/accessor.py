@@ -39,6 +39,18 @@ def _slack(slack: float | str | None) -> float:
     return parse_slack(repr(float(slack)))
 
 
+def _target(
+    mode: str, slo: str | None, metric: str, quantile: str, slack: float | str | None, baseline: str
+) -> Target:
+    """The latency target of `headroom` and `plot`, read as `dvfs headroom` reads its options:
+    a slack with an SLO is refused, as the CLI refuses it."""
+    if slo and slack is not None:
+        raise AnalysisError(SLACK_WITH_SLO)
+    if slo:
+        return parse_slo(slo)
+    return Target(mode, metric, QUANTILE_NAMES[quantile], _slack(slack), None, baseline)
+
+
 @xr.register_dataset_accessor("dvfs")
 class DvfsAccessor:
     """Analyses of a dvfs cube; every method returns new objects and never mutates the cube."""
@@ -70,13 +82,7 @@ class DvfsAccessor:
         (a fraction such as 0.05, or "5%"); with `slo` it is refused, as the CLI refuses it."""
         from dvfs.analysis.headroom import headroom
 
-        if slo and slack is not None:
-            raise AnalysisError(SLACK_WITH_SLO)
-        target = (
-            parse_slo(slo)
-            if slo
-            else Target(mode, metric, QUANTILE_NAMES[quantile], _slack(slack), None, baseline)
-        )
+        target = _target(mode, slo, metric, quantile, slack, baseline)
         return headroom(self._ds, target=target, knob=knob, confidence=confidence)
 
     def compare(
@@ -104,8 +110,23 @@ class DvfsAccessor:
 
         return roofline(self._ds, context_tokens=context_tokens)
 
-    def plot(self, out_dir: str | Path, *, fmt: str = "png") -> list[Path]:
-        """Write every figure into `out_dir`; returns the paths."""
+    def plot(
+        self,
+        out_dir: str | Path,
+        *,
+        fmt: str = "png",
+        mode: str = "preserve",
+        slo: str | None = None,
+        metric: str = "tpot",
+        quantile: str = "p50",
+        slack: float | str | None = None,
+        baseline: str = "none",
+        knob: str = "both",
+        confidence: float = 0.95,
+    ) -> list[Path]:
+        """Write every figure into `out_dir`; returns the paths. The settings they mark are
+        `headroom`'s for the same arguments (as `dvfs plot` takes them)."""
         from dvfs.plots import plot_all
 
-        return plot_all(self._ds, out_dir, fmt=fmt)
+        target = _target(mode, slo, metric, quantile, slack, baseline)
+        return plot_all(self._ds, out_dir, fmt=fmt, target=target, knob=knob, confidence=confidence)

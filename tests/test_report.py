@@ -214,7 +214,7 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
 @pytest.mark.parametrize(
     "args", [("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9"), ()]
 )
-@pytest.mark.parametrize("command", ["report", "plot"])
+@pytest.mark.parametrize("command", ["report", "plot", "ds.dvfs.plot"])
 def test_the_figures_mark_the_settings_the_reports_table_chose(
     small_sweep: Path,
     tmp_path: Path,
@@ -248,9 +248,23 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
         return save(fig, out_dir, name, fmt)
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
-    out = ["-o", str(tmp_path / "report.md")] if command == "report" else ["--out", str(tmp_path)]
-    result = run(command, str(small_sweep), *out, *args)
-    assert result.exit_code == 0, result.output
+    if command == "ds.dvfs.plot":  # the Python API takes the options as keywords
+        import dvfs.accessor  # noqa: F401  (registers ds.dvfs)
+        from dvfs.cube import open_analysable
+
+        options = dict(zip(args[::2], args[1::2], strict=True))
+        open_analysable(small_sweep).dvfs.plot(
+            tmp_path,
+            knob=options.get("--knob", "both"),
+            slack=options.get("--slack"),
+            confidence=float(options.get("--confidence", 0.95)),
+        )
+    else:
+        out = (
+            ["-o", str(tmp_path / "report.md")] if command == "report" else ["--out", str(tmp_path)]
+        )
+        result = run(command, str(small_sweep), *out, *args)
+        assert result.exit_code == 0, result.output
     room = run("headroom", str(small_sweep), *args, "--json")
     assert room.exit_code == 0, room.output
     rows = {(r["corpus"], r["drafter"], r["batch"]): r for r in json.loads(room.stdout)["rows"]}
