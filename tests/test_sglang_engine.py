@@ -158,7 +158,8 @@ def test_sweep_measures_what_the_stub_produces(version: str, tmp_path: Path) -> 
     tpot = ds["tpot_ms"].sel(quantile=0.5)
     ttft = ds["ttft_ms"].sel(quantile=0.5)
     # No speculation: one token per 3 ms step. EAGLE-3: 2.5 tokens per step, so 3 / 2.5 ms.
-    # Bounded from below only (a late stub catches up, so not even the full step is certain).
+    # Bounded from below only, at half a step: the stub never emits two steps closer than
+    # tpot_s (a late one delays the rest), but a loaded client may read the first chunk late.
     assert np.all(tpot.sel(drafter="none") >= 0.5 * 3.0)
     assert np.all(tpot.sel(drafter="eagle3") >= 0.5 * 3.0 / 2.5)
     # Bounded from below only: the stub waits ttft_s = 20 ms before the first token, and a

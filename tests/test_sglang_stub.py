@@ -712,3 +712,45 @@ def test_a_torch_load_runs_while_requests_run(launch: Launcher) -> None:
     assert "torch load: 128x4096 torch.float32 on cpu" in log_text
     launches = int(log_text.split("torch load: ")[2].split(" matrix-vector")[0])
     assert launches > 0
+
+
+def test_a_step_emitted_late_delays_the_later_ones_rather_than_bunching_them(
+    stub_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, on a fake clock: the server falls 0.5 s behind after its third step (a
+    loaded machine starving it). The steps after it keep tpot_s apart, as a server that fell
+    behind still takes each step's time; caught up in a burst, they came out together, and a
+    request's measured TPOT fell below the stub's (a test bounding it from below then failed
+    on a loaded machine)."""
+    tpot = 0.01
+    cfg = stub_module.StubConfig(version="0.5.23", ttft_s=0.0, tpot_s=tpot)
+    args, spec = stub_module.parse_launch_argv(["--model-path", "m"], cfg)
+    stub = stub_module.Stub(cfg, args, spec)
+    now = [1000.0]
+
+    class FakeTime:
+        @staticmethod
+        def monotonic() -> float:
+            return now[0]
+
+        @staticmethod
+        def time() -> float:
+            return now[0]
+
+    def wait(timeout: float | None = None) -> bool:  # the stop event's wait: time passes
+        now[0] += timeout or 0.0
+        return False
+
+    monkeypatch.setattr(stub_module, "time", FakeTime)
+    monkeypatch.setattr(stub.stop, "wait", wait)
+    body = {"text": "a b c", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
+    plan = stub.plan(body, 1)
+    emitted = []
+    for _sub, j in stub.run(plan):
+        emitted.append(now[0])
+        if j == 2:
+            now[0] += 0.5  # starved
+    assert len(emitted) == 12
+    gaps = [b - a for a, b in zip(emitted, emitted[1:], strict=False)]
+    assert min(gaps) >= tpot - 1e-9, gaps
+    assert emitted[-1] - emitted[0] >= 10 * tpot + 0.5 - 1e-9  # steps 0-2, starved, 3-11

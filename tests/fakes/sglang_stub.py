@@ -114,7 +114,8 @@ test can pool what the server generated, the requests cut off included.
 
 Timing and tokens: a sub-request (one prompt x one of ``n`` samples) emits its
 first token ``ttft_s`` after arrival and then one decode step every ``tpot_s``
-(the last step is cut so that the total is exactly the target length).  Text is
+(the last step is cut so that the total is exactly the target length); on a loaded
+machine a late step delays the later ones rather than being caught up.  Text is
 fake words (" tok123"), output_ids ints; prompts count one BOS plus one token per
 whitespace word; cached_tokens is the longest prefix shared with a prompt seen
 since the last flush, minus the last token.  A stream sends one ``data:`` chunk
@@ -1203,7 +1204,9 @@ class Stub:
     def run(
         self, plan: Plan, gone: Callable[[], bool] | None = None
     ) -> Iterator[tuple[SubRequest, int]]:
-        """Apply emissions in time order, sleeping until each is due; yields (sub, step).
+        """Apply emissions in time order, sleeping until each is due (a step emitted late
+        moves every later one back as much: never two steps closer than tpot_s); yields
+        (sub, step).
         A sub-request marked for abort stops at its next step instead (yielded once more,
         done, with the step it did not take). Once every sub-request is done the request
         stops counting as running, before its last chunk is yielded (SGLang's scheduler
@@ -1218,11 +1221,17 @@ class Stub:
             for sub in plan.subs
             for j in range(len(sub.steps))
         )
+        slip = 0.0  # how far behind its schedule the server has fallen (a loaded machine)
         for offset, index, j in events:
             sub = plan.subs[index]
             if sub.done:
                 continue
-            delay = plan.t0 + offset - time.monotonic()
+            delay = plan.t0 + offset + slip - time.monotonic()
+            if delay < 0:
+                # Late: this step and every later one move back as much. A server that falls
+                # behind does not catch up in a burst of steps, which would bring a request's
+                # tokens closer than tpot_s apart and its measured TPOT below the stub's.
+                slip -= delay
             if self.stop.wait(max(delay, 0.0)):
                 raise ServerStoppingError
             if j == len(sub.steps) - 1 and not self._abort_due(plan, sub):
