@@ -974,9 +974,18 @@ def test_a_server_that_exits_while_another_program_answers_on_its_port_says_so(
         engine._process.wait(timeout=30)  # it could not listen
 
     def another_program_meanwhile(client: SglangClient, *args: object, **kwargs: object) -> None:
-        others.append(attached_stub(tmp_path, marker, port))  # after the server started
-        real_wait(SglangClient(client.base_url, clock=MonotonicClock()), 30)  # it answers
-        real_wait(client, *args, **kwargs)  # type: ignore[arg-type]
+        # The started server is held (SIGSTOP) before its 1 s listen delay is over, until the
+        # other program answers and dvfs has seen the server alive: on a loaded machine the
+        # other program's own start could outlast that delay, and the server exit before the
+        # health check it is meant to outlive.
+        assert engine._process is not None
+        os.kill(engine._process.pid, signal.SIGSTOP)
+        try:
+            others.append(attached_stub(tmp_path, marker, port))  # after the server started
+            real_wait(SglangClient(client.base_url, clock=MonotonicClock()), 30)  # it answers
+            real_wait(client, *args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            os.kill(engine._process.pid, signal.SIGCONT)
         if when == "while it starts":
             exited()
 
