@@ -229,18 +229,19 @@ def test_the_weights_per_gpu_count_the_draft_model_and_divide_over_the_ranks() -
     assert refusal is not None and "with draft model" in refusal
 
 
-#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model.
-SGLANG_FRACTION = '[engine.sglang]\nextra_args = ["--mem-fraction-static", "0.15"]\n'
+#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model:
+#: as the flag, and as an abbreviation SGLang's argparse reads as it.
+SGLANG_FRACTIONS = ('["--mem-fraction-static", "0.15"]', '["--mem=0.15"]')
 
 
+@pytest.mark.parametrize("args", SGLANG_FRACTIONS)
 def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_start(
-    tmp_path: Path,
+    tmp_path: Path, args: str
 ) -> None:
     """`--mem-fraction-static` in engine.sglang.extra_args sizes the static memory instead of
     SGLang's default, for `dvfs doctor` and the twin's server start alike: an 8B model that
     fits one H100 at the default does not at 0.15 (15 GiB of weights, 12 GiB there)."""
-    text = replace_block(ONE_CELL, "[drafters.none]", SGLANG_FRACTION + "\n[drafters.none]")
-    campaign = write(tmp_path / "frac.toml", text)
+    campaign = write(tmp_path / "frac.toml", _with_engine_args(args))
     out = tmp_path / "out"
     doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
     failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
@@ -251,6 +252,76 @@ def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_s
     assert "drafter 'none': " in said and "0.15, the campaign's" in said, swept.output
     default = write(tmp_path / "default.toml", ONE_CELL)
     fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+
+
+def _with_engine_args(args: str, env: str = "") -> str:
+    """ONE_CELL with `args` (a TOML list) as engine.sglang.extra_args, `env` its env table."""
+    table = f"[engine.sglang]\nextra_args = {args}\n{env}"
+    return replace_block(ONE_CELL, "[drafters.none]", table + "\n[drafters.none]")
+
+
+def test_a_context_length_the_campaign_sets_is_the_one_its_prompts_must_fit(
+    tmp_path: Path,
+) -> None:
+    """`--context-length` in engine.sglang.extra_args (SGLang serves that context instead of
+    the model's): prompts of the code corpus longer than it are refused by the sweep (exit 2,
+    no journal), its dry run and `dvfs doctor`, in one line naming it; and the twin engine
+    started with it answers such a round as the SGLang client raises. Before, the twin
+    measured them as if the server had served them."""
+    campaign = write(tmp_path / "ctx.toml", _with_engine_args('["--context-length", "300"]'))
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 2, swept.output
+    said = " ".join(swept.output.split())
+    assert "corpus 'code' has prompts of" in said and "--context-length 300" in said, said
+    assert not (out / "journal.jsonl").exists()
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1 and "--context-length 300" in problems[0], problems
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["corpora"], failed
+    assert "--context-length 300" in failed[0]["detail"], failed
+    prompt = max(load_corpus("code").prompts, key=lambda p: p.input_tokens)
+    assert prompt.input_tokens >= 300
+    engine = _twin_engine("llama-3.1-8b")
+    engine.server_args = ("--context-l=300",)  # an abbreviation SGLang's argparse reads too
+    with engine:
+        engine.start(DrafterSpec("none"))
+        with pytest.raises(EngineError, match=r"context length \(300 tokens\)"):
+            engine.run(Workload(1, (prompt,), "code", 16, 0.0, True))
+
+
+def test_a_context_length_above_the_model_s_is_refused_as_sglang_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """A `--context-length` above Llama-3.1-8B's 131072 tokens: SGLang refuses to start unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, so `dvfs doctor` and the dry run refuse
+    the campaign (exit 2) in one line saying both ways out, and the sweep's server start fails;
+    with the variable in engine.sglang.env, doctor finds the engine fine."""
+    args = '["--context-length", "200000"]'
+    campaign = write(tmp_path / "long.toml", _with_engine_args(args))
+    out = tmp_path / "out"
+    line = re.compile(
+        r"--context-length 200000 is above the context length of "
+        r"meta-llama/Llama-3\.1-8B-Instruct \(131072 tokens\).*give at most 131072, or set "
+        r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in engine\.sglang\.env"
+    )
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    assert doctor.exit_code == 2, doctor.output
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["engine"] and line.search(failed[0]["detail"]), failed
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1 and line.search(problems[0]), problems
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 5 and line.search(" ".join(swept.output.split())), swept.output
+    env = 'env = { SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = "1" }\n'
+    allowed = write(tmp_path / "allowed.toml", _with_engine_args(args, env))
+    fine = invoke("doctor", str(allowed), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
 
 
