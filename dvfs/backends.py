@@ -537,11 +537,11 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         if fits >= w.input_tokens[0]
         else f"lower output_tokens (to at most {limit - reserved - w.input_tokens[0]})"
     )
-    whose = (
-        f"context length of {model.hf_name or model.key} ({limit} tokens)"
-        if limit == model.context_length
-        else f"context length its servers are started with (--context-length {limit})"
-    )
+    whose = f"context length of {model.hf_name or model.key} ({limit} tokens)"
+    if limit != model.context_length:  # the campaign's --context-length, not the model's
+        whose = f"context length its servers are started with (--context-length {limit})"
+        if limit < model.context_length:
+            todo += f", or raise --context-length (the model's is {model.context_length})"
     return (
         f"{'; '.join(over)}: with output_tokens = {w.output_tokens}{slots} that exceeds the "
         f"{whose}, and SGLang refuses such requests; {todo}"

@@ -247,6 +247,12 @@ def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_s
     failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["engine"], doctor.output
     assert "0.15, the campaign's --mem-fraction-static" in failed[0]["detail"], failed
+    # the way out it names first is the fraction: at least the weights' share of the memory
+    least = re.search(r"raise --mem-fraction-static to at least ([\d.]+)", failed[0]["detail"])
+    assert least, failed
+    raised = write(tmp_path / "raised.toml", _with_engine_args(f'["--mem={least[1]}"]'))
+    fits = invoke("doctor", str(raised), "--out", str(tmp_path / "o3"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fits.output)}["engine"] == "ok"
     swept = invoke("sweep", str(campaign), "--out", str(out))
     said = " ".join(swept.output.split())
     assert "drafter 'none': " in said and "0.15, the campaign's" in said, swept.output
@@ -284,6 +290,7 @@ def test_a_context_length_the_campaign_sets_is_the_one_its_prompts_must_fit(
     failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["corpora"], failed
     assert "--context-length 300" in failed[0]["detail"], failed
+    assert "or raise --context-length (the model's is 131072)" in failed[0]["detail"], failed
     prompt = max(load_corpus("code").prompts, key=lambda p: p.input_tokens)
     assert prompt.input_tokens >= 300
     engine = _twin_engine("llama-3.1-8b")

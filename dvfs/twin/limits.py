@@ -12,6 +12,7 @@ against the context length from the model's config, `srt/utils/hf_transformers/c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dvfs.twin.profiles import GpuProfile, ModelProfile
@@ -103,11 +104,19 @@ def weights_refusal(
     name = target.hf_name or target.key
     with_draft = f" with draft model {draft.hf_name or draft.key}" if draft else ""
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
+    todo = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    if given:  # a fraction the campaign set too low: raising it is the first way out
+        default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
+        least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
+        if least <= default:
+            todo = (
+                f"raise --mem-fraction-static to at least {least:.2f} (SGLang's default here "
+                f"is {default:g}), or {todo}"
+            )
     return (
         f"{name}{with_draft} does not fit: its weights need {need / GIB:.1f} GiB per GPU "
         f"(tp {tp_size}) but {gpu.nvml_name} has {have / GIB:.1f} GiB for weights and KV cache "
-        f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: use "
-        "more GPUs (tp, engine.tp_size) or a smaller model"
+        f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: {todo}"
     )
 
 
