@@ -129,6 +129,43 @@ def test_the_input_bound_the_refusal_names_is_one_the_sweep_then_accepts(tmp_pat
         assert len(json.loads(plan.output)["problems"]) == problems, plan.output
 
 
+def test_in_flight_rounds_longer_than_the_context_are_a_problem_of_the_dry_run(
+    tmp_path: Path,
+) -> None:
+    """An in-flight round asks as many new tokens as its segments need, more than
+    output_tokens: prompts that fit Gemma-2-9B's context with output_tokens (so the sweep's
+    check before it runs passes) do not with a round's tokens, and the server refuses every
+    round. The dry run's estimate sweeps the twin and meets that: a problem line (exit 2)
+    naming the first failed cell and the refusal, not an estimate of cells that all fail."""
+    words = "lorem ipsum dolor sit amet consectetur "
+    chars = 4 * (GEMMA_CONTEXT - 200)  # the estimate counts ~4 characters a token
+    lines = [
+        json.dumps({"text": f"Document {i}: " + words * (chars // len(words))}) for i in range(3)
+    ]
+    write(tmp_path / "data" / "long.jsonl", "\n".join(lines) + "\n")
+    text = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "gemma-2-9b"')
+    text = replace_block(text, "sm_clock = [1980]", "sm_clock = [1980, 1500]")
+    text = replace_block(text, 'corpora = ["code"]', 'corpora = ["long"]')
+    text = replace_block(text, "input_tokens = [16, 2048]", "input_tokens = [16, 40000]")
+    text = replace_block(text, "[measurement]\n", '[measurement]\nmode = "in-flight"\n')
+    # segments of 2 s: a round's decode of some hundreds of tokens a request at batch 1
+    text = replace_block(text, "min_window_s = 0.2", "min_window_s = 2.0")
+    text += '\n[corpus.long]\npath = "data/long.jsonl"\nfield = "text"\n'
+    campaign = write(tmp_path / "inflight.toml", text)
+    longest = _longest_prompt(campaign)
+    assert longest + 64 < GEMMA_CONTEXT  # output_tokens fit: the check before it runs passes
+    out = tmp_path / "out"
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1, problems
+    assert "the twin's sweep of the campaign failed" in problems[0], problems
+    assert "none/long/b1/r0 @ 1980 MHz" in problems[0], problems
+    assert f"a prompt of {longest} tokens" in problems[0], problems
+    assert f"context length ({GEMMA_CONTEXT} tokens)" in problems[0], problems
+    assert "\n" not in problems[0]
+
+
 def _twin_engine(model: str, devices: int = 1) -> TwinEngine:
     clock = VirtualClock()
     profile = gpu_profile("h100-sxm:none")
