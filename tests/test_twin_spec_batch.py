@@ -329,23 +329,27 @@ def test_eagle3_at_batch_1_runs_faster_than_the_sglang_pr_measured_as_the_readme
         assert accepted / seconds > 379 * 1.25  # the gap the README states
 
 
-def test_a_model_larger_than_the_gpus_memory_still_runs_as_the_readme_says(
+def test_a_model_whose_weights_just_fit_runs_its_batches_as_the_readme_says(
     tmp_path: Path,
 ) -> None:
-    """Llama-3.1-70B (141 GB in BF16) on one 80 GB H100: SGLang could not load it; the twin
-    does not check (nor does `dvfs doctor`), and times its decode (about 50 ms a token)."""
+    """Llama-3.1-70B (141 GB in BF16) at tp_size = 2 on two 80 GB H100s: its weights just fit
+    (a larger model is refused: tests/test_twin_limits.py), and the twin checks no KV cache
+    against the memory left, so `dvfs doctor` passes it and every batch runs, each GPU's
+    decode timed as the read of its half of the weights at least."""
     big = model_profile("llama-3.1-70b")
-    assert big.total_params * 2 / 1e9 > gpu_profile("h100-sxm").memory_gb
+    h100 = gpu_profile("h100-sxm")
+    assert big.total_params * 2 / 1e9 > h100.memory_gb
     demo = (Path(__file__).parent.parent / "dvfs" / "campaigns" / "demo.toml").read_text()
     lines = []
     for line in demo.splitlines():
         key = line.split("=")[0].strip()
         lines.append(
             {
-                "model": 'model = "meta-llama/Llama-3.1-70B-Instruct"',
+                "devices": "devices = [0, 1]",
+                "model": 'model = "meta-llama/Llama-3.1-70B-Instruct"\ntp_size = 2',
                 "sm_clock": "sm_clock = [1980]",
                 "power_limit": "power_limit = [700]",
-                "batch": "batch = [1]",
+                "batch": "batch = [1, 64]",
                 "corpora": 'corpora = ["conversation"]',
             }.get(key, line)
         )
@@ -361,5 +365,8 @@ def test_a_model_larger_than_the_gpus_memory_still_runs_as_the_readme_says(
     assert sweep.exit_code == 0, sweep.output
     with xr.open_dataset(out / "cube.nc") as cube:
         assert cube.attrs["model"] == "meta-llama/Llama-3.1-70B-Instruct"
-        tpot_ms = float(cube["tpot_ms"].sel(quantile=0.5).max())
-    assert 45 < tpot_ms < 55
+        tpot_ms = cube["tpot_ms"].sel(quantile=0.5).values
+    assert np.isfinite(tpot_ms).all() and tpot_ms.size == 2  # both batches measured
+    # no faster than each GPU reading its half of the weights at the peak HBM bandwidth
+    half_read_ms = big.total_params * 2 / 2 / (h100.hbm_bandwidth_gb_s * 1e9) * 1e3
+    assert (tpot_ms >= half_read_ms).all(), (tpot_ms, half_read_ms)
