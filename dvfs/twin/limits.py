@@ -6,8 +6,10 @@ default `--mem-fraction-static`; `srt/mem_cache/kv_cache_configurator.py`: the s
 when the loaded weights leave the KV cache nothing under that fraction, target and draft weights
 both counted; `srt/managers/tokenizer_manager.py` `_validate_one_request`: the request refused
 against the context length from the model's config, `srt/utils/hf_transformers/common.py`
-`get_context_length`). Pure functions: the twin engine, the sweep's checks, its dry run and
-`dvfs doctor` ask the same ones.
+`get_context_length`, or the `--context-length` given, `srt/configs/model_config.py`
+`_derive_context_length`, which refuses one above the model's unless
+SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set). Pure functions: the twin engine, the sweep's
+checks, its dry run and `dvfs doctor` ask the same ones.
 """
 
 from __future__ import annotations
