@@ -404,6 +404,7 @@ def open_backends(
                     texts=corpus_texts(campaign),
                     decode_graph_max_bs=max(campaign.workload.batch_sizes),
                     server_args=campaign.engine.sglang.extra_args,
+                    server_env=campaign.engine.sglang.env,
                 )
             )
         else:
@@ -445,7 +446,8 @@ def _twin_gpu_profile(campaign: Campaign) -> GpuProfile | None:
 
 
 def twin_start_refusal(campaign: Campaign) -> str | None:
-    """Why the twin engine would not start the campaign's servers, as SGLang would not: the
+    """Why the twin engine would not start the campaign's servers, as SGLang would not: a
+    `--context-length` above the model's (`dvfs.twin.limits.context_length_refusal`), or the
     weights per GPU (the target's, with each drafter's draft model) leave nothing of its
     static memory for the KV cache (`dvfs.twin.limits.weights_refusal`; the fraction the
     campaign's SGLang args set, else SGLang's default). None: every server starts, or the
@@ -453,15 +455,25 @@ def twin_start_refusal(campaign: Campaign) -> str | None:
     if not simulated_engine(campaign):
         return None
     from dvfs.twin.drafting import plan_drafter
-    from dvfs.twin.limits import mem_fraction_static, weights_refusal
+    from dvfs.twin.limits import context_length_refusal, mem_fraction_static, weights_refusal
     from dvfs.twin.profiles import model_profile
 
+    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
+    context = context_length_refusal(model, engine_args, env)
+    if context is not None:  # every server: one line says it
+        return context
+    context_refused = [
+        f"drafter {d.name!r}: {why}"
+        for d in campaign.drafters
+        if (why := context_length_refusal(model, [*engine_args, *d.extra_args], env))
+    ]
+    if context_refused:
+        return "; ".join(context_refused)
     gpu = _twin_gpu_profile(campaign)
     if gpu is None:
         return None
-    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
     tp, graph = campaign.engine.tp_size, max(campaign.workload.batch_sizes)
-    engine_args = campaign.engine.sglang.extra_args
     alone = weights_refusal(model, None, gpu, tp, graph, mem_fraction_static(engine_args))
     if alone is not None:  # every server: one line says it
         return alone
@@ -480,27 +492,35 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
     """The corpora whose longest prompt the sweep may draw (`eligible_prompts`), with the
     output asked and the draft slots an EAGLE drafter reserves, exceeds the twin model's
     context length, which SGLang refuses (`dvfs.twin.limits.context_refusal`): one line naming
-    each corpus, its prompt length and the context length, and the input bound that fits.
-    None: every prompt fits, the model's context length is unknown, or the engine is no twin."""
+    each corpus, its prompt length and the context length, and the input bound that fits. The
+    context length is each drafter's server's: its SGLang args' `--context-length`, else the
+    model's (`dvfs.twin.limits.served_context_length`). None: every prompt fits, the context
+    length is unknown, or the engine is no twin."""
     if not simulated_engine(campaign):
         return None
     from dvfs.corpora.sampling import eligible_prompts
     from dvfs.twin.drafting import plan_drafter
-    from dvfs.twin.limits import context_refusal, reserved_tokens
+    from dvfs.twin.limits import context_refusal, reserved_tokens, served_context_length
     from dvfs.twin.profiles import model_profile
 
     model = model_profile(campaign.engine.twin_model or campaign.engine.model)
-    limit = model.context_length
-    if not limit:
-        return None
-    reserved = 0
+    engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
+    # Each drafter's server serves its own context (its args' --context-length, else the
+    # model's) less the draft slots it reserves: the tightest is the one every prompt must fit.
+    budgets = []
     for drafter in campaign.drafters:
         plan = plan_drafter(drafter, model)
-        if plan is not None:
-            reserved = max(
-                reserved,
-                reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens),
-            )
+        served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
+        held = (
+            reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens)
+            if plan is not None
+            else 0
+        )
+        if served:
+            budgets.append((served - held, served, held))
+    if not budgets:
+        return None
+    _, limit, reserved = min(budgets)
     w = campaign.workload
     over = []
     for name, corpus in corpora.items():
@@ -517,10 +537,14 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
         if fits >= w.input_tokens[0]
         else f"lower output_tokens (to at most {limit - reserved - w.input_tokens[0]})"
     )
+    whose = f"context length of {model.hf_name or model.key} ({limit} tokens)"
+    if limit != model.context_length:  # the campaign's --context-length, not the model's
+        whose = f"context length its servers are started with (--context-length {limit})"
+        if limit < model.context_length:
+            todo += f", or raise --context-length (the model's is {model.context_length})"
     return (
         f"{'; '.join(over)}: with output_tokens = {w.output_tokens}{slots} that exceeds the "
-        f"context length of {model.hf_name or model.key} ({limit} tokens), and SGLang refuses "
-        f"such requests; {todo}"
+        f"{whose}, and SGLang refuses such requests; {todo}"
     )
 
 

@@ -1346,6 +1346,28 @@ def plan_dry_run(
     if unstartable is not None:
         problems.append(unstartable)
         codes.append(2)
+    twin_time = (
+        twin_estimate(
+            campaign,
+            shard=shard,
+            twin=twin,
+            progress=progress,
+            skip=done_there,
+            count_method=recorded,
+        )
+        if estimate and not problems and stand_in_problem is None and not all_done
+        else None
+    )
+    if twin_time is not None and twin_time.failed:
+        # The estimate's sweep failed cells (a request the server refuses, as an in-flight
+        # round asking more new tokens than the context leaves): the sweep would fail them.
+        on = "" if twin_stand_in(campaign, twin)[0] is campaign else " on its twin stand-in"
+        problems.append(
+            f"the twin's sweep of the campaign{on} failed {twin_time.failed} cell(s) (first: "
+            f"{twin_time.first_failure}): the sweep would fail them as well; change what that "
+            "error names before sweeping"
+        )
+        codes.append(2)
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -1370,18 +1392,7 @@ def plan_dry_run(
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,
-        estimate=(
-            twin_estimate(
-                campaign,
-                shard=shard,
-                twin=twin,
-                progress=progress,
-                skip=done_there,
-                count_method=recorded,
-            )
-            if estimate and not problems and stand_in_problem is None and not all_done
-            else None
-        ),
+        estimate=twin_time,
         done_per_model=done_per_model,
         max_repeats=campaign.measurement.max_repeats,
         precision=campaign.measurement.precision,
@@ -1534,6 +1545,10 @@ class TwinEstimate:
     cells: int
     #: The planned cells left out as already done in the folder planned for (0: all swept).
     skipped: int = 0
+    #: The cells its sweep failed (after their retries), and the first one's label and last
+    #: error: the sweep of the campaign would fail them too.
+    failed: int = 0
+    first_failure: str = ""
 
 
 def naive_gpu_s(ds: Any, campaign: Campaign) -> float:
@@ -1603,9 +1618,11 @@ def twin_estimate(
             already = spent_gpu_s(out, before)
         # The cube the sweep holds in memory: the numbers of the file it wrote, without
         # reading the file back (twice, before).
-        ds = run_sweep(
-            stand_in, out, shard=shard, progress=progress, count_method=count_method
-        ).cube
+        swept = run_sweep(stand_in, out, shard=shard, progress=progress, count_method=count_method)
+        failed, first_failure = swept.summary.failed, ""
+        if failed:
+            first_failure = _first_failure(swept.journal_path)
+        ds = swept.cube
         if ds is None:
             ds = open_cube(out / CUBE_NAME)
         spent = spent_gpu_s(out, ds)
@@ -1616,4 +1633,20 @@ def twin_estimate(
         window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
         naive = naive_gpu_s(ds, stand_in)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
-    return TwinEstimate(profile, source, spent, window, naive, cells, skipped)
+    return TwinEstimate(
+        profile, source, spent, window, naive, cells, skipped, failed, first_failure
+    )
+
+
+def _first_failure(journal: Path) -> str:
+    """The first failed cell of `journal` as "<cell>: <its last error's first line>"."""
+    from dvfs.measure.journal import iter_records
+    from dvfs.measure.plan import Cell, cell_label
+
+    for record in iter_records(journal):
+        if record.get("type") != "cell" or record.get("status") == "ok":
+            continue
+        errors = record.get("errors") or [record.get("error") or ""]
+        if errors[-1]:
+            return f"{cell_label(Cell.from_dict(record['cell']))}: {errors[-1].splitlines()[0]}"
+    return ""

@@ -129,6 +129,43 @@ def test_the_input_bound_the_refusal_names_is_one_the_sweep_then_accepts(tmp_pat
         assert len(json.loads(plan.output)["problems"]) == problems, plan.output
 
 
+def test_in_flight_rounds_longer_than_the_context_are_a_problem_of_the_dry_run(
+    tmp_path: Path,
+) -> None:
+    """An in-flight round asks as many new tokens as its segments need, more than
+    output_tokens: prompts that fit Gemma-2-9B's context with output_tokens (so the sweep's
+    check before it runs passes) do not with a round's tokens, and the server refuses every
+    round. The dry run's estimate sweeps the twin and meets that: a problem line (exit 2)
+    naming the first failed cell and the refusal, not an estimate of cells that all fail."""
+    words = "lorem ipsum dolor sit amet consectetur "
+    chars = 4 * (GEMMA_CONTEXT - 200)  # the estimate counts ~4 characters a token
+    lines = [
+        json.dumps({"text": f"Document {i}: " + words * (chars // len(words))}) for i in range(3)
+    ]
+    write(tmp_path / "data" / "long.jsonl", "\n".join(lines) + "\n")
+    text = replace_block(ONE_CELL, 'model = "llama-3.1-8b"', 'model = "gemma-2-9b"')
+    text = replace_block(text, "sm_clock = [1980]", "sm_clock = [1980, 1500]")
+    text = replace_block(text, 'corpora = ["code"]', 'corpora = ["long"]')
+    text = replace_block(text, "input_tokens = [16, 2048]", "input_tokens = [16, 40000]")
+    text = replace_block(text, "[measurement]\n", '[measurement]\nmode = "in-flight"\n')
+    # segments of 2 s: a round's decode of some hundreds of tokens a request at batch 1
+    text = replace_block(text, "min_window_s = 0.2", "min_window_s = 2.0")
+    text += '\n[corpus.long]\npath = "data/long.jsonl"\nfield = "text"\n'
+    campaign = write(tmp_path / "inflight.toml", text)
+    longest = _longest_prompt(campaign)
+    assert longest + 64 < GEMMA_CONTEXT  # output_tokens fit: the check before it runs passes
+    out = tmp_path / "out"
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1, problems
+    assert "the twin's sweep of the campaign failed" in problems[0], problems
+    assert "none/long/b1/r0 @ 1980 MHz" in problems[0], problems
+    assert f"a prompt of {longest} tokens" in problems[0], problems
+    assert f"context length ({GEMMA_CONTEXT} tokens)" in problems[0], problems
+    assert "\n" not in problems[0]
+
+
 def _twin_engine(model: str, devices: int = 1) -> TwinEngine:
     clock = VirtualClock()
     profile = gpu_profile("h100-sxm:none")
@@ -229,28 +266,106 @@ def test_the_weights_per_gpu_count_the_draft_model_and_divide_over_the_ranks() -
     assert refusal is not None and "with draft model" in refusal
 
 
-#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model.
-SGLANG_FRACTION = '[engine.sglang]\nextra_args = ["--mem-fraction-static", "0.15"]\n'
+#: The static memory fraction set by the campaign's SGLang args, too small for an 8B model:
+#: as the flag, and as an abbreviation SGLang's argparse reads as it.
+SGLANG_FRACTIONS = ('["--mem-fraction-static", "0.15"]', '["--mem=0.15"]')
 
 
+@pytest.mark.parametrize("args", SGLANG_FRACTIONS)
 def test_a_mem_fraction_the_campaign_sets_is_the_one_checked_before_and_at_the_start(
-    tmp_path: Path,
+    tmp_path: Path, args: str
 ) -> None:
     """`--mem-fraction-static` in engine.sglang.extra_args sizes the static memory instead of
     SGLang's default, for `dvfs doctor` and the twin's server start alike: an 8B model that
     fits one H100 at the default does not at 0.15 (15 GiB of weights, 12 GiB there)."""
-    text = replace_block(ONE_CELL, "[drafters.none]", SGLANG_FRACTION + "\n[drafters.none]")
-    campaign = write(tmp_path / "frac.toml", text)
+    campaign = write(tmp_path / "frac.toml", _with_engine_args(args))
     out = tmp_path / "out"
     doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
     failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["engine"], doctor.output
     assert "0.15, the campaign's --mem-fraction-static" in failed[0]["detail"], failed
+    # the way out it names first is the fraction: at least the weights' share of the memory
+    least = re.search(r"raise --mem-fraction-static to at least ([\d.]+)", failed[0]["detail"])
+    assert least, failed
+    raised = write(tmp_path / "raised.toml", _with_engine_args(f'["--mem={least[1]}"]'))
+    fits = invoke("doctor", str(raised), "--out", str(tmp_path / "o3"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fits.output)}["engine"] == "ok"
     swept = invoke("sweep", str(campaign), "--out", str(out))
     said = " ".join(swept.output.split())
     assert "drafter 'none': " in said and "0.15, the campaign's" in said, swept.output
     default = write(tmp_path / "default.toml", ONE_CELL)
     fine = invoke("doctor", str(default), "--out", str(tmp_path / "o2"), "--json")
+    assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
+
+
+def _with_engine_args(args: str, env: str = "") -> str:
+    """ONE_CELL with `args` (a TOML list) as engine.sglang.extra_args, `env` its env table."""
+    table = f"[engine.sglang]\nextra_args = {args}\n{env}"
+    return replace_block(ONE_CELL, "[drafters.none]", table + "\n[drafters.none]")
+
+
+def test_a_context_length_the_campaign_sets_is_the_one_its_prompts_must_fit(
+    tmp_path: Path,
+) -> None:
+    """`--context-length` in engine.sglang.extra_args (SGLang serves that context instead of
+    the model's): prompts of the code corpus longer than it are refused by the sweep (exit 2,
+    no journal), its dry run and `dvfs doctor`, in one line naming it; and the twin engine
+    started with it answers such a round as the SGLang client raises. Before, the twin
+    measured them as if the server had served them."""
+    campaign = write(tmp_path / "ctx.toml", _with_engine_args('["--context-length", "300"]'))
+    out = tmp_path / "out"
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 2, swept.output
+    said = " ".join(swept.output.split())
+    assert "corpus 'code' has prompts of" in said and "--context-length 300" in said, said
+    assert not (out / "journal.jsonl").exists()
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1 and "--context-length 300" in problems[0], problems
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["corpora"], failed
+    assert "--context-length 300" in failed[0]["detail"], failed
+    assert "or raise --context-length (the model's is 131072)" in failed[0]["detail"], failed
+    prompt = max(load_corpus("code").prompts, key=lambda p: p.input_tokens)
+    assert prompt.input_tokens >= 300
+    engine = _twin_engine("llama-3.1-8b")
+    engine.server_args = ("--context-l=300",)  # an abbreviation SGLang's argparse reads too
+    with engine:
+        engine.start(DrafterSpec("none"))
+        with pytest.raises(EngineError, match=r"context length \(300 tokens\)"):
+            engine.run(Workload(1, (prompt,), "code", 16, 0.0, True))
+
+
+def test_a_context_length_above_the_model_s_is_refused_as_sglang_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """A `--context-length` above Llama-3.1-8B's 131072 tokens: SGLang refuses to start unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, so `dvfs doctor` and the dry run refuse
+    the campaign (exit 2) in one line saying both ways out, and the sweep's server start fails;
+    with the variable in engine.sglang.env, doctor finds the engine fine."""
+    args = '["--context-length", "200000"]'
+    campaign = write(tmp_path / "long.toml", _with_engine_args(args))
+    out = tmp_path / "out"
+    line = re.compile(
+        r"--context-length 200000 is above the context length of "
+        r"meta-llama/Llama-3\.1-8B-Instruct \(131072 tokens\).*give at most 131072, or set "
+        r"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in engine\.sglang\.env"
+    )
+    doctor = invoke("doctor", str(campaign), "--out", str(out), "--json")
+    assert doctor.exit_code == 2, doctor.output
+    failed = [c for c in json.loads(doctor.output) if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["engine"] and line.search(failed[0]["detail"]), failed
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run", "--no-estimate", "--json")
+    assert dry.exit_code == 2, dry.output
+    problems = json.loads(dry.output)["problems"]
+    assert len(problems) == 1 and line.search(problems[0]), problems
+    swept = invoke("sweep", str(campaign), "--out", str(out))
+    assert swept.exit_code == 5 and line.search(" ".join(swept.output.split())), swept.output
+    env = 'env = { SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN = "1" }\n'
+    allowed = write(tmp_path / "allowed.toml", _with_engine_args(args, env))
+    fine = invoke("doctor", str(allowed), "--out", str(tmp_path / "o2"), "--json")
     assert {c["name"]: c["status"] for c in json.loads(fine.output)}["engine"] == "ok"
 
 

@@ -9,14 +9,18 @@ operating point the power limit allows: what a served batch kept full by a queue
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
+import xarray as xr
+from click.testing import CliRunner
 from cubes import make_cube
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dvfs.analysis.roofline import roofline
+from dvfs.cli import cli
 from dvfs.errors import CampaignError
 from dvfs.twin import physics, traps
 from dvfs.twin.drafting import plan_drafter
@@ -323,3 +327,46 @@ def test_eagle3_at_batch_1_runs_faster_than_the_sglang_pr_measured_as_the_readme
         assert accept_length(drafter, "conversation", 0.0) == pytest.approx(tau, abs=0.01)
         assert accepted / seconds == pytest.approx(rate, abs=1.0)
         assert accepted / seconds > 379 * 1.25  # the gap the README states
+
+
+def test_a_model_whose_weights_just_fit_runs_its_batches_as_the_readme_says(
+    tmp_path: Path,
+) -> None:
+    """Llama-3.1-70B (141 GB in BF16) at tp_size = 2 on two 80 GB H100s: its weights just fit
+    (a larger model is refused: tests/test_twin_limits.py), and the twin checks no KV cache
+    against the memory left, so `dvfs doctor` passes it and every batch runs, each GPU's
+    decode timed as the read of its half of the weights at least."""
+    big = model_profile("llama-3.1-70b")
+    h100 = gpu_profile("h100-sxm")
+    assert big.total_params * 2 / 1e9 > h100.memory_gb
+    demo = (Path(__file__).parent.parent / "dvfs" / "campaigns" / "demo.toml").read_text()
+    lines = []
+    for line in demo.splitlines():
+        key = line.split("=")[0].strip()
+        lines.append(
+            {
+                "devices": "devices = [0, 1]",
+                "model": 'model = "meta-llama/Llama-3.1-70B-Instruct"\ntp_size = 2',
+                "sm_clock": "sm_clock = [1980]",
+                "power_limit": "power_limit = [700]",
+                "batch": "batch = [1, 64]",
+                "corpora": 'corpora = ["conversation"]',
+            }.get(key, line)
+        )
+    text = "\n".join(lines)
+    text = text[: text.index("[drafters.eagle3]")] + text[text.index("[workload]") :]
+    campaign = tmp_path / "big.toml"
+    campaign.write_text(text)
+    runner = CliRunner()
+    doctor = runner.invoke(cli, ["doctor", str(campaign)])
+    assert doctor.exit_code == 0, doctor.output
+    out = tmp_path / "out"
+    sweep = runner.invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert sweep.exit_code == 0, sweep.output
+    with xr.open_dataset(out / "cube.nc") as cube:
+        assert cube.attrs["model"] == "meta-llama/Llama-3.1-70B-Instruct"
+        tpot_ms = cube["tpot_ms"].sel(quantile=0.5).values
+    assert np.isfinite(tpot_ms).all() and tpot_ms.size == 2  # both batches measured
+    # no faster than each GPU reading its half of the weights at the peak HBM bandwidth
+    half_read_ms = big.total_params * 2 / 2 / (h100.hbm_bandwidth_gb_s * 1e9) * 1e3
+    assert (tpot_ms >= half_read_ms).all(), (tpot_ms, half_read_ms)

@@ -39,9 +39,11 @@ from dvfs.errors import EngineError
 from dvfs.twin.drafting import DraftPlan, draws, plan_drafter
 from dvfs.twin.identity import twin_version
 from dvfs.twin.limits import (
+    context_length_refusal,
     context_refusal,
     mem_fraction_static,
     reserved_tokens,
+    served_context_length,
     weights_refusal,
 )
 from dvfs.twin.passes import (
@@ -96,6 +98,7 @@ class TwinEngine:
         texts: Mapping[str, TextProfile] | None = None,
         decode_graph_max_bs: int | None = None,
         server_args: tuple[str, ...] = (),
+        server_env: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.node = node
         self.model = model
@@ -106,6 +109,11 @@ class TwinEngine:
         #: The SGLang args every server is started with (engine.sglang.extra_args): their
         #: `--mem-fraction-static`, with a drafter's own over them, sizes its static memory.
         self.server_args = server_args
+        #: The environment every server is started with (engine.sglang.env): SGLang reads
+        #: whether a `--context-length` may exceed the model's there.
+        self.server_env = server_env
+        #: The context length the running server serves (`dvfs.twin.limits`; 0: unknown).
+        self._context_length = model.context_length
         self.texts = dict(texts or {})
         self.startup_s = startup_s
         self._drafter: DrafterSpec | None = None
@@ -121,19 +129,22 @@ class TwinEngine:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, drafter: DrafterSpec) -> ServerInfo:
         """Start serving `drafter`; refused (`EngineError`), as SGLang refuses to start, where
-        the weights leave the GPUs no memory for the KV cache (`dvfs.twin.limits`)."""
+        the weights leave the GPUs no memory for the KV cache, or a `--context-length` exceeds
+        the model's (`dvfs.twin.limits`)."""
         plan = plan_drafter(drafter, self.model)
-        refusal = weights_refusal(
+        launch = [*self.server_args, *drafter.extra_args]
+        refusal = context_length_refusal(self.model, launch, self.server_env) or weights_refusal(
             self.model,
             plan.draft_model if plan is not None else None,
             self.node.profile,
             self.node.tp_size,
             self.decode_graph_max_bs,
-            mem_fraction_static([*self.server_args, *drafter.extra_args]),
+            mem_fraction_static(launch),
         )
         if refusal is not None:
             self.stop()
             raise EngineError(refusal)  # says that SGLang would not start, and why
+        self._context_length = served_context_length(self.model, launch, self.server_env)
         self._plan = plan
         self._drafter = drafter
         self._alphas = {}
@@ -194,8 +205,9 @@ class TwinEngine:
     def _refuse_overlong(self, workload: Workload) -> None:
         """Refuse (`EngineError`, as the SGLang client raises for the error SGLang answers) a
         workload with a prompt that, with its reserved draft slots and `max_new_tokens`, does
-        not fit the model's context length (`dvfs.twin.limits.context_refusal`)."""
-        limit = self.model.context_length
+        not fit the context length the server serves (the model's, or the `--context-length`
+        its args give: `dvfs.twin.limits.context_refusal`)."""
+        limit = self._context_length
         if not limit:
             return
         lengths, _ = self._prompt_lengths(workload.prompts)

@@ -6,12 +6,15 @@ default `--mem-fraction-static`; `srt/mem_cache/kv_cache_configurator.py`: the s
 when the loaded weights leave the KV cache nothing under that fraction, target and draft weights
 both counted; `srt/managers/tokenizer_manager.py` `_validate_one_request`: the request refused
 against the context length from the model's config, `srt/utils/hf_transformers/common.py`
-`get_context_length`). Pure functions: the twin engine, the sweep's checks, its dry run and
-`dvfs doctor` ask the same ones.
+`get_context_length`, or the `--context-length` given, `srt/configs/model_config.py`
+`_derive_context_length`, which refuses one above the model's unless
+SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set). Pure functions: the twin engine, the sweep's
+checks, its dry run and `dvfs doctor` ask the same ones.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dvfs.twin.profiles import GpuProfile, ModelProfile
@@ -103,24 +106,99 @@ def weights_refusal(
     name = target.hf_name or target.key
     with_draft = f" with draft model {draft.hf_name or draft.key}" if draft else ""
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
+    todo = "use more GPUs (tp, engine.tp_size) or a smaller model"
+    if given:  # a fraction the campaign set too low: raising it is the first way out
+        default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
+        least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
+        if least <= default:
+            todo = (
+                f"raise --mem-fraction-static to at least {least:.2f} (SGLang's default here "
+                f"is {default:g}), or {todo}"
+            )
     return (
         f"{name}{with_draft} does not fit: its weights need {need / GIB:.1f} GiB per GPU "
         f"(tp {tp_size}) but {gpu.nvml_name} has {have / GIB:.1f} GiB for weights and KV cache "
-        f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: use "
-        "more GPUs (tp, engine.tp_size) or a smaller model"
+        f"(static memory fraction {fraction:g}, {whose}), too little for SGLang to start: {todo}"
     )
+
+
+#: The shortest abbreviations argparse reads as these flags in both SGLang 0.5.9 and 0.5.23 (the
+#: shortest prefix no other flag of either release's option table starts with; 0.5.23's
+#: --context-length-... flags make "--context" ambiguous there).
+MEM_FRACTION_PREFIX = "--mem"
+CONTEXT_LENGTH_PREFIX = "--context-l"
+#: The SGLang environment variable that lets `--context-length` exceed the model's own.
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+def _given(args: Sequence[str], flag: str, shortest: str) -> str | None:
+    """The value `args` give `flag` as argparse reads it: the last `--flag VALUE` or
+    `--flag=VALUE`, an abbreviation no shorter than `shortest` included; None: none given."""
+    value = None
+    for i, token in enumerate(args):
+        name, eq, rest = token.partition("=")
+        if len(name) < len(shortest) or not flag.startswith(name):
+            continue
+        value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
 
 
 def mem_fraction_static(args: Sequence[str]) -> float | None:
     """The `--mem-fraction-static` SGLang server args set (as argparse reads them: the last
-    one), None where they leave SGLang its default (or give no number, which SGLang refuses)."""
-    from dvfs.engines.sglang_args import given_value
-
-    value = given_value(args, "--mem-fraction-static")
+    one, an abbreviation included), None where they leave SGLang its default (or give no
+    number, which SGLang refuses)."""
+    value = _given(args, "--mem-fraction-static", MEM_FRACTION_PREFIX)
     try:
         return float(value) if value is not None else None
     except ValueError:
         return None
+
+
+def given_context_length(args: Sequence[str]) -> int | None:
+    """The `--context-length` SGLang server args set (the last one, an abbreviation
+    included); None where they give none (or no number, which SGLang refuses)."""
+    value = _given(args, "--context-length", CONTEXT_LENGTH_PREFIX)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _env_true(env: Sequence[tuple[str, str]], name: str) -> bool:
+    return any(k == name and v.strip().lower() in ("true", "1", "yes", "y") for k, v in env)
+
+
+def served_context_length(
+    model: ModelProfile, args: Sequence[str], env: Sequence[tuple[str, str]] = ()
+) -> int:
+    """The context length a server of `model` started with `args` serves (SGLang's
+    `ModelConfig`): the `--context-length` given, else the model's own; 0: unknown. One above
+    the model's is only served with `LONGER_CONTEXT_ENV` set (else the start is refused:
+    `context_length_refusal`)."""
+    given = given_context_length(args)
+    if given is None:
+        return model.context_length
+    if model.context_length and given > model.context_length:
+        return given if _env_true(env, LONGER_CONTEXT_ENV) else model.context_length
+    return given
+
+
+def context_length_refusal(
+    model: ModelProfile, args: Sequence[str], env: Sequence[tuple[str, str]] = ()
+) -> str | None:
+    """Why SGLang would not start serving `model` with `args`: a `--context-length` above the
+    model's own without `LONGER_CONTEXT_ENV` in its environment. None: it starts."""
+    given = given_context_length(args)
+    if given is None or not model.context_length or given <= model.context_length:
+        return None
+    if _env_true(env, LONGER_CONTEXT_ENV):
+        return None
+    return (
+        f"--context-length {given} is above the context length of "
+        f"{model.hf_name or model.key} ({model.context_length} tokens), which SGLang refuses "
+        f"to start with: give at most {model.context_length}, or set {LONGER_CONTEXT_ENV}=1 "
+        "in engine.sglang.env"
+    )
 
 
 def reserved_tokens(algorithm: str | None, num_steps: int, topk: int, draft_tokens: int) -> int:
