@@ -25,7 +25,8 @@ Decodes are added until every level's energy per token and median TPOT reach
 variation like a per-level cell's interval over rounds. How well the levels are known against
 each other (drift and each decode's prompts fitted out, `level_estimates`) is kept as
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
-rate, with a few percent to spare.
+rate, with a few percent to spare, and never past half the engine's request deadline at the
+slowest rate the warm-up allows (`deadline_tokens`).
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
