@@ -24,7 +24,7 @@ from dvfs.campaign import load_campaign
 from dvfs.clock import MonotonicClock
 from dvfs.corpora import sample_prompts
 from dvfs.corpora.prepare import load_corpora
-from dvfs.engines.base import KnobStep, KnobTimeline, RequestTrace, Workload
+from dvfs.engines.base import KnobStep, KnobTimeline, RequestTrace, RoundResult, Workload
 from dvfs.engines.sglang import SglangEngine
 from dvfs.engines.twin import TwinEngine
 from dvfs.errors import GpuError, JournalError
@@ -32,8 +32,11 @@ from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
+    ROUND_DEADLINE_SHARE,
     carried_factor,
     context_slope,
+    deadline_tokens,
+    decode_rate_tok_s,
     inflight_groups,
     level_estimates,
     level_halfwidths,
@@ -45,6 +48,7 @@ from dvfs.measure.inflight import (
     segment_requests,
     segments_per_round,
     settle_before,
+    tokens_needed,
 )
 from dvfs.measure.journal import Journal
 from dvfs.measure.meter import (
@@ -1013,6 +1017,64 @@ def test_a_server_that_dies_mid_group_is_not_left_to_serve_the_next(
     else:
         assert status == [(0, "ok", 1)] * 2 + [(1, "ok", 2)] * 2 + [(2, "ok", 2)] * 2
     assert len(list((out / "logs").glob("server-none-*.log"))) == 2 + retries
+
+
+def test_a_round_asks_for_no_more_tokens_than_the_deadline_leaves_time_for() -> None:
+    """A warm-up whose 16 chunks came 25 us apart, 40 ms after it was sent, reads a decode
+    rate of tens of thousands of tokens per second; the round's tokens stay within what its
+    whole time allows in half the deadline at the slowest level. Punctual chunks leave a
+    round its tokens, and an engine without a deadline has no bound."""
+
+    def warm_up(gap_ns: int) -> RoundResult:
+        ns = 40_000_000 - gap_ns * np.arange(15, -1, -1, dtype=np.int64)
+        trace = RequestTrace(0, ns, np.ones(16, dtype=np.int64), 10, 16)
+        return RoundResult((trace,), 0, int(ns[-1]), None, ())
+
+    burst, punctual = warm_up(25_000), warm_up(2_000_000)
+    whole = 16 / 0.040  # tokens per second from sending to the last chunk
+    assert decode_rate_tok_s(burst) > 50 * whole  # what a round was sized from
+    deadline, slowest = 30.0, 1500 / 1980
+    most = deadline_tokens(burst, deadline, slowest)
+    assert most is not None
+    assert most / (whole * slowest) <= ROUND_DEADLINE_SHARE * deadline
+    assert (most + 1) / (whole * slowest) > ROUND_DEADLINE_SHARE * deadline
+    assert tokens_needed([decode_rate_tok_s(burst)] * 4, 0.05, 1.15) > most
+    needed = tokens_needed([decode_rate_tok_s(punctual)] * 4, 0.05, 1.15)
+    assert needed <= (deadline_tokens(punctual, deadline, slowest) or 0)
+    assert deadline_tokens(burst, None) is None
+
+
+@pytest.mark.slow
+def test_a_warm_up_whose_chunks_came_in_one_burst_sizes_no_round_past_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """Chunks that arrive bunched (a stalled client, or server output path, delivers a backlog
+    at once) make the warm-up's decode rate read tens of times too high: a round sized from it
+    alone runs past the request deadline and fails, and the group's retry then lands on the
+    server's next fault, here its death on the next warm-up (the interleaving behind the
+    dying-server test's rare "failed" on a loaded machine). Bounded by the deadline at the
+    rate the warm-up's whole time allows, every group ends as with punctual chunks."""
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"die_after_requests": 3, "burst_request": 1},
+        batch="[1]",
+        drafters='[drafters.none]\nalgorithm = "none"\n',
+        retries=1,
+        request_timeout_s=4.0,
+        measurement_extra='mode = "in-flight"\nrepeats = 3',
+    )
+    out = tmp_path / "out"
+    outcome = run_sweep(load_campaign(path), out)
+    assert running(marker) == []
+    cells = [json.loads(line) for line in outcome.journal_path.read_text().splitlines()]
+    status = [
+        (c["cell"]["repeat"], c["status"], c["attempts"]) for c in cells if c["type"] == "cell"
+    ]
+    assert status == [(0, "ok", 1)] * 2 + [(1, "ok", 2)] * 2 + [(2, "ok", 2)] * 2, [
+        c["errors"] for c in cells if c["type"] == "cell"
+    ]
+    logs = sorted((out / "logs").glob("server-none-*.log"))
+    assert all("written in one burst" in log.read_text() for log in logs)  # every warm-up
 
 
 def test_a_drafter_whose_server_cannot_start_fails_its_cells_once_tried(tmp_path: Path) -> None:

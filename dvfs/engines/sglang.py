@@ -470,6 +470,12 @@ class SglangEngine:
         self.formatter.keep(recorded)
 
     @property
+    def request_timeout_s(self) -> float:
+        """Each request's deadline (engine.sglang.request_timeout_s): a round asking for more
+        tokens than the server decodes in it fails (`dvfs.measure.inflight.deadline_tokens`)."""
+        return self.config.request_timeout_s
+
+    @property
     def attached_to(self) -> str | None:
         """The server that `start` attaches to (engine.sglang.url), said without its
         credentials; None: `start` starts one."""

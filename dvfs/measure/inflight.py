@@ -25,7 +25,8 @@ Decodes are added until every level's energy per token and median TPOT reach
 variation like a per-level cell's interval over rounds. How well the levels are known against
 each other (drift and each decode's prompts fitted out, `level_estimates`) is kept as
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
-rate, with a few percent to spare.
+rate, with a few percent to spare, and never past half the engine's request deadline at the
+slowest rate the warm-up allows (`deadline_tokens`).
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
@@ -127,6 +128,9 @@ LATER_ROUND_MARGIN = 1.05
 SEGMENT_HEADROOM = 1.02
 #: Shortest measured part of a segment, in sample periods (the meter needs readings inside).
 MIN_SEGMENT_SAMPLES = 5
+#: The share of the engine's request deadline a round may take at the slowest decode rate its
+#: warm-up allows (`deadline_tokens`).
+ROUND_DEADLINE_SHARE = 0.5
 
 
 # -- ordering (pure) ---------------------------------------------------------------------------
@@ -323,6 +327,31 @@ def decode_rate_tok_s(result: RoundResult) -> float:
         if r.error is None and len(r.chunk_ns) > 1 and r.chunk_ns[-1] > r.chunk_ns[0]
     ]
     return max(rates) if rates else math.nan
+
+
+def deadline_tokens(
+    warm: RoundResult, deadline_s: float | None, slowest: float = 1.0
+) -> int | None:
+    """The most output tokens per request a round may ask for and still end within
+    `ROUND_DEADLINE_SHARE` of the engine's request deadline (`deadline_s`, from a request's
+    sending to its last chunk) at the slowest rate the warm-up allows: each request's tokens
+    over its whole time, from its sending to its last chunk (its prefill included), times
+    `slowest` (the slowest level's clock over the warm-up's: a lower clock is at most
+    proportionally slower). The decode rate between the first and last chunk
+    (`decode_rate_tok_s`) reads far too high when the chunks arrive bunched (a stalled
+    client, or a server's output path, delivers a backlog at once: the whole warm-up within a
+    millisecond), and a round sized from it alone would run past the deadline and fail; a
+    stall can only lengthen the whole time. None: no deadline, or nothing to bound by."""
+    if deadline_s is None or not math.isfinite(deadline_s):
+        return None
+    rates = [
+        r.completion_tokens / ((r.chunk_ns[-1] - r.sent_ns) * 1e-9)
+        for r in warm.requests
+        if r.error is None and len(r.chunk_ns) and r.chunk_ns[-1] > r.sent_ns
+    ]
+    if not rates:
+        return None
+    return max(2, math.floor(min(rates) * slowest * deadline_s * ROUND_DEADLINE_SHARE))
 
 
 def rate_bound(rate: float, reference_mhz: float, level_mhz: float) -> float:
@@ -656,6 +685,10 @@ def _measure_group(
     if not math.isfinite(rate):
         raise EngineError("the in-flight warm-up decoded no tokens to size the rounds by")
     reference = _setting_mhz(first, runner.gpus)
+    # No round is asked for more tokens than the request deadline leaves time for, however
+    # fast the warm-up's chunks seemed to arrive.
+    slowest = min(_setting_mhz(c, runner.gpus) for c in cells) / reference
+    most = deadline_tokens(warm, getattr(runner.engine, "request_timeout_s", None), slowest)
 
     measured: list[_Measured] = []
     results: list[RoundResult] = []
@@ -677,6 +710,8 @@ def _measure_group(
                 rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
                 margin = FIRST_ROUND_MARGIN
             tokens = tokens_needed(rates, segment_s, margin)
+            if most is not None:
+                tokens = min(tokens, most)
             workload = runner._workload(first, ("inflight", rounds), tokens)
             sent.append(workload)
             steps = tuple(

@@ -62,6 +62,10 @@ unknown keys are refused (exit 3) so that typos do not pass silently.
   all).  Both fault counters number /generate requests from 1 as they arrive
   once the server is ready; a body that is not a JSON object is not counted.
 - ``fail_status`` (500): the status used by ``fail_after_requests``.
+- ``burst_request`` (null): N >= 1; the N-th /generate request (numbered as the fault
+  counters number them) decodes on its schedule but holds every streamed chunk back until its
+  last step, then writes them all at once, as a stalled output path (or a stalled client)
+  delivers a backlog: the client sees the whole decode arrive in a burst.
 - ``malformed_chunk_at`` (null): k >= 0; in every streamed response the k-th data
   chunk (0-based) is replaced by a ``data:`` line that is not JSON; the stream
   then goes on normally.
@@ -350,6 +354,7 @@ class StubConfig:
     hang_after_requests: int | None = None
     fail_after_requests: int | None = None
     fail_status: int = 500
+    burst_request: int | None = None
     malformed_chunk_at: int | None = None
     stall_after_chunks: int | None = None
     stall_s: float = 30.0
@@ -384,7 +389,7 @@ _FLOAT_KEYS += ("busy_health_s",)
 _OPTIONAL_INT_KEYS = ("num_draft_tokens", "die_after_requests", "fail_after_requests")
 _OPTIONAL_INT_KEYS += ("malformed_chunk_at", "stall_after_chunks", "hold_after_requests")
 _OPTIONAL_INT_KEYS += ("nvml_device", "nvml_pid", "foreign_pid", "foreign_from_request")
-_OPTIONAL_INT_KEYS += ("foreign_until_request", "hang_after_requests")
+_OPTIONAL_INT_KEYS += ("foreign_until_request", "hang_after_requests", "burst_request")
 
 
 def load_config(environ: Mapping[str, str]) -> StubConfig:
@@ -431,6 +436,8 @@ def load_config(environ: Mapping[str, str]) -> StubConfig:
         raise StubConfigError("hang_after_requests must be >= 1")
     if cfg.hold_after_requests == 0:
         raise StubConfigError("hold_after_requests must be >= 1")
+    if cfg.burst_request == 0:
+        raise StubConfigError("burst_request must be >= 1")
     if cfg.num_draft_tokens is not None and cfg.num_draft_tokens < 1:
         raise StubConfigError("num_draft_tokens must be >= 1")
     if not 400 <= cfg.fail_status <= 599:
@@ -1689,6 +1696,7 @@ class StubHandler(BaseHTTPRequestHandler):
         stub, cfg = self.stub, self.stub.cfg
         self._stream_headers()
         sent = 0
+        held: list[bytes] = []  # burst_request: the chunks held back until the last step
         for sub, j in stub.run(plan, self._client_gone):
             if self._client_gone():  # uvicorn sees the disconnect; SGLang aborts the request
                 raise ConnectionAbortedError("the client closed the stream")
@@ -1705,8 +1713,15 @@ class StubHandler(BaseHTTPRequestHandler):
                 self._chunk(line + b"\n\n")
             else:
                 body = json.dumps(stub.body(plan, sub, streamed=True)).encode()
-                self._chunk(b"data: " + body + b"\n\n")
+                if plan.number == cfg.burst_request:
+                    held.append(b"data: " + body + b"\n\n")
+                else:
+                    self._chunk(b"data: " + body + b"\n\n")
             sent += 1
+        if held:
+            log(f"generate #{plan.number}: {len(held)} chunk(s) written in one burst")
+            self.wfile.write(b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in held))
+            self.wfile.flush()
         if cfg.stall_after_chunks is not None and sent >= cfg.stall_after_chunks:
             self._stall(plan, sent)
             return
