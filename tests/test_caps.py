@@ -50,7 +50,7 @@ def doc(rows: list[dict], uuids: list[str] | None = None) -> dict:
     return {
         "schema": "dvfs.headroom/1",
         "campaign": "t",
-        "gpu": {"name": "H100", "uuids": uuids or ["GPU-aaaa"]},
+        "gpu": {"name": "NVIDIA H100 80GB HBM3", "uuids": uuids or ["GPU-aaaa"]},
         "target": {"description": "TPOT p50 <= stock + 5%"},
         "reference": {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True},
         "rows": rows,
@@ -434,6 +434,37 @@ def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None
     )
     out = invoke("cap", "apply", str(caps))  # exit 0: a fleet file names every model
     assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
+
+
+def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap plan --gpu` takes any UUID, and a [[gpu]] entry names its GPU by UUID only: caps
+    measured on an H100 planned for both GPUs of a host with an H100 and an H200 locked the
+    H200 at the H100's clock, exit 0. Now the H200's entry is an invalid cap (exit 2, nothing
+    applied), as `dvfs govern` refuses a plan of another model; a file of both models' caps
+    (a merged cube's) still caps both."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    h100, h200 = [g["name"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    measured = doc([row("code", 1305, 700.0)], uuids=uuids[:1])
+    measured["gpu"]["name"] = h100
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            plan_caps(measured, batch=16, drafter="eagle3", corpus="code", uuids=uuids),
+        )
+    )
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
+        assert f"GPU 1 ({uuids[1]}) is a {h200}" in told and f"measured on {h100}" in told, told
+        assert "GPU 0" not in told and "applied" not in told
+    assert nvml.fake_calls() == []  # nothing applied, the H100 included
+    both = load_caps(caps)
+    both = CapsFile(both.caps, {**both.meta, "measured_on": f"{h100}, {h200}"})
+    caps.write_text(dump_caps(both))
+    assert "applied caps to 2 GPU(s)" in invoke("cap", "apply", str(caps))
+    assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1305, 1305]
 
 
 def twin_doc() -> dict:

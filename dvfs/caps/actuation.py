@@ -345,12 +345,23 @@ def plan_actions(
     problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
     mig: list[str] = []
+    measured = caps.measured_models()
     for gpu in gpus:
         ident = gpu.identity
         cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
             continue
         matched.add(id(cap))
+        if cap.uuid and measured and base_model_name(ident.name) not in measured:
+            # A [[gpu]] entry names its GPU by UUID only: caps planned on one model (`cap plan
+            # --gpu` takes any UUID) must not go to a GPU of another, as a [[model]] entry and
+            # `dvfs govern`'s plan never do.
+            problems.append(
+                f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
+                f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
+                "own model, or remove its entry"
+            )
+            continue
         if gpu.mig_enabled():
             if cap.uuid:
                 problems.append(

@@ -81,6 +81,15 @@ class CapsFile:
                 return cap
         return None
 
+    def measured_models(self) -> tuple[str, ...]:
+        """The GPU models the caps were measured on (`[meta] measured_on`, which a merged
+        cube's caps list comma-separated), without the twin's suffix; () when the file does not
+        say (written by hand)."""
+        measured = self.meta.get("measured_on")
+        if not isinstance(measured, str):
+            return ()
+        return tuple(base_model_name(m.strip()) for m in measured.split(", ") if m.strip())
+
     def expected(self) -> str:
         """What the file names, for messages: its UUIDs and model names."""
         parts = [c.uuid for c in self.caps if c.uuid]
