@@ -977,6 +977,22 @@ def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str
         load_caps(path)
 
 
+def test_a_per_batch_plan_given_to_cap_apply_is_named_as_one(nvml, tmp_path: Path) -> None:
+    """/etc/dvfs holds a caps file and a governor's plan: the plan given to `cap apply` (or
+    installed as caps.toml) was refused as "unknown key(s) batch, dvfs_batch_plan", which
+    does not say what the file is; it is named as the plan it is, as `dvfs govern` names a
+    caps file given to it."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row("code", 1305, 700.0)])))
+    plan = tmp_path / "govern-plan.toml"
+    invoke("cap", "plan", str(headroom), "--per-batch", "-o", str(plan))
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(plan), *extra, code=2).split())
+        assert f"{plan} is a per-batch plan (for `dvfs govern --plan`), not a caps file" in told
+        assert "unknown key" not in told and told.count("Error:") == 1, told
+    assert nvml.fake_calls() == []
+
+
 def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> None:
     from dvfs.caps import AppliedCaps
 

@@ -128,6 +128,11 @@ def _int_or_none(table: dict[str, Any], key: str) -> int | None:
 
 
 def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
+    if "dvfs_batch_plan" in data and "dvfs_caps" not in data:  # /etc/dvfs/ holds both kinds
+        raise CapsError(
+            f"{where} is a per-batch plan (for `dvfs govern --plan`), not a caps file; write "
+            "one with `dvfs cap plan HEADROOM_JSON --batch N --drafter NAME`"
+        )
     allowed_top = {"dvfs_caps", "meta", "gpu", "model"}
     unknown = sorted(set(data) - allowed_top)
     if unknown:
