@@ -215,8 +215,9 @@ def apply(
 ) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
 
-    Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
-    without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
+    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps
+    without --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it
+    does not support); 5 when it applied what matches but GPU UUIDs the file names
     are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
     GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
     be the one it names). Models not on this host are only noted.
