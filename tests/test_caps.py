@@ -512,6 +512,24 @@ def test_simulated_caps_are_refused_on_real_gpus_unless_allowed(nvml, tmp_path: 
         assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
 
 
+def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path) -> None:
+    """`cap plan -o FILE` ends by suggesting the dry run that checks FILE; for caps planned
+    from the twin it left out --allow-simulated, so the command it gave was refused (exit 2),
+    where the per-batch plan's suggestion carries it."""
+    import re
+    import shlex
+
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(twin_doc()))
+    caps = tmp_path / "caps.toml"
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
+    told = " ".join(invoke(*args).split())
+    [suggested] = re.findall(r"check it with `dvfs ([^`]+)`", told)
+    ran = invoke(*shlex.split(suggested))  # exit 0: the check it suggests runs
+    assert "dry run, nothing changed: would apply to GPU 0" in ran
+    assert nvml.fake_calls() == []
+
+
 def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Path) -> None:
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
     from dvfs.gpu.nvml import open_nvml_gpus

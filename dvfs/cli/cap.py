@@ -152,7 +152,8 @@ def plan(
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     err.print(
         f"wrote {escape(str(out_path))}; check it with "
-        f"`dvfs cap apply {escape(str(out_path))} --dry-run`"
+        f"`dvfs cap apply {escape(str(out_path))} --dry-run"
+        + (" --allow-simulated`" if caps.simulated else "`")
     )
 
 
