@@ -467,6 +467,34 @@ def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1305, 1305]
 
 
+def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path: Path) -> None:
+    """A fleet file of H100 caps on a host with an H100 and an H200, or caps planned for the
+    one GPU a cube measured on a host of two: the other GPU was left at stock with nothing said
+    but "applied caps to 1 GPU(s)". It is named in a note (exit 0: the file may mean it)."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    for extra, left in (
+        (("--dry-run",), "it would be left as it is"),
+        ((), "it was left as it is"),
+    ):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra).split())
+        assert (
+            f"note: {caps} has no entry for GPU 1 ({gpus[1]['name']}, {gpus[1]['uuid']}): {left}"
+        ) in told, told
+        assert "no entry for GPU 0" not in told
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    nvml.fake_reset_state(["h100-sxm", "h100-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=gpus[0]["uuid"], power_limit_w=450.0),))))
+    assert f"no entry for GPU 1 ({gpus[1]['name']}" in " ".join(
+        invoke("cap", "apply", str(caps)).split()
+    )
+    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    assert "no entry" not in invoke("cap", "apply", str(caps))  # every GPU here has its caps
+
+
 def twin_doc() -> dict:
     """`dvfs headroom --json` of a cube swept on the twin (its UUIDs are made up)."""
     d = doc([row("code", 1305, 450.0)], uuids=["GPU-7717a9f2-twin-0000-0000-000000000000"])
