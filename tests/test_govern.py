@@ -319,6 +319,40 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
 
 
+def test_every_series_exported_is_the_readmes_with_help_type_and_base_units() -> None:
+    """A full page (a governor's, a server with speculation, a GPU that did not open): each
+    family has HELP and TYPE, counters end in _total and gauges do not, quantities carry a
+    base unit (watts, joules, hertz), and the series are those the README lists, no more."""
+    import re
+
+    from dvfs.govern.exporter import GpuRow, Snapshot
+    from dvfs.govern.metrics import GpuReading
+
+    reading = GpuReading(0, 'GPU-a"b\\c', 300.0, 1040.0, 1500, 700.0)  # label escaping too
+    live = LiveMetrics(unopened=(1,))
+    live.publish(
+        Snapshot((GpuRow(reading, 0.8, 1500, True),), True, 4, 150.0, 2.5, 1.0, True, 3, 16)
+    )
+    text = render(live)
+    families = list(text_string_to_metric_families(text))
+    typed = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    helped = dict(re.findall(r"^# HELP (\S+) (.+)$", text, re.M))
+    assert set(typed) == set(helped) and all(helped.values())
+    for name, kind in typed.items():
+        assert kind in ("counter", "gauge"), name
+        assert name.endswith("_total") == (kind == "counter"), name
+    for quantity, unit in (("power", "watts"), ("energy", "joules"), ("clock", "hertz")):
+        for name in typed:
+            if quantity in name and "by_governor" not in name:
+                assert unit in name, name
+    labels = {s.labels.get("uuid") for f in families for s in f.samples}
+    assert 'GPU-a"b\\c' in labels  # escaped in the text, read back as exported
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Caps that follow the load") :]
+    section = section[: section.index("\n## ")]
+    assert set(typed) == set(re.findall(r"`(dvfs_[a-z_]+)`", section))
+
+
 def test_the_exporter_serves_the_text_on_loopback() -> None:
     live = LiveMetrics()
     live.publish(Watch([MeterGpu(0)], None, note=print).snapshot(None, {}))  # type: ignore[list-item]
