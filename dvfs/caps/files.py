@@ -106,6 +106,15 @@ def is_twin_name(name: str | None) -> bool:
     return bool(name) and str(name).endswith(TWIN_SUFFIX)
 
 
+def _group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def check_file_safety(path: Path) -> None:
     """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
     anyone but root can write would let anyone set GPU caps: refuse it."""
@@ -114,6 +123,11 @@ def check_file_safety(path: Path) -> None:
     info = path.stat()
     if info.st_mode & stat.S_IWOTH:
         raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
+    if info.st_mode & stat.S_IWGRP and info.st_gid != 0:  # its group's members are not root
+        raise CapsError(
+            f"{path} is group-writable; as root dvfs refuses it (group {_group_name(info.st_gid)} "
+            f"may write it: chmod g-w {path})"
+        )
     if info.st_uid != 0:
         raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
 
