@@ -389,6 +389,49 @@ class VirtualTime:
         self.now += seconds
 
 
+def test_after_a_stalled_read_the_monitor_does_not_run_the_missed_intervals_back_to_back() -> None:
+    """A server read that hangs for 5 s (SGLang's /metrics stuck behind its event loop): the
+    ticker ran the intervals it missed back to back, each over milliseconds, in which a GPU
+    energy counter (updated every 100 ms here) had not moved while tokens had: the monitor
+    published 0 J/token (or NaN), where the GPU spent 0.3 J a token throughout. Now the next
+    interval starts at least half an interval after the stalled read ends."""
+    from dvfs.govern.loop import monitor
+
+    time = VirtualTime()
+    power_w, tokens_per_s = 300.0, 1000.0
+
+    class CountingGpu(MeterGpu):
+        def energy_mj(self) -> int:
+            time.sleep(0.002)  # each NVML read takes a little time
+            return int(power_w * 1000 * (time.now // 0.1) * 0.1)  # the counter's 100 ms steps
+
+    reads = iter(range(1000))
+
+    def scrape() -> ServerSample:
+        if next(reads) == 3:
+            time.sleep(5.0)  # the stalled read
+        time.sleep(0.005)
+        return ServerSample(1, tokens_per_s * time.now, None)
+
+    published: list[float] = []
+
+    class Recording(LiveMetrics):
+        def publish(self, snapshot) -> None:  # type: ignore[no-untyped-def]
+            published.append(snapshot.gpus[0].energy_per_token_j)
+            super().publish(snapshot)
+
+    monitor(
+        [CountingGpu(0)],  # type: ignore[list-item]
+        scrape,
+        Ticker(1.0, 12, clock=time.clock, sleep=time.sleep),
+        live=Recording(),
+        note=print,
+    )
+    assert math.isnan(published[0])  # no interval before the first read
+    for value in published[1:]:
+        assert value == pytest.approx(power_w / tokens_per_s, rel=0.25), published
+
+
 def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> None:
     from dvfs.backends import open_gpus
 
