@@ -50,7 +50,7 @@ def doc(rows: list[dict], uuids: list[str] | None = None) -> dict:
     return {
         "schema": "dvfs.headroom/1",
         "campaign": "t",
-        "gpu": {"name": "H100", "uuids": uuids or ["GPU-aaaa"]},
+        "gpu": {"name": "NVIDIA H100 80GB HBM3", "uuids": uuids or ["GPU-aaaa"]},
         "target": {"description": "TPOT p50 <= stock + 5%"},
         "reference": {"sm_clock_mhz": 1980, "power_limit_w": 700.0, "is_stock": True},
         "rows": rows,
@@ -436,6 +436,65 @@ def test_a_fleet_file_notes_models_this_host_lacks(nvml, tmp_path: Path) -> None
     assert "applied caps to 2 GPU(s)" in out and "note:" in out and "NVIDIA H200" in out
 
 
+def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap plan --gpu` takes any UUID, and a [[gpu]] entry names its GPU by UUID only: caps
+    measured on an H100 planned for both GPUs of a host with an H100 and an H200 locked the
+    H200 at the H100's clock, exit 0. Now the H200's entry is an invalid cap (exit 2, nothing
+    applied), as `dvfs govern` refuses a plan of another model; a file of both models' caps
+    (a merged cube's) still caps both."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    h100, h200 = [g["name"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]
+    measured = doc([row("code", 1305, 700.0)], uuids=uuids[:1])
+    measured["gpu"]["name"] = h100
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            plan_caps(measured, batch=16, drafter="eagle3", corpus="code", uuids=uuids),
+        )
+    )
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
+        assert f"GPU 1 ({uuids[1]}) is a {h200}" in told and f"measured on {h100}" in told, told
+        assert "GPU 0" not in told and "applied" not in told
+    assert nvml.fake_calls() == []  # nothing applied, the H100 included
+    both = load_caps(caps)
+    both = CapsFile(both.caps, {**both.meta, "measured_on": f"{h100}, {h200}"})
+    caps.write_text(dump_caps(both))
+    assert "applied caps to 2 GPU(s)" in invoke("cap", "apply", str(caps))
+    assert [nvml.fake_device_state(i)["locked_clocks"][1] for i in (0, 1)] == [1305, 1305]
+
+
+def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path: Path) -> None:
+    """A fleet file of H100 caps on a host with an H100 and an H200, or caps planned for the
+    one GPU a cube measured on a host of two: the other GPU was left at stock with nothing said
+    but "applied caps to 1 GPU(s)". It is named in a note (exit 0: the file may mean it)."""
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    for extra, left in (
+        (("--dry-run",), "it would be left as it is"),
+        ((), "it was left as it is"),
+    ):
+        told = " ".join(invoke("cap", "apply", str(caps), *extra).split())
+        assert (
+            f"note: {caps} has no entry for GPU 1 ({gpus[1]['name']}, {gpus[1]['uuid']}): {left}"
+        ) in told, told
+        assert "no entry for GPU 0" not in told
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    nvml.fake_reset_state(["h100-sxm", "h100-sxm"])
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=gpus[0]["uuid"], power_limit_w=450.0),))))
+    assert f"no entry for GPU 1 ({gpus[1]['name']}" in " ".join(
+        invoke("cap", "apply", str(caps)).split()
+    )
+    caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
+    assert "no entry" not in invoke("cap", "apply", str(caps))  # every GPU here has its caps
+
+
 def twin_doc() -> dict:
     """`dvfs headroom --json` of a cube swept on the twin (its UUIDs are made up)."""
     d = doc([row("code", 1305, 450.0)], uuids=["GPU-7717a9f2-twin-0000-0000-000000000000"])
@@ -479,6 +538,24 @@ def test_simulated_caps_are_refused_on_real_gpus_unless_allowed(nvml, tmp_path: 
     for index in (0, 1):  # both H100s, matched by model name
         device = nvml.fake_device_state(index)
         assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
+
+
+def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path) -> None:
+    """`cap plan -o FILE` ends by suggesting the dry run that checks FILE; for caps planned
+    from the twin it left out --allow-simulated, so the command it gave was refused (exit 2),
+    where the per-batch plan's suggestion carries it."""
+    import re
+    import shlex
+
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(twin_doc()))
+    caps = tmp_path / "caps.toml"
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
+    told = " ".join(invoke(*args).split())
+    [suggested] = re.findall(r"check it with `dvfs ([^`]+)`", told)
+    ran = invoke(*shlex.split(suggested))  # exit 0: the check it suggests runs
+    assert "dry run, nothing changed: would apply to GPU 0" in ran
+    assert nvml.fake_calls() == []
 
 
 def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Path) -> None:
@@ -944,6 +1021,22 @@ def test_malformed_caps_files_are_caps_errors(tmp_path: Path, content, says: str
         path.write_text(content)
     with pytest.raises(CapsError, match=says):
         load_caps(path)
+
+
+def test_a_per_batch_plan_given_to_cap_apply_is_named_as_one(nvml, tmp_path: Path) -> None:
+    """/etc/dvfs holds a caps file and a governor's plan: the plan given to `cap apply` (or
+    installed as caps.toml) was refused as "unknown key(s) batch, dvfs_batch_plan", which
+    does not say what the file is; it is named as the plan it is, as `dvfs govern` names a
+    caps file given to it."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row("code", 1305, 700.0)])))
+    plan = tmp_path / "govern-plan.toml"
+    invoke("cap", "plan", str(headroom), "--per-batch", "-o", str(plan))
+    for extra in (("--dry-run",), ()):
+        told = " ".join(invoke("cap", "apply", str(plan), *extra, code=2).split())
+        assert f"{plan} is a per-batch plan (for `dvfs govern --plan`), not a caps file" in told
+        assert "unknown key" not in told and told.count("Error:") == 1, told
+    assert nvml.fake_calls() == []
 
 
 def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> None:

@@ -319,6 +319,40 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
 
 
+def test_every_series_exported_is_the_readmes_with_help_type_and_base_units() -> None:
+    """A full page (a governor's, a server with speculation, a GPU that did not open): each
+    family has HELP and TYPE, counters end in _total and gauges do not, quantities carry a
+    base unit (watts, joules, hertz), and the series are those the README lists, no more."""
+    import re
+
+    from dvfs.govern.exporter import GpuRow, Snapshot
+    from dvfs.govern.metrics import GpuReading
+
+    reading = GpuReading(0, 'GPU-a"b\\c', 300.0, 1040.0, 1500, 700.0)  # label escaping too
+    live = LiveMetrics(unopened=(1,))
+    live.publish(
+        Snapshot((GpuRow(reading, 0.8, 1500, True),), True, 4, 150.0, 2.5, 1.0, True, 3, 16)
+    )
+    text = render(live)
+    families = list(text_string_to_metric_families(text))
+    typed = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    helped = dict(re.findall(r"^# HELP (\S+) (.+)$", text, re.M))
+    assert set(typed) == set(helped) and all(helped.values())
+    for name, kind in typed.items():
+        assert kind in ("counter", "gauge"), name
+        assert name.endswith("_total") == (kind == "counter"), name
+    for quantity, unit in (("power", "watts"), ("energy", "joules"), ("clock", "hertz")):
+        for name in typed:
+            if quantity in name and "by_governor" not in name:
+                assert unit in name, name
+    labels = {s.labels.get("uuid") for f in families for s in f.samples}
+    assert 'GPU-a"b\\c' in labels  # escaped in the text, read back as exported
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Caps that follow the load") :]
+    section = section[: section.index("\n## ")]
+    assert set(typed) == set(re.findall(r"`(dvfs_[a-z_]+)`", section))
+
+
 def test_the_exporter_serves_the_text_on_loopback() -> None:
     live = LiveMetrics()
     live.publish(Watch([MeterGpu(0)], None, note=print).snapshot(None, {}))  # type: ignore[list-item]
@@ -353,6 +387,49 @@ class VirtualTime:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+
+def test_after_a_stalled_read_the_monitor_does_not_run_the_missed_intervals_back_to_back() -> None:
+    """A server read that hangs for 5 s (SGLang's /metrics stuck behind its event loop): the
+    ticker ran the intervals it missed back to back, each over milliseconds, in which a GPU
+    energy counter (updated every 100 ms here) had not moved while tokens had: the monitor
+    published 0 J/token (or NaN), where the GPU spent 0.3 J a token throughout. Now the next
+    interval starts at least half an interval after the stalled read ends."""
+    from dvfs.govern.loop import monitor
+
+    time = VirtualTime()
+    power_w, tokens_per_s = 300.0, 1000.0
+
+    class CountingGpu(MeterGpu):
+        def energy_mj(self) -> int:
+            time.sleep(0.002)  # each NVML read takes a little time
+            return int(power_w * 1000 * (time.now // 0.1) * 0.1)  # the counter's 100 ms steps
+
+    reads = iter(range(1000))
+
+    def scrape() -> ServerSample:
+        if next(reads) == 3:
+            time.sleep(5.0)  # the stalled read
+        time.sleep(0.005)
+        return ServerSample(1, tokens_per_s * time.now, None)
+
+    published: list[float] = []
+
+    class Recording(LiveMetrics):
+        def publish(self, snapshot) -> None:  # type: ignore[no-untyped-def]
+            published.append(snapshot.gpus[0].energy_per_token_j)
+            super().publish(snapshot)
+
+    monitor(
+        [CountingGpu(0)],  # type: ignore[list-item]
+        scrape,
+        Ticker(1.0, 12, clock=time.clock, sleep=time.sleep),
+        live=Recording(),
+        note=print,
+    )
+    assert math.isnan(published[0])  # no interval before the first read
+    for value in published[1:]:
+        assert value == pytest.approx(power_w / tokens_per_s, rel=0.25), published
 
 
 def test_the_loop_follows_a_scripted_load_and_restores(nvml, tmp_path: Path) -> None:

@@ -764,12 +764,13 @@ def test_without_permission_the_governor_exits_4_and_leaves_nothing(
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
-@pytest.mark.parametrize("unsafe", ["world-writable", "not owned by root"])
+@pytest.mark.parametrize("unsafe", ["world-writable", "group-writable", "not owned by root"])
 def test_as_root_a_plan_others_can_write_is_refused_as_a_caps_file_is(
     tmp_path: Path, env: dict[str, str], nvml, monkeypatch: pytest.MonkeyPatch, unsafe: str
 ) -> None:
     """A plan sets GPU caps as a caps file does: as root, the same check refuses both (the
-    effective uid is faked to root; a real root hands the files to another owner)."""
+    effective uid is faked to root; a real root hands the files to another owner). A file its
+    group (not root's) may write was let through: that group's members could set GPU caps."""
     from dvfs.caps import CapsFile, GpuCap, dump_caps
 
     plan, caps = tmp_path / "plan.toml", tmp_path / "caps.toml"
@@ -778,6 +779,10 @@ def test_as_root_a_plan_others_can_write_is_refused_as_a_caps_file_is(
     for path in (plan, caps):
         if unsafe == "world-writable":
             path.chmod(0o666)
+        elif unsafe == "group-writable":
+            path.chmod(0o664)
+            if os.getegid() == 0:  # else the file's group is already the runner's own
+                os.chown(path, -1, 1)
         elif os.geteuid() == 0:
             os.chown(path, 1, -1)
     monkeypatch.setattr(os, "geteuid", lambda: 0)

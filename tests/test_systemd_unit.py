@@ -310,3 +310,41 @@ def test_the_readme_says_how_to_remove_the_caps_a_failed_start_applied() -> None
     codes = readme[readme.index("Exit codes: 0 success") :]
     codes = codes[: codes.index("interrupted")]
     assert "1, either way, when a GPU has fallen off the bus" in codes, codes
+
+
+# ------------------------------------------------------------------ every unit's dvfs commands
+
+EXEC_KEYS = ("ExecStartPre", "ExecStart", "ExecStartPost", "ExecStop", "ExecStopPost", "ExecReload")
+
+
+@pytest.mark.parametrize("unit", sorted(UNIT.parent.glob("*.service")), ids=lambda p: p.name)
+def test_each_units_dvfs_commands_parse_as_the_cli_spells_them(unit: Path) -> None:
+    """Every command a unit runs is a dvfs command, and each option it passes is one that
+    command's --help lists, spelled as there and taking the values given (a renamed option
+    or subcommand fails the unit at boot, where nothing but the journal shows it)."""
+    import shlex
+
+    import click
+
+    from dvfs.cli import cli
+
+    commands = [v for k, v in directives("Service", unit) if k in EXEC_KEYS]
+    assert commands, unit.name
+    for line in commands:
+        argv = shlex.split(line.lstrip("-@:+!"))
+        assert argv[0] == "/usr/local/bin/dvfs", line
+        words, command = list(argv[1:]), cli
+        path: list[str] = []
+        while isinstance(command, click.Group):
+            asked = words[0] if words else ""
+            name, found, words = command.resolve_command(
+                command.make_context("dvfs", list(words), resilient_parsing=True), words
+            )
+            assert found is not None and name, f"{unit.name}: {line}: no command {asked!r}"
+            path.append(name)
+            command = found
+        ctx = command.make_context(" ".join(["dvfs", *path]), list(words))  # raises if bad
+        helped = command.get_help(ctx)
+        for word in words:
+            if word.startswith("--"):
+                assert word.split("=")[0] in helped, f"{unit.name}: {line}: {word}"

@@ -260,7 +260,9 @@ class CapsPlan:
     GPUs of a model entry that have MIG enabled are left alone (`mig`): caps were measured on
     whole GPUs, and a host that partitions some GPUs still gets the others capped. `lost`: the
     one line naming the GPUs fallen off the bus, planned without (their UUIDs cannot be read,
-    so an unmatched UUID may be one of them), "" when none is.
+    so an unmatched UUID may be one of them), "" when none is. `untouched`: this host's GPUs
+    that no entry names, by UUID or model (another model than the file's, a GPU the plan did
+    not measure), which the apply leaves as they are.
     """
 
     actions: tuple[CapAction, ...]
@@ -269,6 +271,7 @@ class CapsPlan:
     unused: tuple[str, ...] = ()
     mig: tuple[str, ...] = ()
     lost: str = ""
+    untouched: tuple[str, ...] = ()
 
     def mig_message(self, *, dry_run: bool = False) -> str:
         one = len(self.mig) == 1
@@ -292,6 +295,16 @@ class CapsPlan:
         return (
             f"{where} names GPU(s) {', '.join(self.unmatched)}, which are not on this host "
             f"(it has {self.host}); {done}"
+        )
+
+    def untouched_message(self, where: str, *, dry_run: bool = False) -> str:
+        one = len(self.untouched) == 1
+        left = "would be left" if dry_run else f"{'was' if one else 'were'} left"
+        it, its = ("it", "its") if one else ("them", "their")
+        return (
+            f"{where} has no entry for {', '.join(self.untouched)}: {'it' if one else 'they'} "
+            f"{left} as {'it is' if one else 'they are'} (to cap {it}, `dvfs cap plan` from a "
+            f"cube of {its} model, with --gpu UUID or --model NAME)"
         )
 
     def unused_message(self, where: str, *, dry_run: bool = False) -> str:
@@ -345,12 +358,25 @@ def plan_actions(
     problems: list[str] = []  # every GPU's, reported together
     matched: set[int] = set()
     mig: list[str] = []
+    untouched: list[str] = []
+    measured = caps.measured_models()
     for gpu in gpus:
         ident = gpu.identity
         cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
+            untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
             continue
         matched.add(id(cap))
+        if cap.uuid and measured and base_model_name(ident.name) not in measured:
+            # A [[gpu]] entry names its GPU by UUID only: caps planned on one model (`cap plan
+            # --gpu` takes any UUID) must not go to a GPU of another, as a [[model]] entry and
+            # `dvfs govern`'s plan never do.
+            problems.append(
+                f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
+                f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
+                "own model, or remove its entry"
+            )
+            continue
         if gpu.mig_enabled():
             if cap.uuid:
                 problems.append(
@@ -403,7 +429,7 @@ def plan_actions(
         )
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
-    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig), lost)
+    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched))
 
 
 def apply_actions(

@@ -81,6 +81,15 @@ class CapsFile:
                 return cap
         return None
 
+    def measured_models(self) -> tuple[str, ...]:
+        """The GPU models the caps were measured on (`[meta] measured_on`, which a merged
+        cube's caps list comma-separated), without the twin's suffix; () when the file does not
+        say (written by hand)."""
+        measured = self.meta.get("measured_on")
+        if not isinstance(measured, str):
+            return ()
+        return tuple(base_model_name(m.strip()) for m in measured.split(", ") if m.strip())
+
     def expected(self) -> str:
         """What the file names, for messages: its UUIDs and model names."""
         parts = [c.uuid for c in self.caps if c.uuid]
@@ -97,6 +106,15 @@ def is_twin_name(name: str | None) -> bool:
     return bool(name) and str(name).endswith(TWIN_SUFFIX)
 
 
+def _group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def check_file_safety(path: Path) -> None:
     """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
     anyone but root can write would let anyone set GPU caps: refuse it."""
@@ -105,6 +123,11 @@ def check_file_safety(path: Path) -> None:
     info = path.stat()
     if info.st_mode & stat.S_IWOTH:
         raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
+    if info.st_mode & stat.S_IWGRP and info.st_gid != 0:  # its group's members are not root
+        raise CapsError(
+            f"{path} is group-writable; as root dvfs refuses it (group {_group_name(info.st_gid)} "
+            f"may write it: chmod g-w {path})"
+        )
     if info.st_uid != 0:
         raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
 
@@ -119,6 +142,11 @@ def _int_or_none(table: dict[str, Any], key: str) -> int | None:
 
 
 def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
+    if "dvfs_batch_plan" in data and "dvfs_caps" not in data:  # /etc/dvfs/ holds both kinds
+        raise CapsError(
+            f"{where} is a per-batch plan (for `dvfs govern --plan`), not a caps file; write "
+            "one with `dvfs cap plan HEADROOM_JSON --batch N --drafter NAME`"
+        )
     allowed_top = {"dvfs_caps", "meta", "gpu", "model"}
     unknown = sorted(set(data) - allowed_top)
     if unknown:

@@ -152,7 +152,8 @@ def plan(
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     err.print(
         f"wrote {escape(str(out_path))}; check it with "
-        f"`dvfs cap apply {escape(str(out_path))} --dry-run`"
+        f"`dvfs cap apply {escape(str(out_path))} --dry-run"
+        + (" --allow-simulated`" if caps.simulated else "`")
     )
 
 
@@ -215,11 +216,13 @@ def apply(
 ) -> None:
     """Apply CAPS_FILE: SM clock locks and power limits, by GPU UUID or model (needs root).
 
-    Exits 2 (changing nothing) when the file matches no GPU here or holds simulated caps
-    without --allow-simulated; 5 when it applied what matches but GPU UUIDs the file names
+    Exits 2 (changing nothing) when the file matches no GPU here, holds simulated caps
+    without --allow-simulated, or has a cap a GPU here cannot take (another model's, a clock it
+    does not support); 5 when it applied what matches but GPU UUIDs the file names
     are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
     GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
-    be the one it names). Models not on this host are only noted.
+    be the one it names). Models not on this host, and GPUs here that no entry names,
+    are only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -283,6 +286,10 @@ def apply(
         console(stderr=True).print(f"note: {escape(plan.unused_message(where, dry_run=dry_run))}")
     if plan.mig:
         console(stderr=True).print(f"note: {escape(plan.mig_message(dry_run=dry_run))}")
+    if plan.untouched:
+        console(stderr=True).print(
+            f"note: {escape(plan.untouched_message(where, dry_run=dry_run))}"
+        )
     if plan.unmatched:
         message = plan.unmatched_message(where, dry_run=dry_run)
         if dry_run:

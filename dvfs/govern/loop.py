@@ -455,7 +455,12 @@ def _names(gpus: Sequence[Gpu]) -> str:
 
 @dataclass
 class Ticker:
-    """Intervals on a fixed grid (a slow read does not shift later ones), a bounded count."""
+    """Intervals on a fixed grid (a slow read does not shift later ones), a bounded count.
+
+    The next interval starts no sooner than half an interval after the last one's reads end,
+    so a read that outlasted its interval (a stalled server or driver call) is not followed by
+    the intervals it missed back to back, each over milliseconds in which a GPU's energy
+    counter had not stepped (energy per token 0, or NaN). The grid goes on from there."""
 
     interval_s: float
     max_intervals: int | None
@@ -464,10 +469,12 @@ class Ticker:
     count: int = field(default=0, init=False)
 
     def __iter__(self) -> Iterator[float]:
-        start = self.clock()
+        due = self.clock()
         while self.max_intervals is None or self.count < self.max_intervals:
             if self.count:
-                self.sleep(max(0.0, start + self.count * self.interval_s - self.clock()))
+                now = self.clock()
+                due = max(due + self.interval_s, now + self.interval_s / 2)
+                self.sleep(max(0.0, due - now))
             self.count += 1
             yield self.clock()
 
