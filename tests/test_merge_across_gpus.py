@@ -410,6 +410,31 @@ def test_a_cube_of_an_older_dvfs_merges_in_either_order(
     assert (method.sel(gpu=newer_gpu) == source["energy_split_method"]).all()
 
 
+def test_a_model_that_records_its_prompts_keeps_its_context_beside_an_older_cubes(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An H100 cube of an earlier dvfs (no `prompt_tokens`) merged with a newer H200 one: the
+    H100's roofline takes the context read again (or the input range's middle), and the
+    H200's stays at what its own cells recorded (one context had stood in for both)."""
+    from dvfs.analysis.roofline import roofline
+    from dvfs.cube import write_cube
+
+    older = open_cube(runs["h100"] / "cube.nc").drop_vars("prompt_tokens")
+    write_cube(older, tmp_path / "older.nc")
+    h200 = runs["h200"] / "cube.nc"
+    merged = tmp_path / "m.nc"
+    assert (
+        invoke("cube", "merge", str(tmp_path / "older.nc"), str(h200), "-o", str(merged)).exit_code
+        == 0
+    )
+    done = invoke("compare", str(merged), "--json")
+    assert done.exit_code == 0, done.output
+    each = {r["gpu_profile"]: r for r in json.loads(done.stdout)["roofline_per_gpu_model"]}
+    own = roofline(open_cube(h200)).attrs["context_tokens"]
+    assert each["h200-sxm"]["context_tokens"] == pytest.approx(own)
+    assert each["h100-sxm"]["context_tokens"] != pytest.approx(own)
+
+
 def test_a_merged_cube_of_two_gpu_models_gets_each_ones_roofline(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

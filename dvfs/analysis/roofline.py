@@ -190,7 +190,8 @@ def rooflines(
     where it has none of them), its model's name added to `left_out` (for the JSON, whose
     `roofline` is then another model's): a measured roofline serves that GPU's own cube, not
     the merged one (`check_measured`). `context_tokens`: as `roofline` takes it, for each
-    (None: each model's own cube's record, `mean_context_tokens`)."""
+    model whose own cells do not record their prompts (None: each model's own cube's record,
+    `mean_context_tokens`); a model whose cells do keeps its record."""
     import json
 
     from dvfs.analysis.headroom import single_gpu
@@ -217,7 +218,10 @@ def rooflines(
         if recorded_gpu_profile(one.attrs) is None:
             unknown.append(name)
         else:
-            made.append(roofline(one, context_tokens=context_tokens, notes=notes))
+            # a model whose own cells record their prompts keeps that context; the one given
+            # stands in for a model of an earlier dvfs's cube (merged with newer ones)
+            own = None if recorded_prompt_tokens(one) is not None else context_tokens
+            made.append(roofline(one, context_tokens=own, notes=notes))
     if unknown:
         them = "them" if len(unknown) > 1 else "it"
         measure = (
