@@ -1044,6 +1044,54 @@ def test_a_round_asks_for_no_more_tokens_than_the_deadline_leaves_time_for() -> 
     assert deadline_tokens(burst, None) is None
 
 
+class Deadlined(Recording):
+    """The recording twin with a request deadline (`request_timeout_s`), as SGLang has: the
+    rounds' tokens are bounded by it (`deadline_tokens`)."""
+
+    def __init__(self, inner: Any, deadline_s: float) -> None:
+        super().__init__(inner)
+        self.request_timeout_s = deadline_s
+
+
+#: Batch 8 of 16-256 input tokens at 1980, 1500 and 1005 MHz: a 10 s deadline bounds the
+#: first decode to about 2 s, where its six segments need about 6 s: its last level is not
+#: reached (its segments come after the decode ended).
+SHORT_FIRST_ROUND = INFLIGHT_CAMPAIGN.replace("[16, 2048]", "[16, 256]")
+
+
+def short_first_round(tmp_path: Path, max_rounds: int) -> tuple[Deadlined, list[Any]]:
+    text = SHORT_FIRST_ROUND.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
+    with twin_runner(tmp_path, text) as runner:
+        engine = Deadlined(runner.engine, 10.0)
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no numpy warning about a level's empty segments
+            records = run_inflight(runner, group, settle_s=runner.settle_s)
+    return engine, records
+
+
+def test_a_level_the_first_round_never_reached_does_not_break_the_next_rounds_sizing(
+    tmp_path: Path,
+) -> None:
+    """A decode bounded by the deadline ends before its last level's segments: that level has
+    no measured rate yet, and the next round is sized from the warm-up's bound for it (its
+    NaN rate raised a ValueError out of the sweep). A level that no round reached is flagged
+    no_steady_window (invalid), as a per-level cell with no window is."""
+    engine, records = short_first_round(tmp_path, 2)
+    assert len(engine.stepped) == 2
+    first = engine.stepped[0].max_new_tokens
+    assert any(  # the first decode did leave a level out
+        all(s["measured_s"] == 0.0 for s in r.inflight["segments"] if s["round"] == 0)
+        for r in records
+    ), first
+    for record in records:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        if not any(s["measured_s"] > 0 for s in record.inflight["segments"]):
+            assert "no_steady_window" in describe_quality(m.quality)
+
+
 @pytest.mark.slow
 def test_a_warm_up_whose_chunks_came_in_one_burst_sizes_no_round_past_the_deadline(
     tmp_path: Path,

@@ -700,11 +700,22 @@ def _measure_group(
         for _ in range(step):
             order = level_order(cells, scheme, rounds)
             if measured:  # each level's rate as measured so far
+                # a level none of whose segments was measured yet (a round that ended before
+                # it) keeps the warm-up's bound
                 seen = {
-                    i: [s.rate_tok_s for s in measured if s.segment.level == i]
+                    i: [
+                        s.rate_tok_s
+                        for s in measured
+                        if s.segment.level == i and math.isfinite(s.rate_tok_s)
+                    ]
                     for i in range(len(cells))
                 }
-                rates = [float(np.nanmean(seen[cells.index(c)] or [rate])) for c in order]
+                rates = [
+                    float(np.mean(seen[cells.index(c)]))
+                    if seen[cells.index(c)]
+                    else rate_bound(rate, reference, _setting_mhz(c, runner.gpus))
+                    for c in order
+                ]
                 margin = LATER_ROUND_MARGIN
             else:
                 rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
@@ -810,7 +821,8 @@ def _measure_group(
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
         cm = _summarise(runner, cell, [s.part for s in mine], idle[index])
-        at = float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
+        where = [s.decoded_tokens for s in mine if math.isfinite(s.decoded_tokens)]
+        at = float(np.mean(where)) if where else math.nan
         places = [s.decoded_tokens for s in mine]
         energy_factor = carried_factor(energy_slope, target, places, [s.energy_j for s in mine])
         spans = [(s.window[1] - s.window[0]) * 1e-9 if s.window else math.nan for s in mine]
