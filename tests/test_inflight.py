@@ -32,7 +32,9 @@ from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
+    DRIFTS,
     ROUND_DEADLINE_SHARE,
+    Segment,
     carried_factor,
     context_slope,
     deadline_tokens,
@@ -262,6 +264,31 @@ def test_context_slope_recovers_a_relative_drift_along_the_decode(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert math.isfinite(context_slope([0.0, *values[1:]], decoded, segments, len(truth)))
+
+
+@pytest.mark.parametrize("drift", DRIFTS)
+def test_no_slope_is_fitted_where_each_level_sits_at_one_place(drift: str) -> None:
+    """Decodes that ended before the levels' second visits (each bounded by the deadline;
+    the first, shorter, before the last level): every level measured at one place along the
+    decode, give or take a few tokens. Its values differ by level (and 0.5% of noise), which
+    a fit on those few tokens took for a drift of up to 4 per 1,000 tokens (the twin's
+    1500 MHz level was carried to half its energy per token); the segments cannot tell a
+    drift there: no slope."""
+    truth, slope = [0.184, 0.155, 0.139], 1e-4
+    rng = np.random.default_rng(0)
+    segments = [Segment(r, level, level) for r in range(3) for level in range(3) if r or level < 2]
+    decoded = [120.0 + 140.0 * s.level + rng.integers(-3, 4) for s in segments]
+    values = [
+        truth[s.level] * (1 + slope * d) * (1 + rng.normal(0, 0.005))
+        for s, d in zip(segments, decoded, strict=True)
+    ]
+    assert context_slope(values, decoded, segments, 3, drift) == 0.0
+    # the same levels visited again later in each decode (abba) do tell it
+    later = [Segment(s.round, 5 - s.position, s.level) for s in segments]
+    again = [1000.0 - d for d in decoded]
+    both = values + [truth[s.level] * (1 + slope * d) for s, d in zip(later, again, strict=True)]
+    fitted = context_slope(both, decoded + again, segments + later, 3, drift)
+    assert fitted == pytest.approx(slope, rel=0.5)
 
 
 @given(

@@ -128,6 +128,9 @@ LATER_ROUND_MARGIN = 1.05
 SEGMENT_HEADROOM = 1.02
 #: Shortest measured part of a segment, in sample periods (the meter needs readings inside).
 MIN_SEGMENT_SAMPLES = 5
+#: The least spread of the tokens decoded that the levels and rounds leave unexplained, as a
+#: share of the segments' whole spread, for `context_slope` to fit a slope from.
+MIN_SLOPE_SPREAD = 0.1
 #: The share of the engine's request deadline a round may take at the slowest decode rate its
 #: warm-up allows (`deadline_tokens`).
 ROUND_DEADLINE_SHARE = 0.5
@@ -438,6 +441,15 @@ def context_slope(
     x, y, d = x[keep], y[keep], d[keep]
     used = np.flatnonzero(x.any(axis=0))
     if levels not in used or np.linalg.matrix_rank(x[:, used]) < len(used):
+        return 0.0
+    # The slope is told by where each level's own segments sit along the decode (what the
+    # levels and rounds leave of `decoded`). Where each level sits at one place (a decode
+    # that ended before the levels' second visits), that is a few tokens of jitter, and a
+    # fit on it takes the levels' own differences for a drift (a 1500 MHz level carried to
+    # half its energy per token): the segments cannot tell.
+    others = x[:, [c for c in used if c != levels]]
+    left = d - others @ np.linalg.lstsq(others, d, rcond=None)[0]
+    if float(np.ptp(left)) < MIN_SLOPE_SPREAD * float(np.ptp(d)):
         return 0.0
     if drift == "exponential":
         beta = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
