@@ -1086,8 +1086,10 @@ class Deadlined(Recording):
 SHORT_FIRST_ROUND = INFLIGHT_CAMPAIGN.replace("[16, 2048]", "[16, 256]")
 
 
-def short_first_round(tmp_path: Path, max_rounds: int) -> tuple[Deadlined, list[Any]]:
-    text = SHORT_FIRST_ROUND.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
+def short_first_round(
+    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND
+) -> tuple[Deadlined, list[Any]]:
+    text = text.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
     with twin_runner(tmp_path, text) as runner:
         engine = Deadlined(runner.engine, 10.0)
         runner.engine = engine  # type: ignore[assignment]
@@ -1117,6 +1119,24 @@ def test_a_level_the_first_round_never_reached_does_not_break_the_next_rounds_si
         assert record.ok and m is not None, record.errors
         if not any(s["measured_s"] > 0 for s in record.inflight["segments"]):
             assert "no_steady_window" in describe_quality(m.quality)
+
+
+def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path: Path) -> None:
+    """The first decode, bounded by the deadline at the rate the short warm-up's whole time
+    allows (its prefill a large share of it), ends before its last level. Each later decode
+    is bounded by the rate the previous decode's whole time allows, at the slowest level
+    against the fastest: that level is measured there, not left out of every decode (as a
+    bound from the warm-up alone left it, flagged no_steady_window, in all of them)."""
+    engine, records = short_first_round(tmp_path, 3, INFLIGHT_CAMPAIGN)  # prompts to 2048
+    asked = [load.max_new_tokens for load in engine.stepped]
+    assert len(asked) == 3 and asked[1] > asked[0], asked
+    unreached = [r for r in records if all(s["round"] > 0 for s in r.inflight["segments"])]
+    assert unreached  # the first decode did leave a level out
+    for record in records:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        assert "no_steady_window" not in describe_quality(m.quality)
+        assert any(s["measured_s"] > 0 for s in record.inflight["segments"])
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ variation like a per-level cell's interval over rounds. How well the levels are 
 each other (drift and each decode's prompts fitted out, `level_estimates`) is kept as
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
 rate, with a few percent to spare, and never past half the engine's request deadline at the
-slowest rate the warm-up allows (`deadline_tokens`).
+slowest rate the warm-up allows, then the previous decode (`deadline_tokens`); the levels a
+decode ends before are left to the next ones.
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
@@ -699,8 +700,9 @@ def _measure_group(
     reference = _setting_mhz(first, runner.gpus)
     # No round is asked for more tokens than the request deadline leaves time for, however
     # fast the warm-up's chunks seemed to arrive.
-    slowest = min(_setting_mhz(c, runner.gpus) for c in cells) / reference
-    most = deadline_tokens(warm, getattr(runner.engine, "request_timeout_s", None), slowest)
+    clocks = [_setting_mhz(c, runner.gpus) for c in cells]
+    deadline_s = getattr(runner.engine, "request_timeout_s", None)
+    most = deadline_tokens(warm, deadline_s, min(clocks) / reference)
 
     measured: list[_Measured] = []
     results: list[RoundResult] = []
@@ -751,6 +753,13 @@ def _measure_group(
             if window is None or not result.knob_ns:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
             results.append(result)
+            # A decode's whole time bounds the rate again, its prefill a smaller share of it
+            # than of the short warm-up's (which, with a long prefill, can bound the first
+            # decode to less than its segments need: the levels it did not reach are left to
+            # the next decodes). It ran at any of the levels: the fastest at most bounds it.
+            again = deadline_tokens(result, deadline_s, min(clocks) / max(clocks))
+            if most is not None and again is not None:
+                most = max(most, again)
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
