@@ -34,6 +34,7 @@ from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
     DRIFTS,
     ROUND_DEADLINE_SHARE,
+    SCHEMES,
     Segment,
     carried_factor,
     context_slope,
@@ -1137,6 +1138,62 @@ def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path:
         assert record.ok and m is not None, record.errors
         assert "no_steady_window" not in describe_quality(m.quality)
         assert any(s["measured_s"] > 0 for s in record.inflight["segments"])
+
+
+class Unstepped(Recording):
+    """The recording twin whose stepped decodes listed in `missed` (0-based) run no knob step,
+    as SGLang's decode does when it ends before its stepping thread is scheduled."""
+
+    def __init__(self, inner: Any, missed: set[int]) -> None:
+        super().__init__(inner)
+        self.missed = missed
+        self.stepped_count = 0
+
+    def run(self, workload: Any, timeline: KnobTimeline | None = None) -> Any:
+        if timeline is not None:
+            self.stepped_count += 1
+            if self.stepped_count - 1 in self.missed:
+                result = self.inner.run(workload, None)
+                self.loads.append(workload)
+                self.rounds.append(result)
+                self.stepped.append(workload)
+                return result
+        return super().run(workload, timeline)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the_next(
+    tmp_path: Path, scheme: str
+) -> None:
+    """A short decode on a loaded host can end before the knob-stepping thread is scheduled:
+    it ran no step and measured no level. The group goes on to its next decode (it failed
+    with "no steady window", using up a retry); on its last decode, or twice in a row, it is
+    an error that says so."""
+    # a precision no four decodes reach: each group runs all four
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6").replace(
+        "\nmode = ", f'\ninflight_order = "{scheme}"\nmode = '
+    )
+    with twin_runner(tmp_path, text) as runner:
+        engine = Unstepped(runner.engine, {0})
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+    assert len(engine.stepped) == 4
+    for record in records:
+        m = record.measurement
+        assert record.ok and record.attempts == 1 and m is not None, record.errors
+        assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
+        assert {s["round"] for s in record.inflight["segments"]} == {1, 2, 3}
+        assert record.inflight["rounds"] == m.rounds == 4
+    for missed in ({0, 1}, {3}):  # the retry's decodes all step
+        (tmp_path / str(min(missed))).mkdir()
+        with twin_runner(tmp_path / str(min(missed)), text) as runner:
+            runner.engine = Unstepped(runner.engine, missed)  # type: ignore[assignment]
+            group = inflight_groups(plan_cells(runner.campaign))[0]
+            records = run_inflight(runner, group, settle_s=runner.settle_s)
+        assert all("before its first knob step ran" in r.errors[0] for r in records), [
+            r.errors for r in records
+        ]
 
 
 @pytest.mark.slow

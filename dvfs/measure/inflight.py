@@ -710,6 +710,7 @@ def _measure_group(
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
     rounds = 0
+    unstepped = False  # the last decode ran no knob step
     while rounds < max_rounds:
         for _ in range(step):
             order = level_order(cells, scheme, rounds)
@@ -750,8 +751,14 @@ def _measure_group(
                 raise EngineError(f"{len(failed)} request(s) failed; first: {failed[0]}")
             samples = sampler.samples.arrays()
             window = steady_window_ns(result, "fixed")
-            if window is None or not result.knob_ns:
+            if window is None:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
+            if not result.knob_ns and (unstepped or rounds + 1 >= max_rounds):
+                raise EngineError(
+                    f"the in-flight decode ({tokens} tokens) ended before its first knob step "
+                    f"ran{', twice in a row' if unstepped else ''}: the knob-stepping thread was "
+                    "not scheduled in time (a loaded host)"
+                )
             results.append(result)
             # A decode's whole time bounds the rate again, its prefill a smaller share of it
             # than of the short warm-up's (which, with a long prefill, can bound the first
@@ -760,6 +767,15 @@ def _measure_group(
             again = deadline_tokens(result, deadline_s, min(clocks) / max(clocks))
             if most is not None and again is not None:
                 most = max(most, again)
+            unstepped = not result.knob_ns
+            if unstepped:
+                # A short decode that ended before the stepping thread ran its first step (the
+                # level it sets is the one the GPUs are at: the previous decode ended there)
+                # measured no level: like a decode that ends before a level's segments, it
+                # leaves its levels to the next decode (one follows: else an error above).
+                gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
+                rounds += 1
+                continue
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
