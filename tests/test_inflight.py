@@ -32,7 +32,10 @@ from dvfs.gpu.knobs import KnobController, KnobSetting
 from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
+    DRIFTS,
     ROUND_DEADLINE_SHARE,
+    SCHEMES,
+    Segment,
     carried_factor,
     context_slope,
     deadline_tokens,
@@ -262,6 +265,31 @@ def test_context_slope_recovers_a_relative_drift_along_the_decode(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert math.isfinite(context_slope([0.0, *values[1:]], decoded, segments, len(truth)))
+
+
+@pytest.mark.parametrize("drift", DRIFTS)
+def test_no_slope_is_fitted_where_each_level_sits_at_one_place(drift: str) -> None:
+    """Decodes that ended before the levels' second visits (each bounded by the deadline;
+    the first, shorter, before the last level): every level measured at one place along the
+    decode, give or take a few tokens. Its values differ by level (and 0.5% of noise), which
+    a fit on those few tokens took for a drift of up to 4 per 1,000 tokens (the twin's
+    1500 MHz level was carried to half its energy per token); the segments cannot tell a
+    drift there: no slope."""
+    truth, slope = [0.184, 0.155, 0.139], 1e-4
+    rng = np.random.default_rng(0)
+    segments = [Segment(r, level, level) for r in range(3) for level in range(3) if r or level < 2]
+    decoded = [120.0 + 140.0 * s.level + rng.integers(-3, 4) for s in segments]
+    values = [
+        truth[s.level] * (1 + slope * d) * (1 + rng.normal(0, 0.005))
+        for s, d in zip(segments, decoded, strict=True)
+    ]
+    assert context_slope(values, decoded, segments, 3, drift) == 0.0
+    # the same levels visited again later in each decode (abba) do tell it
+    later = [Segment(s.round, 5 - s.position, s.level) for s in segments]
+    again = [1000.0 - d for d in decoded]
+    both = values + [truth[s.level] * (1 + slope * d) for s, d in zip(later, again, strict=True)]
+    fitted = context_slope(both, decoded + again, segments + later, 3, drift)
+    assert fitted == pytest.approx(slope, rel=0.5)
 
 
 @given(
@@ -1042,6 +1070,130 @@ def test_a_round_asks_for_no_more_tokens_than_the_deadline_leaves_time_for() -> 
     needed = tokens_needed([decode_rate_tok_s(punctual)] * 4, 0.05, 1.15)
     assert needed <= (deadline_tokens(punctual, deadline, slowest) or 0)
     assert deadline_tokens(burst, None) is None
+
+
+class Deadlined(Recording):
+    """The recording twin with a request deadline (`request_timeout_s`), as SGLang has: the
+    rounds' tokens are bounded by it (`deadline_tokens`)."""
+
+    def __init__(self, inner: Any, deadline_s: float) -> None:
+        super().__init__(inner)
+        self.request_timeout_s = deadline_s
+
+
+#: Batch 8 of 16-256 input tokens at 1980, 1500 and 1005 MHz: a 10 s deadline bounds the
+#: first decode to about 2 s, where its six segments need about 6 s: its last level is not
+#: reached (its segments come after the decode ended).
+SHORT_FIRST_ROUND = INFLIGHT_CAMPAIGN.replace("[16, 2048]", "[16, 256]")
+
+
+def short_first_round(
+    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND
+) -> tuple[Deadlined, list[Any]]:
+    text = text.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
+    with twin_runner(tmp_path, text) as runner:
+        engine = Deadlined(runner.engine, 10.0)
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no numpy warning about a level's empty segments
+            records = run_inflight(runner, group, settle_s=runner.settle_s)
+    return engine, records
+
+
+def test_a_level_the_first_round_never_reached_does_not_break_the_next_rounds_sizing(
+    tmp_path: Path,
+) -> None:
+    """A decode bounded by the deadline ends before its last level's segments: that level has
+    no measured rate yet, and the next round is sized from the warm-up's bound for it (its
+    NaN rate raised a ValueError out of the sweep). A level that no round reached is flagged
+    no_steady_window (invalid), as a per-level cell with no window is."""
+    engine, records = short_first_round(tmp_path, 2)
+    assert len(engine.stepped) == 2
+    first = engine.stepped[0].max_new_tokens
+    assert any(  # the first decode did leave a level out
+        all(s["measured_s"] == 0.0 for s in r.inflight["segments"] if s["round"] == 0)
+        for r in records
+    ), first
+    for record in records:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        if not any(s["measured_s"] > 0 for s in record.inflight["segments"]):
+            assert "no_steady_window" in describe_quality(m.quality)
+
+
+def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path: Path) -> None:
+    """The first decode, bounded by the deadline at the rate the short warm-up's whole time
+    allows (its prefill a large share of it), ends before its last level. Each later decode
+    is bounded by the rate the previous decode's whole time allows, at the slowest level
+    against the fastest: that level is measured there, not left out of every decode (as a
+    bound from the warm-up alone left it, flagged no_steady_window, in all of them)."""
+    engine, records = short_first_round(tmp_path, 3, INFLIGHT_CAMPAIGN)  # prompts to 2048
+    asked = [load.max_new_tokens for load in engine.stepped]
+    assert len(asked) == 3 and asked[1] > asked[0], asked
+    unreached = [r for r in records if all(s["round"] > 0 for s in r.inflight["segments"])]
+    assert unreached  # the first decode did leave a level out
+    for record in records:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        assert "no_steady_window" not in describe_quality(m.quality)
+        assert any(s["measured_s"] > 0 for s in record.inflight["segments"])
+
+
+class Unstepped(Recording):
+    """The recording twin whose stepped decodes listed in `missed` (0-based) run no knob step,
+    as SGLang's decode does when it ends before its stepping thread is scheduled."""
+
+    def __init__(self, inner: Any, missed: set[int]) -> None:
+        super().__init__(inner)
+        self.missed = missed
+        self.stepped_count = 0
+
+    def run(self, workload: Any, timeline: KnobTimeline | None = None) -> Any:
+        if timeline is not None:
+            self.stepped_count += 1
+            if self.stepped_count - 1 in self.missed:
+                result = self.inner.run(workload, None)
+                self.loads.append(workload)
+                self.rounds.append(result)
+                self.stepped.append(workload)
+                return result
+        return super().run(workload, timeline)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the_next(
+    tmp_path: Path, scheme: str
+) -> None:
+    """A short decode on a loaded host can end before the knob-stepping thread is scheduled:
+    it ran no step and measured no level. The group goes on to its next decode (it failed
+    with "no steady window", using up a retry); on its last decode, or twice in a row, it is
+    an error that says so."""
+    # a precision no four decodes reach: each group runs all four
+    text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6").replace(
+        "\nmode = ", f'\ninflight_order = "{scheme}"\nmode = '
+    )
+    with twin_runner(tmp_path, text) as runner:
+        engine = Unstepped(runner.engine, {0})
+        runner.engine = engine  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+    assert len(engine.stepped) == 4
+    for record in records:
+        m = record.measurement
+        assert record.ok and record.attempts == 1 and m is not None, record.errors
+        assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
+        assert {s["round"] for s in record.inflight["segments"]} == {1, 2, 3}
+        assert record.inflight["rounds"] == m.rounds == 4
+    for missed in ({0, 1}, {3}):  # the retry's decodes all step
+        (tmp_path / str(min(missed))).mkdir()
+        with twin_runner(tmp_path / str(min(missed)), text) as runner:
+            runner.engine = Unstepped(runner.engine, missed)  # type: ignore[assignment]
+            group = inflight_groups(plan_cells(runner.campaign))[0]
+            records = run_inflight(runner, group, settle_s=runner.settle_s)
+        assert all("before its first knob step ran" in r.errors[0] for r in records), [
+            r.errors for r in records
+        ]
 
 
 @pytest.mark.slow

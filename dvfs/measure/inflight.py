@@ -26,7 +26,8 @@ variation like a per-level cell's interval over rounds. How well the levels are 
 each other (drift and each decode's prompts fitted out, `level_estimates`) is kept as
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
 rate, with a few percent to spare, and never past half the engine's request deadline at the
-slowest rate the warm-up allows (`deadline_tokens`).
+slowest rate the warm-up allows, then the previous decode (`deadline_tokens`); the levels a
+decode ends before are left to the next ones.
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
@@ -128,6 +129,9 @@ LATER_ROUND_MARGIN = 1.05
 SEGMENT_HEADROOM = 1.02
 #: Shortest measured part of a segment, in sample periods (the meter needs readings inside).
 MIN_SEGMENT_SAMPLES = 5
+#: The least spread of the tokens decoded that the levels and rounds leave unexplained, as a
+#: share of the segments' whole spread, for `context_slope` to fit a slope from.
+MIN_SLOPE_SPREAD = 0.1
 #: The share of the engine's request deadline a round may take at the slowest decode rate its
 #: warm-up allows (`deadline_tokens`).
 ROUND_DEADLINE_SHARE = 0.5
@@ -439,6 +443,15 @@ def context_slope(
     used = np.flatnonzero(x.any(axis=0))
     if levels not in used or np.linalg.matrix_rank(x[:, used]) < len(used):
         return 0.0
+    # The slope is told by where each level's own segments sit along the decode (what the
+    # levels and rounds leave of `decoded`). Where each level sits at one place (a decode
+    # that ended before the levels' second visits), that is a few tokens of jitter, and a
+    # fit on it takes the levels' own differences for a drift (a 1500 MHz level carried to
+    # half its energy per token): the segments cannot tell.
+    others = x[:, [c for c in used if c != levels]]
+    left = d - others @ np.linalg.lstsq(others, d, rcond=None)[0]
+    if float(np.ptp(left)) < MIN_SLOPE_SPREAD * float(np.ptp(d)):
+        return 0.0
     if drift == "exponential":
         beta = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
         return float(beta[used.tolist().index(levels)])
@@ -687,8 +700,9 @@ def _measure_group(
     reference = _setting_mhz(first, runner.gpus)
     # No round is asked for more tokens than the request deadline leaves time for, however
     # fast the warm-up's chunks seemed to arrive.
-    slowest = min(_setting_mhz(c, runner.gpus) for c in cells) / reference
-    most = deadline_tokens(warm, getattr(runner.engine, "request_timeout_s", None), slowest)
+    clocks = [_setting_mhz(c, runner.gpus) for c in cells]
+    deadline_s = getattr(runner.engine, "request_timeout_s", None)
+    most = deadline_tokens(warm, deadline_s, min(clocks) / reference)
 
     measured: list[_Measured] = []
     results: list[RoundResult] = []
@@ -696,15 +710,27 @@ def _measure_group(
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
     rounds = 0
+    unstepped = False  # the last decode ran no knob step
     while rounds < max_rounds:
         for _ in range(step):
             order = level_order(cells, scheme, rounds)
             if measured:  # each level's rate as measured so far
+                # a level none of whose segments was measured yet (a round that ended before
+                # it) keeps the warm-up's bound
                 seen = {
-                    i: [s.rate_tok_s for s in measured if s.segment.level == i]
+                    i: [
+                        s.rate_tok_s
+                        for s in measured
+                        if s.segment.level == i and math.isfinite(s.rate_tok_s)
+                    ]
                     for i in range(len(cells))
                 }
-                rates = [float(np.nanmean(seen[cells.index(c)] or [rate])) for c in order]
+                rates = [
+                    float(np.mean(seen[cells.index(c)]))
+                    if seen[cells.index(c)]
+                    else rate_bound(rate, reference, _setting_mhz(c, runner.gpus))
+                    for c in order
+                ]
                 margin = LATER_ROUND_MARGIN
             else:
                 rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
@@ -725,9 +751,31 @@ def _measure_group(
                 raise EngineError(f"{len(failed)} request(s) failed; first: {failed[0]}")
             samples = sampler.samples.arrays()
             window = steady_window_ns(result, "fixed")
-            if window is None or not result.knob_ns:
+            if window is None:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
+            if not result.knob_ns and (unstepped or rounds + 1 >= max_rounds):
+                raise EngineError(
+                    f"the in-flight decode ({tokens} tokens) ended before its first knob step "
+                    f"ran{', twice in a row' if unstepped else ''}: the knob-stepping thread was "
+                    "not scheduled in time (a loaded host)"
+                )
             results.append(result)
+            # A decode's whole time bounds the rate again, its prefill a smaller share of it
+            # than of the short warm-up's (which, with a long prefill, can bound the first
+            # decode to less than its segments need: the levels it did not reach are left to
+            # the next decodes). It ran at any of the levels: the fastest at most bounds it.
+            again = deadline_tokens(result, deadline_s, min(clocks) / max(clocks))
+            if most is not None and again is not None:
+                most = max(most, again)
+            unstepped = not result.knob_ns
+            if unstepped:
+                # A short decode that ended before the stepping thread ran its first step (the
+                # level it sets is the one the GPUs are at: the previous decode ended there)
+                # measured no level: like a decode that ends before a level's segments, it
+                # leaves its levels to the next decode (one follows: else an error above).
+                gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
+                rounds += 1
+                continue
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
@@ -810,7 +858,8 @@ def _measure_group(
     for index, cell in enumerate(cells):
         mine = [s for s in measured if s.segment.level == index]
         cm = _summarise(runner, cell, [s.part for s in mine], idle[index])
-        at = float(np.nanmean([s.decoded_tokens for s in mine])) if mine else math.nan
+        where = [s.decoded_tokens for s in mine if math.isfinite(s.decoded_tokens)]
+        at = float(np.mean(where)) if where else math.nan
         places = [s.decoded_tokens for s in mine]
         energy_factor = carried_factor(energy_slope, target, places, [s.energy_j for s in mine])
         spans = [(s.window[1] - s.window[0]) * 1e-9 if s.window else math.nan for s in mine]
