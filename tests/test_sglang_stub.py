@@ -754,3 +754,39 @@ def test_a_step_emitted_late_delays_the_later_ones_rather_than_bunching_them(
     gaps = [b - a for a, b in zip(emitted, emitted[1:], strict=False)]
     assert min(gaps) >= tpot - 1e-9, gaps
     assert emitted[-1] - emitted[0] >= 10 * tpot + 0.5 - 1e-9  # steps 0-2, starved, 3-11
+
+
+def test_the_moments_spent_emitting_a_batchs_steps_do_not_stretch_its_schedule(
+    stub_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, on a fake clock: two requests decoded together, each emission taking 0.1 ms.
+    The step due beside another is that much late every time; taken for lateness, it moved
+    every later step back, and the batch drifted off its tpot_s schedule step by step."""
+    tpot = 0.01
+    cfg = stub_module.StubConfig(version="0.5.23", ttft_s=0.0, tpot_s=tpot)
+    args, spec = stub_module.parse_launch_argv(["--model-path", "m"], cfg)
+    stub = stub_module.Stub(cfg, args, spec)
+    now = [1000.0]
+
+    class FakeTime:
+        @staticmethod
+        def monotonic() -> float:
+            return now[0]
+
+        @staticmethod
+        def time() -> float:
+            return now[0]
+
+    def wait(timeout: float | None = None) -> bool:
+        now[0] += timeout or 0.0
+        return False
+
+    monkeypatch.setattr(stub_module, "time", FakeTime)
+    monkeypatch.setattr(stub.stop, "wait", wait)
+    body = {"text": ["a b", "c d"], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    plan = stub.plan(body, 1)
+    last = 0.0
+    for _sub, _j in stub.run(plan):
+        last = now[0]
+        now[0] += 0.0001  # emitting the step
+    assert last - 1000.0 <= 39 * tpot + 2 * 0.0001 + 1e-9

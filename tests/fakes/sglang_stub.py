@@ -806,6 +806,11 @@ class RequestError(Exception):
         self.in_band = in_band
 
 
+#: How late a decode step may be emitted before the later ones move back as much (the time
+#: the steps due at one moment take to emit stays within it; a starved process does not).
+SLIP_TOLERANCE_S = 0.0005
+
+
 class ServerStoppingError(Exception):
     """The server is shutting down while a request is in flight."""
 
@@ -1211,9 +1216,9 @@ class Stub:
     def run(
         self, plan: Plan, gone: Callable[[], bool] | None = None
     ) -> Iterator[tuple[SubRequest, int]]:
-        """Apply emissions in time order, sleeping until each is due (a step emitted late
-        moves every later one back as much: never two steps closer than tpot_s); yields
-        (sub, step).
+        """Apply emissions in time order, sleeping until each is due (a step emitted more
+        than SLIP_TOLERANCE_S late moves every later one back as much: never two steps of a
+        request closer than tpot_s less that tolerance); yields (sub, step).
         A sub-request marked for abort stops at its next step instead (yielded once more,
         done, with the step it did not take). Once every sub-request is done the request
         stops counting as running, before its last chunk is yielded (SGLang's scheduler
@@ -1234,10 +1239,12 @@ class Stub:
             if sub.done:
                 continue
             delay = plan.t0 + offset + slip - time.monotonic()
-            if delay < 0:
+            if delay < -SLIP_TOLERANCE_S:
                 # Late: this step and every later one move back as much. A server that falls
                 # behind does not catch up in a burst of steps, which would bring a request's
-                # tokens closer than tpot_s apart and its measured TPOT below the stub's.
+                # tokens closer than tpot_s apart and its measured TPOT below the stub's. (The
+                # moments spent emitting the steps due together are not lateness: counted,
+                # they would stretch every request of a batch a little more at each step.)
                 slip -= delay
             if self.stop.wait(max(delay, 0.0)):
                 raise ServerStoppingError
