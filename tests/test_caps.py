@@ -219,7 +219,7 @@ def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> 
         assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000, named
     nvml.fake_update_device(0, locked_clocks=[210, 1200], power_limit_mw=450_000)
     typo = CliRunner().invoke(cli, ["cap", "reset", "0", "9"])
-    assert typo.exit_code == 1 and "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
+    assert typo.exit_code == 2 and "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
     assert typo.stdout == "" and nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
 
 

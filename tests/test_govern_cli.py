@@ -729,6 +729,34 @@ def test_a_gpu_named_twice_is_refused_in_one_line(
     assert not nvml.fake_calls()
 
 
+def test_a_gpu_not_on_the_host_is_a_usage_error_the_units_do_not_restart_on(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`dvfs govern --gpu 5` on a host of two GPUs (a typo in the unit's ExecStart) exited 1,
+    so dvfs-govern.service restarted it five times before failing, and dvfs-monitor.service
+    likewise: an error no restart fixes. It is a usage error, exit 2, which each unit that
+    restarts lists in RestartPreventExitStatus; nothing is changed on the GPUs."""
+    closed = f"http://127.0.0.1:{closed_port()}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "5"],
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "0", "--gpu", "GPU-nothere"],
+        ["monitor", "--once", "--interval", "0.01", "--gpu", "5"],
+        ["cap", "reset", "5"],
+    ):
+        result = dvfs_in_process(*argv, env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, (argv, printed)
+        assert "this machine has 2 GPU(s)" in printed and "Traceback" not in printed, printed
+        assert len([line for line in printed.splitlines() if "Error:" in line]) == 1, printed
+    assert not nvml.fake_calls()
+    for unit in ("dvfs-govern.service", "dvfs-monitor.service"):
+        text = (REPO / "systemd" / unit).read_text()
+        [prevent] = re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M)
+        assert "2" in prevent.split(), unit
+
+
 def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:
     from dvfs.govern.metrics import scrape
 
