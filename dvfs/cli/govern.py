@@ -4,7 +4,7 @@ power, clocks and energy per token, read-only), both exporting Prometheus text o
 `govern` exits 0 after --max-intervals, 1 for a dry run whose server does not answer at the
 start (nothing to preview), a GPU fallen off the bus (with no --gpu: it governs none) or a
 governed GPU that stops answering NVML (the others put back), 2
-for a bad plan or one this host's GPUs cannot follow, 3 when a GPU holds unrestored changes or
+for a bad plan or one this host's GPUs cannot follow or a --gpu not on this host, 3 when a GPU holds unrestored changes or
 another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
 restored first.
 """
