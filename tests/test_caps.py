@@ -196,6 +196,43 @@ def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypa
         assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
 
 
+def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_path) -> None:
+    """`dvfs cap reset` (the caps unit's ExecStop) with a running governor holding GPU 0 reset
+    no GPU at all (exit 3), leaving GPU 1 capped, where `dvfs gpu reset` skips a busy GPU. It
+    now resets every GPU it can, leaves the held one to its process (which puts back what it
+    found when it stops) and names it in one line with the command that resets it later, exit
+    3; GPUs named are treated so too."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
+            )
+        )
+    )
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    for named in ((), ("0", "1")):
+        invoke("cap", "apply", str(caps))
+        with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+            result = CliRunner().invoke(cli, ["cap", "reset", *named])
+        assert result.exit_code == 3, (named, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        uuid = nvml.fake_device_state(1)["uuid"]
+        assert f"GPU 1 ({uuid}): clocks unlocked" in result.stdout, named
+        assert "GPU 0" not in result.stdout, named
+        [error] = [line for line in result.stderr.splitlines() if line.strip()]
+        assert "GPU 0 (" in error and "in use by another dvfs process" in error, error
+        assert "`dvfs cap reset 0`" in error, error
+        assert nvml.fake_device_state(1)["locked_clocks"] is None
+        assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+        assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
+        invoke("cap", "reset", "0")  # once the holder is gone
+        assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every

@@ -559,13 +559,28 @@ def enforce_plan(
         apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
 
 
-def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
-    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs."""
+def reset_locked(
+    gpus: Sequence[Gpu], directory: Path
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]]]:
+    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
+    holds are left alone and returned (with their refusals) beside what was done on the others, so
+    that one running governor does not keep every other GPU capped (`cap reset` at the caps
+    unit's stop)."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
-    with signals_raise(), GpuLocks(directory).hold(gpus):
-        return reset_caps(gpus, AppliedCaps(directory))
+    locks = GpuLocks(directory)
+    with signals_raise(), contextlib.ExitStack() as held:
+        free: list[Gpu] = []
+        busy: list[tuple[Gpu, GpuBusyError]] = []
+        for gpu in gpus:
+            try:
+                held.enter_context(locks.hold([gpu]))
+            except GpuBusyError as exc:
+                busy.append((gpu, exc))
+                continue
+            free.append(gpu)
+        return reset_caps(free, AppliedCaps(directory)), busy
 
 
 def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
