@@ -301,6 +301,33 @@ def test_dry_run_prints_and_calls_no_setter(
     )
 
 
+def test_a_dry_run_beside_a_running_governor_needs_no_metrics_port(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """The README's `dvfs govern --dry-run` took the governor's default metrics port, 9435,
+    so beside a running dvfs-govern.service it failed "Address already in use", previewing
+    nothing. A dry run serves no metrics unless given --listen; given it, it serves there."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    argv = ("govern", "--plan", str(plan), "--url", stub, "--gpu", "0", "--interval", "0.1")
+    with contextlib.ExitStack() as stack:
+        taken = stack.enter_context(socket.socket())
+        # the governor's port, as a running governor holds it (already held: as good)
+        with contextlib.suppress(OSError):
+            taken.bind(("127.0.0.1", 9435))
+            taken.listen()
+        result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "2", env=env)
+    printed = result.stdout + result.stderr
+    assert result.returncode == 0, printed
+    assert "dry run stopped" in printed and "serving metrics" not in printed, printed
+    given = dvfs_in_process(
+        *argv, "--dry-run", "--max-intervals", "2", "--listen", "127.0.0.1:0", env=env
+    )
+    assert given.returncode == 0, given.stderr
+    assert "serving metrics on http://127.0.0.1:" in given.stderr, given.stderr
+    assert nvml.fake_calls() == []
+
+
 def test_a_plan_for_another_gpu_model_or_a_twin_is_refused(
     tmp_path: Path, env: dict[str, str], nvml
 ) -> None:
