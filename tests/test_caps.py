@@ -137,6 +137,78 @@ def test_root_refuses_a_world_writable_caps_file(tmp_path: Path) -> None:
         load_caps(path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
+def test_root_refuses_a_caps_file_or_plan_in_a_folder_others_may_write(tmp_path: Path) -> None:
+    """A root-owned 0644 caps file (or plan) in a folder others may write was accepted: any of
+    them could replace it (their own file renamed over it between the check and the read, or
+    a link to any root-owned file). Refused, naming the folder: one everyone may write (without
+    the sticky bit, as /tmp has), one a group but root's may write, one a user owns, and the
+    folder of a link's target as well as the link's own."""
+    from dvfs.govern.plan import load_plan
+
+    text = dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),)))
+    plan_text = (
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o755)
+    (safe / "caps.toml").write_text(text)
+    (safe / "plan.toml").write_text(plan_text)
+    assert load_caps(safe / "caps.toml").caps[0].power_limit_w == 400.0
+    assert load_plan(safe / "plan.toml").steps
+    for name, mode, owner, who in (
+        ("everyone", 0o777, (0, 0), "everyone"),
+        ("group", 0o775, (0, 1), "group "),
+        ("user", 0o755, (1, 0), "its owner "),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, content in (("caps.toml", text), ("plan.toml", plan_text)):
+            (folder / file).write_text(content)
+            (folder / file).chmod(0o644)
+        os.chown(folder, *owner)
+        folder.chmod(mode)
+        for load, file in ((load_caps, "caps.toml"), (load_plan, "plan.toml")):
+            with pytest.raises(CapsError, match=f"is in {folder}, which {who}") as caught:
+                load(folder / file)
+            assert "/etc/dvfs" in str(caught.value)
+    link = safe / "link.toml"
+    link.symlink_to(tmp_path / "everyone" / "caps.toml")  # a safe folder, an unsafe target
+    with pytest.raises(CapsError, match="which everyone may write"):
+        load_caps(link)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    (sticky / "caps.toml").write_text(text)
+    sticky.chmod(0o1777)  # as /tmp: others cannot replace root's file there
+    assert load_caps(sticky / "caps.toml").caps[0].power_limit_w == 400.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the ownership check applies to root only")
+def test_root_reads_the_caps_file_it_checked(tmp_path: Path, monkeypatch) -> None:
+    """The caps file was checked by its path, then opened by its path again: a file put there
+    in between (another user's, renamed over it) was read, unchecked. The checks are now made
+    on the file opened, which is the one read."""
+    import dvfs.caps.files as files
+
+    path = tmp_path / "caps.toml"
+    path.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))))
+    theirs = tmp_path / "theirs.toml"
+    theirs.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=100.0),))))
+    os.chown(theirs, 1, 1)
+    check = files.check_file_safety
+
+    def check_then_swap(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        check(*args, **kwargs)
+        if theirs.exists():
+            os.replace(theirs, path)  # another user's file, in place once the check passed
+
+    monkeypatch.setattr(files, "check_file_safety", check_then_swap)
+    assert load_caps(path).caps[0].power_limit_w == 400.0  # the file checked, not theirs
+    with pytest.raises(CapsError, match="not owned by root"):
+        load_caps(path)  # theirs, checked
+
+
 def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     headroom = tmp_path / "headroom.json"
