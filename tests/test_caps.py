@@ -602,6 +602,13 @@ def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path
     )
     caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
     assert "no entry" not in invoke("cap", "apply", str(caps))  # every GPU here has its caps
+    # One with MIG enabled no plan can cap (dvfs refuses MIG GPUs): told so, not to plan it.
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    nvml.fake_update_device(1, mig=True)
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    told = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert f"GPU 1 ({gpus[1]['uuid']}) has MIG enabled and was left alone" in told, told
+    assert "no entry" not in told and "dvfs cap plan" not in told, told
 
 
 def twin_doc() -> dict:

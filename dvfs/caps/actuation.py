@@ -262,7 +262,8 @@ class CapsPlan:
     one line naming the GPUs fallen off the bus, planned without (their UUIDs cannot be read,
     so an unmatched UUID may be one of them), "" when none is. `untouched`: this host's GPUs
     that no entry names, by UUID or model (another model than the file's, a GPU the plan did
-    not measure), which the apply leaves as they are.
+    not measure), which the apply leaves as they are; one of them with MIG enabled is in
+    `mig` instead (no plan caps it).
     """
 
     actions: tuple[CapAction, ...]
@@ -364,7 +365,10 @@ def plan_actions(
         ident = gpu.identity
         cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
-            untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
+            if gpu.mig_enabled():  # no plan caps it while MIG is on: noted as MIG, not "plan it"
+                mig.append(f"GPU {ident.index} ({ident.uuid})")
+            else:
+                untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
             continue
         matched.add(id(cap))
         if cap.uuid and measured and base_model_name(ident.name) not in measured:
