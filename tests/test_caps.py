@@ -567,6 +567,8 @@ def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     for extra in (("--dry-run",), ()):
         told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
         assert f"GPU 1 ({uuids[1]}) is a {h200}" in told and f"measured on {h100}" in told, told
+        # the way out for a file joined by hand from each model's plan (applied below)
+        assert "lists each in [meta] measured_on, comma-separated" in told, told
         assert "GPU 0" not in told and "applied" not in told
     assert nvml.fake_calls() == []  # nothing applied, the H100 included
     both = load_caps(caps)

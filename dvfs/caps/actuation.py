@@ -378,7 +378,9 @@ def plan_actions(
             problems.append(
                 f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
                 f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
-                "own model, or remove its entry"
+                "own model, or remove its entry (a file joining plans of several models lists "
+                "each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
+                "writes it)"
             )
             continue
         if gpu.mig_enabled():
