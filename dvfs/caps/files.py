@@ -161,8 +161,9 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
             elif held.st_mode & stat.S_IWGRP and held.st_gid != 0:
                 who = f"group {_group_name(held.st_gid)}"
         if who is not None:
+            where = "is in" if folder in given.parents else "links to a file in"
             raise CapsError(
-                f"{path} is in {folder}, which {who} may write (and so replace the file); as "
+                f"{path} {where} {folder}, which {who} may write (and so replace the file); as "
                 "root dvfs refuses it: keep it in a folder only root can write, such as /etc/dvfs"
             )
 
