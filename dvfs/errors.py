@@ -54,7 +54,11 @@ class GpuUnavailableError(GpuError):
 
 
 class GpuNotFoundError(GpuUnavailableError):
-    """No GPU of that index or UUID on this machine (a typo, not a GPU that fails NVML)."""
+    """No GPU of that index or UUID on this machine (a typo, not a GPU that fails NVML): bad
+    usage, exit 2, so that a systemd unit naming it (`RestartPreventExitStatus=2`) is left
+    failed rather than restarted on an error no restart fixes."""
+
+    exit_code = 2
 
 
 class GpuPermissionError(GpuError):

@@ -4,9 +4,14 @@ line instead of being read until memory runs out. Pipes stay readable (`<(genera
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 from dvfs.errors import DvfsError
+
+#: Checks an opened file (its path and `os.fstat`) before a byte is read; raises to refuse it.
+OpenedCheck = Callable[[Path, os.stat_result], None]
 
 #: The most bytes of a settings file (campaign, caps file, plan, profile) read.
 MAX_SETTINGS_BYTES = 16 << 20
@@ -15,9 +20,15 @@ MAX_SETTINGS_BYTES = 16 << 20
 MAX_DOCUMENT_BYTES = 64 << 20
 
 
-def read_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> bytes:
-    """`path`'s bytes, at most `limit` of them: more raises `error` naming the file."""
+def read_limited(
+    path: Path, limit: int, error: type[DvfsError], what: str, check: OpenedCheck | None = None
+) -> bytes:
+    """`path`'s bytes, at most `limit` of them: more raises `error` naming the file. `check`
+    sees the file opened, before it is read: the file read is the file checked, whatever
+    replaces the path meanwhile."""
     with open(path, "rb") as f:
+        if check is not None:
+            check(path, os.fstat(f.fileno()))
         data = f.read(limit + 1)
     if len(data) > limit:
         raise error(
@@ -27,9 +38,11 @@ def read_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> b
     return data
 
 
-def read_text_limited(path: Path, limit: int, error: type[DvfsError], what: str) -> str:
+def read_text_limited(
+    path: Path, limit: int, error: type[DvfsError], what: str, check: OpenedCheck | None = None
+) -> str:
     """`read_limited` as UTF-8 text with universal newlines, as `Path.read_text` reads it, less
     a leading UTF-8 byte-order mark (Windows editors save one; TOML and JSON parsers read it as
     a stray character, "invalid statement at line 1, column 1" of a valid file)."""
-    text = read_limited(path, limit, error, what).decode("utf-8-sig")
+    text = read_limited(path, limit, error, what, check).decode("utf-8-sig")
     return text.replace("\r\n", "\n").replace("\r", "\n")

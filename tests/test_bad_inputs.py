@@ -1216,9 +1216,15 @@ GPU_CASES = [
         for where, value in (("dev-null", "/dev/null"), ("under-a-file", "{tmp}/file.txt/s"))
         for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"], ["cap", "show"])
     ),
-    C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",)),
-    C("gpu-reset-no-such-uuid", ["gpu", "reset", "GPU-nope"], nvml=True, says=("GPU-nope",)),
-    C("cap-reset-no-such-index", ["cap", "reset", "7"], nvml=True, says=("7",)),
+    C("gpu-info-no-such-index", ["gpu", "info", "99"], nvml=True, says=("99",), code=2),
+    C(
+        "gpu-reset-no-such-uuid",
+        ["gpu", "reset", "GPU-nope"],
+        nvml=True,
+        says=("GPU-nope",),
+        code=2,
+    ),
+    C("cap-reset-no-such-index", ["cap", "reset", "7"], nvml=True, says=("7",), code=2),
     C(
         "cap-apply-gpu-not-here",
         ["cap", "apply", "{tmp}/caps.toml", "--dry-run"],

@@ -137,6 +137,78 @@ def test_root_refuses_a_world_writable_caps_file(tmp_path: Path) -> None:
         load_caps(path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
+def test_root_refuses_a_caps_file_or_plan_in_a_folder_others_may_write(tmp_path: Path) -> None:
+    """A root-owned 0644 caps file (or plan) in a folder others may write was accepted: any of
+    them could replace it (their own file renamed over it between the check and the read, or
+    a link to any root-owned file). Refused, naming the folder: one everyone may write (without
+    the sticky bit, as /tmp has), one a group but root's may write, one a user owns, and the
+    folder of a link's target as well as the link's own."""
+    from dvfs.govern.plan import load_plan
+
+    text = dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),)))
+    plan_text = (
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o755)
+    (safe / "caps.toml").write_text(text)
+    (safe / "plan.toml").write_text(plan_text)
+    assert load_caps(safe / "caps.toml").caps[0].power_limit_w == 400.0
+    assert load_plan(safe / "plan.toml").steps
+    for name, mode, owner, who in (
+        ("everyone", 0o777, (0, 0), "everyone"),
+        ("group", 0o775, (0, 1), "group "),
+        ("user", 0o755, (1, 0), "its owner "),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, content in (("caps.toml", text), ("plan.toml", plan_text)):
+            (folder / file).write_text(content)
+            (folder / file).chmod(0o644)
+        os.chown(folder, *owner)
+        folder.chmod(mode)
+        for load, file in ((load_caps, "caps.toml"), (load_plan, "plan.toml")):
+            with pytest.raises(CapsError, match=f"is in {folder}, which {who}") as caught:
+                load(folder / file)
+            assert "/etc/dvfs" in str(caught.value)
+    link = safe / "link.toml"
+    link.symlink_to(tmp_path / "everyone" / "caps.toml")  # a safe folder, an unsafe target
+    with pytest.raises(CapsError, match=f"links to a file in {tmp_path / 'everyone'}, which"):
+        load_caps(link)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    (sticky / "caps.toml").write_text(text)
+    sticky.chmod(0o1777)  # as /tmp: others cannot replace root's file there
+    assert load_caps(sticky / "caps.toml").caps[0].power_limit_w == 400.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the ownership check applies to root only")
+def test_root_reads_the_caps_file_it_checked(tmp_path: Path, monkeypatch) -> None:
+    """The caps file was checked by its path, then opened by its path again: a file put there
+    in between (another user's, renamed over it) was read, unchecked. The checks are now made
+    on the file opened, which is the one read."""
+    import dvfs.caps.files as files
+
+    path = tmp_path / "caps.toml"
+    path.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))))
+    theirs = tmp_path / "theirs.toml"
+    theirs.write_text(dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=100.0),))))
+    os.chown(theirs, 1, 1)
+    check = files.check_file_safety
+
+    def check_then_swap(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        check(*args, **kwargs)
+        if theirs.exists():
+            os.replace(theirs, path)  # another user's file, in place once the check passed
+
+    monkeypatch.setattr(files, "check_file_safety", check_then_swap)
+    assert load_caps(path).caps[0].power_limit_w == 400.0  # the file checked, not theirs
+    with pytest.raises(CapsError, match="not owned by root"):
+        load_caps(path)  # theirs, checked
+
+
 def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     headroom = tmp_path / "headroom.json"
@@ -196,6 +268,43 @@ def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypa
         assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
 
 
+def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_path) -> None:
+    """`dvfs cap reset` (the caps unit's ExecStop) with a running governor holding GPU 0 reset
+    no GPU at all (exit 3), leaving GPU 1 capped, where `dvfs gpu reset` skips a busy GPU. It
+    now resets every GPU it can, leaves the held one to its process (which puts back what it
+    found when it stops) and names it in one line with the command that resets it later, exit
+    3; GPUs named are treated so too."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
+            )
+        )
+    )
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    for named in ((), ("0", "1")):
+        invoke("cap", "apply", str(caps))
+        with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+            result = CliRunner().invoke(cli, ["cap", "reset", *named])
+        assert result.exit_code == 3, (named, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        uuid = nvml.fake_device_state(1)["uuid"]
+        assert f"GPU 1 ({uuid}): clocks unlocked" in result.stdout, named
+        assert "GPU 0" not in result.stdout, named
+        [error] = [line for line in result.stderr.splitlines() if line.strip()]
+        assert "GPU 0 (" in error and "in use by another dvfs process" in error, error
+        assert "`dvfs cap reset 0`" in error, error
+        assert nvml.fake_device_state(1)["locked_clocks"] is None
+        assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+        assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
+        invoke("cap", "reset", "0")  # once the holder is gone
+        assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every
@@ -219,7 +328,7 @@ def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> 
         assert device["locked_clocks"] is None and device["power_limit_mw"] == 700_000, named
     nvml.fake_update_device(0, locked_clocks=[210, 1200], power_limit_mw=450_000)
     typo = CliRunner().invoke(cli, ["cap", "reset", "0", "9"])
-    assert typo.exit_code == 1 and "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
+    assert typo.exit_code == 2 and "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
     assert typo.stdout == "" and nvml.fake_device_state(0)["locked_clocks"] == [210, 1200]
 
 
@@ -458,6 +567,8 @@ def test_caps_measured_on_one_model_are_not_applied_to_a_gpu_of_another(
     for extra in (("--dry-run",), ()):
         told = " ".join(invoke("cap", "apply", str(caps), *extra, code=2).split())
         assert f"GPU 1 ({uuids[1]}) is a {h200}" in told and f"measured on {h100}" in told, told
+        # the way out for a file joined by hand from each model's plan (applied below)
+        assert "lists each in [meta] measured_on, comma-separated" in told, told
         assert "GPU 0" not in told and "applied" not in told
     assert nvml.fake_calls() == []  # nothing applied, the H100 included
     both = load_caps(caps)
@@ -493,6 +604,13 @@ def test_apply_names_the_gpus_here_that_the_file_has_no_entry_for(nvml, tmp_path
     )
     caps.write_text(dump_caps(CapsFile((GpuCap(name=gpus[0]["name"], power_limit_w=450.0),))))
     assert "no entry" not in invoke("cap", "apply", str(caps))  # every GPU here has its caps
+    # One with MIG enabled no plan can cap (dvfs refuses MIG GPUs): told so, not to plan it.
+    nvml.fake_reset_state(["h100-sxm", "h200-sxm"])
+    nvml.fake_update_device(1, mig=True)
+    gpus = json.loads(invoke("gpu", "list", "--json"))
+    told = " ".join(invoke("cap", "apply", str(caps)).split())
+    assert f"GPU 1 ({gpus[1]['uuid']}) has MIG enabled and was left alone" in told, told
+    assert "no entry" not in told and "dvfs cap plan" not in told, told
 
 
 def twin_doc() -> dict:

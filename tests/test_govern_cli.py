@@ -301,6 +301,33 @@ def test_dry_run_prints_and_calls_no_setter(
     )
 
 
+def test_a_dry_run_beside_a_running_governor_needs_no_metrics_port(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """The README's `dvfs govern --dry-run` took the governor's default metrics port, 9435,
+    so beside a running dvfs-govern.service it failed "Address already in use", previewing
+    nothing. A dry run serves no metrics unless given --listen; given it, it serves there."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    argv = ("govern", "--plan", str(plan), "--url", stub, "--gpu", "0", "--interval", "0.1")
+    with contextlib.ExitStack() as stack:
+        taken = stack.enter_context(socket.socket())
+        # the governor's port, as a running governor holds it (already held: as good)
+        with contextlib.suppress(OSError):
+            taken.bind(("127.0.0.1", 9435))
+            taken.listen()
+        result = dvfs_in_process(*argv, "--dry-run", "--max-intervals", "2", env=env)
+    printed = result.stdout + result.stderr
+    assert result.returncode == 0, printed
+    assert "dry run stopped" in printed and "serving metrics" not in printed, printed
+    given = dvfs_in_process(
+        *argv, "--dry-run", "--max-intervals", "2", "--listen", "127.0.0.1:0", env=env
+    )
+    assert given.returncode == 0, given.stderr
+    assert "serving metrics on http://127.0.0.1:" in given.stderr, given.stderr
+    assert nvml.fake_calls() == []
+
+
 def test_a_plan_for_another_gpu_model_or_a_twin_is_refused(
     tmp_path: Path, env: dict[str, str], nvml
 ) -> None:
@@ -727,6 +754,34 @@ def test_a_gpu_named_twice_is_refused_in_one_line(
         assert "GPU 0" in printed and "named twice" in printed, printed
         assert len([line for line in printed.splitlines() if "Error:" in line]) == 1, printed
     assert not nvml.fake_calls()
+
+
+def test_a_gpu_not_on_the_host_is_a_usage_error_the_units_do_not_restart_on(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`dvfs govern --gpu 5` on a host of two GPUs (a typo in the unit's ExecStart) exited 1,
+    so dvfs-govern.service restarted it five times before failing, and dvfs-monitor.service
+    likewise: an error no restart fixes. It is a usage error, exit 2, which each unit that
+    restarts lists in RestartPreventExitStatus; nothing is changed on the GPUs."""
+    closed = f"http://127.0.0.1:{closed_port()}"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "5"],
+        ["govern", "--plan", str(plan), "--url", closed, "--gpu", "0", "--gpu", "GPU-nothere"],
+        ["monitor", "--once", "--interval", "0.01", "--gpu", "5"],
+        ["cap", "reset", "5"],
+    ):
+        result = dvfs_in_process(*argv, env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, (argv, printed)
+        assert "this machine has 2 GPU(s)" in printed and "Traceback" not in printed, printed
+        assert len([line for line in printed.splitlines() if "Error:" in line]) == 1, printed
+    assert not nvml.fake_calls()
+    for unit in ("dvfs-govern.service", "dvfs-monitor.service"):
+        text = (REPO / "systemd" / unit).read_text()
+        [prevent] = re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M)
+        assert "2" in prevent.split(), unit
 
 
 def test_the_stubs_metrics_follow_its_requests_with_sglangs_names(tmp_path: Path) -> None:

@@ -908,7 +908,7 @@ def test_gpu_reset_and_info_act_on_the_named_gpus_beside_one_fallen_off_the_bus(
             assert (named.stdout, named.stderr) == (alone.stdout, alone.stderr)
             assert uuid in named.stdout
         typo = dvfs_in_process("gpu", "info", "1", "9", env=env)
-        assert typo.returncode == 1 and typo.stdout == "", typo.stdout
+        assert typo.returncode == 2 and typo.stdout == "", typo.stdout
         assert "no GPU 9: this machine has 2 GPU(s)" in typo.stderr
     finally:
         nvml.fake_update_device(0, lost=False)

@@ -262,7 +262,8 @@ class CapsPlan:
     one line naming the GPUs fallen off the bus, planned without (their UUIDs cannot be read,
     so an unmatched UUID may be one of them), "" when none is. `untouched`: this host's GPUs
     that no entry names, by UUID or model (another model than the file's, a GPU the plan did
-    not measure), which the apply leaves as they are.
+    not measure), which the apply leaves as they are; one of them with MIG enabled is in
+    `mig` instead (no plan caps it).
     """
 
     actions: tuple[CapAction, ...]
@@ -364,7 +365,10 @@ def plan_actions(
         ident = gpu.identity
         cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
         if cap is None:
-            untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
+            if gpu.mig_enabled():  # no plan caps it while MIG is on: noted as MIG, not "plan it"
+                mig.append(f"GPU {ident.index} ({ident.uuid})")
+            else:
+                untouched.append(f"GPU {ident.index} ({ident.name}, {ident.uuid})")
             continue
         matched.add(id(cap))
         if cap.uuid and measured and base_model_name(ident.name) not in measured:
@@ -374,7 +378,9 @@ def plan_actions(
             problems.append(
                 f"GPU {ident.index} ({ident.uuid}) is a {ident.name}, but its [[gpu]] entry's "
                 f"caps were measured on {caps.meta['measured_on']}: plan it from a cube of its "
-                "own model, or remove its entry"
+                "own model, or remove its entry (a file joining plans of several models lists "
+                "each in [meta] measured_on, comma-separated, as `cap plan` of a merged cube "
+                "writes it)"
             )
             continue
         if gpu.mig_enabled():
@@ -559,13 +565,28 @@ def enforce_plan(
         apply_actions(plan.actions, targets, AppliedCaps(directory), source, done)
 
 
-def reset_locked(gpus: Sequence[Gpu], directory: Path) -> list[str]:
-    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs."""
+def reset_locked(
+    gpus: Sequence[Gpu], directory: Path
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]]]:
+    """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
+    holds are left alone and returned (with their refusals) beside what was done on the others, so
+    that one running governor does not keep every other GPU capped (`cap reset` at the caps
+    unit's stop)."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
-    with signals_raise(), GpuLocks(directory).hold(gpus):
-        return reset_caps(gpus, AppliedCaps(directory))
+    locks = GpuLocks(directory)
+    with signals_raise(), contextlib.ExitStack() as held:
+        free: list[Gpu] = []
+        busy: list[tuple[Gpu, GpuBusyError]] = []
+        for gpu in gpus:
+            try:
+                held.enter_context(locks.hold([gpu]))
+            except GpuBusyError as exc:
+                busy.append((gpu, exc))
+                continue
+            free.append(gpu)
+        return reset_caps(free, AppliedCaps(directory)), busy
 
 
 def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:

@@ -115,12 +115,25 @@ def _group_name(gid: int) -> str:
         return str(gid)
 
 
-def check_file_safety(path: Path) -> None:
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
     """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
-    anyone but root can write would let anyone set GPU caps: refuse it."""
+    anyone but root can write would let anyone set GPU caps: refuse it. So is one in a folder
+    anyone but root can write (its owner, or a group or everyone without the sticky bit), where
+    the entry is theirs to replace (by their own file, or a link to any root-owned one); a
+    symbolic link's folder and its target's are both checked. `info`: the opened file's
+    `os.fstat` (`read_limited`'s `check`), so that the file checked is the file read."""
     if os.geteuid() != 0:
         return
-    info = path.stat()
+    info = path.stat() if info is None else info
     if info.st_mode & stat.S_IWOTH:
         raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
     if info.st_mode & stat.S_IWGRP and info.st_gid != 0:  # its group's members are not root
@@ -130,6 +143,29 @@ def check_file_safety(path: Path) -> None:
         )
     if info.st_uid != 0:
         raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
+    if not stat.S_ISREG(info.st_mode):  # a pipe (`<(...)`) root's shell made: no folder
+        return
+    given = Path(os.path.abspath(path))
+    folders = dict.fromkeys([*given.parents, *Path(os.path.realpath(path)).parents])
+    for folder in folders:
+        try:
+            held = folder.stat()
+        except OSError:
+            continue  # gone meanwhile: the file opened is what was checked
+        who = None
+        if held.st_uid != 0:
+            who = f"its owner {_user_name(held.st_uid)}"
+        elif not held.st_mode & stat.S_ISVTX:
+            if held.st_mode & stat.S_IWOTH:
+                who = "everyone"
+            elif held.st_mode & stat.S_IWGRP and held.st_gid != 0:
+                who = f"group {_group_name(held.st_gid)}"
+        if who is not None:
+            where = "is in" if folder in given.parents else "links to a file in"
+            raise CapsError(
+                f"{path} {where} {folder}, which {who} may write (and so replace the file); as "
+                "root dvfs refuses it: keep it in a folder only root can write, such as /etc/dvfs"
+            )
 
 
 def _int_or_none(table: dict[str, Any], key: str) -> int | None:
@@ -227,11 +263,12 @@ def load_caps(path: str | Path) -> CapsFile:
     path = Path(path)
     if not path.exists():
         raise CapsError(f"caps file {path} does not exist")
-    check_file_safety(path)
     from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
 
     try:
-        data = tomllib.loads(read_text_limited(path, MAX_SETTINGS_BYTES, CapsError, "caps file"))
+        data = tomllib.loads(
+            read_text_limited(path, MAX_SETTINGS_BYTES, CapsError, "caps file", check_file_safety)
+        )
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:

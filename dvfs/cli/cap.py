@@ -387,9 +387,12 @@ def _print_caps_status(rows: Sequence[dict[str, Any]]) -> None:
 @handle_errors
 def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     """Unlock SM clocks and restore default power limits on DEVICES (all GPUs if none). A GPU
-    fallen off the bus (named or not) is named, exit 1, once the others are reset."""
+    fallen off the bus (named or not) is named, exit 1, once the others are reset; a GPU
+    another dvfs process holds (a running `dvfs govern`) is left to it and named, exit 3,
+    once the others are reset."""
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_locked
+    from dvfs.errors import GpuStateError
     from dvfs.gpu.safety import default_state_dir
 
     visible = job_gpus("`dvfs cap reset {spaced}`")
@@ -402,7 +405,7 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     # named here is refused as every command refuses it).
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
-        lines = reset_locked(gpus, state_dir or default_state_dir())
+        lines, busy = reset_locked(gpus, state_dir or default_state_dir())
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
@@ -410,6 +413,18 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
         console(stderr=True).print(
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
             f"{'was' if len(mig) == 1 else 'were'} left alone (dvfs caps whole GPUs only)"
+        )
+    if busy:  # after the others are reset: one held GPU must not keep every other capped
+        one = len(busy) == 1
+        held = ", ".join(
+            f"GPU {g.identity.index} ({g.identity.uuid}, pid {exc.pid})" for g, exc in busy
+        )
+        numbers = " ".join(str(g.identity.index) for g, _ in busy)
+        lost_too = f"; {lost_gpus(lost)}" if lost else ""
+        raise GpuStateError(
+            f"{held} {'is' if one else 'are'} in use by another dvfs process and "
+            f"{'was' if one else 'were'} not reset (a running `dvfs govern` puts back the caps "
+            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`{lost_too}"
         )
     if lost:
         raise lost_gpus(lost)

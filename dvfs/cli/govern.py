@@ -3,9 +3,9 @@ power, clocks and energy per token, read-only), both exporting Prometheus text o
 
 `govern` exits 0 after --max-intervals, 1 for a dry run whose server does not answer at the
 start (nothing to preview), a GPU fallen off the bus (with no --gpu: it governs none) or a
-governed GPU that stops answering NVML (the others put back), 2
-for a bad plan or one this host's GPUs cannot follow, 3 when a GPU holds unrestored changes or
-another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
+governed GPU that stops answering NVML (the others put back), 2 for a bad plan or one this
+host's GPUs cannot follow or a --gpu not on this host, 3 when a GPU holds unrestored changes
+or another dvfs uses it, 4 without permission, and 130/143/129 on SIGINT/SIGTERM/SIGHUP, every GPU
 restored first.
 """
 
@@ -68,13 +68,13 @@ interval_option = click.option(
 )
 
 
-def listen_option(default: str) -> Any:
+def listen_option(default: str, more: str = "") -> Any:
     return click.option(
         "--listen",
         default=default,
         metavar="HOST:PORT",
         show_default=True,
-        help="Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off.",
+        help=f"Serve Prometheus metrics on HOST:PORT (port 0: any free port), or off{more}.",
     )
 
 
@@ -95,6 +95,12 @@ def _listen_address(listen: str) -> tuple[str, int] | None:
         return parse_listen(listen)
     except ExporterError as exc:
         raise click.BadParameter(str(exc).removeprefix("--listen "), param_hint="--listen") from exc
+
+
+def _defaulted(name: str) -> bool:
+    """The option `name` was left out (its default in force)."""
+    ctx = click.get_current_context()
+    return ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT
 
 
 def _check_url(url: str) -> None:
@@ -178,7 +184,7 @@ def _timeout(interval: float) -> float:
     is_flag=True,
     help="Follow a plan made from a digital-twin cube (matched by GPU model name).",
 )
-@listen_option("127.0.0.1:9435")
+@listen_option("127.0.0.1:9435", " (a --dry-run serves none unless given it)")
 @max_intervals_option(", restoring the GPUs")
 @click.option(
     "--state-dir",
@@ -224,6 +230,10 @@ def govern(
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
+    if dry_run and _defaulted("listen"):
+        # A preview needs no metrics port: the default one is the running governor's
+        # (dvfs-govern.service), and taking it would fail "Address already in use".
+        listen = "off"
     address = _listen_address(listen)
     _check_url(url)
     plan = load_plan(plan_path)

@@ -266,12 +266,13 @@ def load_plan(path: str | Path) -> BatchPlan:
     path = Path(path)
     if not path.is_file():
         raise CapsError(f"per-batch plan {path} does not exist (or is not a file)")
-    check_file_safety(path)  # as root, the plan sets GPU caps as a caps file does
     from dvfs.inputs import MAX_SETTINGS_BYTES, read_text_limited
 
-    try:
+    try:  # as root, the plan sets GPU caps as a caps file does: checked as one, once open
         data = tomllib.loads(
-            read_text_limited(path, MAX_SETTINGS_BYTES, CapsError, "per-batch plan")
+            read_text_limited(
+                path, MAX_SETTINGS_BYTES, CapsError, "per-batch plan", check_file_safety
+            )
         )
     except tomllib.TOMLDecodeError as exc:
         raise CapsError(f"{path}: not valid TOML: {exc}") from exc
