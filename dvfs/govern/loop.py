@@ -455,7 +455,8 @@ def _names(gpus: Sequence[Gpu]) -> str:
 
 @dataclass
 class Ticker:
-    """Intervals on a fixed grid (a slow read does not shift later ones), a bounded count.
+    """Intervals on a grid (a read shorter than half an interval does not shift later ones),
+    a bounded count.
 
     The next interval starts no sooner than half an interval after the last one's reads end,
     so a read that outlasted its interval (a stalled server or driver call) is not followed by
