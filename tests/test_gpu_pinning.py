@@ -162,11 +162,11 @@ def test_doctor_gpus_checks_the_gpus_servers_and_ports_of_the_sweep_on_those_gpu
         return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}
 
     code, checks = doctor("--gpus", "0-3")
-    assert code == 1 and checks["driver"]["status"] == "fail", checks
+    assert code == 2 and checks["driver"]["status"] == "fail", checks
     swept = dvfs_in_process(
         "sweep", str(path), "--gpus", "0-3", "--out", str(tmp_path / "o"), "--no-progress", env=env
     )
-    assert swept.returncode == 1 and checks["driver"]["detail"] in swept.stderr, swept.stderr
+    assert swept.returncode == 2 and checks["driver"]["detail"] in swept.stderr, swept.stderr
     assert "GPU 3" in checks["driver"]["detail"]
     swept_locks = set(ports.iterdir()) if ports.exists() else set()
 
