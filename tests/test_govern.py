@@ -4,6 +4,8 @@ the energy-per-token join, the exporter's text, and the loop on the fake NVML in
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -317,6 +319,83 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_gpu_sm_clock_lock_max_hertz", g1)] == 0.0
     assert got[("dvfs_server_running_requests", ())] == 4
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
+
+
+def test_the_servers_gpus_are_found_when_it_comes_and_again_when_it_restarts() -> None:
+    """Without --gpu only the server's GPUs count in its energy per token. Not found (nothing
+    listens yet): every GPU, one warning, tried again after RETRY_S, not every interval. Found:
+    one line, and not looked for again while the same process listens; once that process is
+    gone (the server restarted), found again, here on the other GPU."""
+    from dvfs.govern.servergpus import RETRY_S, Attribution, ServerGpus
+    from dvfs.procfs import start_ticks
+
+    old_server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = (os.getpid(), start_ticks(os.getpid()))
+        answers = iter(
+            [
+                Attribution(None, "nothing listens on port 30000 here yet"),
+                Attribution(
+                    frozenset({"GPU-0001"}),
+                    "found",
+                    ((old_server.pid, start_ticks(old_server.pid)),),
+                ),
+                Attribution(frozenset({"GPU-0000"}), "found again", (me,)),
+            ]
+        )
+        looked: list[float] = []
+        now = [0.0]
+
+        def find(url: str, gpus: object, proc: Path) -> Attribution:
+            looked.append(now[0])
+            return next(answers)
+
+        gpus = [MeterGpu(0, 1_000_000), MeterGpu(1, 5_000_000)]
+        notes: list[str] = []
+        tracker = ServerGpus(
+            "http://127.0.0.1:30000",
+            gpus,
+            notes.append,
+            clock=lambda: now[0],
+            find=find,  # type: ignore[arg-type]
+        )
+        tokens = iter(range(100, 10_000, 50))
+        watch = Watch(
+            gpus,  # type: ignore[arg-type]
+            lambda: ServerSample(1, float(next(tokens)), None),
+            note=notes.append,
+            server_gpus=tracker,
+        )
+
+        def interval(at: float) -> dict[str, float]:
+            now[0] = at
+            gpus[0].energy += 40_000  # 40 J over 50 tokens
+            gpus[1].energy += 10_000  # 10 J
+            snap = watch.snapshot(watch.server(), {})
+            return {"server": snap.energy_per_token_j} | {
+                row.reading.uuid: row.energy_per_token_j for row in snap.gpus
+            }
+
+        interval(0.0)
+        assert interval(1.0)["server"] == pytest.approx(50 / 50)  # every GPU
+        assert looked == [0.0] and len(notes) == 1
+        assert "counts every GPU (GPU 0, GPU 1): nothing listens on port 30000" in notes[0]
+        got = interval(RETRY_S)
+        assert looked == [0.0, RETRY_S]
+        assert got["server"] == pytest.approx(10 / 50) and math.isnan(got["GPU-0000"])
+        assert "energy per token counts GPU 1, the server's GPU(s)" in notes[-1]
+        interval(RETRY_S + 1)
+        assert looked == [0.0, RETRY_S]  # the same process listens: not looked for again
+        old_server.kill()
+        old_server.wait(timeout=30)
+        got = interval(RETRY_S + 2)
+        assert looked == [0.0, RETRY_S, RETRY_S + 2]
+        assert got["server"] == pytest.approx(40 / 50) and math.isnan(got["GPU-0001"])
+        assert "energy per token counts GPU 0, the server's GPU(s)" in notes[-1]
+        assert len(notes) == 3
+    finally:
+        old_server.kill()
+        old_server.wait(timeout=30)
 
 
 def test_every_series_exported_is_the_readmes_with_help_type_and_base_units() -> None:
