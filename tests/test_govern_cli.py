@@ -378,9 +378,19 @@ def test_monitor_without_gpu_counts_only_the_gpus_its_server_runs_on(
     GPU of the node over one server's tokens: on a node with a server per GPU, the node's energy
     over one server's, overstated. The server's GPUs (the process on its port, by NVML's compute
     processes) count now, said in one line; another server's GPU has no energy per token."""
+    runs: list[subprocess.CompletedProcess] = []
+
+    def tokens_in_an_interval() -> bool:  # a loaded machine may starve the stub for a while
+        runs.append(
+            dvfs_in_process("monitor", "--url", url, "--once", "--interval", "0.5", env=env)
+        )
+        values = page_values(runs[-1].stdout)
+        return not math.isnan(values.get(("dvfs_server_energy_per_token_joules", None), 0.0))
+
     with server_stub_on_gpu(tmp_path, env, nvml, 1) as url, held_batch(url, 4):
         wait_for(lambda: running(url) == 4, "the batch to run")
-        result = dvfs_in_process("monitor", "--url", url, "--once", "--interval", "0.5", env=env)
+        wait_for(tokens_in_an_interval, "a monitor interval with tokens")
+    result = runs[-1]
     assert result.returncode == 0, result.stderr
     values = page_values(result.stdout)
     server = values[("dvfs_server_energy_per_token_joules", None)]
