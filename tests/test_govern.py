@@ -457,6 +457,49 @@ def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return module
 
 
+LISTENER_WITH_A_CHILD = """
+import socket, subprocess, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(server.getsockname()[1], child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+"""
+
+
+def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(nvml) -> None:
+    """As SGLang runs: the process on the port serves HTTP, a child (the scheduler) holds the
+    GPU. Read from this machine's /proc and the fake NVML's compute processes."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.servergpus import find_server_gpus
+
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, child = map(int, listener.stdout.readline().split())
+        url = f"http://localhost:{port}"
+        with open_gpus([0, 1]) as gpus:
+            nothing = find_server_gpus(url, gpus)
+            assert nothing.uuids is None and not nothing.lasting
+            assert "NVML lists none of the server's 2 process(es)" in nothing.why
+            nvml.fake_add_process(1, child)
+            found = find_server_gpus(url, gpus)
+            assert found.uuids == {gpus[1].identity.uuid}
+            assert f"pid {listener.pid}, listening on port {port}" in found.why
+            remote = find_server_gpus("http://192.0.2.1:30000", gpus)
+            assert remote.uuids is None and remote.lasting
+            assert "not on this machine" in remote.why
+    finally:
+        listener.communicate("", timeout=30)
+
+
 class VirtualTime:
     def __init__(self) -> None:
         self.now = 0.0
