@@ -149,22 +149,7 @@ def port_holders(
     IPv6, that takes the connections a client makes to `host` (`connect_addresses`,
     `_taking`; None: on any address), as far as /proc tells: processes this user may not read
     are left out, and elsewhere than Linux none is found."""
-    targets = connect_addresses(host) if host is not None else None
-    listeners: list[tuple[Address, str]] = []
-    for table in ("net/tcp", "net/tcp6"):
-        text = _read(proc / table)
-        for line in text.splitlines()[1:] if text is not None else ():
-            # "sl local_address rem_address st ... inode": st 0A is LISTEN
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A":
-                with contextlib.suppress(ValueError, IndexError):
-                    address, _, hex_port = fields[1].rpartition(":")
-                    if int(hex_port, 16) == port:
-                        listeners.append((_listen_address(address), f"socket:[{fields[9]}]"))
-    if targets is None:
-        inodes = {inode for _, inode in listeners}
-    else:
-        inodes = {inode for target in targets for inode in _taking(listeners, target)}
+    inodes = listening_sockets(port, proc, host=host)
     if not inodes:
         return frozenset()
     if pids is None:
@@ -184,6 +169,45 @@ def port_holders(
                     holders.add(pid)
                     break
     return frozenset(holders)
+
+
+def listening_sockets(port: int, proc: Path = PROC, *, host: str | None = None) -> frozenset[str]:
+    """The TCP sockets ("socket:[inode]", as /proc/<pid>/fd links name them) listening on
+    `port`, IPv4 or IPv6, that take the connections a client makes to `host` (None: on any
+    address), from /proc/net/tcp and tcp6 (every user's sockets; empty elsewhere than Linux)."""
+    targets = connect_addresses(host) if host is not None else None
+    listeners: list[tuple[Address, str]] = []
+    for table in ("net/tcp", "net/tcp6"):
+        text = _read(proc / table)
+        for line in text.splitlines()[1:] if text is not None else ():
+            # "sl local_address rem_address st ... inode": st 0A is LISTEN
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A":
+                with contextlib.suppress(ValueError, IndexError):
+                    address, _, hex_port = fields[1].rpartition(":")
+                    if int(hex_port, 16) == port:
+                        listeners.append((_listen_address(address), f"socket:[{fields[9]}]"))
+    if targets is None:
+        return frozenset(inode for _, inode in listeners)
+    return frozenset(inode for target in targets for inode in _taking(listeners, target))
+
+
+def is_local(host: str) -> bool:
+    """Whether a client connecting to `host` reaches this machine: every address the name
+    resolves to is a loopback or unspecified one, or one this machine holds (it binds)."""
+    addresses = connect_addresses(host)
+    if addresses is None:
+        return False
+    for address in addresses:
+        if address.is_loopback:
+            continue
+        family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
 
 
 def earlier_holder(

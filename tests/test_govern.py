@@ -4,6 +4,8 @@ the energy-per-token join, the exporter's text, and the loop on the fake NVML in
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -319,6 +321,83 @@ def test_the_export_parses_and_joins_each_gpus_energy_with_the_servers_tokens() 
     assert got[("dvfs_server_generated_tokens_total", ())] == 150
 
 
+def test_the_servers_gpus_are_found_when_it_comes_and_again_when_it_restarts() -> None:
+    """Without --gpu only the server's GPUs count in its energy per token. Not found (nothing
+    listens yet): every GPU, one warning, tried again after RETRY_S, not every interval. Found:
+    one line, and not looked for again while the same process listens; once that process is
+    gone (the server restarted), found again, here on the other GPU."""
+    from dvfs.govern.servergpus import RETRY_S, Attribution, ServerGpus
+    from dvfs.procfs import start_ticks
+
+    old_server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = (os.getpid(), start_ticks(os.getpid()))
+        answers = iter(
+            [
+                Attribution(None, "nothing listens on port 30000 here yet"),
+                Attribution(
+                    frozenset({"GPU-0001"}),
+                    "found",
+                    ((old_server.pid, start_ticks(old_server.pid)),),
+                ),
+                Attribution(frozenset({"GPU-0000"}), "found again", (me,)),
+            ]
+        )
+        looked: list[float] = []
+        now = [0.0]
+
+        def find(url: str, gpus: object, proc: Path) -> Attribution:
+            looked.append(now[0])
+            return next(answers)
+
+        gpus = [MeterGpu(0, 1_000_000), MeterGpu(1, 5_000_000)]
+        notes: list[str] = []
+        tracker = ServerGpus(
+            "http://127.0.0.1:30000",
+            gpus,
+            notes.append,
+            clock=lambda: now[0],
+            find=find,  # type: ignore[arg-type]
+        )
+        tokens = iter(range(100, 10_000, 50))
+        watch = Watch(
+            gpus,  # type: ignore[arg-type]
+            lambda: ServerSample(1, float(next(tokens)), None),
+            note=notes.append,
+            server_gpus=tracker,
+        )
+
+        def interval(at: float) -> dict[str, float]:
+            now[0] = at
+            gpus[0].energy += 40_000  # 40 J over 50 tokens
+            gpus[1].energy += 10_000  # 10 J
+            snap = watch.snapshot(watch.server(), {})
+            return {"server": snap.energy_per_token_j} | {
+                row.reading.uuid: row.energy_per_token_j for row in snap.gpus
+            }
+
+        interval(0.0)
+        assert interval(1.0)["server"] == pytest.approx(50 / 50)  # every GPU
+        assert looked == [0.0] and len(notes) == 1
+        assert "counts every GPU (GPU 0, GPU 1): nothing listens on port 30000" in notes[0]
+        got = interval(RETRY_S)
+        assert looked == [0.0, RETRY_S]
+        assert got["server"] == pytest.approx(10 / 50) and math.isnan(got["GPU-0000"])
+        assert "energy per token counts GPU 1, the server's GPU(s)" in notes[-1]
+        interval(RETRY_S + 1)
+        assert looked == [0.0, RETRY_S]  # the same process listens: not looked for again
+        old_server.kill()
+        old_server.wait(timeout=30)
+        got = interval(RETRY_S + 2)
+        assert looked == [0.0, RETRY_S, RETRY_S + 2]
+        assert got["server"] == pytest.approx(40 / 50) and math.isnan(got["GPU-0001"])
+        assert "energy per token counts GPU 0, the server's GPU(s)" in notes[-1]
+        assert len(notes) == 3
+    finally:
+        old_server.kill()
+        old_server.wait(timeout=30)
+
+
 def test_every_series_exported_is_the_readmes_with_help_type_and_base_units() -> None:
     """A full page (a governor's, a server with speculation, a GPU that did not open): each
     family has HELP and TYPE, counters end in _total and gauges do not, quantities carry a
@@ -376,6 +455,49 @@ def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     module.fake_reset_state()
     monkeypatch.setitem(sys.modules, "pynvml", module)
     return module
+
+
+LISTENER_WITH_A_CHILD = """
+import socket, subprocess, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(server.getsockname()[1], child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+"""
+
+
+def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(nvml) -> None:
+    """As SGLang runs: the process on the port serves HTTP, a child (the scheduler) holds the
+    GPU. Read from this machine's /proc and the fake NVML's compute processes."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.servergpus import find_server_gpus
+
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, child = map(int, listener.stdout.readline().split())
+        url = f"http://localhost:{port}"
+        with open_gpus([0, 1]) as gpus:
+            nothing = find_server_gpus(url, gpus)
+            assert nothing.uuids is None and not nothing.lasting
+            assert "NVML lists none of the server's 2 process(es)" in nothing.why
+            nvml.fake_add_process(1, child)
+            found = find_server_gpus(url, gpus)
+            assert found.uuids == {gpus[1].identity.uuid}
+            assert f"pid {listener.pid}, listening on port {port}" in found.why
+            remote = find_server_gpus("http://192.0.2.1:30000", gpus)
+            assert remote.uuids is None and remote.lasting
+            assert "not on this machine" in remote.why
+    finally:
+        listener.communicate("", timeout=30)
 
 
 class VirtualTime:

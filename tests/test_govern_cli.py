@@ -66,7 +66,11 @@ def stub(tmp_path: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def launch_stub(tmp_path: Path, *argv: str, metrics: bool = True) -> Iterator[str]:
+def launch_stub(
+    tmp_path: Path, *argv: str, metrics: bool = True, extra_env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """The stub on an ephemeral loopback port: its URL. `extra_env`: e.g. the fake NVML's state
+    and CUDA_VISIBLE_DEVICES, to list the stub as a compute process on those fake GPUs."""
     config = tmp_path / "stub.json"
     config.write_text(
         json.dumps(
@@ -84,7 +88,11 @@ def launch_stub(tmp_path: Path, *argv: str, metrics: bool = True) -> Iterator[st
             [sys.executable, str(STUB), "--model-path", "m", "--port", "0"]
             + (["--enable-metrics"] if metrics else [])
             + list(argv),
-            env={"SGLANG_STUB_CONFIG": str(config), "PATH": os.environ.get("PATH", "")},
+            env={
+                "SGLANG_STUB_CONFIG": str(config),
+                "PATH": os.environ.get("PATH", ""),
+                **(extra_env or {}),
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -371,6 +379,103 @@ def test_monitor_exports_parseable_per_gpu_metrics(env: dict[str, str], nvml, st
     )
     assert down.returncode == 0 and "dvfs_server_up 0.0" in down.stdout
     assert "server: cannot read http://127.0.0.1:9/metrics" in down.stderr
+
+
+def server_stub_on_gpu(tmp_path: Path, env: dict[str, str], nvml, index: int):
+    """The stub listed by the fake NVML as a compute process on GPU `index` (as SGLang's
+    scheduler is once it has loaded its weights), as CUDA_VISIBLE_DEVICES puts it there."""
+    uuid = nvml.fake_state()["devices"][index]["uuid"]
+    keys = ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES")
+    extra = {key: env[key] for key in keys} | {"CUDA_VISIBLE_DEVICES": uuid}
+    return launch_stub(tmp_path, extra_env=extra)
+
+
+def page_values(text: str) -> dict[tuple[str, str | None], float]:
+    return {
+        (s.name, s.labels.get("gpu")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_monitor_without_gpu_counts_only_the_gpus_its_server_runs_on(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """Without --gpu (as the monitor's unit runs it), the server's energy per token summed every
+    GPU of the node over one server's tokens: on a node with a server per GPU, the node's energy
+    over one server's, overstated. The server's GPUs (the process on its port, by NVML's compute
+    processes) count now, said in one line; another server's GPU has no energy per token."""
+    runs: list[subprocess.CompletedProcess] = []
+
+    def tokens_in_an_interval() -> bool:  # a loaded machine may starve the stub for a while
+        runs.append(
+            dvfs_in_process("monitor", "--url", url, "--once", "--interval", "0.5", env=env)
+        )
+        values = page_values(runs[-1].stdout)
+        return not math.isnan(values.get(("dvfs_server_energy_per_token_joules", None), 0.0))
+
+    with server_stub_on_gpu(tmp_path, env, nvml, 1) as url, held_batch(url, 4):
+        wait_for(lambda: running(url) == 4, "the batch to run")
+        wait_for(tokens_in_an_interval, "a monitor interval with tokens")
+    result = runs[-1]
+    assert result.returncode == 0, result.stderr
+    values = page_values(result.stdout)
+    server = values[("dvfs_server_energy_per_token_joules", None)]
+    ours = values[("dvfs_gpu_energy_per_token_joules", "1")]
+    assert ours > 0 and server == pytest.approx(ours, rel=1e-9)
+    assert math.isnan(values[("dvfs_gpu_energy_per_token_joules", "0")])
+    assert values[("dvfs_gpu_power_watts", "0")] > 0  # still exported: only not counted
+    said = lines_of(result.stderr, "energy per token counts")
+    assert len(said) == 1 and "counts GPU 1, the server's GPU(s) at" in said[0]
+    assert "warning" not in result.stderr
+
+
+def lines_of(text: str, marker: str) -> list[str]:
+    return [line for line in text.splitlines() if marker in line]
+
+
+def test_monitor_without_gpu_warns_once_where_the_servers_gpus_cannot_be_found(
+    tmp_path: Path, env: dict[str, str], nvml, stub: str
+) -> None:
+    """A server NVML lists on no GPU (still loading; here the stub, not on the fake's GPUs) and
+    one on another machine: every GPU counts, as before, said in one warning line naming --gpu."""
+    result = dvfs_in_process(
+        *("monitor", "--url", stub, "--interval", "0.05", "--listen", "off"),
+        *("--max-intervals", "5"),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    [warning] = lines_of(result.stderr, "warning:")
+    assert "dvfs_server_energy_per_token_joules counts every GPU (GPU 0, GPU 1)" in warning
+    assert "NVML lists none of the server's" in warning and "pass --gpu" in warning
+    remote = dvfs_in_process(
+        *("monitor", "--url", "http://192.0.2.1:30000", "--once", "--interval", "0.05"),
+        env=env,
+    )
+    assert remote.returncode == 0, remote.stderr
+    [warning] = lines_of(remote.stderr, "warning:")
+    assert "the server at http://192.0.2.1:30000 is not on this machine" in warning
+    named = dvfs_in_process(
+        *("monitor", "--url", stub, "--once", "--interval", "0.05", "--gpu", "0"), env=env
+    )
+    assert named.returncode == 0 and "energy per token" not in named.stderr  # --gpu: as named
+
+
+def test_govern_without_gpu_names_the_servers_gpus_and_how_to_govern_only_them(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    with server_stub_on_gpu(tmp_path, env, nvml, 1) as url:
+        result = dvfs_in_process(
+            *("govern", "--plan", str(plan), "--url", url, "--interval", "0.05"),
+            *("--listen", "off", "--dry-run", "--max-intervals", "2"),
+            env=env,
+        )
+    assert result.returncode == 0, result.stderr
+    [said] = lines_of(result.stderr, "energy per token counts")
+    assert "counts GPU 1, the server's GPU(s)" in said
+    assert "governs every GPU all the same (GPU 0, GPU 1): pass --gpu 1" in said
 
 
 @pytest.mark.parametrize("fault", ["lost", "reset required"])

@@ -51,7 +51,8 @@ gpu_option = click.option(
     "--gpu",
     "devices",
     multiple=True,
-    help="GPU index or UUID the server runs on (repeatable) [default: every GPU].",
+    help="GPU index or UUID the server runs on (repeatable) [default: every GPU; only those the "
+    "local server at --url is found on (NVML's compute processes) count in its energy per token].",
 )
 url_option = click.option(
     "--url",
@@ -215,7 +216,8 @@ def govern(
     once; any other change waits until --dwell after the last. The static caps in force at
     start are a ceiling no step goes above, and what "stock" means. Stopping restores every GPU.
     A GPU fallen off the bus is refused, exit 1, with --gpu or not: none is governed. A governed
-    GPU that stops answering NVML stops the governor, exit 1, the others put back.
+    GPU that stops answering NVML stops the governor, exit 1, the others put back. With no
+    --gpu, energy per token counts the GPUs the server is found on, as in `dvfs monitor`.
     """
     from dvfs.backends import job_gpus, lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.errors import GpuUnavailableError
@@ -225,6 +227,7 @@ def govern(
     from dvfs.govern.metrics import ServerReader
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
+    from dvfs.govern.servergpus import ServerGpus
     from dvfs.gpu.safety import default_state_dir, records_dir
     from dvfs.redact import redact_url
 
@@ -267,6 +270,8 @@ def govern(
             f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )
+        # With no --gpu, the server's GPUs (where found) count in its energy per token
+        server_gpus = None if devices else ServerGpus(url, gpus, note, governing=True)
         with _exporting(address, live):
             changes = run_governor(
                 plan,
@@ -278,6 +283,7 @@ def govern(
                 note=note,
                 dry_run=dry_run,
                 state_dir=records,
+                server_gpus=server_gpus,
             )
     if dry_run:
         note(f"dry run stopped: {changes} change(s) would have been made, none was")
@@ -325,7 +331,9 @@ def monitor(
     back. A GPU that stops answering is logged once (and once when it answers again) and
     exported with dvfs_gpu_up 0 and no readings; one still silent at the end makes it exit 1.
     A GPU that does not open (fallen off the bus, with --gpu or not) is named, exit 1, and the
-    others exported.
+    others exported. With no --gpu, energy per token counts the GPUs where NVML lists the
+    processes of the server listening at --url (said in one line; every GPU, with one warning,
+    where they cannot be found).
     """
     from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
@@ -333,6 +341,7 @@ def monitor(
     from dvfs.govern.loop import Ticker
     from dvfs.govern.loop import monitor as run_monitor
     from dvfs.govern.metrics import ServerReader
+    from dvfs.govern.servergpus import ServerGpus
     from dvfs.gpu.safety import records_dir
 
     if interval <= 0:
@@ -360,9 +369,18 @@ def monitor(
             None if url is None else stack.enter_context(ServerReader(url, _timeout(interval)))
         )
         gpus = stack.enter_context(open_gpus(named, allow_mig=True))
+        # With no --gpu, the server's GPUs (where it is local and they can be found) are those
+        # that count in its energy per token: the node's other GPUs may serve other servers.
+        server_gpus = None if url is None or devices else ServerGpus(url, gpus, note)
         if once:
             silent = run_monitor(
-                gpus, scraper, Ticker(interval, 2), live=live, note=note, locks=locks
+                gpus,
+                scraper,
+                Ticker(interval, 2),
+                live=live,
+                note=note,
+                locks=locks,
+                server_gpus=server_gpus,
             )
             click.echo(render(live), nl=False)
         else:
@@ -374,6 +392,7 @@ def monitor(
                     live=live,
                     note=note,
                     locks=locks,
+                    server_gpus=server_gpus,
                 )
     if lost or silent:  # the others' metrics printed or served: the run was not whole
         raise lost_gpus([*lost, *silent])

@@ -10,7 +10,8 @@ by `gpu` (index) and `uuid`:
   dvfs_gpu_sm_clock_hertz, dvfs_gpu_power_limit_watts (enforced), dvfs_gpu_sm_clock_lock_max_hertz
   (0 when dvfs holds no lock), dvfs_gpu_sm_clock_lock_by_governor (1: that lock is the
   governor's, 0: the static caps'), dvfs_gpu_energy_per_token_joules (this GPU's energy over the
-  server's generated tokens in the last interval; NaN with no token)
+  server's generated tokens in the last interval; NaN with no token, and on a GPU found not to
+  be the server's)
 
 A reading the GPU does not support is NaN; a GPU that did not answer has dvfs_gpu_up 0 and its
 NVML readings (power, energy, clock, power limit, energy per token) left out until it answers
@@ -20,7 +21,8 @@ gpu empty instead where it was named by UUID: `LiveMetrics.unopened`).
 
 and for the server: dvfs_server_up, dvfs_server_running_requests,
 dvfs_server_generated_tokens_total, dvfs_server_spec_accept_length (with speculation),
-dvfs_server_energy_per_token_joules (all its GPUs); for the governor: dvfs_govern_changes_total
+dvfs_server_energy_per_token_joules (its GPUs: those --gpu names, else those it is found on,
+else every GPU read, `dvfs.govern.servergpus`); for the governor: dvfs_govern_changes_total
 and dvfs_govern_plan_batch (the largest planned batch the band in force reaches; 0 when it
 reaches above the plan, at stock).
 """
@@ -198,8 +200,8 @@ class LiveCollector:
             )
         yield GaugeMetricFamily(
             "dvfs_server_energy_per_token_joules",
-            "Energy of the server's GPUs (all those dvfs reads) per generated token, over the "
-            "last interval.",
+            "Energy of the server's GPUs (those --gpu names, else those it was found on, else "
+            "all those dvfs reads) per generated token, over the last interval.",
             value=snap.energy_per_token_j,
         )
 

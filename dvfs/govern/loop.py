@@ -16,6 +16,7 @@ the monitor notes it once, and once when it is back, and exports it as not up.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -36,6 +37,7 @@ from dvfs.govern.metrics import (
 )
 from dvfs.govern.plan import BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
+from dvfs.govern.servergpus import ServerGpus
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
 from dvfs.redact import redact_url
@@ -254,6 +256,9 @@ class Watch:
     #: Whether to note a GPU that stops answering, and answers again (the monitor); the
     #: governor stops instead (`GpuSilentError`).
     gpu_notes: bool = True
+    #: The server's GPUs, where no --gpu named them: only theirs count in its energy per
+    #: token (None: every GPU read).
+    server_gpus: ServerGpus | None = None
 
     def server(self) -> ServerSample | None:
         """This interval's server sample; None (after one note per outage) when unreadable."""
@@ -282,19 +287,32 @@ class Watch:
         set (the others' are `cap apply`'s)."""
         readings = tuple(read_gpu(g) for g in self.gpus)
         self._follow(readings)
+        counted: frozenset[str] | None = None
+        if self.server_gpus is not None:
+            self.server_gpus.refresh()
+            counted = self.server_gpus.uuids
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
         rows = []
         for r in readings:
             old = before.get(r.uuid)
-            ept = energy_per_token(
-                None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
+            ept = (
+                energy_per_token(
+                    None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
+                )
+                if counted is None or r.uuid in counted
+                else math.nan  # another server's GPU: not this server's tokens
             )
             rows.append(GpuRow(r, ept, locks.get(r.uuid), r.uuid in governed))
         server_ept = (
-            server_energy_per_token(self.previous, readings, self.previous_tokens, tokens)
+            server_energy_per_token(
+                [r for r in self.previous if counted is None or r.uuid in counted],
+                [r for r in readings if counted is None or r.uuid in counted],
+                self.previous_tokens,
+                tokens,
+            )
             if self.previous
-            else float("nan")
+            else math.nan
         )
         self.previous, self.previous_tokens = readings, tokens
         return Snapshot(
@@ -537,11 +555,14 @@ def govern(
     note: Note,
     dry_run: bool = False,
     state_dir: Path | None = None,
+    server_gpus: ServerGpus | None = None,
 ) -> int:
-    """Follow the plan until the ticker ends (or a signal); returns the number of changes."""
+    """Follow the plan until the ticker ends (or a signal); returns the number of changes.
+    `server_gpus`: as for `monitor` (energy per token only: every GPU of `gpus` is governed)."""
     from dvfs.signals import Interrupted, RestoreAbandoned, signals_raise
 
-    watch = Watch(gpus, scraper, note, gpu_notes=False)  # a GPU gone silent stops it
+    # a GPU gone silent stops it
+    watch = Watch(gpus, scraper, note, gpu_notes=False, server_gpus=server_gpus)
     state = PolicyState()
     changes = 0
     warned = False
@@ -661,15 +682,17 @@ def monitor(
     live: LiveMetrics,
     note: Note,
     locks: Callable[[], dict[str, LockInForce]] = dict,
+    server_gpus: ServerGpus | None = None,
 ) -> list[GpuUnavailableError]:
     """Publish live numbers every interval until the ticker ends (or a signal); read-only.
     `locks`: the clock locks dvfs's records say each GPU holds, read every interval. A GPU
     that stops answering is noted once (and once when it answers again, `STEADY_INTERVALS`
     in a row or at the end) and exported as not up; returns an error naming each GPU that had
-    not answered again by the end."""
+    not answered again by the end. `server_gpus`: the server's GPUs, followed, where no
+    --gpu named them (only theirs count in its energy per token)."""
     from dvfs.signals import signals_raise
 
-    watch = Watch(gpus, scraper, note)
+    watch = Watch(gpus, scraper, note, server_gpus=server_gpus)
     try:
         with signals_raise():
             for _ in ticker:
