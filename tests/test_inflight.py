@@ -1166,26 +1166,43 @@ def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the
     tmp_path: Path, scheme: str
 ) -> None:
     """A short decode on a loaded host can end before the knob-stepping thread is scheduled:
-    it ran no step and measured no level. The group goes on to its next decode (it failed
-    with "no steady window", using up a retry); on its last decode, or twice in a row, it is
-    an error that says so."""
+    it ran no step and measured no level. The round is decoded again in the same order (it
+    failed with "no steady window", using up a retry; then it was taken for the next round,
+    which left a serpentine pair one direction twice: the levels' mean places apart and a
+    one-sided block in the interval, and counted a decode that measured nothing). Twice in a
+    row it is an error that says so."""
     # a precision no four decodes reach: each group runs all four
     text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6").replace(
         "\nmode = ", f'\ninflight_order = "{scheme}"\nmode = '
     )
     with twin_runner(tmp_path, text) as runner:
-        engine = Unstepped(runner.engine, {0})
+        engine = Unstepped(runner.engine, {1})
         runner.engine = engine  # type: ignore[assignment]
         group = inflight_groups(plan_cells(runner.campaign))[0]
         records = run_inflight(runner, group, settle_s=runner.settle_s)
-    assert len(engine.stepped) == 4
+    assert len(engine.stepped) == 5
+    per_round = segments_per_round(len(records), scheme)
+    places = [
+        Segment(s["round"], s["position"], r.inflight["level"])
+        for r in records
+        for s in r.inflight["segments"]
+    ]
+    assert len(set(mean_positions(places, per_round).values())) == 1  # drift still cancels
     for record in records:
         m = record.measurement
         assert record.ok and record.attempts == 1 and m is not None, record.errors
         assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
-        assert {s["round"] for s in record.inflight["segments"]} == {1, 2, 3}
+        assert {s["round"] for s in record.inflight["segments"]} == {0, 1, 2, 3}
         assert record.inflight["rounds"] == m.rounds == 4
-    for missed in ({0, 1}, {3}):  # the retry's decodes all step
+    (tmp_path / "last").mkdir()  # the last decode is run again too
+    with twin_runner(tmp_path / "last", text) as runner:
+        runner.engine = Unstepped(runner.engine, {3})  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+    assert all(r.ok and r.measurement and r.measurement.rounds == 4 for r in records), [
+        r.errors for r in records
+    ]
+    for missed in ({0, 1}, {3, 4}):  # the retry's decodes all step
         (tmp_path / str(min(missed))).mkdir()
         with twin_runner(tmp_path / str(min(missed)), text) as runner:
             runner.engine = Unstepped(runner.engine, missed)  # type: ignore[assignment]

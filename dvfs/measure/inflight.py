@@ -712,7 +712,10 @@ def _measure_group(
     rounds = 0
     unstepped = False  # the last decode ran no knob step
     while rounds < max_rounds:
-        for _ in range(step):
+        # a block of rounds whose order cancels a drift by itself (`rounds_step`): a decode that
+        # measured no level is run again in its place, so every block is whole
+        block_end = rounds + step
+        while rounds < block_end:
             order = level_order(cells, scheme, rounds)
             if measured:  # each level's rate as measured so far
                 # a level none of whose segments was measured yet (a round that ended before
@@ -753,11 +756,11 @@ def _measure_group(
             window = steady_window_ns(result, "fixed")
             if window is None:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
-            if not result.knob_ns and (unstepped or rounds + 1 >= max_rounds):
+            if not result.knob_ns and unstepped:
                 raise EngineError(
                     f"the in-flight decode ({tokens} tokens) ended before its first knob step "
-                    f"ran{', twice in a row' if unstepped else ''}: the knob-stepping thread was "
-                    "not scheduled in time (a loaded host)"
+                    "ran, twice in a row: the knob-stepping thread was not scheduled in time (a "
+                    "loaded host)"
                 )
             results.append(result)
             # A decode's whole time bounds the rate again, its prefill a smaller share of it
@@ -771,10 +774,11 @@ def _measure_group(
             if unstepped:
                 # A short decode that ended before the stepping thread ran its first step (the
                 # level it sets is the one the GPUs are at: the previous decode ended there)
-                # measured no level: like a decode that ends before a level's segments, it
-                # leaves its levels to the next decode (one follows: else an error above).
+                # measured no level: the round is decoded again, in the same order (taken as
+                # the next round, a serpentine's pair held one direction twice and broke the
+                # balance of the levels' places; the count of rounds held a decode measuring
+                # nothing). Twice in a row is an error above.
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
-                rounds += 1
                 continue
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
