@@ -1122,6 +1122,26 @@ def test_a_level_the_first_round_never_reached_does_not_break_the_next_rounds_si
             assert "no_steady_window" in describe_quality(m.quality)
 
 
+def test_levels_no_decode_visited_twice_are_flagged_drift_not_cancelled(tmp_path: Path) -> None:
+    """Every decode bounded by a deadline too short for its segments ends before the levels'
+    second visits (abba): each level sits at its own place along the decode, so the order
+    cancels no drift, and no slope can be fitted to carry them (`context_slope` 0). Their
+    values stood valid, apart by the drift between their places (the later levels 1-1.7%
+    high at batch 8 on the twin, up to 5% at batch 64, against intervals of 0.2-0.3%):
+    they are invalid, drift_not_cancelled."""
+    engine, records = short_first_round(tmp_path, 4)
+    levels = len(records)
+    placed = [r for r in records if any(s["measured_s"] > 0 for s in r.inflight["segments"])]
+    assert len(placed) > 1
+    for record in placed:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        seen = [s for s in record.inflight["segments"] if s["measured_s"] > 0]
+        assert all(s["position"] < levels for s in seen), seen  # never a second visit
+        assert record.inflight["context"]["energy_per_token_slope_per_1k_tokens"] == 0.0
+        assert "drift_not_cancelled" in describe_quality(m.quality) and not m.valid
+
+
 def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path: Path) -> None:
     """The first decode, bounded by the deadline at the rate the short warm-up's whole time
     allows (its prefill a large share of it), ends before its last level. Each later decode

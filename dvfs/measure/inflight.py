@@ -27,7 +27,9 @@ each other (drift and each decode's prompts fitted out, `level_estimates`) is ke
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
 rate, with a few percent to spare, and never past half the engine's request deadline at the
 slowest rate the warm-up allows, then the previous decode (`deadline_tokens`); the levels a
-decode ends before are left to the next ones.
+decode ends before are left to the next ones. Where every decode ends before the levels'
+second visits, each level sits at its own place and no drift is cancelled or can be fitted
+(`fit_context_slope`): the levels are flagged `drift_not_cancelled` (invalid).
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
@@ -93,6 +95,7 @@ from dvfs.measure.counter import round_energy, t_two_sided
 from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
+    Q_DRIFT_NOT_CANCELLED,
     CellMeasurement,
     LatencyStats,
     PowerLimitRead,
@@ -413,10 +416,22 @@ def context_slope(
     levels: int,
     drift: str = "linear",
 ) -> float:
+    """`fit_context_slope`, 0 where the segments cannot tell."""
+    slope = fit_context_slope(values, decoded, segments, levels, drift)
+    return 0.0 if slope is None else slope
+
+
+def fit_context_slope(
+    values: Sequence[float],
+    decoded: Sequence[float],
+    segments: Sequence[Segment],
+    levels: int,
+    drift: str = "linear",
+) -> float | None:
     """How a quantity grows with the tokens decoded, common to the levels: a relative slope
     per token, fitted as value = level * drift(slope, decoded) * an offset per round (least
-    squares on the logs; `DRIFTS`); 0 when the segments cannot tell (no finite values, or no
-    spread in decoded).
+    squares on the logs; `DRIFTS`); None when the segments cannot tell (too few finite
+    values, no spread in decoded, or each level at one place).
 
     Energy per token is fitted linear in the tokens decoded: each token's attention reads the
     KV cache once more, so a pass's time (and, at a steady power, its energy) grows by about
@@ -431,7 +446,7 @@ def context_slope(
     d = np.asarray(decoded, dtype=float)
     keep = np.isfinite(y) & np.isfinite(d)
     if keep.sum() < levels + 2:
-        return 0.0
+        return None
     rounds = sorted({s.round for s in segments})
     x = np.zeros((len(segments), levels + 1 + len(rounds) - 1))
     for i, seg in enumerate(segments):
@@ -442,7 +457,7 @@ def context_slope(
     x, y, d = x[keep], y[keep], d[keep]
     used = np.flatnonzero(x.any(axis=0))
     if levels not in used or np.linalg.matrix_rank(x[:, used]) < len(used):
-        return 0.0
+        return None
     # The slope is told by where each level's own segments sit along the decode (what the
     # levels and rounds leave of `decoded`). Where each level sits at one place (a decode
     # that ended before the levels' second visits), that is a few tokens of jitter, and a
@@ -451,7 +466,7 @@ def context_slope(
     others = x[:, [c for c in used if c != levels]]
     left = d - others @ np.linalg.lstsq(others, d, rcond=None)[0]
     if float(np.ptp(left)) < MIN_SLOPE_SPREAD * float(np.ptp(d)):
-        return 0.0
+        return None
     if drift == "exponential":
         beta = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
         return float(beta[used.tolist().index(levels)])
@@ -467,7 +482,7 @@ def context_slope(
     # the decode; the misfit has one minimum in between.
     top = float(d.max())
     if top <= 0:
-        return 0.0
+        return None
     return _golden_min(misfit, -0.999 / top, 10.0 / top, 1e-6 / top)
 
 
@@ -852,9 +867,15 @@ def _measure_group(
     # middle: half the tokens decoded), along the drift fitted across the group's segments.
     target = campaign.workload.output_tokens / 2
     decoded = [s.decoded_tokens for s in measured]
-    energy_slope = context_slope(
+    fitted = fit_context_slope(
         [s.energy_per_token_j for s in measured], decoded, segments, len(cells)
     )
+    energy_slope = 0.0 if fitted is None else fitted
+    # Levels measured at places no drift was fitted across (every decode ended before their
+    # second visits): each at its own context, apart by as much as the drift over the decode
+    # (up to 5% at batch 64 on the twin), with an interval that does not show it.
+    placed = {s.segment.level for s in measured if math.isfinite(s.decoded_tokens)}
+    unbalanced = Q_DRIFT_NOT_CANCELLED if fitted is None and len(placed) > 1 else 0
     tpot_slope = context_slope(
         [s.tpot_ms for s in measured], decoded, segments, len(cells), "exponential"
     )
@@ -885,7 +906,8 @@ def _measure_group(
             quality=cm.quality
             | (Q_ACCEPT_MISMATCH if mismatch else 0)
             | held
-            | idle_quality(idle_foreign[index]),
+            | idle_quality(idle_foreign[index])
+            | (unbalanced if index in placed else 0),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
