@@ -33,6 +33,7 @@ from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
     DRIFTS,
+    MIN_SEGMENT_SAMPLES,
     ROUND_DEADLINE_SHARE,
     SCHEMES,
     Segment,
@@ -1088,11 +1089,11 @@ SHORT_FIRST_ROUND = INFLIGHT_CAMPAIGN.replace("[16, 2048]", "[16, 256]")
 
 
 def short_first_round(
-    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND
+    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND, deadline_s: float = 10.0
 ) -> tuple[Deadlined, list[Any]]:
     text = text.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
     with twin_runner(tmp_path, text) as runner:
-        engine = Deadlined(runner.engine, 10.0)
+        engine = Deadlined(runner.engine, deadline_s)
         runner.engine = engine  # type: ignore[assignment]
         group = inflight_groups(plan_cells(runner.campaign))[0]
         with warnings.catch_warnings():
@@ -1140,6 +1141,29 @@ def test_levels_no_decode_visited_twice_are_flagged_drift_not_cancelled(tmp_path
         assert all(s["position"] < levels for s in seen), seen  # never a second visit
         assert record.inflight["context"]["energy_per_token_slope_per_1k_tokens"] == 0.0
         assert "drift_not_cancelled" in describe_quality(m.quality) and not m.valid
+
+
+def test_a_sliver_of_a_segment_the_decode_ended_inside_is_not_measured(tmp_path: Path) -> None:
+    """A deadline (13 s at batch 8 here) that ends each decode a few tokens into a level's
+    second visit left a sliver of a segment, a few hundredths of a second with a counter
+    update or none: its energy per token (0, or many times the level's) was the only second
+    visit the context slope could fit, and it carried the other levels 7-13% low, valid.
+    A segment needs MIN_SEGMENT_SAMPLES sample periods measured (as sized); a shorter one the
+    decode ended inside is left out as one it ended before, and the levels agree with an
+    undeadlined group's within a few tenths of a percent."""
+    text = SHORT_FIRST_ROUND.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6")
+    (tmp_path / "free").mkdir()
+    with twin_runner(tmp_path / "free", text) as runner:
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        free = run_inflight(runner, group, settle_s=runner.settle_s)
+        shortest = MIN_SEGMENT_SAMPLES * runner.campaign.measurement.sample_period_s
+    _, records = short_first_round(tmp_path, 4, text, deadline_s=13.0)
+    for record, reference in zip(records, free, strict=True):
+        m, ref = record.measurement, reference.measurement
+        assert m is not None and ref is not None, record.errors
+        kept = [s["measured_s"] for s in record.inflight["segments"] if s["measured_s"] > 0]
+        assert kept and min(kept) >= shortest * 0.99, kept
+        assert m.energy_per_token_j == pytest.approx(ref.energy_per_token_j, rel=0.01)
 
 
 def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path: Path) -> None:

@@ -806,6 +806,14 @@ def _measure_group(
             for position, (cell, a, b) in enumerate(zip(order, starts, ends, strict=False)):
                 lo = max(a + _ns(settle_before(order, position, settle)), window[0])
                 hi = min(b, window[1])
+                if hi < b and hi - lo < _ns(MIN_SEGMENT_SAMPLES * m.sample_period_s):
+                    # The decode ended inside it, too little of it left for the meter: a
+                    # sliver of a few tokens and a counter update or none (energy per token
+                    # 0, or 13 times the level's), which the context slope took for the drift
+                    # of every level (the others carried 7-59% low on the twin). Left to the
+                    # next decodes, as a segment the decode ended before.
+                    gpu_time["drain"] += max(0, hi - lo) * 1e-9
+                    hi = lo
                 gpu_time["settle"] += (min(lo, b) - a) * 1e-9
                 span = (lo, hi) if hi > lo else None
                 if span is not None:
