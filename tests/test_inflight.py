@@ -33,6 +33,7 @@ from dvfs.gpu.nvml import open_nvml_gpus
 from dvfs.measure.counter import relative_half_width, t_two_sided
 from dvfs.measure.inflight import (
     DRIFTS,
+    MIN_SEGMENT_SAMPLES,
     ROUND_DEADLINE_SHARE,
     SCHEMES,
     Segment,
@@ -1088,11 +1089,11 @@ SHORT_FIRST_ROUND = INFLIGHT_CAMPAIGN.replace("[16, 2048]", "[16, 256]")
 
 
 def short_first_round(
-    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND
+    tmp_path: Path, max_rounds: int, text: str = SHORT_FIRST_ROUND, deadline_s: float = 10.0
 ) -> tuple[Deadlined, list[Any]]:
     text = text.replace("max_rounds = 6", f"max_rounds = {max_rounds}")
     with twin_runner(tmp_path, text) as runner:
-        engine = Deadlined(runner.engine, 10.0)
+        engine = Deadlined(runner.engine, deadline_s)
         runner.engine = engine  # type: ignore[assignment]
         group = inflight_groups(plan_cells(runner.campaign))[0]
         with warnings.catch_warnings():
@@ -1120,6 +1121,49 @@ def test_a_level_the_first_round_never_reached_does_not_break_the_next_rounds_si
         assert record.ok and m is not None, record.errors
         if not any(s["measured_s"] > 0 for s in record.inflight["segments"]):
             assert "no_steady_window" in describe_quality(m.quality)
+
+
+def test_levels_no_decode_visited_twice_are_flagged_drift_not_cancelled(tmp_path: Path) -> None:
+    """Every decode bounded by a deadline too short for its segments ends before the levels'
+    second visits (abba): each level sits at its own place along the decode, so the order
+    cancels no drift, and no slope can be fitted to carry them (`context_slope` 0). Their
+    values stood valid, apart by the drift between their places (the later levels 1-1.7%
+    high at batch 8 on the twin, up to 5% at batch 64, against intervals of 0.2-0.3%):
+    they are invalid, drift_not_cancelled."""
+    engine, records = short_first_round(tmp_path, 4)
+    levels = len(records)
+    placed = [r for r in records if any(s["measured_s"] > 0 for s in r.inflight["segments"])]
+    assert len(placed) > 1
+    for record in placed:
+        m = record.measurement
+        assert record.ok and m is not None, record.errors
+        seen = [s for s in record.inflight["segments"] if s["measured_s"] > 0]
+        assert all(s["position"] < levels for s in seen), seen  # never a second visit
+        assert record.inflight["context"]["energy_per_token_slope_per_1k_tokens"] == 0.0
+        assert "drift_not_cancelled" in describe_quality(m.quality) and not m.valid
+
+
+def test_a_sliver_of_a_segment_the_decode_ended_inside_is_not_measured(tmp_path: Path) -> None:
+    """A deadline (13 s at batch 8 here) that ends each decode a few tokens into a level's
+    second visit left a sliver of a segment, a few hundredths of a second with a counter
+    update or none: its energy per token (0, or many times the level's) was the only second
+    visit the context slope could fit, and it carried the other levels 7-13% low, valid.
+    A segment needs MIN_SEGMENT_SAMPLES sample periods measured (as sized); a shorter one the
+    decode ended inside is left out as one it ended before, and the levels agree with an
+    undeadlined group's within a few tenths of a percent."""
+    text = SHORT_FIRST_ROUND.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6")
+    (tmp_path / "free").mkdir()
+    with twin_runner(tmp_path / "free", text) as runner:
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        free = run_inflight(runner, group, settle_s=runner.settle_s)
+        shortest = MIN_SEGMENT_SAMPLES * runner.campaign.measurement.sample_period_s
+    _, records = short_first_round(tmp_path, 4, text, deadline_s=13.0)
+    for record, reference in zip(records, free, strict=True):
+        m, ref = record.measurement, reference.measurement
+        assert m is not None and ref is not None, record.errors
+        kept = [s["measured_s"] for s in record.inflight["segments"] if s["measured_s"] > 0]
+        assert kept and min(kept) >= shortest * 0.99, kept
+        assert m.energy_per_token_j == pytest.approx(ref.energy_per_token_j, rel=0.01)
 
 
 def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path: Path) -> None:
@@ -1166,26 +1210,43 @@ def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the
     tmp_path: Path, scheme: str
 ) -> None:
     """A short decode on a loaded host can end before the knob-stepping thread is scheduled:
-    it ran no step and measured no level. The group goes on to its next decode (it failed
-    with "no steady window", using up a retry); on its last decode, or twice in a row, it is
-    an error that says so."""
+    it ran no step and measured no level. The round is decoded again in the same order (it
+    failed with "no steady window", using up a retry; then it was taken for the next round,
+    which left a serpentine pair one direction twice: the levels' mean places apart and a
+    one-sided block in the interval, and counted a decode that measured nothing). Twice in a
+    row it is an error that says so."""
     # a precision no four decodes reach: each group runs all four
     text = INFLIGHT_CAMPAIGN.replace("max_rounds = 6", "max_rounds = 4\nprecision = 1e-6").replace(
         "\nmode = ", f'\ninflight_order = "{scheme}"\nmode = '
     )
     with twin_runner(tmp_path, text) as runner:
-        engine = Unstepped(runner.engine, {0})
+        engine = Unstepped(runner.engine, {1})
         runner.engine = engine  # type: ignore[assignment]
         group = inflight_groups(plan_cells(runner.campaign))[0]
         records = run_inflight(runner, group, settle_s=runner.settle_s)
-    assert len(engine.stepped) == 4
+    assert len(engine.stepped) == 5
+    per_round = segments_per_round(len(records), scheme)
+    places = [
+        Segment(s["round"], s["position"], r.inflight["level"])
+        for r in records
+        for s in r.inflight["segments"]
+    ]
+    assert len(set(mean_positions(places, per_round).values())) == 1  # drift still cancels
     for record in records:
         m = record.measurement
         assert record.ok and record.attempts == 1 and m is not None, record.errors
         assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
-        assert {s["round"] for s in record.inflight["segments"]} == {1, 2, 3}
+        assert {s["round"] for s in record.inflight["segments"]} == {0, 1, 2, 3}
         assert record.inflight["rounds"] == m.rounds == 4
-    for missed in ({0, 1}, {3}):  # the retry's decodes all step
+    (tmp_path / "last").mkdir()  # the last decode is run again too
+    with twin_runner(tmp_path / "last", text) as runner:
+        runner.engine = Unstepped(runner.engine, {3})  # type: ignore[assignment]
+        group = inflight_groups(plan_cells(runner.campaign))[0]
+        records = run_inflight(runner, group, settle_s=runner.settle_s)
+    assert all(r.ok and r.measurement and r.measurement.rounds == 4 for r in records), [
+        r.errors for r in records
+    ]
+    for missed in ({0, 1}, {3, 4}):  # the retry's decodes all step
         (tmp_path / str(min(missed))).mkdir()
         with twin_runner(tmp_path / str(min(missed)), text) as runner:
             runner.engine = Unstepped(runner.engine, missed)  # type: ignore[assignment]

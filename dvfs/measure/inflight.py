@@ -27,7 +27,9 @@ each other (drift and each decode's prompts fitted out, `level_estimates`) is ke
 provenance. Rounds are sized from the warm-up's decode rate, then from each level's measured
 rate, with a few percent to spare, and never past half the engine's request deadline at the
 slowest rate the warm-up allows, then the previous decode (`deadline_tokens`); the levels a
-decode ends before are left to the next ones.
+decode ends before are left to the next ones. Where every decode ends before the levels'
+second visits, each level sits at its own place and no drift is cancelled or can be fitted
+(`fit_context_slope`): the levels are flagged `drift_not_cancelled` (invalid).
 
 The decode is as long as its segments need, so it reaches a longer context than a per-level
 cell of `output_tokens`, and where attention's KV reads weigh (large batches, long prompts)
@@ -93,6 +95,7 @@ from dvfs.measure.counter import round_energy, t_two_sided
 from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
+    Q_DRIFT_NOT_CANCELLED,
     CellMeasurement,
     LatencyStats,
     PowerLimitRead,
@@ -413,10 +416,22 @@ def context_slope(
     levels: int,
     drift: str = "linear",
 ) -> float:
+    """`fit_context_slope`, 0 where the segments cannot tell."""
+    slope = fit_context_slope(values, decoded, segments, levels, drift)
+    return 0.0 if slope is None else slope
+
+
+def fit_context_slope(
+    values: Sequence[float],
+    decoded: Sequence[float],
+    segments: Sequence[Segment],
+    levels: int,
+    drift: str = "linear",
+) -> float | None:
     """How a quantity grows with the tokens decoded, common to the levels: a relative slope
     per token, fitted as value = level * drift(slope, decoded) * an offset per round (least
-    squares on the logs; `DRIFTS`); 0 when the segments cannot tell (no finite values, or no
-    spread in decoded).
+    squares on the logs; `DRIFTS`); None when the segments cannot tell (too few finite
+    values, no spread in decoded, or each level at one place).
 
     Energy per token is fitted linear in the tokens decoded: each token's attention reads the
     KV cache once more, so a pass's time (and, at a steady power, its energy) grows by about
@@ -431,7 +446,7 @@ def context_slope(
     d = np.asarray(decoded, dtype=float)
     keep = np.isfinite(y) & np.isfinite(d)
     if keep.sum() < levels + 2:
-        return 0.0
+        return None
     rounds = sorted({s.round for s in segments})
     x = np.zeros((len(segments), levels + 1 + len(rounds) - 1))
     for i, seg in enumerate(segments):
@@ -442,7 +457,7 @@ def context_slope(
     x, y, d = x[keep], y[keep], d[keep]
     used = np.flatnonzero(x.any(axis=0))
     if levels not in used or np.linalg.matrix_rank(x[:, used]) < len(used):
-        return 0.0
+        return None
     # The slope is told by where each level's own segments sit along the decode (what the
     # levels and rounds leave of `decoded`). Where each level sits at one place (a decode
     # that ended before the levels' second visits), that is a few tokens of jitter, and a
@@ -451,7 +466,7 @@ def context_slope(
     others = x[:, [c for c in used if c != levels]]
     left = d - others @ np.linalg.lstsq(others, d, rcond=None)[0]
     if float(np.ptp(left)) < MIN_SLOPE_SPREAD * float(np.ptp(d)):
-        return 0.0
+        return None
     if drift == "exponential":
         beta = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
         return float(beta[used.tolist().index(levels)])
@@ -467,7 +482,7 @@ def context_slope(
     # the decode; the misfit has one minimum in between.
     top = float(d.max())
     if top <= 0:
-        return 0.0
+        return None
     return _golden_min(misfit, -0.999 / top, 10.0 / top, 1e-6 / top)
 
 
@@ -712,7 +727,10 @@ def _measure_group(
     rounds = 0
     unstepped = False  # the last decode ran no knob step
     while rounds < max_rounds:
-        for _ in range(step):
+        # a block of rounds whose order cancels a drift by itself (`rounds_step`): a decode that
+        # measured no level is run again in its place, so every block is whole
+        block_end = rounds + step
+        while rounds < block_end:
             order = level_order(cells, scheme, rounds)
             if measured:  # each level's rate as measured so far
                 # a level none of whose segments was measured yet (a round that ended before
@@ -753,11 +771,11 @@ def _measure_group(
             window = steady_window_ns(result, "fixed")
             if window is None:
                 raise EngineError("the in-flight decode had no steady window to step the knob in")
-            if not result.knob_ns and (unstepped or rounds + 1 >= max_rounds):
+            if not result.knob_ns and unstepped:
                 raise EngineError(
                     f"the in-flight decode ({tokens} tokens) ended before its first knob step "
-                    f"ran{', twice in a row' if unstepped else ''}: the knob-stepping thread was "
-                    "not scheduled in time (a loaded host)"
+                    "ran, twice in a row: the knob-stepping thread was not scheduled in time (a "
+                    "loaded host)"
                 )
             results.append(result)
             # A decode's whole time bounds the rate again, its prefill a smaller share of it
@@ -771,10 +789,11 @@ def _measure_group(
             if unstepped:
                 # A short decode that ended before the stepping thread ran its first step (the
                 # level it sets is the one the GPUs are at: the previous decode ended there)
-                # measured no level: like a decode that ends before a level's segments, it
-                # leaves its levels to the next decode (one follows: else an error above).
+                # measured no level: the round is decoded again, in the same order (taken as
+                # the next round, a serpentine's pair held one direction twice and broke the
+                # balance of the levels' places; the count of rounds held a decode measuring
+                # nothing). Twice in a row is an error above.
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
-                rounds += 1
                 continue
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
@@ -787,6 +806,14 @@ def _measure_group(
             for position, (cell, a, b) in enumerate(zip(order, starts, ends, strict=False)):
                 lo = max(a + _ns(settle_before(order, position, settle)), window[0])
                 hi = min(b, window[1])
+                if hi < b and hi - lo < _ns(MIN_SEGMENT_SAMPLES * m.sample_period_s):
+                    # The decode ended inside it, too little of it left for the meter: a
+                    # sliver of a few tokens and a counter update or none (energy per token
+                    # 0, or 13 times the level's), which the context slope took for the drift
+                    # of every level (the others carried 7-59% low on the twin). Left to the
+                    # next decodes, as a segment the decode ended before.
+                    gpu_time["drain"] += max(0, hi - lo) * 1e-9
+                    hi = lo
                 gpu_time["settle"] += (min(lo, b) - a) * 1e-9
                 span = (lo, hi) if hi > lo else None
                 if span is not None:
@@ -848,9 +875,15 @@ def _measure_group(
     # middle: half the tokens decoded), along the drift fitted across the group's segments.
     target = campaign.workload.output_tokens / 2
     decoded = [s.decoded_tokens for s in measured]
-    energy_slope = context_slope(
+    fitted = fit_context_slope(
         [s.energy_per_token_j for s in measured], decoded, segments, len(cells)
     )
+    energy_slope = 0.0 if fitted is None else fitted
+    # Levels measured at places no drift was fitted across (every decode ended before their
+    # second visits): each at its own context, apart by as much as the drift over the decode
+    # (up to 5% at batch 64 on the twin), with an interval that does not show it.
+    placed = {s.segment.level for s in measured if math.isfinite(s.decoded_tokens)}
+    unbalanced = Q_DRIFT_NOT_CANCELLED if fitted is None and len(placed) > 1 else 0
     tpot_slope = context_slope(
         [s.tpot_ms for s in measured], decoded, segments, len(cells), "exponential"
     )
@@ -881,7 +914,8 @@ def _measure_group(
             quality=cm.quality
             | (Q_ACCEPT_MISMATCH if mismatch else 0)
             | held
-            | idle_quality(idle_foreign[index]),
+            | idle_quality(idle_foreign[index])
+            | (unbalanced if index in placed else 0),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),

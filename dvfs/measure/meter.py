@@ -58,6 +58,11 @@ Q_FOREIGN_PROCESS = 1 << 12
 #: above-idle energy subtracts (`dvfs.measure.tenants`): that energy is wrong, its total
 #: energy is not (it does not use the idle), so the cell stays valid.
 Q_IDLE_BASELINE_FOREIGN = 1 << 13
+#: An in-flight level whose decodes all ended before the levels' second visits (a request
+#: deadline too short for a decode's segments): each level sits at its own place along the
+#: decode, so the order cancels no drift and no drift could be fitted to carry the levels to
+#: a per-level cell's context (`dvfs.measure.inflight.fit_context_slope`).
+Q_DRIFT_NOT_CANCELLED = 1 << 14
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -74,6 +79,7 @@ QUALITY_FLAGS = {
     Q_CLOCK_HELD_LOW: "clock_held_low",
     Q_FOREIGN_PROCESS: "foreign_process",
     Q_IDLE_BASELINE_FOREIGN: "idle_baseline_foreign",
+    Q_DRIFT_NOT_CANCELLED: "drift_not_cancelled",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (
@@ -86,6 +92,7 @@ INVALIDATING = (
     | Q_POWER_LIMIT_NOT_HELD
     | Q_CLOCK_HELD_LOW
     | Q_FOREIGN_PROCESS
+    | Q_DRIFT_NOT_CANCELLED
 )
 
 
