@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -496,6 +497,54 @@ def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(n
             remote = find_server_gpus("http://192.0.2.1:30000", gpus)
             assert remote.uuids is None and remote.lasting
             assert "not on this machine" in remote.why
+    finally:
+        listener.communicate("", timeout=30)
+
+
+FIND_AS_GIVEN = """
+import sys
+from types import SimpleNamespace
+from dvfs.govern.servergpus import find_server_gpus
+port, child = map(int, sys.argv[1:])
+gpu = SimpleNamespace(
+    identity=SimpleNamespace(index=0, uuid="GPU-0000"), compute_pids=lambda: frozenset({child})
+)
+print(find_server_gpus(f"http://127.0.0.1:{port}", [gpu]).why)
+"""
+
+
+def _capabilities() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapEff:")), 16)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.geteuid() != 0 or not shutil.which("setpriv"),
+    reason="needs root and setpriv to drop capabilities",
+)
+def test_root_without_capabilities_is_told_why_it_cannot_read_a_root_server() -> None:
+    """dvfs-monitor.service runs dvfs as root with no capability: Linux then refuses it the
+    fds of a server run as root (which holds capabilities), so no listener is found. The
+    reason said it was another user's and to run dvfs as root, which it was."""
+    if not _capabilities():
+        pytest.skip("this root holds no capability to drop")
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, child = map(int, listener.stdout.readline().split())
+        find = [sys.executable, "-c", FIND_AS_GIVEN, str(port), str(child)]
+        env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        as_root = subprocess.run(find, env=env, capture_output=True, text=True, timeout=60)
+        assert as_root.stdout.startswith("NVML lists the server's processes"), as_root
+        drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"]
+        bare = subprocess.run(drop + find, env=env, capture_output=True, text=True, timeout=60)
+        assert f"listening on port {port} cannot be read" in bare.stdout, bare
+        assert "without CAP_SYS_PTRACE" in bare.stdout and "another user's" not in bare.stdout
     finally:
         listener.communicate("", timeout=30)
 

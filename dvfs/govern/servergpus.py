@@ -11,6 +11,7 @@ interval (one /proc read) and the GPUs found again when it is another process (a
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,19 @@ def _names(gpus: Sequence[Gpu]) -> str:
     return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
+def _unreadable(port: int, proc: Path) -> str:
+    """Why no process is seen holding the socket listening on `port`: reading a process's fds
+    takes ptrace access to it, the same user with no fewer capabilities (or CAP_SYS_PTRACE), so
+    root without capabilities (dvfs-monitor.service) cannot read a server run as root either."""
+    why = f"the process listening on port {port} cannot be read in {proc}"
+    if os.geteuid() == 0:
+        return (
+            f"{why} (dvfs runs as root without CAP_SYS_PTRACE, as dvfs-monitor.service does, "
+            "and the server holds capabilities dvfs does not)"
+        )
+    return f"{why} (another user's: run dvfs as the server's user or as root)"
+
+
 def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attribution:
     """Where the server at `url` runs among `gpus` (see the module docstring)."""
     import httpx
@@ -66,11 +80,7 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
         return Attribution(None, f"nothing listens on port {port} here yet")
     holders = sorted(port_holders(port, None, proc, host=host))
     if not holders:
-        return Attribution(
-            None,
-            f"the process listening on port {port} cannot be read in {proc} (another user's: "
-            "run dvfs as the server's user or as root)",
-        )
+        return Attribution(None, _unreadable(port, proc))
     listeners = tuple((pid, start_ticks(pid, proc)) for pid in holders)
     tree: set[int] = set()
     for pid in holders:
