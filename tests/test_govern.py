@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -463,10 +464,12 @@ import socket, subprocess, sys
 server = socket.socket()
 server.bind(("127.0.0.1", 0))
 server.listen()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-print(server.getsockname()[1], child.pid, flush=True)
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+children = [subprocess.Popen(sleeper) for _ in range(int(sys.argv[1]) if sys.argv[1:] else 1)]
+print(server.getsockname()[1], *(child.pid for child in children), flush=True)
 sys.stdin.read()
-child.kill()
+for child in children:
+    child.kill()
 """
 
 
@@ -497,6 +500,50 @@ def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(n
             remote = find_server_gpus("http://192.0.2.1:30000", gpus)
             assert remote.uuids is None and remote.lasting
             assert "not on this machine" in remote.why
+    finally:
+        listener.communicate("", timeout=30)
+
+
+def test_a_tensor_parallel_server_found_while_its_ranks_start_counts_every_rank(nvml) -> None:
+    """A tensor-parallel server's scheduler processes (one per GPU) take their GPUs one by one
+    as they start. Found between the two, the server's GPUs were its first rank's alone, and
+    not looked for again while the same process listened: its energy per token counted half
+    its GPUs for as long as it ran. Now a finding is looked at again RETRY_S on, until the
+    same GPUs are found twice in a row."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.servergpus import RETRY_S, Attribution, ServerGpus, find_server_gpus
+
+    looked: list[float] = []
+
+    def find(url: str, gpus: Any, proc: Path) -> Attribution:
+        looked.append(now[0])
+        return find_server_gpus(url, gpus, proc)
+
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, rank0, rank1 = map(int, listener.stdout.readline().split())
+        now = [0.0]
+        notes: list[str] = []
+        with open_gpus([0, 1]) as gpus:
+            uuids = [g.identity.uuid for g in gpus]
+            tracker = ServerGpus(
+                f"http://127.0.0.1:{port}", gpus, notes.append, clock=lambda: now[0], find=find
+            )
+            nvml.fake_add_process(0, rank0)
+            tracker.refresh()
+            assert tracker.uuids == {uuids[0]}
+            nvml.fake_add_process(1, rank1)
+            for now[0] in (1.0, RETRY_S, 2 * RETRY_S, 3 * RETRY_S):
+                tracker.refresh()
+            assert tracker.uuids == {uuids[0], uuids[1]}
+            assert "energy per token counts GPU 0, GPU 1, the server's" in notes[-1]
+            assert looked == [0.0, RETRY_S, 2 * RETRY_S]  # found the same twice: settled
     finally:
         listener.communicate("", timeout=30)
 

@@ -6,7 +6,8 @@ process listening on the URL's port (/proc/net/tcp and the processes' fds), its 
 and NVML's compute processes of each GPU say where it runs. Where they cannot tell (a remote
 URL, /proc not readable, no process of the server on any GPU yet), every GPU is counted, with
 one warning line. `ServerGpus` follows the server: the listener is looked at again each
-interval (one /proc read) and the GPUs found again when it is another process (a restart).
+interval (one /proc read) and the GPUs found again when it is another process (a restart);
+GPUs found are looked for again until found the same twice in a row, `RETRY_S` apart.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
 class ServerGpus:
     """The server's GPUs, followed: `refresh` each interval finds them at the first call, again
     when the listener found is gone or another process (the server restarted), and, while not
-    found for a reason that may pass, every `RETRY_S`. Each new finding is noted in one line;
+    found for a reason that may pass, or found on other GPUs than the last time (a
+    tensor-parallel server's ranks starting one by one), every `RETRY_S`. Each new finding is
+    noted in one line;
     a fallback to every GPU in one warning line, once until something is found."""
 
     url: str
@@ -136,6 +139,9 @@ class ServerGpus:
     _searching: bool = field(default=True, init=False)
     _next_try_s: float = field(default=float("-inf"), init=False)
     _warned: bool = field(default=False, init=False)
+    #: GPUs found that differ from those known before: looked for again `RETRY_S` on, as a
+    #: tensor-parallel server's ranks take their GPUs one by one while it starts.
+    _confirming: bool = field(default=False, init=False)
 
     @property
     def uuids(self) -> frozenset[str] | None:
@@ -156,12 +162,15 @@ class ServerGpus:
             if not self._listener_moved():
                 return
             self._searching, self._next_try_s = True, float("-inf")
+        elif self._confirming and self._listener_moved():
+            self._next_try_s = float("-inf")  # restarted before the GPUs found were confirmed
         now = self.clock()
         if now < self._next_try_s:
             return
         self._next_try_s = now + RETRY_S
         found = self.find(self.url, self.gpus, self.proc)
         if found.uuids is None:
+            self._confirming = False  # looked for every RETRY_S until found
             if known is None or known.uuids is None:
                 self.current = found
                 if not self._warned:
@@ -172,7 +181,8 @@ class ServerGpus:
                     )
             # else the server is gone (restarting): its GPUs count until it is found again
             return
-        if known is None or known.uuids != found.uuids:
+        changed = known is None or known.uuids != found.uuids
+        if changed:
             mine = [g for g in self.gpus if g.identity.uuid in found.uuids]
             line = (
                 f"energy per token counts {_names(mine)}, the server's GPU(s) at "
@@ -186,4 +196,6 @@ class ServerGpus:
                     + " to govern the server's only"
                 )
             self.note(line)
-        self.current, self._searching, self._warned = found, False, False
+        # settled once the same GPUs are found twice in a row
+        self.current, self._searching, self._warned = found, changed, False
+        self._confirming = changed
