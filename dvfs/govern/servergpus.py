@@ -25,6 +25,7 @@ from dvfs.procfs import (
     is_local,
     listening_sockets,
     port_holders,
+    process_name,
     server_pids,
     start_ticks,
 )
@@ -97,6 +98,17 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
         elif pids & tree:
             found.append(gpu)
     pid_text = ", ".join(map(str, holders))
+    proxies = [pid for pid in holders if process_name(pid, proc) == "docker-proxy"]
+    if not found and proxies:
+        # Docker's userland proxy forwards a port published with -p: the server listens in the
+        # container's network, and nothing on the host ties the proxy to its processes
+        return Attribution(
+            None,
+            f"port {port} is a container's, forwarded by docker-proxy (pid "
+            f"{', '.join(map(str, proxies))}), whose server dvfs cannot follow (run the container "
+            "with --network host for dvfs to find it)",
+            listeners,
+        )
     if not found:
         listed = _names([g for g in gpus if g not in blind]) or "any GPU"
         why = (
