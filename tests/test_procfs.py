@@ -239,3 +239,20 @@ def test_a_port_docker_proxy_forwards_is_said_to_be_a_containers(tmp_path: Path)
     assert got.uuids is None and not got.lasting
     assert "forwarded by docker-proxy (pid 901)" in got.why and "--network host" in got.why
     assert "loaded its weights" not in got.why
+
+
+def test_a_host_that_does_not_resolve_yet_is_looked_up_again_not_called_remote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--url naming this machine by a DNS name, the monitor started at boot before DNS answers:
+    the name did not resolve, so it was "not on this machine", never looked at again, and
+    every GPU counted for as long as it ran. A name that does not resolve is now tried again."""
+    from dvfs.govern.servergpus import find_server_gpus
+
+    def no_dns(*args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    got = find_server_gpus("http://gpu-node-17.example:30000", [])
+    assert got.uuids is None and not got.lasting
+    assert "gpu-node-17.example does not resolve" in got.why

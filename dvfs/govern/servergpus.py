@@ -22,6 +22,7 @@ from dvfs.errors import GpuError
 from dvfs.gpu.base import Gpu
 from dvfs.procfs import (
     PROC,
+    connect_addresses,
     is_local,
     listening_sockets,
     port_holders,
@@ -76,6 +77,8 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
     except (httpx.InvalidURL, TypeError, ValueError):
         return Attribution(None, f"{shown} is not a URL dvfs can look up", lasting=True)
+    if connect_addresses(host) is None:  # DNS not up yet (a unit started at boot), or a typo
+        return Attribution(None, f"{host} does not resolve here (yet)")
     if not is_local(host):
         return Attribution(None, f"the server at {shown} is not on this machine", lasting=True)
     if not listening_sockets(port, proc, host=host):
