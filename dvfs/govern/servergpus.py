@@ -56,11 +56,11 @@ def _names(gpus: Sequence[Gpu]) -> str:
 def _unreadable(port: int, proc: Path) -> str:
     """Why no process is seen holding the socket listening on `port`: reading a process's fds
     takes ptrace access to it, the same user with no fewer capabilities (or CAP_SYS_PTRACE), so
-    root without capabilities (dvfs-monitor.service) cannot read a server run as root either."""
+    root without that capability (the dvfs units) cannot read a server run as root either."""
     why = f"the process listening on port {port} cannot be read in {proc}"
     if os.geteuid() == 0:
         return (
-            f"{why} (dvfs runs as root without CAP_SYS_PTRACE, as dvfs-monitor.service does, "
+            f"{why} (dvfs runs as root without CAP_SYS_PTRACE, as the dvfs units do, "
             "and the server holds capabilities dvfs does not)"
         )
     return f"{why} (another user's: run dvfs as the server's user or as root)"
