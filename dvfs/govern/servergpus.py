@@ -139,8 +139,8 @@ class ServerGpus:
     when the listener found is gone or another process (the server restarted), and, while not
     found for a reason that may pass, or found on other GPUs than the last time (a
     tensor-parallel server's ranks starting one by one), every `RETRY_S`. Each new finding is
-    noted in one line;
-    a fallback to every GPU in one warning line, once until something is found."""
+    noted in one line; a fallback to every GPU in one warning line, once until something is
+    found."""
 
     url: str
     gpus: Sequence[Gpu]
