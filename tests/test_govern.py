@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -462,10 +464,12 @@ import socket, subprocess, sys
 server = socket.socket()
 server.bind(("127.0.0.1", 0))
 server.listen()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-print(server.getsockname()[1], child.pid, flush=True)
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+children = [subprocess.Popen(sleeper) for _ in range(int(sys.argv[1]) if sys.argv[1:] else 1)]
+print(server.getsockname()[1], *(child.pid for child in children), flush=True)
 sys.stdin.read()
-child.kill()
+for child in children:
+    child.kill()
 """
 
 
@@ -496,6 +500,98 @@ def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(n
             remote = find_server_gpus("http://192.0.2.1:30000", gpus)
             assert remote.uuids is None and remote.lasting
             assert "not on this machine" in remote.why
+    finally:
+        listener.communicate("", timeout=30)
+
+
+def test_a_tensor_parallel_server_found_while_its_ranks_start_counts_every_rank(nvml) -> None:
+    """A tensor-parallel server's scheduler processes (one per GPU) take their GPUs one by one
+    as they start. Found between the two, the server's GPUs were its first rank's alone, and
+    not looked for again while the same process listened: its energy per token counted half
+    its GPUs for as long as it ran. Now a finding is looked at again RETRY_S on, until the
+    same GPUs are found twice in a row."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.servergpus import RETRY_S, Attribution, ServerGpus, find_server_gpus
+
+    looked: list[float] = []
+
+    def find(url: str, gpus: Any, proc: Path) -> Attribution:
+        looked.append(now[0])
+        return find_server_gpus(url, gpus, proc)
+
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, rank0, rank1 = map(int, listener.stdout.readline().split())
+        now = [0.0]
+        notes: list[str] = []
+        with open_gpus([0, 1]) as gpus:
+            uuids = [g.identity.uuid for g in gpus]
+            tracker = ServerGpus(
+                f"http://127.0.0.1:{port}", gpus, notes.append, clock=lambda: now[0], find=find
+            )
+            nvml.fake_add_process(0, rank0)
+            tracker.refresh()
+            assert tracker.uuids == {uuids[0]}
+            nvml.fake_add_process(1, rank1)
+            for now[0] in (1.0, RETRY_S, 2 * RETRY_S, 3 * RETRY_S):
+                tracker.refresh()
+            assert tracker.uuids == {uuids[0], uuids[1]}
+            assert "energy per token counts GPU 0, GPU 1, the server's" in notes[-1]
+            assert looked == [0.0, RETRY_S, 2 * RETRY_S]  # found the same twice: settled
+    finally:
+        listener.communicate("", timeout=30)
+
+
+FIND_AS_GIVEN = """
+import sys
+from types import SimpleNamespace
+from dvfs.govern.servergpus import find_server_gpus
+port, child = map(int, sys.argv[1:])
+gpu = SimpleNamespace(
+    identity=SimpleNamespace(index=0, uuid="GPU-0000"), compute_pids=lambda: frozenset({child})
+)
+print(find_server_gpus(f"http://127.0.0.1:{port}", [gpu]).why)
+"""
+
+
+def _capabilities() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("CapEff:")), 16)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.geteuid() != 0 or not shutil.which("setpriv"),
+    reason="needs root and setpriv to drop capabilities",
+)
+def test_root_without_capabilities_is_told_why_it_cannot_read_a_root_server() -> None:
+    """dvfs-monitor.service runs dvfs as root with no capability: Linux then refuses it the
+    fds of a server run as root (which holds capabilities), so no listener is found. The
+    reason said it was another user's and to run dvfs as root, which it was."""
+    if not _capabilities():
+        pytest.skip("this root holds no capability to drop")
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None
+        port, child = map(int, listener.stdout.readline().split())
+        find = [sys.executable, "-c", FIND_AS_GIVEN, str(port), str(child)]
+        env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        as_root = subprocess.run(find, env=env, capture_output=True, text=True, timeout=60)
+        assert as_root.stdout.startswith("NVML lists the server's processes"), as_root
+        drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--"]
+        bare = subprocess.run(drop + find, env=env, capture_output=True, text=True, timeout=60)
+        assert f"listening on port {port} cannot be read" in bare.stdout, bare
+        assert "without CAP_SYS_PTRACE" in bare.stdout and "another user's" not in bare.stdout
     finally:
         listener.communicate("", timeout=30)
 

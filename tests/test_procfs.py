@@ -216,3 +216,43 @@ def test_a_real_ipv6_only_listener_is_no_holder_beside_an_ipv4_one() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(timeout=30)
+
+
+def test_a_port_docker_proxy_forwards_is_said_to_be_a_containers(tmp_path: Path) -> None:
+    """`docker run -p 30000:30000` (as SGLang's images are run): on the host, docker-proxy holds
+    the port and the server's processes are not in its tree. The warning said the server had
+    not loaded its weights yet, or a PID namespace hid it, and to wait; it now names the proxy
+    and what lets dvfs find the server."""
+    from types import SimpleNamespace
+
+    from dvfs.govern.servergpus import find_server_gpus
+
+    proc = tmp_path / "proc"
+    _process(proc, 900, b"dockerd", 1, 900, started=10)
+    _process(proc, 901, b"docker-proxy", 900, 900, started=20)
+    _process(proc, 950, b"python3", 940, 950, started=30)  # the container's server
+    _listen(proc, 901, 30000, inode=4242, address="0.0.0.0")
+    gpu = SimpleNamespace(
+        identity=SimpleNamespace(index=0, uuid="GPU-0000"), compute_pids=lambda: frozenset({950})
+    )
+    got = find_server_gpus("http://127.0.0.1:30000", [gpu], proc)  # type: ignore[list-item]
+    assert got.uuids is None and not got.lasting
+    assert "forwarded by docker-proxy (pid 901)" in got.why and "--network host" in got.why
+    assert "loaded its weights" not in got.why
+
+
+def test_a_host_that_does_not_resolve_yet_is_looked_up_again_not_called_remote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--url naming this machine by a DNS name, the monitor started at boot before DNS answers:
+    the name did not resolve, so it was "not on this machine", never looked at again, and
+    every GPU counted for as long as it ran. A name that does not resolve is now tried again."""
+    from dvfs.govern.servergpus import find_server_gpus
+
+    def no_dns(*args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    got = find_server_gpus("http://gpu-node-17.example:30000", [])
+    assert got.uuids is None and not got.lasting
+    assert "gpu-node-17.example does not resolve" in got.why

@@ -6,11 +6,13 @@ process listening on the URL's port (/proc/net/tcp and the processes' fds), its 
 and NVML's compute processes of each GPU say where it runs. Where they cannot tell (a remote
 URL, /proc not readable, no process of the server on any GPU yet), every GPU is counted, with
 one warning line. `ServerGpus` follows the server: the listener is looked at again each
-interval (one /proc read) and the GPUs found again when it is another process (a restart).
+interval (one /proc read) and the GPUs found again when it is another process (a restart);
+GPUs found are looked for again until found the same twice in a row, `RETRY_S` apart.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,9 +22,11 @@ from dvfs.errors import GpuError
 from dvfs.gpu.base import Gpu
 from dvfs.procfs import (
     PROC,
+    connect_addresses,
     is_local,
     listening_sockets,
     port_holders,
+    process_name,
     server_pids,
     start_ticks,
 )
@@ -49,6 +53,19 @@ def _names(gpus: Sequence[Gpu]) -> str:
     return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
+def _unreadable(port: int, proc: Path) -> str:
+    """Why no process is seen holding the socket listening on `port`: reading a process's fds
+    takes ptrace access to it, the same user with no fewer capabilities (or CAP_SYS_PTRACE), so
+    root without that capability (the dvfs units) cannot read a server run as root either."""
+    why = f"the process listening on port {port} cannot be read in {proc}"
+    if os.geteuid() == 0:
+        return (
+            f"{why} (dvfs runs as root without CAP_SYS_PTRACE, as the dvfs units do, "
+            "and the server holds capabilities dvfs does not)"
+        )
+    return f"{why} (another user's: run dvfs as the server's user or as root)"
+
+
 def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attribution:
     """Where the server at `url` runs among `gpus` (see the module docstring)."""
     import httpx
@@ -60,17 +77,15 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
         port = parsed.port or (443 if parsed.scheme == "https" else 80)
     except (httpx.InvalidURL, TypeError, ValueError):
         return Attribution(None, f"{shown} is not a URL dvfs can look up", lasting=True)
+    if connect_addresses(host) is None:  # DNS not up yet (a unit started at boot), or a typo
+        return Attribution(None, f"{host} does not resolve here (yet)")
     if not is_local(host):
         return Attribution(None, f"the server at {shown} is not on this machine", lasting=True)
     if not listening_sockets(port, proc, host=host):
         return Attribution(None, f"nothing listens on port {port} here yet")
     holders = sorted(port_holders(port, None, proc, host=host))
     if not holders:
-        return Attribution(
-            None,
-            f"the process listening on port {port} cannot be read in {proc} (another user's: "
-            "run dvfs as the server's user or as root)",
-        )
+        return Attribution(None, _unreadable(port, proc))
     listeners = tuple((pid, start_ticks(pid, proc)) for pid in holders)
     tree: set[int] = set()
     for pid in holders:
@@ -86,6 +101,17 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
         elif pids & tree:
             found.append(gpu)
     pid_text = ", ".join(map(str, holders))
+    proxies = [pid for pid in holders if process_name(pid, proc) == "docker-proxy"]
+    if not found and proxies:
+        # Docker's userland proxy forwards a port published with -p: the server listens in the
+        # container's network, and nothing on the host ties the proxy to its processes
+        return Attribution(
+            None,
+            f"port {port} is a container's, forwarded by docker-proxy (pid "
+            f"{', '.join(map(str, proxies))}), whose server dvfs cannot follow (run the container "
+            "with --network host for dvfs to find it)",
+            listeners,
+        )
     if not found:
         listed = _names([g for g in gpus if g not in blind]) or "any GPU"
         why = (
@@ -111,8 +137,10 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
 class ServerGpus:
     """The server's GPUs, followed: `refresh` each interval finds them at the first call, again
     when the listener found is gone or another process (the server restarted), and, while not
-    found for a reason that may pass, every `RETRY_S`. Each new finding is noted in one line;
-    a fallback to every GPU in one warning line, once until something is found."""
+    found for a reason that may pass, or found on other GPUs than the last time (a
+    tensor-parallel server's ranks starting one by one), every `RETRY_S`. Each new finding is
+    noted in one line; a fallback to every GPU in one warning line, once until something is
+    found."""
 
     url: str
     gpus: Sequence[Gpu]
@@ -126,6 +154,9 @@ class ServerGpus:
     _searching: bool = field(default=True, init=False)
     _next_try_s: float = field(default=float("-inf"), init=False)
     _warned: bool = field(default=False, init=False)
+    #: GPUs found that differ from those known before: looked for again `RETRY_S` on, as a
+    #: tensor-parallel server's ranks take their GPUs one by one while it starts.
+    _confirming: bool = field(default=False, init=False)
 
     @property
     def uuids(self) -> frozenset[str] | None:
@@ -146,12 +177,15 @@ class ServerGpus:
             if not self._listener_moved():
                 return
             self._searching, self._next_try_s = True, float("-inf")
+        elif self._confirming and self._listener_moved():
+            self._next_try_s = float("-inf")  # restarted before the GPUs found were confirmed
         now = self.clock()
         if now < self._next_try_s:
             return
         self._next_try_s = now + RETRY_S
         found = self.find(self.url, self.gpus, self.proc)
         if found.uuids is None:
+            self._confirming = False  # looked for every RETRY_S until found
             if known is None or known.uuids is None:
                 self.current = found
                 if not self._warned:
@@ -162,7 +196,8 @@ class ServerGpus:
                     )
             # else the server is gone (restarting): its GPUs count until it is found again
             return
-        if known is None or known.uuids != found.uuids:
+        changed = known is None or known.uuids != found.uuids
+        if changed:
             mine = [g for g in self.gpus if g.identity.uuid in found.uuids]
             line = (
                 f"energy per token counts {_names(mine)}, the server's GPU(s) at "
@@ -176,4 +211,6 @@ class ServerGpus:
                     + " to govern the server's only"
                 )
             self.note(line)
-        self.current, self._searching, self._warned = found, False, False
+        # settled once the same GPUs are found twice in a row
+        self.current, self._searching, self._warned = found, changed, False
+        self._confirming = changed
