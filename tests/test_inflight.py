@@ -1175,13 +1175,23 @@ def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path:
     engine, records = short_first_round(tmp_path, 3, INFLIGHT_CAMPAIGN)  # prompts to 2048
     asked = [load.max_new_tokens for load in engine.stepped]
     assert len(asked) == 3 and asked[1] > asked[0], asked
-    unreached = [r for r in records if all(s["round"] > 0 for s in r.inflight["segments"])]
+    unreached = [
+        r
+        for r in records
+        if all(s["round"] > 0 for s in r.inflight["segments"] if s["measured_s"] > 0)
+    ]
     assert unreached  # the first decode did leave a level out
     for record in records:
         m = record.measurement
         assert record.ok and m is not None, record.errors
         assert "no_steady_window" not in describe_quality(m.quality)
         assert any(s["measured_s"] > 0 for s in record.inflight["segments"])
+        # Its own decodes, not the group's: those that measured it (the cube's `rounds`)
+        # and the requests they ran.
+        own = {s["round"] for s in record.inflight["segments"] if s["measured_s"] > 0}
+        assert m.rounds == len(own) and m.requests == len(own) * record.cell.batch
+        assert record.inflight["rounds"] == len(asked)  # the group's decodes
+    assert any(r.measurement and r.measurement.rounds < len(asked) for r in unreached)
 
 
 class Unstepped(Recording):
@@ -1238,6 +1248,14 @@ def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the
         assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
         assert {s["round"] for s in record.inflight["segments"]} == {0, 1, 2, 3}
         assert record.inflight["rounds"] == m.rounds == 4
+        # the decodes that stepped, not the one run again in their place (its requests
+        # measured nothing; its start is not theirs)
+        assert m.requests == 4 * record.cell.batch
+        decodes = [r for r in engine.rounds if r.knob_ns]
+        for seg in record.inflight["segments"]:
+            run = decodes[seg["round"]]
+            start = (run.knob_ns[seg["position"]] - run.started_ns) * 1e-9
+            assert seg["start_s"] == pytest.approx(start, abs=1e-6), seg
     (tmp_path / "last").mkdir()  # the last decode is run again too
     with twin_runner(tmp_path / "last", text) as runner:
         runner.engine = Unstepped(runner.engine, {3})  # type: ignore[assignment]
