@@ -497,9 +497,9 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
     """The same levels measured both ways on the twin, at the default precision: each
     level's energy per token agrees within the two intervals, the stepped decode's longer
     context carried back to the per-level cells' (the drift fitted across its segments).
-    Every NVML trap is on but leakage: the two measurements run a minute apart on a die that
-    warms between them, and leakage would compare the temperatures (about 1% here), not the
-    methods."""
+    Every NVML trap is on but leakage: a group's levels share one die temperature, a per-level
+    cell runs nearer its own level's, and leakage would compare the temperatures (1.1-1.5% at
+    700 W, batch 8, README's "In-flight stepping"), not the methods."""
     with twin_runner(tmp_path) as runner:
         assert runner.settle_s >= runner.gpus[0].device.profile.settle_time_s  # type: ignore[attr-defined]
         group = inflight_groups(plan_cells(runner.campaign))[0]
