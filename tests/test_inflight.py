@@ -497,9 +497,9 @@ def test_inflight_agrees_with_per_level_measurement(tmp_path: Path) -> None:
     """The same levels measured both ways on the twin, at the default precision: each
     level's energy per token agrees within the two intervals, the stepped decode's longer
     context carried back to the per-level cells' (the drift fitted across its segments).
-    Every NVML trap is on but leakage: the two measurements run a minute apart on a die that
-    warms between them, and leakage would compare the temperatures (about 1% here), not the
-    methods."""
+    Every NVML trap is on but leakage: a group's levels share one die temperature, a per-level
+    cell runs nearer its own level's, and leakage would compare the temperatures (1.1-1.5% at
+    700 W, batch 8, README's "In-flight stepping"), not the methods."""
     with twin_runner(tmp_path) as runner:
         assert runner.settle_s >= runner.gpus[0].device.profile.settle_time_s  # type: ignore[attr-defined]
         group = inflight_groups(plan_cells(runner.campaign))[0]
@@ -593,6 +593,29 @@ def test_inflight_agrees_at_large_batches_along_a_linear_drift(
                 assert abs(error) <= tolerance, (level, error, tolerance)
             else:
                 assert abs(error) < 0.01, (level, error)
+
+
+def test_an_inflight_group_stabilises_the_die_where_per_level_cells_do(tmp_path: Path) -> None:
+    """Thermal stabilisation after a server start runs the first cell's load at the first
+    cell's setting, in-flight as per level: the group stabilised at whatever setting the
+    session's settle timing applied last (its lowest clock), a die 7 C cooler than the
+    per-level sweep's, so its levels leaked less (0.3-0.5% lower energy per token at batch 8
+    with leakage on). The first level's record keeps the stabilisation, as a cell's does."""
+    text = INFLIGHT_CAMPAIGN.replace('profile = "h100-sxm:-leakage"', 'profile = "h100-sxm"')
+    text = text.replace("sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]")
+    text = text.replace("max_rounds = 6", "max_rounds = 2\nthermal_max_s = 60.0")
+    stabilised = {}
+    for mode in ("per-level", "in-flight"):
+        path = tmp_path / f"{mode}.toml"
+        path.write_text(text.replace('mode = "in-flight"', f'mode = "{mode}"'))
+        out = tmp_path / mode
+        run_sweep(load_campaign(path), out)
+        lines = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+        found = [r["warmup"]["stabilised"] for r in lines if "stabilised" in r.get("warmup", {})]
+        assert len(found) == 1, mode
+        stabilised[mode] = found[0]
+    assert stabilised["in-flight"]["end_c"] == stabilised["per-level"]["end_c"], stabilised
+    assert stabilised["in-flight"]["loads"] == stabilised["per-level"]["loads"], stabilised
 
 
 def test_an_inflight_record_counts_its_decodes_and_requests_once(tmp_path: Path) -> None:
@@ -1175,13 +1198,23 @@ def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path:
     engine, records = short_first_round(tmp_path, 3, INFLIGHT_CAMPAIGN)  # prompts to 2048
     asked = [load.max_new_tokens for load in engine.stepped]
     assert len(asked) == 3 and asked[1] > asked[0], asked
-    unreached = [r for r in records if all(s["round"] > 0 for s in r.inflight["segments"])]
+    unreached = [
+        r
+        for r in records
+        if all(s["round"] > 0 for s in r.inflight["segments"] if s["measured_s"] > 0)
+    ]
     assert unreached  # the first decode did leave a level out
     for record in records:
         m = record.measurement
         assert record.ok and m is not None, record.errors
         assert "no_steady_window" not in describe_quality(m.quality)
         assert any(s["measured_s"] > 0 for s in record.inflight["segments"])
+        # Its own decodes, not the group's: those that measured it (the cube's `rounds`)
+        # and the requests they ran.
+        own = {s["round"] for s in record.inflight["segments"] if s["measured_s"] > 0}
+        assert m.rounds == len(own) and m.requests == len(own) * record.cell.batch
+        assert record.inflight["rounds"] == len(asked)  # the group's decodes
+    assert any(r.measurement and r.measurement.rounds < len(asked) for r in unreached)
 
 
 class Unstepped(Recording):
@@ -1238,6 +1271,14 @@ def test_a_decode_that_ended_before_its_first_knob_step_leaves_its_levels_to_the
         assert m.energy_j > 0 and "no_steady_window" not in describe_quality(m.quality or 0)
         assert {s["round"] for s in record.inflight["segments"]} == {0, 1, 2, 3}
         assert record.inflight["rounds"] == m.rounds == 4
+        # the decodes that stepped, not the one run again in their place (its requests
+        # measured nothing; its start is not theirs)
+        assert m.requests == 4 * record.cell.batch
+        decodes = [r for r in engine.rounds if r.knob_ns]
+        for seg in record.inflight["segments"]:
+            run = decodes[seg["round"]]
+            start = (run.knob_ns[seg["position"]] - run.started_ns) * 1e-9
+            assert seg["start_s"] == pytest.approx(start, abs=1e-6), seg
     (tmp_path / "last").mkdir()  # the last decode is run again too
     with twin_runner(tmp_path / "last", text) as runner:
         runner.engine = Unstepped(runner.engine, {3})  # type: ignore[assignment]

@@ -41,7 +41,12 @@ an offset per decode), each
 segment from its own place in the decode (`carried_factor`); the record keeps the measured
 value, the slope and the factor (`inflight.context`), and each segment's energy and tokens.
 
-Limits: fixed batches only; a nonlinear drift cancels only in part, and the context factor
+Limits: fixed batches only; a group's levels share one die temperature (the die responds
+over tens of seconds, a segment lasts about one), near the steady temperature of the group's
+mean power, where a per-level cell runs nearer its own level's: with leakage, a level whose
+power is well above the group's mean comes out below a per-level cell (1.1-1.5% at 700 W,
+batch 8 on the twin, 2-4 C cooler; README, "In-flight stepping"); a nonlinear drift cancels
+only in part, and the context factor
 assumes one relative slope for every level (its uncertainty is not in the interval): a level
 whose own drift differs (a power cap that binds only as the context grows; the top clock,
 whose higher base energy per token grows relatively less: 35% per 1,000 tokens against
@@ -65,10 +70,12 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   when it is a number, else `[knobs] settle_s`.
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
-  ordering scheme, its segments (round, position, start and measured seconds, energy per
-  token, tokens decoded), what its levels share (TTFT, acceptance), the between-level
-  interval, and the group's GPU time (`gpu_time_s`: settle, warmup, prefill, window, drain;
-  the levels' idle baselines and their settles go through `runner._apply_setting`). Each
+  ordering scheme, the group's decodes (`rounds`; the measurement's `rounds` and `requests`
+  count the level's own: the decodes that measured it), its segments (round, position, start
+  and measured seconds, energy per token, tokens decoded), what its levels share (TTFT,
+  acceptance), the between-level interval, and the group's GPU time (`gpu_time_s`: settle,
+  warmup, prefill, window, drain; the levels' idle baselines and their settles go through
+  `runner._apply_setting`). Each
   also carries the group's power-limit reads (`runner._power_limits`, after the first level
   is applied and after the last decode, against the lowest level's limit): an enforced limit
   below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
@@ -721,6 +728,8 @@ def _measure_group(
 
     measured: list[_Measured] = []
     results: list[RoundResult] = []
+    #: Each round's decode (the one that stepped: a decode run again in its place is not it).
+    decodes: dict[int, RoundResult] = {}
     sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
@@ -795,6 +804,7 @@ def _measure_group(
                 # nothing). Twice in a row is an error above.
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
                 continue
+            decodes[rounds] = result
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
@@ -898,12 +908,14 @@ def _measure_group(
         spans = [(s.window[1] - s.window[0]) * 1e-9 if s.window else math.nan for s in mine]
         tpot_factor = carried_factor(tpot_slope, target, places, spans, "exponential")
         measured_j = cm.energy_per_token_j
+        # The decodes that measured this level and the requests they ran, each counted once
+        # (not once per segment: abba visits every level twice in a decode): a level a decode
+        # ended before was measured in fewer than the group's (its interval is over these).
+        own = sorted({s.segment.round for s in mine if s.window is not None})
         cm = replace(
             cm,
-            # the decodes and the requests they ran, each counted once (not once per segment:
-            # abba visits every level twice in a decode)
-            rounds=rounds,
-            requests=sum(len(res.requests) for res in results),
+            rounds=len(own),
+            requests=sum(len(decodes[r].requests) for r in own),
             energy_j=cm.energy_j * energy_factor,
             latency=LatencyStats(
                 shared.ttft_ms,
@@ -952,7 +964,7 @@ def _measure_group(
                 {
                     "round": s.segment.round,
                     "position": s.segment.position,
-                    "start_s": round((s.start_ns - results[s.segment.round].started_ns) * 1e-9, 6),
+                    "start_s": round((s.start_ns - decodes[s.segment.round].started_ns) * 1e-9, 6),
                     "measured_s": round((s.window[1] - s.window[0]) * 1e-9, 6) if s.window else 0.0,
                     "energy_per_token_j": _finite_or_none(s.energy_per_token_j),
                     "decoded_tokens": _finite_or_none(s.decoded_tokens),

@@ -1065,6 +1065,12 @@ class Runner:
             records = [CellRecord.failed(c, attempts=0, errors=[failure]) for c in group]
         else:
             if self._stabilise_due:
+                # At the group's first level, as a per-level cell stabilises at its own: the
+                # GPUs were at whatever the session's settle timing applied last (its lowest
+                # clock), and the die stabilised there at 40 C against a per-level sweep's 47
+                # (batch 8, 1005 against 1980 MHz on the twin): the group's levels ran cooler,
+                # their leakage and energy per token 0.3-0.5% lower
+                self._apply_setting(first.setting)
                 self._stabilise(first)
             before = self._take_pending()
             t0 = self.clock.now_ns()
@@ -1093,6 +1099,11 @@ class Runner:
                     time.merge(before)
                 timed.append(replace(record, gpu_time_s=time.as_dict()))
             records = timed
+            if self._stabilised is not None and records[0].ok:
+                # the first level's record says where the die was brought, as a cell's does
+                warm = {**records[0].warmup, "stabilised": self._stabilised}
+                records[0] = replace(records[0], warmup=warm)
+                self._stabilised = None
         for record in records:
             self.journal.append(record.to_json())
             self.progress.advance(record.cell, record.status)
