@@ -618,6 +618,30 @@ def test_an_inflight_group_stabilises_the_die_where_per_level_cells_do(tmp_path:
     assert stabilised["in-flight"]["loads"] == stabilised["per-level"]["loads"], stabilised
 
 
+def test_an_inflight_group_starts_on_the_die_its_stabilisation_left(tmp_path: Path) -> None:
+    """The levels' idle baselines are taken before the stabilisation, not between it and the
+    group's warm-up: the GPUs idled through them (and through the settles of applying each
+    level again) and the group started 2 C below where the die was brought (45 against 47 C,
+    four levels at batch 8, idle_s = 5), where a per-level cell starts where it stabilised."""
+    text = INFLIGHT_CAMPAIGN.replace('profile = "h100-sxm:-leakage"', 'profile = "h100-sxm"')
+    text = text.replace(
+        "sm_clock = [1980, 1500, 1005]", "sm_clock = [1980, 1005]\npower_limit = [700, 300]"
+    )
+    text = text.replace("max_rounds = 6", "max_rounds = 2\nthermal_max_s = 120.0")
+    text = text.replace("idle_s = 0.5", "idle_s = 5.0")
+    path = tmp_path / "campaign.toml"
+    path.write_text(text)
+    out = tmp_path / "out"
+    run_sweep(load_campaign(path), out)
+    lines = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    cells = [r for r in lines if r.get("type") == "cell"]
+    assert len(cells) == 4 and all(r["status"] == "ok" for r in cells)
+    stabilised = cells[0]["warmup"]["stabilised"]
+    assert stabilised["loads"] > 0 and stabilised["end_c"] > stabilised["start_c"], stabilised
+    for record in cells:  # one decode: every level starts on the die the group started on
+        assert record["measurement"]["temperature_start_c"] == stabilised["end_c"], record
+
+
 def test_an_inflight_record_counts_its_decodes_and_requests_once(tmp_path: Path) -> None:
     """Abba visits every level twice in a decode: a level's record still counts the decodes
     it ran (`rounds`, what the interval is over) and the requests they sent, not segments."""

@@ -293,6 +293,8 @@ class InflightHost(Protocol):
 
     def _apply_setting(self, setting: KnobSetting) -> None: ...
 
+    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...]] | None: ...
+
     def _power_limits(self) -> list[tuple[int, int | None]]: ...
 
     def note_tenants(self, seen: Sequence[ForeignProcess]) -> None: ...
@@ -705,10 +707,15 @@ def _measure_group(
     first = level_order(cells, scheme, 0)[0]
     idle: dict[int, float] = {}
     idle_foreign: dict[int, tuple[ForeignProcess, ...]] = {}
+    # A level whose baseline the runner holds is not applied for it (the runner took them all
+    # before stabilising the die at the first level: applying them again idled the GPUs
+    # through their settles, the die cooling from where it was brought).
     for index, cell in sorted(enumerate(cells), key=lambda ic: ic[1] == first):
-        runner._apply_setting(cell.setting)
-        idle[index] = runner.setting_idle_power_w
-        idle_foreign[index] = runner.setting_idle_foreign
+        known = runner.idle_at(cell.setting) if cell is not first else None
+        if known is None:
+            runner._apply_setting(cell.setting)
+            known = runner.setting_idle_power_w, runner.setting_idle_foreign
+        idle[index], idle_foreign[index] = known
     # The group's limits, read at its first level (and after its last decode): the
     # configured one changes with the levels, the enforced one must not fall below them all.
     limits_start = runner._power_limits()
