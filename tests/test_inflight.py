@@ -1238,6 +1238,10 @@ def test_a_level_the_first_round_never_reached_is_measured_in_the_next(tmp_path:
         own = {s["round"] for s in record.inflight["segments"] if s["measured_s"] > 0}
         assert m.rounds == len(own) and m.requests == len(own) * record.cell.batch
         assert record.inflight["rounds"] == len(asked)  # the group's decodes
+        # and the prompts those decodes sent (the context the roofline starts from), not
+        # every decode's: each decode sends prompts of its own
+        lengths = [p.input_tokens for r in sorted(own) for p in engine.stepped[r].prompts]
+        assert m.prompt_tokens == pytest.approx(np.mean(lengths), rel=1e-12), own
     assert any(r.measurement and r.measurement.rounds < len(asked) for r in unreached)
 
 

@@ -70,8 +70,8 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   when it is a number, else `[knobs] settle_s`.
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
-  ordering scheme, the group's decodes (`rounds`; the measurement's `rounds` and `requests`
-  count the level's own: the decodes that measured it), its segments (round, position, start
+  ordering scheme, the group's decodes (`rounds`; the measurement's `rounds`, `requests` and
+  `prompt_tokens` count the level's own: the decodes that measured it), its segments (round, position, start
   and measured seconds, energy per token, tokens decoded), what its levels share (TTFT,
   acceptance), the between-level interval, and the group's GPU time (`gpu_time_s`: settle,
   warmup, prefill, window, drain; the levels' idle baselines and their settles go through
@@ -737,6 +737,7 @@ def _measure_group(
     results: list[RoundResult] = []
     #: Each round's decode (the one that stepped: a decode run again in its place is not it).
     decodes: dict[int, RoundResult] = {}
+    loads: dict[int, Workload] = {}  # and the prompts it sent
     sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
@@ -812,6 +813,7 @@ def _measure_group(
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
                 continue
             decodes[rounds] = result
+            loads[rounds] = workload
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
@@ -938,7 +940,10 @@ def _measure_group(
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
-            prompt_tokens=mean_prompt_tokens(sent),
+            # the prompts of the decodes that measured it, as its rounds and requests count
+            # (all the group's decodes, a decode run again counted twice, told another
+            # context than the level was measured at; those sent for a level none measured)
+            prompt_tokens=mean_prompt_tokens([loads[r] for r in own] or sent),
         )
         provenance = {
             "group": gid,
