@@ -71,11 +71,13 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
   ordering scheme, the group's decodes (`rounds`; the measurement's `rounds`, `requests` and
-  `prompt_tokens` count the level's own: the decodes that measured it), its segments (round, position, start
-  and measured seconds, energy per token, tokens decoded), what its levels share (TTFT,
+  `prompt_tokens` count the level's own: the decodes that measured it), its segments
+  (round, position, start and measured seconds, energy per token, tokens decoded), what its
+  levels share (TTFT,
   acceptance), the between-level interval, and the group's GPU time (`gpu_time_s`: settle,
   warmup, prefill, window, drain; the levels' idle baselines and their settles go through
-  `runner._apply_setting`). Each
+  `runner._apply_setting`; a level whose baseline the runner holds, `runner.idle_at`, is not
+  applied for it: the runner takes them all before a thermal stabilisation). Each
   also carries the group's power-limit reads (`runner._power_limits`, after the first level
   is applied and after the last decode, against the lowest level's limit): an enforced limit
   below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
