@@ -1188,6 +1188,11 @@ def test_levels_no_decode_visited_twice_are_flagged_drift_not_cancelled(tmp_path
         assert all(s["position"] < levels for s in seen), seen  # never a second visit
         assert record.inflight["context"]["energy_per_token_slope_per_1k_tokens"] == 0.0
         assert "drift_not_cancelled" in describe_quality(m.quality) and not m.valid
+    # what to do names the deadline as the campaign file spells it (`[engine]
+    # request_timeout_s` is refused as an unknown key)
+    from dvfs.cube.info import INVALID_ADVICE
+
+    assert "engine.sglang.request_timeout_s" in INVALID_ADVICE["drift_not_cancelled"]
 
 
 def test_a_sliver_of_a_segment_the_decode_ended_inside_is_not_measured(tmp_path: Path) -> None:
