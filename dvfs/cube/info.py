@@ -467,7 +467,7 @@ INVALID_ADVICE = {
     "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",
     "drift_not_cancelled": "every in-flight decode ended before the levels' second visits, "
     "each level at its own place along the decode (its drift neither cancelled nor fitted): "
-    "raise the engine's request_timeout_s, lower measurement.min_window_s, or measure them "
+    "raise engine.sglang.request_timeout_s, lower measurement.min_window_s, or measure them "
     'with measurement.mode = "per-level"',
     "power_limit_not_held": "the GPU's power limit was not the cell's: something outside dvfs "
     "changed it (`nvidia-smi -pl`, a GPU reset) or enforces a lower one (a BMC or rack cap; "

@@ -44,8 +44,8 @@ value, the slope and the factor (`inflight.context`), and each segment's energy 
 Limits: fixed batches only; a group's levels share one die temperature (the die responds
 over tens of seconds, a segment lasts about one), near the steady temperature of the group's
 mean power, where a per-level cell runs nearer its own level's: with leakage, a level whose
-power is well above the group's mean comes out below a per-level cell (1.1-1.5% at 700 W,
-batch 8 on the twin, 2-4 C cooler; README, "In-flight stepping"); a nonlinear drift cancels
+power is well above the group's mean comes out below a per-level cell (0.5-1.1% at 700 W,
+batch 8 on the twin; README, "In-flight stepping"); a nonlinear drift cancels
 only in part, and the context factor
 assumes one relative slope for every level (its uncertainty is not in the interval): a level
 whose own drift differs (a power cap that binds only as the context grows; the top clock,
@@ -70,12 +70,14 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   when it is a number, else `[knobs] settle_s`.
 - Returns one `CellRecord` per cell, in the order of `cells`, not yet journaled (the runner
   appends each and reports progress). Each carries `inflight` provenance: the group id, the
-  ordering scheme, the group's decodes (`rounds`; the measurement's `rounds` and `requests`
-  count the level's own: the decodes that measured it), its segments (round, position, start
-  and measured seconds, energy per token, tokens decoded), what its levels share (TTFT,
+  ordering scheme, the group's decodes (`rounds`; the measurement's `rounds`, `requests` and
+  `prompt_tokens` count the level's own: the decodes that measured it), its segments
+  (round, position, start and measured seconds, energy per token, tokens decoded), what its
+  levels share (TTFT,
   acceptance), the between-level interval, and the group's GPU time (`gpu_time_s`: settle,
   warmup, prefill, window, drain; the levels' idle baselines and their settles go through
-  `runner._apply_setting`). Each
+  `runner._apply_setting`; a level whose baseline the runner holds, `runner.idle_at`, is not
+  applied for it: the runner takes them all before a thermal stabilisation). Each
   also carries the group's power-limit reads (`runner._power_limits`, after the first level
   is applied and after the last decode, against the lowest level's limit): an enforced limit
   below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
@@ -292,6 +294,8 @@ class InflightHost(Protocol):
     def _workload(self, cell: Cell, label: object, max_new_tokens: int) -> Workload: ...
 
     def _apply_setting(self, setting: KnobSetting) -> None: ...
+
+    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...]] | None: ...
 
     def _power_limits(self) -> list[tuple[int, int | None]]: ...
 
@@ -705,10 +709,15 @@ def _measure_group(
     first = level_order(cells, scheme, 0)[0]
     idle: dict[int, float] = {}
     idle_foreign: dict[int, tuple[ForeignProcess, ...]] = {}
+    # A level whose baseline the runner holds is not applied for it (the runner took them all
+    # before stabilising the die at the first level: applying them again idled the GPUs
+    # through their settles, the die cooling from where it was brought).
     for index, cell in sorted(enumerate(cells), key=lambda ic: ic[1] == first):
-        runner._apply_setting(cell.setting)
-        idle[index] = runner.setting_idle_power_w
-        idle_foreign[index] = runner.setting_idle_foreign
+        known = runner.idle_at(cell.setting) if cell is not first else None
+        if known is None:
+            runner._apply_setting(cell.setting)
+            known = runner.setting_idle_power_w, runner.setting_idle_foreign
+        idle[index], idle_foreign[index] = known
     # The group's limits, read at its first level (and after its last decode): the
     # configured one changes with the levels, the enforced one must not fall below them all.
     limits_start = runner._power_limits()
@@ -730,6 +739,7 @@ def _measure_group(
     results: list[RoundResult] = []
     #: Each round's decode (the one that stepped: a decode run again in its place is not it).
     decodes: dict[int, RoundResult] = {}
+    loads: dict[int, Workload] = {}  # and the prompts it sent
     sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
@@ -805,6 +815,7 @@ def _measure_group(
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
                 continue
             decodes[rounds] = result
+            loads[rounds] = workload
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
             starts = list(result.knob_ns)
@@ -931,7 +942,10 @@ def _measure_group(
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
-            prompt_tokens=mean_prompt_tokens(sent),
+            # the prompts of the decodes that measured it, as its rounds and requests count
+            # (all the group's decodes, a decode run again counted twice, told another
+            # context than the level was measured at; those sent for a level none measured)
+            prompt_tokens=mean_prompt_tokens([loads[r] for r in own] or sent),
         )
         provenance = {
             "group": gid,

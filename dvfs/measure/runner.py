@@ -939,6 +939,16 @@ class Runner:
         self.setting_idle_power_w = self._idle_by_setting[setting]
         self.setting_idle_foreign = self._idle_foreign_by_setting[setting]
 
+    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...]] | None:
+        """The idle power `_apply_setting` would leave for `setting` and the other tenants seen
+        around it, where known without applying it (None: its baseline is not taken yet)."""
+        m = self.campaign.measurement
+        if not (m.idle_per_setting and self.knobs.actuation) or setting == KnobSetting(None, None):
+            return self.idle_power_w, self.idle_foreign
+        if setting not in self._idle_by_setting:
+            return None
+        return self._idle_by_setting[setting], self._idle_foreign_by_setting[setting]
+
     def _stabilise(self, cell: Cell) -> None:
         """Thermal stabilisation after a server start: run the cell's warm-up load until the
         temperature's slope falls below the threshold (bounded)."""
@@ -1069,8 +1079,13 @@ class Runner:
                 # GPUs were at whatever the session's settle timing applied last (its lowest
                 # clock), and the die stabilised there at 40 C against a per-level sweep's 47
                 # (batch 8, 1005 against 1980 MHz on the twin): the group's levels ran cooler,
-                # their leakage and energy per token 0.3-0.5% lower
-                self._apply_setting(first.setting)
+                # their leakage and energy per token 0.3-0.5% lower. Every level's idle
+                # baseline first (the group takes them before its warm-up, first level last):
+                # taken after, the GPUs idled through them and the die the group started on
+                # was 2 C below the stabilised one (47 against 45 C, four levels at batch 8 on
+                # the twin, idle_s = 5), where a per-level cell starts where it stabilised
+                for cell in (*group[1:], first):
+                    self._apply_setting(cell.setting)
                 self._stabilise(first)
             before = self._take_pending()
             t0 = self.clock.now_ns()
