@@ -228,6 +228,7 @@ def govern(
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
     from dvfs.govern.servergpus import ServerGpus
+    from dvfs.gpu.base import gpu_names
     from dvfs.gpu.safety import default_state_dir, records_dir
     from dvfs.redact import redact_url
 
@@ -264,9 +265,8 @@ def govern(
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
             check_server_for_dry_run(scraper, url, gpus, records)
-        names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
-            f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
+            f"governing {gpu_names(gpus)} from {plan_path} ({len(plan.steps)} step(s), drafter "
             f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )
