@@ -287,10 +287,14 @@ class Watch:
         set (the others' are `cap apply`'s)."""
         readings = tuple(read_gpu(g) for g in self.gpus)
         self._follow(readings)
-        counted: frozenset[str] | None = None
+        counted: frozenset[str] | None = None  # the server's GPUs (None: every GPU read)
         if self.server_gpus is not None:
             self.server_gpus.refresh()
             counted = self.server_gpus.uuids
+
+        def counts(r: GpuReading) -> bool:
+            return counted is None or r.uuid in counted
+
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
         rows = []
@@ -300,14 +304,14 @@ class Watch:
                 energy_per_token(
                     None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
                 )
-                if counted is None or r.uuid in counted
+                if counts(r)
                 else math.nan  # another server's GPU: not this server's tokens
             )
             rows.append(GpuRow(r, ept, locks.get(r.uuid), r.uuid in governed))
         server_ept = (
             server_energy_per_token(
-                [r for r in self.previous if counted is None or r.uuid in counted],
-                [r for r in readings if counted is None or r.uuid in counted],
+                [r for r in self.previous if counts(r)],
+                [r for r in readings if counts(r)],
                 self.previous_tokens,
                 tokens,
             )
