@@ -58,6 +58,14 @@ def confidence_option(help: str) -> Any:
     )
 
 
+def _stacked(func: Any, *decorators: Callable[[Any], Any]) -> Any:
+    """`func` decorated as if `decorators` stood above it in this order (the last applied
+    first), so a group of options reads, and lists in --help, as written."""
+    for decorate in reversed(decorators):
+        func = decorate(func)
+    return func
+
+
 #: --slack's default, one for `dvfs headroom`, `dvfs report` and `dvfs plot`: the figures a
 #: plain `dvfs plot` draws mark the settings a plain `dvfs headroom` table and report choose.
 DEFAULT_SLACK = "0%"
@@ -79,7 +87,8 @@ def search_options(func: Any) -> Any:
     """`--knob` and `--confidence`, which settings the headroom search may choose and how sure
     it must be of their latency: one definition for `dvfs headroom`, `dvfs report` and
     `dvfs plot`, so the same words mean the same search (and default) in each."""
-    decorators = [
+    return _stacked(
+        func,
         click.option(
             "--knob",
             type=click.Choice(["both", "sm_clock", "power_limit"]),
@@ -88,10 +97,7 @@ def search_options(func: Any) -> Any:
             help="Which knobs may move.",
         ),
         confidence_option("One-sided confidence of the latency bound (with repeats)."),
-    ]
-    for decorate in reversed(decorators):  # as stacked above a function: the last first
-        func = decorate(func)
-    return func
+    )
 
 
 def _one_output_format(as_json: bool, markdown: bool) -> None:
@@ -135,7 +141,8 @@ def latency_options(func: Any) -> Any:
 def headroom_target_options(func: Any) -> Any:
     """The headroom target's options, the same for `dvfs headroom` and `dvfs report`
     (`headroom_target` reads them): which latency, whose, how much slack, which knobs."""
-    decorators: list[Callable[[Any], Any]] = [
+    return _stacked(
+        func,
         click.option(
             "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
         ),
@@ -156,10 +163,7 @@ def headroom_target_options(func: Any) -> Any:
             "--baseline", default="none", show_default=True, help="Drafter to compare against."
         ),
         search_options,
-    ]
-    for decorate in reversed(decorators):  # as stacked above a function: the last first
-        func = decorate(func)
-    return func
+    )
 
 
 class OneBatch(click.ParamType):
