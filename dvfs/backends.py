@@ -509,13 +509,8 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
     # model's) less the draft slots it reserves: the tightest is the one every prompt must fit.
     budgets = []
     for drafter in campaign.drafters:
-        plan = plan_drafter(drafter, model)
         served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
-        held = (
-            reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens)
-            if plan is not None
-            else 0
-        )
+        held = reserved_tokens(plan_drafter(drafter, model))
         if served:
             budgets.append((served - held, served, held))
     if not budgets:

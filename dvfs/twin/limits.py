@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dvfs.twin.profiles import GpuProfile, ModelProfile
+
+if TYPE_CHECKING:
+    from dvfs.twin.drafting import DraftPlan
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -201,12 +205,13 @@ def context_length_refusal(
     )
 
 
-def reserved_tokens(algorithm: str | None, num_steps: int, topk: int, draft_tokens: int) -> int:
-    """The output slots SGLang adds to every request's input count against the context length:
-    an EAGLE-family drafter's draft tokens, nothing for the others."""
-    if algorithm not in EAGLE_ALGORITHMS:
+def reserved_tokens(plan: DraftPlan | None) -> int:
+    """The output slots SGLang adds to every request's input count against the context length
+    for a drafter (`plan`; None: no speculation): an EAGLE-family drafter's draft tokens,
+    nothing for the others."""
+    if plan is None or plan.algorithm not in EAGLE_ALGORITHMS:
         return 0
-    return max(topk * num_steps, draft_tokens)
+    return max(plan.topk * plan.num_steps, plan.verify_tokens)
 
 
 def context_refusal(input_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
