@@ -98,12 +98,9 @@ def weights_refusal(
     memory (GPU memory x `mem_fraction_static`, None: SGLang's default) for the KV cache.
     None: they fit."""
     need = (weight_bytes(target) + (weight_bytes(draft, draft=True) if draft else 0.0)) / tp_size
+    default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
     given = mem_fraction_static is not None
-    fraction = (
-        mem_fraction_static
-        if mem_fraction_static is not None
-        else default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
-    )
+    fraction = mem_fraction_static if mem_fraction_static is not None else default
     have = gpu.memory_mib() * MIB * fraction
     if need < have:
         return None
@@ -112,7 +109,6 @@ def weights_refusal(
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
     todo = "use more GPUs (tp, engine.tp_size) or a smaller model"
     if given:  # a fraction the campaign set too low: raising it is the first way out
-        default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
         least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
         if least <= default:
             todo = (
