@@ -10,18 +10,15 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
-
-
-def _given(ctx: click.Context, name: str) -> bool:
-    """Whether the user set an option (on the command line or through the environment)."""
-    from click.core import ParameterSource
-
-    return ctx.get_parameter_source(name) in (
-        ParameterSource.COMMANDLINE,
-        ParameterSource.ENVIRONMENT,
-        ParameterSource.PROMPT,
-    )
+from dvfs.cli.common import (
+    OutputFile,
+    OutputFolder,
+    console,
+    echo_json,
+    escape,
+    handle_errors,
+    option_given,
+)
 
 
 def slack_value(ctx: click.Context, param: click.Parameter, value: str) -> float:
@@ -255,14 +252,14 @@ def headroom_target(
         target = parse_slo(slo)
     except AnalysisError as exc:
         raise click.BadParameter(str(exc), param_hint="'--slo'") from exc
-    if _given(ctx, "slack"):
+    if option_given(ctx, "slack"):
         raise click.UsageError(SLACK_WITH_SLO)
-    if _given(ctx, "metric") and metric != target.metric:
+    if option_given(ctx, "metric") and metric != target.metric:
         raise click.UsageError(
             f"--metric {metric} contradicts --slo {slo!r}, which is about {target.metric}: "
             "drop --metric"
         )
-    if _given(ctx, "quantile") and QUANTILE_NAMES[quantile] != target.quantile:
+    if option_given(ctx, "quantile") and QUANTILE_NAMES[quantile] != target.quantile:
         raise click.UsageError(
             f"--quantile {quantile} contradicts --slo {slo!r}, which is about "
             f"{target.quantile_name}: drop --quantile"
@@ -328,7 +325,7 @@ def headroom(
     ds = open_analysable(cube_path)
     _pinning_line(ds)
     with _filters_checked():
-        if vs_baseline or _given(ctx, "baseline"):
+        if vs_baseline or option_given(ctx, "baseline"):
             check_drafter(ds, baseline, "--baseline")
         select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
     result = select(

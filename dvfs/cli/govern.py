@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFolder, handle_errors
+from dvfs.cli.common import OutputFolder, handle_errors, option_given
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 
@@ -96,12 +96,6 @@ def _listen_address(listen: str) -> tuple[str, int] | None:
         return parse_listen(listen)
     except ExporterError as exc:
         raise click.BadParameter(str(exc).removeprefix("--listen "), param_hint="--listen") from exc
-
-
-def _defaulted(name: str) -> bool:
-    """The option `name` was left out (its default in force)."""
-    ctx = click.get_current_context()
-    return ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT
 
 
 def _check_url(url: str) -> None:
@@ -234,7 +228,7 @@ def govern(
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
-    if dry_run and _defaulted("listen"):
+    if dry_run and not option_given(click.get_current_context(), "listen"):
         # A preview needs no metrics port: the default one is the running governor's
         # (dvfs-govern.service), and taking it would fail "Address already in use".
         listen = "off"
