@@ -1518,7 +1518,7 @@ def twin_stand_in(
     profile, source = stand_in_profile(campaign, twin)
     from dvfs.twin.profiles import model_profile
 
-    model_profile(campaign.engine.twin_model or campaign.engine.model)  # one line if unknown
+    model_profile(campaign.engine.simulated_model)  # one line if unknown
     devices = campaign.gpu.devices
     twin_devices: tuple[int | str, ...] = (
         devices if all(isinstance(d, int) for d in devices) else tuple(range(len(devices)))
