@@ -396,7 +396,7 @@ def open_backends(
             from dvfs.engines.twin import TwinEngine
             from dvfs.twin.profiles import model_profile
 
-            model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+            model = model_profile(campaign.engine.simulated_model)
             engine = stack.enter_context(
                 TwinEngine(
                     _twin_node(campaign, gpus, clock),
@@ -432,7 +432,7 @@ def tokenizer_model(campaign: Campaign) -> str | None:
     if simulated_engine(campaign):
         from dvfs.twin.profiles import find_model_profile
 
-        profile = find_model_profile(campaign.engine.twin_model or campaign.engine.model)
+        profile = find_model_profile(campaign.engine.simulated_model)
         return profile.hf_name if profile is not None and profile.hf_name else None
     return campaign.engine.model
 
@@ -458,7 +458,7 @@ def twin_start_refusal(campaign: Campaign) -> str | None:
     from dvfs.twin.limits import context_length_refusal, mem_fraction_static, weights_refusal
     from dvfs.twin.profiles import model_profile
 
-    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    model = model_profile(campaign.engine.simulated_model)
     engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
     context = context_length_refusal(model, engine_args, env)
     if context is not None:  # every server: one line says it
@@ -503,19 +503,14 @@ def twin_context_overruns(campaign: Campaign, corpora: Mapping[str, Corpus]) -> 
     from dvfs.twin.limits import context_refusal, reserved_tokens, served_context_length
     from dvfs.twin.profiles import model_profile
 
-    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    model = model_profile(campaign.engine.simulated_model)
     engine_args, env = campaign.engine.sglang.extra_args, campaign.engine.sglang.env
     # Each drafter's server serves its own context (its args' --context-length, else the
     # model's) less the draft slots it reserves: the tightest is the one every prompt must fit.
     budgets = []
     for drafter in campaign.drafters:
-        plan = plan_drafter(drafter, model)
         served = served_context_length(model, [*engine_args, *drafter.extra_args], env)
-        held = (
-            reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens)
-            if plan is not None
-            else 0
-        )
+        held = reserved_tokens(plan_drafter(drafter, model))
         if served:
             budgets.append((served - held, served, held))
     if not budgets:
@@ -600,7 +595,7 @@ def server_plans(campaign: Campaign) -> list[ServerPlan]:
     from dvfs.twin.drafting import plan_drafter
     from dvfs.twin.profiles import model_profile
 
-    model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+    model = model_profile(campaign.engine.simulated_model)
     texts = corpus_texts(campaign)
     plans = []
     for drafter in campaign.drafters:

@@ -470,7 +470,7 @@ def _engine(campaign: Campaign) -> tuple[str, str]:
         refusal = twin_start_refusal(campaign)
         if refusal is not None:
             raise CampaignError(refusal)
-        return OK, f"twin engine, model {campaign.engine.twin_model or campaign.engine.model}"
+        return OK, f"twin engine, model {campaign.engine.simulated_model}"
     sg = campaign.engine.sglang
     if sg.url:
         from dvfs.engines.sglang import check_attached

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -1318,12 +1318,12 @@ def plan_dry_run(
         corpora, method = counted_corpora(campaign, recorded)
         short = corpus_shortfalls(campaign, corpora)
         problems = [shortfall_line(campaign, short)] if short else []  # the sweep's line
-        overrun = twin_context_overruns(campaign, corpora)  # the sweep's line, exit 2 too
-        if overrun is None and estimate and stand_in_problem is None:
-            # the estimate's sweep of the stand-in would refuse them in that line
-            stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
-            found = None if stand_in is campaign else twin_context_overruns(stand_in, corpora)
-            overrun = None if found is None else f"on the twin stand-in {stand_in_key}: {found}"
+        overrun = _twin_refusal(  # the sweep's line, exit 2 too
+            lambda c: twin_context_overruns(c, corpora),
+            campaign,
+            twin,
+            stand_in_too=estimate and stand_in_problem is None,
+        )
         problems += [overrun] if overrun is not None else []
         codes = [2 for _ in problems]
     except (CorpusError, JournalError) as exc:  # exit code as the sweep's: 2 a bad file, 1 a
@@ -1337,12 +1337,9 @@ def plan_dry_run(
     # Servers the twin engine would not start (weights too large for the GPUs), as SGLang
     # would not: each of their cells would fail, so refused here as an invalid campaign; on
     # the stand-in the estimate sweeps, an estimate of cells that all fail is none.
-    unstartable = twin_start_refusal(campaign)
-    if unstartable is None and estimate and stand_in_problem is None:
-        stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
-        refusal = None if stand_in is campaign else twin_start_refusal(stand_in)
-        if refusal is not None:
-            unstartable = f"on the twin stand-in {stand_in_key}: {refusal}"
+    unstartable = _twin_refusal(
+        twin_start_refusal, campaign, twin, stand_in_too=estimate and stand_in_problem is None
+    )
     if unstartable is not None:
         problems.append(unstartable)
         codes.append(2)
@@ -1490,6 +1487,24 @@ def stand_in_profile(campaign: Campaign, twin: str | None = None) -> tuple[str, 
     return matches[0], "named in the campaign's name or description"
 
 
+def _twin_refusal(
+    refusal: Callable[[Campaign], str | None],
+    campaign: Campaign,
+    twin: str | None,
+    *,
+    stand_in_too: bool,
+) -> str | None:
+    """What `refusal` (a twin limit's check) says of the campaign; where it says nothing and
+    the dry run's estimate sweeps a twin stand-in (`stand_in_too`), what it says of that
+    stand-in, as such: the estimate's sweep of it would be refused in that line."""
+    found = refusal(campaign)
+    if found is not None or not stand_in_too:
+        return found
+    stand_in, stand_in_key, _ = twin_stand_in(campaign, twin)
+    there = None if stand_in is campaign else refusal(stand_in)
+    return None if there is None else f"on the twin stand-in {stand_in_key}: {there}"
+
+
 def twin_stand_in(
     campaign: Campaign, twin: str | None = None, *, profile_digest: str = ""
 ) -> tuple[Campaign, str, str]:
@@ -1503,7 +1518,7 @@ def twin_stand_in(
     profile, source = stand_in_profile(campaign, twin)
     from dvfs.twin.profiles import model_profile
 
-    model_profile(campaign.engine.twin_model or campaign.engine.model)  # one line if unknown
+    model_profile(campaign.engine.simulated_model)  # one line if unknown
     devices = campaign.gpu.devices
     twin_devices: tuple[int | str, ...] = (
         devices if all(isinstance(d, int) for d in devices) else tuple(range(len(devices)))

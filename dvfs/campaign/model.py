@@ -149,6 +149,12 @@ class EngineConfig:
     twin_model: str | None
     sglang: SglangConfig
 
+    @property
+    def simulated_model(self) -> str:
+        """The model the twin simulates (a profile key or Hugging Face name): `twin_model`, the
+        twin's shape for the served model where the campaign gives one, else `model`."""
+        return self.twin_model or self.model
+
 
 @dataclass(frozen=True)
 class CorpusRef:

@@ -269,6 +269,6 @@ def _check_twin_drafter(table: Table, spec: DrafterSpec, engine: EngineConfig) -
     from dvfs.twin.profiles import model_profile
 
     try:
-        plan_drafter(spec, model_profile(engine.twin_model or engine.model))
+        plan_drafter(spec, model_profile(engine.simulated_model))
     except EngineError as exc:
         raise table.fail("draft_model", str(exc)) from exc

@@ -124,6 +124,20 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
+def _who_may_replace(folder: os.stat_result) -> str | None:
+    """Who but root may replace an entry of a folder with this status, in words (None: root
+    alone): its owner, or, without the sticky bit, everyone or a group other than root's."""
+    if folder.st_uid != 0:
+        return f"its owner {_user_name(folder.st_uid)}"
+    if folder.st_mode & stat.S_ISVTX:
+        return None
+    if folder.st_mode & stat.S_IWOTH:
+        return "everyone"
+    if folder.st_mode & stat.S_IWGRP and folder.st_gid != 0:
+        return f"group {_group_name(folder.st_gid)}"
+    return None
+
+
 def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
     """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
     anyone but root can write would let anyone set GPU caps: refuse it. So is one in a folder
@@ -152,14 +166,7 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
             held = folder.stat()
         except OSError:
             continue  # gone meanwhile: the file opened is what was checked
-        who = None
-        if held.st_uid != 0:
-            who = f"its owner {_user_name(held.st_uid)}"
-        elif not held.st_mode & stat.S_ISVTX:
-            if held.st_mode & stat.S_IWOTH:
-                who = "everyone"
-            elif held.st_mode & stat.S_IWGRP and held.st_gid != 0:
-                who = f"group {_group_name(held.st_gid)}"
+        who = _who_may_replace(held)
         if who is not None:
             where = "is in" if folder in given.parents else "links to a file in"
             raise CapsError(

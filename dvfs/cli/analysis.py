@@ -10,18 +10,15 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFile, OutputFolder, console, echo_json, escape, handle_errors
-
-
-def _given(ctx: click.Context, name: str) -> bool:
-    """Whether the user set an option (on the command line or through the environment)."""
-    from click.core import ParameterSource
-
-    return ctx.get_parameter_source(name) in (
-        ParameterSource.COMMANDLINE,
-        ParameterSource.ENVIRONMENT,
-        ParameterSource.PROMPT,
-    )
+from dvfs.cli.common import (
+    OutputFile,
+    OutputFolder,
+    console,
+    echo_json,
+    escape,
+    handle_errors,
+    option_given,
+)
 
 
 def slack_value(ctx: click.Context, param: click.Parameter, value: str) -> float:
@@ -58,6 +55,14 @@ def confidence_option(help: str) -> Any:
     )
 
 
+def _stacked(func: Any, *decorators: Callable[[Any], Any]) -> Any:
+    """`func` decorated as if `decorators` stood above it in this order (the last applied
+    first), so a group of options reads, and lists in --help, as written."""
+    for decorate in reversed(decorators):
+        func = decorate(func)
+    return func
+
+
 #: --slack's default, one for `dvfs headroom`, `dvfs report` and `dvfs plot`: the figures a
 #: plain `dvfs plot` draws mark the settings a plain `dvfs headroom` table and report choose.
 DEFAULT_SLACK = "0%"
@@ -79,7 +84,8 @@ def search_options(func: Any) -> Any:
     """`--knob` and `--confidence`, which settings the headroom search may choose and how sure
     it must be of their latency: one definition for `dvfs headroom`, `dvfs report` and
     `dvfs plot`, so the same words mean the same search (and default) in each."""
-    decorators = [
+    return _stacked(
+        func,
         click.option(
             "--knob",
             type=click.Choice(["both", "sm_clock", "power_limit"]),
@@ -88,10 +94,7 @@ def search_options(func: Any) -> Any:
             help="Which knobs may move.",
         ),
         confidence_option("One-sided confidence of the latency bound (with repeats)."),
-    ]
-    for decorate in reversed(decorators):  # as stacked above a function: the last first
-        func = decorate(func)
-    return func
+    )
 
 
 def _one_output_format(as_json: bool, markdown: bool) -> None:
@@ -135,7 +138,8 @@ def latency_options(func: Any) -> Any:
 def headroom_target_options(func: Any) -> Any:
     """The headroom target's options, the same for `dvfs headroom` and `dvfs report`
     (`headroom_target` reads them): which latency, whose, how much slack, which knobs."""
-    decorators: list[Callable[[Any], Any]] = [
+    return _stacked(
+        func,
         click.option(
             "--preserve", is_flag=True, help="Target: each drafter's own stock latency (default)."
         ),
@@ -156,10 +160,7 @@ def headroom_target_options(func: Any) -> Any:
             "--baseline", default="none", show_default=True, help="Drafter to compare against."
         ),
         search_options,
-    ]
-    for decorate in reversed(decorators):  # as stacked above a function: the last first
-        func = decorate(func)
-    return func
+    )
 
 
 class OneBatch(click.ParamType):
@@ -251,14 +252,14 @@ def headroom_target(
         target = parse_slo(slo)
     except AnalysisError as exc:
         raise click.BadParameter(str(exc), param_hint="'--slo'") from exc
-    if _given(ctx, "slack"):
+    if option_given(ctx, "slack"):
         raise click.UsageError(SLACK_WITH_SLO)
-    if _given(ctx, "metric") and metric != target.metric:
+    if option_given(ctx, "metric") and metric != target.metric:
         raise click.UsageError(
             f"--metric {metric} contradicts --slo {slo!r}, which is about {target.metric}: "
             "drop --metric"
         )
-    if _given(ctx, "quantile") and QUANTILE_NAMES[quantile] != target.quantile:
+    if option_given(ctx, "quantile") and QUANTILE_NAMES[quantile] != target.quantile:
         raise click.UsageError(
             f"--quantile {quantile} contradicts --slo {slo!r}, which is about "
             f"{target.quantile_name}: drop --quantile"
@@ -324,7 +325,7 @@ def headroom(
     ds = open_analysable(cube_path)
     _pinning_line(ds)
     with _filters_checked():
-        if vs_baseline or _given(ctx, "baseline"):
+        if vs_baseline or option_given(ctx, "baseline"):
             check_drafter(ds, baseline, "--baseline")
         select(ds, batch, drafter, corpus)  # refuse unknown filter values before computing
     result = select(

@@ -21,6 +21,19 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def option_given(ctx: click.Context, name: str) -> bool:
+    """Whether the user set the option `name` (on the command line, through the environment
+    or at a prompt) rather than left it to its default: a default may stand where a value the
+    user chose conflicts."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) in (
+        ParameterSource.COMMANDLINE,
+        ParameterSource.ENVIRONMENT,
+        ParameterSource.PROMPT,
+    )
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands are imported only when used, keeping `--help` fast."""
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from dvfs.cli.common import OutputFolder, handle_errors
+from dvfs.cli.common import OutputFolder, handle_errors, option_given
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 
@@ -96,12 +96,6 @@ def _listen_address(listen: str) -> tuple[str, int] | None:
         return parse_listen(listen)
     except ExporterError as exc:
         raise click.BadParameter(str(exc).removeprefix("--listen "), param_hint="--listen") from exc
-
-
-def _defaulted(name: str) -> bool:
-    """The option `name` was left out (its default in force)."""
-    ctx = click.get_current_context()
-    return ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT
 
 
 def _check_url(url: str) -> None:
@@ -228,12 +222,13 @@ def govern(
     from dvfs.govern.plan import load_plan
     from dvfs.govern.policy import PolicyParams
     from dvfs.govern.servergpus import ServerGpus
+    from dvfs.gpu.base import gpu_names
     from dvfs.gpu.safety import default_state_dir, records_dir
     from dvfs.redact import redact_url
 
     if interval <= 0:
         raise click.BadParameter("must be more than 0", param_hint="--interval")
-    if dry_run and _defaulted("listen"):
+    if dry_run and not option_given(click.get_current_context(), "listen"):
         # A preview needs no metrics port: the default one is the running governor's
         # (dvfs-govern.service), and taking it would fail "Address already in use".
         listen = "off"
@@ -264,9 +259,8 @@ def govern(
         check_plan_against(plan, gpus, where=str(plan_path), allow_simulated=allow_simulated)
         if dry_run:
             check_server_for_dry_run(scraper, url, gpus, records)
-        names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
         note(
-            f"governing {names} from {plan_path} ({len(plan.steps)} step(s), drafter "
+            f"governing {gpu_names(gpus)} from {plan_path} ({len(plan.steps)} step(s), drafter "
             f"{plan.drafter}), reading {redact_url(url)} every {interval:g}s"
             + (", dry run: nothing will change" if dry_run else "")
         )

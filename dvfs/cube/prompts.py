@@ -13,7 +13,7 @@ prompts through it too.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dvfs.errors import CampaignError, DvfsError
 
@@ -40,12 +40,22 @@ class PromptsChangedError(DvfsError):
     exit_code = 1
 
 
+def _recorded_corpora(ds: xr.Dataset) -> Any:
+    """The cube's `corpora` attribute (each corpus's source and hashes) as JSON data; {} where
+    it has none or it does not parse (a damaged cube: nothing recorded to go by)."""
+    import json
+
+    try:
+        return json.loads(str(ds.attrs.get("corpora") or "{}"))
+    except ValueError:
+        return {}
+
+
 def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
     """The campaign a cube was swept from (its `campaign_source` attribute), its corpora's
     relative paths taken from the campaign file's folder: the one the cube records
     (`campaign_dir`), else, in a cube of an earlier dvfs, the one its corpus sources name
     (`campaign_dir_of`), else the cube's."""
-    import json
     import tomllib
 
     from dvfs.campaign import parse_campaign
@@ -58,13 +68,9 @@ def campaign_of(ds: xr.Dataset, where: Path) -> Campaign:
     recorded_dir = folder if isinstance(folder, str) and folder else None
     try:
         data = tomllib.loads(source)
-        try:
-            recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
-        except ValueError:
-            recorded = {}
         base = (
             recorded_dir
-            or campaign_dir_of(data.get("corpus"), recorded)
+            or campaign_dir_of(data.get("corpus"), _recorded_corpora(ds))
             or (where.parent if where.is_file() else where)
         )
         campaign = parse_campaign(
@@ -100,15 +106,11 @@ def check_same_corpora(
     (`pool_hash`: another revision of the tokenizer). Corpora the cube records no hash for
     (an older cube) are taken as they are. Refused: `PromptsChangedError`, exit 1, whose
     message says what reading other prompts would do (`use`)."""
-    import json
 
     from dvfs.corpora.sampling import pool_hash
     from dvfs.records import corpus_hashes
 
-    try:
-        recorded = json.loads(str(ds.attrs.get("corpora") or "{}"))
-    except ValueError:
-        recorded = {}
+    recorded = _recorded_corpora(ds)
     content, pools = corpus_hashes(recorded), corpus_hashes(recorded, "pool_hash")
     for name, corpus in corpora.items():
         was, now = content.get(name), corpus.content_hash

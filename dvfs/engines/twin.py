@@ -211,12 +211,7 @@ class TwinEngine:
         if not limit:
             return
         lengths, _ = self._prompt_lengths(workload.prompts)
-        plan = self._plan
-        reserved = (
-            reserved_tokens(plan.algorithm, plan.num_steps, plan.topk, plan.verify_tokens)
-            if plan is not None
-            else 0
-        )
+        reserved = reserved_tokens(self._plan)
         longest = int(lengths.max()) + reserved if len(lengths) else reserved
         refusal = context_refusal(longest, workload.max_new_tokens, limit)
         if refusal is not None:

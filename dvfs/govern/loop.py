@@ -38,7 +38,7 @@ from dvfs.govern.metrics import (
 from dvfs.govern.plan import BatchPlan, Setting
 from dvfs.govern.policy import PolicyParams, PolicyState, decide
 from dvfs.govern.servergpus import ServerGpus
-from dvfs.gpu.base import Gpu, unsupported_clock
+from dvfs.gpu.base import Gpu, gpu_names, unsupported_clock
 from dvfs.gpu.knobs import UNKNOWN_LOCK, ChangeLog, GpuSettings, KnobController, KnobSetting
 from dvfs.redact import redact_url
 
@@ -226,7 +226,7 @@ def check_server_for_dry_run(
     try:
         scraper()
     except ScrapeError as exc:
-        names = ", ".join(f"GPU {g.identity.index}" for g in gpus)
+        names = gpu_names(gpus)
         ceilings = static_caps(gpus, None, state_dir)
         caps = per_gpu(gpus, {u: c.describe() for u, c in ceilings.items()})
         would = f"the governor would hold {names} at stock, the static caps in force ({caps})"
@@ -287,10 +287,14 @@ class Watch:
         set (the others' are `cap apply`'s)."""
         readings = tuple(read_gpu(g) for g in self.gpus)
         self._follow(readings)
-        counted: frozenset[str] | None = None
+        counted: frozenset[str] | None = None  # the server's GPUs (None: every GPU read)
         if self.server_gpus is not None:
             self.server_gpus.refresh()
             counted = self.server_gpus.uuids
+
+        def counts(r: GpuReading) -> bool:
+            return counted is None or r.uuid in counted
+
         tokens = None if sample is None else sample.generated_tokens
         before = {r.uuid: r for r in self.previous}
         rows = []
@@ -300,14 +304,14 @@ class Watch:
                 energy_per_token(
                     None if old is None else old.energy_j, r.energy_j, self.previous_tokens, tokens
                 )
-                if counted is None or r.uuid in counted
+                if counts(r)
                 else math.nan  # another server's GPU: not this server's tokens
             )
             rows.append(GpuRow(r, ept, locks.get(r.uuid), r.uuid in governed))
         server_ept = (
             server_energy_per_token(
-                [r for r in self.previous if counted is None or r.uuid in counted],
-                [r for r in readings if counted is None or r.uuid in counted],
+                [r for r in self.previous if counts(r)],
+                [r for r in readings if counts(r)],
                 self.previous_tokens,
                 tokens,
             )
@@ -432,12 +436,12 @@ def _stopped_line(
     untouched = [g for g in found if g.identity.uuid in lost]
     line = f"{stopped}; the governor stopped"
     if back:
-        line += f" and put {_names(back)} back as found"
+        line += f" and put {gpu_names(back)} back as found"
     if untouched:
-        line += f"; it had not changed {_names(untouched)}"
+        line += f"; it had not changed {gpu_names(untouched)}"
     if any(g.identity.uuid in lost for g in stuck):
         line += (
-            f"; {_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
+            f"; {gpu_names([g for g in stuck if g.identity.uuid in lost])} could not be put back: "
             "once it answers again (after a GPU reset or a reboot), `dvfs gpu reset` puts back "
             "what its state file recorded"
         )
@@ -447,7 +451,7 @@ def _stopped_line(
         line += f"; {str(failed).rstrip('.')}"  # the failed restore, with `dvfs gpu reset`
     elif healthy and why is not None:  # a signal first: the restore did not run
         line += (
-            f"; {why} before it put {_names(healthy)} back, which keeps the governor's "
+            f"; {why} before it put {gpu_names(healthy)} back, which keeps the governor's "
             "settings: `dvfs gpu reset` puts back what its state file recorded"
         )
         return line
@@ -465,10 +469,6 @@ def _failed_restore(raised: BaseException, stopped: GpuSilentError) -> GpuError 
             return seen
         seen = seen.__context__
     return None
-
-
-def _names(gpus: Sequence[Gpu]) -> str:
-    return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
 @dataclass

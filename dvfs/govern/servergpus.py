@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dvfs.errors import GpuError
-from dvfs.gpu.base import Gpu
+from dvfs.gpu.base import Gpu, gpu_names
 from dvfs.procfs import (
     PROC,
     connect_addresses,
@@ -47,10 +47,6 @@ class Attribution:
     why: str
     listeners: tuple[tuple[int, int | None], ...] = ()
     lasting: bool = False
-
-
-def _names(gpus: Sequence[Gpu]) -> str:
-    return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
 def _unreadable(port: int, proc: Path) -> str:
@@ -113,14 +109,14 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
             listeners,
         )
     if not found:
-        listed = _names([g for g in gpus if g not in blind]) or "any GPU"
+        listed = gpu_names([g for g in gpus if g not in blind]) or "any GPU"
         why = (
             f"NVML lists none of the server's {len(tree)} process(es) (pid {pid_text}, "
             f"listening on port {port}) on {listed} (it has not loaded its weights yet, or a "
             "container's PID namespace hides them)"
         )
         if blind:
-            why += f"; it cannot list the processes of {_names(blind)}"
+            why += f"; it cannot list the processes of {gpu_names(blind)}"
         return Attribution(None, why, listeners)
     why = (
         f"NVML lists the server's processes (pid {pid_text}, listening on port {port}, and its "
@@ -128,7 +124,8 @@ def find_server_gpus(url: str, gpus: Sequence[Gpu], proc: Path = PROC) -> Attrib
     )
     if blind:
         why += (
-            f"; it cannot list the processes of {_names(blind)} (pass --gpu if it runs there too)"
+            f"; it cannot list the processes of {gpu_names(blind)} (pass --gpu if it runs there "
+            "too)"
         )
     return Attribution(frozenset(g.identity.uuid for g in found), why, listeners)
 
@@ -192,7 +189,7 @@ class ServerGpus:
                     self._warned = True
                     self.note(
                         "warning: dvfs_server_energy_per_token_joules counts every GPU "
-                        f"({_names(self.gpus)}): {found.why}; pass --gpu with the server's GPUs"
+                        f"({gpu_names(self.gpus)}): {found.why}; pass --gpu with the server's GPUs"
                     )
             # else the server is gone (restarting): its GPUs count until it is found again
             return
@@ -200,13 +197,13 @@ class ServerGpus:
         if changed:
             mine = [g for g in self.gpus if g.identity.uuid in found.uuids]
             line = (
-                f"energy per token counts {_names(mine)}, the server's GPU(s) at "
+                f"energy per token counts {gpu_names(mine)}, the server's GPU(s) at "
                 f"{redact_url(self.url)}: {found.why}"
             )
             if self.governing and len(mine) < len(self.gpus):
                 line += (
                     f"; with no --gpu the governor governs every GPU all the same "
-                    f"({_names(self.gpus)}): pass "
+                    f"({gpu_names(self.gpus)}): pass "
                     + " ".join(f"--gpu {g.identity.index}" for g in mine)
                     + " to govern the server's only"
                 )

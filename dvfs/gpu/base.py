@@ -5,7 +5,7 @@ Both backends (real NVML and the twin) implement it and raise the same `GpuError
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -146,6 +146,11 @@ class Gpu(Protocol):
         """PIDs of the compute processes on this GPU, as the driver (the host's PID namespace)
         sees them; None: it cannot tell (not supported, not permitted, a simulated GPU)."""
         ...
+
+
+def gpu_names(gpus: Iterable[Gpu]) -> str:
+    """GPUs as messages name them by index ("GPU 0, GPU 2"), one wording for every line."""
+    return ", ".join(f"GPU {g.identity.index}" for g in gpus)
 
 
 @dataclass(frozen=True)

@@ -751,27 +751,24 @@ def _measure_group(
         block_end = rounds + step
         while rounds < block_end:
             order = level_order(cells, scheme, rounds)
-            if measured:  # each level's rate as measured so far
-                # a level none of whose segments was measured yet (a round that ended before
-                # it) keeps the warm-up's bound
-                seen = {
-                    i: [
-                        s.rate_tok_s
-                        for s in measured
-                        if s.segment.level == i and math.isfinite(s.rate_tok_s)
-                    ]
-                    for i in range(len(cells))
-                }
-                rates = [
-                    float(np.mean(seen[cells.index(c)]))
-                    if seen[cells.index(c)]
-                    else rate_bound(rate, reference, _setting_mhz(c, runner.gpus))
-                    for c in order
+            # Each level's rate as measured so far; a level none of whose segments was measured
+            # yet (every level before the first decode, or one a decode ended before) has the
+            # warm-up's bound. Until a segment is measured, the first round's wider margin.
+            seen = {
+                i: [
+                    s.rate_tok_s
+                    for s in measured
+                    if s.segment.level == i and math.isfinite(s.rate_tok_s)
                 ]
-                margin = LATER_ROUND_MARGIN
-            else:
-                rates = [rate_bound(rate, reference, _setting_mhz(c, runner.gpus)) for c in order]
-                margin = FIRST_ROUND_MARGIN
+                for i in range(len(cells))
+            }
+            rates = [
+                float(np.mean(seen[cells.index(c)]))
+                if seen[cells.index(c)]
+                else rate_bound(rate, reference, _setting_mhz(c, runner.gpus))
+                for c in order
+            ]
+            margin = LATER_ROUND_MARGIN if measured else FIRST_ROUND_MARGIN
             tokens = tokens_needed(rates, segment_s, margin)
             if most is not None:
                 tokens = min(tokens, most)

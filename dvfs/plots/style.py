@@ -460,6 +460,11 @@ def drafter_colors(drafters: Iterable[str]) -> dict[str, str]:
     return {d: colors[i] for i, d in enumerate(names)}
 
 
+#: The golden angle as a share of the colour wheel ((3 - sqrt 5) / 2, rounded): hues stepped by
+#: it stay spread out however many are asked for, each new one in a widest gap left.
+GOLDEN_ANGLE_TURNS = 0.381966
+
+
 def extra_colors(n: int, *, exclude: Sequence[str] = ()) -> list[str]:
     """`n` colours past the palette's, each new (none of `exclude`'s, none repeated): hues a
     golden angle apart, at three lightnesses in turn, so neighbours in cube order differ in
@@ -470,7 +475,7 @@ def extra_colors(n: int, *, exclude: Sequence[str] = ()) -> list[str]:
     out: list[str] = []
     k = 0
     while len(out) < n:
-        hue = (0.07 + k * 0.381966) % 1.0
+        hue = (0.07 + k * GOLDEN_ANGLE_TURNS) % 1.0
         light = (0.42, 0.28, 0.62)[k % 3]
         r, g, b = colorsys.hls_to_rgb(hue, light, 0.7)
         color = "#{:02x}{:02x}{:02x}".format(*(round(v * 255) for v in (r, g, b)))

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dvfs.twin.profiles import GpuProfile, ModelProfile
+
+if TYPE_CHECKING:
+    from dvfs.twin.drafting import DraftPlan
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -94,12 +98,9 @@ def weights_refusal(
     memory (GPU memory x `mem_fraction_static`, None: SGLang's default) for the KV cache.
     None: they fit."""
     need = (weight_bytes(target) + (weight_bytes(draft, draft=True) if draft else 0.0)) / tp_size
+    default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
     given = mem_fraction_static is not None
-    fraction = (
-        mem_fraction_static
-        if mem_fraction_static is not None
-        else default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
-    )
+    fraction = mem_fraction_static if mem_fraction_static is not None else default
     have = gpu.memory_mib() * MIB * fraction
     if need < have:
         return None
@@ -108,7 +109,6 @@ def weights_refusal(
     whose = "the campaign's --mem-fraction-static" if given else "SGLang's default one"
     todo = "use more GPUs (tp, engine.tp_size) or a smaller model"
     if given:  # a fraction the campaign set too low: raising it is the first way out
-        default = default_mem_fraction_static(gpu, tp_size, decode_graph_max_bs)
         least = (math.floor(need / (gpu.memory_mib() * MIB) * 100) + 1) / 100
         if least <= default:
             todo = (
@@ -201,12 +201,13 @@ def context_length_refusal(
     )
 
 
-def reserved_tokens(algorithm: str | None, num_steps: int, topk: int, draft_tokens: int) -> int:
-    """The output slots SGLang adds to every request's input count against the context length:
-    an EAGLE-family drafter's draft tokens, nothing for the others."""
-    if algorithm not in EAGLE_ALGORITHMS:
+def reserved_tokens(plan: DraftPlan | None) -> int:
+    """The output slots SGLang adds to every request's input count against the context length
+    for a drafter (`plan`; None: no speculation): an EAGLE-family drafter's draft tokens,
+    nothing for the others."""
+    if plan is None or plan.algorithm not in EAGLE_ALGORITHMS:
         return 0
-    return max(topk * num_steps, draft_tokens)
+    return max(plan.topk * plan.num_steps, plan.verify_tokens)
 
 
 def context_refusal(input_tokens: int, max_new_tokens: int, context_length: int) -> str | None:

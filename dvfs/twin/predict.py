@@ -219,7 +219,7 @@ def cube_cells(
             f"{where} was measured in {w.mode} mode; the cube fit predicts fixed-batch cells only"
         )
     try:
-        model = model_profile(campaign.engine.twin_model or campaign.engine.model)
+        model = model_profile(campaign.engine.simulated_model)
     except CampaignError as exc:
         raise PredictError(f"{where}: {exc}") from exc
     method = str(ds.attrs.get("token_count_method") or "")
