@@ -43,6 +43,7 @@ REFERENCE = "2c79446"
 #: (NaN for a round shorter than one block).
 CHANGED_SINCE_REFERENCE = {
     "server_accept_length": "the server's figure now covers whole blocks of decode iterations",
+    "prompt_tokens": "added later: the mean input tokens each cell's rounds sent",
 }
 TARGET_SWEEP_CPU_S = 15.0
 TARGET_SPEEDUP = 4.0
