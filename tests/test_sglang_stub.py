@@ -714,15 +714,11 @@ def test_a_torch_load_runs_while_requests_run(launch: Launcher) -> None:
     assert launches > 0
 
 
-def test_a_step_emitted_late_delays_the_later_ones_rather_than_bunching_them(
-    stub_module: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In process, on a fake clock: the server falls 0.5 s behind after its third step (a
-    loaded machine starving it). The steps after it keep tpot_s apart, as a server that fell
-    behind still takes each step's time; caught up in a burst, they came out together, and a
-    request's measured TPOT fell below the stub's (a test bounding it from below then failed
-    on a loaded machine)."""
-    tpot = 0.01
+def _stub_on_a_fake_clock(
+    stub_module: ModuleType, monkeypatch: pytest.MonkeyPatch, tpot: float
+) -> tuple[Any, list[float]]:
+    """A stub (no prefill time, `tpot` a step) whose clock is the list it returns: its waits
+    move that clock on by what they wait, and a test moves it on to play a starved process."""
     cfg = stub_module.StubConfig(version="0.5.23", ttft_s=0.0, tpot_s=tpot)
     args, spec = stub_module.parse_launch_argv(["--model-path", "m"], cfg)
     stub = stub_module.Stub(cfg, args, spec)
@@ -743,6 +739,19 @@ def test_a_step_emitted_late_delays_the_later_ones_rather_than_bunching_them(
 
     monkeypatch.setattr(stub_module, "time", FakeTime)
     monkeypatch.setattr(stub.stop, "wait", wait)
+    return stub, now
+
+
+def test_a_step_emitted_late_delays_the_later_ones_rather_than_bunching_them(
+    stub_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, on a fake clock: the server falls 0.5 s behind after its third step (a
+    loaded machine starving it). The steps after it keep tpot_s apart, as a server that fell
+    behind still takes each step's time; caught up in a burst, they came out together, and a
+    request's measured TPOT fell below the stub's (a test bounding it from below then failed
+    on a loaded machine)."""
+    tpot = 0.01
+    stub, now = _stub_on_a_fake_clock(stub_module, monkeypatch, tpot)
     body = {"text": "a b c", "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}
     plan = stub.plan(body, 1)
     emitted = []
@@ -763,26 +772,7 @@ def test_the_moments_spent_emitting_a_batchs_steps_do_not_stretch_its_schedule(
     The step due beside another is that much late every time; taken for lateness, it moved
     every later step back, and the batch drifted off its tpot_s schedule step by step."""
     tpot = 0.01
-    cfg = stub_module.StubConfig(version="0.5.23", ttft_s=0.0, tpot_s=tpot)
-    args, spec = stub_module.parse_launch_argv(["--model-path", "m"], cfg)
-    stub = stub_module.Stub(cfg, args, spec)
-    now = [1000.0]
-
-    class FakeTime:
-        @staticmethod
-        def monotonic() -> float:
-            return now[0]
-
-        @staticmethod
-        def time() -> float:
-            return now[0]
-
-    def wait(timeout: float | None = None) -> bool:
-        now[0] += timeout or 0.0
-        return False
-
-    monkeypatch.setattr(stub_module, "time", FakeTime)
-    monkeypatch.setattr(stub.stop, "wait", wait)
+    stub, now = _stub_on_a_fake_clock(stub_module, monkeypatch, tpot)
     body = {"text": ["a b", "c d"], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
     plan = stub.plan(body, 1)
     last = 0.0
