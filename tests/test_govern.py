@@ -3,6 +3,7 @@ the energy-per-token join, the exporter's text, and the loop on the fake NVML in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -473,21 +474,30 @@ for child in children:
 """
 
 
-def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(nvml) -> None:
-    """As SGLang runs: the process on the port serves HTTP, a child (the scheduler) holds the
-    GPU. Read from this machine's /proc and the fake NVML's compute processes."""
-    from dvfs.backends import open_gpus
-    from dvfs.govern.servergpus import find_server_gpus
-
+@contextlib.contextmanager
+def _listener_with_children(children: int = 1) -> Iterator[tuple[int, list[int]]]:
+    """A loopback listener whose children (SGLang's schedulers) would hold the GPUs: its pid,
+    and the port and children's pids it prints; stopped (its stdin closed) on the way out."""
     listener = subprocess.Popen(
-        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
+        [sys.executable, "-c", LISTENER_WITH_A_CHILD, str(children)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert listener.stdout is not None
-        port, child = map(int, listener.stdout.readline().split())
+        yield listener.pid, [int(v) for v in listener.stdout.readline().split()]
+    finally:
+        listener.communicate("", timeout=30)
+
+
+def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(nvml) -> None:
+    """As SGLang runs: the process on the port serves HTTP, a child (the scheduler) holds the
+    GPU. Read from this machine's /proc and the fake NVML's compute processes."""
+    from dvfs.backends import open_gpus
+    from dvfs.govern.servergpus import find_server_gpus
+
+    with _listener_with_children() as (pid, (port, child)):
         url = f"http://localhost:{port}"
         with open_gpus([0, 1]) as gpus:
             nothing = find_server_gpus(url, gpus)
@@ -496,12 +506,10 @@ def test_the_gpus_of_the_listeners_child_are_the_servers_and_a_remote_url_none(n
             nvml.fake_add_process(1, child)
             found = find_server_gpus(url, gpus)
             assert found.uuids == {gpus[1].identity.uuid}
-            assert f"pid {listener.pid}, listening on port {port}" in found.why
+            assert f"pid {pid}, listening on port {port}" in found.why
             remote = find_server_gpus("http://192.0.2.1:30000", gpus)
             assert remote.uuids is None and remote.lasting
             assert "not on this machine" in remote.why
-    finally:
-        listener.communicate("", timeout=30)
 
 
 def test_a_tensor_parallel_server_found_while_its_ranks_start_counts_every_rank(nvml) -> None:
@@ -519,15 +527,7 @@ def test_a_tensor_parallel_server_found_while_its_ranks_start_counts_every_rank(
         looked.append(now[0])
         return find_server_gpus(url, gpus, proc)
 
-    listener = subprocess.Popen(
-        [sys.executable, "-c", LISTENER_WITH_A_CHILD, "2"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert listener.stdout is not None
-        port, rank0, rank1 = map(int, listener.stdout.readline().split())
+    with _listener_with_children(2) as (pid, (port, rank0, rank1)):
         now = [0.0]
         notes: list[str] = []
         with open_gpus([0, 1]) as gpus:
@@ -544,8 +544,6 @@ def test_a_tensor_parallel_server_found_while_its_ranks_start_counts_every_rank(
             assert tracker.uuids == {uuids[0], uuids[1]}
             assert "energy per token counts GPU 0, GPU 1, the server's" in notes[-1]
             assert looked == [0.0, RETRY_S, 2 * RETRY_S]  # found the same twice: settled
-    finally:
-        listener.communicate("", timeout=30)
 
 
 FIND_AS_GIVEN = """
@@ -575,15 +573,7 @@ def test_root_without_capabilities_is_told_why_it_cannot_read_a_root_server() ->
     reason said it was another user's and to run dvfs as root, which it was."""
     if not _capabilities():
         pytest.skip("this root holds no capability to drop")
-    listener = subprocess.Popen(
-        [sys.executable, "-c", LISTENER_WITH_A_CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert listener.stdout is not None
-        port, child = map(int, listener.stdout.readline().split())
+    with _listener_with_children() as (pid, (port, child)):
         find = [sys.executable, "-c", FIND_AS_GIVEN, str(port), str(child)]
         env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         as_root = subprocess.run(find, env=env, capture_output=True, text=True, timeout=60)
@@ -592,8 +582,6 @@ def test_root_without_capabilities_is_told_why_it_cannot_read_a_root_server() ->
         bare = subprocess.run(drop + find, env=env, capture_output=True, text=True, timeout=60)
         assert f"listening on port {port} cannot be read" in bare.stdout, bare
         assert "without CAP_SYS_PTRACE" in bare.stdout and "another user's" not in bare.stdout
-    finally:
-        listener.communicate("", timeout=30)
 
 
 class VirtualTime:
