@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import made_once
+from conftest import made_once, unsaved_figure
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -211,16 +211,6 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "| cap |" not in text
 
 
-def _unsaved(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
-    """`dvfs.plots.save` less the rendering: an empty file where the figure would be, for a
-    test that reads what figures draw, not their pixels (rendering each of a report's figures
-    is most of its CPU)."""
-    del fig
-    path = out_dir / f"{name}.{fmt}"
-    path.write_bytes(b"")
-    return path
-
-
 @pytest.mark.parametrize(
     "args", [("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9"), ()]
 )
@@ -256,7 +246,7 @@ def test_the_figures_mark_the_settings_the_reports_table_chose(
                 for t in ax.texts
             ]
             return save(fig, out_dir, name, fmt)
-        return _unsaved(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     if command == "ds.dvfs.plot":  # the Python API takes the options as keywords
@@ -320,7 +310,7 @@ def test_a_report_on_one_drafter_colours_it_as_dvfs_plot_does(
 
     def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
         drawn[name] = _legend_colours(fig)
-        return (save if name in compared else _unsaved)(fig, out_dir, name, fmt)
+        return (save if name in compared else unsaved_figure)(fig, out_dir, name, fmt)
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     out = tmp_path / "report.md"
@@ -355,7 +345,7 @@ def test_a_report_on_one_drafter_maps_the_headroom_of_that_drafter_only(
             rows["drafters"] = [t.get_text() for ax in panels for t in ax.get_yticklabels()]
             rows["cells"] = [t.get_text() for ax in panels for t in ax.texts]
             return save(fig, out_dir, name, fmt)
-        return _unsaved(fig, out_dir, name, fmt)
+        return unsaved_figure(fig, out_dir, name, fmt)
 
     monkeypatch.setattr(dvfs.plots, "save", keep)
     args = ("--drafter", "eagle3", *target)
