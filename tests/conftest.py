@@ -101,6 +101,17 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def unsaved_figure(fig: object, out_dir: Path, name: str, fmt: str) -> Path:
+    """`dvfs.plots.save` less the rendering: an empty file where the figure would be written.
+    For a test that reads what some figures draw, not their pixels: it patches `save` to
+    render those and hand the others here (rendering every figure is most of `dvfs plot`'s
+    and `dvfs report`'s CPU)."""
+    del fig
+    path = out_dir / f"{name}.{fmt}"
+    path.write_bytes(b"")
+    return path
+
+
 @pytest.fixture
 def small_campaign(tmp_path: Path) -> Path:
     return write(tmp_path / "small.toml", SMALL_EXACT)

@@ -2283,13 +2283,16 @@ def test_a_full_disk_under_netcdf_is_said_to_be_full(
 
     import xarray as xr
 
+    import dvfs.cube.files
+
     def full_disk_netcdf(self: Any, path: Any = None, *args: Any, **kwargs: Any) -> None:
         Path(path).write_bytes(b"")  # created, then the disk is full
         raise netcdf_says
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
-    monkeypatch.setattr(xr.Dataset, "to_netcdf", full_disk_netcdf)
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", full_disk_netcdf)  # the roofline's
+    monkeypatch.setattr(dvfs.cube.files, "_write_netcdf4", full_disk_netcdf)  # a cube's
     out = tmp_path / "out" / "file.nc"
     out.parent.mkdir()
     result = CliRunner().invoke(cli, _argv(name, shared, out))

@@ -16,6 +16,7 @@ from click.testing import CliRunner, Result
 from conftest import TINY, copy_sweep, replace_block, write
 from test_journal import assert_one_line_error
 
+import dvfs.cube.files
 from dvfs.cli import cli
 from dvfs.cube import STATUS_OK, open_cube
 from dvfs.errors import CubeError
@@ -207,7 +208,7 @@ def test_a_full_disk_while_writing_the_cube(tmp_path: Path, monkeypatch) -> None
         Path(path).write_bytes(b"\x89HDF half a file")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(xr.Dataset, "to_netcdf", full)
+    monkeypatch.setattr(dvfs.cube.files, "_write_netcdf4", full)
     result = sweep(campaign, out)
     assert_one_line_error(
         result,
@@ -426,7 +427,7 @@ def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
     ds = open_cube(tiny_sweep)
     before = netCDF4.get_chunk_cache()
     seen: list[tuple[int, int, float]] = []
-    real = xr.Dataset.to_netcdf
+    real = dvfs.cube.files._write_netcdf4
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(netCDF4.get_chunk_cache())
@@ -434,7 +435,7 @@ def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(xr.Dataset, "to_netcdf", spy)
+    monkeypatch.setattr(dvfs.cube.files, "_write_netcdf4", spy)
     path = tmp_path / "cube.nc"
     if fails:
         with pytest.raises(CubeError, match="No space left on device"):
@@ -451,6 +452,75 @@ def test_a_cube_is_written_with_no_chunk_cache_and_the_process_keeps_its_own(
         assert energy.chunking() == "contiguous"  # too small to compress (the next test)
         assert np.isnan(energy.getncattr("_FillValue"))
     xr.testing.assert_identical(open_cube(path), ds)
+
+
+def _netcdf_content(path: Path) -> list[object]:
+    """What `ncdump` shows of a netCDF-4 file, in its order: the format, dimensions, global
+    attributes (values and types), and each variable's type, dimensions, attributes, fill
+    value, filters, chunking, byte order and raw data (no masking or scaling)."""
+
+    def attr(value: object) -> object:
+        if isinstance(value, np.ndarray):
+            return (value.dtype.str, value.tolist())
+        return (type(value).__name__, repr(value))
+
+    with netCDF4.Dataset(path) as nc:
+        nc.set_auto_maskandscale(False)
+        content: list[object] = [
+            (nc.data_model, nc.disk_format, list(nc.groups)),
+            [(d.name, d.size, d.isunlimited()) for d in nc.dimensions.values()],
+            [(k, attr(nc.getncattr(k))) for k in nc.ncattrs()],
+        ]
+        for name, var in nc.variables.items():
+            data = var[...]
+            is_str = var.dtype is str
+            content.append(
+                (
+                    name,
+                    var.datatype.name if is_str else var.datatype.str,
+                    var.dimensions,
+                    [(k, attr(var.getncattr(k))) for k in var.ncattrs()],
+                    var.filters(),
+                    var.chunking(),
+                    var.endian(),
+                    np.asarray(data, dtype=object).tolist() if is_str else data.tobytes(),
+                )
+            )
+    return content
+
+
+def test_a_cube_file_is_the_one_xarray_writes(tiny_sweep: Path, tmp_path: Path) -> None:
+    """`write_cube` defines every variable before it fills any (netCDF-C flushed HDF5's
+    metadata each time a variable's data took it out of define mode): its file holds what
+    `to_netcdf` with the same encoding writes, dimensions, attributes, types, fill values,
+    compression and data alike: for a swept cube, one whose variables are compressed, and a
+    hand-built one (no cube file behind it: the sweep's was written by `write_cube`)."""
+    from cubes import make_cube
+
+    from dvfs.cube import write_cube
+    from dvfs.cube.files import COMPRESS_FROM_BYTES, _encoding, _labels_to_cf
+
+    tiny = open_cube(tiny_sweep)
+    copies = -(-COMPRESS_FROM_BYTES // tiny["energy_per_token_j"].nbytes)
+    big = xr.concat([tiny] * copies, dim="repeat", data_vars="minimal", coords="minimal")
+    big = big.assign_coords(repeat=np.arange(big.sizes["repeat"]))
+    made = make_cube(
+        clocks=[1980, 1005],
+        drafters=["none", "eagle3"],
+        corpora=["code", "math"],
+        energy=lambda clock, *_: np.nan if clock == 1005 else 1.0,
+        valid=lambda clock, limit, batch, drafter, *_: drafter == "none",
+    )
+    for name, ds in (("tiny", tiny), ("big", big), ("made", made)):
+        ours = write_cube(ds, tmp_path / f"{name}.nc")
+        on_disk = _labels_to_cf(ds)
+        theirs = tmp_path / f"{name}-xarray.nc"
+        on_disk.to_netcdf(theirs, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+        assert _netcdf_content(ours) == _netcdf_content(theirs), name
+        with netCDF4.Dataset(ours) as nc:  # the comparison saw both layouts and strings
+            contiguous = {nc[v].chunking() == "contiguous" for v in nc.variables}
+            assert contiguous == ({True, False} if name == "big" else {True}), name
+            assert nc["drafter_label"].dtype is str
 
 
 def test_variables_are_compressed_where_it_pays(tiny_sweep: Path, tmp_path: Path) -> None:
@@ -493,7 +563,7 @@ def test_cube_writes_from_two_threads_take_turns_and_leave_the_chunk_cache_as_it
     first_inside = threading.Event()
     release_first = threading.Event()
     seen: list[tuple[str, tuple[int, int, float]]] = []
-    real = xr.Dataset.to_netcdf
+    real = dvfs.cube.files._write_netcdf4
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         name = threading.current_thread().name
@@ -503,7 +573,7 @@ def test_cube_writes_from_two_threads_take_turns_and_leave_the_chunk_cache_as_it
             release_first.wait()  # (the suite's timeout bounds a hang)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(xr.Dataset, "to_netcdf", spy)
+    monkeypatch.setattr(dvfs.cube.files, "_write_netcdf4", spy)
     first = threading.Thread(target=write_cube, args=(ds, tmp_path / "a.nc"), name="first")
     second = threading.Thread(target=write_cube, args=(ds, tmp_path / "b.nc"), name="second")
     first.start()
@@ -592,3 +662,25 @@ def test_cube_info_and_report_say_not_recorded_for_a_hand_built_cubes_missing_at
     shown = invoke("cube", "info", str(tmp_path / "merged.nc"))
     assert shown.exit_code == 0, shown.output
     assert "merged cube of 2 GPUs: their models not recorded" in shown.output, shown.output
+
+
+@pytest.mark.parametrize("changed", [ImportError, AttributeError, TypeError])
+def test_a_cube_is_written_alike_where_xarrays_internals_differ(
+    tiny_sweep: Path, tmp_path: Path, monkeypatch, changed: type[Exception]
+) -> None:
+    """`write_cube`'s define-then-fill write leans on xarray's internals (a name imported, a
+    method's arguments); on an xarray where they differ, after a part of the file was written,
+    it writes the same file whole the documented way, never a traceback."""
+    import dvfs.cube.files
+    from dvfs.cube import write_cube
+
+    tiny = open_cube(tiny_sweep)
+    expected = _netcdf_content(write_cube(tiny, tmp_path / "now.nc"))
+
+    def other_xarray(ds: xr.Dataset, path: Path, encoding: dict) -> None:
+        path.write_bytes(b"\x89HDF\r\n partly written")
+        raise changed("xarray's internals differ here")
+
+    monkeypatch.setattr(dvfs.cube.files, "_define_then_fill", other_xarray)
+    assert _netcdf_content(write_cube(tiny, tmp_path / "other.nc")) == expected
+    xr.testing.assert_identical(open_cube(tmp_path / "other.nc"), tiny)

@@ -38,7 +38,7 @@ def _encoding(ds: xr.Dataset) -> dict[str, dict[str, Any]]:
     enc: dict[str, dict[str, Any]] = {str(name): {"_FillValue": None} for name in ds.coords}
     integer_names = {s.name for s in VARIABLES if s.integer}
     for name in map(str, ds.data_vars):
-        zlib = _ZLIB if ds[name].nbytes >= COMPRESS_FROM_BYTES else {}
+        zlib = _ZLIB if ds.variables[name].nbytes >= COMPRESS_FROM_BYTES else {}
         if name in integer_names:
             dtype = "int8" if name == "valid" else "int32"
             enc[name] = {"dtype": dtype, "_FillValue": -1, **zlib}
@@ -107,6 +107,60 @@ def _no_chunk_cache() -> Iterator[None]:
             netCDF4.set_chunk_cache(size, slots, preemption)
 
 
+class _FilledLast:
+    """xarray's array writer, less its writing as it goes: each variable's data is kept for
+    `fill`, after every variable is defined."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Any, Any, Any]] = []
+
+    def add(self, source: Any, target: Any, region: Any = None) -> None:
+        self.pending.append((source, target, region))
+
+    def fill(self) -> None:
+        for source, target, region in self.pending:
+            target[region if region else ...] = source
+
+
+def _write_netcdf4(ds: xr.Dataset, path: Path, encoding: dict[str, dict[str, Any]]) -> None:
+    """The file `ds.to_netcdf(path, format="NETCDF4", engine="netcdf4", encoding=encoding)`
+    writes, variables, attributes and data alike, with every variable defined before any is
+    filled. Written as it goes, each variable's data took netCDF-C out of define mode and the
+    next variable back in, and each exit flushed all of HDF5's metadata so far: a small cube's
+    write (60 variables) took 64 ms of CPU, 27 ms this way; the demo's 145 ms, 105 ms."""
+    try:
+        _define_then_fill(ds, path, encoding)
+    except _XARRAY_INTERNALS_CHANGED:
+        # `NetCDF4DataStore.store` and `encode_dataset_coordinates` are xarray's internals,
+        # checked on the xarray this project tests with: where another xarray's differ, the
+        # documented write makes the same file (the temp file is written again, whole).
+        ds.to_netcdf(path, format="NETCDF4", engine="netcdf4", encoding=encoding)
+
+
+#: What a change in xarray's internals raises in `_define_then_fill` (a moved name, another
+#: signature). An attribute netCDF cannot hold raises TypeError too: the documented write then
+#: raises xarray's own error for it, as before.
+_XARRAY_INTERNALS_CHANGED = (ImportError, AttributeError, TypeError)
+
+
+def _define_then_fill(ds: xr.Dataset, path: Path, encoding: dict[str, dict[str, Any]]) -> None:
+    from xarray.backends import NetCDF4DataStore
+    from xarray.conventions import encode_dataset_coordinates
+
+    variables, attrs = encode_dataset_coordinates(ds)
+    for name, enc in encoding.items():
+        variables[name].encoding = enc
+    unlimited = ds.encoding.get("unlimited_dims") or set()  # as to_netcdf keeps them
+    unlimited = {unlimited} if isinstance(unlimited, str) else set(unlimited)
+    writer = _FilledLast()
+    store = NetCDF4DataStore.open(path, mode="w", format="NETCDF4")
+    try:
+        store.store(variables, attrs, set(encoding), writer, unlimited_dims=unlimited)
+        writer.fill()
+    finally:
+        store.close()
+
+
 def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
     """Write atomically (`dvfs.outputs.replacing`): a temp file in the same folder, renamed
     over the target, so a failed write (full disk, read-only folder) leaves the previous cube
@@ -118,7 +172,7 @@ def write_cube(ds: xr.Dataset, path: str | Path) -> Path:
     def write(tmp: Path) -> None:
         on_disk = _labels_to_cf(ds)
         with _no_chunk_cache():
-            on_disk.to_netcdf(tmp, format="NETCDF4", engine="netcdf4", encoding=_encoding(on_disk))
+            _write_netcdf4(on_disk, tmp, _encoding(on_disk))
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
