@@ -93,6 +93,23 @@ def test_break_even_batch() -> None:
     )
 
 
+def test_break_even_batch_is_the_smallest_whatever_the_campaigns_batch_order() -> None:
+    """A campaign may list its batches in any order (`batch = [64, 1, 8]`) and the cube keeps
+    it: the break-even batch is still the smallest batch that stops saving, as its summary
+    says ("saves up to batch 1"), not the first one on the axis."""
+
+    def energy(c, p, b, d, *_):
+        return (0.5 if b == 1 else 1.5) if d == "eagle3" else 1.0
+
+    for batches in ([1, 8, 64], [64, 1, 8], [8, 64, 1]):
+        result = compare(
+            make_cube(clocks=CLOCKS, batches=batches, drafters=["none", "eagle3"], energy=energy)
+        ).sel(drafter="eagle3", corpus="code")
+        assert str(result["break_even_equal_clock"].values) == "saves up to batch 1"
+        assert int(result["break_even_batch_equal_clock"]) == 8, batches
+        assert int(result["break_even_batch_equal_latency"]) == 8, batches
+
+
 def test_a_ratio_at_equal_latency_at_the_grids_lowest_setting_says_so() -> None:
     """EAGLE-3 meets none's stock latency at the lowest clock swept at batches 1 and 8 (a lower
     one might spend less: its ratio is no final answer), at batch 64 only at stock."""

@@ -737,3 +737,21 @@ def test_the_latency_shown_is_over_the_repeats_the_bound_paired() -> None:
     assert r["chosen_latency_ms"] <= r["target_ms"]
     (table_row,) = headroom_table_rows(headroom_document(result, cube))[1]
     assert table_row[-2:] == ["10.1", "10.1"]  # latency ms, target ms (10.7 ms before)
+
+
+def test_an_slo_answer_without_a_valid_reference_energy_shows_no_saving() -> None:
+    """An SLO needs no reference latency, so a row has an answer while its reference cells are
+    all invalid; with no energy there to save against, the saving cell is "-", not "-%"."""
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cube = make_cube(
+        clocks=[1500, 2000],
+        repeats=2,
+        latency=lambda c, *_: 12.0 if c == 1500 else 10.0,
+        energy=lambda c, *_: c / 2000,
+        valid=lambda c, *_: c != 2000,
+    )
+    result = headroom(cube, target=parse_slo("tpot_p50<=20ms"))
+    header, (cells,) = headroom_table_rows(headroom_document(result, cube))
+    assert cells[header.index("chosen MHz/W")] == "1500/700"
+    assert cells[header.index("saving")] == "-"

@@ -48,6 +48,19 @@ def test_each_line_is_a_drafters_stock_energy_against_batch() -> None:
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
 
 
+def test_lines_run_in_ascending_batch_whatever_the_campaigns_order() -> None:
+    """A campaign may list its batches in any order and the cube keeps it: each line still
+    joins its points from the smallest batch to the largest, each point its batch's energy."""
+    cube = _cube().isel(batch=[2, 0, 3, 1])  # batch axis 16, 1, 64, 4
+    fig = draw_energy_vs_batch(cube)
+    assert fig is not None
+    panel = next(ax for ax in fig.axes if ax.get_gid() == "panel")
+    for line, drafter in zip(panel.get_lines(), ["none", "eagle3"], strict=True):
+        np.testing.assert_array_equal(line.get_xdata(), sorted(BATCHES))
+        want = [_energy(1980, 700.0, b, drafter, "code", 0) for b in sorted(BATCHES)]
+        np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-12)
+
+
 def test_one_batch_size_draws_no_batch_figure() -> None:
     one = make_cube(clocks=[1980], batches=[8], drafters=["none"], energy=lambda *a: 1.0)
     assert draw_energy_vs_batch(one) is None

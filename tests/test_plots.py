@@ -396,6 +396,18 @@ def _timeline_labels(cube: xr.Dataset) -> list[str]:
     return [t.get_text() for legend in _legends(fig) for t in legend.get_texts()]
 
 
+def test_timelines_show_the_smallest_and_largest_batch_in_any_batch_order(
+    cube: xr.Dataset,
+) -> None:
+    """The timelines show the smallest and the largest batch, also where the campaign listed
+    its batches in another order (the cube keeps it: batch = [8, 64, 1, 32])."""
+    shuffled = cube.isel(batch=[1, 3, 0, 2])
+    fig = draw_timelines(shuffled, headroom(shuffled, target=TARGET))
+    assert fig is not None
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == ["batch 1, corpus code", "batch 64, corpus code"]
+
+
 def test_timelines_name_the_setting_a_power_limit_only_campaign_made(shared_run) -> None:
     """A campaign that sweeps only the power limit never locks the clock: the legend says the
     clock was unlocked and names the limit, where it used to call the stock clock a lock."""

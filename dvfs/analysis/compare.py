@@ -354,13 +354,17 @@ def compare(
     latency_verdicts = verdicts(by_latency, not_within, too_few)
 
     def break_even(states: np.ndarray) -> xr.DataArray:
-        """The smallest batch judged not to save (costs, or within noise); NaN: none."""
+        """The smallest batch judged not to save (costs, or within noise); NaN: none. The
+        smallest by value: the batch axis is in the campaign's order, which need not ascend
+        (`batch = [16, 1, 4]`)."""
         batches = cube["batch"].values
         out = np.full((states.shape[1], states.shape[2]), np.nan)
         for d, c in np.ndindex(out.shape):
-            stops = [k for k, v in enumerate(states[:, d, c]) if v in (LOSES, WITHIN_NOISE)]
+            stops = [
+                batches[k] for k, v in enumerate(states[:, d, c]) if v in (LOSES, WITHIN_NOISE)
+            ]
             if stops:
-                out[d, c] = batches[stops[0]]
+                out[d, c] = min(stops)
         dims = GROUPS[1:]
         return xr.DataArray(out, dims=dims, coords={k: groups[k] for k in dims})
 

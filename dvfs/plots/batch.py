@@ -79,10 +79,14 @@ def draw_energy_vs_batch(cube: xr.Dataset) -> Figure | None:
     batches = [int(b) for b in cube["batch"].values]
     if len(batches) < 2:
         return None
+    # A line joins its points in batch order: the cube's axis is the campaign's (batch = [16,
+    # 1, 4] is allowed), so the points are drawn sorted, not zigzagging back along the axis.
+    ascending = np.argsort(batches, kind="stable")
+    batches = [batches[i] for i in ascending]
     corpora = [str(c) for c in cube["corpus"].values]
     drafters = [str(d) for d in cube["drafter"].values]
     colors = cube_drafter_colors(cube)
-    energy = stock_energy(cube)
+    energy = stock_energy(cube)[..., ascending]
     title = batch_title(cube)
     at = "stock" if reference_setting(cube).is_stock else "the top of the grid"
     rows, cols = grid_shape(len(corpora))

@@ -71,7 +71,8 @@ def draw_timelines(cube: xr.Dataset, chosen: xr.Dataset) -> Figure | None:
     all_drafters = [str(d) for d in cube["drafter"].values]
     colors = cube_drafter_colors(cube)
     drafters = all_drafters[:2]
-    batches = sorted({int(cube["batch"].values[0]), int(cube["batch"].values[-1])})
+    # the smallest and largest batch: the axis is the campaign's order, which need not ascend
+    batches = sorted({int(cube["batch"].min()), int(cube["batch"].max())})
     corpus = str(cube["corpus"].values[0])
     stock_word = "stock" if ref.is_stock else "reference"
     clock_set, limit_set = swept_knobs(cube)

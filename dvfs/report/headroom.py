@@ -387,13 +387,13 @@ def headroom_table_rows(
                     r.get("headroom_w_invalid_below", False),
                 )
             )
-            saving = None if r["saving"] is None else r["saving"] * 100
             cells = [
                 chosen,
                 headroom,
                 fmt(r["stock_energy_per_token_j"], ".4g"),
                 fmt(r["energy_per_token_j"], ".4g"),
-                fmt(saving, ".1f") + "%",
+                # unknown (no valid energy at the reference, an SLO's answer): "-", not "-%"
+                "-" if r["saving"] is None else f"{r['saving'] * 100:.1f}%",
                 fmt_ms(r["latency_ms"]),
                 fmt_ms(r["target_ms"]),
             ]
