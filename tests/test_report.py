@@ -784,3 +784,38 @@ def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
     info = run("cube", "info", str(write_cube(cube, tmp_path / "cube.nc")))
     shown = " ".join(info.stdout.split())
     assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown
+
+
+@pytest.mark.parametrize(
+    ("target", "confidence"),
+    [
+        (Target("preserve", slack=0.123456789), 0.9999995),
+        (Target("vs-baseline", baseline="eagle3", slack=0.07), 0.975),
+        ("tpot_p99<1234.5678ms", 0.95),
+        ("ttft_p50<=2.0000001s", 0.51234567),
+    ],
+)
+def test_the_reports_headroom_command_asks_the_reports_own_question(
+    target: Target | str, confidence: float
+) -> None:
+    """The report prints the `dvfs headroom` flags that ask its question; read back, they are
+    its target and confidence, not ones rounded to six digits (a confidence of 0.9999995 read
+    1, which headroom refuses; an SLO of 1234.5678 ms read 1234.57)."""
+    from dvfs.analysis.targets import parse_slack, parse_slo
+    from dvfs.report.document import target_flags
+
+    asked = parse_slo(target) if isinstance(target, str) else target
+    flags = shlex.split(target_flags(ReportOptions(asked, confidence=confidence)))
+    value = dict(zip(flags, [*flags[1:], ""], strict=True))
+    if asked.mode == "slo":
+        again = parse_slo(value["--slo"])
+        assert again.limit_ms == pytest.approx(asked.limit_ms, rel=1e-12)
+        assert (again.metric, again.quantile, again.strict) == (
+            asked.metric,
+            asked.quantile,
+            asked.strict,
+        )
+    else:
+        assert parse_slack(value["--slack"]) == pytest.approx(asked.slack, rel=1e-12)
+    read = float(value.get("--confidence", "0.95"))
+    assert read == pytest.approx(confidence, rel=1e-12) and 0.5 <= read < 1

@@ -263,22 +263,24 @@ def _compare_section(comparison: dict[str, Any] | None, notes: list[str]) -> Sec
 
 
 def target_flags(options: ReportOptions) -> str:
-    """The `dvfs headroom` options that ask the same question as this report."""
+    """The `dvfs headroom` options that ask the same question as this report. Numbers keep 12
+    significant digits: `:g`'s six turned a confidence of 0.9999995 into 1, which `headroom`
+    refuses, and an SLO of 1234.5678 ms into another question (1234.57 ms)."""
     t = options.target
     if t.mode == "slo":
         op = "<" if t.strict else "<="
-        flags = [f"--slo '{t.metric}_{t.quantile_name}{op}{t.limit_ms:g}ms'"]
+        flags = [f"--slo '{t.metric}_{t.quantile_name}{op}{t.limit_ms:.12g}ms'"]
     else:
         flags = [
             "--vs-baseline" if t.mode == "vs-baseline" else "--preserve",
-            f"--metric {t.metric} --quantile {t.quantile_name} --slack {t.slack * 100:g}%",
+            f"--metric {t.metric} --quantile {t.quantile_name} --slack {t.slack * 100:.12g}%",
         ]
     if t.baseline != "none" or t.mode == "vs-baseline":
         flags.append(f"--baseline {t.baseline}")
     if options.knob != "both":
         flags.append(f"--knob {options.knob}")
     if options.confidence != 0.95:
-        flags.append(f"--confidence {options.confidence:g}")
+        flags.append(f"--confidence {options.confidence:.12g}")
     return " ".join(flags)
 
 
