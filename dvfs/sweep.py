@@ -1058,9 +1058,13 @@ class DryRunPlan:
     extra_to_run: int | None = 0
     #: measurement.precision: the relative half-width the repeats' interval must reach.
     precision: float = 0.0
-    #: The comparison groups with cells still to run (those of `server_starts`): the ones a
-    #: fleet deals out to its workers now.
-    comparison_groups_left: int = 0
+    #: The cells still to run (those of `server_starts`), in measuring order: what a fleet
+    #: deals out to its workers now.
+    cells_left: tuple[Cell, ...] = ()
+
+    @property
+    def comparison_groups_left(self) -> int:
+        return len({group_of(c) for c in self.cells_left})
 
     @property
     def runs(self) -> int:
@@ -1389,7 +1393,11 @@ def plan_dry_run(
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
-        comparison_groups_left=summary.groups,
+        cells_left=tuple(
+            c
+            for c in (cells if most_left is None else [*cells, *extra_next[most_left]])
+            if c.key not in done_there
+        ),
         estimated_s=summary.estimated_s,
         servers=servers,
         problems=tuple(problems),

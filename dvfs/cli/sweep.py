@@ -356,42 +356,41 @@ def sweep(
         if len(groups) > 1:
             # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
             # with G groups left of about equal cost, the busiest of W workers runs
-            # ceil(G / W). Each busy worker runs its groups drafter-major, so it starts every
-            # drafter's server (and waits out the thermal stabilisation after each) itself:
-            # those costs are not shared out; a worker that takes one of the G mod W groups
-            # left over after the deal starts its drafters again (but the one it runs). GPU
-            # models mixed: each runs the whole campaign on its own workers, so the model with
-            # the fewest workers finishes last (its GPU estimated as the campaign's).
+            # ceil(G / W). Each busy worker runs its groups drafter-major, so it starts its
+            # drafters' servers (and waits out the thermal stabilisation after each) itself:
+            # those costs are not shared out, they are counted per worker as the fleet's
+            # queue hands the cells out (a worker that takes a group left over after the deal
+            # starts its drafters again). GPU models mixed: each runs the whole campaign on
+            # its own workers, so the model with the fewest workers finishes last (its GPU
+            # estimated as the campaign's).
+            from dvfs.fleet.queue import simulated_starts
             from dvfs.measure.plan import SERVER_START_S
 
             left = plan.comparison_groups_left
-            drafters = plan.server_starts  # one run's starts: one per drafter with cells left
             fewest = min(per_model.values())
             report["workers"] = len(groups)
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
-
-            def leftover(workers: int) -> int:
-                return left % workers if left > workers else 0
-
-            busy = [min(n, left) for n in per_model.values()]
-            report["busy_workers"] = sum(busy)
-            report["server_starts"] = drafters * sum(busy) + max(drafters - 1, 0) * sum(
-                leftover(n) for n in per_model.values()
+            starts = {n: simulated_starts(plan.cells_left, n) for n in set(per_model.values())}
+            report["busy_workers"] = sum(min(n, left) for n in per_model.values())
+            report["server_starts"] = sum(sum(starts[n]) for n in per_model.values())
+            report["knob_changes"] = plan.knob_changes * report["busy_workers"]
+            # One run's server starts (one per drafter left), in its estimate: the busiest
+            # worker spends them as often as it starts servers; the rest is shared out by
+            # groups.
+            one_run_s = (
+                plan.estimate.start_s
+                if plan.estimate is not None
+                else plan.server_starts * SERVER_START_S
             )
-            report["knob_changes"] = plan.knob_changes * sum(busy)
-            # One run's server starts, in its estimate; the busiest worker spends them all
-            # (and again but one's for a leftover group), the rest is shared out by groups.
-            starts_s = (
-                plan.estimate.start_s if plan.estimate is not None else drafters * SERVER_START_S
-            )
-            again = max(drafters - 1, 0) / max(drafters, 1) if leftover(fewest) else 0.0
+            per_start_s = one_run_s / plan.server_starts if plan.server_starts else 0.0
             total_s = plan.twin_gpu_s if plan.twin_gpu_s is not None else plan.estimated_s
-            shared_s = max(total_s - starts_s, 0.0) * math.ceil(left / fewest) / left if left else 0
-            report["estimated_makespan_hours"] = (
-                round((shared_s + starts_s * (1 + again)) / 3600, 2) if left else 0.0
+            shared_s = (
+                max(total_s - one_run_s, 0.0) * math.ceil(left / fewest) / left if left else 0
             )
+            busiest_s = per_start_s * max(starts[fewest], default=0)
+            report["estimated_makespan_hours"] = round((shared_s + busiest_s) / 3600, 2)
         if as_json:
             echo_json(report)
         else:

@@ -277,3 +277,25 @@ class CellQueue:
         if group is not None:
             self._holder[group] = worker
         return group
+
+
+def simulated_starts(cells: Sequence[Cell], workers: int) -> list[int]:
+    """The server starts each of `workers` equally fast workers makes running `cells` (in
+    measuring order) through a `CellQueue`: one each time the drafter of the cell it takes
+    differs from its server's (the dry run's count of a fleet's starts; a resumed run keeps
+    the groups its GPUs began, which this does not know)."""
+    names = [f"w{i}" for i in range(max(workers, 1))]
+    queue = CellQueue(cells, names)
+    server: dict[str, str | None] = dict.fromkeys(names)
+    starts = dict.fromkeys(names, 0)
+    alive = list(names)
+    while alive:  # the workers take turns, a cell each, as equally fast GPUs would
+        for worker in list(alive):
+            cell = queue.take(worker, server[worker])
+            if cell is None:
+                alive.remove(worker)
+                continue
+            if cell.drafter != server[worker]:
+                starts[worker] += 1
+                server[worker] = cell.drafter
+    return [starts[w] for w in names]

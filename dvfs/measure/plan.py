@@ -114,8 +114,6 @@ class PlanSummary:
     server_starts: int
     knob_changes: int
     estimated_s: float
-    #: The comparison groups (batch, corpus, repeat) with cells still to run.
-    groups: int = 0
 
 
 def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> PlanSummary:
@@ -138,5 +136,4 @@ def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> Pla
     warmup_s = ROUND_OVERHEAD_S + m.warmup_tokens * TOKEN_TIME_S if m.warmup_tokens else 0.0
     per_cell = warmup_s + rounds * round_s
     estimated = starts * SERVER_START_S + changes * campaign.knobs.settle_s + len(todo) * per_cell
-    groups = len({(c.batch, c.corpus, c.repeat) for c in todo})
-    return PlanSummary(len(cells), len(todo), starts, changes, estimated, groups)
+    return PlanSummary(len(cells), len(todo), starts, changes, estimated)
