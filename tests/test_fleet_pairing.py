@@ -132,6 +132,32 @@ def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatc
 
 # -- the queue alone --
 
+
+def test_the_queue_of_a_large_campaign_is_built_without_comparing_every_pair_of_cells(
+    monkeypatch,
+) -> None:
+    """Queueing a group's cells tells a cell already queued without comparing it with every
+    cell queued before it (that made a 25,000-cell fleet wait 15 s, a 770,000-cell one hours,
+    before its first server started); counted in cell comparisons, not seconds."""
+    cells = [
+        Cell("none", 0, 210 + 15 * i, float(p), 1, "code")
+        for i in range(40)
+        for p in range(200, 700, 10)
+    ]
+    calls = 0
+    compare = Cell.__eq__
+
+    def counted(self: Cell, other: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return compare(self, other)
+
+    monkeypatch.setattr(Cell, "__eq__", counted)
+    queue = CellQueue(cells, ["w0", "w1"])
+    assert len(queue) == len(cells)
+    assert calls <= len(cells), calls
+
+
 DRAFTERS = ("none", "eagle3", "ngram")
 
 
