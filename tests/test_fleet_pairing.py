@@ -360,6 +360,8 @@ def test_the_dry_run_of_a_fleet_counts_the_servers_and_time_its_workers_spend(
         plan["estimated_makespan_hours"],
         makespan,
     )
+    done = sweep(*args, "--dry-run", "--no-estimate").output  # the folder holds every cell
+    assert "0 server start(s), 0 knob change(s);" in " ".join(done.split()), done
 
 
 def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_model(

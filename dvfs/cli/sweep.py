@@ -57,6 +57,8 @@ def _render_dry_run(report: dict[str, Any]) -> None:
         + (
             f" across the fleet's {report['busy_workers']} busy worker(s) (each starts the "
             "servers of its drafters and steps its own knobs)"
+            if report.get("busy_workers")
+            else ""
             if "busy_workers" in report
             else " on the model with the most left"
             if each
