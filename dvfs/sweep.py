@@ -1058,6 +1058,13 @@ class DryRunPlan:
     extra_to_run: int | None = 0
     #: measurement.precision: the relative half-width the repeats' interval must reach.
     precision: float = 0.0
+    #: The cells still to run (those of `server_starts`), in measuring order: what a fleet
+    #: deals out to its workers now.
+    cells_left: tuple[Cell, ...] = ()
+
+    @property
+    def comparison_groups_left(self) -> int:
+        return len({group_of(c) for c in self.cells_left})
 
     @property
     def runs(self) -> int:
@@ -1119,6 +1126,7 @@ class DryRunPlan:
             "server_starts": self.server_starts,
             "knob_changes": self.knob_changes,
             "comparison_groups": self.comparison_groups,
+            "comparison_groups_left": self.comparison_groups_left,
             "estimated_hours_on_hardware": round(hours, 2),
             "estimate": _estimate_dict(e, self.estimated_s),
             "servers": [s.as_dict() for s in self.servers],
@@ -1385,6 +1393,11 @@ def plan_dry_run(
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
+        cells_left=tuple(
+            c
+            for c in (cells if most_left is None else [*cells, *extra_next[most_left]])
+            if c.key not in done_there
+        ),
         estimated_s=summary.estimated_s,
         servers=servers,
         problems=tuple(problems),
@@ -1564,6 +1577,9 @@ class TwinEstimate:
     #: error: the sweep of the campaign would fail them too.
     failed: int = 0
     first_failure: str = ""
+    #: Of `dvfs_gpu_s`, what its server starts spent (each start and the thermal
+    #: stabilisation after it): a fleet's every busy worker spends it again.
+    start_s: float = 0.0
 
 
 def naive_gpu_s(ds: Any, campaign: Campaign) -> float:
@@ -1646,10 +1662,15 @@ def twin_estimate(
             earlier = before["gpu_time_total_s"].notnull()
             ds = ds.where(~earlier.reindex_like(ds["gpu_time_total_s"], fill_value=False))
         window = float(ds["gpu_time_window_s"].fillna(0.0).sum())
+        starts = sum(
+            float(ds[name].fillna(0.0).sum())
+            for name in ("gpu_time_server_start_s", "gpu_time_stabilise_s")
+            if name in ds
+        )
         naive = naive_gpu_s(ds, stand_in)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
     return TwinEstimate(
-        profile, source, spent, window, naive, cells, skipped, failed, first_failure
+        profile, source, spent, window, naive, cells, skipped, failed, first_failure, starts
     )
 
 

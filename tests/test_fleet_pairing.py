@@ -132,6 +132,32 @@ def test_a_lost_workers_groups_go_whole_to_the_others(tmp_path: Path, monkeypatc
 
 # -- the queue alone --
 
+
+def test_the_queue_of_a_large_campaign_is_built_without_comparing_every_pair_of_cells(
+    monkeypatch,
+) -> None:
+    """Queueing a group's cells tells a cell already queued without comparing it with every
+    cell queued before it (that made a 25,000-cell fleet wait 15 s, a 770,000-cell one hours,
+    before its first server started); counted in cell comparisons, not seconds."""
+    cells = [
+        Cell("none", 0, 210 + 15 * i, float(p), 1, "code")
+        for i in range(40)
+        for p in range(200, 700, 10)
+    ]
+    calls = 0
+    compare = Cell.__eq__
+
+    def counted(self: Cell, other: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return compare(self, other)
+
+    monkeypatch.setattr(Cell, "__eq__", counted)
+    queue = CellQueue(cells, ["w0", "w1"])
+    assert len(queue) == len(cells)
+    assert calls <= len(cells), calls
+
+
 DRAFTERS = ("none", "eagle3", "ngram")
 
 
@@ -281,18 +307,61 @@ def test_a_resume_on_more_gpus_keeps_begun_groups_up_to_a_fair_share() -> None:
 
 def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) -> None:
     """Whole groups per worker: the busiest of W workers runs ceil(G / W) of the G groups, and
-    workers beyond G idle, which the dry run says."""
+    workers beyond G idle, which the dry run says; each busy worker starts every drafter's
+    server itself (the one that takes the group left over after the deal, its drafters again
+    but the one it runs), so those starts are counted per worker, not shared out."""
     from conftest import TINY
 
+    from dvfs.measure.plan import SERVER_START_S
+
     campaign = write(tmp_path / "tiny.toml", TINY)  # batch 1 and 8, one corpus, 2 repeats
-    for spec, busiest in (("0-2", 2), ("0-7", 1)):
+    one = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--json"]
+    alone = json.loads(CliRunner().invoke(cli, one).output)
+    drafters = alone["server_starts"]
+    assert drafters == 2
+    starts_h = drafters * SERVER_START_S / 3600
+    for spec, busiest, starts, again in (("0-2", 2, 3 * 2 + 1, 1 / 2), ("0-7", 1, 4 * 2, 0)):
         args = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", spec]
         doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
-        assert doc["comparison_groups"] == 4
-        hours = doc["estimated_hours_on_hardware"]
-        assert doc["estimated_makespan_hours"] == round(hours * busiest / 4, 2)
+        assert doc["comparison_groups"] == doc["comparison_groups_left"] == 4
+        assert doc["server_starts"] == starts, spec
+        hours = doc["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
+        makespan = (hours - starts_h) * busiest / 4 + starts_h * (1 + again)
+        assert abs(doc["estimated_makespan_hours"] - makespan) <= 0.011, spec
     text = CliRunner().invoke(cli, args).output
     assert "8 workers in parallel (only 4 busy" in text
+
+
+def test_the_dry_run_of_a_fleet_counts_the_servers_and_time_its_workers_spend(
+    tmp_path: Path,
+) -> None:
+    """On the twin, what the fleet's dry run says it would do is what the fleet then does:
+    as many server starts as its workers make, and a makespan near its slowest worker's GPU
+    time (the dry run of one GPU's sweep scaled down by the groups alone counted one start per
+    drafter for the whole fleet, and its makespan fell short by more than half)."""
+    from conftest import TINY
+
+    campaign = write(tmp_path / "tiny.toml", TINY)  # 4 groups: 3 dealt, 1 left over
+    out = tmp_path / "three"
+    args = [str(campaign), "--gpus", "0-2", "--out", str(out)]
+    plan = json.loads(sweep(*args, "--dry-run", "--json").output)
+    assert sweep(*args).exit_code == 0
+    records = read_records(out / "journal.jsonl")
+    assert plan["server_starts"] == len([r for r in records if r["type"] == "server"])
+    spent: dict[str, float] = {}
+    for r in records:
+        if r["type"] == "cell":
+            spent[r["worker"]] = spent.get(r["worker"], 0.0) + sum(r["gpu_time_s"].values())
+        elif r["type"] == "session":
+            for w in r["workers"]:
+                spent[w["worker"]] = spent.get(w["worker"], 0.0) + w["gpu_time_s"]["total"]
+    makespan = max(spent.values()) / 3600
+    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.15 * makespan + 0.005, (
+        plan["estimated_makespan_hours"],
+        makespan,
+    )
+    done = sweep(*args, "--dry-run", "--no-estimate").output  # the folder holds every cell
+    assert "0 server start(s), 0 knob change(s);" in " ".join(done.split()), done
 
 
 def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_model(
@@ -303,15 +372,25 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
     the makespan; a twin GPU named with the campaign's own profile is the same model."""
     from conftest import MIXED_FLEET, TINY_EXACT
 
+    from dvfs.measure.plan import SERVER_START_S
+
     campaign = write(tmp_path / "tiny.toml", TINY_EXACT)  # 16 cells, 4 comparison groups
-    cases = ((MIXED_FLEET[1], 2, 4), ("0-2,h200-sxm:0", 2, 4), ("0,h100-sxm:1", 1, 2))
-    for spec, models, busiest in cases:
+    starts_h = 2 * SERVER_START_S / 3600  # one worker's: both drafters' servers
+    # (--gpus, models, the busiest worker's groups, the fleet's busy workers, left over)
+    cases = (
+        (MIXED_FLEET[1], 2, 4, 2, 0),
+        ("0-2,h200-sxm:0", 2, 4, 4, 1),
+        ("0,h100-sxm:1", 1, 2, 2, 0),
+    )
+    for spec, models, busiest, busy, leftover in cases:
         args = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", spec, "--json"]
         doc = json.loads(CliRunner().invoke(cli, args).output)
         assert doc["gpu_models"] == models, spec
         assert doc["cells_all_models"] == 16 * models
-        hours = doc["estimated_hours_on_hardware"]
-        assert doc["estimated_makespan_hours"] == round(hours * busiest / 4, 2), spec
+        assert doc["server_starts"] == 2 * busy + leftover, spec
+        hours = doc["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
+        makespan = (hours - starts_h) * busiest / 4 + starts_h
+        assert abs(doc["estimated_makespan_hours"] - makespan) <= 0.011, spec
     out = tiny_exact_run("mixed")  # the session's run of TINY_EXACT on MIXED_FLEET
     measured = [
         r

@@ -472,6 +472,34 @@ def test_no_cluster_at_the_address_is_one_line_not_about_the_folder(
     assert not (out / "journal.jsonl").exists()
 
 
+def test_an_address_nothing_listens_on_is_one_line_at_once(tmp_path: Path, monkeypatch) -> None:
+    """--address HOST:PORT with no cluster there: Ray's join retries for about 14 minutes,
+    printing nothing a log keeps, before it gives up; dvfs tries the port first and refuses in
+    the same one line as a cluster Ray cannot find, never calling ray.init."""
+    import socket
+
+    def init(**kwargs: object) -> None:
+        raise AssertionError("ray.init was called for an address nothing listens on")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    with socket.socket() as s:  # a loopback port that was free: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    address = f"127.0.0.1:{port}"
+    result = sweep(str(campaign), "--executor", "ray", "--address", address, "--out", str(out))
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(
+        f"Error: no Ray cluster to join at --address {address} (nothing accepts a connection "
+        "there: "
+    ), line
+    assert line.endswith("or leave out --address to run Ray on this machine only"), line
+    assert not (out / "journal.jsonl").exists()
+
+
 @pytest.mark.timeout(300)
 def test_without_address_ray_runs_here_whatever_ray_address_says(
     shared_run, tmp_path: Path

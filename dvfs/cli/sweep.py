@@ -54,7 +54,16 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             + ")"
         )
         + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
-        + (" on the model with the most left" if each else "")
+        + (
+            f" across the fleet's {report['busy_workers']} busy worker(s) (each starts the "
+            "servers of its drafters and steps its own knobs)"
+            if report.get("busy_workers")
+            else ""
+            if "busy_workers" in report
+            else " on the model with the most left"
+            if each
+            else ""
+        )
     )
     if refused:  # the journal there is another share's: its cells are neither done nor to do
         counts += (
@@ -348,21 +357,42 @@ def sweep(
             )
         if len(groups) > 1:
             # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
-            # with G groups of about equal cost, the busiest of W workers runs ceil(G / W).
-            # GPU models mixed: each runs the whole campaign on its own workers, so the
-            # model with the fewest workers finishes last (its GPU estimated as the
-            # campaign's).
-            comparison_groups = plan.comparison_groups
+            # with G groups left of about equal cost, the busiest of W workers runs
+            # ceil(G / W). Each busy worker runs its groups drafter-major, so it starts its
+            # drafters' servers (and waits out the thermal stabilisation after each) itself:
+            # those costs are not shared out, they are counted per worker as the fleet's
+            # queue hands the cells out (a worker that takes a group left over after the deal
+            # starts its drafters again). GPU models mixed: each runs the whole campaign on
+            # its own workers, so the model with the fewest workers finishes last (its GPU
+            # estimated as the campaign's).
+            from dvfs.fleet.queue import simulated_starts
+            from dvfs.measure.plan import SERVER_START_S
+
+            left = plan.comparison_groups_left
+            fewest = min(per_model.values())
             report["workers"] = len(groups)
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
-            report["estimated_makespan_hours"] = round(
-                report["estimated_hours_on_hardware"]
-                * math.ceil(comparison_groups / min(per_model.values()))
-                / comparison_groups,
-                2,
+            starts = {n: simulated_starts(plan.cells_left, n) for n in set(per_model.values())}
+            report["busy_workers"] = sum(min(n, left) for n in per_model.values())
+            report["server_starts"] = sum(sum(starts[n]) for n in per_model.values())
+            report["knob_changes"] = plan.knob_changes * report["busy_workers"]
+            # One run's server starts (one per drafter left), in its estimate: the busiest
+            # worker spends them as often as it starts servers; the rest is shared out by
+            # groups.
+            one_run_s = (
+                plan.estimate.start_s
+                if plan.estimate is not None
+                else plan.server_starts * SERVER_START_S
             )
+            per_start_s = one_run_s / plan.server_starts if plan.server_starts else 0.0
+            total_s = plan.twin_gpu_s if plan.twin_gpu_s is not None else plan.estimated_s
+            shared_s = (
+                max(total_s - one_run_s, 0.0) * math.ceil(left / fewest) / left if left else 0
+            )
+            busiest_s = per_start_s * max(starts[fewest], default=0)
+            report["estimated_makespan_hours"] = round((shared_s + busiest_s) / 3600, 2)
         if as_json:
             echo_json(report)
         else:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import platform
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,48 @@ class RayMissingError(DvfsError):
 #: Ray's switch for a single-machine instance: its node address is then 127.0.0.1 and its
 #: servers listen on loopback only (read when Ray is imported, and by the processes it starts).
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+#: How long a --address HOST:PORT is given to accept a connection before the join is refused.
+ADDRESS_PROBE_S = 5.0
+
+
+def no_cluster_error(address: str, why: str) -> DvfsError:
+    """The one line for an --address at which no Ray cluster can be joined."""
+    return DvfsError(
+        f"no Ray cluster to join at --address {address} ({why}): start it first (`ray start "
+        "--head` on the head node, `ray start --address HEAD:6379` on the others), or leave "
+        "out --address to run Ray on this machine only"
+    )
+
+
+def unreachable(address: str, ray: Any = None, timeout_s: float = ADDRESS_PROBE_S) -> str | None:
+    """Why nothing listens at the HOST:PORT of --address, found with one TCP connection (None:
+    something accepts it, or the address is one Ray resolves itself: "auto", "ray://...").
+    Ray's own join of a port nothing listens on retries for about 14 minutes before it gives
+    up (20 tries of about 40 s). A loopback host is also tried as Ray joins it, at this node's
+    address."""
+    if address in ("auto", "local") or "://" in address:
+        return None
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or not host:
+        return None  # Ray's to refuse
+    host = host.strip("[]")
+    hosts = [host]
+    resolve = getattr(
+        getattr(getattr(ray, "_private", None), "services", None), "resolve_ip_for_localhost", None
+    )
+    if resolve is not None:
+        with contextlib.suppress(Exception):
+            hosts.append(str(resolve(host)))
+    reason = ""
+    for candidate in dict.fromkeys(hosts):
+        try:
+            with socket.create_connection((candidate, int(port)), timeout=timeout_s):
+                return None
+        except OSError as exc:
+            reason = reason or f"nothing accepts a connection there: {exc.strerror or exc}"
+    return reason
 
 
 def import_ray(*, local: bool = False) -> Any:
@@ -302,17 +345,15 @@ class RayExecutor:
         started = False
         if not ray.is_initialized():
             if self.address:
+                why = unreachable(self.address, ray)
+                if why:
+                    raise no_cluster_error(self.address, why)
                 try:
                     with signals_kept(ray):
                         ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False)
                 except ConnectionError as exc:  # an OSError: not about the --out folder
                     why = str(exc).split(". ")[0].rstrip(".")  # not Ray's own CLI advice
-                    raise DvfsError(
-                        f"no Ray cluster to join at --address {self.address} ({why}): start "
-                        "it first (`ray start --head` on the head node, `ray start --address "
-                        "HEAD:6379` on the others), or leave out --address to run Ray on "
-                        "this machine only"
-                    ) from exc
+                    raise no_cluster_error(self.address, why) from exc
             else:
                 if os.environ.get("RAY_ADDRESS") and note is not None and not self._address_noted:
                     self._address_noted = True
