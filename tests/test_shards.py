@@ -935,6 +935,12 @@ def test_no_answer_advice_on_shard_cubes_names_the_shard_commands(
     assert invoke("cube", "merge", *map(str, folders), "-o", str(merged)).exit_code == 0
     text, refused, missing = advice(merged)
     assert missing and "not measured yet" in text
+    # `cube info` gives the advice `dvfs headroom` gives (it said only "6 missing")
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert "resume this cube is merged from 3 shards" in said, said
+    assert "then `dvfs cube merge` them again" in said, said
+    resume = json.loads(invoke("cube", "info", str(merged), "--json").stdout)["resume"]
+    assert f"--shard 1/3 --out {folders[1]}" in resume, resume
     for said in (text, refused):
         assert old not in said, said
         assert f"--shard 1/3 --out {folders[1]}" in said, said
