@@ -36,7 +36,13 @@ REGISTRY = tuple(
         ("gpu_backend", "str", "", "nvml or twin"),
         ("gpu_name", "str", "", "NVML device name"),
         ("gpu_uuids", "str", "", "comma-separated GPU UUIDs"),
-        ("gpu_count", "int", "", "GPUs the server spans"),
+        (
+            "gpu_count",
+            "int",
+            "",
+            "GPUs the cube's cells were measured on (every session's, fleet worker's and "
+            "shard's: the GPUs in gpu_uuids; one server spans tp_size of them)",
+        ),
         ("driver_version", "str", "", "NVIDIA driver version"),
         ("memory_clock_mhz", "int", "MHz", "memory clock"),
         ("twin_profile", "str", "", "twin GPU profile, if simulated"),

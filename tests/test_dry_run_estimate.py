@@ -297,3 +297,31 @@ def test_a_fleet_mixing_models_estimates_the_model_with_the_most_left(
         sum(r["gpu_time_s"].values()) for r in cells
     )
     assert abs(plan["twin_gpu_s"] - actual) <= 1e-3 + 1e-6 * actual, (plan["twin_gpu_s"], actual)
+
+
+def test_a_large_estimate_off_a_terminal_says_first_what_it_does_and_how_to_skip_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where no bar is drawn (stderr not a terminal, as here), a dry run whose estimate sweeps
+    the twin over many cells said nothing for minutes: it says so in one line on stderr before
+    it starts, with --no-estimate; a small one, or --no-estimate, says nothing of it. (The
+    threshold is lowered to this campaign's size: the twin sweep of a real large grid is
+    slow.)"""
+    import dvfs.cli.progress
+
+    campaign = write(tmp_path / "small.toml", SMALLER)
+    args = ["sweep", str(campaign), "--out", str(tmp_path / "nowhere"), "--dry-run", "--json"]
+    cells = json.loads(CliRunner().invoke(cli, [*args, "--no-estimate"]).stdout)["cells"]
+
+    def run(at: int, *extra: str) -> tuple[str, str]:
+        monkeypatch.setattr(dvfs.cli.progress, "LARGE_ESTIMATE_CELLS", at, raising=False)
+        result = CliRunner().invoke(cli, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        json.loads(result.stdout)  # the JSON on stdout stays whole
+        return " ".join(result.stderr.split()), result.stdout
+
+    said, _ = run(cells)
+    assert f"estimating the GPU time by sweeping the twin over {cells} cells" in said, said
+    assert "pass --no-estimate to skip it" in said
+    assert "--no-estimate" not in run(cells + 1)[0]
+    assert "--no-estimate" not in run(cells, "--no-estimate")[0]

@@ -54,6 +54,12 @@ def test_unmeasured_settings_below_an_answer_ask_for_a_resume_not_a_larger_grid(
     assert "≥0" not in text and "0?" in text
     assert text.count("partial cube:") == 1
     assert "cells not measured yet" in text and "resume" in text
+    # `cube info` says what measures them too (it said only "N missing")
+    info = " ".join(invoke("cube", "info", str(out)).output.split())
+    assert "resume run the same `dvfs sweep` command again to resume it" in info, info
+    assert json.loads(invoke("cube", "info", str(out), "--json").output)["resume"]
+    whole = json.loads(invoke("cube", "info", str(small_sweep), "--json").output)
+    assert whole["resume"] is None
     doc = json.loads(doc_path.read_text(encoding="utf-8"))
     assert doc["coverage"]["missing"] == doc["coverage"]["cells"] // 2
     feasible = [r for r in doc["rows"] if r["feasible"]]

@@ -103,6 +103,11 @@ def test_shards_merged_equal_the_whole_campaign(runs: Path, tmp_path: Path) -> N
     spread = sweep_and_merge_shards(runs, tmp_path, "g", [None, "1", "2"])
     assert_same_cells(spread, whole)
     assert len(spread.attrs["gpu_uuids"].split(",")) == 3
+    # and counts them as a fleet's cube counts its workers' GPUs: `cube info` said "x1" (the
+    # first shard's count) beside the three UUIDs
+    assert int(spread.attrs["gpu_count"]) == 3
+    said = " ".join(invoke("cube", "info", str(tmp_path / "g.nc")).stdout.split())
+    assert f"{spread.attrs['gpu_name']} x3" in said, said
     # Every comparison group ran whole on one shard's GPU, and the merged cube says so.
     assert _gpus_per_group(spread) == {1} and len(set(spread["measured_on"].values.flat)) == 3
     assert spread.attrs["arms_on_one_gpu"] == 1 and spread.attrs["groups_across_gpus"] == 0
@@ -930,6 +935,12 @@ def test_no_answer_advice_on_shard_cubes_names_the_shard_commands(
     assert invoke("cube", "merge", *map(str, folders), "-o", str(merged)).exit_code == 0
     text, refused, missing = advice(merged)
     assert missing and "not measured yet" in text
+    # `cube info` gives the advice `dvfs headroom` gives (it said only "6 missing")
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert "resume this cube is merged from 3 shards" in said, said
+    assert "then `dvfs cube merge` them again" in said, said
+    resume = json.loads(invoke("cube", "info", str(merged), "--json").stdout)["resume"]
+    assert f"--shard 1/3 --out {folders[1]}" in resume, resume
     for said in (text, refused):
         assert old not in said, said
         assert f"--shard 1/3 --out {folders[1]}" in said, said

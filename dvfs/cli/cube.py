@@ -123,6 +123,8 @@ def _render(summary: dict[str, Any]) -> None:
     )
     if summary["shard"] is not None:
         table.add_row("shard", escape(str(shard_note(summary["shard"]))))
+    if summary["resume"] is not None:
+        table.add_row("resume", escape(summary["resume"]))
     if str(summary["measurement_mode"]).startswith("in-flight"):
         table.add_row("mode", escape(str(mode_text(summary["measurement_mode"]))))
     if summary["repeats"] != str(summary["dims"].get("repeat", 1)):

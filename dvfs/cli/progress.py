@@ -6,6 +6,7 @@ from typing import Any
 
 from dvfs.cli.common import escape
 from dvfs.measure.plan import Cell
+from dvfs.measure.runner import NullProgress
 
 
 class RichProgress:
@@ -73,3 +74,29 @@ class RichProgress:
 
     def note(self, message: str) -> None:
         self.console.print(f"[dim]{escape(message)}[/dim]")
+
+
+#: Cells from which the dry run's estimate, with no bar drawn, says before it starts that it
+#: sweeps the twin (a few seconds' work here; a grid of tens of thousands takes minutes).
+LARGE_ESTIMATE_CELLS = 1000
+
+
+class EstimateNotice(NullProgress):
+    """The dry run's twin estimate where no bar is drawn (off a terminal, or --no-progress):
+    one line on stderr before a large one (`LARGE_ESTIMATE_CELLS`) starts, saying what the
+    wait is and how to skip it, where the dry run said nothing for minutes; the stand-in's
+    notes (its twin servers) go to the log, as with no progress at all."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def start(self, total: int, done: int) -> None:
+        if total - done >= LARGE_ESTIMATE_CELLS:
+            self.console.print(
+                f"note: estimating the GPU time by sweeping the twin over {total - done} cells "
+                "first, which takes a while on a grid this large; pass --no-estimate to skip "
+                "it (the closed-form figure instead)",
+                markup=False,
+            )

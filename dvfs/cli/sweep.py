@@ -314,7 +314,7 @@ def sweep(
         import sys
 
         from dvfs.backends import real_gpus
-        from dvfs.cli.progress import RichProgress
+        from dvfs.cli.progress import EstimateNotice, RichProgress
         from dvfs.sweep import read_group_models
 
         # Real GPUs opened as the sweep opens them and their models read (nothing changed): a
@@ -340,7 +340,7 @@ def sweep(
                 shard=shard,
                 estimate=not no_estimate,
                 twin=twin_profile,
-                progress=bar if show else None,
+                progress=bar if show else EstimateNotice(),
                 models=list(per_model),
                 fresh=fresh,
                 fleet=as_fleet,

@@ -159,6 +159,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     else:
         gpu = _gpu_text(ds.attrs)
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
+    missing = int(((status == STATUS_MISSING) & ~not_needed).sum())
+    failed = int((status == STATUS_FAILED).sum())
+    shards = shards_of(ds)
     return {
         "campaign": ds.attrs.get("campaign_name", ds.attrs.get("title")),
         "schema": int(ds.attrs.get("dvfs_schema", 0)),
@@ -178,8 +181,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         },
         "cells": total,
         "measured": int((status == STATUS_OK).sum()),
-        "failed": int((status == STATUS_FAILED).sum()),
-        "missing": int(((status == STATUS_MISSING) & ~not_needed).sum()),
+        "failed": failed,
+        "missing": missing,
         "not_needed": int(not_needed.sum()),
         "repeats": _repeats_text(ds),
         "measurement_mode": measurement_mode(ds.attrs.get("campaign")),
@@ -188,6 +191,10 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "idle_power_per_gpu": idle_power_per_gpu(ds),
         "idle_foreign_per_gpu": idle_foreign_per_gpu(ds),
         "shard": shard_label(ds),
+        "merged_shards": shards.get("merged_shards", {}),
+        # What measures the cells left (failed ones are retried), as `dvfs headroom` advises
+        # (`resume_note`); None when none is left. A shard's cube says it in `shard_note`.
+        "resume": resume_note(shards) if (missing or failed) and not shards.get("shard") else None,
         "stock": _stock_text(ds),
         "energy_per_token_j": _valid_range(ds, status),
         "quality_flags": flags,

@@ -828,6 +828,8 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     uuids = _joined(str(ds.attrs.get("gpu_uuids", "")) for ds in cubes)
     if "gpu_uuids" in first.attrs:
         attrs["gpu_uuids"] = uuids
+    if "gpu_count" in first.attrs and uuids:  # the GPUs every shard's cells ran on, as a sweep
+        attrs["gpu_count"] = len(uuids.split(","))  # on a fleet counts its workers' (not one's)
     if "idle_power_w" in first.attrs:  # the shards' mean; NaN where none measured one
         idle = [float(ds.attrs.get("idle_power_w", math.nan)) for ds in cubes]
         measured = [w for w in idle if math.isfinite(w)]
