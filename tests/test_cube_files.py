@@ -523,6 +523,35 @@ def test_a_cube_file_is_the_one_xarray_writes(tiny_sweep: Path, tmp_path: Path) 
             assert nc["drafter_label"].dtype is str
 
 
+def test_a_cube_held_in_dask_chunks_is_written(tiny_sweep: Path, tmp_path: Path) -> None:
+    """`write_cube` (dvfs.cube's API) writes a cube whose variables are dask arrays as
+    `to_netcdf` does: one chunked in memory (filled after every variable was defined, its
+    label strings were refused as a dask array: IndexError) and one opened lazily from its
+    file (each variable was computed under the lock the write holds, where reading the file
+    waits for that lock: the write hung for ever, so it runs in a child, bounded)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("dask")
+    from dvfs.cube import write_cube
+
+    tiny = open_cube(tiny_sweep)
+    write_cube(tiny.chunk(), tmp_path / "chunked.nc")
+    xr.testing.assert_identical(open_cube(tmp_path / "chunked.nc"), tiny)
+    code = (
+        "import sys, xarray as xr\n"
+        "from dvfs.cube import write_cube\n"
+        "from dvfs.cube.files import _labels_from_cf\n"
+        "with xr.open_dataset(sys.argv[1], chunks={}) as ds:\n"
+        "    write_cube(_labels_from_cf(ds), sys.argv[2])\n"
+    )
+    lazy = tmp_path / "lazy.nc"
+    argv = [sys.executable, "-c", code, str(tiny_sweep / "cube.nc"), str(lazy)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    xr.testing.assert_identical(open_cube(lazy), tiny)
+
+
 def test_variables_are_compressed_where_it_pays(tiny_sweep: Path, tmp_path: Path) -> None:
     """Compression needs HDF5's chunked layout, whose index costs more than a tiny cube's
     variables hold: those from COMPRESS_FROM_BYTES up are compressed, smaller ones stored as
