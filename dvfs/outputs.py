@@ -125,14 +125,18 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
     """`write(tmp)` (a `to_netcdf` call) through `replacing`. netCDF-C reports a full disk as
     "Permission denied" (creating) or "NetCDF: HDF error" (writing): where the folder has no
     room for about `size_bytes`, either becomes the ENOSPC it is, naming `path`. A path it
-    cannot take (`netcdf_path_problem`) is `NetcdfPathError`, before anything is written."""
+    cannot take (`netcdf_path_problem`) is `NetcdfPathError`, before anything is written.
+    SIGINT, SIGTERM and SIGHUP wait until the file is whole and in place (`held_back`): one
+    raised inside the write left a lock of xarray's held, and closing the file waited for it
+    for ever."""
     from dvfs.errors import NetcdfPathError
+    from dvfs.signals import held_back
 
     problem = netcdf_path_problem(path, writing=True)
     if problem:
         raise NetcdfPathError(problem)
     try:
-        with replacing(path) as tmp:
+        with held_back(), replacing(path) as tmp:
             write(tmp)
     except (OSError, RuntimeError) as exc:
         if _short_of_space(path, size_bytes):

@@ -128,6 +128,30 @@ def restoring(
         _deliver(received[0], previous[received[0]])
 
 
+@contextlib.contextmanager
+def held_back() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP held back while the block runs, and the first delivered after
+    it, to the handler installed before (main thread only). For a netCDF write: a signal's
+    exception raised while xarray held one of its locks left that lock held, and the write's
+    clean-up (closing the file) then waited for it for ever."""
+    if not _on_main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+        if received:
+            _deliver(received[0], previous[received[0]])
+
+
 def held_signal(exc: BaseException) -> int | None:
     """The signal `restoring` held while the block that raised `exc` ran, if one came."""
     signum = getattr(exc, "held_signal", None)

@@ -523,6 +523,78 @@ def test_a_cube_file_is_the_one_xarray_writes(tiny_sweep: Path, tmp_path: Path) 
             assert nc["drafter_label"].dtype is str
 
 
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_cube_is_written_waits_for_the_file(
+    tiny_sweep: Path, tmp_path: Path, signum: str
+) -> None:
+    """Ctrl-C (or SIGTERM under `signals_raise`, as a sweep has) arriving while xarray held
+    one of its locks raised there, the lock stayed held and closing the file waited for it:
+    `write_cube` hung for ever, a temp file beside the cube. The signal now waits until the
+    cube is whole and in place, then acts (run in a child, bounded; the signal is sent as
+    xarray takes its lock for the tenth time, mid-write, where most of a write's time is
+    spent)."""
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    code = (
+        "import os, signal, sys\n"
+        "import xarray.backends.locks as locks\n"
+        "from dvfs.cube import open_cube, write_cube\n"
+        "from dvfs.signals import signals_raise\n"
+        "ds = open_cube(sys.argv[1])\n"
+        "real, taken = locks.CombinedLock.acquire, []\n"
+        "def acquire(self, *args, **kwargs):\n"
+        "    got = real(self, *args, **kwargs)\n"
+        "    taken.append(got)\n"
+        "    if len(taken) == 10:  # mid-write: the file is open, variables are written\n"
+        "        os.kill(os.getpid(), getattr(signal, sys.argv[3]))\n"
+        "    return got\n"
+        "locks.CombinedLock.acquire = acquire\n"
+        "try:\n"
+        "    with signals_raise():\n"
+        "        write_cube(ds, sys.argv[2])\n"
+        "except BaseException as exc:\n"
+        "    print('stopped by', type(exc).__name__)\n"
+    )
+    out = tmp_path / "cube.nc"
+    argv = [PYTHON, "-c", code, str(tiny_sweep / "cube.nc"), str(out), signum]
+    done = subprocess.run(argv, capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    stopped = "KeyboardInterrupt" if signum == "SIGINT" else "Interrupted"
+    assert done.stdout.splitlines() == [f"stopped by {stopped}"], done.stdout + done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["cube.nc"]
+    xr.testing.assert_identical(open_cube(out), open_cube(tiny_sweep))
+
+
+def test_a_cube_held_in_dask_chunks_is_written(tiny_sweep: Path, tmp_path: Path) -> None:
+    """`write_cube` (dvfs.cube's API) writes a cube whose variables are dask arrays as
+    `to_netcdf` does: one chunked in memory (filled after every variable was defined, its
+    label strings were refused as a dask array: IndexError) and one opened lazily from its
+    file (each variable was computed under the lock the write holds, where reading the file
+    waits for that lock: the write hung for ever, so it runs in a child, bounded)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("dask")
+    from dvfs.cube import write_cube
+
+    tiny = open_cube(tiny_sweep)
+    write_cube(tiny.chunk(), tmp_path / "chunked.nc")
+    xr.testing.assert_identical(open_cube(tmp_path / "chunked.nc"), tiny)
+    code = (
+        "import sys, xarray as xr\n"
+        "from dvfs.cube import write_cube\n"
+        "from dvfs.cube.files import _labels_from_cf\n"
+        "with xr.open_dataset(sys.argv[1], chunks={}) as ds:\n"
+        "    write_cube(_labels_from_cf(ds), sys.argv[2])\n"
+    )
+    lazy = tmp_path / "lazy.nc"
+    argv = [sys.executable, "-c", code, str(tiny_sweep / "cube.nc"), str(lazy)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    xr.testing.assert_identical(open_cube(lazy), tiny)
+
+
 def test_variables_are_compressed_where_it_pays(tiny_sweep: Path, tmp_path: Path) -> None:
     """Compression needs HDF5's chunked layout, whose index costs more than a tiny cube's
     variables hold: those from COMPRESS_FROM_BYTES up are compressed, smaller ones stored as
