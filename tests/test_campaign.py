@@ -108,6 +108,23 @@ def test_partial_eagle_triple_is_refused(tmp_path: Path) -> None:
     expect_error(tmp_path, text, "drafters.eagle3.num_draft_tokens", "all set or none")
 
 
+@pytest.mark.parametrize("algorithm", ["DSPARK", "UNO"])
+def test_partial_triple_is_refused_at_load_for_every_algorithm_that_passes_it(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """DSPARK and UNO get the three numbers on their command line as the EAGLE family does
+    (all or none): a partial set is refused when the campaign loads, not at the arm's first
+    server start, hours into a sweep."""
+    text = replace_block(SMALL_CAMPAIGN, 'backend = "twin"\nmodel', 'backend = "sglang"\nmodel')
+    text += f"""
+[drafters.other]
+algorithm = "{algorithm}"
+draft_model = "some/drafter"
+num_steps = 3
+"""
+    expect_error(tmp_path, text, "drafters.other.eagle_topk", "all set or none")
+
+
 def test_topk_one_forces_draft_tokens(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "num_draft_tokens = 4", "num_draft_tokens = 6")
     expect_error(tmp_path, text, "num_steps + 1 = 4", "not 6")
