@@ -125,6 +125,23 @@ num_steps = 3
     expect_error(tmp_path, text, "drafters.other.eagle_topk", "all set or none")
 
 
+@pytest.mark.parametrize("key", ["num_steps", "eagle_topk"])
+def test_ngram_numbers_it_would_ignore_are_refused(tmp_path: Path, key: str) -> None:
+    """NGRAM's launch argv carries num_draft_tokens alone (SGLang sets the topk from its BFS
+    breadth): a num_steps or eagle_topk there would be recorded with the drafter yet reach
+    neither the server nor the twin, so it is refused, naming the flag that sets the breadth."""
+    text = (
+        SMALL_CAMPAIGN
+        + f"""
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 12
+{key} = 4
+"""
+    )
+    expect_error(tmp_path, text, f"drafters.ngram.{key}", "--speculative-ngram-max-bfs-breadth")
+
+
 def test_topk_one_forces_draft_tokens(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "num_draft_tokens = 4", "num_draft_tokens = 6")
     expect_error(tmp_path, text, "num_steps + 1 = 4", "not 6")

@@ -201,6 +201,17 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
             "draft_model",
             "NGRAM drafts from the text seen so far and takes no draft model; remove draft_model",
         )
+    if algorithm == "NGRAM" and (steps is not None or topk is not None):
+        # dvfs passes NGRAM num_draft_tokens alone (and the twin models it alone): SGLang sets
+        # its topk to --speculative-ngram-max-bfs-breadth whatever it is given, and 0.5.23
+        # derives its steps from the draft tokens and that breadth.
+        raise table.fail(
+            "num_steps" if steps is not None else "eagle_topk",
+            "is not an NGRAM setting (SGLang sets the tree's breadth from "
+            "--speculative-ngram-max-bfs-breadth and its steps from that and num_draft_tokens); "
+            "remove it, and give the breadth as --speculative-ngram-max-bfs-breadth in the "
+            "drafter's extra_args",
+        )
     if algorithm is None:
         given = [
             k
