@@ -381,6 +381,18 @@ def test_credentials_in_url_command_and_extra_args_are_not_recorded(tmp_path: Pa
         ),
         (["--tokenizer-path", "t", "HF_HOME=/hf", "--api-key"], None),  # no value to hide
         (["--api-key", "--dtype", "float16"], None),
+        (  # abbreviations SGLang's argparse reads as its secret flags; --ssl-keyfile is a path
+            ["--ap", "a", "--admin=b", "--ssl-keyfile-pass", "c", "--ssl-keyfile", "k.pem"],
+            [
+                "--ap",
+                "(not recorded)",
+                "--admin=(not recorded)",
+                "--ssl-keyfile-pass",
+                "(not recorded)",
+                "--ssl-keyfile",
+                "k.pem",
+            ],
+        ),  # fmt: skip
         (
             ["--hf-token", "t", "--ssl-keyfile-password", "p", "--env=AWS_SECRET_ACCESS_KEY=s"],
             [

@@ -52,6 +52,7 @@ from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTE
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
+from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
 OLD_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs"
@@ -715,11 +716,12 @@ def given_page_size(tokens: Sequence[str]) -> int | None:
 
 def given_value(tokens: Sequence[str], flag: str) -> str | None:
     """The value `tokens` give `flag` as argparse reads it (`--flag VALUE` or `--flag=VALUE`,
-    the last one), None when they give none."""
+    the last one; for a secret flag, `SGLANG_SECRET_FLAGS`, its abbreviations too), None when
+    they give none."""
     value = None
     for i, token in enumerate(tokens):
         name, eq, rest = token.partition("=")
-        if name != flag:
+        if name != flag and not (flag in SGLANG_SECRET_FLAGS and sglang_secret_flag(name) == flag):
             continue
         value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
     return value
