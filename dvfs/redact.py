@@ -44,6 +44,24 @@ FLAG_SECRET_LAST_TWO = frozenset(
     }
 )
 
+#: SGLang's flags that take a secret, each with the shortest abbreviation its argparse reads as
+#: it (the shortest prefix no other option of 0.5.9's or 0.5.23's tables starts with): SGLang
+#: takes `--ap KEY` as `--api-key KEY`, so such a prefix hides its value too.
+SGLANG_SECRET_FLAGS = {
+    "--api-key": "--ap",
+    "--admin-api-key": "--ad",
+    "--ssl-keyfile-password": "--ssl-keyfile-",
+}
+
+
+def sglang_secret_flag(name: str) -> str | None:
+    """The SGLang secret flag (`SGLANG_SECRET_FLAGS`) argparse reads `name` as, or None."""
+    for flag, shortest in SGLANG_SECRET_FLAGS.items():
+        if len(name) >= len(shortest) and flag.startswith(name):
+            return flag
+    return None
+
+
 _HIDDEN = re.escape(NOT_RECORDED)
 #: NAME=VALUE, the value bare or quoted (a repr such as SGLang's `ServerArgs(api_key='...')`).
 _NAME_VALUE = re.compile(
@@ -62,6 +80,8 @@ def secret_name(name: str) -> bool:
 def secret_flag(flag: str) -> bool:
     """Whether command-line flag `flag` (`--api-key`, or its argparse dest `api_key`) takes a
     secret as its value."""
+    if flag.startswith("--") and sglang_secret_flag(flag) is not None:
+        return True  # an abbreviation SGLang's argparse takes for one (`--ap KEY`)
     words = [w for w in re.split(r"[-_]+", flag.strip("-").upper()) if w]
     if not words:
         return False

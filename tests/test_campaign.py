@@ -108,6 +108,40 @@ def test_partial_eagle_triple_is_refused(tmp_path: Path) -> None:
     expect_error(tmp_path, text, "drafters.eagle3.num_draft_tokens", "all set or none")
 
 
+@pytest.mark.parametrize("algorithm", ["DSPARK", "UNO"])
+def test_partial_triple_is_refused_at_load_for_every_algorithm_that_passes_it(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """DSPARK and UNO get the three numbers on their command line as the EAGLE family does
+    (all or none): a partial set is refused when the campaign loads, not at the arm's first
+    server start, hours into a sweep."""
+    text = replace_block(SMALL_CAMPAIGN, 'backend = "twin"\nmodel', 'backend = "sglang"\nmodel')
+    text += f"""
+[drafters.other]
+algorithm = "{algorithm}"
+draft_model = "some/drafter"
+num_steps = 3
+"""
+    expect_error(tmp_path, text, "drafters.other.eagle_topk", "all set or none")
+
+
+@pytest.mark.parametrize("key", ["num_steps", "eagle_topk"])
+def test_ngram_numbers_it_would_ignore_are_refused(tmp_path: Path, key: str) -> None:
+    """NGRAM's launch argv carries num_draft_tokens alone (SGLang sets the topk from its BFS
+    breadth): a num_steps or eagle_topk there would be recorded with the drafter yet reach
+    neither the server nor the twin, so it is refused, naming the flag that sets the breadth."""
+    text = (
+        SMALL_CAMPAIGN
+        + f"""
+[drafters.ngram]
+algorithm = "NGRAM"
+num_draft_tokens = 12
+{key} = 4
+"""
+    )
+    expect_error(tmp_path, text, f"drafters.ngram.{key}", "--speculative-ngram-max-bfs-breadth")
+
+
 def test_topk_one_forces_draft_tokens(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "num_draft_tokens = 4", "num_draft_tokens = 6")
     expect_error(tmp_path, text, "num_steps + 1 = 4", "not 6")
@@ -347,6 +381,18 @@ def test_credentials_in_url_command_and_extra_args_are_not_recorded(tmp_path: Pa
         ),
         (["--tokenizer-path", "t", "HF_HOME=/hf", "--api-key"], None),  # no value to hide
         (["--api-key", "--dtype", "float16"], None),
+        (  # abbreviations SGLang's argparse reads as its secret flags; --ssl-keyfile is a path
+            ["--ap", "a", "--admin=b", "--ssl-keyfile-pass", "c", "--ssl-keyfile", "k.pem"],
+            [
+                "--ap",
+                "(not recorded)",
+                "--admin=(not recorded)",
+                "--ssl-keyfile-pass",
+                "(not recorded)",
+                "--ssl-keyfile",
+                "k.pem",
+            ],
+        ),  # fmt: skip
         (
             ["--hf-token", "t", "--ssl-keyfile-password", "p", "--env=AWS_SECRET_ACCESS_KEY=s"],
             [

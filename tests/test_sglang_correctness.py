@@ -617,3 +617,34 @@ def test_a_flag_this_release_does_not_have_is_refused_before_any_server(
         assert f"drafters.eagle3.extra_args: {flag} is not an option" in said, said
         assert "Traceback" not in result.output and not (out / "journal.jsonl").exists()
     assert running(marker) == []
+
+
+@pytest.mark.parametrize(
+    ("version", "pinned", "code"),
+    [("0.5.9", "", 2), ("0.5.23", 'version = "0.5.9"', 2), ("0.5.23", "", 0)],
+)
+def test_an_algorithm_this_release_does_not_have_is_refused_before_any_server(
+    tmp_path: Path, version: str, pinned: str, code: int
+) -> None:
+    """A DFLASH drafter on SGLang 0.5.9 (whose --help lists --speculative-algorithm's
+    choices), or on a campaign pinning engine.sglang.version 0.5.9: its server would exit at
+    SGLang's argparse once the plain arm was measured, its cells failing at every rerun; the
+    sweep refuses it before the journal is made (exit 2). 0.5.23, which has it, runs it."""
+    drafters = (
+        '\n[drafters.none]\nalgorithm = "none"\n\n[drafters.dflash]\nalgorithm = "DFLASH"\n'
+        'draft_model = "d/f"\nblock_size = 8\n'
+    )
+    result, out, marker = one_clock_sweep(
+        tmp_path, version=version, drafters=drafters, sglang_extra=pinned
+    )
+    dry = CliRunner().invoke(
+        cli, ["sweep", str(tmp_path / "stub-campaign.toml"), "--dry-run", "--no-estimate"]
+    )
+    for run in (result, dry):
+        assert run.exit_code == code, run.output
+        if code:
+            said = " ".join(run.output.split())
+            assert "drafters.dflash.algorithm:" in said and "0.5.23 or newer" in said, said
+            assert "Traceback" not in run.output
+    assert not code or not (out / "journal.jsonl").exists()
+    assert running(marker) == []

@@ -591,6 +591,36 @@ def test_credentials_reach_the_server_but_no_record_preview_or_check(tmp_path: P
 
 
 @pytest.mark.slow
+def test_api_keys_given_by_an_abbreviation_sglang_takes_are_sent_and_not_recorded(
+    tmp_path: Path,
+) -> None:
+    """SGLang's argparse takes `--api KEY` as `--api-key KEY` (and `--admin=KEY` as
+    --admin-api-key): dvfs sends the key (the server answers 401 without it) and no journal,
+    cube, server log or dry run holds it."""
+    key, admin = (f"{w}-{time.monotonic_ns()}" for w in ("key", "admin"))
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        retries=0,
+        sglang_extra=f'extra_args = ["--api", "{key}", "--admin={admin}"]',
+    )
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "1 cell(s) measured, 0 failed" in result.output
+    dry = runner.invoke(
+        cli, ["sweep", str(path), "--out", str(tmp_path / "dry"), "--dry-run", "--no-estimate"]
+    )
+    assert "--api (not recorded) --admin=(not recorded)" in dry.output
+    for shown in (result, dry):
+        assert key not in shown.output and admin not in shown.output
+    assert _holding(tmp_path, [key, admin]) == [str(path)]  # the campaign file alone
+
+
+@pytest.mark.slow
 def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
     """engine.sglang.url = http://user:password@host:port attaches (httpx sends them as basic
     auth) and is recorded, and named in checks and errors, without them."""

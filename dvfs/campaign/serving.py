@@ -201,6 +201,17 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
             "draft_model",
             "NGRAM drafts from the text seen so far and takes no draft model; remove draft_model",
         )
+    if algorithm == "NGRAM" and (steps is not None or topk is not None):
+        # dvfs passes NGRAM num_draft_tokens alone (and the twin models it alone): SGLang sets
+        # its topk to --speculative-ngram-max-bfs-breadth whatever it is given, and 0.5.23
+        # derives its steps from the draft tokens and that breadth.
+        raise table.fail(
+            "num_steps" if steps is not None else "eagle_topk",
+            "is not an NGRAM setting (SGLang sets the tree's breadth from "
+            "--speculative-ngram-max-bfs-breadth and its steps from that and num_draft_tokens); "
+            "remove it, and give the breadth as --speculative-ngram-max-bfs-breadth in the "
+            "drafter's extra_args",
+        )
     if algorithm is None:
         given = [
             k
@@ -234,7 +245,10 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
         return DrafterSpec(name, algorithm, draft_model, 1, 1, size, extra)
     if block is not None:
         raise table.fail("block_size", "only block drafters (DFLASH) take a block size")
-    if algorithm in EAGLE_TRIPLE:
+    if algorithm != "NGRAM":
+        # Every algorithm but NGRAM and DFLASH gets the three numbers on its command line
+        # together or not at all (`dvfs.engines.sglang_args.speculative_args`): DSPARK and UNO
+        # too, whose partial set would otherwise stop the sweep at their arm's first start.
         triple = {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": draft_tokens}
         given = [k for k, v in triple.items() if v is not None]
         if 0 < len(given) < 3:
@@ -244,13 +258,13 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
                 f"SGLang needs num_steps, eagle_topk and num_draft_tokens all set or none "
                 f"(it asserts on a partial set); missing {', '.join(missing)}",
             )
-        if topk == 1 and steps is not None and draft_tokens != steps + 1:
-            raise table.fail(
-                "num_draft_tokens",
-                "with eagle_topk = 1 SGLang forces num_draft_tokens = num_steps + 1 = "
-                f"{steps + 1}, "
-                f"not {draft_tokens}",
-            )
+    forced = steps + 1 if algorithm in EAGLE_TRIPLE and topk == 1 and steps else None
+    if forced is not None and draft_tokens != forced:
+        raise table.fail(
+            "num_draft_tokens",
+            f"with eagle_topk = 1 SGLang forces num_draft_tokens = num_steps + 1 = {forced}, "
+            f"not {draft_tokens}",
+        )
     if engine.backend == "twin" and algorithm in ("DSPARK", "UNO"):
         raise table.fail(
             "algorithm",

@@ -49,6 +49,7 @@ from dvfs.engines.sglang_args import (
     Kernels,
     LaunchHelp,
     ServerPorts,
+    check_algorithms_known,
     check_arms_can_match,
     check_flags_known,
     check_predicted_kernels,
@@ -377,7 +378,8 @@ def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) ->
     """Refuse, before any server starts, a campaign whose drafters SGLang would already serve
     with other attention kernels (none pinned) or other scheduling args (`check_arms_can_match`;
     its release decides which, from `launch_help()`, called only when a drafter speculates or
-    extra_args are given), or whose extra_args name flags the release does not know.
+    extra_args are given), or whose extra_args name flags, or whose drafters algorithms, the
+    release does not know.
     Needs no GPU: `SglangEngine` checks it on creation, a sweep before it makes its journal.
     An attached server (engine.sglang.url) is checked once it answers instead."""
     if campaign.engine.sglang.url:
@@ -391,6 +393,7 @@ def check_servable(campaign: Campaign, launch_help: Callable[[], str | None]) ->
         help_text = launch_help()
         check_flags_known(campaign, help_text)
         if speculates:
+            check_algorithms_known(campaign, help_text)
             check_arms_can_match(campaign, help_text)
 
 

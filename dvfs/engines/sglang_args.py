@@ -52,6 +52,7 @@ from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTE
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
+from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
 OLD_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs"
@@ -496,6 +497,32 @@ def check_flags_known(campaign: Campaign, help_text: str | None) -> None:
             )
 
 
+def check_algorithms_known(campaign: Campaign, help_text: str | None) -> None:
+    """Refuse (CampaignError, one line) a drafter whose algorithm this SGLang does not have:
+    one its `launch_server --help` leaves out of --speculative-algorithm's choices (0.5.9
+    lists them; 0.5.23 takes a registry name and lists none), or, with engine.sglang.version
+    pinned, one that release lacks (`_check_algorithm`). Checked before any server starts:
+    that drafter's server would otherwise exit at SGLang's argparse, and every cell of its arm
+    fail after the other arms were measured, at each rerun again."""
+    match = re.search(r"--speculative-algorithm\s+\{([^}]*)\}", help_text or "")
+    choices = [c.strip() for c in match.group(1).split(",")] if match else None
+    version = parse_version(campaign.engine.sglang.version)
+    for drafter in campaign.drafters:
+        if drafter.algorithm is None:
+            continue
+        if choices is not None and drafter.algorithm not in choices:
+            raise CampaignError(
+                f"drafters.{drafter.name}.algorithm: this SGLang's launch_server takes "
+                f"--speculative-algorithm {', '.join(choices)}, not {drafter.algorithm} "
+                "(DFLASH, DSPARK and UNO need SGLang 0.5.23 or newer); upgrade SGLang or "
+                "remove the drafter"
+            )
+        try:
+            _check_algorithm(drafter, version)
+        except EngineError as exc:
+            raise CampaignError(f"drafters.{drafter.name}.algorithm: {exc}") from exc
+
+
 def _check_algorithm(drafter: DrafterSpec, version: tuple[int, ...] | None) -> None:
     if drafter.algorithm is None or version is None:
         return
@@ -612,6 +639,8 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
+    if any(d.algorithm for d in campaign.drafters):
+        check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
     source = (
         "engine.sglang.version"
@@ -687,11 +716,12 @@ def given_page_size(tokens: Sequence[str]) -> int | None:
 
 def given_value(tokens: Sequence[str], flag: str) -> str | None:
     """The value `tokens` give `flag` as argparse reads it (`--flag VALUE` or `--flag=VALUE`,
-    the last one), None when they give none."""
+    the last one; for a secret flag, `SGLANG_SECRET_FLAGS`, its abbreviations too), None when
+    they give none."""
     value = None
     for i, token in enumerate(tokens):
         name, eq, rest = token.partition("=")
-        if name != flag:
+        if name != flag and not (flag in SGLANG_SECRET_FLAGS and sglang_secret_flag(name) == flag):
             continue
         value = rest if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
     return value
