@@ -61,6 +61,20 @@ def raise_for(signum: int) -> None:
 
 
 @contextlib.contextmanager
+def _handled_by(
+    handler: Callable[[int, FrameType | None], None], signums: tuple[int, ...] = HANDLED
+) -> Iterator[dict[int, Any]]:
+    """`handler` installed for `signums` within the block (which gets the handlers it
+    replaced), and those put back after it, however it ends."""
+    previous: dict[int, Any] = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield previous
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+@contextlib.contextmanager
 def signals_raise(*signums: int) -> Iterator[None]:
     """Within the block, the given signals (default: SIGINT, SIGTERM, SIGHUP) raise in the main
     thread, whatever their inherited disposition (SIG_IGN included); the previous handlers come
@@ -73,12 +87,8 @@ def signals_raise(*signums: int) -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise_for(signum)
 
-    previous = {s: signal.signal(s, handler) for s in wanted}
-    try:
+    with _handled_by(handler, wanted):
         yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
 
 
 #: Signals received during a restore before it is abandoned (the first only waits).
@@ -112,18 +122,15 @@ def restoring(
             "the restore first; send it again to give up (then run `dvfs gpu reset`)"
         )
 
-    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in HANDLED}
-    try:
-        yield
-    except BaseException as exc:
-        if received and not isinstance(exc, RestoreAbandoned):
-            # the block's error wins, but the signal held meanwhile is not forgotten
-            with contextlib.suppress(AttributeError, TypeError):
-                exc.held_signal = received[0]  # type: ignore[attr-defined]
-        raise
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
+    with _handled_by(hold) as previous:
+        try:
+            yield
+        except BaseException as exc:
+            if received and not isinstance(exc, RestoreAbandoned):
+                # the block's error wins, but the signal held meanwhile is not forgotten
+                with contextlib.suppress(AttributeError, TypeError):
+                    exc.held_signal = received[0]  # type: ignore[attr-defined]
+            raise
     if received:
         _deliver(received[0], previous[received[0]])
 
@@ -142,12 +149,10 @@ def held_back() -> Iterator[None]:
     def hold(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
 
-    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in HANDLED}
     try:
-        yield
+        with _handled_by(hold) as previous:
+            yield
     finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
         if received:
             _deliver(received[0], previous[received[0]])
 
