@@ -275,3 +275,31 @@ def test_every_cell_holds_its_last_records_values_by_name(
         assert int(at["cell_status"]) == status
         assert int(at["energy_split_method"]) == (1 if status == STATUS_OK else 0)
     assert (ds["cell_status"].values != 0).sum() == len(last)
+
+
+def test_a_campaigns_batches_in_any_order_make_an_ascending_batch_axis(tmp_path: Path) -> None:
+    """A campaign may list its batches in any order (`batch = [8, 1]`); the cube's batch axis
+    ascends, as its clock and power-limit axes do (what reads it by position, a figure's line
+    or the smallest batch, then reads it in order), and every cell's values sit at its own
+    batch."""
+    from conftest import TINY, _swept, replace_block, write
+
+    campaign = write(tmp_path / "c.toml", replace_block(TINY, "batch = [1, 8]", "batch = [8, 1]"))
+    _swept(campaign, tmp_path / "out")
+    ds = dvfs.open_cube(tmp_path / "out")
+    assert [int(b) for b in ds["batch"].values] == [1, 8]
+    records = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
+    assert {r["cell"]["batch"] for r in records} == {1, 8}
+    for record in records:
+        cell = record["cell"]
+        at = ds.sel(
+            sm_clock=cell["sm_clock_mhz"],
+            power_limit=cell["power_limit_w"],
+            batch=cell["batch"],
+            drafter=cell["drafter"],
+            corpus=cell["corpus"],
+            repeat=cell["repeat"],
+        )
+        for name, values in _expected(record).items():
+            got = np.ravel(at[name].values).astype(float)
+            assert np.array_equal(got, np.array(values), equal_nan=True), (record["key"], name)

@@ -136,7 +136,8 @@ def read_journal(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]]:
-    """The cube's coordinates: the campaign's axes, a stock knob axis at the setting found."""
+    """The cube's coordinates: the campaign's axes, the knobs' and the batches' ascending (a
+    campaign may list them in any order), a stock knob axis at the setting found."""
     if not journal.sessions:
         raise CubeError("the journal has no measurement session yet: nothing to put in a cube")
     stock = journal.sessions[0].stock
@@ -145,7 +146,7 @@ def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]
     return {
         "sm_clock": sorted(clocks) if clocks else [stock.sm_clock_mhz],
         "power_limit": sorted(limits) if limits else [stock.power_limit_w],
-        "batch": list(grid.batch_sizes),
+        "batch": sorted(grid.batch_sizes),
         "drafter": list(grid.drafters),
         "corpus": list(grid.corpora),
         "repeat": list(range(grid.repeats)),
