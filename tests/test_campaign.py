@@ -142,6 +142,28 @@ num_draft_tokens = 12
     expect_error(tmp_path, text, f"drafters.ngram.{key}", "--speculative-ngram-max-bfs-breadth")
 
 
+def test_a_journal_that_recorded_ngram_numbers_resumes_once_they_are_removed(
+    tmp_path: Path,
+) -> None:
+    """An earlier dvfs took num_steps/eagle_topk on an NGRAM drafter and recorded them (and
+    hashed them) though they reached nothing. Removed as the refusal asks, the campaign resumes
+    that journal: those two are no measured difference; a number NGRAM does use still is."""
+    from dataclasses import replace
+
+    from dvfs.records.header import Header
+
+    text = SMALL_CAMPAIGN + '\n[drafters.ngram]\nalgorithm = "NGRAM"\nnum_draft_tokens = 12\n'
+    campaign = load_text(tmp_path, text)
+    stored = campaign.semantic_dict()
+    (ngram,) = (d for d in stored["drafters"] if d["name"] == "ngram")
+    ngram.update(num_steps=3, eagle_topk=2)  # as the earlier dvfs stored them
+    old = replace(Header.for_campaign(campaign), campaign_hash="0" * 16, campaign=stored)
+    assert old.differences(campaign) == []
+    ngram["num_draft_tokens"] = 8
+    (difference,) = old.differences(campaign)
+    assert difference.startswith("drafters[ngram].num_draft_tokens:"), difference
+
+
 def test_topk_one_forces_draft_tokens(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "num_draft_tokens = 4", "num_draft_tokens = 6")
     expect_error(tmp_path, text, "num_steps + 1 = 4", "not 6")

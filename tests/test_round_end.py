@@ -579,3 +579,60 @@ def test_a_round_ended_by_disconnects_has_no_acceptance_rather_than_a_biased_one
     assert math.isnan(got.accept_length) and math.isnan(got.accept_rate)
     assert math.isnan(got.decode_accept_length)
     assert got.server_accept_length > 1  # the server's average, over its whole blocks
+
+
+def test_requests_finishing_in_the_same_tick_end_the_round_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests of a batch whose final chunks arrive before the event loop runs the round
+    end: the round ends once, each still-running request is aborted by one POST
+    /abort_request, and no round-end task is left unawaited (an in-memory transport, no
+    socket)."""
+    import asyncio
+
+    import httpx
+
+    from dvfs.clock import MonotonicClock
+    from dvfs.engines.sglang_client import SamplingParams, SglangClient
+
+    aborts: list[str] = []
+    released: dict[str, asyncio.Event] = {}
+
+    def chunk(tokens: int, finish: Any = None) -> bytes:
+        meta = {"completion_tokens": tokens, "prompt_tokens": 3, "finish_reason": finish}
+        return f"data: {json.dumps({'meta_info': meta})}\n\n".encode()
+
+    async def held(rid: str) -> Any:
+        yield chunk(1)
+        await released.setdefault(rid, asyncio.Event()).wait()
+        yield chunk(1, {"type": "abort"})
+        yield b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        rid = body["rid"]
+        if request.url.path == "/abort_request":
+            aborts.append(rid)
+            released.setdefault(rid, asyncio.Event()).set()
+            return httpx.Response(200, json={})
+        if rid.endswith("-2"):  # the third request runs until it is aborted
+            return httpx.Response(200, content=held(rid))
+        # the first two finish at once: their whole streams arrive together
+        done = chunk(1) + chunk(2, {"type": "length"}) + b"data: [DONE]\n\n"
+        return httpx.Response(200, content=done)
+
+    client = SglangClient("http://127.0.0.1:9", clock=MonotonicClock())
+    client.abort_route = True
+    monkeypatch.setattr(
+        client,
+        "_async_client",
+        lambda connections: httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+    )
+    traces = client.run_batch(
+        ["a", "b", "c"],
+        SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+        "tick",
+        end_at_window=True,
+    )
+    assert [t.aborted for t in traces] == [False, False, True]
+    assert len(aborts) == 1, aborts  # one abort for the one request still running

@@ -648,3 +648,23 @@ def test_an_algorithm_this_release_does_not_have_is_refused_before_any_server(
             assert "Traceback" not in run.output
     assert not code or not (out / "journal.jsonl").exists()
     assert running(marker) == []
+
+
+def test_an_attached_servers_algorithm_is_not_judged_by_this_machines_sglang(
+    tmp_path: Path,
+) -> None:
+    """A campaign attached to a running server (engine.sglang.url) on a machine whose own
+    SGLang is 0.5.9: the DFLASH drafter is the remote server's business (the sweep checks it
+    once the server answers), so the dry run shows the plan instead of refusing the campaign."""
+    drafters = '\n[drafters.dflash]\nalgorithm = "DFLASH"\ndraft_model = "d/f"\nblock_size = 8\n'
+    path, _ = stub_campaign(
+        tmp_path,
+        version="0.5.9",
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        drafters=drafters,
+        sglang_extra='url = "http://127.0.0.1:9"',
+    )
+    dry = CliRunner().invoke(cli, ["sweep", str(path), "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    assert "1 to run" in dry.output and "Error" not in dry.output

@@ -639,8 +639,10 @@ def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
-    if any(d.algorithm for d in campaign.drafters):
-        check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
+    if not campaign.engine.sglang.url and any(d.algorithm for d in campaign.drafters):
+        # refused as the sweep refuses it; an attached server is not this machine's SGLang
+        # (the sweep checks it once it answers, `check_attached`)
+        check_algorithms_known(campaign, help_text)
     check_arms_can_match(campaign, help_text)
     source = (
         "engine.sglang.version"

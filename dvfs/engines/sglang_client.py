@@ -106,8 +106,13 @@ class _RoundEnd:
             await self.task
 
     def due(self) -> bool:
-        """Whether a natural finish now ends the round."""
-        return not self.ended and (not self.closed_loop or self.sent >= self.total)
+        """Whether a natural finish now ends the round: not once its end is under way, even
+        before that task first runs (several streams may finish in one tick of the loop)."""
+        return (
+            self.task is None
+            and not self.ended
+            and (not self.closed_loop or self.sent >= self.total)
+        )
 
 
 def _whole(meta: dict[str, Any], names: str | Sequence[str], rid: str) -> int | None:
