@@ -392,6 +392,29 @@ def test_the_dry_run_of_a_fleet_counts_the_servers_and_time_its_workers_spend(
     assert "0 server start(s), 0 knob change(s);" in " ".join(done.split()), done
 
 
+def test_the_dry_run_of_a_fleet_counts_the_knob_changes_its_workers_make(tmp_path: Path) -> None:
+    """Each busy worker sets its GPU's knobs for every cell whose setting differs from the one
+    it left there, over its own groups and again over a group it takes left over after the
+    deal: the dry run counts them as the fleet's queue hands the cells out (it counted one
+    GPU's sweep's once per busy worker, 20 where the fleet made 23). Which worker takes a
+    left-over group depends on which finishes first, so one change either way."""
+    from conftest import TINY
+
+    text = TINY.replace("batch = [1, 8]", "batch = [1, 8, 16]")  # 6 groups on 4 workers
+    campaign = write(tmp_path / "tiny.toml", text)
+    out = tmp_path / "four"
+    args = [str(campaign), "--gpus", "0-3", "--out", str(out)]
+    plan = json.loads(sweep(*args, "--dry-run", "--no-estimate", "--json").output)
+    assert sweep(*args).exit_code == 0
+    changes, setting = 0, {}
+    for r in read_records(out / "journal.jsonl"):
+        if r["type"] == "cell":
+            here = (r["cell"]["sm_clock_mhz"], r["cell"]["power_limit_w"])
+            changes += setting.get(r["worker"]) != here
+            setting[r["worker"]] = here
+    assert abs(plan["knob_changes"] - changes) <= 1, (plan["knob_changes"], changes)
+
+
 def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_model(
     tiny_exact_run, tmp_path: Path
 ) -> None:

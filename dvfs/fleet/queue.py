@@ -338,13 +338,23 @@ class CellQueue:
 
 def simulated_starts(cells: Sequence[Cell], workers: int) -> list[int]:
     """The server starts each of `workers` equally fast workers makes running `cells` (in
-    measuring order) through a `CellQueue`: one each time the drafter of the cell it takes
-    differs from its server's (the dry run's count of a fleet's starts; a resumed run keeps
-    the groups its GPUs began, which this does not know)."""
+    measuring order) through a `CellQueue` (`simulated_run`'s first counts)."""
+    return [starts for starts, _ in simulated_run(cells, workers)]
+
+
+def simulated_run(cells: Sequence[Cell], workers: int) -> list[tuple[int, int]]:
+    """The server starts and knob changes each of `workers` equally fast workers makes running
+    `cells` (in measuring order) through a `CellQueue`: a start each time the drafter of the
+    cell it takes differs from its server's, a knob change each time the cell's knob setting
+    differs from the one its GPU was left at (stock knobs count none, as in the plan of one
+    GPU's sweep). The dry run's count of a fleet's; a resumed run keeps the groups its GPUs
+    began, which this does not know."""
     names = [f"w{i}" for i in range(max(workers, 1))]
     queue = CellQueue(cells, names)
     server: dict[str, str | None] = dict.fromkeys(names)
+    knobs: dict[str, tuple[int | None, float | None] | None] = dict.fromkeys(names)
     starts = dict.fromkeys(names, 0)
+    changes = dict.fromkeys(names, 0)
     alive = list(names)
     while alive:  # the workers take turns, a cell each, as equally fast GPUs would
         for worker in list(alive):
@@ -355,4 +365,8 @@ def simulated_starts(cells: Sequence[Cell], workers: int) -> list[int]:
             if cell.drafter != server[worker]:
                 starts[worker] += 1
                 server[worker] = cell.drafter
-    return [starts[w] for w in names]
+            here = (cell.sm_clock_mhz, cell.power_limit_w)
+            if here != knobs[worker] and here != (None, None):
+                changes[worker] += 1
+            knobs[worker] = here
+    return [(starts[w], changes[w]) for w in names]
