@@ -500,6 +500,54 @@ def test_an_address_nothing_listens_on_is_one_line_at_once(tmp_path: Path, monke
     assert not (out / "journal.jsonl").exists()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("answer", "joined"),
+    [(b"HTTP/1.1 400 Bad Request\r\n\r\n", False), (bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]), True)],
+    ids=["not-ray", "grpc"],
+)
+def test_an_address_that_is_not_a_ray_head_is_one_line_at_once(
+    tmp_path: Path, monkeypatch, answer: bytes, joined: bool
+) -> None:
+    """--address HOST:PORT where something other than a Ray head listens (the dashboard's
+    port given for the head's): Ray's join retries there for as long as where nothing
+    listens; dvfs tells it by its answer to a gRPC client's opening and refuses in one line,
+    never calling ray.init. A server that answers as gRPC does (a Ray head's GCS) is joined."""
+    import socket
+
+    called = []
+
+    def init(**kwargs: object) -> None:
+        called.append(kwargs)
+        raise ConnectionError("joined. Ray's advice")
+
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=init)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(30)
+
+    def serve() -> None:
+        with server, server.accept()[0] as conn:
+            conn.sendall(answer)
+            conn.recv(1024)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    campaign = write(tmp_path / "rayed.toml", CAMPAIGN)
+    out = tmp_path / "o"
+    result = sweep(str(campaign), "--executor", "ray", "--address", address, "--out", str(out))
+    thread.join(30)
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    why = "joined" if joined else "something accepts a connection there but does not answer as"
+    assert line.startswith(f"Error: no Ray cluster to join at --address {address} ({why}"), line
+    assert bool(called) == joined
+    assert not (out / "journal.jsonl").exists()
+
+
 @pytest.mark.timeout(300)
 def test_without_address_ray_runs_here_whatever_ray_address_says(
     shared_run, tmp_path: Path

@@ -365,7 +365,7 @@ def sweep(
             # starts its drafters again). GPU models mixed: each runs the whole campaign on
             # its own workers, so the model with the fewest workers finishes last (its GPU
             # estimated as the campaign's).
-            from dvfs.fleet.queue import simulated_starts
+            from dvfs.fleet.queue import simulated_run
             from dvfs.measure.plan import SERVER_START_S
 
             left = plan.comparison_groups_left
@@ -374,10 +374,11 @@ def sweep(
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
-            starts = {n: simulated_starts(plan.cells_left, n) for n in set(per_model.values())}
+            runs = {n: simulated_run(plan.cells_left, n) for n in set(per_model.values())}
+            starts = {n: [s for s, _ in run] for n, run in runs.items()}
             report["busy_workers"] = sum(min(n, left) for n in per_model.values())
             report["server_starts"] = sum(sum(starts[n]) for n in per_model.values())
-            report["knob_changes"] = plan.knob_changes * report["busy_workers"]
+            report["knob_changes"] = sum(sum(k for _, k in runs[n]) for n in per_model.values())
             # One run's server starts (one per drafter left), in its estimate: the busiest
             # worker spends them as often as it starts servers; the rest is shared out by
             # groups.

@@ -92,11 +92,45 @@ def unreachable(address: str, ray: Any = None, timeout_s: float = ADDRESS_PROBE_
     reason = ""
     for candidate in dict.fromkeys(hosts):
         try:
-            with socket.create_connection((candidate, int(port)), timeout=timeout_s):
-                return None
+            with socket.create_connection((candidate, int(port)), timeout=timeout_s) as conn:
+                if tls_enabled() or speaks_grpc(conn):
+                    return None
         except OSError as exc:
             reason = reason or f"nothing accepts a connection there: {exc.strerror or exc}"
+            continue
+        # Ray's join of a port that is not a Ray head's retries as long as of one nothing
+        # listens on (the dashboard's 8265 given for the head's 6379, say).
+        return (
+            "something accepts a connection there but does not answer as a Ray head does: "
+            "give the head's GCS port, 6379 unless `ray start --head --port` said otherwise"
+        )
     return reason
+
+
+#: The opening a gRPC client sends (HTTP/2's connection preface, then an empty SETTINGS frame).
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def tls_enabled() -> bool:
+    """Whether Ray's gRPC runs over TLS here (RAY_USE_TLS): then the head's port is not probed
+    beyond its TCP connection."""
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
+
+
+def speaks_grpc(conn: socket.socket) -> bool:
+    """Whether the server at the other end of `conn` answers an HTTP/2 (gRPC) client's opening
+    with a SETTINGS frame, as a Ray head's GCS server does."""
+    conn.sendall(_HTTP2_PREFACE)
+    reply = b""
+    try:
+        while len(reply) < 9:
+            chunk = conn.recv(9 - len(reply))
+            if not chunk:
+                break
+            reply += chunk
+    except OSError:  # a timeout, or a reset
+        pass
+    return len(reply) == 9 and reply[3] == 4
 
 
 def import_ray(*, local: bool = False) -> Any:
