@@ -228,6 +228,23 @@ def _expected(record: dict[str, Any]) -> dict[str, list[float]]:
     return out
 
 
+def _holds_its_records_values(ds: xr.Dataset, record: dict[str, Any]) -> xr.Dataset:
+    """The cube at the record's cell, asserted to hold every value the record gives it."""
+    cell = record["cell"]
+    at = ds.sel(
+        sm_clock=cell["sm_clock_mhz"],
+        power_limit=cell["power_limit_w"],
+        batch=cell["batch"],
+        drafter=cell["drafter"],
+        corpus=cell["corpus"],
+        repeat=cell["repeat"],
+    )
+    for name, values in _expected(record).items():
+        got = np.ravel(at[name].values).astype(float)
+        assert np.array_equal(got, np.array(values), equal_nan=True), (record["key"], name)
+    return at
+
+
 @pytest.mark.parametrize("batch", [None, 1, 3])
 def test_every_cell_holds_its_last_records_values_by_name(
     tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int | None
@@ -258,19 +275,7 @@ def test_every_cell_holds_its_last_records_values_by_name(
     last = {r["key"]: r for r in journal if r["type"] == "cell"}
     assert last[a["key"]] is failure and last[b["key"]] is a_as_b and last[c["key"]] is c
     for record in last.values():
-        cell = record["cell"]
-        at = ds.sel(
-            sm_clock=cell["sm_clock_mhz"],
-            power_limit=cell["power_limit_w"],
-            batch=cell["batch"],
-            drafter=cell["drafter"],
-            corpus=cell["corpus"],
-            repeat=cell["repeat"],
-        )
-        expected = _expected(record)
-        for name, values in expected.items():
-            got = np.ravel(at[name].values).astype(float)
-            assert np.array_equal(got, np.array(values), equal_nan=True), (record["key"], name)
+        at = _holds_its_records_values(ds, record)
         status = STATUS_OK if record["status"] == "ok" else STATUS_FAILED
         assert int(at["cell_status"]) == status
         assert int(at["energy_split_method"]) == (1 if status == STATUS_OK else 0)
@@ -291,15 +296,4 @@ def test_a_campaigns_batches_in_any_order_make_an_ascending_batch_axis(tmp_path:
     records = [r for r in read_records(tmp_path / "out" / "journal.jsonl") if r["type"] == "cell"]
     assert {r["cell"]["batch"] for r in records} == {1, 8}
     for record in records:
-        cell = record["cell"]
-        at = ds.sel(
-            sm_clock=cell["sm_clock_mhz"],
-            power_limit=cell["power_limit_w"],
-            batch=cell["batch"],
-            drafter=cell["drafter"],
-            corpus=cell["corpus"],
-            repeat=cell["repeat"],
-        )
-        for name, values in _expected(record).items():
-            got = np.ravel(at[name].values).astype(float)
-            assert np.array_equal(got, np.array(values), equal_nan=True), (record["key"], name)
+        _holds_its_records_values(ds, record)
