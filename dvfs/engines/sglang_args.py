@@ -636,14 +636,16 @@ PLANNED_PORT = 30000
 def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     """Per drafter: its name, the argv its server would start with, and where the version-
     dependent flags came from. Runs `launch_server --help` unless the campaign pins a version;
-    refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`)."""
+    refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`).
+    Only for servers dvfs starts: an attached one (engine.sglang.url) has no launch here
+    (`dvfs.backends.server_plans`)."""
+    if campaign.engine.sglang.url:
+        raise EngineError("a campaign attached at engine.sglang.url starts no server to plan")
     check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
-    if not campaign.engine.sglang.url and any(d.algorithm for d in campaign.drafters):
-        # refused as the sweep refuses it; an attached server is not this machine's SGLang
-        # (the sweep checks it once it answers, `check_attached`)
-        check_algorithms_known(campaign, help_text)
+    if any(d.algorithm for d in campaign.drafters):
+        check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
     source = (
         "engine.sglang.version"
