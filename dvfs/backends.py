@@ -555,10 +555,12 @@ def check_twin_context(campaign: Campaign, corpora: Mapping[str, Corpus]) -> Non
 
 @dataclass(frozen=True)
 class ServerPlan:
-    """What one drafter's server would be: SGLang's launch argv, or the twin's drafting plan."""
+    """What one drafter's server would be: SGLang's launch argv, the running server it attaches
+    to (engine.sglang.url, without its credentials), or the twin's drafting plan."""
 
     drafter: str
     argv: tuple[str, ...] | None = None
+    attached_to: str | None = None
     flags_from: str | None = None
     algorithm: str | None = None
     num_steps: int | None = None
@@ -572,6 +574,8 @@ class ServerPlan:
             # Printed and shared as a preview: credentials hidden (`dvfs.redact`).
             argv = redact_argv(self.argv)
             return {"drafter": self.drafter, "argv": argv, "flags_from": self.flags_from}
+        if self.attached_to is not None:
+            return {"drafter": self.drafter, "attached_to": self.attached_to}
         entry: dict[str, Any] = {"drafter": self.drafter, "algorithm": self.algorithm}
         if self.verify_tokens is not None:
             entry.update(
@@ -584,7 +588,15 @@ class ServerPlan:
 
 
 def server_plans(campaign: Campaign) -> list[ServerPlan]:
-    """Per drafter, what its server would be, without starting one."""
+    """Per drafter, what its server would be, without starting one. An attached server
+    (engine.sglang.url) is no launch: as the sweep, this runs no `launch_server --help` and
+    predicts nothing of it from this machine's SGLang (the sweep checks the server once it
+    answers, `dvfs.engines.sglang.check_attached`)."""
+    url = campaign.engine.sglang.url
+    if not simulated_engine(campaign) and url:
+        from dvfs.redact import redact_url
+
+        return [ServerPlan(d.name, attached_to=redact_url(url)) for d in campaign.drafters]
     if not simulated_engine(campaign):
         from dvfs.engines.sglang_args import planned_launches
 

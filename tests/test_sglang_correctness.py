@@ -668,3 +668,42 @@ def test_an_attached_servers_algorithm_is_not_judged_by_this_machines_sglang(
     dry = CliRunner().invoke(cli, ["sweep", str(path), "--dry-run", "--no-estimate"])
     assert dry.exit_code == 0, dry.output
     assert "1 to run" in dry.output and "Error" not in dry.output
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_an_attached_campaigns_dry_run_launches_nothing_and_asks_no_local_sglang(
+    tmp_path: Path, pinned: bool
+) -> None:
+    """engine.sglang.url: the sweep starts no server and runs no `launch_server --help` here,
+    so its dry run shows the server it attaches to, no launch command, and neither runs this
+    machine's server command nor judges the drafter by the SGLang version pinned for it (0.5.9
+    has no DFLASH; the remote server is checked once it answers)."""
+    probed = tmp_path / "probed"
+    drafters = '\n[drafters.dflash]\nalgorithm = "DFLASH"\ndraft_model = "d/f"\nblock_size = 8\n'
+    path, _ = stub_campaign(
+        tmp_path,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        drafters=drafters,
+        sglang_extra='url = "http://alice:pw-1@127.0.0.1:9"'
+        + ('\nversion = "0.5.9"' if pinned else ""),
+    )
+    text = path.read_text().splitlines()
+    [at] = [i for i, line in enumerate(text) if line.startswith("server_command")]
+    # A command that leaves a mark when run (its --help probe included).
+    text[at] = f"server_command = {json.dumps(['sh', '-c', f'touch {probed}', 'sh'])}"
+    path.write_text("\n".join(text) + "\n")
+    runner = CliRunner()
+    dry = runner.invoke(cli, ["sweep", str(path), "--dry-run", "--no-estimate"])
+    assert dry.exit_code == 0, dry.output
+    said = " ".join(dry.output.split())
+    assert "dflash: attaches to the SGLang server at http://(not recorded)@127.0.0.1:9" in said
+    assert "1 attach(es) to the running server" in said and "server start(s)" not in said
+    assert "--model-path" not in said and "launch flags from" not in said
+    assert "pw-1" not in dry.output
+    assert not probed.exists()
+    as_json = runner.invoke(cli, ["sweep", str(path), "--dry-run", "--no-estimate", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output)["servers"] == [
+        {"drafter": "dflash", "attached_to": "http://(not recorded)@127.0.0.1:9"}
+    ]

@@ -621,6 +621,40 @@ def test_api_keys_given_by_an_abbreviation_sglang_takes_are_sent_and_not_recorde
 
 
 @pytest.mark.slow
+def test_api_keys_a_server_command_passes_are_sent_and_not_recorded(tmp_path: Path) -> None:
+    """A server_command wrapper that passes `--ap KEY` (SGLang's --api-key) and
+    `--admin-api-key=KEY` on starts a server that answers 401 without them: dvfs sends them as
+    it does extra_args' keys, and no journal, cube, server log or dry run holds them."""
+    key, admin = (f"{w}-{time.monotonic_ns()}" for w in ("key", "admin"))
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        retries=0,
+    )
+    command = load_campaign(path).engine.sglang.server_command
+    keyed = [*command, "--ap", key, f"--admin-api-key={admin}"]
+    text = path.read_text().replace(
+        f"server_command = {json.dumps(list(command))}", f"server_command = {json.dumps(keyed)}"
+    )
+    assert key in text
+    path.write_text(text)
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "1 cell(s) measured, 0 failed" in result.output
+    dry = runner.invoke(
+        cli, ["sweep", str(path), "--out", str(tmp_path / "dry"), "--dry-run", "--no-estimate"]
+    )
+    assert "--ap (not recorded) --admin-api-key=(not recorded)" in dry.output
+    for shown in (result, dry):
+        assert key not in shown.output and admin not in shown.output
+    assert _holding(tmp_path, [key, admin]) == [str(path)]  # the campaign file alone
+
+
+@pytest.mark.slow
 def test_a_urls_credentials_are_sent_but_not_recorded(tmp_path: Path) -> None:
     """engine.sglang.url = http://user:password@host:port attaches (httpx sends them as basic
     auth) and is recorded, and named in checks and errors, without them."""

@@ -53,7 +53,13 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             + extra
             + ")"
         )
-        + f", {report['server_starts']} server start(s), {report['knob_changes']} knob change(s)"
+        + f", {report['server_starts']} "
+        + (
+            "attach(es) to the running server"
+            if report["servers"] and "attached_to" in report["servers"][0]
+            else "server start(s)"
+        )
+        + f", {report['knob_changes']} knob change(s)"
         + (
             f" across the fleet's {report['busy_workers']} busy worker(s) (each starts the "
             "servers of its drafters and steps its own knobs)"
@@ -169,7 +175,17 @@ def _render_dry_run(report: dict[str, Any]) -> None:
             "when each server starts"
         )
     for server in report["servers"]:
-        if "argv" in server:
+        if "attached_to" in server:
+            out.print(
+                f"[bold]{server['drafter']}[/bold]: attaches to the SGLang server at "
+                f"{escape(server['attached_to'])} "
+                "(dvfs starts no server there; once it answers, the sweep checks that it serves "
+                "engine.model with this drafter's algorithm, room for the largest batch and the "
+                "attention backend; `dvfs doctor` checks it now)",
+                soft_wrap=True,
+                highlight=False,
+            )
+        elif "argv" in server:
             out.print(
                 f"[bold]{server['drafter']}[/bold]: " + " ".join(server["argv"]), soft_wrap=True
             )

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dvfs.campaign.model import Campaign, DrafterSpec
+from dvfs.campaign.serving import LAUNCHER
 from dvfs.campaign.sglang_flags import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTENTION_BACKEND
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
@@ -635,14 +636,16 @@ PLANNED_PORT = 30000
 def planned_launches(campaign: Campaign) -> list[tuple[str, list[str], str]]:
     """Per drafter: its name, the argv its server would start with, and where the version-
     dependent flags came from. Runs `launch_server --help` unless the campaign pins a version;
-    refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`)."""
+    refuses, as a sweep would, drafters SGLang would schedule differently (`arm_mismatches`).
+    Only for servers dvfs starts: an attached one (engine.sglang.url) has no launch here
+    (`dvfs.backends.server_plans`)."""
+    if campaign.engine.sglang.url:
+        raise EngineError("a campaign attached at engine.sglang.url starts no server to plan")
     check_predicted_kernels(campaign)
     pinned = campaign.engine.sglang.version
     help_text = None if pinned else probe_help(server_command(campaign), env=server_env(campaign))
-    if not campaign.engine.sglang.url and any(d.algorithm for d in campaign.drafters):
-        # refused as the sweep refuses it; an attached server is not this machine's SGLang
-        # (the sweep checks it once it answers, `check_attached`)
-        check_algorithms_known(campaign, help_text)
+    if any(d.algorithm for d in campaign.drafters):
+        check_algorithms_known(campaign, help_text)  # refused as the sweep refuses it
     check_arms_can_match(campaign, help_text)
     source = (
         "engine.sglang.version"
@@ -730,10 +733,21 @@ def given_value(tokens: Sequence[str], flag: str) -> str | None:
 
 
 def server_keys(campaign: Campaign) -> tuple[str | None, str | None]:
-    """The server's `--api-key` and `--admin-api-key`, from engine.sglang.extra_args: dvfs
-    sends them (`SglangClient`) and never records them (`dvfs.redact`)."""
-    extra = campaign.engine.sglang.extra_args
-    return given_value(extra, "--api-key"), given_value(extra, "--admin-api-key")
+    """The server's `--api-key` and `--admin-api-key`, as its argparse reads them: from
+    engine.sglang.extra_args and, where dvfs starts the servers, from a server_command that
+    passes them (a wrapper script's arguments reach launch_server before dvfs's own flags and
+    extra_args, so extra_args win). dvfs sends them (`SglangClient`) and never records them
+    (`dvfs.redact`)."""
+    sg = campaign.engine.sglang
+    command: tuple[str, ...] = ()
+    if not sg.url:
+        # After the launcher, its own argv (refused at load, but read as SGLang would);
+        # without one, a wrapper that passes its arguments on.
+        command = sg.server_command
+        if LAUNCHER in command:
+            command = command[command.index(LAUNCHER) + 1 :]
+    given = (*command, *sg.extra_args)
+    return given_value(given, "--api-key"), given_value(given, "--admin-api-key")
 
 
 def predicted_attention_backend(drafter: DrafterSpec, page_size: int | None = None) -> str:
