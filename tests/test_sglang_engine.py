@@ -598,13 +598,8 @@ def test_api_keys_given_by_an_abbreviation_sglang_takes_are_sent_and_not_recorde
     --admin-api-key): dvfs sends the key (the server answers 401 without it) and no journal,
     cube, server log or dry run holds it."""
     key, admin = (f"{w}-{time.monotonic_ns()}" for w in ("key", "admin"))
-    path, _ = stub_campaign(
-        tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        retries=0,
-        sglang_extra=f'extra_args = ["--api", "{key}", "--admin={admin}"]',
+    path, _ = _one_cell_stub(
+        tmp_path, retries=0, sglang_extra=f'extra_args = ["--api", "{key}", "--admin={admin}"]'
     )
     _keys_sent_and_not_recorded(
         tmp_path, path, (key, admin), "--api (not recorded) --admin=(not recorded)"
@@ -617,13 +612,7 @@ def test_api_keys_a_server_command_passes_are_sent_and_not_recorded(tmp_path: Pa
     `--admin-api-key=KEY` on starts a server that answers 401 without them: dvfs sends them as
     it does extra_args' keys, and no journal, cube, server log or dry run holds them."""
     key, admin = (f"{w}-{time.monotonic_ns()}" for w in ("key", "admin"))
-    path, _ = stub_campaign(
-        tmp_path,
-        drafters='\n[drafters.none]\nalgorithm = "none"\n',
-        batch="[1]",
-        knobs="sm_clock = [1980]\nsettle_s = 0.0",
-        retries=0,
-    )
+    path, _ = _one_cell_stub(tmp_path, retries=0)
     command = load_campaign(path).engine.sglang.server_command
     keyed = [*command, "--ap", key, f"--admin-api-key={admin}"]
     text = path.read_text().replace(
@@ -782,12 +771,15 @@ def test_a_huge_log_is_read_from_its_end(tmp_path: Path, monkeypatch: pytest.Mon
 # -- doctor's engine check, as the sweep starts the server --------------------------------------
 
 
-def _one_cell_stub(tmp_path: Path) -> tuple[Path, str]:
+def _one_cell_stub(tmp_path: Path, **options: Any) -> tuple[Path, str]:
+    """A stub campaign of one cell (no drafter, batch 1, one clock); `options` go to
+    `stub_campaign` as they are."""
     return stub_campaign(
         tmp_path,
         drafters='\n[drafters.none]\nalgorithm = "none"\n',
         batch="[1]",
         knobs="sm_clock = [1980]\nsettle_s = 0.0",
+        **options,
     )
 
 
