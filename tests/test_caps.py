@@ -1287,3 +1287,35 @@ def test_a_refused_apply_does_not_print_the_change_as_done(
     busy = invoke("cap", "apply", str(caps), code=3)
     assert "dvfs gpu reset" in busy and "SM clock locked" not in busy, busy
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_an_apply_failing_half_way_names_what_it_changed_and_keeps_the_earlier_cap(
+    nvml, tmp_path: Path
+) -> None:
+    """A GPU whose new clock lock went on but whose new power limit failed was named only by
+    its failure: the lock it now held went unsaid. And its record lost the earlier apply's power
+    limit, still on the GPU, so a later file leaving the power limit at stock did not put it
+    back (and a sweep would take that cap for the GPU's stock). The failure now names what is
+    in place, and the record keeps the earlier limit until the new one is."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+
+    def write(clock: int, limit: float | None) -> None:
+        caps.write_text(
+            dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=clock, power_limit_w=limit),)))
+        )
+
+    write(1500, 500.0)
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceSetPowerManagementLimit": nvml.NVML_ERROR_UNKNOWN}
+    )
+    write(1200, 400.0)
+    failed = " ".join(invoke("cap", "apply", str(caps), code=1).split())
+    assert "cannot set the power limit" in failed, failed
+    assert "GPU 0 was changed before that: SM clock locked to 210-1200 MHz" in failed, failed
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # the earlier cap, still on
+    nvml.fake_update_device(0, errors={})
+    write(1200, None)  # the power limit at stock: the earlier cap goes
+    invoke("cap", "apply", str(caps))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000

@@ -462,34 +462,59 @@ def apply_actions(
 
     for action in actions:
         gpu = by_uuid[action.uuid]
-        entry: dict[str, Any] = {
-            "lock_mhz": None,
-            "power_limit_mw": None,
+        stamp = {
             "source": source,
             "applied": datetime.now(UTC).isoformat(timespec="seconds"),
             "boot": boot_id(),
         }
+        # What this GPU holds by the record, each knob carried until this file's value is in
+        # place: a knob whose write fails (or never comes, a signal between) keeps the earlier
+        # apply's value, which the GPU still holds, so a later file leaving it at stock puts
+        # it back, and a sweep does not take that cap for the GPU's stock.
+        blank: dict[str, Any] = {"lock_mhz": None, "power_limit_mw": None}
+        changed: list[str] = []  # what is already changed on the GPU, for a failure's message
         try:
             # An earlier apply's caps this file leaves at stock go first, each recorded
             # gone once it is: the record never lists less than the GPU holds.
             if action.unlock:
                 gpu.reset_sm_clock()
-                keep(action.uuid, {**applied.get(action.uuid, entry), "lock_mhz": None})
+                keep(action.uuid, {**applied.get(action.uuid, blank), "lock_mhz": None})
+                changed.append("SM clock unlocked")
             if action.default_power_limit_mw is not None:
                 if action.default_power_limit_mw != gpu.power_limit_mw():
                     gpu.set_power_limit_mw(action.default_power_limit_mw)
-                keep(action.uuid, {**applied.get(action.uuid, entry), "power_limit_mw": None})
+                    changed.append(
+                        f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
+                    )
+                keep(action.uuid, {**applied.get(action.uuid, blank), "power_limit_mw": None})
             if action.lock_mhz is not None:
                 gpu.lock_sm_clock(*action.lock_mhz)
-                entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
-                keep(action.uuid, entry)
+                keep(  # recorded even if the limit fails
+                    action.uuid,
+                    {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
+                )
+                changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
                 if action.power_limit_mw != gpu.power_limit_mw():
                     gpu.set_power_limit_mw(action.power_limit_mw)
-                entry["power_limit_mw"] = action.power_limit_mw
-                keep(action.uuid, entry)
+                keep(
+                    action.uuid,
+                    {
+                        **applied.get(action.uuid, blank),
+                        **stamp,
+                        "power_limit_mw": action.power_limit_mw,
+                    },
+                )
         except GpuError as exc:
-            failures.add(exc)
+            # The GPU is not left changed unsaid: what is in place on it already is named.
+            failures.add(
+                exc,
+                suffix=(
+                    f" (GPU {action.index} was changed before that: {', '.join(changed)})"
+                    if changed
+                    else ""
+                ),
+            )
             continue
         done(action)
     failures.raise_if_any("could not apply caps: ")
