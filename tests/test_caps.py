@@ -1166,6 +1166,33 @@ def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> 
         record.read()
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"lock_mhz": [1500]},
+        {"lock_mhz": "1500"},
+        {"lock_mhz": [210, "1500"]},
+        {"lock_mhz": [1500, 210]},
+        {"lock_mhz": None, "power_limit_mw": "500000"},
+    ],
+)
+def test_a_caps_record_with_a_damaged_entry_is_named_in_one_line(
+    nvml, tmp_path: Path, entry: dict
+) -> None:
+    """A caps record whose entry holds a lock of one clock (or text) gave `cap show` "internal
+    error: IndexError", or showed the text as a lock (and a sweep took it for one); each
+    command reading it now names the record and the entry, exit 2, as for a record that is no
+    JSON object."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "caps-applied.json").write_text(json.dumps({uuid: entry}))
+    for args in (("cap", "show"), ("cap", "show", "--json")):
+        told = " ".join(invoke(*args, code=2).split())
+        assert "is not a dvfs caps record" in told and uuid in told, told
+        assert "internal error" not in told and told.count("Error:") == 1, told
+
+
 def test_plan_refuses_bad_gpu_choices() -> None:
     d = doc([row("code", 1305, 450.0)])
     with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):

@@ -93,6 +93,13 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
                 "remove it and re-apply"
             )
+        for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
+            problem = _record_problem(r)
+            if problem:
+                raise CapsError(
+                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
+                    "remove it and re-apply"
+                )
         now = boot_id()
         return {u: r for u, r in data.items() if now is None or r.get("boot") in (None, now)}
 
@@ -150,6 +157,29 @@ class AppliedCaps:
             else:
                 records[uuid] = entry
             self.write(records)
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with one GPU's entry of the caps record (a damaged or hand-edited file),
+    in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
+    power limit (mW) or null."""
+
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    lock = record.get("lock_mhz")
+    if lock is not None and not (
+        isinstance(lock, list)
+        and len(lock) == 2
+        and all(positive_int(x) for x in lock)
+        and lock[0] <= lock[1]
+    ):
+        shown = json.dumps(lock)[:40]
+        return f"lock_mhz is {shown}, expected two clocks in MHz, low first, or null"
+    power = record.get("power_limit_mw")
+    if power is not None and not positive_int(power):
+        return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+    return None
 
 
 class GovernorLocks:
