@@ -1002,6 +1002,26 @@ def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -
         store.pending("GPU-1")
 
 
+@pytest.mark.parametrize("lock", [[1500], "ab", [1500, 210], ["210", 1500]])
+def test_gpu_reset_names_a_state_file_whose_lock_is_damaged(
+    nvml, env: dict[str, str], lock: Any
+) -> None:
+    """A state file whose recorded lock was one clock or text (damaged, edited by hand) gave
+    `dvfs gpu reset` "internal error: TypeError" from the NVML call it was passed to; it is
+    named unreadable in one line, as a state file that is no JSON object is, and the GPU is
+    left as it is."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    original = {"uuid": uuid, "sm_clock_lock_mhz": lock, "power_limit_mw": 500_000}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    result = dvfs_in_process("gpu", "reset", env=env)
+    told = " ".join(result.stderr.split())
+    assert result.returncode != 0 and "internal error" not in told, told
+    assert f"{uuid}.json is unreadable (sm_clock_lock_mhz is" in told, told
+    assert nvml.fake_calls() == [] and (state / f"{uuid}.json").exists()
+
+
 def test_state_files_are_readable_by_all_whatever_the_umask(tmp_path: Path) -> None:
     """dvfs's state files (caps record, GPU state) are read by users and the systemd units:
     written 0644 even under a strict umask, replacing the old one whole, no temp file left."""

@@ -107,8 +107,27 @@ def settings_to_dict(s: GpuSettings) -> dict[str, Any]:
 
 
 def settings_from_dict(d: dict[str, Any]) -> GpuSettings:
+    """A state file's settings; ValueError where they are not what dvfs writes (a damaged or
+    hand-edited file), which a restore would otherwise give NVML as they are."""
+
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
     lock = d.get("sm_clock_lock_mhz")
-    return GpuSettings(d["uuid"], tuple(lock) if lock else None, int(d["power_limit_mw"]))
+    if lock is not None and not (
+        isinstance(lock, list)
+        and len(lock) == 2
+        and all(positive_int(x) for x in lock)
+        and lock[0] <= lock[1]
+    ):
+        raise ValueError(
+            f"sm_clock_lock_mhz is {json.dumps(lock)[:40]}, expected two clocks in MHz, low "
+            "first, or null"
+        )
+    power = d["power_limit_mw"]
+    if not positive_int(power):
+        raise ValueError(f"power_limit_mw is {json.dumps(power)[:40]}, expected a limit in mW")
+    return GpuSettings(d["uuid"], (lock[0], lock[1]) if lock else None, power)
 
 
 @dataclass(frozen=True)
