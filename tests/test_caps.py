@@ -305,6 +305,41 @@ def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_pa
         assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
+    nvml, tmp_path: Path
+) -> None:
+    """`dvfs cap reset` with GPU 1 failing its reset (an NVML error) reset GPU 2, uncapped,
+    without a word, and said nothing of GPU 0, which a running governor holds and which was
+    not reset: the one line named GPU 1 alone. What was reset is printed, and the error names
+    the failed GPU and the held one with the command that resets it later."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(1, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    uuid = nvml.fake_device_state(2)["uuid"]
+    assert f"GPU 2 ({uuid}): clocks unlocked" in result.stdout, result.output
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert "GPU 1: cannot reset locked SM clocks" in error, error
+    assert "GPU 0 (" in error and "`dvfs cap reset 0`" in error, error
+    assert nvml.fake_device_state(2)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every

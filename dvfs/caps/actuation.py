@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError, GpuUnavailableError
+from dvfs.errors import (
+    CapsError,
+    GpuBusyError,
+    GpuError,
+    GpuPermissionError,
+    GpuStateError,
+    GpuUnavailableError,
+)
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 from dvfs.gpu.safety import boot_id
@@ -550,8 +557,14 @@ def apply_actions(
     failures.raise_if_any("could not apply caps: ")
 
 
-def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
-    """Unlock clocks and restore default power limits; returns what was done per GPU.
+def reset_caps(
+    gpus: Sequence[Gpu],
+    record: AppliedCaps,
+    note: Callable[[str], None] = lambda line: None,
+) -> list[str]:
+    """Unlock clocks and restore default power limits; returns what was done per GPU, and
+    `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
+    GPU was tried) does not leave the others' resets unsaid.
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
@@ -579,6 +592,7 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
                 store.clear(ident.uuid)
             done.append(line)
+            note(line)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
@@ -622,11 +636,12 @@ def enforce_plan(
 
 def reset_locked(
     gpus: Sequence[Gpu], directory: Path
-) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]]]:
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
-    unit's stop)."""
+    unit's stop). The GPUs that failed come back as one error beside what was done on the
+    others and the GPUs held, for the caller to say all three."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
@@ -641,7 +656,12 @@ def reset_locked(
                 busy.append((gpu, exc))
                 continue
             free.append(gpu)
-        return reset_caps(free, AppliedCaps(directory)), busy
+        lines: list[str] = []
+        try:
+            reset_caps(free, AppliedCaps(directory), note=lines.append)
+        except GpuError as exc:
+            return lines, busy, exc
+        return lines, busy, None
 
 
 def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
@@ -742,9 +762,13 @@ def reset_gpus(
         rebooted = [
             g for g in with_state if all(p.before_this_boot for p in store.pending(g.identity.uuid))
         ]
+        # One GPU failing to restore must not keep the others from their defaults, nor leave
+        # what was restored unsaid: each is noted once done, the failures raised at the end.
+        failed: list[GpuError] = []
         try:
-            for line in restore_pending(with_state, store):
-                note(line)
+            restore_pending(with_state, store, note)
+        except GpuError as exc:
+            failed.append(exc)
         finally:  # a governor that died left its lock record: gone with what it changed
             for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):
@@ -756,6 +780,13 @@ def reset_gpus(
             )
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
-            for line in reset_caps(others, AppliedCaps(directory)):
-                note(f"reset {line}")
+            try:
+                reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
+            except GpuError as exc:
+                failed.append(exc)
+        if len(failed) == 1:
+            raise failed[0]
+        if failed:
+            permission = any(isinstance(e, GpuPermissionError) for e in failed)
+            raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))
     return True

@@ -405,7 +405,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     # named here is refused as every command refuses it).
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
-        lines, busy = reset_locked(gpus, state_dir or default_state_dir())
+        # A GPU that fails is named once the others are reset, with those held and lost.
+        lines, busy, failed = reset_locked(gpus, state_dir or default_state_dir())
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
@@ -414,17 +415,24 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
             f"{'was' if len(mig) == 1 else 'were'} left alone (dvfs caps whole GPUs only)"
         )
+    held = ""
     if busy:  # after the others are reset: one held GPU must not keep every other capped
         one = len(busy) == 1
-        held = ", ".join(
+        who = ", ".join(
             f"GPU {g.identity.index} ({g.identity.uuid}, pid {exc.pid})" for g, exc in busy
         )
         numbers = " ".join(str(g.identity.index) for g, _ in busy)
-        lost_too = f"; {lost_gpus(lost)}" if lost else ""
-        raise GpuStateError(
-            f"{held} {'is' if one else 'are'} in use by another dvfs process and "
+        held = (
+            f"{who} {'is' if one else 'are'} in use by another dvfs process and "
             f"{'was' if one else 'were'} not reset (a running `dvfs govern` puts back the caps "
-            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`{lost_too}"
+            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`"
         )
+    lost_too = str(lost_gpus(lost)) if lost else ""
+    if failed:
+        if not held and not lost:
+            raise failed
+        raise type(failed)("; ".join(p for p in (str(failed), held, lost_too) if p))
+    if held:
+        raise GpuStateError("; ".join(p for p in (held, lost_too) if p))
     if lost:
         raise lost_gpus(lost)
