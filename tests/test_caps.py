@@ -1381,3 +1381,27 @@ def test_an_apply_failing_half_way_names_what_it_changed_and_keeps_the_earlier_c
     write(1200, None)  # the power limit at stock: the earlier cap goes
     invoke("cap", "apply", str(caps))
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+def test_gpu_info_says_unknown_where_nvml_cannot_read_event_reasons_or_temperature(
+    nvml,
+) -> None:
+    """A GPU whose NVML does not support reading clock-event reasons was shown with "event
+    reasons: none" (--json: []), as if no reason were set, and its temperature as "None C".
+    The reasons are unknown (--json: null), the temperature "-" as an unread power is."""
+    unsupported = nvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fake_update_device(
+        0,
+        errors={
+            "nvmlDeviceGetCurrentClocksEventReasons": unsupported,
+            "nvmlDeviceGetCurrentClocksThrottleReasons": unsupported,
+            "nvmlDeviceGetTemperatureV": unsupported,
+            "nvmlDeviceGetTemperature": unsupported,
+        },
+    )
+    [row] = json.loads(invoke("gpu", "info", "0", "--json"))
+    assert row["event_reasons"] is None and row["temperature_c"] is None, row
+    shown = " ".join(invoke("gpu", "info", "0").split())
+    assert "event reasons: unknown" in shown and "None C" not in shown, shown
+    [other] = json.loads(invoke("gpu", "info", "1", "--json"))
+    assert other["event_reasons"] == ["GpuIdle"]  # read where NVML can

@@ -170,10 +170,13 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
             f"{'yes' if i['energy_counter'] else 'no'}; MIG: {'on' if i['mig'] else 'off'}"
         )
         power = "-" if i["power_w"] is None else f"{i['power_w']:.1f} W"
-        out.print(
-            f"  now: {power}, {i['temperature_c']} C, event reasons: "
-            f"{', '.join(i['event_reasons']) or 'none'}"
+        temperature = "-" if i["temperature_c"] is None else f"{i['temperature_c']} C"
+        reasons = (  # None: NVML cannot read them, which is not "none set"
+            "unknown (NVML cannot read them)"
+            if i["event_reasons"] is None
+            else ", ".join(i["event_reasons"]) or "none"
         )
+        out.print(f"  now: {power}, {temperature}, event reasons: {reasons}")
 
 
 @gpu.command("reset")
