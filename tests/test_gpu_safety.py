@@ -1025,6 +1025,27 @@ def test_gpu_reset_defaults_resets_the_others_beside_a_gpu_that_fails_to_restore
     assert (state / f"{uuid}.json").exists()  # kept, for the next try
 
 
+def test_gpu_reset_names_a_lost_gpu_beside_one_that_fails_to_restore(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` with GPU 0's restore failing and GPU 1 fallen off the bus named GPU 0
+    alone: the lost GPU, which its help says is named once the others are restored, went
+    unsaid. The one error names both."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    original = {"uuid": uuid, "sm_clock_lock_mhz": [210, 1500], "power_limit_mw": 500_000}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    nvml.fake_update_device(1, lost=True)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "could not restore: GPU 0" in error and "GPU 1" in error, error
+    assert "fallen off the bus" in error, error
+
+
 @pytest.mark.parametrize("lock", [[1500], "ab", [1500, 210], ["210", 1500]])
 def test_gpu_reset_names_a_state_file_whose_lock_is_damaged(
     nvml, env: dict[str, str], lock: Any
