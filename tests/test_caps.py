@@ -1405,3 +1405,22 @@ def test_gpu_info_says_unknown_where_nvml_cannot_read_event_reasons_or_temperatu
     assert "event reasons: unknown" in shown and "None C" not in shown, shown
     [other] = json.loads(invoke("gpu", "info", "1", "--json"))
     assert other["event_reasons"] == ["GpuIdle"]  # read where NVML can
+
+
+def test_cap_apply_names_a_lost_gpu_beside_one_whose_caps_failed(nvml, tmp_path: Path) -> None:
+    """`cap apply` with GPU 0's clock lock failing and GPU 2 fallen off the bus named GPU 0
+    alone: the lost GPU, which the README says is named, exit 1, once the others are capped,
+    went unsaid. The one error names both."""
+    nvml.fake_reset_state("h100-sxm,h200-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    nvml.fake_update_device(2, lost=True)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [error] = result.stderr.strip().splitlines()
+    assert "GPU 0: cannot lock SM clocks" in error and "GPU 2" in error, error
+    assert "fallen off the bus" in error, error

@@ -232,10 +232,11 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.errors import GpuUnavailableError
+    from dvfs.errors import GpuError, GpuPermissionError, GpuUnavailableError
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
+    failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
     out = console()
@@ -265,15 +266,25 @@ def apply(
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
         else:  # each GPU reported once its caps are in place, not before
-            enforce_plan(
-                plan,
-                gpus,
-                directory,
-                str(caps_file.resolve()),
-                lambda action: click.echo(f"applied to {action.describe()}"),
-            )
-            out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+            try:
+                enforce_plan(
+                    plan,
+                    gpus,
+                    directory,
+                    str(caps_file.resolve()),
+                    lambda action: click.echo(f"applied to {action.describe()}"),
+                )
+            except (GpuError, GpuPermissionError) as exc:
+                if type(exc) not in (GpuError, GpuPermissionError):
+                    raise  # refused before any change (exit 3): nothing else to say
+                # Writes failed on some GPUs, the others capped: a GPU fallen off the bus is
+                # still named, beside the failure.
+                failed = exc
+            else:
+                out.print(f"applied caps to {len(plan.actions)} GPU(s)")
     where = str(caps_file)
+    if failed is not None:  # in one line, with the GPUs fallen off the bus
+        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
     if volatile:  # the caps are in place now, but the driver may drop them when dvfs exits
         console(stderr=True).print(
             f"[yellow]warning: persistence mode is off on {', '.join(volatile)}: the driver "
