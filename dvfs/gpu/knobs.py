@@ -31,9 +31,9 @@ class GatheredFailures:
         self.messages: list[str] = []
         self.needs_root = False
 
-    def add(self, exc: GpuError, prefix: str = "") -> None:
+    def add(self, exc: GpuError, prefix: str = "", suffix: str = "") -> None:
         self.needs_root |= isinstance(exc, GpuPermissionError)
-        self.messages.append(f"{prefix}{exc}")
+        self.messages.append(f"{prefix}{exc}{suffix}")
 
     def raise_if_any(self, head: str, tail: str = "") -> None:
         """Raise `head` + every message + `tail` as one error, if anything failed."""
