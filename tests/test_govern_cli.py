@@ -753,6 +753,29 @@ def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
         server.server_close()
 
 
+@pytest.mark.parametrize("host", ["gpu-node..local", "xn--a", "a" * 64 + ".local"])
+def test_a_url_whose_host_name_cannot_be_encoded_is_a_usage_error(
+    tmp_path: Path, env: dict[str, str], nvml, host: str
+) -> None:
+    """A --url host name with an empty or overlong label, or punycode that does not decode,
+    passed the URL check and ended the run at its first read in a UnicodeError, reported as
+    "cannot handle text in an input file" (exit 1: the units restart on it). It is a bad
+    --url, exit 2 in one line, before any GPU is opened."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    url = f"http://{host}:30000"
+    for argv in (
+        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
+        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+    assert nvml.fake_calls() == []
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:

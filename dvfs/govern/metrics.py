@@ -85,7 +85,11 @@ def check_url(url: str) -> str:
 
     try:
         parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        if parsed.host:  # a punycode label that does not decode raises here
+            # as the socket layer encodes the name: one it cannot (an empty label, "a..b")
+            # would end the first read in a UnicodeError
+            parsed.raw_host.decode("ascii").encode("idna")
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:  # UnicodeError is a ValueError
         return f"{redact_url(str(url))!r} is not a URL ({exc})"
     if parsed.scheme not in ("http", "https") or not parsed.host:
         return f"{redact_url(url)!r} is not an http(s)://HOST:PORT address"
