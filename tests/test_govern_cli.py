@@ -776,6 +776,26 @@ def test_a_url_whose_host_name_cannot_be_encoded_is_a_usage_error(
     assert nvml.fake_calls() == []
 
 
+def test_a_listen_host_that_cannot_be_encoded_is_a_usage_error(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`--listen gpu-node..local:9436` passed the check and ended the run as it started
+    serving, in a UnicodeError reported as "cannot handle text in an input file" (exit 1). It
+    is a bad --listen, exit 2 in one line, before any GPU is opened."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--gpu", "0", "--interval", "0.01", "--listen", "gpu-node..local:9436"],
+        ["govern", "--plan", str(plan), "--gpu", "0", "--listen", "gpu-node..local:9435"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --listen" in line and "names no host" in line, printed
+    assert nvml.fake_calls() == []
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:
