@@ -643,6 +643,7 @@ class CountingMetrics(http.server.ThreadingHTTPServer):
     def __init__(self) -> None:
         self.connections = 0
         self.requests = 0
+        self.paths: list[str] = []  # each request's path and query, as read
         server = self
 
         class Page(http.server.BaseHTTPRequestHandler):
@@ -654,6 +655,7 @@ class CountingMetrics(http.server.ThreadingHTTPServer):
 
             def do_GET(self) -> None:  # noqa: N802 - http.server naming
                 server.requests += 1
+                server.paths.append(self.path)
                 body = b"sglang:num_running_reqs 2\nsglang:generation_tokens_total 10\n"
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -705,6 +707,93 @@ def test_a_run_reads_the_server_every_interval_over_one_connection(
     assert result.returncode == 0, result.stderr
     assert server.requests == reads, result.stderr
     assert server.connections == 1
+
+
+def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
+    env: dict[str, str], nvml
+) -> None:
+    """`--url` with a query or a fragment had /metrics appended to them, so the page read was
+    the server's / (a 404 blamed on --enable-metrics, or another page); and a port above 65535
+    passed, the socket layer taking it modulo 65536: another port's server read, silently. The
+    query stays (after /metrics), the fragment goes, and a port outside 1-65535 is a usage
+    error, exit 2, its credentials not shown."""
+    server = CountingMetrics()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        for url, path in (
+            (f"{server.url}/?x=1", "/metrics?x=1"),
+            (f"{server.url}/metrics/?x=1", "/metrics?x=1"),
+            (f"{server.url}#top", "/metrics"),
+        ):
+            server.paths.clear()
+            result = dvfs_in_process(
+                *("monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"),
+                env=env,
+            )
+            assert result.returncode == 0, result.stderr
+            assert server.paths == [path, path], (url, server.paths)
+            assert "dvfs_server_running_requests 2.0" in result.stdout
+        server.paths.clear()
+        for url in (
+            f"http://127.0.0.1:{port + 65536}",
+            f"http://alice:pw-1@127.0.0.1:{port + 65536}",
+        ):
+            result = dvfs_in_process(
+                *("monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"), env=env
+            )
+            printed = result.stdout + result.stderr
+            assert result.returncode == 2, printed
+            assert f"has port {port + 65536}, not one from 1 to 65535" in printed, printed
+            assert "pw-1" not in printed and "Traceback" not in printed, printed
+        assert server.paths == []  # nothing read at the port it wraps around to
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("host", ["gpu-node..local", "xn--a", "a" * 64 + ".local"])
+def test_a_url_whose_host_name_cannot_be_encoded_is_a_usage_error(
+    tmp_path: Path, env: dict[str, str], nvml, host: str
+) -> None:
+    """A --url host name with an empty or overlong label, or punycode that does not decode,
+    passed the URL check and ended the run at its first read in a UnicodeError, reported as
+    "cannot handle text in an input file" (exit 1: the units restart on it). It is a bad
+    --url, exit 2 in one line, before any GPU is opened."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    url = f"http://{host}:30000"
+    for argv in (
+        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
+        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+    assert nvml.fake_calls() == []
+
+
+def test_a_listen_host_that_cannot_be_encoded_is_a_usage_error(
+    tmp_path: Path, env: dict[str, str], nvml
+) -> None:
+    """`--listen gpu-node..local:9436` passed the check and ended the run as it started
+    serving, in a UnicodeError reported as "cannot handle text in an input file" (exit 1). It
+    is a bad --listen, exit 2 in one line, before any GPU is opened."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--gpu", "0", "--interval", "0.01", "--listen", "gpu-node..local:9436"],
+        ["govern", "--plan", str(plan), "--gpu", "0", "--listen", "gpu-node..local:9435"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --listen" in line and "names no host" in line, printed
+    assert nvml.fake_calls() == []
 
 
 def closed_port() -> int:

@@ -231,6 +231,12 @@ def parse_listen(value: str) -> tuple[str, int] | None:
         raise ExporterError(
             f"--listen must be HOST:PORT (e.g. {DEFAULT_LISTEN}) or off, got {value!r}"
         )
+    try:  # as the socket layer encodes the name: one it cannot ("a..b") is no host
+        host.encode("idna")
+    except UnicodeError as exc:
+        raise ExporterError(
+            f"--listen {value!r} names no host that can be looked up ({exc})"
+        ) from exc
     return host, int(port)
 
 

@@ -67,21 +67,35 @@ def parse_server_metrics(text: str) -> ServerSample:
 
 
 def metrics_url(url: str) -> str:
-    """The /metrics address of a server given by its base URL (or by /metrics itself)."""
-    base = url.rstrip("/")
-    return base if base.endswith("/metrics") else base + "/metrics"
+    """The /metrics address of a server given by its base URL (or by /metrics itself): the
+    path ends in /metrics, a query is kept after it and a fragment (never sent) dropped."""
+    import httpx
+
+    parsed = httpx.URL(url)
+    path = parsed.path.rstrip("/")
+    if not path.endswith("/metrics"):
+        path += "/metrics"
+    return str(parsed.copy_with(path=path, fragment=None))
 
 
 def check_url(url: str) -> str:
-    """Why `url` cannot be a server's address, or "" when it can (http or https, a host)."""
+    """Why `url` cannot be a server's address, or "" when it can (http or https, a host, a
+    port from 1 to 65535 if any)."""
     import httpx
 
     try:
         parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
-        return f"{url!r} is not a URL ({exc})"
+        if parsed.host:  # a punycode label that does not decode raises here
+            # as the socket layer encodes the name: one it cannot (an empty label, "a..b")
+            # would end the first read in a UnicodeError
+            parsed.raw_host.decode("ascii").encode("idna")
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:  # UnicodeError is a ValueError
+        return f"{redact_url(str(url))!r} is not a URL ({exc})"
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        return f"{url!r} is not an http(s)://HOST:PORT address"
+        return f"{redact_url(url)!r} is not an http(s)://HOST:PORT address"
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        # the socket layer would take it modulo 65536: another port's server, read silently
+        return f"{redact_url(url)!r} has port {parsed.port}, not one from 1 to 65535"
     return ""
 
 
