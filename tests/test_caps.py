@@ -1228,6 +1228,37 @@ def test_a_caps_record_with_a_damaged_entry_is_named_in_one_line(
         assert "internal error" not in told and told.count("Error:") == 1, told
 
 
+@pytest.mark.parametrize("command", [("cap", "reset"), ("gpu", "reset", "--defaults")])
+def test_a_reset_drops_a_damaged_caps_entry_and_resets_every_gpu(
+    nvml, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """A caps record with a damaged entry (a lock of one clock) made `cap reset`, the caps
+    unit's stop, reset GPU 0 without a word and then refuse, exit 2, telling to remove the
+    record and re-apply, with GPUs 1 and 2 left capped; `gpu reset --defaults` alike. A reset
+    drops the entries it resets, damaged or not, as it did before entries were checked: every
+    GPU is reset and said so."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
+    entries = json.loads(record.read_text())
+    entries[nvml.fake_device_state(2)["uuid"]]["lock_mhz"] = [1500]
+    record.write_text(json.dumps(entries))
+    said = " ".join(invoke(*command).split())
+    for index in range(3):
+        assert f"GPU {index} ({nvml.fake_device_state(index)['uuid']}): clocks unlocked" in said
+        assert nvml.fake_device_state(index)["locked_clocks"] is None, index
+        assert nvml.fake_device_state(index)["power_limit_mw"] == 700_000, index
+    assert not record.exists()
+
+
 def test_plan_refuses_bad_gpu_choices() -> None:
     d = doc([row("code", 1305, 450.0)])
     with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):

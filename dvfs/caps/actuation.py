@@ -89,6 +89,12 @@ class AppliedCaps:
     def read(self) -> dict[str, dict[str, Any]]:
         """The caps in force by dvfs's record: entries applied during an earlier boot are left
         out, since the reboot reset those GPUs (and the next write drops them)."""
+        return self._entries(checked=True)
+
+    def _entries(self, *, checked: bool) -> dict[str, dict[str, Any]]:
+        """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
+        one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
+        damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
         if not self.path.exists():
             return {}
         try:
@@ -101,7 +107,7 @@ class AppliedCaps:
                 "remove it and re-apply"
             )
         for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
-            problem = _record_problem(r)
+            problem = _record_problem(r) if checked else None
             if problem:
                 raise CapsError(
                     f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
@@ -158,7 +164,7 @@ class AppliedCaps:
         ensure_dir(self.path.parent)
         with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            records = self.read()
+            records = self._entries(checked=False)
             if entry is None:
                 records.pop(uuid, None)
             else:
