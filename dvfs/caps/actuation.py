@@ -737,6 +737,18 @@ def reset_gpus(
     from dvfs.signals import signals_raise
 
     store = StateStore(directory)
+    # A GPU whose state file is unreadable (damaged, edited by hand) is left as it is, named
+    # once the others are restored: it must not keep them from their recorded settings.
+    unreadable: list[GpuError] = []
+    readable: list[Gpu] = []
+    for gpu in gpus:
+        try:
+            store.pending(gpu.identity.uuid)
+        except GpuStateError as exc:
+            unreadable.append(exc)
+            continue
+        readable.append(gpu)
+    gpus = readable
     with_state = [g for g in gpus if store.pending(g.identity.uuid)]
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
@@ -744,6 +756,8 @@ def reset_gpus(
     recorded = governed.recorded()
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
+        if unreadable:
+            _raise_together(unreadable)
         return False
     targets = list(gpus) if defaults else [*with_state, *stale]
     locks = GpuLocks(directory)
@@ -770,7 +784,7 @@ def reset_gpus(
         ]
         # One GPU failing to restore must not keep the others from their defaults, nor leave
         # what was restored unsaid: each is noted once done, the failures raised at the end.
-        failed: list[GpuError] = []
+        failed: list[GpuError] = unreadable
         try:
             restore_pending(with_state, store, note)
         except GpuError as exc:
@@ -790,9 +804,14 @@ def reset_gpus(
                 reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
             except GpuError as exc:
                 failed.append(exc)
-        if len(failed) == 1:
-            raise failed[0]
         if failed:
-            permission = any(isinstance(e, GpuPermissionError) for e in failed)
-            raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))
+            _raise_together(failed)
     return True
+
+
+def _raise_together(failed: Sequence[GpuError]) -> None:
+    """One error for every GPU that failed: the one as it is, several in one line."""
+    if len(failed) == 1:
+        raise failed[0]
+    permission = any(isinstance(e, GpuPermissionError) for e in failed)
+    raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))
