@@ -1452,6 +1452,33 @@ def test_cap_apply_names_a_lost_gpu_beside_one_whose_caps_failed(nvml, tmp_path:
     result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
-    [error] = result.stderr.strip().splitlines()
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert "GPU 0: cannot lock SM clocks" in error and "GPU 2" in error, error
     assert "fallen off the bus" in error, error
+
+
+def test_an_apply_failing_on_one_gpu_still_warns_of_the_others_and_notes_them(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply` with GPU 0's clock lock failing capped GPU 1, whose persistence mode is off,
+    without the warning that the driver may drop its caps when dvfs exits, and said nothing of
+    GPU 2, left alone for its MIG: the failure's line alone came out. The warning (for the GPU
+    capped, not the one that failed) and the notes come before the failure, exit 1 still."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    for index in (0, 1):
+        nvml.fake_update_device(index, persistence_mode=False)
+    nvml.fake_update_device(2, mig=True)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    told = " ".join(result.stderr.split())
+    assert "persistence mode is off on GPU 1:" in told, told
+    assert "GPU 0" not in told.split("persistence mode is off on")[1].split(":")[0], told
+    assert "has MIG enabled and was left alone" in told, told
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert "GPU 0: cannot lock SM clocks" in error, error
+    assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
