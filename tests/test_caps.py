@@ -1259,6 +1259,27 @@ def test_a_reset_drops_a_damaged_caps_entry_and_resets_every_gpu(
     assert not record.exists()
 
 
+def test_cap_reset_refuses_an_unreadable_caps_record_before_resetting_any_gpu(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap reset` with a caps record that is no JSON reset GPU 0 and only then refused, exit
+    2, telling to remove the record and re-apply: GPU 0's reset went unsaid and GPUs 1 and 2
+    stayed capped. The record is read before any GPU is reset: refused with nothing changed,
+    and said so."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    invoke("cap", "apply", str(caps))
+    (Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json").write_text('{"GPU-')
+    told = " ".join(invoke("cap", "reset", code=2).split())
+    assert "caps-applied.json is unreadable" in told and "nothing was reset" in told, told
+    assert "clocks unlocked" not in told, told
+    for index in range(3):
+        assert nvml.fake_device_state(index)["locked_clocks"] == [210, 1500], index
+
+
 def test_plan_refuses_bad_gpu_choices() -> None:
     d = doc([row("code", 1305, 450.0)])
     with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):

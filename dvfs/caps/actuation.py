@@ -91,6 +91,11 @@ class AppliedCaps:
         out, since the reboot reset those GPUs (and the next write drops them)."""
         return self._entries(checked=True)
 
+    def entries_as_written(self) -> dict[str, dict[str, Any]]:
+        """`read` without checking each entry's knobs: the entries a change to one GPU's
+        carries as they are; CapsError where the file is no JSON object of objects."""
+        return self._entries(checked=False)
+
     def _entries(self, *, checked: bool) -> dict[str, dict[str, Any]]:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
@@ -164,7 +169,7 @@ class AppliedCaps:
         ensure_dir(self.path.parent)
         with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            records = self._entries(checked=False)
+            records = self.entries_as_written()
             if entry is None:
                 records.pop(uuid, None)
             else:
@@ -581,6 +586,12 @@ def reset_caps(
     failures = GatheredFailures()
     done = []
     store = StateStore(record.path.parent)
+    if gpus:  # a record that is unreadable is refused before any GPU is reset, not after one
+        try:
+            record.entries_as_written()
+        except CapsError as exc:
+            told = str(exc).removesuffix("; remove it and re-apply")
+            raise CapsError(f"{told}; nothing was reset: remove it, then reset again") from exc
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
