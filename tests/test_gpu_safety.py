@@ -726,7 +726,7 @@ def test_cap_apply_with_a_hung_driver_fails_in_one_line(nvml, env, tmp_path: Pat
         },
     )
     assert result.returncode == 1, result.stderr
-    [line] = result.stderr.strip().splitlines()
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
     assert f"nvmlDeviceSetGpuLockedClocks on GPU 0 ({uuid}) did not return within 0.4 s" in line
 
 
@@ -1064,6 +1064,58 @@ def test_gpu_reset_names_a_state_file_whose_lock_is_damaged(
     assert result.returncode != 0 and "internal error" not in told, told
     assert f"{uuid}.json is unreadable (sm_clock_lock_mhz is" in told, told
     assert nvml.fake_calls() == [] and (state / f"{uuid}.json").exists()
+
+
+def _state_files(nvml, env: dict[str, str], locks: dict[int, Any]) -> Path:
+    """A state file per GPU of `locks` (its recorded lock; 500 W), as a dead dvfs left them."""
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    for index, lock in locks.items():
+        uuid = nvml.fake_device_state(index)["uuid"]
+        original = {"uuid": uuid, "sm_clock_lock_mhz": lock, "power_limit_mw": 500_000}
+        (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    return state
+
+
+def test_gpu_reset_restores_the_others_beside_a_gpu_whose_state_file_is_damaged(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset --defaults` with GPU 1's state file damaged (a lock of one clock) refused
+    every GPU, exit 3: GPU 0 kept the dead run's changes its state file records, GPU 2 its
+    changed power limit. The damaged file's GPU is left as it is and named once the others
+    are restored or reset, as a GPU that fails its restore is."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    state = _state_files(nvml, env, {0: [210, 1500], 1: [1500]})
+    nvml.fake_update_device(2, power_limit_mw=400_000)
+    result = dvfs_in_process("gpu", "reset", "--defaults", env=env)
+    assert result.returncode == 3, result.stdout + result.stderr
+    said = " ".join(result.stdout.split())
+    assert f"restored GPU 0 ({nvml.fake_device_state(0)['uuid']})" in said, said
+    assert f"reset GPU 2 ({nvml.fake_device_state(2)['uuid']})" in said, said
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    uuid = nvml.fake_device_state(1)["uuid"]
+    assert f"{uuid}.json is unreadable (sm_clock_lock_mhz is [1500]" in error, error
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000
+    assert nvml.fake_device_state(2)["power_limit_mw"] == 700_000
+    assert (state / f"{uuid}.json").exists()  # for the operator to inspect
+    assert not [c for c in nvml.fake_calls() if c["index"] == 1], nvml.fake_calls()
+
+
+def test_gpu_reset_names_a_lost_gpu_beside_a_damaged_state_file(nvml, env: dict[str, str]) -> None:
+    """`dvfs gpu reset` with GPU 1's state file damaged and GPU 2 fallen off the bus named the
+    damaged file alone and restored nothing: GPU 0's state file was not restored, and the lost
+    GPU, which the help says is named once the others are restored, went unsaid."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    state = _state_files(nvml, env, {0: [210, 1500], 1: "ab"})
+    nvml.fake_update_device(2, lost=True)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert f"restored GPU 0 ({nvml.fake_device_state(0)['uuid']})" in result.stdout, result.stdout
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "is unreadable" in error and "fallen off the bus" in error, error
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert not (state / f"{nvml.fake_device_state(0)['uuid']}.json").exists()
 
 
 def test_state_files_are_readable_by_all_whatever_the_umask(tmp_path: Path) -> None:

@@ -89,6 +89,17 @@ class AppliedCaps:
     def read(self) -> dict[str, dict[str, Any]]:
         """The caps in force by dvfs's record: entries applied during an earlier boot are left
         out, since the reboot reset those GPUs (and the next write drops them)."""
+        return self._entries(checked=True)
+
+    def entries_as_written(self) -> dict[str, dict[str, Any]]:
+        """`read` without checking each entry's knobs: the entries a change to one GPU's
+        carries as they are; CapsError where the file is no JSON object of objects."""
+        return self._entries(checked=False)
+
+    def _entries(self, *, checked: bool) -> dict[str, dict[str, Any]]:
+        """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
+        one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
+        damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
         if not self.path.exists():
             return {}
         try:
@@ -101,7 +112,7 @@ class AppliedCaps:
                 "remove it and re-apply"
             )
         for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
-            problem = _record_problem(r)
+            problem = _record_problem(r) if checked else None
             if problem:
                 raise CapsError(
                     f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
@@ -158,7 +169,7 @@ class AppliedCaps:
         ensure_dir(self.path.parent)
         with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            records = self.read()
+            records = self.entries_as_written()
             if entry is None:
                 records.pop(uuid, None)
             else:
@@ -575,6 +586,12 @@ def reset_caps(
     failures = GatheredFailures()
     done = []
     store = StateStore(record.path.parent)
+    if gpus:  # a record that is unreadable is refused before any GPU is reset, not after one
+        try:
+            record.entries_as_written()
+        except CapsError as exc:
+            told = str(exc).removesuffix("; remove it and re-apply")
+            raise CapsError(f"{told}; nothing was reset: remove it, then reset again") from exc
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
@@ -731,6 +748,18 @@ def reset_gpus(
     from dvfs.signals import signals_raise
 
     store = StateStore(directory)
+    # A GPU whose state file is unreadable (damaged, edited by hand) is left as it is, named
+    # once the others are restored: it must not keep them from their recorded settings.
+    unreadable: list[GpuError] = []
+    readable: list[Gpu] = []
+    for gpu in gpus:
+        try:
+            store.pending(gpu.identity.uuid)
+        except GpuStateError as exc:
+            unreadable.append(exc)
+            continue
+        readable.append(gpu)
+    gpus = readable
     with_state = [g for g in gpus if store.pending(g.identity.uuid)]
     governed = GovernorLocks(directory)
     # A governor killed after recording its lock but before changing the GPU left a record
@@ -738,6 +767,8 @@ def reset_gpus(
     recorded = governed.recorded()
     stale = [g for g in gpus if g.identity.uuid in recorded and g not in with_state]
     if not with_state and not stale and not defaults:
+        if unreadable:
+            _raise_together(unreadable)
         return False
     targets = list(gpus) if defaults else [*with_state, *stale]
     locks = GpuLocks(directory)
@@ -764,7 +795,7 @@ def reset_gpus(
         ]
         # One GPU failing to restore must not keep the others from their defaults, nor leave
         # what was restored unsaid: each is noted once done, the failures raised at the end.
-        failed: list[GpuError] = []
+        failed: list[GpuError] = unreadable
         try:
             restore_pending(with_state, store, note)
         except GpuError as exc:
@@ -784,9 +815,14 @@ def reset_gpus(
                 reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
             except GpuError as exc:
                 failed.append(exc)
-        if len(failed) == 1:
-            raise failed[0]
         if failed:
-            permission = any(isinstance(e, GpuPermissionError) for e in failed)
-            raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))
+            _raise_together(failed)
     return True
+
+
+def _raise_together(failed: Sequence[GpuError]) -> None:
+    """One error for every GPU that failed: the one as it is, several in one line."""
+    if len(failed) == 1:
+        raise failed[0]
+    permission = any(isinstance(e, GpuPermissionError) for e in failed)
+    raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))

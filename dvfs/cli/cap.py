@@ -256,24 +256,24 @@ def apply(
             lost=lost_line,
         )
         capped = {a.uuid for a in plan.actions}
-        volatile = [
-            f"GPU {g.identity.index}"
+        volatile = {
+            g.identity.uuid: f"GPU {g.identity.index}"
             for g in gpus
             if g.identity.uuid in capped and g.persistence_mode() is False
-        ]
+        }
         if dry_run:
             _refuse_as_the_apply_would(plan.actions, gpus, directory)
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
         else:  # each GPU reported once its caps are in place, not before
+            applied: set[str] = set()
+
+            def done(action: CapAction) -> None:
+                applied.add(action.uuid)
+                click.echo(f"applied to {action.describe()}")
+
             try:
-                enforce_plan(
-                    plan,
-                    gpus,
-                    directory,
-                    str(caps_file.resolve()),
-                    lambda action: click.echo(f"applied to {action.describe()}"),
-                )
+                enforce_plan(plan, gpus, directory, str(caps_file.resolve()), done)
             except (GpuError, GpuPermissionError) as exc:
                 if type(exc) not in (GpuError, GpuPermissionError):
                     raise  # refused before any change (exit 3): nothing else to say
@@ -282,14 +282,13 @@ def apply(
                 failed = exc
             else:
                 out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+            volatile = {u: g for u, g in volatile.items() if u in applied}  # those capped
     where = str(caps_file)
-    if failed is not None:  # in one line, with the GPUs fallen off the bus
-        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
     if volatile:  # the caps are in place now, but the driver may drop them when dvfs exits
         console(stderr=True).print(
-            f"[yellow]warning: persistence mode is off on {', '.join(volatile)}: the driver "
-            "resets clock locks and power limits when it unloads (no process holding the GPU), "
-            "so these caps may not last; enable it (nvidia-smi -pm 1, or run "
+            f"[yellow]warning: persistence mode is off on {', '.join(volatile.values())}: the "
+            "driver resets clock locks and power limits when it unloads (no process holding the "
+            "GPU), so these caps may not last; enable it (nvidia-smi -pm 1, or run "
             "nvidia-persistenced)[/yellow]",
             soft_wrap=True,
         )
@@ -305,9 +304,11 @@ def apply(
         message = plan.unmatched_message(where, dry_run=dry_run)
         if dry_run:
             message = f"dry run, nothing changed: {message}"
-        if not skip_missing and not lost:
+        if not skip_missing and not lost and failed is None:
             raise CapsPartlyAppliedError(f"{message}; pass --skip-missing if that is expected")
         console(stderr=True).print(f"note: {escape(message)}")
+    if failed is not None:  # once the others' notes are said; with the GPUs fallen off the bus
+        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
     if lost:  # the others are capped (or, dry run, would be): the lost GPU needs seeing to
         if dry_run:
             raise GpuUnavailableError(

@@ -199,13 +199,14 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
 
     Without DEVICES, every GPU with a state file, but those a running dvfs is using (it
     restores them itself), with a note. A GPU fallen off the bus (named or not) is named, exit
-    1, once the others are restored (its state file stays for when it answers again). Holds
-    each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running dvfs
-    is using.
+    1, once the others are restored (its state file stays for when it answers again); so is a
+    GPU whose state file is unreadable (damaged), left as it is for the file to be inspected.
+    Holds each GPU's lock while restoring, so it refuses a GPU named in DEVICES that a running
+    dvfs is using.
     """
     from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
-    from dvfs.errors import GpuError, GpuPermissionError
+    from dvfs.errors import GpuBusyError, GpuError
     from dvfs.gpu.safety import default_state_dir
 
     out = console()
@@ -224,10 +225,11 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
                 note=lambda line: out.print(escape(line)),
                 skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
             )
-        except (GpuError, GpuPermissionError) as exc:
-            if not lost or type(exc) not in (GpuError, GpuPermissionError):
-                raise
-            # A GPU that failed to restore must not hide one fallen off the bus: both named.
+        except GpuError as exc:
+            if not lost or isinstance(exc, GpuBusyError):
+                raise  # a GPU named that another dvfs holds: refused before any change
+            # A GPU that failed to restore (or whose state file is unreadable, left as it is)
+            # must not hide one fallen off the bus: both named.
             raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
