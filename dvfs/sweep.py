@@ -1632,6 +1632,12 @@ def twin_estimate(
     from dvfs.cube import open_cube
 
     stand_in, profile, source = twin_stand_in(campaign, twin)
+    if len(stand_in.gpu.groups) > 1:
+        from dvfs.fleet.devices import for_group
+
+        # Each cell runs on one group's server, as a fleet's worker runs it: not on one server
+        # spanning every group's GPUs (a wider tensor-parallel server, faster than the sweep's).
+        stand_in = for_group(stand_in, stand_in.gpu.groups[0])
     if count_method.startswith(TOKENIZER_OF) and count_method != (
         f"{TOKENIZER_OF}{tokenizer_model(stand_in)}"
     ):

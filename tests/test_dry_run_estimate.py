@@ -325,3 +325,28 @@ def test_a_large_estimate_off_a_terminal_says_first_what_it_does_and_how_to_skip
     assert "pass --no-estimate to skip it" in said
     assert "--no-estimate" not in run(cells + 1)[0]
     assert "--no-estimate" not in run(cells, "--no-estimate")[0]
+
+
+def test_a_campaign_of_server_groups_is_estimated_on_one_group_s_server(tmp_path: Path) -> None:
+    """`gpu.devices = [[0, 1], [2, 3]]` is two servers of two GPUs, each cell on one of them:
+    the estimate swept every cell on one server of all four GPUs (tensor parallel 4), whose
+    windows are shorter than the sweep's (here a window share of 3.2% for 4.7%)."""
+    tp2 = replace_block(
+        replace_block(SMALLER, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"'),
+        'model = "llama-3.1-8b"',
+        'model = "llama-3.1-8b"\ntp_size = 2',
+    )
+    estimates = []
+    for name, devices in (("one", "[0, 1]"), ("two", "[[0, 1], [2, 3]]")):
+        campaign = write(
+            tmp_path / f"{name}.toml", replace_block(tp2, "devices = [0]", f"devices = {devices}")
+        )
+        dry = CliRunner().invoke(
+            cli, ["sweep", str(campaign), "--out", str(tmp_path / name), "--dry-run", "--json"]
+        )
+        assert dry.exit_code == 0, dry.output
+        estimates.append(json.loads(dry.output)["estimate"])
+    one, two = estimates
+    assert two["window_share"] == one["window_share"]
+    assert two["gpu_hours"] == one["gpu_hours"]
+    assert two["naive_gpu_hours"] == one["naive_gpu_hours"]

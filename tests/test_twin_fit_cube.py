@@ -800,6 +800,33 @@ def test_a_tensor_parallel_cube_is_fitted_per_gpu_and_predicted_again(tmp_path: 
     assert float(abs(rel - 1).max()) < 0.01
 
 
+def test_predict_runs_a_campaign_of_server_groups_as_its_sweep_does(tmp_path: Path) -> None:
+    """`gpu.devices = [[0, 1], [2, 3]]` is two tensor-parallel servers of two GPUs, one worker
+    each, as `dvfs sweep` runs it: `twin predict` ran one server over all four GPUs (twice
+    as fast, four GPUs' energy) in a cube saying tp_size 2, power ~1.9x the sweep's."""
+    source = (
+        fit_variant(sm_clock="[1980]", power_limit="[700]", batch="[1, 64]")
+        .replace("devices = [0]", "devices = [[0, 1], [2, 3]]")
+        .replace('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+    )
+    campaign = write(tmp_path / "c.toml", source)
+    swept = invoke("sweep", str(campaign), "--out", str(tmp_path / "s"), "--no-progress")
+    assert swept.exit_code == 0, swept.output
+    same = profile_file(tmp_path / "same.toml", dataclasses.replace(EXACT_H100, key="same-h100"))
+    made = invoke(
+        "twin", "predict", str(campaign), "--profile", str(same), "-o", str(tmp_path / "p"),
+        "--no-progress",
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    measured = open_cube(tmp_path / "s" / "cube.nc")
+    predicted = open_cube(tmp_path / "p" / "cube.nc")
+    assert int(predicted.attrs["tp_size"]) == 2
+    assert int(predicted["valid"].sum()) == int(measured["valid"].sum()) == 6
+    for name in ("energy_per_token_j", "power_mean_w", "tpot_ms"):
+        rel = predicted[name] / measured[name] - 1
+        assert float(abs(rel).max()) < 1e-3, (name, rel.values)
+
+
 def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path: Path) -> None:
     """A leakage loop gain of 1 or more (thermal_c_per_w x leakage_w_per_c) is a profile
     edited by hand wrongly: one line, exit 2, naming the file and the figures, not an

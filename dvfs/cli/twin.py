@@ -263,8 +263,10 @@ def predict(
     the twin (its GPU and engine switched to the twin, the profile's GPU, virtual time) into
     OUT/cube.nc, as `dvfs sweep` would."""
     from dvfs.campaign import load_campaign
-    from dvfs.cli.sweep import run
+    from dvfs.cli.common import sweep_groups
+    from dvfs.cli.sweep import run, run_fleet
     from dvfs.errors import CampaignError
+    from dvfs.fleet.folders import fleet_journal
     from dvfs.sweep import twin_stand_in
     from dvfs.twin.fit import load_profile, profile_digest, registered_profile
 
@@ -286,7 +288,13 @@ def predict(
         key = f"{key}:{traps}" if traps else key
         stand_in, _, _ = twin_stand_in(campaign, key, profile_digest=digest)
         _check_knobs(stand_in, profile, campaign_path, profile_path)
-        outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
+        # as `dvfs sweep` runs it: a campaign of several gpu.devices groups (or a folder a
+        # fleet journals in) on one worker and server per group, not one server on them all
+        groups = sweep_groups(stand_in, None)
+        if len(groups) > 1 or (not fresh and fleet_journal(out_dir)):
+            outcome = run_fleet(stand_in, out_dir, groups, fresh=fresh, progress=not no_progress)
+        else:
+            outcome = run(stand_in, out_dir, fresh=fresh, progress=not no_progress)
     if outcome.summary.failed:
         raise SystemExit(5)
 
