@@ -185,11 +185,13 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     if out_path.is_file():  # a pipe or /dev/stdout cannot be read back
         load_plan(out_path)  # what was written reads back as the same plan
-    err.print(
-        f"wrote {escape(str(out_path))}; try it with `dvfs govern --plan "
-        f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run"
-        + (" --allow-simulated`" if plan.simulated else "`")
-    )
+    import shlex
+
+    # The command on a line of its own, never wrapped, its path quoted: it can be pasted.
+    command = f"dvfs govern --plan {shlex.quote(str(out_path))} --url http://127.0.0.1:30000"
+    command += " --dry-run" + (" --allow-simulated" if plan.simulated else "")
+    err.print(f"wrote {escape(str(out_path))}; try it with:", soft_wrap=True)
+    err.print(f"  {escape(command)}", soft_wrap=True, highlight=False)
 
 
 @cap.command("apply")
