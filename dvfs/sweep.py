@@ -1149,8 +1149,8 @@ def _estimate_dict(e: TwinEstimate | None, closed_form_s: float) -> dict[str, An
         "window_share": round(e.window_s / e.dvfs_gpu_s, 4) if e.dvfs_gpu_s else None,
         "naive_gpu_hours": round(e.naive_gpu_s / 3600, 3),
         "naive_protocol": (
-            f"per cell {NAIVE_REPEATS} times: a server start, knobs.settle_s, warm-up, "
-            f"prefill and one {NAIVE_WINDOW_S:g} s window"
+            f"per cell {NAIVE_REPEATS} times: a server start (none when attached), "
+            f"knobs.settle_s, warm-up, prefill and one {NAIVE_WINDOW_S:g} s window"
         ),
         "dvfs_over_naive": round(e.dvfs_gpu_s / e.naive_gpu_s, 4) if e.naive_gpu_s else None,
     }
@@ -1582,18 +1582,22 @@ class TwinEstimate:
     start_s: float = 0.0
 
 
-def naive_gpu_s(ds: Any, campaign: Campaign) -> float:
+def naive_gpu_s(ds: Any, campaign: Campaign, *, attached: bool = False) -> float:
     """The naive protocol's GPU time on the cells of a swept cube, from what the twin measured
     in each: per cell, `NAIVE_REPEATS` times one server start (the twin's, as
     `gpu_time_server_start_s` records it), the campaign's fixed `knobs.settle_s`, a warm-up of
     `warmup_tokens` at the cell's time per token (batch / throughput), the median time to first
     token and a fixed `NAIVE_WINDOW_S` window. Each of the campaign's `repeats` measured
     repeats of a cell carries its share of the naive cell (so a shard counts its slice);
-    repeats added by adaptive precision, and cells the twin did not measure, count nothing."""
+    repeats added by adaptive precision, and cells the twin did not measure, count nothing.
+    `attached`: the campaign attaches to a running server (engine.sglang.url), which the
+    naive protocol does not start either."""
     import numpy as np
 
     start = float(np.nanmax(ds["gpu_time_server_start_s"].values, initial=0.0))
-    if start <= 0:
+    if attached:
+        start = 0.0
+    elif start <= 0:
         from dvfs.engines.twin import STARTUP_S
 
         start = STARTUP_S
@@ -1667,7 +1671,14 @@ def twin_estimate(
             for name in ("gpu_time_server_start_s", "gpu_time_stabilise_s")
             if name in ds
         )
-        naive = naive_gpu_s(ds, stand_in)
+        # An attached server (engine.sglang.url) is running already: the stand-in's server
+        # starts are not spent (the thermal stabilisation after each attach still is).
+        attached = campaign.engine.backend == "sglang" and bool(campaign.engine.sglang.url)
+        if attached and "gpu_time_server_start_s" in ds:
+            launching = float(ds["gpu_time_server_start_s"].fillna(0.0).sum())
+            spent -= launching
+            starts -= launching
+        naive = naive_gpu_s(ds, stand_in, attached=attached)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
     return TwinEstimate(
         profile, source, spent, window, naive, cells, skipped, failed, first_failure, starts

@@ -164,6 +164,16 @@ def test_a_journal_that_recorded_ngram_numbers_resumes_once_they_are_removed(
     assert difference.startswith("drafters[ngram].num_draft_tokens:"), difference
 
 
+@pytest.mark.parametrize("key", ["num_steps", "eagle_topk"])
+def test_a_dflash_number_other_than_one_is_named_by_its_own_key(tmp_path: Path, key: str) -> None:
+    text = SMALL_CAMPAIGN + (
+        '\n[drafters.block]\nalgorithm = "DFLASH"\n'
+        'draft_model = "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"\n'
+        f"num_draft_tokens = 16\n{key} = 2\n"
+    )
+    expect_error(tmp_path, text, f"drafters.block.{key}", "fixed at 1")
+
+
 def test_topk_one_forces_draft_tokens(tmp_path: Path) -> None:
     text = replace_block(SMALL_CAMPAIGN, "num_draft_tokens = 4", "num_draft_tokens = 6")
     expect_error(tmp_path, text, "num_steps + 1 = 4", "not 6")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -190,6 +191,23 @@ def test_cap_plan_per_batch_writes_a_plan_that_reads_back(tmp_path: Path) -> Non
     )
     assert missing.exit_code == 2 and "Traceback" not in missing.output
     assert missing.output.startswith("Error: no headroom rows for drafter 'dflash'")
+
+
+def test_the_govern_command_it_suggests_can_be_pasted(tmp_path: Path) -> None:
+    """The suggested `dvfs govern` command is one line, however long, with its path quoted:
+    split over two lines (the console's wrapping) or with a space unquoted, it cannot be run as
+    printed."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0)])))
+    folder = tmp_path / ("a folder with a long name " * 3).strip()
+    folder.mkdir()
+    out = folder / "plan.toml"
+    result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    [line] = [x for x in result.output.splitlines() if "dvfs govern --plan" in x]
+    argv = shlex.split(line)
+    assert argv[:4] == ["dvfs", "govern", "--plan", str(out)]
+    assert argv[4:] == ["--url", "http://127.0.0.1:30000", "--dry-run"]
 
 
 def test_a_swept_cube_gives_a_plan_per_measured_batch(small_sweep: Path, tmp_path: Path) -> None:

@@ -305,6 +305,41 @@ def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_pa
         assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
+    nvml, tmp_path: Path
+) -> None:
+    """`dvfs cap reset` with GPU 1 failing its reset (an NVML error) reset GPU 2, uncapped,
+    without a word, and said nothing of GPU 0, which a running governor holds and which was
+    not reset: the one line named GPU 1 alone. What was reset is printed, and the error names
+    the failed GPU and the held one with the command that resets it later."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(1, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        result = CliRunner().invoke(cli, ["cap", "reset"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    uuid = nvml.fake_device_state(2)["uuid"]
+    assert f"GPU 2 ({uuid}): clocks unlocked" in result.stdout, result.output
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert "GPU 1: cannot reset locked SM clocks" in error, error
+    assert "GPU 0 (" in error and "`dvfs cap reset 0`" in error, error
+    assert nvml.fake_device_state(2)["power_limit_mw"] == 700_000
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every
@@ -1166,6 +1201,33 @@ def test_a_caps_record_that_is_not_an_object_is_a_caps_error(tmp_path: Path) -> 
         record.read()
 
 
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"lock_mhz": [1500]},
+        {"lock_mhz": "1500"},
+        {"lock_mhz": [210, "1500"]},
+        {"lock_mhz": [1500, 210]},
+        {"lock_mhz": None, "power_limit_mw": "500000"},
+    ],
+)
+def test_a_caps_record_with_a_damaged_entry_is_named_in_one_line(
+    nvml, tmp_path: Path, entry: dict
+) -> None:
+    """A caps record whose entry holds a lock of one clock (or text) gave `cap show` "internal
+    error: IndexError", or showed the text as a lock (and a sweep took it for one); each
+    command reading it now names the record and the entry, exit 2, as for a record that is no
+    JSON object."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "caps-applied.json").write_text(json.dumps({uuid: entry}))
+    for args in (("cap", "show"), ("cap", "show", "--json")):
+        told = " ".join(invoke(*args, code=2).split())
+        assert "is not a dvfs caps record" in told and uuid in told, told
+        assert "internal error" not in told and told.count("Error:") == 1, told
+
+
 def test_plan_refuses_bad_gpu_choices() -> None:
     d = doc([row("code", 1305, 450.0)])
     with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):
@@ -1287,3 +1349,78 @@ def test_a_refused_apply_does_not_print_the_change_as_done(
     busy = invoke("cap", "apply", str(caps), code=3)
     assert "dvfs gpu reset" in busy and "SM clock locked" not in busy, busy
     assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
+def test_an_apply_failing_half_way_names_what_it_changed_and_keeps_the_earlier_cap(
+    nvml, tmp_path: Path
+) -> None:
+    """A GPU whose new clock lock went on but whose new power limit failed was named only by
+    its failure: the lock it now held went unsaid. And its record lost the earlier apply's power
+    limit, still on the GPU, so a later file leaving the power limit at stock did not put it
+    back (and a sweep would take that cap for the GPU's stock). The failure now names what is
+    in place, and the record keeps the earlier limit until the new one is."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+
+    def write(clock: int, limit: float | None) -> None:
+        caps.write_text(
+            dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=clock, power_limit_w=limit),)))
+        )
+
+    write(1500, 500.0)
+    invoke("cap", "apply", str(caps))
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceSetPowerManagementLimit": nvml.NVML_ERROR_UNKNOWN}
+    )
+    write(1200, 400.0)
+    failed = " ".join(invoke("cap", "apply", str(caps), code=1).split())
+    assert "cannot set the power limit" in failed, failed
+    assert "GPU 0 was changed before that: SM clock locked to 210-1200 MHz" in failed, failed
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 500_000  # the earlier cap, still on
+    nvml.fake_update_device(0, errors={})
+    write(1200, None)  # the power limit at stock: the earlier cap goes
+    invoke("cap", "apply", str(caps))
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+def test_gpu_info_says_unknown_where_nvml_cannot_read_event_reasons_or_temperature(
+    nvml,
+) -> None:
+    """A GPU whose NVML does not support reading clock-event reasons was shown with "event
+    reasons: none" (--json: []), as if no reason were set, and its temperature as "None C".
+    The reasons are unknown (--json: null), the temperature "-" as an unread power is."""
+    unsupported = nvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fake_update_device(
+        0,
+        errors={
+            "nvmlDeviceGetCurrentClocksEventReasons": unsupported,
+            "nvmlDeviceGetCurrentClocksThrottleReasons": unsupported,
+            "nvmlDeviceGetTemperatureV": unsupported,
+            "nvmlDeviceGetTemperature": unsupported,
+        },
+    )
+    [row] = json.loads(invoke("gpu", "info", "0", "--json"))
+    assert row["event_reasons"] is None and row["temperature_c"] is None, row
+    shown = " ".join(invoke("gpu", "info", "0").split())
+    assert "event reasons: unknown" in shown and "None C" not in shown, shown
+    [other] = json.loads(invoke("gpu", "info", "1", "--json"))
+    assert other["event_reasons"] == ["GpuIdle"]  # read where NVML can
+
+
+def test_cap_apply_names_a_lost_gpu_beside_one_whose_caps_failed(nvml, tmp_path: Path) -> None:
+    """`cap apply` with GPU 0's clock lock failing and GPU 2 fallen off the bus named GPU 0
+    alone: the lost GPU, which the README says is named, exit 1, once the others are capped,
+    went unsaid. The one error names both."""
+    nvml.fake_reset_state("h100-sxm,h200-sxm,h100-sxm")
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    nvml.fake_update_device(2, lost=True)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [error] = result.stderr.strip().splitlines()
+    assert "GPU 0: cannot lock SM clocks" in error and "GPU 2" in error, error
+    assert "fallen off the bus" in error, error

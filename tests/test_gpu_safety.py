@@ -1002,6 +1002,70 @@ def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -
         store.pending("GPU-1")
 
 
+def test_gpu_reset_defaults_resets_the_others_beside_a_gpu_that_fails_to_restore(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset --defaults` with GPU 0's restore failing (an NVML error) stopped there:
+    GPU 1, with no state file, kept its changed power limit, and the one line named GPU 0
+    alone. Each GPU that can be is restored or reset, and said so, before the failure."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    original = {"uuid": uuid, "sm_clock_lock_mhz": [210, 1500], "power_limit_mw": 500_000}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    nvml.fake_update_device(1, power_limit_mw=400_000)
+    result = dvfs_in_process("gpu", "reset", "--defaults", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = " ".join(result.stdout.split())
+    assert f"reset GPU 1 ({nvml.fake_device_state(1)['uuid']}): clocks unlocked" in said, said
+    assert "could not restore: GPU 0: cannot lock SM clocks" in result.stderr, result.stderr
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+    assert (state / f"{uuid}.json").exists()  # kept, for the next try
+
+
+def test_gpu_reset_names_a_lost_gpu_beside_one_that_fails_to_restore(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset` with GPU 0's restore failing and GPU 1 fallen off the bus named GPU 0
+    alone: the lost GPU, which its help says is named once the others are restored, went
+    unsaid. The one error names both."""
+    nvml.fake_reset_state("h100-sxm,h100-sxm")
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    original = {"uuid": uuid, "sm_clock_lock_mhz": [210, 1500], "power_limit_mw": 500_000}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    nvml.fake_update_device(1, lost=True)
+    result = dvfs_in_process("gpu", "reset", env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "could not restore: GPU 0" in error and "GPU 1" in error, error
+    assert "fallen off the bus" in error, error
+
+
+@pytest.mark.parametrize("lock", [[1500], "ab", [1500, 210], ["210", 1500]])
+def test_gpu_reset_names_a_state_file_whose_lock_is_damaged(
+    nvml, env: dict[str, str], lock: Any
+) -> None:
+    """A state file whose recorded lock was one clock or text (damaged, edited by hand) gave
+    `dvfs gpu reset` "internal error: TypeError" from the NVML call it was passed to; it is
+    named unreadable in one line, as a state file that is no JSON object is, and the GPU is
+    left as it is."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    state = Path(env["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    original = {"uuid": uuid, "sm_clock_lock_mhz": lock, "power_limit_mw": 500_000}
+    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
+    result = dvfs_in_process("gpu", "reset", env=env)
+    told = " ".join(result.stderr.split())
+    assert result.returncode != 0 and "internal error" not in told, told
+    assert f"{uuid}.json is unreadable (sm_clock_lock_mhz is" in told, told
+    assert nvml.fake_calls() == [] and (state / f"{uuid}.json").exists()
+
+
 def test_state_files_are_readable_by_all_whatever_the_umask(tmp_path: Path) -> None:
     """dvfs's state files (caps record, GPU state) are read by users and the systemd units:
     written 0644 even under a strict umask, replacing the old one whole, no temp file left."""

@@ -129,6 +129,16 @@ def test_the_latency_bound_carries_the_unit_of_its_statistic() -> None:
     assert kept["latency_bound"].attrs["units"] == "1"
 
 
+def test_an_slo_bound_is_over_the_latencies_not_paired_ratios() -> None:
+    """Against an SLO each repeat's latency is bounded as it is, paired with nothing: the
+    bound's words said "over 2 paired repeat(s) of the latency (ms)"."""
+    result = headroom(simple(repeats=2), target=parse_slo("tpot_p90<=11ms"))
+    said = result.attrs["bound"]
+    assert said == "one-sided 95% Student-t upper bound over 2 repeat(s) of the latency (ms)"
+    kept = headroom(simple(repeats=2), target=Target("preserve", slack=0.10)).attrs["bound"]
+    assert "over 2 paired repeat(s) of the latency ratio to the reference" in kept
+
+
 def test_vs_baseline_trades_speculation_latency_for_energy() -> None:
     lat = {
         ("none", 1000): 12.0,

@@ -108,6 +108,34 @@ def test_apply_sets_again_a_limit_changed_outside_dvfs(nvml) -> None:
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
 
 
+@pytest.mark.parametrize(
+    ("setter", "setting"),
+    [
+        (SET_LIMIT, KnobSetting(None, 400.0)),
+        ("nvmlDeviceSetGpuLockedClocks", KnobSetting(1500, None)),
+    ],
+)
+def test_a_setter_the_gpu_does_not_support_changes_nothing_to_restore(
+    nvml, setter: str, setting: KnobSetting
+) -> None:
+    """NVML's NOT_SUPPORTED from a setter (a GPU or driver without that knob) changed nothing,
+    as a refused permission or value did not: the error says so, and the restore neither
+    writes the knob back nor fails over it (it had, hiding the first error under "could not
+    restore GPU settings" and leaving a state file)."""
+    from dvfs.errors import GpuNotSupportedError
+
+    nvml.fake_update_device(0, errors={setter: nvml.NVML_ERROR_NOT_SUPPORTED})
+    with (
+        pytest.raises(GpuNotSupportedError),
+        open_nvml_gpus([0], nvml=nvml) as gpus,
+        KnobController(gpus) as knobs,
+    ):
+        knobs.apply(setting)
+    assert len(nvml.fake_calls(setter)) == 1  # the refused write, none to restore
+    assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks") == []
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
 # -- the quality check ------------------------------------------------------------------------
 
 

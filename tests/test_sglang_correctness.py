@@ -670,6 +670,40 @@ def test_an_attached_servers_algorithm_is_not_judged_by_this_machines_sglang(
     assert "1 to run" in dry.output and "Error" not in dry.output
 
 
+def test_an_attached_campaigns_estimates_charge_no_server_start(tmp_path: Path) -> None:
+    """engine.sglang.url: the server runs already, so neither the twin's estimate nor the
+    closed-form one charges a server start (the same campaign launching its server does);
+    everything else the two spend is the same."""
+    dry: dict[str, dict[str, Any]] = {}
+    for how, extra in (("attached", 'url = "http://127.0.0.1:9"'), ("launched", "")):
+        (tmp_path / how).mkdir()
+        path, _ = stub_campaign(
+            tmp_path / how,
+            batch="[1]",
+            knobs="sm_clock = [1980]\nsettle_s = 0.0",
+            drafters='\n[drafters.none]\nalgorithm = "none"\n',
+            sglang_extra=extra,
+        )
+        path.write_text(
+            path.read_text().replace("[engine]\n", '[engine]\ntwin_model = "llama-3.1-8b"\n')
+        )
+        for estimate in ("twin", "closed"):
+            options = ["--no-estimate"] if estimate == "closed" else []
+            result = CliRunner().invoke(cli, ["sweep", str(path), "--dry-run", "--json", *options])
+            assert result.exit_code == 0, result.output
+            dry[f"{how} {estimate}"] = json.loads(result.output)
+    from dvfs.engines.twin import STARTUP_S
+    from dvfs.measure.plan import SERVER_START_S
+
+    launched, attached = dry["launched twin"], dry["attached twin"]
+    assert launched["twin_gpu_s"] - attached["twin_gpu_s"] == pytest.approx(STARTUP_S)
+    assert attached["estimate"]["naive_gpu_hours"] < launched["estimate"]["naive_gpu_hours"]
+    closed = {
+        how: dry[f"{how} closed"]["estimated_hours_on_hardware"] for how in ("attached", "launched")
+    }
+    assert closed["launched"] - closed["attached"] == pytest.approx(SERVER_START_S / 3600, abs=0.01)
+
+
 @pytest.mark.parametrize("pinned", [False, True])
 def test_an_attached_campaigns_dry_run_launches_nothing_and_asks_no_local_sglang(
     tmp_path: Path, pinned: bool

@@ -759,6 +759,47 @@ def test_a_profile_fitted_with_leakage_predicts_its_cube_without_counting_it_twi
     assert abs(float(rel.mean())) < 0.01, rel.values
 
 
+def test_a_tensor_parallel_cube_is_fitted_per_gpu_and_predicted_again(tmp_path: Path) -> None:
+    """A tensor-parallel server's cell holds its GPUs' summed energy and power, while the
+    twin's passes are one GPU's share of the work: the fit read the sum as one GPU's and
+    doubled every power figure at tp_size 2 (idle 154 W for 75), and `twin predict` on that
+    profile then gave each GPU the doubled figures (1.5-2.1x the cube's energy per token)."""
+    source = (
+        FIT_CAMPAIGN.replace("devices = [0]", "devices = [0, 1]")
+        .replace('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+        .replace("batch = [1, 16, 64]", "batch = [1, 64]")
+    )
+    campaign = write(tmp_path / "c.toml", source)
+    truth = profile_file(tmp_path / "truth.toml", TRUTH)
+    made = invoke(
+        "twin", "predict", str(campaign), "--profile", str(truth), "-o", str(tmp_path / "t"),
+        "--no-progress",
+    )  # fmt: skip
+    assert made.exit_code == 0, made.output
+    cube = open_cube(tmp_path / "t" / "cube.nc")
+    assert int(cube.attrs["tp_size"]) == 2
+    # the truth's own prediction is the cube's cells, the server's two GPUs summed
+    cells = cube_cells(cube, tmp_path / "t" / "cube.nc")
+    assert cells.gpus == 2
+    predicted = predict(TRUTH, cells).values
+    for name in OBSERVABLES:
+        rel = predicted[name] / cells.measured[name] - 1
+        assert np.max(np.abs(rel)) < 0.01, (name, rel)
+    out = tmp_path / "p.toml"
+    fit = invoke("twin", "fit", str(tmp_path / "t"), "-o", str(out), "--base", "h100-sxm:none")
+    assert fit.exit_code == 0, fit.output
+    fitted = load_profile(out)
+    for name in ("idle_power_w", "sm_active_power_w", "memory_power_w"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=TIGHT), name
+    again = invoke(
+        "twin", "predict", str(campaign), "--profile", str(out), "-o", str(tmp_path / "a"),
+        "--no-progress",
+    )  # fmt: skip
+    assert again.exit_code == 0, again.output
+    rel = open_cube(tmp_path / "a" / "cube.nc")["energy_per_token_j"] / cube["energy_per_token_j"]
+    assert float(abs(rel - 1).max()) < 0.01
+
+
 def test_predict_refuses_a_hand_edited_profile_whose_die_would_run_away(tmp_path: Path) -> None:
     """A leakage loop gain of 1 or more (thermal_c_per_w x leakage_w_per_c) is a profile
     edited by hand wrongly: one line, exit 2, naming the file and the figures, not an

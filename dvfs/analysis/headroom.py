@@ -972,8 +972,11 @@ def bound_description(attrs: dict[str, Any], cube: xr.Dataset) -> str:
         lo, hi = (rule.repeats, rule.max_repeats) if rule else (repeats_in_cube,) * 2
     n = str(hi) if lo == hi else f"{lo}-{hi}"
     text = BOUND_DESCRIPTION.format(conf=level_text(confidence), n=n)
-    if attrs["target_mode"] == "slo":
-        text = text.replace("latency ratio to the reference", "latency (ms)")
+    if attrs["target_mode"] == "slo":  # the latencies themselves: nothing is paired
+        text = text.replace(
+            "paired repeat(s) of the latency ratio to the reference",
+            "repeat(s) of the latency (ms)",
+        )
     return text
 
 

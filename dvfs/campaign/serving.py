@@ -236,7 +236,7 @@ def parse_drafter(table: Table, name: str, engine: EngineConfig) -> DrafterSpec:
     if algorithm == "DFLASH":
         if steps not in (None, 1) or topk not in (None, 1):
             raise table.fail(
-                "num_steps",
+                "num_steps" if steps not in (None, 1) else "eagle_topk",
                 "DFLASH drafts one block per step: num_steps and eagle_topk are fixed at 1",
             )
         if block is not None and draft_tokens is not None and block != draft_tokens:

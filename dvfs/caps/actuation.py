@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import CapsFile, base_model_name
-from dvfs.errors import CapsError, GpuBusyError, GpuError, GpuStateError, GpuUnavailableError
+from dvfs.errors import (
+    CapsError,
+    GpuBusyError,
+    GpuError,
+    GpuPermissionError,
+    GpuStateError,
+    GpuUnavailableError,
+)
 from dvfs.gpu.base import Gpu, unsupported_clock
 from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
 from dvfs.gpu.safety import boot_id
@@ -93,6 +100,13 @@ class AppliedCaps:
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
                 "remove it and re-apply"
             )
+        for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
+            problem = _record_problem(r)
+            if problem:
+                raise CapsError(
+                    f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
+                    "remove it and re-apply"
+                )
         now = boot_id()
         return {u: r for u, r in data.items() if now is None or r.get("boot") in (None, now)}
 
@@ -150,6 +164,29 @@ class AppliedCaps:
             else:
                 records[uuid] = entry
             self.write(records)
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with one GPU's entry of the caps record (a damaged or hand-edited file),
+    in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
+    power limit (mW) or null."""
+
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    lock = record.get("lock_mhz")
+    if lock is not None and not (
+        isinstance(lock, list)
+        and len(lock) == 2
+        and all(positive_int(x) for x in lock)
+        and lock[0] <= lock[1]
+    ):
+        shown = json.dumps(lock)[:40]
+        return f"lock_mhz is {shown}, expected two clocks in MHz, low first, or null"
+    power = record.get("power_limit_mw")
+    if power is not None and not positive_int(power):
+        return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
+    return None
 
 
 class GovernorLocks:
@@ -462,41 +499,72 @@ def apply_actions(
 
     for action in actions:
         gpu = by_uuid[action.uuid]
-        entry: dict[str, Any] = {
-            "lock_mhz": None,
-            "power_limit_mw": None,
+        stamp = {
             "source": source,
             "applied": datetime.now(UTC).isoformat(timespec="seconds"),
             "boot": boot_id(),
         }
+        # What this GPU holds by the record, each knob carried until this file's value is in
+        # place: a knob whose write fails (or never comes, a signal between) keeps the earlier
+        # apply's value, which the GPU still holds, so a later file leaving it at stock puts
+        # it back, and a sweep does not take that cap for the GPU's stock.
+        blank: dict[str, Any] = {"lock_mhz": None, "power_limit_mw": None}
+        changed: list[str] = []  # what is already changed on the GPU, for a failure's message
         try:
             # An earlier apply's caps this file leaves at stock go first, each recorded
             # gone once it is: the record never lists less than the GPU holds.
             if action.unlock:
                 gpu.reset_sm_clock()
-                keep(action.uuid, {**applied.get(action.uuid, entry), "lock_mhz": None})
+                keep(action.uuid, {**applied.get(action.uuid, blank), "lock_mhz": None})
+                changed.append("SM clock unlocked")
             if action.default_power_limit_mw is not None:
                 if action.default_power_limit_mw != gpu.power_limit_mw():
                     gpu.set_power_limit_mw(action.default_power_limit_mw)
-                keep(action.uuid, {**applied.get(action.uuid, entry), "power_limit_mw": None})
+                    changed.append(
+                        f"power limit set to {action.default_power_limit_mw / 1000:g} W (default)"
+                    )
+                keep(action.uuid, {**applied.get(action.uuid, blank), "power_limit_mw": None})
             if action.lock_mhz is not None:
                 gpu.lock_sm_clock(*action.lock_mhz)
-                entry["lock_mhz"] = list(action.lock_mhz)  # recorded even if the limit fails
-                keep(action.uuid, entry)
+                keep(  # recorded even if the limit fails
+                    action.uuid,
+                    {**applied.get(action.uuid, blank), **stamp, "lock_mhz": list(action.lock_mhz)},
+                )
+                changed.append(f"SM clock locked to {action.lock_mhz[0]}-{action.lock_mhz[1]} MHz")
             if action.power_limit_mw is not None:
                 if action.power_limit_mw != gpu.power_limit_mw():
                     gpu.set_power_limit_mw(action.power_limit_mw)
-                entry["power_limit_mw"] = action.power_limit_mw
-                keep(action.uuid, entry)
+                keep(
+                    action.uuid,
+                    {
+                        **applied.get(action.uuid, blank),
+                        **stamp,
+                        "power_limit_mw": action.power_limit_mw,
+                    },
+                )
         except GpuError as exc:
-            failures.add(exc)
+            # The GPU is not left changed unsaid: what is in place on it already is named.
+            failures.add(
+                exc,
+                suffix=(
+                    f" (GPU {action.index} was changed before that: {', '.join(changed)})"
+                    if changed
+                    else ""
+                ),
+            )
             continue
         done(action)
     failures.raise_if_any("could not apply caps: ")
 
 
-def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
-    """Unlock clocks and restore default power limits; returns what was done per GPU.
+def reset_caps(
+    gpus: Sequence[Gpu],
+    record: AppliedCaps,
+    note: Callable[[str], None] = lambda line: None,
+) -> list[str]:
+    """Unlock clocks and restore default power limits; returns what was done per GPU, and
+    `note` hears each GPU's line once it is reset, so that one GPU failing (raised once every
+    GPU was tried) does not leave the others' resets unsaid.
 
     A state file a dead dvfs run left on a GPU (a governor or sweep killed with SIGKILL) goes
     too: it holds the settings that run found, static caps included, and the GPU is at its
@@ -524,6 +592,7 @@ def reset_caps(gpus: Sequence[Gpu], record: AppliedCaps) -> list[str]:
                 line += f"; {_left_by(store, ident.uuid)}: dropped, the GPU is at its defaults now"
                 store.clear(ident.uuid)
             done.append(line)
+            note(line)
         except GpuError as exc:
             failures.add(exc)
     failures.raise_if_any("could not reset caps: ")
@@ -567,11 +636,12 @@ def enforce_plan(
 
 def reset_locked(
     gpus: Sequence[Gpu], directory: Path
-) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]]]:
+) -> tuple[list[str], list[tuple[Gpu, GpuBusyError]], GpuError | None]:
     """`reset_caps` with each GPU's lock held, so a running dvfs keeps its GPUs: those it
     holds are left alone and returned (with their refusals) beside what was done on the others, so
     that one running governor does not keep every other GPU capped (`cap reset` at the caps
-    unit's stop)."""
+    unit's stop). The GPUs that failed come back as one error beside what was done on the
+    others and the GPUs held, for the caller to say all three."""
     from dvfs.gpu.safety import GpuLocks
     from dvfs.signals import signals_raise
 
@@ -586,7 +656,12 @@ def reset_locked(
                 busy.append((gpu, exc))
                 continue
             free.append(gpu)
-        return reset_caps(free, AppliedCaps(directory)), busy
+        lines: list[str] = []
+        try:
+            reset_caps(free, AppliedCaps(directory), note=lines.append)
+        except GpuError as exc:
+            return lines, busy, exc
+        return lines, busy, None
 
 
 def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
@@ -687,9 +762,13 @@ def reset_gpus(
         rebooted = [
             g for g in with_state if all(p.before_this_boot for p in store.pending(g.identity.uuid))
         ]
+        # One GPU failing to restore must not keep the others from their defaults, nor leave
+        # what was restored unsaid: each is noted once done, the failures raised at the end.
+        failed: list[GpuError] = []
         try:
-            for line in restore_pending(with_state, store):
-                note(line)
+            restore_pending(with_state, store, note)
+        except GpuError as exc:
+            failed.append(exc)
         finally:  # a governor that died left its lock record: gone with what it changed
             for gpu in [*with_state, *stale]:
                 if not store.pending(gpu.identity.uuid):
@@ -701,6 +780,13 @@ def reset_gpus(
             )
         if defaults:
             others = [g for g in gpus if (g not in with_state or g in rebooted) and g not in busy]
-            for line in reset_caps(others, AppliedCaps(directory)):
-                note(f"reset {line}")
+            try:
+                reset_caps(others, AppliedCaps(directory), lambda line: note(f"reset {line}"))
+            except GpuError as exc:
+                failed.append(exc)
+        if len(failed) == 1:
+            raise failed[0]
+        if failed:
+            permission = any(isinstance(e, GpuPermissionError) for e in failed)
+            raise (GpuPermissionError if permission else GpuError)("; ".join(map(str, failed)))
     return True

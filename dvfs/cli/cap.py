@@ -185,11 +185,13 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
     if out_path.is_file():  # a pipe or /dev/stdout cannot be read back
         load_plan(out_path)  # what was written reads back as the same plan
-    err.print(
-        f"wrote {escape(str(out_path))}; try it with `dvfs govern --plan "
-        f"{escape(str(out_path))} --url http://127.0.0.1:30000 --dry-run"
-        + (" --allow-simulated`" if plan.simulated else "`")
-    )
+    import shlex
+
+    # The command on a line of its own, never wrapped, its path quoted: it can be pasted.
+    command = f"dvfs govern --plan {shlex.quote(str(out_path))} --url http://127.0.0.1:30000"
+    command += " --dry-run" + (" --allow-simulated" if plan.simulated else "")
+    err.print(f"wrote {escape(str(out_path))}; try it with:", soft_wrap=True)
+    err.print(f"  {escape(command)}", soft_wrap=True, highlight=False)
 
 
 @cap.command("apply")
@@ -232,10 +234,11 @@ def apply(
         load_caps,
         plan_actions,
     )
-    from dvfs.errors import GpuUnavailableError
+    from dvfs.errors import GpuError, GpuPermissionError, GpuUnavailableError
     from dvfs.gpu.safety import default_state_dir, records_dir
 
     caps = load_caps(caps_file)
+    failed: GpuError | None = None  # writes that failed, once the other GPUs are capped
     # A dry run needs no root: it reads the caps in force where root recorded them.
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
     out = console()
@@ -265,15 +268,25 @@ def apply(
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
         else:  # each GPU reported once its caps are in place, not before
-            enforce_plan(
-                plan,
-                gpus,
-                directory,
-                str(caps_file.resolve()),
-                lambda action: click.echo(f"applied to {action.describe()}"),
-            )
-            out.print(f"applied caps to {len(plan.actions)} GPU(s)")
+            try:
+                enforce_plan(
+                    plan,
+                    gpus,
+                    directory,
+                    str(caps_file.resolve()),
+                    lambda action: click.echo(f"applied to {action.describe()}"),
+                )
+            except (GpuError, GpuPermissionError) as exc:
+                if type(exc) not in (GpuError, GpuPermissionError):
+                    raise  # refused before any change (exit 3): nothing else to say
+                # Writes failed on some GPUs, the others capped: a GPU fallen off the bus is
+                # still named, beside the failure.
+                failed = exc
+            else:
+                out.print(f"applied caps to {len(plan.actions)} GPU(s)")
     where = str(caps_file)
+    if failed is not None:  # in one line, with the GPUs fallen off the bus
+        raise type(failed)("; ".join(p for p in (str(failed), lost_line) if p)) from None
     if volatile:  # the caps are in place now, but the driver may drop them when dvfs exits
         console(stderr=True).print(
             f"[yellow]warning: persistence mode is off on {', '.join(volatile)}: the driver "
@@ -405,7 +418,8 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
     # named here is refused as every command refuses it).
     with open_gpus(named, visible=visible, allow_mig=not devices) as found:
         gpus = [g for g in found if not g.mig_enabled()] if not devices else found
-        lines, busy = reset_locked(gpus, state_dir or default_state_dir())
+        # A GPU that fails is named once the others are reset, with those held and lost.
+        lines, busy, failed = reset_locked(gpus, state_dir or default_state_dir())
         mig = [f"GPU {g.identity.index} ({g.identity.uuid})" for g in found if g not in gpus]
     for line in lines:
         console().print(line)
@@ -414,17 +428,24 @@ def reset(devices: tuple[str, ...], state_dir: Path | None) -> None:
             f"note: {', '.join(mig)} {'has' if len(mig) == 1 else 'have'} MIG enabled and "
             f"{'was' if len(mig) == 1 else 'were'} left alone (dvfs caps whole GPUs only)"
         )
+    held = ""
     if busy:  # after the others are reset: one held GPU must not keep every other capped
         one = len(busy) == 1
-        held = ", ".join(
+        who = ", ".join(
             f"GPU {g.identity.index} ({g.identity.uuid}, pid {exc.pid})" for g, exc in busy
         )
         numbers = " ".join(str(g.identity.index) for g, _ in busy)
-        lost_too = f"; {lost_gpus(lost)}" if lost else ""
-        raise GpuStateError(
-            f"{held} {'is' if one else 'are'} in use by another dvfs process and "
+        held = (
+            f"{who} {'is' if one else 'are'} in use by another dvfs process and "
             f"{'was' if one else 'were'} not reset (a running `dvfs govern` puts back the caps "
-            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`{lost_too}"
+            f"it found when it stops): stop it, then `dvfs cap reset {numbers}`"
         )
+    lost_too = str(lost_gpus(lost)) if lost else ""
+    if failed:
+        if not held and not lost:
+            raise failed
+        raise type(failed)("; ".join(p for p in (str(failed), held, lost_too) if p))
+    if held:
+        raise GpuStateError("; ".join(p for p in (held, lost_too) if p))
     if lost:
         raise lost_gpus(lost)

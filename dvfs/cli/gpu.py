@@ -170,10 +170,13 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
             f"{'yes' if i['energy_counter'] else 'no'}; MIG: {'on' if i['mig'] else 'off'}"
         )
         power = "-" if i["power_w"] is None else f"{i['power_w']:.1f} W"
-        out.print(
-            f"  now: {power}, {i['temperature_c']} C, event reasons: "
-            f"{', '.join(i['event_reasons']) or 'none'}"
+        temperature = "-" if i["temperature_c"] is None else f"{i['temperature_c']} C"
+        reasons = (  # None: NVML cannot read them, which is not "none set"
+            "unknown (NVML cannot read them)"
+            if i["event_reasons"] is None
+            else ", ".join(i["event_reasons"]) or "none"
         )
+        out.print(f"  now: {power}, {temperature}, event reasons: {reasons}")
 
 
 @gpu.command("reset")
@@ -202,6 +205,7 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     """
     from dvfs.backends import lost_gpus, parse_devices, reachable_gpus
     from dvfs.caps import reset_gpus
+    from dvfs.errors import GpuError, GpuPermissionError
     from dvfs.gpu.safety import default_state_dir
 
     out = console()
@@ -212,13 +216,19 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     if not devices and lost:
         raise lost_gpus(lost)
     with open_cli_gpus(devices, None, allow_mig=True) as gpus:
-        acted = reset_gpus(
-            gpus,
-            state_dir or default_state_dir(),
-            defaults=defaults,
-            note=lambda line: out.print(escape(line)),
-            skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
-        )
+        try:
+            acted = reset_gpus(
+                gpus,
+                state_dir or default_state_dir(),
+                defaults=defaults,
+                note=lambda line: out.print(escape(line)),
+                skip_busy=every,  # every GPU: one a live dvfs holds is its own to restore
+            )
+        except (GpuError, GpuPermissionError) as exc:
+            if not lost or type(exc) not in (GpuError, GpuPermissionError):
+                raise
+            # A GPU that failed to restore must not hide one fallen off the bus: both named.
+            raise type(exc)(f"{exc}; {lost_gpus(lost)}") from None
     if not acted:
         # A GPU that does not open may hold a state file (a governor it left): not "none".
         which = "the GPUs that open" if lost else "these GPUs"

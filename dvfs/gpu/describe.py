@@ -52,7 +52,10 @@ def gpu_details(g: Gpu) -> dict[str, Any]:
         "sm_clock_mhz": info.sm_clock_mhz,
         "power_w": None if info.power_mw is None else info.power_mw / 1000,
         "temperature_c": info.temperature_c,
-        "event_reasons": describe_events(info.event_reasons or 0),
+        # None where NVML cannot read them: not "none" (no reason set), which it never said.
+        "event_reasons": None
+        if info.event_reasons is None
+        else describe_events(info.event_reasons),
         "mig": info.mig,
         "memory_total_gib": None
         if info.memory_total_bytes is None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from dvfs.errors import GpuError, GpuPermissionError, GpuValueError
+from dvfs.errors import GpuError, GpuNotSupportedError, GpuPermissionError, GpuValueError
 from dvfs.gpu.base import Gpu
 from dvfs.signals import restoring, signals_raise
 
@@ -31,9 +31,9 @@ class GatheredFailures:
         self.messages: list[str] = []
         self.needs_root = False
 
-    def add(self, exc: GpuError, prefix: str = "") -> None:
+    def add(self, exc: GpuError, prefix: str = "", suffix: str = "") -> None:
         self.needs_root |= isinstance(exc, GpuPermissionError)
-        self.messages.append(f"{prefix}{exc}")
+        self.messages.append(f"{prefix}{exc}{suffix}")
 
     def raise_if_any(self, head: str, tail: str = "") -> None:
         """Raise `head` + every message + `tail` as one error, if anything failed."""
@@ -256,7 +256,8 @@ class KnobController:
         """Write knob by knob, tracking what the GPU holds after each step.
 
         A knob is marked unknown while its setter runs, so a crash mid-write still restores it;
-        a setter NVML refused (no permission, invalid value) changed nothing and is rolled back.
+        a setter NVML refused (no permission, invalid value, a knob this GPU lacks) changed nothing
+        and is rolled back.
         """
         current = have
         if want.sm_clock_lock_mhz != current.sm_clock_lock_mhz:
@@ -266,7 +267,7 @@ class KnobController:
                     gpu.reset_sm_clock()
                 else:
                     gpu.lock_sm_clock(*want.sm_clock_lock_mhz)
-            except (GpuPermissionError, GpuValueError):
+            except (GpuPermissionError, GpuValueError, GpuNotSupportedError):
                 self._current[uuid] = current
                 raise
             current = replace(current, sm_clock_lock_mhz=want.sm_clock_lock_mhz)
@@ -275,7 +276,7 @@ class KnobController:
             self._current[uuid] = replace(current, power_limit_mw=UNKNOWN_POWER)
             try:
                 gpu.set_power_limit_mw(want.power_limit_mw)
-            except (GpuPermissionError, GpuValueError):
+            except (GpuPermissionError, GpuValueError, GpuNotSupportedError):
                 self._current[uuid] = current
                 raise
             current = replace(current, power_limit_mw=want.power_limit_mw)

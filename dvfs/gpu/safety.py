@@ -19,7 +19,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,8 +107,27 @@ def settings_to_dict(s: GpuSettings) -> dict[str, Any]:
 
 
 def settings_from_dict(d: dict[str, Any]) -> GpuSettings:
+    """A state file's settings; ValueError where they are not what dvfs writes (a damaged or
+    hand-edited file), which a restore would otherwise give NVML as they are."""
+
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
     lock = d.get("sm_clock_lock_mhz")
-    return GpuSettings(d["uuid"], tuple(lock) if lock else None, int(d["power_limit_mw"]))
+    if lock is not None and not (
+        isinstance(lock, list)
+        and len(lock) == 2
+        and all(positive_int(x) for x in lock)
+        and lock[0] <= lock[1]
+    ):
+        raise ValueError(
+            f"sm_clock_lock_mhz is {json.dumps(lock)[:40]}, expected two clocks in MHz, low "
+            "first, or null"
+        )
+    power = d["power_limit_mw"]
+    if not positive_int(power):
+        raise ValueError(f"power_limit_mw is {json.dumps(power)[:40]}, expected a limit in mW")
+    return GpuSettings(d["uuid"], (lock[0], lock[1]) if lock else None, power)
 
 
 @dataclass(frozen=True)
@@ -273,8 +292,11 @@ def _busy(gpu: Gpu, owner: str) -> str:
     )
 
 
-def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
-    """Put back the settings recorded in state files for these GPUs; returns what was done.
+def restore_pending(
+    gpus: Sequence[Gpu], store: StateStore, note: Callable[[str], None] = lambda line: None
+) -> list[str]:
+    """Put back the settings recorded in state files for these GPUs; returns what was done,
+    and `note` hears each line once done (a failure, raised at the end, loses the list).
     A file written before the last reboot is dropped instead: the reboot reset the GPU, and
     putting the earlier boot's settings back (static caps included, whose record that reboot
     voided) would leave the GPU changed where no record says so.
@@ -295,6 +317,7 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
                     f"the reboot since dvfs {pending.command!r} (pid {pending.pid}) changed it "
                     "reset it to driver defaults, nothing to restore"
                 )
+                note(done[-1])
                 continue
             try:
                 if original.sm_clock_lock_mhz:
@@ -315,6 +338,7 @@ def restore_pending(gpus: Sequence[Gpu], store: StateStore) -> list[str]:
                     f"limit {original.power_limit_mw / 1000:g} W (as before {pending.command!r}"
                     f" pid {pending.pid})"
                 )
+                note(done[-1])
             except GpuError as exc:
                 failures.add(exc)
     failures.raise_if_any("could not restore: ")

@@ -135,5 +135,8 @@ def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> Pla
     rounds = max(1, min(m.max_rounds, int(-(-m.min_window_s // round_s))))
     warmup_s = ROUND_OVERHEAD_S + m.warmup_tokens * TOKEN_TIME_S if m.warmup_tokens else 0.0
     per_cell = warmup_s + rounds * round_s
-    estimated = starts * SERVER_START_S + changes * campaign.knobs.settle_s + len(todo) * per_cell
+    # An attached server (engine.sglang.url) runs already: attaching costs no start.
+    attached = campaign.engine.backend == "sglang" and bool(campaign.engine.sglang.url)
+    start_s = 0.0 if attached else SERVER_START_S
+    estimated = starts * start_s + changes * campaign.knobs.settle_s + len(todo) * per_cell
     return PlanSummary(len(cells), len(todo), starts, changes, estimated)

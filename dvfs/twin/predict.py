@@ -106,6 +106,10 @@ class CubeCells:
     #: The mean SM clock sampled in each cell's window (NaN where not recorded).
     observed_clock_mhz: np.ndarray
     notes: tuple[str, ...] = ()
+    #: The GPUs of the server (`engine.tp_size`): a cell's energy and power are its GPUs'
+    #: sum, while the passes are one GPU's share of the work (`PassBuilder`), each GPU
+    #: drawing alike under its own power limit.
+    gpus: int = 1
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -341,6 +345,7 @@ def cube_cells(
             else np.full(len(index), np.nan)
         ),
         notes=tuple(notes),
+        gpus=campaign.engine.tp_size,
     )
 
 
@@ -357,7 +362,9 @@ def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
 
     The passes are timed once per clock (`physics.time_passes` is elementwise: a setting's
     passes read their share), so two power limits at one clock cost one timing and the search
-    of the passes over the lower limit."""
+    of the passes over the lower limit. Energy and power are the server's, as a cube records
+    them: its `gpus` (tensor-parallel) each run the passes, under the power limit each GPU
+    has."""
     n_groups = len(cells.group_tokens)
     energy = np.zeros(len(cells))
     seconds = np.zeros(len(cells))
@@ -389,6 +396,7 @@ def predict(gpu: GpuProfile, cells: CubeCells) -> Prediction:
         s_group = np.bincount(s.pass_group, weights=duration_s, minlength=n_groups)
         energy[s.cells] = e_group[groups]
         seconds[s.cells] = s_group[groups]
+    energy = energy * cells.gpus  # the server's: each of its GPUs runs these passes
     tokens = cells.group_tokens[cells.group]
     per_request = cells.group_request_tokens[cells.group]
     values = {
