@@ -796,6 +796,31 @@ def test_a_listen_host_that_cannot_be_encoded_is_a_usage_error(
     assert nvml.fake_calls() == []
 
 
+@pytest.mark.parametrize("prefix", ["/a%2Fb/", "/a%3Fb", "/a%23b/metrics/"])
+def test_a_url_path_with_escaped_characters_is_read_as_written(
+    env: dict[str, str], nvml, prefix: str
+) -> None:
+    """A --url whose path holds an escaped "/", "?" or "#" (a reverse proxy's prefix, as
+    written): the path was decoded before /metrics was put into it, so %2F became a separator
+    (another page read, silently) and %3F or %23 ended the run in "internal error:
+    InvalidURL", exit 1. The page read is the prefix as written, then /metrics."""
+    server = CountingMetrics()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = dvfs_in_process(
+            *("monitor", "--once", "--url", server.url + prefix, "--gpu", "0"),
+            *("--interval", "0.01"),
+            env=env,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        path = prefix.removesuffix("/").removesuffix("/metrics") + "/metrics"
+        assert server.paths == [path, path], server.paths
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:
