@@ -821,6 +821,31 @@ def test_a_url_path_with_escaped_characters_is_read_as_written(
         server.server_close()
 
 
+@pytest.mark.parametrize(
+    "url", ["http://alice:pw-1@[::1:30000", "http://alice:pw-1@[gpu-node]:30000/?token=tk-1"]
+)
+def test_a_bad_url_s_credentials_are_not_shown(
+    tmp_path: Path, env: dict[str, str], nvml, url
+) -> None:
+    """A --url whose bracketed host is no IPv6 address (one "]" short, a name) was refused
+    with its user and password, and a secret query parameter, printed as given: the URL
+    could not be taken apart to hide them. It is refused, exit 2, without them."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
+        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+        assert "pw-1" not in printed and "tk-1" not in printed, printed
+        assert "alice" not in printed, printed
+    assert nvml.fake_calls() == []
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:
