@@ -729,6 +729,24 @@ def test_the_check_cap_plan_suggests_can_be_pasted(nvml, tmp_path: Path) -> None
     assert shlex.split(line) == ["dvfs", "cap", "apply", str(caps), "--dry-run"], told
 
 
+def test_the_check_cap_plan_suggests_takes_a_file_named_like_an_option(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap plan -o -caps.toml` suggested `dvfs cap apply -caps.toml --dry-run`, which reads
+    the file's name as an option ("No such option '-c'"); the path is given as ./-caps.toml."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    headroom = tmp_path / "headroom.json"
+    uuid = nvml.fake_device_state(0)["uuid"]
+    headroom.write_text(json.dumps(doc([row("code", 1005, 300.0)], uuids=[uuid])))
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o")
+    told = invoke(*args, "-caps.toml")
+    [line] = [x for x in told.splitlines() if "dvfs cap apply" in x]
+    ran = invoke(*shlex.split(line)[1:])  # exit 0: the check it suggests runs
+    assert "dry run, nothing changed" in ran, ran
+
+
 def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Path) -> None:
     from dvfs.caps import AppliedCaps, CapAction, apply_actions
     from dvfs.gpu.nvml import open_nvml_gpus
