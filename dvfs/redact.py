@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, urlsplit, urlunsplit
 
 #: What a record says in place of a credential (and of an env value it does not keep).
 NOT_RECORDED = "(not recorded)"
@@ -69,6 +69,8 @@ _NAME_VALUE = re.compile(
 )
 _FLAG_VALUE = re.compile(rf"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)(?!{_HIDDEN})([^\s'\"]+)")
 _URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+#: A URL's parts as RFC 3986 (appendix B) splits any string, for one urlsplit refuses.
+_URL_PARTS = re.compile(r"(?:([^:/?#]+):)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?(?:#(.*))?", re.S)
 
 
 def secret_name(name: str) -> bool:
@@ -98,7 +100,11 @@ def redact_url(url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError:
-        return url
+        # A host urlsplit refuses ("[::1", "[zz]"): its user, password and query are hidden
+        # all the same, the parts split as RFC 3986 splits any string.
+        match = _URL_PARTS.fullmatch(url)
+        assert match is not None  # every group is optional: any string matches
+        parts = SplitResult(*(group or "" for group in match.groups()))
     netloc = parts.netloc
     if "@" in netloc:
         netloc = f"{NOT_RECORDED}@{netloc.rpartition('@')[2]}"

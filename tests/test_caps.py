@@ -704,11 +704,47 @@ def test_the_check_cap_plan_suggests_runs_on_simulated_caps(nvml, tmp_path: Path
     headroom.write_text(json.dumps(twin_doc()))
     caps = tmp_path / "caps.toml"
     args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
-    told = " ".join(invoke(*args).split())
-    [suggested] = re.findall(r"check it with `dvfs ([^`]+)`", told)
+    told = invoke(*args)
+    [suggested] = re.findall(r"^  dvfs (cap apply .*)$", told, re.M)
     ran = invoke(*shlex.split(suggested))  # exit 0: the check it suggests runs
     assert "dry run, nothing changed: would apply to GPU 0" in ran
     assert nvml.fake_calls() == []
+
+
+def test_the_check_cap_plan_suggests_can_be_pasted(nvml, tmp_path: Path) -> None:
+    """`cap plan -o FILE` suggested `dvfs cap apply FILE --dry-run` inside a sentence the
+    console wrapped, FILE unquoted: in a folder with spaces in its name, the command printed
+    was split over lines and its path into several arguments. It is one line, however long,
+    its path quoted, as `cap plan --per-batch`'s suggestion is."""
+    import shlex
+
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row("code", 1005, 300.0)])))
+    folder = tmp_path / ("a folder with a long name " * 3).strip()
+    folder.mkdir()
+    caps = folder / "caps.toml"
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o", str(caps))
+    told = invoke(*args)
+    [line] = [x for x in told.splitlines() if "dvfs cap apply" in x]
+    assert shlex.split(line) == ["dvfs", "cap", "apply", str(caps), "--dry-run"], told
+
+
+def test_the_check_cap_plan_suggests_takes_a_file_named_like_an_option(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap plan -o -caps.toml` suggested `dvfs cap apply -caps.toml --dry-run`, which reads
+    the file's name as an option ("No such option '-c'"); the path is given as ./-caps.toml."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    headroom = tmp_path / "headroom.json"
+    uuid = nvml.fake_device_state(0)["uuid"]
+    headroom.write_text(json.dumps(doc([row("code", 1005, 300.0)], uuids=[uuid])))
+    args = ("cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3", "-o")
+    told = invoke(*args, "-caps.toml")
+    [line] = [x for x in told.splitlines() if "dvfs cap apply" in x]
+    ran = invoke(*shlex.split(line)[1:])  # exit 0: the check it suggests runs
+    assert "dry run, nothing changed" in ran, ran
 
 
 def test_an_interrupted_apply_still_records_the_locks_it_set(nvml, tmp_path: Path) -> None:

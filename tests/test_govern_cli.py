@@ -796,6 +796,56 @@ def test_a_listen_host_that_cannot_be_encoded_is_a_usage_error(
     assert nvml.fake_calls() == []
 
 
+@pytest.mark.parametrize("prefix", ["/a%2Fb/", "/a%3Fb", "/a%23b/metrics/"])
+def test_a_url_path_with_escaped_characters_is_read_as_written(
+    env: dict[str, str], nvml, prefix: str
+) -> None:
+    """A --url whose path holds an escaped "/", "?" or "#" (a reverse proxy's prefix, as
+    written): the path was decoded before /metrics was put into it, so %2F became a separator
+    (another page read, silently) and %3F or %23 ended the run in "internal error:
+    InvalidURL", exit 1. The page read is the prefix as written, then /metrics."""
+    server = CountingMetrics()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = dvfs_in_process(
+            *("monitor", "--once", "--url", server.url + prefix, "--gpu", "0"),
+            *("--interval", "0.01"),
+            env=env,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        path = prefix.removesuffix("/").removesuffix("/metrics") + "/metrics"
+        assert server.paths == [path, path], server.paths
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://alice:pw-1@[::1:30000", "http://alice:pw-1@[gpu-node]:30000/?token=tk-1"]
+)
+def test_a_bad_url_s_credentials_are_not_shown(
+    tmp_path: Path, env: dict[str, str], nvml, url
+) -> None:
+    """A --url whose bracketed host is no IPv6 address (one "]" short, a name) was refused
+    with its user and password, and a secret query parameter, printed as given: the URL
+    could not be taken apart to hide them. It is refused, exit 2, without them."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    for argv in (
+        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
+        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+        assert "pw-1" not in printed and "tk-1" not in printed, printed
+        assert "alice" not in printed, printed
+    assert nvml.fake_calls() == []
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on: bound by the kernel's choice, then released."""
     with socket.socket() as sock:

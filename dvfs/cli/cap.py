@@ -150,11 +150,16 @@ def plan(
         click.echo(text, nl=False)
         return
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
-    err.print(
-        f"wrote {escape(str(out_path))}; check it with "
-        f"`dvfs cap apply {escape(str(out_path))} --dry-run"
-        + (" --allow-simulated`" if caps.simulated else "`")
-    )
+    import shlex
+
+    # The command on a line of its own, never wrapped, its path quoted (and not taken for an
+    # option, "-caps.toml"): it can be pasted.
+    path = str(out_path)
+    command = f"dvfs cap apply {shlex.quote('./' + path if path.startswith('-') else path)}"
+    command += " --dry-run"
+    command += " --allow-simulated" if caps.simulated else ""
+    err.print(f"wrote {escape(str(out_path))}; check it with:", soft_wrap=True)
+    err.print(f"  {escape(command)}", soft_wrap=True, highlight=False)
 
 
 def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path | None) -> None:

@@ -72,10 +72,13 @@ def metrics_url(url: str) -> str:
     import httpx
 
     parsed = httpx.URL(url)
-    path = parsed.path.rstrip("/")
-    if not path.endswith("/metrics"):
-        path += "/metrics"
-    return str(parsed.copy_with(path=path, fragment=None))
+    # The path as written (percent-encoded): decoded, an escaped "/" (%2F) would become a
+    # separator and an escaped "?" or "#" a path httpx refuses.
+    path, sep, query = parsed.raw_path.partition(b"?")
+    path = path.rstrip(b"/")
+    if not path.endswith(b"/metrics"):
+        path += b"/metrics"
+    return str(parsed.copy_with(raw_path=path + sep + query, fragment=None))
 
 
 def check_url(url: str) -> str:
