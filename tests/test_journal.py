@@ -128,6 +128,33 @@ def test_a_torn_last_line_is_still_dropped_and_the_sweep_resumes(swept: tuple[Pa
     assert all(line.strip() for line in journal.read_text().splitlines())
 
 
+def test_a_journal_with_another_appended_is_refused_naming_the_second_header(
+    swept: tuple[Path, Path],
+) -> None:
+    """Another sweep's journal appended to this one (`cat a b > journal.jsonl`): its header
+    was passed over, and its cells built into this campaign's cube (another output_tokens
+    under this one's name) or replaced this journal's own, while a resume found every cell
+    done. A header after line 1 is refused, the file left as it is."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    other = json.loads(json.dumps(records))
+    other[0]["campaign"]["workload"]["output_tokens"] = 32
+    other[0]["campaign_hash"] = "0123456789abcdef"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records + other))
+    before = journal.read_bytes()
+    second = len(records) + 1
+    for result in (
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress"),
+        invoke("sweep", str(campaign), "--out", str(out), "--dry-run"),
+        invoke("cube", "build", str(out)),
+    ):
+        assert_one_line_error(
+            result, 1, f"line {second}", "second journal header", "0123456789abcdef", "--fresh"
+        )
+    assert journal.read_bytes() == before
+
+
 def test_another_campaigns_journal_is_still_refused(swept: tuple[Path, Path], tmp_path) -> None:
     _, out = swept
     other = write(tmp_path / "other.toml", replace_block(TINY, "batch = [1, 8]", "batch = [2]"))

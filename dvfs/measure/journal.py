@@ -4,7 +4,8 @@ cell is ever lost when the process dies.
 Line 1 is a header naming the campaign; later lines are `session`, `server` and `cell`
 records, whose format `dvfs.records` owns: this module only stores and reads lines. A rerun
 reads the journal, skips finished cells, retries failed ones and appends. A line cut short by
-a crash is dropped on open; any other bad line is an error naming the file and line.
+a crash is dropped on open; any other bad line is an error naming the file and line, and so
+is a second header (another journal appended to this one).
 
 Each record is handed to the kernel before `append` returns (a killed process loses nothing);
 when it reaches the disk (fsync, what a power loss needs) is the `SyncPolicy`: every record on
@@ -370,6 +371,8 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
             problem = _record_problem(record)
             if problem:
                 raise _bad_line(path, number, problem, first=not count)
+            if count and record["type"] == "header":
+                raise _appended_journal(path, number, record)
             count += 1
             if repair and not raw.endswith(b"\n"):
                 # A complete record without its newline: finish the line so the next append is
@@ -402,6 +405,18 @@ def _record_problem(record: Any) -> str | None:
     ):
         return "a cell record without its key"
     return None
+
+
+def _appended_journal(path: Path, line: int, header: dict[str, Any]) -> JournalError:
+    """A header after line 1: another journal appended to this one (`cat`), whose cells would
+    pass for this journal's campaign and settings, or replace this journal's own."""
+    name, digest = header.get("campaign_name"), header.get("campaign_hash")
+    return JournalError(
+        f"{path}, line {line}: a second journal header (campaign {name!r}, hash {digest}): "
+        "another journal was appended to this one, and its cells would be taken for this "
+        f"journal's campaign and settings: cut the file before line {line} to keep this "
+        f"journal's own records, or start over with {FRESH}, which renames it"
+    )
 
 
 def _bad_line(path: Path, line: int, why: str, *, first: bool) -> JournalError:
