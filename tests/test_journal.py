@@ -175,6 +175,28 @@ def test_a_journal_from_a_newer_dvfs_is_refused(swept: tuple[Path, Path]) -> Non
         assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
 
 
+def test_a_journal_a_newer_dvfs_resumed_is_refused_before_anything_is_measured(
+    swept: tuple[Path, Path],
+) -> None:
+    """A newer dvfs resumed the journal (its session says its schema), then this one is given
+    it: only the header's schema was checked, so the sweep measured the cells left and was
+    refused at the cube, advising --fresh, which drops them."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    kept = records[: cells[4]]  # the first session's first four cells
+    newer = {**next(r for r in records if r["type"] == "session"), "journal_schema": 99}
+    kept += [newer, *(records[i] for i in cells[4:8])]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    before = journal.read_bytes()
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
+    assert journal.read_bytes() == before, "nothing may be measured into it"
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run")
+    assert "journal schema 99" in dry.output
+
+
 def test_a_record_with_missing_numbers_is_written_as_strict_json(tmp_path: Path) -> None:
     """NaN and infinities become null wherever they sit (scalars, quantile lists, nested
     dicts, numpy scalars); everything else is written as given."""

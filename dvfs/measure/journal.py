@@ -72,9 +72,16 @@ INFLIGHT_ENERGY_DRIFT = "linear"
 FRESH = "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)"
 
 
-def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> None:
+def check_resumable(
+    path: Path,
+    first: dict[str, Any],
+    campaign: Campaign,
+    sessions: Iterable[dict[str, Any]] = (),
+) -> None:
     """Refuse (`JournalError`) to resume `campaign` from the journal at `path` whose first
-    record is `first`: not a header, another schema, or another campaign or settings."""
+    record is `first` and whose session records are `sessions`: not a header, another schema
+    (the header's, or a later session's: a newer dvfs resumed the journal), or another
+    campaign or settings."""
     if first.get("type") != "header":
         raise JournalError(
             f"{path} does not start with a dvfs journal header: move it aside, or start "
@@ -82,6 +89,10 @@ def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> No
         )
     header = Header.from_json(first)
     check_version(path, header.journal_schema)
+    for session in sessions:
+        # A session's records follow its own version: one a newer dvfs wrote would be read
+        # as this dvfs's, and its cube refused only once the cells left were measured.
+        check_version(path, session.get("journal_schema", header.journal_schema))
     changes = header.differences(campaign)
     if not changes:
         return
@@ -112,9 +123,11 @@ def check_journal(path: Path, campaign: Campaign) -> None:
     only its first record and writing nothing (`dvfs doctor`); no file is no refusal."""
     if not path.exists():
         return
-    first = next(iter_records(path), None)
-    if first is not None:
-        check_resumable(path, first, campaign)
+    records = iter_records(path)
+    first = next(records, None)
+    if first is not None:  # the sessions read on only once the header is found sound
+        sessions = (r for r in records if r.get("type") == "session")
+        check_resumable(path, first, campaign, sessions)
 
 
 #: A journal line's JSON: compact and strict (NaN is `json_safe`'s null). One encoder for
@@ -222,7 +235,7 @@ class Journal:
         if first is None:
             journal.append(Header.for_campaign(campaign).to_json())
             return journal
-        check_resumable(path, first, campaign)
+        check_resumable(path, first, campaign, journal.sessions)
         return journal
 
     @property
