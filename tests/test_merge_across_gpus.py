@@ -627,3 +627,32 @@ def test_a_merged_cube_keeps_a_sources_unrecorded_attributes_as_json_null(
         shown = invoke("cube", "info", str(path), "--json")
         assert shown.exit_code == 0, shown.output
         assert "None" not in json.dumps(json.loads(shown.stdout)["idle_power_per_gpu"])
+
+
+def test_a_gpu_whose_sweep_has_not_reached_a_listed_clock_is_partial_in_the_merge(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The H100's sweep stopped before its 1005 MHz cells; merged with the finished H200 cube,
+    those were taken for settings outside the H100's grid: the merge said nothing of cells not
+    measured yet, and headroom told to extend knobs.sm_clock downward (`>=0`) where resuming
+    the sweep measures them, as it tells of the H100's own cube. A clock the campaign lists is
+    every GPU's grid."""
+    out = copy_sweep(runs["h100"], tmp_path / "h100")
+    journal = out / "journal.jsonl"
+    kept = [
+        r for r in read_records(journal) if r["type"] != "cell" or r["cell"]["sm_clock_mhz"] != 1005
+    ]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert invoke("cube", "build", str(out)).exit_code == 0
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(out), str(runs["h200"]), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "8 of 32 cells are not measured yet (8 never run" in result.stderr
+    text = invoke("headroom", str(merged)).output
+    assert "partial cube: 8 of 32 cells not measured yet" in text
+    assert "extend knobs.sm_clock" not in text
+    rows = json.loads(invoke("headroom", str(merged), "--json").output)["rows"]
+    label = str(open_cube(merged)["gpu"].values[0])
+    mine = [r for r in rows if r["gpu"] == label and r["feasible"]]
+    assert mine and all(r["chosen_unmeasured_below"] for r in mine)
+    assert not any(r["chosen_at_grid_edge"] for r in rows)
