@@ -656,3 +656,37 @@ def test_a_gpu_whose_sweep_has_not_reached_a_listed_clock_is_partial_in_the_merg
     mine = [r for r in rows if r["gpu"] == label and r["feasible"]]
     assert mine and all(r["chosen_unmeasured_below"] for r in mine)
     assert not any(r["chosen_at_grid_edge"] for r in rows)
+
+
+def test_a_merged_cube_of_gpus_of_other_stock_limits_is_whole_in_cube_info(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A campaign that leaves the power limit at stock, on GPUs whose stock limits differ
+    (700 and 600 W): the merged axis holds both, each GPU measuring at its own. `cube info`
+    counted the other GPU's stock cells as missing ('64 = 32 measured + 32 missing') and told
+    to resume a finished sweep; the report warned of them. Headroom never counted them."""
+
+    def at_stock_limit(path: Path, into: Path, watts: float) -> Path:
+        ds = open_cube(path).load()
+        campaign = json.loads(ds.attrs["campaign"])
+        campaign["knobs"]["power_limits_w"] = None
+        attrs = dict(ds["power_limit"].attrs)
+        ds = ds.assign_coords(power_limit=[watts])
+        ds["power_limit"].attrs = attrs
+        ds.attrs.update(campaign=json.dumps(campaign), stock_power_limit_w=watts)
+        write_cube(ds, into)
+        return into
+
+    a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
+    b = at_stock_limit(runs["h200"] / "cube.nc", tmp_path / "b.nc", 600.0)
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "not measured yet" not in result.output
+    info = json.loads(invoke("cube", "info", str(merged), "--json").stdout)
+    assert info["coords"]["power_limit"] == [600.0, 700.0]
+    assert (info["cells"], info["measured"], info["missing"]) == (32, 32, 0)
+    assert info["resume"] is None
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert "cells 32 = 32 measured + 0 failed + 0 missing" in said, said
+    assert "resume" not in said

@@ -1161,6 +1161,20 @@ def data_grid_knobs(cube: xr.Dataset) -> tuple[str, ...]:
     return tuple(dim for dim, values in listed.items() if not values)
 
 
+def grid_cells(cube: xr.Dataset) -> np.ndarray:
+    """Which cells (`cell_status`'s axes) are in the grid of the GPU they belong to: all of
+    them, but in a merged cube a stock knob's settings a GPU measured nothing at (another
+    GPU's stock setting on the merged axis: `data_grid_knobs`)."""
+    status = cube["cell_status"]
+    in_grid = np.ones(status.shape, dtype=bool)
+    if "gpu" in status.dims:
+        for dim in data_grid_knobs(cube):  # a stock knob: each GPU's own setting
+            others = [d for d in status.dims if d not in ("gpu", dim)]
+            seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
+            in_grid &= seen.transpose(*status.dims).values
+    return in_grid
+
+
 def coverage(cube: xr.Dataset) -> dict[str, int]:
     """How many cells the campaign asks for and how many are not measured yet (missing or
     failed): a partial cube's answers may change once its sweep is resumed. Adaptive repeats
@@ -1171,12 +1185,7 @@ def coverage(cube: xr.Dataset) -> dict[str, int]:
         total = int(cube["valid"].size)
         return {"cells": total, "missing": 0, "failed": 0, "not_needed": 0}
     status = cube["cell_status"]
-    in_grid = np.ones(status.shape, dtype=bool)
-    if "gpu" in status.dims:
-        for dim in data_grid_knobs(cube):  # a stock knob: each GPU's own setting
-            others = [d for d in status.dims if d not in ("gpu", dim)]
-            seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
-            in_grid &= seen.transpose(*status.dims).values
+    in_grid = grid_cells(cube)
     unasked = unasked_repeats(cube).transpose(*status.dims).values & in_grid
     inside = status.values[in_grid & ~unasked]
     return {
