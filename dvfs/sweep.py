@@ -1426,10 +1426,15 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
 
     refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
-        first = next(iter_records(journal), None) if journal.is_file() else None
+        records = iter_records(journal) if journal.is_file() else iter(())
+        first = next(records, None)
         if first is not None:
+            # Read on past a header only (a damaged line is raised, as the sweep raises it):
+            # each session's schema, besides the header's, is the sweep's to refuse.
+            headed = first.get("type") == "header"
+            sessions = [r for r in records if r.get("type") == "session"] if headed else []
             try:
-                check_resumable(journal, first, campaign)
+                check_resumable(journal, first, campaign, sessions)
             except JournalError as exc:
                 refusals.append(exc)
                 continue  # the sweep stops at this one, before its shard record

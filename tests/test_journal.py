@@ -128,6 +128,33 @@ def test_a_torn_last_line_is_still_dropped_and_the_sweep_resumes(swept: tuple[Pa
     assert all(line.strip() for line in journal.read_text().splitlines())
 
 
+def test_a_journal_with_another_appended_is_refused_naming_the_second_header(
+    swept: tuple[Path, Path],
+) -> None:
+    """Another sweep's journal appended to this one (`cat a b > journal.jsonl`): its header
+    was passed over, and its cells built into this campaign's cube (another output_tokens
+    under this one's name) or replaced this journal's own, while a resume found every cell
+    done. A header after line 1 is refused, the file left as it is."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    other = json.loads(json.dumps(records))
+    other[0]["campaign"]["workload"]["output_tokens"] = 32
+    other[0]["campaign_hash"] = "0123456789abcdef"
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records + other))
+    before = journal.read_bytes()
+    second = len(records) + 1
+    for result in (
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress"),
+        invoke("sweep", str(campaign), "--out", str(out), "--dry-run"),
+        invoke("cube", "build", str(out)),
+    ):
+        assert_one_line_error(
+            result, 1, f"line {second}", "second journal header", "0123456789abcdef", "--fresh"
+        )
+    assert journal.read_bytes() == before
+
+
 def test_another_campaigns_journal_is_still_refused(swept: tuple[Path, Path], tmp_path) -> None:
     _, out = swept
     other = write(tmp_path / "other.toml", replace_block(TINY, "batch = [1, 8]", "batch = [2]"))
@@ -146,6 +173,28 @@ def test_a_journal_from_a_newer_dvfs_is_refused(swept: tuple[Path, Path]) -> Non
         invoke("cube", "build", str(out)),
     ):
         assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
+
+
+def test_a_journal_a_newer_dvfs_resumed_is_refused_before_anything_is_measured(
+    swept: tuple[Path, Path],
+) -> None:
+    """A newer dvfs resumed the journal (its session says its schema), then this one is given
+    it: only the header's schema was checked, so the sweep measured the cells left and was
+    refused at the cube, advising --fresh, which drops them."""
+    campaign, out = swept
+    journal = out / "journal.jsonl"
+    records = read_records(journal)
+    cells = [i for i, r in enumerate(records) if r["type"] == "cell"]
+    kept = records[: cells[4]]  # the first session's first four cells
+    newer = {**next(r for r in records if r["type"] == "session"), "journal_schema": 99}
+    kept += [newer, *(records[i] for i in cells[4:8])]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    before = journal.read_bytes()
+    result = invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
+    assert journal.read_bytes() == before, "nothing may be measured into it"
+    dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run")
+    assert "journal schema 99" in dry.output
 
 
 def test_a_record_with_missing_numbers_is_written_as_strict_json(tmp_path: Path) -> None:

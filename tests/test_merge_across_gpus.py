@@ -627,3 +627,66 @@ def test_a_merged_cube_keeps_a_sources_unrecorded_attributes_as_json_null(
         shown = invoke("cube", "info", str(path), "--json")
         assert shown.exit_code == 0, shown.output
         assert "None" not in json.dumps(json.loads(shown.stdout)["idle_power_per_gpu"])
+
+
+def test_a_gpu_whose_sweep_has_not_reached_a_listed_clock_is_partial_in_the_merge(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The H100's sweep stopped before its 1005 MHz cells; merged with the finished H200 cube,
+    those were taken for settings outside the H100's grid: the merge said nothing of cells not
+    measured yet, and headroom told to extend knobs.sm_clock downward (`>=0`) where resuming
+    the sweep measures them, as it tells of the H100's own cube. A clock the campaign lists is
+    every GPU's grid."""
+    out = copy_sweep(runs["h100"], tmp_path / "h100")
+    journal = out / "journal.jsonl"
+    kept = [
+        r for r in read_records(journal) if r["type"] != "cell" or r["cell"]["sm_clock_mhz"] != 1005
+    ]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert invoke("cube", "build", str(out)).exit_code == 0
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(out), str(runs["h200"]), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "8 of 32 cells are not measured yet (8 never run" in result.stderr
+    text = invoke("headroom", str(merged)).output
+    assert "partial cube: 8 of 32 cells not measured yet" in text
+    assert "extend knobs.sm_clock" not in text
+    rows = json.loads(invoke("headroom", str(merged), "--json").output)["rows"]
+    label = str(open_cube(merged)["gpu"].values[0])
+    mine = [r for r in rows if r["gpu"] == label and r["feasible"]]
+    assert mine and all(r["chosen_unmeasured_below"] for r in mine)
+    assert not any(r["chosen_at_grid_edge"] for r in rows)
+
+
+def test_a_merged_cube_of_gpus_of_other_stock_limits_is_whole_in_cube_info(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A campaign that leaves the power limit at stock, on GPUs whose stock limits differ
+    (700 and 600 W): the merged axis holds both, each GPU measuring at its own. `cube info`
+    counted the other GPU's stock cells as missing ('64 = 32 measured + 32 missing') and told
+    to resume a finished sweep; the report warned of them. Headroom never counted them."""
+
+    def at_stock_limit(path: Path, into: Path, watts: float) -> Path:
+        ds = open_cube(path).load()
+        campaign = json.loads(ds.attrs["campaign"])
+        campaign["knobs"]["power_limits_w"] = None
+        attrs = dict(ds["power_limit"].attrs)
+        ds = ds.assign_coords(power_limit=[watts])
+        ds["power_limit"].attrs = attrs
+        ds.attrs.update(campaign=json.dumps(campaign), stock_power_limit_w=watts)
+        write_cube(ds, into)
+        return into
+
+    a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
+    b = at_stock_limit(runs["h200"] / "cube.nc", tmp_path / "b.nc", 600.0)
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "not measured yet" not in result.output
+    info = json.loads(invoke("cube", "info", str(merged), "--json").stdout)
+    assert info["coords"]["power_limit"] == [600.0, 700.0]
+    assert (info["cells"], info["measured"], info["missing"]) == (32, 32, 0)
+    assert info["resume"] is None
+    said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert "cells 32 = 32 measured + 0 failed + 0 missing" in said, said
+    assert "resume" not in said

@@ -218,6 +218,36 @@ def test_merging_refuses_what_is_not_one_runs_shards(runs: Path, tmp_path: Path)
         assert len(result.output.strip().splitlines()) == 1, result.output
 
 
+def test_a_shard_stopped_before_it_measured_is_named_by_the_merge(
+    runs: Path, tmp_path: Path
+) -> None:
+    """A shard killed before its first session (its GPU checks, its first server's start)
+    left a journal of its header and shard record: the merge's refusal named no journal
+    ('the journal has no measurement session yet') among the shards given."""
+    s1 = copy_sweep(runs / "s1", tmp_path / "s1")
+    journal = s1 / "journal.jsonl"
+    kept = [r for r in read_records(journal) if r["type"] in ("header", "shard")]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (s1 / "cube.nc").unlink()
+    result = CliRunner().invoke(
+        cli,
+        [
+            "cube",
+            "merge",
+            str(runs / "s0"),
+            str(s1),
+            str(runs / "s2"),
+            "-o",
+            str(tmp_path / "x.nc"),
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    [line] = result.output.strip().splitlines()
+    assert str(journal) in line and "no measurement session" in line
+    assert "dvfs sweep" in line
+
+
 def test_a_folder_keeps_its_shard(runs: Path, tmp_path: Path) -> None:
     """A folder holding another shard, or the whole campaign, is the wrong --out: refused before
     anything is measured, exit 2 (invalid input, as a shard dealt otherwise), in one line, by

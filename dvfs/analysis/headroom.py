@@ -306,7 +306,10 @@ def _cells(
                 ),
             )
         if grid_from_data:
-            waiting = waiting & (status != STATUS_MISSING).any(axis=(0, 1, 2, 5), keepdims=True)
+            for dim in data_grid_knobs(cube):
+                axis = ORDER.index(dim)
+                others = tuple(a for a in range(len(ORDER)) if a != axis)
+                waiting = waiting & (status != STATUS_MISSING).any(axis=others, keepdims=True)
         unmeasured = waiting.any(axis=-1) & ~invalid
         failed = unmeasured & (waiting & (status == STATUS_FAILED)).any(axis=-1)
     else:
@@ -436,7 +439,8 @@ def headroom(
 
     Returns a Dataset over (batch, drafter, corpus[, gpu]); see the module docstring.
     `grid_from_data` (one GPU of a merged cube, whose grid may be smaller than the union):
-    a knob setting this GPU measured nothing at is outside its grid, not unmeasured.
+    a stock knob's setting this GPU measured nothing at (another GPU's stock) is outside its
+    grid, not unmeasured (`data_grid_knobs`).
     """
     import xarray as xr
 
@@ -1127,34 +1131,64 @@ def _unasked_cells(
 def not_measured(cube: xr.Dataset, *, grid_from_data: bool = False) -> xr.DataArray:
     """Cells not measured yet: missing (the sweep has not reached them) or failed (a rerun
     retries them); not the adaptive repeats the campaign does not ask for (`unasked_repeats`).
-    With `grid_from_data` (one GPU of a merged cube), a knob setting with no cell measured at
-    all is outside that GPU's grid, not waiting to be measured."""
+    With `grid_from_data` (one GPU of a merged cube), a stock knob's setting with no cell
+    measured at all (another GPU's stock) is outside that GPU's grid, not waiting to be
+    measured (`data_grid_knobs`)."""
     if "cell_status" not in cube:
         return cube["valid"].copy(data=np.zeros(cube["valid"].shape, dtype=bool))
     status = cube["cell_status"]
     waiting = (status == STATUS_MISSING) | (status == STATUS_FAILED)
     waiting = waiting & ~unasked_repeats(cube)
     if grid_from_data:
-        others = [d for d in status.dims if d not in ("sm_clock", "power_limit")]
-        waiting = waiting & (status != STATUS_MISSING).any(others)
+        for dim in data_grid_knobs(cube):
+            others = [d for d in status.dims if d != dim]
+            waiting = waiting & (status != STATUS_MISSING).any(others)
     return waiting
+
+
+def data_grid_knobs(cube: xr.Dataset) -> tuple[str, ...]:
+    """The knob axes along which one GPU of a merged cube holds only the settings it measured:
+    those its campaign left at stock, where the merged axis holds each GPU's own stock setting
+    (and the others', not its own). A knob the campaign lists is every GPU's grid (merged
+    cubes share their campaign's grid), so a setting a GPU has not measured yet there is
+    waiting for its sweep, not outside its grid. Both where the cube records no campaign."""
+    import json
+
+    from dvfs.records import CampaignFacts
+
+    try:
+        grid = CampaignFacts.from_json(json.loads(cube.attrs.get("campaign") or "")).grid
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return ("sm_clock", "power_limit")
+    listed = {"sm_clock": grid.sm_clocks_mhz, "power_limit": grid.power_limits_w}
+    return tuple(dim for dim, values in listed.items() if not values)
+
+
+def grid_cells(cube: xr.Dataset) -> np.ndarray:
+    """Which cells (`cell_status`'s axes) are in the grid of the GPU they belong to: all of
+    them, but in a merged cube a stock knob's settings a GPU measured nothing at (another
+    GPU's stock setting on the merged axis: `data_grid_knobs`)."""
+    status = cube["cell_status"]
+    in_grid = np.ones(status.shape, dtype=bool)
+    if "gpu" in status.dims:
+        for dim in data_grid_knobs(cube):  # a stock knob: each GPU's own setting
+            others = [d for d in status.dims if d not in ("gpu", dim)]
+            seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
+            in_grid &= seen.transpose(*status.dims).values
+    return in_grid
 
 
 def coverage(cube: xr.Dataset) -> dict[str, int]:
     """How many cells the campaign asks for and how many are not measured yet (missing or
     failed): a partial cube's answers may change once its sweep is resumed. Adaptive repeats
     the campaign's rule does not ask for (`unasked_repeats`) are counted apart, as
-    `not_needed`, in neither. In a merged cube a knob setting a GPU measured nothing at is
-    outside that GPU's grid and not counted."""
+    `not_needed`, in neither. In a merged cube a stock knob's setting a GPU measured nothing
+    at (another GPU's stock) is outside that GPU's grid and not counted (`data_grid_knobs`)."""
     if "cell_status" not in cube:
         total = int(cube["valid"].size)
         return {"cells": total, "missing": 0, "failed": 0, "not_needed": 0}
     status = cube["cell_status"]
-    in_grid = np.ones(status.shape, dtype=bool)
-    if "gpu" in status.dims:
-        others = [d for d in status.dims if d not in ("gpu", "sm_clock", "power_limit")]
-        seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
-        in_grid = seen.transpose(*status.dims).values
+    in_grid = grid_cells(cube)
     unasked = unasked_repeats(cube).transpose(*status.dims).values & in_grid
     inside = status.values[in_grid & ~unasked]
     return {

@@ -135,11 +135,17 @@ def read_journal(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def _grid(journal: JournalContents, facts: CampaignFacts) -> dict[str, list[Any]]:
+def _grid(
+    journal: JournalContents, facts: CampaignFacts, where: str = "the journal"
+) -> dict[str, list[Any]]:
     """The cube's coordinates: the campaign's axes, the knobs' and the batches' ascending (a
-    campaign may list them in any order), a stock knob axis at the setting found."""
+    campaign may list them in any order), a stock knob axis at the setting found. `where`:
+    the journal's path, which a refusal names (one of several a merge of shards reads)."""
     if not journal.sessions:
-        raise CubeError("the journal has no measurement session yet: nothing to put in a cube")
+        raise CubeError(
+            f"{where} has no measurement session yet (its sweep stopped before it measured): "
+            "nothing to put in a cube; run its `dvfs sweep` command again to measure it"
+        )
     stock = journal.sessions[0].stock
     grid = facts.grid
     clocks, limits = grid.sm_clocks_mhz, grid.power_limits_w
@@ -571,7 +577,7 @@ class _Filler:
         return self.names.setdefault(gpus, gpus)
 
     def _allocate(self) -> None:
-        self.grid = _grid(self.contents(), self.header.facts())
+        self.grid = _grid(self.contents(), self.header.facts(), self.where)
         shape = tuple(len(self.grid[d]) for d in CELL_DIMS)
         self.index = {d: {v: i for i, v in enumerate(self.grid[d])} for d in CELL_DIMS}
         for spec in VARIABLES:

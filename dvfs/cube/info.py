@@ -144,12 +144,15 @@ def idle_caveat(seen: list[dict[str, Any]]) -> str:
 def info_text(ds: xr.Dataset) -> dict[str, Any]:
     """A summary for `dvfs cube info`: dimensions, coverage, quality, provenance. `missing`
     leaves out the adaptive repeats the campaign does not ask for (`not_needed`: a cell that
-    reached its precision in fewer than `max_repeats` repeats)."""
-    from dvfs.analysis.headroom import unasked_repeats
+    reached its precision in fewer than `max_repeats` repeats). In a merged cube the cells
+    count each GPU's own grid, not another GPU's stock settings on the merged axes
+    (`grid_cells`), which no sweep measures."""
+    from dvfs.analysis.headroom import grid_cells, unasked_repeats
 
     status = ds["cell_status"].values
-    total = status.size
-    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values
+    in_grid = grid_cells(ds)
+    total = int(in_grid.sum())
+    not_needed = unasked_repeats(ds).transpose(*ds["cell_status"].dims).values & in_grid
     flags = quality_counts(ds)
     gpu: str | None
     if "gpu" in ds.dims:
@@ -159,7 +162,7 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
     else:
         gpu = _gpu_text(ds.attrs)
     engine = [ds.attrs.get(k) for k in ("engine_backend", "engine_version")]
-    missing = int(((status == STATUS_MISSING) & ~not_needed).sum())
+    missing = int(((status == STATUS_MISSING) & ~not_needed & in_grid).sum())
     failed = int((status == STATUS_FAILED).sum())
     shards = shards_of(ds)
     return {

@@ -4,7 +4,8 @@ cell is ever lost when the process dies.
 Line 1 is a header naming the campaign; later lines are `session`, `server` and `cell`
 records, whose format `dvfs.records` owns: this module only stores and reads lines. A rerun
 reads the journal, skips finished cells, retries failed ones and appends. A line cut short by
-a crash is dropped on open; any other bad line is an error naming the file and line.
+a crash is dropped on open; any other bad line is an error naming the file and line, and so
+is a second header (another journal appended to this one).
 
 Each record is handed to the kernel before `append` returns (a killed process loses nothing);
 when it reaches the disk (fsync, what a power loss needs) is the `SyncPolicy`: every record on
@@ -71,9 +72,16 @@ INFLIGHT_ENERGY_DRIFT = "linear"
 FRESH = "`dvfs sweep CAMPAIGN --fresh` (a shard's with its `--shard I/N`)"
 
 
-def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> None:
+def check_resumable(
+    path: Path,
+    first: dict[str, Any],
+    campaign: Campaign,
+    sessions: Iterable[dict[str, Any]] = (),
+) -> None:
     """Refuse (`JournalError`) to resume `campaign` from the journal at `path` whose first
-    record is `first`: not a header, another schema, or another campaign or settings."""
+    record is `first` and whose session records are `sessions`: not a header, another schema
+    (the header's, or a later session's: a newer dvfs resumed the journal), or another
+    campaign or settings."""
     if first.get("type") != "header":
         raise JournalError(
             f"{path} does not start with a dvfs journal header: move it aside, or start "
@@ -81,6 +89,10 @@ def check_resumable(path: Path, first: dict[str, Any], campaign: Campaign) -> No
         )
     header = Header.from_json(first)
     check_version(path, header.journal_schema)
+    for session in sessions:
+        # A session's records follow its own version: one a newer dvfs wrote would be read
+        # as this dvfs's, and its cube refused only once the cells left were measured.
+        check_version(path, session.get("journal_schema", header.journal_schema))
     changes = header.differences(campaign)
     if not changes:
         return
@@ -111,9 +123,11 @@ def check_journal(path: Path, campaign: Campaign) -> None:
     only its first record and writing nothing (`dvfs doctor`); no file is no refusal."""
     if not path.exists():
         return
-    first = next(iter_records(path), None)
-    if first is not None:
-        check_resumable(path, first, campaign)
+    records = iter_records(path)
+    first = next(records, None)
+    if first is not None:  # the sessions read on only once the header is found sound
+        sessions = (r for r in records if r.get("type") == "session")
+        check_resumable(path, first, campaign, sessions)
 
 
 #: A journal line's JSON: compact and strict (NaN is `json_safe`'s null). One encoder for
@@ -221,7 +235,7 @@ class Journal:
         if first is None:
             journal.append(Header.for_campaign(campaign).to_json())
             return journal
-        check_resumable(path, first, campaign)
+        check_resumable(path, first, campaign, journal.sessions)
         return journal
 
     @property
@@ -370,6 +384,8 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
             problem = _record_problem(record)
             if problem:
                 raise _bad_line(path, number, problem, first=not count)
+            if count and record["type"] == "header":
+                raise _appended_journal(path, number, record)
             count += 1
             if repair and not raw.endswith(b"\n"):
                 # A complete record without its newline: finish the line so the next append is
@@ -402,6 +418,18 @@ def _record_problem(record: Any) -> str | None:
     ):
         return "a cell record without its key"
     return None
+
+
+def _appended_journal(path: Path, line: int, header: dict[str, Any]) -> JournalError:
+    """A header after line 1: another journal appended to this one (`cat`), whose cells would
+    pass for this journal's campaign and settings, or replace this journal's own."""
+    name, digest = header.get("campaign_name"), header.get("campaign_hash")
+    return JournalError(
+        f"{path}, line {line}: a second journal header (campaign {name!r}, hash {digest}): "
+        "another journal was appended to this one, and its cells would be taken for this "
+        f"journal's campaign and settings: cut the file before line {line} to keep this "
+        f"journal's own records, or start over with {FRESH}, which renames it"
+    )
 
 
 def _bad_line(path: Path, line: int, why: str, *, first: bool) -> JournalError:
