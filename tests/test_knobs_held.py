@@ -126,14 +126,29 @@ def test_a_setter_the_gpu_does_not_support_changes_nothing_to_restore(
 
     nvml.fake_update_device(0, errors={setter: nvml.NVML_ERROR_NOT_SUPPORTED})
     with (
-        pytest.raises(GpuNotSupportedError),
+        pytest.raises(GpuNotSupportedError) as refused,
         open_nvml_gpus([0], nvml=nvml) as gpus,
         KnobController(gpus) as knobs,
     ):
         knobs.apply(setting)
+    if setter == SET_LIMIT:  # the range is no answer to "not supported"
+        assert "allowed" not in str(refused.value) and "does not let" in str(refused.value)
     assert len(nvml.fake_calls(setter)) == 1  # the refused write, none to restore
     assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks") == []
     assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+
+
+def test_a_limit_nvml_calls_invalid_is_answered_with_the_allowed_range(nvml) -> None:
+    from dvfs.errors import GpuValueError
+
+    nvml.fake_update_device(0, errors={SET_LIMIT: nvml.NVML_ERROR_INVALID_ARGUMENT})
+    with (
+        pytest.raises(GpuValueError, match="allowed 200-700 W") as refused,
+        open_nvml_gpus([0], nvml=nvml) as gpus,
+        KnobController(gpus) as knobs,
+    ):
+        knobs.apply(KnobSetting(None, 400.0))
+    assert "does not let" not in str(refused.value)
 
 
 # -- the quality check ------------------------------------------------------------------------

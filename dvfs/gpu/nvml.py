@@ -125,8 +125,11 @@ class NvmlGpu:
         *args: Any,
         hint: str = "",
         unsupported_hint: str = "",
+        invalid_hint: str = "",
     ) -> T:
-        with self.errors.translated(f"GPU {self.index}: cannot {what}", hint, unsupported_hint):
+        with self.errors.translated(
+            f"GPU {self.index}: cannot {what}", hint, unsupported_hint, invalid_hint
+        ):
             return self._run(fn, self.handle, *args)
 
     def _call_plain(self, fn: Callable[..., T], what: str) -> T:
@@ -205,7 +208,8 @@ class NvmlGpu:
             self.nvml.nvmlDeviceSetPowerManagementLimit,
             "set the power limit",
             int(limit_mw),
-            hint=f"allowed {allowed.describe_w()}",
+            invalid_hint=f"allowed {allowed.describe_w()}",
+            unsupported_hint="this GPU or its driver does not let its power limit be set",
         )
 
     def energy_mj(self) -> int:

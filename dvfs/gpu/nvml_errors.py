@@ -80,24 +80,35 @@ class NvmlErrors:
         return getattr(exc, "value", None) in self.whole
 
     @contextlib.contextmanager
-    def translated(self, what: str, hint: str = "", unsupported_hint: str = "") -> Iterator[None]:
+    def translated(
+        self, what: str, hint: str = "", unsupported_hint: str = "", invalid_hint: str = ""
+    ) -> Iterator[None]:
         """NVML errors raised in the block become dvfs's (`raise ... from`); others pass."""
         try:
             yield
         except Exception as exc:
             if self.is_nvml_error(exc):
-                raise self.translate(exc, what, hint, unsupported_hint) from exc
+                raise self.translate(exc, what, hint, unsupported_hint, invalid_hint) from exc
             raise
 
     def translate(
-        self, exc: Any, what: str, hint: str = "", unsupported_hint: str = ""
+        self,
+        exc: Any,
+        what: str,
+        hint: str = "",
+        unsupported_hint: str = "",
+        invalid_hint: str = "",
     ) -> GpuError:
         """`hint` follows any error's message; `unsupported_hint` only NotSupported's (a
-        generation's limit must not be blamed for an Unknown Error on a GPU that has it)."""
+        generation's limit must not be blamed for an Unknown Error on a GPU that has it), and
+        `invalid_hint` only an invalid argument's (the allowed range is no answer to "not
+        supported")."""
         value = getattr(exc, "value", None)
         cls = self.table.get(value, GpuError) if isinstance(value, int) else GpuError
         if cls is GpuNotSupportedError and unsupported_hint:
             hint = f"{hint}; {unsupported_hint}" if hint else unsupported_hint
+        if cls is GpuValueError and invalid_hint:
+            hint = f"{hint}; {invalid_hint}" if hint else invalid_hint
         if value in self.library_not_found:
             return cls(f"{what}: {NO_DRIVER_HINT}")
         if value == self.driver_not_loaded:
