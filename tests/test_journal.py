@@ -194,7 +194,7 @@ def test_a_journal_a_newer_dvfs_resumed_is_refused_before_anything_is_measured(
     assert_one_line_error(result, 1, "journal schema 99", "upgrade dvfs")
     assert journal.read_bytes() == before, "nothing may be measured into it"
     dry = invoke("sweep", str(campaign), "--out", str(out), "--dry-run")
-    assert "journal schema 99" in dry.output
+    assert "journal schema 99" in " ".join(dry.output.split())  # the console wraps
 
 
 def test_a_record_with_missing_numbers_is_written_as_strict_json(tmp_path: Path) -> None:
