@@ -753,6 +753,31 @@ def test_the_server_is_read_at_the_url_given_and_a_port_out_of_range_is_refused(
         server.server_close()
 
 
+def _refused_by_monitor_and_govern(
+    tmp_path: Path, env: dict[str, str], urls: tuple[str, str], listen: bool = False
+) -> list[str]:
+    """Run `monitor` with the first value and `govern --dry-run` with the second, as --url (or
+    --listen): each must end in exit 2 with one error line naming that option. Returns what
+    each printed."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    option = "--listen" if listen else "--url"
+    once = [] if listen else ["--once"]
+    dry = [] if listen else ["--dry-run"]
+    said = []
+    for argv in (
+        ["monitor", *once, option, urls[0], "--gpu", "0", "--interval", "0.01"],
+        ["govern", "--plan", str(plan), option, urls[1], "--gpu", "0", *dry],
+    ):
+        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
+        printed = result.stdout + result.stderr
+        assert result.returncode == 2, printed
+        [line] = [line for line in printed.splitlines() if "Error:" in line]
+        assert f"Invalid value for {option}" in line, printed
+        said.append(printed)
+    return said
+
+
 @pytest.mark.parametrize("host", ["gpu-node..local", "xn--a", "a" * 64 + ".local"])
 def test_a_url_whose_host_name_cannot_be_encoded_is_a_usage_error(
     tmp_path: Path, env: dict[str, str], nvml, host: str
@@ -761,18 +786,9 @@ def test_a_url_whose_host_name_cannot_be_encoded_is_a_usage_error(
     passed the URL check and ended the run at its first read in a UnicodeError, reported as
     "cannot handle text in an input file" (exit 1: the units restart on it). It is a bad
     --url, exit 2 in one line, before any GPU is opened."""
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
     url = f"http://{host}:30000"
-    for argv in (
-        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
-        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
-    ):
-        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
-        printed = result.stdout + result.stderr
-        assert result.returncode == 2, printed
-        [line] = [line for line in printed.splitlines() if "Error:" in line]
-        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+    for printed in _refused_by_monitor_and_govern(tmp_path, env, (url, url)):
+        assert "is not a URL" in printed, printed
     assert nvml.fake_calls() == []
 
 
@@ -782,17 +798,9 @@ def test_a_listen_host_that_cannot_be_encoded_is_a_usage_error(
     """`--listen gpu-node..local:9436` passed the check and ended the run as it started
     serving, in a UnicodeError reported as "cannot handle text in an input file" (exit 1). It
     is a bad --listen, exit 2 in one line, before any GPU is opened."""
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
-    for argv in (
-        ["monitor", "--gpu", "0", "--interval", "0.01", "--listen", "gpu-node..local:9436"],
-        ["govern", "--plan", str(plan), "--gpu", "0", "--listen", "gpu-node..local:9435"],
-    ):
-        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
-        printed = result.stdout + result.stderr
-        assert result.returncode == 2, printed
-        [line] = [line for line in printed.splitlines() if "Error:" in line]
-        assert "Invalid value for --listen" in line and "names no host" in line, printed
+    hosts = ("gpu-node..local:9436", "gpu-node..local:9435")
+    for printed in _refused_by_monitor_and_govern(tmp_path, env, hosts, listen=True):
+        assert "names no host" in printed, printed
     assert nvml.fake_calls() == []
 
 
@@ -830,17 +838,8 @@ def test_a_bad_url_s_credentials_are_not_shown(
     """A --url whose bracketed host is no IPv6 address (one "]" short, a name) was refused
     with its user and password, and a secret query parameter, printed as given: the URL
     could not be taken apart to hide them. It is refused, exit 2, without them."""
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
-    for argv in (
-        ["monitor", "--once", "--url", url, "--gpu", "0", "--interval", "0.01"],
-        ["govern", "--plan", str(plan), "--url", url, "--gpu", "0", "--dry-run"],
-    ):
-        result = dvfs_in_process(*argv, "--max-intervals", "1", env=env)
-        printed = result.stdout + result.stderr
-        assert result.returncode == 2, printed
-        [line] = [line for line in printed.splitlines() if "Error:" in line]
-        assert "Invalid value for --url" in line and "is not a URL" in line, printed
+    for printed in _refused_by_monitor_and_govern(tmp_path, env, (url, url)):
+        assert "is not a URL" in printed, printed
         assert "pw-1" not in printed and "tk-1" not in printed, printed
         assert "alice" not in printed, printed
     assert nvml.fake_calls() == []
