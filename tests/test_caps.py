@@ -268,6 +268,14 @@ def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypa
         assert reset_here(1) and ("fallen off the bus" in result.stderr) == bool(code), given
 
 
+def _h100_caps_file(tmp_path: Path) -> Path:
+    """A caps file capping every H100 at 1500 MHz and 500 W."""
+    caps = tmp_path / "caps.toml"
+    cap = GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500)
+    caps.write_text(dump_caps(CapsFile((cap,))))
+    return caps
+
+
 def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_path) -> None:
     """`dvfs cap reset` (the caps unit's ExecStop) with a running governor holding GPU 0 reset
     no GPU at all (exit 3), leaving GPU 1 capped, where `dvfs gpu reset` skips a busy GPU. It
@@ -277,14 +285,7 @@ def test_cap_reset_resets_every_gpu_beside_one_a_running_dvfs_holds(nvml, tmp_pa
     from dvfs.gpu.nvml import open_nvml_gpus
     from dvfs.gpu.safety import GpuLocks
 
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
-            )
-        )
-    )
+    caps = _h100_caps_file(tmp_path)
     state = Path(os.environ["DVFS_STATE_DIR"])
     for named in ((), ("0", "1")):
         invoke("cap", "apply", str(caps))
@@ -316,14 +317,7 @@ def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
     from dvfs.gpu.safety import GpuLocks
 
     nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
-            )
-        )
-    )
+    caps = _h100_caps_file(tmp_path)
     invoke("cap", "apply", str(caps))
     nvml.fake_update_device(1, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
     state = Path(os.environ["DVFS_STATE_DIR"])
@@ -1274,14 +1268,7 @@ def test_a_reset_drops_a_damaged_caps_entry_and_resets_every_gpu(
     drops the entries it resets, damaged or not, as it did before entries were checked: every
     GPU is reset and said so."""
     nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
-    caps = tmp_path / "caps.toml"
-    caps.write_text(
-        dump_caps(
-            CapsFile(
-                (GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500, power_limit_w=500),)
-            )
-        )
-    )
+    caps = _h100_caps_file(tmp_path)
     invoke("cap", "apply", str(caps))
     record = Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json"
     entries = json.loads(record.read_text())
