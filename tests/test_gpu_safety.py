@@ -1002,12 +1002,9 @@ def test_a_malformed_state_file_is_a_state_error(tmp_path: Path, content: str) -
         store.pending("GPU-1")
 
 
-def test_gpu_reset_defaults_resets_the_others_beside_a_gpu_that_fails_to_restore(
-    nvml, env: dict[str, str]
-) -> None:
-    """`dvfs gpu reset --defaults` with GPU 0's restore failing (an NVML error) stopped there:
-    GPU 1, with no state file, kept its changed power limit, and the one line named GPU 0
-    alone. Each GPU that can be is restored or reset, and said so, before the failure."""
+def _gpu_0_failing_its_restore(nvml, env: dict[str, str]) -> tuple[Path, str]:
+    """Two H100s, GPU 0 with a state file (locked to 1500 MHz, 500 W) whose restore fails (an
+    NVML error locking its clocks). Returns the state folder and GPU 0's UUID."""
     nvml.fake_reset_state("h100-sxm,h100-sxm")
     uuid = nvml.fake_device_state(0)["uuid"]
     state = Path(env["DVFS_STATE_DIR"])
@@ -1015,6 +1012,16 @@ def test_gpu_reset_defaults_resets_the_others_beside_a_gpu_that_fails_to_restore
     original = {"uuid": uuid, "sm_clock_lock_mhz": [210, 1500], "power_limit_mw": 500_000}
     (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
     nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    return state, uuid
+
+
+def test_gpu_reset_defaults_resets_the_others_beside_a_gpu_that_fails_to_restore(
+    nvml, env: dict[str, str]
+) -> None:
+    """`dvfs gpu reset --defaults` with GPU 0's restore failing (an NVML error) stopped there:
+    GPU 1, with no state file, kept its changed power limit, and the one line named GPU 0
+    alone. Each GPU that can be is restored or reset, and said so, before the failure."""
+    state, uuid = _gpu_0_failing_its_restore(nvml, env)
     nvml.fake_update_device(1, power_limit_mw=400_000)
     result = dvfs_in_process("gpu", "reset", "--defaults", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -1031,13 +1038,7 @@ def test_gpu_reset_names_a_lost_gpu_beside_one_that_fails_to_restore(
     """`dvfs gpu reset` with GPU 0's restore failing and GPU 1 fallen off the bus named GPU 0
     alone: the lost GPU, which its help says is named once the others are restored, went
     unsaid. The one error names both."""
-    nvml.fake_reset_state("h100-sxm,h100-sxm")
-    uuid = nvml.fake_device_state(0)["uuid"]
-    state = Path(env["DVFS_STATE_DIR"])
-    state.mkdir(parents=True, exist_ok=True)
-    original = {"uuid": uuid, "sm_clock_lock_mhz": [210, 1500], "power_limit_mw": 500_000}
-    (state / f"{uuid}.json").write_text(json.dumps({"original": original}))
-    nvml.fake_update_device(0, errors={"nvmlDeviceSetGpuLockedClocks": nvml.NVML_ERROR_UNKNOWN})
+    _gpu_0_failing_its_restore(nvml, env)
     nvml.fake_update_device(1, lost=True)
     result = dvfs_in_process("gpu", "reset", env=env)
     assert result.returncode == 1, result.stdout + result.stderr
