@@ -89,7 +89,7 @@ SPECULATIVE = [f"e{s}" for s in STEPS]
 UNESTIMATED = ["none", "ngram", "dflash", "standalone"]
 
 #: How close the estimator comes to the twin's exact split on FAMILY (measured: drafting time
-#: within 1%; drafting energy over by 5-6% at batch 1 and 18-26% at batch 8, where the later
+#: within 1%; drafting energy over by 5-7% at batch 1 and 19-27% at batch 8, where the later
 #: draft steps carry top-k tokens per request and cost more than the first step and the
 #: draft-extend pass, which the equal-cost assumption prices alike: 1-4% of the cell's
 #: energy). The tolerances are those numbers with a little room, not targets.

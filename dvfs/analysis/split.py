@@ -30,11 +30,12 @@ one the design cannot tell from c_draft (no anchor, and k moving with n as in to
 chains, where the verify pass's growth is then counted as drafting). N-gram (drafting on the
 host) and single-pass block drafters (DFLASH) have no draft steps to vary: no estimate.
 
-Measured on the twin (h100-sxm, Llama-3.1-8B, EAGLE-3 top-k 4 with 2, 3 and 5 steps): the
-drafting time within 1% of the exact split; the drafting energy overstated by 5-6% at batch 1,
-18-26% at batch 8 and 17-35% at batch 32: 1-4% of the cell's energy. A top-k 1 family
-(k = steps + 1) leans on its anchor for c_verify and came within 10-27% of the drafting
-energy (time within 6%).
+Measured on the twin (h100-sxm without traps, Llama-3.1-8B, EAGLE-3 top-k 4 with 2, 3 and 5
+steps): the drafting time within 2% of the exact split; the drafting energy overstated by 5-7%
+at batch 1, 19-27% at batch 8 and 22-42% at batch 32: 1-4% of the cell's energy. A top-k 1
+family (k = steps + 1) leans on its anchor for c_verify, whose plain decode lacks the
+speculative step's fixed costs (its fitted c_verify falls below zero, or comes out too small):
+the drafting energy overstated 1.4x at batch 1, 2.2x at 8 and 3.3x at 32 (time 1.8-3.4x).
 
 The prefill share of the windows: a fixed batch's steady window starts after its last prefill
 (none inside); in closed-loop mode prefill chunks ride inside decode iterations and the
