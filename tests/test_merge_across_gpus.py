@@ -724,3 +724,43 @@ def test_a_gpu_that_measured_nothing_yet_at_its_stock_limit_is_partial_in_the_me
     assert info["resume"] is not None
     text = invoke("headroom", str(merged)).output
     assert "partial cube: 16 of 32 cells not measured yet" in text
+
+
+def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_says(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A campaign that leaves the power limit at stock, on GPUs whose stock limits differ (700
+    and 600 W), and a target no setting meets: the report's table (as `dvfs headroom`) says
+    'none feasible', but each GPU's headroom map, whose answers were worked out as for a cube
+    of that GPU alone, took the other GPU's stock limit for a setting not measured yet and
+    said 'none feasible so far', which resuming a finished sweep never changes."""
+    import dvfs.plots
+
+    a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
+    b = at_stock_limit(runs["h200"] / "cube.nc", tmp_path / "b.nc", 600.0)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    maps: dict[str, list[str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":
+            maps[out_dir.name] = [
+                " ".join(t.get_text().split())
+                for t in fig.findobj(match=lambda x: hasattr(x, "get_text"))
+            ]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    report = tmp_path / "r.md"
+    slo = ("--slo", "tpot_p50<=1ms")
+    result = invoke("report", str(merged), *slo, "-o", str(report))
+    assert result.exit_code == 0, result.output
+    table = invoke("headroom", str(merged), *slo, "--json")
+    rows = json.loads(table.stdout)["rows"]
+    assert len(rows) == 8 and not any(r["feasible"] or r["unmeasured_settings"] for r in rows)
+    assert "none feasible so far" not in report.read_text()
+    assert len(maps) == 2
+    for texts in maps.values():
+        assert "none feasible" in texts
+        assert not any("so far" in t for t in texts), texts
