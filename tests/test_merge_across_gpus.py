@@ -658,6 +658,20 @@ def test_a_gpu_whose_sweep_has_not_reached_a_listed_clock_is_partial_in_the_merg
     assert not any(r["chosen_at_grid_edge"] for r in rows)
 
 
+def at_stock_limit(path: Path, into: Path, watts: float) -> Path:
+    """The cube at `path` as its campaign would have made it with the power limit left at
+    stock, `watts` on that GPU, written to `into`."""
+    ds = open_cube(path).load()
+    campaign = json.loads(ds.attrs["campaign"])
+    campaign["knobs"]["power_limits_w"] = None
+    attrs = dict(ds["power_limit"].attrs)
+    ds = ds.assign_coords(power_limit=[watts])
+    ds["power_limit"].attrs = attrs
+    ds.attrs.update(campaign=json.dumps(campaign), stock_power_limit_w=watts)
+    write_cube(ds, into)
+    return into
+
+
 def test_a_merged_cube_of_gpus_of_other_stock_limits_is_whole_in_cube_info(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -665,17 +679,6 @@ def test_a_merged_cube_of_gpus_of_other_stock_limits_is_whole_in_cube_info(
     (700 and 600 W): the merged axis holds both, each GPU measuring at its own. `cube info`
     counted the other GPU's stock cells as missing ('64 = 32 measured + 32 missing') and told
     to resume a finished sweep; the report warned of them. Headroom never counted them."""
-
-    def at_stock_limit(path: Path, into: Path, watts: float) -> Path:
-        ds = open_cube(path).load()
-        campaign = json.loads(ds.attrs["campaign"])
-        campaign["knobs"]["power_limits_w"] = None
-        attrs = dict(ds["power_limit"].attrs)
-        ds = ds.assign_coords(power_limit=[watts])
-        ds["power_limit"].attrs = attrs
-        ds.attrs.update(campaign=json.dumps(campaign), stock_power_limit_w=watts)
-        write_cube(ds, into)
-        return into
 
     a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
     b = at_stock_limit(runs["h200"] / "cube.nc", tmp_path / "b.nc", 600.0)
@@ -690,3 +693,74 @@ def test_a_merged_cube_of_gpus_of_other_stock_limits_is_whole_in_cube_info(
     said = " ".join(invoke("cube", "info", str(merged)).stdout.split())
     assert "cells 32 = 32 measured + 0 failed + 0 missing" in said, said
     assert "resume" not in said
+
+
+@pytest.mark.parametrize("watts", [700.0, 600.0])
+def test_a_gpu_that_measured_nothing_yet_at_its_stock_limit_is_partial_in_the_merge(
+    runs: dict[str, Path], tmp_path: Path, watts: float
+) -> None:
+    """A campaign that leaves the power limit at stock; the H200's sweep stopped before its
+    first cell (killed while its first server started: a session, no cell), as a fleet mixing
+    models leaves a model whose workers had not measured yet. Its stock setting held no
+    measured cell, so all its cells were taken for outside its grid: `cube info` said
+    '16 = 16 measured + 0 missing' with no resume line and the merge said nothing of cells not
+    measured yet, where the H200's own cube counts 16 missing. Each GPU's stock setting is
+    the one its cube recorded (`merged_from`)."""
+    out = copy_sweep(runs["h200"], tmp_path / "h200")
+    journal = out / "journal.jsonl"
+    kept = [r for r in read_records(journal) if r["type"] != "cell"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert invoke("cube", "build", str(out)).exit_code == 0
+    a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
+    b = at_stock_limit(out / "cube.nc", tmp_path / "b.nc", watts)
+    own = json.loads(invoke("cube", "info", str(b), "--json").stdout)
+    assert (own["cells"], own["missing"]) == (16, 16)
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", str(a), str(b), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    assert "16 of 32 cells are not measured yet (16 never run" in result.stderr
+    info = json.loads(invoke("cube", "info", str(merged), "--json").stdout)
+    assert (info["cells"], info["measured"], info["missing"]) == (32, 16, 16)
+    assert info["resume"] is not None
+    text = invoke("headroom", str(merged)).output
+    assert "partial cube: 16 of 32 cells not measured yet" in text
+
+
+def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_says(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A campaign that leaves the power limit at stock, on GPUs whose stock limits differ (700
+    and 600 W), and a target no setting meets: the report's table (as `dvfs headroom`) says
+    'none feasible', but each GPU's headroom map, whose answers were worked out as for a cube
+    of that GPU alone, took the other GPU's stock limit for a setting not measured yet and
+    said 'none feasible so far', which resuming a finished sweep never changes."""
+    import dvfs.plots
+
+    a = at_stock_limit(runs["h100"] / "cube.nc", tmp_path / "a.nc", 700.0)
+    b = at_stock_limit(runs["h200"] / "cube.nc", tmp_path / "b.nc", 600.0)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    maps: dict[str, list[str]] = {}
+    save = dvfs.plots.save
+
+    def keep(fig: Any, out_dir: Path, name: str, fmt: str) -> Path:
+        if name == "headroom":
+            maps[out_dir.name] = [
+                " ".join(t.get_text().split())
+                for t in fig.findobj(match=lambda x: hasattr(x, "get_text"))
+            ]
+        return save(fig, out_dir, name, fmt)
+
+    monkeypatch.setattr(dvfs.plots, "save", keep)
+    report = tmp_path / "r.md"
+    slo = ("--slo", "tpot_p50<=1ms")
+    result = invoke("report", str(merged), *slo, "-o", str(report))
+    assert result.exit_code == 0, result.output
+    table = invoke("headroom", str(merged), *slo, "--json")
+    rows = json.loads(table.stdout)["rows"]
+    assert len(rows) == 8 and not any(r["feasible"] or r["unmeasured_settings"] for r in rows)
+    assert "none feasible so far" not in report.read_text()
+    assert len(maps) == 2
+    for texts in maps.values():
+        assert "none feasible" in texts
+        assert not any("so far" in t for t in texts), texts

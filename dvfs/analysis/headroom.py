@@ -1164,17 +1164,42 @@ def data_grid_knobs(cube: xr.Dataset) -> tuple[str, ...]:
     return tuple(dim for dim, values in listed.items() if not values)
 
 
+#: A stock knob's axis and the attribute each merged GPU's own stock setting is in
+#: (`merged_from`, as its cube recorded it).
+STOCK_ATTRS = {"sm_clock": "stock_sm_clock_mhz", "power_limit": "stock_power_limit_w"}
+
+
 def grid_cells(cube: xr.Dataset) -> np.ndarray:
     """Which cells (`cell_status`'s axes) are in the grid of the GPU they belong to: all of
-    them, but in a merged cube a stock knob's settings a GPU measured nothing at (another
-    GPU's stock setting on the merged axis: `data_grid_knobs`)."""
+    them, but in a merged cube a stock knob's settings other than the GPU's own (another
+    GPU's stock setting on the merged axis: `data_grid_knobs`). A GPU's own is the stock
+    setting its cube recorded (`merged_from`), measured yet or not, and any it measured at."""
+    import json
+
     status = cube["cell_status"]
     in_grid = np.ones(status.shape, dtype=bool)
     if "gpu" in status.dims:
+        try:
+            sources = json.loads(str(cube.attrs.get("merged_from") or "{}"))
+        except ValueError:
+            sources = {}
+        if not isinstance(sources, dict):
+            sources = {}
         for dim in data_grid_knobs(cube):  # a stock knob: each GPU's own setting
             others = [d for d in status.dims if d not in ("gpu", dim)]
-            seen = (status != STATUS_MISSING).any(others).broadcast_like(status)
-            in_grid &= seen.transpose(*status.dims).values
+            seen = (status != STATUS_MISSING).any(others).transpose("gpu", dim)
+            own = seen.values.copy()
+            values = cube[dim].values.astype(float)
+            for i, label in enumerate(cube["gpu"].values):
+                source = sources.get(str(label))
+                stock = source.get(STOCK_ATTRS[dim]) if isinstance(source, dict) else None
+                try:  # "None" or none: not recorded (an older merge's), as `single_gpu`
+                    setting = float(stock)  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    continue
+                own[i] |= values == setting
+            mine = seen.copy(data=own).broadcast_like(status)
+            in_grid &= mine.transpose(*status.dims).values
     return in_grid
 
 
@@ -1182,8 +1207,8 @@ def coverage(cube: xr.Dataset) -> dict[str, int]:
     """How many cells the campaign asks for and how many are not measured yet (missing or
     failed): a partial cube's answers may change once its sweep is resumed. Adaptive repeats
     the campaign's rule does not ask for (`unasked_repeats`) are counted apart, as
-    `not_needed`, in neither. In a merged cube a stock knob's setting a GPU measured nothing
-    at (another GPU's stock) is outside that GPU's grid and not counted (`data_grid_knobs`)."""
+    `not_needed`, in neither. In a merged cube another GPU's stock setting on a stock knob's
+    axis is outside a GPU's grid and not counted (`grid_cells`)."""
     if "cell_status" not in cube:
         total = int(cube["valid"].size)
         return {"cells": total, "missing": 0, "failed": 0, "not_needed": 0}

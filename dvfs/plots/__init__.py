@@ -59,18 +59,23 @@ def figures(
     knob: str = "both",
     confidence: float = 0.95,
     drafters: Sequence[str] = (),
+    grid_from_data: bool = False,
 ) -> Iterator[tuple[str, Figure]]:
     """Every figure for a single-GPU cube, with its file name (no extension), one at a time.
     The chosen settings they mark are `dvfs headroom`'s for `target`, `knob` and `confidence`.
     `drafters` (none: all) are the rows of the headroom map, as of `dvfs headroom --drafter`'s
     table: a cube cut to some drafters keeps the baseline for the target and for the curves
-    it is drawn against, but the map is of the drafters asked for.
+    it is drawn against, but the map is of the drafters asked for. `grid_from_data`: the cube
+    is one GPU of a merged cube (`per_gpu`), its answers those `dvfs headroom` gives that GPU
+    on the merged cube (another GPU's stock setting is outside its grid, not unmeasured).
 
     The per-corpus figures of a kind (energy vs clock, Pareto fronts, energy split) are one
     Figure drawn again for each corpus: save (or inspect) each figure before asking for the
     next.
     """
-    chosen = headroom(cube, target=target, knob=knob, confidence=confidence)
+    chosen = headroom(
+        cube, target=target, knob=knob, confidence=confidence, grid_from_data=grid_from_data
+    )
     corpora = [str(c) for c in cube["corpus"].values]
     widest = longest_corpus(cube)
     # One SM clock (a power-limit-only grid, or one clock locked): nothing varies along the
@@ -147,11 +152,13 @@ def plot_all(
     knob: str = "both",
     confidence: float = 0.95,
     drafters: Sequence[str] = (),
+    grid_from_data: bool = False,
 ) -> list[Path]:
     """Every figure dvfs draws for a cube; returns the files written (a folder per GPU for a
     merged cube). `knob` and `confidence` are `dvfs headroom`'s: the chosen settings marked
     are the ones its table gives for them (`dvfs report` passes its own, and its --drafter
-    as `drafters`, the headroom map's rows)."""
+    as `drafters`, the headroom map's rows); each GPU's of a merged cube as `dvfs headroom`
+    gives them on the merged cube (`grid_from_data`, as `figures` takes it)."""
     if fmt not in FORMATS:
         from dvfs.errors import AnalysisError
 
@@ -178,9 +185,17 @@ def plot_all(
                 knob=knob,
                 confidence=confidence,
                 drafters=drafters,
+                grid_from_data=True,
             )
         return paths
-    drawn = figures(cube, target, knob=knob, confidence=confidence, drafters=drafters)
+    drawn = figures(
+        cube,
+        target,
+        knob=knob,
+        confidence=confidence,
+        drafters=drafters,
+        grid_from_data=grid_from_data,
+    )
     return [save(fig, out, name, fmt) for name, fig in drawn]
 
 
