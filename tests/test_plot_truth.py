@@ -85,6 +85,46 @@ def test_a_setting_with_an_invalid_repeat_is_not_drawn_as_a_point() -> None:
     assert np.isfinite(np.ma.filled(drawn, np.nan)).all(axis=1).sum() == 8
 
 
+def test_a_reference_with_one_invalid_repeat_is_drawn_as_the_tables_take_it() -> None:
+    """With two of its three repeats usable, the stock setting stays headroom's reference: its
+    stock energy and a setting it may choose. The figures drew none of it (a setting with an
+    invalid repeat left out whole), so the Pareto front starred a chosen setting where no point
+    and no stock ring was, and energy against batch had no point where the table states the
+    stock energy. They draw it now from its usable repeats, as the tables read it."""
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.analysis.targets import Target
+
+    cube = _split_cube(small_cube([1, 8], corpora=("code",), repeats=3))
+    energy = cube["energy_per_token_j"].values.copy()
+    energy[..., 0] *= 2.0  # repeat 0 (the last cell axis) reads twice the energy ...
+    cube["energy_per_token_j"] = cube["energy_per_token_j"].copy(data=energy)
+    # ... and is invalid at none's stock setting
+    cube = _one_bad_repeat(cube, sm_clock=1980, power_limit=700.0, drafter="none")
+    target = Target("preserve", slack=0.0)  # nothing but stock meets it
+    result = headroom(cube, target=target)
+    stock = {"sm_clock": 1980, "power_limit": 700.0, "drafter": "none", "corpus": "code"}
+    usable = cube["energy_per_token_j"].sel(stock).isel(repeat=[1, 2]).mean("repeat")
+    row = result.sel(drafter="none", corpus="code")
+    assert (row["chosen_sm_clock"] == 1980).all() and (row["chosen_power_limit"] == 700.0).all()
+    np.testing.assert_allclose(row["stock_energy_per_token_j"], usable)
+    drawn = dict(figures(cube, target))
+    for ax, batch in zip(drawn["pareto_code"].axes, (1, 8), strict=False):
+        ring, star = (
+            np.asarray(c.get_offsets())[0]
+            for gid in ("stock", "chosen")
+            for c in ax.collections
+            if c.get_gid() == gid
+        )
+        assert ax.get_title() == f"batch {batch}"
+        np.testing.assert_allclose(ring, star)  # none's ring is where its chosen star is
+        assert ring[1] == pytest.approx(float(row["stock_energy_per_token_j"].sel(batch=batch)))
+    (panel,) = [ax for ax in drawn["energy_vs_batch"].axes if ax.get_title() == "corpus code"]
+    none_line = panel.lines[0]  # the drafters in the cube's order, none first
+    np.testing.assert_allclose(none_line.get_ydata(), row["stock_energy_per_token_j"])
+    split = where_energy_goes(cube).sel(drafter="none", corpus="code")
+    assert (split["invalid"] == 0).all() and np.isfinite(split["energy_per_token_verify_j"]).all()
+
+
 def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
     cube = small_cube([1], corpora=("code",), repeats=2)
     power = cube["timeline_power_w"].values.copy()
@@ -238,8 +278,8 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
 
 
 def test_the_energy_split_leaves_out_a_reference_with_an_invalid_repeat() -> None:
-    """Headroom never takes a setting with an invalid repeat as the reference; the split does
-    not average its other repeats either, and says why there is no bar."""
+    """Headroom takes no reference with an invalid repeat and one usable repeat (of two); the
+    split does not average that repeat either, and says why there is no bar."""
     from dvfs.analysis.split import where_energy_goes
     from dvfs.plots import draw_energy_split
 
