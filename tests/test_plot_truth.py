@@ -306,6 +306,36 @@ def test_acceptance_leaves_out_a_setting_with_an_invalid_repeat() -> None:
     assert values.tolist() == [[3.0]]  # eagle3 on code; none has no accept length
 
 
+def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
+    """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
+    valid repeat of a setting with an invalid one, which the acceptance figure beside it
+    leaves out (headroom's rule): 7.80 tokens per verify in the table against 3.00 drawn."""
+    from click.testing import CliRunner
+    from cubes import as_twin_sweep
+
+    from dvfs.cli import cli
+    from dvfs.cube import write_cube
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code",), repeats=2)
+    cube["accept_length"].loc[{"sm_clock": 1500, "drafter": "eagle3", "repeat": 1}] = 27.0
+    cube = _one_bad_repeat(cube, sm_clock=1500)
+    drawn = np.ma.filled(draw_acceptance(cube).axes[0].images[0].get_array(), np.nan)
+    assert drawn.tolist() == [[3.0]]  # eagle3 on code
+    timelines = ["timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz"]  # not read here
+    path = write_cube(
+        as_twin_sweep(
+            cube.drop_vars(timelines), uuid="GPU-0", gpu_name="test GPU", campaign="accept"
+        ),
+        tmp_path / "cube.nc",
+    )
+    result = CliRunner().invoke(cli, ["compare", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["acceptance"]
+    assert (row["drafter"], row["corpus"]) == ("eagle3", "code")
+    assert row["accept_length"] == pytest.approx(drawn[0, 0])
+
+
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
     """The meter stores only samples inside its windows, on an axis of whole window lengths,
     which runs past decode_time_s (the spans between counter updates): every stored sample is
