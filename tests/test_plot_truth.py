@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 import xarray as xr
+from cubes import make_cube
 from test_plots import TARGET, small_cube
 
 import dvfs.plots
@@ -334,6 +335,28 @@ def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: P
     (row,) = json.loads(result.stdout)["acceptance"]
     assert (row["drafter"], row["corpus"]) == ("eagle3", "code")
     assert row["accept_length"] == pytest.approx(drawn[0, 0])
+
+
+def test_the_headroom_map_names_a_power_limit_as_the_table_does() -> None:
+    """A campaign may sweep a limit of 250.5 W: the table, the report and `dvfs cap plan` say
+    250.5 W, where the headroom map's cell said 250 W (and 350.7 W would have read 351 W, a
+    cap above the one chosen)."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots import draw_headroom
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    for limit in (250.5, 350.7):
+        cube = make_cube(
+            clocks=[1005, 1980],
+            limits=[700.0, limit],
+            energy=lambda c, p, *_: 1.0 if p == 700.0 else 0.8,  # the cap saves 20%
+            latency=lambda c, *_: 10.0 if c == 1980 else 30.0,  # 1005 MHz is too slow
+        )
+        result = headroom(cube, target=Target("preserve", slack=0.05))
+        _, rows = headroom_table_rows(headroom_document(result, cube))
+        assert rows[0][3] == f"1980/{limit:g}", rows  # the chosen setting in the table
+        texts = [t.get_text() for ax in draw_headroom(result).axes for t in ax.texts]
+        assert texts == [f"20%\n1980 MHz\n{limit:g} W"], texts
 
 
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:
