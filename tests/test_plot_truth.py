@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 import xarray as xr
+from cubes import make_cube
 from test_plots import TARGET, small_cube
 
 import dvfs.plots
@@ -83,6 +84,46 @@ def test_a_setting_with_an_invalid_repeat_is_not_drawn_as_a_point() -> None:
     )
     # 2 drafters x 2 power limits x the 2 clocks whose every repeat is valid
     assert np.isfinite(np.ma.filled(drawn, np.nan)).all(axis=1).sum() == 8
+
+
+def test_a_reference_with_one_invalid_repeat_is_drawn_as_the_tables_take_it() -> None:
+    """With two of its three repeats usable, the stock setting stays headroom's reference: its
+    stock energy and a setting it may choose. The figures drew none of it (a setting with an
+    invalid repeat left out whole), so the Pareto front starred a chosen setting where no point
+    and no stock ring was, and energy against batch had no point where the table states the
+    stock energy. They draw it now from its usable repeats, as the tables read it."""
+    from dvfs.analysis.split import where_energy_goes
+    from dvfs.analysis.targets import Target
+
+    cube = _split_cube(small_cube([1, 8], corpora=("code",), repeats=3))
+    energy = cube["energy_per_token_j"].values.copy()
+    energy[..., 0] *= 2.0  # repeat 0 (the last cell axis) reads twice the energy ...
+    cube["energy_per_token_j"] = cube["energy_per_token_j"].copy(data=energy)
+    # ... and is invalid at none's stock setting
+    cube = _one_bad_repeat(cube, sm_clock=1980, power_limit=700.0, drafter="none")
+    target = Target("preserve", slack=0.0)  # nothing but stock meets it
+    result = headroom(cube, target=target)
+    stock = {"sm_clock": 1980, "power_limit": 700.0, "drafter": "none", "corpus": "code"}
+    usable = cube["energy_per_token_j"].sel(stock).isel(repeat=[1, 2]).mean("repeat")
+    row = result.sel(drafter="none", corpus="code")
+    assert (row["chosen_sm_clock"] == 1980).all() and (row["chosen_power_limit"] == 700.0).all()
+    np.testing.assert_allclose(row["stock_energy_per_token_j"], usable)
+    drawn = dict(figures(cube, target))
+    for ax, batch in zip(drawn["pareto_code"].axes, (1, 8), strict=False):
+        ring, star = (
+            np.asarray(c.get_offsets())[0]
+            for gid in ("stock", "chosen")
+            for c in ax.collections
+            if c.get_gid() == gid
+        )
+        assert ax.get_title() == f"batch {batch}"
+        np.testing.assert_allclose(ring, star)  # none's ring is where its chosen star is
+        assert ring[1] == pytest.approx(float(row["stock_energy_per_token_j"].sel(batch=batch)))
+    (panel,) = [ax for ax in drawn["energy_vs_batch"].axes if ax.get_title() == "corpus code"]
+    none_line = panel.lines[0]  # the drafters in the cube's order, none first
+    np.testing.assert_allclose(none_line.get_ydata(), row["stock_energy_per_token_j"])
+    split = where_energy_goes(cube).sel(drafter="none", corpus="code")
+    assert (split["invalid"] == 0).all() and np.isfinite(split["energy_per_token_verify_j"]).all()
 
 
 def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
@@ -238,8 +279,8 @@ def test_the_energy_split_says_not_measured_and_leaves_out_parts_of_0_joules() -
 
 
 def test_the_energy_split_leaves_out_a_reference_with_an_invalid_repeat() -> None:
-    """Headroom never takes a setting with an invalid repeat as the reference; the split does
-    not average its other repeats either, and says why there is no bar."""
+    """Headroom takes no reference with an invalid repeat and one usable repeat (of two); the
+    split does not average that repeat either, and says why there is no bar."""
     from dvfs.analysis.split import where_energy_goes
     from dvfs.plots import draw_energy_split
 
@@ -264,6 +305,58 @@ def test_acceptance_leaves_out_a_setting_with_an_invalid_repeat() -> None:
     fig = draw_acceptance(cube)
     values = np.ma.filled(fig.axes[0].images[0].get_array(), np.nan)
     assert values.tolist() == [[3.0]]  # eagle3 on code; none has no accept length
+
+
+def test_compare_gives_the_accept_length_the_acceptance_figure_draws(tmp_path: Path) -> None:
+    """`dvfs compare`'s acceptance table (and the report's sentence read off it) averaged the
+    valid repeat of a setting with an invalid one, which the acceptance figure beside it
+    leaves out (headroom's rule): 7.80 tokens per verify in the table against 3.00 drawn."""
+    from click.testing import CliRunner
+    from cubes import as_twin_sweep
+
+    from dvfs.cli import cli
+    from dvfs.cube import write_cube
+    from dvfs.plots import draw_acceptance
+
+    cube = small_cube([1], corpora=("code",), repeats=2)
+    cube["accept_length"].loc[{"sm_clock": 1500, "drafter": "eagle3", "repeat": 1}] = 27.0
+    cube = _one_bad_repeat(cube, sm_clock=1500)
+    drawn = np.ma.filled(draw_acceptance(cube).axes[0].images[0].get_array(), np.nan)
+    assert drawn.tolist() == [[3.0]]  # eagle3 on code
+    timelines = ["timeline_t_s", "timeline_power_w", "timeline_sm_clock_mhz"]  # not read here
+    path = write_cube(
+        as_twin_sweep(
+            cube.drop_vars(timelines), uuid="GPU-0", gpu_name="test GPU", campaign="accept"
+        ),
+        tmp_path / "cube.nc",
+    )
+    result = CliRunner().invoke(cli, ["compare", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["acceptance"]
+    assert (row["drafter"], row["corpus"]) == ("eagle3", "code")
+    assert row["accept_length"] == pytest.approx(drawn[0, 0])
+
+
+def test_the_headroom_map_names_a_power_limit_as_the_table_does() -> None:
+    """A campaign may sweep a limit of 250.5 W: the table, the report and `dvfs cap plan` say
+    250.5 W, where the headroom map's cell said 250 W (and 350.7 W would have read 351 W, a
+    cap above the one chosen)."""
+    from dvfs.analysis.targets import Target
+    from dvfs.plots import draw_headroom
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    for limit in (250.5, 350.7):
+        cube = make_cube(
+            clocks=[1005, 1980],
+            limits=[700.0, limit],
+            energy=lambda c, p, *_: 1.0 if p == 700.0 else 0.8,  # the cap saves 20%
+            latency=lambda c, *_: 10.0 if c == 1980 else 30.0,  # 1005 MHz is too slow
+        )
+        result = headroom(cube, target=Target("preserve", slack=0.05))
+        _, rows = headroom_table_rows(headroom_document(result, cube))
+        assert rows[0][3] == f"1980/{limit:g}", rows  # the chosen setting in the table
+        texts = [t.get_text() for ax in draw_headroom(result).axes for t in ax.texts]
+        assert texts == [f"20%\n1980 MHz\n{limit:g} W"], texts
 
 
 def test_timelines_draw_every_stored_sample_and_end_at_the_last() -> None:

@@ -819,3 +819,28 @@ def test_the_reports_headroom_command_asks_the_reports_own_question(
         assert parse_slack(value["--slack"]) == pytest.approx(asked.slack, rel=1e-12)
     read = float(value.get("--confidence", "0.95"))
     assert read == pytest.approx(confidence, rel=1e-12) and 0.5 <= read < 1
+
+
+def test_the_reports_comparison_is_dvfs_compare_at_its_confidence(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dvfs report --confidence` set the headroom's bound only: its speculation section
+    stayed at 95% (intervals, verdicts, the equal-latency settings), so it disagreed with the
+    `dvfs compare --confidence` it stands for. Its tables are that command's now."""
+    import dvfs.plots
+
+    monkeypatch.setattr(dvfs.plots, "save", unsaved_figure)  # the tables, not the figures
+
+    def tables(text: str) -> list[str]:
+        return [line.replace("\\", "") for line in text.splitlines() if line.startswith("| ")]
+
+    out = tmp_path / "report.md"
+    result = run("report", str(small_sweep), "-o", str(out), "--confidence", "0.6")
+    assert result.exit_code == 0, result.output
+    section = out.read_text().split("## Speculation vs no speculation")[1].split("\n## ")[0]
+    assert "60% interval" in section and "95%" not in section, section
+    compared = run("compare", str(small_sweep), "--confidence", "0.6", "--markdown")
+    assert compared.exit_code == 0, compared.output
+    assert tables(section) == tables(compared.stdout)
+    at_95 = run("compare", str(small_sweep), "--markdown")
+    assert tables(at_95.stdout) != tables(compared.stdout)  # the level changes the intervals

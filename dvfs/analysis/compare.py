@@ -36,6 +36,7 @@ from dvfs.analysis.headroom import (
     measured_on,
     reference_per_gpu,
     reference_setting,
+    ruled_out_settings,
     unasked_repeats,
     valid_mask,
 )
@@ -427,7 +428,13 @@ def compare(
         (drafter_best["fastest_latency_ms"] <= drafter_best["target_ms"]).transpose(*GROUPS).values
     )
     on_text, different = arms_gpus(cube, baseline)
-    accept = cube["accept_length"].where(valid_mask(cube)) if "accept_length" in cube else None
+    # The acceptance figure's cells: a setting with an invalid repeat is left out whole, as
+    # headroom leaves it (`ruled_out_settings`), so the table and the figure give one number.
+    accept = (
+        cube["accept_length"].where(valid_mask(cube) & ~ruled_out_settings(cube))
+        if "accept_length" in cube
+        else None
+    )
     data = {
         "energy_ratio_at_stock": at_stock.assign_attrs(
             units="1", long_name="energy per token over the baseline's, both at the stock setting"

@@ -194,6 +194,20 @@ def invalid_settings(cube: xr.Dataset) -> xr.DataArray:
     return (measured & ~ok).any("repeat")
 
 
+def ruled_out_settings(cube: xr.Dataset) -> xr.DataArray:
+    """Settings the search never judges nor chooses: those with an invalid repeat
+    (`invalid_settings`), but for the reference itself while two or more of its repeats (one
+    in a cube of one repeat) are usable: those are the reference, the stock energy its
+    savings divide by, and a setting it may choose (`headroom`'s `own_reference`). The figures
+    draw what this leaves, so they show the stock point the tables state."""
+    bad = invalid_settings(cube)
+    ref = reference_setting(cube)
+    usable = valid_mask(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
+    enough = usable.sum("repeat") >= min(2, int(cube.sizes.get("repeat", 1)))
+    at_ref = (cube["sm_clock"] == ref.sm_clock) & (cube["power_limit"] == ref.power_limit)
+    return bad & ~(at_ref & enough)
+
+
 #: Axes of the arrays the search reads: a group, a setting, its repeats.
 ORDER = (*GROUP_DIMS, "sm_clock", "power_limit", "repeat")
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.headroom import invalid_settings, reference_setting, valid_mask
+from dvfs.analysis.headroom import reference_setting, ruled_out_settings, valid_mask
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.errors import AnalysisError
 from dvfs.records.cell import SPLIT_METHODS
@@ -233,8 +233,8 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
     drafter to drafter. Variables: energy_per_token_<part>_j, and split_method per (drafter,
     batch, corpus): the `SPLIT_METHODS` index used (0: neither); measured: whether a valid
     cell is there at all (a split of 0 without one is "not measured", not "no energy");
-    invalid: whether the reference setting has an invalid repeat, which leaves it out whole
-    (`invalid_settings`, headroom's rule)."""
+    invalid: whether the reference setting has an invalid repeat and too few usable ones to be
+    the reference, which leaves it out whole (`ruled_out_settings`, headroom's rule)."""
     import xarray as xr
 
     if "energy_split_method" not in cube:
@@ -244,8 +244,9 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
         )
     ref = reference_setting(cube)
     at = cube.sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
-    # a setting with an invalid repeat is left out whole, as headroom and the other figures do
-    bad = invalid_settings(at)
+    # a setting with an invalid repeat is left out whole, as headroom and the other figures do,
+    # unless enough of its repeats are usable to be headroom's reference and stock energy
+    bad = ruled_out_settings(cube).sel(sm_clock=ref.sm_clock, power_limit=ref.power_limit)
     valid = valid_mask(at) & ~bad
     tokens = at["window_tokens"].where(valid)
     exact = (at["energy_split_method"] == EXACT) & valid
@@ -286,7 +287,10 @@ def where_energy_goes(cube: xr.Dataset) -> xr.Dataset:
     out["invalid"] = (
         bad.any([d for d in reduce if d in bad.dims])
         .astype(np.int8)
-        .assign_attrs(units="1", long_name="the reference setting has an invalid repeat (1)")
+        .assign_attrs(
+            units="1",
+            long_name="the reference setting has an invalid repeat and too few usable ones (1)",
+        )
     )
     out.attrs.update(
         reference_sm_clock_mhz=ref.sm_clock,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.analysis.headroom import invalid_settings, valid_mask
+from dvfs.analysis.headroom import ruled_out_settings, valid_mask
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -15,8 +15,10 @@ if TYPE_CHECKING:
 
 def usable_mask(cube: xr.Dataset) -> xr.DataArray:
     """The valid repeats of settings without an invalid one: a setting with an invalid repeat
-    is left out whole, as headroom never chooses it."""
-    return valid_mask(cube) & ~invalid_settings(cube)
+    is left out whole, as headroom never chooses it; but for the reference while enough of its
+    repeats are usable, which headroom takes as the reference and may choose
+    (`ruled_out_settings`)."""
+    return valid_mask(cube) & ~ruled_out_settings(cube)
 
 
 def cell_means(cube: xr.Dataset, name: str, dims: tuple[str, ...], **sel: Any) -> np.ndarray:

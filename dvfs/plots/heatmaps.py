@@ -173,9 +173,10 @@ def _answer_label(
     saving: float, clock: float, limit: float, capped: bool, clock_locked: bool
 ) -> str:
     """A cell's text: the saving, then the knobs the answer sets (the clock only when locked)."""
+    # the limit as the table, `dvfs cap plan` and the key write it (250.5 W, not 250 W)
     if not clock_locked:
-        return f"{saving:.0f}%\n{limit:.0f} W"
-    return f"{saving:.0f}%\n{clock:.0f} MHz" + (f"\n{limit:.0f} W" if capped else "")
+        return f"{saving:.0f}%\n{limit:g} W"
+    return f"{saving:.0f}%\n{clock:.0f} MHz" + (f"\n{limit:g} W" if capped else "")
 
 
 @styled

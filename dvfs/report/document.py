@@ -135,8 +135,9 @@ def _comparison(
     context_tokens: float | None = None,
     context_notes: Sequence[str] = (),
 ) -> tuple[dict[str, Any] | None, list[str]]:
-    """The `dvfs compare` document against the target's baseline, or why there is none; its
-    roofline at `context_tokens` (None: the cube's record), `context_notes` said of it."""
+    """The `dvfs compare` document against the target's baseline at the report's confidence, or
+    why there is none; its roofline at `context_tokens` (None: the cube's record),
+    `context_notes` said of it."""
     from dvfs.analysis.compare import compare
     from dvfs.analysis.roofline import rooflines
     from dvfs.analysis.selection import select
@@ -160,7 +161,13 @@ def _comparison(
             ]
         return None, [f"Only the {baseline!r} drafter was measured: nothing to compare."]
     t = options.target
-    result = compare(cube, baseline=baseline, metric=t.metric, quantile=t.quantile)
+    result = compare(
+        cube,
+        baseline=baseline,
+        metric=t.metric,
+        quantile=t.quantile,
+        confidence=options.confidence,  # `dvfs compare --confidence`: its intervals and bounds
+    )
     result = select(result, options.batch, drafters, options.corpus)
     notes: list[str] = []
     left_out: list[str] = []
