@@ -218,6 +218,12 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
             ["--sampling-defaults", "openai"],
             "sampling defaults (sampling_defaults): None -> 'openai'",
         ),
+        (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): None -> True"),
+        (["--enable-fp32-lm-head"], "FP32 logits (enable_fp32_lm_head): False -> True"),
+        (
+            ["--model-impl", "transformers"],
+            "model implementation (model_impl): None -> 'transformers'",
+        ),
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
@@ -357,6 +363,9 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("preferred_sampling_params", "preferred sampling params", None, '{"top_p": 0.5}'),
         ("disable_custom_all_reduce", "custom all-reduce disabled", False, True),
         ("enable_dp_attention", "DP attention", False, True),
+        ("model_impl", "model implementation", "sglang", "transformers"),
+        ("enable_fp32_lm_head", "FP32 logits", False, True),
+        ("enable_tf32_matmul", "TF32 matmuls", False, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}

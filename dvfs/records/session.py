@@ -453,6 +453,11 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #: - custom all-reduce and DP attention: how a tensor-parallel server's ranks exchange
 #:   activations and split attention (DP attention is dropped where dp_size is 1, compared);
 #:   set for deterministic inference or by the placement, never per algorithm.
+#: - the model's implementation (`model_impl`: SGLang's own or transformers'), FP32 logits
+#:   (`enable_fp32_lm_head`) and TF32 matmuls (0.5.23 `enable_tf32_matmul`, the flag beside
+#:   the NVIDIA_TF32_OVERRIDE the servers' environment is compared in): other kernels or
+#:   numerics for the target model, set per model architecture (0.5.23 overrides.py), never
+#:   per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -490,6 +495,9 @@ ARM_ARGS: dict[str, str] = {
     "preferred_sampling_params": "preferred sampling params",
     "disable_custom_all_reduce": "custom all-reduce disabled",
     "enable_dp_attention": "DP attention",
+    "model_impl": "model implementation",
+    "enable_fp32_lm_head": "FP32 logits",
+    "enable_tf32_matmul": "TF32 matmuls",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
