@@ -210,11 +210,12 @@ def recorded_server_env(campaign: Campaign) -> dict[str, str] | None:
     """What of the servers' environment (`server_env`) a session records and every later
     session must repeat (`dvfs.records.server_env_of`); None where dvfs starts no server (the
     twin, a server attached at engine.sglang.url)."""
-    from dvfs.records.session import server_env_of
+    from dvfs.records.session import command_env, server_env_of
 
     if campaign.engine.backend != "sglang" or campaign.engine.sglang.url:
         return None
-    return server_env_of(server_env(campaign))
+    # A wrapper's `env NAME=VALUE` reaches the server over what dvfs hands it.
+    return {**server_env_of(server_env(campaign)), **command_env(server_command(campaign))}
 
 
 def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> None:
