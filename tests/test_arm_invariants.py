@@ -218,6 +218,12 @@ def test_another_engine_version_for_the_next_drafter_is_refused(tmp_path: Path) 
             ["--sampling-defaults", "openai"],
             "sampling defaults (sampling_defaults): None -> 'openai'",
         ),
+        (["--enable-tf32-matmul"], "TF32 matmuls (enable_tf32_matmul): None -> True"),
+        (["--enable-fp32-lm-head"], "FP32 logits (enable_fp32_lm_head): False -> True"),
+        (
+            ["--model-impl", "transformers"],
+            "model implementation (model_impl): None -> 'transformers'",
+        ),
     ],
 )
 def test_a_server_resolving_other_engine_args_is_refused(
@@ -357,6 +363,9 @@ def test_args_sglang_sets_for_speculation_are_recorded_not_compared() -> None:
         ("preferred_sampling_params", "preferred sampling params", None, '{"top_p": 0.5}'),
         ("disable_custom_all_reduce", "custom all-reduce disabled", False, True),
         ("enable_dp_attention", "DP attention", False, True),
+        ("model_impl", "model implementation", "sglang", "transformers"),
+        ("enable_fp32_lm_head", "FP32 logits", False, True),
+        ("enable_tf32_matmul", "TF32 matmuls", False, True),
     ]:
         before = {**none, "args": {**none["args"], key: a}}
         after = {**spec, "args": {**spec["args"], key: b}}
@@ -575,6 +584,62 @@ def test_a_resume_whose_servers_get_another_tuning_variable_is_refused(
     assert built.exit_code != 0
     assert last_line(built).startswith("Error: the journal's sessions started their SGLang")
     assert "CUDA_LAUNCH_BLOCKING: unset -> '1'" in last_line(built)
+
+
+def test_a_resume_whose_server_command_sets_another_tuning_variable_is_refused(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """server_command may change between runs: one resumed as `env CUDA_LAUNCH_BLOCKING=1
+    python ...` starts the next drafter's server with it whatever dvfs's environment and the
+    campaign's env say. It was recorded nowhere, so that drafter was measured with it, unseen,
+    and the cube built; it is refused before any server starts, in one line naming it and
+    where it is set, as one in engine.sglang.env is."""
+    path, marker, out = swept_two_drafters(tmp_path, tmp_path_factory)
+    journal = out / "journal.jsonl"
+    keep_first_drafter(journal)
+    before = journal.read_text()
+    command = f"server_command = [{json.dumps(sys.executable)}"
+    wrapped = f'server_command = ["env", "CUDA_LAUNCH_BLOCKING=1", {json.dumps(sys.executable)}'
+    path.write_text(replace_block(path.read_text(), command, wrapped))
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    [line] = refused.output.strip().splitlines()
+    assert "(server environment CUDA_LAUNCH_BLOCKING: unset -> '1')" in line
+    assert "a NAME=VALUE of engine.sglang.server_command" in line
+    assert journal.read_text() == before, "nothing of the refused run was journalled"
+    assert running(marker) == []
+
+
+def test_a_journal_whose_server_command_set_a_tuning_variable_resumes_with_it(
+    tmp_path: Path,
+) -> None:
+    """A journal begun with `env NVIDIA_TF32_OVERRIDE=0 python ...` by a dvfs that recorded
+    only its own and the campaign's environment (its sessions' server_env without it) resumes
+    with the same command: its sessions' server commands say it. The cube keeps it; another
+    value is refused."""
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, wrapper=("env", "NVIDIA_TF32_OVERRIDE=0"), **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["NVIDIA_TF32_OVERRIDE"] == "0"
+    keep_first_drafter(journal)
+    records = read_records(journal)
+    for r in records:
+        if r["type"] == "session":
+            del r["server_env"]["NVIDIA_TF32_OVERRIDE"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    assert json.loads(open_cube(out / "cube.nc").attrs["server_env"])["NVIDIA_TF32_OVERRIDE"] == "0"
+    keep_first_drafter(journal)
+    path.write_text(path.read_text().replace("NVIDIA_TF32_OVERRIDE=0", "NVIDIA_TF32_OVERRIDE=1"))
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    assert "NVIDIA_TF32_OVERRIDE: '0' -> '1'" in last_line(refused)
+    assert running(marker) == []
 
 
 def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:

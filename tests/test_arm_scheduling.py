@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from conftest import replace_block
 from hypothesis import given
 from hypothesis import strategies as st
-from sglang_support import REPO, STUB, load_stub, running, stub_campaign
+from sglang_support import EAGLE3_DRAFTER, REPO, STUB, load_stub, running, stub_campaign
 
 from dvfs.campaign import load_campaign
 from dvfs.cli import cli
@@ -343,7 +343,8 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
         "'eagle3', 'standalone' and turns it off for 'ngram' whatever the flags say "
         "(disable_overlap_schedule), and the --disable-overlap-schedule dvfs gives every "
         "drafter to match 'ngram' turns it off for 'none', so the arms would schedule "
-        "differently; unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment), or "
+        "differently; unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env, engine.sglang.server_command "
+        "or dvfs's environment), or "
         "sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another"
     ), line
     assert "whatever dvfs passes" not in line and "extra_args" not in line
@@ -377,6 +378,43 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
         "or sweep 'ngram' in one campaign and 'eagle3', 'standalone' in another and remove "
         "--disable-overlap-schedule from engine.sglang.extra_args"
     ), line
+
+
+def test_spec_v2_set_by_a_server_command_wrapper_is_seen(tmp_path: Path) -> None:
+    """server_command `env SGLANG_ENABLE_SPEC_V2=1 python ...` on 0.5.9: dvfs read the switch
+    only in its own and the campaign's environment, so it gave 'none' --disable-overlap-schedule
+    to match an EAGLE arm that SGLang then ran with the overlap scheduler on: the EAGLE server
+    was refused at every start, its cells failed at each rerun. The wrapper's NAME=VALUE is
+    read too: both arms keep the scheduler on; with NGRAM besides, the campaign is refused
+    before any server starts, as with the switch in engine.sglang.env."""
+    wrapper = ("env", "SGLANG_ENABLE_SPEC_V2=1")
+    path, marker = stub_campaign(
+        tmp_path, version="0.5.9", wrapper=wrapper, batch="[1]", **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    swept = CliRunner().invoke(
+        cli, ["sweep", str(path), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert swept.exit_code == 0, swept.output
+    servers = [r for r in read_records(out / "journal.jsonl") if r["type"] == "server"]
+    overlap = {s["drafter"]: s["args"]["disable_overlap_schedule"] for s in servers}
+    assert overlap == {"none": False, "eagle3": False}
+    assert running(marker) == []
+    three = '\n[drafters.none]\nalgorithm = "none"\n' + EAGLE3_DRAFTER
+    three += '\n[drafters.ngram]\nalgorithm = "NGRAM"\n'
+    (tmp_path / "ngram").mkdir()
+    path, marker = stub_campaign(
+        tmp_path / "ngram", version="0.5.9", wrapper=wrapper, drafters=three, **ONE_SETTING
+    )
+    out = tmp_path / "ngram" / "out"
+    refused = CliRunner().invoke(
+        cli, ["sweep", str(path), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert refused.exit_code == 2, refused.output
+    said = " ".join(refused.output.split())
+    assert "SGLANG_ENABLE_SPEC_V2 keeps the overlap scheduler on for drafters 'eagle3'" in said
+    assert not (out / "journal.jsonl").exists()
+    assert running(marker) == []
 
 
 def test_the_engine_refuses_before_any_server_starts(tmp_path: Path) -> None:

@@ -214,7 +214,17 @@ def recorded_server_env(campaign: Campaign) -> dict[str, str] | None:
 
     if campaign.engine.backend != "sglang" or campaign.engine.sglang.url:
         return None
-    return server_env_of(server_env(campaign))
+    return server_env_of(launch_env(campaign))
+
+
+def launch_env(campaign: Campaign) -> dict[str, str]:
+    """The environment SGLang itself starts with, as far as dvfs can tell: `server_env`, and
+    over it what a server_command wrapper sets on its command line (`env NAME=VALUE python
+    ...`: `dvfs.records.session.command_env`), which reaches the server whatever dvfs hands
+    the wrapper (its SGLANG_ENABLE_SPEC_V2 decides 0.5.9's overlap scheduler)."""
+    from dvfs.records.session import command_env
+
+    return {**server_env(campaign), **command_env(server_command(campaign))}
 
 
 def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> None:
@@ -451,7 +461,10 @@ def _overlap_mismatch(rules: str, plan: OverlapPlan) -> str:
         if plan.user:
             causes.append("the --disable-overlap-schedule in engine.sglang.extra_args")
         said += f", and {' and '.join(causes)} turns it off for {_names(given_off)}"
-    fixes = ["unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env or dvfs's environment)"]
+    fixes = [
+        "unset SGLANG_ENABLE_SPEC_V2 (engine.sglang.env, engine.sglang.server_command or dvfs's "
+        "environment)"
+    ]
     alike = []
     if forced_off:
         alike.append(f"sweep {_names(forced_off)} in one campaign and {_names(kept_on)} in another")
@@ -469,7 +482,7 @@ def check_arms_can_match(
     other scheduling settings than each other whatever dvfs passes (`arm_mismatches`)."""
     parsed = parse_version(version or campaign.engine.sglang.version)
     legacy = legacy_rules(help_text, parsed)
-    problems = arm_mismatches(campaign, legacy=legacy, env=server_env(campaign))
+    problems = arm_mismatches(campaign, legacy=legacy, env=launch_env(campaign))
     if problems:
         raise ArmMismatchError("; ".join(problems))
 
@@ -597,7 +610,7 @@ def launch_argv(
     largest = max(campaign.workload.batch_sizes)
     graph_flag = cuda_graph_flag(help_text, parsed)
     overlap = _overlap_plan(
-        campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=server_env(campaign)
+        campaign, legacy=graph_flag == OLD_CUDA_GRAPH_FLAG, env=launch_env(campaign)
     )
     argv = [
         *server_command(campaign),

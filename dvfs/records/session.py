@@ -3,6 +3,7 @@ served each drafter."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -282,18 +283,49 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
     return {k: str(env[k]) for k in sorted(env) if is_server_env(k)}
 
 
+#: A `NAME=VALUE` argument of a server command: what a wrapper such as `env NAME=VALUE` or
+#: `docker run -e NAME=VALUE` (`--env=NAME=VALUE`) sets in the server's environment.
+_ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+
+
+def command_env(command: Iterable[Any]) -> dict[str, str]:
+    """The variables a server command's wrapper sets on its command line (`env NAME=VALUE
+    python -m sglang.launch_server`, `docker run -e NAME=VALUE ...`) that a session records
+    (`is_server_env`), the last of a name winning: the server starts with them whatever the
+    environment dvfs hands the wrapper."""
+    found: dict[str, str] = {}
+    for token in command:
+        match = _ASSIGNMENT.fullmatch(str(token))
+        if match is not None and is_server_env(match.group(1)):
+            found[match.group(1)] = match.group(2)
+    return found
+
+
 def recorded_env(session: Mapping[str, Any]) -> dict[str, str] | None:
-    """A raw session record's `server_env`; None where it has none (not recorded)."""
+    """A raw session record's `server_env`, with what its server command set on its command
+    line (`command_env` of its `settings`' `engine.sglang.server_command`: a session of a dvfs
+    that recorded only its own and the campaign's environment still says it); None where it
+    has none (not recorded)."""
     env = session.get("server_env")
-    return {str(k): str(v) for k, v in env.items()} if isinstance(env, Mapping) else None
+    if not isinstance(env, Mapping):
+        return None
+    settings = session.get("settings")
+    command = settings.get(SERVER_COMMAND_SETTING) if isinstance(settings, Mapping) else None
+    wrapped = command_env(command) if isinstance(command, list | tuple) else {}
+    return {**{str(k): str(v) for k, v in env.items()}, **wrapped}
+
+
+#: The session setting that holds the server command its servers were started with.
+SERVER_COMMAND_SETTING = "engine.sglang.server_command"
 
 
 #: How `env_changes` starts each entry, and what a run whose servers' environment differs
 #: from a journal's may do.
 SERVER_ENV_CHANGE = "server environment "
 SERVER_ENV_ADVICE = (
-    "put each back as the journal's servers had it (engine.sglang.env, or the "
-    "environment dvfs runs in), or rerun with --fresh (or into another --out folder)"
+    "put each back as the journal's servers had it (engine.sglang.env, a NAME=VALUE of "
+    "engine.sglang.server_command, or the environment dvfs runs in), or rerun with --fresh "
+    "(or into another --out folder)"
 )
 
 
@@ -453,6 +485,11 @@ def server_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
 #: - custom all-reduce and DP attention: how a tensor-parallel server's ranks exchange
 #:   activations and split attention (DP attention is dropped where dp_size is 1, compared);
 #:   set for deterministic inference or by the placement, never per algorithm.
+#: - the model's implementation (`model_impl`: SGLang's own or transformers'), FP32 logits
+#:   (`enable_fp32_lm_head`) and TF32 matmuls (0.5.23 `enable_tf32_matmul`, the flag beside
+#:   the NVIDIA_TF32_OVERRIDE the servers' environment is compared in): other kernels or
+#:   numerics for the target model, set per model architecture (0.5.23 overrides.py), never
+#:   per algorithm.
 #: Not compared, as SGLang sets them for speculation (the cube keeps each drafter's in its
 #: `server_args`): max_running_requests (48 unless given; dvfs gives the largest batch),
 #: mem_fraction_static (0.5.9 reserves 2 GiB for an EAGLE draft, 6 GiB for a STANDALONE one,
@@ -490,6 +527,9 @@ ARM_ARGS: dict[str, str] = {
     "preferred_sampling_params": "preferred sampling params",
     "disable_custom_all_reduce": "custom all-reduce disabled",
     "enable_dp_attention": "DP attention",
+    "model_impl": "model implementation",
+    "enable_fp32_lm_head": "FP32 logits",
+    "enable_tf32_matmul": "TF32 matmuls",
 }
 
 #: `ARM_ARGS` an earlier dvfs left to SGLang, which drew them for each server (random_seed: a
