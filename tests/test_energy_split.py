@@ -193,6 +193,28 @@ def test_the_estimate_comes_within_its_tolerance_of_the_exact_split(family_cube)
     assert np.isnan(other["energy_draft_j"].values).all()
 
 
+def test_a_top_k_one_chain_family_gets_no_estimate(tmp_path: Path) -> None:
+    """EAGLE-3 chains (top-k 1, steps + 1 tokens verified) with 2 and 4 steps: their drafting
+    and verify pass grow together and only the plain-decode anchor tells them apart, which
+    overstated drafting 1.4-3.3x on the twin. They get no estimate (method none, NaN), where
+    the exact split the twin records says what the estimate would have missed."""
+    from dvfs.analysis.split import estimate_split
+    from dvfs.cube import open_cube
+
+    chains = "".join(
+        f'\n[drafters.c{s}]\nalgorithm = "EAGLE3"\ndraft_model = "eagle3-llama-3.1-8b"\n'
+        f"num_steps = {s}\neagle_topk = 1\nnum_draft_tokens = {s + 1}\n"
+        for s in (2, 4)
+    )
+    text = FAMILY.format(eagles=chains, mode="").replace("batch = [1, 8]", "batch = [8]")
+    cube = open_cube(_sweep(tmp_path, text) / "cube.nc")
+    est = estimate_split(cube).sel(drafter=["c2", "c4"])
+    assert (est["energy_split_method"] == 0).all()
+    assert np.isnan(est["energy_draft_j"].values).all()
+    assert np.isnan(est["time_draft_s"].values).all()
+    assert (cube["energy_draft_j"].sel(drafter=["c2", "c4"]) > 0).all()  # the twin's exact
+
+
 def test_a_journal_without_splits_builds_nans_and_the_figure_falls_back_to_the_estimate(
     family: Path, tmp_path: Path
 ) -> None:

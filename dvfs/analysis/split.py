@@ -28,14 +28,15 @@ batch (the steady window of a fixed batch). A fitted c_verify below zero (the an
 iteration lacks the drafter's fixed costs) is dropped and the fit redone without it; so is
 one the design cannot tell from c_draft (no anchor, and k moving with n as in top-k 1
 chains, where the verify pass's growth is then counted as drafting). N-gram (drafting on the
-host) and single-pass block drafters (DFLASH) have no draft steps to vary: no estimate.
+host), single-pass block drafters (DFLASH) and top-k 1 chains (below) get no estimate.
 
 Measured on the twin (h100-sxm without traps, Llama-3.1-8B, EAGLE-3 top-k 4 with 2, 3 and 5
 steps): the drafting time within 2% of the exact split; the drafting energy overstated by 5-7%
 at batch 1, 19-27% at batch 8 and 22-42% at batch 32: 1-4% of the cell's energy. A top-k 1
 family (k = steps + 1) leans on its anchor for c_verify, whose plain decode lacks the
 speculative step's fixed costs (its fitted c_verify falls below zero, or comes out too small):
-the drafting energy overstated 1.4x at batch 1, 2.2x at 8 and 3.3x at 32 (time 1.8-3.4x).
+the drafting energy came out 1.4x the exact at batch 1, 2.2x at 8 and 3.3x at 32 (time
+1.8-3.4x), so such a family gets no estimate.
 
 The prefill share of the windows: a fixed batch's steady window starts after its last prefill
 (none inside); in closed-loop mode prefill chunks ride inside decode iterations and the
@@ -164,6 +165,12 @@ def estimate_split(cube: xr.Dataset) -> xr.Dataset:
         spec = [d for d in members if shapes[d].family == family]
         if len({shapes[d].num_steps for d in spec}) < 2:
             continue  # one setting: its drafting cannot be told from its verify pass's growth
+        if family[2] == 1:
+            # A top-k 1 chain verifies steps + 1 tokens: its drafting and its verify pass grow
+            # together, and only the anchor's plain decode, lacking the speculative step's
+            # fixed costs, tells them apart; measured on the twin that overstated drafting
+            # 1.4-3.3x (5-32% of the cell's energy). No estimate rather than that one.
+            continue
         n = np.array([shapes[d].draft_passes for d in members])
         k = np.array([shapes[d].verify_tokens for d in members])
         for total, var, rest, coef in (

@@ -33,7 +33,7 @@ state_dir_option = click.option(
     "--state-dir",
     type=OutputFolder(),
     help="Where dvfs records applied caps "
-    "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
+    "[default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
 
 
@@ -355,8 +355,9 @@ def _refuse_as_the_apply_would(
 @click.option(
     "--state-dir",
     type=OutputFolder(),
-    help="Where dvfs recorded the caps it applied [default: /var/lib/dvfs as root; else "
-    "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs, where root applied them].",
+    help="Where dvfs recorded the caps it applied [default: $DVFS_STATE_DIR if set, else "
+    "/var/lib/dvfs as root; else $XDG_STATE_HOME/dvfs if it holds a record, else "
+    "/var/lib/dvfs, where root applied them].",
 )
 @handle_errors
 def show(as_json: bool, state_dir: Path | None) -> None:

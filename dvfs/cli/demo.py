@@ -29,7 +29,8 @@ from dvfs.cli.common import OutputFolder, console, handle_errors
 @handle_errors
 def demo(out_dir: Path, fresh: bool, no_progress: bool) -> None:
     """Sweep the demo campaign on the digital twin (H100 SXM, Llama-3.1-8B, five drafters, five
-    corpora), then print the headroom table and write the figures to OUT/plots."""
+    corpora), then print two headroom tables (latency-preserving, and speculation's latency
+    win traded for energy) and write the figures to OUT/plots."""
     from importlib import resources
 
     from dvfs.analysis.headroom import headroom

@@ -185,7 +185,7 @@ def _timeout(interval: float) -> float:
     "--state-dir",
     type=OutputFolder(),
     help="Where dvfs keeps state files and locks "
-    "[default: /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
+    "[default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root, else $XDG_STATE_HOME/dvfs].",
 )
 @handle_errors
 def govern(
@@ -304,8 +304,8 @@ def govern(
     "--state-dir",
     type=OutputFolder(),
     help="Where dvfs records applied caps and the governor's locks (clock locks are read "
-    "from there) [default: /var/lib/dvfs as root; else $XDG_STATE_HOME/dvfs if it holds a "
-    "record, else /var/lib/dvfs].",
+    "from there) [default: $DVFS_STATE_DIR if set, else /var/lib/dvfs as root; else "
+    "$XDG_STATE_HOME/dvfs if it holds a record, else /var/lib/dvfs].",
 )
 @handle_errors
 def monitor(

@@ -190,8 +190,8 @@ def _print_details(infos: Sequence[dict[str, Any]]) -> None:
 @click.option(
     "--state-dir",
     type=OutputFolder(),
-    help="Where dvfs keeps state files [default: /var/lib/dvfs as root, else "
-    "$XDG_STATE_HOME/dvfs].",
+    help="Where dvfs keeps state files [default: $DVFS_STATE_DIR if set, else /var/lib/dvfs "
+    "as root, else $XDG_STATE_HOME/dvfs].",
 )
 @handle_errors
 def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> None:

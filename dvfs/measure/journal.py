@@ -119,8 +119,9 @@ def check_resumable(
 
 
 def check_journal(path: Path, campaign: Campaign) -> None:
-    """What `Journal.open` would refuse about the journal at `path` for `campaign`, reading
-    only its first record and writing nothing (`dvfs doctor`); no file is no refusal."""
+    """What `Journal.open` would refuse about the journal at `path` for `campaign`: its header,
+    then (once that is sound) every session record, writing nothing (`dvfs doctor`); no file
+    is no refusal."""
     if not path.exists():
         return
     records = iter_records(path)

@@ -60,11 +60,16 @@ def compare(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a", type=Path)
-    parser.add_argument("b", type=Path)
+    parser.add_argument("a", type=Path, help="a cube, or the sweep folder holding it")
+    parser.add_argument("b", type=Path, help="a cube, or the sweep folder holding it")
     parser.add_argument("--rtol", type=float, default=1e-9)
     opts = parser.parse_args()
-    same, lines, n = compare(opts.a, opts.b, opts.rtol)
+    # a sweep's folder stands for the cube in it
+    a, b = (path / "cube.nc" if path.is_dir() else path for path in (opts.a, opts.b))
+    for path in (a, b):
+        if not path.is_file():
+            parser.error(f"{path}: no such cube")
+    same, lines, n = compare(a, b, opts.rtol)
     print(f"{'same' if same else 'DIFFERENT'}: {n} variables and coordinates (rtol {opts.rtol:g})")
     for line in lines:
         print(f"  {line}")
