@@ -42,6 +42,25 @@ def test_headroom_json_document(small_sweep: Path, tmp_path: Path) -> None:
         assert row["latency_ms"] <= row["target_ms"] * 1.0001
 
 
+@pytest.mark.parametrize(("knob", "held"), [("sm_clock", "w"), ("power_limit", "mhz")])
+def test_a_knob_held_by_knob_has_no_headroom_not_zero(
+    small_sweep: Path, knob: str, held: str
+) -> None:
+    """`--knob sm_clock` keeps the power limit at the reference, so its headroom was never
+    searched: it read 0 (W), as if no lower limit met the target, where the same cube with
+    `--knob both` finds one. It is unknown (null) and the table says "held"."""
+    args = ("headroom", str(small_sweep), "--slack", "20%", "--json")
+    both = json.loads(run(*args).output)["rows"]
+    doc = json.loads(run(*args, "--knob", knob).output)
+    assert any(r["feasible"] and r[f"headroom_{held}"] > 0 for r in both)  # there is some
+    assert all(r[f"headroom_{held}"] is None for r in doc["rows"] if r["feasible"])
+    swept = "mhz" if held == "w" else "w"
+    assert any(r[f"headroom_{swept}"] for r in doc["rows"] if r["feasible"])  # still searched
+    table = run("headroom", str(small_sweep), "--slack", "20%", "--knob", knob).output
+    cells = [line.split("│")[5].strip() for line in table.splitlines() if "│ code" in line]
+    assert cells and all(("held/" if held == "mhz" else "/held") in c for c in cells), cells
+
+
 def test_headroom_slo_and_filters(small_sweep: Path) -> None:
     doc = json.loads(
         run(

@@ -742,11 +742,15 @@ def headroom(
         out["saving_vs_baseline"][idx] = 1 - mean_e / base if base > 0 else math.nan
         out["lowest_feasible_sm_clock"][idx] = lowest_clock
         out["lowest_feasible_power_limit"][idx] = lowest_limit
+        # A knob `--knob` holds at the reference was not searched: its headroom is unknown
+        # (NaN), not the 0 its one candidate gives.
         if clock_swept:
-            out["headroom_mhz"][idx] = ref.sm_clock - lowest_clock
+            if clock_free:
+                out["headroom_mhz"][idx] = ref.sm_clock - lowest_clock
             out["chosen_headroom_mhz"][idx] = ref.sm_clock - clock
         if limit_swept:
-            out["headroom_w"][idx] = ref.power_limit - lowest_limit
+            if limit_free:
+                out["headroom_w"][idx] = ref.power_limit - lowest_limit
             out["chosen_headroom_w"][idx] = ref.power_limit - limit
 
     extra_dims: list[str] = []
@@ -781,12 +785,12 @@ def headroom(
         "headroom_mhz": (
             "MHz",
             "SM-clock headroom: reference clock minus the lowest feasible clock (NaN: the cube "
-            "has one clock; see headroom_mhz_is_lower_bound)",
+            "has one clock, or --knob held the clock; see headroom_mhz_is_lower_bound)",
         ),
         "headroom_w": (
             "W",
             "power headroom: reference limit minus the lowest feasible limit (NaN: the cube "
-            "has one power limit; see headroom_w_is_lower_bound)",
+            "has one power limit, or --knob held the limit; see headroom_w_is_lower_bound)",
         ),
         "chosen_headroom_mhz": ("MHz", "stock clock minus the chosen clock"),
         "chosen_headroom_w": ("W", "stock power limit minus the chosen limit"),

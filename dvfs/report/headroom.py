@@ -181,11 +181,20 @@ def clock_was_locked(doc: dict[str, Any]) -> bool:
     return bool(doc.get("knobs_set", {}).get("sm_clock", True))
 
 
+#: The headroom of a knob `--knob` held at the reference (the search never moved it).
+HELD = "held"
+
+
 def _knob_cell(
-    value: float | None, lower_bound: bool, spec: str, unmeasured: bool, invalid: bool
+    value: float | None,
+    lower_bound: bool,
+    spec: str,
+    unmeasured: bool,
+    invalid: bool,
+    held: bool = False,
 ) -> str:
     if value is None:
-        return "not swept"
+        return HELD if held else "not swept"
     return (
         (LOWER_BOUND_MARK if lower_bound else "")
         + format(value, spec)
@@ -377,6 +386,7 @@ def headroom_table_rows(
                     "d",
                     r.get("headroom_mhz_unmeasured_below", False),
                     r.get("headroom_mhz_invalid_below", False),
+                    held=doc.get("knob") == "power_limit",
                 )
                 + "/"
                 + _knob_cell(
@@ -385,6 +395,7 @@ def headroom_table_rows(
                     "g",
                     r.get("headroom_w_unmeasured_below", False),
                     r.get("headroom_w_invalid_below", False),
+                    held=doc.get("knob") == "sm_clock",
                 )
             )
             cells = [
