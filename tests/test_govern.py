@@ -253,6 +253,22 @@ def test_the_server_page_is_summed_over_schedulers() -> None:
         parse_server_metrics("sglang:num_running_reqs{ 1 2 3\n")
 
 
+def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None:
+    """With --enable-metrics-for-all-schedulers every rank of a tensor-parallel group reports
+    the batch they share (labelled by tp_rank): summed, a TP-4 server running 16 read as 64,
+    and the governor applied batch 64's caps. Data-parallel groups' batches still add up."""
+    rows = "".join(
+        f'sglang:num_running_reqs{{model_name="m",engine_type="unified",tp_rank="{tp}",'
+        f'pp_rank="0",dp_rank="{dp}"}} {batch}.0\n'
+        for dp, batch in ((0, 16), (1, 5))
+        for tp in range(4)
+    )
+    page = "# TYPE sglang:num_running_reqs gauge\n" + rows
+    assert parse_server_metrics(page).running == 21
+    one_group = "".join(line + "\n" for line in page.splitlines() if 'dp_rank="0"' in line)
+    assert parse_server_metrics("# TYPE sglang:num_running_reqs gauge\n" + one_group).running == 16
+
+
 finite = st.floats(0, 1e9, allow_nan=False)
 
 
