@@ -825,6 +825,40 @@ def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
     assert nvml.fake_calls() == []
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_first_setting_of_stock_is_no_change(nvml, tmp_path: Path, dry_run: bool) -> None:
+    """The server down at start: the governor holds the GPUs at what the plan calls stock,
+    which they are at already. That was logged "set ..." and counted in
+    dvfs_govern_changes_total; it is said as where the governor starts, and not counted."""
+    from dvfs.backends import open_gpus
+
+    script = iter([None, 0])
+
+    def scraper() -> ServerSample:
+        batch = next(script)
+        if batch is None:
+            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
+        return ServerSample(batch, None, None)
+
+    time, lines, live = VirtualTime(), [], LiveMetrics()
+    with open_gpus([0]) as gpus:
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=live,
+            note=lines.append,
+            dry_run=dry_run,
+            state_dir=None if dry_run else tmp_path / "state",
+        )
+    assert changes == 1, lines
+    [start] = [line for line in lines if "starts at SM clock stock" in line]
+    assert "while the server's batch cannot be read" in start
+    assert sum("set running batch 0" in line for line in lines) == 1, lines
+
+
 def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:
     """With no load to preview, one line says what the governor would hold the GPUs at
     meanwhile: its stock, the static caps in force (a lock `cap apply` recorded included),
