@@ -253,6 +253,22 @@ def test_the_server_page_is_summed_over_schedulers() -> None:
         parse_server_metrics("sglang:num_running_reqs{ 1 2 3\n")
 
 
+def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None:
+    """With --enable-metrics-for-all-schedulers every rank of a tensor-parallel group reports
+    the batch they share (labelled by tp_rank): summed, a TP-4 server running 16 read as 64,
+    and the governor applied batch 64's caps. Data-parallel groups' batches still add up."""
+    rows = "".join(
+        f'sglang:num_running_reqs{{model_name="m",engine_type="unified",tp_rank="{tp}",'
+        f'pp_rank="0",dp_rank="{dp}"}} {batch}.0\n'
+        for dp, batch in ((0, 16), (1, 5))
+        for tp in range(4)
+    )
+    page = "# TYPE sglang:num_running_reqs gauge\n" + rows
+    assert parse_server_metrics(page).running == 21
+    one_group = "".join(line + "\n" for line in page.splitlines() if 'dp_rank="0"' in line)
+    assert parse_server_metrics("# TYPE sglang:num_running_reqs gauge\n" + one_group).running == 16
+
+
 finite = st.floats(0, 1e9, allow_nan=False)
 
 
@@ -807,6 +823,40 @@ def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
         f"{planned} (at 3.000 s)",
     ]
     assert nvml.fake_calls() == []
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_first_setting_of_stock_is_no_change(nvml, tmp_path: Path, dry_run: bool) -> None:
+    """The server down at start: the governor holds the GPUs at what the plan calls stock,
+    which they are at already. That was logged "set ..." and counted in
+    dvfs_govern_changes_total; it is said as where the governor starts, and not counted."""
+    from dvfs.backends import open_gpus
+
+    script = iter([None, 0])
+
+    def scraper() -> ServerSample:
+        batch = next(script)
+        if batch is None:
+            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
+        return ServerSample(batch, None, None)
+
+    time, lines, live = VirtualTime(), [], LiveMetrics()
+    with open_gpus([0]) as gpus:
+        changes = govern(
+            PLAN,
+            gpus,
+            scraper,
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 2, clock=time.clock, sleep=time.sleep),
+            live=live,
+            note=lines.append,
+            dry_run=dry_run,
+            state_dir=None if dry_run else tmp_path / "state",
+        )
+    assert changes == 1, lines
+    [start] = [line for line in lines if "starts at SM clock stock" in line]
+    assert "while the server's batch cannot be read" in start
+    assert sum("set running batch 0" in line for line in lines) == 1, lines
 
 
 def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:

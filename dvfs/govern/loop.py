@@ -593,6 +593,12 @@ def govern(
                     warned = True
                 batch = None if sample is None else sample.running
                 decision = decide(plan, state, batch, now, params)
+                # The GPUs start at what the plan calls stock (the static caps): a first
+                # setting of stock changes nothing, to apply or count.
+                holds = state.band is None and (
+                    decision.state.band is not None
+                    and plan.band_setting(decision.state.band).is_stock
+                )
                 if decision.changed and decision.state.band is not None:
                     band = decision.state.band
                     setting = plan.band_setting(band)
@@ -608,7 +614,11 @@ def govern(
                         line += ", within the dwell: the setting in force did not cover the batch"
                     line += ")"
                     if knobs is None:
-                        note(f"dry run, nothing changed: would set {line}")
+                        note(
+                            f"dry run: starts at {line}"
+                            if holds
+                            else f"dry run, nothing changed: would set {line}"
+                        )
                     else:
                         try:
                             knobs.apply(KnobSetting(setting.sm_clock_mhz, setting.power_limit_w))
@@ -617,8 +627,8 @@ def govern(
                             if not silent:
                                 raise
                             raise stopped_answering(silent) from exc
-                        note(f"set {line}")
-                    changes += 1
+                        note(f"starts at {line}" if holds else f"set {line}")
+                    changes += 0 if holds else 1
                 state = decision.state
                 locks = _locks(gpus, plan, state, knobs, ceilings)
                 governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}

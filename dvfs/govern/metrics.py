@@ -3,7 +3,9 @@
 Parsing and the energy-per-token join are pure (text or readings in, numbers out);
 `ServerReader` (`scrape`: one read) and `read_gpu` are the edges that talk to the outside.
 SGLang's names (its metrics collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge,
-one series per scheduler, e.g. per data-parallel rank: summed),
+one series per scheduler, labelled with its `tp_rank`, `pp_rank` and, under data parallelism,
+`dp_rank`: summed over the batches, each batch once: the ranks of one tensor-parallel group
+share theirs, which `--enable-metrics-for-all-schedulers` has every one of them report),
 `sglang:generation_tokens_total` (counter, summed) and, with a speculative algorithm,
 `sglang:spec_accept_length` (gauge, averaged over series).
 """
@@ -22,6 +24,8 @@ from dvfs.redact import redact_url
 RUNNING = "sglang:num_running_reqs"
 GENERATED = "sglang:generation_tokens_total"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
+#: The label of a scheduler's tensor-parallel rank (SGLang's SchedulerMetricsMixin).
+TP_RANK = "tp_rank"
 
 
 class ScrapeError(DvfsError):
@@ -47,11 +51,16 @@ def parse_server_metrics(text: str) -> ServerSample:
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, list[float]] = {RUNNING: [], GENERATED: [], ACCEPT_LENGTH: []}
+    batches: dict[tuple[tuple[str, str], ...], float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in sums and math.isfinite(sample.value):
                     sums[sample.name].append(sample.value)
+                if sample.name == RUNNING and math.isfinite(sample.value):
+                    # one batch per scheduler but for its tensor-parallel rank
+                    group = tuple(sorted((k, v) for k, v in sample.labels.items() if k != TP_RANK))
+                    batches[group] = max(batches.get(group, 0.0), sample.value)
     except ValueError as exc:
         raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc
     if not sums[RUNNING]:
@@ -60,7 +69,7 @@ def parse_server_metrics(text: str) -> ServerSample:
         )
     accept = sums[ACCEPT_LENGTH]
     return ServerSample(
-        running=max(0, round(sum(sums[RUNNING]))),
+        running=max(0, round(sum(batches.values()))),
         generated_tokens=sum(sums[GENERATED]) if sums[GENERATED] else None,
         accept_length=sum(accept) / len(accept) if accept else None,
     )
