@@ -122,6 +122,22 @@ def test_compare_json_and_markdown(small_sweep: Path) -> None:
     assert "### Mean accept length" in markdown and "### Verify pass vs ridge point" in markdown
 
 
+def test_compare_lists_the_corpora_in_the_cubes_order(small_sweep: Path, tmp_path: Path) -> None:
+    """The acceptance table sorted its corpora by name, where every other table, figure and
+    the JSON keep the cube's (the campaign's) order."""
+    import dvfs
+    from dvfs.cube import write_cube
+
+    with dvfs.open_cube(small_sweep / "cube.nc") as ds:
+        turned = ds.isel(corpus=[1, 0]).load()  # conversation, then code
+    write_cube(turned, tmp_path / "cube.nc")
+    markdown = run("compare", str(tmp_path / "cube.nc"), "--markdown").output
+    [header] = [
+        x for x in markdown.splitlines() if x.startswith("| drafter |") and "corpus" not in x
+    ]
+    assert header.split("|")[2:4] == [" conversation ", " code "], header
+
+
 def test_plot_writes_every_figure(small_sweep: Path, tiny_exact_run, tmp_path: Path) -> None:
     out = tmp_path / "plots"
     files = run("plot", str(small_sweep), "--out", str(out)).output.split()

@@ -449,7 +449,7 @@ def compare_tables(doc: dict[str, Any]) -> list[tuple[str, list[str], list[list[
     )
     tables = [energy, even]
     if doc["acceptance"]:
-        corpora = sorted({a["corpus"] for a in doc["acceptance"]})
+        corpora = list(dict.fromkeys(a["corpus"] for a in doc["acceptance"]))  # the cube's order
         drafters = list(dict.fromkeys(a["drafter"] for a in doc["acceptance"]))
         lookup = {(a["drafter"], a["corpus"]): a["accept_length"] for a in doc["acceptance"]}
         tables.append(
