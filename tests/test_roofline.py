@@ -305,6 +305,29 @@ def test_a_counter_that_never_moves_gives_nan_not_zero() -> None:
     assert math.isnan(window.power_w) and window.sm_clock_mhz == 1980
 
 
+def test_a_counter_reset_in_the_window_gives_nan_not_a_negative_power() -> None:
+    """A driver reload or GPU reset restarts the counter from zero mid-window: the difference
+    across it is no energy (it read -200,000 W here)."""
+    from dvfs.roofline.run import energy_window
+
+    now = iter(range(1000))
+    reads = iter(range(1000))
+
+    class Reset:
+        def energy_mj(self) -> int:
+            n = next(reads)
+            return 10**9 + 100 * n if n < 3 else 100 * n  # reset after the third read
+
+        def sm_clock_mhz(self) -> int:
+            return 1980
+
+        def temperature_c(self) -> int:
+            return 60
+
+    window = energy_window(Reset(), lambda: None, lambda: None, 3, clock=lambda: next(now))
+    assert math.isnan(window.power_w) and window.sm_clock_mhz == 1980
+
+
 def _start(env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
     # TINY's short kernels (the stock setting, run before the first lock, costs little) over
     # 87 clocks: some 14 s of kernels after the first lock, long enough to be interrupted.

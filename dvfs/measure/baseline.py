@@ -58,13 +58,19 @@ def counter_windows(
 ) -> list[CounterWindow]:
     """Per GPU (columns of `energy_mj`): the window from its first distinct counter update
     to its last (`dvfs.measure.counter`: each update placed in the bracket of the readings
-    around it, on the counter's grid when `period_s` is known)."""
+    around it, on the counter's grid when `period_s` is known). A counter that went backwards
+    (reset by a driver reload or a GPU reset) counts from its reading after the last such
+    step: the energy across a reset is not the energy spent."""
     if len(t_ns) == 0:
         return [CounterWindow(0.0, 0.0, 0, math.nan) for _ in range(energy_mj.shape[1])]
-    return [
-        counter_window(updates(t_ns, energy_mj[:, g], period_s), int(t_ns[0]), int(t_ns[-1]))
-        for g in range(energy_mj.shape[1])
-    ]
+    windows = []
+    for g in range(energy_mj.shape[1]):
+        t, values = t_ns, energy_mj[:, g]
+        back = (values[1:] < values[:-1]).nonzero()[0]
+        if len(back):
+            t, values = t[back[-1] + 1 :], values[back[-1] + 1 :]
+        windows.append(counter_window(updates(t, values, period_s), int(t[0]), int(t[-1])))
+    return windows
 
 
 def idle_baseline(

@@ -118,6 +118,9 @@ def measurement_method(m: MeasurementConfig) -> str:
 IDLE_TENANT_TRIES = 3
 T = TypeVar("T")
 
+#: The fewest counter updates the session's opening idle measurement spans as two counter reads
+#: (`Runner._opening_idle_w`): each read may lag the counter by one update.
+OPENING_IDLE_MIN_UPDATES = 10
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
@@ -278,6 +281,29 @@ class Runner:
             self.clock.sleep(COUNTER_PROBE_S)
         return counter_update_period(sampler.samples.arrays()), self._elapsed_s(t0)
 
+    def _opening_idle_w(self, seconds: float) -> float:
+        """The session's opening idle power: two counter reads `seconds` apart
+        (`measure_idle_power_w`), each of which may lag the counter by up to one update. Where
+        `seconds` spans fewer than OPENING_IDLE_MIN_UPDATES of the slowest counter's updates,
+        or a counter's period is unknown (it moved too rarely to time), those lags could be
+        most of the difference (0 W, or twice the power, for a window under two updates): the
+        idle power is then taken between counter updates (`idle_baseline`) instead."""
+        periods = self.fit_periods_s
+        slowest = max((p for p in periods if p), default=None)
+        short = slowest is not None and seconds < OPENING_IDLE_MIN_UPDATES * slowest
+        if seconds <= 0 or not (short or None in periods):
+            return measure_idle_power_w(self.gpus, self.clock, seconds)
+        from dvfs.measure.baseline import idle_baseline
+
+        return idle_baseline(
+            self.gpus,
+            self.clock,
+            min_s=seconds,
+            sample_period_s=min(self.campaign.measurement.sample_period_s, 0.01),
+            counter_period_s=slowest,
+            min_updates=OPENING_IDLE_MIN_UPDATES,
+        ).power_w
+
     def _measured_settle(self) -> dict[str, Any]:
         """The settle time measured on these GPUs (`dvfs.measure.settle`) for the campaign's
         widest knob change, when `measurement.settle = "measured"` and there are knobs to
@@ -350,7 +376,7 @@ class Runner:
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
         self.idle_power_w, self.idle_foreign = self._idle_checked(
-            lambda: measure_idle_power_w(self.gpus, self.clock, m.idle_s),
+            lambda: self._opening_idle_w(m.idle_s),
             self._opening_tenants(),
             lambda power_w: power_w,
             "the session's opening idle measurement (before any server started)",

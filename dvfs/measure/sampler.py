@@ -381,18 +381,34 @@ class Sampler:
             self._closed = True
 
 
-def _energy_now(gpus: Sequence[Gpu], clock: Clock) -> tuple[int, int]:
-    """Summed energy counters (mJ) and the time they were read (the middle of the reads)."""
+#: How many times the opening idle measurement is taken while an energy counter goes backwards
+#: over it (`measure_idle_power_w`).
+IDLE_COUNTER_TRIES = 3
+
+
+def _energy_now(gpus: Sequence[Gpu], clock: Clock) -> tuple[list[int], int]:
+    """Each GPU's energy counter (mJ) and the time they were read (the middle of the reads)."""
     before = clock.now_ns()
-    energy = sum(g.energy_mj() for g in gpus)
+    energy = [g.energy_mj() for g in gpus]
     return energy, (before + clock.now_ns()) // 2
 
 
 def measure_idle_power_w(gpus: Sequence[Gpu], clock: Clock, seconds: float) -> float:
-    """Mean board power of idle GPUs from the energy counter over `seconds`."""
+    """Mean board power of idle GPUs from the energy counter over `seconds`. A counter that
+    went backwards over them (reset by a driver reload or a GPU reset: the difference is not
+    the energy spent) is read again over another `seconds`, from its new count; GpuError
+    after IDLE_COUNTER_TRIES such tries."""
     if seconds <= 0:
         return float(sum(g.power_mw() for g in gpus)) / 1000
-    e0, t0 = _energy_now(gpus, clock)
-    clock.sleep(seconds)
-    e1, t1 = _energy_now(gpus, clock)
-    return (e1 - e0) / ((t1 - t0) * 1e-9) / 1000
+    for _ in range(IDLE_COUNTER_TRIES):
+        e0, t0 = _energy_now(gpus, clock)
+        clock.sleep(seconds)
+        e1, t1 = _energy_now(gpus, clock)
+        back = [g.identity.index for g, a, b in zip(gpus, e0, e1, strict=True) if b < a]
+        if not back:
+            return (sum(e1) - sum(e0)) / ((t1 - t0) * 1e-9) / 1000
+    raise GpuError(
+        f"the energy counter of GPU {back[0]} went backwards in each of {IDLE_COUNTER_TRIES} "
+        f"idle measurements of {seconds:g} s: it is being reset (a driver reload or GPU reset) "
+        "or is broken; check the GPU with `dvfs doctor` before measuring"
+    )

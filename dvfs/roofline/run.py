@@ -161,7 +161,9 @@ def energy_window(
     sync()
     if math.isnan(sm_clock):
         sm_clock, temperature = float(gpu.sm_clock_mhz()), _temperature(gpu)
-    joules = (e1 - e0) / 1000.0 if e1 != e0 else math.nan  # a counter that never moved
+    # NaN for a counter that never moved, or went backwards (reset by a driver reload or a
+    # GPU reset: the difference is not the energy spent)
+    joules = (e1 - e0) / 1000.0 if e1 > e0 else math.nan
     return Window(joules, t1 - t0, sm_clock, temperature)
 
 

@@ -1,0 +1,192 @@
+"""An energy counter reset mid-sweep (a driver reload or a GPU reset restarts NVML's total-energy
+counter from zero) must not be taken for energy: the idle baselines measure from after it,
+and a cell's window across it is invalid (counter_stalled)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import dvfs.measure.baseline as baseline_module
+import dvfs.measure.runner as runner_module
+from dvfs.cli import cli
+from dvfs.clock import VirtualClock
+from dvfs.errors import GpuError
+from dvfs.gpu.twin import TwinGpu
+from dvfs.measure.baseline import idle_baseline
+from dvfs.measure.journal import read_records
+from dvfs.measure.sampler import measure_idle_power_w
+from tests.test_baseline import IdleGpu
+
+CAMPAIGN = """
+[campaign]
+name = "counter-reset"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0, 1]
+
+[knobs]
+sm_clock = [1980]
+power_limit = [700]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+tp_size = 2
+
+[drafters.none]
+algorithm = "none"
+
+[workload]
+batch = [8]
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = 128
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.5
+max_rounds = 2
+repeats = 1
+sample_period_s = 0.02
+idle_s = 1.0
+thermal_max_s = 0
+precision = 0.05
+"""
+
+
+class ResettingIdleGpu(IdleGpu):
+    """An idle GPU whose counter, counting since a driver load long ago (10^9 mJ), restarts
+    from zero at `reset_s` (virtual time)."""
+
+    def __init__(self, clock: VirtualClock, reset_s: float, **kwargs: Any) -> None:
+        super().__init__(clock, **kwargs)
+        self.reset_s = reset_s
+        self._at_reset: int | None = None
+
+    def energy_mj(self) -> int:
+        value = super().energy_mj()
+        if self.clock.now_ns() / 1e9 < self.reset_s:
+            return 10**9 + value
+        if self._at_reset is None:
+            self._at_reset = value
+        return value - self._at_reset
+
+
+def test_an_idle_baseline_counts_from_after_a_counter_reset() -> None:
+    clock = VirtualClock()
+    gpus = [ResettingIdleGpu(clock, 0.5), IdleGpu(clock, index=1, phase_s=0.061)]
+    result = idle_baseline(gpus, clock, min_s=1.0, sample_period_s=0.01, min_updates=10)
+    assert result.enough and result.source == "energy counter"
+    assert result.power_w == pytest.approx(gpus[0].watts() + gpus[1].watts(), rel=1e-3)
+
+
+def test_the_opening_idle_is_measured_again_after_a_counter_reset() -> None:
+    clock = VirtualClock()
+    gpu = ResettingIdleGpu(clock, 0.5)
+    assert measure_idle_power_w([gpu], clock, 1.0) == pytest.approx(gpu.watts(), rel=1e-2)
+    assert clock.now_ns() == pytest.approx(2e9, rel=1e-3)  # two tries of 1 s
+
+
+def test_a_counter_that_keeps_going_backwards_is_refused() -> None:
+    clock = VirtualClock()
+
+    class Backwards(IdleGpu):
+        def energy_mj(self) -> int:
+            return 10**9 - clock.now_ns() // 1000
+
+    with pytest.raises(GpuError, match="energy counter of GPU 0 went backwards"):
+        measure_idle_power_w([Backwards(clock)], clock, 1.0)
+
+
+def _sweep(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(CAMPAIGN)
+    out = tmp_path / name
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    return read_records(out / "journal.jsonl")
+
+
+def test_a_counter_reset_during_the_idle_baselines_does_not_make_idle_power_negative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 1's counter restarts from zero in the middle of the session's opening idle
+    measurement and of the idle baseline at the cell's setting: both idle powers, and the
+    cell's energy per token above idle, are those of a sweep without the resets."""
+    reference = _sweep(tmp_path, "reference")
+    reset_at: list[int] = []  # the instants GPU 1's counter restarts from zero
+    offsets: dict[int, int] = {}  # its reading at each reset, taken when first read after it
+
+    def reset(gpu: TwinGpu, t_ns: np.ndarray, energy_mj: np.ndarray) -> np.ndarray:
+        if gpu.device.index != 1:
+            return energy_mj
+        out = np.array(energy_mj, dtype=np.int64)
+        for i, t in enumerate(np.asarray(t_ns).tolist()):
+            since = [r for r in reset_at if r <= t]
+            if since:  # energy since the last reset
+                offsets.setdefault(since[-1], int(energy_mj[i]))
+                out[i] = int(energy_mj[i]) - offsets[since[-1]]
+        return out
+
+    readings_at, readings_of, energy_mj = (
+        TwinGpu.readings_at,
+        TwinGpu.readings_of,
+        TwinGpu.energy_mj,
+    )
+
+    def patched_at(self: TwinGpu, t_ns: np.ndarray) -> Any:
+        r = readings_at(self, t_ns)
+        return dataclasses.replace(r, energy_mj=reset(self, t_ns, r.energy_mj))
+
+    def patched_of(self: TwinGpu, state: object, t_ns: np.ndarray) -> Any:
+        r = readings_of(self, state, t_ns)
+        return dataclasses.replace(r, energy_mj=reset(self, t_ns, r.energy_mj))
+
+    def patched_energy(self: TwinGpu) -> int:
+        now = np.array([self.device.clock.now_ns()])
+        return int(reset(self, now, np.array([energy_mj(self)]))[0])
+
+    opening, per_setting = runner_module.measure_idle_power_w, baseline_module.idle_baseline
+
+    def opening_with_reset(gpus: Any, clock: Any, seconds: float) -> float:
+        reset_at.append(clock.now_ns() + round(seconds / 2 * 1e9))
+        return opening(gpus, clock, seconds)
+
+    def per_setting_with_reset(gpus: Any, clock: Any, **kwargs: Any) -> Any:
+        reset_at.append(clock.now_ns() + round(0.3e9))
+        return per_setting(gpus, clock, **kwargs)
+
+    monkeypatch.setattr(TwinGpu, "readings_at", patched_at)
+    monkeypatch.setattr(TwinGpu, "readings_of", patched_of)
+    monkeypatch.setattr(TwinGpu, "energy_mj", patched_energy)
+    monkeypatch.setattr(runner_module, "measure_idle_power_w", opening_with_reset)
+    monkeypatch.setattr(baseline_module, "idle_baseline", per_setting_with_reset)
+    records = _sweep(tmp_path, "reset")
+    assert len(reset_at) == 2  # the opening idle and the cell's setting's baseline
+
+    def the(kind: str, recs: list[dict[str, Any]]) -> dict[str, Any]:
+        (record,) = [r for r in recs if r["type"] == kind]
+        return record
+
+    assert the("session", records)["idle_power_w"] == pytest.approx(
+        the("session", reference)["idle_power_w"], rel=0.02
+    )
+    got, want = the("cell", records)["measurement"], the("cell", reference)["measurement"]
+    assert got["valid"] and got["idle_power_w"] == pytest.approx(want["idle_power_w"], rel=0.01)
+    assert 0 < got["energy_per_token_above_idle_j"] < got["energy_per_token_j"]
+    assert got["energy_per_token_above_idle_j"] == pytest.approx(
+        want["energy_per_token_above_idle_j"], rel=0.05
+    )
+    assert not math.isnan(got["energy_per_token_j"])

@@ -1,0 +1,77 @@
+"""The session's opening idle power on a counter that steps (about every 100 ms on an H100):
+two counter reads `idle_s` apart each lag the counter by up to one update, so a short
+`idle_s` read 0 W (no update between the reads) or far too much; such a measurement is taken
+between counter updates instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dvfs.cli import cli
+from dvfs.measure.journal import read_records
+from dvfs.twin.profiles import gpu_profile
+
+CAMPAIGN = """
+[campaign]
+name = "short-idle"
+
+[gpu]
+backend = "twin"
+profile = "h100-sxm"
+devices = [0]
+
+[knobs]
+sm_clock = [1980]
+power_limit = [700]
+settle_s = 1.0
+
+[engine]
+backend = "twin"
+model = "llama-3.1-8b"
+
+[drafters.none]
+algorithm = "none"
+
+[workload]
+batch = [8]
+corpora = ["code"]
+input_tokens = [16, 2048]
+output_tokens = 128
+
+[measurement]
+warmup_tokens = 8
+min_window_s = 0.5
+max_rounds = 2
+repeats = 1
+sample_period_s = 0.02
+idle_s = {idle_s}
+idle_per_setting = false
+thermal_max_s = 0
+precision = 0.05
+"""
+
+
+@pytest.mark.parametrize("idle_s", [0.05, 0.08, 0.15])
+def test_a_short_opening_idle_measurement_is_taken_between_counter_updates(
+    tmp_path: Path, idle_s: float
+) -> None:
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(CAMPAIGN.format(idle_s=idle_s))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    records = read_records(out / "journal.jsonl")
+    (session,) = [r for r in records if r["type"] == "session"]
+    (cell,) = [r for r in records if r["type"] == "cell"]
+    period = max(session["counter_update_period_s"])
+    assert idle_s < 2 * period  # the twin's counter steps every ~100 ms
+    idle_w = gpu_profile("h100-sxm").idle_power_w  # the cool GPU's idle, before any server
+    assert session["idle_power_w"] == pytest.approx(idle_w, rel=0.01)
+    m = cell["measurement"]
+    assert m["valid"] and m["idle_power_w"] == session["idle_power_w"]
+    assert 0 < m["energy_per_token_above_idle_j"] < m["energy_per_token_j"]
