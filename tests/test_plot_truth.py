@@ -126,6 +126,37 @@ def test_a_reference_with_one_invalid_repeat_is_drawn_as_the_tables_take_it() ->
     assert (split["invalid"] == 0).all() and np.isfinite(split["energy_per_token_verify_j"]).all()
 
 
+def test_a_reference_ruled_out_gives_no_stock_energy_where_the_figures_draw_none() -> None:
+    """With two of its three repeats invalid, the stock setting is ruled out (one usable
+    repeat: too few to be the reference), and the figures draw no point there. The table still
+    stated a stock energy from that one repeat, and an SLO's saving against it (23.5% on a twin
+    cube with two stock repeats flagged clock_not_reached), and the report's findings said
+    energy at stock falls with batch for pairs energy-vs-batch draws no line of. Now neither."""
+    from dvfs.analysis.targets import parse_slo
+    from dvfs.report.findings import energy_finding
+    from dvfs.report.headroom import headroom_document, headroom_table_rows
+
+    cube = small_cube([1, 8], corpora=("code",), repeats=3)
+    cube = cube.copy(deep=True)
+    stock = {"sm_clock": 1980, "power_limit": 700.0, "drafter": "none"}
+    cube["valid"].loc[{**stock, "repeat": [0, 1]}] = 0.0
+    target = parse_slo("tpot_p50<=100ms")  # every setting meets it
+    result = headroom(cube, target=target)
+    row = result.sel(drafter="none", corpus="code")
+    assert (row["chosen_sm_clock"] == 1005).all()  # an answer: the SLO needs no reference
+    assert np.isnan(row["stock_energy_per_token_j"]).all() and np.isnan(row["saving"]).all()
+    eagle = result.sel(drafter="eagle3", corpus="code")
+    assert np.isfinite(eagle["saving"]).all()  # its own stock stands
+    header, rows = headroom_table_rows(headroom_document(result, cube))
+    none_rows = [r for r in rows if r[header.index("drafter")] == "none"]
+    assert none_rows and all(r[header.index("saving")] == "-" for r in none_rows)
+    drawn = dict(figures(cube, target))
+    (panel,) = [ax for ax in drawn["energy_vs_batch"].axes if ax.get_title() == "corpus code"]
+    assert len(panel.lines) == 1  # eagle3's line only: none has no point at stock
+    sentence = " ".join(energy_finding(headroom_document(result, cube), ()).details)
+    assert "falls for 1 of 1 (drafter, corpus) pairs" in sentence
+
+
 def test_the_timeline_draws_the_first_valid_repeat_of_the_stock_cell() -> None:
     cube = small_cube([1], corpora=("code",), repeats=2)
     power = cube["timeline_power_w"].values.copy()

@@ -261,6 +261,7 @@ class _Cells:
     ref_ok: np.ndarray
     ref_on: np.ndarray
     stock_energy: np.ndarray  # each group's own reference energy (J), NaN where not usable
+    # (or the reference is ruled out: `ruled_out_settings`)
     reference_problems: np.ndarray  # per group (reference_problems)
 
 
@@ -364,6 +365,13 @@ def _cells(
     ref_quality = at_ref(quality) if quality is not None else np.full(ref_ok.shape, np.nan)
     ref_latency = at_ref(latency_all)
     usable = baseline_row(ref_ok & _notnull(ref_latency))
+    # The stock energy: the reference's usable repeats, but none where an invalid repeat rules
+    # the reference out (fewer than two usable, one in a cube of one repeat: `ruled_out_settings`),
+    # which no saving divides by and no figure draws.
+    ref_measured = at_ref(measured_all)
+    ruled_out = (ref_measured & ~ref_ok).any(axis=-1) & (
+        ref_ok.sum(axis=-1) < min(2, int(cube.sizes.get("repeat", 1)))
+    )
     return _Cells(
         clocks=clocks.astype(int),
         limits=limits.astype(float),
@@ -379,7 +387,7 @@ def _cells(
         ref_latency=baseline_row(_where(ref_latency, ref_ok)),
         ref_ok=baseline_row(ref_ok),
         ref_on=baseline_row(at_ref(on_all)),
-        stock_energy=_where(at_ref(energy_all), ref_ok),
+        stock_energy=_where(at_ref(energy_all), ref_ok & ~ruled_out[..., None]),
         reference_problems=_reference_problems(
             usable,
             baseline_row(ref_status),
