@@ -193,17 +193,21 @@ def test_the_estimate_comes_within_its_tolerance_of_the_exact_split(family_cube)
     assert np.isnan(other["energy_draft_j"].values).all()
 
 
-def test_a_top_k_one_chain_family_gets_no_estimate(tmp_path: Path) -> None:
-    """EAGLE-3 chains (top-k 1, steps + 1 tokens verified) with 2 and 4 steps: their drafting
-    and verify pass grow together and only the plain-decode anchor tells them apart, which
-    overstated drafting 1.4-3.3x on the twin. They get no estimate (method none, NaN), where
-    the exact split the twin records says what the estimate would have missed."""
+@pytest.mark.parametrize(("topk", "tokens"), [(1, lambda s: s + 1), (4, lambda s: 2 * s + 2)])
+def test_a_family_whose_verified_tokens_move_with_its_steps_gets_no_estimate(
+    tmp_path: Path, topk: int, tokens
+) -> None:  # type: ignore[no-untyped-def]
+    """EAGLE-3 chains (top-k 1, steps + 1 tokens verified), or a top-k 4 family whose draft
+    tokens grow with its steps, with 2 and 4 steps: their drafting and verify pass grow
+    together and only the plain-decode anchor tells them apart, which overstated a chain's
+    drafting 1.4-3.3x on the twin. They get no estimate (method none, NaN), where the exact
+    split the twin records says what the estimate would have missed."""
     from dvfs.analysis.split import estimate_split
     from dvfs.cube import open_cube
 
     chains = "".join(
         f'\n[drafters.c{s}]\nalgorithm = "EAGLE3"\ndraft_model = "eagle3-llama-3.1-8b"\n'
-        f"num_steps = {s}\neagle_topk = 1\nnum_draft_tokens = {s + 1}\n"
+        f"num_steps = {s}\neagle_topk = {topk}\nnum_draft_tokens = {tokens(s)}\n"
         for s in (2, 4)
     )
     text = FAMILY.format(eagles=chains, mode="").replace("batch = [1, 8]", "batch = [8]")

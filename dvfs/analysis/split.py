@@ -28,7 +28,8 @@ batch (the steady window of a fixed batch). A fitted c_verify below zero (the an
 iteration lacks the drafter's fixed costs) is dropped and the fit redone without it; so is
 one the design cannot tell from c_draft (no anchor, and k moving with n as in top-k 1
 chains, where the verify pass's growth is then counted as drafting). N-gram (drafting on the
-host), single-pass block drafters (DFLASH) and top-k 1 chains (below) get no estimate.
+host), single-pass block drafters (DFLASH) and families whose verified tokens move in step
+with their draft passes (top-k 1 chains, below) get no estimate.
 
 Measured on the twin (h100-sxm without traps, Llama-3.1-8B, EAGLE-3 top-k 4 with 2, 3 and 5
 steps): the drafting time within 2% of the exact split; the drafting energy overstated by 5-7%
@@ -165,11 +166,9 @@ def estimate_split(cube: xr.Dataset) -> xr.Dataset:
         spec = [d for d in members if shapes[d].family == family]
         if len({shapes[d].num_steps for d in spec}) < 2:
             continue  # one setting: its drafting cannot be told from its verify pass's growth
-        if family[2] == 1:
-            # A top-k 1 chain verifies steps + 1 tokens: its drafting and its verify pass grow
-            # together, and only the anchor's plain decode, lacking the speculative step's
-            # fixed costs, tells them apart; measured on the twin that overstated drafting
-            # 1.4-3.3x (5-32% of the cell's energy). No estimate rather than that one.
+        if not _drafting_told_apart(
+            [shapes[d].draft_passes for d in spec], [shapes[d].verify_tokens for d in spec]
+        ):
             continue
         n = np.array([shapes[d].draft_passes for d in members])
         k = np.array([shapes[d].verify_tokens for d in members])
@@ -196,6 +195,21 @@ def estimate_split(cube: xr.Dataset) -> xr.Dataset:
     ds["energy_split_method"] = method
     _attrs(ds)
     return ds
+
+
+def _drafting_told_apart(draft_passes: list[int], verify_tokens: list[int]) -> bool:
+    """Whether a family's own settings tell a draft pass's cost from a verified token's: the
+    tokens they verify stay the same, or vary otherwise than in step with the draft passes.
+    Where they move together (a top-k 1 chain verifies steps + 1 tokens; two settings whose
+    tokens both change), only the anchor's plain decode tells them apart, and it lacks the
+    speculative step's fixed costs: on the twin that overstated a chain's drafting 1.4-3.3x
+    (5-32% of the cell's energy). Such a family gets no estimate rather than that one."""
+    if len(set(verify_tokens)) == 1:
+        return True
+    design = np.column_stack([np.ones(len(draft_passes)), draft_passes, verify_tokens]).astype(
+        float
+    )
+    return bool(np.linalg.matrix_rank(design) == 3)
 
 
 def _iterations(cube: xr.Dataset, shapes: dict[str, DrafterShape]) -> xr.DataArray:
