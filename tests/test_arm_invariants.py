@@ -642,6 +642,33 @@ def test_a_journal_whose_server_command_set_a_tuning_variable_resumes_with_it(
     assert running(marker) == []
 
 
+def test_a_url_credential_a_server_command_wrapper_sets_is_recorded_nowhere_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """`env SGLANG_X=http://user:password@host python ...`: the session's settings keep the
+    server command with the URL's user and password hidden; its server_env held them whole,
+    and a resume with the same command read the hidden value back from the settings and was
+    refused, the password in its message. Hidden in both, it resumes and builds."""
+    secret = "hunter2-wrapped"
+    url = f"http://alice:{secret}@127.0.0.1:9/x"
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, wrapper=("env", f"SGLANG_X_ENDPOINT={url}"), **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["SGLANG_X_ENDPOINT"] == "http://(not recorded)@127.0.0.1:9/x"
+    keep_first_drafter(journal)
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    assert secret not in again.output
+    assert secret not in journal.read_text()
+    attrs = open_cube(out / "cube.nc").attrs
+    assert secret not in json.dumps({k: str(v) for k, v in attrs.items()})
+    assert running(marker) == []
+
+
 def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:
     """HF_HOME and HF_TOKEN change between the runs of one sweep: the resume goes on, and
     neither value reaches the journal or the cube; the variables that change kernels
