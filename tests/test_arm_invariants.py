@@ -642,6 +642,75 @@ def test_a_journal_whose_server_command_set_a_tuning_variable_resumes_with_it(
     assert running(marker) == []
 
 
+def test_a_url_credential_a_server_command_wrapper_sets_is_recorded_nowhere_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """`env SGLANG_X=http://user:password@host python ...`: the session's settings keep the
+    server command with the URL's user and password hidden; its server_env held them whole,
+    and a resume with the same command read the hidden value back from the settings and was
+    refused, the password in its message. Hidden in both, it resumes and builds."""
+    secret = "hunter2-wrapped"
+    url = f"http://alice:{secret}@127.0.0.1:9/x"
+    path, marker = stub_campaign(
+        tmp_path, drafters=TWO_DRAFTERS, wrapper=("env", f"SGLANG_X_ENDPOINT={url}"), **ONE_SETTING
+    )
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["SGLANG_X_ENDPOINT"] == "http://(not recorded)@127.0.0.1:9/x"
+    keep_first_drafter(journal)
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    assert secret not in again.output
+    assert secret not in journal.read_text()
+    attrs = open_cube(out / "cube.nc").attrs
+    assert secret not in json.dumps({k: str(v) for k, v in attrs.items()})
+    assert running(marker) == []
+
+
+def test_a_shell_line_wrapper_records_the_value_the_shell_sets(tmp_path: Path) -> None:
+    """`sh -c 'CUDA_LAUNCH_BLOCKING=1 exec /venv/bin/python "$@"'`: the shell sets the variable
+    to 1. It was recorded as the rest of the line, so a resume whose line only named another
+    Python was refused as a change of CUDA_LAUNCH_BLOCKING; it resumes, and another value of
+    the variable in the line is refused."""
+    pythons = []
+    for name in ("venv-a", "venv-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "python").symlink_to(sys.executable)
+        pythons.append(tmp_path / name / "python")
+    path, marker = stub_campaign(tmp_path, drafters=TWO_DRAFTERS, **ONE_SETTING)
+
+    def serve_with(python: Path, value: str) -> None:
+        line = f'CUDA_LAUNCH_BLOCKING={value} exec {python} "$@"'
+        command = json.dumps(["sh", "-c", line, "sh", str(STUB)])
+        path.write_text(
+            re.sub(
+                r"^server_command = .*$",
+                lambda _: f"server_command = {command}",
+                path.read_text(),
+                flags=re.M,
+            )
+        )
+
+    serve_with(pythons[0], "1")
+    out = tmp_path / "out"
+    assert sweep(path, out).exit_code == 0
+    journal = out / "journal.jsonl"
+    [session] = sessions_of(journal)
+    assert session["server_env"]["CUDA_LAUNCH_BLOCKING"] == "1"
+    keep_first_drafter(journal)
+    serve_with(pythons[1], "1")
+    again = sweep(path, out)
+    assert again.exit_code == 0, again.output
+    keep_first_drafter(journal)
+    serve_with(pythons[1], "0")
+    refused = sweep(path, out)
+    assert refused.exit_code == 1, refused.output
+    assert "(server environment CUDA_LAUNCH_BLOCKING: '1' -> '0')" in last_line(refused)
+    assert running(marker) == []
+
+
 def test_an_unrelated_variable_may_change_and_is_recorded_nowhere(tmp_path: Path) -> None:
     """HF_HOME and HF_TOKEN change between the runs of one sweep: the resume goes on, and
     neither value reaches the journal or the cube; the variables that change kernels

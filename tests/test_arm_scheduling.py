@@ -380,14 +380,20 @@ def test_spec_v2_on_0_5_9_refuses_only_arms_it_would_split(tmp_path: Path) -> No
     ), line
 
 
-def test_spec_v2_set_by_a_server_command_wrapper_is_seen(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "wrapper",
+    [("env", "SGLANG_ENABLE_SPEC_V2=1"), ("sh", "-c", 'SGLANG_ENABLE_SPEC_V2=1 exec "$@"', "sh")],
+)
+def test_spec_v2_set_by_a_server_command_wrapper_is_seen(
+    tmp_path: Path, wrapper: tuple[str, ...]
+) -> None:
     """server_command `env SGLANG_ENABLE_SPEC_V2=1 python ...` on 0.5.9: dvfs read the switch
     only in its own and the campaign's environment, so it gave 'none' --disable-overlap-schedule
     to match an EAGLE arm that SGLang then ran with the overlap scheduler on: the EAGLE server
     was refused at every start, its cells failed at each rerun. The wrapper's NAME=VALUE is
     read too: both arms keep the scheduler on; with NGRAM besides, the campaign is refused
-    before any server starts, as with the switch in engine.sglang.env."""
-    wrapper = ("env", "SGLANG_ENABLE_SPEC_V2=1")
+    before any server starts, as with the switch in engine.sglang.env. A shell line's
+    `SGLANG_ENABLE_SPEC_V2=1 exec ...` sets it to 1, not to the rest of the line."""
     path, marker = stub_campaign(
         tmp_path, version="0.5.9", wrapper=wrapper, batch="[1]", **ONE_SETTING
     )

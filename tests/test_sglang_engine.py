@@ -257,18 +257,25 @@ def test_a_server_that_dies_mid_cell_is_restarted_and_the_cell_retried(tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["environment", "wrapper"])
 def test_a_server_that_stops_answering_is_restarted_and_the_cell_retried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """A wedged server (alive, answering nothing, /health included) is stopped and a fresh one
     started, as for a dead one: kept, it failed every later cell of the campaign on a flush
     that timed out. Each server hangs at its third request, so only the third cell meets it.
-    /health is given the servers' own health-check timeout (1 s here) and 5 s more. The stall
-    timeout leaves a loaded machine's pauses (150 ms seen) to a healthy stream: one taken for
-    a stall would retry a cell the hang did not reach."""
-    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    /health is given the servers' own health-check timeout (1 s here, in dvfs's environment or
+    set by a server_command wrapper, `env SGLANG_HEALTH_CHECK_TIMEOUT=1 python ...`) and 5 s
+    more. The stall timeout leaves a loaded machine's pauses (150 ms seen) to a healthy
+    stream: one taken for a stall would retry a cell the hang did not reach."""
+    wrapper: tuple[str, ...] = ()
+    if where == "environment":
+        monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    else:
+        wrapper = ("env", "SGLANG_HEALTH_CHECK_TIMEOUT=1")
     cells, ds, output = _sweep(
         tmp_path,
+        wrapper=wrapper,
         stub={"hang_after_requests": 3},
         drafters=ONE_DRAFTER,
         batch="[1]",

@@ -57,6 +57,7 @@ from dvfs.engines.sglang_args import (
     host_family,
     host_url,
     launch_argv,
+    launch_env,
     parse_version,
     probe_help,
     server_command,
@@ -841,7 +842,7 @@ class SglangEngine:
                 raise  # not ours to restart
             if isinstance(exc, EngineConnectionError) and self._exited_within(CRASH_GRACE_S):
                 raise EngineCrashedError(self._crash_message(exc)) from exc
-            probe_s = hung_probe_s(server_env(self.campaign))
+            probe_s = hung_probe_s(launch_env(self.campaign))  # a wrapper's setting too
             if self._alive() and (status := client.health_status(probe_s)) != 200:
                 # Alive but wedged (a hung scheduler answers nothing, /health included): every
                 # later cell would fail on it, so it is stopped and restarted as a dead one is.

@@ -209,12 +209,17 @@ def server_env(campaign: Campaign, gpu_uuids: Sequence[str] = ()) -> dict[str, s
 def recorded_server_env(campaign: Campaign) -> dict[str, str] | None:
     """What of the servers' environment (`server_env`) a session records and every later
     session must repeat (`dvfs.records.server_env_of`); None where dvfs starts no server (the
-    twin, a server attached at engine.sglang.url)."""
-    from dvfs.records.session import server_env_of
+    twin, a server attached at engine.sglang.url). What a server_command wrapper sets is read
+    from the command as the session's settings keep it (`dvfs.redact.redact_argv`: a URL's
+    user and password hidden), as a later session reads it back from there
+    (`dvfs.records.session.recorded_env`)."""
+    from dvfs.records.session import command_env, server_env_of
+    from dvfs.redact import redact_argv
 
     if campaign.engine.backend != "sglang" or campaign.engine.sglang.url:
         return None
-    return server_env_of(launch_env(campaign))
+    wrapped = command_env(redact_argv(server_command(campaign)))
+    return server_env_of({**server_env(campaign), **wrapped})
 
 
 def launch_env(campaign: Campaign) -> dict[str, str]:

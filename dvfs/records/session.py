@@ -4,12 +4,13 @@ served each drafter."""
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dvfs.records.version import JOURNAL_SCHEMA, stored_float
-from dvfs.redact import SECRET_WORDS
+from dvfs.redact import NOT_RECORDED, SECRET_WORDS
 
 
 @dataclass(frozen=True)
@@ -288,17 +289,44 @@ def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
 _ASSIGNMENT = re.compile(r"(?:--env=)?([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
 
 
-def command_env(command: Iterable[Any]) -> dict[str, str]:
+def command_env(command: Iterable[Any], *, lines: bool = True) -> dict[str, str]:
     """The variables a server command's wrapper sets on its command line (`env NAME=VALUE
-    python -m sglang.launch_server`, `docker run -e NAME=VALUE ...`) that a session records
-    (`is_server_env`), the last of a name winning: the server starts with them whatever the
-    environment dvfs hands the wrapper."""
+    python -m sglang.launch_server`, `docker run -e NAME=VALUE ...`, a shell line `sh -c
+    'NAME=VALUE exec python ...'` where `lines`) that a session records (`is_server_env`), the
+    last of a name winning: the server starts with them whatever the environment dvfs hands
+    the wrapper."""
     found: dict[str, str] = {}
     for token in command:
         match = _ASSIGNMENT.fullmatch(str(token))
-        if match is not None and is_server_env(match.group(1)):
-            found[match.group(1)] = match.group(2)
+        if match is None:
+            continue
+        name, value = match.groups()
+        words = _shell_words(value) if lines else None
+        if words is not None:
+            # A shell line (as `dvfs.redact` reads one): the shell sets NAME to the line's first
+            # word, not to the rest of the line, whose own NAME=VALUE words it reads on.
+            if is_server_env(name):
+                found[name] = words[0]
+            found.update(command_env(words[1:], lines=False))
+        elif is_server_env(name):
+            found[name] = value
     return found
+
+
+def _shell_words(value: str) -> list[str] | None:
+    """The words of a NAME=VALUE argument's VALUE where the shell splits it into more than one
+    (a shell line: `NAME=VALUE exec python ...`); None otherwise (one word, quoted or not, or
+    quotes a shell could not close). What a record hides (`NOT_RECORDED`, in a server command
+    as a session's settings keep it) is one word's part, as the value it stands for was."""
+    hidden = "\0"  # no shell word holds it: argv strings cannot
+    value = value.replace(NOT_RECORDED, hidden)
+    if not re.search(r"\s", value):
+        return None
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return None
+    return [w.replace(hidden, NOT_RECORDED) for w in words] if len(words) > 1 else None
 
 
 def recorded_env(session: Mapping[str, Any]) -> dict[str, str] | None:
