@@ -5,11 +5,13 @@ between counter updates instead."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+import dvfs.twin.profiles as twin_profiles
 from dvfs.cli import cli
 from dvfs.measure.journal import read_records
 from dvfs.twin.profiles import gpu_profile
@@ -75,3 +77,34 @@ def test_a_short_opening_idle_measurement_is_taken_between_counter_updates(
     m = cell["measurement"]
     assert m["valid"] and m["idle_power_w"] == session["idle_power_w"]
     assert 0 < m["energy_per_token_above_idle_j"] < m["energy_per_token_j"]
+
+
+def test_an_opening_idle_on_a_counter_too_slow_to_time_lasts_idle_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A counter stepping every second is too slow for the session's counter probe to time
+    (period None), so the opening idle is taken between counter updates: over the `idle_s`
+    asked (20 s), not cut at the 10 s an idle baseline waits by default."""
+    profiles = {
+        key: dataclasses.replace(p, energy_counter_period_s=1.0)
+        for key, p in twin_profiles.gpu_profiles().items()
+    }
+    monkeypatch.setattr(twin_profiles, "gpu_profiles", lambda: profiles)
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(CAMPAIGN.format(idle_s=20.0))
+    out = tmp_path / "out"
+    twin_profiles.gpu_profile.cache_clear()  # it keeps the profiles it made
+    try:
+        result = CliRunner().invoke(
+            cli,
+            ["sweep", str(campaign), "--out", str(out), "--no-progress"],
+            catch_exceptions=False,
+        )
+    finally:
+        twin_profiles.gpu_profile.cache_clear()
+    assert result.exit_code == 0, result.output
+    (session,) = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    assert session["counter_update_period_s"] == [None]
+    assert session["gpu_time_s"]["idle_baseline"] >= 20.0
+    idle_w = profiles["h100-sxm"].idle_power_w  # the cool GPU's idle, before any server
+    assert session["idle_power_w"] == pytest.approx(idle_w, rel=0.01)

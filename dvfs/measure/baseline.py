@@ -73,6 +73,10 @@ def counter_windows(
     return windows
 
 
+#: The longest an idle baseline waits for enough counter updates by default (s).
+IDLE_BASELINE_MAX_S = 10.0
+
+
 def idle_baseline(
     gpus: Sequence[Gpu],
     clock: Clock,
@@ -81,7 +85,7 @@ def idle_baseline(
     sample_period_s: float = 0.01,
     counter_period_s: float | None = None,
     min_updates: int = 10,
-    max_s: float = 10.0,
+    max_s: float = IDLE_BASELINE_MAX_S,
 ) -> IdleBaseline:
     """Idle power at the current setting, from the energy counters.
 

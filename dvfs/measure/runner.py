@@ -121,6 +121,10 @@ T = TypeVar("T")
 #: The fewest counter updates the session's opening idle measurement spans as two counter reads
 #: (`Runner._opening_idle_w`): each read may lag the counter by one update.
 OPENING_IDLE_MIN_UPDATES = 10
+#: How long, as a multiple of `idle_s`, the opening idle measurement between counter updates
+#: may wait for them (at least IDLE_BASELINE_MAX_S): its window runs from one update to
+#: another, so `idle_s` itself would end before it spans `idle_s`.
+OPENING_IDLE_MAX_FACTOR = 2.0
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
@@ -286,14 +290,16 @@ class Runner:
         (`measure_idle_power_w`), each of which may lag the counter by up to one update. Where
         `seconds` spans fewer than OPENING_IDLE_MIN_UPDATES of the slowest counter's updates,
         or a counter's period is unknown (it moved too rarely to time), those lags could be
-        most of the difference (0 W, or twice the power, for a window under two updates): the
-        idle power is then taken between counter updates (`idle_baseline`) instead."""
+        most of the difference (0 W, or one update's energy over less than its period): the
+        idle power is then taken between counter updates (`idle_baseline`) instead, over at
+        least `seconds` as asked (OPENING_IDLE_MAX_FACTOR times that at most, for a counter
+        that does not move)."""
         periods = self.fit_periods_s
         slowest = max((p for p in periods if p), default=None)
         short = slowest is not None and seconds < OPENING_IDLE_MIN_UPDATES * slowest
         if seconds <= 0 or not (short or None in periods):
             return measure_idle_power_w(self.gpus, self.clock, seconds)
-        from dvfs.measure.baseline import idle_baseline
+        from dvfs.measure.baseline import IDLE_BASELINE_MAX_S, idle_baseline
 
         return idle_baseline(
             self.gpus,
@@ -302,6 +308,7 @@ class Runner:
             sample_period_s=min(self.campaign.measurement.sample_period_s, 0.01),
             counter_period_s=slowest,
             min_updates=OPENING_IDLE_MIN_UPDATES,
+            max_s=max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * seconds),
         ).power_w
 
     def _measured_settle(self) -> dict[str, Any]:
