@@ -269,6 +269,18 @@ def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None
     assert parse_server_metrics("# TYPE sglang:num_running_reqs gauge\n" + one_group).running == 16
 
 
+def test_the_ranks_of_an_expert_parallel_group_count_their_batch_once() -> None:
+    """SGLang labels each scheduler with its moe_ep_rank too, tp_rank // (tp_size // ep_size):
+    under --ep-size 4 (or a DeepEP backend, which sets it to tp_size) every rank of a TP-4
+    group has its own, and the group's 16 read as 64 with --enable-metrics-for-all-schedulers."""
+    page = "# TYPE sglang:num_running_reqs gauge\n" + "".join(
+        f'sglang:num_running_reqs{{model_name="m",engine_type="unified",tp_rank="{tp}",'
+        f'pp_rank="0",moe_ep_rank="{tp}"}} 16.0\n'
+        for tp in range(4)
+    )
+    assert parse_server_metrics(page).running == 16
+
+
 finite = st.floats(0, 1e9, allow_nan=False)
 
 
