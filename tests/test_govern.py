@@ -126,6 +126,22 @@ def test_a_rising_load_gets_a_looser_setting_at_once_and_a_falling_one_waits() -
     assert down.changed and PLAN.band_setting(down.state.band).is_stock
 
 
+def test_a_first_setting_of_stock_starts_no_dwell() -> None:
+    """The server down at start (or its batch above the plan): the governor starts at stock,
+    which is no change, so no dwell runs from it; batch 1 seen a second later is capped at
+    once (it waited the whole 10 s dwell at stock). After that first cap the dwell holds."""
+    p = PolicyParams(dwell_s=10.0, hysteresis=0.25)
+    for first in (None, 100):
+        start = decide(PLAN, PolicyState(), first, 0.0, p)
+        assert start.changed and PLAN.band_setting(start.state.band).is_stock
+        capped = decide(PLAN, start.state, 1, 1.0, p)
+        assert capped.changed and not capped.early, first
+        assert PLAN.band_setting(capped.state.band) == Setting(1500, None)
+        held = decide(PLAN, capped.state, 16, 2.0, p)
+        assert held.early  # looser at once, within the dwell of t=1
+        assert not decide(PLAN, held.state, 1, 5.0, p).changed  # tighter waits
+
+
 @given(st.lists(st.tuples(st.floats(0, 20), batches), max_size=60), params)
 def test_every_change_changes_the_setting(seq, p) -> None:
     """A change is what the governor applies, logs ("set ...") and counts
@@ -267,6 +283,18 @@ def test_the_ranks_of_one_tensor_parallel_group_count_their_batch_once() -> None
     assert parse_server_metrics(page).running == 21
     one_group = "".join(line + "\n" for line in page.splitlines() if 'dp_rank="0"' in line)
     assert parse_server_metrics("# TYPE sglang:num_running_reqs gauge\n" + one_group).running == 16
+
+
+def test_the_ranks_of_an_expert_parallel_group_count_their_batch_once() -> None:
+    """SGLang labels each scheduler with its moe_ep_rank too, tp_rank // (tp_size // ep_size):
+    under --ep-size 4 (or a DeepEP backend, which sets it to tp_size) every rank of a TP-4
+    group has its own, and the group's 16 read as 64 with --enable-metrics-for-all-schedulers."""
+    page = "# TYPE sglang:num_running_reqs gauge\n" + "".join(
+        f'sglang:num_running_reqs{{model_name="m",engine_type="unified",tp_rank="{tp}",'
+        f'pp_rank="0",moe_ep_rank="{tp}"}} 16.0\n'
+        for tp in range(4)
+    )
+    assert parse_server_metrics(page).running == 16
 
 
 finite = st.floats(0, 1e9, allow_nan=False)

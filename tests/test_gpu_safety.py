@@ -709,6 +709,33 @@ def test_a_second_signal_abandons_a_stuck_restore(
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
+def test_gpu_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
+    nvml, tmp_path: Path
+) -> None:
+    """A state file left with both knobs changed, and NVML refusing the clock's reset (which
+    changed nothing): `dvfs gpu reset` put back neither, the power limit staying capped behind
+    the clock; it puts the limit back, names the clock and keeps the file for it."""
+    from dvfs.errors import GpuError
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore, restore_pending
+
+    store = StateStore(tmp_path / "dvfs-state")
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        stock_mw = gpu.power_limit_mw()
+        store.record(GpuSettings(gpu.identity.uuid, None, stock_mw))
+        gpu.lock_sm_clock(1500, 1500)
+        gpu.set_power_limit_mw(400_000)
+        nvml.fake_update_device(
+            0, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NOT_SUPPORTED}
+        )
+        with pytest.raises(GpuError, match="cannot reset locked SM clocks"):
+            restore_pending([gpu], store)
+        assert store.pending(gpu.identity.uuid)
+    state = nvml.fake_device_state(0)
+    assert state["power_limit_mw"] == stock_mw != 400_000
+    assert state["locked_clocks"] == [1500, 1500]
+
+
 def test_cap_apply_with_a_hung_driver_fails_in_one_line(nvml, env, tmp_path: Path) -> None:
     from dvfs.caps import CapsFile, GpuCap, dump_caps
 

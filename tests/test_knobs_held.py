@@ -151,6 +151,26 @@ def test_a_limit_nvml_calls_invalid_is_answered_with_the_allowed_range(nvml) -> 
     assert "does not let" not in str(refused.value)
 
 
+@pytest.mark.parametrize("error", ["NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_NO_PERMISSION"])
+def test_a_refused_clock_restore_still_puts_the_power_limit_back(nvml, error: str) -> None:
+    """NVML refusing the clock's reset on restore changed nothing, and says nothing of the
+    power limit: that is put back still (it was left at 400 W, and `dvfs gpu reset` stopped
+    at the same clock reset); the error names the clock, whose lock stays."""
+    from dvfs.errors import GpuError
+
+    with (
+        pytest.raises(GpuError, match="cannot reset locked SM clocks"),
+        open_nvml_gpus([0], nvml=nvml) as gpus,
+        KnobController(gpus) as knobs,
+    ):
+        knobs.apply(KnobSetting(1500, 400.0))
+        reset = {"nvmlDeviceResetGpuLockedClocks": getattr(nvml, error)}
+        nvml.fake_update_device(0, errors=reset)
+    state = nvml.fake_device_state(0)
+    assert state["power_limit_mw"] == 700_000
+    assert state["locked_clocks"] == [1500, 1500]
+
+
 # -- the quality check ------------------------------------------------------------------------
 
 

@@ -3,9 +3,10 @@
 Parsing and the energy-per-token join are pure (text or readings in, numbers out);
 `ServerReader` (`scrape`: one read) and `read_gpu` are the edges that talk to the outside.
 SGLang's names (its metrics collector, `--enable-metrics`): `sglang:num_running_reqs` (gauge,
-one series per scheduler, labelled with its `tp_rank`, `pp_rank` and, under data parallelism,
-`dp_rank`: summed over the batches, each batch once: the ranks of one tensor-parallel group
-share theirs, which `--enable-metrics-for-all-schedulers` has every one of them report),
+one series per scheduler, labelled with its `tp_rank`, `moe_ep_rank`, `pp_rank` and, under data
+parallelism, `dp_rank`: summed over the batches, each batch once: the ranks of one
+tensor-parallel group share theirs, which `--enable-metrics-for-all-schedulers` has every one
+of them report),
 `sglang:generation_tokens_total` (counter, summed) and, with a speculative algorithm,
 `sglang:spec_accept_length` (gauge, averaged over series).
 """
@@ -24,8 +25,12 @@ from dvfs.redact import redact_url
 RUNNING = "sglang:num_running_reqs"
 GENERATED = "sglang:generation_tokens_total"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
-#: The label of a scheduler's tensor-parallel rank (SGLang's SchedulerMetricsMixin).
+#: The labels of a scheduler's rank within its tensor-parallel group (SGLang's
+#: SchedulerMetricsMixin): its tensor-parallel rank, and its expert-parallel rank, which
+#: SGLang derives from it (tp_rank // (tp_size // ep_size): every rank its own under --ep-size).
 TP_RANK = "tp_rank"
+MOE_EP_RANK = "moe_ep_rank"
+IN_GROUP = frozenset({TP_RANK, MOE_EP_RANK})
 
 
 class ScrapeError(DvfsError):
@@ -58,8 +63,10 @@ def parse_server_metrics(text: str) -> ServerSample:
                 if sample.name in sums and math.isfinite(sample.value):
                     sums[sample.name].append(sample.value)
                 if sample.name == RUNNING and math.isfinite(sample.value):
-                    # one batch per scheduler but for its tensor-parallel rank
-                    group = tuple(sorted((k, v) for k, v in sample.labels.items() if k != TP_RANK))
+                    # one batch per scheduler but for its rank in its tensor-parallel group
+                    group = tuple(
+                        sorted((k, v) for k, v in sample.labels.items() if k not in IN_GROUP)
+                    )
                     batches[group] = max(batches.get(group, 0.0), sample.value)
     except ValueError as exc:
         raise ScrapeError(f"the server's /metrics is not Prometheus text ({exc})") from exc

@@ -116,6 +116,10 @@ def decide(
         # The band follows the batch, but the GPUs keep their setting: no change to apply,
         # log or count, and the dwell runs on from the last one.
         return Decision(PolicyState(wanted, state.changed_at), False, wanted)
+    if band is None and plan.band_setting(wanted).is_stock:
+        # A first setting of stock changes nothing (the GPUs are at stock): no dwell runs
+        # from it, and the first cap is set as soon as the load calls for one.
+        return Decision(PolicyState(wanted), True, wanted)
     if band is None or not dwelling:
         return Decision(PolicyState(wanted, now), True, wanted)
     if covers(plan.band_setting(band), plan.setting(seen)):

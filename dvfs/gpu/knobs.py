@@ -172,10 +172,36 @@ class KnobController:
                     log.info("restored GPU %s to %s", gpu.identity.index, original)
                 except GpuError as exc:
                     failures.add(exc, f"GPU {gpu.identity.index} ({uuid}): ")
+                    self._restore_limit_alone(gpu, uuid, original, exc, failures)
             failures.raise_if_any(
                 "could not restore GPU settings: ",
                 ". `dvfs gpu reset` retries from the state file.",
             )
+
+    def _restore_limit_alone(
+        self,
+        gpu: Gpu,
+        uuid: str,
+        original: GpuSettings,
+        exc: GpuError,
+        failures: GatheredFailures,
+    ) -> None:
+        """After NVML refused the clock's restore (which changed nothing and says nothing of
+        the power limit), the power limit is put back still: it was left capped, and so by
+        `dvfs gpu reset` too while the clock's reset kept failing."""
+        held = self._current.get(uuid)
+        if (
+            not isinstance(exc, REFUSED)
+            or held is None
+            or held.sm_clock_lock_mhz == original.sm_clock_lock_mhz
+            or held.power_limit_mw == original.power_limit_mw
+        ):
+            return
+        try:
+            self._write(gpu, uuid, held, replace(held, power_limit_mw=original.power_limit_mw))
+            log.info("restored GPU %s's power limit, not its clock", gpu.identity.index)
+        except GpuError as again:
+            failures.add(again, f"GPU {gpu.identity.index} ({uuid}): ")
 
     # -- applying -----------------------------------------------------------------------------
     def target(self, gpu: Gpu, setting: KnobSetting) -> GpuSettings:
@@ -267,7 +293,7 @@ class KnobController:
                     gpu.reset_sm_clock()
                 else:
                     gpu.lock_sm_clock(*want.sm_clock_lock_mhz)
-            except (GpuPermissionError, GpuValueError, GpuNotSupportedError):
+            except REFUSED:
                 self._current[uuid] = current
                 raise
             current = replace(current, sm_clock_lock_mhz=want.sm_clock_lock_mhz)
@@ -276,12 +302,16 @@ class KnobController:
             self._current[uuid] = replace(current, power_limit_mw=UNKNOWN_POWER)
             try:
                 gpu.set_power_limit_mw(want.power_limit_mw)
-            except (GpuPermissionError, GpuValueError, GpuNotSupportedError):
+            except REFUSED:
                 self._current[uuid] = current
                 raise
             current = replace(current, power_limit_mw=want.power_limit_mw)
             self._current[uuid] = current
 
+
+#: NVML's refusals of a setter, which changed nothing (no permission, an invalid value, a knob
+#: this GPU lacks).
+REFUSED = (GpuPermissionError, GpuValueError, GpuNotSupportedError)
 
 #: Placeholders for a knob whose setter did not finish: differ from any real setting.
 UNKNOWN_LOCK = (0, 0)

@@ -26,7 +26,7 @@ from typing import Any
 
 from dvfs.errors import GpuBusyError, GpuStateError
 from dvfs.gpu.base import Gpu
-from dvfs.gpu.knobs import GatheredFailures, GpuSettings
+from dvfs.gpu.knobs import REFUSED, GatheredFailures, GpuSettings
 
 ROOT_STATE_DIR = Path("/var/lib/dvfs")
 #: The kernel's id of this boot (Linux): dvfs's records carry it (the caps record's entries, a
@@ -320,12 +320,18 @@ def restore_pending(
                 note(done[-1])
                 continue
             try:
-                if original.sm_clock_lock_mhz:
-                    gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
-                else:
-                    gpu.reset_sm_clock()
+                refused: GpuError | None = None
+                try:
+                    if original.sm_clock_lock_mhz:
+                        gpu.lock_sm_clock(*original.sm_clock_lock_mhz)
+                    else:
+                        gpu.reset_sm_clock()
+                except REFUSED as exc:  # changed nothing: the power limit goes back still
+                    refused = exc
                 if gpu.power_limit_mw() != original.power_limit_mw:
                     gpu.set_power_limit_mw(original.power_limit_mw)
+                if refused is not None:
+                    raise refused
                 store.clear(gpu.identity.uuid)
                 lock = (
                     f"clocks locked to {original.sm_clock_lock_mhz[0]}-"
