@@ -8,6 +8,7 @@ import math
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -561,3 +562,39 @@ def test_doctor_says_which_prompts_the_sweep_samples_from(tmp_path: Path) -> Non
         f"mine ({len(records)} prompts, 11 to sample: 3 under 16 tokens skipped, 1 over 2048 "
         "trimmed, 1 over 2048 skipped (too long to trim), 1 repeat)"
     ) in check["detail"], check
+
+
+def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5's apply_chat_template returns a BatchEncoding (input_ids and
+    attention_mask) unless told return_dict=False: its len() of 2 was taken for every prompt's
+    token count, so a campaign counting with its model's tokenizer listed every prompt at 2
+    tokens, skipped them all as shorter than input_tokens and never trimmed a long one."""
+    import dvfs.corpora.tokens
+
+    class V5Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(
+            self, chat: list[dict[str, str]], *, tokenize: bool, return_dict: bool = True, **_: Any
+        ) -> Any:
+            ids = " ".join(m["content"] for m in chat).split()
+            if not tokenize:
+                return " ".join(ids)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: V5Tokenizer())
+    rows = [{"text": " ".join(["word"] * (20 + i))} for i in range(4)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    shown = CliRunner().invoke(
+        cli, ["corpus", "show", "mine", "--campaign", str(campaign), "-n", "4", "--json"]
+    )
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert report["token_count_method"].startswith("tokenizer of ")
+    assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]

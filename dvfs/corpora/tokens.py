@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,13 @@ def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, 
     def count(messages: tuple[Message, ...]) -> int:
         chat = [{"role": m.role, "content": m.content} for m in messages]
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose
+            # len() is its two keys (input_ids, attention_mask), not the prompt's tokens
+            ids = tokenizer.apply_chat_template(
+                chat, tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+            if isinstance(ids, Mapping):  # a tokenizer that returns its encoding regardless
+                ids = ids["input_ids"]
             return max(1, len(ids))
         return max(1, len(tokenizer("\n\n".join(m.content for m in messages))["input_ids"]))
 
