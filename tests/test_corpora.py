@@ -259,6 +259,19 @@ def test_csv_missing_column_names_the_line(tmp_path: Path) -> None:
         load(tmp_path, "bad", {"path": "p.csv", "field": "prompt"})
 
 
+def test_a_csv_header_naming_the_prompt_column_twice_is_refused(tmp_path: Path) -> None:
+    """A header naming the prompt column twice (`text,text`: two exports pasted side by side)
+    gave every prompt the second column's cell, silently; the other columns may repeat (an
+    export's unnamed trailing columns) without harm."""
+    rows = "".join(f"question {i},answer {i},\n" for i in range(4))
+    write(tmp_path / "p.csv", "text,text,\n" + rows)
+    with pytest.raises(CorpusError, match=r"p\.csv, line 1: the header names column 'text' 2"):
+        load(tmp_path, "twice", {"path": "p.csv", "field": "text"})
+    write(tmp_path / "q.csv", "text,,\n" + rows)
+    corpus = load(tmp_path, "once", {"path": "q.csv", "field": "text"})
+    assert [p.messages[0].content for p in corpus.prompts] == [f"question {i}" for i in range(4)]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
