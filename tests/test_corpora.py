@@ -611,3 +611,22 @@ def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
     report = json.loads(shown.output)
     assert report["token_count_method"].startswith("tokenizer of ")
     assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+
+
+def test_corpus_list_gives_the_acceptance_class_a_campaign_sets(tmp_path: Path) -> None:
+    """`corpus list --campaign --json` gave a corpus with `acceptance_like = "code"` the class
+    its text reads as (English prose here), where the twin, and the cube's `corpora`
+    attribute, take the campaign's: the list now says the class the sweep uses, and that the
+    campaign set it."""
+    rows = [{"text": f"Summarise the history of the town, chapter {i}."} for i in range(6)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    table = '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\nacceptance_like = "code"\n'
+    for swept in (text, TINY):  # swept, or a table not swept yet
+        campaign = write(tmp_path / "c.toml", swept + table)
+        listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+        assert listed.exit_code == 0, listed.output
+        by_name = {c["name"]: c["text"] for c in json.loads(listed.output)["corpora"]}
+        assert by_name["mine"]["acceptance_class"] == "code"
+        assert by_name["mine"]["acceptance_like"] == "code"
+        assert by_name["english"]["acceptance_like"] is None
