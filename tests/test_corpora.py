@@ -630,3 +630,37 @@ def test_corpus_list_gives_the_acceptance_class_a_campaign_sets(tmp_path: Path) 
         assert by_name["mine"]["acceptance_class"] == "code"
         assert by_name["mine"]["acceptance_like"] == "code"
         assert by_name["english"]["acceptance_like"] is None
+
+
+def test_a_chat_the_models_template_refuses_is_named_by_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template that refuses a chat (Gemma's raises "System role not supported" for a
+    system turn, as transformers runs it: a jinja2 TemplateError) broke off counting the
+    corpus's tokens with an internal error that named no corpus, file or line; it is the
+    corpus's error now (exit 2), naming the line and the template's reason."""
+    import jinja2
+
+    import dvfs.corpora.tokens
+
+    class NoSystemTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, chat: list[dict[str, str]], **_: Any) -> Any:
+            if chat[0]["role"] == "system":
+                raise jinja2.exceptions.TemplateError("System role not supported")
+            return " ".join(m["content"] for m in chat).split()
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: NoSystemTokenizer())
+    chats = [
+        [{"role": "user", "content": "Plan a trip to Chur."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+    ]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps({"messages": c}) for c in chats))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    table = '\n[corpus.mine]\npath = "p.jsonl"\nmessages = "messages"\n'
+    campaign = write(tmp_path / "c.toml", text + table)
+    shown = CliRunner().invoke(cli, ["corpus", "show", "mine", "--campaign", str(campaign)])
+    assert shown.exit_code == 2, shown.output
+    assert "internal error" not in shown.output
+    assert "p.jsonl, line 2" in shown.output and "System role not supported" in shown.output

@@ -344,7 +344,11 @@ def _prompt(
         messages = chat_messages(value, where, key)
     ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
     _refuse_lone_surrogate(ident, where, "its id")
-    return Prompt(ident, messages, count_tokens(messages))
+    try:
+        tokens = count_tokens(messages)
+    except CorpusError as exc:  # a chat the model's template refuses (`token_counter`)
+        raise CorpusError(f"{where}: {exc}") from exc
+    return Prompt(ident, messages, tokens)
 
 
 def _kind(value: Any) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.corpora.model import Message, TokenCounter, estimate_tokens
-from dvfs.errors import JournalError
+from dvfs.errors import CorpusError, JournalError
 
 log = logging.getLogger(__name__)
 ESTIMATE = "estimate: characters / 4 + 5 per message"
@@ -127,9 +127,16 @@ def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, 
         if getattr(tokenizer, "chat_template", None):
             # return_dict=False: transformers 5 returns a BatchEncoding by default, whose
             # len() is its two keys (input_ids, attention_mask), not the prompt's tokens
-            ids = tokenizer.apply_chat_template(
-                chat, tokenize=True, add_generation_prompt=True, return_dict=False
-            )
+            try:
+                ids = tokenizer.apply_chat_template(
+                    chat, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            except Exception as exc:  # the template's own raise_exception: a jinja2 error
+                # The loader names the file and line (`dvfs.corpora.loaders._prompt`).
+                raise CorpusError(
+                    f"the chat template of {model} refuses this chat ({exc}): drop or merge "
+                    "the turns it refuses"
+                ) from exc
             if isinstance(ids, Mapping):  # a tokenizer that returns its encoding regardless
                 ids = ids["input_ids"]
             return max(1, len(ids))
