@@ -8,6 +8,7 @@ import math
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -256,6 +257,19 @@ def test_csv_missing_column_names_the_line(tmp_path: Path) -> None:
     write(tmp_path / "p.csv", "title,body\nA,first\nB,second\n")
     with pytest.raises(CorpusError, match=r"p\.csv, line 2: no field 'prompt'"):
         load(tmp_path, "bad", {"path": "p.csv", "field": "prompt"})
+
+
+def test_a_csv_header_naming_the_prompt_column_twice_is_refused(tmp_path: Path) -> None:
+    """A header naming the prompt column twice (`text,text`: two exports pasted side by side)
+    gave every prompt the second column's cell, silently; the other columns may repeat (an
+    export's unnamed trailing columns) without harm."""
+    rows = "".join(f"question {i},answer {i},\n" for i in range(4))
+    write(tmp_path / "p.csv", "text,text,\n" + rows)
+    with pytest.raises(CorpusError, match=r"p\.csv, line 1: the header names column 'text' 2"):
+        load(tmp_path, "twice", {"path": "p.csv", "field": "text"})
+    write(tmp_path / "q.csv", "text,,\n" + rows)
+    corpus = load(tmp_path, "once", {"path": "q.csv", "field": "text"})
+    assert [p.messages[0].content for p in corpus.prompts] == [f"question {i}" for i in range(4)]
 
 
 @pytest.mark.parametrize(
@@ -561,3 +575,92 @@ def test_doctor_says_which_prompts_the_sweep_samples_from(tmp_path: Path) -> Non
         f"mine ({len(records)} prompts, 11 to sample: 3 under 16 tokens skipped, 1 over 2048 "
         "trimmed, 1 over 2048 skipped (too long to trim), 1 repeat)"
     ) in check["detail"], check
+
+
+def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5's apply_chat_template returns a BatchEncoding (input_ids and
+    attention_mask) unless told return_dict=False: its len() of 2 was taken for every prompt's
+    token count, so a campaign counting with its model's tokenizer listed every prompt at 2
+    tokens, skipped them all as shorter than input_tokens and never trimmed a long one."""
+    import dvfs.corpora.tokens
+
+    class V5Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(
+            self, chat: list[dict[str, str]], *, tokenize: bool, return_dict: bool = True, **_: Any
+        ) -> Any:
+            ids = " ".join(m["content"] for m in chat).split()
+            if not tokenize:
+                return " ".join(ids)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: V5Tokenizer())
+    rows = [{"text": " ".join(["word"] * (20 + i))} for i in range(4)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    shown = CliRunner().invoke(
+        cli, ["corpus", "show", "mine", "--campaign", str(campaign), "-n", "4", "--json"]
+    )
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert report["token_count_method"].startswith("tokenizer of ")
+    assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+
+
+def test_corpus_list_gives_the_acceptance_class_a_campaign_sets(tmp_path: Path) -> None:
+    """`corpus list --campaign --json` gave a corpus with `acceptance_like = "code"` the class
+    its text reads as (English prose here), where the twin, and the cube's `corpora`
+    attribute, take the campaign's: the list now says the class the sweep uses, and that the
+    campaign set it."""
+    rows = [{"text": f"Summarise the history of the town, chapter {i}."} for i in range(6)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    table = '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\nacceptance_like = "code"\n'
+    for swept in (text, TINY):  # swept, or a table not swept yet
+        campaign = write(tmp_path / "c.toml", swept + table)
+        listed = CliRunner().invoke(cli, ["corpus", "list", "--campaign", str(campaign), "--json"])
+        assert listed.exit_code == 0, listed.output
+        by_name = {c["name"]: c["text"] for c in json.loads(listed.output)["corpora"]}
+        assert by_name["mine"]["acceptance_class"] == "code"
+        assert by_name["mine"]["acceptance_like"] == "code"
+        assert by_name["english"]["acceptance_like"] is None
+
+
+def test_a_chat_the_models_template_refuses_is_named_by_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template that refuses a chat (Gemma's raises "System role not supported" for a
+    system turn, as transformers runs it: a jinja2 TemplateError) broke off counting the
+    corpus's tokens with an internal error that named no corpus, file or line; it is the
+    corpus's error now (exit 2), naming the line and the template's reason."""
+    import jinja2
+
+    import dvfs.corpora.tokens
+
+    class NoSystemTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, chat: list[dict[str, str]], **_: Any) -> Any:
+            if chat[0]["role"] == "system":
+                raise jinja2.exceptions.TemplateError("System role not supported")
+            return " ".join(m["content"] for m in chat).split()
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: NoSystemTokenizer())
+    chats = [
+        [{"role": "user", "content": "Plan a trip to Chur."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+    ]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps({"messages": c}) for c in chats))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    table = '\n[corpus.mine]\npath = "p.jsonl"\nmessages = "messages"\n'
+    campaign = write(tmp_path / "c.toml", text + table)
+    shown = CliRunner().invoke(cli, ["corpus", "show", "mine", "--campaign", str(campaign)])
+    assert shown.exit_code == 2, shown.output
+    assert "internal error" not in shown.output
+    assert "p.jsonl, line 2" in shown.output and "System role not supported" in shown.output

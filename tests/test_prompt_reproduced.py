@@ -504,3 +504,51 @@ def test_doctor_names_a_damaged_journal_once_in_the_output_folder_check(
     assert failed == ["output folder"], checks
     assert "not a dvfs journal" in checks["output folder"]["detail"], checks
     assert "prompt tokens counted by: tokenizer of" in checks["tokenizer"]["detail"], checks
+
+
+class NoSystemTokenizer(WordTokenizer):
+    """A template that refuses a system turn, as Gemma's does (transformers runs the
+    template's raise_exception as a jinja2 TemplateError)."""
+
+    def apply_chat_template(self, chat: list[dict[str, str]], *, tokenize: bool, **_: Any) -> Any:
+        import jinja2
+
+        if chat[0]["role"] == "system":
+            raise jinja2.exceptions.TemplateError("System role not supported")
+        return super().apply_chat_template(chat, tokenize=tokenize)
+
+
+def test_a_chat_the_template_fetched_by_the_first_server_refuses_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts chosen by the estimate (no tokenizer cached when the sweep began) go out with
+    the chat template the first server fetched: one that refuses a chat (Gemma's, a system
+    turn) stopped the sweep with an internal error naming no prompt; it is the corpus's error
+    (exit 2), naming the prompt and the template's reason."""
+    log, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    campaign, _ = stub_campaign(
+        tmp_path, stub={"requests_log": str(log)}, drafters=ONE_DRAFTER, batch="[1, 2]"
+    )
+    chats = [
+        [
+            {"role": "system", "content": "Answer in one paragraph."},
+            {"role": "user", "content": f"Describe the history of town number {i} in detail."},
+        ]
+        for i in range(4)
+    ]
+    write(
+        tmp_path / "chats.jsonl",
+        "\n".join(json.dumps({"id": f"c{i}", "m": c}) for i, c in enumerate(chats)),
+    )
+    text = campaign.read_text().replace('corpora = ["code"]', 'corpora = ["chats"]')
+    write(campaign, text + '\n[corpus.chats]\npath = "chats.jsonl"\nmessages = "m"\n')
+
+    def load(model: str) -> Any:
+        return NoSystemTokenizer() if any(out.rglob("server-*.log")) else None
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", load)
+    result = _invoke(campaign, out)
+    assert result.exit_code == 2, result.output
+    assert "internal error" not in result.output
+    assert "System role not supported" in result.output
+    assert "'chats'" in result.output and "prompt c" in result.output

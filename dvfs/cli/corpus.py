@@ -17,14 +17,18 @@ campaign_option = click.option(
 )
 
 
-def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str, str]]:
+def _corpora(
+    campaign_file: Path | None,
+) -> tuple[dict[str, Any], str, dict[str, str], dict[str, str]]:
+    """The corpora, how their tokens were counted, their descriptions, and the built-in corpus
+    each campaign table's `acceptance_like` names (the twin's class for it, not its text's)."""
     from dvfs.corpora import BUILTIN_CORPORA, load_corpus
     from dvfs.corpora.registry import BUILTIN_DESCRIPTIONS
     from dvfs.corpora.tokens import ESTIMATE
 
     if campaign_file is None:
         corpora = {name: load_corpus(name) for name in BUILTIN_CORPORA}
-        return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS)
+        return corpora, ESTIMATE, dict(BUILTIN_DESCRIPTIONS), {}
     from dvfs.backends import tokenizer_model
     from dvfs.campaign import load_campaign
     from dvfs.corpora.prepare import corpus_descriptions, load_corpora
@@ -38,15 +42,18 @@ def _corpora(campaign_file: Path | None) -> tuple[dict[str, Any], str, dict[str,
     corpora = {n: own.get(n) or load_corpus(n, count_tokens=count) for n in BUILTIN_CORPORA}
     corpora.update(own)
     descriptions = {**BUILTIN_DESCRIPTIONS, **corpus_descriptions(campaign)}
+    likes: dict[str, str] = {}
     # A [corpus.NAME] table the campaign defines but workload.corpora does not name yet (one
     # being tried out before it is swept): validated when the campaign loaded, listed too.
     import tomllib
 
     for name, spec in tomllib.loads(campaign.source).get("corpus", {}).items():
+        if "acceptance_like" in spec:
+            likes[name] = str(spec["acceptance_like"])
         if name not in own:
             corpora[name] = load_corpus(name, spec, base_dir=campaign.base_dir, count_tokens=count)
             descriptions[name] = str(spec.get("description", ""))
-    return corpora, method, descriptions
+    return corpora, method, descriptions, likes
 
 
 def _counted(stats: dict[str, Any]) -> str:
@@ -71,14 +78,17 @@ def list_corpora(campaign_file: Path | None, as_json: bool) -> None:
     from dvfs.corpora.sampling import corpus_stats
     from dvfs.twin.textprior import profile_corpus
 
-    corpora, method, descriptions = _corpora(campaign_file)
+    corpora, method, descriptions, likes = _corpora(campaign_file)
     rows = []
     for n, c in corpora.items():
         text = profile_corpus(c)  # what the twin's acceptance reads from the text
+        if n in likes:  # the class the campaign set, as the twin (and the cube) take it
+            text = text.overridden(likes[n])
         reads_as = {
             "genre": text.genre,
             "language": text.language,
             "acceptance_class": text.acceptance_class,
+            "acceptance_like": text.override,
             "ngram_repetition": round(text.ngram_repetition, 4),
         }
         rows.append({**corpus_stats(c), "description": descriptions.get(n, ""), "text": reads_as})
@@ -124,7 +134,7 @@ def show(name: str, campaign_file: Path | None, count: int, seed: int, as_json: 
     """Statistics and a few prompts of corpus NAME."""
     from dvfs.corpora.sampling import corpus_stats, preview_prompts
 
-    corpora, method, _ = _corpora(campaign_file)
+    corpora, method, _, _ = _corpora(campaign_file)
     if name not in corpora:
         hint = "" if campaign_file else " (user corpora need --campaign FILE)"
         # A name the command does not know is bad usage (exit 2), like an unknown choice.

@@ -210,7 +210,9 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
         yield at, record
 
 
-def _records_csv(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
+def _records_csv(data: bytes, where: str, key: str = "") -> Iterator[tuple[str, Any]]:
+    """The rows of a CSV file; `key`, the column the prompts are read from, named twice in the
+    header is refused (a row would hold only the last such column's cell, taken silently)."""
     text = _text(data, where)
     reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
     previous = csv.field_size_limit(MAX_CSV_FIELD_CHARS)
@@ -218,6 +220,11 @@ def _records_csv(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
         # Line numbers count the header as line 1, as an editor shows them.
         try:
             header = reader.fieldnames or []
+            if key and header.count(key) > 1:
+                raise CorpusError(
+                    f"{where}, line 1: the header names column {key!r} {header.count(key)} "
+                    "times, so which holds the prompts is unclear: rename the others"
+                )
             for row in reader:
                 at = f"{where}, line {reader.line_num}"
                 if None in row:
@@ -337,7 +344,11 @@ def _prompt(
         messages = chat_messages(value, where, key)
     ident = str(record.get("id") or record.get("task_id") or f"{name}-{index:05d}")
     _refuse_lone_surrogate(ident, where, "its id")
-    return Prompt(ident, messages, count_tokens(messages))
+    try:
+        tokens = count_tokens(messages)
+    except CorpusError as exc:  # a chat the model's template refuses (`token_counter`)
+        raise CorpusError(f"{where}: {exc}") from exc
+    return Prompt(ident, messages, tokens)
 
 
 def _kind(value: Any) -> str:
@@ -473,7 +484,10 @@ def load_user_corpus(
         if not data.strip():
             raise CorpusError(f"{where} is empty")
         fmt = _format_of(spec, where)
-        records = READERS[fmt](data, where)
+        if fmt == "csv":
+            records = _records_csv(data, where, spec.get("field") or spec["messages"])
+        else:
+            records = READERS[fmt](data, where)
         source += f" ({fmt}, sha256 {hashlib.sha256(data).hexdigest()[:16]})"
     limit = spec.get("limit")
     prompts = []

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dvfs.corpora.model import Message, TokenCounter, estimate_tokens
-from dvfs.errors import JournalError
+from dvfs.errors import CorpusError, JournalError
 
 log = logging.getLogger(__name__)
 ESTIMATE = "estimate: characters / 4 + 5 per message"
@@ -124,7 +125,20 @@ def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, 
     def count(messages: tuple[Message, ...]) -> int:
         chat = [{"role": m.role, "content": m.content} for m in messages]
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose
+            # len() is its two keys (input_ids, attention_mask), not the prompt's tokens
+            try:
+                ids = tokenizer.apply_chat_template(
+                    chat, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            except Exception as exc:  # the template's own raise_exception: a jinja2 error
+                # The loader names the file and line (`dvfs.corpora.loaders._prompt`).
+                raise CorpusError(
+                    f"the chat template of {model} refuses this chat ({exc}): drop or merge "
+                    "the turns it refuses"
+                ) from exc
+            if isinstance(ids, Mapping):  # a tokenizer that returns its encoding regardless
+                ids = ids["input_ids"]
             return max(1, len(ids))
         return max(1, len(tokenizer("\n\n".join(m.content for m in messages))["input_ids"]))
 

@@ -72,7 +72,13 @@ from dvfs.engines.sglang_client import (
     SglangClient,
     hung_probe_s,
 )
-from dvfs.errors import EngineCrashedError, EngineError, EngineHungError, GpuError
+from dvfs.errors import (
+    CorpusError,
+    EngineCrashedError,
+    EngineError,
+    EngineHungError,
+    GpuError,
+)
 from dvfs.gpu.base import GpuProcesses
 from dvfs.procfs import earlier_holder, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
@@ -344,11 +350,17 @@ class ChatFormatter:
             return prompt.text
         tokenizer = self._load()
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            text = str(
-                tokenizer.apply_chat_template(
-                    prompt.as_chat(), tokenize=False, add_generation_prompt=True
+            try:
+                text = str(
+                    tokenizer.apply_chat_template(
+                        prompt.as_chat(), tokenize=False, add_generation_prompt=True
+                    )
                 )
-            )
+            except Exception as exc:  # the template's own raise_exception: a jinja2 error
+                raise CorpusError(
+                    f"prompt {prompt.id}: the chat template of {self.model} refuses it ({exc}): "
+                    "drop or merge the turns it refuses"
+                ) from exc
             if self._adds_bos is None:
                 self._adds_bos = adds_bos(tokenizer)
             if self._adds_bos:
@@ -813,7 +825,10 @@ class SglangEngine:
             raise EngineError("knob steps inside a round need a fixed batch")
         client = self._client
         self._round += 1
-        texts = [self.formatter(p) for p in workload.prompts]
+        try:
+            texts = [self.formatter(p) for p in workload.prompts]
+        except CorpusError as exc:
+            raise CorpusError(f"corpus {workload.corpus!r}, {exc}") from exc
         params = SamplingParams(workload.max_new_tokens, workload.temperature, workload.ignore_eos)
         tag = f"dvfs-{os.getpid()}-{self._round}"
         try:
