@@ -334,6 +334,33 @@ def test_cap_reset_names_what_it_reset_and_the_held_gpu_beside_one_that_fails(
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]  # left to its holder
 
 
+@pytest.mark.parametrize(
+    ("error", "code"), [("NVML_ERROR_NOT_SUPPORTED", 1), ("NVML_ERROR_NO_PERMISSION", 4)]
+)
+def test_cap_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
+    nvml, tmp_path: Path, error: str, code: int
+) -> None:
+    """NVML refusing a GPU's clock reset (which changed nothing) stopped `dvfs cap reset` (and
+    `gpu reset --defaults`) there: the power limit stayed capped at 500 W, as the sweep's and
+    `gpu reset`'s restores left it before they learnt to go on. It is reset to the default
+    still; the error names the clock, whose lock and record entry stay."""
+    invoke("cap", "apply", str(_h100_caps_file(tmp_path)))
+    reset = {"nvmlDeviceResetGpuLockedClocks": getattr(nvml, error)}
+    nvml.fake_update_device(0, errors=reset)
+    for command in (["cap", "reset", "0"], ["gpu", "reset", "--defaults", "0"]):
+        nvml.fake_update_device(0, power_limit_mw=500_000)
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == code, (command, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [line for line in result.stderr.splitlines() if line.strip()]
+        assert "GPU 0: cannot reset locked SM clocks" in line, line
+        device = nvml.fake_device_state(0)
+        assert device["power_limit_mw"] == 700_000, command
+        assert device["locked_clocks"] == [210, 1500], command
+    shown = json.loads(invoke("cap", "show", "--json"))[0]
+    assert shown["sm_clock_lock_mhz"] == [210, 1500]  # still recorded: the GPU holds it
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every

@@ -1228,6 +1228,28 @@ def test_a_day_on_the_twin_the_governor_beats_the_best_static_cap_at_equal_compl
     ).batches == (PLAN_BATCHES)
 
 
+def test_the_replay_prints_the_table_the_readme_cites(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m dvfs.govern.replay` printed the savings unsigned ("22.4% vs stock", read as
+    22.4% more than stock) where the README cites it from gives "-22.4%": each README row's
+    figures are on its printed line, the change in energy per token signed."""
+    from dvfs.govern.replay import main
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("`python -m dvfs.govern.replay` replays", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
+    assert len(rows) == 3, table
+    main()
+    printed = capsys.readouterr().out.splitlines()[1:]
+    assert len(printed) == len(rows), printed
+    for (name, energy, change, within, clock), line in zip(rows, printed, strict=True):
+        words = line.split()
+        assert energy.split()[0] in words and within.strip() in words, (name, line)
+        assert clock.split()[0] in words, (name, line)
+        assert (change.strip() or "+0.0%") in words, (name, line)
+        if "changes" in name:  # "governor (12 changes a day)"
+            assert name.split("(")[1].split()[0] == words[-2], (name, line)
+
+
 clocks = st.integers(210, 1980)
 
 

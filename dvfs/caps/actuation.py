@@ -29,7 +29,7 @@ from dvfs.errors import (
     GpuUnavailableError,
 )
 from dvfs.gpu.base import Gpu, unsupported_clock
-from dvfs.gpu.knobs import ChangeLog, GatheredFailures, KnobController
+from dvfs.gpu.knobs import REFUSED, ChangeLog, GatheredFailures, KnobController
 from dvfs.gpu.safety import boot_id
 
 if TYPE_CHECKING:
@@ -595,10 +595,16 @@ def reset_caps(
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:
-            gpu.reset_sm_clock()
+            refused: GpuError | None = None
+            try:
+                gpu.reset_sm_clock()
+            except REFUSED as exc:  # changed nothing: the power limit goes back still
+                refused = exc
             default = gpu.power_limit_range().default_mw
             if gpu.power_limit_mw() != default:
                 gpu.set_power_limit_mw(default)
+            if refused is not None:  # the entry stays, for the lock the GPU still holds
+                raise refused
             record.update(ident.uuid, None)
             GovernorLocks(record.path.parent).clear(ident.uuid)
             line = (

@@ -104,10 +104,11 @@ class Outcome:
     changes: int
 
     def row(self, stock: Outcome) -> str:
-        saving = 1 - self.energy_per_token_j / stock.energy_per_token_j
+        # signed, as the README's table gives it: a saving is a fall in energy per token
+        change = self.energy_per_token_j / stock.energy_per_token_j - 1
         return (
             f"{self.name:<18} {self.energy_per_token_j * 1000:9.2f} mJ/token "
-            f"{saving:7.1%} vs stock  {self.within_target:7.2%} within target  "
+            f"{change:+7.1%} vs stock  {self.within_target:7.2%} within target  "
             f"mean clock {self.mean_clock_mhz:6.0f} MHz  {self.changes} changes"
         )
 
