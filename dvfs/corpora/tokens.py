@@ -100,6 +100,18 @@ def download_hint(model: str) -> str:
     )
 
 
+def _takes_return_dict(tokenizer: Any) -> bool:
+    """Whether `tokenizer.apply_chat_template` names a `return_dict` argument (a tokenizer
+    whose signature cannot be read is assumed to, as every recent transformers release does)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (AttributeError, TypeError, ValueError):
+        return True
+    return "return_dict" in parameters
+
+
 def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, str]:
     """A counter and a description of it, for the cube's provenance.
 
@@ -122,14 +134,18 @@ def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, 
             )
         return estimate_tokens, ESTIMATE
 
+    # return_dict=False: transformers 5 returns a BatchEncoding by default, whose len() is its
+    # two keys (input_ids, attention_mask), not the prompt's tokens. Only where it is an
+    # argument: before it was (4.34, the first with chat templates) every further keyword went
+    # on to encode(), whose fast tokenizer refuses one it does not know (a TypeError).
+    as_ids = {"return_dict": False} if _takes_return_dict(tokenizer) else {}
+
     def count(messages: tuple[Message, ...]) -> int:
         chat = [{"role": m.role, "content": m.content} for m in messages]
         if getattr(tokenizer, "chat_template", None):
-            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose
-            # len() is its two keys (input_ids, attention_mask), not the prompt's tokens
             try:
                 ids = tokenizer.apply_chat_template(
-                    chat, tokenize=True, add_generation_prompt=True, return_dict=False
+                    chat, tokenize=True, add_generation_prompt=True, **as_ids
                 )
             except Exception as exc:  # the template's own raise_exception: a jinja2 error
                 # The loader names the file and line (`dvfs.corpora.loaders._prompt`).
