@@ -712,3 +712,32 @@ def test_a_tokenizer_whose_chat_template_takes_no_return_dict_still_counts(
     report = json.loads(shown.output)
     assert report["token_count_method"].startswith("tokenizer of ")
     assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+
+
+def test_a_chat_template_this_environment_cannot_run_is_not_called_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers runs chat templates with jinja2, which it does not itself depend on: in an
+    environment without it (dvfs's own, given `pip install transformers` alone) every chat
+    raised its ImportError, and the corpus's first line was said to be "refused by the chat
+    template: drop or merge the turns it refuses" (exit 2, as bad input). It is this
+    environment's error (exit 1), naming what to install, and no line of the corpus."""
+    import dvfs.corpora.tokens
+
+    class NoJinjaTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, chat: list[dict[str, str]], **_: Any) -> Any:
+            raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: NoJinjaTokenizer())
+    write(tmp_path / "p.jsonl", json.dumps({"text": "Plan a trip to Chur."}))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    shown = CliRunner().invoke(cli, ["corpus", "show", "mine", "--campaign", str(campaign)])
+    assert shown.exit_code == 1, shown.output
+    assert "internal error" not in shown.output
+    assert "refuses" not in shown.output and "line 1" not in shown.output, shown.output
+    assert "requires jinja2" in shown.output and "pip install" in shown.output, shown.output
