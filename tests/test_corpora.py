@@ -664,3 +664,80 @@ def test_a_chat_the_models_template_refuses_is_named_by_its_line(
     assert shown.exit_code == 2, shown.output
     assert "internal error" not in shown.output
     assert "p.jsonl, line 2" in shown.output and "System role not supported" in shown.output
+
+
+def test_a_tokenizer_whose_chat_template_takes_no_return_dict_still_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers before return_dict was an argument of apply_chat_template (4.34's, which
+    introduced chat templates) hands every further keyword to encode(), whose fast tokenizer
+    refuses one it does not know with a TypeError: asking for return_dict=False there made
+    every prompt of every corpus "refused by the chat template" (exit 2), where the ids it
+    returns by default were counted before. It is asked for only where it is an argument."""
+    import dvfs.corpora.tokens
+
+    class Pre437Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def encode(self, text: str, *, add_special_tokens: bool, **kwargs: Any) -> list[str]:
+            if kwargs:  # PreTrainedTokenizerFast._batch_encode_plus takes no **kwargs
+                name = next(iter(kwargs))
+                raise TypeError(f"_batch_encode_plus() got an unexpected keyword argument {name!r}")
+            return text.split()
+
+        def apply_chat_template(
+            self,
+            conversation: list[dict[str, str]],
+            chat_template: str | None = None,
+            add_generation_prompt: bool = False,
+            tokenize: bool = True,
+            **tokenizer_kwargs: Any,
+        ) -> Any:
+            rendered = " ".join(m["content"] for m in conversation)
+            if not tokenize:
+                return rendered
+            return self.encode(rendered, add_special_tokens=False, **tokenizer_kwargs)
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: Pre437Tokenizer())
+    rows = [{"text": " ".join(["word"] * (20 + i))} for i in range(4)]
+    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    shown = CliRunner().invoke(
+        cli, ["corpus", "show", "mine", "--campaign", str(campaign), "-n", "4", "--json"]
+    )
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.output)
+    assert report["token_count_method"].startswith("tokenizer of ")
+    assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+
+
+def test_a_chat_template_this_environment_cannot_run_is_not_called_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers runs chat templates with jinja2, which it does not itself depend on: in an
+    environment without it (dvfs's own, given `pip install transformers` alone) every chat
+    raised its ImportError, and the corpus's first line was said to be "refused by the chat
+    template: drop or merge the turns it refuses" (exit 2, as bad input). It is this
+    environment's error (exit 1), naming what to install, and no line of the corpus."""
+    import dvfs.corpora.tokens
+
+    class NoJinjaTokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, chat: list[dict[str, str]], **_: Any) -> Any:
+            raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: NoJinjaTokenizer())
+    write(tmp_path / "p.jsonl", json.dumps({"text": "Plan a trip to Chur."}))
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
+    )
+    shown = CliRunner().invoke(cli, ["corpus", "show", "mine", "--campaign", str(campaign)])
+    assert shown.exit_code == 1, shown.output
+    assert "internal error" not in shown.output
+    assert "refuses" not in shown.output and "line 1" not in shown.output, shown.output
+    assert "requires jinja2" in shown.output and "pip install" in shown.output, shown.output

@@ -552,3 +552,35 @@ def test_a_chat_the_template_fetched_by_the_first_server_refuses_is_one_line(
     assert "internal error" not in result.output
     assert "System role not supported" in result.output
     assert "'chats'" in result.output and "prompt c" in result.output
+
+
+class NoJinjaTokenizer(WordTokenizer):
+    """A tokenizer in an environment without jinja2, which transformers runs templates with
+    (and does not itself depend on)."""
+
+    def apply_chat_template(self, chat: list[dict[str, str]], *, tokenize: bool, **_: Any) -> Any:
+        raise ImportError("apply_chat_template requires jinja2 to be installed.")
+
+
+def test_a_chat_template_this_environment_cannot_run_is_not_the_corpus_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts chosen by the estimate go out with the chat template the first server fetched:
+    where dvfs's environment lacks jinja2 (transformers runs templates with it, without
+    depending on it) every prompt raised its ImportError, said to be the template refusing the
+    prompt ("drop or merge the turns it refuses"), a corpus error (exit 2). It is this
+    environment's error (exit 1), naming what to install."""
+    log, out = tmp_path / "requests.jsonl", tmp_path / "out"
+    campaign, _ = stub_campaign(
+        tmp_path, stub={"requests_log": str(log)}, drafters=ONE_DRAFTER, batch="[1, 2]"
+    )
+
+    def load(model: str) -> Any:
+        return NoJinjaTokenizer() if any(out.rglob("server-*.log")) else None
+
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", load)
+    result = _invoke(campaign, out)
+    assert result.exit_code == 1, result.output
+    assert "internal error" not in result.output
+    assert "refuses" not in result.output, result.output
+    assert "requires jinja2" in result.output and "pip install" in result.output, result.output

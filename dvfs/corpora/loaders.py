@@ -346,6 +346,8 @@ def _prompt(
     _refuse_lone_surrogate(ident, where, "its id")
     try:
         tokens = count_tokens(messages)
+    except CorpusUnavailableError:  # a template this environment cannot run: no line's fault
+        raise
     except CorpusError as exc:  # a chat the model's template refuses (`token_counter`)
         raise CorpusError(f"{where}: {exc}") from exc
     return Prompt(ident, messages, tokens)

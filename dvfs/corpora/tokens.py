@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.corpora.model import Message, TokenCounter, estimate_tokens
-from dvfs.errors import CorpusError, JournalError
+from dvfs.errors import CorpusError, CorpusUnavailableError, JournalError
 
 log = logging.getLogger(__name__)
 ESTIMATE = "estimate: characters / 4 + 5 per message"
@@ -100,6 +100,28 @@ def download_hint(model: str) -> str:
     )
 
 
+def template_unavailable(model: str, exc: ImportError) -> CorpusUnavailableError:
+    """The error for a chat template this environment cannot run (transformers renders them
+    with jinja2, which it does not itself depend on: a `pip install transformers` alone lacks
+    it, or has too old a one): this environment's, not the chat's, so it names no prompt."""
+    return CorpusUnavailableError(
+        f"dvfs's environment cannot run the chat template of {model} ({exc}): "
+        "`pip install -U jinja2` there"
+    )
+
+
+def _takes_return_dict(tokenizer: Any) -> bool:
+    """Whether `tokenizer.apply_chat_template` names a `return_dict` argument (a tokenizer
+    whose signature cannot be read is assumed to, as every recent transformers release does)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (AttributeError, TypeError, ValueError):
+        return True
+    return "return_dict" in parameters
+
+
 def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, str]:
     """A counter and a description of it, for the cube's provenance.
 
@@ -122,15 +144,21 @@ def token_counter(model: str | None, recorded: str = "") -> tuple[TokenCounter, 
             )
         return estimate_tokens, ESTIMATE
 
+    # return_dict=False: transformers 5 returns a BatchEncoding by default, whose len() is its
+    # two keys (input_ids, attention_mask), not the prompt's tokens. Only where it is an
+    # argument: before it was (4.34, the first with chat templates) every further keyword went
+    # on to encode(), whose fast tokenizer refuses one it does not know (a TypeError).
+    as_ids = {"return_dict": False} if _takes_return_dict(tokenizer) else {}
+
     def count(messages: tuple[Message, ...]) -> int:
         chat = [{"role": m.role, "content": m.content} for m in messages]
         if getattr(tokenizer, "chat_template", None):
-            # return_dict=False: transformers 5 returns a BatchEncoding by default, whose
-            # len() is its two keys (input_ids, attention_mask), not the prompt's tokens
             try:
                 ids = tokenizer.apply_chat_template(
-                    chat, tokenize=True, add_generation_prompt=True, return_dict=False
+                    chat, tokenize=True, add_generation_prompt=True, **as_ids
                 )
+            except ImportError as exc:  # no jinja2 here: no chat's fault
+                raise template_unavailable(str(model), exc) from exc
             except Exception as exc:  # the template's own raise_exception: a jinja2 error
                 # The loader names the file and line (`dvfs.corpora.loaders._prompt`).
                 raise CorpusError(

@@ -74,6 +74,7 @@ from dvfs.engines.sglang_client import (
 )
 from dvfs.errors import (
     CorpusError,
+    CorpusUnavailableError,
     EngineCrashedError,
     EngineError,
     EngineHungError,
@@ -356,6 +357,10 @@ class ChatFormatter:
                         prompt.as_chat(), tokenize=False, add_generation_prompt=True
                     )
                 )
+            except ImportError as exc:  # no jinja2 here: no prompt's fault
+                from dvfs.corpora.tokens import template_unavailable
+
+                raise template_unavailable(self.model, exc) from exc
             except Exception as exc:  # the template's own raise_exception: a jinja2 error
                 raise CorpusError(
                     f"prompt {prompt.id}: the chat template of {self.model} refuses it ({exc}): "
@@ -827,6 +832,8 @@ class SglangEngine:
         self._round += 1
         try:
             texts = [self.formatter(p) for p in workload.prompts]
+        except CorpusUnavailableError:  # a template this environment cannot run
+            raise
         except CorpusError as exc:
             raise CorpusError(f"corpus {workload.corpus!r}, {exc}") from exc
         params = SamplingParams(workload.max_new_tokens, workload.temperature, workload.ignore_eos)
