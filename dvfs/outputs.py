@@ -49,7 +49,9 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     """
     real = Path(os.path.realpath(path))
     try:
-        existing: int | None = os.stat(real).st_mode
+        # `path` itself, not `real`: a link to an anonymous pipe (`/dev/stdout` piped on,
+        # `/dev/fd/63` of `>(...)`) resolves to `pipe:[N]`, which names no file
+        existing: int | None = os.stat(path).st_mode
     except FileNotFoundError:
         existing = None
     except OSError as exc:
@@ -59,7 +61,7 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
             tmp = Path(folder) / real.name
             yield tmp
             try:
-                with open(tmp, "rb") as src, open(real, "wb") as dst:
+                with open(tmp, "rb") as src, open(path, "wb") as dst:
                     shutil.copyfileobj(src, dst)
             except OSError as exc:
                 raise _named(exc, path) from exc

@@ -2239,6 +2239,35 @@ def test_a_fifo_output_is_written_not_replaced(
     assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
 
 
+@pytest.mark.parametrize("name", ["report-o", "headroom-o"])
+def test_an_anonymous_pipe_output_is_written(
+    name: str, shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """`-o /dev/stdout` piped on (`dvfs report CUBE -o /dev/stdout | gzip`) or `-o >(...)`:
+    the path is a link to an anonymous pipe, whose target (`pipe:[N]`) names no file. The
+    content goes into the pipe; resolving the link first said "no such file or folder"."""
+    import os
+    import threading
+
+    r, w = os.pipe()
+    got: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := os.read(r, 1 << 16):
+            got.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = CliRunner().invoke(cli, _argv(name, shared, Path(f"/dev/fd/{w}")))
+    finally:
+        os.close(w)
+        reader.join(timeout=60)
+        os.close(r)
+    assert result.exit_code == 0, result.output
+    assert len(b"".join(got)) > 100
+
+
 @pytest.mark.parametrize("name", ["report-o", "cube-build-o", "headroom-o"])
 def test_a_symlinked_output_keeps_its_link(
     name: str, shared: dict[str, Path], tmp_path: Path

@@ -664,6 +664,54 @@ def test_an_unwritable_output_is_refused_before_any_work(small_sweep: Path, tmp_
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_report_to_stdout_is_the_page_alone(small_sweep: Path, tmp_path: Path) -> None:
+    """`dvfs report CUBE -o /dev/stdout | gzip`: the stream holds the page and nothing else;
+    the "wrote" line went to stdout after it (text after </html>, shown on the page)."""
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    done = subprocess.run(
+        [PYTHON, "-m", "dvfs", "report", str(small_sweep), "-o", "/dev/stdout"],
+        capture_output=True,
+        env=subprocess_env(MPLCONFIGDIR=str(tmp_path)),
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.startswith(b"<!DOCTYPE html>")
+    assert done.stdout.endswith(b"</html>\n"), done.stdout[-80:]
+    assert done.stderr.decode().strip() == "wrote /dev/stdout"
+
+
+def test_a_markdown_report_to_a_stream_is_refused_before_any_work(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """Markdown links its figures from a folder beside the page: beside a pipe or a device
+    (`-o /dev/stdout`) that folder was made there (/dev/stdout_figures, as root)."""
+    import contextlib
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader: a write would not block
+    try:
+        result = run("report", str(small_sweep), "-o", str(fifo), "--format", "md")
+        got = b""
+        with contextlib.suppress(BlockingIOError):  # no writer ever opened it
+            got = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "is not a file" in lines[0] and "--format html" in lines[0], lines[0]
+    assert got == b""
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
 @given(st.floats(0.001, 999_999.0))
 def test_milliseconds_read_as_plain_numbers_within_half_a_percent(ms: float) -> None:
     """A latency or target in a table is a plain number (1000, not 1e+03), close to the

@@ -134,6 +134,14 @@ def report(
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
     make_parent(output)
     check_output(output)
+    stream = output.exists() and not output.is_file()  # a pipe or device (/dev/stdout)
+    if stream and fmt == "md":
+        # its figures' folder would be made beside the pipe or device (/dev/stdout_figures)
+        raise click.BadParameter(
+            f"{output} is not a file: a Markdown report writes its figures to a folder beside "
+            "it; give a file's path, or --format html (one file, figures embedded)",
+            param_hint="'-o' / '--output'",
+        )
     ds = open_analysable(cube_path)
     try:
         if (
@@ -168,4 +176,4 @@ def report(
             (output.parent / name).parent.mkdir(exist_ok=True)
             write_atomically(output.parent / name, data)
         write_atomically(output, text.encode("utf-8"))
-    click.echo(f"wrote {output}")
+    click.echo(f"wrote {output}", err=stream)  # not after the page in the same stream
