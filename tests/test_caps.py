@@ -361,6 +361,34 @@ def test_cap_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
     assert shown["sm_clock_lock_mhz"] == [210, 1500]  # still recorded: the GPU holds it
 
 
+def test_a_limit_set_by_hand_after_a_partial_cap_reset_is_the_sweeps_stock(
+    nvml, tmp_path: Path
+) -> None:
+    """A `cap reset` whose clock reset NVML refused puts the power limit back to the default
+    but kept the record's 450 W cap: the same limit set by hand afterwards (the operator's
+    stock) was taken for dvfs's cap, and a sweep measured its stock cells at 700 W. The record
+    keeps the lock the GPU still holds, and no longer the limit it does not."""
+    from dvfs.cube import open_cube
+
+    apply_caps(tmp_path, 1200, 450.0)
+    nvml.fake_update_device(
+        0, errors={"nvmlDeviceResetGpuLockedClocks": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    invoke("cap", "reset", "0", code=1)
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 700_000
+    shown = json.loads(invoke("cap", "show", "--json"))[0]
+    assert shown["sm_clock_lock_mhz"] == [210, 1200]  # the GPU still holds it
+    nvml.fake_update_device(0, errors={}, power_limit_mw=450_000)  # `nvidia-smi -pl 450`
+    campaign = tmp_path / "stock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    out = tmp_path / "out"
+    invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+    assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 450.0
+    assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+
+
 def test_cap_reset_resets_the_named_gpus_beside_one_fallen_off_the_bus(nvml) -> None:
     """`dvfs cap reset 0 1` with GPU 1 fallen off the bus stopped at it and left GPU 0 capped,
     where the same reset with no GPU named resets GPU 0: the operator resetting GPUs wants every

@@ -449,7 +449,9 @@ def test_without_transformers_the_hint_installs_it_before_any_download(
     detail = tokenizer_check()
     assert "transformers is not installed in dvfs's environment" in detail, detail
     assert "without the model's chat template" in detail, detail
-    assert f"`pip install transformers` and `huggingface-cli download {marker}`" in detail
+    # jinja2 too: transformers renders chat templates with it without depending on it, so
+    # `pip install transformers` alone failed every sweep of a chat model once downloaded
+    assert f"`pip install transformers jinja2` and `huggingface-cli download {marker}`" in detail
     monkeypatch.setattr(dvfs.corpora.tokens, "transformers_missing", lambda: False)
     detail = tokenizer_check()
     assert f"no tokenizer of {marker} in the local cache" in detail, detail

@@ -604,6 +604,11 @@ def reset_caps(
             if gpu.power_limit_mw() != default:
                 gpu.set_power_limit_mw(default)
             if refused is not None:  # the entry stays, for the lock the GPU still holds
+                entry = record.entries_as_written().get(ident.uuid)
+                if entry is not None and entry.get("power_limit_mw") is not None:
+                    # but not the limit, gone: a sweep would take the same limit set outside
+                    # dvfs later for dvfs's cap, not for the operator's stock (`measuring`)
+                    record.update(ident.uuid, {**entry, "power_limit_mw": None})
                 raise refused
             record.update(ident.uuid, None)
             GovernorLocks(record.path.parent).clear(ident.uuid)

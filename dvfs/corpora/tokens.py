@@ -87,9 +87,11 @@ def download_hint(model: str) -> str:
     """The command that puts `model`'s tokenizer (and weights) in the local cache: for a .gguf
     named on the Hub (`hub_gguf`, no repo id), its repo's file of that quantization alone (and
     the gguf package, with which transformers reads its tokenizer); first `pip install
-    transformers` where dvfs's environment lacks it (a server run in a container, or attached
-    by url, needs no SGLang here), without which a download changes nothing."""
-    library = "`pip install transformers` and " if transformers_missing() else ""
+    transformers jinja2` where dvfs's environment lacks transformers (a server run in a
+    container, or attached by url, needs no SGLang here), without which a download changes
+    nothing: jinja2 too, with which transformers renders chat templates without depending on
+    it (`template_unavailable`)."""
+    library = "`pip install transformers jinja2` and " if transformers_missing() else ""
     gguf = hub_gguf(model)
     if gguf is None:
         return f"{library}`huggingface-cli download {model}`"
