@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -30,6 +31,33 @@ def new_file_mode() -> int:
     mask = os.umask(0o022)  # no way to read the umask without setting it
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def is_stream(path: Path) -> bool:
+    """Whether `path` is a stream rather than a file of a folder: a pipe, FIFO or device, or a
+    link to one of this process's descriptors (`/dev/stdout`, `/dev/fd/N`,
+    `/proc/self/fd/N`) whatever it is open on. `/dev/stdout` redirected to a file
+    (`> report.md`) resolves to that file, but nothing written beside `/dev/stdout` lands
+    beside it, and what is printed to standard output goes into it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return True
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        folder = os.path.realpath(os.path.dirname(current))
+        if re.fullmatch(r"/proc/(?:self|thread-self|\d+)(?:/task/\d+)?/fd", folder):
+            return True
+        full = os.path.join(folder, os.path.basename(current))
+        if not os.path.islink(full):
+            return False
+        try:
+            current = os.path.join(folder, os.readlink(full))
+        except OSError:
+            return False
+    return False
 
 
 def _named(exc: OSError, path: Path) -> OSError:

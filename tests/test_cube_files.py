@@ -170,6 +170,37 @@ def test_a_merged_cube_labels_its_gpus(tiny_sweep: Path, tmp_path: Path) -> None
     )
 
 
+@pytest.mark.parametrize("command", ["build", "merge"])
+def test_a_cube_to_stdout_is_the_cube_alone(command: str, tiny_sweep: Path, tmp_path: Path) -> None:
+    """`dvfs cube build SWEEP -o /dev/stdout | ssh host 'cat > cube.nc'`: the stream holds
+    the netCDF file and nothing else; its "cube: /dev/stdout" line followed the file's last
+    byte in the same stream (18 bytes not of the cube)."""
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    if command == "build":
+        args = ["build", str(copy_sweep(tiny_sweep, tmp_path / "out"))]
+    else:
+        h200 = replace_block(TINY, 'profile = "h100-sxm"', 'profile = "h200-sxm"')
+        assert sweep(write(tmp_path / "b.toml", h200), tmp_path / "b").exit_code == 0
+        args = ["merge", str(tiny_sweep), str(tmp_path / "b")]
+    done = subprocess.run(
+        [PYTHON, "-m", "dvfs", "cube", *args, "-o", "/dev/stdout"],
+        capture_output=True,
+        env=subprocess_env(),
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.startswith(b"\x89HDF"), done.stdout[:16]
+    assert b"cube:" not in done.stdout[-200:], done.stdout[-80:]
+    assert done.stderr.decode().startswith("cube: /dev/stdout"), done.stderr.decode()
+    (tmp_path / "piped.nc").write_bytes(done.stdout)
+    assert open_cube(tmp_path / "piped.nc")["energy_j"].notnull().any()
+
+
 @pytest.mark.parametrize(
     ("old", "new", "named"),
     [

@@ -712,6 +712,47 @@ def test_a_markdown_report_to_a_stream_is_refused_before_any_work(
     assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
 
 
+def test_a_markdown_report_to_stdout_redirected_to_a_file_is_refused(
+    small_sweep: Path, tmp_path: Path
+) -> None:
+    """`dvfs report CUBE --format md -o /dev/stdout > report.md`: /dev/stdout leads to a
+    regular file there, which was taken for a file of /dev: the figures' folder was made as
+    /dev/stdout_figures (as root; after all the work, refused elsewhere) and report.md linked
+    to stdout_figures/, beside it, where no figure is."""
+    import shutil
+    import subprocess
+
+    from conftest import PYTHON, subprocess_env
+
+    stray = Path("/dev/stdout_figures")
+    was_there = stray.exists()
+    page = tmp_path / "report.md"
+    try:
+        with page.open("wb") as out:
+            done = subprocess.run(
+                [PYTHON, "-m", "dvfs", "report", str(small_sweep), "--format", "md"]
+                + ["-o", "/dev/stdout"],
+                stdout=out,
+                stderr=subprocess.PIPE,
+                env=subprocess_env(MPLCONFIGDIR=str(tmp_path)),
+                cwd=tmp_path,
+                timeout=300,
+                check=False,
+            )
+        made = stray.exists() and not was_there
+    finally:
+        if stray.exists() and not was_there:
+            shutil.rmtree(stray, ignore_errors=True)
+    stderr = done.stderr.decode()
+    assert done.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "/dev/stdout is not a file" in lines[0] and "--format html" in lines[0], lines[0]
+    assert not made
+    assert page.read_bytes() == b""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+
+
 @given(st.floats(0.001, 999_999.0))
 def test_milliseconds_read_as_plain_numbers_within_half_a_percent(ms: float) -> None:
     """A latency or target in a table is a plain number (1000, not 1e+03), close to the

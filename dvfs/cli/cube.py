@@ -37,7 +37,10 @@ def build(sweep_dir: Path, out_path: Path | None) -> None:
     from dvfs.fleet.cubes import cube_journals, write_cubes
     from dvfs.fleet.shard_journal import shard_cube
     from dvfs.measure.journal import JOURNAL_NAME
+    from dvfs.outputs import is_stream
 
+    # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
+    err = out_path is not None and is_stream(out_path)
     journals = cube_journals(sweep_dir)
     if not journals:
         raise CubeError(
@@ -48,11 +51,13 @@ def build(sweep_dir: Path, out_path: Path | None) -> None:
     if journals == [sweep_dir / JOURNAL_NAME]:
         # marked with the shard the journal holds, if any, as the sweep's own cube is
         path = _write(shard_cube(journals[0]), out_path or sweep_dir / CUBE_NAME)
-        click.echo(f"cube: {path}")
+        click.echo(f"cube: {path}", err=err)
         return
     path = write_cubes(sweep_dir, journals, merged_path=out_path, write=_write)
     parts = ", ".join(str(j.parent / CUBE_NAME) for j in journals)
-    click.echo(f"cube: {path} (merged from {parts})" if len(journals) > 1 else f"cube: {path}")
+    click.echo(
+        f"cube: {path} (merged from {parts})" if len(journals) > 1 else f"cube: {path}", err=err
+    )
 
 
 @cube.command("info")
@@ -189,6 +194,7 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     """
     from dvfs.cube import merge_cubes
     from dvfs.fleet.shard import cube_shard
+    from dvfs.outputs import is_stream
 
     loaded = [_load_for_merge(p) for p in cubes]
     if len(loaded) == 1:
@@ -207,7 +213,8 @@ def merge(cubes: tuple[Path, ...], out_path: Path) -> None:
     parts = [f"{len(cubes)} shards"] if "combined_from" in merged.attrs else []
     if "gpu" in merged.dims:  # GPUs merged, or shards each run on a fleet mixing models
         parts.append(f"{merged.sizes['gpu']} GPUs")
-    click.echo(f"cube: {_write(merged, out_path)} ({', '.join(parts)})")
+    # into a pipe (`-o /dev/stdout | ...`) the cube alone: its line after it would be in it
+    click.echo(f"cube: {_write(merged, out_path)} ({', '.join(parts)})", err=is_stream(out_path))
     note = unfinished_note(merged, shards="combined_from" in merged.attrs)
     if note:
         console(stderr=True).print(f"[yellow]Note: {escape(note)}[/yellow]")

@@ -124,6 +124,7 @@ def report(
     from dvfs.analysis.selection import SelectionError, check_drafter, select
     from dvfs.cube import open_analysable
     from dvfs.cube.prompts import roofline_context
+    from dvfs.outputs import is_stream
     from dvfs.plots.style import ALL_DRAFTERS
     from dvfs.report.document import ReportOptions, build_document
     from dvfs.report.html import render_html
@@ -134,9 +135,10 @@ def report(
     target = headroom_target(ctx, preserve, vs_baseline, slo, metric, quantile, slack, baseline)
     make_parent(output)
     check_output(output)
-    stream = output.exists() and not output.is_file()  # a pipe or device (/dev/stdout)
+    stream = is_stream(output)  # a pipe, device, or /dev/stdout even redirected to a file
     if stream and fmt == "md":
-        # its figures' folder would be made beside the pipe or device (/dev/stdout_figures)
+        # its figures' folder would be made beside the pipe or device (/dev/stdout_figures),
+        # not beside the file /dev/stdout is redirected to: its links would lead nowhere
         raise click.BadParameter(
             f"{output} is not a file: a Markdown report writes its figures to a folder beside "
             "it; give a file's path, or --format html (one file, figures embedded)",
