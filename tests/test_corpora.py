@@ -577,27 +577,14 @@ def test_doctor_says_which_prompts_the_sweep_samples_from(tmp_path: Path) -> Non
     ) in check["detail"], check
 
 
-def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """transformers 5's apply_chat_template returns a BatchEncoding (input_ids and
-    attention_mask) unless told return_dict=False: its len() of 2 was taken for every prompt's
-    token count, so a campaign counting with its model's tokenizer listed every prompt at 2
-    tokens, skipped them all as shorter than input_tokens and never trimmed a long one."""
+def _counts_of_four_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer: object
+) -> list[int]:
+    """The tokens `corpus show --json` counts, with `tokenizer` as the model's, for four
+    prompts of 20 to 23 words (one token a word)."""
     import dvfs.corpora.tokens
 
-    class V5Tokenizer:
-        chat_template = "{{ messages }}"
-
-        def apply_chat_template(
-            self, chat: list[dict[str, str]], *, tokenize: bool, return_dict: bool = True, **_: Any
-        ) -> Any:
-            ids = " ".join(m["content"] for m in chat).split()
-            if not tokenize:
-                return " ".join(ids)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
-
-    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: V5Tokenizer())
+    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: tokenizer)
     rows = [{"text": " ".join(["word"] * (20 + i))} for i in range(4)]
     write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
     text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
@@ -610,7 +597,29 @@ def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
     assert shown.exit_code == 0, shown.output
     report = json.loads(shown.output)
     assert report["token_count_method"].startswith("tokenizer of ")
-    assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+    return [p["input_tokens"] for p in report["sample"]]
+
+
+def test_a_tokenizer_returning_its_encoding_counts_the_prompts_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5's apply_chat_template returns a BatchEncoding (input_ids and
+    attention_mask) unless told return_dict=False: its len() of 2 was taken for every prompt's
+    token count, so a campaign counting with its model's tokenizer listed every prompt at 2
+    tokens, skipped them all as shorter than input_tokens and never trimmed a long one."""
+
+    class V5Tokenizer:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(
+            self, chat: list[dict[str, str]], *, tokenize: bool, return_dict: bool = True, **_: Any
+        ) -> Any:
+            ids = " ".join(m["content"] for m in chat).split()
+            if not tokenize:
+                return " ".join(ids)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
+    assert _counts_of_four_prompts(tmp_path, monkeypatch, V5Tokenizer()) == [20, 21, 22, 23]
 
 
 def test_corpus_list_gives_the_acceptance_class_a_campaign_sets(tmp_path: Path) -> None:
@@ -674,7 +683,6 @@ def test_a_tokenizer_whose_chat_template_takes_no_return_dict_still_counts(
     refuses one it does not know with a TypeError: asking for return_dict=False there made
     every prompt of every corpus "refused by the chat template" (exit 2), where the ids it
     returns by default were counted before. It is asked for only where it is an argument."""
-    import dvfs.corpora.tokens
 
     class Pre437Tokenizer:
         chat_template = "{{ messages }}"
@@ -698,20 +706,7 @@ def test_a_tokenizer_whose_chat_template_takes_no_return_dict_still_counts(
                 return rendered
             return self.encode(rendered, add_special_tokens=False, **tokenizer_kwargs)
 
-    monkeypatch.setattr(dvfs.corpora.tokens, "load_tokenizer", lambda model: Pre437Tokenizer())
-    rows = [{"text": " ".join(["word"] * (20 + i))} for i in range(4)]
-    write(tmp_path / "p.jsonl", "\n".join(json.dumps(r) for r in rows))
-    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["mine"]')
-    campaign = write(
-        tmp_path / "c.toml", text + '\n[corpus.mine]\npath = "p.jsonl"\nfield = "text"\n'
-    )
-    shown = CliRunner().invoke(
-        cli, ["corpus", "show", "mine", "--campaign", str(campaign), "-n", "4", "--json"]
-    )
-    assert shown.exit_code == 0, shown.output
-    report = json.loads(shown.output)
-    assert report["token_count_method"].startswith("tokenizer of ")
-    assert [p["input_tokens"] for p in report["sample"]] == [20, 21, 22, 23]
+    assert _counts_of_four_prompts(tmp_path, monkeypatch, Pre437Tokenizer()) == [20, 21, 22, 23]
 
 
 def test_a_chat_template_this_environment_cannot_run_is_not_called_a_refusal(
