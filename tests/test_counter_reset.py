@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import replace_block
 
 import dvfs.measure.baseline as baseline_module
 import dvfs.measure.runner as runner_module
@@ -23,45 +24,23 @@ from dvfs.measure.baseline import idle_baseline
 from dvfs.measure.journal import read_records
 from dvfs.measure.sampler import measure_idle_power_w
 from tests.test_baseline import IdleGpu
+from tests.test_opening_idle import CAMPAIGN as SHORT_IDLE
 
-CAMPAIGN = """
-[campaign]
-name = "counter-reset"
-
-[gpu]
-backend = "twin"
-profile = "h100-sxm"
-devices = [0, 1]
-
-[knobs]
-sm_clock = [1980]
-power_limit = [700]
-settle_s = 1.0
-
-[engine]
-backend = "twin"
-model = "llama-3.1-8b"
-tp_size = 2
-
-[drafters.none]
-algorithm = "none"
-
-[workload]
-batch = [8]
-corpora = ["code"]
-input_tokens = [16, 2048]
-output_tokens = 128
-
-[measurement]
-warmup_tokens = 8
-min_window_s = 0.5
-max_rounds = 2
-repeats = 1
-sample_period_s = 0.02
-idle_s = 1.0
-thermal_max_s = 0
-precision = 0.05
-"""
+#: The opening-idle campaign on a tensor-parallel server of two GPUs, an idle baseline at
+#: each setting (as by default).
+CAMPAIGN = replace_block(
+    replace_block(
+        replace_block(
+            replace_block(SHORT_IDLE, 'name = "short-idle"', 'name = "counter-reset"'),
+            "devices = [0]",
+            "devices = [0, 1]",
+        ),
+        'model = "llama-3.1-8b"\n',
+        'model = "llama-3.1-8b"\ntp_size = 2\n',
+    ),
+    "idle_s = {idle_s}\nidle_per_setting = false\n",
+    "idle_s = 1.0\n",
+)
 
 
 class ResettingIdleGpu(IdleGpu):
