@@ -236,6 +236,31 @@ def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
 
 
+def test_a_gpu_uuid_pasted_upper_cased_names_that_gpu(nvml, tmp_path: Path) -> None:
+    """NVML's UUIDs are lower-case hex, but tools upper-case them: `gpu info GPU-ABC...` and
+    `cap reset GPU-ABC...` were refused ('no GPU', exit 2), a caps file's [[gpu]] entry so
+    written capped nothing (its UUID 'not here') and `cap plan --gpu` refused it as not
+    measured. Each takes it for the GPU it names, case aside."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    upper = uuid.upper()
+    assert upper != uuid
+    assert f"GPU 0 NVIDIA H100 80GB HBM3 ({uuid})" in invoke("gpu", "info", upper)
+    assert "is named twice" in invoke("gpu", "info", "0", upper, code=2)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=upper, sm_clock_max_mhz=1305, power_limit_w=450.0),)))
+    )
+    invoke("cap", "apply", str(caps))
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
+    assert f"GPU 0 ({uuid}): clocks unlocked" in invoke("cap", "reset", upper)
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    headroom = doc([row("code", 1305, 450.0)], uuids=[uuid])
+    headroom["rows"][0]["gpu"] = uuid
+    [cap] = plan_caps(headroom, batch=16, drafter="eagle3", corpus="code", uuids=[upper]).caps
+    assert cap.uuid == uuid
+
+
 def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypatch) -> None:
     """`dvfs cap reset` with no GPU named (the caps unit's ExecStop) stopped at a GPU fallen off
     the bus before resetting any: the others kept their caps. It now resets every GPU it can
