@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import made_once, unsaved_figure
+from conftest import SMALL_EXACT, made_once, replace_block, unsaved_figure
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -873,6 +873,29 @@ def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
     info = run("cube", "info", str(write_cube(cube, tmp_path / "cube.nc")))
     shown = " ".join(info.stdout.split())
     assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown
+
+
+def test_the_report_names_no_clock_the_campaign_did_not_set(shared_run, tmp_path: Path) -> None:
+    """A power-limit-only campaign never locks the SM clock: the report's facts said "SM
+    clocks: 1980 MHz", a clock knob never swept (the cube files the unlocked cells under the
+    stock clock). They say it was not set; a clock sweep's power limit left at stock likewise;
+    knobs swept are listed as before."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    out = tmp_path / "report.md"
+    result = run("report", str(shared_run(text, "limits") / "cube.nc"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    said = "SM clocks:** not set: left unlocked; the cube files its cells under 1980 MHz"
+    assert said in page and "SM clocks:** 1980 MHz" not in page
+    assert "- **Power limits:** 300, 700 W" in page
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    cube = open_cube(shared_run(clock_only, "clocks") / "cube.nc")
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["SM clocks"] == "1005, 1500, 1980 MHz"
+    assert facts["Power limits"] == "not set: as found at start (700 W)"
 
 
 @pytest.mark.parametrize(
