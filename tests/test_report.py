@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -209,6 +210,35 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "0 of 8" in text and "none feasible" in text
     assert "no cap: none feasible on " in text and "raise the --slo limit" in text
     assert "| cap |" not in text
+
+
+def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The figures' folder was written before the page: a page whose write failed (here an
+    immutable report.md, EPERM even for root; a full disk alike) left report_figures/ full
+    beside it. Nothing new is left now, the old page included; written, the page and its
+    figures are there as before."""
+    out = tmp_path / "report.md"
+    out.write_text("the old page\n")
+    replace = os.replace
+
+    def refused(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(dst) == str(out):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fspath(dst))
+        replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refused)
+    result = run("report", str(small_sweep), "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: cannot use {out}: operation not permitted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+    assert out.read_text() == "the old page\n"
+    monkeypatch.setattr(os, "replace", replace)
+    assert run("report", str(small_sweep), "-o", str(out)).exit_code == 0
+    figures = sorted((tmp_path / "report_figures").iterdir())
+    assert figures and all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
 
 
 @pytest.mark.parametrize(
