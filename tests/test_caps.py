@@ -951,6 +951,26 @@ def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path
     )
 
 
+@pytest.mark.parametrize("lock", [[1500, 210], [0, 1500], [-210, 1500]])
+def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
+    nvml, lock: list[int]
+) -> None:
+    """A governor record edited by hand (or damaged) to a lock high first was shown by `cap
+    show` as 'locked 1500-210 MHz by dvfs govern', a lock no GPU holds (NVML refuses one);
+    it is refused in one line naming the file and the lock, exit 2, as a caps record's is."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    record = Path(os.environ["DVFS_STATE_DIR"]) / f"governed-{uuid}.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"lock_mhz": lock, "pid": 1, "since": "x", "boot": None}))
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"Error: {record} is not a dvfs governor record (lock_mhz is {json.dumps(lock)}, "
+        "expected two clocks in MHz, low first); remove it\n"
+    )
+    assert "MHz by dvfs govern" not in result.stdout
+
+
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
     """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
     one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run
