@@ -500,6 +500,34 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
 
 
+def test_cap_apply_refused_as_held_still_names_the_gpu_fallen_off_the_bus(
+    nvml, tmp_path: Path
+) -> None:
+    """GPU 0 fallen off the bus and GPU 1 held by a running dvfs: `cap apply` (and its dry
+    run) was refused as held, exit 3, in a line that said nothing of GPU 0, which needs
+    seeing to as much (a failed write names it beside the failure). The held refusal, still
+    exit 3 with nothing changed, names the lost GPU too."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    caps = _h100_caps_file(tmp_path)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    uuid = nvml.fake_device_state(1)["uuid"]
+    with open_nvml_gpus([1], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        nvml.fake_update_device(0, lost=True)
+        results = [
+            CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+            for dry in (("--dry-run",), ())
+        ]
+    for result in results:
+        assert result.exit_code == 3, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert f"GPU 1 ({uuid})" in line and "in use by another dvfs process" in line, line
+        assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
 def test_cap_apply_does_not_say_no_gpu_is_the_lost_gpus_model(nvml, tmp_path: Path) -> None:
     """A fleet file's [[model]] that matched none of the GPUs that open was noted as "no GPU
     here is a NVIDIA H200" while the GPU fallen off the bus, whose model cannot be read, was
