@@ -47,8 +47,11 @@ class Backends:
 
 
 def parse_devices(devices: Sequence[str]) -> list[int | str]:
-    """Device names from a command line: digits are indices, anything else a UUID."""
-    return [int(d) if d.isdigit() else d for d in devices]
+    """Device names from a command line: digits are indices, anything else a UUID (in NVML's
+    case: `dvfs.gpu.base.canonical_uuid`)."""
+    from dvfs.gpu.base import canonical_uuid
+
+    return [int(d) if d.isdigit() else canonical_uuid(d) for d in devices]
 
 
 def real_gpus(campaign: Campaign) -> bool:

@@ -236,6 +236,31 @@ def test_apply_show_reset_round_trip(nvml, tmp_path: Path) -> None:
     assert json.loads(invoke("cap", "show", "--json"))[0]["sm_clock_lock_mhz"] is None
 
 
+def test_a_gpu_uuid_pasted_upper_cased_names_that_gpu(nvml, tmp_path: Path) -> None:
+    """NVML's UUIDs are lower-case hex, but tools upper-case them: `gpu info GPU-ABC...` and
+    `cap reset GPU-ABC...` were refused ('no GPU', exit 2), a caps file's [[gpu]] entry so
+    written capped nothing (its UUID 'not here') and `cap plan --gpu` refused it as not
+    measured. Each takes it for the GPU it names, case aside."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    upper = uuid.upper()
+    assert upper != uuid
+    assert f"GPU 0 NVIDIA H100 80GB HBM3 ({uuid})" in invoke("gpu", "info", upper)
+    assert "is named twice" in invoke("gpu", "info", "0", upper, code=2)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(CapsFile((GpuCap(uuid=upper, sm_clock_max_mhz=1305, power_limit_w=450.0),)))
+    )
+    invoke("cap", "apply", str(caps))
+    device = nvml.fake_device_state(0)
+    assert device["locked_clocks"] == [210, 1305] and device["power_limit_mw"] == 450_000
+    assert f"GPU 0 ({uuid}): clocks unlocked" in invoke("cap", "reset", upper)
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    headroom = doc([row("code", 1305, 450.0)], uuids=[uuid])
+    headroom["rows"][0]["gpu"] = uuid
+    [cap] = plan_caps(headroom, batch=16, drafter="eagle3", corpus="code", uuids=[upper]).caps
+    assert cap.uuid == uuid
+
+
 def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypatch) -> None:
     """`dvfs cap reset` with no GPU named (the caps unit's ExecStop) stopped at a GPU fallen off
     the bus before resetting any: the others kept their caps. It now resets every GPU it can
@@ -473,6 +498,34 @@ def test_cap_apply_caps_every_gpu_beside_one_fallen_off_the_bus(nvml, tmp_path: 
     assert not (state / "caps-applied.json").exists()
     nvml.fake_update_device(1, lost=True)  # none opens: nothing to cap, the lost named
     assert "GPU 1" in lost_line(CliRunner().invoke(cli, ["cap", "apply", str(fleet)]))
+
+
+def test_cap_apply_refused_as_held_still_names_the_gpu_fallen_off_the_bus(
+    nvml, tmp_path: Path
+) -> None:
+    """GPU 0 fallen off the bus and GPU 1 held by a running dvfs: `cap apply` (and its dry
+    run) was refused as held, exit 3, in a line that said nothing of GPU 0, which needs
+    seeing to as much (a failed write names it beside the failure). The held refusal, still
+    exit 3 with nothing changed, names the lost GPU too."""
+    from dvfs.gpu.nvml import open_nvml_gpus
+    from dvfs.gpu.safety import GpuLocks
+
+    caps = _h100_caps_file(tmp_path)
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    uuid = nvml.fake_device_state(1)["uuid"]
+    with open_nvml_gpus([1], nvml=nvml) as (gpu,), GpuLocks(state).hold([gpu]):
+        nvml.fake_update_device(0, lost=True)
+        results = [
+            CliRunner().invoke(cli, ["cap", "apply", str(caps), *dry])
+            for dry in (("--dry-run",), ())
+        ]
+    for result in results:
+        assert result.exit_code == 3, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert f"GPU 1 ({uuid})" in line and "in use by another dvfs process" in line, line
+        assert "GPU 0" in line and "fallen off the bus" in line, line
+    assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
 
 
 def test_cap_apply_does_not_say_no_gpu_is_the_lost_gpus_model(nvml, tmp_path: Path) -> None:
@@ -924,6 +977,26 @@ def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path
         row["sm_clock_lock_mhz"] == [210, 1200]
         and "no longer running" in row["sm_clock_lock_set_by"]
     )
+
+
+@pytest.mark.parametrize("lock", [[1500, 210], [0, 1500], [-210, 1500]])
+def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
+    nvml, lock: list[int]
+) -> None:
+    """A governor record edited by hand (or damaged) to a lock high first was shown by `cap
+    show` as 'locked 1500-210 MHz by dvfs govern', a lock no GPU holds (NVML refuses one);
+    it is refused in one line naming the file and the lock, exit 2, as a caps record's is."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    record = Path(os.environ["DVFS_STATE_DIR"]) / f"governed-{uuid}.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"lock_mhz": lock, "pid": 1, "since": "x", "boot": None}))
+    result = CliRunner().invoke(cli, ["cap", "show"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (
+        f"Error: {record} is not a dvfs governor record (lock_mhz is {json.dumps(lock)}, "
+        "expected two clocks in MHz, low first); remove it\n"
+    )
+    assert "MHz by dvfs govern" not in result.stdout
 
 
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:

@@ -192,6 +192,35 @@ def test_a_groups_energy_is_the_sum_of_its_gpus(tmp_path: Path) -> None:
 def test_gpu_lists() -> None:
     assert parse_gpus("0-3,6") == [0, 1, 2, 3, 6]
     assert parse_gpus("GPU-a1,GPU-b2") == ["GPU-a1", "GPU-b2"]
+    # pasted upper-cased (NVML's are lower-case hex): the same GPUs, so named twice is caught
+    assert parse_gpus("GPU-A1,gpu-b2") == ["GPU-a1", "GPU-b2"]
+    with pytest.raises(CampaignError, match="names a GPU twice"):
+        parse_gpus("GPU-a1,GPU-A1")
+
+
+def test_campaign_gpu_uuids_are_read_case_aside(tmp_path: Path) -> None:
+    """gpu.devices with a UUID pasted upper-cased names the GPU NVML names in lower case (it
+    was opened by the raw string and not found, and the same UUID in two cases was two GPUs);
+    a server env's CUDA_VISIBLE_DEVICES is compared with the metered GPUs case aside too."""
+    from nvml_support import NVML_CAMPAIGN
+
+    from dvfs.engines.sglang_args import check_visible_devices
+
+    text = replace_block(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=1),
+        "devices = [0]",
+        'devices = ["GPU-AB12-CD", "GPU-ef34"]',
+    )
+    campaign = load_campaign(write(tmp_path / "c.toml", text))
+    assert campaign.gpu.devices == ("GPU-ab12-cd", "GPU-ef34")
+    twice = text.replace('"GPU-ef34"', '"GPU-ab12-cd"')
+    with pytest.raises(CampaignError, match="lists a GPU twice"):
+        load_campaign(write(tmp_path / "t.toml", twice))
+    served = replace_block(text, 'backend = "twin"\nmodel', 'backend = "sglang"\nmodel')
+    served = served.replace(', "GPU-ef34"', "")
+    served += '[engine.sglang]\nenv = { CUDA_VISIBLE_DEVICES = "GPU-ab12-cd" }\n'
+    load_campaign(write(tmp_path / "s.toml", served))  # not 'contradicts gpu.devices'
+    check_visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-AB12-CD"}, ["GPU-ab12-cd"])
 
 
 @pytest.mark.parametrize(

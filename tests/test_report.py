@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import re
 import shlex
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import made_once, unsaved_figure
+from conftest import SMALL_EXACT, made_once, replace_block, unsaved_figure
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -209,6 +210,35 @@ def test_markdown_report_links_its_figures(small_sweep: Path, tmp_path: Path) ->
     assert "0 of 8" in text and "none feasible" in text
     assert "no cap: none feasible on " in text and "raise the --slo limit" in text
     assert "| cap |" not in text
+
+
+def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The figures' folder was written before the page: a page whose write failed (here an
+    immutable report.md, EPERM even for root; a full disk alike) left report_figures/ full
+    beside it. Nothing new is left now, the old page included; written, the page and its
+    figures are there as before."""
+    out = tmp_path / "report.md"
+    out.write_text("the old page\n")
+    replace = os.replace
+
+    def refused(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(dst) == str(out):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fspath(dst))
+        replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refused)
+    result = run("report", str(small_sweep), "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"Error: cannot use {out}: operation not permitted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]
+    assert out.read_text() == "the old page\n"
+    monkeypatch.setattr(os, "replace", replace)
+    assert run("report", str(small_sweep), "-o", str(out)).exit_code == 0
+    figures = sorted((tmp_path / "report_figures").iterdir())
+    assert figures and all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
 
 
 @pytest.mark.parametrize(
@@ -873,6 +903,29 @@ def test_the_report_and_cube_info_say_how_the_knobs_were_stepped(
     info = run("cube", "info", str(write_cube(cube, tmp_path / "cube.nc")))
     shown = " ".join(info.stdout.split())
     assert (f"mode {said}" in shown) is (measurement.get("mode") == "in-flight"), shown
+
+
+def test_the_report_names_no_clock_the_campaign_did_not_set(shared_run, tmp_path: Path) -> None:
+    """A power-limit-only campaign never locks the SM clock: the report's facts said "SM
+    clocks: 1980 MHz", a clock knob never swept (the cube files the unlocked cells under the
+    stock clock). They say it was not set; a clock sweep's power limit left at stock likewise;
+    knobs swept are listed as before."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+
+    text = replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", "")
+    out = tmp_path / "report.md"
+    result = run("report", str(shared_run(text, "limits") / "cube.nc"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    said = "SM clocks:** not set: left unlocked; the cube files its cells under 1980 MHz"
+    assert said in page and "SM clocks:** 1980 MHz" not in page
+    assert "- **Power limits:** 300, 700 W" in page
+    clock_only = replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", "")
+    cube = open_cube(shared_run(clock_only, "clocks") / "cube.nc")
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["SM clocks"] == "1005, 1500, 1980 MHz"
+    assert facts["Power limits"] == "not set: as found at start (700 W)"
 
 
 @pytest.mark.parametrize(

@@ -598,6 +598,52 @@ def test_credentials_reach_the_server_but_no_record_preview_or_check(tmp_path: P
 
 
 @pytest.mark.slow
+def test_credentials_in_a_kept_env_value_reach_the_server_but_no_record(tmp_path: Path) -> None:
+    """engine.sglang.env keeps the values of the variables a session compares (SGLANG_...,
+    TORCH...), but one may hold a credential: a URL's user and password or a secret query
+    parameter, `--api-key KEY`. They were recorded as written (the session's settings and
+    server_env, the campaign file's text in the journal and cube); each is hidden now, as in
+    url and extra_args, and the server still gets the value as written."""
+    import tomllib
+
+    from dvfs.engines.sglang_args import server_env
+    from dvfs.measure.journal import read_records
+
+    pw, token, key = (f"{w}-{time.monotonic_ns()}" for w in ("pw", "tok", "key"))
+    mirror = f"https://alice:{pw}@hub.example/m?token={token}"
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    text = path.read_text().replace(
+        "env = { ", f'env = {{ SGLANG_MIRROR = "{mirror}", TORCH_ARGS = "--api-key {key}", '
+    )
+    path.write_text(text)
+    secrets = [pw, token, key]
+    campaign = load_campaign(path)
+    assert server_env(campaign)["SGLANG_MIRROR"] == mirror  # the server gets it as written
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert _holding(tmp_path, secrets) == [str(path)]  # the campaign file alone
+    hidden = {
+        "SGLANG_MIRROR": "https://(not recorded)@hub.example/m?token=(not recorded)",
+        "TORCH_ARGS": "--api-key (not recorded)",
+    }
+    [session] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    for env in (session["server_env"], session["settings"]["engine.sglang.env"]):
+        assert {k: env[k] for k in hidden} == hidden
+    with xr.open_dataset(out / "cube.nc") as cube:
+        source = tomllib.loads(cube.attrs["campaign_source"])
+    assert {k: source["engine"]["sglang"]["env"][k] for k in hidden} == hidden
+    # the same campaign resumes: its servers' environment reads as the journal recorded it
+    again = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
+
+
+@pytest.mark.slow
 def test_api_keys_given_by_an_abbreviation_sglang_takes_are_sent_and_not_recorded(
     tmp_path: Path,
 ) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dvfs.redact import NOT_RECORDED, redact_argv, redact_url
+from dvfs.redact import NOT_RECORDED, redact_argv, redact_text, redact_url
 
 SPECULATIVE_ALGORITHMS = (
     "EAGLE",
@@ -238,8 +238,8 @@ class Campaign:
     def operational_dict(self) -> dict[str, Any]:
         """The operational settings, by dotted key (a journal session records these). Of
         `engine.sglang.env` a token's or a path's value is not recorded (`env_value_kept`),
-        only its name; nor are the credentials of the URL and the server command
-        (`dvfs.redact`)."""
+        only its name; nor are the credentials of the URL, the server command and the env
+        values it keeps (`dvfs.redact`)."""
         from dvfs.records.session import env_value_kept
 
         data = _jsonable(asdict(self))
@@ -250,7 +250,8 @@ class Campaign:
                 value = value.get(part) if isinstance(value, dict) else None
             if path[-1] == "env" and isinstance(value, list):
                 value = {
-                    str(k): v if env_value_kept(str(k)) else ENV_NOT_RECORDED for k, v in value
+                    str(k): redact_text(str(v)) if env_value_kept(str(k)) else ENV_NOT_RECORDED
+                    for k, v in value
                 }
             elif path[-1] == "url" and isinstance(value, str):
                 value = redact_url(value)
@@ -291,8 +292,8 @@ _TOML_STRING = re.compile(
 
 def hide_unrecorded(source: str, env_names: Iterable[str] = ()) -> str:
     """`source` (a campaign file's text) with the value of each of `env_names` in
-    engine.sglang.env, and each credential in engine.sglang's url, server_command and
-    extra_args and in the drafters' extra_args (`dvfs.redact`), replaced by
+    engine.sglang.env, and each credential in engine.sglang's url, server_command, extra_args
+    and the env values it keeps and in the drafters' extra_args (`dvfs.redact`), replaced by
     NOT_RECORDED (`hide_strings`); as written when there is none."""
     import tomllib
 
@@ -303,7 +304,8 @@ def hide_unrecorded(source: str, env_names: Iterable[str] = ()) -> str:
         data = tomllib.loads(source)
     except ValueError:
         return "" if edits else source
-    edits += credential_edits(data)
+    hidden = {path for path, _ in edits}  # an env value not recorded at all
+    edits += [e for e in credential_edits(data) if e[0] not in hidden]
     return hide_strings(source, edits) if edits else source
 
 
@@ -325,6 +327,12 @@ def credential_edits(data: dict[str, Any]) -> list[tuple[tuple[str | int, ...], 
         url = sglang.get("url")
         if isinstance(url, str) and redact_url(url) != url:
             edits.append((("engine", "sglang", "url"), redact_url(url)))
+        env = sglang.get("env")
+        for name, value in env.items() if isinstance(env, dict) else ():
+            # a value kept (SGLANG_..., CUDA_...) may still hold one: a URL's user and
+            # password, NAME=VALUE or --flag VALUE naming a secret
+            if isinstance(value, str) and redact_text(value) != value:
+                edits.append((("engine", "sglang", "env", name), redact_text(value)))
         argv(("engine", "sglang", "server_command"), sglang.get("server_command"))
         argv(("engine", "sglang", "extra_args"), sglang.get("extra_args"))
     drafters = data.get("drafters")

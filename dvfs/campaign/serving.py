@@ -28,6 +28,7 @@ from dvfs.campaign.sglang_flags import (
 )
 from dvfs.campaign.table import Table, argv_list
 from dvfs.errors import CampaignError
+from dvfs.gpu.base import canonical_uuid
 
 
 def parse_engine(table: Table, gpu: GpuConfig) -> EngineConfig:
@@ -157,14 +158,14 @@ def _check_visible_devices(sg: Table, env: dict[str, Any], gpu: GpuConfig) -> No
     if value is None:
         return
     entries = [v.strip() for v in value.split(",") if v.strip()]
-    if not all(e.startswith(("GPU-", "MIG-")) for e in entries):
+    if not all(e.upper().startswith(("GPU-", "MIG-")) for e in entries):
         raise sg.fail(
             "env",
             f"CUDA_VISIBLE_DEVICES = {value!r}: CUDA and NVML may number GPUs differently, and "
             "dvfs already pins the server to gpu.devices by UUID; remove CUDA_VISIBLE_DEVICES",
         )
     uuids = [d for d in gpu.devices if isinstance(d, str)]
-    if len(uuids) == len(gpu.devices) and entries != uuids:
+    if len(uuids) == len(gpu.devices) and [canonical_uuid(e) for e in entries] != uuids:
         raise sg.fail(
             "env",
             f"CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices {list(gpu.devices)}; "

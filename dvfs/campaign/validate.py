@@ -31,6 +31,7 @@ from dvfs.campaign.model import (
 from dvfs.campaign.serving import parse_drafter, parse_engine
 from dvfs.campaign.table import Table
 from dvfs.errors import CampaignError
+from dvfs.gpu.base import canonical_uuid
 
 TOP_LEVEL = ("campaign", "gpu", "knobs", "engine", "drafters", "workload", "measurement", "corpus")
 
@@ -59,12 +60,13 @@ def _gpu(table: Table) -> GpuConfig:
         raise table.fail(
             "devices", f"expected a non-empty list of GPU indices or UUIDs, got {show(devices)}"
         )
+    devices = [_device(d) for d in devices]
     groups = _device_groups(table, devices)
     if groups:
         devices = [d for group in groups for d in group]
     for device in devices:
         ok_index = isinstance(device, int) and not isinstance(device, bool) and device >= 0
-        ok_uuid = isinstance(device, str) and device.startswith(("GPU-", "MIG-"))
+        ok_uuid = isinstance(device, str) and device.upper().startswith(("GPU-", "MIG-"))
         if not (ok_index or ok_uuid):
             raise table.fail(
                 "devices",
@@ -75,6 +77,14 @@ def _gpu(table: Table) -> GpuConfig:
     actuation = table.string("actuation", "on", choices=("on", "off"))
     table.finish()
     return GpuConfig(backend, profile, tuple(devices), actuation == "on", groups)
+
+
+def _device(device: Any) -> Any:
+    """An entry of gpu.devices (a group's: a list of them) with its GPU UUIDs in NVML's case
+    (`canonical_uuid`: pasted upper-cased, they name the same GPU)."""
+    if isinstance(device, list):
+        return [_device(d) for d in device]
+    return canonical_uuid(device) if isinstance(device, str) else device
 
 
 def _device_groups(table: Table, devices: list[Any]) -> tuple[tuple[Any, ...], ...]:

@@ -182,22 +182,29 @@ def _record_problem(record: dict[str, Any]) -> str | None:
     in words; None when its knobs are a clock lock (two clocks in MHz, low first) or null and a
     power limit (mW) or null."""
 
-    def positive_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
     lock = record.get("lock_mhz")
-    if lock is not None and not (
-        isinstance(lock, list)
-        and len(lock) == 2
-        and all(positive_int(x) for x in lock)
-        and lock[0] <= lock[1]
-    ):
+    if lock is not None and not _is_lock(lock):
         shown = json.dumps(lock)[:40]
         return f"lock_mhz is {shown}, expected two clocks in MHz, low first, or null"
     power = record.get("power_limit_mw")
-    if power is not None and not positive_int(power):
+    if power is not None and not _positive_int(power):
         return f"power_limit_mw is {json.dumps(power)[:40]}, expected a power limit in mW or null"
     return None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_lock(lock: Any) -> bool:
+    """Whether a record's `lock_mhz` is a clock lock: two clocks in MHz, low first (one
+    written the other way round by hand would be shown as "1500-210 MHz")."""
+    return (
+        isinstance(lock, list)
+        and len(lock) == 2
+        and all(_positive_int(x) for x in lock)
+        and lock[0] <= lock[1]
+    )
 
 
 class GovernorLocks:
@@ -258,12 +265,13 @@ class GovernorLocks:
             except ValueError as exc:  # UnicodeDecodeError included
                 raise CapsError(f"{path} is unreadable ({exc}); remove it") from exc
             lock = data.get("lock_mhz") if isinstance(data, dict) else None
-            if not (
-                isinstance(lock, list)
-                and len(lock) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in lock)
-            ):
+            if lock is None:
                 raise CapsError(f"{path} is not a dvfs governor record (no lock_mhz); remove it")
+            if not _is_lock(lock):
+                raise CapsError(
+                    f"{path} is not a dvfs governor record (lock_mhz is {json.dumps(lock)[:40]}, "
+                    "expected two clocks in MHz, low first); remove it"
+                )
             found[path.name.removeprefix(self.PREFIX).removesuffix(".json")] = data
         return found
 

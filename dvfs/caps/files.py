@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dvfs.errors import CapsError
+from dvfs.gpu.base import canonical_uuid
 
 CAPS_SCHEMA = 1
 #: How the twin's GPUs name themselves: the NVML model name with this suffix.
@@ -220,10 +221,12 @@ def parse_caps(data: dict[str, Any], *, where: str) -> CapsFile:
             ident = entry.get(key)
             if not isinstance(ident, str) or not ident:
                 raise CapsError(f"{here}: needs a {key} string")
-            if kind == "gpu" and not ident.startswith("GPU-"):
+            if kind == "gpu" and not ident.upper().startswith("GPU-"):
                 raise CapsError(
                     f"{here}: {ident!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
                 )
+            if kind == "gpu":
+                ident = canonical_uuid(ident)  # matched against NVML's, lower-case
             power = entry.get("power_limit_w")
             if power is not None and (
                 isinstance(power, bool)

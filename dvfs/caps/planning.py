@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dvfs.caps.files import TWIN_SUFFIX, CapsFile, GpuCap, is_twin_name
 from dvfs.errors import CapsError
+from dvfs.gpu.base import canonical_uuid
 
 if TYPE_CHECKING:
     # Imported where used: dvfs.govern.plan reads dvfs.caps.files, so a module-level import
@@ -169,11 +170,12 @@ def plan_caps(
     """
     if uuids and model_name:
         raise CapsError("--gpu and --model exclude each other: cap GPUs by UUID or by model")
-    not_uuids = [u for u in uuids if not u.startswith("GPU-")]
+    not_uuids = [u for u in uuids if not u.upper().startswith("GPU-")]
     if not_uuids:
         raise CapsError(
             f"--gpu {not_uuids[0]!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
         )
+    uuids = [canonical_uuid(u) for u in uuids]  # the document's are NVML's, lower-case
     check_document(doc)
     rows = [r for r in doc["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     if not rows:

@@ -27,6 +27,7 @@ from dvfs.cli.common import (
 
 if TYPE_CHECKING:
     from dvfs.caps import CapAction
+    from dvfs.errors import GpuError
     from dvfs.gpu.base import Gpu
 
 state_dir_option = click.option(
@@ -228,8 +229,9 @@ def apply(
     does not support); 5 when it applied what matches but GPU UUIDs the file names
     are not here (0 with --skip-missing); 1 naming a GPU fallen off the bus, once the other
     GPUs are capped (or none, if the file matches none of those that open: the lost GPU may
-    be the one it names). Models not on this host, and GPUs here that no entry names,
-    are only noted.
+    be the one it names); 3, changing nothing, when another dvfs holds a GPU it would cap
+    (naming one fallen off the bus too). Models not on this host, and GPUs here that no entry
+    names, are only noted.
     """
     from dvfs.backends import lost_gpus, open_gpus, reachable_gpus
     from dvfs.caps import (
@@ -269,7 +271,10 @@ def apply(
             if g.identity.uuid in capped and g.persistence_mode() is False
         }
         if dry_run:
-            _refuse_as_the_apply_would(plan.actions, gpus, directory)
+            try:
+                _refuse_as_the_apply_would(plan.actions, gpus, directory)
+            except GpuError as exc:
+                raise _naming_lost(exc, lost_line) from None
             for action in plan.actions:
                 click.echo(f"dry run, nothing changed: would apply to {action.describe()}")
         else:  # each GPU reported once its caps are in place, not before
@@ -283,7 +288,9 @@ def apply(
                 enforce_plan(plan, gpus, directory, str(caps_file.resolve()), done)
             except (GpuError, GpuPermissionError) as exc:
                 if type(exc) not in (GpuError, GpuPermissionError):
-                    raise  # refused before any change (exit 3): nothing else to say
+                    # refused before any change (held by another dvfs: exit 3), with the GPUs
+                    # fallen off the bus, which need seeing to all the same
+                    raise _naming_lost(exc, lost_line) from None
                 # Writes failed on some GPUs, the others capped: a GPU fallen off the bus is
                 # still named, beside the failure.
                 failed = exc
@@ -325,6 +332,14 @@ def apply(
         raise GpuUnavailableError(
             f"{lost_line}; caps were applied to the other GPUs the file matches"
         )
+
+
+def _naming_lost(exc: GpuError, lost_line: str) -> GpuError:
+    """`exc` (its type, exit code and attributes kept) followed by `lost_line`, the GPUs
+    fallen off the bus (`lost_gpus`), where there are any."""
+    if lost_line:
+        exc.args = (f"{exc}; {lost_line}",)
+    return exc
 
 
 def _refuse_as_the_apply_would(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,35 @@ def write_atomically(path: Path, data: bytes) -> None:
     from dvfs.outputs import write_bytes
 
     write_bytes(path, data)
+
+
+def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
+    """A Markdown page and its figures (`files`: paths relative to the page's folder). The
+    figures are written to a hidden folder beside the page first, the page next, and only then
+    are the figures moved into their folder: a page that cannot be written (a full disk, an
+    immutable file) leaves no figures' folder behind, nor any file in one, and a figure that
+    cannot be written no page linking to it. A failure names the file the user would get."""
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".figures", dir=output.parent)
+    )
+    try:
+        for name, data in files.items():
+            staged = staging / name
+            try:
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                write_atomically(staged, data)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(output.parent / name)) from exc
+        write_atomically(output, text.encode("utf-8"))
+        for name in files:
+            final = output.parent / name
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / name, final)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(final)) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:
@@ -172,10 +202,6 @@ def report(
     if fmt == "html":
         write_atomically(output, render_html(document).encode("utf-8"))
     else:
-        folder = f"{output.stem}_figures"
-        text, files = render_markdown(document, folder)
-        for name, data in files.items():
-            (output.parent / name).parent.mkdir(exist_ok=True)
-            write_atomically(output.parent / name, data)
-        write_atomically(output, text.encode("utf-8"))
+        text, files = render_markdown(document, f"{output.stem}_figures")
+        write_markdown(output, text, files)
     click.echo(f"wrote {output}", err=stream)  # not after the page in the same stream

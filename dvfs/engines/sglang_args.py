@@ -53,6 +53,7 @@ from dvfs.campaign.sglang_flags import DEFAULT_ATTENTION_BACKEND as DEFAULT_ATTE
 from dvfs.campaign.sglang_flags import MANAGED_FLAGS as MANAGED_FLAGS
 from dvfs.campaign.sglang_flags import managed_flag as managed_flag
 from dvfs.errors import ArmMismatchError, CampaignError, EngineError
+from dvfs.gpu.base import canonical_uuid
 from dvfs.redact import SGLANG_SECRET_FLAGS, sglang_secret_flag
 
 NEW_CUDA_GRAPH_FLAG = "--cuda-graph-max-bs-decode"
@@ -237,8 +238,8 @@ def check_visible_devices(env: Mapping[str, str], gpu_uuids: Sequence[str]) -> N
     value = dict(env).get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return
-    given = [v.strip() for v in value.split(",") if v.strip()]
-    if given != list(gpu_uuids):
+    given = [canonical_uuid(v.strip()) for v in value.split(",") if v.strip()]
+    if given != list(gpu_uuids):  # NVML's, lower-case; pasted upper-cased, the same GPUs
         raise EngineError(
             f"engine.sglang.env.CUDA_VISIBLE_DEVICES = {value!r} contradicts gpu.devices: dvfs "
             f"pins the server to the metered GPU(s) {','.join(gpu_uuids)} by UUID; remove the key"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from dvfs.campaign import Campaign
 from dvfs.errors import CampaignError
+from dvfs.gpu.base import canonical_uuid
 
 Group = tuple[int | str, ...]
 
@@ -26,11 +27,11 @@ def parse_gpus(spec: str) -> list[int | str]:
         if not part:
             raise CampaignError(f"--gpus {spec!r}: an empty entry; write e.g. 0-7 or 0,2,5")
         profile = ""
-        if ":" in part and not part.startswith(("GPU-", "MIG-")):
+        if ":" in part and not part.upper().startswith(("GPU-", "MIG-")):
             profile, part = (x.strip() for x in part.rsplit(":", 1))
         indices: list[int] = []
-        if part.startswith(("GPU-", "MIG-")):
-            devices.append(part)
+        if part.upper().startswith(("GPU-", "MIG-")):
+            devices.append(canonical_uuid(part))
         elif part.isdigit():
             indices.append(int(part))
         elif part.count("-") == 1 and all(x.strip().isdigit() for x in part.split("-")):

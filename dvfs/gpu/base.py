@@ -56,6 +56,15 @@ class GpuIdentity:
     max_sm_clock_mhz: int
 
 
+def canonical_uuid(name: str) -> str:
+    """A GPU UUID as NVML writes it ("GPU-" and lower-case hex), whatever case it was pasted
+    in (some tools upper-case it: "GPU-181A77A6-..."), so that it opens and matches the GPU
+    NVML names; anything else (an index, a MIG name, which dvfs refuses) unchanged."""
+    if name[:4].upper() == "GPU-" and len(name) > 4:
+        return "GPU-" + name[4:].lower()
+    return name
+
+
 def unsupported_clock(mhz: int, supported: Collection[int], *, of: str = "") -> str | None:
     """Why `mhz` cannot be locked, or None when it can; the message names the two nearest
     supported clocks, so fixing it is one edit. `of` names the GPU (" of GPU 0")."""

@@ -33,6 +33,7 @@ from dvfs.gpu.base import (
     GpuIdentity,
     GpuProcesses,
     PowerLimitRange,
+    canonical_uuid,
     unsupported_clock,
 )
 from dvfs.gpu.deadline import CallWorker, DeadlineExceeded, GpuTimeoutError, default_deadline_s
@@ -415,6 +416,8 @@ def open_device(
 
     `deadline_s` bounds every NVML call on it (None: $DVFS_NVML_DEADLINE_S or 10 s; 0: none).
     """
+    if isinstance(device, str):
+        device = canonical_uuid(device)  # NVML finds no GPU by an upper-cased UUID
     errors = NvmlErrors(nvml)
     limit = resolve_deadline_s(deadline_s)
     worker = CallWorker(f"gpu{device}")

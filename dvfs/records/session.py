@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dvfs.records.version import JOURNAL_SCHEMA, stored_float
-from dvfs.redact import NOT_RECORDED, SECRET_WORDS
+from dvfs.redact import NOT_RECORDED, SECRET_WORDS, redact_text
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,9 @@ def env_value_kept(name: str) -> bool:
 
 def server_env_of(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of a server's environment a session records (`is_server_env`), sorted;
-    every other one (a token, a cache path) is left out, value and all."""
-    return {k: str(env[k]) for k in sorted(env) if is_server_env(k)}
+    every other one (a token, a cache path) is left out, value and all, and a credential in
+    a value recorded (a URL's user and password, `--api-key KEY`) hidden (`redact_text`)."""
+    return {k: redact_text(str(env[k])) for k in sorted(env) if is_server_env(k)}
 
 
 #: A `NAME=VALUE` argument of a server command: what a wrapper such as `env NAME=VALUE` or
@@ -333,14 +334,15 @@ def recorded_env(session: Mapping[str, Any]) -> dict[str, str] | None:
     """A raw session record's `server_env`, with what its server command set on its command
     line (`command_env` of its `settings`' `engine.sglang.server_command`: a session of a dvfs
     that recorded only its own and the campaign's environment still says it); None where it
-    has none (not recorded)."""
+    has none (not recorded). A credential in a value (an earlier dvfs recorded one) is read
+    hidden, as a session records it now (`server_env_of`), so the two compare."""
     env = session.get("server_env")
     if not isinstance(env, Mapping):
         return None
     settings = session.get("settings")
     command = settings.get(SERVER_COMMAND_SETTING) if isinstance(settings, Mapping) else None
     wrapped = command_env(command) if isinstance(command, list | tuple) else {}
-    return {**{str(k): str(v) for k, v in env.items()}, **wrapped}
+    return {**{str(k): redact_text(str(v)) for k, v in env.items()}, **wrapped}
 
 
 #: The session setting that holds the server command its servers were started with.

@@ -37,12 +37,35 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
     return ", ".join(shown) + unit if shown else MISSING
 
 
+def _knob_values(info: dict[str, Any], dim: str, unit: str, swept: bool, found: bool) -> str:
+    """A knob's values (`_values`), or, where the campaign never set it, that it was not: its
+    coordinate then holds the stock value the cube files the cells under (the unlocked SM
+    clock's maximum, the power limit as found), which dvfs never applied. `found`: measured
+    observe-only, where a clock lock set outside dvfs stays (not "unlocked")."""
+    values = _values(info, dim, unit)
+    if swept or values == MISSING:
+        return values
+    if dim == "power_limit":
+        return f"not set: as found at start ({values})"
+    kept = "as found (observe-only)" if found else "left unlocked"
+    return f"not set: {kept}; the cube files its cells under {values}, which is no lock"
+
+
 def measured_section(cube: xr.Dataset) -> Section:
     """Campaign, hardware, software, grid, dates and data quality, as the cube records them."""
-    from dvfs.cube.info import idle_caveat, idle_power_text, info_text, mode_text
+    from dvfs.cube.info import (
+        idle_caveat,
+        idle_power_text,
+        info_text,
+        mode_text,
+        observe_only,
+        swept_knobs,
+    )
 
     info = info_text(cube)
     a = cube.attrs
+    clock_set, limit_set = swept_knobs(cube)
+    found = observe_only(cube)
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
@@ -53,8 +76,8 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Driver", _text(info["driver"]) + memory),
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
         ("Model", _text(info["model"]) + tp),
-        ("SM clocks", _values(info, "sm_clock", " MHz")),
-        ("Power limits", _values(info, "power_limit", " W")),
+        ("SM clocks", _knob_values(info, "sm_clock", " MHz", clock_set, found)),
+        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found)),
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
