@@ -1654,3 +1654,50 @@ def test_an_apply_failing_on_one_gpu_still_warns_of_the_others_and_notes_them(
     [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert "GPU 0: cannot lock SM clocks" in error, error
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
+
+
+def _readme_shell_lines() -> list[list[str]]:
+    """Every command of the README's bash blocks, in order, as argv (comments dropped)."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            for command in line.split("&&"):
+                argv = shlex.split(command, comments=True)
+                if argv:
+                    found.append(argv)
+    return found
+
+
+def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
+    """As root, `cap apply` and `govern` refuse a caps file or plan not owned by root or in a
+    folder another user may write (`check_file_safety`), yet the README's recipes ran `sudo
+    dvfs cap apply caps.toml` and `sudo dvfs govern --plan plan.toml` on the file the user's
+    own `dvfs cap plan -o` had just written in their folder: refused, exit 2, as written. Each
+    file a README command reads as root is one `sudo install -o root` put in /etc/dvfs; the
+    dry runs, which need no root, read the user's own."""
+    installed: set[str] = set()
+    read_as_root = []
+    for argv in _readme_shell_lines():
+        sudo = argv[0] == "sudo"
+        words = argv[1:] if sudo else argv
+        if sudo and words[0] == "install" and "-o" in words:
+            assert words[words.index("-o") + 1] == "root", argv
+            installed.add(words[-1])
+            continue
+        if words[:3] == ["dvfs", "cap", "apply"]:
+            path = next(w for w in words[3:] if not w.startswith("-"))
+        elif words[:2] == ["dvfs", "govern"]:
+            path = words[words.index("--plan") + 1]
+        else:
+            continue
+        if sudo:
+            read_as_root.append(path)
+        else:
+            assert "--dry-run" in words, argv  # only a dry run runs without root
+    assert len(read_as_root) >= 2  # the caps recipe's and the governor's
+    for path in read_as_root:
+        assert path in installed and path.startswith("/etc/dvfs/"), path
