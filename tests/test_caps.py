@@ -184,6 +184,35 @@ def test_root_refuses_a_caps_file_or_plan_in_a_folder_others_may_write(tmp_path:
     assert load_caps(sticky / "caps.toml").caps[0].power_limit_w == 400.0
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
+def test_root_names_the_folder_of_a_users_file_not_a_chown_that_would_not_do(
+    tmp_path: Path,
+) -> None:
+    """A user's caps file or plan in the user's own folder (where their `dvfs cap plan -o`
+    writes it) was refused as root with 'not owned by root (chown root FILE)'; once chowned it
+    was refused again for its folder, which no change to the file makes safe. The one error
+    names the folder and the fix that does: a folder only root can write."""
+    from dvfs.govern.plan import load_plan
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    files = {
+        "caps.toml": dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))),
+        "plan.toml": 'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\n'
+        'drafter = "none"\n[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n',
+    }
+    for name, text in files.items():
+        (home / name).write_text(text)
+        os.chown(home / name, 1, 1)  # the user's file, in the user's folder
+    os.chown(home, 1, 1)
+    for load, name in ((load_caps, "caps.toml"), (load_plan, "plan.toml")):
+        with pytest.raises(CapsError) as caught:
+            load(home / name)
+        message = str(caught.value)
+        assert f"is in {home}, which its owner" in message and "/etc/dvfs" in message
+        assert "chown" not in message
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the ownership check applies to root only")
 def test_root_reads_the_caps_file_it_checked(tmp_path: Path, monkeypatch) -> None:
     """The caps file was checked by its path, then opened by its path again: a file put there
