@@ -636,6 +636,37 @@ def test_the_caps_commands_go_on_beside_a_gpu_that_opens_but_reads_nothing(
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
 
 
+def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_support(
+    nvml, tmp_path: Path
+) -> None:
+    """A GPU whose power-limit reads NVML answers NOT_SUPPORTED passed the every-GPU commands'
+    check of a GPU that opens ('not supported is fine'), then failed each of them on the
+    reads they make: `cap apply` (the caps unit at boot) capped no GPU, not even with a
+    clock-only file, and `cap show` and `gpu info` showed none of the others. It is set
+    aside as one needing a reset is: the others acted on, it named in one line, exit 1."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    failing = (
+        "nvmlDeviceGetPowerManagementLimit",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+    )
+    nvml.fake_update_device(1, errors={f: nvml.NVML_ERROR_NOT_SUPPORTED for f in failing})
+    for args in (("cap", "apply", str(fleet)), ("cap", "show"), ("gpu", "info")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 1, (args, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 1" in line and "Not Supported" in line, (args, line)
+        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
