@@ -1349,6 +1349,29 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     assert "GPU 0: SM clock locked 210-1410 MHz, power limit 500 W" in dry, dry
 
 
+def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap show`, `monitor` and the dry runs run without root read the caps record where
+    root's `cap apply` made it (/var/lib/dvfs), which the state folder is made readable by
+    all for. Its mode was mkdir's 0755 masked by the umask: a hardened root's 027 made it
+    0750, and every user's `dvfs cap show` then failed 'permission denied'."""
+    state = tmp_path / "fresh-state"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    old = os.umask(0o027)
+    try:
+        apply_caps(tmp_path, 1410, 500.0)
+    finally:
+        os.umask(old)
+    assert state.stat().st_mode & 0o777 == 0o755
+    assert (state / "caps-applied.json").stat().st_mode & 0o777 == 0o644
+    made = tmp_path / "made-by-hand"  # a folder that exists keeps its mode
+    made.mkdir(mode=0o700)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(made))
+    invoke("cap", "reset")
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign
