@@ -1355,7 +1355,8 @@ def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
     """`cap show`, `monitor` and the dry runs run without root read the caps record where
     root's `cap apply` made it (/var/lib/dvfs), which the state folder is made readable by
     all for. Its mode was mkdir's 0755 masked by the umask: a hardened root's 027 made it
-    0750, and every user's `dvfs cap show` then failed 'permission denied'."""
+    0750, and every user's `dvfs cap show` then failed 'permission denied' (the GPU locks
+    0640: a dry run without root took a GPU a governor holds for free)."""
     state = tmp_path / "fresh-state"
     monkeypatch.setenv("DVFS_STATE_DIR", str(state))
     old = os.umask(0o027)
@@ -1365,6 +1366,10 @@ def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
         os.umask(old)
     assert state.stat().st_mode & 0o777 == 0o755
     assert (state / "caps-applied.json").stat().st_mode & 0o777 == 0o644
+    # and each GPU's lock, by which a dry run without root tells a GPU another dvfs holds (a
+    # running governor: the apply would be refused); one it cannot read passed for free
+    locks = list(state.glob("GPU-*.lock"))
+    assert locks and all(p.stat().st_mode & 0o777 == 0o644 for p in locks)
     made = tmp_path / "made-by-hand"  # a folder that exists keeps its mode
     made.mkdir(mode=0o700)
     monkeypatch.setenv("DVFS_STATE_DIR", str(made))

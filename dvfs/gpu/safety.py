@@ -260,6 +260,10 @@ class GpuLocks:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # readable by all whatever the umask: the dry runs and `doctor` run without
+                # root tell a GPU another dvfs holds by it (`holder`), an unreadable one as free
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o644)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError as exc:
