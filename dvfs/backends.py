@@ -19,7 +19,6 @@ from dvfs.errors import (
     CampaignError,
     GpuError,
     GpuNotFoundError,
-    GpuNotSupportedError,
     GpuPermissionError,
     GpuUnavailableError,
 )
@@ -134,10 +133,13 @@ def reachable_gpus(
     command (exit 4), as NVML failing to start (no driver) does; so does a named GPU that is not
     on this machine at all (a typo).
 
-    With `read`, a GPU that opens must also read its power limit (where it has one), as every
-    such command does: a GPU needing a reset may still give its UUID (the driver keeps it)
-    while every reading fails, and would otherwise stop the command on the others. `monitor`
-    passes False: it exports such a GPU as not up until it answers again."""
+    With `read`, a GPU that opens must also read its power limit, as every such command does
+    (`gpu list` shows it, `cap show` and `gpu info` too, `cap apply`, `cap reset` and `gpu reset`
+    record it before a change): a GPU needing a reset may still give its UUID (the driver keeps
+    it) while every reading fails, and one whose power limit NVML does not support (NOT_SUPPORTED)
+    fails those commands all the same; either would otherwise stop the command on the others.
+    `monitor` passes False: it exports such a GPU as not up until it answers again (a reading
+    it does not support as NaN)."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     named: list[int | str] = list(devices)
@@ -152,8 +154,7 @@ def reachable_gpus(
         try:
             with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
-                    with contextlib.suppress(GpuNotSupportedError):
-                        gpu.power_limit_mw()
+                    gpu.power_limit_mw()
                 openable.append(device)
         except GpuPermissionError:
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import tomllib
 from pathlib import Path
@@ -191,6 +192,24 @@ def test_cap_plan_per_batch_writes_a_plan_that_reads_back(tmp_path: Path) -> Non
     )
     assert missing.exit_code == 2 and "Traceback" not in missing.output
     assert missing.output.startswith("Error: no headroom rows for drafter 'dflash'")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
+def test_as_root_a_plan_written_in_a_users_folder_is_written_not_refused(tmp_path: Path) -> None:
+    """`sudo dvfs cap plan --per-batch -o plan.toml` in a user's folder wrote the plan, then
+    read it back through root's check of a plan to follow (`dvfs govern` refuses one others
+    may replace) and failed, exit 2, 'as root dvfs refuses it', the plan on disk and no
+    `wrote` line. Writing a plan is not following one: the text written is what is checked."""
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0)])))
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    os.chown(home, 1, 1)  # a user's own folder
+    out = home / "plan.toml"
+    result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output
+    assert parse_plan(tomllib.loads(out.read_text()), where="x").batches == (1,)
 
 
 def test_the_govern_command_it_suggests_can_be_pasted(tmp_path: Path) -> None:

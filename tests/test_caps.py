@@ -184,6 +184,35 @@ def test_root_refuses_a_caps_file_or_plan_in_a_folder_others_may_write(tmp_path:
     assert load_caps(sticky / "caps.toml").caps[0].power_limit_w == 400.0
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
+def test_root_names_the_folder_of_a_users_file_not_a_chown_that_would_not_do(
+    tmp_path: Path,
+) -> None:
+    """A user's caps file or plan in the user's own folder (where their `dvfs cap plan -o`
+    writes it) was refused as root with 'not owned by root (chown root FILE)'; once chowned it
+    was refused again for its folder, which no change to the file makes safe. The one error
+    names the folder and the fix that does: a folder only root can write."""
+    from dvfs.govern.plan import load_plan
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    files = {
+        "caps.toml": dump_caps(CapsFile((GpuCap(uuid="GPU-1", power_limit_w=400.0),))),
+        "plan.toml": 'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\n'
+        'drafter = "none"\n[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n',
+    }
+    for name, text in files.items():
+        (home / name).write_text(text)
+        os.chown(home / name, 1, 1)  # the user's file, in the user's folder
+    os.chown(home, 1, 1)
+    for load, name in ((load_caps, "caps.toml"), (load_plan, "plan.toml")):
+        with pytest.raises(CapsError) as caught:
+            load(home / name)
+        message = str(caught.value)
+        assert f"is in {home}, which its owner" in message and "/etc/dvfs" in message
+        assert "chown" not in message
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the ownership check applies to root only")
 def test_root_reads_the_caps_file_it_checked(tmp_path: Path, monkeypatch) -> None:
     """The caps file was checked by its path, then opened by its path again: a file put there
@@ -605,6 +634,37 @@ def test_the_caps_commands_go_on_beside_a_gpu_that_opens_but_reads_nothing(
         assert uuid in " ".join(result.stdout.split()), (args, result.output)
     assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
+
+
+def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_support(
+    nvml, tmp_path: Path
+) -> None:
+    """A GPU whose power-limit reads NVML answers NOT_SUPPORTED passed the every-GPU commands'
+    check of a GPU that opens ('not supported is fine'), then failed each of them on the
+    reads they make: `cap apply` (the caps unit at boot) capped no GPU, not even with a
+    clock-only file, and `cap show` and `gpu info` showed none of the others. It is set
+    aside as one needing a reset is: the others acted on, it named in one line, exit 1."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        dump_caps(CapsFile((GpuCap(name="NVIDIA H100 80GB HBM3", sm_clock_max_mhz=1500),)))
+    )
+    failing = (
+        "nvmlDeviceGetPowerManagementLimit",
+        "nvmlDeviceGetEnforcedPowerLimit",
+        "nvmlDeviceGetPowerManagementLimitConstraints",
+        "nvmlDeviceGetPowerManagementDefaultLimit",
+    )
+    nvml.fake_update_device(1, errors={f: nvml.NVML_ERROR_NOT_SUPPORTED for f in failing})
+    for args in (("cap", "apply", str(fleet)), ("cap", "show"), ("gpu", "info")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 1, (args, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 1" in line and "Not Supported" in line, (args, line)
+        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
 
 
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
@@ -1289,6 +1349,34 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     assert "GPU 0: SM clock locked 210-1410 MHz, power limit 500 W" in dry, dry
 
 
+def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cap show`, `monitor` and the dry runs run without root read the caps record where
+    root's `cap apply` made it (/var/lib/dvfs), which the state folder is made readable by
+    all for. Its mode was mkdir's 0755 masked by the umask: a hardened root's 027 made it
+    0750, and every user's `dvfs cap show` then failed 'permission denied' (the GPU locks
+    0640: a dry run without root took a GPU a governor holds for free)."""
+    state = tmp_path / "fresh-state"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(state))
+    old = os.umask(0o027)
+    try:
+        apply_caps(tmp_path, 1410, 500.0)
+    finally:
+        os.umask(old)
+    assert state.stat().st_mode & 0o777 == 0o755
+    assert (state / "caps-applied.json").stat().st_mode & 0o777 == 0o644
+    # and each GPU's lock, by which a dry run without root tells a GPU another dvfs holds (a
+    # running governor: the apply would be refused); one it cannot read passed for free
+    locks = list(state.glob("GPU-*.lock"))
+    assert locks and all(p.stat().st_mode & 0o777 == 0o644 for p in locks)
+    made = tmp_path / "made-by-hand"  # a folder that exists keeps its mode
+    made.mkdir(mode=0o700)
+    monkeypatch.setenv("DVFS_STATE_DIR", str(made))
+    invoke("cap", "reset")
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign
@@ -1654,3 +1742,50 @@ def test_an_apply_failing_on_one_gpu_still_warns_of_the_others_and_notes_them(
     [error] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert "GPU 0: cannot lock SM clocks" in error, error
     assert nvml.fake_device_state(1)["locked_clocks"] == [210, 1500]
+
+
+def _readme_shell_lines() -> list[list[str]]:
+    """Every command of the README's bash blocks, in order, as argv (comments dropped)."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            for command in line.split("&&"):
+                argv = shlex.split(command, comments=True)
+                if argv:
+                    found.append(argv)
+    return found
+
+
+def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
+    """As root, `cap apply` and `govern` refuse a caps file or plan not owned by root or in a
+    folder another user may write (`check_file_safety`), yet the README's recipes ran `sudo
+    dvfs cap apply caps.toml` and `sudo dvfs govern --plan plan.toml` on the file the user's
+    own `dvfs cap plan -o` had just written in their folder: refused, exit 2, as written. Each
+    file a README command reads as root is one `sudo install -o root` put in /etc/dvfs; the
+    dry runs, which need no root, read the user's own."""
+    installed: set[str] = set()
+    read_as_root = []
+    for argv in _readme_shell_lines():
+        sudo = argv[0] == "sudo"
+        words = argv[1:] if sudo else argv
+        if sudo and words[0] == "install" and "-o" in words:
+            assert words[words.index("-o") + 1] == "root", argv
+            installed.add(words[-1])
+            continue
+        if words[:3] == ["dvfs", "cap", "apply"]:
+            path = next(w for w in words[3:] if not w.startswith("-"))
+        elif words[:2] == ["dvfs", "govern"]:
+            path = words[words.index("--plan") + 1]
+        else:
+            continue
+        if sudo:
+            read_as_root.append(path)
+        else:
+            assert "--dry-run" in words, argv  # only a dry run runs without root
+    assert len(read_as_root) >= 2  # the caps recipe's and the governor's
+    for path in read_as_root:
+        assert path in installed and path.startswith("/etc/dvfs/"), path

@@ -149,6 +149,10 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
     if os.geteuid() != 0:
         return
     info = path.stat() if info is None else info
+    # The folder first: where another user may replace the file, no change to the file (chown,
+    # chmod) makes it safe, so the error names the fix that does (a root-only folder).
+    if stat.S_ISREG(info.st_mode):  # a pipe (`<(...)`) root's shell made has no folder
+        _check_folders(path)
     if info.st_mode & stat.S_IWOTH:
         raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
     if info.st_mode & stat.S_IWGRP and info.st_gid != 0:  # its group's members are not root
@@ -158,8 +162,11 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
         )
     if info.st_uid != 0:
         raise CapsError(f"{path} is not owned by root; as root dvfs refuses it (chown root {path})")
-    if not stat.S_ISREG(info.st_mode):  # a pipe (`<(...)`) root's shell made: no folder
-        return
+
+
+def _check_folders(path: Path) -> None:
+    """Refuse `path` where a folder above it, or above the file it links to, lets anyone but
+    root replace it (`check_file_safety`)."""
     given = Path(os.path.abspath(path))
     folders = dict.fromkeys([*given.parents, *Path(os.path.realpath(path)).parents])
     for folder in folders:

@@ -164,12 +164,18 @@ def plan(
 
 
 def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path | None) -> None:
+    import tomllib
+
     from dvfs.caps.planning import plan_per_batch
-    from dvfs.govern.plan import dump_plan, load_plan
+    from dvfs.govern.plan import dump_plan, parse_plan
     from dvfs.outputs import write_text
 
     plan = plan_per_batch(doc, drafter=drafter, corpus=corpus)
     text = dump_plan(plan)
+    # What is written reads back as a plan. The text is checked, not the file read back: as
+    # root that read refused a plan written in a user's folder (which `dvfs govern` as root
+    # refuses: exit 2 after the file was written), a check of where the plan is followed from.
+    parse_plan(tomllib.loads(text), where=str(out_path or "the plan"))
     err = console(stderr=True)
     if plan.simulated:
         err.print(
@@ -189,8 +195,6 @@ def _plan_per_batch(doc: Any, drafter: str | None, corpus: str, out_path: Path |
         click.echo(text, nl=False)
         return
     write_text(out_path, text)  # atomically: a failed write keeps the previous file
-    if out_path.is_file():  # a pipe or /dev/stdout cannot be read back
-        load_plan(out_path)  # what was written reads back as the same plan
     import shlex
 
     # The command on a line of its own, never wrapped, its path quoted: it can be pasted.

@@ -85,8 +85,15 @@ def records_dir() -> Path:
 
 
 def ensure_dir(path: Path) -> Path:
-    """The state directory, created readable by all (the systemd unit and users read it)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o755)
+    """The state directory, created readable by all (the systemd unit and users read it:
+    `cap show`, `monitor` and the dry runs without root), whatever the umask: `mkdir`'s mode
+    is masked by it, so a root whose umask is 027 or 077 (a hardened host's) made it 0750 or
+    0700, and every user's `dvfs cap show` failed 'permission denied'. A folder that exists
+    keeps the mode it has."""
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o755)
+        with contextlib.suppress(OSError):  # another user's, made meanwhile: theirs to set
+            os.chmod(path, 0o755)
     return path
 
 
@@ -253,6 +260,10 @@ class GpuLocks:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # readable by all whatever the umask: the dry runs and `doctor` run without
+                # root tell a GPU another dvfs holds by it (`holder`), an unreadable one as free
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o644)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError as exc:
