@@ -325,7 +325,8 @@ def test_nvml_units_equal_the_code_they_replaced(rows) -> None:
         reasons=np.zeros(n, dtype=np.int64),
         true_energy_j=energy,
     )
-    new, old = twin_gpu._nvml_units(r), old_nvml_units(r)
+    new = twin_gpu._nvml_units(r.energy_j, r.power_w, r.sm_clock_mhz, r.temperature_c, r.reasons)
+    old = old_nvml_units(r)
     for name in ("energy_mj", "power_mw", "sm_clock_mhz", "temperature_c", "reasons"):
         a, b = getattr(new, name), getattr(old, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name

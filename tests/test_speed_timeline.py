@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dvfs.clock import VirtualClock
 from dvfs.gpu.base import EVENT_SW_POWER_CAP
 from dvfs.twin import thermal as th
+from dvfs.twin import traps
 from dvfs.twin.device import TwinDevice, TwinNode
 from dvfs.twin.physics import OperatingPoint, Schedule, time_passes
 from dvfs.twin.profiles import gpu_profile
@@ -109,6 +110,43 @@ def test_the_counters_energy_reads_are_the_truths(clock_mhz, n, batch, offsets_s
     timeline = device.timeline
     t_ns = timeline.fold_ns + np.round(np.array(offsets_s) * 1e9).astype(np.int64)
     assert np.array_equal(timeline.energy_since_fold_j(t_ns), timeline._truth(t_ns)[4])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    exact=st.booleans(),
+    clock_mhz=st.sampled_from([705, 1200, 1980]),
+    n=st.integers(1, 200),
+    batch=st.integers(1, 256),
+    change_after_s=st.none() | st.floats(0.0, 2.0),
+    offsets_s=st.lists(st.floats(-1.0, 30.0), min_size=1, max_size=50),
+)
+def test_what_a_gpu_reports_is_its_readings_to_the_bit(
+    exact, clock_mhz, n, batch, change_after_s, offsets_s
+) -> None:
+    """`reported` (what the twin's GPU reads in bulk: the sampler's every round) is
+    `readings`' counter, power, clock, temperature and reasons to the bit: with a stepped
+    counter or an exact one, while a knob change settles, after the work and before the
+    fold (clipped)."""
+    profile = traps.without(H100) if exact else H100
+    clock = VirtualClock()
+    device = TwinDevice(profile, clock, 0)
+    clock.sleep(3.0)
+    passes = passes_of(n, batch, 1500.0)
+    device.start(
+        Schedule((OperatingPoint(clock_mhz, False, time_passes(profile, passes, clock_mhz)),))
+    )
+    if change_after_s is not None:  # a power cap mid-work: a new timeline, settling
+        clock.sleep(change_after_s)
+        device.power_limit_w = 300.0
+    timeline = device.timeline
+    t_ns = timeline.fold_ns + np.round(np.array(offsets_s) * 1e9).astype(np.int64)
+    want = timeline.readings(t_ns)
+    got = timeline.reported(t_ns)
+    names = ("energy_j", "power_w", "sm_clock_mhz", "temperature_c", "reasons")
+    for name, g in zip(names, got, strict=True):
+        w = getattr(want, name)
+        assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), name
 
 
 def replaced_work(schedule: Schedule, now: int) -> Work:

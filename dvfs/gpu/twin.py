@@ -10,7 +10,7 @@ from dvfs.errors import GpuValueError
 from dvfs.gpu.base import BulkReadings, DeviceInfo, GpuIdentity, PowerLimitRange
 from dvfs.twin.device import TwinDevice
 from dvfs.twin.identity import twin_driver_version
-from dvfs.twin.timeline import Readings, Timeline
+from dvfs.twin.timeline import Timeline
 
 
 def twin_gpu_name(nvml_name: str) -> str:
@@ -89,7 +89,7 @@ class TwinGpu:
             (seen, at_ns), readings = last
             if seen is timeline and at_ns == int(t_ns[0]):
                 return readings
-        out = _nvml_units(self.device.readings_at(t_ns))
+        out = _nvml_units(*timeline.reported(t_ns))
         if t_ns.ndim == 1 and len(t_ns):
             # the last reading's five integers copied into one read-only block, a row each
             # (from the five values at once: np.stack's handling costs more than the copy)
@@ -131,7 +131,7 @@ class TwinGpu:
         if state is self.device.timeline:
             return self.readings_at(t_ns)
         assert isinstance(state, Timeline)
-        return _nvml_units(state.readings(np.asarray(t_ns, dtype=np.int64)))
+        return _nvml_units(*state.reported(np.asarray(t_ns, dtype=np.int64)))
 
     def energy_mj(self) -> int:
         return int(self.device.energy_j() * 1000)
@@ -185,15 +185,22 @@ class TwinGpu:
         )
 
 
-def _nvml_units(r: Readings) -> BulkReadings:
-    """A device's readings in NVML's integers (see `TwinGpu.readings_at`)."""
+def _nvml_units(
+    energy_j: np.ndarray,
+    power_w: np.ndarray,
+    sm_clock_mhz: np.ndarray,
+    temperature_c: np.ndarray,
+    reasons: np.ndarray,
+) -> BulkReadings:
+    """A timeline's reports (`Timeline.reported`) in NVML's integers (see
+    `TwinGpu.readings_at`)."""
     # np.round with no decimals is rint (half to even), called as the ufunc it is, in place
     # on the product it rounds; a cast to int64 truncates toward zero, as np.trunc does
-    power_mw = r.power_w * 1000
+    power_mw = power_w * 1000
     return BulkReadings(
-        energy_mj=(r.energy_j * 1000).astype(np.int64),
+        energy_mj=(energy_j * 1000).astype(np.int64),
         power_mw=np.rint(power_mw, out=power_mw).astype(np.int64),
-        sm_clock_mhz=r.sm_clock_mhz.astype(np.int64, copy=False),
-        temperature_c=np.rint(r.temperature_c).astype(np.int64),
-        reasons=r.reasons.astype(np.int64, copy=False),
+        sm_clock_mhz=sm_clock_mhz.astype(np.int64, copy=False),
+        temperature_c=np.rint(temperature_c).astype(np.int64),
+        reasons=reasons.astype(np.int64, copy=False),
     )

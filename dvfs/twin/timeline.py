@@ -205,18 +205,19 @@ class Timeline:
 
     # -- the truth -------------------------------------------------------------------------
     def _truth(
-        self, t_ns: np.ndarray, *, clipped: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        self, t_ns: np.ndarray, *, clipped: bool = False, energy: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """busy, segment index (the idle tail is the last), temperature (C), true power (W),
-        true energy since `fold_ns` (J), at instants from `fold_ns` on (earlier ones clipped;
-        `clipped`: the caller has clipped them)."""
+        true energy since `fold_ns` (J; None without `energy`: NVML's stepped counter does not
+        read it), at instants from `fold_ns` on (earlier ones clipped; `clipped`: the caller
+        has clipped them)."""
         if not clipped:
             t_ns = np.maximum(t_ns, self.fold_ns)
         j = self._seg_ends_ns.searchsorted(t_ns, side="right")
         busy = j < len(self._seg_ends_ns)
         offset_s = (t_ns - self._seg_start_ns[j]) * 1e-9
         settled_w = self._seg_settled_w[j]
-        energy = self._seg_energy_j[j] + settled_w * offset_s
+        since = self._seg_energy_j[j] + settled_w * offset_s if energy else None
         tau = self.thermal.tau_s
         if tau > 0:
             start_lag = self._seg_offset_c[j]  # T0 - S
@@ -224,13 +225,14 @@ class Timeline:
             temp = self._seg_steady_c[j] + lag_c
             k = self.thermal.leakage_w_per_c
             if k:
-                energy += k * tau * (start_lag - lag_c)
+                if since is not None:
+                    since += k * tau * (start_lag - lag_c)
                 power = settled_w + k * lag_c
             else:
                 power = settled_w
         else:
             temp, power = self._seg_steady_c[j], settled_w
-        return busy, j, temp, power, energy
+        return busy, j, temp, power, since
 
     def temperature_c(self, t_ns: np.ndarray) -> np.ndarray:
         """`_truth`'s temperature alone at int64 instants (earlier than `fold_ns`: clipped, as
@@ -313,6 +315,39 @@ class Timeline:
         t_ns = np.asarray(t_ns, dtype=np.int64)
         clipped = np.maximum(t_ns, self.fold_ns)  # the truth and the counter before the fold
         busy, i, temp, power, since_j = self._truth(clipped, clipped=True)
+        assert since_j is not None
+        clock, reasons = self._clock_and_reasons(t_ns, busy, i)
+        true_j = self.base_energy_j + since_j
+        if self.counter is None:
+            energy, average = true_j, power
+        else:
+            energy, average = self.counter.read(clipped)
+            if self.profile.power_average_s <= 0:
+                average = power
+        return Readings(energy, power, average, clock, temp, reasons, true_j)
+
+    def reported(
+        self, t_ns: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`readings`' energy counter (J), power (W), SM clock, temperature (C) and event
+        reasons alone, the same numbers: what a GPU's bulk read reports (`dvfs.gpu.twin`),
+        without the averaged power and the true energy, which it does not (a sampler reads
+        every round; both cost a quarter of the reading)."""
+        t_ns = np.asarray(t_ns, dtype=np.int64)
+        clipped = np.maximum(t_ns, self.fold_ns)
+        counter = self.counter
+        busy, i, temp, power, since_j = self._truth(clipped, clipped=True, energy=counter is None)
+        clock, reasons = self._clock_and_reasons(t_ns, busy, i)
+        if counter is not None:
+            return counter.at(clipped), power, clock, temp, reasons
+        assert since_j is not None
+        return self.base_energy_j + since_j, power, clock, temp, reasons
+
+    def _clock_and_reasons(
+        self, t_ns: np.ndarray, busy: np.ndarray, i: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The observed SM clock (a knob change settling) and the event reasons at `t_ns`,
+        from `_truth`'s busy and segment index there."""
         work = self.work
         if work is not None:
             i = np.minimum(i, len(work.ends_ns) - 1)
@@ -330,11 +365,4 @@ class Timeline:
                 target = clock[moving]
                 clock = clock.astype(np.int64, copy=True)
                 clock[moving] = np.round(target + (change.from_mhz - target) * left)
-        true_j = self.base_energy_j + since_j
-        if self.counter is None:
-            energy, average = true_j, power
-        else:
-            energy, average = self.counter.read(clipped)
-            if self.profile.power_average_s <= 0:
-                average = power
-        return Readings(energy, power, average, clock, temp, reasons, true_j)
+        return clock, reasons
