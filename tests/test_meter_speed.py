@@ -136,15 +136,12 @@ def test_quantiles_of_plain_floats_and_of_nan_free_arrays_are_np_quantiles(value
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 3000), st.integers(1, 40), st.integers(0, 2**32 - 1))
+@given(st.integers(1, 60_000), st.integers(1, 40), st.integers(0, 2**32 - 1))
 def test_order_statistics_of_many_equal_latencies_are_np_quantiles(n, distinct, seed) -> None:
     # a cell's latencies: a few distinct gaps, repeated by every request of every round
     gaps = np.random.default_rng(seed).integers(1, 10**7, distinct) * 1e-6
     values = np.random.default_rng(seed + 1).choice(gaps, n)
     assert same(meter._ordered_quantiles(values), old_quantiles(values))
-    _, kth = meter._picks(n)  # the path for many values, whatever n
-    ordered = np.partition(values, kth)
-    assert meter._order_statistics(values, kth) == {k: float(ordered[k]) for k in kth}
 
 
 def trace(sent: int, gaps: list[int], tokens: list[int], scale: int) -> RequestTrace:
