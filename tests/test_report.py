@@ -241,6 +241,45 @@ def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
 
 
+def test_a_markdown_figure_that_cannot_be_written_leaves_the_old_page(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The figures were staged in a hidden folder beside the page and moved into their own
+    only after the page was written: a figures' folder that could not take them (a file where
+    it should be; a link to a folder on another disk, where no rename from beside the page
+    reaches) failed after the new page had replaced the old one, its figures missing, exit 1.
+    The file in the way is named with the old page kept and nothing new; the linked folder
+    gets its figures, as before the staging."""
+    out = tmp_path / "report.md"
+    out.write_text("the old page\n")
+    (tmp_path / "report_figures").write_text("not a folder\n")
+    result = run("report", str(small_sweep), "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert out.read_text() == "the old page\n"
+    assert result.stderr.startswith(f"Error: cannot create {tmp_path / 'report_figures'}:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
+
+    other_disk = tmp_path / "other-disk"
+    other_disk.mkdir()
+    page = tmp_path / "linked" / "report.md"
+    page.parent.mkdir()
+    (page.parent / "report_figures").symlink_to(other_disk)
+    replace = os.replace
+
+    def across_disks(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        folders = (Path(os.path.realpath(p)).parent for p in (src, dst))
+        if len({other_disk in (f, *f.parents) for f in folders}) == 2:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fspath(src), os.fspath(dst))
+        replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", across_disks)
+    result = run("report", str(small_sweep), "-o", str(page))
+    assert result.exit_code == 0, result.output
+    figures = sorted(other_disk.iterdir())
+    assert figures and all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+    assert sorted(p.name for p in page.parent.iterdir()) == ["report.md", "report_figures"]
+
+
 @pytest.mark.parametrize(
     "args", [("--knob", "power_limit", "--slack", "5%", "--confidence", "0.9"), ()]
 )
