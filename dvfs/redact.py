@@ -68,7 +68,9 @@ _NAME_VALUE = re.compile(
     rf"(?<![\w.-])([A-Za-z_][A-Za-z0-9_]*)=(?!{_HIDDEN}|None\b)('[^']*'|\"[^\"]*\"|[^\s'\",)]+)"
 )
 _FLAG_VALUE = re.compile(rf"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)(?!{_HIDDEN})([^\s'\"]+)")
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+#: A URL in a text; what a record hid in it (`NOT_RECORDED`, a space inside) is part of it, so
+#: that a text hidden once reads the same hidden again (a journal's, compared with a new run's).
+_URL = re.compile(rf"\b[A-Za-z][A-Za-z0-9+.-]*://(?:{_HIDDEN}|[^\s'\"<>])+")
 #: A URL's parts as RFC 3986 (appendix B) splits any string, for one urlsplit refuses.
 _URL_PARTS = re.compile(r"(?:([^:/?#]+):)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?(?:#(.*))?", re.S)
 
