@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import SMALL_EXACT, made_once, replace_block, unsaved_figure
+from conftest import MIXED_FLEET, SMALL_EXACT, TINY_EXACT, made_once, replace_block, unsaved_figure
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -965,6 +965,28 @@ def test_the_report_names_no_clock_the_campaign_did_not_set(shared_run, tmp_path
     facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
     assert facts["SM clocks"] == "1005, 1500, 1980 MHz"
     assert facts["Power limits"] == "not set: as found at start (700 W)"
+
+
+def test_an_observe_only_fleet_mixing_models_is_not_said_to_have_left_clocks_unlocked(
+    shared_run, tmp_path: Path
+) -> None:
+    """A fleet mixing GPU models swept observe-only has one cube per model merged along
+    `gpu`, which keeps each source's `actuation` in `merged_from`, not its own: the report's
+    facts said "SM clocks: not set: left unlocked", and `cube info` "SM clock left unlocked",
+    of GPUs dvfs never touched (a clock lock set outside dvfs stays). Both say observe-only,
+    as of one model's cube."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+
+    out = shared_run(TINY_EXACT, "mixed-observed", *MIXED_FLEET, "--observe-only")
+    cube = open_cube(out / "cube.nc")
+    assert "gpu" in cube.dims and "actuation" not in cube.attrs
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["SM clocks"].startswith("not set: as found (observe-only);"), facts
+    info = run("cube", "info", str(out))
+    assert info.exit_code == 0, info.output
+    shown = " ".join(info.output.split())
+    assert "observe-only: dvfs changed no knob" in shown and "left unlocked" not in shown
 
 
 @pytest.mark.parametrize(
