@@ -67,8 +67,13 @@ _HIDDEN = re.escape(NOT_RECORDED)
 _NAME_VALUE = re.compile(
     rf"(?<![\w.-])([A-Za-z_][A-Za-z0-9_]*)=(?!{_HIDDEN}|None\b)('[^']*'|\"[^\"]*\"|[^\s'\",)]+)"
 )
-_FLAG_VALUE = re.compile(rf"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)(?!{_HIDDEN})([^\s'\"]+)")
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+#: --flag VALUE or --flag=VALUE, the value bare or quoted (a shell line's `--api-key 'KEY'`).
+_FLAG_VALUE = re.compile(
+    rf"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)(?!['\"]?{_HIDDEN})('[^']*'|\"[^\"]*\"|[^\s'\"]+)"
+)
+#: A URL in a text; what a record hid in it (`NOT_RECORDED`, a space inside) is part of it, so
+#: that a text hidden once reads the same hidden again (a journal's, compared with a new run's).
+_URL = re.compile(rf"\b[A-Za-z][A-Za-z0-9+.-]*://(?:{_HIDDEN}|[^\s'\"<>])+")
 #: A URL's parts as RFC 3986 (appendix B) splits any string, for one urlsplit refuses.
 _URL_PARTS = re.compile(r"(?:([^:/?#]+):)?(?://([^/?#]*))?([^?#]*)(?:\?([^#]*))?(?:#(.*))?", re.S)
 
@@ -138,12 +143,17 @@ def redact_text(text: str) -> str:
     VALUE` (or `=VALUE`) hidden."""
     text = _URL.sub(lambda m: redact_url(m.group(0)), text)
     text = _NAME_VALUE.sub(_hidden_value, text)
-    return _FLAG_VALUE.sub(
-        lambda m: (
-            f"{m.group(1)}{m.group(2)}{NOT_RECORDED}" if secret_flag(m.group(1)) else m.group(0)
-        ),
-        text,
-    )
+    return _FLAG_VALUE.sub(_hidden_flag_value, text)
+
+
+def _hidden_flag_value(match: re.Match[str]) -> str:
+    flag, sep, value = match.groups()
+    quote = value[0] if value[0] in "'\"" else ""
+    if secret_flag(flag):
+        return f"{flag}{sep}{quote}{NOT_RECORDED}{quote}"
+    if quote:  # another flag's quoted value may hold one (`sh -c "... --api-key KEY"`)
+        return f"{flag}{sep}{quote}{redact_text(value[1:-1])}{quote}"
+    return match.group(0)
 
 
 def redact_argv(argv: Iterable[str]) -> list[str]:

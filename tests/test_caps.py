@@ -290,6 +290,23 @@ def test_a_gpu_uuid_pasted_upper_cased_names_that_gpu(nvml, tmp_path: Path) -> N
     assert cap.uuid == uuid
 
 
+def test_cap_plan_refuses_a_gpu_named_twice_case_aside(tmp_path: Path) -> None:
+    """`cap plan --gpu UUID --gpu uuid` (one GPU, pasted once upper-cased) wrote a caps file
+    with the GPU's [[gpu]] entry twice, exit 0, which the `cap apply` it printed refuses ('a
+    GPU UUID appears twice'). It is refused in one line, exit 2, as --gpus refuses a GPU named
+    twice; named once, in either case, the file applies."""
+    uuid = "GPU-181a77a6-cf28-5d94-961e-2f4faa57402f"
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row("code", 1305, 450.0)], uuids=[uuid])))
+    plan = ["cap", "plan", str(headroom), "--batch", "16", "--drafter", "eagle3"]
+    result = CliRunner().invoke(cli, [*plan, "--gpu", uuid.upper(), "--gpu", uuid])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"Error: --gpu names {uuid} twice (case aside): name each GPU once\n"
+    caps = tmp_path / "caps.toml"
+    invoke(*plan, "--gpu", uuid.upper(), "-o", str(caps))
+    assert [c.uuid for c in load_caps(caps).caps] == [uuid]
+
+
 def test_cap_reset_resets_every_gpu_beside_one_fallen_off_the_bus(nvml, monkeypatch) -> None:
     """`dvfs cap reset` with no GPU named (the caps unit's ExecStop) stopped at a GPU fallen off
     the bus before resetting any: the others kept their caps. It now resets every GPU it can

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from conftest import SMALL_EXACT, made_once, replace_block, unsaved_figure
+from conftest import MIXED_FLEET, SMALL_EXACT, TINY_EXACT, made_once, replace_block, unsaved_figure
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -239,6 +239,45 @@ def test_a_markdown_page_that_cannot_be_written_leaves_no_figures(
     figures = sorted((tmp_path / "report_figures").iterdir())
     assert figures and all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
+
+
+def test_a_markdown_figure_that_cannot_be_written_leaves_the_old_page(
+    small_sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The figures were staged in a hidden folder beside the page and moved into their own
+    only after the page was written: a figures' folder that could not take them (a file where
+    it should be; a link to a folder on another disk, where no rename from beside the page
+    reaches) failed after the new page had replaced the old one, its figures missing, exit 1.
+    The file in the way is named with the old page kept and nothing new; the linked folder
+    gets its figures, as before the staging."""
+    out = tmp_path / "report.md"
+    out.write_text("the old page\n")
+    (tmp_path / "report_figures").write_text("not a folder\n")
+    result = run("report", str(small_sweep), "-o", str(out))
+    assert result.exit_code == 1, result.output
+    assert out.read_text() == "the old page\n"
+    assert result.stderr.startswith(f"Error: cannot create {tmp_path / 'report_figures'}:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "report_figures"]
+
+    other_disk = tmp_path / "other-disk"
+    other_disk.mkdir()
+    page = tmp_path / "linked" / "report.md"
+    page.parent.mkdir()
+    (page.parent / "report_figures").symlink_to(other_disk)
+    replace = os.replace
+
+    def across_disks(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        folders = (Path(os.path.realpath(p)).parent for p in (src, dst))
+        if len({other_disk in (f, *f.parents) for f in folders}) == 2:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fspath(src), os.fspath(dst))
+        replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", across_disks)
+    result = run("report", str(small_sweep), "-o", str(page))
+    assert result.exit_code == 0, result.output
+    figures = sorted(other_disk.iterdir())
+    assert figures and all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+    assert sorted(p.name for p in page.parent.iterdir()) == ["report.md", "report_figures"]
 
 
 @pytest.mark.parametrize(
@@ -926,6 +965,28 @@ def test_the_report_names_no_clock_the_campaign_did_not_set(shared_run, tmp_path
     facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
     assert facts["SM clocks"] == "1005, 1500, 1980 MHz"
     assert facts["Power limits"] == "not set: as found at start (700 W)"
+
+
+def test_an_observe_only_fleet_mixing_models_is_not_said_to_have_left_clocks_unlocked(
+    shared_run, tmp_path: Path
+) -> None:
+    """A fleet mixing GPU models swept observe-only has one cube per model merged along
+    `gpu`, which keeps each source's `actuation` in `merged_from`, not its own: the report's
+    facts said "SM clocks: not set: left unlocked", and `cube info` "SM clock left unlocked",
+    of GPUs dvfs never touched (a clock lock set outside dvfs stays). Both say observe-only,
+    as of one model's cube."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+
+    out = shared_run(TINY_EXACT, "mixed-observed", *MIXED_FLEET, "--observe-only")
+    cube = open_cube(out / "cube.nc")
+    assert "gpu" in cube.dims and "actuation" not in cube.attrs
+    facts = dict(measured_section(cube).blocks[0].pairs)  # type: ignore[union-attr]
+    assert facts["SM clocks"].startswith("not set: as found (observe-only);"), facts
+    info = run("cube", "info", str(out))
+    assert info.exit_code == 0, info.output
+    shown = " ".join(info.output.split())
+    assert "observe-only: dvfs changed no knob" in shown and "left unlocked" not in shown
 
 
 @pytest.mark.parametrize(

@@ -644,6 +644,94 @@ def test_credentials_in_a_kept_env_value_reach_the_server_but_no_record(tmp_path
 
 
 @pytest.mark.slow
+def test_a_quoted_key_after_a_secret_flag_is_recorded_nowhere(tmp_path: Path) -> None:
+    """A key quoted after its flag, as a shell line writes it (`--api-key 'KEY'`, `--flag="KEY"`)
+    in a kept engine.sglang.env value (or a `sh -c` server command), was recorded as written in
+    the session's settings and server_env and in the campaign text the journal and cube keep:
+    only a bare value was hidden. A quoted one is hidden too, its quotes kept, and the server
+    still gets it as written."""
+    from dvfs.engines.sglang_args import server_env
+    from dvfs.measure.journal import read_records
+    from dvfs.redact import redact_argv
+
+    k1, k2, k3 = (f"{w}-{time.monotonic_ns()}" for w in ("one", "two", "three"))
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    kept = f"""TORCH_ARGS = "--api-key '{k1}'", SGLANG_ARGS = "--admin-api-key=\\"{k2}\\"", """
+    kept += f"""SGLANG_WRAP = "sh -c 'serve --api-key {k3}'", """
+    path.write_text(path.read_text().replace("env = { ", f"env = {{ {kept}"))
+    campaign = load_campaign(path)
+    assert server_env(campaign)["TORCH_ARGS"] == f"--api-key '{k1}'"  # as written
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert _holding(tmp_path, [k1, k2, k3]) == [str(path)]  # the campaign file alone
+    [session] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    for env in (session["server_env"], session["settings"]["engine.sglang.env"]):
+        assert env["TORCH_ARGS"] == "--api-key '(not recorded)'"
+        assert env["SGLANG_ARGS"] == '--admin-api-key="(not recorded)"'
+        assert env["SGLANG_WRAP"] == "sh -c 'serve --api-key (not recorded)'"
+    line = f"exec python -m sglang.launch_server --api-key '{k1}'"
+    assert redact_argv(["sh", "-c", line]) == [
+        "sh",
+        "-c",
+        "exec python -m sglang.launch_server --api-key '(not recorded)'",
+    ]
+
+
+@pytest.mark.slow
+def test_a_kept_env_value_hidden_once_reads_the_same_wherever_it_is_read_back(
+    tmp_path: Path,
+) -> None:
+    """A URL in a kept engine.sglang.env value with a secret query parameter and no user
+    (`SGLANG_MIRROR = "https://hub.example/m?token=..."`) was hidden as recorded, then hidden
+    again wherever it was read back: the cube's server_env and campaign text said
+    '...token=(not recorded) recorded)', a value no campaign had, and a journal of an earlier
+    dvfs, which recorded it as written, was refused on resume as another environment. Hidden
+    twice, a value reads as hidden once: the cube says what the journal says, and the earlier
+    journal resumes."""
+    import tomllib
+
+    from dvfs.measure.journal import read_records
+
+    token = f"tok-{time.monotonic_ns()}"
+    mirror = f"https://hub.example/m?token={token}"
+    hidden = "https://hub.example/m?token=(not recorded)"
+    path, _ = stub_campaign(
+        tmp_path,
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    path.write_text(path.read_text().replace("env = { ", f'env = {{ SGLANG_MIRROR = "{mirror}", '))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    [session] = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    assert session["server_env"]["SGLANG_MIRROR"] == hidden
+    with xr.open_dataset(out / "cube.nc") as cube:
+        assert json.loads(cube.attrs["server_env"])["SGLANG_MIRROR"] == hidden
+        source = tomllib.loads(cube.attrs["campaign_source"])
+    assert source["engine"]["sglang"]["env"]["SGLANG_MIRROR"] == hidden
+    # the journal as a dvfs before the hiding wrote it: the value as written
+    journal = out / "journal.jsonl"
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    for record in records:
+        if record["type"] == "session":
+            record["server_env"]["SGLANG_MIRROR"] = mirror
+            record["settings"]["engine.sglang.env"]["SGLANG_MIRROR"] = mirror
+        elif record["type"] == "header":
+            record["campaign_source"] = path.read_text()
+    journal.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    again = CliRunner().invoke(cli, ["sweep", str(path), "--out", str(out), "--no-progress"])
+    assert again.exit_code == 0 and "0 cell(s) measured" in again.output, again.output
+
+
+@pytest.mark.slow
 def test_api_keys_given_by_an_abbreviation_sglang_takes_are_sent_and_not_recorded(
     tmp_path: Path,
 ) -> None:

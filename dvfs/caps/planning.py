@@ -176,6 +176,9 @@ def plan_caps(
             f"--gpu {not_uuids[0]!r} is not a GPU UUID (GPU-...); `dvfs gpu list` shows them"
         )
     uuids = [canonical_uuid(u) for u in uuids]  # the document's are NVML's, lower-case
+    twice = next((u for i, u in enumerate(uuids) if u in uuids[:i]), None)
+    if twice is not None:  # two [[gpu]] entries of one GPU: a file `cap apply` refuses
+        raise CapsError(f"--gpu names {twice} twice (case aside): name each GPU once")
     check_document(doc)
     rows = [r for r in doc["rows"] if r["batch"] == batch and r["drafter"] == drafter]
     if not rows:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
-import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,32 +63,57 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
-    """A Markdown page and its figures (`files`: paths relative to the page's folder). The
-    figures are written to a hidden folder beside the page first, the page next, and only then
-    are the figures moved into their folder: a page that cannot be written (a full disk, an
-    immutable file) leaves no figures' folder behind, nor any file in one, and a figure that
-    cannot be written no page linking to it. A failure names the file the user would get."""
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".figures", dir=output.parent)
-    )
+    """A Markdown page and its figures (`files`: paths relative to the page's folder). Each
+    figure is written first to a hidden file in its own folder (made where missing), the page
+    next, and only then is each figure renamed to its name: a page that cannot be written (a
+    full disk, an immutable file) leaves no figures' folder behind, nor any file in one, and a
+    figure that cannot be written (its folder a file, or read-only, or a link to another disk)
+    no page linking to it. A failure names the file the user would get."""
+    from dvfs.outputs import new_file_mode
+
+    made: list[Path] = []  # folders made for the figures, removed where no page is written
+    staged: list[tuple[Path, Path, Path]] = []  # (hidden file, its name, as the user sees it)
+    written = False
     try:
         for name, data in files.items():
-            staged = staging / name
-            try:
-                staged.parent.mkdir(parents=True, exist_ok=True)
-                write_atomically(staged, data)
-            except OSError as exc:
-                raise OSError(exc.errno, exc.strerror, str(output.parent / name)) from exc
-        write_atomically(output, text.encode("utf-8"))
-        for name in files:
             final = output.parent / name
+            _make_folder(final.parent, made)  # a file in the way: named, as the folder
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / name, final)
+                real = Path(os.path.realpath(final))  # a linked folder: the rename within it
+                if real.is_dir():
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+                mode = stat.S_IMODE(real.stat().st_mode) if real.is_file() else new_file_mode()
+                fd, temp = tempfile.mkstemp(prefix=f".{real.name}.", suffix=".tmp", dir=real.parent)
+                staged.append((Path(temp), real, final))
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(temp, mode)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(final)) from exc
+        write_atomically(output, text.encode("utf-8"))
+        written = True
+        for hidden, real, final in staged:
+            try:
+                os.replace(hidden, real)
             except OSError as exc:
                 raise OSError(exc.errno, exc.strerror, str(final)) from exc
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for hidden, _, _ in staged:
+            hidden.unlink(missing_ok=True)
+        for folder in reversed(made if not written else []):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _make_folder(folder: Path, made: list[Path]) -> None:
+    """`folder` and any folder above it that is missing, each appended to `made` once made."""
+    if folder.is_dir():
+        return
+    _make_folder(folder.parent, made)
+    folder.mkdir()  # a file (or a dangling link) in the way: FileExistsError
+    made.append(folder)
 
 
 def _figures(cube: object, options: ReportOptions) -> list[tuple[str, bytes]]:

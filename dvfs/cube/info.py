@@ -29,6 +29,8 @@ def _stock_text(ds: xr.Dataset) -> str:
 
     how = "" if swept_knobs(ds)[0] else "; SM clock left unlocked"
     if "gpu" in ds.dims:
+        if observe_only(ds):  # not unlocked: each GPU as found, a lock set outside dvfs kept
+            how = "; observe-only: dvfs changed no knob, so stock is each GPU as found"
         per_gpu = [
             f"{str(g)[:12]} {reference_setting(single_gpu(ds, g)).describe()}"
             for g in ds["gpu"].values
@@ -41,9 +43,18 @@ def _stock_text(ds: xr.Dataset) -> str:
 
 
 def observe_only(ds: xr.Dataset) -> bool:
-    """Whether the cube was measured observe-only (`actuation` 0: dvfs changed no knob)."""
+    """Whether the cube was measured observe-only (`actuation` 0: dvfs changed no knob); a
+    merged cube (a fleet mixing GPU models), which has no `actuation` of its own, where each
+    of its sources was (`merged_from`)."""
+    if "actuation" not in ds.attrs:
+        sources = _sources(ds).values()
+        return bool(sources) and all(_no_actuation(s.get("actuation")) for s in sources)
+    return _no_actuation(ds.attrs["actuation"])
+
+
+def _no_actuation(value: Any) -> bool:
     try:
-        return int(ds.attrs.get("actuation", 1)) == 0
+        return int(value) == 0
     except (TypeError, ValueError):
         return False
 
