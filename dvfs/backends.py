@@ -123,6 +123,7 @@ def reachable_gpus(
     nvml: ModuleType | None = None,
     read: bool = True,
     devices: Sequence[int | str] = (),
+    shown: bool = False,
 ) -> tuple[list[int | str], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, or the GPUs `devices` names (as named), split into those that open and the errors
@@ -139,7 +140,9 @@ def reachable_gpus(
     it) while every reading fails, and one whose power limit NVML does not support (NOT_SUPPORTED)
     fails those commands all the same; either would otherwise stop the command on the others.
     `monitor` passes False: it exports such a GPU as not up until it answers again (a reading
-    it does not support as NaN)."""
+    it does not support as NaN). With `shown` (`cap show`, `gpu info`), every power and clock
+    reading they show is read too: one NVML does not support (the enforced power limit, the
+    SM clock) failed them on that GPU after the check, showing none of the others."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     named: list[int | str] = list(devices)
@@ -155,6 +158,10 @@ def reachable_gpus(
             with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
                     gpu.power_limit_mw()
+                    if shown:
+                        gpu.enforced_power_limit_mw()
+                        gpu.power_limit_range()
+                        gpu.sm_clock_mhz()
                 openable.append(device)
         except GpuPermissionError:
             raise

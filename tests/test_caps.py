@@ -667,6 +667,25 @@ def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_su
     assert nvml.fake_device_state(1)["locked_clocks"] is None
 
 
+@pytest.mark.parametrize("failing", ["nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetClockInfo"])
+def test_cap_show_and_gpu_info_go_on_beside_a_gpu_whose_readings_nvml_does_not_support(
+    nvml, failing: str
+) -> None:
+    """A GPU whose power limit reads, but whose enforced limit or SM clock NVML answers
+    NOT_SUPPORTED, passed the every-GPU commands' check, then failed `cap show` and `gpu info`
+    on it: neither showed any GPU, exit 1. It is set aside as one whose power limit is not
+    supported: the others shown, it named in one line, exit 1."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(1, errors={failing: nvml.NVML_ERROR_NOT_SUPPORTED})
+    for args in (("cap", "show"), ("gpu", "info"), ("gpu", "info", "0", "1")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 1, (args, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 1" in line and "Not Supported" in line, (args, line)
+        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"

@@ -387,7 +387,8 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import records_dir
 
-    openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
+    # one lost GPU must not hide the others' caps, nor one that cannot read what is shown
+    openable, lost = reachable_gpus(shown=True)
     rows: list[dict[str, Any]] = []
     if openable or not lost:
         with open_gpus(openable, allow_mig=True) as gpus:

@@ -136,7 +136,7 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 
     lost: list[Any] = []
     if not twin:  # every GPU or those named: one fallen off the bus must not hide the others
-        openable, lost = reachable_gpus(devices=parse_devices(devices))
+        openable, lost = reachable_gpus(devices=parse_devices(devices), shown=True)
         if not openable and lost:
             show_beside_lost([], lost, as_json=as_json, show=_print_details)
         devices = tuple(str(i) for i in openable)
