@@ -19,6 +19,7 @@ from dvfs.errors import (
     CampaignError,
     GpuError,
     GpuNotFoundError,
+    GpuNotSupportedError,
     GpuPermissionError,
     GpuUnavailableError,
 )
@@ -124,6 +125,7 @@ def reachable_gpus(
     read: bool = True,
     devices: Sequence[int | str] = (),
     shown: bool = False,
+    unsupported_ok: bool = False,
 ) -> tuple[list[int | str], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, or the GPUs `devices` names (as named), split into those that open and the errors
@@ -142,7 +144,11 @@ def reachable_gpus(
     `monitor` passes False: it exports such a GPU as not up until it answers again (a reading
     it does not support as NaN). With `shown` (`cap show`, `gpu info`), every power and clock
     reading they show is read too: one NVML does not support (the enforced power limit, the
-    SM clock) failed them on that GPU after the check, showing none of the others."""
+    SM clock) failed them on that GPU after the check, showing none of the others. With
+    `unsupported_ok`, a power limit NVML does not support passes, where the command reads it
+    only on a GPU it changes (`gpu reset` with nothing recorded for it, `cap apply` of a file
+    that does not name it, which sets aside one it names itself): that GPU, which cannot
+    change, must not fail the command on every run."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     named: list[int | str] = list(devices)
@@ -157,7 +163,11 @@ def reachable_gpus(
         try:
             with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
-                    gpu.power_limit_mw()
+                    try:
+                        gpu.power_limit_mw()
+                    except GpuNotSupportedError:
+                        if not unsupported_ok:
+                            raise
                     if shown:
                         gpu.enforced_power_limit_mw()
                         gpu.power_limit_range()

@@ -686,6 +686,34 @@ def test_cap_show_and_gpu_info_go_on_beside_a_gpu_whose_readings_nvml_does_not_s
         assert uuid in " ".join(result.stdout.split()), (args, result.output)
 
 
+def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_leaves_it_be(
+    nvml, tmp_path: Path
+) -> None:
+    """Set aside by every every-GPU command, a GPU whose power limit NVML does not support
+    failed, exit 1, a `cap apply` of a file with no entry for it (the caps unit at each boot:
+    a lasting property of the GPU, not a fault) and `gpu reset` with nothing recorded for it
+    (the governor unit's ExecStopPost), each of which reads that power limit only on a GPU it
+    changes: as before it was set aside, the apply caps the GPU it names and notes the other
+    (exit 0), the reset finds nothing to restore (exit 0)."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    nvml.fake_update_device(
+        1, errors={"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    assert "has no entry for GPU 1" in " ".join(result.stderr.split()), result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    for args in (("gpu", "reset"), ("gpu", "reset", "1")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, (args, result.output)
+        assert "nothing to restore" in result.stdout, (args, result.output)
+    result = CliRunner().invoke(cli, ["gpu", "reset", "--defaults"])  # it would reset GPU 1
+    assert result.exit_code == 1 and "GPU 1" in result.stderr, result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
