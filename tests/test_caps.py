@@ -1424,6 +1424,28 @@ def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
     assert made.stat().st_mode & 0o777 == 0o700
 
 
+def test_the_folders_root_makes_above_the_state_folder_are_readable_by_all_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With $DVFS_STATE_DIR naming a folder below others not made yet (/srv/dvfs/state), the
+    state folder was made 0755 under a hardened root umask (027) but the folders above it,
+    made by mkdir's parents, 0750: every user's `cap show` with the same $DVFS_STATE_DIR
+    failed 'permission denied' all the same. Each folder dvfs makes is 0755."""
+    top = tmp_path / "srv"
+    top.mkdir()
+    top.chmod(0o711)  # one that exists keeps its mode
+    nested = top / "dvfs" / "state" / "dvfs"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(nested))
+    old = os.umask(0o027)
+    try:
+        apply_caps(tmp_path, 1410, 500.0)
+    finally:
+        os.umask(old)
+    for folder in (nested, nested.parent, nested.parent.parent):
+        assert folder.stat().st_mode & 0o777 == 0o755, folder
+    assert top.stat().st_mode & 0o777 == 0o711
+
+
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:
     """NVML cannot read a clock lock back; dvfs's caps record tells the sweep what to restore."""
     from dvfs.campaign import load_campaign
