@@ -1106,6 +1106,23 @@ def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
     assert "MHz by dvfs govern" not in result.stdout
 
 
+@pytest.mark.parametrize("record", ["caps-applied.json", "governed-{uuid}.json"])
+def test_monitor_fails_on_a_damaged_record_as_a_failure_not_a_bad_option(nvml, record: str) -> None:
+    """A damaged caps or governor record made `dvfs monitor` exit 2, which the README gives
+    bad usage and the monitor unit a bad option, not restarted (RestartPreventExitStatus=2),
+    where a failure is restarted: a record is no option, and a `cap apply` or governor
+    rewriting it mends it. It fails as an error does, exit 1, in one line naming the file."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / record.format(uuid=uuid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"lock_mhz": "x"')
+    result = CliRunner().invoke(cli, ["monitor", "--once", "--interval", "0.01"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert str(path) in line and "unreadable" in line, line
+
+
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
     """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
     one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run
