@@ -19,6 +19,7 @@ from dvfs.errors import (
     CampaignError,
     GpuError,
     GpuNotFoundError,
+    GpuNotSupportedError,
     GpuPermissionError,
     GpuUnavailableError,
 )
@@ -123,6 +124,8 @@ def reachable_gpus(
     nvml: ModuleType | None = None,
     read: bool = True,
     devices: Sequence[int | str] = (),
+    shown: bool = False,
+    unsupported_ok: bool = False,
 ) -> tuple[list[int | str], list[GpuError]]:
     """Every GPU (with `visible`, every one it gives the job: `dvfs.gpu.nvml.every_gpu`) as NVML
     indices, or the GPUs `devices` names (as named), split into those that open and the errors
@@ -139,7 +142,13 @@ def reachable_gpus(
     it) while every reading fails, and one whose power limit NVML does not support (NOT_SUPPORTED)
     fails those commands all the same; either would otherwise stop the command on the others.
     `monitor` passes False: it exports such a GPU as not up until it answers again (a reading
-    it does not support as NaN)."""
+    it does not support as NaN). With `shown` (`cap show`, `gpu info`), every power and clock
+    reading they show is read too: one NVML does not support (the enforced power limit, the
+    SM clock) failed them on that GPU after the check, showing none of the others. With
+    `unsupported_ok`, a power limit NVML does not support passes, where the command reads it
+    only on a GPU it changes (`gpu reset` with nothing recorded for it, `cap apply` of a file
+    that does not name it, which sets aside one it names itself): that GPU, which cannot
+    change, must not fail the command on every run."""
     from dvfs.gpu.nvml import every_gpu, nvml_session
 
     named: list[int | str] = list(devices)
@@ -154,7 +163,15 @@ def reachable_gpus(
         try:
             with open_gpus([device], nvml=nvml, allow_mig=True) as (gpu,):
                 if read:
-                    gpu.power_limit_mw()
+                    try:
+                        gpu.power_limit_mw()
+                    except GpuNotSupportedError:
+                        if not unsupported_ok:
+                            raise
+                    if shown:
+                        gpu.enforced_power_limit_mw()
+                        gpu.power_limit_range()
+                        gpu.sm_clock_mhz()
                 openable.append(device)
         except GpuPermissionError:
             raise

@@ -684,6 +684,53 @@ def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_su
     assert nvml.fake_device_state(1)["locked_clocks"] is None
 
 
+@pytest.mark.parametrize("failing", ["nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetClockInfo"])
+def test_cap_show_and_gpu_info_go_on_beside_a_gpu_whose_readings_nvml_does_not_support(
+    nvml, failing: str
+) -> None:
+    """A GPU whose power limit reads, but whose enforced limit or SM clock NVML answers
+    NOT_SUPPORTED, passed the every-GPU commands' check, then failed `cap show` and `gpu info`
+    on it: neither showed any GPU, exit 1. It is set aside as one whose power limit is not
+    supported: the others shown, it named in one line, exit 1."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    nvml.fake_update_device(1, errors={failing: nvml.NVML_ERROR_NOT_SUPPORTED})
+    for args in (("cap", "show"), ("gpu", "info"), ("gpu", "info", "0", "1")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 1, (args, result.output)
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        assert "GPU 1" in line and "Not Supported" in line, (args, line)
+        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+
+
+def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_leaves_it_be(
+    nvml, tmp_path: Path
+) -> None:
+    """Set aside by every every-GPU command, a GPU whose power limit NVML does not support
+    failed, exit 1, a `cap apply` of a file with no entry for it (the caps unit at each boot:
+    a lasting property of the GPU, not a fault) and `gpu reset` with nothing recorded for it
+    (the governor unit's ExecStopPost), each of which reads that power limit only on a GPU it
+    changes: as before it was set aside, the apply caps the GPU it names and notes the other
+    (exit 0), the reset finds nothing to restore (exit 0)."""
+    uuid = nvml.fake_device_state(0)["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    nvml.fake_update_device(
+        1, errors={"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    result = CliRunner().invoke(cli, ["cap", "apply", str(caps)])
+    assert result.exit_code == 0, result.output
+    assert "has no entry for GPU 1" in " ".join(result.stderr.split()), result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    for args in (("gpu", "reset"), ("gpu", "reset", "1")):
+        result = CliRunner().invoke(cli, list(args))
+        assert result.exit_code == 0, (args, result.output)
+        assert "nothing to restore" in result.stdout, (args, result.output)
+    result = CliRunner().invoke(cli, ["gpu", "reset", "--defaults"])  # it would reset GPU 1
+    assert result.exit_code == 1 and "GPU 1" in result.stderr, result.output
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
@@ -1076,6 +1123,23 @@ def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
     assert "MHz by dvfs govern" not in result.stdout
 
 
+@pytest.mark.parametrize("record", ["caps-applied.json", "governed-{uuid}.json"])
+def test_monitor_fails_on_a_damaged_record_as_a_failure_not_a_bad_option(nvml, record: str) -> None:
+    """A damaged caps or governor record made `dvfs monitor` exit 2, which the README gives
+    bad usage and the monitor unit a bad option, not restarted (RestartPreventExitStatus=2),
+    where a failure is restarted: a record is no option, and a `cap apply` or governor
+    rewriting it mends it. It fails as an error does, exit 1, in one line naming the file."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    path = Path(os.environ["DVFS_STATE_DIR"]) / record.format(uuid=uuid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"lock_mhz": "x"')
+    result = CliRunner().invoke(cli, ["monitor", "--once", "--interval", "0.01"])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert str(path) in line and "unreadable" in line, line
+
+
 def test_a_dry_run_is_refused_where_the_apply_would_be(nvml, tmp_path: Path) -> None:
     """A dry run exits as the apply would: a GPU another dvfs holds (a running governor) or
     one holding an earlier run's unrestored changes refuses the apply, exit 3, so the dry run
@@ -1392,6 +1456,28 @@ def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
     monkeypatch.setenv("DVFS_STATE_DIR", str(made))
     invoke("cap", "reset")
     assert made.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_folders_root_makes_above_the_state_folder_are_readable_by_all_too(
+    nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With $DVFS_STATE_DIR naming a folder below others not made yet (/srv/dvfs/state), the
+    state folder was made 0755 under a hardened root umask (027) but the folders above it,
+    made by mkdir's parents, 0750: every user's `cap show` with the same $DVFS_STATE_DIR
+    failed 'permission denied' all the same. Each folder dvfs makes is 0755."""
+    top = tmp_path / "srv"
+    top.mkdir()
+    top.chmod(0o711)  # one that exists keeps its mode
+    nested = top / "dvfs" / "state" / "dvfs"
+    monkeypatch.setenv("DVFS_STATE_DIR", str(nested))
+    old = os.umask(0o027)
+    try:
+        apply_caps(tmp_path, 1410, 500.0)
+    finally:
+        os.umask(old)
+    for folder in (nested, nested.parent, nested.parent.parent):
+        assert folder.stat().st_mode & 0o777 == 0o755, folder
+    assert top.stat().st_mode & 0o777 == 0o711
 
 
 def test_a_sweep_puts_applied_caps_back(nvml, tmp_path: Path) -> None:

@@ -887,6 +887,44 @@ def test_a_first_setting_of_stock_is_no_change(nvml, tmp_path: Path, dry_run: bo
     assert sum("set running batch 0" in line for line in lines) == 1, lines
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_step_the_static_caps_hold_already_is_no_change(
+    nvml, tmp_path: Path, dry_run: bool
+) -> None:
+    """Under a static clock cap of 1200 MHz, the plan's 1800 MHz (batch 4) and stock (batch
+    16) both leave the GPU at 1200 MHz and its power limit: each was logged "set ..." and
+    counted in dvfs_govern_changes_total ("Settings the governor changed"), with no setting
+    changed. Only plan batch 1's 400 W (batch 0) changes the GPU: one change, one "set"."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    script = iter([4, 16, 0])
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
+        changes = govern(
+            PLAN,
+            gpus,
+            lambda: ServerSample(next(script), None, None),
+            PolicyParams(dwell_s=0.0),
+            Ticker(1.0, 3, clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=dry_run,
+            state_dir=state,
+        )
+    assert changes == 1, lines
+    sets = [line for line in lines if " set " in f" {line}"]
+    assert len(sets) == 1 and "running batch 0 -> plan batch 1: " in sets[0], lines
+    assert sets[0].endswith("GPU 0: SM clock locked 210-1200 MHz, power limit 400 W (at 2.000 s)")
+    [start] = [line for line in lines if "starts at running batch 4" in line]
+    assert "SM clock locked 210-1200 MHz (the static cap in force" in start, start
+    [held] = [line for line in lines if "running batch 16 -> " in line]
+    assert held.startswith(("no change at", "dry run: no change at")), held
+
+
 def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:
     """With no load to preview, one line says what the governor would hold the GPUs at
     meanwhile: its stock, the static caps in force (a lock `cap apply` recorded included),
@@ -1326,8 +1364,10 @@ def test_a_dry_run_previews_the_steps_under_the_recorded_caps(nvml, tmp_path: Pa
     [row] = live.latest().gpus
     assert (row.lock_max_mhz, row.lock_by_governor) == (1110, False)
     assert lines[0].endswith("GPU 0: SM clock locked 210-1110 MHz, power limit 350 W")
+    # both knobs of the step are above the static caps: the GPU would stay as it is, so the
+    # step is where the governor starts, not a setting it would make
     assert lines[1] == (
-        "dry run, nothing changed: would set running batch 0 -> plan batch 1: SM clock <= "
+        "dry run: starts at running batch 0 -> plan batch 1: SM clock <= "
         "1200 MHz, power limit 400 W; GPU 0: SM clock locked 210-1110 MHz (the static cap in "
         "force: the plan's 1200 MHz is above it), power limit 350 W (the limit in force at "
         "start: the plan's 400 W is above it) (at 0.000 s)"

@@ -26,7 +26,7 @@ from dvfs.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from dvfs.caps import CapAction
+    from dvfs.caps import CapAction, CapsFile
     from dvfs.errors import GpuError
     from dvfs.gpu.base import Gpu
 
@@ -254,12 +254,15 @@ def apply(
     directory = state_dir or (records_dir() if dry_run else default_state_dir())
     out = console()
     # Every GPU, each opened on its own: one fallen off the bus (at boot, the caps unit) must
-    # not leave the others at stock; it is named, exit 1, once they are capped.
-    openable, lost = reachable_gpus()
+    # not leave the others at stock; it is named, exit 1, once they are capped. One whose power
+    # limit NVML does not support is set aside only where the file names it (below).
+    openable, lost = reachable_gpus(unsupported_ok=True)
     if not openable and lost:
         raise lost_gpus(lost)
-    lost_line = str(lost_gpus(lost)) if lost else ""
-    with open_gpus(openable, allow_mig=True) as gpus:  # MIG GPUs: left alone (`plan_actions`)
+    with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
+        gpus, unsupported = _set_aside_unsupported(caps, opened, allow_simulated)
+        lost = sorted([*lost, *unsupported], key=lambda e: (e.index is None, e.index or 0))
+        lost_line = str(lost_gpus(lost)) if lost else ""
         plan = plan_actions(
             caps,
             gpus,
@@ -338,6 +341,30 @@ def apply(
         )
 
 
+def _set_aside_unsupported(
+    caps: CapsFile, gpus: Sequence[Gpu], allow_simulated: bool
+) -> tuple[list[Gpu], list[GpuError]]:
+    """`gpus` but those the caps file names whose power limit NVML does not support, which
+    `cap apply` cannot record before a change (named, exit 1, once the others are capped), and
+    their errors. One the file does not name stays: it is left as it is, with a note, as any
+    GPU no entry names (set aside, it failed every apply, the caps unit at each boot)."""
+    from dvfs.errors import GpuNotSupportedError
+
+    kept: list[Gpu] = []
+    unsupported: list[GpuError] = []
+    for gpu in gpus:
+        ident = gpu.identity
+        if caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated) is not None:
+            try:
+                gpu.power_limit_mw()
+            except GpuNotSupportedError as exc:
+                exc.index, exc.uuid = ident.index, None
+                unsupported.append(exc)
+                continue
+        kept.append(gpu)
+    return kept, unsupported
+
+
 def _naming_lost(exc: GpuError, lost_line: str) -> GpuError:
     """`exc` (its type, exit code and attributes kept) followed by `lost_line`, the GPUs
     fallen off the bus (`lost_gpus`), where there are any."""
@@ -387,7 +414,8 @@ def show(as_json: bool, state_dir: Path | None) -> None:
     from dvfs.caps import caps_status
     from dvfs.gpu.safety import records_dir
 
-    openable, lost = reachable_gpus()  # one lost GPU must not hide the others' caps
+    # one lost GPU must not hide the others' caps, nor one that cannot read what is shown
+    openable, lost = reachable_gpus(shown=True)
     rows: list[dict[str, Any]] = []
     if openable or not lost:
         with open_gpus(openable, allow_mig=True) as gpus:

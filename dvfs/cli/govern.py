@@ -331,6 +331,7 @@ def monitor(
     """
     from dvfs.backends import lost_gpus, open_gpus, parse_devices, reachable_gpus
     from dvfs.caps.actuation import LockInForce, locks_in_force
+    from dvfs.errors import CapsError, DvfsError
     from dvfs.govern.exporter import LiveMetrics, render
     from dvfs.govern.loop import Ticker
     from dvfs.govern.loop import monitor as run_monitor
@@ -346,7 +347,13 @@ def monitor(
     directory = state_dir or records_dir()
 
     def locks() -> dict[str, LockInForce]:
-        return locks_in_force(directory)
+        try:
+            return locks_in_force(directory)
+        except CapsError as exc:
+            # dvfs's own record damaged: a failure, exit 1, which the unit restarts on (a
+            # `cap apply` or governor rewriting it mends it), not a bad option (exit 2, on
+            # which it is left failed, as the README says)
+            raise DvfsError(str(exc)) from exc
 
     # Every GPU or those named: one fallen off the bus must not stop the others' metrics; one
     # that opens but reads nothing (needing a reset) is exported as not up instead.

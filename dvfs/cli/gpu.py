@@ -136,7 +136,7 @@ def info(devices: tuple[str, ...], twin: str | None, as_json: bool) -> None:
 
     lost: list[Any] = []
     if not twin:  # every GPU or those named: one fallen off the bus must not hide the others
-        openable, lost = reachable_gpus(devices=parse_devices(devices))
+        openable, lost = reachable_gpus(devices=parse_devices(devices), shown=True)
         if not openable and lost:
             show_beside_lost([], lost, as_json=as_json, show=_print_details)
         devices = tuple(str(i) for i in openable)
@@ -212,7 +212,9 @@ def reset(devices: tuple[str, ...], defaults: bool, state_dir: Path | None) -> N
     out = console()
     every = not devices
     # Every GPU or those named: one fallen off the bus must not keep the others unrestored.
-    openable, lost = reachable_gpus(devices=parse_devices(devices))
+    # A power limit NVML does not support fails only a GPU that has settings to restore (its
+    # restore names it), or with --defaults, which resets every GPU.
+    openable, lost = reachable_gpus(devices=parse_devices(devices), unsupported_ok=not defaults)
     devices = tuple(str(i) for i in openable)
     if not devices and lost:
         raise lost_gpus(lost)

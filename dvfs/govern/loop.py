@@ -593,12 +593,12 @@ def govern(
                     warned = True
                 batch = None if sample is None else sample.running
                 decision = decide(plan, state, batch, now, params)
-                # The GPUs start at what the plan calls stock (the static caps): a first
-                # setting of stock changes nothing, to apply or count.
-                holds = state.band is None and (
-                    decision.state.band is not None
-                    and plan.band_setting(decision.state.band).is_stock
-                )
+                # A setting the static caps make what the GPUs hold already (a first setting
+                # of stock; a step above the static cap while one at or above it is in force)
+                # changes nothing, to log as set or count.
+                holds = decision.state.band is not None and _on_gpus(
+                    ceilings, plan, decision.state.band
+                ) == _on_gpus(ceilings, plan, state.band)
                 if decision.changed and decision.state.band is not None:
                     band = decision.state.band
                     setting = plan.band_setting(band)
@@ -615,7 +615,7 @@ def govern(
                     line += ")"
                     if knobs is None:
                         note(
-                            f"dry run: starts at {line}"
+                            f"dry run: {_held(state)} {line}"
                             if holds
                             else f"dry run, nothing changed: would set {line}"
                         )
@@ -627,7 +627,7 @@ def govern(
                             if not silent:
                                 raise
                             raise stopped_answering(silent) from exc
-                        note(f"starts at {line}" if holds else f"set {line}")
+                        note(f"{_held(state)} {line}" if holds else f"set {line}")
                     changes += 0 if holds else 1
                 state = decision.state
                 locks = _locks(gpus, plan, state, knobs, ceilings)
@@ -655,6 +655,27 @@ def govern(
             _stopped_line(stopped, exc, gpus, held[0] if held else None), stopped.silent
         ) from exc
     return changes
+
+
+def _held(state: PolicyState) -> str:
+    """How a step that changes no GPU is said (not "set"): where the governor starts, or a
+    step the static caps keep the GPUs from."""
+    return "starts at" if state.band is None else "no change at"
+
+
+def _on_gpus(
+    ceilings: dict[str, Ceiling], plan: BatchPlan, band: tuple[int, int] | None
+) -> dict[str, GpuSettings]:
+    """What each GPU holds under the plan's setting for `band`: the static caps decide where
+    they are lower (`Ceiling.applied`); with no band yet, the static caps as found."""
+    setting = None if band is None else plan.band_setting(band)
+    return {
+        uuid: ceiling.applied(
+            None if setting is None else setting.sm_clock_mhz,
+            None if setting is None else setting.power_limit_w,
+        )
+        for uuid, ceiling in ceilings.items()
+    }
 
 
 def _locks(

@@ -88,12 +88,20 @@ def ensure_dir(path: Path) -> Path:
     """The state directory, created readable by all (the systemd unit and users read it:
     `cap show`, `monitor` and the dry runs without root), whatever the umask: `mkdir`'s mode
     is masked by it, so a root whose umask is 027 or 077 (a hardened host's) made it 0750 or
-    0700, and every user's `dvfs cap show` failed 'permission denied'. A folder that exists
-    keeps the mode it has."""
+    0700, and every user's `dvfs cap show` failed 'permission denied'. So are the folders
+    above it that it makes (`$DVFS_STATE_DIR=/srv/dvfs/state`: mkdir's parents take the umask's
+    mode, not `mode`, and one of 0750 kept every user out of the state folder within). A
+    folder that exists keeps the mode it has."""
     if not path.is_dir():
+        made = []  # the folders missing, the state folder and those above it
+        probe = path
+        while not os.path.lexists(probe) and probe != probe.parent:
+            made.append(probe)
+            probe = probe.parent
         path.mkdir(parents=True, exist_ok=True, mode=0o755)
-        with contextlib.suppress(OSError):  # another user's, made meanwhile: theirs to set
-            os.chmod(path, 0o755)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # another user's, made meanwhile: theirs to set
+                os.chmod(folder, 0o755)
     return path
 
 
