@@ -50,6 +50,8 @@ from dvfs.errors import (
     CampaignError,
     CorpusError,
     CubeError,
+    DvfsError,
+    GpuError,
     GpuPermissionError,
     IncomparableCellsError,
     JournalError,
@@ -472,6 +474,25 @@ class SweepOutcome:
     cube: xr.Dataset | None = None
 
 
+class SweepRestoreError(GpuError):
+    """The sweep ran its cells, but a GPU's settings could not be put back when it ended
+    (`error`, whose exit code it keeps). `outcome`: the sweep's, its cube written all the same,
+    for its report; None where the cube could not be written (`cube_error` says why)."""
+
+    def __init__(
+        self, error: GpuError, outcome: SweepOutcome | None, cube_error: str | None = None
+    ) -> None:
+        cube = (
+            f"its cube ({outcome.cube_path}), written all the same"
+            if outcome is not None
+            else f"no cube was written ({cube_error})"
+        )
+        super().__init__(f"{error} The sweep's cells are in its journal; {cube}.")
+        self.exit_code = error.exit_code
+        self.error = error
+        self.outcome = outcome
+
+
 def check_knobs_against(campaign: Campaign, gpus: list[Gpu]) -> None:
     """Refuse clocks or power limits a real GPU does not support, before changing anything."""
     for gpu in gpus:
@@ -542,7 +563,7 @@ def run_sweep(
             moved = fresh_start(out_dir, folder.moves) if fresh else None
             if moved and progress is not None:
                 progress.note(f"moved the previous journal to {moved}")
-            summary, journal_path = _measure(
+            summary, journal_path, unrestored = _measure(
                 campaign,
                 out_dir,
                 progress=progress,
@@ -553,6 +574,17 @@ def run_sweep(
                 only=only,
                 count_method=count_method,
             )
+            if unrestored is not None:
+                # Every cell is journaled: the cube is written as after a restored sweep (a
+                # rerun after `dvfs gpu reset` found nothing to measure and wrote it so), then
+                # the restore's failure is the sweep's error.
+                try:
+                    outcome = _with_cube(summary, journal_path, out_dir)
+                except DvfsError as cube_exc:
+                    raise SweepRestoreError(unrestored, None, str(cube_exc)) from unrestored
+                raise SweepRestoreError(
+                    unrestored, dataclasses.replace(outcome, moved_journal=moved)
+                ) from unrestored
             outcome = _with_cube(summary, journal_path, out_dir)
     except GpuPermissionError as exc:
         if not campaign.gpu.actuation or "--observe-only" in str(exc):
@@ -661,8 +693,10 @@ def _measure(
     shard: Shard | None,
     only: Collection[str] | None = None,
     count_method: str = "",
-) -> tuple[RunSummary, Path]:
-    """Run the cells into the folder's journal; its summary, and the journal's path."""
+) -> tuple[RunSummary, Path, GpuError | None]:
+    """Run the cells into the folder's journal; its summary, the journal's path, and the error
+    of a restore of the GPUs' settings that failed once every cell had run (None when none
+    did)."""
     # What the campaign alone decides is refused before the journal is made (a refused run
     # leaves none, so the corrected campaign may run into the same folder), and before any
     # GPU is touched or server started: more shards than comparison groups, another
@@ -690,28 +724,37 @@ def _measure(
     with Journal.open(out_dir / JOURNAL_NAME, campaign) as journal:
         claim_shard(journal, shard)
         check_same_server_env(journal, campaign)
-        with contextlib.ExitStack() as stack:
-            b = backends or stack.enter_context(
-                open_backends(campaign, out_dir=out_dir, nvml=nvml, launch_help=launch_help)
-            )
-            journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
-            _check_same_gpus(journal, b.gpus)
-            check_same_prompts(journal, corpora, count_method, campaign)
-            check_inflight_resume(journal, campaign, cells)
-            knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
-            runner = Runner(
-                campaign,
-                gpus=b.gpus,
-                engine=b.engine,
-                clock=b.clock,
-                journal=journal,
-                knobs=knobs,
-                corpora=corpora,
-                progress=progress,
-                token_count_method=count_method,
-            )
-            summary = runner.run(cells, adaptive=only is None)
-    return summary, journal.path
+        summary: RunSummary | None = None
+        try:
+            with contextlib.ExitStack() as stack:
+                b = backends or stack.enter_context(
+                    open_backends(campaign, out_dir=out_dir, nvml=nvml, launch_help=launch_help)
+                )
+                journal.sync_policy = SyncPolicy.for_clock(b.clock.virtual)
+                _check_same_gpus(journal, b.gpus)
+                check_same_prompts(journal, corpora, count_method, campaign)
+                check_inflight_resume(journal, campaign, cells)
+                knobs = stack.enter_context(guarded_knobs(campaign, b.gpus, state_dir=state_dir))
+                runner = Runner(
+                    campaign,
+                    gpus=b.gpus,
+                    engine=b.engine,
+                    clock=b.clock,
+                    journal=journal,
+                    knobs=knobs,
+                    corpora=corpora,
+                    progress=progress,
+                    token_count_method=count_method,
+                )
+                summary = runner.run(cells, adaptive=only is None)
+        except GpuError as exc:
+            # Raised as the GPUs' settings were put back, after every cell had run: the
+            # cells are journaled, the caller writes the cube and then fails on it.
+            if summary is None:
+                raise
+            return summary, journal.path, exc
+    assert summary is not None  # the stack raises what it does not return from
+    return summary, journal.path, None
 
 
 def read_gpu_names(

@@ -272,6 +272,40 @@ def test_a_csv_header_naming_the_prompt_column_twice_is_refused(tmp_path: Path) 
     assert [p.messages[0].content for p in corpus.prompts] == [f"question {i}" for i in range(4)]
 
 
+def test_a_json_record_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
+    """A JSON Lines or JSON array record naming a key twice (two "prompt" keys, two roles in a
+    turn) kept the last value silently, as json reads it; it is refused in one line naming
+    the file and the line (an array's record by its place), as a CSV header naming the prompt
+    column twice is. Records naming each key once read as before."""
+    good = [json.dumps({"prompt": f"Describe the Rhine, part {i}."}) for i in range(3)]
+    twice = '{"prompt": "Describe the Rhine.", "prompt": "the other"}'
+    write(tmp_path / "p.jsonl", "\n".join([good[0], twice, *good[1:]]) + "\n")
+    with pytest.raises(CorpusError, match=r"p\.jsonl, line 2: an object names the key 'prompt'"):
+        load(tmp_path, "twice", {"path": "p.jsonl", "field": "prompt"})
+    write(tmp_path / "a.json", "[\n" + ",\n".join([*good, twice]) + "\n]\n")
+    with pytest.raises(CorpusError, match=r"a\.json, record 4 of the array: .* key 'prompt'"):
+        load(tmp_path, "array", {"path": "a.json", "field": "prompt"})
+    turns = '[{"role": "system", "role": "user", "content": "Explain canal locks."}]'
+    write(tmp_path / "m.jsonl", '{"messages": ' + turns + "}\n")
+    with pytest.raises(CorpusError, match=r"m\.jsonl, line 1: an object names the key 'role'"):
+        load(tmp_path, "chat", {"path": "m.jsonl", "messages": "messages"})
+    write(tmp_path / "ok.jsonl", "\n".join(good) + "\n")
+    corpus = load(tmp_path, "once", {"path": "ok.jsonl", "field": "prompt"})
+    assert [p.messages[0].content for p in corpus.prompts] == [
+        f"Describe the Rhine, part {i}." for i in range(3)
+    ]
+    # the CLI says it in one line, exit 2, as a corpus file it cannot use
+    text = replace_block(TINY, 'corpora = ["code"]', 'corpora = ["twice"]')
+    campaign = write(
+        tmp_path / "c.toml", text + '\n[corpus.twice]\npath = "p.jsonl"\nfield = "prompt"\n'
+    )
+    shown = CliRunner().invoke(cli, ["corpus", "show", "twice", "--campaign", str(campaign)])
+    assert shown.exit_code == 2, shown.output
+    assert "p.jsonl, line 2: an object names the key 'prompt' twice" in " ".join(
+        shown.output.split()
+    )
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -225,8 +225,21 @@ def test_a_journal_without_splits_builds_nans_and_the_figure_falls_back_to_the_e
     """Records without a split (a journal from before it, or a real server's) read as NaN
     and method none; the figure then shows the estimate."""
     from dvfs.analysis.split import ESTIMATED, where_energy_goes
-    from dvfs.cube import build_cube
     from dvfs.plots import draw_energy_split
+
+    ds = _without_splits(family, tmp_path)
+    assert (ds["energy_split_method"] == 0).all()
+    assert np.isnan(ds["energy_draft_j"].values).all()
+    table = where_energy_goes(ds)
+    assert (table["split_method"].sel(drafter=SPECULATIVE) == ESTIMATED).all()
+    assert (table["split_method"].sel(drafter=UNESTIMATED) == 0).all()
+    assert (table["energy_per_token_draft_j"].sel(drafter=SPECULATIVE) > 0).all()
+    assert draw_energy_split(ds) is not None
+
+
+def _without_splits(family: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The family's cube built from its journal with no cell's split, as a real server's."""
+    from dvfs.cube import build_cube
 
     lines = []
     for line in (family / "journal.jsonl").read_text().splitlines():
@@ -235,14 +248,43 @@ def test_a_journal_without_splits_builds_nans_and_the_figure_falls_back_to_the_e
         lines.append(json.dumps(record))
     journal = tmp_path / "journal.jsonl"
     journal.write_text("\n".join(lines) + "\n")
-    ds = build_cube(journal)
-    assert (ds["energy_split_method"] == 0).all()
-    assert np.isnan(ds["energy_draft_j"].values).all()
-    table = where_energy_goes(ds)
-    assert (table["split_method"].sel(drafter=SPECULATIVE) == ESTIMATED).all()
-    assert (table["split_method"].sel(drafter=UNESTIMATED) == 0).all()
-    assert (table["energy_per_token_draft_j"].sel(drafter=SPECULATIVE) > 0).all()
-    assert draw_energy_split(ds) is not None
+    return build_cube(journal)
+
+
+def _no_split_labels(fig, drafters: list[str]) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """What the batch-1 panel says at each drafter without a bar, by drafter."""
+    panel = next(ax for ax in fig.axes if ax.get_title() == "batch 1")
+    return {
+        drafters[round(t.get_position()[0])]: " ".join(t.get_text().split()) for t in panel.texts
+    }
+
+
+def test_the_split_figure_says_why_a_drafter_has_no_split(family: Path, tmp_path: Path) -> None:
+    """On a real GPU's cube the figure marked each drafter the estimator leaves out "no split"
+    with no reason; and where the cube's only family got no estimate (a top-k 1 chain, whose
+    verified tokens grow with its steps) it drew no figure at all, where the README says its
+    cells read "no split". Each such bar says why now, and that figure is drawn."""
+    from dvfs.plots import draw_energy_split
+
+    ds = _without_splits(family, tmp_path)
+    drafters = [str(d) for d in ds["drafter"].values]
+    assert _no_split_labels(draw_energy_split(ds, "code"), drafters) == {
+        "none": "no split: no drafter",
+        "ngram": "no split: drafts on the host",
+        "standalone": "no split: one num_steps setting",
+        "dflash": "no split: no draft steps to vary",
+    }
+    servers = json.loads(ds.attrs["server_args"])
+    for steps in STEPS:  # the family made a chain: top-k 1, steps + 1 tokens verified
+        args = servers[f"e{steps}"]["args"]
+        args.update(speculative_eagle_topk=1, speculative_num_draft_tokens=steps + 1)
+    chains = ds.sel(drafter=["none", *SPECULATIVE])
+    chains.attrs["server_args"] = json.dumps(servers)
+    fig = draw_energy_split(chains, "code")
+    assert fig is not None
+    chained = "no split: verify grows with steps"
+    said = _no_split_labels(fig, ["none", *SPECULATIVE])
+    assert said == {"none": "no split: no drafter", **dict.fromkeys(SPECULATIVE, chained)}
 
 
 def test_dvfs_plot_draws_where_the_energy_goes(family: Path, tmp_path: Path) -> None:

@@ -161,6 +161,32 @@ def test_sweep_restores_after_an_exception(nvml, tmp_path: Path) -> None:
     assert_as_found(nvml, tmp_path / "dvfs-state")
 
 
+def test_a_sweep_whose_restore_fails_at_the_end_still_writes_its_cube(
+    nvml, tmp_path: Path, env
+) -> None:
+    """Every cell measured and journaled, then NVML refused the clock's reset as the sweep put
+    the GPU back: the sweep exited 1 with no cube (a rerun after `dvfs gpu reset` built it).
+    The cube is written from the journal all the same, then the restore's failure is the
+    sweep's one error line, exit 1, its state file kept for `dvfs gpu reset`."""
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    campaign, out = campaign_file(tmp_path), tmp_path / "out"
+    swept = dvfs_in_process("sweep", str(campaign), "--out", str(out), "--no-progress", env=env)
+    text = " ".join(swept.stderr.split())
+    assert swept.returncode == 1, text
+    assert "could not restore GPU settings" in text and "dvfs gpu reset" in text, text
+    assert f"its cube ({out / 'cube.nc'}), written all the same" in text, text
+    assert f"cube: {out / 'cube.nc'}" in swept.stdout and "Traceback" not in text
+    import dvfs
+
+    with dvfs.open_cube(str(out / "cube.nc")) as ds:
+        assert (ds["cell_status"].values == 1).all() and ds["cell_status"].size == 4
+    assert len(list((tmp_path / "dvfs-state").glob("GPU-*.json"))) == 1
+    nvml.fake_update_device(0, errors={})
+    reset = dvfs_in_process("gpu", "reset", env=env)
+    assert reset.returncode == 0, reset.stderr
+    assert_as_found(nvml, tmp_path / "dvfs-state")
+
+
 def test_observe_only_never_calls_a_setter(nvml, tmp_path: Path, env, monkeypatch) -> None:
     monkeypatch.setenv("DVFS_FAKE_NVML_ROOT", "0")  # a user without root can observe
     campaign = load_campaign(campaign_file(tmp_path))

@@ -13,7 +13,9 @@ from click.testing import CliRunner
 
 import dvfs.twin.profiles as twin_profiles
 from dvfs.cli import cli
+from dvfs.cube import open_cube
 from dvfs.measure.journal import read_records
+from dvfs.measure.meter import describe_quality
 from dvfs.twin.profiles import gpu_profile
 
 CAMPAIGN = """
@@ -108,3 +110,74 @@ def test_an_opening_idle_on_a_counter_too_slow_to_time_lasts_idle_s(
     assert session["gpu_time_s"]["idle_baseline"] >= 20.0
     idle_w = profiles["h100-sxm"].idle_power_w  # the cool GPU's idle, before any server
     assert session["idle_power_w"] == pytest.approx(idle_w, rel=0.01)
+
+
+def _sweep_with_counter_period(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, period_s: float, text: str
+) -> tuple[str, list[dict]]:
+    """Sweep campaign `text` on twin GPUs whose energy counter steps every `period_s` (0: the
+    shipped profile's): its output and journal records."""
+    if period_s:
+        profiles = {
+            key: dataclasses.replace(p, energy_counter_period_s=period_s)
+            for key, p in twin_profiles.gpu_profiles().items()
+        }
+        monkeypatch.setattr(twin_profiles, "gpu_profiles", lambda: profiles)
+    campaign = tmp_path / "campaign.toml"
+    campaign.write_text(text)
+    out = tmp_path / "out"
+    twin_profiles.gpu_profile.cache_clear()  # it keeps the profiles it made
+    try:
+        result = CliRunner().invoke(
+            cli,
+            ["sweep", str(campaign), "--out", str(out), "--no-progress"],
+            catch_exceptions=False,
+        )
+    finally:
+        twin_profiles.gpu_profile.cache_clear()
+    assert result.exit_code == 0, result.output
+    return result.output, read_records(out / "journal.jsonl")
+
+
+@pytest.mark.parametrize("per_setting", [False, True])
+def test_an_idle_baseline_from_instant_power_readings_is_flagged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_setting: bool
+) -> None:
+    """A counter stepping every 30 s updates less than twice in an idle baseline (the opening
+    one, or a setting's), which then falls back to the mean of the instant power readings:
+    nothing in the journal or the cube said so. Each cell whose above-idle energy subtracts
+    it is flagged idle_from_power_readings (a warning), and the sweep says so."""
+    text = CAMPAIGN.format(idle_s=5.0).replace("sm_clock = [1980]", "sm_clock = [1980, 1500]")
+    if per_setting:
+        text = text.replace("idle_per_setting = false", "idle_per_setting = true")
+    output, records = _sweep_with_counter_period(tmp_path, monkeypatch, 30.0, text)
+    said = " ".join(output.split())
+    which = "the idle baseline at" if per_setting else "the session's opening idle measurement"
+    assert which in said and "flagged idle_from_power_readings" in said, said
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == 2
+    for cell in cells:
+        assert "idle_from_power_readings" in describe_quality(cell["measurement"]["quality"])
+    with open_cube(tmp_path / "out" / "cube.nc") as ds:
+        flags = [describe_quality(int(q)) for q in ds["quality"].values.ravel()]
+    assert all("idle_from_power_readings" in f for f in flags), flags
+
+
+def test_a_settings_idle_baseline_spans_a_fifth_of_idle_s_above_10_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting's idle baseline spans idle_s / 5; it was cut at the 10 s an idle baseline
+    waits by default, so idle_s = 100 measured 10 s at each setting, not the 20 s asked (the
+    README said nothing of a cap). It waits twice the span now, as the opening one does."""
+    text = (
+        CAMPAIGN.format(idle_s=100.0)
+        .replace("sm_clock = [1980]", "sm_clock = [1980, 1500]")
+        .replace("idle_per_setting = false", "idle_per_setting = true")
+    )
+    _, records = _sweep_with_counter_period(tmp_path, monkeypatch, 0.0, text)
+    cells = [r for r in records if r["type"] == "cell"]
+    assert len(cells) == 2
+    for cell in cells:
+        assert cell["gpu_time_s"]["idle_baseline"] >= 20.0, cell["gpu_time_s"]
+        flags = describe_quality(cell["measurement"]["quality"])
+        assert "idle_from_power_readings" not in flags, flags

@@ -5,6 +5,7 @@ errors. One small twin sweep (the session's) and one browser launch for the modu
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -987,6 +988,28 @@ def test_an_observe_only_fleet_mixing_models_is_not_said_to_have_left_clocks_unl
     assert info.exit_code == 0, info.output
     shown = " ".join(info.output.split())
     assert "observe-only: dvfs changed no knob" in shown and "left unlocked" not in shown
+
+
+def test_cube_info_names_no_clock_the_campaign_did_not_set(shared_run) -> None:
+    """`dvfs cube info` on a power-limit-only cube listed 'sm_clock 1: 1980' as if swept,
+    where the report says the clock was not set; its axis row says so now, as the report's
+    facts do (a clock-only cube's power limit likewise), and --json gives it in
+    knobs_not_set, its coordinates unchanged."""
+    limits = shared_run(replace_block(SMALL_EXACT, "sm_clock = [1980, 1500, 1005]\n", ""), "limits")
+    shown = run("cube", "info", str(limits))
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in shown.output.splitlines()}
+    unset = "not set: left unlocked; the cube files its cells under 1980 MHz, which is no lock"
+    assert rows["sm_clock"] == f"1: {unset}", rows
+    assert rows["power_limit"] == "2: 300.0, 700.0", rows
+    summary = json.loads(run("cube", "info", str(limits), "--json").output)
+    assert summary["knobs_not_set"] == {"sm_clock": unset}
+    assert summary["coords"]["sm_clock"] == [1980]
+    clocks = shared_run(replace_block(SMALL_EXACT, "power_limit = [700, 300]\n", ""), "clocks")
+    shown = run("cube", "info", str(clocks))
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in shown.output.splitlines()}
+    assert rows["power_limit"] == "1: not set: as found at start (700 W)", rows
+    assert rows["sm_clock"] == "3: 1005, 1500, 1980", rows
 
 
 @pytest.mark.parametrize(

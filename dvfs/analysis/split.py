@@ -197,6 +197,42 @@ def estimate_split(cube: xr.Dataset) -> xr.Dataset:
     return ds
 
 
+#: Why a drafter gets no estimate (`no_estimate_reasons`), short enough for a figure's label.
+NO_DRAFTER = "no drafter"
+ON_THE_HOST = "drafts on the host"
+NO_STEPS = "no draft steps to vary"
+ONE_SETTING = "one num_steps setting"
+IN_STEP = "verify grows with steps"
+TOO_FEW = "too few valid cells"
+
+
+def no_estimate_reasons(cube: xr.Dataset) -> dict[str, str]:
+    """Why `estimate_split` gives each drafter no estimate, by drafter (see the module): no
+    speculation (nothing drafted to split off), n-gram's drafting on the host, a drafter with
+    no draft steps to vary (a single-pass block drafter such as DFLASH), a family of one
+    `num_steps` setting, or one whose verified tokens move in step with its draft passes (a
+    top-k 1 chain). A drafter of a family it estimates gets TOO_FEW: where one of its cells
+    has no estimate, the fit lacked the valid cells of two draft-pass counts."""
+    shapes = drafter_shapes(cube)
+    reasons = {}
+    for drafter, shape in shapes.items():
+        if shape.algorithm is None:
+            reasons[drafter] = NO_DRAFTER
+        elif shape.family is None:
+            reasons[drafter] = ON_THE_HOST if shape.algorithm.upper() == "NGRAM" else NO_STEPS
+        else:
+            spec = [s for s in shapes.values() if s.family == shape.family]
+            if len({s.num_steps for s in spec}) < 2:
+                reasons[drafter] = ONE_SETTING
+            elif not _drafting_told_apart(
+                [s.draft_passes for s in spec], [s.verify_tokens for s in spec]
+            ):
+                reasons[drafter] = IN_STEP
+            else:
+                reasons[drafter] = TOO_FEW
+    return reasons
+
+
 def _drafting_told_apart(draft_passes: list[int], verify_tokens: list[int]) -> bool:
     """Whether a family's own settings tell a draft pass's cost from a verified token's: the
     tokens they verify stay the same, or vary otherwise than in step with the draft passes.

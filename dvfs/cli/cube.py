@@ -113,7 +113,8 @@ def _render(summary: dict[str, Any]) -> None:
     for dim, size in summary["dims"].items():
         values = [str(v) for v in summary["coords"][dim]]
         shown = ", ".join(values) if len(values) <= 8 else f"{values[0]} ... {values[-1]}"
-        table.add_row(dim, f"{size}: {shown}")
+        # A knob the campaign never set: the stock its cells are filed under, not a setting.
+        table.add_row(dim, f"{size}: {escape(summary['knobs_not_set'].get(dim, shown))}")
     lo, hi = summary["energy_per_token_j"]
     table.add_row(
         "cells",

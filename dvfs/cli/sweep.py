@@ -439,10 +439,11 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     5 when cells failed)."""
     from dvfs.cli.progress import RichProgress
     from dvfs.signals import Interrupted, signals_raise
-    from dvfs.sweep import run_sweep
+    from dvfs.sweep import SweepRestoreError, run_sweep
 
     err = console(stderr=True)
     bar = RichProgress(f"{campaign.name}", enabled=progress)
+    unrestored: SweepRestoreError | None = None
     try:
         with signals_raise(), bar:
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
@@ -450,6 +451,11 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         status = _after_interruption_told(err, campaign, out_dir, shard)
         err.print(f"{status} Run the same command again to resume.")
         raise
+    except SweepRestoreError as exc:
+        if exc.outcome is None:
+            raise
+        # The cube is written: reported as any sweep's, then the restore's failure (its code).
+        outcome, unrestored = exc.outcome, exc
     s = outcome.summary
     invalid = invalid_cells(outcome.cube_path, outcome.cube)
     err.print(
@@ -468,6 +474,8 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         )
     if invalid:
         err.print(f"[yellow]{escape(invalid[1])}[/yellow]", soft_wrap=True)
+    if unrestored is not None:
+        raise unrestored
     return outcome
 
 

@@ -125,6 +125,69 @@ def _text(data: bytes, where: str) -> str:
         ) from exc
 
 
+class _KeyTwice(Exception):  # noqa: N818  (not an error the user sees: a CorpusError is)
+    """A JSON object names a key twice (`_unique_keys`)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _Twice(dict[str, Any]):
+    """A JSON object that named `twice` more than once (`_marking_keys`)."""
+
+    twice: str = ""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`'s object_pairs_hook: an object, refusing a key named twice, whose earlier
+    value json would drop silently (two "prompt" keys: which one is the prompt?)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        raise _KeyTwice(_first_twice(pairs))
+    return record
+
+
+def _marking_keys(pairs: list[tuple[str, Any]], marked: list[str]) -> dict[str, Any]:
+    """As `_unique_keys`, but an object naming a key twice is kept and marked (`_Twice`; the
+    key added to `marked`), for a JSON array whose records are named by their place once it is
+    read (`_key_twice`)."""
+    record = dict(pairs)
+    if len(record) == len(pairs):
+        return record
+    twice = _Twice(pairs)
+    twice.twice = _first_twice(pairs)
+    marked.append(twice.twice)
+    return twice
+
+
+def _first_twice(pairs: list[tuple[str, Any]]) -> str:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return ""
+
+
+def _key_twice(value: Any) -> str | None:
+    """The first key some object in `value` names twice (`_marking_keys`), else None."""
+    if isinstance(value, _Twice):
+        return value.twice
+    inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in inner:
+        if (key := _key_twice(item)) is not None:
+            return key
+    return None
+
+
+def _refuse_key_twice(key: str, at: str) -> CorpusError:
+    return CorpusError(
+        f"{at}: an object names the key {key!r} twice, so which value holds is unclear "
+        "(JSON readers keep the last silently): keep one"
+    )
+
+
 def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     """A `.json` file holding one JSON array of objects (as ShareGPT's exports and many
     datasets ship, pretty-printed or on one line): its records, each named by its place in
@@ -135,8 +198,9 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     alone as JSON (JSON Lines whose first record is a list: the line reader says so)."""
     if Path(where).suffix.lower() != ".json" or not text.lstrip().startswith("["):
         return None
+    marked: list[str] = []  # the keys objects name twice (`_marking_keys`)
     try:
-        document = json.loads(text)
+        document = json.loads(text, object_pairs_hook=lambda p: _marking_keys(p, marked))
     except RecursionError:  # the line reader names the line
         return None
     except json.JSONDecodeError as exc:
@@ -154,8 +218,12 @@ def _records_json_array(text: str, where: str) -> list[tuple[str, Any]] | None:
     if not isinstance(document, list):
         return None
     # A record that is no object (null, text, a list) is refused by its place in the array
-    # (`_prompt`), not at a line of a file that is valid JSON.
-    return [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
+    # (`_prompt`), not at a line of a file that is valid JSON; so is one naming a key twice.
+    records = [(f"{where}, record {i} of the array", r) for i, r in enumerate(document, start=1)]
+    for at, record in records if marked else ():
+        if (key := _key_twice(record)) is not None:
+            raise _refuse_key_twice(key, at)
+    return records
 
 
 def _refuse_json_object(text: str, where: str) -> None:
@@ -197,7 +265,9 @@ def _records_jsonl(data: bytes, where: str) -> Iterator[tuple[str, Any]]:
             continue
         at = f"{where}, line {lineno}"
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_unique_keys)
+        except _KeyTwice as exc:
+            raise _refuse_key_twice(exc.key, at) from None
         except json.JSONDecodeError as exc:
             raise CorpusError(
                 f"{at}: not valid JSON ({exc.msg}); JSON Lines hold one complete object per line"
@@ -286,7 +356,9 @@ def chat_messages(raw: Any, where: str, field: str = "messages") -> tuple[Messag
     """Chat messages from OpenAI-style or ShareGPT-style turns, ending on the user's turn."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)  # CSV cells carry the chat as JSON text
+            raw = json.loads(raw, object_pairs_hook=_unique_keys)  # a CSV cell's chat: JSON text
+        except _KeyTwice as exc:
+            raise _refuse_key_twice(exc.key, f"{where}: the messages field {field!r}") from None
         except (ValueError, RecursionError) as exc:
             raise CorpusError(
                 f"{where}: the messages field {field!r} is text, not a list of turns"

@@ -59,6 +59,31 @@ def _no_actuation(value: Any) -> bool:
         return False
 
 
+def unset_knob_text(dim: str, values: str, found: bool) -> str:
+    """A knob the campaign never set (`swept_knobs`) in words, beside `values`, the stock value
+    its coordinate holds (the unlocked SM clock's maximum, the power limit as found), which
+    dvfs never applied. `found`: measured observe-only, where a clock lock set outside dvfs
+    stays (not "unlocked")."""
+    if dim == "power_limit":
+        return f"not set: as found at start ({values})"
+    kept = "as found (observe-only)" if found else "left unlocked"
+    return f"not set: {kept}; the cube files its cells under {values}, which is no lock"
+
+
+def knobs_not_set(ds: xr.Dataset) -> dict[str, str]:
+    """Each knob axis the cube's campaign never set, with `unset_knob_text` (a power-limit-only
+    cube's SM clock, a clock-only cube's power limit); empty where both were swept, or no
+    campaign is recorded."""
+    clock_set, limit_set = swept_knobs(ds)
+    said = {}
+    for dim, unit, swept in (("sm_clock", " MHz", clock_set), ("power_limit", " W", limit_set)):
+        if swept or dim not in ds.coords or not ds.sizes.get(dim):
+            continue
+        values = ", ".join(str(v).removesuffix(".0") for v in ds[dim].values.tolist())
+        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds))
+    return said
+
+
 def _observed_at(ds: xr.Dataset, clock: int, limit: float) -> str:
     """An observe-only cube's stock in words: the GPU as dvfs found it, filed at the maximum
     clock, with the SM clock its measured cells ran at there (a lock set outside dvfs shows)."""
@@ -122,6 +147,12 @@ FLAG_NOTES = {
     "energy_per_token_above_idle_j is wrong; their energy_per_token_j does not use the idle "
     "and stands. The journal's session record (the opening idle measurement) or cell records "
     "(a setting's) name it; sweep on GPUs nothing else uses",
+    "idle_from_power_readings": "an energy counter updated less than twice while the idle "
+    "baseline these cells' above-idle energy subtracts was measured, so that baseline is the "
+    "mean of the instant power readings, not the counter's energy over its window: their "
+    "energy_per_token_above_idle_j is less exact; their energy_per_token_j does not use the "
+    "idle and stands. Raise measurement.idle_s (a setting's baseline spans a fifth of it) or "
+    "check the counter with `dvfs doctor`",
 }
 
 
@@ -193,6 +224,9 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
             for d in ("gpu", *CELL_DIMS)
             if d in ds.coords
         },
+        # The knob axes the campaign never set: their one value is the stock it files the
+        # cells under, not a setting (the report's facts say so alike).
+        "knobs_not_set": knobs_not_set(ds),
         "cells": total,
         "measured": int((status == STATUS_OK).sum()),
         "failed": failed,

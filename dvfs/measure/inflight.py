@@ -82,7 +82,8 @@ The seam with the runner (`dvfs.measure.runner`, which dispatches here):
   is applied and after the last decode, against the lowest level's limit): an enforced limit
   below it flags every cell `power_limit_not_held`; and the other tenants' processes seen on
   the metered GPUs then (`runner.tenants`), which flag every cell `foreign_process`; a level
-  whose idle baseline another tenant's process overlapped is flagged `idle_baseline_foreign`.
+  whose idle baseline another tenant's process overlapped is flagged `idle_baseline_foreign`,
+  one whose baseline is the mean of the instant power readings `idle_from_power_readings`.
 
 Engines step the knob through `dvfs.engines.base.KnobTimeline`: the twin splits its decode
 at the steps (virtual time), SGLang runs a stepping thread beside the streaming requests.
@@ -284,6 +285,8 @@ class InflightHost(Protocol):
     tenants: TenantCheck
     #: Those seen around the idle baseline `setting_idle_power_w` came from.
     setting_idle_foreign: tuple[ForeignProcess, ...]
+    #: That baseline's quality flags (idle_from_power_readings).
+    setting_idle_flags: int
 
     @property
     def fit_periods_s(self) -> list[float | None]: ...
@@ -295,7 +298,9 @@ class InflightHost(Protocol):
 
     def _apply_setting(self, setting: KnobSetting) -> None: ...
 
-    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...]] | None: ...
+    def idle_at(
+        self, setting: KnobSetting
+    ) -> tuple[float, tuple[ForeignProcess, ...], int] | None: ...
 
     def _power_limits(self) -> list[tuple[int, int | None]]: ...
 
@@ -709,6 +714,7 @@ def _measure_group(
     first = level_order(cells, scheme, 0)[0]
     idle: dict[int, float] = {}
     idle_foreign: dict[int, tuple[ForeignProcess, ...]] = {}
+    idle_flags: dict[int, int] = {}
     # A level whose baseline the runner holds is not applied for it (the runner took them all
     # before stabilising the die at the first level: applying them again idled the GPUs
     # through their settles, the die cooling from where it was brought).
@@ -716,8 +722,12 @@ def _measure_group(
         known = runner.idle_at(cell.setting) if cell is not first else None
         if known is None:
             runner._apply_setting(cell.setting)
-            known = runner.setting_idle_power_w, runner.setting_idle_foreign
-        idle[index], idle_foreign[index] = known
+            known = (
+                runner.setting_idle_power_w,
+                runner.setting_idle_foreign,
+                runner.setting_idle_flags,
+            )
+        idle[index], idle_foreign[index], idle_flags[index] = known
     # The group's limits, read at its first level (and after its last decode): the
     # configured one changes with the levels, the enforced one must not fall below them all.
     limits_start = runner._power_limits()
@@ -935,6 +945,7 @@ def _measure_group(
             | (Q_ACCEPT_MISMATCH if mismatch else 0)
             | held
             | idle_quality(idle_foreign[index])
+            | idle_flags[index]
             | (unbalanced if index in placed else 0),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),

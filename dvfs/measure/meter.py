@@ -63,6 +63,11 @@ Q_IDLE_BASELINE_FOREIGN = 1 << 13
 #: decode, so the order cancels no drift and no drift could be fitted to carry the levels to
 #: a per-level cell's context (`dvfs.measure.inflight.fit_context_slope`).
 Q_DRIFT_NOT_CANCELLED = 1 << 14
+#: The idle baseline the cell's above-idle energy subtracts (the session's opening one, or its
+#: setting's) is the mean of the instant power readings, not the energy counter's: a counter
+#: updated less than twice while it was measured (`dvfs.measure.baseline.idle_baseline`).
+#: Its energy per token does not use the idle and stands, so the cell stays valid.
+Q_IDLE_POWER_READINGS = 1 << 15
 
 QUALITY_FLAGS = {
     Q_CLOCK_NOT_REACHED: "clock_not_reached",
@@ -80,6 +85,7 @@ QUALITY_FLAGS = {
     Q_FOREIGN_PROCESS: "foreign_process",
     Q_IDLE_BASELINE_FOREIGN: "idle_baseline_foreign",
     Q_DRIFT_NOT_CANCELLED: "drift_not_cancelled",
+    Q_IDLE_POWER_READINGS: "idle_from_power_readings",
 }
 #: Flags that make a cell invalid: never chosen by an analysis.
 INVALIDATING = (

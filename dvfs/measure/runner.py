@@ -14,7 +14,7 @@ import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dvfs.campaign import Campaign, MeasurementConfig
 from dvfs.clock import Clock
@@ -43,6 +43,7 @@ from dvfs.measure.counter import (
 )
 from dvfs.measure.journal import Journal, iter_records
 from dvfs.measure.meter import (
+    Q_IDLE_POWER_READINGS,
     CellMeasurement,
     PowerLimitRead,
     WindowPart,
@@ -81,6 +82,9 @@ from dvfs.records import (
 from dvfs.records.cell import EnergySplit
 from dvfs.twin.identity import TWIN_CHANGED, twin_changed
 from dvfs.version import __version__
+
+if TYPE_CHECKING:
+    from dvfs.measure.baseline import IdleBaseline
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +125,10 @@ T = TypeVar("T")
 #: The fewest counter updates the session's opening idle measurement spans as two counter reads
 #: (`Runner._opening_idle_w`): each read may lag the counter by one update.
 OPENING_IDLE_MIN_UPDATES = 10
-#: How long, as a multiple of `idle_s`, the opening idle measurement between counter updates
-#: may wait for them (at least IDLE_BASELINE_MAX_S): its window runs from one update to
-#: another, so `idle_s` itself would end before it spans `idle_s`.
+#: How long, as a multiple of the span it asks for (`idle_s`; a setting's baseline's, `idle_s`
+#: / 5), an idle measurement between counter updates may wait for them (at least
+#: IDLE_BASELINE_MAX_S): its window runs from one update to another, so the span itself would
+#: end before the window spans it.
 OPENING_IDLE_MAX_FACTOR = 2.0
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
@@ -254,6 +259,12 @@ class Runner:
         self.idle_foreign: tuple[ForeignProcess, ...] = ()
         self._idle_foreign_by_setting: dict[KnobSetting, tuple[ForeignProcess, ...]] = {}
         self.setting_idle_foreign: tuple[ForeignProcess, ...] = ()
+        #: The quality flags of the session's opening idle measurement, of each setting's
+        #: baseline, and of the one in force: idle_from_power_readings where a counter
+        #: updated less than twice in it (the mean of the instant power instead).
+        self.idle_flags = 0
+        self._idle_flags_by_setting: dict[KnobSetting, int] = {}
+        self.setting_idle_flags = 0
         self._attempt_time = GpuTime()
         #: The last thermal stabilisation (start and end temperature, seconds, reached), for
         #: the next cell's record.
@@ -297,11 +308,12 @@ class Runner:
         periods = self.fit_periods_s
         slowest = max((p for p in periods if p), default=None)
         short = slowest is not None and seconds < OPENING_IDLE_MIN_UPDATES * slowest
+        self.idle_flags = 0
         if seconds <= 0 or not (short or None in periods):
             return measure_idle_power_w(self.gpus, self.clock, seconds)
         from dvfs.measure.baseline import IDLE_BASELINE_MAX_S, idle_baseline
 
-        return idle_baseline(
+        base = idle_baseline(
             self.gpus,
             self.clock,
             min_s=seconds,
@@ -309,7 +321,20 @@ class Runner:
             counter_period_s=slowest,
             min_updates=OPENING_IDLE_MIN_UPDATES,
             max_s=max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * seconds),
-        ).power_w
+        )
+        self.idle_flags = self._readings_flag(base, "the session's opening idle measurement")
+        return base.power_w
+
+    def _readings_flag(self, base: IdleBaseline, what: str) -> int:
+        """idle_from_power_readings where the baseline `base` fell back to the instant power
+        readings (a counter updated less than twice in it), said on the sweep's output; else 0."""
+        if base.source == "energy counter":
+            return 0
+        self.progress.note(
+            f"{what}: {base.note}; the cells whose above-idle energy subtracts it are flagged "
+            "idle_from_power_readings (their energy per token stands)"
+        )
+        return Q_IDLE_POWER_READINGS
 
     def _measured_settle(self) -> dict[str, Any]:
         """The settle time measured on these GPUs (`dvfs.measure.settle`) for the campaign's
@@ -390,6 +415,7 @@ class Runner:
         )
         self.setting_idle_power_w = self.idle_power_w
         self.setting_idle_foreign = self.idle_foreign
+        self.setting_idle_flags = self.idle_flags
         idle_s = self._elapsed_s(t1)
         t2 = self.clock.now_ns()
         settle = self._measured_settle()
@@ -803,7 +829,7 @@ class Runner:
         self.last_foreign = foreign_start + self.tenants.seen(self.gpus, "end")
         self.note_tenants(self.last_foreign)
         held = power_limit_quality(reads) | foreign_quality(self.last_foreign)
-        held |= idle_quality(self.setting_idle_foreign)
+        held |= idle_quality(self.setting_idle_foreign) | self.setting_idle_flags
         if held:
             measurement = replace(measurement, quality=measurement.quality | held)
         self.last_split = EnergySplit.exact((p.result.ledger, p.window, p.energy) for p in parts)
@@ -942,20 +968,23 @@ class Runner:
         if not (m.idle_per_setting and self.knobs.actuation) or setting == KnobSetting(None, None):
             self.setting_idle_power_w = self.idle_power_w
             self.setting_idle_foreign = self.idle_foreign
+            self.setting_idle_flags = self.idle_flags
             return
         if setting not in self._idle_by_setting:  # once per session and setting
-            from dvfs.measure.baseline import IdleBaseline, idle_baseline
+            from dvfs.measure.baseline import IDLE_BASELINE_MAX_S, idle_baseline
 
             known = [p for p in self.counter_periods_s if p]
             spent: list[float] = []  # each try's GPU time
+            span_s = max(m.idle_s / 5, 0.5)
 
             def measure_once() -> IdleBaseline:
                 base = idle_baseline(
                     self.gpus,
                     self.clock,
-                    min_s=max(m.idle_s / 5, 0.5),
+                    min_s=span_s,
                     sample_period_s=min(m.sample_period_s, 0.01),
                     counter_period_s=max(known) if known else None,
+                    max_s=max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * span_s),
                 )
                 spent.append(base.gpu_time_s)
                 return base
@@ -969,18 +998,27 @@ class Runner:
             self._pending.add("idle_baseline", math.fsum(spent))
             self._idle_by_setting[setting] = base.power_w
             self._idle_foreign_by_setting[setting] = foreign
+            self._idle_flags_by_setting[setting] = self._readings_flag(
+                base, f"the idle baseline at {_setting_text(setting)}"
+            )
         self.setting_idle_power_w = self._idle_by_setting[setting]
         self.setting_idle_foreign = self._idle_foreign_by_setting[setting]
+        self.setting_idle_flags = self._idle_flags_by_setting[setting]
 
-    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...]] | None:
-        """The idle power `_apply_setting` would leave for `setting` and the other tenants seen
-        around it, where known without applying it (None: its baseline is not taken yet)."""
+    def idle_at(self, setting: KnobSetting) -> tuple[float, tuple[ForeignProcess, ...], int] | None:
+        """The idle power `_apply_setting` would leave for `setting`, the other tenants seen
+        around it and its quality flags (`setting_idle_flags`), where known without applying it
+        (None: its baseline is not taken yet)."""
         m = self.campaign.measurement
         if not (m.idle_per_setting and self.knobs.actuation) or setting == KnobSetting(None, None):
-            return self.idle_power_w, self.idle_foreign
+            return self.idle_power_w, self.idle_foreign, self.idle_flags
         if setting not in self._idle_by_setting:
             return None
-        return self._idle_by_setting[setting], self._idle_foreign_by_setting[setting]
+        return (
+            self._idle_by_setting[setting],
+            self._idle_foreign_by_setting[setting],
+            self._idle_flags_by_setting[setting],
+        )
 
     def _stabilise(self, cell: Cell) -> None:
         """Thermal stabilisation after a server start: run the cell's warm-up load until the

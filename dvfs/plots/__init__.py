@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dvfs.analysis.headroom import headroom
-from dvfs.analysis.split import where_energy_goes
+from dvfs.analysis.split import no_estimate_reasons, where_energy_goes
 from dvfs.analysis.targets import Target
 from dvfs.cube.schema import SPLIT_MEANINGS, STATUS_MISSING
 from dvfs.plots.batch import draw_energy_vs_batch
@@ -25,7 +25,7 @@ from dvfs.plots.curves import (
 )
 from dvfs.plots.data import pareto_front
 from dvfs.plots.heatmaps import draw_acceptance, draw_headroom
-from dvfs.plots.split import draw_energy_split, split_panels
+from dvfs.plots.split import draw_energy_split, split_panels, worth_drawing
 from dvfs.plots.style import save
 from dvfs.plots.timelines import draw_timelines
 
@@ -90,7 +90,8 @@ def figures(
         yield f"pareto_{corpus}", draw_pareto(cube, chosen, target, corpus, fronts)
     if "energy_split_method" in cube:
         split = where_energy_goes(cube)
-        bars = split_panels(split) if bool((split["split_method"] > 0).any()) else None
+        worth = worth_drawing(split, no_estimate_reasons(cube))
+        bars = split_panels(split) if worth else None
         for corpus in corpora:
             if (fig := draw_energy_split(cube, corpus, split, bars)) is not None:
                 yield f"energy_split_{corpus}", fig

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dvfs.analysis.split import ESTIMATED, where_energy_goes
+from dvfs.analysis.split import ESTIMATED, NO_DRAFTER, no_estimate_reasons, where_energy_goes
 from dvfs.engines.base import SPLIT_PARTS
 from dvfs.plots.style import (
     ENERGY_LABEL,
@@ -54,6 +54,20 @@ def split_title(split: xr.Dataset, corpus: str) -> str:
     )
 
 
+def worth_drawing(split: xr.Dataset, reasons: dict[str, str]) -> bool:
+    """Whether a figure of `split` (where_energy_goes's, every corpus or one) has something to
+    show: a drafter's split, or a speculative drafter measured without one, whose bars then
+    say why (`reasons`: `no_estimate_reasons`), as a cube whose only family gets no estimate
+    (a top-k 1 chain) has."""
+    if bool((split["split_method"] > 0).any()):
+        return True
+    measured = (split["measured"] > 0).any([d for d in split["measured"].dims if d != "drafter"])
+    return any(
+        bool(measured.sel(drafter=d)) and reasons.get(str(d), "") != NO_DRAFTER
+        for d in split["drafter"].values
+    )
+
+
 @styled
 def split_panels(split: xr.Dataset) -> Panels:
     """Empty panels for every corpus's figure, a panel per batch, as wide as the longest
@@ -76,10 +90,12 @@ def draw_energy_split(
     panels: Panels | None = None,
 ) -> Figure | None:
     """Where the energy goes on one corpus (default: the cube's first): never a mean over
-    corpora, whose drafters accept (and so spend) differently. None when no cell carries a
-    split, exact or estimated (a cube built before the split, or a real GPU's cube without a
-    family of drafter settings to estimate from). `split` is `where_energy_goes(cube)` and
-    `panels` `split_panels(split)`, to make them once for every corpus."""
+    corpora, whose drafters accept (and so spend) differently. A drafter measured without a
+    split says why at its bar ("no split: " and `no_estimate_reasons`'s reason). None when no
+    cell carries a split, exact or estimated, and no speculative drafter was measured (a cube
+    built before the split, a real GPU's cube without speculation). `split` is
+    `where_energy_goes(cube)` and `panels` `split_panels(split)`, to make them once for every
+    corpus."""
     from matplotlib.patches import Patch
 
     if "energy_split_method" not in cube:
@@ -87,7 +103,8 @@ def draw_energy_split(
     corpus = str(cube["corpus"].values[0]) if corpus is None else corpus
     whole = split if split is not None else where_energy_goes(cube)
     split = whole.sel(corpus=corpus)
-    if not bool((split["split_method"] > 0).any()):
+    reasons = no_estimate_reasons(cube)
+    if not worth_drawing(split, reasons):
         return None
     drafters = [str(d) for d in split["drafter"].values]
     batches = [int(b) for b in split["batch"].values]
@@ -126,10 +143,15 @@ def draw_energy_split(
             bottom += heights
         # No bar is not a bar of 0 J: say why there is none.
         for i in np.flatnonzero(~split_known):
+            why = reasons.get(drafters[i])
             ax.text(
                 float(i),
                 0.0,
-                " invalid" if invalid[i] else " no split" if measured[i] else " not measured",
+                " invalid"
+                if invalid[i]
+                else (f" no split:\n {why}" if why else " no split")
+                if measured[i]
+                else " not measured",
                 rotation=90,
                 ha="center",
                 va="bottom",

@@ -42,13 +42,12 @@ def _knob_values(info: dict[str, Any], dim: str, unit: str, swept: bool, found: 
     coordinate then holds the stock value the cube files the cells under (the unlocked SM
     clock's maximum, the power limit as found), which dvfs never applied. `found`: measured
     observe-only, where a clock lock set outside dvfs stays (not "unlocked")."""
+    from dvfs.cube.info import unset_knob_text
+
     values = _values(info, dim, unit)
     if swept or values == MISSING:
         return values
-    if dim == "power_limit":
-        return f"not set: as found at start ({values})"
-    kept = "as found (observe-only)" if found else "left unlocked"
-    return f"not set: {kept}; the cube files its cells under {values}, which is no lock"
+    return unset_knob_text(dim, values, found)
 
 
 def measured_section(cube: xr.Dataset) -> Section:
