@@ -1703,6 +1703,60 @@ def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
     assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 700.0
 
 
+def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_found(
+    nvml, tmp_path: Path
+) -> None:
+    """A clock-only sweep on a GPU `dvfs cap apply` had capped at 450 W runs its cells at the
+    default 700 W (a cap is no stock), yet the report's facts said "Power limits: not set: as
+    found at start (700 W)" and `cube info` "stock power limit as found at start": it was 450
+    W at start. The journal's session and the cube now record the cap found and lifted
+    (`power_limit_found_w`), and both say the stock is the GPU's default, not the 450 W found;
+    a limit set outside dvfs is still the stock as found, and said so."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "clock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    lifted = (
+        "the GPU's default (700 W), not the 450 W found at start: a cap dvfs applied, lifted "
+        "while measuring and put back after"
+    )
+    for name, expected in (("capped", lifted), ("by-hand", "as found at start (450 W)")):
+        out = tmp_path / name
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+        cube = open_cube(out / "cube.nc")
+        info = " ".join(invoke("cube", "info", str(out / "cube.nc")).split())
+        # The report's facts (its section, not the whole report: whether the fake's short
+        # cells are valid depends on the machine's speed)
+        [block, *_] = measured_section(cube).blocks
+        assert isinstance(block, Facts)
+        facts = dict(block.pairs)
+        assert facts["Power limits"] == f"not set: {expected}"
+        if name == "capped":
+            assert cube.attrs["stock_power_limit_w"] == 700.0
+            assert float(cube.attrs["power_limit_found_w"]) == 450.0
+            assert "stock power limit the GPU's default, not the 450 W found at start" in info
+            [session] = [
+                json.loads(x)
+                for x in (out / "journal.jsonl").read_text().splitlines()
+                if '"type":"session"' in x
+            ]
+            assert session["power_limit_found_w"] == 450.0
+            invoke("cap", "reset")
+            nvml.fake_update_device(0, power_limit_mw=450_000)  # `nvidia-smi -pl 450`
+        else:
+            assert cube.attrs["stock_power_limit_w"] == 450.0
+            assert "power_limit_found_w" not in cube.attrs
+            assert "stock power limit as found at start" in info
+
+
 def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:
     """100 W on GPU 0 and 900 W on GPU 1: both named in one error, nothing applied."""
     uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]

@@ -39,7 +39,37 @@ def _stock_text(ds: xr.Dataset) -> str:
     ref = reference_setting(ds)
     if observe_only(ds):
         return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit)
-    return ref.describe() + how + "; stock power limit as found at start"
+    return ref.describe() + how + "; " + stock_limit_text(ds)
+
+
+def lifted_caps_w(ds: xr.Dataset) -> list[float]:
+    """The power limits the sweep found at start that were caps dvfs applied (`dvfs cap
+    apply`), lifted while it measured the GPU's own stock (its default limit) and put back at
+    its end (`power_limit_found_w`); empty where the limit found was the stock, or the cube's
+    dvfs did not record it."""
+    value = ds.attrs.get("power_limit_found_w")
+    if value is None:
+        return []
+    try:
+        return [float(w) for w in np.atleast_1d(value)]
+    except (TypeError, ValueError):
+        return []
+
+
+def stock_limit_text(ds: xr.Dataset) -> str:
+    """Where the stock power limit came from: the limit found at start, or, where that was a
+    cap dvfs applied, the GPU's default, the cap lifted while measuring (`lifted_caps_w`)."""
+    lifted = lifted_caps_w(ds)
+    if not lifted:
+        return "stock power limit as found at start"
+    return (
+        f"stock power limit the GPU's default, not the {_watts(lifted)} found at start: a cap "
+        "dvfs applied, lifted while measuring and put back after"
+    )
+
+
+def _watts(values: list[float]) -> str:
+    return ", ".join(f"{w:g}" for w in values) + " W"
 
 
 def observe_only(ds: xr.Dataset) -> bool:

@@ -37,14 +37,28 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
     return ", ".join(shown) + unit if shown else MISSING
 
 
-def _knob_values(info: dict[str, Any], dim: str, unit: str, swept: bool, found: bool) -> str:
+def _knob_values(
+    info: dict[str, Any],
+    dim: str,
+    unit: str,
+    swept: bool,
+    found: bool,
+    lifted: str | None = None,
+) -> str:
     """A knob's values (`_values`), or, where the campaign never set it, that it was not: its
     coordinate then holds the stock value the cube files the cells under (the unlocked SM
     clock's maximum, the power limit as found), which dvfs never applied. `found`: measured
-    observe-only, where a clock lock set outside dvfs stays (not "unlocked")."""
+    observe-only, where a clock lock set outside dvfs stays (not "unlocked"). `lifted`: the
+    power limit found at start where it was a cap dvfs applied, which the stock cells ran
+    without, at the GPU's default limit (`lifted_caps_w`)."""
     values = _values(info, dim, unit)
     if swept or values == MISSING:
         return values
+    if dim == "power_limit" and lifted:
+        return (
+            f"not set: the GPU's default ({values}), not the {lifted} found at start: a cap "
+            "dvfs applied, lifted while measuring and put back after"
+        )
     if dim == "power_limit":
         return f"not set: as found at start ({values})"
     kept = "as found (observe-only)" if found else "left unlocked"
@@ -57,6 +71,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         idle_caveat,
         idle_power_text,
         info_text,
+        lifted_caps_w,
         mode_text,
         observe_only,
         swept_knobs,
@@ -66,6 +81,8 @@ def measured_section(cube: xr.Dataset) -> Section:
     a = cube.attrs
     clock_set, limit_set = swept_knobs(cube)
     found = observe_only(cube)
+    caps = lifted_caps_w(cube)
+    lifted = ", ".join(f"{w:g}" for w in caps) + " W" if caps else None
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
@@ -77,7 +94,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
         ("Model", _text(info["model"]) + tp),
         ("SM clocks", _knob_values(info, "sm_clock", " MHz", clock_set, found)),
-        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found)),
+        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found, lifted)),
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
