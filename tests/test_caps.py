@@ -731,6 +731,36 @@ def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_lea
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_monitor_exports_the_enforced_limit_of_a_gpu_whose_power_limit_is_not_supported(
+    nvml,
+) -> None:
+    """The README said `dvfs monitor` exports a GPU whose power limit NVML answers "not
+    supported" "with its power limit NaN"; the metric is the enforced limit, which such a GPU
+    may still give (what an operator needs: what the driver holds it to), NaN only where that
+    read is not supported either. The README now says what is exported."""
+    import re
+
+    def limits() -> dict[str, str]:
+        page = invoke("monitor", "--once")
+        found = re.findall(r'^dvfs_gpu_power_limit_watts\{gpu="(\d)",[^}]*\} (\S+)$', page, re.M)
+        assert 'gpu="1"' in page and 'dvfs_gpu_up{gpu="1"' in page
+        return dict(found)
+
+    unsupported = {"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    nvml.fake_update_device(1, errors=unsupported)
+    assert limits() == {"0": "700.0", "1": "700.0"}
+    unsupported["nvmlDeviceGetEnforcedPowerLimit"] = nvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fake_update_device(1, errors=unsupported)
+    assert limits() == {"0": "700.0", "1": "NaN"}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "the second with its power limit NaN" not in readme
+    assert (
+        "the second as up with the power limit it exports, the enforced one "
+        "(`dvfs_gpu_power_limit_watts`, what the driver holds the GPU to), still read: NaN only "
+        "where NVML does not support that read either"
+    ) in readme
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
