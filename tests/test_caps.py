@@ -731,6 +731,54 @@ def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_lea
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_a_gpu_named_by_uuid_and_set_aside_for_its_power_limit_is_not_said_to_be_lost(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply` of a file naming by UUID a GPU whose power limit NVML does not support sets
+    that GPU aside (named, exit 1), yet its note said the file "names GPU(s) UUID, which are
+    not among this host's GPUs that open (...), the GPU fallen off the bus perhaps": it opened,
+    and is here. Its entry is its own now: no such note, the error line saying why it was not
+    capped; a UUID that is on no GPU here is "not on this host", which lists the set-aside GPU
+    too; and a file naming only that GPU says it was set aside, not that it matches none of
+    the GPUs that open."""
+    u0, u1 = (nvml.fake_device_state(i)["uuid"] for i in (0, 1))
+    elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
+    nvml.fake_update_device(
+        1, errors={"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    caps = tmp_path / "caps.toml"
+    unsupported = "GPU 1: cannot read the power limit: NVML says Not Supported"
+
+    def apply(uuids: tuple[str, ...], *extra: str) -> tuple[str, str]:
+        entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+        caps.write_text(dump_caps(CapsFile(entries)))
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        out = " ".join(result.output.split())
+        assert "fallen off the bus" not in out and "not among" not in out, out
+        [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        return out, error
+
+    for extra in ((), ("--dry-run",)):
+        out, error = apply((u0, u1), *extra)
+        assert unsupported in error and "note:" not in out, out
+        out, error = apply((u0, u1, elsewhere), *extra)
+        assert unsupported in error, out
+        assert f"names GPU(s) {elsewhere}, which are not on this host (it has GPU 0" in out
+        assert f"GPU 1 NVIDIA H100 80GB HBM3 ({u1}))" in out
+        if extra:
+            assert "`cap apply` would cap the GPUs that match and exit 1" in out
+        out, error = apply((u1,), *extra)
+        assert error == (
+            f"Error: {caps} matches only GPU 1 ({u1}) here, whose power limit NVML does not "
+            "support (`cap apply` records it before a change): it was set aside, so nothing "
+            "was capped"
+        )
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
 def test_monitor_exports_the_enforced_limit_of_a_gpu_whose_power_limit_is_not_supported(
     nvml,
 ) -> None:
