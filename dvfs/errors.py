@@ -19,6 +19,13 @@ class NetcdfPathError(DvfsError):
     """A path netCDF-C cannot use: it reads a backslash in it as '/' (`dvfs.outputs`)."""
 
 
+class OutputRefusedError(DvfsError):
+    """As root, an output path through a symbolic link another user may point anywhere
+    (`dvfs.outputs.check_links`): refused as bad usage, before anything is written."""
+
+    exit_code = 2
+
+
 class JournalError(DvfsError):
     """The journal cannot be used (another campaign's, or corrupt beyond its last line)."""
 

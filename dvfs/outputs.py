@@ -4,7 +4,9 @@ A regular file is replaced atomically: written to a temp file beside it, flushed
 renamed over it, so a full disk, a read-only file system or a crash leaves the old file or the
 new one, never half of either. A symlink's target is replaced and the link kept. A path that is
 no regular file (/dev/null, /dev/full, a FIFO) is written in place: renaming over it would
-replace a device node, which root may do, with a regular file.
+replace a device node, which root may do, with a regular file. As root, a path through a
+symbolic link another user may have placed (`check_links`) is refused: its target is theirs
+to choose, any file root may write.
 """
 
 from __future__ import annotations
@@ -31,6 +33,89 @@ def new_file_mode() -> int:
     mask = os.umask(0o022)  # no way to read the umask without setting it
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def who_may_replace(folder: os.stat_result) -> str | None:
+    """Who but root may replace an entry of a folder with this status, in words (None: root
+    alone): its owner, or, without the sticky bit, everyone or a group other than root's."""
+    if folder.st_uid != 0:
+        return f"its owner {user_name(folder.st_uid)}"
+    if folder.st_mode & stat.S_ISVTX:
+        return None
+    if folder.st_mode & stat.S_IWOTH:
+        return "everyone"
+    if folder.st_mode & stat.S_IWGRP and folder.st_gid != 0:
+        return f"group {group_name(folder.st_gid)}"
+    return None
+
+
+def check_links(path: Path) -> None:
+    """As root, refuse an output path that goes through a symbolic link (itself or a folder
+    above it) that another user may have placed: one in a folder anyone but root may write
+    (`who_may_replace`), or one another user owns (in a sticky folder such as /tmp). Such a
+    link points wherever its owner chose, so writing through it would let them replace any
+    file root may write (/etc/dvfs/govern-plan.toml) with what dvfs writes. Links root alone
+    may place are followed."""
+    if os.geteuid() != 0:
+        return
+    folder = "/"
+    names = [n for n in os.path.abspath(path).split("/") if n]
+    links = 0
+    while (
+        names and links <= 40
+    ):  # the kernel's own limit on links followed; past it the write fails
+        name = names.pop(0)
+        if name == "..":
+            folder = os.path.dirname(folder)
+            continue
+        if name == ".":
+            continue
+        full = os.path.join(folder, name)
+        try:
+            link = os.lstat(full)
+            if not stat.S_ISLNK(link.st_mode):
+                folder = full
+                continue
+            who = who_may_replace(os.stat(folder))
+            target = os.readlink(full)
+        except OSError:
+            return  # nothing there (a new file), or unreadable: no link to follow
+        if who is not None:
+            whose = f"in {folder}, which {who} may write"
+        elif link.st_uid != 0:
+            whose = f"owned by {user_name(link.st_uid)}"
+        else:
+            whose = None
+        if whose is not None:
+            from dvfs.errors import OutputRefusedError
+
+            raise OutputRefusedError(
+                f"{path} goes through the symbolic link {full}, {whose}: it may be pointed at "
+                "any file; as root dvfs refuses to write through it (name the file itself, or "
+                "write in a folder only root can write)"
+            )
+        links += 1
+        if target.startswith("/"):
+            folder = "/"
+        names[:0] = [n for n in target.split("/") if n]
 
 
 def is_stream(path: Path) -> bool:
@@ -73,8 +158,10 @@ def replacing(path: Path, *, sync: bool = True, mode: int | None = None) -> Iter
     replacing itself names `path`. `sync`: flush the new content to disk before the rename,
     and the rename after it (a power loss then keeps one of the two whole; figures, drawn
     again from the cube, skip it). `mode`: the file's permissions (default: the old file's,
-    else what `open()` would give a new one).
+    else what `open()` would give a new one). As root, a path through another user's link is
+    refused (`check_links`), before anything is written.
     """
+    check_links(path)
     real = Path(os.path.realpath(path))
     try:
         # `path` itself, not `real`: a link to an anonymous pipe (`/dev/stdout` piped on,

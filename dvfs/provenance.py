@@ -73,6 +73,13 @@ REGISTRY = tuple(
         ("clock", "str", "", "virtual or monotonic time"),
         ("stock_sm_clock_mhz", "int", "MHz", "the stock (unlocked) clock's coordinate"),
         ("stock_power_limit_w", "float", "W", "the stock power limit's coordinate"),
+        (
+            "power_limit_found_w",
+            "float",
+            "W",
+            "the power limits found at start that were caps dvfs applied, lifted while "
+            "measuring stock (absent: the limit found was the stock)",
+        ),
         ("idle_power_w", "float", "W", "idle board power, all GPUs"),
         (
             "idle_foreign_processes",

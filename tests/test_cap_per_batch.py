@@ -212,6 +212,88 @@ def test_as_root_a_plan_written_in_a_users_folder_is_written_not_refused(tmp_pat
     assert parse_plan(tomllib.loads(out.read_text()), where="x").batches == (1,)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_an_output_through_a_users_link_is_refused_not_followed(tmp_path: Path) -> None:
+    """`sudo dvfs cap plan ... -o ~user/plan.toml`, where the user made that path a link to
+    /etc/dvfs/govern-plan.toml (root-only, followed by the governor unit), replaced the
+    root-only file with a plan from the user's headroom document: the link's target was
+    written. As root, a path through a link another user may point anywhere is refused in one
+    line, exit 2, nothing written: a link (to the file, or to a folder above it) in a folder a
+    user owns, and a link another user owns in a sticky folder such as /tmp. Root's own link
+    in root's folder is still followed, its target replaced and the link kept."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0)])))
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    plan = etc / "govern-plan.toml"
+    plan.write_text("root's plan\n")
+    plan.chmod(0o600)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    (home / "plan.toml").symlink_to(plan)
+    (home / "etc").symlink_to(etc)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "plan.toml").symlink_to(plan)
+    for link in (home / "plan.toml", home / "etc", sticky / "plan.toml"):
+        os.chown(link, nobody, nobody, follow_symlinks=False)
+    os.chown(home, nobody, nobody)
+    for out, link, whose in (
+        (home / "plan.toml", home / "plan.toml", f"in {home}, which its owner nobody may write"),
+        (home / "etc" / plan.name, home / "etc", f"in {home}, which its owner nobody may write"),
+        (sticky / "plan.toml", sticky / "plan.toml", "owned by nobody"),
+    ):
+        for args in (["--per-batch"], ["--batch", "1", "--drafter", "eagle3"]):
+            result = CliRunner().invoke(cli, ["cap", "plan", str(headroom), *args, "-o", str(out)])
+            assert result.exit_code == 2, result.output
+            [error] = [x for x in result.output.splitlines() if x.startswith("Error:")]
+            assert error == (
+                f"Error: {out} goes through the symbolic link {link}, {whose}: it may be pointed "
+                "at any file; as root dvfs refuses to write through it (name the file itself, "
+                "or write in a folder only root can write)"
+            )
+            assert plan.read_text() == "root's plan\n" and "wrote" not in result.output
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    (mine / "plan.toml").symlink_to(plan)
+    result = CliRunner().invoke(
+        cli, ["cap", "plan", str(headroom), "--per-batch", "-o", str(mine / "plan.toml")]
+    )
+    assert result.exit_code == 0, result.output
+    assert (mine / "plan.toml").is_symlink()
+    assert parse_plan(tomllib.loads(plan.read_text()), where="x").batches == (1,)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_a_report_or_figure_through_a_users_link_is_refused_before_the_work(
+    tmp_path: Path,
+) -> None:
+    """The report's output check (before the work) and its figures, written beside the page,
+    refuse a path through a user's link as the file writes do."""
+    import pwd
+
+    from dvfs.cli.report import check_output, write_markdown
+    from dvfs.errors import OutputRefusedError
+
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    (home / "report.md").symlink_to(etc / "x.md")
+    (home / "figures").symlink_to(etc)
+    nobody = pwd.getpwnam("nobody").pw_uid
+    os.chown(home, nobody, nobody)
+    with pytest.raises(OutputRefusedError, match="goes through the symbolic link"):
+        check_output(home / "report.md")
+    with pytest.raises(OutputRefusedError, match=f"{home / 'figures'}, in {home}"):
+        write_markdown(home / "page.md", "page", {"figures/a.png": b"png"})
+    assert not list(etc.iterdir()) and not (home / "page.md").exists()
+
+
 def test_the_govern_command_it_suggests_can_be_pasted(tmp_path: Path) -> None:
     """The suggested `dvfs govern` command is one line, however long, with its path quoted:
     split over two lines (the console's wrapping) or with a space unquoted, it cannot be run as

@@ -731,6 +731,84 @@ def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_lea
     assert nvml.fake_device_state(0)["locked_clocks"] is None
 
 
+def test_a_gpu_named_by_uuid_and_set_aside_for_its_power_limit_is_not_said_to_be_lost(
+    nvml, tmp_path: Path
+) -> None:
+    """`cap apply` of a file naming by UUID a GPU whose power limit NVML does not support sets
+    that GPU aside (named, exit 1), yet its note said the file "names GPU(s) UUID, which are
+    not among this host's GPUs that open (...), the GPU fallen off the bus perhaps": it opened,
+    and is here. Its entry is its own now: no such note, the error line saying why it was not
+    capped; a UUID that is on no GPU here is "not on this host", which lists the set-aside GPU
+    too; and a file naming only that GPU says it was set aside, not that it matches none of
+    the GPUs that open."""
+    u0, u1 = (nvml.fake_device_state(i)["uuid"] for i in (0, 1))
+    elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
+    nvml.fake_update_device(
+        1, errors={"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    )
+    caps = tmp_path / "caps.toml"
+    unsupported = "GPU 1: cannot read the power limit: NVML says Not Supported"
+
+    def apply(uuids: tuple[str, ...], *extra: str) -> tuple[str, str]:
+        entries = tuple(GpuCap(uuid=u, sm_clock_max_mhz=1500) for u in uuids)
+        caps.write_text(dump_caps(CapsFile(entries)))
+        result = CliRunner().invoke(cli, ["cap", "apply", str(caps), *extra])
+        assert result.exit_code == 1, result.output
+        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+        out = " ".join(result.output.split())
+        assert "fallen off the bus" not in out and "not among" not in out, out
+        [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+        return out, error
+
+    for extra in ((), ("--dry-run",)):
+        out, error = apply((u0, u1), *extra)
+        assert unsupported in error and "note:" not in out, out
+        out, error = apply((u0, u1, elsewhere), *extra)
+        assert unsupported in error, out
+        assert f"names GPU(s) {elsewhere}, which are not on this host (it has GPU 0" in out
+        assert f"GPU 1 NVIDIA H100 80GB HBM3 ({u1}))" in out
+        if extra:
+            assert "`cap apply` would cap the GPUs that match and exit 1" in out
+        out, error = apply((u1,), *extra)
+        assert error == (
+            f"Error: {caps} matches only GPU 1 ({u1}) here, whose power limit NVML does not "
+            "support (`cap apply` records it before a change): it was set aside, so nothing "
+            "was capped"
+        )
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    assert nvml.fake_device_state(1)["locked_clocks"] is None
+
+
+def test_monitor_exports_the_enforced_limit_of_a_gpu_whose_power_limit_is_not_supported(
+    nvml,
+) -> None:
+    """The README said `dvfs monitor` exports a GPU whose power limit NVML answers "not
+    supported" "with its power limit NaN"; the metric is the enforced limit, which such a GPU
+    may still give (what an operator needs: what the driver holds it to), NaN only where that
+    read is not supported either. The README now says what is exported."""
+    import re
+
+    def limits() -> dict[str, str]:
+        page = invoke("monitor", "--once")
+        found = re.findall(r'^dvfs_gpu_power_limit_watts\{gpu="(\d)",[^}]*\} (\S+)$', page, re.M)
+        assert 'gpu="1"' in page and 'dvfs_gpu_up{gpu="1"' in page
+        return dict(found)
+
+    unsupported = {"nvmlDeviceGetPowerManagementLimit": nvml.NVML_ERROR_NOT_SUPPORTED}
+    nvml.fake_update_device(1, errors=unsupported)
+    assert limits() == {"0": "700.0", "1": "700.0"}
+    unsupported["nvmlDeviceGetEnforcedPowerLimit"] = nvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.fake_update_device(1, errors=unsupported)
+    assert limits() == {"0": "700.0", "1": "NaN"}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "the second with its power limit NaN" not in readme
+    assert (
+        "the second as up with the power limit it exports, the enforced one "
+        "(`dvfs_gpu_power_limit_watts`, what the driver holds the GPU to), still read: NaN only "
+        "where NVML does not support that read either"
+    ) in readme
+
+
 def test_apply_errors_are_clear(nvml, tmp_path: Path, monkeypatch) -> None:
     caps = tmp_path / "caps.toml"
     elsewhere = "GPU-00000000-0000-0000-0000-000000000000"
@@ -1701,6 +1779,60 @@ def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
     measured = [("ResetGpuLockedClocks", []), ("SetPowerManagementLimit", [700_000])]
     assert calls == applied + measured + applied  # the caps, stock to measure, the caps back
     assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 700.0
+
+
+def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_found(
+    nvml, tmp_path: Path
+) -> None:
+    """A clock-only sweep on a GPU `dvfs cap apply` had capped at 450 W runs its cells at the
+    default 700 W (a cap is no stock), yet the report's facts said "Power limits: not set: as
+    found at start (700 W)" and `cube info` "stock power limit as found at start": it was 450
+    W at start. The journal's session and the cube now record the cap found and lifted
+    (`power_limit_found_w`), and both say the stock is the GPU's default, not the 450 W found;
+    a limit set outside dvfs is still the stock as found, and said so."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "clock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    lifted = (
+        "the GPU's default (700 W), not the 450 W found at start: a cap dvfs applied, lifted "
+        "while measuring and put back after"
+    )
+    for name, expected in (("capped", lifted), ("by-hand", "as found at start (450 W)")):
+        out = tmp_path / name
+        invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
+        assert nvml.fake_device_state(0)["power_limit_mw"] == 450_000
+        cube = open_cube(out / "cube.nc")
+        info = " ".join(invoke("cube", "info", str(out / "cube.nc")).split())
+        # The report's facts (its section, not the whole report: whether the fake's short
+        # cells are valid depends on the machine's speed)
+        [block, *_] = measured_section(cube).blocks
+        assert isinstance(block, Facts)
+        facts = dict(block.pairs)
+        assert facts["Power limits"] == f"not set: {expected}"
+        if name == "capped":
+            assert cube.attrs["stock_power_limit_w"] == 700.0
+            assert float(cube.attrs["power_limit_found_w"]) == 450.0
+            assert "stock power limit the GPU's default, not the 450 W found at start" in info
+            [session] = [
+                json.loads(x)
+                for x in (out / "journal.jsonl").read_text().splitlines()
+                if '"type":"session"' in x
+            ]
+            assert session["power_limit_found_w"] == 450.0
+            invoke("cap", "reset")
+            nvml.fake_update_device(0, power_limit_mw=450_000)  # `nvidia-smi -pl 450`
+        else:
+            assert cube.attrs["stock_power_limit_w"] == 450.0
+            assert "power_limit_found_w" not in cube.attrs
+            assert "stock power limit as found at start" in info
 
 
 def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:

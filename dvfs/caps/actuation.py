@@ -319,7 +319,9 @@ class CapsPlan:
     so an unmatched UUID may be one of them), "" when none is. `untouched`: this host's GPUs
     that no entry names, by UUID or model (another model than the file's, a GPU the plan did
     not measure), which the apply leaves as they are; one of them with MIG enabled is in
-    `mig` instead (no plan caps it).
+    `mig` instead (no plan caps it). `set_aside`: GPUs here that the file names but that are
+    not capped, their power limit one NVML does not support (`cap apply` names them, exit 1):
+    their entries are matched, neither `unmatched` nor `unused`.
     """
 
     actions: tuple[CapAction, ...]
@@ -329,6 +331,7 @@ class CapsPlan:
     mig: tuple[str, ...] = ()
     lost: str = ""
     untouched: tuple[str, ...] = ()
+    set_aside: tuple[str, ...] = ()
 
     def mig_message(self, *, dry_run: bool = False) -> str:
         one = len(self.mig) == 1
@@ -340,7 +343,8 @@ class CapsPlan:
 
     def unmatched_message(self, where: str, *, dry_run: bool = False) -> str:
         done = (
-            f"`cap apply` would cap the GPUs that match and exit {1 if self.lost else 5}"
+            f"`cap apply` would cap the GPUs that match and exit "
+            f"{1 if self.lost or self.set_aside else 5}"
             if dry_run
             else "caps went to the GPUs that match"
         )
@@ -390,6 +394,7 @@ def plan_actions(
     allow_simulated: bool = False,
     applied: dict[str, dict[str, Any]] | None = None,
     lost: str = "",
+    set_aside: Sequence[Gpu] = (),
 ) -> CapsPlan:
     """Match caps to this host's GPUs and validate them against each GPU's supported clocks
     and power range, without writing. `applied`: dvfs's record of the caps in force (`AppliedCaps`),
@@ -399,9 +404,12 @@ def plan_actions(
     GPU at all; entries that match nothing are listed in the plan for the caller to report.
     `lost`: the line naming GPUs of this host fallen off the bus (not among `gpus`), for
     whom a file that matches none of `gpus` is refused as a lost GPU (GpuUnavailableError,
-    exit 1), not as a file meant for another host: it may name the lost GPU.
+    exit 1), not as a file meant for another host: it may name the lost GPU. `set_aside`: GPUs
+    of this host that opened but are not among `gpus` (their power limit one NVML does not
+    support, which `cap apply` records before a change): the entries naming them are theirs,
+    not entries for GPUs elsewhere or fallen off the bus (`CapsPlan.set_aside`).
     """
-    host = describe_host(gpus)
+    host = describe_host(sorted([*gpus, *set_aside], key=lambda g: g.identity.index))
     if caps.simulated and not allow_simulated:
         measured = caps.meta.get("measured_on") or "a digital twin"
         models = sorted({base_model_name(c.name) for c in caps.caps if c.name})
@@ -477,6 +485,20 @@ def plan_actions(
         )
     if problems:
         raise CapsError("; ".join(problems))
+    aside: list[str] = []
+    for gpu in set_aside:
+        ident = gpu.identity
+        cap = caps.for_gpu(ident.uuid, ident.name, twin_models=allow_simulated)
+        if cap is not None:
+            matched.add(id(cap))
+            aside.append(f"GPU {ident.index} ({ident.uuid})")
+    if not actions and aside:
+        one = len(aside) == 1
+        raise GpuUnavailableError(
+            f"{where} matches only {', '.join(aside)} here, whose power limit NVML does not "
+            f"support (`cap apply` records it before a change): {'it was' if one else 'they were'}"
+            " set aside, so nothing was capped" + (f"; {lost}" if lost else "")
+        )
     if not actions:
         have = "has" if len(mig) == 1 else "have"
         but = f", but {', '.join(mig)} {have} MIG enabled (dvfs caps whole GPUs)" if mig else ""
@@ -491,7 +513,9 @@ def plan_actions(
         )
     unmatched = tuple(c.uuid for c in caps.caps if c.uuid and id(c) not in matched)
     unused = tuple(c.name for c in caps.caps if c.name and id(c) not in matched)
-    return CapsPlan(tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched))
+    return CapsPlan(
+        tuple(actions), unmatched, host, unused, tuple(mig), lost, tuple(untouched), tuple(aside)
+    )
 
 
 def apply_actions(

@@ -20,6 +20,7 @@ from typing import Any
 
 from dvfs.errors import CapsError
 from dvfs.gpu.base import canonical_uuid
+from dvfs.outputs import group_name, who_may_replace
 
 CAPS_SCHEMA = 1
 #: How the twin's GPUs name themselves: the NVML model name with this suffix.
@@ -107,38 +108,6 @@ def is_twin_name(name: str | None) -> bool:
     return bool(name) and str(name).endswith(TWIN_SUFFIX)
 
 
-def _group_name(gid: int) -> str:
-    import grp
-
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
-
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _who_may_replace(folder: os.stat_result) -> str | None:
-    """Who but root may replace an entry of a folder with this status, in words (None: root
-    alone): its owner, or, without the sticky bit, everyone or a group other than root's."""
-    if folder.st_uid != 0:
-        return f"its owner {_user_name(folder.st_uid)}"
-    if folder.st_mode & stat.S_ISVTX:
-        return None
-    if folder.st_mode & stat.S_IWOTH:
-        return "everyone"
-    if folder.st_mode & stat.S_IWGRP and folder.st_gid != 0:
-        return f"group {_group_name(folder.st_gid)}"
-    return None
-
-
 def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
     """As root, a file that steers GPU settings (a caps file, a governor's plan) and that
     anyone but root can write would let anyone set GPU caps: refuse it. So is one in a folder
@@ -157,7 +126,7 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
         raise CapsError(f"{path} is world-writable; as root dvfs refuses it (chmod o-w {path})")
     if info.st_mode & stat.S_IWGRP and info.st_gid != 0:  # its group's members are not root
         raise CapsError(
-            f"{path} is group-writable; as root dvfs refuses it (group {_group_name(info.st_gid)} "
+            f"{path} is group-writable; as root dvfs refuses it (group {group_name(info.st_gid)} "
             f"may write it: chmod g-w {path})"
         )
     if info.st_uid != 0:
@@ -174,7 +143,7 @@ def _check_folders(path: Path) -> None:
             held = folder.stat()
         except OSError:
             continue  # gone meanwhile: the file opened is what was checked
-        who = _who_may_replace(held)
+        who = who_may_replace(held)
         if who is not None:
             where = "is in" if folder in given.parents else "links to a file in"
             raise CapsError(

@@ -261,6 +261,7 @@ def apply(
         raise lost_gpus(lost)
     with open_gpus(openable, allow_mig=True) as opened:  # MIG GPUs: left alone (`plan_actions`)
         gpus, unsupported = _set_aside_unsupported(caps, opened, allow_simulated)
+        gone_line = str(lost_gpus(lost)) if lost else ""  # those that did not open
         lost = sorted([*lost, *unsupported], key=lambda e: (e.index is None, e.index or 0))
         lost_line = str(lost_gpus(lost)) if lost else ""
         plan = plan_actions(
@@ -269,7 +270,8 @@ def apply(
             where=str(caps_file),
             allow_simulated=allow_simulated,
             applied=AppliedCaps(directory).read(),
-            lost=lost_line,
+            lost=gone_line,
+            set_aside=[g for g in opened if g not in gpus],
         )
         capped = {a.uuid for a in plan.actions}
         volatile = {

@@ -40,7 +40,11 @@ def make_parent(path: Path) -> None:
 
 def check_output(path: Path) -> None:
     """Refuse an output path that cannot be written before the work, not after: a probe file
-    is created and removed beside it (permissions alone miss read-only file systems)."""
+    is created and removed beside it (permissions alone miss read-only file systems). As root,
+    a path through another user's link is refused here too (`check_links`)."""
+    from dvfs.outputs import check_links
+
+    check_links(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if path.exists() and not path.is_file():
@@ -69,7 +73,7 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     full disk, an immutable file) leaves no figures' folder behind, nor any file in one, and a
     figure that cannot be written (its folder a file, or read-only, or a link to another disk)
     no page linking to it. A failure names the file the user would get."""
-    from dvfs.outputs import new_file_mode
+    from dvfs.outputs import check_links, new_file_mode
 
     made: list[Path] = []  # folders made for the figures, removed where no page is written
     staged: list[tuple[Path, Path, Path]] = []  # (hidden file, its name, as the user sees it)
@@ -77,6 +81,7 @@ def write_markdown(output: Path, text: str, files: dict[str, bytes]) -> None:
     try:
         for name, data in files.items():
             final = output.parent / name
+            check_links(final)  # as root, no figure through another user's link
             _make_folder(final.parent, made)  # a file in the way: named, as the folder
             try:
                 real = Path(os.path.realpath(final))  # a linked folder: the rename within it

@@ -426,6 +426,8 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "clock": session.clock,
         "stock_sm_clock_mhz": session.stock.sm_clock_mhz,
         "stock_power_limit_w": session.stock.power_limit_w,
+        # The power caps dvfs applied that its sessions found and lifted to measure stock.
+        **_found_limits(journal),
         "power_limit_range_w": list(session.power_limit_range_w),
         "idle_power_w": float(np.nanmean([s.idle_power_w for s in journal.sessions])),
         # Other tenants' processes seen around the sessions' opening idle measurements: where
@@ -448,6 +450,14 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "created": now_iso(),
         "history": f"{now_iso()} built by dvfs {__version__} from journal",
     }
+
+
+def _found_limits(journal: JournalContents) -> dict[str, list[float]]:
+    """`power_limit_found_w`: the power limits the sessions found at start where those were
+    not the stock their stock cells ran at (a cap dvfs applied, lifted while measuring), each
+    once; nothing where every session found the stock."""
+    found = [s.power_limit_found_w for s in journal.sessions if s.power_limit_found_w is not None]
+    return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
 
 
 def _counter_periods(journal: JournalContents) -> list[float]:

@@ -39,7 +39,37 @@ def _stock_text(ds: xr.Dataset) -> str:
     ref = reference_setting(ds)
     if observe_only(ds):
         return ref.describe() + _observed_at(ds, ref.sm_clock, ref.power_limit)
-    return ref.describe() + how + "; stock power limit as found at start"
+    return ref.describe() + how + "; " + stock_limit_text(ds)
+
+
+def lifted_caps_w(ds: xr.Dataset) -> list[float]:
+    """The power limits the sweep found at start that were caps dvfs applied (`dvfs cap
+    apply`), lifted while it measured the GPU's own stock (its default limit) and put back at
+    its end (`power_limit_found_w`); empty where the limit found was the stock, or the cube's
+    dvfs did not record it."""
+    value = ds.attrs.get("power_limit_found_w")
+    if value is None:
+        return []
+    try:
+        return [float(w) for w in np.atleast_1d(value)]
+    except (TypeError, ValueError):
+        return []
+
+
+def stock_limit_text(ds: xr.Dataset) -> str:
+    """Where the stock power limit came from: the limit found at start, or, where that was a
+    cap dvfs applied, the GPU's default, the cap lifted while measuring (`lifted_caps_w`)."""
+    lifted = lifted_caps_w(ds)
+    if not lifted:
+        return "stock power limit as found at start"
+    return (
+        f"stock power limit the GPU's default, not the {_watts(lifted)} found at start: a cap "
+        "dvfs applied, lifted while measuring and put back after"
+    )
+
+
+def _watts(values: list[float]) -> str:
+    return ", ".join(f"{w:g}" for w in values) + " W"
 
 
 def observe_only(ds: xr.Dataset) -> bool:
@@ -59,11 +89,17 @@ def _no_actuation(value: Any) -> bool:
         return False
 
 
-def unset_knob_text(dim: str, values: str, found: bool) -> str:
+def unset_knob_text(dim: str, values: str, found: bool, lifted: str | None = None) -> str:
     """A knob the campaign never set (`swept_knobs`) in words, beside `values`, the stock value
     its coordinate holds (the unlocked SM clock's maximum, the power limit as found), which
     dvfs never applied. `found`: measured observe-only, where a clock lock set outside dvfs
-    stays (not "unlocked")."""
+    stays (not "unlocked"). `lifted`: the power limit found at start where it was a cap dvfs
+    applied, lifted while the stock cells ran at the GPU's default (`lifted_caps_w`)."""
+    if dim == "power_limit" and lifted:
+        return (
+            f"not set: the GPU's default ({values}), not the {lifted} found at start: a cap "
+            "dvfs applied, lifted while measuring and put back after"
+        )
     if dim == "power_limit":
         return f"not set: as found at start ({values})"
     kept = "as found (observe-only)" if found else "left unlocked"
@@ -75,12 +111,14 @@ def knobs_not_set(ds: xr.Dataset) -> dict[str, str]:
     cube's SM clock, a clock-only cube's power limit); empty where both were swept, or no
     campaign is recorded."""
     clock_set, limit_set = swept_knobs(ds)
+    caps = lifted_caps_w(ds)
+    lifted = _watts(caps) if caps else None
     said = {}
     for dim, unit, swept in (("sm_clock", " MHz", clock_set), ("power_limit", " W", limit_set)):
         if swept or dim not in ds.coords or not ds.sizes.get(dim):
             continue
         values = ", ".join(str(v).removesuffix(".0") for v in ds[dim].values.tolist())
-        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds))
+        said[dim] = unset_knob_text(dim, values + unit, observe_only(ds), lifted)
     return said
 
 

@@ -157,6 +157,11 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for s in sessions
         ],
     )
+    # A power cap dvfs applied that a worker found at start and lifted to measure stock.
+    combined.pop("power_limit_found_w", None)
+    lifted = [s["power_limit_found_w"] for s in sessions if "power_limit_found_w" in s]
+    if lifted:
+        combined["power_limit_found_w"] = lifted[0]
     # Each worker's tenants seen around its opening idle measurement (GPU indexes its node's).
     combined.pop("idle_foreign_processes", None)
     foreign = [p for s in sessions for p in s.get("idle_foreign_processes") or ()]

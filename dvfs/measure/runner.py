@@ -428,11 +428,14 @@ class Runner:
             "total": round(self._elapsed_s(t0), 6),
         }
         ranges = [g.power_limit_range() for g in self.gpus]
-        found = self.knobs.stock
+        first = self.gpus[0].identity.uuid
         stock = Stock(
             sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
-            power_limit_w=found[self.gpus[0].identity.uuid].power_limit_mw / 1000,
+            power_limit_w=self.knobs.stock[first].power_limit_mw / 1000,
         )
+        # The limit found at start, where it is not the stock: a cap dvfs applied, which the
+        # stock cells run without (`AppliedCaps.measuring`) and which is put back at the end.
+        found_w = self.knobs.original[first].power_limit_mw / 1000
         for earlier in self.journal.sessions:
             then = recorded_stock(earlier)
             if then != stock:
@@ -488,6 +491,7 @@ class Runner:
             server_env_prefixes=tuple(SERVER_ENV_PREFIXES),
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
+            power_limit_found_w=found_w if found_w != stock.power_limit_w else None,
         )
         self.journal.append(session.to_json())
 

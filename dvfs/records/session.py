@@ -83,6 +83,11 @@ class Session:
     #: The absolute folder of the campaign file the session read, where its corpora's relative
     #: paths start (`Campaign.base_dir`); "" before dvfs recorded it.
     campaign_dir: str = ""
+    #: The power limit (W) the first GPU held when the session found it, where that was not
+    #: the stock its stock cells ran at: a cap dvfs applied (`dvfs cap apply`), lifted while
+    #: measuring (the stock is the GPU's default limit) and put back at the end. None where the
+    #: limit found is the stock (and before dvfs recorded it).
+    power_limit_found_w: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +126,11 @@ class Session:
                 else {}
             ),
             **({"campaign_dir": self.campaign_dir} if self.campaign_dir else {}),
+            **(
+                {"power_limit_found_w": self.power_limit_found_w}
+                if self.power_limit_found_w is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -160,6 +170,7 @@ class Session:
                 dict(p) for p in record.get("idle_foreign_processes") or ()
             ),
             campaign_dir=str(record.get("campaign_dir") or ""),
+            power_limit_found_w=_found_limit(record.get("power_limit_found_w")),
         )
 
     @property
@@ -173,6 +184,13 @@ class Session:
             if str(part.get("worker")) == worker:
                 return tuple(str(u) for u in part.get("gpus") or ())
         return self.gpu_uuids
+
+
+def _found_limit(value: Any) -> float | None:
+    """A session's `power_limit_found_w`; None where absent or unreadable (a damaged line)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 #: What every GPU of one journal shares, whichever run and GPU set measured each cell (the

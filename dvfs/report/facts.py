@@ -37,17 +37,26 @@ def _values(info: dict[str, Any], dim: str, unit: str = "") -> str:
     return ", ".join(shown) + unit if shown else MISSING
 
 
-def _knob_values(info: dict[str, Any], dim: str, unit: str, swept: bool, found: bool) -> str:
+def _knob_values(
+    info: dict[str, Any],
+    dim: str,
+    unit: str,
+    swept: bool,
+    found: bool,
+    lifted: str | None = None,
+) -> str:
     """A knob's values (`_values`), or, where the campaign never set it, that it was not: its
     coordinate then holds the stock value the cube files the cells under (the unlocked SM
     clock's maximum, the power limit as found), which dvfs never applied. `found`: measured
-    observe-only, where a clock lock set outside dvfs stays (not "unlocked")."""
+    observe-only, where a clock lock set outside dvfs stays (not "unlocked"). `lifted`: the
+    power limit found at start where it was a cap dvfs applied, which the stock cells ran
+    without, at the GPU's default limit (`lifted_caps_w`)."""
     from dvfs.cube.info import unset_knob_text
 
     values = _values(info, dim, unit)
     if swept or values == MISSING:
         return values
-    return unset_knob_text(dim, values, found)
+    return unset_knob_text(dim, values, found, lifted)
 
 
 def measured_section(cube: xr.Dataset) -> Section:
@@ -56,6 +65,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         idle_caveat,
         idle_power_text,
         info_text,
+        lifted_caps_w,
         mode_text,
         observe_only,
         swept_knobs,
@@ -65,6 +75,8 @@ def measured_section(cube: xr.Dataset) -> Section:
     a = cube.attrs
     clock_set, limit_set = swept_knobs(cube)
     found = observe_only(cube)
+    caps = lifted_caps_w(cube)
+    lifted = ", ".join(f"{w:g}" for w in caps) + " W" if caps else None
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
@@ -76,7 +88,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         ("Engine", info["engine"] if a.get("engine_backend") else MISSING),
         ("Model", _text(info["model"]) + tp),
         ("SM clocks", _knob_values(info, "sm_clock", " MHz", clock_set, found)),
-        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found)),
+        ("Power limits", _knob_values(info, "power_limit", " W", limit_set, found, lifted)),
         ("Batch sizes", _values(info, "batch")),
         ("Drafters", _values(info, "drafter")),
         ("Corpora", _values(info, "corpus")),
