@@ -1817,6 +1817,7 @@ def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_f
         assert isinstance(block, Facts)
         facts = dict(block.pairs)
         assert facts["Power limits"] == f"not set: {expected}"
+        assert f"power_limit 1: not set: {expected}" in info  # the axis row says the same
         if name == "capped":
             assert cube.attrs["stock_power_limit_w"] == 700.0
             assert float(cube.attrs["power_limit_found_w"]) == 450.0
