@@ -306,6 +306,34 @@ def test_a_json_record_naming_a_key_twice_is_refused(tmp_path: Path) -> None:
     )
 
 
+def test_a_deep_json_array_record_naming_a_key_twice_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.12 and later read JSON nested deeper than the interpreter's recursion limit
+    (their json keeps a limit of its own): a `.json` array whose record nests a few thousand
+    levels deep, naming a key twice in there, crashed the walk looking for that key with a
+    RecursionError (an internal error), where the file's record is due. json is given that
+    room here as 3.12 has it (on 3.11 it shares the interpreter's limit)."""
+    import dvfs.corpora.loaders as loaders
+
+    def roomy(*args: Any, **kwargs: Any) -> Any:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit * 10)
+        try:
+            return json.loads(*args, **kwargs)
+        finally:
+            sys.setrecursionlimit(limit)
+
+    monkeypatch.setattr(
+        loaders, "json", types.SimpleNamespace(loads=roomy, JSONDecodeError=json.JSONDecodeError)
+    )
+    depth = 3 * sys.getrecursionlimit()
+    deep = "[" * depth + '{"a": 1, "a": 2}' + "]" * depth
+    write(tmp_path / "deep.json", '[{"prompt": "Describe the Rhine.", "meta": ' + deep + "}]\n")
+    with pytest.raises(CorpusError, match=r"deep\.json, record 1 of the array: .* key 'a'"):
+        load(tmp_path, "deep", {"path": "deep.json", "field": "prompt"})
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -674,3 +674,34 @@ def test_a_worker_that_cannot_restore_its_lost_gpu_fails_the_sweep(
     assert "Traceback" not in result.stderr
     cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
     assert len(cells) == 8 and (out / "cube.nc").is_file()
+
+
+@pytest.mark.parametrize(("nvml_error", "code"), [(4, 4), (999, 1)])
+def test_a_fleet_whose_restore_nvml_refuses_says_why_as_one_gpus_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvml_error: int, code: int
+) -> None:
+    """Every cell measured, then NVML refused each worker's reset of its GPU's clocks: the
+    fleet's last line said "a worker lost its GPU ... once the GPU answers again", exit 1
+    even where the reset needed root. It says the restore's own error (as one GPU's sweep
+    does), exit 4 where it needs root, else 1; the cube is written all the same."""
+    from nvml_support import NVML_CAMPAIGN, dvfs_in_process, fake_env, load_fake
+
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_ROOT="1")
+    for key in ("DVFS_FAKE_NVML_STATE", "DVFS_FAKE_NVML_DEVICES", "DVFS_FAKE_NVML_ROOT"):
+        monkeypatch.setenv(key, env[key])
+    nvml = load_fake()
+    nvml.fake_reset_state()
+    for i in range(2):
+        nvml.fake_update_device(i, errors={"nvmlDeviceResetGpuLockedClocks": nvml_error})
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=2))
+    out = tmp_path / "out"
+    result = dvfs_in_process("sweep", str(campaign), "--gpus", "0-1", "--out", str(out), env=env)
+    assert result.returncode == code, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and "cannot reset locked SM clocks" in last, result.stderr
+    assert "dvfs gpu reset" in last and "lost its GPU" not in last, last
+    for state in (tmp_path / "dvfs-state").glob("GPU-*.json"):
+        assert state.stem in last, (state.stem, last)
+    assert "Traceback" not in result.stderr
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 8 and (out / "cube.nc").is_file()

@@ -207,6 +207,31 @@ def test_a_worker_that_leaves_its_gpu_changed_fails_the_sweep(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("nvml_error", "code"), [(4, 4), (999, 1)])
+def test_a_restore_nvml_refuses_on_ray_says_why_as_one_gpus_sweep(
+    ray_nvml, tmp_path: Path, nvml_error: int, code: int
+) -> None:
+    """Every cell measured, then NVML refused the actors' reset of their GPUs' clocks: the
+    last line said "a worker lost its GPU, or its actor died ... once the GPU answers again",
+    exit 1 even where the reset needed root. It says the restore's own error (as one GPU's
+    sweep does), exit 4 where it needs root, else 1; the cube is written all the same."""
+    from nvml_support import NVML_CAMPAIGN
+
+    for i in range(2):
+        ray_nvml.fake_update_device(i, errors={"nvmlDeviceResetGpuLockedClocks": nvml_error})
+    campaign = write(tmp_path / "nvml.toml", NVML_CAMPAIGN.format(output_tokens=16, repeats=1))
+    out = tmp_path / "out"
+    result = sweep(str(campaign), "--executor", "ray", "--out", str(out))
+    assert result.exit_code == code, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NOT restored" in last and "cannot reset locked SM clocks" in last, result.output
+    assert "dvfs gpu reset" in last and "lost its GPU" not in last, last
+    assert "Traceback" not in result.output
+    cells = [r for r in read_records(out / "journal.jsonl") if r["type"] == "cell"]
+    assert len(cells) == 4 and (out / "cube.nc").is_file()
+
+
+@pytest.mark.timeout(300)
 def test_a_finished_folder_is_not_done_for_a_ray_cluster_with_another_gpu_model(
     ray_nvml, tmp_path: Path
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -552,21 +553,41 @@ def run_fleet(
         raise
     report_fleet(outcome)
     if executor == "ray" and run_on.unrestored:  # every cell may be in: not a success
-        err.print(_ray_unrestored(run_on.unrestored), soft_wrap=True)
-        raise SystemExit(1)
+        err.print(_ray_unrestored(run_on.unrestored, run_on.close_errors), soft_wrap=True)
+        raise SystemExit(_restore_exit_code(run_on.close_errors))
     if executor == "local":  # a Ray worker's GPUs are on its own node, restored there
         from dvfs.sweep import unrestored_gpus
 
         kept, state_dir = unrestored_gpus(campaign)
         if kept:  # every cell may be in, but a GPU keeps the sweep's settings: not a success
+            errors = list(run_on.close_errors.values())
+            why = _restores_failed(errors) or (
+                "a worker lost its GPU before it could put them back; run `dvfs gpu reset` "
+                "once the GPU answers again"
+            )
             err.print(
-                f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: a worker lost "
-                "its GPU before it could put them back; run `dvfs gpu reset` once the GPU "
-                f"answers again (state in {state_dir}).",
+                f"[red]GPU settings NOT restored[/red] for {', '.join(kept)}: {why} (state in "
+                f"{state_dir}).",
                 soft_wrap=True,
             )
-            raise SystemExit(1)
+            raise SystemExit(_restore_exit_code(errors))
     return outcome
+
+
+def _restores_failed(errors: Sequence[BaseException]) -> str:
+    """What the workers' restores that failed said (NVML refusing a reset, a GPU lost), as
+    one GPU's sweep says it; "" where none did (a worker's process died)."""
+    from dvfs.errors import GpuError
+
+    return "; ".join(escape(str(e).rstrip(".")) for e in errors if isinstance(e, GpuError))
+
+
+def _restore_exit_code(errors: Sequence[BaseException]) -> int:
+    """A fleet's exit code where GPUs were left changed: 4 where a restore needs root, as one
+    GPU's sweep, else 1."""
+    from dvfs.errors import GpuPermissionError
+
+    return 4 if any(isinstance(e, GpuPermissionError) for e in errors) else 1
 
 
 def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any = None) -> str:
@@ -595,14 +616,22 @@ def _after_interruption_told(err: Any, campaign: Any, out_dir: Path, shard: Any 
     return "GPU settings restored."
 
 
-def _ray_unrestored(left: dict[str, list[str]]) -> str:
+def _ray_unrestored(left: dict[str, list[str]], errors: Sequence[BaseException] = ()) -> str:
     """The line for the GPUs Ray workers did not put back, each node's with `dvfs gpu reset`
-    there (the state files are on that node)."""
+    there (the state files are on that node); why, where a worker's restore said it
+    (`errors`: what the actors' closes raised)."""
     where = "; ".join(f"{', '.join(gpus)} on {host}" for host, gpus in left.items())
+    hosts = escape(", ".join(left))
+    failed = _restores_failed(errors)
+    if failed:
+        return (
+            f"[red]GPU settings NOT restored[/red] for {escape(where)}: {failed}; run `dvfs gpu "
+            f"reset` on {hosts}."
+        )
     return (
         f"[red]GPU settings NOT restored[/red] for {escape(where)}: a worker lost its GPU, or "
         "its actor died or was stopped, before it could put them back; run `dvfs gpu reset` on "
-        f"{escape(', '.join(left))} once the GPU answers again."
+        f"{hosts} once the GPU answers again."
     )
 
 

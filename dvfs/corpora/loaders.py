@@ -171,13 +171,19 @@ def _first_twice(pairs: list[tuple[str, Any]]) -> str:
 
 
 def _key_twice(value: Any) -> str | None:
-    """The first key some object in `value` names twice (`_marking_keys`), else None."""
-    if isinstance(value, _Twice):
-        return value.twice
-    inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    for item in inner:
-        if (key := _key_twice(item)) is not None:
-            return key
+    """The first key some object in `value` names twice (`_marking_keys`), else None. Walked
+    without recursion: Python 3.12 and later read JSON nested deeper than the interpreter's
+    recursion limit (their json has a limit of its own), which a recursive walk then failed
+    on (a RecursionError, not the file's line)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, _Twice):
+            return item.twice
+        if isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
     return None
 
 

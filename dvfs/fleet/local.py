@@ -94,6 +94,9 @@ class LocalExecutor:
         self.out_dir = out_dir
         self.state_dir = state_dir
         self.nvml = nvml
+        #: What each worker's close raised (a restore of its GPUs that NVML refused, or whose
+        #: GPU was lost), by worker: the sweep's error line where a GPU was left changed.
+        self.close_errors: dict[str, BaseException] = {}
 
     def __call__(self, fleet: Fleet, groups: Sequence[Group]) -> None:
         campaign: Campaign = fleet.campaign
@@ -164,6 +167,7 @@ class LocalExecutor:
                 try:
                     worker.close()
                 except BaseException as exc:  # noqa: BLE001
+                    self.close_errors[worker.label] = exc
                     events.put(("error", worker.label, exc, None))
                 events.put(("exit", worker.label))
 

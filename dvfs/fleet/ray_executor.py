@@ -320,6 +320,9 @@ class RayExecutor:
         #: Each node's GPUs whose settings a worker did not put back (UUIDs, or a worker's
         #: GPUs when its actor died): the sweep fails naming them and `dvfs gpu reset` there.
         self.unrestored: dict[str, list[str]] = {}
+        #: What the actors' closes raised (a restore of their GPUs that NVML refused): the
+        #: sweep's error line where GPUs were left changed, as one GPU's sweep says it.
+        self.close_errors: list[BaseException] = []
         #: Whether the note that RAY_ADDRESS is not joined was said (by the models' probe:
         #: not again by the run).
         self._address_noted = False
@@ -536,6 +539,9 @@ class RayExecutor:
             except Exception as exc:  # noqa: BLE001  (a close that raised: `_left` tells)
                 if actor_gone(exc):  # killed after its last unit, before it could close
                     self._note_died(campaign, label)
+                else:  # what the worker raised, not Ray's wrapper
+                    cause = getattr(exc, "cause", None)
+                    self.close_errors.append(cause if isinstance(cause, BaseException) else exc)
             except BaseException:
                 for rest in closing[closing.index(label) :]:
                     self._note_died(campaign, rest, "its close was given up")
