@@ -1426,7 +1426,7 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
 
     refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
-        records = iter_records(journal) if journal.is_file() else iter(())
+        records = iter_records(journal) if journal.exists() else iter(())
         first = next(records, None)
         if first is not None:
             # Read on past a header only (a damaged line is raised, as the sweep raises it):

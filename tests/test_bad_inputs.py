@@ -808,12 +808,12 @@ JOURNAL_CASES = [
         "line",
     ),
     journal_case("empty", "", "journal.jsonl"),
-    # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
+    # A device: refused unread (read line by line, it would take all the memory).
     journal_case(
         "link-to-dev-zero",
         Writer(lambda path, env: path.symlink_to("/dev/zero")),
         "journal.jsonl",
-        "longer than 64 MiB",
+        "no regular file",
     ),
     journal_case(
         "header-only", lambda s: s["journal"].read_text().splitlines()[0] + "\n", "session"
@@ -1370,6 +1370,17 @@ def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
 
+def _dev_zero(path: Path, env: dict[str, Path]) -> None:
+    path.symlink_to("/dev/zero")
+
+
+#: `dvfs cube build`, a resumed sweep and its dry run, of the folder {tmp}/run: (name, the
+#: argv before the folder, after it).
+_BUILD = ("cube-build", ["cube", "build"], [])
+_RESUME = ("sweep", ["sweep", "{tmp}/c.toml", "--out"], ["--no-progress"])
+_DRY_RUN = ("dry-run", ["sweep", "{tmp}/c.toml", "--out"], ["--dry-run"])
+
+
 def _fifo(path: Path, env: dict[str, Path]) -> None:
     import os
 
@@ -1444,6 +1455,28 @@ MORE_CASES = (
             )
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+        # A journal that is no regular file: a FIFO was waited on for ever (`cube build`, the
+        # sweep, its dry run, the doctor), and the dry run, which skipped any journal that was
+        # no regular file, planned a fresh run where the sweep refuses the folder.
+        *(
+            C(
+                f"journal-{kind}-{cmd}",
+                [*argv, "{tmp}/run", *extra],
+                files={"c.toml": GOOD_TEXT, "run/journal.jsonl": content},
+                code=1,
+                says=("journal.jsonl", *says),
+                chatty=cmd == "sweep",
+            )
+            for kind, content, says, cmd, argv, extra in (
+                ("fifo", Writer(_fifo), ("no regular file",), *_BUILD),
+                ("fifo", Writer(_fifo), ("no regular file",), *_RESUME),
+                ("fifo", Writer(_fifo), ("no regular file",), *_DRY_RUN),
+                ("link-to-dev-zero", Writer(_dev_zero), ("no regular file",), *_DRY_RUN),
+                ("directory", DIR, ("is a directory",), *_DRY_RUN),
+            )
+        ),
+        # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
+        journal_case("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "64 MiB"),
         *(
             C(
                 f"twin-profile-{id}",
