@@ -1477,6 +1477,26 @@ MORE_CASES = (
         ),
         # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
         journal_case("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "64 MiB"),
+        # A GPU's state file that is no regular file or far too large: a FIFO was waited on for
+        # ever, /dev/zero and a 50 GiB file read until memory ran out ("out of memory working
+        # on" the caps file), a folder's advice was to "give a file's path for --state-dir".
+        *(
+            C(
+                f"gpu-state-file-{kind}-{'-'.join(argv[:2])}",
+                [*argv, "--state-dir", "{tmp}/state"],
+                files={_STATE: content, "caps.toml": GOOD_CAPS},
+                nvml=True,
+                code=3,
+                says=("{tmp}/state", "unreadable", why),
+            )
+            for kind, content, why in (
+                ("fifo", Writer(_fifo), "no regular file"),
+                ("link-to-dev-zero", Writer(_dev_zero), "no regular file"),
+                ("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "1 MiB"),
+                ("directory", DIR, "is a directory"),
+            )
+            for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"])
+        ),
         *(
             C(
                 f"twin-profile-{id}",

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import platform
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -163,6 +164,24 @@ class PendingRestore:
         )
 
 
+#: The most bytes of a state file read: one holds a GPU's settings and who changed them (a few
+#: hundred bytes); a larger one is no state file, and reading it whole could take all the memory.
+MAX_STATE_BYTES = 1 << 20
+
+
+def _read_record(path: Path) -> str:
+    """A state file's text: opened without blocking (a FIFO would be waited on for ever) and
+    refused (`OSError`, `ValueError`) unless a regular file of at most `MAX_STATE_BYTES`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:  # (a folder: IsADirectoryError)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("no regular file: a FIFO or a device")
+        data = f.read(MAX_STATE_BYTES + 1)
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"more than {MAX_STATE_BYTES >> 20} MiB, which no state file holds")
+    return data.decode("utf-8")
+
+
 class StateStore:
     """Per-GPU records of original settings (implements `dvfs.gpu.knobs.ChangeLog`)."""
 
@@ -204,13 +223,14 @@ class StateStore:
             if not path.exists():
                 continue
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                data = json.loads(_read_record(path))
                 if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
                     raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 raise GpuStateError(
-                    f"state file {path} is unreadable ({exc}); inspect and remove "
+                    f"state file {path} is unreadable ({why}); inspect and remove "
                     "it by hand after checking the GPU's settings"
                 ) from exc
             found.append(
