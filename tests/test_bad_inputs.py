@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -2382,6 +2383,23 @@ def test_a_full_disk_under_netcdf_is_said_to_be_full(
     [line] = result.stderr.splitlines()
     assert f"cannot write {out}: no space left on the device" in line, line
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["cube-build-o", "roofline-o"])
+@pytest.mark.parametrize("out", ["/proc/dvfs-no-such-file.nc", "/sys/dvfs-no-such-file.nc"])
+def test_a_netcdf_output_where_no_file_can_be_made_is_not_called_a_full_disk(
+    name: str, out: str, shared: dict[str, Path]
+) -> None:
+    """/proc and /sys show no free space (they hold no files): a netCDF output there, which
+    cannot be created, was said to be on a full disk ("no space left on the device; free
+    space"), as a real full disk is."""
+    if not Path(out).parent.is_dir() or shutil.disk_usage(Path(out).parent).total:
+        pytest.skip(f"no file system of no size at {Path(out).parent}")
+    result = CliRunner().invoke(cli, _argv(name, shared, Path(out)))
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert out in line and "space" not in line, line
+    assert not Path(out).exists()
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg"])
