@@ -1498,6 +1498,29 @@ MORE_CASES = (
             )
             for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"])
         ),
+        # A GPU's lock file that is no regular file: a FIFO hung `cap apply --dry-run` for ever;
+        # a FIFO or a device failed the apply as "cannot use: invalid argument", no path named;
+        # a folder passed the dry run (exit 0) that the apply refused.
+        *(
+            C(
+                f"gpu-lock-file-{kind}-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
+                [*argv, *(["--dry-run"] if dry else []), "--state-dir", "{tmp}/state"],
+                files={"state/{uuid0}.lock": content, "caps.toml": GOOD_CAPS},
+                nvml=True,
+                code=3,
+                says=("{tmp}/state/", ".lock", "no regular file"),
+            )
+            for kind, content in (
+                ("fifo", Writer(_fifo)),
+                ("link-to-dev-zero", Writer(_dev_zero)),
+                ("directory", DIR),
+            )
+            for argv, dry in (
+                (["cap", "apply", "{tmp}/caps.toml"], True),
+                (["cap", "apply", "{tmp}/caps.toml"], False),
+                (["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"], False),
+            )
+        ),
         *(
             C(
                 f"twin-profile-{id}",

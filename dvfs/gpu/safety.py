@@ -279,7 +279,13 @@ class GpuLocks:
         try:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                except IsADirectoryError:
+                    raise GpuStateError(_not_a_lock(path)) from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise GpuStateError(_not_a_lock(path))
                 # readable by all whatever the umask: the dry runs and `doctor` run without
                 # root tell a GPU another dvfs holds by it (`holder`), an unreadable one as free
                 with contextlib.suppress(OSError):
@@ -303,10 +309,14 @@ class GpuLocks:
     def holder(self, gpu: Gpu) -> str | None:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
+        path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
-            fd = os.open(self.directory / f"{gpu.identity.uuid}.lock", os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
         except OSError:  # no lock file (never held here) or unreadable: hold() will say
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return _not_a_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -314,6 +324,13 @@ class GpuLocks:
         finally:
             os.close(fd)  # lets go of the shared lock where it was taken
         return None
+
+
+def _not_a_lock(path: Path) -> str:
+    return (
+        f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
+        "move it aside, or choose another --state-dir"
+    )
 
 
 def _busy(gpu: Gpu, owner: str) -> str:
