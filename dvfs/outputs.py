@@ -256,7 +256,10 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
         with held_back(), replacing(path) as tmp:
             write(tmp)
     except (OSError, RuntimeError) as exc:
-        if _short_of_space(path, size_bytes):
+        # Only netCDF's two words for a full disk: any other error (ENOENT, EPERM...) is what
+        # it says, even where the folder shows no free space (/proc and /sys show none).
+        said = isinstance(exc, RuntimeError) or exc.errno == errno.EACCES
+        if said and _short_of_space(path, size_bytes):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
         if isinstance(exc, OSError):
             raise _named(exc, path) from exc
@@ -265,10 +268,11 @@ def write_netcdf(path: Path, write: Callable[[Path], None], size_bytes: int) -> 
 
 def _short_of_space(path: Path, size_bytes: int) -> bool:
     try:
-        free = shutil.disk_usage(Path(os.path.realpath(path)).parent).free
+        usage = shutil.disk_usage(Path(os.path.realpath(path)).parent)
     except OSError:
         return False
-    return free < size_bytes + (1 << 20)  # the file, and room for HDF5's metadata
+    # (a file system of no size, /proc or /sys, is not full: it holds no files to write)
+    return usage.total > 0 and usage.free < size_bytes + (1 << 20)  # and HDF5's metadata
 
 
 def write_bytes(path: Path, data: bytes, *, sync: bool = True, mode: int | None = None) -> None:

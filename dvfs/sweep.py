@@ -440,11 +440,15 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
         problem = OSError(code, os.strerror(code), str(probe))
         raise JournalError(describe_os_error(problem, f"use {out_dir} as the output folder"))
     lock = out_dir / LOCK_NAME
-    if lock.is_file():
+    if lock.exists():
         try:
-            fd = os.open(lock, os.O_RDONLY)
+            # As the sweep opens it, less O_CREAT: a folder (EISDIR) or a lock the sweep may
+            # not write is refused here too, in the sweep's words.
+            fd = os.open(lock, os.O_RDWR)
         except OSError as exc:
-            raise JournalError(describe_os_error(exc, f"read {lock}")) from exc
+            raise JournalError(
+                describe_os_error(exc, f"use {out_dir} as the output folder")
+            ) from exc
         try:
             # A shared lock, dropped at once: refused while a sweep holds its exclusive one.
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -1469,7 +1473,7 @@ def folder_refusals(campaign: Campaign, out_dir: Path, shard: Shard | None) -> l
 
     refusals: list[JournalError] = []
     for journal in folder_journals(out_dir):
-        records = iter_records(journal) if journal.is_file() else iter(())
+        records = iter_records(journal) if journal.exists() else iter(())
         first = next(records, None)
         if first is not None:
             # Read on past a header only (a damaged line is raised, as the sweep raises it):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -808,12 +809,12 @@ JOURNAL_CASES = [
         "line",
     ),
     journal_case("empty", "", "journal.jsonl"),
-    # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
+    # A device: refused unread (read line by line, it would take all the memory).
     journal_case(
         "link-to-dev-zero",
         Writer(lambda path, env: path.symlink_to("/dev/zero")),
         "journal.jsonl",
-        "longer than 64 MiB",
+        "no regular file",
     ),
     journal_case(
         "header-only", lambda s: s["journal"].read_text().splitlines()[0] + "\n", "session"
@@ -1370,6 +1371,17 @@ def _symlink_loop(path: Path, env: dict[str, Path]) -> None:
     path.symlink_to(path.name)  # a link to itself: ELOOP on open
 
 
+def _dev_zero(path: Path, env: dict[str, Path]) -> None:
+    path.symlink_to("/dev/zero")
+
+
+#: `dvfs cube build`, a resumed sweep and its dry run, of the folder {tmp}/run: (name, the
+#: argv before the folder, after it).
+_BUILD = ("cube-build", ["cube", "build"], [])
+_RESUME = ("sweep", ["sweep", "{tmp}/c.toml", "--out"], ["--no-progress"])
+_DRY_RUN = ("dry-run", ["sweep", "{tmp}/c.toml", "--out"], ["--dry-run"])
+
+
 def _fifo(path: Path, env: dict[str, Path]) -> None:
     import os
 
@@ -1444,6 +1456,71 @@ MORE_CASES = (
             )
         ),
         journal_case("cell-off-grid", _journal_edit(_journal_off_grid), "journal.jsonl"),
+        # A journal that is no regular file: a FIFO was waited on for ever (`cube build`, the
+        # sweep, its dry run, the doctor), and the dry run, which skipped any journal that was
+        # no regular file, planned a fresh run where the sweep refuses the folder.
+        *(
+            C(
+                f"journal-{kind}-{cmd}",
+                [*argv, "{tmp}/run", *extra],
+                files={"c.toml": GOOD_TEXT, "run/journal.jsonl": content},
+                code=1,
+                says=("journal.jsonl", *says),
+                chatty=cmd == "sweep",
+            )
+            for kind, content, says, cmd, argv, extra in (
+                ("fifo", Writer(_fifo), ("no regular file",), *_BUILD),
+                ("fifo", Writer(_fifo), ("no regular file",), *_RESUME),
+                ("fifo", Writer(_fifo), ("no regular file",), *_DRY_RUN),
+                ("link-to-dev-zero", Writer(_dev_zero), ("no regular file",), *_DRY_RUN),
+                ("directory", DIR, ("is a directory",), *_DRY_RUN),
+            )
+        ),
+        # No newline for ever: read line by line it would take all the memory (`MAX_LINE_BYTES`).
+        journal_case("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "64 MiB"),
+        # A GPU's state file that is no regular file or far too large: a FIFO was waited on for
+        # ever, /dev/zero and a 50 GiB file read until memory ran out ("out of memory working
+        # on" the caps file), a folder's advice was to "give a file's path for --state-dir".
+        *(
+            C(
+                f"gpu-state-file-{kind}-{'-'.join(argv[:2])}",
+                [*argv, "--state-dir", "{tmp}/state"],
+                files={_STATE: content, "caps.toml": GOOD_CAPS},
+                nvml=True,
+                code=3,
+                says=("{tmp}/state", "unreadable", why),
+            )
+            for kind, content, why in (
+                ("fifo", Writer(_fifo), "no regular file"),
+                ("link-to-dev-zero", Writer(_dev_zero), "no regular file"),
+                ("sparse-50g", Writer(lambda p, e: sparse_file(p, 50 << 30)), "1 MiB"),
+                ("directory", DIR, "is a directory"),
+            )
+            for argv in (["gpu", "reset"], ["cap", "apply", "{tmp}/caps.toml"])
+        ),
+        # A GPU's lock file that is no regular file: a FIFO hung `cap apply --dry-run` for ever;
+        # a FIFO or a device failed the apply as "cannot use: invalid argument", no path named;
+        # a folder passed the dry run (exit 0) that the apply refused.
+        *(
+            C(
+                f"gpu-lock-file-{kind}-{'-'.join(argv[:2])}{'-dry-run' if dry else ''}",
+                [*argv, *(["--dry-run"] if dry else []), "--state-dir", "{tmp}/state"],
+                files={"state/{uuid0}.lock": content, "caps.toml": GOOD_CAPS},
+                nvml=True,
+                code=3,
+                says=("{tmp}/state/", ".lock", "no regular file"),
+            )
+            for kind, content in (
+                ("fifo", Writer(_fifo)),
+                ("link-to-dev-zero", Writer(_dev_zero)),
+                ("directory", DIR),
+            )
+            for argv, dry in (
+                (["cap", "apply", "{tmp}/caps.toml"], True),
+                (["cap", "apply", "{tmp}/caps.toml"], False),
+                (["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"], False),
+            )
+        ),
         *(
             C(
                 f"twin-profile-{id}",
@@ -2329,6 +2406,23 @@ def test_a_full_disk_under_netcdf_is_said_to_be_full(
     [line] = result.stderr.splitlines()
     assert f"cannot write {out}: no space left on the device" in line, line
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["cube-build-o", "roofline-o"])
+@pytest.mark.parametrize("out", ["/proc/dvfs-no-such-file.nc", "/sys/dvfs-no-such-file.nc"])
+def test_a_netcdf_output_where_no_file_can_be_made_is_not_called_a_full_disk(
+    name: str, out: str, shared: dict[str, Path]
+) -> None:
+    """/proc and /sys show no free space (they hold no files): a netCDF output there, which
+    cannot be created, was said to be on a full disk ("no space left on the device; free
+    space"), as a real full disk is."""
+    if not Path(out).parent.is_dir() or shutil.disk_usage(Path(out).parent).total:
+        pytest.skip(f"no file system of no size at {Path(out).parent}")
+    result = CliRunner().invoke(cli, _argv(name, shared, Path(out)))
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.splitlines()
+    assert out in line and "space" not in line, line
+    assert not Path(out).exists()
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg"])

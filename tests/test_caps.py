@@ -137,6 +137,21 @@ def test_root_refuses_a_world_writable_caps_file(tmp_path: Path) -> None:
         load_caps(path)
 
 
+def test_root_refuses_a_device_as_a_caps_file_without_advising_chmod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caps file that is a link to /dev/zero (mode 0666): as root it was refused as
+    "world-writable ... (chmod o-w caps.toml)", advice that, followed, changes /dev/zero."""
+    path = tmp_path / "caps.toml"
+    path.symlink_to("/dev/zero")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    result = CliRunner().invoke(cli, ["cap", "apply", str(path), "--dry-run"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"Error: {path} is a device, not a file: give the file `dvfs cap plan` wrote"
+    )
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the folder check applies to root only")
 def test_root_refuses_a_caps_file_or_plan_in_a_folder_others_may_write(tmp_path: Path) -> None:
     """A root-owned 0644 caps file (or plan) in a folder others may write was accepted: any of

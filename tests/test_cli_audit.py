@@ -239,3 +239,16 @@ def test_doctor_exits_2_where_sweep_refuses_the_campaign_as_invalid(tmp_path: Pa
     code, checks = _doctor_checks(campaign, tmp_path / "o")
     assert code == 2 and checks["corpora"]["status"] == "fail", checks
     assert "batch 500 needs 500" in checks["corpora"]["detail"]
+
+
+def test_doctor_fails_a_folder_whose_lock_is_a_folder_as_the_sweep_does(tmp_path: Path) -> None:
+    """A folder named sweep.lock: the sweep refuses the output folder (it cannot open its
+    lock), and the doctor said "ok" (it looked at the lock only when it was a regular file)."""
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    (out / "sweep.lock").mkdir(parents=True)
+    swept = invoke("sweep", str(tiny), "--out", str(out), "--no-progress")
+    assert_one_line_error(swept, 1, "sweep.lock", "Is a directory")
+    code, checks = _doctor_checks(tiny, out)
+    assert code == 1 and checks["output folder"]["status"] == "fail", checks
+    assert checks["output folder"]["detail"] == swept.stderr.strip().removeprefix("Error: ")

@@ -118,6 +118,9 @@ def check_file_safety(path: Path, info: os.stat_result | None = None) -> None:
     if os.geteuid() != 0:
         return
     info = path.stat() if info is None else info
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+        # (a device is world-writable: the advice to `chmod o-w` it would change the device)
+        raise CapsError(f"{path} is a device, not a file: give the file `dvfs cap plan` wrote")
     # The folder first: where another user may replace the file, no change to the file (chown,
     # chmod) makes it safe, so the error names the fix that does (a root-only folder).
     if stat.S_ISREG(info.st_mode):  # a pipe (`<(...)`) root's shell made has no folder

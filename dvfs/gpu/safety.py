@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import platform
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -171,6 +172,24 @@ class PendingRestore:
         )
 
 
+#: The most bytes of a state file read: one holds a GPU's settings and who changed them (a few
+#: hundred bytes); a larger one is no state file, and reading it whole could take all the memory.
+MAX_STATE_BYTES = 1 << 20
+
+
+def _read_record(path: Path) -> str:
+    """A state file's text: opened without blocking (a FIFO would be waited on for ever) and
+    refused (`OSError`, `ValueError`) unless a regular file of at most `MAX_STATE_BYTES`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:  # (a folder: IsADirectoryError)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("no regular file: a FIFO or a device")
+        data = f.read(MAX_STATE_BYTES + 1)
+    if len(data) > MAX_STATE_BYTES:
+        raise ValueError(f"more than {MAX_STATE_BYTES >> 20} MiB, which no state file holds")
+    return data.decode("utf-8")
+
+
 class StateStore:
     """Per-GPU records of original settings (implements `dvfs.gpu.knobs.ChangeLog`)."""
 
@@ -212,13 +231,14 @@ class StateStore:
             if not path.exists():
                 continue
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                data = json.loads(_read_record(path))
                 if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
                     raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 raise GpuStateError(
-                    f"state file {path} is unreadable ({exc}); inspect and remove "
+                    f"state file {path} is unreadable ({why}); inspect and remove "
                     "it by hand after checking the GPU's settings"
                 ) from exc
             found.append(
@@ -267,7 +287,13 @@ class GpuLocks:
         try:
             for gpu in gpus:
                 path = self.directory / f"{gpu.identity.uuid}.lock"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+                except IsADirectoryError:
+                    raise GpuStateError(_not_a_lock(path)) from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise GpuStateError(_not_a_lock(path))
                 # readable by all whatever the umask: the dry runs and `doctor` run without
                 # root tell a GPU another dvfs holds by it (`holder`), an unreadable one as free
                 with contextlib.suppress(OSError):
@@ -291,10 +317,14 @@ class GpuLocks:
     def holder(self, gpu: Gpu) -> str | None:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
+        path = self.directory / f"{gpu.identity.uuid}.lock"
         try:
-            fd = os.open(self.directory / f"{gpu.identity.uuid}.lock", os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO: not waited on
         except OSError:  # no lock file (never held here) or unreadable: hold() will say
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return _not_a_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -302,6 +332,13 @@ class GpuLocks:
         finally:
             os.close(fd)  # lets go of the shared lock where it was taken
         return None
+
+
+def _not_a_lock(path: Path) -> str:
+    return (
+        f"{path} is no regular file (a folder, a FIFO, a device), so no GPU lock of dvfs's: "
+        "move it aside, or choose another --state-dir"
+    )
 
 
 def _busy(gpu: Gpu, owner: str) -> str:

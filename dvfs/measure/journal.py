@@ -20,11 +20,12 @@ import errno
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dvfs.campaign import Campaign
 from dvfs.errors import JournalError
@@ -349,10 +350,7 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
     or a file that does not start with a record, is a `JournalError` naming the file and the
     line. The repairs happen when the iteration reaches the end."""
     path = Path(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115  (closed by the with below, across the yields)
-    except OSError as exc:
-        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+    f = _open_journal(path)
     with f:
         good_bytes = 0  # where the line being read starts
         count = 0
@@ -398,6 +396,33 @@ def iter_records(path: str | Path, *, repair: bool = False) -> Iterator[dict[str
                     raise JournalError(describe_os_error(exc, "repair the journal")) from exc
             good_bytes += len(raw)
             yield record
+
+
+def _open_journal(path: Path) -> BinaryIO:
+    """`path` opened for reading: a regular file, else a `JournalError`. Opened without
+    blocking, so that a FIFO (which no writer may ever open) is refused, not waited on for
+    ever, and a device (/dev/zero) is refused unread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise JournalError(
+                f"{path} is no regular file (a FIFO, a device), so no dvfs journal: move it "
+                f"aside, or start over with {FRESH}, which renames it"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except OSError as exc:
+        os.close(fd)
+        raise JournalError(describe_os_error(exc, "read the journal")) from exc
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _truncate(path: Path, size: int) -> None:
