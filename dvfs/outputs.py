@@ -77,7 +77,8 @@ def check_links(path: Path) -> None:
     if os.geteuid() != 0:
         return
     folder = "/"
-    names = [n for n in os.path.abspath(path).split("/") if n]
+    # Not `abspath`: it drops `link/..` before the link is followed, as the kernel does not
+    names = [n for n in os.path.join(os.getcwd(), path).split("/") if n]
     links = 0
     while (
         names and links <= 40

@@ -274,7 +274,10 @@ def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[Ou
     """
     import fcntl
 
+    from dvfs.outputs import check_links
+
     lock = out_dir / LOCK_NAME
+    check_links(lock)  # as root, never truncated through another user's link to a root file
     made_folders = _missing_folders(out_dir)
     journals = _journal_files(out_dir)
     model_folders = set(out_dir.glob("gpu-*"))

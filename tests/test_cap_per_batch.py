@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -266,6 +266,48 @@ def test_as_root_an_output_through_a_users_link_is_refused_not_followed(tmp_path
     assert result.exit_code == 0, result.output
     assert (mine / "plan.toml").is_symlink()
     assert parse_plan(tomllib.loads(plan.read_text()), where="x").batches == (1,)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_a_path_whose_dot_dot_follows_a_users_link_is_refused(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The link check read `home/proj/../plan.toml` as `home/plan.toml` (`abspath` drops
+    `proj/..` before anything is followed), but the kernel follows the user's link `proj`
+    first and `..` from where it points: `sudo dvfs cap plan ... -o home/proj/../plan.toml`,
+    `proj` a link to a folder of /etc/dvfs, replaced /etc/dvfs/plan.toml. Refused now, exit
+    2; a `..` that follows no link, and a relative path, are written as before."""
+    import pwd
+
+    headroom = tmp_path / "headroom.json"
+    headroom.write_text(json.dumps(doc([row(1, "code", 1005, 300.0)])))
+    etc = tmp_path / "etc"
+    (etc / "sub").mkdir(parents=True)
+    etc.chmod(0o700)
+    plan = etc / "plan.toml"
+    plan.write_text("root's plan\n")
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "proj").symlink_to(etc / "sub")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    os.chown(home / "proj", nobody, nobody, follow_symlinks=False)
+    os.chown(home, nobody, nobody)
+
+    def cap_plan(out: str) -> Result:
+        return CliRunner().invoke(cli, ["cap", "plan", str(headroom), "--per-batch", "-o", out])
+
+    out = f"{home}/proj/../plan.toml"
+    result = cap_plan(out)
+    assert result.exit_code == 2, result.output
+    assert f"Error: {out} goes through the symbolic link {home / 'proj'}, in {home}" in (
+        result.output
+    )
+    assert plan.read_text() == "root's plan\n"
+    for out in (f"{home}/data/../mine.toml", "data/../relative.toml"):
+        monkeypatch.chdir(home)
+        result = cap_plan(out)
+        assert result.exit_code == 0, result.output
+    assert (home / "mine.toml").is_file() and (home / "relative.toml").is_file()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")

@@ -1851,6 +1851,52 @@ def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_f
             assert "stock power limit as found at start" in info
 
 
+def test_a_merge_keeps_the_cap_each_source_found_and_lifted(nvml, tmp_path: Path) -> None:
+    """`dvfs cube merge` dropped `power_limit_found_w`: a clock-only campaign's shards (the
+    first on an uncapped GPU, the second on one `cap apply` had capped at 450 W), and the
+    whole sweeps of both GPUs merged across GPUs, said "power_limit: not set: as found at
+    start (700 W)", though the capped GPU's sweep found 450 W there and lifted it (its own
+    cube says so). The merged cube records each source's lifted cap, as a sweep's sessions."""
+    from dvfs.cube import open_cube
+
+    u0 = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=u0, power_limit_w=450.0),))))
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "clock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = text.replace("power_limit = [700, 400]", 'power_limit = "stock"')
+    campaign.write_text(text.replace("batch = [1]", "batch = [1, 2]"))
+    for name, args in (
+        ("shard-0", ("--shard", "0/2", "--gpus", "1")),
+        ("shard-1", ("--shard", "1/2", "--gpus", "0")),
+        ("gpu-1", ("--gpus", "1")),
+        ("gpu-0", ("--gpus", "0")),
+    ):
+        invoke("sweep", str(campaign), *args, "--out", str(tmp_path / name), "--no-progress")
+    invoke(
+        "cube",
+        "merge",
+        *(str(tmp_path / f"shard-{i}") for i in (0, 1)),
+        "-o",
+        str(tmp_path / "s.nc"),
+    )
+    invoke(
+        "cube",
+        "merge",
+        *(str(tmp_path / f"gpu-{i}" / "cube.nc") for i in (1, 0)),
+        "-o",
+        str(tmp_path / "g.nc"),
+    )
+    lifted = (
+        "power_limit 1: not set: the GPU's default (700 W), not the 450 W found at start: a "
+        "cap dvfs applied, lifted while measuring and put back after"
+    )
+    for merged in (tmp_path / "s.nc", tmp_path / "g.nc"):
+        assert float(open_cube(merged).attrs["power_limit_found_w"]) == 450.0
+        assert lifted in " ".join(invoke("cube", "info", str(merged)).split())
+
+
 def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:
     """100 W on GPU 0 and 900 W on GPU 1: both named in one error, nothing applied."""
     uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import socket
 import threading
@@ -377,4 +378,50 @@ def test_a_fleet_whose_servers_would_share_a_port_is_refused(
     assert len(lines) == 1 and lines[0].startswith("Error: ")
     assert "workers gpu0 and gpu1 on" in lines[0] and f"share port {one.http}" in lines[0]
     assert not (tmp_path / "out" / "journal.jsonl").exists(), "refused before any journal"
+    assert not running(marker)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_a_users_link_among_the_port_locks_is_refused_not_made_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port locks' folder ($TMPDIR/dvfs-ports) is every user's, made 1777 by the first
+    dvfs to use it: a user's link there as the first block's lock file (`20000.lock`) had
+    `sudo dvfs sweep --gpus 0-1` (a fleet of SGLang servers) open its target, any root file,
+    and make it world-writable (0666, as lock files are), and a user's link as the folder
+    itself had root make its target folder 1777. As root both are refused in one line, exit
+    2, the target's mode unchanged."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    path, marker = stub_campaign(tmp_path, drafters='[drafters.none]\nalgorithm = "none"\n')
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    secret = etc / "shadow"
+    secret.write_text("root's\n")
+    secret.chmod(0o600)
+    ports = tmp_path / "ports"
+    ports.mkdir()
+    ports.chmod(0o1777)
+    os.chown(ports, nobody, nobody)
+    lock = ports / f"{FIRST_PORT}.lock"
+    lock.symlink_to(secret)
+    os.chown(lock, nobody, nobody, follow_symlinks=False)
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    folder = sticky / "dvfs-ports"
+    folder.symlink_to(etc)
+    os.chown(folder, nobody, nobody, follow_symlinks=False)
+    for link, whose in (
+        (lock, f"in {ports}, which its owner nobody may write"),
+        (folder, "owned by nobody"),
+    ):
+        monkeypatch.setenv("DVFS_PORT_LOCK_DIR", str(link.parent if link == lock else folder))
+        result = sweep(str(path), "--gpus", "0-1", "--out", str(tmp_path / link.name))
+        assert result.exit_code == 2, result.output
+        assert f"goes through the symbolic link {link}, {whose}: it may be pointed at any file" in (
+            " ".join(result.output.split())
+        )
+        assert secret.stat().st_mode & 0o7777 == 0o600 and etc.stat().st_mode & 0o7777 == 0o700
     assert not running(marker)

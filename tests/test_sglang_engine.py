@@ -1526,3 +1526,41 @@ def test_hung_probe_follows_the_servers_health_check_timeout() -> None:
     assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "60"}) == 60.0 + HUNG_MARGIN_S
     for junk in ("soon", "nan", "-3", "inf"):
         assert hung_probe_s({"SGLANG_HEALTH_CHECK_TIMEOUT": junk}) == 20.0 + HUNG_MARGIN_S
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_no_server_log_is_written_through_a_users_link(tmp_path: Path) -> None:
+    """`sudo dvfs sweep` writes each server's log in `--out`/logs, a folder of the user's
+    checkout by default: a link the user put there as the next log (`server-none-1.log`) had
+    root append the server's argv and output to its target, any root file. As root it is
+    refused in one line, exit 2, the target untouched, and no server started."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    campaign, marker = stub_campaign(
+        tmp_path,
+        stub={"ttft_s": 0.0, "tpot_s": 0.0, "seed": 1},
+        drafters=ONE_DRAFTER,
+        batch="[1]",
+        knobs="sm_clock = [1980]\nsettle_s = 0.0",
+    )
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    keys = etc / "authorized_keys"
+    keys.write_text("root's\n")
+    out = tmp_path / "out"
+    logs = out / "logs"
+    logs.mkdir(parents=True)
+    link = logs / "server-none-1.log"
+    link.symlink_to(keys)
+    for folder in (out, logs):
+        os.chown(folder, nobody, nobody)
+    result = CliRunner().invoke(cli, ["sweep", str(campaign), "--out", str(out), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    [error] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert error.startswith(
+        f"Error: {link} goes through the symbolic link {link}, in {logs}, which its owner "
+        "nobody may write"
+    ), error
+    assert keys.read_text() == "root's\n"
+    assert running(marker) == []

@@ -512,3 +512,42 @@ def test_an_interruption_of_a_finished_folder_does_not_call_its_cube_partial(
     assert f"cube written to {out / 'cube.nc'} (whole: the folder already held" in said, said
     assert (out / "journal.jsonl").read_text() == journal
     assert (open_cube(out / "cube.nc")["cell_status"].values == STATUS_OK).all()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the link check applies to root only")
+def test_as_root_a_sweep_into_a_users_folder_writes_through_none_of_their_links(
+    tmp_path: Path,
+) -> None:
+    """`sudo dvfs sweep C.toml` (as the README runs it) writes its lock file and journal in
+    `--out`, by default `out/NAME` of the user's checkout: a link the user put there as
+    `sweep.lock` had root truncate its target (any root file) to the sweep's pid, and one as
+    `journal.jsonl` had root create or append to its target. As root both are refused in one
+    line, exit 2, the target untouched; a user's folder without links is swept as before."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    campaign = write(tmp_path / "tiny.toml", TINY)
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o700)
+    secret = etc / "shadow"
+    secret.write_text("root's\n")
+    for name, target in (("sweep.lock", secret), ("journal.jsonl", etc / "cron-job")):
+        out = tmp_path / name / "out"
+        out.mkdir(parents=True)
+        (out / name).symlink_to(target)
+        os.chown(out, nobody, nobody)
+        result = sweep([str(campaign), "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            f"Error: {out / name} goes through the symbolic link {out / name}, in {out}, which "
+            "its owner nobody may write: it may be pointed at any file; as root dvfs refuses "
+            "to write through it (name the file itself, or write in a folder only root can "
+            "write)"
+        )
+        assert secret.read_text() == "root's\n" and sorted(etc.iterdir()) == [secret]
+    out = tmp_path / "home" / "out"
+    out.mkdir(parents=True)
+    os.chown(out, nobody, nobody)
+    result = sweep([str(campaign), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "cube.nc").is_file()

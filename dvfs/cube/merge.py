@@ -400,6 +400,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
             for key in ("gpu_backend", "driver_version", "engine_version", "campaign_name")
         },
         server_args=first.attrs.get("server_args", "{}"),
+        **_found_limits(cubes),
         **_idle_foreign(cubes),
         **_failed_on_each(cubes, labels),
         history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
@@ -774,6 +775,19 @@ def _failed_on_each(cubes: list[xr.Dataset], labels: list[str]) -> dict[str, str
     return {"failed_cells": json.dumps(failed[:200])}
 
 
+def _found_limits(cubes: list[xr.Dataset]) -> dict[str, list[float]]:
+    """`power_limit_found_w` of the merged cube: every source's caps dvfs applied that it found
+    at start and lifted to measure stock, each once (as a sweep's sessions'); nothing where no
+    source lifted one. Else a merge of a capped GPU's cube with others said its stock limit was
+    "as found at start", or a shard merge kept the first shard's alone."""
+    found: list[float] = []
+    for ds in cubes:
+        value = ds.attrs.get("power_limit_found_w")
+        if value is not None:
+            found.extend(float(w) for w in np.atleast_1d(value))
+    return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
+
+
 def _idle_foreign(cubes: list[xr.Dataset]) -> dict[str, str]:
     """The cubes' `idle_foreign_processes`, together (absent where none records them)."""
     if not any("idle_foreign_processes" in ds.attrs for ds in cubes):
@@ -835,6 +849,8 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         measured = [w for w in idle if math.isfinite(w)]
         attrs["idle_power_w"] = float(np.mean(measured)) if measured else math.nan
     attrs.update(_idle_foreign(cubes))
+    attrs.pop("power_limit_found_w", None)  # the first shard's: each shard's now
+    attrs.update(_found_limits(cubes))
     if "sessions" in first.attrs:
         attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)
     if "failed_cells" in first.attrs:

@@ -81,6 +81,7 @@ from dvfs.errors import (
     GpuError,
 )
 from dvfs.gpu.base import GpuProcesses
+from dvfs.outputs import check_links
 from dvfs.procfs import earlier_holder, process_name, server_pids
 from dvfs.redact import redact_args, redact_argv, redact_text, redact_url
 
@@ -559,6 +560,7 @@ class SglangEngine:
         self._starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / f"server-{drafter.name}-{self._starts}.log"
+        check_links(self._log_path)  # as root, no server log through another user's link
         self._log_file = open(self._log_path, "ab")  # noqa: SIM115 (closed in stop())
         shown = " ".join(redact_argv(argv))  # the log may be shared: no credentials
         self._log_file.write(("$ " + shown + "\n").encode())

@@ -30,6 +30,7 @@ from dvfs.engines.sglang_args import (
     unlistenable,
 )
 from dvfs.errors import EngineError
+from dvfs.outputs import check_links
 
 #: Where a node's port locks live (one folder for every dvfs on the node).
 LOCK_DIR_ENV = "DVFS_PORT_LOCK_DIR"
@@ -58,8 +59,10 @@ def _lock(folder: Path, ports: ServerPorts) -> int | None:
     """The locked file descriptor of `ports`' block, or None when another holds it."""
     import fcntl
 
+    path = folder / f"{ports.http}.lock"
+    check_links(path)  # as root, never made 0666 through another user's link to a root file
     try:
-        fd = os.open(folder / f"{ports.http}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:  # another user's lock file, not open to others: theirs
         return None
     with contextlib.suppress(OSError):  # open to every user's dvfs, whatever the umask
@@ -77,6 +80,7 @@ def claimed_ports(host: str, slot: int, *, folder: Path | None = None) -> Iterat
     """Hold the first block from `slot` on (wrapping round) that no dvfs worker of this node
     holds and where no other program listens, until the context ends."""
     folder = folder or lock_dir()
+    check_links(folder)  # as root, not made 1777 through another user's link to a root folder
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):  # shared by every user's dvfs, as /tmp is

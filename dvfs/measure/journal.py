@@ -229,8 +229,12 @@ class Journal:
     def open(
         cls, path: str | Path, campaign: Campaign, *, sync: SyncPolicy | None = None
     ) -> Journal:
-        """Open (creating if needed) the journal for `campaign`; refuse another campaign's."""
+        """Open (creating if needed) the journal for `campaign`; refuse another campaign's.
+        As root, a journal path through another user's link is refused (`check_links`)."""
+        from dvfs.outputs import check_links
+
         path = Path(path)
+        check_links(path)  # else its torn line cut, its records appended, wherever it points
         records = iter_records(path, repair=True) if path.exists() else iter(())
         journal = cls(path, records, sync=sync)
         first = journal._first
@@ -278,6 +282,9 @@ class Journal:
         data = (line + "\n").encode("utf-8")
         try:
             if self._fd is None:
+                from dvfs.outputs import check_links
+
+                check_links(self.path)  # as root, not appended through another user's link
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             view = memoryview(data)
