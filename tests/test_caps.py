@@ -668,6 +668,17 @@ def test_the_caps_commands_go_on_beside_a_gpu_that_opens_but_reads_nothing(
     assert nvml.fake_device_state(1)["power_limit_mw"] == 700_000
 
 
+def _gpu_1_set_aside(args: tuple[str, ...], uuid: str) -> None:
+    """`dvfs ARGS` went on beside GPU 1, whose readings NVML does not support: exit 1, one
+    error line naming GPU 1 and NVML's answer, GPU 0 (`uuid`) shown."""
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 1, (args, result.output)
+    assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
+    assert "GPU 1" in line and "Not Supported" in line, (args, line)
+    assert uuid in " ".join(result.stdout.split()), (args, result.output)
+
+
 def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_support(
     nvml, tmp_path: Path
 ) -> None:
@@ -689,12 +700,7 @@ def test_the_caps_commands_go_on_beside_a_gpu_whose_power_limit_nvml_does_not_su
     )
     nvml.fake_update_device(1, errors={f: nvml.NVML_ERROR_NOT_SUPPORTED for f in failing})
     for args in (("cap", "apply", str(fleet)), ("cap", "show"), ("gpu", "info")):
-        result = CliRunner().invoke(cli, list(args))
-        assert result.exit_code == 1, (args, result.output)
-        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
-        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
-        assert "GPU 1" in line and "Not Supported" in line, (args, line)
-        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+        _gpu_1_set_aside(args, uuid)
     assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
     assert nvml.fake_device_state(1)["locked_clocks"] is None
 
@@ -710,12 +716,7 @@ def test_cap_show_and_gpu_info_go_on_beside_a_gpu_whose_readings_nvml_does_not_s
     uuid = nvml.fake_device_state(0)["uuid"]
     nvml.fake_update_device(1, errors={failing: nvml.NVML_ERROR_NOT_SUPPORTED})
     for args in (("cap", "show"), ("gpu", "info"), ("gpu", "info", "0", "1")):
-        result = CliRunner().invoke(cli, list(args))
-        assert result.exit_code == 1, (args, result.output)
-        assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
-        [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
-        assert "GPU 1" in line and "Not Supported" in line, (args, line)
-        assert uuid in " ".join(result.stdout.split()), (args, result.output)
+        _gpu_1_set_aside(args, uuid)
 
 
 def test_a_gpu_whose_power_limit_nvml_does_not_support_fails_no_command_that_leaves_it_be(
@@ -1523,6 +1524,15 @@ def test_show_and_monitor_without_root_see_the_caps_root_applied(
     assert "GPU 0: SM clock locked 210-1410 MHz, power limit 500 W" in dry, dry
 
 
+def _apply_under_hardened_umask(tmp_path: Path) -> None:
+    """`apply_caps` (1410 MHz, 500 W) as a hardened root would run it: umask 027."""
+    old = os.umask(0o027)
+    try:
+        apply_caps(tmp_path, 1410, 500.0)
+    finally:
+        os.umask(old)
+
+
 def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
     nvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1533,11 +1543,7 @@ def test_the_state_folder_root_makes_is_readable_by_all_whatever_its_umask(
     0640: a dry run without root took a GPU a governor holds for free)."""
     state = tmp_path / "fresh-state"
     monkeypatch.setenv("DVFS_STATE_DIR", str(state))
-    old = os.umask(0o027)
-    try:
-        apply_caps(tmp_path, 1410, 500.0)
-    finally:
-        os.umask(old)
+    _apply_under_hardened_umask(tmp_path)
     assert state.stat().st_mode & 0o777 == 0o755
     assert (state / "caps-applied.json").stat().st_mode & 0o777 == 0o644
     # and each GPU's lock, by which a dry run without root tells a GPU another dvfs holds (a
@@ -1563,11 +1569,7 @@ def test_the_folders_root_makes_above_the_state_folder_are_readable_by_all_too(
     top.chmod(0o711)  # one that exists keeps its mode
     nested = top / "dvfs" / "state" / "dvfs"
     monkeypatch.setenv("DVFS_STATE_DIR", str(nested))
-    old = os.umask(0o027)
-    try:
-        apply_caps(tmp_path, 1410, 500.0)
-    finally:
-        os.umask(old)
+    _apply_under_hardened_umask(tmp_path)
     for folder in (nested, nested.parent, nested.parent.parent):
         assert folder.stat().st_mode & 0o777 == 0o755, folder
     assert top.stat().st_mode & 0o777 == 0o711

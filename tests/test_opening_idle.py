@@ -87,25 +87,11 @@ def test_an_opening_idle_on_a_counter_too_slow_to_time_lasts_idle_s(
     """A counter stepping every second is too slow for the session's counter probe to time
     (period None), so the opening idle is taken between counter updates: over the `idle_s`
     asked (20 s), not cut at the 10 s an idle baseline waits by default."""
-    profiles = {
-        key: dataclasses.replace(p, energy_counter_period_s=1.0)
-        for key, p in twin_profiles.gpu_profiles().items()
-    }
-    monkeypatch.setattr(twin_profiles, "gpu_profiles", lambda: profiles)
-    campaign = tmp_path / "campaign.toml"
-    campaign.write_text(CAMPAIGN.format(idle_s=20.0))
-    out = tmp_path / "out"
-    twin_profiles.gpu_profile.cache_clear()  # it keeps the profiles it made
-    try:
-        result = CliRunner().invoke(
-            cli,
-            ["sweep", str(campaign), "--out", str(out), "--no-progress"],
-            catch_exceptions=False,
-        )
-    finally:
-        twin_profiles.gpu_profile.cache_clear()
-    assert result.exit_code == 0, result.output
-    (session,) = [r for r in read_records(out / "journal.jsonl") if r["type"] == "session"]
+    _, records = _sweep_with_counter_period(
+        tmp_path, monkeypatch, 1.0, CAMPAIGN.format(idle_s=20.0)
+    )
+    profiles = twin_profiles.gpu_profiles()
+    (session,) = [r for r in records if r["type"] == "session"]
     assert session["counter_update_period_s"] == [None]
     assert session["gpu_time_s"]["idle_baseline"] >= 20.0
     idle_w = profiles["h100-sxm"].idle_power_w  # the cool GPU's idle, before any server
