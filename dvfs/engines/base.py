@@ -269,8 +269,74 @@ def server_accept_covers(
 
 
 @dataclass(frozen=True)
+class RoundArrays:
+    """A fixed batch's requests as whole arrays, as the twin computes them: request i was sent
+    at `sent_ns`, and its chunks are the first `counts[i]` columns of row i of `chunk_ns` and
+    `chunk_tokens`, checked for the round as a whole (`check_chunks`); none failed. The meter
+    reads a round's chunks from here at once, where gathering them back from one trace per
+    request cost more than the arithmetic on them. Read-only arrays."""
+
+    sent_ns: int
+    chunk_ns: np.ndarray
+    chunk_tokens: np.ndarray
+    counts: np.ndarray
+    completion: np.ndarray
+    prompt_tokens: np.ndarray
+    #: Which requests the round's end aborted (`ROUND_END`); None: none (all ran to length).
+    aborted: np.ndarray | None
+    #: Tokens each verify pass checks (`spec_proposed_drafts` is one less a pass); None: no
+    #: speculation (the speculative counters are None).
+    verify_tokens: int | None
+
+    def traces(self) -> tuple[RequestTrace, ...]:
+        """The round's `RequestTrace`s (`RequestTrace.trusted`'s, the arrays checked): row
+        views of these arrays."""
+        n = self.counts.tolist()
+        width = self.chunk_ns.shape[1]
+        ends = (
+            ["length"] * len(n)
+            if self.aborted is None
+            else [ABORTED if a else "length" for a in self.aborted.tolist()]
+        )
+        none: list[int | None] = [None] * len(n)
+        verify, accepted, proposed = none, none, none
+        if self.verify_tokens is not None:
+            verify = (self.counts - 1).tolist()
+            accepted = (self.completion - self.counts).tolist()  # less the prefill's
+            proposed = ((self.counts - 1) * (self.verify_tokens - 1)).tolist()
+        return tuple(
+            RequestTrace.trusted(
+                self.sent_ns,
+                self.chunk_ns[i] if k == width else self.chunk_ns[i, :k],
+                self.chunk_tokens[i, :k],
+                p,
+                c,
+                f,
+                v,
+                a,
+                d,
+            )
+            for i, (k, p, c, f, v, a, d) in enumerate(
+                zip(
+                    n,
+                    self.prompt_tokens.tolist(),
+                    self.completion.tolist(),
+                    ends,
+                    verify,
+                    accepted,
+                    proposed,
+                    strict=True,
+                )
+            )
+        )
+
+
+@dataclass(frozen=True)
 class RoundResult:
-    """The traces of one round, plus what the server says about acceptance."""
+    """The traces of one round, plus what the server says about acceptance.
+
+    An engine that has the round as arrays (the twin's fixed batches) makes it with
+    `of_arrays`: its `requests` are then built from `arrays` when first read."""
 
     requests: tuple[RequestTrace, ...]
     started_ns: int
@@ -289,6 +355,46 @@ class RoundResult:
     #: When each step was called (ns), in order: the knob changed between this and its
     #: `knob_ns`, a transition that belongs to neither level. Empty: as `knob_ns`.
     knob_begun_ns: tuple[int, ...] = ()
+    #: The round's requests as arrays (`RoundArrays`), where the engine has them (`of_arrays`);
+    #: None: only `requests`. Not compared (`requests` says the same), and not carried by
+    #: `dataclasses.replace`, whose `requests` may differ.
+    arrays: RoundArrays | None = field(default=None, init=False, compare=False, repr=False)
+
+    @classmethod
+    def of_arrays(
+        cls,
+        arrays: RoundArrays,
+        started_ns: int,
+        ended_ns: int,
+        server_accept_length: float | None = None,
+        knob_ns: tuple[int, ...] = (),
+        ledger: PassLedger | None = None,
+        server_accept_covers: float = 0.0,
+        knob_begun_ns: tuple[int, ...] = (),
+    ) -> RoundResult:
+        """A round whose `requests` are `arrays.traces()`, built when first read: a sweep's
+        meter reads the arrays, and most rounds' traces are never asked for."""
+        result = object.__new__(cls)
+        result.__dict__.update(
+            started_ns=started_ns,
+            ended_ns=ended_ns,
+            server_accept_length=server_accept_length,
+            knob_ns=knob_ns,
+            ledger=ledger,
+            server_accept_covers=server_accept_covers,
+            knob_begun_ns=knob_begun_ns,
+            arrays=arrays,
+        )
+        return result
+
+    def __getattr__(self, name: str) -> tuple[RequestTrace, ...]:
+        # called only for an attribute not found: `requests` of a round made `of_arrays`
+        arrays = self.__dict__.get("arrays")
+        if name != "requests" or arrays is None:
+            raise AttributeError(name)
+        requests = arrays.traces()
+        object.__setattr__(self, "requests", requests)
+        return requests
 
 
 @dataclass(frozen=True)

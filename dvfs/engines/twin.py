@@ -29,6 +29,7 @@ from dvfs.engines.base import (
     KnobTimeline,
     PassLedger,
     RequestTrace,
+    RoundArrays,
     RoundResult,
     ServerInfo,
     Workload,
@@ -351,13 +352,22 @@ class TwinEngine:
         chunk_ns[:, 0] = first_ns
         chunk_ns[:, 1:] = iter_ns
         chunk_ns.flags.writeable = False
-        requests = _traces(t0, chunk_ns, planned, self._plan)
+        arrays = RoundArrays(
+            t0,
+            chunk_ns,
+            planned.chunk_tokens,
+            planned.counts,
+            planned.completion,
+            planned.lengths,
+            planned.aborted,
+            self._plan.verify_tokens if self._plan is not None else None,
+        )
         end_ns = int(ends_ns[-1]) if len(ends_ns) else t0
         _wait_until(clock, end_ns)
         role, host_s = _fixed_roles(planned, self._plan, self.node.profile)
         ledger = self._ledger(ends_ns, timing, role, host_s)
-        return RoundResult(
-            tuple(requests),
+        return RoundResult.of_arrays(
+            arrays,
             t0,
             end_ns,
             planned.accept_length,
@@ -753,85 +763,9 @@ def _ended_at_window(planned: _FixedRound, plan: DraftPlan | None) -> _FixedRoun
     )
 
 
-def _traces(
-    t0: int, chunk_ns: np.ndarray, planned: _FixedRound, plan: DraftPlan | None
-) -> list[RequestTrace]:
-    """The fixed-batch round's traces, run to length or aborted at the window's end, from
-    its checked chunk arrays: `RequestTrace.trusted`'s traces, built from the planned round's
-    fields (`_trace_fields`, made once for all the rounds that reuse the plan) with this
-    round's send time and chunk times."""
-    new = object.__new__
-    traces: list[RequestTrace] = []
-    append = traces.append
-    width = chunk_ns.shape[1]
-    # row i's first k chunks: the row's view itself when it uses every column (a round cut at
-    # its window, or one whose requests all finish together), else a shorter view of it
-    for (k, fields), row in zip(_trace_fields(planned, plan), chunk_ns, strict=True):
-        trace = new(RequestTrace)
-        state = trace.__dict__
-        state.update(fields)
-        state["sent_ns"] = t0
-        state["chunk_ns"] = row if k == width else row[:k]
-        append(trace)
-    return traces
-
-
-def _trace_fields(
-    planned: _FixedRound, plan: DraftPlan | None
-) -> list[tuple[int, dict[str, object]]]:
-    """Per request: its chunk count and the fields of its trace (in `RequestTrace`'s order) that
-    do not depend on when the round ran, with placeholders for sent_ns and chunk_ns."""
-    known = planned.__dict__.get("_trace_fields")  # (plan, fields) kept with the round
-    if known is not None and known[0] is plan:
-        return known[1]
-    tokens = planned.chunk_tokens
-    n = planned.counts.tolist()
-    prompt = planned.lengths.tolist()
-    done = planned.completion.tolist()
-    ends = (
-        ["length"] * len(n)
-        if planned.aborted is None
-        else [ABORTED if a else "length" for a in planned.aborted.tolist()]
-    )
-    none: list[int | None] = [None] * len(n)
-    verify: list[int | None] = none
-    accepted: list[int | None] = none
-    proposed: list[int | None] = none
-    if plan is not None:
-        verify = (planned.counts - 1).tolist()
-        accepted = (planned.completion - planned.counts).tolist()  # less the prefill's
-        proposed = ((planned.counts - 1) * (plan.verify_tokens - 1)).tolist()
-    fields = [
-        (
-            k,
-            {
-                "sent_ns": 0,
-                "chunk_ns": None,
-                "chunk_tokens": tokens[i, :k],
-                "prompt_tokens": p,
-                "completion_tokens": c,
-                "finish_reason": f,
-                "spec_verify_ct": v,
-                "spec_accepted_drafts": a,
-                "spec_proposed_drafts": d,
-                "retractions": 0,
-                "error": None,
-                "final_lost": False,
-            },
-        )
-        for i, (k, p, c, f, v, a, d) in enumerate(
-            zip(n, prompt, done, ends, verify, accepted, proposed, strict=True)
-        )
-    ]
-    # beside the frozen round's fields, as functools.cached_property stores (not a field: its
-    # equality and repr are unchanged)
-    planned.__dict__["_trace_fields"] = (plan, fields)
-    return fields
-
-
 def _verify_passes(planned: _FixedRound, plan: DraftPlan | None) -> np.ndarray:
     """The index of each decode iteration's verify pass among the round's passes, made once
-    per planned round and kept with it (as `_trace_fields` is)."""
+    per planned round and kept with it."""
     known = planned.__dict__.get("_verify_passes")
     if known is not None and known[0] is plan:
         return known[1]
@@ -862,7 +796,7 @@ def _fixed_roles(
     planned: _FixedRound, plan: DraftPlan | None, profile: GpuProfile
 ) -> tuple[np.ndarray, np.ndarray]:
     """The fixed-batch round's passes' roles and overhead host time (`_overhead_host_s`),
-    made once per planned round and kept with it (as `_trace_fields` is)."""
+    made once per planned round and kept with it (as `_verify_passes` is)."""
     known = planned.__dict__.get("_roles")
     if known is not None and known[0] is plan and known[1] is profile:
         return known[2]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dvfs.engines.base import RequestTrace, RoundResult, Workload
+from dvfs.engines.base import RequestTrace, RoundArrays, RoundResult, Workload
 from dvfs.gpu.base import (
     EVENT_APPLICATIONS_CLOCKS,
     EVENT_SW_POWER_CAP,
@@ -172,8 +172,9 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     below batch (the first finish after the last request was sent), as the ML.ENERGY
     benchmark defines steady state.
     """
-    done, firsts, lasts = _ends(result.requests)
-    if not done:
+    chunks = round_chunks(result)
+    firsts, lasts = chunks.firsts, chunks.lasts
+    if not firsts:
         return None
     if mode != "closed-loop":  # integers: plain max and min are numpy's, without the arrays
         start, end = max(firsts), min(lasts)
@@ -181,7 +182,7 @@ def steady_window_ns(result: RoundResult, mode: str) -> tuple[int, int] | None:
     finishes = np.array(lasts)
     batch = result_batch(result)
     start = int(np.sort(np.array(firsts))[min(batch, len(firsts)) - 1])
-    last_sent = max(r.sent_ns for r in done)
+    last_sent = int(chunks.sent.max())
     later = finishes[finishes > last_sent]
     end = int(later.min()) if len(later) else int(finishes.max())
     return (start, end) if end > start else None
@@ -195,7 +196,6 @@ class RoundChunks:
     which would otherwise each gather the same chunks from every trace again. The arrays are
     shared: read-only."""
 
-    ok: list[RequestTrace]
     #: Each request's first and last chunk's instant (ns, ints).
     firsts: list[int]
     lasts: list[int]
@@ -204,6 +204,9 @@ class RoundChunks:
     #: Every chunk's arrival (int64 ns) and tokens (as the traces hold them).
     ns: np.ndarray
     tokens: np.ndarray
+    #: Each request's send instant (ns) and completion tokens (int64).
+    sent: np.ndarray
+    completion: np.ndarray
 
     def curve(self) -> TokenCurve:
         """The round's token curve (`TokenCurve.of` on these chunks: the same arrays, cast as
@@ -215,9 +218,7 @@ def _chunks_of(requests: Sequence[RequestTrace]) -> RoundChunks:
     """`RoundChunks` of requests, computed."""
     done = _finished(requests)
     if not done:
-        empty = np.array([], dtype=np.int64)
-        empty.flags.writeable = False
-        return RoundChunks(done, [], [], empty, empty, empty)
+        return _NO_CHUNKS
     # lists then arrays: a generator for np.fromiter costs more per request than a list,
     # and a map of an attrgetter less than a comprehension
     chunk_ns = list(map(_CHUNK_NS, done))
@@ -226,28 +227,81 @@ def _chunks_of(requests: Sequence[RequestTrace]) -> RoundChunks:
     tokens = np.concatenate(list(map(_CHUNK_TOKENS, done)))
     ends = counts.cumsum()
     firsts, lasts = ns[ends - counts].tolist(), ns[ends - 1].tolist()
-    for array in (counts, ns, tokens):
+    sent = np.array(list(map(_SENT, done)), dtype=np.int64)
+    completion = np.array(list(map(_COMPLETION, done)), dtype=np.int64)
+    for array in (counts, ns, tokens, sent, completion):
         array.flags.writeable = False
-    return RoundChunks(done, firsts, lasts, counts, ns, tokens)
+    return RoundChunks(firsts, lasts, counts, ns, tokens, sent, completion)
 
 
-#: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces:
-#: the runner reads a round's as it measures, and `summarise` again at the end. Keyed by id()
-#: and holding the tuple itself, as `_LATENCY_MEMO`.
+_EMPTY = np.array([], dtype=np.int64)
+_EMPTY.flags.writeable = False
+_NO_CHUNKS = RoundChunks([], [], _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+
+
+def _chunks_of_arrays(arrays: RoundArrays) -> RoundChunks:
+    """`RoundChunks` of a round's requests as arrays (`RoundArrays`: none failed): the same
+    chunks, in the same order, as `_chunks_of` gathers from its traces, without them."""
+    counts, chunk_ns, chunk_tokens = arrays.counts, arrays.chunk_ns, arrays.chunk_tokens
+    completion = arrays.completion
+    fewest = int(_MIN(counts)) if len(counts) else 0
+    if not fewest:  # only the requests with chunks
+        rows = np.flatnonzero(counts)
+        if not len(rows):
+            return _NO_CHUNKS
+        counts, chunk_ns, chunk_tokens = counts[rows], chunk_ns[rows], chunk_tokens[rows]
+        completion = completion[rows]
+        fewest = int(_MIN(counts))
+    width = chunk_ns.shape[1]
+    if fewest == width:  # every row whole (a round cut at its window's end): as they lie
+        ns, tokens = chunk_ns.reshape(-1), chunk_tokens.reshape(-1)
+        lasts = chunk_ns[:, -1].tolist()
+    else:  # row i's first counts[i] columns, row after row
+        used = np.arange(width) < counts[:, None]
+        ns, tokens = chunk_ns[used], chunk_tokens[used]
+        lasts = chunk_ns[np.arange(len(counts)), counts - 1].tolist()
+    firsts = chunk_ns[:, 0].tolist()
+    sent = np.full(len(counts), arrays.sent_ns, dtype=np.int64)
+    chunks = RoundChunks(
+        firsts,
+        lasts,
+        counts.astype(np.int64, copy=False),
+        ns.astype(np.int64, copy=False),
+        tokens,
+        sent,
+        completion.astype(np.int64, copy=False),
+    )
+    for array in (chunks.counts, chunks.ns, tokens, sent, chunks.completion):
+        array.flags.writeable = False
+    return chunks
+
+
+#: The last few rounds' `RoundChunks`, by the identity of their (immutable) tuple of traces or
+#: `RoundArrays`: the runner reads a round's as it measures, and `summarise` again at the end.
+#: Keyed by id() and holding the tuple or arrays itself, as `_LATENCY_MEMO`.
 _CHUNKS_MEMO: dict[int, tuple[object, RoundChunks]] = {}
 _CHUNKS_MEMO_SIZE = 16
 
 
-def round_chunks(requests: Sequence[RequestTrace]) -> RoundChunks:
-    """`RoundChunks` of a round's requests; a tuple's (a round's) remembered for the next few
-    calls."""
-    if not isinstance(requests, tuple):
-        return _chunks_of(requests)
-    seen = _CHUNKS_MEMO.get(id(requests))
-    if seen is not None and seen[0] is requests:
+def _held(round_: Sequence[RequestTrace] | RoundResult) -> Sequence[RequestTrace] | RoundArrays:
+    """What a round's chunks are read from: a result's arrays where it has them, else its
+    traces."""
+    if isinstance(round_, RoundResult):
+        return round_.arrays if round_.arrays is not None else round_.requests
+    return round_
+
+
+def round_chunks(requests: Sequence[RequestTrace] | RoundResult) -> RoundChunks:
+    """`RoundChunks` of a round's requests (or of a round: from its arrays where it has them,
+    `RoundArrays`); a tuple's or a round's remembered for the next few calls."""
+    held = _held(requests)
+    if not isinstance(held, (tuple, RoundArrays)):
+        return _chunks_of(held)
+    seen = _CHUNKS_MEMO.get(id(held))
+    if seen is not None and seen[0] is held:
         return seen[1]
-    chunks = _chunks_of(requests)
-    _CHUNKS_MEMO[id(requests)] = (requests, chunks)
+    chunks = _chunks_of_arrays(held) if isinstance(held, RoundArrays) else _chunks_of(held)
+    _CHUNKS_MEMO[id(held)] = (held, chunks)
     if len(_CHUNKS_MEMO) > _CHUNKS_MEMO_SIZE:
         del _CHUNKS_MEMO[next(iter(_CHUNKS_MEMO))]  # the oldest (dicts keep insertion order)
     return chunks
@@ -257,16 +311,15 @@ def _ends(
     requests: Sequence[RequestTrace],
 ) -> tuple[list[RequestTrace], list[int], list[int]]:
     """The requests that finished without error (with chunks, `_finished`) and each one's
-    first and last chunk's instant (ints), from `round_chunks`. The lists are shared:
-    read-only."""
+    first and last chunk's instant (ints), from `round_chunks`. The lists of instants are
+    shared: read-only."""
     chunks = round_chunks(requests)
-    return chunks.ok, chunks.firsts, chunks.lasts
+    return _finished(requests), chunks.firsts, chunks.lasts
 
 
 def finished_requests(requests: Sequence[RequestTrace]) -> list[RequestTrace]:
-    """The requests that finished without error, with chunks, in order (a round's tuple's
-    remembered, `round_chunks`; read-only)."""
-    return _ends(requests)[0]
+    """The requests that finished without error, with chunks, in order."""
+    return _finished(requests)
 
 
 def result_batch(result: RoundResult) -> int:
@@ -377,14 +430,14 @@ class _RoundLatency(LatencyStats):
 
     def __init__(self, chunks: RoundChunks) -> None:  # pylint: disable=super-init-not-called
         object.__setattr__(self, "_chunks", chunks)
-        tpot = _tpot_of(chunks.ok, chunks.firsts, chunks.lasts)
+        tpot = _tpot_from(chunks.completion.tolist(), chunks.firsts, chunks.lasts)
         object.__setattr__(self, "tpot_ms", _quantiles_of_list(tpot))
 
     def __getattr__(self, name: str) -> tuple[float, ...]:
         if name not in ("ttft_ms", "itl_ms"):
             raise AttributeError(name)
         c = self.__dict__["_chunks"]
-        full = _latency_from(c.ok, c.counts, c.ns, c.tokens)
+        full = _latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
         object.__setattr__(self, "ttft_ms", full.ttft_ms)
         object.__setattr__(self, "itl_ms", full.itl_ms)
         return getattr(full, name)
@@ -412,26 +465,29 @@ class _RoundLatency(LatencyStats):
 
 
 #: The last few rounds' latency statistics, by the identity of their (immutable) tuple of
-#: traces: the runner asks for a round's as it measures, and `summarise` again at the end.
-#: Keyed by id() and holding the tuple itself, so an id is not reused while it is here.
-_LATENCY_MEMO: dict[int, tuple[tuple[RequestTrace, ...], LatencyStats]] = {}
+#: traces or `RoundArrays`: the runner asks for a round's as it measures, and `summarise`
+#: again at the end. Keyed by id() and holding the tuple or arrays itself, so an id is not
+#: reused while it is here.
+_LATENCY_MEMO: dict[int, tuple[object, LatencyStats]] = {}
 _LATENCY_MEMO_SIZE = 16
 
 
-def latency_stats(requests: Sequence[RequestTrace]) -> LatencyStats:
+def latency_stats(requests: Sequence[RequestTrace] | RoundResult) -> LatencyStats:
     """TTFT, TPOT and ITL quantiles over the requests that finished without error, computed on
     their chunks concatenated once (a cell has thousands of chunks). A round's (a tuple of
-    traces, as `RoundResult` holds) is remembered for the next few calls, and its TTFT and ITL
-    are computed when first read (`_RoundLatency`)."""
-    if not isinstance(requests, tuple):
-        c = _chunks_of(requests)
-        return _latency_from(c.ok, c.counts, c.ns, c.tokens)
-    seen = _LATENCY_MEMO.get(id(requests))
-    if seen is not None and seen[0] is requests:
+    traces, as `RoundResult` holds, or a `RoundResult`: from its arrays where it has them) is
+    remembered for the next few calls, and its TTFT and ITL are computed when first read
+    (`_RoundLatency`)."""
+    held = _held(requests)
+    if not isinstance(held, (tuple, RoundArrays)):
+        c = _chunks_of(held)
+        return _latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
+    seen = _LATENCY_MEMO.get(id(held))
+    if seen is not None and seen[0] is held:
         return seen[1]
     chunks = round_chunks(requests)
-    stats = _RoundLatency(chunks) if chunks.ok else _latency_of(chunks.ok)
-    _LATENCY_MEMO[id(requests)] = (requests, stats)
+    stats = _RoundLatency(chunks) if chunks.firsts else _latency_of([])
+    _LATENCY_MEMO[id(held)] = (held, stats)
     if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
         del _LATENCY_MEMO[next(iter(_LATENCY_MEMO))]  # the oldest (dicts keep insertion order)
     return stats
@@ -454,13 +510,17 @@ _RETRACTIONS = operator.attrgetter("retractions")
 
 
 def _tpot_of(ok: list[RequestTrace], firsts: list[int], lasts: list[int]) -> list[float]:
+    """`_tpot_from` of finished requests."""
+    return _tpot_from([int(r.completion_tokens) for r in ok], firsts, lasts)
+
+
+def _tpot_from(completions: list[int], firsts: list[int], lasts: list[int]) -> list[float]:
     """TPOT (ms) of each finished request with more than one token, in order, as plain floats,
-    from each one's first and last chunk's instant (`_ends`): numpy's float64 arithmetic on
-    the same integers (an int64 difference times 1e-6, over the tokens less one), value by
-    value."""
+    from its completion tokens and its first and last chunk's instant (`_ends`): numpy's
+    float64 arithmetic on the same integers (an int64 difference times 1e-6, over the tokens
+    less one), value by value."""
     out = []
-    for r, first, last in zip(ok, firsts, lasts, strict=True):
-        completion = int(r.completion_tokens)
+    for completion, first, last in zip(completions, firsts, lasts, strict=True):
         if completion > 1:
             out.append((last - first) * 1e-6 / (completion - 1))
     return out
@@ -472,8 +532,8 @@ def _latency_of(ok: list[RequestTrace]) -> LatencyStats:
     if not ok:
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    chunks = _chunks_of(ok)
-    return _latency_from(ok, chunks.counts, chunks.ns, chunks.tokens)
+    c = _chunks_of(ok)
+    return _latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
 
 
 def rounds_latency(results: Sequence[RoundResult]) -> LatencyStats:
@@ -481,27 +541,26 @@ def rounds_latency(results: Sequence[RoundResult]) -> LatencyStats:
     `round_chunks` gathered them (the runner's rounds': remembered), put end to end: the
     same arrays as the requests' chunks concatenated at once, without a pass over each
     request's."""
-    rounds = [c for c in (round_chunks(res.requests) for res in results) if c.ok]
+    rounds = [c for c in (round_chunks(res) for res in results) if c.firsts]
     if len(rounds) == 1:
         c = rounds[0]
-        return _latency_from(c.ok, c.counts, c.ns, c.tokens)
+        return _latency_from(c.sent, c.completion, c.counts, c.ns, c.tokens)
     return _latency_from(
-        [r for c in rounds for r in c.ok],
-        np.concatenate([c.counts for c in rounds] or [np.array([], dtype=np.int64)]),
-        np.concatenate([c.ns for c in rounds] or [np.array([], dtype=np.int64)]),
-        np.concatenate([c.tokens for c in rounds] or [np.array([], dtype=np.int64)]),
+        *(
+            np.concatenate([getattr(c, name) for c in rounds] or [_EMPTY])
+            for name in ("sent", "completion", "counts", "ns", "tokens")
+        )
     )
 
 
 def _latency_from(
-    ok: list[RequestTrace], counts: np.ndarray, ns: np.ndarray, tokens: np.ndarray
+    sent: np.ndarray, completion: np.ndarray, counts: np.ndarray, ns: np.ndarray, tokens: np.ndarray
 ) -> LatencyStats:
-    """`_latency_of` on the requests' chunks already end to end (`RoundChunks`' arrays)."""
-    if not ok:
+    """`_latency_of` on the requests' chunks already end to end, with each one's send instant
+    and completion tokens (`RoundChunks`' arrays)."""
+    if not len(counts):
         empty = _quantiles(np.array([]))
         return LatencyStats(empty, empty, empty)
-    sent = np.array(list(map(_SENT, ok)), dtype=np.int64)
-    completion = np.array(list(map(_COMPLETION, ok)), dtype=np.int64)
     ends = np.cumsum(counts)
     starts = ends - counts
     first, last = ns[starts], ns[ends - 1]
@@ -552,6 +611,9 @@ def acceptance(
     server_mean = float(np.mean(server)) if server else math.nan
     covers = min((res.server_accept_covers for res in results), default=0.0)
     if requests is None:
+        arrays = [res.arrays for res in results]
+        if all(a is not None for a in arrays):
+            return _pooled_arrays([a for a in arrays if a is not None], server_mean, covers)
         requests = [r for res in results for r in res.requests]
     if any(map(_FINAL_LOST, requests)):
         return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
@@ -587,6 +649,28 @@ def acceptance(
 
 def _or_zero(value: int | None) -> int:
     return value or 0
+
+
+def _pooled_arrays(arrays: Sequence[RoundArrays], server_mean: float, covers: float) -> Acceptance:
+    """`acceptance` of rounds as arrays (`RoundArrays`, whose traces' counters are known and
+    follow from their chunk counts): the same whole numbers, summed round by round, over the
+    rounds that speculated."""
+    n = verify = proposed = accepted = completion = 0
+    for a in arrays:
+        if a.verify_tokens is None:
+            continue
+        chunks, done = int(_SUM(a.counts)), int(_SUM(a.completion))
+        n += len(a.counts)
+        verify += chunks - len(a.counts)  # a verify pass a chunk, less the prefill's
+        proposed += (chunks - len(a.counts)) * (a.verify_tokens - 1)
+        accepted += done - chunks
+        completion += done
+    if not n:
+        return Acceptance(math.nan, math.nan, server_mean, server_covers=covers)
+    length = completion / verify if verify else math.nan
+    decode = (completion - n) / verify if verify else math.nan
+    rate = accepted / proposed if proposed else math.nan
+    return Acceptance(length, rate, server_mean, decode, covers)
 
 
 #: The cross-check runs only where the server's figure covers at least this share of each
@@ -734,7 +818,7 @@ def _inside(t_ns: np.ndarray, start: int, end: int) -> tuple[slice | np.ndarray,
     return inside, int(inside.sum())
 
 
-_ALL, _MAX = np.logical_and.reduce, np.maximum.reduce
+_ALL, _MAX, _MIN, _SUM = np.logical_and.reduce, np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
 
 def _mean(values: np.ndarray) -> float:
@@ -827,7 +911,7 @@ def summarise(
             # mean, an average of its rounds', never exceeds it).
             power_max = max(power_max, e.energy_mj / 1000 / e.seconds)
         per_token.append(e.energy_per_token_j)
-        latency.append(latency_stats(part.result.requests).tpot_ms[0])
+        latency.append(latency_stats(part.result).tpot_ms[0])
         inside, count = _inside(s["t_ns"], start, end)
         in_window_samples += count
         if count:
@@ -852,8 +936,16 @@ def summarise(
         offset_s += (end - start) * 1e-9
     window_s = window_ns * 1e-9
     results = [p.result for p in parts]
-    all_requests = [r for res in results for r in res.requests]
-    accept = acceptance(results, all_requests)
+    if all(res.arrays is not None for res in results):
+        # rounds as arrays (`RoundArrays`): no trace built, none retracted
+        accept = acceptance(results)
+        requests = sum(len(res.arrays.counts) for res in results if res.arrays is not None)
+        retracted = False
+    else:
+        all_requests = [r for res in results for r in res.requests]
+        accept = acceptance(results, all_requests)
+        requests = len(all_requests)
+        retracted = any(map(_RETRACTIONS, all_requests))
     if window_ns == 0:
         quality |= Q_NO_WINDOW
     if 0 < window_s < min_window_s:
@@ -884,7 +976,7 @@ def summarise(
         quality |= Q_POWER_CAPPED
     if accept_mismatch(accept):
         quality |= Q_ACCEPT_MISMATCH
-    if any(map(_RETRACTIONS, all_requests)):
+    if retracted:
         quality |= Q_RETRACTED
     line_t, line_power, line_clock = _thin_timeline(timeline)
     energy_j = energy_mj / 1000
@@ -894,7 +986,7 @@ def summarise(
         decode_time_s=spanned_s,
         output_tokens=round(tokens),
         rounds=len(parts),
-        requests=len(all_requests),
+        requests=requests,
         latency=rounds_latency(results),
         accept=accept,
         power_mean_w=energy_j / spanned_s if spanned_s > 0 else math.nan,

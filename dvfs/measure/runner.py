@@ -740,7 +740,9 @@ class Runner:
             "warmed_up": True,
             "shape": list(shape),
             "duration_s": seconds,
-            "tokens": sum(r.completion_tokens for r in warm.requests),
+            "tokens": int(warm.arrays.completion.sum())
+            if warm.arrays is not None
+            else sum(r.completion_tokens for r in warm.requests),
         }
 
     @property
@@ -793,7 +795,8 @@ class Runner:
             with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
             ended = self.clock.now_ns()
-            if any(map(_ERROR, result.requests)):
+            # (a round as arrays had no failed request: `RoundArrays`)
+            if result.arrays is None and any(map(_ERROR, result.requests)):
                 errors = [r.error for r in result.requests if r.error]
                 raise EngineError(f"{len(errors)} request(s) failed; first: {errors[0]}")
             window = steady_window_ns(result, workload.mode)
@@ -801,7 +804,7 @@ class Runner:
             energy = None
             if window is not None:
                 # the requests with chunks (no errors), gathered once for the round
-                curve = round_chunks(result.requests).curve()
+                curve = round_chunks(result).curve()
                 energy = round_energy(samples, curve, window, fit_periods_s)
                 time.add("prefill", (window[0] - started) * 1e-9)
                 time.add("window", (window[1] - window[0]) * 1e-9)
@@ -809,7 +812,7 @@ class Runner:
                 window_s += (window[1] - window[0]) * 1e-9
                 energies.append(energy)
                 per_token.append(energy.energy_per_token_j)
-                latency.append(latency_stats(result.requests).tpot_ms[0])
+                latency.append(latency_stats(result).tpot_ms[0])
             else:
                 time.add("prefill", (ended - started) * 1e-9)
             parts.append(WindowPart(result, window, samples, energy))
