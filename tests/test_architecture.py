@@ -369,3 +369,26 @@ def test_the_readmes_how_it_works_names_every_module() -> None:
         if f"`{path.name}`" not in bullets.get(package, ""):
             missing.append(f"{package}/{path.name} (list)")
     assert not missing, missing
+
+
+def test_the_readmes_how_it_works_lists_an_init_where_it_holds_code() -> None:
+    """The tree leaves out "`__init__.py` files that are empty or only a docstring", yet listed
+    `measure/`'s, a docstring alone: a reader looked for a package face that is not there. Each
+    package's `__init__` is in the tree exactly where its file holds more than a docstring."""
+    listed, _, _ = _how_it_works()
+    wrong = []
+    for path in sorted(ROOT.rglob("__init__.py")):
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        code = [
+            s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+        ]
+        package = path.parent.relative_to(ROOT).as_posix()
+        shown = (
+            "__init__.py" in listed[""]
+            if package == "."
+            else "__init__" in listed.get(package, set())
+        )
+        if bool(code) != shown:
+            held = "code" if code else "a docstring only"
+            wrong.append(f"{package}: {held}, {'listed' if shown else 'not listed'}")
+    assert not wrong, wrong

@@ -102,6 +102,30 @@ def test_a_slow_twin_cell_still_syncs_per_record(tmp_path: Path) -> None:
     journal.close()
 
 
+def test_the_readme_says_which_twin_records_are_grouped(tmp_path: Path) -> None:
+    """README ("How it works") said the twin's journal is fsynced "in one-second groups": only
+    its cells are; the header, sessions and servers are synced at once, as on hardware, and
+    the journal on close. The README says so now, with the group's span (`GROUP_SYNC_S`)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = " ".join(readme.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0].split())
+    assert (
+        "(every record on hardware; on the twin the cells in groups, at the first cell "
+        f"{GROUP_SYNC_S:g} s of wall time or more after the last fsync, every other record at "
+        "once, and the journal on close)"
+    ) in section
+    time, fsync = FakeTime(step=GROUP_SYNC_S / 100), FsyncLog()
+    journal = _journal(tmp_path / "j.jsonl", SyncPolicy.for_clock(virtual=True), time, fsync)
+    journal.append({"type": "header"})
+    journal.append(_cell(0))
+    journal.append({"type": "session"})
+    journal.append({"type": "server"})
+    journal.append(_cell(1))
+    sizes = [len(line) + 1 for line in journal.path.read_bytes().splitlines()]
+    assert fsync.sizes == [sizes[0], sum(sizes[:3]), sum(sizes[:4])]  # not after the cells
+    journal.close()
+    assert fsync.sizes[-1] == sum(sizes)
+
+
 @pytest.mark.parametrize("policy", [SyncPolicy(), SyncPolicy(group_s=1e9)], ids=str)
 def test_sigkill_loses_no_written_record(tmp_path: Path, policy: SyncPolicy) -> None:
     """A process killed right after appending, never having synced its group, kept them all."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +112,35 @@ def test_energy_is_taken_between_counter_updates_inside_the_window() -> None:
     assert m.valid and m.quality == 0
     assert m.counter_updates == 4
     assert m.energy_per_token_above_idle_j == pytest.approx((0.3 - 75 * 0.075) / 15)
+
+
+def test_the_readme_says_where_the_counter_is_interpolated() -> None:
+    """README ("How it works") said `meter.py` takes "each counter interpolated at the window's
+    edges": a relic of the first meter. A round's energy runs from the counter's first to its
+    last update inside the window (400 - 100 mJ over 75 ms here, not 400 mJ over the window's
+    100 ms); only a counter that updated fewer than twice in it is read at the edges."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = " ".join(readme.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0].split())
+    assert "each counter interpolated at the window's edges" not in section
+    assert (
+        "a round's energy between the counter's first and last update inside its window "
+        "(`counter.py`; interpolated at the window's edges only where a counter updated fewer "
+        "than twice in it, or moves at every reading)"
+    ) in section
+
+    def measured(energy: tuple[int, ...]) -> tuple[float, float]:
+        m = summarise(
+            [part(energy=energy)],
+            requested_clock_mhz=1500,
+            min_window_s=0.05,
+            sample_period_s=0.025,
+            idle_power_w=75,
+            precision=0.5,
+        )
+        return m.energy_j, m.decode_time_s
+
+    assert measured((0, 100, 200, 300, 400)) == pytest.approx((0.3, 0.075))  # between updates
+    assert measured((0, 0, 0, 400, 400)) == pytest.approx((0.4, 0.1))  # one update: the edges
 
 
 @pytest.mark.parametrize(

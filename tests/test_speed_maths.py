@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from dvfs.engines.base import RequestTrace
 from dvfs.measure import counter
 from dvfs.measure.counter import TokenCurve, relative_half_width, t_two_sided
 from dvfs.measure.meter import QUANTILES, LatencyStats, _quantiles, latency_stats
-from dvfs.measure.tquantiles import T_TWO_SIDED
+from dvfs.measure.tquantiles import CONFIDENCES, MAX_DOF, T_TWO_SIDED
 
 
 def bits(x: float) -> bytes:
@@ -42,6 +45,35 @@ def test_t_outside_the_table_comes_from_scipy() -> None:
     assert (0.8, 3) not in T_TWO_SIDED and (0.95, 150) not in T_TWO_SIDED
     assert t_two_sided(0.8, 3) == float(stats.t.ppf(0.9, 3))
     assert t_two_sided(0.95, 150) == float(stats.t.ppf(0.975, 150))
+
+
+def test_the_readme_gives_the_t_tables_reach() -> None:
+    """README ("How it works", `counter.py`) said the table meant "a sweep never imports
+    scipy": a campaign at `confidence = 0.8` (or a cell past 101 rounds) reads the quantile
+    from scipy, so its sweep imports it. The README names the table's reach now: the
+    confidences and degrees of freedom `tquantiles` holds, inside which scipy stays out."""
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    *first, last = CONFIDENCES
+    reach = (
+        f"values at the usual confidences, {', '.join(map(str, first))} and {last}, and 1 to "
+        f"{MAX_DOF} degrees of freedom, so a sweep within them never imports scipy"
+    )
+    assert reach in readme
+    assert set(T_TWO_SIDED) == {(c, d) for c in CONFIDENCES for d in range(1, MAX_DOF + 1)}
+    probe = (
+        "import sys; from dvfs.measure.counter import t_two_sided; "
+        "t_two_sided({c}, {d}); print('scipy' in sys.modules)"
+    )
+
+    def imports_scipy(confidence: float, dof: int) -> bool:
+        code = probe.format(c=confidence, d=dof)
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        )
+        return run.stdout.strip() == "True"
+
+    assert not imports_scipy(last, MAX_DOF)
+    assert imports_scipy(0.8, 3)
 
 
 # -- relative half-width: plain floats against the numpy formula --------------------------------

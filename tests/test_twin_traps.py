@@ -501,3 +501,40 @@ def test_every_trap_off_is_the_exact_twin() -> None:
     np.testing.assert_allclose(r.temperature_c, H100.ambient_c + H100.thermal_c_per_w * want_power)
     np.testing.assert_array_equal(r.power_average_w, r.power_w)
     np.testing.assert_array_equal(r.energy_j, r.true_energy_j)
+
+
+def test_the_readmes_one_place_that_maps_instants_to_readings_is_the_timeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """README ("How it works") called `BulkReadable.readings_at` "the one place that maps
+    instants to readings", a protocol method the sampler on the twin mostly bypasses: a tick due
+    before a knob change is read through `TwinGpu.readings_of` from that past state. Both
+    reads are answered by the device's `Timeline` (`twin/timeline.py`, whose docstring claims
+    the role), which the README names now."""
+    from pathlib import Path
+
+    import dvfs.twin.timeline as timeline_module
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = " ".join(readme.split("\n## How it works\n", 1)[1].split("\n## ", 1)[0].split())
+    role = "the one place that maps instants to readings"
+    assert f"`twin/timeline.py`, {role}" in section
+    assert role in " ".join((timeline_module.__doc__ or "").split())
+
+    clock, _, gpu = device()
+    before = gpu.reading_state()
+    gpu.set_power_limit_mw(400_000)  # a knob change: the device's timeline is replaced
+    now = gpu.reading_state()
+    assert now is not before
+    asked: list[object] = []
+    reported = Timeline.reported
+
+    def spy(self: Timeline, t_ns: np.ndarray) -> tuple[np.ndarray, ...]:
+        asked.append(self)
+        return reported(self, t_ns)
+
+    monkeypatch.setattr(Timeline, "reported", spy)
+    t_ns = clock.now_ns() + np.arange(1, 4, dtype=np.int64) * 100_000_000
+    gpu.readings_at(t_ns)
+    gpu.readings_of(before, t_ns)
+    assert asked == [now, before]
