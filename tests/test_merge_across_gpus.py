@@ -764,3 +764,37 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
     for texts in maps.values():
         assert "none feasible" in texts
         assert not any("so far" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_merged_cube_says_every_quality_bit_its_cells_may_carry(
+    runs: dict[str, Path], tmp_path: Path, older_first: bool
+) -> None:
+    """A cube an older dvfs wrote, before quality bit 15 (`idle_from_power_readings`), lists
+    no such bit in its quality's flag_masks / flag_meanings: merged first, its attributes were
+    the merged cube's, though the newer cube's cells may carry bit 15 (a CF reader then decodes
+    it as no flag). The merged quality lists every bit dvfs knows, in either order."""
+    from dvfs.measure.meter import QUALITY_FLAGS
+
+    ds = open_cube(runs["h200"] / "cube.nc").load()
+    masks = [int(m) for m in ds["quality"].attrs["flag_masks"]]
+    meanings = str(ds["quality"].attrs["flag_meanings"]).split()
+    keep = [i for i, m in enumerate(masks) if m != 1 << 15]
+    ds["quality"].attrs["flag_masks"] = ds["quality"].attrs["flag_masks"][keep]
+    ds["quality"].attrs["flag_meanings"] = " ".join(meanings[i] for i in keep)
+    older = tmp_path / "older.nc"
+    write_cube(ds, older)
+    newer = runs["h100"] / "cube.nc"
+    merged = tmp_path / "m.nc"
+    order = [older, newer] if older_first else [newer, older]
+    result = invoke("cube", "merge", *map(str, order), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    quality = open_cube(merged)["quality"].attrs
+    said = dict(
+        zip(
+            [int(m) for m in quality["flag_masks"]],
+            str(quality["flag_meanings"]).split(),
+            strict=True,
+        )
+    )
+    assert said == QUALITY_FLAGS

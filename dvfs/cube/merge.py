@@ -361,6 +361,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         if name in first.coords:
             merged[name].attrs = dict(first[name].attrs)
     merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
+    _every_flag(merged, cubes)
     shared = (*CHECKED, "Conventions", "corpora", "arms_pinned")
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
     attrs.update(_first_known(cubes, WHEN_KNOWN))
@@ -417,6 +418,29 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
         merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _every_flag(merged: xr.Dataset, cubes: list[xr.Dataset]) -> None:
+    """The bit flags' `flag_masks` / `flag_meanings` of `merged` list every bit its cells may
+    carry: this dvfs's table and each source's (an older dvfs's cube, merged first, lacks the
+    bits added since, which another source's cells may carry)."""
+    from dvfs.gpu.base import EVENT_NAMES
+    from dvfs.measure.meter import QUALITY_FLAGS
+
+    for name, table in (("quality", QUALITY_FLAGS), ("clock_event_reasons", EVENT_NAMES)):
+        if name not in merged.data_vars:
+            continue
+        known: dict[int, str] = {}
+        for ds in cubes:
+            if name in ds.variables and "flag_masks" in ds[name].attrs:
+                masks = np.atleast_1d(ds[name].attrs["flag_masks"])
+                meanings = str(ds[name].attrs.get("flag_meanings", "")).split()
+                known.update(zip((int(m) for m in masks), meanings, strict=False))
+        known.update(table)
+        merged[name].attrs.update(
+            flag_masks=np.array(sorted(known), dtype=np.int32),
+            flag_meanings=" ".join(known[m] for m in sorted(known)),
+        )
 
 
 def _each_known(cubes: list[xr.Dataset], key: str) -> str:
@@ -697,6 +721,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
         combined[name].attrs = dict(holder[name].attrs)
         combined[name].encoding = dict(holder[name].encoding)
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
+    _every_flag(combined, cubes)
     combined.attrs = _combined_attrs(cubes, names)
     combined.attrs.update(_pairing(combined, cubes, owner))
     if per_model is not None:
