@@ -167,3 +167,29 @@ def test_a_settings_idle_baseline_spans_a_fifth_of_idle_s_above_10_s(
         assert cell["gpu_time_s"]["idle_baseline"] >= 20.0, cell["gpu_time_s"]
         flags = describe_quality(cell["measurement"]["quality"])
         assert "idle_from_power_readings" not in flags, flags
+
+
+def test_a_long_idle_baseline_is_told_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """idle_s = 1000: the session's opening idle ran 1000 s before any bar or line, each
+    setting's baseline 200 s more, with nothing said (a sweep that seemed hung). The sweep
+    says each long one as it starts, as it says a server's start; a short one (the default
+    5 s) adds no line."""
+    text = (
+        CAMPAIGN.format(idle_s=1000.0)
+        .replace("sm_clock = [1980]", "sm_clock = [1980, 1500]")
+        .replace("idle_per_setting = false", "idle_per_setting = true")
+    )
+    output, records = _sweep_with_counter_period(tmp_path, monkeypatch, 0.0, text)
+    said = " ".join(output.split())
+    assert "measuring the session's opening idle power over 1000 s" in said, said
+    for clock in (1980, 1500):
+        assert f"measuring the idle baseline at {clock} MHz, 700 W over 200 s" in said, said
+    # the opening idle's line comes before anything measured or started
+    assert said.index("opening idle power") < said.index("starting twin server"), said
+    (tmp_path / "short").mkdir()
+    short, _ = _sweep_with_counter_period(
+        tmp_path / "short", monkeypatch, 0.0, CAMPAIGN.format(idle_s=5.0)
+    )
+    assert "measuring the" not in short, short
