@@ -798,3 +798,31 @@ def test_a_merged_cube_says_every_quality_bit_its_cells_may_carry(
         )
     )
     assert said == QUALITY_FLAGS
+
+
+def test_a_merged_cube_says_which_gpus_idle_power_is_from_power_readings(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A GPU's opening idle measured from the instant power readings (its cube's
+    `idle_from_power_readings`): the merged cube keeps each source's, and `cube info` says
+    it of that GPU's idle power alone; a shard merge keeps it too."""
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", idle_power_w=61.5)
+    _cube(a, a, idle_from_power_readings=1)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", idle_power_w=83.25)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    labels = [str(g) for g in cube["gpu"].values]
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    said = (
+        f"idle power {labels[0][:12]} 61.5 W (the mean of the instant power readings: an energy "
+        f"counter updated less than twice while it was measured; less exact), "
+        f"{labels[1][:12]} 83.2 W"
+    )
+    assert said in text, text
+    assert int(cube.attrs["idle_from_power_readings"]) == 1
+    s0 = _cube(runs["s0"] / "cube.nc", tmp_path / "s0.nc", idle_from_power_readings=1)
+    whole = tmp_path / "whole.nc"
+    done = invoke("cube", "merge", str(s0), str(runs["s1"] / "cube.nc"), "-o", str(whole))
+    assert done.exit_code == 0, done.output
+    assert int(open_cube(whole).attrs["idle_from_power_readings"]) == 1

@@ -253,6 +253,7 @@ SOURCE_KEYS = (
     "clock",
     "idle_power_w",
     "idle_foreign_processes",
+    "idle_from_power_readings",
     "sessions",
     "measurement_method",
     "token_count_method",
@@ -403,6 +404,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         server_args=first.attrs.get("server_args", "{}"),
         **_found_limits(cubes),
         **_idle_foreign(cubes),
+        **_idle_readings(cubes),
         **_failed_on_each(cubes, labels),
         history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
         created=now_iso(),
@@ -813,6 +815,18 @@ def _found_limits(cubes: list[xr.Dataset]) -> dict[str, list[float]]:
     return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
 
 
+def _idle_readings(cubes: list[xr.Dataset]) -> dict[str, int]:
+    """1 where a cube's opening idle measurement is the mean of the instant power readings
+    (`idle_from_power_readings`), else 0; absent where no cube records it (an older dvfs)."""
+    if not any("idle_from_power_readings" in ds.attrs for ds in cubes):
+        return {}
+    return {
+        "idle_from_power_readings": int(
+            any(int(ds.attrs.get("idle_from_power_readings") or 0) for ds in cubes)
+        )
+    }
+
+
 def _idle_foreign(cubes: list[xr.Dataset]) -> dict[str, str]:
     """The cubes' `idle_foreign_processes`, together (absent where none records them)."""
     if not any("idle_foreign_processes" in ds.attrs for ds in cubes):
@@ -874,6 +888,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         measured = [w for w in idle if math.isfinite(w)]
         attrs["idle_power_w"] = float(np.mean(measured)) if measured else math.nan
     attrs.update(_idle_foreign(cubes))
+    attrs.update(_idle_readings(cubes))
     attrs.pop("power_limit_found_w", None)  # the first shard's: each shard's now
     attrs.update(_found_limits(cubes))
     if "sessions" in first.attrs:

@@ -498,6 +498,7 @@ class Runner:
             server_env=recorded_server_env(self.campaign),
             server_env_prefixes=tuple(SERVER_ENV_PREFIXES),
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
+            idle_from_power_readings=bool(self.idle_flags & Q_IDLE_POWER_READINGS),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
             power_limit_found_w=found_w if found_w != stock.power_limit_w else None,
         )
