@@ -89,6 +89,13 @@ REGISTRY = tuple(
             "work is in idle_power_w; empty: none seen)",
         ),
         (
+            "idle_from_power_readings",
+            "int",
+            "",
+            "1: a session's opening idle measurement is the mean of the instant power readings "
+            "(an energy counter updated less than twice in it), so idle_power_w is less exact",
+        ),
+        (
             "counter_update_period_s",
             "float",
             "s",

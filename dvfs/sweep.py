@@ -758,10 +758,35 @@ def _measure(
             # Raised as the GPUs' settings were put back, after every cell had run: the
             # cells are journaled, the caller writes the cube and then fails on it.
             if summary is None:
+                interruption = interruption_of(exc)
+                if interruption is not None:
+                    # A signal ended the sweep and the restore it unwound to failed: the
+                    # sweep was interrupted (its exit code), the restore's error said beside.
+                    interruption.restore_error = exc  # type: ignore[attr-defined]
+                    raise interruption from None
                 raise
             return summary, journal.path, exc
     assert summary is not None  # the stack raises what it does not return from
     return summary, journal.path, None
+
+
+def interruption_of(exc: GpuError) -> BaseException | None:
+    """The interruption a restore's error `exc` hid: the signal's exception the restore ran
+    as it unwound from (its context), or the one for a signal the restore held
+    (`dvfs.signals.held_signal`); None where no signal came."""
+    import signal
+
+    from dvfs.signals import Interrupted, held_signal
+
+    seen: BaseException | None = exc.__context__
+    while seen is not None:
+        if isinstance(seen, (KeyboardInterrupt, Interrupted)):
+            return seen
+        seen = seen.__context__
+    signum = held_signal(exc)
+    if signum is None:
+        return None
+    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
 
 
 def read_gpu_names(

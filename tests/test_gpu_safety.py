@@ -1241,3 +1241,64 @@ def test_a_busy_gpu_error_pickles_with_its_holder() -> None:
     error = pickle.loads(pickle.dumps(GpuBusyError("GPU 1 is in use by dvfs (pid 12)", "12")))
     assert isinstance(error, GpuBusyError)
     assert (str(error), error.pid) == ("GPU 1 is in use by dvfs (pid 12)", "12")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_sweep_whose_restore_fails_exits_as_interrupted(
+    nvml, tmp_path: Path, env, signum: int
+) -> None:
+    """Ctrl-C (or SIGTERM) during a sweep, then NVML refused the clock's reset as the sweep put
+    the GPU back: the restore's error replaced the interruption, exit 1, where the README
+    gives an interrupted sweep 130 (143). It exits as interrupted, the failed restore said in
+    its one line, its state file kept for `dvfs gpu reset`."""
+    nvml.fake_update_device(0, errors={"nvmlDeviceResetGpuLockedClocks": 999})
+    out = tmp_path / "out"
+    proc = _start_sweep(long_campaign(tmp_path), out, env)
+    try:
+        _wait_until_changed(nvml, proc, out / "journal.jsonl")
+        proc.send_signal(signum)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, output
+    text = " ".join(output.split())
+    assert "Traceback" not in text and "internal error" not in text, text
+    errors = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, output
+    assert "could not restore GPU settings" in errors[0] and "dvfs gpu reset" in errors[0], output
+    assert "GPU settings restored" not in text, text
+    assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"
+
+
+@pytest.mark.slow
+def test_a_signal_held_by_a_restore_that_fails_at_the_sweeps_end_exits_as_interrupted(
+    nvml, tmp_path: Path, env
+) -> None:
+    """Every cell measured, then Ctrl-C while the sweep put the GPU back (held until the restore
+    ended), and the restore failed: the held signal was dropped, exit 1. The sweep exits as
+    interrupted (130); its cube is written and the failed restore said in one line."""
+    campaign, out = campaign_file(tmp_path), tmp_path / "out"
+    # The reset hangs until its deadline fails the restore: the signal comes meanwhile.
+    hanging = {
+        **env,
+        "DVFS_NVML_DEADLINE_S": "10",
+        "DVFS_FAKE_NVML_HANG": "nvmlDeviceResetGpuLockedClocks=inf",
+    }
+    proc = _start_sweep(campaign, out, hanging)
+    try:
+        wait_for(nvml.fake_hangs_started, "the restore is in NVML")
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    text = " ".join(output.split())
+    assert "Traceback" not in text and "internal error" not in text, text
+    errors = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, output
+    assert "could not restore GPU settings" in errors[0] and "dvfs gpu reset" in errors[0], output
+    assert f"cube: {out / 'cube.nc'}" in text, text
+    assert list((tmp_path / "dvfs-state").glob("GPU-*.json")), "the state file is gone"

@@ -764,3 +764,65 @@ def test_the_report_figures_of_gpus_of_other_stock_limits_say_what_its_table_say
     for texts in maps.values():
         assert "none feasible" in texts
         assert not any("so far" in t for t in texts), texts
+
+
+@pytest.mark.parametrize("older_first", [True, False])
+def test_a_merged_cube_says_every_quality_bit_its_cells_may_carry(
+    runs: dict[str, Path], tmp_path: Path, older_first: bool
+) -> None:
+    """A cube an older dvfs wrote, before quality bit 15 (`idle_from_power_readings`), lists
+    no such bit in its quality's flag_masks / flag_meanings: merged first, its attributes were
+    the merged cube's, though the newer cube's cells may carry bit 15 (a CF reader then decodes
+    it as no flag). The merged quality lists every bit dvfs knows, in either order."""
+    from dvfs.measure.meter import QUALITY_FLAGS
+
+    ds = open_cube(runs["h200"] / "cube.nc").load()
+    masks = [int(m) for m in ds["quality"].attrs["flag_masks"]]
+    meanings = str(ds["quality"].attrs["flag_meanings"]).split()
+    keep = [i for i, m in enumerate(masks) if m != 1 << 15]
+    ds["quality"].attrs["flag_masks"] = ds["quality"].attrs["flag_masks"][keep]
+    ds["quality"].attrs["flag_meanings"] = " ".join(meanings[i] for i in keep)
+    older = tmp_path / "older.nc"
+    write_cube(ds, older)
+    newer = runs["h100"] / "cube.nc"
+    merged = tmp_path / "m.nc"
+    order = [older, newer] if older_first else [newer, older]
+    result = invoke("cube", "merge", *map(str, order), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    quality = open_cube(merged)["quality"].attrs
+    said = dict(
+        zip(
+            [int(m) for m in quality["flag_masks"]],
+            str(quality["flag_meanings"]).split(),
+            strict=True,
+        )
+    )
+    assert said == QUALITY_FLAGS
+
+
+def test_a_merged_cube_says_which_gpus_idle_power_is_from_power_readings(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A GPU's opening idle measured from the instant power readings (its cube's
+    `idle_from_power_readings`): the merged cube keeps each source's, and `cube info` says
+    it of that GPU's idle power alone; a shard merge keeps it too."""
+    a = _cube(runs["h100"] / "cube.nc", tmp_path / "a.nc", idle_power_w=61.5)
+    _cube(a, a, idle_from_power_readings=1)
+    b = _cube(runs["h200"] / "cube.nc", tmp_path / "b.nc", idle_power_w=83.25)
+    merged = tmp_path / "m.nc"
+    assert invoke("cube", "merge", str(a), str(b), "-o", str(merged)).exit_code == 0
+    cube = open_cube(merged)
+    labels = [str(g) for g in cube["gpu"].values]
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    said = (
+        f"idle power {labels[0][:12]} 61.5 W (the mean of the instant power readings: an energy "
+        f"counter updated less than twice while it was measured; less exact), "
+        f"{labels[1][:12]} 83.2 W"
+    )
+    assert said in text, text
+    assert int(cube.attrs["idle_from_power_readings"]) == 1
+    s0 = _cube(runs["s0"] / "cube.nc", tmp_path / "s0.nc", idle_from_power_readings=1)
+    whole = tmp_path / "whole.nc"
+    done = invoke("cube", "merge", str(s0), str(runs["s1"] / "cube.nc"), "-o", str(whole))
+    assert done.exit_code == 0, done.output
+    assert int(open_cube(whole).attrs["idle_from_power_readings"]) == 1

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import dvfs.twin.profiles as twin_profiles
 from dvfs.cli import cli
-from dvfs.cube import open_cube
+from dvfs.cube import open_cube, write_cube
 from dvfs.measure.journal import read_records
 from dvfs.measure.meter import describe_quality
 from dvfs.twin.profiles import gpu_profile
@@ -167,3 +167,82 @@ def test_a_settings_idle_baseline_spans_a_fifth_of_idle_s_above_10_s(
         assert cell["gpu_time_s"]["idle_baseline"] >= 20.0, cell["gpu_time_s"]
         flags = describe_quality(cell["measurement"]["quality"])
         assert "idle_from_power_readings" not in flags, flags
+
+
+def test_a_long_idle_baseline_is_told_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """idle_s = 1000: the session's opening idle ran 1000 s before any bar or line, each
+    setting's baseline 200 s more, with nothing said (a sweep that seemed hung). The sweep
+    says each long one as it starts, as it says a server's start; a short one (the default
+    5 s) adds no line."""
+    text = (
+        CAMPAIGN.format(idle_s=1000.0)
+        .replace("sm_clock = [1980]", "sm_clock = [1980, 1500]")
+        .replace("idle_per_setting = false", "idle_per_setting = true")
+    )
+    output, records = _sweep_with_counter_period(tmp_path, monkeypatch, 0.0, text)
+    said = " ".join(output.split())
+    assert "measuring the session's opening idle power over 1000 s" in said, said
+    for clock in (1980, 1500):
+        assert f"measuring the idle baseline at {clock} MHz, 700 W over 200 s" in said, said
+    # the opening idle's line comes before anything measured or started
+    assert said.index("opening idle power") < said.index("starting twin server"), said
+    (tmp_path / "short").mkdir()
+    short, _ = _sweep_with_counter_period(
+        tmp_path / "short", monkeypatch, 0.0, CAMPAIGN.format(idle_s=5.0)
+    )
+    assert "measuring the" not in short, short
+
+
+def test_an_opening_idle_from_instant_power_readings_is_recorded_where_no_cell_subtracts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cell at a setting with its own baseline (idle_per_setting) subtracts none of the
+    session's opening idle, so its fall back to the instant power readings flagged no cell and
+    was recorded nowhere: the cube's idle_power_w had no caveat in `cube info` or the report.
+    The session records it, the cube too, and both say it beside the idle power."""
+    text = (
+        CAMPAIGN.format(idle_s=5.0)
+        .replace("sm_clock = [1980]", "sm_clock = [1980, 1500]")
+        .replace("idle_per_setting = false", "idle_per_setting = true")
+    )
+    _, records = _sweep_with_counter_period(tmp_path, monkeypatch, 30.0, text)
+    (session,) = [r for r in records if r["type"] == "session"]
+    assert session["idle_from_power_readings"] is True
+    cube = tmp_path / "out" / "cube.nc"
+    with open_cube(cube) as ds:
+        assert int(ds.attrs["idle_from_power_readings"]) == 1
+    info = CliRunner().invoke(cli, ["cube", "info", str(cube)])
+    assert info.exit_code == 0, info.output
+    said = " ".join(info.output.split())
+    assert "idle power 75.0 W (the mean of the instant power readings" in said, said
+
+
+def test_an_opening_idle_from_the_counter_is_not_called_one_from_power_readings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped counter (about 100 ms) times the opening idle: nothing is recorded or said;
+    the same cube recording it has the report say it (its cells are valid, where a counter too
+    slow for the opening idle stalls theirs)."""
+    _, records = _sweep_with_counter_period(tmp_path, monkeypatch, 0.0, CAMPAIGN.format(idle_s=5.0))
+    (session,) = [r for r in records if r["type"] == "session"]
+    assert "idle_from_power_readings" not in session
+    cube = tmp_path / "out" / "cube.nc"
+    with open_cube(cube) as ds:
+        assert int(ds.attrs["idle_from_power_readings"]) == 0
+    info = CliRunner().invoke(cli, ["cube", "info", str(cube)])
+    assert "instant power readings" not in info.output, info.output
+    said = {}
+    for recorded in (0, 1):
+        with open_cube(cube) as ds:
+            ds = ds.load()
+        ds.attrs["idle_from_power_readings"] = recorded
+        path = tmp_path / f"cube-{recorded}.nc"
+        write_cube(ds, path)
+        report = tmp_path / f"report-{recorded}.md"
+        done = CliRunner().invoke(cli, ["report", str(path), "-o", str(report)])
+        assert done.exit_code == 0, done.output
+        said[recorded] = " ".join(report.read_text().split())
+    assert "the mean of the instant power readings" not in said[0]
+    assert "the mean of the instant power readings" in said[1]

@@ -16,6 +16,7 @@ from dvfs.cli.common import (
     escape,
     gpus_option,
     handle_errors,
+    one_line,
     out_dir_option,
     parse_shard,
     sweep_groups,
@@ -448,9 +449,12 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     try:
         with signals_raise(), bar:
             outcome = run_sweep(campaign, out_dir, fresh=fresh, progress=bar, shard=shard)
-    except (KeyboardInterrupt, Interrupted):
+    except (KeyboardInterrupt, Interrupted) as exc:
         status = _after_interruption_told(err, campaign, out_dir, shard)
         err.print(f"{status} Run the same command again to resume.")
+        restore_error = getattr(exc, "restore_error", None)
+        if restore_error is not None:  # the restore the signal unwound to failed: why
+            click.echo(f"Error: {one_line(str(restore_error))}", err=True)
         raise
     except SweepRestoreError as exc:
         if exc.outcome is None:
@@ -476,6 +480,12 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
     if invalid:
         err.print(f"[yellow]{escape(invalid[1])}[/yellow]", soft_wrap=True)
     if unrestored is not None:
+        from dvfs.sweep import interruption_of
+
+        interruption = interruption_of(unrestored.error)
+        if interruption is not None:  # a signal the failed restore held: interrupted
+            click.echo(f"Error: {one_line(str(unrestored))}", err=True)
+            raise interruption
         raise unrestored
     return outcome
 

@@ -435,6 +435,9 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
         "idle_foreign_processes": json.dumps(
             [p for s in journal.sessions for p in s.idle_foreign_processes]
         ),
+        # A session's opening idle measurement from the instant power readings (a counter
+        # updated less than twice in it): `idle_power_w` is less exact.
+        "idle_from_power_readings": int(any(s.idle_from_power_readings for s in journal.sessions)),
         "counter_update_period_s": _counter_periods(journal),
         "measurement_method": session.measurement_method,
         # Each session's, once: two where an older journal's groups were each measured under

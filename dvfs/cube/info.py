@@ -276,6 +276,8 @@ def info_text(ds: xr.Dataset) -> dict[str, Any]:
         "idle_power_w": float(ds.attrs.get("idle_power_w", math.nan)),
         "idle_power_per_gpu": idle_power_per_gpu(ds),
         "idle_foreign_per_gpu": idle_foreign_per_gpu(ds),
+        "idle_from_power_readings": bool(int(ds.attrs.get("idle_from_power_readings") or 0)),
+        "idle_readings_per_gpu": idle_readings_per_gpu(ds),
         "shard": shard_label(ds),
         "merged_shards": shards.get("merged_shards", {}),
         # What measures the cells left (failed ones are retried), as `dvfs headroom` advises
@@ -422,6 +424,32 @@ def idle_foreign_per_gpu(ds: xr.Dataset) -> dict[str, list[dict[str, Any]]]:
     return seen
 
 
+def idle_readings_per_gpu(ds: xr.Dataset) -> dict[str, bool]:
+    """A merged cube's GPUs whose opening idle measurement is the mean of the instant power
+    readings (their sources' `idle_from_power_readings`), by label: True or False where the
+    source records it; empty for one GPU's cube, or where no source recorded it."""
+    said: dict[str, bool] = {}
+    for label, source in _sources(ds).items():
+        value = source.get("idle_from_power_readings")
+        if value not in (None, "None", ""):
+            try:
+                said[label] = bool(int(float(str(value))))
+            except ValueError:
+                continue
+    return said
+
+
+def readings_caveat(from_readings: bool) -> str:
+    """What follows the idle power where its measurement fell back to the instant power
+    readings (`idle_from_power_readings`); "" where it did not."""
+    if not from_readings:
+        return ""
+    return (
+        " (the mean of the instant power readings: an energy counter updated less than twice "
+        "while it was measured; less exact)"
+    )
+
+
 def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
     """The idle power as `dvfs cube info` and the report say it: the cube's, or each GPU's of
     a merged cube ("GPU-47dfcd23 75.0 W, ..."); "" where none is recorded. Other tenants'
@@ -429,6 +457,8 @@ def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
     idle = float(info["idle_power_w"])
     per_gpu = info.get("idle_power_per_gpu") or {}
     tenants = info.get("idle_foreign_per_gpu") or {}
+    readings = info.get("idle_readings_per_gpu") or {}
+    top = readings_caveat(bool(info.get("idle_from_power_readings")))
     if idle == idle:
         text = f"{idle:{fmt}} W"
     elif any(w == w for w in per_gpu.values()):
@@ -437,13 +467,16 @@ def idle_power_text(info: dict[str, Any], fmt: str = ".1f") -> str:
             + (f"{w:{fmt}} W" if w == w else "not recorded")
             # each GPU's own tenants, where its source says (their GPU index is its own)
             + idle_caveat(tenants.get(label, []))
+            + readings_caveat(readings.get(label, False))
             for label, w in per_gpu.items()
         )
+        if readings:
+            top = ""
         if tenants:
-            return text
+            return text + top
     else:
         return ""
-    return text + idle_caveat(info["idle_foreign_processes"])
+    return text + idle_caveat(info["idle_foreign_processes"]) + top
 
 
 def _pinning(text: object) -> dict[str, str]:

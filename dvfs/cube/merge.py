@@ -253,6 +253,7 @@ SOURCE_KEYS = (
     "clock",
     "idle_power_w",
     "idle_foreign_processes",
+    "idle_from_power_readings",
     "sessions",
     "measurement_method",
     "token_count_method",
@@ -361,6 +362,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         if name in first.coords:
             merged[name].attrs = dict(first[name].attrs)
     merged["gpu"].attrs.update(units=COORD_ATTRS["gpu"][0], long_name=COORD_ATTRS["gpu"][1])
+    _every_flag(merged, cubes)
     shared = (*CHECKED, "Conventions", "corpora", "arms_pinned")
     attrs = {k: first.attrs[k] for k in shared if k in first.attrs}
     attrs.update(_first_known(cubes, WHEN_KNOWN))
@@ -402,6 +404,7 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         server_args=first.attrs.get("server_args", "{}"),
         **_found_limits(cubes),
         **_idle_foreign(cubes),
+        **_idle_readings(cubes),
         **_failed_on_each(cubes, labels),
         history=f"{now_iso()} merged {len(cubes)} cubes by dvfs {__version__}",
         created=now_iso(),
@@ -417,6 +420,29 @@ def merge_cubes(cubes: list[xr.Dataset], names: list[str] | None = None) -> xr.D
         merged[MEASURED_ON].attrs = dict(MEASURED_ON_ATTRS)
         merged = merged.set_coords(MEASURED_ON)
     return merged
+
+
+def _every_flag(merged: xr.Dataset, cubes: list[xr.Dataset]) -> None:
+    """The bit flags' `flag_masks` / `flag_meanings` of `merged` list every bit its cells may
+    carry: this dvfs's table and each source's (an older dvfs's cube, merged first, lacks the
+    bits added since, which another source's cells may carry)."""
+    from dvfs.gpu.base import EVENT_NAMES
+    from dvfs.measure.meter import QUALITY_FLAGS
+
+    for name, table in (("quality", QUALITY_FLAGS), ("clock_event_reasons", EVENT_NAMES)):
+        if name not in merged.data_vars:
+            continue
+        known: dict[int, str] = {}
+        for ds in cubes:
+            if name in ds.variables and "flag_masks" in ds[name].attrs:
+                masks = np.atleast_1d(ds[name].attrs["flag_masks"])
+                meanings = str(ds[name].attrs.get("flag_meanings", "")).split()
+                known.update(zip((int(m) for m in masks), meanings, strict=False))
+        known.update(table)
+        merged[name].attrs.update(
+            flag_masks=np.array(sorted(known), dtype=np.int32),
+            flag_meanings=" ".join(known[m] for m in sorted(known)),
+        )
 
 
 def _each_known(cubes: list[xr.Dataset], key: str) -> str:
@@ -697,6 +723,7 @@ def combine_shards(cubes: list[xr.Dataset], names: list[str] | None = None) -> x
         combined[name].attrs = dict(holder[name].attrs)
         combined[name].encoding = dict(holder[name].encoding)
     combined["cell_status"] = combined["cell_status"].astype(np.int8)
+    _every_flag(combined, cubes)
     combined.attrs = _combined_attrs(cubes, names)
     combined.attrs.update(_pairing(combined, cubes, owner))
     if per_model is not None:
@@ -788,6 +815,18 @@ def _found_limits(cubes: list[xr.Dataset]) -> dict[str, list[float]]:
     return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
 
 
+def _idle_readings(cubes: list[xr.Dataset]) -> dict[str, int]:
+    """1 where a cube's opening idle measurement is the mean of the instant power readings
+    (`idle_from_power_readings`), else 0; absent where no cube records it (an older dvfs)."""
+    if not any("idle_from_power_readings" in ds.attrs for ds in cubes):
+        return {}
+    return {
+        "idle_from_power_readings": int(
+            any(int(ds.attrs.get("idle_from_power_readings") or 0) for ds in cubes)
+        )
+    }
+
+
 def _idle_foreign(cubes: list[xr.Dataset]) -> dict[str, str]:
     """The cubes' `idle_foreign_processes`, together (absent where none records them)."""
     if not any("idle_foreign_processes" in ds.attrs for ds in cubes):
@@ -849,6 +888,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
         measured = [w for w in idle if math.isfinite(w)]
         attrs["idle_power_w"] = float(np.mean(measured)) if measured else math.nan
     attrs.update(_idle_foreign(cubes))
+    attrs.update(_idle_readings(cubes))
     attrs.pop("power_limit_found_w", None)  # the first shard's: each shard's now
     attrs.update(_found_limits(cubes))
     if "sessions" in first.attrs:

@@ -105,7 +105,14 @@ class FleetOutcome:
 
 
 #: What each worker's session adds to the fleet session's `workers` entry for it.
-WORKER_KEYS = ("idle_power_w", "idle_foreign_processes", "settle", "gpu_time_s", "ports")
+WORKER_KEYS = (
+    "idle_power_w",
+    "idle_foreign_processes",
+    "idle_from_power_readings",
+    "settle",
+    "gpu_time_s",
+    "ports",
+)
 
 
 def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -167,6 +174,10 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     foreign = [p for s in sessions for p in s.get("idle_foreign_processes") or ()]
     if foreign:
         combined["idle_foreign_processes"] = foreign
+    # A worker's opening idle from the instant power readings: the mean idle counts it.
+    combined.pop("idle_from_power_readings", None)
+    if any(s.get("idle_from_power_readings") for s in sessions):
+        combined["idle_from_power_readings"] = True
     if "counter_update_period_s" in first:  # per GPU: in the order of `gpus`
         combined["counter_update_period_s"] = [
             p

@@ -130,6 +130,9 @@ OPENING_IDLE_MIN_UPDATES = 10
 #: IDLE_BASELINE_MAX_S): its window runs from one update to another, so the span itself would
 #: end before the window spans it.
 OPENING_IDLE_MAX_FACTOR = 2.0
+#: An idle baseline asked to span this long or more is said on the sweep's output as it
+#: starts (idle_s = 1000 idles 1000 s before the bar starts, and 200 s at each setting).
+LONG_IDLE_NOTE_S = 10.0
 #: How fast and how long the energy counter is read at session start to find its update period.
 COUNTER_PROBE_PERIOD_S = 0.002
 COUNTER_PROBE_S = 0.5
@@ -407,6 +410,11 @@ class Runner:
         t0 = self.clock.now_ns()
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
+        if m.idle_s >= LONG_IDLE_NOTE_S:
+            self.progress.note(
+                f"measuring the session's opening idle power over {m.idle_s:g} s (idle_s), "
+                "before any server starts"
+            )
         self.idle_power_w, self.idle_foreign = self._idle_checked(
             lambda: self._opening_idle_w(m.idle_s),
             self._opening_tenants(),
@@ -490,6 +498,7 @@ class Runner:
             server_env=recorded_server_env(self.campaign),
             server_env_prefixes=tuple(SERVER_ENV_PREFIXES),
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
+            idle_from_power_readings=bool(self.idle_flags & Q_IDLE_POWER_READINGS),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
             power_limit_found_w=found_w if found_w != stock.power_limit_w else None,
         )
@@ -996,6 +1005,11 @@ class Runner:
                 spent.append(base.gpu_time_s)
                 return base
 
+            if span_s >= LONG_IDLE_NOTE_S:
+                self.progress.note(
+                    f"measuring the idle baseline at {_setting_text(setting)} over "
+                    f"{span_s:g} s (idle_s / 5)"
+                )
             base, foreign = self._idle_checked(
                 measure_once,
                 self.tenants,

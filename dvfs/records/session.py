@@ -80,6 +80,12 @@ class Session:
     #: opening idle measurement (`dvfs.measure.tenants.ForeignProcess`: GPU index, pid, name,
     #: start or end), whose work `idle_power_w` then counts; empty where none was seen.
     idle_foreign_processes: tuple[dict[str, Any], ...] = ()
+    #: The opening idle measurement fell back to the mean of the instant power readings (an
+    #: energy counter updated less than twice in it): `idle_power_w` is less exact. Recorded
+    #: here, as the cells that subtract it are flagged idle_from_power_readings, for where
+    #: none does (every cell at a setting with its own baseline). False: the counter's energy
+    #: (or before dvfs recorded it).
+    idle_from_power_readings: bool = False
     #: The absolute folder of the campaign file the session read, where its corpora's relative
     #: paths start (`Campaign.base_dir`); "" before dvfs recorded it.
     campaign_dir: str = ""
@@ -125,6 +131,7 @@ class Session:
                 if self.idle_foreign_processes
                 else {}
             ),
+            **({"idle_from_power_readings": True} if self.idle_from_power_readings else {}),
             **({"campaign_dir": self.campaign_dir} if self.campaign_dir else {}),
             **(
                 {"power_limit_found_w": self.power_limit_found_w}
@@ -169,6 +176,7 @@ class Session:
             idle_foreign_processes=tuple(
                 dict(p) for p in record.get("idle_foreign_processes") or ()
             ),
+            idle_from_power_readings=bool(record.get("idle_from_power_readings")),
             campaign_dir=str(record.get("campaign_dir") or ""),
             power_limit_found_w=_found_limit(record.get("power_limit_found_w")),
         )

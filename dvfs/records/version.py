@@ -25,6 +25,8 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       seen on its GPUs at its start or end (gpu, pid, name, at), written only when some were;
       likewise a cell's and a session's optional `idle_foreign_processes`: those seen right
       before or after the idle baseline the cell subtracts (the session's: its opening one).
+      A session's optional `idle_from_power_readings` (within 3, written only when true): its
+      opening idle measurement is the mean of the instant power readings, not the counter's.
       An in-flight cell's `inflight.context` optional `energy_per_token_drift` (within 3;
       absent: an earlier dvfs carried along an exponential drift, or did not carry, and a
       journal holding such cells is not resumed while cells are left:
