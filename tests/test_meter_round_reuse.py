@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import threading
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -246,3 +248,37 @@ def test_a_trace_with_chunk_times_that_are_not_integers_is_refused(chunk_ns) -> 
     with pytest.raises(ValueError, match="integer nanoseconds"):
         check_chunk_times(row, counts)
     check_chunk_times(row.astype(np.int64), counts)
+
+
+def test_rounds_remembered_by_threads_at_once_drop_each_oldest_once() -> None:
+    """A local fleet's workers measure in threads of one process, sharing the meter's memos of
+    the last rounds: two threads dropping the same oldest round at once raised KeyError in
+    one (its worker lost). Threads switched as often as the interpreter allows, each round
+    remembered and read back, no thread fails."""
+    trace = RequestTrace(0, np.array([1, 2, 3]), np.array([1, 1, 1]), 4, 3)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def measure() -> None:
+        try:
+            for _ in range(30_000):
+                if stop.is_set():
+                    return
+                round_ = (trace,)  # a new round each time: remembered, the oldest dropped
+                assert meter.round_chunks(round_).firsts == [1]
+                assert meter.latency_stats(round_).tpot_ms[0] == pytest.approx(1e-6)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            stop.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=measure) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -301,10 +303,24 @@ def round_chunks(requests: Sequence[RequestTrace] | RoundResult) -> RoundChunks:
     if seen is not None and seen[0] is held:
         return seen[1]
     chunks = _chunks_of_arrays(held) if isinstance(held, RoundArrays) else _chunks_of(held)
-    _CHUNKS_MEMO[id(held)] = (held, chunks)
-    if len(_CHUNKS_MEMO) > _CHUNKS_MEMO_SIZE:
-        del _CHUNKS_MEMO[next(iter(_CHUNKS_MEMO))]  # the oldest (dicts keep insertion order)
+    _remember(_CHUNKS_MEMO, _CHUNKS_MEMO_SIZE, held, chunks)
     return chunks
+
+
+#: Held while a memo (`_CHUNKS_MEMO`, `_LATENCY_MEMO`) takes a round and drops its oldest: a
+#: local fleet's workers measure in threads of one process and share the memos, and two
+#: threads dropping the same oldest round at once failed the later one's cell (KeyError).
+_MEMO_LOCK = threading.Lock()
+_T = TypeVar("_T")
+
+
+def _remember(memo: dict[int, tuple[object, _T]], size: int, held: object, value: _T) -> None:
+    """Keep `value` in `memo` for `held` (by its id, holding it), dropping the oldest rounds
+    past `size` (dicts keep insertion order)."""
+    with _MEMO_LOCK:
+        memo[id(held)] = (held, value)
+        while len(memo) > size:
+            del memo[next(iter(memo))]
 
 
 def _ends(
@@ -487,9 +503,7 @@ def latency_stats(requests: Sequence[RequestTrace] | RoundResult) -> LatencyStat
         return seen[1]
     chunks = round_chunks(requests)
     stats = _RoundLatency(chunks) if chunks.firsts else _latency_of([])
-    _LATENCY_MEMO[id(held)] = (held, stats)
-    if len(_LATENCY_MEMO) > _LATENCY_MEMO_SIZE:
-        del _LATENCY_MEMO[next(iter(_LATENCY_MEMO))]  # the oldest (dicts keep insertion order)
+    _remember(_LATENCY_MEMO, _LATENCY_MEMO_SIZE, held, stats)
     return stats
 
 
