@@ -172,7 +172,14 @@ class AppliedCaps:
         from dvfs.gpu.safety import ensure_dir
 
         ensure_dir(self.path.parent)
-        with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
+        # Opened without blocking, and only locked: a FIFO in its place (which no reader may
+        # ever open) is locked as the file is, not waited on for ever, a GPU capped meanwhile.
+        lock = os.open(
+            self.path.with_name(f"{self.path.name}.lock"),
+            os.O_RDWR | os.O_CREAT | os.O_NONBLOCK,
+            0o666,
+        )
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             records = self.entries_as_written()
             if entry is None:
@@ -180,6 +187,8 @@ class AppliedCaps:
             else:
                 records[uuid] = entry
             self.write(records)
+        finally:
+            os.close(lock)
 
 
 def _record_problem(record: dict[str, Any]) -> str | None:
