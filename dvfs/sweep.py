@@ -312,6 +312,7 @@ def out_dir_lock(out_dir: Path, progress: Progress | None = None) -> Iterator[Ou
         os.close(fd)
     folder = OutFolder(out_dir)
     try:
+        _check_lock_file(lock, fd)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -410,6 +411,18 @@ def _leave_as_found(
     return undone
 
 
+def _check_lock_file(lock: Path, fd: int) -> None:
+    """Refuse (`JournalError`) an opened sweep.lock that is no regular file: a FIFO or a device
+    (a link to /dev/null) takes the flock, but not the holder's pid ("invalid argument")."""
+    import stat
+
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise JournalError(
+            f"{lock} is no regular file (a FIFO, a device), so no sweep lock of dvfs's: move it "
+            "aside, or use another --out folder"
+        )
+
+
 def _busy(out_dir: Path, fd: int) -> SweepBusyError:
     holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     who = f" (pid {holder})" if holder.isdigit() else ""
@@ -453,6 +466,7 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
                 describe_os_error(exc, f"use {out_dir} as the output folder")
             ) from exc
         try:
+            _check_lock_file(lock, fd)
             # A shared lock, dropped at once: refused while a sweep holds its exclusive one.
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1521,6 +1521,32 @@ MORE_CASES = (
                 (["gpu", "settle", "--gpu", "0", "--clocks", "1980,1500"], False),
             )
         ),
+        # The caps record and a governor's record beside the GPUs' state files, read as those
+        # are: a FIFO hung `cap show`, `cap apply` (its dry run too), `cap reset` (the caps
+        # unit's stop) and `gpu reset` for ever, /dev/zero was read until memory ran out, and a
+        # folder's advice was to "give a file's path for --state-dir".
+        *(
+            C(
+                f"{record.split('-')[0]}-record-{kind}-{'-'.join(argv[:2])}",
+                [*argv, "--state-dir", "{tmp}/state"],
+                files={f"state/{record}": content, "caps.toml": GOOD_CAPS},
+                nvml=True,
+                code=2,
+                says=(f"{{tmp}}/state/{record}", "unreadable", why),
+            )
+            for kind, content, why in (
+                ("fifo", Writer(_fifo), "no regular file"),
+                ("link-to-dev-zero", Writer(_dev_zero), "no regular file"),
+                ("directory", DIR, "is a directory"),
+            )
+            for record, argv in (
+                ("caps-applied.json", ["cap", "show"]),
+                ("caps-applied.json", ["cap", "apply", "{tmp}/caps.toml", "--dry-run"]),
+                ("caps-applied.json", ["cap", "reset"]),
+                ("governed-{uuid0}.json", ["cap", "show"]),
+                ("governed-{uuid0}.json", ["gpu", "reset"]),
+            )
+        ),
         *(
             C(
                 f"twin-profile-{id}",

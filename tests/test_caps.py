@@ -1717,6 +1717,25 @@ def test_cap_reset_refuses_an_unreadable_caps_record_before_resetting_any_gpu(
         assert nvml.fake_device_state(index)["locked_clocks"] == [210, 1500], index
 
 
+def test_cap_apply_and_reset_do_not_wait_on_a_fifo_as_the_caps_records_lock(
+    nvml, tmp_path: Path
+) -> None:
+    """The caps record's lock file (caps-applied.json.lock) opened for writing as a FIFO: `cap
+    apply` locked GPU 0's clocks and then waited for ever for a reader, its GPU capped and its
+    record unwritten, and `cap reset` (the caps unit's stop) hung alike. The lock is opened
+    without blocking and only locked: both run, and the record says what the GPU holds."""
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(state / "caps-applied.json.lock")  # no reader: a writer that opens it waits
+    uuid = apply_caps(tmp_path, 1500, 450)
+    assert nvml.fake_device_state(0)["locked_clocks"] == [210, 1500]
+    record = json.loads((state / "caps-applied.json").read_text())
+    assert record[uuid]["lock_mhz"] == [210, 1500], record
+    assert "clocks unlocked" in invoke("cap", "reset")
+    assert nvml.fake_device_state(0)["locked_clocks"] is None
+    assert not (state / "caps-applied.json").exists()
+
+
 def test_plan_refuses_bad_gpu_choices() -> None:
     d = doc([row("code", 1305, 450.0)])
     with pytest.raises(CapsError, match="--gpu '0' is not a GPU UUID"):

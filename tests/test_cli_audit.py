@@ -252,3 +252,25 @@ def test_doctor_fails_a_folder_whose_lock_is_a_folder_as_the_sweep_does(tmp_path
     code, checks = _doctor_checks(tiny, out)
     assert code == 1 and checks["output folder"]["status"] == "fail", checks
     assert checks["output folder"]["detail"] == swept.stderr.strip().removeprefix("Error: ")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-null"])
+def test_doctor_fails_a_folder_whose_lock_is_no_regular_file_as_the_sweep_does(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO (or a link to /dev/null) named sweep.lock: the sweep took its flock and then
+    refused the folder as "cannot write sweep.lock: Invalid argument" (no pid can be written
+    there), and the doctor, which opens and flocks it as the sweep does, said "ok". Both
+    refuse it now, in one line naming it."""
+    tiny = write(tmp_path / "tiny.toml", TINY)
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "fifo":
+        os.mkfifo(out / "sweep.lock")
+    else:
+        (out / "sweep.lock").symlink_to(os.devnull)
+    swept = invoke("sweep", str(tiny), "--out", str(out), "--no-progress")
+    assert_one_line_error(swept, 1, "sweep.lock", "no regular file")
+    code, checks = _doctor_checks(tiny, out)
+    assert code == 1 and checks["output folder"]["status"] == "fail", checks
+    assert checks["output folder"]["detail"] == swept.stderr.strip().removeprefix("Error: ")

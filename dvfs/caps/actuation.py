@@ -100,12 +100,17 @@ class AppliedCaps:
         """`read`, each entry's knobs checked (`checked`) or carried as they are: a change to
         one GPU's entry (`update`) must not stop at another's damaged one, nor a reset at the
         damaged entry it drops, as `cap reset` (the caps unit's stop) does."""
+        from dvfs.gpu.safety import read_record, record_problem
+
         if not self.path.exists():
             return {}
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except ValueError as exc:  # UnicodeDecodeError included
-            raise CapsError(f"{self.path} is unreadable ({exc}); remove it and re-apply") from exc
+        try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
+            data = json.loads(read_record(self.path))
+        except FileNotFoundError:  # removed meanwhile (the last GPU's entry reset)
+            return {}
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError included
+            why = record_problem(exc)
+            raise CapsError(f"{self.path} is unreadable ({why}); remove it and re-apply") from exc
         if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
             raise CapsError(
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
@@ -167,7 +172,14 @@ class AppliedCaps:
         from dvfs.gpu.safety import ensure_dir
 
         ensure_dir(self.path.parent)
-        with open(self.path.with_name(f"{self.path.name}.lock"), "w") as lock:
+        # Opened without blocking, and only locked: a FIFO in its place (which no reader may
+        # ever open) is locked as the file is, not waited on for ever, a GPU capped meanwhile.
+        lock = os.open(
+            self.path.with_name(f"{self.path.name}.lock"),
+            os.O_RDWR | os.O_CREAT | os.O_NONBLOCK,
+            0o666,
+        )
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             records = self.entries_as_written()
             if entry is None:
@@ -175,6 +187,8 @@ class AppliedCaps:
             else:
                 records[uuid] = entry
             self.write(records)
+        finally:
+            os.close(lock)
 
 
 def _record_problem(record: dict[str, Any]) -> str | None:
@@ -256,14 +270,16 @@ class GovernorLocks:
         """Every record on disk, an earlier boot's included."""
         if not self.directory.is_dir():
             return {}
+        from dvfs.gpu.safety import read_record, record_problem
+
         found = {}
         for path in sorted(self.directory.glob(f"{self.PREFIX}GPU-*.json")):
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+            try:  # (a FIFO is refused, not waited on for ever; a folder is no record either)
+                data = json.loads(read_record(path))
             except FileNotFoundError:
                 continue
-            except ValueError as exc:  # UnicodeDecodeError included
-                raise CapsError(f"{path} is unreadable ({exc}); remove it") from exc
+            except (ValueError, OSError) as exc:  # UnicodeDecodeError included
+                raise CapsError(f"{path} is unreadable ({record_problem(exc)}); remove it") from exc
             lock = data.get("lock_mhz") if isinstance(data, dict) else None
             if lock is None:
                 raise CapsError(f"{path} is not a dvfs governor record (no lock_mhz); remove it")

@@ -177,9 +177,10 @@ class PendingRestore:
 MAX_STATE_BYTES = 1 << 20
 
 
-def _read_record(path: Path) -> str:
-    """A state file's text: opened without blocking (a FIFO would be waited on for ever) and
-    refused (`OSError`, `ValueError`) unless a regular file of at most `MAX_STATE_BYTES`."""
+def read_record(path: Path) -> str:
+    """A state file's text (a GPU's, or the caps and governor records beside them): opened
+    without blocking (a FIFO would be waited on for ever) and refused (`OSError`, `ValueError`)
+    unless a regular file of at most `MAX_STATE_BYTES`."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:  # (a folder: IsADirectoryError)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -188,6 +189,11 @@ def _read_record(path: Path) -> str:
     if len(data) > MAX_STATE_BYTES:
         raise ValueError(f"more than {MAX_STATE_BYTES >> 20} MiB, which no state file holds")
     return data.decode("utf-8")
+
+
+def record_problem(exc: Exception) -> str:
+    """Why `read_record` (or the JSON in it) failed, in words: an `OSError`'s reason alone."""
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 class StateStore:
@@ -231,14 +237,13 @@ class StateStore:
             if not path.exists():
                 continue
             try:
-                data = json.loads(_read_record(path))
+                data = json.loads(read_record(path))
                 if not isinstance(data, dict) or not isinstance(data.get("original"), dict):
                     raise ValueError("not a JSON object with an 'original' table")
                 original = settings_from_dict(data["original"])
             except (ValueError, KeyError, TypeError, OSError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 raise GpuStateError(
-                    f"state file {path} is unreadable ({why}); inspect and remove "
+                    f"state file {path} is unreadable ({record_problem(exc)}); inspect and remove "
                     "it by hand after checking the GPU's settings"
                 ) from exc
             found.append(
