@@ -455,7 +455,12 @@ def check_out_dir(campaign: Campaign, out_dir: Path, shard: Shard | None = None)
     if code:
         problem = OSError(code, os.strerror(code), str(probe))
         raise JournalError(describe_os_error(problem, f"use {out_dir} as the output folder"))
+    from dvfs.outputs import check_links
+
     lock = out_dir / LOCK_NAME
+    # as root, the lock and the journals the sweep would write through another user's link
+    for path in (lock, out_dir / JOURNAL_NAME, *folder_journals(out_dir)):
+        check_links(path)
     if lock.exists():
         try:
             # As the sweep opens it, less O_CREAT: a folder (EISDIR) or a lock the sweep may

@@ -545,6 +545,12 @@ def test_as_root_a_sweep_into_a_users_folder_writes_through_none_of_their_links(
             "write)"
         )
         assert secret.read_text() == "root's\n" and sorted(etc.iterdir()) == [secret]
+        # and `dvfs doctor` fails the folder as the sweep refuses it, rather than "usable"
+        doctor = CliRunner().invoke(cli, ["doctor", str(campaign), "--out", str(out)])
+        assert doctor.exit_code != 0, doctor.output
+        shown = " ".join(doctor.output.split())
+        assert f"{out / name} goes through the symbolic link {out / name}" in shown, shown
+        assert f"{out}: usable" not in shown
     out = tmp_path / "home" / "out"
     out.mkdir(parents=True)
     os.chown(out, nobody, nobody)
