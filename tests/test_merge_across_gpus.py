@@ -826,3 +826,32 @@ def test_a_merged_cube_says_which_gpus_idle_power_is_from_power_readings(
     done = invoke("cube", "merge", str(s0), str(runs["s1"] / "cube.nc"), "-o", str(whole))
     assert done.exit_code == 0, done.output
     assert int(open_cube(whole).attrs["idle_from_power_readings"]) == 1
+
+
+def test_shards_of_a_fleet_mixing_models_keep_any_shards_idle_from_power_readings(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """Shards each run on a fleet mixing GPU models: the H100's opening idle came from the
+    instant power readings in shard 1 alone. Their merged cube's `idle_from_power_readings`
+    was 1, but each model's `merged_from` was the first shard's, so `cube info` said no
+    caveat at all. The H100's idle power is said to be from the readings, the H200's not."""
+    paths = []
+    for i, flag in enumerate((0, 1)):
+        ds = open_cube(tiny_exact_run(f"mixed-s{i}") / "cube.nc").load()
+        sources = json.loads(ds.attrs["merged_from"])
+        for n, source in enumerate(sources.values()):
+            source["idle_from_power_readings"] = str(flag if n == 0 else 0)
+        ds.attrs["merged_from"] = json.dumps(sources)
+        ds.attrs["idle_from_power_readings"] = flag
+        write_cube(ds, tmp_path / f"s{i}.nc")
+        paths.append(tmp_path / f"s{i}.nc")
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    cube = open_cube(merged)
+    assert int(cube.attrs["idle_from_power_readings"]) == 1
+    h100, h200 = (str(g)[:12] for g in cube["gpu"].values)
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    caveat = "(the mean of the instant power readings"
+    assert f"idle power {h100} 75.0 W {caveat}" in text, text
+    assert f"{h200} 75.0 W {caveat}" not in text, text

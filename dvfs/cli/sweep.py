@@ -458,6 +458,12 @@ def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any
         raise
     except SweepRestoreError as exc:
         if exc.outcome is None:
+            from dvfs.sweep import interruption_of
+
+            interruption = interruption_of(exc.error)
+            if interruption is not None:  # a signal the failed restore held: interrupted
+                click.echo(f"Error: {one_line(str(exc))}", err=True)
+                raise interruption from None
             raise
         # The cube is written: reported as any sweep's, then the restore's failure (its code).
         outcome, unrestored = exc.outcome, exc

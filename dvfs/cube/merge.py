@@ -740,16 +740,33 @@ def _relabel_gpus(
     labels = [_joined(labels) for labels in per_model]
     merged_from: dict[str, Any] = {}
     for label, theirs in zip(labels, per_model, strict=True):
-        for ds, own in zip(shards, theirs, strict=True):
-            source = json.loads(str(ds.attrs.get("merged_from", "{}")) or "{}").get(own)
-            if source is not None:
-                merged_from[label] = source
-                break
+        found = [
+            source
+            for ds, own in zip(shards, theirs, strict=True)
+            if (source := json.loads(str(ds.attrs.get("merged_from", "{}")) or "{}").get(own))
+            is not None
+        ]
+        if found:
+            merged_from[label] = {**found[0], **_any_readings(found)}
     attrs = dict(combined["gpu"].attrs)
     combined = combined.assign_coords(gpu=labels)
     combined["gpu"].attrs = attrs
     combined.attrs["merged_from"] = json.dumps(merged_from)
     return combined
+
+
+def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
+    """A model's `idle_from_power_readings` over its sources in every shard: "1" where any
+    shard's opening idle came from the instant power readings (the first shard's alone hid
+    another's), else "0"; nothing where no source records it (an older dvfs)."""
+    said = [s.get("idle_from_power_readings") for s in sources]
+    known = [str(v) for v in said if v not in (None, "None", "")]
+    if not known:
+        return {}
+    try:
+        return {"idle_from_power_readings": str(int(any(int(float(v)) for v in known)))}
+    except ValueError:  # a hand-edited cube's text: the first shard's kept
+        return {}
 
 
 def _pairing(combined: xr.Dataset, cubes: list[xr.Dataset], owner: np.ndarray) -> dict[str, int]:
