@@ -1197,6 +1197,28 @@ def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path
     )
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_show_does_not_call_a_governor_running_for_a_gpu_lock_that_is_no_file(
+    nvml, kind: str
+) -> None:
+    """A GPU lock file that is no regular file (a FIFO, a folder) is no lock a running dvfs
+    holds, yet `cap show` read `holder`'s complaint about it as a running governor and gave
+    the lock as a live governor's. It says what the lock file is now."""
+    from dvfs.caps import GovernorLocks
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    lock = state / f"{uuid}.lock"
+    os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    [row, _] = json.loads(invoke("cap", "show", "--json"))
+    said = row["sm_clock_lock_set_by"]
+    assert said.startswith("dvfs govern (pid") and "no regular file" in said, said
+    assert str(lock) in said, said
+
+
 @pytest.mark.parametrize("lock", [[1500, 210], [0, 1500], [-210, 1500]])
 def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
     nvml, lock: list[int]

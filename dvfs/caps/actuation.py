@@ -748,6 +748,12 @@ def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
     if not lock.by_governor:
         return lock.set_by
     path = directory / f"{gpu.identity.uuid}.lock"
+    not_a_lock = GpuLocks(directory).not_a_lock(gpu)
+    if not_a_lock:  # no lock a governor holds, nor one telling whether it runs
+        return (
+            f"dvfs govern (pid {lock.record.get('pid')}, since {lock.record.get('since')}; "
+            f"whether it runs cannot be told: {not_a_lock})"
+        )
     if not os.access(path, os.R_OK) or GpuLocks(directory).holder(gpu) is not None:
         return lock.set_by  # running, or it cannot be told here
     return (
