@@ -2129,3 +2129,26 @@ def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
     assert len(read_as_root) >= 2  # the caps recipe's and the governor's
     for path in read_as_root:
         assert path in installed and path.startswith("/etc/dvfs/"), path
+
+
+@pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
+def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
+    nvml, tmp_path: Path, name: str
+) -> None:
+    """A folder where the caps record's lock or a governor record belongs was told "it is a
+    folder, not a file; give a file's path for --state-dir", though --state-dir takes a
+    folder: it is named as unreadable, to remove, as the records are."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    folder = state / name.format(uuid=uuid)
+    folder.mkdir(parents=True)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    for command in (["cap", "apply", str(caps)], ["cap", "reset"], ["gpu", "reset"]):
+        result = CliRunner().invoke(cli, command)
+        said = " ".join(result.output.split())
+        assert "give a file's path" not in said, (command, said)
+        if result.exit_code:
+            assert isinstance(result.exception, SystemExit), (command, said)
+            assert f"{folder} is unreadable (" in said, (command, said)
+            assert "remove it" in said, (command, said)
