@@ -293,15 +293,25 @@ def _gpu_checks(
             ]
             held = GpuLocks(directory)
             holders = {g.identity.uuid: held.holder(g) for g in gpus}
+            # A lock file that is no regular file no running dvfs holds (`hold` refuses it):
+            # the lock check's complaint about it is no running dvfs's.
+            no_lock = {g.identity.uuid: held.not_a_lock(g) for g in gpus}
             # A file whose GPU a running dvfs holds is that run's (`gpu reset` skips it: the
             # run restores it itself), not a dead run's: the lock check fails that GPU.
-            dead = [p for p in pending if not holders.get(p.original.uuid)]
-            live = [p for p in pending if holders.get(p.original.uuid)]
+            running = {u for u, h in holders.items() if h and not no_lock.get(u)}
+            dead = [p for p in pending if p.original.uuid not in running]
+            live = [p for p in pending if p.original.uuid in running]
             if dead:
+                unlockable = [b for p in dead if (b := no_lock.get(p.original.uuid))]
                 state = Check(
                     "state",
                     FAIL,
-                    "; ".join(p.describe() for p in dead) + " - run `dvfs gpu reset`",
+                    "; ".join(p.describe() for p in dead)
+                    + (
+                        f" - {'; '.join(unlockable)}, then run `dvfs gpu reset`"
+                        if unlockable
+                        else " - run `dvfs gpu reset`"
+                    ),
                 )
             elif live:
                 state = Check(

@@ -1197,6 +1197,28 @@ def test_show_says_when_the_governor_holding_a_lock_is_gone(nvml, tmp_path: Path
     )
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_show_does_not_call_a_governor_running_for_a_gpu_lock_that_is_no_file(
+    nvml, kind: str
+) -> None:
+    """A GPU lock file that is no regular file (a FIFO, a folder) is no lock a running dvfs
+    holds, yet `cap show` read `holder`'s complaint about it as a running governor and gave
+    the lock as a live governor's. It says what the lock file is now."""
+    from dvfs.caps import GovernorLocks
+
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    GovernorLocks(state).write(uuid, (210, 1200))
+    nvml.fake_update_device(0, locked_clocks=[210, 1200])
+    lock = state / f"{uuid}.lock"
+    os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    [row, _] = json.loads(invoke("cap", "show", "--json"))
+    said = row["sm_clock_lock_set_by"]
+    assert said.startswith("dvfs govern (pid") and "no regular file" in said, said
+    assert str(lock) in said, said
+
+
 @pytest.mark.parametrize("lock", [[1500, 210], [0, 1500], [-210, 1500]])
 def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
     nvml, lock: list[int]
@@ -2107,3 +2129,26 @@ def test_the_readmes_root_commands_read_caps_and_plans_root_installed() -> None:
     assert len(read_as_root) >= 2  # the caps recipe's and the governor's
     for path in read_as_root:
         assert path in installed and path.startswith("/etc/dvfs/"), path
+
+
+@pytest.mark.parametrize("name", ["caps-applied.json.lock", "governed-{uuid}.json"])
+def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_dir(
+    nvml, tmp_path: Path, name: str
+) -> None:
+    """A folder where the caps record's lock or a governor record belongs was told "it is a
+    folder, not a file; give a file's path for --state-dir", though --state-dir takes a
+    folder: it is named as unreadable, to remove, as the records are."""
+    uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
+    state = Path(os.environ["DVFS_STATE_DIR"])
+    folder = state / name.format(uuid=uuid)
+    folder.mkdir(parents=True)
+    caps = tmp_path / "caps.toml"
+    caps.write_text(dump_caps(CapsFile((GpuCap(uuid=uuid, sm_clock_max_mhz=1500),))))
+    for command in (["cap", "apply", str(caps)], ["cap", "reset"], ["gpu", "reset"]):
+        result = CliRunner().invoke(cli, command)
+        said = " ".join(result.output.split())
+        assert "give a file's path" not in said, (command, said)
+        if result.exit_code:
+            assert isinstance(result.exception, SystemExit), (command, said)
+            assert f"{folder} is unreadable (" in said, (command, said)
+            assert "remove it" in said, (command, said)

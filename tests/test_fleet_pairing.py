@@ -358,6 +358,49 @@ def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) 
     assert "8 workers in parallel (only 4 busy" in text
 
 
+def _fleet_gpu_s(records: list[dict[str, Any]]) -> float:
+    """The GPU time a fleet's journal records: its cells' and its sessions' overheads."""
+    cells = sum(sum(r["gpu_time_s"].values()) for r in records if r["type"] == "cell")
+    sessions = sum(
+        w["gpu_time_s"]["total"] for r in records if r["type"] == "session" for w in r["workers"]
+    )
+    return cells + sessions
+
+
+def test_the_dry_run_of_a_fleet_counts_every_workers_server_starts_in_its_gpu_time(
+    tmp_path: Path,
+) -> None:
+    """The dry run's GPU time of a fleet (fresh, or resumed on a half-done folder) was the
+    twin's sweep of the cells left as one run, starting each drafter's server once, where
+    each busy worker of the fleet starts its drafters' servers (and waits out the thermal
+    stabilisation after each): it ran far short of what the fleet then spent. It counts the
+    workers' starts now, as the makespan does."""
+    from conftest import TINY
+
+    campaign = write(tmp_path / "tiny.toml", TINY)  # 4 groups, 2 drafters
+    full = tmp_path / "full"
+    args = [str(campaign), "--gpus", "0-1"]
+    plan = json.loads(sweep(*args, "--out", str(full), "--dry-run", "--json").output)
+    assert sweep(*args, "--out", str(full)).exit_code == 0
+    spent = _fleet_gpu_s(read_records(full / "journal.jsonl"))
+    assert abs(plan["twin_gpu_s"] - spent) <= 0.1 * spent, (plan["twin_gpu_s"], spent)
+    # Half of it done: the first half of its cells, as an interrupted fleet leaves them.
+    lines = (full / "journal.jsonl").read_text().splitlines(keepends=True)
+    cells = [i for i, line in enumerate(lines) if json.loads(line)["type"] == "cell"]
+    half = tmp_path / "half"
+    half.mkdir()
+    dropped = set(cells[len(cells) // 2 :])
+    (half / "journal.jsonl").write_text(
+        "".join(line for i, line in enumerate(lines) if i not in dropped)
+    )
+    before = len(read_records(half / "journal.jsonl"))
+    plan = json.loads(sweep(*args, "--out", str(half), "--dry-run", "--json").output)
+    assert plan["already_done"] == len(cells) - len(dropped), plan["problems"]
+    assert sweep(*args, "--out", str(half)).exit_code == 0
+    spent = _fleet_gpu_s(read_records(half / "journal.jsonl")[before:])
+    assert abs(plan["twin_gpu_s"] - spent) <= 0.1 * spent, (plan["twin_gpu_s"], spent)
+
+
 def test_the_dry_run_of_a_fleet_counts_the_servers_and_time_its_workers_spend(
     tmp_path: Path,
 ) -> None:

@@ -903,6 +903,34 @@ def test_doctor_does_not_send_a_running_dvfss_gpu_to_gpu_reset(nvml, tmp_path: P
         store.clear(gpu.identity.uuid)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_doctor_does_not_call_a_gpu_whose_lock_is_no_file_a_running_dvfss(
+    nvml, tmp_path: Path, env, kind: str
+) -> None:
+    """A GPU lock file that is no regular file (a FIFO, a folder) is no lock a running dvfs
+    holds (`hold` refuses it), yet doctor's state check read the lock check's complaint as
+    one and said a dead run's state file was "being changed by the running dvfs ..., which
+    restores it itself". It says what the lock file is now, and fails the state."""
+    from dvfs.gpu.knobs import GpuSettings
+    from dvfs.gpu.safety import StateStore
+
+    state_dir = tmp_path / "dvfs-state"
+    campaign = campaign_file(tmp_path)
+    store = StateStore(state_dir)
+    with open_nvml_gpus([0], nvml=nvml) as (gpu,):
+        uuid = gpu.identity.uuid
+        store.record(GpuSettings(uuid, None, gpu.power_limit_mw()))
+    lock = state_dir / f"{uuid}.lock"
+    os.mkfifo(lock) if kind == "fifo" else lock.mkdir()
+    checked = doctor_checks(campaign, tmp_path / "out", env)
+    assert checked["lock GPU 0"]["status"] == "fail", checked["lock GPU 0"]
+    state = checked["state"]
+    assert "restores it itself" not in state["detail"], state
+    assert state["status"] == "fail" and "no regular file" in state["detail"], state
+    assert str(lock) in state["detail"], state
+    store.clear(uuid)
+
+
 def _locked_with_a_state_file(nvml: Any, tmp_path: Path, index: int) -> tuple[Any, str]:
     """GPU `index` of the fake locked at 210-1200 MHz as a run that died left it, its state
     file recorded (for `dvfs gpu reset`): the state store and the GPU's UUID."""

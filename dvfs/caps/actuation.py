@@ -174,11 +174,11 @@ class AppliedCaps:
         ensure_dir(self.path.parent)
         # Opened without blocking, and only locked: a FIFO in its place (which no reader may
         # ever open) is locked as the file is, not waited on for ever, a GPU capped meanwhile.
-        lock = os.open(
-            self.path.with_name(f"{self.path.name}.lock"),
-            os.O_RDWR | os.O_CREAT | os.O_NONBLOCK,
-            0o666,
-        )
+        path = self.path.with_name(f"{self.path.name}.lock")
+        try:
+            lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place
+            raise CapsError(_a_folder(path)) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             records = self.entries_as_written()
@@ -189,6 +189,12 @@ class AppliedCaps:
             self.write(records)
         finally:
             os.close(lock)
+
+
+def _a_folder(path: Path) -> str:
+    """A folder where a caps or governor record (or the caps record's lock) belongs, in the
+    words the records' readers use (`read_record`)."""
+    return f"{path} is unreadable (no regular file: a folder); remove it"
 
 
 def _record_problem(record: dict[str, Any]) -> str | None:
@@ -254,8 +260,12 @@ class GovernorLocks:
         )
 
     def clear(self, uuid: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             self.path(uuid).unlink()
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:  # no bad --state-dir: a folder in the record's place
+            raise CapsError(_a_folder(self.path(uuid))) from None
 
     def read(self) -> dict[str, dict[str, Any]]:
         """Each governed GPU's record by UUID (a file that vanishes meanwhile: not governed),
@@ -748,6 +758,12 @@ def _set_by(lock: LockInForce, gpu: Gpu, directory: Path) -> str:
     if not lock.by_governor:
         return lock.set_by
     path = directory / f"{gpu.identity.uuid}.lock"
+    not_a_lock = GpuLocks(directory).not_a_lock(gpu)
+    if not_a_lock:  # no lock a governor holds, nor one telling whether it runs
+        return (
+            f"dvfs govern (pid {lock.record.get('pid')}, since {lock.record.get('since')}; "
+            f"whether it runs cannot be told: {not_a_lock})"
+        )
     if not os.access(path, os.R_OK) or GpuLocks(directory).holder(gpu) is not None:
         return lock.set_by  # running, or it cannot be told here
     return (

@@ -319,6 +319,16 @@ class GpuLocks:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
 
+    def not_a_lock(self, gpu: Gpu) -> str | None:
+        """What is wrong with `gpu`'s lock file where it is no regular file (a folder, a FIFO),
+        which no running dvfs holds (`hold` refuses it), or None; opens nothing."""
+        path = self.directory / f"{gpu.identity.uuid}.lock"
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:  # none (never held here) or not to be looked at: hold() will say
+            return None
+        return None if regular else _not_a_lock(path)
+
     def holder(self, gpu: Gpu) -> str | None:
         """Why `hold` would refuse `gpu` now (another dvfs holds its lock), or None; creates
         and changes nothing (a shared lock tried and let go at once), for `dvfs doctor`."""
