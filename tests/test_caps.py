@@ -2152,3 +2152,6 @@ def test_a_folder_in_place_of_a_state_record_is_named_not_taken_for_a_bad_state_
             assert isinstance(result.exception, SystemExit), (command, said)
             assert f"{folder} is unreadable (" in said, (command, said)
             assert "remove it" in said, (command, said)
+        if command[1] == "apply" and name.startswith("caps-applied"):
+            # and it changed no GPU it could not record (it had locked GPU 0's clocks first)
+            assert nvml.fake_device_state(0)["locked_clocks"] is None

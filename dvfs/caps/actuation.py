@@ -169,16 +169,7 @@ class AppliedCaps:
         GPUs' locks) never lose each other's entries."""
         import fcntl
 
-        from dvfs.gpu.safety import ensure_dir
-
-        ensure_dir(self.path.parent)
-        # Opened without blocking, and only locked: a FIFO in its place (which no reader may
-        # ever open) is locked as the file is, not waited on for ever, a GPU capped meanwhile.
-        path = self.path.with_name(f"{self.path.name}.lock")
-        try:
-            lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
-        except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place
-            raise CapsError(_a_folder(path)) from None
+        lock = self._open_lock()
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             records = self.entries_as_written()
@@ -189,6 +180,25 @@ class AppliedCaps:
             self.write(records)
         finally:
             os.close(lock)
+
+    def check_writable(self) -> None:
+        """Refuse, before any GPU is changed, a record whose lock cannot be opened (a folder in
+        its place, a state folder dvfs may not write): else `cap apply` fails on its first
+        `update` with that GPU's clocks already locked, a cap no record lists."""
+        os.close(self._open_lock())
+
+    def _open_lock(self) -> int:
+        """The record's lock file, opened (made if missing) without blocking: a FIFO in its
+        place (which no reader may ever open) is locked as the file is, not waited on for ever,
+        a GPU capped meanwhile."""
+        from dvfs.gpu.safety import ensure_dir
+
+        ensure_dir(self.path.parent)
+        path = self.path.with_name(f"{self.path.name}.lock")
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        except IsADirectoryError:  # no bad --state-dir: a folder in the lock's place
+            raise CapsError(_a_folder(path)) from None
 
 
 def _a_folder(path: Path) -> str:
@@ -559,6 +569,8 @@ def apply_actions(
     every lock put in place.
     """
     by_uuid = {g.identity.uuid: g for g in gpus}
+    if actions:
+        record.check_writable()  # no GPU changed where its change could not be recorded
     applied = record.read()
     failures = GatheredFailures()
 
