@@ -347,6 +347,10 @@ def test_a_campaign_of_server_groups_is_estimated_on_one_group_s_server(tmp_path
         assert dry.exit_code == 0, dry.output
         estimates.append(json.loads(dry.output)["estimate"])
     one, two = estimates
-    assert two["window_share"] == one["window_share"]
-    assert two["gpu_hours"] == one["gpu_hours"]
+    # The same windows, of one group's server (rounded figures: within 1%, where a server of
+    # all four GPUs gave about 30% less); two's GPU time counts each group's own server
+    # starts on top (`test_fleet_pairing`), so its share of windows is smaller.
+    windows = [e["window_share"] * e["gpu_hours"] for e in (one, two)]
+    assert windows[1] == pytest.approx(windows[0], rel=0.01)
+    assert two["gpu_hours"] > one["gpu_hours"]
     assert two["naive_gpu_hours"] == one["naive_gpu_hours"]
