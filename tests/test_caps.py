@@ -447,6 +447,15 @@ def test_cap_reset_puts_the_power_limit_back_past_a_refused_clock_reset(
     assert shown["sm_clock_lock_mhz"] == [210, 1500]  # still recorded: the GPU holds it
 
 
+def _stock_campaign(tmp_path: Path) -> Path:
+    """The NVML campaign at the GPU's stock only (no clock, no limit swept), as TMP/stock.toml."""
+    campaign = tmp_path / "stock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
+    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    return campaign
+
+
 def test_a_limit_set_by_hand_after_a_partial_cap_reset_is_the_sweeps_stock(
     nvml, tmp_path: Path
 ) -> None:
@@ -465,10 +474,7 @@ def test_a_limit_set_by_hand_after_a_partial_cap_reset_is_the_sweeps_stock(
     shown = json.loads(invoke("cap", "show", "--json"))[0]
     assert shown["sm_clock_lock_mhz"] == [210, 1200]  # the GPU still holds it
     nvml.fake_update_device(0, errors={}, power_limit_mw=450_000)  # `nvidia-smi -pl 450`
-    campaign = tmp_path / "stock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
-    text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
-    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    campaign = _stock_campaign(tmp_path)
     out = tmp_path / "out"
     invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
     assert open_cube(out / "cube.nc").attrs["stock_power_limit_w"] == 450.0
@@ -1824,10 +1830,7 @@ def test_a_sweep_measures_stock_without_the_applied_caps_and_puts_them_back(
     from dvfs.cube import open_cube
 
     apply_caps(tmp_path, 1200, 450.0)
-    campaign = tmp_path / "stock.toml"
-    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
-    text = text.replace("sm_clock = [1980, 1500]", 'sm_clock = "stock"')
-    campaign.write_text(text.replace("power_limit = [700, 400]", 'power_limit = "stock"'))
+    campaign = _stock_campaign(tmp_path)
     out = tmp_path / "out"
     invoke("sweep", str(campaign), "--out", str(out), "--no-progress")
     device = nvml.fake_device_state(0)

@@ -809,18 +809,26 @@ def test_the_loop_loosens_at_once_and_says_so(nvml, tmp_path: Path) -> None:
     assert nvml.fake_calls("nvmlDeviceResetGpuLockedClocks")  # batch 16: the clock unlocked
 
 
-def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
-    """The server drops out mid-run: the fallback to stock is named as that, not as a batch
-    above the plan; its return, and the dry run's calls (none), as they are."""
-    from dvfs.backends import open_gpus
-
-    script = iter([0, None, None, 0])
+def _scripted(batches: list[int | None]) -> Callable[[], ServerSample]:
+    """A scraper reading the server's running batch from BATCHES in turn, None a server that
+    does not answer."""
+    script = iter(batches)
 
     def scraper() -> ServerSample:
         batch = next(script)
         if batch is None:
             raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
         return ServerSample(batch, None, None)
+
+    return scraper
+
+
+def test_a_dry_run_says_stock_while_the_server_cannot_be_read(nvml) -> None:
+    """The server drops out mid-run: the fallback to stock is named as that, not as a batch
+    above the plan; its return, and the dry run's calls (none), as they are."""
+    from dvfs.backends import open_gpus
+
+    scraper = _scripted([0, None, None, 0])
 
     time, lines = VirtualTime(), []
     with open_gpus([0]) as gpus:
@@ -860,13 +868,7 @@ def test_a_first_setting_of_stock_is_no_change(nvml, tmp_path: Path, dry_run: bo
     dvfs_govern_changes_total; it is said as where the governor starts, and not counted."""
     from dvfs.backends import open_gpus
 
-    script = iter([None, 0])
-
-    def scraper() -> ServerSample:
-        batch = next(script)
-        if batch is None:
-            raise ServerDownError("cannot read http://127.0.0.1:1/metrics: refused")
-        return ServerSample(batch, None, None)
+    scraper = _scripted([None, 0])
 
     time, lines, live = VirtualTime(), [], LiveMetrics()
     with open_gpus([0]) as gpus:
