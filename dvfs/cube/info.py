@@ -68,6 +68,12 @@ def stock_limit_text(ds: xr.Dataset) -> str:
     )
 
 
+def lifted_caps_text(ds: xr.Dataset) -> str | None:
+    """`lifted_caps_w` in words ("450 W", "450, 500 W"); None where no cap was lifted."""
+    caps = lifted_caps_w(ds)
+    return _watts(caps) if caps else None
+
+
 def _watts(values: list[float]) -> str:
     return ", ".join(f"{w:g}" for w in values) + " W"
 
@@ -111,8 +117,7 @@ def knobs_not_set(ds: xr.Dataset) -> dict[str, str]:
     cube's SM clock, a clock-only cube's power limit); empty where both were swept, or no
     campaign is recorded."""
     clock_set, limit_set = swept_knobs(ds)
-    caps = lifted_caps_w(ds)
-    lifted = _watts(caps) if caps else None
+    lifted = lifted_caps_text(ds)
     said = {}
     for dim, unit, swept in (("sm_clock", " MHz", clock_set), ("power_limit", " W", limit_set)):
         if swept or dim not in ds.coords or not ds.sizes.get(dim):

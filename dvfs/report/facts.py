@@ -65,7 +65,7 @@ def measured_section(cube: xr.Dataset) -> Section:
         idle_caveat,
         idle_power_text,
         info_text,
-        lifted_caps_w,
+        lifted_caps_text,
         mode_text,
         observe_only,
         swept_knobs,
@@ -75,8 +75,7 @@ def measured_section(cube: xr.Dataset) -> Section:
     a = cube.attrs
     clock_set, limit_set = swept_knobs(cube)
     found = observe_only(cube)
-    caps = lifted_caps_w(cube)
-    lifted = ", ".join(f"{w:g}" for w in caps) + " W" if caps else None
+    lifted = lifted_caps_text(cube)
     tp = f" (tensor parallel {a['tp_size']})" if "tp_size" in a else ""
     memory = f"; memory clock {a['memory_clock_mhz']} MHz" if "memory_clock_mhz" in a else ""
     sessions = f" from {a['sessions']} measurement session(s)" if "sessions" in a else ""
