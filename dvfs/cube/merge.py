@@ -747,12 +747,48 @@ def _relabel_gpus(
             is not None
         ]
         if found:
-            merged_from[label] = {**found[0], **_any_readings(found)}
+            merged_from[label] = {
+                **found[0],
+                **_any_readings(found),
+                **_mean_idle(found),
+                **_every_tenant(found),
+            }
     attrs = dict(combined["gpu"].attrs)
     combined = combined.assign_coords(gpu=labels)
     combined["gpu"].attrs = attrs
     combined.attrs["merged_from"] = json.dumps(merged_from)
     return combined
+
+
+def _mean_idle(sources: list[dict[str, Any]]) -> dict[str, str]:
+    """A model's `idle_power_w` over its sources in every shard: their mean, as the shards of
+    one model combine (the first shard's alone was said for every shard's GPUs of the model);
+    nothing where none records one (the first shard's kept)."""
+    idle = []
+    for source in sources:
+        try:
+            idle.append(float(str(source.get("idle_power_w"))))
+        except ValueError:  # "None": a source that recorded none
+            continue
+    measured = [w for w in idle if math.isfinite(w)]
+    return {"idle_power_w": str(float(np.mean(measured)))} if measured else {}
+
+
+def _every_tenant(sources: list[dict[str, Any]]) -> dict[str, str]:
+    """A model's `idle_foreign_processes` over its sources in every shard, together: another
+    shard's tenants, seen around its opening idle (whose work its idle counts), were lost
+    with the first shard's alone; nothing where no source records them (an older dvfs)."""
+    seen: list[Any] = []
+    known = False
+    for source in sources:
+        try:
+            listed = json.loads(str(source.get("idle_foreign_processes")))
+        except ValueError:  # "None": not recorded
+            continue
+        if isinstance(listed, list):
+            known = True
+            seen.extend(listed)
+    return {"idle_foreign_processes": json.dumps(seen)} if known else {}
 
 
 def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
