@@ -80,6 +80,13 @@ REGISTRY = tuple(
             "the power limits found at start that were caps dvfs applied, lifted while "
             "measuring stock (absent: the limit found was the stock)",
         ),
+        (
+            "power_limit_found_gpus",
+            "json",
+            "W",
+            "power_limit_found_w by the UUID of the GPU each was found on (absent: none "
+            "lifted, or an earlier dvfs's cube, which did not say which GPU)",
+        ),
         ("idle_power_w", "float", "W", "idle board power, all GPUs"),
         (
             "idle_foreign_processes",

@@ -1888,7 +1888,7 @@ def test_a_clock_only_sweep_on_capped_gpus_says_its_stock_limit_is_not_the_one_f
                 for x in (out / "journal.jsonl").read_text().splitlines()
                 if '"type":"session"' in x
             ]
-            assert session["power_limit_found_w"] == 450.0
+            assert session["power_limit_found_w"] == {uuid: 450.0}
             invoke("cap", "reset")
             nvml.fake_update_device(0, power_limit_mw=450_000)  # `nvidia-smi -pl 450`
         else:
@@ -1935,12 +1935,98 @@ def test_a_merge_keeps_the_cap_each_source_found_and_lifted(nvml, tmp_path: Path
         str(tmp_path / "g.nc"),
     )
     lifted = (
-        "power_limit 1: not set: the GPU's default (700 W), not the 450 W found at start: a "
-        "cap dvfs applied, lifted while measuring and put back after"
+        "power_limit 1: not set: the GPU's default (700 W), not the 450 W found at start on "
+        f"{u0[:12]}: a cap dvfs applied, lifted while measuring and put back after"
     )
     for merged in (tmp_path / "s.nc", tmp_path / "g.nc"):
         assert float(open_cube(merged).attrs["power_limit_found_w"]) == 450.0
+        assert json.loads(open_cube(merged).attrs["power_limit_found_gpus"]) == {u0: [450.0]}
         assert lifted in " ".join(invoke("cube", "info", str(merged)).split())
+
+
+@pytest.mark.parametrize("how", ["fleet", "tensor-parallel"])
+def test_each_gpus_cap_found_and_lifted_is_kept_and_said(nvml, tmp_path: Path, how: str) -> None:
+    """Two GPUs `cap apply` had capped at 450 W and 500 W, swept together (a fleet of two
+    workers, `--gpus 0,1`; one tensor-parallel server over both): the journal and the cube
+    kept one number (the first worker's, or the first GPU's), so `cube info` and the report
+    said "not the 450 W found at start" and the 500 W GPU's cap was lost. Each GPU's is kept
+    now, by UUID, and said with its GPU."""
+    from dvfs.cube import open_cube
+    from dvfs.report.facts import measured_section
+    from dvfs.report.model import Facts
+
+    uuids = [g["uuid"] for g in json.loads(invoke("gpu", "list", "--json"))][:2]
+    caps = tmp_path / "caps.toml"
+    caps.write_text(
+        dump_caps(
+            CapsFile(
+                (
+                    GpuCap(uuid=uuids[0], power_limit_w=450.0),
+                    GpuCap(uuid=uuids[1], power_limit_w=500.0),
+                )
+            )
+        )
+    )
+    invoke("cap", "apply", str(caps))
+    campaign = tmp_path / "clock.toml"
+    text = NVML_CAMPAIGN.format(output_tokens=64, repeats=1)
+    text = text.replace("power_limit = [700, 400]", 'power_limit = "stock"')
+    args: tuple[str, ...] = ("--gpus", "0,1")
+    if how == "tensor-parallel":
+        text = text.replace("devices = [0]", "devices = [0, 1]")
+        text = text.replace('model = "llama-3.1-8b"', 'model = "llama-3.1-8b"\ntp_size = 2')
+        args = ()
+    campaign.write_text(text)
+    out = tmp_path / "out"
+    invoke("sweep", str(campaign), *args, "--out", str(out), "--no-progress")
+    [session] = [
+        json.loads(x)
+        for x in (out / "journal.jsonl").read_text().splitlines()
+        if '"type":"session"' in x
+    ]
+    assert session["power_limit_found_w"] == {uuids[0]: 450.0, uuids[1]: 500.0}
+    cube = open_cube(out / "cube.nc")
+    assert json.loads(cube.attrs["power_limit_found_gpus"]) == {
+        uuids[0]: [450.0],
+        uuids[1]: [500.0],
+    }
+    said = (
+        f"not the caps found at start (450 W on {uuids[0][:12]}, 500 W on {uuids[1][:12]}): "
+        "caps dvfs applied, lifted while measuring and put back after"
+    )
+    info = " ".join(invoke("cube", "info", str(out / "cube.nc")).split())
+    assert f"power_limit 1: not set: the GPU's default (700 W), {said}" in info
+    assert f"stock power limit the GPU's default, {said}" in info
+    [block, *_] = measured_section(cube).blocks
+    assert isinstance(block, Facts)
+    assert dict(block.pairs)["Power limits"] == f"not set: the GPU's default (700 W), {said}"
+
+
+def test_an_earlier_dvfs_journals_one_found_cap_still_reads(nvml, tmp_path: Path) -> None:
+    """A journal whose session recorded the cap found as one number (an earlier dvfs's, its
+    GPU unnamed) still builds a cube that says it."""
+    from dvfs.cube import open_cube
+
+    apply_caps(tmp_path, 1200, 450.0)
+    out = tmp_path / "out"
+    invoke("sweep", str(_stock_campaign(tmp_path)), "--out", str(out), "--no-progress")
+    journal = out / "journal.jsonl"
+    lines = []
+    for line in journal.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("type") == "session":
+            assert list(record["power_limit_found_w"].values()) == [450.0]
+            record["power_limit_found_w"] = 450.0
+            line = json.dumps(record)
+        lines.append(line)
+    journal.write_text("\n".join(lines) + "\n")
+    invoke("cube", "build", str(out))
+    cube = open_cube(out / "cube.nc")
+    assert float(cube.attrs["power_limit_found_w"]) == 450.0
+    assert "power_limit_found_gpus" not in cube.attrs
+    assert "not the 450 W found at start" in " ".join(
+        invoke("cube", "info", str(out / "cube.nc")).split()
+    )
 
 
 def test_every_gpus_invalid_cap_is_reported_together(nvml, tmp_path: Path) -> None:

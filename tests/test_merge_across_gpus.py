@@ -855,3 +855,35 @@ def test_shards_of_a_fleet_mixing_models_keep_any_shards_idle_from_power_reading
     caveat = "(the mean of the instant power readings"
     assert f"idle power {h100} 75.0 W {caveat}" in text, text
     assert f"{h200} 75.0 W {caveat}" not in text, text
+
+
+def test_shards_of_a_fleet_mixing_models_keep_each_shards_idle_power_per_model(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """Shards each run on a fleet mixing GPU models, the H100's opening idle 75 W in shard 0
+    and 95 W in shard 1, where another tenant's process was seen around it: each model's
+    `merged_from` was the first shard's, so `cube info` said the H100 idled at 75 W and said
+    no tenant at all, though shard 1 measured 95 W with that tenant's work in it. Each
+    model's idle power is now its shards' mean (as the shards of one model combine), its
+    tenants every shard's, and the H200's stays its own."""
+    tenant = {"gpu": 0, "pid": 4242, "name": "other-job", "when": "start"}
+    paths = []
+    for i, idle in enumerate((75.0, 95.0)):
+        ds = open_cube(tiny_exact_run(f"mixed-s{i}") / "cube.nc").load()
+        sources = json.loads(ds.attrs["merged_from"])
+        h100 = next(iter(sources.values()))
+        h100["idle_power_w"] = str(idle)
+        if i == 1:
+            h100["idle_foreign_processes"] = json.dumps([tenant])
+            ds.attrs["idle_foreign_processes"] = json.dumps([tenant])
+        ds.attrs["merged_from"] = json.dumps(sources)
+        write_cube(ds, tmp_path / f"s{i}.nc")
+        paths.append(tmp_path / f"s{i}.nc")
+    merged = tmp_path / "m.nc"
+    result = invoke("cube", "merge", *map(str, paths), "-o", str(merged))
+    assert result.exit_code == 0, result.output
+    cube = open_cube(merged)
+    h100, h200 = (str(g)[:12] for g in cube["gpu"].values)
+    text = " ".join(invoke("cube", "info", str(merged)).stdout.split())
+    assert f"idle power {h100} 85.0 W (not idle: another tenant's process 4242" in text, text
+    assert f"{h200} 75.0 W gpu" in text, text  # no tenant, the H200's own

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -455,12 +455,31 @@ def _provenance(journal: JournalContents, facts: CampaignFacts) -> dict[str, Any
     }
 
 
-def _found_limits(journal: JournalContents) -> dict[str, list[float]]:
+def _found_limits(journal: JournalContents) -> dict[str, Any]:
     """`power_limit_found_w`: the power limits the sessions found at start where those were
     not the stock their stock cells ran at (a cap dvfs applied, lifted while measuring), each
-    once; nothing where every session found the stock."""
-    found = [s.power_limit_found_w for s in journal.sessions if s.power_limit_found_w is not None]
-    return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
+    once; and `power_limit_found_gpus`, each GPU's (by UUID), where the sessions named it (an
+    earlier dvfs's did not). Nothing where every session found the stock."""
+    return found_limits_attrs(
+        (uuid, watts) for s in journal.sessions for uuid, watts in s.power_limit_found_w.items()
+    )
+
+
+def found_limits_attrs(found: Iterable[tuple[str, float]]) -> dict[str, Any]:
+    """The cube's attributes of the caps found at start and lifted, from (GPU UUID, W) pairs
+    ("" where the GPU is not known): `power_limit_found_w`, every value once, and
+    `power_limit_found_gpus`, each named GPU's values once (JSON); nothing where none."""
+    values: list[float] = []
+    by_gpu: dict[str, list[float]] = {}
+    for uuid, watts in found:
+        if watts not in values:
+            values.append(watts)
+        if uuid and watts not in by_gpu.setdefault(uuid, []):
+            by_gpu[uuid].append(watts)
+    if not values:
+        return {}
+    named = {"power_limit_found_gpus": json.dumps(by_gpu)} if by_gpu else {}
+    return {"power_limit_found_w": values, **named}
 
 
 def _counter_periods(journal: JournalContents) -> list[float]:

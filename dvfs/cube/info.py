@@ -56,22 +56,58 @@ def lifted_caps_w(ds: xr.Dataset) -> list[float]:
         return []
 
 
+def lifted_caps_by_gpu(ds: xr.Dataset) -> dict[str, list[float]]:
+    """`lifted_caps_w` by the UUID of the GPU each was found on (`power_limit_found_gpus`);
+    empty where none was lifted, or the cube's dvfs did not record the GPUs (one number for
+    all)."""
+    try:
+        value = json.loads(str(ds.attrs.get("power_limit_found_gpus") or "{}"))
+        return {str(u): [float(w) for w in caps] for u, caps in value.items()}
+    except (TypeError, ValueError, AttributeError):
+        return {}
+
+
 def stock_limit_text(ds: xr.Dataset) -> str:
     """Where the stock power limit came from: the limit found at start, or, where that was a
     cap dvfs applied, the GPU's default, the cap lifted while measuring (`lifted_caps_w`)."""
-    lifted = lifted_caps_w(ds)
+    lifted = lifted_caps_text(ds)
     if not lifted:
         return "stock power limit as found at start"
     return (
-        f"stock power limit the GPU's default, not the {_watts(lifted)} found at start: a cap "
-        "dvfs applied, lifted while measuring and put back after"
+        f"stock power limit the GPU's default, not {lifted}, lifted while measuring and put "
+        "back after"
     )
 
 
 def lifted_caps_text(ds: xr.Dataset) -> str | None:
-    """`lifted_caps_w` in words ("450 W", "450, 500 W"); None where no cap was lifted."""
+    """`lifted_caps_w` in words ("the 450 W found at start: a cap dvfs applied"), each GPU's
+    named where the cube has several and records which found which ("the caps found at start
+    (450 W on GPU-181a77a6, 500 W on GPU-e3afe299): caps dvfs applied"); None where no cap
+    was lifted."""
     caps = lifted_caps_w(ds)
-    return _watts(caps) if caps else None
+    if not caps:
+        return None
+    by_gpu = lifted_caps_by_gpu(ds)
+    if len(_gpu_uuids(ds)) < 2 or not by_gpu:
+        return f"the {_watts(caps)} found at start: a cap dvfs applied"
+    named = {w for values in by_gpu.values() for w in values}
+    unnamed = [w for w in caps if w not in named]  # an earlier dvfs's source's, GPU unsaid
+    if len(by_gpu) == 1 and not unnamed:
+        [(uuid, values)] = by_gpu.items()
+        return f"the {_watts(values)} found at start on {uuid[:12]}: a cap dvfs applied"
+    parts = [f"{_watts(values)} on {uuid[:12]}" for uuid, values in by_gpu.items()]
+    parts += [_watts([w]) for w in unnamed]
+    return f"the caps found at start ({', '.join(parts)}): caps dvfs applied"
+
+
+def _gpu_uuids(ds: xr.Dataset) -> list[str]:
+    """The UUIDs of the GPUs the cube's cells ran on: its `gpu_uuids`, or a cube merged across
+    GPUs' `gpu` labels (each source's)."""
+    if "gpu" in ds.coords:
+        labels = ",".join(str(g) for g in ds["gpu"].values)
+    else:
+        labels = str(ds.attrs.get("gpu_uuids", ""))
+    return [u for u in labels.split(",") if u]
 
 
 def _watts(values: list[float]) -> str:
@@ -99,12 +135,13 @@ def unset_knob_text(dim: str, values: str, found: bool, lifted: str | None = Non
     """A knob the campaign never set (`swept_knobs`) in words, beside `values`, the stock value
     its coordinate holds (the unlocked SM clock's maximum, the power limit as found), which
     dvfs never applied. `found`: measured observe-only, where a clock lock set outside dvfs
-    stays (not "unlocked"). `lifted`: the power limit found at start where it was a cap dvfs
-    applied, lifted while the stock cells ran at the GPU's default (`lifted_caps_w`)."""
+    stays (not "unlocked"). `lifted`: the power limits found at start where they were caps dvfs
+    applied, lifted while the stock cells ran at the GPU's default, in words
+    (`lifted_caps_text`)."""
     if dim == "power_limit" and lifted:
         return (
-            f"not set: the GPU's default ({values}), not the {lifted} found at start: a cap "
-            "dvfs applied, lifted while measuring and put back after"
+            f"not set: the GPU's default ({values}), not {lifted}, lifted while measuring and "
+            "put back after"
         )
     if dim == "power_limit":
         return f"not set: as found at start ({values})"

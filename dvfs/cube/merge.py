@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS
+from dvfs.cube.build import MEASURED_ON, MEASURED_ON_ATTRS, found_limits_attrs
 from dvfs.cube.schema import COORD_ATTRS, MERGE_MAY_DIFFER, SPLIT_METHOD_VAR, STATUS_MISSING
 from dvfs.errors import CubeError, MergeRefusedError
 from dvfs.records import now_iso
@@ -747,12 +747,48 @@ def _relabel_gpus(
             is not None
         ]
         if found:
-            merged_from[label] = {**found[0], **_any_readings(found)}
+            merged_from[label] = {
+                **found[0],
+                **_any_readings(found),
+                **_mean_idle(found),
+                **_every_tenant(found),
+            }
     attrs = dict(combined["gpu"].attrs)
     combined = combined.assign_coords(gpu=labels)
     combined["gpu"].attrs = attrs
     combined.attrs["merged_from"] = json.dumps(merged_from)
     return combined
+
+
+def _mean_idle(sources: list[dict[str, Any]]) -> dict[str, str]:
+    """A model's `idle_power_w` over its sources in every shard: their mean, as the shards of
+    one model combine (the first shard's alone was said for every shard's GPUs of the model);
+    nothing where none records one (the first shard's kept)."""
+    idle = []
+    for source in sources:
+        try:
+            idle.append(float(str(source.get("idle_power_w"))))
+        except ValueError:  # "None": a source that recorded none
+            continue
+    measured = [w for w in idle if math.isfinite(w)]
+    return {"idle_power_w": str(float(np.mean(measured)))} if measured else {}
+
+
+def _every_tenant(sources: list[dict[str, Any]]) -> dict[str, str]:
+    """A model's `idle_foreign_processes` over its sources in every shard, together: another
+    shard's tenants, seen around its opening idle (whose work its idle counts), were lost
+    with the first shard's alone; nothing where no source records them (an older dvfs)."""
+    seen: list[Any] = []
+    known = False
+    for source in sources:
+        try:
+            listed = json.loads(str(source.get("idle_foreign_processes")))
+        except ValueError:  # "None": not recorded
+            continue
+        if isinstance(listed, list):
+            known = True
+            seen.extend(listed)
+    return {"idle_foreign_processes": json.dumps(seen)} if known else {}
 
 
 def _any_readings(sources: list[dict[str, Any]]) -> dict[str, str]:
@@ -819,17 +855,21 @@ def _failed_on_each(cubes: list[xr.Dataset], labels: list[str]) -> dict[str, str
     return {"failed_cells": json.dumps(failed[:200])}
 
 
-def _found_limits(cubes: list[xr.Dataset]) -> dict[str, list[float]]:
-    """`power_limit_found_w` of the merged cube: every source's caps dvfs applied that it found
-    at start and lifted to measure stock, each once (as a sweep's sessions'); nothing where no
-    source lifted one. Else a merge of a capped GPU's cube with others said its stock limit was
-    "as found at start", or a shard merge kept the first shard's alone."""
-    found: list[float] = []
+def _found_limits(cubes: list[xr.Dataset]) -> dict[str, Any]:
+    """`power_limit_found_w` (and `power_limit_found_gpus`, by GPU) of the merged cube: every
+    source's caps dvfs applied that it found at start and lifted to measure stock, each once
+    (as a sweep's sessions'), with the GPU each was found on where the source names it;
+    nothing where no source lifted one. Else a merge of a capped GPU's cube with others said
+    its stock limit was "as found at start", or a shard merge kept the first shard's alone."""
+    from dvfs.cube.info import lifted_caps_by_gpu, lifted_caps_w
+
+    found: list[tuple[str, float]] = []
     for ds in cubes:
-        value = ds.attrs.get("power_limit_found_w")
-        if value is not None:
-            found.extend(float(w) for w in np.atleast_1d(value))
-    return {"power_limit_found_w": list(dict.fromkeys(found))} if found else {}
+        by_gpu = lifted_caps_by_gpu(ds)
+        found.extend((uuid, w) for uuid, caps in by_gpu.items() for w in caps)
+        named = {w for caps in by_gpu.values() for w in caps}
+        found.extend(("", w) for w in lifted_caps_w(ds) if w not in named)
+    return found_limits_attrs(found)
 
 
 def _idle_readings(cubes: list[xr.Dataset]) -> dict[str, int]:
@@ -907,6 +947,7 @@ def _combined_attrs(cubes: list[xr.Dataset], names: list[str]) -> dict[str, Any]
     attrs.update(_idle_foreign(cubes))
     attrs.update(_idle_readings(cubes))
     attrs.pop("power_limit_found_w", None)  # the first shard's: each shard's now
+    attrs.pop("power_limit_found_gpus", None)
     attrs.update(_found_limits(cubes))
     if "sessions" in first.attrs:
         attrs["sessions"] = sum(int(ds.attrs.get("sessions", 0)) for ds in cubes)

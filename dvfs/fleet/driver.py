@@ -120,6 +120,7 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     idle power of a group, and each worker's own part. Refuses workers whose GPUs differ in
     stock settings: their cells would not compare within one cube."""
     from dvfs.records import incomparable, only_env_changed
+    from dvfs.records.session import found_limits
 
     first = sessions[0]
     for s in sessions[1:]:
@@ -164,11 +165,16 @@ def combine_sessions(sessions: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for s in sessions
         ],
     )
-    # A power cap dvfs applied that a worker found at start and lifted to measure stock.
+    # The power caps dvfs applied that the workers found at start and lifted to measure
+    # stock: each worker's GPUs' own (by UUID), not the first worker's alone.
     combined.pop("power_limit_found_w", None)
-    lifted = [s["power_limit_found_w"] for s in sessions if "power_limit_found_w" in s]
+    lifted = {
+        uuid: watts
+        for s in sessions
+        for uuid, watts in found_limits(s.get("power_limit_found_w")).items()
+    }
     if lifted:
-        combined["power_limit_found_w"] = lifted[0]
+        combined["power_limit_found_w"] = lifted
     # Each worker's tenants seen around its opening idle measurement (GPU indexes its node's).
     combined.pop("idle_foreign_processes", None)
     foreign = [p for s in sessions for p in s.get("idle_foreign_processes") or ()]

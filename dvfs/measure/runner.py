@@ -441,9 +441,15 @@ class Runner:
             sm_clock_mhz=max(g.identity.max_sm_clock_mhz for g in self.gpus),
             power_limit_w=self.knobs.stock[first].power_limit_mw / 1000,
         )
-        # The limit found at start, where it is not the stock: a cap dvfs applied, which the
-        # stock cells run without (`AppliedCaps.measuring`) and which is put back at the end.
-        found_w = self.knobs.original[first].power_limit_mw / 1000
+        # Each GPU's limit found at start, where it is not its stock: a cap dvfs applied, which
+        # the stock cells run without (`AppliedCaps.measuring`) and which is put back at the
+        # end. Each GPU's own: GPUs of one session (tensor parallel) may each have their cap.
+        found_w = {
+            g.identity.uuid: self.knobs.original[g.identity.uuid].power_limit_mw / 1000
+            for g in self.gpus
+            if self.knobs.original[g.identity.uuid].power_limit_mw
+            != self.knobs.stock[g.identity.uuid].power_limit_mw
+        }
         for earlier in self.journal.sessions:
             then = recorded_stock(earlier)
             if then != stock:
@@ -500,7 +506,7 @@ class Runner:
             idle_foreign_processes=tuple(p.to_json() for p in self.idle_foreign),
             idle_from_power_readings=bool(self.idle_flags & Q_IDLE_POWER_READINGS),
             campaign_dir=str(Path(self.campaign.base_dir).absolute()),
-            power_limit_found_w=found_w if found_w != stock.power_limit_w else None,
+            power_limit_found_w=found_w,
         )
         self.journal.append(session.to_json())
 

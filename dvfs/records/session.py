@@ -89,11 +89,12 @@ class Session:
     #: The absolute folder of the campaign file the session read, where its corpora's relative
     #: paths start (`Campaign.base_dir`); "" before dvfs recorded it.
     campaign_dir: str = ""
-    #: The power limit (W) the first GPU held when the session found it, where that was not
-    #: the stock its stock cells ran at: a cap dvfs applied (`dvfs cap apply`), lifted while
-    #: measuring (the stock is the GPU's default limit) and put back at the end. None where the
-    #: limit found is the stock (and before dvfs recorded it).
-    power_limit_found_w: float | None = None
+    #: The power limit (W) each GPU held when the session found it, by GPU UUID, where that
+    #: was not the stock its stock cells ran at: a cap dvfs applied (`dvfs cap apply`), lifted
+    #: while measuring (the stock is the GPU's default limit) and put back at the end. A GPU
+    #: whose limit found is the stock is not in it; empty where none (and before dvfs recorded
+    #: it). An earlier dvfs recorded one number, its GPU unnamed: under the key "".
+    power_limit_found_w: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,8 +135,8 @@ class Session:
             **({"idle_from_power_readings": True} if self.idle_from_power_readings else {}),
             **({"campaign_dir": self.campaign_dir} if self.campaign_dir else {}),
             **(
-                {"power_limit_found_w": self.power_limit_found_w}
-                if self.power_limit_found_w is not None
+                {"power_limit_found_w": dict(self.power_limit_found_w)}
+                if self.power_limit_found_w
                 else {}
             ),
         }
@@ -178,7 +179,7 @@ class Session:
             ),
             idle_from_power_readings=bool(record.get("idle_from_power_readings")),
             campaign_dir=str(record.get("campaign_dir") or ""),
-            power_limit_found_w=_found_limit(record.get("power_limit_found_w")),
+            power_limit_found_w=found_limits(record.get("power_limit_found_w")),
         )
 
     @property
@@ -194,11 +195,17 @@ class Session:
         return self.gpu_uuids
 
 
-def _found_limit(value: Any) -> float | None:
-    """A session's `power_limit_found_w`; None where absent or unreadable (a damaged line)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
+def found_limits(value: Any) -> dict[str, float]:
+    """A recorded `power_limit_found_w` (a session's, a fleet worker's) by GPU UUID: each GPU's
+    cap found and lifted ({uuid: W}), or an earlier dvfs's one number, its GPU unnamed, under
+    the key ""; empty where absent, what is unreadable (a damaged line) left out."""
+    if isinstance(value, dict):
+        return {str(k): float(v) for k, v in value.items() if _watts(v)}
+    return {"": float(value)} if _watts(value) else {}
+
+
+def _watts(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
 
 
 #: What every GPU of one journal shares, whichever run and GPU set measured each cell (the
