@@ -56,6 +56,7 @@ from dvfs.errors import (
     IncomparableCellsError,
     JournalError,
 )
+from dvfs.estimate import RunCosts
 from dvfs.fleet.queue import group_of
 from dvfs.fleet.shard import Shard, ShardDealError, check_deal, planned_cells
 from dvfs.fleet.shard_journal import (
@@ -1155,6 +1156,12 @@ class DryRunPlan:
     #: The cells still to run (those of `server_starts`), in measuring order: what a fleet
     #: deals out to its workers now.
     cells_left: tuple[Cell, ...] = ()
+    #: One GPU's sweep of `cells_left` split as a fleet's workers spend it (`dvfs.estimate`):
+    #: the twin's (`estimate.costs`), else the closed form's.
+    costs: RunCosts = RunCosts({})
+    #: The folder (`gpu-<model>`) of the GPU model with the most left, whose cells left the
+    #: figures are of; None where the sweep journals in the folder itself.
+    most_left_folder: str | None = None
 
     @property
     def comparison_groups_left(self) -> int:
@@ -1467,6 +1474,11 @@ def plan_dry_run(
             "error names before sweeping"
         )
         codes.append(2)
+    cells_left = tuple(
+        c
+        for c in (cells if most_left is None else [*cells, *extra_next[most_left]])
+        if c.key not in done_there
+    )
     return DryRunPlan(
         campaign=campaign.name,
         hash=campaign.hash,
@@ -1487,12 +1499,20 @@ def plan_dry_run(
         server_starts=summary.server_starts,
         knob_changes=summary.knob_changes,
         comparison_groups=len({group_of(c) for c in cells}),
-        cells_left=tuple(
-            c
-            for c in (cells if most_left is None else [*cells, *extra_next[most_left]])
-            if c.key not in done_there
-        ),
+        cells_left=cells_left,
         estimated_s=summary.estimated_s,
+        costs=(
+            twin_time.costs
+            if twin_time is not None and twin_time.costs is not None
+            else RunCosts(
+                {c.key: summary.per_cell_s for c in cells_left},
+                start_s=summary.server_starts * summary.start_s,
+                settle_s=summary.knob_changes * summary.settle_s,
+            )
+        ),
+        most_left_folder=(
+            most_left.parent.name if most_left is not None and most_left.parent != out_dir else None
+        ),
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,
@@ -1679,6 +1699,9 @@ class TwinEstimate:
     #: Of `dvfs_gpu_s`, what its server starts spent (each start and the thermal
     #: stabilisation after it): a fleet's every busy worker spends it again.
     start_s: float = 0.0
+    #: Its sweep split as a fleet's workers spend it (`dvfs.estimate.RunCosts`): each cell's
+    #: own time, and what every worker spends again (starts, settles, idle baselines, session).
+    costs: RunCosts | None = None
 
 
 def naive_gpu_s(ds: Any, campaign: Campaign, *, attached: bool = False) -> float:
@@ -1785,8 +1808,47 @@ def twin_estimate(
             starts -= launching
         naive = naive_gpu_s(ds, stand_in, attached=attached)
         cells = int(ds["gpu_time_total_s"].notnull().sum())
+        costs = _run_costs(swept.journal_path, attached=attached)
     return TwinEstimate(
-        profile, source, spent, window, naive, cells, skipped, failed, first_failure, starts
+        profile, source, spent, window, naive, cells, skipped, failed, first_failure, starts, costs
+    )
+
+
+#: The parts of a cell's GPU time that a fleet's every worker spends again on its own GPU
+#: (`dvfs.estimate`): a server start, the stabilisation after it, a knob change's settle, a
+#: setting's idle baseline. The rest is the cell's own.
+_WORKER_PARTS = ("server_start", "stabilise", "settle", "idle_baseline")
+
+
+def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
+    """The last session of `journal` (a sweep's, resumed or not) split as `RunCosts`: each
+    cell's own GPU time, its starts (none spent launching when `attached`), settles, idle
+    baselines and the session's overhead."""
+    from dvfs.measure.journal import iter_records
+    from dvfs.measure.plan import Cell
+
+    records = list(iter_records(journal))
+    last = max((i for i, r in enumerate(records) if r.get("type") == "session"), default=0)
+    session_s = float(((records[last] if records else {}).get("gpu_time_s") or {}).get("total", 0))
+    cell_s: dict[str, float] = {}
+    parts = dict.fromkeys(_WORKER_PARTS, 0.0)
+    for record in records[last:]:
+        if record.get("type") != "cell":
+            continue
+        time = {k: float(v) for k, v in (record.get("gpu_time_s") or {}).items()}
+        key = Cell.from_dict(record["cell"]).key
+        own = sum(v for k, v in time.items() if k not in parts and k != "total")
+        cell_s[key] = cell_s.get(key, 0.0) + own
+        for name in parts:
+            parts[name] += time.get(name, 0.0)
+    if attached:  # an attached server is running already: no start is spent launching it
+        parts["server_start"] = 0.0
+    return RunCosts(
+        cell_s=cell_s,
+        start_s=parts["server_start"] + parts["stabilise"],
+        settle_s=parts["settle"],
+        idle_s=parts["idle_baseline"],
+        session_s=session_s,
     )
 
 

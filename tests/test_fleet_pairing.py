@@ -351,7 +351,7 @@ def test_the_dry_run_estimates_a_fleet_by_its_comparison_groups(tmp_path: Path) 
         doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
         assert doc["comparison_groups"] == doc["comparison_groups_left"] == 4
         assert doc["server_starts"] == starts, spec
-        hours = doc["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
+        hours = alone["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
         makespan = (hours - starts_h) * busiest / 4 + starts_h * (1 + again)
         assert abs(doc["estimated_makespan_hours"] - makespan) <= 0.011, spec
     text = CliRunner().invoke(cli, args).output
@@ -468,6 +468,8 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
 
     campaign = write(tmp_path / "tiny.toml", TINY_EXACT)  # 16 cells, 4 comparison groups
     starts_h = 2 * SERVER_START_S / 3600  # one worker's: both drafters' servers
+    one = ["sweep", str(campaign), "--dry-run", "--no-estimate", "--json"]
+    alone = json.loads(CliRunner().invoke(cli, one).output)
     # (--gpus, models, the busiest worker's groups, the fleet's busy workers, left over)
     cases = (
         (MIXED_FLEET[1], 2, 4, 2, 0),
@@ -480,7 +482,7 @@ def test_the_dry_run_of_a_fleet_mixing_gpu_models_counts_the_campaign_once_per_m
         assert doc["gpu_models"] == models, spec
         assert doc["cells_all_models"] == 16 * models
         assert doc["server_starts"] == 2 * busy + leftover, spec
-        hours = doc["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
+        hours = alone["estimated_hours_on_hardware"]  # one worker's, rounded to 0.01 h
         makespan = (hours - starts_h) * busiest / 4 + starts_h
         assert abs(doc["estimated_makespan_hours"] - makespan) <= 0.011, spec
     out = tiny_exact_run("mixed")  # the session's run of TINY_EXACT on MIXED_FLEET

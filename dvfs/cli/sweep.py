@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -374,17 +373,15 @@ def sweep(
                 soft_wrap=True,
             )
         if len(groups) > 1:
-            # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker:
-            # with G groups left of about equal cost, the busiest of W workers runs
-            # ceil(G / W). Each busy worker runs its groups drafter-major, so it starts its
-            # drafters' servers (and waits out the thermal stabilisation after each) itself:
-            # those costs are not shared out, they are counted per worker as the fleet's
-            # queue hands the cells out (a worker that takes a group left over after the deal
-            # starts its drafters again). GPU models mixed: each runs the whole campaign on
-            # its own workers, so the model with the fewest workers finishes last (its GPU
-            # estimated as the campaign's).
-            from dvfs.fleet.queue import simulated_run
-            from dvfs.measure.plan import SERVER_START_S
+            # A fleet runs each comparison group (batch, corpus, repeat) whole on one worker,
+            # each worker a session of its own that starts its drafters' servers, steps its
+            # own GPU's knobs and takes its own idle baselines: `dvfs.estimate.fleet_time`
+            # counts them as the fleet's queue hands the cells out. GPU models mixed: each
+            # runs the whole campaign on its own workers, so the model with the fewest workers
+            # finishes last (its GPU estimated as the campaign's).
+            import dataclasses
+
+            from dvfs.estimate import fleet_time
 
             left = plan.comparison_groups_left
             fewest = min(per_model.values())
@@ -392,40 +389,29 @@ def sweep(
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
             report["cells_all_models"] = plan.cells * report["gpu_models"]
-            runs = {n: simulated_run(plan.cells_left, n) for n in set(per_model.values())}
-            starts = {n: [s for s, _ in run] for n, run in runs.items()}
+            fleets = {
+                n: fleet_time(plan.cells_left, plan.costs, n) for n in set(per_model.values())
+            }
             report["busy_workers"] = sum(min(n, left) for n in per_model.values())
-            report["server_starts"] = sum(sum(starts[n]) for n in per_model.values())
-            report["knob_changes"] = sum(sum(k for _, k in runs[n]) for n in per_model.values())
-            # One run's server starts (one per drafter left), in its estimate: the busiest
-            # worker spends them as often as it starts servers; the rest is shared out by
-            # groups.
-            one_run_s = (
-                plan.estimate.start_s
+            report["server_starts"] = sum(fleets[n].server_starts for n in per_model.values())
+            report["knob_changes"] = sum(fleets[n].knob_changes for n in per_model.values())
+            report["estimated_makespan_hours"] = round(fleets[fewest].makespan_s / 3600, 2)
+            # The twin's line is of one model's cells (the one with the most left); the closed
+            # form's, as the counts, of every model's, each estimated as that one's.
+            spent_s = (
+                fleets[_most_left_workers(campaign, per_model, plan)].gpu_s
                 if plan.estimate is not None
-                else plan.server_starts * SERVER_START_S
+                else sum(fleets[n].gpu_s for n in per_model.values())
             )
-            per_start_s = one_run_s / plan.server_starts if plan.server_starts else 0.0
-            total_s = plan.twin_gpu_s if plan.twin_gpu_s is not None else plan.estimated_s
-            shared_s = (
-                max(total_s - one_run_s, 0.0) * math.ceil(left / fewest) / left if left else 0
-            )
-            busiest_s = per_start_s * max(starts[fewest], default=0)
-            report["estimated_makespan_hours"] = round((shared_s + busiest_s) / 3600, 2)
-            if plan.estimate is not None and len(per_model) == 1:
-                # The twin swept the cells left as one run, starting each drafter's server
-                # once; the fleet's every busy worker starts its own (and waits out the
-                # stabilisation after each): the GPU time counts them all.
-                import dataclasses
-
-                extra_s = per_start_s * max(report["server_starts"] - plan.server_starts, 0)
-                whole = dataclasses.replace(
-                    plan.estimate,
-                    dvfs_gpu_s=plan.estimate.dvfs_gpu_s + extra_s,
-                    start_s=plan.estimate.start_s + extra_s,
+            counted = (
+                dataclasses.replace(
+                    plan, estimate=dataclasses.replace(plan.estimate, dvfs_gpu_s=spent_s)
                 )
-                counted = dataclasses.replace(plan, estimate=whole).as_dict()
-                for key in ("estimated_hours_on_hardware", "estimate", "twin_gpu_s"):
+                if plan.estimate is not None
+                else dataclasses.replace(plan, estimated_s=spent_s)
+            ).as_dict()
+            for key in ("estimated_hours_on_hardware", "estimate", "twin_gpu_s"):
+                if key in counted:
                     report[key] = counted[key]
         if as_json:
             echo_json(report)
@@ -449,6 +435,22 @@ def sweep(
         outcome = run(campaign, out_dir, fresh=fresh, progress=not no_progress, shard=shard)
     if outcome.summary.failed:
         raise SystemExit(5)
+
+
+def _most_left_workers(campaign: Any, per_model: dict[str | None, int], plan: Any) -> int:
+    """How many workers the GPU model with the most left (`plan.most_left_folder`), whose
+    cells left the dry run's figures are of, runs on (one model: its workers; a model the
+    names do not tell: the fewest any model has)."""
+    from dvfs.fleet.folders import model_folder
+    from dvfs.sweep import model_names
+
+    if len(per_model) == 1:
+        return next(iter(per_model.values()))
+    for model, workers in per_model.items():
+        names = model_names(campaign, [model])
+        if names and model_folder(names[0]) == plan.most_left_folder:
+            return workers
+    return min(per_model.values())
 
 
 def run(campaign: Any, out_dir: Path, *, fresh: bool, progress: bool, shard: Any = None) -> Any:

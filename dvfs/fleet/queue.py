@@ -30,6 +30,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from dvfs.measure.plan import Cell
 
@@ -344,29 +345,82 @@ def simulated_starts(cells: Sequence[Cell], workers: int) -> list[int]:
 
 def simulated_run(cells: Sequence[Cell], workers: int) -> list[tuple[int, int]]:
     """The server starts and knob changes each of `workers` equally fast workers makes running
-    `cells` (in measuring order) through a `CellQueue`: a start each time the drafter of the
-    cell it takes differs from its server's, a knob change each time the cell's knob setting
-    differs from the one its GPU was left at (stock knobs count none, as in the plan of one
-    GPU's sweep). The dry run's count of a fleet's; a resumed run keeps the groups its GPUs
-    began, which this does not know."""
+    `cells` (in measuring order) through a `CellQueue` (`simulated_loads`' counts)."""
+    return [(load.starts, load.changes) for load in simulated_loads(cells, workers)]
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What one worker of a fleet does (`simulated_loads`): its server starts, its knob
+    changes, the knob settings it visits (each one's idle baseline is taken once a session,
+    stock apart) and the cells it runs, in its order."""
+
+    starts: int
+    changes: int
+    settings: int
+    cells: tuple[Cell, ...]
+
+
+def simulated_loads(
+    cells: Sequence[Cell],
+    workers: int,
+    *,
+    cell_s: Mapping[str, float] | None = None,
+    start_s: float = 0.0,
+    change_s: float = 0.0,
+    setting_s: float = 0.0,
+) -> list[WorkerLoad]:
+    """What each of `workers` equally fast workers does running `cells` (in measuring order)
+    through a `CellQueue`: a start each time the drafter of the cell it takes differs from its
+    server's, a knob change each time the cell's knob setting differs from the one its GPU was
+    left at (stock knobs count none, as in the plan of one GPU's sweep), and the settings it
+    visits. The dry run's count of a fleet's; a resumed run keeps the groups its GPUs began,
+    which this does not know. One worker runs them as one GPU's sweep does. Without `cell_s`
+    the workers take a cell each in turn; with it (each cell's own GPU time, by key, and
+    `start_s`, `change_s`, `setting_s`: what a start, a knob change and a new setting's idle
+    baseline cost), the worker that has spent the least so far takes the next cell, as the
+    first to finish takes a group left over on a real fleet."""
     names = [f"w{i}" for i in range(max(workers, 1))]
     queue = CellQueue(cells, names)
     server: dict[str, str | None] = dict.fromkeys(names)
     knobs: dict[str, tuple[int | None, float | None] | None] = dict.fromkeys(names)
     starts = dict.fromkeys(names, 0)
     changes = dict.fromkeys(names, 0)
+    settings: dict[str, set[tuple[int | None, float | None]]] = {w: set() for w in names}
+    ran: dict[str, list[Cell]] = {w: [] for w in names}
+    spent = dict.fromkeys(names, 0.0)
+
+    def take(worker: str) -> bool:
+        cell = queue.take(worker, server[worker])
+        if cell is None:
+            return False
+        ran[worker].append(cell)
+        if cell.drafter != server[worker]:
+            starts[worker] += 1
+            server[worker] = cell.drafter
+            spent[worker] += start_s
+        here = (cell.sm_clock_mhz, cell.power_limit_w)
+        if here != knobs[worker] and here != (None, None):
+            changes[worker] += 1
+            spent[worker] += change_s
+        if here != (None, None) and here not in settings[worker]:
+            settings[worker].add(here)
+            spent[worker] += setting_s
+        knobs[worker] = here
+        if cell_s is not None:
+            spent[worker] += cell_s.get(cell.key, 0.0)
+        return True
+
     alive = list(names)
-    while alive:  # the workers take turns, a cell each, as equally fast GPUs would
-        for worker in list(alive):
-            cell = queue.take(worker, server[worker])
-            if cell is None:
+    if cell_s is None:
+        while alive:  # the workers take turns, a cell each, as equally fast GPUs would
+            for worker in list(alive):
+                if not take(worker):
+                    alive.remove(worker)
+    else:
+        order = {w: i for i, w in enumerate(names)}
+        while alive:  # the one that has spent the least takes the next cell
+            worker = min(alive, key=lambda w: (spent[w], order[w]))
+            if not take(worker):
                 alive.remove(worker)
-                continue
-            if cell.drafter != server[worker]:
-                starts[worker] += 1
-                server[worker] = cell.drafter
-            here = (cell.sm_clock_mhz, cell.power_limit_w)
-            if here != knobs[worker] and here != (None, None):
-                changes[worker] += 1
-            knobs[worker] = here
-    return [(starts[w], changes[w]) for w in names]
+    return [WorkerLoad(starts[w], changes[w], len(settings[w]), tuple(ran[w])) for w in names]

@@ -114,6 +114,10 @@ class PlanSummary:
     server_starts: int
     knob_changes: int
     estimated_s: float
+    #: `estimated_s`'s parts: each cell's, each server start's and each knob change's.
+    per_cell_s: float = 0.0
+    start_s: float = 0.0
+    settle_s: float = 0.0
 
 
 def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> PlanSummary:
@@ -139,4 +143,13 @@ def summarise_plan(campaign: Campaign, cells: list[Cell], done: set[str]) -> Pla
     attached = campaign.engine.backend == "sglang" and bool(campaign.engine.sglang.url)
     start_s = 0.0 if attached else SERVER_START_S
     estimated = starts * start_s + changes * campaign.knobs.settle_s + len(todo) * per_cell
-    return PlanSummary(len(cells), len(todo), starts, changes, estimated)
+    return PlanSummary(
+        len(cells),
+        len(todo),
+        starts,
+        changes,
+        estimated,
+        per_cell,
+        start_s,
+        campaign.knobs.settle_s,
+    )

@@ -1,0 +1,206 @@
+"""The dry run's figures for a fleet (`dvfs sweep --dry-run --gpus ...`): what its workers
+together spend (each a session of its own, stepping its own GPU's knobs and starting its own
+servers) and how long the busiest runs, against what the twin's fleet then spends in virtual
+time; and `dvfs.estimate.fleet_time`, the arithmetic behind them, on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner
+from conftest import SMALL_CAMPAIGN, TINY, TINY_EXACT, replace_block, write
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dvfs.cli import cli
+from dvfs.fleet.queue import group_of
+from dvfs.measure.journal import read_records
+from dvfs.measure.plan import SERVER_START_S, Cell
+
+#: Knob changes dominate: one batch, one repeat, both corpora (two comparison groups, one per
+#: worker of two), six knob settings and a fixed 30-s settle after each change, on the exact
+#: twin. Each worker steps through every setting for each drafter on its own GPU: twice the
+#: changes of one GPU's sweep.
+KNOBS = replace_block(
+    replace_block(
+        replace_block(SMALL_CAMPAIGN, 'profile = "h100-sxm"', 'profile = "h100-sxm:none"'),
+        "batch = [1, 8]",
+        "batch = [8]",
+    ),
+    "repeats = 2\n",
+    "repeats = 1\nsettle = 30\n",
+)
+
+
+def _dry(*args: str) -> dict[str, Any]:
+    result = CliRunner().invoke(cli, ["sweep", *args, "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _spent_per_worker(journal: Path) -> dict[str, float]:
+    """Each worker's GPU time as its fleet's journal records it: its cells' and its session's."""
+    spent: dict[str, float] = {}
+    for r in read_records(journal):
+        if r["type"] == "cell":
+            spent[r["worker"]] = spent.get(r["worker"], 0.0) + sum(r["gpu_time_s"].values())
+        elif r["type"] == "session":
+            for w in r["workers"]:
+                spent[w["worker"]] = spent.get(w["worker"], 0.0) + w["gpu_time_s"]["total"]
+    return spent
+
+
+def test_a_fleet_s_gpu_time_counts_every_worker_s_knob_changes(tmp_path: Path) -> None:
+    """Each worker of a fleet steps its own GPU's knobs (a settle each time), takes its own
+    idle baseline at each setting and opens its own session: the dry run counted those of one
+    GPU's sweep only (917 s for the 1,255 s the fleet then spent here, 27% low; 5% low on a
+    grid whose knob changes weigh less). It counts every worker's now, in the GPU time and in
+    the makespan (1,282 s here: a start's thermal stabilisation, counted at one GPU's average,
+    is longer on a cold GPU, so what is left differs from worker to worker)."""
+    campaign = write(tmp_path / "knobs.toml", KNOBS)
+    out = tmp_path / "two"
+    args = (str(campaign), "--gpus", "0,1", "--out", str(out))
+    plan = _dry(*args)
+    assert plan["knob_changes"] == 24 and plan["server_starts"] == 4, plan
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    spent = _spent_per_worker(out / "journal.jsonl")
+    total = sum(spent.values())
+    assert abs(plan["twin_gpu_s"] - total) <= 0.05 * total, (plan["twin_gpu_s"], total)
+    makespan = max(spent.values()) / 3600
+    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.05 * makespan + 0.005, (
+        plan["estimated_makespan_hours"],
+        makespan,
+    )
+
+
+def test_a_fleet_s_closed_form_counts_every_worker_s_server_starts(tmp_path: Path) -> None:
+    """--no-estimate: the closed form's hours were one GPU's sweep's, its two server starts,
+    beside the fleet's eight it counted (0.08 h, where the starts alone take 0.27 h): the
+    hours now count every worker's starts and knob changes, as the counts on its line."""
+    campaign = write(tmp_path / "tiny.toml", TINY)  # 4 groups, 2 drafters, settle_s 1 s
+    alone = _dry(str(campaign), "--no-estimate")
+    fleet = _dry(str(campaign), "--no-estimate", "--gpus", "0-7")
+    assert (alone["server_starts"], fleet["server_starts"]) == (2, 8)
+    extra_s = 6 * SERVER_START_S + (fleet["knob_changes"] - alone["knob_changes"]) * 1.0
+    assert (
+        abs(
+            fleet["estimated_hours_on_hardware"]
+            - (alone["estimated_hours_on_hardware"] + extra_s / 3600)
+        )
+        <= 0.011
+    ), (alone, fleet)
+    assert fleet["estimate"]["gpu_hours"] == fleet["estimated_hours_on_hardware"]
+    text = CliRunner().invoke(
+        cli, ["sweep", str(campaign), "--dry-run", "--no-estimate", "--gpus", "0-7"]
+    )
+    hours = fleet["estimated_hours_on_hardware"]
+    assert f"roughly {hours} h on real hardware" in " ".join(text.output.split()), text.output
+
+
+def test_a_fleet_mixing_models_counts_its_model_s_workers_in_the_gpu_time(tmp_path: Path) -> None:
+    """Three H100s and an H200: the estimate, of one GPU model's cells (the one with the most
+    left, here the H100), was one GPU's sweep of them (255 s), where that model's three workers
+    then spent 890 s: it counts that model's workers now."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = tmp_path / "mixed"
+    args = (str(campaign), "--gpus", "0-2,h200-sxm:0", "--out", str(out))
+    plan = _dry(*args)
+    assert plan["gpu_models"] == 2
+    text = CliRunner().invoke(cli, ["sweep", *args, "--dry-run"])
+    assert "of one GPU model (the one with the most left)" in " ".join(text.output.split())
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    h100 = sum(_spent_per_worker(out / "gpu-nvidia-h100-80gb-hbm3-twin" / "journal.jsonl").values())
+    assert abs(plan["twin_gpu_s"] - h100) <= 0.1 * h100, (plan["twin_gpu_s"], h100)
+
+
+# -- fleet_time on its own --
+
+
+@st.composite
+def _grids(draw: st.DrawFn) -> tuple[list[Cell], Any, int]:
+    """A small campaign's cells in measuring order (as `dvfs.measure.plan.plan_cells` orders
+    them), a cost for each, one GPU's other costs and a worker count."""
+    drafters = draw(st.integers(1, 3))
+    repeats = draw(st.integers(1, 3))
+    clocks: list[int | None] = draw(
+        st.one_of(
+            st.just([None]),
+            st.lists(st.sampled_from([1980, 1500, 1005]), min_size=1, max_size=3, unique=True),
+        )
+    )
+    batches = draw(st.lists(st.sampled_from([1, 4, 8, 16]), min_size=1, max_size=3, unique=True))
+    corpora = draw(st.lists(st.sampled_from(["code", "chat"]), min_size=1, max_size=2, unique=True))
+    cells = []
+    for d in range(drafters):
+        for r in range(repeats):
+            for clock in clocks if r % 2 == 0 else list(reversed(clocks)):
+                for corpus in corpora:
+                    for batch in batches:
+                        cells.append(Cell(f"d{d}", r, clock, None, batch, corpus))
+    from dvfs.estimate import RunCosts
+
+    cost = st.floats(0.0, 100.0, allow_nan=False)
+    run = RunCosts(
+        {c.key: draw(cost) for c in cells},
+        start_s=draw(cost),
+        settle_s=draw(cost),
+        idle_s=draw(cost),
+        session_s=draw(cost),
+    )
+    return cells, run, draw(st.integers(1, 9))
+
+
+@given(_grids())
+def test_fleet_time_bounds(grid: tuple[list[Cell], Any, int]) -> None:
+    """The makespan is at least the fleet's GPU time shared out evenly, and at least the
+    largest comparison group's own time (a group runs whole on one worker); the workers' times
+    add up to the GPU time, which one worker spends as one GPU's sweep does."""
+    from dvfs.estimate import fleet_time
+
+    cells, run, workers = grid
+    fleet = fleet_time(cells, run, workers)
+    eps = 1e-9 * (1 + run.total_s)
+    assert len(fleet.worker_s) == workers
+    assert abs(sum(fleet.worker_s) - fleet.gpu_s) <= eps
+    assert fleet.makespan_s >= fleet.gpu_s / workers - eps
+    by_group: dict[tuple[int, str, int], float] = {}
+    for c in cells:
+        by_group[group_of(c)] = by_group.get(group_of(c), 0.0) + run.cell_s[c.key]
+    assert fleet.makespan_s >= max(by_group.values()) - eps
+    assert fleet.busy_workers == min(workers, len(by_group))
+    one = fleet_time(cells, run, 1)
+    assert abs(one.gpu_s - run.total_s) <= eps and one.makespan_s == one.gpu_s
+    # Every drafter's server starts somewhere, and every worker opens a session.
+    assert fleet.server_starts >= one.server_starts
+    assert fleet.gpu_s >= workers * run.session_s + sum(run.cell_s.values()) - eps
+
+
+def test_fleet_time_counts_each_worker_s_starts_changes_and_settings() -> None:
+    """Two drafters over two clocks, four comparison groups on two workers: each worker starts
+    both servers and steps through both clocks for each (one GPU: 2 starts, 4 changes), so
+    the fleet spends twice the starts and changes, each worker its own session and its own
+    idle baseline at each of its two settings."""
+    from dvfs.estimate import RunCosts, fleet_time
+
+    cells = [
+        Cell(d, r, clock, None, 1, corpus)
+        for d in ("none", "eagle3")
+        for r in (0,)
+        for clock in (1980, 1005)
+        for corpus in ("a", "b", "c", "d")
+    ]
+    run = RunCosts(
+        dict.fromkeys((c.key for c in cells), 1.0),
+        start_s=200.0,
+        settle_s=40.0,
+        idle_s=6.0,
+        session_s=3.0,
+    )
+    assert fleet_time(cells, run, 1).gpu_s == run.total_s == 16 + 200 + 40 + 6 + 3
+    fleet = fleet_time(cells, run, 2)
+    assert (fleet.server_starts, fleet.knob_changes, fleet.busy_workers) == (4, 8, 2)
+    # each: 8 cells, 2 starts of 100 s, 4 changes of 10 s, 2 settings of 3 s, a 3-s session
+    assert fleet.worker_s == (8 + 200 + 40 + 6 + 3,) * 2
+    assert fleet.makespan_s == 257 and fleet.gpu_s == 514
