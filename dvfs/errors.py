@@ -159,3 +159,11 @@ class CapsError(DvfsError):
     """A caps file is malformed or unsafe."""
 
     exit_code = 2
+
+
+class CapsRecordError(CapsError):
+    """dvfs's own caps or governor record (in its state directory) is unreadable or damaged: a
+    failure, exit 1, not bad usage (2), which the units do not restart on; a `cap apply` or a
+    governor rewriting the record mends it."""
+
+    exit_code = 1

@@ -613,7 +613,7 @@ CAPS_CASES = [
         "caps-show-garbled-record",
         ["cap", "show", "--state-dir", "{tmp}/state"],
         files={"state/caps-applied.json": binary_bytes()},
-        code=2,
+        code=1,
         says=("{tmp}/state",),
         nvml=True,
     ),
@@ -621,6 +621,7 @@ CAPS_CASES = [
         "caps-show-record-is-a-list",
         ["cap", "show", "--state-dir", "{tmp}/state"],
         files={"state/caps-applied.json": "[1, 2]"},
+        code=1,
         says=("{tmp}/state",),
         nvml=True,
     ),
@@ -1524,14 +1525,15 @@ MORE_CASES = (
         # The caps record and a governor's record beside the GPUs' state files, read as those
         # are: a FIFO hung `cap show`, `cap apply` (its dry run too), `cap reset` (the caps
         # unit's stop) and `gpu reset` for ever, /dev/zero was read until memory ran out, and a
-        # folder's advice was to "give a file's path for --state-dir".
+        # folder's advice was to "give a file's path for --state-dir". A damaged record is
+        # dvfs's own, no bad usage: exit 1, as `monitor` exits on it.
         *(
             C(
                 f"{record.split('-')[0]}-record-{kind}-{'-'.join(argv[:2])}",
                 [*argv, "--state-dir", "{tmp}/state"],
                 files={f"state/{record}": content, "caps.toml": GOOD_CAPS},
                 nvml=True,
-                code=2,
+                code=1,
                 says=(f"{{tmp}}/state/{record}", "unreadable", why),
             )
             for kind, content, why in (

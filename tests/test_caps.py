@@ -1231,13 +1231,13 @@ def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
 ) -> None:
     """A governor record edited by hand (or damaged) to a lock high first was shown by `cap
     show` as 'locked 1500-210 MHz by dvfs govern', a lock no GPU holds (NVML refuses one);
-    it is refused in one line naming the file and the lock, exit 2, as a caps record's is."""
+    it is refused in one line naming the file and the lock, exit 1, as a caps record's is."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     record = Path(os.environ["DVFS_STATE_DIR"]) / f"governed-{uuid}.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({"lock_mhz": lock, "pid": 1, "since": "x", "boot": None}))
     result = CliRunner().invoke(cli, ["cap", "show"])
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert result.stderr == (
         f"Error: {record} is not a dvfs governor record (lock_mhz is {json.dumps(lock)}, "
         "expected two clocks in MHz, low first); remove it\n"
@@ -1245,17 +1245,38 @@ def test_a_governor_record_with_no_lock_dvfs_sets_is_refused_in_one_line(
     assert "MHz by dvfs govern" not in result.stdout
 
 
-@pytest.mark.parametrize("record", ["caps-applied.json", "governed-{uuid}.json"])
-def test_monitor_fails_on_a_damaged_record_as_a_failure_not_a_bad_option(nvml, record: str) -> None:
-    """A damaged caps or governor record made `dvfs monitor` exit 2, which the README gives
-    bad usage and the monitor unit a bad option, not restarted (RestartPreventExitStatus=2),
-    where a failure is restarted: a record is no option, and a `cap apply` or governor
-    rewriting it mends it. It fails as an error does, exit 1, in one line naming the file."""
+GOVERN = ["govern", "--plan", "{tmp}/plan.toml", "--url", "http://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("record", "argv"),
+    [
+        *(
+            (record, argv)
+            for record in ("caps-applied.json", "governed-{uuid}.json")
+            for argv in (["monitor", "--once", "--interval", "0.01"], ["cap", "show"])
+        ),
+        # The governor reads the caps record for the static caps (its own it writes).
+        ("caps-applied.json", [*GOVERN, "--interval", "0.01", "--max-intervals", "1"]),
+    ],
+)
+def test_a_damaged_record_is_a_failure_not_a_bad_option(
+    nvml, tmp_path: Path, record: str, argv: list[str]
+) -> None:
+    """A damaged caps or governor record made `dvfs monitor`, `cap show` and `govern` exit 2,
+    which the README gives bad usage and the monitor and governor units a bad option, not
+    restarted (RestartPreventExitStatus=2), where a failure is restarted: a record is no
+    option, and a `cap apply` or governor rewriting it mends it. It fails as an error does,
+    exit 1, in one line naming the file."""
     uuid = json.loads(invoke("gpu", "list", "--json"))[0]["uuid"]
     path = Path(os.environ["DVFS_STATE_DIR"]) / record.format(uuid=uuid)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"lock_mhz": "x"')
-    result = CliRunner().invoke(cli, ["monitor", "--once", "--interval", "0.01"])
+    (tmp_path / "plan.toml").write_text(
+        'dvfs_batch_plan = 1\n[meta]\nmeasured_on = "NVIDIA H100 80GB HBM3"\ndrafter = "none"\n'
+        "[[batch]]\nbatch = 1\nsm_clock_mhz = 1200\n"
+    )
+    result = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in argv])
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)  # an error told, not a traceback
     [line] = [x for x in result.stderr.splitlines() if x.startswith("Error:")]
@@ -1688,14 +1709,14 @@ def test_a_caps_record_with_a_damaged_entry_is_named_in_one_line(
 ) -> None:
     """A caps record whose entry holds a lock of one clock (or text) gave `cap show` "internal
     error: IndexError", or showed the text as a lock (and a sweep took it for one); each
-    command reading it now names the record and the entry, exit 2, as for a record that is no
-    JSON object."""
+    command reading it now names the record and the entry, exit 1 (dvfs's own record damaged:
+    a failure, not bad usage), as for a record that is no JSON object."""
     uuid = nvml.fake_device_state(0)["uuid"]
     state = Path(os.environ["DVFS_STATE_DIR"])
     state.mkdir(parents=True, exist_ok=True)
     (state / "caps-applied.json").write_text(json.dumps({uuid: entry}))
     for args in (("cap", "show"), ("cap", "show", "--json")):
-        told = " ".join(invoke(*args, code=2).split())
+        told = " ".join(invoke(*args, code=1).split())
         assert "is not a dvfs caps record" in told and uuid in told, told
         assert "internal error" not in told and told.count("Error:") == 1, told
 
@@ -1730,7 +1751,7 @@ def test_cap_reset_refuses_an_unreadable_caps_record_before_resetting_any_gpu(
     """`cap reset` with a caps record that is no JSON reset GPU 0 and only then refused, exit
     2, telling to remove the record and re-apply: GPU 0's reset went unsaid and GPUs 1 and 2
     stayed capped. The record is read before any GPU is reset: refused with nothing changed,
-    and said so."""
+    and said so (exit 1: dvfs's own record damaged is a failure, not bad usage)."""
     nvml.fake_reset_state("h100-sxm,h100-sxm,h100-sxm")
     caps = tmp_path / "caps.toml"
     caps.write_text(
@@ -1738,7 +1759,7 @@ def test_cap_reset_refuses_an_unreadable_caps_record_before_resetting_any_gpu(
     )
     invoke("cap", "apply", str(caps))
     (Path(os.environ["DVFS_STATE_DIR"]) / "caps-applied.json").write_text('{"GPU-')
-    told = " ".join(invoke("cap", "reset", code=2).split())
+    told = " ".join(invoke("cap", "reset", code=1).split())
     assert "caps-applied.json is unreadable" in told and "nothing was reset" in told, told
     assert "clocks unlocked" not in told, told
     for index in range(3):

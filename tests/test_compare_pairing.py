@@ -13,7 +13,7 @@ import xarray as xr
 from click.testing import CliRunner
 from conftest import SMALL_EXACT, replace_block
 from cubes import as_twin_sweep, make_cube
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dvfs.analysis.bounds import interval, paired_ratios, t_quantile
@@ -81,18 +81,18 @@ def test_an_invalid_repeat_in_one_arm_leaves_both(arms, confidence) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(two_arms(), st.sampled_from([0.8, 0.95, 0.99]))
-def test_the_interval_is_the_t_interval_of_the_per_repeat_ratios(arms, confidence) -> None:
+def test_the_interval_is_the_t_interval_of_the_per_repeat_log_ratios(arms, confidence) -> None:
     mine, base = arms
-    x = paired_ratios(mine, base)
+    x = np.log(paired_ratios(mine, base))
     got = paired_ratio(mine[None, :], base[None, :], confidence)
     ratio, low, high = float(got.ratio[0]), float(got.low[0]), float(got.high[0])
     if len(x) < 2:
         assert math.isnan(low) and math.isnan(high)
         return
     half = t_quantile((1 + confidence) / 2, len(x) - 1) * np.std(x, ddof=1) / math.sqrt(len(x))
-    assert ratio == pytest.approx(np.mean(x), rel=1e-12)
-    assert low == pytest.approx(ratio - half, rel=1e-9, abs=1e-12)
-    assert high == pytest.approx(ratio + half, rel=1e-9, abs=1e-12)
+    assert ratio == pytest.approx(math.exp(np.mean(x)), rel=1e-12)  # the geometric mean
+    assert low == pytest.approx(math.exp(np.mean(x) - half), rel=1e-9, abs=1e-12)
+    assert high == pytest.approx(math.exp(np.mean(x) + half), rel=1e-9, abs=1e-12)
     # A verdict never contradicts its point value, and a wider interval never adds one.
     said = verdict(ratio, low, high, len(x), point=False)
     if said == SAVES:
@@ -101,9 +101,64 @@ def test_the_interval_is_the_t_interval_of_the_per_repeat_ratios(arms, confidenc
         assert low > 1 and ratio > 1
     else:
         assert said == WITHIN_NOISE and low <= 1 + 1e-9 and high >= 1 - 1e-9
-    wider = interval(x, (1 + confidence) / 2)
+    wider = np.exp(interval(x, (1 + confidence) / 2))
     if verdict(ratio, *wider, len(x), point=False) != WITHIN_NOISE:
         assert verdict(ratio, *wider, len(x), point=False) == said
+
+
+#: Ten repeats whose per-repeat ratios are 10 and 0.1 by turns: their arithmetic mean (5.05) is
+#: "costs" at 95% whichever arm is the baseline (and so is the mean of the reciprocals).
+SPREAD_MINE = [10.0, 1.0] * 5
+SPREAD_BASE = [1.0, 10.0] * 5
+OPPOSITE = {SAVES: LOSES, LOSES: SAVES}
+
+
+def _judged(mine, base, confidence) -> tuple[str, float, float, float]:
+    got = paired_ratio(np.asarray(mine)[None, :], np.asarray(base)[None, :], confidence)
+    ratio, low, high = float(got.ratio[0]), float(got.low[0]), float(got.high[0])
+    return verdict(ratio, low, high, int(got.paired[0]), point=False), ratio, low, high
+
+
+@settings(max_examples=300, deadline=None)
+@example((np.array(SPREAD_MINE), np.array(SPREAD_BASE)), 0.95)
+@given(
+    st.integers(min_value=2, max_value=10).flatmap(
+        lambda n: st.tuples(
+            *(st.lists(st.floats(0.01, 100.0), min_size=n, max_size=n).map(np.array),) * 2
+        )
+    ),
+    st.sampled_from([0.8, 0.9, 0.95, 0.99]),
+)
+def test_swapping_the_arms_inverts_the_verdict(arms, confidence) -> None:
+    mine, base = arms
+    said, ratio, low, high = _judged(mine, base, confidence)
+    back, r_ratio, r_low, r_high = _judged(base, mine, confidence)
+    assert back == OPPOSITE.get(said, said)
+    assert r_ratio == pytest.approx(1 / ratio, rel=1e-12)
+    assert r_low == pytest.approx(1 / high, rel=1e-12)
+    assert r_high == pytest.approx(1 / low, rel=1e-12)
+
+
+def test_compare_cli_with_the_arms_swapped_gives_the_opposite_verdict(tmp_path: Path) -> None:
+    """End to end: `--baseline` either way round over per-repeat ratios of 10 and 0.1 (an
+    arithmetic mean of 5.05 both ways: "costs" twice) gives reciprocal ratios and verdicts."""
+    ds = make_cube(
+        clocks=CLOCKS,
+        drafters=["none", "eagle3"],
+        repeats=10,
+        latency=lambda c, p, b, d, *_: 10.0 * 2000 / c,
+        energy=lambda c, p, b, d, corpus, r: (SPREAD_MINE if d == "eagle3" else SPREAD_BASE)[r],
+    )
+    path = _twin_cube(ds, tmp_path)
+    rows = {}
+    for baseline, drafter in (("none", "eagle3"), ("eagle3", "none")):
+        doc = json.loads(run("compare", str(path), "--json", "--baseline", baseline).stdout)
+        (rows[drafter],) = [r for r in doc["rows"] if r["drafter"] == drafter]
+    there, back = rows["eagle3"], rows["none"]
+    assert there["paired_repeats_at_stock"] == back["paired_repeats_at_stock"] == 10
+    assert there["energy_ratio_at_stock"] == pytest.approx(1 / back["energy_ratio_at_stock"])
+    said, said_back = there["verdict_at_stock"], back["verdict_at_stock"]
+    assert said_back == OPPOSITE.get(said, said), (said, said_back)
 
 
 def test_verdict_rules() -> None:

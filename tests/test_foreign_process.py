@@ -252,6 +252,10 @@ def test_a_tenant_during_the_opening_idle_only_flags_the_above_idle_energy_built
     said = f"another tenant on GPU 1: process {tenant} (sleep) during the session's opening idle"
     assert output.count(said) == 1, output
     assert f"each of {IDLE_TENANT_TRIES} tries" in output
+    # Each try after the first is said as it starts: the measurement takes that much longer.
+    for attempt in range(2, IDLE_TENANT_TRIES + 1):
+        again = f"(sleep); measuring it again (try {attempt} of {IDLE_TENANT_TRIES})"
+        assert output.count(again) == 1, output
     assert "flagged idle_baseline_foreign" in output
     assert idle_flagged(cell) and not flagged(cell) and not cell.get("foreign_processes")
     named = {(p["gpu"], p["pid"], p["name"]) for p in cell["idle_foreign_processes"]}

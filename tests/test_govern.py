@@ -927,6 +927,42 @@ def test_a_step_the_static_caps_hold_already_is_no_change(
     assert held.startswith(("no change at", "dry run: no change at")), held
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_step_that_changes_nothing_does_not_restart_the_dwell(
+    nvml, tmp_path: Path, dry_run: bool
+) -> None:
+    """The dwell runs from the last change (README: "never sooner than --dwell after the last
+    change"). Under a static clock cap of 1200 MHz the governor starts at stock (t=0) and
+    batch 4's 1800 MHz (t=1) leaves the GPU as it is ("no change at"); batch 0's 400 W at t=2
+    is the first change, and nothing changed within a dwell before it: it is set at once, not
+    at t=5, a whole dwell after the step that changed nothing."""
+    from dvfs.backends import open_gpus
+    from dvfs.caps.actuation import AppliedCaps
+
+    state = tmp_path / "state"
+    load = [100, 4, 0, 0, 0, 0, 0]
+    time, lines = VirtualTime(), []
+    with open_gpus([0]) as gpus:
+        nvml.fake_update_device(0, locked_clocks=[210, 1200])
+        AppliedCaps(state).update(gpus[0].identity.uuid, {"lock_mhz": [210, 1200]})
+        changes = govern(
+            PLAN,
+            gpus,
+            _scripted(list(load)),
+            PolicyParams(dwell_s=4.0, hysteresis=0.25),
+            Ticker(1.0, len(load), clock=time.clock, sleep=time.sleep),
+            live=LiveMetrics(),
+            note=lines.append,
+            dry_run=dry_run,
+            state_dir=state,
+        )
+    assert changes == 1, lines
+    [held] = [line for line in lines if "running batch 4 -> " in line]
+    assert held.startswith(("no change at", "dry run: no change at")), held
+    [change] = [line for line in lines if "running batch 0 -> " in line]
+    assert "power limit 400 W" in change and change.endswith("(at 2.000 s)"), lines
+
+
 def test_a_dry_run_refuses_a_server_that_does_not_answer_in_one_line(nvml, tmp_path: Path) -> None:
     """With no load to preview, one line says what the governor would hold the GPUs at
     meanwhile: its stock, the static caps in force (a lock `cap apply` recorded included),

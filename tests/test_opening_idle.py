@@ -186,6 +186,7 @@ def test_a_long_idle_baseline_is_told_before_it_starts(
     assert "measuring the session's opening idle power over 1000 s" in said, said
     for clock in (1980, 1500):
         assert f"measuring the idle baseline at {clock} MHz, 700 W over 200 s" in said, said
+        assert f"{clock} MHz, 700 W over 200 s (idle_s / 5; up to 400 s where" in said, said
     # the opening idle's line comes before anything measured or started
     assert said.index("opening idle power") < said.index("starting twin server"), said
     (tmp_path / "short").mkdir()
@@ -193,6 +194,26 @@ def test_a_long_idle_baseline_is_told_before_it_starts(
         tmp_path / "short", monkeypatch, 0.0, CAMPAIGN.format(idle_s=5.0)
     )
     assert "measuring the" not in short, short
+
+
+def test_a_long_idle_baselines_line_says_how_long_it_may_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """idle_s = 20 on counters that step every 3 s: the opening idle, taken between counter
+    updates, took 28.75 s where its line said "over 20 s" alone. A baseline waits up to twice
+    its span for the updates (OPENING_IDLE_MAX_FACTOR), and its line says so."""
+    text = CAMPAIGN.format(idle_s=20.0).replace("thermal_max_s = 0", "thermal_max_s = 30")
+    output, records = _sweep_with_counter_period(tmp_path, monkeypatch, 3.0, text)
+    said = " ".join(output.split())
+    assert (
+        "measuring the session's opening idle power over 20 s (idle_s; up to 40 s where the "
+        "energy counters update slowly), before any server starts"
+    ) in said, said
+    (session,) = [r for r in records if r["type"] == "session"]
+    took = session["gpu_time_s"]["idle_baseline"]
+    assert 20.0 < took <= 40.0, took
+    # The twin's time is virtual: no line for the counters' probe or the stabilisation.
+    assert "timing the GPUs' energy counter" not in said and "stabilising" not in said, said
 
 
 def test_an_opening_idle_from_instant_power_readings_is_recorded_where_no_cell_subtracts_it(
@@ -246,3 +267,41 @@ def test_an_opening_idle_from_the_counter_is_not_called_one_from_power_readings(
         said[recorded] = " ".join(report.read_text().split())
     assert "the mean of the instant power readings" not in said[0]
     assert "the mean of the instant power readings" in said[1]
+
+
+def test_on_real_time_the_counters_probe_and_the_stabilisation_each_say_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On real GPUs (the fake NVML: real time) the counters' probe and the thermal
+    stabilisation after a server start ran with nothing said: a sweep start showed nothing
+    for up to thermal_max_s (120 s by default) past the server's line. Each says one line, on
+    stderr with the other notes, before it starts."""
+    from nvml_support import dvfs_in_process, fake_env, fresh_fake
+    from sglang_support import running, stub_campaign
+
+    fresh_fake(tmp_path, monkeypatch, "h100-sxm")
+    path, marker = stub_campaign(
+        tmp_path,
+        stub={"tpot_s": 0.004},
+        drafters='\n[drafters.none]\nalgorithm = "none"\n',
+        batch="[1]",
+        knobs='sm_clock = "stock"\nsettle_s = 0.0',
+        gpu='backend = "nvml"\ndevices = [0]',
+        output_tokens=16,
+        measurement_extra="precision = 0.5",
+    )
+    path.write_text(path.read_text().replace("thermal_max_s = 0\n", "thermal_max_s = 0.3\n"))
+    env = fake_env(tmp_path, DVFS_FAKE_NVML_DEVICES="h100-sxm")
+    result = dvfs_in_process(
+        "sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress", env=env
+    )
+    assert running(marker) == []
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stderr.split())
+    probe = "timing the GPUs' energy counter updates (0.5 s)"
+    stabilise = (
+        "stabilising the GPU temperature under the next cell's load: until it drifts less "
+        "than 1 C/min, about 0.3 s at most (thermal_max_s)"
+    )
+    assert said.count(probe) == 1 and said.count(stabilise) == 1, said
+    assert said.index(probe) < said.index("starting") < said.index(stabilise), said

@@ -11,13 +11,15 @@ Every drafter's energy per token is compared with the baseline drafter's (no spe
     alone cannot tell "saves everywhere" from "never got there", so read the summary.
 
 Repeat r of every arm sends the same prompts (keyed on batch, repeat and round), so the arms
-are paired by repeat: each ratio is the mean of the per-repeat ratios over the repeats valid
-in both arms (`paired_repeats`; `dropped_repeats`: valid in one arm only, left out of both).
+are paired by repeat: each ratio is the geometric mean of the per-repeat ratios over the repeats
+valid in both arms (`paired_repeats`; `dropped_repeats`: valid in one arm only, left out of both).
 The arms ran in separate time blocks, so a drafter "saves" (or "costs") only where the
-two-sided Student-t interval of that mean at the confidence lies below (above) 1; otherwise it
-is "within noise", and a row with one paired repeat has no interval and no verdict. A cube
-with one repeat can give no interval anywhere: there the point value is judged, as headroom
-does. The break-even batch is the smallest batch judged not to save (costs or within noise).
+two-sided Student-t interval of the mean log ratio at the confidence, taken back to a ratio,
+lies below (above) 1 (so swapping the arms gives the reciprocal ratio and the opposite
+verdict); otherwise it is "within noise", and a row with one paired repeat has no interval
+and no verdict. A cube with one repeat can give no interval anywhere: there the point value
+is judged, as headroom does. The break-even batch is the smallest batch judged not to save
+(costs or within noise).
 """
 
 from __future__ import annotations
@@ -162,20 +164,32 @@ def paired_ratio(
     confidence: float,
     unasked: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Paired:
-    """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index.
-    `unasked` (each arm's, nonzero where adaptive repeats' rule never asked for the repeat)
-    keeps a repeat the other arm was never asked for out of `dropped`: it is not a loss."""
+    """`mine / base` paired by repeat (the last axis; NaN: not valid), per leading index: the
+    geometric mean of the per-repeat ratios and the Student-t interval of their mean log, taken
+    back to ratios, so that swapping the arms gives the reciprocal ratio and the opposite
+    verdict (an arithmetic mean of ratios can say "costs" both ways round). `unasked` (each
+    arm's, nonzero where adaptive repeats' rule never asked for the repeat) keeps a repeat the
+    other arm was never asked for out of `dropped`: it is not a loss."""
     mine = np.asarray(mine, dtype=float)
     base = np.asarray(base, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        x = mine / base  # paired_ratios, every row at once: NaN where either arm is, or 0 / 0
+        # The log of each per-repeat ratio (paired_ratios, every row at once: NaN where either
+        # arm is, or 0 / 0), as a difference of logs: swapping the arms negates it exactly.
+        x = np.log(mine) - np.log(base)
+    # A row with a zero energy in each arm (ratios 0 and infinity) has no mean log: none.
+    x[np.isposinf(x).any(axis=-1) & np.isneginf(x).any(axis=-1)] = np.nan
     count = np.count_nonzero(~np.isnan(x), axis=-1)
-    # interval(): the two-sided Student-t interval, each side at (1 + c) / 2, with two or more
+    # interval(): the two-sided Student-t interval of the mean log ratio, each side at
+    # (1 + c) / 2, with two or more; the lower end is minus the upper end of the negated logs,
+    # so swapping the arms swaps the ends exactly. Back to ratios: the geometric mean of the
+    # per-repeat ratios and its interval, the reciprocals of the swapped arms'.
     side = (1 + confidence) / 2
     two = count >= 2
     high, _ = upper_bounds(x, side, two)
-    ratio = finite_means(x)
-    low = 2 * np.where(two, ratio, np.nan) - high  # lower_bound
+    low = -upper_bounds(-x, side, two)[0]
+    mean = finite_means(x)
+    with np.errstate(over="ignore"):
+        ratio, low, high = np.exp(mean), np.exp(low), np.exp(high)
     # An arm with nothing valid gives no ratio with or without pairing: nothing dropped.
     lost = np.isnan(mine) != np.isnan(base)
     if unasked is not None:
@@ -257,8 +271,8 @@ def compare(
     ratio_clock = cells(
         by_clock.ratio,
         units="1",
-        long_name="energy per token over the baseline's, same setting (mean of the per-repeat "
-        "ratios over the repeats valid in both)",
+        long_name="energy per token over the baseline's, same setting (geometric mean of the "
+        "per-repeat ratios over the repeats valid in both)",
     )
     at_stock = ratio_clock.sel(at_ref, drop=True)
 
@@ -285,8 +299,8 @@ def compare(
         by_latency.ratio,
         units="1",
         long_name="least energy per token within the baseline's stock latency, over the "
-        "baseline's least energy within the same latency (mean of the per-repeat ratios over "
-        "the repeats valid in both)",
+        "baseline's least energy within the same latency (geometric mean of the per-repeat "
+        "ratios over the repeats valid in both)",
     )
 
     # Equal latency is undefined either because no setting of the drafter met the baseline's
@@ -519,9 +533,9 @@ def interval_description(confidence: float, point: bool) -> str:
             "saves, at or above costs)"
         )
     return (
-        f"two-sided {level_text(confidence)} Student-t interval of the mean per-repeat ratio "
-        "over the repeats valid in both arms: saves or costs only where it excludes 1, else "
-        "within noise"
+        f"two-sided {level_text(confidence)} Student-t interval of the mean log of the "
+        "per-repeat ratios over the repeats valid in both arms (a geometric mean): saves or "
+        "costs only where it excludes 1, else within noise"
     )
 
 

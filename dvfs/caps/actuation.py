@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dvfs.caps.files import CapsFile, base_model_name
 from dvfs.errors import (
     CapsError,
+    CapsRecordError,
     GpuBusyError,
     GpuError,
     GpuPermissionError,
@@ -110,16 +111,18 @@ class AppliedCaps:
             return {}
         except (ValueError, OSError) as exc:  # UnicodeDecodeError included
             why = record_problem(exc)
-            raise CapsError(f"{self.path} is unreadable ({why}); remove it and re-apply") from exc
+            raise CapsRecordError(
+                f"{self.path} is unreadable ({why}); remove it and re-apply"
+            ) from exc
         if not isinstance(data, dict) or not all(isinstance(r, dict) for r in data.values()):
-            raise CapsError(
+            raise CapsRecordError(
                 f"{self.path} is not a dvfs caps record (a JSON object of per-GPU objects); "
                 "remove it and re-apply"
             )
         for uuid, r in data.items():  # what `cap show`, sweeps and applies read of each
             problem = _record_problem(r) if checked else None
             if problem:
-                raise CapsError(
+                raise CapsRecordError(
                     f"{self.path} is not a dvfs caps record (GPU {uuid[:48]}: {problem}); "
                     "remove it and re-apply"
                 )
@@ -299,12 +302,16 @@ class GovernorLocks:
             except FileNotFoundError:
                 continue
             except (ValueError, OSError) as exc:  # UnicodeDecodeError included
-                raise CapsError(f"{path} is unreadable ({record_problem(exc)}); remove it") from exc
+                raise CapsRecordError(
+                    f"{path} is unreadable ({record_problem(exc)}); remove it"
+                ) from exc
             lock = data.get("lock_mhz") if isinstance(data, dict) else None
             if lock is None:
-                raise CapsError(f"{path} is not a dvfs governor record (no lock_mhz); remove it")
+                raise CapsRecordError(
+                    f"{path} is not a dvfs governor record (no lock_mhz); remove it"
+                )
             if not _is_lock(lock):
-                raise CapsError(
+                raise CapsRecordError(
                     f"{path} is not a dvfs governor record (lock_mhz is {json.dumps(lock)[:40]}, "
                     "expected two clocks in MHz, low first); remove it"
                 )
@@ -661,7 +668,9 @@ def reset_caps(
             record.entries_as_written()
         except CapsError as exc:
             told = str(exc).removesuffix("; remove it and re-apply")
-            raise CapsError(f"{told}; nothing was reset: remove it, then reset again") from exc
+            raise CapsRecordError(
+                f"{told}; nothing was reset: remove it, then reset again"
+            ) from exc
     for gpu in gpus:  # each GPU's entry dropped once it is reset, a signal after it or not
         ident = gpu.identity
         try:

@@ -629,7 +629,14 @@ def govern(
                             raise stopped_answering(silent) from exc
                         note(f"{_held(state)} {line}" if holds else f"set {line}")
                     changes += 0 if holds else 1
-                state = decision.state
+                # The dwell runs from the last change: a step that changed no GPU keeps the
+                # time of the one before (none at the start).
+                held_only = decision.changed and holds
+                state = (
+                    replace(decision.state, changed_at=state.changed_at)
+                    if held_only
+                    else decision.state
+                )
                 locks = _locks(gpus, plan, state, knobs, ceilings)
                 governed = {u for u, lock in locks.items() if lock != ceilings[u].lock_mhz}
                 snapshot = watch.snapshot(sample, _tops(locks), governed)

@@ -408,12 +408,21 @@ class Runner:
         m = self.campaign.measurement
         self._note_foreign_locks()
         t0 = self.clock.now_ns()
+        if not self.clock.virtual:  # real time passes before the first server's line
+            self.progress.note(
+                f"timing the GPUs' energy counter updates ({COUNTER_PROBE_S:g} s), then the "
+                "session's opening idle power and settle time, before any server starts"
+            )
         self.counter_periods_s, counter_s = self._detect_counter_periods()
         t1 = self.clock.now_ns()
         if m.idle_s >= LONG_IDLE_NOTE_S:
+            from dvfs.measure.baseline import IDLE_BASELINE_MAX_S
+
+            longest = max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * m.idle_s)
             self.progress.note(
-                f"measuring the session's opening idle power over {m.idle_s:g} s (idle_s), "
-                "before any server starts"
+                f"measuring the session's opening idle power over {m.idle_s:g} s (idle_s; up "
+                f"to {longest:g} s where the energy counters update slowly), before any server "
+                "starts"
             )
         self.idle_power_w, self.idle_foreign = self._idle_checked(
             lambda: self._opening_idle_w(m.idle_s),
@@ -543,6 +552,10 @@ class Runner:
                     )
                 return value, ()
             if attempt < IDLE_TENANT_TRIES:
+                self.progress.note(
+                    f"{what}: another tenant on {named(seen)}; measuring it again (try "
+                    f"{attempt + 1} of {IDLE_TENANT_TRIES})"
+                )
                 continue
             self.progress.note(
                 f"another tenant on {named(seen)} during {what}, each of {attempt} tries: "
@@ -998,6 +1011,7 @@ class Runner:
             known = [p for p in self.counter_periods_s if p]
             spent: list[float] = []  # each try's GPU time
             span_s = max(m.idle_s / 5, 0.5)
+            longest = max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * span_s)
 
             def measure_once() -> IdleBaseline:
                 base = idle_baseline(
@@ -1006,7 +1020,7 @@ class Runner:
                     min_s=span_s,
                     sample_period_s=min(m.sample_period_s, 0.01),
                     counter_period_s=max(known) if known else None,
-                    max_s=max(IDLE_BASELINE_MAX_S, OPENING_IDLE_MAX_FACTOR * span_s),
+                    max_s=longest,
                 )
                 spent.append(base.gpu_time_s)
                 return base
@@ -1014,7 +1028,8 @@ class Runner:
             if span_s >= LONG_IDLE_NOTE_S:
                 self.progress.note(
                     f"measuring the idle baseline at {_setting_text(setting)} over "
-                    f"{span_s:g} s (idle_s / 5)"
+                    f"{span_s:g} s (idle_s / 5; up to {longest:g} s where the energy counters "
+                    "update slowly)"
                 )
             base, foreign = self._idle_checked(
                 measure_once,
@@ -1061,6 +1076,12 @@ class Runner:
             cell, 0, max(m.warmup_tokens, 64), end_at_window=m.round_end == ROUND_END
         )
         run_load = load_of(self.engine, load)
+        if not self.clock.virtual:  # minutes of real time, with no cell to show for them
+            self.progress.note(
+                "stabilising the GPU temperature under the next cell's load: until it drifts "
+                f"less than {m.thermal_slope_c_per_min:g} C/min, about {m.thermal_max_s:g} s "
+                "at most (thermal_max_s)"
+            )
         done = stabilise(
             self.gpus,
             self.clock,
