@@ -109,7 +109,7 @@ def test_headroom_usage_errors(small_sweep: Path) -> None:
 
 def test_compare_json_and_markdown(small_sweep: Path) -> None:
     doc = json.loads(run("compare", str(small_sweep), "--json").output)
-    assert doc["schema"] == "dvfs.compare/3" and doc["baseline"] == "none"
+    assert doc["schema"] == "dvfs.compare/4" and doc["baseline"] == "none"
     rows = {(r["batch"], r["corpus"]): r for r in doc["rows"]}
     assert set(rows) == {(1, "code"), (8, "code"), (1, "conversation"), (8, "conversation")}
     assert all(r["energy_ratio_at_stock"] < 1 for r in rows.values())  # EAGLE-3 saves at b<=8

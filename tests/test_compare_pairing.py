@@ -453,7 +453,7 @@ def test_a_repeat_the_adaptive_rule_never_asked_of_one_arm_is_not_dropped(
 
 
 def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
-    """README (`dvfs.compare/3`'s `verdict_*`) names each verdict a row can carry, in the
+    """README (`dvfs.compare/4`'s `verdict_*`) names each verdict a row can carry, in the
     analysis's order, and no other."""
     import re
 
@@ -466,12 +466,13 @@ def test_the_readme_lists_every_verdict_of_the_compare_json() -> None:
     assert tuple(re.findall(r'"([^"]+)"', said)) == VERDICTS, said
 
 
-def test_the_compare_json_that_gained_a_verdict_and_a_field_has_a_new_schema_id(
+def test_the_compare_json_whose_verdicts_or_ratios_changed_has_a_new_schema_id(
     tmp_path: Path,
 ) -> None:
     """The verdict "too few repeats" and `equal_latency_mean_within_target` came after
-    `dvfs.compare/2`: a reader of /2 would meet a verdict it cannot know, so the JSON says
-    /3, and README and `dvfs compare --help` name the id it writes and what /3 changed."""
+    `dvfs.compare/2` (a reader of /2 would meet a verdict it cannot know: /3), and the ratios
+    became geometric means after /3 (the same field, another number: /4). README and
+    `dvfs compare --help` name the id it writes and what each id changed."""
     import re
 
     from dvfs.analysis.compare import TOO_FEW
@@ -480,12 +481,15 @@ def test_the_compare_json_that_gained_a_verdict_and_a_field_has_a_new_schema_id(
     readme = " ".join(readme.split())
     path = _twin_cube(repeats_cube(lambda b, r: 0.5), tmp_path)
     schema = json.loads(run("compare", str(path), "--json").stdout)["schema"]
-    assert schema == "dvfs.compare/3"
+    assert schema == "dvfs.compare/4"
     assert f"`{schema}` has `confidence`" in readme
     changed = readme.split("Changed from `dvfs.compare/2`:", 1)[1].split("Changed from", 1)[0]
     assert f'"{TOO_FEW}"' in changed and "`equal_latency_mean_within_target`" in changed
+    changed = readme.split("Changed from `dvfs.compare/3`:", 1)[1].split("Changed from", 1)[0]
+    assert "geometric mean" in changed and "`energy_ratio_at_stock`" in changed
     said = {f"dvfs.compare/{n}" for n in re.findall(r"dvfs\.compare/(\d+)", readme)}
-    assert said <= {schema, "dvfs.compare/2", "dvfs.compare/1"}  # older ids only as history
+    older = {"dvfs.compare/3", "dvfs.compare/2", "dvfs.compare/1"}
+    assert said <= {schema} | older  # older ids only as history
     assert f"(schema {schema})" in " ".join(run("compare", "--help").output.split())
 
 

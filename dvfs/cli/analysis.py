@@ -363,7 +363,7 @@ def headroom(
     "Confidence of the energy-ratio interval (two-sided) and of the latency bound "
     "(one-sided), with repeats."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/3).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema dvfs.compare/4).")
 @click.option("--markdown", is_flag=True, help="Print a Markdown report.")
 @click.option(
     "--roofline",

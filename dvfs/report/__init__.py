@@ -1,7 +1,7 @@
 """Analyses as documents: stable JSON (for scripts and `dvfs cap plan`) and Markdown tables.
 
 JSON schemas are versioned by their "schema" key: "dvfs.headroom/1" (`headroom`) and
-"dvfs.compare/3" (`compare`); `common` holds the NaN->null rule and formatting both share.
+"dvfs.compare/4" (`compare`); `common` holds the NaN->null rule and formatting both share.
 """
 
 from __future__ import annotations

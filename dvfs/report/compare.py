@@ -1,4 +1,4 @@
-"""`dvfs compare` as a document (schema dvfs.compare/3), its tables and its Markdown."""
+"""`dvfs compare` as a document (schema dvfs.compare/4), its tables and its Markdown."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dvfs.report.common import (
 if TYPE_CHECKING:
     import xarray as xr
 
-COMPARE_SCHEMA = "dvfs.compare/3"
+COMPARE_SCHEMA = "dvfs.compare/4"
 #: The two ratios of a row, as named in its JSON keys.
 WHATS = ("at_stock", "equal_latency")
 #: The verdict of a row whose drafter met the baseline's latency at no setting
@@ -49,7 +49,7 @@ def compare_document(
     *,
     roofline_left_out: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Speculation analysis as JSON (schema dvfs.compare/3); rows carry `gpu` for merged cubes.
+    """Speculation analysis as JSON (schema dvfs.compare/4); rows carry `gpu` for merged cubes.
     `roof`: the roofline, or one per GPU model of a merged cube (`rooflines`): the first is
     `roofline`, and with several, `roofline_per_gpu_model` holds each. `roofline_left_out`:
     a merged cube's GPU models the twin has no roofline of (`rooflines`' `left_out`), named
