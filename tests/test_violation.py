@@ -214,3 +214,35 @@ def test_an_old_journal_without_the_key_resumes_and_builds(nvml, env, tmp_path: 
     assert math.isnan(old) and new == 0.0
     built = dvfs_in_process("cube", "build", str(out), env=env)
     assert built.returncode == 0, built.stdout + built.stderr
+
+
+def test_an_inflight_decode_throttled_between_samples_flags_every_level_it_measured(
+    nvml, env, tmp_path: Path
+) -> None:
+    """Counters read at a decode's ends cannot place a throttle in one level: every level the
+    decode measured is flagged, with the decode's time."""
+    path = tmp_path / "nvml.toml"
+    path.write_text(
+        NVML_CAMPAIGN.format(output_tokens=16, repeats=1).replace(
+            "[measurement]\n", '[measurement]\nmode = "in-flight"\n'
+        )
+    )
+    out = tmp_path / "out"
+    outcome = sweep(path, out, tmp_path, nvml, 0, burst=True)
+    assert outcome.summary.measured == 4
+    records = [r for r in iter_records(out / "journal.jsonl") if r.get("type") == "cell"]
+    first = [
+        r
+        for r in records
+        if any(s["round"] == 0 and s["measured_s"] > 0 for s in r["inflight"]["segments"])
+    ]
+    assert first  # the first decode measured some levels
+    for record in records:
+        m = record["measurement"]
+        assert not int(m["clock_event_reasons"]) & EVENT_THROTTLE_MASK
+        if record in first:
+            assert "throttled" in flags(record)
+            assert m["throttle_violation_s"] == pytest.approx(BURST_NS * 1e-9)
+        else:
+            assert "throttled" not in flags(record)
+            assert m["throttle_violation_s"] == 0.0
