@@ -205,3 +205,25 @@ def test_the_fake_and_the_twin_model_this_gpu_as_it_is(
     assert twin.memory_clock_mhz == memory
     assert (twin.power_limit_min_w * 1000, twin.power_limit_max_w * 1000) == limits
     assert twin.power_limit_default_w * 1000 == default_mw
+
+
+def test_violation_counters_read_as_dvfs_expects(nv: ModuleType, handle: Any) -> None:
+    """`nvmlDeviceGetViolationStatus` (the throttle counters `NvmlGpu.throttle_violation_ns`
+    reads between a round's ends): for each policy dvfs reads, an answer whose violationTime
+    is an integer number of nanoseconds that never goes back, or NotSupported /
+    FunctionNotFound, which dvfs takes for unknown."""
+    from dvfs.gpu.base import PERF_POLICY_POWER, THROTTLE_POLICIES
+
+    unknown = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
+    for policy in (*THROTTLE_POLICIES, PERF_POLICY_POWER):
+        try:
+            first = nv.nvmlDeviceGetViolationStatus(handle, policy)
+        except nv.NVMLError as exc:
+            assert exc.value in unknown, (policy, exc)
+            continue
+        assert isinstance(first.violationTime, int) and first.violationTime >= 0
+        assert isinstance(first.referenceTime, int) and first.referenceTime > 0
+        time.sleep(0.05)
+        again = nv.nvmlDeviceGetViolationStatus(handle, policy)
+        assert again.violationTime >= first.violationTime
+        assert again.referenceTime >= first.referenceTime

@@ -219,8 +219,15 @@ def mode_text(mode: str | None) -> str | None:
 
 
 #: What a warning flag (one that leaves the cell valid) means where a cube raises it, for
-#: `dvfs cube info` (the invalidating flags' advice: `INVALID_ADVICE`).
+#: `dvfs cube info` (the invalidating flags' advice: `INVALID_ADVICE`); and `throttled`, whose
+#: cause a cell's clock_event_reasons may not show.
 FLAG_NOTES = {
+    "throttled": "a GPU slowed down for heat or a hardware brake in these cells: at a sampled "
+    "instant (their clock_event_reasons hold HwSlowdown, SwThermalSlowdown, HwThermalSlowdown "
+    "or HwPowerBrakeSlowdown), or between two samples, which no sampled reason shows: NVML's "
+    "thermal and board-limit violation counters, read at each round's start and end, grew "
+    "(throttle_violation_s holds the seconds; NaN where the driver cannot tell). Check the "
+    "GPUs' cooling and what else runs on them",
     "idle_baseline_foreign": "another tenant's compute process was on a metered GPU right "
     "before or after the idle baseline these cells' above-idle energy subtracts (measured "
     "again, a bounded number of times, while it stayed), so their "
@@ -628,8 +635,10 @@ INVALID_ADVICE = {
     'longer wait in seconds (time it with `dvfs gpu settle`; "measured" times one change at '
     "session start) or drop clocks the GPU cannot hold; a GPU above it lost its lock "
     "outside dvfs (`nvidia-smi -rgc`, a GPU reset): keep other tools off the GPUs",
-    "throttled": "the GPU slowed down for heat or a hardware brake: check its cooling and "
-    "what else runs on it",
+    "throttled": "the GPU slowed down for heat or a hardware brake, at a sampled instant (a "
+    "clock-event reason) or between two (NVML's thermal or board-limit violation time grew "
+    "over a round: the cube's throttle_violation_s): check its cooling and what else runs "
+    "on it",
     "counter_stalled": "the energy counter did not advance: check the driver and GPU with "
     "`dvfs doctor`",
     "no_steady_window": "no steady-state decode window was found: raise workload.output_tokens",

@@ -14,6 +14,9 @@ Schema history (`attrs["dvfs_schema"]`):
       cube of a shard an earlier dvfs cut in contiguous slices), which `dvfs cube merge` reads.
       So is prompt_tokens (per cell, the mean input tokens of the prompts its rounds sent,
       which the roofline's context reads; NaN where a cell's record carries none).
+      So is throttle_violation_s (per cell, the seconds NVML's thermal and board-limit
+      violation counters grew over its rounds; NaN where no GPU could tell or a cell's record
+      carries none).
 
 Missing cells are NaN. Integer-valued variables are stored as integers with a -1 fill value
 and read back as floats with NaN where missing (xarray's CF masking).
@@ -129,6 +132,13 @@ VARIABLES = (
         "prompt_tokens",
         "1",
         "mean input tokens of the prompts the cell's rounds sent (the token count method's)",
+    ),
+    VarSpec(
+        "throttle_violation_s",
+        "s",
+        "time a thermal or board-limit throttle held a GPU below its clocks during the cell's "
+        "rounds, by NVML's violation counters read at each round's start and end, summed over "
+        "the GPUs (a throttle between two samples included; NaN: no GPU could tell)",
     ),
 )
 #: Where each cell's GPU time went (`dvfs.records.GPU_TIME_KEYS`), one variable per entry

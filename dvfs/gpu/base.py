@@ -38,6 +38,27 @@ EVENT_NAMES = {
 EVENT_THROTTLE_MASK = EVENT_HW_SLOWDOWN | EVENT_SW_THERMAL | EVENT_HW_THERMAL | EVENT_HW_POWER_BRAKE
 
 
+# NVML's perf-policy types (nvml.h, nvmlPerfPolicyType_t): for each, a cumulative counter of the
+# nanoseconds that policy held the GPU below its requested clocks, which
+# `nvmlDeviceGetViolationStatus` reads (an nvmlViolationTime_t: violationTime in ns,
+# referenceTime a CPU timestamp in microseconds). "The difference in violation times at two
+# different reference times gives the indication of GPU throttling event" (nvml.h).
+PERF_POLICY_POWER = 0
+PERF_POLICY_THERMAL = 1
+PERF_POLICY_SYNC_BOOST = 2
+PERF_POLICY_BOARD_LIMIT = 3
+PERF_POLICY_LOW_UTILIZATION = 4
+PERF_POLICY_RELIABILITY = 5
+
+#: The policies whose violation time means the GPU was slowed by something other than the knob
+#: under test, as `EVENT_THROTTLE_MASK` does for the sampled reasons: thermal (SW and HW thermal
+#: slowdown) and the board limit (nvml.h names no policy for HW slowdown or the power brake; the
+#: board's own limiter is the nearest). Not POWER: under a power cap (a knob dvfs sets) the
+#: power limit is expected to hold the GPU; not SYNC_BOOST (held to a group's clock, as the
+#: reasons' mask leaves out), LOW_UTILIZATION (a round's idle edges) or RELIABILITY.
+THROTTLE_POLICIES = (PERF_POLICY_THERMAL, PERF_POLICY_BOARD_LIMIT)
+
+
 def describe_events(mask: int) -> list[str]:
     """Names of the reason bits set in `mask`."""
     return [name for bit, name in EVENT_NAMES.items() if mask & bit]
@@ -138,6 +159,13 @@ class Gpu(Protocol):
     def temperature_c(self) -> int: ...
 
     def clock_event_reasons(self) -> int: ...
+
+    def throttle_violation_ns(self) -> int | None:
+        """Nanoseconds, cumulative and monotone, that a `THROTTLE_POLICIES`
+        policy held the GPU below its requested clocks, summed over those policies: what the
+        sampled reasons miss between two samples shows as a difference of two reads. None:
+        the GPU or its driver cannot tell (unknown, never a failure)."""
+        ...
 
     def mig_enabled(self) -> bool:
         """Whether MIG is on (dvfs refuses such GPUs: energy is per GPU, not per slice)."""

@@ -7,6 +7,16 @@ in a fake with NVML's semantics. Every call has a deadline (`dvfs.gpu.deadline`)
 call is reported as `GpuTimeoutError` naming the call and the GPU; NVML's return codes map to
 dvfs's errors through one table (`dvfs.gpu.nvml_errors`).
 
+One call beyond /work/shared/NVML-CONTRACT.md's table; its row, as that table would hold it:
+  call: `nvmlDeviceGetViolationStatus(h, policy)`, policy `NVML_PERF_POLICY_THERMAL` (1) or
+    `NVML_PERF_POLICY_BOARD_LIMIT` (3) (`dvfs.gpu.base.THROTTLE_POLICIES`); pynvml marks it
+    deprecated in favour of field values ("will be removed in CUDA 14.0").
+  returns: an `nvmlViolationTime_t`: `.violationTime` the nanoseconds that policy held the
+    clocks below the requested ones, cumulative; `.referenceTime` the CPU
+    timestamp of the read (microseconds). Two reads' difference is the throttling between them.
+  may raise: `NotSupported`, `FunctionNotFound` (an older driver, or a pynvml without it):
+    unknown, None, never a failure (`NvmlGpu.throttle_violation_ns`).
+
 The one adapter to the NVML API, kept whole near 400 lines: every method of `NvmlGpu` is a
 call, a deadline and a translation, so splitting it further would scatter one job.
 """
@@ -29,6 +39,7 @@ from dvfs.errors import (
     GpuValueError,
 )
 from dvfs.gpu.base import (
+    THROTTLE_POLICIES,
     DeviceInfo,
     GpuIdentity,
     GpuProcesses,
@@ -262,6 +273,23 @@ class NvmlGpu:
                 "read clock-event reasons",
             )
         )
+
+    def throttle_violation_ns(self) -> int | None:
+        """`nvmlDeviceGetViolationStatus`'s violationTime (ns) of each `THROTTLE_POLICIES`
+        policy, summed; a policy the GPU or driver does not report (NotSupported, or
+        FunctionNotFound: the call is deprecated in favour of field values, and a pynvml
+        without it is the same) adds nothing, and None when none is reported."""
+        fn = getattr(self.nvml, "nvmlDeviceGetViolationStatus", None)
+        if fn is None:
+            return None
+        total: int | None = None
+        for policy in THROTTLE_POLICIES:
+            try:
+                status = self._call(fn, "read the throttle violation time", policy)
+            except GpuNotSupportedError:
+                continue
+            total = (total or 0) + int(status.violationTime)
+        return total
 
     # -- inspection ---------------------------------------------------------------------------
     def mig_enabled(self) -> bool:

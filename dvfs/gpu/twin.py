@@ -154,6 +154,11 @@ class TwinGpu:
     def clock_event_reasons(self) -> int:
         return self.device.clock_event_reasons()
 
+    def throttle_violation_ns(self) -> int | None:
+        """The device's (`TwinDevice.throttle_violation_ns`: 0, as it never throttles but by
+        its power limit)."""
+        return self.device.throttle_violation_ns()
+
     def mig_enabled(self) -> bool:
         return False
 

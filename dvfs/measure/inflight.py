@@ -106,6 +106,7 @@ from dvfs.measure.journal import INFLIGHT_ENERGY_DRIFT
 from dvfs.measure.meter import (
     Q_ACCEPT_MISMATCH,
     Q_DRIFT_NOT_CANCELLED,
+    Q_THROTTLED,
     CellMeasurement,
     LatencyStats,
     PowerLimitRead,
@@ -118,6 +119,8 @@ from dvfs.measure.meter import (
     round_chunks,
     steady_window_ns,
     summarise,
+    throttle_violation_delta,
+    throttle_violation_reads,
 )
 from dvfs.measure.plan import Cell
 from dvfs.measure.tenants import ForeignProcess, foreign_quality, idle_quality
@@ -750,6 +753,8 @@ def _measure_group(
     #: Each round's decode (the one that stepped: a decode run again in its place is not it).
     decodes: dict[int, RoundResult] = {}
     loads: dict[int, Workload] = {}  # and the prompts it sent
+    # and how much its throttle violation counters grew (`summarise`; None: no GPU could tell)
+    violations: dict[int, int | None] = {}
     sent: list[Workload] = []  # every level decodes each round's prompts
     step = rounds_step(scheme)
     max_rounds = max(step, m.max_rounds - m.max_rounds % step)
@@ -788,8 +793,12 @@ def _measure_group(
                 KnobStep(k * segment_s, _applier(knobs.apply, c.setting))
                 for k, c in enumerate(order)
             )
+            violation_start = throttle_violation_reads(runner.gpus)
             with Sampler(runner.gpus, clock, runner.round_sample_period_s) as sampler:
                 result = runner.engine.run(workload, KnobTimeline(steps))
+            violation = throttle_violation_delta(
+                violation_start, throttle_violation_reads(runner.gpus)
+            )
             failed = [r.error for r in result.requests if r.error]
             if failed:
                 raise EngineError(f"{len(failed)} request(s) failed; first: {failed[0]}")
@@ -822,6 +831,7 @@ def _measure_group(
                 gpu_time["prefill"] += (result.ended_ns - result.started_ns) * 1e-9
                 continue
             decodes[rounds] = result
+            violations[rounds] = violation
             loads[rounds] = workload
             # A level runs from its setter's return to the next setter's call: the change
             # between (one NVML call for a lock, more for a power limit) belongs to neither.
@@ -930,6 +940,10 @@ def _measure_group(
         # (not once per segment: abba visits every level twice in a decode): a level a decode
         # ended before was measured in fewer than the group's (its interval is over these).
         own = sorted({s.segment.round for s in mine if s.window is not None})
+        # A throttle in a decode cannot be placed in a level by counters read at its ends:
+        # every level the decode measured is flagged, with the decode's time.
+        grown = [v for r in own if (v := violations[r]) is not None]
+        violation_s = sum(grown) * 1e-9 if grown else math.nan
         cm = replace(
             cm,
             rounds=len(own),
@@ -946,7 +960,8 @@ def _measure_group(
             | held
             | idle_quality(idle_foreign[index])
             | idle_flags[index]
-            | (unbalanced if index in placed else 0),
+            | (unbalanced if index in placed else 0)
+            | (Q_THROTTLED if violation_s > 0 else 0),
             # over the decodes, each one's drift cancelled by the order
             energy_per_token_rel_ci=float(energy_half[index]),
             latency_rel_ci=float(tpot_half[index]),
@@ -954,6 +969,7 @@ def _measure_group(
             # (all the group's decodes, a decode run again counted twice, told another
             # context than the level was measured at; those sent for a level none measured)
             prompt_tokens=mean_prompt_tokens([loads[r] for r in own] or sent),
+            throttle_violation_s=violation_s,
         )
         provenance = {
             "group": gid,

@@ -741,6 +741,11 @@ class CellMeasurement:
     #: from, which the roofline reads. NaN: not recorded (the meter does not know the prompts;
     #: the runner sets it).
     prompt_tokens: float = math.nan
+    #: Seconds a throttle policy (`dvfs.gpu.base.THROTTLE_POLICIES`: thermal, board limit)
+    #: held a GPU below its clocks during the cell's rounds, by NVML's violation counters read
+    #: at each round's start and end, summed over the GPUs that could tell and the rounds
+    #: (`throttle_violation_delta`); NaN where none could (a driver without the call).
+    throttle_violation_s: float = math.nan
 
     def __post_init__(self) -> None:
         if self.energy_j < 0 or math.isnan(self.energy_j):
@@ -807,6 +812,9 @@ class WindowPart:
     window: tuple[int, int] | None
     samples: dict[str, np.ndarray]
     energy: RoundEnergy | None = None
+    #: Nanoseconds the throttle policies' violation counters grew over the round, summed over
+    #: the GPUs (`throttle_violation_delta`); None: no GPU could tell.
+    violation_ns: int | None = None
 
     def round_energy(self, periods_s: Sequence[float | None] = ()) -> RoundEnergy | None:
         """The round's energy and tokens between counter updates (None without a window)."""
@@ -839,6 +847,24 @@ def _mean(values: np.ndarray) -> float:
     """`float(values.mean())` by its own steps (a float64 sum over the count), without its
     argument handling."""
     return float(np.add.reduce(values, dtype=np.float64)) / len(values)
+
+
+def throttle_violation_reads(gpus: Iterable[object]) -> tuple[int | None, ...]:
+    """Each GPU's throttle violation counter now (`Gpu.throttle_violation_ns`, ns); None for
+    one that cannot tell, or has no such read (a stand-in GPU)."""
+    reads: list[int | None] = []
+    for gpu in gpus:
+        read = getattr(gpu, "throttle_violation_ns", None)
+        reads.append(None if read is None else read())
+    return tuple(reads)
+
+
+def throttle_violation_delta(start: Sequence[int | None], end: Sequence[int | None]) -> int | None:
+    """How much the GPUs' throttle violation counters grew between two reads
+    (`throttle_violation_reads`), summed over the GPUs read both times; None where none was.
+    A counter that went back (a driver reloaded between the reads) adds nothing."""
+    grown = [b - a for a, b in zip(start, end, strict=True) if a is not None and b is not None]
+    return sum(max(0, g) for g in grown) if grown else None
 
 
 def mean_prompt_tokens(loads: Iterable[Workload]) -> float:
@@ -882,6 +908,10 @@ def summarise(
     clock_held_low, invalid; at full clock 0x2 alone is not.
     Fewer than three samples inside the window make the energy an interpolation across
     other phases: invalid.
+    A throttle between two samples shows in no sampled reason: a round whose throttle
+    violation counters grew (`WindowPart.violation_ns`, read at its start and end) flags the
+    cell throttled as a sampled throttle reason does; the seconds are kept
+    (`throttle_violation_s`, NaN where no GPU could tell).
 
     The highest power is the largest power sample inside the windows, or a round's mean power
     from the energy counter where that is larger: so the cell's mean power never exceeds it.
@@ -904,9 +934,12 @@ def summarise(
     timeline: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # time, power, clock
     offset_s = 0.0
     in_window_samples = 0
+    violation_ns: int | None = None
     for part in parts:
         if part.window is None:
             continue
+        if part.violation_ns is not None:
+            violation_ns = (violation_ns or 0) + part.violation_ns
         start, end = part.window
         s = part.samples
         e = part.round_energy(counter_periods_s)
@@ -984,7 +1017,7 @@ def summarise(
         # no better: a sync-boost group holds it to another GPU's, not this one's stock.
         if held_low and not reasons & ~(EVENT_APPLICATIONS_CLOCKS | EVENT_SYNC_BOOST):
             quality |= Q_CLOCK_HELD_LOW
-    if reasons & EVENT_THROTTLE_MASK:
+    if reasons & EVENT_THROTTLE_MASK or violation_ns:
         quality |= Q_THROTTLED
     if reasons & EVENT_SW_POWER_CAP:
         quality |= Q_POWER_CAPPED
@@ -1018,4 +1051,5 @@ def summarise(
         counter_updates=intervals + sum(1 for p in parts if p.energy and p.energy.updates),
         temperature_start_c=float(temperatures[0][0]) if temperatures else math.nan,
         window_tokens=tokens,
+        throttle_violation_s=math.nan if violation_ns is None else violation_ns * 1e-9,
     )

@@ -53,6 +53,8 @@ from dvfs.measure.meter import (
     round_chunks,
     steady_window_ns,
     summarise,
+    throttle_violation_delta,
+    throttle_violation_reads,
 )
 from dvfs.measure.plan import Cell, cell_label
 from dvfs.measure.sampler import Sampler, measure_idle_power_w
@@ -819,10 +821,16 @@ class Runner:
                 end_at_window=end_at_window,
             )
             sent.append(workload)
+            # the throttle counters around the round: a throttle between two samples shows
+            # in none of the sampled reasons (`summarise`)
+            violation_start = throttle_violation_reads(self.gpus)
             started = self.clock.now_ns()
             with Sampler(self.gpus, self.clock, sample_period_s) as sampler:
                 result: RoundResult = self.engine.run(workload)
             ended = self.clock.now_ns()
+            violation = throttle_violation_delta(
+                violation_start, throttle_violation_reads(self.gpus)
+            )
             # (a round as arrays had no failed request: `RoundArrays`)
             if result.arrays is None and any(map(_ERROR, result.requests)):
                 errors = [r.error for r in result.requests if r.error]
@@ -843,7 +851,7 @@ class Runner:
                 latency.append(latency_stats(result).tpot_ms[0])
             else:
                 time.add("prefill", (ended - started) * 1e-9)
-            parts.append(WindowPart(result, window, samples, energy))
+            parts.append(WindowPart(result, window, samples, energy, violation))
             if self._precise(window_s, energies, per_token, latency):
                 break
         requested = cell.sm_clock_mhz if self.knobs.actuation else None

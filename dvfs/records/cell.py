@@ -64,6 +64,10 @@ class MeasurementRecord:
     #: Mean input tokens of the prompts the cell's rounds sent (by the session's token count
     #: method); NaN in an older journal.
     prompt_tokens: float = float("nan")
+    #: Seconds a throttle policy (thermal, board limit) held a GPU below its clocks during the
+    #: cell's rounds, by NVML's violation counters read at each round's start and end; NaN
+    #: where no GPU could tell, and in an older journal.
+    throttle_violation_s: float = float("nan")
     timeline_t_s: tuple[float, ...] = ()
     timeline_power_w: tuple[float, ...] = ()
     timeline_sm_clock_mhz: tuple[float, ...] = ()

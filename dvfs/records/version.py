@@ -47,6 +47,9 @@ follow that session's version, so a journal resumed by a newer dvfs may mix vers
       cut contiguous slices of the cells, and the folder is not resumed (`dvfs.fleet.shard`).
       A cell measurement's optional `prompt_tokens` (within 3; absent: an earlier dvfs): the
       mean input tokens of the prompts its rounds sent, by the session's token count method.
+      A cell measurement's optional `throttle_violation_s` (within 3; absent: an earlier
+      dvfs): the seconds NVML's thermal and board-limit violation counters grew over its
+      rounds (null: no GPU could tell).
 """
 
 from __future__ import annotations

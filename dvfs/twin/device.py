@@ -250,6 +250,15 @@ class TwinDevice:
     def temperature_c(self) -> float:
         return float(self._now().temperature_c[0])
 
+    def throttle_violation_ns(self) -> int:
+        """The violation time of the throttle policies dvfs reads (`THROTTLE_POLICIES`:
+        thermal, board limit), as NVML counts it: 0, never growing. The twin's one limiter
+        is the power limit (SwPowerCap, NVML's POWER policy, which those leave out); its die
+        heats (`dvfs.twin.thermal`) but nothing slows the clock for it, and no board limit
+        is modelled, so no pass ever runs thermally throttled (`_pass_arrays`' reasons are
+        SwPowerCap or none)."""
+        return 0
+
 
 def _pass_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per pass of `schedule`: its event reasons, its clock (MHz) and its duration (s) as the

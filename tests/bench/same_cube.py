@@ -1,6 +1,8 @@
 """Whether two cubes are the same: every data variable and coordinate, exactly or within a
 relative tolerance, NaN equal to NaN. `python tests/bench/same_cube.py A.nc B.nc [--rtol R]`;
-exit 0 when they are, 1 with the differences listed when not.
+exit 0 when they are, 1 with the differences listed when not. A variable only in B (a new
+quantity the newer dvfs records) changes none of A's: it is named, not a difference; one only
+in A (a quantity lost) is.
 
 Used to check that an optimisation leaves the twin's cube as it was (issue 15).
 """
@@ -39,17 +41,28 @@ def _differ(name: str, x: np.ndarray, y: np.ndarray, rtol: float) -> str | None:
     )
 
 
+def _names(ds: xr.Dataset) -> set[str]:
+    return set(map(str, ds.data_vars)) | set(map(str, ds.coords))
+
+
+def added(a_path: Path, b_path: Path) -> list[str]:
+    """The variables and coordinates only in B: new quantities, which `compare` leaves out."""
+    with xr.open_dataset(a_path) as a, xr.open_dataset(b_path) as b:
+        return sorted(_names(b) - _names(a))
+
+
 def compare(
     a_path: Path, b_path: Path, rtol: float = 1e-9, leave_out: frozenset[str] = frozenset()
 ) -> tuple[bool, list[str], int]:
     """(same, the differences, how many variables and coordinates were compared), over every
-    variable and coordinate but those in `leave_out` (changed on purpose since A was made)."""
+    variable and coordinate in both but those in `leave_out` (changed on purpose since A was
+    made); one only in A is a difference, one only in B new (`added`), not one."""
     with xr.open_dataset(a_path) as a, xr.open_dataset(b_path) as b:
         lines: list[str] = []
-        names_a = (set(map(str, a.data_vars)) | set(map(str, a.coords))) - leave_out
-        names_b = (set(map(str, b.data_vars)) | set(map(str, b.coords))) - leave_out
-        for name in sorted(names_a ^ names_b):
-            lines.append(f"{name}: only in {'the second' if name in names_b else 'the first'}")
+        names_a = _names(a) - leave_out
+        names_b = _names(b) - leave_out
+        for name in sorted(names_a - names_b):
+            lines.append(f"{name}: only in the first")
         common = sorted(names_a & names_b)
         for name in common:
             problem = _differ(name, a[name].values, b[name].values, rtol)
@@ -71,6 +84,9 @@ def main() -> None:
             parser.error(f"{path}: no such cube")
     same, lines, n = compare(a, b, opts.rtol)
     print(f"{'same' if same else 'DIFFERENT'}: {n} variables and coordinates (rtol {opts.rtol:g})")
+    new = added(a, b)
+    if new:
+        print(f"  new in the second, not compared: {', '.join(new)}")
     for line in lines:
         print(f"  {line}")
     sys.exit(0 if same else 1)

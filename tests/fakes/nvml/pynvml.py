@@ -37,6 +37,10 @@ Energy counter: power is integrated over ``time.time()`` and persisted; the valu
 returned only advances at the boundaries of a fixed 20 ms wall-clock grid
 (``FAKE_ENERGY_UPDATE_S``), like the hardware counter that updates every ~20 ms.
 
+Violation counters (``nvmlDeviceGetViolationStatus``): nanoseconds per perf policy,
+cumulative; POWER grows while SwPowerCap holds the clock, the others only by
+``fake_throttle_burst`` (a throttle between two samples, which no clock-event reason shows).
+
 Test-only helpers are named ``fake_*`` (plus ``set_load``); the real module has
 none of them.
 """
@@ -102,6 +106,17 @@ NVML_FI_DEV_POWER_MAX_LIMIT = 188
 NVML_FI_DEV_POWER_DEFAULT_LIMIT = 189
 NVML_FI_DEV_POWER_CURRENT_LIMIT = 190
 NVML_FI_MAX = 308
+
+# Perf policies whose violation time nvmlDeviceGetViolationStatus reads (nvmlPerfPolicyType_t).
+NVML_PERF_POLICY_POWER = 0
+NVML_PERF_POLICY_THERMAL = 1
+NVML_PERF_POLICY_SYNC_BOOST = 2
+NVML_PERF_POLICY_BOARD_LIMIT = 3
+NVML_PERF_POLICY_LOW_UTILIZATION = 4
+NVML_PERF_POLICY_RELIABILITY = 5
+NVML_PERF_POLICY_TOTAL_APP_CLOCKS = 10
+NVML_PERF_POLICY_TOTAL_BASE_CLOCKS = 11
+NVML_PERF_POLICY_COUNT = 12
 
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
@@ -442,6 +457,24 @@ class c_nvmlProcessInfo_t:
         return f"c_nvmlProcessInfo_t(pid={self.pid}, usedGpuMemory={self.usedGpuMemory})"
 
 
+class c_nvmlViolationTime_t:
+    """``nvmlDeviceGetViolationStatus``'s answer: ``violationTime`` (ns the policy held the
+    clocks below the requested ones, cumulative since driver load) and ``referenceTime`` (the
+    CPU timestamp of the read, microseconds)."""
+
+    __slots__ = ("referenceTime", "violationTime")
+
+    def __init__(self, reference_us: int, violation_ns: int) -> None:
+        self.referenceTime = reference_us
+        self.violationTime = violation_ns
+
+    def __repr__(self) -> str:
+        return (
+            f"c_nvmlViolationTime_t(referenceTime={self.referenceTime}, "
+            f"violationTime={self.violationTime})"
+        )
+
+
 class c_nvmlMemory_t:
     """Memory info in bytes (``total``, ``free``, ``used``)."""
 
@@ -619,6 +652,7 @@ def _new_device(index: int, profile: str, now: float) -> dict[str, Any]:
         "energy_exact_mj": float(energy),
         "energy_time": now,
         "processes": [],
+        "violation_ns": {},
     }
 
 
@@ -652,7 +686,11 @@ def _integrate_energy(dev: dict[str, Any], now: float) -> None:
     t0 = float(dev["energy_time"])
     if now <= t0:
         return
-    _, power_mw, _ = _operating_point(FAKE_PROFILES[dev["profile"]], dev)
+    _, power_mw, reasons = _operating_point(FAKE_PROFILES[dev["profile"]], dev)
+    if reasons & 0x4:  # SwPowerCap held the clock all along: the POWER policy's time grows
+        violation = dev.setdefault("violation_ns", {})
+        key = str(NVML_PERF_POLICY_POWER)
+        violation[key] = int(violation.get(key, 0)) + round((now - t0) * 1e9)
     boundary = math.floor(now / FAKE_ENERGY_UPDATE_S) * FAKE_ENERGY_UPDATE_S
     if boundary > t0:
         at_boundary = dev["energy_exact_mj"] + power_mw * (boundary - t0)
@@ -1292,6 +1330,47 @@ def nvmlDeviceGetTemperature(handle: FakeNvmlDeviceHandle, sensor: int) -> int:
     return _get("nvmlDeviceGetTemperature", handle, _temperature(sensor))
 
 
+_POLICIES = (
+    NVML_PERF_POLICY_POWER,
+    NVML_PERF_POLICY_THERMAL,
+    NVML_PERF_POLICY_SYNC_BOOST,
+    NVML_PERF_POLICY_BOARD_LIMIT,
+    NVML_PERF_POLICY_LOW_UTILIZATION,
+    NVML_PERF_POLICY_RELIABILITY,
+)
+
+
+def _violation_ns(dev: dict[str, Any], policy: int) -> int:
+    counters = dev.get("violation_ns") or {}
+    if policy == NVML_PERF_POLICY_TOTAL_APP_CLOCKS:  # any limiter of 0-5
+        return sum(int(counters.get(str(p), 0)) for p in _POLICIES)
+    return int(counters.get(str(policy), 0))
+
+
+def nvmlDeviceGetViolationStatus(
+    device: FakeNvmlDeviceHandle, perfPolicyType: int
+) -> c_nvmlViolationTime_t:
+    """How long (ns, cumulative, monotone) the policy held the clocks below the requested ones:
+    POWER grows while SwPowerCap holds the clock; the others only by ``fake_throttle_burst``
+    (the fake models no thermal or board limiter otherwise). An unknown policy is
+    ``InvalidArgument``; inject ``errors={"nvmlDeviceGetViolationStatus": 3}`` (NotSupported)
+    or ``13`` (FunctionNotFound) for a GPU or driver without it."""
+    policy = _check_uint(perfPolicyType)
+    if policy not in (
+        *_POLICIES,
+        NVML_PERF_POLICY_TOTAL_APP_CLOCKS,
+        NVML_PERF_POLICY_TOTAL_BASE_CLOCKS,
+    ):
+        _check_init()
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return _get(
+        "nvmlDeviceGetViolationStatus",
+        device,
+        lambda d, p: c_nvmlViolationTime_t(int(time.time() * 1_000_000), _violation_ns(d, policy)),
+        write=True,
+    )
+
+
 # --------------------------------------------------------------------------- #
 # Test-only helpers (not in the real module)
 # --------------------------------------------------------------------------- #
@@ -1400,6 +1479,20 @@ def fake_remove_process(pid: int) -> None:
     with _transaction(write=True) as state:
         for dev in state["devices"]:
             dev["processes"] = [e for e in dev.get("processes") or () if int(e["pid"]) != pid]
+
+
+def fake_throttle_burst(
+    index: int, nanoseconds: int, policy: int = NVML_PERF_POLICY_THERMAL
+) -> None:
+    """A throttle of ``nanoseconds`` by ``policy`` (thermal by default) that has just ended:
+    its violation counter grows by that much, and nothing else changes. The clock-event
+    reasons, read at an instant, never show it, as they miss a real burst shorter than the
+    time between two samples."""
+    if nanoseconds < 0 or policy not in _POLICIES:
+        raise ValueError("a burst lasts a non-negative time, under one of policies 0-5")
+    with _transaction(write=True) as state:
+        violation = state["devices"][index].setdefault("violation_ns", {})
+        violation[str(policy)] = int(violation.get(str(policy), 0)) + int(nanoseconds)
 
 
 def fake_set_driver_version(version: str) -> None:
