@@ -1832,6 +1832,7 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
     session_s = float(((records[last] if records else {}).get("gpu_time_s") or {}).get("total", 0))
     cell_s: dict[str, float] = {}
     parts = dict.fromkeys(_WORKER_PARTS, 0.0)
+    made = dict.fromkeys(("starts", "changes", "settings"), 0)
     for record in records[last:]:
         if record.get("type") != "cell":
             continue
@@ -1841,6 +1842,9 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
         cell_s[key] = cell_s.get(key, 0.0) + own
         for name in parts:
             parts[name] += time.get(name, 0.0)
+        made["starts"] += time.get("server_start", 0.0) + time.get("stabilise", 0.0) > 0
+        made["changes"] += time.get("settle", 0.0) > 0
+        made["settings"] += time.get("idle_baseline", 0.0) > 0
     if attached:  # an attached server is running already: no start is spent launching it
         parts["server_start"] = 0.0
     return RunCosts(
@@ -1849,6 +1853,7 @@ def _run_costs(journal: Path, *, attached: bool = False) -> RunCosts:
         settle_s=parts["settle"],
         idle_s=parts["idle_baseline"],
         session_s=session_s,
+        **made,
     )
 
 
