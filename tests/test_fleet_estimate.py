@@ -115,6 +115,23 @@ def test_a_fleet_mixing_models_counts_its_model_s_workers_in_the_gpu_time(tmp_pa
     assert abs(plan["twin_gpu_s"] - h100) <= 0.1 * h100, (plan["twin_gpu_s"], h100)
 
 
+def test_a_fleet_mixing_models_finishes_with_its_slowest_model(tmp_path: Path) -> None:
+    """One H100 and three H200s: the makespan was the model with the fewest workers' (the
+    H100 running all four groups, 0.07 h), where the H200 worker that takes two of the four
+    groups starts its servers twice and ends last (0.10 h): it is the slowest model's now."""
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = tmp_path / "mixed"
+    args = (str(campaign), "--gpus", "0,h200-sxm:0-2", "--out", str(out))
+    plan = _dry(*args)
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    makespan = max(max(_spent_per_worker(j).values()) for j in out.glob("gpu-*/journal.jsonl"))
+    makespan /= 3600
+    assert abs(plan["estimated_makespan_hours"] - makespan) <= 0.05 * makespan + 0.005, (
+        plan["estimated_makespan_hours"],
+        makespan,
+    )
+
+
 #: SMALL_CAMPAIGN on two clocks and one corpus with adaptive repeats: most groups' two repeats
 #: miss +-5%, so one GPU's sweep runs a third and a fourth, starting its servers again for them.
 ADAPTIVE = replace_block(

@@ -377,14 +377,14 @@ def sweep(
             # each worker a session of its own that starts its drafters' servers, steps its
             # own GPU's knobs and takes its own idle baselines: `dvfs.estimate.fleet_time`
             # counts them as the fleet's queue hands the cells out. GPU models mixed: each
-            # runs the whole campaign on its own workers, so the model with the fewest workers
-            # finishes last (its GPU estimated as the campaign's).
+            # runs the whole campaign on its own workers, so the model whose busiest worker
+            # spends the most finishes last (not always the one with the fewest workers: each
+            # worker starts its own servers; every model's GPU estimated as the campaign's).
             import dataclasses
 
             from dvfs.estimate import fleet_time
 
             left = plan.comparison_groups_left
-            fewest = min(per_model.values())
             report["workers"] = len(groups)
             # Real GPUs' models not read: those of the journals resumed.
             report["gpu_models"] = max(len(per_model), plan.runs)
@@ -395,7 +395,9 @@ def sweep(
             report["busy_workers"] = sum(min(n, left) for n in per_model.values())
             report["server_starts"] = sum(fleets[n].server_starts for n in per_model.values())
             report["knob_changes"] = sum(fleets[n].knob_changes for n in per_model.values())
-            report["estimated_makespan_hours"] = round(fleets[fewest].makespan_s / 3600, 2)
+            report["estimated_makespan_hours"] = round(
+                max(fleets[n].makespan_s for n in per_model.values()) / 3600, 2
+            )
             # The twin's line is of one model's cells (the one with the most left); the closed
             # form's, as the counts, of every model's, each estimated as that one's.
             spent_s = (
