@@ -1162,6 +1162,10 @@ class DryRunPlan:
     #: The folder (`gpu-<model>`) of the GPU model with the most left, whose cells left the
     #: figures are of; None where the sweep journals in the folder itself.
     most_left_folder: str | None = None
+    #: Each GPU model's folder (as `done_per_model`) and how many cells it has left to run,
+    #: the extra repeats its journal asks for now included: a model with none left runs
+    #: nothing, its workers idle.
+    left_per_model: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def comparison_groups_left(self) -> int:
@@ -1513,6 +1517,11 @@ def plan_dry_run(
         most_left_folder=(
             most_left.parent.name if most_left is not None and most_left.parent != out_dir else None
         ),
+        left_per_model={
+            j.parent.name: len([c for c in [*cells, *extra_next[j]] if c.key not in finished[j]])
+            for j in journals
+            if j.parent != out_dir
+        },
         servers=servers,
         problems=tuple(problems),
         shard=shard.label if shard else None,

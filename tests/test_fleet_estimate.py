@@ -132,6 +132,38 @@ def test_a_fleet_mixing_models_finishes_with_its_slowest_model(tmp_path: Path) -
     )
 
 
+def test_a_resumed_fleet_mixing_models_counts_no_work_for_a_model_with_none_left(
+    tiny_exact_run, tmp_path: Path
+) -> None:
+    """An H100 and an H200 (`--gpus 0,h200-sxm:0`), the H100's journal whole, the H200's
+    stopped after 6 of its 16 cells: the dry run counted the H100's worker as busy, starting
+    its two servers and running the H200's 10 cells left again (4 starts, 2 busy workers, and
+    --no-estimate's hours twice the H200's), where the resumed fleet starts 2 servers on the
+    H200 alone. A model with no cell left runs nothing now."""
+    from conftest import MIXED_FLEET, copy_sweep
+    from test_dry_run_folder import _interrupted
+
+    campaign = write(tmp_path / "tiny.toml", TINY_EXACT)
+    out = copy_sweep(tiny_exact_run("mixed"), tmp_path / "begun")
+    (out / "cube.nc").unlink()
+    _interrupted(out / "gpu-nvidia-h200-twin" / "journal.jsonl", 6)
+    args = (str(campaign), *MIXED_FLEET, "--out", str(out))
+    plan = _dry(*args)
+    closed = _dry(*args, "--no-estimate")
+    alone = _dry(str(campaign), "--no-estimate", "--out", str(tmp_path / "none"))
+    assert CliRunner().invoke(cli, ["sweep", *args, "--no-progress"]).exit_code == 0
+    started = 0
+    for journal in out.glob("gpu-*/journal.jsonl"):
+        records = read_records(journal)
+        last = max(i for i, r in enumerate(records) if r["type"] == "session")
+        started += sum(r["type"] == "server" for r in records[last:])
+    assert started == 2
+    for doc in (plan, closed):
+        assert (doc["server_starts"], doc["busy_workers"]) == (started, 1), doc
+    # one worker's sweep of 10 of the 16 cells, both servers started: less than all 16's
+    assert closed["estimated_hours_on_hardware"] <= alone["estimated_hours_on_hardware"], closed
+
+
 #: SMALL_CAMPAIGN on two clocks and one corpus with adaptive repeats: most groups' two repeats
 #: miss +-5%, so one GPU's sweep runs a third and a fourth, starting its servers again for them.
 ADAPTIVE = replace_block(
